@@ -1,0 +1,205 @@
+"""Saved-activation bytes per micro-batch, as a sum of named saved-tensor terms.
+
+Each term is one tensor (or one group of identical tensors) that autograd keeps from the forward
+pass for the backward pass, so every term can be matched to a real trace and fitted by
+calibration. Terms are for one micro-batch on one rank. Notation (``reference/formulas.md``):
+T = mbs * seq / cp local tokens; h hidden; a, g query and KV heads; d head dim; f FFN width;
+V vocab; t TP degree; e bytes per element of the compute dtype. Tensors in the residual stream
+are split by t only with sequence parallelism (Megatron-LM keeps the sequence-parallel shard of
+the inputs to column-parallel linears and all-gathers it again in backward); tensors inside the
+attention and MLP blocks are split by t always.
+
+What each block saves (Llama and GPT blocks in PyTorch; Korthikanti et al. 2022, arXiv
+2205.05198, section 4.1 for the GPT terms):
+
+- norm, ``upcast`` (Hugging Face style): the fp32 copy of its input (saved by pow and mul),
+  per-token statistics (fp32 rstd; mean and rstd for LayerNorm), the normalised tensor in the
+  compute dtype (saved by the weight multiply, RMSNorm only), and its output (saved by the next
+  linear). ``fused``: its input, the statistics, and its output.
+- attention: q after RoPE, k and v at the KV width (GQA/MQA), the attention output (saved by the
+  output projection). flash: a fp32 logsumexp per query and head. eager: the softmax output
+  (a*s^2 elements per sequence; the s-squared term) and, with dropout, its mask and output.
+- MLP: gated (SwiGLU/GeGLU): gate out, activation out, up out and their product; else the first
+  linear's output and the activation's output.
+- dropout after attention and MLP: a 1-byte mask per residual element.
+- MoE: router probabilities (fp32), routed token copies (top-k per token), each expert's MLP
+  terms over its tokens, expert outputs and routing weights for the weighted combine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memplan.parallel import ParallelConfig
+from memplan.spec import ModelSpec, NormKind, PositionKind
+from memplan.units import DType
+from memplan.workload import Attention, NormImpl, Recompute, Workload
+
+FP32_BYTES = DType.FP32.itemsize
+INDEX_BYTES = DType.INT64.itemsize  # token ids and targets are int64 (torch.long)
+MASK_BYTES = 1  # torch's native_dropout returns a bool mask, one byte per element
+
+
+@dataclass(frozen=True)
+class Term:
+    """One saved tensor (or group) for one micro-batch on one rank."""
+
+    name: str
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Per-rank sizes of one micro-batch, derived once from spec, layout and workload."""
+
+    b: int  # micro-batch size
+    s: int  # local sequence length (seq / cp)
+    s_kv: int  # keys each query attends to (the full sequence)
+    tokens: int  # b * s
+    res_tokens_div: int  # divisor of residual-stream tensors (tp with SP, else 1)
+    tp: int
+    e: int  # bytes per element of the compute dtype
+
+    @classmethod
+    def of(cls, par: ParallelConfig, wl: Workload) -> Dims:
+        s = wl.seq_len // par.cp
+        return cls(b=wl.micro_batch_size, s=s, s_kv=wl.seq_len, tokens=wl.micro_batch_size * s,
+                   res_tokens_div=par.sp_divisor, tp=par.tp, e=wl.compute_dtype.itemsize)
+
+
+def norm_terms(prefix: str, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
+    """A norm in the residual stream, its output included (saved by the following linear)."""
+    rows = dm.tokens // dm.res_tokens_div
+    h = spec.hidden_size
+    stats = rows * FP32_BYTES * (2 if spec.norm is NormKind.LAYERNORM else 1)
+    out = [Term(f"{prefix}.output", rows * h * dm.e), Term(f"{prefix}.stats", stats)]
+    if wl.norm_impl is NormImpl.FUSED:
+        return [Term(f"{prefix}.input", rows * h * dm.e), *out]
+    terms = [Term(f"{prefix}.input_fp32", rows * h * FP32_BYTES), *out]
+    if spec.norm is NormKind.RMSNORM:  # x * rstd, cast back, then weight * normed saves normed
+        terms.append(Term(f"{prefix}.normed", rows * h * dm.e))
+    return terms
+
+
+def attention_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
+    """Attention block terms, without its input norm."""
+    t, e = dm.tp, dm.e
+    heads = spec.num_attention_heads // t
+    terms = [
+        Term("attn.q", dm.tokens * spec.q_size // t * e),
+        Term("attn.k", dm.tokens * spec.kv_size // t * e),
+        Term("attn.v", dm.tokens * spec.kv_size // t * e),
+        Term("attn.out", dm.tokens * spec.q_size // t * e),
+    ]
+    # Selective recompute reruns the attention core, so nothing it saves internally is kept.
+    if recompute is Recompute.NONE:
+        if wl.attention is Attention.FLASH:
+            terms.append(Term("attn.lse", dm.b * heads * dm.s * FP32_BYTES))
+        else:
+            scores = dm.b * heads * dm.s * dm.s_kv
+            terms.append(Term("attn.softmax", scores * e))
+            if spec.dropout > 0:
+                terms.append(Term("attn.softmax_dropout_mask", scores * MASK_BYTES))
+                terms.append(Term("attn.softmax_dropout_out", scores * e))
+    if spec.dropout > 0:
+        terms.append(Term("attn.dropout_mask", dm.tokens // dm.res_tokens_div
+                          * spec.hidden_size * MASK_BYTES))
+    return terms
+
+
+def mlp_terms(prefix: str, spec: ModelSpec, dm: Dims, ffn: int, tokens: int) -> list[Term]:
+    """A dense MLP of width ``ffn`` over ``tokens`` tokens, TP-split."""
+    inner = tokens * ffn // dm.tp * dm.e
+    if spec.mlp.gated:
+        names = ("gate", "act", "up", "prod")
+    else:
+        names = ("fc1", "act")
+    return [Term(f"{prefix}.{n}", inner) for n in names]
+
+
+def moe_terms(spec: ModelSpec, dm: Dims) -> list[Term]:
+    """An MoE feed-forward, assuming balanced routing: each rank's experts see T*k tokens."""
+    moe = spec.moe
+    assert moe is not None
+    routed = dm.tokens * moe.top_k
+    h, e = spec.hidden_size, dm.e
+    terms = [
+        Term("moe.router_probs", dm.tokens * moe.num_experts * FP32_BYTES),
+        Term("moe.topk_indices", routed * INDEX_BYTES),
+        Term("moe.dispatched", routed * h * e),
+        *mlp_terms("moe.expert", spec, dm, moe.expert_ffn_hidden_size, routed),
+        Term("moe.expert_out", routed * h * e),
+        Term("moe.routing_weights", routed * e),
+    ]
+    if moe.num_shared_experts:
+        ffn = moe.num_shared_experts * moe.shared_expert_ffn_hidden_size
+        terms += mlp_terms("moe.shared", spec, dm, ffn, dm.tokens)
+    return terms
+
+
+def layer_terms(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
+                recompute: Recompute) -> list[Term]:
+    """Saved terms of one transformer layer under ``recompute`` (FULL keeps only its input)."""
+    if recompute is Recompute.FULL:
+        rows = dm.tokens // dm.res_tokens_div
+        return [Term("layer.input", rows * spec.hidden_size * dm.e)]
+    terms = norm_terms("attn_norm", spec, wl, dm)
+    terms += attention_terms(spec, wl, dm, recompute)
+    terms += norm_terms("mlp_norm", spec, wl, dm)
+    if moe_layer:
+        terms += moe_terms(spec, dm)
+    else:
+        terms += mlp_terms("mlp", spec, dm, spec.ffn_hidden_size, dm.tokens)
+    if spec.dropout > 0:
+        terms.append(Term("mlp.dropout_mask",
+                          dm.tokens // dm.res_tokens_div * spec.hidden_size * MASK_BYTES))
+    return terms
+
+
+def embedding_terms(spec: ModelSpec, dm: Dims) -> list[Term]:
+    """First pipeline stage: token ids (saved by the embedding) and the dropout mask."""
+    terms = [Term("embedding.ids", dm.tokens * INDEX_BYTES)]
+    if spec.dropout > 0:
+        terms.append(Term("embedding.dropout_mask",
+                          dm.tokens // dm.res_tokens_div * spec.hidden_size * MASK_BYTES))
+    return terms
+
+
+def rope_terms(spec: ModelSpec, dm: Dims) -> list[Term]:
+    """cos and sin tables, computed once per micro-batch per stage and saved by every layer."""
+    if spec.position is not PositionKind.ROPE:
+        return []
+    return [Term("rope.cos_sin", 2 * dm.s * spec.head_dim * dm.e)]
+
+
+def head_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
+    """Last pipeline stage: final norm, log-softmax output of the vocab-parallel loss, targets."""
+    logit_bytes = FP32_BYTES if wl.logits_fp32 else dm.e
+    return [
+        *norm_terms("final_norm", spec, wl, dm),
+        Term("loss.log_softmax", dm.tokens * _vocab_shard(spec, dm) * logit_bytes),
+        Term("loss.targets", dm.tokens * INDEX_BYTES),
+    ]
+
+
+def head_forward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    """Bytes alive at the loss beyond what is saved: the logits the log-softmax reads.
+
+    With fp32 logits the compute-dtype logits are freed once upcast, and the fp32 copy lives
+    until the loss returns, next to the log-softmax output.
+    """
+    return dm.tokens * _vocab_shard(spec, dm) * (FP32_BYTES if wl.logits_fp32 else dm.e)
+
+
+def head_backward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    """Bytes alive in the loss's backward beyond what is saved: the incoming gradient of the
+    log-softmax output and the gradient it produces, both logits-sized."""
+    return 2 * head_forward_extra_bytes(spec, wl, dm)
+
+
+def _vocab_shard(spec: ModelSpec, dm: Dims) -> int:
+    return -(-spec.vocab_size // dm.tp)
+
+
+def total(terms: list[Term]) -> int:
+    return sum(term.size_bytes for term in terms)

@@ -1,0 +1,88 @@
+"""The Python API: the same answers as the CLI, from names or typed inputs.
+
+>>> import memplan
+>>> est = memplan.estimate("llama-2-7b", gpus=8, gpu="h100", zero=1, micro_batch_size=2)
+>>> est.peak_bytes, est.fits
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from memplan.errors import MemplanError
+from memplan.hardware import GpuSpec, load_gpu
+from memplan.memory import Estimate
+from memplan.memory import estimate as _estimate
+from memplan.overheads import Overheads
+from memplan.pipeline import Schedule
+from memplan.parallel import ParallelConfig, ZeroStage, layout_for_gpus
+from memplan.spec import ModelSpec, load_model
+from memplan.units import parse_bytes
+from memplan.workload import Workload
+
+DEFAULT_GPU = "h100-sxm"
+DEFAULT_SEQ = 4096  # a common pre-training context (Llama 2); capped at the model's maximum
+
+
+def default_seq(spec: ModelSpec) -> int:
+    return min(DEFAULT_SEQ, spec.max_seq_len)
+
+
+def make_workload(spec: ModelSpec, **fields: Any) -> Workload:
+    """A ``Workload`` from keyword fields, with the default sequence length for ``spec``."""
+    if fields.get("seq_len") is None:
+        fields["seq_len"] = default_seq(spec)
+    return _validate(Workload, {k: v for k, v in fields.items() if v is not None})
+
+
+def make_layout(num_gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 1,
+                ep: int = 1, dp: int | None = None, zero: int = 0,
+                sequence_parallel: bool | None = None) -> ParallelConfig:
+    """A layout for ``num_gpus``; sequence parallelism defaults to on whenever tp > 1."""
+    for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp), ("cp", cp), ("ep", ep)):
+        if value <= 0:
+            raise MemplanError(f"{name} must be positive, got {value}")
+    if zero not in (0, 1, 2, 3):
+        raise MemplanError(f"zero must be 0, 1, 2 or 3, got {zero}")
+    sp = tp > 1 if sequence_parallel is None else sequence_parallel
+    return layout_for_gpus(num_gpus, tp=tp, pp=pp, cp=cp, dp=dp, vpp=vpp, ep=ep,
+                           zero=ZeroStage(zero), sequence_parallel=sp)
+
+
+def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFAULT_GPU,
+             gpu_memory: str | int | None = None, tp: int = 1, pp: int = 1, vpp: int = 1,
+             cp: int = 1, ep: int = 1, dp: int | None = None, zero: int = 0,
+             sequence_parallel: bool | None = None, overheads: Overheads | None = None,
+             schedule: Schedule | str = Schedule.ONE_F_ONE_B, **workload: Any) -> Estimate:
+    """Per-GPU memory of training ``model`` on ``gpus`` GPUs.
+
+    ``workload`` takes the ``Workload`` fields (micro_batch_size, global_batch_size, seq_len,
+    precision, optimizer, optimizer_impl, recompute, recompute_layers, attention, norm_impl,
+    logits_fp32). ``gpu_memory`` ("80GiB", "80GB" or int bytes) overrides the GPU's capacity.
+    Raises ``MemplanError`` for any invalid input.
+    """
+    spec = model if isinstance(model, ModelSpec) else load_model(model)
+    gpu_spec = gpu if isinstance(gpu, GpuSpec) else load_gpu(gpu)
+    capacity = None
+    if gpu_memory is not None:
+        try:
+            capacity = parse_bytes(gpu_memory)
+        except ValueError as err:
+            raise MemplanError(f"gpu_memory: {err}") from err
+    par = make_layout(gpus, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp, zero=zero,
+                      sequence_parallel=sequence_parallel)
+    wl = make_workload(spec, **workload)
+    return _estimate(spec, gpu_spec, par, wl, capacity_bytes=capacity, overheads=overheads,
+                     schedule=Schedule(schedule))
+
+
+def _validate(model: type[Workload], data: dict[str, Any]) -> Workload:
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or model.__name__
+        value = first.get("input")
+        raise MemplanError(f"{field}: {first['msg']} (got {value!r})") from err

@@ -1,0 +1,61 @@
+"""``memplan models`` and ``memplan gpus``: list the catalogs."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+from memplan.cli import app
+from memplan.cli.options import Json
+from memplan.hardware import gpu_catalog
+from memplan.spec import catalog_names, load_model
+
+
+@app.command()
+def models(json_out: Json = False) -> None:
+    """List the catalog models with their exact parameter counts.
+
+    Example: memplan models --json
+    """
+    specs = [load_model(name) for name in catalog_names()]
+    if json_out:
+        typer.echo(json.dumps([{**s.model_dump(mode="json"), "num_params": s.num_params}
+                               for s in specs], indent=2))
+        return
+    from rich.console import Console
+
+    from memplan.report import render_catalog
+
+    rows = [[s.name, f"{s.num_params:,}", str(s.num_layers), str(s.hidden_size),
+             f"{s.num_attention_heads}/{s.num_kv_heads}", str(s.vocab_size),
+             s.mlp.value + (f" MoE {s.moe.num_experts}x top-{s.moe.top_k}" if s.moe else ""),
+             s.source] for s in specs]
+    Console().print(render_catalog(
+        "memplan model catalog",
+        ["name", "params", "layers", "hidden", "heads/kv", "vocab", "mlp", "source"], rows))
+
+
+@app.command()
+def gpus(json_out: Json = False) -> None:
+    """List the catalog GPUs: reported memory, dense bf16 peak, bandwidths.
+
+    Example: memplan gpus
+    """
+    catalog = gpu_catalog()
+    if json_out:
+        typer.echo(json.dumps([g.model_dump(mode="json") for g in catalog.values()], indent=2))
+        return
+    from rich.console import Console
+
+    from memplan.report import render_catalog
+    from memplan.units import format_gib
+
+    rows = [[g.name, format_gib(g.memory_bytes), f"{g.bf16_flops / 1e12:,.0f}",
+             f"{g.hbm_bytes_per_s / 1e12:.2f}", f"{g.intra_node_bytes_per_s / 1e9:,.0f}",
+             f"{g.inter_node_bytes_per_s / 1e9:,.1f}", str(g.gpus_per_node), ", ".join(g.aliases[:3])]
+            for g in catalog.values()]
+    Console().print(render_catalog(
+        "memplan GPU catalog (memory as the device reports it)",
+        ["name", "memory", "bf16 TFLOP/s", "HBM TB/s", "intra GB/s/dir", "inter GB/s/dir",
+         "per node", "aliases"], rows))

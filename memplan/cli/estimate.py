@@ -1,0 +1,66 @@
+"""``memplan estimate``: per-GPU memory of one configuration."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+from memplan.api import estimate as run_estimate
+from memplan.cli import app
+from memplan.cli.options import (
+    AttentionOpt, Cp, Dp, Ep, Gbs, Gpu, GpuMemory, Gpus, Json, LogitsFp32, Mbs, Model, NormOpt,
+    OptimizerImplOpt, OptimizerOpt, Pp, PrecisionOpt, RecomputeChoice, RecomputeLayers,
+    RecomputeOpt, ScheduleOpt, Seq, Sp, Tp, Vpp, Zero, ZeroChoice,
+)
+from memplan.pipeline import Schedule
+from memplan.workload import Attention, NormImpl, Optimizer, OptimizerImpl, Precision, Recompute
+
+
+@app.command()
+def estimate(
+    model: Model,
+    gpus: Gpus = 1,
+    gpu: Gpu = "h100-sxm",
+    gpu_memory: GpuMemory = None,
+    tp: Tp = 1, pp: Pp = 1, vpp: Vpp = 1, dp: Dp = None, cp: Cp = 1, ep: Ep = 1,
+    sp: Sp = None,
+    zero: Zero = ZeroChoice.Z0,
+    mbs: Mbs = 1, gbs: Gbs = None, seq: Seq = None,
+    recompute: RecomputeOpt = RecomputeChoice.NONE,
+    recompute_layers: RecomputeLayers = None,
+    precision: PrecisionOpt = Precision.BF16_MIXED,
+    optimizer: OptimizerOpt = Optimizer.ADAMW,
+    optimizer_impl: OptimizerImplOpt = OptimizerImpl.FOREACH,
+    attention: AttentionOpt = Attention.FLASH,
+    norm: NormOpt = NormImpl.UPCAST,
+    logits_fp32: LogitsFp32 = True,
+    schedule: ScheduleOpt = Schedule.ONE_F_ONE_B,
+    json_out: Json = False,
+) -> None:
+    """Per-GPU memory of every pipeline stage and the most loaded rank, with phase peaks.
+
+    Examples:
+
+      memplan estimate --model llama-7b --gpus 64
+
+      memplan estimate -m llama-3-70b -n 512 --tp 8 --pp 4 --vpp 5 --zero 1 --mbs 1 --seq 8192
+
+      memplan estimate -m ./config.json -n 8 --zero 3 --recompute full --json
+    """
+    est = run_estimate(
+        model, gpus=gpus, gpu=gpu, gpu_memory=gpu_memory, tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp,
+        ep=ep, zero=int(zero.value), sequence_parallel=sp, schedule=schedule,
+        micro_batch_size=mbs, global_batch_size=gbs, seq_len=seq,
+        recompute=Recompute.parse(recompute.value), recompute_layers=recompute_layers,
+        precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
+        attention=attention, norm_impl=norm, logits_fp32=logits_fp32,
+    )
+    from memplan.report import estimate_json, render_estimate
+
+    if json_out:
+        typer.echo(json.dumps(estimate_json(est), indent=2))
+        return
+    from rich.console import Console
+
+    Console().print(render_estimate(est))

@@ -1,0 +1,180 @@
+"""Build a ``ModelSpec`` from a Hugging Face style ``config.json``.
+
+The file is read as JSON data only: no ``transformers`` import, no ``trust_remote_code``, no
+network. Only the families whose field names and conventions are known here are accepted
+(llama, mistral, mixtral, qwen2, gpt2); anything else is refused rather than guessed at, because
+a silently wrong parameter count would make every memory figure downstream wrong.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from memplan.errors import MemplanError
+from memplan.spec import ModelSpec, _validated, load_hf_json
+
+_MISSING = object()
+
+# llama, mistral, mixtral and qwen2 share Llama's field names; gpt2 has its own.
+_SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "gpt2")
+
+
+class _Config:
+    """Typed access to the JSON object, with errors that name the file, the key and the value."""
+
+    def __init__(self, data: dict[str, Any], where: str) -> None:
+        self.data = data
+        self.where = where
+
+    def error(self, key: str, problem: str) -> MemplanError:
+        return MemplanError(f"{self.where}: {key}: {problem}")
+
+    def _get(self, key: str, default: Any) -> Any:
+        # JSON null means "use the default" in HF configs (e.g. "n_inner": null).
+        value = self.data.get(key)
+        if value is None:
+            if default is _MISSING:
+                raise self.error(key, "required key is missing (or null)")
+            return default
+        return value
+
+    def get_int(self, key: str, default: Any = _MISSING) -> int:
+        value = self._get(key, default)
+        # bool is an int subclass in Python; `true` is never a valid width.
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.error(key, f"expected a positive integer, got {value!r}")
+        if value <= 0:
+            raise self.error(key, f"expected a positive integer, got {value}")
+        return value
+
+    def get_bool(self, key: str, default: bool) -> bool:
+        value = self._get(key, default)
+        if not isinstance(value, bool):
+            raise self.error(key, f"expected true or false, got {value!r}")
+        return value
+
+    def get_float(self, key: str, default: float) -> float:
+        value = self._get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.error(key, f"expected a number, got {value!r}")
+        return float(value)
+
+    def get_str(self, key: str, default: Any = _MISSING) -> str:
+        value = self._get(key, default)
+        if not isinstance(value, str):
+            raise self.error(key, f"expected a string, got {value!r}")
+        return value
+
+
+def _head_dim(cfg: _Config, hidden: int, heads: int, heads_key: str) -> int:
+    """hidden / heads, refusing a remainder rather than silently rounding it away."""
+    if hidden % heads:
+        raise cfg.error(heads_key, f"{heads} does not divide hidden size {hidden} "
+                                   "and no head_dim is given")
+    return hidden // heads
+
+
+def _gated_mlp(cfg: _Config) -> str:
+    act = cfg.get_str("hidden_act", "silu").lower()
+    if act in ("silu", "swish"):
+        return "swiglu"
+    if act.startswith("gelu"):
+        return "geglu"
+    raise cfg.error("hidden_act", f"unsupported activation {act!r} (expected silu or gelu)")
+
+
+def _plain_mlp(cfg: _Config) -> str:
+    act = cfg.get_str("activation_function", "gelu_new").lower()
+    if act.startswith("gelu"):
+        return "gelu"
+    if act == "relu":
+        return "relu"
+    raise cfg.error("activation_function",
+                    f"unsupported activation {act!r} (expected gelu or relu)")
+
+
+def _llama_like(cfg: _Config, model_type: str) -> dict[str, Any]:
+    hidden = cfg.get_int("hidden_size")
+    heads = cfg.get_int("num_attention_heads")
+    # Llama's attention_bias covers q, k, v and o. Qwen2's q/k/v bias is hard-wired in its
+    # modeling code (no config field) and its o_proj never has one.
+    attention_bias = cfg.get_bool("attention_bias", False)
+    qwen2 = model_type == "qwen2"
+    fields: dict[str, Any] = {
+        "num_layers": cfg.get_int("num_hidden_layers"),
+        "hidden_size": hidden,
+        "ffn_hidden_size": cfg.get_int("intermediate_size"),
+        "num_attention_heads": heads,
+        "num_kv_heads": cfg.get_int("num_key_value_heads", heads),
+        # Some models (e.g. Mistral-Nemo) set head_dim so that heads * head_dim != hidden.
+        "head_dim": (cfg.get_int("head_dim") if cfg.data.get("head_dim") is not None
+                     else _head_dim(cfg, hidden, heads, "num_attention_heads")),
+        "vocab_size": cfg.get_int("vocab_size"),
+        "max_seq_len": cfg.get_int("max_position_embeddings"),
+        "norm": "rmsnorm",
+        "mlp": _gated_mlp(cfg),
+        "position": "rope",
+        # transformers defaults tie_word_embeddings to False for all four families.
+        "tied_embeddings": cfg.get_bool("tie_word_embeddings", False),
+        "qkv_bias": qwen2 or attention_bias,
+        "attn_out_bias": attention_bias and not qwen2,
+        "mlp_bias": cfg.get_bool("mlp_bias", False),
+    }
+    if model_type == "mixtral":
+        # Mixtral's intermediate_size is the expert width; every layer is MoE and the router
+        # (gate) is a bias-free linear layer.
+        fields["moe"] = {
+            "num_experts": cfg.get_int("num_local_experts"),
+            "top_k": cfg.get_int("num_experts_per_tok"),
+            "expert_ffn_hidden_size": fields["ffn_hidden_size"],
+            "router_bias": False,
+        }
+    return fields
+
+
+def _gpt2(cfg: _Config) -> dict[str, Any]:
+    hidden = cfg.get_int("n_embd")
+    heads = cfg.get_int("n_head")
+    # One dropout rate stands for all of them; the largest is the safe (conservative) choice.
+    dropout = max(cfg.get_float(k, 0.1) for k in ("resid_pdrop", "attn_pdrop", "embd_pdrop"))
+    return {
+        "num_layers": cfg.get_int("n_layer"),
+        "hidden_size": hidden,
+        "ffn_hidden_size": cfg.get_int("n_inner", 4 * hidden),
+        "num_attention_heads": heads,
+        "num_kv_heads": heads,
+        "head_dim": _head_dim(cfg, hidden, heads, "n_head"),
+        "vocab_size": cfg.get_int("vocab_size"),
+        "max_seq_len": cfg.get_int("n_positions"),
+        "norm": "layernorm",
+        "norm_bias": True,
+        "mlp": _plain_mlp(cfg),
+        "position": "learned",
+        "tied_embeddings": cfg.get_bool("tie_word_embeddings", True),
+        "qkv_bias": True,
+        "attn_out_bias": True,
+        "mlp_bias": True,
+        "dropout": dropout,
+    }
+
+
+def _model_name(path: Path) -> str:
+    # A checkpoint folder is named after the model; the file itself is always "config.json".
+    if path.name == "config.json" and path.parent.name:
+        return path.parent.name
+    return path.stem
+
+
+def spec_from_hf_config(path: Path) -> ModelSpec:
+    """Read ``path`` (a Hugging Face ``config.json``) into a ``ModelSpec``."""
+    path = Path(path)
+    cfg = _Config(load_hf_json(path), str(path))
+    model_type = cfg.get_str("model_type")
+    if model_type not in _SUPPORTED:
+        raise cfg.error("model_type", f"unsupported value {model_type!r}; "
+                                      f"supported: {', '.join(_SUPPORTED)}")
+    fields = _gpt2(cfg) if model_type == "gpt2" else _llama_like(cfg, model_type)
+    fields["name"] = _model_name(path)
+    fields["source"] = f"Hugging Face config.json ({model_type}) at {path}"
+    return _validated(fields, str(path))

@@ -1,0 +1,68 @@
+"""Fixed per-process memory outside the tensors a training step holds.
+
+These are defaults until ``memplan calibrate`` measures them on a machine; each names its source
+and is reported on its own line, so the analytic tensor bytes stay visible next to them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memplan.hardware import GpuSpec
+from memplan.units import MiB
+
+# CUDA >= 11.7 loads kernels lazily; the bare context is "around 400MB" on current GPUs
+# (PyTorch maintainers, pytorch/pytorch#109888 and #107667; 256-616 MiB seen across GPUs).
+CUDA_CONTEXT_BYTES = 400 * MiB
+CUDA_CONTEXT_SOURCE = "default: bare CUDA context with lazy loading, ~400 MiB (pytorch/pytorch#109888)"
+
+# PyTorch allocates one cuBLAS workspace per (handle, stream) from the caching allocator:
+# 32 MiB on compute capability 9.x (Hopper), 4 MiB elsewhere, following cuBLAS's
+# cublasSetWorkspace recommendation (pytorch/pytorch#89027, #120925).
+_CUBLAS_WORKSPACE_HOPPER_BYTES = 32 * MiB
+_CUBLAS_WORKSPACE_DEFAULT_BYTES = 4 * MiB
+
+# Reserved-but-unallocated memory of the caching allocator (block rounding, split blocks,
+# fragmentation) as a fraction of the peak allocated bytes. Not derivable from first
+# principles: an explicit assumption until `memplan calibrate` fits reserved/allocated.
+ALLOCATOR_FRACTION = 0.05
+ALLOCATOR_SOURCE = "assumption: 5% of the tensor peak until calibrated (memplan calibrate)"
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """Per-process fixed bytes and the allocator's share of the tensor peak."""
+
+    cuda_context_bytes: int
+    cuda_context_source: str
+    workspace_bytes: int
+    workspace_source: str
+    allocator_fraction: float
+    allocator_source: str
+
+    def allocator_bytes(self, tensor_peak_bytes: int) -> int:
+        return int(tensor_peak_bytes * self.allocator_fraction)
+
+    @property
+    def fixed_bytes(self) -> int:
+        return self.cuda_context_bytes + self.workspace_bytes
+
+
+def default_overheads(gpu: GpuSpec) -> Overheads:
+    """Uncalibrated defaults for ``gpu``."""
+    hopper = gpu.compute_capability.startswith("9.")
+    workspace = _CUBLAS_WORKSPACE_HOPPER_BYTES if hopper else _CUBLAS_WORKSPACE_DEFAULT_BYTES
+    return Overheads(
+        cuda_context_bytes=CUDA_CONTEXT_BYTES,
+        cuda_context_source=CUDA_CONTEXT_SOURCE,
+        workspace_bytes=workspace,
+        workspace_source=(f"default: cuBLAS workspace {workspace // MiB} MiB for compute capability "
+                          f"{gpu.compute_capability} (pytorch/pytorch#89027, #120925)"),
+        allocator_fraction=ALLOCATOR_FRACTION,
+        allocator_source=ALLOCATOR_SOURCE,
+    )
+
+
+def no_overheads() -> Overheads:
+    """Tensor bytes only: what an exact tracker on CPU sees."""
+    return Overheads(0, "none", 0, "none", 0.0, "none")

@@ -1,0 +1,107 @@
+"""Parallel layout (TP, SP, PP with virtual stages, DP, CP, EP, ZeRO) and all layout validation.
+
+Every check that depends on the layout lives here and names the numbers, e.g.
+``tp (16) must divide num_kv_heads (8)``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from memplan.errors import MemplanError
+from memplan.spec import ModelSpec
+
+
+class ZeroStage(enum.IntEnum):
+    """ZeRO stage (Rajbhandari et al. 2020). FSDP full sharding is stage 3."""
+
+    NONE = 0
+    OPTIMIZER = 1
+    GRADIENTS = 2
+    PARAMETERS = 3
+
+
+class ParallelConfig(BaseModel):
+    """Degrees of each parallel dimension. World size = tp * pp * cp * dp.
+
+    ``vpp`` is the number of model chunks per pipeline rank (interleaved 1F1B when > 1). ``ep``
+    splits routed experts across ranks of the data- and context-parallel group (expert weights
+    are further split by TP, as in Megatron-LM's default expert tensor parallelism).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tp: int = Field(default=1, gt=0)
+    pp: int = Field(default=1, gt=0)
+    vpp: int = Field(default=1, gt=0)
+    dp: int = Field(default=1, gt=0)
+    cp: int = Field(default=1, gt=0)
+    ep: int = Field(default=1, gt=0)
+    zero: ZeroStage = ZeroStage.NONE
+    sequence_parallel: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def dense_shard_degree(self) -> int:
+        """Ranks that hold replicas of one dense parameter shard: ZeRO shards across DP x CP
+        (Megatron-LM's distributed optimizer uses the data-parallel group with CP folded in)."""
+        return self.dp * self.cp
+
+    @property
+    def expert_shard_degree(self) -> int:
+        """Replicas of one expert shard: the expert-data-parallel group, dp * cp / ep."""
+        return self.dp * self.cp // self.ep
+
+    @property
+    def sp_divisor(self) -> int:
+        """Divisor of the residual-stream activations: tp with sequence parallelism, else 1."""
+        return self.tp if self.sequence_parallel else 1
+
+
+def layout_for_gpus(num_gpus: int, *, tp: int = 1, pp: int = 1, cp: int = 1,
+                    dp: int | None = None, **rest: object) -> ParallelConfig:
+    """A layout for ``num_gpus`` GPUs; dp is derived as num_gpus / (tp*pp*cp) unless given."""
+    if num_gpus <= 0:
+        raise MemplanError(f"gpus must be positive, got {num_gpus}")
+    model_par = tp * pp * cp
+    if dp is None:
+        if num_gpus % model_par:
+            raise MemplanError(
+                f"gpus ({num_gpus}) must be divisible by tp*pp*cp ({tp}*{pp}*{cp} = {model_par})")
+        dp = num_gpus // model_par
+    elif dp * model_par != num_gpus:
+        raise MemplanError(
+            f"tp*pp*cp*dp ({tp}*{pp}*{cp}*{dp} = {model_par * dp}) must equal gpus ({num_gpus})")
+    return ParallelConfig(tp=tp, pp=pp, cp=cp, dp=dp, **rest)  # type: ignore[arg-type]
+
+
+def validate_layout(spec: ModelSpec, par: ParallelConfig, *, seq_len: int) -> None:
+    """Raise MemplanError for a layout the model cannot be split into."""
+    _require_divides("tp", par.tp, "num_attention_heads", spec.num_attention_heads)
+    _require_divides("tp", par.tp, "num_kv_heads", spec.num_kv_heads)
+    _require_divides("tp", par.tp, "ffn_hidden_size", spec.ffn_hidden_size)
+    if spec.moe is not None:
+        _require_divides("tp", par.tp, "expert_ffn_hidden_size", spec.moe.expert_ffn_hidden_size)
+        _require_divides("ep", par.ep, "num_experts", spec.moe.num_experts)
+        _require_divides("ep", par.ep, "dp*cp", par.dp * par.cp)
+    elif par.ep > 1:
+        raise MemplanError(f"ep ({par.ep}) > 1 needs a mixture-of-experts model; {spec.name} is dense")
+    _require_divides("pp*vpp", par.pp * par.vpp, "num_layers", spec.num_layers)
+    if par.vpp > 1 and par.pp == 1:
+        raise MemplanError(f"vpp ({par.vpp}) > 1 needs pp > 1 (interleaved pipeline)")
+    if par.sequence_parallel:
+        _require_divides("tp", par.tp, "seq", seq_len // par.cp)
+    if par.cp > 1:
+        # Load-balanced causal CP splits the sequence into 2*cp chunks (Megatron-LM context
+        # parallelism docs: seq length must be divisible by 2 * cp).
+        _require_divides("2*cp", 2 * par.cp, "seq", seq_len)
+
+
+def _require_divides(name: str, value: int, target_name: str, target: int) -> None:
+    if target % value:
+        raise MemplanError(f"{name} ({value}) must divide {target_name} ({target})")

@@ -1,0 +1,130 @@
+"""The only place bytes become GiB: JSON (int bytes) and rich tables (GiB, labelled)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memplan.memory import PHASES, Estimate, PhasePeaks, StageMemory
+from memplan.units import format_gib
+
+_COMPONENTS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes")
+
+
+def _phases(p: PhasePeaks) -> dict[str, int]:
+    return {f"{name}_bytes": getattr(p, name) for name in PHASES}
+
+
+def stage_json(s: StageMemory) -> dict[str, Any]:
+    return {
+        "stage": s.stage,
+        "num_layers": s.num_layers,
+        "num_params_on_rank": s.num_params,
+        **{name: getattr(s, name) for name in _COMPONENTS},
+        "microbatches_in_flight": s.microbatches_in_flight,
+        "loss_bytes": s.loss_bytes,
+        "sharding_buffers_bytes": s.sharding_buffers_bytes,
+        "optimizer_temp_bytes": s.optimizer_temp_bytes,
+        "tensor_peak_bytes": s.tensor_peak_bytes,
+        "cuda_context_bytes": s.cuda_context_bytes,
+        "workspace_bytes": s.workspace_bytes,
+        "allocator_bytes": s.allocator_bytes,
+        "peak_bytes": s.peak_bytes,
+        "peak_phase": s.peak_phase,
+        "phases": {"steady": _phases(s.steady), "first_step": _phases(s.first_step)},
+        "activation_terms_per_microbatch": {t.name: t.size_bytes for t in s.activation_terms},
+    }
+
+
+def estimate_json(est: Estimate) -> dict[str, Any]:
+    """One JSON object; top-level byte fields describe the most loaded rank."""
+    worst = est.worst
+    par, wl = est.parallel, est.workload
+    return {
+        "model": est.spec.name,
+        "num_params": est.spec.num_params,
+        "gpu": est.gpu.name,
+        "num_gpus": par.world_size,
+        "layout": {"tp": par.tp, "pp": par.pp, "vpp": par.vpp, "dp": par.dp, "cp": par.cp,
+                   "ep": par.ep, "zero": int(par.zero), "sp": par.sequence_parallel},
+        "workload": {
+            "mbs": wl.micro_batch_size, "gbs": est.global_batch_size,
+            "num_microbatches": est.num_microbatches, "seq": wl.seq_len,
+            "precision": wl.precision.value, "optimizer": wl.optimizer.value,
+            "optimizer_impl": wl.optimizer_impl.value, "recompute": wl.recompute.name.lower(),
+            "recompute_layers": wl.recompute_layers, "attention": wl.attention.value,
+            "norm_impl": wl.norm_impl.value, "logits_fp32": wl.logits_fp32,
+        },
+        "most_loaded_stage": worst.stage,
+        **{name: getattr(worst, name) for name in _COMPONENTS},
+        "peak_bytes": est.peak_bytes,
+        "capacity_bytes": est.capacity_bytes,
+        "headroom_bytes": est.headroom_bytes,
+        "fits": est.fits,
+        "peak_phase": worst.peak_phase,
+        "stages": [stage_json(s) for s in est.stages],
+        "assumptions": list(est.assumptions),
+    }
+
+
+def render_estimate(est: Estimate) -> Any:
+    """A rich renderable: components by stage, phases, capacity, verdict, assumptions."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    par, wl = est.parallel, est.workload
+    header = Text(
+        f"{est.spec.name} ({est.spec.num_params / 1e9:.2f}B params) on {par.world_size} x "
+        f"{est.gpu.name}: tp={par.tp} pp={par.pp} vpp={par.vpp} dp={par.dp} cp={par.cp} "
+        f"ep={par.ep} zero={int(par.zero)} sp={'on' if par.sequence_parallel else 'off'}\n"
+        f"mbs={wl.micro_batch_size} gbs={est.global_batch_size} "
+        f"(micro-batches per step {est.num_microbatches}) seq={wl.seq_len} "
+        f"precision={wl.precision.value} optimizer={wl.optimizer.value}/"
+        f"{wl.optimizer_impl.value} recompute={wl.recompute.name.lower()}"
+        + (f" ({wl.recompute_layers} layers)" if wl.recompute_layers is not None else ""))
+
+    table = Table(title="Per-GPU memory by pipeline stage (GiB = 2^30 bytes)")
+    table.add_column("component")
+    for s in est.stages:
+        table.add_column(f"stage {s.stage}" + (" *" if s is est.worst else ""), justify="right")
+    rows = [
+        ("parameters", "params_bytes"), ("gradients", "grads_bytes"),
+        ("optimizer states", "optimizer_bytes"), ("activations (saved)", "activations_bytes"),
+        ("loss logits (transient)", "loss_bytes"),
+        ("ZeRO gather/bucket buffers", "sharding_buffers_bytes"),
+        ("optimizer step temporaries", "optimizer_temp_bytes"),
+        ("tensor peak", "tensor_peak_bytes"), ("CUDA context", "cuda_context_bytes"),
+        ("cuBLAS workspace", "workspace_bytes"), ("allocator reserve", "allocator_bytes"),
+        ("peak per GPU", "peak_bytes"),
+    ]
+    for label, attr in rows:
+        table.add_row(label, *(format_gib(getattr(s, attr)) for s in est.stages))
+    table.add_row("micro-batches in flight", *(str(s.microbatches_in_flight) for s in est.stages))
+    table.add_row("peak phase", *(s.peak_phase for s in est.stages))
+
+    phases = Table(title=f"Phase peaks of stage {est.worst.stage}, tensors only (GiB)")
+    phases.add_column("phase")
+    phases.add_column("first step", justify="right")
+    phases.add_column("steady state", justify="right")
+    for name in PHASES:
+        phases.add_row(name, format_gib(getattr(est.worst.first_step, name)),
+                       format_gib(getattr(est.worst.steady, name)))
+
+    verdict = "FITS" if est.fits else "DOES NOT FIT"
+    summary = Text(
+        f"peak {format_gib(est.peak_bytes)} of {format_gib(est.capacity_bytes)} capacity "
+        f"(stage {est.worst.stage}); headroom {format_gib(est.headroom_bytes)}: {verdict}",
+        style="bold green" if est.fits else "bold red")
+    notes = Text("assumptions:\n" + "\n".join(f"  - {a}" for a in est.assumptions), style="dim")
+    return Group(header, table, phases, summary, notes)
+
+
+def render_catalog(title: str, columns: list[str], rows: list[list[str]]) -> Any:
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col)
+    for row in rows:
+        table.add_row(*row)
+    return table

@@ -1,0 +1,301 @@
+"""Model specifications and exact parameter counts.
+
+A ``ModelSpec`` describes a decoder-only transformer by the numbers that decide its memory:
+layer count, widths, heads, vocabulary, norm and MLP kinds, biases, tied embeddings, positions,
+dropout and mixture-of-experts. It loads from the TOML catalog (``model_specs/models``), from any
+TOML file with the same fields, or from a Hugging Face style ``config.json`` (read as data only;
+no network, no code execution).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import tomllib
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from memplan.catalog import data_dir, suggest
+from memplan.errors import MemplanError
+
+
+class NormKind(str, enum.Enum):
+    LAYERNORM = "layernorm"
+    RMSNORM = "rmsnorm"
+
+
+class MlpKind(str, enum.Enum):
+    """Gated kinds (swiglu, geglu) have three matrices; the others two."""
+
+    GELU = "gelu"
+    RELU = "relu"
+    SWIGLU = "swiglu"
+    GEGLU = "geglu"
+
+    @property
+    def gated(self) -> bool:
+        return self in (MlpKind.SWIGLU, MlpKind.GEGLU)
+
+
+class PositionKind(str, enum.Enum):
+    ROPE = "rope"
+    LEARNED = "learned"
+    NONE = "none"
+
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class MoESpec(BaseModel):
+    """Mixture-of-experts feed-forward: routed experts, optional shared experts."""
+
+    model_config = _FROZEN
+
+    num_experts: int = Field(gt=0)
+    top_k: int = Field(gt=0)
+    expert_ffn_hidden_size: int = Field(gt=0)
+    num_shared_experts: int = Field(default=0, ge=0)
+    shared_expert_ffn_hidden_size: int = Field(default=0, ge=0)
+    layer_freq: int = Field(default=1, gt=0, description="every layer_freq-th layer is MoE")
+    router_bias: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> MoESpec:
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k ({self.top_k}) must be at most num_experts ({self.num_experts})")
+        if self.num_shared_experts and not self.shared_expert_ffn_hidden_size:
+            raise ValueError("shared_expert_ffn_hidden_size is required when num_shared_experts > 0")
+        return self
+
+
+class ModelSpec(BaseModel):
+    """A decoder-only transformer. Widths are element counts, not bytes."""
+
+    model_config = _FROZEN
+
+    name: str
+    source: str = Field(description="where the numbers come from")
+    num_layers: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    ffn_hidden_size: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_kv_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    vocab_size: int = Field(gt=0)
+    max_seq_len: int = Field(gt=0)
+    norm: NormKind
+    mlp: MlpKind
+    position: PositionKind
+    tied_embeddings: bool
+    qkv_bias: bool = False
+    attn_out_bias: bool = False
+    mlp_bias: bool = False
+    norm_bias: bool = Field(default=False, description="LayerNorm with a bias (beta)")
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    moe: MoESpec | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelSpec:
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads ({self.num_kv_heads}) must divide "
+                f"num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.norm_bias and self.norm is NormKind.RMSNORM:
+            raise ValueError("norm_bias is only meaningful for layernorm")
+        return self
+
+    @property
+    def q_size(self) -> int:
+        """Width of the query projection output: heads * head_dim (not always hidden_size)."""
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Width of each of the key and value projection outputs."""
+        return self.num_kv_heads * self.head_dim
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer ``index`` (0-based) has an MoE feed-forward."""
+        return self.moe is not None and index % self.moe.layer_freq == self.moe.layer_freq - 1
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    def counts(self) -> ParamCounts:
+        return param_counts(self)
+
+    @property
+    def num_params(self) -> int:
+        return param_counts(self).total
+
+
+@dataclass(frozen=True)
+class LayerParams:
+    """Parameter counts of one transformer layer, split by how tensor parallelism treats them.
+
+    ``tp_sharded`` are split across TP ranks (column-parallel weights and biases, row-parallel
+    weights); ``replicated`` are held whole by every TP rank (norms, row-parallel biases, the
+    router, as in Megatron-LM). ``expert`` is routed experts' weights, split by EP and then TP.
+    """
+
+    tp_sharded: int
+    replicated: int
+    expert: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.tp_sharded + self.replicated + self.expert
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Exact parameter counts of a model by part."""
+
+    embedding: int  # token embedding V*h
+    position_embedding: int  # learned positions max_seq*h, else 0
+    layers: tuple[LayerParams, ...]
+    final_norm: int
+    head: int  # output projection V*h, 0 when tied to the embedding
+
+    @property
+    def total(self) -> int:
+        return (self.embedding + self.position_embedding + sum(lp.total for lp in self.layers)
+                + self.final_norm + self.head)
+
+
+def _norm_params(spec: ModelSpec) -> int:
+    return spec.hidden_size * (2 if spec.norm_bias else 1)
+
+
+def attention_params(spec: ModelSpec) -> tuple[int, int]:
+    """(TP-sharded, replicated) parameters of one attention block.
+
+    q: h*(a*d), k and v: h*(g*d) each, output: (a*d)*h; q/k/v biases are column-parallel
+    (sharded), the output bias is row-parallel (replicated).
+    """
+    h = spec.hidden_size
+    weights = h * spec.q_size + 2 * h * spec.kv_size + spec.q_size * h
+    qkv_bias = (spec.q_size + 2 * spec.kv_size) if spec.qkv_bias else 0
+    out_bias = h if spec.attn_out_bias else 0
+    return weights + qkv_bias, out_bias
+
+
+def mlp_params(spec: ModelSpec, ffn: int) -> tuple[int, int]:
+    """(TP-sharded, replicated) parameters of one dense MLP of width ``ffn``.
+
+    Gated: gate and up h*f each plus down f*h; otherwise up and down. Up/gate biases are sharded,
+    the down bias replicated.
+    """
+    h = spec.hidden_size
+    num_in = 2 if spec.mlp.gated else 1
+    weights = (num_in + 1) * h * ffn
+    in_bias = num_in * ffn if spec.mlp_bias else 0
+    out_bias = h if spec.mlp_bias else 0
+    return weights + in_bias, out_bias
+
+
+def layer_params(spec: ModelSpec, index: int) -> LayerParams:
+    attn_sharded, attn_repl = attention_params(spec)
+    norms = 2 * _norm_params(spec)
+    moe = spec.moe
+    if moe is None or not spec.is_moe_layer(index):
+        mlp_sharded, mlp_repl = mlp_params(spec, spec.ffn_hidden_size)
+        return LayerParams(attn_sharded + mlp_sharded, attn_repl + mlp_repl + norms)
+    expert_sharded, expert_repl = mlp_params(spec, moe.expert_ffn_hidden_size)
+    router = spec.hidden_size * moe.num_experts + (moe.num_experts if moe.router_bias else 0)
+    shared_sharded, shared_repl = (0, 0)
+    if moe.num_shared_experts:
+        shared_sharded, shared_repl = mlp_params(
+            spec, moe.num_shared_experts * moe.shared_expert_ffn_hidden_size)
+    return LayerParams(
+        tp_sharded=attn_sharded + shared_sharded,
+        replicated=attn_repl + shared_repl + norms + router,
+        expert=moe.num_experts * (expert_sharded + expert_repl),
+    )
+
+
+@lru_cache(maxsize=256)
+def param_counts(spec: ModelSpec) -> ParamCounts:
+    """Exact parameter counts by part (embedding, each layer, final norm, head)."""
+    h = spec.hidden_size
+    return ParamCounts(
+        embedding=spec.vocab_size * h,
+        position_embedding=spec.max_seq_len * h if spec.position is PositionKind.LEARNED else 0,
+        layers=tuple(layer_params(spec, i) for i in range(spec.num_layers)),
+        final_norm=_norm_params(spec),
+        head=0 if spec.tied_embeddings else spec.vocab_size * h,
+    )
+
+
+# --- loading -------------------------------------------------------------------------------
+
+def _models_dir() -> Path:
+    return data_dir() / "models"
+
+
+@lru_cache(maxsize=1)
+def catalog_names() -> tuple[str, ...]:
+    """Names of the catalog models (file stems under ``model_specs/models``)."""
+    return tuple(sorted(p.stem for p in _models_dir().glob("*.toml")))
+
+
+def _validated(data: dict[str, Any], where: str) -> ModelSpec:
+    try:
+        return ModelSpec.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "spec"
+        raise MemplanError(f"{where}: {field}: {first['msg']}") from err
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        return tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
+        raise MemplanError(f"cannot read model TOML {path}: {err}") from err
+
+
+def load_model(name_or_path: str) -> ModelSpec:
+    """A catalog name (``llama-2-7b``), a TOML spec file, or a Hugging Face ``config.json``."""
+    key = name_or_path.strip()
+    if key.lower() in catalog_names():
+        return _load_catalog(key.lower())
+    path = Path(key).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        path = path / "config.json"
+    if path.is_file():
+        if path.suffix == ".toml":
+            data = _read_toml(path)
+            data.setdefault("name", path.stem)
+            return _validated(data, str(path))
+        from memplan.hf_config import spec_from_hf_config
+
+        return spec_from_hf_config(path)
+    raise MemplanError(
+        f"unknown model {name_or_path!r}: not in the catalog and not a file"
+        + suggest(key, list(catalog_names()))
+        + " (`memplan models` lists the catalog)"
+    )
+
+
+@lru_cache(maxsize=64)
+def _load_catalog(name: str) -> ModelSpec:
+    path = _models_dir() / f"{name}.toml"
+    return _validated(_read_toml(path), str(path))
+
+
+def load_hf_json(path: Path) -> dict[str, Any]:
+    """Read a JSON file as data, with a one-line error when it is malformed."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise MemplanError(f"cannot read config {path}: {err}") from err
+    if not isinstance(data, dict):
+        raise MemplanError(f"config {path}: expected a JSON object, got {type(data).__name__}")
+    return data

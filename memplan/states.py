@@ -1,0 +1,153 @@
+"""Parameters, gradients and optimizer states held by one rank of one pipeline stage.
+
+Sharding follows the frameworks: TP splits matrices and column-parallel biases (ceil for the
+vocabulary) and replicates norms, row-parallel biases and the router (Megatron-LM); PP puts the
+embedding on the first stage and the final norm and head on the last, and a tied embedding is
+held by both when p > 1 (Megatron-LM keeps a copy on the last stage and all-reduces its grads);
+EP splits routed experts, then TP splits each expert. ZeRO stage 1 shards optimizer states, 2
+also gradients, 3 also parameters (Rajbhandari et al. 2020), across the DP x CP group for dense
+parameters and the expert-data-parallel group for experts; the most loaded rank holds the ceil.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memplan.parallel import ParallelConfig, ZeroStage
+from memplan.spec import ModelSpec, PositionKind, param_counts
+from memplan.units import DType, ceil_div
+from memplan.workload import Optimizer, OptimizerImpl, Workload
+
+FP32_BYTES = DType.FP32.itemsize
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameter counts one rank of a pipeline stage holds, before ZeRO sharding."""
+
+    dense: int  # replicated across the DP x CP group
+    expert: int  # replicated across the expert-data-parallel group
+    largest_tensor: int  # elements of the largest single parameter tensor on the rank
+    largest_unit: int  # elements of the largest FSDP unit (a layer, or the embedding/head)
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+def stage_params(spec: ModelSpec, par: ParallelConfig, layers: list[int], *, first: bool,
+                 last: bool) -> StageParams:
+    """Parameters on one TP rank of the stage holding ``layers``."""
+    counts = param_counts(spec)
+    t, h = par.tp, spec.hidden_size
+    vocab_rows = ceil_div(spec.vocab_size, t) * h
+    dense = expert = 0
+    units = [0]
+    for i in layers:
+        lp = counts.layers[i]
+        layer_dense = ceil_div(lp.tp_sharded, t) + lp.replicated
+        layer_expert = lp.expert // (par.ep * t)
+        dense += layer_dense
+        expert += layer_expert
+        units.append(layer_dense + layer_expert)
+    if first:
+        embed = vocab_rows + counts.position_embedding
+        dense += embed
+        units.append(embed)
+    if last:
+        head = counts.final_norm + (vocab_rows if counts.head or (par.pp > 1) else 0)
+        # Tied and p == 1: the head is the embedding itself, already counted.
+        dense += head
+        units.append(head)
+    largest = max(vocab_rows if (first or last) else 0, *_layer_tensor_sizes(spec, par))
+    return StageParams(dense=dense, expert=expert, largest_tensor=largest, largest_unit=max(units))
+
+
+def _layer_tensor_sizes(spec: ModelSpec, par: ParallelConfig) -> list[int]:
+    h, t = spec.hidden_size, par.tp
+    sizes = [h * spec.q_size // t, h * spec.ffn_hidden_size // t]
+    if spec.moe is not None:
+        sizes.append(h * spec.moe.expert_ffn_hidden_size // t)
+    if spec.position is PositionKind.LEARNED:
+        sizes.append(spec.max_seq_len * h)
+    return sizes
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Persistent bytes of one rank: weights, gradients, optimizer (master copy included)."""
+
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    num_optimizer_params: int  # elements this rank's optimizer updates
+
+
+def _shard(num: int, degree: int, sharded: bool) -> int:
+    return ceil_div(num, degree) if sharded else num
+
+
+def state_bytes(sp: StageParams, par: ParallelConfig, wl: Workload) -> StateBytes:
+    recipe = wl.precision.recipe
+    z = par.zero
+    dense_d, expert_d = par.dense_shard_degree, par.expert_shard_degree
+
+    def held(stage: ZeroStage) -> int:
+        on = z >= stage
+        return _shard(sp.dense, dense_d, on) + _shard(sp.expert, expert_d, on)
+
+    opt_params = held(ZeroStage.OPTIMIZER)
+    per_param_opt = recipe.master_bytes + wl.optimizer.state_bytes_per_param
+    return StateBytes(
+        params_bytes=held(ZeroStage.PARAMETERS) * recipe.param_bytes,
+        grads_bytes=held(ZeroStage.GRADIENTS) * recipe.grad_bytes,
+        optimizer_bytes=opt_params * per_param_opt,
+        num_optimizer_params=opt_params,
+    )
+
+
+def optimizer_step_temp_bytes(sp: StageParams, st: StateBytes, par: ParallelConfig,
+                              wl: Workload) -> int:
+    """Temporaries of the optimizer step beyond the states.
+
+    AdamW foreach (torch.optim's CUDA default) materialises one intermediate list the size of
+    all parameters it updates (fp32); for-loop about twice the largest parameter; fused none.
+    torch.optim.SGD with momentum updates in place. With a low-precision gradient and an fp32
+    master copy the step reads fp32 gradients, copied shard by shard (Megatron-LM's
+    ``_copy_model_grads_to_main_grads``): one fp32 copy of the updated shard.
+    """
+    recipe = wl.precision.recipe
+    temp = 0
+    if wl.optimizer is Optimizer.ADAMW:
+        if wl.optimizer_impl is OptimizerImpl.FOREACH:
+            temp = st.num_optimizer_params * FP32_BYTES
+        elif wl.optimizer_impl is OptimizerImpl.FORLOOP:
+            largest = sp.largest_tensor
+            if par.zero >= ZeroStage.OPTIMIZER:
+                largest = ceil_div(largest, par.dense_shard_degree)
+            temp = 2 * largest * FP32_BYTES
+    if recipe.master_bytes and recipe.grad_bytes < FP32_BYTES:
+        temp += st.num_optimizer_params * FP32_BYTES
+    return temp
+
+
+# DeepSpeed's default ZeRO reduce bucket, in elements ("reduce_bucket_size": 5e8, DeepSpeed
+# configuration docs): with ZeRO-2 the unsharded gradients of one bucket exist before the
+# reduce-scatter leaves only this rank's shard.
+REDUCE_BUCKET_NUMEL = 500_000_000
+
+
+def sharding_buffers(sp: StageParams, par: ParallelConfig, wl: Workload) -> tuple[int, int]:
+    """(forward, backward) bytes of unsharded buffers ZeRO-2/3 needs while layers run.
+
+    ZeRO-3/FSDP: the unit being computed and the one prefetched, gathered in the compute dtype
+    (FSDP's default forward/backward prefetch of one unit); backward adds the unit's unsharded
+    gradient before its reduce-scatter. ZeRO-2: one reduce bucket of unsharded gradients.
+    """
+    recipe = wl.precision.recipe
+    if par.zero >= ZeroStage.PARAMETERS and par.dense_shard_degree > 1:
+        gathered = 2 * sp.largest_unit * wl.compute_dtype.itemsize
+        return gathered, gathered + sp.largest_unit * recipe.grad_bytes
+    if par.zero == ZeroStage.GRADIENTS and par.dense_shard_degree > 1:
+        return 0, min(REDUCE_BUCKET_NUMEL, sp.total) * recipe.grad_bytes
+    return 0, 0

@@ -1,0 +1,84 @@
+"""Byte arithmetic, dtypes and size strings.
+
+Memory inside memplan is always an ``int`` number of bytes. Only the report layer turns bytes
+into GiB; this module holds the conversions it uses and the parser for user input such as
+"80GiB" (2**30-based) or "80GB" (10**9-based), which mean exactly what they say.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+
+KiB = 1024
+MiB = 1024**2
+GiB = 1024**3
+TiB = 1024**4
+KB = 1000
+MB = 1000**2
+GB = 1000**3
+TB = 1000**4
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB,
+    "kb": KB, "mb": MB, "gb": GB, "tb": TB,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+class DType(str, enum.Enum):
+    """Element types memplan counts, with their size in bytes (IEEE / OCP FP8 definitions)."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP8 = "fp8"
+    INT64 = "int64"
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self]
+
+
+_ITEMSIZE = {DType.FP32: 4, DType.BF16: 2, DType.FP16: 2, DType.FP8: 1, DType.INT64: 8}
+
+
+def ceil_div(a: int, b: int) -> int:
+    """Integer ceil(a / b) for non-negative a and positive b."""
+    return -(-a // b)
+
+
+def round_up(n: int, multiple: int) -> int:
+    """Round ``n`` up to a multiple of ``multiple``."""
+    return ceil_div(n, multiple) * multiple
+
+
+def parse_bytes(text: str | int) -> int:
+    """Parse "80GiB", "80 GB", "1.5TiB" or a plain integer into int bytes.
+
+    GiB/MiB/KiB are powers of 1024, GB/MB/KB powers of 1000. A bare number is bytes.
+    """
+    if isinstance(text, int):
+        if text <= 0:
+            raise ValueError(f"size must be positive, got {text}")
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(
+            f"cannot read size {text!r}: use a number with a unit such as 80GiB (2^30) or 80GB (10^9)"
+        )
+    value = float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+    if value <= 0:
+        raise ValueError(f"size must be positive, got {text!r}")
+    return int(round(value))
+
+
+def to_gib(num_bytes: int) -> float:
+    """Bytes as GiB (2**30). Used only by the report layer."""
+    return num_bytes / GiB
+
+
+def format_gib(num_bytes: int, digits: int = 2) -> str:
+    """Bytes as a labelled GiB string, e.g. "12.50 GiB"."""
+    return f"{num_bytes / GiB:.{digits}f} GiB"

@@ -1,0 +1,139 @@
+"""What one training step runs: batch, sequence, precision recipe, optimizer, recompute, kernels.
+
+Each choice that changes the bytes held is a field here; each enum documents what it means for
+memory, with the source of the convention.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from memplan.units import DType
+
+
+class Precision(str, enum.Enum):
+    """Precision recipes: which dtype holds weights, gradients, master weights.
+
+    bf16-mixed       bf16 weights and grads, fp32 master + optimizer states (ZeRO paper's 16 B/param)
+    bf16-fp32-grads  bf16 weights, fp32 main grads, fp32 master + states (Megatron-LM default, 18)
+    fp16-mixed       fp16 weights and grads, fp32 master + states (ZeRO paper, 16)
+    fp32             fp32 everything, no master copy (16 with Adam)
+    fsdp-bf16        FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): fp32 sharded
+                     weights and grads, bf16 copies gathered for compute (torchtitan's default)
+    """
+
+    BF16_MIXED = "bf16-mixed"
+    BF16_FP32_GRADS = "bf16-fp32-grads"
+    FP16_MIXED = "fp16-mixed"
+    FP32 = "fp32"
+    FSDP_BF16 = "fsdp-bf16"
+
+    @property
+    def recipe(self) -> PrecisionRecipe:
+        return _RECIPES[self]
+
+
+@dataclass(frozen=True)
+class PrecisionRecipe:
+    """Bytes per parameter of each persistent copy, and the activation dtype."""
+
+    compute: DType  # dtype of activations and of the weights used in matmuls
+    param_bytes: int  # the resident (possibly sharded) weight copy
+    grad_bytes: int
+    master_bytes: int  # fp32 master copy held by the optimizer; 0 when weights are fp32
+
+
+_RECIPES = {
+    Precision.BF16_MIXED: PrecisionRecipe(DType.BF16, 2, 2, 4),
+    Precision.BF16_FP32_GRADS: PrecisionRecipe(DType.BF16, 2, 4, 4),
+    Precision.FP16_MIXED: PrecisionRecipe(DType.FP16, 2, 2, 4),
+    Precision.FP32: PrecisionRecipe(DType.FP32, 4, 4, 0),
+    Precision.FSDP_BF16: PrecisionRecipe(DType.BF16, 4, 4, 0),
+}
+
+
+class Optimizer(str, enum.Enum):
+    """AdamW keeps two fp32 moments per parameter; SGD with momentum one (torch.optim)."""
+
+    ADAMW = "adamw"
+    SGD = "sgd"
+
+    @property
+    def state_bytes_per_param(self) -> int:
+        return 8 if self is Optimizer.ADAMW else 4
+
+
+class OptimizerImpl(str, enum.Enum):
+    """How torch.optim runs the update, which decides the step's temporaries.
+
+    foreach  CUDA default: one intermediate the size of all parameters it updates
+    fused    fused kernel: no parameter-sized intermediate
+    forloop  CPU default: per-tensor intermediates, about 2x the largest parameter
+    """
+
+    FOREACH = "foreach"
+    FUSED = "fused"
+    FORLOOP = "forloop"
+
+
+class Recompute(enum.IntEnum):
+    """Activation recomputation, ordered by memory saved (and compute spent).
+
+    SELECTIVE recomputes the attention core (Korthikanti et al. 2022, section 5); FULL keeps only
+    each layer's input (for ``recompute_layers`` of the stage's layers, all when None).
+    """
+
+    NONE = 0
+    SELECTIVE = 1
+    FULL = 2
+
+    @classmethod
+    def parse(cls, text: str) -> Recompute:
+        return cls[text.upper()]
+
+
+class Attention(str, enum.Enum):
+    """flash: fused kernel saving output and logsumexp (SDPA flash / memory-efficient);
+    eager: materialised scores, saving the softmax output (the s-squared term)."""
+
+    FLASH = "flash"
+    EAGER = "eager"
+
+
+class NormImpl(str, enum.Enum):
+    """upcast: Hugging Face style, the norm runs in fp32 on an upcast copy of its input;
+    fused: one kernel saving its input and per-token statistics (Apex / Transformer Engine)."""
+
+    UPCAST = "upcast"
+    FUSED = "fused"
+
+
+class Workload(BaseModel):
+    """One training step. Token counts are per micro-batch, per data-parallel replica."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    micro_batch_size: int = Field(default=1, gt=0)
+    global_batch_size: int | None = Field(default=None, gt=0, description="None: mbs*dp*pp")
+    seq_len: int = Field(default=4096, gt=0)
+    precision: Precision = Precision.BF16_MIXED
+    optimizer: Optimizer = Optimizer.ADAMW
+    optimizer_impl: OptimizerImpl = OptimizerImpl.FOREACH
+    recompute: Recompute = Recompute.NONE
+    recompute_layers: int | None = Field(default=None, ge=0)
+    attention: Attention = Attention.FLASH
+    norm_impl: NormImpl = NormImpl.UPCAST
+    logits_fp32: bool = Field(default=True, description="loss computed on fp32 logits")
+
+    @model_validator(mode="after")
+    def _check(self) -> Workload:
+        if self.recompute_layers is not None and self.recompute is not Recompute.FULL:
+            raise ValueError("recompute_layers applies only to recompute=full")
+        return self
+
+    @property
+    def compute_dtype(self) -> DType:
+        return self.precision.recipe.compute

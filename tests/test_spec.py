@@ -1,0 +1,179 @@
+"""The model catalog and exact parameter counting.
+
+Published counts are the tensor totals of the released checkpoints (the figures Hugging Face
+reports for each repository); a count that is off by even one layer norm means a config value
+in the catalog is wrong.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from memplan.errors import MemplanError
+from memplan.spec import catalog_names, load_model, param_counts
+
+PUBLISHED = {
+    "llama-7b": 6_738_415_616,
+    "llama-13b": 13_015_864_320,
+    "llama-30b": 32_528_943_616,
+    "llama-65b": 65_285_660_672,
+    "llama-2-7b": 6_738_415_616,
+    "llama-2-13b": 13_015_864_320,
+    "llama-2-70b": 68_976_648_192,
+    "llama-3-8b": 8_030_261_248,
+    "llama-3-70b": 70_553_706_496,
+    "llama-3.1-405b": 405_853_388_800,
+    "mistral-7b": 7_241_732_096,
+    "mixtral-8x7b": 46_702_792_704,
+    "qwen2.5-7b": 7_615_616_512,
+    "qwen2.5-72b": 72_706_203_648,
+    "gpt2": 124_439_808,
+}
+
+EXPECTED_CATALOG = {*PUBLISHED, "gpt3-175b", "tiny"}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_catalog_count_matches_published(name: str) -> None:
+    assert param_counts(load_model(name)).total == PUBLISHED[name]
+
+
+def test_catalog_holds_the_expected_models() -> None:
+    assert set(catalog_names()) == EXPECTED_CATALOG
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_CATALOG))
+def test_every_catalog_file_loads_with_a_source(name: str) -> None:
+    spec = load_model(name)
+    assert spec.name == name
+    assert spec.source.strip()
+
+
+def test_gpt3_175b_count() -> None:
+    """GPT-3 175B by hand: h=12288, L=96, V=50257, S=2048, ffn=4h, all biases, LayerNorm with bias.
+
+    token embedding     V*h = 50257 * 12288                   =     617,558,016
+    position embedding  S*h = 2048 * 12288                    =      25,165,824
+    one layer:
+      attention weights 4h^2 = 4 * 150,994,944                =     603,979,776
+      attention biases  3h (q,k,v) + h (out) = 4h              =          49,152
+      MLP weights       2 * h * 4h = 8h^2                      =   1,207,959,552
+      MLP biases        4h (up) + h (down) = 5h                =          61,440
+      two LayerNorms    2 * 2h = 4h                            =          49,152
+      layer total       12h^2 + 13h                            =   1,812,099,072
+    96 layers           96 * 1,812,099,072                     = 173,961,510,912
+    final LayerNorm     2h                                     =          24,576
+    head                tied to the token embedding            =               0
+    total                                                      = 174,604,259,328
+
+    The paper (Brown et al. 2020, Table 2.1) rounds this to 175.0B.
+    """
+    assert param_counts(load_model("gpt3-175b")).total == 174_604_259_328
+
+
+def test_tiny_count() -> None:
+    """tiny by hand: h=64, L=2, ffn=176, 4 heads / 2 KV heads of 16, V=128, untied, RMSNorm.
+
+    token embedding     128 * 64                               =   8,192
+    one layer:
+      q and out         2 * 64 * (4*16)                        =   8,192
+      k and v           2 * 64 * (2*16)                        =   4,096
+      SwiGLU            3 * 64 * 176                           =  33,792
+      two RMSNorms      2 * 64                                 =     128
+      layer total                                              =  46,208
+    2 layers                                                   =  92,416
+    final RMSNorm       64                                     =      64
+    head (untied)       128 * 64                               =   8,192
+    total                                                      = 108,864
+    """
+    counts = param_counts(load_model("tiny"))
+    assert counts.layers[0].total == 46_208
+    assert counts.total == 108_864
+
+
+def test_llama_2_7b_parts() -> None:
+    """Llama-2-7B by part: h=4096, ffn=11008, 32 layers, V=32000, untied.
+
+    one layer = 4h^2 (q,k,v,o) + 3*h*ffn (gate, up, down) + 2h (norms)
+              = 67,108,864 + 135,266,304 + 8,192 = 202,383,360
+    """
+    counts = param_counts(load_model("llama-2-7b"))
+    assert counts.embedding == 131_072_000
+    assert counts.position_embedding == 0
+    assert len(counts.layers) == 32
+    assert {lp.total for lp in counts.layers} == {202_383_360}
+    # Norms are replicated under tensor parallelism; every matrix is sharded.
+    assert counts.layers[0].replicated == 8_192
+    assert counts.layers[0].tp_sharded == 202_375_168
+    assert counts.layers[0].expert == 0
+    assert counts.final_norm == 4_096
+    assert counts.head == 131_072_000
+    assert counts.total == 131_072_000 + 32 * 202_383_360 + 4_096 + 131_072_000
+
+
+def test_mixtral_layer_split() -> None:
+    """Mixtral layer: attention 2*4096*4096 + 2*4096*1024 = 41,943,040; router 4096*8 = 32,768;
+    experts 8 * 3*4096*14336 = 1,409,286,144; norms 8,192."""
+    counts = param_counts(load_model("mixtral-8x7b"))
+    layer = counts.layers[0]
+    assert layer.tp_sharded == 41_943_040
+    assert layer.replicated == 32_768 + 8_192
+    assert layer.expert == 1_409_286_144
+
+
+def test_gpt2_parts() -> None:
+    counts = param_counts(load_model("gpt2"))
+    assert counts.embedding == 50257 * 768
+    assert counts.position_embedding == 1024 * 768
+    assert counts.head == 0
+    assert counts.final_norm == 2 * 768
+
+
+def test_unknown_name_suggests_the_near_one() -> None:
+    with pytest.raises(MemplanError, match="'llama-2-7b'") as err:
+        load_model("llama2-7b")
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_name_with_nothing_near() -> None:
+    with pytest.raises(MemplanError, match="unknown model") as err:
+        load_model("zzzzzzzz")
+    assert "did you mean" not in str(err.value)
+
+
+def _toml_with(tmp_path: Path, extra: str) -> Path:
+    base = (Path(__file__).parent.parent / "model_specs" / "models" / "tiny.toml").read_text()
+    path = tmp_path / "custom.toml"
+    path.write_text(base.replace('name = "tiny"\n', "") + extra)
+    return path
+
+
+def test_toml_file_loads_with_name_from_stem(tmp_path: Path) -> None:
+    spec = load_model(str(_toml_with(tmp_path, "")))
+    assert spec.name == "custom"
+    assert spec.num_params == 108_864
+
+
+def test_toml_unknown_key_is_named(tmp_path: Path) -> None:
+    path = _toml_with(tmp_path, "num_layer = 3\n")
+    with pytest.raises(MemplanError, match="num_layer") as err:
+        load_model(str(path))
+    assert str(path) in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_toml_bad_value_is_one_line(tmp_path: Path) -> None:
+    text = _toml_with(tmp_path, "").read_text().replace("num_kv_heads = 2", "num_kv_heads = 3")
+    (tmp_path / "bad.toml").write_text(text)
+    with pytest.raises(MemplanError, match="num_kv_heads") as err:
+        load_model(str(tmp_path / "bad.toml"))
+    assert "\n" not in str(err.value)
+
+
+def test_malformed_toml(tmp_path: Path) -> None:
+    path = tmp_path / "broken.toml"
+    path.write_text("num_layers = = 2\n")
+    with pytest.raises(MemplanError, match="broken.toml"):
+        load_model(str(path))
