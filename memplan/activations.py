@@ -14,8 +14,7 @@ What each block saves (Llama and GPT blocks in PyTorch; Korthikanti et al. 2022,
 
 - norm, ``upcast`` (Hugging Face style): the fp32 copy of its input (saved by pow and mul),
   per-token statistics (fp32 rstd; mean and rstd for LayerNorm), the normalised tensor in the
-  compute dtype (saved by the weight multiply, RMSNorm only), and its output (saved by the next
-  linear). ``fused``: its input, the statistics, and its output.
+  compute dtype (saved by the weight multiply), and its output (saved by the next linear). ``fused``: its input, the statistics, and its output.
 - attention: q after RoPE, k and v at the KV width (GQA/MQA), the attention output (saved by the
   output projection). flash: a fp32 logsumexp per query and head. eager: the softmax output
   (a*s^2 elements per sequence; the s-squared term) and, with dropout, its mask and output.
@@ -75,20 +74,22 @@ def norm_terms(prefix: str, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Ter
     out = [Term(f"{prefix}.output", rows * h * dm.e), Term(f"{prefix}.stats", stats)]
     if wl.norm_impl is NormImpl.FUSED:
         return [Term(f"{prefix}.input", rows * h * dm.e), *out]
-    terms = [Term(f"{prefix}.input_fp32", rows * h * FP32_BYTES), *out]
-    if spec.norm is NormKind.RMSNORM:  # x * rstd, cast back, then weight * normed saves normed
-        terms.append(Term(f"{prefix}.normed", rows * h * dm.e))
-    return terms
+    # normalise in fp32, cast back, then weight * normed saves the normed tensor
+    return [Term(f"{prefix}.input_fp32", rows * h * FP32_BYTES), *out,
+            Term(f"{prefix}.normed", rows * h * dm.e)]
 
 
 def attention_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
     """Attention block terms, without its input norm."""
     t, e = dm.tp, dm.e
     heads = spec.num_attention_heads // t
+    # Eager attention repeats K and V to every query head before its matmuls, which save the
+    # repeated copies; SDPA's fused kernels take grouped K and V as they are.
+    kv_width = spec.kv_size if wl.attention is Attention.FLASH else spec.q_size
     terms = [
         Term("attn.q", dm.tokens * spec.q_size // t * e),
-        Term("attn.k", dm.tokens * spec.kv_size // t * e),
-        Term("attn.v", dm.tokens * spec.kv_size // t * e),
+        Term("attn.k", dm.tokens * kv_width // t * e),
+        Term("attn.v", dm.tokens * kv_width // t * e),
         Term("attn.out", dm.tokens * spec.q_size // t * e),
     ]
     # Selective recompute reruns the attention core, so nothing it saves internally is kept.
@@ -157,8 +158,11 @@ def layer_terms(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
 
 
 def embedding_terms(spec: ModelSpec, dm: Dims) -> list[Term]:
-    """First pipeline stage: token ids (saved by the embedding) and the dropout mask."""
+    """First pipeline stage: token ids (saved by the embedding), position ids for learned
+    positions (one row shared by the batch) and the dropout mask."""
     terms = [Term("embedding.ids", dm.tokens * INDEX_BYTES)]
+    if spec.position is PositionKind.LEARNED:
+        terms.append(Term("embedding.position_ids", dm.s * INDEX_BYTES))
     if spec.dropout > 0:
         terms.append(Term("embedding.dropout_mask",
                           dm.tokens // dm.res_tokens_div * spec.hidden_size * MASK_BYTES))
@@ -179,6 +183,8 @@ def head_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
         *norm_terms("final_norm", spec, wl, dm),
         Term("loss.log_softmax", dm.tokens * _vocab_shard(spec, dm) * logit_bytes),
         Term("loss.targets", dm.tokens * INDEX_BYTES),
+        # the loss itself and nll_loss's saved total_weight: two fp32 scalars
+        Term("loss.scalars", 2 * FP32_BYTES),
     ]
 
 
@@ -189,6 +195,11 @@ def head_forward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     until the loss returns, next to the log-softmax output.
     """
     return dm.tokens * _vocab_shard(spec, dm) * (FP32_BYTES if wl.logits_fp32 else dm.e)
+
+
+def eager_mask_bytes(wl: Workload, dm: Dims) -> int:
+    """Eager attention's additive causal mask, built once per forward and freed after it."""
+    return dm.s * dm.s_kv * dm.e if wl.attention is Attention.EAGER else 0
 
 
 def head_backward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:

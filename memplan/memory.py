@@ -11,7 +11,8 @@ Phases of one training step, each a sum of what is alive at that moment (never a
 - optimizer: weights, gradients, states (created here in step 1) and the step's temporaries.
 
 Gradients are freed after each step (``zero_grad(set_to_none=True)``, PyTorch's default), so
-step 1's forward and backward run without optimizer states and the steady state has them:
+step 1's forward and backward run without optimizer moments (fp32 master weights exist from
+the optimizer's construction) and the steady state has them:
 the peak is reported for both. Fixed overheads (CUDA context, workspaces, allocator share) are
 separate lines on top of the tensor peak.
 """
@@ -189,6 +190,7 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
     opt_temp = optimizer_step_temp_bytes(sp, st, par, wl)
     shard_fwd, shard_bwd = sharding_buffers(sp, par, wl)
     loss_fwd = act.head_forward_extra_bytes(spec, wl, dm) if last else 0
+    mask = act.eager_mask_bytes(wl, dm)
     loss_bwd = act.head_backward_extra_bytes(spec, wl, dm) if last else 0
 
     grads_in_forward = st.grads_bytes if m > 1 else 0
@@ -202,12 +204,13 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
     def peaks(opt_bytes: int) -> PhasePeaks:
         base = st.params_bytes + opt_bytes
         return PhasePeaks(
-            forward=base + grads_in_forward + activations + loss_fwd + shard_fwd,
+            forward=base + grads_in_forward + activations + loss_fwd + mask + shard_fwd,
             backward=base + max(bwd_start, bwd_end) + shard_bwd,
             optimizer=st.params_bytes + st.grads_bytes + st.optimizer_bytes + opt_temp,
         )
 
-    steady, first_step = peaks(st.optimizer_bytes), peaks(0)
+    # Master weights exist from optimizer setup; moments appear at step 1's optimizer step.
+    steady, first_step = peaks(st.optimizer_bytes), peaks(st.master_bytes)
     tensor_peak = max(steady.peak, first_step.peak)
     alloc = ovh.allocator_bytes(tensor_peak)
     return StageMemory(

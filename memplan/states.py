@@ -79,7 +79,8 @@ class StateBytes:
 
     params_bytes: int
     grads_bytes: int
-    optimizer_bytes: int
+    optimizer_bytes: int  # master copy + optimizer states
+    master_bytes: int  # the fp32 master copy alone: created with the optimizer, before step 1
     num_optimizer_params: int  # elements this rank's optimizer updates
 
 
@@ -102,6 +103,7 @@ def state_bytes(sp: StageParams, par: ParallelConfig, wl: Workload) -> StateByte
         params_bytes=held(ZeroStage.PARAMETERS) * recipe.param_bytes,
         grads_bytes=held(ZeroStage.GRADIENTS) * recipe.grad_bytes,
         optimizer_bytes=opt_params * per_param_opt,
+        master_bytes=opt_params * recipe.master_bytes,
         num_optimizer_params=opt_params,
     )
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from memplan.units import DType
 
@@ -94,6 +94,10 @@ class Recompute(enum.IntEnum):
     def parse(cls, text: str) -> Recompute:
         return cls[text.upper()]
 
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
 
 class Attention(str, enum.Enum):
     """flash: fused kernel saving output and logsumexp (SDPA flash / memory-efficient);
@@ -127,6 +131,13 @@ class Workload(BaseModel):
     attention: Attention = Attention.FLASH
     norm_impl: NormImpl = NormImpl.UPCAST
     logits_fp32: bool = Field(default=True, description="loss computed on fp32 logits")
+
+    @field_validator("recompute", mode="before")
+    @classmethod
+    def _recompute_by_name(cls, value: object) -> object:
+        if isinstance(value, str) and value.upper() in Recompute.__members__:
+            return Recompute[value.upper()]
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> Workload:

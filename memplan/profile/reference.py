@@ -1,0 +1,253 @@
+"""The reference decoder-only transformer, built from any ``ModelSpec``.
+
+It is the model memplan's analytic terms are written against and the one GPU calibration runs:
+Llama family (RMSNorm, RoPE, GQA through ``F.scaled_dot_product_attention``, SwiGLU), GPT family
+(LayerNorm, learned positions, GELU, dropout) and MoE blocks (top-k router, experts). The
+implementation choices that change what autograd saves are parameters (``RefOptions``): norm
+upcast to fp32 or one fused kernel, flash (SDPA) or eager attention, loss on fp32 logits or not,
+and recompute none / selective (attention core) / full / full for k of L layers through
+non-reentrant ``torch.utils.checkpoint``.
+
+Weights are created directly in the target dtype (under ``FakeTensorMode`` a later ``.to()``
+would allocate a second copy) with a deterministic small init; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from memplan.spec import MlpKind, ModelSpec, NormKind, PositionKind
+from memplan.workload import Attention, NormImpl, Recompute
+
+
+@dataclass(frozen=True)
+class RefOptions:
+    dtype: torch.dtype = torch.bfloat16
+    norm_impl: NormImpl = NormImpl.UPCAST
+    attention: Attention = Attention.FLASH
+    logits_fp32: bool = True
+    recompute: Recompute = Recompute.NONE
+    recompute_layers: int | None = None  # with FULL: only the first k layers
+    norm_eps: float = 1e-5
+
+
+class Norm(nn.Module):
+    """RMSNorm or LayerNorm. ``upcast``: Hugging Face style, normalise an fp32 copy, cast back,
+    then apply the affine weight in the compute dtype. ``fused``: one aten kernel."""
+
+    def __init__(self, spec: ModelSpec, opts: RefOptions, device: torch.device | str) -> None:
+        super().__init__()
+        h = spec.hidden_size
+        self.kind, self.impl, self.eps = spec.norm, opts.norm_impl, opts.norm_eps
+        self.weight = nn.Parameter(torch.ones(h, dtype=opts.dtype, device=device))
+        self.bias = (nn.Parameter(torch.zeros(h, dtype=opts.dtype, device=device))
+                     if spec.norm_bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.shape[-1]
+        if self.impl is NormImpl.FUSED:
+            if self.kind is NormKind.LAYERNORM:
+                return F.layer_norm(x, (h,), self.weight, self.bias, self.eps)
+            return F.rms_norm(x, (h,), self.weight, self.eps)
+        xf = x.float()
+        if self.kind is NormKind.LAYERNORM:
+            normed = F.layer_norm(xf, (h,), None, None, self.eps)
+        else:
+            normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * normed.to(x.dtype)
+        return out + self.bias if self.bias is not None else out
+
+
+def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Dropout that saves a 1-byte bool mask on every device, as CUDA's fused kernel does
+    (``F.dropout`` on CPU falls back to multiplying by a noise tensor in the input dtype)."""
+    if not training or p == 0.0:
+        return x
+    return torch.native_dropout(x, p, True)[0]
+
+
+def _linear(d_in: int, d_out: int, bias: bool, opts: RefOptions, device) -> nn.Linear:
+    layer = nn.Linear(d_in, d_out, bias=bias, dtype=opts.dtype, device=device)
+    return layer
+
+
+def rope_tables(seq: int, head_dim: int, dtype: torch.dtype, device, base: float = 10000.0):
+    """cos and sin of shape (seq, head_dim), the Llama convention (halves rotated)."""
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
+                          / head_dim))
+    angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)
+    emb = torch.cat((angles, angles), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, spec: ModelSpec, opts: RefOptions, device) -> None:
+        super().__init__()
+        h = spec.hidden_size
+        self.spec, self.opts = spec, opts
+        self.q_proj = _linear(h, spec.q_size, spec.qkv_bias, opts, device)
+        self.k_proj = _linear(h, spec.kv_size, spec.qkv_bias, opts, device)
+        self.v_proj = _linear(h, spec.kv_size, spec.qkv_bias, opts, device)
+        self.o_proj = _linear(spec.q_size, h, spec.attn_out_bias, opts, device)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        b, s, _ = x.shape
+        a, g, d = self.spec.num_attention_heads, self.spec.num_kv_heads, self.spec.head_dim
+        q = self.q_proj(x).view(b, s, a, d).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, g, d).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, g, d).transpose(1, 2)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.opts.recompute is Recompute.SELECTIVE:
+            out = checkpoint(self._core, q, k, v, mask, use_reentrant=False)
+        else:
+            out = self._core(q, k, v, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, a * d))
+
+    def _core(self, q, k, v, mask):
+        if self.opts.attention is Attention.FLASH:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                      enable_gqa=q.shape[1] != k.shape[1])
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:  # eager GQA repeats K and V to every query head (as Hugging Face does)
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1])) + mask
+        probs = F.softmax(scores, dim=-1)
+        probs = dropout(probs, self.spec.dropout, self.training)
+        return torch.matmul(probs, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec, ffn: int, opts: RefOptions, device) -> None:
+        super().__init__()
+        h, bias = spec.hidden_size, spec.mlp_bias
+        self.kind = spec.mlp
+        self.up = _linear(h, ffn, bias, opts, device)
+        self.gate = _linear(h, ffn, bias, opts, device) if spec.mlp.gated else None
+        self.down = _linear(ffn, h, bias, opts, device)
+
+    def _act(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind is MlpKind.RELU:
+            return F.relu(x)
+        if self.kind is MlpKind.SWIGLU:
+            return F.silu(x)
+        return F.gelu(x, approximate="tanh")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate is not None:
+            return self.down(self._act(self.gate(x)) * self.up(x))
+        return self.down(self._act(self.up(x)))
+
+
+class MoE(nn.Module):
+    """Top-k router (softmax in fp32, renormalised weights) over a list of expert MLPs."""
+
+    def __init__(self, spec: ModelSpec, opts: RefOptions, device) -> None:
+        super().__init__()
+        moe = spec.moe
+        assert moe is not None
+        self.top_k = moe.top_k
+        self.router = _linear(spec.hidden_size, moe.num_experts, moe.router_bias, opts, device)
+        self.experts = nn.ModuleList(
+            MLP(spec, moe.expert_ffn_hidden_size, opts, device) for _ in range(moe.num_experts))
+        self.shared = (MLP(spec, moe.num_shared_experts * moe.shared_expert_ffn_hidden_size,
+                           opts, device) if moe.num_shared_experts else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        flat = x.reshape(b * s, h)
+        probs = F.softmax(self.router(flat), dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            rows, slot = torch.where(chosen == e)
+            if rows.numel() == 0:
+                continue
+            y = expert(flat[rows]) * weights[rows, slot, None]
+            out = out.index_add(0, rows, y)
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        return out.view(b, s, h)
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec, opts: RefOptions, index: int, device) -> None:
+        super().__init__()
+        self.dropout = spec.dropout
+        self.attn_norm = Norm(spec, opts, device)
+        self.attn = SelfAttention(spec, opts, device)
+        self.mlp_norm = Norm(spec, opts, device)
+        self.mlp = (MoE(spec, opts, device) if spec.is_moe_layer(index)
+                    else MLP(spec, spec.ffn_hidden_size, opts, device))
+
+    def forward(self, x, rope, mask):
+        x = x + dropout(self.attn(self.attn_norm(x), rope, mask), self.dropout, self.training)
+        return x + dropout(self.mlp(self.mlp_norm(x)), self.dropout, self.training)
+
+
+class ReferenceModel(nn.Module):
+    """Embedding, blocks, final norm, head, cross-entropy loss. ``forward(ids, targets)``."""
+
+    def __init__(self, spec: ModelSpec, opts: RefOptions | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        opts = opts or RefOptions()
+        self.spec, self.opts = spec, opts
+        h = spec.hidden_size
+        self.embed = nn.Embedding(spec.vocab_size, h, dtype=opts.dtype, device=device)
+        self.pos_embed = (nn.Embedding(spec.max_seq_len, h, dtype=opts.dtype, device=device)
+                          if spec.position is PositionKind.LEARNED else None)
+        self.blocks = nn.ModuleList(Block(spec, opts, i, device) for i in range(spec.num_layers))
+        self.final_norm = Norm(spec, opts, device)
+        self.head = (None if spec.tied_embeddings
+                     else _linear(h, spec.vocab_size, False, opts, device))
+
+    def _full_recompute(self, index: int) -> bool:
+        if self.opts.recompute is not Recompute.FULL:
+            return False
+        k = self.opts.recompute_layers
+        return k is None or index < k
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        spec, opts = self.spec, self.opts
+        b, s = ids.shape
+        x = self.embed(ids)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(torch.arange(s, device=ids.device))
+        x = dropout(x, spec.dropout, self.training)
+        rope = (rope_tables(s, spec.head_dim, opts.dtype, ids.device)
+                if spec.position is PositionKind.ROPE else None)
+        mask = None
+        if opts.attention is Attention.EAGER:
+            mask = torch.full((s, s), float("-inf"), dtype=opts.dtype, device=ids.device).triu(1)
+        for i, block in enumerate(self.blocks):
+            if self._full_recompute(i):
+                x = checkpoint(block, x, rope, mask, use_reentrant=False)
+            else:
+                x = block(x, rope, mask)
+        x = self.final_norm(x)
+        weight = self.embed.weight if self.head is None else self.head.weight
+        logits = F.linear(x, weight)
+        if opts.logits_fp32:
+            logits = logits.float()
+        return F.cross_entropy(logits.view(b * s, -1), targets.view(b * s))

@@ -1,0 +1,190 @@
+"""Run real training steps of the reference model under the exact tracker.
+
+``trace(spec, layout, workload)`` builds the reference model (fake tensors on device cpu by
+default, so a 7B model traces in seconds without memory), runs ``steps`` training steps with the
+precision recipe and optimizer of the workload, and returns measured bytes per category and per
+phase for each step: step 1 is the first step (no optimizer states yet), the last step is the
+steady state.
+
+Precision recipes are implemented as the frameworks do:
+- fp32: fp32 weights, the optimizer updates them.
+- bf16-mixed / fp16-mixed: low-precision weights and grads; the optimizer owns fp32 master
+  copies; before its step it makes fp32 copies of the grads (Megatron-LM's
+  ``_copy_model_grads_to_main_grads``) and after it copies the masters back into the weights.
+- bf16-fp32-grads: as above, but every grad is accumulated into an fp32 ``main_grad`` as soon as
+  autograd produces it (Megatron-LM's gradient accumulation into main grads).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from memplan.errors import MemplanError
+from memplan.parallel import ParallelConfig
+from memplan.profile.reference import ReferenceModel, RefOptions
+from memplan.profile.tracker import CATEGORIES, MemoryTracker, PhasePeak
+from memplan.spec import ModelSpec
+from memplan.workload import Optimizer, OptimizerImpl, Precision, Workload
+
+_TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class StepMeasure:
+    """What one traced step held, in bytes."""
+
+    step: int
+    phases: dict[str, PhasePeak]
+    saved_activations_bytes: int  # born in forward, alive when backward starts
+    grads_bytes: int  # gradients alive when the optimizer step starts
+    optimizer_bytes: int  # optimizer states after the step
+
+
+@dataclass
+class TraceResult:
+    spec: ModelSpec
+    params_bytes: int
+    steps: list[StepMeasure] = field(default_factory=list)
+    timeline: list = field(default_factory=list)
+
+    @property
+    def first(self) -> StepMeasure:
+        return self.steps[0]
+
+    @property
+    def steady(self) -> StepMeasure:
+        return self.steps[-1]
+
+
+def _optimizer(params: list[torch.Tensor], wl: Workload) -> torch.optim.Optimizer:
+    impl = wl.optimizer_impl
+    flags = {"foreach": impl is OptimizerImpl.FOREACH, "fused": impl is OptimizerImpl.FUSED}
+    if wl.optimizer is Optimizer.ADAMW:
+        return torch.optim.AdamW(params, lr=1e-4, **flags)
+    if impl is OptimizerImpl.FUSED:
+        raise MemplanError("optimizer_impl: torch.optim.SGD has no fused CPU implementation")
+    return torch.optim.SGD(params, lr=1e-4, momentum=0.9, foreach=flags["foreach"])
+
+
+class _Recipe:
+    """Weights the model computes with, the tensors the optimizer updates, and the glue."""
+
+    def __init__(self, model: torch.nn.Module, precision: Precision,
+                 tracker: MemoryTracker) -> None:
+        self.params = [p for p in model.parameters()]
+        self.precision = precision
+        self.masters: list[torch.Tensor] | None = None
+        self.tracker = tracker
+        if precision is Precision.BF16_FP32_GRADS:
+            for p in self.params:
+                p.register_post_accumulate_grad_hook(self._to_main_grad)
+        else:
+            for p in self.params:
+                p.register_post_accumulate_grad_hook(
+                    lambda q: tracker.relabel(q.grad, "gradients"))
+
+    def _to_main_grad(self, p: torch.Tensor) -> None:
+        main = getattr(p, "main_grad", None)
+        if main is None:
+            p.main_grad = p.grad.float()
+            self.tracker.relabel(p.main_grad, "gradients")
+        else:
+            main.add_(p.grad)
+        p.grad = None
+
+    def updated(self) -> list[torch.Tensor]:
+        if self.precision is Precision.FP32:
+            return self.params
+        if self.masters is None:  # created with the optimizer, as frameworks do at setup
+            self.masters = [p.detach().float().requires_grad_() for p in self.params]
+        return self.masters
+
+    def before_step(self) -> None:
+        if self.masters is None:
+            return
+        for p, m in zip(self.params, self.masters):
+            m.grad = p.main_grad if self.precision is Precision.BF16_FP32_GRADS else p.grad.float()
+
+    def after_step(self) -> None:
+        if self.masters is not None:
+            with torch.no_grad():
+                for p, m in zip(self.params, self.masters):
+                    p.copy_(m)
+                    m.grad = None
+        for p in self.params:
+            p.grad = None
+            if hasattr(p, "main_grad"):
+                del p.main_grad
+
+
+def trace(spec: ModelSpec, par: ParallelConfig, wl: Workload, *, steps: int = 2,
+          fake: bool = True, timeline: bool = False) -> TraceResult:
+    """Trace ``steps`` training steps of the reference model on one process."""
+    if par.world_size != 1:
+        raise MemplanError("trace: layouts with more than one rank need trace_parallel")
+    if wl.precision is Precision.FSDP_BF16:
+        raise MemplanError("precision: fsdp-bf16 needs an FSDP layout (zero 3, dp > 1)")
+    opts = RefOptions(dtype=_TORCH_DTYPE[wl.compute_dtype.value], norm_impl=wl.norm_impl,
+                      attention=wl.attention, logits_fp32=wl.logits_fp32,
+                      recompute=wl.recompute, recompute_layers=wl.recompute_layers)
+    mode = _fake_mode() if fake else contextlib.nullcontext()
+    with mode:
+        torch.manual_seed(0)
+        model = ReferenceModel(spec, opts)
+        model.train()
+        tracker = MemoryTracker(timeline=timeline)
+        with tracker:
+            tracker.register(list(model.parameters()), "parameters")
+            recipe = _Recipe(model, wl.precision, tracker)
+            opt = _optimizer(recipe.updated(), wl)
+            tracker.register(recipe.masters or [], "optimizer")
+            result = TraceResult(spec=spec, params_bytes=tracker.bytes_in("parameters"))
+            for k in range(1, steps + 1):
+                result.steps.append(_step(model, opt, recipe, tracker, wl, spec, k))
+        result.timeline = tracker.timeline
+    return result
+
+
+def _fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
+
+
+def _step(model, opt, recipe: _Recipe, tracker: MemoryTracker, wl: Workload,
+          spec: ModelSpec, k: int) -> StepMeasure:
+    b, s = wl.micro_batch_size, wl.seq_len
+    tracker.set_phase("forward", step=k)
+    ids = torch.randint(0, spec.vocab_size, (b, s))
+    targets = torch.randint(0, spec.vocab_size, (b, s))
+    loss = model(ids, targets)
+    tracker.set_phase("backward")
+    saved = tracker.bytes_in("activations")
+    loss.backward()
+    del loss, ids, targets
+    tracker.set_phase("optimizer")
+    grads = tracker.bytes_in("gradients")
+    recipe.before_step()
+    opt.step()
+    recipe.after_step()
+    for state in opt.state.values():
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor):
+                # AdamW's per-tensor step counter is a 0-dim host tensor on CUDA for the
+                # foreach and for-loop implementations: it never occupies GPU memory.
+                if name == "step" and wl.optimizer_impl is not OptimizerImpl.FUSED:
+                    tracker.forget(value)
+                else:
+                    tracker.relabel(value, "optimizer")
+    tracker.set_phase("optimizer")
+    measure = StepMeasure(
+        step=k, phases={ph: tracker.peak(k, ph) for ph in ("forward", "backward", "optimizer")},
+        saved_activations_bytes=saved, grads_bytes=grads,
+        optimizer_bytes=tracker.bytes_in("optimizer"))
+    return measure
+
+
+__all__ = ["CATEGORIES", "StepMeasure", "TraceResult", "trace"]

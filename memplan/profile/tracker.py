@@ -1,0 +1,186 @@
+"""Exact live-tensor bytes of a training step, by category and phase.
+
+A ``TorchDispatchMode`` sees every tensor an aten op returns. Each new storage is counted once
+(views share it, so they are free) and uncounted when Python frees it (a weakref finaliser), so
+the running total is exactly the bytes of live storages the step created, plus the parameters
+registered up front. Storage sizes are re-read whenever an op touches a storage, which follows
+FSDP2's ``resize_`` of its all-gather buffers. It runs on CPU, CUDA, and under ``FakeTensorMode``
+on device cpu, where full-size models trace without allocating memory.
+
+Categories: a storage is born ``activations`` in the forward phase and ``temporaries`` in the
+backward and optimizer phases; it becomes ``gradients`` when autograd accumulates it into a
+parameter's ``.grad`` and ``optimizer`` when it is found in the optimizer's state after a step.
+The bytes still alive at the end of forward that were born in forward are what autograd saved.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+PHASES = ("forward", "backward", "optimizer")
+
+
+@dataclass
+class PhasePeak:
+    """The largest total seen in one phase of one step, with its breakdown."""
+
+    total_bytes: int = 0
+    by_category: dict[str, int] = field(default_factory=dict)
+    op_index: int = -1
+
+
+@dataclass
+class TimelinePoint:
+    op_index: int
+    step: int
+    phase: str
+    total_bytes: int
+    by_category: dict[str, int]
+    op: str = ""
+
+
+def _storages(obj: Any) -> list[torch.UntypedStorage]:
+    out = []
+    for leaf in tree_flatten(obj)[0]:
+        if isinstance(leaf, torch.Tensor):
+            local = _local(leaf)
+            if local is not None:
+                out.append(local.untyped_storage())
+    return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor holding memory: a DTensor's local shard; None for other wrapper subclasses."""
+    if not _is_wrapper(t):
+        return t
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else None
+
+
+def _is_wrapper(t: torch.Tensor) -> bool:
+    # DTensor holds its memory in an inner local tensor; the ops DTensor runs on it happen below
+    # this mode, so the tracker reads the local tensor of every DTensor it sees instead.
+    return type(t) not in (torch.Tensor, torch.nn.Parameter) and not _is_fake(t)
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Count live storages by category; record per-phase peaks and an optional timeline."""
+
+    def __init__(self, *, timeline: bool = False) -> None:
+        super().__init__()
+        self._live: dict[int, list[Any]] = {}  # id(storage) -> [nbytes, category, weakref]
+        self.by_category = dict.fromkeys(CATEGORIES, 0)
+        self.total_bytes = 0
+        self.step = 0
+        self.phase = "forward"
+        self.op_index = 0
+        self.peaks: dict[tuple[int, str], PhasePeak] = {}
+        self.keep_timeline = timeline
+        self.timeline: list[TimelinePoint] = []
+
+    # --- bookkeeping -----------------------------------------------------------------------
+    def _add(self, st: torch.UntypedStorage, category: str) -> None:
+        key = id(st)
+        entry = self._live.get(key)
+        if entry is not None:
+            self._resize(entry, st.nbytes())
+            return
+        nbytes = st.nbytes()
+        ref = weakref.ref(st, lambda _r, k=key: self._drop(k))
+        self._live[key] = [nbytes, category, ref]
+        self.by_category[category] += nbytes
+        self.total_bytes += nbytes
+
+    def _resize(self, entry: list[Any], nbytes: int) -> None:
+        delta = nbytes - entry[0]
+        if delta:
+            entry[0] = nbytes
+            self.by_category[entry[1]] += delta
+            self.total_bytes += delta
+
+    def _drop(self, key: int) -> None:
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            self.by_category[entry[1]] -= entry[0]
+            self.total_bytes -= entry[0]
+
+    def relabel(self, tensor: torch.Tensor, category: str) -> None:
+        """Move a tensor's storage to ``category`` (counting it if it is new)."""
+        local = _local(tensor)
+        if local is None:
+            return
+        st = local.untyped_storage()
+        entry = self._live.get(id(st))
+        if entry is None:
+            self._add(st, category)
+            return
+        if entry[1] != category:
+            self.by_category[entry[1]] -= entry[0]
+            self.by_category[category] += entry[0]
+            entry[1] = category
+
+    def forget(self, tensor: torch.Tensor) -> None:
+        """Stop counting a tensor's storage (memory that would not be on the device)."""
+        local = _local(tensor)
+        if local is not None:
+            self._drop(id(local.untyped_storage()))
+
+    def register(self, tensors: Any, category: str) -> None:
+        for leaf in tree_flatten(tensors)[0]:
+            if isinstance(leaf, torch.Tensor):
+                self.relabel(leaf, category)
+
+    def bytes_in(self, category: str) -> int:
+        return self.by_category[category]
+
+    # --- phases ----------------------------------------------------------------------------
+    def set_phase(self, phase: str, step: int | None = None) -> None:
+        assert phase in PHASES, phase
+        if step is not None:
+            self.step = step
+        self.phase = phase
+        self._record()
+
+    def _record(self, op: str = "") -> None:
+        key = (self.step, self.phase)
+        peak = self.peaks.get(key)
+        if peak is None:
+            peak = self.peaks[key] = PhasePeak()
+        if self.total_bytes > peak.total_bytes or peak.op_index < 0:
+            peak.total_bytes = self.total_bytes
+            peak.by_category = dict(self.by_category)
+            peak.op_index = self.op_index
+        if self.keep_timeline:
+            self.timeline.append(TimelinePoint(self.op_index, self.step, self.phase,
+                                               self.total_bytes, dict(self.by_category), op))
+
+    def peak(self, step: int, phase: str) -> PhasePeak:
+        return self.peaks[(step, phase)]
+
+    # --- dispatch --------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.op_index += 1
+        born = "activations" if self.phase == "forward" else "temporaries"
+        for st in _storages(out):
+            self._add(st, born)
+        for st in _storages((args, kwargs)):  # inputs may have been resized in place
+            entry = self._live.get(id(st))
+            if entry is not None:
+                self._resize(entry, st.nbytes())
+        self._record(str(func))
+        return out

@@ -1,0 +1,346 @@
+"""Saved-activation terms per layer, against published formulas and hand derivations.
+
+Korthikanti et al. 2022 (arXiv 2205.05198), section 4.1 / Table 2, for a GPT layer in 16-bit
+with 1-byte dropout masks, eager attention and a fused LayerNorm, per micro-batch of b sequences
+of s tokens (h hidden, a heads, t TP degree):
+
+    attention block: 11sbh + 5as^2b   = QKV input 2sbh + Q,K 4sbh + V 2sbh + out-proj input 2sbh
+                                        + dropout mask sbh; softmax 2as^2b + its dropout mask
+                                        as^2b + dropout output 2as^2b
+    MLP block:       19sbh            = fc1 input 2sbh + GELU input 8sbh + GELU output 8sbh
+                                        + dropout mask sbh
+    two LayerNorms:   4sbh            = their inputs 2sbh each
+    total            34sbh + 5as^2b
+
+memplan names them differently (each norm saves its input and its output, the output being the
+next linear's input), but the sum must match. The paper neglects LayerNorm statistics (fp32 mean
+and rstd per token), which memplan carries as ``*.stats`` terms; they are checked separately.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memplan.activations import (
+    Dims, Term, embedding_terms, head_terms, layer_terms, moe_terms, rope_terms, total,
+)
+from memplan.parallel import ParallelConfig
+from memplan.spec import ModelSpec, load_model
+from memplan.workload import Attention, NormImpl, Precision, Recompute, Workload
+
+# Korthikanti's setting, with all divisions exact for t in {1, 2, 4, 8}:
+# 5as/h = 5*16*2048/1024 = 160, a/t and 24/t integers, s/t integer for sequence parallelism.
+S, B, H, A = 2048, 2, 1024, 16
+SBH = S * B * H
+
+GPT = ModelSpec(
+    name="gpt-korthikanti", source="test: GPT layer as in Korthikanti et al. 2022",
+    num_layers=4, hidden_size=H, ffn_hidden_size=4 * H, num_attention_heads=A, num_kv_heads=A,
+    head_dim=H // A, vocab_size=51_200, max_seq_len=S, norm="layernorm", mlp="gelu",
+    position="learned", tied_embeddings=True, qkv_bias=True, attn_out_bias=True, mlp_bias=True,
+    norm_bias=True, dropout=0.1,
+)
+GPT_WL = Workload(micro_batch_size=B, seq_len=S, precision=Precision.BF16_MIXED,
+                  attention=Attention.EAGER, norm_impl=NormImpl.FUSED)
+
+
+def _gpt_layer(t: int, sp: bool, recompute: Recompute) -> list[Term]:
+    par = ParallelConfig(tp=t, sequence_parallel=sp)
+    return layer_terms(GPT, GPT_WL, Dims.of(par, GPT_WL), moe_layer=False, recompute=recompute)
+
+
+def _without_stats(terms: list[Term]) -> int:
+    return sum(term.size_bytes for term in terms if not term.name.endswith(".stats"))
+
+
+def _stats(terms: list[Term]) -> int:
+    return sum(term.size_bytes for term in terms if term.name.endswith(".stats"))
+
+
+# --- Korthikanti Table 2 --------------------------------------------------------------------
+
+def test_no_parallelism() -> None:
+    """s*b*h*(34 + 5as/h) = 4,194,304 * (34 + 160) = 813,694,976 bytes."""
+    terms = _gpt_layer(1, False, Recompute.NONE)
+    assert _without_stats(terms) == SBH * 34 + 5 * A * S * S * B == 813_694_976
+
+
+def test_no_parallelism_term_by_term() -> None:
+    """The mapping of memplan's terms onto the paper's (in units of sbh; as^2b for softmax)."""
+    sizes = {t.name: t.size_bytes for t in _gpt_layer(1, False, Recompute.NONE)}
+    assert sizes["attn_norm.input"] == sizes["mlp_norm.input"] == 2 * SBH  # LN inputs
+    assert sizes["attn_norm.output"] == 2 * SBH  # QKV input
+    assert sizes["mlp_norm.output"] == 2 * SBH  # fc1 input
+    assert sizes["attn.q"] == sizes["attn.k"] == sizes["attn.v"] == 2 * SBH
+    assert sizes["attn.out"] == 2 * SBH  # output-projection input
+    assert sizes["attn.softmax"] == sizes["attn.softmax_dropout_out"] == 2 * A * S * S * B
+    assert sizes["attn.softmax_dropout_mask"] == A * S * S * B
+    assert sizes["attn.dropout_mask"] == sizes["mlp.dropout_mask"] == SBH
+    assert sizes["mlp.fc1"] == sizes["mlp.act"] == 8 * SBH
+
+
+@pytest.mark.parametrize("t", [1, 2, 4, 8])
+def test_tp(t: int) -> None:
+    """TP without SP: s*b*h*(10 + 24/t + 5as/(h t))."""
+    terms = _gpt_layer(t, False, Recompute.NONE)
+    assert _without_stats(terms) == SBH * 10 + SBH * 24 // t + 5 * A * S * S * B // t
+
+
+@pytest.mark.parametrize("t", [1, 2, 4, 8])
+def test_tp_sp(t: int) -> None:
+    """TP + SP: s*b*h/t * (34 + 5as/h)."""
+    terms = _gpt_layer(t, True, Recompute.NONE)
+    assert _without_stats(terms) == (SBH * 34 + 5 * A * S * S * B) // t
+
+
+@pytest.mark.parametrize("t", [1, 2, 4, 8])
+def test_tp_selective(t: int) -> None:
+    """TP + selective recompute: s*b*h*(10 + 24/t)."""
+    terms = _gpt_layer(t, False, Recompute.SELECTIVE)
+    assert _without_stats(terms) == SBH * 10 + SBH * 24 // t
+
+
+@pytest.mark.parametrize("t", [1, 2, 4, 8])
+def test_tp_sp_selective(t: int) -> None:
+    """TP + SP + selective recompute: 34 s*b*h / t."""
+    terms = _gpt_layer(t, True, Recompute.SELECTIVE)
+    assert _without_stats(terms) == 34 * SBH // t
+
+
+def test_full_recompute() -> None:
+    """Full recompute keeps only the layer input: 2 s*b*h (no TP); it has no statistics."""
+    terms = _gpt_layer(1, False, Recompute.FULL)
+    assert total(terms) == 2 * SBH
+    assert _stats(terms) == 0
+
+
+@pytest.mark.parametrize("t", [2, 4, 8])
+def test_full_recompute_with_tp(t: int) -> None:
+    """The layer input is in the residual stream: replicated without SP, split by t with SP."""
+    assert total(_gpt_layer(t, False, Recompute.FULL)) == 2 * SBH
+    assert total(_gpt_layer(t, True, Recompute.FULL)) == 2 * SBH // t
+
+
+@pytest.mark.parametrize("t", [1, 2, 4, 8])
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("recompute", [Recompute.NONE, Recompute.SELECTIVE])
+def test_layernorm_stats(t: int, sp: bool, recompute: Recompute) -> None:
+    """Two LayerNorms, each fp32 mean + rstd = 8 bytes per token: 2 * 8 * s*b (/t with SP)."""
+    terms = _gpt_layer(t, sp, recompute)
+    assert _stats(terms) == 2 * 8 * S * B // (t if sp else 1)
+
+
+# --- Llama block (formulas.md, "Measured on CPU with real PyTorch") ----------------------------
+
+def _llama_block(spec: ModelSpec, b: int, s: int, precision: Precision = Precision.BF16_MIXED,
+                 tp: int = 1) -> list[Term]:
+    wl = Workload(micro_batch_size=b, seq_len=s, precision=precision)  # flash, upcast: defaults
+    assert wl.attention is Attention.FLASH and wl.norm_impl is NormImpl.UPCAST
+    return layer_terms(spec, wl, Dims.of(ParallelConfig(tp=tp), wl), moe_layer=False,
+                       recompute=Recompute.NONE)
+
+
+def _measured_formula(spec: ModelSpec, b: int, s: int, e: int) -> int:
+    """2T(4h + 4 + 2eh) + eT(2h + 2gd) + 4eTf + 4bas (query width a*d = h)."""
+    h, g, d, f, a = (spec.hidden_size, spec.num_kv_heads, spec.head_dim, spec.ffn_hidden_size,
+                     spec.num_attention_heads)
+    assert a * d == h
+    t_ = b * s
+    return 2 * t_ * (4 * h + 4 + 2 * e * h) + e * t_ * (2 * h + 2 * g * d) + 4 * e * t_ * f \
+        + 4 * b * a * s
+
+
+@settings(max_examples=20, deadline=None)
+@given(name=st.sampled_from(["llama-7b", "llama-2-13b", "llama-3-8b", "mistral-7b", "tiny"]),
+       b=st.integers(1, 4), s=st.sampled_from([16, 128, 1000, 2048, 4096]))
+def test_llama_block_bf16(name: str, b: int, s: int) -> None:
+    """bf16: T*(20h + 4gd + 8f + 8) + 4bas per layer, MHA and GQA alike."""
+    spec = load_model(name)
+    h, g, d, f, a = (spec.hidden_size, spec.num_kv_heads, spec.head_dim, spec.ffn_hidden_size,
+                     spec.num_attention_heads)
+    got = total(_llama_block(spec, b, s))
+    assert got == b * s * (20 * h + 4 * g * d + 8 * f + 8) + 4 * b * a * s
+    assert got == _measured_formula(spec, b, s, 2)
+
+
+@pytest.mark.parametrize(("precision", "e"), [(Precision.FP32, 4), (Precision.FP16_MIXED, 2)])
+def test_llama_block_other_dtypes(precision: Precision, e: int) -> None:
+    spec = load_model("llama-3-8b")
+    assert total(_llama_block(spec, 2, 512, precision)) == _measured_formula(spec, 2, 512, e)
+
+
+@pytest.mark.parametrize(("b", "s"), [(1, 2048), (2, 2048), (4, 512)])
+def test_llama_7b_block(b: int, s: int) -> None:
+    """Llama-7B (h = g*d = 4096, f = 11008 = 2.6875h): 20h + 4h + 8f = 45.5h per token, so the
+    block is 45.5sbh + 4abs + 8sb; the 8sb are the two RMSNorms' fp32 rstd (4 B/token each).
+
+    formulas.md writes "45.5*s*b*h + 4*a*b*s", which drops the rstd: that is exact only without
+    the ``.stats`` terms.
+    """
+    spec = load_model("llama-7b")
+    h, a = spec.hidden_size, spec.num_attention_heads
+    terms = _llama_block(spec, b, s)
+    assert 2 * _without_stats(terms) == 91 * s * b * h + 2 * 4 * a * b * s
+    assert _stats(terms) == 8 * s * b
+    assert 2 * total(terms) == 91 * s * b * h + 2 * (4 * a * b * s + 8 * s * b)
+
+
+def test_gqa_kv_width() -> None:
+    """Llama-3-8B: g = 8 KV heads of d = 128, so k and v are T*1024*2 bytes; q is T*4096*2."""
+    spec = load_model("llama-3-8b")
+    sizes = {t.name: t.size_bytes for t in _llama_block(spec, 2, 1024)}
+    tokens = 2 * 1024
+    assert sizes["attn.k"] == sizes["attn.v"] == tokens * 8 * 128 * 2
+    assert sizes["attn.q"] == sizes["attn.out"] == tokens * 32 * 128 * 2
+    assert sizes["attn.lse"] == 2 * 32 * 1024 * 4  # fp32 per query head and token
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_gqa_kv_width_under_tp(tp: int) -> None:
+    spec = load_model("llama-3-8b")
+    sizes = {t.name: t.size_bytes for t in _llama_block(spec, 1, 1024, tp=tp)}
+    assert sizes["attn.k"] == 1024 * 8 * 128 * 2 // tp
+    assert sizes["attn.lse"] == 1 * (32 // tp) * 1024 * 4
+
+
+def test_mqa() -> None:
+    """MQA (g = 1): k and v are one head wide, T*d*e each; q is unchanged."""
+    spec = load_model("llama-2-7b").model_copy(update={"num_kv_heads": 1})
+    sizes = {t.name: t.size_bytes for t in _llama_block(spec, 2, 256)}
+    assert sizes["attn.k"] == sizes["attn.v"] == 2 * 256 * 128 * 2
+    assert sizes["attn.q"] == 2 * 256 * 4096 * 2
+    mha = {t.name: t.size_bytes for t in _llama_block(load_model("llama-2-7b"), 2, 256)}
+    assert mha["attn.k"] == 32 * sizes["attn.k"]
+
+
+# --- MoE -----------------------------------------------------------------------------------
+
+def _mixtral_terms(top_k: int, b: int = 1, s: int = 1024) -> dict[str, int]:
+    spec = load_model("mixtral-8x7b")
+    spec = spec.model_copy(update={"moe": spec.moe.model_copy(update={"top_k": top_k})})
+    wl = Workload(micro_batch_size=b, seq_len=s)
+    return {t.name: t.size_bytes for t in moe_terms(spec, Dims.of(ParallelConfig(), wl))}
+
+
+def test_mixtral_moe_terms() -> None:
+    """Mixtral (h=4096, 8 experts, top-2, expert f=14336), T = 1024 tokens, bf16:
+
+    router probs fp32  T*8*4           =     32,768
+    top-k indices      T*2*8 (int64)   =     16,384
+    dispatched copies  T*2*h*2         = 16,777,216
+    expert gate/act/up/prod, each T*2*f*2 = 58,720,256
+    expert outputs     T*2*h*2         = 16,777,216
+    routing weights    T*2*2           =      4,096
+    """
+    terms = _mixtral_terms(2)
+    tk = 1024 * 2
+    assert terms["moe.router_probs"] == 1024 * 8 * 4 == 32_768
+    assert terms["moe.topk_indices"] == tk * 8
+    assert terms["moe.dispatched"] == terms["moe.expert_out"] == tk * 4096 * 2 == 16_777_216
+    for n in ("gate", "act", "up", "prod"):
+        assert terms[f"moe.expert.{n}"] == tk * 14336 * 2 == 58_720_256
+    assert terms["moe.routing_weights"] == tk * 2
+
+
+def test_moe_terms_scale_with_top_k() -> None:
+    """Routed terms are proportional to top_k; the router's probabilities are not."""
+    one, two = _mixtral_terms(1), _mixtral_terms(2)
+    assert one.keys() == two.keys()
+    for name in one:
+        if name == "moe.router_probs":
+            assert one[name] == two[name]
+        else:
+            assert two[name] == 2 * one[name]
+
+
+def test_mixtral_layer_uses_moe_terms() -> None:
+    spec = load_model("mixtral-8x7b")
+    wl = Workload(micro_batch_size=1, seq_len=1024)
+    dm = Dims.of(ParallelConfig(), wl)
+    assert spec.is_moe_layer(0)
+    names = {t.name for t in layer_terms(spec, wl, dm, moe_layer=True, recompute=Recompute.NONE)}
+    assert "moe.router_probs" in names and "mlp.gate" not in names
+
+
+# --- context parallelism, eager softmax, other stage terms -----------------------------------
+
+@pytest.mark.parametrize("attention", [Attention.FLASH, Attention.EAGER])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_divides_tokens(attention: Attention, cp: int) -> None:
+    """With CP every layer term is over T/cp local tokens; eager's scores are (s/cp) x s, so they
+    shrink by cp as well. The whole layer is exactly 1/cp of the cp=1 layer."""
+    spec = load_model("gpt2")
+    wl = Workload(micro_batch_size=2, seq_len=1024, attention=attention)
+    base = total(layer_terms(spec, wl, Dims.of(ParallelConfig(), wl), moe_layer=False,
+                             recompute=Recompute.NONE))
+    split = total(layer_terms(spec, wl, Dims.of(ParallelConfig(cp=cp), wl), moe_layer=False,
+                              recompute=Recompute.NONE))
+    assert split * cp == base
+    dm = Dims.of(ParallelConfig(cp=cp), wl)
+    assert (dm.s, dm.s_kv, dm.tokens) == (1024 // cp, 1024, 2 * 1024 // cp)
+
+
+@pytest.mark.parametrize(("tp", "cp"), [(1, 1), (2, 1), (1, 2), (4, 2), (2, 4)])
+def test_eager_softmax_term(tp: int, cp: int) -> None:
+    """Softmax output: b * (a/t) heads * (s/cp) local queries * s keys * e bytes; with dropout
+    its 1-byte mask and its e-byte output are the same shape."""
+    spec = load_model("gpt2")  # a = 12, dropout 0.1
+    b, s = 2, 1024
+    wl = Workload(micro_batch_size=b, seq_len=s, attention=Attention.EAGER)
+    dm = Dims.of(ParallelConfig(tp=tp, cp=cp), wl)
+    sizes = {t.name: t.size_bytes
+             for t in layer_terms(spec, wl, dm, moe_layer=False, recompute=Recompute.NONE)}
+    scores = b * (12 // tp) * (s // cp) * s
+    assert sizes["attn.softmax"] == scores * 2
+    assert sizes["attn.softmax_dropout_mask"] == scores
+    assert sizes["attn.softmax_dropout_out"] == scores * 2
+    assert "attn.lse" not in sizes
+
+
+def test_eager_without_dropout_has_no_softmax_mask() -> None:
+    spec = load_model("llama-2-7b")
+    wl = Workload(micro_batch_size=1, seq_len=512, attention=Attention.EAGER)
+    names = {t.name for t in layer_terms(spec, wl, Dims.of(ParallelConfig(), wl),
+                                         moe_layer=False, recompute=Recompute.NONE)}
+    assert "attn.softmax" in names
+    assert not {"attn.softmax_dropout_mask", "attn.softmax_dropout_out"} & names
+
+
+def test_rope_terms_are_per_sequence() -> None:
+    """cos and sin: 2 * s * d * e, independent of the micro-batch size; none for learned."""
+    spec = load_model("llama-2-7b")
+    for b in (1, 3):
+        wl = Workload(micro_batch_size=b, seq_len=2048)
+        assert total(rope_terms(spec, Dims.of(ParallelConfig(), wl))) == 2 * 2048 * 128 * 2
+    wl = Workload(micro_batch_size=1, seq_len=2048)
+    assert total(rope_terms(spec, Dims.of(ParallelConfig(cp=2), wl))) == 2 * 1024 * 128 * 2
+    assert rope_terms(load_model("gpt2"), Dims.of(ParallelConfig(), wl)) == []
+
+
+def test_embedding_and_head_terms() -> None:
+    """Embedding: int64 ids 8T (+ learned positions' int64 ids 8s, one row shared by the batch,
+    + 1-byte dropout mask T*h when dropout > 0). Head (Llama-2-7B,
+    upcast RMSNorm, fp32 logits): final norm 4Th + 4T + 2Th + 2Th, log-softmax T*V*4, targets 8T,
+    and two fp32 scalars (the loss and nll_loss's total_weight), 8 bytes per micro-batch."""
+    spec = load_model("llama-2-7b")
+    wl = Workload(micro_batch_size=2, seq_len=1024)
+    dm = Dims.of(ParallelConfig(), wl)
+    t_, h, v = 2048, 4096, 32000
+    assert total(embedding_terms(spec, dm)) == 8 * t_
+    gpt2 = load_model("gpt2")
+    assert total(embedding_terms(gpt2, dm)) == 8 * t_ + 8 * 1024 + t_ * 768
+    head = {t.name: t.size_bytes for t in head_terms(spec, wl, dm)}
+    assert head["loss.log_softmax"] == t_ * v * 4
+    assert head["loss.targets"] == 8 * t_
+    assert head["loss.scalars"] == 8
+    assert total(head_terms(spec, wl, dm)) == 8 * t_ * h + 4 * t_ + t_ * v * 4 + 8 * t_ + 8
+
+
+def test_head_vocab_is_ceil_split_under_tp() -> None:
+    """GPT-2's V = 50257 over t = 4: ceil(50257/4) = 12,565 columns per rank."""
+    spec = load_model("gpt2")
+    wl = Workload(micro_batch_size=1, seq_len=1024)
+    head = {t.name: t.size_bytes for t in head_terms(spec, wl, Dims.of(ParallelConfig(tp=4), wl))}
+    assert head["loss.log_softmax"] == 1024 * 12_565 * 4
