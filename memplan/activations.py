@@ -182,10 +182,14 @@ def head_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
     return [
         *norm_terms("final_norm", spec, wl, dm),
         Term("loss.log_softmax", dm.tokens * _vocab_shard(spec, dm) * logit_bytes),
-        Term("loss.targets", dm.tokens * INDEX_BYTES),
-        # the loss itself and nll_loss's saved total_weight: two fp32 scalars
-        Term("loss.scalars", 2 * FP32_BYTES),
+        *batch_terms(dm),
     ]
+
+
+def batch_terms(dm: Dims) -> list[Term]:
+    """The targets (saved by the loss) and the loss with nll_loss's saved total weight (two
+    fp32 scalars): the training loop holds them until the step's backward has finished."""
+    return [Term("loss.targets", dm.tokens * INDEX_BYTES), Term("loss.scalars", 2 * FP32_BYTES)]
 
 
 def head_forward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
@@ -197,6 +201,15 @@ def head_forward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     return dm.tokens * _vocab_shard(spec, dm) * (FP32_BYTES if wl.logits_fp32 else dm.e)
 
 
+def head_linear_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    """At the output projection's backward: the logits' gradient in the compute dtype (after
+    the fp32 upcast's backward) and the gradient of its input, beyond what is saved."""
+    grad_logits = dm.tokens * _vocab_shard(spec, dm) * dm.e
+    grad_input = dm.tokens // dm.res_tokens_div * spec.hidden_size * dm.e
+    upcast_grad = dm.tokens * _vocab_shard(spec, dm) * FP32_BYTES if wl.logits_fp32 else 0
+    return grad_logits + grad_input + upcast_grad - head_forward_extra_bytes(spec, wl, dm)
+
+
 def eager_mask_bytes(wl: Workload, dm: Dims) -> int:
     """Eager attention's additive causal mask, built once per forward and freed after it."""
     return dm.s * dm.s_kv * dm.e if wl.attention is Attention.EAGER else 0
@@ -206,6 +219,42 @@ def head_backward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     """Bytes alive in the loss's backward beyond what is saved: the incoming gradient of the
     log-softmax output and the gradient it produces, both logits-sized."""
     return 2 * head_forward_extra_bytes(spec, wl, dm)
+
+
+def layer_backward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims, *,
+                               moe_layer: bool) -> int:
+    """Bytes alive during one layer's backward beyond its saved tensors and the gradients.
+
+    The gradient flowing in the residual stream is alive throughout. On top of it, the larger
+    of the two blocks' working sets: a gated MLP holds the gradients of its product, activation
+    and up projection while the product itself is already freed (2 intermediates); a plain MLP
+    holds the gradients of its activation and first linear while the activation is freed (1);
+    attention holds the gradient of its output and those of q, k and v (flash), or the
+    gradients of the probabilities and scores (eager).
+    """
+    t, e = dm.tp, dm.e
+    incoming = dm.tokens // dm.res_tokens_div * spec.hidden_size * e
+    per_inner = 2 if spec.mlp.gated else 1
+    if moe_layer and spec.moe is not None:
+        mlp = per_inner * dm.tokens * spec.moe.top_k * spec.moe.expert_ffn_hidden_size // t * e
+    else:
+        mlp = per_inner * dm.tokens * spec.ffn_hidden_size // t * e
+    return incoming + max(mlp, _attention_backward_bytes(spec, wl, dm))
+
+
+def _attention_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    t, e = dm.tp, dm.e
+    if wl.attention is Attention.FLASH:
+        return dm.tokens * (2 * spec.q_size + 2 * spec.kv_size) // t * e
+    return 2 * dm.b * (spec.num_attention_heads // t) * dm.s * dm.s_kv * e
+
+
+def backward_peak_in_mlp(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool) -> bool:
+    """Whether a layer's backward peaks in its MLP (after the MLP's output projection has
+    produced its weight gradient) rather than in attention (after all MLP gradients)."""
+    return layer_backward_extra_bytes(spec, wl, dm, moe_layer=moe_layer) > (
+        dm.tokens // dm.res_tokens_div * spec.hidden_size * dm.e
+        + _attention_backward_bytes(spec, wl, dm))
 
 
 def _vocab_shard(spec: ModelSpec, dm: Dims) -> int:

@@ -131,38 +131,101 @@ def resolve_batch(par: ParallelConfig, wl: Workload) -> tuple[int, int]:
     return gbs, m
 
 
-def _layer_recompute(wl: Workload, position: int, num_stage_layers: int) -> Recompute:
+def _layer_recompute(wl: Workload, position: int) -> Recompute:
     """Full recompute of k of a stage's layers applies to its first k (Megatron-LM's 'block')."""
     if wl.recompute is Recompute.FULL and wl.recompute_layers is not None:
         return Recompute.FULL if position < wl.recompute_layers else Recompute.NONE
     return wl.recompute
 
 
-def _chunk_terms(spec: ModelSpec, wl: Workload, dm: act.Dims, layers: list[int], *,
-                 embedding: bool, head: bool, position0: int, stage_layer_count: int
-                 ) -> tuple[list[act.Term], int]:
-    """Saved terms of one micro-batch in one chunk, and its largest full layer (for recompute)."""
-    terms = act.rope_terms(spec, dm)
-    if embedding:
-        terms += act.embedding_terms(spec, dm)
-    largest_recomputed = 0
-    for pos, i in enumerate(layers, start=position0):
-        policy = _layer_recompute(wl, pos, stage_layer_count)
-        moe = spec.is_moe_layer(i)
-        terms += act.layer_terms(spec, wl, dm, moe_layer=moe, recompute=policy)
-        if policy is Recompute.FULL:  # its backward first rebuilds the whole layer
-            full = act.layer_terms(spec, wl, dm, moe_layer=moe, recompute=Recompute.NONE)
-            largest_recomputed = max(largest_recomputed, act.total(full))
-    if head:
-        terms += act.head_terms(spec, wl, dm)
-    return terms, largest_recomputed
+@dataclass(frozen=True)
+class _LayerKind:
+    """What one layer of a kind (MoE or dense, recompute policy) holds for one micro-batch."""
+
+    terms: tuple[act.Term, ...]
+    saved_bytes: int
+    recomputed_bytes: int  # rebuilt at the start of its backward (full recompute), else 0
+    backward_extra_bytes: int
+    peak_in_mlp: bool  # the backward peaks in the MLP, else in attention (after the MLP)
 
 
-def _merge(terms: list[act.Term]) -> tuple[act.Term, ...]:
+def _layer_kind(spec: ModelSpec, wl: Workload, dm: act.Dims, moe: bool,
+                policy: Recompute) -> _LayerKind:
+    terms = tuple(act.layer_terms(spec, wl, dm, moe_layer=moe, recompute=policy))
+    full = 0
+    if policy is Recompute.FULL:
+        full = act.total(act.layer_terms(spec, wl, dm, moe_layer=moe, recompute=Recompute.NONE))
+    return _LayerKind(terms, act.total(terms), full,
+                      act.layer_backward_extra_bytes(spec, wl, dm, moe_layer=moe),
+                      act.backward_peak_in_mlp(spec, wl, dm, moe_layer=moe))
+
+
+def _merge(groups: list[tuple[int, tuple[act.Term, ...]]]) -> tuple[act.Term, ...]:
+    """Sum ``count`` copies of each term list by name."""
     sums: dict[str, int] = {}
-    for term in terms:
-        sums[term.name] = sums.get(term.name, 0) + term.size_bytes
+    for count, terms in groups:
+        for term in terms:
+            sums[term.name] = sums.get(term.name, 0) + count * term.size_bytes
     return tuple(act.Term(name, size) for name, size in sums.items())
+
+
+@dataclass(frozen=True)
+class _Walk:
+    """Inputs of the backward walk of one stage (one micro-batch, bytes)."""
+
+    layers: list[tuple[_LayerKind, int, int]]  # (kind, grads, grads before its peak), in order
+    other_bytes: int  # activations of the other micro-batches in flight, kept throughout
+    head_saved: int  # final norm and loss terms (last stage)
+    rest_saved: int  # rope tables, embedding ids: alive until the step's backward ends
+    loss_bwd: int
+    head_linear_bwd: int  # logits grad in the compute dtype + the head's weight grad
+    head_grads: int
+    embed_grads: int
+    tied_extra: int  # tied embedding: the head's pending grad and the sum, beyond the grad
+
+
+def _backward_peak(w: _Walk, grads_prior: int, grads_total: int) -> int:
+    """Largest bytes alive (activations + gradients + transients) during one backward.
+
+    ``grads_prior`` is what exists when it starts: 0 for a step's only micro-batch, all
+    gradients when earlier micro-batches produced them (they then accumulate in place).
+    """
+    growing = grads_prior == 0
+    acts = w.other_bytes + w.rest_saved + w.head_saved + sum(k.saved_bytes for k, *_ in w.layers)
+    grads = grads_prior
+    peak = acts + grads + w.loss_bwd
+    peak = max(peak, acts - w.head_saved + grads + w.head_linear_bwd)
+    acts -= w.head_saved
+    grads += w.head_grads if growing else 0
+    pending = w.tied_extra // 2  # a tied head's weight grad waits for the embedding's
+    for kind, layer_grads, early_grads in reversed(w.layers):
+        peak = max(peak, acts + grads + (early_grads if growing else 0) + pending
+                   + kind.recomputed_bytes + kind.backward_extra_bytes)
+        acts -= kind.saved_bytes
+        grads += layer_grads if growing else 0
+    end_grads = grads_total if growing or grads_prior else grads
+    return max(peak, acts + end_grads + w.tied_extra)
+
+
+def _mlp_output_params(spec: ModelSpec, par: ParallelConfig, i: int) -> int:
+    """Parameters of a layer's MLP output projection(s) on one rank."""
+    h, t = spec.hidden_size, par.tp
+    if spec.is_moe_layer(i) and spec.moe is not None:
+        moe = spec.moe
+        routed = moe.num_experts // par.ep * moe.expert_ffn_hidden_size
+        return h * (routed + moe.num_shared_experts * moe.shared_expert_ffn_hidden_size) // t
+    return h * spec.ffn_hidden_size // t + (h if spec.mlp_bias else 0)
+
+
+def _mlp_params(spec: ModelSpec, par: ParallelConfig, i: int) -> int:
+    """All parameters of a layer's MLP (or MoE block) and its norm on one rank."""
+    norm = spec.hidden_size * (2 if spec.norm_bias else 1)
+    mult = (3 if spec.mlp.gated else 2)
+    out = _mlp_output_params(spec, par, i)
+    total = out * mult + norm
+    if spec.is_moe_layer(i) and spec.moe is not None:
+        total += spec.hidden_size * spec.moe.num_experts
+    return total
 
 
 def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: int,
@@ -171,41 +234,62 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
     first, last = stage == 0, stage == par.pp - 1
     chunks = stage_layers(spec.num_layers, par, stage)
     in_flight = chunks_in_flight(par, m, stage, schedule)
-    n_stage_layers = sum(len(c) for c in chunks)
-
-    activations = 0
-    per_mb_terms: list[act.Term] = []
-    largest_recomputed = 0
-    for c, (layers, count) in enumerate(zip(chunks, in_flight)):
-        terms, recomputed = _chunk_terms(
-            spec, wl, dm, layers, embedding=first and c == 0, head=last and c == par.vpp - 1,
-            position0=c * len(layers), stage_layer_count=n_stage_layers)
-        activations += count * act.total(terms)
-        per_mb_terms += terms
-        largest_recomputed = max(largest_recomputed, recomputed)
-
     all_layers = [i for chunk in chunks for i in chunk]
     sp = stage_params(spec, par, all_layers, first=first, last=last)
     st = state_bytes(sp, par, wl)
+    grad_per_param = st.grads_bytes / max(sp.total, 1)
+
+    kinds: dict[tuple[bool, Recompute], _LayerKind] = {}
+    layer_list = []
+    for pos, (i, n_params) in enumerate(zip(all_layers, sp.layers)):
+        key = (spec.is_moe_layer(i), _layer_recompute(wl, pos))
+        if key not in kinds:
+            kinds[key] = _layer_kind(spec, wl, dm, *key)
+        kind = kinds[key]
+        early = _mlp_output_params(spec, par, i) if kind.peak_in_mlp else _mlp_params(spec, par, i)
+        layer_list.append((kind, int(n_params * grad_per_param), int(early * grad_per_param)))
+
+    rope = act.rope_terms(spec, dm)  # computed by every chunk's forward
+    embed = act.embedding_terms(spec, dm) if first else []
+    head = act.head_terms(spec, wl, dm) if last else []
+    batch = act.total(act.batch_terms(dm)) if last else 0  # held by the loop, not the graph
+    per_chunk = len(all_layers) // par.vpp
+    activations = 0
+    groups: list[tuple[int, tuple[act.Term, ...]]] = [
+        (par.vpp, tuple(rope)), (1, tuple(embed)), (1, tuple(head))]
+    for c, count in enumerate(in_flight):
+        chunk_layers = layer_list[c * per_chunk:(c + 1) * per_chunk]
+        activations += count * (sum(k.saved_bytes for k, *_ in chunk_layers) + act.total(rope))
+        groups += [(1, k.terms) for k, *_ in chunk_layers]
+    # The embedding belongs to the first chunk, the loss to the last.
+    activations += in_flight[0] * act.total(embed) + in_flight[-1] * act.total(head)
+    rest = rope + embed
+    one_mb = (sum(k.saved_bytes for k, *_ in layer_list) + par.vpp * act.total(rope)
+              + act.total(embed) + act.total(head))
+
     opt_temp = optimizer_step_temp_bytes(sp, st, par, wl)
     shard_fwd, shard_bwd = sharding_buffers(sp, par, wl)
+    e = dm.e
     loss_fwd = act.head_forward_extra_bytes(spec, wl, dm) if last else 0
     mask = act.eager_mask_bytes(wl, dm)
-    loss_bwd = act.head_backward_extra_bytes(spec, wl, dm) if last else 0
-
+    tied = spec.tied_embeddings and first and last
+    vocab_grad = -(-spec.vocab_size // par.tp) * spec.hidden_size * e
+    walk = _Walk(
+        layers=layer_list, other_bytes=max(0, activations - one_mb),
+        head_saved=act.total(head) - batch, rest_saved=act.total(rest) + batch,
+        loss_bwd=act.head_backward_extra_bytes(spec, wl, dm) if last else 0,
+        head_linear_bwd=(act.head_linear_backward_bytes(spec, wl, dm) + vocab_grad) if last else 0,
+        head_grads=int(sp.head * grad_per_param), embed_grads=int(sp.embedding * grad_per_param),
+        tied_extra=2 * vocab_grad if tied else 0,
+    )
     grads_in_forward = st.grads_bytes if m > 1 else 0
-    # At the end of backward only the first layer's inputs of this micro-batch remain, plus the
-    # other micro-batches still in flight; a fully recomputed layer is rebuilt whole first.
-    one_mb = act.total(per_mb_terms)
-    end_of_backward = activations - one_mb + largest_recomputed
-    bwd_start = activations + loss_bwd + largest_recomputed + grads_in_forward
-    bwd_end = end_of_backward + st.grads_bytes
+    bwd_tensors = _backward_peak(walk, grads_in_forward, st.grads_bytes)
 
     def peaks(opt_bytes: int) -> PhasePeaks:
         base = st.params_bytes + opt_bytes
         return PhasePeaks(
             forward=base + grads_in_forward + activations + loss_fwd + mask + shard_fwd,
-            backward=base + max(bwd_start, bwd_end) + shard_bwd,
+            backward=base + bwd_tensors + shard_bwd,
             optimizer=st.params_bytes + st.grads_bytes + st.optimizer_bytes + opt_temp,
         )
 
@@ -214,11 +298,11 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
     tensor_peak = max(steady.peak, first_step.peak)
     alloc = ovh.allocator_bytes(tensor_peak)
     return StageMemory(
-        stage=stage, num_layers=n_stage_layers, num_params=sp.total,
+        stage=stage, num_layers=len(all_layers), num_params=sp.total,
         params_bytes=st.params_bytes, grads_bytes=st.grads_bytes,
         optimizer_bytes=st.optimizer_bytes, activations_bytes=activations,
-        microbatches_in_flight=max(in_flight), activation_terms=_merge(per_mb_terms),
-        loss_bytes=max(loss_fwd, loss_bwd), sharding_buffers_bytes=max(shard_fwd, shard_bwd),
+        microbatches_in_flight=max(in_flight), activation_terms=_merge(groups),
+        loss_bytes=max(loss_fwd, walk.loss_bwd), sharding_buffers_bytes=max(shard_fwd, shard_bwd),
         optimizer_temp_bytes=opt_temp, steady=steady, first_step=first_step,
         tensor_peak_bytes=tensor_peak, cuda_context_bytes=ovh.cuda_context_bytes,
         workspace_bytes=ovh.workspace_bytes, allocator_bytes=alloc,

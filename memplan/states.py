@@ -27,6 +27,9 @@ class StageParams:
 
     dense: int  # replicated across the DP x CP group
     expert: int  # replicated across the expert-data-parallel group
+    layers: tuple[int, ...]  # per layer of the stage, in layer order (dense + expert)
+    embedding: int  # token (+ position) embedding on the first stage, else 0
+    head: int  # final norm + output projection on the last stage (tied, p = 1: norm only)
     largest_tensor: int  # elements of the largest single parameter tensor on the rank
     largest_unit: int  # elements of the largest FSDP unit (a layer, or the embedding/head)
 
@@ -42,25 +45,22 @@ def stage_params(spec: ModelSpec, par: ParallelConfig, layers: list[int], *, fir
     t, h = par.tp, spec.hidden_size
     vocab_rows = ceil_div(spec.vocab_size, t) * h
     dense = expert = 0
-    units = [0]
+    per_layer = []
     for i in layers:
         lp = counts.layers[i]
         layer_dense = ceil_div(lp.tp_sharded, t) + lp.replicated
         layer_expert = lp.expert // (par.ep * t)
         dense += layer_dense
         expert += layer_expert
-        units.append(layer_dense + layer_expert)
-    if first:
-        embed = vocab_rows + counts.position_embedding
-        dense += embed
-        units.append(embed)
-    if last:
-        head = counts.final_norm + (vocab_rows if counts.head or (par.pp > 1) else 0)
-        # Tied and p == 1: the head is the embedding itself, already counted.
-        dense += head
-        units.append(head)
+        per_layer.append(layer_dense + layer_expert)
+    embed = vocab_rows + counts.position_embedding if first else 0
+    # Tied and p == 1: the head is the embedding itself, already counted.
+    head = counts.final_norm + (vocab_rows if counts.head or par.pp > 1 else 0) if last else 0
+    dense += embed + head
     largest = max(vocab_rows if (first or last) else 0, *_layer_tensor_sizes(spec, par))
-    return StageParams(dense=dense, expert=expert, largest_tensor=largest, largest_unit=max(units))
+    return StageParams(dense=dense, expert=expert, layers=tuple(per_layer), embedding=embed,
+                       head=head, largest_tensor=largest,
+                       largest_unit=max(0, embed, head, *per_layer))
 
 
 def _layer_tensor_sizes(spec: ModelSpec, par: ParallelConfig) -> list[int]:

