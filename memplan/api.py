@@ -78,11 +78,19 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
                      schedule=Schedule(schedule))
 
 
+# Workload fields by the name the CLI gives them, so errors name what the user typed.
+_FLAG_NAMES = {"micro_batch_size": "mbs", "global_batch_size": "gbs", "seq_len": "seq",
+               "recompute_layers": "recompute-layers", "optimizer_impl": "optimizer-impl",
+               "norm_impl": "norm", "logits_fp32": "logits-fp32"}
+
+
 def _validate(model: type[Workload], data: dict[str, Any]) -> Workload:
     try:
         return model.model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
-        field = ".".join(str(p) for p in first["loc"]) or model.__name__
-        value = first.get("input")
-        raise MemplanError(f"{field}: {first['msg']} (got {value!r})") from err
+        msg = first["msg"].removeprefix("Value error, ")
+        if not first["loc"]:  # a check across fields: its message names them
+            raise MemplanError(msg) from err
+        field = ".".join(_FLAG_NAMES.get(str(p), str(p)) for p in first["loc"])
+        raise MemplanError(f"{field}: {msg} (got {first.get('input')!r})") from err

@@ -182,6 +182,7 @@ class _Walk:
     head_grads: int
     embed_grads: int
     tied_extra: int  # tied embedding: the head's pending grad and the sum, beyond the grad
+    grad_buffer: int  # ZeRO-2/3 unsharded gradients awaiting reduce-scatter, once grads flow
 
 
 def _backward_peak(w: _Walk, grads_prior: int, grads_total: int) -> int:
@@ -200,11 +201,11 @@ def _backward_peak(w: _Walk, grads_prior: int, grads_total: int) -> int:
     pending = w.tied_extra // 2  # a tied head's weight grad waits for the embedding's
     for kind, layer_grads, early_grads in reversed(w.layers):
         peak = max(peak, acts + grads + (early_grads if growing else 0) + pending
-                   + kind.recomputed_bytes + kind.backward_extra_bytes)
+                   + kind.recomputed_bytes + kind.backward_extra_bytes + w.grad_buffer)
         acts -= kind.saved_bytes
         grads += layer_grads if growing else 0
     end_grads = grads_total if growing or grads_prior else grads
-    return max(peak, acts + end_grads + w.tied_extra)
+    return max(peak, acts + end_grads + w.tied_extra + w.grad_buffer)
 
 
 def _mlp_output_params(spec: ModelSpec, par: ParallelConfig, i: int) -> int:
@@ -268,7 +269,7 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
               + act.total(embed) + act.total(head))
 
     opt_temp = optimizer_step_temp_bytes(sp, st, par, wl)
-    shard_fwd, shard_bwd = sharding_buffers(sp, par, wl)
+    shard = sharding_buffers(sp, par, wl)
     e = dm.e
     loss_fwd = act.head_forward_extra_bytes(spec, wl, dm) if last else 0
     mask = act.eager_mask_bytes(wl, dm)
@@ -280,7 +281,7 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
         loss_bwd=act.head_backward_extra_bytes(spec, wl, dm) if last else 0,
         head_linear_bwd=(act.head_linear_backward_bytes(spec, wl, dm) + vocab_grad) if last else 0,
         head_grads=int(sp.head * grad_per_param), embed_grads=int(sp.embedding * grad_per_param),
-        tied_extra=2 * vocab_grad if tied else 0,
+        tied_extra=2 * vocab_grad if tied else 0, grad_buffer=shard.grad_bytes,
     )
     grads_in_forward = st.grads_bytes if m > 1 else 0
     bwd_tensors = _backward_peak(walk, grads_in_forward, st.grads_bytes)
@@ -288,8 +289,8 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
     def peaks(opt_bytes: int) -> PhasePeaks:
         base = st.params_bytes + opt_bytes
         return PhasePeaks(
-            forward=base + grads_in_forward + activations + loss_fwd + mask + shard_fwd,
-            backward=base + bwd_tensors + shard_bwd,
+            forward=base + grads_in_forward + activations + loss_fwd + mask + shard.gathered_bytes,
+            backward=base + bwd_tensors + shard.gathered_bytes,
             optimizer=st.params_bytes + st.grads_bytes + st.optimizer_bytes + opt_temp,
         )
 
@@ -302,7 +303,7 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
         params_bytes=st.params_bytes, grads_bytes=st.grads_bytes,
         optimizer_bytes=st.optimizer_bytes, activations_bytes=activations,
         microbatches_in_flight=max(in_flight), activation_terms=_merge(groups),
-        loss_bytes=max(loss_fwd, walk.loss_bwd), sharding_buffers_bytes=max(shard_fwd, shard_bwd),
+        loss_bytes=max(loss_fwd, walk.loss_bwd), sharding_buffers_bytes=shard.peak_bytes,
         optimizer_temp_bytes=opt_temp, steady=steady, first_step=first_step,
         tensor_peak_bytes=tensor_peak, cuda_context_bytes=ovh.cuda_context_bytes,
         workspace_bytes=ovh.workspace_bytes, allocator_bytes=alloc,
@@ -323,11 +324,16 @@ def estimate(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, *
         raise MemplanError(
             f"seq ({wl.seq_len}) exceeds {spec.name}'s learned positions ({spec.max_seq_len})")
     gbs, m = resolve_batch(par, wl)
+    per_stage = spec.num_layers // par.pp
+    if wl.recompute_layers is not None and wl.recompute_layers > per_stage:
+        raise MemplanError(f"recompute_layers ({wl.recompute_layers}) must be at most the layers "
+                           f"per pipeline stage ({per_stage})")
     ovh = overheads if overheads is not None else default_overheads(gpu)
     stages = tuple(_stage(spec, par, wl, m, i, schedule, ovh) for i in range(par.pp))
     return Estimate(
         spec=spec, gpu=gpu, parallel=par, workload=wl, num_microbatches=m,
-        global_batch_size=gbs, capacity_bytes=capacity_bytes or gpu.memory_bytes,
+        global_batch_size=gbs,
+        capacity_bytes=gpu.memory_bytes if capacity_bytes is None else capacity_bytes,
         stages=stages, overheads=ovh, assumptions=_assumptions(par, wl, schedule, ovh),
     )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from memplan.memory import PHASES, Estimate, PhasePeaks, StageMemory
-from memplan.units import format_gib
+from memplan.units import GiB, format_gib
 
 _COMPONENTS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes")
 
@@ -83,10 +83,20 @@ def render_estimate(est: Estimate) -> Any:
         f"{wl.optimizer_impl.value} recompute={wl.recompute.name.lower()}"
         + (f" ({wl.recompute_layers} layers)" if wl.recompute_layers is not None else ""))
 
-    table = Table(title="Per-GPU memory by pipeline stage (GiB = 2^30 bytes)")
-    table.add_column("component")
+    stages = Table(title="Per-GPU memory by pipeline stage, GiB (2^30 bytes)")
+    for col in ("stage", "layers", "params", "grads", "optim", "activ", "in flight", "peak"):
+        stages.add_column(col, justify="right", no_wrap=True)
+    stages.add_column("at", no_wrap=True)
     for s in est.stages:
-        table.add_column(f"stage {s.stage}" + (" *" if s is est.worst else ""), justify="right")
+        stages.add_row(f"{s.stage}{' *' if s is est.worst else ''}", str(s.num_layers),
+                       *(_gib(getattr(s, a)) for a in _COMPONENTS),
+                       str(s.microbatches_in_flight), _gib(s.peak_bytes), _short_phase(s))
+
+    worst = est.worst
+    table = Table(title=f"Most loaded rank: stage {worst.stage}")
+    table.add_column("component", no_wrap=True)
+    table.add_column("GiB", justify="right", no_wrap=True)
+    table.add_column("bytes", justify="right", no_wrap=True)
     rows = [
         ("parameters", "params_bytes"), ("gradients", "grads_bytes"),
         ("optimizer states", "optimizer_bytes"), ("activations (saved)", "activations_bytes"),
@@ -98,9 +108,8 @@ def render_estimate(est: Estimate) -> Any:
         ("peak per GPU", "peak_bytes"),
     ]
     for label, attr in rows:
-        table.add_row(label, *(format_gib(getattr(s, attr)) for s in est.stages))
-    table.add_row("micro-batches in flight", *(str(s.microbatches_in_flight) for s in est.stages))
-    table.add_row("peak phase", *(s.peak_phase for s in est.stages))
+        value = getattr(worst, attr)
+        table.add_row(label, _gib(value), f"{value:,}")
 
     phases = Table(title=f"Phase peaks of stage {est.worst.stage}, tensors only (GiB)")
     phases.add_column("phase")
@@ -116,15 +125,26 @@ def render_estimate(est: Estimate) -> Any:
         f"(stage {est.worst.stage}); headroom {format_gib(est.headroom_bytes)}: {verdict}",
         style="bold green" if est.fits else "bold red")
     notes = Text("assumptions:\n" + "\n".join(f"  - {a}" for a in est.assumptions), style="dim")
-    return Group(header, table, phases, summary, notes)
+    return Group(header, stages, table, phases, summary, notes)
+
+
+def _short_phase(s: StageMemory) -> str:
+    first = s.first_step.peak > s.steady.peak
+    phases = s.first_step if first else s.steady
+    short = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}[phases.peak_phase]
+    return short + (" step 1" if first else "")
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / GiB:.2f}"
 
 
 def render_catalog(title: str, columns: list[str], rows: list[list[str]]) -> Any:
     from rich.table import Table
 
     table = Table(title=title)
-    for col in columns:
-        table.add_column(col)
+    for i, col in enumerate(columns):
+        table.add_column(col, no_wrap=i < len(columns) - 1, overflow="fold")
     for row in rows:
         table.add_row(*row)
     return table

@@ -139,17 +139,30 @@ def optimizer_step_temp_bytes(sp: StageParams, st: StateBytes, par: ParallelConf
 REDUCE_BUCKET_NUMEL = 500_000_000
 
 
-def sharding_buffers(sp: StageParams, par: ParallelConfig, wl: Workload) -> tuple[int, int]:
-    """(forward, backward) bytes of unsharded buffers ZeRO-2/3 needs while layers run.
+@dataclass(frozen=True)
+class ShardingBuffers:
+    """Unsharded buffers ZeRO-2/3 needs while layers run, in bytes."""
 
-    ZeRO-3/FSDP: the unit being computed and the one prefetched, gathered in the compute dtype
-    (FSDP's default forward/backward prefetch of one unit); backward adds the unit's unsharded
-    gradient before its reduce-scatter. ZeRO-2: one reduce bucket of unsharded gradients.
-    """
+    gathered_bytes: int  # ZeRO-3 weights gathered for compute, in forward and backward
+    grad_bytes: int  # unsharded gradients before their reduce-scatter (backward, from the
+    #                  first gradient on)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.gathered_bytes + self.grad_bytes
+
+
+def sharding_buffers(sp: StageParams, par: ParallelConfig, wl: Workload) -> ShardingBuffers:
+    """ZeRO-3/FSDP: the unit being computed and the one prefetched, gathered in the compute
+    dtype (FSDP's default prefetch of one unit), and in backward the unit's unsharded gradient
+    before its reduce-scatter. ZeRO-2: one reduce bucket of unsharded gradients."""
     recipe = wl.precision.recipe
     if par.zero >= ZeroStage.PARAMETERS and par.dense_shard_degree > 1:
-        gathered = 2 * sp.largest_unit * wl.compute_dtype.itemsize
-        return gathered, gathered + sp.largest_unit * recipe.grad_bytes
+        return ShardingBuffers(2 * sp.largest_unit * wl.compute_dtype.itemsize,
+                               sp.largest_unit * recipe.grad_bytes)
     if par.zero == ZeroStage.GRADIENTS and par.dense_shard_degree > 1:
-        return 0, min(REDUCE_BUCKET_NUMEL, sp.total) * recipe.grad_bytes
-    return 0, 0
+        # The bucket holds gradients not yet reduced, which are at most the ones this rank
+        # does not own: ZeRO-2 never holds more gradient bytes than ZeRO-1.
+        not_owned = sp.total - ceil_div(sp.total, par.dense_shard_degree)
+        return ShardingBuffers(0, min(REDUCE_BUCKET_NUMEL, not_owned) * recipe.grad_bytes)
+    return ShardingBuffers(0, 0)

@@ -24,7 +24,7 @@ _SIZE_UNITS = {
     "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB,
     "kb": KB, "mb": MB, "gb": GB, "tb": TB,
 }
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE_RE = re.compile(r"^\s*(-?[0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
 class DType(str, enum.Enum):
@@ -68,10 +68,10 @@ def parse_bytes(text: str | int) -> int:
         raise ValueError(
             f"cannot read size {text!r}: use a number with a unit such as 80GiB (2^30) or 80GB (10^9)"
         )
-    value = float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+    value = int(round(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]))
     if value <= 0:
-        raise ValueError(f"size must be positive, got {text!r}")
-    return int(round(value))
+        raise ValueError(f"size must be at least 1 byte, got {text!r}")
+    return value
 
 
 def to_gib(num_bytes: int) -> float:

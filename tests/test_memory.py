@@ -357,7 +357,6 @@ ZERO2_BUCKET_AT_BACKWARD_START = (
 )
 
 
-@pytest.mark.xfail(reason=ZERO2_BUCKET_AT_BACKWARD_START, strict=True)
 def test_zero2_not_above_zero1_single_microbatch() -> None:
     """GPT-2 (P = 124,439,808), gpus = dp = 8, seq 1024, bf16-mixed, m = 1.
 
@@ -374,7 +373,6 @@ def test_zero2_not_above_zero1_single_microbatch() -> None:
     assert z2.peak_bytes <= z1.peak_bytes
 
 
-@pytest.mark.xfail(reason=ZERO2_BUCKET_AT_BACKWARD_START, strict=True)
 def test_zero2_not_above_zero1_llama_pipeline() -> None:
     """Llama-2-7B, 16 GPUs = tp 2 x pp 4 x dp 2, no SP, bf16-fp32-grads, seq 128, mbs 3, m = 4.
 
@@ -395,10 +393,12 @@ def test_zero2_not_above_zero1_llama_pipeline() -> None:
 @PROPS
 @given(job=jobs())
 def test_peak_never_increases_with_recompute(job: dict[str, Any]) -> None:
-    peaks = [_with(job, recompute=r).peak_bytes for r in ("none", "selective", "full")]
-    acts = [_with(job, recompute=r).worst.activations_bytes for r in ("none", "selective", "full")]
+    es = [_with(job, recompute=r) for r in ("none", "selective", "full")]
+    peaks = [e.peak_bytes for e in es]
     assert peaks == sorted(peaks, reverse=True)
-    assert acts == sorted(acts, reverse=True)
+    for stage in range(job["pp"]):  # saved activations, stage by stage
+        acts = [e.stages[stage].activations_bytes for e in es]
+        assert acts == sorted(acts, reverse=True)
 
 
 # --- validation -------------------------------------------------------------------------------

@@ -50,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     except (MemplanError, ValidationError, TyperException) as err:
         if os.environ.get("MEMPLAN_DEBUG") == "1":
             raise
-        print(f"memplan: error: {_one_line(err)}", file=sys.stderr)
+        message = _one_line(err)
+        if message:  # no arguments: the help was printed, with nothing more to say
+            print(f"memplan: error: {message}", file=sys.stderr)
         return EXIT_USAGE
     return code if isinstance(code, int) else 0
 
