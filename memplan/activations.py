@@ -85,7 +85,9 @@ def attention_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recomput
     heads = spec.num_attention_heads // t
     # Eager attention repeats K and V to every query head before its matmuls, which save the
     # repeated copies; SDPA's fused kernels take grouped K and V as they are.
-    kv_width = spec.kv_size if wl.attention is Attention.FLASH else spec.q_size
+    kv_width = spec.q_size
+    if wl.attention is Attention.FLASH or recompute is Recompute.SELECTIVE:
+        kv_width = spec.kv_size  # as they enter SDPA / the checkpointed core
     terms = [
         Term("attn.q", dm.tokens * spec.q_size // t * e),
         Term("attn.k", dm.tokens * kv_width // t * e),
@@ -201,6 +203,14 @@ def head_forward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     return dm.tokens * _vocab_shard(spec, dm) * (FP32_BYTES if wl.logits_fp32 else dm.e)
 
 
+def mask_terms(wl: Workload, dm: Dims) -> list[Term]:
+    """Eager attention's causal mask is an input of every checkpointed region, so with any
+    recompute it is saved until the backward (once per micro-batch, shared by the layers)."""
+    if wl.attention is Attention.EAGER and wl.recompute is not Recompute.NONE:
+        return [Term("attn.causal_mask", eager_mask_bytes(wl, dm))]
+    return []
+
+
 def head_linear_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     """At the output projection's backward: the logits' gradient in the compute dtype (after
     the fp32 upcast's backward) and the gradient of its input, beyond what is saved."""
@@ -221,40 +231,213 @@ def head_backward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     return 2 * head_forward_extra_bytes(spec, wl, dm)
 
 
-def layer_backward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims, *,
-                               moe_layer: bool) -> int:
-    """Bytes alive during one layer's backward beyond its saved tensors and the gradients.
+@dataclass(frozen=True)
+class BackwardMoment:
+    """One moment inside a layer's backward where its bytes peak locally.
 
-    The gradient flowing in the residual stream is alive throughout. On top of it, the larger
-    of the two blocks' working sets: a gated MLP holds the gradients of its product, activation
-    and up projection while the product itself is already freed (2 intermediates); a plain MLP
-    holds the gradients of its activation and first linear while the activation is freed (1);
-    attention holds the gradient of its output and those of q, k and v (flash), or the
-    gradients of the probabilities and scores (eager).
+    ``alive_bytes``: this layer's saved (or recomputed) tensors still alive; ``transient_bytes``:
+    gradients in flight, the residual-stream gradient included; ``grads_before``: parameter
+    groups of this layer whose gradients already exist (see ``memory._grad_group_params``).
     """
-    t, e = dm.tp, dm.e
-    incoming = dm.tokens // dm.res_tokens_div * spec.hidden_size * e
+
+    name: str
+    alive_bytes: int
+    transient_bytes: int
+    grads_before: tuple[str, ...]
+
+
+def _by_block(terms: list[Term]) -> dict[str, int]:
+    """Saved bytes per block; ``*_norm_bwd`` is what of a norm is still saved when its own
+    backward runs (its output and weighted input were freed by the later ops' backward)."""
+    blocks = {"attn_norm": 0, "attn": 0, "mlp_norm": 0, "ffn": 0,
+              "attn_norm_bwd": 0, "mlp_norm_bwd": 0}
+    for term in terms:
+        head, _, kind = term.name.partition(".")
+        blocks["ffn" if head in ("mlp", "moe") else head] += term.size_bytes
+        if head.endswith("_norm") and kind not in ("output", "normed"):
+            blocks[f"{head}_bwd"] += term.size_bytes
+    return blocks
+
+
+def layer_backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
+                           recompute: Recompute) -> list[BackwardMoment]:
+    """The local peaks of one layer's backward, in backward order (MLP, its norm, attention,
+    its norm), as measured on the reference block with the exact tracker:
+
+    - MLP: a gated MLP holds the gradients of its product, activation and up projection while
+      the product is freed (2 intermediates beyond the saved ones); a plain MLP the gradients
+      of its activation and first linear while the activation is freed (1).
+    - norms: upcast RMSNorm's backward materialises five fp32 hidden-sized tensors (four when
+      the compute dtype is fp32 and the casts are no-ops); LayerNorm three (two); a fused
+      kernel its input gradient and one more.
+    - attention: flash holds the output gradient and the q, k, v gradients; eager, after the
+      value matmul's backward freed V, the value gradient and two score-sized gradients.
+    Full recompute first rebuilds the whole layer (its checkpointed input stays alive);
+    selective recompute rebuilds the attention core at the attention moment.
+    """
+    t, e, h = dm.tp, dm.e, spec.hidden_size
+    rows = dm.tokens // dm.res_tokens_div
+    incoming = rows * h * e  # the residual-stream gradient, alive through the layer
+    full = _by_block(layer_terms(spec, wl, dm, moe_layer=moe_layer, recompute=Recompute.NONE))
+    if recompute is Recompute.SELECTIVE:
+        saved = _by_block(layer_terms(spec, wl, dm, moe_layer=moe_layer,
+                                      recompute=Recompute.SELECTIVE))
+    else:
+        saved = full
+    extra = total(layer_terms(spec, wl, dm, moe_layer=moe_layer, recompute=Recompute.FULL)) \
+        if recompute is Recompute.FULL else 0  # the checkpointed input, kept while rebuilding
     per_inner = 2 if spec.mlp.gated else 1
     if moe_layer and spec.moe is not None:
         mlp = per_inner * dm.tokens * spec.moe.top_k * spec.moe.expert_ffn_hidden_size // t * e
     else:
         mlp = per_inner * dm.tokens * spec.ffn_hidden_size // t * e
-    return incoming + max(mlp, _attention_backward_bytes(spec, wl, dm))
+    norm = _norm_backward_bytes(spec, wl, dm)
+    attn_alive, attn_transient = _attention_backward(spec, wl, dm, recompute, saved["attn"])
+    a_norm, m_norm = saved["attn_norm"], saved["mlp_norm"]
+    return [
+        BackwardMoment("mlp", extra + a_norm + saved["attn"] + m_norm + saved["ffn"],
+                       incoming + mlp, ("mlp_out",)),
+        BackwardMoment("mlp_norm", extra + a_norm + saved["attn"] + saved["mlp_norm_bwd"],
+                       incoming + norm, ("mlp",)),
+        BackwardMoment("attention", extra + a_norm + attn_alive, incoming + attn_transient,
+                       ("mlp", "mlp_norm", "attn_out")),
+        BackwardMoment("attn_norm", extra + saved["attn_norm_bwd"], incoming + norm,
+                       ("mlp", "mlp_norm", "attn")),
+    ]
 
 
-def _attention_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
-    t, e = dm.tp, dm.e
+@dataclass(frozen=True)
+class ForwardMoment:
+    """A local peak inside a layer's forward: this layer's tensors alive (saved so far, or the
+    working set of a checkpointed layer) and transients such as the residual stream."""
+
+    name: str
+    alive_bytes: int
+    transient_bytes: int
+
+
+def layer_forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
+                          recompute: Recompute) -> list[ForwardMoment]:
+    """Local peaks of one layer's forward, measured on the reference block with the tracker.
+
+    Without recompute the layer's saved tensors accumulate; beside them live the residual
+    stream (the layer input, then the post-attention sum) when no norm saves it, an upcast
+    norm's fp32 normalised tensor before its cast back, and each block's output before its
+    residual add. A fully recomputed (checkpointed) layer saves only its input; its forward
+    holds a working set instead: the residual, the norm output, and the block's intermediates
+    until the block returns.
+    """
+    e, h, t = dm.e, spec.hidden_size, dm.tp
+    rows = dm.tokens // dm.res_tokens_div
+    stream = rows * h * e
+    upcast = wl.norm_impl is NormImpl.UPCAST
+    lowp = e < FP32_BYTES
+    unsaved_input = stream if upcast and lowp else 0  # fp32 runs save the input itself
+    fp32_normed = rows * h * FP32_BYTES if upcast and lowp else 0
+    if upcast and lowp and spec.norm_bias:
+        fp32_normed += stream  # weight * normed, before the bias is added
+    if recompute is not Recompute.FULL:
+        b = _by_block(layer_terms(spec, wl, dm, moe_layer=moe_layer, recompute=recompute))
+        core = 0
+        if recompute is Recompute.SELECTIVE and wl.attention is Attention.EAGER:
+            scores = dm.b * (spec.num_attention_heads // t) * dm.s * dm.s_kv
+            core = 2 * scores * e  # scores and probabilities inside the checkpointed core
+        return [
+            ForwardMoment("attn_norm", b["attn_norm"], unsaved_input + fp32_normed),
+            ForwardMoment("attention", b["attn_norm"] + b["attn"],
+                          unsaved_input + max(stream, core)),
+            ForwardMoment("mlp_norm", b["attn_norm"] + b["attn"] + b["mlp_norm"],
+                          unsaved_input + fp32_normed),
+            ForwardMoment("mlp", b["attn_norm"] + b["attn"] + b["mlp_norm"] + b["ffn"],
+                          unsaved_input + stream),
+        ]
+    norm_ws = _norm_working_set(spec, wl, dm)
+    q_bytes = dm.tokens * spec.q_size // t * e
+    kv_bytes = 2 * dm.tokens * spec.kv_size // t * e
     if wl.attention is Attention.FLASH:
-        return dm.tokens * (2 * spec.q_size + 2 * spec.kv_size) // t * e
-    return 2 * dm.b * (spec.num_attention_heads // t) * dm.s * dm.s_kv * e
+        attn_ws = q_bytes + kv_bytes + q_bytes + dm.b * (spec.num_attention_heads // t) * dm.s * 4
+    else:
+        scores = dm.b * (spec.num_attention_heads // t) * dm.s * dm.s_kv
+        attn_ws = 3 * q_bytes + 2 * scores * e
+    ffn = (spec.moe.expert_ffn_hidden_size * spec.moe.top_k if moe_layer and spec.moe
+           else spec.ffn_hidden_size)
+    inner = dm.tokens * ffn // t * e
+    # gated: activation, up and product together; plain: first linear and activation
+    mlp_ws = max(stream + inner, (3 if spec.mlp.gated else 2) * inner)
+    # x is the checkpointed input; the norm output lives while its block runs
+    return [
+        ForwardMoment("attn_norm", stream + norm_ws, 0),
+        ForwardMoment("attention", 3 * stream + attn_ws, 0),
+        ForwardMoment("mlp_norm", 2 * stream + norm_ws, 0),
+        ForwardMoment("mlp", 3 * stream + mlp_ws, 0),
+    ]
 
 
-def backward_peak_in_mlp(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool) -> bool:
-    """Whether a layer's backward peaks in its MLP (after the MLP's output projection has
-    produced its weight gradient) rather than in attention (after all MLP gradients)."""
-    return layer_backward_extra_bytes(spec, wl, dm, moe_layer=moe_layer) > (
-        dm.tokens // dm.res_tokens_div * spec.hidden_size * dm.e
-        + _attention_backward_bytes(spec, wl, dm))
+def _norm_working_set(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    """Bytes a norm's forward holds beyond its input: fp32 copies, the cast, its output."""
+    rows = dm.tokens // dm.res_tokens_div
+    h, e = spec.hidden_size, dm.e
+    stats = rows * FP32_BYTES * (2 if spec.norm is NormKind.LAYERNORM else 1)
+    if wl.norm_impl is NormImpl.FUSED:
+        return rows * h * e + stats
+    lowp = e < FP32_BYTES
+    fp32_copies = (2 if lowp else 1) * rows * h * FP32_BYTES  # upcast input, normalised
+    return fp32_copies + (2 if lowp else 1) * rows * h * e + stats
+
+
+def head_forward_moment(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    """The final norm's transients (the unsaved residual input and the fp32 normalised
+    tensor before its cast back), on top of everything saved up to and including it."""
+    if wl.norm_impl is NormImpl.FUSED or dm.e >= FP32_BYTES:
+        return 0
+    rows = dm.tokens // dm.res_tokens_div
+    bias_temp = dm.e if spec.norm_bias else 0  # weight * normed, before the bias is added
+    return rows * spec.hidden_size * (dm.e + FP32_BYTES + bias_temp)
+
+
+def final_norm_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> tuple[int, int]:
+    """Saved bytes of the final norm (part of the head's terms): all of them, and those still
+    saved when its own backward runs."""
+    blocks = _by_block(norm_terms("attn_norm", spec, wl, dm))
+    return blocks["attn_norm"], blocks["attn_norm_bwd"]
+
+
+def norm_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    """Gradient bytes in flight inside a norm's backward, its incoming gradient excluded."""
+    return _norm_backward_bytes(spec, wl, dm)
+
+
+def _norm_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    rows = dm.tokens // dm.res_tokens_div
+    h, e = spec.hidden_size, dm.e
+    if wl.norm_impl is NormImpl.FUSED:
+        # LayerNorm's aten kernel: its input gradient. The reference fused RMSNorm: the
+        # weighted gradient, the normalised input and one product.
+        return (3 if spec.norm is NormKind.RMSNORM else 1) * rows * h * e
+    casts = 1 if e < FP32_BYTES else 0  # the cast back's backward makes an fp32 gradient copy
+    count = (4 if spec.norm is NormKind.RMSNORM else 2) + casts
+    return count * rows * h * FP32_BYTES
+
+
+def _attention_backward(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute,
+                        saved_attn: int) -> tuple[int, int]:
+    """(attention's saved bytes alive, gradient bytes in flight) at its backward's peak."""
+    t, e = dm.tp, dm.e
+    q_bytes = dm.tokens * spec.q_size // t * e
+    if wl.attention is Attention.FLASH:
+        transient = dm.tokens * (2 * spec.q_size + 2 * spec.kv_size) // t * e
+        rebuilt = 0
+        if recompute is Recompute.SELECTIVE:  # the core reruns: its output and logsumexp
+            rebuilt = q_bytes + dm.b * (spec.num_attention_heads // t) * dm.s * FP32_BYTES
+        return saved_attn + rebuilt, transient
+    scores = dm.b * (spec.num_attention_heads // t) * dm.s * dm.s_kv
+    # The value matmul's backward has freed the (repeated) V and the dropout output.
+    freed = q_bytes + (scores * e if spec.dropout > 0 else 0)
+    rebuilt = 0
+    if recompute is Recompute.SELECTIVE:  # repeated K and V, softmax (+ dropout), output
+        rebuilt = 3 * q_bytes + scores * e + (scores * (MASK_BYTES + e) if spec.dropout > 0
+                                              else 0)
+    return saved_attn + rebuilt - freed, q_bytes + 2 * scores * e
 
 
 def _vocab_shard(spec: ModelSpec, dm: Dims) -> int:

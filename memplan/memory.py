@@ -19,6 +19,8 @@ separate lines on top of the tensor peak.
 
 from __future__ import annotations
 
+from collections import Counter
+from itertools import groupby
 from dataclasses import dataclass, field
 
 from memplan import activations as act
@@ -65,7 +67,8 @@ class StageMemory:
     optimizer_bytes: int
     activations_bytes: int  # saved activations of all micro-batches in flight
     microbatches_in_flight: int
-    activation_terms: tuple[act.Term, ...]  # one micro-batch, summed over the stage's layers
+    activation_groups: tuple[tuple[int, tuple[act.Term, ...]], ...]  # (count, terms) of one
+    #                                                            micro-batch on this stage
     loss_bytes: int  # logits-sized tensors alive at the loss, beyond what is saved
     sharding_buffers_bytes: int  # ZeRO-3 gathered units / ZeRO-2 bucket, at their peak
     optimizer_temp_bytes: int
@@ -76,6 +79,11 @@ class StageMemory:
     workspace_bytes: int
     allocator_bytes: int
     peak_bytes: int
+
+    @property
+    def activation_terms(self) -> tuple[act.Term, ...]:
+        """Saved terms of one micro-batch, summed by name over the stage's layers."""
+        return _merge(self.activation_groups)
 
     @property
     def peak_phase(self) -> str:
@@ -138,29 +146,33 @@ def _layer_recompute(wl: Workload, position: int) -> Recompute:
     return wl.recompute
 
 
+def _layer_keys(spec: ModelSpec, wl: Workload, layers: list[int]) -> list[tuple[bool, Recompute]]:
+    """(MoE layer?, recompute policy) of each layer of a stage, in order."""
+    if spec.moe is None and wl.recompute_layers is None:
+        return [(False, wl.recompute)] * len(layers)
+    return [(spec.is_moe_layer(i), _layer_recompute(wl, pos)) for pos, i in enumerate(layers)]
+
+
 @dataclass(frozen=True)
 class _LayerKind:
     """What one layer of a kind (MoE or dense, recompute policy) holds for one micro-batch."""
 
     terms: tuple[act.Term, ...]
     saved_bytes: int
-    recomputed_bytes: int  # rebuilt at the start of its backward (full recompute), else 0
-    backward_extra_bytes: int
-    peak_in_mlp: bool  # the backward peaks in the MLP, else in attention (after the MLP)
+    moments: tuple[act.BackwardMoment, ...]
+    forward_peak_bytes: int  # largest alive + transient inside its forward
 
 
 def _layer_kind(spec: ModelSpec, wl: Workload, dm: act.Dims, moe: bool,
                 policy: Recompute) -> _LayerKind:
     terms = tuple(act.layer_terms(spec, wl, dm, moe_layer=moe, recompute=policy))
-    full = 0
-    if policy is Recompute.FULL:
-        full = act.total(act.layer_terms(spec, wl, dm, moe_layer=moe, recompute=Recompute.NONE))
-    return _LayerKind(terms, act.total(terms), full,
-                      act.layer_backward_extra_bytes(spec, wl, dm, moe_layer=moe),
-                      act.backward_peak_in_mlp(spec, wl, dm, moe_layer=moe))
+    moments = act.layer_backward_moments(spec, wl, dm, moe_layer=moe, recompute=policy)
+    forward = act.layer_forward_moments(spec, wl, dm, moe_layer=moe, recompute=policy)
+    return _LayerKind(terms, act.total(terms), tuple(moments),
+                      max(m.alive_bytes + m.transient_bytes for m in forward))
 
 
-def _merge(groups: list[tuple[int, tuple[act.Term, ...]]]) -> tuple[act.Term, ...]:
+def _merge(groups: tuple[tuple[int, tuple[act.Term, ...]], ...]) -> tuple[act.Term, ...]:
     """Sum ``count`` copies of each term list by name."""
     sums: dict[str, int] = {}
     for count, terms in groups:
@@ -173,7 +185,7 @@ def _merge(groups: list[tuple[int, tuple[act.Term, ...]]]) -> tuple[act.Term, ..
 class _Walk:
     """Inputs of the backward walk of one stage (one micro-batch, bytes)."""
 
-    layers: list[tuple[_LayerKind, int, int]]  # (kind, grads, grads before its peak), in order
+    runs: list[tuple[_LayerKind, int, int, int]]  # (kind, grads, grads before its peak, count)
     other_bytes: int  # activations of the other micro-batches in flight, kept throughout
     head_saved: int  # final norm and loss terms (last stage)
     rest_saved: int  # rope tables, embedding ids: alive until the step's backward ends
@@ -183,6 +195,25 @@ class _Walk:
     embed_grads: int
     tied_extra: int  # tied embedding: the head's pending grad and the sum, beyond the grad
     grad_buffer: int  # ZeRO-2/3 unsharded gradients awaiting reduce-scatter, once grads flow
+    final_norm_saved: int  # last stage: the final norm's saved bytes
+    final_norm_bwd: int  # last stage: gradients in flight inside the final norm's backward
+
+
+def _forward_peak(runs: list[tuple[_LayerKind, int, tuple[int, ...], int]], before: int,
+                  head_saved: int, final_norm: int, loss_extra: int) -> int:
+    """Largest activation bytes alive during one micro-batch's forward on a stage.
+
+    ``before``: bytes alive before its first layer (other micro-batches in flight, rope tables,
+    embedding ids). Inside a run of identical layers the bytes only grow, so its last layer
+    holds the run's peak. Then the final norm and the loss (last stage).
+    """
+    acts, peak = before, before
+    for kind, _, _, n in runs:
+        peak = max(peak, acts + (n - 1) * kind.saved_bytes + kind.forward_peak_bytes)
+        acts += n * kind.saved_bytes
+    if head_saved:
+        peak = max(peak, acts + final_norm, acts + head_saved + loss_extra)
+    return peak
 
 
 def _backward_peak(w: _Walk, grads_prior: int, grads_total: int) -> int:
@@ -190,48 +221,96 @@ def _backward_peak(w: _Walk, grads_prior: int, grads_total: int) -> int:
 
     ``grads_prior`` is what exists when it starts: 0 for a step's only micro-batch, all
     gradients when earlier micro-batches produced them (they then accumulate in place).
+    Layers are walked last to first in runs of identical layers; within a run the bytes
+    alive change by the same amount per layer, so the run's largest moment is at one end.
     """
     growing = grads_prior == 0
-    acts = w.other_bytes + w.rest_saved + w.head_saved + sum(k.saved_bytes for k, *_ in w.layers)
+    acts = (w.other_bytes + w.rest_saved + w.head_saved
+            + sum(k.saved_bytes * n for k, _, _, n in w.runs))
     grads = grads_prior
-    peak = acts + grads + w.loss_bwd
-    peak = max(peak, acts - w.head_saved + grads + w.head_linear_bwd)
+    peak = max(acts + grads + w.loss_bwd, acts - w.head_saved + grads + w.head_linear_bwd)
     acts -= w.head_saved
     grads += w.head_grads if growing else 0
+    if w.final_norm_bwd:  # the head's weight gradient exists; the norm's own comes after
+        peak = max(peak, acts + w.final_norm_saved + grads + w.final_norm_bwd + w.grad_buffer)
     pending = w.tied_extra // 2  # a tied head's weight grad waits for the embedding's
-    for kind, layer_grads, early_grads in reversed(w.layers):
-        peak = max(peak, acts + grads + (early_grads if growing else 0) + pending
-                   + kind.recomputed_bytes + kind.backward_extra_bytes + w.grad_buffer)
-        acts -= kind.saved_bytes
-        grads += layer_grads if growing else 0
+    for kind, layer_grads, moment_grads, n in reversed(w.runs):
+        step_grads = layer_grads if growing else 0
+        # Before the layer's backward its own saved bytes are part of ``acts``; each moment
+        # counts what of them (or of their recomputation) is still alive.
+        below = acts - kind.saved_bytes + grads + pending + w.grad_buffer
+        local = max(m.alive_bytes + m.transient_bytes + (g if growing else 0)
+                    for m, g in zip(kind.moments, moment_grads))
+        first_moment = below + local
+        last_moment = first_moment + (n - 1) * (step_grads - kind.saved_bytes)
+        peak = max(peak, first_moment, last_moment)
+        acts -= n * kind.saved_bytes
+        grads += n * step_grads
     end_grads = grads_total if growing or grads_prior else grads
     return max(peak, acts + end_grads + w.tied_extra + w.grad_buffer)
 
 
-def _mlp_output_params(spec: ModelSpec, par: ParallelConfig, i: int) -> int:
-    """Parameters of a layer's MLP output projection(s) on one rank."""
+def _runs(keys: list) -> list[tuple[object, int]]:
+    """Run-length encoding of a list."""
+    return [(key, len(list(group))) for key, group in groupby(keys)]
+
+
+def _grad_group_params(spec: ModelSpec, par: ParallelConfig, moe: bool) -> dict[str, int]:
+    """Parameters on one rank of the groups whose gradients appear during a layer's backward."""
     h, t = spec.hidden_size, par.tp
-    if spec.is_moe_layer(i) and spec.moe is not None:
-        moe = spec.moe
-        routed = moe.num_experts // par.ep * moe.expert_ffn_hidden_size
-        return h * (routed + moe.num_shared_experts * moe.shared_expert_ffn_hidden_size) // t
-    return h * spec.ffn_hidden_size // t + (h if spec.mlp_bias else 0)
+    norm = h * (2 if spec.norm_bias else 1)
+    mult = 3 if spec.mlp.gated else 2
+    if moe and spec.moe is not None:
+        m = spec.moe
+        ffn = (m.num_experts // par.ep * m.expert_ffn_hidden_size
+               + m.num_shared_experts * m.shared_expert_ffn_hidden_size)
+        mlp_out = h * ffn // t
+        mlp = mlp_out * mult + h * m.num_experts
+    else:
+        bias = h if spec.mlp_bias else 0
+        mlp_out = h * spec.ffn_hidden_size // t + bias
+        mlp = mult * h * spec.ffn_hidden_size // t + (mult - 1) * (
+            spec.ffn_hidden_size // t if spec.mlp_bias else 0) + bias
+    attn_out = spec.q_size * h // t + (h if spec.attn_out_bias else 0)
+    qkv = h * (spec.q_size + 2 * spec.kv_size) // t + (
+        (spec.q_size + 2 * spec.kv_size) // t if spec.qkv_bias else 0)
+    return {"mlp_out": mlp_out, "mlp": mlp, "mlp_norm": norm, "attn_out": attn_out,
+            "attn": attn_out + qkv}
 
 
-def _mlp_params(spec: ModelSpec, par: ParallelConfig, i: int) -> int:
-    """All parameters of a layer's MLP (or MoE block) and its norm on one rank."""
-    norm = spec.hidden_size * (2 if spec.norm_bias else 1)
-    mult = (3 if spec.mlp.gated else 2)
-    out = _mlp_output_params(spec, par, i)
-    total = out * mult + norm
-    if spec.is_moe_layer(i) and spec.moe is not None:
-        total += spec.hidden_size * spec.moe.num_experts
-    return total
+class _Shared:
+    """Per-micro-batch terms that every stage of one estimate shares, built once."""
+
+    def __init__(self, spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
+        self.dm = dm = act.Dims.of(par, wl)
+        self.rope = act.rope_terms(spec, dm) + act.mask_terms(wl, dm)
+        self.embed = act.embedding_terms(spec, dm)
+        self.head = act.head_terms(spec, wl, dm)
+        self.rope_bytes, self.embed_bytes = act.total(self.rope), act.total(self.embed)
+        self.head_bytes = act.total(self.head)
+        self.batch_bytes = act.total(act.batch_terms(dm))
+        self.targets_bytes = act.batch_terms(dm)[0].size_bytes
+        self.loss_fwd = act.head_forward_extra_bytes(spec, wl, dm)
+        self.loss_bwd = act.head_backward_extra_bytes(spec, wl, dm)
+        self.head_linear_bwd = act.head_linear_backward_bytes(spec, wl, dm)
+        # the causal mask lives through the forward; with recompute it is saved (a term)
+        self.mask = 0 if act.mask_terms(wl, dm) else act.eager_mask_bytes(wl, dm)
+        self.final_norm_extra = act.head_forward_moment(spec, wl, dm)
+        self.final_norm_bytes, self.final_norm_bwd_saved = act.final_norm_bytes(spec, wl, dm)
+        self.final_norm_bwd = act.norm_backward_bytes(spec, wl, dm)
+        self.kinds: dict[tuple[bool, Recompute], _LayerKind] = {}
+        self.spec, self.wl = spec, wl
+
+    def kind(self, key: tuple[bool, Recompute]) -> _LayerKind:
+        found = self.kinds.get(key)
+        if found is None:
+            found = self.kinds[key] = _layer_kind(self.spec, self.wl, self.dm, *key)
+        return found
 
 
 def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: int,
-           schedule: Schedule, ovh: Overheads) -> StageMemory:
-    dm = act.Dims.of(par, wl)
+           schedule: Schedule, ovh: Overheads, shared: _Shared) -> StageMemory:
+    dm = shared.dm
     first, last = stage == 0, stage == par.pp - 1
     chunks = stage_layers(spec.num_layers, par, stage)
     in_flight = chunks_in_flight(par, m, stage, schedule)
@@ -240,56 +319,67 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
     st = state_bytes(sp, par, wl)
     grad_per_param = st.grads_bytes / max(sp.total, 1)
 
-    kinds: dict[tuple[bool, Recompute], _LayerKind] = {}
-    layer_list = []
-    for pos, (i, n_params) in enumerate(zip(all_layers, sp.layers)):
-        key = (spec.is_moe_layer(i), _layer_recompute(wl, pos))
-        if key not in kinds:
-            kinds[key] = _layer_kind(spec, wl, dm, *key)
-        kind = kinds[key]
-        early = _mlp_output_params(spec, par, i) if kind.peak_in_mlp else _mlp_params(spec, par, i)
-        layer_list.append((kind, int(n_params * grad_per_param), int(early * grad_per_param)))
+    entries: dict[tuple[bool, Recompute], tuple[_LayerKind, int, int]] = {}
+    keys = _layer_keys(spec, wl, all_layers)
+    for pos, key in enumerate(keys):
+        if key not in entries:
+            i = all_layers[pos]
+            kind = shared.kind(key)
+            groups_params = _grad_group_params(spec, par, key[0])
+            moment_grads = tuple(int(sum(groups_params[g] for g in m.grads_before)
+                                     * grad_per_param) for m in kind.moments)
+            entries[key] = (kind, int(sp.layers[pos] * grad_per_param), moment_grads)
 
-    rope = act.rope_terms(spec, dm)  # computed by every chunk's forward
-    embed = act.embedding_terms(spec, dm) if first else []
-    head = act.head_terms(spec, wl, dm) if last else []
-    batch = act.total(act.batch_terms(dm)) if last else 0  # held by the loop, not the graph
-    per_chunk = len(all_layers) // par.vpp
-    activations = 0
-    groups: list[tuple[int, tuple[act.Term, ...]]] = [
-        (par.vpp, tuple(rope)), (1, tuple(embed)), (1, tuple(head))]
-    for c, count in enumerate(in_flight):
-        chunk_layers = layer_list[c * per_chunk:(c + 1) * per_chunk]
-        activations += count * (sum(k.saved_bytes for k, *_ in chunk_layers) + act.total(rope))
-        groups += [(1, k.terms) for k, *_ in chunk_layers]
+    rope_bytes = shared.rope_bytes  # rope tables (and a saved mask): per chunk forward
+    embed_bytes = shared.embed_bytes if first else 0
+    head_bytes = shared.head_bytes if last else 0
+    batch = shared.batch_bytes if last else 0  # held by the training loop, not the graph
+    counts = Counter(keys)
+    layers_saved = sum(entries[k][0].saved_bytes * n for k, n in counts.items())
+    if par.vpp == 1:
+        activations = in_flight[0] * (layers_saved + rope_bytes)
+    else:
+        per_chunk = len(all_layers) // par.vpp
+        activations = 0
+        for c, count in enumerate(in_flight):
+            chunk = Counter(keys[c * per_chunk:(c + 1) * per_chunk])
+            chunk_saved = sum(entries[k][0].saved_bytes * n for k, n in chunk.items())
+            activations += count * (chunk_saved + rope_bytes)
     # The embedding belongs to the first chunk, the loss to the last.
-    activations += in_flight[0] * act.total(embed) + in_flight[-1] * act.total(head)
-    rest = rope + embed
-    one_mb = (sum(k.saved_bytes for k, *_ in layer_list) + par.vpp * act.total(rope)
-              + act.total(embed) + act.total(head))
+    activations += in_flight[0] * embed_bytes + in_flight[-1] * head_bytes
+    groups = [(par.vpp, tuple(shared.rope)), (1, tuple(shared.embed if first else ())),
+              (1, tuple(shared.head if last else ())),
+              *((n, entries[k][0].terms) for k, n in counts.items())]
+    one_mb = layers_saved + par.vpp * rope_bytes + embed_bytes + head_bytes
 
     opt_temp = optimizer_step_temp_bytes(sp, st, par, wl)
     shard = sharding_buffers(sp, par, wl)
-    e = dm.e
-    loss_fwd = act.head_forward_extra_bytes(spec, wl, dm) if last else 0
-    mask = act.eager_mask_bytes(wl, dm)
+    loss_fwd = shared.loss_fwd if last else 0
+    mask = shared.mask
     tied = spec.tied_embeddings and first and last
-    vocab_grad = -(-spec.vocab_size // par.tp) * spec.hidden_size * e
+    vocab_grad = -(-spec.vocab_size // par.tp) * spec.hidden_size * dm.e
     walk = _Walk(
-        layers=layer_list, other_bytes=max(0, activations - one_mb),
-        head_saved=act.total(head) - batch, rest_saved=act.total(rest) + batch,
-        loss_bwd=act.head_backward_extra_bytes(spec, wl, dm) if last else 0,
-        head_linear_bwd=(act.head_linear_backward_bytes(spec, wl, dm) + vocab_grad) if last else 0,
+        runs=[(*entries[k], n) for k, n in _runs(keys)], other_bytes=max(0, activations - one_mb),
+        head_saved=head_bytes - batch, rest_saved=rope_bytes * par.vpp + embed_bytes + batch,
+        loss_bwd=shared.loss_bwd if last else 0,
+        head_linear_bwd=(shared.head_linear_bwd + vocab_grad) if last else 0,
         head_grads=int(sp.head * grad_per_param), embed_grads=int(sp.embedding * grad_per_param),
         tied_extra=2 * vocab_grad if tied else 0, grad_buffer=shard.grad_bytes,
+        final_norm_saved=shared.final_norm_bwd_saved if last else 0,
+        final_norm_bwd=shared.final_norm_bwd if last else 0,
     )
     grads_in_forward = st.grads_bytes if m > 1 else 0
     bwd_tensors = _backward_peak(walk, grads_in_forward, st.grads_bytes)
+    # The targets exist from the step's start; the loss scalars from the loss on.
+    targets = shared.targets_bytes if last else 0
+    fwd_acts = _forward_peak(
+        walk.runs, walk.other_bytes + walk.rest_saved - batch + targets, head_bytes - targets,
+        shared.final_norm_bytes + shared.final_norm_extra if last else 0, loss_fwd)
 
     def peaks(opt_bytes: int) -> PhasePeaks:
         base = st.params_bytes + opt_bytes
         return PhasePeaks(
-            forward=base + grads_in_forward + activations + loss_fwd + mask + shard.gathered_bytes,
+            forward=base + grads_in_forward + fwd_acts + mask + shard.gathered_bytes,
             backward=base + bwd_tensors + shard.gathered_bytes,
             optimizer=st.params_bytes + st.grads_bytes + st.optimizer_bytes + opt_temp,
         )
@@ -302,7 +392,7 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
         stage=stage, num_layers=len(all_layers), num_params=sp.total,
         params_bytes=st.params_bytes, grads_bytes=st.grads_bytes,
         optimizer_bytes=st.optimizer_bytes, activations_bytes=activations,
-        microbatches_in_flight=max(in_flight), activation_terms=_merge(groups),
+        microbatches_in_flight=max(in_flight), activation_groups=tuple(groups),
         loss_bytes=max(loss_fwd, walk.loss_bwd), sharding_buffers_bytes=shard.peak_bytes,
         optimizer_temp_bytes=opt_temp, steady=steady, first_step=first_step,
         tensor_peak_bytes=tensor_peak, cuda_context_bytes=ovh.cuda_context_bytes,
@@ -329,7 +419,8 @@ def estimate(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, *
         raise MemplanError(f"recompute_layers ({wl.recompute_layers}) must be at most the layers "
                            f"per pipeline stage ({per_stage})")
     ovh = overheads if overheads is not None else default_overheads(gpu)
-    stages = tuple(_stage(spec, par, wl, m, i, schedule, ovh) for i in range(par.pp))
+    shared = _Shared(spec, par, wl)
+    stages = tuple(_stage(spec, par, wl, m, i, schedule, ovh, shared) for i in range(par.pp))
     return Estimate(
         spec=spec, gpu=gpu, parallel=par, workload=wl, num_microbatches=m,
         global_batch_size=gbs,

@@ -12,6 +12,7 @@ parameters and the expert-data-parallel group for experts; the most loaded rank 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from memplan.parallel import ParallelConfig, ZeroStage
 from memplan.spec import ModelSpec, PositionKind, param_counts
@@ -41,6 +42,13 @@ class StageParams:
 def stage_params(spec: ModelSpec, par: ParallelConfig, layers: list[int], *, first: bool,
                  last: bool) -> StageParams:
     """Parameters on one TP rank of the stage holding ``layers``."""
+    return _stage_params(spec, par.tp, par.ep, par.pp, tuple(layers), first, last)
+
+
+@lru_cache(maxsize=4096)
+def _stage_params(spec: ModelSpec, t: int, ep: int, pp: int, layers: tuple[int, ...],
+                  first: bool, last: bool) -> StageParams:
+    par = ParallelConfig(tp=t, ep=ep, pp=pp)
     counts = param_counts(spec)
     t, h = par.tp, spec.hidden_size
     vocab_rows = ceil_div(spec.vocab_size, t) * h

@@ -215,6 +215,27 @@ def test_mqa() -> None:
     assert mha["attn.k"] == 32 * sizes["attn.k"]
 
 
+@pytest.mark.parametrize(
+    ("attention", "recompute", "kv_heads_saved"),
+    [
+        (Attention.FLASH, Recompute.NONE, 2),  # SDPA's kernels take grouped K and V
+        (Attention.EAGER, Recompute.NONE, 4),  # the matmuls save K and V repeated to 4 heads
+        (Attention.EAGER, Recompute.SELECTIVE, 2),  # the repeat runs inside the rebuilt core
+        (Attention.FLASH, Recompute.SELECTIVE, 2),
+    ],
+)
+def test_kv_width_by_kernel_and_recompute(attention: Attention, recompute: Recompute,
+                                          kv_heads_saved: int) -> None:
+    """tiny (4 query heads, 2 KV heads of d = 16), 1 x 256 tokens, bf16: k and v are saved at
+    256 * heads * 16 * 2 bytes each, with heads = 2 (grouped) or 4 (repeated)."""
+    spec = load_model("tiny")
+    wl = Workload(micro_batch_size=1, seq_len=256, attention=attention, recompute=recompute)
+    sizes = {t.name: t.size_bytes for t in layer_terms(
+        spec, wl, Dims.of(ParallelConfig(), wl), moe_layer=False, recompute=recompute)}
+    assert sizes["attn.k"] == sizes["attn.v"] == 256 * kv_heads_saved * 16 * 2
+    assert sizes["attn.q"] == 256 * 4 * 16 * 2
+
+
 # --- MoE -----------------------------------------------------------------------------------
 
 def _mixtral_terms(top_k: int, b: int = 1, s: int = 1024) -> dict[str, int]:

@@ -37,6 +37,37 @@ class RefOptions:
     norm_eps: float = 1e-5
 
 
+class FusedRMSNorm(torch.autograd.Function):
+    """RMSNorm as a fused kernel saves it (Apex, Transformer Engine, Liger): its input and one
+    fp32 rstd per row. PyTorch's CPU ``F.rms_norm`` decomposes into upcast ops, so the reference
+    model uses this instead. Its forward allocates only its output; its backward holds the
+    weighted gradient, the normalised input and one product (three compute-dtype tensors) at
+    its peak, which ``memplan.activations`` counts. The reductions accumulate in fp32."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        h = x.shape[-1]
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+        rstd = torch.rsqrt(norm.pow(2) / h + eps)
+        out = x * rstd.to(x.dtype)
+        out.mul_(weight)
+        ctx.save_for_backward(x, weight, rstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        h = x.shape[-1]
+        r = rstd.to(x.dtype)
+        weighted = grad * weight
+        normed = x * r
+        grad_w = (grad * normed).sum(dim=tuple(range(grad.dim() - 1)), dtype=torch.float32)
+        dot = (weighted * normed).sum(-1, keepdim=True, dtype=torch.float32)
+        normed.mul_((dot / h).to(x.dtype))
+        weighted.sub_(normed).mul_(r)
+        return weighted, grad_w.to(weight.dtype), None
+
+
 class Norm(nn.Module):
     """RMSNorm or LayerNorm. ``upcast``: Hugging Face style, normalise an fp32 copy, cast back,
     then apply the affine weight in the compute dtype. ``fused``: one aten kernel."""
@@ -54,7 +85,7 @@ class Norm(nn.Module):
         if self.impl is NormImpl.FUSED:
             if self.kind is NormKind.LAYERNORM:
                 return F.layer_norm(x, (h,), self.weight, self.bias, self.eps)
-            return F.rms_norm(x, (h,), self.weight, self.eps)
+            return FusedRMSNorm.apply(x, self.weight, self.eps)
         xf = x.float()
         if self.kind is NormKind.LAYERNORM:
             normed = F.layer_norm(xf, (h,), None, None, self.eps)
@@ -108,17 +139,19 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 mask: torch.Tensor | None) -> torch.Tensor:
         b, s, _ = x.shape
-        a, g, d = self.spec.num_attention_heads, self.spec.num_kv_heads, self.spec.head_dim
-        q = self.q_proj(x).view(b, s, a, d).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, g, d).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, g, d).transpose(1, 2)
+        d = self.spec.head_dim
+        # Head counts come from the projections' widths, not the spec: under tensor parallelism
+        # q/k/v are column-sharded and each rank computes only its heads / tp.
+        q = self.q_proj(x).view(b, s, -1, d).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, -1, d).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, -1, d).transpose(1, 2)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if self.opts.recompute is Recompute.SELECTIVE:
             out = checkpoint(self._core, q, k, v, mask, use_reentrant=False)
         else:
             out = self._core(q, k, v, mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, a * d))
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
     def _core(self, q, k, v, mask):
         if self.opts.attention is Attention.FLASH:
@@ -246,8 +279,9 @@ class ReferenceModel(nn.Module):
             else:
                 x = block(x, rope, mask)
         x = self.final_norm(x)
-        weight = self.embed.weight if self.head is None else self.head.weight
-        logits = F.linear(x, weight)
+        # The head is called as a module (not F.linear on its weight) so that tensor-parallel
+        # styles, which are module hooks, apply to it.
+        logits = F.linear(x, self.embed.weight) if self.head is None else self.head(x)
         if opts.logits_fp32:
             logits = logits.float()
         return F.cross_entropy(logits.view(b * s, -1), targets.view(b * s))

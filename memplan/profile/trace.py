@@ -127,24 +127,35 @@ def trace(spec: ModelSpec, par: ParallelConfig, wl: Workload, *, steps: int = 2,
         raise MemplanError("trace: layouts with more than one rank need trace_parallel")
     if wl.precision is Precision.FSDP_BF16:
         raise MemplanError("precision: fsdp-bf16 needs an FSDP layout (zero 3, dp > 1)")
-    opts = RefOptions(dtype=_TORCH_DTYPE[wl.compute_dtype.value], norm_impl=wl.norm_impl,
-                      attention=wl.attention, logits_fp32=wl.logits_fp32,
-                      recompute=wl.recompute, recompute_layers=wl.recompute_layers)
     mode = _fake_mode() if fake else contextlib.nullcontext()
     with mode:
         torch.manual_seed(0)
-        model = ReferenceModel(spec, opts)
-        model.train()
-        tracker = MemoryTracker(timeline=timeline)
-        with tracker:
-            tracker.register(list(model.parameters()), "parameters")
-            recipe = _Recipe(model, wl.precision, tracker)
-            opt = _optimizer(recipe.updated(), wl)
-            tracker.register(recipe.masters or [], "optimizer")
-            result = TraceResult(spec=spec, params_bytes=tracker.bytes_in("parameters"))
-            for k in range(1, steps + 1):
-                result.steps.append(_step(model, opt, recipe, tracker, wl, spec, k))
-        result.timeline = tracker.timeline
+        model = ReferenceModel(spec, ref_options(wl))
+        return run_steps(model, spec, wl, MemoryTracker(timeline=timeline), steps=steps)
+
+
+def ref_options(wl: Workload, dtype: torch.dtype | None = None) -> RefOptions:
+    """The reference model's options for ``wl``; ``dtype`` overrides the weights' dtype."""
+    return RefOptions(dtype=dtype or _TORCH_DTYPE[wl.compute_dtype.value],
+                      norm_impl=wl.norm_impl, attention=wl.attention,
+                      logits_fp32=wl.logits_fp32, recompute=wl.recompute,
+                      recompute_layers=wl.recompute_layers)
+
+
+def run_steps(model: torch.nn.Module, spec: ModelSpec, wl: Workload, tracker: MemoryTracker,
+              *, steps: int, precision: Precision | None = None) -> TraceResult:
+    """Run ``steps`` training steps of a built (possibly sharded) model under ``tracker``.
+    ``precision`` overrides the workload's recipe (FSDP's own mixed precision runs as fp32)."""
+    model.train()
+    with tracker:
+        tracker.register(list(model.parameters()), "parameters")
+        recipe = _Recipe(model, precision or wl.precision, tracker)
+        opt = _optimizer(recipe.updated(), wl)
+        tracker.register(recipe.masters or [], "optimizer")
+        result = TraceResult(spec=spec, params_bytes=tracker.bytes_in("parameters"))
+        for k in range(1, steps + 1):
+            result.steps.append(_step(model, opt, recipe, tracker, wl, spec, k))
+    result.timeline = tracker.timeline
     return result
 
 
@@ -187,4 +198,4 @@ def _step(model, opt, recipe: _Recipe, tracker: MemoryTracker, wl: Workload,
     return measure
 
 
-__all__ = ["CATEGORIES", "StepMeasure", "TraceResult", "trace"]
+__all__ = ["CATEGORIES", "StepMeasure", "TraceResult", "ref_options", "run_steps", "trace"]

@@ -1,0 +1,356 @@
+"""Trace one rank of a multi-rank layout (FSDP2, tensor parallel, DDP) in one process.
+
+``trace_parallel(spec, layout, workload)`` starts torch's fake process group as rank 0 of
+``layout.world_size`` ranks (collectives return at once and leave their buffers as they are, so
+every tensor has the shape and dtype it has on a real rank), wraps the reference model the way
+torchtitan / plain PyTorch do, and runs ``trace.run_steps`` on it. Measured earlier: the fake
+group reproduces 2-process gloo per-rank bytes exactly; tests/test_parallel_trace.py keeps a
+real gloo run of each kind to hold it to that. ``trace_rank`` does the same on whatever process
+group is already initialised (that is what the gloo tests call in each worker).
+
+Layouts:
+- FSDP2 (zero 3, dp > 1): ``fully_shard`` on every block, then on the root, as torchtitan does.
+  ``fsdp-bf16`` = fp32 weights with ``MixedPrecisionPolicy(bf16 params, fp32 reduce)``; ``fp32``
+  = plain. FSDP2 frees and re-allocates its unsharded parameter buffers with
+  ``untyped_storage().resize_()``, a storage method no dispatch mode sees; we wrap FSDP2's own
+  ``alloc_storage`` / ``free_storage`` so the tracker follows them at the moment they happen,
+  under an extra category ``gathered`` (the all-gathered weights are neither parameters, which
+  stay the resident shard, nor activations).
+- TP (tp > 1, dp = 1): torchtitan's Llama plan on the blocks (q/k/v, gate/up colwise; o_proj,
+  down rowwise); with sequence parallelism the norms are ``SequenceParallel`` and the residual
+  stream is sharded on the sequence dim. Embedding and head stay replicated (a vocab-parallel
+  head needs torch's ``loss_parallel`` around forward and backward; not done yet); with SP the
+  embedding's output is split on the sequence and the final norm's output gathered back before
+  the head. Everything outside the plan is a replicated DTensor (see ``_replicate``).
+- DDP (zero 0, dp > 1): ``DistributedDataParallel`` with its defaults. Its reducer allocates
+  the flat gradient buckets when it is built, so it is built under the tracker and what it
+  allocates is labelled ``buckets``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from memplan.errors import MemplanError
+from memplan.parallel import ParallelConfig
+from memplan.profile.reference import ReferenceModel
+from memplan.profile.trace import TraceResult, _fake_mode, ref_options, run_steps
+from memplan.profile.tracker import MemoryTracker, _local
+from memplan.spec import ModelSpec
+from memplan.workload import Precision, Workload
+
+GATHERED = "gathered"  # FSDP2's unsharded (all-gathered) parameter buffers
+BUCKETS = "buckets"  # DDP's flat gradient buckets
+
+
+class ParallelTracker(MemoryTracker):
+    """The exact tracker plus categories for communication buffers that live across ops."""
+
+    def __init__(self, *, timeline: bool = False) -> None:
+        super().__init__(timeline=timeline)
+        self.by_category[GATHERED] = 0
+        self.by_category[BUCKETS] = 0
+
+    def resync(self, tensor: torch.Tensor, op: str) -> None:
+        """Re-read a tensor's storage size after a resize no dispatch mode saw."""
+        local = _local(tensor)
+        if local is None:
+            return
+        st = local.untyped_storage()
+        entry = self._live.get(id(st))
+        if entry is not None:
+            self._resize(entry, st.nbytes())
+            self._record(op)
+
+    def live(self) -> dict[int, list[Any]]:
+        """A snapshot of the counted storages. Entries are compared by identity, since a freed
+        storage's id() can be reused by a later one."""
+        return dict(self._live)
+
+    def born_since(self, before: dict[int, list[Any]]) -> dict[int, list[Any]]:
+        return {k: e for k, e in self._live.items() if before.get(k) is not e}
+
+    def bytes_of(self, born: dict[int, list[Any]], category: str = "activations") -> int:
+        """Bytes of the storages in ``born`` still alive and counted in ``category``."""
+        return sum(e[0] for k, e in born.items()
+                   if self._live.get(k) is e and e[1] == category)
+
+    def relabel_new(self, before: dict[int, list[Any]], category: str) -> int:
+        """Move every storage counted since ``before`` to ``category``; return their bytes."""
+        moved = 0
+        for entry in self.born_since(before).values():
+            if entry[1] != category:
+                self.by_category[entry[1]] -= entry[0]
+                self.by_category[category] += entry[0]
+                entry[1] = category
+                moved += entry[0]
+        return moved
+
+
+OnModel = Callable[[nn.Module, ParallelTracker], None]
+
+
+def layout_kind(par: ParallelConfig) -> str:
+    """``fsdp``, ``tp`` or ``ddp``; raise for layouts this tracer does not build."""
+    if par.pp > 1 or par.cp > 1 or par.ep > 1:
+        raise MemplanError("trace_parallel: pp, cp and ep layouts are not traced yet")
+    if par.tp > 1 and par.dp > 1:
+        raise MemplanError("trace_parallel: tp and dp together are not traced yet")
+    if par.tp > 1:
+        return "tp"
+    if par.dp > 1 and par.zero == 3:
+        return "fsdp"
+    if par.dp > 1 and par.zero == 0:
+        return "ddp"
+    raise MemplanError(f"trace_parallel: zero {int(par.zero)} with dp {par.dp} is not traced "
+                       "(FSDP2 is zero 3, DDP zero 0; one rank needs trace)")
+
+
+def trace_parallel(spec: ModelSpec, par: ParallelConfig, wl: Workload, *, steps: int = 2,
+                   fake: bool = True, timeline: bool = False,
+                   on_model: OnModel | None = None) -> TraceResult:
+    """Trace rank 0 of ``par`` in this process through the fake process group.
+    ``on_model(model, tracker)`` runs once the model is wrapped, before the first step (to
+    attach hooks that measure parts of the model)."""
+    layout_kind(par)
+    if dist.is_initialized():
+        raise MemplanError("trace_parallel: a process group is already initialised; "
+                           "call trace_rank instead")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=par.world_size)
+    try:
+        return trace_rank(spec, par, wl, steps=steps, fake=fake, timeline=timeline,
+                          on_model=on_model)
+    finally:
+        dist.destroy_process_group()
+
+
+def trace_rank(spec: ModelSpec, par: ParallelConfig, wl: Workload, *, steps: int = 2,
+               fake: bool = True, timeline: bool = False,
+               on_model: OnModel | None = None) -> TraceResult:
+    """Trace this process's rank of ``par`` on the default process group (fake or real)."""
+    kind = layout_kind(par)
+    if dist.get_world_size() != par.world_size:
+        raise MemplanError(f"trace_rank: process group has {dist.get_world_size()} ranks, "
+                           f"the layout {par.world_size}")
+    _check_precision(kind, wl)
+    if kind == "ddp" and fake:
+        # DDP's reducer reads parameter data in C++ (shape check, bucket rebuild broadcast),
+        # which fake tensors do not have.
+        raise MemplanError("trace_parallel: DDP runs only on real tensors (fake=False)")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (par.world_size,))
+    tracker = ParallelTracker(timeline=timeline)
+    with _fake_mode() if fake else contextlib.nullcontext():
+        torch.manual_seed(0)  # every rank builds the same replicated weights
+        if kind == "fsdp":
+            model = _fsdp_model(spec, wl, mesh)
+        elif kind == "tp":
+            model = _tp_model(spec, wl, mesh, par.sequence_parallel)
+        else:
+            model = _ddp_model(spec, wl, tracker, fake)
+        if on_model is not None:
+            on_model(model, tracker)
+        if kind != "fsdp":
+            return run_steps(model, spec, wl, tracker, steps=steps)
+        with _follow_fsdp_storage(tracker):
+            # FSDP2 casts to bf16 itself: the optimizer updates the fp32 shards directly.
+            return run_steps(model, spec, wl, tracker, steps=steps, precision=Precision.FP32)
+
+
+def _check_precision(kind: str, wl: Workload) -> None:
+    if kind == "fsdp" and wl.precision not in (Precision.FSDP_BF16, Precision.FP32):
+        raise MemplanError(f"trace_parallel: FSDP2 runs fsdp-bf16 or fp32, not "
+                           f"{wl.precision.value}")
+    if kind != "fsdp" and wl.precision is Precision.FSDP_BF16:
+        raise MemplanError("precision: fsdp-bf16 needs an FSDP layout (zero 3, dp > 1)")
+
+
+# --- FSDP2 ---------------------------------------------------------------------------------
+
+def _fsdp_model(spec: ModelSpec, wl: Workload, mesh) -> nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # fp32 weights (FSDP2 keeps fp32 shards and casts the gathered copy), but the forward's own
+    # tensors (RoPE tables, eager mask) in the compute dtype, as the model reads them from
+    # ``model.opts.dtype``. (``.to(fp32)`` after building fails on fake tensors.)
+    model = ReferenceModel(spec, ref_options(wl, torch.float32))
+    model.opts = ref_options(wl)
+    if wl.precision is Precision.FSDP_BF16:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        mp = MixedPrecisionPolicy()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+@contextlib.contextmanager
+def _follow_fsdp_storage(tracker: ParallelTracker) -> Iterator[None]:
+    """Make FSDP2's storage resizes visible to the tracker while they happen."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
+
+    def alloc_tracked(tensor: torch.Tensor) -> None:
+        alloc(tensor)
+        # The buffer was born (counted) at its torch.empty; from here on it is a gathered
+        # weight, not an activation, whatever phase first allocated it.
+        tracker.relabel(tensor, GATHERED)
+        tracker.resync(tensor, "fsdp.alloc_storage")
+
+    def free_tracked(tensor: torch.Tensor) -> None:
+        free(tensor)
+        tracker.resync(tensor, "fsdp.free_storage")
+
+    _fsdp_param.alloc_storage = alloc_tracked
+    _fsdp_param.free_storage = free_tracked
+    _fsdp_param_group.alloc_storage = alloc_tracked  # imported by name there
+    try:
+        yield
+    finally:
+        _fsdp_param.alloc_storage, _fsdp_param.free_storage = alloc, free
+        _fsdp_param_group.alloc_storage = alloc
+
+
+# --- tensor parallel -------------------------------------------------------------------------
+
+def _tp_model(spec: ModelSpec, wl: Workload, mesh, sp: bool) -> nn.Module:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
+        SequenceParallel, parallelize_module,
+    )
+
+    if spec.moe is not None:
+        raise MemplanError("trace_parallel: tensor parallel MoE is not traced yet")
+    model = ReferenceModel(spec, ref_options(wl))
+    out = Shard(1) if sp else Replicate()  # rowwise outputs: reduce-scatter with SP
+    for block in model.blocks:
+        plan = {
+            "attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
+            "attn.v_proj": ColwiseParallel(), "attn.o_proj": RowwiseParallel(output_layouts=out),
+            "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel(output_layouts=out),
+        }
+        if block.mlp.gate is not None:
+            plan["mlp.gate"] = ColwiseParallel()
+        if sp:
+            plan.update({
+                "attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
+                # attn(x, rope, mask): only x is gathered back to the full sequence.
+                "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                           desired_input_layouts=(Replicate(), None, None)),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),),
+                                          desired_input_layouts=(Replicate(),)),
+            })
+        parallelize_module(block, mesh, plan)
+    if spec.tied_embeddings:
+        raise MemplanError("trace_parallel: tied embeddings under tensor parallel are not "
+                           "traced yet (the head reuses the embedding's weight outside a module)")
+    # Everything outside the TP plan is replicated, as DTensors: torch.optim's foreach kernels
+    # refuse a mix of DTensor and plain parameters, and splitting them into two param groups
+    # would change the step's temporaries (sized by each group).
+    _replicate(model.embed, mesh, Shard(1) if sp else Replicate())
+    _replicate(model.head, mesh, Replicate())
+    if sp:
+        # The final norm runs on the sequence shard; its output is gathered for the head.
+        parallelize_module(model.final_norm, mesh, SequenceParallel())
+        parallelize_module(model.final_norm, mesh, PrepareModuleOutput(
+            output_layouts=Shard(1), desired_output_layouts=Replicate()))
+    else:
+        for norm in [model.final_norm, *(m for b in model.blocks
+                                         for m in (b.attn_norm, b.mlp_norm))]:
+            _replicate(norm, mesh, Replicate())
+    return model
+
+
+def _replicate(module: nn.Module | None, mesh, output) -> None:
+    """Replicate ``module``'s weights as DTensors; plain tensors in, local ``output`` out.
+
+    from_local / to_local are views, so replication adds no bytes; an embedding whose output is
+    wanted as ``Shard(1)`` (sequence parallel) takes its local slice without communication."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+    if module is None:
+        return
+
+    def to_dtensor(_mod, inputs, mesh):
+        return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
+                     for x in inputs)
+
+    def to_local(_mod, out, _mesh):
+        if out.placements[0] != output:
+            out = out.redistribute(placements=[output])
+        return out.to_local()
+
+    distribute_module(module, mesh, input_fn=to_dtensor, output_fn=to_local)
+
+
+# --- DDP ---------------------------------------------------------------------------------------
+
+def _ddp_model(spec: ModelSpec, wl: Workload, tracker: ParallelTracker, fake: bool) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = ReferenceModel(spec, ref_options(wl))
+    with tracker, _skip_ddp_shape_check(fake):
+        tracker.register(list(model.parameters()), "parameters")
+        before = tracker.live()
+        # DDP's reducer allocates one flat buffer per gradient bucket here (25 MiB cap, the
+        # first bucket 1 MiB); gradient_as_bucket_view=False (the default) keeps .grad apart and
+        # copies every gradient into its bucket for the all-reduce and back.
+        ddp = DistributedDataParallel(model)
+        tracker.relabel_new(before, BUCKETS)
+    ddp.register_comm_hook(None, _allreduce_hook)
+    pre_forward = ddp._pre_forward
+
+    def pre_forward_tracked(*args, **kwargs):
+        # Step 2's first forward rebuilds the buckets in the order gradients became ready
+        # (Reducer::rebuild_buckets): new flat buffers, born in forward but not activations.
+        before = tracker.live()
+        out = pre_forward(*args, **kwargs)
+        tracker.relabel_new(before, BUCKETS)
+        return out
+
+    ddp._pre_forward = pre_forward_tracked
+    return ddp
+
+
+def _allreduce_hook(_state, bucket):
+    """DDP's default all-reduce, in place on the bucket. The built-in C++ hook takes its result
+    from the work's future, which the fake process group leaves empty; this one returns the
+    bucket itself, so fake and real groups run the same ops (both use it)."""
+    buf = bucket.buffer()
+    buf.div_(dist.get_world_size())
+    dist.all_reduce(buf)
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
+
+
+@contextlib.contextmanager
+def _skip_ddp_shape_check(fake: bool) -> Iterator[None]:
+    """DDP compares parameter shapes across ranks by reading their data, which fake tensors
+    do not have; every rank builds the same model here, so the check is skipped for them."""
+    from torch.nn.parallel import distributed
+
+    check = distributed._verify_param_shape_across_processes
+    if fake:
+        distributed._verify_param_shape_across_processes = lambda *_a, **_k: None
+    try:
+        yield
+    finally:
+        distributed._verify_param_shape_across_processes = check
+
+
+__all__ = ["BUCKETS", "GATHERED", "ParallelTracker", "layout_kind", "trace_parallel",
+           "trace_rank"]
