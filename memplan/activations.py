@@ -340,12 +340,20 @@ def layer_forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer:
         b = _by_block(layer_terms(spec, wl, dm, moe_layer=moe_layer, recompute=recompute))
         core = 0
         if recompute is Recompute.SELECTIVE and wl.attention is Attention.EAGER:
+            # inside the checkpointed core: two score-sized tensors (scores and their scaled
+            # or masked successor; then the softmax's input and output) with either the
+            # contiguous q and k copies of the first matmul, or dropout's mask and output
             scores = dm.b * (spec.num_attention_heads // t) * dm.s * dm.s_kv
-            core = 2 * scores * e  # scores and probabilities inside the checkpointed core
+            q_bytes = dm.tokens * spec.q_size // t * e
+            dropout = scores * (e + MASK_BYTES) if spec.dropout > 0 else 0
+            core = 2 * scores * e + max(2 * q_bytes, dropout)
+        # the core runs before the attention output and its dropout mask exist
+        before_out = b["attn"] - dm.tokens * spec.q_size // t * e - (
+            rows * h * MASK_BYTES if spec.dropout > 0 else 0)
         return [
             ForwardMoment("attn_norm", b["attn_norm"], unsaved_input + fp32_normed),
-            ForwardMoment("attention", b["attn_norm"] + b["attn"],
-                          unsaved_input + max(stream, core)),
+            ForwardMoment("attention", b["attn_norm"] + b["attn"], unsaved_input + stream),
+            ForwardMoment("attention_core", b["attn_norm"] + before_out, unsaved_input + core),
             ForwardMoment("mlp_norm", b["attn_norm"] + b["attn"] + b["mlp_norm"],
                           unsaved_input + fp32_normed),
             ForwardMoment("mlp", b["attn_norm"] + b["attn"] + b["mlp_norm"] + b["ffn"],
@@ -431,12 +439,20 @@ def _attention_backward(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Reco
             rebuilt = q_bytes + dm.b * (spec.num_attention_heads // t) * dm.s * FP32_BYTES
         return saved_attn + rebuilt, transient
     scores = dm.b * (spec.num_attention_heads // t) * dm.s * dm.s_kv
-    # The value matmul's backward has freed the (repeated) V and the dropout output.
-    freed = q_bytes + (scores * e if spec.dropout > 0 else 0)
-    rebuilt = 0
-    if recompute is Recompute.SELECTIVE:  # repeated K and V, softmax (+ dropout), output
-        rebuilt = 3 * q_bytes + scores * e + (scores * (MASK_BYTES + e) if spec.dropout > 0
-                                              else 0)
+    dropout = scores * (MASK_BYTES + e) if spec.dropout > 0 else 0
+    grouped = spec.num_kv_heads < spec.num_attention_heads
+    if recompute is not Recompute.SELECTIVE:
+        # The value matmul's backward has freed V (repeated) and the dropout output.
+        freed = q_bytes + (scores * e if spec.dropout > 0 else 0)
+        return saved_attn - freed, q_bytes + 2 * scores * e
+    # The rerun core saves again what its matmuls and softmax save: the contiguous K^T copy,
+    # a contiguous copy of q when no RoPE made it contiguous, the repeated V (GQA; with MHA V
+    # is the checkpoint's own input), the softmax output and dropout's mask and output. The
+    # value matmul's backward has then freed its repeated V and the dropout output.
+    rope = spec.position is PositionKind.ROPE
+    rebuilt = (q_bytes + (0 if rope else q_bytes) + (q_bytes if grouped else 0)
+               + scores * e + dropout)
+    freed = (q_bytes if grouped else 0) + (scores * e if spec.dropout > 0 else 0)
     return saved_attn + rebuilt - freed, q_bytes + 2 * scores * e
 
 

@@ -194,7 +194,8 @@ class _Walk:
     head_grads: int
     embed_grads: int
     tied_extra: int  # tied embedding: the head's pending grad and the sum, beyond the grad
-    grad_buffer: int  # ZeRO-2/3 unsharded gradients awaiting reduce-scatter, once grads flow
+    grad_buffer: int  # ZeRO-2/3 unsharded gradients awaiting reduce-scatter, at most
+    unsharded_ratio: float  # unsharded / held gradient bytes (the ZeRO-2 shard degree)
     final_norm_saved: int  # last stage: the final norm's saved bytes
     final_norm_bwd: int  # last stage: gradients in flight inside the final norm's backward
 
@@ -231,23 +232,35 @@ def _backward_peak(w: _Walk, grads_prior: int, grads_total: int) -> int:
     peak = max(acts + grads + w.loss_bwd, acts - w.head_saved + grads + w.head_linear_bwd)
     acts -= w.head_saved
     grads += w.head_grads if growing else 0
+    produced = w.head_grads  # this backward's gradients so far (the ZeRO buffer holds them)
+
+    def buffer(made: int) -> int:
+        # Gradients not yet reduce-scattered are held unsharded instead of as this rank's
+        # shard: the extra is the unsharded size minus the shard they will become.
+        waiting = min(w.grad_buffer, int(made * w.unsharded_ratio))
+        return waiting - int(waiting / w.unsharded_ratio) if w.unsharded_ratio > 1 else waiting
+
     if w.final_norm_bwd:  # the head's weight gradient exists; the norm's own comes after
-        peak = max(peak, acts + w.final_norm_saved + grads + w.final_norm_bwd + w.grad_buffer)
+        peak = max(peak, acts + w.final_norm_saved + grads + w.final_norm_bwd
+                   + buffer(produced))
     pending = w.tied_extra // 2  # a tied head's weight grad waits for the embedding's
     for kind, layer_grads, moment_grads, n in reversed(w.runs):
         step_grads = layer_grads if growing else 0
         # Before the layer's backward its own saved bytes are part of ``acts``; each moment
         # counts what of them (or of their recomputation) is still alive.
-        below = acts - kind.saved_bytes + grads + pending + w.grad_buffer
+        below = acts - kind.saved_bytes + grads + pending
         local = max(m.alive_bytes + m.transient_bytes + (g if growing else 0)
                     for m, g in zip(kind.moments, moment_grads))
-        first_moment = below + local
-        last_moment = first_moment + (n - 1) * (step_grads - kind.saved_bytes)
+        early = max(moment_grads)
+        first_moment = below + local + buffer(produced + early)
+        last_moment = (below + local + (n - 1) * (step_grads - kind.saved_bytes)
+                       + buffer(produced + (n - 1) * layer_grads + early))
         peak = max(peak, first_moment, last_moment)
         acts -= n * kind.saved_bytes
         grads += n * step_grads
+        produced += n * layer_grads
     end_grads = grads_total if growing or grads_prior else grads
-    return max(peak, acts + end_grads + w.tied_extra + w.grad_buffer)
+    return max(peak, acts + end_grads + w.tied_extra + buffer(produced + w.embed_grads))
 
 
 def _runs(keys: list) -> list[tuple[object, int]]:
@@ -365,6 +378,7 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
         head_linear_bwd=(shared.head_linear_bwd + vocab_grad) if last else 0,
         head_grads=int(sp.head * grad_per_param), embed_grads=int(sp.embedding * grad_per_param),
         tied_extra=2 * vocab_grad if tied else 0, grad_buffer=shard.grad_bytes,
+        unsharded_ratio=sp.total * wl.precision.recipe.grad_bytes / max(st.grads_bytes, 1),
         final_norm_saved=shared.final_norm_bwd_saved if last else 0,
         final_norm_bwd=shared.final_norm_bwd if last else 0,
     )

@@ -166,7 +166,11 @@ def sharding_buffers(sp: StageParams, par: ParallelConfig, wl: Workload) -> Shar
     before its reduce-scatter. ZeRO-2: one reduce bucket of unsharded gradients."""
     recipe = wl.precision.recipe
     if par.zero >= ZeroStage.PARAMETERS and par.dense_shard_degree > 1:
-        return ShardingBuffers(2 * sp.largest_unit * wl.compute_dtype.itemsize,
+        # The unit computing and the next one prefetched: neighbours in execution order.
+        layer = max(sp.layers, default=0)
+        pair = max(sp.embedding + layer, 2 * layer if len(sp.layers) > 1 else layer,
+                   layer + sp.head)
+        return ShardingBuffers(pair * wl.compute_dtype.itemsize,
                                sp.largest_unit * recipe.grad_bytes)
     if par.zero == ZeroStage.GRADIENTS and par.dense_shard_degree > 1:
         # The bucket holds gradients not yet reduced, which are at most the ones this rank

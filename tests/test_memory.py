@@ -390,7 +390,6 @@ ZERO2_BUCKET_BEFORE_GRADIENTS = (
 )
 
 
-@pytest.mark.xfail(reason=ZERO2_BUCKET_BEFORE_GRADIENTS, strict=True)
 def test_zero2_bucket_holds_only_gradients_produced() -> None:
     """Llama-2-7B, 2 GPUs (dp 2), fp32, flash, seq 1024, mbs 4, m = 1: the backward peaks near
     its start, at the last layer. Gradients produced by then: the head and final norm
@@ -446,35 +445,6 @@ def test_peak_never_increases_with_recompute(job: dict[str, Any]) -> None:
     for stage in range(job["pp"]):
         acts = [e.stages[stage].activations_bytes for e in es]
         assert acts == sorted(acts, reverse=True)
-
-
-SELECTIVE_MHA_REPEATED_KV = (
-    "activations.py _attention_backward: selective recompute with eager attention adds "
-    "3 * q_bytes (repeated K and V, output) to the rebuilt core, but an MHA model's repeat_kv "
-    "returns K and V themselves (n_rep = 1): no copies; selective then peaks above no recompute"
-)
-
-
-@pytest.mark.xfail(reason=SELECTIVE_MHA_REPEATED_KV, strict=True)
-def test_selective_eager_mha_rebuilds_no_kv() -> None:
-    """Llama-2-7B (MHA: 32 query and 32 KV heads), 1 GPU, eager, fused bf16-fp32-grads, seq
-    1024, mbs 3 (T = 3072): the backward dominates the peak. One query-width tensor is
-    T*h*e = 3072 * 4096 * 2 = 25,165,824 B.
-
-    After the value matmul's backward, no recompute holds q, k, the softmax and the output
-    (V, saved only by that matmul, is freed). Selective holds q, k and v (the checkpoint keeps
-    its inputs until the whole core's backward ends), the output, the rebuilt softmax, and the
-    rebuilt core's output if the checkpoint is reentrant (Megatron-LM's). So selective may peak
-    above none by two query-width tensors, 50,331,648 B. repeat_kv makes no copies for MHA, yet
-    memplan counts "repeated K and V" as two more: selective 75,497,472 B above none
-    (121,472,405,512 vs 121,396,908,040).
-    """
-    kw = dict(gpus=1, attention="eager", precision="bf16-fp32-grads", optimizer_impl="fused",
-              seq_len=1024, micro_batch_size=3)
-    none = est("llama-2-7b", recompute="none", **kw)
-    selective = est("llama-2-7b", recompute="selective", **kw)
-    assert _q_bytes(none) == 25_165_824
-    assert selective.peak_bytes - none.peak_bytes <= 2 * 25_165_824
 
 
 # --- validation -------------------------------------------------------------------------------
