@@ -21,8 +21,9 @@ What each block saves (Llama and GPT blocks in PyTorch; Korthikanti et al. 2022,
 - MLP: gated (SwiGLU/GeGLU): gate out, activation out, up out and their product; else the first
   linear's output and the activation's output.
 - dropout after attention and MLP: a 1-byte mask per residual element.
-- MoE: router probabilities (fp32), routed token copies (top-k per token), each expert's MLP
-  terms over its tokens, expert outputs and routing weights for the weighted combine.
+- MoE (the reference's loop over experts): router probabilities (fp32), top-k indices and
+  renormalised weights, each expert's gathered rows and their index, the MLP terms over its
+  tokens, its output, the routing weights, and the weighted output the combine keeps.
 """
 
 from __future__ import annotations
@@ -129,10 +130,14 @@ def moe_terms(spec: ModelSpec, dm: Dims) -> list[Term]:
     terms = [
         Term("moe.router_probs", dm.tokens * moe.num_experts * FP32_BYTES),
         Term("moe.topk_indices", routed * INDEX_BYTES),
+        # the renormalisation of the top-k weights saves them and their per-token sum (fp32)
+        Term("moe.topk_weights", routed * FP32_BYTES + dm.tokens * FP32_BYTES),
+        Term("moe.token_index", routed * INDEX_BYTES),  # which rows each expert gathers
         Term("moe.dispatched", routed * h * e),
         *mlp_terms("moe.expert", spec, dm, moe.expert_ffn_hidden_size, routed),
         Term("moe.expert_out", routed * h * e),
         Term("moe.routing_weights", routed * e),
+        Term("moe.combine_in", routed * h * e),  # the weighted outputs, saved by index_add
     ]
     if moe.num_shared_experts:
         ffn = moe.num_shared_experts * moe.shared_expert_ffn_hidden_size
@@ -288,7 +293,10 @@ def layer_backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer
         if recompute is Recompute.FULL else 0  # the checkpointed input, kept while rebuilding
     per_inner = 2 if spec.mlp.gated else 1
     if moe_layer and spec.moe is not None:
-        mlp = per_inner * dm.tokens * spec.moe.top_k * spec.moe.expert_ffn_hidden_size // t * e
+        # experts run one after another: the largest working set is one expert's, with
+        # balanced routing T*k/E tokens
+        per_expert = dm.tokens * spec.moe.top_k // spec.moe.num_experts
+        mlp = per_inner * per_expert * spec.moe.expert_ffn_hidden_size // t * e
     else:
         mlp = per_inner * dm.tokens * spec.ffn_hidden_size // t * e
     norm = _norm_backward_bytes(spec, wl, dm)

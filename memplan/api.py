@@ -63,7 +63,8 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
     logits_fp32). ``gpu_memory`` ("80GiB", "80GB" or int bytes) overrides the GPU's capacity.
     Raises ``MemplanError`` for any invalid input.
     """
-    spec = model if isinstance(model, ModelSpec) else load_model(model)
+    spec, par, wl = resolve(model, gpus=gpus, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp,
+                            zero=zero, sequence_parallel=sequence_parallel, **workload)
     gpu_spec = gpu if isinstance(gpu, GpuSpec) else load_gpu(gpu)
     capacity = None
     if gpu_memory is not None:
@@ -71,9 +72,6 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
             capacity = parse_bytes(gpu_memory)
         except ValueError as err:
             raise MemplanError(f"gpu_memory: {err}") from err
-    par = make_layout(gpus, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp, zero=zero,
-                      sequence_parallel=sequence_parallel)
-    wl = make_workload(spec, **workload)
     return _estimate(spec, gpu_spec, par, wl, capacity_bytes=capacity, overheads=overheads,
                      schedule=Schedule(schedule))
 
@@ -82,6 +80,17 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
 _FLAG_NAMES = {"micro_batch_size": "mbs", "global_batch_size": "gbs", "seq_len": "seq",
                "recompute_layers": "recompute-layers", "optimizer_impl": "optimizer-impl",
                "norm_impl": "norm", "logits_fp32": "logits-fp32"}
+
+
+def resolve(model: str | ModelSpec, *, gpus: int = 1, tp: int = 1, pp: int = 1, vpp: int = 1,
+            cp: int = 1, ep: int = 1, dp: int | None = None, zero: int = 0,
+            sequence_parallel: bool | None = None,
+            **workload: Any) -> tuple[ModelSpec, ParallelConfig, Workload]:
+    """The typed (spec, layout, workload) for names and numbers; raises MemplanError."""
+    spec = model if isinstance(model, ModelSpec) else load_model(model)
+    par = make_layout(gpus, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp, zero=zero,
+                      sequence_parallel=sequence_parallel)
+    return spec, par, make_workload(spec, **workload)
 
 
 def _validate(model: type[Workload], data: dict[str, Any]) -> Workload:

@@ -22,12 +22,15 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from memplan.errors import MemplanError  # noqa: E402
 from memplan.parallel import ParallelConfig  # noqa: E402
 from memplan.profile.parallel import (  # noqa: E402
     GATHERED, ParallelTracker, trace_parallel, trace_rank,
 )
 from memplan.profile.reference import ReferenceModel, RefOptions  # noqa: E402
-from memplan.profile.trace import TraceResult, _fake_mode, ref_options, run_steps, trace  # noqa: E402
+from memplan.profile.trace import (  # noqa: E402
+    TraceResult, _fake_mode, ref_options, run_steps, trace,
+)
 from memplan.spec import load_model  # noqa: E402
 from memplan.workload import Workload  # noqa: E402
 
@@ -175,6 +178,7 @@ def test_tp_parameters_are_sharded_on_the_plan() -> None:
 
 GLOO_CASES = {
     "fsdp2": (ParallelConfig(dp=2, zero=3), "fsdp-bf16"),
+    "tp": (ParallelConfig(tp=2), "bf16-mixed"),
     "tp-sp": (ParallelConfig(tp=2, sequence_parallel=True), "bf16-mixed"),
     "ddp": (ParallelConfig(dp=2), "bf16-mixed"),
 }
@@ -220,3 +224,19 @@ def test_real_gloo_rank0_equals_fake_group(case: str) -> None:
     # DDP's reducer needs real tensors; the others trace on fake ones.
     fake = summary(trace_parallel(SPEC, par, wl(precision), fake=case != "ddp"))
     assert gloo_rank0()[case] == fake
+
+
+@pytest.mark.parametrize("par, message", [
+    (ParallelConfig(dp=2, zero=1), "zero 1 with dp 2 is not traced"),
+    (ParallelConfig(tp=2, dp=2), "tp and dp together"),
+    (ParallelConfig(pp=2), "pp, cp and ep"),
+])
+def test_untraced_layouts_are_refused(par: ParallelConfig, message: str) -> None:
+    with pytest.raises(MemplanError, match=message):
+        trace_parallel(SPEC, par, wl("bf16-mixed"))
+
+
+def test_ddp_needs_real_tensors() -> None:
+    with pytest.raises(MemplanError, match="DDP runs only on real tensors"):
+        trace_parallel(SPEC, ParallelConfig(dp=2), wl("bf16-mixed"))
+    assert not dist.is_initialized()  # the fake group is torn down on errors too

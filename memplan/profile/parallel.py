@@ -22,9 +22,17 @@ Layouts:
   head needs torch's ``loss_parallel`` around forward and backward; not done yet); with SP the
   embedding's output is split on the sequence and the final norm's output gathered back before
   the head. Everything outside the plan is a replicated DTensor (see ``_replicate``).
-- DDP (zero 0, dp > 1): ``DistributedDataParallel`` with its defaults. Its reducer allocates
-  the flat gradient buckets when it is built, so it is built under the tracker and what it
-  allocates is labelled ``buckets``.
+- DDP (zero 0, dp > 1): ``DistributedDataParallel`` with its defaults, real tensors only (its
+  C++ reducer reads parameter data). Its reducer allocates flat gradient buckets (one gradient-
+  sized copy, gradient_as_bucket_view=False) when it is built and rebuilds them at step 2's
+  first forward; both are done under the tracker and labelled ``buckets``. The all-reduce runs
+  through a Python comm hook equal to the default one (the built-in C++ hook needs a future
+  value the fake group does not set); gloo runs use the same hook.
+
+Measured on FSDP2 (tiny): the root's gathered weights live from its forward to the end of
+backward; during forward FSDP2 also keeps the previous unit's flat all-gather output alive
+(``comm_ctx.all_gather_state``, until the next all-gather), so a block sees two units and the
+loss sees the root plus the last block's buffer.
 """
 
 from __future__ import annotations
@@ -156,7 +164,7 @@ def trace_rank(spec: ModelSpec, par: ParallelConfig, wl: Workload, *, steps: int
         elif kind == "tp":
             model = _tp_model(spec, wl, mesh, par.sequence_parallel)
         else:
-            model = _ddp_model(spec, wl, tracker, fake)
+            model = _ddp_model(spec, wl, tracker)
         if on_model is not None:
             on_model(model, tracker)
         if kind != "fsdp":
@@ -298,11 +306,11 @@ def _replicate(module: nn.Module | None, mesh, output) -> None:
 
 # --- DDP ---------------------------------------------------------------------------------------
 
-def _ddp_model(spec: ModelSpec, wl: Workload, tracker: ParallelTracker, fake: bool) -> nn.Module:
+def _ddp_model(spec: ModelSpec, wl: Workload, tracker: ParallelTracker) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     model = ReferenceModel(spec, ref_options(wl))
-    with tracker, _skip_ddp_shape_check(fake):
+    with tracker:
         tracker.register(list(model.parameters()), "parameters")
         before = tracker.live()
         # DDP's reducer allocates one flat buffer per gradient bucket here (25 MiB cap, the
@@ -335,21 +343,6 @@ def _allreduce_hook(_state, bucket):
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(buf)
     return fut
-
-
-@contextlib.contextmanager
-def _skip_ddp_shape_check(fake: bool) -> Iterator[None]:
-    """DDP compares parameter shapes across ranks by reading their data, which fake tensors
-    do not have; every rank builds the same model here, so the check is skipped for them."""
-    from torch.nn.parallel import distributed
-
-    check = distributed._verify_param_shape_across_processes
-    if fake:
-        distributed._verify_param_shape_across_processes = lambda *_a, **_k: None
-    try:
-        yield
-    finally:
-        distributed._verify_param_shape_across_processes = check
 
 
 __all__ = ["BUCKETS", "GATHERED", "ParallelTracker", "layout_kind", "trace_parallel",

@@ -1,0 +1,90 @@
+"""``memplan trace``: run real training steps of the reference model, measured next to estimate."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from memplan.api import resolve
+from memplan.cli import app
+from memplan.cli.options import (
+    AttentionOpt, Cp, Dp, Gbs, Gpus, Json, LogitsFp32, Mbs, Model, NormOpt, OptimizerImplOpt,
+    OptimizerOpt, Pp, PrecisionOpt, RecomputeChoice, RecomputeLayers, RecomputeOpt, Seq, Sp, Tp,
+    Zero, ZeroChoice,
+)
+from memplan.errors import MemplanError
+from memplan.workload import Attention, NormImpl, Optimizer, OptimizerImpl, Precision, Recompute
+
+Steps = Annotated[int, typer.Option("--steps", help="Training steps (>= 2: first and steady).")]
+Fake = Annotated[bool, typer.Option(
+    "--fake/--real", help="Fake tensors (no memory, any size) or real CPU tensors.")]
+Layers = Annotated[int | None, typer.Option(
+    "--layers", help="Trace only this many layers of the model (a shorter copy of the spec).")]
+
+
+@app.command()
+def trace(
+    model: Model,
+    gpus: Gpus = 1,
+    tp: Tp = 1, pp: Pp = 1, dp: Dp = None, cp: Cp = 1,
+    sp: Sp = None,
+    zero: Zero = ZeroChoice.Z0,
+    mbs: Mbs = 1, gbs: Gbs = None, seq: Seq = None,
+    recompute: RecomputeOpt = RecomputeChoice.NONE,
+    recompute_layers: RecomputeLayers = None,
+    precision: PrecisionOpt = Precision.BF16_MIXED,
+    optimizer: OptimizerOpt = Optimizer.ADAMW,
+    optimizer_impl: OptimizerImplOpt = OptimizerImpl.FOREACH,
+    attention: AttentionOpt = Attention.FLASH,
+    norm: NormOpt = NormImpl.UPCAST,
+    logits_fp32: LogitsFp32 = True,
+    layers: Layers = None,
+    steps: Steps = 2,
+    fake: Fake = True,
+    json_out: Json = False,
+) -> None:
+    """Trace training steps of the reference model with the exact tensor tracker and print the
+    measured bytes next to `memplan estimate`, per component and phase (tensors only: no CUDA
+    context or allocator). Needs torch (pip install 'memplan[torch]').
+
+    Examples:
+
+      memplan trace --model llama-7b --layers 2 --seq 2048 --mbs 2
+
+      memplan trace -m tiny --gpus 4 --zero 3 --precision fsdp-bf16 --json
+    """
+    spec, par, wl = resolve(
+        model, gpus=gpus, tp=tp, pp=pp, dp=dp, cp=cp, zero=int(zero.value),
+        sequence_parallel=sp, micro_batch_size=mbs, global_batch_size=gbs, seq_len=seq,
+        recompute=Recompute.parse(recompute.value), recompute_layers=recompute_layers,
+        precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
+        attention=attention, norm_impl=norm, logits_fp32=logits_fp32)
+    if layers is not None:
+        if not 0 < layers <= spec.num_layers:
+            raise MemplanError(f"layers ({layers}) must be between 1 and {spec.num_layers}")
+        spec = spec.model_copy(update={"num_layers": layers, "name": f"{spec.name}[:{layers}]"})
+    if pp > 1 or cp > 1:
+        raise MemplanError("trace: pipeline and context parallel layouts are not traced yet; "
+                           "use tp, dp and zero")
+    if steps < 2:
+        raise MemplanError(f"steps ({steps}) must be at least 2: the first step and the steady state")
+    try:
+        from memplan.profile.compare import compare, comparison_json
+    except ImportError as err:  # torch missing
+        raise MemplanError(f"trace needs torch: pip install 'memplan[torch]' ({err})") from err
+    result = compare(spec, par, wl, steps=steps, fake=fake)
+    if json_out:
+        typer.echo(json.dumps(comparison_json(result), indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{spec.name}: traced rank 0 vs estimate (bytes; tensors only)")
+    for col in ("quantity", "measured", "estimated", "diff", "diff %"):
+        table.add_column(col, justify="left" if col == "quantity" else "right", no_wrap=True)
+    for r in result.rows:
+        table.add_row(r.name.removesuffix("_bytes"), f"{r.measured_bytes:,}",
+                      f"{r.estimated_bytes:,}", f"{r.diff_bytes:+,}", f"{r.diff_pct:+.3f}")
+    Console().print(table)

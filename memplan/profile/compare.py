@@ -1,0 +1,104 @@
+"""Measured (traced) next to estimated bytes, per component and phase.
+
+``compare(spec, par, wl)`` traces the reference model (one process, or rank 0 of a parallel
+layout through the fake process group) and runs ``memplan.memory.estimate`` with no fixed
+overheads, since the tracker counts tensors only. Step 1 is compared with the estimate's
+first-step phases, the last traced step with its steady state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from memplan.hardware import load_gpu
+from memplan.memory import PHASES, Estimate, estimate
+from memplan.overheads import no_overheads
+from memplan.parallel import ParallelConfig
+from memplan.profile.trace import TraceResult, trace
+from memplan.spec import ModelSpec
+from memplan.workload import Workload
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    measured_bytes: int
+    estimated_bytes: int
+
+    @property
+    def diff_bytes(self) -> int:
+        return self.estimated_bytes - self.measured_bytes
+
+    @property
+    def diff_pct(self) -> float:
+        return 100.0 * self.diff_bytes / self.measured_bytes if self.measured_bytes else 0.0
+
+
+@dataclass(frozen=True)
+class Comparison:
+    spec: ModelSpec
+    parallel: ParallelConfig
+    workload: Workload
+    rows: tuple[Row, ...]
+    trace: TraceResult
+    estimate: Estimate
+
+    def row(self, name: str) -> Row:
+        return next(r for r in self.rows if r.name == name)
+
+    @property
+    def worst_pct(self) -> float:
+        return max(abs(r.diff_pct) for r in self.rows)
+
+
+def run_trace(spec: ModelSpec, par: ParallelConfig, wl: Workload, *, steps: int = 2,
+              fake: bool = True) -> TraceResult:
+    """One process for a single-rank layout, else rank 0 of the layout via the fake group."""
+    if par.world_size == 1:
+        return trace(spec, par, wl, steps=steps, fake=fake)
+    from memplan.profile.parallel import trace_parallel
+
+    return trace_parallel(spec, par, wl, steps=steps, fake=fake)
+
+
+def compare(spec: ModelSpec, par: ParallelConfig, wl: Workload, *, steps: int = 2,
+            fake: bool = True) -> Comparison:
+    if steps < 2:
+        raise ValueError(f"steps must be at least 2 (first step and steady state), got {steps}")
+    result = run_trace(spec, par, wl, steps=steps, fake=fake)
+    est = estimate(spec, load_gpu("h100-sxm"), par, wl, overheads=no_overheads())
+    stage = est.stages[0]  # rank 0 holds pipeline stage 0
+    rows = [
+        Row("params_bytes", result.params_bytes, stage.params_bytes),
+        Row("grads_bytes", result.steady.grads_bytes, stage.grads_bytes),
+        Row("optimizer_bytes", result.steady.optimizer_bytes, stage.optimizer_bytes),
+        Row("activations_bytes", result.steady.saved_activations_bytes, stage.activations_bytes),
+    ]
+    for label, measured, phases in (("first_step", result.first, stage.first_step),
+                                    ("steady", result.steady, stage.steady)):
+        for phase in PHASES:
+            rows.append(Row(f"{label}.{phase}_bytes", measured.phases[phase].total_bytes,
+                            getattr(phases, phase)))
+    return Comparison(spec, par, wl, tuple(rows), result, est)
+
+
+def comparison_json(c: Comparison) -> dict[str, Any]:
+    """``measured`` and ``estimated`` with the same byte fields, and the differences."""
+    def side(attr: str) -> dict[str, Any]:
+        flat = {r.name: getattr(r, attr) for r in c.rows}
+        return {
+            **{k: v for k, v in flat.items() if "." not in k},
+            "phases": {step: {k.split(".", 1)[1]: v for k, v in flat.items()
+                              if k.startswith(step + ".")}
+                       for step in ("first_step", "steady")},
+        }
+
+    return {
+        "model": c.spec.name,
+        "layout": c.parallel.model_dump(mode="json"),
+        "workload": c.workload.model_dump(mode="json"),
+        "measured": side("measured_bytes"),
+        "estimated": side("estimated_bytes"),
+        "diff": {r.name: {"bytes": r.diff_bytes, "pct": round(r.diff_pct, 4)} for r in c.rows},
+    }
