@@ -301,9 +301,15 @@ def layer_backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer
         mlp = per_inner * dm.tokens * spec.ffn_hidden_size // t * e
     norm = _norm_backward_bytes(spec, wl, dm)
     attn_alive, attn_transient = _attention_backward(spec, wl, dm, recompute, saved["attn"])
+    freed_ffn = 0
+    if moe_layer and spec.moe is not None:
+        # the combine's backward ran first: its weighted outputs are freed, and so is the
+        # output of the expert whose MLP backward is running (one expert's T*k/E rows)
+        routed = dm.tokens * spec.moe.top_k * h * e
+        freed_ffn = routed + routed // spec.moe.num_experts
     a_norm, m_norm = saved["attn_norm"], saved["mlp_norm"]
     return [
-        BackwardMoment("mlp", extra + a_norm + saved["attn"] + m_norm + saved["ffn"],
+        BackwardMoment("mlp", extra + a_norm + saved["attn"] + m_norm + saved["ffn"] - freed_ffn,
                        incoming + mlp, ("mlp_out",)),
         BackwardMoment("mlp_norm", extra + a_norm + saved["attn"] + saved["mlp_norm_bwd"],
                        incoming + norm, ("mlp",)),
@@ -374,12 +380,20 @@ def layer_forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer:
         attn_ws = q_bytes + kv_bytes + q_bytes + dm.b * (spec.num_attention_heads // t) * dm.s * 4
     else:
         scores = dm.b * (spec.num_attention_heads // t) * dm.s * dm.s_kv
-        attn_ws = 3 * q_bytes + 2 * scores * e
-    ffn = (spec.moe.expert_ffn_hidden_size * spec.moe.top_k if moe_layer and spec.moe
-           else spec.ffn_hidden_size)
-    inner = dm.tokens * ffn // t * e
-    # gated: activation, up and product together; plain: first linear and activation
-    mlp_ws = max(stream + inner, (3 if spec.mlp.gated else 2) * inner)
+        attn_ws = 4 * q_bytes + 2 * scores * e  # q, K^T copy, V, output; two score tensors
+    if moe_layer and spec.moe is not None:
+        # experts run one after another over their T*k/E rows (balanced routing), while the
+        # router's probabilities and the combined output accumulate for all tokens
+        moe = spec.moe
+        rows_e = dm.tokens * moe.top_k // moe.num_experts
+        inner = rows_e * moe.expert_ffn_hidden_size // t * e
+        expert = rows_e * h * e + max(rows_e * h * e + inner,
+                                      (3 if spec.mlp.gated else 2) * inner)
+        mlp_ws = dm.tokens * moe.num_experts * FP32_BYTES + stream + expert
+    else:
+        inner = dm.tokens * spec.ffn_hidden_size // t * e
+        # gated: activation, up and product together; plain: first linear and activation
+        mlp_ws = max(stream + inner, (3 if spec.mlp.gated else 2) * inner)
     # x is the checkpointed input; the norm output lives while its block runs
     return [
         ForwardMoment("attn_norm", stream + norm_ws, 0),

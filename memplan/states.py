@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from memplan.parallel import ParallelConfig, ZeroStage
-from memplan.spec import ModelSpec, PositionKind, param_counts
+from memplan.spec import ModelSpec, PositionKind, layer_tensor_count, param_counts
 from memplan.units import DType, ceil_div
 from memplan.workload import Optimizer, OptimizerImpl, Workload
 
@@ -33,6 +33,7 @@ class StageParams:
     head: int  # final norm + output projection on the last stage (tied, p = 1: norm only)
     largest_tensor: int  # elements of the largest single parameter tensor on the rank
     largest_unit: int  # elements of the largest FSDP unit (a layer, or the embedding/head)
+    num_tensors: int  # parameter tensors on the rank
 
     @property
     def total(self) -> int:
@@ -66,9 +67,14 @@ def _stage_params(spec: ModelSpec, t: int, ep: int, pp: int, layers: tuple[int, 
     head = counts.final_norm + (vocab_rows if counts.head or par.pp > 1 else 0) if last else 0
     dense += embed + head
     largest = max(vocab_rows if (first or last) else 0, *_layer_tensor_sizes(spec, par))
+    tensors = sum(layer_tensor_count(spec, i, ep) for i in layers)
+    if first:
+        tensors += 1 + (1 if counts.position_embedding else 0)
+    if last:
+        tensors += (2 if spec.norm_bias else 1) + (1 if counts.head or pp > 1 else 0)
     return StageParams(dense=dense, expert=expert, layers=tuple(per_layer), embedding=embed,
                        head=head, largest_tensor=largest,
-                       largest_unit=max(0, embed, head, *per_layer))
+                       largest_unit=max(0, embed, head, *per_layer), num_tensors=tensors)
 
 
 def _layer_tensor_sizes(spec: ModelSpec, par: ParallelConfig) -> list[int]:
@@ -107,10 +113,14 @@ def state_bytes(sp: StageParams, par: ParallelConfig, wl: Workload) -> StateByte
 
     opt_params = held(ZeroStage.OPTIMIZER)
     per_param_opt = recipe.master_bytes + wl.optimizer.state_bytes_per_param
+    # fused AdamW keeps its per-tensor step counters on the device (fp32 scalars); foreach
+    # and for-loop keep them on the host (torch.optim.AdamW, capturable=False)
+    steps = (sp.num_tensors * FP32_BYTES if wl.optimizer is Optimizer.ADAMW
+             and wl.optimizer_impl is OptimizerImpl.FUSED else 0)
     return StateBytes(
         params_bytes=held(ZeroStage.PARAMETERS) * recipe.param_bytes,
         grads_bytes=held(ZeroStage.GRADIENTS) * recipe.grad_bytes,
-        optimizer_bytes=opt_params * per_param_opt,
+        optimizer_bytes=opt_params * per_param_opt + steps,
         master_bytes=opt_params * recipe.master_bytes,
         num_optimizer_params=opt_params,
     )
@@ -121,7 +131,7 @@ def optimizer_step_temp_bytes(sp: StageParams, st: StateBytes, par: ParallelConf
     """Temporaries of the optimizer step beyond the states.
 
     AdamW foreach (torch.optim's CUDA default) materialises one intermediate list the size of
-    all parameters it updates (fp32); for-loop about twice the largest parameter; fused none.
+    all parameters it updates (fp32); for-loop three times the largest parameter; fused none.
     torch.optim.SGD with momentum updates in place. With a low-precision gradient and an fp32
     master copy the step reads fp32 gradients, copied shard by shard (Megatron-LM's
     ``_copy_model_grads_to_main_grads``): one fp32 copy of the updated shard.
@@ -135,7 +145,9 @@ def optimizer_step_temp_bytes(sp: StageParams, st: StateBytes, par: ParallelConf
             largest = sp.largest_tensor
             if par.zero >= ZeroStage.OPTIMIZER:
                 largest = ceil_div(largest, par.dense_shard_degree)
-            temp = 2 * largest * FP32_BYTES
+            # sqrt and div make the new denominator while the previous parameter's is
+            # still referenced (torch.optim's _single_tensor_adamw loop): three tensors
+            temp = 3 * largest * FP32_BYTES
     if recipe.master_bytes and recipe.grad_bytes < FP32_BYTES:
         temp += st.num_optimizer_params * FP32_BYTES
     return temp

@@ -71,7 +71,7 @@ class OptimizerImpl(str, enum.Enum):
 
     foreach  CUDA default: one intermediate the size of all parameters it updates
     fused    fused kernel: no parameter-sized intermediate
-    forloop  CPU default: per-tensor intermediates, about 2x the largest parameter
+    forloop  CPU default: per-tensor intermediates, 3x the largest parameter (traced)
     """
 
     FOREACH = "foreach"

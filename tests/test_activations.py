@@ -254,6 +254,9 @@ def test_mixtral_moe_terms() -> None:
     expert gate/act/up/prod, each T*2*f*2 = 58,720,256
     expert outputs     T*2*h*2         = 16,777,216
     routing weights    T*2*2           =      4,096
+    top-k weights      T*2*4 + T*4     =     12,288  (renormalisation saves both, fp32)
+    row indices        T*2*8 (int64)   =     16,384  (which rows each expert gathers)
+    weighted outputs   T*2*h*2         = 16,777,216  (kept by the combine's index_add)
     """
     terms = _mixtral_terms(2)
     tk = 1024 * 2
@@ -263,15 +266,21 @@ def test_mixtral_moe_terms() -> None:
     for n in ("gate", "act", "up", "prod"):
         assert terms[f"moe.expert.{n}"] == tk * 14336 * 2 == 58_720_256
     assert terms["moe.routing_weights"] == tk * 2
+    assert terms["moe.topk_weights"] == tk * 4 + 1024 * 4 == 12_288
+    assert terms["moe.token_index"] == tk * 8 == 16_384
+    assert terms["moe.combine_in"] == tk * 4096 * 2
 
 
 def test_moe_terms_scale_with_top_k() -> None:
-    """Routed terms are proportional to top_k; the router's probabilities are not."""
+    """Routed terms are proportional to top_k; the router's probabilities are not, and the
+    top-k weights' per-token sum (T fp32 values, T = 1024) is not."""
     one, two = _mixtral_terms(1), _mixtral_terms(2)
     assert one.keys() == two.keys()
     for name in one:
         if name == "moe.router_probs":
             assert one[name] == two[name]
+        elif name == "moe.topk_weights":
+            assert 2 * one[name] - two[name] == 1024 * 4
         else:
             assert two[name] == 2 * one[name]
 
