@@ -198,22 +198,26 @@ class _Walk:
     unsharded_ratio: float  # unsharded / held gradient bytes (the ZeRO-2 shard degree)
     final_norm_saved: int  # last stage: the final norm's saved bytes
     final_norm_bwd: int  # last stage: gradients in flight inside the final norm's backward
+    gathered_in_block: int = 0  # ZeRO-3 gathered weights while a block's backward runs
+    gathered_at_loss: int = 0  # ... at the loss, the head and the embedding
 
 
 def _forward_peak(runs: list[tuple[_LayerKind, int, tuple[int, ...], int]], before: int,
-                  head_saved: int, final_norm: int, loss_extra: int) -> int:
+                  head_saved: int, final_norm: int, loss_extra: int,
+                  gathered: tuple[int, int] = (0, 0)) -> int:
     """Largest activation bytes alive during one micro-batch's forward on a stage.
 
     ``before``: bytes alive before its first layer (other micro-batches in flight, rope tables,
     embedding ids). Inside a run of identical layers the bytes only grow, so its last layer
     holds the run's peak. Then the final norm and the loss (last stage).
     """
+    in_block, at_loss = gathered  # ZeRO-3 weights gathered at those moments
     acts, peak = before, before
     for kind, _, _, n in runs:
-        peak = max(peak, acts + (n - 1) * kind.saved_bytes + kind.forward_peak_bytes)
+        peak = max(peak, acts + (n - 1) * kind.saved_bytes + kind.forward_peak_bytes + in_block)
         acts += n * kind.saved_bytes
     if head_saved:
-        peak = max(peak, acts + final_norm, acts + head_saved + loss_extra)
+        peak = max(peak, acts + final_norm + at_loss, acts + head_saved + loss_extra + at_loss)
     return peak
 
 
@@ -229,7 +233,8 @@ def _backward_peak(w: _Walk, grads_prior: int, grads_total: int) -> int:
     acts = (w.other_bytes + w.rest_saved + w.head_saved
             + sum(k.saved_bytes * n for k, _, _, n in w.runs))
     grads = grads_prior
-    peak = max(acts + grads + w.loss_bwd, acts - w.head_saved + grads + w.head_linear_bwd)
+    peak = w.gathered_at_loss + max(acts + grads + w.loss_bwd,
+                                    acts - w.head_saved + grads + w.head_linear_bwd)
     acts -= w.head_saved
     grads += w.head_grads if growing else 0
     produced = w.head_grads  # this backward's gradients so far (the ZeRO buffer holds them)
@@ -242,13 +247,13 @@ def _backward_peak(w: _Walk, grads_prior: int, grads_total: int) -> int:
 
     if w.final_norm_bwd:  # the head's weight gradient exists; the norm's own comes after
         peak = max(peak, acts + w.final_norm_saved + grads + w.final_norm_bwd
-                   + buffer(produced))
+                   + buffer(produced) + w.gathered_at_loss)
     pending = w.tied_extra // 2  # a tied head's weight grad waits for the embedding's
     for kind, layer_grads, moment_grads, n in reversed(w.runs):
         step_grads = layer_grads if growing else 0
         # Before the layer's backward its own saved bytes are part of ``acts``; each moment
         # counts what of them (or of their recomputation) is still alive.
-        below = acts - kind.saved_bytes + grads + pending
+        below = acts - kind.saved_bytes + grads + pending + w.gathered_in_block
         local = max(m.alive_bytes + m.transient_bytes + (g if growing else 0)
                     for m, g in zip(kind.moments, moment_grads))
         early = max(moment_grads)
@@ -260,7 +265,8 @@ def _backward_peak(w: _Walk, grads_prior: int, grads_total: int) -> int:
         grads += n * step_grads
         produced += n * layer_grads
     end_grads = grads_total if growing or grads_prior else grads
-    return max(peak, acts + end_grads + w.tied_extra + buffer(produced + w.embed_grads))
+    return max(peak, acts + end_grads + w.tied_extra + buffer(produced + w.embed_grads)
+               + w.gathered_at_loss)
 
 
 def _runs(keys: list) -> list[tuple[object, int]]:
@@ -381,6 +387,7 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
         unsharded_ratio=sp.total * wl.precision.recipe.grad_bytes / max(st.grads_bytes, 1),
         final_norm_saved=shared.final_norm_bwd_saved if last else 0,
         final_norm_bwd=shared.final_norm_bwd if last else 0,
+        gathered_in_block=shard.gathered_bytes, gathered_at_loss=shard.gathered_at_loss_bytes,
     )
     grads_in_forward = st.grads_bytes if m > 1 else 0
     bwd_tensors = _backward_peak(walk, grads_in_forward, st.grads_bytes)
@@ -388,13 +395,14 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
     targets = shared.targets_bytes if last else 0
     fwd_acts = _forward_peak(
         walk.runs, walk.other_bytes + walk.rest_saved - batch + targets, head_bytes - targets,
-        shared.final_norm_bytes + shared.final_norm_extra if last else 0, loss_fwd)
+        shared.final_norm_bytes + shared.final_norm_extra if last else 0, loss_fwd,
+        (shard.gathered_bytes, shard.gathered_at_loss_bytes))
 
     def peaks(opt_bytes: int) -> PhasePeaks:
         base = st.params_bytes + opt_bytes
         return PhasePeaks(
-            forward=base + grads_in_forward + fwd_acts + mask + shard.gathered_bytes,
-            backward=base + bwd_tensors + shard.gathered_bytes,
+            forward=base + grads_in_forward + fwd_acts + mask,
+            backward=base + bwd_tensors,
             optimizer=st.params_bytes + st.grads_bytes + st.optimizer_bytes + opt_temp,
         )
 

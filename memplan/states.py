@@ -163,7 +163,8 @@ REDUCE_BUCKET_NUMEL = 500_000_000
 class ShardingBuffers:
     """Unsharded buffers ZeRO-2/3 needs while layers run, in bytes."""
 
-    gathered_bytes: int  # ZeRO-3 weights gathered for compute, in forward and backward
+    gathered_bytes: int  # ZeRO-3 weights gathered while a block runs, forward and backward
+    gathered_at_loss_bytes: int  # ... at the loss and the head (the root and one block)
     grad_bytes: int  # unsharded gradients before their reduce-scatter (backward, from the
     #                  first gradient on)
 
@@ -173,20 +174,24 @@ class ShardingBuffers:
 
 
 def sharding_buffers(sp: StageParams, par: ParallelConfig, wl: Workload) -> ShardingBuffers:
-    """ZeRO-3/FSDP: the unit being computed and the one prefetched, gathered in the compute
-    dtype (FSDP's default prefetch of one unit), and in backward the unit's unsharded gradient
-    before its reduce-scatter. ZeRO-2: one reduce bucket of unsharded gradients."""
+    """ZeRO-3/FSDP: the root's weights and two blocks gathered in the compute dtype, and in
+    backward a unit's unsharded gradient before its reduce-scatter. ZeRO-2: one reduce bucket
+    of unsharded gradients."""
     recipe = wl.precision.recipe
     if par.zero >= ZeroStage.PARAMETERS and par.dense_shard_degree > 1:
-        # The unit computing and the next one prefetched: neighbours in execution order.
+        # FSDP2 as torchtitan wraps it: each block is a unit, the root holds the embedding,
+        # final norm and head. The root is not resharded after forward, so its weights stay
+        # gathered until the end of backward; a block's gathered weights live while the next
+        # one is gathered (prefetch): two blocks at a time (traced, tests/test_parallel_trace).
         layer = max(sp.layers, default=0)
-        pair = max(sp.embedding + layer, 2 * layer if len(sp.layers) > 1 else layer,
-                   layer + sp.head)
-        return ShardingBuffers(pair * wl.compute_dtype.itemsize,
+        blocks = 2 * layer if len(sp.layers) > 1 else layer
+        e = wl.compute_dtype.itemsize
+        root = sp.embedding + sp.head
+        return ShardingBuffers((root + blocks) * e, (root + layer) * e,
                                sp.largest_unit * recipe.grad_bytes)
     if par.zero == ZeroStage.GRADIENTS and par.dense_shard_degree > 1:
         # The bucket holds gradients not yet reduced, which are at most the ones this rank
         # does not own: ZeRO-2 never holds more gradient bytes than ZeRO-1.
         not_owned = sp.total - ceil_div(sp.total, par.dense_shard_degree)
-        return ShardingBuffers(0, min(REDUCE_BUCKET_NUMEL, not_owned) * recipe.grad_bytes)
-    return ShardingBuffers(0, 0)
+        return ShardingBuffers(0, 0, min(REDUCE_BUCKET_NUMEL, not_owned) * recipe.grad_bytes)
+    return ShardingBuffers(0, 0, 0)
