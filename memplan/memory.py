@@ -387,7 +387,9 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
         unsharded_ratio=sp.total * wl.precision.recipe.grad_bytes / max(st.grads_bytes, 1),
         final_norm_saved=shared.final_norm_bwd_saved if last else 0,
         final_norm_bwd=shared.final_norm_bwd if last else 0,
-        gathered_in_block=shard.gathered_bytes, gathered_at_loss=shard.gathered_at_loss_bytes,
+        # in backward FSDP2 holds the root and the block being computed (traced)
+        gathered_in_block=shard.gathered_at_loss_bytes,
+        gathered_at_loss=shard.gathered_at_loss_bytes,
     )
     grads_in_forward = st.grads_bytes if m > 1 else 0
     bwd_tensors = _backward_peak(walk, grads_in_forward, st.grads_bytes)
