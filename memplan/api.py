@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 from pydantic import ValidationError
@@ -34,9 +35,19 @@ def make_workload(spec: ModelSpec, **fields: Any) -> Workload:
     """A ``Workload`` from keyword fields, with the default sequence length for ``spec``."""
     if fields.get("seq_len") is None:
         fields["seq_len"] = default_seq(spec)
-    return _validate(Workload, {k: v for k, v in fields.items() if v is not None})
+    items = tuple(sorted((k, v) for k, v in fields.items() if v is not None))
+    try:
+        return _cached_workload(items)
+    except TypeError:  # an unhashable value: validate without the cache (and fail clearly)
+        return _validate(Workload, dict(items))
 
 
+@lru_cache(maxsize=4096)
+def _cached_workload(items: tuple[tuple[str, Any], ...]) -> Workload:
+    return _validate(Workload, dict(items))
+
+
+@lru_cache(maxsize=4096)
 def make_layout(num_gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 1,
                 ep: int = 1, dp: int | None = None, zero: int = 0,
                 sequence_parallel: bool | None = None) -> ParallelConfig:

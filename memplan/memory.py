@@ -20,8 +20,9 @@ separate lines on top of the tensor peak.
 from __future__ import annotations
 
 from collections import Counter
+from functools import lru_cache
 from itertools import groupby
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from memplan import activations as act
 from memplan.errors import MemplanError
@@ -105,7 +106,12 @@ class Estimate:
     capacity_bytes: int
     stages: tuple[StageMemory, ...]
     overheads: Overheads
-    assumptions: tuple[str, ...] = field(default=())
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+
+    @property
+    def assumptions(self) -> tuple[str, ...]:
+        """What the numbers assume, each with its source (printed with every result)."""
+        return _assumptions(self.parallel, self.workload, self.schedule, self.overheads)
 
     @property
     def worst(self) -> StageMemory:
@@ -163,8 +169,11 @@ class _LayerKind:
     forward_peak_bytes: int  # largest alive + transient inside its forward
 
 
+@lru_cache(maxsize=4096)
 def _layer_kind(spec: ModelSpec, wl: Workload, dm: act.Dims, moe: bool,
                 policy: Recompute) -> _LayerKind:
+    """Built once per distinct (spec, workload, per-rank dims, layer kind): a planner's many
+    layouts share them."""
     terms = tuple(act.layer_terms(spec, wl, dm, moe_layer=moe, recompute=policy))
     moments = act.layer_backward_moments(spec, wl, dm, moe_layer=moe, recompute=policy)
     forward = act.layer_forward_moments(spec, wl, dm, moe_layer=moe, recompute=policy)
@@ -274,14 +283,25 @@ def _runs(keys: list) -> list[tuple[object, int]]:
     return [(key, len(list(group))) for key, group in groupby(keys)]
 
 
-def _grad_group_params(spec: ModelSpec, par: ParallelConfig, moe: bool) -> dict[str, int]:
+def _first_positions(keys: list) -> dict:
+    """Each distinct key with the position of its first occurrence."""
+    if len(keys) and keys[0] == keys[-1] and keys.count(keys[0]) == len(keys):
+        return {keys[0]: 0}
+    out: dict = {}
+    for pos, key in enumerate(keys):
+        out.setdefault(key, pos)
+    return out
+
+
+@lru_cache(maxsize=1024)
+def _grad_group_params(spec: ModelSpec, t: int, ep: int, moe: bool) -> dict[str, int]:
     """Parameters on one rank of the groups whose gradients appear during a layer's backward."""
-    h, t = spec.hidden_size, par.tp
+    h = spec.hidden_size
     norm = h * (2 if spec.norm_bias else 1)
     mult = 3 if spec.mlp.gated else 2
     if moe and spec.moe is not None:
         m = spec.moe
-        ffn = (m.num_experts // par.ep * m.expert_ffn_hidden_size
+        ffn = (m.num_experts // ep * m.expert_ffn_hidden_size
                + m.num_shared_experts * m.shared_expert_ffn_hidden_size)
         mlp_out = h * ffn // t
         mlp = mlp_out * mult + h * m.num_experts
@@ -297,11 +317,16 @@ def _grad_group_params(spec: ModelSpec, par: ParallelConfig, moe: bool) -> dict[
             "attn": attn_out + qkv}
 
 
+@lru_cache(maxsize=1024)
+def _shared(spec: ModelSpec, wl: Workload, dm: act.Dims) -> _Shared:
+    return _Shared(spec, wl, dm)
+
+
 class _Shared:
     """Per-micro-batch terms that every stage of one estimate shares, built once."""
 
-    def __init__(self, spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
-        self.dm = dm = act.Dims.of(par, wl)
+    def __init__(self, spec: ModelSpec, wl: Workload, dm: act.Dims) -> None:
+        self.dm = dm
         self.rope = act.rope_terms(spec, dm) + act.mask_terms(wl, dm)
         self.embed = act.embedding_terms(spec, dm)
         self.head = act.head_terms(spec, wl, dm)
@@ -338,22 +363,20 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
     st = state_bytes(sp, par, wl)
     grad_per_param = st.grads_bytes / max(sp.total, 1)
 
-    entries: dict[tuple[bool, Recompute], tuple[_LayerKind, int, int]] = {}
+    entries: dict[tuple[bool, Recompute], tuple[_LayerKind, int, tuple[int, ...]]] = {}
     keys = _layer_keys(spec, wl, all_layers)
-    for pos, key in enumerate(keys):
-        if key not in entries:
-            i = all_layers[pos]
-            kind = shared.kind(key)
-            groups_params = _grad_group_params(spec, par, key[0])
-            moment_grads = tuple(int(sum(groups_params[g] for g in m.grads_before)
-                                     * grad_per_param) for m in kind.moments)
-            entries[key] = (kind, int(sp.layers[pos] * grad_per_param), moment_grads)
+    for key, pos in _first_positions(keys).items():
+        kind = shared.kind(key)
+        groups_params = _grad_group_params(spec, par.tp, par.ep, key[0])
+        moment_grads = tuple(int(sum(groups_params[g] for g in m.grads_before)
+                                 * grad_per_param) for m in kind.moments)
+        entries[key] = (kind, int(sp.layers[pos] * grad_per_param), moment_grads)
 
     rope_bytes = shared.rope_bytes  # rope tables (and a saved mask): per chunk forward
     embed_bytes = shared.embed_bytes if first else 0
     head_bytes = shared.head_bytes if last else 0
     batch = shared.batch_bytes if last else 0  # held by the training loop, not the graph
-    counts = Counter(keys)
+    counts = Counter(keys) if len(entries) > 1 else {keys[0]: len(keys)}
     layers_saved = sum(entries[k][0].saved_bytes * n for k, n in counts.items())
     if par.vpp == 1:
         activations = in_flight[0] * (layers_saved + rope_bytes)
@@ -378,7 +401,9 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
     tied = spec.tied_embeddings and first and last
     vocab_grad = -(-spec.vocab_size // par.tp) * spec.hidden_size * dm.e
     walk = _Walk(
-        runs=[(*entries[k], n) for k, n in _runs(keys)], other_bytes=max(0, activations - one_mb),
+        runs=([(*entries[k], n) for k, n in _runs(keys)] if len(entries) > 1
+              else [(*entries[keys[0]], len(keys))]),
+        other_bytes=max(0, activations - one_mb),
         head_saved=head_bytes - batch, rest_saved=rope_bytes * par.vpp + embed_bytes + batch,
         loss_bwd=shared.loss_bwd if last else 0,
         head_linear_bwd=(shared.head_linear_bwd + vocab_grad) if last else 0,
@@ -443,13 +468,13 @@ def estimate(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, *
         raise MemplanError(f"recompute_layers ({wl.recompute_layers}) must be at most the layers "
                            f"per pipeline stage ({per_stage})")
     ovh = overheads if overheads is not None else default_overheads(gpu)
-    shared = _Shared(spec, par, wl)
+    shared = _shared(spec, wl, act.Dims.of(par, wl))
     stages = tuple(_stage(spec, par, wl, m, i, schedule, ovh, shared) for i in range(par.pp))
     return Estimate(
         spec=spec, gpu=gpu, parallel=par, workload=wl, num_microbatches=m,
         global_batch_size=gbs,
         capacity_bytes=gpu.memory_bytes if capacity_bytes is None else capacity_bytes,
-        stages=stages, overheads=ovh, assumptions=_assumptions(par, wl, schedule, ovh),
+        stages=stages, overheads=ovh, schedule=schedule,
     )
 
 

@@ -7,6 +7,7 @@ and is reported on its own line, so the analytic tensor bytes stay visible next 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from memplan.hardware import GpuSpec
 from memplan.units import MiB
@@ -48,6 +49,7 @@ class Overheads:
         return self.cuda_context_bytes + self.workspace_bytes
 
 
+@lru_cache(maxsize=64)
 def default_overheads(gpu: GpuSpec) -> Overheads:
     """Uncalibrated defaults for ``gpu``."""
     hopper = gpu.compute_capability.startswith("9.")
