@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memplan.parallel import ParallelConfig
+from memplan.parallel import ParallelConfig, TpStyle
 from memplan.spec import ModelSpec, NormKind, PositionKind
 from memplan.units import DType
 from memplan.workload import Attention, NormImpl, Recompute, Workload
@@ -59,12 +59,17 @@ class Dims:
     res_tokens_div: int  # divisor of residual-stream tensors (tp with SP, else 1)
     tp: int
     e: int  # bytes per element of the compute dtype
+    vocab_div: int = 1  # divisor of the vocabulary (tp when vocab-parallel)
+    gathered_linear_input: bool = False  # SP with DTensor: linears save full-sequence inputs
 
     @classmethod
     def of(cls, par: ParallelConfig, wl: Workload) -> Dims:
         s = wl.seq_len // par.cp
         return cls(b=wl.micro_batch_size, s=s, s_kv=wl.seq_len, tokens=wl.micro_batch_size * s,
-                   res_tokens_div=par.sp_divisor, tp=par.tp, e=wl.compute_dtype.itemsize)
+                   res_tokens_div=par.sp_divisor, tp=par.tp, e=wl.compute_dtype.itemsize,
+                   vocab_div=par.vocab_divisor,
+                   gathered_linear_input=(par.sequence_parallel and par.tp > 1
+                                          and par.tp_style is TpStyle.DTENSOR))
 
 
 def norm_terms(prefix: str, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
@@ -72,7 +77,10 @@ def norm_terms(prefix: str, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Ter
     rows = dm.tokens // dm.res_tokens_div
     h = spec.hidden_size
     stats = rows * FP32_BYTES * (2 if spec.norm is NormKind.LAYERNORM else 1)
-    out = [Term(f"{prefix}.output", rows * h * dm.e), Term(f"{prefix}.stats", stats)]
+    # the output is saved by the next (column-parallel) linear: as its sequence shard, or
+    # all-gathered to the full sequence (DTensor sequence parallelism)
+    out_rows = dm.tokens if dm.gathered_linear_input else rows
+    out = [Term(f"{prefix}.output", out_rows * h * dm.e), Term(f"{prefix}.stats", stats)]
     if wl.norm_impl is NormImpl.FUSED:
         return [Term(f"{prefix}.input", rows * h * dm.e), *out]
     # normalise in fp32, cast back, then weight * normed saves the normed tensor
@@ -479,7 +487,7 @@ def _attention_backward(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Reco
 
 
 def _vocab_shard(spec: ModelSpec, dm: Dims) -> int:
-    return -(-spec.vocab_size // dm.tp)
+    return -(-spec.vocab_size // dm.vocab_div)
 
 
 def total(terms: list[Term]) -> int:

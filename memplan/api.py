@@ -18,7 +18,7 @@ from memplan.memory import Estimate
 from memplan.memory import estimate as _estimate
 from memplan.overheads import Overheads
 from memplan.pipeline import Schedule
-from memplan.parallel import ParallelConfig, ZeroStage, layout_for_gpus
+from memplan.parallel import ParallelConfig, TpStyle, ZeroStage, layout_for_gpus
 from memplan.spec import ModelSpec, load_model
 from memplan.units import parse_bytes
 from memplan.workload import Workload
@@ -50,7 +50,8 @@ def _cached_workload(items: tuple[tuple[str, Any], ...]) -> Workload:
 @lru_cache(maxsize=4096)
 def make_layout(num_gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 1,
                 ep: int = 1, dp: int | None = None, zero: int = 0,
-                sequence_parallel: bool | None = None) -> ParallelConfig:
+                sequence_parallel: bool | None = None, vocab_parallel: bool = True,
+                tp_style: str = "megatron") -> ParallelConfig:
     """A layout for ``num_gpus``; sequence parallelism defaults to on whenever tp > 1."""
     for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp), ("cp", cp), ("ep", ep)):
         if value <= 0:
@@ -58,14 +59,18 @@ def make_layout(num_gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: in
     if zero not in (0, 1, 2, 3):
         raise MemplanError(f"zero must be 0, 1, 2 or 3, got {zero}")
     sp = tp > 1 if sequence_parallel is None else sequence_parallel
+    if tp_style not in {style.value for style in TpStyle}:
+        raise MemplanError(f"tp_style must be megatron or dtensor, got {tp_style!r}")
     return layout_for_gpus(num_gpus, tp=tp, pp=pp, cp=cp, dp=dp, vpp=vpp, ep=ep,
-                           zero=ZeroStage(zero), sequence_parallel=sp)
+                           zero=ZeroStage(zero), sequence_parallel=sp,
+                           vocab_parallel=vocab_parallel, tp_style=TpStyle(tp_style))
 
 
 def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFAULT_GPU,
              gpu_memory: str | int | None = None, tp: int = 1, pp: int = 1, vpp: int = 1,
              cp: int = 1, ep: int = 1, dp: int | None = None, zero: int = 0,
-             sequence_parallel: bool | None = None, overheads: Overheads | None = None,
+             sequence_parallel: bool | None = None, vocab_parallel: bool = True,
+             tp_style: str = "megatron", overheads: Overheads | None = None,
              schedule: Schedule | str = Schedule.ONE_F_ONE_B, **workload: Any) -> Estimate:
     """Per-GPU memory of training ``model`` on ``gpus`` GPUs.
 
@@ -75,7 +80,8 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
     Raises ``MemplanError`` for any invalid input.
     """
     spec, par, wl = resolve(model, gpus=gpus, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp,
-                            zero=zero, sequence_parallel=sequence_parallel, **workload)
+                            zero=zero, sequence_parallel=sequence_parallel,
+                            vocab_parallel=vocab_parallel, tp_style=tp_style, **workload)
     gpu_spec = gpu if isinstance(gpu, GpuSpec) else load_gpu(gpu)
     capacity = None
     if gpu_memory is not None:
@@ -95,12 +101,14 @@ _FLAG_NAMES = {"micro_batch_size": "mbs", "global_batch_size": "gbs", "seq_len":
 
 def resolve(model: str | ModelSpec, *, gpus: int = 1, tp: int = 1, pp: int = 1, vpp: int = 1,
             cp: int = 1, ep: int = 1, dp: int | None = None, zero: int = 0,
-            sequence_parallel: bool | None = None,
+            sequence_parallel: bool | None = None, vocab_parallel: bool = True,
+            tp_style: str = "megatron",
             **workload: Any) -> tuple[ModelSpec, ParallelConfig, Workload]:
     """The typed (spec, layout, workload) for names and numbers; raises MemplanError."""
     spec = model if isinstance(model, ModelSpec) else load_model(model)
     par = make_layout(gpus, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp, zero=zero,
-                      sequence_parallel=sequence_parallel)
+                      sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,
+                      tp_style=tp_style)
     return spec, par, make_workload(spec, **workload)
 
 

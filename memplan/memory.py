@@ -399,7 +399,7 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
     loss_fwd = shared.loss_fwd if last else 0
     mask = shared.mask
     tied = spec.tied_embeddings and first and last
-    vocab_grad = -(-spec.vocab_size // par.tp) * spec.hidden_size * dm.e
+    vocab_grad = -(-spec.vocab_size // par.vocab_divisor) * spec.hidden_size * dm.e
     walk = _Walk(
         runs=([(*entries[k], n) for k, n in _runs(keys)] if len(entries) > 1
               else [(*entries[keys[0]], len(keys))]),

@@ -23,6 +23,19 @@ class ZeroStage(enum.IntEnum):
     PARAMETERS = 3
 
 
+class TpStyle(str, enum.Enum):
+    """What a column-parallel linear saves under sequence parallelism.
+
+    megatron  the sequence shard of its input, all-gathered again in backward (Megatron-LM;
+              Korthikanti et al. 2022, section 4.2.2)
+    dtensor   the all-gathered full-sequence input (PyTorch DTensor's ColwiseParallel after
+              SequenceParallel, as torchtitan runs it; traced)
+    """
+
+    MEGATRON = "megatron"
+    DTENSOR = "dtensor"
+
+
 class ParallelConfig(BaseModel):
     """Degrees of each parallel dimension. World size = tp * pp * cp * dp.
 
@@ -41,6 +54,13 @@ class ParallelConfig(BaseModel):
     ep: int = Field(default=1, gt=0)
     zero: ZeroStage = ZeroStage.NONE
     sequence_parallel: bool = False
+    vocab_parallel: bool = Field(default=True, description="embedding, head and loss split "
+                                 "over the vocabulary by TP; False: replicated on each TP rank")
+    tp_style: TpStyle = TpStyle.MEGATRON
+
+    @property
+    def vocab_divisor(self) -> int:
+        return self.tp if self.vocab_parallel else 1
 
     @property
     def world_size(self) -> int:

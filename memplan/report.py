@@ -45,7 +45,8 @@ def estimate_json(est: Estimate) -> dict[str, Any]:
         "gpu": est.gpu.name,
         "num_gpus": par.world_size,
         "layout": {"tp": par.tp, "pp": par.pp, "vpp": par.vpp, "dp": par.dp, "cp": par.cp,
-                   "ep": par.ep, "zero": int(par.zero), "sp": par.sequence_parallel},
+                   "ep": par.ep, "zero": int(par.zero), "sp": par.sequence_parallel,
+                   "vocab_parallel": par.vocab_parallel, "tp_style": par.tp_style.value},
         "workload": {
             "mbs": wl.micro_batch_size, "gbs": est.global_batch_size,
             "num_microbatches": est.num_microbatches, "seq": wl.seq_len,

@@ -43,16 +43,17 @@ class StageParams:
 def stage_params(spec: ModelSpec, par: ParallelConfig, layers: list[int], *, first: bool,
                  last: bool) -> StageParams:
     """Parameters on one TP rank of the stage holding ``layers``."""
-    return _stage_params(spec, par.tp, par.ep, par.pp, tuple(layers), first, last)
+    return _stage_params(spec, par.tp, par.ep, par.pp, tuple(layers), first, last,
+                         par.vocab_divisor)
 
 
 @lru_cache(maxsize=4096)
 def _stage_params(spec: ModelSpec, t: int, ep: int, pp: int, layers: tuple[int, ...],
-                  first: bool, last: bool) -> StageParams:
+                  first: bool, last: bool, vocab_div: int) -> StageParams:
     par = ParallelConfig(tp=t, ep=ep, pp=pp)
     counts = param_counts(spec)
     t, h = par.tp, spec.hidden_size
-    vocab_rows = ceil_div(spec.vocab_size, t) * h
+    vocab_rows = ceil_div(spec.vocab_size, vocab_div) * h
     dense = expert = 0
     per_layer = []
     for i in layers:

@@ -18,6 +18,12 @@ from memplan.profile.compare import compare  # noqa: E402
 from memplan.spec import ModelSpec, MoESpec, load_model  # noqa: E402
 
 TOLERANCE_PCT = 0.5
+
+
+def _values(case) -> tuple:
+    """The arguments of a grid entry, with or without pytest.param marks."""
+    return tuple(case.values) if hasattr(case, "values") else case
+
 TINY = load_model("tiny")  # 2 layers, h 64, f 176, 4 heads / 2 KV heads, d 16, V 128
 
 
@@ -95,10 +101,6 @@ GRID = [
 ]
 
 
-def _values_of(case) -> tuple:
-    return tuple(case.values) if hasattr(case, "values") else case
-
-
 # FSDP2 (ZeRO-3) ranks traced through the fake process group: (dp, workload fields)
 FSDP_GRID = [
     (2, dict(seq_len=64, micro_batch_size=2, precision="fsdp-bf16")),
@@ -116,7 +118,7 @@ FSDP_GRID = [
 
 @pytest.mark.parametrize(("dp", "fields"), FSDP_GRID,
                          ids=[f"dp{c[0]}-" + "-".join(f"{k}={v}" for k, v in c[1].items())
-                              for c in map(_values_of, FSDP_GRID)])
+                              for c in map(_values, FSDP_GRID)])
 def test_fsdp_rank_matches_trace(dp: int, fields: dict) -> None:
     """Rank 0 of FSDP2 over dp ranks: states exactly 1/dp, phases within the tolerance."""
     wl = make_workload(TINY, **fields)
@@ -128,8 +130,34 @@ def test_fsdp_rank_matches_trace(dp: int, fields: dict) -> None:
     assert not bad, "\n".join(f"{r.name}: {r.diff_pct:+.3f}%" for r in bad)
 
 
-def _values(case) -> tuple:
-    return tuple(case.values) if hasattr(case, "values") else case
+# Tensor-parallel ranks (DTensor plan, embedding and head replicated): (spec, tp, SP, fields)
+TP_GRID = [
+    (TINY, 2, False, dict(seq_len=128, micro_batch_size=2)),
+    (TINY, 2, True, dict(seq_len=128, micro_batch_size=2)),
+    (TINY, 2, True, dict(seq_len=128, micro_batch_size=2, recompute="selective")),
+    (TINY, 2, False, dict(seq_len=64, micro_batch_size=2, precision="fp32")),
+    (MHA, 4, False, dict(seq_len=128, micro_batch_size=2)),
+    (MHA, 4, True, dict(seq_len=128, micro_batch_size=2)),
+    (MHA, 2, True, dict(seq_len=128, micro_batch_size=2, attention="eager")),
+    (MHA, 2, False, dict(seq_len=128, micro_batch_size=2, recompute="full")),
+]
+
+
+@pytest.mark.parametrize(("spec", "tp", "sp", "fields"), TP_GRID,
+                         ids=[f"{s.name}-tp{t}-{'sp' if q else 'nosp'}-" +
+                              "-".join(f"{k}={v}" for k, v in f.items())
+                              for s, t, q, f in TP_GRID])
+def test_tp_rank_matches_trace(spec: ModelSpec, tp: int, sp: bool, fields: dict) -> None:
+    """Rank 0 of a TP group: matrices and saved tensors split by tp, norms (without SP) and the
+    replicated embedding and head whole; phases within the tolerance."""
+    layout = make_layout(tp, tp=tp, sequence_parallel=sp, vocab_parallel=False,
+                         tp_style="dtensor")
+    result = compare(spec, layout, make_workload(spec, **fields))
+    for name in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes"):
+        row = result.row(name)
+        assert row.estimated_bytes == row.measured_bytes, row
+    bad = [r for r in result.rows if abs(r.diff_pct) > TOLERANCE_PCT]
+    assert not bad, "\n".join(f"{r.name}: {r.diff_pct:+.3f}%" for r in bad)
 
 
 def _id(case) -> str:
@@ -151,7 +179,7 @@ def test_estimate_matches_trace(spec: ModelSpec, fields: dict, fake: bool) -> No
 
 def test_grid_is_broad() -> None:
     """At least 40 configurations covering the dimensions the model distinguishes."""
-    assert len(GRID) + len(FSDP_GRID) >= 40
+    assert len(GRID) + len(FSDP_GRID) + len(TP_GRID) >= 40
     cases = [_values(c) for c in GRID]
     fields = [f for _, f, _ in cases]
     assert {f.get("precision", "bf16-mixed") for f in fields} >= {

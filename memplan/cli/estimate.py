@@ -11,8 +11,9 @@ from memplan.cli import app
 from memplan.cli.options import (
     AttentionOpt, Cp, Dp, Ep, Gbs, Gpu, GpuMemory, Gpus, Json, LogitsFp32, Mbs, Model, NormOpt,
     OptimizerImplOpt, OptimizerOpt, Pp, PrecisionOpt, RecomputeChoice, RecomputeLayers,
-    RecomputeOpt, ScheduleOpt, Seq, Sp, Tp, Vpp, Zero, ZeroChoice,
+    RecomputeOpt, ScheduleOpt, Seq, Sp, Tp, TpStyleOpt, VocabParallel, Vpp, Zero, ZeroChoice,
 )
+from memplan.parallel import TpStyle
 from memplan.pipeline import Schedule
 from memplan.workload import Attention, NormImpl, Optimizer, OptimizerImpl, Precision, Recompute
 
@@ -25,6 +26,8 @@ def estimate(
     gpu_memory: GpuMemory = None,
     tp: Tp = 1, pp: Pp = 1, vpp: Vpp = 1, dp: Dp = None, cp: Cp = 1, ep: Ep = 1,
     sp: Sp = None,
+    vocab_parallel: VocabParallel = True,
+    tp_style: TpStyleOpt = TpStyle.MEGATRON,
     zero: Zero = ZeroChoice.Z0,
     mbs: Mbs = 1, gbs: Gbs = None, seq: Seq = None,
     recompute: RecomputeOpt = RecomputeChoice.NONE,
@@ -50,7 +53,8 @@ def estimate(
     """
     est = run_estimate(
         model, gpus=gpus, gpu=gpu, gpu_memory=gpu_memory, tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp,
-        ep=ep, zero=int(zero.value), sequence_parallel=sp, schedule=schedule,
+        ep=ep, zero=int(zero.value), sequence_parallel=sp, vocab_parallel=vocab_parallel,
+        tp_style=tp_style.value, schedule=schedule,
         micro_batch_size=mbs, global_batch_size=gbs, seq_len=seq,
         recompute=Recompute.parse(recompute.value), recompute_layers=recompute_layers,
         precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,

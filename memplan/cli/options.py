@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from memplan.parallel import TpStyle
 from memplan.pipeline import Schedule
 from memplan.workload import Attention, NormImpl, Optimizer, OptimizerImpl, Precision
 
@@ -46,6 +47,13 @@ Ep = Annotated[int, typer.Option("--ep", help="Expert-parallel degree (MoE).",
 Sp = Annotated[Optional[bool], typer.Option(
     "--sp/--no-sp", help="Sequence parallelism (default: on when tp > 1).",
     rich_help_panel=_LAYOUT)]
+VocabParallel = Annotated[bool, typer.Option(
+    "--vocab-parallel/--no-vocab-parallel",
+    help="Embedding, head and loss split over the vocabulary by TP (Megatron-LM, torchtitan "
+    "with loss_parallel), or replicated.", rich_help_panel=_LAYOUT)]
+TpStyleOpt = Annotated[TpStyle, typer.Option(
+    "--tp-style", help="With SP, what column-parallel linears save: megatron (sequence "
+    "shard) or dtensor (gathered full sequence).", rich_help_panel=_LAYOUT)]
 Zero = Annotated[ZeroChoice, typer.Option(
     "--zero", help="ZeRO stage: 1 optimizer states, 2 + gradients, 3 (FSDP) + parameters.",
     rich_help_panel=_LAYOUT)]

@@ -14,7 +14,7 @@ from typing import Any
 from memplan.hardware import load_gpu
 from memplan.memory import PHASES, Estimate, estimate
 from memplan.overheads import no_overheads
-from memplan.parallel import ParallelConfig
+from memplan.parallel import ParallelConfig, TpStyle
 from memplan.profile.trace import TraceResult, trace
 from memplan.spec import ModelSpec
 from memplan.workload import Workload
@@ -62,8 +62,17 @@ def run_trace(spec: ModelSpec, par: ParallelConfig, wl: Workload, *, steps: int 
     return trace_parallel(spec, par, wl, steps=steps, fake=fake)
 
 
+def traced_layout(par: ParallelConfig) -> ParallelConfig:
+    """The layout the parallel trace actually runs: its TP plan keeps the embedding and head
+    replicated and, with sequence parallelism, DTensor saves full-sequence linear inputs."""
+    if par.tp == 1:
+        return par
+    return par.model_copy(update={"vocab_parallel": False, "tp_style": TpStyle.DTENSOR})
+
+
 def compare(spec: ModelSpec, par: ParallelConfig, wl: Workload, *, steps: int = 2,
             fake: bool = True) -> Comparison:
+    par = traced_layout(par)
     if steps < 2:
         raise ValueError(f"steps must be at least 2 (first step and steady state), got {steps}")
     result = run_trace(spec, par, wl, steps=steps, fake=fake)
