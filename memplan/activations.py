@@ -297,8 +297,11 @@ def layer_backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer
                                       recompute=Recompute.SELECTIVE))
     else:
         saved = full
+    # The checkpointed input stays while the layer is rebuilt, unless the rebuilt norm saves
+    # that very tensor (a fused norm's input; an fp32 run, where the upcast is a no-op).
+    input_is_saved = wl.norm_impl is NormImpl.FUSED or e >= FP32_BYTES
     extra = total(layer_terms(spec, wl, dm, moe_layer=moe_layer, recompute=Recompute.FULL)) \
-        if recompute is Recompute.FULL else 0  # the checkpointed input, kept while rebuilding
+        if recompute is Recompute.FULL and not input_is_saved else 0
     per_inner = 2 if spec.mlp.gated else 1
     if moe_layer and spec.moe is not None:
         # experts run one after another: the largest working set is one expert's, with

@@ -18,7 +18,7 @@ from memplan.memory import Estimate
 from memplan.memory import estimate as _estimate
 from memplan.overheads import Overheads
 from memplan.pipeline import Schedule
-from memplan.parallel import ParallelConfig, TpStyle, ZeroStage, layout_for_gpus
+from memplan.parallel import GradBuffers, ParallelConfig, TpStyle, ZeroStage, layout_for_gpus
 from memplan.spec import ModelSpec, load_model
 from memplan.units import parse_bytes
 from memplan.workload import Workload
@@ -51,7 +51,7 @@ def _cached_workload(items: tuple[tuple[str, Any], ...]) -> Workload:
 def make_layout(num_gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 1,
                 ep: int = 1, dp: int | None = None, zero: int = 0,
                 sequence_parallel: bool | None = None, vocab_parallel: bool = True,
-                tp_style: str = "megatron") -> ParallelConfig:
+                tp_style: str = "megatron", grad_buffers: str = "view") -> ParallelConfig:
     """A layout for ``num_gpus``; sequence parallelism defaults to on whenever tp > 1."""
     for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp), ("cp", cp), ("ep", ep)):
         if value <= 0:
@@ -61,16 +61,20 @@ def make_layout(num_gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: in
     sp = tp > 1 if sequence_parallel is None else sequence_parallel
     if tp_style not in {style.value for style in TpStyle}:
         raise MemplanError(f"tp_style must be megatron or dtensor, got {tp_style!r}")
+    if grad_buffers not in {kind.value for kind in GradBuffers}:
+        raise MemplanError(f"grad_buffers must be view or copy, got {grad_buffers!r}")
     return layout_for_gpus(num_gpus, tp=tp, pp=pp, cp=cp, dp=dp, vpp=vpp, ep=ep,
                            zero=ZeroStage(zero), sequence_parallel=sp,
-                           vocab_parallel=vocab_parallel, tp_style=TpStyle(tp_style))
+                           vocab_parallel=vocab_parallel, tp_style=TpStyle(tp_style),
+                           grad_buffers=GradBuffers(grad_buffers))
 
 
 def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFAULT_GPU,
              gpu_memory: str | int | None = None, tp: int = 1, pp: int = 1, vpp: int = 1,
              cp: int = 1, ep: int = 1, dp: int | None = None, zero: int = 0,
              sequence_parallel: bool | None = None, vocab_parallel: bool = True,
-             tp_style: str = "megatron", overheads: Overheads | None = None,
+             tp_style: str = "megatron", grad_buffers: str = "view",
+             overheads: Overheads | None = None,
              schedule: Schedule | str = Schedule.ONE_F_ONE_B, **workload: Any) -> Estimate:
     """Per-GPU memory of training ``model`` on ``gpus`` GPUs.
 
@@ -81,7 +85,8 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
     """
     spec, par, wl = resolve(model, gpus=gpus, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp,
                             zero=zero, sequence_parallel=sequence_parallel,
-                            vocab_parallel=vocab_parallel, tp_style=tp_style, **workload)
+                            vocab_parallel=vocab_parallel, tp_style=tp_style,
+                            grad_buffers=grad_buffers, **workload)
     gpu_spec = gpu if isinstance(gpu, GpuSpec) else load_gpu(gpu)
     capacity = None
     if gpu_memory is not None:
@@ -102,13 +107,13 @@ _FLAG_NAMES = {"micro_batch_size": "mbs", "global_batch_size": "gbs", "seq_len":
 def resolve(model: str | ModelSpec, *, gpus: int = 1, tp: int = 1, pp: int = 1, vpp: int = 1,
             cp: int = 1, ep: int = 1, dp: int | None = None, zero: int = 0,
             sequence_parallel: bool | None = None, vocab_parallel: bool = True,
-            tp_style: str = "megatron",
+            tp_style: str = "megatron", grad_buffers: str = "view",
             **workload: Any) -> tuple[ModelSpec, ParallelConfig, Workload]:
     """The typed (spec, layout, workload) for names and numbers; raises MemplanError."""
     spec = model if isinstance(model, ModelSpec) else load_model(model)
     par = make_layout(gpus, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp, zero=zero,
                       sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,
-                      tp_style=tp_style)
+                      tp_style=tp_style, grad_buffers=grad_buffers)
     return spec, par, make_workload(spec, **workload)
 
 

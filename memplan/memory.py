@@ -28,7 +28,7 @@ from memplan import activations as act
 from memplan.errors import MemplanError
 from memplan.hardware import GpuSpec
 from memplan.overheads import Overheads, default_overheads
-from memplan.parallel import ParallelConfig, validate_layout
+from memplan.parallel import GradBuffers, ParallelConfig, validate_layout
 from memplan.pipeline import Schedule, chunks_in_flight, stage_layers
 from memplan.spec import ModelSpec
 from memplan.states import (
@@ -416,7 +416,12 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
         gathered_in_block=shard.gathered_at_loss_bytes,
         gathered_at_loss=shard.gathered_at_loss_bytes,
     )
-    grads_in_forward = st.grads_bytes if m > 1 else 0
+    # Gradients exist during forward when an earlier micro-batch made them, or when they live
+    # in persistent data-parallel buffers; DDP's default copies them into separate buckets.
+    ddp = par.data_parallel_buffers
+    buckets = st.grads_bytes if ddp and par.grad_buffers is GradBuffers.COPY else 0
+    persistent = ddp and par.grad_buffers is GradBuffers.VIEW
+    grads_in_forward = st.grads_bytes if m > 1 or persistent else 0
     bwd_tensors = _backward_peak(walk, grads_in_forward, st.grads_bytes)
     # The targets exist from the step's start; the loss scalars from the loss on.
     targets = shared.targets_bytes if last else 0
@@ -426,11 +431,11 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
         (shard.gathered_bytes, shard.gathered_at_loss_bytes))
 
     def peaks(opt_bytes: int) -> PhasePeaks:
-        base = st.params_bytes + opt_bytes
+        base = st.params_bytes + opt_bytes + buckets
         return PhasePeaks(
             forward=base + grads_in_forward + fwd_acts + mask,
             backward=base + bwd_tensors,
-            optimizer=st.params_bytes + st.grads_bytes + st.optimizer_bytes + opt_temp,
+            optimizer=st.params_bytes + st.grads_bytes + st.optimizer_bytes + opt_temp + buckets,
         )
 
     # Master weights exist from optimizer setup; moments appear at step 1's optimizer step.
@@ -442,7 +447,8 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
         params_bytes=st.params_bytes, grads_bytes=st.grads_bytes,
         optimizer_bytes=st.optimizer_bytes, activations_bytes=activations,
         microbatches_in_flight=max(in_flight), activation_groups=tuple(groups),
-        loss_bytes=max(loss_fwd, walk.loss_bwd), sharding_buffers_bytes=shard.peak_bytes,
+        loss_bytes=max(loss_fwd, walk.loss_bwd),
+        sharding_buffers_bytes=shard.peak_bytes + buckets,
         optimizer_temp_bytes=opt_temp, steady=steady, first_step=first_step,
         tensor_peak_bytes=tensor_peak, cuda_context_bytes=ovh.cuda_context_bytes,
         workspace_bytes=ovh.workspace_bytes, allocator_bytes=alloc,
@@ -485,6 +491,10 @@ def _assumptions(par: ParallelConfig, wl: Workload, schedule: Schedule,
         f"pipeline schedule: {sched}",
         f"attention kernel: {wl.attention.value}; norms: {wl.norm_impl.value}; "
         f"loss on {'fp32' if wl.logits_fp32 else wl.compute_dtype.value} logits",
+        ("data-parallel gradients in persistent buffers they are views of (Megatron-LM, "
+         "DDP gradient_as_bucket_view=True)" if par.grad_buffers is GradBuffers.VIEW else
+         "DDP gradient buckets: a persistent gradient-sized copy (PyTorch DDP default)")
+        if par.data_parallel_buffers else
         "gradients freed after each optimizer step (zero_grad(set_to_none=True))",
         "MoE routing balanced across experts (no capacity drop, no imbalance)",
         f"cuda context: {ovh.cuda_context_source}",

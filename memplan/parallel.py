@@ -36,6 +36,19 @@ class TpStyle(str, enum.Enum):
     DTENSOR = "dtensor"
 
 
+class GradBuffers(str, enum.Enum):
+    """Where data-parallel gradients live (ZeRO 0/1 with more than one replica).
+
+    view  persistent communication buffers that the gradients are views of, allocated once:
+          Megatron-LM's contiguous grad buffer, DDP(gradient_as_bucket_view=True)
+    copy  PyTorch DDP's default: .grad tensors freed by zero_grad, plus a persistent gradient-
+          sized set of flat buckets they are copied into for the all-reduce
+    """
+
+    VIEW = "view"
+    COPY = "copy"
+
+
 class ParallelConfig(BaseModel):
     """Degrees of each parallel dimension. World size = tp * pp * cp * dp.
 
@@ -57,6 +70,12 @@ class ParallelConfig(BaseModel):
     vocab_parallel: bool = Field(default=True, description="embedding, head and loss split "
                                  "over the vocabulary by TP; False: replicated on each TP rank")
     tp_style: TpStyle = TpStyle.MEGATRON
+    grad_buffers: GradBuffers = GradBuffers.VIEW
+
+    @property
+    def data_parallel_buffers(self) -> bool:
+        """Whether gradients go through DDP-style buffers (ZeRO 0/1 with several replicas)."""
+        return self.zero < ZeroStage.GRADIENTS and self.dense_shard_degree > 1
 
     @property
     def vocab_divisor(self) -> int:

@@ -46,7 +46,8 @@ def estimate_json(est: Estimate) -> dict[str, Any]:
         "num_gpus": par.world_size,
         "layout": {"tp": par.tp, "pp": par.pp, "vpp": par.vpp, "dp": par.dp, "cp": par.cp,
                    "ep": par.ep, "zero": int(par.zero), "sp": par.sequence_parallel,
-                   "vocab_parallel": par.vocab_parallel, "tp_style": par.tp_style.value},
+                   "vocab_parallel": par.vocab_parallel, "tp_style": par.tp_style.value,
+                   "grad_buffers": par.grad_buffers.value},
         "workload": {
             "mbs": wl.micro_batch_size, "gbs": est.global_batch_size,
             "num_microbatches": est.num_microbatches, "seq": wl.seq_len,
@@ -102,7 +103,7 @@ def render_estimate(est: Estimate) -> Any:
         ("parameters", "params_bytes"), ("gradients", "grads_bytes"),
         ("optimizer states", "optimizer_bytes"), ("activations (saved)", "activations_bytes"),
         ("loss logits (transient)", "loss_bytes"),
-        ("ZeRO gather/bucket buffers", "sharding_buffers_bytes"),
+        ("ZeRO / DDP gradient and gather buffers", "sharding_buffers_bytes"),
         ("optimizer step temporaries", "optimizer_temp_bytes"),
         ("tensor peak", "tensor_peak_bytes"), ("CUDA context", "cuda_context_bytes"),
         ("cuBLAS workspace", "workspace_bytes"), ("allocator reserve", "allocator_bytes"),

@@ -85,6 +85,9 @@ GRID = [
     (SMALL_VOCAB, dict(seq_len=128, micro_batch_size=2, precision="fp32",
                        recompute="selective"), True),
     (SMALL_VOCAB, dict(seq_len=512, micro_batch_size=4, precision="fp16-mixed"), True),
+    (SMALL_VOCAB, dict(seq_len=128, micro_batch_size=2, precision="fp32", recompute="full"), True),
+    (SMALL_VOCAB, dict(seq_len=128, micro_batch_size=2, norm_impl="fused", recompute="full"),
+     True),
     (GPT, dict(seq_len=128, micro_batch_size=2), True),
     (GPT, dict(seq_len=128, micro_batch_size=2, attention="eager"), True),
     (GPT, dict(seq_len=128, micro_batch_size=2, attention="eager", norm_impl="fused"), True),
@@ -123,6 +126,26 @@ def test_fsdp_rank_matches_trace(dp: int, fields: dict) -> None:
     """Rank 0 of FSDP2 over dp ranks: states exactly 1/dp, phases within the tolerance."""
     wl = make_workload(TINY, **fields)
     result = compare(TINY, make_layout(dp, zero=3), wl)
+    for name in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes"):
+        row = result.row(name)
+        assert row.estimated_bytes == row.measured_bytes, row
+    bad = [r for r in result.rows if abs(r.diff_pct) > TOLERANCE_PCT]
+    assert not bad, "\n".join(f"{r.name}: {r.diff_pct:+.3f}%" for r in bad)
+
+
+# DDP ranks (real tensors: DDP's reducer reads parameter data), PyTorch's default buckets
+DDP_GRID = [
+    (2, dict(seq_len=64, micro_batch_size=2)),
+    (4, dict(seq_len=128, micro_batch_size=1, precision="fp32", recompute="full")),
+]
+
+
+@pytest.mark.parametrize(("dp", "fields"), DDP_GRID,
+                         ids=[f"dp{dp}-" + "-".join(f"{k}={v}" for k, v in f.items())
+                              for dp, f in DDP_GRID])
+def test_ddp_rank_matches_trace(dp: int, fields: dict) -> None:
+    """Rank 0 of DDP: full states plus one gradient-sized set of buckets in every phase."""
+    result = compare(TINY, make_layout(dp), make_workload(TINY, **fields), fake=False)
     for name in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes"):
         row = result.row(name)
         assert row.estimated_bytes == row.measured_bytes, row
@@ -179,7 +202,7 @@ def test_estimate_matches_trace(spec: ModelSpec, fields: dict, fake: bool) -> No
 
 def test_grid_is_broad() -> None:
     """At least 40 configurations covering the dimensions the model distinguishes."""
-    assert len(GRID) + len(FSDP_GRID) + len(TP_GRID) >= 40
+    assert len(GRID) + len(FSDP_GRID) + len(TP_GRID) + len(DDP_GRID) >= 40
     cases = [_values(c) for c in GRID]
     fields = [f for _, f, _ in cases]
     assert {f.get("precision", "bf16-mixed") for f in fields} >= {

@@ -11,9 +11,10 @@ from memplan.cli import app
 from memplan.cli.options import (
     AttentionOpt, Cp, Dp, Ep, Gbs, Gpu, GpuMemory, Gpus, Json, LogitsFp32, Mbs, Model, NormOpt,
     OptimizerImplOpt, OptimizerOpt, Pp, PrecisionOpt, RecomputeChoice, RecomputeLayers,
-    RecomputeOpt, ScheduleOpt, Seq, Sp, Tp, TpStyleOpt, VocabParallel, Vpp, Zero, ZeroChoice,
+    GradBuffersOpt, RecomputeOpt, ScheduleOpt, Seq, Sp, Tp, TpStyleOpt, VocabParallel, Vpp, Zero,
+    ZeroChoice,
 )
-from memplan.parallel import TpStyle
+from memplan.parallel import GradBuffers, TpStyle
 from memplan.pipeline import Schedule
 from memplan.workload import Attention, NormImpl, Optimizer, OptimizerImpl, Precision, Recompute
 
@@ -28,6 +29,7 @@ def estimate(
     sp: Sp = None,
     vocab_parallel: VocabParallel = True,
     tp_style: TpStyleOpt = TpStyle.MEGATRON,
+    grad_buffers: GradBuffersOpt = GradBuffers.VIEW,
     zero: Zero = ZeroChoice.Z0,
     mbs: Mbs = 1, gbs: Gbs = None, seq: Seq = None,
     recompute: RecomputeOpt = RecomputeChoice.NONE,
@@ -54,7 +56,7 @@ def estimate(
     est = run_estimate(
         model, gpus=gpus, gpu=gpu, gpu_memory=gpu_memory, tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp,
         ep=ep, zero=int(zero.value), sequence_parallel=sp, vocab_parallel=vocab_parallel,
-        tp_style=tp_style.value, schedule=schedule,
+        tp_style=tp_style.value, grad_buffers=grad_buffers.value, schedule=schedule,
         micro_batch_size=mbs, global_batch_size=gbs, seq_len=seq,
         recompute=Recompute.parse(recompute.value), recompute_layers=recompute_layers,
         precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from memplan.parallel import TpStyle
+from memplan.parallel import GradBuffers, TpStyle
 from memplan.pipeline import Schedule
 from memplan.workload import Attention, NormImpl, Optimizer, OptimizerImpl, Precision
 
@@ -54,6 +54,9 @@ VocabParallel = Annotated[bool, typer.Option(
 TpStyleOpt = Annotated[TpStyle, typer.Option(
     "--tp-style", help="With SP, what column-parallel linears save: megatron (sequence "
     "shard) or dtensor (gathered full sequence).", rich_help_panel=_LAYOUT)]
+GradBuffersOpt = Annotated[GradBuffers, typer.Option(
+    "--grad-buffers", help="ZeRO 0/1 data parallel: gradients as views of persistent buffers "
+    "(Megatron-LM) or DDP's default copy into buckets.", rich_help_panel=_LAYOUT)]
 Zero = Annotated[ZeroChoice, typer.Option(
     "--zero", help="ZeRO stage: 1 optimizer states, 2 + gradients, 3 (FSDP) + parameters.",
     rich_help_panel=_LAYOUT)]

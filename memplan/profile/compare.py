@@ -14,7 +14,7 @@ from typing import Any
 from memplan.hardware import load_gpu
 from memplan.memory import PHASES, Estimate, estimate
 from memplan.overheads import no_overheads
-from memplan.parallel import ParallelConfig, TpStyle
+from memplan.parallel import GradBuffers, ParallelConfig, TpStyle
 from memplan.profile.trace import TraceResult, trace
 from memplan.spec import ModelSpec
 from memplan.workload import Workload
@@ -63,8 +63,11 @@ def run_trace(spec: ModelSpec, par: ParallelConfig, wl: Workload, *, steps: int 
 
 
 def traced_layout(par: ParallelConfig) -> ParallelConfig:
-    """The layout the parallel trace actually runs: its TP plan keeps the embedding and head
-    replicated and, with sequence parallelism, DTensor saves full-sequence linear inputs."""
+    """The layout the parallel trace actually runs: DDP with its default gradient buckets
+    (copies); a TP plan that keeps the embedding and head replicated and, with sequence
+    parallelism, DTensor saving full-sequence linear inputs."""
+    if par.data_parallel_buffers:  # the trace runs DDP with its defaults
+        par = par.model_copy(update={"grad_buffers": GradBuffers.COPY})
     if par.tp == 1:
         return par
     return par.model_copy(update={"vocab_parallel": False, "tp_style": TpStyle.DTENSOR})
