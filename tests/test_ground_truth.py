@@ -24,6 +24,16 @@ def _values(case) -> tuple:
     """The arguments of a grid entry, with or without pytest.param marks."""
     return tuple(case.values) if hasattr(case, "values") else case
 
+
+def _assert_agrees(result, exact: tuple[str, ...]) -> None:
+    """``exact`` rows to the byte; every row within the tolerance."""
+    for name in exact:
+        row = result.row(name)
+        assert row.estimated_bytes == row.measured_bytes, row
+    bad = [r for r in result.rows if abs(r.diff_pct) > TOLERANCE_PCT]
+    assert not bad, "\n".join(f"{r.name}: measured {r.measured_bytes:,} estimated "
+                              f"{r.estimated_bytes:,} ({r.diff_pct:+.3f}%)" for r in bad)
+
 TINY = load_model("tiny")  # 2 layers, h 64, f 176, 4 heads / 2 KV heads, d 16, V 128
 
 
@@ -126,11 +136,8 @@ def test_fsdp_rank_matches_trace(dp: int, fields: dict) -> None:
     """Rank 0 of FSDP2 over dp ranks: states exactly 1/dp, phases within the tolerance."""
     wl = make_workload(TINY, **fields)
     result = compare(TINY, make_layout(dp, zero=3), wl)
-    for name in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes"):
-        row = result.row(name)
-        assert row.estimated_bytes == row.measured_bytes, row
-    bad = [r for r in result.rows if abs(r.diff_pct) > TOLERANCE_PCT]
-    assert not bad, "\n".join(f"{r.name}: {r.diff_pct:+.3f}%" for r in bad)
+    _assert_agrees(result, exact=("params_bytes", "grads_bytes", "optimizer_bytes",
+                                  "activations_bytes"))
 
 
 # DDP ranks (real tensors: DDP's reducer reads parameter data), PyTorch's default buckets
@@ -146,11 +153,8 @@ DDP_GRID = [
 def test_ddp_rank_matches_trace(dp: int, fields: dict) -> None:
     """Rank 0 of DDP: full states plus one gradient-sized set of buckets in every phase."""
     result = compare(TINY, make_layout(dp), make_workload(TINY, **fields), fake=False)
-    for name in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes"):
-        row = result.row(name)
-        assert row.estimated_bytes == row.measured_bytes, row
-    bad = [r for r in result.rows if abs(r.diff_pct) > TOLERANCE_PCT]
-    assert not bad, "\n".join(f"{r.name}: {r.diff_pct:+.3f}%" for r in bad)
+    _assert_agrees(result, exact=("params_bytes", "grads_bytes", "optimizer_bytes",
+                                  "activations_bytes"))
 
 
 # Tensor-parallel ranks (DTensor plan, embedding and head replicated): (spec, tp, SP, fields)
@@ -176,11 +180,8 @@ def test_tp_rank_matches_trace(spec: ModelSpec, tp: int, sp: bool, fields: dict)
     layout = make_layout(tp, tp=tp, sequence_parallel=sp, vocab_parallel=False,
                          tp_style="dtensor")
     result = compare(spec, layout, make_workload(spec, **fields))
-    for name in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes"):
-        row = result.row(name)
-        assert row.estimated_bytes == row.measured_bytes, row
-    bad = [r for r in result.rows if abs(r.diff_pct) > TOLERANCE_PCT]
-    assert not bad, "\n".join(f"{r.name}: {r.diff_pct:+.3f}%" for r in bad)
+    _assert_agrees(result, exact=("params_bytes", "grads_bytes", "optimizer_bytes",
+                                  "activations_bytes"))
 
 
 def _id(case) -> str:
@@ -192,12 +193,7 @@ def _id(case) -> str:
 def test_estimate_matches_trace(spec: ModelSpec, fields: dict, fake: bool) -> None:
     wl = make_workload(spec, **fields)
     result = compare(spec, make_layout(1), wl, fake=fake)
-    for name in ("params_bytes", "grads_bytes", "optimizer_bytes"):
-        row = result.row(name)
-        assert row.estimated_bytes == row.measured_bytes, row
-    bad = [r for r in result.rows if abs(r.diff_pct) > TOLERANCE_PCT]
-    assert not bad, "\n".join(f"{r.name}: measured {r.measured_bytes:,} estimated "
-                              f"{r.estimated_bytes:,} ({r.diff_pct:+.3f}%)" for r in bad)
+    _assert_agrees(result, exact=("params_bytes", "grads_bytes", "optimizer_bytes"))
 
 
 def test_grid_is_broad() -> None:
