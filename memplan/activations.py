@@ -313,15 +313,21 @@ def layer_backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer
     norm = _norm_backward_bytes(spec, wl, dm)
     attn_alive, attn_transient = _attention_backward(spec, wl, dm, recompute, saved["attn"])
     freed_ffn = 0
+    # With dropout on the block outputs, the block's backward starts from dropout's gradient
+    # (a new residual-sized tensor) while the incoming one stays for the skip path, and the
+    # MLP's dropout mask is already freed when its MLP runs backward.
+    dropout_grad = rows * h * e if spec.dropout > 0 else 0
+    if spec.dropout > 0:
+        freed_ffn += rows * h * MASK_BYTES
     if moe_layer and spec.moe is not None:
         # the combine's backward ran first: its weighted outputs are freed, and so is the
         # output of the expert whose MLP backward is running (one expert's T*k/E rows)
         routed = dm.tokens * spec.moe.top_k * h * e
-        freed_ffn = routed + routed // spec.moe.num_experts
+        freed_ffn += routed + routed // spec.moe.num_experts
     a_norm, m_norm = saved["attn_norm"], saved["mlp_norm"]
     return [
         BackwardMoment("mlp", extra + a_norm + saved["attn"] + m_norm + saved["ffn"] - freed_ffn,
-                       incoming + mlp, ("mlp_out",)),
+                       incoming + dropout_grad + mlp, ("mlp_out",)),
         BackwardMoment("mlp_norm", extra + a_norm + saved["attn"] + saved["mlp_norm_bwd"],
                        incoming + norm, ("mlp",)),
         BackwardMoment("attention", extra + a_norm + attn_alive, incoming + attn_transient,
