@@ -10,7 +10,13 @@ from memplan.memory import Estimate, PhasePeaks, StageMemory
 from memplan.parallel import ParallelConfig, ZeroStage
 from memplan.spec import ModelSpec, catalog_names, load_model, param_counts
 from memplan.workload import (
-    Attention, NormImpl, Optimizer, OptimizerImpl, Precision, Recompute, Workload,
+    Attention,
+    NormImpl,
+    Optimizer,
+    OptimizerImpl,
+    Precision,
+    Recompute,
+    Workload,
 )
 
 __version__ = "0.1.0"

@@ -17,8 +17,8 @@ from memplan.hardware import GpuSpec, load_gpu
 from memplan.memory import Estimate
 from memplan.memory import estimate as _estimate
 from memplan.overheads import Overheads
-from memplan.pipeline import Schedule
 from memplan.parallel import GradBuffers, ParallelConfig, TpStyle, ZeroStage, layout_for_gpus
+from memplan.pipeline import Schedule
 from memplan.spec import ModelSpec, load_model
 from memplan.units import parse_bytes
 from memplan.workload import Workload

@@ -20,19 +20,34 @@ separate lines on top of the tensor peak.
 from __future__ import annotations
 
 from collections import Counter
-from functools import lru_cache
-from itertools import groupby
 from dataclasses import dataclass
+from functools import lru_cache
 
 from memplan import activations as act
+from memplan import moments as mom
 from memplan.errors import MemplanError
 from memplan.hardware import GpuSpec
+from memplan.layers import (
+    LayerKind,
+    Walk,
+    backward_peak,
+    first_positions,
+    forward_peak,
+    grad_group_params,
+    layer_keys,
+    layer_kind,
+    merge_terms,
+    runs_of,
+)
 from memplan.overheads import Overheads, default_overheads
 from memplan.parallel import GradBuffers, ParallelConfig, validate_layout
 from memplan.pipeline import Schedule, chunks_in_flight, stage_layers
 from memplan.spec import ModelSpec
 from memplan.states import (
-    optimizer_step_temp_bytes, sharding_buffers, stage_params, state_bytes,
+    optimizer_step_temp_bytes,
+    sharding_buffers,
+    stage_params,
+    state_bytes,
 )
 from memplan.workload import Recompute, Workload
 
@@ -84,7 +99,7 @@ class StageMemory:
     @property
     def activation_terms(self) -> tuple[act.Term, ...]:
         """Saved terms of one micro-batch, summed by name over the stage's layers."""
-        return _merge(self.activation_groups)
+        return merge_terms(self.activation_groups)
 
     @property
     def peak_phase(self) -> str:
@@ -145,178 +160,6 @@ def resolve_batch(par: ParallelConfig, wl: Workload) -> tuple[int, int]:
     return gbs, m
 
 
-def _layer_recompute(wl: Workload, position: int) -> Recompute:
-    """Full recompute of k of a stage's layers applies to its first k (Megatron-LM's 'block')."""
-    if wl.recompute is Recompute.FULL and wl.recompute_layers is not None:
-        return Recompute.FULL if position < wl.recompute_layers else Recompute.NONE
-    return wl.recompute
-
-
-def _layer_keys(spec: ModelSpec, wl: Workload, layers: list[int]) -> list[tuple[bool, Recompute]]:
-    """(MoE layer?, recompute policy) of each layer of a stage, in order."""
-    if spec.moe is None and wl.recompute_layers is None:
-        return [(False, wl.recompute)] * len(layers)
-    return [(spec.is_moe_layer(i), _layer_recompute(wl, pos)) for pos, i in enumerate(layers)]
-
-
-@dataclass(frozen=True)
-class _LayerKind:
-    """What one layer of a kind (MoE or dense, recompute policy) holds for one micro-batch."""
-
-    terms: tuple[act.Term, ...]
-    saved_bytes: int
-    moments: tuple[act.BackwardMoment, ...]
-    forward_peak_bytes: int  # largest alive + transient inside its forward
-
-
-@lru_cache(maxsize=4096)
-def _layer_kind(spec: ModelSpec, wl: Workload, dm: act.Dims, moe: bool,
-                policy: Recompute) -> _LayerKind:
-    """Built once per distinct (spec, workload, per-rank dims, layer kind): a planner's many
-    layouts share them."""
-    terms = tuple(act.layer_terms(spec, wl, dm, moe_layer=moe, recompute=policy))
-    moments = act.layer_backward_moments(spec, wl, dm, moe_layer=moe, recompute=policy)
-    forward = act.layer_forward_moments(spec, wl, dm, moe_layer=moe, recompute=policy)
-    return _LayerKind(terms, act.total(terms), tuple(moments),
-                      max(m.alive_bytes + m.transient_bytes for m in forward))
-
-
-def _merge(groups: tuple[tuple[int, tuple[act.Term, ...]], ...]) -> tuple[act.Term, ...]:
-    """Sum ``count`` copies of each term list by name."""
-    sums: dict[str, int] = {}
-    for count, terms in groups:
-        for term in terms:
-            sums[term.name] = sums.get(term.name, 0) + count * term.size_bytes
-    return tuple(act.Term(name, size) for name, size in sums.items())
-
-
-@dataclass(frozen=True)
-class _Walk:
-    """Inputs of the backward walk of one stage (one micro-batch, bytes)."""
-
-    runs: list[tuple[_LayerKind, int, int, int]]  # (kind, grads, grads before its peak, count)
-    other_bytes: int  # activations of the other micro-batches in flight, kept throughout
-    head_saved: int  # final norm and loss terms (last stage)
-    rest_saved: int  # rope tables, embedding ids: alive until the step's backward ends
-    loss_bwd: int
-    head_linear_bwd: int  # logits grad in the compute dtype + the head's weight grad
-    head_grads: int
-    embed_grads: int
-    tied_extra: int  # tied embedding: the head's pending grad and the sum, beyond the grad
-    grad_buffer: int  # ZeRO-2/3 unsharded gradients awaiting reduce-scatter, at most
-    unsharded_ratio: float  # unsharded / held gradient bytes (the ZeRO-2 shard degree)
-    final_norm_saved: int  # last stage: the final norm's saved bytes
-    final_norm_bwd: int  # last stage: gradients in flight inside the final norm's backward
-    gathered_in_block: int = 0  # ZeRO-3 gathered weights while a block's backward runs
-    gathered_at_loss: int = 0  # ... at the loss, the head and the embedding
-
-
-def _forward_peak(runs: list[tuple[_LayerKind, int, tuple[int, ...], int]], before: int,
-                  head_saved: int, final_norm: int, loss_extra: int,
-                  gathered: tuple[int, int] = (0, 0)) -> int:
-    """Largest activation bytes alive during one micro-batch's forward on a stage.
-
-    ``before``: bytes alive before its first layer (other micro-batches in flight, rope tables,
-    embedding ids). Inside a run of identical layers the bytes only grow, so its last layer
-    holds the run's peak. Then the final norm and the loss (last stage).
-    """
-    in_block, at_loss = gathered  # ZeRO-3 weights gathered at those moments
-    acts, peak = before, before
-    for kind, _, _, n in runs:
-        peak = max(peak, acts + (n - 1) * kind.saved_bytes + kind.forward_peak_bytes + in_block)
-        acts += n * kind.saved_bytes
-    if head_saved:
-        peak = max(peak, acts + final_norm + at_loss, acts + head_saved + loss_extra + at_loss)
-    return peak
-
-
-def _backward_peak(w: _Walk, grads_prior: int, grads_total: int) -> int:
-    """Largest bytes alive (activations + gradients + transients) during one backward.
-
-    ``grads_prior`` is what exists when it starts: 0 for a step's only micro-batch, all
-    gradients when earlier micro-batches produced them (they then accumulate in place).
-    Layers are walked last to first in runs of identical layers; within a run the bytes
-    alive change by the same amount per layer, so the run's largest moment is at one end.
-    """
-    growing = grads_prior == 0
-    acts = (w.other_bytes + w.rest_saved + w.head_saved
-            + sum(k.saved_bytes * n for k, _, _, n in w.runs))
-    grads = grads_prior
-    peak = w.gathered_at_loss + max(acts + grads + w.loss_bwd,
-                                    acts - w.head_saved + grads + w.head_linear_bwd)
-    acts -= w.head_saved
-    grads += w.head_grads if growing else 0
-    produced = w.head_grads  # this backward's gradients so far (the ZeRO buffer holds them)
-
-    def buffer(made: int) -> int:
-        # Gradients not yet reduce-scattered are held unsharded instead of as this rank's
-        # shard: the extra is the unsharded size minus the shard they will become.
-        waiting = min(w.grad_buffer, int(made * w.unsharded_ratio))
-        return waiting - int(waiting / w.unsharded_ratio) if w.unsharded_ratio > 1 else waiting
-
-    if w.final_norm_bwd:  # the head's weight gradient exists; the norm's own comes after
-        peak = max(peak, acts + w.final_norm_saved + grads + w.final_norm_bwd
-                   + buffer(produced) + w.gathered_at_loss)
-    pending = w.tied_extra // 2  # a tied head's weight grad waits for the embedding's
-    for kind, layer_grads, moment_grads, n in reversed(w.runs):
-        step_grads = layer_grads if growing else 0
-        # Before the layer's backward its own saved bytes are part of ``acts``; each moment
-        # counts what of them (or of their recomputation) is still alive.
-        below = acts - kind.saved_bytes + grads + pending + w.gathered_in_block
-        local = max(m.alive_bytes + m.transient_bytes + (g if growing else 0)
-                    for m, g in zip(kind.moments, moment_grads))
-        early = max(moment_grads)
-        first_moment = below + local + buffer(produced + early)
-        last_moment = (below + local + (n - 1) * (step_grads - kind.saved_bytes)
-                       + buffer(produced + (n - 1) * layer_grads + early))
-        peak = max(peak, first_moment, last_moment)
-        acts -= n * kind.saved_bytes
-        grads += n * step_grads
-        produced += n * layer_grads
-    end_grads = grads_total if growing or grads_prior else grads
-    return max(peak, acts + end_grads + w.tied_extra + buffer(produced + w.embed_grads)
-               + w.gathered_at_loss)
-
-
-def _runs(keys: list) -> list[tuple[object, int]]:
-    """Run-length encoding of a list."""
-    return [(key, len(list(group))) for key, group in groupby(keys)]
-
-
-def _first_positions(keys: list) -> dict:
-    """Each distinct key with the position of its first occurrence."""
-    if len(keys) and keys[0] == keys[-1] and keys.count(keys[0]) == len(keys):
-        return {keys[0]: 0}
-    out: dict = {}
-    for pos, key in enumerate(keys):
-        out.setdefault(key, pos)
-    return out
-
-
-@lru_cache(maxsize=1024)
-def _grad_group_params(spec: ModelSpec, t: int, ep: int, moe: bool) -> dict[str, int]:
-    """Parameters on one rank of the groups whose gradients appear during a layer's backward."""
-    h = spec.hidden_size
-    norm = h * (2 if spec.norm_bias else 1)
-    mult = 3 if spec.mlp.gated else 2
-    if moe and spec.moe is not None:
-        m = spec.moe
-        ffn = (m.num_experts // ep * m.expert_ffn_hidden_size
-               + m.num_shared_experts * m.shared_expert_ffn_hidden_size)
-        mlp_out = h * ffn // t
-        mlp = mlp_out * mult + h * m.num_experts
-    else:
-        bias = h if spec.mlp_bias else 0
-        mlp_out = h * spec.ffn_hidden_size // t + bias
-        mlp = mult * h * spec.ffn_hidden_size // t + (mult - 1) * (
-            spec.ffn_hidden_size // t if spec.mlp_bias else 0) + bias
-    attn_out = spec.q_size * h // t + (h if spec.attn_out_bias else 0)
-    qkv = h * (spec.q_size + 2 * spec.kv_size) // t + (
-        (spec.q_size + 2 * spec.kv_size) // t if spec.qkv_bias else 0)
-    return {"mlp_out": mlp_out, "mlp": mlp, "mlp_norm": norm, "attn_out": attn_out,
-            "attn": attn_out + qkv}
-
-
 @lru_cache(maxsize=1024)
 def _shared(spec: ModelSpec, wl: Workload, dm: act.Dims) -> _Shared:
     return _Shared(spec, wl, dm)
@@ -339,16 +182,16 @@ class _Shared:
         self.head_linear_bwd = act.head_linear_backward_bytes(spec, wl, dm)
         # the causal mask lives through the forward; with recompute it is saved (a term)
         self.mask = 0 if act.mask_terms(wl, dm) else act.eager_mask_bytes(wl, dm)
-        self.final_norm_extra = act.head_forward_moment(spec, wl, dm)
-        self.final_norm_bytes, self.final_norm_bwd_saved = act.final_norm_bytes(spec, wl, dm)
-        self.final_norm_bwd = act.norm_backward_bytes(spec, wl, dm)
-        self.kinds: dict[tuple[bool, Recompute], _LayerKind] = {}
+        self.final_norm_extra = mom.head_forward_moment(spec, wl, dm)
+        self.final_norm_bytes, self.final_norm_bwd_saved = mom.final_norm_bytes(spec, wl, dm)
+        self.final_norm_bwd = mom.norm_backward_bytes(spec, wl, dm)
+        self.kinds: dict[tuple[bool, Recompute], LayerKind] = {}
         self.spec, self.wl = spec, wl
 
-    def kind(self, key: tuple[bool, Recompute]) -> _LayerKind:
+    def kind(self, key: tuple[bool, Recompute]) -> LayerKind:
         found = self.kinds.get(key)
         if found is None:
-            found = self.kinds[key] = _layer_kind(self.spec, self.wl, self.dm, *key)
+            found = self.kinds[key] = layer_kind(self.spec, self.wl, self.dm, *key)
         return found
 
 
@@ -363,11 +206,11 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
     st = state_bytes(sp, par, wl)
     grad_per_param = st.grads_bytes / max(sp.total, 1)
 
-    entries: dict[tuple[bool, Recompute], tuple[_LayerKind, int, tuple[int, ...]]] = {}
-    keys = _layer_keys(spec, wl, all_layers)
-    for key, pos in _first_positions(keys).items():
+    entries: dict[tuple[bool, Recompute], tuple[LayerKind, int, tuple[int, ...]]] = {}
+    keys = layer_keys(spec, wl, all_layers)
+    for key, pos in first_positions(keys).items():
         kind = shared.kind(key)
-        groups_params = _grad_group_params(spec, par.tp, par.ep, key[0])
+        groups_params = grad_group_params(spec, par.tp, par.ep, key[0])
         moment_grads = tuple(int(sum(groups_params[g] for g in m.grads_before)
                                  * grad_per_param) for m in kind.moments)
         entries[key] = (kind, int(sp.layers[pos] * grad_per_param), moment_grads)
@@ -400,8 +243,8 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
     mask = shared.mask
     tied = spec.tied_embeddings and first and last
     vocab_grad = -(-spec.vocab_size // par.vocab_divisor) * spec.hidden_size * dm.e
-    walk = _Walk(
-        runs=([(*entries[k], n) for k, n in _runs(keys)] if len(entries) > 1
+    walk = Walk(
+        runs=([(*entries[k], n) for k, n in runs_of(keys)] if len(entries) > 1
               else [(*entries[keys[0]], len(keys))]),
         other_bytes=max(0, activations - one_mb),
         head_saved=head_bytes - batch, rest_saved=rope_bytes * par.vpp + embed_bytes + batch,
@@ -422,10 +265,10 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
     buckets = st.grads_bytes if ddp and par.grad_buffers is GradBuffers.COPY else 0
     persistent = ddp and par.grad_buffers is GradBuffers.VIEW
     grads_in_forward = st.grads_bytes if m > 1 or persistent else 0
-    bwd_tensors = _backward_peak(walk, grads_in_forward, st.grads_bytes)
+    bwd_tensors = backward_peak(walk, grads_in_forward, st.grads_bytes)
     # The targets exist from the step's start; the loss scalars from the loss on.
     targets = shared.targets_bytes if last else 0
-    fwd_acts = _forward_peak(
+    fwd_acts = forward_peak(
         walk.runs, walk.other_bytes + walk.rest_saved - batch + targets, head_bytes - targets,
         shared.final_norm_bytes + shared.final_norm_extra if last else 0, loss_fwd,
         (shard.gathered_bytes, shard.gathered_at_loss_bytes))

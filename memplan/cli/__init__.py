@@ -10,8 +10,8 @@ import os
 import sys
 
 import typer
-from typer.exceptions import Abort, Exit, TyperException
 from pydantic import ValidationError
+from typer.exceptions import Abort, Exit, TyperException
 
 from memplan.errors import MemplanError
 

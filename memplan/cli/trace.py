@@ -10,9 +10,28 @@ import typer
 from memplan.api import resolve
 from memplan.cli import app
 from memplan.cli.options import (
-    AttentionOpt, Cp, Dp, Gbs, Gpus, Json, LogitsFp32, Mbs, Model, NormOpt, OptimizerImplOpt,
-    OptimizerOpt, Pp, PrecisionOpt, RecomputeChoice, RecomputeLayers, RecomputeOpt, Seq, Sp, Tp,
-    Zero, ZeroChoice,
+    AttentionOpt,
+    Cp,
+    Dp,
+    Gbs,
+    Gpus,
+    Json,
+    LogitsFp32,
+    Mbs,
+    Model,
+    NormOpt,
+    OptimizerImplOpt,
+    OptimizerOpt,
+    Pp,
+    PrecisionOpt,
+    RecomputeChoice,
+    RecomputeLayers,
+    RecomputeOpt,
+    Seq,
+    Sp,
+    Tp,
+    Zero,
+    ZeroChoice,
 )
 from memplan.errors import MemplanError
 from memplan.workload import Attention, NormImpl, Optimizer, OptimizerImpl, Precision, Recompute

@@ -235,8 +235,12 @@ def _follow_fsdp_storage(tracker: ParallelTracker) -> Iterator[None]:
 def _tp_model(spec: ModelSpec, wl: Workload, mesh, sp: bool) -> nn.Module:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
-        ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
-        SequenceParallel, parallelize_module,
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
     )
 
     if spec.moe is not None:

@@ -1,0 +1,275 @@
+"""Local peaks inside a layer's forward and backward, measured on the reference block.
+
+The saved-activation terms (``memplan.activations``) say what a finished forward holds. Phase
+peaks also need what is alive *while* a block runs: the residual stream when no norm saves it,
+an upcast norm's fp32 intermediates, gradients in flight in the backward, a checkpointed layer's
+working set. Each moment here was read off traces of the reference model with the exact tracker
+(``memplan trace``; ``docs/ground_truth.md``) and is written as bytes of named tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memplan.activations import (
+    FP32_BYTES,
+    MASK_BYTES,
+    Dims,
+    Term,
+    layer_terms,
+    norm_terms,
+    total,
+)
+from memplan.spec import ModelSpec, NormKind, PositionKind
+from memplan.workload import Attention, NormImpl, Recompute, Workload
+
+
+@dataclass(frozen=True)
+class BackwardMoment:
+    """One moment inside a layer's backward where its bytes peak locally.
+
+    ``alive_bytes``: this layer's saved (or recomputed) tensors still alive; ``transient_bytes``:
+    gradients in flight, the residual-stream gradient included; ``grads_before``: parameter
+    groups of this layer whose gradients already exist (see ``memory._grad_group_params``).
+    """
+
+    name: str
+    alive_bytes: int
+    transient_bytes: int
+    grads_before: tuple[str, ...]
+
+
+def _by_block(terms: list[Term]) -> dict[str, int]:
+    """Saved bytes per block; ``*_norm_bwd`` is what of a norm is still saved when its own
+    backward runs (its output and weighted input were freed by the later ops' backward)."""
+    blocks = {"attn_norm": 0, "attn": 0, "mlp_norm": 0, "ffn": 0,
+              "attn_norm_bwd": 0, "mlp_norm_bwd": 0}
+    for term in terms:
+        head, _, kind = term.name.partition(".")
+        blocks["ffn" if head in ("mlp", "moe") else head] += term.size_bytes
+        if head.endswith("_norm") and kind not in ("output", "normed"):
+            blocks[f"{head}_bwd"] += term.size_bytes
+    return blocks
+
+
+def layer_backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
+                           recompute: Recompute) -> list[BackwardMoment]:
+    """The local peaks of one layer's backward, in backward order (MLP, its norm, attention,
+    its norm), as measured on the reference block with the exact tracker:
+
+    - MLP: a gated MLP holds the gradients of its product, activation and up projection while
+      the product is freed (2 intermediates beyond the saved ones); a plain MLP the gradients
+      of its activation and first linear while the activation is freed (1).
+    - norms: upcast RMSNorm's backward materialises five fp32 hidden-sized tensors (four when
+      the compute dtype is fp32 and the casts are no-ops); LayerNorm three (two); a fused
+      kernel its input gradient and one more.
+    - attention: flash holds the output gradient and the q, k, v gradients; eager, after the
+      value matmul's backward freed V, the value gradient and two score-sized gradients.
+    Full recompute first rebuilds the whole layer (its checkpointed input stays alive);
+    selective recompute rebuilds the attention core at the attention moment.
+    """
+    t, e, h = dm.tp, dm.e, spec.hidden_size
+    rows = dm.tokens // dm.res_tokens_div
+    incoming = rows * h * e  # the residual-stream gradient, alive through the layer
+    full = _by_block(layer_terms(spec, wl, dm, moe_layer=moe_layer, recompute=Recompute.NONE))
+    if recompute is Recompute.SELECTIVE:
+        saved = _by_block(layer_terms(spec, wl, dm, moe_layer=moe_layer,
+                                      recompute=Recompute.SELECTIVE))
+    else:
+        saved = full
+    # The checkpointed input stays while the layer is rebuilt, unless the rebuilt norm saves
+    # that very tensor (a fused norm's input; an fp32 run, where the upcast is a no-op).
+    input_is_saved = wl.norm_impl is NormImpl.FUSED or e >= FP32_BYTES
+    extra = total(layer_terms(spec, wl, dm, moe_layer=moe_layer, recompute=Recompute.FULL)) \
+        if recompute is Recompute.FULL and not input_is_saved else 0
+    per_inner = 2 if spec.mlp.gated else 1
+    if moe_layer and spec.moe is not None:
+        # experts run one after another: the largest working set is one expert's, with
+        # balanced routing T*k/E tokens
+        per_expert = dm.tokens * spec.moe.top_k // spec.moe.num_experts
+        mlp = per_inner * per_expert * spec.moe.expert_ffn_hidden_size // t * e
+    else:
+        mlp = per_inner * dm.tokens * spec.ffn_hidden_size // t * e
+    norm = _norm_backward_bytes(spec, wl, dm)
+    attn_alive, attn_transient = _attention_backward(spec, wl, dm, recompute, saved["attn"])
+    freed_ffn = 0
+    # With dropout on the block outputs, the block's backward starts from dropout's gradient
+    # (a new residual-sized tensor) while the incoming one stays for the skip path, and the
+    # MLP's dropout mask is already freed when its MLP runs backward.
+    dropout_grad = rows * h * e if spec.dropout > 0 else 0
+    if spec.dropout > 0:
+        freed_ffn += rows * h * MASK_BYTES
+    if moe_layer and spec.moe is not None:
+        # the combine's backward ran first: its weighted outputs are freed, and so is the
+        # output of the expert whose MLP backward is running (one expert's T*k/E rows)
+        routed = dm.tokens * spec.moe.top_k * h * e
+        freed_ffn += routed + routed // spec.moe.num_experts
+    a_norm, m_norm = saved["attn_norm"], saved["mlp_norm"]
+    return [
+        BackwardMoment("mlp", extra + a_norm + saved["attn"] + m_norm + saved["ffn"] - freed_ffn,
+                       incoming + dropout_grad + mlp, ("mlp_out",)),
+        BackwardMoment("mlp_norm", extra + a_norm + saved["attn"] + saved["mlp_norm_bwd"],
+                       incoming + norm, ("mlp",)),
+        BackwardMoment("attention", extra + a_norm + attn_alive, incoming + attn_transient,
+                       ("mlp", "mlp_norm", "attn_out")),
+        BackwardMoment("attn_norm", extra + saved["attn_norm_bwd"], incoming + norm,
+                       ("mlp", "mlp_norm", "attn")),
+    ]
+
+
+@dataclass(frozen=True)
+class ForwardMoment:
+    """A local peak inside a layer's forward: this layer's tensors alive (saved so far, or the
+    working set of a checkpointed layer) and transients such as the residual stream."""
+
+    name: str
+    alive_bytes: int
+    transient_bytes: int
+
+
+def layer_forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
+                          recompute: Recompute) -> list[ForwardMoment]:
+    """Local peaks of one layer's forward, measured on the reference block with the tracker.
+
+    Without recompute the layer's saved tensors accumulate; beside them live the residual
+    stream (the layer input, then the post-attention sum) when no norm saves it, an upcast
+    norm's fp32 normalised tensor before its cast back, and each block's output before its
+    residual add. A fully recomputed (checkpointed) layer saves only its input; its forward
+    holds a working set instead: the residual, the norm output, and the block's intermediates
+    until the block returns.
+    """
+    e, h, t = dm.e, spec.hidden_size, dm.tp
+    rows = dm.tokens // dm.res_tokens_div
+    stream = rows * h * e
+    upcast = wl.norm_impl is NormImpl.UPCAST
+    lowp = e < FP32_BYTES
+    unsaved_input = stream if upcast and lowp else 0  # fp32 runs save the input itself
+    fp32_normed = rows * h * FP32_BYTES if upcast and lowp else 0
+    if upcast and lowp and spec.norm_bias:
+        fp32_normed += stream  # weight * normed, before the bias is added
+    if recompute is not Recompute.FULL:
+        b = _by_block(layer_terms(spec, wl, dm, moe_layer=moe_layer, recompute=recompute))
+        core = 0
+        if recompute is Recompute.SELECTIVE and wl.attention is Attention.EAGER:
+            # inside the checkpointed core: two score-sized tensors (scores and their scaled
+            # or masked successor; then the softmax's input and output) with either the
+            # contiguous q and k copies of the first matmul, or dropout's mask and output
+            scores = dm.b * (spec.num_attention_heads // t) * dm.s * dm.s_kv
+            q_bytes = dm.tokens * spec.q_size // t * e
+            dropout = scores * (e + MASK_BYTES) if spec.dropout > 0 else 0
+            core = 2 * scores * e + max(2 * q_bytes, dropout)
+        # the core runs before the attention output and its dropout mask exist
+        before_out = b["attn"] - dm.tokens * spec.q_size // t * e - (
+            rows * h * MASK_BYTES if spec.dropout > 0 else 0)
+        return [
+            ForwardMoment("attn_norm", b["attn_norm"], unsaved_input + fp32_normed),
+            ForwardMoment("attention", b["attn_norm"] + b["attn"], unsaved_input + stream),
+            ForwardMoment("attention_core", b["attn_norm"] + before_out, unsaved_input + core),
+            ForwardMoment("mlp_norm", b["attn_norm"] + b["attn"] + b["mlp_norm"],
+                          unsaved_input + fp32_normed),
+            ForwardMoment("mlp", b["attn_norm"] + b["attn"] + b["mlp_norm"] + b["ffn"],
+                          unsaved_input + stream),
+        ]
+    norm_ws = _norm_working_set(spec, wl, dm)
+    q_bytes = dm.tokens * spec.q_size // t * e
+    kv_bytes = 2 * dm.tokens * spec.kv_size // t * e
+    if wl.attention is Attention.FLASH:
+        attn_ws = q_bytes + kv_bytes + q_bytes + dm.b * (spec.num_attention_heads // t) * dm.s * 4
+    else:
+        scores = dm.b * (spec.num_attention_heads // t) * dm.s * dm.s_kv
+        attn_ws = 4 * q_bytes + 2 * scores * e  # q, K^T copy, V, output; two score tensors
+    if moe_layer and spec.moe is not None:
+        # experts run one after another over their T*k/E rows (balanced routing), while the
+        # router's probabilities and the combined output accumulate for all tokens
+        moe = spec.moe
+        rows_e = dm.tokens * moe.top_k // moe.num_experts
+        inner = rows_e * moe.expert_ffn_hidden_size // t * e
+        expert = rows_e * h * e + max(rows_e * h * e + inner,
+                                      (3 if spec.mlp.gated else 2) * inner)
+        mlp_ws = dm.tokens * moe.num_experts * FP32_BYTES + stream + expert
+    else:
+        inner = dm.tokens * spec.ffn_hidden_size // t * e
+        # gated: activation, up and product together; plain: first linear and activation
+        mlp_ws = max(stream + inner, (3 if spec.mlp.gated else 2) * inner)
+    # x is the checkpointed input; the norm output lives while its block runs
+    return [
+        ForwardMoment("attn_norm", stream + norm_ws, 0),
+        ForwardMoment("attention", 3 * stream + attn_ws, 0),
+        ForwardMoment("mlp_norm", 2 * stream + norm_ws, 0),
+        ForwardMoment("mlp", 3 * stream + mlp_ws, 0),
+    ]
+
+
+def _norm_working_set(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    """Bytes a norm's forward holds beyond its input: fp32 copies, the cast, its output."""
+    rows = dm.tokens // dm.res_tokens_div
+    h, e = spec.hidden_size, dm.e
+    stats = rows * FP32_BYTES * (2 if spec.norm is NormKind.LAYERNORM else 1)
+    if wl.norm_impl is NormImpl.FUSED:
+        return rows * h * e + stats
+    lowp = e < FP32_BYTES
+    fp32_copies = (2 if lowp else 1) * rows * h * FP32_BYTES  # upcast input, normalised
+    return fp32_copies + (2 if lowp else 1) * rows * h * e + stats
+
+
+def head_forward_moment(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    """The final norm's transients (the unsaved residual input and the fp32 normalised
+    tensor before its cast back), on top of everything saved up to and including it."""
+    if wl.norm_impl is NormImpl.FUSED or dm.e >= FP32_BYTES:
+        return 0
+    rows = dm.tokens // dm.res_tokens_div
+    bias_temp = dm.e if spec.norm_bias else 0  # weight * normed, before the bias is added
+    return rows * spec.hidden_size * (dm.e + FP32_BYTES + bias_temp)
+
+
+def final_norm_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> tuple[int, int]:
+    """Saved bytes of the final norm (part of the head's terms): all of them, and those still
+    saved when its own backward runs."""
+    blocks = _by_block(norm_terms("attn_norm", spec, wl, dm))
+    return blocks["attn_norm"], blocks["attn_norm_bwd"]
+
+
+def norm_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    """Gradient bytes in flight inside a norm's backward, its incoming gradient excluded."""
+    return _norm_backward_bytes(spec, wl, dm)
+
+
+def _norm_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    rows = dm.tokens // dm.res_tokens_div
+    h, e = spec.hidden_size, dm.e
+    if wl.norm_impl is NormImpl.FUSED:
+        # LayerNorm's aten kernel: its input gradient. The reference fused RMSNorm: the
+        # weighted gradient, the normalised input and one product.
+        return (3 if spec.norm is NormKind.RMSNORM else 1) * rows * h * e
+    casts = 1 if e < FP32_BYTES else 0  # the cast back's backward makes an fp32 gradient copy
+    count = (4 if spec.norm is NormKind.RMSNORM else 2) + casts
+    return count * rows * h * FP32_BYTES
+
+
+def _attention_backward(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute,
+                        saved_attn: int) -> tuple[int, int]:
+    """(attention's saved bytes alive, gradient bytes in flight) at its backward's peak."""
+    t, e = dm.tp, dm.e
+    q_bytes = dm.tokens * spec.q_size // t * e
+    if wl.attention is Attention.FLASH:
+        transient = dm.tokens * (2 * spec.q_size + 2 * spec.kv_size) // t * e
+        rebuilt = 0
+        if recompute is Recompute.SELECTIVE:  # the core reruns: its output and logsumexp
+            rebuilt = q_bytes + dm.b * (spec.num_attention_heads // t) * dm.s * FP32_BYTES
+        return saved_attn + rebuilt, transient
+    scores = dm.b * (spec.num_attention_heads // t) * dm.s * dm.s_kv
+    dropout = scores * (MASK_BYTES + e) if spec.dropout > 0 else 0
+    grouped = spec.num_kv_heads < spec.num_attention_heads
+    if recompute is not Recompute.SELECTIVE:
+        # The value matmul's backward has freed V (repeated) and the dropout output.
+        freed = q_bytes + (scores * e if spec.dropout > 0 else 0)
+        return saved_attn - freed, q_bytes + 2 * scores * e
+    # The rerun core saves again what its matmuls and softmax save: the contiguous K^T copy,
+    # a contiguous copy of q when no RoPE made it contiguous, the repeated V (GQA; with MHA V
+    # is the checkpoint's own input), the softmax output and dropout's mask and output. The
+    # value matmul's backward has then freed its repeated V and the dropout output.
+    rope = spec.position is PositionKind.ROPE
+    rebuilt = (q_bytes + (0 if rope else q_bytes) + (q_bytes if grouped else 0)
+               + scores * e + dropout)
+    freed = (q_bytes if grouped else 0) + (scores * e if spec.dropout > 0 else 0)
+    return saved_attn + rebuilt - freed, q_bytes + 2 * scores * e
