@@ -188,3 +188,11 @@ def grad_group_params(spec: ModelSpec, t: int, ep: int, moe: bool) -> dict[str, 
         (spec.q_size + 2 * spec.kv_size) // t if spec.qkv_bias else 0)
     return {"mlp_out": mlp_out, "mlp": mlp, "mlp_norm": norm, "attn_out": attn_out,
             "attn": attn_out + qkv}
+
+
+@lru_cache(maxsize=4096)
+def moment_params(spec: ModelSpec, t: int, ep: int, key: tuple[bool, Recompute],
+                  kind: LayerKind) -> tuple[int, ...]:
+    """Parameters whose gradients exist at each backward moment of a layer of ``kind``."""
+    groups = grad_group_params(spec, t, ep, key[0])
+    return tuple(sum(groups[g] for g in m.grads_before) for m in kind.moments)

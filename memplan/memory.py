@@ -33,10 +33,10 @@ from memplan.layers import (
     backward_peak,
     first_positions,
     forward_peak,
-    grad_group_params,
     layer_keys,
     layer_kind,
     merge_terms,
+    moment_params,
     runs_of,
 )
 from memplan.overheads import Overheads, default_overheads
@@ -210,9 +210,8 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
     keys = layer_keys(spec, wl, all_layers)
     for key, pos in first_positions(keys).items():
         kind = shared.kind(key)
-        groups_params = grad_group_params(spec, par.tp, par.ep, key[0])
-        moment_grads = tuple(int(sum(groups_params[g] for g in m.grads_before)
-                                 * grad_per_param) for m in kind.moments)
+        moment_grads = tuple(int(n * grad_per_param)
+                             for n in moment_params(spec, par.tp, par.ep, key, kind))
         entries[key] = (kind, int(sp.layers[pos] * grad_per_param), moment_grads)
 
     rope_bytes = shared.rope_bytes  # rope tables (and a saved mask): per chunk forward

@@ -127,6 +127,9 @@ def trace(spec: ModelSpec, par: ParallelConfig, wl: Workload, *, steps: int = 2,
         raise MemplanError("trace: layouts with more than one rank need trace_parallel")
     if wl.precision is Precision.FSDP_BF16:
         raise MemplanError("precision: fsdp-bf16 needs an FSDP layout (zero 3, dp > 1)")
+    if spec.moe is not None and fake:
+        raise MemplanError("trace: MoE routing depends on the data, which fake tensors do not "
+                           "have; trace a small MoE with --real")
     mode = _fake_mode() if fake else contextlib.nullcontext()
     with mode:
         torch.manual_seed(0)
