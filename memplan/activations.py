@@ -197,14 +197,15 @@ def head_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
     return [
         *norm_terms("final_norm", spec, wl, dm),
         Term("loss.log_softmax", dm.tokens * _vocab_shard(spec, dm) * logit_bytes),
-        *batch_terms(dm),
+        *batch_terms(wl, dm),
     ]
 
 
-def batch_terms(dm: Dims) -> list[Term]:
+def batch_terms(wl: Workload, dm: Dims) -> list[Term]:
     """The targets (saved by the loss) and the loss with nll_loss's saved total weight (two
-    fp32 scalars): the training loop holds them until the step's backward has finished."""
-    return [Term("loss.targets", dm.tokens * INDEX_BYTES), Term("loss.scalars", 2 * FP32_BYTES)]
+    scalars in the logits' dtype): the training loop holds them until the backward ends."""
+    scalar = FP32_BYTES if wl.logits_fp32 else dm.e
+    return [Term("loss.targets", dm.tokens * INDEX_BYTES), Term("loss.scalars", 2 * scalar)]
 
 
 def head_forward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:

@@ -75,7 +75,9 @@ class Walk:
     head_linear_bwd: int  # logits grad in the compute dtype + the head's weight grad
     head_grads: int
     embed_grads: int
-    tied_extra: int  # tied embedding: the head's pending grad and the sum, beyond the grad
+    tied_extra: int  # at the embedding's backward, beyond its gradient: a tied head's pending
+    #                  gradient and the sum; the compute-dtype copy beside an fp32 main grad
+    tied_pending: int  # a tied head's weight gradient, held until the embedding's backward
     grad_buffer: int  # ZeRO-2/3 unsharded gradients awaiting reduce-scatter, at most
     unsharded_ratio: float  # unsharded / held gradient bytes (the ZeRO-2 shard degree)
     final_norm_saved: int  # last stage: the final norm's saved bytes
@@ -130,7 +132,7 @@ def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
     if w.final_norm_bwd:  # the head's weight gradient exists; the norm's own comes after
         peak = max(peak, acts + w.final_norm_saved + grads + w.final_norm_bwd
                    + buffer(produced) + w.gathered_at_loss)
-    pending = w.tied_extra // 2  # a tied head's weight grad waits for the embedding's
+    pending = w.tied_pending  # a tied head's weight grad waits for the embedding's
     for kind, layer_grads, moment_grads, n in reversed(w.runs):
         step_grads = layer_grads if growing else 0
         # Before the layer's backward its own saved bytes are part of ``acts``; each moment

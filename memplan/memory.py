@@ -40,7 +40,7 @@ from memplan.layers import (
     runs_of,
 )
 from memplan.overheads import Overheads, default_overheads
-from memplan.parallel import GradBuffers, ParallelConfig, validate_layout
+from memplan.parallel import GradBuffers, ParallelConfig, ZeroStage, validate_layout
 from memplan.pipeline import Schedule, chunks_in_flight, stage_layers
 from memplan.spec import ModelSpec
 from memplan.states import (
@@ -160,6 +160,19 @@ def resolve_batch(par: ParallelConfig, wl: Workload) -> tuple[int, int]:
     return gbs, m
 
 
+def _embedding_backward_extra(vocab_grad: int, embed_grads: int, *, tied: bool,
+                              main_grads: bool) -> int:
+    """Bytes beyond all gradients at the embedding's backward. Its dense gradient (compute
+    dtype) is new; a tied head's gradient waits beside it and the two are summed (3 copies,
+    then the sum becomes the gradient); with fp32 main gradients the compute-dtype gradient
+    lives until it has been added into the fp32 one."""
+    if tied and main_grads:  # 3 copies before the fp32 main gradient, or the sum beside it
+        return max(3 * vocab_grad - embed_grads, vocab_grad)
+    if tied:
+        return 2 * vocab_grad
+    return vocab_grad if main_grads else 0
+
+
 @lru_cache(maxsize=1024)
 def _shared(spec: ModelSpec, wl: Workload, dm: act.Dims) -> _Shared:
     return _Shared(spec, wl, dm)
@@ -175,8 +188,8 @@ class _Shared:
         self.head = act.head_terms(spec, wl, dm)
         self.rope_bytes, self.embed_bytes = act.total(self.rope), act.total(self.embed)
         self.head_bytes = act.total(self.head)
-        self.batch_bytes = act.total(act.batch_terms(dm))
-        self.targets_bytes = act.batch_terms(dm)[0].size_bytes
+        self.batch_bytes = act.total(act.batch_terms(wl, dm))
+        self.targets_bytes = act.batch_terms(wl, dm)[0].size_bytes
         self.loss_fwd = act.head_forward_extra_bytes(spec, wl, dm)
         self.loss_bwd = act.head_backward_extra_bytes(spec, wl, dm)
         self.head_linear_bwd = act.head_linear_backward_bytes(spec, wl, dm)
@@ -242,15 +255,22 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
     mask = shared.mask
     tied = spec.tied_embeddings and first and last
     vocab_grad = -(-spec.vocab_size // par.vocab_divisor) * spec.hidden_size * dm.e
+    main_grads = wl.precision.recipe.grad_bytes > dm.e and par.zero < ZeroStage.PARAMETERS
     walk = Walk(
         runs=([(*entries[k], n) for k, n in runs_of(keys)] if len(entries) > 1
               else [(*entries[keys[0]], len(keys))]),
         other_bytes=max(0, activations - one_mb),
         head_saved=head_bytes - batch, rest_saved=rope_bytes * par.vpp + embed_bytes + batch,
         loss_bwd=shared.loss_bwd if last else 0,
-        head_linear_bwd=(shared.head_linear_bwd + vocab_grad) if last else 0,
+        # With fp32 main gradients the head's compute-dtype weight gradient is accumulated into
+        # a new fp32 one (first micro-batch) while it still exists.
+        head_linear_bwd=(shared.head_linear_bwd + vocab_grad
+                         + (int(sp.head * grad_per_param) if main_grads else 0)) if last else 0,
         head_grads=int(sp.head * grad_per_param), embed_grads=int(sp.embedding * grad_per_param),
-        tied_extra=2 * vocab_grad if tied else 0, grad_buffer=shard.grad_bytes,
+        tied_extra=_embedding_backward_extra(vocab_grad, int(sp.embedding * grad_per_param),
+                                             tied=tied, main_grads=main_grads and first),
+        tied_pending=vocab_grad if tied else 0,
+        grad_buffer=shard.grad_bytes,
         unsharded_ratio=sp.total * wl.precision.recipe.grad_bytes / max(st.grads_bytes, 1),
         final_norm_saved=shared.final_norm_bwd_saved if last else 0,
         final_norm_bwd=shared.final_norm_bwd if last else 0,

@@ -109,6 +109,13 @@ GRID = [
     (GPT_NODROP, dict(seq_len=64, micro_batch_size=4, precision="fp32"), True),
     (GEGLU, dict(seq_len=128, micro_batch_size=2), True),
     (GEGLU, dict(seq_len=128, micro_batch_size=2, norm_impl="fused"), True),
+    # catalog models cut to two layers: 128k vocabulary, qkv biases, tied embeddings
+    (_variant(load_model("llama-3-8b"), num_layers=2),
+     dict(seq_len=256, micro_batch_size=1, precision="bf16-fp32-grads", logits_fp32=False), True),
+    (_variant(load_model("qwen2.5-7b"), num_layers=2), dict(seq_len=256, micro_batch_size=1),
+     True),
+    (_variant(load_model("gpt2"), num_layers=2),
+     dict(seq_len=128, micro_batch_size=2, precision="bf16-fp32-grads"), True),
     (MOE, dict(seq_len=64, micro_batch_size=2), False),
     (MOE, dict(seq_len=64, micro_batch_size=2, recompute="full"), False),
 ]
