@@ -192,7 +192,6 @@ def grad_group_params(spec: ModelSpec, t: int, ep: int, moe: bool) -> dict[str, 
             "attn": attn_out + qkv}
 
 
-@lru_cache(maxsize=4096)
 def moment_params(spec: ModelSpec, t: int, ep: int, key: tuple[bool, Recompute],
                   kind: LayerKind) -> tuple[int, ...]:
     """Parameters whose gradients exist at each backward moment of a layer of ``kind``."""

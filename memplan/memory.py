@@ -20,7 +20,7 @@ separate lines on top of the tensor peak.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from memplan import activations as act
@@ -83,6 +83,7 @@ class StageMemory:
     optimizer_bytes: int
     activations_bytes: int  # saved activations of all micro-batches in flight
     microbatches_in_flight: int
+    microbatch_bytes: int  # saved activations of one micro-batch on this stage
     activation_groups: tuple[tuple[int, tuple[act.Term, ...]], ...]  # (count, terms) of one
     #                                                            micro-batch on this stage
     loss_bytes: int  # logits-sized tensors alive at the loss, beyond what is saved
@@ -199,7 +200,15 @@ class _Shared:
         self.final_norm_bytes, self.final_norm_bwd_saved = mom.final_norm_bytes(spec, wl, dm)
         self.final_norm_bwd = mom.norm_backward_bytes(spec, wl, dm)
         self.kinds: dict[tuple[bool, Recompute], LayerKind] = {}
+        self.moments: dict[tuple[int, int, tuple[bool, Recompute]], tuple[int, ...]] = {}
         self.spec, self.wl = spec, wl
+
+    def moment_params(self, t: int, ep: int, key: tuple[bool, Recompute]) -> tuple[int, ...]:
+        found = self.moments.get((t, ep, key))
+        if found is None:
+            found = self.moments[(t, ep, key)] = moment_params(self.spec, t, ep, key,
+                                                               self.kind(key))
+        return found
 
     def kind(self, key: tuple[bool, Recompute]) -> LayerKind:
         found = self.kinds.get(key)
@@ -224,7 +233,7 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
     for key, pos in first_positions(keys).items():
         kind = shared.kind(key)
         moment_grads = tuple(int(n * grad_per_param)
-                             for n in moment_params(spec, par.tp, par.ep, key, kind))
+                             for n in shared.moment_params(par.tp, par.ep, key))
         entries[key] = (kind, int(sp.layers[pos] * grad_per_param), moment_grads)
 
     rope_bytes = shared.rope_bytes  # rope tables (and a saved mask): per chunk forward
@@ -308,7 +317,8 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
         stage=stage, num_layers=len(all_layers), num_params=sp.total,
         params_bytes=st.params_bytes, grads_bytes=st.grads_bytes,
         optimizer_bytes=st.optimizer_bytes, activations_bytes=activations,
-        microbatches_in_flight=max(in_flight), activation_groups=tuple(groups),
+        microbatches_in_flight=max(in_flight), microbatch_bytes=one_mb,
+        activation_groups=tuple(groups),
         loss_bytes=max(loss_fwd, walk.loss_bwd),
         sharding_buffers_bytes=shard.peak_bytes + buckets,
         optimizer_temp_bytes=opt_temp, steady=steady, first_step=first_step,
@@ -337,13 +347,52 @@ def estimate(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, *
                            f"per pipeline stage ({per_stage})")
     ovh = overheads if overheads is not None else default_overheads(gpu)
     shared = _shared(spec, wl, act.Dims.of(par, wl))
-    stages = tuple(_stage(spec, par, wl, m, i, schedule, ovh, shared) for i in range(par.pp))
+    stages = _stages(spec, par, wl, m, schedule, ovh, shared)
     return Estimate(
         spec=spec, gpu=gpu, parallel=par, workload=wl, num_microbatches=m,
         global_batch_size=gbs,
         capacity_bytes=gpu.memory_bytes if capacity_bytes is None else capacity_bytes,
         stages=stages, overheads=ovh, schedule=schedule,
     )
+
+
+def _stages(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, schedule: Schedule,
+            ovh: Overheads, shared: _Shared) -> tuple[StageMemory, ...]:
+    """Every stage. Interior stages of a plain (not interleaved) pipeline with the same layer
+    kinds differ only in micro-batches in flight, which shift their forward and backward
+    peaks by whole micro-batches: one is computed, the others follow from it."""
+    out: list[StageMemory] = []
+    template: StageMemory | None = None
+    template_keys: list | None = None
+    for i in range(par.pp):
+        interior = 0 < i < par.pp - 1 and par.vpp == 1
+        keys = None
+        if interior:
+            keys = layer_keys(spec, wl, stage_layers(spec.num_layers, par, i)[0])
+        if interior and template is not None and keys == template_keys:
+            in_flight = chunks_in_flight(par, m, i, schedule)[0]
+            out.append(_shifted(template, i, in_flight, ovh))
+            continue
+        stage = _stage(spec, par, wl, m, i, schedule, ovh, shared)
+        if interior and template is None:
+            template, template_keys = stage, keys
+        out.append(stage)
+    return tuple(out)
+
+
+def _shifted(template: StageMemory, stage: int, in_flight: int, ovh: Overheads) -> StageMemory:
+    delta = (in_flight - template.microbatches_in_flight) * template.microbatch_bytes
+
+    def shift(p: PhasePeaks) -> PhasePeaks:
+        return PhasePeaks(p.forward + delta, p.backward + delta, p.optimizer)
+
+    steady, first_step = shift(template.steady), shift(template.first_step)
+    tensor_peak = max(steady.peak, first_step.peak)
+    alloc = ovh.allocator_bytes(tensor_peak)
+    return replace(template, stage=stage, activations_bytes=template.activations_bytes + delta,
+                   microbatches_in_flight=in_flight, steady=steady, first_step=first_step,
+                   tensor_peak_bytes=tensor_peak, allocator_bytes=alloc,
+                   peak_bytes=tensor_peak + ovh.fixed_bytes + alloc)
 
 
 def _assumptions(par: ParallelConfig, wl: Workload, schedule: Schedule,

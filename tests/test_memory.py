@@ -483,3 +483,20 @@ def test_tp_must_divide_ffn() -> None:
 
 def test_gpt2_at_its_learned_positions_is_fine() -> None:
     assert est("gpt2", seq_len=1024).peak_bytes > 0
+
+
+@pytest.mark.parametrize(("model", "pp", "mbs", "recompute"), [
+    ("llama-2-7b", 8, 2, "none"), ("mixtral-8x7b", 4, 1, "full"), ("gpt2", 6, 3, "selective")])
+def test_interior_stages_follow_from_one(monkeypatch: pytest.MonkeyPatch, model: str, pp: int,
+                                         mbs: int, recompute: str) -> None:
+    """Interior pipeline stages derived from one computed stage (shifted by whole
+    micro-batches in flight) equal the stages computed one by one."""
+    import memplan.memory as M
+
+    kw = dict(gpus=2 * pp, pp=pp, zero=1, micro_batch_size=mbs, recompute=recompute,
+              global_batch_size=mbs * 2 * pp * 2)
+    derived = est(model, **kw)
+    monkeypatch.setattr(M, "_stages", lambda spec, par, wl, m, schedule, ovh, shared: tuple(
+        M._stage(spec, par, wl, m, i, schedule, ovh, shared) for i in range(par.pp)))
+    computed = est(model, **kw)
+    assert derived.stages == computed.stages
