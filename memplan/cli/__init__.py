@@ -23,7 +23,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-from memplan.cli import catalog, estimate, trace  # noqa: E402  (commands register on `app`)
+from memplan.cli import catalog, estimate, plan, trace  # noqa: E402  (commands register on `app`)
 
 EXIT_USAGE = 2
 
@@ -61,4 +61,4 @@ def run() -> None:
     sys.exit(main())
 
 
-__all__ = ["app", "catalog", "estimate", "main", "run", "trace"]
+__all__ = ["app", "catalog", "estimate", "main", "plan", "run", "trace"]

@@ -1,0 +1,117 @@
+"""``memplan plan``: the largest micro-batch, cheapest recompute and fastest layout that fit."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import typer
+
+from memplan.cli import app
+from memplan.cli.options import (
+    AttentionOpt, Cp, Ep, Gbs, Gpu, GpuMemory, Gpus, Json, Model, NormOpt, OptimizerImplOpt,
+    OptimizerOpt, Pp, PrecisionOpt, Seq, Sp, Tp, Vpp, Zero,
+)
+from memplan.workload import Attention, NormImpl, Optimizer, OptimizerImpl, Precision
+
+Top = Annotated[int, typer.Option("--top", help="Candidates to show.")]
+MaxTp = Annotated[int | None, typer.Option("--max-tp", help="Largest TP (default: GPUs per node).")]
+Safety = Annotated[float, typer.Option(
+    "--safety", help="Fraction of capacity kept free (default 0.05).")]
+
+
+@app.command()
+def plan(
+    model: Model,
+    gpus: Gpus = 8,
+    gpu: Gpu = "h100-sxm",
+    gpu_memory: GpuMemory = None,
+    tp: Tp = None, pp: Pp = None, vpp: Vpp = None, cp: Cp = None, ep: Ep = None,  # type: ignore[assignment]
+    sp: Sp = None,
+    zero: Zero = None,  # type: ignore[assignment]
+    gbs: Gbs = None, seq: Seq = None,
+    precision: PrecisionOpt = Precision.BF16_MIXED,
+    optimizer: OptimizerOpt = Optimizer.ADAMW,
+    optimizer_impl: OptimizerImplOpt = OptimizerImpl.FOREACH,
+    attention: AttentionOpt = Attention.FLASH,
+    norm: NormOpt = NormImpl.UPCAST,
+    max_tp: MaxTp = None,
+    safety: Safety = 0.05,
+    top: Top = 10,
+    json_out: Json = False,
+) -> None:
+    """Search layouts (tp, pp, vpp, cp, ep, dp, ZeRO, SP), recompute policies and micro-batch
+    sizes; show the feasible ones ranked by estimated step time. Layout options given are
+    fixed; the others are searched.
+
+    Examples:
+
+      memplan plan --model llama-2-7b --gpus 8
+
+      memplan plan -m llama-3-70b -n 512 --seq 8192 --gbs 512 --tp 8 --json
+    """
+    from memplan.api import make_workload
+    from memplan.errors import MemplanError
+    from memplan.hardware import load_gpu
+    from memplan.planner import plan as run_plan
+    from memplan.spec import load_model
+    from memplan.units import parse_bytes
+
+    spec = load_model(model)
+    gpu_spec = load_gpu(gpu)
+    try:
+        capacity = parse_bytes(gpu_memory) if gpu_memory else None
+    except ValueError as err:
+        raise MemplanError(f"gpu_memory: {err}") from err
+    wl = make_workload(spec, global_batch_size=gbs, seq_len=seq, precision=precision,
+                       optimizer=optimizer, optimizer_impl=optimizer_impl, attention=attention,
+                       norm_impl=norm)
+    fixed: dict[str, Any] = {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "sp": sp,
+                             "zero": None if zero is None else int(zero.value)}
+    result = run_plan(spec, gpu_spec, gpus, wl, capacity_bytes=capacity, safety=safety,
+                      max_tp=max_tp, fixed=fixed)
+    if json_out:
+        typer.echo(json.dumps(_plan_json(result, top), indent=2))
+        return
+    _print(result, spec.name, gpus, gpu_spec.name, top)
+
+
+def _plan_json(result, top: int) -> dict[str, Any]:
+    return {
+        "global_batch_size": result.global_batch_size,
+        "evaluated": result.evaluated,
+        "candidates": [{
+            "layout": {"tp": c.layout.tp, "pp": c.layout.pp, "vpp": c.layout.vpp,
+                       "dp": c.layout.dp, "cp": c.layout.cp, "ep": c.layout.ep,
+                       "zero": int(c.layout.zero), "sp": c.layout.sequence_parallel},
+            "mbs": c.micro_batch_size, "recompute": c.recompute.label,
+            "peak_bytes": c.peak_bytes, "capacity_bytes": c.estimate.capacity_bytes,
+            "step_time_s": c.time.step_s, "tokens_per_s_per_gpu": c.time.tokens_per_s_per_gpu,
+            "mfu": c.time.mfu, "bound": c.time.bound.value, "fits": True,
+        } for c in result.candidates[:top]],
+        "rejected": dict(result.rejected),
+    }
+
+
+def _print(result, model: str, gpus: int, gpu: str, top: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from memplan.units import GiB
+
+    table = Table(title=f"{model} on {gpus} x {gpu}, global batch {result.global_batch_size}: "
+                        f"{len(result.candidates)} feasible of {result.evaluated} estimates")
+    for col in ("tp", "pp", "vpp", "dp", "cp", "ep", "zero", "mbs", "recompute", "peak GiB",
+                "step s", "tok/s/GPU", "MFU", "bound"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for c in result.candidates[:top]:
+        p = c.layout
+        table.add_row(*map(str, (p.tp, p.pp, p.vpp, p.dp, p.cp, p.ep, int(p.zero))),
+                      str(c.micro_batch_size), c.recompute.label, f"{c.peak_bytes / GiB:.1f}",
+                      f"{c.time.step_s:.2f}", f"{c.time.tokens_per_s_per_gpu:,.0f}",
+                      f"{c.time.mfu:.2f}", c.time.bound.value)
+    console = Console()
+    console.print(table)
+    if result.rejected:
+        console.print("rejected: " + "; ".join(f"{n} x {reason}"
+                                                for reason, n in result.rejected.most_common()))

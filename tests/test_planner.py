@@ -1,0 +1,114 @@
+"""The planner: brute-force agreement, monotonicity, published runs that fit or do not."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+import memplan
+from memplan.cli import app, main
+from memplan.errors import MemplanError
+from memplan.planner import check, plan
+from memplan.workload import Recompute
+
+
+def _wl(spec, **kw):
+    return memplan.make_workload(spec, **kw)
+
+
+def test_largest_mbs_equals_brute_force() -> None:
+    """For each layout and recompute policy the planner keeps, no larger micro-batch dividing
+    the per-replica batch fits, and its own does."""
+    spec = memplan.load_model("llama-2-7b")
+    gpu = memplan.load_gpu("h100")
+    wl = _wl(spec, seq_len=4096, global_batch_size=64)
+    result = plan(spec, gpu, 8, wl, fixed={"tp": 2, "cp": 1})
+    assert result.candidates
+    budget = int(gpu.memory_bytes * 0.95)
+    for cand in result.candidates:
+        per_replica = 64 // cand.layout.dp
+        for mbs in [b for b in range(1, 65) if per_replica % b == 0]:
+            try:
+                est = memplan.memory.estimate(spec, gpu, cand.layout, wl.model_copy(update={
+                    "micro_batch_size": mbs, "recompute": cand.recompute}))
+            except MemplanError:
+                continue
+            if mbs <= cand.micro_batch_size:
+                assert est.peak_bytes <= budget
+            else:
+                assert est.peak_bytes > budget, (cand.layout, mbs)
+
+
+def test_more_capacity_never_loses_candidates() -> None:
+    spec = memplan.load_model("llama-2-7b")
+    gpu = memplan.load_gpu("h100")
+    wl = _wl(spec, seq_len=2048, global_batch_size=32)
+    small = plan(spec, gpu, 4, wl, capacity_bytes=48 * 2**30)
+    large = plan(spec, gpu, 4, wl, capacity_bytes=80 * 2**30)
+
+    def keys(r):
+        return {(c.layout, c.recompute): c.micro_batch_size for c in r.candidates}
+
+    ks, kl = keys(small), keys(large)
+    assert ks and set(ks) < set(kl)
+    assert all(kl[k] >= ks[k] for k in ks)
+    assert large.candidates[0].time.step_s <= small.candidates[0].time.step_s
+
+
+def test_recompute_is_used_only_when_needed() -> None:
+    """A layout where everything fits without recompute ranks 'none' first among its
+    policies at equal micro-batch: recompute only adds compute."""
+    spec = memplan.load_model("tiny")
+    result = plan(spec, memplan.load_gpu("h100"), 1, _wl(spec, seq_len=256, global_batch_size=8))
+    best = result.candidates[0]
+    assert best.recompute is Recompute.NONE and best.micro_batch_size == 8
+
+
+def test_gpt3_175b_fits_with_selective_recompute_and_not_without() -> None:
+    """Korthikanti et al. 2022 (arXiv 2205.05198), section 6 and Figure 7: GPT-3 175B on 64
+    A100-80GB, TP 8 x PP 8 with sequence parallelism, seq 2048, mbs 1, fp16 with fp32 main
+    gradients: selective recompute fits; storing all activations does not."""
+    kw = dict(gpus=64, gpu="a100-80gb", tp=8, pp=8, sequence_parallel=True, seq_len=2048,
+              micro_batch_size=1, global_batch_size=64, precision="bf16-fp32-grads",
+              attention="eager", norm_impl="fused")
+    check(memplan.estimate("gpt3-175b", recompute="selective", **kw))
+    with pytest.raises(MemplanError, match="does not fit"):
+        check(memplan.estimate("gpt3-175b", recompute="none", **kw))
+
+
+def test_full_finetune_of_7b_on_one_gpu_does_not_fit() -> None:
+    """Mixed-precision AdamW needs 16 bytes per parameter before any activation: Llama-2-7B's
+    107.8 GB of states alone exceed one 80 GB H100 (Rajbhandari et al. 2020, section 3.1)."""
+    with pytest.raises(MemplanError, match="does not fit.*optimizer"):
+        check(memplan.estimate("llama-2-7b", gpus=1, seq_len=512))
+
+
+def test_plan_cli_json_contract() -> None:
+    out = CliRunner().invoke(app, ["plan", "--model", "llama-2-7b", "--gpus", "8", "--seq",
+                                   "2048", "--gbs", "64", "--tp", "2", "--json", "--top", "3"])
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    assert 0 < len(data["candidates"]) <= 3
+    first = data["candidates"][0]
+    assert set(first["layout"]) == {"tp", "pp", "vpp", "dp", "cp", "ep", "zero", "sp"}
+    assert first["layout"]["tp"] == 2
+    for key in ("mbs", "recompute", "peak_bytes", "step_time_s", "tokens_per_s_per_gpu", "fits"):
+        assert key in first
+    assert type(first["peak_bytes"]) is int and first["fits"] is True
+    times = [c["step_time_s"] for c in data["candidates"]]
+    assert times == sorted(times)
+    assert isinstance(data["rejected"], dict)
+    # the top candidate re-checked with estimate fits
+    lay = first["layout"]
+    est = memplan.estimate("llama-2-7b", gpus=8, tp=lay["tp"], pp=lay["pp"], vpp=lay["vpp"],
+                           cp=lay["cp"], zero=lay["zero"], sequence_parallel=lay["sp"],
+                           micro_batch_size=first["mbs"], recompute=first["recompute"],
+                           seq_len=2048, global_batch_size=64)
+    assert est.peak_bytes == first["peak_bytes"] <= est.capacity_bytes
+
+
+def test_plan_cli_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", "llama-2-7b", "--safety", "1.5"]) == 2
+    assert "safety" in capsys.readouterr().err
