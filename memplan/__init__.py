@@ -3,7 +3,7 @@
 Importing memplan never imports torch; only ``memplan.profile`` does, lazily.
 """
 
-from memplan.api import estimate, make_layout, make_workload
+from memplan.api import check, estimate, make_layout, make_workload, plan
 from memplan.errors import MemplanError
 from memplan.hardware import GpuSpec, gpu_catalog, load_gpu
 from memplan.memory import Estimate, PhasePeaks, StageMemory
@@ -24,6 +24,6 @@ __version__ = "0.1.0"
 __all__ = [
     "Attention", "Estimate", "GpuSpec", "MemplanError", "ModelSpec", "NormImpl", "Optimizer",
     "OptimizerImpl", "ParallelConfig", "PhasePeaks", "Precision", "Recompute", "StageMemory",
-    "Workload", "ZeroStage", "catalog_names", "estimate", "gpu_catalog", "load_gpu",
-    "load_model", "make_layout", "make_workload", "param_counts",
+    "Workload", "ZeroStage", "catalog_names", "check", "estimate", "gpu_catalog", "load_gpu",
+    "load_model", "make_layout", "make_workload", "param_counts", "plan",
 ]

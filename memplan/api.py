@@ -21,7 +21,7 @@ from memplan.parallel import GradBuffers, ParallelConfig, TpStyle, ZeroStage, la
 from memplan.pipeline import Schedule
 from memplan.spec import ModelSpec, load_model
 from memplan.units import parse_bytes
-from memplan.workload import Workload
+from memplan.workload import Recompute, Workload
 
 DEFAULT_GPU = "h100-sxm"
 DEFAULT_SEQ = 4096  # a common pre-training context (Llama 2); capped at the model's maximum
@@ -127,3 +127,46 @@ def _validate(model: type[Workload], data: dict[str, Any]) -> Workload:
             raise MemplanError(msg) from err
         field = ".".join(_FLAG_NAMES.get(str(p), str(p)) for p in first["loc"])
         raise MemplanError(f"{field}: {msg} (got {first.get('input')!r})") from err
+
+
+def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
+         gpu_memory: str | int | None = None, safety: float | None = None,
+         max_tp: int | None = None, recompute: list[str] | None = None,
+         tp: int | None = None, pp: int | None = None, vpp: int | None = None,
+         cp: int | None = None, ep: int | None = None, zero: int | None = None,
+         sequence_parallel: bool | None = None, **workload: Any):
+    """Layouts, recompute policies and micro-batch sizes that fit ``gpus`` GPUs, fastest first
+    (``memplan.planner.PlanResult``). Layout arguments given are fixed; the rest are searched.
+    ``workload`` takes Workload fields (seq_len, global_batch_size, precision, ...)."""
+    from memplan.planner import DEFAULT_SAFETY
+    from memplan.planner import plan as run_plan
+
+    spec = model if isinstance(model, ModelSpec) else load_model(model)
+    gpu_spec = gpu if isinstance(gpu, GpuSpec) else load_gpu(gpu)
+    capacity = None
+    if gpu_memory is not None:
+        try:
+            capacity = parse_bytes(gpu_memory)
+        except ValueError as err:
+            raise MemplanError(f"gpu_memory: {err}") from err
+    policies = None
+    if recompute is not None:
+        try:
+            policies = [Recompute.parse(r) for r in recompute]
+        except KeyError as err:
+            raise MemplanError(f"recompute must be none, selective or full, got {err}") from err
+    fixed = {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "zero": zero,
+             "sp": sequence_parallel}
+    return run_plan(spec, gpu_spec, gpus, make_workload(spec, **workload),
+                    capacity_bytes=capacity, max_tp=max_tp, fixed=fixed,
+                    safety=DEFAULT_SAFETY if safety is None else safety, recompute=policies)
+
+
+def check(model: str | ModelSpec, *, safety: float | None = None, **kwargs: Any) -> Estimate:
+    """``estimate(model, **kwargs)``, raising MemplanError with the breakdown when it does not
+    fit in capacity * (1 - safety): a launcher's pre-flight check."""
+    from memplan.planner import DEFAULT_SAFETY
+    from memplan.planner import check as check_fits
+
+    return check_fits(estimate(model, **kwargs),
+                      safety=DEFAULT_SAFETY if safety is None else safety)

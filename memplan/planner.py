@@ -25,6 +25,11 @@ DEFAULT_SAFETY = 0.05  # keep 5% of capacity free for what no model counts (stat
 # Llama 2 and 3 trained with about 4M tokens per step (Touvron et al. 2023; Dubey et al. 2024)
 DEFAULT_TOKENS_PER_STEP = 4 * 1024 * 1024
 MAX_MBS = 64
+# Search bounds, stated: up to 4 model chunks per pipeline rank (Megatron-LM's interleaving
+# gains little beyond), and context parallelism only from 8k tokens on (below, attention's
+# share of the work is too small for CP to pay; give --cp to search it anyway).
+MAX_VPP = 4
+LONG_SEQ = 8192
 RECOMPUTE_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
 
 
@@ -35,6 +40,7 @@ class Candidate:
     layout: ParallelConfig
     micro_batch_size: int
     recompute: Recompute
+    recompute_layers: int | None  # full recompute of this many layers per stage; None: all
     estimate: Estimate
     time: StepTime
 
@@ -49,6 +55,7 @@ class PlanResult:
     rejected: Counter = field(default_factory=Counter)
     evaluated: int = 0  # estimates computed
     global_batch_size: int = 0
+    oom_excess_bytes: int | None = None  # smallest overshoot of a configuration that did not fit
 
 
 def _divisors(n: int) -> list[int]:
@@ -76,12 +83,14 @@ def layouts(spec: ModelSpec, num_gpus: int, seq_len: int, *, max_tp: int,
             rejected[f"tp {tp} does not divide heads, KV heads or FFN"] += 1
             continue
         for pp in choices("pp", _divisors(spec.num_layers)):
-            for cp in choices("cp", [c for c in _powers_of_two(8) if seq_len % (2 * c) == 0]):
+            for cp in choices("cp", [c for c in _powers_of_two(8 if seq_len >= LONG_SEQ else 1)
+                                     if seq_len % (2 * c) == 0]):
                 if num_gpus % (tp * pp * cp):
                     rejected["gpus not divisible by tp*pp*cp"] += 1
                     continue
                 dp = num_gpus // (tp * pp * cp)
-                vpps = [v for v in _divisors(spec.num_layers // pp) if v <= 8] if pp > 1 else [1]
+                vpps = ([v for v in _divisors(spec.num_layers // pp) if v <= MAX_VPP]
+                        if pp > 1 else [1])
                 for vpp in choices("vpp", vpps):
                     for ep in choices("ep", [e for e in _divisors(experts) if (dp * cp) % e == 0]):
                         for zero in choices("zero", [0, 1, 2, 3]):
@@ -103,15 +112,15 @@ def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
     budget = int((capacity_bytes or gpu.memory_bytes) * (1 - safety))
     gbs = wl.global_batch_size or max(1, DEFAULT_TOKENS_PER_STEP // wl.seq_len)
     result = PlanResult(candidates=[], global_batch_size=gbs)
-    policies = recompute or list(RECOMPUTE_ORDER)
     for par in layouts(spec, num_gpus, wl.seq_len, max_tp=max_tp or gpu.gpus_per_node,
                        fixed=fixed or {}, rejected=result.rejected):
         if gbs % par.dp:
             result.rejected[f"gbs ({gbs}) not divisible by dp"] += 1
             continue
         found = False
-        for policy in policies:
-            cand = _largest_fitting(spec, gpu, par, wl, policy, gbs, budget, result)
+        for policy, layers in _policies(recompute or list(RECOMPUTE_ORDER),
+                                        spec.num_layers // par.pp):
+            cand = _largest_fitting(spec, gpu, par, wl, policy, layers, gbs, budget, result)
             if cand is not None:
                 result.candidates.append(cand)
                 found = True
@@ -122,8 +131,24 @@ def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
     return result
 
 
+def _policies(allowed: list[Recompute], stage_layers: int) -> list[tuple[Recompute, int | None]]:
+    """Recompute policies in order of extra compute: none, selective, full on a quarter, half
+    and three quarters of each stage's layers, full on all."""
+    out: list[tuple[Recompute, int | None]] = []
+    for policy in RECOMPUTE_ORDER:
+        if policy not in allowed:
+            continue
+        if policy is Recompute.FULL:
+            parts = sorted({stage_layers * q // 4 for q in (1, 2, 3)} - {0, stage_layers})
+            out += [(policy, k) for k in parts]
+            out.append((policy, None))
+        else:
+            out.append((policy, None))
+    return out
+
+
 def _try(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, policy: Recompute,
-         mbs: int, gbs: int, result: PlanResult) -> Estimate | None:
+         layers: int | None, mbs: int, gbs: int, result: PlanResult) -> Estimate | None:
     if gbs % (mbs * par.dp):
         return None
     m = gbs // (mbs * par.dp)
@@ -132,7 +157,7 @@ def _try(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, polic
     try:
         est = estimate(spec, gpu, par, wl.model_copy(update={
             "micro_batch_size": mbs, "recompute": policy, "global_batch_size": gbs,
-            "recompute_layers": None}))
+            "recompute_layers": layers}))
     except MemplanError as err:
         result.rejected[str(err).split(" (")[0]] += 1
         return None
@@ -141,25 +166,31 @@ def _try(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, polic
 
 
 def _largest_fitting(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload,
-                     policy: Recompute, gbs: int, budget: int,
+                     policy: Recompute, layers: int | None, gbs: int, budget: int,
                      result: PlanResult) -> Candidate | None:
-    """The largest micro-batch dividing the per-replica batch that fits (peak is monotone in
-    the micro-batch, so the first failure bounds the search)."""
+    """The largest micro-batch dividing the per-replica batch that fits. The peak is monotone
+    in the micro-batch, so bisection over the divisors finds what a brute force finds."""
     per_replica = gbs // par.dp
     sizes = [b for b in _divisors(per_replica) if b <= MAX_MBS]
+    valid = [b for b in sizes if not (par.vpp > 1 and (gbs // (b * par.dp)) % par.pp)]
     best: Estimate | None = None
-    for mbs in sizes:  # ascending: stop at the first that does not fit
-        est = _try(spec, gpu, par, wl, policy, mbs, gbs, result)
-        if est is None:
-            continue
-        if est.peak_bytes > budget:
-            break
-        best = est
+    lo, hi = 0, len(valid) - 1
+    while lo <= hi:  # bisection: the peak never decreases with the micro-batch
+        mid = (lo + hi) // 2
+        est = _try(spec, gpu, par, wl, policy, layers, valid[mid], gbs, result)
+        if est is not None and est.peak_bytes <= budget:
+            best, lo = est, mid + 1
+        else:
+            if est is not None:
+                over = est.peak_bytes - budget
+                if result.oom_excess_bytes is None or over < result.oom_excess_bytes:
+                    result.oom_excess_bytes = over
+            hi = mid - 1
     if best is None:
         return None
     _, m = resolve_batch(best.parallel, best.workload)
     time = step_time(spec, gpu, par, best.workload, gbs, m, best.worst.num_params)
-    return Candidate(par, best.workload.micro_batch_size, policy, best, time)
+    return Candidate(par, best.workload.micro_batch_size, policy, layers, best, time)
 
 
 def check(est: Estimate, *, safety: float = DEFAULT_SAFETY) -> Estimate:

@@ -32,7 +32,8 @@ def test_largest_mbs_equals_brute_force() -> None:
         for mbs in [b for b in range(1, 65) if per_replica % b == 0]:
             try:
                 est = memplan.memory.estimate(spec, gpu, cand.layout, wl.model_copy(update={
-                    "micro_batch_size": mbs, "recompute": cand.recompute}))
+                    "micro_batch_size": mbs, "recompute": cand.recompute,
+                    "recompute_layers": cand.recompute_layers}))
             except MemplanError:
                 continue
             if mbs <= cand.micro_batch_size:
@@ -112,3 +113,16 @@ def test_plan_cli_json_contract() -> None:
 def test_plan_cli_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--model", "llama-2-7b", "--safety", "1.5"]) == 2
     assert "safety" in capsys.readouterr().err
+
+
+def test_api_plan_and_check() -> None:
+    result = memplan.plan("llama-2-7b", gpus=8, seq_len=4096, global_batch_size=64, tp=2,
+                          recompute=["none"])
+    assert result.candidates and all(c.layout.tp == 2 for c in result.candidates)
+    assert all(c.recompute is Recompute.NONE for c in result.candidates)
+    # something did not fit, and the closest miss is reported in bytes
+    assert result.oom_excess_bytes is not None and result.oom_excess_bytes > 0
+    best = result.candidates[0]
+    assert memplan.check("llama-2-7b", gpus=8, tp=2, pp=best.layout.pp, vpp=best.layout.vpp,
+                         zero=int(best.layout.zero), seq_len=4096, global_batch_size=64,
+                         micro_batch_size=best.micro_batch_size).peak_bytes == best.peak_bytes

@@ -10,7 +10,7 @@ import typer
 from memplan.cli import app
 from memplan.cli.options import (
     AttentionOpt, Cp, Ep, Gbs, Gpu, GpuMemory, Gpus, Json, Model, NormOpt, OptimizerImplOpt,
-    OptimizerOpt, Pp, PrecisionOpt, Seq, Sp, Tp, Vpp, Zero,
+    OptimizerOpt, Pp, PrecisionOpt, RecomputeChoice, Seq, Sp, Tp, Vpp, Zero,
 )
 from memplan.workload import Attention, NormImpl, Optimizer, OptimizerImpl, Precision
 
@@ -35,6 +35,8 @@ def plan(
     optimizer_impl: OptimizerImplOpt = OptimizerImpl.FOREACH,
     attention: AttentionOpt = Attention.FLASH,
     norm: NormOpt = NormImpl.UPCAST,
+    recompute: Annotated[RecomputeChoice | None, typer.Option(
+        "--recompute", help="Fix the recompute policy (default: search all).")] = None,
     max_tp: MaxTp = None,
     safety: Safety = 0.05,
     top: Top = 10,
@@ -56,6 +58,7 @@ def plan(
     from memplan.planner import plan as run_plan
     from memplan.spec import load_model
     from memplan.units import parse_bytes
+    from memplan.workload import Recompute
 
     spec = load_model(model)
     gpu_spec = load_gpu(gpu)
@@ -68,8 +71,9 @@ def plan(
                        norm_impl=norm)
     fixed: dict[str, Any] = {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "sp": sp,
                              "zero": None if zero is None else int(zero.value)}
+    policies = None if recompute is None else [Recompute.parse(recompute.value)]
     result = run_plan(spec, gpu_spec, gpus, wl, capacity_bytes=capacity, safety=safety,
-                      max_tp=max_tp, fixed=fixed)
+                      max_tp=max_tp, fixed=fixed, recompute=policies)
     if json_out:
         typer.echo(json.dumps(_plan_json(result, top), indent=2))
         return
@@ -85,33 +89,51 @@ def _plan_json(result, top: int) -> dict[str, Any]:
                        "dp": c.layout.dp, "cp": c.layout.cp, "ep": c.layout.ep,
                        "zero": int(c.layout.zero), "sp": c.layout.sequence_parallel},
             "mbs": c.micro_batch_size, "recompute": c.recompute.label,
+            "recompute_layers": c.recompute_layers,
             "peak_bytes": c.peak_bytes, "capacity_bytes": c.estimate.capacity_bytes,
             "step_time_s": c.time.step_s, "tokens_per_s_per_gpu": c.time.tokens_per_s_per_gpu,
             "mfu": c.time.mfu, "bound": c.time.bound.value, "fits": True,
         } for c in result.candidates[:top]],
         "rejected": dict(result.rejected),
+        "oom_excess_bytes": result.oom_excess_bytes,
     }
 
 
+_BOUND = {"compute": "compute", "communication": "comm", "pipeline bubble": "bubble"}
+
+
+def _layout(p) -> str:
+    parts = [f"tp{p.tp}" + ("+sp" if p.sequence_parallel else ""), f"pp{p.pp}"]
+    parts += [f"v{p.vpp}"] if p.vpp > 1 else []
+    parts += [f"cp{p.cp}"] if p.cp > 1 else []
+    parts += [f"ep{p.ep}"] if p.ep > 1 else []
+    return " ".join([*parts, f"dp{p.dp}", f"z{int(p.zero)}"])
+
+
 def _print(result, model: str, gpus: int, gpu: str, top: int) -> None:
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
     from memplan.units import GiB
 
-    table = Table(title=f"{model} on {gpus} x {gpu}, global batch {result.global_batch_size}: "
-                        f"{len(result.candidates)} feasible of {result.evaluated} estimates")
-    for col in ("tp", "pp", "vpp", "dp", "cp", "ep", "zero", "mbs", "recompute", "peak GiB",
-                "step s", "tok/s/GPU", "MFU", "bound"):
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True, pad_edge=False,
+                  title=f"{model} on {gpus} x {gpu}, global batch {result.global_batch_size}: "
+                        f"{len(result.candidates)} fit ({result.evaluated} estimates; GiB = 2^30 B)")
+    table.add_column("layout", no_wrap=True)
+    for col in ("mbs", "recompute", "GiB", "step s", "tok/s/GPU", "MFU", "bound"):
         table.add_column(col, justify="right", no_wrap=True)
     for c in result.candidates[:top]:
-        p = c.layout
-        table.add_row(*map(str, (p.tp, p.pp, p.vpp, p.dp, p.cp, p.ep, int(p.zero))),
-                      str(c.micro_batch_size), c.recompute.label, f"{c.peak_bytes / GiB:.1f}",
-                      f"{c.time.step_s:.2f}", f"{c.time.tokens_per_s_per_gpu:,.0f}",
-                      f"{c.time.mfu:.2f}", c.time.bound.value)
+        label = c.recompute.label + (f" {c.recompute_layers}/L" if c.recompute_layers else "")
+        table.add_row(_layout(c.layout), str(c.micro_batch_size), label,
+                      f"{c.peak_bytes / GiB:.1f}", f"{c.time.step_s:.2f}",
+                      f"{c.time.tokens_per_s_per_gpu:,.0f}", f"{c.time.mfu:.2f}",
+                      _BOUND[c.time.bound.value])
     console = Console()
     console.print(table)
     if result.rejected:
         console.print("rejected: " + "; ".join(f"{n} x {reason}"
                                                 for reason, n in result.rejected.most_common()))
+    if result.oom_excess_bytes is not None:
+        console.print(f"closest configuration that did not fit: "
+                      f"{result.oom_excess_bytes / GiB:.2f} GiB over the usable capacity")
