@@ -358,30 +358,37 @@ def estimate(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, *
 
 def _stages(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, schedule: Schedule,
             ovh: Overheads, shared: _Shared) -> tuple[StageMemory, ...]:
-    """Every stage. Interior stages of a plain (not interleaved) pipeline with the same layer
-    kinds differ only in micro-batches in flight, which shift their forward and backward
-    peaks by whole micro-batches: one is computed, the others follow from it."""
+    """Every stage. Interior stages with the same layer kinds differ only in micro-batches in
+    flight, which shift their forward and backward peaks by whole micro-batches (chunks,
+    when interleaved): one is computed, the others follow from it."""
     out: list[StageMemory] = []
     template: StageMemory | None = None
     template_keys: list | None = None
+    template_flight: list[int] = []
     for i in range(par.pp):
-        interior = 0 < i < par.pp - 1 and par.vpp == 1
         keys = None
-        if interior:
-            keys = layer_keys(spec, wl, stage_layers(spec.num_layers, par, i)[0])
-        if interior and template is not None and keys == template_keys:
-            in_flight = chunks_in_flight(par, m, i, schedule)[0]
-            out.append(_shifted(template, i, in_flight, ovh))
+        if 0 < i < par.pp - 1:
+            keys = layer_keys(spec, wl, [j for c in stage_layers(spec.num_layers, par, i)
+                                         for j in c])
+        # with interleaving every chunk must hold the same kinds of layer
+        derivable = keys is not None and (par.vpp == 1 or len(set(keys)) == 1)
+        if derivable and template is not None and keys == template_keys:
+            out.append(_shifted(template, i, chunks_in_flight(par, m, i, schedule), par.vpp,
+                                template_flight, ovh))
             continue
         stage = _stage(spec, par, wl, m, i, schedule, ovh, shared)
-        if interior and template is None:
+        if derivable and template is None:
             template, template_keys = stage, keys
+            template_flight = chunks_in_flight(par, m, i, schedule)
         out.append(stage)
     return tuple(out)
 
 
-def _shifted(template: StageMemory, stage: int, in_flight: int, ovh: Overheads) -> StageMemory:
-    delta = (in_flight - template.microbatches_in_flight) * template.microbatch_bytes
+def _shifted(template: StageMemory, stage: int, in_flight: list[int], vpp: int,
+             template_flight: list[int], ovh: Overheads) -> StageMemory:
+    """``template`` with other micro-batch counts in flight (identical chunks: each in-flight
+    chunk-forward holds 1/vpp of a micro-batch's activations on the stage)."""
+    delta = (sum(in_flight) - sum(template_flight)) * template.microbatch_bytes // vpp
 
     def shift(p: PhasePeaks) -> PhasePeaks:
         return PhasePeaks(p.forward + delta, p.backward + delta, p.optimizer)
@@ -390,7 +397,7 @@ def _shifted(template: StageMemory, stage: int, in_flight: int, ovh: Overheads) 
     tensor_peak = max(steady.peak, first_step.peak)
     alloc = ovh.allocator_bytes(tensor_peak)
     return replace(template, stage=stage, activations_bytes=template.activations_bytes + delta,
-                   microbatches_in_flight=in_flight, steady=steady, first_step=first_step,
+                   microbatches_in_flight=max(in_flight), steady=steady, first_step=first_step,
                    tensor_peak_bytes=tensor_peak, allocator_bytes=alloc,
                    peak_bytes=tensor_peak + ovh.fixed_bytes + alloc)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from memplan.errors import MemplanError
 from memplan.hardware import GpuSpec
@@ -58,8 +59,10 @@ class PlanResult:
     oom_excess_bytes: int | None = None  # smallest overshoot of a configuration that did not fit
 
 
+@lru_cache(maxsize=1024)
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -117,14 +120,17 @@ def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
         if gbs % par.dp:
             result.rejected[f"gbs ({gbs}) not divisible by dp"] += 1
             continue
-        found = False
+        # A policy with more recompute is kept only if it fits a larger micro-batch than the
+        # cheaper ones did: otherwise it costs compute for nothing (dominated).
+        largest = 0
         for policy, layers in _policies(recompute or list(RECOMPUTE_ORDER),
                                         spec.num_layers // par.pp):
-            cand = _largest_fitting(spec, gpu, par, wl, policy, layers, gbs, budget, result)
+            cand = _largest_fitting(spec, gpu, par, wl, policy, layers, gbs, budget, result,
+                                    above=largest)
             if cand is not None:
                 result.candidates.append(cand)
-                found = True
-        if not found:
+                largest = cand.micro_batch_size
+        if not largest:
             result.rejected["out of memory at mbs 1 with every recompute policy"] += 1
     # fastest first; among equals the one with most headroom
     result.candidates.sort(key=lambda c: (c.time.step_s, c.peak_bytes))
@@ -167,12 +173,14 @@ def _try(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, polic
 
 def _largest_fitting(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload,
                      policy: Recompute, layers: int | None, gbs: int, budget: int,
-                     result: PlanResult) -> Candidate | None:
-    """The largest micro-batch dividing the per-replica batch that fits. The peak is monotone
-    in the micro-batch, so bisection over the divisors finds what a brute force finds."""
+                     result: PlanResult, above: int = 0) -> Candidate | None:
+    """The largest micro-batch above ``above`` dividing the per-replica batch that fits. The
+    peak is monotone in the micro-batch, so bisection over the divisors finds what a brute
+    force finds."""
     per_replica = gbs // par.dp
     sizes = [b for b in _divisors(per_replica) if b <= MAX_MBS]
-    valid = [b for b in sizes if not (par.vpp > 1 and (gbs // (b * par.dp)) % par.pp)]
+    valid = [b for b in sizes if b > above
+             and not (par.vpp > 1 and (gbs // (b * par.dp)) % par.pp)]
     best: Estimate | None = None
     lo, hi = 0, len(valid) - 1
     while lo <= hi:  # bisection: the peak never decreases with the micro-batch

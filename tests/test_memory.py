@@ -485,15 +485,17 @@ def test_gpt2_at_its_learned_positions_is_fine() -> None:
     assert est("gpt2", seq_len=1024).peak_bytes > 0
 
 
-@pytest.mark.parametrize(("model", "pp", "mbs", "recompute"), [
-    ("llama-2-7b", 8, 2, "none"), ("mixtral-8x7b", 4, 1, "full"), ("gpt2", 6, 3, "selective")])
+@pytest.mark.parametrize(("model", "pp", "vpp", "mbs", "recompute"), [
+    ("llama-2-7b", 8, 1, 2, "none"), ("mixtral-8x7b", 4, 1, 1, "full"),
+    ("gpt2", 6, 1, 3, "selective"), ("llama-2-7b", 4, 4, 1, "none"),
+    ("llama-3-70b", 4, 5, 2, "selective")])
 def test_interior_stages_follow_from_one(monkeypatch: pytest.MonkeyPatch, model: str, pp: int,
-                                         mbs: int, recompute: str) -> None:
+                                         vpp: int, mbs: int, recompute: str) -> None:
     """Interior pipeline stages derived from one computed stage (shifted by whole
     micro-batches in flight) equal the stages computed one by one."""
     import memplan.memory as M
 
-    kw = dict(gpus=2 * pp, pp=pp, zero=1, micro_batch_size=mbs, recompute=recompute,
+    kw = dict(gpus=2 * pp, pp=pp, vpp=vpp, zero=1, micro_batch_size=mbs, recompute=recompute,
               global_batch_size=mbs * 2 * pp * 2)
     derived = est(model, **kw)
     monkeypatch.setattr(M, "_stages", lambda spec, par, wl, m, schedule, ovh, shared: tuple(
