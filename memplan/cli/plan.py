@@ -9,8 +9,26 @@ import typer
 
 from memplan.cli import app
 from memplan.cli.options import (
-    AttentionOpt, Cp, Ep, Gbs, Gpu, GpuMemory, Gpus, Json, Model, NormOpt, OptimizerImplOpt,
-    OptimizerOpt, Pp, PrecisionOpt, RecomputeChoice, Seq, Sp, Tp, Vpp, Zero,
+    AttentionOpt,
+    Cp,
+    Ep,
+    Gbs,
+    Gpu,
+    GpuMemory,
+    Gpus,
+    Json,
+    Model,
+    NormOpt,
+    OptimizerImplOpt,
+    OptimizerOpt,
+    Pp,
+    PrecisionOpt,
+    RecomputeChoice,
+    Seq,
+    Sp,
+    Tp,
+    Vpp,
+    Zero,
 )
 from memplan.workload import Attention, NormImpl, Optimizer, OptimizerImpl, Precision
 
@@ -52,32 +70,19 @@ def plan(
 
       memplan plan -m llama-3-70b -n 512 --seq 8192 --gbs 512 --tp 8 --json
     """
-    from memplan.api import make_workload
-    from memplan.errors import MemplanError
-    from memplan.hardware import load_gpu
-    from memplan.planner import plan as run_plan
-    from memplan.spec import load_model
-    from memplan.units import parse_bytes
-    from memplan.workload import Recompute
+    from memplan.api import plan as run_plan
 
-    spec = load_model(model)
-    gpu_spec = load_gpu(gpu)
-    try:
-        capacity = parse_bytes(gpu_memory) if gpu_memory else None
-    except ValueError as err:
-        raise MemplanError(f"gpu_memory: {err}") from err
-    wl = make_workload(spec, global_batch_size=gbs, seq_len=seq, precision=precision,
-                       optimizer=optimizer, optimizer_impl=optimizer_impl, attention=attention,
-                       norm_impl=norm)
-    fixed: dict[str, Any] = {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "sp": sp,
-                             "zero": None if zero is None else int(zero.value)}
-    policies = None if recompute is None else [Recompute.parse(recompute.value)]
-    result = run_plan(spec, gpu_spec, gpus, wl, capacity_bytes=capacity, safety=safety,
-                      max_tp=max_tp, fixed=fixed, recompute=policies)
+    result = run_plan(
+        model, gpus=gpus, gpu=gpu, gpu_memory=gpu_memory, safety=safety, max_tp=max_tp,
+        recompute=None if recompute is None else [recompute.value], tp=tp, pp=pp, vpp=vpp,
+        cp=cp, ep=ep, zero=None if zero is None else int(zero.value), sequence_parallel=sp,
+        global_batch_size=gbs, seq_len=seq, precision=precision, optimizer=optimizer,
+        optimizer_impl=optimizer_impl, attention=attention, norm_impl=norm)
+    spec_name = model if result.candidates == [] else result.candidates[0].estimate.spec.name
     if json_out:
         typer.echo(json.dumps(_plan_json(result, top), indent=2))
         return
-    _print(result, spec.name, gpus, gpu_spec.name, top)
+    _print(result, spec_name, gpus, gpu, top)
 
 
 def _plan_json(result, top: int) -> dict[str, Any]:

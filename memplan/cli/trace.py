@@ -32,9 +32,10 @@ from memplan.cli.options import (
     Tp,
     Zero,
     ZeroChoice,
+    workload_fields,
 )
 from memplan.errors import MemplanError
-from memplan.workload import Attention, NormImpl, Optimizer, OptimizerImpl, Precision, Recompute
+from memplan.workload import Attention, NormImpl, Optimizer, OptimizerImpl, Precision
 
 Steps = Annotated[int, typer.Option("--steps", help="Training steps (>= 2: first and steady).")]
 Fake = Annotated[bool, typer.Option(
@@ -78,11 +79,11 @@ def trace(
       memplan trace -m tiny --gpus 4 --zero 3 --precision fsdp-bf16 --json
     """
     spec, par, wl = resolve(
-        model, gpus=gpus, tp=tp, pp=pp, dp=dp, cp=cp, zero=int(zero.value),
-        sequence_parallel=sp, micro_batch_size=mbs, global_batch_size=gbs, seq_len=seq,
-        recompute=Recompute.parse(recompute.value), recompute_layers=recompute_layers,
-        precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
-        attention=attention, norm_impl=norm, logits_fp32=logits_fp32)
+        model, gpus=gpus, tp=tp, pp=pp, dp=dp, cp=cp, zero=int(zero.value), sequence_parallel=sp,
+        **workload_fields(mbs=mbs, gbs=gbs, seq=seq, recompute=recompute,
+                          recompute_layers=recompute_layers, precision=precision,
+                          optimizer=optimizer, optimizer_impl=optimizer_impl,
+                          attention=attention, norm=norm, logits_fp32=logits_fp32))
     if layers is not None:
         if not 0 < layers <= spec.num_layers:
             raise MemplanError(f"layers ({layers}) must be between 1 and {spec.num_layers}")
