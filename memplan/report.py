@@ -127,7 +127,22 @@ def render_estimate(est: Estimate) -> Any:
         f"(stage {est.worst.stage}); headroom {format_gib(est.headroom_bytes)}: {verdict}",
         style="bold green" if est.fits else "bold red")
     notes = Text("assumptions:\n" + "\n".join(f"  - {a}" for a in est.assumptions), style="dim")
-    return Group(header, stages, table, phases, summary, notes)
+    parts = [header, stages, table, phases, summary]
+    if not est.fits:
+        parts.append(Text(_why_not(est)))
+    return Group(*parts, notes)
+
+
+def _why_not(est: Estimate) -> str:
+    """The phase that overflows, the largest component in it, and where to look next."""
+    w = est.worst
+    parts = {"parameters": w.params_bytes, "gradients": w.grads_bytes,
+             "optimizer states": w.optimizer_bytes, "saved activations": w.activations_bytes,
+             "optimizer step temporaries": w.optimizer_temp_bytes, "loss logits": w.loss_bytes}
+    name, size = max(parts.items(), key=lambda item: item[1])
+    return (f"over by {format_gib(-est.headroom_bytes)} at the {w.peak_phase} peak; largest "
+            f"part: {name} ({format_gib(size)}). `memplan plan --model {est.spec.name} "
+            f"--gpus {est.parallel.world_size}` searches layouts and recompute that fit.")
 
 
 def _short_phase(s: StageMemory) -> str:
