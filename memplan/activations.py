@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memplan.parallel import ParallelConfig, TpStyle
-from memplan.spec import ModelSpec, NormKind, PositionKind
+from memplan.spec import MlpKind, ModelSpec, NormKind, PositionKind
 from memplan.units import DType
 from memplan.workload import Attention, NormImpl, Recompute, Workload
 
@@ -124,6 +124,8 @@ def mlp_terms(prefix: str, spec: ModelSpec, dm: Dims, ffn: int, tokens: int) -> 
     inner = tokens * ffn // dm.tp * dm.e
     if spec.mlp.gated:
         names = ("gate", "act", "up", "prod")
+    elif spec.mlp is MlpKind.RELU:
+        names = ("act",)  # ReLU's backward reads its output, which the next linear saves too
     else:
         names = ("fc1", "act")
     return [Term(f"{prefix}.{n}", inner) for n in names]

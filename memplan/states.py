@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from memplan.parallel import ParallelConfig, ZeroStage
-from memplan.spec import ModelSpec, PositionKind, layer_tensor_count, param_counts
+from memplan.spec import ModelSpec, param_counts
 from memplan.units import DType, ceil_div
 from memplan.workload import Optimizer, OptimizerImpl, Workload
 
@@ -31,7 +31,8 @@ class StageParams:
     layers: tuple[int, ...]  # per layer of the stage, in layer order (dense + expert)
     embedding: int  # token (+ position) embedding on the first stage, else 0
     head: int  # final norm + output projection on the last stage (tied, p = 1: norm only)
-    largest_tensor: int  # elements of the largest single parameter tensor on the rank
+    tensor_sizes: tuple[int, ...]  # elements of each parameter tensor on the rank, in the
+    #                                order a model registers them (embedding, layers, head)
     largest_unit: int  # elements of the largest FSDP unit (a layer, or the embedding/head)
     num_tensors: int  # parameter tensors on the rank
 
@@ -67,25 +68,48 @@ def _stage_params(spec: ModelSpec, t: int, ep: int, pp: int, layers: tuple[int, 
     # Tied and p == 1: the head is the embedding itself, already counted.
     head = counts.final_norm + (vocab_rows if counts.head or par.pp > 1 else 0) if last else 0
     dense += embed + head
-    largest = max(vocab_rows if (first or last) else 0, *_layer_tensor_sizes(spec, par))
-    tensors = sum(layer_tensor_count(spec, i, ep) for i in layers)
+    sizes: list[int] = []
     if first:
-        tensors += 1 + (1 if counts.position_embedding else 0)
+        sizes += [vocab_rows] + ([counts.position_embedding] if counts.position_embedding else [])
+    for i in layers:
+        sizes += _layer_tensor_sizes(spec, t, ep, i)
     if last:
-        tensors += (2 if spec.norm_bias else 1) + (1 if counts.head or pp > 1 else 0)
+        sizes += [h] * (2 if spec.norm_bias else 1)
+        sizes += [vocab_rows] if counts.head or pp > 1 else []
     return StageParams(dense=dense, expert=expert, layers=tuple(per_layer), embedding=embed,
-                       head=head, largest_tensor=largest,
-                       largest_unit=max(0, embed, head, *per_layer), num_tensors=tensors)
+                       head=head, tensor_sizes=tuple(sizes),
+                       largest_unit=max(0, embed, head, *per_layer), num_tensors=len(sizes))
 
 
-def _layer_tensor_sizes(spec: ModelSpec, par: ParallelConfig) -> list[int]:
-    h, t = spec.hidden_size, par.tp
-    sizes = [h * spec.q_size // t, h * spec.ffn_hidden_size // t]
-    if spec.moe is not None:
-        sizes.append(h * spec.moe.expert_ffn_hidden_size // t)
-    if spec.position is PositionKind.LEARNED:
-        sizes.append(spec.max_seq_len * h)
-    return sizes
+def _layer_tensor_sizes(spec: ModelSpec, t: int, ep: int, index: int) -> list[int]:
+    """Elements of layer ``index``'s parameter tensors on one TP rank, in registration order
+    (norm, q/k/v/o, norm, MLP up/gate/down; the router and experts for MoE)."""
+    h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
+    norm = [h] * (2 if spec.norm_bias else 1)
+
+    def linear(d_in: int, d_out: int, bias: bool, column: bool) -> list[int]:
+        w = d_in * d_out // t
+        return [w] + ([d_out // t if column else d_out] if bias else [])
+
+    out = list(norm)
+    out += linear(h, q, spec.qkv_bias, True) + linear(h, kv, spec.qkv_bias, True)
+    out += linear(h, kv, spec.qkv_bias, True) + linear(q, h, spec.attn_out_bias, False)
+    out += norm
+
+    def mlp(ffn: int) -> list[int]:
+        up = linear(h, ffn, spec.mlp_bias, True)
+        gate = linear(h, ffn, spec.mlp_bias, True) if spec.mlp.gated else []
+        return up + gate + linear(ffn, h, spec.mlp_bias, False)
+
+    moe = spec.moe
+    if moe is None or not spec.is_moe_layer(index):
+        return out + mlp(spec.ffn_hidden_size)
+    out += [h * moe.num_experts] + ([moe.num_experts] if moe.router_bias else [])
+    for _ in range(moe.num_experts // ep):
+        out += mlp(moe.expert_ffn_hidden_size)
+    if moe.num_shared_experts:
+        out += mlp(moe.num_shared_experts * moe.shared_expert_ffn_hidden_size)
+    return out
 
 
 @dataclass(frozen=True)
@@ -132,7 +156,8 @@ def optimizer_step_temp_bytes(sp: StageParams, st: StateBytes, par: ParallelConf
     """Temporaries of the optimizer step beyond the states.
 
     AdamW foreach (torch.optim's CUDA default) materialises one intermediate list the size of
-    all parameters it updates (fp32); for-loop three times the largest parameter; fused none.
+    all parameters it updates (fp32); for-loop a parameter's two intermediates and the previous
+    parameter's denominator; fused none.
     torch.optim.SGD with momentum updates in place. With a low-precision gradient and an fp32
     master copy the step reads fp32 gradients, copied shard by shard (Megatron-LM's
     ``_copy_model_grads_to_main_grads``): one fp32 copy of the updated shard.
@@ -143,12 +168,13 @@ def optimizer_step_temp_bytes(sp: StageParams, st: StateBytes, par: ParallelConf
         if wl.optimizer_impl is OptimizerImpl.FOREACH:
             temp = st.num_optimizer_params * FP32_BYTES
         elif wl.optimizer_impl is OptimizerImpl.FORLOOP:
-            largest = sp.largest_tensor
+            sizes = sp.tensor_sizes
             if par.zero >= ZeroStage.OPTIMIZER:
-                largest = ceil_div(largest, par.dense_shard_degree)
-            # sqrt and div make the new denominator while the previous parameter's is
-            # still referenced (torch.optim's _single_tensor_adamw loop): three tensors
-            temp = 3 * largest * FP32_BYTES
+                sizes = tuple(ceil_div(n, par.dense_shard_degree) for n in sizes)
+            # sqrt and div make a parameter's denominator while the previous parameter's is
+            # still referenced (torch.optim's _single_tensor_adamw loop)
+            pairs = [prev + 2 * cur for prev, cur in zip((0, *sizes), sizes)]
+            temp = max(pairs, default=0) * FP32_BYTES
     if recipe.master_bytes and recipe.grad_bytes < FP32_BYTES:
         temp += st.num_optimizer_params * FP32_BYTES
     return temp
