@@ -20,7 +20,7 @@ from memplan.activations import (
     norm_terms,
     total,
 )
-from memplan.spec import ModelSpec, NormKind, PositionKind
+from memplan.spec import MlpKind, ModelSpec, NormKind, PositionKind
 from memplan.workload import Attention, NormImpl, Recompute, Workload
 
 
@@ -58,8 +58,9 @@ def layer_backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer
     its norm), as measured on the reference block with the exact tracker:
 
     - MLP: a gated MLP holds the gradients of its product, activation and up projection while
-      the product is freed (2 intermediates beyond the saved ones); a plain MLP the gradients
-      of its activation and first linear while the activation is freed (1).
+      the product is freed (2 intermediates beyond the saved ones); GELU the gradients of its
+      activation and first linear while the activation is freed (1); ReLU both gradients
+      beside its saved output, which its own backward reads (2).
     - norms: upcast RMSNorm's backward materialises five fp32 hidden-sized tensors (four when
       the compute dtype is fp32 and the casts are no-ops); LayerNorm three (two); a fused
       kernel its input gradient and one more.
@@ -82,7 +83,9 @@ def layer_backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer
     input_is_saved = wl.norm_impl is NormImpl.FUSED or e >= FP32_BYTES
     extra = total(layer_terms(spec, wl, dm, moe_layer=moe_layer, recompute=Recompute.FULL)) \
         if recompute is Recompute.FULL and not input_is_saved else 0
-    per_inner = 2 if spec.mlp.gated else 1
+    # gated: product, activation and up gradients while the product is freed; ReLU: its saved
+    # output stays for its own backward beside both gradients; GELU: its output is freed
+    per_inner = 2 if spec.mlp.gated or spec.mlp is MlpKind.RELU else 1
     if moe_layer and spec.moe is not None:
         # experts run one after another: the largest working set is one expert's, with
         # balanced routing T*k/E tokens
