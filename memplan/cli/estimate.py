@@ -70,7 +70,11 @@ def estimate(
     schedule: ScheduleOpt = Schedule.ONE_F_ONE_B,
     json_out: Json = False,
 ) -> None:
-    """Per-GPU memory of every pipeline stage and the most loaded rank, with phase peaks.
+    """Per-GPU memory of every pipeline stage and the most loaded rank.
+
+    Parameters, gradients, optimizer states, saved activations, transients and fixed
+    overheads, with the forward, backward and optimizer-step peaks of the first step and of
+    the steady state.
 
     Examples:
 

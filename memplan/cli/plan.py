@@ -60,9 +60,11 @@ def plan(
     top: Top = 10,
     json_out: Json = False,
 ) -> None:
-    """Search layouts (tp, pp, vpp, cp, ep, dp, ZeRO, SP), recompute policies and micro-batch
-    sizes; show the feasible ones ranked by estimated step time. Layout options given are
-    fixed; the others are searched.
+    """Find the layouts, micro-batch and recompute that fit, fastest first.
+
+    Searches tp, pp (with virtual stages), cp, ep, dp, ZeRO and recompute policies, finds the
+    largest micro-batch that fits each, and ranks them by estimated step time. Layout options
+    given are fixed; the others are searched.
 
     Examples:
 

@@ -65,12 +65,12 @@ def trace(
     fake: Fake = True,
     json_out: Json = False,
 ) -> None:
-    """Trace training steps of the reference model with the exact tensor tracker and print the
-    measured bytes next to `memplan estimate`, per component and phase (tensors only: no CUDA
-    context or allocator). FSDP2 (--zero 3) and TP ranks are traced through PyTorch's fake
-    process group; the traced TP plan keeps embedding and head replicated and uses DTensor
-    sequence parallelism, and the estimate is made for that layout. Needs torch
-    (pip install 'memplan[torch]').
+    """Trace real training steps and print measured bytes next to the estimate.
+
+    The reference model runs under the exact tensor tracker (tensors only: no CUDA context or
+    allocator). FSDP2 (--zero 3) and TP ranks are traced through PyTorch's fake process group;
+    the traced TP plan keeps embedding and head replicated and uses DTensor sequence
+    parallelism, and the estimate is made for that layout. Needs torch (the torch extra).
 
     Examples:
 
