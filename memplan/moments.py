@@ -108,13 +108,27 @@ def layer_backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer
         routed = dm.tokens * spec.moe.top_k * h * e
         freed_ffn += routed + routed // spec.moe.num_experts
     a_norm, m_norm = saved["attn_norm"], saved["mlp_norm"]
+    # The input projections' backward: the last weight gradient is made while the others
+    # exist, from its output's gradient, beside the gradients of the projections' (shared)
+    # input still to be summed.
+    grad_inputs = 2 * rows * h * e
+    if moe_layer and spec.moe is not None:
+        proj_out = dm.tokens * spec.moe.top_k // spec.moe.num_experts \
+            * spec.moe.expert_ffn_hidden_size // t * e
+    else:
+        proj_out = dm.tokens * spec.ffn_hidden_size // t * e
     return [
         BackwardMoment("mlp", extra + a_norm + saved["attn"] + m_norm + saved["ffn"] - freed_ffn,
                        incoming + dropout_grad + mlp, ("mlp_out",)),
+        BackwardMoment("mlp_in", extra + a_norm + saved["attn"] + m_norm,
+                       incoming + grad_inputs + proj_out, ("mlp",)),
         BackwardMoment("mlp_norm", extra + a_norm + saved["attn"] + saved["mlp_norm_bwd"],
                        incoming + norm, ("mlp",)),
         BackwardMoment("attention", extra + a_norm + attn_alive, incoming + attn_transient,
                        ("mlp", "mlp_norm", "attn_out")),
+        BackwardMoment("attn_in", extra + a_norm,
+                       incoming + grad_inputs + dm.tokens * spec.q_size // t * e,
+                       ("mlp", "mlp_norm", "attn")),
         BackwardMoment("attn_norm", extra + saved["attn_norm_bwd"], incoming + norm,
                        ("mlp", "mlp_norm", "attn")),
     ]
