@@ -178,6 +178,12 @@ def layer_forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer:
         # the core runs before the attention output and its dropout mask exist
         before_out = b["attn"] - dm.tokens * spec.q_size // t * e - (
             rows * h * MASK_BYTES if spec.dropout > 0 else 0)
+        if recompute is Recompute.NONE and wl.attention is Attention.EAGER:
+            # the raw and the scaled scores coexist before the softmax (and its dropout) are
+            # saved: two score-sized tensors beyond what is saved by then
+            scores = dm.b * (spec.num_attention_heads // t) * dm.s * dm.s_kv
+            core = 2 * scores * e
+            before_out -= scores * e + (scores * (e + MASK_BYTES) if spec.dropout > 0 else 0)
         return [
             ForwardMoment("attn_norm", b["attn_norm"], unsaved_input + fp32_normed),
             ForwardMoment("attention", b["attn_norm"] + b["attn"], unsaved_input + stream),
