@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from memplan.parallel import ParallelConfig, TpStyle
 from memplan.spec import MlpKind, ModelSpec, NormKind, PositionKind
-from memplan.units import DType
+from memplan.units import DType, ceil_div
 from memplan.workload import Attention, NormImpl, Recompute, Workload
 
 FP32_BYTES = DType.FP32.itemsize
@@ -248,7 +248,7 @@ def head_backward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
 
 
 def _vocab_shard(spec: ModelSpec, dm: Dims) -> int:
-    return -(-spec.vocab_size // dm.vocab_div)
+    return ceil_div(spec.vocab_size, dm.vocab_div)
 
 
 def total(terms: list[Term]) -> int:

@@ -42,13 +42,14 @@ from memplan.layers import (
 from memplan.overheads import Overheads, default_overheads
 from memplan.parallel import GradBuffers, ParallelConfig, ZeroStage, validate_layout
 from memplan.pipeline import Schedule, chunks_in_flight, stage_layers
-from memplan.spec import ModelSpec
+from memplan.spec import ModelSpec, PositionKind
 from memplan.states import (
     optimizer_step_temp_bytes,
     sharding_buffers,
     stage_params,
     state_bytes,
 )
+from memplan.units import ceil_div
 from memplan.workload import Recompute, Workload
 
 PHASES = ("forward", "backward", "optimizer")
@@ -263,7 +264,7 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
     loss_fwd = shared.loss_fwd if last else 0
     mask = shared.mask
     tied = spec.tied_embeddings and first and last
-    vocab_grad = -(-spec.vocab_size // par.vocab_divisor) * spec.hidden_size * dm.e
+    vocab_grad = ceil_div(spec.vocab_size, par.vocab_divisor) * spec.hidden_size * dm.e
     main_grads = wl.precision.recipe.grad_bytes > dm.e and par.zero < ZeroStage.PARAMETERS
     walk = Walk(
         runs=([(*entries[k], n) for k, n in runs_of(keys)] if len(entries) > 1
@@ -337,7 +338,7 @@ def estimate(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, *
     defaults for the GPU (``memplan.overheads``).
     """
     validate_layout(spec, par, seq_len=wl.seq_len)
-    if wl.seq_len > spec.max_seq_len and spec.position.value == "learned":
+    if wl.seq_len > spec.max_seq_len and spec.position is PositionKind.LEARNED:
         raise MemplanError(
             f"seq ({wl.seq_len}) exceeds {spec.name}'s learned positions ({spec.max_seq_len})")
     gbs, m = resolve_batch(par, wl)

@@ -93,7 +93,7 @@ def layer_backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer
         mlp = per_inner * per_expert * spec.moe.expert_ffn_hidden_size // t * e
     else:
         mlp = per_inner * dm.tokens * spec.ffn_hidden_size // t * e
-    norm = _norm_backward_bytes(spec, wl, dm)
+    norm = norm_backward_bytes(spec, wl, dm)
     attn_alive, attn_transient = _attention_backward(spec, wl, dm, recompute, saved["attn"])
     freed_ffn = 0
     # With dropout on the block outputs, the block's backward starts from dropout's gradient
@@ -254,10 +254,6 @@ def final_norm_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> tuple[int, int]
 
 def norm_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     """Gradient bytes in flight inside a norm's backward, its incoming gradient excluded."""
-    return _norm_backward_bytes(spec, wl, dm)
-
-
-def _norm_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     rows = dm.tokens // dm.res_tokens_div
     h, e = spec.hidden_size, dm.e
     if wl.norm_impl is NormImpl.FUSED:

@@ -220,19 +220,6 @@ def layer_params(spec: ModelSpec, index: int) -> LayerParams:
     )
 
 
-def layer_tensor_count(spec: ModelSpec, index: int, ep: int = 1) -> int:
-    """Parameter tensors of layer ``index`` on one rank (experts split over ``ep`` ranks)."""
-    norms = 2 * (2 if spec.norm_bias else 1)
-    attn = 4 + (3 if spec.qkv_bias else 0) + (1 if spec.attn_out_bias else 0)
-    mlp = (3 if spec.mlp.gated else 2) * (2 if spec.mlp_bias else 1)
-    moe = spec.moe
-    if moe is None or not spec.is_moe_layer(index):
-        return norms + attn + mlp
-    router = 2 if moe.router_bias else 1
-    shared = mlp if moe.num_shared_experts else 0
-    return norms + attn + router + moe.num_experts // ep * mlp + shared
-
-
 @lru_cache(maxsize=256)
 def param_counts(spec: ModelSpec) -> ParamCounts:
     """Exact parameter counts by part (embedding, each layer, final norm, head)."""

@@ -49,11 +49,6 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def round_up(n: int, multiple: int) -> int:
-    """Round ``n`` up to a multiple of ``multiple``."""
-    return ceil_div(n, multiple) * multiple
-
-
 def parse_bytes(text: str | int) -> int:
     """Parse "80GiB", "80 GB", "1.5TiB" or a plain integer into int bytes.
 
@@ -72,11 +67,6 @@ def parse_bytes(text: str | int) -> int:
     if value <= 0:
         raise ValueError(f"size must be at least 1 byte, got {text!r}")
     return value
-
-
-def to_gib(num_bytes: int) -> float:
-    """Bytes as GiB (2**30). Used only by the report layer."""
-    return num_bytes / GiB
 
 
 def format_gib(num_bytes: int, digits: int = 2) -> str:

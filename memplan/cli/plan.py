@@ -80,11 +80,12 @@ def plan(
         cp=cp, ep=ep, zero=None if zero is None else int(zero.value), sequence_parallel=sp,
         global_batch_size=gbs, seq_len=seq, precision=precision, optimizer=optimizer,
         optimizer_impl=optimizer_impl, attention=attention, norm_impl=norm)
-    spec_name = model if result.candidates == [] else result.candidates[0].estimate.spec.name
     if json_out:
         typer.echo(json.dumps(_plan_json(result, top), indent=2))
         return
-    _print(result, spec_name, gpus, gpu, top)
+    from memplan.spec import load_model
+
+    _print(result, load_model(model).name, gpus, gpu, top)
 
 
 def _plan_json(result, top: int) -> dict[str, Any]:

@@ -93,11 +93,7 @@ class ParallelTracker(MemoryTracker):
         """Move every storage counted since ``before`` to ``category``; return their bytes."""
         moved = 0
         for entry in self.born_since(before).values():
-            if entry[1] != category:
-                self.by_category[entry[1]] -= entry[0]
-                self.by_category[category] += entry[0]
-                entry[1] = category
-                moved += entry[0]
+            moved += self.move(entry, category)
         return moved
 
 

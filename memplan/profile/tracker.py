@@ -127,10 +127,16 @@ class MemoryTracker(TorchDispatchMode):
         if entry is None:
             self._add(st, category)
             return
-        if entry[1] != category:
-            self.by_category[entry[1]] -= entry[0]
-            self.by_category[category] += entry[0]
-            entry[1] = category
+        self.move(entry, category)
+
+    def move(self, entry: list[Any], category: str) -> int:
+        """Recount a counted storage under ``category``; its bytes if it moved, else 0."""
+        if entry[1] == category:
+            return 0
+        self.by_category[entry[1]] -= entry[0]
+        self.by_category[category] += entry[0]
+        entry[1] = category
+        return entry[0]
 
     def forget(self, tensor: torch.Tensor) -> None:
         """Stop counting a tensor's storage (memory that would not be on the device)."""
