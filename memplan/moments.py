@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memplan import eager
 from memplan.activations import (
     FP32_BYTES,
     MASK_BYTES,
@@ -20,7 +21,7 @@ from memplan.activations import (
     norm_terms,
     total,
 )
-from memplan.spec import MlpKind, ModelSpec, NormKind, PositionKind
+from memplan.spec import MlpKind, ModelSpec, NormKind
 from memplan.workload import Attention, NormImpl, Recompute, Workload
 
 
@@ -94,7 +95,7 @@ def layer_backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer
     else:
         mlp = per_inner * dm.tokens * spec.ffn_hidden_size // t * e
     norm = norm_backward_bytes(spec, wl, dm)
-    attn_alive, attn_transient = _attention_backward(spec, wl, dm, recompute, saved["attn"])
+    attention = _attention_backward(spec, wl, dm, recompute, saved["attn"])
     freed_ffn = 0
     # With dropout on the block outputs, the block's backward starts from dropout's gradient
     # (a new residual-sized tensor) while the incoming one stays for the skip path, and the
@@ -117,15 +118,26 @@ def layer_backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer
             * spec.moe.expert_ffn_hidden_size // t * e
     else:
         proj_out = dm.tokens * spec.ffn_hidden_size // t * e
+    rebuild = []
+    if recompute is Recompute.FULL and wl.attention is Attention.EAGER:
+        # The layer reruns with autograd recording: its attention core peaks as in a forward
+        # without recompute, beside the incoming gradient (the output's dropout mask and the
+        # attention output do not exist yet).
+        c = eager.core(spec, dm)
+        before_out = saved["attn"] - c.q - (rows * h * MASK_BYTES if spec.dropout > 0 else 0)
+        rebuild.append(BackwardMoment("rebuild", extra + a_norm + before_out,
+                                      incoming + eager.forward_saving(c), ()))
     return [
+        *rebuild,
         BackwardMoment("mlp", extra + a_norm + saved["attn"] + m_norm + saved["ffn"] - freed_ffn,
                        incoming + dropout_grad + mlp, ("mlp_out",)),
         BackwardMoment("mlp_in", extra + a_norm + saved["attn"] + m_norm,
                        incoming + grad_inputs + proj_out, ("mlp",)),
         BackwardMoment("mlp_norm", extra + a_norm + saved["attn"] + saved["mlp_norm_bwd"],
                        incoming + norm, ("mlp",)),
-        BackwardMoment("attention", extra + a_norm + attn_alive, incoming + attn_transient,
-                       ("mlp", "mlp_norm", "attn_out")),
+        *(BackwardMoment(f"attention.{i}", extra + a_norm + alive, incoming + transient,
+                         ("mlp", "mlp_norm", "attn_out"))
+          for i, (alive, transient) in enumerate(attention)),
         BackwardMoment("attn_in", extra + a_norm,
                        incoming + grad_inputs + dm.tokens * spec.q_size // t * e,
                        ("mlp", "mlp_norm", "attn")),
@@ -166,27 +178,19 @@ def layer_forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer:
         fp32_normed += stream  # weight * normed, before the bias is added
     if recompute is not Recompute.FULL:
         b = _by_block(layer_terms(spec, wl, dm, moe_layer=moe_layer, recompute=recompute))
-        core = 0
-        if recompute is Recompute.SELECTIVE and wl.attention is Attention.EAGER:
-            # inside the checkpointed core: two score-sized tensors (scores and their scaled
-            # or masked successor; then the softmax's input and output) with either the
-            # contiguous q and k copies of the first matmul, or dropout's mask and output
-            scores = dm.b * (spec.num_attention_heads // t) * dm.s * dm.s_kv
-            q_bytes = dm.tokens * spec.q_size // t * e
-            dropout = scores * (e + MASK_BYTES) if spec.dropout > 0 else 0
-            core = 2 * scores * e + max(2 * q_bytes, dropout)
         # the core runs before the attention output and its dropout mask exist
         before_out = b["attn"] - dm.tokens * spec.q_size // t * e - (
             rows * h * MASK_BYTES if spec.dropout > 0 else 0)
-        if recompute is Recompute.NONE and wl.attention is Attention.EAGER:
-            # the raw and the scaled scores coexist before the softmax (and its dropout) are
-            # saved: two score-sized tensors beyond what is saved by then
-            scores = dm.b * (spec.num_attention_heads // t) * dm.s * dm.s_kv
-            core = 2 * scores * e
-            before_out -= scores * e + (scores * (e + MASK_BYTES) if spec.dropout > 0 else 0)
+        core, after_core = 0, 0
+        if wl.attention is Attention.EAGER:
+            c = eager.core(spec, dm)
+            saving = recompute is Recompute.NONE
+            core = eager.forward_saving(c) if saving else eager.forward_checkpointed(c)
+            after_core = eager.output_projection(c, saving)
         return [
             ForwardMoment("attn_norm", b["attn_norm"], unsaved_input + fp32_normed),
-            ForwardMoment("attention", b["attn_norm"] + b["attn"], unsaved_input + stream),
+            ForwardMoment("attention", b["attn_norm"] + b["attn"],
+                          unsaved_input + stream + after_core),
             ForwardMoment("attention_core", b["attn_norm"] + before_out, unsaved_input + core),
             ForwardMoment("mlp_norm", b["attn_norm"] + b["attn"] + b["mlp_norm"],
                           unsaved_input + fp32_normed),
@@ -199,8 +203,10 @@ def layer_forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer:
     if wl.attention is Attention.FLASH:
         attn_ws = q_bytes + kv_bytes + q_bytes + dm.b * (spec.num_attention_heads // t) * dm.s * 4
     else:
-        scores = dm.b * (spec.num_attention_heads // t) * dm.s * dm.s_kv
-        attn_ws = 4 * q_bytes + 2 * scores * e  # q, K^T copy, V, output; two score tensors
+        # the layer's q, k, v, then the core's working set, or its output, the copy of it
+        # and the output projection's output (the stream counted below)
+        c = eager.core(spec, dm)
+        attn_ws = q_bytes + kv_bytes + max(eager.forward_checkpointed(c) - stream, 2 * c.q)
     if moe_layer and spec.moe is not None:
         # experts run one after another over their T*k/E rows (balanced routing), while the
         # router's probabilities and the combined output accumulate for all tokens
@@ -266,29 +272,20 @@ def norm_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
 
 
 def _attention_backward(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute,
-                        saved_attn: int) -> tuple[int, int]:
-    """(attention's saved bytes alive, gradient bytes in flight) at its backward's peak."""
+                        saved_attn: int) -> list[tuple[int, int]]:
+    """(attention's saved bytes alive, gradient bytes in flight) at its backward's peaks."""
     t, e = dm.tp, dm.e
     q_bytes = dm.tokens * spec.q_size // t * e
-    if wl.attention is Attention.FLASH:
-        transient = dm.tokens * (2 * spec.q_size + 2 * spec.kv_size) // t * e
-        rebuilt = 0
-        if recompute is Recompute.SELECTIVE:  # the core reruns: its output and logsumexp
-            rebuilt = q_bytes + dm.b * (spec.num_attention_heads // t) * dm.s * FP32_BYTES
-        return saved_attn + rebuilt, transient
-    scores = dm.b * (spec.num_attention_heads // t) * dm.s * dm.s_kv
-    dropout = scores * (MASK_BYTES + e) if spec.dropout > 0 else 0
-    grouped = spec.num_kv_heads < spec.num_attention_heads
-    if recompute is not Recompute.SELECTIVE:
-        # The value matmul's backward has freed V (repeated) and the dropout output.
-        freed = q_bytes + (scores * e if spec.dropout > 0 else 0)
-        return saved_attn - freed, q_bytes + 2 * scores * e
-    # The rerun core saves again what its matmuls and softmax save: the contiguous K^T copy,
-    # a contiguous copy of q when no RoPE made it contiguous, the repeated V (GQA; with MHA V
-    # is the checkpoint's own input), the softmax output and dropout's mask and output. The
-    # value matmul's backward has then freed its repeated V and the dropout output.
-    rope = spec.position is PositionKind.ROPE
-    rebuilt = (q_bytes + (0 if rope else q_bytes) + (q_bytes if grouped else 0)
-               + scores * e + dropout)
-    freed = (q_bytes if grouped else 0) + (scores * e if spec.dropout > 0 else 0)
-    return saved_attn + rebuilt - freed, q_bytes + 2 * scores * e
+    resid_mask = dm.tokens // dm.res_tokens_div * spec.hidden_size * MASK_BYTES \
+        if spec.dropout > 0 else 0
+    if wl.attention is Attention.EAGER:
+        # the output projection's backward has freed its input, the core's output copy
+        c = eager.core(spec, dm)
+        saved_attn -= resid_mask  # the block's output dropout ran its backward first
+        return [(saved_attn - c.q + alive, transient) for alive, transient
+                in eager.backward(c, rebuild=recompute is Recompute.SELECTIVE)]
+    transient = dm.tokens * (2 * spec.q_size + 2 * spec.kv_size) // t * e
+    rebuilt = 0
+    if recompute is Recompute.SELECTIVE:  # the core reruns: its output and logsumexp
+        rebuilt = q_bytes + dm.b * (spec.num_attention_heads // t) * dm.s * FP32_BYTES
+    return [(saved_attn + rebuilt, transient)]
