@@ -75,12 +75,15 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
              sequence_parallel: bool | None = None, vocab_parallel: bool = True,
              tp_style: str = "megatron", grad_buffers: str = "view",
              overheads: Overheads | None = None,
-             schedule: Schedule | str = Schedule.ONE_F_ONE_B, **workload: Any) -> Estimate:
+             schedule: Schedule | str = Schedule.ONE_F_ONE_B,
+             calibration: str | list[str] | None = None, **workload: Any) -> Estimate:
     """Per-GPU memory of training ``model`` on ``gpus`` GPUs.
 
     ``workload`` takes the ``Workload`` fields (micro_batch_size, global_batch_size, seq_len,
     precision, optimizer, optimizer_impl, recompute, recompute_layers, attention, norm_impl,
     logits_fp32). ``gpu_memory`` ("80GiB", "80GB" or int bytes) overrides the GPU's capacity.
+    ``calibration``: profile paths (or "auto", the committed profile for ``gpu``) whose
+    correction is added as its own line (``memplan.calibrate.apply``).
     Raises ``MemplanError`` for any invalid input.
     """
     spec, par, wl = resolve(model, gpus=gpus, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp,
@@ -88,9 +91,19 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
                             vocab_parallel=vocab_parallel, tp_style=tp_style,
                             grad_buffers=grad_buffers, **workload)
     gpu_spec = gpu if isinstance(gpu, GpuSpec) else load_gpu(gpu)
-    return _estimate(spec, gpu_spec, par, wl, capacity_bytes=_capacity(gpu_memory),
-                     overheads=overheads,
-                     schedule=Schedule(schedule))
+    est = _estimate(spec, gpu_spec, par, wl, capacity_bytes=_capacity(gpu_memory),
+                    overheads=overheads,
+                    schedule=Schedule(schedule))
+    if not calibration:
+        return est
+    from memplan.calibrate.apply import calibrate
+    from memplan.calibrate.apply import resolve as load_profiles
+
+    return calibrate(est, load_profiles(_as_list(calibration), gpu_spec))
+
+
+def _as_list(value: str | list[str]) -> list[str]:
+    return [value] if isinstance(value, str) else list(value)
 
 
 # Workload fields by the name the CLI gives them, so errors name what the user typed.
@@ -139,10 +152,12 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
          max_tp: int | None = None, recompute: list[str] | None = None,
          tp: int | None = None, pp: int | None = None, vpp: int | None = None,
          cp: int | None = None, ep: int | None = None, zero: int | None = None,
-         sequence_parallel: bool | None = None, **workload: Any):
+         sequence_parallel: bool | None = None, calibration: str | list[str] | None = None,
+         **workload: Any):
     """Layouts, recompute policies and micro-batch sizes that fit ``gpus`` GPUs, fastest first
     (``memplan.planner.PlanResult``). Layout arguments given are fixed; the rest are searched.
-    ``workload`` takes Workload fields (seq_len, global_batch_size, precision, ...)."""
+    ``workload`` takes Workload fields (seq_len, global_batch_size, precision, ...).
+    ``calibration`` as for ``estimate``: candidates are re-checked and re-timed with it."""
     from memplan.planner import DEFAULT_SAFETY
     from memplan.planner import plan as run_plan
 
@@ -156,9 +171,17 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
             raise MemplanError(f"recompute must be none, selective or full, got {err}") from err
     fixed = {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "zero": zero,
              "sp": sequence_parallel}
-    return run_plan(spec, gpu_spec, gpus, make_workload(spec, **workload),
-                    capacity_bytes=_capacity(gpu_memory), max_tp=max_tp, fixed=fixed,
-                    safety=DEFAULT_SAFETY if safety is None else safety, recompute=policies)
+    safety = DEFAULT_SAFETY if safety is None else safety
+    result = run_plan(spec, gpu_spec, gpus, make_workload(spec, **workload),
+                      capacity_bytes=_capacity(gpu_memory), max_tp=max_tp, fixed=fixed,
+                      safety=safety, recompute=policies)
+    if not calibration:
+        return result
+    from memplan.calibrate.apply import calibrate_plan
+    from memplan.calibrate.apply import resolve as load_profiles
+
+    return calibrate_plan(result, spec, gpu_spec, load_profiles(_as_list(calibration), gpu_spec),
+                          capacity_bytes=_capacity(gpu_memory), safety=safety)
 
 
 def check(model: str | ModelSpec, *, safety: float | None = None, **kwargs: Any) -> Estimate:

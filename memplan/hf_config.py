@@ -169,12 +169,18 @@ def _model_name(path: Path) -> str:
 def spec_from_hf_config(path: Path) -> ModelSpec:
     """Read ``path`` (a Hugging Face ``config.json``) into a ``ModelSpec``."""
     path = Path(path)
-    cfg = _Config(load_hf_json(path), str(path))
+    return spec_from_hf_dict(load_hf_json(path), str(path), _model_name(path))
+
+
+def spec_from_hf_dict(data: dict[str, Any], where: str, name: str) -> ModelSpec:
+    """A ``ModelSpec`` from a config's fields (``config.json`` or ``PretrainedConfig.to_dict()``);
+    ``where`` names it in errors."""
+    cfg = _Config(data, where)
     model_type = cfg.get_str("model_type")
     if model_type not in _SUPPORTED:
         raise cfg.error("model_type", f"unsupported value {model_type!r}; "
                                       f"supported: {', '.join(_SUPPORTED)}")
     fields = _gpt2(cfg) if model_type == "gpt2" else _llama_like(cfg, model_type)
-    fields["name"] = _model_name(path)
-    fields["source"] = f"Hugging Face config.json ({model_type}) at {path}"
-    return _validated(fields, str(path))
+    fields["name"] = name
+    fields["source"] = f"Hugging Face config.json ({model_type}) at {where}"
+    return _validated(fields, where)

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import Any
 
 from memplan import activations as act
 from memplan import moments as mom
@@ -97,6 +98,9 @@ class StageMemory:
     workspace_bytes: int
     allocator_bytes: int
     peak_bytes: int
+    # a calibration profile's correction of the tensor peak (memplan.calibrate.apply), its own
+    # line: peak_bytes = tensor_peak + calibration + context + workspace + allocator
+    calibration_bytes: int = 0
 
     @property
     def activation_terms(self) -> tuple[act.Term, ...]:
@@ -124,11 +128,13 @@ class Estimate:
     stages: tuple[StageMemory, ...]
     overheads: Overheads
     schedule: Schedule = Schedule.ONE_F_ONE_B
+    calibration: Any = None  # memplan.calibrate.apply.Calibration when a profile was applied
 
     @property
     def assumptions(self) -> tuple[str, ...]:
         """What the numbers assume, each with its source (printed with every result)."""
-        return _assumptions(self.parallel, self.workload, self.schedule, self.overheads)
+        base = _assumptions(self.parallel, self.workload, self.schedule, self.overheads)
+        return base if self.calibration is None else self.calibration.amend(base)
 
     @property
     def worst(self) -> StageMemory:

@@ -28,6 +28,7 @@ def stage_json(s: StageMemory) -> dict[str, Any]:
         "cuda_context_bytes": s.cuda_context_bytes,
         "workspace_bytes": s.workspace_bytes,
         "allocator_bytes": s.allocator_bytes,
+        "calibration_bytes": s.calibration_bytes,
         "peak_bytes": s.peak_bytes,
         "peak_phase": s.peak_phase,
         "phases": {"steady": _phases(s.steady), "first_step": _phases(s.first_step)},
@@ -58,12 +59,16 @@ def estimate_json(est: Estimate) -> dict[str, Any]:
         },
         "most_loaded_stage": worst.stage,
         **{name: getattr(worst, name) for name in _COMPONENTS},
+        "calibration_bytes": worst.calibration_bytes,
         "peak_bytes": est.peak_bytes,
         "capacity_bytes": est.capacity_bytes,
         "headroom_bytes": est.headroom_bytes,
         "fits": est.fits,
         "peak_phase": worst.peak_phase,
         "stages": [stage_json(s) for s in est.stages],
+        # the calibrated figures next to the analytic ones above (None: no profile applied)
+        "calibration": (est.calibration.json(est.stages.index(worst))
+                        if est.calibration is not None else None),
         "assumptions": list(est.assumptions),
     }
 
@@ -105,7 +110,9 @@ def render_estimate(est: Estimate) -> Any:
         ("loss logits (transient)", "loss_bytes"),
         ("ZeRO / DDP gradient and gather buffers", "sharding_buffers_bytes"),
         ("optimizer step temporaries", "optimizer_temp_bytes"),
-        ("tensor peak", "tensor_peak_bytes"), ("CUDA context", "cuda_context_bytes"),
+        ("tensor peak", "tensor_peak_bytes"),
+        *([("calibration correction", "calibration_bytes")] if est.calibration else []),
+        ("CUDA context", "cuda_context_bytes"),
         ("cuBLAS workspace", "workspace_bytes"), ("allocator reserve", "allocator_bytes"),
         ("peak per GPU", "peak_bytes"),
     ]
@@ -165,3 +172,54 @@ def render_catalog(title: str, columns: list[str], rows: list[list[str]]) -> Any
     for row in rows:
         table.add_row(*row)
     return table
+
+
+def render_profile(profile: Any, path: str) -> Any:
+    """A calibration profile: its coefficients, measured overheads and error figures."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    meta = profile.meta
+    head = Text(f"{path}: {profile.kind} profile from {profile.num_records} records "
+                f"({profile.num_oom} out of memory) on {meta.device_name}"
+                f"{f' ({meta.gpu})' if meta.gpu else ''}, torch {meta.torch}, {meta.date}")
+    terms = Table(title="Fitted terms")
+    terms.add_column("term", no_wrap=True)
+    terms.add_column("value", justify="right", no_wrap=True)
+    if profile.device is not None:
+        d = profile.device
+        for name, value in d.coefficients.items():
+            terms.add_row(name, f"{value:,} B" if name == "fixed_bytes" else f"{value:+.4%}")
+        extra = [("reserved / allocated", d.reserved_ratio and f"{d.reserved_ratio:.4f}"),
+                 ("reserved rounding", _bytes(d.reserved_rounding_bytes)),
+                 ("outside the allocator", _bytes(d.outside_allocator_bytes)),
+                 ("NCCL per rank", _bytes(d.nccl_bytes_per_rank)),
+                 *((f"probe: {k}", _bytes(v)) for k, v in d.probes.items()),
+                 ("achieved FLOP/s", d.achieved_flops_per_s and f"{d.achieved_flops_per_s:.4g}"),
+                 ("fixed seconds per step", d.step_overhead_s is not None
+                  and f"{d.step_overhead_s:.4g}"),
+                 ("MFU", d.mfu and f"{d.mfu:.3f}")]
+        for label, value in extra:
+            if value is not None:
+                terms.add_row(label, value)
+    if profile.model is not None:
+        m = profile.model
+        terms.add_row("module", m.module)
+        terms.add_row("spec", f"{m.spec.name} ({m.traced_layers} blocks traced)")
+        terms.add_row("parameters (implementation / spec)",
+                      f"{m.num_params:,} / {m.analytic_num_params:,}")
+        for target, coef in m.residuals.items():
+            terms.add_row(f"residual {target}", " ".join(
+                f"{c:+.4g}*{mono}" for c, mono in zip(coef, m.monomials) if abs(c) > 1e-9) or "0")
+    errors = Table(title="Relative error of the prediction, % (analytic: without the profile)")
+    for col in ("quantity", "method", "points", "max |err| %", "rms %"):
+        errors.add_column(col, justify="left" if col in ("quantity", "method") else "right")
+    for e in profile.errors:
+        errors.add_row(e.quantity, e.method, str(e.num_points), f"{e.max_abs_pct:.3f}",
+                       f"{e.rms_pct:.3f}")
+    return Group(head, terms, errors)
+
+
+def _bytes(value: int | None) -> str | None:
+    return None if value is None else f"{value:,} B ({value / GiB:.3f} GiB)"

@@ -10,6 +10,7 @@ from memplan.api import estimate as run_estimate
 from memplan.cli import app
 from memplan.cli.options import (
     AttentionOpt,
+    Calibration,
     Cp,
     Dp,
     Ep,
@@ -68,6 +69,7 @@ def estimate(
     norm: NormOpt = NormImpl.UPCAST,
     logits_fp32: LogitsFp32 = True,
     schedule: ScheduleOpt = Schedule.ONE_F_ONE_B,
+    calibration: Calibration = None,
     json_out: Json = False,
 ) -> None:
     """Per-GPU memory of every pipeline stage and the most loaded rank.
@@ -83,11 +85,14 @@ def estimate(
       memplan estimate -m llama-3-70b -n 512 --tp 8 --pp 4 --vpp 5 --zero 1 --mbs 1 --seq 8192
 
       memplan estimate -m ./config.json -n 8 --zero 3 --recompute full --json
+
+      memplan estimate -m llama-3-8b -n 8 --gpu h200 --calibration auto
     """
     est = run_estimate(
         model, gpus=gpus, gpu=gpu, gpu_memory=gpu_memory, tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp,
         ep=ep, zero=int(zero.value), sequence_parallel=sp, vocab_parallel=vocab_parallel,
         tp_style=tp_style.value, grad_buffers=grad_buffers.value, schedule=schedule,
+        calibration=calibration,
         **workload_fields(mbs=mbs, gbs=gbs, seq=seq, recompute=recompute,
                           recompute_layers=recompute_layers, precision=precision,
                           optimizer=optimizer, optimizer_impl=optimizer_impl,

@@ -92,6 +92,10 @@ ScheduleOpt = Annotated[Schedule, typer.Option(
     "--schedule", help="Pipeline schedule (1f1b is interleaved when --vpp > 1).",
     rich_help_panel=_KERNELS)]
 Json = Annotated[bool, typer.Option("--json", help="Machine output: one JSON object, int bytes.")]
+Calibration = Annotated[Optional[list[str]], typer.Option(
+    "--calibration", help="A profile from `memplan calibrate` (JSON file), a folder to search "
+    "for the GPU's profile, or `auto` for the committed one; its correction is its own line. "
+    "Give it twice for a device and a model profile.")]
 
 
 def workload_fields(*, mbs: int, gbs: int | None, seq: int | None, recompute: RecomputeChoice,

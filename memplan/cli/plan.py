@@ -10,6 +10,7 @@ import typer
 from memplan.cli import app
 from memplan.cli.options import (
     AttentionOpt,
+    Calibration,
     Cp,
     Ep,
     Gbs,
@@ -58,6 +59,7 @@ def plan(
     max_tp: MaxTp = None,
     safety: Safety = 0.05,
     top: Top = 10,
+    calibration: Calibration = None,
     json_out: Json = False,
 ) -> None:
     """Find the layouts, micro-batch and recompute that fit, fastest first.
@@ -79,7 +81,8 @@ def plan(
         recompute=None if recompute is None else [recompute.value], tp=tp, pp=pp, vpp=vpp,
         cp=cp, ep=ep, zero=None if zero is None else int(zero.value), sequence_parallel=sp,
         global_batch_size=gbs, seq_len=seq, precision=precision, optimizer=optimizer,
-        optimizer_impl=optimizer_impl, attention=attention, norm_impl=norm)
+        optimizer_impl=optimizer_impl, attention=attention, norm_impl=norm,
+        calibration=calibration)
     if json_out:
         typer.echo(json.dumps(_plan_json(result, top), indent=2))
         return
