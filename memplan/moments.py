@@ -111,8 +111,9 @@ def layer_backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer
     a_norm, m_norm = saved["attn_norm"], saved["mlp_norm"]
     # The input projections' backward: the last weight gradient is made while the others
     # exist, from its output's gradient, beside the gradients of the projections' (shared)
-    # input still to be summed.
+    # input still to be summed. A plain MLP has one input projection: nothing to sum.
     grad_inputs = 2 * rows * h * e
+    mlp_grad_inputs = grad_inputs if spec.mlp.gated or moe_layer else rows * h * e
     if moe_layer and spec.moe is not None:
         proj_out = dm.tokens * spec.moe.top_k // spec.moe.num_experts \
             * spec.moe.expert_ffn_hidden_size // t * e
@@ -132,7 +133,7 @@ def layer_backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer
         BackwardMoment("mlp", extra + a_norm + saved["attn"] + m_norm + saved["ffn"] - freed_ffn,
                        incoming + dropout_grad + mlp, ("mlp_out",)),
         BackwardMoment("mlp_in", extra + a_norm + saved["attn"] + m_norm,
-                       incoming + grad_inputs + proj_out, ("mlp",)),
+                       incoming + mlp_grad_inputs + proj_out, ("mlp",)),
         BackwardMoment("mlp_norm", extra + a_norm + saved["attn"] + saved["mlp_norm_bwd"],
                        incoming + norm, ("mlp",)),
         *(BackwardMoment(f"attention.{i}", extra + a_norm + alive, incoming + transient,
