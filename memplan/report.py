@@ -190,7 +190,8 @@ def render_profile(profile: Any, path: str) -> Any:
     if profile.device is not None:
         d = profile.device
         for name, value in d.coefficients.items():
-            terms.add_row(name, f"{value:,} B" if name == "fixed_bytes" else f"{value:+.4%}")
+            terms.add_row(name, f"{value:,} B" if name.endswith("fixed_bytes")
+                          else f"{value:+.4%}")
         extra = [("reserved / allocated", d.reserved_ratio and f"{d.reserved_ratio:.4f}"),
                  ("reserved rounding", _bytes(d.reserved_rounding_bytes)),
                  ("outside the allocator", _bytes(d.outside_allocator_bytes)),
@@ -209,9 +210,13 @@ def render_profile(profile: Any, path: str) -> Any:
         terms.add_row("spec", f"{m.spec.name} ({m.traced_layers} blocks traced)")
         terms.add_row("parameters (implementation / spec)",
                       f"{m.num_params:,} / {m.analytic_num_params:,}")
-        for target, coef in m.residuals.items():
-            terms.add_row(f"residual {target}", " ".join(
-                f"{c:+.4g}*{mono}" for c, mono in zip(coef, m.monomials) if abs(c) > 1e-9) or "0")
+        for regime, fit in m.regimes.items():
+            for target in ("saved", "layer"):
+                terms.add_row(f"{regime}: {target} - analytic", " ".join(
+                    f"{c:+.4g}*{mono}" for c, mono in zip(fit.residuals[target], m.monomials)
+                    if abs(c) > 1e-6) or "0")
+            terms.add_row(f"{regime}: phase peaks", ", ".join(
+                f"{t} max of {len(v)}" for t, v in fit.envelopes.items()) or "polynomials")
     errors = Table(title="Relative error of the prediction, % (analytic: without the profile)")
     for col in ("quantity", "method", "points", "max |err| %", "rms %"):
         errors.add_column(col, justify="left" if col in ("quantity", "method") else "right")

@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from memplan.calibrate.features import (
-    DEPTH_SCALED,
     STEP_KINDS,
     analytic_phases,
-    evaluate,
+    model_deltas,
     stage_features,
 )
 from memplan.calibrate.profile import Profile, find_profile, load_profile
@@ -214,20 +213,26 @@ def _check_model(model: Loaded, est: Estimate) -> None:
 
 
 def _model_deltas(prof: Profile, est: Estimate) -> dict[str, float]:
+    """The implementation minus the analytic reference at the estimate's (b, s), per target."""
     terms = prof.model
     assert terms is not None
     b, s = est.workload.micro_batch_size, est.workload.seq_len
-    extra = est.spec.num_layers - terms.traced_layers
-    layer = evaluate(terms.residuals["layer"], b, s)
-    return {t: evaluate(c, b, s) + (extra * layer if t in DEPTH_SCALED else 0.0)
-            for t, c in terms.residuals.items()}
+    traced = None
+    if any(fit.envelopes for fit in terms.regimes.values()):
+        # the envelopes are the implementation's own bytes at the traced depth and layout
+        from memplan.calibrate.features import analytic_targets
+        from memplan.parallel import ParallelConfig
+
+        wl = est.workload.model_copy(update={"global_batch_size": None})
+        traced = analytic_targets(terms.spec, wl, ParallelConfig())
+    return model_deltas(terms.regimes, b, s, traced, est.spec.num_layers - terms.traced_layers)
 
 
 def _model_note(model: Loaded, spec: ModelSpec) -> str:
     terms = model.profile.model
     assert terms is not None
-    held = model.profile.error("saved", "held-out")
-    err = f"; held-out saved-activation error {held.max_abs_pct:.3g}%" if held else ""
+    held = model.profile.error("peak", "held-out")
+    err = f"; held-out peak error at most {held.max_abs_pct:.3g}%" if held else ""
     params = ("" if terms.num_params == terms.analytic_num_params else
               f"; the implementation has {terms.num_params:,} parameters, the spec "
               f"{terms.analytic_num_params:,}")

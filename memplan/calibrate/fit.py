@@ -56,7 +56,9 @@ class Point:
 
 
 def sig(x: float, digits: int = SIGNIFICANT) -> float:
-    return float(f"{x:.{digits}g}")
+    """``x`` to ``digits`` significant digits; below 1e-12 in size (rounding noise of an exact
+    fit) it is 0."""
+    return 0.0 if abs(x) < 1e-12 else float(f"{x:.{digits}g}")
 
 
 def _max_or_none(values: list[int | None]) -> int | None:
@@ -229,7 +231,7 @@ def _terms(records: list[Record], fit: _Fit, probes: ProbeRecord | None) -> Devi
     nccl = [r.nccl_bytes for rec in records if rec.ok for r in rec.ranks
             if r.nccl_bytes is not None]
     return DeviceTerms(
-        coefficients={k: (round(v) if k == "fixed_bytes" else sig(v))
+        coefficients={k: (round(v) if k.endswith("fixed_bytes") else sig(v))
                       for k, v in fit.coef.items()},
         reserved_ratio=None if fit.reserved is None else sig(fit.reserved[0]),
         reserved_rounding_bytes=None if fit.reserved is None else round(fit.reserved[1]),

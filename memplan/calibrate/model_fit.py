@@ -1,24 +1,30 @@
-"""A user model's records -> a model profile: how its implementation differs from the analytic
-reference, per target, as a polynomial in micro-batch b and sequence s.
+"""A user model's records -> a model profile: its implementation's bytes as polynomials in
+micro-batch b and sequence s, next to the analytic reference.
 
-Targets, each measured by the exact tracker under fake tensors and each compared with the
-analytic estimate for the same spec and workload:
+Targets, each measured by the exact tracker under fake tensors:
 
 - ``saved``: saved activations of the whole model (born in forward, alive when backward starts);
 - ``layer``: those born inside one transformer block (``ModelTerms.layer_index``);
 - ``first_step.<phase>`` and ``steady.<phase>``: the phase peaks of the first and a later step.
 
-A transformer's tensors are products of b, s and fixed widths: b*s (the residual stream, MLP,
-logits), b*s^2 (eager attention's scores, a 4-D mask), s and s^2 (position ids, a causal mask),
-b (a per-sequence tensor, e.g. a label shift's missing last token) and constants. The residual
-(measured minus analytic) of every target is fitted on exactly these six monomials by least
-squares, weighted by 1 / measured (relative error). With the analytic reference and the
-implementation both polynomials in them, the fit is exact up to rounding, which the held-out
-points check.
+Every tensor of a transformer step is a product of b, s and fixed widths: b*s (the residual
+stream, MLP, logits), b*s^2 (eager attention's scores, a 4-D mask), s and s^2 (position ids, a
+causal mask), b (a per-sequence tensor, e.g. a label shift's missing token) and constants. So
+``saved`` and ``layer`` minus their analytic values are fitted on exactly these six monomials.
 
-Depth: the profile is measured at the traced model's depth; an estimate for a deeper or
-shallower copy of the same spec adds (L - L_traced) * the block residual to the saved
-activations and to the forward and backward peaks (one more block saves one more block's worth).
+A phase peak is the largest of the live totals after each op, and which op holds the peak can
+change with (b, s): a single polynomial would be off where it changes. So the live bytes after
+every op of the phase are fitted (the same ops run in the same order at every point), and the
+profile keeps the ops that are the peak somewhere on a wide (b, s) grid; the predicted peak is
+their maximum (the ``envelope``). When the op sequences differ between points, the phase falls
+back to a polynomial of its residual.
+
+Micro-batch 1 is a regime of its own (see ``ModelTerms``), fitted apart from b >= 2. Fits are
+least squares weighted by 1 / measured (relative error); with exact polynomials they reproduce
+the traces to rounding, which leave-one-out and the held-out points check.
+
+Depth: an estimate for a deeper or shallower copy of the spec adds (L - L_traced) * the block
+residual to the saved activations and to the forward and backward peaks.
 """
 
 from __future__ import annotations
@@ -26,49 +32,45 @@ from __future__ import annotations
 import numpy as np
 import scipy.linalg
 
-from memplan.activations import Dims
 from memplan.calibrate.features import (
     MODEL_TARGETS,
     MONOMIALS,
     PHASE_TARGETS,
     STEP_KINDS,
-    analytic,
-    analytic_phases,
+    analytic_targets,
     evaluate,
+    model_deltas,
     monomials,
+    regime_of,
 )
 from memplan.calibrate.fit import sig
-from memplan.calibrate.profile import ErrorFigure, ModelTerms, PointFit
+from memplan.calibrate.profile import ErrorFigure, ModelTerms, PointFit, RegimeFit
 from memplan.calibrate.records import PHASES, Record
 from memplan.errors import MemplanError
-from memplan.layers import layer_kind
-from memplan.spec import ModelSpec
-from memplan.workload import Recompute, Workload
 
-def analytic_layer_bytes(spec: ModelSpec, wl: Workload, layout) -> int:
-    """Saved bytes of one dense block of the analytic reference (``memplan.activations``)."""
-    policy = Recompute.FULL if wl.recompute_layers else wl.recompute
-    return layer_kind(spec, wl, Dims.of(layout, wl), False, policy).saved_bytes
+# rank each regime's fit points must reach: b = 1 leaves {1, s, s^2}
+RANK = {"b=1": 3, "b>=2": len(MONOMIALS)}
 
 
-def analytic_targets(spec: ModelSpec, wl: Workload, layout) -> dict[str, int]:
-    stage = analytic(spec, layout, wl).stages[0]
-    phases = analytic_phases(stage)
-    return {"saved": stage.activations_bytes, "layer": analytic_layer_bytes(spec, wl, layout),
-            **{f"{k}.{p}": v for (k, p), v in phases.items()}}
+class Data:
+    """One finished record: (b, s), measured and analytic targets, the ops' live bytes."""
 
-
-def measured_targets(rec: Record, layer_index: int) -> dict[str, int]:
-    steps = rec.ranks[0].steps
-    steady = steps[-1]
-    if steady.saved_activations_bytes is None or not steady.layer_saved_bytes:
-        raise MemplanError(f"model record {rec.key} lacks the traced saved activations")
-    out = {"saved": steady.saved_activations_bytes,
-           "layer": steady.layer_saved_bytes[layer_index]}
-    for kind, step in zip(STEP_KINDS, (steps[0], steady)):
-        for phase in PHASES:
-            out[f"{kind}.{phase}"] = step.phases[phase].allocated_bytes
-    return out
+    def __init__(self, rec: Record, layer_index: int) -> None:
+        steps = rec.ranks[0].steps
+        steady = steps[-1]
+        if steady.saved_activations_bytes is None or not steady.layer_saved_bytes:
+            raise MemplanError(f"model record {rec.key} lacks the traced saved activations")
+        self.key, self.role = rec.key, rec.role
+        self.bs = (rec.workload.micro_batch_size, rec.workload.seq_len)
+        self.measured = {"saved": steady.saved_activations_bytes,
+                         "layer": steady.layer_saved_bytes[layer_index]}
+        self.ops: dict[str, list[int]] = {}
+        for kind, step in zip(STEP_KINDS, (steps[0], steady)):
+            for phase in PHASES:
+                self.measured[f"{kind}.{phase}"] = step.phases[phase].allocated_bytes
+                self.ops[f"{kind}.{phase}"] = (step.op_bytes or {}).get(phase, [])
+        self.analytic = analytic_targets(rec.spec, rec.workload, rec.layout)
+        self.regime = regime_of(self.bs[0])
 
 
 def layer_index_for(num_blocks: int) -> int:
@@ -76,29 +78,77 @@ def layer_index_for(num_blocks: int) -> int:
     return num_blocks // 2
 
 
-def _solve(bs: list[tuple[int, int]], residual: list[float], measured: list[float]) -> list[float]:
+def _lstsq(bs: list[tuple[int, int]], y: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """Coefficients (monomials x columns of y), each row of y weighted by ``weight``."""
+    x = np.array([monomials(b, s) for b, s in bs], dtype=np.float64) * weight[:, None]
+    scale = np.abs(x).max(axis=0)
+    beta = scipy.linalg.lstsq(x / scale, y * weight[:, None], lapack_driver="gelsd")[0]
+    return beta / scale[:, None]
+
+
+def _rank(bs: list[tuple[int, int]]) -> int:
     x = np.array([monomials(b, s) for b, s in bs], dtype=np.float64)
-    w = 1.0 / np.maximum(np.abs(np.array(measured, dtype=np.float64)), 1.0)
-    a = x * w[:, None]
-    scale = np.abs(a).max(axis=0)
-    beta = scipy.linalg.lstsq(a / scale, np.array(residual) * w, lapack_driver="gelsd")[0]
-    return [float(v) for v in beta / scale]
+    return int(np.linalg.matrix_rank(x / np.abs(x).max(axis=0)))
 
 
-def _check_design(bs: list[tuple[int, int]]) -> None:
-    x = np.array([monomials(b, s) for b, s in bs])
-    rank = np.linalg.matrix_rank(x / np.abs(x).max(axis=0))
-    if rank < len(MONOMIALS):
-        raise MemplanError(f"user-model fit needs (mbs, seq) points spanning {len(MONOMIALS)} "
-                           f"terms ({', '.join(MONOMIALS)}); the {len(bs)} points span {rank}: "
-                           "use at least 2 micro-batch sizes and 3 sequence lengths")
+def _envelope(points: list[Data], target: str, regime: str) -> list[list[float]] | None:
+    """Coefficients of the ops that hold the phase's peak somewhere on a wide grid, or None
+    when the points did not run the same op sequence."""
+    seqs = [p.ops[target] for p in points]
+    if not seqs[0] or len({len(q) for q in seqs}) != 1:
+        return None
+    y = np.array(seqs, dtype=np.float64)
+    peaks = y.max(axis=1)
+    coef = _lstsq([p.bs for p in points], y, 1.0 / peaks)  # (monomials, ops)
+    bmax = max(p.bs[0] for p in points)
+    s_lo, s_hi = min(p.bs[1] for p in points), max(p.bs[1] for p in points)
+    bs_grid = [1] if regime == "b=1" else list(range(2, max(8, 2 * bmax) + 1))
+    s_grid = np.unique(np.geomspace(max(2, s_lo // 4), 4 * s_hi, 48).astype(int))
+    grid = np.array([monomials(b, int(s)) for b in bs_grid for s in s_grid])
+    keep = set(np.argmax(grid @ coef, axis=1).tolist())
+    keep |= {int(np.argmax(row)) for row in y}  # the peak op of every measured point
+    return [[sig(float(c), 12) for c in coef[:, j]] for j in sorted(keep)]
 
 
-def _fit(points: list[tuple[tuple[int, int], dict[str, int], dict[str, int]]]
-         ) -> dict[str, list[float]]:
-    bs = [p[0] for p in points]
-    return {t: _solve(bs, [m[t] - a[t] for _, m, a in points], [m[t] for _, m, a in points])
-            for t in MODEL_TARGETS}
+def _fit_regime(points: list[Data], regime: str) -> RegimeFit:
+    bs = [p.bs for p in points]
+    residuals = {}
+    for t in MODEL_TARGETS:
+        y = np.array([[p.measured[t] - p.analytic[t]] for p in points], dtype=np.float64)
+        w = 1.0 / np.maximum(np.array([p.measured[t] for p in points], dtype=np.float64), 1.0)
+        residuals[t] = [sig(float(c), 12) for c in _lstsq(bs, y, w)[:, 0]]
+    envelopes = {}
+    for t in PHASE_TARGETS:
+        env = _envelope(points, t, regime)
+        if env is not None:
+            envelopes[t] = env
+    return RegimeFit(points=sorted(bs), residuals=residuals, envelopes=envelopes)
+
+
+def _fit(points: list[Data]) -> dict[str, RegimeFit]:
+    out = {}
+    for regime in RANK:
+        mine = [p for p in points if p.regime == regime]
+        if mine and _rank([p.bs for p in mine]) >= RANK[regime]:
+            out[regime] = _fit_regime(mine, regime)
+    return out
+
+
+def _check_design(points: list[Data]) -> None:
+    for regime, need in RANK.items():
+        mine = [p.bs for p in points if p.regime == regime]
+        if mine and _rank(mine) < need:
+            raise MemplanError(
+                f"user-model fit: the {len(mine)} fit points with {regime} span {_rank(mine)} "
+                f"of the {need} terms needed; use at least 3 sequence lengths"
+                + (" and 2 micro-batch sizes above 1" if regime == "b>=2" else ""))
+    if not points:
+        raise MemplanError("user-model fit: no fit points")
+
+
+def predict(regimes: dict[str, RegimeFit], p: Data) -> dict[str, float]:
+    deltas = model_deltas(regimes, *p.bs, p.analytic)
+    return {t: p.analytic[t] + deltas[t] for t in MODEL_TARGETS}
 
 
 def fit_model(records: list[Record]) -> tuple[ModelTerms, list[ErrorFigure], list[PointFit]]:
@@ -106,20 +156,15 @@ def fit_model(records: list[Record]) -> tuple[ModelTerms, list[ErrorFigure], lis
     if not ok:
         raise MemplanError("no finished user-model records to fit")
     first = ok[0]
-    blocks = len(first.ranks[0].steps[-1].layer_saved_bytes or [])
-    layer = layer_index_for(blocks)
-    data = [((r.workload.micro_batch_size, r.workload.seq_len), measured_targets(r, layer),
-             analytic_targets(r.spec, r.workload, r.layout), r) for r in ok]
-    fit_set = [d[:3] for d in data if d[3].role == "fit"]
-    _check_design([d[0] for d in fit_set])
-    coef = _fit(fit_set)
-    errors, table = _errors(data, fit_set, coef)
-    terms = ModelTerms(
-        module=first.module or "", monomials=list(MONOMIALS),
-        residuals={t: [sig(c, 12) for c in v] for t, v in coef.items()},
-        spec=first.spec, workload=first.workload,
-        traced_layers=blocks, layer_index=layer, num_params=first.num_params or 0,
-        analytic_num_params=first.spec.num_params)
+    layer = layer_index_for(len(first.ranks[0].steps[-1].layer_saved_bytes or []))
+    data = [Data(r, layer) for r in ok]
+    fit_set = [d for d in data if d.role == "fit"]
+    _check_design(fit_set)
+    regimes = _fit(fit_set)
+    errors, table = _errors(data, fit_set, regimes)
+    terms = ModelTerms(module=first.module or "", monomials=list(MONOMIALS), regimes=regimes,
+                       spec=first.spec, workload=first.workload, layer_index=layer,
+                       num_params=first.num_params or 0, analytic_num_params=first.spec.num_params)
     return terms, errors, table
 
 
@@ -136,26 +181,35 @@ def _figure(quantity: str, method: str, pcts: list[float]) -> ErrorFigure | None
                        rms_pct=sig(float(np.sqrt(np.mean(arr ** 2))), 4))
 
 
-def _errors(data, fit_set, coef) -> tuple[list[ErrorFigure], list[PointFit]]:
+def _peak(values: dict[str, float]) -> float:
+    return max(values[t] for t in PHASE_TARGETS)
+
+
+def _errors(data: list[Data], fit_set: list[Data], regimes: dict[str, RegimeFit]
+            ) -> tuple[list[ErrorFigure], list[PointFit]]:
+    held = [d for d in data if d.role == "holdout"]
+    loo: dict[str, dict[str, float]] = {}
+    for d in fit_set:
+        rest = [q for q in fit_set if q is not d]
+        same = [q.bs for q in rest if q.regime == d.regime]
+        if same and _rank(same) >= RANK[d.regime]:
+            loo[d.key] = predict(_fit(rest), d)
+    pred = {d.key: predict(regimes, d) for d in data}
     figures: list[ErrorFigure | None] = []
-    held = [d for d in data if d[3].role == "holdout"]
-    loo: dict[tuple[int, int], dict[str, list[float]]] = {}
-    if len(fit_set) > len(MONOMIALS):
-        for i, (bs, _, _) in enumerate(fit_set):
-            loo[bs] = _fit(fit_set[:i] + fit_set[i + 1:])
-    for t in ("saved", "steady.backward", "first_step.forward", "steady.forward"):
-        pred = lambda d, c: d[2][t] + evaluate(c[t], *d[0])  # noqa: E731
-        figures.append(_figure(t, "analytic", [_pct(d[2][t], d[1][t]) for d in data]))
-        figures.append(_figure(t, "held-out", [_pct(pred(d, coef), d[1][t]) for d in held]))
-        figures.append(_figure(t, "leave-one-out", [_pct(pred(d, loo[d[0]]), d[1][t])
-                                                    for d in fit_set if d[0] in loo]))
-    table = []
-    for bs, meas, ana, rec in data:
-        peak_t = max(PHASE_TARGETS, key=lambda t: meas[t])
-        table.append(PointFit(
-            key=rec.key, role=rec.role, measured_bytes=meas[peak_t],
-            analytic_bytes=max(ana[t] for t in PHASE_TARGETS),
-            fitted_bytes=round(max(ana[t] + evaluate(coef[t], *bs) for t in PHASE_TARGETS)),
-            loo_bytes=(round(max(ana[t] + evaluate(loo[bs][t], *bs) for t in PHASE_TARGETS))
-                       if bs in loo and rec.role == "fit" else None)))
+    for t in ("saved", "layer", *PHASE_TARGETS, "peak"):
+        get = _peak if t == "peak" else (lambda v, t=t: v[t])
+        figures.append(_figure(t, "analytic", [_pct(get(d.analytic), get(d.measured))
+                                               for d in data]))
+        figures.append(_figure(t, "held-out", [_pct(get(pred[d.key]), get(d.measured))
+                                               for d in held]))
+        figures.append(_figure(t, "leave-one-out", [_pct(get(loo[d.key]), get(d.measured))
+                                                    for d in fit_set if d.key in loo]))
+    table = [PointFit(key=d.key, role=d.role, measured_bytes=round(_peak(d.measured)),
+                      analytic_bytes=round(_peak(d.analytic)),
+                      fitted_bytes=round(_peak(pred[d.key])),
+                      loo_bytes=round(_peak(loo[d.key])) if d.key in loo else None)
+             for d in data]
     return [f for f in figures if f is not None], table
+
+
+__all__ = ["evaluate", "fit_model", "layer_index_for"]

@@ -82,21 +82,38 @@ class DeviceTerms(BaseModel):
     world_size: int = 1
 
 
+class RegimeFit(BaseModel):
+    """One regime's fit: ``residuals`` (target -> coefficients of the implementation minus the
+    analytic reference) and ``envelopes`` (phase target -> coefficients of the live bytes after
+    each op that is the phase's peak somewhere: the peak is their maximum)."""
+
+    model_config = _FROZEN
+
+    points: list[tuple[int, int]]
+    residuals: dict[str, list[float]]
+    envelopes: dict[str, list[list[float]]] = Field(default_factory=dict)
+
+
 class ModelTerms(BaseModel):
-    """A user model's residuals (implementation minus analytic reference) per target, as
-    coefficients of ``monomials`` in b (micro-batch) and s (sequence)."""
+    """A user model's fit per regime (``b=1``, ``b>=2``), polynomials in b (micro-batch) and
+    s (sequence) over ``monomials``. Micro-batch 1 is its own regime: slicing a (1, s, ...)
+    tensor along s keeps it contiguous, so ``.contiguous()`` copies that b >= 2 makes (e.g. a
+    label shift) do not happen at b = 1."""
 
     model_config = _FROZEN
 
     module: str
     monomials: list[str]
-    residuals: dict[str, list[float]]
-    spec: ModelSpec
+    regimes: dict[str, RegimeFit]
+    spec: ModelSpec = Field(description="the spec at the traced depth")
     workload: Workload
-    traced_layers: int
     layer_index: int = Field(description="the block whose saved bytes stand for one layer")
     num_params: int
     analytic_num_params: int
+
+    @property
+    def traced_layers(self) -> int:
+        return self.spec.num_layers
 
 
 class Profile(BaseModel):

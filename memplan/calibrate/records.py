@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Literal
@@ -34,6 +35,8 @@ from memplan.spec import ModelSpec
 from memplan.workload import Workload
 
 SCHEMA_VERSION = 1
+# a JSON list of numbers only, written on one line (op-by-op byte series stay readable)
+_NUMBER_LIST = re.compile(r"\[\s*((?:-?[0-9.eE+]+,\s*)*-?[0-9.eE+]+)\s*\]")
 PHASES = ("forward", "backward", "optimizer")
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -84,6 +87,8 @@ class StepMeasure(BaseModel):
                                                 "bytes born in forward alive when backward starts")
     layer_saved_bytes: list[int] | None = Field(default=None, description="tracker only: the "
                                                 "same per transformer block")
+    op_bytes: dict[str, list[int]] | None = Field(default=None, description="user models: live "
+                                                  "bytes after every op, per phase")
 
 
 class RankMeasure(BaseModel):
@@ -129,10 +134,11 @@ def write_json_atomic(path: Path, data: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    text = _NUMBER_LIST.sub(lambda m: "[" + ",".join(m.group(1).split()).replace(",,", ",")
+                            + "]", json.dumps(data, indent=1))
     try:
         with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=1, sort_keys=False)
-            fh.write("\n")
+            fh.write(text + "\n")
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)

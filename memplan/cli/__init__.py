@@ -23,7 +23,13 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-from memplan.cli import catalog, estimate, plan, trace  # noqa: E402  (commands register on `app`)
+from memplan.cli import (  # noqa: E402  (commands register on `app`)
+    calibrate,
+    catalog,
+    estimate,
+    plan,
+    trace,
+)
 
 EXIT_USAGE = 2
 
@@ -61,4 +67,4 @@ def run() -> None:
     sys.exit(main())
 
 
-__all__ = ["app", "catalog", "estimate", "main", "plan", "run", "trace"]
+__all__ = ["app", "calibrate", "catalog", "estimate", "main", "plan", "run", "trace"]

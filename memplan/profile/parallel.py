@@ -138,8 +138,10 @@ def trace_parallel(spec: ModelSpec, par: ParallelConfig, wl: Workload, *, steps:
 
 def trace_rank(spec: ModelSpec, par: ParallelConfig, wl: Workload, *, steps: int = 2,
                fake: bool = True, timeline: bool = False,
-               on_model: OnModel | None = None) -> TraceResult:
-    """Trace this process's rank of ``par`` on the default process group (fake or real)."""
+               on_model: OnModel | None = None, device: str = "cpu") -> TraceResult:
+    """Trace this process's rank of ``par`` on the default process group (fake or real).
+    ``device="cuda"`` builds the model and the mesh on this rank's current CUDA device (FSDP2
+    and TP only; call it under ``torch.device("cuda")`` so the step's token ids follow)."""
     kind = layout_kind(par)
     if dist.get_world_size() != par.world_size:
         raise MemplanError(f"trace_rank: process group has {dist.get_world_size()} ranks, "
@@ -151,14 +153,14 @@ def trace_rank(spec: ModelSpec, par: ParallelConfig, wl: Workload, *, steps: int
         raise MemplanError("trace_parallel: DDP runs only on real tensors (fake=False)")
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (par.world_size,))
+    mesh = init_device_mesh(device, (par.world_size,))
     tracker = ParallelTracker(timeline=timeline)
     with _fake_mode() if fake else contextlib.nullcontext():
         torch.manual_seed(0)  # every rank builds the same replicated weights
         if kind == "fsdp":
-            model = _fsdp_model(spec, wl, mesh)
+            model = _fsdp_model(spec, wl, mesh, device)
         elif kind == "tp":
-            model = _tp_model(spec, wl, mesh, par.sequence_parallel)
+            model = _tp_model(spec, wl, mesh, par.sequence_parallel, device)
         else:
             model = _ddp_model(spec, wl, tracker)
         if on_model is not None:
@@ -180,13 +182,13 @@ def _check_precision(kind: str, wl: Workload) -> None:
 
 # --- FSDP2 ---------------------------------------------------------------------------------
 
-def _fsdp_model(spec: ModelSpec, wl: Workload, mesh) -> nn.Module:
+def _fsdp_model(spec: ModelSpec, wl: Workload, mesh, device: str = "cpu") -> nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # fp32 weights (FSDP2 keeps fp32 shards and casts the gathered copy), but the forward's own
     # tensors (RoPE tables, eager mask) in the compute dtype, as the model reads them from
     # ``model.opts.dtype``. (``.to(fp32)`` after building fails on fake tensors.)
-    model = ReferenceModel(spec, ref_options(wl, torch.float32))
+    model = ReferenceModel(spec, ref_options(wl, torch.float32), device=device)
     model.opts = ref_options(wl)
     if wl.precision is Precision.FSDP_BF16:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -228,7 +230,7 @@ def _follow_fsdp_storage(tracker: ParallelTracker) -> Iterator[None]:
 
 # --- tensor parallel -------------------------------------------------------------------------
 
-def _tp_model(spec: ModelSpec, wl: Workload, mesh, sp: bool) -> nn.Module:
+def _tp_model(spec: ModelSpec, wl: Workload, mesh, sp: bool, device: str = "cpu") -> nn.Module:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -241,7 +243,7 @@ def _tp_model(spec: ModelSpec, wl: Workload, mesh, sp: bool) -> nn.Module:
 
     if spec.moe is not None:
         raise MemplanError("trace_parallel: tensor parallel MoE is not traced yet")
-    model = ReferenceModel(spec, ref_options(wl))
+    model = ReferenceModel(spec, ref_options(wl), device=device)
     out = Shard(1) if sp else Replicate()  # rowwise outputs: reduce-scatter with SP
     for block in model.blocks:
         plan = {

@@ -1,0 +1,281 @@
+"""``memplan calibrate``: measure this machine (or a user's model) and fit a profile."""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from memplan.cli import app
+from memplan.cli.options import Json, PrecisionOpt
+from memplan.errors import MemplanError
+from memplan.workload import Precision, Workload
+
+
+class DeviceChoice(str, enum.Enum):
+    CUDA = "cuda"
+    CPU = "cpu"
+
+
+DeviceOpt = Annotated[DeviceChoice, typer.Option(
+    "--device", help="cuda: the GPU's allocator, context and NCCL; cpu: the same pipeline "
+    "against the exact tracker (tensors only).")]
+Quick = Annotated[bool, typer.Option("--quick", help="A 10-run grid (3 steps each) instead of 38.")]
+Resume = Annotated[bool, typer.Option("--resume", help="Skip points already recorded.")]
+Nproc = Annotated[int, typer.Option(
+    "--nproc", help="Ranks launched through torchrun (NCCL on CUDA, gloo on CPU): per-rank "
+    "memory under FSDP2 and TP.")]
+Module = Annotated[Optional[str], typer.Option(
+    "--module", help="pkg.mod:factory (or file.py:factory) building your nn.Module "
+    "(factory(*, dtype, device)); traced under fake tensors for a model profile.")]
+RefModel = Annotated[Optional[str], typer.Option(
+    "--model", "-m", help="Grid: the reference model's spec (default: sized for the device). "
+    "--module: the spec the module implements (default: read from its Hugging Face config).")]
+Out = Annotated[Path, typer.Option(
+    "--out", help="Calibration folder: records go to OUT/records/NAME, the profile to "
+    "OUT/profiles/NAME.json.")]
+Name = Annotated[Optional[str], typer.Option(
+    "--name", help="Run name (default: the GPU's catalog name, cpu, or model-<factory>).")]
+GpuName = Annotated[Optional[str], typer.Option(
+    "--gpu", help="Catalog name of this GPU when its device name does not match one.")]
+MaxSeq = Annotated[Optional[int], typer.Option(
+    "--seq", help="--module: the longest sequence traced (default: min(max positions, 1024)).")]
+Refit = Annotated[bool, typer.Option(
+    "--refit", help="Re-fit every profile under OUT/profiles from its records; measure nothing.")]
+
+
+def _command(**opts: object) -> str:
+    """The command line that reproduces this run (for the records' metadata)."""
+    parts = ["memplan calibrate"]
+    for key, value in opts.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            parts.append(flag)
+        elif value not in (None, False):
+            parts.append(f"{flag} {getattr(value, 'value', value)}")
+    return " ".join(parts)
+
+
+def _progress(total: int):
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                    console=Console(stderr=True))
+
+
+@app.command()
+def calibrate(
+    device: DeviceOpt = DeviceChoice.CUDA,
+    quick: Quick = False,
+    resume: Resume = False,
+    nproc: Nproc = 1,
+    module: Module = None,
+    model: RefModel = None,
+    precision: PrecisionOpt = Precision.BF16_MIXED,
+    seq: MaxSeq = None,
+    out: Out = Path("calibration"),
+    name: Name = None,
+    gpu: GpuName = None,
+    refit: Refit = False,
+    json_out: Json = False,
+) -> None:
+    """Measure memory and step time on this machine and fit a calibration profile.
+
+    Runs short training steps of the reference model over a grid (micro-batch, sequence,
+    recompute, precision, attention), each record written as soon as it finishes, then fits
+    the profile that `estimate --calibration` and `plan --calibration` apply.
+
+    Examples:
+
+      memplan calibrate --quick
+
+      memplan calibrate --device cpu --quick --out /tmp/cal
+
+      memplan calibrate --nproc 8
+
+      memplan calibrate --device cpu --module mypkg.models:build --seq 512
+
+      memplan calibrate --refit
+    """
+    if refit:
+        return _refit(out, json_out)
+    if nproc < 1:
+        raise MemplanError(f"nproc ({nproc}) must be at least 1")
+    if module is not None and (nproc > 1 or device is not DeviceChoice.CPU):
+        raise MemplanError("module: a user model is traced under fake tensors on one CPU "
+                           "process; use --device cpu without --nproc")
+    if precision is Precision.FSDP_BF16:
+        raise MemplanError("precision: fsdp-bf16 needs an FSDP layout; calibrate runs it "
+                           "with --nproc")
+    torch = _torch()
+    if device is DeviceChoice.CUDA:
+        _check_cuda(torch, nproc)
+    command = _command(device=device, quick=quick, nproc=nproc if nproc > 1 else None,
+                       module=module, model=model, precision=None if module is None
+                       else precision, seq=seq, gpu=gpu)
+    from memplan.profile.calibrate_run import make_meta
+
+    meta = make_meta(device.value, command, gpu, num_devices=max(1, nproc))
+    if module is not None:
+        name = name or "model-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", module.split(":")[-1])
+    else:
+        name = name or (meta.gpu or "cpu") + (f"-nproc{nproc}" if nproc > 1 else "")
+    folder = out / "records" / name
+    _check_folder(folder, resume)
+    if module is not None:
+        _run_module(module, model, precision, seq, meta, folder, resume)
+    elif nproc > 1:
+        _run_dist(device.value, nproc, quick, resume, gpu, command, folder)
+    else:
+        _run_grid(device.value, model, quick, resume, meta, folder)
+    _fit_and_report(folder, out / "profiles" / f"{name}.json", name, json_out)
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as err:
+        raise MemplanError(f"calibrate needs torch: pip install 'memplan[torch]' ({err})") from err
+    return torch
+
+
+def _check_cuda(torch, nproc: int) -> None:
+    if not torch.cuda.is_available():
+        raise MemplanError(
+            f"no CUDA device (torch {torch.__version__}, CUDA build {torch.version.cuda}: "
+            "torch.cuda.is_available() is False); run on a GPU machine, or use --device cpu "
+            "to exercise the pipeline against the exact tracker")
+    if torch.cuda.device_count() < nproc:
+        raise MemplanError(f"nproc ({nproc}) needs {nproc} CUDA devices, found "
+                           f"{torch.cuda.device_count()} (NCCL puts one rank on each)")
+
+
+def _check_folder(folder: Path, resume: bool) -> None:
+    from memplan.calibrate.records import finished_keys
+
+    done = finished_keys(folder)
+    if done and not resume:
+        raise MemplanError(f"{folder} already holds {len(done)} records; pass --resume to "
+                           "continue that run, or --name for a new one")
+
+
+def _run_grid(device: str, model: str | None, quick: bool, resume: bool, meta, folder: Path
+              ) -> None:
+    from memplan.calibrate.grid import device_grid
+    from memplan.calibrate.records import finished_keys, write_probes
+    from memplan.profile.calibrate_run import run_grid
+
+    spec = None
+    if model is not None:
+        from memplan.spec import load_model
+
+        spec = load_model(model)
+    points = device_grid(device, quick=quick, total_bytes=meta.total_bytes, spec=spec)
+    if device == "cuda" and not (resume and (folder / "probes.json").is_file()):
+        from memplan.calibrate.records import ProbeRecord
+        from memplan.profile.overhead_probe import run_probes
+
+        write_probes(folder, ProbeRecord(meta=meta, probes=run_probes()))
+    done = finished_keys(folder) if resume else set()
+    steps = 3 if quick else 4
+    with _progress(len(points)) as bar:
+        task = bar.add_task(f"{meta.device_name}: {points[0].spec.name}", total=len(points),
+                            completed=sum(p.key in done for p in points))
+        run_grid(points, folder, meta, steps=steps, resume=resume,
+                 progress=lambda p, rec: rec is not None and bar.advance(task))
+
+
+def _run_dist(device: str, nproc: int, quick: bool, resume: bool, gpu: str | None,
+              command: str, folder: Path) -> None:
+    from memplan.calibrate.grid import parallel_grid
+
+    total = len(parallel_grid(device, nproc, quick=quick))
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", "-m", "memplan.profile.calibrate_dist",
+            "--folder", str(folder), "--device", device, "--steps", "3" if quick else "4",
+            "--command", command, *(["--gpu", gpu] if gpu else []),
+            *(["--quick"] if quick else []), *(["--resume"] if resume else [])]
+    folder.mkdir(parents=True, exist_ok=True)
+    with _progress(total) as bar:
+        task = bar.add_task(f"{nproc} ranks ({device})", total=total)
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("{"):
+                bar.advance(task)
+        err = proc.stderr.read() if proc.stderr else ""
+        if proc.wait() != 0:
+            last = [ln for ln in err.splitlines() if ln.strip()][-1:] or ["no output"]
+            raise MemplanError(f"torchrun with {nproc} ranks failed (exit {proc.returncode}): "
+                               f"{last[0]}")
+
+
+def _run_module(target: str, model: str | None, precision: Precision, seq: int | None, meta,
+                folder: Path, resume: bool) -> None:
+    from memplan.calibrate.records import finished_keys, write_record
+    from memplan.profile.user_model import (
+        load_factory,
+        measure_user_point,
+        point_key,
+        resolve_spec,
+        user_points,
+    )
+
+    factory = load_factory(target)
+    spec = None
+    if model is not None:
+        from memplan.spec import load_model
+
+        spec = load_model(model)
+    spec = resolve_spec(factory, spec)
+    points = user_points(spec, seq)
+    wl = Workload(precision=precision)
+    done = finished_keys(folder) if resume else set()
+    with _progress(len(points)) as bar:
+        task = bar.add_task(f"{target} ({spec.name})", total=len(points))
+        for point in points:
+            if point_key(point[0], point[1]) not in done:
+                write_record(folder, measure_user_point(factory, target, spec, wl, point, meta))
+            bar.advance(task)
+
+
+def _fit_and_report(folder: Path, path: Path, name: str, json_out: bool) -> None:
+    from memplan.calibrate.profile import save_profile
+    from memplan.calibrate.refit import build_profile
+
+    profile = build_profile(folder, path, name)
+    save_profile(path, profile)
+    if json_out:
+        typer.echo(json.dumps(profile.model_dump(mode="json", exclude_none=True), indent=2))
+        return
+    from rich.console import Console
+
+    from memplan.report import render_profile
+
+    Console().print(render_profile(profile, str(path)))
+
+
+def _refit(out: Path, json_out: bool) -> None:
+    from memplan.calibrate.refit import refit_all
+
+    results = refit_all(out)
+    if json_out:
+        typer.echo(json.dumps([{"profile": str(p), "changed": c} for p, c in results]))
+        return
+    for path, changed in results:
+        typer.echo(f"{path}: {'re-fitted, changed' if changed else 'unchanged'}")

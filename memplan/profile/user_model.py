@@ -1,0 +1,242 @@
+"""Trace a user's own ``nn.Module`` under fake tensors, for a model profile.
+
+``memplan calibrate --device cpu --module pkg.mod:factory`` imports ``factory`` and calls it as
+
+    def factory(*, dtype: torch.dtype, device: torch.device | str) -> torch.nn.Module
+
+inside ``FakeTensorMode`` (weights take no memory, any size traces). The module is a causal LM:
+``forward(input_ids)`` with ``input_ids`` of shape (b, s) returns logits (b, s, V) or an object
+with ``.logits``; if ``forward`` accepts ``labels``, it is called as ``forward(input_ids=ids,
+labels=ids)`` and its ``.loss`` is used (Hugging Face models shift the labels themselves).
+Otherwise the loss is cross-entropy on the logits upcast to fp32. The factory should create the
+weights directly in ``dtype`` (a later ``.to()`` would hold a second copy while it runs).
+
+Each (mbs, seq) point runs two training steps (the first and a steady one) of the workload's
+precision recipe and optimizer under the exact tracker, which also records the saved bytes born
+inside each transformer block (the largest ``nn.ModuleList`` of modules of one class).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memplan.calibrate.records import (
+    PHASES,
+    Meta,
+    PhaseMeasure,
+    RankMeasure,
+    Record,
+    StepMeasure,
+)
+from memplan.errors import MemplanError
+from memplan.parallel import ParallelConfig
+from memplan.profile.parallel import ParallelTracker
+from memplan.profile.trace import _TORCH_DTYPE, _fake_mode, run_steps
+from memplan.spec import ModelSpec
+from memplan.timing import step_flops
+from memplan.workload import Workload
+
+Factory = Callable[..., nn.Module]
+
+
+def load_factory(target: str) -> Factory:
+    """``pkg.mod:factory`` (or ``path/to/file.py:factory``) -> the callable."""
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise MemplanError(f"module: expected pkg.mod:factory, got {target!r}")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            spec = importlib.util.spec_from_file_location(path.stem, path)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"cannot load {path}")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[path.stem] = module
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except (ImportError, OSError) as err:
+        raise MemplanError(f"module: cannot import {module_name!r}: {err}") from err
+    obj: Any = module
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise MemplanError(f"module: {module_name!r} has no attribute {attr!r}")
+    if not callable(obj):
+        raise MemplanError(f"module: {target!r} is not callable")
+    return obj
+
+
+def build(factory: Factory, dtype: torch.dtype, device: str = "cpu") -> nn.Module:
+    params = inspect.signature(factory).parameters
+    kwargs = {k: v for k, v in (("dtype", dtype), ("device", device)) if k in params}
+    model = factory(**kwargs)
+    if not isinstance(model, nn.Module):
+        raise MemplanError(f"module: the factory returned {type(model).__name__}, not an "
+                           "nn.Module")
+    return model
+
+
+def hf_spec(model: nn.Module) -> ModelSpec | None:
+    """The spec of a Hugging Face model from its ``config`` (no transformers import here)."""
+    config = getattr(model, "config", None)
+    to_dict = getattr(config, "to_dict", None)
+    if not callable(to_dict):
+        return None
+    from memplan.hf_config import spec_from_hf_dict
+
+    data = to_dict()
+    return spec_from_hf_dict(data, f"{type(model).__name__}.config",
+                             str(data.get("_name_or_path") or type(model).__name__))
+
+
+def find_blocks(model: nn.Module) -> nn.ModuleList:
+    """The transformer blocks: the longest ModuleList whose children share one class."""
+    best: nn.ModuleList | None = None
+    for mod in model.modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) and \
+                len({type(c) for c in mod}) == 1 and (best is None or len(mod) > len(best)):
+            best = mod
+    if best is None:
+        raise MemplanError(f"module: {type(model).__name__} has no nn.ModuleList of blocks")
+    return best
+
+
+class CausalLM(nn.Module):
+    """``forward(ids, targets) -> loss`` around the user's model (what ``run_steps`` calls)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.with_labels = "labels" in inspect.signature(inner.forward).parameters
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.with_labels:
+            out = self.inner(input_ids=ids, labels=targets)
+            loss = out["loss"] if isinstance(out, dict) else getattr(out, "loss", None)
+            if loss is None:
+                raise MemplanError("module: forward(labels=...) returned no loss")
+            return loss
+        out = self.inner(ids)
+        logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
+        if logits is None:
+            raise MemplanError("module: forward(input_ids) returned neither logits nor .logits")
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+class BlockTracker(ParallelTracker):
+    """The exact tracker plus the saved bytes born inside each block's forward."""
+
+    def __init__(self, blocks: nn.ModuleList) -> None:
+        super().__init__(timeline=True)
+        self.born: dict[int, dict] = {}
+        self.layer_saved: dict[int, list[int]] = {}
+        for i, block in enumerate(blocks):
+            block.register_forward_pre_hook(lambda *_a, i=i: self._enter(i))
+            block.register_forward_hook(lambda *_a, i=i: self._leave(i))
+        self._before: dict[int, dict] = {}
+
+    def _enter(self, i: int) -> None:
+        if self.phase == "forward":  # recomputation in backward is not what forward saved
+            self._before[i] = self.live()
+
+    def _leave(self, i: int) -> None:
+        if self.phase == "forward" and i in self._before:
+            self.born[i] = self.born_since(self._before.pop(i))
+
+    def set_phase(self, phase: str, step: int | None = None) -> None:
+        if phase == "backward" and self.phase == "forward":
+            self.layer_saved[self.step] = [self.bytes_of(self.born[i])
+                                           for i in sorted(self.born)]
+            self.born = {}
+        super().set_phase(phase, step)
+
+
+def trace_point(factory: Factory, spec: ModelSpec, wl: Workload, *, fake: bool = True
+                ) -> tuple[list[StepMeasure], int]:
+    """Two steps at (wl.micro_batch_size, wl.seq_len): the step measures and the parameter
+    count of the model the factory built."""
+    with _fake_mode() if fake else _null():
+        torch.manual_seed(0)
+        inner = build(factory, _TORCH_DTYPE[wl.compute_dtype.value])
+        model = CausalLM(inner)
+        tracker = BlockTracker(find_blocks(inner))
+        traced = run_steps(model, spec, wl, tracker, steps=2)
+    flops = step_flops(spec, wl, wl.micro_batch_size)[1]
+    ops: dict[tuple[int, str], list[int]] = {}
+    for point in tracker.timeline:
+        ops.setdefault((point.step, point.phase), []).append(point.total_bytes)
+    steps = []
+    for st in traced.steps:
+        steps.append(StepMeasure(
+            step=st.step, time_s=0.0, hardware_flops=flops, achieved_flops_per_s=0.0,
+            phases={p: PhaseMeasure(allocated_bytes=st.phases[p].total_bytes) for p in PHASES},
+            saved_activations_bytes=st.saved_activations_bytes,
+            layer_saved_bytes=tracker.layer_saved.get(st.step, []),
+            # the optimizer phase does not depend on (b, s): its peak needs no envelope
+            op_bytes={p: ops.get((st.step, p), []) for p in ("forward", "backward")}))
+    return steps, sum(p.numel() for p in inner.parameters())
+
+
+def _null():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def default_points(max_seq: int) -> list[tuple[int, int, str]]:
+    """(mbs, seq, role) with S = ``max_seq``: micro-batch 1 at four sequence lengths (its own
+    regime, see ``memplan.calibrate.profile.ModelTerms``), micro-batch 2 and 3 at S/4, S/2 and
+    S, micro-batch 4 at S/4 and S (12 fit points); held out: one point per regime between the
+    fitted sequence lengths and one beyond the fitted micro-batch sizes."""
+    s = max(16, max_seq // 16 * 16)
+    q, h, t = s // 4, s // 2, 3 * s // 4
+    fit = [(1, x, "fit") for x in (q, h, t, s)]
+    fit += [(b, x, "fit") for b in (2, 3) for x in (q, h, s)] + [(4, q, "fit"), (4, s, "fit")]
+    held = [(1, 3 * s // 8, "holdout"), (3, t, "holdout"), (6, 5 * s // 8, "holdout")]
+    return fit + held
+
+
+def resolve_spec(factory: Factory, spec: ModelSpec | None) -> ModelSpec:
+    """``spec`` when given, else the one the model's Hugging Face config describes; at the
+    depth the factory builds (its number of blocks)."""
+    with _fake_mode():
+        model = build(factory, torch.float32)
+        found = spec or hf_spec(model)
+        blocks = len(find_blocks(model))
+    if found is None:
+        raise MemplanError("module: the model has no Hugging Face config to read its spec from; "
+                           "pass --model with the spec it implements")
+    if blocks != found.num_layers:
+        found = found.model_copy(update={"num_layers": blocks,
+                                         "name": f"{found.name}[:{blocks}]"})
+    return found
+
+
+def user_points(spec: ModelSpec, max_seq: int | None = None) -> list[tuple[int, int, str]]:
+    return default_points(min(max_seq or spec.max_seq_len, spec.max_seq_len, 1024))
+
+
+def point_key(b: int, s: int) -> str:
+    return f"model-mbs{b}-seq{s}"
+
+
+def measure_user_point(factory: Factory, target: str, spec: ModelSpec, wl: Workload,
+                       point: tuple[int, int, str], meta: Meta, *, fake: bool = True) -> Record:
+    """One (mbs, seq) point of the user's model as a record of kind ``model``."""
+    b, s, role = point
+    point_wl = wl.model_copy(update={"micro_batch_size": b, "seq_len": s})
+    steps, num = trace_point(factory, spec, point_wl, fake=fake)
+    return Record(kind="model", key=point_key(b, s), role=role, status="ok", spec=spec,
+                  layout=ParallelConfig(), workload=point_wl, num_params=num, module=target,
+                  ranks=[RankMeasure(steps=steps)], meta=meta)
