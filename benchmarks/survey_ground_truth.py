@@ -81,7 +81,8 @@ def main() -> None:
               f"max {max(worst):.2f}%; rows: {dict(rows)}")
         for pct, spec, fields, off in sorted(misses, key=lambda m: -m[0])[:8]:
             shape = (f"L{spec.num_layers} h{spec.hidden_size} f{spec.ffn_hidden_size} "
-                     f"a{spec.num_attention_heads}/g{spec.num_kv_heads} V{spec.vocab_size} "
+                     f"a{spec.num_attention_heads}/g{spec.num_kv_heads} d{spec.head_dim} V{spec.vocab_size} "
+                     f"{'tied ' if spec.tied_embeddings else ''}{'qkv-bias ' if spec.qkv_bias else ''}"
                      f"{spec.norm.value} {spec.mlp.value} dropout {spec.dropout}")
             print(f"  {pct:6.2f}%  {shape}  {fields}")
 

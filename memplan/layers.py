@@ -130,7 +130,7 @@ def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
         return waiting - int(waiting / w.unsharded_ratio) if w.unsharded_ratio > 1 else waiting
 
     if w.final_norm_bwd:  # the head's weight gradient exists; the norm's own comes after
-        peak = max(peak, acts + w.final_norm_saved + grads + w.final_norm_bwd
+        peak = max(peak, acts + w.final_norm_saved + grads + w.tied_pending + w.final_norm_bwd
                    + buffer(produced) + w.gathered_at_loss)
     pending = w.tied_pending  # a tied head's weight grad waits for the embedding's
     for kind, layer_grads, moment_grads, n in reversed(w.runs):
