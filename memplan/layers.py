@@ -84,6 +84,8 @@ class Walk:
     final_norm_bwd: int  # last stage: gradients in flight inside the final norm's backward
     gathered_in_block: int = 0  # ZeRO-3 gathered weights while a block's backward runs
     gathered_at_loss: int = 0  # ... at the loss, the head and the embedding
+    layer_inputs: int = 0  # of ``rest_saved``: rope tables and a checkpointed mask, freed
+    #                        with the saved tensors of the stage's first layer
 
 
 def forward_peak(runs: list[tuple[LayerKind, int, tuple[int, ...], int]], before: int,
@@ -149,8 +151,8 @@ def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
         grads += n * step_grads
         produced += n * layer_grads
     end_grads = grads_total if growing or grads_prior else grads
-    return max(peak, acts + end_grads + w.tied_extra + buffer(produced + w.embed_grads)
-               + w.gathered_at_loss)
+    return max(peak, acts - w.layer_inputs + end_grads + w.tied_extra
+               + buffer(produced + w.embed_grads) + w.gathered_at_loss)
 
 
 def runs_of(keys: list) -> list[tuple[object, int]]:

@@ -277,6 +277,7 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
               else [(*entries[keys[0]], len(keys))]),
         other_bytes=max(0, activations - one_mb),
         head_saved=head_bytes - batch, rest_saved=rope_bytes * par.vpp + embed_bytes + batch,
+        layer_inputs=rope_bytes,
         loss_bwd=shared.loss_bwd if last else 0,
         # With fp32 main gradients the head's compute-dtype weight gradient is accumulated into
         # a new fp32 one (first micro-batch) while it still exists.
