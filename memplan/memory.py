@@ -32,25 +32,16 @@ from memplan.layers import (
     LayerKind,
     Walk,
     backward_peak,
-    first_positions,
     forward_peak,
-    layer_keys,
     layer_kind,
     merge_terms,
     moment_params,
-    runs_of,
 )
 from memplan.overheads import Overheads, default_overheads
-from memplan.parallel import GradBuffers, ParallelConfig, ZeroStage, validate_layout
-from memplan.pipeline import Schedule, chunks_in_flight, stage_layers
+from memplan.parallel import GradBuffers, ParallelConfig, validate_layout
+from memplan.pipeline import Schedule, chunks_in_flight
 from memplan.spec import ModelSpec, PositionKind
-from memplan.states import (
-    optimizer_step_temp_bytes,
-    sharding_buffers,
-    stage_params,
-    state_bytes,
-)
-from memplan.units import ceil_div
+from memplan.stage import optimizer_phase_bytes, stage_kinds, stage_states
 from memplan.workload import Recompute, Workload
 
 PHASES = ("forward", "backward", "optimizer")
@@ -226,18 +217,13 @@ class _Shared:
 
 def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: int,
            schedule: Schedule, ovh: Overheads, shared: _Shared) -> StageMemory:
-    dm = shared.dm
-    first, last = stage == 0, stage == par.pp - 1
-    chunks = stage_layers(spec.num_layers, par, stage)
+    fx, kinds = stage_states(spec, par, wl, stage), stage_kinds(spec, par, wl, stage)
+    first, last, keys, sp, st = fx.first, fx.last, kinds.keys, fx.sp, fx.st
     in_flight = chunks_in_flight(par, m, stage, schedule)
-    all_layers = [i for chunk in chunks for i in chunk]
-    sp = stage_params(spec, par, all_layers, first=first, last=last)
-    st = state_bytes(sp, par, wl)
-    grad_per_param = st.grads_bytes / max(sp.total, 1)
+    grad_per_param = fx.grad_per_param
 
     entries: dict[tuple[bool, Recompute], tuple[LayerKind, int, tuple[int, ...]]] = {}
-    keys = layer_keys(spec, wl, all_layers)
-    for key, pos in first_positions(keys).items():
+    for key, pos in kinds.positions.items():
         kind = shared.kind(key)
         moment_grads = tuple(int(n * grad_per_param)
                              for n in shared.moment_params(par.tp, par.ep, key))
@@ -247,12 +233,12 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
     embed_bytes = shared.embed_bytes if first else 0
     head_bytes = shared.head_bytes if last else 0
     batch = shared.batch_bytes if last else 0  # held by the training loop, not the graph
-    counts = Counter(keys) if len(entries) > 1 else {keys[0]: len(keys)}
+    counts = kinds.counts
     layers_saved = sum(entries[k][0].saved_bytes * n for k, n in counts.items())
     if par.vpp == 1:
         activations = in_flight[0] * (layers_saved + rope_bytes)
     else:
-        per_chunk = len(all_layers) // par.vpp
+        per_chunk = len(keys) // par.vpp
         activations = 0
         for c, count in enumerate(in_flight):
             chunk = Counter(keys[c * per_chunk:(c + 1) * per_chunk])
@@ -265,16 +251,13 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
               *((n, entries[k][0].terms) for k, n in counts.items())]
     one_mb = layers_saved + par.vpp * rope_bytes + embed_bytes + head_bytes
 
-    opt_temp = optimizer_step_temp_bytes(sp, st, par, wl)
-    shard = sharding_buffers(sp, par, wl)
+    opt_temp, shard = fx.opt_temp, fx.shard
     loss_fwd = shared.loss_fwd if last else 0
     mask = shared.mask
     tied = spec.tied_embeddings and first and last
-    vocab_grad = ceil_div(spec.vocab_size, par.vocab_divisor) * spec.hidden_size * dm.e
-    main_grads = wl.precision.recipe.grad_bytes > dm.e and par.zero < ZeroStage.PARAMETERS
+    vocab_grad, main_grads = fx.vocab_grad, fx.main_grads
     walk = Walk(
-        runs=([(*entries[k], n) for k, n in runs_of(keys)] if len(entries) > 1
-              else [(*entries[keys[0]], len(keys))]),
+        runs=[(*entries[k], n) for k, n in kinds.runs],
         other_bytes=max(0, activations - one_mb),
         head_saved=head_bytes - batch, rest_saved=rope_bytes * par.vpp + embed_bytes + batch,
         layer_inputs=rope_bytes,
@@ -295,12 +278,8 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
         gathered_in_block=shard.gathered_at_loss_bytes,
         gathered_at_loss=shard.gathered_at_loss_bytes,
     )
-    # Gradients exist during forward when an earlier micro-batch made them, or when they live
-    # in persistent data-parallel buffers; DDP's default copies them into separate buckets.
-    ddp = par.data_parallel_buffers
-    buckets = st.grads_bytes if ddp and par.grad_buffers is GradBuffers.COPY else 0
-    persistent = ddp and par.grad_buffers is GradBuffers.VIEW
-    grads_in_forward = st.grads_bytes if m > 1 or persistent else 0
+    buckets = fx.buckets
+    grads_in_forward = st.grads_bytes if m > 1 or fx.persistent else 0
     bwd_tensors = backward_peak(walk, grads_in_forward, st.grads_bytes)
     # The targets exist from the step's start; the loss scalars from the loss on.
     targets = shared.targets_bytes if last else 0
@@ -314,7 +293,7 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
         return PhasePeaks(
             forward=base + grads_in_forward + fwd_acts + mask,
             backward=base + bwd_tensors,
-            optimizer=st.params_bytes + st.grads_bytes + st.optimizer_bytes + opt_temp + buckets,
+            optimizer=fx.optimizer_phase,
         )
 
     # Master weights exist from optimizer setup; moments appear at step 1's optimizer step.
@@ -322,7 +301,7 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
     tensor_peak = max(steady.peak, first_step.peak)
     alloc = ovh.allocator_bytes(tensor_peak)
     return StageMemory(
-        stage=stage, num_layers=len(all_layers), num_params=sp.total,
+        stage=stage, num_layers=len(keys), num_params=sp.total,
         params_bytes=st.params_bytes, grads_bytes=st.grads_bytes,
         optimizer_bytes=st.optimizer_bytes, activations_bytes=activations,
         microbatches_in_flight=max(in_flight), microbatch_bytes=one_mb,
@@ -344,15 +323,8 @@ def estimate(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, *
     ``capacity_bytes`` defaults to the GPU's reported memory; ``overheads`` to the uncalibrated
     defaults for the GPU (``memplan.overheads``).
     """
-    validate_layout(spec, par, seq_len=wl.seq_len)
-    if wl.seq_len > spec.max_seq_len and spec.position is PositionKind.LEARNED:
-        raise MemplanError(
-            f"seq ({wl.seq_len}) exceeds {spec.name}'s learned positions ({spec.max_seq_len})")
+    validate(spec, par, wl)
     gbs, m = resolve_batch(par, wl)
-    per_stage = spec.num_layers // par.pp
-    if wl.recompute_layers is not None and wl.recompute_layers > per_stage:
-        raise MemplanError(f"recompute_layers ({wl.recompute_layers}) must be at most the layers "
-                           f"per pipeline stage ({per_stage})")
     ovh = overheads if overheads is not None else default_overheads(gpu)
     shared = _shared(spec, wl, act.Dims.of(par, wl))
     stages = _stages(spec, par, wl, m, schedule, ovh, shared)
@@ -364,32 +336,82 @@ def estimate(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, *
     )
 
 
+def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
+    """Raise MemplanError for a layout or workload ``estimate`` cannot evaluate (the batch
+    sizes aside: ``resolve_batch`` checks those)."""
+    validate_layout(spec, par, seq_len=wl.seq_len)
+    if wl.seq_len > spec.max_seq_len and spec.position is PositionKind.LEARNED:
+        raise MemplanError(
+            f"seq ({wl.seq_len}) exceeds {spec.name}'s learned positions ({spec.max_seq_len})")
+    per_stage = spec.num_layers // par.pp
+    if wl.recompute_layers is not None and wl.recompute_layers > per_stage:
+        raise MemplanError(f"recompute_layers ({wl.recompute_layers}) must be at most the layers "
+                           f"per pipeline stage ({per_stage})")
+
+
 def _stages(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, schedule: Schedule,
             ovh: Overheads, shared: _Shared) -> tuple[StageMemory, ...]:
-    """Every stage. Interior stages with the same layer kinds differ only in micro-batches in
-    flight, which shift their forward and backward peaks by whole micro-batches (chunks,
-    when interleaved): one is computed, the others follow from it."""
-    out: list[StageMemory] = []
+    return tuple(_each_stage(spec, par, wl, m, schedule, ovh, shared))
+
+
+def _each_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, schedule: Schedule,
+                ovh: Overheads, shared: _Shared, *, lower_too: bool = True):
+    """Every stage, in order. Interior stages with the same layer kinds differ only in
+    micro-batches in flight, which shift their forward and backward peaks by whole
+    micro-batches (chunks, when interleaved): one is computed, the others follow from it.
+    Without ``lower_too`` the derived stages holding no more micro-batches than the computed
+    one are left out: they cannot peak above it."""
     template: StageMemory | None = None
     template_keys: list | None = None
     template_flight: list[int] = []
     for i in range(par.pp):
-        keys = None
-        if 0 < i < par.pp - 1:
-            keys = layer_keys(spec, wl, [j for c in stage_layers(spec.num_layers, par, i)
-                                         for j in c])
+        keys = stage_kinds(spec, par, wl, i).keys if 0 < i < par.pp - 1 else None
         # with interleaving every chunk must hold the same kinds of layer
         derivable = keys is not None and (par.vpp == 1 or len(set(keys)) == 1)
         if derivable and template is not None and keys == template_keys:
-            out.append(_shifted(template, i, chunks_in_flight(par, m, i, schedule), par.vpp,
-                                template_flight, ovh))
+            in_flight = chunks_in_flight(par, m, i, schedule)
+            if lower_too or sum(in_flight) > sum(template_flight):
+                yield _shifted(template, i, in_flight, par.vpp, template_flight, ovh)
             continue
         stage = _stage(spec, par, wl, m, i, schedule, ovh, shared)
         if derivable and template is None:
             template, template_keys = stage, keys
             template_flight = chunks_in_flight(par, m, i, schedule)
-        out.append(stage)
-    return tuple(out)
+        yield stage
+
+
+def most_loaded(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, ovh: Overheads, *,
+                schedule: Schedule = Schedule.ONE_F_ONE_B,
+                limit_bytes: int | None = None) -> StageMemory:
+    """The stage ``estimate(...).worst`` is, for a valid layout (``validate``) with ``m``
+    micro-batches, without building the other stages' records: for searches that evaluate
+    many configurations. With ``limit_bytes`` it returns the first stage whose peak_bytes
+    exceed the limit (the configuration does not fit; another stage may peak higher)."""
+    shared = _shared(spec, wl, act.Dims.of(par, wl))
+    worst: StageMemory | None = None
+    for stage in _each_stage(spec, par, wl, m, schedule, ovh, shared, lower_too=False):
+        if worst is None or stage.peak_bytes > worst.peak_bytes:
+            worst = stage
+            if limit_bytes is not None and stage.peak_bytes > limit_bytes:
+                break
+    assert worst is not None
+    return worst
+
+
+def optimizer_floor_bytes(spec: ModelSpec, par: ParallelConfig, wl: Workload,
+                          ovh: Overheads) -> int:
+    """peak_bytes of the most loaded rank at its optimizer step, where no activation is alive:
+    the same at every micro-batch size, so no micro-batch of this layout peaks lower."""
+    tensor = optimizer_phase_bytes(spec, par, wl)
+    return tensor + ovh.fixed_bytes + ovh.allocator_bytes(tensor)
+
+
+def batch_regime(par: ParallelConfig, m: int, schedule: Schedule = Schedule.ONE_F_ONE_B) -> tuple:
+    """Everything the stages' bytes read from the micro-batch count ``m``: the micro-batches
+    each stage holds in flight and whether gradients exist before a backward starts. Between
+    micro-batch sizes of one regime every activation term grows with the micro-batch and
+    nothing else changes, so the peak never decreases with it."""
+    return m > 1, tuple(tuple(chunks_in_flight(par, m, i, schedule)) for i in range(par.pp))
 
 
 def _shifted(template: StageMemory, stage: int, in_flight: list[int], vpp: int,
