@@ -10,12 +10,18 @@ attention's two batched matmuls, 2 * 2 * (s/2) * a * d on average per token per 
 (Narayanan et al. 2021, arXiv 2104.04473, section 5.1, without the causal halving there).
 Backward costs twice the forward. Full recompute reruns each recomputed layer's forward;
 selective recompute reruns the attention core's matmuls.
+
+The formulas take numpy arrays with one entry per candidate (``Columns``), so a search times
+all its candidates in one pass; ``step_time`` is the same computation for one layout.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
 
 from memplan.hardware import GpuSpec
 from memplan.parallel import ParallelConfig, ZeroStage
@@ -88,74 +94,162 @@ def step_flops(spec: ModelSpec, wl: Workload, global_batch: int) -> tuple[float,
     return model, model + extra
 
 
-def _bandwidth(gpu: GpuSpec, span: int) -> float:
+@dataclass(frozen=True)
+class Columns:
+    """Layouts and batch splits of many candidates: one integer array per field, one entry per
+    candidate (``sp`` is boolean)."""
+
+    tp: np.ndarray
+    pp: np.ndarray
+    vpp: np.ndarray
+    dp: np.ndarray
+    cp: np.ndarray
+    ep: np.ndarray
+    zero: np.ndarray
+    sp: np.ndarray
+    mbs: np.ndarray
+    m: np.ndarray  # micro-batches per step
+    params_on_rank: np.ndarray  # parameters of the most loaded rank, before ZeRO sharding
+
+    @classmethod
+    def of(cls, layouts: list[ParallelConfig], mbs: list[int], m: list[int],
+           params_on_rank: list[int]) -> Columns:
+        def col(name: str) -> np.ndarray:
+            return np.array([int(getattr(p, name)) for p in layouts], dtype=np.int64)
+
+        return cls(tp=col("tp"), pp=col("pp"), vpp=col("vpp"), dp=col("dp"), cp=col("cp"),
+                   ep=col("ep"), zero=col("zero"),
+                   sp=np.array([p.sequence_parallel for p in layouts], dtype=bool),
+                   mbs=np.array(mbs, dtype=np.int64), m=np.array(m, dtype=np.int64),
+                   params_on_rank=np.array(params_on_rank, dtype=np.int64))
+
+    @property
+    def world_size(self) -> np.ndarray:
+        return self.tp * self.pp * self.cp * self.dp
+
+
+def _bandwidth(gpu: GpuSpec, span: np.ndarray) -> np.ndarray:
     """Intra-node links when a group's ranks fit in one node, else the network."""
-    return gpu.intra_node_bytes_per_s if span <= gpu.gpus_per_node else gpu.inter_node_bytes_per_s
+    return np.where(span <= gpu.gpus_per_node, gpu.intra_node_bytes_per_s,
+                    gpu.inter_node_bytes_per_s)
 
 
-def _ring(size: int) -> float:
-    """Bytes each rank sends per byte of a ring all-gather or reduce-scatter."""
-    return (size - 1) / size if size > 1 else 0.0
+def _ring(size: np.ndarray) -> np.ndarray:
+    """Bytes each rank sends per byte of a ring all-gather or reduce-scatter (0 alone)."""
+    return (size - 1) / size
 
 
-def comm_seconds(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload,
-                 num_microbatches: int, params_on_rank: int) -> dict[str, float]:
-    """Seconds each dimension spends communicating in one step of one GPU, before overlap.
+@lru_cache(maxsize=64)
+def _moe_layers_before(spec: ModelSpec) -> np.ndarray:
+    """Entry k: MoE layers among the model's first k layers."""
+    return np.cumsum([0] + [spec.is_moe_layer(i) for i in range(spec.num_layers)])
+
+
+def comm_columns(spec: ModelSpec, gpu: GpuSpec, wl: Workload,
+                 c: Columns) -> dict[str, np.ndarray]:
+    """Seconds each dimension spends communicating in one step of one GPU, before overlap, per
+    candidate (``wl`` gives the sequence and precision; ``c`` the rest).
 
     Ranks are laid out tp innermost, then cp, dp, pp (Megatron-LM's order), so a group uses
     intra-node links when its span of consecutive ranks fits in a node.
     """
     e = wl.compute_dtype.itemsize
-    m, layers = num_microbatches, spec.num_layers // par.pp
-    tokens = wl.micro_batch_size * wl.seq_len // par.cp
+    m, layers = c.m, spec.num_layers // c.pp
+    tokens = c.mbs * wl.seq_len // c.cp
     act_bytes = tokens * spec.hidden_size * e
-    out: dict[str, float] = {}
+    out: dict[str, np.ndarray] = {}
     # TP: two all-reduces per layer forward and two backward (or all-gather + reduce-scatter
     # with SP, the same volume): 2 * ring factor per all-reduce.
-    tp_bytes = 4 * 2 * _ring(par.tp) * act_bytes * layers * m
-    out["tp"] = tp_bytes / _bandwidth(gpu, par.tp)
+    tp_bytes = 4 * 2 * _ring(c.tp) * act_bytes * layers * m
+    out["tp"] = tp_bytes / _bandwidth(gpu, c.tp)
     # DP: gradients reduced once per step (ZeRO: reduce-scatter + all-gather of the weights,
     # the same volume); ZeRO-3 also gathers the weights for forward and backward.
-    dp = par.dp * par.cp
-    grad_bytes = params_on_rank * wl.precision.recipe.grad_bytes
+    dp = c.dp * c.cp
+    grad_bytes = c.params_on_rank * wl.precision.recipe.grad_bytes
     dp_bytes = 2 * _ring(dp) * grad_bytes
-    if par.zero >= ZeroStage.PARAMETERS:
-        dp_bytes += 2 * _ring(dp) * params_on_rank * e * m
-    out["dp"] = dp_bytes / _bandwidth(gpu, par.tp * par.cp * par.dp)
+    gathers = 2 * _ring(dp) * c.params_on_rank * e * m
+    dp_bytes = np.where(c.zero >= ZeroStage.PARAMETERS, dp_bytes + gathers, dp_bytes)
+    out["dp"] = dp_bytes / _bandwidth(gpu, c.tp * c.cp * c.dp)
     # PP: each micro-batch's activations cross each boundary forward and their gradients back.
-    pp_bytes = 2 * act_bytes // (par.tp if par.sequence_parallel else 1) * m if par.pp > 1 else 0
-    out["pp"] = pp_bytes / _bandwidth(gpu, par.world_size)
+    pp_bytes = np.where(c.pp > 1, 2 * act_bytes // np.where(c.sp, c.tp, 1) * m, 0)
+    out["pp"] = pp_bytes / _bandwidth(gpu, c.world_size)
     # CP: a ring passes every other rank's K and V chunk through, forward and backward.
-    kv = 2 * tokens * spec.kv_size // par.tp * e
-    out["cp"] = 2 * (par.cp - 1) * kv * layers * m / _bandwidth(gpu, par.tp * par.cp)
+    kv = 2 * tokens * spec.kv_size // c.tp * e
+    out["cp"] = 2 * (c.cp - 1) * kv * layers * m / _bandwidth(gpu, c.tp * c.cp)
     # EP: dispatch and combine all-to-alls of the routed tokens, forward and backward.
-    ep_bytes = 0.0
-    if spec.moe is not None and par.ep > 1:
-        moe_layers = sum(spec.is_moe_layer(i) for i in range(layers))
+    ep_bytes = np.zeros(len(m))
+    if spec.moe is not None:
+        moe_layers = _moe_layers_before(spec)[layers]
         routed = tokens * spec.moe.top_k * spec.hidden_size * e
-        ep_bytes = 4 * _ring(par.ep) * routed * moe_layers * m
-    out["ep"] = ep_bytes / _bandwidth(gpu, par.tp * par.cp * par.ep)
+        ep_bytes = np.where(c.ep > 1, 4 * _ring(c.ep) * routed * moe_layers * m, 0.0)
+    out["ep"] = ep_bytes / _bandwidth(gpu, c.tp * c.cp * c.ep)
     return out
+
+
+_BOUNDS = (Bound.COMPUTE, Bound.COMMUNICATION, Bound.BUBBLE)
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """``StepTime`` of many candidates, one array per field (``bound``: index into
+    compute, communication, bubble)."""
+
+    model_flops: np.ndarray
+    hardware_flops: np.ndarray
+    compute_s: np.ndarray
+    comm_s: dict[str, np.ndarray]
+    exposed_comm_s: np.ndarray
+    bubble_s: np.ndarray
+    step_s: np.ndarray
+    tokens_per_s_per_gpu: np.ndarray
+    mfu: np.ndarray
+    bound: np.ndarray
+
+    def at(self, i: int) -> StepTime:
+        return StepTime(
+            model_flops=float(self.model_flops[i]), hardware_flops=float(self.hardware_flops[i]),
+            compute_s=float(self.compute_s[i]),
+            comm_s={kind: float(v[i]) for kind, v in self.comm_s.items()},
+            exposed_comm_s=float(self.exposed_comm_s[i]), bubble_s=float(self.bubble_s[i]),
+            step_s=float(self.step_s[i]), tokens_per_s_per_gpu=float(self.tokens_per_s_per_gpu[i]),
+            mfu=float(self.mfu[i]), bound=_BOUNDS[int(self.bound[i])])
+
+
+def step_times(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int, c: Columns,
+               model_flops: np.ndarray, hardware_flops: np.ndarray, *,
+               mfu: float = DEFAULT_MFU) -> StepTimes:
+    """Estimated seconds of one step and what bounds it, per candidate; ``model_flops`` and
+    ``hardware_flops`` of the whole job (``step_flops``) per candidate."""
+    world = c.world_size
+    compute = hardware_flops / world / (gpu.bf16_flops * mfu)
+    comm = comm_columns(spec, gpu, wl, c)
+    exposed = sum(seconds * (1.0 - OVERLAP[kind]) for kind, seconds in comm.items())
+    # (p - 1) / (v * m) of the ideal time (Narayanan et al. 2021, eq. 1-2)
+    bubble = np.where(c.pp > 1, (c.pp - 1) / (c.vpp * c.m) * (compute + exposed), 0.0)
+    total = compute + exposed + bubble
+    tokens = global_batch * wl.seq_len
+    return StepTimes(
+        model_flops=np.broadcast_to(model_flops, total.shape),
+        hardware_flops=np.broadcast_to(hardware_flops, total.shape), compute_s=compute,
+        comm_s=comm, exposed_comm_s=exposed, bubble_s=bubble, step_s=total,
+        tokens_per_s_per_gpu=tokens / total / world,
+        mfu=model_flops / total / world / gpu.bf16_flops,
+        bound=np.argmax(np.stack([compute, exposed, bubble]), axis=0),
+    )
+
+
+def comm_seconds(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload,
+                 num_microbatches: int, params_on_rank: int) -> dict[str, float]:
+    """``comm_columns`` of one layout."""
+    c = Columns.of([par], [wl.micro_batch_size], [num_microbatches], [params_on_rank])
+    return {kind: float(v[0]) for kind, v in comm_columns(spec, gpu, wl, c).items()}
 
 
 def step_time(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload,
               global_batch: int, num_microbatches: int, params_on_rank: int, *,
               mfu: float = DEFAULT_MFU) -> StepTime:
-    """Estimated seconds of one step and what bounds it."""
+    """Estimated seconds of one step of one layout and what bounds it (``step_times``)."""
     model, hardware = step_flops(spec, wl, global_batch)
-    compute = hardware / par.world_size / (gpu.bf16_flops * mfu)
-    comm = comm_seconds(spec, gpu, par, wl, num_microbatches, params_on_rank)
-    exposed = sum(seconds * (1.0 - OVERLAP[kind]) for kind, seconds in comm.items())
-    bubble = 0.0
-    if par.pp > 1:  # (p - 1) / (v * m) of the ideal time (Narayanan et al. 2021, eq. 1-2)
-        bubble = (par.pp - 1) / (par.vpp * num_microbatches) * (compute + exposed)
-    total = compute + exposed + bubble
-    tokens = global_batch * wl.seq_len
-    bound = max(((compute, Bound.COMPUTE), (exposed, Bound.COMMUNICATION),
-                 (bubble, Bound.BUBBLE)), key=lambda pair: pair[0])[1]
-    return StepTime(
-        model_flops=model, hardware_flops=hardware, compute_s=compute, comm_s=comm,
-        exposed_comm_s=exposed, bubble_s=bubble, step_s=total,
-        tokens_per_s_per_gpu=tokens / total / par.world_size,
-        mfu=model / total / par.world_size / gpu.bf16_flops, bound=bound,
-    )
+    c = Columns.of([par], [wl.micro_batch_size], [num_microbatches], [params_on_rank])
+    return step_times(spec, gpu, wl, global_batch, c, np.array([model]), np.array([hardware]),
+                      mfu=mfu).at(0)
