@@ -1,24 +1,28 @@
 """Search layouts, micro-batch sizes and recompute policies that fit, ranked by step time.
 
 For every layout (tp, pp with virtual stages, cp, ep, dp derived, ZeRO stage, sequence
-parallelism) and recompute policy the planner finds the largest micro-batch that fits in
-``capacity * (1 - safety)`` by a doubling and bisection search over ``estimate`` (peak memory
-never decreases with the micro-batch, so the search equals a brute force), then ranks the
-feasible candidates by the step-time model. Every rejected layout keeps its reason.
+parallelism on and off) and recompute policy the planner finds the largest micro-batch that fits
+in ``capacity * (1 - safety)``, for all layouts at once (``batch_search``: the answer a brute
+force over ``estimate`` gives), times every feasible candidate in one vectorised pass of the
+step-time model, and ranks them. Every rejected layout keeps its reason.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
+import numpy as np
+
+from memplan.batch_search import Found, Job, Search, _with_mbs, evaluate
 from memplan.errors import MemplanError
 from memplan.hardware import GpuSpec
-from memplan.memory import Estimate, estimate, resolve_batch
+from memplan.memory import Estimate, estimate, validate
+from memplan.overheads import Overheads, default_overheads
 from memplan.parallel import ParallelConfig, ZeroStage
 from memplan.spec import ModelSpec
-from memplan.timing import StepTime, step_time
+from memplan.timing import Columns, StepTime, StepTimes, step_flops, step_times
 from memplan.units import GiB
 from memplan.workload import Recompute, Workload
 
@@ -32,29 +36,50 @@ MAX_MBS = 64
 MAX_VPP = 4
 LONG_SEQ = 8192
 RECOMPUTE_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
+SP_OFF_DOMINATED = "sp off: sp on fits the same micro-batch in no more memory, no slower"
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """A feasible configuration: the largest micro-batch that fits with this recompute."""
+    """A feasible configuration: the largest micro-batch that fits with this recompute.
+
+    ``estimate`` is built when first read, from ``inputs`` (a plan ranks hundreds of
+    candidates and shows a few), unless one was given; ``peak_bytes`` is the search's,
+    equal to that estimate's."""
 
     layout: ParallelConfig
     micro_batch_size: int
     recompute: Recompute
     recompute_layers: int | None  # full recompute of this many layers per stage; None: all
-    estimate: Estimate
+    given: Estimate | None
     time: StepTime
+    known_peak_bytes: int | None = None
+    # (spec, gpu, workload with this micro-batch, capacity bytes)
+    inputs: tuple | None = field(default=None, repr=False, compare=False)
+
+    @cached_property
+    def estimate(self) -> Estimate:
+        if self.given is not None:
+            return self.given
+        assert self.inputs is not None
+        spec, gpu, wl, capacity = self.inputs
+        return estimate(spec, gpu, self.layout, wl, capacity_bytes=capacity)
 
     @property
     def peak_bytes(self) -> int:
-        return self.estimate.peak_bytes
+        return self.estimate.peak_bytes if self.known_peak_bytes is None else self.known_peak_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.estimate.capacity_bytes if self.inputs is None else self.inputs[3]
 
 
 @dataclass
 class PlanResult:
     candidates: list[Candidate]
     rejected: Counter = field(default_factory=Counter)
-    evaluated: int = 0  # estimates computed
+    evaluated: int = 0  # exact memory evaluations of the most loaded rank
+    searched: int = 0  # (layout, recompute, micro-batch) candidates the search covered
     global_batch_size: int = 0
     oom_excess_bytes: int | None = None  # smallest overshoot of a configuration that did not fit
 
@@ -75,7 +100,8 @@ def _powers_of_two(limit: int) -> list[int]:
 
 def layouts(spec: ModelSpec, num_gpus: int, seq_len: int, *, max_tp: int,
             fixed: dict[str, object], rejected: Counter) -> list[ParallelConfig]:
-    """Every layout of ``num_gpus`` the model can be split into, with ``fixed`` values kept."""
+    """Every layout of ``num_gpus`` the model can be split into, with ``fixed`` values kept.
+    With tp > 1 sequence parallelism is searched both ways unless fixed."""
     def choices(name: str, default: list) -> list:
         return [fixed[name]] if fixed.get(name) is not None else default
 
@@ -94,47 +120,22 @@ def layouts(spec: ModelSpec, num_gpus: int, seq_len: int, *, max_tp: int,
                 dp = num_gpus // (tp * pp * cp)
                 vpps = ([v for v in _divisors(spec.num_layers // pp) if v <= MAX_VPP]
                         if pp > 1 else [1])
-                for vpp in choices("vpp", vpps):
-                    for ep in choices("ep", [e for e in _divisors(experts) if (dp * cp) % e == 0]):
-                        for zero in choices("zero", [0, 1, 2, 3]):
-                            sp = fixed.get("sp")
-                            out.append(ParallelConfig(
-                                tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=ep,
-                                zero=ZeroStage(zero),
-                                sequence_parallel=tp > 1 if sp is None else bool(sp)))
+                for vpp, ep, zero, sp in ((v, e, z, s) for v in choices("vpp", vpps)
+                                          for e in choices("ep", [e for e in _divisors(experts)
+                                                                  if (dp * cp) % e == 0])
+                                          for z in choices("zero", [0, 1, 2, 3])
+                                          for s in choices("sp", [True, False] if tp > 1
+                                                           else [False])):
+                    out.append(_layout(tp, pp, vpp, dp, cp, ep, zero, bool(sp)))
     return out
 
 
-def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
-         capacity_bytes: int | None = None, safety: float = DEFAULT_SAFETY, max_tp: int | None = None,
-         fixed: dict[str, object] | None = None,
-         recompute: list[Recompute] | None = None) -> PlanResult:
-    """Feasible candidates ranked by step time (fastest first), and rejections by reason."""
-    if not 0 <= safety < 1:
-        raise MemplanError(f"safety must be in [0, 1), got {safety}")
-    budget = int((capacity_bytes or gpu.memory_bytes) * (1 - safety))
-    gbs = wl.global_batch_size or max(1, DEFAULT_TOKENS_PER_STEP // wl.seq_len)
-    result = PlanResult(candidates=[], global_batch_size=gbs)
-    for par in layouts(spec, num_gpus, wl.seq_len, max_tp=max_tp or gpu.gpus_per_node,
-                       fixed=fixed or {}, rejected=result.rejected):
-        if gbs % par.dp:
-            result.rejected[f"gbs ({gbs}) not divisible by dp"] += 1
-            continue
-        # A policy with more recompute is kept only if it fits a larger micro-batch than the
-        # cheaper ones did: otherwise it costs compute for nothing (dominated).
-        largest = 0
-        for policy, layers in _policies(recompute or list(RECOMPUTE_ORDER),
-                                        spec.num_layers // par.pp):
-            cand = _largest_fitting(spec, gpu, par, wl, policy, layers, gbs, budget, result,
-                                    above=largest)
-            if cand is not None:
-                result.candidates.append(cand)
-                largest = cand.micro_batch_size
-        if not largest:
-            result.rejected["out of memory at mbs 1 with every recompute policy"] += 1
-    # fastest first; among equals the one with most headroom
-    result.candidates.sort(key=lambda c: (c.time.step_s, c.peak_bytes))
-    return result
+@lru_cache(maxsize=16384)
+def _layout(tp: int, pp: int, vpp: int, dp: int, cp: int, ep: int, zero: int,
+            sp: bool) -> ParallelConfig:
+    """One object per layout, so caches keyed by it hit by identity across plans."""
+    return ParallelConfig(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=ep, zero=ZeroStage(zero),
+                          sequence_parallel=sp)
 
 
 def _policies(allowed: list[Recompute], stage_layers: int) -> list[tuple[Recompute, int | None]]:
@@ -153,52 +154,208 @@ def _policies(allowed: list[Recompute], stage_layers: int) -> list[tuple[Recompu
     return out
 
 
-def _try(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, policy: Recompute,
-         layers: int | None, mbs: int, gbs: int, result: PlanResult) -> Estimate | None:
-    if gbs % (mbs * par.dp):
-        return None
-    m = gbs // (mbs * par.dp)
-    if par.vpp > 1 and m % par.pp:
-        return None
-    try:
-        est = estimate(spec, gpu, par, wl.model_copy(update={
-            "micro_batch_size": mbs, "recompute": policy, "global_batch_size": gbs,
-            "recompute_layers": layers}))
-    except MemplanError as err:
-        result.rejected[str(err).split(" (")[0]] += 1
-        return None
-    result.evaluated += 1
-    return est
-
-
-def _largest_fitting(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload,
-                     policy: Recompute, layers: int | None, gbs: int, budget: int,
-                     result: PlanResult, above: int = 0) -> Candidate | None:
-    """The largest micro-batch above ``above`` dividing the per-replica batch that fits. The
-    peak is monotone in the micro-batch, so bisection over the divisors finds what a brute
-    force finds."""
+def _sizes(par: ParallelConfig, gbs: int) -> tuple[int, ...]:
+    """Micro-batch sizes dividing the per-replica batch (interleaving also needs the micro-batch
+    count divisible by pp)."""
     per_replica = gbs // par.dp
-    sizes = [b for b in _divisors(per_replica) if b <= MAX_MBS]
-    valid = [b for b in sizes if b > above
-             and not (par.vpp > 1 and (gbs // (b * par.dp)) % par.pp)]
-    best: Estimate | None = None
-    lo, hi = 0, len(valid) - 1
-    while lo <= hi:  # bisection: the peak never decreases with the micro-batch
-        mid = (lo + hi) // 2
-        est = _try(spec, gpu, par, wl, policy, layers, valid[mid], gbs, result)
-        if est is not None and est.peak_bytes <= budget:
-            best, lo = est, mid + 1
-        else:
-            if est is not None:
-                over = est.peak_bytes - budget
-                if result.oom_excess_bytes is None or over < result.oom_excess_bytes:
-                    result.oom_excess_bytes = over
-            hi = mid - 1
-    if best is None:
-        return None
-    _, m = resolve_batch(best.parallel, best.workload)
-    time = step_time(spec, gpu, par, best.workload, gbs, m, best.worst.num_params)
-    return Candidate(par, best.workload.micro_batch_size, policy, layers, best, time)
+    return tuple(b for b in _divisors(per_replica) if b <= MAX_MBS
+                 and not (par.vpp > 1 and (per_replica // b) % par.pp))
+
+
+def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
+         capacity_bytes: int | None = None, safety: float = DEFAULT_SAFETY, max_tp: int | None = None,
+         fixed: dict[str, object] | None = None,
+         recompute: list[Recompute] | None = None) -> PlanResult:
+    """Feasible candidates ranked by step time (fastest first), and rejections by reason."""
+    if not 0 <= safety < 1:
+        raise MemplanError(f"safety must be in [0, 1), got {safety}")
+    capacity = capacity_bytes or gpu.memory_bytes
+    gbs = wl.global_batch_size or max(1, DEFAULT_TOKENS_PER_STEP // wl.seq_len)
+    result = PlanResult(candidates=[], global_batch_size=gbs)
+    pars = [par for par in layouts(spec, num_gpus, wl.seq_len, max_tp=max_tp or gpu.gpus_per_node,
+                                   fixed=fixed or {}, rejected=result.rejected)
+            if _usable(spec, par, wl, gbs, result.rejected)]
+    ctx = _Context(spec, gpu, _with_gbs(wl, gbs), int(capacity * (1 - safety)),
+                   default_overheads(gpu), capacity)
+    policies = [_policies(recompute or list(RECOMPUTE_ORDER), spec.num_layers // p.pp)
+                for p in pars]
+    levels = _search_levels(ctx, pars, policies)
+    fits = [fit for level in levels for fit in level.fits(ctx, pars, policies)]
+    fits.sort(key=lambda f: (f.layout, f.level))  # a layout's policies in order of compute
+    without = len(pars) - len({f.layout for f in fits})
+    if without:
+        result.rejected["out of memory at the smallest micro-batch with every recompute policy"] \
+            += without
+    result.candidates = _ranked(ctx, fits, _sp_on_twins(ctx, fits, levels, pars),
+                                result.rejected)
+    result.oom_excess_bytes = _closest_miss(ctx, levels)
+    result.evaluated = ctx.evaluated + sum(level.search.evaluated for level in levels)
+    result.searched = sum(level.found.searched for level in levels)
+    return result
+
+
+def _usable(spec: ModelSpec, par: ParallelConfig, wl: Workload, gbs: int,
+            rejected: Counter) -> bool:
+    if gbs % par.dp:
+        rejected[f"gbs ({gbs}) not divisible by dp"] += 1
+        return False
+    try:
+        validate(spec, par, wl)
+    except MemplanError as err:
+        rejected[str(err).split(" (")[0]] += 1
+        return False
+    return True
+
+
+@dataclass
+class _Context:
+    spec: ModelSpec
+    gpu: GpuSpec
+    wl: Workload  # the plan's workload with its global batch size
+    budget: int  # bytes a configuration may peak at
+    ovh: Overheads
+    capacity: int
+    evaluated: int = 0  # exact evaluations beyond the searches'
+
+    def workload(self, policy: tuple[Recompute, int | None]) -> Workload:
+        return _policy_workload(self.wl, *policy)
+
+
+@lru_cache(maxsize=256)
+def _with_gbs(wl: Workload, gbs: int) -> Workload:
+    return wl.model_copy(update={"global_batch_size": gbs})
+
+
+@lru_cache(maxsize=256)
+def _policy_workload(wl: Workload, policy: Recompute, layers: int | None) -> Workload:
+    return wl.model_copy(update={"recompute": policy, "recompute_layers": layers})
+
+
+@dataclass(frozen=True)
+class _Fit:
+    """A fitting (layout, policy) at its largest micro-batch, as the search found it."""
+
+    layout: int  # index into the plan's layouts
+    level: int
+    par: ParallelConfig
+    policy: tuple[Recompute, int | None]
+    mbs: int
+    peak_bytes: int
+    num_params: int  # of the most loaded rank, before ZeRO sharding
+
+
+@dataclass(frozen=True)
+class _Level:
+    """The search of one recompute level: the i-th policy of each layout still searched."""
+
+    index: int
+    search: Search
+    found: Found
+    layouts: list[int]  # layout of each job
+
+    def fits(self, ctx: _Context, pars: list[ParallelConfig],
+             policies: list[list[tuple[Recompute, int | None]]]) -> list[_Fit]:
+        f = self.found
+        return [_Fit(i, self.index, pars[i], policies[i][self.index], int(f.mbs[k]),
+                     int(f.peak_bytes[k]), int(f.num_params[k]))
+                for k, i in enumerate(self.layouts) if f.mbs[k]]
+
+
+def _search_levels(ctx: _Context, pars: list[ParallelConfig],
+                   policies: list[list[tuple[Recompute, int | None]]]) -> list[_Level]:
+    """One search per recompute level, in order of extra compute. A policy with more recompute
+    is kept only if it fits a larger micro-batch than the cheaper ones did (otherwise it costs
+    compute for nothing), so each level searches above the largest fit before it, starting
+    from the bytes per sample the cheaper policy showed (at most what this one needs)."""
+    above, slope = [0] * len(pars), np.zeros(len(pars))
+    levels: list[_Level] = []
+    for level in range(max((len(p) for p in policies), default=0)):
+        index = [i for i, p in enumerate(policies) if level < len(p)
+                 and _sizes(pars[i], ctx.wl.global_batch_size)[-1:] > (above[i],)]
+        jobs = [Job(pars[i], ctx.workload(policies[i][level]),
+                    _sizes(pars[i], ctx.wl.global_batch_size), above[i]) for i in index]
+        # Layouts differing only in ZeRO stage hold the same activations: one leads its class.
+        classes = None if level else [p.model_copy(update={"zero": 0}) for p in
+                                      (pars[i] for i in index)]
+        search = Search(ctx.spec, jobs, ctx.budget, ctx.ovh, slopes=slope[index],
+                        classes=classes)
+        found = search.run()
+        for k, i in enumerate(index):
+            above[i], slope[i] = max(above[i], int(found.mbs[k])), found.slope[k]
+        levels.append(_Level(level, search, found, index))
+    return levels
+
+
+def _sp_on_twins(ctx: _Context, fits: list[_Fit], levels: list[_Level],
+                 pars: list[ParallelConfig]) -> dict[int, _Fit]:
+    """For each fit with sequence parallelism off (tp > 1): the same layout, policy and
+    micro-batch with it on, where that is a layout of the plan and needs no more memory
+    (position in ``fits`` -> twin). Exact: from the search when it evaluated that size."""
+    searched = {(job.par, level.index): (level.search, k)
+                for level in levels for k, job in enumerate(level.search.jobs)}
+    usable = set(pars)
+    twins: dict[int, _Fit] = {}
+    for n, fit in enumerate(fits):
+        on = _layout(*(int(getattr(fit.par, f)) for f in ("tp", "pp", "vpp", "dp", "cp", "ep",
+                                                          "zero")), True)
+        if fit.par.tp == 1 or fit.par.sequence_parallel or on not in usable:
+            continue
+        search, k = searched.get((on, fit.level), (None, 0))
+        known = search.known(k, fit.mbs) if search is not None else None
+        if known is None:
+            worst = evaluate(ctx.spec, on, ctx.workload(fit.policy), fit.mbs, ctx.ovh)
+            ctx.evaluated += 1
+            known = worst.peak_bytes, worst.num_params
+        if known[0] <= fit.peak_bytes:
+            twins[n] = _Fit(fit.layout, fit.level, on, fit.policy, fit.mbs, *known)
+    return twins
+
+
+def _times(ctx: _Context, fits: list[_Fit]) -> StepTimes:
+    """The step-time model of every fit in one vectorised pass."""
+    gbs = ctx.wl.global_batch_size
+    flops = {p: step_flops(ctx.spec, ctx.workload(p), gbs) for p in {f.policy for f in fits}}
+    cols = Columns.of([f.par for f in fits], [f.mbs for f in fits],
+                      [gbs // (f.mbs * f.par.dp) for f in fits], [f.num_params for f in fits])
+    model = np.array([flops[f.policy][0] for f in fits])
+    hardware = np.array([flops[f.policy][1] for f in fits])
+    return step_times(ctx.spec, ctx.gpu, ctx.wl, gbs, cols, model, hardware)
+
+
+def _ranked(ctx: _Context, fits: list[_Fit], twins: dict[int, _Fit],
+            rejected: Counter) -> list[Candidate]:
+    """Candidates fastest first (among equals the one with most headroom). Sequence
+    parallelism off is left out where its twin with it on (``_sp_on_twins``) is no slower:
+    that one fits the same micro-batch in no more memory (dominated)."""
+    times = _times(ctx, [*fits, *twins.values()])
+    twin_row = {n: len(fits) + j for j, n in enumerate(twins)}
+    out = []
+    for n, fit in enumerate(fits):
+        if n in twin_row and times.step_s[twin_row[n]] <= times.step_s[n]:
+            rejected[SP_OFF_DOMINATED] += 1
+            continue
+        wl = _with_mbs(ctx.workload(fit.policy), fit.mbs)
+        out.append(Candidate(fit.par, fit.mbs, fit.policy[0], fit.policy[1], None, times.at(n),
+                             fit.peak_bytes, (ctx.spec, ctx.gpu, wl, ctx.capacity)))
+    out.sort(key=lambda c: (c.time.step_s, c.peak_bytes))
+    return out
+
+
+def _closest_miss(ctx: _Context, levels: list[_Level]) -> int | None:
+    """The smallest overshoot among the configurations found not to fit. The searches' bytes
+    for those are lower bounds (an evaluation stops at the first stage over the budget), so
+    exact ones are computed in order of the bound until no bound can beat the best."""
+    misses = sorted((bound, level.index, job, b) for level in levels
+                    for bound, job, b in level.found.misses)
+    best: int | None = None
+    for bound, index, job, b in misses:
+        if best is not None and bound >= best:
+            break
+        j = levels[index].search.jobs[job]
+        peak = evaluate(ctx.spec, j.par, j.wl, b, ctx.ovh).peak_bytes
+        ctx.evaluated += 1
+        best = peak if best is None else min(best, peak)
+    return None if best is None else best - ctx.budget
 
 
 def check(est: Estimate, *, safety: float = DEFAULT_SAFETY) -> Estimate:

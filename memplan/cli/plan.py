@@ -95,13 +95,14 @@ def _plan_json(result, top: int) -> dict[str, Any]:
     return {
         "global_batch_size": result.global_batch_size,
         "evaluated": result.evaluated,
+        "searched": result.searched,
         "candidates": [{
             "layout": {"tp": c.layout.tp, "pp": c.layout.pp, "vpp": c.layout.vpp,
                        "dp": c.layout.dp, "cp": c.layout.cp, "ep": c.layout.ep,
                        "zero": int(c.layout.zero), "sp": c.layout.sequence_parallel},
             "mbs": c.micro_batch_size, "recompute": c.recompute.label,
             "recompute_layers": c.recompute_layers,
-            "peak_bytes": c.peak_bytes, "capacity_bytes": c.estimate.capacity_bytes,
+            "peak_bytes": c.peak_bytes, "capacity_bytes": c.capacity_bytes,
             "step_time_s": c.time.step_s, "tokens_per_s_per_gpu": c.time.tokens_per_s_per_gpu,
             "mfu": c.time.mfu, "bound": c.time.bound.value, "fits": True,
         } for c in result.candidates[:top]],

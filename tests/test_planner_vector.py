@@ -1,0 +1,257 @@
+"""The vectorised search: the largest micro-batch equals a brute force over ``estimate`` for
+every layout and recompute policy of small spaces (dense and MoE, pipelines with virtual stages,
+ZeRO 0-3, full recompute of k of L layers, sequence parallelism on and off); the step times of
+many candidates in one pass equal ``step_time``; more memory never fits less."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import memplan
+from memplan import batch_search
+from memplan.batch_search import Job, Search
+from memplan.errors import MemplanError
+from memplan.memory import estimate, most_loaded, optimizer_floor_bytes, validate
+from memplan.overheads import default_overheads
+from memplan.planner import (
+    RECOMPUTE_ORDER,
+    SP_OFF_DOMINATED,
+    _policies,
+    _sizes,
+    layouts,
+    plan,
+)
+from memplan.spec import ModelSpec, MoESpec
+from memplan.timing import Columns, step_flops, step_time, step_times
+
+GPU = memplan.load_gpu("h100")
+TINY = memplan.load_model("tiny")
+# 8 layers: pipelines of 2, 4 and 8 stages, 2 and 4 virtual stages, k of L recompute
+DEEP = ModelSpec.model_validate({**TINY.model_dump(), "name": "tiny-8l", "num_layers": 8})
+MOE = ModelSpec.model_validate({**TINY.model_dump(), "name": "tiny-moe-4l", "num_layers": 4,
+                                "moe": MoESpec(num_experts=4, top_k=2,
+                                               expert_ffn_hidden_size=96).model_dump()})
+
+# (spec, gpus, workload fields): each a space of a few hundred layouts and policies
+SPACES = {
+    "dense-pp-vpp": (DEEP, 8, {"seq_len": 512, "global_batch_size": 64}),
+    "dense-cp-fp32-grads": (DEEP, 16, {"seq_len": 8192, "global_batch_size": 32,
+                                       "precision": "bf16-fp32-grads"}),
+    "moe-eager": (MOE, 8, {"seq_len": 256, "global_batch_size": 32, "attention": "eager"}),
+}
+
+
+def _jobs(spec: ModelSpec, gpus: int, fields: dict) -> list[Job]:
+    """Every valid layout of the space with every recompute policy, searched from size 1."""
+    wl = memplan.make_workload(spec, **fields)
+    out = []
+    for par in layouts(spec, gpus, wl.seq_len, max_tp=8, fixed={}, rejected=Counter()):
+        try:
+            validate(spec, par, wl)
+        except MemplanError:
+            continue  # a layout estimate refuses (the planner rejects it too)
+        if wl.global_batch_size % par.dp:
+            continue
+        for policy, layers in _policies(list(RECOMPUTE_ORDER), spec.num_layers // par.pp):
+            job_wl = wl.model_copy(update={"recompute": policy, "recompute_layers": layers})
+            out.append(Job(par, job_wl, _sizes(par, wl.global_batch_size)))
+    return out
+
+
+@pytest.fixture(scope="module", params=sorted(SPACES))
+def space(request: pytest.FixtureRequest) -> SimpleNamespace:
+    """A space's jobs and the peak of every (job, size) from ``estimate``."""
+    spec, gpus, fields = SPACES[request.param]
+    jobs = _jobs(spec, gpus, fields)
+    peaks = [[estimate(spec, GPU, j.par, j.wl.model_copy(update={"micro_batch_size": b}))
+              .peak_bytes for b in j.sizes] for j in jobs]
+    return SimpleNamespace(name=request.param, spec=spec, jobs=jobs, peaks=peaks)
+
+
+def _brute_force(space: SimpleNamespace, budget: int, above: list[int] | None = None) -> list[int]:
+    """The largest size above ``above`` whose estimate fits, per job (0: none)."""
+    above = above or [0] * len(space.jobs)
+    return [max((b for b, p in zip(j.sizes, peaks) if p <= budget and b > a), default=0)
+            for j, peaks, a in zip(space.jobs, space.peaks, above)]
+
+
+def _budgets(space: SimpleNamespace) -> list[int]:
+    """Budgets between the smallest and largest peaks, so answers spread over the sizes."""
+    every = np.array([p for peaks in space.peaks for p in peaks])
+    return [int(np.quantile(every, q)) for q in (0.05, 0.3, 0.6, 0.9)]
+
+
+def test_spaces_cover_what_the_search_must_handle(space: SimpleNamespace) -> None:
+    pars = [j.par for j in space.jobs]
+    assert len(space.jobs) > 100
+    assert {int(p.zero) for p in pars} == {0, 1, 2, 3}
+    assert any(p.sequence_parallel for p in pars) and any(p.tp > 1 and not p.sequence_parallel
+                                                          for p in pars)
+    assert any(j.wl.recompute_layers for j in space.jobs)  # full recompute of k of L
+    if space.spec is DEEP:
+        assert any(p.vpp > 1 for p in pars) and any(p.pp == 8 for p in pars)
+    if space.spec is MOE:
+        assert any(p.ep > 1 for p in pars)
+
+
+def test_largest_fitting_mbs_equals_brute_force(space: SimpleNamespace) -> None:
+    ovh = default_overheads(GPU)
+    answers = Counter()
+    for budget in _budgets(space):
+        found = Search(space.spec, space.jobs, budget, ovh).run()
+        expected = _brute_force(space, budget)
+        assert list(found.mbs) == expected, (space.name, budget)
+        for k, b in enumerate(expected):
+            answers["none" if not b else "largest" if b == space.jobs[k].sizes[-1] else "inner"] += 1
+            if b:  # the peak the search reports is the estimate's
+                assert found.peak_bytes[k] == space.peaks[k][space.jobs[k].sizes.index(b)]
+        assert found.evaluated < found.searched  # it did not evaluate everything
+    assert min(answers.values()) > 20, answers  # no fit, the largest size, and between
+
+
+def test_search_above_a_cheaper_policy_equals_brute_force(space: SimpleNamespace) -> None:
+    """Only sizes larger than ``above`` count (a costlier recompute must beat a cheaper one)."""
+    budget = _budgets(space)[2]
+    rng = random.Random(0)
+    above = [rng.choice((0, *j.sizes)) for j in space.jobs]
+    jobs = [Job(j.par, j.wl, j.sizes, a) for j, a in zip(space.jobs, above)]
+    found = Search(space.spec, jobs, budget, default_overheads(GPU)).run()
+    assert list(found.mbs) == _brute_force(space, budget, above)
+
+
+def test_more_memory_never_fits_a_smaller_micro_batch(space: SimpleNamespace) -> None:
+    ovh = default_overheads(GPU)
+    last = np.zeros(len(space.jobs), dtype=np.int64)
+    for budget in sorted(_budgets(space)):
+        mbs = Search(space.spec, space.jobs, budget, ovh).run().mbs
+        assert (mbs >= last).all()
+        last = mbs
+    assert last.any()
+
+
+def test_most_loaded_is_the_estimates_worst_stage(space: SimpleNamespace) -> None:
+    ovh = default_overheads(GPU)
+    for j in space.jobs[::7]:
+        for b in j.sizes:
+            wl = j.wl.model_copy(update={"micro_batch_size": b})
+            est = estimate(space.spec, GPU, j.par, wl)
+            worst = most_loaded(space.spec, j.par, wl, est.num_microbatches, ovh)
+            assert (worst.stage, worst.peak_bytes, worst.num_params) == (
+                est.worst.stage, est.worst.peak_bytes, est.worst.num_params)
+            # stopping at a limit: over it exactly when the estimate is
+            limit = est.peak_bytes - 1
+            early = most_loaded(space.spec, j.par, wl, est.num_microbatches, ovh,
+                                limit_bytes=limit)
+            assert early.peak_bytes > limit
+            assert most_loaded(space.spec, j.par, wl, est.num_microbatches, ovh,
+                               limit_bytes=est.peak_bytes).peak_bytes == est.peak_bytes
+            assert optimizer_floor_bytes(space.spec, j.par, wl, ovh) <= est.peak_bytes
+
+
+def test_the_answer_fits_and_the_next_size_was_evaluated_not_to(monkeypatch) -> None:
+    """Whatever the predictions, the search stops only when its answer was evaluated and fits
+    and the next larger size was evaluated and does not; sizes whose micro-batch count changes
+    more than the activations (here m = 1: no gradients before the backward) are searched on
+    their own. Peaks come from a table here, one per size."""
+    spec, par = TINY, memplan.make_layout(1)
+    wl = memplan.make_workload(spec, seq_len=64, global_batch_size=16)
+    sizes = _sizes(par, 16)  # 1, 2, 4, 8, 16: m = 16 ... 1
+    budget, evaluated = 10**12, []
+
+    def table(spec, par, wl, mbs, ovh, **_):
+        evaluated.append(mbs)
+        return SimpleNamespace(peak_bytes=budget + (1 if mbs not in fits else -1), num_params=7)
+
+    monkeypatch.setattr(batch_search, "evaluate", table)
+    for fits, answer in (({1, 2, 4}, 4), ({1}, 1), (set(), 0), ({1, 2, 4, 8, 16}, 16),
+                         ({1, 2, 16}, 16), ({1, 2}, 2)):
+        evaluated.clear()
+        found = Search(spec, [Job(par, wl, sizes)], budget, default_overheads(GPU)).run()
+        assert found.mbs[0] == answer, fits
+        assert answer == 0 or answer in evaluated
+        nxt = [b for b in sizes if b > answer][:1]
+        assert all(b in evaluated for b in nxt)
+        assert found.evaluated == len(evaluated)
+
+
+def test_step_times_of_many_candidates_equal_step_time() -> None:
+    rng = random.Random(1)
+    for name in ("llama-2-7b", "mixtral-8x7b", "tiny"):
+        spec = memplan.load_model(name)
+        rows = []
+        for _ in range(200):
+            tp, pp, cp = rng.choice((1, 2, 8)), rng.choice((1, 2, 4)), rng.choice((1, 2))
+            par = memplan.ParallelConfig(
+                tp=tp, pp=pp, vpp=rng.choice((1, 2)) if pp > 1 else 1, cp=cp,
+                dp=rng.choice((1, 4, 64)), ep=rng.choice((1, 2)) if spec.moe else 1,
+                zero=rng.choice((0, 1, 2, 3)), sequence_parallel=rng.random() < 0.5)
+            wl = memplan.make_workload(spec, seq_len=1024, micro_batch_size=rng.choice((1, 2, 8)),
+                                       recompute=rng.choice(("none", "selective", "full")))
+            rows.append((par, wl, rng.choice((1, 3, 16)), rng.randrange(1, 10**10)))
+        gbs = 4096
+        flops = [step_flops(spec, wl, gbs) for _, wl, _, _ in rows]
+        cols = Columns.of([r[0] for r in rows], [r[1].micro_batch_size for r in rows],
+                          [r[2] for r in rows], [r[3] for r in rows])
+        times = step_times(spec, GPU, rows[0][1].model_copy(update={"micro_batch_size": 1}),
+                           gbs, cols, np.array([f[0] for f in flops]),
+                           np.array([f[1] for f in flops]))
+        for i, (par, wl, m, params) in enumerate(rows):
+            assert times.at(i) == step_time(spec, GPU, par, wl, gbs, m, params), (name, i)
+        assert len({t.bound for t in (times.at(i) for i in range(len(rows)))}) == 3
+
+
+def test_candidates_are_timed_and_sized_as_estimate_says() -> None:
+    """Each candidate of a plan: its micro-batch fits and the next size does not, its peak is
+    the estimate's, its step time ``step_time`` of that estimate."""
+    wl = memplan.make_workload(MOE, seq_len=256, global_batch_size=32)
+    result = plan(MOE, GPU, 8, wl, capacity_bytes=int(1.1 * 2**30))
+    assert len(result.candidates) > 20 and result.evaluated < result.searched
+    budget = int(1.1 * 2**30 * 0.95)
+    for c in result.candidates:
+        est = c.estimate
+        assert est.peak_bytes == c.peak_bytes <= budget
+        sizes = _sizes(c.layout, 32)
+        bigger = [b for b in sizes if b > c.micro_batch_size]
+        if bigger:
+            nxt = estimate(MOE, GPU, c.layout, est.workload.model_copy(
+                update={"micro_batch_size": bigger[0]}))
+            assert nxt.peak_bytes > budget
+        assert c.time == step_time(MOE, GPU, c.layout, est.workload, 32, est.num_microbatches,
+                                   est.worst.num_params)
+
+
+def test_sequence_parallelism_is_searched_both_ways() -> None:
+    """Off is kept only where on, at the same micro-batch, does not fit in as little memory as
+    fast; otherwise it is counted as rejected with that reason."""
+    wl = memplan.make_workload(DEEP, seq_len=512, global_batch_size=64)
+    result = plan(DEEP, GPU, 8, wl, capacity_bytes=2**30, fixed={"tp": 2})
+    assert result.rejected[SP_OFF_DOMINATED] > 0
+    for c in result.candidates:
+        if c.layout.sequence_parallel:
+            continue
+        on = c.layout.model_copy(update={"sequence_parallel": True})
+        twin = estimate(DEEP, GPU, on, c.estimate.workload)
+        twin_time = step_time(DEEP, GPU, on, twin.workload, 64, twin.num_microbatches,
+                              twin.worst.num_params)
+        assert twin.peak_bytes > c.peak_bytes or twin_time.step_s > c.time.step_s
+    fixed = plan(DEEP, GPU, 8, wl, capacity_bytes=2**30, fixed={"tp": 2, "sp": True})
+    assert all(c.layout.sequence_parallel for c in fixed.candidates)
+    assert SP_OFF_DOMINATED not in fixed.rejected
+
+
+def test_a_recompute_policy_is_kept_only_when_it_fits_more() -> None:
+    wl = memplan.make_workload(DEEP, seq_len=512, global_batch_size=64)
+    result = plan(DEEP, GPU, 8, wl, capacity_bytes=2**29, fixed={"tp": 1, "pp": 2, "vpp": 1})
+    by_layout: dict = {}
+    for c in result.candidates:
+        by_layout.setdefault(c.layout, []).append(c)
+    order = {p: i for i, p in enumerate(_policies(list(RECOMPUTE_ORDER), 4))}
+    assert any(len(cs) > 1 for cs in by_layout.values())
+    for cs in by_layout.values():  # more recompute, strictly larger micro-batch
+        cs.sort(key=lambda c: order[(c.recompute, c.recompute_layers)])
+        assert [c.micro_batch_size for c in cs] == sorted({c.micro_batch_size for c in cs})
