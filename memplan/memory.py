@@ -160,16 +160,21 @@ def resolve_batch(par: ParallelConfig, wl: Workload) -> tuple[int, int]:
 
 
 def _embedding_backward_extra(vocab_grad: int, embed_grads: int, *, tied: bool,
-                              main_grads: bool) -> int:
-    """Bytes beyond all gradients at the embedding's backward. Its dense gradient (compute
-    dtype) is new; a tied head's gradient waits beside it and the two are summed (3 copies,
-    then the sum becomes the gradient); with fp32 main gradients the compute-dtype gradient
-    lives until it has been added into the fp32 one."""
+                              main_grads: bool, incoming: int) -> int:
+    """Bytes beyond all gradients at the embedding's backward (first stage). Its dense
+    gradient (compute dtype) is made from the gradient of its output (``incoming``, still
+    alive); a tied head's gradient waits beside it and the two are summed (3 copies, then the
+    sum becomes the gradient); with fp32 main gradients the compute-dtype gradient lives until
+    it has been added into the fp32 one."""
     if tied and main_grads:  # 3 copies before the fp32 main gradient, or the sum beside it
-        return max(3 * vocab_grad - embed_grads, vocab_grad)
-    if tied:
-        return 2 * vocab_grad
-    return vocab_grad if main_grads else 0
+        after = max(3 * vocab_grad - embed_grads, vocab_grad)
+    elif tied:
+        after = 2 * vocab_grad
+    else:
+        after = vocab_grad if main_grads else 0
+    # while the dense gradient is made, the final gradient (or the sum) does not exist yet
+    dense = (vocab_grad if tied else 0) + vocab_grad + incoming - embed_grads
+    return max(after, dense)
 
 
 @lru_cache(maxsize=1024)
@@ -267,8 +272,10 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
         head_linear_bwd=(shared.head_linear_bwd + vocab_grad
                          + (int(sp.head * grad_per_param) if main_grads else 0)) if last else 0,
         head_grads=int(sp.head * grad_per_param), embed_grads=int(sp.embedding * grad_per_param),
-        tied_extra=_embedding_backward_extra(vocab_grad, int(sp.embedding * grad_per_param),
-                                             tied=tied, main_grads=main_grads and first),
+        tied_extra=_embedding_backward_extra(
+            vocab_grad, int(sp.embedding * grad_per_param), tied=tied,
+            main_grads=main_grads and first,
+            incoming=shared.dm.tokens * spec.hidden_size * shared.dm.e) if first else 0,
         tied_pending=vocab_grad if tied else 0,
         grad_buffer=shard.grad_bytes,
         unsharded_ratio=sp.total * wl.precision.recipe.grad_bytes / max(st.grads_bytes, 1),
