@@ -190,7 +190,7 @@ def render_profile(profile: Any, path: str) -> Any:
     if profile.device is not None:
         d = profile.device
         for name, value in d.coefficients.items():
-            terms.add_row(name, f"{value:,} B" if name.endswith("fixed_bytes")
+            terms.add_row(name, f"{int(value):,} B" if name.endswith("fixed_bytes")
                           else f"{value:+.4%}")
         extra = [("reserved / allocated", d.reserved_ratio and f"{d.reserved_ratio:.4f}"),
                  ("reserved rounding", _bytes(d.reserved_rounding_bytes)),

@@ -127,7 +127,8 @@ def calibrate(
         _check_cuda(torch, nproc)
     command = _command(device=device, quick=quick, nproc=nproc if nproc > 1 else None,
                        module=module, model=model, precision=None if module is None
-                       else precision, seq=seq, gpu=gpu)
+                       else precision, seq=seq, gpu=gpu, name=name,
+                       out=None if out == Path("calibration") else out)
     from memplan.profile.calibrate_run import make_meta
 
     meta = make_meta(device.value, command, gpu, num_devices=max(1, nproc))
