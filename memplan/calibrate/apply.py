@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from memplan.calibrate.features import (
+    FEATURES,
     STEP_KINDS,
     analytic_phases,
     model_deltas,
@@ -186,6 +187,11 @@ def _overheads(device: Loaded, default: Overheads) -> tuple[Overheads, list[str]
 
 def _check_device(device: Loaded, gpu: GpuSpec) -> None:
     meta = device.profile.meta
+    unknown = sorted(set(device.profile.device.coefficients) - set(FEATURES)
+                     if device.profile.device else [])
+    if unknown:
+        raise MemplanError(f"calibration: {device.path} has terms this memplan does not know "
+                           f"({', '.join(unknown)}); re-fit it with `memplan calibrate --refit`")
     if meta.device == "cuda" and meta.gpu != gpu.name:
         raise MemplanError(f"calibration: {device.path} was measured on {meta.gpu or meta.device_name}"
                            f", not {gpu.name}; pass --gpu {meta.gpu} or a profile for {gpu.name}")
@@ -250,7 +256,7 @@ def calibrate_plan(result: Any, spec: ModelSpec, gpu: GpuSpec, loaded: list[Load
     if not loaded:
         return result
     from memplan.memory import estimate, resolve_batch
-    from memplan.planner import MAX_MBS, Candidate, _divisors
+    from memplan.planner import MAX_MBS, _divisors
     from memplan.timing import step_time
 
     budget = int((capacity_bytes or gpu.memory_bytes) * (1 - safety))
@@ -288,8 +294,20 @@ def calibrate_plan(result: Any, spec: ModelSpec, gpu: GpuSpec, loaded: list[Load
         mfu = best.calibration.mfu if best.calibration and best.calibration.mfu else None
         time = step_time(spec, gpu, best.parallel, best.workload, result.global_batch_size, m,
                          best.worst.num_params, **({"mfu": mfu} if mfu else {}))
-        kept.append(Candidate(c.layout, best.workload.micro_batch_size, c.recompute,
-                              c.recompute_layers, best, time))
+        kept.append(_with_estimate(c, best, time))
     kept.sort(key=lambda c: (c.time.step_s, c.peak_bytes))
     result.candidates = kept
     return result
+
+
+def _with_estimate(c: Any, est: Estimate, time: Any) -> Any:
+    """Candidate ``c`` holding ``est`` (its micro-batch) and ``time``."""
+    from dataclasses import fields
+
+    names = {f.name for f in fields(c)}
+    update: dict[str, Any] = {"micro_batch_size": est.workload.micro_batch_size, "time": time}
+    if "given" in names:  # built lazily from its inputs: hand it the calibrated estimate
+        update.update(given=est, known_peak_bytes=est.peak_bytes, inputs=None)
+    else:
+        update["estimate"] = est
+    return replace(c, **update)
