@@ -163,8 +163,8 @@ def _overheads(device: Loaded, default: Overheads) -> tuple[Overheads, list[str]
     prof, terms = device.profile, device.profile.device
     assert terms is not None
     where = f"calibration {Path(device.path).name}, {prof.num_records} records"
-    notes = [f"calibration: {device.path} ({prof.meta.device_name}, torch {prof.meta.torch}, "
-             f"{prof.meta.date}); tensor corrections fitted on the reference model"]
+    notes = [(f"calibration: {device.path} ({prof.meta.device_name}, torch {prof.meta.torch}, "
+              f"{prof.meta.date}); tensor corrections fitted on the reference model")]
     if terms.outside_allocator_bytes is None:  # CPU: the exact tracker sees tensors only
         notes.append("calibration measured on cpu with the exact tracker: tensor terms only; "
                      "fixed overheads stay the defaults")
@@ -193,8 +193,9 @@ def _check_device(device: Loaded, gpu: GpuSpec) -> None:
         raise MemplanError(f"calibration: {device.path} has terms this memplan does not know "
                            f"({', '.join(unknown)}); re-fit it with `memplan calibrate --refit`")
     if meta.device == "cuda" and meta.gpu != gpu.name:
-        raise MemplanError(f"calibration: {device.path} was measured on {meta.gpu or meta.device_name}"
-                           f", not {gpu.name}; pass --gpu {meta.gpu} or a profile for {gpu.name}")
+        raise MemplanError(f"calibration: {device.path} was measured on "
+                           f"{meta.gpu or meta.device_name}, not {gpu.name}; pass --gpu "
+                           f"{meta.gpu} or a profile for {gpu.name}")
 
 
 def _check_model(model: Loaded, est: Estimate) -> None:
@@ -213,9 +214,12 @@ def _check_model(model: Loaded, est: Estimate) -> None:
     for key in _WORKLOAD_FIXED:
         want, got = getattr(terms.workload, key), getattr(est.workload, key)
         if want != got:
-            show = lambda v: getattr(v, "label", getattr(v, "value", v))  # noqa: E731
             raise MemplanError(f"calibration: model profile {model.path} was traced with "
-                               f"{key} {show(want)}, the estimate uses {show(got)}")
+                               f"{key} {_show(want)}, the estimate uses {_show(got)}")
+
+
+def _show(value: Any) -> Any:
+    return getattr(value, "label", getattr(value, "value", value))
 
 
 def _model_deltas(prof: Profile, est: Estimate) -> dict[str, float]:

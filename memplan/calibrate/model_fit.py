@@ -127,9 +127,9 @@ def _fit_regime(points: list[Data], regime: str) -> RegimeFit:
 
 def _fit(points: list[Data]) -> dict[str, RegimeFit]:
     out = {}
-    for regime in RANK:
+    for regime, need in RANK.items():
         mine = [p for p in points if p.regime == regime]
-        if mine and _rank([p.bs for p in mine]) >= RANK[regime]:
+        if mine and _rank([p.bs for p in mine]) >= need:
             out[regime] = _fit_regime(mine, regime)
     return out
 

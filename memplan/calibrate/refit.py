@@ -28,8 +28,8 @@ def build_profile(folder: Path, profile_path: Path, name: str) -> Profile:
         raise MemplanError(f"no calibration records in {folder}")
     meta = records[0].meta.model_copy(update={"date": max(r.meta.date for r in records)})
     rel = os.path.relpath(Path(folder).resolve(), Path(profile_path).resolve().parent)
-    common = dict(name=name, meta=meta, records=Path(rel).as_posix(), num_records=len(records),
-                  num_oom=sum(r.status == "oom" for r in records))
+    common = {"name": name, "meta": meta, "records": Path(rel).as_posix(),
+              "num_records": len(records), "num_oom": sum(r.status == "oom" for r in records)}
     if all(r.kind == "model" for r in records):
         from memplan.calibrate.model_fit import fit_model
 

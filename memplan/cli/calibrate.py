@@ -8,7 +8,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -31,20 +31,20 @@ Resume = Annotated[bool, typer.Option("--resume", help="Skip points already reco
 Nproc = Annotated[int, typer.Option(
     "--nproc", help="Ranks launched through torchrun (NCCL on CUDA, gloo on CPU): per-rank "
     "memory under FSDP2 and TP.")]
-Module = Annotated[Optional[str], typer.Option(
+Module = Annotated[str | None, typer.Option(
     "--module", help="pkg.mod:factory (or file.py:factory) building your nn.Module "
     "(factory(*, dtype, device)); traced under fake tensors for a model profile.")]
-RefModel = Annotated[Optional[str], typer.Option(
+RefModel = Annotated[str | None, typer.Option(
     "--model", "-m", help="Grid: the reference model's spec (default: sized for the device). "
     "--module: the spec the module implements (default: read from its Hugging Face config).")]
 Out = Annotated[Path, typer.Option(
     "--out", help="Calibration folder: records go to OUT/records/NAME, the profile to "
     "OUT/profiles/NAME.json.")]
-Name = Annotated[Optional[str], typer.Option(
+Name = Annotated[str | None, typer.Option(
     "--name", help="Run name (default: the GPU's catalog name, cpu, or model-<factory>).")]
-GpuName = Annotated[Optional[str], typer.Option(
+GpuName = Annotated[str | None, typer.Option(
     "--gpu", help="Catalog name of this GPU when its device name does not match one.")]
-MaxSeq = Annotated[Optional[int], typer.Option(
+MaxSeq = Annotated[int | None, typer.Option(
     "--seq", help="--module: the longest sequence traced (default: min(max positions, 1024)).")]
 Refit = Annotated[bool, typer.Option(
     "--refit", help="Re-fit every profile under OUT/profiles from its records; measure nothing.")]

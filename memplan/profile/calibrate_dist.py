@@ -69,8 +69,8 @@ def measure_rank(point: Point, device: str, steps: int, nccl: int | None) -> Ran
 
 def _record(point: Point, meta: Meta, measures: list[RankMeasure | str]) -> Record:
     errors = [m for m in measures if isinstance(m, str)]
-    common = dict(kind="grid", key=point.key, spec=point.spec, layout=point.layout,
-                  workload=point.workload, meta=meta)
+    common = {"kind": "grid", "key": point.key, "spec": point.spec, "layout": point.layout,
+              "workload": point.workload, "meta": meta}
     if errors:
         return Record(status="oom", error=errors[0], **common)
     return Record(status="ok", ranks=sorted(measures, key=lambda m: m.rank), **common)

@@ -20,8 +20,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Self
 
 import torch
 
@@ -37,7 +38,7 @@ from memplan.calibrate.records import (
     write_record,
 )
 from memplan.errors import MemplanError
-from memplan.hardware import gpu_catalog
+from memplan.hardware import gpu_catalog, load_gpu
 from memplan.profile.reference import ReferenceModel
 from memplan.profile.trace import TraceResult, ref_options, run_steps
 from memplan.profile.tracker import MemoryTracker, PhasePeak
@@ -45,16 +46,17 @@ from memplan.timing import step_flops
 
 
 def _today() -> str:
-    return datetime.now(timezone.utc).date().isoformat()
+    return datetime.now(UTC).date().isoformat()
 
 
 def _driver() -> str | None:
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
+                             capture_output=True, text=True, timeout=20, check=False)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    lines = out.stdout.strip().splitlines()
+    return lines[0] if out.returncode == 0 and lines else None
 
 
 def _cpu_name() -> str:
@@ -68,15 +70,21 @@ def _cpu_name() -> str:
 
 
 def match_gpu(device_name: str, total_bytes: int) -> str | None:
-    """The catalog GPU whose name's first part appears in ``device_name`` and whose memory is
-    within 2% of ``total_bytes`` (the closest such); None when nothing matches."""
-    name = device_name.lower().replace(" ", "-")
+    """The catalog GPU for ``torch.cuda.get_device_name()``: its name or an alias, normalised,
+    is the device name (or, failing that, a part of it: the longest such part wins), and its
+    memory is within 2% of ``total_bytes``; None when nothing matches."""
+    from memplan.hardware import _normal
+
+    name = _normal(device_name)
     found = []
     for key, gpu in gpu_catalog().items():
-        stem = key.split("-")[0]
-        if stem in name and abs(gpu.memory_bytes - total_bytes) <= 0.02 * total_bytes:
-            found.append((abs(gpu.memory_bytes - total_bytes), key))
-    return min(found)[1] if found else None
+        if abs(gpu.memory_bytes - total_bytes) > 0.02 * total_bytes:
+            continue
+        for alias in (key, *gpu.aliases):
+            alias = _normal(alias)
+            if alias == name or alias in name:
+                found.append((alias == name, len(alias), key))
+    return max(found)[2] if found else None
 
 
 def make_meta(device: str, command: str, gpu: str | None = None, num_devices: int = 1) -> Meta:
@@ -89,7 +97,7 @@ def make_meta(device: str, command: str, gpu: str | None = None, num_devices: in
                                       "eager: matmul + softmax", **common)
     props = torch.cuda.get_device_properties(0)
     name = torch.cuda.get_device_name(0)
-    catalog = gpu or match_gpu(name, props.total_memory)
+    catalog = load_gpu(gpu).name if gpu else match_gpu(name, props.total_memory)
     if catalog is None:
         raise MemplanError(f"GPU {name!r} ({props.total_memory:,} bytes) matches no catalog "
                            "GPU; pass --gpu NAME (`memplan gpus`)")
@@ -143,7 +151,7 @@ class PhaseClock:
     def step_times(self) -> dict[int, float]:
         steps = sorted(self.starts)
         ends = [self.starts[k] for k in steps[1:]] + [self.end]
-        return {k: end - self.starts[k] for k, end in zip(steps, ends)}
+        return {k: end - self.starts[k] for k, end in zip(steps, ends, strict=True)}
 
 
 def cuda_sample() -> PhaseMeasure:
@@ -160,9 +168,10 @@ class NullTracker:
     """The tracker interface ``run_steps`` uses, counting nothing (CUDA runs read the allocator
     instead, without a per-op hook)."""
 
-    timeline: list = []
+    def __init__(self) -> None:
+        self.timeline: list = []
 
-    def __enter__(self) -> NullTracker:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> bool:

@@ -16,6 +16,8 @@ import json
 import subprocess
 import sys
 
+from memplan.errors import MemplanError
+
 PROBE_TIMEOUT_S = 300
 
 
@@ -52,19 +54,22 @@ def steps() -> None:
 
 def run_probes() -> dict[str, int]:
     """Device-used growth in bytes: context, first_tensor, cublas, sdpa (see the docstring)."""
-    cmd = [sys.executable, "-m", __name__.replace("__main__", "memplan.profile.overhead_probe")]
+    cmd = [sys.executable, "-m", "memplan.profile.overhead_probe"]
     first = subprocess.Popen([*cmd, "hold"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True)
+                             stderr=subprocess.PIPE, text=True)
     try:
         held = json.loads(first.stdout.readline())  # type: ignore[union-attr]
         second = subprocess.run([*cmd, "steps"], capture_output=True, text=True,
                                 timeout=PROBE_TIMEOUT_S, check=True)
+        got = json.loads(second.stdout.strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError, subprocess.SubprocessError) as err:
+        detail = getattr(err, "stderr", None) or str(err)
+        raise MemplanError(f"overhead probe failed: {detail.strip().splitlines()[-1:]}") from err
     finally:
         if first.stdin:
             first.stdin.write("\n")
             first.stdin.close()
         first.wait(timeout=PROBE_TIMEOUT_S)
-    got = json.loads(second.stdout.strip().splitlines()[-1])
     return {"context": got["init"] - held["used"],
             "first_tensor": got["first_tensor"] - got["init"],
             "cublas": got["cublas"] - got["first_tensor"],

@@ -37,7 +37,7 @@ def rotate_half(x):
 class Attention(nn.Module):
     def __init__(self, dtype, device) -> None:
         super().__init__()
-        kw = dict(bias=False, dtype=dtype, device=device)
+        kw = {"bias": False, "dtype": dtype, "device": device}
         self.q_proj = nn.Linear(HIDDEN, HEADS * HEAD_DIM, **kw)
         self.k_proj = nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, **kw)
         self.v_proj = nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, **kw)
@@ -63,7 +63,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, dtype, device) -> None:
         super().__init__()
-        kw = dict(bias=False, dtype=dtype, device=device)
+        kw = {"bias": False, "dtype": dtype, "device": device}
         self.gate_proj = nn.Linear(HIDDEN, FFN, **kw)
         self.up_proj = nn.Linear(HIDDEN, FFN, **kw)
         self.down_proj = nn.Linear(FFN, HIDDEN, **kw)
