@@ -169,14 +169,6 @@ class Search:
                      num_params=np.where(has, self.params[rows, at], 0), slope=self.slope,
                      evaluated=self.evaluated, searched=int(self.open.sum()), misses=misses)
 
-    def known(self, i: int, b: int) -> tuple[int, int] | None:
-        """(peak_bytes, parameters) of job ``i`` at micro-batch ``b`` when the search found it
-        fits (exact then), else None."""
-        col = np.flatnonzero(self.size[i] == b)
-        if len(col) and self.status[i, col[0]] == FITS:
-            return int(self.peak[i, col[0]]), int(self.params[i, col[0]])
-        return None
-
 
 def evaluate(spec: ModelSpec, par: ParallelConfig, wl: Workload, mbs: int, ovh: Overheads, *,
              schedule: Schedule = Schedule.ONE_F_ONE_B,

@@ -19,7 +19,6 @@ separate lines on top of the tensor peak.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
@@ -41,7 +40,7 @@ from memplan.overheads import Overheads, default_overheads
 from memplan.parallel import GradBuffers, ParallelConfig, validate_layout
 from memplan.pipeline import Schedule, chunks_in_flight
 from memplan.spec import ModelSpec, PositionKind
-from memplan.stage import optimizer_phase_bytes, stage_kinds, stage_states
+from memplan.stage import StageKinds, StageStates, canonical, optimizer_phase_bytes, stage_parts
 from memplan.workload import Recompute, Workload
 
 PHASES = ("forward", "backward", "optimizer")
@@ -177,8 +176,19 @@ def _embedding_backward_extra(vocab_grad: int, embed_grads: int, *, tied: bool,
     return max(after, dense)
 
 
-@lru_cache(maxsize=1024)
 def _shared(spec: ModelSpec, wl: Workload, dm: act.Dims) -> _Shared:
+    return _shared_for(spec, _per_kind(wl), dm)
+
+
+@lru_cache(maxsize=1024)
+def _per_kind(wl: Workload) -> Workload:
+    """What the per-kind terms read of ``wl``: not the global batch, nor how many layers get
+    full recompute (the stage's layer kinds say which policy each layer has)."""
+    return canonical(wl, global_batch_size=None, recompute_layers=None)
+
+
+@lru_cache(maxsize=1024)
+def _shared_for(spec: ModelSpec, wl: Workload, dm: act.Dims) -> _Shared:
     return _Shared(spec, wl, dm)
 
 
@@ -221,10 +231,11 @@ class _Shared:
 
 
 def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: int,
-           schedule: Schedule, ovh: Overheads, shared: _Shared) -> StageMemory:
-    fx, kinds = stage_states(spec, par, wl, stage), stage_kinds(spec, par, wl, stage)
+           schedule: Schedule, ovh: Overheads, shared: _Shared,
+           parts: tuple[StageStates, StageKinds] | None = None) -> StageMemory:
+    fx, kinds = parts or stage_parts(spec, par, wl)[stage]
     first, last, keys, sp, st = fx.first, fx.last, kinds.keys, fx.sp, fx.st
-    in_flight = chunks_in_flight(par, m, stage, schedule)
+    in_flight = _in_flight(par, m, stage, schedule)
     grad_per_param = fx.grad_per_param
 
     entries: dict[tuple[bool, Recompute], tuple[LayerKind, int, tuple[int, ...]]] = {}
@@ -243,10 +254,8 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
     if par.vpp == 1:
         activations = in_flight[0] * (layers_saved + rope_bytes)
     else:
-        per_chunk = len(keys) // par.vpp
         activations = 0
-        for c, count in enumerate(in_flight):
-            chunk = Counter(keys[c * per_chunk:(c + 1) * per_chunk])
+        for chunk, count in zip(kinds.chunks, in_flight):
             chunk_saved = sum(entries[k][0].saved_bytes * n for k, n in chunk.items())
             activations += count * (chunk_saved + rope_bytes)
     # The embedding belongs to the first chunk, the loss to the last.
@@ -370,20 +379,21 @@ def _each_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, sche
     one are left out: they cannot peak above it."""
     template: StageMemory | None = None
     template_keys: list | None = None
-    template_flight: list[int] = []
+    template_flight: tuple[int, ...] = ()
+    parts = stage_parts(spec, par, wl)
     for i in range(par.pp):
-        keys = stage_kinds(spec, par, wl, i).keys if 0 < i < par.pp - 1 else None
+        keys = parts[i][1].keys if 0 < i < par.pp - 1 else None
         # with interleaving every chunk must hold the same kinds of layer
         derivable = keys is not None and (par.vpp == 1 or len(set(keys)) == 1)
         if derivable and template is not None and keys == template_keys:
-            in_flight = chunks_in_flight(par, m, i, schedule)
+            in_flight = _in_flight(par, m, i, schedule)
             if lower_too or sum(in_flight) > sum(template_flight):
                 yield _shifted(template, i, in_flight, par.vpp, template_flight, ovh)
             continue
-        stage = _stage(spec, par, wl, m, i, schedule, ovh, shared)
+        stage = _stage(spec, par, wl, m, i, schedule, ovh, shared, parts[i])
         if derivable and template is None:
             template, template_keys = stage, keys
-            template_flight = chunks_in_flight(par, m, i, schedule)
+            template_flight = _in_flight(par, m, i, schedule)
         yield stage
 
 
@@ -421,8 +431,13 @@ def batch_regime(par: ParallelConfig, m: int, schedule: Schedule = Schedule.ONE_
     return m > 1, tuple(tuple(chunks_in_flight(par, m, i, schedule)) for i in range(par.pp))
 
 
-def _shifted(template: StageMemory, stage: int, in_flight: list[int], vpp: int,
-             template_flight: list[int], ovh: Overheads) -> StageMemory:
+@lru_cache(maxsize=8192)
+def _in_flight(par: ParallelConfig, m: int, stage: int, schedule: Schedule) -> tuple[int, ...]:
+    return tuple(chunks_in_flight(par, m, stage, schedule))
+
+
+def _shifted(template: StageMemory, stage: int, in_flight: tuple[int, ...], vpp: int,
+             template_flight: tuple[int, ...], ovh: Overheads) -> StageMemory:
     """``template`` with other micro-batch counts in flight (identical chunks: each in-flight
     chunk-forward holds 1/vpp of a micro-batch's activations on the stage)."""
     delta = (sum(in_flight) - sum(template_flight)) * template.microbatch_bytes // vpp

@@ -36,7 +36,7 @@ MAX_MBS = 64
 MAX_VPP = 4
 LONG_SEQ = 8192
 RECOMPUTE_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
-SP_OFF_DOMINATED = "sp off: sp on fits the same micro-batch in no more memory, no slower"
+SP_OFF_DOMINATED = "sp off: sp on needs no more memory and no more time at any micro-batch"
 
 
 @dataclass(frozen=True)
@@ -112,8 +112,9 @@ def layouts(spec: ModelSpec, num_gpus: int, seq_len: int, *, max_tp: int,
             rejected[f"tp {tp} does not divide heads, KV heads or FFN"] += 1
             continue
         for pp in choices("pp", _divisors(spec.num_layers)):
+            # load-balanced causal CP splits the sequence into 2 * cp chunks
             for cp in choices("cp", [c for c in _powers_of_two(8 if seq_len >= LONG_SEQ else 1)
-                                     if seq_len % (2 * c) == 0]):
+                                     if c == 1 or seq_len % (2 * c) == 0]):
                 if num_gpus % (tp * pp * cp):
                     rejected["gpus not divisible by tp*pp*cp"] += 1
                     continue
@@ -172,9 +173,10 @@ def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
     capacity = capacity_bytes or gpu.memory_bytes
     gbs = wl.global_batch_size or max(1, DEFAULT_TOKENS_PER_STEP // wl.seq_len)
     result = PlanResult(candidates=[], global_batch_size=gbs)
-    pars = [par for par in layouts(spec, num_gpus, wl.seq_len, max_tp=max_tp or gpu.gpus_per_node,
-                                   fixed=fixed or {}, rejected=result.rejected)
-            if _usable(spec, par, wl, gbs, result.rejected)]
+    pars = _sp_on_where_possible([
+        par for par in layouts(spec, num_gpus, wl.seq_len, max_tp=max_tp or gpu.gpus_per_node,
+                               fixed=fixed or {}, rejected=result.rejected)
+        if _usable(spec, par, wl, gbs, result.rejected)], result.rejected)
     ctx = _Context(spec, gpu, _with_gbs(wl, gbs), int(capacity * (1 - safety)),
                    default_overheads(gpu), capacity)
     policies = [_policies(recompute or list(RECOMPUTE_ORDER), spec.num_layers // p.pp)
@@ -186,8 +188,7 @@ def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
     if without:
         result.rejected["out of memory at the smallest micro-batch with every recompute policy"] \
             += without
-    result.candidates = _ranked(ctx, fits, _sp_on_twins(ctx, fits, levels, pars),
-                                result.rejected)
+    result.candidates = _ranked(ctx, fits)
     result.oom_excess_bytes = _closest_miss(ctx, levels)
     result.evaluated = ctx.evaluated + sum(level.search.evaluated for level in levels)
     result.searched = sum(level.found.searched for level in levels)
@@ -205,6 +206,25 @@ def _usable(spec: ModelSpec, par: ParallelConfig, wl: Workload, gbs: int,
         rejected[str(err).split(" (")[0]] += 1
         return False
     return True
+
+
+def _sp_on_where_possible(pars: list[ParallelConfig], rejected: Counter) -> list[ParallelConfig]:
+    """Layouts with sequence parallelism off (tp > 1) are dropped where the same layout with
+    it on is one of ``pars``: sequence parallelism splits the residual-stream activations by
+    tp and leaves everything else a rank holds as it is (``memplan.activations``), and it
+    splits the pipeline sends by tp (``memplan.timing``), so with it on a layout needs no more
+    memory and no more time at every micro-batch (tests/test_planner_vector.py checks this
+    over a grid). Off stays where on is not possible (tp does not divide the sequence) or was
+    ruled out by the caller."""
+    usable = set(pars)
+    out = []
+    for par in pars:
+        if par.tp > 1 and not par.sequence_parallel and _layout(
+                par.tp, par.pp, par.vpp, par.dp, par.cp, par.ep, int(par.zero), True) in usable:
+            rejected[SP_OFF_DOMINATED] += 1
+        else:
+            out.append(par)
+    return out
 
 
 @dataclass
@@ -286,31 +306,6 @@ def _search_levels(ctx: _Context, pars: list[ParallelConfig],
     return levels
 
 
-def _sp_on_twins(ctx: _Context, fits: list[_Fit], levels: list[_Level],
-                 pars: list[ParallelConfig]) -> dict[int, _Fit]:
-    """For each fit with sequence parallelism off (tp > 1): the same layout, policy and
-    micro-batch with it on, where that is a layout of the plan and needs no more memory
-    (position in ``fits`` -> twin). Exact: from the search when it evaluated that size."""
-    searched = {(job.par, level.index): (level.search, k)
-                for level in levels for k, job in enumerate(level.search.jobs)}
-    usable = set(pars)
-    twins: dict[int, _Fit] = {}
-    for n, fit in enumerate(fits):
-        on = _layout(*(int(getattr(fit.par, f)) for f in ("tp", "pp", "vpp", "dp", "cp", "ep",
-                                                          "zero")), True)
-        if fit.par.tp == 1 or fit.par.sequence_parallel or on not in usable:
-            continue
-        search, k = searched.get((on, fit.level), (None, 0))
-        known = search.known(k, fit.mbs) if search is not None else None
-        if known is None:
-            worst = evaluate(ctx.spec, on, ctx.workload(fit.policy), fit.mbs, ctx.ovh)
-            ctx.evaluated += 1
-            known = worst.peak_bytes, worst.num_params
-        if known[0] <= fit.peak_bytes:
-            twins[n] = _Fit(fit.layout, fit.level, on, fit.policy, fit.mbs, *known)
-    return twins
-
-
 def _times(ctx: _Context, fits: list[_Fit]) -> StepTimes:
     """The step-time model of every fit in one vectorised pass."""
     gbs = ctx.wl.global_batch_size
@@ -322,18 +317,11 @@ def _times(ctx: _Context, fits: list[_Fit]) -> StepTimes:
     return step_times(ctx.spec, ctx.gpu, ctx.wl, gbs, cols, model, hardware)
 
 
-def _ranked(ctx: _Context, fits: list[_Fit], twins: dict[int, _Fit],
-            rejected: Counter) -> list[Candidate]:
-    """Candidates fastest first (among equals the one with most headroom). Sequence
-    parallelism off is left out where its twin with it on (``_sp_on_twins``) is no slower:
-    that one fits the same micro-batch in no more memory (dominated)."""
-    times = _times(ctx, [*fits, *twins.values()])
-    twin_row = {n: len(fits) + j for j, n in enumerate(twins)}
+def _ranked(ctx: _Context, fits: list[_Fit]) -> list[Candidate]:
+    """Candidates fastest first; among equals the one with most headroom."""
+    times = _times(ctx, fits)
     out = []
     for n, fit in enumerate(fits):
-        if n in twin_row and times.step_s[twin_row[n]] <= times.step_s[n]:
-            rejected[SP_OFF_DOMINATED] += 1
-            continue
         wl = _with_mbs(ctx.workload(fit.policy), fit.mbs)
         out.append(Candidate(fit.par, fit.mbs, fit.policy[0], fit.policy[1], None, times.at(n),
                              fit.peak_bytes, (ctx.spec, ctx.gpu, wl, ctx.capacity)))

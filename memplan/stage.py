@@ -36,6 +36,7 @@ class StageKinds:
     positions: dict[tuple[bool, Recompute], int]  # each kind's first layer
     counts: dict[tuple[bool, Recompute], int]  # layers of each kind
     runs: list[tuple[tuple[bool, Recompute], int]]  # runs of identical layers, in order
+    chunks: list[dict[tuple[bool, Recompute], int]]  # layers of each kind per model chunk
 
 
 @dataclass(frozen=True)
@@ -70,25 +71,40 @@ def stage_states(spec: ModelSpec, par: ParallelConfig, wl: Workload, stage: int)
     return _states_for(spec, par, _without(wl, True), stage)
 
 
+def stage_parts(spec: ModelSpec, par: ParallelConfig,
+                wl: Workload) -> tuple[tuple[StageStates, StageKinds], ...]:
+    """Every stage's states and layer kinds, in stage order."""
+    return _parts_for(spec, par, _without(wl, False))
+
+
+@lru_cache(maxsize=8192)
+def _parts_for(spec: ModelSpec, par: ParallelConfig,
+               wl: Workload) -> tuple[tuple[StageStates, StageKinds], ...]:
+    states = _without(wl, True)
+    return tuple((_states_for(spec, par, states, i), _kinds_for(spec, wl, par.pp, par.vpp, i))
+                 for i in range(par.pp))
+
+
 def optimizer_phase_bytes(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> int:
     """Tensor bytes of the most loaded stage at its optimizer step, where no activation is
     alive: the same at every micro-batch size and recompute policy."""
-    return _optimizer_phase(spec, par, _without(wl, True))
-
-
-@lru_cache(maxsize=4096)
-def _optimizer_phase(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> int:
-    return max(_states_for(spec, par, wl, i).optimizer_phase for i in range(par.pp))
+    return max(states.optimizer_phase for states, _ in stage_parts(spec, par, wl))
 
 
 @lru_cache(maxsize=4096)
 def _without(wl: Workload, recompute: bool) -> Workload:
     """``wl`` with its batch sizes (and the recompute policy) at fixed values: the cache key of
-    what does not depend on them, one object for equal keys (cache hits by identity)."""
-    update: dict[str, object] = {"micro_batch_size": 1, "global_batch_size": None}
+    what does not depend on them."""
     if recompute:
-        update.update(recompute=Recompute.NONE, recompute_layers=None)
-    return _one(wl.model_copy(update=update))
+        return canonical(wl, micro_batch_size=1, global_batch_size=None,
+                         recompute=Recompute.NONE, recompute_layers=None)
+    return canonical(wl, micro_batch_size=1, global_batch_size=None)
+
+
+def canonical(wl: Workload, **fields: object) -> Workload:
+    """``wl`` with ``fields`` replaced, one object for equal results (so caches keyed by it hit
+    by identity, without comparing field by field)."""
+    return _one(wl.model_copy(update=fields))
 
 
 @lru_cache(maxsize=4096)
@@ -103,7 +119,10 @@ def _kinds_for(spec: ModelSpec, wl: Workload, pp: int, vpp: int, stage: int) -> 
     keys = layer_keys(spec, wl, layers)
     positions = first_positions(keys)
     counts = Counter(keys) if len(positions) > 1 else {keys[0]: len(keys)}
-    return StageKinds(keys=keys, positions=positions, counts=counts, runs=runs_of(keys))
+    per_chunk = len(keys) // vpp
+    chunks = [Counter(keys[c * per_chunk:(c + 1) * per_chunk]) for c in range(vpp)]
+    return StageKinds(keys=keys, positions=positions, counts=counts, runs=runs_of(keys),
+                      chunks=chunks)
 
 
 @lru_cache(maxsize=16384)
