@@ -452,10 +452,23 @@ def test_user_model_profile_refuses_other_models(user_profile: Path) -> None:
         memplan.estimate("gpt2", calibration=str(user_profile))
     # tiny has the same widths at another depth: the profile applies, scaled per block
     assert memplan.estimate("tiny", seq_len=64, calibration=str(user_profile)).calibration
-    with pytest.raises(MemplanError, match="traced with attention flash"):
+    with pytest.raises(MemplanError, match="reference with attention flash"):
         memplan.estimate(str(SPEC_TOML), attention="eager", calibration=str(user_profile))
     with pytest.raises(MemplanError, match="tp=pp=cp=1"):
         memplan.estimate(str(SPEC_TOML), gpus=2, tp=2, calibration=str(user_profile))
+
+
+def test_user_model_real_tensors_trace_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("torch")
+    from memplan.profile.user_model import load_factory, trace_point
+
+    monkeypatch.setenv("HF_STYLE_LAYERS", "3")
+    spec = memplan.load_model(str(SPEC_TOML))
+    wl = memplan.make_workload(spec, micro_batch_size=2, seq_len=48)
+    fake, _ = trace_point(load_factory(FACTORY), spec, wl)
+    real, _ = trace_point(load_factory(FACTORY), spec, wl, fake=False)
+    assert [s.phases for s in real] == [s.phases for s in fake]
+    assert [s.layer_saved_bytes for s in real] == [s.layer_saved_bytes for s in fake]
 
 
 def test_bad_module_is_one_line(tmp_path: Path, capsys) -> None:

@@ -214,8 +214,10 @@ def _check_model(model: Loaded, est: Estimate) -> None:
     for key in _WORKLOAD_FIXED:
         want, got = getattr(terms.workload, key), getattr(est.workload, key)
         if want != got:
-            raise MemplanError(f"calibration: model profile {model.path} was traced with "
-                               f"{key} {_show(want)}, the estimate uses {_show(got)}")
+            raise MemplanError(f"calibration: model profile {model.path} was fitted against the "
+                               f"reference with {key} {_show(want)}, the estimate uses "
+                               f"{_show(got)} (the profile describes the implementation; "
+                               f"estimate with {key} {_show(want)})")
 
 
 def _show(value: Any) -> Any:

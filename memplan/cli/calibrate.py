@@ -46,6 +46,9 @@ GpuName = Annotated[str | None, typer.Option(
     "--gpu", help="Catalog name of this GPU when its device name does not match one.")]
 MaxSeq = Annotated[int | None, typer.Option(
     "--seq", help="--module: the longest sequence traced (default: min(max positions, 1024)).")]
+Real = Annotated[bool, typer.Option(
+    "--real", help="--module: real CPU tensors instead of fake ones (for a small config whose "
+    "forward reads tensor values).")]
 Refit = Annotated[bool, typer.Option(
     "--refit", help="Re-fit every profile under OUT/profiles from its records; measure nothing.")]
 
@@ -88,6 +91,7 @@ def calibrate(
     model: RefModel = None,
     precision: PrecisionOpt = Precision.BF16_MIXED,
     seq: MaxSeq = None,
+    real: Real = False,
     out: Out = Path("calibration"),
     name: Name = None,
     gpu: GpuName = None,
@@ -127,7 +131,7 @@ def calibrate(
         _check_cuda(torch, nproc)
     command = _command(device=device, quick=quick, nproc=nproc if nproc > 1 else None,
                        module=module, model=model, precision=None if module is None
-                       else precision, seq=seq, gpu=gpu, name=name,
+                       else precision, seq=seq, real=real, gpu=gpu, name=name,
                        out=None if out == Path("calibration") else out)
     from memplan.profile.calibrate_run import make_meta
 
@@ -139,7 +143,7 @@ def calibrate(
     folder = out / "records" / name
     _check_folder(folder, resume)
     if module is not None:
-        _run_module(module, model, precision, seq, meta, folder, resume)
+        _run_module(module, model, precision, seq, meta, folder, resume, fake=not real)
     elif nproc > 1:
         _run_dist(device.value, nproc, quick, resume, gpu, command, folder)
     else:
@@ -227,7 +231,7 @@ def _run_dist(device: str, nproc: int, quick: bool, resume: bool, gpu: str | Non
 
 
 def _run_module(target: str, model: str | None, precision: Precision, seq: int | None, meta,
-                folder: Path, resume: bool) -> None:
+                folder: Path, resume: bool, *, fake: bool) -> None:
     from memplan.calibrate.records import finished_keys, write_record
     from memplan.profile.user_model import (
         load_factory,
@@ -251,7 +255,8 @@ def _run_module(target: str, model: str | None, precision: Precision, seq: int |
         task = bar.add_task(f"{target} ({spec.name})", total=len(points))
         for point in points:
             if point_key(point[0], point[1]) not in done:
-                write_record(folder, measure_user_point(factory, target, spec, wl, point, meta))
+                write_record(folder, measure_user_point(factory, target, spec, wl, point, meta,
+                                                        fake=fake))
             bar.advance(task)
 
 

@@ -166,12 +166,24 @@ def trace_point(factory: Factory, spec: ModelSpec, wl: Workload, *, fake: bool =
                 ) -> tuple[list[StepMeasure], int]:
     """Two steps at (wl.micro_batch_size, wl.seq_len): the step measures and the parameter
     count of the model the factory built."""
-    with _fake_mode() if fake else _null():
-        torch.manual_seed(0)
-        inner = build(factory, _TORCH_DTYPE[wl.compute_dtype.value])
-        model = CausalLM(inner)
-        tracker = BlockTracker(find_blocks(inner))
-        traced = run_steps(model, spec, wl, tracker, steps=2)
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        UnsupportedOperatorException,
+    )
+
+    try:
+        with _fake_mode() if fake else _null():
+            torch.manual_seed(0)
+            inner = build(factory, _TORCH_DTYPE[wl.compute_dtype.value])
+            model = CausalLM(inner)
+            tracker = BlockTracker(find_blocks(inner))
+            traced = run_steps(model, spec, wl, tracker, steps=2)
+    except (DataDependentOutputException, DynamicOutputShapeException,
+            UnsupportedOperatorException) as err:
+        raise MemplanError(f"module: the model reads tensor values, which fake tensors do not "
+                           f"have ({type(err).__name__}: {str(err).splitlines()[0][:120]}); "
+                           "trace a small config with --real") from err
     flops = step_flops(spec, wl, wl.micro_batch_size)[1]
     ops: dict[tuple[int, str], list[int]] = {}
     for point in tracker.timeline:
