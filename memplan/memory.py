@@ -159,12 +159,13 @@ def resolve_batch(par: ParallelConfig, wl: Workload) -> tuple[int, int]:
 
 
 def _embedding_backward_extra(vocab_grad: int, embed_grads: int, *, tied: bool,
-                              main_grads: bool, incoming: int) -> int:
+                              main_grads: bool, incoming: int, vocab_final: int) -> int:
     """Bytes beyond all gradients at the embedding's backward (first stage). Its dense
     gradient (compute dtype) is made from the gradient of its output (``incoming``, still
     alive); a tied head's gradient waits beside it and the two are summed (3 copies, then the
     sum becomes the gradient); with fp32 main gradients the compute-dtype gradient lives until
-    it has been added into the fp32 one."""
+    it has been added into the fp32 one. ``vocab_final``: the token embedding's gradient as
+    held (fp32 main gradient, shard); learned positions made theirs just before."""
     if tied and main_grads:  # 3 copies before the fp32 main gradient, or the sum beside it
         after = max(3 * vocab_grad - embed_grads, vocab_grad)
     elif tied:
@@ -172,7 +173,7 @@ def _embedding_backward_extra(vocab_grad: int, embed_grads: int, *, tied: bool,
     else:
         after = vocab_grad if main_grads else 0
     # while the dense gradient is made, the final gradient (or the sum) does not exist yet
-    dense = (vocab_grad if tied else 0) + vocab_grad + incoming - embed_grads
+    dense = (vocab_grad if tied else 0) + vocab_grad + incoming - vocab_final
     return max(after, dense)
 
 
@@ -284,7 +285,8 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
         tied_extra=_embedding_backward_extra(
             vocab_grad, int(sp.embedding * grad_per_param), tied=tied,
             main_grads=main_grads and first,
-            incoming=shared.dm.tokens * spec.hidden_size * shared.dm.e) if first else 0,
+            incoming=shared.dm.tokens * spec.hidden_size * shared.dm.e,
+            vocab_final=int(vocab_grad // shared.dm.e * grad_per_param)) if first else 0,
         tied_pending=vocab_grad if tied else 0,
         grad_buffer=shard.grad_bytes,
         unsharded_ratio=sp.total * wl.precision.recipe.grad_bytes / max(st.grads_bytes, 1),

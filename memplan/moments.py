@@ -63,7 +63,7 @@ def layer_backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer
       activation and first linear while the activation is freed (1); ReLU both gradients
       beside its saved output, which its own backward reads (2).
     - norms: upcast RMSNorm's backward materialises five fp32 hidden-sized tensors (four when
-      the compute dtype is fp32 and the casts are no-ops); LayerNorm three (two); a fused
+      the compute dtype is fp32 and the casts are no-ops); LayerNorm two; a fused
       kernel its input gradient and one more.
     - attention: flash holds the output gradient and the q, k, v gradients; eager, after the
       value matmul's backward freed V, the value gradient and two score-sized gradients.
@@ -175,7 +175,7 @@ def layer_forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer:
     lowp = e < FP32_BYTES
     unsaved_input = stream if upcast and lowp else 0  # fp32 runs save the input itself
     fp32_normed = rows * h * FP32_BYTES if upcast and lowp else 0
-    if upcast and lowp and spec.norm_bias:
+    if upcast and spec.norm_bias:
         fp32_normed += stream  # weight * normed, before the bias is added
     if recompute is not Recompute.FULL:
         b = _by_block(layer_terms(spec, wl, dm, moe_layer=moe_layer, recompute=recompute))
@@ -245,10 +245,12 @@ def _norm_working_set(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
 def head_forward_moment(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     """The final norm's transients (the unsaved residual input and the fp32 normalised
     tensor before its cast back), on top of everything saved up to and including it."""
-    if wl.norm_impl is NormImpl.FUSED or dm.e >= FP32_BYTES:
+    if wl.norm_impl is NormImpl.FUSED:
         return 0
     rows = dm.tokens // dm.res_tokens_div
     bias_temp = dm.e if spec.norm_bias else 0  # weight * normed, before the bias is added
+    if dm.e >= FP32_BYTES:  # the casts are no-ops: the input and normed tensor are saved
+        return rows * spec.hidden_size * bias_temp
     return rows * spec.hidden_size * (dm.e + FP32_BYTES + bias_temp)
 
 
@@ -267,8 +269,12 @@ def norm_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
         # LayerNorm's aten kernel: its input gradient. The reference fused RMSNorm: the
         # weighted gradient, the normalised input and one product.
         return (3 if spec.norm is NormKind.RMSNORM else 1) * rows * h * e
+    if spec.norm is NormKind.LAYERNORM:
+        # the gradient entering the aten kernel (the weighted one; in low precision its fp32
+        # copy, the weighted one freed by then) and the input gradient it returns
+        return 2 * rows * h * FP32_BYTES
     casts = 1 if e < FP32_BYTES else 0  # the cast back's backward makes an fp32 gradient copy
-    count = (4 if spec.norm is NormKind.RMSNORM else 2) + casts
+    count = 4 + casts
     return count * rows * h * FP32_BYTES
 
 
