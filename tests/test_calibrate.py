@@ -8,10 +8,10 @@
 - End to end on CPU: ``--device cpu --quick`` (10 real CPU runs of the reference model under the
   exact tracker), ``--resume``, ``--refit``; without a GPU, ``--device cuda`` is a one-line error
   that writes nothing; ``--nproc 2`` through torchrun with gloo.
-- A user model (tests/data/user_model/hf_style_llama.py, written the way Hugging Face writes
-  Llama: eager attention with a 4-D mask, shifted labels) is traced under fake tensors; an
-  estimate with its profile matches fresh traces at (mbs, seq) points outside the fit, and at
-  another depth, within 1%.
+- User models (tests/data/user_model/: hf_style_llama.py, written the way Hugging Face writes
+  Llama, eager attention with a 4-D mask and shifted labels; nanogpt_like.py, nanoGPT's style)
+  are traced under fake tensors; an estimate with a profile matches fresh traces at (mbs, seq)
+  points outside the fit, and at another depth, within 1%.
 - The committed example (calibration/profiles/cpu-example.json) re-fits unchanged from its
   committed records.
 """
@@ -456,6 +456,31 @@ def test_user_model_profile_refuses_other_models(user_profile: Path) -> None:
         memplan.estimate(str(SPEC_TOML), attention="eager", calibration=str(user_profile))
     with pytest.raises(MemplanError, match="tp=pp=cp=1"):
         memplan.estimate(str(SPEC_TOML), gpus=2, tp=2, calibration=str(user_profile))
+
+
+def test_a_second_implementation(tmp_path: Path) -> None:
+    """nanoGPT's style: a tuple (logits, loss) from forward(idx, targets), a tied head, dropout
+    inside SDPA (which the CPU kernel materialises as an s^2 mask and probabilities)."""
+    pytest.importorskip("torch")
+    from memplan.profile.user_model import load_factory, trace_point
+
+    factory, toml = f"{USER_MODEL / 'nanogpt_like.py'}:build", USER_MODEL / "nanogpt_like.toml"
+    result = CliRunner().invoke(app, ["calibrate", "--device", "cpu", "--module", factory,
+                                      "--model", str(toml), "--out", str(tmp_path)],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    path = tmp_path / "profiles" / "model-build.json"
+    prof = load_profile(path)
+    assert prof.model.num_params == prof.model.analytic_num_params  # the spec describes it
+    assert prof.error("peak", "analytic").max_abs_pct > 10
+    assert prof.error("peak", "held-out").max_abs_pct < 1
+    spec = memplan.load_model(str(toml))
+    for b, s in ((3, 100), (1, 50)):
+        steps, _ = trace_point(load_factory(factory), spec,
+                               memplan.make_workload(spec, micro_batch_size=b, seq_len=s))
+        peak = max(st.phases[p].allocated_bytes for st in steps for p in PHASES)
+        est = memplan.estimate(spec, micro_batch_size=b, seq_len=s, calibration=str(path))
+        assert abs(est.calibration.stage(0).tensor_peak_bytes - peak) <= 0.01 * peak
 
 
 def test_user_model_real_tensors_trace_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:

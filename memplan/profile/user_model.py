@@ -5,15 +5,16 @@
     def factory(*, dtype: torch.dtype, device: torch.device | str) -> torch.nn.Module
 
 inside ``FakeTensorMode`` (weights take no memory, any size traces). The module is a causal LM:
-``forward(input_ids)`` with ``input_ids`` of shape (b, s) returns logits (b, s, V) or an object
-with ``.logits``; if ``forward`` accepts ``labels``, it is called as ``forward(input_ids=ids,
-labels=ids)`` and its ``.loss`` is used (Hugging Face models shift the labels themselves).
-Otherwise the loss is cross-entropy on the logits upcast to fp32. The factory should create the
+``forward(input_ids)`` with ``input_ids`` of shape (b, s) returns logits (b, s, V), an object
+or dict with ``logits``, or a tuple holding them; if ``forward`` accepts ``labels``, it is
+called as ``forward(input_ids=ids, labels=targets)`` and its loss is used (Hugging Face models
+shift the labels themselves); if it accepts ``targets``, as ``forward(ids, targets=targets)``
+(nanoGPT). Otherwise the loss is cross-entropy on the logits upcast to fp32. The factory should create the
 weights directly in ``dtype`` (a later ``.to()`` would hold a second copy while it runs).
 
 Each (mbs, seq) point runs two training steps (the first and a steady one) of the workload's
 precision recipe and optimizer under the exact tracker, which also records the saved bytes born
-inside each transformer block (the largest ``nn.ModuleList`` of modules of one class).
+inside each transformer block (``find_blocks``).
 """
 
 from __future__ import annotations
@@ -100,38 +101,58 @@ def hf_spec(model: nn.Module) -> ModelSpec | None:
                              str(data.get("_name_or_path") or type(model).__name__))
 
 
-def find_blocks(model: nn.Module) -> nn.ModuleList:
-    """The transformer blocks: the longest ModuleList whose children share one class."""
-    best: nn.ModuleList | None = None
-    for mod in model.modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) and \
-                len({type(c) for c in mod}) == 1 and (best is None or len(mod) > len(best)):
-            best = mod
-    if best is None:
+def find_blocks(model: nn.Module) -> nn.Module:
+    """The transformer blocks: of the ``nn.ModuleList`` / ``nn.Sequential`` containers whose
+    children share one class, the one holding the most parameters (not, say, one layer's list
+    of experts)."""
+    def weight(mod: nn.Module) -> tuple[int, int]:
+        return sum(p.numel() for p in mod.parameters()), len(mod)
+
+    found = [mod for mod in model.modules()
+             if isinstance(mod, nn.ModuleList | nn.Sequential) and len(mod)
+             and len({type(c) for c in mod}) == 1 and (len(mod) > 1 or mod is not model)]
+    if not found:
         raise MemplanError(f"module: {type(model).__name__} has no nn.ModuleList of blocks")
-    return best
+    return max(found, key=weight)
+
+
+def _field(out: Any, name: str) -> torch.Tensor | None:
+    """``out.<name>`` / ``out[name]``; from a tuple, the loss is its 0-dim tensor and the
+    logits its 3-dim one (``(logits, loss)`` as nanoGPT returns, or ``(loss, logits)``)."""
+    if isinstance(out, torch.Tensor):
+        return out if name == "logits" else None
+    value = out.get(name) if hasattr(out, "get") else getattr(out, name, None)
+    if value is None and isinstance(out, tuple | list):
+        dims = 0 if name == "loss" else 3
+        value = next((v for v in out if isinstance(v, torch.Tensor) and v.dim() == dims), None)
+    return value
 
 
 class CausalLM(nn.Module):
-    """``forward(ids, targets) -> loss`` around the user's model (what ``run_steps`` calls)."""
+    """``forward(ids, targets) -> loss`` around the user's model (what ``run_steps`` calls).
+    The model computes its own loss when ``forward`` takes ``labels`` (Hugging Face, keyword
+    ``input_ids``) or ``targets`` (nanoGPT, positional input); otherwise cross-entropy on its
+    logits upcast to fp32."""
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
         self.inner = inner
-        self.with_labels = "labels" in inspect.signature(inner.forward).parameters
+        params = inspect.signature(inner.forward).parameters
+        self.labels = next((k for k in ("labels", "targets") if k in params), None)
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if self.with_labels:
-            out = self.inner(input_ids=ids, labels=targets)
-            loss = out["loss"] if isinstance(out, dict) else getattr(out, "loss", None)
-            if loss is None:
-                raise MemplanError("module: forward(labels=...) returned no loss")
-            return loss
-        out = self.inner(ids)
-        logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
-        if logits is None:
-            raise MemplanError("module: forward(input_ids) returned neither logits nor .logits")
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        if self.labels == "labels":
+            loss = _field(self.inner(input_ids=ids, labels=targets), "loss")
+        elif self.labels == "targets":
+            loss = _field(self.inner(ids, targets=targets), "loss")
+        else:
+            logits = _field(self.inner(ids), "logits")
+            if logits is None:
+                raise MemplanError("module: forward(input_ids) returned no logits")
+            return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        if loss is None:
+            raise MemplanError(f"module: forward({self.labels}=...) returned no loss")
+        return loss
 
 
 class BlockTracker(ParallelTracker):
