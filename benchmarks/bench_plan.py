@@ -1,8 +1,14 @@
-"""How fast `memplan plan` searches: wall time in process and as a command.
+"""How fast `memplan plan` searches: wall time in process and as a command, and how much.
 
-Not a test: run it by hand, from the repository root::
+Not a test: run it by hand, from the repository root, on an idle machine::
 
-    .venv/bin/python benchmarks/bench_plan.py
+    .venv/bin/python benchmarks/bench_plan.py [--runs 7]
+
+For each case it prints the median over fresh interpreters of: the first ``memplan.plan`` call
+(imports and the model and GPU lookups done, the search's caches empty), a second call in the
+same interpreter, and the whole ``memplan plan ... --json`` command; then the candidates the
+search covered ((layout, recompute policy, micro-batch) triples), the exact evaluations of the
+most loaded rank it needed, and the candidates that fit.
 
 Targets (issue): the full search for llama-3.1-405b on 16,384 H100s at seq 8192 under 2 s
 wall on a 2-core machine; a 7B model on 8 GPUs under 0.5 s.
@@ -10,6 +16,8 @@ wall on a 2-core machine; a 7B model on 8 GPUs under 0.5 s.
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
 import subprocess
 import sys
@@ -17,44 +25,58 @@ import time
 from pathlib import Path
 
 CASES = [
-    ("llama-2-7b", 8, dict(seq_len=4096)),
-    ("llama-3.1-405b", 16384, dict(seq_len=8192, global_batch_size=2048)),
+    ("llama-2-7b", 8, {"seq_len": 4096}),
+    ("llama-3.1-405b", 16384, {"seq_len": 8192, "global_batch_size": 2048}),
 ]
 
+# One fresh interpreter: the first and a second plan() call, timed after the imports.
+IN_PROCESS = """
+import json, sys, time
+import memplan, memplan.planner
+model, gpus, fields = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+memplan.load_model(model), memplan.load_gpu("h100-sxm")
+times = []
+for _ in range(2):
+    start = time.perf_counter()
+    result = memplan.plan(model, gpus=gpus, **fields)
+    times.append(time.perf_counter() - start)
+print(json.dumps({"times": times, "searched": result.searched, "evaluated": result.evaluated,
+                  "feasible": len(result.candidates)}))
+"""
 
-def in_process(model: str, gpus: int, fields: dict, runs: int = 3) -> tuple[float, int, int]:
-    import memplan
 
-    times, result = [], None
-    for _ in range(runs):
-        start = time.perf_counter()
-        result = memplan.plan(model, gpus=gpus, **fields)
-        times.append(time.perf_counter() - start)
-    assert result is not None
-    return statistics.median(times), result.evaluated, len(result.candidates)
+def in_process(model: str, gpus: int, fields: dict) -> dict:
+    out = subprocess.run([sys.executable, "-c", IN_PROCESS, model, str(gpus), json.dumps(fields)],
+                         check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)
 
 
-def command(model: str, gpus: int, fields: dict, runs: int = 3) -> float:
+def command(model: str, gpus: int, fields: dict) -> float:
     exe = Path(sys.executable).with_name("memplan")
     argv = [str(exe), "plan", "--model", model, "--gpus", str(gpus), "--json",
             "--seq", str(fields["seq_len"])]
     if "global_batch_size" in fields:
         argv += ["--gbs", str(fields["global_batch_size"])]
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        subprocess.run(argv, check=True, capture_output=True)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    start = time.perf_counter()
+    subprocess.run(argv, check=True, capture_output=True)
+    return time.perf_counter() - start
 
 
 def main() -> None:
-    print(f"{'case':32} {'in-process':>11} {'command':>9} {'estimates':>10} {'feasible':>9}")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=7)
+    runs = parser.parse_args().runs
+    print(f"median of {runs} runs each; candidates: (layout, recompute, micro-batch) searched")
+    print(f"{'case':26} {'first call':>10} {'second':>8} {'command':>8} {'candidates':>11} "
+          f"{'evaluated':>10} {'fit':>5}")
     for model, gpus, fields in CASES:
-        inproc, evaluated, feasible = in_process(model, gpus, fields)
-        wall = command(model, gpus, fields)
-        print(f"{model + ' on ' + str(gpus):32} {inproc:10.3f}s {wall:8.3f}s {evaluated:10,d} "
-              f"{feasible:9,d}")
+        results = [in_process(model, gpus, fields) for _ in range(runs)]
+        first = statistics.median(r["times"][0] for r in results)
+        second = statistics.median(r["times"][1] for r in results)
+        wall = statistics.median(command(model, gpus, fields) for _ in range(runs))
+        r = results[0]
+        print(f"{model + ' on ' + str(gpus):26} {first:9.3f}s {second:7.3f}s {wall:7.3f}s "
+              f"{r['searched']:11,d} {r['evaluated']:10,d} {r['feasible']:5,d}")
 
 
 if __name__ == "__main__":

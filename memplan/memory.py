@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 from memplan import activations as act
 from memplan import moments as mom
@@ -231,11 +231,56 @@ class _Shared:
         return found
 
 
+class _Walked(NamedTuple):
+    """One stage's phase peaks, and what its record shows beside them."""
+
+    states: StageStates
+    kinds: StageKinds
+    entries: dict[tuple[bool, Recompute], tuple[LayerKind, int, tuple[int, ...]]]
+    in_flight: tuple[int, ...]
+    activations: int
+    one_mb: int
+    loss_bytes: int
+    steady: PhasePeaks
+    first_step: PhasePeaks
+
+    @property
+    def tensor_peak(self) -> int:
+        return max(self.steady.peak, self.first_step.peak)
+
+
 def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: int,
            schedule: Schedule, ovh: Overheads, shared: _Shared,
            parts: tuple[StageStates, StageKinds] | None = None) -> StageMemory:
-    fx, kinds = parts or stage_parts(spec, par, wl)[stage]
-    first, last, keys, sp, st = fx.first, fx.last, kinds.keys, fx.sp, fx.st
+    w = _walk(spec, par, wl, m, stage, schedule, shared, parts or stage_parts(spec, par, wl)[stage])
+    fx, st = w.states, w.states.st
+    groups = [(par.vpp, tuple(shared.rope)), (1, tuple(shared.embed if fx.first else ())),
+              (1, tuple(shared.head if fx.last else ())),
+              *((n, w.entries[k][0].terms) for k, n in w.kinds.counts.items())]
+    tensor_peak = w.tensor_peak
+    return StageMemory(
+        stage=stage, num_layers=len(w.kinds.keys), num_params=fx.sp.total,
+        params_bytes=st.params_bytes, grads_bytes=st.grads_bytes,
+        optimizer_bytes=st.optimizer_bytes, activations_bytes=w.activations,
+        microbatches_in_flight=max(w.in_flight), microbatch_bytes=w.one_mb,
+        activation_groups=tuple(groups), loss_bytes=w.loss_bytes,
+        sharding_buffers_bytes=fx.shard.peak_bytes + fx.buckets,
+        optimizer_temp_bytes=fx.opt_temp, steady=w.steady, first_step=w.first_step,
+        tensor_peak_bytes=tensor_peak, cuda_context_bytes=ovh.cuda_context_bytes,
+        workspace_bytes=ovh.workspace_bytes, allocator_bytes=ovh.allocator_bytes(tensor_peak),
+        peak_bytes=_peak_bytes(tensor_peak, ovh),
+    )
+
+
+def _peak_bytes(tensor_peak: int, ovh: Overheads) -> int:
+    """A rank's peak: its tensors' peak, the fixed overheads and the allocator's share."""
+    return tensor_peak + ovh.fixed_bytes + ovh.allocator_bytes(tensor_peak)
+
+
+def _walk(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: int,
+          schedule: Schedule, shared: _Shared, parts: tuple[StageStates, StageKinds]) -> _Walked:
+    fx, kinds = parts
+    first, last, sp, st = fx.first, fx.last, fx.sp, fx.st
     in_flight = _in_flight(par, m, stage, schedule)
     grad_per_param = fx.grad_per_param
 
@@ -261,12 +306,9 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
             activations += count * (chunk_saved + rope_bytes)
     # The embedding belongs to the first chunk, the loss to the last.
     activations += in_flight[0] * embed_bytes + in_flight[-1] * head_bytes
-    groups = [(par.vpp, tuple(shared.rope)), (1, tuple(shared.embed if first else ())),
-              (1, tuple(shared.head if last else ())),
-              *((n, entries[k][0].terms) for k, n in counts.items())]
     one_mb = layers_saved + par.vpp * rope_bytes + embed_bytes + head_bytes
 
-    opt_temp, shard = fx.opt_temp, fx.shard
+    shard = fx.shard
     loss_fwd = shared.loss_fwd if last else 0
     mask = shared.mask
     tied = spec.tied_embeddings and first and last
@@ -315,22 +357,8 @@ def _stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: in
         )
 
     # Master weights exist from optimizer setup; moments appear at step 1's optimizer step.
-    steady, first_step = peaks(st.optimizer_bytes), peaks(st.master_bytes)
-    tensor_peak = max(steady.peak, first_step.peak)
-    alloc = ovh.allocator_bytes(tensor_peak)
-    return StageMemory(
-        stage=stage, num_layers=len(keys), num_params=sp.total,
-        params_bytes=st.params_bytes, grads_bytes=st.grads_bytes,
-        optimizer_bytes=st.optimizer_bytes, activations_bytes=activations,
-        microbatches_in_flight=max(in_flight), microbatch_bytes=one_mb,
-        activation_groups=tuple(groups),
-        loss_bytes=max(loss_fwd, walk.loss_bwd),
-        sharding_buffers_bytes=shard.peak_bytes + buckets,
-        optimizer_temp_bytes=opt_temp, steady=steady, first_step=first_step,
-        tensor_peak_bytes=tensor_peak, cuda_context_bytes=ovh.cuda_context_bytes,
-        workspace_bytes=ovh.workspace_bytes, allocator_bytes=alloc,
-        peak_bytes=tensor_peak + ovh.fixed_bytes + alloc,
-    )
+    return _Walked(fx, kinds, entries, in_flight, activations, one_mb,
+                   max(loss_fwd, walk.loss_bwd), peaks(st.optimizer_bytes), peaks(st.master_bytes))
 
 
 def estimate(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, *,
@@ -369,49 +397,66 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
 
 def _stages(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, schedule: Schedule,
             ovh: Overheads, shared: _Shared) -> tuple[StageMemory, ...]:
-    return tuple(_each_stage(spec, par, wl, m, schedule, ovh, shared))
-
-
-def _each_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, schedule: Schedule,
-                ovh: Overheads, shared: _Shared, *, lower_too: bool = True):
-    """Every stage, in order. Interior stages with the same layer kinds differ only in
-    micro-batches in flight, which shift their forward and backward peaks by whole
-    micro-batches (chunks, when interleaved): one is computed, the others follow from it.
-    Without ``lower_too`` the derived stages holding no more micro-batches than the computed
-    one are left out: they cannot peak above it."""
-    template: StageMemory | None = None
-    template_keys: list | None = None
-    template_flight: tuple[int, ...] = ()
+    """Every stage. Interior stages with the same layer kinds differ only in micro-batches in
+    flight, which shift their forward and backward peaks by whole micro-batches (chunks,
+    when interleaved): one is computed, the others follow from it."""
+    out: list[StageMemory] = []
     parts = stage_parts(spec, par, wl)
+    template = _template(par, parts)
     for i in range(par.pp):
-        keys = parts[i][1].keys if 0 < i < par.pp - 1 else None
-        # with interleaving every chunk must hold the same kinds of layer
-        derivable = keys is not None and (par.vpp == 1 or len(set(keys)) == 1)
-        if derivable and template is not None and keys == template_keys:
-            in_flight = _in_flight(par, m, i, schedule)
-            if lower_too or sum(in_flight) > sum(template_flight):
-                yield _shifted(template, i, in_flight, par.vpp, template_flight, ovh)
-            continue
-        stage = _stage(spec, par, wl, m, i, schedule, ovh, shared, parts[i])
-        if derivable and template is None:
-            template, template_keys = stage, keys
-            template_flight = _in_flight(par, m, i, schedule)
-        yield stage
+        if _follows(par, parts, template, i):
+            out.append(_shifted(out[template], i, _in_flight(par, m, i, schedule), par.vpp,
+                                _in_flight(par, m, template, schedule), ovh))
+        else:
+            out.append(_stage(spec, par, wl, m, i, schedule, ovh, shared, parts[i]))
+    return tuple(out)
+
+
+def _template(par: ParallelConfig, parts: tuple[tuple[StageStates, StageKinds], ...]) -> int | None:
+    """The first interior stage others can follow from (with interleaving every chunk must hold
+    the same kinds of layer)."""
+    for i in range(1, par.pp - 1):
+        if par.vpp == 1 or len(set(parts[i][1].keys)) == 1:
+            return i
+    return None
+
+
+def _follows(par: ParallelConfig, parts: tuple[tuple[StageStates, StageKinds], ...],
+             template: int | None, stage: int) -> bool:
+    """Whether interior ``stage`` follows from the template: it holds the same kinds of layer."""
+    return (template is not None and template < stage < par.pp - 1
+            and parts[stage][1].keys == parts[template][1].keys)
+
+
+class RankPeak(NamedTuple):
+    """The most loaded rank: its stage, peak_bytes and parameters (before ZeRO sharding)."""
+
+    stage: int
+    peak_bytes: int
+    num_params: int
 
 
 def most_loaded(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, ovh: Overheads, *,
                 schedule: Schedule = Schedule.ONE_F_ONE_B,
-                limit_bytes: int | None = None) -> StageMemory:
-    """The stage ``estimate(...).worst`` is, for a valid layout (``validate``) with ``m``
-    micro-batches, without building the other stages' records: for searches that evaluate
-    many configurations. With ``limit_bytes`` it returns the first stage whose peak_bytes
-    exceed the limit (the configuration does not fit; another stage may peak higher)."""
+                limit_bytes: int | None = None) -> RankPeak:
+    """``estimate(...).worst`` for a valid layout (``validate``) with ``m`` micro-batches, without
+    the stages' records: for searches that evaluate many configurations. An interior stage
+    that follows from another (``_stages``) is walked only if it holds more micro-batches in
+    flight. With ``limit_bytes`` it returns the first stage whose peak_bytes exceed the limit
+    (the configuration does not fit; another stage may peak higher)."""
     shared = _shared(spec, wl, act.Dims.of(par, wl))
-    worst: StageMemory | None = None
-    for stage in _each_stage(spec, par, wl, m, schedule, ovh, shared, lower_too=False):
-        if worst is None or stage.peak_bytes > worst.peak_bytes:
-            worst = stage
-            if limit_bytes is not None and stage.peak_bytes > limit_bytes:
+    parts = stage_parts(spec, par, wl)
+    template = _template(par, parts)
+    worst: RankPeak | None = None
+    for i in range(par.pp):
+        if _follows(par, parts, template, i) and (
+                sum(_in_flight(par, m, i, schedule)) <= sum(_in_flight(par, m, template, schedule))):
+            continue
+        tensor = _walk(spec, par, wl, m, i, schedule, shared, parts[i]).tensor_peak
+        peak = _peak_bytes(tensor, ovh)
+        if worst is None or peak > worst.peak_bytes:
+            worst = RankPeak(i, peak, parts[i][0].sp.total)
+            if limit_bytes is not None and peak > limit_bytes:
                 break
     assert worst is not None
     return worst
@@ -421,8 +466,7 @@ def optimizer_floor_bytes(spec: ModelSpec, par: ParallelConfig, wl: Workload,
                           ovh: Overheads) -> int:
     """peak_bytes of the most loaded rank at its optimizer step, where no activation is alive:
     the same at every micro-batch size, so no micro-batch of this layout peaks lower."""
-    tensor = optimizer_phase_bytes(spec, par, wl)
-    return tensor + ovh.fixed_bytes + ovh.allocator_bytes(tensor)
+    return _peak_bytes(optimizer_phase_bytes(spec, par, wl), ovh)
 
 
 def batch_regime(par: ParallelConfig, m: int, schedule: Schedule = Schedule.ONE_F_ONE_B) -> tuple:
@@ -449,11 +493,10 @@ def _shifted(template: StageMemory, stage: int, in_flight: tuple[int, ...], vpp:
 
     steady, first_step = shift(template.steady), shift(template.first_step)
     tensor_peak = max(steady.peak, first_step.peak)
-    alloc = ovh.allocator_bytes(tensor_peak)
     return replace(template, stage=stage, activations_bytes=template.activations_bytes + delta,
                    microbatches_in_flight=max(in_flight), steady=steady, first_step=first_step,
-                   tensor_peak_bytes=tensor_peak, allocator_bytes=alloc,
-                   peak_bytes=tensor_peak + ovh.fixed_bytes + alloc)
+                   tensor_peak_bytes=tensor_peak, allocator_bytes=ovh.allocator_bytes(tensor_peak),
+                   peak_bytes=_peak_bytes(tensor_peak, ovh))
 
 
 def _assumptions(par: ParallelConfig, wl: Workload, schedule: Schedule,

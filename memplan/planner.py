@@ -288,15 +288,16 @@ def _search_levels(ctx: _Context, pars: list[ParallelConfig],
     compute for nothing), so each level searches above the largest fit before it, starting
     from the bytes per sample the cheaper policy showed (at most what this one needs)."""
     above, slope = [0] * len(pars), np.zeros(len(pars))
+    sizes = [_sizes(p, ctx.wl.global_batch_size) for p in pars]
     levels: list[_Level] = []
     for level in range(max((len(p) for p in policies), default=0)):
-        index = [i for i, p in enumerate(policies) if level < len(p)
-                 and _sizes(pars[i], ctx.wl.global_batch_size)[-1:] > (above[i],)]
-        jobs = [Job(pars[i], ctx.workload(policies[i][level]),
-                    _sizes(pars[i], ctx.wl.global_batch_size), above[i]) for i in index]
+        index = [i for i, p in enumerate(policies) if level < len(p) and sizes[i]
+                 and sizes[i][-1] > above[i]]
+        jobs = [Job(pars[i], ctx.workload(policies[i][level]), sizes[i], above[i])
+                for i in index]
         # Layouts differing only in ZeRO stage hold the same activations: one leads its class.
-        classes = None if level else [p.model_copy(update={"zero": 0}) for p in
-                                      (pars[i] for i in index)]
+        classes = None if level else [(p.tp, p.pp, p.vpp, p.cp, p.ep, p.sequence_parallel)
+                                      for p in (pars[i] for i in index)]
         search = Search(ctx.spec, jobs, ctx.budget, ctx.ovh, slopes=slope[index],
                         classes=classes)
         found = search.run()

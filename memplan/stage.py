@@ -88,7 +88,12 @@ def _parts_for(spec: ModelSpec, par: ParallelConfig,
 def optimizer_phase_bytes(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> int:
     """Tensor bytes of the most loaded stage at its optimizer step, where no activation is
     alive: the same at every micro-batch size and recompute policy."""
-    return max(states.optimizer_phase for states, _ in stage_parts(spec, par, wl))
+    return _optimizer_phase(spec, par, _without(wl, True))
+
+
+@lru_cache(maxsize=4096)
+def _optimizer_phase(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> int:
+    return max(_states_for(spec, par, wl, i).optimizer_phase for i in range(par.pp))
 
 
 @lru_cache(maxsize=4096)
