@@ -130,8 +130,12 @@ def layer_backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer
                                       incoming + eager.forward_saving(c), ()))
     return [
         *rebuild,
+        # the second linear's backward, from dropout's gradient (one intermediate gradient);
+        # then the activation's, dropout's gradient freed
         BackwardMoment("mlp", extra + a_norm + saved["attn"] + m_norm + saved["ffn"] - freed_ffn,
-                       incoming + dropout_grad + mlp, ("mlp_out",)),
+                       incoming + dropout_grad + mlp // per_inner, ("mlp_out",)),
+        BackwardMoment("mlp_act", extra + a_norm + saved["attn"] + m_norm + saved["ffn"]
+                       - freed_ffn, incoming + mlp, ("mlp_out",)),
         BackwardMoment("mlp_in", extra + a_norm + saved["attn"] + m_norm,
                        incoming + mlp_grad_inputs + proj_out, ("mlp",)),
         BackwardMoment("mlp_norm", extra + a_norm + saved["attn"] + saved["mlp_norm_bwd"],
