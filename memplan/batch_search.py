@@ -28,11 +28,12 @@ from itertools import pairwise
 
 import numpy as np
 
-from memplan.memory import StageMemory, batch_regime, most_loaded, optimizer_floor_bytes
+from memplan.memory import RankPeak, batch_regime, most_loaded, optimizer_floor_bytes
 from memplan.overheads import Overheads
 from memplan.parallel import ParallelConfig
 from memplan.pipeline import Schedule
 from memplan.spec import ModelSpec
+from memplan.stage import stage_parts
 from memplan.workload import Workload
 
 UNKNOWN, FITS, OVER = 0, 1, -1
@@ -93,6 +94,7 @@ class Search:
         self.slope = np.zeros(len(jobs)) if slopes is None else np.array(slopes, dtype=float)
         self.lead = _leads(self.floor, classes)
         self.waiting = self.lead != np.arange(len(jobs))
+        self.parts: list = [None] * len(jobs)  # each job's stage_parts, once evaluated
         self.evaluated = 0
         # A floor above the budget rules out every size without a walk through the layers.
         over = self.floor > budget_bytes
@@ -145,8 +147,10 @@ class Search:
 
     def _evaluate(self, i: int, col: int) -> None:
         job, b = self.jobs[i], int(self.size[i, col])
+        if self.parts[i] is None:
+            self.parts[i] = stage_parts(self.spec, job.par, job.wl)
         worst = evaluate(self.spec, job.par, job.wl, b, self.ovh, schedule=self.schedule,
-                         limit_bytes=self.budget)
+                         limit_bytes=self.budget, parts=self.parts[i])
         self.evaluated += 1
         self.status[i, col] = FITS if worst.peak_bytes <= self.budget else OVER
         self.peak[i, col], self.params[i, col] = worst.peak_bytes, worst.num_params
@@ -172,11 +176,11 @@ class Search:
 
 def evaluate(spec: ModelSpec, par: ParallelConfig, wl: Workload, mbs: int, ovh: Overheads, *,
              schedule: Schedule = Schedule.ONE_F_ONE_B,
-             limit_bytes: int | None = None) -> StageMemory:
+             limit_bytes: int | None = None, parts: tuple | None = None) -> RankPeak:
     """``memory.most_loaded`` of ``wl`` (which holds the global batch size) at ``mbs``."""
     m = wl.global_batch_size // (mbs * par.dp)
     return most_loaded(spec, par, _with_mbs(wl, mbs), m, ovh, schedule=schedule,
-                       limit_bytes=limit_bytes)
+                       limit_bytes=limit_bytes, parts=parts)
 
 
 @lru_cache(maxsize=4096)

@@ -281,7 +281,7 @@ def _walk(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: int
           schedule: Schedule, shared: _Shared, parts: tuple[StageStates, StageKinds]) -> _Walked:
     fx, kinds = parts
     first, last, sp, st = fx.first, fx.last, fx.sp, fx.st
-    in_flight = _in_flight(par, m, stage, schedule)
+    in_flight = _in_flight(par.pp, par.vpp, m, stage, schedule)
     grad_per_param = fx.grad_per_param
 
     entries: dict[tuple[bool, Recompute], tuple[LayerKind, int, tuple[int, ...]]] = {}
@@ -405,8 +405,9 @@ def _stages(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, schedule
     template = _template(par, parts)
     for i in range(par.pp):
         if _follows(par, parts, template, i):
-            out.append(_shifted(out[template], i, _in_flight(par, m, i, schedule), par.vpp,
-                                _in_flight(par, m, template, schedule), ovh))
+            flight = _in_flight(par.pp, par.vpp, m, i, schedule)
+            out.append(_shifted(out[template], i, flight, par.vpp,
+                                _in_flight(par.pp, par.vpp, m, template, schedule), ovh))
         else:
             out.append(_stage(spec, par, wl, m, i, schedule, ovh, shared, parts[i]))
     return tuple(out)
@@ -438,19 +439,22 @@ class RankPeak(NamedTuple):
 
 def most_loaded(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, ovh: Overheads, *,
                 schedule: Schedule = Schedule.ONE_F_ONE_B,
-                limit_bytes: int | None = None) -> RankPeak:
+                limit_bytes: int | None = None,
+                parts: tuple[tuple[StageStates, StageKinds], ...] | None = None) -> RankPeak:
     """``estimate(...).worst`` for a valid layout (``validate``) with ``m`` micro-batches, without
     the stages' records: for searches that evaluate many configurations. An interior stage
     that follows from another (``_stages``) is walked only if it holds more micro-batches in
     flight. With ``limit_bytes`` it returns the first stage whose peak_bytes exceed the limit
-    (the configuration does not fit; another stage may peak higher)."""
+    (the configuration does not fit; another stage may peak higher). ``parts``: the layout's
+    ``stage_parts``, the same at every micro-batch size (looked up when not given)."""
     shared = _shared(spec, wl, act.Dims.of(par, wl))
-    parts = stage_parts(spec, par, wl)
+    parts = parts or stage_parts(spec, par, wl)
     template = _template(par, parts)
     worst: RankPeak | None = None
     for i in range(par.pp):
         if _follows(par, parts, template, i) and (
-                sum(_in_flight(par, m, i, schedule)) <= sum(_in_flight(par, m, template, schedule))):
+                sum(_in_flight(par.pp, par.vpp, m, i, schedule))
+                <= sum(_in_flight(par.pp, par.vpp, m, template, schedule))):
             continue
         tensor = _walk(spec, par, wl, m, i, schedule, shared, parts[i]).tensor_peak
         peak = _peak_bytes(tensor, ovh)
@@ -478,8 +482,9 @@ def batch_regime(par: ParallelConfig, m: int, schedule: Schedule = Schedule.ONE_
 
 
 @lru_cache(maxsize=8192)
-def _in_flight(par: ParallelConfig, m: int, stage: int, schedule: Schedule) -> tuple[int, ...]:
-    return tuple(chunks_in_flight(par, m, stage, schedule))
+def _in_flight(pp: int, vpp: int, m: int, stage: int, schedule: Schedule) -> tuple[int, ...]:
+    """``chunks_in_flight``, which reads only pp and vpp of the layout."""
+    return tuple(chunks_in_flight(ParallelConfig(pp=pp, vpp=vpp), m, stage, schedule))
 
 
 def _shifted(template: StageMemory, stage: int, in_flight: tuple[int, ...], vpp: int,

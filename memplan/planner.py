@@ -15,7 +15,7 @@ from functools import cached_property, lru_cache
 
 import numpy as np
 
-from memplan.batch_search import Found, Job, Search, _with_mbs, evaluate
+from memplan.batch_search import Found, Job, Search, evaluate
 from memplan.errors import MemplanError
 from memplan.hardware import GpuSpec
 from memplan.memory import Estimate, estimate, validate
@@ -54,7 +54,7 @@ class Candidate:
     given: Estimate | None
     time: StepTime
     known_peak_bytes: int | None = None
-    # (spec, gpu, workload with this micro-batch, capacity bytes)
+    # (spec, gpu, workload of this recompute policy and global batch, capacity bytes)
     inputs: tuple | None = field(default=None, repr=False, compare=False)
 
     @cached_property
@@ -63,7 +63,9 @@ class Candidate:
             return self.given
         assert self.inputs is not None
         spec, gpu, wl, capacity = self.inputs
-        return estimate(spec, gpu, self.layout, wl, capacity_bytes=capacity)
+        return estimate(spec, gpu, self.layout,
+                        wl.model_copy(update={"micro_batch_size": self.micro_batch_size}),
+                        capacity_bytes=capacity)
 
     @property
     def peak_bytes(self) -> int:
@@ -164,8 +166,8 @@ def _sizes(par: ParallelConfig, gbs: int) -> tuple[int, ...]:
 
 
 def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
-         capacity_bytes: int | None = None, safety: float = DEFAULT_SAFETY, max_tp: int | None = None,
-         fixed: dict[str, object] | None = None,
+         capacity_bytes: int | None = None, safety: float = DEFAULT_SAFETY,
+         max_tp: int | None = None, fixed: dict[str, object] | None = None,
          recompute: list[Recompute] | None = None) -> PlanResult:
     """Feasible candidates ranked by step time (fastest first), and rejections by reason."""
     if not 0 <= safety < 1:
@@ -182,7 +184,7 @@ def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
     policies = [_policies(recompute or list(RECOMPUTE_ORDER), spec.num_layers // p.pp)
                 for p in pars]
     levels = _search_levels(ctx, pars, policies)
-    fits = [fit for level in levels for fit in level.fits(ctx, pars, policies)]
+    fits = [fit for level in levels for fit in level.fits(pars, policies)]
     fits.sort(key=lambda f: (f.layout, f.level))  # a layout's policies in order of compute
     without = len(pars) - len({f.layout for f in fits})
     if without:
@@ -199,6 +201,9 @@ def _usable(spec: ModelSpec, par: ParallelConfig, wl: Workload, gbs: int,
             rejected: Counter) -> bool:
     if gbs % par.dp:
         rejected[f"gbs ({gbs}) not divisible by dp"] += 1
+        return False
+    if not _sizes(par, gbs):
+        rejected["no micro-batch count divisible by pp (interleaved)"] += 1
         return False
     try:
         validate(spec, par, wl)
@@ -273,7 +278,7 @@ class _Level:
     found: Found
     layouts: list[int]  # layout of each job
 
-    def fits(self, ctx: _Context, pars: list[ParallelConfig],
+    def fits(self, pars: list[ParallelConfig],
              policies: list[list[tuple[Recompute, int | None]]]) -> list[_Fit]:
         f = self.found
         return [_Fit(i, self.index, pars[i], policies[i][self.index], int(f.mbs[k]),
@@ -291,8 +296,7 @@ def _search_levels(ctx: _Context, pars: list[ParallelConfig],
     sizes = [_sizes(p, ctx.wl.global_batch_size) for p in pars]
     levels: list[_Level] = []
     for level in range(max((len(p) for p in policies), default=0)):
-        index = [i for i, p in enumerate(policies) if level < len(p) and sizes[i]
-                 and sizes[i][-1] > above[i]]
+        index = [i for i, p in enumerate(policies) if level < len(p) and sizes[i][-1] > above[i]]
         jobs = [Job(pars[i], ctx.workload(policies[i][level]), sizes[i], above[i])
                 for i in index]
         # Layouts differing only in ZeRO stage hold the same activations: one leads its class.
@@ -323,9 +327,9 @@ def _ranked(ctx: _Context, fits: list[_Fit]) -> list[Candidate]:
     times = _times(ctx, fits)
     out = []
     for n, fit in enumerate(fits):
-        wl = _with_mbs(ctx.workload(fit.policy), fit.mbs)
         out.append(Candidate(fit.par, fit.mbs, fit.policy[0], fit.policy[1], None, times.at(n),
-                             fit.peak_bytes, (ctx.spec, ctx.gpu, wl, ctx.capacity)))
+                             fit.peak_bytes,
+                             (ctx.spec, ctx.gpu, ctx.workload(fit.policy), ctx.capacity)))
     out.sort(key=lambda c: (c.time.step_s, c.peak_bytes))
     return out
 
