@@ -82,6 +82,7 @@ class Walk:
     unsharded_ratio: float  # unsharded / held gradient bytes (the ZeRO-2 shard degree)
     final_norm_saved: int  # last stage: the final norm's saved bytes
     final_norm_bwd: int  # last stage: gradients in flight inside the final norm's backward
+    final_norm_all: int = 0  # last stage: all the final norm saves (alive at the head's backward)
     gathered_in_block: int = 0  # ZeRO-3 gathered weights while a block's backward runs
     gathered_at_loss: int = 0  # ... at the loss, the head and the embedding
     layer_inputs: int = 0  # of ``rest_saved``: rope tables and a checkpointed mask, freed
@@ -120,7 +121,8 @@ def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
             + sum(k.saved_bytes * n for k, _, _, n in w.runs))
     grads = grads_prior
     peak = w.gathered_at_loss + max(acts + grads + w.loss_bwd,
-                                    acts - w.head_saved + grads + w.head_linear_bwd)
+                                    acts - w.head_saved + w.final_norm_all + grads
+                                    + w.head_linear_bwd)
     acts -= w.head_saved
     grads += w.head_grads if growing else 0
     produced = w.head_grads  # this backward's gradients so far (the ZeRO buffer holds them)

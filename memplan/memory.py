@@ -333,6 +333,7 @@ def _walk(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: int
         grad_buffer=shard.grad_bytes,
         unsharded_ratio=sp.total * wl.precision.recipe.grad_bytes / max(st.grads_bytes, 1),
         final_norm_saved=shared.final_norm_bwd_saved if last else 0,
+        final_norm_all=shared.final_norm_bytes if last else 0,
         final_norm_bwd=shared.final_norm_bwd if last else 0,
         # in backward FSDP2 holds the root and the block being computed (traced)
         gathered_in_block=shard.gathered_at_loss_bytes,
