@@ -414,7 +414,8 @@ def _stages(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, schedule
     return tuple(out)
 
 
-def _template(par: ParallelConfig, parts: tuple[tuple[StageStates, StageKinds], ...]) -> int | None:
+def _template(par: ParallelConfig,
+              parts: tuple[tuple[StageStates, StageKinds], ...]) -> int | None:
     """The first interior stage others can follow from (with interleaving every chunk must hold
     the same kinds of layer)."""
     for i in range(1, par.pp - 1):

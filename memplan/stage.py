@@ -63,17 +63,10 @@ class StageStates:
         return st.params_bytes + st.grads_bytes + st.optimizer_bytes + self.opt_temp + self.buckets
 
 
-def stage_kinds(spec: ModelSpec, par: ParallelConfig, wl: Workload, stage: int) -> StageKinds:
-    return _kinds_for(spec, _without(wl, False), par.pp, par.vpp, stage)
-
-
-def stage_states(spec: ModelSpec, par: ParallelConfig, wl: Workload, stage: int) -> StageStates:
-    return _states_for(spec, par, _without(wl, True), stage)
-
-
 def stage_parts(spec: ModelSpec, par: ParallelConfig,
                 wl: Workload) -> tuple[tuple[StageStates, StageKinds], ...]:
-    """Every stage's states and layer kinds, in stage order."""
+    """Every stage's states and layer kinds, in stage order: the same for every micro-batch size
+    of ``wl`` (and the states for every recompute policy)."""
     return _parts_for(spec, par, _without(wl, False))
 
 
