@@ -64,9 +64,9 @@ def plan(
 ) -> None:
     """Find the layouts, micro-batch and recompute that fit, fastest first.
 
-    Searches tp, pp (with virtual stages), cp, ep, dp, ZeRO and recompute policies, finds the
-    largest micro-batch that fits each, and ranks them by estimated step time. Layout options
-    given are fixed; the others are searched.
+    Searches tp, pp (with virtual stages), cp, ep, dp, ZeRO, sequence parallelism and recompute
+    policies, finds the largest micro-batch that fits each, and ranks them by estimated step
+    time. Layout options given are fixed; the others are searched.
 
     Examples:
 
