@@ -120,6 +120,14 @@ def layer_backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer
     else:
         proj_out = dm.tokens * spec.ffn_hidden_size // t * e
     rebuild = []
+    if recompute is Recompute.FULL:
+        # The rerun stops once the last saved tensor is packed: after the MLP's output
+        # dropout (its mask), or its second linear, whose output is alive then (and
+        # dropout's), with everything the layer saves and the post-attention residual when
+        # no norm saves it.
+        out = rows * h * e * (2 if spec.dropout > 0 else 1) + (0 if input_is_saved else incoming)
+        rebuild.append(BackwardMoment("rebuild_out", extra + total(layer_terms(
+            spec, wl, dm, moe_layer=moe_layer, recompute=Recompute.NONE)), incoming + out, ()))
     if recompute is Recompute.FULL and wl.attention is Attention.EAGER:
         # The layer reruns with autograd recording: its attention core peaks as in a forward
         # without recompute, beside the incoming gradient (the output's dropout mask and the

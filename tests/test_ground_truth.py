@@ -51,6 +51,13 @@ GPT = _variant(load_model("gpt2"), name="gpt-mini", num_layers=2, hidden_size=64
                num_attention_heads=4, num_kv_heads=4, head_dim=16, ffn_hidden_size=256,
                vocab_size=96, max_seq_len=1024)
 GPT_NODROP = _variant(GPT, name="gpt-mini-nodrop", dropout=0.0)
+# wide enough for the attention core or a norm's fp32 tensors to set the phase peaks
+WIDE = _variant(name="tiny-wide", num_layers=1, hidden_size=256, ffn_hidden_size=688,
+                num_attention_heads=8, num_kv_heads=8, head_dim=32, vocab_size=1000,
+                max_seq_len=1024)
+WIDE_GQA = _variant(WIDE, name="tiny-wide-gqa", num_kv_heads=2)
+GPT_WIDE = _variant(GPT, name="gpt-wide", hidden_size=512, num_attention_heads=4,
+                    num_kv_heads=1, head_dim=64, ffn_hidden_size=688, vocab_size=1000)
 GEGLU = _variant(name="tiny-geglu", mlp="geglu", norm="layernorm", norm_bias=True)
 MOE = _variant(name="tiny-moe", vocab_size=16, moe=MoESpec(
     num_experts=4, top_k=2, expert_ffn_hidden_size=96).model_dump())
@@ -112,6 +119,20 @@ GRID = [
      dict(seq_len=128, micro_batch_size=2, precision="bf16-fp32-grads"), True),
     (MOE, dict(seq_len=64, micro_batch_size=2), False),
     (MOE, dict(seq_len=64, micro_batch_size=2, recompute="full"), False),
+    # found by benchmarks/survey_ground_truth.py, each beyond 0.5% before its moment was
+    # measured: eager cores at long sequences (matmul copies only when b > 1), a plain MLP's
+    # input projection, the tied embedding's backward, upcast LayerNorm's backward in bf16
+    (WIDE, dict(seq_len=512, micro_batch_size=1, attention="eager", recompute="selective",
+                norm_impl="fused", precision="bf16-fp32-grads"), True),
+    (WIDE_GQA, dict(seq_len=512, micro_batch_size=2, attention="eager", recompute="full"), True),
+    (GPT_WIDE, dict(seq_len=512, micro_batch_size=2, attention="eager", recompute="full"), True),
+    (GPT_WIDE, dict(seq_len=256, micro_batch_size=1, attention="eager", precision="fp32",
+                    norm_impl="fused"), True),
+    (_variant(WIDE, name="wide-tied", tied_embeddings=True, vocab_size=4000),
+     dict(seq_len=256, micro_batch_size=1, attention="eager", recompute="full",
+          precision="fp32"), True),
+    (_variant(GPT_WIDE, name="gpt-wide-relu", mlp="relu", dropout=0.0, vocab_size=100),
+     dict(seq_len=128, micro_batch_size=2), True),
 ]
 
 
