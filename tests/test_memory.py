@@ -497,11 +497,12 @@ def test_interior_stages_follow_from_one(monkeypatch: pytest.MonkeyPatch, model:
     """Interior pipeline stages derived from one computed stage (shifted by whole
     micro-batches in flight) equal the stages computed one by one."""
     import memplan.memory as M
+    from memplan.stage_memory import stage_record
 
     kw = dict(gpus=2 * pp, pp=pp, vpp=vpp, zero=1, micro_batch_size=mbs, recompute=recompute,
               global_batch_size=mbs * 2 * pp * 2)
     derived = est(model, **kw)
     monkeypatch.setattr(M, "_stages", lambda spec, par, wl, m, schedule, ovh, shared: tuple(
-        M._stage(spec, par, wl, m, i, schedule, ovh, shared) for i in range(par.pp)))
+        stage_record(spec, par, wl, m, i, schedule, ovh, shared) for i in range(par.pp)))
     computed = est(model, **kw)
     assert derived.stages == computed.stages

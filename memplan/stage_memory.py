@@ -1,0 +1,326 @@
+"""One pipeline stage's bytes for one micro-batch count: its phase peaks and its record.
+
+``walk_stage`` sums what is alive at each phase's peak (what each phase holds is listed in
+``memplan.memory``'s docstring) from the stage's parts (``memplan.stage``) and the
+per-micro-batch terms every stage shares (``shared_terms``); ``stage_record`` turns the walk
+into a ``StageMemory`` with the fixed overheads on top. All sizes are int bytes for one GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple
+
+from memplan import activations as act
+from memplan import moments as mom
+from memplan.layers import (
+    LayerKind,
+    Walk,
+    backward_peak,
+    forward_peak,
+    layer_kind,
+    merge_terms,
+    moment_params,
+)
+from memplan.overheads import Overheads
+from memplan.parallel import ParallelConfig
+from memplan.pipeline import Schedule, chunks_in_flight
+from memplan.spec import ModelSpec
+from memplan.stage import StageKinds, StageStates, canonical, stage_parts
+from memplan.workload import Recompute, Workload
+
+PHASES = ("forward", "backward", "optimizer")
+
+# A layer kind's entry in a walk: its kind, its parameters' gradient bytes, and the gradient
+# bytes of each of its moment groups (``layers.moment_params``).
+Entries = dict[tuple[bool, Recompute], tuple[LayerKind, int, tuple[int, ...]]]
+
+
+@dataclass(frozen=True)
+class PhasePeaks:
+    """Tensor bytes alive at each phase's peak (fixed overheads excluded)."""
+
+    forward: int
+    backward: int
+    optimizer: int
+
+    @property
+    def peak(self) -> int:
+        return max(self.forward, self.backward, self.optimizer)
+
+    @property
+    def peak_phase(self) -> str:
+        return max(PHASES, key=lambda name: getattr(self, name))
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """One rank of pipeline stage ``stage``. All sizes are int bytes for that one GPU."""
+
+    stage: int
+    num_layers: int
+    num_params: int  # parameters this rank holds before ZeRO sharding
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int  # saved activations of all micro-batches in flight
+    microbatches_in_flight: int
+    microbatch_bytes: int  # saved activations of one micro-batch on this stage
+    activation_groups: tuple[tuple[int, tuple[act.Term, ...]], ...]  # (count, terms) of one
+    #                                                            micro-batch on this stage
+    loss_bytes: int  # logits-sized tensors alive at the loss, beyond what is saved
+    sharding_buffers_bytes: int  # ZeRO-3 gathered units / ZeRO-2 bucket, at their peak
+    optimizer_temp_bytes: int
+    steady: PhasePeaks
+    first_step: PhasePeaks
+    tensor_peak_bytes: int
+    cuda_context_bytes: int
+    workspace_bytes: int
+    allocator_bytes: int
+    peak_bytes: int
+    # a calibration profile's correction of the tensor peak (memplan.calibrate.apply), its own
+    # line: peak_bytes = tensor_peak + calibration + context + workspace + allocator
+    calibration_bytes: int = 0
+
+    @property
+    def activation_terms(self) -> tuple[act.Term, ...]:
+        """Saved terms of one micro-batch, summed by name over the stage's layers."""
+        return merge_terms(self.activation_groups)
+
+    @property
+    def peak_phase(self) -> str:
+        which = self.steady if self.steady.peak >= self.first_step.peak else self.first_step
+        step = "steady" if which is self.steady else "first step"
+        return f"{which.peak_phase} ({step})"
+
+
+def _embedding_backward_extra(vocab_grad: int, embed_grads: int, *, tied: bool,
+                              main_grads: bool, incoming: int, vocab_final: int) -> int:
+    """Bytes beyond all gradients at the embedding's backward (first stage). Its dense
+    gradient (compute dtype) is made from the gradient of its output (``incoming``, still
+    alive); a tied head's gradient waits beside it and the two are summed (3 copies, then the
+    sum becomes the gradient); with fp32 main gradients the compute-dtype gradient lives until
+    it has been added into the fp32 one. ``vocab_final``: the token embedding's gradient as
+    held (fp32 main gradient, shard); learned positions made theirs just before."""
+    if tied and main_grads:  # 3 copies before the fp32 main gradient, or the sum beside it
+        after = max(3 * vocab_grad - embed_grads, vocab_grad)
+    elif tied:
+        after = 2 * vocab_grad
+    else:
+        after = vocab_grad if main_grads else 0
+    # while the dense gradient is made, the final gradient (or the sum) does not exist yet
+    dense = (vocab_grad if tied else 0) + vocab_grad + incoming - vocab_final
+    return max(after, dense)
+
+
+def shared_terms(spec: ModelSpec, wl: Workload, dm: act.Dims) -> SharedTerms:
+    """The terms every stage of one estimate shares, built once per spec, per-kind workload
+    (``_per_kind``) and dims."""
+    return _shared_for(spec, _per_kind(wl), dm)
+
+
+@lru_cache(maxsize=1024)
+def _per_kind(wl: Workload) -> Workload:
+    """What the per-kind terms read of ``wl``: not the global batch, nor how many layers get
+    full recompute (the stage's layer kinds say which policy each layer has)."""
+    return canonical(wl, global_batch_size=None, recompute_layers=None)
+
+
+@lru_cache(maxsize=1024)
+def _shared_for(spec: ModelSpec, wl: Workload, dm: act.Dims) -> SharedTerms:
+    return SharedTerms(spec, wl, dm)
+
+
+class SharedTerms:
+    """Per-micro-batch terms that every stage of one estimate shares, built once."""
+
+    def __init__(self, spec: ModelSpec, wl: Workload, dm: act.Dims) -> None:
+        self.dm = dm
+        self.rope = act.rope_terms(spec, dm) + act.mask_terms(wl, dm)
+        self.embed = act.embedding_terms(spec, dm)
+        self.head = act.head_terms(spec, wl, dm)
+        self.rope_bytes, self.embed_bytes = act.total(self.rope), act.total(self.embed)
+        self.head_bytes = act.total(self.head)
+        self.batch_bytes = act.total(act.batch_terms(wl, dm))
+        self.targets_bytes = act.batch_terms(wl, dm)[0].size_bytes
+        self.loss_fwd = act.head_forward_extra_bytes(spec, wl, dm)
+        self.loss_bwd = act.head_backward_extra_bytes(spec, wl, dm)
+        self.head_linear_bwd = act.head_linear_backward_bytes(spec, wl, dm)
+        # the causal mask lives through the forward; with recompute it is saved (a term)
+        self.mask = 0 if act.mask_terms(wl, dm) else act.eager_mask_bytes(wl, dm)
+        self.final_norm_extra = mom.head_forward_moment(spec, wl, dm)
+        self.final_norm_bytes, self.final_norm_bwd_saved = mom.final_norm_bytes(spec, wl, dm)
+        self.final_norm_bwd = mom.norm_backward_bytes(spec, wl, dm)
+        self.kinds: dict[tuple[bool, Recompute], LayerKind] = {}
+        self.moments: dict[tuple[int, int, tuple[bool, Recompute]], tuple[int, ...]] = {}
+        self.spec, self.wl = spec, wl
+
+    def moment_params(self, t: int, ep: int, key: tuple[bool, Recompute]) -> tuple[int, ...]:
+        found = self.moments.get((t, ep, key))
+        if found is None:
+            found = self.moments[(t, ep, key)] = moment_params(self.spec, t, ep, key,
+                                                               self.kind(key))
+        return found
+
+    def kind(self, key: tuple[bool, Recompute]) -> LayerKind:
+        found = self.kinds.get(key)
+        if found is None:
+            found = self.kinds[key] = layer_kind(self.spec, self.wl, self.dm, *key)
+        return found
+
+
+class Walked(NamedTuple):
+    """One stage's phase peaks, and what its record shows beside them."""
+
+    states: StageStates
+    kinds: StageKinds
+    entries: Entries
+    in_flight: tuple[int, ...]
+    activations: int
+    one_mb: int
+    loss_bytes: int
+    steady: PhasePeaks
+    first_step: PhasePeaks
+
+    @property
+    def tensor_peak(self) -> int:
+        return max(self.steady.peak, self.first_step.peak)
+
+
+def stage_record(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: int,
+                 schedule: Schedule, ovh: Overheads, shared: SharedTerms,
+                 parts: tuple[StageStates, StageKinds] | None = None) -> StageMemory:
+    """Pipeline stage ``stage``'s record with ``m`` micro-batches per step; ``parts``: its
+    ``stage_parts`` entry (looked up when not given)."""
+    w = walk_stage(spec, par, wl, m, stage, schedule, shared,
+                   parts or stage_parts(spec, par, wl)[stage])
+    fx, st = w.states, w.states.st
+    groups = [(par.vpp, tuple(shared.rope)), (1, tuple(shared.embed if fx.first else ())),
+              (1, tuple(shared.head if fx.last else ())),
+              *((n, w.entries[k][0].terms) for k, n in w.kinds.counts.items())]
+    tensor_peak = w.tensor_peak
+    return StageMemory(
+        stage=stage, num_layers=len(w.kinds.keys), num_params=fx.sp.total,
+        params_bytes=st.params_bytes, grads_bytes=st.grads_bytes,
+        optimizer_bytes=st.optimizer_bytes, activations_bytes=w.activations,
+        microbatches_in_flight=max(w.in_flight), microbatch_bytes=w.one_mb,
+        activation_groups=tuple(groups), loss_bytes=w.loss_bytes,
+        sharding_buffers_bytes=fx.shard.peak_bytes + fx.buckets,
+        optimizer_temp_bytes=fx.opt_temp, steady=w.steady, first_step=w.first_step,
+        tensor_peak_bytes=tensor_peak, cuda_context_bytes=ovh.cuda_context_bytes,
+        workspace_bytes=ovh.workspace_bytes, allocator_bytes=ovh.allocator_bytes(tensor_peak),
+        peak_bytes=rank_peak_bytes(tensor_peak, ovh),
+    )
+
+
+def rank_peak_bytes(tensor_peak: int, ovh: Overheads) -> int:
+    """A rank's peak: its tensors' peak, the fixed overheads and the allocator's share."""
+    return tensor_peak + ovh.fixed_bytes + ovh.allocator_bytes(tensor_peak)
+
+
+@lru_cache(maxsize=8192)
+def in_flight(pp: int, vpp: int, m: int, stage: int, schedule: Schedule) -> tuple[int, ...]:
+    """``chunks_in_flight``, which reads only pp and vpp of the layout."""
+    return tuple(chunks_in_flight(ParallelConfig(pp=pp, vpp=vpp), m, stage, schedule))
+
+
+def _entries(par: ParallelConfig, shared: SharedTerms, fx: StageStates,
+             kinds: StageKinds) -> Entries:
+    """Each layer kind of the stage with its gradient bytes (``Entries``)."""
+    grad_per_param = fx.grad_per_param
+    entries: Entries = {}
+    for key, pos in kinds.positions.items():
+        kind = shared.kind(key)
+        moment_grads = tuple(int(n * grad_per_param)
+                             for n in shared.moment_params(par.tp, par.ep, key))
+        entries[key] = (kind, int(fx.sp.layers[pos] * grad_per_param), moment_grads)
+    return entries
+
+
+def _saved(par: ParallelConfig, kinds: StageKinds, entries: Entries, flight: tuple[int, ...],
+           rope_bytes: int, embed_bytes: int, head_bytes: int) -> tuple[int, int]:
+    """(saved activations of every micro-batch in flight, of one micro-batch) on the stage."""
+    layers_saved = sum(entries[k][0].saved_bytes * n for k, n in kinds.counts.items())
+    if par.vpp == 1:
+        activations = flight[0] * (layers_saved + rope_bytes)
+    else:
+        activations = 0
+        for chunk, count in zip(kinds.chunks, flight):
+            chunk_saved = sum(entries[k][0].saved_bytes * n for k, n in chunk.items())
+            activations += count * (chunk_saved + rope_bytes)
+    # The embedding belongs to the first chunk, the loss to the last.
+    activations += flight[0] * embed_bytes + flight[-1] * head_bytes
+    return activations, layers_saved + par.vpp * rope_bytes + embed_bytes + head_bytes
+
+
+def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: int,
+               schedule: Schedule, shared: SharedTerms,
+               parts: tuple[StageStates, StageKinds]) -> Walked:
+    """Phase peaks of pipeline stage ``stage`` with ``m`` micro-batches per step, in step 1
+    and in the steady state, without its record."""
+    fx, kinds = parts
+    first, last, sp, st = fx.first, fx.last, fx.sp, fx.st
+    flight = in_flight(par.pp, par.vpp, m, stage, schedule)
+    grad_per_param = fx.grad_per_param
+    entries = _entries(par, shared, fx, kinds)
+
+    rope_bytes = shared.rope_bytes  # rope tables (and a saved mask): per chunk forward
+    embed_bytes = shared.embed_bytes if first else 0
+    head_bytes = shared.head_bytes if last else 0
+    batch = shared.batch_bytes if last else 0  # held by the training loop, not the graph
+    activations, one_mb = _saved(par, kinds, entries, flight, rope_bytes, embed_bytes,
+                                 head_bytes)
+
+    shard = fx.shard
+    loss_fwd = shared.loss_fwd if last else 0
+    mask = shared.mask
+    tied = spec.tied_embeddings and first and last
+    vocab_grad, main_grads = fx.vocab_grad, fx.main_grads
+    walk = Walk(
+        runs=[(*entries[k], n) for k, n in kinds.runs],
+        other_bytes=max(0, activations - one_mb),
+        head_saved=head_bytes - batch, rest_saved=rope_bytes * par.vpp + embed_bytes + batch,
+        layer_inputs=rope_bytes,
+        loss_bwd=shared.loss_bwd if last else 0,
+        # With fp32 main gradients the head's compute-dtype weight gradient is accumulated into
+        # a new fp32 one (first micro-batch) while it still exists.
+        head_linear_bwd=(shared.head_linear_bwd + vocab_grad
+                         + (int(sp.head * grad_per_param) if main_grads else 0)) if last else 0,
+        head_grads=int(sp.head * grad_per_param), embed_grads=int(sp.embedding * grad_per_param),
+        tied_extra=_embedding_backward_extra(
+            vocab_grad, int(sp.embedding * grad_per_param), tied=tied,
+            main_grads=main_grads and first,
+            incoming=shared.dm.tokens * spec.hidden_size * shared.dm.e,
+            vocab_final=int(vocab_grad // shared.dm.e * grad_per_param)) if first else 0,
+        tied_pending=vocab_grad if tied else 0,
+        grad_buffer=shard.grad_bytes,
+        unsharded_ratio=sp.total * wl.precision.recipe.grad_bytes / max(st.grads_bytes, 1),
+        final_norm_saved=shared.final_norm_bwd_saved if last else 0,
+        final_norm_all=shared.final_norm_bytes if last else 0,
+        final_norm_bwd=shared.final_norm_bwd if last else 0,
+        # in backward FSDP2 holds the root and the block being computed (traced)
+        gathered_in_block=shard.gathered_at_loss_bytes,
+        gathered_at_loss=shard.gathered_at_loss_bytes,
+    )
+    buckets = fx.buckets
+    grads_in_forward = st.grads_bytes if m > 1 or fx.persistent else 0
+    bwd_tensors = backward_peak(walk, grads_in_forward, st.grads_bytes)
+    # The targets exist from the step's start; the loss scalars from the loss on.
+    targets = shared.targets_bytes if last else 0
+    fwd_acts = forward_peak(
+        walk.runs, walk.other_bytes + walk.rest_saved - batch + targets, head_bytes - targets,
+        shared.final_norm_bytes + shared.final_norm_extra if last else 0, loss_fwd,
+        (shard.gathered_bytes, shard.gathered_at_loss_bytes))
+
+    def peaks(opt_bytes: int) -> PhasePeaks:
+        base = st.params_bytes + opt_bytes + buckets
+        return PhasePeaks(
+            forward=base + grads_in_forward + fwd_acts + mask,
+            backward=base + bwd_tensors,
+            optimizer=fx.optimizer_phase,
+        )
+
+    # Master weights exist from optimizer setup; moments appear at step 1's optimizer step.
+    return Walked(fx, kinds, entries, flight, activations, one_mb,
+                  max(loss_fwd, walk.loss_bwd), peaks(st.optimizer_bytes), peaks(st.master_bytes))
