@@ -26,8 +26,10 @@ app = typer.Typer(
 from memplan.cli import (  # noqa: E402  (commands register on `app`)
     calibrate,
     catalog,
+    diagnose,
     estimate,
     plan,
+    profile,
     trace,
 )
 
@@ -67,4 +69,4 @@ def run() -> None:
     sys.exit(main())
 
 
-__all__ = ["app", "calibrate", "catalog", "estimate", "main", "plan", "run", "trace"]
+__all__ = ["app", "calibrate", "catalog", "diagnose", "estimate", "main", "plan", "profile", "run", "trace"]

@@ -1,0 +1,151 @@
+"""``memplan profile``: a memory timeline of real training steps, by phase, next to the estimate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from memplan.api import resolve
+from memplan.cli import app
+from memplan.cli.options import (
+    AttentionOpt,
+    Gpu,
+    Json,
+    LogitsFp32,
+    Mbs,
+    Model,
+    NormOpt,
+    OptimizerImplOpt,
+    OptimizerOpt,
+    PrecisionOpt,
+    RecomputeChoice,
+    RecomputeLayers,
+    RecomputeOpt,
+    Seq,
+    workload_fields,
+)
+from memplan.errors import MemplanError
+from memplan.workload import Attention, NormImpl, Optimizer, OptimizerImpl, Precision
+
+Steps = Annotated[int, typer.Option("--steps", help="Training steps (>= 2).")]
+Device = Annotated[str, typer.Option("--device", help="cpu (exact tensor tracker) or cuda "
+                                     "(caching allocator, device used, memory snapshot).")]
+Fake = Annotated[bool, typer.Option(
+    "--fake/--real", help="CPU: fake tensors (no memory, any size) or real tensors.")]
+Layers = Annotated[int | None, typer.Option(
+    "--layers", help="Run only this many layers of the model (a shorter copy of the spec).")]
+Out = Annotated[Path | None, typer.Option(
+    "--out", help="Write timeline.json, timeline.csv, summary.json (and timeline.png with "
+    "matplotlib; snapshot.pickle on CUDA) here.")]
+
+
+@app.command()
+def profile(
+    model: Model,
+    mbs: Mbs = 1, seq: Seq = None,
+    layers: Layers = None,
+    recompute: RecomputeOpt = RecomputeChoice.NONE,
+    recompute_layers: RecomputeLayers = None,
+    precision: PrecisionOpt = Precision.BF16_MIXED,
+    optimizer: OptimizerOpt = Optimizer.ADAMW,
+    optimizer_impl: OptimizerImplOpt = OptimizerImpl.FOREACH,
+    attention: AttentionOpt = Attention.FLASH,
+    norm: NormOpt = NormImpl.UPCAST,
+    logits_fp32: LogitsFp32 = True,
+    steps: Steps = 3,
+    device: Device = "cpu",
+    fake: Fake = True,
+    gpu: Gpu = "h100-sxm",
+    out: Out = None,
+    json_out: Json = False,
+) -> None:
+    """Run training steps of the reference model on one rank and record memory by phase.
+
+    Per step and phase (forward, backward, optimizer, other): the peak bytes by category, the
+    first step against the steady state with the bytes of each cause, and the estimate's
+    per-phase peaks for the same workload (tensors only on CPU; with --gpu's fixed overheads
+    on CUDA). Needs torch (the torch extra).
+
+    Examples:
+
+      memplan profile --model llama-7b --layers 2 --mbs 2 --seq 2048 --out prof/
+
+      memplan profile -m tiny --real --steps 4 --json
+    """
+    spec, par, wl = resolve(model, **workload_fields(
+        mbs=mbs, gbs=None, seq=seq, recompute=recompute, recompute_layers=recompute_layers,
+        precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
+        attention=attention, norm=norm, logits_fp32=logits_fp32))
+    if layers is not None:
+        if not 0 < layers <= spec.num_layers:
+            raise MemplanError(f"layers ({layers}) must be between 1 and {spec.num_layers}")
+        spec = spec.model_copy(update={"num_layers": layers, "name": f"{spec.name}[:{layers}]"})
+    if steps < 2:
+        raise MemplanError(f"steps ({steps}) must be at least 2: the first step and a later one")
+    from memplan.hardware import load_gpu
+
+    gpu_spec = load_gpu(gpu)
+    try:
+        from memplan.profile.reference_profile import predicted, profile_reference
+    except ImportError as err:  # torch missing
+        raise MemplanError(f"profile needs torch: pip install 'memplan[torch]' ({err})") from err
+    snapshot = out / "snapshot.pickle" if out is not None and device == "cuda" else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    tl = profile_reference(spec, par, wl, steps=steps, device=device, fake=fake,
+                           snapshot_path=snapshot)
+    pred = predicted(spec, gpu_spec, par, wl, tensors_only=device != "cuda")
+    from memplan.timeline import summary, write
+
+    result = summary(tl, pred)
+    if out is not None:
+        written = write(tl, out, pred)
+        from memplan.plot import plot_timeline
+
+        png = plot_timeline(tl, out / "timeline.png", predicted_peak_bytes=pred["peak_bytes"])
+        written += [p for p in (png, snapshot) if p is not None]
+        result["files"] = [str(p) for p in written]
+    if json_out:
+        typer.echo(json.dumps(result, indent=2))
+        return
+    _print(result)
+
+
+def _print(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def fmt(num_bytes: int) -> str:
+        return f"{num_bytes:,}"
+
+    console = Console()
+    table = Table(title=f"{result.get('model', '')}: peak bytes per step and phase "
+                  f"({result['device']})")
+    for col in ("step", "phase", "peak", "predicted", "largest category"):
+        table.add_column(col, justify="left" if col in ("phase", "largest category") else "right")
+    pred = {(r["step"], r["phase"]): r["predicted_bytes"]
+            for r in result.get("measured_vs_predicted", [])}
+    for step, phases in result["phases"].items():
+        for phase, peak in phases.items():
+            cats = peak["by_category"]
+            big = max(cats, key=cats.get) if cats else ""
+            want = pred.get((int(step), phase))
+            table.add_row(step, phase, fmt(peak["peak_bytes"]),
+                          "" if want is None else fmt(want),
+                          f"{big} {fmt(cats[big])}" if big else "")
+    console.print(table)
+    first = result["first_step"]
+    console.print(f"first step peak {fmt(first['first_step_peak_bytes'])} bytes, step "
+                  f"{first['steady_step']} peak {fmt(first['steady_peak_bytes'])} bytes")
+    for cause in first["causes"]:
+        console.print(f"  {cause['cause']}: {fmt(cause['bytes'])} bytes ({cause['why']})")
+    for warning in first["warnings"]:
+        console.print(f"[bold yellow]warning:[/] {warning}")
+    console.print(f"measured: {result['source']}")
+    if "predicted" in result:
+        console.print(f"predicted: {result['predicted']['source']}")
+    for path in result.get("files", []):
+        console.print(f"wrote {path}")
