@@ -113,3 +113,34 @@ def test_no_cuda_probe(child: dict) -> None:
     assert child["loaded"] == []  # no ctypes load of libcuda / libnvidia-ml
     assert child["cuda_libs_mapped"] == []
     assert child["env_changed"] == []  # e.g. no CUDA_VISIBLE_DEVICES / CUDA_MODULE_LOADING set
+
+
+DIAGNOSE_CHILD = r"""
+import contextlib, io, json, sys
+import memplan.cli
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    code = memplan.cli.main(["diagnose", "--model", "llama-7b", "--gpus", "8", "--mbs", "4",
+                             "--oom", sys.argv[1], "--json"])
+print(json.dumps({"code": code, "modules": sorted(sys.modules),
+                  "peak": json.loads(out.getvalue())["estimate"]["peak_bytes"]}))
+"""
+
+
+def test_diagnose_is_torch_free(tmp_path: Path) -> None:
+    err = tmp_path / "oom.txt"
+    err.write_text("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 "
+                   "has a total capacity of 79.10 GiB of which 1.50 GiB is free. Of the allocated "
+                   "memory 74.20 GiB is allocated by PyTorch, and 2.50 GiB is reserved by "
+                   "PyTorch but unallocated.")
+    env = {k: v for k, v in os.environ.items() if k != "MEMPLAN_DEBUG"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", DIAGNOSE_CHILD, str(err)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    child = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert child["code"] == 0 and child["peak"] > 0
+    assert "memplan.diagnose" in child["modules"]
+    for name in HEAVY:
+        assert name not in child["modules"], name
+    assert not [m for m in child["modules"] if m.startswith(("torch.", "memplan.profile"))]

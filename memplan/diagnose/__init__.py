@@ -1,0 +1,56 @@
+"""``memplan diagnose``: why a training job ran out of memory, and what fits instead.
+
+``diagnose(model, oom=..., **estimate_kwargs)`` estimates the configuration, sets it next to the
+out-of-memory message (``oom``: its text or an ``OomReport``; a snapshot gives one too), names
+the failing phase and its largest component, and ranks fixes, each re-estimated and timed.
+Torch-free; only ``report`` output turns bytes into GiB (``memplan.diagnose.render``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from memplan.diagnose.explain import Diagnosis, Finding
+from memplan.diagnose.fixes import Fix, Fixes
+from memplan.diagnose.oom import OomReport, parse_oom
+from memplan.diagnose.utilisation import Utilisation
+
+
+@dataclass(frozen=True)
+class DiagnoseResult:
+    diagnosis: Diagnosis
+    fixes: Fixes | None
+    utilisation: Utilisation
+    capacity_source: str  # where the capacity compared against came from
+
+
+def diagnose(model: Any, *, oom: OomReport | str | None = None, fixes: bool = True,
+             **estimate_kwargs: Any) -> DiagnoseResult:
+    """Estimate ``model`` with ``memplan.estimate``'s keyword arguments and explain ``oom``.
+
+    Without ``gpu_memory`` the capacity is the total the error reports (what the device gave
+    PyTorch), else the GPU catalog's. Raises MemplanError for invalid input."""
+    from memplan.api import estimate
+    from memplan.diagnose.explain import diagnose as explain
+    from memplan.diagnose.fixes import suggest
+    from memplan.diagnose.utilisation import utilisation
+
+    report = parse_oom(oom) if isinstance(oom, str) else oom
+    kwargs = dict(estimate_kwargs)
+    source = "--gpu-memory" if kwargs.get("gpu_memory") is not None else "GPU catalog"
+    if kwargs.get("gpu_memory") is None and report is not None and report.total_bytes:
+        kwargs["gpu_memory"] = report.total_bytes
+        source = "the error's total capacity"
+    est = estimate(model, **kwargs)
+    found = explain(est, report)
+    ranked = suggest(model, est, kwargs, capacity_bytes=found.capacity_bytes) if fixes else None
+    from memplan.diagnose.fixes import time_of
+
+    time = ranked.baseline_time if ranked is not None else time_of(est)
+    return DiagnoseResult(found, ranked,
+                          utilisation(est, time, capacity_bytes=found.capacity_bytes), source)
+
+
+__all__ = ["DiagnoseResult", "Diagnosis", "Finding", "Fix", "Fixes", "OomReport", "Utilisation",
+           "diagnose", "parse_oom"]

@@ -1,0 +1,296 @@
+"""Why a job ran out of memory: the estimate for its configuration next to what the error says.
+
+Each finding holds its sizes as int bytes and a sentence with ``{name}`` placeholders for them;
+the report layer (``memplan.diagnose.render``) turns the sizes into GiB.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from memplan.diagnose.oom import OomReport
+from memplan.memory import Estimate, StageMemory
+from memplan.overheads import ALLOCATOR_FRACTION
+from memplan.workload import OptimizerImpl
+
+# A stage's phases in the order a training step reaches them: step 1 runs without optimizer
+# moments, which the first optimizer step creates (memplan.memory).
+TIMELINE = (("first step", "forward"), ("first step", "backward"), ("first step", "optimizer"),
+            ("steady", "forward"), ("steady", "backward"), ("steady", "optimizer"))
+
+# A component is named as a cause when it is at least this share of the failing phase's
+# bytes: a stated threshold for what is worth a sentence, not a measured one.
+NOTABLE_SHARE = 0.10
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One observation. ``text`` has ``{name}`` placeholders for ``sizes`` (int bytes)."""
+
+    kind: str
+    text: str
+    sizes: dict[str, int] = field(default_factory=dict)
+    cause: bool = False  # named as a cause of the failure (else context)
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """The estimate of the rank that failed, where it fails, and why."""
+
+    estimate: Estimate
+    oom: OomReport | None
+    stage: StageMemory
+    capacity_bytes: int
+    failing_step: str  # "first step" or "steady"
+    failing_phase: str  # "forward", "backward" or "optimizer"
+    components: dict[str, int]  # bytes of each component alive in the failing phase
+    findings: tuple[Finding, ...]
+
+    @property
+    def dominant(self) -> tuple[str, int]:
+        return max(self.components.items(), key=lambda item: item[1])
+
+
+def rank_bytes(est: Estimate, s: StageMemory, tensor_bytes: int) -> int:
+    """A rank's bytes with ``tensor_bytes`` of tensors: the fixed overheads and the allocator's
+    share on top, as ``peak_bytes`` is built (memplan.stage_memory.rank_peak_bytes)."""
+    ovh = est.overheads
+    return (tensor_bytes + s.calibration_bytes + ovh.fixed_bytes
+            + ovh.allocator_bytes(tensor_bytes))
+
+
+def phase_components(est: Estimate, s: StageMemory, step: str, phase: str) -> dict[str, int]:
+    """The components alive in one phase (the lists in memplan.memory's docstring), each at
+    its full size on this rank: which is largest, not an exact split of the phase's bytes."""
+    parts = {"parameters": s.params_bytes}
+    if step == "steady" or phase == "optimizer":
+        parts["optimizer states"] = s.optimizer_bytes
+    if phase == "optimizer":
+        parts["gradients"] = s.grads_bytes
+        parts["optimizer step temporaries"] = s.optimizer_temp_bytes
+        return parts
+    if phase == "backward" or est.num_microbatches > 1:
+        parts["gradients"] = s.grads_bytes
+    parts["saved activations"] = s.activations_bytes
+    parts["loss logits"] = s.loss_bytes
+    parts["ZeRO / DDP buffers"] = s.sharding_buffers_bytes
+    return {name: size for name, size in parts.items() if size > 0}
+
+
+def failed_stage(est: Estimate, oom: OomReport | None) -> StageMemory:
+    """The stage of the rank named in the log (ranks ordered tp, cp, dp, pp from innermost:
+    Megatron-LM's order), else the most loaded stage."""
+    par = est.parallel
+    if oom is not None and oom.rank is not None:
+        stage = oom.rank // (par.tp * par.cp * par.dp)
+        if stage < len(est.stages):
+            return est.stages[stage]
+    return est.worst
+
+
+def _phase_bytes(s: StageMemory, step: str, phase: str) -> int:
+    return getattr(s.first_step if step == "first step" else s.steady, phase)
+
+
+def failing_point(est: Estimate, s: StageMemory, oom: OomReport | None,
+                  capacity_bytes: int) -> tuple[str, str]:
+    """(step, phase) where the job fails: the first phase whose predicted tensors reach what
+    the job held when it failed (allocated + requested), else the first whose rank bytes
+    exceed the capacity, else the predicted peak phase."""
+    if oom is not None and oom.allocated_bytes is not None and oom.requested_bytes is not None:
+        demand = oom.allocated_bytes + oom.requested_bytes
+        for step, phase in TIMELINE:
+            if _phase_bytes(s, step, phase) >= demand:
+                return step, phase
+    for step, phase in TIMELINE:
+        if rank_bytes(est, s, _phase_bytes(s, step, phase)) > capacity_bytes:
+            return step, phase
+    return max(TIMELINE, key=lambda sp: (_phase_bytes(s, *sp), sp[0] == "steady"))
+
+
+def diagnose(est: Estimate, oom: OomReport | None = None) -> Diagnosis:
+    """The estimate ``est`` of a configuration next to the error ``oom`` (either may be all
+    there is: without ``oom`` the estimate alone says where and why it would fail)."""
+    capacity = est.capacity_bytes
+    if oom is not None and oom.allowed_bytes is not None:
+        capacity = min(capacity, oom.allowed_bytes)
+    s = failed_stage(est, oom)
+    step, phase = failing_point(est, s, oom, capacity)
+    parts = phase_components(est, s, step, phase)
+    findings: list[Finding] = []
+    if oom is not None:
+        findings += _comparison(est, s, oom, capacity)
+    findings.append(_dominant(s, step, phase, parts))
+    for rule in (_first_step, _loss, _optimizer_temps, _imbalance):
+        found = rule(est, s, step, phase, parts, oom, capacity)
+        if found is not None:
+            findings.append(found)
+    if oom is not None:
+        findings += _allocator(est, oom)
+    return Diagnosis(est, oom, s, capacity, step, phase, parts, tuple(findings))
+
+
+def _comparison(est: Estimate, s: StageMemory, oom: OomReport,
+                capacity: int) -> list[Finding]:
+    if oom.kind == "driver":
+        return [Finding("driver", "the CUDA runtime itself ran out of memory (an allocation "
+                        "outside PyTorch's caching allocator: NCCL, cuBLAS, the CUDA context), "
+                        "so the message carries no sizes; the estimate leaves {headroom_bytes} "
+                        "free for such allocations", {"headroom_bytes": capacity - s.peak_bytes},
+                        cause=True)]
+    out = []
+    if oom.total_bytes is not None and abs(oom.total_bytes - est.gpu.memory_bytes) > max(
+            oom.rounding_bytes, est.gpu.memory_bytes // 100):
+        out.append(Finding("gpu", f"the GPU reports {{total_bytes}} total, the catalog's "
+                           f"{est.gpu.name} {{catalog_bytes}}: check --gpu",
+                           {"total_bytes": oom.total_bytes,
+                            "catalog_bytes": est.gpu.memory_bytes}))
+    if oom.allocated_bytes is None or oom.requested_bytes is None:
+        return out
+    demand = oom.allocated_bytes + oom.requested_bytes
+    gap = s.tensor_peak_bytes - demand
+    sizes = {"predicted_tensor_bytes": s.tensor_peak_bytes, "demand_bytes": demand,
+             "allocated_bytes": oom.allocated_bytes, "requested_bytes": oom.requested_bytes,
+             "gap_bytes": abs(gap), "rounding_bytes": oom.rounding_bytes,
+             "predicted_peak_bytes": s.peak_bytes, "capacity_bytes": capacity}
+    where = "above" if gap >= 0 else "below"
+    text = ("the estimate's tensor peak on this rank is {predicted_tensor_bytes}; the job held "
+            "{allocated_bytes} and asked for {requested_bytes} more ({demand_bytes}) when it "
+            f"failed: the estimate's peak is {{gap_bytes}} {where} that point (sizes in the "
+            "message within {rounding_bytes})")
+    if gap < 0:
+        text += ("; the job needs more than the estimate at its peak, so this configuration "
+                 "differs from the one given, or something the estimate does not count is "
+                 "alive (a leak, tensors kept across steps, an unmodelled layer)")
+    out.append(Finding("comparison", text, sizes, cause=gap < 0))
+    if s.peak_bytes <= capacity:
+        out.append(Finding("prediction", "the estimate predicts this configuration fits "
+                           "({predicted_peak_bytes} of {capacity_bytes}); the findings below "
+                           "say what it leaves out", sizes, cause=False))
+    return out
+
+
+def _dominant(s: StageMemory, step: str, phase: str, parts: dict[str, int]) -> Finding:
+    name, size = max(parts.items(), key=lambda item: item[1])
+    total = _phase_bytes(s, step, phase)
+    return Finding("dominant", f"it fails in the {phase} phase of the {step} (stage {s.stage}): "
+                   f"{{phase_bytes}} of tensors, of which {name} are the largest part "
+                   "({component_bytes})", {"phase_bytes": total, "component_bytes": size},
+                   cause=True)
+
+
+def _first_step(est, s, step, phase, parts, oom, capacity) -> Finding | None:
+    first, steady = s.first_step, s.steady
+    if step == "first step" and phase == "optimizer":
+        return Finding("first_step", "step 1's forward and backward fit ({fb_bytes} of "
+                       "tensors); its optimizer step, which creates the optimizer's states, "
+                       "needs {opt_bytes}: the job fails right after its first backward",
+                       {"fb_bytes": max(first.forward, first.backward),
+                        "opt_bytes": first.optimizer}, cause=True)
+    if step == "steady" and rank_bytes(est, s, first.peak) <= capacity:
+        delta = getattr(steady, phase) - getattr(first, phase)
+        return Finding("first_step", "step 1 fits ({first_bytes} of tensors at its peak); from "
+                       f"step 2 on the optimizer's states are alive through the {phase} too "
+                       "(+{delta_bytes}), so the job fails only after its first optimizer step",
+                       {"first_bytes": first.peak, "delta_bytes": delta}, cause=True)
+    if first.peak > steady.peak:
+        return Finding("first_step", "step 1 peaks above the steady state by {delta_bytes}: a "
+                       "job that survives step 1 keeps running",
+                       {"delta_bytes": first.peak - steady.peak})
+    return None
+
+
+def _loss(est, s, step, phase, parts, oom, capacity) -> Finding | None:
+    if phase == "optimizer" or s.loss_bytes == 0:
+        return None
+    logits = _logits_sizes(est)
+    if oom is not None and oom.requested_bytes is not None:
+        for dtype, size in logits.items():
+            if abs(oom.requested_bytes - size) <= oom.rounding_bytes:
+                return Finding("loss", f"the failed allocation is one {dtype} logits tensor "
+                               "({logits_bytes}: micro-batch x sequence x vocabulary on this "
+                               "rank): the loss's spike; chunked cross-entropy (never all "
+                               "logits at once) or a smaller micro-batch removes it",
+                               {"logits_bytes": size, "loss_bytes": s.loss_bytes}, cause=True)
+    if s.loss_bytes >= NOTABLE_SHARE * _phase_bytes(s, step, phase):
+        return Finding("loss", "the loss's logits-sized tensors add {loss_bytes} at the "
+                       "boundary of forward and backward (a tenth or more of the phase)",
+                       {"loss_bytes": s.loss_bytes}, cause=True)
+    return None
+
+
+def _logits_sizes(est: Estimate) -> dict[str, int]:
+    """One logits tensor on the last stage's rank (tokens / cp x vocabulary / TP when
+    vocabulary-parallel) in fp32 and in the compute dtype."""
+    wl, par = est.workload, est.parallel
+    elems = wl.micro_batch_size * (wl.seq_len // par.cp) * (est.spec.vocab_size
+                                                            // par.vocab_divisor)
+    return {"fp32": 4 * elems, wl.compute_dtype.value: wl.compute_dtype.itemsize * elems}
+
+
+def _optimizer_temps(est, s, step, phase, parts, oom, capacity) -> Finding | None:
+    if phase != "optimizer" or s.optimizer_temp_bytes == 0:
+        return None
+    impl = est.workload.optimizer_impl
+    hint = (" (--optimizer-impl fused has none)" if impl is not OptimizerImpl.FUSED else "")
+    return Finding("optimizer_temporaries", f"the {impl.value} optimizer step allocates "
+                   "{temp_bytes} of temporaries while weights, gradients and states are all "
+                   f"alive{hint}", {"temp_bytes": s.optimizer_temp_bytes}, cause=True)
+
+
+def _imbalance(est, s, step, phase, parts, oom, capacity) -> Finding | None:
+    if len(est.stages) < 2:
+        return None
+    low = min(est.stages, key=lambda x: x.peak_bytes)
+    high = est.worst
+    if high.peak_bytes == low.peak_bytes:
+        return None
+    return Finding("pipeline_imbalance", f"pipeline stages are uneven: stage {high.stage} "
+                   f"peaks at {{high_bytes}}, stage {low.stage} at {{low_bytes}} "
+                   "({spread_bytes} apart: micro-batches in flight, embedding and head)",
+                   {"high_bytes": high.peak_bytes, "low_bytes": low.peak_bytes,
+                    "spread_bytes": high.peak_bytes - low.peak_bytes},
+                   cause=high.peak_bytes > capacity >= low.peak_bytes)
+
+
+def _allocator(est: Estimate, oom: OomReport) -> list[Finding]:
+    """Fragmentation and memory outside PyTorch, from the message's own numbers."""
+    out = []
+    unallocated, requested = oom.unallocated_bytes, oom.requested_bytes
+    if unallocated is not None and requested is not None and oom.reserved_bytes:
+        sizes = {"unallocated_bytes": unallocated, "requested_bytes": requested,
+                 "reserved_bytes": oom.reserved_bytes}
+        # The allocator frees every cached block it can and retries before raising
+        # (c10/cuda/CUDACachingAllocator.cpp, release_cached_blocks): what stays reserved but
+        # unallocated lies in segments that still hold live blocks, i.e. fragmentation.
+        if unallocated >= requested:
+            largest = ""
+            if oom.largest_free_block_bytes is not None:
+                sizes["largest_free_bytes"] = oom.largest_free_block_bytes
+                largest = " (the largest free cached block is {largest_free_bytes})"
+            out.append(Finding("fragmentation", "fragmentation: {unallocated_bytes} is reserved "
+                               "by PyTorch but unallocated, more than the {requested_bytes} "
+                               f"asked for, yet split across segments that hold live tensors"
+                               f"{largest}; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+                               "lets segments grow instead", sizes, cause=True))
+        elif unallocated > ALLOCATOR_FRACTION * oom.reserved_bytes:
+            out.append(Finding("fragmentation", "fragmentation adds to it: {unallocated_bytes} "
+                               "of the {reserved_bytes} reserved is unallocated, above the "
+                               f"{ALLOCATOR_FRACTION:.0%} the estimate assumes "
+                               "(memplan.overheads); expandable_segments:True reduces it",
+                               sizes))
+    outside = oom.non_pytorch_bytes
+    if outside is not None:
+        context = est.overheads.cuda_context_bytes
+        where = "this process" if oom.process_bytes is not None else "the device"
+        out.append(Finding("outside_pytorch", f"memory outside PyTorch's allocator on {where}: "
+                           "{outside_bytes}, against {context_bytes} the estimate assumes for "
+                           "the CUDA context; the {extra_bytes} beyond it is NCCL buffers, "
+                           "other libraries or CUDA graphs (not in the estimate)",
+                           {"outside_bytes": outside, "context_bytes": context,
+                            "extra_bytes": max(outside - context, 0)},
+                           cause=outside - context > (oom.requested_bytes or 0)))
+    if oom.other_processes_bytes:
+        out.append(Finding("other_processes", "other processes hold {others_bytes} on this GPU",
+                           {"others_bytes": oom.other_processes_bytes}, cause=True))
+    return out

@@ -1,0 +1,173 @@
+"""Fixes for a configuration that does not fit, each checked by re-running the estimator.
+
+A fix is a change of ``memplan.estimate``'s arguments. Each is estimated again (``peak_bytes``,
+whether it fits) and timed with the step-time model (``memplan.timing``), then ranked: those
+that fit first, fastest first; then the rest by bytes saved. The global batch is held fixed,
+so a smaller micro-batch means more accumulation steps and a larger TP/PP/CP degree a smaller
+data-parallel one. The planner's fastest layout that fits is offered too.
+
+Chunked cross-entropy and CPU offloading are not modelled by the estimator, so they are never
+offered as a fix with a number (the loss finding names chunking).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from memplan.errors import MemplanError
+from memplan.memory import Estimate
+from memplan.timing import StepTime, step_time
+from memplan.workload import OptimizerImpl, Recompute
+
+# With expandable segments a segment grows in place instead of being split, so reserved
+# memory follows allocated memory up to page rounding (PyTorch docs, "CUDA memory management:
+# expandable_segments"): modelled as no allocator share on top of the tensor peak.
+EXPANDABLE_SOURCE = ("expandable_segments: reserved memory follows allocated memory up to page "
+                     "rounding (PyTorch docs, CUDA memory management); allocator share 0")
+
+
+@dataclass(frozen=True)
+class Fix:
+    """One change, re-estimated. Sizes in int bytes; ``step_s`` from the step-time model."""
+
+    name: str
+    flags: str  # the command-line options that apply it
+    change: dict[str, Any]  # memplan.estimate keyword arguments changed
+    estimate: Estimate
+    time: StepTime
+    saved_bytes: int  # baseline peak_bytes - this fix's peak_bytes
+    capacity_bytes: int
+    note: str = ""
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.estimate.peak_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.capacity_bytes
+
+
+@dataclass(frozen=True)
+class Fixes:
+    baseline: Estimate
+    baseline_time: StepTime
+    ranked: tuple[Fix, ...]
+    skipped: tuple[tuple[str, str], ...]  # (fix, why it does not apply)
+
+
+def time_of(est: Estimate) -> StepTime:
+    """The step-time model for an estimate's configuration (most loaded rank's parameters)."""
+    return step_time(est.spec, est.gpu, est.parallel, est.workload, est.global_batch_size,
+                     est.num_microbatches, est.worst.num_params)
+
+
+def baseline_kwargs(est: Estimate, given: dict[str, Any]) -> dict[str, Any]:
+    """``given`` (the estimate's keyword arguments) with the global batch fixed at the one the
+    estimate resolved, so that fixes keep the tokens per step."""
+    return {**given, "global_batch_size": est.global_batch_size}
+
+
+def candidates(est: Estimate) -> list[tuple[str, str, dict[str, Any]]]:
+    """(name, flags, estimate keyword changes) of every single change worth estimating."""
+    par, wl = est.parallel, est.workload
+    out = []
+    for policy in (Recompute.SELECTIVE, Recompute.FULL):
+        if policy > wl.recompute or (policy == wl.recompute == Recompute.FULL
+                                     and wl.recompute_layers is not None):
+            out.append((f"recompute {policy.label}", f"--recompute {policy.label}",
+                        {"recompute": policy.label, "recompute_layers": None}))
+    for zero in range(int(par.zero) + 1, 4):
+        out.append((f"ZeRO stage {zero}", f"--zero {zero}", {"zero": zero}))
+    for dim in ("tp", "pp", "cp"):
+        value = 2 * getattr(par, dim)
+        out.append((f"{dim.upper()} {value}", f"--{dim} {value}", {dim: value, "dp": None}))
+    if wl.micro_batch_size > 1:
+        mbs = wl.micro_batch_size // 2
+        out.append((f"micro-batch {mbs} with more accumulation", f"--mbs {mbs}",
+                    {"micro_batch_size": mbs}))
+    if wl.optimizer_impl is not OptimizerImpl.FUSED:
+        out.append(("fused optimizer", "--optimizer-impl fused",
+                    {"optimizer_impl": OptimizerImpl.FUSED}))
+    if est.overheads.allocator_fraction > 0:
+        out.append(("expandable segments", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+                    {"overheads": replace(est.overheads, allocator_fraction=0.0,
+                                          allocator_source=EXPANDABLE_SOURCE)}))
+    return out
+
+
+def suggest(model: Any, est: Estimate, given: dict[str, Any], *, capacity_bytes: int,
+            with_plan: bool = True) -> Fixes:
+    """Every candidate change of ``est`` (made by ``memplan.estimate(model, **given)``),
+    re-estimated and timed, ranked."""
+    from memplan.api import estimate
+
+    base = baseline_kwargs(est, given)
+    fixes, skipped = [], []
+    for name, flags, change in candidates(est):
+        try:
+            new = estimate(model, **{**base, **change})
+        except MemplanError as err:
+            skipped.append((name, str(err)))
+            continue
+        fix = _fix(name, flags, change, new, est, capacity_bytes)
+        if fix.saved_bytes > 0:
+            fixes.append(fix)
+        else:
+            skipped.append((name, f"lowers no peak: its peak_bytes {new.peak_bytes} is not below "
+                                  f"the baseline's {est.peak_bytes}"))
+    if with_plan:
+        planned = _planned(model, est, base, capacity_bytes)
+        if isinstance(planned, Fix):
+            fixes.append(planned)
+        elif planned:
+            skipped.append(("layout from memplan plan", planned))
+    fixes.sort(key=lambda f: (not f.fits, f.time.step_s if f.fits else -f.saved_bytes,
+                              -f.saved_bytes))
+    return Fixes(est, time_of(est), tuple(fixes), tuple(skipped))
+
+
+def _fix(name: str, flags: str, change: dict[str, Any], new: Estimate, base: Estimate,
+         capacity_bytes: int, note: str = "") -> Fix:
+    return Fix(name=name, flags=flags, change=change, estimate=new, time=time_of(new),
+               saved_bytes=base.peak_bytes - new.peak_bytes, capacity_bytes=capacity_bytes,
+               note=note)
+
+
+_LAYOUT_FIELDS = ("tp", "pp", "vpp", "cp", "ep", "dp")
+
+
+def _planned(model: Any, est: Estimate, base: dict[str, Any],
+             capacity_bytes: int) -> Fix | str | None:
+    """The planner's fastest configuration for the same GPUs and global batch, re-estimated
+    with ``memplan.estimate`` (the planner keeps a 5% safety margin, memplan.planner)."""
+    from memplan.api import estimate, plan
+
+    wl = est.workload
+    try:
+        result = plan(model, gpus=est.parallel.world_size, gpu=est.gpu,
+                      gpu_memory=capacity_bytes, global_batch_size=est.global_batch_size,
+                      seq_len=wl.seq_len, precision=wl.precision, optimizer=wl.optimizer,
+                      optimizer_impl=wl.optimizer_impl, attention=wl.attention,
+                      norm_impl=wl.norm_impl, logits_fp32=wl.logits_fp32)
+    except MemplanError as err:
+        return str(err)
+    if not result.candidates:
+        return "no layout of these GPUs fits at this global batch"
+    c = result.candidates[0]
+    p = c.layout
+    change: dict[str, Any] = {name: getattr(p, name) for name in _LAYOUT_FIELDS}
+    change.update(zero=int(p.zero), sequence_parallel=p.sequence_parallel,
+                  micro_batch_size=c.micro_batch_size, recompute=c.recompute.label,
+                  recompute_layers=c.recompute_layers)
+    flags = (f"--tp {p.tp} --pp {p.pp} --vpp {p.vpp} --cp {p.cp} --ep {p.ep} --dp {p.dp} "
+             f"--zero {int(p.zero)} {'--sp' if p.sequence_parallel else '--no-sp'} "
+             f"--mbs {c.micro_batch_size} --recompute {c.recompute.label}"
+             + (f" --recompute-layers {c.recompute_layers}" if c.recompute_layers else ""))
+    try:
+        new = estimate(model, **{**base, **change})
+    except MemplanError as err:
+        return str(err)
+    return _fix("layout from memplan plan", flags, change, new, est, capacity_bytes,
+                note="fastest configuration `memplan plan` finds for these GPUs")

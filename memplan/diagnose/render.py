@@ -1,0 +1,131 @@
+"""The diagnosis as text (sizes in GiB, or MiB below 1 GiB, labelled) and as JSON (int bytes).
+
+The report layer of ``memplan diagnose``: the only place its bytes become GiB.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memplan.diagnose import DiagnoseResult
+from memplan.diagnose.explain import Finding
+from memplan.diagnose.fixes import Fix
+from memplan.diagnose.oom import OomReport
+from memplan.units import GiB, MiB
+
+
+def size(num_bytes: int) -> str:
+    if abs(num_bytes) < GiB:
+        return f"{num_bytes / MiB:.2f} MiB"
+    return f"{num_bytes / GiB:.2f} GiB"
+
+
+def sentence(f: Finding) -> str:
+    return f.text.format(**{name: size(value) for name, value in f.sizes.items()})
+
+
+def _oom_line(oom: OomReport) -> str:
+    if oom.kind == "driver":
+        return "error: CUDA runtime out of memory (no sizes in the message)"
+    parts = [f"error ({oom.version} format"
+             + (f", GPU {oom.device}" if oom.device is not None else "")
+             + (f", rank {oom.rank}" if oom.rank is not None else "") + "):"]
+    for label, value in (("requested", oom.requested_bytes), ("total", oom.total_bytes),
+                         ("free", oom.free_bytes), ("allowed", oom.allowed_bytes),
+                         ("allocated", oom.allocated_bytes), ("reserved", oom.reserved_bytes),
+                         ("this process", oom.process_bytes),
+                         ("other processes", oom.other_processes_bytes or None),
+                         ("largest free block", oom.largest_free_block_bytes)):
+        if value is not None:
+            parts.append(f"{label} {size(value)}")
+    return " ".join(parts[:1]) + " " + ", ".join(parts[1:])
+
+
+def _fix_row(f: Fix, base_step_s: float) -> str:
+    cost = f.time.step_s / base_step_s - 1.0
+    return (f"  {'fits' if f.fits else 'over'}  {f.name}: peak {size(f.peak_bytes)} "
+            f"(saves {size(f.saved_bytes)}), step {f.time.step_s:.3g} s ({cost:+.1%})  "
+            f"[{f.flags}]")
+
+
+def render_text(r: DiagnoseResult) -> str:
+    d, est = r.diagnosis, r.diagnosis.estimate
+    par, wl = est.parallel, est.workload
+    lines = [f"{est.spec.name} on {par.world_size} x {est.gpu.name}: tp={par.tp} pp={par.pp} "
+             f"vpp={par.vpp} dp={par.dp} cp={par.cp} zero={int(par.zero)} "
+             f"mbs={wl.micro_batch_size} gbs={est.global_batch_size} seq={wl.seq_len} "
+             f"recompute={wl.recompute.label}",
+             f"estimate: peak {size(est.peak_bytes)} (stage {est.worst.stage}, "
+             f"{est.worst.peak_phase}) of {size(d.capacity_bytes)} capacity "
+             f"({r.capacity_source}): {'fits' if est.peak_bytes <= d.capacity_bytes else 'over'}"]
+    if d.oom is not None:
+        lines.append(_oom_line(d.oom))
+    lines.append("why:")
+    lines += [f"  {'*' if f.cause else '-'} {sentence(f)}" for f in d.findings]
+    if r.fixes is not None:
+        base = r.fixes.baseline_time.step_s
+        lines.append(f"fixes (re-estimated; step time from the step-time model, baseline "
+                     f"{base:.3g} s; fitting ones fastest first):")
+        lines += [_fix_row(f, base) for f in r.fixes.ranked] or ["  none lowers the peak"]
+    u = r.utilisation
+    lines.append(f"utilisation: {u.bound}-bound; step {u.time.step_s:.3g} s, MFU "
+                 f"{u.time.mfu:.2f} (step-time model)")
+    lines += [f"  - {a}" for a in u.advice]
+    return "\n".join(lines)
+
+
+def _oom_json(oom: OomReport | None) -> dict[str, Any] | None:
+    if oom is None:
+        return None
+    fields = ("kind", "version", "device", "rank", "requested_bytes", "total_bytes",
+              "free_bytes", "allowed_bytes", "allocated_bytes", "reserved_bytes",
+              "process_bytes", "other_processes_bytes", "rounding_bytes",
+              "largest_free_block_bytes", "num_segments")
+    out = {name: getattr(oom, name) for name in fields}
+    out["unallocated_bytes"] = oom.unallocated_bytes
+    out["non_pytorch_bytes"] = oom.non_pytorch_bytes
+    return out
+
+
+def _change_json(change: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in change.items():
+        if key == "overheads":
+            out["allocator_fraction"] = value.allocator_fraction
+        else:
+            out[key] = getattr(value, "value", value)
+    return out
+
+
+def to_json(r: DiagnoseResult) -> dict[str, Any]:
+    from memplan.report import estimate_json
+
+    d = r.diagnosis
+    u = r.utilisation
+    out: dict[str, Any] = {
+        "oom": _oom_json(d.oom),
+        "capacity_bytes": d.capacity_bytes,
+        "capacity_source": r.capacity_source,
+        "failing_stage": d.stage.stage,
+        "failing_step": d.failing_step,
+        "failing_phase": d.failing_phase,
+        "components_bytes": d.components,
+        "dominant": {"component": d.dominant[0], "bytes": d.dominant[1]},
+        "findings": [{"kind": f.kind, "cause": f.cause, "message": sentence(f),
+                      "sizes": f.sizes} for f in d.findings],
+        "utilisation": {"bound": u.bound, "step_time_s": u.time.step_s, "mfu": u.time.mfu,
+                        "compute_s": u.time.compute_s, "exposed_comm_s": u.time.exposed_comm_s,
+                        "comm_s": u.time.comm_s, "bubble_s": u.time.bubble_s,
+                        "headroom_bytes": u.headroom_bytes,
+                        "recompute_share": u.recompute_share, "advice": list(u.advice)},
+        "estimate": estimate_json(d.estimate),
+    }
+    if r.fixes is not None:
+        out["baseline_step_time_s"] = r.fixes.baseline_time.step_s
+        out["fixes"] = [{"name": f.name, "flags": f.flags, "change": _change_json(f.change),
+                         "peak_bytes": f.peak_bytes, "saved_bytes": f.saved_bytes,
+                         "capacity_bytes": f.capacity_bytes, "fits": f.fits,
+                         "step_time_s": f.time.step_s, "mfu": f.time.mfu, "note": f.note}
+                        for f in r.fixes.ranked]
+        out["not_applicable"] = [{"name": n, "reason": why} for n, why in r.fixes.skipped]
+    return out

@@ -1,0 +1,350 @@
+"""``memplan diagnose``: OOM messages of every PyTorch format read to exact bytes, malformed
+ones rejected in one line, findings from the message's own numbers, and fixes whose savings
+are the difference of two ``memplan.estimate`` calls.
+
+The messages follow the format strings of ``c10/cuda/CUDACachingAllocator.cpp`` in each
+release (see ``memplan.diagnose.oom``); sizes are ``format_size`` output, two decimals of
+KiB/MiB/GiB, so each expected byte count is ``round(value * unit)``, written out.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shlex
+
+import pytest
+from typer.testing import CliRunner
+
+import memplan
+from memplan.cli import app, main
+from memplan.diagnose import diagnose, parse_oom
+from memplan.diagnose.explain import rank_bytes
+from memplan.diagnose.snapshot import load_snapshot, snapshot_report
+from memplan.errors import MemplanError
+from memplan.units import GiB
+
+# PyTorch 1.12: RuntimeError, the parenthesised format
+V1_12 = ("RuntimeError: CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 15.78 GiB total "
+         "capacity; 14.56 GiB already allocated; 21.88 MiB free; 14.65 GiB reserved in total by "
+         "PyTorch) If reserved memory is >> allocated memory try setting max_split_size_mb to "
+         "avoid fragmentation.  See documentation for Memory Management and "
+         "PYTORCH_CUDA_ALLOC_CONF")
+# PyTorch 2.0: torch.cuda.OutOfMemoryError, same format, with a memory fraction set
+V2_0 = ("torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB (GPU 1; "
+        "23.65 GiB total capacity; 14.56 GiB already allocated; 845.01 MiB free; 22.50 GiB "
+        "allowed; 22.28 GiB reserved in total by PyTorch) If reserved memory is >> allocated "
+        "memory try setting max_split_size_mb to avoid fragmentation.  See documentation for "
+        "Memory Management and PYTORCH_CUDA_ALLOC_CONF")
+# PyTorch 2.1: sentences, "capacty", NVML process lines
+V2_1 = ("torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 146.97 MiB. GPU 0 "
+        "has a total capacty of 23.65 GiB of which 22.81 MiB is free. Process 1234 has 1.63 GiB "
+        "memory in use. Including non-PyTorch memory, this process has 22.28 GiB memory in use. "
+        "Of the allocated memory 20.53 GiB is allocated by PyTorch, and 1.26 GiB is reserved by "
+        "PyTorch but unallocated. If reserved but unallocated memory is large try setting "
+        "max_split_size_mb to avoid fragmentation.  See documentation for Memory Management  "
+        "and PYTORCH_CUDA_ALLOC_CONF")
+# PyTorch 2.2
+V2_2 = ("torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has "
+        "a total capacity of 79.10 GiB of which 1.50 GiB is free. Including non-PyTorch memory, "
+        "this process has 77.58 GiB memory in use. Of the allocated memory 74.20 GiB is "
+        "allocated by PyTorch, and 2.50 GiB is reserved by PyTorch but unallocated. If reserved "
+        "but unallocated memory is large try setting max_split_size_mb to avoid fragmentation.  "
+        "See documentation for Memory Management  "
+        "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)")
+# PyTorch 2.5+: torch.OutOfMemoryError, expandable_segments advice, wrapped by torchrun
+V2_5 = """[rank3]: Traceback (most recent call last):
+[rank3]:   File "/workspace/train.py", line 212, in <module>
+[rank3]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.71 GiB. GPU 3 has a
+[rank3]: total capacity of 79.10 GiB of which 1.50 GiB is free. Including non-PyTorch memory,
+[rank3]: this process has 77.58 GiB memory in use. Of the allocated memory 74.20 GiB is
+[rank3]: allocated by PyTorch, and 2.50 GiB is reserved by PyTorch but unallocated. If reserved
+[rank3]: but unallocated memory is large try setting
+[rank3]: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See
+[rank3]: documentation for Memory Management
+[rank3]: (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)
+"""
+# ROCm: "HIP", no NVML process lines, "0 bytes" from format_size
+HIP = ("torch.OutOfMemoryError: HIP out of memory. Tried to allocate 2.00 MiB. GPU 0 has a "
+       "total capacity of 191.98 GiB of which 0 bytes is free. Of the allocated memory 189.88 "
+       "GiB is allocated by PyTorch, and 1.09 GiB is reserved by PyTorch but unallocated. If "
+       "reserved but unallocated memory is large try setting "
+       "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+
+GIB_BOUND = 5_368_710  # ceil(0.005 * 2^30): half a unit in the last printed place
+
+
+def test_pytorch_1_12() -> None:
+    r = parse_oom(V1_12)
+    assert (r.kind, r.version, r.device, r.rank) == ("allocator", "1.x-2.0", 0, None)
+    assert r.requested_bytes == 20_971_520
+    assert r.total_bytes == 16_943_645_983
+    assert r.allocated_bytes == 15_633_680_957
+    assert r.free_bytes == 22_942_843
+    assert r.reserved_bytes == 15_730_317_722
+    assert r.unallocated_bytes == 15_730_317_722 - 15_633_680_957
+    assert r.allowed_bytes is None and r.process_bytes is None
+    # no NVML lines: everything on the device PyTorch did not reserve
+    assert r.non_pytorch_bytes == 16_943_645_983 - 22_942_843 - 15_730_317_722
+    assert r.rounding_bytes == GIB_BOUND
+
+
+def test_pytorch_2_0_with_memory_fraction() -> None:
+    r = parse_oom(V2_0)
+    assert (r.version, r.device) == ("1.x-2.0", 1)
+    assert r.requested_bytes == 2_147_483_648
+    assert r.total_bytes == 25_393_994_138
+    assert r.free_bytes == 886_057_206
+    assert r.allowed_bytes == 24_159_191_040
+    assert r.reserved_bytes == 23_922_967_839
+
+
+def test_pytorch_2_1_with_other_process() -> None:
+    r = parse_oom(V2_1)
+    assert (r.version, r.device) == ("2.1+", 0)
+    assert r.requested_bytes == 154_109_215
+    assert r.total_bytes == 25_393_994_138
+    assert r.free_bytes == 23_918_019
+    assert r.other_processes_bytes == 1_750_199_173
+    assert r.process_bytes == 23_922_967_839
+    assert r.allocated_bytes == 22_043_919_647
+    assert r.reserved_bytes == 22_043_919_647 + 1_352_914_698
+    assert r.non_pytorch_bytes == 23_922_967_839 - (22_043_919_647 + 1_352_914_698)
+    assert r.rounding_bytes == 2 * GIB_BOUND  # reserved is the sum of two printed sizes
+
+
+def test_pytorch_2_2() -> None:
+    r = parse_oom(V2_2)
+    assert r.requested_bytes == 2_147_483_648
+    assert r.total_bytes == 84_932_978_278
+    assert r.process_bytes == 83_300_890_706
+    assert r.allocated_bytes == 79_671_643_341
+    assert r.unallocated_bytes == 2_684_354_560
+    assert r.other_processes_bytes == 0
+
+
+def test_pytorch_2_5_wrapped_by_the_launcher() -> None:
+    r = parse_oom(V2_5)
+    assert (r.version, r.device, r.rank) == ("2.1+", 3, 3)
+    assert r.requested_bytes == 1_836_098_519
+    assert r.allocated_bytes == 79_671_643_341
+    assert r.reserved_bytes == 79_671_643_341 + 2_684_354_560
+
+
+def test_rocm_zero_bytes_free() -> None:
+    r = parse_oom(HIP)
+    assert r.requested_bytes == 2_097_152
+    assert r.free_bytes == 0
+    assert r.total_bytes == 206_136_955_372
+    assert r.allocated_bytes == 203_882_097_541
+    assert r.unallocated_bytes == 1_170_378_588
+
+
+def test_cuda_runtime_error_has_no_sizes() -> None:
+    r = parse_oom("RuntimeError: CUDA error: out of memory\nCUDA kernel errors might be "
+                  "asynchronously reported at some other API call")
+    assert (r.kind, r.requested_bytes, r.allocated_bytes) == ("driver", None, None)
+
+
+@pytest.mark.parametrize("text, says", [
+    ("", "empty"),
+    ("Segmentation fault (core dumped)", "no PyTorch out-of-memory message"),
+    ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total",
+     "incomplete"),
+    (V2_2.replace("74.20 GiB is allocated", "74.20 GB is allocated"), "incomplete"),
+    ("RuntimeError: MPS backend out of memory (MPS allocated: 17.50 GB)", "MPS backend"),
+])
+def test_malformed_messages(text: str, says: str) -> None:
+    with pytest.raises(MemplanError, match=says):
+        parse_oom(text)
+
+
+def test_malformed_message_cli_one_line(tmp_path, capsys) -> None:
+    path = tmp_path / "err.txt"
+    path.write_text("CUDA out of memory. Tried to allocate lots")
+    code = main(["diagnose", "-m", "tiny", "--oom", str(path)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("memplan: error: ") and err.count("\n") == 1
+    assert "Traceback" not in err
+    assert main(["diagnose", "-m", "tiny", "--oom", str(tmp_path / "missing.txt")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+# llama-2-7b on 8 H100s, ZeRO-1, micro-batch 4: does not fit (the estimate's 138.96 GiB)
+CONFIG = dict(gpus=8, gpu="h100", zero=1, micro_batch_size=4)
+CLI_CONFIG = ["-m", "llama-2-7b", "-n", "8", "--gpu", "h100", "--zero", "1", "--mbs", "4"]
+
+
+def _message(requested: int, allocated: int, unallocated: int) -> str:
+    g = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731  (format_size above 1 GiB)
+    return (f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {g(requested)}. GPU 0 "
+            f"has a total capacity of 79.10 GiB of which 0.50 GiB is free. Including non-PyTorch "
+            f"memory, this process has 78.60 GiB memory in use. Of the allocated memory "
+            f"{g(allocated)} is allocated by PyTorch, and {g(unallocated)} is reserved by "
+            f"PyTorch but unallocated.")
+
+
+def test_fragmentation_and_loss_spike_named() -> None:
+    est = memplan.estimate("llama-2-7b", **CONFIG)
+    logits = 4 * 4 * 4096 * est.spec.vocab_size  # fp32, mbs 4, seq 4096, vocabulary
+    r = diagnose("llama-2-7b", oom=_message(logits, 70 * GiB, 6 * GiB), fixes=False, **CONFIG)
+    kinds = {f.kind: f for f in r.diagnosis.findings}
+    assert kinds["fragmentation"].cause  # 6 GiB unallocated >= the request
+    assert kinds["loss"].sizes["logits_bytes"] == logits
+    assert r.diagnosis.capacity_bytes == 84_932_978_278  # the error's total capacity
+    outside = kinds["outside_pytorch"].sizes
+    assert outside["outside_bytes"] == round(78.60 * GiB) - round(76.00 * GiB)
+    # little unallocated: no fragmentation finding
+    r = diagnose("llama-2-7b", oom=_message(logits, 70 * GiB, GiB // 100), fixes=False, **CONFIG)
+    assert "fragmentation" not in {f.kind for f in r.diagnosis.findings}
+
+
+def test_comparison_states_the_gap() -> None:
+    r = diagnose("llama-2-7b", oom=V2_2, fixes=False, **CONFIG)
+    comp = next(f for f in r.diagnosis.findings if f.kind == "comparison")
+    demand = 79_671_643_341 + 2_147_483_648
+    assert comp.sizes["demand_bytes"] == demand
+    assert comp.sizes["gap_bytes"] == abs(r.diagnosis.stage.tensor_peak_bytes - demand)
+    assert r.diagnosis.dominant == ("saved activations", r.diagnosis.stage.activations_bytes)
+
+
+def test_fails_from_step_two() -> None:
+    """ZeRO-1: the steady backward (with the optimizer's states) is the peak."""
+    kwargs = dict(gpus=8, gpu="h100", zero=1, micro_batch_size=1, seq_len=2048)
+    est = memplan.estimate("llama-2-7b", **kwargs)
+    first = rank_bytes(est, est.worst, est.worst.first_step.peak)
+    assert first < est.peak_bytes
+    r = diagnose("llama-2-7b", fixes=False, gpu_memory=(first + est.peak_bytes) // 2, **kwargs)
+    found = next(f for f in r.diagnosis.findings if f.kind == "first_step")
+    assert found.cause
+    assert (r.diagnosis.failing_step, r.diagnosis.failing_phase) == ("steady", "forward")
+    assert found.sizes["delta_bytes"] == est.worst.steady.forward - est.worst.first_step.forward
+
+
+def test_fails_at_the_first_optimizer_step() -> None:
+    """ZeRO-0: the first optimizer step (states created, foreach temporaries) is the peak."""
+    kwargs = dict(gpus=8, gpu="h100", zero=0, micro_batch_size=1, seq_len=2048)
+    est = memplan.estimate("llama-2-7b", **kwargs)
+    w = est.worst
+    fb = rank_bytes(est, w, max(w.first_step.forward, w.first_step.backward))
+    r = diagnose("llama-2-7b", gpu_memory=(fb + est.peak_bytes) // 2, **kwargs)
+    d = r.diagnosis
+    assert (d.failing_step, d.failing_phase) == ("first step", "optimizer")
+    kinds = {f.kind: f for f in d.findings}
+    assert kinds["first_step"].sizes["opt_bytes"] == w.first_step.optimizer
+    assert kinds["optimizer_temporaries"].sizes["temp_bytes"] == w.optimizer_temp_bytes > 0
+    fused = next(f for f in r.fixes.ranked if f.name == "fused optimizer")
+    again = memplan.estimate("llama-2-7b", optimizer_impl="fused", global_batch_size=8,
+                             gpu_memory=(fb + est.peak_bytes) // 2, **kwargs)
+    assert fused.saved_bytes == est.peak_bytes - again.peak_bytes > 0
+
+
+def test_pipeline_imbalance() -> None:
+    r = diagnose("llama-2-7b", fixes=False, gpus=8, pp=4, micro_batch_size=2)
+    found = next(f for f in r.diagnosis.findings if f.kind == "pipeline_imbalance")
+    peaks = [s.peak_bytes for s in r.diagnosis.estimate.stages]
+    assert found.sizes["spread_bytes"] == max(peaks) - min(peaks)
+
+
+def test_fix_savings_are_estimate_differences() -> None:
+    r = diagnose("llama-2-7b", oom=V2_2, **CONFIG)
+    base = memplan.estimate("llama-2-7b", gpu_memory=84_932_978_278, **CONFIG)
+    assert r.fixes is not None and len(r.fixes.ranked) >= 5
+    names = {f.name for f in r.fixes.ranked}
+    assert {"recompute full", "TP 2", "ZeRO stage 3", "micro-batch 2 with more accumulation",
+            "layout from memplan plan"} <= names
+    for fix in r.fixes.ranked:
+        kwargs = {**CONFIG, "gpu_memory": 84_932_978_278, "global_batch_size": 32, **fix.change}
+        again = memplan.estimate("llama-2-7b", **kwargs)
+        assert fix.peak_bytes == again.peak_bytes
+        assert fix.saved_bytes == base.peak_bytes - again.peak_bytes > 0
+        assert fix.fits == (again.peak_bytes <= 84_932_978_278)
+    fitting = [f for f in r.fixes.ranked if f.fits]
+    assert fitting and fitting == list(r.fixes.ranked[:len(fitting)])
+    assert [f.time.step_s for f in fitting] == sorted(f.time.step_s for f in fitting)
+
+
+def test_cli_json_fixes_match_estimate_cli(tmp_path) -> None:
+    path = tmp_path / "err.txt"
+    path.write_text(V2_5)
+    runner = CliRunner()
+    out = runner.invoke(app, ["diagnose", *CLI_CONFIG, "--oom", str(path), "--json"],
+                        catch_exceptions=False)
+    assert out.exit_code == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["oom"]["rank"] == 3 and data["oom"]["requested_bytes"] == 1_836_098_519
+    assert data["estimate"]["peak_bytes"] == memplan.estimate("llama-2-7b", **CONFIG).peak_bytes
+    checked = 0
+    for fix in data["fixes"]:
+        if not fix["flags"].startswith("--"):
+            continue  # an environment variable, not an estimate option
+        args = [*CLI_CONFIG, "--gpu-memory", str(data["capacity_bytes"]), "--gbs", "32",
+                *shlex.split(fix["flags"]), "--json"]
+        est = json.loads(runner.invoke(app, ["estimate", *args]).stdout)
+        assert est["peak_bytes"] == fix["peak_bytes"], fix["name"]
+        assert est["fits"] == fix["fits"]
+        checked += 1
+    assert checked >= 5
+    assert data["utilisation"]["bound"] == "memory"
+
+
+def test_cli_reads_stdin_and_prints_text() -> None:
+    out = CliRunner().invoke(app, ["diagnose", *CLI_CONFIG, "--oom", "-"], input=V2_2,
+                             env={"COLUMNS": "100"}, catch_exceptions=False)
+    assert out.exit_code == 0
+    assert "fixes (re-estimated" in out.stdout and "utilisation: memory-bound" in out.stdout
+
+
+def test_utilisation_of_a_fitting_job() -> None:
+    r = diagnose("llama-2-7b", fixes=False, gpus=8, zero=1)
+    u = r.utilisation
+    assert u.bound == "compute" and u.headroom_bytes == r.diagnosis.estimate.headroom_bytes
+    assert u.recompute_share == 0.0
+
+
+SNAPSHOT = {
+    "segments": [
+        {"device": 0, "total_size": 20 * 2**20, "allocated_size": 12 * 2**20,
+         "blocks": [{"size": 12 * 2**20, "state": "active_allocated"},
+                    {"size": 6 * 2**20, "state": "inactive"},
+                    {"size": 2 * 2**20, "state": "inactive"}]},
+        {"device": 0, "total_size": 2 * 2**20, "allocated_size": 2 * 2**20,
+         "blocks": [{"size": 2 * 2**20, "state": "active_allocated"}]},
+    ],
+    "device_traces": [[{"action": "alloc", "addr": 1, "size": 512},
+                       {"action": "oom", "size": 7 * 2**20, "device_free": 1024}]],
+}
+
+
+def test_snapshot_needs_trust(tmp_path, capsys) -> None:
+    path = tmp_path / "snap.pickle"
+    path.write_bytes(pickle.dumps(SNAPSHOT))
+    assert main(["diagnose", "-m", "tiny", "--snapshot", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "--trust-pickle" in err and "run arbitrary code" in err and err.count("\n") == 1
+    r = snapshot_report(load_snapshot(str(path), trust_pickle=True))
+    assert (r.reserved_bytes, r.allocated_bytes) == (22 * 2**20, 14 * 2**20)
+    assert (r.requested_bytes, r.free_bytes) == (7 * 2**20, 1024)
+    assert (r.largest_free_block_bytes, r.num_segments) == (6 * 2**20, 2)
+    assert main(["diagnose", "-m", "tiny", "--snapshot", str(path), "--trust-pickle",
+                 "--no-fixes", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    frag = next(f for f in data["findings"] if f["kind"] == "fragmentation")
+    assert frag["sizes"]["largest_free_bytes"] == 6 * 2**20
+
+
+class _Evil:
+    def __reduce__(self):
+        return (print, ("executed",))
+
+
+def test_snapshot_with_globals_is_refused(tmp_path, capsys) -> None:
+    path = tmp_path / "evil.pickle"
+    path.write_bytes(pickle.dumps({"segments": [_Evil()]}))
+    with pytest.raises(MemplanError, match="builtins.print"):
+        load_snapshot(str(path), trust_pickle=True)
+    assert "executed" not in capsys.readouterr().out
+    path.write_bytes(b"not a pickle")
+    with pytest.raises(MemplanError, match="not a readable pickle"):
+        load_snapshot(str(path), trust_pickle=True)
