@@ -88,7 +88,8 @@ def plan(
         return
     from memplan.spec import load_model
 
-    _print(result, load_model(model).name, gpus, gpu, top)
+    spec = load_model(model)
+    _print(result, spec.name, spec.num_layers, gpus, gpu, top)
 
 
 def _plan_json(result, top: int) -> dict[str, Any]:
@@ -122,7 +123,7 @@ def _layout(p) -> str:
     return " ".join([*parts, f"dp{p.dp}", f"z{int(p.zero)}"])
 
 
-def _print(result, model: str, gpus: int, gpu: str, top: int) -> None:
+def _print(result, model: str, num_layers: int, gpus: int, gpu: str, top: int) -> None:
     from rich import box
     from rich.console import Console
     from rich.table import Table
@@ -136,7 +137,9 @@ def _print(result, model: str, gpus: int, gpu: str, top: int) -> None:
     for col in ("mbs", "recompute", "GiB", "step s", "tok/s/GPU", "MFU", "bound"):
         table.add_column(col, justify="right", no_wrap=True)
     for c in result.candidates[:top]:
-        label = c.recompute.label + (f" {c.recompute_layers}/L" if c.recompute_layers else "")
+        # full recompute of k of the stage's layers: "full 2 of 8"
+        label = c.recompute.label + (f" {c.recompute_layers} of {num_layers // c.layout.pp}"
+                                     if c.recompute_layers else "")
         table.add_row(_layout(c.layout), str(c.micro_batch_size), label,
                       f"{c.peak_bytes / GiB:.1f}", f"{c.time.step_s:.2f}",
                       f"{c.time.tokens_per_s_per_gpu:,.0f}", f"{c.time.mfu:.2f}",
