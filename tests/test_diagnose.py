@@ -348,3 +348,51 @@ def test_snapshot_with_globals_is_refused(tmp_path, capsys) -> None:
     path.write_bytes(b"not a pickle")
     with pytest.raises(MemplanError, match="not a readable pickle"):
         load_snapshot(str(path), trust_pickle=True)
+
+
+def _timeline():
+    from memplan.timeline import Sample, Timeline
+
+    mib = 2**20
+    samples = [Sample(0, 1, "forward", 10 * mib, {"parameters": 4 * mib}, reserved_bytes=12 * mib),
+               Sample(1, 1, "backward", 30 * mib, {"activations": 20 * mib, "parameters": 4 * mib},
+                      reserved_bytes=40 * mib),
+               Sample(2, 2, "forward", 12 * mib, {"parameters": 4 * mib}, reserved_bytes=40 * mib),
+               Sample(3, 2, "backward", 31 * mib, {"activations": 21 * mib}, reserved_bytes=40 * mib),
+               Sample(4, 2, "optimizer", 8 * mib, {"optimizer": 6 * mib}, reserved_bytes=40 * mib)]
+    return Timeline(device="cuda", source="allocator", num_steps=2, samples=samples)
+
+
+def test_profile_directory(tmp_path) -> None:
+    from memplan.timeline import write
+
+    write(_timeline(), tmp_path)
+    r = diagnose("tiny", profile=str(tmp_path), fixes=False)
+    kinds = {f.kind: f for f in r.diagnosis.findings}
+    measured = kinds["profile"].sizes
+    assert measured["measured_bytes"] == 31 * 2**20
+    assert measured["predicted_bytes"] == r.diagnosis.stage.steady.backward
+    assert measured["category_bytes"] == 21 * 2**20
+    assert kinds["fragmentation"].sizes["cache_bytes"] == 9 * 2**20  # 40 reserved - 31 MiB
+    (tmp_path / "summary.json").write_text("{}")
+    with pytest.raises(MemplanError, match="lacks 'phases'"):
+        diagnose("tiny", profile=str(tmp_path), fixes=False)
+    assert main(["diagnose", "-m", "tiny", "--profile", str(tmp_path / "none")]) == 2
+
+
+def test_under_prediction_carries_into_the_fixes() -> None:
+    """Rank 40 of tp 8 x dp 2 x pp 4 is on stage 40 // 16 = 2; the job held more than the
+    estimate there, and each fix is judged with that excess added."""
+    text = V2_5.replace("[rank3]", "[rank40]").replace("1.71 GiB", "448.00 MiB")
+    kwargs = dict(gpus=64, tp=8, pp=4, zero=1, micro_batch_size=1, seq_len=8192,
+                  global_batch_size=256)
+    r = diagnose("llama-3-70b", oom=text, **kwargs)
+    d = r.diagnosis
+    assert d.stage.stage == 2 and d.fails
+    margin = 79_671_643_341 + 469_762_048 - d.stage.tensor_peak_bytes
+    assert margin > 0
+    assert next(f for f in d.findings if f.kind == "comparison").cause
+    for fix in r.fixes.ranked:
+        assert fix.margin_bytes == margin
+        assert fix.fits == (fix.peak_bytes + margin <= 84_932_978_278)
+    assert r.utilisation.bound == "memory"

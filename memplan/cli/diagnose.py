@@ -52,6 +52,9 @@ _INPUT = "Evidence"
 Oom = Annotated[Optional[str], typer.Option(
     "--oom", help="File with PyTorch's out-of-memory error (a log or traceback is fine), or - "
     "for stdin.", rich_help_panel=_INPUT)]
+Profile = Annotated[Optional[str], typer.Option(
+    "--profile", help="A `memplan profile` output directory (its summary.json): measured phase "
+    "peaks against the estimate.", rich_help_panel=_INPUT)]
 Snapshot = Annotated[Optional[str], typer.Option(
     "--snapshot", help="A torch.cuda.memory._dump_snapshot pickle (needs --trust-pickle).",
     rich_help_panel=_INPUT)]
@@ -85,6 +88,7 @@ def diagnose(
     schedule: ScheduleOpt = Schedule.ONE_F_ONE_B,
     calibration: Calibration = None,
     oom: Oom = None,
+    profile: Profile = None,
     snapshot: Snapshot = None,
     trust_pickle: TrustPickle = False,
     no_fixes: NoFixes = False,
@@ -93,7 +97,8 @@ def diagnose(
     """Explain an out-of-memory failure of a configuration and rank fixes that fit.
 
     Takes the configuration (the options of `memplan estimate`) and, optionally, the error
-    PyTorch printed (1.x to current formats) or a memory snapshot. Names the failing phase and
+    PyTorch printed (1.x to current formats), a `memplan profile` directory or a memory
+    snapshot. Names the failing phase and
     its largest component, fragmentation, memory outside PyTorch, first-step and loss spikes,
     pipeline imbalance; compares the estimate with the error's numbers; re-estimates each fix
     (recompute, ZeRO, TP/PP/CP, micro-batch, fused optimizer, expandable segments, the
@@ -104,6 +109,8 @@ def diagnose(
       memplan diagnose -m llama-2-7b -n 8 --zero 1 --mbs 4 --oom err.txt
 
       grep -A3 OutOfMemoryError train.log | memplan diagnose -m llama-3-8b -n 8 --oom -
+
+      memplan diagnose -m tiny --profile runs/tiny --no-fixes
 
       memplan diagnose -m llama-3-8b -n 8 --snapshot snap.pickle --trust-pickle --json
     """
@@ -119,8 +126,8 @@ def diagnose(
             report, largest_free_block_bytes=snap.largest_free_block_bytes,
             num_segments=snap.num_segments)
     result = run_diagnose(
-        model, oom=report, fixes=not no_fixes, gpus=gpus, gpu=gpu, gpu_memory=gpu_memory,
-        tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=ep, zero=int(zero.value),
+        model, oom=report, profile=profile, fixes=not no_fixes, gpus=gpus, gpu=gpu,
+        gpu_memory=gpu_memory, tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=ep, zero=int(zero.value),
         sequence_parallel=sp, vocab_parallel=vocab_parallel, tp_style=tp_style.value,
         grad_buffers=grad_buffers.value, schedule=schedule, calibration=calibration,
         **workload_fields(mbs=mbs, gbs=gbs, seq=seq, recompute=recompute,

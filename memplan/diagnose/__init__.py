@@ -8,7 +8,7 @@ Torch-free; only ``report`` output turns bytes into GiB (``memplan.diagnose.rend
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from memplan.diagnose.explain import Diagnosis, Finding
@@ -25,14 +25,16 @@ class DiagnoseResult:
     capacity_source: str  # where the capacity compared against came from
 
 
-def diagnose(model: Any, *, oom: OomReport | str | None = None, fixes: bool = True,
-             **estimate_kwargs: Any) -> DiagnoseResult:
-    """Estimate ``model`` with ``memplan.estimate``'s keyword arguments and explain ``oom``.
+def diagnose(model: Any, *, oom: OomReport | str | None = None, profile: Any = None,
+             fixes: bool = True, **estimate_kwargs: Any) -> DiagnoseResult:
+    """Estimate ``model`` with ``memplan.estimate``'s keyword arguments and explain ``oom``
+    and ``profile`` (a ``memplan profile`` directory, or its ``measured.Measured``).
 
     Without ``gpu_memory`` the capacity is the total the error reports (what the device gave
     PyTorch), else the GPU catalog's. Raises MemplanError for invalid input."""
     from memplan.api import estimate
     from memplan.diagnose.explain import diagnose as explain
+    from memplan.diagnose.explain import unexplained_bytes
     from memplan.diagnose.fixes import suggest
     from memplan.diagnose.utilisation import utilisation
 
@@ -44,12 +46,19 @@ def diagnose(model: Any, *, oom: OomReport | str | None = None, fixes: bool = Tr
         source = "the error's total capacity"
     est = estimate(model, **kwargs)
     found = explain(est, report)
-    ranked = suggest(model, est, kwargs, capacity_bytes=found.capacity_bytes) if fixes else None
+    if profile is not None:
+        from memplan.diagnose.measured import profile_findings, read_profile
+
+        measured = read_profile(profile) if isinstance(profile, str) else profile
+        found = replace(found, findings=found.findings
+                        + tuple(profile_findings(found.stage, measured)))
+    ranked = suggest(model, est, kwargs, capacity_bytes=found.capacity_bytes,
+                     margin_bytes=unexplained_bytes(found)) if fixes else None
     from memplan.diagnose.fixes import time_of
 
     time = ranked.baseline_time if ranked is not None else time_of(est)
-    return DiagnoseResult(found, ranked,
-                          utilisation(est, time, capacity_bytes=found.capacity_bytes), source)
+    bound = utilisation(est, time, capacity_bytes=found.capacity_bytes, failed=found.fails)
+    return DiagnoseResult(found, ranked, bound, source)
 
 
 __all__ = ["DiagnoseResult", "Diagnosis", "Finding", "Fix", "Fixes", "OomReport", "Utilisation",

@@ -45,10 +45,21 @@ class Diagnosis:
     failing_phase: str  # "forward", "backward" or "optimizer"
     components: dict[str, int]  # bytes of each component alive in the failing phase
     findings: tuple[Finding, ...]
+    fails: bool  # an error was given, or the estimate does not fit: else "failing" is the peak
 
     @property
     def dominant(self) -> tuple[str, int]:
         return max(self.components.items(), key=lambda item: item[1])
+
+
+def unexplained_bytes(d: Diagnosis) -> int:
+    """Bytes the failed job held beyond the estimate: allocated + requested at the failure
+    less the estimate's tensor peak of that rank (0 when the estimate covers it, or when the
+    error gives no sizes)."""
+    oom = d.oom
+    if oom is None or oom.allocated_bytes is None or oom.requested_bytes is None:
+        return 0
+    return max(oom.allocated_bytes + oom.requested_bytes - d.stage.tensor_peak_bytes, 0)
 
 
 def rank_bytes(est: Estimate, s: StageMemory, tensor_bytes: int) -> int:
@@ -120,14 +131,15 @@ def diagnose(est: Estimate, oom: OomReport | None = None) -> Diagnosis:
     findings: list[Finding] = []
     if oom is not None:
         findings += _comparison(est, s, oom, capacity)
-    findings.append(_dominant(s, step, phase, parts))
+    fails = oom is not None or s.peak_bytes > capacity
+    findings.append(_dominant(s, step, phase, parts, fails))
     for rule in (_first_step, _loss, _optimizer_temps, _imbalance):
-        found = rule(est, s, step, phase, parts, oom, capacity)
+        found = rule(est, s, step, phase, parts, oom, capacity if fails else None)
         if found is not None:
             findings.append(found)
     if oom is not None:
         findings += _allocator(est, oom)
-    return Diagnosis(est, oom, s, capacity, step, phase, parts, tuple(findings))
+    return Diagnosis(est, oom, s, capacity, step, phase, parts, tuple(findings), fails)
 
 
 def _comparison(est: Estimate, s: StageMemory, oom: OomReport,
@@ -170,29 +182,41 @@ def _comparison(est: Estimate, s: StageMemory, oom: OomReport,
     return out
 
 
-def _dominant(s: StageMemory, step: str, phase: str, parts: dict[str, int]) -> Finding:
+def _step_name(step: str) -> str:
+    return "step 1" if step == "first step" else "the steady state"
+
+
+def _dominant(s: StageMemory, step: str, phase: str, parts: dict[str, int],
+              fails: bool) -> Finding:
     name, size = max(parts.items(), key=lambda item: item[1])
     total = _phase_bytes(s, step, phase)
-    return Finding("dominant", f"it fails in the {phase} phase of the {step} (stage {s.stage}): "
+    verb = "it fails in" if fails else "its peak is in"
+    return Finding("dominant", f"{verb} the {phase} phase of {_step_name(step)} (stage {s.stage}): "
                    f"{{phase_bytes}} of tensors, of which {name} are the largest part "
                    "({component_bytes})", {"phase_bytes": total, "component_bytes": size},
-                   cause=True)
+                   cause=fails)
 
 
 def _first_step(est, s, step, phase, parts, oom, capacity) -> Finding | None:
+    """Step 1 against later steps; ``capacity`` None when nothing fails."""
     first, steady = s.first_step, s.steady
-    if step == "first step" and phase == "optimizer":
+    if capacity is not None and step == "first step" and phase == "optimizer":
         return Finding("first_step", "step 1's forward and backward fit ({fb_bytes} of "
                        "tensors); its optimizer step, which creates the optimizer's states, "
                        "needs {opt_bytes}: the job fails right after its first backward",
                        {"fb_bytes": max(first.forward, first.backward),
                         "opt_bytes": first.optimizer}, cause=True)
-    if step == "steady" and rank_bytes(est, s, first.peak) <= capacity:
+    if (capacity is not None and step == "steady"
+            and rank_bytes(est, s, first.peak) <= capacity):
         delta = getattr(steady, phase) - getattr(first, phase)
         return Finding("first_step", "step 1 fits ({first_bytes} of tensors at its peak); from "
                        f"step 2 on the optimizer's states are alive through the {phase} too "
                        "(+{delta_bytes}), so the job fails only after its first optimizer step",
                        {"first_bytes": first.peak, "delta_bytes": delta}, cause=True)
+    if steady.peak > first.peak:
+        return Finding("first_step", "later steps peak {delta_bytes} above step 1 (the "
+                       "optimizer's states are alive from step 2 on): a job that passes step 1 "
+                       "is not yet safe", {"delta_bytes": steady.peak - first.peak})
     if first.peak > steady.peak:
         return Finding("first_step", "step 1 peaks above the steady state by {delta_bytes}: a "
                        "job that survives step 1 keeps running",
@@ -215,7 +239,7 @@ def _loss(est, s, step, phase, parts, oom, capacity) -> Finding | None:
     if s.loss_bytes >= NOTABLE_SHARE * _phase_bytes(s, step, phase):
         return Finding("loss", "the loss's logits-sized tensors add {loss_bytes} at the "
                        "boundary of forward and backward (a tenth or more of the phase)",
-                       {"loss_bytes": s.loss_bytes}, cause=True)
+                       {"loss_bytes": s.loss_bytes}, cause=capacity is not None)
     return None
 
 
@@ -235,7 +259,8 @@ def _optimizer_temps(est, s, step, phase, parts, oom, capacity) -> Finding | Non
     hint = (" (--optimizer-impl fused has none)" if impl is not OptimizerImpl.FUSED else "")
     return Finding("optimizer_temporaries", f"the {impl.value} optimizer step allocates "
                    "{temp_bytes} of temporaries while weights, gradients and states are all "
-                   f"alive{hint}", {"temp_bytes": s.optimizer_temp_bytes}, cause=True)
+                   f"alive{hint}", {"temp_bytes": s.optimizer_temp_bytes},
+                   cause=capacity is not None)
 
 
 def _imbalance(est, s, step, phase, parts, oom, capacity) -> Finding | None:
@@ -250,7 +275,7 @@ def _imbalance(est, s, step, phase, parts, oom, capacity) -> Finding | None:
                    "({spread_bytes} apart: micro-batches in flight, embedding and head)",
                    {"high_bytes": high.peak_bytes, "low_bytes": low.peak_bytes,
                     "spread_bytes": high.peak_bytes - low.peak_bytes},
-                   cause=high.peak_bytes > capacity >= low.peak_bytes)
+                   cause=capacity is not None and high.peak_bytes > capacity >= low.peak_bytes)
 
 
 def _allocator(est: Estimate, oom: OomReport) -> list[Finding]:

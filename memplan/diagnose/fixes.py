@@ -39,6 +39,9 @@ class Fix:
     saved_bytes: int  # baseline peak_bytes - this fix's peak_bytes
     capacity_bytes: int
     note: str = ""
+    # what the job held beyond the estimate when it failed (``unexplained_bytes``), added to
+    # the peak before deciding that a fix fits
+    margin_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:
@@ -46,7 +49,7 @@ class Fix:
 
     @property
     def fits(self) -> bool:
-        return self.peak_bytes <= self.capacity_bytes
+        return self.peak_bytes + self.margin_bytes <= self.capacity_bytes
 
 
 @dataclass(frozen=True)
@@ -98,9 +101,10 @@ def candidates(est: Estimate) -> list[tuple[str, str, dict[str, Any]]]:
 
 
 def suggest(model: Any, est: Estimate, given: dict[str, Any], *, capacity_bytes: int,
-            with_plan: bool = True) -> Fixes:
+            with_plan: bool = True, margin_bytes: int = 0) -> Fixes:
     """Every candidate change of ``est`` (made by ``memplan.estimate(model, **given)``),
-    re-estimated and timed, ranked."""
+    re-estimated and timed, ranked. ``margin_bytes``: bytes the failed job held beyond the
+    estimate (``explain.unexplained_bytes``), assumed to stay with every fix."""
     from memplan.api import estimate
 
     base = baseline_kwargs(est, given)
@@ -111,18 +115,17 @@ def suggest(model: Any, est: Estimate, given: dict[str, Any], *, capacity_bytes:
         except MemplanError as err:
             skipped.append((name, str(err)))
             continue
-        fix = _fix(name, flags, change, new, est, capacity_bytes)
-        if fix.saved_bytes > 0:
-            fixes.append(fix)
-        else:
-            skipped.append((name, f"lowers no peak: its peak_bytes {new.peak_bytes} is not below "
-                                  f"the baseline's {est.peak_bytes}"))
+        fixes.append(_fix(name, flags, change, new, est, capacity_bytes))
     if with_plan:
-        planned = _planned(model, est, base, capacity_bytes)
+        planned = _planned(model, est, base, capacity_bytes, margin_bytes)
         if isinstance(planned, Fix):
             fixes.append(planned)
         elif planned:
             skipped.append(("layout from memplan plan", planned))
+    fixes = [replace(f, margin_bytes=margin_bytes) for f in fixes]
+    skipped += [(f.name, f"lowers no peak: its peak_bytes {f.peak_bytes} is not below the "
+                         f"baseline's {est.peak_bytes}") for f in fixes if f.saved_bytes <= 0]
+    fixes = [f for f in fixes if f.saved_bytes > 0]
     fixes.sort(key=lambda f: (not f.fits, f.time.step_s if f.fits else -f.saved_bytes,
                               -f.saved_bytes))
     return Fixes(est, time_of(est), tuple(fixes), tuple(skipped))
@@ -138,16 +141,19 @@ def _fix(name: str, flags: str, change: dict[str, Any], new: Estimate, base: Est
 _LAYOUT_FIELDS = ("tp", "pp", "vpp", "cp", "ep", "dp")
 
 
-def _planned(model: Any, est: Estimate, base: dict[str, Any],
-             capacity_bytes: int) -> Fix | str | None:
-    """The planner's fastest configuration for the same GPUs and global batch, re-estimated
-    with ``memplan.estimate`` (the planner keeps a 5% safety margin, memplan.planner)."""
+def _planned(model: Any, est: Estimate, base: dict[str, Any], capacity_bytes: int,
+             margin_bytes: int) -> Fix | str | None:
+    """The planner's fastest configuration for the same GPUs and global batch in the capacity
+    less ``margin_bytes``, re-estimated with ``memplan.estimate`` (the planner keeps a 5%
+    safety margin, memplan.planner)."""
+    if margin_bytes >= capacity_bytes:
+        return "the job held more than the capacity beyond the estimate"
     from memplan.api import estimate, plan
 
     wl = est.workload
     try:
         result = plan(model, gpus=est.parallel.world_size, gpu=est.gpu,
-                      gpu_memory=capacity_bytes, global_batch_size=est.global_batch_size,
+                      gpu_memory=capacity_bytes - margin_bytes, global_batch_size=est.global_batch_size,
                       seq_len=wl.seq_len, precision=wl.precision, optimizer=wl.optimizer,
                       optimizer_impl=wl.optimizer_impl, attention=wl.attention,
                       norm_impl=wl.norm_impl, logits_fp32=wl.logits_fp32)

@@ -66,6 +66,10 @@ def render_text(r: DiagnoseResult) -> str:
         base = r.fixes.baseline_time.step_s
         lines.append(f"fixes (re-estimated; step time from the step-time model, baseline "
                      f"{base:.3g} s; fitting ones fastest first):")
+        margin = r.fixes.ranked[0].margin_bytes if r.fixes.ranked else 0
+        if margin:
+            lines.append(f"  (fit judged with {size(margin)} added to each peak: what the job "
+                         "held beyond the estimate when it failed)")
         lines += [_fix_row(f, base) for f in r.fixes.ranked] or ["  none lowers the peak"]
     u = r.utilisation
     lines.append(f"utilisation: {u.bound}-bound; step {u.time.step_s:.3g} s, MFU "
@@ -124,7 +128,8 @@ def to_json(r: DiagnoseResult) -> dict[str, Any]:
         out["baseline_step_time_s"] = r.fixes.baseline_time.step_s
         out["fixes"] = [{"name": f.name, "flags": f.flags, "change": _change_json(f.change),
                          "peak_bytes": f.peak_bytes, "saved_bytes": f.saved_bytes,
-                         "capacity_bytes": f.capacity_bytes, "fits": f.fits,
+                         "capacity_bytes": f.capacity_bytes, "margin_bytes": f.margin_bytes,
+                         "fits": f.fits,
                          "step_time_s": f.time.step_s, "mfu": f.time.mfu, "note": f.note}
                         for f in r.fixes.ranked]
         out["not_applicable"] = [{"name": n, "reason": why} for n, why in r.fixes.skipped]

@@ -36,15 +36,19 @@ class Utilisation:
 
 
 def utilisation(est: Estimate, time: StepTime, *, capacity_bytes: int | None = None,
-                safety: float = DEFAULT_SAFETY) -> Utilisation:
-    """The bound of ``est``'s configuration timed as ``time`` (``fixes.time_of``)."""
+                safety: float = DEFAULT_SAFETY, failed: bool = False) -> Utilisation:
+    """The bound of ``est``'s configuration timed as ``time`` (``fixes.time_of``); ``failed``:
+    the job ran out of memory (whatever the estimate says)."""
     capacity = est.capacity_bytes if capacity_bytes is None else capacity_bytes
     headroom = capacity - est.peak_bytes
     recompute = time.hardware_flops / time.model_flops - 1.0
     tight = est.peak_bytes > capacity * (1.0 - safety)
     advice: list[str] = []
-    if tight or est.workload.recompute > Recompute.NONE:
+    if failed or tight or est.workload.recompute > Recompute.NONE:
         bound = "memory"
+        if failed and not tight:
+            advice.append("it ran out of memory although the estimate leaves room: the "
+                          "findings say what the estimate does not count")
         if tight:
             advice.append(f"the peak leaves less than the {safety:.0%} safety margin free: the "
                           "ranked fixes trade step time for memory")
