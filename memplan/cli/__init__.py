@@ -23,7 +23,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-from memplan.cli import (  # noqa: E402  (commands register on `app`)
+from memplan.cli import (
+    analyze,
     calibrate,
     catalog,
     diagnose,
@@ -69,4 +70,4 @@ def run() -> None:
     sys.exit(main())
 
 
-__all__ = ["app", "calibrate", "catalog", "diagnose", "estimate", "main", "plan", "profile", "run", "trace"]
+__all__ = ["analyze", "app", "calibrate", "catalog", "diagnose", "estimate", "main", "plan", "profile", "run", "trace"]

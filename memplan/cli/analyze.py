@@ -1,0 +1,93 @@
+"""``memplan analyze-trace``: communication, overlap and stragglers from profiler traces."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from memplan.cli import app
+from memplan.cli.options import Json
+
+Paths = Annotated[list[Path], typer.Argument(
+    help="One chrome trace per rank (.json or .json.gz from torch.profiler).")]
+StragglerPct = Annotated[float, typer.Option(
+    "--straggler-pct", help="Flag the rank the others wait for when their median wait in "
+    "collectives exceeds this percentage of their analysed time.")]
+
+
+@app.command("analyze-trace")
+def analyze_trace(paths: Paths, straggler_pct: StragglerPct = 5.0,
+                  json_out: Json = False) -> None:
+    """Communication time by collective, its overlap with compute, exposed communication per
+    step, and stragglers across ranks. Offline: torch is not needed.
+
+    Time inside the profiled steps (ProfilerStep#N) splits into compute, exposed
+    communication, exposed copies and idle, each a union of intervals (overlaps counted once).
+
+    Examples:
+
+      memplan analyze-trace traces/rank0.json traces/rank1.json
+
+      memplan analyze-trace run/*.pt.trace.json.gz --json
+    """
+    from memplan.trace_analysis import analyze_paths
+
+    result = analyze_paths(list(paths), straggler_pct)
+    if json_out:
+        typer.echo(json.dumps(result, indent=2))
+        return
+    _print(result)
+
+
+def _ms(us: float) -> str:
+    return f"{us / 1000:.2f}"
+
+
+def _print(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    split = Table(title="time in profiled steps, ms (union of intervals)",
+                  caption="comm*, copy*: exposed (not under compute); ovl: overlapped")
+    for col in ("rank", "steps", "window", "compute", "comm*", "copy*", "idle", "comm",
+                "ovl %"):
+        split.add_column(col, justify="right")
+    colls = Table(title="communication by collective, ms")
+    for col in ("rank", "collective", "calls", "time", "exposed"):
+        colls.add_column(col, justify="left" if col == "collective" else "right")
+    steps = Table(title="exposed communication per step, ms")
+    for col in ("rank", "step", "duration", "compute", "comm", "exposed comm"):
+        steps.add_column(col, justify="right")
+    for r in result["ranks"]:
+        s = r["split_us"]
+        frac = r["overlap_fraction"]
+        split.add_row(f"{r['rank']} {r['device']}", str(r["num_steps"]), _ms(r["window_us"]),
+                      _ms(s["compute"]), _ms(s["exposed_comm"]), _ms(s["exposed_copies"]),
+                      _ms(s["idle"]), _ms(r["comm_us"]),
+                      "" if frac is None else f"{100 * frac:.1f}")
+        for name, c in r["collectives"].items():
+            colls.add_row(str(r["rank"]), name, str(c["count"]), _ms(c["time_us"]),
+                          _ms(c["exposed_us"]))
+        for st in r["steps"]:
+            steps.add_row(str(r["rank"]), str(st["step"]), _ms(st["duration_us"]),
+                          _ms(st["compute_us"]), _ms(st["comm_us"]), _ms(st["exposed_comm_us"]))
+    console.print(split)
+    console.print(colls)
+    console.print(steps)
+    across = result.get("across_ranks")
+    if across is None:
+        return
+    waits = ", ".join(f"rank {k}: {_ms(v)} ms" for k, v in across["wait_in_collectives_us"].items())
+    console.print(f"waiting in {across['matched_collective_calls']} matched collective calls: "
+                  f"{waits}")
+    if across["stragglers"]:
+        console.print(f"[bold yellow]straggler:[/] rank {across['stragglers'][0]}: the other "
+                      f"ranks waited {across['others_wait_pct']:.1f}% of their step time for it "
+                      f"(threshold {across['threshold_pct']}%)")
+    else:
+        console.print(f"no straggler above {across['threshold_pct']}% (others waited "
+                      f"{across['others_wait_pct']:.1f}%)")

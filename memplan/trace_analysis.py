@@ -1,0 +1,198 @@
+"""Communication, overlap and stragglers from ``torch.profiler`` chrome traces, offline.
+
+torch-free: reads the JSON (``.json`` or ``.json.gz``) that ``prof.export_chrome_trace`` and
+the TensorBoard handler write, one file per rank. All times are microseconds (``*_us``), the
+chrome trace unit.
+
+What counts as what:
+- GPU traces (any ``kernel`` event): communication = kernels named ``nccl*``; copies =
+  ``gpu_memcpy`` and ``gpu_memset``; compute = every other kernel.
+- CPU-only traces (gloo): communication = the ``gloo:<collective>`` ranges recorded on gloo's
+  worker threads; compute = every ``cpu_op`` except ``c10d::`` launches.
+- Steps: ``ProfilerStep#N`` ranges (``gpu_user_annotation`` ones on GPU traces when present).
+  The analysed window is the union of the steps, or the whole trace when it has none.
+
+Within the window W, with C, M, Y the unions of compute, communication and copies:
+overlapped communication = |M ∩ C|; exposed = |M - C|; and W splits exactly into compute |C|,
+exposed communication |M - C|, exposed copies |Y - C - M| and idle |W - (C ∪ M ∪ Y)|.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memplan.errors import MemplanError
+from memplan.intervals import Interval, intersect, length, subtract, union
+
+_STEP = re.compile(r"^ProfilerStep#(\d+)$")
+_NCCL = re.compile(r"^nccl(?:Dev)?Kernel_([A-Za-z]+)", re.IGNORECASE)
+
+
+@dataclass
+class RankTrace:
+    """The events of one rank's trace, classified."""
+
+    path: str
+    rank: int
+    world_size: int | None
+    device: str  # "gpu" or "cpu"
+    compute: list[Interval] = field(default_factory=list)
+    copies: list[Interval] = field(default_factory=list)
+    comm: list[tuple[str, float, float]] = field(default_factory=list)  # (collective, lo, hi)
+    steps: list[tuple[int, float, float]] = field(default_factory=list)  # (number, lo, hi)
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+def collective_of(event: dict[str, Any]) -> str | None:
+    """The collective an event runs, or None when it is not communication."""
+    name = event.get("name", "")
+    cat = event.get("cat", "")
+    if cat == "kernel":
+        m = _NCCL.match(name)
+        if m is None:
+            return None
+        given = (event.get("args") or {}).get("Collective name")
+        return str(given) if given else _snake(m.group(1))
+    if name.startswith("gloo:") and cat in ("user_annotation", "cpu_op"):
+        return name.split(":", 1)[1]
+    return None
+
+
+def load(path: str | Path, index: int = 0) -> RankTrace:
+    """Read one chrome trace; the rank comes from ``distributedInfo``, else ``index``."""
+    p = Path(path)
+    try:
+        opener = gzip.open if p.suffix == ".gz" else open
+        with opener(p, "rt") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as err:
+        raise MemplanError(f"{p}: not a readable chrome trace ({err})") from err
+    if isinstance(data, list):
+        data = {"traceEvents": data}
+    events = [e for e in data.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    info = data.get("distributedInfo") or {}
+    has_gpu = any(e.get("cat") == "kernel" for e in events)
+    rt = RankTrace(path=str(p), rank=int(info.get("rank", index)),
+                   world_size=info.get("world_size"), device="gpu" if has_gpu else "cpu")
+    gpu_steps = any(e.get("cat") == "gpu_user_annotation" and _STEP.match(e.get("name", ""))
+                    for e in events)
+    for e in events:
+        _classify(rt, e, gpu_steps)
+    rt.steps.sort()
+    if not events:
+        raise MemplanError(f"{p}: no complete ('X') events; export with export_chrome_trace")
+    return rt
+
+
+def _classify(rt: RankTrace, e: dict[str, Any], gpu_steps: bool) -> None:
+    lo = float(e["ts"])
+    hi = lo + float(e["dur"])
+    cat, name = e.get("cat", ""), e.get("name", "")
+    step = _STEP.match(name)
+    if step and cat == ("gpu_user_annotation" if gpu_steps else "user_annotation"):
+        rt.steps.append((int(step.group(1)), lo, hi))
+        return
+    coll = collective_of(e)
+    if coll is not None:
+        rt.comm.append((coll, lo, hi))
+    elif rt.device == "gpu":
+        if cat == "kernel":
+            rt.compute.append((lo, hi))
+        elif cat in ("gpu_memcpy", "gpu_memset"):
+            rt.copies.append((lo, hi))
+    elif cat == "cpu_op" and not name.startswith("c10d::"):
+        rt.compute.append((lo, hi))
+
+
+def window(rt: RankTrace) -> list[Interval]:
+    if rt.steps:
+        return union((lo, hi) for _, lo, hi in rt.steps)
+    spans = rt.compute + rt.copies + [(lo, hi) for _, lo, hi in rt.comm]
+    return [(min(s[0] for s in spans), max(s[1] for s in spans))] if spans else []
+
+
+def analyze(rt: RankTrace) -> dict[str, Any]:
+    """One rank: communication by collective, overlap, exposure per step, the time split."""
+    w = window(rt)
+    c = intersect(rt.compute, w)
+    m = intersect([(lo, hi) for _, lo, hi in rt.comm], w)
+    y = intersect(rt.copies, w)
+    exposed = subtract(m, c)
+    busy = union(c + m + y)
+    by_coll: dict[str, dict[str, float]] = {}
+    for coll in sorted({k for k, _, _ in rt.comm}):
+        spans = intersect([(lo, hi) for k, lo, hi in rt.comm if k == coll], w)
+        count = sum(1 for k, lo, hi in rt.comm if k == coll and intersect([(lo, hi)], w))
+        by_coll[coll] = {"count": count, "time_us": length(spans),
+                         "exposed_us": length(subtract(spans, c))}
+    per_step = []
+    for num, lo, hi in rt.steps:
+        sw = [(lo, hi)]
+        per_step.append({"step": num, "duration_us": hi - lo,
+                         "compute_us": length(intersect(c, sw)),
+                         "comm_us": length(intersect(m, sw)),
+                         "exposed_comm_us": length(intersect(exposed, sw))})
+    comm_us = length(m)
+    return {
+        "path": rt.path, "rank": rt.rank, "device": rt.device, "window_us": length(w),
+        "num_steps": len(rt.steps),
+        "split_us": {"compute": length(c), "exposed_comm": length(exposed),
+                     "exposed_copies": length(subtract(y, c + m)),
+                     "idle": length(w) - length(busy)},
+        "comm_us": comm_us, "overlapped_comm_us": comm_us - length(exposed),
+        "overlap_fraction": (comm_us - length(exposed)) / comm_us if comm_us else None,
+        "collectives": by_coll, "steps": per_step,
+    }
+
+
+def stragglers(traces: list[RankTrace], threshold_pct: float = 5.0) -> dict[str, Any]:
+    """Across ranks. The i-th call of each collective is matched on every rank; a rank that
+    arrives late finds the others waiting, so a call's duration on a rank minus its shortest
+    duration on any rank is time that rank waited (clock-independent). The rank that waited
+    least is the one the others waited for; it is a straggler when the median of the other
+    ranks' waits exceeds ``threshold_pct`` of their analysed window."""
+    waits = {rt.rank: 0.0 for rt in traces}
+    matched = 0
+    for coll in sorted({k for rt in traces for k, _, _ in rt.comm}):
+        calls = {rt.rank: [hi - lo for k, lo, hi in sorted(rt.comm, key=lambda x: x[1])
+                           if k == coll] for rt in traces}
+        n = min(len(v) for v in calls.values())
+        matched += n
+        for i in range(n):
+            fastest = min(v[i] for v in calls.values())
+            for rank, v in calls.items():
+                waits[rank] += v[i] - fastest
+    windows = {rt.rank: length(window(rt)) for rt in traces}
+    compute = {rt.rank: length(intersect(rt.compute, window(rt))) for rt in traces}
+    late = min(waits, key=lambda r: waits[r]) if matched else None
+    others = [100.0 * waits[r] / windows[r] for r in waits if r != late and windows[r]]
+    wait_pct = statistics.median(others) if others else 0.0
+    return {"matched_collective_calls": matched, "wait_in_collectives_us": waits,
+            "compute_us": compute, "window_us": windows, "waited_for_rank": late,
+            "others_wait_pct": wait_pct, "threshold_pct": threshold_pct,
+            "stragglers": [late] if late is not None and wait_pct > threshold_pct else []}
+
+
+def analyze_paths(paths: list[str | Path], threshold_pct: float = 5.0) -> dict[str, Any]:
+    traces = [load(p, i) for i, p in enumerate(paths)]
+    ranks = [rt.rank for rt in traces]
+    if len(set(ranks)) != len(ranks):
+        raise MemplanError(f"two traces claim the same rank: {ranks}")
+    out: dict[str, Any] = {"unit": "microseconds (chrome trace ts/dur)",
+                           "ranks": [analyze(rt) for rt in traces]}
+    if len(traces) > 1:
+        out["across_ranks"] = stragglers(traces, threshold_pct)
+    return out
+
+
+__all__ = ["RankTrace", "analyze", "analyze_paths", "collective_of", "load", "stragglers",
+           "window"]
