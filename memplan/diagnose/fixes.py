@@ -122,7 +122,11 @@ def suggest(model: Any, est: Estimate, given: dict[str, Any], *, capacity_bytes:
             fixes.append(planned)
         elif planned:
             skipped.append(("layout from memplan plan", planned))
-    fixes = [replace(f, margin_bytes=margin_bytes) for f in fixes]
+    # the global batch is held fixed: say so in the flags, so each fix re-runs as estimated
+    gbs = f" --gbs {est.global_batch_size}"
+    fixes = [replace(f, margin_bytes=margin_bytes,
+                     flags=f.flags + gbs if f.flags.startswith("--") else f.flags)
+             for f in fixes]
     skipped += [(f.name, f"lowers no peak: its peak_bytes {f.peak_bytes} is not below the "
                          f"baseline's {est.peak_bytes}") for f in fixes if f.saved_bytes <= 0]
     fixes = [f for f in fixes if f.saved_bytes > 0]
