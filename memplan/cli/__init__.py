@@ -23,7 +23,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-from memplan.cli import (
+from memplan.cli import (  # noqa: E402  (commands register on `app`)
     analyze,
     calibrate,
     catalog,
