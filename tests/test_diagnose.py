@@ -172,12 +172,12 @@ def test_malformed_message_cli_one_line(tmp_path, capsys) -> None:
 
 
 # llama-2-7b on 8 H100s, ZeRO-1, micro-batch 4: does not fit (the estimate's 138.96 GiB)
-CONFIG = dict(gpus=8, gpu="h100", zero=1, micro_batch_size=4)
+CONFIG = {"gpus": 8, "gpu": "h100", "zero": 1, "micro_batch_size": 4}
 CLI_CONFIG = ["-m", "llama-2-7b", "-n", "8", "--gpu", "h100", "--zero", "1", "--mbs", "4"]
 
 
 def _message(requested: int, allocated: int, unallocated: int) -> str:
-    g = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731  (format_size above 1 GiB)
+    g = lambda b: f"{b / GiB:.2f} GiB"
     return (f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {g(requested)}. GPU 0 "
             f"has a total capacity of 79.10 GiB of which 0.50 GiB is free. Including non-PyTorch "
             f"memory, this process has 78.60 GiB memory in use. Of the allocated memory "
@@ -211,7 +211,7 @@ def test_comparison_states_the_gap() -> None:
 
 def test_fails_from_step_two() -> None:
     """ZeRO-1: the steady backward (with the optimizer's states) is the peak."""
-    kwargs = dict(gpus=8, gpu="h100", zero=1, micro_batch_size=1, seq_len=2048)
+    kwargs = {"gpus": 8, "gpu": "h100", "zero": 1, "micro_batch_size": 1, "seq_len": 2048}
     est = memplan.estimate("llama-2-7b", **kwargs)
     first = rank_bytes(est, est.worst, est.worst.first_step.peak)
     assert first < est.peak_bytes
@@ -224,7 +224,7 @@ def test_fails_from_step_two() -> None:
 
 def test_fails_at_the_first_optimizer_step() -> None:
     """ZeRO-0: the first optimizer step (states created, foreach temporaries) is the peak."""
-    kwargs = dict(gpus=8, gpu="h100", zero=0, micro_batch_size=1, seq_len=2048)
+    kwargs = {"gpus": 8, "gpu": "h100", "zero": 0, "micro_batch_size": 1, "seq_len": 2048}
     est = memplan.estimate("llama-2-7b", **kwargs)
     w = est.worst
     fb = rank_bytes(est, w, max(w.first_step.forward, w.first_step.backward))
@@ -358,7 +358,8 @@ def _timeline():
                Sample(1, 1, "backward", 30 * mib, {"activations": 20 * mib, "parameters": 4 * mib},
                       reserved_bytes=40 * mib),
                Sample(2, 2, "forward", 12 * mib, {"parameters": 4 * mib}, reserved_bytes=40 * mib),
-               Sample(3, 2, "backward", 31 * mib, {"activations": 21 * mib}, reserved_bytes=40 * mib),
+               Sample(3, 2, "backward", 31 * mib, {"activations": 21 * mib},
+                      reserved_bytes=40 * mib),
                Sample(4, 2, "optimizer", 8 * mib, {"optimizer": 6 * mib}, reserved_bytes=40 * mib)]
     return Timeline(device="cuda", source="allocator", num_steps=2, samples=samples)
 
@@ -384,8 +385,8 @@ def test_under_prediction_carries_into_the_fixes() -> None:
     """Rank 40 of tp 8 x dp 2 x pp 4 is on stage 40 // 16 = 2; the job held more than the
     estimate there, and each fix is judged with that excess added."""
     text = V2_5.replace("[rank3]", "[rank40]").replace("1.71 GiB", "448.00 MiB")
-    kwargs = dict(gpus=64, tp=8, pp=4, zero=1, micro_batch_size=1, seq_len=8192,
-                  global_batch_size=256)
+    kwargs = {"gpus": 64, "tp": 8, "pp": 4, "zero": 1, "micro_batch_size": 1, "seq_len": 8192,
+                  "global_batch_size": 256}
     r = diagnose("llama-3-70b", oom=text, **kwargs)
     d = r.diagnosis
     assert d.stage.stage == 2 and d.fails
@@ -396,3 +397,31 @@ def test_under_prediction_carries_into_the_fixes() -> None:
         assert fix.margin_bytes == margin
         assert fix.fits == (fix.peak_bytes + margin <= 84_932_978_278)
     assert r.utilisation.bound == "memory"
+
+
+def test_pytorch_1_4_cached() -> None:
+    r = parse_oom("RuntimeError: CUDA out of memory. Tried to allocate 128.00 MiB (GPU 0; 15.78 "
+                  "GiB total capacity; 14.56 GiB already allocated; 21.88 MiB free; 14.65 GiB "
+                  "cached)")
+    assert (r.requested_bytes, r.reserved_bytes) == (134_217_728, 15_730_317_722)
+
+
+@pytest.mark.parametrize("middle", [
+    "22.50 GiB allowed; Including non-PyTorch memory, this process has 22.28 GiB memory in use. ",
+    "Including non-PyTorch memory, this process has 22.28 GiB memory in use. 22.50 GiB allowed; ",
+])
+def test_memory_fraction_in_either_place(middle: str) -> None:
+    r = parse_oom("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+                  f"23.65 GiB of which 845.01 MiB is free. {middle}Of the allocated memory 20.53 "
+                  "GiB is allocated by PyTorch, and 1.26 GiB is reserved by PyTorch but "
+                  "unallocated.")
+    assert (r.allowed_bytes, r.process_bytes) == (24_159_191_040, 23_922_967_839)
+    assert r.free_bytes == 886_057_206
+
+
+def test_xpu_without_free() -> None:
+    r = parse_oom("torch.OutOfMemoryError: XPU out of memory. Tried to allocate 2.00 GiB. GPU 0 "
+                  "has a total capacity of 31.75 GiB. Of the allocated memory 30.12 GiB is "
+                  "allocated by PyTorch, and 1.26 GiB is reserved by PyTorch but unallocated.")
+    assert (r.total_bytes, r.free_bytes) == (34_091_302_912, None)
+    assert r.allocated_bytes == 32_341_103_739 and r.non_pytorch_bytes is None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -49,13 +49,13 @@ from memplan.pipeline import Schedule
 from memplan.workload import Attention, NormImpl, Optimizer, OptimizerImpl, Precision
 
 _INPUT = "Evidence"
-Oom = Annotated[Optional[str], typer.Option(
+Oom = Annotated[str | None, typer.Option(
     "--oom", help="File with PyTorch's out-of-memory error (a log or traceback is fine), or - "
     "for stdin.", rich_help_panel=_INPUT)]
-Profile = Annotated[Optional[str], typer.Option(
+Profile = Annotated[str | None, typer.Option(
     "--profile", help="A `memplan profile` output directory (its summary.json): measured phase "
     "peaks against the estimate.", rich_help_panel=_INPUT)]
-Snapshot = Annotated[Optional[str], typer.Option(
+Snapshot = Annotated[str | None, typer.Option(
     "--snapshot", help="A torch.cuda.memory._dump_snapshot pickle (needs --trust-pickle).",
     rich_help_panel=_INPUT)]
 TrustPickle = Annotated[bool, typer.Option(

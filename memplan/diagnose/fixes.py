@@ -127,8 +127,9 @@ def suggest(model: Any, est: Estimate, given: dict[str, Any], *, capacity_bytes:
     fixes = [replace(f, margin_bytes=margin_bytes,
                      flags=f.flags + gbs if f.flags.startswith("--") else f.flags)
              for f in fixes]
-    skipped += [(f.name, f"lowers no peak: its peak_bytes {f.peak_bytes} is not below the "
-                         f"baseline's {est.peak_bytes}") for f in fixes if f.saved_bytes <= 0]
+    skipped += [(f.name, (f"lowers no peak: its peak_bytes {f.peak_bytes} is not below "
+                          f"the baseline's {est.peak_bytes}"))
+                for f in fixes if f.saved_bytes <= 0]
     fixes = [f for f in fixes if f.saved_bytes > 0]
     fixes.sort(key=lambda f: (not f.fits, f.time.step_s if f.fits else -f.saved_bytes,
                               -f.saved_bytes))
@@ -157,7 +158,8 @@ def _planned(model: Any, est: Estimate, base: dict[str, Any], capacity_bytes: in
     wl = est.workload
     try:
         result = plan(model, gpus=est.parallel.world_size, gpu=est.gpu,
-                      gpu_memory=capacity_bytes - margin_bytes, global_batch_size=est.global_batch_size,
+                      gpu_memory=capacity_bytes - margin_bytes,
+                      global_batch_size=est.global_batch_size,
                       seq_len=wl.seq_len, precision=wl.precision, optimizer=wl.optimizer,
                       optimizer_impl=wl.optimizer_impl, attention=wl.attention,
                       norm_impl=wl.norm_impl, logits_fp32=wl.logits_fp32)

@@ -20,10 +20,12 @@ PyTorch 2.1 ("capacty" is the source's spelling in 2.1), 2.2 to 2.4 and 2.5 on
     unallocated. If reserved but unallocated memory is large try setting ...
 
 The per-process sentences come from NVML (``reportProcessMemoryInfo``) and are absent where the
-driver API is not available. ROCm builds say "HIP out of memory". Every size is
-``format_size``: "N bytes" up to 1 KiB, else KiB, MiB or GiB (powers of 1024) with two
-decimals, so each parsed size is within half a unit in the last place of the true bytes:
-``rounding_bytes`` (0 for "bytes", 5 B for KiB, 5,243 B for MiB, 5,368,710 B for GiB).
+driver API is not available. ROCm builds say "HIP out of memory"; the XPU allocator's message
+(``c10/xpu/XPUCachingAllocator.cpp``) has the same sentences without "of which ... is free".
+PyTorch before 1.5 said "cached" where later versions say "reserved in total by PyTorch".
+Every size is ``format_size``: "N bytes" up to 1 KiB, else KiB, MiB or GiB (powers of 1024)
+with two decimals, so each parsed size is within half a unit in the last place of the true
+bytes: ``rounding_bytes`` (0 for "bytes", 5 B for KiB, 5,243 B for MiB, 5,368,710 B for GiB).
 
 The CUDA runtime's own "CUDA error: out of memory" (cudaMalloc outside the caching allocator:
 NCCL, cuBLAS, the context) carries no numbers; it is recognised as its own kind.
@@ -42,21 +44,22 @@ from memplan.units import GiB, KiB, MiB
 _UNITS = {"bytes": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB}
 _SIZE = r"(\d+(?:\.\d+)?)\s*(bytes|KiB|MiB|GiB)"
 
-_HEAD = re.compile(r"(CUDA|HIP) out of memory\.\s*Tried to allocate\s+" + _SIZE)
+_HEAD = re.compile(r"(CUDA|HIP|XPU) out of memory\.\s*Tried to allocate\s+" + _SIZE)
 # PyTorch 1.x / 2.0: "(GPU 0; 15.78 GiB total capacity; ...)"
 _OLD = re.compile(
     r"\s*\(GPU (\d+); " + _SIZE + r" total capacity; " + _SIZE + r" already allocated; "
     + _SIZE + r" free; (?:" + _SIZE + r" allowed; )?" + _SIZE
-    + r" reserved in total by PyTorch\)")
+    + r" (?:reserved in total by PyTorch|cached)\)")
 # PyTorch 2.1+: sentences
 _NEW = re.compile(
-    r"\.\s*GPU (\d+) has a total (?:capacity|capacty) of " + _SIZE + r" of which " + _SIZE
-    + r" is free\.\s*(?:" + _SIZE + r" allowed;\s*)?(.*?)Of the allocated memory " + _SIZE
+    r"\.\s*GPU (\d+) has a total (?:capacity|capacty) of " + _SIZE + r"(?: of which " + _SIZE
+    + r" is free)?\.\s*(.*?)Of the allocated memory " + _SIZE
     + r" is allocated by PyTorch, and " + _SIZE + r" is reserved by PyTorch but unallocated\.")
+_ALLOWED = re.compile(_SIZE + r" allowed;")
 _PROC = re.compile(r"(Process (\d+)|Including non-PyTorch memory, this process) has "
                    + _SIZE + r" memory in use\.")
 _DRIVER = re.compile(r"CUDA error: out of memory")
-_OTHER = re.compile(r"(MPS backend|XPU) out of memory")
+_OTHER = re.compile(r"(MPS backend) out of memory")
 # torchrun and most launchers prefix each line of a rank's output: "[rank3]: ", "3: "
 _RANK_PREFIX = re.compile(r"^\s*\[(?:default)?rank(\d+)\]:\s?|^\s*(\d+):\s", re.MULTILINE)
 
@@ -137,8 +140,8 @@ def parse_oom(text: str) -> OomReport:
             return OomReport(kind="driver", version="driver", rank=rank)
         other = _OTHER.search(flat)
         if other:
-            raise MemplanError(f"{other.group(1)} out-of-memory messages are not read; give a "
-                               "CUDA or HIP caching allocator message")
+            raise MemplanError(f"{other.group(1)} out-of-memory messages are not read; give "
+                               "a CUDA, HIP or XPU caching allocator message")
         raise MemplanError("no PyTorch out-of-memory message found: expected 'CUDA out of "
                            "memory. Tried to allocate ...' (PyTorch 1.x to current)")
     requested, bound = _bytes(head.group(2), head.group(3))
@@ -166,12 +169,16 @@ def _old_report(m: re.Match, requested: int, bound: int, rank: int | None) -> Oo
 
 
 def _new_report(m: re.Match, requested: int, bound: int, rank: int | None) -> OomReport:
-    total, free = _bytes(m.group(2), m.group(3)), _bytes(m.group(4), m.group(5))
-    allowed = _bytes(m.group(6), m.group(7)) if m.group(6) else None
-    allocated, unallocated = _bytes(m.group(9), m.group(10)), _bytes(m.group(11), m.group(12))
-    bounds = [bound, total[1], free[1], allocated[1], unallocated[1]]
+    total = _bytes(m.group(2), m.group(3))
+    free = _bytes(m.group(4), m.group(5)) if m.group(4) else None  # XPU's message has none
+    middle = m.group(6)  # NVML process lines and the memory-fraction limit, when present
+    allowed = _ALLOWED.search(middle)
+    allowed_size = _bytes(allowed.group(1), allowed.group(2)) if allowed else None
+    allocated, unallocated = _bytes(m.group(7), m.group(8)), _bytes(m.group(9), m.group(10))
+    bounds = [bound, total[1], allocated[1], unallocated[1],
+              *(x[1] for x in (free, allowed_size) if x)]
     process, others = None, 0
-    for proc in _PROC.finditer(m.group(8)):
+    for proc in _PROC.finditer(middle):
         size = _bytes(proc.group(3), proc.group(4))
         bounds.append(size[1])
         if proc.group(2) is None:
@@ -179,8 +186,9 @@ def _new_report(m: re.Match, requested: int, bound: int, rank: int | None) -> Oo
         else:
             others += size[0]
     return OomReport(kind="allocator", version="2.1+", device=int(m.group(1)), rank=rank,
-                     requested_bytes=requested, total_bytes=total[0], free_bytes=free[0],
-                     allowed_bytes=allowed[0] if allowed else None,
+                     requested_bytes=requested, total_bytes=total[0],
+                     free_bytes=free[0] if free else None,
+                     allowed_bytes=allowed_size[0] if allowed_size else None,
                      allocated_bytes=allocated[0], reserved_bytes=allocated[0] + unallocated[0],
                      process_bytes=process, other_processes_bytes=others,
                      # reserved is the sum of two rounded sizes

@@ -51,13 +51,15 @@ def _fix_row(f: Fix, base_step_s: float) -> str:
 def render_text(r: DiagnoseResult) -> str:
     d, est = r.diagnosis, r.diagnosis.estimate
     par, wl = est.parallel, est.workload
-    lines = [f"{est.spec.name} on {par.world_size} x {est.gpu.name}: tp={par.tp} pp={par.pp} "
-             f"vpp={par.vpp} dp={par.dp} cp={par.cp} zero={int(par.zero)} "
-             f"mbs={wl.micro_batch_size} gbs={est.global_batch_size} seq={wl.seq_len} "
-             f"recompute={wl.recompute.label}",
-             f"estimate: peak {size(est.peak_bytes)} (stage {est.worst.stage}, "
-             f"{est.worst.peak_phase}) of {size(d.capacity_bytes)} capacity "
-             f"({r.capacity_source}): {'fits' if est.peak_bytes <= d.capacity_bytes else 'over'}"]
+    config = (f"{est.spec.name} on {par.world_size} x {est.gpu.name}: tp={par.tp} pp={par.pp} "
+              f"vpp={par.vpp} dp={par.dp} cp={par.cp} zero={int(par.zero)} "
+              f"mbs={wl.micro_batch_size} gbs={est.global_batch_size} seq={wl.seq_len} "
+              f"recompute={wl.recompute.label}")
+    verdict = "fits" if est.peak_bytes <= d.capacity_bytes else "over"
+    peak = (f"estimate: peak {size(est.peak_bytes)} (stage {est.worst.stage}, "
+            f"{est.worst.peak_phase}) of {size(d.capacity_bytes)} capacity "
+            f"({r.capacity_source}): {verdict}")
+    lines = [config, peak]
     if d.oom is not None:
         lines.append(_oom_line(d.oom))
     lines.append("why:")
