@@ -2,7 +2,8 @@
 
 A fix is a change of ``memplan.estimate``'s arguments. Each is estimated again (``peak_bytes``,
 whether it fits) and timed with the step-time model (``memplan.timing``), then ranked: those
-that fit first, fastest first; then the rest by bytes saved. The global batch is held fixed,
+that fit with the planner's safety margin free first, fastest first; then those that fit
+only inside the margin; then the rest by bytes saved. The global batch is held fixed,
 so a smaller micro-batch means more accumulation steps and a larger TP/PP/CP degree a smaller
 data-parallel one. The planner's fastest layout that fits is offered too.
 
@@ -17,6 +18,7 @@ from typing import Any
 
 from memplan.errors import MemplanError
 from memplan.memory import Estimate
+from memplan.planner import DEFAULT_SAFETY
 from memplan.timing import StepTime, step_time
 from memplan.workload import OptimizerImpl, Recompute
 
@@ -50,6 +52,11 @@ class Fix:
     @property
     def fits(self) -> bool:
         return self.peak_bytes + self.margin_bytes <= self.capacity_bytes
+
+    @property
+    def safe(self) -> bool:
+        """Fits with the planner's safety margin free (memplan.planner.DEFAULT_SAFETY)."""
+        return self.peak_bytes + self.margin_bytes <= self.capacity_bytes * (1 - DEFAULT_SAFETY)
 
 
 @dataclass(frozen=True)
@@ -131,8 +138,9 @@ def suggest(model: Any, est: Estimate, given: dict[str, Any], *, capacity_bytes:
                           f"the baseline's {est.peak_bytes}"))
                 for f in fixes if f.saved_bytes <= 0]
     fixes = [f for f in fixes if f.saved_bytes > 0]
-    fixes.sort(key=lambda f: (not f.fits, f.time.step_s if f.fits else -f.saved_bytes,
-                              -f.saved_bytes))
+    # safe fits fastest first, then fits inside the safety margin, then the rest by bytes saved
+    fixes.sort(key=lambda f: (not f.fits, not f.safe,
+                              f.time.step_s if f.fits else -f.saved_bytes, -f.saved_bytes))
     return Fixes(est, time_of(est), tuple(fixes), tuple(skipped))
 
 

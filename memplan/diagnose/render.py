@@ -43,7 +43,8 @@ def _oom_line(oom: OomReport) -> str:
 
 def _fix_row(f: Fix, base_step_s: float) -> str:
     cost = f.time.step_s / base_step_s - 1.0
-    return (f"  {'fits' if f.fits else 'over'}  {f.name}: peak {size(f.peak_bytes)} "
+    status = "fits" if f.safe else "tight" if f.fits else "over"
+    return (f"  {status:5} {f.name}: peak {size(f.peak_bytes)} "
             f"(saves {size(f.saved_bytes)}), step {f.time.step_s:.3g} s ({cost:+.1%})  "
             f"[{f.flags}]")
 
@@ -67,7 +68,7 @@ def render_text(r: DiagnoseResult) -> str:
     if r.fixes is not None:
         base = r.fixes.baseline_time.step_s
         lines.append(f"fixes (re-estimated; step time from the step-time model, baseline "
-                     f"{base:.3g} s; fitting ones fastest first):")
+                     f"{base:.3g} s; fitting ones fastest first; tight: inside the 5% safety margin):")
         margin = r.fixes.ranked[0].margin_bytes if r.fixes.ranked else 0
         if margin:
             lines.append(f"  (fit judged with {size(margin)} added to each peak: what the job "
@@ -131,7 +132,7 @@ def to_json(r: DiagnoseResult) -> dict[str, Any]:
         out["fixes"] = [{"name": f.name, "flags": f.flags, "change": _change_json(f.change),
                          "peak_bytes": f.peak_bytes, "saved_bytes": f.saved_bytes,
                          "capacity_bytes": f.capacity_bytes, "margin_bytes": f.margin_bytes,
-                         "fits": f.fits,
+                         "fits": f.fits, "within_safety_margin": f.safe,
                          "step_time_s": f.time.step_s, "mfu": f.time.mfu, "note": f.note}
                         for f in r.fixes.ranked]
         out["not_applicable"] = [{"name": n, "reason": why} for n, why in r.fixes.skipped]
