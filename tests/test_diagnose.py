@@ -429,3 +429,15 @@ def test_xpu_without_free() -> None:
                   "allocated by PyTorch, and 1.26 GiB is reserved by PyTorch but unallocated.")
     assert (r.total_bytes, r.free_bytes) == (34_091_302_912, None)
     assert r.allocated_bytes == 32_341_103_739 and r.non_pytorch_bytes is None
+
+
+def test_message_and_snapshot_together(tmp_path, capsys) -> None:
+    """The message gives the sizes; the snapshot adds its largest free block."""
+    snap, err = tmp_path / "snap.pickle", tmp_path / "err.txt"
+    snap.write_bytes(pickle.dumps(SNAPSHOT))
+    err.write_text(V2_2)
+    assert main(["diagnose", *CLI_CONFIG, "--oom", str(err), "--snapshot", str(snap),
+                 "--trust-pickle", "--no-fixes", "--json"]) == 0
+    oom = json.loads(capsys.readouterr().out)["oom"]
+    assert (oom["version"], oom["requested_bytes"]) == ("2.1+", 2_147_483_648)
+    assert (oom["largest_free_block_bytes"], oom["num_segments"]) == (6 * 2**20, 2)
