@@ -29,6 +29,7 @@ from memplan.cli import (  # noqa: E402  (commands register on `app`)
     catalog,
     diagnose,
     estimate,
+    monitor,
     plan,
     profile,
     trace,
@@ -70,4 +71,4 @@ def run() -> None:
     sys.exit(main())
 
 
-__all__ = ["analyze", "app", "calibrate", "catalog", "diagnose", "estimate", "main", "plan", "profile", "run", "trace"]
+__all__ = ["analyze", "app", "calibrate", "catalog", "diagnose", "estimate", "main", "monitor", "plan", "profile", "run", "trace"]
