@@ -83,6 +83,10 @@ class Walk:
     final_norm_saved: int  # last stage: the final norm's saved bytes
     final_norm_bwd: int  # last stage: gradients in flight inside the final norm's backward
     final_norm_all: int = 0  # last stage: all the final norm saves (alive at the head's backward)
+    held_reduce_input: int = 0  # FSDP2: a unit's reduce-scatter input, held (beside its shard)
+    #                             until the next unit's reduce-scatter
+    unsharded_dtype: float = 1.0  # FSDP2: bytes of an unsharded gradient (the weights' dtype)
+    #                               per byte of its reduce dtype
     gathered_in_block: int = 0  # ZeRO-3 gathered weights while a block's backward runs
     gathered_at_loss: int = 0  # ... at the loss, the head and the embedding
     layer_inputs: int = 0  # of ``rest_saved``: rope tables and a checkpointed mask, freed
@@ -133,9 +137,16 @@ def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
         waiting = min(w.grad_buffer, int(made * w.unsharded_ratio))
         return waiting - int(waiting / w.unsharded_ratio) if w.unsharded_ratio > 1 else waiting
 
+    held, done = w.held_reduce_input, 0  # blocks whose reduce-scatter input may still be held
+
+    def root(made: int) -> int:
+        # FSDP2's root (embedding, final norm, head) reduce-scatters at the end of backward:
+        # until then its gradients are unsharded, in the weights' dtype
+        return int(made * w.unsharded_ratio * w.unsharded_dtype) - made
+
     if w.final_norm_bwd:  # the head's weight gradient exists; the norm's own comes after
         peak = max(peak, acts + w.final_norm_saved + grads + w.tied_pending + w.final_norm_bwd
-                   + buffer(produced) + w.gathered_at_loss)
+                   + (root(produced) if held else buffer(produced)) + w.gathered_at_loss)
     pending = w.tied_pending  # a tied head's weight grad waits for the embedding's
     for kind, layer_grads, moment_grads, n in reversed(w.runs):
         step_grads = layer_grads if growing else 0
@@ -145,16 +156,29 @@ def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
         local = max(m.alive_bytes + m.transient_bytes + (g if growing else 0)
                     for m, g in zip(kind.moments, moment_grads))
         early = max(moment_grads)
-        first_moment = below + local + buffer(produced + early)
-        last_moment = (below + local + (n - 1) * (step_grads - kind.saved_bytes)
-                       + buffer(produced + (n - 1) * layer_grads + early))
+        if held:
+            # FSDP2: at each moment this unit's gradients so far exist unsharded (its shard
+            # comes with its reduce-scatter), beside the previous unit's whole reduce input
+            local = max(m.alive_bytes + m.transient_bytes
+                        + int(min(w.grad_buffer, g * w.unsharded_ratio) * w.unsharded_dtype)
+                        for m, g in zip(kind.moments, moment_grads))
+            first_buffer = root(w.head_grads) + (held if done else 0)
+            last_buffer = root(w.head_grads) + (held if done or n > 1 else 0)
+        else:  # one buffer of the gradients made so far
+            first_buffer = buffer(produced + early)
+            last_buffer = buffer(produced + (n - 1) * layer_grads + early)
+        first_moment = below + local + first_buffer
+        last_moment = below + local + (n - 1) * (step_grads - kind.saved_bytes) + last_buffer
         peak = max(peak, first_moment, last_moment)
         acts -= n * kind.saved_bytes
         grads += n * step_grads
         produced += n * layer_grads
+        done += n
     end_grads = grads_total if growing or grads_prior else grads
-    return max(peak, acts - w.layer_inputs + end_grads + w.tied_extra
-               + buffer(produced + w.embed_grads) + w.gathered_at_loss)
+    end_buffer = (root(w.head_grads + w.embed_grads) + (held if done else 0) if held
+                  else buffer(produced + w.embed_grads))
+    return max(peak, acts - w.layer_inputs + end_grads + w.tied_extra + end_buffer
+               + w.gathered_at_loss)
 
 
 def runs_of(keys: list) -> list[tuple[object, int]]:

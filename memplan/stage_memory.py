@@ -295,6 +295,10 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
             vocab_final=int(vocab_grad // shared.dm.e * grad_per_param)) if first else 0,
         tied_pending=vocab_grad if tied else 0,
         grad_buffer=shard.grad_bytes,
+        # FSDP2 frees a unit's reduce-scatter input only when the next unit's reduce-scatter
+        # waits on it (traced, tests/test_ground_truth.py FSDP_GRID)
+        held_reduce_input=shard.grad_bytes if shard.gathered_bytes else 0,
+        unsharded_dtype=wl.compute_dtype.itemsize / wl.precision.recipe.grad_bytes,
         unsharded_ratio=sp.total * wl.precision.recipe.grad_bytes / max(st.grads_bytes, 1),
         final_norm_saved=shared.final_norm_bwd_saved if last else 0,
         final_norm_all=shared.final_norm_bytes if last else 0,
