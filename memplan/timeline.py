@@ -9,8 +9,9 @@ Phases: ``forward``, ``backward`` (inside autograd's engine), ``optimizer`` (ins
 gradient clipping, ``zero_grad``, logging).
 
 Samples of step 0 are setup before the first step (e.g. fp32 master copies made with the
-optimizer); they are drawn but belong to no step's peak. The first sample of a step is taken when the step starts and the last one when it has ended
-(optimizer states relabelled), so the bytes a step leaves alive are ``end - start``.
+optimizer); they are drawn but belong to no step's peak. The first sample of a step is taken
+when the step starts and the last one when it has ended (optimizer states relabelled), so the
+bytes a step leaves alive are ``end - start``.
 """
 
 from __future__ import annotations

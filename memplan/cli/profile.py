@@ -37,6 +37,9 @@ Fake = Annotated[bool, typer.Option(
     "--fake/--real", help="CPU: fake tensors (no memory, any size) or real tensors.")]
 Layers = Annotated[int | None, typer.Option(
     "--layers", help="Run only this many layers of the model (a shorter copy of the spec).")]
+Perf = Annotated[bool, typer.Option(
+    "--perf", help="Also time the steps under torch.profiler (real tensors): top ops and "
+    "kernels, compute/communication/copies/idle, FLOP/s, MFU, the bound; trace.json in --out.")]
 Out = Annotated[Path | None, typer.Option(
     "--out", help="Write timeline.json, timeline.csv, summary.json (and timeline.png with "
     "matplotlib; snapshot.pickle on CUDA) here.")]
@@ -60,6 +63,7 @@ def profile(
     fake: Fake = True,
     gpu: Gpu = "h100-sxm",
     out: Out = None,
+    perf: Perf = False,
     json_out: Json = False,
 ) -> None:
     """Run training steps of the reference model on one rank and record memory by phase.
@@ -74,6 +78,8 @@ def profile(
       memplan profile --model llama-7b --layers 2 --mbs 2 --seq 2048 --out prof/
 
       memplan profile -m tiny --real --steps 4 --json
+
+      memplan profile -m tiny --real --perf --out prof/
     """
     spec, par, wl = resolve(model, **workload_fields(
         mbs=mbs, gbs=None, seq=seq, recompute=recompute, recompute_layers=recompute_layers,
@@ -85,6 +91,8 @@ def profile(
         spec = spec.model_copy(update={"num_layers": layers, "name": f"{spec.name}[:{layers}]"})
     if steps < 2:
         raise MemplanError(f"steps ({steps}) must be at least 2: the first step and a later one")
+    if perf and device == "cpu" and fake:
+        raise MemplanError("--perf times real tensors: add --real (or --device cuda)")
     from memplan.hardware import load_gpu
 
     gpu_spec = load_gpu(gpu)
@@ -108,10 +116,48 @@ def profile(
         png = plot_timeline(tl, out / "timeline.png", predicted_peak_bytes=pred["peak_bytes"])
         written += [p for p in (png, snapshot) if p is not None]
         result["files"] = [str(p) for p in written]
+    if perf:
+        result["perf"] = _perf(spec, wl, device, steps, out, gpu_spec)
     if json_out:
         typer.echo(json.dumps(result, indent=2))
         return
     _print(result)
+    if perf:
+        _print_perf(result["perf"])
+
+
+def _perf(spec, wl, device: str, steps: int, out: Path | None, gpu_spec) -> dict:
+    from memplan.profile.perf import profile_perf
+    from memplan.profile.reference_profile import reference_step
+
+    model, opt, step_fn = reference_step(spec, wl, device)
+    result = profile_perf(model, opt, step_fn, steps=steps, out_dir=out, gpu=gpu_spec)
+    if out is not None:
+        (out / "perf.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def _print_perf(p: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"top operators by self time ({p['device']}, {p['num_steps']} steps)")
+    for col in ("operator", "calls", "self ms", "GFLOP"):
+        table.add_column(col, justify="left" if col == "operator" else "right")
+    for r in p["top_ops"]:
+        table.add_row(r["name"], str(r["calls"]), f"{r['self_us'] / 1000:.2f}",
+                      f"{r['flops'] / 1e9:.3f}")
+    console.print(table)
+    s = p["split_us"]
+    console.print("time in profiled steps, ms: " + ", ".join(
+        f"{k.replace('_', ' ')} {v / 1000:.2f}" for k, v in s.items()))
+    mfu = "" if p["mfu"] is None else f", MFU {100 * p['mfu']:.1f}% ({p['mfu_source']})"
+    console.print(f"mean step {p['mean_step_us'] / 1000:.2f} ms, "
+                  f"{p['achieved_flops_per_s'] / 1e12:.4f} TFLOP/s achieved{mfu}")
+    console.print(f"{p['bound']}-bound: {p['why']}")
+    if p["trace"]:
+        console.print(f"wrote {p['trace']} (open in ui.perfetto.dev)")
 
 
 def _print(result: dict) -> None:

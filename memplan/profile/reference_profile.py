@@ -3,7 +3,7 @@
 On CPU the steps run through ``memplan.profile.trace.run_steps`` (the same phases as
 ``memplan trace``), so step 1's per-phase peaks are the tracker's and line up with the
 estimate's first-step phases. On CUDA the same precision recipe runs as a ``step_fn`` under
-``profile_cuda``.
+``profile_cuda``; ``reference_step`` gives that step for timing with ``profile_perf`` too.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from memplan.memory import PHASES, estimate
 from memplan.overheads import default_overheads, no_overheads
 from memplan.parallel import ParallelConfig
 from memplan.profile.reference import ReferenceModel
-from memplan.profile.step import from_tracker
+from memplan.profile.step import StepFn, from_tracker
 from memplan.profile.trace import _fake_mode, _optimizer, _Recipe, ref_options, run_steps
 from memplan.profile.tracker import MemoryTracker
 from memplan.spec import ModelSpec
@@ -41,6 +41,28 @@ def predicted(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, 
             "first_step": {ph: getattr(stage.first_step, ph) for ph in PHASES},
             "steady": {ph: getattr(stage.steady, ph) for ph in PHASES},
             "peak_bytes": stage.peak_bytes if not tensors_only else stage.tensor_peak_bytes}
+
+
+def reference_step(spec: ModelSpec, wl: Workload, device: str
+                   ) -> tuple[torch.nn.Module, torch.optim.Optimizer, StepFn]:
+    """The reference model built on ``device`` with real tensors, its optimizer, and one
+    training step of the workload's precision recipe as a ``step_fn``."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = ReferenceModel(spec, ref_options(wl))
+    recipe = _Recipe(model, wl.precision, MemoryTracker())  # the tracker is never entered
+    opt = _optimizer(recipe.updated(), wl)
+    b, s = wl.micro_batch_size, wl.seq_len
+
+    def step_fn(model: torch.nn.Module, opt: torch.optim.Optimizer, k: int) -> None:
+        ids = torch.randint(0, spec.vocab_size, (b, s), device=device)
+        targets = torch.randint(0, spec.vocab_size, (b, s), device=device)
+        model(ids, targets).backward()
+        recipe.before_step()
+        opt.step()
+        recipe.after_step()
+
+    return model, opt, step_fn
 
 
 def profile_reference(spec: ModelSpec, par: ParallelConfig, wl: Workload, *, steps: int = 3,
@@ -65,23 +87,9 @@ def profile_reference(spec: ModelSpec, par: ParallelConfig, wl: Workload, *, ste
     from memplan.profile.cuda_step import profile_cuda
 
     context["fake"] = False
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = ReferenceModel(spec, ref_options(wl))
-    recipe = _Recipe(model, wl.precision, MemoryTracker())  # the tracker is never entered
-    opt = _optimizer(recipe.updated(), wl)
-    b, s = wl.micro_batch_size, wl.seq_len
-
-    def step_fn(model: torch.nn.Module, opt: torch.optim.Optimizer, k: int) -> None:
-        ids = torch.randint(0, spec.vocab_size, (b, s), device="cuda")
-        targets = torch.randint(0, spec.vocab_size, (b, s), device="cuda")
-        model(ids, targets).backward()
-        recipe.before_step()
-        opt.step()
-        recipe.after_step()
-
+    model, opt, step_fn = reference_step(spec, wl, "cuda")
     return profile_cuda(model, opt, step_fn, steps=steps, context=context,
                         snapshot_path=snapshot_path)
 
 
-__all__ = ["predicted", "profile_reference"]
+__all__ = ["predicted", "profile_reference", "reference_step"]
