@@ -15,6 +15,7 @@ What counts as what:
 Within the window W, with C, M, Y the unions of compute, communication and copies:
 overlapped communication = |M ∩ C|; exposed = |M - C|; and W splits exactly into compute |C|,
 exposed communication |M - C|, exposed copies |Y - C - M| and idle |W - (C ∪ M ∪ Y)|.
+Each stream's (GPU) or thread's (CPU) own busy time in W is reported too.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class RankTrace:
     compute: list[Interval] = field(default_factory=list)
     copies: list[Interval] = field(default_factory=list)
     comm: list[tuple[str, float, float]] = field(default_factory=list)  # (collective, lo, hi)
+    # busy intervals of each GPU stream (GPU traces) or thread (CPU traces)
+    lanes: dict[str, list[Interval]] = field(default_factory=dict)
     steps: list[tuple[int, float, float]] = field(default_factory=list)  # (number, lo, hi)
 
 
@@ -109,8 +112,14 @@ def _classify(rt: RankTrace, e: dict[str, Any], gpu_steps: bool) -> None:
             rt.compute.append((lo, hi))
         elif cat in ("gpu_memcpy", "gpu_memset"):
             rt.copies.append((lo, hi))
+        else:
+            return
     elif cat == "cpu_op" and not name.startswith("c10d::"):
         rt.compute.append((lo, hi))
+    else:
+        return
+    lane = f"{'stream' if rt.device == 'gpu' else 'thread'} {e.get('tid', '?')}"
+    rt.lanes.setdefault(lane, []).append((lo, hi))
 
 
 def window(rt: RankTrace) -> list[Interval]:
@@ -151,6 +160,7 @@ def analyze(rt: RankTrace) -> dict[str, Any]:
         "comm_us": comm_us, "overlapped_comm_us": comm_us - length(exposed),
         "overlap_fraction": (comm_us - length(exposed)) / comm_us if comm_us else None,
         "collectives": by_coll, "steps": per_step,
+        "lanes_busy_us": {k: length(intersect(v, w)) for k, v in sorted(rt.lanes.items())},
     }
 
 

@@ -191,3 +191,24 @@ def test_cuda_profile(tmp_path):
     causes = {c["cause"]: c["bytes"] for c in anomaly["causes"]}
     assert causes["optimizer_states"] == 2 * PARAM_BYTES
     assert all(s.reserved_bytes >= s.total_bytes for s in tl.samples)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_cli_cuda_without_device(capsys):
+    assert main(["profile", "-m", "tiny", "--device", "cuda"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cli_cuda_profile_files(tmp_path):
+    result = CliRunner().invoke(app, ["profile", "-m", "tiny", "--seq", "256", "--mbs", "2",
+                                      "--device", "cuda", "--perf", "--json",
+                                      "--out", str(tmp_path)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    causes = {c["cause"] for c in data["first_step"]["causes"]}
+    assert {"allocator_cache", "outside_allocator"} <= causes
+    assert (tmp_path / "snapshot.pickle").stat().st_size > 0
+    assert data["perf"]["device"] == "cuda" and data["perf"]["mfu"] is not None
+    assert data["perf"]["top_kernels"]

@@ -75,6 +75,7 @@ def test_gpu_trace_known_overlaps(tmp_path):
     assert r["comm_us"] == 60 and r["overlapped_comm_us"] == 30 and r["overlap_fraction"] == 0.5
     assert r["collectives"] == {"all_gather": {"count": 1, "time_us": 30, "exposed_us": 20},
                                 "all_reduce": {"count": 1, "time_us": 30, "exposed_us": 10}}
+    assert r["lanes_busy_us"] == {"stream 20": 60, "stream 7": 160, "stream 8": 10}
     assert r["steps"] == [
         {"step": 1, "duration_us": 100, "compute_us": 80, "comm_us": 30, "exposed_comm_us": 10},
         {"step": 2, "duration_us": 100, "compute_us": 80, "comm_us": 30, "exposed_comm_us": 20}]
