@@ -89,8 +89,8 @@ class Walk:
     #                               per byte of its reduce dtype
     gathered_in_block: int = 0  # ZeRO-3 gathered weights while a block's backward runs
     gathered_at_loss: int = 0  # ... at the loss, the head and the embedding
-    layer_inputs: int = 0  # of ``rest_saved``: rope tables and a checkpointed mask, freed
-    #                        with the saved tensors of the stage's first layer
+    freed_before_embedding: int = 0  # of ``rest_saved``: freed before the stage's last
+    #                                   gradient (rope tables, a checkpointed mask, dropout mask)
 
 
 def forward_peak(runs: list[tuple[LayerKind, int, tuple[int, ...], int]], before: int,
@@ -177,7 +177,7 @@ def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
     end_grads = grads_total if growing or grads_prior else grads
     end_buffer = (root(w.head_grads + w.embed_grads) + (held if done else 0) if held
                   else buffer(produced + w.embed_grads))
-    return max(peak, acts - w.layer_inputs + end_grads + w.tied_extra + end_buffer
+    return max(peak, acts - w.freed_before_embedding + end_grads + w.tied_extra + end_buffer
                + w.gathered_at_loss)
 
 

@@ -38,6 +38,8 @@ class BackwardMoment:
     alive_bytes: int
     transient_bytes: int
     grads_before: tuple[str, ...]
+    fresh_params: int = 0  # of those groups: a weight whose gradient was just made, still in
+    #                        the compute dtype (an fp32 main gradient is made from it after)
 
 
 def _by_block(terms: list[Term]) -> dict[str, int]:
@@ -145,7 +147,8 @@ def layer_backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer
         BackwardMoment("mlp_act", extra + a_norm + saved["attn"] + m_norm + saved["ffn"]
                        - freed_ffn, incoming + mlp, ("mlp_out",)),
         BackwardMoment("mlp_in", extra + a_norm + saved["attn"] + m_norm,
-                       incoming + mlp_grad_inputs + proj_out, ("mlp",)),
+                       incoming + mlp_grad_inputs + proj_out, ("mlp",),
+                       0 if moe_layer else h * spec.ffn_hidden_size // t),
         BackwardMoment("mlp_norm", extra + a_norm + saved["attn"] + saved["mlp_norm_bwd"],
                        incoming + norm, ("mlp",)),
         *(BackwardMoment(f"attention.{i}", extra + a_norm + alive, incoming + transient,
@@ -153,7 +156,7 @@ def layer_backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer
           for i, (alive, transient) in enumerate(attention)),
         BackwardMoment("attn_in", extra + a_norm,
                        incoming + grad_inputs + dm.tokens * spec.q_size // t * e,
-                       ("mlp", "mlp_norm", "attn")),
+                       ("mlp", "mlp_norm", "attn"), h * spec.q_size // t),
         BackwardMoment("attn_norm", extra + saved["attn_norm_bwd"], incoming + norm,
                        ("mlp", "mlp_norm", "attn")),
     ]

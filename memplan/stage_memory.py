@@ -24,7 +24,7 @@ from memplan.layers import (
     moment_params,
 )
 from memplan.overheads import Overheads
-from memplan.parallel import ParallelConfig
+from memplan.parallel import ParallelConfig, ZeroStage
 from memplan.pipeline import Schedule, chunks_in_flight
 from memplan.spec import ModelSpec
 from memplan.stage import StageKinds, StageStates, canonical, stage_parts
@@ -234,6 +234,12 @@ def _entries(par: ParallelConfig, shared: SharedTerms, fx: StageStates,
         kind = shared.kind(key)
         moment_grads = tuple(int(n * grad_per_param)
                              for n in shared.moment_params(par.tp, par.ep, key))
+        if fx.main_grads and par.zero < ZeroStage.GRADIENTS:
+            # the weight whose gradient was just made holds it in the compute dtype: its fp32
+            # main gradient does not exist yet
+            less = fx.grad_per_param - shared.dm.e
+            moment_grads = tuple(g - int(m.fresh_params * less)
+                                 for g, m in zip(moment_grads, kind.moments))
         entries[key] = (kind, int(fx.sp.layers[pos] * grad_per_param), moment_grads)
     return entries
 
@@ -281,7 +287,10 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
         runs=[(*entries[k], n) for k, n in kinds.runs],
         other_bytes=max(0, activations - one_mb),
         head_saved=head_bytes - batch, rest_saved=rope_bytes * par.vpp + embed_bytes + batch,
-        layer_inputs=rope_bytes,
+        # freed before the token embedding's backward: the rope tables and a checkpointed mask
+        # (with the first layer's saved tensors), the embedding dropout's mask and the position
+        # ids (the learned positions' backward runs first)
+        freed_before_embedding=rope_bytes + (embed_bytes - shared.embed[0].size_bytes if first else 0),
         loss_bwd=shared.loss_bwd if last else 0,
         # With fp32 main gradients the head's compute-dtype weight gradient is accumulated into
         # a new fp32 one (first micro-batch) while it still exists.
