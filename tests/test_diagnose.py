@@ -441,3 +441,149 @@ def test_message_and_snapshot_together(tmp_path, capsys) -> None:
     oom = json.loads(capsys.readouterr().out)["oom"]
     assert (oom["version"], oom["requested_bytes"]) == ("2.1+", 2_147_483_648)
     assert (oom["largest_free_block_bytes"], oom["num_segments"]) == (6 * 2**20, 2)
+
+
+# MemoryMonitor records written by hand: the fields memplan.monitor.MemoryMonitor._step writes.
+MiB = 2**20
+
+
+def _record(rank, step, alloc, peak, reserved, split=0, retries=0, ooms=0, cap=80 * GiB):
+    return {"rank": rank, "step": step, "time": 1.7e9 + step, "step_time_s": 0.5,
+            "allocated_bytes": alloc, "reserved_bytes": reserved, "peak_bytes": peak,
+            "inactive_split_bytes": split, "alloc_retries": retries, "num_ooms": ooms,
+            "capacity_bytes": cap, "fragmentation_bytes": reserved - alloc,
+            "headroom_bytes": cap - max(reserved, peak), "warnings": []}
+
+
+def _write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _two_monitored_ranks(tmp_path):
+    """Rank 0: 2 quiet steps, peak 5 GiB. Rank 1: 6 steps, allocated at step end k GiB and the
+    step's peak k + 2 GiB at step k, 10 GiB reserved, 64 MiB of inactive split blocks, 3
+    allocation retries by the end: the worse rank (peak 8 GiB), and it grows 5 steps in a
+    row (+5 GiB), the monitor's leak rule. Its largest unused cache is at step 1: 10 GiB
+    reserved less a 3 GiB peak = 7 GiB (70% > 5%); reserved less allocated there is 9 GiB."""
+    _write_jsonl(tmp_path / "memory_rank0.jsonl",
+                 [_record(0, s, GiB, 5 * GiB, 6 * GiB) for s in (1, 2)])
+    _write_jsonl(tmp_path / "memory_rank1.jsonl",
+                 [_record(1, k, k * GiB, (k + 2) * GiB, 10 * GiB, 64 * MiB, max(k - 3, 0))
+                  for k in range(1, 7)])
+    return tmp_path
+
+
+MONITOR_CONFIG = {"gpus": 2, "pp": 2}  # tiny on 2 stages: rank 1 is stage 1
+
+
+def test_monitor_worst_rank_against_its_stage(tmp_path) -> None:
+    _two_monitored_ranks(tmp_path)
+    r = diagnose("tiny", monitor=str(tmp_path), fixes=False, **MONITOR_CONFIG)
+    est = memplan.estimate("tiny", gpu_memory=80 * GiB, **MONITOR_CONFIG)
+    stage1 = est.stages[1]
+    assert r.capacity_source == "the monitor's device capacity"
+    assert r.diagnosis.capacity_bytes == 80 * GiB
+    assert r.monitor.worst_rank == 1
+    kinds = {f.kind: f for f in r.diagnosis.findings}
+    peak = kinds["monitor_peak"]
+    want_reserved = stage1.peak_bytes - stage1.cuda_context_bytes
+    assert peak.sizes == {
+        "measured_bytes": 8 * GiB, "predicted_bytes": stage1.tensor_peak_bytes,
+        "peak_gap_bytes": 8 * GiB - stage1.tensor_peak_bytes,
+        "measured_reserved_bytes": 10 * GiB, "predicted_reserved_bytes": want_reserved,
+        "reserved_gap_bytes": 10 * GiB - want_reserved}
+    pct = 100.0 * (8 * GiB - stage1.tensor_peak_bytes) / stage1.tensor_peak_bytes
+    assert f"({pct:+.1f}%) above" in peak.text and "stage 1" in peak.text and peak.cause
+    assert kinds["fragmentation"].sizes == {"reserved_bytes": 10 * GiB, "cache_bytes": 7 * GiB,
+                                            "split_bytes": 64 * MiB,
+                                            "unallocated_bytes": 9 * GiB}
+    assert "rank 1 at step 1" in kinds["fragmentation"].text
+    assert kinds["alloc_retries"].text.startswith("3 allocation retries on rank 1 (1 of 2 ")
+    assert "num_ooms" not in kinds  # zero on every rank
+    leak = kinds["leak"]
+    assert leak.sizes == {"growth_bytes": 5 * GiB} and "from step 1 to 6" in leak.text
+    assert kinds["headroom"].sizes == {"headroom_bytes": 70 * GiB, "device_bytes": 80 * GiB,
+                                       "predicted_headroom_bytes": 80 * GiB - stage1.peak_bytes}
+    assert "(87.5%;" in kinds["headroom"].text and not kinds["headroom"].cause
+
+
+def test_monitor_cli_json_and_text(tmp_path, capsys) -> None:
+    """Two files given one by one, rank 0's quiet and rank 1's worse; --json keeps int bytes."""
+    _two_monitored_ranks(tmp_path)
+    files = [str(tmp_path / "memory_rank0.jsonl"), str(tmp_path / "memory_rank1.jsonl")]
+    assert main(["diagnose", "-m", "tiny", "-n", "2", "--pp", "2", "--monitor", files[0],
+                 "--monitor", files[1], "--no-fixes", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    mon = data["monitor"]
+    assert (mon["worst_rank"], mon["worst_stage"], mon["files"]) == (1, 1, files)
+    assert mon["ranks"]["1"]["max_peak_bytes"] == 8 * GiB
+    assert mon["ranks"]["0"]["max_reserved_bytes"] == 6 * GiB
+    found = {f["kind"]: f for f in data["findings"]}
+    assert found["monitor_peak"]["sizes"]["measured_bytes"] == 8 * GiB
+    assert found["leak"]["sizes"]["growth_bytes"] == 5 * GiB
+    assert found["fragmentation"]["cause"] is True
+    out = CliRunner().invoke(app, ["diagnose", "-m", "tiny", "-n", "2", "--pp", "2",
+                                   "--monitor", str(tmp_path), "--no-fixes"],
+                             env={"COLUMNS": "100"}, catch_exceptions=False)
+    assert out.exit_code == 0
+    assert ("monitor (2 files, 2 ranks): worst rank 1, 6 steps, peak 8.00 GiB, reserved "
+            "10.00 GiB, least headroom 70.00 GiB") in out.stdout
+    assert "+5.00 GiB" in out.stdout
+
+
+def test_monitor_quiet_rank_and_ooms(tmp_path) -> None:
+    """One rank near its capacity: 38 GiB reserved of 40 GiB (5% headroom would be 2 GiB, so
+    2 GiB - 1 byte is under it), an OOM raised, reserved within 5% of the peak, no growth."""
+    cap = 40 * GiB
+    recs = [_record(0, 1, 4 * GiB, 37 * GiB, 38 * GiB, cap=cap),
+            _record(0, 2, 4 * GiB, 38 * GiB, 38 * GiB + 1, ooms=1, cap=cap)]
+    path = _write_jsonl(tmp_path / "memory_rank0.jsonl", recs)
+    r = diagnose("tiny", monitor=[str(path)], fixes=False, gpu_memory=cap)
+    kinds = {f.kind: f for f in r.diagnosis.findings}
+    assert r.capacity_source == "--gpu-memory"
+    assert "fragmentation" not in kinds and "leak" not in kinds and "alloc_retries" not in kinds
+    assert kinds["num_ooms"].text.startswith("1 out-of-memory errors on rank 0 (1 of 1 ")
+    room = kinds["headroom"]
+    assert room.sizes["headroom_bytes"] == 2 * GiB - 1 and room.cause
+    assert "under the monitor's 5%" in room.text
+
+
+def test_monitor_step_times_only(tmp_path) -> None:
+    recs = [{"rank": 0, "step": s, "time": 1.7e9, "step_time_s": 0.25, "warnings": []}
+            for s in (1, 2)]
+    path = _write_jsonl(tmp_path / "memory_rank0.jsonl", recs)
+    r = diagnose("tiny", monitor=str(path), fixes=False)
+    found = [f for f in r.diagnosis.findings if f.kind in ("monitor_peak", "headroom", "leak")]
+    assert [f.kind for f in found] == ["monitor_peak"] and "step times only" in found[0].text
+    assert r.capacity_source == "GPU catalog"
+
+
+@pytest.mark.parametrize("lines, says", [
+    ([json.dumps(_record(0, 1, GiB, GiB, GiB)), '{"rank": 0, "step": 2, "allocated_'],
+     "line 2 is not JSON"),
+    (['{"step": 1, "step_time_s": 0.5}'], "line 1: no int 'rank'"),
+    (["", json.dumps({**_record(0, 1, GiB, GiB, GiB), "peak_bytes": "8GiB"})],
+     "line 2: 'peak_bytes' is '8GiB', not an int"),
+    (["[1, 2]"], "line 1: a record is a JSON object, not list"),
+    ([""], "holds no records"),
+])
+def test_monitor_malformed_one_line(tmp_path, capsys, lines, says) -> None:
+    good = _write_jsonl(tmp_path / "memory_rank1.jsonl", [_record(1, 1, GiB, GiB, GiB)])
+    bad = tmp_path / "memory_rank0.jsonl"
+    bad.write_text("\n".join(lines) + "\n")
+    assert main(["diagnose", "-m", "tiny", "--monitor", str(good), "--monitor", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"memplan: error: --monitor: {bad}") and says in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    with pytest.raises(MemplanError, match=says):
+        diagnose("tiny", monitor=str(tmp_path), fixes=False)
+
+
+def test_monitor_missing_paths(tmp_path, capsys) -> None:
+    missing = tmp_path / "missing.jsonl"
+    assert main(["diagnose", "-m", "tiny", "--monitor", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"memplan: error: --monitor: cannot read {missing}: no such file or directory\n"
+    assert main(["diagnose", "-m", "tiny", "--monitor", str(tmp_path)]) == 2
+    assert f"{tmp_path} holds no memory_rank*.jsonl files" in capsys.readouterr().err

@@ -55,6 +55,10 @@ Oom = Annotated[str | None, typer.Option(
 Profile = Annotated[str | None, typer.Option(
     "--profile", help="A `memplan profile` output directory (its summary.json): measured phase "
     "peaks against the estimate.", rich_help_panel=_INPUT)]
+Monitor = Annotated[list[str] | None, typer.Option(
+    "--monitor", help="MemoryMonitor JSONL files (memory_rank<R>.jsonl) or a directory of them; "
+    "repeat for more: the worst rank's measured memory against the estimate.",
+    rich_help_panel=_INPUT)]
 Snapshot = Annotated[str | None, typer.Option(
     "--snapshot", help="A torch.cuda.memory._dump_snapshot pickle (needs --trust-pickle).",
     rich_help_panel=_INPUT)]
@@ -89,6 +93,7 @@ def diagnose(
     calibration: Calibration = None,
     oom: Oom = None,
     profile: Profile = None,
+    monitor: Monitor = None,
     snapshot: Snapshot = None,
     trust_pickle: TrustPickle = False,
     no_fixes: NoFixes = False,
@@ -97,8 +102,8 @@ def diagnose(
     """Explain an out-of-memory failure of a configuration and rank fixes that fit.
 
     Takes the configuration (the options of `memplan estimate`) and, optionally, the error
-    PyTorch printed (1.x to current formats), a `memplan profile` directory or a memory
-    snapshot. Names the failing phase and
+    PyTorch printed (1.x to current formats), a `memplan profile` directory, MemoryMonitor
+    records or a memory snapshot. Names the failing phase and
     its largest component, fragmentation, memory outside PyTorch, first-step and loss spikes,
     pipeline imbalance; compares the estimate with the error's numbers; re-estimates each fix
     (recompute, ZeRO, TP/PP/CP, micro-batch, fused optimizer, expandable segments, the
@@ -111,6 +116,8 @@ def diagnose(
       grep -A3 OutOfMemoryError train.log | memplan diagnose -m llama-3-8b -n 8 --oom -
 
       memplan diagnose -m tiny --profile runs/tiny --no-fixes
+
+      memplan diagnose -m llama-3-8b -n 8 --zero 1 --monitor runs/mem
 
       memplan diagnose -m llama-3-8b -n 8 --snapshot snap.pickle --trust-pickle --json
     """
@@ -126,7 +133,8 @@ def diagnose(
             report, largest_free_block_bytes=snap.largest_free_block_bytes,
             num_segments=snap.num_segments)
     result = run_diagnose(
-        model, oom=report, profile=profile, fixes=not no_fixes, gpus=gpus, gpu=gpu,
+        model, oom=report, profile=profile, monitor=monitor or None, fixes=not no_fixes,
+        gpus=gpus, gpu=gpu,
         gpu_memory=gpu_memory, tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=ep, zero=int(zero.value),
         sequence_parallel=sp, vocab_parallel=vocab_parallel, tp_style=tp_style.value,
         grad_buffers=grad_buffers.value, schedule=schedule, calibration=calibration,

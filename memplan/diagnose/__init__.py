@@ -1,8 +1,9 @@
 """``memplan diagnose``: why a training job ran out of memory, and what fits instead.
 
 ``diagnose(model, oom=..., **estimate_kwargs)`` estimates the configuration, sets it next to the
-out-of-memory message (``oom``: its text or an ``OomReport``; a snapshot gives one too), names
-the failing phase and its largest component, and ranks fixes, each re-estimated and timed.
+out-of-memory message (``oom``: its text or an ``OomReport``; a snapshot gives one too) and to what was measured
+(``profile``: a ``memplan profile`` directory; ``monitor``: ``MemoryMonitor`` JSONL files),
+names the failing phase and its largest component, and ranks fixes, each re-estimated and timed.
 Torch-free; only ``report`` output turns bytes into GiB (``memplan.diagnose.render``).
 """
 
@@ -23,15 +24,18 @@ class DiagnoseResult:
     fixes: Fixes | None
     utilisation: Utilisation
     capacity_source: str  # where the capacity compared against came from
+    monitor: Any = None  # memplan.diagnose.monitored.Monitored when monitor files were given
 
 
 def diagnose(model: Any, *, oom: OomReport | str | None = None, profile: Any = None,
-             fixes: bool = True, **estimate_kwargs: Any) -> DiagnoseResult:
-    """Estimate ``model`` with ``memplan.estimate``'s keyword arguments and explain ``oom``
-    and ``profile`` (a ``memplan profile`` directory, or its ``measured.Measured``).
+             monitor: Any = None, fixes: bool = True, **estimate_kwargs: Any) -> DiagnoseResult:
+    """Estimate ``model`` with ``memplan.estimate``'s keyword arguments and explain ``oom``,
+    ``profile`` (a ``memplan profile`` directory, or its ``measured.Measured``) and ``monitor``
+    (``MemoryMonitor`` JSONL files or directories of them, or ``monitored.Monitored``).
 
     Without ``gpu_memory`` the capacity is the total the error reports (what the device gave
-    PyTorch), else the GPU catalog's. Raises MemplanError for invalid input."""
+    PyTorch), else the device capacity the monitor recorded, else the GPU catalog's. Raises
+    MemplanError for invalid input."""
     from memplan.api import estimate
     from memplan.diagnose.explain import diagnose as explain
     from memplan.diagnose.explain import unexplained_bytes
@@ -39,11 +43,20 @@ def diagnose(model: Any, *, oom: OomReport | str | None = None, profile: Any = N
     from memplan.diagnose.utilisation import utilisation
 
     report = parse_oom(oom) if isinstance(oom, str) else oom
+    watched = None
+    if monitor is not None:
+        from memplan.diagnose.monitored import Monitored, read_monitor
+
+        watched = monitor if isinstance(monitor, Monitored) else read_monitor(
+            [monitor] if isinstance(monitor, str) else monitor)
     kwargs = dict(estimate_kwargs)
     source = "--gpu-memory" if kwargs.get("gpu_memory") is not None else "GPU catalog"
     if kwargs.get("gpu_memory") is None and report is not None and report.total_bytes:
         kwargs["gpu_memory"] = report.total_bytes
         source = "the error's total capacity"
+    elif kwargs.get("gpu_memory") is None and watched is not None and watched.capacity_bytes:
+        kwargs["gpu_memory"] = watched.capacity_bytes
+        source = "the monitor's device capacity"
     est = estimate(model, **kwargs)
     found = explain(est, report)
     if profile is not None:
@@ -52,13 +65,18 @@ def diagnose(model: Any, *, oom: OomReport | str | None = None, profile: Any = N
         measured = read_profile(profile) if isinstance(profile, str) else profile
         found = replace(found, findings=found.findings
                         + tuple(profile_findings(found.stage, measured)))
+    if watched is not None:
+        from memplan.diagnose.monitored import monitor_findings
+
+        found = replace(found, findings=found.findings
+                        + tuple(monitor_findings(est, found.capacity_bytes, watched)))
     ranked = suggest(model, est, kwargs, capacity_bytes=found.capacity_bytes,
                      margin_bytes=unexplained_bytes(found)) if fixes else None
     from memplan.diagnose.fixes import time_of
 
     time = ranked.baseline_time if ranked is not None else time_of(est)
     bound = utilisation(est, time, capacity_bytes=found.capacity_bytes, failed=found.fails)
-    return DiagnoseResult(found, ranked, bound, source)
+    return DiagnoseResult(found, ranked, bound, source, watched)
 
 
 __all__ = ["DiagnoseResult", "Diagnosis", "Finding", "Fix", "Fixes", "OomReport", "Utilisation",

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from memplan.diagnose import DiagnoseResult
-from memplan.diagnose.explain import Finding
+from memplan.diagnose.explain import Finding, stage_of_rank
 from memplan.diagnose.fixes import Fix
 from memplan.diagnose.oom import OomReport
 from memplan.units import GiB, MiB
@@ -41,6 +41,19 @@ def _oom_line(oom: OomReport) -> str:
     return " ".join(parts[:1]) + " " + ", ".join(parts[1:])
 
 
+def _monitor_line(m: Any) -> str:
+    """The monitor's worst rank in one line (``m``: memplan.diagnose.monitored.Monitored)."""
+    row = m.worst
+    head = (f"monitor ({len(m.files)} files, {len(m.records)} ranks): worst rank "
+            f"{m.worst_rank}, {row['num_steps']} steps")
+    parts = [head]
+    for label, key in (("peak", "max_peak_bytes"), ("reserved", "max_reserved_bytes"),
+                       ("least headroom", "min_headroom_bytes")):
+        if key in row:
+            parts.append(f"{label} {size(row[key])}")
+    return ", ".join(parts)
+
+
 def _fix_row(f: Fix, base_step_s: float) -> str:
     cost = f.time.step_s / base_step_s - 1.0
     status = "fits" if f.safe else "tight" if f.fits else "over"
@@ -63,6 +76,8 @@ def render_text(r: DiagnoseResult) -> str:
     lines = [config, peak]
     if d.oom is not None:
         lines.append(_oom_line(d.oom))
+    if r.monitor is not None:
+        lines.append(_monitor_line(r.monitor))
     lines.append("why:")
     lines += [f"  {'*' if f.cause else '-'} {sentence(f)}" for f in d.findings]
     if r.fixes is not None:
@@ -127,6 +142,12 @@ def to_json(r: DiagnoseResult) -> dict[str, Any]:
                         "recompute_share": u.recompute_share, "advice": list(u.advice)},
         "estimate": estimate_json(d.estimate),
     }
+    if r.monitor is not None:
+        m = r.monitor
+        out["monitor"] = {"files": list(m.files), "worst_rank": m.worst_rank,
+                          "worst_stage": stage_of_rank(d.estimate, m.worst_rank).stage,
+                          "capacity_bytes": m.capacity_bytes,
+                          "ranks": {str(k): v for k, v in m.summary["ranks"].items()}}
     if r.fixes is not None:
         out["baseline_step_time_s"] = r.fixes.baseline_time.step_s
         out["fixes"] = [{"name": f.name, "flags": f.flags, "change": _change_json(f.change),

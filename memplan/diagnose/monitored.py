@@ -1,0 +1,286 @@
+"""``MemoryMonitor`` JSONL files as evidence: a running job's per-step memory against the estimate.
+
+Reads the files ``memplan.monitor.MemoryMonitor`` writes (one ``memory_rank<R>.jsonl`` per rank,
+one JSON record per training step), reduces them with ``memplan.monitor.summarize`` to the
+worst rank (the largest allocated peak), and sets that rank's measured peak, reserved bytes,
+allocator cache and headroom next to the estimate of its pipeline stage. Allocation retries,
+OOMs and step-over-step growth (the monitor's own leak rule) are looked for on every rank.
+Torch-free; sizes stay int bytes until ``memplan.diagnose.render``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from memplan.diagnose.explain import Finding, stage_of_rank
+from memplan.errors import MemplanError
+from memplan.memory import Estimate
+from memplan.monitor import MemoryMonitor, summarize
+from memplan.overheads import ALLOCATOR_FRACTION
+
+# The file name MemoryMonitor.start writes, as memplan.monitor.read_records globs it.
+RECORD_GLOB = "memory_rank*.jsonl"
+# The monitor's own thresholds (its constructor's defaults), so a diagnosis flags what a
+# default monitor flags: growth for leak_steps steps in a row, headroom under
+# min_headroom_pct of capacity, a peak more than deviation_pct from the prediction.
+_DEFAULTS = inspect.signature(MemoryMonitor).parameters
+LEAK_STEPS: int = _DEFAULTS["leak_steps"].default
+MIN_HEADROOM_PCT: float = _DEFAULTS["min_headroom_pct"].default
+DEVIATION_PCT: float = _DEFAULTS["deviation_pct"].default
+# Counters a record may hold (memplan.monitor: the allocator's, and the two it derives).
+_INT_KEYS = ("allocated_bytes", "reserved_bytes", "peak_bytes", "inactive_split_bytes",
+             "alloc_retries", "num_ooms", "capacity_bytes", "fragmentation_bytes",
+             "headroom_bytes")
+
+
+@dataclass(frozen=True)
+class Monitored:
+    """Every rank's records in file order, and ``summarize``'s reduction of them."""
+
+    files: tuple[str, ...]
+    records: dict[int, tuple[dict[str, Any], ...]]
+    summary: dict[str, Any]
+
+    @property
+    def worst_rank(self) -> int:
+        """The rank with the largest allocated peak among those that recorded bytes
+        (``summarize``'s key), else ``summarize``'s choice (the slowest median step)."""
+        ranks = self.summary["ranks"]
+        with_bytes = [k for k in ranks if "max_peak_bytes" in ranks[k]]
+        if not with_bytes:
+            return self.summary["worst_rank"]
+        return max(with_bytes, key=lambda k: ranks[k]["max_peak_bytes"])
+
+    @property
+    def worst(self) -> dict[str, Any]:
+        return self.summary["ranks"][self.worst_rank]
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        """The device capacity the worst rank recorded (None without allocator counters)."""
+        caps = [r["capacity_bytes"] for r in self.records[self.worst_rank] if "capacity_bytes" in r]
+        return max(caps) if caps else None
+
+
+def _files(path: str) -> list[Path]:
+    p = Path(path)
+    if p.is_dir():
+        found = sorted(p.glob(RECORD_GLOB))
+        if not found:
+            raise MemplanError(f"--monitor: {p} holds no {RECORD_GLOB} files")
+        return found
+    if not p.exists():
+        raise MemplanError(f"--monitor: cannot read {p}: no such file or directory")
+    return [p]
+
+
+def _check(file: Path, num: int, rec: Any) -> dict[str, Any]:
+    where = f"--monitor: {file} line {num}"
+    if not isinstance(rec, dict):
+        raise MemplanError(f"{where}: a record is a JSON object, not {type(rec).__name__}")
+    for key in ("rank", "step"):
+        if type(rec.get(key)) is not int:
+            raise MemplanError(f"{where}: no int {key!r} (not a MemoryMonitor record)")
+    if type(rec.get("step_time_s")) not in (int, float):
+        raise MemplanError(f"{where}: no number 'step_time_s' (not a MemoryMonitor record)")
+    for key in _INT_KEYS:
+        if key in rec and type(rec[key]) is not int:
+            raise MemplanError(f"{where}: {key!r} is {rec[key]!r}, not an int")
+    return rec
+
+
+def _read_file(file: Path) -> list[dict[str, Any]]:
+    """One file's records, each checked, naming the line that is not a record. (Line by line
+    here rather than ``memplan.monitor.read_records``, which cannot say which line failed.)"""
+    try:
+        lines = file.read_text().splitlines()
+    except OSError as err:
+        raise MemplanError(f"--monitor: cannot read {file}: {err.strerror}") from err
+    except UnicodeDecodeError as err:
+        raise MemplanError(f"--monitor: {file} is not a text file") from err
+    out = []
+    for num, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise MemplanError(f"--monitor: {file} line {num} is not JSON "
+                               f"({err.msg}, column {err.colno})") from err
+        out.append(_check(file, num, rec))
+    if not out:
+        raise MemplanError(f"--monitor: {file} holds no records")
+    return out
+
+
+def read_monitor(paths: Sequence[str]) -> Monitored:
+    """The records of ``paths`` (JSONL files, or directories of ``memory_rank*.jsonl``).
+    Raises MemplanError naming the file (and line) that is missing or not a record."""
+    files = [f for p in paths for f in _files(str(p))]
+    by_rank: dict[int, list[dict[str, Any]]] = {}
+    for f in files:
+        for rec in _read_file(f):
+            by_rank.setdefault(rec["rank"], []).append(rec)
+    every = [r for recs in by_rank.values() for r in recs]
+    return Monitored(tuple(map(str, files)),
+                     {k: tuple(v) for k, v in sorted(by_rank.items())}, summarize(every))
+
+
+def _pct(measured: int, predicted: int) -> str:
+    return f"{100.0 * (measured - predicted) / predicted:+.1f}%" if predicted else "n/a"
+
+
+def _versus(sizes: dict[str, int], name: str, measured: int, predicted: int) -> str:
+    """``sizes[name_gap_bytes]`` and the words: how far ``measured`` is from ``predicted``."""
+    sizes[f"{name}_gap_bytes"] = abs(measured - predicted)
+    where = "above" if measured >= predicted else "below"
+    return f"{{{name}_gap_bytes}} ({_pct(measured, predicted)}) {where}"
+
+
+def _peak(est: Estimate, m: Monitored) -> Finding:
+    rank, row = m.worst_rank, m.worst
+    s = stage_of_rank(est, rank)
+    by = "peak" if "max_peak_bytes" in row else "median step time"
+    head = (f"monitor, rank {rank} (the worst of {len(m.records)} by {by}; stage {s.stage}), "
+            f"{row['num_steps']} steps")
+    if "max_peak_bytes" not in row:
+        return Finding("monitor_peak", head + ": step times only (no allocator counters were "
+                       "read), so no measured memory to compare")
+    measured = row["max_peak_bytes"]
+    # The allocator's allocated peak is tensors: against the estimate's tensor peak (with a
+    # calibration's correction); reserved against the rank's peak less the CUDA context, which
+    # PyTorch's allocator never holds.
+    predicted = s.tensor_peak_bytes + s.calibration_bytes
+    sizes = {"measured_bytes": measured, "predicted_bytes": predicted}
+    text = (f"{head}: measured peak {{measured_bytes}} allocated, "
+            f"{_versus(sizes, 'peak', measured, predicted)} the estimate's tensor peak "
+            "{predicted_bytes}")
+    if "max_reserved_bytes" in row:
+        reserved, want = row["max_reserved_bytes"], s.peak_bytes - s.cuda_context_bytes
+        sizes.update(measured_reserved_bytes=reserved, predicted_reserved_bytes=want)
+        text += (f"; reserved {{measured_reserved_bytes}}, "
+                 f"{_versus(sizes, 'reserved', reserved, want)} the estimate's "
+                 "{predicted_reserved_bytes} (its peak less the CUDA context)")
+    over = measured > predicted * (1 + DEVIATION_PCT / 100)
+    if over:
+        text += (f"; more than {DEVIATION_PCT:g}% over: something the estimate does not count "
+                 "is alive, or the job's configuration differs from the one given")
+    return Finding("monitor_peak", text, sizes, cause=over)
+
+
+def _cache(rec: dict[str, Any]) -> int:
+    """Reserved bytes the step never allocated: reserved less the step's allocated peak (less
+    allocated at step end when the record has no peak)."""
+    return rec["reserved_bytes"] - rec.get("peak_bytes", rec.get("allocated_bytes", 0))
+
+
+def _fragmentation(m: Monitored) -> Finding | None:
+    """The worst rank's step with the most unused cache or free split blocks, against the
+    allocator's share the estimate assumes (memplan.overheads), as ``explain`` judges an OOM
+    message. Reserved less allocated at step end (the monitor's ``fragmentation_bytes``) is
+    shown but not judged: it includes the step's activations, freed and cached for the next."""
+    rows = [r for r in m.records[m.worst_rank] if "reserved_bytes" in r]
+    if not rows:
+        return None
+    rec = max(rows, key=lambda r: (max(_cache(r), r.get("inactive_split_bytes", 0)), r["step"]))
+    reserved, cache = rec["reserved_bytes"], _cache(rec)
+    split = rec.get("inactive_split_bytes", 0)
+    if max(cache, split) <= ALLOCATOR_FRACTION * reserved:
+        return None
+    sizes = {"reserved_bytes": reserved, "cache_bytes": cache, "split_bytes": split,
+             "unallocated_bytes": rec.get("fragmentation_bytes", reserved
+                                          - rec.get("allocated_bytes", 0))}
+    less = "its allocated peak" if "peak_bytes" in rec else "allocated at its end"
+    return Finding("fragmentation", f"measured on rank {m.worst_rank} at step {rec['step']}: "
+                   "{cache_bytes} of the {reserved_bytes} reserved was never allocated in that "
+                   f"step (reserved less {less}), and {{split_bytes}} sits in free pieces of split blocks (reserved less "
+                   "allocated at step end: {unallocated_bytes}), above the "
+                   f"{ALLOCATOR_FRACTION:.0%} the estimate assumes (memplan.overheads); "
+                   "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces it",
+                   sizes, cause=True)
+
+
+_COUNTERS = (
+    ("alloc_retries", "allocation retries", ("cudaMalloc failed, so the allocator freed its "
+     "cache and tried again: memory ran short, and each retry synchronises the device")),
+    ("num_ooms", "out-of-memory errors", "the allocator raised even after freeing its cache"),
+)
+
+
+def _counters(m: Monitored) -> list[Finding]:
+    """Allocation retries and OOMs (cumulative counters: each rank's last value)."""
+    ranks = m.summary["ranks"]
+    out = []
+    for key, what, why in _COUNTERS:
+        hit = {k: r[key] for k, r in ranks.items() if r.get(key)}
+        if hit:
+            top = max(hit, key=lambda k: hit[k])
+            out.append(Finding(key, f"{hit[top]} {what} on rank {top} ({len(hit)} of "
+                               f"{len(ranks)} ranks have some): {why}", cause=True))
+    return out
+
+
+def growth_run(records: Sequence[dict[str, Any]]) -> tuple[int, int, int] | None:
+    """The longest run of steps whose allocated bytes at step end each exceed the step before
+    (memplan.monitor's leak rule): (first step, last step, bytes grown), or None when no run
+    reaches ``LEAK_STEPS`` steps in a row."""
+    best, start, prev = None, 0, None
+    for i, rec in enumerate(records):
+        if "allocated_bytes" not in rec:
+            continue
+        grew = prev is not None and rec["allocated_bytes"] > records[prev]["allocated_bytes"]
+        start = start if grew else i
+        if i - start >= LEAK_STEPS and (best is None or i - start > best[1] - best[0]):
+            best = (start, i)
+        prev = i
+    if best is None:
+        return None
+    first, last = records[best[0]], records[best[1]]
+    return first["step"], last["step"], last["allocated_bytes"] - first["allocated_bytes"]
+
+
+def _leak(m: Monitored) -> Finding | None:
+    runs = {k: run for k, recs in m.records.items() if (run := growth_run(recs)) is not None}
+    if not runs:
+        return None
+    rank = max(runs, key=lambda k: runs[k][2])
+    first, last, grown = runs[rank]
+    return Finding("leak", f"memory grows step over step on rank {rank}: allocated at step end "
+                   f"rose every step from step {first} to {last} (+{{growth_bytes}}; "
+                   f"{len(runs)} of {len(m.records)} ranks grow {LEAK_STEPS} steps in a row or "
+                   "more, the monitor's leak rule): tensors kept across steps (a loss kept "
+                   "without .item(), a growing cache or list) will exhaust the GPU",
+                   {"growth_bytes": grown}, cause=True)
+
+
+def _headroom(est: Estimate, capacity_bytes: int, m: Monitored) -> Finding | None:
+    row, cap = m.worst, m.capacity_bytes
+    if "min_headroom_bytes" not in row or not cap:
+        return None
+    room = row["min_headroom_bytes"]
+    s = stage_of_rank(est, m.worst_rank)
+    pct = 100.0 * room / cap
+    low = pct < MIN_HEADROOM_PCT
+    return Finding("headroom", f"measured headroom on rank {m.worst_rank}: {{headroom_bytes}} of "
+                   f"{{device_bytes}} ({pct:.1f}%; capacity less the larger of reserved and the "
+                   "step's peak, at its smallest); the estimate leaves {predicted_headroom_bytes} "
+                   f"on stage {s.stage}"
+                   + (f": under the monitor's {MIN_HEADROOM_PCT:g}%" if low else ""),
+                   {"headroom_bytes": room, "device_bytes": cap,
+                    "predicted_headroom_bytes": capacity_bytes - s.peak_bytes}, cause=low)
+
+
+def monitor_findings(est: Estimate, capacity_bytes: int, m: Monitored) -> list[Finding]:
+    """The worst rank's measured peak and reserved bytes against the estimate of its stage,
+    its allocator cache and headroom; retries, OOMs and step-over-step growth on any rank."""
+    out = [_peak(est, m)]
+    for found in (_fragmentation(m), *_counters(m), _leak(m),
+                  _headroom(est, capacity_bytes, m)):
+        if found is not None:
+            out.append(found)
+    return out
