@@ -143,7 +143,8 @@ def layer_backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer
         # the second linear's backward, from dropout's gradient (one intermediate gradient);
         # then the activation's, dropout's gradient freed
         BackwardMoment("mlp", extra + a_norm + saved["attn"] + m_norm + saved["ffn"] - freed_ffn,
-                       incoming + dropout_grad + mlp // per_inner, ("mlp_out",)),
+                       incoming + dropout_grad + mlp // per_inner, ("mlp_out",),
+                       0 if moe_layer else h * spec.ffn_hidden_size // t),
         BackwardMoment("mlp_act", extra + a_norm + saved["attn"] + m_norm + saved["ffn"]
                        - freed_ffn, incoming + mlp, ("mlp_out",)),
         BackwardMoment("mlp_in", extra + a_norm + saved["attn"] + m_norm,
