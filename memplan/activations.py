@@ -232,8 +232,9 @@ def head_linear_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     the fp32 upcast's backward) and the gradient of its input, beyond what is saved."""
     grad_logits = dm.tokens * _vocab_shard(spec, dm) * dm.e
     grad_input = dm.tokens // dm.res_tokens_div * spec.hidden_size * dm.e
-    upcast_grad = dm.tokens * _vocab_shard(spec, dm) * FP32_BYTES if wl.logits_fp32 else 0
-    return grad_logits + grad_input + upcast_grad - head_forward_extra_bytes(spec, wl, dm)
+    # with fp32 logits, the upcast's fp32 gradient has replaced the fp32 logits (both freed by
+    # now); without, nothing is upcast and the compute-dtype logits gradient is all there is
+    return grad_logits + grad_input
 
 
 def eager_mask_bytes(wl: Workload, dm: Dims) -> int:
