@@ -73,6 +73,9 @@ class Walk:
     rest_saved: int  # rope tables, embedding ids: alive until the step's backward ends
     loss_bwd: int
     head_linear_bwd: int  # logits grad in the compute dtype + the head's weight grad
+    head_main_bwd: int  # fp32 main gradients: at the head's fp32 copy, beyond what is saved
+    #                         below the final norm (its saved tensors but the output, the input
+    #                         gradient, the compute-dtype and fp32 weight gradients)
     head_grads: int
     embed_grads: int
     tied_extra: int  # at the embedding's backward, beyond its gradient: a tied head's pending
@@ -126,7 +129,8 @@ def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
     grads = grads_prior
     peak = w.gathered_at_loss + max(acts + grads + w.loss_bwd,
                                     acts - w.head_saved + w.final_norm_all + grads
-                                    + w.head_linear_bwd)
+                                    + w.head_linear_bwd,
+                                    acts - w.head_saved + grads + w.head_main_bwd)
     acts -= w.head_saved
     grads += w.head_grads if growing else 0
     produced = w.head_grads  # this backward's gradients so far (the ZeRO buffer holds them)

@@ -292,10 +292,14 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
         # ids (the learned positions' backward runs first)
         freed_before_embedding=rope_bytes + (embed_bytes - shared.embed[0].size_bytes if first else 0),
         loss_bwd=shared.loss_bwd if last else 0,
+        head_linear_bwd=shared.head_linear_bwd + vocab_grad if last else 0,
         # With fp32 main gradients the head's compute-dtype weight gradient is accumulated into
-        # a new fp32 one (first micro-batch) while it still exists.
-        head_linear_bwd=(shared.head_linear_bwd + vocab_grad
-                         + (int(sp.head * grad_per_param) if main_grads else 0)) if last else 0,
+        # a new fp32 one (first micro-batch) while it still exists, after the head's backward
+        # freed the logits gradient and its saved input (the final norm's output).
+        # (The final norm's saved tensors but its output, plus the input gradient of the
+        # same size: the final norm's saved bytes.)
+        head_main_bwd=(shared.final_norm_bytes + vocab_grad + int(sp.head * grad_per_param)
+                       if last and main_grads else 0),
         head_grads=int(sp.head * grad_per_param), embed_grads=int(sp.embedding * grad_per_param),
         tied_extra=_embedding_backward_extra(
             vocab_grad, int(sp.embedding * grad_per_param), tied=tied,
