@@ -45,6 +45,8 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # benchmark the working tree, installed or not
 
+from memplan.calibrate.records import cpu_name  # noqa: E402  (after the path set-up)
+
 TARGET_CLI_S = 0.5
 TARGET_PER_S = 10_000
 CLI_ARGS = ["estimate", "--model", "llama-7b", "--gpus", "64"]
@@ -59,16 +61,6 @@ DP = 8
 
 # --- environment ---------------------------------------------------------------------------
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine_info() -> dict[str, Any]:
     try:
         usable = len(os.sched_getaffinity(0))
@@ -78,7 +70,7 @@ def machine_info() -> dict[str, Any]:
         "python": f"{platform.python_implementation()} {platform.python_version()}",
         "executable": sys.executable,
         "platform": platform.platform(),
-        "cpu": cpu_model(),
+        "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
         "cpus_usable": usable,
     }

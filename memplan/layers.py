@@ -152,23 +152,24 @@ def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
         peak = max(peak, acts + w.final_norm_saved + grads + w.tied_pending + w.final_norm_bwd
                    + (root(produced) if held else buffer(produced)) + w.gathered_at_loss)
     pending = w.tied_pending  # a tied head's weight grad waits for the embedding's
+    root_held = root(w.head_grads) if held else 0
     for kind, layer_grads, moment_grads, n in reversed(w.runs):
         step_grads = layer_grads if growing else 0
         # Before the layer's backward its own saved bytes are part of ``acts``; each moment
         # counts what of them (or of their recomputation) is still alive.
         below = acts - kind.saved_bytes + grads + pending + w.gathered_in_block
-        local = max(m.alive_bytes + m.transient_bytes + (g if growing else 0)
-                    for m, g in zip(kind.moments, moment_grads))
-        early = max(moment_grads)
         if held:
             # FSDP2: at each moment this unit's gradients so far exist unsharded (its shard
             # comes with its reduce-scatter), beside the previous unit's whole reduce input
             local = max(m.alive_bytes + m.transient_bytes
                         + int(min(w.grad_buffer, g * w.unsharded_ratio) * w.unsharded_dtype)
                         for m, g in zip(kind.moments, moment_grads))
-            first_buffer = root(w.head_grads) + (held if done else 0)
-            last_buffer = root(w.head_grads) + (held if done or n > 1 else 0)
+            first_buffer = root_held + (held if done else 0)
+            last_buffer = root_held + (held if done or n > 1 else 0)
         else:  # one buffer of the gradients made so far
+            local = max(m.alive_bytes + m.transient_bytes + (g if growing else 0)
+                        for m, g in zip(kind.moments, moment_grads))
+            early = max(moment_grads)
             first_buffer = buffer(produced + early)
             last_buffer = buffer(produced + (n - 1) * layer_grads + early)
         first_moment = below + local + first_buffer

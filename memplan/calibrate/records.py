@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import tempfile
 from pathlib import Path
@@ -40,6 +41,17 @@ _NUMBER_LIST = re.compile(r"\[\s*((?:-?[0-9.eE+]+,\s*)*-?[0-9.eE+]+)\s*\]")
 PHASES = ("forward", "backward", "optimizer")
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
+
+
+def cpu_name() -> str:
+    """The host CPU's model name (Linux ``/proc/cpuinfo``), else what ``platform`` reports."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
 
 class Meta(BaseModel):
     """Where and how records were measured (the same for every record of one run)."""

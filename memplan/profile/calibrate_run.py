@@ -34,6 +34,7 @@ from memplan.calibrate.records import (
     RankMeasure,
     Record,
     StepMeasure,
+    cpu_name,
     finished_keys,
     write_record,
 )
@@ -59,16 +60,6 @@ def _driver() -> str | None:
     return lines[0] if out.returncode == 0 and lines else None
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
-
-
 def match_gpu(device_name: str, total_bytes: int) -> str | None:
     """The catalog GPU for ``torch.cuda.get_device_name()``: its name or an alias, normalised,
     is the device name (or, failing that, a part of it: the longest such part wins), and its
@@ -92,7 +83,7 @@ def make_meta(device: str, command: str, gpu: str | None = None, num_devices: in
     common = {"torch": torch.__version__, "python": platform.python_version(),
               "date": _today(), "command": command, "num_devices": num_devices}
     if device == "cpu":
-        return Meta(device="cpu", device_name=_cpu_name(),
+        return Meta(device="cpu", device_name=cpu_name(),
                     attention_backend="flash: scaled_dot_product_attention's CPU flash kernel; "
                                       "eager: matmul + softmax", **common)
     props = torch.cuda.get_device_properties(0)
