@@ -81,7 +81,7 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
 
     ``workload`` takes the ``Workload`` fields (micro_batch_size, global_batch_size, seq_len,
     precision, optimizer, optimizer_impl, recompute, recompute_layers, attention, norm_impl,
-    logits_fp32). ``gpu_memory`` ("80GiB", "80GB" or int bytes) overrides the GPU's capacity.
+    logits_fp32, loss_chunks). ``gpu_memory`` ("80GiB", "80GB" or int bytes) overrides the GPU's capacity.
     ``calibration``: profile paths (or "auto", the committed profile for ``gpu``) whose
     correction is added as its own line (``memplan.calibrate.apply``).
     Raises ``MemplanError`` for any invalid input.
@@ -109,7 +109,8 @@ def _as_list(value: str | list[str]) -> list[str]:
 # Workload fields by the name the CLI gives them, so errors name what the user typed.
 _FLAG_NAMES = {"micro_batch_size": "mbs", "global_batch_size": "gbs", "seq_len": "seq",
                "recompute_layers": "recompute-layers", "optimizer_impl": "optimizer-impl",
-               "norm_impl": "norm", "logits_fp32": "logits-fp32"}
+               "norm_impl": "norm", "logits_fp32": "logits-fp32",
+               "loss_chunks": "loss-chunks"}
 
 
 def _capacity(gpu_memory: str | int | None) -> int | None:

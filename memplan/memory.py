@@ -248,7 +248,9 @@ def _assumptions(par: ParallelConfig, wl: Workload, schedule: Schedule,
     return (
         f"pipeline schedule: {sched}",
         f"attention kernel: {wl.attention.value}; norms: {wl.norm_impl.value}; "
-        f"loss on {'fp32' if wl.logits_fp32 else wl.compute_dtype.value} logits",
+        f"loss on {'fp32' if wl.logits_fp32 else wl.compute_dtype.value} logits"
+        + (f", in {wl.loss_chunks} checkpointed chunks of the tokens" if wl.loss_chunks > 1
+           else ""),
         ("data-parallel gradients in persistent buffers they are views of (Megatron-LM, "
          "DDP gradient_as_bucket_view=True)" if par.grad_buffers is GradBuffers.VIEW else
          "DDP gradient buckets: a persistent gradient-sized copy (PyTorch DDP default)")

@@ -56,6 +56,7 @@ def estimate_json(est: Estimate) -> dict[str, Any]:
             "optimizer_impl": wl.optimizer_impl.value, "recompute": wl.recompute.name.lower(),
             "recompute_layers": wl.recompute_layers, "attention": wl.attention.value,
             "norm_impl": wl.norm_impl.value, "logits_fp32": wl.logits_fp32,
+            "loss_chunks": wl.loss_chunks,
         },
         "most_loaded_stage": worst.stage,
         **{name: getattr(worst, name) for name in _COMPONENTS},

@@ -145,8 +145,6 @@ class SharedTerms:
         self.batch_bytes = act.total(act.batch_terms(wl, dm))
         self.targets_bytes = act.batch_terms(wl, dm)[0].size_bytes
         self.loss_fwd = act.head_forward_extra_bytes(spec, wl, dm)
-        self.loss_bwd = act.head_backward_extra_bytes(spec, wl, dm)
-        self.head_linear_bwd = act.head_linear_backward_bytes(spec, wl, dm)
         # the causal mask lives through the forward; with recompute it is saved (a term)
         self.mask = 0 if act.mask_terms(wl, dm) else act.eager_mask_bytes(wl, dm)
         self.final_norm_extra = mom.head_forward_moment(spec, wl, dm)
@@ -155,6 +153,12 @@ class SharedTerms:
         self.kinds: dict[tuple[bool, Recompute], LayerKind] = {}
         self.moments: dict[tuple[int, int, tuple[bool, Recompute]], tuple[int, ...]] = {}
         self.spec, self.wl = spec, wl
+
+    def loss_bwd(self, vocab_grad: int) -> int:
+        return act.head_backward_extra_bytes(self.spec, self.wl, self.dm, vocab_grad)
+
+    def head_linear_bwd(self, vocab_grad: int) -> int:
+        return act.head_linear_backward_bytes(self.spec, self.wl, self.dm, vocab_grad)
 
     def moment_params(self, t: int, ep: int, key: tuple[bool, Recompute]) -> tuple[int, ...]:
         found = self.moments.get((t, ep, key))
@@ -291,8 +295,8 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
         # (with the first layer's saved tensors), the embedding dropout's mask and the position
         # ids (the learned positions' backward runs first)
         freed_before_embedding=rope_bytes + (embed_bytes - shared.embed[0].size_bytes if first else 0),
-        loss_bwd=shared.loss_bwd if last else 0,
-        head_linear_bwd=shared.head_linear_bwd + vocab_grad if last else 0,
+        loss_bwd=shared.loss_bwd(vocab_grad) if last else 0,
+        head_linear_bwd=shared.head_linear_bwd(vocab_grad) if last else 0,
         # With fp32 main gradients the head's compute-dtype weight gradient is accumulated into
         # a new fp32 one (first micro-batch) while it still exists, after the head's backward
         # freed the logits gradient and its saved input (the final norm's output).

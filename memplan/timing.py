@@ -83,14 +83,15 @@ def step_flops(spec: ModelSpec, wl: Workload, global_batch: int) -> tuple[float,
     matmul, attention, attn_layer = forward_flops_per_token(spec, wl.seq_len)
     forward = matmul + attention
     model = 3.0 * forward * tokens
-    extra = 0.0
+    head = 2.0 * spec.vocab_size * spec.hidden_size
+    # a chunked loss reruns each chunk's head projection in its backward
+    extra = head * tokens if wl.loss_chunks > 1 else 0.0
     if wl.recompute is Recompute.FULL:
         layers = spec.num_layers if wl.recompute_layers is None else wl.recompute_layers
-        head = 2.0 * spec.vocab_size * spec.hidden_size
         per_layer = (forward - head) / spec.num_layers
-        extra = per_layer * min(layers * 1.0, spec.num_layers) * tokens
+        extra += per_layer * min(layers * 1.0, spec.num_layers) * tokens
     elif wl.recompute is Recompute.SELECTIVE:
-        extra = attn_layer * spec.num_layers * tokens
+        extra += attn_layer * spec.num_layers * tokens
     return model, model + extra
 
 

@@ -131,6 +131,9 @@ class Workload(BaseModel):
     attention: Attention = Attention.FLASH
     norm_impl: NormImpl = NormImpl.UPCAST
     logits_fp32: bool = Field(default=True, description="loss computed on fp32 logits")
+    loss_chunks: int = Field(default=1, gt=0, description=(
+        "1: the head and cross-entropy run on all tokens at once; n > 1: on n chunks of the "
+        "tokens, each under activation checkpointing (logits never exist for all tokens)"))
 
     @field_validator("recompute", mode="before")
     @classmethod

@@ -24,7 +24,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memplan.activations import (
-    Dims, Term, embedding_terms, head_terms, layer_terms, moe_terms, rope_terms, total,
+    Dims, Term, embedding_terms, head_backward_extra_bytes, head_forward_extra_bytes,
+    head_linear_backward_bytes, head_terms, layer_terms, loss_chunk_tokens, moe_terms,
+    rope_terms, total,
 )
 from memplan.parallel import ParallelConfig
 from memplan.spec import ModelSpec, load_model
@@ -374,3 +376,49 @@ def test_head_vocab_is_ceil_split_under_tp() -> None:
     wl = Workload(micro_batch_size=1, seq_len=1024)
     head = {t.name: t.size_bytes for t in head_terms(spec, wl, Dims.of(ParallelConfig(tp=4), wl))}
     assert head["loss.log_softmax"] == 1024 * 12_565 * 4
+
+
+def test_chunked_loss_llama_3_8b() -> None:
+    """Llama-3-8B (h 4096, V 128,256), one sequence of 8192 tokens, bf16, fp32 logits, 8 loss
+    chunks of 1024 tokens. Saved: no log-softmax, one fp32 loss scalar. Forward: one chunk's
+    fp32 logits and log-softmax, 2 * 1024 * V * 4. Backward of the loss (the last chunk run):
+    its log-softmax, that gradient and the logits' fp32 gradient, 3 * 1024 * V * 4, beside
+    the other seven chunks' input gradients 7 * 1024 * h * 2 and the summed head gradient
+    V * h * 2. The projection's backward: the second chunk run sums two head gradients into a
+    third, beside the input gradients of the chunks run so far (all but one)."""
+    spec = load_model("llama-3-8b")
+    wl = Workload(micro_batch_size=1, seq_len=8192, loss_chunks=8)
+    dm = Dims.of(ParallelConfig(), wl)
+    v, h, tc = 128_256, 4096, 1024
+    grad_w = v * h * 2
+    assert loss_chunk_tokens(wl, dm) == (1024, 8)
+    head = {t.name: t.size_bytes for t in head_terms(spec, wl, dm)}
+    assert "loss.log_softmax" not in head and head["loss.scalars"] == 4
+    assert head_forward_extra_bytes(spec, wl, dm) == 2 * tc * v * 4 == 1_050_673_152
+    assert head_backward_extra_bytes(spec, wl, dm, grad_w) == (
+        3 * tc * v * 4 + 7 * tc * h * 2 + grad_w) == 2_685_403_136
+    last_made = 8 * tc * h * 2 + 2 * grad_w + tc * v * 2
+    second_sum = 7 * tc * h * 2 + 3 * grad_w
+    assert head_linear_backward_bytes(spec, wl, dm, grad_w) == max(last_made, second_sum) \
+        == 3_210_739_712
+
+
+def test_chunked_loss_uneven_chunks() -> None:
+    """torch.chunk of 15 tokens into 4: chunks of ceil(15/4) = 4 tokens, four of them; into 7:
+    chunks of 3, five of them (fewer than asked)."""
+    wl = Workload(micro_batch_size=1, seq_len=15, loss_chunks=4)
+    assert loss_chunk_tokens(wl, Dims.of(ParallelConfig(), wl)) == (4, 4)
+    wl = Workload(micro_batch_size=1, seq_len=15, loss_chunks=7)
+    assert loss_chunk_tokens(wl, Dims.of(ParallelConfig(), wl)) == (3, 5)
+
+
+def test_chunked_loss_lowers_the_llama_3_8b_peak() -> None:
+    """At 8192 tokens the unchunked loss holds T * V * 4 of saved log-softmax (4.3 GB) and
+    twice that in its backward; 8 chunks remove most of it."""
+    from memplan.api import estimate
+
+    base = estimate("llama-3-8b", gpus=8, zero=3, seq_len=8192)
+    chunked = estimate("llama-3-8b", gpus=8, zero=3, seq_len=8192, loss_chunks=8)
+    saved = 8192 * 128_256 * 4
+    assert base.worst.activations_bytes - chunked.worst.activations_bytes == saved + 4
+    assert chunked.peak_bytes < base.peak_bytes - saved

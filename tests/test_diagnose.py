@@ -587,3 +587,19 @@ def test_monitor_missing_paths(tmp_path, capsys) -> None:
     assert err == f"memplan: error: --monitor: cannot read {missing}: no such file or directory\n"
     assert main(["diagnose", "-m", "tiny", "--monitor", str(tmp_path)]) == 2
     assert f"{tmp_path} holds no memory_rank*.jsonl files" in capsys.readouterr().err
+
+
+def test_chunked_loss_fix_is_re_estimated() -> None:
+    """Llama-2-7B (V 32,000, h 4096): ceil(V / h) = 8 chunks. The failed allocation is one fp32
+    logits tensor; the chunked-loss fix's peak is `estimate --loss-chunks 8`'s."""
+    est = memplan.estimate("llama-2-7b", **CONFIG)
+    logits = 4 * 4 * 4096 * est.spec.vocab_size
+    r = diagnose("llama-2-7b", oom=_message(logits, 70 * GiB, GiB // 100), **CONFIG)
+    fix = next(f for f in r.fixes.ranked if f.name.startswith("chunked cross-entropy"))
+    assert fix.change == {"loss_chunks": 8} and fix.flags.startswith("--loss-chunks 8")
+    again = memplan.estimate("llama-2-7b", gpu_memory=r.diagnosis.capacity_bytes,
+                             global_batch_size=est.global_batch_size, loss_chunks=8, **CONFIG)
+    assert fix.peak_bytes == again.peak_bytes
+    # the saved log-softmax (T * V * 4) and a loss scalar are gone from the activations
+    assert est.worst.activations_bytes - again.worst.activations_bytes == logits + 4
+    assert fix.saved_bytes == r.fixes.baseline.peak_bytes - again.peak_bytes > logits

@@ -59,6 +59,9 @@ WIDE_GQA = _variant(WIDE, name="tiny-wide-gqa", num_kv_heads=2)
 GPT_WIDE = _variant(GPT, name="gpt-wide", hidden_size=512, num_attention_heads=4,
                     num_kv_heads=1, head_dim=64, ffn_hidden_size=688, vocab_size=1000)
 GEGLU = _variant(name="tiny-geglu", mlp="geglu", norm="layernorm", norm_bias=True)
+# the loss sets the peaks: chunked cross-entropy (loss_chunks) is traced on these
+LOSS_HEAVY = _variant(name="tiny-v1000", vocab_size=1000)
+HEAD_HEAVY = _variant(WIDE, name="wide-v4000", vocab_size=4000)  # weight gradient > logits
 MOE = _variant(name="tiny-moe", vocab_size=16, moe=MoESpec(
     num_experts=4, top_k=2, expert_ffn_hidden_size=96).model_dump())
 
@@ -133,6 +136,16 @@ GRID = [
           precision="fp32"), True),
     (_variant(GPT_WIDE, name="gpt-wide-relu", mlp="relu", dropout=0.0, vocab_size=100),
      dict(seq_len=128, micro_batch_size=2), True),
+    # chunked loss: the last chunk's log-softmax backward, its weight gradient made, or the
+    # three-way sum of the chunk before it sets the peak; uneven chunks (seq 15)
+    (LOSS_HEAVY, dict(seq_len=128, micro_batch_size=2, loss_chunks=4), True),
+    (LOSS_HEAVY, dict(seq_len=128, micro_batch_size=2, loss_chunks=3, logits_fp32=False,
+                      recompute="full", norm_impl="fused"), True),
+    (HEAD_HEAVY, dict(seq_len=16, micro_batch_size=2, loss_chunks=4), True),
+    (HEAD_HEAVY, dict(seq_len=15, micro_batch_size=2, loss_chunks=2, logits_fp32=False), True),
+    (_variant(GPT, name="gpt-mini-tied-v1000", tied_embeddings=True, vocab_size=1000),
+     dict(seq_len=64, micro_batch_size=2, loss_chunks=4, precision="bf16-fp32-grads",
+          recompute="full"), True),
 ]
 
 
@@ -146,6 +159,7 @@ FSDP_GRID = [
     (4, dict(seq_len=256, micro_batch_size=1, precision="fsdp-bf16", recompute="selective")),
     (2, dict(seq_len=256, micro_batch_size=2, precision="fp32")),
     (4, dict(seq_len=256, micro_batch_size=2, precision="fp32")),
+    (2, dict(seq_len=128, micro_batch_size=2, precision="fsdp-bf16", loss_chunks=4)),
 ]
 
 
@@ -187,6 +201,7 @@ TP_GRID = [
     (MHA, 4, True, dict(seq_len=128, micro_batch_size=2)),
     (MHA, 2, True, dict(seq_len=128, micro_batch_size=2, attention="eager")),
     (MHA, 2, False, dict(seq_len=128, micro_batch_size=2, recompute="full")),
+    (LOSS_HEAVY, 2, True, dict(seq_len=64, micro_batch_size=2, loss_chunks=4)),
 ]
 
 

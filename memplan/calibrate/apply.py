@@ -31,7 +31,7 @@ from memplan.spec import ModelSpec
 # a shallower copy; names and sources are labels).
 _SPEC_FREE = {"name", "source", "num_layers", "max_seq_len"}
 _WORKLOAD_FIXED = ("precision", "optimizer", "optimizer_impl", "recompute", "recompute_layers",
-                   "attention", "norm_impl", "logits_fp32")
+                   "attention", "norm_impl", "logits_fp32", "loss_chunks")
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from memplan.cli.options import (
     GradBuffersOpt,
     Json,
     LogitsFp32,
+    LossChunks,
     Mbs,
     Model,
     NormOpt,
@@ -89,6 +90,7 @@ def diagnose(
     attention: AttentionOpt = Attention.FLASH,
     norm: NormOpt = NormImpl.UPCAST,
     logits_fp32: LogitsFp32 = True,
+    loss_chunks: LossChunks = 1,
     schedule: ScheduleOpt = Schedule.ONE_F_ONE_B,
     calibration: Calibration = None,
     oom: Oom = None,
@@ -141,7 +143,8 @@ def diagnose(
         **workload_fields(mbs=mbs, gbs=gbs, seq=seq, recompute=recompute,
                           recompute_layers=recompute_layers, precision=precision,
                           optimizer=optimizer, optimizer_impl=optimizer_impl,
-                          attention=attention, norm=norm, logits_fp32=logits_fp32))
+                          attention=attention, norm=norm, logits_fp32=logits_fp32,
+                          loss_chunks=loss_chunks))
     if json_out:
         typer.echo(json.dumps(to_json(result), indent=2))
         return

@@ -21,6 +21,7 @@ from memplan.cli.options import (
     GradBuffersOpt,
     Json,
     LogitsFp32,
+    LossChunks,
     Mbs,
     Model,
     NormOpt,
@@ -68,6 +69,7 @@ def estimate(
     attention: AttentionOpt = Attention.FLASH,
     norm: NormOpt = NormImpl.UPCAST,
     logits_fp32: LogitsFp32 = True,
+    loss_chunks: LossChunks = 1,
     schedule: ScheduleOpt = Schedule.ONE_F_ONE_B,
     calibration: Calibration = None,
     json_out: Json = False,
@@ -96,7 +98,8 @@ def estimate(
         **workload_fields(mbs=mbs, gbs=gbs, seq=seq, recompute=recompute,
                           recompute_layers=recompute_layers, precision=precision,
                           optimizer=optimizer, optimizer_impl=optimizer_impl,
-                          attention=attention, norm=norm, logits_fp32=logits_fp32))
+                          attention=attention, norm=norm, logits_fp32=logits_fp32,
+                          loss_chunks=loss_chunks))
     from memplan.report import estimate_json, render_estimate
 
     if json_out:

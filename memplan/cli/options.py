@@ -88,6 +88,9 @@ NormOpt = Annotated[NormImpl, typer.Option(
     "--norm", help="upcast (HF-style fp32 norm) or fused kernel.", rich_help_panel=_KERNELS)]
 LogitsFp32 = Annotated[bool, typer.Option(
     "--logits-fp32/--no-logits-fp32", help="Loss on fp32 logits.", rich_help_panel=_KERNELS)]
+LossChunks = Annotated[int, typer.Option(
+    "--loss-chunks", help="Run the head and cross-entropy on N chunks of the tokens, each "
+    "checkpointed (1: all tokens at once).", rich_help_panel=_KERNELS)]
 ScheduleOpt = Annotated[Schedule, typer.Option(
     "--schedule", help="Pipeline schedule (1f1b is interleaved when --vpp > 1).",
     rich_help_panel=_KERNELS)]
@@ -101,9 +104,10 @@ Calibration = Annotated[Optional[list[str]], typer.Option(
 def workload_fields(*, mbs: int, gbs: int | None, seq: int | None, recompute: RecomputeChoice,
                     recompute_layers: int | None, precision: Precision, optimizer: Optimizer,
                     optimizer_impl: OptimizerImpl, attention: Attention, norm: NormImpl,
-                    logits_fp32: bool) -> dict[str, object]:
+                    logits_fp32: bool, loss_chunks: int = 1) -> dict[str, object]:
     """The ``Workload`` fields of the options every command shares."""
     return dict(micro_batch_size=mbs, global_batch_size=gbs, seq_len=seq,
                 recompute=recompute.value, recompute_layers=recompute_layers,
                 precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
-                attention=attention, norm_impl=norm, logits_fp32=logits_fp32)
+                attention=attention, norm_impl=norm, logits_fp32=logits_fp32,
+                loss_chunks=loss_chunks)

@@ -18,6 +18,8 @@ from memplan.cli.options import (
     GpuMemory,
     Gpus,
     Json,
+    LogitsFp32,
+    LossChunks,
     Model,
     NormOpt,
     OptimizerImplOpt,
@@ -54,6 +56,8 @@ def plan(
     optimizer_impl: OptimizerImplOpt = OptimizerImpl.FOREACH,
     attention: AttentionOpt = Attention.FLASH,
     norm: NormOpt = NormImpl.UPCAST,
+    logits_fp32: LogitsFp32 = True,
+    loss_chunks: LossChunks = 1,
     recompute: Annotated[RecomputeChoice | None, typer.Option(
         "--recompute", help="Fix the recompute policy (default: search all).")] = None,
     max_tp: MaxTp = None,
@@ -82,7 +86,7 @@ def plan(
         cp=cp, ep=ep, zero=None if zero is None else int(zero.value), sequence_parallel=sp,
         global_batch_size=gbs, seq_len=seq, precision=precision, optimizer=optimizer,
         optimizer_impl=optimizer_impl, attention=attention, norm_impl=norm,
-        calibration=calibration)
+        logits_fp32=logits_fp32, loss_chunks=loss_chunks, calibration=calibration)
     if json_out:
         typer.echo(json.dumps(_plan_json(result, top), indent=2))
         return

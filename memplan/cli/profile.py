@@ -15,6 +15,7 @@ from memplan.cli.options import (
     Gpu,
     Json,
     LogitsFp32,
+    LossChunks,
     Mbs,
     Model,
     NormOpt,
@@ -58,6 +59,7 @@ def profile(
     attention: AttentionOpt = Attention.FLASH,
     norm: NormOpt = NormImpl.UPCAST,
     logits_fp32: LogitsFp32 = True,
+    loss_chunks: LossChunks = 1,
     steps: Steps = 3,
     device: Device = "cpu",
     fake: Fake = True,
@@ -84,7 +86,7 @@ def profile(
     spec, par, wl = resolve(model, **workload_fields(
         mbs=mbs, gbs=None, seq=seq, recompute=recompute, recompute_layers=recompute_layers,
         precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
-        attention=attention, norm=norm, logits_fp32=logits_fp32))
+        attention=attention, norm=norm, logits_fp32=logits_fp32, loss_chunks=loss_chunks))
     if layers is not None:
         if not 0 < layers <= spec.num_layers:
             raise MemplanError(f"layers ({layers}) must be between 1 and {spec.num_layers}")

@@ -17,6 +17,7 @@ from memplan.cli.options import (
     Gpus,
     Json,
     LogitsFp32,
+    LossChunks,
     Mbs,
     Model,
     NormOpt,
@@ -60,6 +61,7 @@ def trace(
     attention: AttentionOpt = Attention.FLASH,
     norm: NormOpt = NormImpl.UPCAST,
     logits_fp32: LogitsFp32 = True,
+    loss_chunks: LossChunks = 1,
     layers: Layers = None,
     steps: Steps = 2,
     fake: Fake = True,
@@ -83,7 +85,8 @@ def trace(
         **workload_fields(mbs=mbs, gbs=gbs, seq=seq, recompute=recompute,
                           recompute_layers=recompute_layers, precision=precision,
                           optimizer=optimizer, optimizer_impl=optimizer_impl,
-                          attention=attention, norm=norm, logits_fp32=logits_fp32))
+                          attention=attention, norm=norm, logits_fp32=logits_fp32,
+                          loss_chunks=loss_chunks))
     if layers is not None:
         if not 0 < layers <= spec.num_layers:
             raise MemplanError(f"layers ({layers}) must be between 1 and {spec.num_layers}")

@@ -238,8 +238,8 @@ def _loss(est, s, step, phase, parts, oom, capacity) -> Finding | None:
             if abs(oom.requested_bytes - size) <= oom.rounding_bytes:
                 return Finding("loss", f"the failed allocation is one {dtype} logits tensor "
                                "({logits_bytes}: micro-batch x sequence x vocabulary on this "
-                               "rank): the loss's spike; chunked cross-entropy (never all "
-                               "logits at once) or a smaller micro-batch removes it",
+                               "rank): the loss's spike; chunked cross-entropy (--loss-chunks: "
+                               "never all logits at once) or a smaller micro-batch removes it",
                                {"logits_bytes": size, "loss_bytes": s.loss_bytes}, cause=True)
     if s.loss_bytes >= NOTABLE_SHARE * _phase_bytes(s, step, phase):
         return Finding("loss", "the loss's logits-sized tensors add {loss_bytes} at the "

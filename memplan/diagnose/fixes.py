@@ -7,8 +7,10 @@ only inside the margin; then the rest by bytes saved. The global batch is held f
 so a smaller micro-batch means more accumulation steps and a larger TP/PP/CP degree a smaller
 data-parallel one. The planner's fastest layout that fits is offered too.
 
-Chunked cross-entropy and CPU offloading are not modelled by the estimator, so they are never
-offered as a fix with a number (the loss finding names chunking).
+Chunked cross-entropy is offered with ceil(vocab / hidden) chunks, the count Liger Kernel's
+fused linear cross-entropy uses so that one chunk's logits are about the size of the hidden
+states (``liger_kernel/ops/fused_linear_cross_entropy.py``: ``inc_factor = cdiv(V, H)``);
+the estimator models it as checkpointed chunks (``memplan.activations``).
 """
 
 from __future__ import annotations
@@ -97,6 +99,10 @@ def candidates(est: Estimate) -> list[tuple[str, str, dict[str, Any]]]:
         mbs = wl.micro_batch_size // 2
         out.append((f"micro-batch {mbs} with more accumulation", f"--mbs {mbs}",
                     {"micro_batch_size": mbs}))
+    chunks = loss_chunks_for(est)
+    if wl.loss_chunks == 1 and chunks > 1:
+        out.append((f"chunked cross-entropy ({chunks} chunks)", f"--loss-chunks {chunks}",
+                    {"loss_chunks": chunks}))
     if wl.optimizer_impl is not OptimizerImpl.FUSED:
         out.append(("fused optimizer", "--optimizer-impl fused",
                     {"optimizer_impl": OptimizerImpl.FUSED}))
@@ -105,6 +111,14 @@ def candidates(est: Estimate) -> list[tuple[str, str, dict[str, Any]]]:
                     {"overheads": replace(est.overheads, allocator_fraction=0.0,
                                           allocator_source=EXPANDABLE_SOURCE)}))
     return out
+
+
+def loss_chunks_for(est: Estimate) -> int:
+    """Chunks for a chunked loss: ceil(vocab / hidden), as Liger Kernel picks them (see the
+    module docstring), at most one per token of the micro-batch."""
+    spec, wl = est.spec, est.workload
+    tokens = wl.micro_batch_size * wl.seq_len // est.parallel.cp
+    return max(1, min(tokens, -(-spec.vocab_size // spec.hidden_size)))
 
 
 def suggest(model: Any, est: Estimate, given: dict[str, Any], *, capacity_bytes: int,
@@ -170,7 +184,8 @@ def _planned(model: Any, est: Estimate, base: dict[str, Any], capacity_bytes: in
                       global_batch_size=est.global_batch_size,
                       seq_len=wl.seq_len, precision=wl.precision, optimizer=wl.optimizer,
                       optimizer_impl=wl.optimizer_impl, attention=wl.attention,
-                      norm_impl=wl.norm_impl, logits_fp32=wl.logits_fp32)
+                      norm_impl=wl.norm_impl, logits_fp32=wl.logits_fp32,
+                      loss_chunks=wl.loss_chunks)
     except MemplanError as err:
         return str(err)
     if not result.candidates:

@@ -5,8 +5,8 @@ Llama family (RMSNorm, RoPE, GQA through ``F.scaled_dot_product_attention``, Swi
 (LayerNorm, learned positions, GELU, dropout) and MoE blocks (top-k router, experts). The
 implementation choices that change what autograd saves are parameters (``RefOptions``): norm
 upcast to fp32 or one fused kernel, flash (SDPA) or eager attention, loss on fp32 logits or not,
-and recompute none / selective (attention core) / full / full for k of L layers through
-non-reentrant ``torch.utils.checkpoint``.
+recompute none / selective (attention core) / full / full for k of L layers through
+non-reentrant ``torch.utils.checkpoint``, and the loss on all tokens at once or chunked.
 
 Weights are created directly in the target dtype (under ``FakeTensorMode`` a later ``.to()``
 would allocate a second copy) with a deterministic small init; nothing is downloaded.
@@ -34,6 +34,7 @@ class RefOptions:
     logits_fp32: bool = True
     recompute: Recompute = Recompute.NONE
     recompute_layers: int | None = None  # with FULL: only the first k layers
+    loss_chunks: int = 1  # > 1: head and loss per chunk of tokens, each checkpointed
     norm_eps: float = 1e-5
 
 
@@ -279,9 +280,22 @@ class ReferenceModel(nn.Module):
             else:
                 x = block(x, rope, mask)
         x = self.final_norm(x)
+        if opts.loss_chunks == 1:
+            return self._loss(x, targets, "mean")
+        # Chunked cross-entropy: each chunk's logits exist only inside its checkpointed region
+        # (and again when its backward recomputes them); the sum over chunks is divided once.
+        total = None
+        for xc, tc in zip(x.view(b * s, -1).chunk(opts.loss_chunks),
+                          targets.view(b * s).chunk(opts.loss_chunks)):
+            part = checkpoint(self._loss, xc, tc, "sum", use_reentrant=False)
+            total = part if total is None else total + part
+        return total / (b * s)
+
+    def _loss(self, x: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
         # The head is called as a module (not F.linear on its weight) so that tensor-parallel
         # styles, which are module hooks, apply to it.
         logits = F.linear(x, self.embed.weight) if self.head is None else self.head(x)
-        if opts.logits_fp32:
+        if self.opts.logits_fp32:
             logits = logits.float()
-        return F.cross_entropy(logits.view(b * s, -1), targets.view(b * s))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1),
+                               reduction=reduction)

@@ -142,7 +142,7 @@ def ref_options(wl: Workload, dtype: torch.dtype | None = None) -> RefOptions:
     return RefOptions(dtype=dtype or _TORCH_DTYPE[wl.compute_dtype.value],
                       norm_impl=wl.norm_impl, attention=wl.attention,
                       logits_fp32=wl.logits_fp32, recompute=wl.recompute,
-                      recompute_layers=wl.recompute_layers)
+                      recompute_layers=wl.recompute_layers, loss_chunks=wl.loss_chunks)
 
 
 def run_steps(model: torch.nn.Module, spec: ModelSpec, wl: Workload, tracker: MemoryTracker,
