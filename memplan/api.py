@@ -17,7 +17,14 @@ from memplan.hardware import GpuSpec, load_gpu
 from memplan.memory import Estimate
 from memplan.memory import estimate as _estimate
 from memplan.overheads import Overheads
-from memplan.parallel import GradBuffers, ParallelConfig, TpStyle, ZeroStage, layout_for_gpus
+from memplan.parallel import (
+    GradBuffers,
+    Offload,
+    ParallelConfig,
+    TpStyle,
+    ZeroStage,
+    layout_for_gpus,
+)
 from memplan.pipeline import Schedule
 from memplan.spec import ModelSpec, load_model
 from memplan.units import parse_bytes
@@ -51,7 +58,8 @@ def _cached_workload(items: tuple[tuple[str, Any], ...]) -> Workload:
 def make_layout(num_gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 1,
                 ep: int = 1, dp: int | None = None, zero: int = 0,
                 sequence_parallel: bool | None = None, vocab_parallel: bool = True,
-                tp_style: str = "megatron", grad_buffers: str = "view") -> ParallelConfig:
+                tp_style: str = "megatron", grad_buffers: str = "view",
+                offload: str = "none") -> ParallelConfig:
     """A layout for ``num_gpus``; sequence parallelism defaults to on whenever tp > 1."""
     for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp), ("cp", cp), ("ep", ep)):
         if value <= 0:
@@ -63,17 +71,20 @@ def make_layout(num_gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: in
         raise MemplanError(f"tp_style must be megatron or dtensor, got {tp_style!r}")
     if grad_buffers not in {kind.value for kind in GradBuffers}:
         raise MemplanError(f"grad_buffers must be view or copy, got {grad_buffers!r}")
+    offload = getattr(offload, "value", offload)
+    if offload not in {kind.value for kind in Offload}:
+        raise MemplanError(f"offload must be none or optimizer, got {offload!r}")
     return layout_for_gpus(num_gpus, tp=tp, pp=pp, cp=cp, dp=dp, vpp=vpp, ep=ep,
                            zero=ZeroStage(zero), sequence_parallel=sp,
                            vocab_parallel=vocab_parallel, tp_style=TpStyle(tp_style),
-                           grad_buffers=GradBuffers(grad_buffers))
+                           grad_buffers=GradBuffers(grad_buffers), offload=Offload(offload))
 
 
 def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFAULT_GPU,
              gpu_memory: str | int | None = None, tp: int = 1, pp: int = 1, vpp: int = 1,
              cp: int = 1, ep: int = 1, dp: int | None = None, zero: int = 0,
              sequence_parallel: bool | None = None, vocab_parallel: bool = True,
-             tp_style: str = "megatron", grad_buffers: str = "view",
+             tp_style: str = "megatron", grad_buffers: str = "view", offload: str = "none",
              overheads: Overheads | None = None,
              schedule: Schedule | str = Schedule.ONE_F_ONE_B,
              calibration: str | list[str] | None = None, **workload: Any) -> Estimate:
@@ -81,7 +92,8 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
 
     ``workload`` takes the ``Workload`` fields (micro_batch_size, global_batch_size, seq_len,
     precision, optimizer, optimizer_impl, recompute, recompute_layers, attention, norm_impl,
-    logits_fp32, loss_chunks). ``gpu_memory`` ("80GiB", "80GB" or int bytes) overrides the GPU's capacity.
+    logits_fp32, loss_chunks). ``gpu_memory`` ("80GiB", "80GB" or int bytes) overrides the
+    GPU's capacity. ``offload="optimizer"`` keeps the optimizer in host memory (``Offload``).
     ``calibration``: profile paths (or "auto", the committed profile for ``gpu``) whose
     correction is added as its own line (``memplan.calibrate.apply``).
     Raises ``MemplanError`` for any invalid input.
@@ -89,7 +101,7 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
     spec, par, wl = resolve(model, gpus=gpus, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp,
                             zero=zero, sequence_parallel=sequence_parallel,
                             vocab_parallel=vocab_parallel, tp_style=tp_style,
-                            grad_buffers=grad_buffers, **workload)
+                            grad_buffers=grad_buffers, offload=offload, **workload)
     gpu_spec = gpu if isinstance(gpu, GpuSpec) else load_gpu(gpu)
     est = _estimate(spec, gpu_spec, par, wl, capacity_bytes=_capacity(gpu_memory),
                     overheads=overheads,
@@ -126,13 +138,13 @@ def _capacity(gpu_memory: str | int | None) -> int | None:
 def resolve(model: str | ModelSpec, *, gpus: int = 1, tp: int = 1, pp: int = 1, vpp: int = 1,
             cp: int = 1, ep: int = 1, dp: int | None = None, zero: int = 0,
             sequence_parallel: bool | None = None, vocab_parallel: bool = True,
-            tp_style: str = "megatron", grad_buffers: str = "view",
+            tp_style: str = "megatron", grad_buffers: str = "view", offload: str = "none",
             **workload: Any) -> tuple[ModelSpec, ParallelConfig, Workload]:
     """The typed (spec, layout, workload) for names and numbers; raises MemplanError."""
     spec = model if isinstance(model, ModelSpec) else load_model(model)
     par = make_layout(gpus, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp, zero=zero,
                       sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,
-                      tp_style=tp_style, grad_buffers=grad_buffers)
+                      tp_style=tp_style, grad_buffers=grad_buffers, offload=offload)
     return spec, par, make_workload(spec, **workload)
 
 

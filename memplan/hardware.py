@@ -32,6 +32,11 @@ class GpuSpec(BaseModel):
     intra_node_bytes_per_s: float = Field(gt=0, description="GPU-to-GPU link, one direction")
     inter_node_bytes_per_s: float = Field(gt=0, description="default network per GPU, one direction")
     gpus_per_node: int = Field(gt=0)
+    host_link_bytes_per_s: float = Field(gt=0, description="GPU-to-host link (PCIe or "
+                                         "chip-to-chip), one direction")
+    host_memory_bytes_per_s: float = Field(gt=0, description="peak DRAM bandwidth of the "
+                                           "node's host CPUs, all sockets, shared by its GPUs")
+    host_source: str
     source: str
 
 

@@ -27,7 +27,7 @@ from memplan import activations as act
 from memplan.errors import MemplanError
 from memplan.hardware import GpuSpec
 from memplan.overheads import Overheads, default_overheads
-from memplan.parallel import GradBuffers, ParallelConfig, validate_layout
+from memplan.parallel import GradBuffers, Offload, ParallelConfig, validate_layout
 from memplan.pipeline import Schedule, chunks_in_flight
 from memplan.spec import ModelSpec, PositionKind
 from memplan.stage import StageKinds, StageStates, optimizer_phase_bytes, stage_parts
@@ -257,6 +257,9 @@ def _assumptions(par: ParallelConfig, wl: Workload, schedule: Schedule,
         if par.data_parallel_buffers else
         "gradients freed after each optimizer step (zero_grad(set_to_none=True))",
         "MoE routing balanced across experts (no capacity drop, no imbalance)",
+        *(("optimizer offloaded to host memory: fp32 master weights, states, an fp32 gradient "
+           "copy and the step on the CPU (ZeRO-Offload); the GPU keeps weights and gradients",)
+          if par.offload is Offload.OPTIMIZER else ()),
         f"cuda context: {ovh.cuda_context_source}",
         f"workspace: {ovh.workspace_source}",
         f"allocator: {ovh.allocator_source}",

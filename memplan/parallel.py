@@ -49,6 +49,21 @@ class GradBuffers(str, enum.Enum):
     COPY = "copy"
 
 
+class Offload(str, enum.Enum):
+    """What lives in host memory instead of on the GPU.
+
+    none       nothing
+    optimizer  the optimizer: its fp32 master weights and states, an fp32 copy of the rank's
+               gradient shard it reads, and its step, which runs on the CPU (ZeRO-Offload,
+               Ren et al. 2021; DeepSpeed ``offload_optimizer: {device: cpu}``, valid with ZeRO
+               stages 1-3). The GPU keeps the weights and gradients its ZeRO stage leaves it:
+               frameworks that free the GPU's gradient shard once it is copied hold less.
+    """
+
+    NONE = "none"
+    OPTIMIZER = "optimizer"
+
+
 class ParallelConfig(BaseModel):
     """Degrees of each parallel dimension. World size = tp * pp * cp * dp.
 
@@ -71,6 +86,7 @@ class ParallelConfig(BaseModel):
                                  "over the vocabulary by TP; False: replicated on each TP rank")
     tp_style: TpStyle = TpStyle.MEGATRON
     grad_buffers: GradBuffers = GradBuffers.VIEW
+    offload: Offload = Offload.NONE
 
     @property
     def data_parallel_buffers(self) -> bool:
@@ -135,6 +151,9 @@ def validate_layout(spec: ModelSpec, par: ParallelConfig, *, seq_len: int) -> No
         raise MemplanError(f"vpp ({par.vpp}) > 1 needs pp > 1 (interleaved pipeline)")
     if par.sequence_parallel:
         _require_divides("tp", par.tp, "seq", seq_len // par.cp)
+    if par.offload is Offload.OPTIMIZER and par.zero < ZeroStage.OPTIMIZER:
+        raise MemplanError("offload optimizer needs ZeRO stage 1, 2 or 3 (DeepSpeed ZeRO-Offload "
+                           f"partitions the optimizer first), got zero {int(par.zero)}")
     if par.cp > 1:
         # Load-balanced causal CP splits the sequence into 2*cp chunks (Megatron-LM context
         # parallelism docs: seq length must be divisible by 2 * cp).

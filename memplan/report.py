@@ -30,6 +30,7 @@ def stage_json(s: StageMemory) -> dict[str, Any]:
         "allocator_bytes": s.allocator_bytes,
         "calibration_bytes": s.calibration_bytes,
         "peak_bytes": s.peak_bytes,
+        "host_bytes": s.host_bytes,
         "peak_phase": s.peak_phase,
         "phases": {"steady": _phases(s.steady), "first_step": _phases(s.first_step)},
         "activation_terms_per_microbatch": {t.name: t.size_bytes for t in s.activation_terms},
@@ -48,7 +49,7 @@ def estimate_json(est: Estimate) -> dict[str, Any]:
         "layout": {"tp": par.tp, "pp": par.pp, "vpp": par.vpp, "dp": par.dp, "cp": par.cp,
                    "ep": par.ep, "zero": int(par.zero), "sp": par.sequence_parallel,
                    "vocab_parallel": par.vocab_parallel, "tp_style": par.tp_style.value,
-                   "grad_buffers": par.grad_buffers.value},
+                   "grad_buffers": par.grad_buffers.value, "offload": par.offload.value},
         "workload": {
             "mbs": wl.micro_batch_size, "gbs": est.global_batch_size,
             "num_microbatches": est.num_microbatches, "seq": wl.seq_len,
@@ -61,6 +62,7 @@ def estimate_json(est: Estimate) -> dict[str, Any]:
         "most_loaded_stage": worst.stage,
         **{name: getattr(worst, name) for name in _COMPONENTS},
         "calibration_bytes": worst.calibration_bytes,
+        "host_bytes": worst.host_bytes,
         "peak_bytes": est.peak_bytes,
         "capacity_bytes": est.capacity_bytes,
         "headroom_bytes": est.headroom_bytes,
@@ -116,6 +118,7 @@ def render_estimate(est: Estimate) -> Any:
         ("CUDA context", "cuda_context_bytes"),
         ("cuBLAS workspace", "workspace_bytes"), ("allocator reserve", "allocator_bytes"),
         ("peak per GPU", "peak_bytes"),
+        *([("host memory (offloaded optimizer)", "host_bytes")] if worst.host_bytes else []),
     ]
     for label, attr in rows:
         value = getattr(worst, attr)

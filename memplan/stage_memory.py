@@ -82,6 +82,7 @@ class StageMemory:
     # a calibration profile's correction of the tensor peak (memplan.calibrate.apply), its own
     # line: peak_bytes = tensor_peak + calibration + context + workspace + allocator
     calibration_bytes: int = 0
+    host_bytes: int = 0  # offloaded to host memory (not in peak_bytes): ``StateBytes.host_bytes``
 
     @property
     def activation_terms(self) -> tuple[act.Term, ...]:
@@ -214,7 +215,7 @@ def stage_record(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, sta
         optimizer_temp_bytes=fx.opt_temp, steady=w.steady, first_step=w.first_step,
         tensor_peak_bytes=tensor_peak, cuda_context_bytes=ovh.cuda_context_bytes,
         workspace_bytes=ovh.workspace_bytes, allocator_bytes=ovh.allocator_bytes(tensor_peak),
-        peak_bytes=rank_peak_bytes(tensor_peak, ovh),
+        peak_bytes=rank_peak_bytes(tensor_peak, ovh), host_bytes=st.host_bytes,
     )
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from memplan.parallel import ParallelConfig, ZeroStage
+from memplan.parallel import Offload, ParallelConfig, ZeroStage
 from memplan.spec import ModelSpec, param_counts
 from memplan.units import DType, ceil_div
 from memplan.workload import Optimizer, OptimizerImpl, Workload
@@ -121,6 +121,7 @@ class StateBytes:
     optimizer_bytes: int  # master copy + optimizer states
     master_bytes: int  # the fp32 master copy alone: created with the optimizer, before step 1
     num_optimizer_params: int  # elements this rank's optimizer updates
+    host_bytes: int = 0  # in host memory instead (offload): master copy, states, fp32 gradients
 
 
 def _shard(num: int, degree: int, sharded: bool) -> int:
@@ -142,9 +143,18 @@ def state_bytes(sp: StageParams, par: ParallelConfig, wl: Workload) -> StateByte
     # and for-loop keep them on the host (torch.optim.AdamW, capturable=False)
     steps = (sp.num_tensors * FP32_BYTES if wl.optimizer is Optimizer.ADAMW
              and wl.optimizer_impl is OptimizerImpl.FUSED else 0)
+    params_bytes = held(ZeroStage.PARAMETERS) * recipe.param_bytes
+    grads_bytes = held(ZeroStage.GRADIENTS) * recipe.grad_bytes
+    if par.offload is Offload.OPTIMIZER:
+        # the CPU optimizer keeps an fp32 master copy even when the GPU trains in fp32
+        # (DeepSpeed's CPU-Adam updates its own fp32 partition), its states, and reads an fp32
+        # copy of the gradient shard; the step counters stay on the host
+        host = opt_params * (FP32_BYTES + wl.optimizer.state_bytes_per_param + FP32_BYTES)
+        return StateBytes(params_bytes=params_bytes, grads_bytes=grads_bytes, optimizer_bytes=0,
+                          master_bytes=0, num_optimizer_params=opt_params, host_bytes=host)
     return StateBytes(
-        params_bytes=held(ZeroStage.PARAMETERS) * recipe.param_bytes,
-        grads_bytes=held(ZeroStage.GRADIENTS) * recipe.grad_bytes,
+        params_bytes=params_bytes,
+        grads_bytes=grads_bytes,
         optimizer_bytes=opt_params * per_param_opt + steps,
         master_bytes=opt_params * recipe.master_bytes,
         num_optimizer_params=opt_params,
@@ -164,6 +174,8 @@ def optimizer_step_temp_bytes(sp: StageParams, st: StateBytes, par: ParallelConf
     """
     recipe = wl.precision.recipe
     temp = 0
+    if par.offload is Offload.OPTIMIZER:  # the step runs on the host
+        return 0
     if wl.optimizer is Optimizer.ADAMW:
         if wl.optimizer_impl is OptimizerImpl.FOREACH:
             temp = st.num_optimizer_params * FP32_BYTES

@@ -24,9 +24,12 @@ from functools import lru_cache
 import numpy as np
 
 from memplan.hardware import GpuSpec
-from memplan.parallel import ParallelConfig, ZeroStage
+from memplan.parallel import Offload, ParallelConfig, ZeroStage
 from memplan.spec import ModelSpec, param_counts
+from memplan.units import DType
 from memplan.workload import Recompute, Workload
+
+FP32_BYTES = DType.FP32.itemsize
 
 # Llama 3 405B pre-training reached 38-43% BF16 MFU on 16k H100s (Dubey et al. 2024, arXiv
 # 2407.21783, Table 4); the midpoint is the assumption until calibration measures it.
@@ -38,7 +41,12 @@ MFU_SOURCE = "assumption: 40% of peak (Llama 3 paper, Table 4: 38-43% on H100) u
 # data-parallel gradient reduction and ZeRO gathers overlap backward and forward except the
 # last bucket; pipeline sends of one micro-batch overlap the next one's compute; context-
 # parallel ring KV exchange overlaps the attention blocks; expert all-to-all is exposed.
-OVERLAP = {"tp": 0.0, "dp": 0.8, "pp": 0.5, "cp": 0.5, "ep": 0.0}
+# An offloaded optimizer (ZeRO-Offload, Ren et al. 2021, section 4.1) copies each gradient
+# shard to the host during backward (overlapped as the data-parallel reduction is); its CPU
+# step and the copy of the updated weights back to the GPU sit between two steps (exposed,
+# without the one-step delayed update).
+OVERLAP = {"tp": 0.0, "dp": 0.8, "pp": 0.5, "cp": 0.5, "ep": 0.0, "host_grads": 0.8,
+           "host_step": 0.0}
 
 
 class Bound(str, enum.Enum):
@@ -111,6 +119,7 @@ class Columns:
     mbs: np.ndarray
     m: np.ndarray  # micro-batches per step
     params_on_rank: np.ndarray  # parameters of the most loaded rank, before ZeRO sharding
+    offload: np.ndarray  # optimizer offloaded to the host (boolean)
 
     @classmethod
     def of(cls, layouts: list[ParallelConfig], mbs: list[int], m: list[int],
@@ -122,7 +131,9 @@ class Columns:
                    ep=col("ep"), zero=col("zero"),
                    sp=np.array([p.sequence_parallel for p in layouts], dtype=bool),
                    mbs=np.array(mbs, dtype=np.int64), m=np.array(m, dtype=np.int64),
-                   params_on_rank=np.array(params_on_rank, dtype=np.int64))
+                   params_on_rank=np.array(params_on_rank, dtype=np.int64),
+                   offload=np.array([p.offload is Offload.OPTIMIZER for p in layouts],
+                                    dtype=bool))
 
     @property
     def world_size(self) -> np.ndarray:
@@ -184,7 +195,24 @@ def comm_columns(spec: ModelSpec, gpu: GpuSpec, wl: Workload,
         routed = tokens * spec.moe.top_k * spec.hidden_size * e
         ep_bytes = np.where(c.ep > 1, 4 * _ring(c.ep) * routed * moe_layers * m, 0.0)
     out["ep"] = ep_bytes / _bandwidth(gpu, c.tp * c.cp * c.ep)
+    out["host_grads"], out["host_step"] = _host_seconds(gpu, wl, c)
     return out
+
+
+def _host_seconds(gpu: GpuSpec, wl: Workload, c: Columns) -> tuple[np.ndarray, np.ndarray]:
+    """An offloaded optimizer's seconds per step: (the gradient shard's copy to the host,
+    the CPU step plus the updated weights' copy back). The CPU step is taken as bound by host
+    memory bandwidth, which the node's GPUs share: it reads the fp32 master weights, the fp32
+    gradient and the states, writes the weights and states back and writes the compute-dtype
+    copy sent to the GPU (Adam: 30 bytes per parameter in bf16). At peak bandwidth this is
+    a lower bound on the step's time."""
+    shard = c.params_on_rank / (c.dp * c.cp)  # the rank's optimizer partition (ZeRO >= 1)
+    e = wl.compute_dtype.itemsize
+    down = shard * wl.precision.recipe.grad_bytes / gpu.host_link_bytes_per_s
+    up = shard * e / gpu.host_link_bytes_per_s
+    streamed = shard * (2 * (FP32_BYTES + wl.optimizer.state_bytes_per_param) + FP32_BYTES + e)
+    cpu = streamed / (gpu.host_memory_bytes_per_s / gpu.gpus_per_node)
+    return np.where(c.offload, down, 0.0), np.where(c.offload, up + cpu, 0.0)
 
 
 _BOUNDS = (Bound.COMPUTE, Bound.COMMUNICATION, Bound.BUBBLE)

@@ -25,6 +25,7 @@ from memplan.cli.options import (
     Mbs,
     Model,
     NormOpt,
+    OffloadOpt,
     OptimizerImplOpt,
     OptimizerOpt,
     Pp,
@@ -43,7 +44,7 @@ from memplan.cli.options import (
     ZeroChoice,
     workload_fields,
 )
-from memplan.parallel import GradBuffers, TpStyle
+from memplan.parallel import GradBuffers, Offload, TpStyle
 from memplan.pipeline import Schedule
 from memplan.workload import Attention, NormImpl, Optimizer, OptimizerImpl, Precision
 
@@ -59,6 +60,7 @@ def estimate(
     vocab_parallel: VocabParallel = True,
     tp_style: TpStyleOpt = TpStyle.MEGATRON,
     grad_buffers: GradBuffersOpt = GradBuffers.VIEW,
+    offload: OffloadOpt = Offload.NONE,
     zero: Zero = ZeroChoice.Z0,
     mbs: Mbs = 1, gbs: Gbs = None, seq: Seq = None,
     recompute: RecomputeOpt = RecomputeChoice.NONE,
@@ -93,7 +95,8 @@ def estimate(
     est = run_estimate(
         model, gpus=gpus, gpu=gpu, gpu_memory=gpu_memory, tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp,
         ep=ep, zero=int(zero.value), sequence_parallel=sp, vocab_parallel=vocab_parallel,
-        tp_style=tp_style.value, grad_buffers=grad_buffers.value, schedule=schedule,
+        tp_style=tp_style.value, grad_buffers=grad_buffers.value, offload=offload.value,
+        schedule=schedule,
         calibration=calibration,
         **workload_fields(mbs=mbs, gbs=gbs, seq=seq, recompute=recompute,
                           recompute_layers=recompute_layers, precision=precision,

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from memplan.parallel import GradBuffers, TpStyle
+from memplan.parallel import GradBuffers, Offload, TpStyle
 from memplan.pipeline import Schedule
 from memplan.workload import Attention, NormImpl, Optimizer, OptimizerImpl, Precision
 
@@ -57,6 +57,9 @@ TpStyleOpt = Annotated[TpStyle, typer.Option(
 GradBuffersOpt = Annotated[GradBuffers, typer.Option(
     "--grad-buffers", help="ZeRO 0/1 data parallel: gradients as views of persistent buffers "
     "(Megatron-LM) or DDP's default copy into buckets.", rich_help_panel=_LAYOUT)]
+OffloadOpt = Annotated[Offload, typer.Option(
+    "--offload", help="optimizer: fp32 master weights, states and the step in host memory "
+    "(ZeRO-Offload; needs --zero 1-3).", rich_help_panel=_LAYOUT)]
 Zero = Annotated[ZeroChoice, typer.Option(
     "--zero", help="ZeRO stage: 1 optimizer states, 2 + gradients, 3 (FSDP) + parameters.",
     rich_help_panel=_LAYOUT)]

@@ -7,6 +7,8 @@ only inside the margin; then the rest by bytes saved. The global batch is held f
 so a smaller micro-batch means more accumulation steps and a larger TP/PP/CP degree a smaller
 data-parallel one. The planner's fastest layout that fits is offered too.
 
+Offloading is offered for the optimizer (``memplan.parallel.Offload``; ZeRO stage 1 with it
+where the job has none), with the host memory it needs per GPU.
 Chunked cross-entropy is offered with ceil(vocab / hidden) chunks, the count Liger Kernel's
 fused linear cross-entropy uses so that one chunk's logits are about the size of the hidden
 states (``liger_kernel/ops/fused_linear_cross_entropy.py``: ``inc_factor = cdiv(V, H)``);
@@ -20,8 +22,10 @@ from typing import Any
 
 from memplan.errors import MemplanError
 from memplan.memory import Estimate
+from memplan.parallel import Offload, ZeroStage
 from memplan.planner import DEFAULT_SAFETY
 from memplan.timing import StepTime, step_time
+from memplan.units import format_gib
 from memplan.workload import OptimizerImpl, Recompute
 
 # With expandable segments a segment grows in place instead of being split, so reserved
@@ -103,6 +107,11 @@ def candidates(est: Estimate) -> list[tuple[str, str, dict[str, Any]]]:
     if wl.loss_chunks == 1 and chunks > 1:
         out.append((f"chunked cross-entropy ({chunks} chunks)", f"--loss-chunks {chunks}",
                     {"loss_chunks": chunks}))
+    if par.offload is Offload.NONE:
+        zero = {} if par.zero >= ZeroStage.OPTIMIZER else {"zero": 1}
+        out.append(("optimizer offloaded to the host",
+                    "--offload optimizer" + (" --zero 1" if zero else ""),
+                    {"offload": Offload.OPTIMIZER.value, **zero}))
     if wl.optimizer_impl is not OptimizerImpl.FUSED:
         out.append(("fused optimizer", "--optimizer-impl fused",
                     {"optimizer_impl": OptimizerImpl.FUSED}))
@@ -136,7 +145,9 @@ def suggest(model: Any, est: Estimate, given: dict[str, Any], *, capacity_bytes:
         except MemplanError as err:
             skipped.append((name, str(err)))
             continue
-        fixes.append(_fix(name, flags, change, new, est, capacity_bytes))
+        note = (f"host memory {format_gib(new.worst.host_bytes)} per GPU" if new.worst.host_bytes
+                else "")
+        fixes.append(_fix(name, flags, change, new, est, capacity_bytes, note=note))
     if with_plan:
         planned = _planned(model, est, base, capacity_bytes, margin_bytes)
         if isinstance(planned, Fix):

@@ -59,7 +59,7 @@ def _fix_row(f: Fix, base_step_s: float) -> str:
     status = "fits" if f.safe else "tight" if f.fits else "over"
     return (f"  {status:5} {f.name}: peak {size(f.peak_bytes)} "
             f"(saves {size(f.saved_bytes)}), step {f.time.step_s:.3g} s ({cost:+.1%})  "
-            f"[{f.flags}]")
+            f"[{f.flags}]" + (f"; {f.note}" if f.note else ""))
 
 
 def render_text(r: DiagnoseResult) -> str:

@@ -23,7 +23,15 @@ _COMM_ADVICE = {
     "pp": "fewer pipeline stages or a larger micro-batch (fewer, larger sends)",
     "cp": "a smaller CP degree (the KV ring grows with it)",
     "ep": "a smaller EP degree, or experts kept inside one node (all-to-all is exposed)",
+    "host_grads": "the optimizer back on the GPU (no offload) where memory allows, or a higher "
+                  "ZeRO stage (a smaller shard crosses the host link)",
+    "host_step": "the optimizer back on the GPU (no offload) where memory allows, or more "
+                 "data-parallel ranks (a smaller shard per CPU step)",
 }
+
+
+_COMM_NAME = {"host_grads": "the gradient copy to the host",
+              "host_step": "the host's optimizer step and weight copy back"}
 
 
 @dataclass(frozen=True)
@@ -59,7 +67,7 @@ def utilisation(est: Estimate, time: StepTime, *, capacity_bytes: int | None = N
         bound = time.bound.value
     if time.bound is Bound.COMMUNICATION or bound == "communication":
         kind = max(time.comm_s, key=lambda k: time.comm_s[k])
-        advice.append(f"communication: {kind.upper()} is the largest ({time.comm_s[kind]:.3g} s "
+        advice.append(f"communication: {_COMM_NAME.get(kind, kind.upper())} is the largest ({time.comm_s[kind]:.3g} s "
                       f"before overlap of a {time.step_s:.3g} s step); {_COMM_ADVICE[kind]}")
     if time.bubble_s > 0:
         advice.append(f"pipeline bubble: {time.bubble_s / time.step_s:.1%} of the step; more "
