@@ -1,31 +1,74 @@
-"""Read the numbers out of a PyTorch CUDA out-of-memory error message, torch-free.
+"""Read the numbers out of a PyTorch out-of-memory error message, torch-free.
 
 The caching allocator raises the message in ``c10/cuda/CUDACachingAllocator.cpp``
-(``DeviceCachingAllocator::malloc``, after it has released cached blocks and retried). Its
-format changed twice; every variant is read here:
+(``DeviceCachingAllocator::malloc``, after it has released cached blocks and retried). The
+formats below were checked against ``libc10_cuda.so`` of the PyPI wheels 1.3.1, 1.4.0, 1.5.0,
+1.13.1, 2.0.1, 2.1.2, 2.2.2, 2.3.1, 2.4.1, 2.5.1, 2.7.1, 2.9.1 and 2.15.0 (its strings, and from
+1.13.1 on the ``c10::str<...>`` instantiation that builds the message, whose template arguments
+give every piece's type in order), against pytorch/pytorch's ``CUDACachingAllocator.cpp``
+(commit 001074d2), ``CUDAMallocAsyncAllocator.cpp`` (03459473) and
+``c10/xpu/XPUCachingAllocator.cpp`` (00d512ae), and against messages users pasted in GitHub
+issues (tests/test_diagnose_formats.py).
 
-PyTorch 1.x and 2.0 (``RuntimeError`` before 1.13, ``torch.cuda.OutOfMemoryError`` from 1.13)::
+The parenthesised format, up to 2.0 (a ``RuntimeError`` in 1.5.0, a
+``torch.cuda.OutOfMemoryError`` in 1.13.1 and 2.0.1)::
 
-    CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 15.78 GiB total capacity;
-    14.56 GiB already allocated; 21.88 MiB free; [5.00 GiB allowed; ]14.65 GiB reserved in
-    total by PyTorch) If reserved memory is >> allocated memory try setting max_split_size_mb ...
+    CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 15.78 GiB total capacity; 14.56 GiB
+    already allocated; 21.88 MiB free; [5.00 GiB allowed; ]14.65 GiB reserved in total by
+    PyTorch)
 
-PyTorch 2.1 ("capacty" is the source's spelling in 2.1), 2.2 to 2.4 and 2.5 on
-(``torch.OutOfMemoryError`` from 2.5; the advice names ``expandable_segments`` from 2.3)::
+1.3.1 ends in "14.65 GiB cached)"; 1.4.0 and 1.5.0 say "reserved in total by PyTorch)" and
+print no "allowed" part. 1.13.1 and 2.0.1 print the "allowed" part
+(``set_per_process_memory_fraction``) and then " If reserved memory is >> allocated memory try
+setting max_split_size_mb to avoid fragmentation.  See documentation for Memory Management and
+PYTORCH_CUDA_ALLOC_CONF". intel-extension-for-pytorch's XPU allocator prints this format
+without the "free" part.
 
-    CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.10 GiB
-    of which 1.50 GiB is free. [5.00 GiB allowed; ][Process 4242 has 3.00 GiB memory in use. ]
-    [Including non-PyTorch memory, this process has 74.58 GiB memory in use. ]Of the allocated
-    memory 70.20 GiB is allocated by PyTorch, and 3.50 GiB is reserved by PyTorch but
-    unallocated. If reserved but unallocated memory is large try setting ...
+The sentence format, 2.1 on (``torch.cuda.OutOfMemoryError``; ``torch.OutOfMemoryError`` from
+2.4)::
 
-The per-process sentences come from NVML (``reportProcessMemoryInfo``) and are absent where the
-driver API is not available. ROCm builds say "HIP out of memory"; the XPU allocator's message
-(``c10/xpu/XPUCachingAllocator.cpp``) has the same sentences without "of which ... is free".
-PyTorch before 1.5 said "cached" where later versions say "reserved in total by PyTorch".
-Every size is ``format_size``: "N bytes" up to 1 KiB, else KiB, MiB or GiB (powers of 1024)
-with two decimals, so each parsed size is within half a unit in the last place of the true
-bytes: ``rounding_bytes`` (0 for "bytes", 5 B for KiB, 5,243 B for MiB, 5,368,710 B for GiB).
+    CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.10 GiB of
+    which 1.50 GiB is free. [Process 4242 has 3.00 GiB memory in use. ][Including non-PyTorch
+    memory, this process has 74.58 GiB memory in use. ][5.00 GiB allowed; ]Of the allocated
+    memory 70.20 GiB is allocated by PyTorch, [with 1.00 GiB allocated in private pools (e.g.,
+    CUDA Graphs), ]and 3.50 GiB is reserved by PyTorch but unallocated. If reserved but ...
+
+- 2.1 spells it "total capacty" and advises max_split_size_mb; 2.2 on spell "capacity" and
+  advise "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True".
+- 2.1 to 2.4 print no "allowed" part at all; 2.5 on print it after the process sentences.
+- 2.4 on add the private-pool clause (its size is counted in the "allocated" figure).
+- 2.3 prints the device index as a raw byte (``DeviceIndex`` is ``int8_t``): GPU 0 writes a
+  NUL that cuts the message after "GPU", GPU 1 to 8 a control character.
+- The process sentences come from NVML (``reportProcessMemoryInfo``), one per process, this
+  process's as "Including non-PyTorch memory, this process"; absent where PyTorch has no NVML
+  access. NVML's "not available" (2^64 - 1 bytes) prints as "17179869184.00 GiB".
+- 2.15.0 words the advice differently when expandable segments are on (after "unallocated.").
+
+ROCm builds say "HIP out of memory" and "(e.g., HIP Graphs)". The XPU allocator
+(``c10/xpu/XPUCachingAllocator.cpp``) writes the same sentences without process sentences or
+private pools, and without "of which ... is free" before its main-branch form.
+
+The cudaMallocAsync backend (``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync``,
+``c10/cuda/CUDAMallocAsyncAllocator.cpp``) has its own message, exact request included::
+
+    Allocation on device 0 would exceed allowed memory. (out of memory)
+    Currently allocated     : 15.16 GiB
+    Requested               : 512.00 KiB
+    Device limit            : 15.99 GiB
+    Free (according to CUDA): 0 bytes
+    PyTorch limit (set by user-supplied memory fraction)
+                            : 17179869184.00 GiB
+
+(no fraction set: the limit is UINT64_MAX). Its device index is a raw byte in 2.3.1 to 2.7.1
+too, so on GPU 0 only "Allocation on device " is left.
+
+"Tried to allocate" is the segment the allocator asked the driver for, not the tensor: the
+request rounded by ``round_size`` and then by ``get_allocation_size`` (2 MiB up to 1 MiB, 20 MiB
+below 10 MiB, else a multiple of 2 MiB). Every size is ``format_size``: "N bytes" up to 1024,
+else value / 1024^k with two decimals in KiB up to 1 MiB, MiB up to 1 GiB and GiB above (no
+larger unit: "3725.29 GiB"); "1024.00 KiB" and "1024.00 MiB" occur. A printed size is within
+0.005 units of the true bytes, so each parsed int is within ``rounding_bytes`` =
+ceil(0.005 x unit): 0 for bytes, 6 B for KiB, 5,243 B for MiB, 5,368,710 B for GiB.
 
 The CUDA runtime's own "CUDA error: out of memory" (cudaMalloc outside the caching allocator:
 NCCL, cuBLAS, the context) carries no numbers; it is recognised as its own kind.
@@ -40,28 +83,54 @@ from dataclasses import dataclass
 from memplan.errors import MemplanError
 from memplan.units import GiB, KiB, MiB
 
-# format_size's units (c10/cuda/CUDACachingAllocator.cpp, format_size)
+# format_size's units (c10/cuda/CUDACachingAllocator.cpp until 2.4, then c10/core)
 _UNITS = {"bytes": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB}
-_SIZE = r"(\d+(?:\.\d+)?)\s*(bytes|KiB|MiB|GiB)"
+_NUM = r"\d+(?:\.\d+)?"
+_UNIT = r"(?:bytes|KiB|MiB|GiB)"
 
-_HEAD = re.compile(r"(CUDA|HIP|XPU) out of memory\.\s*Tried to allocate\s+" + _SIZE)
-# PyTorch 1.x / 2.0: "(GPU 0; 15.78 GiB total capacity; ...)"
+
+def _size(name: str) -> str:
+    return rf"(?P<{name}>{_NUM})\s*(?P<{name}_u>{_UNIT})"
+
+
+# a device index printed as a number, or (2.3's int8_t) as one raw control byte
+_DEVICE = r"(?:(?P<dev>\d+)|(?P<devbyte>[\x00-\x08\x0e-\x1b]))?"
+
+_HEAD = re.compile(r"(?:CUDA|HIP|XPU) out of memory\.\s*Tried to allocate\s+"
+                   + _size("req"))
+_EXABYTE = re.compile(r"(?:CUDA|HIP|XPU) out of memory\. Tried to allocate more than 1EB memory")
+# the parenthesised format (1.x, 2.0; intel-extension-for-pytorch without "free")
 _OLD = re.compile(
-    r"\s*\(GPU (\d+); " + _SIZE + r" total capacity; " + _SIZE + r" already allocated; "
-    + _SIZE + r" free; (?:" + _SIZE + r" allowed; )?" + _SIZE
-    + r" (?:reserved in total by PyTorch|cached)\)")
-# PyTorch 2.1+: sentences
+    r"\s*\(GPU\s*(?P<dev>\d+);\s*" + _size("total") + r" total capacity;\s*" + _size("alloc")
+    + r" already allocated;\s*(?:" + _size("free") + r" free;\s*)?(?:" + _size("allowed")
+    + r" allowed;\s*)?" + _size("reserved") + r" (?:reserved in total by PyTorch|cached)\)?")
+# the sentence format (2.1 on, XPU)
 _NEW = re.compile(
-    r"\.\s*GPU (\d+) has a total (?:capacity|capacty) of " + _SIZE + r"(?: of which " + _SIZE
-    + r" is free)?\.\s*(.*?)Of the allocated memory " + _SIZE
-    + r" is allocated by PyTorch, and " + _SIZE + r" is reserved by PyTorch but unallocated\.")
-_ALLOWED = re.compile(_SIZE + r" allowed;")
-_PROC = re.compile(r"(Process (\d+)|Including non-PyTorch memory, this process) has "
-                   + _SIZE + r" memory in use\.")
+    r"\.\s*GPU ?" + _DEVICE + r"\s*has a total (?:capacity|capacty) of " + _size("total")
+    + r"(?: of which " + _size("free") + r" is free)?\.\s*(?P<middle>.*?)Of the allocated memory "
+    + _size("alloc") + r" is allocated by PyTorch, (?:with " + _size("private")
+    + r" allocated in private pools \(e\.g\., \w+ Graphs\), )?and " + _size("unalloc")
+    + r" is reserved by PyTorch but unallocated\.")
+# 2.3's GPU 0: the NUL device byte ends the text the exception carries
+_CUT = re.compile(r"\.\s*GPU\b(?!\s*\S*\s*has a total)")
+_ALLOWED = re.compile(_size("allowed") + r" allowed;")
+_PROC = re.compile(r"(?:Process (?P<pid>\d+)|Including non-PyTorch memory, this process) has "
+                   + _size("used") + r" memory in use\.")
+# the cudaMallocAsync backend
+_ASYNC = re.compile(
+    r"Allocation on device ?" + _DEVICE + r"\s*would exceed allowed memory\. \(out of memory\)"
+    r"\s*Currently allocated\s*:\s*" + _size("alloc") + r"\s*Requested\s*:\s*" + _size("req")
+    + r"\s*Device limit\s*:\s*" + _size("total") + r"\s*Free \(according to \w+\)\s*:\s*"
+    + _size("free") + r"\s*PyTorch limit \(set by user-supplied memory fraction\)\s*:\s*"
+    + _size("limit"))
+_ASYNC_CUT = re.compile(r"Allocation on device\b")
 _DRIVER = re.compile(r"CUDA error: out of memory")
 _OTHER = re.compile(r"(MPS backend) out of memory")
 # torchrun and most launchers prefix each line of a rank's output: "[rank3]: ", "3: "
 _RANK_PREFIX = re.compile(r"^\s*\[(?:default)?rank(\d+)\]:\s?|^\s*(\d+):\s", re.MULTILINE)
+# NVML's "not available" (2^64 - 1 bytes) prints as 17179869184.00 GiB; so does an unset
+# cudaMallocAsync limit (UINT64_MAX)
+_UNAVAILABLE = 2**63
 
 
 @dataclass(frozen=True)
@@ -71,14 +140,19 @@ class OomReport:
 
     kind: str  # "allocator" (the caching allocator's message), "driver" (no numbers) or
     #            "snapshot" (memplan.diagnose.snapshot: exact bytes)
-    version: str  # which message format: "1.x-2.0", "2.1+", "driver" or "snapshot"
+    version: str  # which message format: "1.x-2.0", "2.1+", "cudaMallocAsync", "driver" or
+    #               "snapshot"
     device: int | None = None
     rank: int | None = None  # from a "[rankN]:" line prefix, when present
+    # the allocation that failed: the caching allocator's segment ("Tried to allocate": the
+    # request rounded up to 2 MiB, 20 MiB or a 2 MiB multiple), cudaMallocAsync's exact
+    # request, a snapshot's request rounded to the allocator's block size
     requested_bytes: int | None = None
     total_bytes: int | None = None  # device total (cudaMemGetInfo)
     free_bytes: int | None = None  # device free when the allocation failed
-    allowed_bytes: int | None = None  # set_per_process_memory_fraction's limit, when set
-    allocated_bytes: int | None = None  # allocated by PyTorch (live tensors)
+    allowed_bytes: int | None = None  # set_per_process_memory_fraction's limit, when printed
+    allocated_bytes: int | None = None  # allocated by PyTorch (live tensors; from 2.4 the
+    #                                     message also counts private_pool_bytes here)
     reserved_bytes: int | None = None  # reserved by PyTorch's caching allocator
     process_bytes: int | None = None  # this process, PyTorch and non-PyTorch memory (NVML)
     other_processes_bytes: int = 0  # other processes on this GPU (NVML)
@@ -86,6 +160,8 @@ class OomReport:
     # from a memory snapshot only (memplan.diagnose.snapshot)
     largest_free_block_bytes: int | None = None  # largest cached block no tensor uses
     num_segments: int | None = None
+    # cached in CUDA-graph private pools, counted in allocated_bytes (2.4+ messages)
+    private_pool_bytes: int | None = None
 
     @property
     def unallocated_bytes(self) -> int | None:
@@ -116,12 +192,22 @@ def _bytes(value: str, unit: str) -> tuple[int, int]:
     return round(float(value) * scale), bound
 
 
+def _get(m: re.Match, name: str) -> tuple[int, int] | None:
+    return _bytes(m.group(name), m.group(name + "_u")) if m.group(name) else None
+
+
+def _device(m: re.Match) -> int | None:
+    if m.group("dev"):
+        return int(m.group("dev"))
+    return ord(m.group("devbyte")) if m.group("devbyte") else None
+
+
 def _clean(text: str) -> tuple[str, int | None]:
     """One line of text without launcher prefixes, and the rank they named (the first)."""
     rank = None
     for line in text.splitlines():  # the prefix of the line that reports the failure
         match = _RANK_PREFIX.match(line)
-        if match and "out of memory" in line:
+        if match and ("out of memory" in line or "Allocation on device" in line):
             rank = int(match.group(1) or match.group(2))
             break
     return " ".join(_RANK_PREFIX.sub("", text).split()), rank
@@ -131,20 +217,15 @@ def parse_oom(text: str) -> OomReport:
     """The first out-of-memory message in ``text`` (a log, a traceback or the message alone).
 
     Raises MemplanError naming what is missing when no message can be read."""
+    if not isinstance(text, str):
+        raise MemplanError(f"the OOM text must be a string, not {type(text).__name__}")
     flat, rank = _clean(text)
     if not flat:
         raise MemplanError("the OOM text is empty: give the error message PyTorch printed")
     head = _HEAD.search(flat)
     if head is None:
-        if _DRIVER.search(flat):
-            return OomReport(kind="driver", version="driver", rank=rank)
-        other = _OTHER.search(flat)
-        if other:
-            raise MemplanError(f"{other.group(1)} out-of-memory messages are not read; give "
-                               "a CUDA, HIP or XPU caching allocator message")
-        raise MemplanError("no PyTorch out-of-memory message found: expected 'CUDA out of "
-                           "memory. Tried to allocate ...' (PyTorch 1.x to current)")
-    requested, bound = _bytes(head.group(2), head.group(3))
+        return _headless(flat, rank)
+    requested, bound = _get(head, "req")
     rest = flat[head.end():]
     old = _OLD.match(rest)
     if old:
@@ -152,47 +233,89 @@ def parse_oom(text: str) -> OomReport:
     new = _NEW.match(rest)
     if new:
         return _new_report(new, requested, bound, rank)
-    raise MemplanError("the out-of-memory message is incomplete or altered after 'Tried to "
-                       f"allocate {head.group(2)} {head.group(3)}': expected the GPU's total "
-                       "capacity, free, allocated and reserved sizes")
+    said = f"'Tried to allocate {head.group('req')} {head.group('req_u')}"
+    if _CUT.match(rest):
+        raise MemplanError(f"the out-of-memory message ends after {said}. GPU': PyTorch 2.3 "
+                           "printed the device index as a raw byte, and GPU 0's byte (NUL) "
+                           "cut the message there, so no other size survives; give a memory "
+                           "snapshot (--snapshot) instead")
+    raise MemplanError(f"the out-of-memory message is incomplete or altered after {said}': "
+                       "expected the GPU's total capacity, free, allocated and reserved sizes")
+
+
+def _headless(flat: str, rank: int | None) -> OomReport:
+    """A message without "out of memory. Tried to allocate <size>"."""
+    fast = _ASYNC.search(flat)
+    if fast:
+        return _async_report(fast, rank)
+    if _EXABYTE.search(flat):
+        raise MemplanError("the failed request was over 1 EB ('Tried to allocate more than "
+                           "1EB memory'): a size computed wrongly, not a memory plan; the "
+                           "message has no other sizes")
+    if _ASYNC_CUT.search(flat):
+        raise MemplanError("the cudaMallocAsync out-of-memory message stops after 'Allocation "
+                           "on device': PyTorch 2.3 and later printed the device index as a "
+                           "raw byte, and GPU 0's byte (NUL) cut the message there, so no size "
+                           "survives; give a memory snapshot (--snapshot) instead")
+    if _DRIVER.search(flat):
+        return OomReport(kind="driver", version="driver", rank=rank)
+    other = _OTHER.search(flat)
+    if other:
+        raise MemplanError(f"{other.group(1)} out-of-memory messages are not read; give "
+                           "a CUDA, HIP or XPU caching allocator message")
+    raise MemplanError("no PyTorch out-of-memory message found: expected 'CUDA out of "
+                       "memory. Tried to allocate ...' (PyTorch 1.x to current)")
 
 
 def _old_report(m: re.Match, requested: int, bound: int, rank: int | None) -> OomReport:
-    sizes = [_bytes(m.group(i), m.group(i + 1)) if m.group(i) else None
-             for i in (2, 4, 6, 8, 10)]
-    total, allocated, free, allowed, reserved = sizes
-    bounds = [bound, *(s[1] for s in sizes if s)]
-    return OomReport(kind="allocator", version="1.x-2.0", device=int(m.group(1)), rank=rank,
-                     requested_bytes=requested, total_bytes=total[0], free_bytes=free[0],
+    total, allocated, free = _get(m, "total"), _get(m, "alloc"), _get(m, "free")
+    allowed, reserved = _get(m, "allowed"), _get(m, "reserved")
+    bounds = [bound, *(s[1] for s in (total, allocated, free, allowed, reserved) if s)]
+    return OomReport(kind="allocator", version="1.x-2.0", device=int(m.group("dev")),
+                     rank=rank, requested_bytes=requested, total_bytes=total[0],
+                     free_bytes=free[0] if free else None,
                      allowed_bytes=allowed[0] if allowed else None, allocated_bytes=allocated[0],
                      reserved_bytes=reserved[0], rounding_bytes=max(bounds))
 
 
 def _new_report(m: re.Match, requested: int, bound: int, rank: int | None) -> OomReport:
-    total = _bytes(m.group(2), m.group(3))
-    free = _bytes(m.group(4), m.group(5)) if m.group(4) else None  # XPU's message has none
-    middle = m.group(6)  # NVML process lines and the memory-fraction limit, when present
-    allowed = _ALLOWED.search(middle)
-    allowed_size = _bytes(allowed.group(1), allowed.group(2)) if allowed else None
-    allocated, unallocated = _bytes(m.group(7), m.group(8)), _bytes(m.group(9), m.group(10))
+    total, free = _get(m, "total"), _get(m, "free")  # XPU before main prints no free
+    allocated, unallocated, private = _get(m, "alloc"), _get(m, "unalloc"), _get(m, "private")
+    middle = m.group("middle")  # NVML process sentences and the memory-fraction limit
+    allowed_m = _ALLOWED.search(middle)
+    allowed = _get(allowed_m, "allowed") if allowed_m else None
     bounds = [bound, total[1], allocated[1], unallocated[1],
-              *(x[1] for x in (free, allowed_size) if x)]
+              *(x[1] for x in (free, allowed, private) if x)]
     process, others = None, 0
     for proc in _PROC.finditer(middle):
-        size = _bytes(proc.group(3), proc.group(4))
+        size = _get(proc, "used")
+        if size[0] >= _UNAVAILABLE:  # NVML had no figure for this process
+            continue
         bounds.append(size[1])
-        if proc.group(2) is None:
+        if proc.group("pid") is None:
             process = size[0]
         else:
             others += size[0]
-    return OomReport(kind="allocator", version="2.1+", device=int(m.group(1)), rank=rank,
+    return OomReport(kind="allocator", version="2.1+", device=_device(m), rank=rank,
                      requested_bytes=requested, total_bytes=total[0],
                      free_bytes=free[0] if free else None,
-                     allowed_bytes=allowed_size[0] if allowed_size else None,
+                     allowed_bytes=allowed[0] if allowed else None,
                      allocated_bytes=allocated[0], reserved_bytes=allocated[0] + unallocated[0],
                      process_bytes=process, other_processes_bytes=others,
+                     private_pool_bytes=private[0] if private else None,
                      # reserved is the sum of two rounded sizes
                      rounding_bytes=max(max(bounds), allocated[1] + unallocated[1]))
+
+
+def _async_report(m: re.Match, rank: int | None) -> OomReport:
+    allocated, requested = _get(m, "alloc"), _get(m, "req")
+    total, free, limit = _get(m, "total"), _get(m, "free"), _get(m, "limit")
+    allowed = limit if limit[0] < _UNAVAILABLE else None  # UINT64_MAX: no fraction set
+    bounds = [s[1] for s in (allocated, requested, total, free, allowed) if s]
+    return OomReport(kind="allocator", version="cudaMallocAsync", device=_device(m), rank=rank,
+                     requested_bytes=requested[0], total_bytes=total[0], free_bytes=free[0],
+                     allowed_bytes=allowed[0] if allowed else None,
+                     allocated_bytes=allocated[0], rounding_bytes=max(bounds))
 
 
 def read_oom(path: str, stdin_text: str | None = None) -> OomReport:
