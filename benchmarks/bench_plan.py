@@ -8,7 +8,8 @@ For each case it prints the median over fresh interpreters of: the first ``mempl
 (imports and the model and GPU lookups done, the search's caches empty), a second call in the
 same interpreter, and the whole ``memplan plan ... --json`` command; then the candidates the
 search covered ((layout, recompute policy, micro-batch) triples), the exact evaluations of the
-most loaded rank it needed, and the candidates that fit.
+most loaded rank it needed, and the candidates that fit. First, the start-up every command
+pays before it searches: a fresh interpreter importing the CLI and numpy.
 
 Targets (issue): the full search for llama-3.1-405b on 16,384 H100s at seq 8192 under 2 s
 wall on a 2-core machine; a 7B model on 8 GPUs under 0.5 s.
@@ -62,6 +63,14 @@ def command(model: str, gpus: int, fields: dict) -> float:
     return time.perf_counter() - start
 
 
+def start_up() -> float:
+    """Wall time of a fresh interpreter importing what the command imports before it searches
+    (the CLI, hence pydantic and typer, and numpy): the floor under any command's time."""
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import memplan.cli, memplan.planner"], check=True)
+    return time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=7)
@@ -69,6 +78,8 @@ def main() -> None:
     print(f"median of {runs} runs each; candidates: (layout, recompute, micro-batch) searched")
     print(f"{'case':26} {'first call':>10} {'second':>8} {'command':>8} {'candidates':>11} "
           f"{'evaluated':>10} {'fit':>5}")
+    floor = statistics.median(start_up() for _ in range(runs))
+    print(f"start-up (interpreter + imports, no search): {floor:.3f}s")
     for model, gpus, fields in CASES:
         results = [in_process(model, gpus, fields) for _ in range(runs)]
         first = statistics.median(r["times"][0] for r in results)

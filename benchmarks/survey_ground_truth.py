@@ -54,7 +54,8 @@ def sample_workload(rng: random.Random, small: bool) -> dict:
         recompute=rng.choice(["none", "selective", "full"]),
         attention=rng.choice(["flash", "eager"]), norm_impl=rng.choice(["upcast", "fused"]),
         logits_fp32=rng.random() < 0.7,
-        optimizer_impl=rng.choice(["foreach", "fused", "forloop"]))
+        optimizer_impl=rng.choice(["foreach", "fused", "forloop"]),
+        loss_chunks=rng.choice([1, 1, 2, 3, 8]))
 
 
 def main() -> None:

@@ -242,7 +242,8 @@ def test_grid_is_broad() -> None:
     assert any("recompute_layers" in f for f in fields)
     assert {f.get("attention", "flash") for f in fields} == {"flash", "eager"}
     assert {f["micro_batch_size"] for f in fields} >= {1, 2, 3, 4}
-    assert min(f["seq_len"] for f in fields) == 64 and max(f["seq_len"] for f in fields) == 1024
+    assert min(f["seq_len"] for f in fields) == 15 and max(f["seq_len"] for f in fields) == 1024
+    assert {f.get("loss_chunks", 1) for f in fields} >= {1, 2, 3, 4}
     specs = [s for s, _, _ in cases]
     assert {s.num_kv_heads for s in specs} >= {1, 2, 4}
     assert {s.tied_embeddings for s in specs} == {True, False}
