@@ -52,7 +52,7 @@ V2_2 = ("torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00
         "but unallocated memory is large try setting max_split_size_mb to avoid fragmentation.  "
         "See documentation for Memory Management  "
         "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)")
-# PyTorch 2.5+: torch.OutOfMemoryError, expandable_segments advice, wrapped by torchrun
+# PyTorch 2.4+: torch.OutOfMemoryError (expandable_segments advice from 2.2), wrapped by torchrun
 V2_5 = """[rank3]: Traceback (most recent call last):
 [rank3]:   File "/workspace/train.py", line 212, in <module>
 [rank3]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.71 GiB. GPU 3 has a
@@ -603,3 +603,22 @@ def test_chunked_loss_fix_is_re_estimated() -> None:
     # the saved log-softmax (T * V * 4) and a loss scalar are gone from the activations
     assert est.worst.activations_bytes - again.worst.activations_bytes == logits + 4
     assert fix.saved_bytes == r.fixes.baseline.peak_bytes - again.peak_bytes > logits
+
+
+def test_requested_size_is_the_allocator_segment() -> None:
+    """The caching allocator reports the segment it asked the driver for: a 40,000 B tensor
+    asks for 2 MiB (pytorch/pytorch#67971 prints "Tried to allocate 2.00 MiB"), one under
+    10 MiB for 20 MiB, a larger one rounded up to 2 MiB; cudaMallocAsync reports the request."""
+    from memplan.diagnose.oom import OomReport, request_matches, segment_bytes
+
+    assert segment_bytes(40_000) == 2 * 1024**2
+    assert segment_bytes(5 * 1024**2) == 20 * 1024**2
+    assert segment_bytes(10 * 1024**2 + 1) == 12 * 1024**2
+    # Llama-3-8B's fp32 logits at mbs 1, seq 4095: 4095 * 128,256 * 4 = 2,100,813,120 B, a
+    # segment of 1,002 * 2 MiB = 2,101,346,304 B ("Tried to allocate 1.96 GiB")
+    logits = 4095 * 128_256 * 4
+    assert segment_bytes(logits) == 2_101_346_304
+    cached = OomReport(kind="allocator", version="2.1+", requested_bytes=2_101_346_304)
+    assert request_matches(cached, logits) and not request_matches(cached, logits // 2)
+    exact = OomReport(kind="allocator", version="cudaMallocAsync", requested_bytes=logits)
+    assert request_matches(exact, logits) and not request_matches(exact, logits + 512)

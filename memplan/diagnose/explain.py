@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from memplan.diagnose.oom import OomReport
+from memplan.diagnose.oom import OomReport, request_matches
 from memplan.memory import Estimate, StageMemory
 from memplan.overheads import ALLOCATOR_FRACTION
 from memplan.workload import OptimizerImpl
@@ -174,7 +174,8 @@ def _comparison(est: Estimate, s: StageMemory, oom: OomReport,
     text = ("the estimate's tensor peak on this rank is {predicted_tensor_bytes}; the job held "
             "{allocated_bytes} and asked for {requested_bytes} more ({demand_bytes}) when it "
             f"failed: the estimate's peak is {{gap_bytes}} {where} that point (sizes in the "
-            "message within {rounding_bytes})")
+            "message within {rounding_bytes}; the requested size is the segment the caching "
+            "allocator asked for: the tensor rounded up to 2 MiB when large)")
     if gap < 0:
         text += ("; the job needs more than the estimate at its peak, so this configuration "
                  "differs from the one given, or something the estimate does not count is "
@@ -235,7 +236,7 @@ def _loss(est, s, step, phase, parts, oom, capacity) -> Finding | None:
     logits = _logits_sizes(est)
     if oom is not None and oom.requested_bytes is not None:
         for dtype, size in logits.items():
-            if abs(oom.requested_bytes - size) <= oom.rounding_bytes:
+            if request_matches(oom, size):
                 return Finding("loss", f"the failed allocation is one {dtype} logits tensor "
                                "({logits_bytes}: micro-batch x sequence x vocabulary on this "
                                "rank): the loss's spike; chunked cross-entropy (--loss-chunks: "

@@ -318,6 +318,43 @@ def _async_report(m: re.Match, rank: int | None) -> OomReport:
                      allocated_bytes=allocated[0], rounding_bytes=max(bounds))
 
 
+# The caching allocator's block sizes (c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize,
+# kSmallSize, kSmallBuffer, kMinLargeAlloc, kLargeBuffer, kRoundLarge).
+_MIN_BLOCK, _SMALL_SIZE, _SMALL_BUFFER = 512, MiB, 2 * MiB
+_MIN_LARGE_ALLOC, _LARGE_BUFFER, _ROUND_LARGE = 10 * MiB, 20 * MiB, 2 * MiB
+
+
+def _round_up(n: int, unit: int) -> int:
+    return -(-n // unit) * unit
+
+
+def segment_bytes(tensor_bytes: int) -> int:
+    """The segment the caching allocator asks the driver for when no cached block serves a
+    tensor of ``tensor_bytes`` (``round_size`` then ``get_allocation_size``): what its OOM
+    message prints after "Tried to allocate"."""
+    size = max(_MIN_BLOCK, _round_up(tensor_bytes, _MIN_BLOCK))
+    if size <= _SMALL_SIZE:
+        return _SMALL_BUFFER
+    if size < _MIN_LARGE_ALLOC:
+        return _LARGE_BUFFER
+    return _round_up(size, _ROUND_LARGE)
+
+
+def request_matches(oom: OomReport, tensor_bytes: int) -> bool:
+    """Whether the failed allocation of ``oom`` can be one tensor of ``tensor_bytes``: the
+    caching allocator reports its segment (``segment_bytes``), a snapshot the request rounded
+    to 512 B, cudaMallocAsync the request itself; each within the message's rounding."""
+    if oom.requested_bytes is None:
+        return False
+    if oom.kind == "allocator" and oom.version != "cudaMallocAsync":
+        expected = segment_bytes(tensor_bytes)
+    elif oom.kind == "snapshot":
+        expected = max(_MIN_BLOCK, _round_up(tensor_bytes, _MIN_BLOCK))
+    else:
+        expected = tensor_bytes
+    return abs(oom.requested_bytes - expected) <= oom.rounding_bytes
+
+
 def read_oom(path: str, stdin_text: str | None = None) -> OomReport:
     """``parse_oom`` of a file's text, or of ``stdin_text`` when ``path`` is "-"."""
     if path == "-":

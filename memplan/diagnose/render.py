@@ -32,7 +32,9 @@ def _oom_line(oom: OomReport) -> str:
              + (f", rank {oom.rank}" if oom.rank is not None else "") + "):"]
     for label, value in (("requested", oom.requested_bytes), ("total", oom.total_bytes),
                          ("free", oom.free_bytes), ("allowed", oom.allowed_bytes),
-                         ("allocated", oom.allocated_bytes), ("reserved", oom.reserved_bytes),
+                         ("allocated", oom.allocated_bytes),
+                         ("of it in private pools", oom.private_pool_bytes),
+                         ("reserved", oom.reserved_bytes),
                          ("this process", oom.process_bytes),
                          ("other processes", oom.other_processes_bytes or None),
                          ("largest free block", oom.largest_free_block_bytes)):
@@ -102,7 +104,7 @@ def _oom_json(oom: OomReport | None) -> dict[str, Any] | None:
     fields = ("kind", "version", "device", "rank", "requested_bytes", "total_bytes",
               "free_bytes", "allowed_bytes", "allocated_bytes", "reserved_bytes",
               "process_bytes", "other_processes_bytes", "rounding_bytes",
-              "largest_free_block_bytes", "num_segments")
+              "largest_free_block_bytes", "num_segments", "private_pool_bytes")
     out = {name: getattr(oom, name) for name in fields}
     out["unallocated_bytes"] = oom.unallocated_bytes
     out["non_pytorch_bytes"] = oom.non_pytorch_bytes
