@@ -42,7 +42,7 @@ from memplan.stage_memory import (
     stage_record,
     walk_stage,
 )
-from memplan.workload import Workload
+from memplan.workload import Precision, Workload
 
 # PHASES, PhasePeaks and StageMemory are defined with the stage walk and re-exported here,
 # beside the Estimate that holds them.
@@ -132,6 +132,10 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
     if wl.seq_len > spec.max_seq_len and spec.position is PositionKind.LEARNED:
         raise MemplanError(
             f"seq ({wl.seq_len}) exceeds {spec.name}'s learned positions ({spec.max_seq_len})")
+    if par.offload is Offload.OPTIMIZER and wl.precision is Precision.FSDP_BF16:
+        raise MemplanError("offload optimizer models DeepSpeed's ZeRO-Offload (optimizer only); "
+                           "precision fsdp-bf16 is FSDP2, whose CPUOffloadPolicy offloads the "
+                           "weights too, which memplan does not model")
     per_stage = spec.num_layers // par.pp
     if wl.recompute_layers is not None and wl.recompute_layers > per_stage:
         raise MemplanError(f"recompute_layers ({wl.recompute_layers}) must be at most the layers "

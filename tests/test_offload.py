@@ -102,3 +102,13 @@ def test_diagnose_offers_offload_re_estimated() -> None:
     assert fix.peak_bytes == again.peak_bytes and fix.fits
     assert fix.note == "host memory 12.55 GiB per GPU" and again.worst.host_bytes == SHARD * 16
     assert fix.time.step_s > r.fixes.baseline_time.step_s
+
+
+def test_fsdp_precision_is_not_offloaded() -> None:
+    """FSDP2 has no optimizer-only offload: the combination is refused and never suggested."""
+    with pytest.raises(MemplanError, match="fsdp-bf16 is FSDP2"):
+        memplan.estimate("llama-3-8b", gpus=8, zero=3, precision="fsdp-bf16",
+                         offload="optimizer")
+    r = diagnose("llama-3-8b", gpus=8, zero=3, precision="fsdp-bf16", micro_batch_size=2,
+                 seq_len=8192)
+    assert not any("offload" in f.name for f in r.fixes.ranked)

@@ -26,7 +26,7 @@ from memplan.parallel import Offload, ZeroStage
 from memplan.planner import DEFAULT_SAFETY
 from memplan.timing import StepTime, step_time
 from memplan.units import format_gib
-from memplan.workload import OptimizerImpl, Recompute
+from memplan.workload import OptimizerImpl, Precision, Recompute
 
 # With expandable segments a segment grows in place instead of being split, so reserved
 # memory follows allocated memory up to page rounding (PyTorch docs, "CUDA memory management:
@@ -107,7 +107,7 @@ def candidates(est: Estimate) -> list[tuple[str, str, dict[str, Any]]]:
     if wl.loss_chunks == 1 and chunks > 1:
         out.append((f"chunked cross-entropy ({chunks} chunks)", f"--loss-chunks {chunks}",
                     {"loss_chunks": chunks}))
-    if par.offload is Offload.NONE:
+    if par.offload is Offload.NONE and wl.precision is not Precision.FSDP_BF16:
         zero = {} if par.zero >= ZeroStage.OPTIMIZER else {"zero": 1}
         out.append(("optimizer offloaded to the host",
                     "--offload optimizer" + (" --zero 1" if zero else ""),
