@@ -204,7 +204,15 @@ def layer_forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer:
             saving = recompute is Recompute.NONE
             core = eager.forward_saving(c) if saving else eager.forward_checkpointed(c)
             after_core = eager.output_projection(c, saving)
-        return [
+        relu = []
+        if spec.mlp is MlpKind.RELU and not (moe_layer and spec.moe is not None):
+            # ReLU saves its output, not its input: the first linear's output lives beside it
+            # until the activation returns, before the block's output dropout mask (traced)
+            mask = rows * h * MASK_BYTES if spec.dropout > 0 else 0
+            relu = [ForwardMoment(
+                "mlp_act", b["attn_norm"] + b["attn"] + b["mlp_norm"] + b["ffn"] - mask,
+                unsaved_input + dm.tokens * spec.ffn_hidden_size // t * e)]
+        return relu + [
             ForwardMoment("attn_norm", b["attn_norm"], unsaved_input + fp32_normed),
             ForwardMoment("attention", b["attn_norm"] + b["attn"],
                           unsaved_input + stream + after_core),
@@ -289,9 +297,10 @@ def norm_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
         # the gradient entering the aten kernel (the weighted one; in low precision its fp32
         # copy, the weighted one freed by then) and the input gradient it returns
         return 2 * rows * h * FP32_BYTES
-    casts = 1 if e < FP32_BYTES else 0  # the cast back's backward makes an fp32 gradient copy
-    count = 4 + casts
-    return count * rows * h * FP32_BYTES
+    # Five fp32 hidden-sized tensors at the peak (traced): in low precision the cast back's
+    # fp32 gradient copy and four from the RMSNorm math; in fp32, where the casts are no-ops,
+    # the weighted gradient itself and the same four
+    return 5 * rows * h * FP32_BYTES
 
 
 def _attention_backward(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute,

@@ -136,6 +136,16 @@ GRID = [
           precision="fp32"), True),
     (_variant(GPT_WIDE, name="gpt-wide-relu", mlp="relu", dropout=0.0, vocab_size=100),
      dict(seq_len=128, micro_batch_size=2), True),
+    # found by the survey once chunked losses no longer set the peaks: ReLU's first linear
+    # output beside its activation (forward), fp32 upcast RMSNorm's fifth gradient tensor
+    (_variant(GPT_WIDE, name="gpt-wide-relu-tied", mlp="relu", vocab_size=8, num_layers=3,
+              num_attention_heads=4, num_kv_heads=4, head_dim=32, hidden_size=256,
+              ffn_hidden_size=1376, tied_embeddings=True, dropout=0.1),
+     dict(seq_len=512, micro_batch_size=3, norm_impl="fused"), True),
+    (_variant(WIDE, name="wide-h512-q64", num_layers=3, hidden_size=512, num_attention_heads=2,
+              num_kv_heads=2, vocab_size=8),
+     dict(seq_len=512, micro_batch_size=3, precision="fp32", recompute="selective",
+          attention="eager", optimizer_impl="forloop"), True),
     # chunked loss: the last chunk's log-softmax backward, its weight gradient made, or the
     # three-way sum of the chunk before it sets the peak; uneven chunks (seq 15)
     (LOSS_HEAVY, dict(seq_len=128, micro_batch_size=2, loss_chunks=4), True),
