@@ -153,13 +153,21 @@ class SharedTerms:
         self.final_norm_bwd = mom.norm_backward_bytes(spec, wl, dm)
         self.kinds: dict[tuple[bool, Recompute], LayerKind] = {}
         self.moments: dict[tuple[int, int, tuple[bool, Recompute]], tuple[int, ...]] = {}
+        # the loss's and the head projection's backward bytes, by the head gradient's size
+        self.head_bwd: dict[int, tuple[int, int]] = {}
         self.spec, self.wl = spec, wl
 
     def loss_bwd(self, vocab_grad: int) -> int:
-        return act.head_backward_extra_bytes(self.spec, self.wl, self.dm, vocab_grad)
+        found = self.head_bwd.get(vocab_grad)
+        if found is None:
+            found = self.head_bwd[vocab_grad] = (
+                act.head_backward_extra_bytes(self.spec, self.wl, self.dm, vocab_grad),
+                act.head_linear_backward_bytes(self.spec, self.wl, self.dm, vocab_grad))
+        return found[0]
 
     def head_linear_bwd(self, vocab_grad: int) -> int:
-        return act.head_linear_backward_bytes(self.spec, self.wl, self.dm, vocab_grad)
+        self.loss_bwd(vocab_grad)
+        return self.head_bwd[vocab_grad][1]
 
     def moment_params(self, t: int, ep: int, key: tuple[bool, Recompute]) -> tuple[int, ...]:
         found = self.moments.get((t, ep, key))
