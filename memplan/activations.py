@@ -258,19 +258,19 @@ def head_linear_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims,
     the last chunk's weight gradient made, with its logits' gradient not yet freed and all
     input gradients beside it, or the three-way sum of the chunk run before it, beside the
     input gradients made so far (traced: tests/test_ground_truth.py, ``loss_chunks``)."""
-    grad_input = dm.tokens // dm.res_tokens_div * spec.hidden_size * dm.e
     chunk, chunks = loss_chunk_tokens(wl, dm)
     grad_logits = chunk * _vocab_shard(spec, dm) * dm.e
-    if chunks > 1:
-        grad_input = _chunk_input_grads(spec, dm)
-    if chunks == 1:
+    if wl.loss_chunks == 1:
         # with fp32 logits, the upcast's fp32 gradient has replaced the fp32 logits (both
         # freed by now); without, nothing is upcast: the compute-dtype logits gradient
+        grad_input = dm.tokens // dm.res_tokens_div * spec.hidden_size * dm.e
         return grad_logits + grad_input + vocab_grad_bytes
-    last_made = grad_input + 2 * vocab_grad_bytes + grad_logits
+    grad_input = _chunk_input_grads(spec, dm)
+    summed = vocab_grad_bytes if chunks > 1 else 0  # the earlier chunks' sum, in the buffer
+    last_made = grad_input + summed + vocab_grad_bytes + grad_logits
     # the sum before the last chunk run's: the input gradients of all chunks but the first
     before_last = grad_input - grad_input * chunk // dm.tokens if chunks > 2 else 0
-    return max(last_made, before_last + 3 * vocab_grad_bytes)
+    return max(last_made, before_last + 3 * summed)
 
 
 def eager_mask_bytes(wl: Workload, dm: Dims) -> int:

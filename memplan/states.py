@@ -149,7 +149,8 @@ def state_bytes(sp: StageParams, par: ParallelConfig, wl: Workload) -> StateByte
         # the CPU optimizer keeps an fp32 master copy even when the GPU trains in fp32
         # (DeepSpeed's CPU-Adam updates its own fp32 partition), its states, and reads an fp32
         # copy of the gradient shard; the step counters stay on the host
-        host = opt_params * (FP32_BYTES + wl.optimizer.state_bytes_per_param + FP32_BYTES)
+        master, grad = FP32_BYTES, FP32_BYTES
+        host = opt_params * (master + wl.optimizer.state_bytes_per_param + grad)
         return StateBytes(params_bytes=params_bytes, grads_bytes=grads_bytes, optimizer_bytes=0,
                           master_bytes=0, num_optimizer_params=opt_params, host_bytes=host)
     return StateBytes(
