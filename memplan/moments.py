@@ -21,7 +21,7 @@ from memplan.activations import (
     norm_terms,
     total,
 )
-from memplan.spec import MlpKind, ModelSpec, NormKind
+from memplan.spec import MlpKind, ModelSpec, NormKind, PositionKind
 from memplan.workload import Attention, NormImpl, Recompute, Workload
 
 
@@ -245,8 +245,16 @@ def layer_forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer:
         inner = dm.tokens * spec.ffn_hidden_size // t * e
         # gated: activation, up and product together; plain: first linear and activation
         mlp_ws = max(stream + inner, (3 if spec.mlp.gated else 2) * inner)
+    rope = []
+    if spec.position is PositionKind.ROPE:
+        # q, k and v stay alive while RoPE makes the rotated copies (the call rebinds both
+        # only when k's is done); at k's, q's rotated copy and three k-sized tensors (k * cos,
+        # the rotated half, its product with sin); at q's, three q-sized ones (traced)
+        k_bytes = dm.tokens * spec.kv_size // t * e
+        rope_ws = max(4 * q_bytes + kv_bytes, 2 * q_bytes + 4 * k_bytes + kv_bytes - k_bytes)
+        rope = [ForwardMoment("rope", 2 * stream + rope_ws, 0)]
     # x is the checkpointed input; the norm output lives while its block runs
-    return [
+    return rope + [
         ForwardMoment("attn_norm", stream + norm_ws, 0),
         ForwardMoment("attention", 3 * stream + attn_ws, 0),
         ForwardMoment("mlp_norm", 2 * stream + norm_ws, 0),

@@ -146,6 +146,14 @@ GRID = [
               num_kv_heads=2, vocab_size=8),
      dict(seq_len=512, micro_batch_size=3, precision="fp32", recompute="selective",
           attention="eager", optimizer_impl="forloop"), True),
+    # q wider than the hidden size (as in Gemma), full recompute: RoPE's rotated copies in
+    # the checkpointed forward, MHA and GQA
+    (_variant(WIDE, name="wide-q512", num_layers=2, num_attention_heads=8, num_kv_heads=8,
+              head_dim=64, vocab_size=8),
+     dict(seq_len=256, micro_batch_size=2, recompute="full"), True),
+    (_variant(WIDE, name="wide-q512-gqa", num_layers=2, num_attention_heads=8, num_kv_heads=2,
+              head_dim=64, vocab_size=8),
+     dict(seq_len=256, micro_batch_size=2, recompute="full", precision="fp32"), True),
     # chunked loss: the last chunk's log-softmax backward, its weight gradient made, or the
     # three-way sum of the chunk before it sets the peak; uneven chunks (seq 15)
     (LOSS_HEAVY, dict(seq_len=128, micro_batch_size=2, loss_chunks=4), True),
