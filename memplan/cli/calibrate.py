@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from memplan.cli import app
+from memplan.cli import _app as app
 from memplan.cli.options import Json, PrecisionOpt
 from memplan.errors import MemplanError
 from memplan.workload import Precision, Workload

@@ -6,7 +6,7 @@ import json
 
 import typer
 
-from memplan.cli import app
+from memplan.cli import _app as app
 from memplan.cli.options import Json
 from memplan.hardware import gpu_catalog
 from memplan.spec import catalog_names, load_model

@@ -7,7 +7,7 @@ import json
 import typer
 
 from memplan.api import estimate as run_estimate
-from memplan.cli import app
+from memplan.cli import _app as app
 from memplan.cli.options import (
     AttentionOpt,
     Calibration,

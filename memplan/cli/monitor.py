@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from memplan.cli import app
+from memplan.cli import _app as app
 from memplan.cli.options import Json
 from memplan.errors import MemplanError
 

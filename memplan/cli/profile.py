@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from memplan.api import resolve
-from memplan.cli import app
+from memplan.cli import _app as app
 from memplan.cli.options import (
     AttentionOpt,
     Gpu,
