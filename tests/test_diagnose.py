@@ -622,3 +622,16 @@ def test_requested_size_is_the_allocator_segment() -> None:
     assert request_matches(cached, logits) and not request_matches(cached, logits // 2)
     exact = OomReport(kind="allocator", version="cudaMallocAsync", requested_bytes=logits)
     assert request_matches(exact, logits) and not request_matches(exact, logits + 512)
+
+
+def test_private_pools_named_in_the_comparison() -> None:
+    """A 2.4+ message with CUDA-graph private pools: the comparison names them."""
+    text = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.96 GiB. GPU 5 has a "
+            "total capacity of 79.19 GiB of which 1.12 GiB is free. Including non-PyTorch memory, "
+            "this process has 78.06 GiB memory in use. Of the allocated memory 74.30 GiB is "
+            "allocated by PyTorch, with 512.00 MiB allocated in private pools (e.g., CUDA "
+            "Graphs), and 2.81 GiB is reserved by PyTorch but unallocated.")
+    r = diagnose("llama-3-8b", oom=text, fixes=False, gpus=16, zero=1, micro_batch_size=1,
+                 seq_len=4095, global_batch_size=64)
+    comp = next(f for f in r.diagnosis.findings if f.kind == "comparison")
+    assert comp.cause and comp.sizes["private_pool_bytes"] == 512 * 1024**2

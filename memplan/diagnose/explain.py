@@ -180,6 +180,10 @@ def _comparison(est: Estimate, s: StageMemory, oom: OomReport,
         text += ("; the job needs more than the estimate at its peak, so this configuration "
                  "differs from the one given, or something the estimate does not count is "
                  "alive (a leak, tensors kept across steps, an unmodelled layer)")
+        if oom.private_pool_bytes:
+            sizes["private_pool_bytes"] = oom.private_pool_bytes
+            text += ("; {private_pool_bytes} of the allocated memory sits in CUDA-graph private "
+                     "pools, which the estimate does not model")
     out.append(Finding("comparison", text, sizes, cause=gap < 0))
     if s.peak_bytes <= capacity:
         out.append(Finding("prediction", "the estimate predicts this configuration fits "
