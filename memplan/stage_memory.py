@@ -26,7 +26,7 @@ from memplan.layers import (
 from memplan.overheads import Overheads
 from memplan.parallel import ParallelConfig, ZeroStage
 from memplan.pipeline import Schedule, chunks_in_flight
-from memplan.spec import ModelSpec
+from memplan.spec import ModelSpec, param_counts
 from memplan.stage import StageKinds, StageStates, canonical, stage_parts
 from memplan.workload import Recompute, Workload
 
@@ -97,13 +97,17 @@ class StageMemory:
 
 
 def _embedding_backward_extra(vocab_grad: int, embed_grads: int, *, tied: bool,
-                              main_grads: bool, incoming: int, vocab_final: int) -> int:
+                              main_grads: bool, incoming: int, vocab_final: int,
+                              positions_dense: int = 0) -> int:
     """Bytes beyond all gradients at the embedding's backward (first stage). Its dense
     gradient (compute dtype) is made from the gradient of its output (``incoming``, still
     alive); a tied head's gradient waits beside it and the two are summed (3 copies, then the
     sum becomes the gradient); with fp32 main gradients the compute-dtype gradient lives until
     it has been added into the fp32 one. ``vocab_final``: the token embedding's gradient as
-    held (fp32 main gradient, shard); learned positions made theirs just before."""
+    held (fp32 main gradient, shard); learned positions made theirs just before: with fp32
+    main gradients their dense compute-dtype gradient (``positions_dense``) lives beside its
+    fp32 copy then, the token embedding's gradient not made yet (traced; the peak only when
+    the position table is larger than the vocabulary's)."""
     if tied and main_grads:  # 3 copies before the fp32 main gradient, or the sum beside it
         after = max(3 * vocab_grad - embed_grads, vocab_grad)
     elif tied:
@@ -112,7 +116,8 @@ def _embedding_backward_extra(vocab_grad: int, embed_grads: int, *, tied: bool,
         after = vocab_grad if main_grads else 0
     # while the dense gradient is made, the final gradient (or the sum) does not exist yet
     dense = (vocab_grad if tied else 0) + vocab_grad + incoming - vocab_final
-    return max(after, dense)
+    positions = (vocab_grad if tied else 0) + positions_dense + incoming - vocab_final
+    return max(after, dense, positions if main_grads and positions_dense else 0)
 
 
 def shared_terms(spec: ModelSpec, wl: Workload, dm: act.Dims) -> SharedTerms:
@@ -318,7 +323,8 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
             vocab_grad, int(sp.embedding * grad_per_param), tied=tied,
             main_grads=main_grads and first,
             incoming=shared.dm.tokens * spec.hidden_size * shared.dm.e,
-            vocab_final=int(vocab_grad // shared.dm.e * grad_per_param)) if first else 0,
+            vocab_final=int(vocab_grad // shared.dm.e * grad_per_param),
+            positions_dense=param_counts(spec).position_embedding * shared.dm.e) if first else 0,
         tied_pending=vocab_grad if tied else 0,
         grad_buffer=shard.grad_bytes,
         # FSDP2 frees a unit's reduce-scatter input only when the next unit's reduce-scatter

@@ -154,6 +154,11 @@ GRID = [
     (_variant(WIDE, name="wide-q512-gqa", num_layers=2, num_attention_heads=8, num_kv_heads=2,
               head_dim=64, vocab_size=8),
      dict(seq_len=256, micro_batch_size=2, recompute="full", precision="fp32"), True),
+    # learned positions wider than the vocabulary with fp32 main gradients: the position
+    # table's dense gradient beside its fp32 copy sets the backward peak (--small survey)
+    (_variant(GPT, name="gpt-mini-v50", vocab_size=50, dropout=0.0),
+     dict(seq_len=16, micro_batch_size=1, precision="bf16-fp32-grads", attention="eager",
+          logits_fp32=False), True),
     # chunked loss: the last chunk's log-softmax backward, its weight gradient made, or the
     # three-way sum of the chunk before it sets the peak; uneven chunks (seq 15)
     (LOSS_HEAVY, dict(seq_len=128, micro_batch_size=2, loss_chunks=4), True),
