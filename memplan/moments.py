@@ -293,6 +293,21 @@ def final_norm_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> tuple[int, int]
     return blocks["attn_norm"], blocks["attn_norm_bwd"]
 
 
+def final_norm_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    """Gradient bytes in flight inside the final norm's backward (``norm_backward_bytes``).
+    The reference fused RMSNorm is an autograd Function whose backward holds its incoming
+    gradient to the end, with its per-row statistics: the rstd cast to the compute dtype, the
+    fp32 row dot products and the fp32 weight gradient before its cast (traced; in a layer
+    the layer's moments count that gradient)."""
+    inside = norm_backward_bytes(spec, wl, dm)
+    if wl.norm_impl is not NormImpl.FUSED or spec.norm is not NormKind.RMSNORM:
+        return inside
+    rows = dm.tokens // dm.res_tokens_div
+    h, e = spec.hidden_size, dm.e
+    rstd_cast = rows * e if e < FP32_BYTES else 0
+    return inside + rows * h * e + rstd_cast + rows * FP32_BYTES + h * FP32_BYTES
+
+
 def norm_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     """Gradient bytes in flight inside a norm's backward, its incoming gradient excluded."""
     rows = dm.tokens // dm.res_tokens_div

@@ -155,7 +155,7 @@ class SharedTerms:
         self.mask = 0 if act.mask_terms(wl, dm) else act.eager_mask_bytes(wl, dm)
         self.final_norm_extra = mom.head_forward_moment(spec, wl, dm)
         self.final_norm_bytes, self.final_norm_bwd_saved = mom.final_norm_bytes(spec, wl, dm)
-        self.final_norm_bwd = mom.norm_backward_bytes(spec, wl, dm)
+        self.final_norm_bwd = mom.final_norm_backward_bytes(spec, wl, dm)
         self.kinds: dict[tuple[bool, Recompute], LayerKind] = {}
         self.moments: dict[tuple[int, int, tuple[bool, Recompute]], tuple[int, ...]] = {}
         # the loss's and the head projection's backward bytes, by the head gradient's size
