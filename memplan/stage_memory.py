@@ -162,17 +162,15 @@ class SharedTerms:
         self.head_bwd: dict[int, tuple[int, int]] = {}
         self.spec, self.wl = spec, wl
 
-    def loss_bwd(self, vocab_grad: int) -> int:
+    def head_backward(self, vocab_grad: int) -> tuple[int, int]:
+        """(the loss's backward bytes, the head projection's backward bytes) for a head
+        gradient of ``vocab_grad`` bytes."""
         found = self.head_bwd.get(vocab_grad)
         if found is None:
             found = self.head_bwd[vocab_grad] = (
                 act.head_backward_extra_bytes(self.spec, self.wl, self.dm, vocab_grad),
                 act.head_linear_backward_bytes(self.spec, self.wl, self.dm, vocab_grad))
-        return found[0]
-
-    def head_linear_bwd(self, vocab_grad: int) -> int:
-        self.loss_bwd(vocab_grad)
-        return self.head_bwd[vocab_grad][1]
+        return found
 
     def moment_params(self, t: int, ep: int, key: tuple[bool, Recompute]) -> tuple[int, ...]:
         found = self.moments.get((t, ep, key))
@@ -301,6 +299,7 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     mask = shared.mask
     tied = spec.tied_embeddings and first and last
     vocab_grad, main_grads = fx.vocab_grad, fx.main_grads
+    head_bwd = shared.head_backward(vocab_grad) if last else (0, 0)
     walk = Walk(
         runs=[(*entries[k], n) for k, n in kinds.runs],
         other_bytes=max(0, activations - one_mb),
@@ -309,8 +308,7 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
         # (with the first layer's saved tensors), the embedding dropout's mask and the position
         # ids (the learned positions' backward runs first)
         freed_before_embedding=rope_bytes + (embed_bytes - shared.embed[0].size_bytes if first else 0),
-        loss_bwd=shared.loss_bwd(vocab_grad) if last else 0,
-        head_linear_bwd=shared.head_linear_bwd(vocab_grad) if last else 0,
+        loss_bwd=head_bwd[0], head_linear_bwd=head_bwd[1],
         # With fp32 main gradients the head's compute-dtype weight gradient is accumulated into
         # a new fp32 one (first micro-batch) while it still exists, after the head's backward
         # freed the logits gradient and its saved input (the final norm's output).

@@ -6,6 +6,7 @@ shows the traceback instead.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
@@ -30,8 +31,6 @@ EXIT_USAGE = 2
 
 
 def _register_all() -> typer.Typer:
-    import importlib
-
     for module in dict.fromkeys(_MODULES.values()):
         importlib.import_module(f"memplan.cli.{module}")
     return _app
@@ -42,8 +41,6 @@ def __getattr__(name: str) -> object:
     if name == "app":
         return _register_all()
     if name in _MODULES.values():  # the command modules, as attributes of the package
-        import importlib
-
         return importlib.import_module(f"memplan.cli.{name}")
     raise AttributeError(f"module 'memplan.cli' has no attribute {name!r}")
 
@@ -54,8 +51,6 @@ def _command_for(args: list[str]) -> typer.core.TyperGroup | typer.core.TyperCom
     name = next((a for a in args if not a.startswith("-")), None)
     if name not in _MODULES:
         return typer.main.get_command(_register_all())
-    import importlib
-
     importlib.import_module(f"memplan.cli.{_MODULES[name]}")
     one = typer.Typer(**_SETTINGS)
     one.registered_commands = [c for c in _app.registered_commands

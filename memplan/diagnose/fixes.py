@@ -25,7 +25,7 @@ from memplan.memory import Estimate
 from memplan.parallel import Offload, ZeroStage
 from memplan.planner import DEFAULT_SAFETY
 from memplan.timing import StepTime, step_time
-from memplan.units import format_gib
+from memplan.units import ceil_div, format_gib
 from memplan.workload import OptimizerImpl, Precision, Recompute
 
 # With expandable segments a segment grows in place instead of being split, so reserved
@@ -127,7 +127,7 @@ def loss_chunks_for(est: Estimate) -> int:
     module docstring), at most one per token of the micro-batch."""
     spec, wl = est.spec, est.workload
     tokens = wl.micro_batch_size * wl.seq_len // est.parallel.cp
-    return max(1, min(tokens, -(-spec.vocab_size // spec.hidden_size)))
+    return max(1, min(tokens, ceil_div(spec.vocab_size, spec.hidden_size)))
 
 
 def suggest(model: Any, est: Estimate, given: dict[str, Any], *, capacity_bytes: int,

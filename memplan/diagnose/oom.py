@@ -81,7 +81,7 @@ import re
 from dataclasses import dataclass
 
 from memplan.errors import MemplanError
-from memplan.units import GiB, KiB, MiB
+from memplan.units import GiB, KiB, MiB, ceil_div
 
 # format_size's units (c10/cuda/CUDACachingAllocator.cpp until 2.4, then c10/core)
 _UNITS = {"bytes": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB}
@@ -325,7 +325,7 @@ _MIN_LARGE_ALLOC, _LARGE_BUFFER, _ROUND_LARGE = 10 * MiB, 20 * MiB, 2 * MiB
 
 
 def _round_up(n: int, unit: int) -> int:
-    return -(-n // unit) * unit
+    return ceil_div(n, unit) * unit
 
 
 def segment_bytes(tensor_bytes: int) -> int:
