@@ -314,11 +314,14 @@ def _search_levels(ctx: _Context, pars: list[ParallelConfig],
 def _times(ctx: _Context, fits: list[_Fit]) -> StepTimes:
     """The step-time model of every fit in one vectorised pass."""
     gbs = ctx.wl.global_batch_size
-    flops = {p: step_flops(ctx.spec, ctx.workload(p), gbs) for p in {f.policy for f in fits}}
+    # recompute of k layers reruns k per pipeline stage: the FLOPs depend on the stages too
+    keys = [(f.policy, f.par.pp, f.par.vpp) for f in fits]
+    flops = {key: step_flops(ctx.spec, ctx.workload(key[0]), gbs, pp=key[1], vpp=key[2])
+             for key in set(keys)}
     cols = Columns.of([f.par for f in fits], [f.mbs for f in fits],
                       [gbs // (f.mbs * f.par.dp) for f in fits], [f.num_params for f in fits])
-    model = np.array([flops[f.policy][0] for f in fits])
-    hardware = np.array([flops[f.policy][1] for f in fits])
+    model = np.array([flops[key][0] for key in keys])
+    hardware = np.array([flops[key][1] for key in keys])
     return step_times(ctx.spec, ctx.gpu, ctx.wl, gbs, cols, model, hardware)
 
 

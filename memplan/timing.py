@@ -8,11 +8,15 @@ FLOPs per token (forward, one model replica) count every matmul: 2 FLOPs per mul
 projection weights (MoE: the top-k experts a token visits) and the output head, plus causal
 attention's two batched matmuls, 2 * 2 * (s/2) * a * d on average per token per layer
 (Narayanan et al. 2021, arXiv 2104.04473, section 5.1, without the causal halving there).
-Backward costs twice the forward. Full recompute reruns each recomputed layer's forward;
-selective recompute reruns the attention core's matmuls.
+Backward costs twice the forward. Full recompute reruns each recomputed layer's forward, read
+per pipeline stage as the memory model reads it: ``recompute_layers`` = k is the first k layers
+of every stage's layer list (``memplan.layers.layer_recompute``), so k * pp layers in all.
+Selective recompute reruns the attention core's matmuls.
 
-The formulas take numpy arrays with one entry per candidate (``Columns``), so a search times
-all its candidates in one pass; ``step_time`` is the same computation for one layout.
+The formulas take numpy arrays with one entry per candidate (``Columns.of``), so a search times
+all its candidates in one pass; ``step_time`` is the same computation for one layout on plain
+numbers (``Columns.one``), so that timing one estimate imports no numpy (about 75 ms of a cold
+``memplan estimate``) and gives the same floats as the vectorised pass.
 """
 
 from __future__ import annotations
@@ -20,14 +24,20 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from functools import lru_cache
-
-import numpy as np
+from itertools import accumulate
+from typing import TYPE_CHECKING, Any
 
 from memplan.hardware import GpuSpec
 from memplan.parallel import Offload, ParallelConfig, ZeroStage
+from memplan.pipeline import stage_layers
 from memplan.spec import ModelSpec, param_counts
 from memplan.units import DType
 from memplan.workload import Recompute, Workload
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from memplan.memory import Estimate
 
 FP32_BYTES = DType.FP32.itemsize
 
@@ -85,8 +95,39 @@ def forward_flops_per_token(spec: ModelSpec, seq_len: int) -> tuple[float, float
     return 2.0 * (dense + head), attn_per_layer * spec.num_layers, attn_per_layer
 
 
-def step_flops(spec: ModelSpec, wl: Workload, global_batch: int) -> tuple[float, float]:
-    """(model FLOPs, hardware FLOPs) of one step of the whole job."""
+@lru_cache(maxsize=256)
+def layer_forward_flops(spec: ModelSpec, seq_len: int) -> tuple[int, ...]:
+    """Forward FLOPs of one token through each layer: its projection matmuls (MoE: the top-k
+    experts a token visits) and causal attention's two batched matmuls."""
+    counts = param_counts(spec)
+    attn = 2 * seq_len * spec.q_size
+    out = []
+    for i, layer in enumerate(counts.layers):
+        weights = layer.tp_sharded + layer.replicated
+        if spec.is_moe_layer(i) and spec.moe is not None:
+            weights += layer.expert * spec.moe.top_k // spec.moe.num_experts
+        out.append(2 * weights + attn)
+    return tuple(out)
+
+
+@lru_cache(maxsize=1024)
+def recomputed_layers(num_layers: int, recompute_layers: int, pp: int,
+                      vpp: int = 1) -> tuple[int, ...]:
+    """Indices of the layers full recompute of ``recompute_layers`` per stage reruns: the first
+    k of each pipeline rank's layer list, its chunks in order (``memplan.layers.layer_recompute``
+    on ``memplan.pipeline.stage_layers``)."""
+    par = ParallelConfig(pp=pp, vpp=vpp)
+    out: list[int] = []
+    for stage in range(pp):
+        layers = [i for chunk in stage_layers(num_layers, par, stage) for i in chunk]
+        out += layers[:recompute_layers]
+    return tuple(sorted(out))
+
+
+def step_flops(spec: ModelSpec, wl: Workload, global_batch: int, *, pp: int,
+               vpp: int = 1) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs) of one step of the whole job with ``pp`` pipeline stages
+    of ``vpp`` chunks each: ``wl.recompute_layers`` counts per stage, as in memory."""
     tokens = global_batch * wl.seq_len
     matmul, attention, attn_layer = forward_flops_per_token(spec, wl.seq_len)
     forward = matmul + attention
@@ -95,35 +136,92 @@ def step_flops(spec: ModelSpec, wl: Workload, global_batch: int) -> tuple[float,
     # a chunked loss reruns each chunk's head projection in its backward
     extra = head * tokens if wl.loss_chunks > 1 else 0.0
     if wl.recompute is Recompute.FULL:
-        layers = spec.num_layers if wl.recompute_layers is None else wl.recompute_layers
-        per_layer = (forward - head) / spec.num_layers
-        extra += per_layer * min(layers * 1.0, spec.num_layers) * tokens
+        k = wl.recompute_layers
+        if k is None or k >= spec.num_layers // pp:  # every layer of every stage
+            per_layer = (forward - head) / spec.num_layers
+            extra += per_layer * spec.num_layers * tokens
+        else:
+            per_token = layer_forward_flops(spec, wl.seq_len)
+            rerun = sum(per_token[i] for i in recomputed_layers(spec.num_layers, k, pp, vpp))
+            extra += float(rerun * tokens)
     elif wl.recompute is Recompute.SELECTIVE:
         extra += attn_layer * spec.num_layers * tokens
     return model, model + extra
 
 
+class _Numbers:
+    """numpy's few array functions the formulas use, for one candidate's plain numbers."""
+
+    @staticmethod
+    def where(cond: Any, a: Any, b: Any) -> Any:
+        return a if cond else b
+
+    @staticmethod
+    def take(values: tuple[int, ...], index: int) -> int:
+        return values[index]
+
+    @staticmethod
+    def first_max(*cols: float) -> int:
+        return max(range(len(cols)), key=cols.__getitem__)  # the first of equals, as argmax
+
+    @staticmethod
+    def like(value: float, _shape: Any) -> float:
+        return value
+
+
+class _Arrays:
+    """The same functions on numpy arrays (imported by whoever built the arrays)."""
+
+    @staticmethod
+    def where(cond: Any, a: Any, b: Any) -> Any:
+        import numpy as np
+
+        return np.where(cond, a, b)
+
+    @staticmethod
+    def take(values: tuple[int, ...], index: Any) -> Any:
+        import numpy as np
+
+        return np.asarray(values)[index]
+
+    @staticmethod
+    def first_max(*cols: Any) -> Any:
+        import numpy as np
+
+        return np.argmax(np.stack(cols), axis=0)
+
+    @staticmethod
+    def like(value: Any, shape: Any) -> Any:
+        import numpy as np
+
+        return np.broadcast_to(value, shape)
+
+
 @dataclass(frozen=True)
 class Columns:
-    """Layouts and batch splits of many candidates: one integer array per field, one entry per
-    candidate (``sp`` is boolean)."""
+    """Layouts and batch splits of candidates: one integer array per field, one entry per
+    candidate (``sp`` and ``offload`` boolean), or one plain number per field for a single
+    candidate (``Columns.one``); ``ops`` does what numpy would for either."""
 
-    tp: np.ndarray
-    pp: np.ndarray
-    vpp: np.ndarray
-    dp: np.ndarray
-    cp: np.ndarray
-    ep: np.ndarray
-    zero: np.ndarray
-    sp: np.ndarray
-    mbs: np.ndarray
-    m: np.ndarray  # micro-batches per step
-    params_on_rank: np.ndarray  # parameters of the most loaded rank, before ZeRO sharding
-    offload: np.ndarray  # optimizer offloaded to the host (boolean)
+    tp: Any
+    pp: Any
+    vpp: Any
+    dp: Any
+    cp: Any
+    ep: Any
+    zero: Any
+    sp: Any
+    mbs: Any
+    m: Any  # micro-batches per step
+    params_on_rank: Any  # parameters of the most loaded rank, before ZeRO sharding
+    offload: Any  # optimizer offloaded to the host (boolean)
+    ops: Any = _Arrays
 
     @classmethod
     def of(cls, layouts: list[ParallelConfig], mbs: list[int], m: list[int],
            params_on_rank: list[int]) -> Columns:
+        import numpy as np
+
         def col(name: str) -> np.ndarray:
             return np.array([int(getattr(p, name)) for p in layouts], dtype=np.int64)
 
@@ -135,30 +233,36 @@ class Columns:
                    offload=np.array([p.offload is Offload.OPTIMIZER for p in layouts],
                                     dtype=bool))
 
+    @classmethod
+    def one(cls, par: ParallelConfig, mbs: int, m: int, params_on_rank: int) -> Columns:
+        return cls(tp=par.tp, pp=par.pp, vpp=par.vpp, dp=par.dp, cp=par.cp, ep=par.ep,
+                   zero=int(par.zero), sp=par.sequence_parallel, mbs=mbs, m=m,
+                   params_on_rank=params_on_rank, offload=par.offload is Offload.OPTIMIZER,
+                   ops=_Numbers)
+
     @property
-    def world_size(self) -> np.ndarray:
+    def world_size(self) -> Any:
         return self.tp * self.pp * self.cp * self.dp
 
 
-def _bandwidth(gpu: GpuSpec, span: np.ndarray) -> np.ndarray:
+def _bandwidth(gpu: GpuSpec, c: Columns, span: Any) -> Any:
     """Intra-node links when a group's ranks fit in one node, else the network."""
-    return np.where(span <= gpu.gpus_per_node, gpu.intra_node_bytes_per_s,
-                    gpu.inter_node_bytes_per_s)
+    return c.ops.where(span <= gpu.gpus_per_node, gpu.intra_node_bytes_per_s,
+                       gpu.inter_node_bytes_per_s)
 
 
-def _ring(size: np.ndarray) -> np.ndarray:
+def _ring(size: Any) -> Any:
     """Bytes each rank sends per byte of a ring all-gather or reduce-scatter (0 alone)."""
     return (size - 1) / size
 
 
 @lru_cache(maxsize=64)
-def _moe_layers_before(spec: ModelSpec) -> np.ndarray:
+def _moe_layers_before(spec: ModelSpec) -> tuple[int, ...]:
     """Entry k: MoE layers among the model's first k layers."""
-    return np.cumsum([0] + [spec.is_moe_layer(i) for i in range(spec.num_layers)])
+    return tuple(accumulate((spec.is_moe_layer(i) for i in range(spec.num_layers)), initial=0))
 
 
-def comm_columns(spec: ModelSpec, gpu: GpuSpec, wl: Workload,
-                 c: Columns) -> dict[str, np.ndarray]:
+def comm_columns(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns) -> dict[str, Any]:
     """Seconds each dimension spends communicating in one step of one GPU, before overlap, per
     candidate (``wl`` gives the sequence and precision; ``c`` the rest).
 
@@ -166,40 +270,40 @@ def comm_columns(spec: ModelSpec, gpu: GpuSpec, wl: Workload,
     intra-node links when its span of consecutive ranks fits in a node.
     """
     e = wl.compute_dtype.itemsize
-    m, layers = c.m, spec.num_layers // c.pp
+    m, layers, where = c.m, spec.num_layers // c.pp, c.ops.where
     tokens = c.mbs * wl.seq_len // c.cp
     act_bytes = tokens * spec.hidden_size * e
-    out: dict[str, np.ndarray] = {}
+    out: dict[str, Any] = {}
     # TP: two all-reduces per layer forward and two backward (or all-gather + reduce-scatter
     # with SP, the same volume): 2 * ring factor per all-reduce.
     tp_bytes = 4 * 2 * _ring(c.tp) * act_bytes * layers * m
-    out["tp"] = tp_bytes / _bandwidth(gpu, c.tp)
+    out["tp"] = tp_bytes / _bandwidth(gpu, c, c.tp)
     # DP: gradients reduced once per step (ZeRO: reduce-scatter + all-gather of the weights,
     # the same volume); ZeRO-3 also gathers the weights for forward and backward.
     dp = c.dp * c.cp
     grad_bytes = c.params_on_rank * wl.precision.recipe.grad_bytes
     dp_bytes = 2 * _ring(dp) * grad_bytes
     gathers = 2 * _ring(dp) * c.params_on_rank * e * m
-    dp_bytes = np.where(c.zero >= ZeroStage.PARAMETERS, dp_bytes + gathers, dp_bytes)
-    out["dp"] = dp_bytes / _bandwidth(gpu, c.tp * c.cp * c.dp)
+    dp_bytes = where(c.zero >= ZeroStage.PARAMETERS, dp_bytes + gathers, dp_bytes)
+    out["dp"] = dp_bytes / _bandwidth(gpu, c, c.tp * c.cp * c.dp)
     # PP: each micro-batch's activations cross each boundary forward and their gradients back.
-    pp_bytes = np.where(c.pp > 1, 2 * act_bytes // np.where(c.sp, c.tp, 1) * m, 0)
-    out["pp"] = pp_bytes / _bandwidth(gpu, c.world_size)
+    pp_bytes = where(c.pp > 1, 2 * act_bytes // where(c.sp, c.tp, 1) * m, 0)
+    out["pp"] = pp_bytes / _bandwidth(gpu, c, c.world_size)
     # CP: a ring passes every other rank's K and V chunk through, forward and backward.
     kv = 2 * tokens * spec.kv_size // c.tp * e
-    out["cp"] = 2 * (c.cp - 1) * kv * layers * m / _bandwidth(gpu, c.tp * c.cp)
+    out["cp"] = 2 * (c.cp - 1) * kv * layers * m / _bandwidth(gpu, c, c.tp * c.cp)
     # EP: dispatch and combine all-to-alls of the routed tokens, forward and backward.
-    ep_bytes = np.zeros(len(m))
+    ep_bytes: Any = 0.0
     if spec.moe is not None:
-        moe_layers = _moe_layers_before(spec)[layers]
+        moe_layers = c.ops.take(_moe_layers_before(spec), layers)
         routed = tokens * spec.moe.top_k * spec.hidden_size * e
-        ep_bytes = np.where(c.ep > 1, 4 * _ring(c.ep) * routed * moe_layers * m, 0.0)
-    out["ep"] = ep_bytes / _bandwidth(gpu, c.tp * c.cp * c.ep)
+        ep_bytes = where(c.ep > 1, 4 * _ring(c.ep) * routed * moe_layers * m, 0.0)
+    out["ep"] = ep_bytes / _bandwidth(gpu, c, c.tp * c.cp * c.ep)
     out["host_grads"], out["host_step"] = _host_seconds(gpu, wl, c)
     return out
 
 
-def _host_seconds(gpu: GpuSpec, wl: Workload, c: Columns) -> tuple[np.ndarray, np.ndarray]:
+def _host_seconds(gpu: GpuSpec, wl: Workload, c: Columns) -> tuple[Any, Any]:
     """An offloaded optimizer's seconds per step: (the gradient shard's copy to the host,
     the CPU step plus the updated weights' copy back). The CPU step is taken as bound by host
     memory bandwidth, which the node's GPUs share: it reads the fp32 master weights, the fp32
@@ -212,7 +316,7 @@ def _host_seconds(gpu: GpuSpec, wl: Workload, c: Columns) -> tuple[np.ndarray, n
     up = shard * e / gpu.host_link_bytes_per_s
     streamed = shard * (2 * (FP32_BYTES + wl.optimizer.state_bytes_per_param) + FP32_BYTES + e)
     cpu = streamed / (gpu.host_memory_bytes_per_s / gpu.gpus_per_node)
-    return np.where(c.offload, down, 0.0), np.where(c.offload, up + cpu, 0.0)
+    return c.ops.where(c.offload, down, 0.0), c.ops.where(c.offload, up + cpu, 0.0)
 
 
 _BOUNDS = (Bound.COMPUTE, Bound.COMMUNICATION, Bound.BUBBLE)
@@ -244,41 +348,66 @@ class StepTimes:
             mfu=float(self.mfu[i]), bound=_BOUNDS[int(self.bound[i])])
 
 
-def step_times(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int, c: Columns,
-               model_flops: np.ndarray, hardware_flops: np.ndarray, *,
-               mfu: float = DEFAULT_MFU) -> StepTimes:
-    """Estimated seconds of one step and what bounds it, per candidate; ``model_flops`` and
-    ``hardware_flops`` of the whole job (``step_flops``) per candidate."""
+def _step_fields(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int, c: Columns,
+                 model_flops: Any, hardware_flops: Any, mfu: float) -> dict[str, Any]:
+    """``StepTimes``' fields for the candidates of ``c`` (arrays, or numbers for one)."""
     world = c.world_size
     compute = hardware_flops / world / (gpu.bf16_flops * mfu)
     comm = comm_columns(spec, gpu, wl, c)
     exposed = sum(seconds * (1.0 - OVERLAP[kind]) for kind, seconds in comm.items())
     # (p - 1) / (v * m) of the ideal time (Narayanan et al. 2021, eq. 1-2)
-    bubble = np.where(c.pp > 1, (c.pp - 1) / (c.vpp * c.m) * (compute + exposed), 0.0)
+    bubble = c.ops.where(c.pp > 1, (c.pp - 1) / (c.vpp * c.m) * (compute + exposed), 0.0)
     total = compute + exposed + bubble
     tokens = global_batch * wl.seq_len
-    return StepTimes(
-        model_flops=np.broadcast_to(model_flops, total.shape),
-        hardware_flops=np.broadcast_to(hardware_flops, total.shape), compute_s=compute,
-        comm_s=comm, exposed_comm_s=exposed, bubble_s=bubble, step_s=total,
+    return dict(
+        model_flops=c.ops.like(model_flops, getattr(total, "shape", None)),
+        hardware_flops=c.ops.like(hardware_flops, getattr(total, "shape", None)),
+        compute_s=compute, comm_s=comm, exposed_comm_s=exposed, bubble_s=bubble, step_s=total,
         tokens_per_s_per_gpu=tokens / total / world,
         mfu=model_flops / total / world / gpu.bf16_flops,
-        bound=np.argmax(np.stack([compute, exposed, bubble]), axis=0),
+        bound=c.ops.first_max(compute, exposed, bubble),
     )
+
+
+def step_times(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int, c: Columns,
+               model_flops: np.ndarray, hardware_flops: np.ndarray, *,
+               mfu: float = DEFAULT_MFU) -> StepTimes:
+    """Estimated seconds of one step and what bounds it, per candidate; ``model_flops`` and
+    ``hardware_flops`` of the whole job (``step_flops`` of each candidate's pp and vpp) per
+    candidate."""
+    return StepTimes(**_step_fields(spec, gpu, wl, global_batch, c, model_flops,
+                                    hardware_flops, mfu))
 
 
 def comm_seconds(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload,
                  num_microbatches: int, params_on_rank: int) -> dict[str, float]:
     """``comm_columns`` of one layout."""
-    c = Columns.of([par], [wl.micro_batch_size], [num_microbatches], [params_on_rank])
-    return {kind: float(v[0]) for kind, v in comm_columns(spec, gpu, wl, c).items()}
+    c = Columns.one(par, wl.micro_batch_size, num_microbatches, params_on_rank)
+    return {kind: float(v) for kind, v in comm_columns(spec, gpu, wl, c).items()}
 
 
 def step_time(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload,
               global_batch: int, num_microbatches: int, params_on_rank: int, *,
               mfu: float = DEFAULT_MFU) -> StepTime:
-    """Estimated seconds of one step of one layout and what bounds it (``step_times``)."""
-    model, hardware = step_flops(spec, wl, global_batch)
-    c = Columns.of([par], [wl.micro_batch_size], [num_microbatches], [params_on_rank])
-    return step_times(spec, gpu, wl, global_batch, c, np.array([model]), np.array([hardware]),
-                      mfu=mfu).at(0)
+    """Estimated seconds of one step of one layout and what bounds it (``step_times`` on
+    plain numbers: the same floats, without numpy)."""
+    model, hardware = step_flops(spec, wl, global_batch, pp=par.pp, vpp=par.vpp)
+    c = Columns.one(par, wl.micro_batch_size, num_microbatches, params_on_rank)
+    f = _step_fields(spec, gpu, wl, global_batch, c, model, hardware, mfu)
+    return StepTime(
+        model_flops=float(f["model_flops"]), hardware_flops=float(f["hardware_flops"]),
+        compute_s=float(f["compute_s"]),
+        comm_s={kind: float(v) for kind, v in f["comm_s"].items()},
+        exposed_comm_s=float(f["exposed_comm_s"]), bubble_s=float(f["bubble_s"]),
+        step_s=float(f["step_s"]), tokens_per_s_per_gpu=float(f["tokens_per_s_per_gpu"]),
+        mfu=float(f["mfu"]), bound=_BOUNDS[f["bound"]])
+
+
+def estimate_step_time(est: Estimate) -> StepTime:
+    """The step-time model for an estimate's configuration: its layout, workload, global batch
+    and micro-batches, the most loaded rank's parameters, and the measured MFU when a
+    calibration profile gave one (else ``DEFAULT_MFU``)."""
+    measured = est.calibration.mfu if est.calibration is not None else None
+    return step_time(est.spec, est.gpu, est.parallel, est.workload, est.global_batch_size,
+                     est.num_microbatches, est.worst.num_params,
+                     mfu=measured or DEFAULT_MFU)

@@ -78,7 +78,8 @@ def synthetic(point: Point, coef: dict[str, float], scale: float = 1.0,
     """A record whose measurements follow the calibration model with ``coef`` exactly."""
     stage = analytic(point.spec, point.layout, point.workload).stages[0]
     feats, ana = stage_features(stage, point.workload), analytic_phases(stage)
-    flops = step_flops(point.spec, point.workload, point.workload.micro_batch_size)[1]
+    flops = step_flops(point.spec, point.workload, point.workload.micro_batch_size,
+                       pp=point.layout.pp)[1]
     steps = []
     for k, kind in ((1, "first_step"), (2, "steady"), (3, "steady")):
         phases = {}

@@ -126,3 +126,22 @@ def test_api_plan_and_check() -> None:
     assert memplan.check("llama-2-7b", gpus=8, tp=2, pp=best.layout.pp, vpp=best.layout.vpp,
                          zero=int(best.layout.zero), seq_len=4096, global_batch_size=64,
                          micro_batch_size=best.micro_batch_size).peak_bytes == best.peak_bytes
+
+
+def test_partial_recompute_is_timed_per_pipeline_stage() -> None:
+    """llama-2-7b on 8 GPUs at pp 4 (8 layers per stage), 64 x 4096 tokens per step, 40 GiB:
+    the plan keeps full recompute of 2 and of 6 of each stage's layers and of all of them.
+    Each reruns k layers of every stage, 4k of the 32, at 438,321,152 FLOPs per token each
+    (2 * 202,383,360 weights + 2 * 4096 * 4096 attention), on top of the model FLOPs
+    3 * 14,288,420,864 * 262,144: 1.2156e16, 1.3995e16 and 1.4914e16 (all 32 layers)."""
+    spec = memplan.load_model("llama-2-7b")
+    wl = _wl(spec, seq_len=4096, global_batch_size=64)
+    result = plan(spec, memplan.load_gpu("h100"), 8, wl, capacity_bytes=40 * 2**30,
+                  fixed={"pp": 4, "tp": 1, "vpp": 1, "zero": 1},
+                  recompute=[Recompute.NONE, Recompute.FULL])
+    tokens = 64 * 4096
+    model = 3 * 14_288_420_864 * tokens
+    got = {c.recompute_layers: c.time.hardware_flops for c in result.candidates}
+    assert got == {k: model + 4 * layers * 438_321_152 * tokens
+                   for k, layers in ((2, 2), (6, 6), (None, 8))}
+    assert got[None] == 14_913_775_719_153_664

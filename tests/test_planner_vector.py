@@ -191,11 +191,15 @@ def test_step_times_of_many_candidates_equal_step_time() -> None:
                 tp=tp, pp=pp, vpp=rng.choice((1, 2)) if pp > 1 else 1, cp=cp,
                 dp=rng.choice((1, 4, 64)), ep=rng.choice((1, 2)) if spec.moe else 1,
                 zero=rng.choice((0, 1, 2, 3)), sequence_parallel=rng.random() < 0.5)
+            recompute = rng.choice(("none", "selective", "full", "full"))
+            # full on k of each stage's layers: the FLOPs depend on the pipeline
+            layers = (rng.randrange(spec.num_layers // pp + 1)
+                      if recompute == "full" and rng.random() < 0.5 else None)
             wl = memplan.make_workload(spec, seq_len=1024, micro_batch_size=rng.choice((1, 2, 8)),
-                                       recompute=rng.choice(("none", "selective", "full")))
+                                       recompute=recompute, recompute_layers=layers)
             rows.append((par, wl, rng.choice((1, 3, 16)), rng.randrange(1, 10**10)))
         gbs = 4096
-        flops = [step_flops(spec, wl, gbs) for _, wl, _, _ in rows]
+        flops = [step_flops(spec, wl, gbs, pp=par.pp, vpp=par.vpp) for par, wl, _, _ in rows]
         cols = Columns.of([r[0] for r in rows], [r[1].micro_batch_size for r in rows],
                           [r[2] for r in rows], [r[3] for r in rows])
         times = step_times(spec, GPU, rows[0][1].model_copy(update={"micro_batch_size": 1}),

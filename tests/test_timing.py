@@ -27,7 +27,7 @@ def test_llama2_forward_flops_per_token() -> None:
 def test_model_flops_are_three_forwards() -> None:
     spec = memplan.load_model("llama-2-7b")
     wl = memplan.make_workload(spec, seq_len=4096)
-    model, hardware = step_flops(spec, wl, global_batch=8)
+    model, hardware = step_flops(spec, wl, global_batch=8, pp=1)
     forward = 13_214_679_040 + 1_073_741_824
     assert model == hardware == 3 * forward * 8 * 4096
 
@@ -44,7 +44,7 @@ def test_recompute_adds_a_forward_of_the_recomputed_part() -> None:
         (dict(recompute="selective"), 1_073_741_824 * tokens),
     ):
         wl = memplan.make_workload(spec, seq_len=4096, **fields)
-        model, hardware = step_flops(spec, wl, global_batch=4)
+        model, hardware = step_flops(spec, wl, global_batch=4, pp=1)
         assert hardware - model == pytest.approx(extra, rel=1e-12)
 
 
@@ -108,3 +108,89 @@ def test_data_parallel_all_reduce_volume() -> None:
     comm = comm_seconds(spec, memplan.load_gpu("h100"), memplan.make_layout(64),
                         memplan.make_workload(spec), 1, spec.num_params)
     assert comm["dp"] == pytest.approx(2 * 63 / 64 * spec.num_params * 2 / 50e9)
+
+
+LLAMA2_7B_LAYER_FWD = 2 * 202_383_360 + 2 * 4096 * 4096  # one token, one layer: 438,321,152
+
+
+def test_recompute_layers_count_per_pipeline_stage() -> None:
+    """llama-2-7b at pp 4 (8 layers per stage), global batch 64 x 4096 = 262,144 tokens.
+    Model FLOPs 3 * (13,214,679,040 + 1,073,741,824) * 262,144 = 1.1236871396917248e16.
+    Full recompute of k of each stage's layers reruns the first k of every stage, 4k layers,
+    each 2 * 202,383,360 + 2 * 4096 * 4096 = 438,321,152 FLOPs per token: k = 2 adds
+    8 * 438,321,152 * 262,144 = 9.19e14; k = 8 (every layer of each stage) adds all 32,
+    3.677e15, the same as full recompute (1.4913775719153664e16 in all, where counting k over
+    the whole model gave 1.2156e16)."""
+    spec = memplan.load_model("llama-2-7b")
+    tokens = 64 * 4096
+    model = 3 * (13_214_679_040 + 1_073_741_824) * tokens
+    full = memplan.make_workload(spec, seq_len=4096, recompute="full")
+    assert step_flops(spec, full, 64, pp=4) == (model, model + 32 * LLAMA2_7B_LAYER_FWD * tokens)
+    for k, layers in ((0, 0), (2, 8), (5, 20), (8, 32)):
+        wl = memplan.make_workload(spec, seq_len=4096, recompute="full", recompute_layers=k)
+        assert step_flops(spec, wl, 64, pp=4) == (model, model + layers * LLAMA2_7B_LAYER_FWD
+                                                  * tokens), k
+    every = memplan.make_workload(spec, seq_len=4096, recompute="full", recompute_layers=8)
+    assert step_flops(spec, every, 64, pp=4) == step_flops(spec, full, 64, pp=4)
+    assert step_flops(spec, every, 64, pp=4)[1] == 14_913_775_719_153_664
+    # with one stage, 8 of 32 layers are a quarter of the model
+    assert step_flops(spec, every, 64, pp=1)[1] == model + 8 * LLAMA2_7B_LAYER_FWD * tokens
+
+
+def test_step_time_reads_the_layout_pipeline() -> None:
+    """``step_time`` takes pp from the layout: at pp 4, k = 8 of each stage costs what full
+    recompute costs."""
+    spec = memplan.load_model("llama-2-7b")
+    gpu = memplan.load_gpu("h100")
+    par = memplan.make_layout(8, pp=4)
+    times = [step_time(spec, gpu, par, memplan.make_workload(spec, seq_len=4096, **fields),
+                       64, 32, spec.num_params // 4)
+             for fields in ({"recompute": "full"}, {"recompute": "full", "recompute_layers": 8})]
+    assert times[0] == times[1]
+    assert times[0].hardware_flops == 14_913_775_719_153_664
+
+
+@pytest.mark.parametrize(("num_layers", "pp", "vpp", "k"), [
+    (8, 2, 2, 3), (8, 4, 1, 1), (12, 2, 3, 5), (16, 4, 2, 4), (4, 1, 1, 2)])
+def test_recomputed_layers_are_the_ones_memory_recomputes(num_layers: int, pp: int, vpp: int,
+                                                          k: int) -> None:
+    """The layers timing reruns are those ``memplan.layers.layer_keys`` marks full on each
+    stage's layer list (chunks in order): e.g. 8 layers, pp 2, vpp 2, k 3: stage 0 holds
+    [0, 1] + [4, 5] and reruns 0, 1, 4; stage 1 holds [2, 3] + [6, 7] and reruns 2, 3, 6."""
+    from memplan.layers import layer_keys
+    from memplan.pipeline import stage_layers
+    from memplan.timing import recomputed_layers
+    from memplan.workload import Recompute
+
+    spec = memplan.load_model("tiny").model_copy(update={"num_layers": num_layers})
+    wl = memplan.make_workload(spec, recompute="full", recompute_layers=k)
+    par = memplan.ParallelConfig(pp=pp, vpp=vpp)
+    memory = set()
+    for stage in range(pp):
+        layers = [i for chunk in stage_layers(num_layers, par, stage) for i in chunk]
+        memory |= {i for i, (_, policy) in zip(layers, layer_keys(spec, wl, layers))
+                   if policy is Recompute.FULL}
+    assert set(recomputed_layers(num_layers, k, pp, vpp)) == memory
+    assert len(memory) == k * pp
+    if (num_layers, pp, vpp, k) == (8, 2, 2, 3):
+        assert recomputed_layers(8, 3, 2, 2) == (0, 1, 2, 3, 4, 6)
+
+
+def test_moe_recompute_reruns_the_layers_of_each_stage() -> None:
+    """An MoE layer every second layer (1, 3, 5, 7 of 8): at pp 2, vpp 2, k 1 the first layer of
+    each stage's list reruns, layers 0 and 2, both dense, so the extra FLOPs are two dense
+    layers' (per token 2 * weights + 2 * s * q_size) times the tokens."""
+    from memplan.spec import MoESpec
+    from memplan.timing import layer_forward_flops
+
+    tiny = memplan.load_model("tiny")
+    spec = tiny.model_copy(update={"num_layers": 8, "moe": MoESpec(
+        num_experts=4, top_k=2, expert_ffn_hidden_size=96, layer_freq=2)})
+    counts = memplan.param_counts(spec)
+    dense = counts.layers[0].tp_sharded + counts.layers[0].replicated
+    per_token = layer_forward_flops(spec, 128)
+    assert per_token[0] == per_token[2] == 2 * dense + 2 * 128 * spec.q_size
+    assert per_token[1] > per_token[0]  # the MoE layer adds its two visited experts
+    wl = memplan.make_workload(spec, seq_len=128, recompute="full", recompute_layers=1)
+    model, hardware = step_flops(spec, wl, 4, pp=2, vpp=2)
+    assert hardware - model == 2 * per_token[0] * 4 * 128

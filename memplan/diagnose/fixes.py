@@ -24,7 +24,7 @@ from memplan.errors import MemplanError
 from memplan.memory import Estimate
 from memplan.parallel import Offload, ZeroStage
 from memplan.planner import DEFAULT_SAFETY
-from memplan.timing import StepTime, step_time
+from memplan.timing import StepTime, estimate_step_time
 from memplan.units import ceil_div, format_gib
 from memplan.workload import OptimizerImpl, Precision, Recompute
 
@@ -74,9 +74,9 @@ class Fixes:
 
 
 def time_of(est: Estimate) -> StepTime:
-    """The step-time model for an estimate's configuration (most loaded rank's parameters)."""
-    return step_time(est.spec, est.gpu, est.parallel, est.workload, est.global_batch_size,
-                     est.num_microbatches, est.worst.num_params)
+    """The step-time model for an estimate's configuration (most loaded rank's parameters),
+    as ``memplan estimate`` reports it."""
+    return estimate_step_time(est)
 
 
 def baseline_kwargs(est: Estimate, given: dict[str, Any]) -> dict[str, Any]:

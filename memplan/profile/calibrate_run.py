@@ -183,7 +183,8 @@ class NullTracker:
 def rank_flops(point: Point) -> float:
     """Hardware FLOPs one rank runs per step (``memplan.timing``: recompute included)."""
     par, wl = point.layout, point.workload
-    return step_flops(point.spec, wl, wl.micro_batch_size * par.dp)[1] / par.world_size
+    return step_flops(point.spec, wl, wl.micro_batch_size * par.dp, pp=par.pp,
+                      vpp=par.vpp)[1] / par.world_size
 
 
 def steps_of(point: Point, clock: PhaseClock, traced: TraceResult | None) -> list[StepMeasure]:

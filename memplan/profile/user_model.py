@@ -205,7 +205,7 @@ def trace_point(factory: Factory, spec: ModelSpec, wl: Workload, *, fake: bool =
         raise MemplanError(f"module: the model reads tensor values, which fake tensors do not "
                            f"have ({type(err).__name__}: {str(err).splitlines()[0][:120]}); "
                            "trace a small config with --real") from err
-    flops = step_flops(spec, wl, wl.micro_batch_size)[1]
+    flops = step_flops(spec, wl, wl.micro_batch_size, pp=1)[1]  # one process, no pipeline
     ops: dict[tuple[int, str], list[int]] = {}
     for point in tracker.timeline:
         ops.setdefault((point.step, point.phase), []).append(point.total_bytes)
