@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from memplan.memory import PHASES, Estimate, PhasePeaks, StageMemory
+from memplan.model.estimate import PHASES, Estimate, PhasePeaks, StageMemory
+from memplan.timing import DEFAULT_MFU, StepTime, estimate_step_time
 from memplan.units import GiB, format_gib
 
 _COMPONENTS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes")
@@ -68,12 +69,30 @@ def estimate_json(est: Estimate) -> dict[str, Any]:
         "headroom_bytes": est.headroom_bytes,
         "fits": est.fits,
         "peak_phase": worst.peak_phase,
+        **time_json(estimate_step_time(est), par.world_size),
         "stages": [stage_json(s) for s in est.stages],
         # the calibrated figures next to the analytic ones above (None: no profile applied)
         "calibration": (est.calibration.json(est.stages.index(worst))
                         if est.calibration is not None else None),
         "assumptions": list(est.assumptions),
     }
+
+
+def time_json(t: StepTime, world_size: int) -> dict[str, float]:
+    """The step-time model's figures for one GPU: ``flops_per_step`` is the hardware FLOPs
+    (recomputation included) of one optimizer step of the whole job over the world size."""
+    return {"step_time_s": t.step_s, "flops_per_step": t.hardware_flops / world_size,
+            "tokens_per_s_per_gpu": t.tokens_per_s_per_gpu, "mfu": t.mfu}
+
+
+def _time_line(est: Estimate) -> str:
+    t = time_json(estimate_step_time(est), est.parallel.world_size)
+    measured = est.calibration.mfu if est.calibration is not None else None
+    rate = (f"the measured {measured:.0%}" if measured
+            else f"an assumed {DEFAULT_MFU:.0%}") + " of peak FLOP/s"
+    return (f"step {t['step_time_s']:.3g} s, {t['flops_per_step']:.4g} FLOPs per GPU "
+            f"(recompute included), {t['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
+            f"MFU {t['mfu']:.2f} (step-time model; compute at {rate})")
 
 
 def render_estimate(est: Estimate) -> Any:
@@ -138,7 +157,7 @@ def render_estimate(est: Estimate) -> Any:
         f"(stage {est.worst.stage}); headroom {format_gib(est.headroom_bytes)}: {verdict}",
         style="bold green" if est.fits else "bold red")
     notes = Text("assumptions:\n" + "\n".join(f"  - {a}" for a in est.assumptions), style="dim")
-    parts = [header, stages, table, phases, summary]
+    parts = [header, stages, table, phases, summary, Text(_time_line(est))]
     if not est.fits:
         parts.append(Text(_why_not(est)))
     return Group(*parts, notes)

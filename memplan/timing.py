@@ -10,7 +10,7 @@ attention's two batched matmuls, 2 * 2 * (s/2) * a * d on average per token per 
 (Narayanan et al. 2021, arXiv 2104.04473, section 5.1, without the causal halving there).
 Backward costs twice the forward. Full recompute reruns each recomputed layer's forward, read
 per pipeline stage as the memory model reads it: ``recompute_layers`` = k is the first k layers
-of every stage's layer list (``memplan.layers.layer_recompute``), so k * pp layers in all.
+of every stage's layer list (``memplan.model.stage_parts.layer_recompute``), so k * pp layers in all.
 Selective recompute reruns the attention core's matmuls.
 
 The formulas take numpy arrays with one entry per candidate (``Columns.of``), so a search times
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from memplan.hardware import GpuSpec
 from memplan.parallel import Offload, ParallelConfig, ZeroStage
-from memplan.pipeline import stage_layers
+from memplan.model.pipeline import stage_layers
 from memplan.spec import ModelSpec, param_counts
 from memplan.units import DType
 from memplan.workload import Recompute, Workload
@@ -37,7 +37,7 @@ from memplan.workload import Recompute, Workload
 if TYPE_CHECKING:
     import numpy as np
 
-    from memplan.memory import Estimate
+    from memplan.model.estimate import Estimate
 
 FP32_BYTES = DType.FP32.itemsize
 
@@ -81,6 +81,7 @@ class StepTime:
     bound: Bound
 
 
+@lru_cache(maxsize=256)
 def forward_flops_per_token(spec: ModelSpec, seq_len: int) -> tuple[float, float, float]:
     """(projection and head matmuls, attention score matmuls, per layer attention) FLOPs of one
     token's forward through the whole model."""
@@ -114,8 +115,8 @@ def layer_forward_flops(spec: ModelSpec, seq_len: int) -> tuple[int, ...]:
 def recomputed_layers(num_layers: int, recompute_layers: int, pp: int,
                       vpp: int = 1) -> tuple[int, ...]:
     """Indices of the layers full recompute of ``recompute_layers`` per stage reruns: the first
-    k of each pipeline rank's layer list, its chunks in order (``memplan.layers.layer_recompute``
-    on ``memplan.pipeline.stage_layers``)."""
+    k of each pipeline rank's layer list, its chunks in order (``memplan.model.stage_parts.layer_recompute``
+    on ``memplan.model.pipeline.stage_layers``)."""
     par = ParallelConfig(pp=pp, vpp=vpp)
     out: list[int] = []
     for stage in range(pp):

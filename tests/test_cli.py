@@ -144,6 +144,50 @@ def test_estimate_json_is_one_object_on_stdout(capsys: pytest.CaptureFixture[str
     assert isinstance(json.loads(captured.out), dict)
 
 
+TINY_PP2 = ("--model", "tiny", "--gpus", "2", "--pp", "2", "--seq", "128", "--mbs", "2",
+            "--gbs", "8", "--recompute", "full", "--recompute-layers", "1")
+
+
+def test_estimate_json_step_time_derived_by_hand() -> None:
+    """tiny (2 layers, h 64, q 64, V 128) on 2 GPUs at pp 2, gbs 8 x seq 128 = 1,024 tokens,
+    mbs 2: 4 micro-batches. Per token, a layer's forward is 2 * (46,080 + 128) weights +
+    2 * 128 * 64 attention = 108,800 FLOPs, the head 2 * 128 * 64 = 16,384, so the model FLOPs
+    are 3 * (2 * 108,800 + 16,384) * 1,024 = 718,798,848. Full recompute of 1 layer of each
+    stage reruns both layers: + 2 * 108,800 * 1,024 = 222,822,400, 941,621,248 for the job,
+    470,810,624 per GPU. Compute at 40% of the H100's 989.4 TFLOP/s; the only communication is
+    the pipeline's: 2 * (256 tokens * 64 * 2 B) * 4 micro-batches = 262,144 B over NVLink
+    (450 GB/s), half exposed; the bubble (2 - 1) / 4 of compute and exposed communication."""
+    out = estimate_cli(*TINY_PP2)
+    assert out["flops_per_step"] == 470_810_624
+    compute = 470_810_624 / (989.4e12 * 0.4)
+    exposed = 262_144 / 450e9 * 0.5
+    step = (compute + exposed) * (1 + 1 / 4)
+    assert out["step_time_s"] == pytest.approx(step, rel=1e-12)
+    assert out["tokens_per_s_per_gpu"] == pytest.approx(1024 / step / 2, rel=1e-12)
+    assert out["mfu"] == pytest.approx(718_798_848 / step / 2 / 989.4e12, rel=1e-12)
+
+
+def test_estimate_json_flops_read_recompute_per_stage() -> None:
+    """llama-2-7b at pp 4, 64 x 4096 tokens: full recompute of the 8 layers of each stage is
+    full recompute, 1.4913775719153664e16 FLOPs for the job, an eighth of it per GPU."""
+    base = ("--model", "llama-2-7b", "--gpus", "8", "--pp", "4", "--gbs", "64",
+            "--recompute", "full")
+    every = estimate_cli(*base, "--recompute-layers", "8")
+    full = estimate_cli(*base)
+    assert every["flops_per_step"] == full["flops_per_step"] == 14_913_775_719_153_664 / 8
+    assert every["step_time_s"] == full["step_time_s"]
+    quarter = estimate_cli(*base, "--recompute-layers", "2")  # 8 of the 32 layers
+    assert quarter["flops_per_step"] == (3 * 14_288_420_864 + 8 * 438_321_152) * 64 * 4096 / 8
+
+
+def test_estimate_table_shows_the_step_time_line() -> None:
+    text = flat(invoke("estimate", *TINY_PP2, env=WIDE).stdout)
+    out = estimate_cli(*TINY_PP2)
+    assert (f"step {out['step_time_s']:.3g} s, 4.708e+08 FLOPs per GPU (recompute included), "
+            f"{out['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, MFU {out['mfu']:.2f} "
+            "(step-time model; compute at an assumed 40% of peak FLOP/s)") in text
+
+
 # --- estimate table ------------------------------------------------------------------------
 
 def test_estimate_table_mentions_verdict_units_defaults_assumptions() -> None:
