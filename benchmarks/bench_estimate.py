@@ -15,7 +15,7 @@ What it measures:
     ``python -c "import memplan.cli"``.
 (b) in-process: ``memplan.estimate`` over a grid of configurations (mbs 1..8, tp 1/2/4/8,
     pp 1/2/4, zero 0-3, on llama-7b and llama-3-70b; dp 8), and the lower-level
-    ``memplan.memory.estimate`` on pre-built spec / GPU / layout / workload objects, each repeated
+    ``memplan.model.estimate.estimate`` on pre-built spec / GPU / layout / workload objects, each repeated
     until ``--seconds`` have passed.
 
 Targets:
@@ -176,7 +176,7 @@ def api_json_step() -> Callable[[], int]:
 
 def core_step() -> Callable[[], int]:
     import memplan
-    from memplan import memory
+    from memplan.model import estimate as memory
 
     gpu = memplan.load_gpu("h100-sxm")
     prebuilt = []
@@ -210,7 +210,7 @@ def bench_inprocess(seconds: float) -> dict[str, Any]:
         "configs": len(grid()),
         "memplan.estimate('llama-7b', gpus=64)": rate(headline_step(), seconds),
         "memplan.estimate": rate(api_step(), seconds),
-        "memplan.memory.estimate (pre-built inputs)": rate(core_step(), seconds),
+        "memplan.model.estimate.estimate (pre-built inputs)": rate(core_step(), seconds),
         "memplan.estimate + estimate_json + json.dumps": rate(api_json_step(), seconds),
     }
 

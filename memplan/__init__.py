@@ -6,7 +6,7 @@ Importing memplan never imports torch; only ``memplan.profile`` does, lazily.
 from memplan.api import check, estimate, make_layout, make_workload, plan
 from memplan.errors import MemplanError
 from memplan.hardware import GpuSpec, gpu_catalog, load_gpu
-from memplan.memory import Estimate, PhasePeaks, StageMemory
+from memplan.model.estimate import Estimate, PhasePeaks, StageMemory
 from memplan.parallel import ParallelConfig, ZeroStage
 from memplan.spec import ModelSpec, catalog_names, load_model, param_counts
 from memplan.workload import (

@@ -14,8 +14,8 @@ from pydantic import ValidationError
 
 from memplan.errors import MemplanError
 from memplan.hardware import GpuSpec, load_gpu
-from memplan.memory import Estimate
-from memplan.memory import estimate as _estimate
+from memplan.model.estimate import Estimate
+from memplan.model.estimate import estimate as _estimate
 from memplan.overheads import Overheads
 from memplan.parallel import (
     GradBuffers,
@@ -25,7 +25,7 @@ from memplan.parallel import (
     ZeroStage,
     layout_for_gpus,
 )
-from memplan.pipeline import Schedule
+from memplan.model.pipeline import Schedule
 from memplan.spec import ModelSpec, load_model
 from memplan.units import parse_bytes
 from memplan.workload import Recompute, Workload

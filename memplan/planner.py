@@ -18,7 +18,7 @@ import numpy as np
 from memplan.batch_search import Found, Job, Search, evaluate
 from memplan.errors import MemplanError
 from memplan.hardware import GpuSpec
-from memplan.memory import Estimate, estimate, validate
+from memplan.model.estimate import Estimate, estimate, validate
 from memplan.overheads import Overheads, default_overheads
 from memplan.parallel import ParallelConfig, ZeroStage
 from memplan.spec import ModelSpec
@@ -216,7 +216,7 @@ def _usable(spec: ModelSpec, par: ParallelConfig, wl: Workload, gbs: int,
 def _sp_on_where_possible(pars: list[ParallelConfig], rejected: Counter) -> list[ParallelConfig]:
     """Layouts with sequence parallelism off (tp > 1) are dropped where the same layout with
     it on is one of ``pars``: sequence parallelism splits the residual-stream activations by
-    tp and leaves everything else a rank holds as it is (``memplan.activations``), and it
+    tp and leaves everything else a rank holds as it is (``memplan.model.dims``), and it
     splits the pipeline sends by tp (``memplan.timing``), so with it on a layout needs no more
     memory and no more time at every micro-batch (tests/test_planner_vector.py checks this
     over a grid). Off stays where on is not possible (tp does not divide the sequence) or was

@@ -169,7 +169,7 @@ class ParamCounts:
                 + self.final_norm + self.head)
 
 
-def _norm_params(spec: ModelSpec) -> int:
+def norm_params(spec: ModelSpec) -> int:
     return spec.hidden_size * (2 if spec.norm_bias else 1)
 
 
@@ -202,7 +202,7 @@ def mlp_params(spec: ModelSpec, ffn: int) -> tuple[int, int]:
 
 def layer_params(spec: ModelSpec, index: int) -> LayerParams:
     attn_sharded, attn_repl = attention_params(spec)
-    norms = 2 * _norm_params(spec)
+    norms = 2 * norm_params(spec)
     moe = spec.moe
     if moe is None or not spec.is_moe_layer(index):
         mlp_sharded, mlp_repl = mlp_params(spec, spec.ffn_hidden_size)
@@ -228,7 +228,7 @@ def param_counts(spec: ModelSpec) -> ParamCounts:
         embedding=spec.vocab_size * h,
         position_embedding=spec.max_seq_len * h if spec.position is PositionKind.LEARNED else 0,
         layers=tuple(layer_params(spec, i) for i in range(spec.num_layers)),
-        final_norm=_norm_params(spec),
+        final_norm=norm_params(spec),
         head=0 if spec.tied_embeddings else spec.vocab_size * h,
     )
 

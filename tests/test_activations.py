@@ -23,11 +23,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memplan.activations import (
-    Dims, Term, embedding_terms, head_backward_extra_bytes, head_forward_extra_bytes,
-    head_linear_backward_bytes, head_terms, layer_terms, loss_chunk_tokens, moe_terms,
-    rope_terms, total,
+from memplan.model.attention import rope_terms
+from memplan.model.dims import Dims, Term, total
+from memplan.model.embedding import embedding_terms
+from memplan.model.head import (
+    forward_extra_bytes,
+    head_terms,
+    linear_backward_bytes,
+    loss_backward_bytes,
+    loss_chunk_tokens,
 )
+from memplan.model.layer import layer_terms
+from memplan.model.moe import moe_terms
 from memplan.parallel import ParallelConfig
 from memplan.spec import ModelSpec, load_model
 from memplan.workload import Attention, NormImpl, Precision, Recompute, Workload
@@ -50,7 +57,8 @@ GPT_WL = Workload(micro_batch_size=B, seq_len=S, precision=Precision.BF16_MIXED,
 
 def _gpt_layer(t: int, sp: bool, recompute: Recompute) -> list[Term]:
     par = ParallelConfig(tp=t, sequence_parallel=sp)
-    return layer_terms(GPT, GPT_WL, Dims.of(par, GPT_WL), moe_layer=False, recompute=recompute)
+    return layer_terms(GPT, GPT_WL, Dims.of(GPT, par, GPT_WL), moe_layer=False,
+                       recompute=recompute)
 
 
 def _without_stats(terms: list[Term]) -> int:
@@ -140,7 +148,7 @@ def _llama_block(spec: ModelSpec, b: int, s: int, precision: Precision = Precisi
                  tp: int = 1) -> list[Term]:
     wl = Workload(micro_batch_size=b, seq_len=s, precision=precision)  # flash, upcast: defaults
     assert wl.attention is Attention.FLASH and wl.norm_impl is NormImpl.UPCAST
-    return layer_terms(spec, wl, Dims.of(ParallelConfig(tp=tp), wl), moe_layer=False,
+    return layer_terms(spec, wl, Dims.of(spec, ParallelConfig(tp=tp), wl), moe_layer=False,
                        recompute=Recompute.NONE)
 
 
@@ -233,7 +241,7 @@ def test_kv_width_by_kernel_and_recompute(attention: Attention, recompute: Recom
     spec = load_model("tiny")
     wl = Workload(micro_batch_size=1, seq_len=256, attention=attention, recompute=recompute)
     sizes = {t.name: t.size_bytes for t in layer_terms(
-        spec, wl, Dims.of(ParallelConfig(), wl), moe_layer=False, recompute=recompute)}
+        spec, wl, Dims.of(spec, ParallelConfig(), wl), moe_layer=False, recompute=recompute)}
     assert sizes["attn.k"] == sizes["attn.v"] == 256 * kv_heads_saved * 16 * 2
     assert sizes["attn.q"] == 256 * 4 * 16 * 2
 
@@ -244,7 +252,7 @@ def _mixtral_terms(top_k: int, b: int = 1, s: int = 1024) -> dict[str, int]:
     spec = load_model("mixtral-8x7b")
     spec = spec.model_copy(update={"moe": spec.moe.model_copy(update={"top_k": top_k})})
     wl = Workload(micro_batch_size=b, seq_len=s)
-    return {t.name: t.size_bytes for t in moe_terms(spec, Dims.of(ParallelConfig(), wl))}
+    return {t.name: t.size_bytes for t in moe_terms(spec, Dims.of(spec, ParallelConfig(), wl))}
 
 
 def test_mixtral_moe_terms() -> None:
@@ -290,7 +298,7 @@ def test_moe_terms_scale_with_top_k() -> None:
 def test_mixtral_layer_uses_moe_terms() -> None:
     spec = load_model("mixtral-8x7b")
     wl = Workload(micro_batch_size=1, seq_len=1024)
-    dm = Dims.of(ParallelConfig(), wl)
+    dm = Dims.of(spec, ParallelConfig(), wl)
     assert spec.is_moe_layer(0)
     names = {t.name for t in layer_terms(spec, wl, dm, moe_layer=True, recompute=Recompute.NONE)}
     assert "moe.router_probs" in names and "mlp.gate" not in names
@@ -305,12 +313,12 @@ def test_cp_divides_tokens(attention: Attention, cp: int) -> None:
     shrink by cp as well. The whole layer is exactly 1/cp of the cp=1 layer."""
     spec = load_model("gpt2")
     wl = Workload(micro_batch_size=2, seq_len=1024, attention=attention)
-    base = total(layer_terms(spec, wl, Dims.of(ParallelConfig(), wl), moe_layer=False,
+    base = total(layer_terms(spec, wl, Dims.of(spec, ParallelConfig(), wl), moe_layer=False,
                              recompute=Recompute.NONE))
-    split = total(layer_terms(spec, wl, Dims.of(ParallelConfig(cp=cp), wl), moe_layer=False,
+    split = total(layer_terms(spec, wl, Dims.of(spec, ParallelConfig(cp=cp), wl), moe_layer=False,
                               recompute=Recompute.NONE))
     assert split * cp == base
-    dm = Dims.of(ParallelConfig(cp=cp), wl)
+    dm = Dims.of(spec, ParallelConfig(cp=cp), wl)
     assert (dm.s, dm.s_kv, dm.tokens) == (1024 // cp, 1024, 2 * 1024 // cp)
 
 
@@ -321,7 +329,7 @@ def test_eager_softmax_term(tp: int, cp: int) -> None:
     spec = load_model("gpt2")  # a = 12, dropout 0.1
     b, s = 2, 1024
     wl = Workload(micro_batch_size=b, seq_len=s, attention=Attention.EAGER)
-    dm = Dims.of(ParallelConfig(tp=tp, cp=cp), wl)
+    dm = Dims.of(spec, ParallelConfig(tp=tp, cp=cp), wl)
     sizes = {t.name: t.size_bytes
              for t in layer_terms(spec, wl, dm, moe_layer=False, recompute=Recompute.NONE)}
     scores = b * (12 // tp) * (s // cp) * s
@@ -334,7 +342,7 @@ def test_eager_softmax_term(tp: int, cp: int) -> None:
 def test_eager_without_dropout_has_no_softmax_mask() -> None:
     spec = load_model("llama-2-7b")
     wl = Workload(micro_batch_size=1, seq_len=512, attention=Attention.EAGER)
-    names = {t.name for t in layer_terms(spec, wl, Dims.of(ParallelConfig(), wl),
+    names = {t.name for t in layer_terms(spec, wl, Dims.of(spec, ParallelConfig(), wl),
                                          moe_layer=False, recompute=Recompute.NONE)}
     assert "attn.softmax" in names
     assert not {"attn.softmax_dropout_mask", "attn.softmax_dropout_out"} & names
@@ -345,10 +353,10 @@ def test_rope_terms_are_per_sequence() -> None:
     spec = load_model("llama-2-7b")
     for b in (1, 3):
         wl = Workload(micro_batch_size=b, seq_len=2048)
-        assert total(rope_terms(spec, Dims.of(ParallelConfig(), wl))) == 2 * 2048 * 128 * 2
+        assert total(rope_terms(spec, Dims.of(spec, ParallelConfig(), wl))) == 2 * 2048 * 128 * 2
     wl = Workload(micro_batch_size=1, seq_len=2048)
-    assert total(rope_terms(spec, Dims.of(ParallelConfig(cp=2), wl))) == 2 * 1024 * 128 * 2
-    assert rope_terms(load_model("gpt2"), Dims.of(ParallelConfig(), wl)) == []
+    assert total(rope_terms(spec, Dims.of(spec, ParallelConfig(cp=2), wl))) == 2 * 1024 * 128 * 2
+    assert rope_terms(load_model("gpt2"), Dims.of(load_model("gpt2"), ParallelConfig(), wl)) == []
 
 
 def test_embedding_and_head_terms() -> None:
@@ -358,7 +366,7 @@ def test_embedding_and_head_terms() -> None:
     and two fp32 scalars (the loss and nll_loss's total_weight), 8 bytes per micro-batch."""
     spec = load_model("llama-2-7b")
     wl = Workload(micro_batch_size=2, seq_len=1024)
-    dm = Dims.of(ParallelConfig(), wl)
+    dm = Dims.of(spec, ParallelConfig(), wl)
     t_, h, v = 2048, 4096, 32000
     assert total(embedding_terms(spec, dm)) == 8 * t_
     gpt2 = load_model("gpt2")
@@ -374,7 +382,8 @@ def test_head_vocab_is_ceil_split_under_tp() -> None:
     """GPT-2's V = 50257 over t = 4: ceil(50257/4) = 12,565 columns per rank."""
     spec = load_model("gpt2")
     wl = Workload(micro_batch_size=1, seq_len=1024)
-    head = {t.name: t.size_bytes for t in head_terms(spec, wl, Dims.of(ParallelConfig(tp=4), wl))}
+    head = {t.name: t.size_bytes
+            for t in head_terms(spec, wl, Dims.of(spec, ParallelConfig(tp=4), wl))}
     assert head["loss.log_softmax"] == 1024 * 12_565 * 4
 
 
@@ -388,18 +397,18 @@ def test_chunked_loss_llama_3_8b() -> None:
     third, beside the input gradients of the chunks run so far (all but one)."""
     spec = load_model("llama-3-8b")
     wl = Workload(micro_batch_size=1, seq_len=8192, loss_chunks=8)
-    dm = Dims.of(ParallelConfig(), wl)
+    dm = Dims.of(spec, ParallelConfig(), wl)
     v, h, tc = 128_256, 4096, 1024
     grad_w = v * h * 2
     assert loss_chunk_tokens(wl, dm) == (1024, 8)
     head = {t.name: t.size_bytes for t in head_terms(spec, wl, dm)}
     assert "loss.log_softmax" not in head and head["loss.scalars"] == 4
-    assert head_forward_extra_bytes(spec, wl, dm) == 2 * tc * v * 4 == 1_050_673_152
-    assert head_backward_extra_bytes(spec, wl, dm, grad_w) == (
+    assert forward_extra_bytes(wl, dm) == 2 * tc * v * 4 == 1_050_673_152
+    assert loss_backward_bytes(spec, wl, dm, grad_w) == (
         3 * tc * v * 4 + 7 * tc * h * 2 + grad_w) == 2_685_403_136
     last_made = 8 * tc * h * 2 + 2 * grad_w + tc * v * 2
     second_sum = 7 * tc * h * 2 + 3 * grad_w
-    assert head_linear_backward_bytes(spec, wl, dm, grad_w) == max(last_made, second_sum) \
+    assert linear_backward_bytes(spec, wl, dm, grad_w) == max(last_made, second_sum) \
         == 3_210_739_712
 
 
@@ -407,9 +416,9 @@ def test_chunked_loss_uneven_chunks() -> None:
     """torch.chunk of 15 tokens into 4: chunks of ceil(15/4) = 4 tokens, four of them; into 7:
     chunks of 3, five of them (fewer than asked)."""
     wl = Workload(micro_batch_size=1, seq_len=15, loss_chunks=4)
-    assert loss_chunk_tokens(wl, Dims.of(ParallelConfig(), wl)) == (4, 4)
+    assert loss_chunk_tokens(wl, Dims.of(load_model("tiny"), ParallelConfig(), wl)) == (4, 4)
     wl = Workload(micro_batch_size=1, seq_len=15, loss_chunks=7)
-    assert loss_chunk_tokens(wl, Dims.of(ParallelConfig(), wl)) == (3, 5)
+    assert loss_chunk_tokens(wl, Dims.of(load_model("tiny"), ParallelConfig(), wl)) == (3, 5)
 
 
 def test_chunked_loss_lowers_the_llama_3_8b_peak() -> None:

@@ -2,7 +2,7 @@
 
 Each configuration is traced with the exact tensor tracker (fake tensors on device cpu, or real
 CPU tensors for MoE, whose data-dependent routing fake tensors cannot run) for two steps, and
-compared with ``memplan.memory.estimate`` without fixed overheads: parameters, gradients and
+compared with ``memplan.model.estimate.estimate`` without fixed overheads: parameters, gradients and
 optimizer states to the byte, saved activations and every phase peak of the first step and of
 the steady state within 0.5%.
 """

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 import memplan
-from memplan import activations as act
+from memplan.model import head, norm
+from memplan.model.dims import Dims
 from memplan.errors import MemplanError
 from memplan.overheads import no_overheads
 from memplan.parallel import ParallelConfig, TpStyle
@@ -41,8 +42,8 @@ def test_vocab_parallel_splits_the_loss() -> None:
     wl = Workload(micro_batch_size=2, seq_len=64)
     for vocab_parallel, size in ((True, 32_768), (False, 65_536)):
         par = ParallelConfig(tp=2, vocab_parallel=vocab_parallel)
-        terms = {t.name: t.size_bytes for t in act.head_terms(
-            memplan.load_model("tiny"), wl, act.Dims.of(par, wl))}
+        terms = {t.name: t.size_bytes for t in head.head_terms(
+            memplan.load_model("tiny"), wl, Dims.of(memplan.load_model("tiny"), par, wl))}
         assert terms["loss.log_softmax"] == size
 
 
@@ -55,7 +56,7 @@ def test_dtensor_sequence_parallel_saves_gathered_linear_inputs() -> None:
     sizes = {}
     for style in TpStyle:
         par = ParallelConfig(tp=2, sequence_parallel=True, tp_style=style)
-        terms = {t.name: t.size_bytes for t in act.norm_terms("n", spec, wl, act.Dims.of(par, wl))}
+        terms = {t.name: t.size_bytes for t in norm.norm_terms("n", spec, wl, Dims.of(spec, par, wl))}
         sizes[style] = terms
     assert sizes[TpStyle.MEGATRON]["n.output"] == 8_192
     assert sizes[TpStyle.DTENSOR]["n.output"] == 16_384

@@ -15,12 +15,16 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import memplan
-from memplan import activations as act
+from memplan.model import attention
+from memplan.model import embedding as emb_block
+from memplan.model import head as head_block
+from memplan.model import layer as layer_block
+from memplan.model.dims import Dims, total
 from memplan.errors import MemplanError
-from memplan.memory import Estimate, StageMemory
+from memplan.model.estimate import Estimate, StageMemory
 from memplan.overheads import no_overheads
 from memplan.parallel import ParallelConfig
-from memplan.pipeline import chunks_in_flight
+from memplan.model.pipeline import chunks_in_flight
 from memplan.spec import load_model
 from memplan.units import MiB
 from memplan.workload import Recompute
@@ -125,17 +129,17 @@ def test_default_overheads(gpu: str, workspace_mib: int) -> None:
 # --- pipeline ---------------------------------------------------------------------------------
 
 def _stage_terms(e: Estimate, layers: list[int], *, embedding: bool, head: bool) -> int:
-    """One micro-batch of a stage's saved terms, rebuilt from memplan.activations."""
-    dm = act.Dims.of(e.parallel, e.workload)
-    terms = act.rope_terms(e.spec, dm)
+    """One micro-batch of a stage's saved terms, rebuilt from the blocks (memplan.model)."""
+    dm = Dims.of(e.spec, e.parallel, e.workload)
+    terms = attention.rope_terms(e.spec, dm)
     if embedding:
-        terms += act.embedding_terms(e.spec, dm)
+        terms += emb_block.embedding_terms(e.spec, dm)
     for i in layers:
-        terms += act.layer_terms(e.spec, e.workload, dm, moe_layer=e.spec.is_moe_layer(i),
+        terms += layer_block.layer_terms(e.spec, e.workload, dm, moe_layer=e.spec.is_moe_layer(i),
                                  recompute=e.workload.recompute)
     if head:
-        terms += act.head_terms(e.spec, e.workload, dm)
-    return act.total(terms)
+        terms += head_block.head_terms(e.spec, e.workload, dm)
+    return total(terms)
 
 
 @pytest.mark.parametrize("m", [1, 2, 4, 8])
@@ -147,7 +151,7 @@ def test_1f1b_stage_i_holds_min_m_p_minus_i(m: int) -> None:
     for i, s in enumerate(e.stages):
         assert s.microbatches_in_flight == min(m, p - i)
         one = _stage_terms(e, list(range(8 * i, 8 * i + 8)), embedding=i == 0, head=i == p - 1)
-        assert act.total(list(s.activation_terms)) == one
+        assert total(list(s.activation_terms)) == one
         assert s.activations_bytes == min(m, p - i) * one
 
 
@@ -157,10 +161,10 @@ def test_1f1b_first_stage_holds_p_microbatches() -> None:
     p = 4
     e = est("llama-2-7b", gpus=4, pp=p, seq_len=1024, global_batch_size=8)
     s0 = e.stages[0]
-    dm = act.Dims.of(e.parallel, e.workload)
-    layer = act.total(act.layer_terms(e.spec, e.workload, dm, moe_layer=False,
+    dm = Dims.of(e.spec, e.parallel, e.workload)
+    layer = total(layer_block.layer_terms(e.spec, e.workload, dm, moe_layer=False,
                                       recompute=Recompute.NONE))
-    extra = act.total(act.rope_terms(e.spec, dm) + act.embedding_terms(e.spec, dm))
+    extra = total(attention.rope_terms(e.spec, dm) + emb_block.embedding_terms(e.spec, dm))
     assert s0.activations_bytes == p * (8 * layer + extra)
     assert s0.activations_bytes == 32 * layer + p * extra
 
@@ -182,11 +186,11 @@ def test_interleaved_stage0_counts() -> None:
     assert chunks_in_flight(par, 8, 0) == [7, 4]
     e = est("llama-2-7b", gpus=4, pp=4, vpp=2, seq_len=1024, global_batch_size=8)
     s0 = e.stages[0]
-    dm = act.Dims.of(e.parallel, e.workload)
-    layer = act.total(act.layer_terms(e.spec, e.workload, dm, moe_layer=False,
+    dm = Dims.of(e.spec, e.parallel, e.workload)
+    layer = total(layer_block.layer_terms(e.spec, e.workload, dm, moe_layer=False,
                                       recompute=Recompute.NONE))
-    rope = act.total(act.rope_terms(e.spec, dm))
-    emb = act.total(act.embedding_terms(e.spec, dm))
+    rope = total(attention.rope_terms(e.spec, dm))
+    emb = total(emb_block.embedding_terms(e.spec, dm))
     assert s0.activations_bytes == 44 * layer + 11 * rope + 7 * emb
     assert s0.microbatches_in_flight == 7
 
@@ -407,13 +411,13 @@ def test_zero2_bucket_holds_only_gradients_produced() -> None:
 
 
 def _layer_bytes(e: Estimate, recompute: Recompute) -> int:
-    dm = act.Dims.of(e.parallel, e.workload)
-    return act.total(act.layer_terms(e.spec, e.workload, dm, moe_layer=False, recompute=recompute))
+    dm = Dims.of(e.spec, e.parallel, e.workload)
+    return total(layer_block.layer_terms(e.spec, e.workload, dm, moe_layer=False, recompute=recompute))
 
 
 def _q_bytes(e: Estimate) -> int:
     """One query-width tensor of one micro-batch (the attention output), T*a*d/t*e."""
-    dm = act.Dims.of(e.parallel, e.workload)
+    dm = Dims.of(e.spec, e.parallel, e.workload)
     return dm.tokens * e.spec.q_size // dm.tp * dm.e
 
 
@@ -496,8 +500,8 @@ def test_interior_stages_follow_from_one(monkeypatch: pytest.MonkeyPatch, model:
                                          vpp: int, mbs: int, recompute: str) -> None:
     """Interior pipeline stages derived from one computed stage (shifted by whole
     micro-batches in flight) equal the stages computed one by one."""
-    import memplan.memory as M
-    from memplan.stage_memory import stage_record
+    import memplan.model.estimate as M
+    from memplan.model.stage import stage_record
 
     kw = dict(gpus=2 * pp, pp=pp, vpp=vpp, zero=1, micro_batch_size=mbs, recompute=recompute,
               global_batch_size=mbs * 2 * pp * 2)

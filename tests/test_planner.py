@@ -31,7 +31,7 @@ def test_largest_mbs_equals_brute_force() -> None:
         per_replica = 64 // cand.layout.dp
         for mbs in [b for b in range(1, 65) if per_replica % b == 0]:
             try:
-                est = memplan.memory.estimate(spec, gpu, cand.layout, wl.model_copy(update={
+                est = memplan.model.estimate.estimate(spec, gpu, cand.layout, wl.model_copy(update={
                     "micro_batch_size": mbs, "recompute": cand.recompute,
                     "recompute_layers": cand.recompute_layers}))
             except MemplanError:

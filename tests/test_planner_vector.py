@@ -16,7 +16,7 @@ import memplan
 from memplan import batch_search
 from memplan.batch_search import Job, Search
 from memplan.errors import MemplanError
-from memplan.memory import estimate, most_loaded, optimizer_floor_bytes, validate
+from memplan.model.estimate import estimate, most_loaded, optimizer_floor_bytes, validate
 from memplan.overheads import default_overheads
 from memplan.planner import (
     RECOMPUTE_ORDER,

@@ -22,7 +22,7 @@ import pytest
 
 from memplan.parallel import ParallelConfig, ZeroStage
 from memplan.spec import ModelSpec, load_model, param_counts
-from memplan.states import StageParams, StateBytes, stage_params, state_bytes
+from memplan.model.model_states import StageParams, StateBytes, stage_params, state_bytes
 from memplan.units import GB
 from memplan.workload import Optimizer, Precision, Workload
 

@@ -154,11 +154,11 @@ def test_step_time_reads_the_layout_pipeline() -> None:
     (8, 2, 2, 3), (8, 4, 1, 1), (12, 2, 3, 5), (16, 4, 2, 4), (4, 1, 1, 2)])
 def test_recomputed_layers_are_the_ones_memory_recomputes(num_layers: int, pp: int, vpp: int,
                                                           k: int) -> None:
-    """The layers timing reruns are those ``memplan.layers.layer_keys`` marks full on each
+    """The layers timing reruns are those ``memplan.model.stage_parts.layer_keys`` marks full on each
     stage's layer list (chunks in order): e.g. 8 layers, pp 2, vpp 2, k 3: stage 0 holds
     [0, 1] + [4, 5] and reruns 0, 1, 4; stage 1 holds [2, 3] + [6, 7] and reruns 2, 3, 6."""
-    from memplan.layers import layer_keys
-    from memplan.pipeline import stage_layers
+    from memplan.model.stage_parts import layer_keys
+    from memplan.model.pipeline import stage_layers
     from memplan.timing import recomputed_layers
     from memplan.workload import Recompute
 

@@ -23,7 +23,7 @@ from memplan.calibrate.features import (
 from memplan.calibrate.profile import Profile, find_profile, load_profile
 from memplan.errors import MemplanError
 from memplan.hardware import GpuSpec
-from memplan.memory import PHASES, Estimate, StageMemory
+from memplan.model.estimate import PHASES, Estimate, StageMemory
 from memplan.overheads import Overheads
 from memplan.spec import ModelSpec
 
@@ -261,7 +261,7 @@ def calibrate_plan(result: Any, spec: ModelSpec, gpu: GpuSpec, loaded: list[Load
     re-timed with the measured utilisation; candidates that no longer fit are rejected."""
     if not loaded:
         return result
-    from memplan.memory import estimate, resolve_batch
+    from memplan.model.estimate import estimate, resolve_batch
     from memplan.planner import MAX_MBS, _divisors
     from memplan.timing import step_time
 

@@ -21,7 +21,7 @@ a policy grows with b*s alike, so per-tensor coefficients could not be told apar
 from __future__ import annotations
 
 from memplan.hardware import GpuSpec, load_gpu
-from memplan.memory import PHASES, Estimate, StageMemory, estimate
+from memplan.model.estimate import PHASES, Estimate, StageMemory, estimate
 from memplan.overheads import no_overheads
 from memplan.parallel import ParallelConfig
 from memplan.spec import ModelSpec
@@ -94,12 +94,12 @@ def evaluate(coef: list[float], b: int, s: int) -> float:
 
 
 def analytic_layer_bytes(spec: ModelSpec, wl: Workload, layout: ParallelConfig) -> int:
-    """Saved bytes of one dense block of the analytic reference (``memplan.activations``)."""
-    from memplan.activations import Dims
-    from memplan.layers import layer_kind
+    """Saved bytes of one dense block of the analytic reference (``memplan.model.layer``)."""
+    from memplan.model.dims import Dims
+    from memplan.model.memo import layer_kind
 
     policy = Recompute.FULL if wl.recompute_layers else wl.recompute
-    return layer_kind(spec, wl, Dims.of(layout, wl), False, policy).saved_bytes
+    return layer_kind(spec, wl, Dims.of(spec, layout, wl), False, policy).saved_bytes
 
 
 def analytic_targets(spec: ModelSpec, wl: Workload, layout: ParallelConfig) -> dict[str, int]:

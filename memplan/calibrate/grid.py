@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memplan.errors import MemplanError
-from memplan.memory import estimate
+from memplan.model.estimate import estimate
 from memplan.overheads import no_overheads
 from memplan.parallel import GradBuffers, ParallelConfig, TpStyle, ZeroStage
 from memplan.spec import ModelSpec

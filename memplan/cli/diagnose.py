@@ -47,7 +47,7 @@ from memplan.cli.options import (
     workload_fields,
 )
 from memplan.parallel import GradBuffers, Offload, TpStyle
-from memplan.pipeline import Schedule
+from memplan.model.pipeline import Schedule
 from memplan.workload import Attention, NormImpl, Optimizer, OptimizerImpl, Precision
 
 _INPUT = "Evidence"

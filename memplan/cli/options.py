@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from memplan.parallel import GradBuffers, Offload, TpStyle
-from memplan.pipeline import Schedule
+from memplan.model.pipeline import Schedule
 from memplan.workload import Attention, NormImpl, Optimizer, OptimizerImpl, Precision
 
 

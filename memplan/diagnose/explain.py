@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memplan.diagnose.oom import OomReport, request_matches
-from memplan.memory import Estimate, StageMemory
+from memplan.model.estimate import Estimate, StageMemory
 from memplan.overheads import ALLOCATOR_FRACTION
 from memplan.workload import OptimizerImpl
 
 # A stage's phases in the order a training step reaches them: step 1 runs without optimizer
-# moments, which the first optimizer step creates (memplan.memory).
+# moments, which the first optimizer step creates (memplan.model.estimate).
 TIMELINE = (("first step", "forward"), ("first step", "backward"), ("first step", "optimizer"),
             ("steady", "forward"), ("steady", "backward"), ("steady", "optimizer"))
 
@@ -64,14 +64,14 @@ def unexplained_bytes(d: Diagnosis) -> int:
 
 def rank_bytes(est: Estimate, s: StageMemory, tensor_bytes: int) -> int:
     """A rank's bytes with ``tensor_bytes`` of tensors: the fixed overheads and the allocator's
-    share on top, as ``peak_bytes`` is built (memplan.stage_memory.rank_peak_bytes)."""
+    share on top, as ``peak_bytes`` is built (memplan.model.stage.rank_peak_bytes)."""
     ovh = est.overheads
     return (tensor_bytes + s.calibration_bytes + ovh.fixed_bytes
             + ovh.allocator_bytes(tensor_bytes))
 
 
 def phase_components(est: Estimate, s: StageMemory, step: str, phase: str) -> dict[str, int]:
-    """The components alive in one phase (the lists in memplan.memory's docstring), each at
+    """The components alive in one phase (the lists in memplan.model.estimate's docstring), each at
     its full size on this rank: which is largest, not an exact split of the phase's bytes."""
     parts = {"parameters": s.params_bytes}
     if step == "steady" or phase == "optimizer":

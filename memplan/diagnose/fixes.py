@@ -12,7 +12,7 @@ where the job has none), with the host memory it needs per GPU.
 Chunked cross-entropy is offered with ceil(vocab / hidden) chunks, the count Liger Kernel's
 fused linear cross-entropy uses so that one chunk's logits are about the size of the hidden
 states (``liger_kernel/ops/fused_linear_cross_entropy.py``: ``inc_factor = cdiv(V, H)``);
-the estimator models it as checkpointed chunks (``memplan.activations``).
+the estimator models it as checkpointed chunks (``memplan.model.head``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from memplan.errors import MemplanError
-from memplan.memory import Estimate
+from memplan.model.estimate import Estimate
 from memplan.parallel import Offload, ZeroStage
 from memplan.planner import DEFAULT_SAFETY
 from memplan.timing import StepTime, estimate_step_time

@@ -14,7 +14,7 @@ from typing import Any
 
 from memplan.diagnose.explain import Finding
 from memplan.errors import MemplanError
-from memplan.memory import StageMemory
+from memplan.model.estimate import StageMemory
 from memplan.overheads import ALLOCATOR_FRACTION
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from memplan.diagnose.explain import Finding, stage_of_rank
 from memplan.errors import MemplanError
-from memplan.memory import Estimate
+from memplan.model.estimate import Estimate
 from memplan.monitor import MemoryMonitor, summarize
 from memplan.overheads import ALLOCATOR_FRACTION
 

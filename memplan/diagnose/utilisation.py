@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memplan.memory import Estimate
+from memplan.model.estimate import Estimate
 from memplan.planner import DEFAULT_SAFETY
 from memplan.timing import Bound, StepTime
 from memplan.workload import Recompute

@@ -1,7 +1,7 @@
 """Measured (traced) next to estimated bytes, per component and phase.
 
 ``compare(spec, par, wl)`` traces the reference model (one process, or rank 0 of a parallel
-layout through the fake process group) and runs ``memplan.memory.estimate`` with no fixed
+layout through the fake process group) and runs ``memplan.model.estimate.estimate`` with no fixed
 overheads, since the tracker counts tensors only. Step 1 is compared with the estimate's
 first-step phases, the last traced step with its steady state.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memplan.hardware import load_gpu
-from memplan.memory import PHASES, Estimate, estimate
+from memplan.model.estimate import PHASES, Estimate, estimate
 from memplan.overheads import no_overheads
 from memplan.parallel import GradBuffers, ParallelConfig, TpStyle
 from memplan.profile.trace import TraceResult, trace

@@ -43,7 +43,7 @@ class FusedRMSNorm(torch.autograd.Function):
     fp32 rstd per row. PyTorch's CPU ``F.rms_norm`` decomposes into upcast ops, so the reference
     model uses this instead. Its forward allocates only its output; its backward holds the
     weighted gradient, the normalised input and one product (three compute-dtype tensors) at
-    its peak, which ``memplan.activations`` counts. The reductions accumulate in fp32."""
+    its peak, which ``memplan.model.norm`` counts. The reductions accumulate in fp32."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 
 from memplan.errors import MemplanError
 from memplan.hardware import GpuSpec
-from memplan.memory import PHASES, estimate
+from memplan.model.estimate import PHASES, estimate
 from memplan.overheads import default_overheads, no_overheads
 from memplan.parallel import ParallelConfig
 from memplan.profile.reference import ReferenceModel
@@ -30,14 +30,14 @@ from memplan.workload import Workload
 
 def predicted(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, *,
               tensors_only: bool) -> dict[str, Any]:
-    """``memplan.memory.estimate``'s per-phase peaks for rank 0 (tensor bytes), and its peak
+    """``memplan.model.estimate.estimate``'s per-phase peaks for rank 0 (tensor bytes), and its peak
     with fixed overheads unless ``tensors_only`` (the CPU tracker counts tensors only)."""
     est = estimate(spec, gpu, par, wl, overheads=no_overheads() if tensors_only
                    else default_overheads(gpu))
     stage = est.stages[0]
     how = "no fixed overheads (tensors only)" if tensors_only else \
         f"fixed overheads of {gpu.name} included"
-    return {"source": f"memplan.memory.estimate for {gpu.name}, rank 0, {how}",
+    return {"source": f"memplan.model.estimate.estimate for {gpu.name}, rank 0, {how}",
             "first_step": {ph: getattr(stage.first_step, ph) for ph in PHASES},
             "steady": {ph: getattr(stage.steady, ph) for ph in PHASES},
             "peak_bytes": stage.peak_bytes if not tensors_only else stage.tensor_peak_bytes}

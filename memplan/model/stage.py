@@ -1,40 +1,34 @@
 """One pipeline stage's bytes for one micro-batch count: its phase peaks and its record.
 
 ``walk_stage`` sums what is alive at each phase's peak (what each phase holds is listed in
-``memplan.memory``'s docstring) from the stage's parts (``memplan.stage``) and the
-per-micro-batch terms every stage shares (``shared_terms``); ``stage_record`` turns the walk
-into a ``StageMemory`` with the fixed overheads on top. All sizes are int bytes for one GPU.
+``memplan.model.estimate``'s docstring) from the stage's parts (``memplan.model.stage_parts``)
+and the per-micro-batch terms every stage shares (``memo.SharedTerms``); ``stage_record`` turns
+the walk into a ``StageMemory`` with the fixed overheads on top. All sizes are int bytes for
+one GPU.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import NamedTuple
 
-from memplan import activations as act
-from memplan import moments as mom
-from memplan.layers import (
-    LayerKind,
-    Walk,
-    backward_peak,
-    forward_peak,
-    layer_kind,
-    merge_terms,
-    moment_params,
-)
+from memplan.model import memo
+from memplan.model.dims import Term
+from memplan.model.embedding import embedding_backward_extra
+from memplan.model.layer import LayerKind, merge_terms
+from memplan.model.pipeline import Schedule
+from memplan.model.stage_parts import LayerKey, StageKinds, StageStates
+from memplan.model.walk import Walk, backward_peak, forward_peak
 from memplan.overheads import Overheads
 from memplan.parallel import ParallelConfig, ZeroStage
-from memplan.pipeline import Schedule, chunks_in_flight
 from memplan.spec import ModelSpec, param_counts
-from memplan.stage import StageKinds, StageStates, canonical, stage_parts
-from memplan.workload import Recompute, Workload
+from memplan.workload import Workload
 
 PHASES = ("forward", "backward", "optimizer")
 
 # A layer kind's entry in a walk: its kind, its parameters' gradient bytes, and the gradient
-# bytes of each of its moment groups (``layers.moment_params``).
-Entries = dict[tuple[bool, Recompute], tuple[LayerKind, int, tuple[int, ...]]]
+# bytes of each of its moment groups (``memo.SharedTerms.moment_params``).
+Entries = dict[LayerKey, tuple[LayerKind, int, tuple[int, ...]]]
 
 
 @dataclass(frozen=True)
@@ -67,7 +61,7 @@ class StageMemory:
     activations_bytes: int  # saved activations of all micro-batches in flight
     microbatches_in_flight: int
     microbatch_bytes: int  # saved activations of one micro-batch on this stage
-    activation_groups: tuple[tuple[int, tuple[act.Term, ...]], ...]  # (count, terms) of one
+    activation_groups: tuple[tuple[int, tuple[Term, ...]], ...]  # (count, terms) of one
     #                                                            micro-batch on this stage
     loss_bytes: int  # logits-sized tensors alive at the loss, beyond what is saved
     sharding_buffers_bytes: int  # ZeRO-3 gathered units / ZeRO-2 bucket, at their peak
@@ -85,7 +79,7 @@ class StageMemory:
     host_bytes: int = 0  # offloaded to host memory (not in peak_bytes): ``StateBytes.host_bytes``
 
     @property
-    def activation_terms(self) -> tuple[act.Term, ...]:
+    def activation_terms(self) -> tuple[Term, ...]:
         """Saved terms of one micro-batch, summed by name over the stage's layers."""
         return merge_terms(self.activation_groups)
 
@@ -94,96 +88,6 @@ class StageMemory:
         which = self.steady if self.steady.peak >= self.first_step.peak else self.first_step
         step = "steady" if which is self.steady else "first step"
         return f"{which.peak_phase} ({step})"
-
-
-def _embedding_backward_extra(vocab_grad: int, embed_grads: int, *, tied: bool,
-                              main_grads: bool, incoming: int, vocab_final: int,
-                              positions_dense: int = 0) -> int:
-    """Bytes beyond all gradients at the embedding's backward (first stage). Its dense
-    gradient (compute dtype) is made from the gradient of its output (``incoming``, still
-    alive); a tied head's gradient waits beside it and the two are summed (3 copies, then the
-    sum becomes the gradient); with fp32 main gradients the compute-dtype gradient lives until
-    it has been added into the fp32 one. ``vocab_final``: the token embedding's gradient as
-    held (fp32 main gradient, shard); learned positions made theirs just before: with fp32
-    main gradients their dense compute-dtype gradient (``positions_dense``) lives beside its
-    fp32 copy then, the token embedding's gradient not made yet (traced; the peak only when
-    the position table is larger than the vocabulary's)."""
-    if tied and main_grads:  # 3 copies before the fp32 main gradient, or the sum beside it
-        after = max(3 * vocab_grad - embed_grads, vocab_grad)
-    elif tied:
-        after = 2 * vocab_grad
-    else:
-        after = vocab_grad if main_grads else 0
-    # while the dense gradient is made, the final gradient (or the sum) does not exist yet
-    dense = (vocab_grad if tied else 0) + vocab_grad + incoming - vocab_final
-    positions = (vocab_grad if tied else 0) + positions_dense + incoming - vocab_final
-    return max(after, dense, positions if main_grads and positions_dense else 0)
-
-
-def shared_terms(spec: ModelSpec, wl: Workload, dm: act.Dims) -> SharedTerms:
-    """The terms every stage of one estimate shares, built once per spec, per-kind workload
-    (``_per_kind``) and dims."""
-    return _shared_for(spec, _per_kind(wl), dm)
-
-
-@lru_cache(maxsize=1024)
-def _per_kind(wl: Workload) -> Workload:
-    """What the per-kind terms read of ``wl``: not the global batch, nor how many layers get
-    full recompute (the stage's layer kinds say which policy each layer has)."""
-    return canonical(wl, global_batch_size=None, recompute_layers=None)
-
-
-@lru_cache(maxsize=1024)
-def _shared_for(spec: ModelSpec, wl: Workload, dm: act.Dims) -> SharedTerms:
-    return SharedTerms(spec, wl, dm)
-
-
-class SharedTerms:
-    """Per-micro-batch terms that every stage of one estimate shares, built once."""
-
-    def __init__(self, spec: ModelSpec, wl: Workload, dm: act.Dims) -> None:
-        self.dm = dm
-        self.rope = act.rope_terms(spec, dm) + act.mask_terms(wl, dm)
-        self.embed = act.embedding_terms(spec, dm)
-        self.head = act.head_terms(spec, wl, dm)
-        self.rope_bytes, self.embed_bytes = act.total(self.rope), act.total(self.embed)
-        self.head_bytes = act.total(self.head)
-        self.batch_bytes = act.total(act.batch_terms(wl, dm))
-        self.targets_bytes = act.batch_terms(wl, dm)[0].size_bytes
-        self.loss_fwd = act.head_forward_extra_bytes(spec, wl, dm)
-        # the causal mask lives through the forward; with recompute it is saved (a term)
-        self.mask = 0 if act.mask_terms(wl, dm) else act.eager_mask_bytes(wl, dm)
-        self.final_norm_extra = mom.head_forward_moment(spec, wl, dm)
-        self.final_norm_bytes, self.final_norm_bwd_saved = mom.final_norm_bytes(spec, wl, dm)
-        self.final_norm_bwd = mom.final_norm_backward_bytes(spec, wl, dm)
-        self.kinds: dict[tuple[bool, Recompute], LayerKind] = {}
-        self.moments: dict[tuple[int, int, tuple[bool, Recompute]], tuple[int, ...]] = {}
-        # the loss's and the head projection's backward bytes, by the head gradient's size
-        self.head_bwd: dict[int, tuple[int, int]] = {}
-        self.spec, self.wl = spec, wl
-
-    def head_backward(self, vocab_grad: int) -> tuple[int, int]:
-        """(the loss's backward bytes, the head projection's backward bytes) for a head
-        gradient of ``vocab_grad`` bytes."""
-        found = self.head_bwd.get(vocab_grad)
-        if found is None:
-            found = self.head_bwd[vocab_grad] = (
-                act.head_backward_extra_bytes(self.spec, self.wl, self.dm, vocab_grad),
-                act.head_linear_backward_bytes(self.spec, self.wl, self.dm, vocab_grad))
-        return found
-
-    def moment_params(self, t: int, ep: int, key: tuple[bool, Recompute]) -> tuple[int, ...]:
-        found = self.moments.get((t, ep, key))
-        if found is None:
-            found = self.moments[(t, ep, key)] = moment_params(self.spec, t, ep, key,
-                                                               self.kind(key))
-        return found
-
-    def kind(self, key: tuple[bool, Recompute]) -> LayerKind:
-        found = self.kinds.get(key)
-        if found is None:
-            found = self.kinds[key] = layer_kind(self.spec, self.wl, self.dm, *key)
-        return found
 
 
 class Walked(NamedTuple):
@@ -205,19 +109,19 @@ class Walked(NamedTuple):
 
 
 def stage_record(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: int,
-                 schedule: Schedule, ovh: Overheads, shared: SharedTerms,
+                 schedule: Schedule, ovh: Overheads, shared: memo.SharedTerms,
                  parts: tuple[StageStates, StageKinds] | None = None) -> StageMemory:
     """Pipeline stage ``stage``'s record with ``m`` micro-batches per step; ``parts``: its
     ``stage_parts`` entry (looked up when not given)."""
     w = walk_stage(spec, par, wl, m, stage, schedule, shared,
-                   parts or stage_parts(spec, par, wl)[stage])
-    fx, st = w.states, w.states.st
+                   parts or memo.stage_parts(spec, par, wl)[stage])
+    fx, st = w.states, w.states.states
     groups = [(par.vpp, tuple(shared.rope)), (1, tuple(shared.embed if fx.first else ())),
               (1, tuple(shared.head if fx.last else ())),
               *((n, w.entries[k][0].terms) for k, n in w.kinds.counts.items())]
     tensor_peak = w.tensor_peak
     return StageMemory(
-        stage=stage, num_layers=len(w.kinds.keys), num_params=fx.sp.total,
+        stage=stage, num_layers=len(w.kinds.keys), num_params=fx.params.total,
         params_bytes=st.params_bytes, grads_bytes=st.grads_bytes,
         optimizer_bytes=st.optimizer_bytes, activations_bytes=w.activations,
         microbatches_in_flight=max(w.in_flight), microbatch_bytes=w.one_mb,
@@ -235,13 +139,7 @@ def rank_peak_bytes(tensor_peak: int, ovh: Overheads) -> int:
     return tensor_peak + ovh.fixed_bytes + ovh.allocator_bytes(tensor_peak)
 
 
-@lru_cache(maxsize=8192)
-def in_flight(pp: int, vpp: int, m: int, stage: int, schedule: Schedule) -> tuple[int, ...]:
-    """``chunks_in_flight``, which reads only pp and vpp of the layout."""
-    return tuple(chunks_in_flight(ParallelConfig(pp=pp, vpp=vpp), m, stage, schedule))
-
-
-def _entries(par: ParallelConfig, shared: SharedTerms, fx: StageStates,
+def _entries(par: ParallelConfig, shared: memo.SharedTerms, fx: StageStates,
              kinds: StageKinds) -> Entries:
     """Each layer kind of the stage with its gradient bytes (``Entries``)."""
     grad_per_param = fx.grad_per_param
@@ -256,7 +154,7 @@ def _entries(par: ParallelConfig, shared: SharedTerms, fx: StageStates,
             less = fx.grad_per_param - shared.dm.e
             moment_grads = tuple(g - int(m.fresh_params * less)
                                  for g, m in zip(moment_grads, kind.moments))
-        entries[key] = (kind, int(fx.sp.layers[pos] * grad_per_param), moment_grads)
+        entries[key] = (kind, int(fx.params.layers[pos] * grad_per_param), moment_grads)
     return entries
 
 
@@ -277,13 +175,13 @@ def _saved(par: ParallelConfig, kinds: StageKinds, entries: Entries, flight: tup
 
 
 def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: int,
-               schedule: Schedule, shared: SharedTerms,
+               schedule: Schedule, shared: memo.SharedTerms,
                parts: tuple[StageStates, StageKinds]) -> Walked:
     """Phase peaks of pipeline stage ``stage`` with ``m`` micro-batches per step, in step 1
     and in the steady state, without its record."""
     fx, kinds = parts
-    first, last, sp, st = fx.first, fx.last, fx.sp, fx.st
-    flight = in_flight(par.pp, par.vpp, m, stage, schedule)
+    first, last, params, st = fx.first, fx.last, fx.params, fx.states
+    flight = memo.in_flight(par.pp, par.vpp, m, stage, schedule)
     grad_per_param = fx.grad_per_param
     entries = _entries(par, shared, fx, kinds)
 
@@ -314,11 +212,11 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
         # freed the logits gradient and its saved input (the final norm's output).
         # (The final norm's saved tensors but its output, plus the input gradient of the
         # same size: the final norm's saved bytes.)
-        head_main_bwd=(shared.final_norm_bytes + vocab_grad + int(sp.head * grad_per_param)
+        head_main_bwd=(shared.final_norm_bytes + vocab_grad + int(params.head * grad_per_param)
                        if last and main_grads else 0),
-        head_grads=int(sp.head * grad_per_param), embed_grads=int(sp.embedding * grad_per_param),
-        tied_extra=_embedding_backward_extra(
-            vocab_grad, int(sp.embedding * grad_per_param), tied=tied,
+        head_grads=int(params.head * grad_per_param), embed_grads=int(params.embedding * grad_per_param),
+        tied_extra=embedding_backward_extra(
+            vocab_grad, int(params.embedding * grad_per_param), tied=tied,
             main_grads=main_grads and first,
             incoming=shared.dm.tokens * spec.hidden_size * shared.dm.e,
             vocab_final=int(vocab_grad // shared.dm.e * grad_per_param),
@@ -329,7 +227,7 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
         # waits on it (traced, tests/test_ground_truth.py FSDP_GRID)
         held_reduce_input=shard.grad_bytes if shard.gathered_bytes else 0,
         unsharded_dtype=wl.compute_dtype.itemsize / wl.precision.recipe.grad_bytes,
-        unsharded_ratio=sp.total * wl.precision.recipe.grad_bytes / max(st.grads_bytes, 1),
+        unsharded_ratio=params.total * wl.precision.recipe.grad_bytes / max(st.grads_bytes, 1),
         final_norm_saved=shared.final_norm_bwd_saved if last else 0,
         final_norm_all=shared.final_norm_bytes if last else 0,
         final_norm_bwd=shared.final_norm_bwd if last else 0,

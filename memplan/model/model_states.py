@@ -12,8 +12,8 @@ parameters and the expert-data-parallel group for experts; the most loaded rank 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
+from memplan.model.layer import layer_tensor_sizes
 from memplan.parallel import Offload, ParallelConfig, ZeroStage
 from memplan.spec import ModelSpec, param_counts
 from memplan.units import DType, ceil_div
@@ -44,72 +44,42 @@ class StageParams:
 def stage_params(spec: ModelSpec, par: ParallelConfig, layers: list[int], *, first: bool,
                  last: bool) -> StageParams:
     """Parameters on one TP rank of the stage holding ``layers``."""
-    return _stage_params(spec, par.tp, par.ep, par.pp, tuple(layers), first, last,
-                         par.vocab_divisor)
+    return count_stage_params(spec, par.tp, par.ep, par.pp, tuple(layers), first, last,
+                              par.vocab_divisor)
 
 
-@lru_cache(maxsize=4096)
-def _stage_params(spec: ModelSpec, t: int, ep: int, pp: int, layers: tuple[int, ...],
-                  first: bool, last: bool, vocab_div: int) -> StageParams:
-    par = ParallelConfig(tp=t, ep=ep, pp=pp)
+def count_stage_params(spec: ModelSpec, t: int, ep: int, pp: int, layers: tuple[int, ...],
+                       first: bool, last: bool, vocab_div: int) -> StageParams:
+    """``stage_params`` from the layout's degrees: tensor parallelism ``t``, expert
+    parallelism ``ep``, ``pp`` pipeline stages, the vocabulary split by ``vocab_div``
+    (``memplan.model.memo.stage_params`` caches it per layout)."""
     counts = param_counts(spec)
-    t, h = par.tp, spec.hidden_size
+    h = spec.hidden_size
     vocab_rows = ceil_div(spec.vocab_size, vocab_div) * h
     dense = expert = 0
     per_layer = []
     for i in layers:
         lp = counts.layers[i]
         layer_dense = ceil_div(lp.tp_sharded, t) + lp.replicated
-        layer_expert = lp.expert // (par.ep * t)
+        layer_expert = lp.expert // (ep * t)
         dense += layer_dense
         expert += layer_expert
         per_layer.append(layer_dense + layer_expert)
     embed = vocab_rows + counts.position_embedding if first else 0
     # Tied and p == 1: the head is the embedding itself, already counted.
-    head = counts.final_norm + (vocab_rows if counts.head or par.pp > 1 else 0) if last else 0
+    head = counts.final_norm + (vocab_rows if counts.head or pp > 1 else 0) if last else 0
     dense += embed + head
     sizes: list[int] = []
     if first:
         sizes += [vocab_rows] + ([counts.position_embedding] if counts.position_embedding else [])
     for i in layers:
-        sizes += _layer_tensor_sizes(spec, t, ep, i)
+        sizes += layer_tensor_sizes(spec, t, ep, i)
     if last:
         sizes += [h] * (2 if spec.norm_bias else 1)
         sizes += [vocab_rows] if counts.head or pp > 1 else []
     return StageParams(dense=dense, expert=expert, layers=tuple(per_layer), embedding=embed,
                        head=head, tensor_sizes=tuple(sizes),
                        largest_unit=max(0, embed, head, *per_layer), num_tensors=len(sizes))
-
-
-def _layer_tensor_sizes(spec: ModelSpec, t: int, ep: int, index: int) -> list[int]:
-    """Elements of layer ``index``'s parameter tensors on one TP rank, in registration order
-    (norm, q/k/v/o, norm, MLP up/gate/down; the router and experts for MoE)."""
-    h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
-    norm = [h] * (2 if spec.norm_bias else 1)
-
-    def linear(d_in: int, d_out: int, bias: bool, column: bool) -> list[int]:
-        w = d_in * d_out // t
-        return [w] + ([d_out // t if column else d_out] if bias else [])
-
-    out = list(norm)
-    out += linear(h, q, spec.qkv_bias, True) + linear(h, kv, spec.qkv_bias, True)
-    out += linear(h, kv, spec.qkv_bias, True) + linear(q, h, spec.attn_out_bias, False)
-    out += norm
-
-    def mlp(ffn: int) -> list[int]:
-        up = linear(h, ffn, spec.mlp_bias, True)
-        gate = linear(h, ffn, spec.mlp_bias, True) if spec.mlp.gated else []
-        return up + gate + linear(ffn, h, spec.mlp_bias, False)
-
-    moe = spec.moe
-    if moe is None or not spec.is_moe_layer(index):
-        return out + mlp(spec.ffn_hidden_size)
-    out += [h * moe.num_experts] + ([moe.num_experts] if moe.router_bias else [])
-    for _ in range(moe.num_experts // ep):
-        out += mlp(moe.expert_ffn_hidden_size)
-    if moe.num_shared_experts:
-        out += mlp(moe.num_shared_experts * moe.shared_expert_ffn_hidden_size)
-    return out
 
 
 @dataclass(frozen=True)
@@ -128,20 +98,20 @@ def _shard(num: int, degree: int, sharded: bool) -> int:
     return ceil_div(num, degree) if sharded else num
 
 
-def state_bytes(sp: StageParams, par: ParallelConfig, wl: Workload) -> StateBytes:
+def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload) -> StateBytes:
     recipe = wl.precision.recipe
     z = par.zero
     dense_d, expert_d = par.dense_shard_degree, par.expert_shard_degree
 
     def held(stage: ZeroStage) -> int:
         on = z >= stage
-        return _shard(sp.dense, dense_d, on) + _shard(sp.expert, expert_d, on)
+        return _shard(params.dense, dense_d, on) + _shard(params.expert, expert_d, on)
 
     opt_params = held(ZeroStage.OPTIMIZER)
     per_param_opt = recipe.master_bytes + wl.optimizer.state_bytes_per_param
     # fused AdamW keeps its per-tensor step counters on the device (fp32 scalars); foreach
     # and for-loop keep them on the host (torch.optim.AdamW, capturable=False)
-    steps = (sp.num_tensors * FP32_BYTES if wl.optimizer is Optimizer.ADAMW
+    steps = (params.num_tensors * FP32_BYTES if wl.optimizer is Optimizer.ADAMW
              and wl.optimizer_impl is OptimizerImpl.FUSED else 0)
     params_bytes = held(ZeroStage.PARAMETERS) * recipe.param_bytes
     grads_bytes = held(ZeroStage.GRADIENTS) * recipe.grad_bytes
@@ -162,7 +132,7 @@ def state_bytes(sp: StageParams, par: ParallelConfig, wl: Workload) -> StateByte
     )
 
 
-def optimizer_step_temp_bytes(sp: StageParams, st: StateBytes, par: ParallelConfig,
+def optimizer_step_temp_bytes(params: StageParams, st: StateBytes, par: ParallelConfig,
                               wl: Workload) -> int:
     """Temporaries of the optimizer step beyond the states.
 
@@ -181,7 +151,7 @@ def optimizer_step_temp_bytes(sp: StageParams, st: StateBytes, par: ParallelConf
         if wl.optimizer_impl is OptimizerImpl.FOREACH:
             temp = st.num_optimizer_params * FP32_BYTES
         elif wl.optimizer_impl is OptimizerImpl.FORLOOP:
-            sizes = sp.tensor_sizes
+            sizes = params.tensor_sizes
             if par.zero >= ZeroStage.OPTIMIZER:
                 sizes = tuple(ceil_div(n, par.dense_shard_degree) for n in sizes)
             # sqrt and div make a parameter's denominator while the previous parameter's is
@@ -213,7 +183,7 @@ class ShardingBuffers:
         return self.gathered_bytes + self.grad_bytes
 
 
-def sharding_buffers(sp: StageParams, par: ParallelConfig, wl: Workload) -> ShardingBuffers:
+def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload) -> ShardingBuffers:
     """ZeRO-3/FSDP: the root's weights and two blocks gathered in the compute dtype, and in
     backward a unit's unsharded gradient before its reduce-scatter. ZeRO-2: one reduce bucket
     of unsharded gradients."""
@@ -223,15 +193,15 @@ def sharding_buffers(sp: StageParams, par: ParallelConfig, wl: Workload) -> Shar
         # final norm and head. The root is not resharded after forward, so its weights stay
         # gathered until the end of backward; a block's gathered weights live while the next
         # one is gathered (prefetch): two blocks at a time (traced, tests/test_parallel_trace).
-        layer = max(sp.layers, default=0)
-        blocks = 2 * layer if len(sp.layers) > 1 else layer
+        layer = max(params.layers, default=0)
+        blocks = 2 * layer if len(params.layers) > 1 else layer
         e = wl.compute_dtype.itemsize
-        root = sp.embedding + sp.head
+        root = params.embedding + params.head
         return ShardingBuffers((root + blocks) * e, (root + layer) * e,
-                               sp.largest_unit * recipe.grad_bytes)
+                               params.largest_unit * recipe.grad_bytes)
     if par.zero == ZeroStage.GRADIENTS and par.dense_shard_degree > 1:
         # The bucket holds gradients not yet reduced, which are at most the ones this rank
         # does not own: ZeRO-2 never holds more gradient bytes than ZeRO-1.
-        not_owned = sp.total - ceil_div(sp.total, par.dense_shard_degree)
+        not_owned = params.total - ceil_div(params.total, par.dense_shard_degree)
         return ShardingBuffers(0, 0, min(REDUCE_BUCKET_NUMEL, not_owned) * recipe.grad_bytes)
     return ShardingBuffers(0, 0, 0)

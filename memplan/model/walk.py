@@ -1,66 +1,17 @@
-"""Layer kinds of a pipeline stage and the walks through one micro-batch's forward and backward.
+"""The walks through one micro-batch's forward and backward on one pipeline stage.
 
-A stage's layers come in few kinds (dense or MoE, and their recompute policy); each kind's saved
-terms and local peaks are built once. The walks then visit the layers in execution order, in runs
-of identical layers, adding what is alive before each layer to its local peaks: the forward as
-saved bytes accumulate, the backward as they are freed and gradients appear.
+A stage's layers come in few kinds (``memplan.model.layer.LayerKind``: dense or MoE, and their
+recompute policy). The walks visit the layers in execution order, in runs of identical layers,
+adding what is alive before each layer to its local peaks: the forward as saved bytes
+accumulate, the backward as they are freed and gradients appear.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from itertools import groupby
 
-from memplan import activations as act
-from memplan import moments as mom
-from memplan.spec import ModelSpec
-from memplan.workload import Recompute, Workload
-
-
-def layer_recompute(wl: Workload, position: int) -> Recompute:
-    """Full recompute of k of a stage's layers applies to its first k (Megatron-LM's 'block')."""
-    if wl.recompute is Recompute.FULL and wl.recompute_layers is not None:
-        return Recompute.FULL if position < wl.recompute_layers else Recompute.NONE
-    return wl.recompute
-
-
-def layer_keys(spec: ModelSpec, wl: Workload, layers: list[int]) -> list[tuple[bool, Recompute]]:
-    """(MoE layer?, recompute policy) of each layer of a stage, in order."""
-    if spec.moe is None and wl.recompute_layers is None:
-        return [(False, wl.recompute)] * len(layers)
-    return [(spec.is_moe_layer(i), layer_recompute(wl, pos)) for pos, i in enumerate(layers)]
-
-
-@dataclass(frozen=True)
-class LayerKind:
-    """What one layer of a kind (MoE or dense, recompute policy) holds for one micro-batch."""
-
-    terms: tuple[act.Term, ...]
-    saved_bytes: int
-    moments: tuple[mom.BackwardMoment, ...]
-    forward_peak_bytes: int  # largest alive + transient inside its forward
-
-
-@lru_cache(maxsize=4096)
-def layer_kind(spec: ModelSpec, wl: Workload, dm: act.Dims, moe: bool,
-                policy: Recompute) -> LayerKind:
-    """Built once per distinct (spec, workload, per-rank dims, layer kind): a planner's many
-    layouts share them."""
-    terms = tuple(act.layer_terms(spec, wl, dm, moe_layer=moe, recompute=policy))
-    moments = mom.layer_backward_moments(spec, wl, dm, moe_layer=moe, recompute=policy)
-    forward = mom.layer_forward_moments(spec, wl, dm, moe_layer=moe, recompute=policy)
-    return LayerKind(terms, act.total(terms), tuple(moments),
-                      max(m.alive_bytes + m.transient_bytes for m in forward))
-
-
-def merge_terms(groups: tuple[tuple[int, tuple[act.Term, ...]], ...]) -> tuple[act.Term, ...]:
-    """Sum ``count`` copies of each term list by name."""
-    sums: dict[str, int] = {}
-    for count, terms in groups:
-        for term in terms:
-            sums[term.name] = sums.get(term.name, 0) + count * term.size_bytes
-    return tuple(act.Term(name, size) for name, size in sums.items())
+from memplan.model.layer import LayerKind
 
 
 @dataclass(frozen=True)
@@ -199,34 +150,3 @@ def first_positions(keys: list) -> dict:
     for pos, key in enumerate(keys):
         out.setdefault(key, pos)
     return out
-
-
-@lru_cache(maxsize=1024)
-def grad_group_params(spec: ModelSpec, t: int, ep: int, moe: bool) -> dict[str, int]:
-    """Parameters on one rank of the groups whose gradients appear during a layer's backward."""
-    h = spec.hidden_size
-    norm = h * (2 if spec.norm_bias else 1)
-    mult = 3 if spec.mlp.gated else 2
-    if moe and spec.moe is not None:
-        m = spec.moe
-        ffn = (m.num_experts // ep * m.expert_ffn_hidden_size
-               + m.num_shared_experts * m.shared_expert_ffn_hidden_size)
-        mlp_out = h * ffn // t
-        mlp = mlp_out * mult + h * m.num_experts
-    else:
-        bias = h if spec.mlp_bias else 0
-        mlp_out = h * spec.ffn_hidden_size // t + bias
-        mlp = mult * h * spec.ffn_hidden_size // t + (mult - 1) * (
-            spec.ffn_hidden_size // t if spec.mlp_bias else 0) + bias
-    attn_out = spec.q_size * h // t + (h if spec.attn_out_bias else 0)
-    qkv = h * (spec.q_size + 2 * spec.kv_size) // t + (
-        (spec.q_size + 2 * spec.kv_size) // t if spec.qkv_bias else 0)
-    return {"mlp_out": mlp_out, "mlp": mlp, "mlp_norm": norm, "attn_out": attn_out,
-            "attn": attn_out + qkv}
-
-
-def moment_params(spec: ModelSpec, t: int, ep: int, key: tuple[bool, Recompute],
-                  kind: LayerKind) -> tuple[int, ...]:
-    """Parameters whose gradients exist at each backward moment of a layer of ``kind``."""
-    groups = grad_group_params(spec, t, ep, key[0])
-    return tuple(sum(groups[g] for g in m.grads_before) for m in kind.moments)

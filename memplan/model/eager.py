@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memplan.activations import MASK_BYTES, Dims
+from memplan.model.dims import MASK_BYTES, Dims
 from memplan.spec import ModelSpec
 
 

@@ -15,7 +15,7 @@ step 1's forward and backward run without optimizer moments (fp32 master weights
 the optimizer's construction) and the steady state has them:
 the peak is reported for both. Fixed overheads (CUDA context, workspaces, allocator share) are
 separate lines on top of the tensor peak. One stage's walk through these phases is
-``memplan.stage_memory``; this module assembles the stages and finds the most loaded rank.
+``memplan.model.stage``; this module assembles the stages and finds the most loaded rank.
 """
 
 from __future__ import annotations
@@ -23,25 +23,23 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
-from memplan import activations as act
 from memplan.errors import MemplanError
 from memplan.hardware import GpuSpec
-from memplan.overheads import Overheads, default_overheads
-from memplan.parallel import GradBuffers, Offload, ParallelConfig, validate_layout
-from memplan.pipeline import Schedule, chunks_in_flight
-from memplan.spec import ModelSpec, PositionKind
-from memplan.stage import StageKinds, StageStates, optimizer_phase_bytes, stage_parts
-from memplan.stage_memory import (
+from memplan.model import memo
+from memplan.model.dims import Dims
+from memplan.model.pipeline import Schedule, chunks_in_flight
+from memplan.model.stage import (
     PHASES,
     PhasePeaks,
-    SharedTerms,
     StageMemory,
-    in_flight,
     rank_peak_bytes,
-    shared_terms,
     stage_record,
     walk_stage,
 )
+from memplan.model.stage_parts import StageKinds, StageStates
+from memplan.overheads import Overheads, default_overheads
+from memplan.parallel import GradBuffers, Offload, ParallelConfig, validate_layout
+from memplan.spec import ModelSpec, PositionKind
 from memplan.workload import Precision, Workload
 
 # PHASES, PhasePeaks and StageMemory are defined with the stage walk and re-exported here,
@@ -115,7 +113,7 @@ def estimate(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, *
     validate(spec, par, wl)
     gbs, m = resolve_batch(par, wl)
     ovh = overheads if overheads is not None else default_overheads(gpu)
-    shared = shared_terms(spec, wl, act.Dims.of(par, wl))
+    shared = memo.shared_terms(spec, wl, Dims.of(spec, par, wl))
     stages = _stages(spec, par, wl, m, schedule, ovh, shared)
     return Estimate(
         spec=spec, gpu=gpu, parallel=par, workload=wl, num_microbatches=m,
@@ -143,18 +141,18 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
 
 
 def _stages(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, schedule: Schedule,
-            ovh: Overheads, shared: SharedTerms) -> tuple[StageMemory, ...]:
+            ovh: Overheads, shared: memo.SharedTerms) -> tuple[StageMemory, ...]:
     """Every stage. Interior stages with the same layer kinds differ only in micro-batches in
     flight, which shift their forward and backward peaks by whole micro-batches (chunks,
     when interleaved): one is computed, the others follow from it."""
     out: list[StageMemory] = []
-    parts = stage_parts(spec, par, wl)
+    parts = memo.stage_parts(spec, par, wl)
     template = _template(par, parts)
     for i in range(par.pp):
         if _follows(par, parts, template, i):
-            flight = in_flight(par.pp, par.vpp, m, i, schedule)
+            flight = memo.in_flight(par.pp, par.vpp, m, i, schedule)
             out.append(_shifted(out[template], i, flight, par.vpp,
-                                in_flight(par.pp, par.vpp, m, template, schedule), ovh))
+                                memo.in_flight(par.pp, par.vpp, m, template, schedule), ovh))
         else:
             out.append(stage_record(spec, par, wl, m, i, schedule, ovh, shared, parts[i]))
     return tuple(out)
@@ -195,19 +193,19 @@ def most_loaded(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, ovh:
     flight. With ``limit_bytes`` it returns the first stage whose peak_bytes exceed the limit
     (the configuration does not fit; another stage may peak higher). ``parts``: the layout's
     ``stage_parts``, the same at every micro-batch size (looked up when not given)."""
-    shared = shared_terms(spec, wl, act.Dims.of(par, wl))
-    parts = parts or stage_parts(spec, par, wl)
+    shared = memo.shared_terms(spec, wl, Dims.of(spec, par, wl))
+    parts = parts or memo.stage_parts(spec, par, wl)
     template = _template(par, parts)
     worst: RankPeak | None = None
     for i in range(par.pp):
         if _follows(par, parts, template, i) and (
-                sum(in_flight(par.pp, par.vpp, m, i, schedule))
-                <= sum(in_flight(par.pp, par.vpp, m, template, schedule))):
+                sum(memo.in_flight(par.pp, par.vpp, m, i, schedule))
+                <= sum(memo.in_flight(par.pp, par.vpp, m, template, schedule))):
             continue
         tensor = walk_stage(spec, par, wl, m, i, schedule, shared, parts[i]).tensor_peak
         peak = rank_peak_bytes(tensor, ovh)
         if worst is None or peak > worst.peak_bytes:
-            worst = RankPeak(i, peak, parts[i][0].sp.total)
+            worst = RankPeak(i, peak, parts[i][0].params.total)
             if limit_bytes is not None and peak > limit_bytes:
                 break
     assert worst is not None
@@ -218,7 +216,7 @@ def optimizer_floor_bytes(spec: ModelSpec, par: ParallelConfig, wl: Workload,
                           ovh: Overheads) -> int:
     """peak_bytes of the most loaded rank at its optimizer step, where no activation is alive:
     the same at every micro-batch size, so no micro-batch of this layout peaks lower."""
-    return rank_peak_bytes(optimizer_phase_bytes(spec, par, wl), ovh)
+    return rank_peak_bytes(memo.optimizer_phase_bytes(spec, par, wl), ovh)
 
 
 def batch_regime(par: ParallelConfig, m: int, schedule: Schedule = Schedule.ONE_F_ONE_B) -> tuple:

@@ -1,0 +1,191 @@
+"""The attention block: q/k/v projections, RoPE, the core (flash or eager), the output
+projection and its dropout. Its input norm is a block of its own (``memplan.model.norm``).
+
+What it saves: q after RoPE, k and v at the KV width (GQA/MQA), the attention output (saved by
+the output projection). flash: an fp32 logsumexp per query and head. eager: the softmax output
+(a*s^2 elements per sequence; the s-squared term) and, with dropout, its mask and output; its
+op-by-op peaks are ``memplan.model.eager``. Selective recompute (Korthikanti et al. 2022,
+section 5) reruns the core, so nothing the core saves internally is kept.
+"""
+
+from __future__ import annotations
+
+from memplan.model import eager
+from memplan.model.block import BackwardMoment, Moment, linear_sizes
+from memplan.model.dims import FP32_BYTES, Dims, Term, residual_dropout_mask, total
+from memplan.spec import ModelSpec, PositionKind, attention_params
+from memplan.workload import Attention as Kernel
+from memplan.workload import Recompute, Workload
+
+
+def attention_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
+    """Attention block terms, without its input norm, with its output's dropout mask."""
+    t, e = dm.tp, dm.e
+    heads = spec.num_attention_heads // t
+    # Eager attention repeats K and V to every query head before its matmuls, which save the
+    # repeated copies; SDPA's fused kernels take grouped K and V as they are.
+    kv_width = spec.q_size
+    if wl.attention is Kernel.FLASH or recompute is Recompute.SELECTIVE:
+        kv_width = spec.kv_size  # as they enter SDPA / the checkpointed core
+    terms = [
+        Term("attn.q", dm.tokens * spec.q_size // t * e),
+        Term("attn.k", dm.tokens * kv_width // t * e),
+        Term("attn.v", dm.tokens * kv_width // t * e),
+        Term("attn.out", dm.tokens * spec.q_size // t * e),
+    ]
+    if recompute is Recompute.NONE:
+        if wl.attention is Kernel.FLASH:
+            terms.append(Term("attn.lse", dm.b * heads * dm.s * FP32_BYTES))
+        else:
+            scores = dm.b * heads * dm.s * dm.s_kv
+            terms.append(Term("attn.softmax", scores * e))
+            if spec.dropout > 0:
+                terms.append(Term("attn.softmax_dropout_mask", scores))
+                terms.append(Term("attn.softmax_dropout_out", scores * e))
+    return terms + residual_dropout_mask("attn", spec, dm)
+
+
+def _q_bytes(spec: ModelSpec, dm: Dims) -> int:
+    return dm.tokens * spec.q_size // dm.tp * dm.e
+
+
+def _before_output(spec: ModelSpec, dm: Dims, saved: int) -> int:
+    """Of the block's saved bytes, those that exist while the core runs: not the attention
+    output (saved by the output projection) nor its dropout mask."""
+    return saved - _q_bytes(spec, dm) - total(residual_dropout_mask("attn", spec, dm))
+
+
+def _flash_backward(spec: ModelSpec, dm: Dims, recompute: Recompute,
+                    saved: int) -> list[tuple[int, int]]:
+    """(saved bytes alive, gradients in flight) at flash attention's backward: the output
+    gradient and the q, k, v gradients; selective recompute reran the core (its output and
+    logsumexp)."""
+    t, e = dm.tp, dm.e
+    transient = dm.tokens * (2 * spec.q_size + 2 * spec.kv_size) // t * e
+    rebuilt = 0
+    if recompute is Recompute.SELECTIVE:
+        rebuilt = _q_bytes(spec, dm) + dm.b * (spec.num_attention_heads // t) * dm.s * FP32_BYTES
+    return [(saved + rebuilt, transient)]
+
+
+def _eager_backward(spec: ModelSpec, dm: Dims, recompute: Recompute,
+                    saved: int) -> list[tuple[int, int]]:
+    """The eager core's two backward peaks (``eager.backward``): the output projection's
+    backward has freed its input (the core's output copy) and the block's output dropout ran
+    its backward first (its mask freed)."""
+    c = eager.core(spec, dm)
+    saved -= total(residual_dropout_mask("attn", spec, dm))
+    return [(saved - c.q + alive, transient) for alive, transient
+            in eager.backward(c, rebuild=recompute is Recompute.SELECTIVE)]
+
+
+class Attention:
+    """Multi-head attention with grouped K/V (MHA, GQA, MQA), RoPE or learned positions."""
+
+    name = "attn"
+
+    def saved(self, spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
+        return attention_terms(spec, wl, dm, recompute)
+
+    def forward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
+                        recompute: Recompute) -> list[Moment]:
+        """The core's peak (before the attention output exists) and the output projection's
+        (its output before the residual add, beside what the core leaves)."""
+        saved = total(attention_terms(spec, wl, dm, recompute))
+        core, after_core = 0, 0
+        if wl.attention is Kernel.EAGER:
+            c = eager.core(spec, dm)
+            saving = recompute is Recompute.NONE
+            core = eager.forward_saving(c) if saving else eager.forward_checkpointed(c)
+            after_core = eager.output_projection(c, saving)
+        stream = dm.rows * spec.hidden_size * dm.e
+        return [Moment("attention", saved, stream + after_core),
+                Moment("attention_core", _before_output(spec, dm, saved), core)]
+
+    def working_set(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
+        """In a checkpointed layer: q, k and v with the core's working set and the output
+        projection's output; with RoPE, the rotated copies while they are made."""
+        t, e = dm.tp, dm.e
+        stream = dm.rows * spec.hidden_size * e
+        q_bytes = _q_bytes(spec, dm)
+        kv_bytes = 2 * dm.tokens * spec.kv_size // t * e
+        if wl.attention is Kernel.FLASH:
+            core = q_bytes + dm.b * (spec.num_attention_heads // t) * dm.s * FP32_BYTES
+        else:
+            # the core's working set, or its output, the copy of it and the output
+            # projection's output (that output is the stream counted here)
+            c = eager.core(spec, dm)
+            core = max(eager.forward_checkpointed(c) - stream, 2 * c.q)
+        moments = [Moment("attention", 0, stream + q_bytes + kv_bytes + core)]
+        if spec.position is PositionKind.ROPE:
+            # q, k and v stay alive while RoPE makes the rotated copies (the call rebinds both
+            # only when k's is done); at k's, q's rotated copy and three k-sized tensors (k *
+            # cos, the rotated half, its product with sin); at q's, three q-sized ones (traced)
+            k_bytes = dm.tokens * spec.kv_size // t * e
+            rope = max(4 * q_bytes + kv_bytes, 2 * q_bytes + 4 * k_bytes + kv_bytes - k_bytes)
+            moments.append(Moment("rope", 0, rope))
+        return moments
+
+    def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
+                         recompute: Recompute) -> list[BackwardMoment]:
+        """The core's backward peaks, then the input projections': the last weight gradient
+        is made while the others exist, from its output's gradient, beside the gradients of
+        the projections' (shared) input still to be summed."""
+        saved = total(attention_terms(spec, wl, dm, recompute))
+        core = (_eager_backward if wl.attention is Kernel.EAGER else _flash_backward)(
+            spec, dm, recompute, saved)
+        grad_inputs = 2 * dm.rows * spec.hidden_size * dm.e
+        return [
+            *(BackwardMoment(f"attention.{i}", alive, transient, ("attn_out",))
+              for i, (alive, transient) in enumerate(core)),
+            BackwardMoment("attn_in", 0, grad_inputs + _q_bytes(spec, dm), ("attn",),
+                           spec.hidden_size * spec.q_size // dm.tp),
+        ]
+
+    def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
+        """Rerun with autograd recording in a fully recomputed layer's backward, an eager core
+        peaks as in a forward without recompute (the output's dropout mask and the attention
+        output do not exist yet)."""
+        if wl.attention is not Kernel.EAGER:
+            return []
+        saved = total(attention_terms(spec, wl, dm, Recompute.NONE))
+        return [Moment("rebuild", _before_output(spec, dm, saved),
+                       eager.forward_saving(eager.core(spec, dm)))]
+
+    def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:
+        h, q, kv, bias = spec.hidden_size, spec.q_size, spec.kv_size, spec.qkv_bias
+        return (linear_sizes(h, q, bias, True, t) + linear_sizes(h, kv, bias, True, t)
+                + linear_sizes(h, kv, bias, True, t)
+                + linear_sizes(q, h, spec.attn_out_bias, False, t))
+
+    def grad_groups(self, spec: ModelSpec, t: int, ep: int) -> dict[str, int]:
+        """``attn_out``: the output projection (its backward runs first); ``attn``: all."""
+        h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
+        out = q * h // t + (h if spec.attn_out_bias else 0)
+        qkv = h * (q + 2 * kv) // t + ((q + 2 * kv) // t if spec.qkv_bias else 0)
+        return {"attn_out": out, "attn": out + qkv}
+
+    def flops_per_token(self, spec: ModelSpec, seq_len: int) -> float:
+        """2 FLOPs per projection weight, and QK^T and PV over the causal average context
+        s/2: 2 * 2 * (s/2) * a * d (Narayanan et al. 2021, arXiv 2104.04473, section 5.1)."""
+        return 2.0 * sum(attention_params(spec)) + 2.0 * seq_len * spec.q_size
+
+
+def rope_terms(spec: ModelSpec, dm: Dims) -> list[Term]:
+    """cos and sin tables, computed once per micro-batch per stage and saved by every layer."""
+    if spec.position is not PositionKind.ROPE:
+        return []
+    return [Term("rope.cos_sin", 2 * dm.s * spec.head_dim * dm.e)]
+
+
+def eager_mask_bytes(wl: Workload, dm: Dims) -> int:
+    """Eager attention's additive causal mask, built once per forward and freed after it."""
+    return dm.s * dm.s_kv * dm.e if wl.attention is Kernel.EAGER else 0
+
+
+def mask_terms(wl: Workload, dm: Dims) -> list[Term]:
+    """Eager attention's causal mask is an input of every checkpointed region, so with any
+    recompute it is saved until the backward (once per micro-batch, shared by the layers)."""
+    if wl.attention is Kernel.EAGER and wl.recompute is not Recompute.NONE:
+        return [Term("attn.causal_mask", eager_mask_bytes(wl, dm))]
+    return []

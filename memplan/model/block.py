@@ -1,0 +1,84 @@
+"""The interface every block of a layer exposes, and the moments it reports.
+
+A block (a norm, an attention, an MLP, an MoE feed-forward) says, for one micro-batch on one
+rank, in bytes:
+
+- ``saved``: the tensors autograd keeps from its forward for its backward (``Term``s);
+- ``forward_moments``: its local peaks while it runs forward and saves, as (its own saved bytes
+  so far, transients beyond them);
+- ``working_set``: its local peaks while it runs inside a checkpointed (fully recomputed)
+  layer's forward, which saves nothing: bytes beyond what the layer holds before it;
+- ``backward_moments``: its local peaks in backward, as (its own saved bytes still alive,
+  gradients in flight, which of its parameter groups have gradients by then);
+- ``tensor_sizes`` and ``grad_groups``: its parameter tensors on one TP/EP rank, in
+  registration order, and the parameter groups whose gradients appear during its backward;
+- ``flops_per_token``: the forward FLOPs of one token through it.
+
+``memplan.model.layer`` adds blocks in execution order, so what else is alive at a block's
+moment (the saved bytes of the blocks before it, the gradients of the blocks after it) is a
+running sum there, never written out by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from memplan.model.dims import Dims, Term
+from memplan.spec import ModelSpec
+from memplan.workload import Recompute, Workload
+
+
+@dataclass(frozen=True)
+class Moment:
+    """A local peak of one block: ``own_bytes`` of its saved (or rebuilt) tensors alive, and
+    ``transient_bytes`` beyond them (outputs before a residual add, gradients in flight)."""
+
+    name: str
+    own_bytes: int
+    transient_bytes: int
+
+
+@dataclass(frozen=True)
+class BackwardMoment:
+    """A local peak of one block's backward (``Moment``), with ``grads`` the names of its own
+    parameter groups whose gradients exist by then (``Block.grad_groups``) and
+    ``fresh_params`` the parameters of a weight whose gradient was just made, still in the
+    compute dtype (an fp32 main gradient is made from it after)."""
+
+    name: str
+    own_bytes: int
+    transient_bytes: int
+    grads: tuple[str, ...] = ()
+    fresh_params: int = 0
+
+
+class Block(Protocol):
+    """What a layer needs of each block (see the module docstring)."""
+
+    name: str  # the parameter group of the whole block, and the prefix of its terms
+
+    def saved(self, spec: ModelSpec, wl: Workload, dm: Dims,
+              recompute: Recompute) -> list[Term]: ...
+
+    def forward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
+                        recompute: Recompute) -> list[Moment]: ...
+
+    def working_set(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]: ...
+
+    def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
+                         recompute: Recompute) -> list[BackwardMoment]: ...
+
+    def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]: ...
+
+    def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]: ...
+
+    def grad_groups(self, spec: ModelSpec, t: int, ep: int) -> dict[str, int]: ...
+
+    def flops_per_token(self, spec: ModelSpec, seq_len: int) -> float: ...
+
+
+def linear_sizes(d_in: int, d_out: int, bias: bool, column: bool, t: int) -> list[int]:
+    """Elements of one linear's weight (and bias) on one TP rank: column-parallel splits the
+    output and its bias, row-parallel the input (its bias replicated; Megatron-LM)."""
+    return [d_in * d_out // t] + ([d_out // t if column else d_out] if bias else [])

@@ -1,0 +1,79 @@
+"""Per-rank sizes of one micro-batch, derived once, and the saved-tensor ``Term``.
+
+Notation (``reference/formulas.md``): T = mbs * seq / cp local tokens; h hidden; a, g query and
+KV heads; d head dim; f FFN width; V vocab; t TP degree; e bytes per element of the compute
+dtype. Tensors in the residual stream are split by t only with sequence parallelism (``rows``);
+tensors inside the attention and MLP blocks are split by t always.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memplan.parallel import ParallelConfig, TpStyle
+from memplan.spec import ModelSpec
+from memplan.units import DType, ceil_div
+from memplan.workload import Workload
+
+FP32_BYTES = DType.FP32.itemsize
+INDEX_BYTES = DType.INT64.itemsize  # token ids and targets are int64 (torch.long)
+MASK_BYTES = 1  # torch's native_dropout returns a bool mask, one byte per element
+
+
+@dataclass(frozen=True)
+class Term:
+    """One saved tensor (or group) for one micro-batch on one rank."""
+
+    name: str
+    size_bytes: int
+
+
+def total(terms: list[Term] | tuple[Term, ...]) -> int:
+    return sum(term.size_bytes for term in terms)
+
+
+def local_seq(seq_len: int, cp: int) -> int:
+    """Tokens of one sequence on one context-parallel rank."""
+    return seq_len // cp
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Per-rank sizes of one micro-batch, derived once from spec, layout and workload."""
+
+    b: int  # micro-batch size
+    s: int  # local sequence length (seq / cp)
+    s_kv: int  # keys each query attends to (the full sequence)
+    tokens: int  # b * s
+    res_tokens_div: int  # divisor of residual-stream tensors (tp with SP, else 1)
+    tp: int
+    e: int  # bytes per element of the compute dtype
+    vocab_shard: int  # vocabulary rows on this rank: ceil(V / tp) when vocab-parallel, else V
+    gathered_linear_input: bool = False  # SP with DTensor: linears save full-sequence inputs
+
+    @classmethod
+    def of(cls, spec: ModelSpec, par: ParallelConfig, wl: Workload) -> Dims:
+        s = local_seq(wl.seq_len, par.cp)
+        return cls(b=wl.micro_batch_size, s=s, s_kv=wl.seq_len, tokens=wl.micro_batch_size * s,
+                   res_tokens_div=par.sp_divisor, tp=par.tp, e=wl.compute_dtype.itemsize,
+                   vocab_shard=ceil_div(spec.vocab_size, par.vocab_divisor),
+                   gathered_linear_input=(par.sequence_parallel and par.tp > 1
+                                          and par.tp_style is TpStyle.DTENSOR))
+
+    @property
+    def rows(self) -> int:
+        """Token rows of a residual-stream tensor on this rank (T / t under SP)."""
+        return self.tokens // self.res_tokens_div
+
+    @property
+    def linear_rows(self) -> int:
+        """Token rows of a column-parallel linear's saved input: its sequence shard, or the
+        all-gathered full sequence under DTensor sequence parallelism."""
+        return self.tokens if self.gathered_linear_input else self.rows
+
+
+def residual_dropout_mask(prefix: str, spec: ModelSpec, dm: Dims) -> list[Term]:
+    """Dropout on a block's output before the residual add: a bool mask per residual element."""
+    if spec.dropout <= 0:
+        return []
+    return [Term(f"{prefix}.dropout_mask", dm.rows * spec.hidden_size * MASK_BYTES)]

@@ -1,0 +1,110 @@
+"""The head block (last pipeline stage): final norm, output projection and cross-entropy, on
+all tokens at once or in checkpointed chunks of the tokens.
+
+What it saves: the final norm's terms, the log-softmax output of the vocab-parallel loss and
+the targets. A chunked loss saves no log-softmax output: each chunk's checkpoint keeps only
+its input (a view of the final norm's output) and recomputes the rest in its backward.
+"""
+
+from __future__ import annotations
+
+from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term
+from memplan.model.norm import norm_terms
+from memplan.spec import ModelSpec
+from memplan.units import ceil_div
+from memplan.workload import Workload
+
+
+def _logit_bytes(wl: Workload, dm: Dims) -> int:
+    return FP32_BYTES if wl.logits_fp32 else dm.e
+
+
+def head_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
+    """Final norm, log-softmax output of the vocab-parallel loss (unchunked), targets."""
+    loss = [] if wl.loss_chunks > 1 else [
+        Term("loss.log_softmax", dm.tokens * dm.vocab_shard * _logit_bytes(wl, dm))]
+    return [*norm_terms("final_norm", spec, wl, dm), *loss, *batch_terms(wl, dm)]
+
+
+def loss_chunk_tokens(wl: Workload, dm: Dims) -> tuple[int, int]:
+    """(tokens in the largest chunk, number of chunks) of the loss, as ``torch.chunk`` splits
+    the micro-batch's tokens: chunks of ceil(T / n) tokens, the last one smaller (so fewer
+    than n chunks when n does not divide T evenly enough). (T, 1) when unchunked."""
+    if wl.loss_chunks == 1:
+        return dm.tokens, 1
+    size = ceil_div(dm.tokens, wl.loss_chunks)
+    return size, ceil_div(dm.tokens, size)
+
+
+def batch_terms(wl: Workload, dm: Dims) -> list[Term]:
+    """The targets (saved by the loss) and the loss with nll_loss's saved total weight (two
+    scalars in the logits' dtype): the training loop holds them until the backward ends. A
+    chunked loss saves no total weight (its chunks are checkpointed): the loss alone."""
+    count = 1 if wl.loss_chunks > 1 else 2
+    return [Term("loss.targets", dm.tokens * INDEX_BYTES),
+            Term("loss.scalars", count * _logit_bytes(wl, dm))]
+
+
+def forward_extra_bytes(wl: Workload, dm: Dims) -> int:
+    """Bytes alive at the loss beyond what is saved: the logits the log-softmax reads.
+
+    With fp32 logits the compute-dtype logits are freed once upcast, and the fp32 copy lives
+    until the loss returns, next to the log-softmax output. A chunked loss holds the logits
+    and the log-softmax output of one chunk, both freed when the chunk returns its sum.
+    """
+    if wl.loss_chunks > 1:
+        return 2 * loss_chunk_tokens(wl, dm)[0] * dm.vocab_shard * _logit_bytes(wl, dm)
+    return dm.tokens * dm.vocab_shard * _logit_bytes(wl, dm)
+
+
+def linear_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims, vocab_grad_bytes: int) -> int:
+    """At the output projection's backward: the logits' gradient in the compute dtype (after
+    the fp32 upcast's backward), the gradient of its input and the head's weight gradient
+    (``vocab_grad_bytes``, as produced in the compute dtype), beyond what is saved.
+
+    A chunked loss runs one projection backward per chunk, last chunk first. Autograd sums
+    the chunks' weight gradients in the buffer of the weight's gradient node, each into a new
+    tensor: from the second chunk run on, three weight-gradient-sized tensors exist at once
+    (the buffer, the chunk's gradient, their sum). It keeps the chunks' input gradients
+    until the split's backward concatenates them; the last chunk run frees the final norm's
+    output (nothing else saves it) once its projection's backward is done. So the worst is
+    the last chunk's weight gradient made, with its logits' gradient not yet freed and all
+    input gradients beside it, or the three-way sum of the chunk run before it, beside the
+    input gradients made so far (traced: tests/test_ground_truth.py, ``loss_chunks``)."""
+    chunk, chunks = loss_chunk_tokens(wl, dm)
+    grad_logits = chunk * dm.vocab_shard * dm.e
+    if wl.loss_chunks == 1:
+        # with fp32 logits, the upcast's fp32 gradient has replaced the fp32 logits (both
+        # freed by now); without, nothing is upcast: the compute-dtype logits gradient
+        grad_input = dm.rows * spec.hidden_size * dm.e
+        return grad_logits + grad_input + vocab_grad_bytes
+    grad_input = _chunk_input_grads(spec, dm)
+    summed = vocab_grad_bytes if chunks > 1 else 0  # the earlier chunks' sum, in the buffer
+    last_made = grad_input + summed + vocab_grad_bytes + grad_logits
+    # the sum before the last chunk run's: the input gradients of all chunks but the first
+    before_last = grad_input - grad_input * chunk // dm.tokens if chunks > 2 else 0
+    return max(last_made, before_last + 3 * summed)
+
+
+def loss_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims, vocab_grad_bytes: int) -> int:
+    """Bytes alive in the loss's backward beyond what is saved: the incoming gradient of the
+    log-softmax output and the gradient it produces, both logits-sized.
+
+    A chunked loss recomputes a chunk's log-softmax output (its fp32 logits are freed right
+    after: nothing saves them), then holds it with those two gradients. Its last chunk run is
+    the worst: the other chunks' input gradients and their summed weight gradient
+    (``vocab_grad_bytes``) wait beside it (``linear_backward_bytes``)."""
+    chunk, chunks = loss_chunk_tokens(wl, dm)
+    if wl.loss_chunks == 1:
+        return 2 * forward_extra_bytes(wl, dm)
+    logits = chunk * dm.vocab_shard * _logit_bytes(wl, dm)
+    grad_input = _chunk_input_grads(spec, dm)
+    others = grad_input - grad_input * chunk // dm.tokens
+    return 3 * logits + (others + vocab_grad_bytes if chunks > 1 else 0)
+
+
+def _chunk_input_grads(spec: ModelSpec, dm: Dims) -> int:
+    """The chunks' input gradients of a chunked loss together: each chunk's projection takes
+    rows of the final norm's output as the head sees it (all-gathered under DTensor sequence
+    parallelism, where the split's backward runs before the gradient is scattered back)."""
+    return dm.linear_rows * spec.hidden_size * dm.e

@@ -1,0 +1,198 @@
+"""A transformer layer composed of its blocks in execution order, and what it holds.
+
+A pre-norm layer is two residual sub-layers, each a norm then a mixer (attention, then the MLP
+or MoE feed-forward). The blocks (``memplan.model.block``) report their own bytes; this module
+adds them up in order, so at each block's moment the saved bytes of the blocks before it and
+the gradients of the blocks after it are running sums:
+
+- forward, saving: each block's moments on top of what the blocks before it saved, beside the
+  residual stream when no norm saves it (an upcast norm in low precision saves an fp32 copy);
+- forward, checkpointed (full recompute): the layer saves only its input; between blocks it
+  holds that input and, after the attention sub-layer, the post-attention residual; a mixer
+  also reads its norm's output;
+- backward, in reverse order: each block's moments on top of the saved bytes of the blocks
+  before it, beside the incoming residual-stream gradient, with the gradients of the blocks
+  after it made. Full recompute first rebuilds the whole layer (its checkpointed input stays
+  alive), selective recompute rebuilds the attention core at the attention's moments.
+
+Every moment was read off traces of the reference model with the exact tracker
+(``memplan trace``; ``docs/ground_truth.md``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memplan.model.attention import Attention
+from memplan.model.block import Block
+from memplan.model.dims import FP32_BYTES, Dims, Term, total
+from memplan.model.mlp import Mlp
+from memplan.model.moe import MoE
+from memplan.model.norm import Norm
+from memplan.spec import ModelSpec
+from memplan.workload import NormImpl, Recompute, Workload
+
+_ATTENTION, _MLP, _MOE = Attention(), Mlp(), MoE()
+_DENSE = (Norm("attn_norm"), _ATTENTION, Norm("mlp_norm"), _MLP)
+_SPARSE = (Norm("attn_norm"), _ATTENTION, Norm("mlp_norm"), _MOE)
+
+
+def layer_blocks(moe_layer: bool) -> tuple[Block, ...]:
+    """The blocks of a layer in execution order: (norm, mixer) pairs."""
+    return _SPARSE if moe_layer else _DENSE
+
+
+@dataclass(frozen=True)
+class ForwardMoment:
+    """A local peak inside a layer's forward: this layer's tensors alive (saved so far, or the
+    working set of a checkpointed layer) and transients such as the residual stream."""
+
+    name: str
+    alive_bytes: int
+    transient_bytes: int
+
+
+@dataclass(frozen=True)
+class BackwardMoment:
+    """One moment inside a layer's backward where its bytes peak locally.
+
+    ``alive_bytes``: this layer's saved (or recomputed) tensors still alive; ``transient_bytes``:
+    gradients in flight, the residual-stream gradient included; ``grads_before``: parameter
+    groups of this layer whose gradients already exist (``grad_group_params``);
+    ``fresh_params``: of those, a weight whose gradient was just made, still in the compute
+    dtype (an fp32 main gradient is made from it after).
+    """
+
+    name: str
+    alive_bytes: int
+    transient_bytes: int
+    grads_before: tuple[str, ...]
+    fresh_params: int = 0
+
+
+def layer_terms(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
+                recompute: Recompute) -> list[Term]:
+    """Saved terms of one transformer layer under ``recompute`` (FULL keeps only its input)."""
+    if recompute is Recompute.FULL:
+        return [Term("layer.input", dm.rows * spec.hidden_size * dm.e)]
+    return [term for block in layer_blocks(moe_layer)
+            for term in block.saved(spec, wl, dm, recompute)]
+
+
+def _pairs(blocks: tuple[Block, ...]) -> list[tuple[Block, Block]]:
+    return list(zip(blocks[::2], blocks[1::2]))
+
+
+def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
+                    recompute: Recompute) -> list[ForwardMoment]:
+    """Local peaks of one layer's forward (see the module docstring)."""
+    blocks = layer_blocks(moe_layer)
+    stream = dm.rows * spec.hidden_size * dm.e
+    out: list[ForwardMoment] = []
+    if recompute is Recompute.FULL:
+        held = stream  # the checkpointed input
+        for norm, mixer in _pairs(blocks):
+            out += [ForwardMoment(m.name, held + m.transient_bytes, 0)
+                    for m in norm.working_set(spec, wl, dm)]
+            out += [ForwardMoment(m.name, held + stream + m.transient_bytes, 0)
+                    for m in mixer.working_set(spec, wl, dm)]
+            held += stream  # the sub-layer's residual sum joins the input
+        return out
+    # An upcast norm in low precision saves an fp32 copy of its input, not the input itself:
+    # the residual stream stays alive beside everything (fp32 runs save the input itself).
+    unsaved_input = stream if wl.norm_impl is NormImpl.UPCAST and dm.e < FP32_BYTES else 0
+    prior = 0
+    for block in blocks:
+        out += [ForwardMoment(m.name, prior + m.own_bytes, unsaved_input + m.transient_bytes)
+                for m in block.forward_moments(spec, wl, dm, recompute)]
+        prior += total(block.saved(spec, wl, dm, recompute))
+    return out
+
+
+def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
+                     recompute: Recompute) -> list[BackwardMoment]:
+    """The local peaks of one layer's backward, in backward order (see the module docstring)."""
+    blocks = layer_blocks(moe_layer)
+    policy = Recompute.NONE if recompute is Recompute.FULL else recompute  # what is rebuilt
+    stream = dm.rows * spec.hidden_size * dm.e
+    incoming = stream  # the residual-stream gradient, alive through the layer
+    saved = [total(block.saved(spec, wl, dm, policy)) for block in blocks]
+    prior = [sum(saved[:i]) for i in range(len(blocks))]
+    # The checkpointed input stays while the layer is rebuilt, unless the rebuilt norm saves
+    # that very tensor (a fused norm's input; an fp32 run, where the upcast is a no-op).
+    input_is_saved = wl.norm_impl is NormImpl.FUSED or dm.e >= FP32_BYTES
+    extra = stream if recompute is Recompute.FULL and not input_is_saved else 0
+    out: list[BackwardMoment] = []
+    if recompute is Recompute.FULL:
+        # The rerun stops once the last saved tensor is packed: after the MLP's output
+        # dropout (its mask), or its second linear, whose output is alive then (and
+        # dropout's), with everything the layer saves and the post-attention residual when
+        # no norm saves it.
+        rerun_out = stream * (2 if spec.dropout > 0 else 1) + (0 if input_is_saved else incoming)
+        out.append(BackwardMoment("rebuild_out", extra + sum(saved), incoming + rerun_out, ()))
+        for block, before in zip(blocks, prior):
+            out += [BackwardMoment(m.name, extra + before + m.own_bytes,
+                                   incoming + m.transient_bytes, ())
+                    for m in block.rebuild_moments(spec, wl, dm)]
+    later: tuple[str, ...] = ()  # the blocks whose backward has run: all their gradients
+    for block, before in reversed(list(zip(blocks, prior))):
+        out += [BackwardMoment(m.name, extra + before + m.own_bytes, incoming + m.transient_bytes,
+                               later + m.grads, m.fresh_params)
+                for m in block.backward_moments(spec, wl, dm, policy)]
+        later += (block.name,)
+    return out
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """What one layer of a kind (MoE or dense, recompute policy) holds for one micro-batch."""
+
+    terms: tuple[Term, ...]
+    saved_bytes: int
+    moments: tuple[BackwardMoment, ...]
+    forward_peak_bytes: int  # largest alive + transient inside its forward
+
+
+def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
+               policy: Recompute) -> LayerKind:
+    """A layer's saved terms and moments (``memplan.model.memo`` caches it per kind)."""
+    terms = tuple(layer_terms(spec, wl, dm, moe_layer=moe, recompute=policy))
+    moments = backward_moments(spec, wl, dm, moe_layer=moe, recompute=policy)
+    forward = forward_moments(spec, wl, dm, moe_layer=moe, recompute=policy)
+    return LayerKind(terms, total(terms), tuple(moments),
+                     max(m.alive_bytes + m.transient_bytes for m in forward))
+
+
+def grad_group_params(spec: ModelSpec, t: int, ep: int, moe: bool) -> dict[str, int]:
+    """Parameters on one rank of the groups whose gradients appear during a layer's backward."""
+    groups: dict[str, int] = {}
+    for block in layer_blocks(moe):
+        groups.update(block.grad_groups(spec, t, ep))
+    return groups
+
+
+def moment_params(groups: dict[str, int], kind: LayerKind) -> tuple[int, ...]:
+    """Parameters whose gradients exist at each backward moment of a layer of ``kind``."""
+    return tuple(sum(groups[g] for g in m.grads_before) for m in kind.moments)
+
+
+def layer_tensor_sizes(spec: ModelSpec, t: int, ep: int, index: int) -> list[int]:
+    """Elements of layer ``index``'s parameter tensors on one TP rank, in registration order
+    (norm, q/k/v/o, norm, MLP up/gate/down; the router and experts for MoE)."""
+    return [n for block in layer_blocks(spec.is_moe_layer(index))
+            for n in block.tensor_sizes(spec, t, ep)]
+
+
+def layer_flops_per_token(spec: ModelSpec, seq_len: int, index: int) -> float:
+    """Forward FLOPs of one token through layer ``index``: the sum of its blocks'."""
+    return sum(block.flops_per_token(spec, seq_len)
+               for block in layer_blocks(spec.is_moe_layer(index)))
+
+
+def merge_terms(groups: tuple[tuple[int, tuple[Term, ...]], ...]) -> tuple[Term, ...]:
+    """Sum ``count`` copies of each term list by name."""
+    sums: dict[str, int] = {}
+    for count, terms in groups:
+        for term in terms:
+            sums[term.name] = sums.get(term.name, 0) + count * term.size_bytes
+    return tuple(Term(name, size) for name, size in sums.items())

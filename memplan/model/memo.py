@@ -1,0 +1,172 @@
+"""Every cache of the analytic model, in one place, apart from the formulas.
+
+The formulas (blocks, layer, states, stage walk) are plain functions of typed inputs; this
+module keeps what they compute for the inputs a search or a batch of estimates repeats: a
+layer kind per (spec, workload, per-rank dims, kind), a stage's parameters and states per
+layout, the per-micro-batch terms every stage of an estimate shares. Keys are frozen inputs, so
+a cached result is the formula's result for exactly those inputs. (Loading files once - the
+model and GPU catalogs, calibration profiles - is cached where they are read.)
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from memplan.model import attention, embedding, head, norm
+from memplan.model.dims import Dims, Term, total
+from memplan.model.layer import LayerKind, grad_group_params, moment_params
+from memplan.model.layer import layer_kind as _layer_kind
+from memplan.model.model_states import StageParams
+from memplan.model.model_states import count_stage_params
+from memplan.model.pipeline import Schedule, chunks_in_flight
+from memplan.model.stage_parts import (
+    LayerKey,
+    StageKinds,
+    StageStates,
+    build_kinds,
+    build_states,
+    stage_layer_indices,
+)
+from memplan.parallel import ParallelConfig
+from memplan.spec import ModelSpec
+from memplan.workload import Recompute, Workload
+
+layer_kind = lru_cache(maxsize=4096)(_layer_kind)
+grad_groups = lru_cache(maxsize=1024)(grad_group_params)
+
+
+@lru_cache(maxsize=4096)
+def stage_params(spec: ModelSpec, t: int, ep: int, pp: int, layers: tuple[int, ...],
+                 first: bool, last: bool, vocab_div: int) -> StageParams:
+    return count_stage_params(spec, t, ep, pp, layers, first, last, vocab_div)
+
+
+def canonical(wl: Workload, **fields: object) -> Workload:
+    """``wl`` with ``fields`` replaced, one object for equal results (so caches keyed by it hit
+    by identity, without comparing field by field)."""
+    return _one(wl.model_copy(update=fields))
+
+
+@lru_cache(maxsize=4096)
+def _one(wl: Workload) -> Workload:
+    return wl
+
+
+@lru_cache(maxsize=4096)
+def _without(wl: Workload, recompute: bool) -> Workload:
+    """``wl`` with its batch sizes (and the recompute policy) at fixed values: the cache key of
+    what does not depend on them."""
+    if recompute:
+        return canonical(wl, micro_batch_size=1, global_batch_size=None,
+                         recompute=Recompute.NONE, recompute_layers=None)
+    return canonical(wl, micro_batch_size=1, global_batch_size=None)
+
+
+def stage_parts(spec: ModelSpec, par: ParallelConfig,
+                wl: Workload) -> tuple[tuple[StageStates, StageKinds], ...]:
+    """Every stage's states and layer kinds, in stage order: the same for every micro-batch size
+    of ``wl`` (and the states for every recompute policy)."""
+    return _parts_for(spec, par, _without(wl, False))
+
+
+@lru_cache(maxsize=8192)
+def _parts_for(spec: ModelSpec, par: ParallelConfig,
+               wl: Workload) -> tuple[tuple[StageStates, StageKinds], ...]:
+    states = _without(wl, True)
+    return tuple((_states_for(spec, par, states, i), _kinds_for(spec, wl, par.pp, par.vpp, i))
+                 for i in range(par.pp))
+
+
+def optimizer_phase_bytes(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> int:
+    """Tensor bytes of the most loaded stage at its optimizer step, where no activation is
+    alive: the same at every micro-batch size and recompute policy."""
+    return _optimizer_phase(spec, par, _without(wl, True))
+
+
+@lru_cache(maxsize=4096)
+def _optimizer_phase(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> int:
+    return max(_states_for(spec, par, wl, i).optimizer_phase for i in range(par.pp))
+
+
+_kinds_for = lru_cache(maxsize=4096)(build_kinds)
+
+
+@lru_cache(maxsize=16384)
+def _states_for(spec: ModelSpec, par: ParallelConfig, wl: Workload, stage: int) -> StageStates:
+    layers = stage_layer_indices(spec, par.pp, par.vpp, stage)
+    params = stage_params(spec, par.tp, par.ep, par.pp, layers, stage == 0, stage == par.pp - 1,
+                          par.vocab_divisor)
+    return build_states(spec, par, wl, params, stage)
+
+
+@lru_cache(maxsize=8192)
+def in_flight(pp: int, vpp: int, m: int, stage: int, schedule: Schedule) -> tuple[int, ...]:
+    """``chunks_in_flight``, which reads only pp and vpp of the layout."""
+    return tuple(chunks_in_flight(ParallelConfig(pp=pp, vpp=vpp), m, stage, schedule))
+
+
+def shared_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> SharedTerms:
+    """The terms every stage of one estimate shares, built once per spec, per-kind workload
+    (``_per_kind``) and dims."""
+    return _shared_for(spec, _per_kind(wl), dm)
+
+
+@lru_cache(maxsize=1024)
+def _per_kind(wl: Workload) -> Workload:
+    """What the per-kind terms read of ``wl``: not the global batch, nor how many layers get
+    full recompute (the stage's layer kinds say which policy each layer has)."""
+    return canonical(wl, global_batch_size=None, recompute_layers=None)
+
+
+@lru_cache(maxsize=1024)
+def _shared_for(spec: ModelSpec, wl: Workload, dm: Dims) -> SharedTerms:
+    return SharedTerms(spec, wl, dm)
+
+
+class SharedTerms:
+    """Per-micro-batch terms that every stage of one estimate shares, built once, and the
+    layer kinds and head backward bytes its stages look up."""
+
+    def __init__(self, spec: ModelSpec, wl: Workload, dm: Dims) -> None:
+        self.spec, self.wl, self.dm = spec, wl, dm
+        saved_mask = attention.mask_terms(wl, dm)
+        self.rope: list[Term] = attention.rope_terms(spec, dm) + saved_mask
+        self.embed = embedding.embedding_terms(spec, dm)
+        self.head = head.head_terms(spec, wl, dm)
+        self.rope_bytes, self.embed_bytes = total(self.rope), total(self.embed)
+        self.head_bytes = total(self.head)
+        batch = head.batch_terms(wl, dm)
+        self.batch_bytes, self.targets_bytes = total(batch), batch[0].size_bytes
+        self.loss_fwd = head.forward_extra_bytes(wl, dm)
+        # the causal mask lives through the forward; with recompute it is saved (a term)
+        self.mask = 0 if saved_mask else attention.eager_mask_bytes(wl, dm)
+        self.final_norm_extra = norm.final_forward_transient(spec, wl, dm)
+        self.final_norm_bytes, self.final_norm_bwd_saved = norm.final_saved_bytes(spec, wl, dm)
+        self.final_norm_bwd = norm.final_backward_bytes(spec, wl, dm)
+        self._kinds: dict[LayerKey, LayerKind] = {}
+        self._moments: dict[tuple[int, int, LayerKey], tuple[int, ...]] = {}
+        self._head_bwd: dict[int, tuple[int, int]] = {}
+
+    def head_backward(self, vocab_grad: int) -> tuple[int, int]:
+        """(the loss's backward bytes, the head projection's backward bytes) for a head
+        gradient of ``vocab_grad`` bytes."""
+        found = self._head_bwd.get(vocab_grad)
+        if found is None:
+            found = self._head_bwd[vocab_grad] = (
+                head.loss_backward_bytes(self.spec, self.wl, self.dm, vocab_grad),
+                head.linear_backward_bytes(self.spec, self.wl, self.dm, vocab_grad))
+        return found
+
+    def moment_params(self, t: int, ep: int, key: LayerKey) -> tuple[int, ...]:
+        """Parameters whose gradients exist at each backward moment of a layer of ``key``."""
+        found = self._moments.get((t, ep, key))
+        if found is None:
+            found = self._moments[(t, ep, key)] = moment_params(
+                grad_groups(self.spec, t, ep, key[0]), self.kind(key))
+        return found
+
+    def kind(self, key: LayerKey) -> LayerKind:
+        found = self._kinds.get(key)
+        if found is None:
+            found = self._kinds[key] = layer_kind(self.spec, self.wl, self.dm, *key)
+        return found

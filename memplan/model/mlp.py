@@ -1,0 +1,125 @@
+"""The dense MLP block: gated (SwiGLU/GeGLU) or not (GELU, ReLU), with its output's dropout.
+
+What it saves: gated, the gate projection's output, the activation's output, the up
+projection's output and their product; GELU, the first linear's output and the activation's;
+ReLU, only its output (its backward reads the output, which the next linear saves too).
+"""
+
+from __future__ import annotations
+
+from memplan.model.block import BackwardMoment, Moment, linear_sizes
+from memplan.model.dims import MASK_BYTES, Dims, Term, residual_dropout_mask, total
+from memplan.spec import MlpKind, ModelSpec, mlp_params
+from memplan.workload import Recompute, Workload
+
+
+def mlp_terms(prefix: str, spec: ModelSpec, dm: Dims, ffn: int, tokens: int) -> list[Term]:
+    """A dense MLP of width ``ffn`` over ``tokens`` tokens, TP-split."""
+    inner = tokens * ffn // dm.tp * dm.e
+    if spec.mlp.gated:
+        names = ("gate", "act", "up", "prod")
+    elif spec.mlp is MlpKind.RELU:
+        names = ("act",)  # ReLU's backward reads its output, which the next linear saves too
+    else:
+        names = ("fc1", "act")
+    return [Term(f"{prefix}.{n}", inner) for n in names]
+
+
+def mlp_tensor_sizes(spec: ModelSpec, ffn: int, t: int) -> list[int]:
+    """An MLP's up (and gate) projection, column-parallel, and its down projection."""
+    h = spec.hidden_size
+    up = linear_sizes(h, ffn, spec.mlp_bias, True, t)
+    gate = linear_sizes(h, ffn, spec.mlp_bias, True, t) if spec.mlp.gated else []
+    return up + gate + linear_sizes(ffn, h, spec.mlp_bias, False, t)
+
+
+def inner_grads_per_intermediate(spec: ModelSpec) -> int:
+    """Intermediate-sized gradients an MLP's backward holds at its activation: a gated MLP the
+    gradients of its product, activation and up projection while the product is freed (2
+    beyond the saved ones); GELU the gradients of its activation and first linear while the
+    activation is freed (1); ReLU both gradients beside its saved output (2)."""
+    return 2 if spec.mlp.gated or spec.mlp is MlpKind.RELU else 1
+
+
+def backward_moments(spec: ModelSpec, dm: Dims, *, saved: int, freed: int, run_tokens: int,
+                     ffn: int, grad_inputs: int, fresh: int) -> list[BackwardMoment]:
+    """An MLP's backward peaks over ``run_tokens`` rows of width ``ffn`` (one expert's rows in
+    an MoE): the second linear's, from dropout's gradient (one intermediate gradient); the
+    activation's, dropout's gradient freed; the input projections', the last weight gradient
+    made while the others exist, beside ``grad_inputs`` of the (shared) input still to be
+    summed. ``freed``: of ``saved``, what the backward has freed before it reaches the MLP."""
+    h, e = spec.hidden_size, dm.e
+    per_inner = inner_grads_per_intermediate(spec)
+    inner = run_tokens * ffn // dm.tp * e
+    grads = per_inner * inner
+    # With dropout on the block output, the block's backward starts from dropout's gradient
+    # (a new residual-sized tensor) while the incoming one stays for the skip path.
+    dropout_grad = dm.rows * h * e if spec.dropout > 0 else 0
+    return [
+        BackwardMoment("mlp", saved - freed, dropout_grad + grads // per_inner, ("mlp_out",),
+                       fresh),
+        BackwardMoment("mlp_act", saved - freed, grads, ("mlp_out",)),
+        BackwardMoment("mlp_in", 0, grad_inputs + inner, ("mlp",), fresh),
+    ]
+
+
+def dropout_mask_bytes(spec: ModelSpec, dm: Dims) -> int:
+    """The block output's dropout mask: freed when the MLP's backward starts."""
+    return dm.rows * spec.hidden_size * MASK_BYTES if spec.dropout > 0 else 0
+
+
+class Mlp:
+    """A dense feed-forward of ``spec.ffn_hidden_size``, TP-split."""
+
+    name = "mlp"
+
+    def saved(self, spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
+        return (mlp_terms("mlp", spec, dm, spec.ffn_hidden_size, dm.tokens)
+                + residual_dropout_mask("mlp", spec, dm))
+
+    def forward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
+                        recompute: Recompute) -> list[Moment]:
+        saved = total(self.saved(spec, wl, dm, recompute))
+        stream = dm.rows * spec.hidden_size * dm.e
+        moments = [Moment("mlp", saved, stream)]  # its output before the residual add
+        if spec.mlp is MlpKind.RELU:
+            # ReLU saves its output, not its input: the first linear's output lives beside it
+            # until the activation returns, before the block's output dropout mask (traced)
+            moments.append(Moment("mlp_act", saved - dropout_mask_bytes(spec, dm),
+                                  dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e))
+        return moments
+
+    def working_set(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
+        """Gated: activation, up and product together; plain: first linear and activation,
+        or its output beside the intermediate (the second linear's)."""
+        stream = dm.rows * spec.hidden_size * dm.e
+        inner = dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
+        return [Moment("mlp", 0, max(stream + inner, (3 if spec.mlp.gated else 2) * inner))]
+
+    def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
+                         recompute: Recompute) -> list[BackwardMoment]:
+        rows_h_e = dm.rows * spec.hidden_size * dm.e
+        # a plain MLP has one input projection: nothing to sum
+        return backward_moments(
+            spec, dm, saved=total(self.saved(spec, wl, dm, recompute)),
+            freed=dropout_mask_bytes(spec, dm), run_tokens=dm.tokens,
+            ffn=spec.ffn_hidden_size, grad_inputs=(2 if spec.mlp.gated else 1) * rows_h_e,
+            fresh=spec.hidden_size * spec.ffn_hidden_size // dm.tp)
+
+    def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
+        return []
+
+    def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:
+        return mlp_tensor_sizes(spec, spec.ffn_hidden_size, t)
+
+    def grad_groups(self, spec: ModelSpec, t: int, ep: int) -> dict[str, int]:
+        """``mlp_out``: the down projection (its backward runs first); ``mlp``: all."""
+        h, ffn = spec.hidden_size, spec.ffn_hidden_size
+        mult = 3 if spec.mlp.gated else 2
+        bias = h if spec.mlp_bias else 0
+        return {"mlp_out": h * ffn // t + bias,
+                "mlp": mult * h * ffn // t + (mult - 1) * (ffn // t if spec.mlp_bias else 0)
+                + bias}
+
+    def flops_per_token(self, spec: ModelSpec, seq_len: int) -> float:
+        return 2.0 * sum(mlp_params(spec, spec.ffn_hidden_size))

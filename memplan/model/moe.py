@@ -1,0 +1,113 @@
+"""The mixture-of-experts feed-forward block (the reference's loop over experts), with its
+output's dropout. Routing is taken as balanced: each rank's experts see T*k tokens, T*k/E each.
+
+What it saves: router probabilities (fp32), top-k indices and renormalised weights, each
+expert's gathered rows and their index, the MLP terms over its tokens, its output, the routing
+weights, and the weighted output the combine keeps; shared experts as a dense MLP over all
+tokens.
+"""
+
+from __future__ import annotations
+
+from memplan.model import mlp
+from memplan.model.block import BackwardMoment, Moment
+from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term, residual_dropout_mask, total
+from memplan.spec import ModelSpec, MoESpec, mlp_params
+from memplan.workload import Recompute, Workload
+
+
+def _moe(spec: ModelSpec) -> MoESpec:
+    assert spec.moe is not None, "an MoE block needs spec.moe"
+    return spec.moe
+
+
+def moe_terms(spec: ModelSpec, dm: Dims) -> list[Term]:
+    """An MoE feed-forward's saved terms, assuming balanced routing."""
+    moe = _moe(spec)
+    routed = dm.tokens * moe.top_k
+    h, e = spec.hidden_size, dm.e
+    terms = [
+        Term("moe.router_probs", dm.tokens * moe.num_experts * FP32_BYTES),
+        Term("moe.topk_indices", routed * INDEX_BYTES),
+        # the renormalisation of the top-k weights saves them and their per-token sum (fp32)
+        Term("moe.topk_weights", routed * FP32_BYTES + dm.tokens * FP32_BYTES),
+        Term("moe.token_index", routed * INDEX_BYTES),  # which rows each expert gathers
+        Term("moe.dispatched", routed * h * e),
+        *mlp.mlp_terms("moe.expert", spec, dm, moe.expert_ffn_hidden_size, routed),
+        Term("moe.expert_out", routed * h * e),
+        Term("moe.routing_weights", routed * e),
+        Term("moe.combine_in", routed * h * e),  # the weighted outputs, saved by index_add
+    ]
+    if moe.num_shared_experts:
+        ffn = moe.num_shared_experts * moe.shared_expert_ffn_hidden_size
+        terms += mlp.mlp_terms("moe.shared", spec, dm, ffn, dm.tokens)
+    return terms
+
+
+class MoE:
+    """Routed experts (split by EP, each by TP) and optional shared experts."""
+
+    name = "mlp"  # the feed-forward's place in the layer, whichever kind it is
+
+    def saved(self, spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
+        return moe_terms(spec, dm) + residual_dropout_mask("mlp", spec, dm)
+
+    def forward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
+                        recompute: Recompute) -> list[Moment]:
+        stream = dm.rows * spec.hidden_size * dm.e
+        return [Moment("mlp", total(self.saved(spec, wl, dm, recompute)), stream)]
+
+    def working_set(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
+        """Experts run one after another over their T*k/E rows, while the router's
+        probabilities and the combined output accumulate for all tokens."""
+        moe, h, e = _moe(spec), spec.hidden_size, dm.e
+        stream = dm.rows * h * e
+        rows_e = dm.tokens * moe.top_k // moe.num_experts
+        inner = rows_e * moe.expert_ffn_hidden_size // dm.tp * e
+        expert = rows_e * h * e + max(rows_e * h * e + inner,
+                                      (3 if spec.mlp.gated else 2) * inner)
+        return [Moment("mlp", 0, dm.tokens * moe.num_experts * FP32_BYTES + stream + expert)]
+
+    def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
+                         recompute: Recompute) -> list[BackwardMoment]:
+        """One expert's MLP backward at a time (the largest working set is one expert's).
+        The combine's backward ran first: its weighted outputs are freed, and so is the
+        output of the expert whose MLP backward is running (one expert's T*k/E rows)."""
+        moe, h, e = _moe(spec), spec.hidden_size, dm.e
+        routed = dm.tokens * moe.top_k * h * e
+        return mlp.backward_moments(
+            spec, dm, saved=total(self.saved(spec, wl, dm, recompute)),
+            freed=mlp.dropout_mask_bytes(spec, dm) + routed + routed // moe.num_experts,
+            run_tokens=dm.tokens * moe.top_k // moe.num_experts,
+            ffn=moe.expert_ffn_hidden_size, grad_inputs=2 * dm.rows * h * e, fresh=0)
+
+    def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
+        return []
+
+    def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:
+        """The router, this rank's experts, the shared experts."""
+        moe = _moe(spec)
+        out = [spec.hidden_size * moe.num_experts] + ([moe.num_experts] if moe.router_bias else [])
+        for _ in range(moe.num_experts // ep):
+            out += mlp.mlp_tensor_sizes(spec, moe.expert_ffn_hidden_size, t)
+        if moe.num_shared_experts:
+            out += mlp.mlp_tensor_sizes(
+                spec, moe.num_shared_experts * moe.shared_expert_ffn_hidden_size, t)
+        return out
+
+    def grad_groups(self, spec: ModelSpec, t: int, ep: int) -> dict[str, int]:
+        moe, h = _moe(spec), spec.hidden_size
+        ffn = (moe.num_experts // ep * moe.expert_ffn_hidden_size
+               + moe.num_shared_experts * moe.shared_expert_ffn_hidden_size)
+        out = h * ffn // t
+        return {"mlp_out": out, "mlp": out * (3 if spec.mlp.gated else 2) + h * moe.num_experts}
+
+    def flops_per_token(self, spec: ModelSpec, seq_len: int) -> float:
+        """The router and shared experts, and the top-k of the routed experts."""
+        moe = _moe(spec)
+        router = spec.hidden_size * moe.num_experts + (moe.num_experts if moe.router_bias else 0)
+        shared = sum(mlp_params(spec, moe.num_shared_experts
+                                * moe.shared_expert_ffn_hidden_size)) \
+            if moe.num_shared_experts else 0
+        experts = moe.num_experts * sum(mlp_params(spec, moe.expert_ffn_hidden_size))
+        return 2.0 * (router + shared) + 2.0 * (experts * moe.top_k // moe.num_experts)

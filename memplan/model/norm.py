@@ -1,0 +1,147 @@
+"""The norm block (RMSNorm or LayerNorm, before attention, before the MLP, and the final one).
+
+What it saves (Llama and GPT blocks in PyTorch, traced with the exact tracker):
+
+- ``upcast`` (Hugging Face style): the fp32 copy of its input (saved by pow and mul), per-token
+  statistics (fp32 rstd; mean and rstd for LayerNorm), the normalised tensor in the compute
+  dtype (saved by the weight multiply), and its output (saved by the next linear);
+- ``fused``: its input, the statistics, and its output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memplan.model.block import BackwardMoment, Moment
+from memplan.model.dims import FP32_BYTES, Dims, Term, total
+from memplan.spec import ModelSpec, NormKind, norm_params
+from memplan.workload import NormImpl, Recompute, Workload
+
+
+def norm_terms(prefix: str, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
+    """A norm in the residual stream, its output included (saved by the following linear)."""
+    rows, h = dm.rows, spec.hidden_size
+    stats = rows * FP32_BYTES * (2 if spec.norm is NormKind.LAYERNORM else 1)
+    # the output is saved by the next (column-parallel) linear: as its sequence shard, or
+    # all-gathered to the full sequence (DTensor sequence parallelism)
+    out = [Term(f"{prefix}.output", dm.linear_rows * h * dm.e), Term(f"{prefix}.stats", stats)]
+    if wl.norm_impl is NormImpl.FUSED:
+        return [Term(f"{prefix}.input", rows * h * dm.e), *out]
+    # normalise in fp32, cast back, then weight * normed saves the normed tensor
+    return [Term(f"{prefix}.input_fp32", rows * h * FP32_BYTES), *out,
+            Term(f"{prefix}.normed", rows * h * dm.e)]
+
+
+def saved_at_backward(terms: list[Term]) -> int:
+    """What of a norm is still saved when its own backward runs: its output and weighted input
+    were freed by the later ops' backward."""
+    return sum(t.size_bytes for t in terms
+               if t.name.partition(".")[2] not in ("output", "normed"))
+
+
+def forward_transient(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    """An upcast norm's fp32 normalised tensor before its cast back (and weight * normed
+    before the bias is added), beside what it has saved."""
+    if wl.norm_impl is not NormImpl.UPCAST:
+        return 0
+    stream = dm.rows * spec.hidden_size * dm.e
+    fp32_normed = dm.rows * spec.hidden_size * FP32_BYTES if dm.e < FP32_BYTES else 0
+    return fp32_normed + (stream if spec.norm_bias else 0)
+
+
+def working_set(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    """Bytes a norm's forward holds beyond its input: fp32 copies, the cast, its output."""
+    rows, h, e = dm.rows, spec.hidden_size, dm.e
+    stats = rows * FP32_BYTES * (2 if spec.norm is NormKind.LAYERNORM else 1)
+    if wl.norm_impl is NormImpl.FUSED:
+        return rows * h * e + stats
+    lowp = e < FP32_BYTES
+    fp32_copies = (2 if lowp else 1) * rows * h * FP32_BYTES  # upcast input, normalised
+    return fp32_copies + (2 if lowp else 1) * rows * h * e + stats
+
+
+def backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    """Gradient bytes in flight inside a norm's backward, its incoming gradient excluded."""
+    rows, h, e = dm.rows, spec.hidden_size, dm.e
+    if wl.norm_impl is NormImpl.FUSED:
+        # LayerNorm's aten kernel: its input gradient. The reference fused RMSNorm: the
+        # weighted gradient, the normalised input and one product.
+        return (3 if spec.norm is NormKind.RMSNORM else 1) * rows * h * e
+    if spec.norm is NormKind.LAYERNORM:
+        # the gradient entering the aten kernel (the weighted one; in low precision its fp32
+        # copy, the weighted one freed by then) and the input gradient it returns
+        return 2 * rows * h * FP32_BYTES
+    # Five fp32 hidden-sized tensors at the peak (traced): in low precision the cast back's
+    # fp32 gradient copy and four from the RMSNorm math; in fp32, where the casts are no-ops,
+    # the weighted gradient itself and the same four
+    return 5 * rows * h * FP32_BYTES
+
+
+@dataclass(frozen=True)
+class Norm:
+    """A norm block of a layer, named by its place (``attn_norm``, ``mlp_norm``)."""
+
+    name: str
+
+    def saved(self, spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
+        return norm_terms(self.name, spec, wl, dm)
+
+    def forward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
+                        recompute: Recompute) -> list[Moment]:
+        return [Moment(self.name, total(norm_terms(self.name, spec, wl, dm)),
+                       forward_transient(spec, wl, dm))]
+
+    def working_set(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
+        return [Moment(self.name, 0, working_set(spec, wl, dm))]
+
+    def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
+                         recompute: Recompute) -> list[BackwardMoment]:
+        return [BackwardMoment(self.name, saved_at_backward(norm_terms(self.name, spec, wl, dm)),
+                               backward_bytes(spec, wl, dm))]
+
+    def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
+        return []
+
+    def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:
+        return [spec.hidden_size] * (2 if spec.norm_bias else 1)
+
+    def grad_groups(self, spec: ModelSpec, t: int, ep: int) -> dict[str, int]:
+        return {self.name: norm_params(spec)}
+
+    def flops_per_token(self, spec: ModelSpec, seq_len: int) -> float:
+        # counted as 2 FLOPs per parameter, as the step-time model counts every weight
+        return 2.0 * norm_params(spec)
+
+
+# --- the final norm, before the output head (last pipeline stage) ---------------------------
+
+def final_forward_transient(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    """The final norm's transients (the unsaved residual input and the fp32 normalised
+    tensor before its cast back), on top of everything saved up to and including it."""
+    if wl.norm_impl is NormImpl.FUSED:
+        return 0
+    bias_temp = dm.e if spec.norm_bias else 0  # weight * normed, before the bias is added
+    if dm.e >= FP32_BYTES:  # the casts are no-ops: the input and normed tensor are saved
+        return dm.rows * spec.hidden_size * bias_temp
+    return dm.rows * spec.hidden_size * (dm.e + FP32_BYTES + bias_temp)
+
+
+def final_saved_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> tuple[int, int]:
+    """Saved bytes of the final norm (part of the head's terms): all of them, and those still
+    saved when its own backward runs."""
+    terms = norm_terms("final_norm", spec, wl, dm)
+    return total(terms), saved_at_backward(terms)
+
+
+def final_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    """Gradient bytes in flight inside the final norm's backward (``backward_bytes``).
+    The reference fused RMSNorm is an autograd Function whose backward holds its incoming
+    gradient to the end, with its per-row statistics: the rstd cast to the compute dtype, the
+    fp32 row dot products and the fp32 weight gradient before its cast (traced; in a layer
+    the layer's moments count that gradient)."""
+    inside = backward_bytes(spec, wl, dm)
+    if wl.norm_impl is not NormImpl.FUSED or spec.norm is not NormKind.RMSNORM:
+        return inside
+    rows, h, e = dm.rows, spec.hidden_size, dm.e
+    rstd_cast = rows * e if e < FP32_BYTES else 0
+    return inside + rows * h * e + rstd_cast + rows * FP32_BYTES + h * FP32_BYTES

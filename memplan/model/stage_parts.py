@@ -1,0 +1,115 @@
+"""One pipeline stage's layer kinds and states: what it holds at every micro-batch size.
+
+Both are built once per layout and stage and shared by every micro-batch size (the states also
+by every recompute policy; ``memplan.model.memo`` keeps them): ``estimate`` reads them for each
+configuration, and a search evaluates many micro-batch sizes and policies of each layout.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from memplan.model.model_states import (
+    ShardingBuffers,
+    StageParams,
+    StateBytes,
+    optimizer_step_temp_bytes,
+    sharding_buffers,
+    state_bytes,
+)
+from memplan.model.pipeline import stage_layers
+from memplan.model.walk import first_positions, runs_of
+from memplan.parallel import GradBuffers, ParallelConfig, ZeroStage
+from memplan.spec import ModelSpec
+from memplan.units import ceil_div
+from memplan.workload import Recompute, Workload
+
+LayerKey = tuple[bool, Recompute]  # (MoE layer?, recompute policy)
+
+
+def layer_recompute(wl: Workload, position: int) -> Recompute:
+    """Full recompute of k of a stage's layers applies to its first k (Megatron-LM's 'block'
+    method, ``recompute_num_layers`` per pipeline stage); ``position`` counts the stage's
+    layers over all its model chunks."""
+    if wl.recompute is Recompute.FULL and wl.recompute_layers is not None:
+        return Recompute.FULL if position < wl.recompute_layers else Recompute.NONE
+    return wl.recompute
+
+
+def layer_keys(spec: ModelSpec, wl: Workload, layers: list[int]) -> list[LayerKey]:
+    """(MoE layer?, recompute policy) of each layer of a stage, in order."""
+    if spec.moe is None and wl.recompute_layers is None:
+        return [(False, wl.recompute)] * len(layers)
+    return [(spec.is_moe_layer(i), layer_recompute(wl, pos)) for pos, i in enumerate(layers)]
+
+
+@dataclass(frozen=True)
+class StageKinds:
+    """The kinds of one stage's layers (MoE or dense, recompute policy), in order."""
+
+    keys: list[LayerKey]
+    positions: dict[LayerKey, int]  # each kind's first layer
+    counts: dict[LayerKey, int]  # layers of each kind
+    runs: list[tuple[LayerKey, int]]  # runs of identical layers, in order
+    chunks: list[dict[LayerKey, int]]  # layers of each kind per model chunk
+
+
+@dataclass(frozen=True)
+class StageStates:
+    """What one stage holds whatever the micro-batch and the recompute policy: parameters,
+    states, gradient sizes and buffers."""
+
+    first: bool
+    last: bool
+    params: StageParams
+    states: StateBytes
+    grad_per_param: float
+    opt_temp: int
+    shard: ShardingBuffers
+    vocab_grad: int  # the embedding's (and a tied head's) gradient in the compute dtype
+    main_grads: bool  # fp32 main gradients beside the compute-dtype ones
+    buckets: int  # DDP's persistent copy of the gradients
+    persistent: bool  # gradients live in persistent data-parallel buffers
+
+    @property
+    def optimizer_phase(self) -> int:
+        """Tensor bytes at the optimizer step: no activation is alive."""
+        st = self.states
+        return st.params_bytes + st.grads_bytes + st.optimizer_bytes + self.opt_temp + self.buckets
+
+
+def stage_layer_indices(spec: ModelSpec, pp: int, vpp: int, stage: int) -> tuple[int, ...]:
+    """The decoder layers of pipeline rank ``stage``, its model chunks in order."""
+    return tuple(i for chunk in stage_layers(spec.num_layers, ParallelConfig(pp=pp, vpp=vpp), stage) for i in chunk)
+
+
+def build_kinds(spec: ModelSpec, wl: Workload, pp: int, vpp: int, stage: int) -> StageKinds:
+    keys = layer_keys(spec, wl, list(stage_layer_indices(spec, pp, vpp, stage)))
+    positions = first_positions(keys)
+    counts = Counter(keys) if len(positions) > 1 else {keys[0]: len(keys)}
+    per_chunk = len(keys) // vpp
+    chunks = [Counter(keys[c * per_chunk:(c + 1) * per_chunk]) for c in range(vpp)]
+    return StageKinds(keys=keys, positions=positions, counts=counts, runs=runs_of(keys),
+                      chunks=chunks)
+
+
+def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
+                 params: StageParams, stage: int) -> StageStates:
+    """``params``: the stage's ``stage_params`` (cached apart, per layout)."""
+    first, last = stage == 0, stage == par.pp - 1
+    st = state_bytes(params, par, wl)
+    e = wl.compute_dtype.itemsize
+    # Gradients exist during forward when an earlier micro-batch made them, or when they live
+    # in persistent data-parallel buffers; DDP's default copies them into separate buckets.
+    ddp = par.data_parallel_buffers
+    return StageStates(
+        first=first, last=last, params=params, states=st,
+        grad_per_param=st.grads_bytes / max(params.total, 1),
+        opt_temp=optimizer_step_temp_bytes(params, st, par, wl),
+        shard=sharding_buffers(params, par, wl),
+        vocab_grad=ceil_div(spec.vocab_size, par.vocab_divisor) * spec.hidden_size * e,
+        main_grads=wl.precision.recipe.grad_bytes > e and par.zero < ZeroStage.PARAMETERS,
+        buckets=st.grads_bytes if ddp and par.grad_buffers is GradBuffers.COPY else 0,
+        persistent=ddp and par.grad_buffers is GradBuffers.VIEW,
+    )
