@@ -1,7 +1,10 @@
-"""Parallel layout (TP, SP, PP with virtual stages, DP, CP, EP, ZeRO) and all layout validation.
+"""Parallel layout (TP, SP, PP with virtual stages, DP, CP, EP, ZeRO) and every layout and
+workload rule.
 
-Every check that depends on the layout lives here and names the numbers, e.g.
-``tp (16) must divide num_kv_heads (8)``.
+Every check that depends on the layout, the workload or the batch split lives here
+(``validate``, ``resolve_batch``, ``layout_for_gpus``) and raises ``LayoutError`` naming the
+numbers, e.g. ``tp (16) must divide num_kv_heads (8)``; its ``rule`` is the same sentence
+without them, which a search counts its rejections by.
 """
 
 from __future__ import annotations
@@ -10,8 +13,9 @@ import enum
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from memplan.errors import MemplanError
-from memplan.spec import ModelSpec
+from memplan.errors import LayoutError
+from memplan.spec import ModelSpec, PositionKind
+from memplan.workload import Precision, Recompute, Workload
 
 
 class ZeroStage(enum.IntEnum):
@@ -122,21 +126,24 @@ def layout_for_gpus(num_gpus: int, *, tp: int = 1, pp: int = 1, cp: int = 1,
                     dp: int | None = None, **rest: object) -> ParallelConfig:
     """A layout for ``num_gpus`` GPUs; dp is derived as num_gpus / (tp*pp*cp) unless given."""
     if num_gpus <= 0:
-        raise MemplanError(f"gpus must be positive, got {num_gpus}")
+        raise LayoutError("gpus must be positive", f"gpus must be positive, got {num_gpus}")
     model_par = tp * pp * cp
     if dp is None:
         if num_gpus % model_par:
-            raise MemplanError(
+            raise LayoutError(
+                "gpus must be divisible by tp*pp*cp",
                 f"gpus ({num_gpus}) must be divisible by tp*pp*cp ({tp}*{pp}*{cp} = {model_par})")
         dp = num_gpus // model_par
     elif dp * model_par != num_gpus:
-        raise MemplanError(
+        raise LayoutError(
+            "tp*pp*cp*dp must equal gpus",
             f"tp*pp*cp*dp ({tp}*{pp}*{cp}*{dp} = {model_par * dp}) must equal gpus ({num_gpus})")
     return ParallelConfig(tp=tp, pp=pp, cp=cp, dp=dp, **rest)  # type: ignore[arg-type]
 
 
-def validate_layout(spec: ModelSpec, par: ParallelConfig, *, seq_len: int) -> None:
-    """Raise MemplanError for a layout the model cannot be split into."""
+def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
+    """Raise ``LayoutError`` for a layout or workload the model cannot be split into or
+    estimated with (the batch split aside: ``resolve_batch`` checks it)."""
     _require_divides("tp", par.tp, "num_attention_heads", spec.num_attention_heads)
     _require_divides("tp", par.tp, "num_kv_heads", spec.num_kv_heads)
     _require_divides("tp", par.tp, "ffn_hidden_size", spec.ffn_hidden_size)
@@ -145,21 +152,82 @@ def validate_layout(spec: ModelSpec, par: ParallelConfig, *, seq_len: int) -> No
         _require_divides("ep", par.ep, "num_experts", spec.moe.num_experts)
         _require_divides("ep", par.ep, "dp*cp", par.dp * par.cp)
     elif par.ep > 1:
-        raise MemplanError(f"ep ({par.ep}) > 1 needs a mixture-of-experts model; {spec.name} is dense")
+        raise LayoutError("ep > 1 needs a mixture-of-experts model",
+                          f"ep ({par.ep}) > 1 needs a mixture-of-experts model; {spec.name} "
+                          "is dense")
     _require_divides("pp*vpp", par.pp * par.vpp, "num_layers", spec.num_layers)
     if par.vpp > 1 and par.pp == 1:
-        raise MemplanError(f"vpp ({par.vpp}) > 1 needs pp > 1 (interleaved pipeline)")
+        raise LayoutError("vpp > 1 needs pp > 1",
+                          f"vpp ({par.vpp}) > 1 needs pp > 1 (interleaved pipeline)")
     if par.sequence_parallel:
-        _require_divides("tp", par.tp, "seq", seq_len // par.cp)
+        _require_divides("tp", par.tp, "seq/cp" if par.cp > 1 else "seq", wl.seq_len // par.cp)
+    if wl.seq_len > spec.max_seq_len and spec.position is PositionKind.LEARNED:
+        raise LayoutError(
+            "seq exceeds the model's learned positions",
+            f"seq ({wl.seq_len}) exceeds {spec.name}'s learned positions ({spec.max_seq_len})")
     if par.offload is Offload.OPTIMIZER and par.zero < ZeroStage.OPTIMIZER:
-        raise MemplanError("offload optimizer needs ZeRO stage 1, 2 or 3 (DeepSpeed ZeRO-Offload "
-                           f"partitions the optimizer first), got zero {int(par.zero)}")
+        raise LayoutError("offload optimizer needs ZeRO stage 1, 2 or 3",
+                          "offload optimizer needs ZeRO stage 1, 2 or 3 (DeepSpeed ZeRO-Offload "
+                          f"partitions the optimizer first), got zero {int(par.zero)}")
     if par.cp > 1:
         # Load-balanced causal CP splits the sequence into 2*cp chunks (Megatron-LM context
         # parallelism docs: seq length must be divisible by 2 * cp).
-        _require_divides("2*cp", 2 * par.cp, "seq", seq_len)
+        _require_divides("2*cp", 2 * par.cp, "seq", wl.seq_len)
+    if par.offload is Offload.OPTIMIZER and wl.precision is Precision.FSDP_BF16:
+        raise LayoutError(
+            "offload optimizer does not combine with precision fsdp-bf16",
+            "offload optimizer models DeepSpeed's ZeRO-Offload (optimizer only); precision "
+            "fsdp-bf16 is FSDP2, whose CPUOffloadPolicy offloads the weights too, which memplan "
+            "does not model")
+    _validate_recompute(spec, par, wl)
+
+
+def _validate_recompute(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
+    if wl.recompute_layers is None:
+        return
+    if wl.recompute is not Recompute.FULL:
+        raise LayoutError("recompute_layers applies only to recompute full",
+                          f"recompute_layers ({wl.recompute_layers}) applies only to recompute "
+                          f"full, got recompute {wl.recompute.label}")
+    per_stage = spec.num_layers // par.pp
+    if wl.recompute_layers > per_stage:
+        raise LayoutError("recompute_layers must be at most the layers per pipeline stage",
+                          f"recompute_layers ({wl.recompute_layers}) must be at most the layers "
+                          f"per pipeline stage ({per_stage})")
+
+
+def resolve_batch(par: ParallelConfig, wl: Workload) -> tuple[int, int]:
+    """(global batch, micro-batches per step). The default global batch fills the pipeline:
+    mbs * dp * pp, i.e. m = p micro-batches."""
+    per_step = wl.micro_batch_size * par.dp
+    gbs = wl.global_batch_size or per_step * par.pp
+    if gbs % per_step:
+        raise LayoutError(
+            "gbs must be divisible by mbs*dp",
+            f"gbs ({gbs}) must be divisible by mbs*dp ({wl.micro_batch_size}*{par.dp} = "
+            f"{per_step})")
+    m = gbs // per_step
+    if par.vpp > 1 and m % par.pp:
+        raise LayoutError(
+            INTERLEAVED_MICROBATCHES,
+            f"interleaved pipeline needs micro-batches per step ({m}) divisible by pp ({par.pp})")
+    return gbs, m
+
+
+# The rule an interleaved schedule puts on the batch split (Megatron-LM's
+# forward_backward_pipelining_with_interleaving asserts it).
+INTERLEAVED_MICROBATCHES = "interleaved pipeline needs micro-batches per step divisible by pp"
+
+
+def replica_batch(par: ParallelConfig, gbs: int) -> int:
+    """Samples per data-parallel replica per step: ``gbs / dp``."""
+    if gbs % par.dp:
+        raise LayoutError("gbs must be divisible by dp",
+                          f"gbs ({gbs}) must be divisible by dp ({par.dp})")
+    return gbs // par.dp
 
 
 def _require_divides(name: str, value: int, target_name: str, target: int) -> None:
     if target % value:
-        raise MemplanError(f"{name} ({value}) must divide {target_name} ({target})")
+        raise LayoutError(f"{name} must divide {target_name}",
+                          f"{name} ({value}) must divide {target_name} ({target})")

@@ -18,9 +18,9 @@ import numpy as np
 from memplan.batch_search import Found, Job, Search, evaluate
 from memplan.errors import MemplanError
 from memplan.hardware import GpuSpec
-from memplan.model.estimate import Estimate, estimate, validate
+from memplan.model.estimate import Estimate, estimate
 from memplan.overheads import Overheads, default_overheads
-from memplan.parallel import ParallelConfig, ZeroStage
+from memplan.parallel import ParallelConfig, ZeroStage, validate
 from memplan.spec import ModelSpec
 from memplan.timing import Columns, StepTime, StepTimes, step_flops, step_times
 from memplan.units import GiB

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from memplan.units import DType
 
@@ -141,12 +141,6 @@ class Workload(BaseModel):
         if isinstance(value, str) and value.upper() in Recompute.__members__:
             return Recompute[value.upper()]
         return value
-
-    @model_validator(mode="after")
-    def _check(self) -> Workload:
-        if self.recompute_layers is not None and self.recompute is not Recompute.FULL:
-            raise ValueError("recompute_layers applies only to recompute=full")
-        return self
 
     @property
     def compute_dtype(self) -> DType:

@@ -261,7 +261,8 @@ def calibrate_plan(result: Any, spec: ModelSpec, gpu: GpuSpec, loaded: list[Load
     re-timed with the measured utilisation; candidates that no longer fit are rejected."""
     if not loaded:
         return result
-    from memplan.model.estimate import estimate, resolve_batch
+    from memplan.model.estimate import estimate
+    from memplan.parallel import resolve_batch
     from memplan.planner import MAX_MBS, _divisors
     from memplan.timing import step_time
 

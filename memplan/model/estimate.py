@@ -23,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
-from memplan.errors import MemplanError
 from memplan.hardware import GpuSpec
 from memplan.model import memo
 from memplan.model.dims import Dims
@@ -38,14 +37,14 @@ from memplan.model.stage import (
 )
 from memplan.model.stage_parts import StageKinds, StageStates
 from memplan.overheads import Overheads, default_overheads
-from memplan.parallel import GradBuffers, Offload, ParallelConfig, validate_layout
-from memplan.spec import ModelSpec, PositionKind
-from memplan.workload import Precision, Workload
+from memplan.parallel import GradBuffers, Offload, ParallelConfig, resolve_batch, validate
+from memplan.spec import ModelSpec
+from memplan.workload import Workload
 
 # PHASES, PhasePeaks and StageMemory are defined with the stage walk and re-exported here,
 # beside the Estimate that holds them.
 __all__ = ["PHASES", "Estimate", "PhasePeaks", "RankPeak", "StageMemory", "batch_regime",
-           "estimate", "most_loaded", "optimizer_floor_bytes", "resolve_batch", "validate"]
+           "estimate", "most_loaded", "optimizer_floor_bytes"]
 
 
 @dataclass(frozen=True)
@@ -87,21 +86,6 @@ class Estimate:
         return self.capacity_bytes - self.peak_bytes
 
 
-def resolve_batch(par: ParallelConfig, wl: Workload) -> tuple[int, int]:
-    """(global batch, micro-batches per step). Default global batch fills the pipeline:
-    mbs * dp * pp, i.e. m = p micro-batches."""
-    per_step = wl.micro_batch_size * par.dp
-    gbs = wl.global_batch_size or per_step * par.pp
-    if gbs % per_step:
-        raise MemplanError(
-            f"gbs ({gbs}) must be divisible by mbs*dp ({wl.micro_batch_size}*{par.dp} = {per_step})")
-    m = gbs // per_step
-    if par.vpp > 1 and m % par.pp:
-        raise MemplanError(
-            f"interleaved pipeline needs micro-batches per step ({m}) divisible by pp ({par.pp})")
-    return gbs, m
-
-
 def estimate(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, *,
              capacity_bytes: int | None = None, overheads: Overheads | None = None,
              schedule: Schedule = Schedule.ONE_F_ONE_B) -> Estimate:
@@ -121,23 +105,6 @@ def estimate(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, *
         capacity_bytes=gpu.memory_bytes if capacity_bytes is None else capacity_bytes,
         stages=stages, overheads=ovh, schedule=schedule,
     )
-
-
-def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
-    """Raise MemplanError for a layout or workload ``estimate`` cannot evaluate (the batch
-    sizes aside: ``resolve_batch`` checks those)."""
-    validate_layout(spec, par, seq_len=wl.seq_len)
-    if wl.seq_len > spec.max_seq_len and spec.position is PositionKind.LEARNED:
-        raise MemplanError(
-            f"seq ({wl.seq_len}) exceeds {spec.name}'s learned positions ({spec.max_seq_len})")
-    if par.offload is Offload.OPTIMIZER and wl.precision is Precision.FSDP_BF16:
-        raise MemplanError("offload optimizer models DeepSpeed's ZeRO-Offload (optimizer only); "
-                           "precision fsdp-bf16 is FSDP2, whose CPUOffloadPolicy offloads the "
-                           "weights too, which memplan does not model")
-    per_stage = spec.num_layers // par.pp
-    if wl.recompute_layers is not None and wl.recompute_layers > per_stage:
-        raise MemplanError(f"recompute_layers ({wl.recompute_layers}) must be at most the layers "
-                           f"per pipeline stage ({per_stage})")
 
 
 def _stages(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, schedule: Schedule,
