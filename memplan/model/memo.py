@@ -16,8 +16,7 @@ from memplan.model import attention, embedding, head, norm
 from memplan.model.dims import Dims, Term, total
 from memplan.model.layer import LayerKind, grad_group_params, moment_params
 from memplan.model.layer import layer_kind as _layer_kind
-from memplan.model.model_states import StageParams
-from memplan.model.model_states import count_stage_params
+from memplan.model.model_states import StageParams, count_stage_params
 from memplan.model.pipeline import Schedule, chunks_in_flight
 from memplan.model.stage_parts import (
     LayerKey,

@@ -18,7 +18,14 @@ from memplan.model.embedding import embedding_backward_extra
 from memplan.model.layer import LayerKind, merge_terms
 from memplan.model.pipeline import Schedule
 from memplan.model.stage_parts import LayerKey, StageKinds, StageStates
-from memplan.model.walk import Walk, backward_peak, forward_peak
+from memplan.model.walk import (
+    EmbeddingBackward,
+    GradSharding,
+    HeadBackward,
+    Walk,
+    backward_peak,
+    forward_peak,
+)
 from memplan.overheads import Overheads
 from memplan.parallel import ParallelConfig, ZeroStage
 from memplan.spec import ModelSpec, param_counts
@@ -180,9 +187,8 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     """Phase peaks of pipeline stage ``stage`` with ``m`` micro-batches per step, in step 1
     and in the steady state, without its record."""
     fx, kinds = parts
-    first, last, params, st = fx.first, fx.last, fx.params, fx.states
+    first, last, st = fx.first, fx.last, fx.states
     flight = memo.in_flight(par.pp, par.vpp, m, stage, schedule)
-    grad_per_param = fx.grad_per_param
     entries = _entries(par, shared, fx, kinds)
 
     rope_bytes = shared.rope_bytes  # rope tables (and a saved mask): per chunk forward
@@ -194,46 +200,14 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
 
     shard = fx.shard
     loss_fwd = shared.loss_fwd if last else 0
-    mask = shared.mask
-    tied = spec.tied_embeddings and first and last
-    vocab_grad, main_grads = fx.vocab_grad, fx.main_grads
-    head_bwd = shared.head_backward(vocab_grad) if last else (0, 0)
+    mask = shared.mask  # eager attention's causal mask, through the forward
     walk = Walk(
         runs=[(*entries[k], n) for k, n in kinds.runs],
         other_bytes=max(0, activations - one_mb),
-        head_saved=head_bytes - batch, rest_saved=rope_bytes * par.vpp + embed_bytes + batch,
-        # freed before the token embedding's backward: the rope tables and a checkpointed mask
-        # (with the first layer's saved tensors), the embedding dropout's mask and the position
-        # ids (the learned positions' backward runs first)
-        freed_before_embedding=rope_bytes + (embed_bytes - shared.embed[0].size_bytes if first else 0),
-        loss_bwd=head_bwd[0], head_linear_bwd=head_bwd[1],
-        # With fp32 main gradients the head's compute-dtype weight gradient is accumulated into
-        # a new fp32 one (first micro-batch) while it still exists, after the head's backward
-        # freed the logits gradient and its saved input (the final norm's output).
-        # (The final norm's saved tensors but its output, plus the input gradient of the
-        # same size: the final norm's saved bytes.)
-        head_main_bwd=(shared.final_norm_bytes + vocab_grad + int(params.head * grad_per_param)
-                       if last and main_grads else 0),
-        head_grads=int(params.head * grad_per_param), embed_grads=int(params.embedding * grad_per_param),
-        tied_extra=embedding_backward_extra(
-            vocab_grad, int(params.embedding * grad_per_param), tied=tied,
-            main_grads=main_grads and first,
-            incoming=shared.dm.tokens * spec.hidden_size * shared.dm.e,
-            vocab_final=int(vocab_grad // shared.dm.e * grad_per_param),
-            positions_dense=param_counts(spec).position_embedding * shared.dm.e) if first else 0,
-        tied_pending=vocab_grad if tied else 0,
-        grad_buffer=shard.grad_bytes,
-        # FSDP2 frees a unit's reduce-scatter input only when the next unit's reduce-scatter
-        # waits on it (traced, tests/test_ground_truth.py FSDP_GRID)
-        held_reduce_input=shard.grad_bytes if shard.gathered_bytes else 0,
-        unsharded_dtype=wl.compute_dtype.itemsize / wl.precision.recipe.grad_bytes,
-        unsharded_ratio=params.total * wl.precision.recipe.grad_bytes / max(st.grads_bytes, 1),
-        final_norm_saved=shared.final_norm_bwd_saved if last else 0,
-        final_norm_all=shared.final_norm_bytes if last else 0,
-        final_norm_bwd=shared.final_norm_bwd if last else 0,
-        # in backward FSDP2 holds the root and the block being computed (traced)
-        gathered_in_block=shard.gathered_at_loss_bytes,
-        gathered_at_loss=shard.gathered_at_loss_bytes,
+        rest_saved=rope_bytes * par.vpp + embed_bytes + batch,
+        head=_head_backward(shared, fx, head_bytes - batch),
+        embedding=_embedding_backward(spec, shared, fx),
+        sharding=_grad_sharding(wl, fx),
     )
     buckets = fx.buckets
     grads_in_forward = st.grads_bytes if m > 1 or fx.persistent else 0
@@ -255,4 +229,61 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
 
     # Master weights exist from optimizer setup; moments appear at step 1's optimizer step.
     return Walked(fx, kinds, entries, flight, activations, one_mb,
-                  max(loss_fwd, walk.loss_bwd), peaks(st.optimizer_bytes), peaks(st.master_bytes))
+                  max(loss_fwd, walk.head.loss), peaks(st.optimizer_bytes), peaks(st.master_bytes))
+
+
+def _head_backward(shared: memo.SharedTerms, fx: StageStates, saved: int) -> HeadBackward:
+    """The head's backward on the last stage (zeros elsewhere); ``saved``: the final norm's
+    and the loss's saved terms."""
+    if not fx.last:
+        return HeadBackward(0, 0, 0, 0, 0, 0, 0, 0)
+    vocab_grad = fx.vocab_grad
+    grads = int(fx.params.head * fx.grad_per_param)
+    loss, linear = shared.head_backward(vocab_grad)
+    # With fp32 main gradients the head's compute-dtype weight gradient is accumulated into a
+    # new fp32 one (first micro-batch) while it still exists, after the head's backward freed
+    # the logits gradient and its saved input (the final norm's output). (The final norm's
+    # saved tensors but its output, plus the input gradient of the same size: the final
+    # norm's saved bytes.)
+    main = shared.final_norm_bytes + vocab_grad + grads if fx.main_grads else 0
+    return HeadBackward(saved=saved, loss=loss, linear=linear, main_grads=main, grads=grads,
+                        final_norm_saved=shared.final_norm_bwd_saved,
+                        final_norm_bwd=shared.final_norm_bwd,
+                        final_norm_all=shared.final_norm_bytes)
+
+
+def _embedding_backward(spec: ModelSpec, shared: memo.SharedTerms,
+                        fx: StageStates) -> EmbeddingBackward:
+    """The embedding's backward on the first stage; elsewhere only the rope tables (and a
+    checkpointed mask) are freed before the stage's last gradient."""
+    rope = shared.rope_bytes
+    if not fx.first:
+        return EmbeddingBackward(0, 0, 0, rope)
+    tied = spec.tied_embeddings and fx.last
+    vocab_grad, dm = fx.vocab_grad, shared.dm
+    grads = int(fx.params.embedding * fx.grad_per_param)
+    extra = embedding_backward_extra(
+        vocab_grad, grads, tied=tied, main_grads=fx.main_grads,
+        incoming=dm.tokens * spec.hidden_size * dm.e,
+        vocab_final=int(vocab_grad // dm.e * fx.grad_per_param),
+        positions_dense=param_counts(spec).position_embedding * dm.e)
+    # freed before the token embedding's backward: the rope tables and a checkpointed mask
+    # (with the first layer's saved tensors), the embedding dropout's mask and the position
+    # ids (the learned positions' backward runs first)
+    freed = rope + shared.embed_bytes - shared.embed[0].size_bytes
+    return EmbeddingBackward(grads=grads, extra=extra, tied_pending=vocab_grad if tied else 0,
+                             freed_before=freed)
+
+
+def _grad_sharding(wl: Workload, fx: StageStates) -> GradSharding:
+    shard, recipe = fx.shard, wl.precision.recipe
+    return GradSharding(
+        buffer=shard.grad_bytes,
+        unsharded_ratio=fx.params.total * recipe.grad_bytes / max(fx.states.grads_bytes, 1),
+        # FSDP2 frees a unit's reduce-scatter input only when the next unit's reduce-scatter
+        # waits on it (traced, tests/test_ground_truth.py FSDP_GRID)
+        held_reduce_input=shard.grad_bytes if shard.gathered_bytes else 0,
+        unsharded_dtype=wl.compute_dtype.itemsize / recipe.grad_bytes,
+        # in backward FSDP2 holds the root and the block being computed (traced)
+        gathered_in_block=shard.gathered_at_loss_bytes,
+        gathered_at_loss=shard.gathered_at_loss_bytes)

@@ -81,7 +81,8 @@ class StageStates:
 
 def stage_layer_indices(spec: ModelSpec, pp: int, vpp: int, stage: int) -> tuple[int, ...]:
     """The decoder layers of pipeline rank ``stage``, its model chunks in order."""
-    return tuple(i for chunk in stage_layers(spec.num_layers, ParallelConfig(pp=pp, vpp=vpp), stage) for i in chunk)
+    chunks = stage_layers(spec.num_layers, ParallelConfig(pp=pp, vpp=vpp), stage)
+    return tuple(i for chunk in chunks for i in chunk)
 
 
 def build_kinds(spec: ModelSpec, wl: Workload, pp: int, vpp: int, stage: int) -> StageKinds:

@@ -15,36 +15,59 @@ from memplan.model.layer import LayerKind
 
 
 @dataclass(frozen=True)
+class HeadBackward:
+    """The last stage's head in backward, bytes (all 0 on other stages)."""
+
+    saved: int  # the final norm's and the loss's saved terms
+    loss: int  # in the loss's backward, beyond what is saved
+    linear: int  # at the head projection's backward: logits grad in the compute dtype, input
+    #              grad and the head's weight grad
+    main_grads: int  # fp32 main gradients: at the head's fp32 copy, beyond what is saved below
+    #                  the final norm (its saved tensors but the output, the input gradient,
+    #                  the compute-dtype and fp32 weight gradients)
+    grads: int  # the final norm's and head's gradients as held
+    final_norm_saved: int  # what of the final norm is saved when its backward runs
+    final_norm_bwd: int  # gradients in flight inside the final norm's backward
+    final_norm_all: int  # all the final norm saves (alive at the head's backward)
+
+
+@dataclass(frozen=True)
+class EmbeddingBackward:
+    """The first stage's embedding in backward, bytes (all 0 on other stages)."""
+
+    grads: int  # the embedding's gradients as held
+    extra: int  # at its backward, beyond its gradient: a tied head's pending gradient and the
+    #             sum; the compute-dtype copy beside an fp32 main grad
+    tied_pending: int  # a tied head's weight gradient, held until the embedding's backward
+    freed_before: int  # of the walk's ``rest_saved``: freed before the stage's last gradient
+    #                    (rope tables, a checkpointed mask, dropout mask)
+
+
+@dataclass(frozen=True)
+class GradSharding:
+    """How ZeRO-2/3 and FSDP2 hold gradients and weights during the backward."""
+
+    buffer: int  # ZeRO-2/3 unsharded gradients awaiting reduce-scatter, at most
+    unsharded_ratio: float  # unsharded / held gradient bytes (the ZeRO-2 shard degree)
+    held_reduce_input: int = 0  # FSDP2: a unit's reduce-scatter input, held (beside its
+    #                             shard) until the next unit's reduce-scatter
+    unsharded_dtype: float = 1.0  # FSDP2: bytes of an unsharded gradient (the weights'
+    #                               dtype) per byte of its reduce dtype
+    gathered_in_block: int = 0  # ZeRO-3 gathered weights while a block's backward runs
+    gathered_at_loss: int = 0  # ... at the loss, the head and the embedding
+
+
+@dataclass(frozen=True)
 class Walk:
     """Inputs of the backward walk of one stage (one micro-batch, bytes)."""
 
-    runs: list[tuple[LayerKind, int, int, int]]  # (kind, grads, grads before its peak, count)
+    runs: list[tuple[LayerKind, int, tuple[int, ...], int]]  # (kind, grads, grads at each
+    #                                                          of its moments, count)
     other_bytes: int  # activations of the other micro-batches in flight, kept throughout
-    head_saved: int  # final norm and loss terms (last stage)
-    rest_saved: int  # rope tables, embedding ids: alive until the step's backward ends
-    loss_bwd: int
-    head_linear_bwd: int  # logits grad in the compute dtype + the head's weight grad
-    head_main_bwd: int  # fp32 main gradients: at the head's fp32 copy, beyond what is saved
-    #                         below the final norm (its saved tensors but the output, the input
-    #                         gradient, the compute-dtype and fp32 weight gradients)
-    head_grads: int
-    embed_grads: int
-    tied_extra: int  # at the embedding's backward, beyond its gradient: a tied head's pending
-    #                  gradient and the sum; the compute-dtype copy beside an fp32 main grad
-    tied_pending: int  # a tied head's weight gradient, held until the embedding's backward
-    grad_buffer: int  # ZeRO-2/3 unsharded gradients awaiting reduce-scatter, at most
-    unsharded_ratio: float  # unsharded / held gradient bytes (the ZeRO-2 shard degree)
-    final_norm_saved: int  # last stage: the final norm's saved bytes
-    final_norm_bwd: int  # last stage: gradients in flight inside the final norm's backward
-    final_norm_all: int = 0  # last stage: all the final norm saves (alive at the head's backward)
-    held_reduce_input: int = 0  # FSDP2: a unit's reduce-scatter input, held (beside its shard)
-    #                             until the next unit's reduce-scatter
-    unsharded_dtype: float = 1.0  # FSDP2: bytes of an unsharded gradient (the weights' dtype)
-    #                               per byte of its reduce dtype
-    gathered_in_block: int = 0  # ZeRO-3 gathered weights while a block's backward runs
-    gathered_at_loss: int = 0  # ... at the loss, the head and the embedding
-    freed_before_embedding: int = 0  # of ``rest_saved``: freed before the stage's last
-    #                                   gradient (rope tables, a checkpointed mask, dropout mask)
+    rest_saved: int  # rope tables, embedding ids, the batch: alive until the backward ends
+    head: HeadBackward
+    embedding: EmbeddingBackward
+    sharding: GradSharding
 
 
 def forward_peak(runs: list[tuple[LayerKind, int, tuple[int, ...], int]], before: int,
@@ -74,46 +97,47 @@ def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
     Layers are walked last to first in runs of identical layers; within a run the bytes
     alive change by the same amount per layer, so the run's largest moment is at one end.
     """
+    h, emb, sh = w.head, w.embedding, w.sharding
     growing = grads_prior == 0
-    acts = (w.other_bytes + w.rest_saved + w.head_saved
+    acts = (w.other_bytes + w.rest_saved + h.saved
             + sum(k.saved_bytes * n for k, _, _, n in w.runs))
     grads = grads_prior
-    peak = w.gathered_at_loss + max(acts + grads + w.loss_bwd,
-                                    acts - w.head_saved + w.final_norm_all + grads
-                                    + w.head_linear_bwd,
-                                    acts - w.head_saved + grads + w.head_main_bwd)
-    acts -= w.head_saved
-    grads += w.head_grads if growing else 0
-    produced = w.head_grads  # this backward's gradients so far (the ZeRO buffer holds them)
+    peak = sh.gathered_at_loss + max(acts + grads + h.loss,
+                                    acts - h.saved + h.final_norm_all + grads
+                                    + h.linear,
+                                    acts - h.saved + grads + h.main_grads)
+    acts -= h.saved
+    grads += h.grads if growing else 0
+    produced = h.grads  # this backward's gradients so far (the ZeRO buffer holds them)
 
     def buffer(made: int) -> int:
         # Gradients not yet reduce-scattered are held unsharded instead of as this rank's
         # shard: the extra is the unsharded size minus the shard they will become.
-        waiting = min(w.grad_buffer, int(made * w.unsharded_ratio))
-        return waiting - int(waiting / w.unsharded_ratio) if w.unsharded_ratio > 1 else waiting
+        waiting = min(sh.buffer, int(made * sh.unsharded_ratio))
+        return waiting - int(waiting / sh.unsharded_ratio) if sh.unsharded_ratio > 1 else waiting
 
-    held, done = w.held_reduce_input, 0  # blocks whose reduce-scatter input may still be held
+    held, done = sh.held_reduce_input, 0  # blocks whose reduce-scatter input may still be held
 
     def root(made: int) -> int:
         # FSDP2's root (embedding, final norm, head) reduce-scatters at the end of backward:
         # until then its gradients are unsharded, in the weights' dtype
-        return int(made * w.unsharded_ratio * w.unsharded_dtype) - made
+        return int(made * sh.unsharded_ratio * sh.unsharded_dtype) - made
 
-    if w.final_norm_bwd:  # the head's weight gradient exists; the norm's own comes after
-        peak = max(peak, acts + w.final_norm_saved + grads + w.tied_pending + w.final_norm_bwd
-                   + (root(produced) if held else buffer(produced)) + w.gathered_at_loss)
-    pending = w.tied_pending  # a tied head's weight grad waits for the embedding's
-    root_held = root(w.head_grads) if held else 0
+    if h.final_norm_bwd:  # the head's weight gradient exists; the norm's own comes after
+        peak = max(peak, acts + h.final_norm_saved + grads + emb.tied_pending + h.final_norm_bwd
+                   + (root(produced) if held else buffer(produced)) + sh.gathered_at_loss)
+    pending = emb.tied_pending  # a tied head's weight grad waits for the embedding's
+    root_held = root(h.grads) if held else 0
     for kind, layer_grads, moment_grads, n in reversed(w.runs):
         step_grads = layer_grads if growing else 0
         # Before the layer's backward its own saved bytes are part of ``acts``; each moment
         # counts what of them (or of their recomputation) is still alive.
-        below = acts - kind.saved_bytes + grads + pending + w.gathered_in_block
+        below = acts - kind.saved_bytes + grads + pending + sh.gathered_in_block
         if held:
             # FSDP2: at each moment this unit's gradients so far exist unsharded (its shard
             # comes with its reduce-scatter), beside the previous unit's whole reduce input
             local = max(m.alive_bytes + m.transient_bytes
-                        + int(min(w.grad_buffer, g * w.unsharded_ratio) * w.unsharded_dtype)
+                        + int(min(sh.buffer, g * sh.unsharded_ratio) * sh.unsharded_dtype)
                         for m, g in zip(kind.moments, moment_grads))
             first_buffer = root_held + (held if done else 0)
             last_buffer = root_held + (held if done or n > 1 else 0)
@@ -131,10 +155,10 @@ def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
         produced += n * layer_grads
         done += n
     end_grads = grads_total if growing or grads_prior else grads
-    end_buffer = (root(w.head_grads + w.embed_grads) + (held if done else 0) if held
-                  else buffer(produced + w.embed_grads))
-    return max(peak, acts - w.freed_before_embedding + end_grads + w.tied_extra + end_buffer
-               + w.gathered_at_loss)
+    end_buffer = (root(h.grads + emb.grads) + (held if done else 0) if held
+                  else buffer(produced + emb.grads))
+    return max(peak, acts - emb.freed_before + end_grads + emb.extra + end_buffer
+               + sh.gathered_at_loss)
 
 
 def runs_of(keys: list) -> list[tuple[object, int]]:
