@@ -1,4 +1,6 @@
-"""Build a ``ModelSpec`` from a Hugging Face style ``config.json``.
+"""Translate a Hugging Face style ``config.json`` into the fields of a ``ModelSpec``.
+
+A dict translator: ``memplan.spec`` reads the file and validates the fields it returns.
 
 The file is read as JSON data only: no ``transformers`` import, no ``trust_remote_code``, no
 network. Only the families whose field names and conventions are known here are accepted
@@ -12,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from memplan.errors import MemplanError
-from memplan.spec import ModelSpec, _validated, load_hf_json
 
 _MISSING = object()
 
@@ -159,21 +160,16 @@ def _gpt2(cfg: _Config) -> dict[str, Any]:
     }
 
 
-def _model_name(path: Path) -> str:
-    # A checkpoint folder is named after the model; the file itself is always "config.json".
+def model_name(path: Path) -> str:
+    """The model's name for a config file: a checkpoint folder is named after the model; the
+    file itself is always "config.json"."""
     if path.name == "config.json" and path.parent.name:
         return path.parent.name
     return path.stem
 
 
-def spec_from_hf_config(path: Path) -> ModelSpec:
-    """Read ``path`` (a Hugging Face ``config.json``) into a ``ModelSpec``."""
-    path = Path(path)
-    return spec_from_hf_dict(load_hf_json(path), str(path), _model_name(path))
-
-
-def spec_from_hf_dict(data: dict[str, Any], where: str, name: str) -> ModelSpec:
-    """A ``ModelSpec`` from a config's fields (``config.json`` or ``PretrainedConfig.to_dict()``);
+def spec_fields(data: dict[str, Any], where: str, name: str) -> dict[str, Any]:
+    """The ``ModelSpec`` fields of a config (``config.json`` or ``PretrainedConfig.to_dict()``);
     ``where`` names it in errors."""
     cfg = _Config(data, where)
     model_type = cfg.get_str("model_type")
@@ -183,4 +179,4 @@ def spec_from_hf_dict(data: dict[str, Any], where: str, name: str) -> ModelSpec:
     fields = _gpt2(cfg) if model_type == "gpt2" else _llama_like(cfg, model_type)
     fields["name"] = name
     fields["source"] = f"Hugging Face config.json ({model_type}) at {where}"
-    return _validated(fields, where)
+    return fields

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from memplan.catalog import data_dir, suggest
 from memplan.errors import MemplanError
+from memplan.hf_config import model_name, spec_fields
 
 
 class NormKind(str, enum.Enum):
@@ -274,8 +275,6 @@ def load_model(name_or_path: str) -> ModelSpec:
             data = _read_toml(path)
             data.setdefault("name", path.stem)
             return _validated(data, str(path))
-        from memplan.hf_config import spec_from_hf_config
-
         return spec_from_hf_config(path)
     raise MemplanError(
         f"unknown model {name_or_path!r}: not in the catalog and not a file"
@@ -299,3 +298,15 @@ def load_hf_json(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise MemplanError(f"config {path}: expected a JSON object, got {type(data).__name__}")
     return data
+
+
+def spec_from_hf_config(path: Path) -> ModelSpec:
+    """Read ``path`` (a Hugging Face ``config.json``) into a ``ModelSpec``."""
+    path = Path(path)
+    return spec_from_hf_dict(load_hf_json(path), str(path), model_name(path))
+
+
+def spec_from_hf_dict(data: dict[str, Any], where: str, name: str) -> ModelSpec:
+    """A ``ModelSpec`` from a config's fields (``config.json`` or ``PretrainedConfig.to_dict()``,
+    ``memplan.hf_config``); ``where`` names it in errors."""
+    return _validated(spec_fields(data, where, name), where)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from memplan.errors import MemplanError
-from memplan.hf_config import spec_from_hf_config
+from memplan.spec import spec_from_hf_config
 from memplan.spec import load_model
 
 HF = Path(__file__).parent / "data" / "hf"

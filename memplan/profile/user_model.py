@@ -94,7 +94,7 @@ def hf_spec(model: nn.Module) -> ModelSpec | None:
     to_dict = getattr(config, "to_dict", None)
     if not callable(to_dict):
         return None
-    from memplan.hf_config import spec_from_hf_dict
+    from memplan.spec import spec_from_hf_dict
 
     data = to_dict()
     return spec_from_hf_dict(data, f"{type(model).__name__}.config",
