@@ -1,0 +1,216 @@
+"""Each block of a layer, and the layer composed of them, on the tiny spec, by hand.
+
+tiny: h = 64, f = 176 (SwiGLU), a = 4 query heads, g = 2 KV heads, d = 16 (q width 64, KV width
+32), RMSNorm, RoPE, no biases, no dropout. Workload: mbs 2, seq 32, bf16 (e = 2), tp 1, so
+T = 64 tokens and a residual-stream tensor is T*h*e = 8,192 B.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from memplan.model.attention import Attention
+from memplan.model.block import Block
+from memplan.model.dims import Dims, total
+from memplan.model.layer import (
+    backward_moments,
+    forward_moments,
+    grad_group_params,
+    layer_blocks,
+    layer_flops_per_token,
+    layer_kind,
+    layer_tensor_sizes,
+    layer_terms,
+)
+from memplan.model.mlp import Mlp
+from memplan.model.moe import MoE
+from memplan.model.norm import Norm
+from memplan.parallel import ParallelConfig
+from memplan.spec import ModelSpec, layer_params, load_model
+from memplan.workload import NormImpl, Recompute, Workload
+
+TINY = load_model("tiny")
+WL = Workload(micro_batch_size=2, seq_len=32)
+DM = Dims.of(TINY, ParallelConfig(), WL)
+STREAM = 64 * 64 * 2  # T*h*e
+
+
+def _moments(ms: list) -> list[tuple]:
+    return [(m.name, m.own_bytes, m.transient_bytes) for m in ms]
+
+
+def test_dims_are_derived_once() -> None:
+    """T = 2*32 = 64 tokens; with SP at tp 2 the residual rows halve; the vocabulary shard is
+    ceil(128 / 2) = 64 rows."""
+    assert (DM.tokens, DM.rows, DM.e, DM.vocab_shard) == (64, 64, 2, 128)
+    dm = Dims.of(TINY, ParallelConfig(tp=2, sequence_parallel=True, cp=2), WL)
+    assert (dm.s, dm.tokens, dm.rows, dm.vocab_shard) == (16, 32, 16, 64)
+
+
+def test_upcast_norm() -> None:
+    """fp32 input copy T*h*4 = 16,384, output 8,192, rstd T*4 = 256, normed 8,192; at its
+    backward the fp32 input and rstd (16,640) remain and five fp32 hidden-sized tensors
+    (81,920) are in flight; forward: its fp32 normalised tensor (16,384) beside what it saved;
+    checkpointed: two fp32 copies, two compute-dtype tensors and rstd (49,408)."""
+    norm = Norm("attn_norm")
+    saved = {t.name: t.size_bytes for t in norm.saved(TINY, WL, DM, Recompute.NONE)}
+    assert saved == {"attn_norm.input_fp32": 16_384, "attn_norm.output": 8_192,
+                     "attn_norm.stats": 256, "attn_norm.normed": 8_192}
+    assert _moments(norm.forward_moments(TINY, WL, DM, Recompute.NONE)) == [
+        ("attn_norm", 33_024, 16_384)]
+    assert _moments(norm.working_set(TINY, WL, DM)) == [("attn_norm", 0, 49_408)]
+    assert _moments(norm.backward_moments(TINY, WL, DM, Recompute.NONE)) == [
+        ("attn_norm", 16_640, 81_920)]
+    assert norm.grad_groups(TINY, 1, 1) == {"attn_norm": 64}
+
+
+def test_fused_norm() -> None:
+    """Input 8,192, output 8,192, rstd 256; at its backward the output was freed by the next
+    linear's (input and rstd, 8,448, remain) and the reference fused RMSNorm holds three
+    compute-dtype hidden-sized tensors (24,576)."""
+    wl = WL.model_copy(update={"norm_impl": NormImpl.FUSED})
+    norm = Norm("mlp_norm")
+    assert total(norm.saved(TINY, wl, DM, Recompute.NONE)) == 16_640
+    assert _moments(norm.forward_moments(TINY, wl, DM, Recompute.NONE)) == [
+        ("mlp_norm", 16_640, 0)]
+    assert _moments(norm.backward_moments(TINY, wl, DM, Recompute.NONE)) == [
+        ("mlp_norm", 8_448, 24_576)]
+
+
+def test_flash_attention() -> None:
+    """q 8,192, k and v 4,096 each (GQA), output 8,192, logsumexp b*a*s*4 = 1,024. Backward:
+    output and q, k, v gradients T*(2*64 + 2*32)*2 = 24,576; the input projections: two input
+    gradients and q's output gradient (24,576) with q's weight (64*64) just made."""
+    att = Attention()
+    saved = {t.name: t.size_bytes for t in att.saved(TINY, WL, DM, Recompute.NONE)}
+    assert saved == {"attn.q": 8_192, "attn.k": 4_096, "attn.v": 4_096, "attn.out": 8_192,
+                     "attn.lse": 1_024}
+    assert _moments(att.forward_moments(TINY, WL, DM, Recompute.NONE)) == [
+        ("attention", 25_600, STREAM), ("attention_core", 17_408, 0)]
+    back = att.backward_moments(TINY, WL, DM, Recompute.NONE)
+    assert [(m.name, m.own_bytes, m.transient_bytes, m.grads, m.fresh_params) for m in back] == [
+        ("attention.0", 25_600, 24_576, ("attn_out",), 0),
+        ("attn_in", 0, 24_576, ("attn",), 4_096)]
+    # selective: no logsumexp saved; rerun in backward, the core's output and logsumexp again
+    assert total(att.saved(TINY, WL, DM, Recompute.SELECTIVE)) == 24_576
+    assert att.backward_moments(TINY, WL, DM, Recompute.SELECTIVE)[0].own_bytes == 33_792
+    assert att.grad_groups(TINY, 1, 1) == {"attn_out": 4_096, "attn": 12_288}
+    assert att.tensor_sizes(TINY, 1, 1) == [4_096, 2_048, 2_048, 4_096]
+
+
+def test_attention_in_a_checkpointed_layer() -> None:
+    """Flash: its output, q, k, v, the core's output and logsumexp (33,792); RoPE's rotated
+    copies at q's: four q-sized tensors and k, v (40,960)."""
+    assert _moments(Attention().working_set(TINY, WL, DM)) == [
+        ("attention", 0, 33_792), ("rope", 0, 40_960)]
+
+
+def test_swiglu_mlp() -> None:
+    """gate, act, up, prod: T*f*e = 22,528 each. Backward: the down projection's gradient
+    (22,528) with its weight (64*176) fresh, two intermediate gradients at the activation,
+    then the input projections: two input gradients and one output gradient (38,912)."""
+    mlp = Mlp()
+    assert total(mlp.saved(TINY, WL, DM, Recompute.NONE)) == 4 * 22_528
+    assert _moments(mlp.forward_moments(TINY, WL, DM, Recompute.NONE)) == [
+        ("mlp", 90_112, STREAM)]
+    assert _moments(mlp.working_set(TINY, WL, DM)) == [("mlp", 0, 3 * 22_528)]
+    back = mlp.backward_moments(TINY, WL, DM, Recompute.NONE)
+    assert [(m.name, m.own_bytes, m.transient_bytes, m.grads, m.fresh_params) for m in back] == [
+        ("mlp", 90_112, 22_528, ("mlp_out",), 11_264),
+        ("mlp_act", 90_112, 45_056, ("mlp_out",), 0),
+        ("mlp_in", 0, 38_912, ("mlp",), 11_264)]
+    assert mlp.grad_groups(TINY, 1, 1) == {"mlp_out": 11_264, "mlp": 33_792}
+
+
+def test_layer_forward_is_a_running_sum() -> None:
+    """Each moment: the saved bytes of the blocks before it (0, 33,024, 58,624, 91,648) plus
+    its own, beside the unsaved residual input (8,192; an upcast norm saves an fp32 copy)."""
+    moments = forward_moments(TINY, WL, DM, moe_layer=False, recompute=Recompute.NONE)
+    assert [(m.name, m.alive_bytes, m.transient_bytes) for m in moments] == [
+        ("attn_norm", 33_024, 24_576), ("attention", 58_624, 16_384),
+        ("attention_core", 50_432, 8_192), ("mlp_norm", 91_648, 24_576),
+        ("mlp", 181_760, 16_384)]
+    kind = layer_kind(TINY, WL, DM, False, Recompute.NONE)
+    assert kind.saved_bytes == 181_760 and kind.forward_peak_bytes == 198_144
+
+
+def test_layer_backward_is_a_running_sum() -> None:
+    """Backward, last block first: the blocks before each one still saved, the incoming
+    gradient (8,192) beside, and the groups of the blocks after it with gradients."""
+    moments = backward_moments(TINY, WL, DM, moe_layer=False, recompute=Recompute.NONE)
+    assert [(m.name, m.alive_bytes, m.transient_bytes, m.grads_before) for m in moments] == [
+        ("mlp", 181_760, 30_720, ("mlp_out",)),
+        ("mlp_act", 181_760, 53_248, ("mlp_out",)),
+        ("mlp_in", 91_648, 47_104, ("mlp",)),
+        ("mlp_norm", 75_264, 90_112, ("mlp",)),
+        ("attention.0", 58_624, 32_768, ("mlp", "mlp_norm", "attn_out")),
+        ("attn_in", 33_024, 32_768, ("mlp", "mlp_norm", "attn")),
+        ("attn_norm", 16_640, 90_112, ("mlp", "mlp_norm", "attn"))]
+
+
+def test_checkpointed_layer() -> None:
+    """Full recompute saves the input (8,192). Its forward holds the input, then the
+    post-attention residual, and each mixer's norm output: norm 8,192 + 49,408; attention
+    2*8,192 + 33,792; RoPE 2*8,192 + 40,960; second norm 2*8,192 + 49,408; MLP 3*8,192 +
+    67,584 = 92,160, the peak. Its backward first rebuilds the layer: all 181,760 B it saves
+    and the checkpointed input (an upcast norm does not save it) beside the incoming gradient,
+    the MLP's output and the post-attention residual."""
+    assert [(t.name, t.size_bytes) for t in layer_terms(
+        TINY, WL, DM, moe_layer=False, recompute=Recompute.FULL)] == [("layer.input", 8_192)]
+    kind = layer_kind(TINY, WL, DM, False, Recompute.FULL)
+    assert kind.forward_peak_bytes == 92_160
+    rebuild = kind.moments[0]
+    assert (rebuild.name, rebuild.alive_bytes, rebuild.transient_bytes) == (
+        "rebuild_out", 8_192 + 181_760, 3 * 8_192)
+    # the rebuilt blocks' moments sit on top of the checkpointed input
+    assert kind.moments[1].alive_bytes == 8_192 + 181_760
+
+
+@pytest.mark.parametrize("model", ["tiny", "gpt2", "llama-3-8b", "mixtral-8x7b", "qwen2.5-7b"])
+@pytest.mark.parametrize("t", [1, 2])
+def test_block_parameters_add_up_to_the_layer(model: str, t: int) -> None:
+    """The blocks' tensors on a TP rank add up to the layer's parameters split as the spec
+    counts them (sharded by t, replicated whole; experts by ep), and the whole-block gradient
+    groups to the same count without the norms' first group."""
+    spec = load_model(model)
+    index = next((i for i in range(spec.num_layers) if spec.is_moe_layer(i)), 0)
+    counts = layer_params(spec, index)
+    sizes = layer_tensor_sizes(spec, t, 1, index)
+    assert sum(sizes) == counts.tp_sharded // t + counts.replicated + counts.expert // t
+    groups = grad_group_params(spec, t, 1, spec.is_moe_layer(index))
+    assert groups["attn_norm"] + groups["attn"] + groups["mlp_norm"] + groups["mlp"] == \
+        sum(sizes) - (counts.expert // t - (counts.expert // t if spec.moe else 0))
+
+
+@pytest.mark.parametrize("model", ["tiny", "gpt2", "llama-3-8b", "mixtral-8x7b"])
+def test_block_flops_add_up_to_the_step_time_model(model: str) -> None:
+    """2 FLOPs per parameter a token passes (top-k of the experts) plus causal attention's
+    2*s*q per layer: the blocks' FLOPs per token add up to the step-time model's."""
+    from memplan.timing import forward_flops_per_token
+
+    spec = load_model(model)
+    seq = 2048
+    matmul, attention, _ = forward_flops_per_token(spec, seq)
+    layers = sum(layer_flops_per_token(spec, seq, i) for i in range(spec.num_layers))
+    assert layers == matmul - 2.0 * spec.vocab_size * spec.hidden_size + attention
+
+
+def test_every_block_has_the_interface() -> None:
+    """Norm, attention, MLP and MoE all expose the same methods (``memplan.model.block``)."""
+    methods = [name for name in Block.__dict__ if not name.startswith("_") and name != "name"]
+    for block in (*layer_blocks(False), MoE()):
+        assert all(callable(getattr(block, name)) for name in methods), block
+        assert isinstance(block.name, str)
+
+
+def test_moe_block_terms() -> None:
+    """A hand-made MoE: 4 experts, top-2, T = 64: router probabilities T*4*4 = 1,024; indices
+    T*2*8 = 1,024; renormalised weights T*2*4 + T*4 = 768; gathered-row index 1,024; gathered
+    rows, expert outputs and weighted outputs T*2*h*e = 16,384 each; routing weights T*2*e =
+    256; expert SwiGLU over T*2 rows at f = 32: 4 * 128*32*2 = 32,768."""
+    spec = ModelSpec.model_validate({
+        **TINY.model_dump(), "name": "tiny-moe",
+        "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_hidden_size": 32}})
+    dm = Dims.of(spec, ParallelConfig(), WL)
+    saved = total(MoE().saved(spec, WL, dm, Recompute.NONE))
+    assert saved == 1_024 + 1_024 + 768 + 1_024 + 3 * 16_384 + 256 + 32_768

@@ -1,0 +1,80 @@
+"""The stage walks on hand-made layer kinds: the bytes at each moment, derived by hand."""
+
+from __future__ import annotations
+
+from memplan.model.layer import BackwardMoment, LayerKind
+from memplan.model.walk import (
+    EmbeddingBackward,
+    GradSharding,
+    HeadBackward,
+    Walk,
+    backward_peak,
+    first_positions,
+    forward_peak,
+    runs_of,
+)
+
+# A layer that saves 100 B, peaks at 120 B in its forward and, in its backward, holds all it
+# saved and 10 B of gradients in flight; its parameters' gradients are 50 B.
+KIND = LayerKind(terms=(), saved_bytes=100, forward_peak_bytes=120,
+                 moments=(BackwardMoment("m", 100, 10, ()),))
+NO_HEAD = HeadBackward(0, 0, 0, 0, 0, 0, 0, 0)
+NO_EMBEDDING = EmbeddingBackward(0, 0, 0, 0)
+
+
+def _walk(**parts: object) -> Walk:
+    fields = dict(runs=[(KIND, 50, (0,), 2)], other_bytes=0, rest_saved=0, head=NO_HEAD,
+                  embedding=NO_EMBEDDING, sharding=GradSharding(0, 1.0))
+    fields.update(parts)
+    return Walk(**fields)  # type: ignore[arg-type]
+
+
+def test_forward_peaks_at_the_last_layer_of_a_run() -> None:
+    """5 B before the stage; the second layer's peak: 5 + 100 (the first layer's saved) +
+    120 = 225."""
+    assert forward_peak(_walk().runs, 5, 0, 0, 0) == 225
+
+
+def test_forward_with_the_head() -> None:
+    """After two layers (205 B alive) the final norm holds 30 B, then the loss saves 40 B
+    and holds 60 B of logits: max(205 + 30, 205 + 40 + 60) = 305."""
+    assert forward_peak(_walk().runs, 5, 40, 30, 60) == 305
+
+
+def test_backward_peaks_at_the_first_layer_walked() -> None:
+    """The last layer's moment: its own 100 B and 10 B in flight beside the other layer's
+    100 B saved (210); at the first layer the other one's 100 B of saved bytes became 50 B of
+    gradients (160); at the end only the 100 B of gradients remain."""
+    assert backward_peak(_walk(), 0, 100) == 210
+
+
+def test_backward_with_earlier_microbatches_gradients() -> None:
+    """With all 100 B of gradients existing from an earlier micro-batch, every moment carries
+    them: 210 + 100 = 310."""
+    assert backward_peak(_walk(), 100, 100) == 310
+
+
+def test_backward_starts_at_the_loss() -> None:
+    """A head that saved 40 B and whose loss backward holds 500 B: 2 * 100 + 40 + 500 = 740
+    at the loss's backward, larger than any layer's moment."""
+    head = HeadBackward(saved=40, loss=500, linear=0, main_grads=0, grads=0,
+                        final_norm_saved=0, final_norm_bwd=0, final_norm_all=0)
+    assert backward_peak(_walk(head=head), 0, 100) == 740
+
+
+def test_zero2_buffer_holds_unsharded_gradients() -> None:
+    """ZeRO-2 with a shard degree of 2 (unsharded / held = 2) and a 1,000 B bucket. At the
+    first layer walked the other layer's 50 B made wait unsharded (100 B, 50 beyond their
+    shard): 160 + 50 = 210; at the end the 100 B made wait (200 B): 100 + 100 = 200. With
+    300 B of the embedding's gradients too, the end holds 400 B of gradients and 400 B beyond
+    their shard: 800."""
+    sharding = GradSharding(buffer=1_000, unsharded_ratio=2.0)
+    assert backward_peak(_walk(sharding=sharding), 0, 100) == 210
+    embedding = EmbeddingBackward(grads=300, extra=0, tied_pending=0, freed_before=0)
+    assert backward_peak(_walk(sharding=sharding, embedding=embedding), 0, 400) == 800
+
+
+def test_runs_and_first_positions() -> None:
+    keys = ["a", "a", "b", "a"]
+    assert runs_of(keys) == [("a", 2), ("b", 1), ("a", 1)]
+    assert first_positions(keys) == {"a": 0, "b": 2}
