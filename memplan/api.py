@@ -178,10 +178,7 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
     gpu_spec = gpu if isinstance(gpu, GpuSpec) else load_gpu(gpu)
     policies = None
     if recompute is not None:
-        try:
-            policies = [Recompute.parse(r) for r in recompute]
-        except KeyError as err:
-            raise MemplanError(f"recompute must be none, selective or full, got {err}") from err
+        policies = [Recompute.parse(r) for r in recompute]
     fixed = {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "zero": zero,
              "sp": sequence_parallel}
     safety = DEFAULT_SAFETY if safety is None else safety

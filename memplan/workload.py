@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from memplan.errors import MemplanError
 from memplan.units import DType
 
 
@@ -91,8 +92,13 @@ class Recompute(enum.IntEnum):
     FULL = 2
 
     @classmethod
-    def parse(cls, text: str) -> Recompute:
-        return cls[text.upper()]
+    def parse(cls, value: object) -> Recompute:
+        """A policy from its name (any case) or itself: the one place recompute is parsed."""
+        if isinstance(value, Recompute):
+            return value
+        if isinstance(value, str) and value.upper() in cls.__members__:
+            return cls[value.upper()]
+        raise MemplanError(f"recompute must be none, selective or full, got {value!r}")
 
     @property
     def label(self) -> str:
@@ -138,9 +144,7 @@ class Workload(BaseModel):
     @field_validator("recompute", mode="before")
     @classmethod
     def _recompute_by_name(cls, value: object) -> object:
-        if isinstance(value, str) and value.upper() in Recompute.__members__:
-            return Recompute[value.upper()]
-        return value
+        return Recompute.parse(value) if isinstance(value, str) else value
 
     @property
     def compute_dtype(self) -> DType:
