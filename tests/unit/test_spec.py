@@ -144,7 +144,7 @@ def test_unknown_name_with_nothing_near() -> None:
 
 
 def _toml_with(tmp_path: Path, extra: str) -> Path:
-    base = (Path(__file__).parent.parent / "model_specs" / "models" / "tiny.toml").read_text()
+    base = (Path(__file__).parents[2] / "model_specs" / "models" / "tiny.toml").read_text()
     path = tmp_path / "custom.toml"
     path.write_text(base.replace('name = "tiny"\n', "") + extra)
     return path

@@ -17,7 +17,7 @@ from memplan.cli import app, main
 from memplan.intervals import intersect, length, subtract, union
 from memplan.trace_analysis import analyze, analyze_paths, load
 
-GLOO = sorted((Path(__file__).parent / "data" / "traces" / "gloo_2rank").glob("rank*.json.gz"))
+GLOO = sorted((Path(__file__).parent.parent / "data" / "traces" / "gloo_2rank").glob("rank*.json.gz"))
 
 
 def test_interval_ops():

@@ -15,7 +15,7 @@ from memplan.errors import MemplanError
 from memplan.spec import spec_from_hf_config
 from memplan.spec import load_model
 
-HF = Path(__file__).parent / "data" / "hf"
+HF = Path(__file__).parent.parent / "data" / "hf"
 
 # fixture folder (named as the Hub repository) -> catalog name
 PAIRS = {

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # Runs in the child. Records any attempt to start a process (nvidia-smi) or load a shared
 # library through ctypes (libcuda, libnvidia-ml) before memplan is imported, then reports what
