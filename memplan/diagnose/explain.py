@@ -121,7 +121,7 @@ def failing_point(est: Estimate, s: StageMemory, oom: OomReport | None,
     for step, phase in TIMELINE:
         if rank_bytes(est, s, _phase_bytes(s, step, phase)) > capacity_bytes:
             return step, phase
-    return max(TIMELINE, key=lambda sp: (_phase_bytes(s, *sp), sp[0] == "steady"))
+    return max(TIMELINE, key=lambda when: (_phase_bytes(s, *when), when[0] == "steady"))
 
 
 def diagnose(est: Estimate, oom: OomReport | None = None) -> Diagnosis:
