@@ -268,6 +268,99 @@ def test_main_help_exit_zero(capsys: pytest.CaptureFixture[str]) -> None:
     assert "Usage" in captured.out and captured.err == ""
 
 
+# --- the command table and the shared options ----------------------------------------------
+
+def test_command_table_is_every_registered_command() -> None:
+    """``memplan.cli.COMMANDS`` (name -> module, function) is the one list of commands: each
+    entry is a command with help text, each command is an entry, each command module has one."""
+    import typer
+
+    import memplan.cli
+    from memplan.cli import COMMANDS
+
+    group = typer.main.get_command(app)
+    assert list(group.commands) == list(COMMANDS)
+    for name, (module, function) in COMMANDS.items():
+        command = group.commands[name]
+        assert command.callback.__module__ == f"memplan.cli.{module}", name
+        assert command.callback.__name__ == function, name
+        assert command.help and len(command.help.split()) > 3, name
+        assert "Example" in command.help, name  # every command shows how it is called
+    modules = {p.stem for p in Path(memplan.cli.__file__).parent.glob("*.py")}
+    assert modules - {"__init__", "options"} == {module for module, _ in COMMANDS.values()}
+
+
+@pytest.mark.parametrize("name", ["estimate", "models", "plan"])
+def test_a_command_line_imports_only_its_command(name: str) -> None:
+    """Fresh interpreter: ``memplan NAME --help`` imports memplan.cli's options and NAME's
+    module, no other command's."""
+    import subprocess
+    import sys
+
+    from memplan.cli import COMMANDS
+
+    code = ("import sys; from memplan.cli import main; main([%r, '--help']); "
+            "print(sorted(m for m in sys.modules if m.startswith('memplan.cli.')))" % name)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip().splitlines()[-1]
+    assert out == repr(sorted({f"memplan.cli.{COMMANDS[name][0]}", "memplan.cli.options"}))
+
+
+# own options that reuse a shared flag with another meaning
+OWN_MEANING = {("plan", "recompute"): "fixes the policy, or none: all searched",
+               ("calibrate", "model"): "the grid's reference spec",
+               ("calibrate", "seq"): "the longest sequence traced",
+               ("calibrate", "gpu"): "this GPU's catalog name, or none: from the device"}
+
+
+def test_shared_options_are_declared_once() -> None:
+    """Every command taking a layout or workload gets those options from ``SHARED`` through
+    ``uses``: the same flags and help in each (plan's layout defaults are None: searched), and
+    no command declares a shared flag itself except those of ``OWN_MEANING``."""
+    import typer
+
+    from memplan.cli.options import SHARED
+
+    group = typer.main.get_command(app)
+    flags_of = {p.name: (tuple(p.opts), tuple(p.secondary_opts), p.help)
+                for p in group.commands["estimate"].params if p.name in SHARED}
+    assert set(flags_of) == set(SHARED)
+    shared_flags = {flag for opts, _, _ in flags_of.values() for flag in opts}
+    for name in ("estimate", "plan", "diagnose", "trace", "profile", "calibrate"):
+        command = group.commands[name]
+        for param in command.params:
+            flags = (tuple(param.opts), tuple(param.secondary_opts), param.help)
+            if param.name in command.callback.shared:
+                assert flags == flags_of[param.name], (name, param.name)
+            elif (name, param.name) not in OWN_MEANING:
+                assert not set(param.opts) & shared_flags, (name, param.name)
+    assert group.commands["diagnose"].callback.shared == group.commands["estimate"].callback.shared
+
+
+@pytest.mark.parametrize(("argv", "kwargs"), [
+    ([], {}),
+    (["--tp", "2", "--pp", "2", "--vpp", "2", "--zero", "1", "--sp", "--no-vocab-parallel",
+      "--tp-style", "dtensor", "--grad-buffers", "copy", "--mbs", "2", "--gbs", "64",
+      "--seq", "1024", "--recompute", "full", "--recompute-layers", "2", "--precision",
+      "fp16-mixed", "--optimizer", "sgd", "--optimizer-impl", "forloop", "--attention", "eager",
+      "--norm", "fused", "--no-logits-fp32", "--loss-chunks", "4", "--schedule", "gpipe",
+      "--gpu", "a100-80gb", "--gpu-memory", "70GiB"],
+     dict(tp=2, pp=2, vpp=2, zero=1, sequence_parallel=True, vocab_parallel=False,
+          tp_style="dtensor", grad_buffers="copy", micro_batch_size=2, global_batch_size=64,
+          seq_len=1024, recompute="full", recompute_layers=2, precision="fp16-mixed",
+          optimizer="sgd", optimizer_impl="forloop", attention="eager", norm_impl="fused",
+          logits_fp32=False, loss_chunks=4, schedule="gpipe", gpu="a100-80gb",
+          gpu_memory="70GiB")),
+    (["--dp", "4", "--cp", "2", "--zero", "2", "--offload", "optimizer", "--mbs", "1"],
+     dict(dp=4, cp=2, zero=2, offload="optimizer")),
+])
+def test_every_shared_option_reaches_the_api(argv: list[str], kwargs: dict[str, Any]) -> None:
+    """Each flag sets the API keyword the option table names: the CLI's JSON equals the API's."""
+    cli = estimate_cli("--model", "llama-7b", "--gpus", "8", *argv)
+    api = estimate_json(memplan.estimate("llama-7b", gpus=8, **kwargs))
+    assert cli == json.loads(json.dumps(api))
+
+
 # --- bad input: one line, exit 2 -----------------------------------------------------------
 
 M7 = ["estimate", "--model", "llama-7b"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from functools import lru_cache
 
 import typer
 from pydantic import ValidationError
@@ -19,28 +20,45 @@ from memplan.errors import MemplanError
 _SETTINGS = dict(name="memplan",
                  help="Per-GPU memory budgets for LLM training, before the job starts.",
                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
-_app = typer.Typer(**_SETTINGS)  # every command registers here when its module is imported
 
-# The module that registers each command: a command line imports and builds only its own
-# command (the others' imports and typer's building of their options cost every run ~40 ms).
-_MODULES = {"analyze-trace": "analyze", "calibrate": "calibrate", "models": "catalog",
-            "gpus": "catalog", "diagnose": "diagnose", "estimate": "estimate",
-            "monitor-summary": "monitor", "plan": "plan", "profile": "profile", "trace": "trace"}
+# Every command: its name -> (module of memplan.cli, function), the one list the app is built
+# from. A command line imports and builds only the command it names (the others' imports and
+# typer's building of their options cost every run ~40 ms); ``app`` has them all.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "estimate": ("estimate", "estimate"),
+    "plan": ("plan", "plan"),
+    "diagnose": ("diagnose", "diagnose"),
+    "models": ("catalog", "models"),
+    "gpus": ("catalog", "gpus"),
+    "trace": ("trace", "trace"),
+    "profile": ("profile", "profile"),
+    "calibrate": ("calibrate", "calibrate"),
+    "analyze-trace": ("analyze", "analyze_trace"),
+    "monitor-summary": ("monitor", "monitor_summary"),
+}
 
 EXIT_USAGE = 2
 
 
-def _register_all() -> typer.Typer:
-    for module in dict.fromkeys(_MODULES.values()):
-        importlib.import_module(f"memplan.cli.{module}")
-    return _app
+def _app_of(names: list[str]) -> typer.Typer:
+    """A typer app with the commands ``names``, in table order."""
+    app = typer.Typer(**_SETTINGS)
+    for name in names:
+        module, function = COMMANDS[name]
+        app.command(name)(getattr(importlib.import_module(f"memplan.cli.{module}"), function))
+    return app
+
+
+@lru_cache(maxsize=1)
+def _full_app() -> typer.Typer:
+    return _app_of(list(COMMANDS))
 
 
 def __getattr__(name: str) -> object:
     """``app``: the typer app with every command registered (imported on first use)."""
     if name == "app":
-        return _register_all()
-    if name in _MODULES.values():  # the command modules, as attributes of the package
+        return _full_app()
+    if name in {module for module, _ in COMMANDS.values()}:  # the command modules
         return importlib.import_module(f"memplan.cli.{name}")
     raise AttributeError(f"module 'memplan.cli' has no attribute {name!r}")
 
@@ -49,12 +67,9 @@ def _command_for(args: list[str]) -> typer.core.TyperGroup | typer.core.TyperCom
     """The click command for ``args``: a group holding only the command named first (its
     help, options and errors are the same), or every command when none is named."""
     name = next((a for a in args if not a.startswith("-")), None)
-    if name not in _MODULES:
-        return typer.main.get_command(_register_all())
-    importlib.import_module(f"memplan.cli.{_MODULES[name]}")
-    one = typer.Typer(**_SETTINGS)
-    one.registered_commands = [c for c in _app.registered_commands
-                               if (c.name or c.callback.__name__.replace("_", "-")) == name]
+    if name not in COMMANDS:
+        return typer.main.get_command(_full_app())
+    one = _app_of([name])
     one.callback()(_group)  # a group even with one command: ``memplan NAME ...`` parses as always
     return typer.main.get_command(one)
 

@@ -8,7 +8,6 @@ from typing import Annotated, Any
 
 import typer
 
-from memplan.cli import _app as app
 from memplan.cli.options import Json
 
 Paths = Annotated[list[Path], typer.Argument(
@@ -18,7 +17,6 @@ StragglerPct = Annotated[float, typer.Option(
     "collectives exceeds this percentage of their analysed time.")]
 
 
-@app.command("analyze-trace")
 def analyze_trace(paths: Paths, straggler_pct: StragglerPct = 5.0,
                   json_out: Json = False) -> None:
     """Communication time by collective, its overlap with compute, exposed communication per

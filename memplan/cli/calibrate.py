@@ -12,8 +12,7 @@ from typing import Annotated
 
 import typer
 
-from memplan.cli import _app as app
-from memplan.cli.options import Json, PrecisionOpt
+from memplan.cli.options import Job, Json, uses
 from memplan.errors import MemplanError
 from memplan.workload import Precision, Workload
 
@@ -81,15 +80,16 @@ def _progress(total: int):
                     console=Console(stderr=True))
 
 
-@app.command()
+# the reference model, layouts and the rest of the workload are the grid's own
+@uses("precision")
 def calibrate(
+    job: Job,
     device: DeviceOpt = DeviceChoice.CUDA,
     quick: Quick = False,
     resume: Resume = False,
     nproc: Nproc = 1,
     module: Module = None,
     model: RefModel = None,
-    precision: PrecisionOpt = Precision.BF16_MIXED,
     seq: MaxSeq = None,
     real: Real = False,
     out: Out = Path("calibration"),
@@ -116,6 +116,7 @@ def calibrate(
 
       memplan calibrate --refit
     """
+    precision = job.precision
     if refit:
         return _refit(out, json_out)
     if nproc < 1:

@@ -6,13 +6,11 @@ import json
 
 import typer
 
-from memplan.cli import _app as app
 from memplan.cli.options import Json
 from memplan.hardware import gpu_catalog
 from memplan.spec import catalog_names, load_model
 
 
-@app.command()
 def models(json_out: Json = False) -> None:
     """List the catalog models with their exact parameter counts.
 
@@ -36,7 +34,6 @@ def models(json_out: Json = False) -> None:
         ["name", "params", "layers", "hidden", "heads/kv", "vocab", "mlp"], rows))
 
 
-@app.command()
 def gpus(json_out: Json = False) -> None:
     """List the catalog GPUs: reported memory, dense bf16 peak, bandwidths.
 

@@ -9,46 +9,7 @@ from typing import Annotated
 
 import typer
 
-from memplan.cli import _app as app
-from memplan.cli.options import (
-    AttentionOpt,
-    Calibration,
-    Cp,
-    Dp,
-    Ep,
-    Gbs,
-    Gpu,
-    GpuMemory,
-    Gpus,
-    GradBuffersOpt,
-    Json,
-    LogitsFp32,
-    LossChunks,
-    Mbs,
-    Model,
-    NormOpt,
-    OffloadOpt,
-    OptimizerImplOpt,
-    OptimizerOpt,
-    Pp,
-    PrecisionOpt,
-    RecomputeChoice,
-    RecomputeLayers,
-    RecomputeOpt,
-    ScheduleOpt,
-    Seq,
-    Sp,
-    Tp,
-    TpStyleOpt,
-    VocabParallel,
-    Vpp,
-    Zero,
-    ZeroChoice,
-    workload_fields,
-)
-from memplan.parallel import GradBuffers, Offload, TpStyle
-from memplan.model.pipeline import Schedule
-from memplan.workload import Attention, NormImpl, Optimizer, OptimizerImpl, Precision
+from memplan.cli.options import ESTIMATE, Job, Json, uses
 
 _INPUT = "Evidence"
 Oom = Annotated[str | None, typer.Option(
@@ -70,31 +31,9 @@ TrustPickle = Annotated[bool, typer.Option(
 NoFixes = Annotated[bool, typer.Option("--no-fixes", help="Explain only; skip the fixes.")]
 
 
-@app.command()
+@uses(*ESTIMATE)
 def diagnose(
-    model: Model,
-    gpus: Gpus = 1,
-    gpu: Gpu = "h100-sxm",
-    gpu_memory: GpuMemory = None,
-    tp: Tp = 1, pp: Pp = 1, vpp: Vpp = 1, dp: Dp = None, cp: Cp = 1, ep: Ep = 1,
-    sp: Sp = None,
-    vocab_parallel: VocabParallel = True,
-    tp_style: TpStyleOpt = TpStyle.MEGATRON,
-    grad_buffers: GradBuffersOpt = GradBuffers.VIEW,
-    offload: OffloadOpt = Offload.NONE,
-    zero: Zero = ZeroChoice.Z0,
-    mbs: Mbs = 1, gbs: Gbs = None, seq: Seq = None,
-    recompute: RecomputeOpt = RecomputeChoice.NONE,
-    recompute_layers: RecomputeLayers = None,
-    precision: PrecisionOpt = Precision.BF16_MIXED,
-    optimizer: OptimizerOpt = Optimizer.ADAMW,
-    optimizer_impl: OptimizerImplOpt = OptimizerImpl.FOREACH,
-    attention: AttentionOpt = Attention.FLASH,
-    norm: NormOpt = NormImpl.UPCAST,
-    logits_fp32: LogitsFp32 = True,
-    loss_chunks: LossChunks = 1,
-    schedule: ScheduleOpt = Schedule.ONE_F_ONE_B,
-    calibration: Calibration = None,
+    job: Job,
     oom: Oom = None,
     profile: Profile = None,
     monitor: Monitor = None,
@@ -136,18 +75,8 @@ def diagnose(
         report = snap if report is None else dataclasses.replace(
             report, largest_free_block_bytes=snap.largest_free_block_bytes,
             num_segments=snap.num_segments)
-    result = run_diagnose(
-        model, oom=report, profile=profile, monitor=monitor or None, fixes=not no_fixes,
-        gpus=gpus, gpu=gpu,
-        gpu_memory=gpu_memory, tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=ep, zero=int(zero.value),
-        sequence_parallel=sp, vocab_parallel=vocab_parallel, tp_style=tp_style.value,
-        grad_buffers=grad_buffers.value, offload=offload.value, schedule=schedule,
-        calibration=calibration,
-        **workload_fields(mbs=mbs, gbs=gbs, seq=seq, recompute=recompute,
-                          recompute_layers=recompute_layers, precision=precision,
-                          optimizer=optimizer, optimizer_impl=optimizer_impl,
-                          attention=attention, norm=norm, logits_fp32=logits_fp32,
-                          loss_chunks=loss_chunks))
+    result = run_diagnose(job.model, oom=report, profile=profile, monitor=monitor or None,
+                          fixes=not no_fixes, **job.kwargs())
     if json_out:
         typer.echo(json.dumps(to_json(result), indent=2))
         return

@@ -8,7 +8,6 @@ from typing import Annotated
 
 import typer
 
-from memplan.cli import _app as app
 from memplan.cli.options import Json
 from memplan.errors import MemplanError
 
@@ -16,7 +15,6 @@ Paths = Annotated[list[Path], typer.Argument(
     help="Directories holding memory_rank<R>.jsonl files, or the files themselves.")]
 
 
-@app.command("monitor-summary")
 def monitor_summary(paths: Paths, json_out: Json = False) -> None:
     """Summarise the per-step records a MemoryMonitor wrote on every rank.
 

@@ -1,14 +1,25 @@
-"""Options shared by several commands, declared once as ``Annotated`` aliases."""
+"""Options shared by several commands, declared once.
+
+Each shared option is one ``Annotated`` alias (its flags, help and panel) and one row of
+``SHARED`` (its default and the ``memplan.api`` keyword its value goes to). A command names
+the options it takes with ``@uses(...)``: they are added to its signature, so ``--help``
+lists them as if written there, and reach the command body as one ``Job``, whose
+``kwargs()`` are the keyword arguments of ``memplan.api.resolve`` / ``estimate`` / ``plan``.
+No command re-lists them.
+"""
 
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Optional
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any, NamedTuple, Optional
 
 import typer
 
-from memplan.parallel import GradBuffers, Offload, TpStyle
 from memplan.model.pipeline import Schedule
+from memplan.parallel import GradBuffers, Offload, TpStyle
 from memplan.workload import Attention, NormImpl, Optimizer, OptimizerImpl, Precision
 
 
@@ -104,13 +115,115 @@ Calibration = Annotated[Optional[list[str]], typer.Option(
     "Give it twice for a device and a model profile.")]
 
 
-def workload_fields(*, mbs: int, gbs: int | None, seq: int | None, recompute: RecomputeChoice,
-                    recompute_layers: int | None, precision: Precision, optimizer: Optimizer,
-                    optimizer_impl: OptimizerImpl, attention: Attention, norm: NormImpl,
-                    logits_fp32: bool, loss_chunks: int = 1) -> dict[str, object]:
-    """The ``Workload`` fields of the options every command shares."""
-    return dict(micro_batch_size=mbs, global_batch_size=gbs, seq_len=seq,
-                recompute=recompute.value, recompute_layers=recompute_layers,
-                precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
-                attention=attention, norm_impl=norm, logits_fp32=logits_fp32,
-                loss_chunks=loss_chunks)
+def _same(value: Any) -> Any:
+    return value
+
+
+def _value(choice: enum.Enum | None) -> Any:
+    """An enum choice as the string the API takes (None stays None: searched or default)."""
+    return None if choice is None else choice.value
+
+
+def _zero(choice: ZeroChoice | None) -> int | None:
+    return None if choice is None else int(choice.value)
+
+
+# NamedTuples, not dataclasses: immutable too, and five times cheaper to define at start-up
+class Shared(NamedTuple):
+    """One shared option: its declaration, its default, and the ``memplan.api`` keyword it
+    sets (``api``; None: the command reads it from the ``Job`` itself)."""
+
+    annotation: Any
+    default: Any
+    api: str | None
+    convert: Callable[[Any], Any] = _same
+    resolve: bool = True  # a keyword of ``memplan.api.resolve`` (else of estimate/plan only)
+
+
+_REQUIRED = inspect.Parameter.empty
+
+SHARED: dict[str, Shared] = {
+    "model": Shared(Model, _REQUIRED, None),  # the first positional argument of the API
+    "gpus": Shared(Gpus, 1, "gpus"),
+    "gpu": Shared(Gpu, "h100-sxm", "gpu", resolve=False),
+    "gpu_memory": Shared(GpuMemory, None, "gpu_memory", resolve=False),
+    "tp": Shared(Tp, 1, "tp"),
+    "pp": Shared(Pp, 1, "pp"),
+    "vpp": Shared(Vpp, 1, "vpp"),
+    "dp": Shared(Dp, None, "dp"),
+    "cp": Shared(Cp, 1, "cp"),
+    "ep": Shared(Ep, 1, "ep"),
+    "sp": Shared(Sp, None, "sequence_parallel"),
+    "vocab_parallel": Shared(VocabParallel, True, "vocab_parallel"),
+    "tp_style": Shared(TpStyleOpt, TpStyle.MEGATRON, "tp_style", _value),
+    "grad_buffers": Shared(GradBuffersOpt, GradBuffers.VIEW, "grad_buffers", _value),
+    "offload": Shared(OffloadOpt, Offload.NONE, "offload", _value),
+    "zero": Shared(Zero, ZeroChoice.Z0, "zero", _zero),
+    "mbs": Shared(Mbs, 1, "micro_batch_size"),
+    "gbs": Shared(Gbs, None, "global_batch_size"),
+    "seq": Shared(Seq, None, "seq_len"),
+    "recompute": Shared(RecomputeOpt, RecomputeChoice.NONE, "recompute", _value),
+    "recompute_layers": Shared(RecomputeLayers, None, "recompute_layers"),
+    "precision": Shared(PrecisionOpt, Precision.BF16_MIXED, "precision"),
+    "optimizer": Shared(OptimizerOpt, Optimizer.ADAMW, "optimizer"),
+    "optimizer_impl": Shared(OptimizerImplOpt, OptimizerImpl.FOREACH, "optimizer_impl"),
+    "attention": Shared(AttentionOpt, Attention.FLASH, "attention"),
+    "norm": Shared(NormOpt, NormImpl.UPCAST, "norm_impl"),
+    "logits_fp32": Shared(LogitsFp32, True, "logits_fp32"),
+    "loss_chunks": Shared(LossChunks, 1, "loss_chunks"),
+    "schedule": Shared(ScheduleOpt, Schedule.ONE_F_ONE_B, "schedule", resolve=False),
+    "calibration": Shared(Calibration, None, "calibration", resolve=False),
+}
+
+LAYOUT = ("tp", "pp", "vpp", "dp", "cp", "ep", "sp", "vocab_parallel", "tp_style",
+          "grad_buffers", "offload", "zero")
+WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "precision", "optimizer",
+            "optimizer_impl", "attention", "norm", "logits_fp32", "loss_chunks")
+# everything ``memplan estimate`` takes: diagnose takes the same configuration
+ESTIMATE = ("model", "gpus", "gpu", "gpu_memory", *LAYOUT, *WORKLOAD, "schedule", "calibration")
+
+
+class Job(NamedTuple):
+    """The shared options one command line gave, by option name (``job.tp``)."""
+
+    values: Mapping[str, Any]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.values[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def kwargs(self, *, resolve_only: bool = False) -> dict[str, Any]:
+        """The ``memplan.api`` keyword arguments of these options (only those ``resolve``
+        takes with ``resolve_only``): the one place parsed values become API values."""
+        return {opt.api: opt.convert(self.values[name])
+                for name, opt in ((n, SHARED[n]) for n in self.values)
+                if opt.api is not None and (opt.resolve or not resolve_only)}
+
+
+def uses(*names: str, **defaults: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Add the shared options ``names`` (``SHARED``; ``defaults`` overrides theirs) before a
+    command's own parameters; the command receives them as its first argument, a ``Job``."""
+    unknown = [n for n in (*names, *defaults) if n not in SHARED]
+    if unknown:
+        raise KeyError(f"not shared options: {unknown}")
+    shared = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY,
+                                annotation=SHARED[n].annotation,
+                                default=defaults.get(n, SHARED[n].default)) for n in names]
+
+    def wrap(body: Callable[..., Any]) -> Callable[..., Any]:
+        own = list(inspect.signature(body, eval_str=True).parameters.values())[1:]  # not the job
+        params = shared + [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own]
+
+        @functools.wraps(body)
+        def command(**values: Any) -> Any:
+            job = Job({n: values.pop(n) for n in names})
+            return body(job, **values)
+
+        command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        command.shared = names  # type: ignore[attr-defined]
+        return command
+
+    return wrap

@@ -7,63 +7,27 @@ from typing import Annotated, Any
 
 import typer
 
-from memplan.cli import _app as app
-from memplan.cli.options import (
-    AttentionOpt,
-    Calibration,
-    Cp,
-    Ep,
-    Gbs,
-    Gpu,
-    GpuMemory,
-    Gpus,
-    Json,
-    LogitsFp32,
-    LossChunks,
-    Model,
-    NormOpt,
-    OptimizerImplOpt,
-    OptimizerOpt,
-    Pp,
-    PrecisionOpt,
-    RecomputeChoice,
-    Seq,
-    Sp,
-    Tp,
-    Vpp,
-    Zero,
-)
-from memplan.workload import Attention, NormImpl, Optimizer, OptimizerImpl, Precision
+from memplan.cli.options import Job, Json, RecomputeChoice, uses
 
 Top = Annotated[int, typer.Option("--top", help="Candidates to show.")]
 MaxTp = Annotated[int | None, typer.Option("--max-tp", help="Largest TP (default: GPUs per node).")]
 Safety = Annotated[float, typer.Option(
     "--safety", help="Fraction of capacity kept free (default 0.05).")]
+FixedRecompute = Annotated[RecomputeChoice | None, typer.Option(
+    "--recompute", help="Fix the recompute policy (default: search all).")]
 
 
-@app.command()
+# Layout options given are fixed, the others searched: no layout default but the GPU count.
+@uses("model", "gpus", "gpu", "gpu_memory", "tp", "pp", "vpp", "cp", "ep", "sp", "zero", "gbs",
+      "seq", "precision", "optimizer", "optimizer_impl", "attention", "norm", "logits_fp32",
+      "loss_chunks", "calibration",
+      gpus=8, tp=None, pp=None, vpp=None, cp=None, ep=None, zero=None)
 def plan(
-    model: Model,
-    gpus: Gpus = 8,
-    gpu: Gpu = "h100-sxm",
-    gpu_memory: GpuMemory = None,
-    tp: Tp = None, pp: Pp = None, vpp: Vpp = None, cp: Cp = None, ep: Ep = None,  # type: ignore[assignment]
-    sp: Sp = None,
-    zero: Zero = None,  # type: ignore[assignment]
-    gbs: Gbs = None, seq: Seq = None,
-    precision: PrecisionOpt = Precision.BF16_MIXED,
-    optimizer: OptimizerOpt = Optimizer.ADAMW,
-    optimizer_impl: OptimizerImplOpt = OptimizerImpl.FOREACH,
-    attention: AttentionOpt = Attention.FLASH,
-    norm: NormOpt = NormImpl.UPCAST,
-    logits_fp32: LogitsFp32 = True,
-    loss_chunks: LossChunks = 1,
-    recompute: Annotated[RecomputeChoice | None, typer.Option(
-        "--recompute", help="Fix the recompute policy (default: search all).")] = None,
+    job: Job,
+    recompute: FixedRecompute = None,
     max_tp: MaxTp = None,
     safety: Safety = 0.05,
     top: Top = 10,
-    calibration: Calibration = None,
     json_out: Json = False,
 ) -> None:
     """Find the layouts, micro-batch and recompute that fit, fastest first.
@@ -80,20 +44,15 @@ def plan(
     """
     from memplan.api import plan as run_plan
 
-    result = run_plan(
-        model, gpus=gpus, gpu=gpu, gpu_memory=gpu_memory, safety=safety, max_tp=max_tp,
-        recompute=None if recompute is None else [recompute.value], tp=tp, pp=pp, vpp=vpp,
-        cp=cp, ep=ep, zero=None if zero is None else int(zero.value), sequence_parallel=sp,
-        global_batch_size=gbs, seq_len=seq, precision=precision, optimizer=optimizer,
-        optimizer_impl=optimizer_impl, attention=attention, norm_impl=norm,
-        logits_fp32=logits_fp32, loss_chunks=loss_chunks, calibration=calibration)
+    result = run_plan(job.model, safety=safety, max_tp=max_tp,
+                      recompute=None if recompute is None else [recompute.value], **job.kwargs())
     if json_out:
         typer.echo(json.dumps(_plan_json(result, top), indent=2))
         return
     from memplan.spec import load_model
 
-    spec = load_model(model)
-    _print(result, spec.name, spec.num_layers, gpus, gpu, top)
+    spec = load_model(job.model)
+    _print(result, spec.name, spec.num_layers, job.gpus, job.gpu, top)
 
 
 def _plan_json(result, top: int) -> dict[str, Any]:

@@ -9,27 +9,8 @@ from typing import Annotated
 import typer
 
 from memplan.api import resolve
-from memplan.cli import _app as app
-from memplan.cli.options import (
-    AttentionOpt,
-    Gpu,
-    Json,
-    LogitsFp32,
-    LossChunks,
-    Mbs,
-    Model,
-    NormOpt,
-    OptimizerImplOpt,
-    OptimizerOpt,
-    PrecisionOpt,
-    RecomputeChoice,
-    RecomputeLayers,
-    RecomputeOpt,
-    Seq,
-    workload_fields,
-)
+from memplan.cli.options import WORKLOAD, Job, Json, uses
 from memplan.errors import MemplanError
-from memplan.workload import Attention, NormImpl, Optimizer, OptimizerImpl, Precision
 
 Steps = Annotated[int, typer.Option("--steps", help="Training steps (>= 2).")]
 Device = Annotated[str, typer.Option("--device", help="cpu (exact tensor tracker) or cuda "
@@ -46,24 +27,14 @@ Out = Annotated[Path | None, typer.Option(
     "matplotlib; snapshot.pickle on CUDA) here.")]
 
 
-@app.command()
+# one rank, no layout; the global batch is the micro-batch
+@uses("model", *(n for n in WORKLOAD if n != "gbs"), "gpu")
 def profile(
-    model: Model,
-    mbs: Mbs = 1, seq: Seq = None,
+    job: Job,
     layers: Layers = None,
-    recompute: RecomputeOpt = RecomputeChoice.NONE,
-    recompute_layers: RecomputeLayers = None,
-    precision: PrecisionOpt = Precision.BF16_MIXED,
-    optimizer: OptimizerOpt = Optimizer.ADAMW,
-    optimizer_impl: OptimizerImplOpt = OptimizerImpl.FOREACH,
-    attention: AttentionOpt = Attention.FLASH,
-    norm: NormOpt = NormImpl.UPCAST,
-    logits_fp32: LogitsFp32 = True,
-    loss_chunks: LossChunks = 1,
     steps: Steps = 3,
     device: Device = "cpu",
     fake: Fake = True,
-    gpu: Gpu = "h100-sxm",
     out: Out = None,
     perf: Perf = False,
     json_out: Json = False,
@@ -83,10 +54,7 @@ def profile(
 
       memplan profile -m tiny --real --perf --out prof/
     """
-    spec, par, wl = resolve(model, **workload_fields(
-        mbs=mbs, gbs=None, seq=seq, recompute=recompute, recompute_layers=recompute_layers,
-        precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
-        attention=attention, norm=norm, logits_fp32=logits_fp32, loss_chunks=loss_chunks))
+    spec, par, wl = resolve(job.model, **job.kwargs(resolve_only=True))
     if layers is not None:
         if not 0 < layers <= spec.num_layers:
             raise MemplanError(f"layers ({layers}) must be between 1 and {spec.num_layers}")
@@ -97,7 +65,7 @@ def profile(
         raise MemplanError("--perf times real tensors: add --real (or --device cuda)")
     from memplan.hardware import load_gpu
 
-    gpu_spec = load_gpu(gpu)
+    gpu_spec = load_gpu(job.gpu)
     try:
         from memplan.profile.reference_profile import predicted, profile_reference
     except ImportError as err:  # torch missing

@@ -8,35 +8,8 @@ from typing import Annotated
 import typer
 
 from memplan.api import resolve
-from memplan.cli import _app as app
-from memplan.cli.options import (
-    AttentionOpt,
-    Cp,
-    Dp,
-    Gbs,
-    Gpus,
-    Json,
-    LogitsFp32,
-    LossChunks,
-    Mbs,
-    Model,
-    NormOpt,
-    OptimizerImplOpt,
-    OptimizerOpt,
-    Pp,
-    PrecisionOpt,
-    RecomputeChoice,
-    RecomputeLayers,
-    RecomputeOpt,
-    Seq,
-    Sp,
-    Tp,
-    Zero,
-    ZeroChoice,
-    workload_fields,
-)
+from memplan.cli.options import WORKLOAD, Job, Json, uses
 from memplan.errors import MemplanError
-from memplan.workload import Attention, NormImpl, Optimizer, OptimizerImpl, Precision
 
 Steps = Annotated[int, typer.Option("--steps", help="Training steps (>= 2: first and steady).")]
 Fake = Annotated[bool, typer.Option(
@@ -45,23 +18,10 @@ Layers = Annotated[int | None, typer.Option(
     "--layers", help="Trace only this many layers of the model (a shorter copy of the spec).")]
 
 
-@app.command()
+# the layout options of the ranks the fake process group traces (no chunks, experts, offload)
+@uses("model", "gpus", "tp", "pp", "dp", "cp", "sp", "zero", *WORKLOAD)
 def trace(
-    model: Model,
-    gpus: Gpus = 1,
-    tp: Tp = 1, pp: Pp = 1, dp: Dp = None, cp: Cp = 1,
-    sp: Sp = None,
-    zero: Zero = ZeroChoice.Z0,
-    mbs: Mbs = 1, gbs: Gbs = None, seq: Seq = None,
-    recompute: RecomputeOpt = RecomputeChoice.NONE,
-    recompute_layers: RecomputeLayers = None,
-    precision: PrecisionOpt = Precision.BF16_MIXED,
-    optimizer: OptimizerOpt = Optimizer.ADAMW,
-    optimizer_impl: OptimizerImplOpt = OptimizerImpl.FOREACH,
-    attention: AttentionOpt = Attention.FLASH,
-    norm: NormOpt = NormImpl.UPCAST,
-    logits_fp32: LogitsFp32 = True,
-    loss_chunks: LossChunks = 1,
+    job: Job,
     layers: Layers = None,
     steps: Steps = 2,
     fake: Fake = True,
@@ -80,18 +40,12 @@ def trace(
 
       memplan trace -m tiny --gpus 4 --zero 3 --precision fsdp-bf16 --json
     """
-    spec, par, wl = resolve(
-        model, gpus=gpus, tp=tp, pp=pp, dp=dp, cp=cp, zero=int(zero.value), sequence_parallel=sp,
-        **workload_fields(mbs=mbs, gbs=gbs, seq=seq, recompute=recompute,
-                          recompute_layers=recompute_layers, precision=precision,
-                          optimizer=optimizer, optimizer_impl=optimizer_impl,
-                          attention=attention, norm=norm, logits_fp32=logits_fp32,
-                          loss_chunks=loss_chunks))
+    spec, par, wl = resolve(job.model, **job.kwargs(resolve_only=True))
     if layers is not None:
         if not 0 < layers <= spec.num_layers:
             raise MemplanError(f"layers ({layers}) must be between 1 and {spec.num_layers}")
         spec = spec.model_copy(update={"num_layers": layers, "name": f"{spec.name}[:{layers}]"})
-    if pp > 1 or cp > 1:
+    if job.pp > 1 or job.cp > 1:
         raise MemplanError("trace: pipeline and context parallel layouts are not traced yet; "
                            "use tp, dp and zero")
     if steps < 2:
