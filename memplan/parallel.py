@@ -179,6 +179,12 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
             "offload optimizer models DeepSpeed's ZeRO-Offload (optimizer only); precision "
             "fsdp-bf16 is FSDP2, whose CPUOffloadPolicy offloads the weights too, which memplan "
             "does not model")
+    if par.offload is Offload.OPTIMIZER and wl.precision is Precision.BF16_PURE:
+        raise LayoutError(
+            "offload optimizer does not combine with precision bf16-pure",
+            "offload optimizer with precision bf16-pure: ZeRO-Offload keeps an fp32 master copy "
+            "and fp32 states on the host, which is bf16-mixed with the optimizer offloaded "
+            "(use --precision bf16-mixed)")
     _validate_recompute(spec, par, wl)
 
 

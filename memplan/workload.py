@@ -16,7 +16,7 @@ from memplan.units import DType
 
 
 class Precision(str, enum.Enum):
-    """Precision recipes: which dtype holds weights, gradients, master weights.
+    """Precision recipes, each a policy of dtypes (``PrecisionPolicy``).
 
     bf16-mixed       bf16 weights and grads, fp32 master + optimizer states (ZeRO paper's 16 B/param)
     bf16-fp32-grads  bf16 weights, fp32 main grads, fp32 master + states (Megatron-LM default, 18)
@@ -24,6 +24,8 @@ class Precision(str, enum.Enum):
     fp32             fp32 everything, no master copy (16 with Adam)
     fsdp-bf16        FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): fp32 sharded
                      weights and grads, bf16 copies gathered for compute (torchtitan's default)
+    bf16-pure        bf16 weights and grads, no master copy, optimizer states in bf16
+                     (torch.optim creates them with zeros_like(param)): 8 B/param with Adam
     """
 
     BF16_MIXED = "bf16-mixed"
@@ -31,40 +33,69 @@ class Precision(str, enum.Enum):
     FP16_MIXED = "fp16-mixed"
     FP32 = "fp32"
     FSDP_BF16 = "fsdp-bf16"
+    BF16_PURE = "bf16-pure"
 
     @property
-    def recipe(self) -> PrecisionRecipe:
-        return _RECIPES[self]
+    def policy(self) -> PrecisionPolicy:
+        return _POLICIES[self]
 
 
 @dataclass(frozen=True)
-class PrecisionRecipe:
-    """Bytes per parameter of each persistent copy, and the activation dtype."""
+class PrecisionPolicy:
+    """Which dtype each copy of the model is held in.
 
-    compute: DType  # dtype of activations and of the weights used in matmuls
-    param_bytes: int  # the resident (possibly sharded) weight copy
-    grad_bytes: int
-    master_bytes: int  # fp32 master copy held by the optimizer; 0 when weights are fp32
+    The optimizer's states and its step's temporaries are in the dtype of what it updates
+    (``updated``): torch.optim's AdamW and SGD create their states with ``zeros_like(param)``
+    (``torch/optim/adamw.py``, ``_init_group``), so an fp32 master copy gets fp32 states and
+    bf16 weights updated directly get bf16 states.
+    """
+
+    params: DType  # the resident (possibly sharded) weight copy
+    compute: DType  # activations, and the weights matmuls read (FSDP's gathered copies)
+    grads: DType  # gradients as held (fp32 main gradients for bf16-fp32-grads)
+    master: DType | None  # the optimizer's own copy of the weights; None: it updates them
+
+    @property
+    def updated(self) -> DType:
+        """The tensors the optimizer updates: its master copy, else the weights."""
+        return self.master or self.params
+
+    @property
+    def param_bytes(self) -> int:
+        return self.params.itemsize
+
+    @property
+    def grad_bytes(self) -> int:
+        return self.grads.itemsize
+
+    @property
+    def master_bytes(self) -> int:
+        return self.master.itemsize if self.master else 0
 
 
-_RECIPES = {
-    Precision.BF16_MIXED: PrecisionRecipe(DType.BF16, 2, 2, 4),
-    Precision.BF16_FP32_GRADS: PrecisionRecipe(DType.BF16, 2, 4, 4),
-    Precision.FP16_MIXED: PrecisionRecipe(DType.FP16, 2, 2, 4),
-    Precision.FP32: PrecisionRecipe(DType.FP32, 4, 4, 0),
-    Precision.FSDP_BF16: PrecisionRecipe(DType.BF16, 4, 4, 0),
+_POLICIES = {
+    Precision.BF16_MIXED: PrecisionPolicy(DType.BF16, DType.BF16, DType.BF16, DType.FP32),
+    Precision.BF16_FP32_GRADS: PrecisionPolicy(DType.BF16, DType.BF16, DType.FP32, DType.FP32),
+    Precision.FP16_MIXED: PrecisionPolicy(DType.FP16, DType.FP16, DType.FP16, DType.FP32),
+    Precision.FP32: PrecisionPolicy(DType.FP32, DType.FP32, DType.FP32, None),
+    Precision.FSDP_BF16: PrecisionPolicy(DType.FP32, DType.BF16, DType.FP32, None),
+    Precision.BF16_PURE: PrecisionPolicy(DType.BF16, DType.BF16, DType.BF16, None),
 }
 
 
 class Optimizer(str, enum.Enum):
-    """AdamW keeps two fp32 moments per parameter; SGD with momentum one (torch.optim)."""
+    """AdamW keeps two moments per parameter (exp_avg, exp_avg_sq); SGD with momentum one
+    (torch.optim), each in the dtype of what it updates (``PrecisionPolicy.updated``)."""
 
     ADAMW = "adamw"
     SGD = "sgd"
 
     @property
-    def state_bytes_per_param(self) -> int:
-        return 8 if self is Optimizer.ADAMW else 4
+    def num_states(self) -> int:
+        return 2 if self is Optimizer.ADAMW else 1
+
+    def state_bytes_per_param(self, policy: PrecisionPolicy) -> int:
+        return self.num_states * policy.updated.itemsize
 
 
 class OptimizerImpl(str, enum.Enum):
@@ -148,4 +179,4 @@ class Workload(BaseModel):
 
     @property
     def compute_dtype(self) -> DType:
-        return self.precision.recipe.compute
+        return self.precision.policy.compute

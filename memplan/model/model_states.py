@@ -99,7 +99,7 @@ def _shard(num: int, degree: int, sharded: bool) -> int:
 
 
 def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload) -> StateBytes:
-    recipe = wl.precision.recipe
+    policy = wl.precision.policy
     z = par.zero
     dense_d, expert_d = par.dense_shard_degree, par.expert_shard_degree
 
@@ -108,26 +108,26 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload) -> State
         return _shard(params.dense, dense_d, on) + _shard(params.expert, expert_d, on)
 
     opt_params = held(ZeroStage.OPTIMIZER)
-    per_param_opt = recipe.master_bytes + wl.optimizer.state_bytes_per_param
+    per_param_opt = policy.master_bytes + wl.optimizer.state_bytes_per_param(policy)
     # fused AdamW keeps its per-tensor step counters on the device (fp32 scalars); foreach
     # and for-loop keep them on the host (torch.optim.AdamW, capturable=False)
     steps = (params.num_tensors * FP32_BYTES if wl.optimizer is Optimizer.ADAMW
              and wl.optimizer_impl is OptimizerImpl.FUSED else 0)
-    params_bytes = held(ZeroStage.PARAMETERS) * recipe.param_bytes
-    grads_bytes = held(ZeroStage.GRADIENTS) * recipe.grad_bytes
+    params_bytes = held(ZeroStage.PARAMETERS) * policy.param_bytes
+    grads_bytes = held(ZeroStage.GRADIENTS) * policy.grad_bytes
     if par.offload is Offload.OPTIMIZER:
         # the CPU optimizer keeps an fp32 master copy even when the GPU trains in fp32
         # (DeepSpeed's CPU-Adam updates its own fp32 partition), its states, and reads an fp32
         # copy of the gradient shard; the step counters stay on the host
         master, grad = FP32_BYTES, FP32_BYTES
-        host = opt_params * (master + wl.optimizer.state_bytes_per_param + grad)
+        host = opt_params * (master + wl.optimizer.num_states * FP32_BYTES + grad)
         return StateBytes(params_bytes=params_bytes, grads_bytes=grads_bytes, optimizer_bytes=0,
                           master_bytes=0, num_optimizer_params=opt_params, host_bytes=host)
     return StateBytes(
         params_bytes=params_bytes,
         grads_bytes=grads_bytes,
         optimizer_bytes=opt_params * per_param_opt + steps,
-        master_bytes=opt_params * recipe.master_bytes,
+        master_bytes=opt_params * policy.master_bytes,
         num_optimizer_params=opt_params,
     )
 
@@ -137,19 +137,21 @@ def optimizer_step_temp_bytes(params: StageParams, st: StateBytes, par: Parallel
     """Temporaries of the optimizer step beyond the states.
 
     AdamW foreach (torch.optim's CUDA default) materialises one intermediate list the size of
-    all parameters it updates (fp32); for-loop a parameter's two intermediates and the previous
-    parameter's denominator; fused none.
+    all parameters it updates; for-loop a parameter's two intermediates and the previous
+    parameter's denominator; fused none; each in the dtype of what it updates (fp32 for a
+    master copy, the weights' dtype without one).
     torch.optim.SGD with momentum updates in place. With a low-precision gradient and an fp32
     master copy the step reads fp32 gradients, copied shard by shard (Megatron-LM's
     ``_copy_model_grads_to_main_grads``): one fp32 copy of the updated shard.
     """
-    recipe = wl.precision.recipe
+    policy = wl.precision.policy
     temp = 0
     if par.offload is Offload.OPTIMIZER:  # the step runs on the host
         return 0
+    updated = policy.updated.itemsize
     if wl.optimizer is Optimizer.ADAMW:
         if wl.optimizer_impl is OptimizerImpl.FOREACH:
-            temp = st.num_optimizer_params * FP32_BYTES
+            temp = st.num_optimizer_params * updated
         elif wl.optimizer_impl is OptimizerImpl.FORLOOP:
             sizes = params.tensor_sizes
             if par.zero >= ZeroStage.OPTIMIZER:
@@ -157,8 +159,8 @@ def optimizer_step_temp_bytes(params: StageParams, st: StateBytes, par: Parallel
             # sqrt and div make a parameter's denominator while the previous parameter's is
             # still referenced (torch.optim's _single_tensor_adamw loop)
             pairs = [prev + 2 * cur for prev, cur in zip((0, *sizes), sizes)]
-            temp = max(pairs, default=0) * FP32_BYTES
-    if recipe.master_bytes and recipe.grad_bytes < FP32_BYTES:
+            temp = max(pairs, default=0) * updated
+    if policy.master_bytes and policy.grad_bytes < FP32_BYTES:
         temp += st.num_optimizer_params * FP32_BYTES
     return temp
 
@@ -187,7 +189,7 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload) -> 
     """ZeRO-3/FSDP: the root's weights and two blocks gathered in the compute dtype, and in
     backward a unit's unsharded gradient before its reduce-scatter. ZeRO-2: one reduce bucket
     of unsharded gradients."""
-    recipe = wl.precision.recipe
+    policy = wl.precision.policy
     if par.zero >= ZeroStage.PARAMETERS and par.dense_shard_degree > 1:
         # FSDP2 as torchtitan wraps it: each block is a unit, the root holds the embedding,
         # final norm and head. The root is not resharded after forward, so its weights stay
@@ -198,10 +200,10 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload) -> 
         e = wl.compute_dtype.itemsize
         root = params.embedding + params.head
         return ShardingBuffers((root + blocks) * e, (root + layer) * e,
-                               params.largest_unit * recipe.grad_bytes)
+                               params.largest_unit * policy.grad_bytes)
     if par.zero == ZeroStage.GRADIENTS and par.dense_shard_degree > 1:
         # The bucket holds gradients not yet reduced, which are at most the ones this rank
         # does not own: ZeRO-2 never holds more gradient bytes than ZeRO-1.
         not_owned = params.total - ceil_div(params.total, par.dense_shard_degree)
-        return ShardingBuffers(0, 0, min(REDUCE_BUCKET_NUMEL, not_owned) * recipe.grad_bytes)
+        return ShardingBuffers(0, 0, min(REDUCE_BUCKET_NUMEL, not_owned) * policy.grad_bytes)
     return ShardingBuffers(0, 0, 0)

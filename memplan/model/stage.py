@@ -276,14 +276,14 @@ def _embedding_backward(spec: ModelSpec, shared: memo.SharedTerms,
 
 
 def _grad_sharding(wl: Workload, fx: StageStates) -> GradSharding:
-    shard, recipe = fx.shard, wl.precision.recipe
+    shard, policy = fx.shard, wl.precision.policy
     return GradSharding(
         buffer=shard.grad_bytes,
-        unsharded_ratio=fx.params.total * recipe.grad_bytes / max(fx.states.grads_bytes, 1),
+        unsharded_ratio=fx.params.total * policy.grad_bytes / max(fx.states.grads_bytes, 1),
         # FSDP2 frees a unit's reduce-scatter input only when the next unit's reduce-scatter
         # waits on it (traced, tests/test_ground_truth.py FSDP_GRID)
         held_reduce_input=shard.grad_bytes if shard.gathered_bytes else 0,
-        unsharded_dtype=wl.compute_dtype.itemsize / recipe.grad_bytes,
+        unsharded_dtype=wl.compute_dtype.itemsize / policy.grad_bytes,
         # in backward FSDP2 holds the root and the block being computed (traced)
         gathered_in_block=shard.gathered_at_loss_bytes,
         gathered_at_loss=shard.gathered_at_loss_bytes)

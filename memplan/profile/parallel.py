@@ -3,10 +3,12 @@
 ``trace_parallel(spec, layout, workload)`` starts torch's fake process group as rank 0 of
 ``layout.world_size`` ranks (collectives return at once and leave their buffers as they are, so
 every tensor has the shape and dtype it has on a real rank), wraps the reference model the way
-torchtitan / plain PyTorch do, and runs ``trace.run_steps`` on it. Measured earlier: the fake
-group reproduces 2-process gloo per-rank bytes exactly; tests/test_parallel_trace.py keeps a
-real gloo run of each kind to hold it to that. ``trace_rank`` does the same on whatever process
-group is already initialised (that is what the gloo tests call in each worker).
+torchtitan / plain PyTorch do, and runs ``trace.run_steps`` on it. The fake group reproduces a
+2-process gloo rank's parameters, gradients and optimizer states exactly, and its activations
+and peaks up to the collective buffers gloo's worker threads may still hold
+(``gloo_late_bytes``); tests/test_parallel_trace.py keeps a real gloo run of each kind to hold
+it to that. ``trace_rank`` does the same on whatever process group is already initialised (that
+is what the gloo tests call in each worker).
 
 Layouts:
 - FSDP2 (zero 3, dp > 1): ``fully_shard`` on every block, then on the root, as torchtitan does.
@@ -173,11 +175,44 @@ def trace_rank(spec: ModelSpec, par: ParallelConfig, wl: Workload, *, steps: int
 
 
 def _check_precision(kind: str, wl: Workload) -> None:
-    if kind == "fsdp" and wl.precision not in (Precision.FSDP_BF16, Precision.FP32):
-        raise MemplanError(f"trace_parallel: FSDP2 runs fsdp-bf16 or fp32, not "
+    if kind == "fsdp" and wl.precision not in (Precision.FSDP_BF16, Precision.FP32,
+                                               Precision.BF16_PURE):
+        raise MemplanError(f"trace_parallel: FSDP2 runs fsdp-bf16, bf16-pure or fp32, not "
                            f"{wl.precision.value}")
     if kind != "fsdp" and wl.precision is Precision.FSDP_BF16:
         raise MemplanError("precision: fsdp-bf16 needs an FSDP layout (zero 3, dp > 1)")
+
+
+# --- real gloo against the fake group ------------------------------------------------------
+
+def gloo_late_bytes(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> int:
+    """Bytes a rank traced on a real gloo group may count, at any moment, beyond the fake-group
+    trace of the same layout (which is deterministic and never larger).
+
+    ProcessGroupGloo runs a group's collectives on two worker threads (``Options.threads``:
+    two per device). A worker marks its work complete, which wakes the main thread, and only
+    then drops the work, which holds the collective's input and output and, for a
+    reduce-scatter, gloo's own full-size copy of the input. When the worker is descheduled in
+    between (a loaded machine), those tensors outlive their last use on the main thread, so a
+    phase peak or the bytes alive at a phase boundary can include them. Bound: two works, each
+    holding at most a full-size input, a full-size copy and its shard. The full size is the
+    largest collective of the layout: FSDP2, a unit's unsharded gradients counted in fp32 (no
+    recipe reduces in a wider type, and the all-gathered weights are no larger); TP, one
+    (b, s, h) activation in the compute dtype; DDP, the gradients in the compute dtype (a bucket
+    is at most that).
+    """
+    kind = layout_kind(par)
+    compute = wl.compute_dtype.itemsize
+    model = ReferenceModel(spec, ref_options(wl, torch.float32), device="meta")
+    if kind == "fsdp":
+        blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+        root = sum(p.numel() for p in model.parameters()) - sum(blocks)
+        full = max(*blocks, root) * 4
+    elif kind == "tp":
+        full = wl.micro_batch_size * wl.seq_len * spec.hidden_size * compute
+    else:
+        full = sum(p.numel() for p in model.parameters()) * compute
+    return 2 * (2 * full + -(-full // par.world_size))
 
 
 # --- FSDP2 ---------------------------------------------------------------------------------
@@ -187,8 +222,10 @@ def _fsdp_model(spec: ModelSpec, wl: Workload, mesh, device: str = "cpu") -> nn.
 
     # fp32 weights (FSDP2 keeps fp32 shards and casts the gathered copy), but the forward's own
     # tensors (RoPE tables, eager mask) in the compute dtype, as the model reads them from
-    # ``model.opts.dtype``. (``.to(fp32)`` after building fails on fake tensors.)
-    model = ReferenceModel(spec, ref_options(wl, torch.float32), device=device)
+    # ``model.opts.dtype``. (``.to(fp32)`` after building fails on fake tensors.) bf16-pure
+    # builds bf16 weights: FSDP2 shards, gathers and reduces them in bf16.
+    weights = torch.bfloat16 if wl.precision is Precision.BF16_PURE else torch.float32
+    model = ReferenceModel(spec, ref_options(wl, weights), device=device)
     model.opts = ref_options(wl)
     if wl.precision is Precision.FSDP_BF16:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -347,5 +384,5 @@ def _allreduce_hook(_state, bucket):
     return fut
 
 
-__all__ = ["BUCKETS", "GATHERED", "ParallelTracker", "layout_kind", "trace_parallel",
-           "trace_rank"]
+__all__ = ["BUCKETS", "GATHERED", "ParallelTracker", "gloo_late_bytes", "layout_kind",
+           "trace_parallel", "trace_rank"]

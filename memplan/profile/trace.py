@@ -96,7 +96,7 @@ class _Recipe:
         p.grad = None
 
     def updated(self) -> list[torch.Tensor]:
-        if self.precision is Precision.FP32:
+        if self.precision.policy.master is None:  # the optimizer updates the weights
             return self.params
         if self.masters is None:  # created with the optimizer, as frameworks do at setup
             self.masters = [p.detach().float().requires_grad_() for p in self.params]

@@ -174,6 +174,18 @@ GRID = [
     (_variant(GPT, name="gpt-mini-tied-v1000", tied_embeddings=True, vocab_size=1000),
      dict(seq_len=64, micro_batch_size=2, loss_chunks=4, precision="bf16-fp32-grads",
           recompute="full"), True),
+    # pure bf16: no master copy, AdamW's moments and its step's temporaries in bf16
+    (TINY, dict(seq_len=128, micro_batch_size=2, precision="bf16-pure"), True),
+    (TINY, dict(seq_len=128, micro_batch_size=2, precision="bf16-pure", optimizer_impl="fused"),
+     True),
+    (TINY, dict(seq_len=128, micro_batch_size=2, precision="bf16-pure",
+                optimizer_impl="forloop"), True),
+    (TINY, dict(seq_len=128, micro_batch_size=2, precision="bf16-pure", optimizer="sgd"), True),
+    (SMALL_VOCAB, dict(seq_len=128, micro_batch_size=2, precision="bf16-pure", recompute="full"),
+     True),
+    (SMALL_VOCAB, dict(seq_len=128, micro_batch_size=2, precision="bf16-pure",
+                       recompute="selective", attention="eager", norm_impl="fused"), True),
+    (TIED, dict(seq_len=64, micro_batch_size=2, precision="bf16-pure", loss_chunks=2), True),
 ]
 
 
@@ -188,6 +200,10 @@ FSDP_GRID = [
     (2, dict(seq_len=256, micro_batch_size=2, precision="fp32")),
     (4, dict(seq_len=256, micro_batch_size=2, precision="fp32")),
     (2, dict(seq_len=128, micro_batch_size=2, precision="fsdp-bf16", loss_chunks=4)),
+    # FSDP2 on bf16 weights without a mixed-precision policy: shards, gathers and reduces bf16
+    (2, dict(seq_len=256, micro_batch_size=2, precision="bf16-pure")),
+    (4, dict(seq_len=256, micro_batch_size=2, precision="bf16-pure", optimizer_impl="fused")),
+    (2, dict(seq_len=256, micro_batch_size=1, precision="bf16-pure", recompute="full")),
 ]
 
 
@@ -230,6 +246,9 @@ TP_GRID = [
     (MHA, 2, True, dict(seq_len=128, micro_batch_size=2, attention="eager")),
     (MHA, 2, False, dict(seq_len=128, micro_batch_size=2, recompute="full")),
     (LOSS_HEAVY, 2, True, dict(seq_len=64, micro_batch_size=2, loss_chunks=4)),
+    (TINY, 2, True, dict(seq_len=128, micro_batch_size=2, precision="bf16-pure")),
+    (MHA, 4, False, dict(seq_len=128, micro_batch_size=2, precision="bf16-pure",
+                         recompute="full")),
 ]
 
 
