@@ -23,7 +23,6 @@ from memplan.overheads import Overheads, default_overheads
 from memplan.parallel import ParallelConfig, ZeroStage, validate
 from memplan.spec import ModelSpec
 from memplan.timing import Columns, StepTime, StepTimes, step_flops, step_times
-from memplan.units import GiB
 from memplan.workload import Recompute, Workload
 
 DEFAULT_SAFETY = 0.05  # keep 5% of capacity free for what no model counts (stated assumption)
@@ -359,11 +358,6 @@ def check(est: Estimate, *, safety: float = DEFAULT_SAFETY) -> Estimate:
     budget = int(est.capacity_bytes * (1 - safety))
     if est.peak_bytes <= budget:
         return est
-    w = est.worst
-    parts = ", ".join(f"{name} {getattr(w, attr) / GiB:.2f} GiB" for name, attr in (
-        ("params", "params_bytes"), ("grads", "grads_bytes"), ("optimizer", "optimizer_bytes"),
-        ("activations", "activations_bytes")))
-    raise MemplanError(
-        f"does not fit: stage {w.stage} peaks at {w.peak_bytes / GiB:.2f} GiB ({w.peak_phase}) "
-        f"> {budget / GiB:.2f} GiB usable ({est.capacity_bytes / GiB:.2f} GiB, "
-        f"{safety:.0%} kept free); {parts}")
+    from memplan.report import does_not_fit  # the sizes in GiB: rendering, only when raising
+
+    raise MemplanError(does_not_fit(est, budget, safety))

@@ -1,15 +1,15 @@
 """A PNG of a memory timeline: phases shaded, step boundaries marked, the predicted peak drawn.
 
 Needs matplotlib (the ``plot`` extra); without it ``plot_timeline`` returns ``None`` and draws
-nothing. This is report formatting, so bytes become GiB here (labelled GiB).
+nothing. Bytes become GiB (``memplan.report.sizes``) on an axis labelled GiB.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from memplan.report.sizes import in_gib
 from memplan.timeline import Timeline
-from memplan.units import GiB
 
 _SHADE = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868",
           "other": "#8c8c8c"}
@@ -40,12 +40,12 @@ def plot_timeline(tl: Timeline, path: Path, *, predicted_peak_bytes: int | None 
     xs = list(range(len(tl.samples)))
     fig, ax = plt.subplots(figsize=(12, 5))
     try:
-        ax.plot(xs, [s.total_bytes / GiB for s in tl.samples], lw=1.2, color="black",
+        ax.plot(xs, [in_gib(s.total_bytes) for s in tl.samples], lw=1.2, color="black",
                 label="allocated" if tl.device == "cuda" else "live tensors")
         if tl.device == "cuda":
-            ax.plot(xs, [(s.reserved_bytes or 0) / GiB for s in tl.samples], lw=1,
+            ax.plot(xs, [in_gib(s.reserved_bytes or 0) for s in tl.samples], lw=1,
                     label="reserved")
-            ax.plot(xs, [(s.device_used_bytes or 0) / GiB for s in tl.samples], lw=1,
+            ax.plot(xs, [in_gib(s.device_used_bytes or 0) for s in tl.samples], lw=1,
                     label="device used")
         seen: set[str] = set()
         for lo, hi, key in _spans(tl):
@@ -58,7 +58,7 @@ def plot_timeline(tl: Timeline, path: Path, *, predicted_peak_bytes: int | None 
             ax.axvline(first - 0.5, color="black", ls=":", lw=1)
             ax.text(first, ax.get_ylim()[1], f" step {step}", va="top", fontsize=8)
         if predicted_peak_bytes is not None:
-            ax.axhline(predicted_peak_bytes / GiB, color="red", ls="--", lw=1,
+            ax.axhline(in_gib(predicted_peak_bytes), color="red", ls="--", lw=1,
                        label="predicted peak (memplan estimate)")
         ax.set_xlabel("event (op under the CPU tracker; phase change on CUDA)")
         ax.set_ylabel("GiB")

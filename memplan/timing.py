@@ -28,8 +28,8 @@ from itertools import accumulate
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from memplan.hardware import GpuSpec
-from memplan.parallel import Offload, ParallelConfig, ZeroStage
 from memplan.model.pipeline import stage_layers
+from memplan.parallel import Offload, ParallelConfig, ZeroStage
 from memplan.spec import ModelSpec, param_counts
 from memplan.units import DType
 from memplan.workload import Recompute, Workload
@@ -360,14 +360,15 @@ def _step_fields(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int,
     bubble = c.ops.where(c.pp > 1, (c.pp - 1) / (c.vpp * c.m) * (compute + exposed), 0.0)
     total = compute + exposed + bubble
     tokens = global_batch * wl.seq_len
-    return dict(
-        model_flops=c.ops.like(model_flops, getattr(total, "shape", None)),
-        hardware_flops=c.ops.like(hardware_flops, getattr(total, "shape", None)),
-        compute_s=compute, comm_s=comm, exposed_comm_s=exposed, bubble_s=bubble, step_s=total,
-        tokens_per_s_per_gpu=tokens / total / world,
-        mfu=model_flops / total / world / gpu.bf16_flops,
-        bound=c.ops.first_max(compute, exposed, bubble),
-    )
+    shape = getattr(total, "shape", None)
+    return {
+        "model_flops": c.ops.like(model_flops, shape),
+        "hardware_flops": c.ops.like(hardware_flops, shape),
+        "compute_s": compute, "comm_s": comm, "exposed_comm_s": exposed, "bubble_s": bubble,
+        "step_s": total, "tokens_per_s_per_gpu": tokens / total / world,
+        "mfu": model_flops / total / world / gpu.bf16_flops,
+        "bound": c.ops.first_max(compute, exposed, bubble),
+    }
 
 
 def step_times(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int, c: Columns,

@@ -1,8 +1,8 @@
 """Byte arithmetic, dtypes and size strings.
 
 Memory inside memplan is always an ``int`` number of bytes. Only the report layer turns bytes
-into GiB; this module holds the conversions it uses and the parser for user input such as
-"80GiB" (2**30-based) or "80GB" (10**9-based), which mean exactly what they say.
+into GiB (``memplan.report.sizes``); this module holds the unit sizes and the parser for user
+input such as "80GiB" (2**30-based) or "80GB" (10**9-based), which mean exactly what they say.
 """
 
 from __future__ import annotations
@@ -67,8 +67,3 @@ def parse_bytes(text: str | int) -> int:
     if value <= 0:
         raise ValueError(f"size must be at least 1 byte, got {text!r}")
     return value
-
-
-def format_gib(num_bytes: int, digits: int = 2) -> str:
-    """Bytes as a labelled GiB string, e.g. "12.50 GiB"."""
-    return f"{num_bytes / GiB:.{digits}f} GiB"

@@ -299,8 +299,8 @@ def test_a_command_line_imports_only_its_command(name: str) -> None:
 
     from memplan.cli import COMMANDS
 
-    code = ("import sys; from memplan.cli import main; main([%r, '--help']); "
-            "print(sorted(m for m in sys.modules if m.startswith('memplan.cli.')))" % name)
+    code = (f"import sys; from memplan.cli import main; main([{name!r}, '--help']); "
+            "print(sorted(m for m in sys.modules if m.startswith('memplan.cli.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip().splitlines()[-1]
     assert out == repr(sorted({f"memplan.cli.{COMMANDS[name][0]}", "memplan.cli.options"}))
@@ -345,14 +345,15 @@ def test_shared_options_are_declared_once() -> None:
       "fp16-mixed", "--optimizer", "sgd", "--optimizer-impl", "forloop", "--attention", "eager",
       "--norm", "fused", "--no-logits-fp32", "--loss-chunks", "4", "--schedule", "gpipe",
       "--gpu", "a100-80gb", "--gpu-memory", "70GiB"],
-     dict(tp=2, pp=2, vpp=2, zero=1, sequence_parallel=True, vocab_parallel=False,
-          tp_style="dtensor", grad_buffers="copy", micro_batch_size=2, global_batch_size=64,
-          seq_len=1024, recompute="full", recompute_layers=2, precision="fp16-mixed",
-          optimizer="sgd", optimizer_impl="forloop", attention="eager", norm_impl="fused",
-          logits_fp32=False, loss_chunks=4, schedule="gpipe", gpu="a100-80gb",
-          gpu_memory="70GiB")),
+     {"tp": 2, "pp": 2, "vpp": 2, "zero": 1, "sequence_parallel": True,
+      "vocab_parallel": False, "tp_style": "dtensor", "grad_buffers": "copy",
+      "micro_batch_size": 2, "global_batch_size": 64, "seq_len": 1024, "recompute": "full",
+      "recompute_layers": 2, "precision": "fp16-mixed", "optimizer": "sgd",
+      "optimizer_impl": "forloop", "attention": "eager", "norm_impl": "fused",
+      "logits_fp32": False, "loss_chunks": 4, "schedule": "gpipe", "gpu": "a100-80gb",
+      "gpu_memory": "70GiB"}),
     (["--dp", "4", "--cp", "2", "--zero", "2", "--offload", "optimizer", "--mbs", "1"],
-     dict(dp=4, cp=2, zero=2, offload="optimizer")),
+     {"dp": 4, "cp": 2, "zero": 2, "offload": "optimizer"}),
 ])
 def test_every_shared_option_reaches_the_api(argv: list[str], kwargs: dict[str, Any]) -> None:
     """Each flag sets the API keyword the option table names: the CLI's JSON equals the API's."""

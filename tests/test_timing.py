@@ -6,7 +6,13 @@ import pytest
 
 import memplan
 from memplan.timing import (
-    DEFAULT_MFU, OVERLAP, Bound, comm_seconds, forward_flops_per_token, step_flops, step_time,
+    DEFAULT_MFU,
+    OVERLAP,
+    Bound,
+    comm_seconds,
+    forward_flops_per_token,
+    step_flops,
+    step_time,
 )
 
 LLAMA2_7B_LAYERS = 6_476_267_520  # 32 * 202,383,360 (attention, MLP, norms)
@@ -157,8 +163,8 @@ def test_recomputed_layers_are_the_ones_memory_recomputes(num_layers: int, pp: i
     """The layers timing reruns are those ``memplan.model.stage_parts.layer_keys`` marks full on each
     stage's layer list (chunks in order): e.g. 8 layers, pp 2, vpp 2, k 3: stage 0 holds
     [0, 1] + [4, 5] and reruns 0, 1, 4; stage 1 holds [2, 3] + [6, 7] and reruns 2, 3, 6."""
-    from memplan.model.stage_parts import layer_keys
     from memplan.model.pipeline import stage_layers
+    from memplan.model.stage_parts import layer_keys
     from memplan.timing import recomputed_layers
     from memplan.workload import Recompute
 

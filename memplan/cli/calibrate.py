@@ -272,7 +272,7 @@ def _fit_and_report(folder: Path, path: Path, name: str, json_out: bool) -> None
         return
     from rich.console import Console
 
-    from memplan.report import render_profile
+    from memplan.report.calibration import render_profile
 
     Console().print(render_profile(profile, str(path)))
 

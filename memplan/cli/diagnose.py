@@ -66,8 +66,8 @@ def diagnose(
     """
     from memplan.diagnose import diagnose as run_diagnose
     from memplan.diagnose.oom import read_oom
-    from memplan.diagnose.render import render_text, to_json
     from memplan.diagnose.snapshot import load_snapshot, snapshot_report
+    from memplan.report.diagnose import render_text, to_json
 
     report = read_oom(oom, sys.stdin.read() if oom == "-" else None) if oom else None
     if snapshot:

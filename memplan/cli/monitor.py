@@ -43,22 +43,8 @@ def monitor_summary(paths: Paths, json_out: Json = False) -> None:
         typer.echo(json.dumps(result, indent=2))
         return
     from rich.console import Console
-    from rich.table import Table
 
-    from memplan.units import format_gib
+    from memplan.report.monitor import render_monitor_summary
 
-    table = Table(title="memory monitor: per rank (GiB; step time in s)")
-    cols = ("rank", "steps", "peak", "reserved", "frag.", "headroom", "retries", "OOMs",
-            "step s", "warnings")
-    for col in cols:
-        table.add_column(col, justify="right")
-    for rank, r in result["ranks"].items():
-        def gib(key: str, row: dict = r) -> str:
-            return format_gib(row[key]).removesuffix(" GiB") if key in row else ""
-        table.add_row(f"{rank}{' *' if rank == result['worst_rank'] else ''}",
-                      str(r["num_steps"]), gib("max_peak_bytes"), gib("max_reserved_bytes"),
-                      gib("max_fragmentation_bytes"), gib("min_headroom_bytes"),
-                      str(r.get("alloc_retries", "")), str(r.get("num_ooms", "")),
-                      f"{r['median_step_time_s']:.4f}", str(r["num_warnings"]))
-    Console().print(table)
+    Console().print(render_monitor_summary(result))
     typer.echo(f"worst rank: {result['worst_rank']} (by {result['worst_by']}; marked *)")

@@ -4,7 +4,7 @@
 out-of-memory message (``oom``: its text or an ``OomReport``; a snapshot gives one too) and to what was measured
 (``profile``: a ``memplan profile`` directory; ``monitor``: ``MemoryMonitor`` JSONL files),
 names the failing phase and its largest component, and ranks fixes, each re-estimated and timed.
-Torch-free; only ``report`` output turns bytes into GiB (``memplan.diagnose.render``).
+Torch-free; only ``report`` output turns bytes into GiB (``memplan.report.diagnose``).
 """
 
 from __future__ import annotations

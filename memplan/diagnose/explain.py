@@ -1,7 +1,7 @@
 """Why a job ran out of memory: the estimate for its configuration next to what the error says.
 
 Each finding holds its sizes as int bytes and a sentence with ``{name}`` placeholders for them;
-the report layer (``memplan.diagnose.render``) turns the sizes into GiB.
+the report layer (``memplan.report.diagnose``) turns the sizes into GiB.
 """
 
 from __future__ import annotations

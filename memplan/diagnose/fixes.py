@@ -25,7 +25,7 @@ from memplan.model.estimate import Estimate
 from memplan.parallel import Offload, ZeroStage
 from memplan.planner import DEFAULT_SAFETY
 from memplan.timing import StepTime, estimate_step_time
-from memplan.units import ceil_div, format_gib
+from memplan.units import ceil_div
 from memplan.workload import OptimizerImpl, Precision, Recompute
 
 # With expandable segments a segment grows in place instead of being split, so reserved
@@ -46,7 +46,7 @@ class Fix:
     time: StepTime
     saved_bytes: int  # baseline peak_bytes - this fix's peak_bytes
     capacity_bytes: int
-    note: str = ""
+    note: str = ""  # in words; memplan.report.diagnose.fix_note adds the host memory it needs
     # what the job held beyond the estimate when it failed (``unexplained_bytes``), added to
     # the peak before deciding that a fix fits
     margin_bytes: int = 0
@@ -145,9 +145,8 @@ def suggest(model: Any, est: Estimate, given: dict[str, Any], *, capacity_bytes:
         except MemplanError as err:
             skipped.append((name, str(err)))
             continue
-        note = (f"host memory {format_gib(new.worst.host_bytes)} per GPU" if new.worst.host_bytes
-                else "")
-        fixes.append(_fix(name, flags, change, new, est, capacity_bytes, note=note))
+        # an offload fix's host memory is in its estimate; the report names it
+        fixes.append(_fix(name, flags, change, new, est, capacity_bytes))
     if with_plan:
         planned = _planned(model, est, base, capacity_bytes, margin_bytes)
         if isinstance(planned, Fix):

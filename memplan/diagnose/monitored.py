@@ -5,7 +5,7 @@ one JSON record per training step), reduces them with ``memplan.monitor.summariz
 worst rank (the largest allocated peak), and sets that rank's measured peak, reserved bytes,
 allocator cache and headroom next to the estimate of its pipeline stage. Allocation retries,
 OOMs and step-over-step growth (the monitor's own leak rule) are looked for on every rank.
-Torch-free; sizes stay int bytes until ``memplan.diagnose.render``.
+Torch-free; sizes stay int bytes until ``memplan.report.diagnose``.
 """
 
 from __future__ import annotations

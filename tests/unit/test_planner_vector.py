@@ -17,8 +17,8 @@ from memplan import batch_search
 from memplan.batch_search import Job, Search
 from memplan.errors import MemplanError
 from memplan.model.estimate import estimate, most_loaded, optimizer_floor_bytes
-from memplan.parallel import validate
 from memplan.overheads import default_overheads
+from memplan.parallel import validate
 from memplan.planner import (
     RECOMPUTE_ORDER,
     SP_OFF_DOMINATED,

@@ -1,7 +1,5 @@
-"""The diagnosis as text (sizes in GiB, or MiB below 1 GiB, labelled) and as JSON (int bytes).
-
-The report layer of ``memplan diagnose``: the only place its bytes become GiB.
-"""
+"""``memplan diagnose``: the diagnosis as text (sizes in GiB, or MiB below 1 GiB, labelled) and
+as JSON (int bytes)."""
 
 from __future__ import annotations
 
@@ -11,13 +9,7 @@ from memplan.diagnose import DiagnoseResult
 from memplan.diagnose.explain import Finding, stage_of_rank
 from memplan.diagnose.fixes import Fix
 from memplan.diagnose.oom import OomReport
-from memplan.units import GiB, MiB
-
-
-def size(num_bytes: int) -> str:
-    if abs(num_bytes) < GiB:
-        return f"{num_bytes / MiB:.2f} MiB"
-    return f"{num_bytes / GiB:.2f} GiB"
+from memplan.report.sizes import format_gib, size
 
 
 def sentence(f: Finding) -> str:
@@ -56,12 +48,19 @@ def _monitor_line(m: Any) -> str:
     return ", ".join(parts)
 
 
+def fix_note(f: Fix) -> str:
+    """What else a fix needs to be known: its own note, else the host memory it takes per GPU
+    (an offloaded optimizer)."""
+    host = f.estimate.worst.host_bytes
+    return f.note or (f"host memory {format_gib(host)} per GPU" if host else "")
+
+
 def _fix_row(f: Fix, base_step_s: float) -> str:
     cost = f.time.step_s / base_step_s - 1.0
     status = "fits" if f.safe else "tight" if f.fits else "over"
     return (f"  {status:5} {f.name}: peak {size(f.peak_bytes)} "
             f"(saves {size(f.saved_bytes)}), step {f.time.step_s:.3g} s ({cost:+.1%})  "
-            f"[{f.flags}]" + (f"; {f.note}" if f.note else ""))
+            f"[{f.flags}]" + (f"; {fix_note(f)}" if fix_note(f) else ""))
 
 
 def render_text(r: DiagnoseResult) -> str:
@@ -122,7 +121,7 @@ def _change_json(change: dict[str, Any]) -> dict[str, Any]:
 
 
 def to_json(r: DiagnoseResult) -> dict[str, Any]:
-    from memplan.report import estimate_json
+    from memplan.report.estimate import estimate_json
 
     d = r.diagnosis
     u = r.utilisation
@@ -156,7 +155,7 @@ def to_json(r: DiagnoseResult) -> dict[str, Any]:
                          "peak_bytes": f.peak_bytes, "saved_bytes": f.saved_bytes,
                          "capacity_bytes": f.capacity_bytes, "margin_bytes": f.margin_bytes,
                          "fits": f.fits, "within_safety_margin": f.safe,
-                         "step_time_s": f.time.step_s, "mfu": f.time.mfu, "note": f.note}
+                         "step_time_s": f.time.step_s, "mfu": f.time.mfu, "note": fix_note(f)}
                         for f in r.fixes.ranked]
         out["not_applicable"] = [{"name": n, "reason": why} for n, why in r.fixes.skipped]
     return out

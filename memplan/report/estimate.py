@@ -1,12 +1,12 @@
-"""The only place bytes become GiB: JSON (int bytes) and rich tables (GiB, labelled)."""
+"""``memplan estimate``: the estimate as JSON (int bytes) and as rich tables (GiB, labelled)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from memplan.model.estimate import PHASES, Estimate, PhasePeaks, StageMemory
+from memplan.report.sizes import format_gib, gib
 from memplan.timing import DEFAULT_MFU, StepTime, estimate_step_time
-from memplan.units import GiB, format_gib
 
 _COMPONENTS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes")
 
@@ -118,8 +118,8 @@ def render_estimate(est: Estimate) -> Any:
     stages.add_column("at", no_wrap=True)
     for s in est.stages:
         stages.add_row(f"{s.stage}{' *' if s is est.worst else ''}", str(s.num_layers),
-                       *(_gib(getattr(s, a)) for a in _COMPONENTS),
-                       str(s.microbatches_in_flight), _gib(s.peak_bytes), _short_phase(s))
+                       *(gib(getattr(s, a)) for a in _COMPONENTS),
+                       str(s.microbatches_in_flight), gib(s.peak_bytes), _short_phase(s))
 
     worst = est.worst
     table = Table(title=f"Most loaded rank: stage {worst.stage}")
@@ -141,7 +141,7 @@ def render_estimate(est: Estimate) -> Any:
     ]
     for label, attr in rows:
         value = getattr(worst, attr)
-        table.add_row(label, _gib(value), f"{value:,}")
+        table.add_row(label, gib(value), f"{value:,}")
 
     phases = Table(title=f"Phase peaks of stage {est.worst.stage}, tensors only (GiB)")
     phases.add_column("phase")
@@ -182,72 +182,13 @@ def _short_phase(s: StageMemory) -> str:
     return short + (" step 1" if first else "")
 
 
-def _gib(num_bytes: int) -> str:
-    return f"{num_bytes / GiB:.2f}"
-
-
-def render_catalog(title: str, columns: list[str], rows: list[list[str]]) -> Any:
-    from rich.table import Table
-
-    table = Table(title=title)
-    for i, col in enumerate(columns):
-        table.add_column(col, no_wrap=i < len(columns) - 1, overflow="fold")
-    for row in rows:
-        table.add_row(*row)
-    return table
-
-
-def render_profile(profile: Any, path: str) -> Any:
-    """A calibration profile: its coefficients, measured overheads and error figures."""
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
-
-    meta = profile.meta
-    head = Text(f"{path}: {profile.kind} profile from {profile.num_records} records "
-                f"({profile.num_oom} out of memory) on {meta.device_name}"
-                f"{f' ({meta.gpu})' if meta.gpu else ''}, torch {meta.torch}, {meta.date}")
-    terms = Table(title="Fitted terms")
-    terms.add_column("term", no_wrap=True)
-    terms.add_column("value", justify="right", no_wrap=True)
-    if profile.device is not None:
-        d = profile.device
-        for name, value in d.coefficients.items():
-            terms.add_row(name, f"{int(value):,} B" if name.endswith("fixed_bytes")
-                          else f"{value:+.4%}")
-        extra = [("reserved / allocated", d.reserved_ratio and f"{d.reserved_ratio:.4f}"),
-                 ("reserved rounding", _bytes(d.reserved_rounding_bytes)),
-                 ("outside the allocator", _bytes(d.outside_allocator_bytes)),
-                 ("NCCL per rank", _bytes(d.nccl_bytes_per_rank)),
-                 *((f"probe: {k}", _bytes(v)) for k, v in d.probes.items()),
-                 ("achieved FLOP/s", d.achieved_flops_per_s and f"{d.achieved_flops_per_s:.4g}"),
-                 ("fixed seconds per step", d.step_overhead_s is not None
-                  and f"{d.step_overhead_s:.4g}"),
-                 ("MFU", d.mfu and f"{d.mfu:.3f}")]
-        for label, value in extra:
-            if value is not None:
-                terms.add_row(label, value)
-    if profile.model is not None:
-        m = profile.model
-        terms.add_row("module", m.module)
-        terms.add_row("spec", f"{m.spec.name} ({m.traced_layers} blocks traced)")
-        terms.add_row("parameters (implementation / spec)",
-                      f"{m.num_params:,} / {m.analytic_num_params:,}")
-        for regime, fit in m.regimes.items():
-            for target in ("saved", "layer"):
-                terms.add_row(f"{regime}: {target} - analytic", " ".join(
-                    f"{c:+.4g}*{mono}" for c, mono in zip(fit.residuals[target], m.monomials)
-                    if abs(c) > 1e-6) or "0")
-            terms.add_row(f"{regime}: phase peaks", ", ".join(
-                f"{t} max of {len(v)}" for t, v in fit.envelopes.items()) or "polynomials")
-    errors = Table(title="Relative error of the prediction, % (analytic: without the profile)")
-    for col in ("quantity", "method", "points", "max |err| %", "rms %"):
-        errors.add_column(col, justify="left" if col in ("quantity", "method") else "right")
-    for e in profile.errors:
-        errors.add_row(e.quantity, e.method, str(e.num_points), f"{e.max_abs_pct:.3f}",
-                       f"{e.rms_pct:.3f}")
-    return Group(head, terms, errors)
-
-
-def _bytes(value: int | None) -> str | None:
-    return None if value is None else f"{value:,} B ({value / GiB:.3f} GiB)"
+def does_not_fit(est: Estimate, budget_bytes: int, safety: float) -> str:
+    """Why ``est`` does not fit in ``budget_bytes`` (capacity less the ``safety`` fraction):
+    the most loaded stage's peak and its components, for ``memplan.check``'s error."""
+    w = est.worst
+    parts = ", ".join(f"{name} {format_gib(getattr(w, attr))}" for name, attr in (
+        ("params", "params_bytes"), ("grads", "grads_bytes"), ("optimizer", "optimizer_bytes"),
+        ("activations", "activations_bytes")))
+    return (f"does not fit: stage {w.stage} peaks at {format_gib(w.peak_bytes)} "
+            f"({w.peak_phase}) > {format_gib(budget_bytes)} usable "
+            f"({format_gib(est.capacity_bytes)}, {safety:.0%} kept free); {parts}")

@@ -1,0 +1,76 @@
+"""``memplan plan``: the ranked candidates as JSON (int bytes) and as a table (GiB)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from memplan.parallel import ParallelConfig
+from memplan.report.sizes import format_gib, gib
+
+if TYPE_CHECKING:
+    from memplan.planner import PlanResult
+
+
+def plan_json(result: PlanResult, top: int) -> dict[str, Any]:
+    """The first ``top`` candidates, the rejections by reason and the closest miss; int bytes."""
+    return {
+        "global_batch_size": result.global_batch_size,
+        "evaluated": result.evaluated,
+        "searched": result.searched,
+        "candidates": [{
+            "layout": {"tp": c.layout.tp, "pp": c.layout.pp, "vpp": c.layout.vpp,
+                       "dp": c.layout.dp, "cp": c.layout.cp, "ep": c.layout.ep,
+                       "zero": int(c.layout.zero), "sp": c.layout.sequence_parallel},
+            "mbs": c.micro_batch_size, "recompute": c.recompute.label,
+            "recompute_layers": c.recompute_layers,
+            "peak_bytes": c.peak_bytes, "capacity_bytes": c.capacity_bytes,
+            "step_time_s": c.time.step_s, "tokens_per_s_per_gpu": c.time.tokens_per_s_per_gpu,
+            "mfu": c.time.mfu, "bound": c.time.bound.value, "fits": True,
+        } for c in result.candidates[:top]],
+        "rejected": dict(result.rejected),
+        "oom_excess_bytes": result.oom_excess_bytes,
+    }
+
+
+_BOUND = {"compute": "compute", "communication": "comm", "pipeline bubble": "bubble"}
+
+
+def _layout(p: ParallelConfig) -> str:
+    parts = [f"tp{p.tp}" + ("+sp" if p.sequence_parallel else ""), f"pp{p.pp}"]
+    parts += [f"v{p.vpp}"] if p.vpp > 1 else []
+    parts += [f"cp{p.cp}"] if p.cp > 1 else []
+    parts += [f"ep{p.ep}"] if p.ep > 1 else []
+    return " ".join([*parts, f"dp{p.dp}", f"z{int(p.zero)}"])
+
+
+def render_plan(result: PlanResult, model: str, num_layers: int, gpus: int, gpu: str,
+                top: int) -> Any:
+    """The first ``top`` candidates as a table (peak in GiB), then the rejections and the
+    closest configuration that did not fit."""
+    from rich import box
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True, pad_edge=False,
+                  title=f"{model} on {gpus} x {gpu}, global batch {result.global_batch_size}: "
+                        f"{len(result.candidates)} fit ({result.evaluated} estimates; GiB = 2^30 B)")
+    table.add_column("layout", no_wrap=True)
+    for col in ("mbs", "recompute", "GiB", "step s", "tok/s/GPU", "MFU", "bound"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for c in result.candidates[:top]:
+        # full recompute of k of the stage's layers: "full 2 of 8"
+        label = c.recompute.label + (f" {c.recompute_layers} of {num_layers // c.layout.pp}"
+                                     if c.recompute_layers else "")
+        table.add_row(_layout(c.layout), str(c.micro_batch_size), label,
+                      gib(c.peak_bytes, 1), f"{c.time.step_s:.2f}",
+                      f"{c.time.tokens_per_s_per_gpu:,.0f}", f"{c.time.mfu:.2f}",
+                      _BOUND[c.time.bound.value])
+    parts: list[Any] = [table]
+    if result.rejected:
+        parts.append(Text("rejected: " + "; ".join(
+            f"{n} x {reason}" for reason, n in result.rejected.most_common())))
+    if result.oom_excess_bytes is not None:
+        parts.append(Text(f"closest configuration that did not fit: "
+                          f"{format_gib(result.oom_excess_bytes)} over the usable capacity"))
+    return Group(*parts)
