@@ -16,11 +16,11 @@ from functools import cached_property, lru_cache
 import numpy as np
 
 from memplan.batch_search import Found, Job, Search, evaluate
-from memplan.errors import MemplanError
+from memplan.errors import LayoutError, MemplanError
 from memplan.hardware import GpuSpec
 from memplan.model.estimate import Estimate, estimate
 from memplan.overheads import Overheads, default_overheads
-from memplan.parallel import ParallelConfig, ZeroStage, validate
+from memplan.parallel import INTERLEAVED_MICROBATCHES, ParallelConfig, ZeroStage, validate
 from memplan.spec import ModelSpec
 from memplan.timing import Columns, StepTime, StepTimes, step_flops, step_times
 from memplan.workload import Recompute, Workload
@@ -36,6 +36,10 @@ MAX_VPP = 4
 LONG_SEQ = 8192
 RECOMPUTE_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
 SP_OFF_DOMINATED = "sp off: sp on needs no more memory and no more time at any micro-batch"
+# Rejections the planner finds before ``validate``, keyed as ``LayoutError.rule`` is (no
+# numbers), with the rule text of the core's own check, so a plan counts them as one.
+GBS_PER_REPLICA = "gbs must be divisible by dp"  # memplan.parallel.replica_batch
+NO_INTERLEAVED_SPLIT = INTERLEAVED_MICROBATCHES  # for every micro-batch size (``_sizes``)
 
 
 @dataclass(frozen=True)
@@ -198,16 +202,21 @@ def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
 
 def _usable(spec: ModelSpec, par: ParallelConfig, wl: Workload, gbs: int,
             rejected: Counter) -> bool:
+    """Whether ``estimate`` can evaluate ``par`` at some micro-batch; if not, its rule is
+    counted in ``rejected``."""
     if gbs % par.dp:
-        rejected[f"gbs ({gbs}) not divisible by dp"] += 1
+        rejected[GBS_PER_REPLICA] += 1
         return False
     if not _sizes(par, gbs):
-        rejected["no micro-batch count divisible by pp (interleaved)"] += 1
+        rejected[NO_INTERLEAVED_SPLIT] += 1
         return False
     try:
         validate(spec, par, wl)
-    except MemplanError as err:
-        rejected[str(err).split(" (")[0]] += 1
+    except LayoutError as err:
+        rejected[err.rule] += 1
+        return False
+    except MemplanError as err:  # a check not yet raising LayoutError: its whole message
+        rejected[str(err)] += 1
         return False
     return True
 

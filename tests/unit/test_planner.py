@@ -145,3 +145,63 @@ def test_partial_recompute_is_timed_per_pipeline_stage() -> None:
     assert got == {k: model + 4 * layers * 438_321_152 * tokens
                    for k, layers in ((2, 2), (6, 6), (None, 8))}
     assert got[None] == 14_913_775_719_153_664
+
+
+def test_rejections_are_counted_by_rule() -> None:
+    """A layout validate refuses is counted under its LayoutError's rule (no numbers), the
+    planner's own checks under the rule text of the core's check: gbs 12 over dp 8 is
+    replica_batch's rule; pp 4 with 2 chunks each and 2 samples per replica (gbs 4, dp 2)
+    leaves micro-batch counts 2 and 1, neither divisible by pp: resolve_batch's rule."""
+    from collections import Counter
+
+    from memplan.errors import LayoutError
+    from memplan.parallel import replica_batch, resolve_batch
+    from memplan.planner import GBS_PER_REPLICA, NO_INTERLEAVED_SPLIT, _usable
+
+    spec = memplan.load_model("llama-2-7b")
+    wl = _wl(spec, seq_len=4096)
+    rejected: Counter = Counter()
+    dp8 = memplan.ParallelConfig(dp=8)
+    assert not _usable(spec, dp8, wl, 12, rejected)
+    with pytest.raises(LayoutError) as err:
+        replica_batch(dp8, 12)
+    assert rejected == Counter({GBS_PER_REPLICA: 1}) and err.value.rule == GBS_PER_REPLICA
+
+    chunks = memplan.ParallelConfig(pp=4, vpp=2, dp=2)
+    assert not _usable(spec, chunks, wl, 4, rejected)
+    with pytest.raises(LayoutError) as err:
+        resolve_batch(chunks, wl.model_copy(update={"micro_batch_size": 1,
+                                                    "global_batch_size": 4}))
+    assert err.value.rule == NO_INTERLEAVED_SPLIT and rejected[NO_INTERLEAVED_SPLIT] == 1
+
+    dense_ep = memplan.ParallelConfig(ep=2, dp=2)  # validate: ep needs an MoE model
+    assert not _usable(spec, dense_ep, wl, 4, rejected)
+    assert rejected["ep > 1 needs a mixture-of-experts model"] == 1
+    assert sum(rejected.values()) == 3
+
+
+def test_a_plain_error_is_counted_by_its_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A check that raises MemplanError rather than LayoutError keys its whole message."""
+    from collections import Counter
+
+    from memplan import planner
+
+    def refuse(*_args: object) -> None:
+        raise MemplanError("seq (4096) is odd here")
+
+    monkeypatch.setattr(planner, "validate", refuse)
+    rejected: Counter = Counter()
+    spec = memplan.load_model("tiny")
+    assert not planner._usable(spec, memplan.ParallelConfig(), _wl(spec), 1, rejected)
+    assert rejected == Counter({"seq (4096) is odd here": 1})
+
+
+def test_plan_json_counts_rejections_by_rule() -> None:
+    """llama-2-7b on 8 GPUs, gbs 12 (seq 4096): every layout with dp 8 is rejected under one
+    key, whatever its tp, pp or ZeRO; dp 8 means tp = pp = 1 here: ZeRO 0-3, 4 layouts."""
+    out = CliRunner().invoke(app, ["plan", "-m", "llama-2-7b", "-n", "8", "--gbs", "12",
+                                   "--json"])
+    assert out.exit_code == 0, out.output
+    rejected = json.loads(out.stdout)["rejected"]
+    assert rejected["gbs must be divisible by dp"] == 4
+    assert not [key for key in rejected if "12" in key]  # the rule, not the numbers
