@@ -110,7 +110,7 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
         opt_temp=optimizer_step_temp_bytes(params, st, par, wl),
         shard=sharding_buffers(params, par, wl),
         vocab_grad=ceil_div(spec.vocab_size, par.vocab_divisor) * spec.hidden_size * e,
-        main_grads=wl.precision.recipe.grad_bytes > e and par.zero < ZeroStage.PARAMETERS,
+        main_grads=wl.precision.policy.grad_bytes > e and par.zero < ZeroStage.PARAMETERS,
         buckets=st.grads_bytes if ddp and par.grad_buffers is GradBuffers.COPY else 0,
         persistent=ddp and par.grad_buffers is GradBuffers.VIEW,
     )
