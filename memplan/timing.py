@@ -22,7 +22,6 @@ numbers (``Columns.one``), so that timing one estimate imports no numpy (about 7
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 from functools import lru_cache
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -65,8 +64,9 @@ class Bound(str, enum.Enum):
     BUBBLE = "pipeline bubble"
 
 
-@dataclass(frozen=True)
-class StepTime:
+# StepTime, Columns and StepTimes are NamedTuples: immutable like a frozen dataclass, and
+# defined in a fifth of the time, which every `memplan estimate` pays (~1 ms each otherwise).
+class StepTime(NamedTuple):
     """One training step of one GPU, seconds; FLOPs of the whole job."""
 
     model_flops: float  # 3x forward, what MFU counts
@@ -198,8 +198,6 @@ class _Arrays:
         return np.broadcast_to(value, shape)
 
 
-# Columns and StepTimes are NamedTuples: immutable like a frozen dataclass, and defined in a
-# tenth of the time (every `memplan estimate` imports this module; ~1 ms each otherwise).
 class Columns(NamedTuple):
     """Layouts and batch splits of candidates: one integer array per field, one entry per
     candidate (``sp`` and ``offload`` boolean), or one plain number per field for a single
