@@ -10,8 +10,8 @@ attention's two batched matmuls, 2 * 2 * (s/2) * a * d on average per token per 
 (Narayanan et al. 2021, arXiv 2104.04473, section 5.1, without the causal halving there).
 Backward costs twice the forward. Full recompute reruns each recomputed layer's forward, read
 per pipeline stage as the memory model reads it: ``recompute_layers`` = k is the first k layers
-of every stage's layer list (``memplan.model.stage_parts.layer_recompute``), so k * pp layers in all.
-Selective recompute reruns the attention core's matmuls.
+of every stage's layer list (``memplan.model.stage_parts.layer_recompute``), so k * pp layers
+in all. Selective recompute reruns the attention core's matmuls.
 
 The formulas take numpy arrays with one entry per candidate (``Columns.of``), so a search times
 all its candidates in one pass; ``step_time`` is the same computation for one layout on plain
@@ -82,41 +82,42 @@ class StepTime(NamedTuple):
 
 
 @lru_cache(maxsize=256)
+def _active_weights(spec: ModelSpec) -> tuple[int, ...]:
+    """Weights one token multiplies in each layer: all but the routed experts, of which the
+    top-k it visits."""
+    out = []
+    for i, layer in enumerate(param_counts(spec).layers):
+        weights = layer.tp_sharded + layer.replicated
+        if spec.is_moe_layer(i) and spec.moe is not None:
+            weights += layer.expert * spec.moe.top_k // spec.moe.num_experts
+        out.append(weights)
+    return tuple(out)
+
+
+@lru_cache(maxsize=256)
 def forward_flops_per_token(spec: ModelSpec, seq_len: int) -> tuple[float, float, float]:
     """(projection and head matmuls, attention score matmuls, per layer attention) FLOPs of one
     token's forward through the whole model."""
-    counts = param_counts(spec)
-    dense = 0
-    for i, layer in enumerate(counts.layers):
-        dense += layer.tp_sharded + layer.replicated
-        if spec.is_moe_layer(i) and spec.moe is not None:
-            dense += layer.expert * spec.moe.top_k // spec.moe.num_experts
     head = spec.vocab_size * spec.hidden_size
     attn_per_layer = 2.0 * seq_len * spec.q_size  # QK^T and PV, causal average context s/2
-    return 2.0 * (dense + head), attn_per_layer * spec.num_layers, attn_per_layer
+    return (2.0 * (sum(_active_weights(spec)) + head), attn_per_layer * spec.num_layers,
+            attn_per_layer)
 
 
 @lru_cache(maxsize=256)
 def layer_forward_flops(spec: ModelSpec, seq_len: int) -> tuple[int, ...]:
-    """Forward FLOPs of one token through each layer: its projection matmuls (MoE: the top-k
-    experts a token visits) and causal attention's two batched matmuls."""
-    counts = param_counts(spec)
+    """Forward FLOPs of one token through each layer: its projection matmuls and causal
+    attention's two batched matmuls."""
     attn = 2 * seq_len * spec.q_size
-    out = []
-    for i, layer in enumerate(counts.layers):
-        weights = layer.tp_sharded + layer.replicated
-        if spec.is_moe_layer(i) and spec.moe is not None:
-            weights += layer.expert * spec.moe.top_k // spec.moe.num_experts
-        out.append(2 * weights + attn)
-    return tuple(out)
+    return tuple(2 * weights + attn for weights in _active_weights(spec))
 
 
 @lru_cache(maxsize=1024)
 def recomputed_layers(num_layers: int, recompute_layers: int, pp: int,
                       vpp: int = 1) -> tuple[int, ...]:
     """Indices of the layers full recompute of ``recompute_layers`` per stage reruns: the first
-    k of each pipeline rank's layer list, its chunks in order (``memplan.model.stage_parts.layer_recompute``
-    on ``memplan.model.pipeline.stage_layers``)."""
+    k of each pipeline rank's layer list, its chunks in order
+    (``memplan.model.stage_parts.layer_recompute`` on ``memplan.model.pipeline.stage_layers``)."""
     par = ParallelConfig(pp=pp, vpp=vpp)
     out: list[int] = []
     for stage in range(pp):
