@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from functools import cached_property
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -55,20 +56,20 @@ class PrecisionPolicy:
     grads: DType  # gradients as held (fp32 main gradients for bf16-fp32-grads)
     master: DType | None  # the optimizer's own copy of the weights; None: it updates them
 
-    @property
+    @cached_property
     def updated(self) -> DType:
         """The tensors the optimizer updates: its master copy, else the weights."""
         return self.master or self.params
 
-    @property
+    @cached_property
     def param_bytes(self) -> int:
         return self.params.itemsize
 
-    @property
+    @cached_property
     def grad_bytes(self) -> int:
         return self.grads.itemsize
 
-    @property
+    @cached_property
     def master_bytes(self) -> int:
         return self.master.itemsize if self.master else 0
 

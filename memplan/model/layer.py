@@ -176,11 +176,10 @@ def moment_params(groups: dict[str, int], kind: LayerKind) -> tuple[int, ...]:
     return tuple(sum(groups[g] for g in m.grads_before) for m in kind.moments)
 
 
-def layer_tensor_sizes(spec: ModelSpec, t: int, ep: int, index: int) -> list[int]:
-    """Elements of layer ``index``'s parameter tensors on one TP rank, in registration order
-    (norm, q/k/v/o, norm, MLP up/gate/down; the router and experts for MoE)."""
-    return [n for block in layer_blocks(spec.is_moe_layer(index))
-            for n in block.tensor_sizes(spec, t, ep)]
+def layer_tensor_sizes(spec: ModelSpec, t: int, ep: int, moe_layer: bool) -> list[int]:
+    """Elements of a layer's parameter tensors on one TP rank, in registration order (norm,
+    q/k/v/o, norm, MLP up/gate/down; the router and experts for an MoE layer)."""
+    return [n for block in layer_blocks(moe_layer) for n in block.tensor_sizes(spec, t, ep)]
 
 
 def layer_flops_per_token(spec: ModelSpec, seq_len: int, index: int) -> float:

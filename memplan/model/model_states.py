@@ -72,8 +72,10 @@ def count_stage_params(spec: ModelSpec, t: int, ep: int, pp: int, layers: tuple[
     sizes: list[int] = []
     if first:
         sizes += [vocab_rows] + ([counts.position_embedding] if counts.position_embedding else [])
+    kinds = {moe: layer_tensor_sizes(spec, t, ep, moe)
+             for moe in {spec.is_moe_layer(i) for i in layers}}
     for i in layers:
-        sizes += layer_tensor_sizes(spec, t, ep, i)
+        sizes += kinds[spec.is_moe_layer(i)]
     if last:
         sizes += [h] * (2 if spec.norm_bias else 1)
         sizes += [vocab_rows] if counts.head or pp > 1 else []

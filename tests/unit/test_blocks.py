@@ -175,7 +175,7 @@ def test_block_parameters_add_up_to_the_layer(model: str, t: int) -> None:
     spec = load_model(model)
     index = next((i for i in range(spec.num_layers) if spec.is_moe_layer(i)), 0)
     counts = layer_params(spec, index)
-    sizes = layer_tensor_sizes(spec, t, 1, index)
+    sizes = layer_tensor_sizes(spec, t, 1, spec.is_moe_layer(index))
     assert sum(sizes) == counts.tp_sharded // t + counts.replicated + counts.expert // t
     groups = grad_group_params(spec, t, 1, spec.is_moe_layer(index))
     assert groups["attn_norm"] + groups["attn"] + groups["mlp_norm"] + groups["mlp"] == \
