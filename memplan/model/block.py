@@ -21,16 +21,14 @@ running sum there, never written out by hand.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from memplan.model.dims import Dims, Term
 from memplan.spec import ModelSpec
 from memplan.workload import Recompute, Workload
 
 
-@dataclass(frozen=True)
-class Moment:
+class Moment(NamedTuple):
     """A local peak of one block: ``own_bytes`` of its saved (or rebuilt) tensors alive, and
     ``transient_bytes`` beyond them (outputs before a residual add, gradients in flight)."""
 
@@ -39,8 +37,7 @@ class Moment:
     transient_bytes: int
 
 
-@dataclass(frozen=True)
-class BackwardMoment:
+class BackwardMoment(NamedTuple):
     """A local peak of one block's backward (``Moment``), with ``grads`` the names of its own
     parameter groups whose gradients exist by then (``Block.grad_groups``) and
     ``fresh_params`` the parameters of a weight whose gradient was just made, still in the

@@ -8,7 +8,7 @@ tensors inside the attention and MLP blocks are split by t always.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from memplan.parallel import ParallelConfig, TpStyle
 from memplan.spec import ModelSpec
@@ -20,8 +20,7 @@ INDEX_BYTES = DType.INT64.itemsize  # token ids and targets are int64 (torch.lon
 MASK_BYTES = 1  # torch's native_dropout returns a bool mask, one byte per element
 
 
-@dataclass(frozen=True)
-class Term:
+class Term(NamedTuple):
     """One saved tensor (or group) for one micro-batch on one rank."""
 
     name: str
@@ -37,8 +36,7 @@ def local_seq(seq_len: int, cp: int) -> int:
     return seq_len // cp
 
 
-@dataclass(frozen=True)
-class Dims:
+class Dims(NamedTuple):
     """Per-rank sizes of one micro-batch, derived once from spec, layout and workload."""
 
     b: int  # micro-batch size

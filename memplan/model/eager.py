@@ -25,14 +25,13 @@ the exact tracker (``memplan trace``; ``docs/ground_truth.md``, section "eager a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from memplan.model.dims import MASK_BYTES, Dims
 from memplan.spec import ModelSpec
 
 
-@dataclass(frozen=True)
-class Core:
+class Core(NamedTuple):
     """Sizes of one eager core (bytes, one micro-batch, one rank)."""
 
     scores: int  # one score-sized tensor in the compute dtype

@@ -21,7 +21,7 @@ Every moment was read off traces of the reference model with the exact tracker
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from memplan.model.attention import Attention
 from memplan.model.block import Block
@@ -42,8 +42,7 @@ def layer_blocks(moe_layer: bool) -> tuple[Block, ...]:
     return _SPARSE if moe_layer else _DENSE
 
 
-@dataclass(frozen=True)
-class ForwardMoment:
+class ForwardMoment(NamedTuple):
     """A local peak inside a layer's forward: this layer's tensors alive (saved so far, or the
     working set of a checkpointed layer) and transients such as the residual stream."""
 
@@ -52,8 +51,7 @@ class ForwardMoment:
     transient_bytes: int
 
 
-@dataclass(frozen=True)
-class BackwardMoment:
+class BackwardMoment(NamedTuple):
     """One moment inside a layer's backward where its bytes peak locally.
 
     ``alive_bytes``: this layer's saved (or recomputed) tensors still alive; ``transient_bytes``:
@@ -143,8 +141,7 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
     return out
 
 
-@dataclass(frozen=True)
-class LayerKind:
+class LayerKind(NamedTuple):
     """What one layer of a kind (MoE or dense, recompute policy) holds for one micro-batch."""
 
     terms: tuple[Term, ...]

@@ -11,7 +11,7 @@ parameters and the expert-data-parallel group for experts; the most loaded rank 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from memplan.model.layer import layer_tensor_sizes
 from memplan.parallel import Offload, ParallelConfig, ZeroStage
@@ -22,8 +22,7 @@ from memplan.workload import Optimizer, OptimizerImpl, Workload
 FP32_BYTES = DType.FP32.itemsize
 
 
-@dataclass(frozen=True)
-class StageParams:
+class StageParams(NamedTuple):
     """Parameter counts one rank of a pipeline stage holds, before ZeRO sharding."""
 
     dense: int  # replicated across the DP x CP group
@@ -84,8 +83,7 @@ def count_stage_params(spec: ModelSpec, t: int, ep: int, pp: int, layers: tuple[
                        largest_unit=max(0, embed, head, *per_layer), num_tensors=len(sizes))
 
 
-@dataclass(frozen=True)
-class StateBytes:
+class StateBytes(NamedTuple):
     """Persistent bytes of one rank: weights, gradients, optimizer (master copy included)."""
 
     params_bytes: int
@@ -173,8 +171,7 @@ def optimizer_step_temp_bytes(params: StageParams, st: StateBytes, par: Parallel
 REDUCE_BUCKET_NUMEL = 500_000_000
 
 
-@dataclass(frozen=True)
-class ShardingBuffers:
+class ShardingBuffers(NamedTuple):
     """Unsharded buffers ZeRO-2/3 needs while layers run, in bytes."""
 
     gathered_bytes: int  # ZeRO-3 weights gathered while a block runs, forward and backward

@@ -10,8 +10,6 @@ What it saves (Llama and GPT blocks in PyTorch, traced with the exact tracker):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from memplan.model.block import BackwardMoment, Moment
 from memplan.model.dims import FP32_BYTES, Dims, Term, total
 from memplan.spec import ModelSpec, NormKind, norm_params
@@ -77,11 +75,13 @@ def backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     return 5 * rows * h * FP32_BYTES
 
 
-@dataclass(frozen=True)
 class Norm:
     """A norm block of a layer, named by its place (``attn_norm``, ``mlp_norm``)."""
 
-    name: str
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
 
     def saved(self, spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
         return norm_terms(self.name, spec, wl, dm)

@@ -8,7 +8,7 @@ configuration, and a search evaluates many micro-batch sizes and policies of eac
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from memplan.model.model_states import (
     ShardingBuffers,
@@ -44,8 +44,7 @@ def layer_keys(spec: ModelSpec, wl: Workload, layers: list[int]) -> list[LayerKe
     return [(spec.is_moe_layer(i), layer_recompute(wl, pos)) for pos, i in enumerate(layers)]
 
 
-@dataclass(frozen=True)
-class StageKinds:
+class StageKinds(NamedTuple):
     """The kinds of one stage's layers (MoE or dense, recompute policy), in order."""
 
     keys: list[LayerKey]
@@ -55,8 +54,7 @@ class StageKinds:
     chunks: list[dict[LayerKey, int]]  # layers of each kind per model chunk
 
 
-@dataclass(frozen=True)
-class StageStates:
+class StageStates(NamedTuple):
     """What one stage holds whatever the micro-batch and the recompute policy: parameters,
     states, gradient sizes and buffers."""
 

@@ -8,14 +8,13 @@ accumulate, the backward as they are freed and gradients appear.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from itertools import groupby
+from typing import NamedTuple
 
 from memplan.model.layer import LayerKind
 
 
-@dataclass(frozen=True)
-class HeadBackward:
+class HeadBackward(NamedTuple):
     """The last stage's head in backward, bytes (all 0 on other stages)."""
 
     saved: int  # the final norm's and the loss's saved terms
@@ -31,8 +30,7 @@ class HeadBackward:
     final_norm_all: int  # all the final norm saves (alive at the head's backward)
 
 
-@dataclass(frozen=True)
-class EmbeddingBackward:
+class EmbeddingBackward(NamedTuple):
     """The first stage's embedding in backward, bytes (all 0 on other stages)."""
 
     grads: int  # the embedding's gradients as held
@@ -43,8 +41,7 @@ class EmbeddingBackward:
     #                    (rope tables, a checkpointed mask, dropout mask)
 
 
-@dataclass(frozen=True)
-class GradSharding:
+class GradSharding(NamedTuple):
     """How ZeRO-2/3 and FSDP2 hold gradients and weights during the backward."""
 
     buffer: int  # ZeRO-2/3 unsharded gradients awaiting reduce-scatter, at most
@@ -57,8 +54,7 @@ class GradSharding:
     gathered_at_loss: int = 0  # ... at the loss, the head and the embedding
 
 
-@dataclass(frozen=True)
-class Walk:
+class Walk(NamedTuple):
     """Inputs of the backward walk of one stage (one micro-batch, bytes)."""
 
     runs: list[tuple[LayerKind, int, tuple[int, ...], int]]  # (kind, grads, grads at each
