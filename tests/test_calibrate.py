@@ -374,22 +374,45 @@ def test_no_gpu_is_a_clear_error_that_writes_nothing(tmp_path: Path, capsys) -> 
 
 
 def test_gloo_two_ranks(tmp_path: Path) -> None:
+    """Each rank's measures against that rank's deterministic expectation: the same point
+    traced through the fake process group, where collectives return at once and free their
+    buffers when the main thread drops them. Every parameter's first dimension divides by the
+    two ranks, so rank 1 holds exactly rank 0's bytes and the rank-0 trace is both ranks'
+    expectation. A real gloo rank counts at least that, and may count more by the collective
+    buffers a gloo worker thread still holds (``gloo_late_bytes``: the two workers race the
+    main thread), so the two ranks are never compared with each other byte for byte."""
     pytest.importorskip("torch")
+    from memplan.profile.parallel import gloo_late_bytes, trace_parallel
+    from memplan.profile.reference import ReferenceModel, RefOptions
+
     result = CliRunner().invoke(app, ["calibrate", "--device", "cpu", "--quick", "--nproc", "2",
                                       "--out", str(tmp_path)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     records = read_records(tmp_path / "records" / "cpu-nproc2")
     assert len(records) == 6 and all(r.ok and len(r.ranks) == 2 for r in records)
     assert {r.layout.tp for r in records} == {1, 2} and {r.layout.dp for r in records} == {1, 2}
-    for rec in (r for r in records if r.layout.zero == 3):
-        # FSDP2 shards every parameter evenly: the ranks' optimizer steps hold the same bytes
-        # (their backward peaks differ by the collectives' buffers, measured as they are)
-        opt = [[s.phases["optimizer"].allocated_bytes for s in r.steps] for r in rec.ranks]
-        assert opt[0] == opt[1]
+    spec = records[0].spec
+    assert all(p.shape[0] % 2 == 0 for p in
+               ReferenceModel(spec, RefOptions(), device="meta").parameters())
+    for rec in records:
+        want = trace_parallel(rec.spec, rec.layout, rec.workload,
+                              steps=len(rec.ranks[0].steps))
+        late = gloo_late_bytes(rec.spec, rec.layout, rec.workload)
+        for rank in rec.ranks:
+            assert [s.step for s in rank.steps] == [s.step for s in want.steps]
+            for got, exp in zip(rank.steps, want.steps, strict=True):
+                where = (rec.key, rank.rank, got.step)
+                saved = got.saved_activations_bytes - exp.saved_activations_bytes
+                assert 0 <= saved <= late, (*where, saved)
+                for phase in PHASES:
+                    extra = got.phases[phase].allocated_bytes - exp.phases[phase].total_bytes
+                    assert 0 <= extra <= late, (*where, phase, extra)
     prof = load_profile(tmp_path / "profiles" / "cpu-nproc2.json")
     assert prof.device.world_size == 2
     by = {(e.quantity, e.method): e.max_abs_pct for e in prof.errors}
-    # real gloo collectives hold buffers the analytic model does not count; the fit learns them
+    # real gloo collectives hold buffers the analytic model does not count; the fit learns them.
+    # The late buffers above only add to a measured peak the analytic model already undercounts,
+    # so they widen its error at least as much as the fit's.
     assert by[("allocated_peak", "leave-one-out")] < by[("allocated_peak", "analytic")]
 
 

@@ -7,13 +7,15 @@ sequence 64. The fake-group traces are held to:
   activations are those of one process.
 - TP: per-module saved activations, measured as the bytes born inside a module and still alive
   when backward starts, are 1/t inside attention and MLP; norms are replicated without SP.
-- one real 2-process gloo run per kind, whose rank 0 must equal the fake-group trace exactly.
+- one real 2-process gloo run per kind: each rank's states equal the fake-group trace exactly,
+  its saved activations and peaks within the collective buffers gloo's threads may still hold.
 """
 
 from __future__ import annotations
 
 import functools
-import socket
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,7 +27,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from memplan.errors import MemplanError  # noqa: E402
 from memplan.parallel import ParallelConfig  # noqa: E402
 from memplan.profile.parallel import (  # noqa: E402
-    GATHERED, ParallelTracker, trace_parallel, trace_rank,
+    GATHERED, ParallelTracker, gloo_late_bytes, trace_parallel, trace_rank,
 )
 from memplan.profile.reference import ReferenceModel, RefOptions  # noqa: E402
 from memplan.profile.trace import (  # noqa: E402
@@ -192,48 +194,50 @@ def summary(r: TraceResult) -> dict[str, Any]:
         for s in r.steps]}
 
 
-def _gloo_rank(rank: int, port: int, out) -> None:
-    """One worker: every case in turn on one gloo group (one process start for all three)."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+def _gloo_rank(rank: int, folder: str) -> None:
+    """One worker: every case in turn on one gloo group (one process start for all of them).
+    The group meets through a file store in ``folder`` (no TCP port to pick and race for), and
+    each rank writes its summaries there; a worker that fails makes the parent's join raise."""
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank,
                             world_size=2)
     try:
-        for case, (par, precision) in GLOO_CASES.items():
-            out.put((case, rank, summary(trace_rank(SPEC, par, wl(precision), fake=False))))
+        out = {case: summary(trace_rank(SPEC, par, wl(precision), fake=False))
+               for case, (par, precision) in GLOO_CASES.items()}
     finally:
         dist.destroy_process_group()
+    (Path(folder) / f"rank{rank}.json").write_text(json.dumps(out))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@functools.cache
-def gloo_rank0() -> dict[str, Any]:
+@pytest.fixture(scope="module")
+def gloo_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     assert all(par.world_size == 2 for par, _ in GLOO_CASES.values())
-    out = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_gloo_rank, args=(_free_port(), out), nprocs=2, start_method="spawn")
-    results = [out.get() for _ in range(2 * len(GLOO_CASES))]
-    return {case: got for case, rank, got in results if rank == 0}
+    folder = tmp_path_factory.mktemp("gloo")
+    mp.start_processes(_gloo_rank, args=(str(folder),), nprocs=2, start_method="spawn")
+    return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(2)]
 
 
 @pytest.mark.parametrize("case", list(GLOO_CASES))
-def test_real_gloo_rank0_equals_fake_group(case: str) -> None:
-    """States and saved activations equal exactly. A phase peak may differ by one collective
-    buffer: gloo runs collectives on a background thread and releases their inputs when the
-    work completes, so on a loaded machine a buffer can outlive the op that reached the peak."""
+def test_real_gloo_ranks_against_fake_group(case: str, gloo_ranks: list[dict[str, Any]]) -> None:
+    """Each real rank against the fake-group trace (rank 0; tiny's dims all divide by 2, so
+    rank 1 holds the same bytes). Parameters, gradients and optimizer states are equal
+    exactly. Saved activations and phase peaks are at least the fake group's and at most
+    ``gloo_late_bytes`` more: gloo's worker threads drop a finished collective's tensors after
+    waking the main thread, so on a loaded machine they can outlive their last use (see
+    ``gloo_late_bytes``). The ranks race each other, so they are not compared with each other."""
     par, precision = GLOO_CASES[case]
     # DDP's reducer needs real tensors; the others trace on fake ones.
     fake = summary(trace_parallel(SPEC, par, wl(precision), fake=case != "ddp"))
-    real = gloo_rank0()[case]
-    assert real["params"] == fake["params"]
-    buffer = B * S * H * 2  # one bf16 (b, s, h) activation
-    for got, want in zip(real["steps"], fake["steps"], strict=True):
-        assert {k: got[k] for k in ("saved", "grads", "optimizer")} == \
-            {k: want[k] for k in ("saved", "grads", "optimizer")}
-        for phase in PHASES:
-            assert abs(got["peaks"][phase][0] - want["peaks"][phase][0]) <= buffer, phase
+    late = gloo_late_bytes(SPEC, par, wl(precision))
+    for rank, results in enumerate(gloo_ranks):
+        real = results[case]
+        assert real["params"] == fake["params"], rank
+        for k, (got, want) in enumerate(zip(real["steps"], fake["steps"], strict=True)):
+            assert {q: got[q] for q in ("grads", "optimizer")} == \
+                {q: want[q] for q in ("grads", "optimizer")}, (rank, k)
+            assert 0 <= got["saved"] - want["saved"] <= late, (rank, k)
+            for phase in PHASES:
+                extra = got["peaks"][phase][0] - want["peaks"][phase][0]
+                assert 0 <= extra <= late, (rank, k, phase, extra)
 
 
 @pytest.mark.parametrize("par, message", [
