@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from memplan.calibrate.batch import micro_batch_sizes
 from memplan.calibrate.features import (
     FEATURES,
     STEP_KINDS,
@@ -263,7 +264,6 @@ def calibrate_plan(result: Any, spec: ModelSpec, gpu: GpuSpec, loaded: list[Load
         return result
     from memplan.model.estimate import estimate
     from memplan.parallel import resolve_batch
-    from memplan.planner import MAX_MBS, _divisors
     from memplan.timing import step_time
 
     budget = int((capacity_bytes or gpu.memory_bytes) * (1 - safety))
@@ -271,8 +271,7 @@ def calibrate_plan(result: Any, spec: ModelSpec, gpu: GpuSpec, loaded: list[Load
     kept = []
     for c in result.candidates:
         par = c.layout
-        sizes = [b for b in _divisors(gbs // par.dp) if b <= MAX_MBS
-                 and not (par.vpp > 1 and (gbs // (b * par.dp)) % par.pp)]
+        sizes = list(micro_batch_sizes(par, gbs))  # the sizes the planner searched
 
         def fitted(mbs: int, par=par, c=c) -> Estimate | None:
             try:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memplan.profile.step import PhaseDetector, StepFn, _hooks
+from memplan.profile.phases import PhaseDetector, StepFn, phase_hooks
 from memplan.timeline import Sample, Timeline
 
 CUDA_SOURCE = ("CUDA caching allocator (torch.cuda.memory_allocated / max_memory_allocated / "
@@ -82,7 +82,7 @@ def profile_cuda(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step_
         torch.cuda.memory._record_memory_history(max_entries=200_000)
     model.train()
     try:
-        with _hooks(model, optimizer, det, None), sampler:
+        with phase_hooks(optimizer, det, None), sampler:
             for k in range(1, steps + 1):
                 det.new_step()
                 sampler.step, sampler.phase = k, "forward"

@@ -1,12 +1,15 @@
-"""Importing memplan and running an estimate stays light and side-effect free.
+"""Importing memplan and running an estimate stays light and side-effect free; memplan's
+modules import each other without cycles and calibration never imports a layer above it.
 
-Each check runs in a fresh interpreter (``sys.executable -c``) so modules imported by other tests
-in this session cannot hide or fake an import. torch is installed in the development
-environment, so an accidental ``import torch`` anywhere on the estimate path shows up here.
+Each runtime check runs in a fresh interpreter (``sys.executable -c``) so modules imported by
+other tests in this session cannot hide or fake an import. torch is installed in the development
+environment, so an accidental ``import torch`` anywhere on the estimate path shows up here. The
+import graph is read from the source (``ast``), so it needs neither torch nor an import.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -144,3 +147,146 @@ def test_diagnose_is_torch_free(tmp_path: Path) -> None:
     for name in HEAVY:
         assert name not in child["modules"], name
     assert not [m for m in child["modules"] if m.startswith(("torch.", "memplan.profile"))]
+
+
+# --- the import graph ------------------------------------------------------------------------
+
+PACKAGE = ROOT / "memplan"
+# Cycles that cannot be broken yet, each with its reason. Empty: none is allowed today.
+ALLOWED_CYCLES: set[frozenset[str]] = set()
+# Layers calibration sits below (ARCHITECTURE.md's data flow): it may not import them, even
+# inside a function.
+ABOVE_CALIBRATION = ("memplan.planner", "memplan.plan", "memplan.batch_search",
+                     "memplan.report", "memplan.cli", "memplan.api", "memplan.diagnose")
+
+
+def _module_names() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """ids of the nodes under ``if TYPE_CHECKING:``: never executed, so no runtime edge."""
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for stmt in node.body:
+                skip.update(id(n) for n in ast.walk(stmt))
+    return skip
+
+
+def _imported(name: str, path: Path, node: ast.Import | ast.ImportFrom,
+              modules: dict[str, Path]) -> list[str]:
+    """The memplan modules one import statement loads: ``from P import n`` loads the
+    submodule ``P.n`` when there is one, else ``P`` itself."""
+    if isinstance(node, ast.Import):
+        targets = [alias.name for alias in node.names]
+    else:
+        base = node.module or ""
+        if node.level:  # relative: from the statement's own package up
+            package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+            for _ in range(node.level - 1):
+                package = package.rpartition(".")[0]
+            base = f"{package}.{base}" if base else package
+        targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                   for a in node.names]
+    out = []
+    for target in targets:
+        while target not in modules and "." in target:
+            target = target.rpartition(".")[0]
+        if target in modules and target != name:
+            out.append(target)
+    return out
+
+
+def import_graph() -> dict[str, dict[str, int]]:
+    """module -> {module it imports: line}, from module-level and function-level imports."""
+    modules = _module_names()
+    graph: dict[str, dict[str, int]] = {name: {} for name in modules}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        skip = _type_checking_only(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import | ast.ImportFrom) and id(node) not in skip:
+                for target in _imported(name, path, node, modules):
+                    graph[name].setdefault(target, node.lineno)
+    return graph
+
+
+def cycles(graph: dict[str, dict[str, int]]) -> list[frozenset[str]]:
+    """Strongly connected components of more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(frozenset(component))
+    return found
+
+
+def test_cycle_finder_finds_a_cycle() -> None:
+    graph = {"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1, "d": 1}, "d": {}, "e": {"d": 1}}
+    assert cycles(graph) == [frozenset("abc")]
+    assert cycles({"a": {"b": 1}, "b": {}}) == []
+
+
+def test_import_graph_reads_function_level_and_relative_imports() -> None:
+    graph = import_graph()
+    assert "memplan.model.estimate" in graph["memplan.calibrate.apply"]
+    assert "memplan.profile.step" in graph["memplan.profile"]  # inside __getattr__
+    assert graph["memplan.profile.step"]["memplan.profile.phases"] > 0
+
+
+def test_no_import_cycles() -> None:
+    graph = import_graph()
+    found = set(cycles(graph))
+    edges = {c: sorted(f"{a} -> {b} (line {graph[a][b]})" for a in c for b in graph[a] if b in c)
+             for c in found}
+    assert not found - ALLOWED_CYCLES, {c: edges[c] for c in found - ALLOWED_CYCLES}
+    fixed = ALLOWED_CYCLES - found
+    assert not fixed, f"fixed, remove from ALLOWED_CYCLES: {fixed}"
+
+
+def test_calibration_imports_no_layer_above_it() -> None:
+    graph = import_graph()
+    wrong = {f"{name} -> {target} (line {line})"
+             for name, targets in graph.items() if name.startswith("memplan.calibrate")
+             for target, line in targets.items()
+             if any(target == up or target.startswith(up + ".") for up in ABOVE_CALIBRATION)}
+    assert not wrong, sorted(wrong)

@@ -1,0 +1,34 @@
+"""The micro-batch sizes a layout can run at a global batch size: the planner's search space.
+
+Torch-free and below the planner: ``calibrate_plan`` re-searches each planned candidate's
+micro-batch over exactly these sizes without importing ``memplan.planner`` (which sits above
+calibration). ``memplan.planner`` searches the same sizes (a test holds the two equal).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from memplan.parallel import ParallelConfig
+
+# The largest micro-batch the planner searches: a stated bound of the search, not a device limit.
+MAX_MBS = 64
+
+
+def divisors(n: int) -> list[int]:
+    """Every positive divisor of ``n``, ascending."""
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
+
+
+def micro_batch_sizes(par: ParallelConfig, global_batch_size: int) -> tuple[int, ...]:
+    """Micro-batch sizes up to ``MAX_MBS`` that divide the per-replica batch
+    (``global_batch_size // dp``); with interleaving (vpp > 1) the micro-batch count must also
+    divide by pp (Megatron-LM's interleaved schedule runs micro-batches in groups of pp)."""
+    per_replica = global_batch_size // par.dp
+    return tuple(b for b in divisors(per_replica) if b <= MAX_MBS
+                 and not (par.vpp > 1 and (per_replica // b) % par.pp))
+
+
+__all__ = ["MAX_MBS", "divisors", "micro_batch_sizes"]
