@@ -21,7 +21,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from memplan.catalog import data_dir, suggest
 from memplan.errors import MemplanError
-from memplan.hf_config import model_name, spec_fields
 
 
 class NormKind(str, enum.Enum):
@@ -302,6 +301,8 @@ def load_hf_json(path: Path) -> dict[str, Any]:
 
 def spec_from_hf_config(path: Path) -> ModelSpec:
     """Read ``path`` (a Hugging Face ``config.json``) into a ``ModelSpec``."""
+    from memplan.hf_config import model_name  # only config files need the translator
+
     path = Path(path)
     return spec_from_hf_dict(load_hf_json(path), str(path), model_name(path))
 
@@ -309,4 +310,6 @@ def spec_from_hf_config(path: Path) -> ModelSpec:
 def spec_from_hf_dict(data: dict[str, Any], where: str, name: str) -> ModelSpec:
     """A ``ModelSpec`` from a config's fields (``config.json`` or ``PretrainedConfig.to_dict()``,
     ``memplan.hf_config``); ``where`` names it in errors."""
+    from memplan.hf_config import spec_fields
+
     return _validated(spec_fields(data, where, name), where)

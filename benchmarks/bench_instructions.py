@@ -1,0 +1,90 @@
+"""How much work memplan does, in instructions: the same count whatever the machine's load.
+
+Wall-clock benchmarks (``bench_estimate.py``, ``bench_plan.py``) need an idle machine; on a
+shared 2-core one their spread hides a 10% change. This script runs the same work under
+valgrind's callgrind, which counts the instructions the interpreter executes: repeatable for
+the same code, interpreter and inputs. Not a test: run it by hand (valgrind must be installed),
+optionally against another checkout of memplan::
+
+    python benchmarks/bench_instructions.py                 # this checkout
+    python benchmarks/bench_instructions.py --tree /tmp/old # another one, same interpreter
+
+What it counts (each a fresh interpreter):
+
+- ``import memplan``;
+- per estimate: (instructions with 2N estimates - instructions with none) / 2N, over N
+  estimates of llama-7b on 64 GPUs and N of a mixed grid (2 models, mbs, tp 1-8, pp 1-4,
+  ZeRO 0-3), as ``bench_estimate.py`` runs them;
+- the cold commands ``memplan estimate --model llama-7b --gpus 64`` and ``... --json``.
+
+With ``PYTHONDONTWRITEBYTECODE=1`` (as on some machines) every count includes compiling
+memplan's sources; the script reports whether it is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+WORK = """
+import itertools, sys
+import memplan
+n = int(sys.argv[1])
+grid = list(itertools.product(["llama-7b", "llama-3-70b"], [1, 2, 4, 8], [1, 2, 4, 8],
+                              [1, 2, 4], [0, 1, 2, 3]))
+memplan.estimate("llama-7b", gpus=64)
+for i in range(n):
+    memplan.estimate("llama-7b", gpus=64, micro_batch_size=1 + i % 4)
+for model, mbs, tp, pp, zero in grid[:n]:
+    memplan.estimate(model, gpus=8 * tp * pp, tp=tp, pp=pp, zero=zero, micro_batch_size=mbs)
+"""
+
+
+def instructions(args: list[str], tree: Path) -> int:
+    """Instructions callgrind counts for ``python ARGS`` with ``tree`` first on the path."""
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    out = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
+                          sys.executable, *args], cwd=tree, env=env, capture_output=True,
+                         text=True, check=True)
+    found = re.search(r"Collected\s*:\s*(\d+)", out.stderr)
+    if found is None:
+        raise RuntimeError(f"callgrind printed no count: {out.stderr[-500:]}")
+    return int(found.group(1))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tree", type=Path, default=Path(__file__).resolve().parent.parent,
+                        help="the checkout whose memplan is measured (default: this one)")
+    parser.add_argument("-n", type=int, default=300, help="estimates of each kind (300)")
+    args = parser.parse_args()
+    if shutil.which("valgrind") is None:
+        print("valgrind is not installed (apt-get install valgrind)", file=sys.stderr)
+        return 2
+    tree = args.tree.resolve()
+    script = ["-c", WORK]
+    base = instructions([*script, "0"], tree)
+    loaded = instructions([*script, str(args.n)], tree)
+    rows = [
+        ("import memplan", instructions(["-c", "import memplan"], tree)),
+        ("per estimate (mean of the two kinds)", (loaded - base) // (2 * args.n)),
+        ("cold `memplan estimate --model llama-7b --gpus 64`",
+         instructions(["-m", "memplan", "estimate", "--model", "llama-7b", "--gpus", "64"],
+                      tree)),
+        ("cold `... --json`", instructions(["-m", "memplan", "estimate", "--model", "llama-7b",
+                                            "--gpus", "64", "--json"], tree)),
+    ]
+    print(f"memplan at {tree}; PYTHONDONTWRITEBYTECODE="
+          f"{os.environ.get('PYTHONDONTWRITEBYTECODE', '')!r}")
+    for name, count in rows:
+        print(f"  {name:<55} {count:>15,} instructions")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
