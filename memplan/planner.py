@@ -16,6 +16,7 @@ from functools import cached_property, lru_cache
 import numpy as np
 
 from memplan.batch_search import Found, Job, Search, evaluate
+from memplan.batch_sizes import divisors, micro_batch_sizes
 from memplan.errors import LayoutError, MemplanError
 from memplan.hardware import GpuSpec
 from memplan.model.estimate import Estimate, estimate
@@ -28,7 +29,6 @@ from memplan.workload import Recompute, Workload
 DEFAULT_SAFETY = 0.05  # keep 5% of capacity free for what no model counts (stated assumption)
 # Llama 2 and 3 trained with about 4M tokens per step (Touvron et al. 2023; Dubey et al. 2024)
 DEFAULT_TOKENS_PER_STEP = 4 * 1024 * 1024
-MAX_MBS = 64
 # Search bounds, stated: up to 4 model chunks per pipeline rank (Megatron-LM's interleaving
 # gains little beyond), and context parallelism only from 8k tokens on (below, attention's
 # share of the work is too small for CP to pay; give --cp to search it anyway).
@@ -89,12 +89,6 @@ class PlanResult:
     oom_excess_bytes: int | None = None  # smallest overshoot of a configuration that did not fit
 
 
-@lru_cache(maxsize=1024)
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
-    return sorted({*small, *(n // d for d in small)})
-
-
 def _powers_of_two(limit: int) -> list[int]:
     out, v = [], 1
     while v <= limit:
@@ -116,7 +110,7 @@ def layouts(spec: ModelSpec, num_gpus: int, seq_len: int, *, max_tp: int,
         if spec.num_kv_heads % tp or spec.num_attention_heads % tp or spec.ffn_hidden_size % tp:
             rejected[f"tp {tp} does not divide heads, KV heads or FFN"] += 1
             continue
-        for pp in choices("pp", _divisors(spec.num_layers)):
+        for pp in choices("pp", divisors(spec.num_layers)):
             # load-balanced causal CP splits the sequence into 2 * cp chunks
             for cp in choices("cp", [c for c in _powers_of_two(8 if seq_len >= LONG_SEQ else 1)
                                      if c == 1 or seq_len % (2 * c) == 0]):
@@ -124,10 +118,10 @@ def layouts(spec: ModelSpec, num_gpus: int, seq_len: int, *, max_tp: int,
                     rejected["gpus not divisible by tp*pp*cp"] += 1
                     continue
                 dp = num_gpus // (tp * pp * cp)
-                vpps = ([v for v in _divisors(spec.num_layers // pp) if v <= MAX_VPP]
+                vpps = ([v for v in divisors(spec.num_layers // pp) if v <= MAX_VPP]
                         if pp > 1 else [1])
                 for vpp, ep, zero, sp in ((v, e, z, s) for v in choices("vpp", vpps)
-                                          for e in choices("ep", [e for e in _divisors(experts)
+                                          for e in choices("ep", [e for e in divisors(experts)
                                                                   if (dp * cp) % e == 0])
                                           for z in choices("zero", [0, 1, 2, 3])
                                           for s in choices("sp", [True, False] if tp > 1
@@ -158,14 +152,6 @@ def _policies(allowed: list[Recompute], stage_layers: int) -> list[tuple[Recompu
         else:
             out.append((policy, None))
     return out
-
-
-def _sizes(par: ParallelConfig, gbs: int) -> tuple[int, ...]:
-    """Micro-batch sizes dividing the per-replica batch (interleaving also needs the micro-batch
-    count divisible by pp)."""
-    per_replica = gbs // par.dp
-    return tuple(b for b in _divisors(per_replica) if b <= MAX_MBS
-                 and not (par.vpp > 1 and (per_replica // b) % par.pp))
 
 
 def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
@@ -207,7 +193,7 @@ def _usable(spec: ModelSpec, par: ParallelConfig, wl: Workload, gbs: int,
     if gbs % par.dp:
         rejected[GBS_PER_REPLICA] += 1
         return False
-    if not _sizes(par, gbs):
+    if not micro_batch_sizes(par, gbs):
         rejected[NO_INTERLEAVED_SPLIT] += 1
         return False
     try:
@@ -301,7 +287,7 @@ def _search_levels(ctx: _Context, pars: list[ParallelConfig],
     compute for nothing), so each level searches above the largest fit before it, starting
     from the bytes per sample the cheaper policy showed (at most what this one needs)."""
     above, slope = [0] * len(pars), np.zeros(len(pars))
-    sizes = [_sizes(p, ctx.wl.global_batch_size) for p in pars]
+    sizes = [micro_batch_sizes(p, ctx.wl.global_batch_size) for p in pars]
     levels: list[_Level] = []
     for level in range(max((len(p) for p in policies), default=0)):
         index = [i for i, p in enumerate(policies) if level < len(p) and sizes[i][-1] > above[i]]

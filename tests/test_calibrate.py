@@ -283,23 +283,6 @@ def test_plan_rechecks_candidates_with_the_profile(tmp_path: Path, gpu_profile: 
     assert sum(c.micro_batch_size for c in cal.candidates) < sum(mbs.values())
 
 
-def test_recheck_searches_the_planners_micro_batches() -> None:
-    """``calibrate_plan`` searches ``memplan.calibrate.batch.micro_batch_sizes`` without
-    importing the planner; the planner keeps its own copy, held equal here. 24 per replica:
-    1, 2, 3, 4, 6, 8, 12, 24; interleaved on pp 4 also needs the count 24 / b divisible by 4."""
-    from memplan import planner
-    from memplan.calibrate.batch import MAX_MBS, micro_batch_sizes
-    from memplan.parallel import ParallelConfig
-
-    assert micro_batch_sizes(ParallelConfig(dp=2), 48) == (1, 2, 3, 4, 6, 8, 12, 24)
-    assert micro_batch_sizes(ParallelConfig(pp=4, vpp=2, dp=2), 48) == (1, 2, 3, 6)
-    assert max(micro_batch_sizes(ParallelConfig(), 1024)) == MAX_MBS == planner.MAX_MBS
-    for par in (ParallelConfig(), ParallelConfig(dp=8), ParallelConfig(pp=2, vpp=3, dp=4),
-                ParallelConfig(tp=2, pp=4, vpp=2, dp=2)):
-        for gbs in (8, 48, 96, 256, 1024, 4096):
-            assert micro_batch_sizes(par, gbs) == tuple(planner._sizes(par, gbs)), (par, gbs)
-
-
 def test_plan_cli_takes_the_calibration(gpu_profile: Path) -> None:
     out = CliRunner().invoke(app, ["plan", "-m", "llama-2-7b", "-n", "8", "--gpu", "h100",
                                    "--tp", "1", "--pp", "1", "--zero", "1", "--calibration",

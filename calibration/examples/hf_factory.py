@@ -19,6 +19,7 @@ CONFIG = LlamaConfig(
 
 
 def build(*, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.nn.Module:
-    # torch_dtype makes the weights in the training dtype directly (no second copy)
-    model = LlamaForCausalLM._from_config(CONFIG, torch_dtype=dtype)
-    return model.to(device)
+    # the weights are made in the training dtype on the device directly: no second copy, and
+    # no .to() that would have to swap parameters created under fake tensors
+    with torch.device(device):
+        return LlamaForCausalLM._from_config(CONFIG, dtype=dtype)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from memplan.calibrate.batch import micro_batch_sizes
+from memplan.batch_sizes import micro_batch_sizes
 from memplan.calibrate.features import (
     FEATURES,
     STEP_KINDS,

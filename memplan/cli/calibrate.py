@@ -219,14 +219,18 @@ def _run_dist(device: str, nproc: int, quick: bool, resume: bool, gpu: str | Non
     folder.mkdir(parents=True, exist_ok=True)
     with _progress(total) as bar:
         task = bar.add_task(f"{nproc} ranks ({device})", total=total)
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # One pipe for both streams: reading stdout to its end while torchrun fills a separate
+        # stderr pipe would block both processes once that pipe's buffer is full.
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert proc.stdout is not None
+        other: list[str] = []
         for line in proc.stdout:
             if line.startswith("{"):
                 bar.advance(task)
-        err = proc.stderr.read() if proc.stderr else ""
+            elif line.strip():
+                other = [line.strip()]  # the last line that is not a record
         if proc.wait() != 0:
-            last = [ln for ln in err.splitlines() if ln.strip()][-1:] or ["no output"]
+            last = other or ["no output"]
             raise MemplanError(f"torchrun with {nproc} ranks failed (exit {proc.returncode}): "
                                f"{last[0]}")
 

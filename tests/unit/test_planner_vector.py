@@ -15,6 +15,7 @@ import pytest
 import memplan
 from memplan import batch_search
 from memplan.batch_search import Job, Search
+from memplan.batch_sizes import micro_batch_sizes
 from memplan.errors import MemplanError
 from memplan.model.estimate import estimate, most_loaded, optimizer_floor_bytes
 from memplan.overheads import default_overheads
@@ -23,7 +24,6 @@ from memplan.planner import (
     RECOMPUTE_ORDER,
     SP_OFF_DOMINATED,
     _policies,
-    _sizes,
     layouts,
     plan,
 )
@@ -60,7 +60,7 @@ def _jobs(spec: ModelSpec, gpus: int, fields: dict) -> list[Job]:
             continue
         for policy, layers in _policies(list(RECOMPUTE_ORDER), spec.num_layers // par.pp):
             job_wl = wl.model_copy(update={"recompute": policy, "recompute_layers": layers})
-            out.append(Job(par, job_wl, _sizes(par, wl.global_batch_size)))
+            out.append(Job(par, job_wl, micro_batch_sizes(par, wl.global_batch_size)))
     return out
 
 
@@ -162,7 +162,7 @@ def test_the_answer_fits_and_the_next_size_was_evaluated_not_to(monkeypatch) -> 
     their own. Peaks come from a table here, one per size."""
     spec, par = TINY, memplan.make_layout(1)
     wl = memplan.make_workload(spec, seq_len=64, global_batch_size=16)
-    sizes = _sizes(par, 16)  # 1, 2, 4, 8, 16: m = 16 ... 1
+    sizes = micro_batch_sizes(par, 16)  # 1, 2, 4, 8, 16: m = 16 ... 1
     budget, evaluated = 10**12, []
 
     def table(spec, par, wl, mbs, ovh, **_):
@@ -221,7 +221,7 @@ def test_candidates_are_timed_and_sized_as_estimate_says() -> None:
     for c in result.candidates:
         est = c.estimate
         assert est.peak_bytes == c.peak_bytes <= budget
-        sizes = _sizes(c.layout, 32)
+        sizes = micro_batch_sizes(c.layout, 32)
         bigger = [b for b in sizes if b > c.micro_batch_size]
         if bigger:
             nxt = estimate(MOE, GPU, c.layout, est.workload.model_copy(

@@ -1,12 +1,13 @@
 """The micro-batch sizes a layout can run at a global batch size: the planner's search space.
 
-Torch-free and below the planner: ``calibrate_plan`` re-searches each planned candidate's
-micro-batch over exactly these sizes without importing ``memplan.planner`` (which sits above
-calibration). ``memplan.planner`` searches the same sizes (a test holds the two equal).
+Torch-free and below both users: ``memplan.planner`` searches these sizes, and calibration's
+``calibrate_plan`` re-searches each planned candidate's micro-batch over the same ones without
+importing the planner (which sits above calibration).
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
 MAX_MBS = 64
 
 
+@lru_cache(maxsize=1024)  # a search asks for the same few batch sizes' divisors per layout
 def divisors(n: int) -> list[int]:
     """Every positive divisor of ``n``, ascending."""
     small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
