@@ -1,0 +1,634 @@
+"""Ground truth from other people's code: Hugging Face transformers, torchtitan and litgpt.
+
+``compare_framework(case)`` builds a real model with the library (``build_hf``,
+``build_torchtitan``, ``build_litgpt``), runs two training steps the way the library's own loop
+runs them (its loss, ``torch.optim.AdamW(fused=True)`` as all three use on CUDA,
+``zero_grad(set_to_none=True)``, gradient clipping where the loop clips) under memplan's exact
+tensor tracker, and returns a ``memplan.profile.compare.Comparison`` against
+``memplan.model.estimate.estimate`` (no fixed overheads) of the matching ``ModelSpec`` and
+workload: parameters, gradients, optimizer states, saved activations, and the phase peaks of
+step 1 and of the steady state.
+
+A precision recipe is a parameter (``RECIPES``): ``fp32`` (fp32 weights, no autocast),
+``bf16-pure`` (the model in bf16, AdamW on the bf16 parameters), ``amp-bf16`` (fp32 weights
+under ``torch.autocast``; estimated only once memplan's workload has that precision) and, for
+torchtitan's FSDP2, ``fsdp-bf16`` (its default ``MixedPrecisionPolicy``).
+
+Kernels a CPU build runs differently from CUDA are swapped for the CUDA kernel while tracing
+(``cuda_kernels``): ``F.rms_norm`` is ``_fused_rms_norm`` on CUDA (input and an fp32 rstd saved)
+but a composite of upcast ops on CPU (the reference model's ``FusedRMSNorm`` saves what the CUDA
+kernel saves); ``F.dropout`` is ``native_dropout`` on CUDA (a bool mask) but ``input * noise`` on
+CPU. The libraries' code is otherwise run as it is.
+
+Buffers the model registers (RoPE tables) are device memory in every phase: they are counted
+under their own category, ``buffers``, so the phase totals include them (memplan has no term for
+them; they are bytes, not percent, on the models traced here).
+
+Fake tensors (``FakeTensorMode``) trace catalog widths without memory, but transformers takes
+fake tensors for tracing (``transformers.utils.import_utils.is_tracing``): with ``use_cache``
+off, ``masking_utils.find_packed_sequence_indices`` cannot say "not packed", so a 4-D mask is
+built and SDPA repeats K/V for GQA, which a real unpacked batch never does.
+``fake_real_check`` runs a case both ways; cases whose two runs differ run on real tensors at toy
+width. MoE routing reads values, and torchtitan's ``trunc_normal_`` init too, so those run on
+small real tensors; so does litgpt, set up by Lightning Fabric.
+
+This module imports torch and the libraries; memplan's CLI never imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from memplan import api
+from memplan.errors import MemplanError
+from memplan.hardware import load_gpu
+from memplan.model.estimate import PHASES, estimate
+from memplan.overheads import no_overheads
+from memplan.parallel import ParallelConfig
+from memplan.profile.compare import Comparison, Row
+from memplan.profile.step import relabel_states
+from memplan.profile.trace import StepMeasure, TraceResult
+from memplan.profile.tracker import MemoryTracker
+from memplan.spec import ModelSpec, spec_from_hf_dict
+from memplan.workload import Precision, Workload
+
+BUFFERS = "buffers"  # registered buffers (RoPE tables): device memory, no memplan term
+LIBRARIES = ("transformers", "torchtitan", "litgpt")
+
+
+# --- precision recipes ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Recipe:
+    """How a library holds and computes the model: the weights' dtype, autocast's dtype (None:
+    no autocast) and the memplan precision that describes it."""
+
+    name: str
+    weights: torch.dtype
+    autocast: torch.dtype | None = None
+
+    @property
+    def available(self) -> bool:
+        """Whether memplan's workload has this precision (amp-bf16 is being added)."""
+        return self.name in {p.value for p in Precision}
+
+
+RECIPES = {
+    "fp32": Recipe("fp32", torch.float32),
+    "bf16-pure": Recipe("bf16-pure", torch.bfloat16),
+    "amp-bf16": Recipe("amp-bf16", torch.float32, torch.bfloat16),
+    # torchtitan's FSDP2 default: fp32 shards, MixedPrecisionPolicy(bf16 params, fp32 reduce)
+    "fsdp-bf16": Recipe("fsdp-bf16", torch.float32),
+}
+
+
+def recipe(name: str) -> Recipe:
+    try:
+        return RECIPES[name]
+    except KeyError:
+        raise MemplanError(f"recipe must be one of {', '.join(RECIPES)}, got {name!r}") from None
+
+
+# --- what a traced library model is --------------------------------------------------------
+
+Mark = Callable[[str], None]
+StepFn = Callable[[int, Mark], None]
+
+
+@dataclass
+class Built:
+    """A library model ready to step: its parameters, the step its loop runs, the ModelSpec
+    and workload fields memplan describes it with, and the context the steps run in."""
+
+    library: str
+    model: torch.nn.Module
+    spec: ModelSpec
+    layout: ParallelConfig
+    workload: dict[str, Any]  # memplan workload fields (kernels, recipe, batch)
+    step: StepFn  # step(k, mark): one training step; mark(phase) at each phase change
+    optimizer: torch.optim.Optimizer | None = None
+    context: Callable[[MemoryTracker], contextlib.AbstractContextManager] | None = None
+
+
+@dataclass(frozen=True)
+class FrameworkCase:
+    """One library model and step: ``config`` is the library's own configuration (a
+    ``config.json`` dict for transformers, keyword fields for torchtitan and litgpt), ``options``
+    the library's loop choices (see each builder)."""
+
+    library: str
+    name: str
+    config: dict[str, Any]
+    recipe: str = "fp32"
+    micro_batch_size: int = 1
+    seq_len: int = 64
+    fake: bool = False
+    dp: int = 1
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        extra = "-".join(f"{k}={v}" for k, v in self.options.items())
+        return (f"{self.library}-{self.name}-{self.recipe}-b{self.micro_batch_size}"
+                f"-s{self.seq_len}" + (f"-dp{self.dp}" if self.dp > 1 else "")
+                + ("-fake" if self.fake else "-real") + (f"-{extra}" if extra else ""))
+
+
+# --- CUDA's kernels on CPU -----------------------------------------------------------------
+
+@contextlib.contextmanager
+def cuda_kernels() -> Iterator[None]:
+    """Run the kernels CUDA runs where the CPU build picks another implementation.
+
+    - ``F.rms_norm``: ATen's ``rms_norm_symint`` calls ``_fused_rms_norm`` on CUDA (its
+      autograd saves the input, the weight and an fp32 rstd); on CPU even ``_fused_rms_norm``
+      is a composite of upcast ops, so the reference model's ``FusedRMSNorm`` (which saves the
+      same three) stands in for the CUDA kernel.
+    - ``F.dropout``: ``at::dropout`` runs ``native_dropout`` on CUDA (a bool mask); on CPU it
+      multiplies by a noise tensor in the input's dtype.
+    """
+    rms_norm, dropout = F.rms_norm, F.dropout
+
+    from memplan.profile.reference import FusedRMSNorm
+
+    def fused_rms_norm(x, normalized_shape, weight=None, eps=None):
+        if eps is None:
+            eps = torch.finfo(x.dtype).eps
+        if weight is None or len(normalized_shape) != 1:
+            return rms_norm(x, normalized_shape, weight, eps)
+        # CPU's _fused_rms_norm is a composite of upcast ops; memplan's FusedRMSNorm saves
+        # what CUDA's kernel saves (derivatives.yaml: input, weight and the fp32 rstd)
+        return FusedRMSNorm.apply(x, weight, eps)
+
+    def native_dropout(x, p=0.5, training=True, inplace=False):
+        if not training or p == 0.0:
+            return x
+        out = torch.native_dropout(x, p, True)[0]
+        return x.copy_(out) if inplace else out
+
+    F.rms_norm, F.dropout = fused_rms_norm, native_dropout
+    try:
+        yield
+    finally:
+        F.rms_norm, F.dropout = rms_norm, dropout
+
+
+# --- tracing -------------------------------------------------------------------------------
+
+class LibraryTracker(MemoryTracker):
+    """The exact tracker with the parallel tracer's categories (FSDP2's gathered weights) and
+    registered buffers."""
+
+    def __init__(self) -> None:
+        from memplan.profile.distributed import BUCKETS, GATHERED, ParallelTracker
+
+        super().__init__()
+        self.by_category.update({GATHERED: 0, BUCKETS: 0, BUFFERS: 0})
+        # ParallelTracker's resync follows FSDP2's storage resizes; borrow it.
+        self.resync = ParallelTracker.resync.__get__(self)
+
+
+def _fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
+
+
+def run_library_steps(built: Built, tracker: LibraryTracker, *, steps: int = 2) -> TraceResult:
+    """Run ``steps`` of the library's step under ``tracker``: the same quantities as
+    ``memplan.profile.trace.run_steps`` (gradients at the optimizer step's start, optimizer
+    states after it, what forward left alive for backward, phase peaks)."""
+    model = built.model
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    handles = []
+    with tracker, (built.context(tracker) if built.context else contextlib.nullcontext()):
+        tracker.register(params, "parameters")
+        tracker.register(list(model.buffers()), BUFFERS)
+        handles = [p.register_post_accumulate_grad_hook(
+            lambda q: tracker.relabel(q.grad, "gradients")) for p in params]
+        result = TraceResult(spec=built.spec, params_bytes=tracker.bytes_in("parameters"))
+        for k in range(1, steps + 1):
+            seen: dict[str, int] = {}
+
+            def mark(phase: str, seen: dict[str, int] = seen) -> None:
+                tracker.set_phase(phase)
+                if phase == "backward":
+                    seen["saved"] = tracker.bytes_in("activations")
+                elif phase == "optimizer":
+                    seen["grads"] = tracker.bytes_in("gradients")
+
+            tracker.set_phase("forward", step=k)
+            built.step(k, mark)
+            if built.optimizer is not None:
+                relabel_states(tracker, built.optimizer)
+            tracker.set_phase("optimizer")
+            result.steps.append(StepMeasure(
+                step=k, phases={ph: tracker.peak(k, ph) for ph in PHASES},
+                saved_activations_bytes=seen["saved"], grads_bytes=seen["grads"],
+                optimizer_bytes=tracker.bytes_in("optimizer")))
+    for h in handles:
+        h.remove()
+    return result
+
+
+def make_workload(built: Built) -> Workload:
+    """The memplan workload a built library model is estimated with."""
+    return api.make_workload(built.spec, **built.workload)
+
+
+def compare_built(built: Built, trace: TraceResult) -> Comparison:
+    """The library's trace next to ``estimate`` of its spec, layout and workload."""
+    wl = make_workload(built)
+    est = estimate(built.spec, load_gpu("h100-sxm"), built.layout, wl, overheads=no_overheads())
+    stage = est.stages[0]
+    rows = [
+        Row("params_bytes", trace.params_bytes, stage.params_bytes),
+        Row("grads_bytes", trace.steady.grads_bytes, stage.grads_bytes),
+        Row("optimizer_bytes", trace.steady.optimizer_bytes, stage.optimizer_bytes),
+        Row("activations_bytes", trace.steady.saved_activations_bytes, stage.activations_bytes),
+    ]
+    for label, measured, phases in (("first_step", trace.first, stage.first_step),
+                                    ("steady", trace.steady, stage.steady)):
+        for phase in PHASES:
+            rows.append(Row(f"{label}.{phase}_bytes", measured.phases[phase].total_bytes,
+                            getattr(phases, phase)))
+    return Comparison(built.spec, built.layout, wl, tuple(rows), trace, est)
+
+
+BUILDERS: dict[str, Callable[[FrameworkCase], Built]] = {}
+
+
+def trace_case(case: FrameworkCase, *, fake: bool | None = None,
+               steps: int = 2) -> tuple[Built, TraceResult]:
+    """Build ``case`` with its library (on fake tensors when ``fake``, default the case's) and
+    trace ``steps`` training steps."""
+    fake = case.fake if fake is None else fake
+    builder = BUILDERS[case.library]
+    group = _process_group(case.dp) if case.dp > 1 else contextlib.nullcontext()
+    with group, _fake_mode() if fake else contextlib.nullcontext(), cuda_kernels():
+        torch.manual_seed(0)
+        built = builder(case)
+        return built, run_library_steps(built, LibraryTracker(), steps=steps)
+
+
+def compare_framework(case: FrameworkCase, *, fake: bool | None = None,
+                      steps: int = 2) -> Comparison:
+    """Trace ``case`` and compare it with memplan's estimate. Raises ``MemplanError`` when the
+    recipe is not a memplan precision yet (amp-bf16)."""
+    if steps < 2:
+        raise ValueError(f"steps must be at least 2 (first step and steady state), got {steps}")
+    rec = recipe(case.recipe)
+    if not rec.available:
+        raise MemplanError(f"precision {rec.name!r} is not in memplan's workload yet")
+    built, result = trace_case(case, fake=fake, steps=steps)
+    return compare_built(built, result)
+
+
+def fake_real_check(case: FrameworkCase, steps: int = 2) -> list[Row]:
+    """The same case on fake and on real tensors: one row per traced quantity (measured: real,
+    estimated: fake). Every diff zero means fake tensors trace this library faithfully."""
+    _, real = trace_case(case, fake=False, steps=steps)
+    _, fake = trace_case(case, fake=True, steps=steps)
+    rows = [Row("params_bytes", real.params_bytes, fake.params_bytes)]
+    for label, r, f in (("first_step", real.first, fake.first),
+                        ("steady", real.steady, fake.steady)):
+        rows += [Row(f"{label}.grads_bytes", r.grads_bytes, f.grads_bytes),
+                 Row(f"{label}.optimizer_bytes", r.optimizer_bytes, f.optimizer_bytes),
+                 Row(f"{label}.activations_bytes", r.saved_activations_bytes,
+                     f.saved_activations_bytes)]
+        rows += [Row(f"{label}.{ph}_bytes", r.phases[ph].total_bytes, f.phases[ph].total_bytes)
+                 for ph in PHASES]
+    return rows
+
+
+@contextlib.contextmanager
+def _process_group(dp: int) -> Iterator[None]:
+    """Rank 0 of ``dp`` ranks on torch's fake process group (collectives return at once, every
+    tensor has the shape and dtype it has on a real rank), as memplan.profile.distributed does."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise MemplanError("a process group is already initialised")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dp)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _autocast(rec: Recipe):
+    """Autocast as the recipe asks. On CPU this applies CPU's autocast op lists, which differ
+    from CUDA's (aten/src/ATen/autocast_mode.cpp: softmax, log_softmax, rms_norm... are fp32
+    entries on CUDA; cross_entropy_loss, cat, stack are entries on CPU only)."""
+    if rec.autocast is None:
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=rec.autocast)
+
+
+def _fused_adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
+
+
+# --- Hugging Face transformers -------------------------------------------------------------
+
+def hf_spec(config, name: str) -> ModelSpec:
+    """memplan's spec of a transformers model, from its ``config.to_dict()``."""
+    return spec_from_hf_dict(config.to_dict(), f"transformers {name}", name)
+
+
+def build_hf(case: FrameworkCase) -> Built:
+    """``AutoModelForCausalLM.from_config`` of a ``config.json`` dict with SDPA attention, in
+    the recipe's dtype, stepped as ``transformers.Trainer.training_step`` does: the model's own
+    loss (``labels=input_ids``: ``ForCausalLMLoss`` shifts them and upcasts the logits to
+    fp32), the output dropped before backward (``compute_loss`` returns the loss alone), then
+    ``clip_grad_norm_(max_norm=1.0)``, ``optimizer.step()`` and ``zero_grad(set_to_none=True)``.
+
+    options: ``attn`` (``"sdpa"``, default, or ``"eager"``), ``keep_output`` (True: the loop
+    holds the model's output, logits included, through backward)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    rec = recipe(case.recipe)
+    attn = case.options.get("attn", "sdpa")
+    config = AutoConfig.for_model(**case.config)
+    model = AutoModelForCausalLM.from_config(config, dtype=rec.weights, attn_implementation=attn)
+    spec = hf_spec(model.config, case.name)
+    opt = _fused_adamw([p for p in model.parameters() if p.requires_grad])
+    b, s, vocab = case.micro_batch_size, case.seq_len, model.config.vocab_size
+    keep = case.options.get("keep_output", False)
+
+    def step(k: int, mark: Mark) -> None:
+        ids = torch.randint(0, vocab, (b, s))
+        with _autocast(rec):
+            out = model(input_ids=ids, labels=ids)
+        loss = out.loss
+        if not keep:
+            del out
+        mark("backward")
+        loss.backward()
+        del loss
+        mark("optimizer")
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    # Llama-family RMSNorms are Python upcasts (``LlamaRMSNorm.forward``); GPT-2's
+    # ``nn.LayerNorm`` is one aten kernel saving its input and per-row statistics.
+    norm = "fused" if spec.norm.value == "layernorm" else "upcast"
+    workload = dict(micro_batch_size=b, seq_len=s, precision=rec.name, optimizer_impl="fused",
+                    attention="flash" if attn == "sdpa" else "eager", norm_impl=norm,
+                    logits_fp32=True)
+    return Built("transformers", model, spec, api.make_layout(1), workload, step, opt)
+
+
+BUILDERS["transformers"] = build_hf
+
+
+# --- torchtitan ------------------------------------------------------------------------------
+
+def torchtitan_config(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int,
+                      vocab_size: int, seq_len: int, multiple_of: int = 256,
+                      ffn_dim_multiplier: float | None = None, fuse_qkv: bool = True):
+    """A ``Llama3Model.Config`` built the way ``torchtitan.models.llama3`` builds its flavors
+    (``_build_llama3_layers``, ``compute_ffn_hidden_dim``, llama-scaled ComplexRoPE), with the
+    SDPA attention backend (flex attention needs compile) and RoPE's cache cut to the training
+    sequence, as ``Decoder.Config.update_from_config`` does from ``training.seq_len``."""
+    from torchtitan.models import llama3
+    from torchtitan.models.common import (
+        ComplexRoPE,
+        Embedding,
+        Linear,
+        RMSNorm,
+        compute_ffn_hidden_dim,
+    )
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    init = llama3._EMBEDDING_INIT
+    cfg = llama3.Llama3Model.Config(
+        dim=dim, vocab_size=vocab_size,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab_size, embedding_dim=dim,
+                                        param_init=init),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=llama3._NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab_size,
+                              param_init=llama3._output_linear_init(dim)),
+        layers=llama3._build_llama3_layers(
+            fuse_qkv=fuse_qkv, n_layers=n_layers, dim=dim, n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=multiple_of,
+                                              ffn_dim_multiplier=ffn_dim_multiplier),
+            rope=ComplexRoPE.Config(dim=dim // n_heads, max_seq_len=seq_len, theta=500000,
+                                    scaling="llama"),
+            attn_backend="flex"))
+    # 0.3.0's get_attention_config refuses "sdpa" for language models; its SDPA module is
+    # still there and is what runs without compile (flex attention needs it).
+    for layer in cfg.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return cfg
+
+
+def torchtitan_spec(cfg, name: str) -> ModelSpec:
+    """memplan's spec of a torchtitan Llama3 config (Llama's field names)."""
+    attn = cfg.layers[0].attention
+    ffn = cfg.layers[0].feed_forward
+    hidden = ffn.w1.out_features if hasattr(ffn, "w1") else _ffn_hidden(ffn)
+    data = {"model_type": "llama", "hidden_size": cfg.dim, "num_hidden_layers": len(cfg.layers),
+            "num_attention_heads": attn.n_heads, "num_key_value_heads": attn.n_kv_heads,
+            "intermediate_size": hidden, "vocab_size": cfg.vocab_size,
+            "max_position_embeddings": attn.rope.max_seq_len, "hidden_act": "silu",
+            "tie_word_embeddings": cfg.enable_weight_tying}
+    return spec_from_hf_dict(data, f"torchtitan {name}", name)
+
+
+def _ffn_hidden(ffn) -> int:
+    for f in dataclasses.fields(ffn):
+        value = getattr(ffn, f.name)
+        if hasattr(value, "out_features"):
+            return value.out_features
+    raise MemplanError("torchtitan feed-forward config: no hidden width found")
+
+
+def build_torchtitan(case: FrameworkCase) -> Built:
+    """torchtitan's Llama3 (``Llama3Model``), parallelised by its own ``parallelize_llama``
+    (FSDP2 through ``apply_fsdp_to_decoder``: the embedding, [final norm, head] and each block a
+    unit, its default ``MixedPrecisionPolicy``) on ``dp`` ranks of the fake process group
+    (torchtitan's ``ParallelDims`` meshes, on device cpu), stepped as ``Trainer.train_step``
+    does: ``pred = model(inputs)``, its ``cross_entropy_loss`` (``pred.float()``, sum reduction)
+    divided by the token count, ``del pred``, ``loss.backward()``, its ``clip_grad_norm_``,
+    ``optimizers.step()``; ``zero_grad`` before the next step with ``set_to_none`` (option
+    ``set_to_none``: True, as with ``training.disable_cuda_graphs``; torchtitan's default keeps
+    the zeroed gradients).
+
+    options: ``set_to_none`` (default True), ``ac`` (``"none"``, default; ``"full"`` or
+    ``"selective"``: torchtitan's own activation checkpointing, estimated as memplan's full or
+    selective recompute). On CPU, 0.3.0's op-level ``SelectiveAC`` recomputes the attention:
+    its save list names the cuDNN, math and overrideable SDPA ops but not
+    ``_scaled_dot_product_flash_attention_for_cpu``, while on an H100 its priority list picks
+    cuDNN, which it saves; a CPU trace of ``selective`` is not what a GPU holds.
+
+    Real tensors only: ``torch.nn.init.trunc_normal_`` (its parameter init) reads values.
+    ``dp`` must be at least 2: ``apply_fsdp_to_decoder`` shards even one rank, whose gathered
+    copies memplan's single-rank layout has no term for."""
+    import torchtitan.distributed.parallel_dims as pd
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.models.llama3 import parallelize_llama
+
+    rec = recipe(case.recipe)
+    if rec.name not in ("fp32", "fsdp-bf16"):
+        raise MemplanError("torchtitan: recipe fp32 or fsdp-bf16 (fp32 shards, its default)")
+    if case.dp < 2:
+        raise MemplanError("torchtitan: dp must be at least 2 (FSDP2 on every rank)")
+    cfg = torchtitan_config(**case.config, seq_len=case.seq_len)
+    spec = torchtitan_spec(cfg, case.name)
+    with torch.device("cpu"):
+        model = cfg.build()
+    model.init_states(buffer_device=torch.device("cpu"))
+    ac = case.options.get("ac", "none")
+    ac_config = _torchtitan_ac(ac)
+    precision = "bfloat16" if rec.name == "fsdp-bf16" else "float32"
+    training = TrainingConfig(local_batch_size=case.micro_batch_size, seq_len=case.seq_len,
+                              mixed_precision_param=precision)
+    # "partial_dtensor": DTensor for model-parallel axes only, FSDP2 on plain modules (the
+    # default "spmd_types" path expects the Trainer to have distributed every module first)
+    parallelism = ParallelismConfig(data_parallel_shard_degree=case.dp,
+                                    spmd_backend="partial_dtensor")
+    device_type = pd.device_type
+    pd.device_type = "cpu"  # torchtitan falls back to "cuda" when no accelerator is found
+    try:
+        dims = ParallelDims.from_config(parallelism, world_size=case.dp)
+        dims.build_mesh()
+        model = parallelize_llama(model, parallel_dims=dims, training=training,
+                                  parallelism=parallelism, compile_config=CompileConfig(),
+                                  ac_config=ac_config, dump_folder="/tmp")
+    finally:
+        pd.device_type = device_type
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = _fused_adamw(params)
+    b, s = case.micro_batch_size, case.seq_len
+    set_to_none = case.options.get("set_to_none", True)
+
+    def step(k: int, mark: Mark) -> None:
+        opt.zero_grad(set_to_none=set_to_none)
+        inputs = torch.randint(0, cfg.vocab_size, (b, s))
+        labels = torch.randint(0, cfg.vocab_size, (b, s))
+        pred = model(inputs)
+        loss = cross_entropy_loss(pred, labels) / (b * s)
+        del pred
+        mark("backward")
+        loss.backward()
+        del loss
+        mark("optimizer")
+        dist_utils.clip_grad_norm_(params, 1.0, foreach=True)
+        opt.step()
+
+    # nn.RMSNorm runs CUDA's fused kernel (cuda_kernels); the loss upcasts the logits
+    workload = dict(micro_batch_size=b, seq_len=s, precision=rec.name, optimizer_impl="fused",
+                    attention="flash", norm_impl="fused", logits_fp32=True, recompute=ac)
+    from memplan.profile.distributed import _follow_fsdp_storage
+
+    # FSDP2 frees and re-allocates its unsharded buffers with storage resizes no dispatch
+    # mode sees; memplan's parallel tracer follows them (category "gathered")
+    layout = api.make_layout(case.dp, zero=3)
+    return Built("torchtitan", model, spec, layout, workload, step, opt,
+                 context=_follow_fsdp_storage)
+
+
+def _torchtitan_ac(mode: str):
+    if mode == "none":
+        return None
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    return FullAC.Config() if mode == "full" else SelectiveAC.Config()
+
+
+BUILDERS["torchtitan"] = build_torchtitan
+
+
+# --- litgpt ----------------------------------------------------------------------------------
+
+def litgpt_spec(config, name: str) -> ModelSpec:
+    """memplan's spec of a litgpt ``Config`` (Llama family: RMSNorm, LLaMAMLP, RoPE)."""
+    if config.mlp_class_name != "LLaMAMLP" or config.norm_class_name != "RMSNorm":
+        raise MemplanError(f"litgpt {name}: only Llama-style configs are described here")
+    data = {"model_type": "llama", "hidden_size": config.n_embd,
+            "num_hidden_layers": config.n_layer, "num_attention_heads": config.n_head,
+            "num_key_value_heads": config.n_query_groups, "head_dim": config.head_size,
+            "intermediate_size": config.intermediate_size,
+            "vocab_size": config.padded_vocab_size, "max_position_embeddings": config.block_size,
+            "hidden_act": "silu", "attention_bias": config.bias, "mlp_bias": config.bias,
+            "tie_word_embeddings": False}
+    return spec_from_hf_dict(data, f"litgpt {name}", name)
+
+
+_FABRIC_PRECISION = {"fp32": "32-true", "bf16-pure": "bf16-true", "amp-bf16": "bf16-mixed"}
+
+
+def build_litgpt(case: FrameworkCase) -> Built:
+    """litgpt's ``GPT`` from ``Config.from_name(name, **config)`` set up by Lightning Fabric
+    (CPU, one device, the recipe's Fabric precision: ``32-true``, ``bf16-true``,
+    ``bf16-mixed``), stepped as ``litgpt/pretrain.py``'s ``fit`` does: ``logits =
+    model(input_ids)`` (a loop variable, alive until the next step's forward returns),
+    ``chunked_cross_entropy(logits, targets)``, ``fabric.backward(loss)``,
+    ``fabric.clip_gradients(max_norm=1.0)``, ``optimizer.step()``, ``optimizer.zero_grad()``."""
+    import lightning as L
+    from litgpt.config import Config
+    from litgpt.model import GPT
+    from litgpt.utils import chunked_cross_entropy
+
+    rec = recipe(case.recipe)
+    config = Config.from_name(case.name, **case.config)
+    spec = litgpt_spec(config, case.name)
+    fabric = L.Fabric(accelerator="cpu", devices=1, precision=_FABRIC_PRECISION[rec.name])
+    with fabric.init_module(empty_init=False):
+        model = GPT(config)
+    model = fabric.setup(model)
+    opt = fabric.setup_optimizers(_fused_adamw(model.parameters()))
+    b, s, vocab = case.micro_batch_size, case.seq_len, config.padded_vocab_size
+    state: dict[str, Any] = {}
+
+    def step(k: int, mark: Mark) -> None:
+        ids = torch.randint(0, vocab, (b, s + 1))
+        input_ids, targets = ids[:, :s], ids[:, 1:]
+        state["logits"] = model(input_ids)  # pretrain.py's loop variable
+        loss = chunked_cross_entropy(state["logits"], targets)
+        mark("backward")
+        fabric.backward(loss)
+        del loss
+        mark("optimizer")
+        fabric.clip_gradients(model, opt, max_norm=1.0)
+        opt.step()
+        opt.zero_grad()
+
+    workload = dict(micro_batch_size=b, seq_len=s, precision=rec.name, optimizer_impl="fused",
+                    attention="flash", norm_impl="upcast", logits_fp32=True)
+    # the optimizer Fabric wraps is the one whose states the tracker reads
+    inner = getattr(opt, "optimizer", opt)
+    return Built("litgpt", model, spec, api.make_layout(1), workload, step, inner)
+
+
+BUILDERS["litgpt"] = build_litgpt
+
+
+def available(library: str) -> bool:
+    import importlib.util
+
+    module = {"transformers": "transformers", "torchtitan": "torchtitan",
+              "litgpt": "litgpt"}[library]
+    return importlib.util.find_spec(module) is not None
+
+
+__all__ = ["BUFFERS", "BUILDERS", "LIBRARIES", "RECIPES", "Built", "FrameworkCase",
+           "LibraryTracker", "Recipe", "build_hf", "build_litgpt", "build_torchtitan",
+           "compare_built", "compare_framework", "cuda_kernels", "fake_real_check",
+           "hf_spec", "litgpt_spec", "recipe", "run_library_steps", "torchtitan_config",
+           "torchtitan_spec", "trace_case"]
