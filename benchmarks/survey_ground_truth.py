@@ -8,7 +8,7 @@ Each sample draws a decoder spec (Llama or GPT style, MHA/GQA/MQA, gated or plai
 tied embeddings, dropout) and a workload (recipe, recompute, attention kernel, norm kernel,
 logits dtype, optimizer implementation), traces two steps with fake tensors and compares every
 row of ``memplan trace``. It prints how many samples had a row beyond 0.5% and the worst ones:
-the grid in tests/test_ground_truth.py pins the cases that agree, this finds the next ones.
+the grid in tests/traced/test_ground_truth.py pins the cases that agree, this finds the next ones.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from memplan.errors import MemplanError
 from memplan.hardware import GpuSpec, load_gpu
 from memplan.model.estimate import Estimate
 from memplan.model.estimate import estimate as _estimate
+from memplan.model.pipeline import Schedule
 from memplan.overheads import Overheads
 from memplan.parallel import (
     GradBuffers,
@@ -25,7 +26,6 @@ from memplan.parallel import (
     ZeroStage,
     layout_for_gpus,
 )
-from memplan.model.pipeline import Schedule
 from memplan.spec import ModelSpec, load_model
 from memplan.units import parse_bytes
 from memplan.workload import Recompute, Workload

@@ -29,11 +29,11 @@ from itertools import pairwise
 import numpy as np
 
 from memplan.model.estimate import RankPeak, batch_regime, most_loaded, optimizer_floor_bytes
+from memplan.model.memo import stage_parts
+from memplan.model.pipeline import Schedule
 from memplan.overheads import Overheads
 from memplan.parallel import ParallelConfig
-from memplan.model.pipeline import Schedule
 from memplan.spec import ModelSpec
-from memplan.model.memo import stage_parts
 from memplan.workload import Workload
 
 UNKNOWN, FITS, OVER = 0, 1, -1

@@ -5,7 +5,7 @@ torch-free. ``memplan.profile.perf`` runs the profiler and hands over:
   ``flops`` as counted by ``with_flops=True``: matmuls, convolutions and some elementwise
   ops; attention kernels may count none);
 - ``kernels``: one row per GPU kernel name (``name``, ``calls``, ``time_us``), empty on CPU;
-- ``trace``: ``memplan.trace_analysis.analyze`` of the exported chrome trace (the split of the
+- ``trace``: ``memplan.profiler_traces.analyze`` of the exported chrome trace (the split of the
   profiled steps into compute, exposed communication, exposed copies and idle).
 
 Achieved FLOP/s = counted FLOPs per step / mean step time. MFU = achieved / the catalog's

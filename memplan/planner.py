@@ -212,7 +212,7 @@ def _sp_on_where_possible(pars: list[ParallelConfig], rejected: Counter) -> list
     it on is one of ``pars``: sequence parallelism splits the residual-stream activations by
     tp and leaves everything else a rank holds as it is (``memplan.model.dims``), and it
     splits the pipeline sends by tp (``memplan.timing``), so with it on a layout needs no more
-    memory and no more time at every micro-batch (tests/test_planner_vector.py checks this
+    memory and no more time at every micro-batch (tests/unit/test_planner_vector.py checks this
     over a grid). Off stays where on is not possible (tp does not divide the sequence) or was
     ruled out by the caller."""
     usable = set(pars)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from memplan.batch_sizes import micro_batch_sizes
+from memplan.calibrate.calibration_profile import Profile, find_profile, load_profile
 from memplan.calibrate.features import (
     FEATURES,
     STEP_KINDS,
@@ -21,7 +22,6 @@ from memplan.calibrate.features import (
     model_deltas,
     stage_features,
 )
-from memplan.calibrate.profile import Profile, find_profile, load_profile
 from memplan.errors import MemplanError
 from memplan.hardware import GpuSpec
 from memplan.model.estimate import PHASES, Estimate, StageMemory

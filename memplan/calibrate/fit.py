@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.linalg
 
+from memplan.calibrate.calibration_profile import DeviceTerms, ErrorFigure, PointFit
 from memplan.calibrate.features import (
     FEATURES,
     STEP_KINDS,
@@ -25,7 +26,6 @@ from memplan.calibrate.features import (
     correction,
     stage_features,
 )
-from memplan.calibrate.profile import DeviceTerms, ErrorFigure, PointFit
 from memplan.calibrate.records import PHASES, ProbeRecord, Record
 from memplan.errors import MemplanError
 from memplan.hardware import load_gpu

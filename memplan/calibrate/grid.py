@@ -123,7 +123,7 @@ def device_grid(device: str, *, quick: bool, total_bytes: int | None = None,
 
 def parallel_layouts(nproc: int) -> list[tuple[ParallelConfig, Precision]]:
     """FSDP2 (ZeRO-3 over ``nproc`` ranks, torchtitan's bf16 mixed precision) and tensor
-    parallelism with sequence parallelism, as ``memplan.profile.parallel`` builds them: DTensor
+    parallelism with sequence parallelism, as ``memplan.profile.distributed`` builds them: DTensor
     style with the embedding and head replicated."""
     fsdp = ParallelConfig(dp=nproc, zero=ZeroStage.PARAMETERS)
     tp = ParallelConfig(tp=nproc, sequence_parallel=True, vocab_parallel=False,

@@ -32,6 +32,7 @@ from __future__ import annotations
 import numpy as np
 import scipy.linalg
 
+from memplan.calibrate.calibration_profile import ErrorFigure, ModelTerms, PointFit, RegimeFit
 from memplan.calibrate.features import (
     MODEL_TARGETS,
     MONOMIALS,
@@ -44,7 +45,6 @@ from memplan.calibrate.features import (
     regime_of,
 )
 from memplan.calibrate.fit import sig
-from memplan.calibrate.profile import ErrorFigure, ModelTerms, PointFit, RegimeFit
 from memplan.calibrate.records import PHASES, Record
 from memplan.errors import MemplanError
 

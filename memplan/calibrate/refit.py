@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from memplan.calibrate.profile import Profile, load_profile, save_profile
+from memplan.calibrate.calibration_profile import Profile, load_profile, save_profile
 from memplan.calibrate.records import read_probes, read_records
 from memplan.errors import MemplanError
 

@@ -31,7 +31,7 @@ def analyze_trace(paths: Paths, straggler_pct: StragglerPct = 5.0,
 
       memplan analyze-trace run/*.pt.trace.json.gz --json
     """
-    from memplan.trace_analysis import analyze_paths
+    from memplan.profiler_traces import analyze_paths
 
     result = analyze_paths(list(paths), straggler_pct)
     if json_out:

@@ -266,7 +266,7 @@ def _run_module(target: str, model: str | None, precision: Precision, seq: int |
 
 
 def _fit_and_report(folder: Path, path: Path, name: str, json_out: bool) -> None:
-    from memplan.calibrate.profile import save_profile
+    from memplan.calibrate.calibration_profile import save_profile
     from memplan.calibrate.refit import build_profile
 
     profile = build_profile(folder, path, name)

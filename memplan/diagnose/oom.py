@@ -8,7 +8,7 @@ formats below were checked against ``libc10_cuda.so`` of the PyPI wheels 1.3.1, 
 give every piece's type in order), against pytorch/pytorch's ``CUDACachingAllocator.cpp``
 (commit 001074d2), ``CUDAMallocAsyncAllocator.cpp`` (03459473) and
 ``c10/xpu/XPUCachingAllocator.cpp`` (00d512ae), and against messages users pasted in GitHub
-issues (tests/test_diagnose_formats.py).
+issues (tests/unit/test_diagnose_formats.py).
 
 The parenthesised format, up to 2.0 (a ``RuntimeError`` in 1.5.0, a
 ``torch.cuda.OutOfMemoryError`` in 1.13.1 and 2.0.1)::

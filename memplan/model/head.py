@@ -70,7 +70,7 @@ def linear_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims, vocab_grad_by
     output (nothing else saves it) once its projection's backward is done. So the worst is
     the last chunk's weight gradient made, with its logits' gradient not yet freed and all
     input gradients beside it, or the three-way sum of the chunk run before it, beside the
-    input gradients made so far (traced: tests/test_ground_truth.py, ``loss_chunks``)."""
+    input gradients made so far (traced: tests/traced/test_ground_truth.py, ``loss_chunks``)."""
     chunk, chunks = loss_chunk_tokens(wl, dm)
     grad_logits = chunk * dm.vocab_shard * dm.e
     if wl.loss_chunks == 1:

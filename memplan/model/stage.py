@@ -281,7 +281,7 @@ def _grad_sharding(wl: Workload, fx: StageStates) -> GradSharding:
         buffer=shard.grad_bytes,
         unsharded_ratio=fx.params.total * policy.grad_bytes / max(fx.states.grads_bytes, 1),
         # FSDP2 frees a unit's reduce-scatter input only when the next unit's reduce-scatter
-        # waits on it (traced, tests/test_ground_truth.py FSDP_GRID)
+        # waits on it (traced, tests/traced/test_ground_truth.py FSDP_GRID)
         held_reduce_input=shard.grad_bytes if shard.gathered_bytes else 0,
         unsharded_dtype=wl.compute_dtype.itemsize / policy.grad_bytes,
         # in backward FSDP2 holds the root and the block being computed (traced)

@@ -1,7 +1,7 @@
 """Multi-rank calibration worker, started by ``memplan calibrate --nproc N`` through torchrun.
 
 Every rank runs the same grid (``memplan.calibrate.grid.parallel_grid``): FSDP2 and tensor
-parallel layouts of the reference model, built and stepped by ``memplan.profile.parallel``
+parallel layouts of the reference model, built and stepped by ``memplan.profile.distributed``
 (``trace_rank``, real tensors). On CPU the process group is gloo and the exact tracker measures
 each rank; on CUDA it is NCCL, each rank on its own device, and the caching allocator is read per
 phase as in the single-process grid, plus device used minus reserved (context and NCCL buffers)
@@ -49,7 +49,7 @@ def init(device: str) -> int | None:
 
 def measure_rank(point: Point, device: str, steps: int, nccl: int | None) -> RankMeasure | str:
     """This rank's measures of one point, or the out-of-memory message."""
-    from memplan.profile.parallel import trace_rank
+    from memplan.profile.distributed import trace_rank
 
     clock = PhaseClock(cuda=device == "cuda")
     try:

@@ -57,7 +57,7 @@ def run_trace(spec: ModelSpec, par: ParallelConfig, wl: Workload, *, steps: int 
     """One process for a single-rank layout, else rank 0 of the layout via the fake group."""
     if par.world_size == 1:
         return trace(spec, par, wl, steps=steps, fake=fake)
-    from memplan.profile.parallel import trace_parallel
+    from memplan.profile.distributed import trace_parallel
 
     return trace_parallel(spec, par, wl, steps=steps, fake=fake)
 

@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 from memplan.hardware import GpuSpec
 from memplan.perf import summarize
 from memplan.profile.step import StepFn, _device_of
-from memplan.trace_analysis import analyze, load
+from memplan.profiler_traces import analyze, load
 
 
 def _ops(averages: Any, cuda: bool) -> list[dict[str, Any]]:

@@ -41,7 +41,7 @@ from memplan.calibrate.records import (
 )
 from memplan.errors import MemplanError
 from memplan.parallel import ParallelConfig
-from memplan.profile.parallel import ParallelTracker
+from memplan.profile.distributed import ParallelTracker
 from memplan.profile.trace import _TORCH_DTYPE, _fake_mode, run_steps
 from memplan.spec import ModelSpec
 from memplan.timing import step_flops
@@ -229,7 +229,7 @@ def _null():
 
 def default_points(max_seq: int) -> list[tuple[int, int, str]]:
     """(mbs, seq, role) with S = ``max_seq``: micro-batch 1 at four sequence lengths (its own
-    regime, see ``memplan.calibrate.profile.ModelTerms``), micro-batch 2 and 3 at S/4, S/2 and
+    regime, see ``memplan.calibrate.calibration_profile.ModelTerms``), micro-batch 2 and 3 at S/4, S/2 and
     S, micro-batch 4 at S/4 and S (12 fit points); held out: one point per regime between the
     fitted sequence lengths and one beyond the fitted micro-batch sizes."""
     s = max(16, max_seq // 16 * 16)

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from memplan.errors import MemplanError
-from memplan.spec import spec_from_hf_config
-from memplan.spec import load_model
+from memplan.spec import load_model, spec_from_hf_config
 
 HF = Path(__file__).parent.parent / "data" / "hf"
 

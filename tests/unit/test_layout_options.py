@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 import memplan
+from memplan.errors import MemplanError
 from memplan.model import head, norm
 from memplan.model.dims import Dims
-from memplan.errors import MemplanError
 from memplan.overheads import no_overheads
 from memplan.parallel import ParallelConfig, TpStyle
 from memplan.workload import Workload

@@ -15,16 +15,16 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import memplan
+from memplan.errors import MemplanError
 from memplan.model import attention
 from memplan.model import embedding as emb_block
 from memplan.model import head as head_block
 from memplan.model import layer as layer_block
 from memplan.model.dims import Dims, total
-from memplan.errors import MemplanError
 from memplan.model.estimate import Estimate, StageMemory
+from memplan.model.pipeline import chunks_in_flight
 from memplan.overheads import no_overheads
 from memplan.parallel import ParallelConfig
-from memplan.model.pipeline import chunks_in_flight
 from memplan.spec import load_model
 from memplan.units import MiB
 from memplan.workload import Recompute
@@ -444,7 +444,7 @@ def test_peak_never_increases_with_recompute(job: dict[str, Any]) -> None:
     layer_input = _layer_bytes(es[0], Recompute.FULL)
     core = _layer_bytes(es[0], Recompute.NONE) - _layer_bytes(es[0], Recompute.SELECTIVE)
     rebuilt_out = _q_bytes(es[0]) * (3 if job["attention"] == "eager" else 1)
-    # the model agrees with traces within 0.5% (tests/test_ground_truth.py), so the bounds
+    # the model agrees with traces within 0.5% (tests/traced/test_ground_truth.py), so the bounds
     # carry that tolerance
     slack = none // 200
     assert selective <= none + rebuilt_out + slack

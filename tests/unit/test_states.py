@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import pytest
 
+from memplan.model.model_states import StageParams, StateBytes, stage_params, state_bytes
 from memplan.parallel import ParallelConfig, ZeroStage
 from memplan.spec import ModelSpec, load_model, param_counts
-from memplan.model.model_states import StageParams, StateBytes, stage_params, state_bytes
 from memplan.units import GB
 from memplan.workload import Optimizer, Precision, Workload
 

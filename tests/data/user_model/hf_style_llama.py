@@ -1,7 +1,7 @@
 """A small Llama written the way Hugging Face's modeling_llama writes it, not memplan's
 reference model: eager attention with a 4-D additive mask, rotary tables from position ids,
 K/V repeated to every head, the softmax in fp32, and the loss on shifted labels. Used by
-tests/test_calibrate.py as a user model (``memplan calibrate --module``)."""
+tests/traced/test_calibrate.py as a user model (``memplan calibrate --module``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A GPT written the way nanoGPT writes it, for tests/test_calibrate.py: fused qkv projection,
+"""A GPT written the way nanoGPT writes it, for tests/traced/test_calibrate.py: fused qkv projection,
 ``scaled_dot_product_attention`` with attention dropout, LayerNorm, learned positions, a head
 tied to the embedding, and ``forward(idx, targets) -> (logits, loss)``."""
 

@@ -6,7 +6,7 @@ every tensor has the shape and dtype it has on a real rank), wraps the reference
 torchtitan / plain PyTorch do, and runs ``trace.run_steps`` on it. The fake group reproduces a
 2-process gloo rank's parameters, gradients and optimizer states exactly, and its activations
 and peaks up to the collective buffers gloo's worker threads may still hold
-(``gloo_late_bytes``); tests/test_parallel_trace.py keeps a real gloo run of each kind to hold
+(``gloo_late_bytes``); tests/traced/test_parallel_trace.py keeps a real gloo run of each kind to hold
 it to that. ``trace_rank`` does the same on whatever process group is already initialised (that
 is what the gloo tests call in each worker).
 

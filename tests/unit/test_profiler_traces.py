@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from memplan.cli import app, main
 from memplan.intervals import intersect, length, subtract, union
-from memplan.trace_analysis import analyze, analyze_paths, load
+from memplan.profiler_traces import analyze, analyze_paths, load
 
 GLOO = sorted((Path(__file__).parent.parent / "data" / "traces" / "gloo_2rank").glob("rank*.json.gz"))
 

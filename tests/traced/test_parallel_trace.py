@@ -26,12 +26,20 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from memplan.errors import MemplanError  # noqa: E402
 from memplan.parallel import ParallelConfig  # noqa: E402
-from memplan.profile.parallel import (  # noqa: E402
-    GATHERED, ParallelTracker, gloo_late_bytes, trace_parallel, trace_rank,
+from memplan.profile.distributed import (  # noqa: E402
+    GATHERED,
+    ParallelTracker,
+    gloo_late_bytes,
+    trace_parallel,
+    trace_rank,
 )
 from memplan.profile.reference import ReferenceModel, RefOptions  # noqa: E402
 from memplan.profile.trace import (  # noqa: E402
-    TraceResult, _fake_mode, ref_options, run_steps, trace,
+    TraceResult,
+    _fake_mode,
+    ref_options,
+    run_steps,
+    trace,
 )
 from memplan.spec import load_model  # noqa: E402
 from memplan.workload import Workload  # noqa: E402

@@ -47,7 +47,7 @@ def test_profile_perf_cpu_exact_flops(tmp_path):
     5 * 262,144 = 1,310,720 FLOPs per step."""
     torch = pytest.importorskip("torch")
     from memplan.profile.perf import profile_perf
-    from memplan.trace_analysis import load
+    from memplan.profiler_traces import load
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),

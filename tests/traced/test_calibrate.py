@@ -28,10 +28,10 @@ import pytest
 from typer.testing import CliRunner
 
 import memplan
+from memplan.calibrate.calibration_profile import load_profile, save_profile
 from memplan.calibrate.features import analytic, analytic_phases, stage_features
 from memplan.calibrate.fit import fit_device
 from memplan.calibrate.grid import Point, device_grid, reference_spec
-from memplan.calibrate.profile import load_profile, save_profile
 from memplan.calibrate.records import (
     Meta,
     PhaseMeasure,
@@ -49,7 +49,7 @@ from memplan.hardware import load_gpu
 from memplan.timing import step_flops
 from memplan.units import GiB, MiB
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 USER_MODEL = ROOT / "tests" / "data" / "user_model"
 PHASES = ("forward", "backward", "optimizer")
 
@@ -70,7 +70,7 @@ def meta(device: str = "cuda", gpu: str | None = "h100-sxm") -> Meta:
     return Meta(device=device, device_name="NVIDIA H100 80GB HBM3" if gpu else "test cpu",
                 gpu=gpu, total_bytes=load_gpu("h100-sxm").memory_bytes if gpu else None,
                 torch="2.x", python="3.11", attention_backend="test", date="2026-01-01",
-                command="synthetic records (tests/test_calibrate.py)")
+                command="synthetic records (tests/traced/test_calibrate.py)")
 
 
 def synthetic(point: Point, coef: dict[str, float], scale: float = 1.0,
@@ -382,7 +382,7 @@ def test_gloo_two_ranks(tmp_path: Path) -> None:
     buffers a gloo worker thread still holds (``gloo_late_bytes``: the two workers race the
     main thread), so the two ranks are never compared with each other byte for byte."""
     pytest.importorskip("torch")
-    from memplan.profile.parallel import gloo_late_bytes, trace_parallel
+    from memplan.profile.distributed import gloo_late_bytes, trace_parallel
     from memplan.profile.reference import ReferenceModel, RefOptions
 
     result = CliRunner().invoke(app, ["calibrate", "--device", "cpu", "--quick", "--nproc", "2",
