@@ -187,25 +187,12 @@ class LibraryTracker(MemoryTracker):
     registered buffers."""
 
     def __init__(self) -> None:
-        BUCKETS, GATHERED, ParallelTracker = _parallel_tracer(
-            "BUCKETS", "GATHERED", "ParallelTracker")
+        from memplan.profile.distributed import BUCKETS, GATHERED, ParallelTracker
 
         super().__init__()
         self.by_category.update({GATHERED: 0, BUCKETS: 0, BUFFERS: 0})
         # ParallelTracker's resync follows FSDP2's storage resizes; borrow it.
         self.resync = ParallelTracker.resync.__get__(self)
-
-
-def _parallel_tracer(*names: str) -> tuple:
-    """Names from memplan's parallel tracer (``memplan.profile.distributed``, formerly
-    ``memplan.profile.parallel``)."""
-    import importlib
-
-    try:
-        module = importlib.import_module("memplan.profile.distributed")
-    except ModuleNotFoundError:
-        module = importlib.import_module("memplan.profile.parallel")
-    return tuple(getattr(module, name) for name in names)
 
 
 def _fake_mode():
@@ -547,7 +534,7 @@ def build_torchtitan(case: FrameworkCase) -> Built:
     # nn.RMSNorm runs CUDA's fused kernel (cuda_kernels); the loss upcasts the logits
     workload = dict(micro_batch_size=b, seq_len=s, precision=rec.name, optimizer_impl="fused",
                     attention="flash", norm_impl="fused", logits_fp32=True, recompute=ac)
-    (_follow_fsdp_storage,) = _parallel_tracer("_follow_fsdp_storage")
+    from memplan.profile.distributed import _follow_fsdp_storage
 
     # FSDP2 frees and re-allocates its unsharded buffers with storage resizes no dispatch
     # mode sees; memplan's parallel tracer follows them (category "gathered")
