@@ -24,6 +24,11 @@ runs under ``torch.autocast("cpu")``. On top of it:
   the kernel without casting their inputs first. Both give the promoted dtype; only CPU makes
   the cast copies, so here they run with CPU autocast off.
 
+The rules are applied by replacing the functions and tensor methods named below for the
+duration of the context (and restoring them after), not by a ``TorchFunctionMode``: the autograd
+engine runs a checkpointed region's recomputation without the Python mode stack, so a mode would
+see the forward but not its rerun in backward (``tests/traced/test_cuda_rules.py``).
+
 Kernels (``cuda_kernels``, also active inside ``cuda_autocast``):
 
 - ``F.dropout`` is ``native_dropout`` on CUDA (``aten/src/ATen/native/Dropout.cpp``,
@@ -43,34 +48,34 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 _T = torch.Tensor
 LOW = (torch.bfloat16, torch.float16)
 
-# AT_FORALL_FP32 entries as Python calls reach them (functions and tensor methods)
-FP32_OPS = frozenset({
-    torch.pow, _T.pow, _T.__pow__, torch.rsqrt, _T.rsqrt, torch.exp, _T.exp, torch.log,
-    _T.log, torch.log2, _T.log2, torch.log10, _T.log10, torch.log1p, _T.log1p, torch.expm1,
-    _T.expm1, torch.reciprocal, _T.reciprocal, torch.acos, _T.acos, torch.asin, _T.asin,
-    torch.cosh, _T.cosh, torch.sinh, _T.sinh, torch.tan, _T.tan, torch.erfinv, _T.erfinv,
-    torch.logsumexp, _T.logsumexp, F.softplus, F.layer_norm, F.group_norm, F.nll_loss,
-    F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.kl_div,
-    F.binary_cross_entropy_with_logits, F.cosine_similarity, F.poisson_nll_loss, torch.cdist,
-    torch.dist, torch.renorm,
-})
-# AT_FORALL_FP32_SET_OPT_DTYPE entries: (call, position of its dtype argument or None)
-SET_DTYPE_OPS = frozenset({
-    F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, _T.softmax, _T.log_softmax,
-    torch.sum, _T.sum, torch.cumsum, _T.cumsum, torch.cumprod, _T.cumprod, torch.prod,
-    _T.prod, torch.linalg.vector_norm,
-})
-# CPU-only autocast entries (cross_entropy_loss in CPU's fp32 list; cat, stack promote)
-CPU_ONLY = frozenset({torch.cat, torch.stack, torch.concat, torch.concatenate})
+_FN, _LINALG = F, torch.linalg
+# AT_FORALL_FP32 entries, as (owner, attribute) where Python calls reach them
+FP32_OPS = (
+    *((owner, name) for name in ("pow", "rsqrt", "exp", "log", "log2", "log10", "log1p", "expm1",
+                                 "reciprocal", "acos", "asin", "cosh", "sinh", "tan", "erfinv",
+                                 "logsumexp") for owner in (torch, _T)),
+    (_T, "__pow__"), (torch, "cdist"), (torch, "dist"), (torch, "renorm"),
+    *((_FN, name) for name in ("softplus", "layer_norm", "group_norm", "nll_loss", "mse_loss",
+                               "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div",
+                               "binary_cross_entropy_with_logits", "cosine_similarity",
+                               "poisson_nll_loss")),
+)
+# AT_FORALL_FP32_SET_OPT_DTYPE entries
+SET_DTYPE_OPS = (
+    (_FN, "softmax"), (_FN, "log_softmax"), (_LINALG, "vector_norm"),
+    *((owner, name) for name in ("softmax", "log_softmax", "sum", "cumsum", "cumprod", "prod")
+      for owner in (torch, _T)),
+)
+# CPU-only autocast entries: cat and stack promote there (cross_entropy_loss has its own rule)
+CPU_ONLY = ((torch, "cat"), (torch, "stack"), (torch, "concat"), (torch, "concatenate"))
 # AT_FORALL_LOWER_PRECISION_FP entries CPU's list lacks: cast to the low dtype here (without
 # CUDA's cache of weight casts, which only matters when such an op reads a weight directly)
-LOW_OPS = frozenset({torch.einsum, torch.mv, _T.mv, torch.addmv, torch.addr, torch.chain_matmul,
-                     torch.linalg.multi_dot})
+LOW_OPS = ((torch, "einsum"), (torch, "mv"), (_T, "mv"), (torch, "addmv"), (torch, "addr"),
+           (torch, "chain_matmul"), (_LINALG, "multi_dot"))
 
 
 def _low(value: Any) -> bool:
@@ -94,43 +99,51 @@ def _any_low(args: tuple, kwargs: dict) -> bool:
 
 
 class _RMSNorm(torch.autograd.Function):
-    """``_fused_rms_norm``'s autograd: saves its input, the weight and an fp32 rstd per row;
-    the output in the input's dtype."""
+    """``_fused_rms_norm``'s autograd over the last ``dims`` dimensions, without a weight or
+    over several dimensions (the reference model's ``FusedRMSNorm`` covers one dimension with
+    a weight): saves its input, the weight and an fp32 rstd per row; its forward allocates its
+    output and the per-row statistics only (the reduction accumulates in fp32)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, dims: int,
                 eps: float) -> torch.Tensor:
         reduce = tuple(range(x.dim() - dims, x.dim()))
-        mean_sq = x.float().pow(2).mean(dim=reduce, keepdim=True)
-        rstd = torch.rsqrt(mean_sq + eps)
-        out = (x * rstd).to(x.dtype)
+        n = math.prod(x.shape[d] for d in reduce)
+        norm = torch.linalg.vector_norm(x, dim=reduce, keepdim=True, dtype=torch.float32)
+        rstd = torch.rsqrt(norm.pow(2) / n + eps)
+        out = x * rstd.to(x.dtype)
         if weight is not None:
-            out = out * weight
+            out.mul_(weight)
         ctx.save_for_backward(x, weight, rstd)
-        ctx.reduce = reduce
+        ctx.reduce, ctx.n = reduce, n
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
-        n = math.prod(x.shape[d] for d in ctx.reduce)
-        normed = (x * rstd).to(x.dtype)
-        weighted = grad * weight if weight is not None else grad
+        r = rstd.to(x.dtype)
+        weighted = grad * weight if weight is not None else grad.clone()
+        normed = x * r
         grad_w = None
         if weight is not None:
             lead = tuple(range(grad.dim() - weight.dim()))
             grad_w = (grad * normed).sum(dim=lead, dtype=torch.float32).to(weight.dtype)
         dot = (weighted * normed).sum(dim=ctx.reduce, keepdim=True, dtype=torch.float32)
-        grad_x = (weighted - normed * (dot / n).to(x.dtype)) * rstd.to(x.dtype)
-        return grad_x, grad_w, None, None
+        normed.mul_((dot / ctx.n).to(x.dtype))
+        weighted.sub_(normed).mul_(r)
+        return weighted, grad_w, None, None
 
 
 def fused_rms_norm(x: torch.Tensor, normalized_shape: tuple[int, ...] | list[int] | int,
                    weight: torch.Tensor | None = None, eps: float | None = None) -> torch.Tensor:
     """``F.rms_norm`` as CUDA's fused kernel runs it."""
+    from memplan.profile.reference import FusedRMSNorm
+
     dims = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
     if eps is None:
         eps = torch.finfo(x.dtype).eps
+    if weight is not None and dims == 1:
+        return FusedRMSNorm.apply(x, weight, eps)
     return _RMSNorm.apply(x, weight, dims, eps)
 
 
@@ -147,48 +160,95 @@ def _cross_entropy_cuda(input: torch.Tensor, target: torch.Tensor, weight=None,
                       reduction=reduction)
 
 
-class CudaDispatch(TorchFunctionMode):
-    """The rules of the module docstring; ``autocast``: also those of CUDA's autocast lists
-    (used under ``torch.autocast("cpu")``, see ``cuda_autocast``)."""
+def _autocast_on() -> bool:
+    return torch.is_autocast_enabled("cpu")
 
-    def __init__(self, autocast: bool) -> None:
-        super().__init__()
-        self.autocast = autocast
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.dropout:
-            return _dropout(*args, **kwargs)
-        if func is F.rms_norm:
-            if self.autocast and torch.is_autocast_enabled("cpu"):
-                args = tuple(_to_fp32(a) for a in args)
-                kwargs = {k: _to_fp32(v) for k, v in kwargs.items()}
-            return fused_rms_norm(*args, **kwargs)
-        if not (self.autocast and torch.is_autocast_enabled("cpu")):
-            return func(*args, **kwargs)
-        if func is F.cross_entropy:
+def _fp32_rule(orig):
+    def run(*args, **kwargs):
+        if _autocast_on() and _any_low(args, kwargs):
+            args = tuple(_to_fp32(a) for a in args)
+            kwargs = {k: _to_fp32(v) for k, v in kwargs.items()}
+        return orig(*args, **kwargs)
+    return run
+
+
+def _set_dtype_rule(orig):
+    def run(*args, **kwargs):
+        if (_autocast_on() and args and _low(args[0]) and kwargs.get("dtype") is None
+                and not _dtype_given(args)):
+            kwargs = {**kwargs, "dtype": torch.float32}
+        return orig(*args, **kwargs)
+    return run
+
+
+def _cpu_only_rule(orig):
+    def run(*args, **kwargs):
+        if _autocast_on():
             with torch.autocast("cpu", enabled=False):
-                return _cross_entropy_cuda(*args, **kwargs)
-        if func in LOW_OPS:
+                return orig(*args, **kwargs)
+        return orig(*args, **kwargs)
+    return run
+
+
+def _low_rule(orig):
+    def run(*args, **kwargs):
+        if _autocast_on():
             low = torch.get_autocast_dtype("cpu")
             args = tuple(_to_low(a, low) for a in args)
             kwargs = {k: _to_low(v, low) for k, v in kwargs.items()}
-            return func(*args, **kwargs)
-        if func in CPU_ONLY:
+        return orig(*args, **kwargs)
+    return run
+
+
+def _cross_entropy_rule(orig):
+    def run(*args, **kwargs):
+        if _autocast_on():
             with torch.autocast("cpu", enabled=False):
-                return func(*args, **kwargs)
-        if func in FP32_OPS and _any_low(args, kwargs):
+                return _cross_entropy_cuda(*args, **kwargs)
+        return orig(*args, **kwargs)
+    return run
+
+
+def _rms_norm_rule(orig):
+    def run(*args, **kwargs):
+        if _autocast_on():  # rms_norm is an fp32 op of CUDA's autocast
             args = tuple(_to_fp32(a) for a in args)
             kwargs = {k: _to_fp32(v) for k, v in kwargs.items()}
-            return func(*args, **kwargs)
-        if func in SET_DTYPE_OPS and args and _low(args[0]) and kwargs.get("dtype") is None \
-                and not _dtype_given(func, args):
-            kwargs = {**kwargs, "dtype": torch.float32}
-            return func(*args, **kwargs)
-        return func(*args, **kwargs)
+        return fused_rms_norm(*args, **kwargs)
+    return run
 
 
-def _dtype_given(func, args: tuple) -> bool:
+def _dropout_rule(orig):
+    return _dropout
+
+
+def _rules(autocast: bool) -> list[tuple[Any, str, Any]]:
+    rules = [(_FN, "rms_norm", _rms_norm_rule), (_FN, "dropout", _dropout_rule)]
+    if autocast:
+        rules += [(o, n, _fp32_rule) for o, n in FP32_OPS]
+        rules += [(o, n, _set_dtype_rule) for o, n in SET_DTYPE_OPS]
+        rules += [(o, n, _cpu_only_rule) for o, n in CPU_ONLY]
+        rules += [(o, n, _low_rule) for o, n in LOW_OPS]
+        rules.append((_FN, "cross_entropy", _cross_entropy_rule))
+    return rules
+
+
+@contextlib.contextmanager
+def _patched(autocast: bool) -> Iterator[None]:
+    saved = []
+    try:
+        for owner, name, rule in _rules(autocast):
+            orig = getattr(owner, name)
+            saved.append((owner, name, orig))
+            setattr(owner, name, rule(orig))
+        yield
+    finally:
+        for owner, name, orig in reversed(saved):
+            setattr(owner, name, orig)
+
+
+def _dtype_given(args: tuple) -> bool:
     """Whether a positional argument already sets the dtype (``F.softmax(x, dim, 3, dtype)``
     is keyword-only in practice; ``Tensor.sum(dim, keepdim, dtype=...)``)."""
     return any(isinstance(a, torch.dtype) for a in args[1:])
@@ -209,12 +269,12 @@ def _dropout(input: torch.Tensor, p: float = 0.5, training: bool = True,
 @contextlib.contextmanager
 def cuda_kernels() -> Iterator[None]:
     """CUDA's kernel choices (dropout's bool mask, the fused RMSNorm) on a CPU run."""
-    with CudaDispatch(autocast=False):
+    with _patched(autocast=False):
         yield
 
 
 @contextlib.contextmanager
 def cuda_autocast(dtype: torch.dtype = torch.bfloat16) -> Iterator[None]:
     """``torch.autocast("cuda", dtype)`` as a CPU run can follow it, with CUDA's kernels."""
-    with torch.autocast("cpu", dtype=dtype), CudaDispatch(autocast=True):
+    with torch.autocast("cpu", dtype=dtype), _patched(autocast=True):
         yield

@@ -15,7 +15,7 @@ under ``torch.autocast``; estimated only once memplan's workload has that precis
 torchtitan's FSDP2, ``fsdp-bf16`` (its default ``MixedPrecisionPolicy``).
 
 Kernels a CPU build runs differently from CUDA are swapped for the CUDA kernel while tracing
-(``cuda_kernels``): ``F.rms_norm`` is ``_fused_rms_norm`` on CUDA (input and an fp32 rstd saved)
+(``memplan.profile.cuda_rules.cuda_kernels``): ``F.rms_norm`` is ``_fused_rms_norm`` on CUDA (input and an fp32 rstd saved)
 but a composite of upcast ops on CPU (the reference model's ``FusedRMSNorm`` saves what the CUDA
 kernel saves); ``F.dropout`` is ``native_dropout`` on CUDA (a bool mask) but ``input * noise`` on
 CPU. The libraries' code is otherwise run as it is.
@@ -44,7 +44,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from memplan import api
 from memplan.errors import MemplanError
@@ -53,6 +52,7 @@ from memplan.model.estimate import PHASES, estimate
 from memplan.overheads import no_overheads
 from memplan.parallel import ParallelConfig
 from memplan.profile.compare import Comparison, Row
+from memplan.profile.cuda_rules import cuda_autocast, cuda_kernels
 from memplan.profile.step import relabel_states
 from memplan.profile.trace import StepMeasure, TraceResult
 from memplan.profile.tracker import MemoryTracker
@@ -139,45 +139,6 @@ class FrameworkCase:
         return (f"{self.library}-{self.name}-{self.recipe}-b{self.micro_batch_size}"
                 f"-s{self.seq_len}" + (f"-dp{self.dp}" if self.dp > 1 else "")
                 + ("-fake" if self.fake else "-real") + (f"-{extra}" if extra else ""))
-
-
-# --- CUDA's kernels on CPU -----------------------------------------------------------------
-
-@contextlib.contextmanager
-def cuda_kernels() -> Iterator[None]:
-    """Run the kernels CUDA runs where the CPU build picks another implementation.
-
-    - ``F.rms_norm``: ATen's ``rms_norm_symint`` calls ``_fused_rms_norm`` on CUDA (its
-      autograd saves the input, the weight and an fp32 rstd); on CPU even ``_fused_rms_norm``
-      is a composite of upcast ops, so the reference model's ``FusedRMSNorm`` (which saves the
-      same three) stands in for the CUDA kernel.
-    - ``F.dropout``: ``at::dropout`` runs ``native_dropout`` on CUDA (a bool mask); on CPU it
-      multiplies by a noise tensor in the input's dtype.
-    """
-    rms_norm, dropout = F.rms_norm, F.dropout
-
-    from memplan.profile.reference import FusedRMSNorm
-
-    def fused_rms_norm(x, normalized_shape, weight=None, eps=None):
-        if eps is None:
-            eps = torch.finfo(x.dtype).eps
-        if weight is None or len(normalized_shape) != 1:
-            return rms_norm(x, normalized_shape, weight, eps)
-        # CPU's _fused_rms_norm is a composite of upcast ops; memplan's FusedRMSNorm saves
-        # what CUDA's kernel saves (derivatives.yaml: input, weight and the fp32 rstd)
-        return FusedRMSNorm.apply(x, weight, eps)
-
-    def native_dropout(x, p=0.5, training=True, inplace=False):
-        if not training or p == 0.0:
-            return x
-        out = torch.native_dropout(x, p, True)[0]
-        return x.copy_(out) if inplace else out
-
-    F.rms_norm, F.dropout = fused_rms_norm, native_dropout
-    try:
-        yield
-    finally:
-        F.rms_norm, F.dropout = rms_norm, dropout
 
 
 # --- tracing -------------------------------------------------------------------------------
@@ -326,12 +287,11 @@ def _process_group(dp: int) -> Iterator[None]:
 
 
 def _autocast(rec: Recipe):
-    """Autocast as the recipe asks. On CPU this applies CPU's autocast op lists, which differ
-    from CUDA's (aten/src/ATen/autocast_mode.cpp: softmax, log_softmax, rms_norm... are fp32
-    entries on CUDA; cross_entropy_loss, cat, stack are entries on CPU only)."""
+    """Autocast as the recipe asks, with CUDA's op lists (``memplan.profile.cuda_rules``: CPU's
+    autocast lists differ from CUDA's)."""
     if rec.autocast is None:
         return contextlib.nullcontext()
-    return torch.autocast("cpu", dtype=rec.autocast)
+    return cuda_autocast(rec.autocast)
 
 
 def _fused_adamw(params) -> torch.optim.Optimizer:

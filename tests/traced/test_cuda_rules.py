@@ -112,3 +112,30 @@ def test_rms_norm_is_the_fused_kernel() -> None:
     F.rms_norm(x.float(), (8,), w.float(), 1e-6).sum().backward()
     assert torch.allclose(gx.float(), x.grad.float(), atol=5e-2)
     assert torch.allclose(gw.float(), w.grad.float(), atol=5e-2)
+
+
+def test_rules_hold_in_a_checkpoints_recomputation() -> None:
+    """A checkpointed region reruns in backward without the Python mode stack; the rules are
+    function replacements, so the rerun saves what the forward saved (else checkpoint raises
+    "trying to save more tensors during recomputation")."""
+    from torch.utils.checkpoint import checkpoint
+
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    norm_w = torch.ones(8, requires_grad=True)
+
+    def region(t: torch.Tensor) -> torch.Tensor:
+        h = F.rms_norm(F.linear(t, w), (8,), norm_w, 1e-6)
+        return F.dropout(F.softmax(h, -1), 0.1, True)
+
+    with cuda_autocast(BF16):
+        out = checkpoint(region, x, use_reentrant=False)
+        out.float().sum().backward()
+    assert x.grad is not None and w.grad is not None and norm_w.grad is not None
+
+
+def test_rules_are_removed_on_exit() -> None:
+    before = (torch.Tensor.pow, F.softmax, F.dropout, torch.cat)
+    with cuda_autocast(BF16):
+        assert torch.Tensor.pow is not before[0]
+    assert (torch.Tensor.pow, F.softmax, F.dropout, torch.cat) == before
