@@ -122,6 +122,12 @@ class ParallelConfig(BaseModel):
         return self.tp if self.sequence_parallel else 1
 
 
+def local_seq(seq_len, cp):  # ints, or numpy arrays of them (the step-time model's columns)
+    """Tokens of one sequence on one context-parallel rank: seq / cp (``validate`` makes 2*cp
+    divide seq)."""
+    return seq_len // cp
+
+
 def layout_for_gpus(num_gpus: int, *, tp: int = 1, pp: int = 1, cp: int = 1,
                     dp: int | None = None, **rest: object) -> ParallelConfig:
     """A layout for ``num_gpus`` GPUs; dp is derived as num_gpus / (tp*pp*cp) unless given."""
@@ -160,7 +166,8 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
         raise LayoutError("vpp > 1 needs pp > 1",
                           f"vpp ({par.vpp}) > 1 needs pp > 1 (interleaved pipeline)")
     if par.sequence_parallel:
-        _require_divides("tp", par.tp, "seq/cp" if par.cp > 1 else "seq", wl.seq_len // par.cp)
+        _require_divides("tp", par.tp, "seq/cp" if par.cp > 1 else "seq",
+                         local_seq(wl.seq_len, par.cp))
     if wl.seq_len > spec.max_seq_len and spec.position is PositionKind.LEARNED:
         raise LayoutError(
             "seq exceeds the model's learned positions",

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from memplan.hardware import GpuSpec
 from memplan.model.pipeline import stage_layers
-from memplan.parallel import Offload, ParallelConfig, ZeroStage
+from memplan.parallel import Offload, ParallelConfig, ZeroStage, local_seq
 from memplan.spec import ModelSpec, param_counts
 from memplan.units import DType
 from memplan.workload import Recompute, Workload
@@ -272,7 +272,7 @@ def comm_columns(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns) -> dic
     """
     e = wl.compute_dtype.itemsize
     m, layers, where = c.m, spec.num_layers // c.pp, c.ops.where
-    tokens = c.mbs * wl.seq_len // c.cp
+    tokens = c.mbs * local_seq(wl.seq_len, c.cp)
     act_bytes = tokens * spec.hidden_size * e
     out: dict[str, Any] = {}
     # TP: two all-reduces per layer forward and two backward (or all-gather + reduce-scatter

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from memplan.diagnose.oom import OomReport, request_matches
 from memplan.model.estimate import Estimate, StageMemory
 from memplan.overheads import ALLOCATOR_FRACTION
+from memplan.parallel import local_seq
 from memplan.workload import OptimizerImpl
 
 # A stage's phases in the order a training step reaches them: step 1 runs without optimizer
@@ -257,7 +258,7 @@ def _logits_sizes(est: Estimate) -> dict[str, int]:
     """One logits tensor on the last stage's rank (tokens / cp x vocabulary / TP when
     vocabulary-parallel) in fp32 and in the compute dtype."""
     wl, par = est.workload, est.parallel
-    elems = wl.micro_batch_size * (wl.seq_len // par.cp) * (est.spec.vocab_size
+    elems = wl.micro_batch_size * local_seq(wl.seq_len, par.cp) * (est.spec.vocab_size
                                                             // par.vocab_divisor)
     return {"fp32": 4 * elems, wl.compute_dtype.value: wl.compute_dtype.itemsize * elems}
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from memplan.errors import MemplanError
 from memplan.model.estimate import Estimate
-from memplan.parallel import Offload, ZeroStage
+from memplan.parallel import Offload, ZeroStage, local_seq
 from memplan.planner import DEFAULT_SAFETY
 from memplan.timing import StepTime, estimate_step_time
 from memplan.units import ceil_div
@@ -126,7 +126,7 @@ def loss_chunks_for(est: Estimate) -> int:
     """Chunks for a chunked loss: ceil(vocab / hidden), as Liger Kernel picks them (see the
     module docstring), at most one per token of the micro-batch."""
     spec, wl = est.spec, est.workload
-    tokens = wl.micro_batch_size * wl.seq_len // est.parallel.cp
+    tokens = wl.micro_batch_size * local_seq(wl.seq_len, est.parallel.cp)
     return max(1, min(tokens, ceil_div(spec.vocab_size, spec.hidden_size)))
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from memplan.parallel import ParallelConfig, TpStyle
+from memplan.parallel import ParallelConfig, TpStyle, local_seq
 from memplan.spec import ModelSpec
 from memplan.units import DType, ceil_div
 from memplan.workload import Workload
@@ -29,11 +29,6 @@ class Term(NamedTuple):
 
 def total(terms: list[Term] | tuple[Term, ...]) -> int:
     return sum(term.size_bytes for term in terms)
-
-
-def local_seq(seq_len: int, cp: int) -> int:
-    """Tokens of one sequence on one context-parallel rank."""
-    return seq_len // cp
 
 
 class Dims(NamedTuple):
