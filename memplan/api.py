@@ -198,7 +198,7 @@ def check(model: str | ModelSpec, *, safety: float | None = None, **kwargs: Any)
     """``estimate(model, **kwargs)``, raising MemplanError with the breakdown when it does not
     fit in capacity * (1 - safety): a launcher's pre-flight check."""
     from memplan.planner import DEFAULT_SAFETY
-    from memplan.planner import check as check_fits
+    from memplan.report.estimate import check_fits  # the breakdown in GiB is rendering
 
     return check_fits(estimate(model, **kwargs),
                       safety=DEFAULT_SAFETY if safety is None else safety)

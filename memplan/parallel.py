@@ -128,6 +128,12 @@ def local_seq(seq_len, cp):  # ints, or numpy arrays of them (the step-time mode
     return seq_len // cp
 
 
+def pipeline_stage(par: ParallelConfig, rank: int) -> int:
+    """The pipeline stage of global rank ``rank``: ranks are ordered tp, cp, dp, pp from the
+    innermost (Megatron-LM's order), so a stage holds tp * cp * dp consecutive ranks."""
+    return rank // (par.tp * par.cp * par.dp)
+
+
 def layout_for_gpus(num_gpus: int, *, tp: int = 1, pp: int = 1, cp: int = 1,
                     dp: int | None = None, **rest: object) -> ParallelConfig:
     """A layout for ``num_gpus`` GPUs; dp is derived as num_gpus / (tp*pp*cp) unless given."""

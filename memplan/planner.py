@@ -346,13 +346,3 @@ def _closest_miss(ctx: _Context, levels: list[_Level]) -> int | None:
         ctx.evaluated += 1
         best = peak if best is None else min(best, peak)
     return None if best is None else best - ctx.budget
-
-
-def check(est: Estimate, *, safety: float = DEFAULT_SAFETY) -> Estimate:
-    """Raise MemplanError with the breakdown when ``est`` does not fit; return it otherwise."""
-    budget = int(est.capacity_bytes * (1 - safety))
-    if est.peak_bytes <= budget:
-        return est
-    from memplan.report import does_not_fit  # the sizes in GiB: rendering, only when raising
-
-    raise MemplanError(does_not_fit(est, budget, safety))

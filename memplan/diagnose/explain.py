@@ -89,20 +89,9 @@ def phase_components(est: Estimate, s: StageMemory, step: str, phase: str) -> di
     return {name: size for name, size in parts.items() if size > 0}
 
 
-def stage_of_rank(est: Estimate, rank: int | None) -> StageMemory:
-    """The stage of global rank ``rank`` (ranks ordered tp, cp, dp, pp from innermost:
-    Megatron-LM's order), else, for no rank or one outside the layout, the most loaded stage."""
-    par = est.parallel
-    if rank is not None:
-        stage = rank // (par.tp * par.cp * par.dp)
-        if stage < len(est.stages):
-            return est.stages[stage]
-    return est.worst
-
-
 def failed_stage(est: Estimate, oom: OomReport | None) -> StageMemory:
     """The stage of the rank named in the log, else the most loaded stage."""
-    return stage_of_rank(est, None if oom is None else oom.rank)
+    return est.stage_of_rank(None if oom is None else oom.rank)
 
 
 def _phase_bytes(s: StageMemory, step: str, phase: str) -> int:

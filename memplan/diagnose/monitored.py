@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memplan.diagnose.explain import Finding, stage_of_rank
+from memplan.diagnose.explain import Finding
 from memplan.errors import MemplanError
 from memplan.model.estimate import Estimate
 from memplan.monitor import MemoryMonitor, summarize
@@ -144,7 +144,7 @@ def _versus(sizes: dict[str, int], name: str, measured: int, predicted: int) -> 
 
 def _peak(est: Estimate, m: Monitored) -> Finding:
     rank, row = m.worst_rank, m.worst
-    s = stage_of_rank(est, rank)
+    s = est.stage_of_rank(rank)
     by = "peak" if "max_peak_bytes" in row else "median step time"
     head = (f"monitor, rank {rank} (the worst of {len(m.records)} by {by}; stage {s.stage}), "
             f"{row['num_steps']} steps")
@@ -263,7 +263,7 @@ def _headroom(est: Estimate, capacity_bytes: int, m: Monitored) -> Finding | Non
     if "min_headroom_bytes" not in row or not cap:
         return None
     room = row["min_headroom_bytes"]
-    s = stage_of_rank(est, m.worst_rank)
+    s = est.stage_of_rank(m.worst_rank)
     pct = 100.0 * room / cap
     low = pct < MIN_HEADROOM_PCT
     return Finding("headroom", f"measured headroom on rank {m.worst_rank}: {{headroom_bytes}} of "

@@ -37,7 +37,14 @@ from memplan.model.stage import (
 )
 from memplan.model.stage_parts import StageKinds, StageStates
 from memplan.overheads import Overheads, default_overheads
-from memplan.parallel import GradBuffers, Offload, ParallelConfig, resolve_batch, validate
+from memplan.parallel import (
+    GradBuffers,
+    Offload,
+    ParallelConfig,
+    pipeline_stage,
+    resolve_batch,
+    validate,
+)
 from memplan.spec import ModelSpec
 from memplan.workload import Workload
 
@@ -84,6 +91,15 @@ class Estimate:
     @property
     def headroom_bytes(self) -> int:
         return self.capacity_bytes - self.peak_bytes
+
+    def stage_of_rank(self, rank: int | None) -> StageMemory:
+        """The stage of global rank ``rank`` (``parallel.pipeline_stage``), else, for no rank
+        or one outside the layout, the most loaded stage."""
+        if rank is not None:
+            stage = pipeline_stage(self.parallel, rank)
+            if stage < len(self.stages):
+                return self.stages[stage]
+        return self.worst
 
 
 def estimate(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, *,

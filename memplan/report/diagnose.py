@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from memplan.diagnose import DiagnoseResult
-from memplan.diagnose.explain import Finding, stage_of_rank
-from memplan.diagnose.fixes import Fix
-from memplan.diagnose.oom import OomReport
 from memplan.report.sizes import format_gib, size
+
+# The diagnosis's types (memplan.diagnose: DiagnoseResult, explain.Finding, fixes.Fix,
+# oom.OomReport) are read by attribute and not imported, so that rendering sits below the
+# code that diagnoses: ``memplan.check`` renders its error here from the API layer.
+DiagnoseResult = Finding = Fix = OomReport = Any
 
 
 def sentence(f: Finding) -> str:
@@ -146,7 +147,7 @@ def to_json(r: DiagnoseResult) -> dict[str, Any]:
     if r.monitor is not None:
         m = r.monitor
         out["monitor"] = {"files": list(m.files), "worst_rank": m.worst_rank,
-                          "worst_stage": stage_of_rank(d.estimate, m.worst_rank).stage,
+                          "worst_stage": d.estimate.stage_of_rank(m.worst_rank).stage,
                           "capacity_bytes": m.capacity_bytes,
                           "ranks": {str(k): v for k, v in m.summary["ranks"].items()}}
     if r.fixes is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from memplan.errors import MemplanError
 from memplan.model.estimate import PHASES, Estimate, PhasePeaks, StageMemory
 from memplan.report.sizes import format_gib, gib
 from memplan.timing import DEFAULT_MFU, StepTime, estimate_step_time
@@ -192,3 +193,12 @@ def does_not_fit(est: Estimate, budget_bytes: int, safety: float) -> str:
     return (f"does not fit: stage {w.stage} peaks at {format_gib(w.peak_bytes)} "
             f"({w.peak_phase}) > {format_gib(budget_bytes)} usable "
             f"({format_gib(est.capacity_bytes)}, {safety:.0%} kept free); {parts}")
+
+
+def check_fits(est: Estimate, *, safety: float) -> Estimate:
+    """``est``, or MemplanError with the breakdown (``does_not_fit``) when it does not fit in
+    capacity * (1 - safety): ``memplan.check``, a launcher's pre-flight check."""
+    budget = int(est.capacity_bytes * (1 - safety))
+    if est.peak_bytes <= budget:
+        return est
+    raise MemplanError(does_not_fit(est, budget, safety))

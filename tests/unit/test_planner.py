@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 import memplan
 from memplan.cli import app, main
 from memplan.errors import MemplanError
-from memplan.planner import check, plan
+from memplan.planner import DEFAULT_SAFETY, plan
+from memplan.report.estimate import check_fits
 from memplan.workload import Recompute
 
 
@@ -74,16 +75,16 @@ def test_gpt3_175b_fits_with_selective_recompute_and_not_without() -> None:
     kw = dict(gpus=64, gpu="a100-80gb", tp=8, pp=8, sequence_parallel=True, seq_len=2048,
               micro_batch_size=1, global_batch_size=64, precision="bf16-fp32-grads",
               attention="eager", norm_impl="fused")
-    check(memplan.estimate("gpt3-175b", recompute="selective", **kw))
+    check_fits(memplan.estimate("gpt3-175b", recompute="selective", **kw), safety=DEFAULT_SAFETY)
     with pytest.raises(MemplanError, match="does not fit"):
-        check(memplan.estimate("gpt3-175b", recompute="none", **kw))
+        check_fits(memplan.estimate("gpt3-175b", recompute="none", **kw), safety=DEFAULT_SAFETY)
 
 
 def test_full_finetune_of_7b_on_one_gpu_does_not_fit() -> None:
     """Mixed-precision AdamW needs 16 bytes per parameter before any activation: Llama-2-7B's
     107.8 GB of states alone exceed one 80 GB H100 (Rajbhandari et al. 2020, section 3.1)."""
     with pytest.raises(MemplanError, match="does not fit.*optimizer"):
-        check(memplan.estimate("llama-2-7b", gpus=1, seq_len=512))
+        check_fits(memplan.estimate("llama-2-7b", gpus=1, seq_len=512), safety=DEFAULT_SAFETY)
 
 
 def test_plan_cli_json_contract() -> None:
