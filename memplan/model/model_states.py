@@ -193,7 +193,8 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload) -> 
         # FSDP2 as torchtitan wraps it: each block is a unit, the root holds the embedding,
         # final norm and head. The root is not resharded after forward, so its weights stay
         # gathered until the end of backward; a block's gathered weights live while the next
-        # one is gathered (prefetch): two blocks at a time (traced, tests/traced/test_parallel_trace).
+        # one is gathered (prefetch): two blocks at a time (traced,
+        # tests/traced/test_parallel_trace).
         layer = max(params.layers, default=0)
         blocks = 2 * layer if len(params.layers) > 1 else layer
         e = wl.compute_dtype.itemsize

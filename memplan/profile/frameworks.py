@@ -15,10 +15,10 @@ under ``torch.autocast``; estimated only once memplan's workload has that precis
 torchtitan's FSDP2, ``fsdp-bf16`` (its default ``MixedPrecisionPolicy``).
 
 Kernels a CPU build runs differently from CUDA are swapped for the CUDA kernel while tracing
-(``memplan.profile.cuda_rules.cuda_kernels``): ``F.rms_norm`` is ``_fused_rms_norm`` on CUDA (input and an fp32 rstd saved)
-but a composite of upcast ops on CPU (the reference model's ``FusedRMSNorm`` saves what the CUDA
-kernel saves); ``F.dropout`` is ``native_dropout`` on CUDA (a bool mask) but ``input * noise`` on
-CPU. The libraries' code is otherwise run as it is.
+(``memplan.profile.cuda_rules.cuda_kernels``): ``F.rms_norm`` is ``_fused_rms_norm`` on CUDA
+(input and an fp32 rstd saved) but a composite of upcast ops on CPU (the reference model's
+``FusedRMSNorm`` saves what the CUDA kernel saves); ``F.dropout`` is ``native_dropout`` on CUDA
+(a bool mask) but ``input * noise`` on CPU. The libraries' code is otherwise run as it is.
 
 Buffers the model registers (RoPE tables) are device memory in every phase: they are counted
 under their own category, ``buffers``, so the phase totals include them (memplan has no term for

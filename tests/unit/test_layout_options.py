@@ -56,7 +56,8 @@ def test_dtensor_sequence_parallel_saves_gathered_linear_inputs() -> None:
     sizes = {}
     for style in TpStyle:
         par = ParallelConfig(tp=2, sequence_parallel=True, tp_style=style)
-        terms = {t.name: t.size_bytes for t in norm.norm_terms("n", spec, wl, Dims.of(spec, par, wl))}
+        dm = Dims.of(spec, par, wl)
+        terms = {t.name: t.size_bytes for t in norm.norm_terms("n", spec, wl, dm)}
         sizes[style] = terms
     assert sizes[TpStyle.MEGATRON]["n.output"] == 8_192
     assert sizes[TpStyle.DTENSOR]["n.output"] == 16_384

@@ -412,7 +412,8 @@ def test_zero2_bucket_holds_only_gradients_produced() -> None:
 
 def _layer_bytes(e: Estimate, recompute: Recompute) -> int:
     dm = Dims.of(e.spec, e.parallel, e.workload)
-    return total(layer_block.layer_terms(e.spec, e.workload, dm, moe_layer=False, recompute=recompute))
+    return total(layer_block.layer_terms(e.spec, e.workload, dm, moe_layer=False,
+                                         recompute=recompute))
 
 
 def _q_bytes(e: Estimate) -> int:

@@ -17,7 +17,8 @@ from memplan.cli import app, main
 from memplan.intervals import intersect, length, subtract, union
 from memplan.profiler_traces import analyze, analyze_paths, load
 
-GLOO = sorted((Path(__file__).parent.parent / "data" / "traces" / "gloo_2rank").glob("rank*.json.gz"))
+TRACES = Path(__file__).parent.parent / "data" / "traces"
+GLOO = sorted((TRACES / "gloo_2rank").glob("rank*.json.gz"))
 
 
 def test_interval_ops():
