@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memplan.hardware import load_gpu
-from memplan.model.estimate import PHASES, Estimate, estimate
+from memplan.model.estimate import PHASES, Estimate, StageMemory, estimate
 from memplan.overheads import no_overheads
 from memplan.parallel import GradBuffers, ParallelConfig, TpStyle
 from memplan.profile.trace import TraceResult, trace
@@ -80,19 +80,24 @@ def compare(spec: ModelSpec, par: ParallelConfig, wl: Workload, *, steps: int = 
         raise ValueError(f"steps must be at least 2 (first step and steady state), got {steps}")
     result = run_trace(spec, par, wl, steps=steps, fake=fake)
     est = estimate(spec, load_gpu("h100-sxm"), par, wl, overheads=no_overheads())
-    stage = est.stages[0]  # rank 0 holds pipeline stage 0
-    rows = [
-        Row("params_bytes", result.params_bytes, stage.params_bytes),
-        Row("grads_bytes", result.steady.grads_bytes, stage.grads_bytes),
-        Row("optimizer_bytes", result.steady.optimizer_bytes, stage.optimizer_bytes),
-        Row("activations_bytes", result.steady.saved_activations_bytes, stage.activations_bytes),
+    return Comparison(spec, par, wl, rows(result, est.stages[0]), result, est)
+
+
+def rows(trace: TraceResult, stage: StageMemory) -> tuple[Row, ...]:
+    """A trace's rows next to ``stage``'s estimate (rank 0 holds pipeline stage 0): the states,
+    the saved activations and every phase of the first step and of the steady state."""
+    out = [
+        Row("params_bytes", trace.params_bytes, stage.params_bytes),
+        Row("grads_bytes", trace.steady.grads_bytes, stage.grads_bytes),
+        Row("optimizer_bytes", trace.steady.optimizer_bytes, stage.optimizer_bytes),
+        Row("activations_bytes", trace.steady.saved_activations_bytes, stage.activations_bytes),
     ]
-    for label, measured, phases in (("first_step", result.first, stage.first_step),
-                                    ("steady", result.steady, stage.steady)):
+    for label, measured, phases in (("first_step", trace.first, stage.first_step),
+                                    ("steady", trace.steady, stage.steady)):
         for phase in PHASES:
-            rows.append(Row(f"{label}.{phase}_bytes", measured.phases[phase].total_bytes,
-                            getattr(phases, phase)))
-    return Comparison(spec, par, wl, tuple(rows), result, est)
+            out.append(Row(f"{label}.{phase}_bytes", measured.phases[phase].total_bytes,
+                           getattr(phases, phase)))
+    return tuple(out)
 
 
 def comparison_json(c: Comparison) -> dict[str, Any]:

@@ -51,7 +51,7 @@ from memplan.hardware import load_gpu
 from memplan.model.estimate import PHASES, estimate
 from memplan.overheads import no_overheads
 from memplan.parallel import ParallelConfig
-from memplan.profile.compare import Comparison, Row
+from memplan.profile.compare import Comparison, Row, rows
 from memplan.profile.cuda_rules import cuda_autocast, cuda_kernels
 from memplan.profile.step import relabel_states
 from memplan.profile.trace import StepMeasure, TraceResult
@@ -209,19 +209,7 @@ def compare_built(built: Built, trace: TraceResult) -> Comparison:
     """The library's trace next to ``estimate`` of its spec, layout and workload."""
     wl = make_workload(built)
     est = estimate(built.spec, load_gpu("h100-sxm"), built.layout, wl, overheads=no_overheads())
-    stage = est.stages[0]
-    rows = [
-        Row("params_bytes", trace.params_bytes, stage.params_bytes),
-        Row("grads_bytes", trace.steady.grads_bytes, stage.grads_bytes),
-        Row("optimizer_bytes", trace.steady.optimizer_bytes, stage.optimizer_bytes),
-        Row("activations_bytes", trace.steady.saved_activations_bytes, stage.activations_bytes),
-    ]
-    for label, measured, phases in (("first_step", trace.first, stage.first_step),
-                                    ("steady", trace.steady, stage.steady)):
-        for phase in PHASES:
-            rows.append(Row(f"{label}.{phase}_bytes", measured.phases[phase].total_bytes,
-                            getattr(phases, phase)))
-    return Comparison(built.spec, built.layout, wl, tuple(rows), trace, est)
+    return Comparison(built.spec, built.layout, wl, rows(trace, est.stages[0]), trace, est)
 
 
 BUILDERS: dict[str, Callable[[FrameworkCase], Built]] = {}
@@ -258,16 +246,16 @@ def fake_real_check(case: FrameworkCase, steps: int = 2) -> list[Row]:
     estimated: fake). Every diff zero means fake tensors trace this library faithfully."""
     _, real = trace_case(case, fake=False, steps=steps)
     _, fake = trace_case(case, fake=True, steps=steps)
-    rows = [Row("params_bytes", real.params_bytes, fake.params_bytes)]
+    out = [Row("params_bytes", real.params_bytes, fake.params_bytes)]
     for label, r, f in (("first_step", real.first, fake.first),
                         ("steady", real.steady, fake.steady)):
-        rows += [Row(f"{label}.grads_bytes", r.grads_bytes, f.grads_bytes),
-                 Row(f"{label}.optimizer_bytes", r.optimizer_bytes, f.optimizer_bytes),
-                 Row(f"{label}.activations_bytes", r.saved_activations_bytes,
-                     f.saved_activations_bytes)]
-        rows += [Row(f"{label}.{ph}_bytes", r.phases[ph].total_bytes, f.phases[ph].total_bytes)
-                 for ph in PHASES]
-    return rows
+        out += [Row(f"{label}.grads_bytes", r.grads_bytes, f.grads_bytes),
+                Row(f"{label}.optimizer_bytes", r.optimizer_bytes, f.optimizer_bytes),
+                Row(f"{label}.activations_bytes", r.saved_activations_bytes,
+                    f.saved_activations_bytes)]
+        out += [Row(f"{label}.{ph}_bytes", r.phases[ph].total_bytes, f.phases[ph].total_bytes)
+                for ph in PHASES]
+    return out
 
 
 @contextlib.contextmanager
