@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from memplan.errors import LayoutError
 from memplan.spec import ModelSpec, PositionKind
+from memplan.units import ceil_div
 from memplan.workload import Precision, Recompute, Workload
 
 
@@ -101,6 +102,10 @@ class ParallelConfig(BaseModel):
     def vocab_divisor(self) -> int:
         return self.tp if self.vocab_parallel else 1
 
+    def vocab_shard(self, vocab_size: int) -> int:
+        """Vocabulary rows on the most loaded TP rank (``vocab_shard``)."""
+        return vocab_shard(vocab_size, self.vocab_divisor)
+
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
@@ -120,6 +125,12 @@ class ParallelConfig(BaseModel):
     def sp_divisor(self) -> int:
         """Divisor of the residual-stream activations: tp with sequence parallelism, else 1."""
         return self.tp if self.sequence_parallel else 1
+
+
+def vocab_shard(vocab_size: int, divisor: int) -> int:
+    """Vocabulary rows on the most loaded rank when ``divisor`` ranks split the vocabulary:
+    the ceiling (Megatron-LM pads the vocabulary to a multiple of the TP degree)."""
+    return ceil_div(vocab_size, divisor)
 
 
 def local_seq(seq_len, cp):  # ints, or numpy arrays of them (the step-time model's columns)

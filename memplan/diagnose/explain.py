@@ -247,8 +247,8 @@ def _logits_sizes(est: Estimate) -> dict[str, int]:
     """One logits tensor on the last stage's rank (tokens / cp x vocabulary / TP when
     vocabulary-parallel) in fp32 and in the compute dtype."""
     wl, par = est.workload, est.parallel
-    elems = wl.micro_batch_size * local_seq(wl.seq_len, par.cp) * (est.spec.vocab_size
-                                                            // par.vocab_divisor)
+    elems = (wl.micro_batch_size * local_seq(wl.seq_len, par.cp)
+             * par.vocab_shard(est.spec.vocab_size))
     return {"fp32": 4 * elems, wl.compute_dtype.value: wl.compute_dtype.itemsize * elems}
 
 

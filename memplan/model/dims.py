@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from memplan.parallel import ParallelConfig, TpStyle, local_seq
 from memplan.spec import ModelSpec
-from memplan.units import DType, ceil_div
+from memplan.units import DType
 from memplan.workload import Workload
 
 FP32_BYTES = DType.FP32.itemsize
@@ -49,7 +49,7 @@ class Dims(NamedTuple):
         s = local_seq(wl.seq_len, par.cp)
         return cls(b=wl.micro_batch_size, s=s, s_kv=wl.seq_len, tokens=wl.micro_batch_size * s,
                    res_tokens_div=par.sp_divisor, tp=par.tp, e=wl.compute_dtype.itemsize,
-                   vocab_shard=ceil_div(spec.vocab_size, par.vocab_divisor),
+                   vocab_shard=par.vocab_shard(spec.vocab_size),
                    gathered_linear_input=(par.sequence_parallel and par.tp > 1
                                           and par.tp_style is TpStyle.DTENSOR))
 

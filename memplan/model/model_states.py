@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from memplan.model.layer import layer_tensor_sizes
-from memplan.parallel import Offload, ParallelConfig, ZeroStage
+from memplan.parallel import Offload, ParallelConfig, ZeroStage, vocab_shard
 from memplan.spec import ModelSpec, param_counts
 from memplan.units import DType, ceil_div
 from memplan.workload import Optimizer, OptimizerImpl, Workload
@@ -54,7 +54,7 @@ def count_stage_params(spec: ModelSpec, t: int, ep: int, pp: int, layers: tuple[
     (``memplan.model.memo.stage_params`` caches it per layout)."""
     counts = param_counts(spec)
     h = spec.hidden_size
-    vocab_rows = ceil_div(spec.vocab_size, vocab_div) * h
+    vocab_rows = vocab_shard(spec.vocab_size, vocab_div) * h
     dense = expert = 0
     per_layer = []
     for i in layers:

@@ -22,7 +22,6 @@ from memplan.model.pipeline import stage_layers
 from memplan.model.walk import first_positions, runs_of
 from memplan.parallel import GradBuffers, ParallelConfig, ZeroStage
 from memplan.spec import ModelSpec
-from memplan.units import ceil_div
 from memplan.workload import Recompute, Workload
 
 LayerKey = tuple[bool, Recompute]  # (MoE layer?, recompute policy)
@@ -107,7 +106,7 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
         grad_per_param=st.grads_bytes / max(params.total, 1),
         opt_temp=optimizer_step_temp_bytes(params, st, par, wl),
         shard=sharding_buffers(params, par, wl),
-        vocab_grad=ceil_div(spec.vocab_size, par.vocab_divisor) * spec.hidden_size * e,
+        vocab_grad=par.vocab_shard(spec.vocab_size) * spec.hidden_size * e,
         main_grads=wl.precision.policy.grad_bytes > e and par.zero < ZeroStage.PARAMETERS,
         buckets=st.grads_bytes if ddp and par.grad_buffers is GradBuffers.COPY else 0,
         persistent=ddp and par.grad_buffers is GradBuffers.VIEW,

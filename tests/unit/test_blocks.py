@@ -170,16 +170,15 @@ def test_checkpointed_layer() -> None:
 @pytest.mark.parametrize("t", [1, 2])
 def test_block_parameters_add_up_to_the_layer(model: str, t: int) -> None:
     """The blocks' tensors on a TP rank add up to the layer's parameters split as the spec
-    counts them (sharded by t, replicated whole; experts by ep), and the whole-block gradient
-    groups to the same count without the norms' first group."""
+    counts them (sharded by t, replicated whole; experts by ep), and so do the blocks' whole
+    gradient groups."""
     spec = load_model(model)
     index = next((i for i in range(spec.num_layers) if spec.is_moe_layer(i)), 0)
     counts = layer_params(spec, index)
     sizes = layer_tensor_sizes(spec, t, 1, spec.is_moe_layer(index))
     assert sum(sizes) == counts.tp_sharded // t + counts.replicated + counts.expert // t
     groups = grad_group_params(spec, t, 1, spec.is_moe_layer(index))
-    assert groups["attn_norm"] + groups["attn"] + groups["mlp_norm"] + groups["mlp"] == \
-        sum(sizes) - (counts.expert // t - (counts.expert // t if spec.moe else 0))
+    assert groups["attn_norm"] + groups["attn"] + groups["mlp_norm"] + groups["mlp"] == sum(sizes)
 
 
 @pytest.mark.parametrize("model", ["tiny", "gpt2", "llama-3-8b", "mixtral-8x7b"])
