@@ -27,6 +27,12 @@ class Precision(str, enum.Enum):
                      weights and grads, bf16 copies gathered for compute (torchtitan's default)
     bf16-pure        bf16 weights and grads, no master copy, optimizer states in bf16
                      (torch.optim creates them with zeros_like(param)): 8 B/param with Adam
+    amp-bf16         fp32 weights, grads and states (16 B/param with Adam); the forward runs
+                     under torch.autocast(dtype=bf16): matmuls read bf16 casts of their inputs
+                     and weights, the residual stream and norms stay fp32
+    amp-fp16         as amp-bf16 with fp16 autocast and torch.amp.GradScaler (its scale and
+                     growth tracker; the loss scaled before backward, gradients unscaled in
+                     place before the step)
     """
 
     BF16_MIXED = "bf16-mixed"
@@ -35,6 +41,8 @@ class Precision(str, enum.Enum):
     FP32 = "fp32"
     FSDP_BF16 = "fsdp-bf16"
     BF16_PURE = "bf16-pure"
+    AMP_BF16 = "amp-bf16"
+    AMP_FP16 = "amp-fp16"
 
     @property
     def policy(self) -> PrecisionPolicy:
@@ -55,6 +63,8 @@ class PrecisionPolicy:
     compute: DType  # activations, and the weights matmuls read (FSDP's gathered copies)
     grads: DType  # gradients as held (fp32 main gradients for bf16-fp32-grads)
     master: DType | None  # the optimizer's own copy of the weights; None: it updates them
+    autocast: DType | None = None  # torch.autocast's dtype around forward and loss, if any
+    grad_scaler: bool = False  # torch.amp.GradScaler scales the loss (fp16 autocast)
 
     @cached_property
     def updated(self) -> DType:
@@ -81,6 +91,10 @@ _POLICIES = {
     Precision.FP32: PrecisionPolicy(DType.FP32, DType.FP32, DType.FP32, None),
     Precision.FSDP_BF16: PrecisionPolicy(DType.FP32, DType.BF16, DType.FP32, None),
     Precision.BF16_PURE: PrecisionPolicy(DType.BF16, DType.BF16, DType.BF16, None),
+    Precision.AMP_BF16: PrecisionPolicy(DType.FP32, DType.BF16, DType.FP32, None,
+                                        autocast=DType.BF16),
+    Precision.AMP_FP16: PrecisionPolicy(DType.FP32, DType.FP16, DType.FP32, None,
+                                        autocast=DType.FP16, grad_scaler=True),
 }
 
 

@@ -11,7 +11,7 @@ section 5) reruns the core, so nothing the core saves internally is kept.
 from __future__ import annotations
 
 from memplan.model import eager
-from memplan.model.block import BackwardMoment, Moment, linear_sizes
+from memplan.model.block import BackwardMoment, Moment, linear_sizes, weight_casts
 from memplan.model.dims import FP32_BYTES, Dims, Term, residual_dropout_mask, total
 from memplan.spec import ModelSpec, PositionKind, attention_params
 from memplan.workload import Attention as Kernel
@@ -27,9 +27,14 @@ def attention_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recomput
     kv_width = spec.q_size
     if wl.attention is Kernel.FLASH or recompute is Recompute.SELECTIVE:
         kv_width = spec.kv_size  # as they enter SDPA / the checkpointed core
+    # Under autocast RoPE multiplies the low-precision projections by the fp32 tables: q and k
+    # come out fp32. The core's matmuls save low-precision casts of them; a checkpointed core
+    # keeps its inputs, the fp32 tensors themselves.
+    rotated = dm.autocast and spec.position is PositionKind.ROPE
+    qk_e = dm.stream_e if rotated and recompute is Recompute.SELECTIVE else e
     terms = [
-        Term("attn.q", dm.tokens * spec.q_size // t * e),
-        Term("attn.k", dm.tokens * kv_width // t * e),
+        Term("attn.q", dm.tokens * spec.q_size // t * qk_e),
+        Term("attn.k", dm.tokens * kv_width // t * qk_e),
         Term("attn.v", dm.tokens * kv_width // t * e),
         Term("attn.out", dm.tokens * spec.q_size // t * e),
     ]
@@ -37,12 +42,23 @@ def attention_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recomput
         if wl.attention is Kernel.FLASH:
             terms.append(Term("attn.lse", dm.b * heads * dm.s * FP32_BYTES))
         else:
+            # under autocast the scores are fp32 (the bf16 product plus the fp32 mask), so is
+            # the softmax; the second matmul saves a cast of its input
             scores = dm.b * heads * dm.s * dm.s_kv
-            terms.append(Term("attn.softmax", scores * e))
+            terms.append(Term("attn.softmax", scores * dm.stream_e))
             if spec.dropout > 0:
                 terms.append(Term("attn.softmax_dropout_mask", scores))
                 terms.append(Term("attn.softmax_dropout_out", scores * e))
-    return terms + residual_dropout_mask("attn", spec, dm)
+            elif dm.autocast:
+                terms.append(Term("attn.softmax_cast", scores * e))
+    casts = weight_casts("attn", sum(attention_weights(spec, t)), dm)
+    return terms + casts + residual_dropout_mask("attn", spec, dm)
+
+
+def attention_weights(spec: ModelSpec, t: int) -> tuple[int, int, int, int]:
+    """Elements of the q, k, v and output projection weights on one TP rank."""
+    h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
+    return h * q // t, h * kv // t, h * kv // t, q * h // t
 
 
 def _q_bytes(spec: ModelSpec, dm: Dims) -> int:
@@ -172,15 +188,18 @@ class Attention:
 
 
 def rope_terms(spec: ModelSpec, dm: Dims) -> list[Term]:
-    """cos and sin tables, computed once per micro-batch per stage and saved by every layer."""
+    """cos and sin tables, computed once per micro-batch per stage and saved by every layer,
+    in the activations' dtype (fp32 under autocast, as Hugging Face casts them to the hidden
+    states' dtype)."""
     if spec.position is not PositionKind.ROPE:
         return []
-    return [Term("rope.cos_sin", 2 * dm.s * spec.head_dim * dm.e)]
+    return [Term("rope.cos_sin", 2 * dm.s * spec.head_dim * dm.stream_e)]
 
 
 def eager_mask_bytes(wl: Workload, dm: Dims) -> int:
-    """Eager attention's additive causal mask, built once per forward and freed after it."""
-    return dm.s * dm.s_kv * dm.e if wl.attention is Kernel.EAGER else 0
+    """Eager attention's additive causal mask, built once per forward and freed after it (in
+    the weights' dtype: fp32 under autocast)."""
+    return dm.s * dm.s_kv * dm.stream_e if wl.attention is Kernel.EAGER else 0
 
 
 def mask_terms(wl: Workload, dm: Dims) -> list[Term]:

@@ -2,7 +2,9 @@
 
 Notation (``reference/formulas.md``): T = mbs * seq / cp local tokens; h hidden; a, g query and
 KV heads; d head dim; f FFN width; V vocab; t TP degree; e bytes per element of the compute
-dtype. Tensors in the residual stream are split by t only with sequence parallelism (``rows``);
+dtype. Under autocast with fp32 weights (``amp-*``) the residual stream, the norms and the
+tensors made outside autocast's matmuls stay fp32 (``stream_e``), the matmuls read low-precision
+casts of their inputs and weights and return low-precision outputs (``e``). Tensors in the residual stream are split by t only with sequence parallelism (``rows``);
 tensors inside the attention and MLP blocks are split by t always.
 """
 
@@ -43,15 +45,25 @@ class Dims(NamedTuple):
     e: int  # bytes per element of the compute dtype
     vocab_shard: int  # vocabulary rows on this rank: ceil(V / tp) when vocab-parallel, else V
     gathered_linear_input: bool = False  # SP with DTensor: linears save full-sequence inputs
+    stream_e: int = 0  # bytes per element of the residual stream (fp32 under autocast; else e)
+    autocast: bool = False  # fp32 weights under torch.autocast: matmuls save cast copies
 
     @classmethod
     def of(cls, spec: ModelSpec, par: ParallelConfig, wl: Workload) -> Dims:
         s = local_seq(wl.seq_len, par.cp)
+        policy = wl.precision.policy
+        e = wl.compute_dtype.itemsize
         return cls(b=wl.micro_batch_size, s=s, s_kv=wl.seq_len, tokens=wl.micro_batch_size * s,
-                   res_tokens_div=par.sp_divisor, tp=par.tp, e=wl.compute_dtype.itemsize,
+                   res_tokens_div=par.sp_divisor, tp=par.tp, e=e,
                    vocab_shard=par.vocab_shard(spec.vocab_size),
                    gathered_linear_input=(par.sequence_parallel and par.tp > 1
-                                          and par.tp_style is TpStyle.DTENSOR))
+                                          and par.tp_style is TpStyle.DTENSOR),
+                   stream_e=policy.params.itemsize if policy.autocast else e,
+                   autocast=policy.autocast is not None)
+
+    def stream(self, hidden: int) -> int:
+        """Bytes of one residual-stream tensor of width ``hidden`` on this rank."""
+        return self.rows * hidden * self.stream_e
 
     @property
     def rows(self) -> int:

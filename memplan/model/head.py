@@ -8,6 +8,7 @@ its input (a view of the final norm's output) and recomputes the rest in its bac
 
 from __future__ import annotations
 
+from memplan.model.block import weight_casts
 from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term
 from memplan.model.norm import norm_terms
 from memplan.spec import ModelSpec
@@ -16,14 +17,19 @@ from memplan.workload import Workload
 
 
 def _logit_bytes(wl: Workload, dm: Dims) -> int:
-    return FP32_BYTES if wl.logits_fp32 else dm.e
+    """The loss's dtype: fp32 with upcast logits, and under autocast always (log_softmax takes
+    ``dtype=float32`` there: AT_FORALL_FP32_SET_OPT_DTYPE in ``aten/src/ATen/autocast_mode.h``)."""
+    return FP32_BYTES if wl.logits_fp32 or dm.autocast else dm.e
 
 
 def head_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
-    """Final norm, log-softmax output of the vocab-parallel loss (unchunked), targets."""
+    """Final norm, the head weight's cast under autocast, log-softmax output of the
+    vocab-parallel loss (unchunked), targets."""
     loss = [] if wl.loss_chunks > 1 else [
         Term("loss.log_softmax", dm.tokens * dm.vocab_shard * _logit_bytes(wl, dm))]
-    return [*norm_terms("final_norm", spec, wl, dm), *loss, *batch_terms(wl, dm)]
+    return [*norm_terms("final_norm", spec, wl, dm),
+            *weight_casts("head", dm.vocab_shard * spec.hidden_size, dm), *loss,
+            *batch_terms(wl, dm)]
 
 
 def loss_chunk_tokens(wl: Workload, dm: Dims) -> tuple[int, int]:
@@ -45,13 +51,20 @@ def batch_terms(wl: Workload, dm: Dims) -> list[Term]:
             Term("loss.scalars", count * _logit_bytes(wl, dm))]
 
 
-def forward_extra_bytes(wl: Workload, dm: Dims) -> int:
+def forward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     """Bytes alive at the loss beyond what is saved: the logits the log-softmax reads.
 
     With fp32 logits the compute-dtype logits are freed once upcast, and the fp32 copy lives
     until the loss returns, next to the log-softmax output. A chunked loss holds the logits
     and the log-softmax output of one chunk, both freed when the chunk returns its sum.
     """
+    # under autocast the head saves a cast of the final norm's fp32 output, which the model
+    # still holds (its last hidden state) while the loss runs
+    held = dm.stream(spec.hidden_size) if dm.autocast else 0
+    return held + _logits_alive(wl, dm)
+
+
+def _logits_alive(wl: Workload, dm: Dims) -> int:
     if wl.loss_chunks > 1:
         return 2 * loss_chunk_tokens(wl, dm)[0] * dm.vocab_shard * _logit_bytes(wl, dm)
     return dm.tokens * dm.vocab_shard * _logit_bytes(wl, dm)
@@ -96,7 +109,7 @@ def loss_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims, vocab_grad_byte
     (``vocab_grad_bytes``) wait beside it (``linear_backward_bytes``)."""
     chunk, chunks = loss_chunk_tokens(wl, dm)
     if wl.loss_chunks == 1:
-        return 2 * forward_extra_bytes(wl, dm)
+        return 2 * _logits_alive(wl, dm)
     logits = chunk * dm.vocab_shard * _logit_bytes(wl, dm)
     grad_input = _chunk_input_grads(spec, dm)
     others = grad_input - grad_input * chunk // dm.tokens

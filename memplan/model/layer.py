@@ -72,7 +72,7 @@ def layer_terms(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
                 recompute: Recompute) -> list[Term]:
     """Saved terms of one transformer layer under ``recompute`` (FULL keeps only its input)."""
     if recompute is Recompute.FULL:
-        return [Term("layer.input", dm.rows * spec.hidden_size * dm.e)]
+        return [Term("layer.input", dm.rows * spec.hidden_size * dm.stream_e)]
     return [term for block in layer_blocks(moe_layer)
             for term in block.saved(spec, wl, dm, recompute)]
 
@@ -85,7 +85,7 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
                     recompute: Recompute) -> list[ForwardMoment]:
     """Local peaks of one layer's forward (see the module docstring)."""
     blocks = layer_blocks(moe_layer)
-    stream = dm.rows * spec.hidden_size * dm.e
+    stream = dm.stream(spec.hidden_size)
     out: list[ForwardMoment] = []
     if recompute is Recompute.FULL:
         held = stream  # the checkpointed input
@@ -97,11 +97,17 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
             held += stream  # the sub-layer's residual sum joins the input
         return out
     # An upcast norm in low precision saves an fp32 copy of its input, not the input itself:
-    # the residual stream stays alive beside everything (fp32 runs save the input itself).
-    unsaved_input = stream if wl.norm_impl is NormImpl.UPCAST and dm.e < FP32_BYTES else 0
+    # the residual stream stays alive beside everything (fp32 runs save the input itself, as
+    # does a norm under autocast, where the stream is fp32).
+    unsaved_input = (stream if wl.norm_impl is NormImpl.UPCAST and dm.stream_e < FP32_BYTES
+                     else 0)
+    # Under autocast no linear saves a norm's (fp32) output, the casts of it instead; the
+    # output is the mixer's argument, alive until the mixer returns.
+    norm_out = dm.stream(spec.hidden_size) if dm.autocast else 0
     prior = 0
-    for block in blocks:
-        out += [ForwardMoment(m.name, prior + m.own_bytes, unsaved_input + m.transient_bytes)
+    for i, block in enumerate(blocks):
+        beside = unsaved_input + (norm_out if i % 2 else 0)
+        out += [ForwardMoment(m.name, prior + m.own_bytes, beside + m.transient_bytes)
                 for m in block.forward_moments(spec, wl, dm, recompute)]
         prior += total(block.saved(spec, wl, dm, recompute))
     return out

@@ -7,7 +7,7 @@ ReLU, only its output (its backward reads the output, which the next linear save
 
 from __future__ import annotations
 
-from memplan.model.block import BackwardMoment, Moment, linear_sizes
+from memplan.model.block import BackwardMoment, Moment, linear_sizes, weight_casts
 from memplan.model.dims import MASK_BYTES, Dims, Term, residual_dropout_mask, total
 from memplan.spec import MlpKind, ModelSpec, mlp_params
 from memplan.workload import Recompute, Workload
@@ -74,8 +74,9 @@ class Mlp:
     name = "mlp"
 
     def saved(self, spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
+        weights = (3 if spec.mlp.gated else 2) * spec.hidden_size * spec.ffn_hidden_size // dm.tp
         return (mlp_terms("mlp", spec, dm, spec.ffn_hidden_size, dm.tokens)
-                + residual_dropout_mask("mlp", spec, dm))
+                + weight_casts("mlp", weights, dm) + residual_dropout_mask("mlp", spec, dm))
 
     def forward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
                         recompute: Recompute) -> list[Moment]:

@@ -6,6 +6,12 @@ What it saves (Llama and GPT blocks in PyTorch, traced with the exact tracker):
   statistics (fp32 rstd; mean and rstd for LayerNorm), the normalised tensor in the compute
   dtype (saved by the weight multiply), and its output (saved by the next linear);
 - ``fused``: its input, the statistics, and its output.
+
+Under autocast with fp32 weights (``Dims.autocast``) the norm runs in fp32 on the fp32 residual
+stream (rsqrt, pow, layer_norm and rms_norm are fp32 ops of CUDA's autocast), so its input is
+the stream itself and the normalised tensor stays fp32; its output is saved by no one, but each
+linear reading it saves its own low-precision cast (``consumers``: three for separate q/k/v
+projections, two for gate and up).
 """
 
 from __future__ import annotations
@@ -16,18 +22,32 @@ from memplan.spec import ModelSpec, NormKind, norm_params
 from memplan.workload import NormImpl, Recompute, Workload
 
 
+def consumers(prefix: str, spec: ModelSpec) -> int:
+    """Linears that read a norm's output: separate q, k and v projections after the
+    attention norm; gate and up (or one first linear) after the MLP norm; the head after the
+    final norm."""
+    if prefix == "attn_norm":
+        return 3
+    if prefix == "mlp_norm":
+        return 2 if spec.mlp.gated else 1
+    return 1
+
+
 def norm_terms(prefix: str, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
     """A norm in the residual stream, its output included (saved by the following linear)."""
     rows, h = dm.rows, spec.hidden_size
     stats = rows * FP32_BYTES * (2 if spec.norm is NormKind.LAYERNORM else 1)
     # the output is saved by the next (column-parallel) linear: as its sequence shard, or
-    # all-gathered to the full sequence (DTensor sequence parallelism)
-    out = [Term(f"{prefix}.output", dm.linear_rows * h * dm.e), Term(f"{prefix}.stats", stats)]
+    # all-gathered to the full sequence (DTensor sequence parallelism); under autocast each
+    # linear saves its own cast of it
+    copies = consumers(prefix, spec) if dm.autocast else 1
+    out = [Term(f"{prefix}.output", copies * dm.linear_rows * h * dm.e),
+           Term(f"{prefix}.stats", stats)]
     if wl.norm_impl is NormImpl.FUSED:
-        return [Term(f"{prefix}.input", rows * h * dm.e), *out]
-    # normalise in fp32, cast back, then weight * normed saves the normed tensor
+        return [Term(f"{prefix}.input", rows * h * dm.stream_e), *out]
+    # normalise in fp32, cast back to the input's dtype, then weight * normed saves it
     return [Term(f"{prefix}.input_fp32", rows * h * FP32_BYTES), *out,
-            Term(f"{prefix}.normed", rows * h * dm.e)]
+            Term(f"{prefix}.normed", rows * h * dm.stream_e)]
 
 
 def saved_at_backward(terms: list[Term]) -> int:

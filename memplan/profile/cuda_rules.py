@@ -274,6 +274,15 @@ def cuda_kernels() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def autocast_rules() -> Iterator[None]:
+    """CUDA's autocast rules and kernels wherever CPU autocast is on, without turning it on:
+    kept around a whole training step, they also apply when a checkpointed region reruns in
+    backward under the autocast state it saved (``torch.utils.checkpoint``)."""
+    with _patched(autocast=True):
+        yield
+
+
+@contextlib.contextmanager
 def cuda_autocast(dtype: torch.dtype = torch.bfloat16) -> Iterator[None]:
     """``torch.autocast("cuda", dtype)`` as a CPU run can follow it, with CUDA's kernels."""
     with torch.autocast("cpu", dtype=dtype), _patched(autocast=True):

@@ -13,6 +13,12 @@ Precision recipes are implemented as the frameworks do:
   ``_copy_model_grads_to_main_grads``) and after it copies the masters back into the weights.
 - bf16-fp32-grads: as above, but every grad is accumulated into an fp32 ``main_grad`` as soon as
   autograd produces it (Megatron-LM's gradient accumulation into main grads).
+- bf16-pure: bf16 weights, the optimizer updates them (its states in bf16).
+- amp-bf16 / amp-fp16: fp32 weights; forward and loss under autocast as CUDA runs it
+  (``memplan.profile.cuda_rules``), as Hugging Face Trainer's ``autocast_smart_context_manager``
+  and Lightning's ``MixedPrecision.forward_context`` wrap them; backward outside it (a
+  checkpointed region's rerun restores the autocast state it was saved under). amp-fp16 scales
+  the loss with ``torch.amp.GradScaler`` and unscales the gradients before the step.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 
 from memplan.errors import MemplanError
 from memplan.parallel import ParallelConfig
+from memplan.profile.cuda_rules import autocast_rules
 from memplan.profile.reference import ReferenceModel, RefOptions
 from memplan.profile.tracker import CATEGORIES, MemoryTracker, PhasePeak
 from memplan.spec import ModelSpec
@@ -76,6 +83,10 @@ class _Recipe:
                  tracker: MemoryTracker) -> None:
         self.params = [p for p in model.parameters()]
         self.precision = precision
+        policy = precision.policy
+        self.autocast = _TORCH_DTYPE[policy.autocast.value] if policy.autocast else None
+        # the scaler's scale and growth tracker are made at its first scale(), in the forward
+        self.scaler = torch.amp.GradScaler("cpu") if policy.grad_scaler else None
         self.masters: list[torch.Tensor] | None = None
         self.tracker = tracker
         if precision is Precision.BF16_FP32_GRADS:
@@ -101,6 +112,33 @@ class _Recipe:
         if self.masters is None:  # created with the optimizer, as frameworks do at setup
             self.masters = [p.detach().float().requires_grad_() for p in self.params]
         return self.masters
+
+    def forward(self):
+        """The context the forward and the loss run in."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast("cpu", dtype=self.autocast)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss times the scale; the scaler's own state (an fp32 scale and an int32
+        growth tracker, made at its first call) is training state like the optimizer's."""
+        if self.scaler is None:
+            return loss
+        loss = self.scaler.scale(loss)
+        for state in (self.scaler._scale, self.scaler._growth_tracker):
+            self.tracker.relabel(state, "optimizer")
+        return loss
+
+    def unscale(self, opt: torch.optim.Optimizer) -> None:
+        """GradScaler.unscale_: the gradients divided by the scale in place, with a found-inf
+        flag per device. (GradScaler.step would then read that flag on the host, which fake
+        tensors cannot; the step runs unconditionally, as it does when no inf is found.)"""
+        if self.scaler is not None:
+            self.scaler.unscale_(opt)
+
+    def update(self) -> None:
+        if self.scaler is not None:
+            self.scaler.update()
 
     def before_step(self) -> None:
         if self.masters is None:
@@ -138,8 +176,11 @@ def trace(spec: ModelSpec, par: ParallelConfig, wl: Workload, *, steps: int = 2,
 
 
 def ref_options(wl: Workload, dtype: torch.dtype | None = None) -> RefOptions:
-    """The reference model's options for ``wl``; ``dtype`` overrides the weights' dtype."""
-    return RefOptions(dtype=dtype or _TORCH_DTYPE[wl.compute_dtype.value],
+    """The reference model's options for ``wl``; ``dtype`` overrides the weights' dtype (the
+    compute dtype, or the weights' own under autocast)."""
+    policy = wl.precision.policy
+    own = policy.params if policy.autocast else policy.compute
+    return RefOptions(dtype=dtype or _TORCH_DTYPE[own.value],
                       norm_impl=wl.norm_impl, attention=wl.attention,
                       logits_fp32=wl.logits_fp32, recompute=wl.recompute,
                       recompute_layers=wl.recompute_layers, loss_chunks=wl.loss_chunks)
@@ -150,9 +191,11 @@ def run_steps(model: torch.nn.Module, spec: ModelSpec, wl: Workload, tracker: Me
     """Run ``steps`` training steps of a built (possibly sharded) model under ``tracker``.
     ``precision`` overrides the workload's recipe (FSDP's own mixed precision runs as fp32)."""
     model.train()
-    with tracker:
+    precision = precision or wl.precision
+    rules = (autocast_rules() if precision.policy.autocast else contextlib.nullcontext())
+    with tracker, rules:
         tracker.register(list(model.parameters()), "parameters")
-        recipe = _Recipe(model, precision or wl.precision, tracker)
+        recipe = _Recipe(model, precision, tracker)
         opt = _optimizer(recipe.updated(), wl)
         tracker.register(recipe.masters or [], "optimizer")
         result = TraceResult(spec=spec, params_bytes=tracker.bytes_in("parameters"))
@@ -174,16 +217,20 @@ def _step(model, opt, recipe: _Recipe, tracker: MemoryTracker, wl: Workload,
     tracker.set_phase("forward", step=k)
     ids = torch.randint(0, spec.vocab_size, (b, s))
     targets = torch.randint(0, spec.vocab_size, (b, s))
-    loss = model(ids, targets)
+    with recipe.forward():
+        loss = model(ids, targets)
+    loss = recipe.scale(loss)
     tracker.set_phase("backward")
     saved = tracker.bytes_in("activations")
     loss.backward()
     del loss, ids, targets
     tracker.set_phase("optimizer")
     grads = tracker.bytes_in("gradients")
+    recipe.unscale(opt)
     recipe.before_step()
     opt.step()
     recipe.after_step()
+    recipe.update()
     for state in opt.state.values():
         for name, value in state.items():
             if isinstance(value, torch.Tensor):
