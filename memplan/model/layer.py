@@ -92,9 +92,13 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
         for norm, mixer in _pairs(blocks):
             out += [ForwardMoment(m.name, held + m.transient_bytes, 0)
                     for m in norm.working_set(spec, wl, dm)]
-            out += [ForwardMoment(m.name, held + stream + m.transient_bytes, 0)
+            # the casts of the mixer's weights join the cache as its linears run: at its
+            # working set's peaks all but the output projection's (``last_weight``)
+            casts = cast_cache_bytes(spec, dm, mixer, recompute)
+            late = last_weight(spec, dm, mixer) * dm.e if casts else 0
+            out += [ForwardMoment(m.name, held + casts - late + stream + m.transient_bytes, 0)
                     for m in mixer.working_set(spec, wl, dm)]
-            held += stream  # the sub-layer's residual sum joins the input
+            held += casts + stream  # the sub-layer's residual sum joins the input
         return out
     # An upcast norm in low precision saves an fp32 copy of its input, not the input itself:
     # the residual stream stays alive beside everything (fp32 runs save the input itself, as
@@ -106,11 +110,39 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
     norm_out = dm.stream(spec.hidden_size) if dm.autocast else 0
     prior = 0
     for i, block in enumerate(blocks):
+        prior += cast_cache_bytes(spec, dm, block, recompute)
         beside = unsaved_input + (norm_out if i % 2 else 0)
         out += [ForwardMoment(m.name, prior + m.own_bytes, beside + m.transient_bytes)
                 for m in block.forward_moments(spec, wl, dm, recompute)]
         prior += total(block.saved(spec, wl, dm, recompute))
     return out
+
+
+def cast_cache_bytes(spec: ModelSpec, dm: Dims, block: Block, recompute: Recompute) -> int:
+    """Bytes of a block's casts that autocast's cache holds until the forward ends, beyond
+    what autograd saves: the low-precision copies of its linears' biases, which no backward
+    reads, and in a checkpointed layer, whose forward saves nothing, of its weights too. The
+    cache keeps every cast of an fp32 leaf that requires grad (``cached_cast`` in
+    ``aten/src/ATen/autocast_mode.cpp``, whatever the grad mode) until the outermost autocast
+    region exits (``torch.autocast.__exit__`` clears it)."""
+    if not dm.autocast or isinstance(block, Norm):
+        return 0
+    casts = sum(block.tensor_sizes(spec, dm.tp, 1)) * dm.e
+    if recompute is Recompute.FULL:
+        return casts
+    return casts - sum(t.size_bytes for t in block.saved(spec, Workload(), dm, recompute)
+                       if t.name.endswith(".weight_casts"))
+
+
+def last_weight(spec: ModelSpec, dm: Dims, mixer: Block) -> int:
+    """Elements of a mixer's output projection weight on this rank (its last matmul)."""
+    return spec.q_size * spec.hidden_size // dm.tp if isinstance(mixer, Attention) else (
+        spec.ffn_hidden_size * spec.hidden_size // dm.tp)
+
+
+def layer_cast_cache_bytes(spec: ModelSpec, dm: Dims, moe_layer: bool,
+                           recompute: Recompute) -> int:
+    return sum(cast_cache_bytes(spec, dm, b, recompute) for b in layer_blocks(moe_layer))
 
 
 def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
@@ -154,6 +186,7 @@ class LayerKind(NamedTuple):
     saved_bytes: int
     moments: tuple[BackwardMoment, ...]
     forward_peak_bytes: int  # largest alive + transient inside its forward
+    cached_bytes: int = 0  # autocast's casts held from its forward to the forward's end
 
 
 def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
@@ -163,7 +196,8 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
     moments = backward_moments(spec, wl, dm, moe_layer=moe, recompute=policy)
     forward = forward_moments(spec, wl, dm, moe_layer=moe, recompute=policy)
     return LayerKind(terms, total(terms), tuple(moments),
-                     max(m.alive_bytes + m.transient_bytes for m in forward))
+                     max(m.alive_bytes + m.transient_bytes for m in forward),
+                     layer_cast_cache_bytes(spec, dm, moe, policy))
 
 
 def grad_group_params(spec: ModelSpec, t: int, ep: int, moe: bool) -> dict[str, int]:

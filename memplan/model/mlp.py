@@ -42,12 +42,14 @@ def inner_grads_per_intermediate(spec: ModelSpec) -> int:
 
 
 def backward_moments(spec: ModelSpec, dm: Dims, *, saved: int, freed: int, run_tokens: int,
-                     ffn: int, grad_inputs: int, fresh: int) -> list[BackwardMoment]:
+                     ffn: int, grad_inputs: int, fresh: int,
+                     out_cast: int = 0) -> list[BackwardMoment]:
     """An MLP's backward peaks over ``run_tokens`` rows of width ``ffn`` (one expert's rows in
     an MoE): the second linear's, from dropout's gradient (one intermediate gradient); the
     activation's, dropout's gradient freed; the input projections', the last weight gradient
     made while the others exist, beside ``grad_inputs`` of the (shared) input still to be
-    summed. ``freed``: of ``saved``, what the backward has freed before it reaches the MLP."""
+    summed. ``freed``: of ``saved``, what the backward has freed before it reaches the MLP;
+    ``out_cast``: the second linear's saved weight cast (autocast), freed with its backward."""
     h, e = spec.hidden_size, dm.e
     per_inner = inner_grads_per_intermediate(spec)
     inner = run_tokens * ffn // dm.tp * e
@@ -58,7 +60,7 @@ def backward_moments(spec: ModelSpec, dm: Dims, *, saved: int, freed: int, run_t
     return [
         BackwardMoment("mlp", saved - freed, dropout_grad + grads // per_inner, ("mlp_out",),
                        fresh),
-        BackwardMoment("mlp_act", saved - freed, grads, ("mlp_out",)),
+        BackwardMoment("mlp_act", saved - freed - out_cast, grads, ("mlp_out",)),
         BackwardMoment("mlp_in", 0, grad_inputs + inner, ("mlp",), fresh),
     ]
 
@@ -105,7 +107,9 @@ class Mlp:
             spec, dm, saved=total(self.saved(spec, wl, dm, recompute)),
             freed=dropout_mask_bytes(spec, dm), run_tokens=dm.tokens,
             ffn=spec.ffn_hidden_size, grad_inputs=(2 if spec.mlp.gated else 1) * rows_h_e,
-            fresh=spec.hidden_size * spec.ffn_hidden_size // dm.tp)
+            fresh=spec.hidden_size * spec.ffn_hidden_size // dm.tp,
+            out_cast=total(weight_casts("mlp", spec.ffn_hidden_size * spec.hidden_size // dm.tp,
+                                        dm)))
 
     def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
         return []

@@ -60,11 +60,25 @@ def saved_at_backward(terms: list[Term]) -> int:
 def forward_transient(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     """An upcast norm's fp32 normalised tensor before its cast back (and weight * normed
     before the bias is added), beside what it has saved."""
+    if dm.autocast:
+        return autocast_output_transient("", spec, wl, dm)
     if wl.norm_impl is not NormImpl.UPCAST:
         return 0
     stream = dm.rows * spec.hidden_size * dm.e
     fp32_normed = dm.rows * spec.hidden_size * FP32_BYTES if dm.e < FP32_BYTES else 0
     return fp32_normed + (stream if spec.norm_bias else 0)
+
+
+def autocast_output_transient(prefix: str, spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    """Under autocast, beside all a norm saves (its output's casts included): its fp32 output,
+    which no one saves (``Norm`` moments count the casts as made). With a bias, the weighted
+    tensor and the output exist together before the casts are made."""
+    out = dm.rows * spec.hidden_size * FP32_BYTES
+    if not spec.norm_bias or wl.norm_impl is NormImpl.FUSED:
+        return out
+    casts = next(t.size_bytes for t in norm_terms(prefix or "attn_norm", spec, wl, dm)
+                 if t.name.endswith(".output"))
+    return max(out, 2 * out - casts)
 
 
 def working_set(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
@@ -138,6 +152,8 @@ class Norm:
 def final_forward_transient(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     """The final norm's transients (the unsaved residual input and the fp32 normalised
     tensor before its cast back), on top of everything saved up to and including it."""
+    if dm.autocast:
+        return autocast_output_transient("final_norm", spec, wl, dm)
     if wl.norm_impl is NormImpl.FUSED:
         return 0
     bias_temp = dm.e if spec.norm_bias else 0  # weight * normed, before the bias is added

@@ -78,8 +78,10 @@ def forward_peak(runs: list[tuple[LayerKind, int, tuple[int, ...], int]], before
     in_block, at_loss = gathered  # ZeRO-3 weights gathered at those moments
     acts, peak = before, before
     for kind, _, _, n in runs:
-        peak = max(peak, acts + (n - 1) * kind.saved_bytes + kind.forward_peak_bytes + in_block)
-        acts += n * kind.saved_bytes
+        # autocast's cached casts of the layers before stay until the forward ends
+        held = kind.saved_bytes + kind.cached_bytes
+        peak = max(peak, acts + (n - 1) * held + kind.forward_peak_bytes + in_block)
+        acts += n * held
     if head_saved:
         peak = max(peak, acts + final_norm + at_loss, acts + head_saved + loss_extra + at_loss)
     return peak
