@@ -27,9 +27,14 @@ def head_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
     vocab-parallel loss (unchunked), targets."""
     loss = [] if wl.loss_chunks > 1 else [
         Term("loss.log_softmax", dm.tokens * dm.vocab_shard * _logit_bytes(wl, dm))]
-    return [*norm_terms("final_norm", spec, wl, dm),
-            *weight_casts("head", dm.vocab_shard * spec.hidden_size, dm), *loss,
-            *batch_terms(wl, dm)]
+    # a chunked loss's checkpoints do not keep the head weight's cast (autocast's cache holds
+    # it to the forward's end: ``forward_extra_bytes``)
+    casts = [] if wl.loss_chunks > 1 else weight_casts("head", _head_weight(spec, dm), dm)
+    return [*norm_terms("final_norm", spec, wl, dm), *casts, *loss, *batch_terms(wl, dm)]
+
+
+def _head_weight(spec: ModelSpec, dm: Dims) -> int:
+    return dm.vocab_shard * spec.hidden_size
 
 
 def loss_chunk_tokens(wl: Workload, dm: Dims) -> tuple[int, int]:
@@ -60,14 +65,28 @@ def forward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     """
     # under autocast the head saves a cast of the final norm's fp32 output, which the model
     # still holds (its last hidden state) while the loss runs
-    held = dm.stream(spec.hidden_size) if dm.autocast else 0
+    held = 0
+    if dm.autocast:  # the final norm's output, or with a chunked loss the cached weight cast
+        held = (_head_weight(spec, dm) * dm.e if wl.loss_chunks > 1
+                else dm.stream(spec.hidden_size))
     return held + _logits_alive(wl, dm)
 
 
 def _logits_alive(wl: Workload, dm: Dims) -> int:
     if wl.loss_chunks > 1:
-        return 2 * loss_chunk_tokens(wl, dm)[0] * dm.vocab_shard * _logit_bytes(wl, dm)
-    return dm.tokens * dm.vocab_shard * _logit_bytes(wl, dm)
+        return (2 * loss_chunk_tokens(wl, dm)[0] * dm.vocab_shard * _logit_bytes(wl, dm)
+                + _autocast_logits(wl, loss_chunk_tokens(wl, dm)[0], dm))
+    return dm.tokens * dm.vocab_shard * _logit_bytes(wl, dm) + _autocast_logits(wl, dm.tokens, dm)
+
+
+def _autocast_logits(wl: Workload, tokens: int, dm: Dims) -> int:
+    """Under autocast without the upcast, the low-precision logits beside the fp32 copy that
+    ``log_softmax(x, dtype=float32)`` converts them to first (``log_softmax`` in
+    ``aten/src/ATen/native/SoftMax.cpp``; CUDA skips the copy only for fp16 input, which the
+    CPU trace cannot follow: amp-fp16 without the upcast is an overestimate by this copy)."""
+    if not dm.autocast or wl.logits_fp32:
+        return 0
+    return tokens * dm.vocab_shard * dm.e
 
 
 def linear_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims, vocab_grad_bytes: int) -> int:
@@ -93,7 +112,12 @@ def linear_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims, vocab_grad_by
         return grad_logits + grad_input + vocab_grad_bytes
     grad_input = _chunk_input_grads(spec, dm)
     summed = vocab_grad_bytes if chunks > 1 else 0  # the earlier chunks' sum, in the buffer
-    last_made = grad_input + summed + vocab_grad_bytes + grad_logits
+    # under autocast the chunk's own input gradient is still in the compute dtype, beside the
+    # rerun's casts of the weight and of its input
+    current = (chunk * spec.hidden_size * (dm.stream_e - dm.e)
+               if dm.autocast and dm.linear_rows == dm.tokens else 0)
+    last_made = (grad_input - current + summed + vocab_grad_bytes + grad_logits
+                 + _rerun_casts(spec, wl, dm))
     # the sum before the last chunk run's: the input gradients of all chunks but the first
     before_last = grad_input - grad_input * chunk // dm.tokens if chunks > 2 else 0
     return max(last_made, before_last + 3 * summed)
@@ -109,15 +133,26 @@ def loss_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims, vocab_grad_byte
     (``vocab_grad_bytes``) wait beside it (``linear_backward_bytes``)."""
     chunk, chunks = loss_chunk_tokens(wl, dm)
     if wl.loss_chunks == 1:
-        return 2 * _logits_alive(wl, dm)
+        return 2 * dm.tokens * dm.vocab_shard * _logit_bytes(wl, dm)
     logits = chunk * dm.vocab_shard * _logit_bytes(wl, dm)
     grad_input = _chunk_input_grads(spec, dm)
     others = grad_input - grad_input * chunk // dm.tokens
-    return 3 * logits + (others + vocab_grad_bytes if chunks > 1 else 0)
+    return (3 * logits + (others + vocab_grad_bytes if chunks > 1 else 0)
+            + _rerun_casts(spec, wl, dm))
+
+
+def _rerun_casts(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    """Under autocast, a chunk's rerun in backward casts the head weight and the chunk's input
+    again (its forward's casts were not kept); both live until its projection's backward is
+    done. The chunks' weight gradients still meet in the compute dtype, at the one cast node
+    of the forward, whose cached cast every chunk read."""
+    if not dm.autocast or wl.loss_chunks == 1:
+        return 0
+    return (_head_weight(spec, dm) + loss_chunk_tokens(wl, dm)[0] * spec.hidden_size) * dm.e
 
 
 def _chunk_input_grads(spec: ModelSpec, dm: Dims) -> int:
     """The chunks' input gradients of a chunked loss together: each chunk's projection takes
     rows of the final norm's output as the head sees it (all-gathered under DTensor sequence
     parallelism, where the split's backward runs before the gradient is scattered back)."""
-    return dm.linear_rows * spec.hidden_size * dm.e
+    return dm.linear_rows * spec.hidden_size * dm.stream_e

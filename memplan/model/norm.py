@@ -33,6 +33,12 @@ def consumers(prefix: str, spec: ModelSpec) -> int:
     return 1
 
 
+def output_saved_fp32(prefix: str, wl: Workload) -> bool:
+    """Under autocast, whether a norm's fp32 output itself is saved: the final norm's before a
+    chunked loss, whose checkpointed chunks keep their inputs (views of it)."""
+    return prefix == "final_norm" and wl.loss_chunks > 1
+
+
 def norm_terms(prefix: str, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
     """A norm in the residual stream, its output included (saved by the following linear)."""
     rows, h = dm.rows, spec.hidden_size
@@ -41,7 +47,10 @@ def norm_terms(prefix: str, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Ter
     # all-gathered to the full sequence (DTensor sequence parallelism); under autocast each
     # linear saves its own cast of it
     copies = consumers(prefix, spec) if dm.autocast else 1
-    out = [Term(f"{prefix}.output", copies * dm.linear_rows * h * dm.e),
+    out_e = dm.e
+    if dm.autocast and output_saved_fp32(prefix, wl):
+        copies, out_e = 1, dm.stream_e
+    out = [Term(f"{prefix}.output", copies * dm.linear_rows * h * out_e),
            Term(f"{prefix}.stats", stats)]
     if wl.norm_impl is NormImpl.FUSED:
         return [Term(f"{prefix}.input", rows * h * dm.stream_e), *out]
@@ -74,6 +83,8 @@ def autocast_output_transient(prefix: str, spec: ModelSpec, wl: Workload, dm: Di
     which no one saves (``Norm`` moments count the casts as made). With a bias, the weighted
     tensor and the output exist together before the casts are made."""
     out = dm.rows * spec.hidden_size * FP32_BYTES
+    if output_saved_fp32(prefix, wl):  # the output is a saved term; a bias adds a temporary
+        return out if spec.norm_bias and wl.norm_impl is NormImpl.UPCAST else 0
     if not spec.norm_bias or wl.norm_impl is NormImpl.FUSED:
         return out
     casts = next(t.size_bytes for t in norm_terms(prefix or "attn_norm", spec, wl, dm)
