@@ -92,6 +92,17 @@ class StateBytes(NamedTuple):
     master_bytes: int  # the fp32 master copy alone: created with the optimizer, before step 1
     num_optimizer_params: int  # elements this rank's optimizer updates
     host_bytes: int = 0  # in host memory instead (offload): master copy, states, fp32 gradients
+    scaler_bytes: int = 0  # GradScaler's state (in optimizer_bytes): made at step 1's loss
+
+
+# torch.amp.GradScaler's state on the device: an fp32 scale and an int32 growth tracker, made
+# at its first ``scale()`` (``_lazy_init_scale_growth_tracker`` in torch/amp/grad_scaler.py)
+GRAD_SCALER_STATE_BYTES = 4 + 4
+# ... and during the step, the found-inf flag ``unscale_`` makes per device (an fp32 scalar),
+# alive until ``update()``; before it, ``unscale_`` computes the inverse scale in fp64
+# (``self._scale.double().reciprocal()``: two fp64 scalars at once)
+GRAD_SCALER_STEP_BYTES = 4
+GRAD_SCALER_UNSCALE_BYTES = 8 + 8
 
 
 def _shard(num: int, degree: int, sharded: bool) -> int:
@@ -123,12 +134,14 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload) -> State
         host = opt_params * (master + wl.optimizer.num_states * FP32_BYTES + grad)
         return StateBytes(params_bytes=params_bytes, grads_bytes=grads_bytes, optimizer_bytes=0,
                           master_bytes=0, num_optimizer_params=opt_params, host_bytes=host)
+    scaler = GRAD_SCALER_STATE_BYTES if policy.grad_scaler else 0
     return StateBytes(
         params_bytes=params_bytes,
         grads_bytes=grads_bytes,
-        optimizer_bytes=opt_params * per_param_opt + steps,
+        optimizer_bytes=opt_params * per_param_opt + steps + scaler,
         master_bytes=opt_params * policy.master_bytes,
         num_optimizer_params=opt_params,
+        scaler_bytes=scaler,
     )
 
 
@@ -162,6 +175,8 @@ def optimizer_step_temp_bytes(params: StageParams, st: StateBytes, par: Parallel
             temp = max(pairs, default=0) * updated
     if policy.master_bytes and policy.grad_bytes < FP32_BYTES:
         temp += st.num_optimizer_params * FP32_BYTES
+    if policy.grad_scaler:
+        return max(temp + GRAD_SCALER_STEP_BYTES, GRAD_SCALER_UNSCALE_BYTES)
     return temp
 
 

@@ -219,17 +219,19 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
         shared.final_norm_bytes + shared.final_norm_extra if last else 0, loss_fwd,
         (shard.gathered_bytes, shard.gathered_at_loss_bytes))
 
-    def peaks(opt_bytes: int) -> PhasePeaks:
+    def peaks(opt_bytes: int, from_loss: int = 0) -> PhasePeaks:
         base = st.params_bytes + opt_bytes + buckets
         return PhasePeaks(
             forward=base + grads_in_forward + fwd_acts + mask,
-            backward=base + bwd_tensors,
+            backward=base + from_loss + bwd_tensors,
             optimizer=fx.optimizer_phase,
         )
 
-    # Master weights exist from optimizer setup; moments appear at step 1's optimizer step.
+    # Master weights exist from optimizer setup; a grad scaler's state from step 1's loss;
+    # moments appear at step 1's optimizer step.
     return Walked(fx, kinds, entries, flight, activations, one_mb,
-                  max(loss_fwd, walk.head.loss), peaks(st.optimizer_bytes), peaks(st.master_bytes))
+                  max(loss_fwd, walk.head.loss), peaks(st.optimizer_bytes),
+                  peaks(st.master_bytes, st.scaler_bytes))
 
 
 def _head_backward(shared: memo.SharedTerms, fx: StageStates, saved: int) -> HeadBackward:
