@@ -150,13 +150,14 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
     """The local peaks of one layer's backward, in backward order (see the module docstring)."""
     blocks = layer_blocks(moe_layer)
     policy = Recompute.NONE if recompute is Recompute.FULL else recompute  # what is rebuilt
-    stream = dm.rows * spec.hidden_size * dm.e
+    stream = dm.stream(spec.hidden_size)
+    mixer_out = dm.rows * spec.hidden_size * dm.e  # a mixer's output (the compute dtype)
     incoming = stream  # the residual-stream gradient, alive through the layer
     saved = [total(block.saved(spec, wl, dm, policy)) for block in blocks]
     prior = [sum(saved[:i]) for i in range(len(blocks))]
     # The checkpointed input stays while the layer is rebuilt, unless the rebuilt norm saves
-    # that very tensor (a fused norm's input; an fp32 run, where the upcast is a no-op).
-    input_is_saved = wl.norm_impl is NormImpl.FUSED or dm.e >= FP32_BYTES
+    # that very tensor (a fused norm's input; an fp32 stream, where the upcast is a no-op).
+    input_is_saved = wl.norm_impl is NormImpl.FUSED or dm.stream_e >= FP32_BYTES
     extra = stream if recompute is Recompute.FULL and not input_is_saved else 0
     out: list[BackwardMoment] = []
     if recompute is Recompute.FULL:
@@ -164,7 +165,7 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
         # dropout (its mask), or its second linear, whose output is alive then (and
         # dropout's), with everything the layer saves and the post-attention residual when
         # no norm saves it.
-        rerun_out = stream * (2 if spec.dropout > 0 else 1) + (0 if input_is_saved else incoming)
+        rerun_out = mixer_out * (2 if spec.dropout > 0 else 1) + (0 if input_is_saved else incoming)
         out.append(BackwardMoment("rebuild_out", extra + sum(saved), incoming + rerun_out, ()))
         for block, before in zip(blocks, prior):
             out += [BackwardMoment(m.name, extra + before + m.own_bytes,

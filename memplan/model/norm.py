@@ -108,8 +108,9 @@ def backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     rows, h, e = dm.rows, spec.hidden_size, dm.e
     if wl.norm_impl is NormImpl.FUSED:
         # LayerNorm's aten kernel: its input gradient. The reference fused RMSNorm: the
-        # weighted gradient, the normalised input and one product.
-        return (3 if spec.norm is NormKind.RMSNORM else 1) * rows * h * e
+        # weighted gradient, the normalised input and one product. (In its input's dtype:
+        # fp32 under autocast.)
+        return (3 if spec.norm is NormKind.RMSNORM else 1) * rows * h * dm.stream_e
     if spec.norm is NormKind.LAYERNORM:
         # the gradient entering the aten kernel (the weighted one; in low precision its fp32
         # copy, the weighted one freed by then) and the input gradient it returns
@@ -189,6 +190,9 @@ def final_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     inside = backward_bytes(spec, wl, dm)
     if wl.norm_impl is not NormImpl.FUSED or spec.norm is not NormKind.RMSNORM:
         return inside
-    rows, h, e = dm.rows, spec.hidden_size, dm.e
-    rstd_cast = rows * e if e < FP32_BYTES else 0
-    return inside + rows * h * e + rstd_cast + rows * FP32_BYTES + h * FP32_BYTES
+    rows, h, e = dm.rows, spec.hidden_size, dm.stream_e  # its input's dtype
+    # the rstd cast to the input's dtype, and the fp32 weight gradient before its cast to the
+    # weight's dtype: neither exists when that dtype is fp32
+    low = e < FP32_BYTES
+    return (inside + rows * h * e + (rows * e if low else 0) + rows * FP32_BYTES
+            + (h * FP32_BYTES if low else 0))
