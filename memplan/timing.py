@@ -284,7 +284,8 @@ def comm_columns(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns) -> dic
     dp = c.dp * c.cp
     grad_bytes = c.params_on_rank * wl.precision.policy.grad_bytes
     dp_bytes = 2 * _ring(dp) * grad_bytes
-    gathers = 2 * _ring(dp) * c.params_on_rank * e * m
+    # weights are gathered in the dtype FSDP holds them for compute (fp32 under autocast)
+    gathers = 2 * _ring(dp) * c.params_on_rank * wl.precision.policy.unsharded.itemsize * m
     dp_bytes = where(c.zero >= ZeroStage.PARAMETERS, dp_bytes + gathers, dp_bytes)
     out["dp"] = dp_bytes / _bandwidth(gpu, c, c.tp * c.cp * c.dp)
     # PP: each micro-batch's activations cross each boundary forward and their gradients back.

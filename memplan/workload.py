@@ -72,6 +72,13 @@ class PrecisionPolicy:
         return self.master or self.params
 
     @cached_property
+    def unsharded(self) -> DType:
+        """The dtype ZeRO-3 / FSDP2 gathers weights (and makes their unsharded gradients) in:
+        the compute dtype (FSDP2's ``MixedPrecisionPolicy.param_dtype``), or under autocast
+        the weights' own, which autocast casts after the gather."""
+        return self.params if self.autocast else self.compute
+
+    @cached_property
     def param_bytes(self) -> int:
         return self.params.itemsize
 

@@ -64,11 +64,12 @@ def forward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     and the log-softmax output of one chunk, both freed when the chunk returns its sum.
     """
     # under autocast the head saves a cast of the final norm's fp32 output, which the model
-    # still holds (its last hidden state) while the loss runs
+    # still holds (its last hidden state; all-gathered under DTensor sequence parallelism)
+    # while the loss runs
     held = 0
     if dm.autocast:  # the final norm's output, or with a chunked loss the cached weight cast
         held = (_head_weight(spec, dm) * dm.e if wl.loss_chunks > 1
-                else dm.stream(spec.hidden_size))
+                else dm.linear_rows * spec.hidden_size * dm.stream_e)
     return held + _logits_alive(wl, dm)
 
 

@@ -106,8 +106,9 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
     unsaved_input = (stream if wl.norm_impl is NormImpl.UPCAST and dm.stream_e < FP32_BYTES
                      else 0)
     # Under autocast no linear saves a norm's (fp32) output, the casts of it instead; the
-    # output is the mixer's argument, alive until the mixer returns.
-    norm_out = dm.stream(spec.hidden_size) if dm.autocast else 0
+    # output is the mixer's argument, alive until the mixer returns (under DTensor sequence
+    # parallelism the mixer's input all-gathered to the full sequence, once for its linears).
+    norm_out = dm.linear_rows * spec.hidden_size * dm.stream_e if dm.autocast else 0
     prior = 0
     for i, block in enumerate(blocks):
         prior += cast_cache_bytes(spec, dm, block, recompute)

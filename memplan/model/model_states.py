@@ -212,7 +212,7 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload) -> 
         # tests/traced/test_parallel_trace).
         layer = max(params.layers, default=0)
         blocks = 2 * layer if len(params.layers) > 1 else layer
-        e = wl.compute_dtype.itemsize
+        e = policy.unsharded.itemsize
         root = params.embedding + params.head
         return ShardingBuffers((root + blocks) * e, (root + layer) * e,
                                params.largest_unit * policy.grad_bytes)

@@ -285,7 +285,7 @@ def _grad_sharding(wl: Workload, fx: StageStates) -> GradSharding:
         # FSDP2 frees a unit's reduce-scatter input only when the next unit's reduce-scatter
         # waits on it (traced, tests/traced/test_ground_truth.py FSDP_GRID)
         held_reduce_input=shard.grad_bytes if shard.gathered_bytes else 0,
-        unsharded_dtype=wl.compute_dtype.itemsize / policy.grad_bytes,
+        unsharded_dtype=policy.unsharded.itemsize / policy.grad_bytes,
         # in backward FSDP2 holds the root and the block being computed (traced)
         gathered_in_block=shard.gathered_at_loss_bytes,
         gathered_at_loss=shard.gathered_at_loss_bytes)

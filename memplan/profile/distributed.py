@@ -170,15 +170,18 @@ def trace_rank(spec: ModelSpec, par: ParallelConfig, wl: Workload, *, steps: int
         if kind != "fsdp":
             return run_steps(model, spec, wl, tracker, steps=steps)
         with _follow_fsdp_storage(tracker):
-            # FSDP2 casts to bf16 itself: the optimizer updates the fp32 shards directly.
-            return run_steps(model, spec, wl, tracker, steps=steps, precision=Precision.FP32)
+            # FSDP2 casts to bf16 itself: the optimizer updates the fp32 shards directly; under
+            # autocast the recipe still runs forward and loss in autocast
+            own = wl.precision if wl.precision.policy.autocast else Precision.FP32
+            return run_steps(model, spec, wl, tracker, steps=steps, precision=own)
 
 
 def _check_precision(kind: str, wl: Workload) -> None:
     if kind == "fsdp" and wl.precision not in (Precision.FSDP_BF16, Precision.FP32,
-                                               Precision.BF16_PURE):
-        raise MemplanError(f"trace_parallel: FSDP2 runs fsdp-bf16, bf16-pure or fp32, not "
-                           f"{wl.precision.value}")
+                                               Precision.BF16_PURE, Precision.AMP_BF16,
+                                               Precision.AMP_FP16):
+        raise MemplanError(f"trace_parallel: FSDP2 runs fsdp-bf16, bf16-pure, amp-bf16, "
+                           f"amp-fp16 or fp32, not {wl.precision.value}")
     if kind != "fsdp" and wl.precision is Precision.FSDP_BF16:
         raise MemplanError("precision: fsdp-bf16 needs an FSDP layout (zero 3, dp > 1)")
 
