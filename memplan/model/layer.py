@@ -167,6 +167,12 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
         # dropout's), with everything the layer saves and the post-attention residual when
         # no norm saves it.
         rerun_out = mixer_out * (2 if spec.dropout > 0 else 1) + (0 if input_is_saved else incoming)
+        if dm.autocast and spec.dropout == 0:
+            # Under autocast the last tensor packed is the second linear's weight cast, made
+            # before it runs: its output does not exist yet, its norm's fp32 output (the
+            # MLP's argument, all-gathered under DTensor sequence parallelism) still does
+            # (traced)
+            rerun_out = dm.linear_rows * spec.hidden_size * dm.stream_e
         out.append(BackwardMoment("rebuild_out", extra + sum(saved), incoming + rerun_out, ()))
         for block, before in zip(blocks, prior):
             out += [BackwardMoment(m.name, extra + before + m.own_bytes,
