@@ -61,14 +61,29 @@ def attention_weights(spec: ModelSpec, t: int) -> tuple[int, int, int, int]:
     return h * q // t, h * kv // t, h * kv // t, q * h // t
 
 
+def _fp32_rotated(spec: ModelSpec, dm: Dims) -> int:
+    """Under autocast with RoPE: the caller's q and k rotated by the fp32 tables, in fp32."""
+    if not dm.autocast or spec.position is not PositionKind.ROPE:
+        return 0
+    return dm.tokens * (spec.q_size + spec.kv_size) // dm.tp * dm.stream_e
+
+
 def _q_bytes(spec: ModelSpec, dm: Dims) -> int:
     return dm.tokens * spec.q_size // dm.tp * dm.e
 
 
 def _before_output(spec: ModelSpec, dm: Dims, saved: int) -> int:
     """Of the block's saved bytes, those that exist while the core runs: not the attention
-    output (saved by the output projection) nor its dropout mask."""
-    return saved - _q_bytes(spec, dm) - total(residual_dropout_mask("attn", spec, dm))
+    output (saved by the output projection) nor its dropout mask, nor under autocast the
+    output projection's weight cast."""
+    return (saved - _q_bytes(spec, dm) - total(residual_dropout_mask("attn", spec, dm))
+            - _out_cast(spec, dm))
+
+
+def _out_cast(spec: ModelSpec, dm: Dims) -> int:
+    """The output projection's saved weight cast (autocast): made after the core, freed by
+    its backward before the core's."""
+    return total(weight_casts("attn_out", attention_weights(spec, dm.tp)[3], dm))
 
 
 def _flash_backward(spec: ModelSpec, dm: Dims, recompute: Recompute,
@@ -81,7 +96,7 @@ def _flash_backward(spec: ModelSpec, dm: Dims, recompute: Recompute,
     rebuilt = 0
     if recompute is Recompute.SELECTIVE:
         rebuilt = _q_bytes(spec, dm) + dm.b * (spec.num_attention_heads // t) * dm.s * FP32_BYTES
-    return [(saved + rebuilt, transient)]
+    return [(saved + rebuilt - _out_cast(spec, dm), transient)]
 
 
 def _eager_backward(spec: ModelSpec, dm: Dims, recompute: Recompute,
@@ -90,7 +105,7 @@ def _eager_backward(spec: ModelSpec, dm: Dims, recompute: Recompute,
     backward has freed its input (the core's output copy) and the block's output dropout ran
     its backward first (its mask freed)."""
     c = eager.core(spec, dm)
-    saved -= total(residual_dropout_mask("attn", spec, dm))
+    saved -= total(residual_dropout_mask("attn", spec, dm)) + _out_cast(spec, dm)
     return [(saved - c.q + alive, transient) for alive, transient
             in eager.backward(c, rebuild=recompute is Recompute.SELECTIVE)]
 
@@ -108,7 +123,9 @@ class Attention:
         """The core's peak (before the attention output exists) and the output projection's
         (its output before the residual add, beside what the core leaves)."""
         saved = total(attention_terms(spec, wl, dm, recompute))
-        core, after_core = 0, 0
+        # under autocast with RoPE the caller's rotated q and k are fp32 and never saved
+        # (SDPA saves casts of them): alive until the block returns
+        core = after_core = _fp32_rotated(spec, dm)
         if wl.attention is Kernel.EAGER:
             c = eager.core(spec, dm)
             saving = recompute is Recompute.NONE
@@ -125,6 +142,8 @@ class Attention:
         stream = dm.rows * spec.hidden_size * e
         q_bytes = _q_bytes(spec, dm)
         kv_bytes = 2 * dm.tokens * spec.kv_size // t * e
+        if _fp32_rotated(spec, dm):  # the caller's q and k are fp32 after RoPE
+            q_bytes, kv_bytes = 2 * q_bytes, 3 * kv_bytes // 2
         if wl.attention is Kernel.FLASH:
             core = q_bytes + dm.b * (spec.num_attention_heads // t) * dm.s * FP32_BYTES
         else:

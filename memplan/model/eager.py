@@ -21,6 +21,13 @@ the exact tracker (``memplan trace``; ``docs/ground_truth.md``, section "eager a
 - a checkpointed core (selective recompute) saves nothing while it runs forward; rerun in the
   backward it saves everything again and stops early once the value matmul has saved its
   inputs (torch.utils.checkpoint's default early stop), before that matmul runs.
+
+Under autocast with fp32 weights (``Dims.autocast``) the additive mask is fp32, so the masked
+scores and the softmax are fp32; the value matmul saves a low-precision cast of the
+probabilities. With RoPE the caller's q and k are fp32 (rotated by the fp32 tables) and never
+saved (the matmuls save casts of them, or contiguous copies of the casts), and K repeated to
+every head is fp32 too, a local of the core beside its saved cast. In backward the gradient of
+the probabilities' cast is upcast to fp32 before softmax's backward, which runs in fp32.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from memplan.model.dims import MASK_BYTES, Dims
-from memplan.spec import ModelSpec
+from memplan.spec import ModelSpec, PositionKind
 
 
 class Core(NamedTuple):
@@ -43,10 +50,19 @@ class Core(NamedTuple):
     k_extra: int  # the contiguous copy of k^T, or K repeated to every head
     v_extra: int  # the contiguous copy of v, or V repeated to every head
     grouped: bool  # K and V repeated to every query head (GQA, MQA)
+    sm: int = 0  # the softmax output (fp32 under autocast)
+    masked: int = 0  # the masked scores (in the mask's dtype: fp32 under autocast)
+    value_input: int = 0  # what the value matmul saved of the probabilities beyond softmax's
+    #                       own output: dropout's output, or under autocast their cast
+    fp32_caller: int = 0  # autocast with RoPE: the caller's fp32 rotated q and k
+    fp32_k_rep: int = 0  # ... and K repeated to every head in fp32, a local of the core
+    dropout_local: int = 0  # autocast: dropout's fp32 output, a local (its cast is saved)
 
     @property
     def caller_locals(self) -> int:
         """q, k, v held by the caller that are not themselves what the matmuls save."""
+        if self.fp32_caller:
+            return self.fp32_caller + (self.kv if self.v_extra else 0)
         held = self.q if self.q_copy else 0
         if self.k_extra:
             held += self.kv
@@ -57,8 +73,7 @@ class Core(NamedTuple):
     @property
     def rebuilt(self) -> int:
         """What the core saves when it runs with autograd recording (beyond q, k, v)."""
-        return (self.q_copy + self.k_extra + self.v_extra + self.scores
-                + self.mask + self.dropped)
+        return self.q_copy + self.k_extra + self.v_extra + self.sm + self.mask + self.value_input
 
 
 def core(spec: ModelSpec, dm: Dims) -> Core:
@@ -70,20 +85,34 @@ def core(spec: ModelSpec, dm: Dims) -> Core:
     grouped = spec.num_kv_heads < spec.num_attention_heads
     dropout = spec.dropout > 0
     extra = q if (grouped or copies) else 0
+    amp = dm.autocast
+    # under autocast the value matmul saves the cast of dropout's fp32 output, or of the
+    # probabilities
+    value_input = scores * dm.e if dropout or amp else 0
+    rope = amp and spec.position is PositionKind.ROPE
+    fp32_q = dm.tokens * spec.q_size // dm.tp * dm.stream_e
+    fp32_k = dm.tokens * spec.kv_size // dm.tp * dm.stream_e
     return Core(scores=scores * dm.e, mask=scores * MASK_BYTES if dropout else 0,
-                dropped=scores * dm.e if dropout else 0, q=q, kv=kv,
-                q_copy=q if copies else 0, k_extra=extra, v_extra=extra, grouped=grouped)
+                dropped=value_input, q=q, kv=kv,
+                q_copy=q if copies else 0, k_extra=extra, v_extra=extra, grouped=grouped,
+                sm=scores * dm.stream_e, masked=scores * dm.stream_e, value_input=value_input,
+                fp32_caller=fp32_q + fp32_k if rope else 0,
+                fp32_k_rep=fp32_q if rope and grouped else 0,
+                dropout_local=scores * dm.stream_e if amp and dropout else 0)
 
 
 def forward_saving(c: Core) -> int:
     """Transient bytes at the forward peak of a core that saves (no recompute), beyond what it
     has saved by then (everything it saves): the masked scores, still a local, beside the
-    value matmul's output, and the caller's q, k, v the matmuls copied."""
-    return c.caller_locals + c.scores + c.q
+    value matmul's output, and the caller's q, k, v the matmuls copied (and the fp32 K
+    repeated to every head, under autocast with RoPE)."""
+    return c.caller_locals + c.fp32_k_rep + c.masked + c.dropout_local + c.q
 
 
 def forward_checkpointed(c: Core) -> int:
     """Bytes a checkpointed core holds at its forward peak, beyond its inputs q, k, v."""
+    if c.sm != c.scores:  # autocast: fp32 masked scores and softmax
+        return _checkpointed_autocast(c)
     # repeated K and V are the core's locals until it returns; copies die with their matmul
     reps = c.k_extra + c.v_extra if c.grouped else 0
     first = c.q_copy + (reps if c.grouped else c.k_extra) + c.scores
@@ -91,6 +120,25 @@ def forward_checkpointed(c: Core) -> int:
     dropout = reps + 3 * c.scores + c.mask if c.mask else 0  # masked, softmax, mask, output
     # the value matmul: the masked scores, its probabilities, the copy of v, its output
     value = reps + 2 * c.scores + (0 if c.grouped else c.v_extra) + c.q
+    return max(first, scores, dropout, value)
+
+
+def _checkpointed_autocast(c: Core) -> int:
+    """``forward_checkpointed`` under autocast: the raw and scaled scores in the low dtype,
+    the masked scores (a local to the end) and the softmax in fp32, dropout's fp32 output
+    and mask (the softmax freed once dropout returns), the cast of the probabilities the
+    value matmul reads; repeated K (fp32 with RoPE) and V are locals of the core."""
+    k_rep = c.fp32_k_rep or (c.k_extra if c.grouped else 0)
+    reps = k_rep + c.v_extra if c.grouped else 0
+    casts = 2 * c.q + c.q_copy + (c.k_extra if c.q_copy else 0)  # the first matmul's inputs
+    first = reps + casts + c.scores
+    scores = reps + max(2 * c.scores, c.scores + c.masked, c.masked + c.sm)
+    probs = c.sm
+    dropout = 0
+    if c.mask:
+        dropout = reps + c.masked + c.sm + c.dropout_local + c.mask
+        probs = c.dropout_local + c.mask
+    value = reps + c.masked + probs + c.value_input + (0 if c.grouped else c.v_extra) + c.q
     return max(first, scores, dropout, value)
 
 
@@ -114,4 +162,4 @@ def backward(c: Core, rebuild: bool) -> list[tuple[int, int]]:
     rebuilt = c.rebuilt if rebuild else 0
     v_saved = c.v_extra if rebuild else c.q
     return [(rebuilt, 2 * c.q + c.scores),
-            (rebuilt - v_saved - c.dropped, c.q + 2 * c.scores)]
+            (rebuilt - v_saved - c.value_input, c.q + 2 * c.sm)]
