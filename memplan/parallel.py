@@ -209,6 +209,18 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
             "offload optimizer with precision bf16-pure: ZeRO-Offload keeps an fp32 master copy "
             "and fp32 states on the host, which is bf16-mixed with the optimizer offloaded "
             "(use --precision bf16-mixed)")
+    if par.offload is Offload.OPTIMIZER and wl.precision.policy.autocast:
+        raise LayoutError(
+            f"offload optimizer does not combine with precision {wl.precision.value}",
+            f"offload optimizer with precision {wl.precision.value}: ZeRO-Offload trains "
+            "low-precision weights against an fp32 master copy on the host, not fp32 weights "
+            "under autocast (use --precision bf16-mixed or fp16-mixed)")
+    if spec.moe is not None and wl.precision.policy.autocast:
+        raise LayoutError(
+            f"precision {wl.precision.value} is not modelled for MoE layers",
+            f"precision {wl.precision.value} with MoE layers ({spec.moe.num_experts} experts): "
+            "what autocast saves around routing and the experts is not modelled yet (use "
+            "bf16-pure, bf16-mixed or fp32)")
     _validate_recompute(spec, par, wl)
 
 

@@ -263,12 +263,18 @@ def _embedding_backward(spec: ModelSpec, shared: memo.SharedTerms,
         return EmbeddingBackward(0, 0, 0, rope)
     tied = spec.tied_embeddings and fx.last
     vocab_grad, dm = fx.vocab_grad, shared.dm
+    main_grads = fx.main_grads
+    if dm.autocast:
+        # the embedding is no autocast op: it reads the fp32 weight, its output and the
+        # gradient it receives are fp32, and its dense gradient is made in fp32 directly (a
+        # tied head's gradient too, once its cast's backward has upcast it)
+        vocab_grad, main_grads = vocab_grad // dm.e * dm.stream_e, False
     grads = int(fx.params.embedding * fx.grad_per_param)
     extra = embedding_backward_extra(
-        vocab_grad, grads, tied=tied, main_grads=fx.main_grads,
-        incoming=dm.tokens * spec.hidden_size * dm.e,
-        vocab_final=int(vocab_grad // dm.e * fx.grad_per_param),
-        positions_dense=param_counts(spec).position_embedding * dm.e)
+        vocab_grad, grads, tied=tied, main_grads=main_grads,
+        incoming=dm.tokens * spec.hidden_size * dm.stream_e,
+        vocab_final=int(vocab_grad // dm.stream_e * fx.grad_per_param),
+        positions_dense=param_counts(spec).position_embedding * dm.stream_e)
     # freed before the token embedding's backward: the rope tables and a checkpointed mask
     # (with the first layer's saved tensors), the embedding dropout's mask and the position
     # ids (the learned positions' backward runs first)

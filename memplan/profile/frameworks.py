@@ -11,7 +11,7 @@ step 1 and of the steady state.
 
 A precision recipe is a parameter (``RECIPES``): ``fp32`` (fp32 weights, no autocast),
 ``bf16-pure`` (the model in bf16, AdamW on the bf16 parameters), ``amp-bf16`` (fp32 weights
-under ``torch.autocast``; estimated only once memplan's workload has that precision) and, for
+under ``torch.autocast``, with CUDA's autocast rules, ``memplan.profile.cuda_rules``) and, for
 torchtitan's FSDP2, ``fsdp-bf16`` (its default ``MixedPrecisionPolicy``).
 
 Kernels a CPU build runs differently from CUDA are swapped for the CUDA kernel while tracing
@@ -52,7 +52,7 @@ from memplan.model.estimate import PHASES, estimate
 from memplan.overheads import no_overheads
 from memplan.parallel import ParallelConfig
 from memplan.profile.compare import Comparison, Row, rows
-from memplan.profile.cuda_rules import cuda_autocast, cuda_kernels
+from memplan.profile.cuda_rules import autocast_rules, cuda_kernels
 from memplan.profile.step import relabel_states
 from memplan.profile.trace import StepMeasure, TraceResult
 from memplan.profile.tracker import MemoryTracker
@@ -76,7 +76,7 @@ class Recipe:
 
     @property
     def available(self) -> bool:
-        """Whether memplan's workload has this precision (amp-bf16 is being added)."""
+        """Whether memplan's workload has this precision."""
         return self.name in {p.value for p in Precision}
 
 
@@ -222,7 +222,8 @@ def trace_case(case: FrameworkCase, *, fake: bool | None = None,
     fake = case.fake if fake is None else fake
     builder = BUILDERS[case.library]
     group = _process_group(case.dp) if case.dp > 1 else contextlib.nullcontext()
-    with group, _fake_mode() if fake else contextlib.nullcontext(), cuda_kernels():
+    rules = autocast_rules() if recipe(case.recipe).autocast else cuda_kernels()
+    with group, _fake_mode() if fake else contextlib.nullcontext(), rules:
         torch.manual_seed(0)
         built = builder(case)
         return built, run_library_steps(built, LibraryTracker(), steps=steps)
@@ -231,7 +232,7 @@ def trace_case(case: FrameworkCase, *, fake: bool | None = None,
 def compare_framework(case: FrameworkCase, *, fake: bool | None = None,
                       steps: int = 2) -> Comparison:
     """Trace ``case`` and compare it with memplan's estimate. Raises ``MemplanError`` when the
-    recipe is not a memplan precision yet (amp-bf16)."""
+    recipe is not a memplan precision."""
     if steps < 2:
         raise ValueError(f"steps must be at least 2 (first step and steady state), got {steps}")
     rec = recipe(case.recipe)
@@ -275,11 +276,12 @@ def _process_group(dp: int) -> Iterator[None]:
 
 
 def _autocast(rec: Recipe):
-    """Autocast as the recipe asks, with CUDA's op lists (``memplan.profile.cuda_rules``: CPU's
-    autocast lists differ from CUDA's)."""
+    """Autocast as the recipe asks, around what the library runs under it. CUDA's op lists
+    apply through ``autocast_rules``, which ``trace_case`` keeps on for the whole step (a
+    checkpointed region's rerun in backward autocasts again)."""
     if rec.autocast is None:
         return contextlib.nullcontext()
-    return cuda_autocast(rec.autocast)
+    return torch.autocast("cpu", dtype=rec.autocast)
 
 
 def _fused_adamw(params) -> torch.optim.Optimizer:
