@@ -44,7 +44,7 @@ def _draw(rng: random.Random) -> dict[str, Any]:
         "micro_batch_size": rng.choice([1, 1, 2, 4, 8]),
         "seq_len": rng.choice([512, 1024, 2048, 4096, 8192]),
         "precision": rng.choice(["bf16-mixed", "bf16-fp32-grads", "fp16-mixed", "fp32",
-                                 "fsdp-bf16"]),
+                                 "fsdp-bf16", "bf16-pure", "amp-bf16", "amp-fp16"]),
         "optimizer": rng.choice(["adamw", "adamw", "adamw", "sgd"]),
         "optimizer_impl": rng.choice(["foreach", "fused", "forloop"]),
         "recompute": recompute,

@@ -403,7 +403,7 @@ def test_chunked_loss_llama_3_8b() -> None:
     assert loss_chunk_tokens(wl, dm) == (1024, 8)
     head = {t.name: t.size_bytes for t in head_terms(spec, wl, dm)}
     assert "loss.log_softmax" not in head and head["loss.scalars"] == 4
-    assert forward_extra_bytes(wl, dm) == 2 * tc * v * 4 == 1_050_673_152
+    assert forward_extra_bytes(spec, wl, dm) == 2 * tc * v * 4 == 1_050_673_152
     assert loss_backward_bytes(spec, wl, dm, grad_w) == (
         3 * tc * v * 4 + 7 * tc * h * 2 + grad_w) == 2_685_403_136
     last_made = 8 * tc * h * 2 + 2 * grad_w + tc * v * 2
