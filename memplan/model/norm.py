@@ -96,6 +96,8 @@ def working_set(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     """Bytes a norm's forward holds beyond its input: fp32 copies, the cast, its output."""
     rows, h, e = dm.rows, spec.hidden_size, dm.e
     stats = rows * FP32_BYTES * (2 if spec.norm is NormKind.LAYERNORM else 1)
+    if dm.autocast:  # fp32 throughout: the normalised tensor and the output (no upcast copy)
+        return (1 if wl.norm_impl is NormImpl.FUSED else 2) * rows * h * FP32_BYTES + stats
     if wl.norm_impl is NormImpl.FUSED:
         return rows * h * e + stats
     lowp = e < FP32_BYTES
@@ -105,7 +107,7 @@ def working_set(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
 
 def backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     """Gradient bytes in flight inside a norm's backward, its incoming gradient excluded."""
-    rows, h, e = dm.rows, spec.hidden_size, dm.e
+    rows, h = dm.rows, spec.hidden_size
     if wl.norm_impl is NormImpl.FUSED:
         # LayerNorm's aten kernel: its input gradient. The reference fused RMSNorm: the
         # weighted gradient, the normalised input and one product. (In its input's dtype:

@@ -12,6 +12,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+from memplan.workload import Precision
+
 ROOT = Path(__file__).resolve().parents[2]
 SWEEP = ROOT / "tests" / "data" / "estimate_sweep.jsonl.gz"
 
@@ -35,8 +37,7 @@ def test_sweep_covers_every_option() -> None:
         return {c.get(key) for c in configs}
 
     assert values("recompute") == {"none", "selective", "full"}
-    assert values("precision") == {"bf16-mixed", "bf16-fp32-grads", "fp16-mixed", "fp32",
-                                   "fsdp-bf16"}
+    assert values("precision") == {p.value for p in Precision}
     assert values("attention") == {"flash", "eager"} and values("norm_impl") == {"upcast", "fused"}
     assert values("zero") == {0, 1, 2, 3} and {2, 4} <= values("vpp") and {2, 4} <= values("cp")
     assert {2, 4, 8} <= values("ep") and {4, 8} <= values("loss_chunks")

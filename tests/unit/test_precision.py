@@ -126,9 +126,9 @@ def test_amp_full_recompute_holds_the_weight_casts_through_forward() -> None:
     autocast's cache keeps every weight cast until the forward ends: the forward peak is
     above the same run's with the casts left out by exactly the casts of the layers before
     the head (2 x layer weights x 2 B)."""
-    from memplan.model.layer import layer_kind
-    from memplan.model.dims import Dims
     from memplan.api import make_layout, make_workload
+    from memplan.model.dims import Dims
+    from memplan.model.layer import layer_kind
     from memplan.spec import load_model
     from memplan.workload import Recompute
 
