@@ -7,7 +7,9 @@ key names exactly those choices and is the record's file name.
 The grid varies one thing at a time around a base and crosses the ones whose interaction is in
 question: micro-batch x sequence x recompute (the saved activations and their s-squared part),
 eager attention (the score matrix), fp32 (the dtype of every activation; eager, since the flash
-kernel takes no fp32 on CUDA).
+kernel takes no fp32 on CUDA), and the recipes whose dtypes differ by tensor: bf16-pure (bf16
+optimizer states, no master copy) and amp-bf16 (fp32 weights under autocast: weight casts,
+fp32 residual stream and norms).
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def _wl(mbs: int, seq: int, recompute: Recompute = Recompute.NONE,
 
 
 def single_workloads(seqs: tuple[int, int, int], *, quick: bool) -> list[Workload]:
-    """Quick: 10 runs; full: 38 (see the module docstring for the design)."""
+    """Quick: 10 runs; full: 42 (see the module docstring for the design)."""
     s0, s1, s2 = seqs
     none, sel, full = Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL
     eager, fp32 = Attention.EAGER, Precision.FP32
@@ -101,6 +103,8 @@ def single_workloads(seqs: tuple[int, int, int], *, quick: bool) -> list[Workloa
     out = [_wl(b, s, r) for b in MBS for s in seqs for r in (none, sel, full)]
     out += [_wl(b, s, r, attention=eager) for b in (1, 2) for s in (s0, s1) for r in (none, sel)]
     out += [_wl(b, s, precision=fp32, attention=eager) for b, s in ((1, s0), (2, s1), (1, s2))]
+    out += [_wl(b, s, r, precision=p) for p in (Precision.BF16_PURE, Precision.AMP_BF16)
+            for b, s, r in ((1, s1, none), (2, s2, full))]
     return out
 
 

@@ -25,7 +25,7 @@ class DeviceChoice(str, enum.Enum):
 DeviceOpt = Annotated[DeviceChoice, typer.Option(
     "--device", help="cuda: the GPU's allocator, context and NCCL; cpu: the same pipeline "
     "against the exact tracker (tensors only).")]
-Quick = Annotated[bool, typer.Option("--quick", help="A 10-run grid (3 steps each) instead of 38.")]
+Quick = Annotated[bool, typer.Option("--quick", help="A 10-run grid (3 steps each) instead of 42.")]
 Resume = Annotated[bool, typer.Option("--resume", help="Skip points already recorded.")]
 Nproc = Annotated[int, typer.Option(
     "--nproc", help="Ranks launched through torchrun (NCCL on CUDA, gloo on CPU): per-rank "

@@ -57,10 +57,15 @@ def reference_step(spec: ModelSpec, wl: Workload, device: str
     def step_fn(model: torch.nn.Module, opt: torch.optim.Optimizer, k: int) -> None:
         ids = torch.randint(0, spec.vocab_size, (b, s), device=device)
         targets = torch.randint(0, spec.vocab_size, (b, s), device=device)
-        model(ids, targets).backward()
+        with recipe.forward():
+            loss = model(ids, targets)
+        recipe.scale(loss).backward()
+        del loss
+        recipe.unscale(opt)
         recipe.before_step()
-        opt.step()
+        recipe.step(opt)
         recipe.after_step()
+        recipe.update()
 
     return model, opt, step_fn
 

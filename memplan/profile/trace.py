@@ -84,9 +84,12 @@ class _Recipe:
         self.params = [p for p in model.parameters()]
         self.precision = precision
         policy = precision.policy
+        # autocast on the weights' device: on CUDA its own, on CPU (a trace) CPU autocast,
+        # which ``autocast_rules`` makes follow CUDA's lists
+        self.device = self.params[0].device.type if self.params else "cpu"
         self.autocast = _TORCH_DTYPE[policy.autocast.value] if policy.autocast else None
         # the scaler's scale and growth tracker are made at its first scale(), in the forward
-        self.scaler = torch.amp.GradScaler("cpu") if policy.grad_scaler else None
+        self.scaler = torch.amp.GradScaler(self.device) if policy.grad_scaler else None
         self.masters: list[torch.Tensor] | None = None
         self.tracker = tracker
         if precision is Precision.BF16_FP32_GRADS:
@@ -117,7 +120,7 @@ class _Recipe:
         """The context the forward and the loss run in."""
         if self.autocast is None:
             return contextlib.nullcontext()
-        return torch.autocast("cpu", dtype=self.autocast)
+        return torch.autocast(self.device, dtype=self.autocast)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss times the scale; the scaler's own state (an fp32 scale and an int32
@@ -135,6 +138,16 @@ class _Recipe:
         tensors cannot; the step runs unconditionally, as it does when no inf is found.)"""
         if self.scaler is not None:
             self.scaler.unscale_(opt)
+
+    def step(self, opt: torch.optim.Optimizer) -> None:
+        """The optimizer step; with a scaler on real tensors through ``GradScaler.step``, which
+        skips it when an inf was found (fake tensors have no values to check)."""
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if self.scaler is not None and not isinstance(self.params[0], FakeTensor):
+            self.scaler.step(opt)
+        else:
+            opt.step()
 
     def update(self) -> None:
         if self.scaler is not None:
@@ -192,7 +205,9 @@ def run_steps(model: torch.nn.Module, spec: ModelSpec, wl: Workload, tracker: Me
     ``precision`` overrides the workload's recipe (FSDP's own mixed precision runs as fp32)."""
     model.train()
     precision = precision or wl.precision
-    rules = (autocast_rules() if precision.policy.autocast else contextlib.nullcontext())
+    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+    rules = (autocast_rules() if precision.policy.autocast and on_cpu
+             else contextlib.nullcontext())
     with tracker, rules:
         tracker.register(list(model.parameters()), "parameters")
         recipe = _Recipe(model, precision, tracker)
@@ -228,7 +243,7 @@ def _step(model, opt, recipe: _Recipe, tracker: MemoryTracker, wl: Workload,
     grads = tracker.bytes_in("gradients")
     recipe.unscale(opt)
     recipe.before_step()
-    opt.step()
+    recipe.step(opt)
     recipe.after_step()
     recipe.update()
     for state in opt.state.values():

@@ -99,8 +99,9 @@ def synthetic(point: Point, coef: dict[str, float], scale: float = 1.0,
 
 @pytest.fixture(scope="module")
 def grid() -> list[Point]:
-    """The full CUDA grid (38 points: every policy, eager, fp32) of a 4-layer reference model,
-    whose GiB-sized phases make the integer rounding of synthetic bytes negligible."""
+    """The full CUDA grid (42 points: every policy, eager, fp32, bf16-pure, amp-bf16) of a
+    4-layer reference model, whose GiB-sized phases make the integer rounding of synthetic
+    bytes negligible."""
     return device_grid("cuda", quick=False, spec=reference_spec("cuda", num_layers=4))
 
 
@@ -228,7 +229,9 @@ def test_estimate_shows_the_correction_as_its_own_line(gpu_profile: Path) -> Non
         *(ph.forward + 3 * MiB + 0.05 * act for ph in (w.first_step, w.steady)),
         *(ph.backward + 5 * MiB + 0.08 * act for ph in (w.first_step, w.steady)),
         *(ph.optimizer + 1 * MiB + 0.5 * temp for ph in (w.first_step, w.steady)))
-    assert abs(w.tensor_peak_bytes + w.calibration_bytes - expected) <= 2
+    # (the synthetic measurements are whole bytes: the fitted coefficients carry a few bytes
+    # of rounding at 65 GB)
+    assert abs(w.tensor_peak_bytes + w.calibration_bytes - expected) <= 4
     assert w.cuda_context_bytes == OUTSIDE and w.workspace_bytes == 0
     corrected = w.tensor_peak_bytes + w.calibration_bytes
     assert abs(w.allocator_bytes - (RATIO - 1) * corrected - ROUNDING) <= 3
