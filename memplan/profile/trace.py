@@ -142,9 +142,9 @@ class _Recipe:
     def step(self, opt: torch.optim.Optimizer) -> None:
         """The optimizer step; with a scaler on real tensors through ``GradScaler.step``, which
         skips it when an inf was found (fake tensors have no values to check)."""
-        from torch._subclasses.fake_tensor import FakeTensor
+        from torch._subclasses.fake_tensor import is_fake  # sees into DTensor shards too
 
-        if self.scaler is not None and not isinstance(self.params[0], FakeTensor):
+        if self.scaler is not None and not is_fake(self.params[0]):
             self.scaler.step(opt)
         else:
             opt.step()
