@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from memplan import presets
 from memplan.errors import MemplanError
 from memplan.hardware import GpuSpec, load_gpu
 from memplan.model.estimate import Estimate
@@ -58,9 +59,12 @@ def _cached_workload(items: tuple[tuple[str, Any], ...]) -> Workload:
 def make_layout(num_gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 1,
                 ep: int = 1, dp: int | None = None, zero: int = 0,
                 sequence_parallel: bool | None = None, vocab_parallel: bool = True,
-                tp_style: str = "megatron", grad_buffers: str = "view",
+                tp_style: str | None = None, grad_buffers: str | None = None,
                 offload: str = "none") -> ParallelConfig:
-    """A layout for ``num_gpus``; sequence parallelism defaults to on whenever tp > 1."""
+    """A layout for ``num_gpus``; sequence parallelism defaults to on whenever tp > 1; TP style
+    and gradient buffers default to Megatron-LM's (``memplan.presets.GENERIC``)."""
+    tp_style = presets.GENERIC["tp_style"] if tp_style is None else tp_style
+    grad_buffers = presets.GENERIC["grad_buffers"] if grad_buffers is None else grad_buffers
     for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp), ("cp", cp), ("ep", ep)):
         if value <= 0:
             raise MemplanError(f"{name} must be positive, got {value}")
@@ -84,7 +88,8 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
              gpu_memory: str | int | None = None, tp: int = 1, pp: int = 1, vpp: int = 1,
              cp: int = 1, ep: int = 1, dp: int | None = None, zero: int = 0,
              sequence_parallel: bool | None = None, vocab_parallel: bool = True,
-             tp_style: str = "megatron", grad_buffers: str = "view", offload: str = "none",
+             tp_style: str | None = None, grad_buffers: str | None = None,
+             offload: str = "none", framework: str | None = None,
              overheads: Overheads | None = None,
              schedule: Schedule | str = Schedule.ONE_F_ONE_B,
              calibration: str | list[str] | None = None, **workload: Any) -> Estimate:
@@ -92,7 +97,9 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
 
     ``workload`` takes the ``Workload`` fields (micro_batch_size, global_batch_size, seq_len,
     precision, optimizer, optimizer_impl, recompute, recompute_layers, attention, norm_impl,
-    logits_fp32, loss_chunks). ``gpu_memory`` ("80GiB", "80GB" or int bytes) overrides the
+    logits_fp32, loss_chunks). ``framework`` (megatron, torchtitan, hf, lightning; default
+    generic) fills every implementation choice left unset (None) with what that framework runs
+    (``memplan.presets``). ``gpu_memory`` ("80GiB", "80GB" or int bytes) overrides the
     GPU's capacity. ``offload="optimizer"`` keeps the optimizer in host memory (``Offload``).
     ``calibration``: profile paths (or "auto", the committed profile for ``gpu``) whose
     correction is added as its own line (``memplan.calibrate.apply``).
@@ -101,7 +108,8 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
     spec, par, wl = resolve(model, gpus=gpus, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp,
                             zero=zero, sequence_parallel=sequence_parallel,
                             vocab_parallel=vocab_parallel, tp_style=tp_style,
-                            grad_buffers=grad_buffers, offload=offload, **workload)
+                            grad_buffers=grad_buffers, offload=offload, framework=framework,
+                            **workload)
     gpu_spec = gpu if isinstance(gpu, GpuSpec) else load_gpu(gpu)
     est = _estimate(spec, gpu_spec, par, wl, capacity_bytes=_capacity(gpu_memory),
                     overheads=overheads,
@@ -138,14 +146,20 @@ def _capacity(gpu_memory: str | int | None) -> int | None:
 def resolve(model: str | ModelSpec, *, gpus: int = 1, tp: int = 1, pp: int = 1, vpp: int = 1,
             cp: int = 1, ep: int = 1, dp: int | None = None, zero: int = 0,
             sequence_parallel: bool | None = None, vocab_parallel: bool = True,
-            tp_style: str = "megatron", grad_buffers: str = "view", offload: str = "none",
+            tp_style: str | None = None, grad_buffers: str | None = None,
+            offload: str = "none", framework: str | None = None,
             **workload: Any) -> tuple[ModelSpec, ParallelConfig, Workload]:
-    """The typed (spec, layout, workload) for names and numbers; raises MemplanError."""
+    """The typed (spec, layout, workload) for names and numbers; raises MemplanError.
+    Implementation choices left None take the framework's defaults (``memplan.presets``)."""
     spec = model if isinstance(model, ModelSpec) else load_model(model)
+    fw = presets.parse(framework)
+    filled = presets.apply(fw, spec, {"tp_style": tp_style, "grad_buffers": grad_buffers,
+                                      **workload})
     par = make_layout(gpus, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp, zero=zero,
                       sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,
-                      tp_style=tp_style, grad_buffers=grad_buffers, offload=offload)
-    return spec, par, make_workload(spec, **workload)
+                      tp_style=filled.pop("tp_style"), grad_buffers=filled.pop("grad_buffers"),
+                      offload=offload)
+    return spec, par, make_workload(spec, framework=fw, **filled)
 
 
 def _validate(model: type[Workload], data: dict[str, Any]) -> Workload:
@@ -179,10 +193,20 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
     policies = None
     if recompute is not None:
         policies = [Recompute.parse(r) for r in recompute]
+    fw = presets.parse(workload.pop("framework", None))
+    refused = presets.refused_recompute(fw)
+    if refused:  # search only what the framework offers; refuse what it does not, by name
+        for policy in policies or []:
+            if policy.label in refused:
+                presets.validate(None, make_workload(spec, framework=fw, recompute=policy))
+        policies = [p for p in (policies or list(Recompute)) if p.label not in refused]
     fixed = {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "zero": zero,
              "sp": sequence_parallel}
     safety = DEFAULT_SAFETY if safety is None else safety
-    result = run_plan(spec, gpu_spec, gpus, make_workload(spec, **workload),
+    filled = presets.apply(fw, spec, workload)
+    for name in presets.LAYOUT_FIELDS:  # the planner searches Megatron-style layouts
+        filled.pop(name)
+    result = run_plan(spec, gpu_spec, gpus, make_workload(spec, framework=fw, **filled),
                       capacity_bytes=_capacity(gpu_memory), max_tp=max_tp, fixed=fixed,
                       safety=safety, recompute=policies)
     if not calibration:

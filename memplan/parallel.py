@@ -13,6 +13,7 @@ import enum
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from memplan import presets
 from memplan.errors import LayoutError
 from memplan.spec import ModelSpec, PositionKind
 from memplan.units import ceil_div
@@ -222,6 +223,7 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
             "what autocast saves around routing and the experts is not modelled yet (use "
             "bf16-pure, bf16-mixed or fp32)")
     _validate_recompute(spec, par, wl)
+    presets.validate(par, wl)  # options the workload's framework does not offer
 
 
 def _validate_recompute(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:

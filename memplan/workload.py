@@ -174,6 +174,31 @@ class NormImpl(str, enum.Enum):
     FUSED = "fused"
 
 
+class Framework(str, enum.Enum):
+    """The training framework whose implementation defaults apply (``memplan.presets``)."""
+
+    GENERIC = "generic"
+    MEGATRON = "megatron"
+    TORCHTITAN = "torchtitan"
+    HF = "hf"
+    LIGHTNING = "lightning"
+
+
+class LogitsHeld(str, enum.Enum):
+    """Who keeps the logits beyond what autograd saves.
+
+    none  the loss's input is freed once the loss has its own copy (memplan's reference loop)
+    loss  the model's output keeps the compute-dtype logits while the loss upcasts and
+          log-softmaxes a copy; dropped with the output before backward (transformers)
+    step  the training loop keeps the logits the loss read (fp32) through backward and the
+          optimizer step, until the next forward returns (litgpt's pretrain loop variable)
+    """
+
+    NONE = "none"
+    LOSS = "loss"
+    STEP = "step"
+
+
 class Workload(BaseModel):
     """One training step. Token counts are per micro-batch, per data-parallel replica."""
 
@@ -190,6 +215,14 @@ class Workload(BaseModel):
     attention: Attention = Attention.FLASH
     norm_impl: NormImpl = NormImpl.UPCAST
     logits_fp32: bool = Field(default=True, description="loss computed on fp32 logits")
+    framework: Framework = Framework.GENERIC
+    logits_held: LogitsHeld = LogitsHeld.NONE
+    softmax_fp32: bool = Field(default=False, description=(
+        "eager attention's softmax in fp32 with a compute-dtype copy for the value matmul "
+        "(transformers' eager_attention_forward)"))
+    kv_cache: bool = Field(default=False, description=(
+        "the training forward fills a key/value cache (transformers with use_cache): under "
+        "autocast its fp32 copies of K and V live until the forward's output is dropped"))
     loss_chunks: int = Field(default=1, gt=0, description=(
         "1: the head and cross-entropy run on all tokens at once; n > 1: on n chunks of the "
         "tokens, each under activation checkpointing (logits never exist for all tokens)"))

@@ -20,7 +20,14 @@ import typer
 
 from memplan.model.pipeline import Schedule
 from memplan.parallel import GradBuffers, Offload, TpStyle
-from memplan.workload import Attention, NormImpl, Optimizer, OptimizerImpl, Precision
+from memplan.workload import (
+    Attention,
+    Framework,
+    NormImpl,
+    Optimizer,
+    OptimizerImpl,
+    Precision,
+)
 
 
 class RecomputeChoice(str, enum.Enum):
@@ -62,10 +69,10 @@ VocabParallel = Annotated[bool, typer.Option(
     "--vocab-parallel/--no-vocab-parallel",
     help="Embedding, head and loss split over the vocabulary by TP (Megatron-LM, torchtitan "
     "with loss_parallel), or replicated.", rich_help_panel=_LAYOUT)]
-TpStyleOpt = Annotated[TpStyle, typer.Option(
+TpStyleOpt = Annotated[Optional[TpStyle], typer.Option(
     "--tp-style", help="With SP, what column-parallel linears save: megatron (sequence "
     "shard) or dtensor (gathered full sequence).", rich_help_panel=_LAYOUT)]
-GradBuffersOpt = Annotated[GradBuffers, typer.Option(
+GradBuffersOpt = Annotated[Optional[GradBuffers], typer.Option(
     "--grad-buffers", help="ZeRO 0/1 data parallel: gradients as views of persistent buffers "
     "(Megatron-LM) or DDP's default copy into buckets.", rich_help_panel=_LAYOUT)]
 OffloadOpt = Annotated[Offload, typer.Option(
@@ -92,16 +99,24 @@ PrecisionOpt = Annotated[Precision, typer.Option(
     "--precision", help="Precision recipe (weights / grads / master copy).",
     rich_help_panel=_WORKLOAD)]
 OptimizerOpt = Annotated[Optimizer, typer.Option("--optimizer", rich_help_panel=_WORKLOAD)]
-OptimizerImplOpt = Annotated[OptimizerImpl, typer.Option(
-    "--optimizer-impl", help="torch.optim implementation: step temporaries differ.",
+OptimizerImplOpt = Annotated[Optional[OptimizerImpl], typer.Option(
+    "--optimizer-impl", help="torch.optim implementation: step temporaries differ "
+    "(default: the framework's; generic: foreach).",
     rich_help_panel=_KERNELS)]
 AttentionOpt = Annotated[Attention, typer.Option(
     "--attention", help="flash (no score matrix) or eager (saves the s^2 softmax).",
     rich_help_panel=_KERNELS)]
-NormOpt = Annotated[NormImpl, typer.Option(
-    "--norm", help="upcast (HF-style fp32 norm) or fused kernel.", rich_help_panel=_KERNELS)]
-LogitsFp32 = Annotated[bool, typer.Option(
-    "--logits-fp32/--no-logits-fp32", help="Loss on fp32 logits.", rich_help_panel=_KERNELS)]
+NormOpt = Annotated[Optional[NormImpl], typer.Option(
+    "--norm", help="upcast (HF-style fp32 norm) or fused kernel (default: the framework's; "
+    "generic: upcast).", rich_help_panel=_KERNELS)]
+LogitsFp32 = Annotated[Optional[bool], typer.Option(
+    "--logits-fp32/--no-logits-fp32", help="Loss on fp32 logits (default: the framework's; "
+    "generic: on).", rich_help_panel=_KERNELS)]
+FrameworkOpt = Annotated[Optional[Framework], typer.Option(
+    "--framework", help="The framework that runs the job: its implementation defaults "
+    "(norm kernel, optimizer implementation, who holds the logits, ...) apply to every "
+    "option not given, each printed under assumptions with its source. generic: plain "
+    "PyTorch as memplan's reference model runs it.", rich_help_panel=_KERNELS)]
 LossChunks = Annotated[int, typer.Option(
     "--loss-chunks", help="Run the head and cross-entropy on N chunks of the tokens, each "
     "checkpointed (1: all tokens at once).", rich_help_panel=_KERNELS)]
@@ -155,8 +170,8 @@ SHARED: dict[str, Shared] = {
     "ep": Shared(Ep, 1, "ep"),
     "sp": Shared(Sp, None, "sequence_parallel"),
     "vocab_parallel": Shared(VocabParallel, True, "vocab_parallel"),
-    "tp_style": Shared(TpStyleOpt, TpStyle.MEGATRON, "tp_style", _value),
-    "grad_buffers": Shared(GradBuffersOpt, GradBuffers.VIEW, "grad_buffers", _value),
+    "tp_style": Shared(TpStyleOpt, None, "tp_style", _value),
+    "grad_buffers": Shared(GradBuffersOpt, None, "grad_buffers", _value),
     "offload": Shared(OffloadOpt, Offload.NONE, "offload", _value),
     "zero": Shared(Zero, ZeroChoice.Z0, "zero", _zero),
     "mbs": Shared(Mbs, 1, "micro_batch_size"),
@@ -166,10 +181,11 @@ SHARED: dict[str, Shared] = {
     "recompute_layers": Shared(RecomputeLayers, None, "recompute_layers"),
     "precision": Shared(PrecisionOpt, Precision.BF16_MIXED, "precision"),
     "optimizer": Shared(OptimizerOpt, Optimizer.ADAMW, "optimizer"),
-    "optimizer_impl": Shared(OptimizerImplOpt, OptimizerImpl.FOREACH, "optimizer_impl"),
+    "optimizer_impl": Shared(OptimizerImplOpt, None, "optimizer_impl"),
     "attention": Shared(AttentionOpt, Attention.FLASH, "attention"),
-    "norm": Shared(NormOpt, NormImpl.UPCAST, "norm_impl"),
-    "logits_fp32": Shared(LogitsFp32, True, "logits_fp32"),
+    "norm": Shared(NormOpt, None, "norm_impl"),
+    "logits_fp32": Shared(LogitsFp32, None, "logits_fp32"),
+    "framework": Shared(FrameworkOpt, None, "framework", _value),
     "loss_chunks": Shared(LossChunks, 1, "loss_chunks"),
     "schedule": Shared(ScheduleOpt, Schedule.ONE_F_ONE_B, "schedule", resolve=False),
     "calibration": Shared(Calibration, None, "calibration", resolve=False),
@@ -178,7 +194,7 @@ SHARED: dict[str, Shared] = {
 LAYOUT = ("tp", "pp", "vpp", "dp", "cp", "ep", "sp", "vocab_parallel", "tp_style",
           "grad_buffers", "offload", "zero")
 WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "precision", "optimizer",
-            "optimizer_impl", "attention", "norm", "logits_fp32", "loss_chunks")
+            "optimizer_impl", "attention", "norm", "logits_fp32", "loss_chunks", "framework")
 # everything ``memplan estimate`` takes: diagnose takes the same configuration
 ESTIMATE = ("model", "gpus", "gpu", "gpu_memory", *LAYOUT, *WORKLOAD, "schedule", "calibration")
 

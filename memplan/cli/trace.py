@@ -19,7 +19,8 @@ Layers = Annotated[int | None, typer.Option(
 
 
 # the layout options of the ranks the fake process group traces (no chunks, experts, offload)
-@uses("model", "gpus", "tp", "pp", "dp", "cp", "sp", "zero", *WORKLOAD)
+@uses("model", "gpus", "tp", "pp", "dp", "cp", "sp", "zero",
+      *(n for n in WORKLOAD if n != "framework"))
 def trace(
     job: Job,
     layers: Layers = None,

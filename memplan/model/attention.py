@@ -44,12 +44,14 @@ def attention_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recomput
         else:
             # under autocast the scores are fp32 (the bf16 product plus the fp32 mask), so is
             # the softmax; the second matmul saves a cast of its input
+            # transformers' eager softmax runs in fp32 and casts back (softmax_fp32)
             scores = dm.b * heads * dm.s * dm.s_kv
-            terms.append(Term("attn.softmax", scores * dm.stream_e))
+            fp32_softmax = dm.autocast or (wl.softmax_fp32 and e < FP32_BYTES)
+            terms.append(Term("attn.softmax", scores * (FP32_BYTES if fp32_softmax else e)))
             if spec.dropout > 0:
                 terms.append(Term("attn.softmax_dropout_mask", scores))
                 terms.append(Term("attn.softmax_dropout_out", scores * e))
-            elif dm.autocast:
+            elif fp32_softmax:
                 terms.append(Term("attn.softmax_cast", scores * e))
     casts = weight_casts("attn", sum(attention_weights(spec, t)), dm)
     return terms + casts + residual_dropout_mask("attn", spec, dm)
@@ -86,7 +88,7 @@ def _out_cast(spec: ModelSpec, dm: Dims) -> int:
     return total(weight_casts("attn_out", attention_weights(spec, dm.tp)[3], dm))
 
 
-def _flash_backward(spec: ModelSpec, dm: Dims, recompute: Recompute,
+def _flash_backward(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute,
                     saved: int) -> list[tuple[int, int]]:
     """(saved bytes alive, gradients in flight) at flash attention's backward: the output
     gradient and the q, k, v gradients; selective recompute reran the core (its output and
@@ -99,12 +101,12 @@ def _flash_backward(spec: ModelSpec, dm: Dims, recompute: Recompute,
     return [(saved + rebuilt - _out_cast(spec, dm), transient)]
 
 
-def _eager_backward(spec: ModelSpec, dm: Dims, recompute: Recompute,
+def _eager_backward(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute,
                     saved: int) -> list[tuple[int, int]]:
     """The eager core's two backward peaks (``eager.backward``): the output projection's
     backward has freed its input (the core's output copy) and the block's output dropout ran
     its backward first (its mask freed)."""
-    c = eager.core(spec, dm)
+    c = eager.core(spec, dm, wl.softmax_fp32 and dm.e < FP32_BYTES)
     saved -= total(residual_dropout_mask("attn", spec, dm)) + _out_cast(spec, dm)
     return [(saved - c.q + alive, transient) for alive, transient
             in eager.backward(c, rebuild=recompute is Recompute.SELECTIVE)]
@@ -127,7 +129,7 @@ class Attention:
         # (SDPA saves casts of them): alive until the block returns
         core = after_core = _fp32_rotated(spec, dm)
         if wl.attention is Kernel.EAGER:
-            c = eager.core(spec, dm)
+            c = eager.core(spec, dm, wl.softmax_fp32 and dm.e < FP32_BYTES)
             saving = recompute is Recompute.NONE
             core = eager.forward_saving(c) if saving else eager.forward_checkpointed(c)
             after_core = eager.output_projection(c, saving)
@@ -149,7 +151,7 @@ class Attention:
         else:
             # the core's working set, or its output, the copy of it and the output
             # projection's output (that output is the stream counted here)
-            c = eager.core(spec, dm)
+            c = eager.core(spec, dm, wl.softmax_fp32 and dm.e < FP32_BYTES)
             core = max(eager.forward_checkpointed(c) - stream, 2 * c.q)
         moments = [Moment("attention", 0, stream + q_bytes + kv_bytes + core)]
         if spec.position is PositionKind.ROPE:
@@ -168,7 +170,7 @@ class Attention:
         the projections' (shared) input still to be summed."""
         saved = total(attention_terms(spec, wl, dm, recompute))
         core = (_eager_backward if wl.attention is Kernel.EAGER else _flash_backward)(
-            spec, dm, recompute, saved)
+            spec, wl, dm, recompute, saved)
         grad_inputs = 2 * dm.rows * spec.hidden_size * dm.e
         return [
             *(BackwardMoment(f"attention.{i}", alive, transient, ("attn_out",))
@@ -185,7 +187,7 @@ class Attention:
             return []
         saved = total(attention_terms(spec, wl, dm, Recompute.NONE))
         return [Moment("rebuild", _before_output(spec, dm, saved),
-                       eager.forward_saving(eager.core(spec, dm)))]
+                       eager.forward_saving(eager.core(spec, dm, wl.softmax_fp32 and dm.e < FP32_BYTES)))]
 
     def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:
         h, q, kv, bias = spec.hidden_size, spec.q_size, spec.kv_size, spec.qkv_bias

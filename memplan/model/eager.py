@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from memplan.model.dims import MASK_BYTES, Dims
+from memplan.model.dims import FP32_BYTES, MASK_BYTES, Dims
 from memplan.spec import ModelSpec, PositionKind
 
 
@@ -76,7 +76,10 @@ class Core(NamedTuple):
         return self.q_copy + self.k_extra + self.v_extra + self.sm + self.mask + self.value_input
 
 
-def core(spec: ModelSpec, dm: Dims) -> Core:
+def core(spec: ModelSpec, dm: Dims, softmax_fp32: bool = False) -> Core:
+    """The core's sizes; ``softmax_fp32``: the softmax runs in fp32 and its output is cast
+    back for the value matmul (transformers' ``eager_attention_forward``), as under
+    autocast."""
     heads = spec.num_attention_heads // dm.tp
     scores = dm.b * heads * dm.s * dm.s_kv
     q = dm.tokens * spec.q_size // dm.tp * dm.e
@@ -88,14 +91,16 @@ def core(spec: ModelSpec, dm: Dims) -> Core:
     amp = dm.autocast
     # under autocast the value matmul saves the cast of dropout's fp32 output, or of the
     # probabilities
-    value_input = scores * dm.e if dropout or amp else 0
+    fp32_softmax = amp or softmax_fp32
+    value_input = scores * dm.e if dropout or fp32_softmax else 0
     rope = amp and spec.position is PositionKind.ROPE
     fp32_q = dm.tokens * spec.q_size // dm.tp * dm.stream_e
     fp32_k = dm.tokens * spec.kv_size // dm.tp * dm.stream_e
     return Core(scores=scores * dm.e, mask=scores * MASK_BYTES if dropout else 0,
                 dropped=value_input, q=q, kv=kv,
                 q_copy=q if copies else 0, k_extra=extra, v_extra=extra, grouped=grouped,
-                sm=scores * dm.stream_e, masked=scores * dm.stream_e, value_input=value_input,
+                sm=scores * (FP32_BYTES if fp32_softmax else dm.e), masked=scores * dm.stream_e,
+                value_input=value_input,
                 fp32_caller=fp32_q + fp32_k if rope else 0,
                 fp32_k_rep=fp32_q if rope and grouped else 0,
                 dropout_local=scores * dm.stream_e if amp and dropout else 0)

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
+from memplan import presets
 from memplan.hardware import GpuSpec
 from memplan.model import memo
 from memplan.model.dims import Dims
@@ -46,7 +47,7 @@ from memplan.parallel import (
     validate,
 )
 from memplan.spec import ModelSpec
-from memplan.workload import Workload
+from memplan.workload import Framework, Workload
 
 # PHASES, PhasePeaks and StageMemory are defined with the stage walk and re-exported here,
 # beside the Estimate that holds them.
@@ -74,6 +75,12 @@ class Estimate:
     def assumptions(self) -> tuple[str, ...]:
         """What the numbers assume, each with its source (printed with every result)."""
         base = _assumptions(self.parallel, self.workload, self.schedule, self.overheads)
+        wl, par = self.workload, self.parallel
+        fields = {**wl.model_dump(mode="json"), **par.model_dump(mode="json")}
+        base = (f"framework: {wl.framework.value}"
+                + ("" if wl.framework is not Framework.GENERIC else
+                   " (plain PyTorch as memplan's reference model runs it)"),
+                *presets.assumptions(wl.framework, self.spec, fields.get), *base)
         return base if self.calibration is None else self.calibration.amend(base)
 
     @property
@@ -233,9 +240,10 @@ def _assumptions(par: ParallelConfig, wl: Workload, schedule: Schedule,
     return (
         f"pipeline schedule: {sched}",
         f"attention kernel: {wl.attention.value}; norms: {wl.norm_impl.value}; "
+        f"optimizer: {wl.optimizer.value} {wl.optimizer_impl.value}; "
         f"loss on {'fp32' if wl.logits_fp32 else wl.compute_dtype.value} logits"
         + (f", in {wl.loss_chunks} checkpointed chunks of the tokens" if wl.loss_chunks > 1
-           else ""),
+           else "") + f"; logits held: {wl.logits_held.value}",
         ("data-parallel gradients in persistent buffers they are views of (Megatron-LM, "
          "DDP gradient_as_bucket_view=True)" if par.grad_buffers is GradBuffers.VIEW else
          "DDP gradient buckets: a persistent gradient-sized copy (PyTorch DDP default)")

@@ -13,7 +13,7 @@ from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term
 from memplan.model.norm import norm_terms
 from memplan.spec import ModelSpec
 from memplan.units import ceil_div
-from memplan.workload import Workload
+from memplan.workload import LogitsHeld, Workload
 
 
 def _logit_bytes(wl: Workload, dm: Dims) -> int:
@@ -70,7 +70,20 @@ def forward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     if dm.autocast:  # the final norm's output, or with a chunked loss the cached weight cast
         held = (_head_weight(spec, dm) * dm.e if wl.loss_chunks > 1
                 else dm.linear_rows * spec.hidden_size * dm.stream_e)
+    if (wl.logits_held is LogitsHeld.LOSS and wl.loss_chunks == 1
+            and (wl.logits_fp32 or dm.autocast) and dm.e < FP32_BYTES):
+        # the model's output keeps the compute-dtype logits while the loss reads its fp32 copy
+        # (in fp32 the upcast is the tensor itself)
+        held += dm.tokens * dm.vocab_shard * dm.e
     return held + _logits_alive(wl, dm)
+
+
+def step_held_bytes(wl: Workload, dm: Dims) -> int:
+    """Logits a training loop keeps from its loss to the next forward's end (``LogitsHeld.
+    STEP``): the tensor the loss read, fp32 when upcast (Fabric converts the output)."""
+    if wl.logits_held is not LogitsHeld.STEP:
+        return 0
+    return dm.tokens * dm.vocab_shard * _logit_bytes(wl, dm)
 
 
 def _logits_alive(wl: Workload, dm: Dims) -> int:

@@ -135,6 +135,17 @@ def cast_cache_bytes(spec: ModelSpec, dm: Dims, block: Block, recompute: Recompu
                        if t.name.endswith(".weight_casts"))
 
 
+def kv_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> int:
+    """A key/value cache the training forward fills (``Workload.kv_cache``: transformers with
+    use_cache, which gradient checkpointing turns off): its copies of K and V replace the
+    projections' outputs, except under autocast, where they are made in the fp32 key's dtype
+    (``DynamicLayer.lazy_initialization``) and autograd saves casts of them: both fp32 copies
+    stay until the forward's output is dropped."""
+    if not (wl.kv_cache and dm.autocast and recompute is Recompute.NONE):
+        return 0
+    return 2 * dm.tokens * spec.kv_size // dm.tp * dm.stream_e
+
+
 def last_weight(spec: ModelSpec, dm: Dims, mixer: Block) -> int:
     """Elements of a mixer's output projection weight on this rank (its last matmul)."""
     return spec.q_size * spec.hidden_size // dm.tp if isinstance(mixer, Attention) else (
@@ -205,7 +216,8 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
     forward = forward_moments(spec, wl, dm, moe_layer=moe, recompute=policy)
     return LayerKind(terms, total(terms), tuple(moments),
                      max(m.alive_bytes + m.transient_bytes for m in forward),
-                     layer_cast_cache_bytes(spec, dm, moe, policy))
+                     layer_cast_cache_bytes(spec, dm, moe, policy)
+                     + kv_cache_bytes(spec, wl, dm, policy))
 
 
 def grad_group_params(spec: ModelSpec, t: int, ep: int, moe: bool) -> dict[str, int]:

@@ -137,6 +137,7 @@ class SharedTerms:
         batch = head.batch_terms(wl, dm)
         self.batch_bytes, self.targets_bytes = total(batch), batch[0].size_bytes
         self.loss_fwd = head.forward_extra_bytes(spec, wl, dm)
+        self.step_held = head.step_held_bytes(wl, dm)
         # the causal mask lives through the forward; with recompute it is saved (a term)
         self.mask = 0 if saved_mask else attention.eager_mask_bytes(wl, dm)
         self.final_norm_extra = norm.final_forward_transient(spec, wl, dm)

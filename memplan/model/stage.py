@@ -214,23 +214,29 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     bwd_tensors = backward_peak(walk, grads_in_forward, st.grads_bytes)
     # The targets exist from the step's start; the loss scalars from the loss on.
     targets = shared.targets_bytes if last else 0
-    fwd_acts = forward_peak(
-        walk.runs, walk.other_bytes + walk.rest_saved - batch + targets, head_bytes - targets,
-        shared.final_norm_bytes + shared.final_norm_extra if last else 0, loss_fwd,
-        (shard.gathered_bytes, shard.gathered_at_loss_bytes))
+    # logits a training loop keeps from the loss through backward and the optimizer step into
+    # the next forward (from step 2 on), until its loss replaces them
+    held = shared.step_held if last else 0
 
-    def peaks(opt_bytes: int, from_loss: int = 0) -> PhasePeaks:
+    def fwd_acts(until_loss: int) -> int:
+        return forward_peak(
+            walk.runs, walk.other_bytes + walk.rest_saved - batch + targets,
+            head_bytes - targets,
+            shared.final_norm_bytes + shared.final_norm_extra if last else 0, loss_fwd,
+            (shard.gathered_bytes, shard.gathered_at_loss_bytes), until_loss)
+
+    def peaks(opt_bytes: int, from_loss: int = 0, earlier: int = 0) -> PhasePeaks:
         base = st.params_bytes + opt_bytes + buckets
         return PhasePeaks(
-            forward=base + grads_in_forward + fwd_acts + mask,
-            backward=base + from_loss + bwd_tensors,
-            optimizer=fx.optimizer_phase,
+            forward=base + grads_in_forward + fwd_acts(earlier) + mask,
+            backward=base + from_loss + held + bwd_tensors,
+            optimizer=fx.optimizer_phase + held,
         )
 
     # Master weights exist from optimizer setup; a grad scaler's state from step 1's loss;
     # moments appear at step 1's optimizer step.
     return Walked(fx, kinds, entries, flight, activations, one_mb,
-                  max(loss_fwd, walk.head.loss), peaks(st.optimizer_bytes),
+                  max(loss_fwd, walk.head.loss), peaks(st.optimizer_bytes, earlier=held),
                   peaks(st.master_bytes, st.scaler_bytes))
 
 

@@ -201,8 +201,10 @@ def run_library_steps(built: Built, tracker: LibraryTracker, *, steps: int = 2) 
 
 
 def make_workload(built: Built) -> Workload:
-    """The memplan workload a built library model is estimated with."""
-    return api.make_workload(built.spec, **built.workload)
+    """The memplan workload a built library model is estimated with: its framework's preset
+    (``memplan.presets``) and the knobs the case sets."""
+    return api.resolve(built.spec, gpus=built.layout.world_size, zero=int(built.layout.zero),
+                       **built.workload)[2]
 
 
 def compare_built(built: Built, trace: TraceResult) -> Comparison:
@@ -330,12 +332,12 @@ def build_hf(case: FrameworkCase) -> Built:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    # Llama-family RMSNorms are Python upcasts (``LlamaRMSNorm.forward``); GPT-2's
-    # ``nn.LayerNorm`` is one aten kernel saving its input and per-row statistics.
-    norm = "fused" if spec.norm.value == "layernorm" else "upcast"
-    workload = dict(micro_batch_size=b, seq_len=s, precision=rec.name, optimizer_impl="fused",
-                    attention="flash" if attn == "sdpa" else "eager", norm_impl=norm,
-                    logits_fp32=True)
+    # described by the framework and the knobs a user sets: the recipe, the batch, the
+    # attention implementation (memplan.presets has what transformers runs)
+    workload = dict(framework="hf", micro_batch_size=b, seq_len=s, precision=rec.name,
+                    attention="flash" if attn == "sdpa" else "eager")
+    if not config.use_cache:
+        workload["kv_cache"] = False  # the user's own config turns the cache off
     return Built("transformers", model, spec, api.make_layout(1), workload, step, opt)
 
 
@@ -482,8 +484,8 @@ def build_torchtitan(case: FrameworkCase) -> Built:
         opt.step()
 
     # nn.RMSNorm runs CUDA's fused kernel (cuda_kernels); the loss upcasts the logits
-    workload = dict(micro_batch_size=b, seq_len=s, precision=rec.name, optimizer_impl="fused",
-                    attention="flash", norm_impl="fused", logits_fp32=True, recompute=ac)
+    workload = dict(framework="torchtitan", micro_batch_size=b, seq_len=s, precision=rec.name,
+                    recompute=ac)
     from memplan.profile.distributed import _follow_fsdp_storage
 
     # FSDP2 frees and re-allocates its unsharded buffers with storage resizes no dispatch
@@ -559,8 +561,7 @@ def build_litgpt(case: FrameworkCase) -> Built:
         opt.step()
         opt.zero_grad()
 
-    workload = dict(micro_batch_size=b, seq_len=s, precision=rec.name, optimizer_impl="fused",
-                    attention="flash", norm_impl="upcast", logits_fp32=True)
+    workload = dict(framework="lightning", micro_batch_size=b, seq_len=s, precision=rec.name)
     # the optimizer Fabric wraps is the one whose states the tracker reads
     inner = getattr(opt, "optimizer", opt)
     return Built("litgpt", model, spec, api.make_layout(1), workload, step, inner)

@@ -1,0 +1,208 @@
+"""``--framework``: the implementation defaults each training framework runs, with their source.
+
+A user describes a run with the knobs they set in their framework (precision, layout, recompute,
+attention backend where the framework offers a choice, batch, sequence); the framework decides
+the rest: which norm kernel and optimizer implementation run, who holds the logits, what the
+loss upcasts, how tensor parallelism and data-parallel gradients are laid out. Each preset here
+is a list of such defaults, each with the file and function it was read from and the version
+checked. An option the user gives explicitly always wins over the preset.
+
+``generic`` is plain PyTorch as memplan's reference model runs it (``memplan.profile.
+reference``): torch.optim's foreach AdamW (its CUDA default), Hugging Face-style upcast norms,
+the loss on fp32 logits, nothing held beyond what autograd saves.
+
+Behaviours a framework has that memplan does not model yet are refused by name where they
+would change the bytes (``validate``), not estimated as if they were the generic ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from memplan.errors import LayoutError
+from memplan.spec import ModelSpec, NormKind
+from memplan.workload import Framework, LogitsHeld, Recompute, Workload
+
+
+class Default(NamedTuple):
+    """One implementation default of a framework: a ``memplan.api`` keyword, its value (or a
+    function of the model spec), and where the framework's code sets it."""
+
+    field: str
+    value: Any
+    source: str
+
+    def resolve(self, spec: ModelSpec) -> Any:
+        return self.value(spec) if callable(self.value) else self.value
+
+
+def _hf_norm(spec: ModelSpec) -> str:
+    # LlamaRMSNorm / Qwen2RMSNorm / MistralRMSNorm are Python upcasts; GPT-2's nn.LayerNorm is
+    # one aten kernel
+    return "fused" if spec.norm is NormKind.LAYERNORM else "upcast"
+
+
+_TRANSFORMERS = "transformers 5.24"
+_TITAN = "torchtitan 0.3.0"
+_LITGPT = "litgpt 0.5.13 / lightning 2.6"
+_MEGATRON = "Megatron-LM core 0.13"
+
+PRESETS: dict[Framework, tuple[Default, ...]] = {
+    Framework.GENERIC: (),
+    Framework.HF: (
+        Default("optimizer_impl", "fused",
+                f"transformers/training_args.py TrainingArguments.optim: adamw_torch_fused "
+                f"for torch >= 2.8 ({_TRANSFORMERS})"),
+        Default("norm_impl", _hf_norm,
+                f"models/llama/modeling_llama.py LlamaRMSNorm.forward upcasts to fp32 in "
+                f"Python; GPT-2 uses nn.LayerNorm ({_TRANSFORMERS})"),
+        Default("logits_fp32", True,
+                f"loss/loss_utils.py ForCausalLMLoss: logits.float() ({_TRANSFORMERS})"),
+        Default("logits_held", LogitsHeld.LOSS.value,
+                f"models/llama/modeling_llama.py LlamaForCausalLM.forward keeps `logits` for "
+                f"its CausalLMOutputWithPast while the loss upcasts a copy; Trainer."
+                f"compute_loss drops the output before backward ({_TRANSFORMERS})"),
+        Default("softmax_fp32", True,
+                f"models/llama/modeling_llama.py eager_attention_forward: softmax(..., "
+                f"dtype=torch.float32).to(query.dtype) ({_TRANSFORMERS}; eager attention "
+                f"only)"),
+        Default("kv_cache", True,
+                f"models/llama/modeling_llama.py LlamaModel.forward builds a DynamicCache "
+                f"when use_cache (the published configs' default), also in training without "
+                f"gradient checkpointing; cache_utils.py DynamicLayer.update concatenates each "
+                f"layer's K and V into it ({_TRANSFORMERS})"),
+    ),
+    Framework.TORCHTITAN: (
+        Default("optimizer_impl", "fused",
+                f"components/optimizer/optimizer.py OptimizersContainer config: implementation "
+                f"= 'fused' ({_TITAN})"),
+        Default("norm_impl", "fused",
+                f"models/llama3/model: nn.RMSNorm, which runs F.rms_norm, CUDA's fused kernel "
+                f"({_TITAN})"),
+        Default("logits_fp32", True,
+                f"components/loss.py cross_entropy_loss: pred.flatten(0, 1).float() ({_TITAN})"),
+        Default("tp_style", "dtensor",
+                f"models/llama3/infra/parallelize.py apply_tp: DTensor ColwiseParallel / "
+                f"RowwiseParallel / SequenceParallel plans ({_TITAN})"),
+    ),
+    Framework.LIGHTNING: (
+        Default("optimizer_impl", "fused",
+                f"litgpt/pretrain.py: instantiate_torch_optimizer(..., fused=fabric.device."
+                f"type == 'cuda') ({_LITGPT})"),
+        Default("norm_impl", "upcast",
+                f"litgpt/model.py RMSNorm.forward: x.float() normalised in fp32 ({_LITGPT})"),
+        Default("logits_fp32", True,
+                f"lightning/fabric/plugins/precision: convert_output returns fp32 logits "
+                f"({_LITGPT})"),
+        Default("logits_held", LogitsHeld.STEP.value,
+                f"litgpt/pretrain.py fit: `logits = model(input_ids)` is a loop variable "
+                f"({_LITGPT})"),
+    ),
+    Framework.MEGATRON: (
+        Default("optimizer_impl", "fused",
+                f"megatron/core/optimizer/__init__.py: Apex / Transformer Engine FusedAdam "
+                f"({_MEGATRON})"),
+        Default("norm_impl", "fused",
+                f"megatron/core/transformer: TENorm / FusedLayerNorm kernels ({_MEGATRON})"),
+        Default("tp_style", "megatron",
+                f"megatron/core/tensor_parallel/layers.py Column/RowParallelLinear "
+                f"({_MEGATRON})"),
+        Default("grad_buffers", "view",
+                f"megatron/core/distributed/param_and_grad_buffer.py: gradients are views "
+                f"of persistent contiguous buffers ({_MEGATRON})"),
+    ),
+}
+
+# The generic value of every field a preset may set (what memplan assumes without one).
+GENERIC: dict[str, Any] = {
+    "optimizer_impl": "foreach", "norm_impl": "upcast", "logits_fp32": True,
+    "logits_held": LogitsHeld.NONE.value, "softmax_fp32": False, "kv_cache": False,
+    "tp_style": "megatron", "grad_buffers": "view",
+}
+LAYOUT_FIELDS = frozenset({"tp_style", "grad_buffers"})
+
+
+def parse(value: object) -> Framework:
+    """A framework from its name or itself; None is the generic preset."""
+    if value is None:
+        return Framework.GENERIC
+    if isinstance(value, Framework):
+        return value
+    try:
+        return Framework(str(value).lower())
+    except ValueError:
+        names = ", ".join(f.value for f in Framework)
+        raise LayoutError("framework must be one of the presets",
+                          f"framework must be one of {names}, got {value!r}") from None
+
+
+def apply(framework: Framework, spec: ModelSpec, given: dict[str, Any]) -> dict[str, Any]:
+    """``given`` keyword arguments with every field the user left unset (absent or None)
+    filled from the preset, else the generic value."""
+    out = dict(given)
+    preset = {d.field: d for d in PRESETS[framework]}
+    for name, generic in GENERIC.items():
+        if out.get(name) is None:
+            out[name] = preset[name].resolve(spec) if name in preset else generic
+    return out
+
+
+def assumptions(framework: Framework, spec: ModelSpec, used: Callable[[str], Any]) -> list[str]:
+    """One line per preset default that the estimate used (``used(field)`` is the value it
+    ran with), with its source; nothing for the generic preset."""
+    out = []
+    for d in PRESETS[framework]:
+        if used(d.field) == d.resolve(spec):
+            out.append(f"{framework.value}: {d.field} = {_show(d.resolve(spec))} ({d.source})")
+    return out
+
+
+def _show(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+class Refusal(NamedTuple):
+    """An option a framework does not offer, or offers in a form memplan does not model."""
+
+    applies: Callable[[Any, Any], bool]  # (layout, workload) -> refused?
+    option: str
+    why: str
+
+
+REFUSALS: dict[Framework, tuple[Refusal, ...]] = {
+    Framework.HF: (
+        Refusal(lambda par, wl: wl.recompute.label == "selective", "--recompute selective",
+                "transformers has no selective recompute; gradient_checkpointing_enable() "
+                "checkpoints each decoder layer, which is --recompute full"),
+    ),
+    Framework.TORCHTITAN: (
+        Refusal(lambda par, wl: wl.recompute.label == "selective", "--recompute selective",
+                "torchtitan's selective activation checkpointing is its per-op policy "
+                "(distributed/activation_checkpoint.py, selective_ac_option 'op'), which is "
+                "not modelled yet; --recompute full is its 'full' mode"),
+    ),
+    Framework.LIGHTNING: (),
+    Framework.MEGATRON: (),
+    Framework.GENERIC: (),
+}
+
+
+def validate(par: Any, wl: Any) -> None:
+    """Raise ``LayoutError`` naming the framework and the option it does not offer."""
+    framework = wl.framework
+    for refusal in REFUSALS[framework]:
+        if refusal.applies(par, wl):
+            raise LayoutError(f"framework {framework.value} does not offer {refusal.option}",
+                              f"--framework {framework.value} with {refusal.option}: "
+                              f"{refusal.why}")
+
+
+def refused_recompute(framework: Framework) -> set[str]:
+    """The recompute policies (labels) ``framework`` refuses (``REFUSALS``)."""
+    out = set()
+    for policy in Recompute:
+        wl = Workload(framework=framework, recompute=policy)
+        if any(r.applies(None, wl) for r in REFUSALS[framework]):
+            out.add(policy.label)
+    return out
