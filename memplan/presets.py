@@ -78,8 +78,8 @@ PRESETS: dict[Framework, tuple[Default, ...]] = {
                 f"components/optimizer/optimizer.py OptimizersContainer config: implementation "
                 f"= 'fused' ({_TITAN})"),
         Default("norm_impl", "fused",
-                f"models/llama3/model: nn.RMSNorm, which runs F.rms_norm, CUDA's fused kernel "
-                f"({_TITAN})"),
+                f"models/common/nn_modules.py RMSNorm: nn.RMSNorm, which runs F.rms_norm, "
+                f"CUDA's fused kernel ({_TITAN})"),
         Default("logits_fp32", True,
                 f"components/loss.py cross_entropy_loss: pred.flatten(0, 1).float() ({_TITAN})"),
         Default("tp_style", "dtensor",
@@ -93,8 +93,8 @@ PRESETS: dict[Framework, tuple[Default, ...]] = {
         Default("norm_impl", "upcast",
                 f"litgpt/model.py RMSNorm.forward: x.float() normalised in fp32 ({_LITGPT})"),
         Default("logits_fp32", True,
-                f"lightning/fabric/plugins/precision: convert_output returns fp32 logits "
-                f"({_LITGPT})"),
+                f"lightning/fabric/plugins/precision/half.py HalfPrecision.convert_output and "
+                f"amp.py MixedPrecision.convert_output return fp32 logits ({_LITGPT})"),
         Default("logits_held", LogitsHeld.STEP.value,
                 f"litgpt/pretrain.py fit: `logits = model(input_ids)` is a loop variable "
                 f"({_LITGPT})"),
@@ -104,7 +104,8 @@ PRESETS: dict[Framework, tuple[Default, ...]] = {
                 f"megatron/core/optimizer/__init__.py: Apex / Transformer Engine FusedAdam "
                 f"({_MEGATRON})"),
         Default("norm_impl", "fused",
-                f"megatron/core/transformer: TENorm / FusedLayerNorm kernels ({_MEGATRON})"),
+                f"megatron/core/extensions/transformer_engine.py TENorm, megatron/core/fusions/"
+                f"fused_layer_norm.py FusedLayerNorm ({_MEGATRON})"),
         Default("tp_style", "megatron",
                 f"megatron/core/tensor_parallel/layers.py Column/RowParallelLinear "
                 f"({_MEGATRON})"),

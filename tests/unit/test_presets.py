@@ -1,0 +1,142 @@
+"""``--framework`` presets: what each fills in, what the user keeps, and the bytes they change."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+import memplan
+from memplan import presets
+from memplan.cli import app, main
+from memplan.errors import MemplanError
+from memplan.overheads import no_overheads
+from memplan.spec import load_model
+from memplan.workload import Framework, LogitsHeld, NormImpl, OptimizerImpl
+
+# tiny: V 128, h 64; at b 2, s 128: T = 256 tokens
+T, V = 256, 128
+
+
+def _est(**kw):
+    return memplan.estimate("tiny", gpus=1, seq_len=128, micro_batch_size=2,
+                            overheads=no_overheads(), **kw)
+
+
+@pytest.mark.parametrize("framework", [f.value for f in Framework])
+def test_every_preset_fills_every_field_with_a_source(framework: str) -> None:
+    """Each preset's defaults are fields the generic preset has, each with its source: a
+    file and a function of that framework, and the version checked."""
+    fw = presets.parse(framework)
+    for default in presets.PRESETS[fw]:
+        assert default.field in presets.GENERIC
+        assert ".py" in default.source and any(ch.isdigit() for ch in default.source)
+    spec = load_model("llama-3-8b")
+    filled = presets.apply(fw, spec, {})
+    assert set(filled) == set(presets.GENERIC)
+
+
+def test_explicit_options_win_over_the_preset() -> None:
+    est = memplan.estimate("llama-3-8b", gpus=8, framework="torchtitan",
+                           optimizer_impl="foreach", norm_impl="upcast")
+    assert est.workload.optimizer_impl is OptimizerImpl.FOREACH
+    assert est.workload.norm_impl is NormImpl.UPCAST
+    titan = memplan.estimate("llama-3-8b", gpus=8, framework="torchtitan")
+    assert titan.workload.optimizer_impl is OptimizerImpl.FUSED
+    assert titan.workload.norm_impl is NormImpl.FUSED
+    assert titan.parallel.tp_style.value == "dtensor"
+
+
+def test_hf_norm_follows_the_architecture() -> None:
+    """transformers' Llama RMSNorm is a Python upcast; GPT-2's nn.LayerNorm one kernel."""
+    assert memplan.estimate("llama-3-8b", framework="hf").workload.norm_impl is NormImpl.UPCAST
+    assert memplan.estimate("gpt2", framework="hf").workload.norm_impl is NormImpl.FUSED
+
+
+def test_generic_is_the_reference_model() -> None:
+    """No preset: the defaults every earlier estimate used."""
+    est = memplan.estimate("llama-3-8b", gpus=8)
+    wl = est.workload
+    assert wl.framework is Framework.GENERIC and wl.optimizer_impl is OptimizerImpl.FOREACH
+    assert wl.logits_held is LogitsHeld.NONE and not wl.softmax_fp32 and not wl.kv_cache
+    assert est.assumptions[0].startswith("framework: generic")
+
+
+def test_assumptions_name_each_default_and_its_source() -> None:
+    est = memplan.estimate("llama-3-8b", gpus=8, framework="hf")
+    lines = [a for a in est.assumptions if a.startswith("hf: ")]
+    assert len(lines) == len(presets.PRESETS[Framework.HF])
+    assert any("training_args.py" in a and "fused" in a for a in lines)
+    # a default the user overrode is not claimed as the framework's
+    own = memplan.estimate("llama-3-8b", gpus=8, framework="hf", optimizer_impl="foreach")
+    assert not any(a.startswith("hf: optimizer_impl") for a in own.assumptions)
+
+
+def test_hf_holds_the_compute_dtype_logits_through_the_loss() -> None:
+    """bf16-pure tiny at b 2, s 128: the forward peaks at the loss, where transformers' output
+    keeps the bf16 logits (T * V * 2 = 65,536 B) beside the fp32 copy the loss reads. The
+    generic estimate with the same optimizer is lower by exactly that; in fp32 the upcast is
+    the tensor itself and nothing is added."""
+    hf = _est(precision="bf16-pure", framework="hf").worst
+    generic = _est(precision="bf16-pure", optimizer_impl="fused").worst
+    assert hf.steady.forward - generic.steady.forward == T * V * 2 == 65_536
+    assert hf.steady.backward == generic.steady.backward
+    fp32_hf = _est(precision="fp32", framework="hf").worst
+    fp32 = _est(precision="fp32", optimizer_impl="fused").worst
+    assert fp32_hf.steady.forward == fp32.steady.forward
+
+
+def test_lightning_keeps_the_logits_to_the_next_forward() -> None:
+    """litgpt's pretrain loop keeps the fp32 logits the loss read (T * V * 4 = 131,072 B)
+    through backward and the optimizer step; from step 2 they are alive in forward until the
+    new logits replace them (so not at step 1's forward)."""
+    lit = _est(precision="bf16-pure", framework="lightning").worst
+    generic = _est(precision="bf16-pure", optimizer_impl="fused").worst
+    held = T * V * 4
+    assert lit.steady.backward - generic.steady.backward == held == 131_072
+    assert lit.steady.optimizer - generic.steady.optimizer == held
+    assert lit.first_step.forward == generic.first_step.forward
+
+
+def test_hf_eager_softmax_in_fp32() -> None:
+    """transformers' eager attention saves the fp32 softmax and its bf16 copy: per layer
+    b * heads * s * s * (4 + 2) where the generic eager core saves one bf16 softmax."""
+    scores = 2 * 4 * 128 * 128
+    hf = _est(precision="bf16-pure", framework="hf", attention="eager").worst
+    generic = _est(precision="bf16-pure", attention="eager", optimizer_impl="fused").worst
+    assert hf.activations_bytes - generic.activations_bytes == 2 * scores * (4 + 2 - 2)
+
+
+@pytest.mark.parametrize(("framework", "option", "kwargs"), [
+    ("hf", "--recompute selective", {"recompute": "selective"}),
+    ("torchtitan", "--recompute selective", {"recompute": "selective"}),
+])
+def test_options_a_framework_lacks_are_refused(framework: str, option: str,
+                                               kwargs: dict) -> None:
+    with pytest.raises(MemplanError, match=f"--framework {framework} with {option}"):
+        memplan.estimate("llama-3-8b", gpus=8, framework=framework, **kwargs)
+
+
+def test_cli_framework_json_and_refusal(capsys: pytest.CaptureFixture[str]) -> None:
+    ok = CliRunner().invoke(app, ["estimate", "-m", "llama-3-8b", "-n", "8", "--framework",
+                                  "hf", "--json"], catch_exceptions=False)
+    assert ok.exit_code == 0
+    data = json.loads(ok.stdout)
+    assert data["framework"] == "hf" and data["workload"]["logits_held"] == "loss"
+    assert data["workload"]["optimizer_impl"] == "fused"
+    for args in (["estimate", "-m", "llama-3-8b", "--framework", "hf", "--recompute",
+                  "selective"],
+                 ["plan", "-m", "llama-3-8b", "-n", "8", "--framework", "hf", "--recompute",
+                  "selective"]):
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--framework hf with --recompute selective" in err
+    assert main(["estimate", "-m", "llama-3-8b", "--framework", "jax"]) == 2
+    assert "jax" in capsys.readouterr().err
+
+
+def test_plan_searches_only_what_the_framework_offers() -> None:
+    result = memplan.plan("llama-3-8b", gpus=8, framework="hf")
+    assert result.candidates
+    assert all(c.recompute.label != "selective" for c in result.candidates)
