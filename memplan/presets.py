@@ -184,9 +184,19 @@ REFUSALS: dict[Framework, tuple[Refusal, ...]] = {
                 "not modelled yet; --recompute full is its 'full' mode"),
     ),
     Framework.LIGHTNING: (),
-    Framework.MEGATRON: (),
+    Framework.MEGATRON: (
+        Refusal(lambda par, wl: par is not None and int(par.zero) >= 2, "--zero 2 or 3",
+                "Megatron-LM's distributed optimizer (--use-distributed-optimizer) shards the "
+                "optimizer states and keeps whole gradient buffers (--zero 1); its FSDP "
+                "(--use-megatron-fsdp) is not modelled"),
+    ),
     Framework.GENERIC: (),
 }
+REFUSALS[Framework.TORCHTITAN] += (
+    Refusal(lambda par, wl: par is not None and int(par.zero) in (1, 2), "--zero 1 or 2",
+            "torchtitan shards with FSDP2 (data_parallel_shard_degree: --zero 3) or replicates "
+            "(data_parallel_replicate_degree: --zero 0); it has no ZeRO-1 or ZeRO-2"),
+)
 
 
 def validate(par: Any, wl: Any) -> None:

@@ -111,6 +111,8 @@ def test_hf_eager_softmax_in_fp32() -> None:
 @pytest.mark.parametrize(("framework", "option", "kwargs"), [
     ("hf", "--recompute selective", {"recompute": "selective"}),
     ("torchtitan", "--recompute selective", {"recompute": "selective"}),
+    ("torchtitan", "--zero 1 or 2", {"zero": 2}),
+    ("megatron", "--zero 2 or 3", {"zero": 3}),
 ])
 def test_options_a_framework_lacks_are_refused(framework: str, option: str,
                                                kwargs: dict) -> None:
