@@ -43,6 +43,10 @@ def _hf_norm(spec: ModelSpec) -> str:
     return "fused" if spec.norm is NormKind.LAYERNORM else "upcast"
 
 
+def _titan_units(spec: ModelSpec) -> str:
+    return "root" if spec.tied_embeddings else "torchtitan"
+
+
 _TRANSFORMERS = "transformers 5.24"
 _TITAN = "torchtitan 0.3.0"
 _LITGPT = "litgpt 0.5.13 / lightning 2.6"
@@ -82,6 +86,15 @@ PRESETS: dict[Framework, tuple[Default, ...]] = {
                 f"CUDA's fused kernel ({_TITAN})"),
         Default("logits_fp32", True,
                 f"components/loss.py cross_entropy_loss: pred.flatten(0, 1).float() ({_TITAN})"),
+        Default("fsdp_units", _titan_units,
+                f"distributed/fsdp.py apply_fsdp_to_decoder: fully_shard on tok_embeddings "
+                f"(resharded after forward), on [norm, lm_head] (not resharded after "
+                f"forward) and on each block; with tied weights one unit of all three "
+                f"({_TITAN})"),
+        Default("keep_grads", True,
+                f"trainer.py Trainer.train_step: optimizers.zero_grad(set_to_none="
+                f"training.disable_cuda_graphs), which config/configs.py defaults to False "
+                f"({_TITAN})"),
         Default("tp_style", "dtensor",
                 f"models/llama3/infra/parallelize.py apply_tp: DTensor ColwiseParallel / "
                 f"RowwiseParallel / SequenceParallel plans ({_TITAN})"),
@@ -119,7 +132,7 @@ PRESETS: dict[Framework, tuple[Default, ...]] = {
 GENERIC: dict[str, Any] = {
     "optimizer_impl": "foreach", "norm_impl": "upcast", "logits_fp32": True,
     "logits_held": LogitsHeld.NONE.value, "softmax_fp32": False, "kv_cache": False,
-    "tp_style": "megatron", "grad_buffers": "view",
+    "fsdp_units": "root", "keep_grads": False, "tp_style": "megatron", "grad_buffers": "view",
 }
 LAYOUT_FIELDS = frozenset({"tp_style", "grad_buffers"})
 

@@ -199,6 +199,20 @@ class LogitsHeld(str, enum.Enum):
     STEP = "step"
 
 
+class FsdpUnits(str, enum.Enum):
+    """How ZeRO-3 / FSDP2 groups the weights that are not in a block.
+
+    root        every block a unit, one root unit with the embedding, final norm and head,
+                gathered from the forward to the end of backward (memplan's reference wrapping)
+    torchtitan  the embedding its own unit (resharded after forward, gathered again for its
+                backward) and [final norm, head] another (not resharded after forward): its
+                ``apply_fsdp_to_decoder``; with tied embeddings one unit, as the root
+    """
+
+    ROOT = "root"
+    TORCHTITAN = "torchtitan"
+
+
 class Workload(BaseModel):
     """One training step. Token counts are per micro-batch, per data-parallel replica."""
 
@@ -216,6 +230,10 @@ class Workload(BaseModel):
     norm_impl: NormImpl = NormImpl.UPCAST
     logits_fp32: bool = Field(default=True, description="loss computed on fp32 logits")
     framework: Framework = Framework.GENERIC
+    fsdp_units: FsdpUnits = FsdpUnits.ROOT
+    keep_grads: bool = Field(default=False, description=(
+        "zero_grad(set_to_none=False): from step 2 on the zeroed gradients stay allocated "
+        "through forward, and backward accumulates into them"))
     logits_held: LogitsHeld = LogitsHeld.NONE
     softmax_fp32: bool = Field(default=False, description=(
         "eager attention's softmax in fp32 with a compute-dtype copy for the value matmul "

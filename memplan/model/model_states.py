@@ -17,7 +17,7 @@ from memplan.model.layer import layer_tensor_sizes
 from memplan.parallel import Offload, ParallelConfig, ZeroStage, vocab_shard
 from memplan.spec import ModelSpec, param_counts
 from memplan.units import DType, ceil_div
-from memplan.workload import Optimizer, OptimizerImpl, Workload
+from memplan.workload import FsdpUnits, Optimizer, OptimizerImpl, Workload
 
 FP32_BYTES = DType.FP32.itemsize
 
@@ -193,10 +193,22 @@ class ShardingBuffers(NamedTuple):
     gathered_at_loss_bytes: int  # ... at the loss and the head (the root and one block)
     grad_bytes: int  # unsharded gradients before their reduce-scatter (backward, from the
     #                  first gradient on)
+    backward_head_bytes: int = -1  # gathered at the head's backward (-1: gathered_at_loss)
+    backward_block_bytes: int = -1  # ... while a block's backward runs (-1: at_loss)
+    backward_last_block_bytes: int = -1  # ... while the stage's first block's backward runs
+    #                                     (the last in backward; -1: backward_block_bytes)
+    backward_end_bytes: int = -1  # ... at the embedding's backward (-1: at_loss)
+    separate_units: bool = False  # embedding and head are units of their own (reduce-scattered
+    #                               after their own backward, not at the end)
 
     @property
     def peak_bytes(self) -> int:
         return self.gathered_bytes + self.grad_bytes
+
+
+def separate_units(wl: Workload) -> bool:
+    """torchtitan's FSDP units: the embedding and [final norm, head] units of their own."""
+    return wl.fsdp_units is FsdpUnits.TORCHTITAN
 
 
 def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload) -> ShardingBuffers:
@@ -214,6 +226,20 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload) -> 
         blocks = 2 * layer if len(params.layers) > 1 else layer
         e = policy.unsharded.itemsize
         root = params.embedding + params.head
+        if separate_units(wl):
+            # torchtitan's units: the embedding resharded after its forward; [final norm,
+            # head] gathered from its forward (prefetched during the last block) to its
+            # backward. In backward a block runs beside the all-gather buffer of the unit its
+            # backward prefetches (the block before it; for the first block, the embedding);
+            # the head's unit beside the last block's prefetch; the embedding's at the end
+            # (traced: tests/traced/test_frameworks.py, torchtitan cases)
+            head, emb = params.head, params.embedding
+            return ShardingBuffers(max(blocks, layer + head) * e, head * e,
+                                   params.largest_unit * policy.grad_bytes,
+                                   backward_head_bytes=(head + layer) * e,
+                                   backward_block_bytes=blocks * e,
+                                   backward_last_block_bytes=(layer + emb) * e,
+                                   backward_end_bytes=emb * e, separate_units=True)
         return ShardingBuffers((root + blocks) * e, (root + layer) * e,
                                params.largest_unit * policy.grad_bytes)
     if par.zero == ZeroStage.GRADIENTS and par.dense_shard_degree > 1:

@@ -212,6 +212,12 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     buckets = fx.buckets
     grads_in_forward = st.grads_bytes if m > 1 or fx.persistent else 0
     bwd_tensors = backward_peak(walk, grads_in_forward, st.grads_bytes)
+    # gradients zeroed, not freed (zero_grad(set_to_none=False)): from step 2 they exist
+    # through forward and backward accumulates into them
+    steady_grads, steady_bwd = grads_in_forward, bwd_tensors
+    if wl.keep_grads and not grads_in_forward:
+        steady_grads = st.grads_bytes
+        steady_bwd = backward_peak(walk, steady_grads, st.grads_bytes)
     # The targets exist from the step's start; the loss scalars from the loss on.
     targets = shared.targets_bytes if last else 0
     # logits a training loop keeps from the loss through backward and the optimizer step into
@@ -225,18 +231,21 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
             shared.final_norm_bytes + shared.final_norm_extra if last else 0, loss_fwd,
             (shard.gathered_bytes, shard.gathered_at_loss_bytes), until_loss)
 
-    def peaks(opt_bytes: int, from_loss: int = 0, earlier: int = 0) -> PhasePeaks:
+    def peaks(opt_bytes: int, from_loss: int = 0, earlier: int = 0,
+              steady: bool = False) -> PhasePeaks:
         base = st.params_bytes + opt_bytes + buckets
+        grads, bwd = (steady_grads, steady_bwd) if steady else (grads_in_forward, bwd_tensors)
         return PhasePeaks(
-            forward=base + grads_in_forward + fwd_acts(earlier) + mask,
-            backward=base + from_loss + held + bwd_tensors,
+            forward=base + grads + fwd_acts(earlier) + mask,
+            backward=base + from_loss + held + bwd,
             optimizer=fx.optimizer_phase + held,
         )
 
     # Master weights exist from optimizer setup; a grad scaler's state from step 1's loss;
     # moments appear at step 1's optimizer step.
     return Walked(fx, kinds, entries, flight, activations, one_mb,
-                  max(loss_fwd, walk.head.loss), peaks(st.optimizer_bytes, earlier=held),
+                  max(loss_fwd, walk.head.loss),
+                  peaks(st.optimizer_bytes, earlier=held, steady=True),
                   peaks(st.master_bytes, st.scaler_bytes))
 
 
@@ -298,6 +307,15 @@ def _grad_sharding(wl: Workload, fx: StageStates) -> GradSharding:
         # waits on it (traced, tests/traced/test_ground_truth.py FSDP_GRID)
         held_reduce_input=shard.grad_bytes if shard.gathered_bytes else 0,
         unsharded_dtype=policy.unsharded.itemsize / policy.grad_bytes,
-        # in backward FSDP2 holds the root and the block being computed (traced)
-        gathered_in_block=shard.gathered_at_loss_bytes,
-        gathered_at_loss=shard.gathered_at_loss_bytes)
+        # in backward FSDP2 holds the root and the block being computed (traced); with
+        # torchtitan's units, the head's unit until its backward, one block, the embedding's
+        gathered_in_block=_or(shard.backward_block_bytes, shard.gathered_at_loss_bytes),
+        gathered_last_block=_or(shard.backward_last_block_bytes,
+                                _or(shard.backward_block_bytes, shard.gathered_at_loss_bytes)),
+        gathered_at_loss=_or(shard.backward_head_bytes, shard.gathered_at_loss_bytes),
+        gathered_at_end=_or(shard.backward_end_bytes, shard.gathered_at_loss_bytes),
+        separate_units=shard.separate_units)
+
+
+def _or(value: int, default: int) -> int:
+    return default if value < 0 else value

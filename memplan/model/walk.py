@@ -51,7 +51,12 @@ class GradSharding(NamedTuple):
     unsharded_dtype: float = 1.0  # FSDP2: bytes of an unsharded gradient (the weights'
     #                               dtype) per byte of its reduce dtype
     gathered_in_block: int = 0  # ZeRO-3 gathered weights while a block's backward runs
-    gathered_at_loss: int = 0  # ... at the loss, the head and the embedding
+    gathered_at_loss: int = 0  # ... at the loss and the head
+    gathered_at_end: int = 0  # ... at the embedding
+    gathered_last_block: int = 0  # ... while the stage's first block (the last in backward)
+    #                               runs its backward
+    separate_units: bool = False  # FSDP2: the embedding and the head are units of their own,
+    #                               each reduce-scattered after its backward
 
 
 class Walk(NamedTuple):
@@ -127,8 +132,12 @@ def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
         peak = max(peak, acts + h.final_norm_saved + grads + emb.tied_pending + h.final_norm_bwd
                    + (root(produced) if held else buffer(produced)) + sh.gathered_at_loss)
     pending = emb.tied_pending  # a tied head's weight grad waits for the embedding's
-    root_held = root(h.grads) if held else 0
-    for kind, layer_grads, moment_grads, n in reversed(w.runs):
+    root_held = root(h.grads) if held and not sh.separate_units else 0
+    # the head's own unit: its reduce-scatter input (unsharded, in the reduce dtype) is held
+    # until the first block's reduce-scatter, as a block's is until the next one's
+    previous = int(h.grads * sh.unsharded_ratio) if sh.separate_units else 0
+    last_run = len(w.runs) - 1
+    for index, (kind, layer_grads, moment_grads, n) in enumerate(reversed(w.runs)):
         step_grads = layer_grads if growing else 0
         # Before the layer's backward its own saved bytes are part of ``acts``; each moment
         # counts what of them (or of their recomputation) is still alive.
@@ -139,8 +148,8 @@ def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
             local = max(m.alive_bytes + m.transient_bytes
                         + int(min(sh.buffer, g * sh.unsharded_ratio) * sh.unsharded_dtype)
                         for m, g in zip(kind.moments, moment_grads))
-            first_buffer = root_held + (held if done else 0)
-            last_buffer = root_held + (held if done or n > 1 else 0)
+            first_buffer = root_held + (held if done else previous)
+            last_buffer = root_held + (held if done or n > 1 else previous)
         else:  # one buffer of the gradients made so far
             local = max(m.alive_bytes + m.transient_bytes + (g if growing else 0)
                         for m, g in zip(kind.moments, moment_grads))
@@ -149,16 +158,21 @@ def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
             last_buffer = buffer(produced + (n - 1) * layer_grads + early)
         first_moment = below + local + first_buffer
         last_moment = below + local + (n - 1) * (step_grads - kind.saved_bytes) + last_buffer
+        if index == last_run:  # the stage's first block: what its backward prefetches differs
+            last_moment += sh.gathered_last_block - sh.gathered_in_block
+            if n == 1:
+                first_moment = last_moment
         peak = max(peak, first_moment, last_moment)
         acts -= n * kind.saved_bytes
         grads += n * step_grads
         produced += n * layer_grads
         done += n
     end_grads = grads_total if growing or grads_prior else grads
-    end_buffer = (root(h.grads + emb.grads) + (held if done else 0) if held
+    end_units = emb.grads if sh.separate_units else h.grads + emb.grads
+    end_buffer = (root(end_units) + (held if done else 0) if held
                   else buffer(produced + emb.grads))
     return max(peak, acts - emb.freed_before + end_grads + emb.extra + end_buffer
-               + sh.gathered_at_loss)
+               + sh.gathered_at_end)
 
 
 def runs_of(keys: list) -> list[tuple[object, int]]:

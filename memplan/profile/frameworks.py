@@ -484,8 +484,9 @@ def build_torchtitan(case: FrameworkCase) -> Built:
         opt.step()
 
     # nn.RMSNorm runs CUDA's fused kernel (cuda_kernels); the loss upcasts the logits
+    # training.disable_cuda_graphs (set_to_none), a knob of the user's config
     workload = dict(framework="torchtitan", micro_batch_size=b, seq_len=s, precision=rec.name,
-                    recompute=ac)
+                    recompute=ac, keep_grads=not set_to_none)
     from memplan.profile.distributed import _follow_fsdp_storage
 
     # FSDP2 frees and re-allocates its unsharded buffers with storage resizes no dispatch
