@@ -119,6 +119,11 @@ PRESETS: dict[Framework, tuple[Default, ...]] = {
         Default("norm_impl", "fused",
                 f"megatron/core/extensions/transformer_engine.py TENorm, megatron/core/fusions/"
                 f"fused_layer_norm.py FusedLayerNorm ({_MEGATRON})"),
+        Default("loss_impl", "megatron",
+                f"megatron/core/tensor_parallel/cross_entropy.py _VocabParallelCrossEntropy: "
+                f"the fp32 copy of the logits becomes the saved softmax in place, its backward "
+                f"works in place on it; GPTModel.forward keeps the logits while the loss runs "
+                f"({_MEGATRON}; without --cross-entropy-loss-fusion)"),
         Default("tp_style", "megatron",
                 f"megatron/core/tensor_parallel/layers.py Column/RowParallelLinear "
                 f"({_MEGATRON})"),
@@ -132,7 +137,7 @@ PRESETS: dict[Framework, tuple[Default, ...]] = {
 GENERIC: dict[str, Any] = {
     "optimizer_impl": "foreach", "norm_impl": "upcast", "logits_fp32": True,
     "logits_held": LogitsHeld.NONE.value, "softmax_fp32": False, "kv_cache": False,
-    "fsdp_units": "root", "keep_grads": False, "tp_style": "megatron", "grad_buffers": "view",
+    "fsdp_units": "root", "keep_grads": False, "loss_impl": "generic", "tp_style": "megatron", "grad_buffers": "view",
 }
 LAYOUT_FIELDS = frozenset({"tp_style", "grad_buffers"})
 

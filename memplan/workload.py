@@ -199,6 +199,21 @@ class LogitsHeld(str, enum.Enum):
     STEP = "step"
 
 
+class LossImpl(str, enum.Enum):
+    """The cross-entropy implementation.
+
+    generic   PyTorch's F.cross_entropy on fp32 logits: log_softmax saved, the loss's backward
+              makes two logits-sized fp32 tensors
+    megatron  Megatron-LM's _VocabParallelCrossEntropy (core/tensor_parallel/cross_entropy.py):
+              one fp32 copy of the compute-dtype logits turned into the saved softmax in place
+              (max subtracted, exp and normalised in place), the backward computed in place
+              on that buffer; the compute-dtype logits stay alive in the model's forward
+    """
+
+    GENERIC = "generic"
+    MEGATRON = "megatron"
+
+
 class FsdpUnits(str, enum.Enum):
     """How ZeRO-3 / FSDP2 groups the weights that are not in a block.
 
@@ -231,6 +246,7 @@ class Workload(BaseModel):
     logits_fp32: bool = Field(default=True, description="loss computed on fp32 logits")
     framework: Framework = Framework.GENERIC
     fsdp_units: FsdpUnits = FsdpUnits.ROOT
+    loss_impl: LossImpl = LossImpl.GENERIC
     keep_grads: bool = Field(default=False, description=(
         "zero_grad(set_to_none=False): from step 2 on the zeroed gradients stay allocated "
         "through forward, and backward accumulates into them"))

@@ -9,11 +9,11 @@ its input (a view of the final norm's output) and recomputes the rest in its bac
 from __future__ import annotations
 
 from memplan.model.block import weight_casts
-from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term
+from memplan.model.dims import FP32_BYTES, INDEX_BYTES, MASK_BYTES, Dims, Term
 from memplan.model.norm import norm_terms
 from memplan.spec import ModelSpec
 from memplan.units import ceil_div
-from memplan.workload import LogitsHeld, Workload
+from memplan.workload import LogitsHeld, LossImpl, Workload
 
 
 def _logit_bytes(wl: Workload, dm: Dims) -> int:
@@ -26,7 +26,11 @@ def head_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
     """Final norm, the head weight's cast under autocast, log-softmax output of the
     vocab-parallel loss (unchunked), targets."""
     loss = [] if wl.loss_chunks > 1 else [
-        Term("loss.log_softmax", dm.tokens * dm.vocab_shard * _logit_bytes(wl, dm))]
+        Term("loss.softmax" if _megatron_loss(wl) else "loss.log_softmax",
+             dm.tokens * dm.vocab_shard * (FP32_BYTES if _megatron_loss(wl)
+                                           else _logit_bytes(wl, dm)))]
+    if _megatron_loss(wl):  # it also saves the target mask and the shard's target indices
+        loss.append(Term("loss.target_mask", dm.tokens * (MASK_BYTES + INDEX_BYTES)))
     # a chunked loss's checkpoints do not keep the head weight's cast (autocast's cache holds
     # it to the forward's end: ``forward_extra_bytes``)
     casts = [] if wl.loss_chunks > 1 else weight_casts("head", _head_weight(spec, dm), dm)
@@ -66,6 +70,9 @@ def forward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     # under autocast the head saves a cast of the final norm's fp32 output, which the model
     # still holds (its last hidden state; all-gathered under DTensor sequence parallelism)
     # while the loss runs
+    if _megatron_loss(wl):
+        # the model's compute-dtype logits beside the fp32 copy, which is the saved softmax
+        return dm.tokens * dm.vocab_shard * dm.e
     held = 0
     if dm.autocast:  # the final norm's output, or with a chunked loss the cached weight cast
         held = (_head_weight(spec, dm) * dm.e if wl.loss_chunks > 1
@@ -76,6 +83,12 @@ def forward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
         # (in fp32 the upcast is the tensor itself)
         held += dm.tokens * dm.vocab_shard * dm.e
     return held + _logits_alive(wl, dm)
+
+
+def _megatron_loss(wl: Workload) -> bool:
+    """Megatron-LM's in-place vocab-parallel cross-entropy (``LossImpl.MEGATRON``); a chunked
+    loss is PyTorch's whatever the framework."""
+    return wl.loss_impl is LossImpl.MEGATRON and wl.loss_chunks == 1
 
 
 def step_held_bytes(wl: Workload, dm: Dims) -> int:
@@ -146,6 +159,10 @@ def loss_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims, vocab_grad_byte
     the worst: the other chunks' input gradients and their summed weight gradient
     (``vocab_grad_bytes``) wait beside it (``linear_backward_bytes``)."""
     chunk, chunks = loss_chunk_tokens(wl, dm)
+    if _megatron_loss(wl):
+        # the gradient is the softmax buffer updated in place; its cast to the compute dtype
+        # is made while that fp32 buffer still exists
+        return dm.tokens * dm.vocab_shard * dm.e
     if wl.loss_chunks == 1:
         return 2 * dm.tokens * dm.vocab_shard * _logit_bytes(wl, dm)
     logits = chunk * dm.vocab_shard * _logit_bytes(wl, dm)

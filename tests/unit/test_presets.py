@@ -142,3 +142,27 @@ def test_plan_searches_only_what_the_framework_offers() -> None:
     result = memplan.plan("llama-3-8b", gpus=8, framework="hf")
     assert result.candidates
     assert all(c.recompute.label != "selective" for c in result.candidates)
+
+
+def test_megatron_cross_entropy_terms_by_hand() -> None:
+    """_VocabParallelCrossEntropy on tiny (V 128) at b 2, s 128, T 256: the saved fp32
+    softmax T * V * 4 (the log-softmax's size), the target mask and indices T * (1 + 8); at
+    the loss only the bf16 logits beside it (T * V * 2, where PyTorch's loss holds fp32
+    logits, T * V * 4); its backward works in place: only the bf16 gradient (T * V * 2, where
+    PyTorch's makes two fp32 ones)."""
+    from memplan.model.dims import Dims
+    from memplan.model.head import forward_extra_bytes, head_terms, loss_backward_bytes
+
+    spec = load_model("tiny")
+    for loss_impl, softmax, fwd, bwd in (("megatron", T * V * 4, T * V * 2, T * V * 2),
+                                          ("generic", T * V * 4, T * V * 4, 2 * T * V * 4)):
+        wl = memplan.api.make_workload(spec, seq_len=128, micro_batch_size=2,
+                                       loss_impl=loss_impl)
+        dm = Dims.of(spec, memplan.api.make_layout(1), wl)
+        terms = {t.name: t.size_bytes for t in head_terms(spec, wl, dm)}
+        assert terms.get("loss.softmax", terms.get("loss.log_softmax")) == softmax
+        assert forward_extra_bytes(spec, wl, dm) == fwd
+        assert loss_backward_bytes(spec, wl, dm, 0) == bwd
+    assert terms.get("loss.target_mask") is None
+    megatron = memplan.estimate("tiny", framework="megatron", seq_len=128, micro_batch_size=2)
+    assert megatron.workload.loss_impl.value == "megatron"

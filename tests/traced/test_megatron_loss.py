@@ -1,0 +1,92 @@
+"""Megatron-LM's vocab-parallel cross-entropy, traced: what ``--framework megatron`` counts.
+
+``_VocabParallelCrossEntropy`` (megatron/core/tensor_parallel/cross_entropy.py) is run as
+Megatron runs it, on compute-dtype logits of shape [s, b, V / tp] from the output layer, on a
+one-rank gloo group, under the exact tracker, and compared with memplan's head terms for
+``loss_impl = megatron``: the saved softmax (the fp32 copy of the logits, turned into the
+softmax in place), its target mask and indices; at the loss, the compute-dtype logits beside
+it; in backward, the gradient made in place on the softmax and its cast to the compute dtype.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+from memplan.api import make_layout, make_workload  # noqa: E402
+from memplan.model.dims import Dims  # noqa: E402
+from memplan.model.head import (  # noqa: E402
+    forward_extra_bytes,
+    head_terms,
+    loss_backward_bytes,
+)
+from memplan.profile.tracker import MemoryTracker  # noqa: E402
+from memplan.spec import load_model  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def megatron_group():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised")
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(_free_port())
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("b", "s", "vocab"), [(2, 128, 1000), (1, 96, 777)])
+def test_vocab_parallel_cross_entropy_matches_the_terms(megatron_group, b: int, s: int,
+                                                       vocab: int) -> None:
+    from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+
+    spec = load_model("tiny").model_copy(update={"vocab_size": vocab})
+    wl = make_workload(spec, framework="megatron", loss_impl="megatron", micro_batch_size=b,
+                       seq_len=s, precision="bf16-fp32-grads")
+    dm = Dims.of(spec, make_layout(1), wl)
+    tokens = b * s
+    tracker = MemoryTracker()
+    with tracker:
+        tracker.set_phase("forward", step=1)
+        logits = torch.randn(s, b, vocab, dtype=torch.bfloat16, requires_grad=True)
+        target = torch.randint(0, vocab, (s, b))
+        inputs = tracker.bytes_in("activations")  # the logits and the targets
+        losses = vocab_parallel_cross_entropy(logits, target)
+        loss = losses.sum()
+        forward = tracker.peak(1, "forward").total_bytes - inputs
+        tracker.set_phase("backward")
+        saved = tracker.bytes_in("activations") - inputs
+        start = tracker.total_bytes
+        loss.backward()
+        backward = tracker.peak(1, "backward").total_bytes - start
+    terms = {t.name: t.size_bytes for t in head_terms(spec, wl, dm)}
+    softmax = terms["loss.softmax"]
+    assert inputs == tokens * vocab * 2 + tokens * 8  # bf16 logits, int64 targets
+    assert softmax == tokens * vocab * 4
+    # saved: the softmax, the target mask (bool) and the shard's target indices (int64), and
+    # the per-token losses with their sum the step holds (fp32)
+    assert saved == softmax + terms["loss.target_mask"] + tokens * 4 + 4
+    # at the loss the compute-dtype logits are alive (memplan's loss term: here an input)
+    # beside the softmax buffer, with per-token temporaries (the max, the predicted logits,
+    # the sum of exponentials) at most
+    assert forward_extra_bytes(spec, wl, dm) == tokens * vocab * 2
+    assert 0 <= forward - saved <= 4 * tokens * 8
+    # backward: the logits' compute-dtype gradient beside the fp32 buffer it was computed in
+    # (memplan's loss backward term), with per-token operands at most
+    assert 0 <= backward - loss_backward_bytes(spec, wl, dm, 0) <= 4 * tokens * 8
