@@ -112,6 +112,10 @@ NormOpt = Annotated[Optional[NormImpl], typer.Option(
 LogitsFp32 = Annotated[Optional[bool], typer.Option(
     "--logits-fp32/--no-logits-fp32", help="Loss on fp32 logits (default: the framework's; "
     "generic: on).", rich_help_panel=_KERNELS)]
+KeepGrads = Annotated[Optional[bool], typer.Option(
+    "--keep-grads/--no-keep-grads", help="zero_grad(set_to_none=False): gradients stay "
+    "allocated between steps (default: the framework's; torchtitan keeps them unless "
+    "training.disable_cuda_graphs).", rich_help_panel=_KERNELS)]
 FrameworkOpt = Annotated[Optional[Framework], typer.Option(
     "--framework", help="The framework that runs the job: its implementation defaults "
     "(norm kernel, optimizer implementation, who holds the logits, ...) apply to every "
@@ -186,6 +190,7 @@ SHARED: dict[str, Shared] = {
     "norm": Shared(NormOpt, None, "norm_impl"),
     "logits_fp32": Shared(LogitsFp32, None, "logits_fp32"),
     "framework": Shared(FrameworkOpt, None, "framework", _value),
+    "keep_grads": Shared(KeepGrads, None, "keep_grads"),
     "loss_chunks": Shared(LossChunks, 1, "loss_chunks"),
     "schedule": Shared(ScheduleOpt, Schedule.ONE_F_ONE_B, "schedule", resolve=False),
     "calibration": Shared(Calibration, None, "calibration", resolve=False),
@@ -194,7 +199,8 @@ SHARED: dict[str, Shared] = {
 LAYOUT = ("tp", "pp", "vpp", "dp", "cp", "ep", "sp", "vocab_parallel", "tp_style",
           "grad_buffers", "offload", "zero")
 WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "precision", "optimizer",
-            "optimizer_impl", "attention", "norm", "logits_fp32", "loss_chunks", "framework")
+            "optimizer_impl", "attention", "norm", "logits_fp32", "loss_chunks", "framework",
+            "keep_grads")
 # everything ``memplan estimate`` takes: diagnose takes the same configuration
 ESTIMATE = ("model", "gpus", "gpu", "gpu_memory", *LAYOUT, *WORKLOAD, "schedule", "calibration")
 

@@ -28,7 +28,8 @@ Out = Annotated[Path | None, typer.Option(
 
 
 # one rank, no layout; the global batch is the micro-batch
-@uses("model", *(n for n in WORKLOAD if n not in ("gbs", "framework")), "gpu")
+@uses("model", *(n for n in WORKLOAD if n not in ("gbs", "framework", "keep_grads")),
+      "gpu")
 def profile(
     job: Job,
     layers: Layers = None,

@@ -20,7 +20,7 @@ Layers = Annotated[int | None, typer.Option(
 
 # the layout options of the ranks the fake process group traces (no chunks, experts, offload)
 @uses("model", "gpus", "tp", "pp", "dp", "cp", "sp", "zero",
-      *(n for n in WORKLOAD if n != "framework"))
+      *(n for n in WORKLOAD if n not in ("framework", "keep_grads")))
 def trace(
     job: Job,
     layers: Layers = None,
