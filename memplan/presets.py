@@ -91,6 +91,13 @@ PRESETS: dict[Framework, tuple[Default, ...]] = {
                 f"(resharded after forward), on [norm, lm_head] (not resharded after "
                 f"forward) and on each block; with tied weights one unit of all three "
                 f"({_TITAN})"),
+        Default("selective_impl", "op",
+                f"distributed/activation_checkpoint.py SelectiveAC._wrap_block: the per-op "
+                f"policy, its save list _get_default_save_ops, every second mm recomputed "
+                f"({_TITAN})"),
+        Default("fused_qkv", True,
+                f"models/common/attention.py FusedQKVLinear (fuse_qkv in the llama3 flavors) "
+                f"({_TITAN})"),
         Default("keep_grads", True,
                 f"trainer.py Trainer.train_step: optimizers.zero_grad(set_to_none="
                 f"training.disable_cuda_graphs), which config/configs.py defaults to False "
@@ -137,7 +144,8 @@ PRESETS: dict[Framework, tuple[Default, ...]] = {
 GENERIC: dict[str, Any] = {
     "optimizer_impl": "foreach", "norm_impl": "upcast", "logits_fp32": True,
     "logits_held": LogitsHeld.NONE.value, "softmax_fp32": False, "kv_cache": False,
-    "fsdp_units": "root", "keep_grads": False, "loss_impl": "generic", "tp_style": "megatron", "grad_buffers": "view",
+    "fsdp_units": "root", "keep_grads": False, "loss_impl": "generic",
+    "selective_impl": "core", "fused_qkv": False, "tp_style": "megatron", "grad_buffers": "view",
 }
 LAYOUT_FIELDS = frozenset({"tp_style", "grad_buffers"})
 
@@ -195,12 +203,7 @@ REFUSALS: dict[Framework, tuple[Refusal, ...]] = {
                 "transformers has no selective recompute; gradient_checkpointing_enable() "
                 "checkpoints each decoder layer, which is --recompute full"),
     ),
-    Framework.TORCHTITAN: (
-        Refusal(lambda par, wl: wl.recompute.label == "selective", "--recompute selective",
-                "torchtitan's selective activation checkpointing is its per-op policy "
-                "(distributed/activation_checkpoint.py, selective_ac_option 'op'), which is "
-                "not modelled yet; --recompute full is its 'full' mode"),
-    ),
+    Framework.TORCHTITAN: (),
     Framework.LIGHTNING: (),
     Framework.MEGATRON: (
         Refusal(lambda par, wl: par is not None and int(par.zero) >= 2, "--zero 2 or 3",

@@ -31,7 +31,7 @@ from memplan.model.pipeline import stage_layers
 from memplan.parallel import Offload, ParallelConfig, ZeroStage, local_seq
 from memplan.spec import ModelSpec, param_counts
 from memplan.units import DType
-from memplan.workload import Recompute, Workload
+from memplan.workload import Recompute, SelectiveImpl, Workload
 
 if TYPE_CHECKING:
     import numpy as np
@@ -146,9 +146,23 @@ def step_flops(spec: ModelSpec, wl: Workload, global_batch: int, *, pp: int,
             per_token = layer_forward_flops(spec, wl.seq_len)
             rerun = sum(per_token[i] for i in recomputed_layers(spec.num_layers, k, pp, vpp))
             extra += float(rerun * tokens)
+    elif wl.recompute is Recompute.SELECTIVE and wl.selective_impl is SelectiveImpl.OP:
+        # per-op SAC reruns the matmuls it does not keep (every second one; memplan.model.sac)
+        # and not the attention kernel, whose output it keeps
+        extra += _sac_rerun_flops(spec, wl) * spec.num_layers * tokens
     elif wl.recompute is Recompute.SELECTIVE:
         extra += attn_layer * spec.num_layers * tokens
     return model, model + extra
+
+
+def _sac_rerun_flops(spec: ModelSpec, wl: Workload) -> float:
+    """Forward FLOPs per token of the matmuls per-op SAC recomputes in one layer: 2 per weight
+    of the even-numbered matmuls, in execution order."""
+    h, q, kv, f = spec.hidden_size, spec.q_size, spec.kv_size, spec.ffn_hidden_size
+    weights = ([h * (q + 2 * kv)] if wl.fused_qkv else [h * q, h * kv, h * kv]) + [q * h]
+    weights += [h * f, h * f] if spec.mlp.gated else [h * f]
+    weights.append(f * h)
+    return 2.0 * sum(w for i, w in enumerate(weights, start=1) if i % 2 == 0)
 
 
 class _Numbers:

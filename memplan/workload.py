@@ -214,6 +214,19 @@ class LossImpl(str, enum.Enum):
     MEGATRON = "megatron"
 
 
+class SelectiveImpl(str, enum.Enum):
+    """What ``--recompute selective`` recomputes.
+
+    core  the attention core (Korthikanti et al. 2022, section 5; Megatron-LM's
+          --recompute-granularity selective)
+    op    torchtitan's per-op SAC: every op's output recomputed but those of its save list
+          (matmuls but every second one, the attention kernels), ``memplan.model.sac``
+    """
+
+    CORE = "core"
+    OP = "op"
+
+
 class FsdpUnits(str, enum.Enum):
     """How ZeRO-3 / FSDP2 groups the weights that are not in a block.
 
@@ -247,6 +260,9 @@ class Workload(BaseModel):
     framework: Framework = Framework.GENERIC
     fsdp_units: FsdpUnits = FsdpUnits.ROOT
     loss_impl: LossImpl = LossImpl.GENERIC
+    selective_impl: SelectiveImpl = SelectiveImpl.CORE
+    fused_qkv: bool = Field(default=False, description=(
+        "one q/k/v projection (torchtitan's FusedQKVLinear): one matmul where three run"))
     keep_grads: bool = Field(default=False, description=(
         "zero_grad(set_to_none=False): from step 2 on the zeroed gradients stay allocated "
         "through forward, and backward accumulates into them"))

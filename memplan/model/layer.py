@@ -29,8 +29,9 @@ from memplan.model.dims import FP32_BYTES, Dims, Term, total
 from memplan.model.mlp import Mlp
 from memplan.model.moe import MoE
 from memplan.model.norm import Norm
+from memplan.model.sac import sac_terms
 from memplan.spec import ModelSpec
-from memplan.workload import NormImpl, Recompute, Workload
+from memplan.workload import NormImpl, Recompute, SelectiveImpl, Workload
 
 _ATTENTION, _MLP, _MOE = Attention(), Mlp(), MoE()
 _DENSE = (Norm("attn_norm"), _ATTENTION, Norm("mlp_norm"), _MLP)
@@ -211,6 +212,17 @@ class LayerKind(NamedTuple):
 def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
                policy: Recompute) -> LayerKind:
     """A layer's saved terms and moments (``memplan.model.memo`` caches it per kind)."""
+    if policy is Recompute.SELECTIVE and wl.selective_impl is SelectiveImpl.OP:
+        # per-op SAC: a fully recomputed layer that also keeps its save list's outputs,
+        # which the rerun reuses (so its backward is the full recompute's)
+        full = layer_kind(spec, wl, dm, moe, Recompute.FULL)
+        kept = tuple(sac_terms(spec, dm, wl.fused_qkv))
+        # the recomputed layer's forward peaks in the MLP, before the down projection, whose
+        # output (kept) does not exist yet
+        late = sum(t.size_bytes for t in kept if t.name == "sac.mlp.w2")
+        return full._replace(terms=full.terms + kept,
+                             saved_bytes=full.saved_bytes + total(kept),
+                             forward_peak_bytes=full.forward_peak_bytes + total(kept) - late)
     terms = tuple(layer_terms(spec, wl, dm, moe_layer=moe, recompute=policy))
     moments = backward_moments(spec, wl, dm, moe_layer=moe, recompute=policy)
     forward = forward_moments(spec, wl, dm, moe_layer=moe, recompute=policy)

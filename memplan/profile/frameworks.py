@@ -420,10 +420,9 @@ def build_torchtitan(case: FrameworkCase) -> Built:
 
     options: ``set_to_none`` (default True), ``ac`` (``"none"``, default; ``"full"`` or
     ``"selective"``: torchtitan's own activation checkpointing, estimated as memplan's full or
-    selective recompute). On CPU, 0.3.0's op-level ``SelectiveAC`` recomputes the attention:
-    its save list names the cuDNN, math and overrideable SDPA ops but not
-    ``_scaled_dot_product_flash_attention_for_cpu``, while on an H100 its priority list picks
-    cuDNN, which it saves; a CPU trace of ``selective`` is not what a GPU holds.
+    selective recompute, the latter as its per-op SAC under the torchtitan preset). Its save
+    list lacks CPU's SDPA kernel, which joins it while tracing (``_sac_saves_cpu_flash``), as
+    a GPU's SDPA kernel is in it.
 
     Real tensors only: ``torch.nn.init.trunc_normal_`` (its parameter init) reads values.
     ``dp`` must be at least 2: ``apply_fsdp_to_decoder`` shards even one rank, whose gathered
@@ -459,9 +458,11 @@ def build_torchtitan(case: FrameworkCase) -> Built:
     try:
         dims = ParallelDims.from_config(parallelism, world_size=case.dp)
         dims.build_mesh()
-        model = parallelize_llama(model, parallel_dims=dims, training=training,
-                                  parallelism=parallelism, compile_config=CompileConfig(),
-                                  ac_config=ac_config, dump_folder="/tmp")
+        sac = _sac_saves_cpu_flash() if ac == "selective" else contextlib.nullcontext()
+        with sac:
+            model = parallelize_llama(model, parallel_dims=dims, training=training,
+                                      parallelism=parallelism, compile_config=CompileConfig(),
+                                      ac_config=ac_config, dump_folder="/tmp")
     finally:
         pd.device_type = device_type
     params = [p for p in model.parameters() if p.requires_grad]
@@ -502,6 +503,26 @@ def _torchtitan_ac(mode: str):
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
     return FullAC.Config() if mode == "full" else SelectiveAC.Config()
+
+
+@contextlib.contextmanager
+def _sac_saves_cpu_flash() -> Iterator[None]:
+    """torchtitan's SAC save list as a GPU run has it: on CUDA the SDPA kernel it runs (flash,
+    cuDNN) is in the list (PyTorch's compute-intensive ops, ``_get_default_save_ops``); on CPU
+    SDPA dispatches to ``_scaled_dot_product_flash_attention_for_cpu``, which the list lacks,
+    so a CPU trace would recompute the attention. The CPU kernel joins the list here."""
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    orig = SelectiveAC.get_save_ops
+
+    def get_save_ops(self) -> set:
+        return orig(self) | {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+    SelectiveAC.get_save_ops = get_save_ops
+    try:
+        yield
+    finally:
+        SelectiveAC.get_save_ops = orig
 
 
 BUILDERS["torchtitan"] = build_torchtitan
