@@ -85,14 +85,22 @@ def _gated_mlp(cfg: _Config) -> str:
     raise cfg.error("hidden_act", f"unsupported activation {act!r} (expected silu or gelu)")
 
 
-def _plain_mlp(cfg: _Config) -> str:
+# transformers' ACT2FN (activations.py): the names that run one aten kernel
+_KERNEL_GELU = ("gelu", "gelu_pytorch_tanh")
+
+
+def _plain_mlp(cfg: _Config) -> tuple[str, str]:
+    """(MLP kind, activation implementation) of a GPT-2-style ``activation_function``."""
     act = cfg.get_str("activation_function", "gelu_new").lower()
-    if act.startswith("gelu"):
-        return "gelu"
+    if act in _KERNEL_GELU:
+        return "gelu", "kernel"
+    if act == "gelu_new":
+        return "gelu", "gelu_new"
     if act == "relu":
-        return "relu"
+        return "relu", "kernel"
     raise cfg.error("activation_function",
-                    f"unsupported activation {act!r} (expected gelu or relu)")
+                    f"unsupported activation {act!r}: modelled are gelu, gelu_pytorch_tanh "
+                    "(one kernel), gelu_new (transformers' Python formula) and relu")
 
 
 def _llama_like(cfg: _Config, model_type: str) -> dict[str, Any]:
@@ -150,7 +158,8 @@ def _gpt2(cfg: _Config) -> dict[str, Any]:
         "max_seq_len": cfg.get_int("n_positions"),
         "norm": "layernorm",
         "norm_bias": True,
-        "mlp": _plain_mlp(cfg),
+        "mlp": _plain_mlp(cfg)[0],
+        "activation_impl": _plain_mlp(cfg)[1],
         "position": "learned",
         "tied_embeddings": cfg.get_bool("tie_word_embeddings", True),
         "qkv_bias": True,

@@ -41,6 +41,20 @@ class MlpKind(str, enum.Enum):
         return self in (MlpKind.SWIGLU, MlpKind.GEGLU)
 
 
+class ActivationImpl(str, enum.Enum):
+    """How the MLP's activation runs.
+
+    kernel    one aten op (F.gelu, exact or tanh-approximated; F.silu; F.relu), saving its
+              input (ReLU its output)
+    gelu_new  transformers' NewGELUActivation (activations.py: ACT2FN["gelu_new"], GPT-2's
+              default), the Python formula 0.5*x*(1+tanh(sqrt(2/pi)*(x+0.044715*x^3))):
+              autograd saves its tanh output, 0.5*x and 1+tanh beside the input
+    """
+
+    KERNEL = "kernel"
+    GELU_NEW = "gelu_new"
+
+
 class PositionKind(str, enum.Enum):
     ROPE = "rope"
     LEARNED = "learned"
@@ -89,6 +103,7 @@ class ModelSpec(BaseModel):
     max_seq_len: int = Field(gt=0)
     norm: NormKind
     mlp: MlpKind
+    activation_impl: ActivationImpl = ActivationImpl.KERNEL
     position: PositionKind
     tied_embeddings: bool
     qkv_bias: bool = False

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from memplan.model.block import BackwardMoment, Moment, linear_sizes, weight_casts
 from memplan.model.dims import MASK_BYTES, Dims, Term, residual_dropout_mask, total
-from memplan.spec import MlpKind, ModelSpec, mlp_params
+from memplan.spec import ActivationImpl, MlpKind, ModelSpec, mlp_params
 from memplan.workload import Recompute, Workload
 
 
@@ -20,6 +20,9 @@ def mlp_terms(prefix: str, spec: ModelSpec, dm: Dims, ffn: int, tokens: int) -> 
         names = ("gate", "act", "up", "prod")
     elif spec.mlp is MlpKind.RELU:
         names = ("act",)  # ReLU's backward reads its output, which the next linear saves too
+    elif spec.activation_impl is ActivationImpl.GELU_NEW:
+        # the formula's autograd: pow saves x, tanh its output, (0.5*x) * (1+tanh) both
+        names = ("fc1", "gelu_tanh", "gelu_half_x", "gelu_one_plus_tanh", "act")
     else:
         names = ("fc1", "act")
     return [Term(f"{prefix}.{n}", inner) for n in names]
@@ -37,8 +40,13 @@ def inner_grads_per_intermediate(spec: ModelSpec) -> int:
     """Intermediate-sized gradients an MLP's backward holds at its activation: a gated MLP the
     gradients of its product, activation and up projection while the product is freed (2
     beyond the saved ones); GELU the gradients of its activation and first linear while the
-    activation is freed (1); ReLU both gradients beside its saved output (2)."""
-    return 2 if spec.mlp.gated or spec.mlp is MlpKind.RELU else 1
+    activation is freed (1); transformers' gelu_new formula the gradients of both factors of
+    its last product beside the incoming one, its other saved tensors alive (2, traced:
+    tests/traced/test_frameworks.py gpt2-toy); ReLU both gradients beside its saved output
+    (2)."""
+    if spec.mlp.gated or spec.mlp is MlpKind.RELU:
+        return 2
+    return 2 if spec.activation_impl is ActivationImpl.GELU_NEW else 1
 
 
 def backward_moments(spec: ModelSpec, dm: Dims, *, saved: int, freed: int, run_tokens: int,

@@ -132,14 +132,11 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
            "16,785,552 (+32 B); every other row within 0.01%.")),
     (FrameworkCase("transformers", "gpt2-toy", hf("gpt2", use_cache=False, **GPT2_TOY),
                    "fp32", 2, 128),
-     Known(("optimizer_bytes", "activations_bytes", "first_step.forward_bytes",
-            "first_step.backward_bytes", "steady.forward_bytes", "steady.backward_bytes"),
-           "GPT-2's `activation_function: gelu_new` is activations.py NewGELUActivation, the "
-           "Python formula 0.5*x*(1+tanh(sqrt(2/pi)*(x+0.044715*x^3))) whose autograd saves "
-           "three more ffn-sized tensors per layer than the fused tanh GELU memplan models "
-           "(spec_from_hf_dict maps every gelu* to gelu). Measured: activations -37.9% "
-           "(6,291,456 B = 2 layers x 3 x b*s*4h*4), forward -24.2% / -14.7%, backward "
-           "-25.4% / -15.8%; and the fused c_attn's step counters (+32 B).")),
+     Known(("optimizer_bytes",),
+           "GPT-2's `activation_function: gelu_new` (activations.py NewGELUActivation, a "
+           "Python formula) is modelled (ActivationImpl.GELU_NEW: three more ffn-sized "
+           "tensors saved a layer); every phase within 0.01%; the fused c_attn's step counters "
+           "(+32 B).")),
     (FrameworkCase("transformers", "gpt2-toy-tanh-cache", hf("gpt2", activation_function=
                                                              "gelu_pytorch_tanh", **GPT2_TOY),
                    "fp32", 2, 128),

@@ -167,3 +167,32 @@ def test_mixtral_top_k_above_experts(tmp_path: Path) -> None:
 def test_gpt2_bad_dropout(tmp_path: Path) -> None:
     data = _base("gpt2") | {"resid_pdrop": "0.1"}
     assert "resid_pdrop" in _error(_write(tmp_path, data))
+
+
+@pytest.mark.parametrize(("act", "impl"), [("gelu", "kernel"), ("gelu_pytorch_tanh", "kernel"),
+                                           ("gelu_new", "gelu_new"), ("relu", "kernel")])
+def test_gpt2_activation_names_map_to_what_transformers_runs(tmp_path: Path, act: str,
+                                                            impl: str) -> None:
+    """ACT2FN (transformers activations.py): gelu and gelu_pytorch_tanh are one kernel,
+    gelu_new is NewGELUActivation's Python formula; other formulas are refused by name."""
+    data = json.loads((HF / "gpt2" / "config.json").read_text())
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**data, "activation_function": act}))
+    assert spec_from_hf_config(path).activation_impl.value == impl
+    path.write_text(json.dumps({**data, "activation_function": "quick_gelu"}))
+    with pytest.raises(MemplanError, match="activation_function.*quick_gelu"):
+        spec_from_hf_config(path)
+
+
+def test_gelu_new_saves_three_more_intermediates() -> None:
+    """GPT-2 (its published config: gelu_new) at b 1, s 1024 in bf16: 12 layers, each saving
+    3 more ffn-sized tensors (tanh output, 0.5*x, 1+tanh) than the fused GELU: T * 4h * 2 B
+    each."""
+    import memplan
+    from memplan.overheads import no_overheads
+
+    spec = spec_from_hf_config(HF / "gpt2" / "config.json")
+    formula = memplan.estimate(spec, seq_len=1024, overheads=no_overheads()).worst
+    kernel = memplan.estimate(spec.model_copy(update={"activation_impl": "kernel"}),
+                              seq_len=1024, overheads=no_overheads()).worst
+    assert formula.activations_bytes - kernel.activations_bytes == 12 * 3 * 1024 * 3072 * 2
