@@ -163,6 +163,7 @@ def _gpt2(cfg: _Config) -> dict[str, Any]:
         "position": "learned",
         "tied_embeddings": cfg.get_bool("tie_word_embeddings", True),
         "qkv_bias": True,
+        "fused_qkv": True,  # GPT2Attention's Conv1D c_attn
         "attn_out_bias": True,
         "mlp_bias": True,
         "dropout": dropout,

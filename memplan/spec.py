@@ -107,6 +107,9 @@ class ModelSpec(BaseModel):
     position: PositionKind
     tied_embeddings: bool
     qkv_bias: bool = False
+    fused_qkv: bool = Field(default=False, description=(
+        "one q/k/v projection parameter (GPT-2's c_attn, litgpt's qkv, torchtitan's wqkv) "
+        "where separate q, k and v projections have three"))
     attn_out_bias: bool = False
     mlp_bias: bool = False
     norm_bias: bool = Field(default=False, description="LayerNorm with a bias (beta)")

@@ -159,7 +159,8 @@ def _sac_rerun_flops(spec: ModelSpec, wl: Workload) -> float:
     """Forward FLOPs per token of the matmuls per-op SAC recomputes in one layer: 2 per weight
     of the even-numbered matmuls, in execution order."""
     h, q, kv, f = spec.hidden_size, spec.q_size, spec.kv_size, spec.ffn_hidden_size
-    weights = ([h * (q + 2 * kv)] if wl.fused_qkv else [h * q, h * kv, h * kv]) + [q * h]
+    fused = wl.fused_qkv or spec.fused_qkv
+    weights = ([h * (q + 2 * kv)] if fused else [h * q, h * kv, h * kv]) + [q * h]
     weights += [h * f, h * f] if spec.mlp.gated else [h * f]
     weights.append(f * h)
     return 2.0 * sum(w for i, w in enumerate(weights, start=1) if i % 2 == 0)

@@ -191,9 +191,11 @@ class Attention:
 
     def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:
         h, q, kv, bias = spec.hidden_size, spec.q_size, spec.kv_size, spec.qkv_bias
+        out = linear_sizes(q, h, spec.attn_out_bias, False, t)
+        if spec.fused_qkv:  # one q/k/v parameter (and one bias)
+            return linear_sizes(h, q + 2 * kv, bias, True, t) + out
         return (linear_sizes(h, q, bias, True, t) + linear_sizes(h, kv, bias, True, t)
-                + linear_sizes(h, kv, bias, True, t)
-                + linear_sizes(q, h, spec.attn_out_bias, False, t))
+                + linear_sizes(h, kv, bias, True, t) + out)
 
     def grad_groups(self, spec: ModelSpec, t: int, ep: int) -> dict[str, int]:
         """``attn_out``: the output projection (its backward runs first); ``attn``: all."""

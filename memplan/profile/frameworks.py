@@ -396,7 +396,10 @@ def torchtitan_spec(cfg, name: str) -> ModelSpec:
             "intermediate_size": hidden, "vocab_size": cfg.vocab_size,
             "max_position_embeddings": attn.rope.max_seq_len, "hidden_act": "silu",
             "tie_word_embeddings": cfg.enable_weight_tying}
-    return spec_from_hf_dict(data, f"torchtitan {name}", name)
+    # FusedQKVLinear (models/common/attention.py): one wqkv parameter
+    fused = bool(getattr(attn, "fuse_qkv", True))
+    return spec_from_hf_dict(data, f"torchtitan {name}", name).model_copy(
+        update={"fused_qkv": fused})
 
 
 def _ffn_hidden(ffn) -> int:
@@ -541,7 +544,8 @@ def litgpt_spec(config, name: str) -> ModelSpec:
             "vocab_size": config.padded_vocab_size, "max_position_embeddings": config.block_size,
             "hidden_act": "silu", "attention_bias": config.bias, "mlp_bias": config.bias,
             "tie_word_embeddings": False}
-    return spec_from_hf_dict(data, f"litgpt {name}", name)
+    # CausalSelfAttention's one qkv linear (litgpt/model.py)
+    return spec_from_hf_dict(data, f"litgpt {name}", name).model_copy(update={"fused_qkv": True})
 
 
 _FABRIC_PRECISION = {"fp32": "32-true", "bf16-pure": "bf16-true", "amp-bf16": "bf16-mixed"}

@@ -77,11 +77,6 @@ TITAN_TOY = dict(dim=256, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=1000)
 LITGPT_TOY = dict(n_layer=2, n_embd=256, n_head=4, intermediate_size=688, vocab_size=1000,
                   padded_vocab_size=1000, block_size=256)
 
-FUSED_QKV_STEPS = (
-    "a fused q/k/v projection is one parameter tensor, and fused AdamW keeps one 4-byte step "
-    "per parameter tensor: 2 fewer per layer than memplan's separate q, k, v (weights; biases "
-    "too where they exist)")
-
 CASES: list[tuple[FrameworkCase, Known | None]] = [
     # --- Hugging Face transformers, SDPA ---------------------------------------------------
     (FrameworkCase("transformers", "Meta-Llama-3-8B-2l", hf("Meta-Llama-3-8B",
@@ -125,30 +120,21 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
     # --- GPT-2 -----------------------------------------------------------------------------
     (FrameworkCase("transformers", "gpt2-toy-tanh", hf("gpt2", activation_function=
                                                        "gelu_pytorch_tanh", use_cache=False,
-                                                       **GPT2_TOY), "fp32", 2, 128),
-     Known(("optimizer_bytes",),
-           "GPT2Attention's Conv1D c_attn (models/gpt2/modeling_gpt2.py) is the fused q/k/v "
-           "weight and bias: " + FUSED_QKV_STEPS + ". Measured 16,785,520 B, estimated "
-           "16,785,552 (+32 B); every other row within 0.01%.")),
+                                                       **GPT2_TOY), "fp32", 2, 128), None),
     (FrameworkCase("transformers", "gpt2-toy", hf("gpt2", use_cache=False, **GPT2_TOY),
-                   "fp32", 2, 128),
-     Known(("optimizer_bytes",),
-           "GPT-2's `activation_function: gelu_new` (activations.py NewGELUActivation, a "
-           "Python formula) is modelled (ActivationImpl.GELU_NEW: three more ffn-sized "
-           "tensors saved a layer); every phase within 0.01%; the fused c_attn's step counters "
-           "(+32 B).")),
+                   "fp32", 2, 128), None),
     (FrameworkCase("transformers", "gpt2-toy-tanh-cache", hf("gpt2", activation_function=
                                                              "gelu_pytorch_tanh", **GPT2_TOY),
                    "fp32", 2, 128),
-     Known(("optimizer_bytes", "activations_bytes", "first_step.forward_bytes",
+     Known(("activations_bytes", "first_step.forward_bytes",
             "first_step.backward_bytes", "steady.forward_bytes", "steady.backward_bytes"),
            "with the published config's use_cache (GPT2Config default True) the training "
            "forward builds a DynamicCache: cache_utils.py DynamicLayer.update concatenates "
            "each layer's K and V into new tensors (`torch.cat([self.keys, key_states])`), and "
            "since q is still a view of the fused c_attn output that SDPA saves, that (b,s,3h) "
            "storage stays alive beside the K/V copies. Measured: activations -9.2% (2 x b*s*h "
-           "fp32 per layer), forward -5.1% / -2.8%, backward -4.8% / -2.7%; and the fused "
-           "c_attn's step counters (+32 B). (Llama's k, v copies replace their originals.)")),
+           "fp32 per layer), forward -5.1% / -2.8%, backward -4.8% / -2.7%. (Llama's k, v "
+           "copies replace their originals.)")),
     # --- Mixtral: routing reads values, so small real tensors ---------------------------------
     (FrameworkCase("transformers", "mixtral-toy", hf("Mixtral-8x7B-v0.1", **MIXTRAL_TOY),
                    "fp32", 2, 64),
@@ -167,36 +153,32 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
     # (the torchtitan preset: its FSDP units, fused AdamW, fused RMSNorm, kept gradients; the
     # cases set training.disable_cuda_graphs, i.e. set_to_none, as a user knob)
     (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=2),
-     Known(("optimizer_bytes", "first_step.forward_bytes", "steady.forward_bytes"),
+     Known(("first_step.forward_bytes", "steady.forward_bytes"),
            "FusedQKVLinear (models/common/attention.py, fuse_qkv=True in every llama3 "
-           "flavor): " + FUSED_QKV_STEPS + " (+16 B); RoPE's freqs_cis buffer (32 KiB, "
+           "flavor) is one parameter (fused_qkv in the spec); RoPE's freqs_cis buffer (32 KiB, "
            "counted under buffers), and 171,528 B more at the loss not attributed yet. "
            "Measured: forward -1.66% / -1.00% (first step / steady); backward -0.11% / -0.07% "
            "with the FSDP units (apply_fsdp_to_decoder) modelled.")),
     (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fp32", 2, 128, dp=2),
-     Known(("optimizer_bytes", "first_step.forward_bytes"),
-           "the fused wqkv's step counters (+16 B), the freqs_cis buffer and 229,376 B more at "
+     Known(("first_step.forward_bytes",),
+           "the freqs_cis buffer and 229,376 B more at "
            "the loss not attributed yet: forward -1.29% first step (-0.92% steady); backward "
            "exact.")),
     (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=2,
                    options={"ac": "full"}),
-     Known(("optimizer_bytes", "activations_bytes"),
+     Known(("activations_bytes",),
            "torchtitan's FullAC (distributed/activation_checkpoint.py) checkpoints each block "
            "as memplan's full recompute does, but with only the block inputs saved the RoPE "
            "tables memplan counts as saved activations (s*d*2 in bf16, 16 KiB) show: "
            "ComplexRoPE keeps its cache as a registered buffer per layer "
            "(models/common/rope.py), counted under buffers. Measured: activations 1,553,416 B, "
-           "estimated 1,569,800 (+1.06%); the step counters as above; every phase within "
+           "estimated 1,569,800 (+1.06%); every phase within "
            "1%.")),
     (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=2,
-                   options={"ac": "selective"}),
-     Known(("optimizer_bytes",),
-           "torchtitan's per-op SelectiveAC (the torchtitan preset's selective_impl 'op', "
-           "memplan.model.sac) agrees within 0.5% in every row (the RoPE buffer, 16 KiB, "
-           "counted as saved tables); the fused wqkv's step counters (+16 B).")),
+                   options={"ac": "selective"}), None),
     (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=2,
                    options={"set_to_none": False}),
-     Known(("optimizer_bytes", "first_step.forward_bytes"),
+     Known(("first_step.forward_bytes",),
            "torchtitan's default loop keeps the gradients (trainer.py train_step: "
            "`optimizers.zero_grad(set_to_none=training.disable_cuda_graphs)`, False by "
            "default), modelled by the preset: steady forward -0.84%, backward -0.05%; the "
@@ -204,17 +186,17 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
     # --- litgpt through Lightning Fabric, as litgpt/pretrain.py runs it ----------------------
     # (the lightning preset holds the loop's fp32 logits from the loss to the next forward)
     (FrameworkCase("litgpt", "Llama-2-7b-hf", LITGPT_TOY, "fp32", 2, 128),
-     Known(("optimizer_bytes", "activations_bytes", "first_step.forward_bytes",
+     Known(("activations_bytes", "first_step.forward_bytes",
             "first_step.backward_bytes", "steady.forward_bytes", "steady.backward_bytes"),
            "CausalSelfAttention.forward (litgpt/model.py) splits one fused qkv output into "
            "views and SDPA's saved v keeps the whole (b,s,(h+2kv)d) storage alive; its RoPE "
            "cos/sin buffers (block_size x head_size x 2 in fp32, 131,072 B) are device memory "
-           "memplan has no term for; the fused qkv's step counters (+16 B); and the held "
+           "memplan has no term for; and the held "
            "logits (1,024,000 B, modelled by the preset) are counted by the trace as saved "
            "activations. Measured: activations -16.5%, forward -6.9% / -4.0%, backward -4.6% "
            "/ -2.8% (first step / steady); the optimizer step within 0.4%.")),
     (FrameworkCase("litgpt", "Llama-2-7b-hf", LITGPT_TOY, "bf16-pure", 2, 128),
-     Known(("optimizer_bytes", "activations_bytes", "first_step.forward_bytes",
+     Known(("activations_bytes", "first_step.forward_bytes",
             "first_step.backward_bytes", "steady.forward_bytes", "steady.backward_bytes"),
            "as in fp32, and Fabric's bf16-true plugin (lightning/fabric/plugins/precision/"
            "half.py HalfPrecision.convert_output) returns the logits upcast to fp32, the copy "
@@ -222,11 +204,11 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
            "normed tensor is saved per norm. Measured: activations -24.4%, forward -10.4% / "
            "-8.6%, backward -3.0% / -1.9%; the optimizer step within 0.4%.")),
     (FrameworkCase("litgpt", "Llama-2-7b-hf", LITGPT_TOY, "amp-bf16", 2, 128),
-     Known(("optimizer_bytes", "activations_bytes", "first_step.backward_bytes",
+     Known(("activations_bytes", "first_step.backward_bytes",
             "steady.forward_bytes", "steady.backward_bytes"),
            "as in fp32 (the loop variable `logits`, fp32 here because Fabric's bf16-mixed "
            "plugin, lightning/fabric/plugins/precision/amp.py MixedPrecision.convert_output, "
-           "upcasts the output; the fused qkv storage; RoPE buffers; step counters +16 B). "
+           "upcasts the output; the fused qkv storage; RoPE buffers). "
            "Measured: activations -8.8%, forward -0.3% / -1.4%, and backward +3.0% / +1.7%: "
            "with the held logits counted, the autocast backward of this loop holds 696,296 B "
            "less than memplan's (not attributed yet); the optimizer step within 0.4%.")),
