@@ -43,7 +43,6 @@ class Core(NamedTuple):
 
     scores: int  # one score-sized tensor in the compute dtype
     mask: int  # dropout's bool mask over the scores (0 without dropout)
-    dropped: int  # dropout's output over the scores (0 without dropout)
     q: int  # q, and any tensor of q's shape (output, repeated K or V)
     kv: int  # k or v before repetition
     q_copy: int  # the first matmul's contiguous copy of q
@@ -97,7 +96,7 @@ def core(spec: ModelSpec, dm: Dims, softmax_fp32: bool = False) -> Core:
     fp32_q = dm.tokens * spec.q_size // dm.tp * dm.stream_e
     fp32_k = dm.tokens * spec.kv_size // dm.tp * dm.stream_e
     return Core(scores=scores * dm.e, mask=scores * MASK_BYTES if dropout else 0,
-                dropped=value_input, q=q, kv=kv,
+                q=q, kv=kv,
                 q_copy=q if copies else 0, k_extra=extra, v_extra=extra, grouped=grouped,
                 sm=scores * (FP32_BYTES if fp32_softmax else dm.e), masked=scores * dm.stream_e,
                 value_input=value_input,
