@@ -110,8 +110,9 @@ PRESETS: dict[Framework, tuple[Default, ...]] = {
         Default("optimizer_impl", "fused",
                 f"litgpt/pretrain.py: instantiate_torch_optimizer(..., fused=fabric.device."
                 f"type == 'cuda') ({_LITGPT})"),
-        Default("norm_impl", "upcast",
-                f"litgpt/model.py RMSNorm.forward: x.float() normalised in fp32 ({_LITGPT})"),
+        Default("norm_impl", "upcast-fp32",
+                f"litgpt/model.py RMSNorm.forward: x.float() normalised in fp32 and multiplied "
+                f"by weight.float() before the cast back ({_LITGPT})"),
         Default("logits_fp32", True,
                 f"lightning/fabric/plugins/precision/half.py HalfPrecision.convert_output and "
                 f"amp.py MixedPrecision.convert_output return fp32 logits ({_LITGPT})"),

@@ -168,10 +168,19 @@ class Attention(str, enum.Enum):
 
 class NormImpl(str, enum.Enum):
     """upcast: Hugging Face style, the norm runs in fp32 on an upcast copy of its input;
-    fused: one kernel saving its input and per-token statistics (Apex / Transformer Engine)."""
+    fused: one kernel saving its input and per-token statistics (Apex / Transformer Engine);
+    upcast-fp32: litgpt's RMSNorm (litgpt/model.py RMSNorm.forward), as upcast but the weight
+    multiplies the fp32 normalised tensor (``weight.float()``) before the cast back, so the
+    normalised tensor and an fp32 copy of the weight are saved."""
 
     UPCAST = "upcast"
     FUSED = "fused"
+    UPCAST_FP32 = "upcast-fp32"
+
+    @property
+    def upcast(self) -> bool:
+        """Normalises an fp32 copy of its input in Python (``upcast``, ``upcast-fp32``)."""
+        return self is not NormImpl.FUSED
 
 
 class Framework(str, enum.Enum):

@@ -104,7 +104,7 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
     # An upcast norm in low precision saves an fp32 copy of its input, not the input itself:
     # the residual stream stays alive beside everything (fp32 runs save the input itself, as
     # does a norm under autocast, where the stream is fp32).
-    unsaved_input = (stream if wl.norm_impl is NormImpl.UPCAST and dm.stream_e < FP32_BYTES
+    unsaved_input = (stream if wl.norm_impl.upcast and dm.stream_e < FP32_BYTES
                      else 0)
     # Under autocast no linear saves a norm's (fp32) output, the casts of it instead; the
     # output is the mixer's argument, alive until the mixer returns (under DTensor sequence

@@ -54,7 +54,14 @@ def norm_terms(prefix: str, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Ter
            Term(f"{prefix}.stats", stats)]
     if wl.norm_impl is NormImpl.FUSED:
         return [Term(f"{prefix}.input", rows * h * dm.stream_e), *out]
-    # normalise in fp32, cast back to the input's dtype, then weight * normed saves it
+    # normalise in fp32, cast back to the input's dtype, then weight * normed saves it;
+    # litgpt multiplies before the cast, by an fp32 copy of the weight: both saved in fp32
+    if wl.norm_impl is NormImpl.UPCAST_FP32:
+        # (in fp32 runs the weight's .float() is the weight itself)
+        weight = h * FP32_BYTES * (2 if spec.norm_bias else 1) if dm.stream_e < FP32_BYTES else 0
+        return [Term(f"{prefix}.input_fp32", rows * h * FP32_BYTES), *out,
+                Term(f"{prefix}.normed", rows * h * FP32_BYTES),
+                *([Term(f"{prefix}.weight_fp32", weight)] if weight else [])]
     return [Term(f"{prefix}.input_fp32", rows * h * FP32_BYTES), *out,
             Term(f"{prefix}.normed", rows * h * dm.stream_e)]
 
@@ -71,7 +78,7 @@ def forward_transient(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     before the bias is added), beside what it has saved."""
     if dm.autocast:
         return autocast_output_transient("", spec, wl, dm)
-    if wl.norm_impl is not NormImpl.UPCAST:
+    if not wl.norm_impl.upcast:
         return 0
     stream = dm.rows * spec.hidden_size * dm.e
     fp32_normed = dm.rows * spec.hidden_size * FP32_BYTES if dm.e < FP32_BYTES else 0
@@ -84,7 +91,7 @@ def autocast_output_transient(prefix: str, spec: ModelSpec, wl: Workload, dm: Di
     tensor and the output exist together before the casts are made."""
     out = dm.rows * spec.hidden_size * FP32_BYTES
     if output_saved_fp32(prefix, wl):  # the output is a saved term; a bias adds a temporary
-        return out if spec.norm_bias and wl.norm_impl is NormImpl.UPCAST else 0
+        return out if spec.norm_bias and wl.norm_impl.upcast else 0
     if not spec.norm_bias or wl.norm_impl is NormImpl.FUSED:
         return out
     casts = next(t.size_bytes for t in norm_terms(prefix or "attn_norm", spec, wl, dm)

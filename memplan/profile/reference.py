@@ -71,7 +71,9 @@ class FusedRMSNorm(torch.autograd.Function):
 
 class Norm(nn.Module):
     """RMSNorm or LayerNorm. ``upcast``: Hugging Face style, normalise an fp32 copy, cast back,
-    then apply the affine weight in the compute dtype. ``fused``: one aten kernel."""
+    then apply the affine weight in the compute dtype. ``upcast-fp32``: litgpt style, the
+    weight multiplies the fp32 normalised tensor before the cast back. ``fused``: one aten
+    kernel."""
 
     def __init__(self, spec: ModelSpec, opts: RefOptions, device: torch.device | str) -> None:
         super().__init__()
@@ -92,6 +94,11 @@ class Norm(nn.Module):
             normed = F.layer_norm(xf, (h,), None, None, self.eps)
         else:
             normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.impl is NormImpl.UPCAST_FP32:  # litgpt: the weight multiplies in fp32
+            out = normed * self.weight.float()
+            if self.bias is not None:
+                out = out + self.bias.float()
+            return out.to(x.dtype)
         out = self.weight * normed.to(x.dtype)
         return out + self.bias if self.bias is not None else out
 

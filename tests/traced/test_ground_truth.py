@@ -186,6 +186,11 @@ GRID = [
     (SMALL_VOCAB, dict(seq_len=128, micro_batch_size=2, precision="bf16-pure",
                        recompute="selective", attention="eager", norm_impl="fused"), True),
     (TIED, dict(seq_len=64, micro_batch_size=2, precision="bf16-pure", loss_chunks=2), True),
+    # litgpt's RMSNorm: the weight multiplies the fp32 normalised tensor before the cast back
+    (TINY, dict(seq_len=128, micro_batch_size=2, precision="bf16-pure", norm_impl="upcast-fp32"),
+     True),
+    (SMALL_VOCAB, dict(seq_len=128, micro_batch_size=2, precision="bf16-pure",
+                       norm_impl="upcast-fp32", recompute="full"), True),
     # fp32 weights under autocast (CUDA's autocast rules, memplan.profile.cuda_rules)
     (TINY, dict(seq_len=128, micro_batch_size=2, precision="amp-bf16"), True),
     (TINY, dict(seq_len=1024, micro_batch_size=1, precision="amp-bf16"), True),

@@ -92,7 +92,7 @@ def test_lightning_keeps_the_logits_to_the_next_forward() -> None:
     through backward and the optimizer step; from step 2 they are alive in forward until the
     new logits replace them (so not at step 1's forward)."""
     lit = _est(precision="bf16-pure", framework="lightning").worst
-    generic = _est(precision="bf16-pure", optimizer_impl="fused").worst
+    generic = _est(precision="bf16-pure", optimizer_impl="fused", norm_impl="upcast-fp32").worst
     held = T * V * 4
     assert lit.steady.backward - generic.steady.backward == held == 131_072
     assert lit.steady.optimizer - generic.steady.optimizer == held
@@ -190,3 +190,12 @@ def test_torchtitan_per_op_sac_by_hand() -> None:
     core = memplan.api.make_workload(spec, recompute="selective", seq_len=8192,
                                      micro_batch_size=2, precision="fsdp-bf16")
     assert layer_kind(spec, core, dm, False, Recompute.SELECTIVE).saved_bytes > 3 * expected
+
+
+def test_litgpt_rmsnorm_saves_fp32_normed_and_weight() -> None:
+    """litgpt's RMSNorm multiplies by weight.float() before the cast back: per norm the
+    normalised tensor is saved in fp32 (T*h*4 where the HF-style upcast saves T*h*2) and the
+    fp32 weight copy (h*4). tiny, bf16-pure, b 2, s 128: 5 norms (2 per layer and the final)."""
+    upcast = _est(precision="bf16-pure", norm_impl="upcast").worst
+    litgpt = _est(precision="bf16-pure", norm_impl="upcast-fp32").worst
+    assert litgpt.activations_bytes - upcast.activations_bytes == 5 * (T * 64 * 2 + 64 * 4)
