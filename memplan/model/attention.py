@@ -63,6 +63,11 @@ def attention_weights(spec: ModelSpec, t: int) -> tuple[int, int, int, int]:
     return h * q // t, h * kv // t, h * kv // t, q * h // t
 
 
+def _core(spec: ModelSpec, wl: Workload, dm: Dims) -> eager.Core:
+    """The eager core's sizes; transformers' fp32 softmax matters only below fp32."""
+    return eager.core(spec, dm, wl.softmax_fp32 and dm.e < FP32_BYTES)
+
+
 def _fp32_rotated(spec: ModelSpec, dm: Dims) -> int:
     """Under autocast with RoPE: the caller's q and k rotated by the fp32 tables, in fp32."""
     if not dm.autocast or spec.position is not PositionKind.ROPE:
@@ -106,7 +111,7 @@ def _eager_backward(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recomput
     """The eager core's two backward peaks (``eager.backward``): the output projection's
     backward has freed its input (the core's output copy) and the block's output dropout ran
     its backward first (its mask freed)."""
-    c = eager.core(spec, dm, wl.softmax_fp32 and dm.e < FP32_BYTES)
+    c = _core(spec, wl, dm)
     saved -= total(residual_dropout_mask("attn", spec, dm)) + _out_cast(spec, dm)
     return [(saved - c.q + alive, transient) for alive, transient
             in eager.backward(c, rebuild=recompute is Recompute.SELECTIVE)]
@@ -129,7 +134,7 @@ class Attention:
         # (SDPA saves casts of them): alive until the block returns
         core = after_core = _fp32_rotated(spec, dm)
         if wl.attention is Kernel.EAGER:
-            c = eager.core(spec, dm, wl.softmax_fp32 and dm.e < FP32_BYTES)
+            c = _core(spec, wl, dm)
             saving = recompute is Recompute.NONE
             core = eager.forward_saving(c) if saving else eager.forward_checkpointed(c)
             after_core = eager.output_projection(c, saving)
@@ -151,7 +156,7 @@ class Attention:
         else:
             # the core's working set, or its output, the copy of it and the output
             # projection's output (that output is the stream counted here)
-            c = eager.core(spec, dm, wl.softmax_fp32 and dm.e < FP32_BYTES)
+            c = _core(spec, wl, dm)
             core = max(eager.forward_checkpointed(c) - stream, 2 * c.q)
         moments = [Moment("attention", 0, stream + q_bytes + kv_bytes + core)]
         if spec.position is PositionKind.ROPE:
@@ -187,7 +192,7 @@ class Attention:
             return []
         saved = total(attention_terms(spec, wl, dm, Recompute.NONE))
         return [Moment("rebuild", _before_output(spec, dm, saved),
-                       eager.forward_saving(eager.core(spec, dm, wl.softmax_fp32 and dm.e < FP32_BYTES)))]
+                       eager.forward_saving(_core(spec, wl, dm)))]
 
     def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:
         h, q, kv, bias = spec.hidden_size, spec.q_size, spec.kv_size, spec.qkv_bias

@@ -4,8 +4,9 @@ Notation (``reference/formulas.md``): T = mbs * seq / cp local tokens; h hidden;
 KV heads; d head dim; f FFN width; V vocab; t TP degree; e bytes per element of the compute
 dtype. Under autocast with fp32 weights (``amp-*``) the residual stream, the norms and the
 tensors made outside autocast's matmuls stay fp32 (``stream_e``), the matmuls read low-precision
-casts of their inputs and weights and return low-precision outputs (``e``). Tensors in the residual stream are split by t only with sequence parallelism (``rows``);
-tensors inside the attention and MLP blocks are split by t always.
+casts of their inputs and weights and return low-precision outputs (``e``). Tensors in the
+residual stream are split by t only with sequence parallelism (``rows``); tensors inside the
+attention and MLP blocks are split by t always.
 """
 
 from __future__ import annotations
