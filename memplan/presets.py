@@ -50,7 +50,7 @@ def _titan_units(spec: ModelSpec) -> str:
 _TRANSFORMERS = "transformers 5.24"
 _TITAN = "torchtitan 0.3.0"
 _LITGPT = "litgpt 0.5.13 / lightning 2.6"
-_MEGATRON = "Megatron-LM core 0.13"
+_MEGATRON = "megatron-core 0.16.1"
 
 PRESETS: dict[Framework, tuple[Default, ...]] = {
     Framework.GENERIC: (),

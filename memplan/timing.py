@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from memplan.hardware import GpuSpec
 from memplan.model.pipeline import stage_layers
+from memplan.model.sac import recomputed
 from memplan.parallel import Offload, ParallelConfig, ZeroStage, local_seq
 from memplan.spec import ModelSpec, param_counts
 from memplan.units import DType
@@ -156,14 +157,10 @@ def step_flops(spec: ModelSpec, wl: Workload, global_batch: int, *, pp: int,
 
 
 def _sac_rerun_flops(spec: ModelSpec, wl: Workload) -> float:
-    """Forward FLOPs per token of the matmuls per-op SAC recomputes in one layer: 2 per weight
-    of the even-numbered matmuls, in execution order."""
-    h, q, kv, f = spec.hidden_size, spec.q_size, spec.kv_size, spec.ffn_hidden_size
+    """Forward FLOPs per token of the matmuls per-op SAC recomputes in one layer: 2 per
+    weight (``memplan.model.sac.recomputed``)."""
     fused = wl.fused_qkv or spec.fused_qkv
-    weights = ([h * (q + 2 * kv)] if fused else [h * q, h * kv, h * kv]) + [q * h]
-    weights += [h * f, h * f] if spec.mlp.gated else [h * f]
-    weights.append(f * h)
-    return 2.0 * sum(w for i, w in enumerate(weights, start=1) if i % 2 == 0)
+    return 2.0 * sum(d_in * d_out for _, d_in, d_out, _ in recomputed(spec, fused))
 
 
 class _Numbers:

@@ -95,7 +95,7 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
                     for m in norm.working_set(spec, wl, dm)]
             # the casts of the mixer's weights join the cache as its linears run: at its
             # working set's peaks all but the output projection's (``last_weight``)
-            casts = cast_cache_bytes(spec, dm, mixer, recompute)
+            casts = cast_cache_bytes(spec, wl, dm, mixer, recompute)
             late = last_weight(spec, dm, mixer) * dm.e if casts else 0
             out += [ForwardMoment(m.name, held + casts - late + stream + m.transient_bytes, 0)
                     for m in mixer.working_set(spec, wl, dm)]
@@ -112,7 +112,7 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
     norm_out = dm.linear_rows * spec.hidden_size * dm.stream_e if dm.autocast else 0
     prior = 0
     for i, block in enumerate(blocks):
-        prior += cast_cache_bytes(spec, dm, block, recompute)
+        prior += cast_cache_bytes(spec, wl, dm, block, recompute)
         beside = unsaved_input + (norm_out if i % 2 else 0)
         out += [ForwardMoment(m.name, prior + m.own_bytes, beside + m.transient_bytes)
                 for m in block.forward_moments(spec, wl, dm, recompute)]
@@ -120,7 +120,8 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
     return out
 
 
-def cast_cache_bytes(spec: ModelSpec, dm: Dims, block: Block, recompute: Recompute) -> int:
+def cast_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, block: Block,
+                     recompute: Recompute) -> int:
     """Bytes of a block's casts that autocast's cache holds until the forward ends, beyond
     what autograd saves: the low-precision copies of its linears' biases, which no backward
     reads, and in a checkpointed layer, whose forward saves nothing, of its weights too. The
@@ -132,7 +133,7 @@ def cast_cache_bytes(spec: ModelSpec, dm: Dims, block: Block, recompute: Recompu
     casts = sum(block.tensor_sizes(spec, dm.tp, 1)) * dm.e
     if recompute is Recompute.FULL:
         return casts
-    return casts - sum(t.size_bytes for t in block.saved(spec, Workload(), dm, recompute)
+    return casts - sum(t.size_bytes for t in block.saved(spec, wl, dm, recompute)
                        if t.name.endswith(".weight_casts"))
 
 
@@ -153,9 +154,9 @@ def last_weight(spec: ModelSpec, dm: Dims, mixer: Block) -> int:
         spec.ffn_hidden_size * spec.hidden_size // dm.tp)
 
 
-def layer_cast_cache_bytes(spec: ModelSpec, dm: Dims, moe_layer: bool,
+def layer_cast_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, moe_layer: bool,
                            recompute: Recompute) -> int:
-    return sum(cast_cache_bytes(spec, dm, b, recompute) for b in layer_blocks(moe_layer))
+    return sum(cast_cache_bytes(spec, wl, dm, b, recompute) for b in layer_blocks(moe_layer))
 
 
 def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
@@ -228,7 +229,7 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
     forward = forward_moments(spec, wl, dm, moe_layer=moe, recompute=policy)
     return LayerKind(terms, total(terms), tuple(moments),
                      max(m.alive_bytes + m.transient_bytes for m in forward),
-                     layer_cast_cache_bytes(spec, dm, moe, policy)
+                     layer_cast_cache_bytes(spec, wl, dm, moe, policy)
                      + kv_cache_bytes(spec, wl, dm, policy))
 
 

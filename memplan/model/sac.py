@@ -17,28 +17,32 @@ from memplan.model.dims import FP32_BYTES, Dims, Term
 from memplan.spec import ModelSpec
 
 
-def matmul_outputs(spec: ModelSpec, dm: Dims, fused_qkv: bool) -> list[tuple[str, int]]:
-    """A Llama block's matmuls in execution order, with their output's bytes on this rank:
-    the q/k/v projection (one fused, or three), the output projection, then the MLP's gate
-    (w1), up (w3) and down (w2) projections. Row-parallel outputs are the full sequence."""
-    e, t, tok = dm.e, dm.tp, dm.tokens
-    kv = tok * spec.kv_size // t * e
-    qkv = ([("attn.qkv", tok * (spec.q_size + 2 * spec.kv_size) // t * e)] if fused_qkv else
-           [("attn.q_proj", tok * spec.q_size // t * e), ("attn.k_proj", kv),
-            ("attn.v_proj", kv)])
-    out = [("attn.o_proj", tok * spec.hidden_size * e)]
-    inner = tok * spec.ffn_hidden_size // t * e
-    mlp = ([("mlp.w1", inner), ("mlp.w3", inner)] if spec.mlp.gated else [("mlp.w1", inner)])
-    return qkv + out + mlp + [("mlp.w2", tok * spec.hidden_size * e)]
+def matmuls(spec: ModelSpec, fused_qkv: bool) -> list[tuple[str, int, int, bool]]:
+    """A Llama block's matmuls in execution order as (name, input width, output width,
+    column-parallel): the q/k/v projection (one fused, or three), the output projection, then
+    the MLP's gate (w1), up (w3) and down (w2) projections."""
+    h, q, kv, f = spec.hidden_size, spec.q_size, spec.kv_size, spec.ffn_hidden_size
+    qkv = ([("attn.qkv", h, q + 2 * kv, True)] if fused_qkv else
+           [("attn.q_proj", h, q, True), ("attn.k_proj", h, kv, True),
+            ("attn.v_proj", h, kv, True)])
+    mlp = [("mlp.w1", h, f, True)] + ([("mlp.w3", h, f, True)] if spec.mlp.gated else [])
+    return qkv + [("attn.o_proj", q, h, False)] + mlp + [("mlp.w2", f, h, False)]
+
+
+def recomputed(spec: ModelSpec, fused_qkv: bool) -> list[tuple[str, int, int, bool]]:
+    """The matmuls per-op SAC recomputes: the even-numbered ones (``meta[mm_count_key] % 2
+    == 0``)."""
+    return [m for i, m in enumerate(matmuls(spec, fused_qkv), start=1) if i % 2 == 0]
 
 
 def sac_terms(spec: ModelSpec, dm: Dims, fused_qkv: bool) -> list[Term]:
     """What a block under per-op SAC keeps beyond its input: every odd matmul's output
     (the 1st, 3rd, ...: ``meta[mm_count_key] % 2 == 0`` recomputes the even ones) and the
     attention kernel's output and fp32 logsumexp."""
-    kept = [Term(f"sac.{name}", size)
-            for i, (name, size) in enumerate(matmul_outputs(spec, dm, fused_qkv), start=1)
-            if i % 2 == 1]
+    rerun = {m[0] for m in recomputed(spec, fused_qkv)}
+    # a column-parallel output is this rank's shard; a row-parallel one the full partial sum
+    kept = [Term(f"sac.{name}", dm.tokens * (d_out // dm.tp if column else d_out) * dm.e)
+            for name, _, d_out, column in matmuls(spec, fused_qkv) if name not in rerun]
     heads = spec.num_attention_heads // dm.tp
     kept.append(Term("sac.attn.out", dm.tokens * spec.q_size // dm.tp * dm.e))
     kept.append(Term("sac.attn.lse", dm.b * heads * dm.s * FP32_BYTES))
