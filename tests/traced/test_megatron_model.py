@@ -1,0 +1,172 @@
+"""megatron-core's GPTModel traced end to end on CPU against ``--framework megatron``.
+
+``memplan.profile.megatron_model`` builds megatron-core 0.16.1's ``GPTModel`` (local layer spec:
+megatron's own ``DotProductAttention``, ``torch.nn.RMSNorm``, SwiGLU, RoPE, GQA 4:1), wraps it in
+``Float16Module`` (bf16) and megatron-core's ``DistributedDataParallel`` (contiguous fp32 grad
+buffer), builds its optimizer with ``get_megatron_optimizer`` and steps it through core's
+``forward_backward_no_pipelining`` as ``megatron/training/training.py train_step`` does, on a
+one-rank gloo group, under the exact tracker. What a CPU run swaps (CUDA device names, the CUDA
+RNG tracker, Apex's FusedAdam by torch's fused AdamW, Apex's in-place gradient scale, no
+gradient-accumulation fusion) is listed in that module's docstring.
+
+Style of ``test_frameworks.py``: parameters, gradients and optimizer states to the byte, saved
+activations and every phase within 1%; where memplan does not model what Megatron does, the case
+is ``xfail(strict=True)`` with the measured difference and its cause in megatron-core's source.
+Every case here is such a case today: parameters and gradients agree to the byte, the rest is
+off by the Megatron behaviours below (``CAUSES``), which memplan's megatron preset does not
+model yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+from memplan.profile.frameworks import FrameworkCase  # noqa: E402
+from memplan.profile.megatron_model import MEGATRON_TOY, compare_megatron  # noqa: E402
+
+TOLERANCE_PCT = 1.0
+EXACT = ("params_bytes", "grads_bytes", "optimizer_bytes")
+PHASE_ROWS = tuple(f"{step}.{phase}_bytes" for step in ("first_step", "steady")
+                   for phase in ("forward", "backward", "optimizer"))
+ALL_BUT_STATES = ("optimizer_bytes", "activations_bytes", *PHASE_ROWS)
+
+
+class KnownDeviation(Exception):
+    """The rows a case is known to miss still miss, and every other row agrees."""
+
+
+@dataclass(frozen=True)
+class Known:
+    rows: tuple[str, ...]
+    cause: str
+
+
+# Megatron behaviours memplan's megatron preset does not model (megatron-core 0.16.1), with
+# b micro-batch, s sequence, h hidden, f ffn, np heads, ng query groups, d head dim, L layers,
+# T = b*s tokens, c the compute dtype's bytes:
+CAUSES = {
+    "grad_buffer": (
+        "DDP's gradient buffer (distributed/param_and_grad_buffer.py _ParamAndGradBuffer."
+        "__init__: grad_data = torch.zeros(numel, grad_dtype)) is made when the model is "
+        "wrapped and zeroed in place by zero_grad_buffer() each step (training.py train_step): "
+        "numel x 4 B (fp32 main grads) in every phase of every step, step 1's forward "
+        "included; memplan counts gradients from backward on (8,918,016 B here)"),
+    "global_buffer": (
+        "DotProductAttention.forward (transformer/dot_product_attention.py) takes baddbmm's "
+        "input from parallel_state.get_global_memory_buffer().get_tensor((b*np, s, s), dtype, "
+        "'mpu'): a persistent b*np*s*s*c buffer (utils.py GlobalMemoryBuffer), made in step "
+        "1's forward and never freed (1,048,576 B fp32, 524,288 B bf16)"),
+    "glu": (
+        "MLP.forward's glu (transformer/mlp.py, bias_activation_fusion off): "
+        "activation_func(x_glu) * (x_linear + glu_linear_offset) makes a new T*f*c tensor, "
+        "saved by the mul, while silu's saved x_glu keeps the whole fc1 output alive: one "
+        "more ffn-sized tensor a layer than memplan's SwiGLU (917,504 B / layer fp32)"),
+    "softmax_fp32": (
+        "FusedScaleMaskSoftmax.forward_torch_softmax (fusions/fused_softmax.py) with "
+        "TransformerConfig.attention_softmax_in_fp32 (default True) upcasts the bf16 scores, "
+        "saves the fp32 softmax and its bf16 copy for the value bmm: 6 B a score, memplan's "
+        "softmax_fp32 (2 x 1,048,576 B more here, bf16 only)"),
+    "small": (
+        "per layer a bool s*s causal mask saved by masked_fill_ (transformer/utils.py "
+        "get_default_causal_mask), RoPE's cos/sin per q and k saved by the muls "
+        "(models/common/embeddings/rope_utils.py _apply_rotary_pos_emb_bshd: 4*s*d*4 B in fp32), "
+        "and RotaryEmbedding.forward's lru_cache'd s*d fp32 table (rotary_pos_embedding.py), "
+        "kept across steps"),
+    "step_counters": (
+        "linear_fc1 is one [2f, h] parameter (gate and up fused): torch's fused AdamW (the "
+        "stand-in for Apex / TE FusedAdam, which keep no per-tensor step) holds one 4-byte "
+        "step counter fewer per layer than memplan's separate gate/up (8 B)"),
+}
+
+
+def _cause(*names: str, measured: str) -> str:
+    return "; ".join(CAUSES[n] for n in names) + ". Measured: " + measured
+
+
+FP32_NONE = _cause("grad_buffer", "global_buffer", "glu", "small", "step_counters", measured=(
+    "activations 18,284,840 B, estimated 15,248,648 (-16.6%); forward -30.0% / -20.1% "
+    "(first / steady), backward -28.8% / -19.5%, optimizer -2.9% / -2.9% (the persistent "
+    "global buffer and RoPE table, 1,064,960 B)"))
+FP32_SELECTIVE = _cause("grad_buffer", "global_buffer", "glu", "small", "step_counters",
+                        measured=(
+    "activations 16,023,856 B, estimated 12,430,600 (-22.4%); forward -33.9% / -22.2%, "
+    "backward -32.2% / -21.4%, optimizer -2.9% / -2.9%"))
+FP32_FULL = _cause("grad_buffer", "global_buffer", "small", "step_counters", measured=(
+    "activations 3,174,696 B, estimated 2,202,888 (-30.6%: the global buffer and RoPE table "
+    "outlive the checkpointed layers); forward -46.7% / -27.0%, backward -20.6% / -12.8%, "
+    "optimizer -2.9% / -2.9%"))
+BF16_NONE = _cause("grad_buffer", "global_buffer", "glu", "softmax_fp32", "small",
+                   "step_counters", measured=(
+    "activations 11,796,776 B, estimated 8,154,376 (-30.9%; -13.1% with softmax_fp32); "
+    "forward -36.2% / -23.9%, backward -32.9% / -21.7%, optimizer -1.3% / -1.4%"))
+
+CASES: list[tuple[FrameworkCase, Known | None]] = [
+    (FrameworkCase("megatron", "toy", MEGATRON_TOY, "fp32", 2, 128),
+     Known(ALL_BUT_STATES, FP32_NONE)),
+    (FrameworkCase("megatron", "toy", MEGATRON_TOY, "fp32", 2, 128,
+                   options={"recompute": "selective"}),
+     Known(ALL_BUT_STATES, FP32_SELECTIVE)),
+    (FrameworkCase("megatron", "toy", MEGATRON_TOY, "fp32", 2, 128,
+                   options={"recompute": "full"}),
+     Known(ALL_BUT_STATES, FP32_FULL)),
+    (FrameworkCase("megatron", "toy", MEGATRON_TOY, "bf16-fp32-grads", 2, 128),
+     Known(ALL_BUT_STATES, BF16_NONE)),
+    (FrameworkCase("megatron", "toy", MEGATRON_TOY, "bf16-fp32-grads", 2, 128,
+                   options={"recompute": "selective"}),
+     Known(ALL_BUT_STATES, _cause("grad_buffer", "global_buffer", "glu", "small",
+                                  "step_counters", measured="see the bf16 case; the "
+                                  "softmax is recomputed"))),
+    (FrameworkCase("megatron", "toy", MEGATRON_TOY, "bf16-fp32-grads", 2, 128,
+                   options={"distributed_optimizer": True}),
+     Known(ALL_BUT_STATES, "--use-distributed-optimizer on one rank (memplan's zero 1): the "
+           "same bytes as the bf16 case (params views of DDP's param buffer, fp32 master "
+           "shards of the whole model), and the same causes")),
+]
+
+
+def _agrees(row) -> bool:
+    if row.name in EXACT:
+        return row.estimated_bytes == row.measured_bytes
+    return abs(row.diff_pct) <= TOLERANCE_PCT
+
+
+def _table(rows) -> str:
+    return "\n".join(f"{r.name}: measured {r.measured_bytes:,} estimated {r.estimated_bytes:,} "
+                     f"({r.diff_pct:+.3f}%)" for r in rows)
+
+
+def _param(case: FrameworkCase, known: Known | None):
+    marks = []
+    if known is not None:
+        marks.append(pytest.mark.xfail(strict=True, raises=KnownDeviation, reason=known.cause))
+    return pytest.param(case, known, id=case.id, marks=marks)
+
+
+@pytest.mark.parametrize(("case", "known"), [_param(c, k) for c, k in CASES])
+def test_megatron_matches_estimate(case: FrameworkCase, known: Known | None) -> None:
+    result = compare_megatron(case)
+    off = [r for r in result.rows if not _agrees(r)]
+    expected = set(known.rows) if known else set()
+    unexpected = [r for r in off if r.name not in expected]
+    assert not unexpected, "beyond the known deviation:\n" + _table(unexpected)
+    gone = sorted(expected - {r.name for r in off})
+    assert not gone, f"known deviation no longer measured for {gone}: update the case"
+    if known is not None:
+        raise KnownDeviation(_table(off))
+
+
+def test_states_and_buffers_to_the_byte() -> None:
+    """What memplan already gets right for Megatron: the parameters, DDP's gradient buffer
+    (fp32 main grads, no padding on one rank with these sizes) and the fp32 master copy plus
+    AdamW's moments of the bf16 recipe, to within the fused step counters."""
+    case = FrameworkCase("megatron", "toy", MEGATRON_TOY, "bf16-fp32-grads", 2, 128)
+    result = compare_megatron(case)
+    assert result.row("params_bytes").diff_bytes == 0
+    assert result.row("grads_bytes").diff_bytes == 0
+    # one step counter fewer per layer: linear_fc1 is one parameter (CAUSES["step_counters"])
+    assert result.row("optimizer_bytes").diff_bytes == 4 * MEGATRON_TOY["num_layers"]
