@@ -86,6 +86,10 @@ PRESETS: dict[Framework, tuple[Default, ...]] = {
                 f"CUDA's fused kernel ({_TITAN})"),
         Default("logits_fp32", True,
                 f"components/loss.py cross_entropy_loss: pred.flatten(0, 1).float() ({_TITAN})"),
+        Default("logits_held", LogitsHeld.LOSS.value,
+                f"trainer.py Trainer._forward_backward_body: `pred = model(inputs)` stays "
+                f"referenced while loss_fn upcasts a copy, `del pred` before backward "
+                f"({_TITAN})"),
         Default("fsdp_units", _titan_units,
                 f"distributed/fsdp.py apply_fsdp_to_decoder: fully_shard on tok_embeddings "
                 f"(resharded after forward), on [norm, lm_head] (not resharded after "
@@ -102,6 +106,11 @@ PRESETS: dict[Framework, tuple[Default, ...]] = {
                 f"trainer.py Trainer.train_step: optimizers.zero_grad(set_to_none="
                 f"training.disable_cuda_graphs), which config/configs.py defaults to False "
                 f"({_TITAN})"),
+        Default("rope_cache", "layer",
+                f"models/common/rope.py RoPE.__init__: register_buffer('cache', ...) in "
+                f"every attention layer, complex64 (max_seq_len, head_dim/2), cut to "
+                f"training.seq_len by models/common/decoder.py Decoder.Config."
+                f"update_from_config ({_TITAN})"),
         Default("tp_style", "dtensor",
                 f"models/llama3/infra/parallelize.py apply_tp: DTensor ColwiseParallel / "
                 f"RowwiseParallel / SequenceParallel plans ({_TITAN})"),
@@ -119,6 +128,18 @@ PRESETS: dict[Framework, tuple[Default, ...]] = {
         Default("logits_held", LogitsHeld.STEP.value,
                 f"litgpt/pretrain.py fit: `logits = model(input_ids)` is a loop variable "
                 f"({_LITGPT})"),
+        Default("loss_split", 128,
+                f"litgpt/utils.py chunked_cross_entropy(chunk_size=128): the flattened logits "
+                f"split into 128-token pieces, each its own cross_entropy, nothing "
+                f"checkpointed ({_LITGPT})"),
+        Default("rope_cache", "model",
+                f"litgpt/model.py GPT.max_seq_length: register_buffer('cos' / 'sin', "
+                f"rope_cache()) for max_seq_length positions, which litgpt/pretrain.py sets "
+                f"to train.max_seq_length; each forward slices them ({_LITGPT})"),
+        Default("attention_impl", "litgpt",
+                f"litgpt/model.py CausalSelfAttention.forward: qkv.split views, RoPE through "
+                f"torch.cat, k/v repeat_interleave for grouped queries, y.reshape after "
+                f"SDPA ({_LITGPT})"),
     ),
     Framework.MEGATRON: (
         Default("optimizer_impl", "fused",
@@ -146,7 +167,8 @@ GENERIC: dict[str, Any] = {
     "optimizer_impl": "foreach", "norm_impl": "upcast", "logits_fp32": True,
     "logits_held": LogitsHeld.NONE.value, "softmax_fp32": False, "kv_cache": False,
     "fsdp_units": "root", "keep_grads": False, "loss_impl": "generic",
-    "selective_impl": "core", "fused_qkv": False, "tp_style": "megatron", "grad_buffers": "view",
+    "selective_impl": "core", "fused_qkv": False, "rope_cache": "forward", "loss_split": 0,
+    "attention_impl": "generic", "tp_style": "megatron", "grad_buffers": "view",
 }
 LAYOUT_FIELDS = frozenset({"tp_style", "grad_buffers"})
 

@@ -250,6 +250,40 @@ class FsdpUnits(str, enum.Enum):
     TORCHTITAN = "torchtitan"
 
 
+class RopeCache(str, enum.Enum):
+    """Where the RoPE cos/sin tables live.
+
+    forward  computed in every forward at the sequence's length and saved by the layers
+             (memplan's reference model; transformers' rotary embedding module)
+    model    one pair of registered buffers on the model, in the weights' dtype, for the
+             training sequence's positions, sliced (views) by each forward (litgpt's
+             ``GPT.cos`` / ``GPT.sin``)
+    layer    a registered buffer in every attention layer, complex64 for the training
+             sequence's positions (torchtitan's ``RoPE.cache``)
+    """
+
+    FORWARD = "forward"
+    MODEL = "model"
+    LAYER = "layer"
+
+
+class AttentionImpl(str, enum.Enum):
+    """How the attention module feeds its core.
+
+    generic  q, k and v reach the core as their own tensors, the core's output is token-major
+             (memplan's reference model, transformers, torchtitan)
+    litgpt   litgpt's ``CausalSelfAttention``: q, k and v are views of the one qkv output;
+             RoPE's ``torch.cat`` makes head-major q and k; with grouped K/V both are
+             ``repeat_interleave``d to every query head before SDPA (which saves the
+             copies), without, SDPA saves v, a view that keeps the whole qkv output alive;
+             the core's output follows q's head-major layout, so the reshape for the output
+             projection copies it
+    """
+
+    GENERIC = "generic"
+    LITGPT = "litgpt"
+
+
 class Workload(BaseModel):
     """One training step. Token counts are per micro-batch, per data-parallel replica."""
 
@@ -282,6 +316,11 @@ class Workload(BaseModel):
     kv_cache: bool = Field(default=False, description=(
         "the training forward fills a key/value cache (transformers with use_cache): under "
         "autocast its fp32 copies of K and V live until the forward's output is dropped"))
+    loss_split: int = Field(default=0, ge=0, description=(
+        "tokens per piece of a cross-entropy split without checkpointing (litgpt's "
+        "chunked_cross_entropy: logits.split(128)); 0: one piece"))
+    rope_cache: RopeCache = RopeCache.FORWARD
+    attention_impl: AttentionImpl = AttentionImpl.GENERIC
     loss_chunks: int = Field(default=1, gt=0, description=(
         "1: the head and cross-entropy run on all tokens at once; n > 1: on n chunks of the "
         "tokens, each under activation checkpointing (logits never exist for all tokens)"))

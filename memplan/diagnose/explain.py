@@ -74,7 +74,7 @@ def rank_bytes(est: Estimate, s: StageMemory, tensor_bytes: int) -> int:
 def phase_components(est: Estimate, s: StageMemory, step: str, phase: str) -> dict[str, int]:
     """The components alive in one phase (the lists in memplan.model.estimate's docstring), each at
     its full size on this rank: which is largest, not an exact split of the phase's bytes."""
-    parts = {"parameters": s.params_bytes}
+    parts = {"parameters": s.params_bytes, "registered buffers": s.buffers_bytes}
     if step == "steady" or phase == "optimizer":
         parts["optimizer states"] = s.optimizer_bytes
     if phase == "optimizer":

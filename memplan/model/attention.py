@@ -15,7 +15,7 @@ from memplan.model.block import BackwardMoment, Moment, linear_sizes, weight_cas
 from memplan.model.dims import FP32_BYTES, Dims, Term, residual_dropout_mask, total
 from memplan.spec import ModelSpec, PositionKind, attention_params
 from memplan.workload import Attention as Kernel
-from memplan.workload import Recompute, Workload
+from memplan.workload import AttentionImpl, RopeCache, Recompute, Workload
 
 
 def attention_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
@@ -25,7 +25,10 @@ def attention_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recomput
     # Eager attention repeats K and V to every query head before its matmuls, which save the
     # repeated copies; SDPA's fused kernels take grouped K and V as they are.
     kv_width = spec.q_size
-    if wl.attention is Kernel.FLASH or recompute is Recompute.SELECTIVE:
+    litgpt = wl.attention_impl is AttentionImpl.LITGPT
+    grouped = spec.kv_size < spec.q_size
+    if (wl.attention is Kernel.FLASH or recompute is Recompute.SELECTIVE) and not (
+            litgpt and grouped):
         kv_width = spec.kv_size  # as they enter SDPA / the checkpointed core
     # Under autocast RoPE multiplies the low-precision projections by the fp32 tables: q and k
     # come out fp32. The core's matmuls save low-precision casts of them; a checkpointed core
@@ -38,6 +41,14 @@ def attention_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recomput
         Term("attn.v", dm.tokens * kv_width // t * e),
         Term("attn.out", dm.tokens * spec.q_size // t * e),
     ]
+    if litgpt:
+        terms += _litgpt_terms(spec, dm, grouped)
+    elif (wl.kv_cache and (spec.fused_qkv or wl.fused_qkv) and not dm.autocast
+          and recompute is Recompute.NONE):
+        # a key/value cache filled by the training forward (transformers' DynamicLayer.update:
+        # torch.cat) hands SDPA copies of k and v, while q is still a view of the fused
+        # projection's output: SDPA's saved q keeps all of it alive, its k and v parts too
+        terms.append(Term("attn.qkv_pinned", dm.tokens * 2 * spec.kv_size // t * e))
     if recompute is Recompute.NONE:
         if wl.attention is Kernel.FLASH:
             terms.append(Term("attn.lse", dm.b * heads * dm.s * FP32_BYTES))
@@ -55,6 +66,19 @@ def attention_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recomput
                 terms.append(Term("attn.softmax_cast", scores * e))
     casts = weight_casts("attn", sum(attention_weights(spec, t)), dm)
     return terms + casts + residual_dropout_mask("attn", spec, dm)
+
+
+def _litgpt_terms(spec: ModelSpec, dm: Dims, grouped: bool) -> list[Term]:
+    """litgpt's ``CausalSelfAttention.forward`` (``AttentionImpl.LITGPT``), beyond the generic
+    terms: without grouped K/V the v SDPA saves is a view of the one qkv output, which it keeps
+    alive whole (its q and k parts here); the core's output is head-major like q (made by
+    RoPE's ``torch.cat``), so ``y.reshape`` copies it for the output projection and both are
+    saved."""
+    t, e = dm.tp, dm.e
+    terms = [Term("attn.core_out", dm.tokens * spec.q_size // t * e)]
+    if not grouped:
+        terms.append(Term("attn.qkv_pinned", dm.tokens * (spec.q_size + spec.kv_size) // t * e))
+    return terms
 
 
 def attention_weights(spec: ModelSpec, t: int) -> tuple[int, int, int, int]:
@@ -215,13 +239,32 @@ class Attention:
         return 2.0 * sum(attention_params(spec)) + 2.0 * seq_len * spec.q_size
 
 
-def rope_terms(spec: ModelSpec, dm: Dims) -> list[Term]:
+def rope_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
     """cos and sin tables, computed once per micro-batch per stage and saved by every layer,
     in the activations' dtype (fp32 under autocast, as Hugging Face casts them to the hidden
-    states' dtype)."""
-    if spec.position is not PositionKind.ROPE:
+    states' dtype). Tables kept as registered buffers are sliced, not saved
+    (``rope_buffer_bytes``)."""
+    if spec.position is not PositionKind.ROPE or wl.rope_cache is not RopeCache.FORWARD:
         return []
     return [Term("rope.cos_sin", 2 * dm.s * spec.head_dim * dm.stream_e)]
+
+
+# torchtitan's RoPE.cache: complex64, one (real, imaginary) fp32 pair per two rotated dims
+# (models/common/rope.py ComplexRoPE._precompute_cache: torch.polar of fp32 frequencies)
+COMPLEX64_PAIR_BYTES = 8
+
+
+def rope_buffer_bytes(spec: ModelSpec, wl: Workload, num_layers: int) -> int:
+    """RoPE tables held as registered buffers by one pipeline stage with ``num_layers``
+    decoder layers, for the training sequence's positions (``Workload.rope_cache``): litgpt's
+    model-wide cos and sin in the weights' dtype (Fabric converts floating buffers with the
+    module), torchtitan's complex cache in every attention layer. Not sharded by TP or CP:
+    each rank keeps every position."""
+    if spec.position is not PositionKind.ROPE or wl.rope_cache is RopeCache.FORWARD:
+        return 0
+    if wl.rope_cache is RopeCache.MODEL:
+        return 2 * wl.seq_len * spec.head_dim * wl.precision.policy.params.itemsize
+    return num_layers * wl.seq_len * (spec.head_dim // 2) * COMPLEX64_PAIR_BYTES
 
 
 def eager_mask_bytes(wl: Workload, dm: Dims) -> int:

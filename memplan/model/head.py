@@ -9,7 +9,7 @@ its input (a view of the final norm's output) and recomputes the rest in its bac
 from __future__ import annotations
 
 from memplan.model.block import weight_casts
-from memplan.model.dims import FP32_BYTES, INDEX_BYTES, MASK_BYTES, Dims, Term
+from memplan.model.dims import FP32_BYTES, INDEX_BYTES, MASK_BYTES, Dims, Term, total
 from memplan.model.norm import norm_terms
 from memplan.spec import ModelSpec
 from memplan.units import ceil_div
@@ -74,7 +74,9 @@ def forward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
         # the model's compute-dtype logits beside the fp32 copy, which is the saved softmax
         return dm.tokens * dm.vocab_shard * dm.e
     held = 0
-    if dm.autocast:  # the final norm's output, or with a chunked loss the cached weight cast
+    # (a loop that computes the loss outside the model, litgpt's, holds no hidden state: the
+    # model's forward returned the logits alone)
+    if dm.autocast and wl.logits_held is not LogitsHeld.STEP:
         held = (_head_weight(spec, dm) * dm.e if wl.loss_chunks > 1
                 else dm.linear_rows * spec.hidden_size * dm.stream_e)
     if (wl.logits_held is LogitsHeld.LOSS and wl.loss_chunks == 1
@@ -97,6 +99,20 @@ def step_held_bytes(wl: Workload, dm: Dims) -> int:
     if wl.logits_held is not LogitsHeld.STEP:
         return 0
     return dm.tokens * dm.vocab_shard * _logit_bytes(wl, dm)
+
+
+def upcast_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    """When a training loop holds the previous step's logits (``LogitsHeld.STEP``), they are
+    released only once the new ones are assigned, which Fabric's ``convert_output`` upcasts
+    inside the model call: the compute-dtype logits and their fp32 copy, beside the held ones,
+    the final norm's saved terms and the head weight's cast, before the loss starts (traced:
+    litgpt bf16-true and bf16-mixed)."""
+    if wl.logits_held is not LogitsHeld.STEP or wl.loss_chunks > 1:
+        return 0
+    lb = _logit_bytes(wl, dm)
+    casts = weight_casts("head", _head_weight(spec, dm), dm)
+    return (total(norm_terms("final_norm", spec, wl, dm) + casts)
+            + dm.tokens * dm.vocab_shard * (dm.e + lb if dm.e < lb else lb))
 
 
 def _logits_alive(wl: Workload, dm: Dims) -> int:
@@ -164,7 +180,13 @@ def loss_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims, vocab_grad_byte
         # is made while that fp32 buffer still exists
         return dm.tokens * dm.vocab_shard * dm.e
     if wl.loss_chunks == 1:
-        return 2 * dm.tokens * dm.vocab_shard * _logit_bytes(wl, dm)
+        logits = dm.tokens * dm.vocab_shard * _logit_bytes(wl, dm)
+        if 0 < wl.loss_split < dm.tokens:
+            # split without checkpointing: each piece's backward frees its saved log-softmax
+            # output, then the split's backward concatenates the pieces' gradients into a
+            # new logits-sized one: both beside the rest once every piece is done
+            return logits
+        return 2 * logits
     logits = chunk * dm.vocab_shard * _logit_bytes(wl, dm)
     grad_input = _chunk_input_grads(spec, dm)
     others = grad_input - grad_input * chunk // dm.tokens

@@ -129,7 +129,7 @@ class SharedTerms:
     def __init__(self, spec: ModelSpec, wl: Workload, dm: Dims) -> None:
         self.spec, self.wl, self.dm = spec, wl, dm
         saved_mask = attention.mask_terms(wl, dm)
-        self.rope: list[Term] = attention.rope_terms(spec, dm) + saved_mask
+        self.rope: list[Term] = attention.rope_terms(spec, wl, dm) + saved_mask
         self.embed = embedding.embedding_terms(spec, dm)
         self.head = head.head_terms(spec, wl, dm)
         self.rope_bytes, self.embed_bytes = total(self.rope), total(self.embed)
@@ -138,6 +138,7 @@ class SharedTerms:
         self.batch_bytes, self.targets_bytes = total(batch), batch[0].size_bytes
         self.loss_fwd = head.forward_extra_bytes(spec, wl, dm)
         self.step_held = head.step_held_bytes(wl, dm)
+        self.upcast = head.upcast_bytes(spec, wl, dm)
         # the causal mask lives through the forward; with recompute it is saved (a term)
         self.mask = 0 if saved_mask else attention.eager_mask_bytes(wl, dm)
         self.final_norm_extra = norm.final_forward_transient(spec, wl, dm)

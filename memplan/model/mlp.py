@@ -92,7 +92,8 @@ class Mlp:
                         recompute: Recompute) -> list[Moment]:
         saved = total(self.saved(spec, wl, dm, recompute))
         stream = dm.rows * spec.hidden_size * dm.e
-        moments = [Moment("mlp", saved, stream)]  # its output before the residual add
+        # its output before the residual add, then beside the add's output
+        moments = [Moment("mlp", saved, 2 * stream)]
         if spec.mlp is MlpKind.RELU:
             # ReLU saves its output, not its input: the first linear's output lives beside it
             # until the activation returns, before the block's output dropout mask (traced)

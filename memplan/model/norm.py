@@ -22,12 +22,12 @@ from memplan.spec import ModelSpec, NormKind, norm_params
 from memplan.workload import NormImpl, Recompute, Workload
 
 
-def consumers(prefix: str, spec: ModelSpec) -> int:
-    """Linears that read a norm's output: separate q, k and v projections after the
-    attention norm; gate and up (or one first linear) after the MLP norm; the head after the
-    final norm."""
+def consumers(prefix: str, spec: ModelSpec, wl: Workload) -> int:
+    """Linears that read a norm's output: separate q, k and v projections (or one fused qkv)
+    after the attention norm; gate and up (or one first linear) after the MLP norm; the head
+    after the final norm."""
     if prefix == "attn_norm":
-        return 3
+        return 1 if spec.fused_qkv or wl.fused_qkv else 3
     if prefix == "mlp_norm":
         return 2 if spec.mlp.gated else 1
     return 1
@@ -46,7 +46,7 @@ def norm_terms(prefix: str, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Ter
     # the output is saved by the next (column-parallel) linear: as its sequence shard, or
     # all-gathered to the full sequence (DTensor sequence parallelism); under autocast each
     # linear saves its own cast of it
-    copies = consumers(prefix, spec) if dm.autocast else 1
+    copies = consumers(prefix, spec, wl) if dm.autocast else 1
     out_e = dm.e
     if dm.autocast and output_saved_fp32(prefix, wl):
         copies, out_e = 1, dm.stream_e

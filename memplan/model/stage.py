@@ -84,6 +84,7 @@ class StageMemory:
     # line: peak_bytes = tensor_peak + calibration + context + workspace + allocator
     calibration_bytes: int = 0
     host_bytes: int = 0  # offloaded to host memory (not in peak_bytes): ``StateBytes.host_bytes``
+    buffers_bytes: int = 0  # registered buffers (RoPE tables): resident in every phase
 
     @property
     def activation_terms(self) -> tuple[Term, ...]:
@@ -134,7 +135,8 @@ def stage_record(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, sta
         microbatches_in_flight=max(w.in_flight), microbatch_bytes=w.one_mb,
         activation_groups=tuple(groups), loss_bytes=w.loss_bytes,
         sharding_buffers_bytes=fx.shard.peak_bytes + fx.buckets,
-        optimizer_temp_bytes=fx.opt_temp, steady=w.steady, first_step=w.first_step,
+        optimizer_temp_bytes=fx.opt_temp, buffers_bytes=fx.buffers, steady=w.steady,
+        first_step=w.first_step,
         tensor_peak_bytes=tensor_peak, cuda_context_bytes=ovh.cuda_context_bytes,
         workspace_bytes=ovh.workspace_bytes, allocator_bytes=ovh.allocator_bytes(tensor_peak),
         peak_bytes=rank_peak_bytes(tensor_peak, ovh), host_bytes=st.host_bytes,
@@ -229,11 +231,12 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
             walk.runs, walk.other_bytes + walk.rest_saved - batch + targets,
             head_bytes - targets,
             shared.final_norm_bytes + shared.final_norm_extra if last else 0, loss_fwd,
-            (shard.gathered_bytes, shard.gathered_at_loss_bytes), until_loss)
+            (shard.gathered_bytes, shard.gathered_at_loss_bytes), until_loss,
+            shared.upcast if last else 0)
 
     def peaks(opt_bytes: int, from_loss: int = 0, earlier: int = 0,
               steady: bool = False) -> PhasePeaks:
-        base = st.params_bytes + opt_bytes + buckets
+        base = st.params_bytes + opt_bytes + buckets + fx.buffers
         grads, bwd = (steady_grads, steady_bwd) if steady else (grads_in_forward, bwd_tensors)
         return PhasePeaks(
             forward=base + grads + fwd_acts(earlier) + mask,

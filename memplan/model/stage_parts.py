@@ -18,6 +18,7 @@ from memplan.model.model_states import (
     sharding_buffers,
     state_bytes,
 )
+from memplan.model.attention import rope_buffer_bytes
 from memplan.model.pipeline import stage_layers
 from memplan.model.walk import first_positions, runs_of
 from memplan.parallel import GradBuffers, ParallelConfig, ZeroStage
@@ -68,12 +69,14 @@ class StageStates(NamedTuple):
     main_grads: bool  # fp32 main gradients beside the compute-dtype ones
     buckets: int  # DDP's persistent copy of the gradients
     persistent: bool  # gradients live in persistent data-parallel buffers
+    buffers: int = 0  # registered buffers (RoPE tables), resident like the weights
 
     @property
     def optimizer_phase(self) -> int:
         """Tensor bytes at the optimizer step: no activation is alive."""
         st = self.states
-        return st.params_bytes + st.grads_bytes + st.optimizer_bytes + self.opt_temp + self.buckets
+        return (st.params_bytes + st.grads_bytes + st.optimizer_bytes + self.opt_temp
+                + self.buckets + self.buffers)
 
 
 def stage_layer_indices(spec: ModelSpec, pp: int, vpp: int, stage: int) -> tuple[int, ...]:
@@ -110,4 +113,6 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
         main_grads=wl.precision.policy.grad_bytes > e and par.zero < ZeroStage.PARAMETERS,
         buckets=st.grads_bytes if ddp and par.grad_buffers is GradBuffers.COPY else 0,
         persistent=ddp and par.grad_buffers is GradBuffers.VIEW,
+        buffers=rope_buffer_bytes(spec, wl, len(stage_layer_indices(spec, par.pp, par.vpp,
+                                                                    stage))),
     )

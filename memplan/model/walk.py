@@ -73,13 +73,16 @@ class Walk(NamedTuple):
 
 def forward_peak(runs: list[tuple[LayerKind, int, tuple[int, ...], int]], before: int,
                   head_saved: int, final_norm: int, loss_extra: int,
-                  gathered: tuple[int, int] = (0, 0), until_loss: int = 0) -> int:
+                  gathered: tuple[int, int] = (0, 0), until_loss: int = 0,
+                  upcast: int = 0) -> int:
     """Largest activation bytes alive during one micro-batch's forward on a stage.
 
     ``before``: bytes alive before its first layer (other micro-batches in flight, rope tables,
     embedding ids). Inside a run of identical layers the bytes only grow, so its last layer
     holds the run's peak. Then the final norm and the loss (last stage). ``until_loss``: bytes
-    alive until the loss starts (the previous step's logits a loop still holds).
+    alive until the loss starts (the previous step's logits a loop still holds); ``upcast``:
+    the final norm's saved terms and the new logits made beside the held ones before the loss
+    (``memplan.model.head.upcast_bytes``; 0 when no loop holds logits).
     """
     in_block, at_loss = gathered  # ZeRO-3 weights gathered at those moments
     acts, peak = before + until_loss, before + until_loss
@@ -89,7 +92,7 @@ def forward_peak(runs: list[tuple[LayerKind, int, tuple[int, ...], int]], before
         peak = max(peak, acts + (n - 1) * held + kind.forward_peak_bytes + in_block)
         acts += n * held
     if head_saved:
-        peak = max(peak, acts + final_norm + at_loss,
+        peak = max(peak, acts + final_norm + at_loss, acts + upcast + at_loss,
                    acts - until_loss + head_saved + loss_extra + at_loss)
     return peak
 

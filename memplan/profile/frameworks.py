@@ -59,7 +59,8 @@ from memplan.profile.tracker import MemoryTracker
 from memplan.spec import ModelSpec, spec_from_hf_dict
 from memplan.workload import Precision, Workload
 
-BUFFERS = "buffers"  # registered buffers (RoPE tables): device memory, no memplan term
+BUFFERS = "buffers"  # registered buffers (RoPE tables): memplan's StageMemory.buffers_bytes
+HELD = "held"  # tensors a training loop keeps beyond the graph (litgpt's `logits` variable)
 LIBRARIES = ("transformers", "torchtitan", "litgpt")
 
 
@@ -151,7 +152,7 @@ class LibraryTracker(MemoryTracker):
         from memplan.profile.distributed import BUCKETS, GATHERED, ParallelTracker
 
         super().__init__()
-        self.by_category.update({GATHERED: 0, BUCKETS: 0, BUFFERS: 0})
+        self.by_category.update({GATHERED: 0, BUCKETS: 0, BUFFERS: 0, HELD: 0})
         # ParallelTracker's resync follows FSDP2's storage resizes; borrow it.
         self.resync = ParallelTracker.resync.__get__(self)
 
@@ -569,15 +570,23 @@ def build_litgpt(case: FrameworkCase) -> Built:
     fabric = L.Fabric(accelerator="cpu", devices=1, precision=_FABRIC_PRECISION[rec.name])
     with fabric.init_module(empty_init=False):
         model = GPT(config)
+    model.max_seq_length = case.seq_len  # pretrain.py: train.max_seq_length (RoPE buffers)
     model = fabric.setup(model)
     opt = fabric.setup_optimizers(_fused_adamw(model.parameters()))
     b, s, vocab = case.micro_batch_size, case.seq_len, config.padded_vocab_size
     state: dict[str, Any] = {}
 
+    @contextlib.contextmanager
+    def held(tracker: MemoryTracker) -> Iterator[None]:
+        state["tracker"] = tracker
+        yield
+
     def step(k: int, mark: Mark) -> None:
         ids = torch.randint(0, vocab, (b, s + 1))
         input_ids, targets = ids[:, :s], ids[:, 1:]
         state["logits"] = model(input_ids)  # pretrain.py's loop variable
+        # held by the loop, not saved by the graph (memplan: the preset's logits_held)
+        state["tracker"].relabel(state["logits"], HELD)
         loss = chunked_cross_entropy(state["logits"], targets)
         mark("backward")
         fabric.backward(loss)
@@ -590,7 +599,8 @@ def build_litgpt(case: FrameworkCase) -> Built:
     workload = dict(framework="lightning", micro_batch_size=b, seq_len=s, precision=rec.name)
     # the optimizer Fabric wraps is the one whose states the tracker reads
     inner = getattr(opt, "optimizer", opt)
-    return Built("litgpt", model, spec, api.make_layout(1), workload, step, inner)
+    return Built("litgpt", model, spec, api.make_layout(1), workload, step, inner,
+                 context=held)
 
 
 BUILDERS["litgpt"] = build_litgpt
@@ -604,7 +614,7 @@ def available(library: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-__all__ = ["BUFFERS", "BUILDERS", "LIBRARIES", "RECIPES", "Built", "FrameworkCase",
+__all__ = ["BUFFERS", "BUILDERS", "HELD", "LIBRARIES", "RECIPES", "Built", "FrameworkCase",
            "LibraryTracker", "Recipe", "build_hf", "build_litgpt", "build_torchtitan",
            "compare_built", "compare_framework", "cuda_kernels", "fake_real_check",
            "hf_spec", "litgpt_spec", "recipe", "run_library_steps", "torchtitan_config",

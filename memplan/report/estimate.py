@@ -26,6 +26,7 @@ def stage_json(s: StageMemory) -> dict[str, Any]:
         "loss_bytes": s.loss_bytes,
         "sharding_buffers_bytes": s.sharding_buffers_bytes,
         "optimizer_temp_bytes": s.optimizer_temp_bytes,
+        "buffers_bytes": s.buffers_bytes,
         "tensor_peak_bytes": s.tensor_peak_bytes,
         "cuda_context_bytes": s.cuda_context_bytes,
         "workspace_bytes": s.workspace_bytes,
@@ -135,6 +136,8 @@ def render_estimate(est: Estimate) -> Any:
         ("loss logits (transient)", "loss_bytes"),
         ("ZeRO / DDP gradient and gather buffers", "sharding_buffers_bytes"),
         ("optimizer step temporaries", "optimizer_temp_bytes"),
+        *([("registered buffers (RoPE tables)", "buffers_bytes")] if worst.buffers_bytes
+          else []),
         ("tensor peak", "tensor_peak_bytes"),
         *([("calibration correction", "calibration_bytes")] if est.calibration else []),
         ("CUDA context", "cuda_context_bytes"),

@@ -76,6 +76,7 @@ MIXTRAL_TOY = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256,
 TITAN_TOY = dict(dim=256, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=1000)
 LITGPT_TOY = dict(n_layer=2, n_embd=256, n_head=4, intermediate_size=688, vocab_size=1000,
                   padded_vocab_size=1000, block_size=256)
+LITGPT_GQA = dict(LITGPT_TOY, n_head=8, n_query_groups=2)
 
 CASES: list[tuple[FrameworkCase, Known | None]] = [
     # --- Hugging Face transformers, SDPA ---------------------------------------------------
@@ -126,15 +127,7 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
     (FrameworkCase("transformers", "gpt2-toy-tanh-cache", hf("gpt2", activation_function=
                                                              "gelu_pytorch_tanh", **GPT2_TOY),
                    "fp32", 2, 128),
-     Known(("activations_bytes", "first_step.forward_bytes",
-            "first_step.backward_bytes", "steady.forward_bytes", "steady.backward_bytes"),
-           "with the published config's use_cache (GPT2Config default True) the training "
-           "forward builds a DynamicCache: cache_utils.py DynamicLayer.update concatenates "
-           "each layer's K and V into new tensors (`torch.cat([self.keys, key_states])`), and "
-           "since q is still a view of the fused c_attn output that SDPA saves, that (b,s,3h) "
-           "storage stays alive beside the K/V copies. Measured: activations -9.2% (2 x b*s*h "
-           "fp32 per layer), forward -5.1% / -2.8%, backward -4.8% / -2.7%. (Llama's k, v "
-           "copies replace their originals.)")),
+     None),  # hf: the DynamicCache's K/V copies, q's view pins the fused c_attn output
     # --- Mixtral: routing reads values, so small real tensors ---------------------------------
     (FrameworkCase("transformers", "mixtral-toy", hf("Mixtral-8x7B-v0.1", **MIXTRAL_TOY),
                    "fp32", 2, 64),
@@ -152,68 +145,24 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
     # --- torchtitan: Llama3 with its own FSDP2 on 2 ranks of the fake process group -----------
     # (the torchtitan preset: its FSDP units, fused AdamW, fused RMSNorm, kept gradients; the
     # cases set training.disable_cuda_graphs, i.e. set_to_none, as a user knob)
-    (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=2),
-     Known(("first_step.forward_bytes", "steady.forward_bytes"),
-           "FusedQKVLinear (models/common/attention.py, fuse_qkv=True in every llama3 "
-           "flavor) is one parameter (fused_qkv in the spec); RoPE's freqs_cis buffer (32 KiB, "
-           "counted under buffers), and 171,528 B more at the loss not attributed yet. "
-           "Measured: forward -1.66% / -1.00% (first step / steady); backward -0.11% / -0.07% "
-           "with the FSDP units (apply_fsdp_to_decoder) modelled.")),
-    (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fp32", 2, 128, dp=2),
-     Known(("first_step.forward_bytes",),
-           "the freqs_cis buffer and 229,376 B more at "
-           "the loss not attributed yet: forward -1.29% first step (-0.92% steady); backward "
-           "exact.")),
+    # (torchtitan preset: its FSDP units, the per-layer RoPE cache buffers, `pred` held through
+    # the loss, fused AdamW and RMSNorm, kept gradients)
+    (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=2), None),
+    (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fp32", 2, 128, dp=2), None),
     (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=2,
-                   options={"ac": "full"}),
-     Known(("activations_bytes",),
-           "torchtitan's FullAC (distributed/activation_checkpoint.py) checkpoints each block "
-           "as memplan's full recompute does, but with only the block inputs saved the RoPE "
-           "tables memplan counts as saved activations (s*d*2 in bf16, 16 KiB) show: "
-           "ComplexRoPE keeps its cache as a registered buffer per layer "
-           "(models/common/rope.py), counted under buffers. Measured: activations 1,553,416 B, "
-           "estimated 1,569,800 (+1.06%); every phase within "
-           "1%.")),
+                   options={"ac": "full"}), None),
     (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=2,
                    options={"ac": "selective"}), None),
     (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=2,
-                   options={"set_to_none": False}),
-     Known(("first_step.forward_bytes",),
-           "torchtitan's default loop keeps the gradients (trainer.py train_step: "
-           "`optimizers.zero_grad(set_to_none=training.disable_cuda_graphs)`, False by "
-           "default), modelled by the preset: steady forward -0.84%, backward -0.05%; the "
-           "first step's forward as in the default case (-1.66%).")),
+                   options={"set_to_none": False}), None),
     # --- litgpt through Lightning Fabric, as litgpt/pretrain.py runs it ----------------------
     # (the lightning preset holds the loop's fp32 logits from the loss to the next forward)
-    (FrameworkCase("litgpt", "Llama-2-7b-hf", LITGPT_TOY, "fp32", 2, 128),
-     Known(("activations_bytes", "first_step.forward_bytes",
-            "first_step.backward_bytes", "steady.forward_bytes", "steady.backward_bytes"),
-           "CausalSelfAttention.forward (litgpt/model.py) splits one fused qkv output into "
-           "views and SDPA's saved v keeps the whole (b,s,(h+2kv)d) storage alive; its RoPE "
-           "cos/sin buffers (block_size x head_size x 2 in fp32, 131,072 B) are device memory "
-           "memplan has no term for; and the held "
-           "logits (1,024,000 B, modelled by the preset) are counted by the trace as saved "
-           "activations. Measured: activations -16.5%, forward -6.9% / -4.0%, backward -4.6% "
-           "/ -2.8% (first step / steady); the optimizer step within 0.4%.")),
-    (FrameworkCase("litgpt", "Llama-2-7b-hf", LITGPT_TOY, "bf16-pure", 2, 128),
-     Known(("activations_bytes", "first_step.forward_bytes",
-            "first_step.backward_bytes", "steady.forward_bytes"),
-           "as in fp32 (the fused qkv storage SDPA's saved v pins, the RoPE buffers, the held "
-           "logits counted as saved), with Fabric's bf16-true plugin (lightning/fabric/plugins/"
-           "precision/half.py HalfPrecision.convert_output) returning the logits upcast to "
-           "fp32, the copy the loop holds; litgpt's RMSNorm (weight.float() before the cast "
-           "back) is modelled by the preset (norm upcast-fp32). Measured: activations -17.8%, "
-           "forward -5.8% / -5.7%, backward +1.3% / +0.9% (within 1%); the optimizer step within "
-           "0.4%.")),
-    (FrameworkCase("litgpt", "Llama-2-7b-hf", LITGPT_TOY, "amp-bf16", 2, 128),
-     Known(("activations_bytes", "first_step.backward_bytes",
-            "steady.forward_bytes", "steady.backward_bytes"),
-           "as in fp32 (the loop variable `logits`, fp32 here because Fabric's bf16-mixed "
-           "plugin, lightning/fabric/plugins/precision/amp.py MixedPrecision.convert_output, "
-           "upcasts the output; the fused qkv storage; RoPE buffers). "
-           "Measured: activations -8.8%, forward -0.3% / -1.4%, and backward +3.0% / +1.7%: "
-           "with the held logits counted, the autocast backward of this loop holds 696,296 B "
-           "less than memplan's (not attributed yet); the optimizer step within 0.4%.")),
+    (FrameworkCase("litgpt", "Llama-2-7b-hf", LITGPT_TOY, "fp32", 2, 128), None),
+    (FrameworkCase("litgpt", "Llama-2-7b-hf", LITGPT_TOY, "bf16-pure", 2, 128), None),
+    (FrameworkCase("litgpt", "Llama-2-7b-hf", LITGPT_TOY, "amp-bf16", 2, 128), None),
+    # grouped queries: k and v repeat_interleave'd to every head before SDPA, nothing pinned
+    (FrameworkCase("litgpt", "Llama-2-7b-hf", LITGPT_GQA, "fp32", 2, 128), None),
+    (FrameworkCase("litgpt", "Llama-2-7b-hf", LITGPT_GQA, "bf16-pure", 3, 96), None),
 ]
 
 def _agrees(row) -> bool:

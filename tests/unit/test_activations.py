@@ -353,10 +353,13 @@ def test_rope_terms_are_per_sequence() -> None:
     spec = load_model("llama-2-7b")
     for b in (1, 3):
         wl = Workload(micro_batch_size=b, seq_len=2048)
-        assert total(rope_terms(spec, Dims.of(spec, ParallelConfig(), wl))) == 2 * 2048 * 128 * 2
+        assert total(rope_terms(spec, wl, Dims.of(spec, ParallelConfig(), wl))) == (
+            2 * 2048 * 128 * 2)
     wl = Workload(micro_batch_size=1, seq_len=2048)
-    assert total(rope_terms(spec, Dims.of(spec, ParallelConfig(cp=2), wl))) == 2 * 1024 * 128 * 2
-    assert rope_terms(load_model("gpt2"), Dims.of(load_model("gpt2"), ParallelConfig(), wl)) == []
+    assert total(rope_terms(spec, wl, Dims.of(spec, ParallelConfig(cp=2), wl))) == (
+        2 * 1024 * 128 * 2)
+    gpt2 = load_model("gpt2")
+    assert rope_terms(gpt2, wl, Dims.of(gpt2, ParallelConfig(), wl)) == []
 
 
 def test_embedding_and_head_terms() -> None:

@@ -131,7 +131,7 @@ def test_default_overheads(gpu: str, workspace_mib: int) -> None:
 def _stage_terms(e: Estimate, layers: list[int], *, embedding: bool, head: bool) -> int:
     """One micro-batch of a stage's saved terms, rebuilt from the blocks (memplan.model)."""
     dm = Dims.of(e.spec, e.parallel, e.workload)
-    terms = attention.rope_terms(e.spec, dm)
+    terms = attention.rope_terms(e.spec, e.workload, dm)
     if embedding:
         terms += emb_block.embedding_terms(e.spec, dm)
     for i in layers:
@@ -164,7 +164,7 @@ def test_1f1b_first_stage_holds_p_microbatches() -> None:
     dm = Dims.of(e.spec, e.parallel, e.workload)
     layer = total(layer_block.layer_terms(e.spec, e.workload, dm, moe_layer=False,
                                       recompute=Recompute.NONE))
-    extra = total(attention.rope_terms(e.spec, dm) + emb_block.embedding_terms(e.spec, dm))
+    extra = total(attention.rope_terms(e.spec, e.workload, dm) + emb_block.embedding_terms(e.spec, dm))
     assert s0.activations_bytes == p * (8 * layer + extra)
     assert s0.activations_bytes == 32 * layer + p * extra
 
@@ -189,7 +189,7 @@ def test_interleaved_stage0_counts() -> None:
     dm = Dims.of(e.spec, e.parallel, e.workload)
     layer = total(layer_block.layer_terms(e.spec, e.workload, dm, moe_layer=False,
                                       recompute=Recompute.NONE))
-    rope = total(attention.rope_terms(e.spec, dm))
+    rope = total(attention.rope_terms(e.spec, e.workload, dm))
     emb = total(emb_block.embedding_terms(e.spec, dm))
     assert s0.activations_bytes == 44 * layer + 11 * rope + 7 * emb
     assert s0.microbatches_in_flight == 7

@@ -92,7 +92,7 @@ def test_lightning_keeps_the_logits_to_the_next_forward() -> None:
     through backward and the optimizer step; from step 2 they are alive in forward until the
     new logits replace them (so not at step 1's forward)."""
     lit = _est(precision="bf16-pure", framework="lightning").worst
-    generic = _est(precision="bf16-pure", optimizer_impl="fused", norm_impl="upcast-fp32").worst
+    generic = _est(precision="bf16-pure", framework="lightning", logits_held="none").worst
     held = T * V * 4
     assert lit.steady.backward - generic.steady.backward == held == 131_072
     assert lit.steady.optimizer - generic.steady.optimizer == held
@@ -199,3 +199,73 @@ def test_litgpt_rmsnorm_saves_fp32_normed_and_weight() -> None:
     upcast = _est(precision="bf16-pure", norm_impl="upcast").worst
     litgpt = _est(precision="bf16-pure", norm_impl="upcast-fp32").worst
     assert litgpt.activations_bytes - upcast.activations_bytes == 5 * (T * 64 * 2 + 64 * 4)
+
+
+def test_rope_tables_as_registered_buffers() -> None:
+    """torchtitan: a complex64 cache per layer, s * d/2 * 8 B (2 layers * 128 * 8 * 8 =
+    16,384); litgpt: model-wide cos and sin in the weights' dtype (2 * 128 * 16 * 2 = 8,192).
+    Resident in every phase, and no longer saved per micro-batch (2 * s * d * e = 8,192)."""
+    titan = _est(precision="bf16-pure", framework="torchtitan").worst
+    lit = _est(precision="bf16-pure", framework="lightning").worst
+    assert (titan.buffers_bytes, lit.buffers_bytes) == (16_384, 8_192)
+    assert _est(precision="bf16-pure").worst.buffers_bytes == 0
+    for est, fw in ((titan, "torchtitan"), (lit, "lightning")):
+        assert "rope.cos_sin" not in {t.name for t in est.activation_terms}
+        computed = _est(precision="bf16-pure", framework=fw, rope_cache="forward").worst
+        assert computed.activations_bytes - est.activations_bytes == 2 * 128 * 16 * 2
+        assert est.steady.optimizer - computed.steady.optimizer == est.buffers_bytes
+    fp32 = _est(precision="fp32", framework="lightning").worst
+    assert fp32.buffers_bytes == 2 * 128 * 16 * 4
+
+
+def test_litgpt_attention_terms() -> None:
+    """litgpt's CausalSelfAttention: with grouped K/V (tiny: 2 of 4 heads) k and v are saved
+    repeated to the query width (T * 64 * 2 = 32,768 each, not 16,384); the core's head-major
+    output is saved beside its copy for the projection (32,768). Without grouping (Llama 2
+    7B) v's view keeps the whole qkv output: its q and k parts, T * (4096 + 4096) * 2."""
+    from memplan.model.attention import attention_terms
+    from memplan.model.dims import Dims
+    from memplan.parallel import ParallelConfig
+    from memplan.workload import Recompute, Workload
+
+    wl = Workload(precision="bf16-pure", micro_batch_size=2, seq_len=128,
+                  attention_impl="litgpt")
+    spec = load_model("tiny")
+    terms = {t.name: t.size_bytes for t in attention_terms(spec, wl, Dims.of(
+        spec, ParallelConfig(), wl), Recompute.NONE)}
+    assert (terms["attn.k"], terms["attn.v"], terms["attn.core_out"]) == (32_768,) * 3
+    assert "attn.qkv_pinned" not in terms
+    mha = load_model("llama-2-7b")
+    terms = {t.name: t.size_bytes for t in attention_terms(mha, wl, Dims.of(
+        mha, ParallelConfig(), wl), Recompute.NONE)}
+    assert terms["attn.qkv_pinned"] == 256 * 8192 * 2
+    assert terms["attn.v"] == 256 * 4096 * 2
+
+
+def test_split_loss_backward_holds_one_logits_gradient() -> None:
+    """litgpt's chunked_cross_entropy splits the T = 256 tokens into 128-token pieces: once
+    every piece's backward has freed its log-softmax, the split's backward concatenates their
+    gradients: L = T * V * 4 = 131,072 beyond the rest, where one piece holds 2 L."""
+    from memplan.model.dims import Dims
+    from memplan.model.head import loss_backward_bytes
+    from memplan.parallel import ParallelConfig
+    from memplan.workload import Workload
+
+    spec = load_model("tiny")
+    for split, expected in ((128, 131_072), (0, 262_144), (256, 262_144)):
+        wl = Workload(precision="bf16-pure", micro_batch_size=2, seq_len=128, loss_split=split)
+        assert loss_backward_bytes(spec, wl, Dims.of(spec, ParallelConfig(), wl), 0) == expected
+
+
+def test_kv_cache_with_fused_qkv_pins_the_projection() -> None:
+    """GPT-2 under transformers with use_cache: the DynamicCache's K/V copies go to SDPA while
+    q, a view of c_attn's output, keeps all of it: its k and v parts, T * 2 * 768 * 4 (the
+    spec transformers' GPT2Config maps to: one fused c_attn parameter)."""
+    spec = load_model("gpt2").model_copy(update={"fused_qkv": True})
+    gpt2 = memplan.estimate(spec, gpus=1, seq_len=128, micro_batch_size=2, precision="fp32",
+                            framework="hf", overheads=no_overheads()).worst
+    off = memplan.estimate(spec, gpus=1, seq_len=128, micro_batch_size=2, precision="fp32",
+                           framework="hf", kv_cache=False, overheads=no_overheads()).worst
+    names = {t.name: t.size_bytes for t in gpt2.activation_terms}
+    assert names["attn.qkv_pinned"] == 12 * 256 * 2 * 768 * 4
+    assert gpt2.activations_bytes - off.activations_bytes == 12 * 256 * 2 * 768 * 4
