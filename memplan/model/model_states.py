@@ -216,7 +216,9 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload) -> 
     backward a unit's unsharded gradient before its reduce-scatter. ZeRO-2: one reduce bucket
     of unsharded gradients."""
     policy = wl.precision.policy
-    if par.zero >= ZeroStage.PARAMETERS and par.dense_shard_degree > 1:
+    # torchtitan shards even one rank (models/llama3/parallelize.py parallelize_llama:
+    # apply_fsdp_to_decoder always runs), so its gathered copies exist at any degree
+    if par.zero >= ZeroStage.PARAMETERS and (par.dense_shard_degree > 1 or separate_units(wl)):
         # FSDP2 as torchtitan wraps it: each block is a unit, the root holds the embedding,
         # final norm and head. The root is not resharded after forward, so its weights stay
         # gathered until the end of backward; a block's gathered weights live while the next

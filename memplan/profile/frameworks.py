@@ -224,7 +224,8 @@ def trace_case(case: FrameworkCase, *, fake: bool | None = None,
     trace ``steps`` training steps."""
     fake = case.fake if fake is None else fake
     builder = BUILDERS[case.library]
-    group = _process_group(case.dp) if case.dp > 1 else contextlib.nullcontext()
+    group = (_process_group(case.dp) if case.dp > 1 or case.library == "torchtitan"
+             else contextlib.nullcontext())
     rules = autocast_rules() if recipe(case.recipe).autocast else cuda_kernels()
     with group, _fake_mode() if fake else contextlib.nullcontext(), rules:
         torch.manual_seed(0)
@@ -441,8 +442,6 @@ def build_torchtitan(case: FrameworkCase) -> Built:
     rec = recipe(case.recipe)
     if rec.name not in ("fp32", "fsdp-bf16"):
         raise MemplanError("torchtitan: recipe fp32 or fsdp-bf16 (fp32 shards, its default)")
-    if case.dp < 2:
-        raise MemplanError("torchtitan: dp must be at least 2 (FSDP2 on every rank)")
     cfg = torchtitan_config(**case.config, seq_len=case.seq_len)
     spec = torchtitan_spec(cfg, case.name)
     with torch.device("cpu"):
@@ -475,7 +474,6 @@ def build_torchtitan(case: FrameworkCase) -> Built:
     set_to_none = case.options.get("set_to_none", True)
 
     def step(k: int, mark: Mark) -> None:
-        opt.zero_grad(set_to_none=set_to_none)
         inputs = torch.randint(0, cfg.vocab_size, (b, s))
         labels = torch.randint(0, cfg.vocab_size, (b, s))
         pred = model(inputs)
@@ -487,6 +485,10 @@ def build_torchtitan(case: FrameworkCase) -> Built:
         mark("optimizer")
         dist_utils.clip_grad_norm_(params, 1.0, foreach=True)
         opt.step()
+        # train_step zeroes at its start; nothing runs between a step's optimizer and the
+        # next step's zero_grad, so here it closes the step: the next forward phase starts
+        # as memplan's does, with the gradients freed (or zeroed)
+        opt.zero_grad(set_to_none=set_to_none)
 
     # nn.RMSNorm runs CUDA's fused kernel (cuda_kernels); the loss upcasts the logits
     # training.disable_cuda_graphs (set_to_none), a knob of the user's config

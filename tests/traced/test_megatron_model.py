@@ -50,12 +50,6 @@ class Known:
 # b micro-batch, s sequence, h hidden, f ffn, np heads, ng query groups, d head dim, L layers,
 # T = b*s tokens, c the compute dtype's bytes:
 CAUSES = {
-    "grad_buffer": (
-        "DDP's gradient buffer (distributed/param_and_grad_buffer.py _ParamAndGradBuffer."
-        "__init__: grad_data = torch.zeros(numel, grad_dtype)) is made when the model is "
-        "wrapped and zeroed in place by zero_grad_buffer() each step (training.py train_step): "
-        "numel x 4 B (fp32 main grads) in every phase of every step, step 1's forward "
-        "included; memplan counts gradients from backward on (8,918,016 B here)"),
     "global_buffer": (
         "DotProductAttention.forward (transformer/dot_product_attention.py) takes baddbmm's "
         "input from parallel_state.get_global_memory_buffer().get_tensor((b*np, s, s), dtype, "
@@ -66,11 +60,6 @@ CAUSES = {
         "activation_func(x_glu) * (x_linear + glu_linear_offset) makes a new T*f*c tensor, "
         "saved by the mul, while silu's saved x_glu keeps the whole fc1 output alive: one "
         "more ffn-sized tensor a layer than memplan's SwiGLU (917,504 B / layer fp32)"),
-    "softmax_fp32": (
-        "FusedScaleMaskSoftmax.forward_torch_softmax (fusions/fused_softmax.py) with "
-        "TransformerConfig.attention_softmax_in_fp32 (default True) upcasts the bf16 scores, "
-        "saves the fp32 softmax and its bf16 copy for the value bmm: 6 B a score, memplan's "
-        "softmax_fp32 (2 x 1,048,576 B more here, bf16 only)"),
     "small": (
         "per layer a bool s*s causal mask saved by masked_fill_ (transformer/utils.py "
         "get_default_causal_mask), RoPE's cos/sin per q and k saved by the muls "
@@ -88,22 +77,26 @@ def _cause(*names: str, measured: str) -> str:
     return "; ".join(CAUSES[n] for n in names) + ". Measured: " + measured
 
 
-FP32_NONE = _cause("grad_buffer", "global_buffer", "glu", "small", "step_counters", measured=(
-    "activations 18,284,840 B, estimated 15,248,648 (-16.6%); forward -30.0% / -20.1% "
-    "(first / steady), backward -28.8% / -19.5%, optimizer -2.9% / -2.9% (the persistent "
+# modelled since (megatron preset): DDP's gradient buffer from the wrap on at any DP size
+# (param_and_grad_buffer.py _ParamAndGradBuffer.__init__). Not in the preset: the fp32 softmax
+# of forward_torch_softmax, which the CPU trace runs with masked_softmax_fusion off; on CUDA
+# FusedScaleMaskSoftmax (fusions/fused_softmax.py, masked_softmax_fusion=True by default)
+# runs the fused scaled-masked-softmax kernel, which saves its low-precision output only
+FP32_NONE = _cause("global_buffer", "glu", "small", "step_counters", measured=(
+    "activations 18,284,840 B, estimated 15,248,648 (-16.6%); forward -5.3% / -3.6% "
+    "(first / steady), backward -8.1% / -5.5%, optimizer -2.9% / -2.9% (the persistent "
     "global buffer and RoPE table, 1,064,960 B)"))
-FP32_SELECTIVE = _cause("grad_buffer", "global_buffer", "glu", "small", "step_counters",
-                        measured=(
-    "activations 16,023,856 B, estimated 12,430,600 (-22.4%); forward -33.9% / -22.2%, "
-    "backward -32.2% / -21.4%, optimizer -2.9% / -2.9%"))
-FP32_FULL = _cause("grad_buffer", "global_buffer", "small", "step_counters", measured=(
+FP32_SELECTIVE = _cause("global_buffer", "glu", "small", "step_counters", measured=(
+    "activations 16,023,856 B, estimated 12,430,600 (-22.4%); forward -7.5% / -4.9%, "
+    "backward -10.2% / -6.8%, optimizer -2.9% / -2.9%"))
+FP32_FULL = _cause("global_buffer", "small", "step_counters", measured=(
     "activations 3,174,696 B, estimated 2,202,888 (-30.6%: the global buffer and RoPE table "
-    "outlive the checkpointed layers); forward -46.7% / -27.0%, backward -20.6% / -12.8%, "
+    "outlive the checkpointed layers); forward -10.4% / -6.0%, backward -7.6% / -4.7%, "
     "optimizer -2.9% / -2.9%"))
-BF16_NONE = _cause("grad_buffer", "global_buffer", "glu", "softmax_fp32", "small",
-                   "step_counters", measured=(
-    "activations 11,796,776 B, estimated 8,154,376 (-30.9%; -13.1% with softmax_fp32); "
-    "forward -36.2% / -23.9%, backward -32.9% / -21.7%, optimizer -1.3% / -1.4%"))
+BF16_NONE = _cause("global_buffer", "glu", "small", "step_counters", measured=(
+    "activations 11,796,776 B, estimated 8,154,376 (-30.9%; -13.1% with softmax_fp32, the "
+    "torch softmax's fp32 copy); forward -10.4% / -6.9%, backward -10.5% / -6.9%, "
+    "optimizer -1.3% / -1.4%"))
 
 CASES: list[tuple[FrameworkCase, Known | None]] = [
     (FrameworkCase("megatron", "toy", MEGATRON_TOY, "fp32", 2, 128),
@@ -118,9 +111,9 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
      Known(ALL_BUT_STATES, BF16_NONE)),
     (FrameworkCase("megatron", "toy", MEGATRON_TOY, "bf16-fp32-grads", 2, 128,
                    options={"recompute": "selective"}),
-     Known(ALL_BUT_STATES, _cause("grad_buffer", "global_buffer", "glu", "small",
-                                  "step_counters", measured="see the bf16 case; the "
-                                  "softmax is recomputed"))),
+     Known(ALL_BUT_STATES, _cause("global_buffer", "glu", "small", "step_counters",
+                                  measured="activations -21.1%, forward -5.8% / -3.7%, "
+                                  "backward -5.8% / -3.7%; the softmax is recomputed"))),
     (FrameworkCase("megatron", "toy", MEGATRON_TOY, "bf16-fp32-grads", 2, 128,
                    options={"distributed_optimizer": True}),
      Known(ALL_BUT_STATES, "--use-distributed-optimizer on one rank (memplan's zero 1): the "

@@ -269,3 +269,14 @@ def test_kv_cache_with_fused_qkv_pins_the_projection() -> None:
     names = {t.name: t.size_bytes for t in gpt2.activation_terms}
     assert names["attn.qkv_pinned"] == 12 * 256 * 2 * 768 * 4
     assert gpt2.activations_bytes - off.activations_bytes == 12 * 256 * 2 * 768 * 4
+
+
+def test_megatron_gradient_buffer_exists_from_the_wrap() -> None:
+    """Megatron-LM wraps the model in its DDP even on one rank: the contiguous fp32 gradient
+    buffer (numel * 4 B) is allocated then, so it is in step 1's forward too."""
+    kw = dict(precision="bf16-fp32-grads", optimizer_impl="fused", norm_impl="fused",
+              loss_impl="megatron")
+    megatron = _est(framework="megatron", **kw).worst
+    plain = _est(**kw).worst
+    assert megatron.grads_bytes == plain.grads_bytes == load_model("tiny").num_params * 4
+    assert megatron.first_step.forward - plain.first_step.forward == megatron.grads_bytes
