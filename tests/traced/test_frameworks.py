@@ -21,34 +21,23 @@ litgpt 0.5.13 with lightning 2.6.6, torch 2.13.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from known import Known, check, param, table  # tests/traced/known.py
 from memplan.profile.frameworks import (
     FrameworkCase,
     compare_framework,
     fake_real_check,
 )
 
-TOLERANCE_PCT = 1.0
-EXACT = ("params_bytes", "grads_bytes", "optimizer_bytes")
+
 HF_DIR = Path(__file__).resolve().parents[1] / "data" / "hf"
 IMPORTS = {"transformers": ("transformers",), "torchtitan": ("torchtitan", "triton"),
            "litgpt": ("litgpt", "lightning")}
-
-
-class KnownDeviation(Exception):
-    """The rows a case is known to miss still miss, and every other row agrees."""
-
-
-@dataclass(frozen=True)
-class Known:
-    rows: tuple[str, ...]  # the rows memplan does not reproduce for this case
-    cause: str  # measured difference and where the library does it
 
 
 def hf(name: str, **overrides) -> dict:
@@ -192,15 +181,6 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
     (FrameworkCase("litgpt", "Llama-2-7b-hf", LITGPT_GQA, "bf16-pure", 3, 96), None),
 ]
 
-def _agrees(row) -> bool:
-    if row.name in EXACT:
-        return row.estimated_bytes == row.measured_bytes
-    return abs(row.diff_pct) <= TOLERANCE_PCT
-
-
-def _table(rows) -> str:
-    return "\n".join(f"{r.name}: measured {r.measured_bytes:,} estimated {r.estimated_bytes:,} "
-                     f"({r.diff_pct:+.3f}%)" for r in rows)
 
 
 def _skip_without(library: str) -> None:
@@ -209,25 +189,12 @@ def _skip_without(library: str) -> None:
                                            "(pip install -e '.[test]')")
 
 
-def _param(case: FrameworkCase, known: Known | None):
-    marks = []
-    if known is not None:
-        marks.append(pytest.mark.xfail(strict=True, raises=KnownDeviation, reason=known.cause))
-    return pytest.param(case, known, id=case.id, marks=marks)
 
-
-@pytest.mark.parametrize(("case", "known"), [_param(c, k) for c, k in CASES])
+@pytest.mark.parametrize(("case", "known"), [param(c, k) for c, k in CASES])
 def test_library_matches_estimate(case: FrameworkCase, known: Known | None) -> None:
     _skip_without(case.library)
     result = compare_framework(case)
-    off = [r for r in result.rows if not _agrees(r)]
-    expected = set(known.rows) if known else set()
-    unexpected = [r for r in off if r.name not in expected]
-    assert not unexpected, "beyond the known deviation:\n" + _table(unexpected)
-    gone = sorted(expected - {r.name for r in off})
-    assert not gone, f"known deviation no longer measured for {gone}: update the case"
-    if known is not None:
-        raise KnownDeviation(_table(off))
+    check(result.rows, known)
 
 
 # --- fake tensors against real ones --------------------------------------------------------
@@ -263,7 +230,7 @@ def test_fake_tensors_trace_as_real(case: FrameworkCase) -> None:
     step on fake and on real tensors hold the same bytes in every row."""
     _skip_without(case.library)
     off = [r for r in fake_real_check(case) if r.diff_bytes]
-    assert not off, "fake (estimated column) against real (measured):\n" + _table(off)
+    assert not off, "fake (estimated column) against real (measured):\n" + table(off)
 
 
 def test_cases_cover_the_libraries() -> None:

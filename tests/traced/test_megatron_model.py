@@ -19,31 +19,22 @@ model yet.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
+from known import Known, check, param  # tests/traced/known.py
 from memplan.profile.frameworks import FrameworkCase  # noqa: E402
 from memplan.profile.megatron_model import MEGATRON_TOY, compare_megatron  # noqa: E402
 
-TOLERANCE_PCT = 1.0
-EXACT = ("params_bytes", "grads_bytes", "optimizer_bytes")
+
 PHASE_ROWS = tuple(f"{step}.{phase}_bytes" for step in ("first_step", "steady")
                    for phase in ("forward", "backward", "optimizer"))
 ALL_BUT_STATES = ("optimizer_bytes", "activations_bytes", *PHASE_ROWS)
 
 
-class KnownDeviation(Exception):
-    """The rows a case is known to miss still miss, and every other row agrees."""
-
-
-@dataclass(frozen=True)
-class Known:
-    rows: tuple[str, ...]
-    cause: str
 
 
 # Megatron behaviours memplan's megatron preset does not model (megatron-core 0.16.1), with
@@ -122,35 +113,13 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
 ]
 
 
-def _agrees(row) -> bool:
-    if row.name in EXACT:
-        return row.estimated_bytes == row.measured_bytes
-    return abs(row.diff_pct) <= TOLERANCE_PCT
 
 
-def _table(rows) -> str:
-    return "\n".join(f"{r.name}: measured {r.measured_bytes:,} estimated {r.estimated_bytes:,} "
-                     f"({r.diff_pct:+.3f}%)" for r in rows)
 
-
-def _param(case: FrameworkCase, known: Known | None):
-    marks = []
-    if known is not None:
-        marks.append(pytest.mark.xfail(strict=True, raises=KnownDeviation, reason=known.cause))
-    return pytest.param(case, known, id=case.id, marks=marks)
-
-
-@pytest.mark.parametrize(("case", "known"), [_param(c, k) for c, k in CASES])
+@pytest.mark.parametrize(("case", "known"), [param(c, k) for c, k in CASES])
 def test_megatron_matches_estimate(case: FrameworkCase, known: Known | None) -> None:
     result = compare_megatron(case)
-    off = [r for r in result.rows if not _agrees(r)]
-    expected = set(known.rows) if known else set()
-    unexpected = [r for r in off if r.name not in expected]
-    assert not unexpected, "beyond the known deviation:\n" + _table(unexpected)
-    gone = sorted(expected - {r.name for r in off})
-    assert not gone, f"known deviation no longer measured for {gone}: update the case"
-    if known is not None:
-        raise KnownDeviation(_table(off))
+    check(result.rows, known)
 
 
 def test_states_and_buffers_to_the_byte() -> None:
