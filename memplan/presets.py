@@ -159,6 +159,12 @@ PRESETS: dict[Framework, tuple[Default, ...]] = {
         Default("grad_buffers", "view",
                 f"megatron/core/distributed/param_and_grad_buffer.py: gradients are views "
                 f"of persistent contiguous buffers ({_MEGATRON})"),
+        Default("ddp_any_size", True,
+                f"Megatron-LM megatron/training/training.py get_model wraps every model "
+                f"chunk in megatron/core/distributed DistributedDataParallel, whose "
+                f"param_and_grad_buffer.py _ParamAndGradBuffer.__init__ allocates the "
+                f"gradient buffer (torch.zeros(numel)) at any data-parallel size "
+                f"({_MEGATRON})"),
     ),
 }
 
@@ -167,7 +173,7 @@ GENERIC: dict[str, Any] = {
     "optimizer_impl": "foreach", "norm_impl": "upcast", "logits_fp32": True,
     "logits_held": LogitsHeld.NONE.value, "softmax_fp32": False, "kv_cache": False,
     "fsdp_units": "root", "keep_grads": False, "loss_impl": "generic",
-    "selective_impl": "core", "fused_qkv": False, "rope_cache": "forward", "loss_split": 0,
+    "selective_impl": "core", "fused_qkv": False, "rope_cache": "forward", "loss_split": 0, "ddp_any_size": False,
     "attention_impl": "generic", "tp_style": "megatron", "grad_buffers": "view",
 }
 LAYOUT_FIELDS = frozenset({"tp_style", "grad_buffers"})

@@ -316,6 +316,9 @@ class Workload(BaseModel):
     kv_cache: bool = Field(default=False, description=(
         "the training forward fills a key/value cache (transformers with use_cache): under "
         "autocast its fp32 copies of K and V live until the forward's output is dropped"))
+    ddp_any_size: bool = Field(default=False, description=(
+        "the model is wrapped in data-parallel buffers at any data-parallel size, one rank "
+        "included (Megatron-LM's DDP): its gradient buffer exists from the wrap on"))
     loss_split: int = Field(default=0, ge=0, description=(
         "tokens per piece of a cross-entropy split without checkpointing (litgpt's "
         "chunked_cross_entropy: logits.split(128)); 0: one piece"))

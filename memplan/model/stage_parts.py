@@ -23,7 +23,7 @@ from memplan.model.pipeline import stage_layers
 from memplan.model.walk import first_positions, runs_of
 from memplan.parallel import GradBuffers, ParallelConfig, ZeroStage
 from memplan.spec import ModelSpec
-from memplan.workload import Framework, Recompute, Workload
+from memplan.workload import Recompute, Workload
 
 LayerKey = tuple[bool, Recompute]  # (MoE layer?, recompute policy)
 
@@ -103,11 +103,9 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
     e = wl.compute_dtype.itemsize
     # Gradients exist during forward when an earlier micro-batch made them, or when they live
     # in persistent data-parallel buffers; DDP's default copies them into separate buckets.
-    # Megatron-LM wraps the model in its DDP at any data-parallel size: the contiguous
-    # gradient buffer exists from the wrap on (megatron/core/distributed/
-    # param_and_grad_buffer.py _ParamAndGradBuffer.__init__: torch.zeros(numel))
-    ddp = par.data_parallel_buffers or (wl.framework is Framework.MEGATRON
-                                        and par.zero < ZeroStage.GRADIENTS)
+    # a DDP wrap at any data-parallel size (Workload.ddp_any_size: Megatron-LM) keeps its
+    # gradient buffer from the wrap on, one rank included
+    ddp = par.data_parallel_buffers or (wl.ddp_any_size and par.zero < ZeroStage.GRADIENTS)
     return StageStates(
         first=first, last=last, params=params, states=st,
         grad_per_param=st.grads_bytes / max(params.total, 1),

@@ -21,8 +21,9 @@ Kernels a CPU build runs differently from CUDA are swapped for the CUDA kernel w
 (a bool mask) but ``input * noise`` on CPU. The libraries' code is otherwise run as it is.
 
 Buffers the model registers (RoPE tables) are device memory in every phase: they are counted
-under their own category, ``buffers``, so the phase totals include them (memplan has no term for
-them; they are bytes, not percent, on the models traced here).
+under their own category, ``buffers``, so the phase totals include them (memplan's
+``StageMemory.buffers_bytes``). Tensors a loop keeps beyond the graph (litgpt's ``logits``)
+are counted as ``held``, not as saved activations (memplan: the preset's ``logits_held``).
 
 Fake tensors (``FakeTensorMode``) trace catalog widths without memory, but transformers takes
 fake tensors for tracing (``transformers.utils.import_utils.is_tracing``): with ``use_cache``
@@ -430,8 +431,8 @@ def build_torchtitan(case: FrameworkCase) -> Built:
     a GPU's SDPA kernel is in it.
 
     Real tensors only: ``torch.nn.init.trunc_normal_`` (its parameter init) reads values.
-    ``dp`` must be at least 2: ``apply_fsdp_to_decoder`` shards even one rank, whose gathered
-    copies memplan's single-rank layout has no term for."""
+    ``dp`` 1 runs on a one-rank fake process group: ``apply_fsdp_to_decoder`` shards even
+    one rank (its gathered units and unsharded gradients exist at shard degree 1)."""
     import torchtitan.distributed.parallel_dims as pd
     from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
