@@ -173,7 +173,8 @@ GENERIC: dict[str, Any] = {
     "optimizer_impl": "foreach", "norm_impl": "upcast", "logits_fp32": True,
     "logits_held": LogitsHeld.NONE.value, "softmax_fp32": False, "kv_cache": False,
     "fsdp_units": "root", "keep_grads": False, "loss_impl": "generic",
-    "selective_impl": "core", "fused_qkv": False, "rope_cache": "forward", "loss_split": 0, "ddp_any_size": False,
+    "selective_impl": "core", "fused_qkv": False, "rope_cache": "forward", "loss_split": 0,
+    "ddp_any_size": False,
     "attention_impl": "generic", "tp_style": "megatron", "grad_buffers": "view",
 }
 LAYOUT_FIELDS = frozenset({"tp_style", "grad_buffers"})
