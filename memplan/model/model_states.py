@@ -198,6 +198,8 @@ class ShardingBuffers(NamedTuple):
     backward_last_block_bytes: int = -1  # ... while the stage's first block's backward runs
     #                                     (the last in backward; -1: backward_block_bytes)
     backward_end_bytes: int = -1  # ... at the embedding's backward (-1: at_loss)
+    reduce_copies: int = 0  # unit-sized reduce-dtype tensors at a unit's reduce, where that
+    #                         moment is modelled (FSDP2 at shard degree 1)
     separate_units: bool = False  # embedding and head are units of their own (reduce-scattered
     #                               after their own backward, not at the end)
 
@@ -225,7 +227,12 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload) -> 
         # one is gathered (prefetch): two blocks at a time (traced,
         # tests/traced/test_parallel_trace).
         layer = max(params.layers, default=0)
-        blocks = 2 * layer if len(params.layers) > 1 else layer
+        # At shard degree 1 there is no flat all-gather output: each parameter's unsharded
+        # storage is filled from its cast shard (torch/distributed/fsdp/_fully_shard/
+        # _fsdp_param_group.py FSDPParamGroup.wait_for_unshard, world_size == 1), so no
+        # previous unit's output is kept for overlap and one block is gathered at a time.
+        one_rank = par.dense_shard_degree == 1
+        blocks = 2 * layer if len(params.layers) > 1 and not one_rank else layer
         e = policy.unsharded.itemsize
         root = params.embedding + params.head
         if separate_units(wl):
@@ -235,13 +242,22 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload) -> 
             # backward prefetches (the block before it; for the first block, the embedding);
             # the head's unit beside the last block's prefetch; the embedding's at the end
             # (traced: tests/traced/test_frameworks.py, torchtitan cases)
+            # At shard degree 1 a prefetch allocates nothing (unshard only marks the unit;
+            # its storage is made in wait_for_unshard), so each unit is gathered alone.
             head, emb = params.head, params.embedding
-            return ShardingBuffers(max(blocks, layer + head) * e, head * e,
+            ahead = 0 if one_rank else 1  # the unit prefetched beside the running one
+            return ShardingBuffers(max(blocks, layer + ahead * head) * e, head * e,
                                    params.largest_unit * policy.grad_bytes,
-                                   backward_head_bytes=(head + layer) * e,
+                                   backward_head_bytes=(head + ahead * layer) * e,
                                    backward_block_bytes=blocks * e,
-                                   backward_last_block_bytes=(layer + emb) * e,
-                                   backward_end_bytes=emb * e, separate_units=True)
+                                   backward_last_block_bytes=(layer + ahead * emb) * e,
+                                   backward_end_bytes=emb * e, separate_units=True,
+                                   # at shard degree 1 a unit's reduce holds its input, its
+                                   # output (the new gradient) and the input divided by
+                                   # torchtitan's factor 1.0 (_fsdp_collectives.py
+                                   # foreach_reduce, world_size 1 branch; torchtitan
+                                   # distributed/fsdp.py disable_fsdp_gradient_division)
+                                   reduce_copies=3 if one_rank else 0)
         return ShardingBuffers((root + blocks) * e, (root + layer) * e,
                                params.largest_unit * policy.grad_bytes)
     if par.zero == ZeroStage.GRADIENTS and par.dense_shard_degree > 1:

@@ -209,7 +209,7 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
         rest_saved=rope_bytes * par.vpp + embed_bytes + batch,
         head=_head_backward(shared, fx, head_bytes - batch),
         embedding=_embedding_backward(spec, shared, fx),
-        sharding=_grad_sharding(wl, fx),
+        sharding=_grad_sharding(wl, fx, shared.dm.stream(spec.hidden_size)),
     )
     buckets = fx.buckets
     grads_in_forward = st.grads_bytes if m > 1 or fx.persistent else 0
@@ -301,7 +301,7 @@ def _embedding_backward(spec: ModelSpec, shared: memo.SharedTerms,
                              freed_before=freed)
 
 
-def _grad_sharding(wl: Workload, fx: StageStates) -> GradSharding:
+def _grad_sharding(wl: Workload, fx: StageStates, boundary_grad: int = 0) -> GradSharding:
     shard, policy = fx.shard, wl.precision.policy
     return GradSharding(
         buffer=shard.grad_bytes,
@@ -317,7 +317,8 @@ def _grad_sharding(wl: Workload, fx: StageStates) -> GradSharding:
                                 _or(shard.backward_block_bytes, shard.gathered_at_loss_bytes)),
         gathered_at_loss=_or(shard.backward_head_bytes, shard.gathered_at_loss_bytes),
         gathered_at_end=_or(shard.backward_end_bytes, shard.gathered_at_loss_bytes),
-        separate_units=shard.separate_units)
+        separate_units=shard.separate_units, reduce_copies=shard.reduce_copies,
+        boundary_grad=boundary_grad if shard.reduce_copies else 0)
 
 
 def _or(value: int, default: int) -> int:

@@ -57,6 +57,10 @@ class GradSharding(NamedTuple):
     #                               runs its backward
     separate_units: bool = False  # FSDP2: the embedding and the head are units of their own,
     #                               each reduce-scattered after its backward
+    reduce_copies: int = 0  # FSDP2 at shard degree 1: unit-sized reduce-dtype tensors alive at
+    #                         a unit's reduce (its input, its output, which becomes the
+    #                         gradient, and a divided copy); 0 where no such moment is modelled
+    boundary_grad: int = 0  # ... and the gradient of the unit's input, alive beside them
 
 
 class Walk(NamedTuple):
@@ -139,6 +143,13 @@ def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
     # the head's own unit: its reduce-scatter input (unsharded, in the reduce dtype) is held
     # until the first block's reduce-scatter, as a block's is until the next one's
     previous = int(h.grads * sh.unsharded_ratio) if sh.separate_units else 0
+
+    def reduced(unit: int) -> int:
+        # a unit's reduce at shard degree 1, beyond the gradients held before it
+        return sh.reduce_copies * int(unit * sh.unsharded_ratio) + sh.boundary_grad
+
+    if sh.reduce_copies and sh.separate_units:  # the head's unit, after its backward
+        peak = max(peak, acts + grads - h.grads + pending + reduced(h.grads))
     last_run = len(w.runs) - 1
     for index, (kind, layer_grads, moment_grads, n) in enumerate(reversed(w.runs)):
         step_grads = layer_grads if growing else 0
@@ -166,6 +177,11 @@ def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
             if n == 1:
                 first_moment = last_moment
         peak = max(peak, first_moment, last_moment)
+        if sh.reduce_copies and growing:  # the run's first and last units at their reduce
+            #                               (weights resharded, saved tensors freed)
+            for k in {1, n}:
+                peak = max(peak, acts - k * kind.saved_bytes + grads + (k - 1) * step_grads
+                           + pending + root_held + reduced(layer_grads))
         acts -= n * kind.saved_bytes
         grads += n * step_grads
         produced += n * layer_grads
@@ -174,6 +190,9 @@ def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
     end_units = emb.grads if sh.separate_units else h.grads + emb.grads
     end_buffer = (root(end_units) + (held if done else 0) if held
                   else buffer(produced + emb.grads))
+    if sh.reduce_copies and sh.separate_units and growing:  # the embedding's unit
+        peak = max(peak, acts - emb.freed_before + end_grads - emb.grads + reduced(emb.grads)
+                   - sh.boundary_grad)
     return max(peak, acts - emb.freed_before + end_grads + emb.extra + end_buffer
                + sh.gathered_at_end)
 

@@ -156,21 +156,11 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
            "forward's peak than memplan's checkpointed layers hold, not attributed yet (the "
            "same bytes at 2 ranks, where they are under 1%). Measured: forward -1.14% first "
            "step, -0.85% steady; every other row within 1%.")),
-    # one rank: parallelize_llama runs apply_fsdp_to_decoder at shard degree 1 too
-    (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=1),
-     Known(("first_step.backward_bytes", "steady.backward_bytes"),
-           "FSDP2 at shard degree 1 (models/llama3/parallelize.py: 'Always run "
-           "apply_fsdp_to_decoder'): memplan counts its gathered bf16 units and unsharded "
-           "gradients as at any degree; the backward holds 398,336 B more than that, not "
-           "attributed yet. Measured: backward -1.87% first step, -1.06% steady; forward and "
-           "optimizer within 1%.")),
+    # one rank: parallelize_llama runs apply_fsdp_to_decoder at shard degree 1 too, where a
+    # unit is gathered alone (no flat all-gather output) and its reduce holds three copies
+    (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=1), None),
     (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=1,
-                   options={"ac": "full"}),
-     Known(("first_step.forward_bytes", "steady.forward_bytes", "first_step.backward_bytes",
-            "steady.backward_bytes"),
-           "FSDP2 at shard degree 1 under FullAC: the forward holds one gathered bf16 block "
-           "fewer than memplan's prefetch pair (forward +9.58% first step, +4.03% steady), the "
-           "backward as without AC (-1.87% / -1.06%); not attributed yet.")),
+                   options={"ac": "full"}), None),
     # --- litgpt through Lightning Fabric, as litgpt/pretrain.py runs it ----------------------
     # (the lightning preset holds the loop's fp32 logits from the loss to the next forward)
     (FrameworkCase("litgpt", "Llama-2-7b-hf", LITGPT_TOY, "fp32", 2, 128), None),
