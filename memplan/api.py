@@ -60,7 +60,8 @@ def make_layout(num_gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: in
                 ep: int = 1, dp: int | None = None, zero: int = 0,
                 sequence_parallel: bool | None = None, vocab_parallel: bool = True,
                 tp_style: str | None = None, grad_buffers: str | None = None,
-                offload: str = "none") -> ParallelConfig:
+                offload: str = "none", stage_layers: Any = None,
+                dp_shard: int | None = None) -> ParallelConfig:
     """A layout for ``num_gpus``; sequence parallelism defaults to on whenever tp > 1; TP style
     and gradient buffers default to Megatron-LM's (``memplan.presets.GENERIC``)."""
     tp_style = presets.GENERIC["tp_style"] if tp_style is None else tp_style
@@ -78,10 +79,36 @@ def make_layout(num_gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: in
     offload = getattr(offload, "value", offload)
     if offload not in {kind.value for kind in Offload}:
         raise MemplanError(f"offload must be none or optimizer, got {offload!r}")
+    split = parse_stage_layers(stage_layers)
+    if dp_shard is not None and (isinstance(dp_shard, bool) or not isinstance(dp_shard, int)
+                                 or dp_shard <= 0):
+        raise MemplanError(f"dp_shard must be a positive integer, got {dp_shard!r}")
     return layout_for_gpus(num_gpus, tp=tp, pp=pp, cp=cp, dp=dp, vpp=vpp, ep=ep,
                            zero=ZeroStage(zero), sequence_parallel=sp,
                            vocab_parallel=vocab_parallel, tp_style=TpStyle(tp_style),
-                           grad_buffers=GradBuffers(grad_buffers), offload=Offload(offload))
+                           grad_buffers=GradBuffers(grad_buffers), offload=Offload(offload),
+                           stage_layers=split, dp_shard=dp_shard)
+
+
+def parse_stage_layers(value: Any) -> tuple[int, ...] | None:
+    """Layers per virtual pipeline stage from "15,16,...", a sequence of ints, or None."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else value
+    try:
+        out = tuple(_layer_count(item) for item in items)
+    except (TypeError, ValueError):
+        raise MemplanError(f"stage_layers must be layer counts separated by commas, got "
+                           f"{value!r}") from None
+    if not out:
+        raise MemplanError(f"stage_layers must list at least one stage, got {value!r}")
+    return out
+
+
+def _layer_count(item: Any) -> int:
+    if isinstance(item, bool) or isinstance(item, float):
+        raise TypeError(item)
+    return int(item.strip()) if isinstance(item, str) else int(item)
 
 
 def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFAULT_GPU,
@@ -90,6 +117,7 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
              sequence_parallel: bool | None = None, vocab_parallel: bool = True,
              tp_style: str | None = None, grad_buffers: str | None = None,
              offload: str = "none", framework: str | None = None,
+             stage_layers: Any = None, dp_shard: int | None = None,
              overheads: Overheads | None = None,
              schedule: Schedule | str = Schedule.ONE_F_ONE_B,
              calibration: str | list[str] | None = None, **workload: Any) -> Estimate:
@@ -109,7 +137,7 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
                             zero=zero, sequence_parallel=sequence_parallel,
                             vocab_parallel=vocab_parallel, tp_style=tp_style,
                             grad_buffers=grad_buffers, offload=offload, framework=framework,
-                            **workload)
+                            stage_layers=stage_layers, dp_shard=dp_shard, **workload)
     gpu_spec = gpu if isinstance(gpu, GpuSpec) else load_gpu(gpu)
     est = _estimate(spec, gpu_spec, par, wl, capacity_bytes=_capacity(gpu_memory),
                     overheads=overheads,
@@ -148,6 +176,7 @@ def resolve(model: str | ModelSpec, *, gpus: int = 1, tp: int = 1, pp: int = 1, 
             sequence_parallel: bool | None = None, vocab_parallel: bool = True,
             tp_style: str | None = None, grad_buffers: str | None = None,
             offload: str = "none", framework: str | None = None,
+            stage_layers: Any = None, dp_shard: int | None = None,
             **workload: Any) -> tuple[ModelSpec, ParallelConfig, Workload]:
     """The typed (spec, layout, workload) for names and numbers; raises MemplanError.
     Implementation choices left None take the framework's defaults (``memplan.presets``)."""
@@ -158,7 +187,7 @@ def resolve(model: str | ModelSpec, *, gpus: int = 1, tp: int = 1, pp: int = 1, 
     par = make_layout(gpus, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp, zero=zero,
                       sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,
                       tp_style=filled.pop("tp_style"), grad_buffers=filled.pop("grad_buffers"),
-                      offload=offload)
+                      offload=offload, stage_layers=stage_layers, dp_shard=dp_shard)
     return spec, par, make_workload(spec, framework=fw, **filled)
 
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import enum
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from memplan import presets
 from memplan.errors import LayoutError
 from memplan.spec import ModelSpec, PositionKind
 from memplan.units import ceil_div
-from memplan.workload import Precision, Recompute, Workload
+from memplan.workload import PipelineSplit, Precision, Recompute, Workload
 
 
 class ZeroStage(enum.IntEnum):
@@ -93,11 +93,22 @@ class ParallelConfig(BaseModel):
     tp_style: TpStyle = TpStyle.MEGATRON
     grad_buffers: GradBuffers = GradBuffers.VIEW
     offload: Offload = Offload.NONE
+    stage_layers: tuple[int, ...] | None = Field(default=None, description=(
+        "decoder layers of each virtual pipeline stage in order (pp*vpp entries; virtual "
+        "stage c*pp + r is model chunk c of pipeline rank r); None: pp*vpp equal parts"))
+    dp_shard: int | None = Field(default=None, gt=0, description=(
+        "ranks of one ZeRO/FSDP shard group within the data-parallel group (HSDP: dp = "
+        "replicas x dp_shard); None: shard over all of dp"))
+
+    @field_validator("stage_layers", mode="before")
+    @classmethod
+    def _split_as_tuple(cls, value: object) -> object:
+        return tuple(value) if isinstance(value, list) else value
 
     @property
     def data_parallel_buffers(self) -> bool:
         """Whether gradients go through DDP-style buffers (ZeRO 0/1 with several replicas)."""
-        return self.zero < ZeroStage.GRADIENTS and self.dense_shard_degree > 1
+        return self.zero < ZeroStage.GRADIENTS and self.data_parallel_degree > 1
 
     @property
     def vocab_divisor(self) -> int:
@@ -113,8 +124,24 @@ class ParallelConfig(BaseModel):
 
     @property
     def dense_shard_degree(self) -> int:
-        """Ranks that hold replicas of one dense parameter shard: ZeRO shards across DP x CP
-        (Megatron-LM's distributed optimizer uses the data-parallel group with CP folded in)."""
+        """Ranks one dense parameter is sharded over: ZeRO shards across DP x CP
+        (Megatron-LM's distributed optimizer uses the data-parallel group with CP folded in;
+        torchtitan's FSDP mesh is dp_shard x cp), or across the shard group x CP with HSDP."""
+        return self.shard_group * self.cp
+
+    @property
+    def shard_group(self) -> int:
+        """Data-parallel ranks of one shard group: ``dp_shard``, else all of dp."""
+        return self.dp if self.dp_shard is None else self.dp_shard
+
+    @property
+    def replicas(self) -> int:
+        """Shard groups that hold the same shards (HSDP's replicate degree; 1 without)."""
+        return self.dp // self.shard_group
+
+    @property
+    def data_parallel_degree(self) -> int:
+        """Ranks whose gradients are averaged: dp x cp (shard groups and their replicas)."""
         return self.dp * self.cp
 
     @property
@@ -138,6 +165,43 @@ def local_seq(seq_len, cp):  # ints, or numpy arrays of them (the step-time mode
     """Tokens of one sequence on one context-parallel rank: seq / cp (``validate`` makes 2*cp
     divide seq)."""
     return seq_len // cp
+
+
+def virtual_stage_layers(num_layers: int, par: ParallelConfig) -> tuple[int, ...]:
+    """Decoder layers of each virtual stage in order (``ParallelConfig.stage_layers``, else
+    pp*vpp equal parts): virtual stage c*pp + r is model chunk c of pipeline rank r, as
+    Megatron-LM's interleaving and torchtitan's looped schedules place them."""
+    if par.stage_layers is not None:
+        return par.stage_layers
+    parts = par.pp * par.vpp
+    return (num_layers // parts,) * parts
+
+
+def rank_layers(num_layers: int, par: ParallelConfig) -> tuple[int, ...]:
+    """Decoder layers on each pipeline rank, all its model chunks together."""
+    counts = virtual_stage_layers(num_layers, par)
+    return tuple(sum(counts[c * par.pp + r] for c in range(par.vpp)) for r in range(par.pp))
+
+
+def weighted_split(num_layers: int, parts: int, input_weight: int = 1,
+                   output_weight: int = 1) -> tuple[int, ...]:
+    """torchtitan's automatic split (distributed/pipeline_parallel.py
+    _generate_llm_fqn_per_model_part, torchtitan 0.3.0): the embedding counts as
+    ``input_weight`` layers on the first virtual stage and the final norm and head as
+    ``output_weight`` on the last (``pipeline_parallel_first/last_stage_less_layers``, 1 by
+    default); the ``num_layers + weights`` effective layers are split evenly, the first
+    stages taking one more where they do not divide. ``()`` where it leaves a stage
+    without a layer (torchtitan refuses such a split)."""
+    if parts == 1:
+        return (num_layers,)
+    effective = num_layers + input_weight + output_weight
+    per, extra = divmod(effective, parts)
+    if per == 0 or input_weight > per or output_weight > per:
+        return ()
+    counts = [per + (i < extra) for i in range(parts)]
+    counts[0] -= input_weight
+    counts[-1] -= output_weight
+    return tuple(counts) if min(counts) > 0 else ()
 
 
 def pipeline_stage(par: ParallelConfig, rank: int) -> int:
@@ -179,7 +243,8 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
         raise LayoutError("ep > 1 needs a mixture-of-experts model",
                           f"ep ({par.ep}) > 1 needs a mixture-of-experts model; {spec.name} "
                           "is dense")
-    _require_divides("pp*vpp", par.pp * par.vpp, "num_layers", spec.num_layers)
+    _validate_split(spec, par)
+    _validate_shard_group(spec, par)
     if par.vpp > 1 and par.pp == 1:
         raise LayoutError("vpp > 1 needs pp > 1",
                           f"vpp ({par.vpp}) > 1 needs pp > 1 (interleaved pipeline)")
@@ -233,11 +298,77 @@ def _validate_recompute(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> N
         raise LayoutError("recompute_layers applies only to recompute full",
                           f"recompute_layers ({wl.recompute_layers}) applies only to recompute "
                           f"full, got recompute {wl.recompute.label}")
-    per_stage = spec.num_layers // par.pp
+    per_stage = max(rank_layers(spec.num_layers, par))
     if wl.recompute_layers > per_stage:
         raise LayoutError("recompute_layers must be at most the layers per pipeline stage",
                           f"recompute_layers ({wl.recompute_layers}) must be at most the layers "
                           f"per pipeline stage ({per_stage})")
+
+
+def _validate_split(spec: ModelSpec, par: ParallelConfig) -> None:
+    split = par.stage_layers
+    if split is None:
+        _require_divides("pp*vpp", par.pp * par.vpp, "num_layers", spec.num_layers)
+        return
+    shown = ",".join(map(str, split))
+    if len(split) != par.pp * par.vpp:
+        what = f"pp*vpp ({par.pp}*{par.vpp})" if par.vpp > 1 else f"pp ({par.pp})"
+        raise LayoutError("stage_layers needs one entry per virtual pipeline stage",
+                          f"stage_layers ({shown}) has {len(split)} entries; {what} = "
+                          f"{par.pp * par.vpp} virtual stages need one each")
+    if min(split) < 1:
+        stage = split.index(min(split))
+        raise LayoutError("stage_layers entries must be at least 1",
+                          f"stage_layers ({shown}): stage {stage} has {split[stage]} layers; "
+                          "every pipeline stage needs at least one decoder layer")
+    if sum(split) != spec.num_layers:
+        raise LayoutError("stage_layers must sum to num_layers",
+                          f"stage_layers ({shown}) sum to {sum(split)}, but {spec.name} has "
+                          f"{spec.num_layers} layers")
+
+
+def _validate_shard_group(spec: ModelSpec, par: ParallelConfig) -> None:
+    if par.dp_shard is None:
+        return
+    if par.dp % par.dp_shard:
+        raise LayoutError("dp_shard must divide dp",
+                          f"dp_shard ({par.dp_shard}) must divide dp ({par.dp}): dp = "
+                          "replicas x dp_shard")
+    if par.zero == ZeroStage.NONE and par.dp_shard < par.dp:
+        raise LayoutError("dp_shard needs ZeRO stage 1, 2 or 3",
+                          f"dp_shard ({par.dp_shard}) shards states within groups of the data-"
+                          "parallel ranks; with zero 0 nothing is sharded (use --zero 1-3)")
+    if par.ep > 1 and par.dp_shard < par.dp:
+        raise LayoutError("dp_shard with ep > 1 is not modelled",
+                          f"dp_shard ({par.dp_shard}) < dp ({par.dp}) with ep ({par.ep}) > 1: "
+                          "how expert weights shard within a replicate group is not modelled")
+
+
+def resolve_split(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> ParallelConfig:
+    """``par`` with the framework's default pipeline split filled in where it is uneven
+    (``Workload.pipeline_split``); an even split stays ``stage_layers=None``. A given
+    ``stage_layers`` is kept as it is (``validate`` checks it)."""
+    if par.pp == 1 or par.stage_layers is not None:
+        return par
+    parts = par.pp * par.vpp
+    if wl.pipeline_split is PipelineSplit.WEIGHTED:
+        counts = weighted_split(spec.num_layers, parts)
+        if not counts:
+            raise LayoutError(
+                "pipeline split leaves a stage without a layer",
+                f"{wl.framework.value}'s split of {spec.num_layers} layers with the embedding "
+                f"and the head counted as one layer each over {parts} virtual stages leaves a "
+                "stage without a decoder layer (give --stage-layers)")
+        return par if len(set(counts)) == 1 else par.model_copy(update={"stage_layers": counts})
+    if spec.num_layers % parts:
+        who = ("Megatron-LM asserts it (transformer_block.py get_num_layers_to_build); give "
+               "its split as --stage-layers (--decoder-first/last-pipeline-num-layers or "
+               "--pipeline-model-parallel-layout)" if wl.framework.value == "megatron" else
+               "give the split with --stage-layers")
+        raise LayoutError("pp*vpp must divide num_layers",
+                          f"pp*vpp ({parts}) must divide num_layers ({spec.num_layers}) for "
+                          f"an even split; {who}")
+    return par
 
 
 def resolve_batch(par: ParallelConfig, wl: Workload) -> tuple[int, int]:

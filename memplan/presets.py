@@ -111,6 +111,11 @@ PRESETS: dict[Framework, tuple[Default, ...]] = {
                 f"every attention layer, complex64 (max_seq_len, head_dim/2), cut to "
                 f"training.seq_len by models/common/decoder.py Decoder.Config."
                 f"update_from_config ({_TITAN})"),
+        Default("pipeline_split", "weighted",
+                f"distributed/pipeline_parallel.py pipeline_llm: without "
+                f"module_fqns_per_model_part, _generate_llm_fqn_per_model_part splits the "
+                f"layers with the embedding and the head counted as pipeline_parallel_first/"
+                f"last_stage_less_layers (1) layers each ({_TITAN})"),
         Default("tp_style", "dtensor",
                 f"models/llama3/infra/parallelize.py apply_tp: DTensor ColwiseParallel / "
                 f"RowwiseParallel / SequenceParallel plans ({_TITAN})"),
@@ -175,7 +180,8 @@ GENERIC: dict[str, Any] = {
     "fsdp_units": "root", "keep_grads": False, "loss_impl": "generic",
     "selective_impl": "core", "fused_qkv": False, "rope_cache": "forward", "loss_split": 0,
     "ddp_any_size": False,
-    "attention_impl": "generic", "tp_style": "megatron", "grad_buffers": "view",
+    "attention_impl": "generic", "pipeline_split": "even", "tp_style": "megatron",
+    "grad_buffers": "view",
 }
 LAYOUT_FIELDS = frozenset({"tp_style", "grad_buffers"})
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from memplan.hardware import GpuSpec
 from memplan.model.pipeline import stage_layers
 from memplan.model.sac import recomputed
-from memplan.parallel import Offload, ParallelConfig, ZeroStage, local_seq
+from memplan.parallel import Offload, ParallelConfig, ZeroStage, local_seq, rank_layers
 from memplan.spec import ModelSpec, param_counts
 from memplan.units import DType
 from memplan.workload import Recompute, SelectiveImpl, Workload
@@ -115,11 +115,11 @@ def layer_forward_flops(spec: ModelSpec, seq_len: int) -> tuple[int, ...]:
 
 @lru_cache(maxsize=1024)
 def recomputed_layers(num_layers: int, recompute_layers: int, pp: int,
-                      vpp: int = 1) -> tuple[int, ...]:
+                      vpp: int = 1, split: tuple[int, ...] | None = None) -> tuple[int, ...]:
     """Indices of the layers full recompute of ``recompute_layers`` per stage reruns: the first
     k of each pipeline rank's layer list, its chunks in order
     (``memplan.model.stage_parts.layer_recompute`` on ``memplan.model.pipeline.stage_layers``)."""
-    par = ParallelConfig(pp=pp, vpp=vpp)
+    par = ParallelConfig(pp=pp, vpp=vpp, stage_layers=split)
     out: list[int] = []
     for stage in range(pp):
         layers = [i for chunk in stage_layers(num_layers, par, stage) for i in chunk]
@@ -128,7 +128,7 @@ def recomputed_layers(num_layers: int, recompute_layers: int, pp: int,
 
 
 def step_flops(spec: ModelSpec, wl: Workload, global_batch: int, *, pp: int,
-               vpp: int = 1) -> tuple[float, float]:
+               vpp: int = 1, split: tuple[int, ...] | None = None) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) of one step of the whole job with ``pp`` pipeline stages
     of ``vpp`` chunks each: ``wl.recompute_layers`` counts per stage, as in memory."""
     tokens = global_batch * wl.seq_len
@@ -140,12 +140,15 @@ def step_flops(spec: ModelSpec, wl: Workload, global_batch: int, *, pp: int,
     extra = head * tokens if wl.loss_chunks > 1 else 0.0
     if wl.recompute is Recompute.FULL:
         k = wl.recompute_layers
-        if k is None or k >= spec.num_layers // pp:  # every layer of every stage
+        largest = max(rank_layers(spec.num_layers, ParallelConfig(pp=pp, vpp=vpp,
+                                                                   stage_layers=split)))
+        if k is None or k >= largest:  # every layer of every stage
             per_layer = (forward - head) / spec.num_layers
             extra += per_layer * spec.num_layers * tokens
         else:
             per_token = layer_forward_flops(spec, wl.seq_len)
-            rerun = sum(per_token[i] for i in recomputed_layers(spec.num_layers, k, pp, vpp))
+            rerun = sum(per_token[i] for i in recomputed_layers(spec.num_layers, k, pp, vpp,
+                                                                         split))
             extra += float(rerun * tokens)
     elif wl.recompute is Recompute.SELECTIVE and wl.selective_impl is SelectiveImpl.OP:
         # per-op SAC reruns the matmuls it does not keep (every second one; memplan.model.sac)
@@ -405,7 +408,8 @@ def step_time(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload,
               mfu: float = DEFAULT_MFU) -> StepTime:
     """Estimated seconds of one step of one layout and what bounds it (``step_times`` on
     plain numbers: the same floats, without numpy)."""
-    model, hardware = step_flops(spec, wl, global_batch, pp=par.pp, vpp=par.vpp)
+    model, hardware = step_flops(spec, wl, global_batch, pp=par.pp, vpp=par.vpp,
+                                 split=par.stage_layers)
     c = Columns.one(par, wl.micro_batch_size, num_microbatches, params_on_rank)
     f = _step_fields(spec, gpu, wl, global_batch, c, model, hardware, mfu)
     return StepTime(

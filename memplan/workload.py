@@ -284,6 +284,21 @@ class AttentionImpl(str, enum.Enum):
     LITGPT = "litgpt"
 
 
+class PipelineSplit(str, enum.Enum):
+    """How decoder layers are split over pipeline stages when no split is given.
+
+    even      pp*vpp equal parts, refused where they do not divide the layers (Megatron-LM's
+              default: megatron/core/transformer/transformer_block.py get_num_layers_to_build
+              asserts "num_layers should be divisible by pipeline_model_parallel_size")
+    weighted  torchtitan's automatic split: the embedding and the final norm + head count as
+              one layer each and the sum is split evenly (distributed/pipeline_parallel.py
+              _generate_llm_fqn_per_model_part), at any pp, divisible or not
+    """
+
+    EVEN = "even"
+    WEIGHTED = "weighted"
+
+
 class Workload(BaseModel):
     """One training step. Token counts are per micro-batch, per data-parallel replica."""
 
@@ -324,6 +339,7 @@ class Workload(BaseModel):
         "chunked_cross_entropy: logits.split(128)); 0: one piece"))
     rope_cache: RopeCache = RopeCache.FORWARD
     attention_impl: AttentionImpl = AttentionImpl.GENERIC
+    pipeline_split: PipelineSplit = PipelineSplit.EVEN
     loss_chunks: int = Field(default=1, gt=0, description=(
         "1: the head and cross-entropy run on all tokens at once; n > 1: on n chunks of the "
         "tokens, each under activation checkpointing (logits never exist for all tokens)"))

@@ -44,6 +44,7 @@ from memplan.parallel import (
     ParallelConfig,
     pipeline_stage,
     resolve_batch,
+    resolve_split,
     validate,
 )
 from memplan.spec import ModelSpec
@@ -117,6 +118,7 @@ def estimate(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, *
     ``capacity_bytes`` defaults to the GPU's reported memory; ``overheads`` to the uncalibrated
     defaults for the GPU (``memplan.overheads``).
     """
+    par = resolve_split(spec, par, wl)
     validate(spec, par, wl)
     gbs, m = resolve_batch(par, wl)
     ovh = overheads if overheads is not None else default_overheads(gpu)
@@ -153,7 +155,9 @@ def _template(par: ParallelConfig,
     """The first interior stage others can follow from (with interleaving every chunk must hold
     the same kinds of layer)."""
     for i in range(1, par.pp - 1):
-        if par.vpp == 1 or len(set(parts[i][1].keys)) == 1:
+        kinds = parts[i][1]
+        if par.vpp == 1 or (len(set(kinds.keys)) == 1
+                            and len({sum(c.values()) for c in kinds.chunks}) == 1):
             return i
     return None
 
@@ -162,7 +166,8 @@ def _follows(par: ParallelConfig, parts: tuple[tuple[StageStates, StageKinds], .
              template: int | None, stage: int) -> bool:
     """Whether interior ``stage`` follows from the template: it holds the same kinds of layer."""
     return (template is not None and template < stage < par.pp - 1
-            and parts[stage][1].keys == parts[template][1].keys)
+            and parts[stage][1].keys == parts[template][1].keys
+            and parts[stage][1].chunks == parts[template][1].chunks)
 
 
 class RankPeak(NamedTuple):

@@ -72,7 +72,8 @@ def stage_parts(spec: ModelSpec, par: ParallelConfig,
 def _parts_for(spec: ModelSpec, par: ParallelConfig,
                wl: Workload) -> tuple[tuple[StageStates, StageKinds], ...]:
     states = _without(wl, True)
-    return tuple((_states_for(spec, par, states, i), _kinds_for(spec, wl, par.pp, par.vpp, i))
+    return tuple((_states_for(spec, par, states, i), _kinds_for(spec, wl, par.pp, par.vpp, i,
+                                                                  par.stage_layers))
                  for i in range(par.pp))
 
 
@@ -92,7 +93,7 @@ _kinds_for = lru_cache(maxsize=4096)(build_kinds)
 
 @lru_cache(maxsize=16384)
 def _states_for(spec: ModelSpec, par: ParallelConfig, wl: Workload, stage: int) -> StageStates:
-    layers = stage_layer_indices(spec, par.pp, par.vpp, stage)
+    layers = stage_layer_indices(spec, par.pp, par.vpp, stage, par.stage_layers)
     params = stage_params(spec, par.tp, par.ep, par.pp, layers, stage == 0, stage == par.pp - 1,
                           par.vocab_divisor)
     return build_states(spec, par, wl, params, stage)

@@ -200,6 +200,9 @@ class ShardingBuffers(NamedTuple):
     backward_end_bytes: int = -1  # ... at the embedding's backward (-1: at_loss)
     reduce_copies: int = 0  # unit-sized reduce-dtype tensors at a unit's reduce, where that
     #                         moment is modelled (FSDP2 at shard degree 1)
+    kept_gathered: bool = False  # FSDP2 under pipeline parallelism as torchtitan runs it: every
+    #                              unit stays gathered from its first forward to the step's
+    #                              reduce, and gradients accumulate unsharded until then
     separate_units: bool = False  # embedding and head are units of their own (reduce-scattered
     #                               after their own backward, not at the end)
 
@@ -218,6 +221,20 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload) -> 
     backward a unit's unsharded gradient before its reduce-scatter. ZeRO-2: one reduce bucket
     of unsharded gradients."""
     policy = wl.precision.policy
+    if par.zero >= ZeroStage.PARAMETERS and separate_units(wl) and par.pp > 1:
+        # torchtitan under PP: reshard_after_forward = not pp_enabled (distributed/fsdp.py
+        # get_fsdp_reshard_after_forward_policy, "default"), and torch's pipeline stage runs
+        # every micro-batch's backward with set_reshard_after_backward(False) and
+        # set_requires_gradient_sync(False) (torch/distributed/pipelining/stage.py
+        # backward_maybe_with_nosync), so the stage's weights stay gathered in the compute
+        # dtype and its gradients accumulate unsharded in the reduce dtype
+        # (_fsdp_param.py to_accumulated_grad_if_needed) until perform_reduce_grad runs
+        # post_backward once after the last micro-batch: there a unit's reduce-scatter input
+        # and its output shard exist beside them.
+        gathered = params.total * policy.unsharded.itemsize
+        unit = params.largest_unit * policy.grad_bytes
+        return ShardingBuffers(gathered, gathered, unit + ceil_div(unit, par.dense_shard_degree),
+                               kept_gathered=True)
     # torchtitan shards even one rank (models/llama3/parallelize.py parallelize_llama:
     # apply_fsdp_to_decoder always runs), so its gathered copies exist at any degree
     if par.zero >= ZeroStage.PARAMETERS and (par.dense_shard_degree > 1 or separate_units(wl)):

@@ -10,8 +10,9 @@ m micro-batches of every stage.
 from __future__ import annotations
 
 import enum
+from itertools import accumulate
 
-from memplan.parallel import ParallelConfig
+from memplan.parallel import ParallelConfig, virtual_stage_layers
 
 
 class Schedule(str, enum.Enum):
@@ -20,13 +21,11 @@ class Schedule(str, enum.Enum):
 
 
 def stage_layers(num_layers: int, par: ParallelConfig, stage: int) -> list[list[int]]:
-    """Layer indices of each model chunk on pipeline rank ``stage`` (v chunks of L/(p*v))."""
-    per_chunk = num_layers // (par.pp * par.vpp)
-    chunks = []
-    for c in range(par.vpp):
-        first = (c * par.pp + stage) * per_chunk
-        chunks.append(list(range(first, first + per_chunk)))
-    return chunks
+    """Layer indices of each model chunk on pipeline rank ``stage``."""
+    counts = virtual_stage_layers(num_layers, par)
+    starts = [0, *accumulate(counts)]
+    return [list(range(starts[c * par.pp + stage], starts[c * par.pp + stage + 1]))
+            for c in range(par.vpp)]
 
 
 def chunks_in_flight(par: ParallelConfig, num_microbatches: int, stage: int,

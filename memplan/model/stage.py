@@ -212,14 +212,26 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
         sharding=_grad_sharding(wl, fx, shared.dm.stream(spec.hidden_size)),
     )
     buckets = fx.buckets
-    grads_in_forward = st.grads_bytes if m > 1 or fx.persistent else 0
-    bwd_tensors = backward_peak(walk, grads_in_forward, st.grads_bytes)
-    # gradients zeroed, not freed (zero_grad(set_to_none=False)): from step 2 they exist
-    # through forward and backward accumulates into them
-    steady_grads, steady_bwd = grads_in_forward, bwd_tensors
-    if wl.keep_grads and not grads_in_forward:
-        steady_grads = st.grads_bytes
-        steady_bwd = backward_peak(walk, steady_grads, st.grads_bytes)
+    if shard.kept_gathered:
+        # FSDP2 under PP (``ShardingBuffers.kept_gathered``): the walk's gradients are the
+        # stage's unsharded accumulators, from the first micro-batch's backward to the reduce
+        # after the last, where a unit's reduce-scatter input and output shard join them
+        accum = int(fx.params.total * fx.grad_per_param)
+        grads_in_forward = accum if m > 1 else 0
+        bwd_tensors = max(backward_peak(walk, grads_in_forward, accum),
+                          accum + shard.grad_bytes + shard.gathered_bytes + walk.rest_saved)
+        # the sharded gradients the reduce makes, kept zeroed from step 2 (keep_grads)
+        kept = st.grads_bytes if wl.keep_grads else 0
+        steady_grads, steady_bwd = grads_in_forward + kept, bwd_tensors + kept
+    else:
+        grads_in_forward = st.grads_bytes if m > 1 or fx.persistent else 0
+        bwd_tensors = backward_peak(walk, grads_in_forward, st.grads_bytes)
+        # gradients zeroed, not freed (zero_grad(set_to_none=False)): from step 2 they exist
+        # through forward and backward accumulates into them
+        steady_grads, steady_bwd = grads_in_forward, bwd_tensors
+        if wl.keep_grads and not grads_in_forward:
+            steady_grads = st.grads_bytes
+            steady_bwd = backward_peak(walk, steady_grads, st.grads_bytes)
     # The targets exist from the step's start; the loss scalars from the loss on.
     targets = shared.targets_bytes if last else 0
     # logits a training loop keeps from the loss through backward and the optimizer step into
@@ -303,6 +315,10 @@ def _embedding_backward(spec: ModelSpec, shared: memo.SharedTerms,
 
 def _grad_sharding(wl: Workload, fx: StageStates, boundary_grad: int = 0) -> GradSharding:
     shard, policy = fx.shard, wl.precision.policy
+    if shard.kept_gathered:  # every unit gathered throughout; gradients as accumulators
+        g = shard.gathered_bytes
+        return GradSharding(buffer=0, unsharded_ratio=1.0, gathered_in_block=g,
+                            gathered_last_block=g, gathered_at_loss=g, gathered_at_end=g)
     return GradSharding(
         buffer=shard.grad_bytes,
         unsharded_ratio=fx.params.total * policy.grad_bytes / max(fx.states.grads_bytes, 1),

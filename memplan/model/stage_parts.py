@@ -8,6 +8,7 @@ configuration, and a search evaluates many micro-batch sizes and policies of eac
 from __future__ import annotations
 
 from collections import Counter
+from itertools import accumulate
 from typing import NamedTuple
 
 from memplan.model.model_states import (
@@ -79,18 +80,28 @@ class StageStates(NamedTuple):
                 + self.buckets + self.buffers)
 
 
-def stage_layer_indices(spec: ModelSpec, pp: int, vpp: int, stage: int) -> tuple[int, ...]:
+def chunk_layer_indices(spec: ModelSpec, pp: int, vpp: int, stage: int,
+                        split: tuple[int, ...] | None = None) -> list[list[int]]:
+    """The decoder layers of each model chunk of pipeline rank ``stage`` (``split``: the
+    layout's ``stage_layers``)."""
+    return stage_layers(spec.num_layers, ParallelConfig(pp=pp, vpp=vpp, stage_layers=split),
+                        stage)
+
+
+def stage_layer_indices(spec: ModelSpec, pp: int, vpp: int, stage: int,
+                        split: tuple[int, ...] | None = None) -> tuple[int, ...]:
     """The decoder layers of pipeline rank ``stage``, its model chunks in order."""
-    chunks = stage_layers(spec.num_layers, ParallelConfig(pp=pp, vpp=vpp), stage)
-    return tuple(i for chunk in chunks for i in chunk)
+    return tuple(i for chunk in chunk_layer_indices(spec, pp, vpp, stage, split) for i in chunk)
 
 
-def build_kinds(spec: ModelSpec, wl: Workload, pp: int, vpp: int, stage: int) -> StageKinds:
-    keys = layer_keys(spec, wl, list(stage_layer_indices(spec, pp, vpp, stage)))
+def build_kinds(spec: ModelSpec, wl: Workload, pp: int, vpp: int, stage: int,
+                split: tuple[int, ...] | None = None) -> StageKinds:
+    chunk_layers = chunk_layer_indices(spec, pp, vpp, stage, split)
+    keys = layer_keys(spec, wl, [i for chunk in chunk_layers for i in chunk])
     positions = first_positions(keys)
     counts = Counter(keys) if len(positions) > 1 else {keys[0]: len(keys)}
-    per_chunk = len(keys) // vpp
-    chunks = [Counter(keys[c * per_chunk:(c + 1) * per_chunk]) for c in range(vpp)]
+    ends = [0, *accumulate(len(chunk) for chunk in chunk_layers)]
+    chunks = [Counter(keys[ends[c]:ends[c + 1]]) for c in range(vpp)]
     return StageKinds(keys=keys, positions=positions, counts=counts, runs=runs_of(keys),
                       chunks=chunks)
 
@@ -100,6 +111,7 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
     """``params``: the stage's ``stage_params`` (cached apart, per layout)."""
     first, last = stage == 0, stage == par.pp - 1
     st = state_bytes(params, par, wl)
+    shard = sharding_buffers(params, par, wl)
     e = wl.compute_dtype.itemsize
     # Gradients exist during forward when an earlier micro-batch made them, or when they live
     # in persistent data-parallel buffers; DDP's default copies them into separate buckets.
@@ -108,13 +120,16 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
     ddp = par.data_parallel_buffers or (wl.ddp_any_size and par.zero < ZeroStage.GRADIENTS)
     return StageStates(
         first=first, last=last, params=params, states=st,
-        grad_per_param=st.grads_bytes / max(params.total, 1),
+        # kept unsharded under PP (``ShardingBuffers.kept_gathered``): the walk's gradients
+        # are the stage's unsharded accumulators, in the reduce dtype
+        grad_per_param=(wl.precision.policy.grad_bytes if shard.kept_gathered
+                        else st.grads_bytes / max(params.total, 1)),
         opt_temp=optimizer_step_temp_bytes(params, st, par, wl),
-        shard=sharding_buffers(params, par, wl),
+        shard=shard,
         vocab_grad=par.vocab_shard(spec.vocab_size) * spec.hidden_size * e,
         main_grads=wl.precision.policy.grad_bytes > e and par.zero < ZeroStage.PARAMETERS,
         buckets=st.grads_bytes if ddp and par.grad_buffers is GradBuffers.COPY else 0,
         persistent=ddp and par.grad_buffers is GradBuffers.VIEW,
-        buffers=rope_buffer_bytes(spec, wl, len(stage_layer_indices(spec, par.pp, par.vpp,
-                                                                    stage))),
+        buffers=rope_buffer_bytes(spec, wl, len(stage_layer_indices(
+            spec, par.pp, par.vpp, stage, par.stage_layers))),
     )
