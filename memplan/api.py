@@ -7,13 +7,15 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, wraps
+from os import PathLike, fspath
 from typing import Any
+
 
 from pydantic import ValidationError
 
-from memplan import presets
-from memplan.errors import MemplanError
+from memplan import arguments, presets
+from memplan.errors import MemplanError, validation_message
 from memplan.hardware import GpuSpec, load_gpu
 from memplan.model.estimate import Estimate
 from memplan.model.estimate import estimate as _estimate
@@ -41,6 +43,8 @@ def default_seq(spec: ModelSpec) -> int:
 
 def make_workload(spec: ModelSpec, **fields: Any) -> Workload:
     """A ``Workload`` from keyword fields, with the default sequence length for ``spec``."""
+    arguments.one_of("spec", spec, (ModelSpec,), what="a ModelSpec")
+    arguments.model_fields(Workload, fields, _FLAG_NAMES)
     if fields.get("seq_len") is None:
         fields["seq_len"] = default_seq(spec)
     items = tuple(sorted((k, v) for k, v in fields.items() if v is not None))
@@ -55,7 +59,25 @@ def _cached_workload(items: tuple[tuple[str, Any], ...]) -> Workload:
     return _validate(Workload, dict(items))
 
 
-@lru_cache(maxsize=4096)
+def _cached(function):
+    """``lru_cache`` that lets an unhashable argument through uncached, to be refused by name
+    in the body (``lru_cache`` alone would raise ``TypeError: unhashable type``)."""
+    cached = lru_cache(maxsize=4096)(function)
+
+    @wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            hash((args, tuple(kwargs.items())))
+        except TypeError:
+            return function(*args, **kwargs)
+        return cached(*args, **kwargs)
+
+    call.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
+    call.cache_info = cached.cache_info  # type: ignore[attr-defined]
+    return call
+
+
+@_cached
 def make_layout(num_gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 1,
                 ep: int = 1, dp: int | None = None, zero: int = 0,
                 sequence_parallel: bool | None = None, vocab_parallel: bool = True,
@@ -66,11 +88,14 @@ def make_layout(num_gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: in
     and gradient buffers default to Megatron-LM's (``memplan.presets.GENERIC``)."""
     tp_style = presets.GENERIC["tp_style"] if tp_style is None else tp_style
     grad_buffers = presets.GENERIC["grad_buffers"] if grad_buffers is None else grad_buffers
-    for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp), ("cp", cp), ("ep", ep)):
-        if value <= 0:
-            raise MemplanError(f"{name} must be positive, got {value}")
-    if zero not in (0, 1, 2, 3):
-        raise MemplanError(f"zero must be 0, 1, 2 or 3, got {zero}")
+    for name, value in (("gpus", num_gpus), ("tp", tp), ("pp", pp), ("vpp", vpp), ("cp", cp),
+                        ("ep", ep)):
+        arguments.integer(name, value, maximum=arguments.MAX_GPUS)
+    arguments.integer("dp", dp, maximum=arguments.MAX_GPUS, optional=True)
+    if not arguments.is_int(zero) or zero not in (0, 1, 2, 3):
+        raise MemplanError(f"zero must be 0, 1, 2 or 3, got {arguments.shown(zero)}")
+    arguments.boolean("sequence_parallel", sequence_parallel, optional=True)
+    arguments.boolean("vocab_parallel", vocab_parallel)
     sp = tp > 1 if sequence_parallel is None else sequence_parallel
     if tp_style not in {style.value for style in TpStyle}:
         raise MemplanError(f"tp_style must be megatron or dtensor, got {tp_style!r}")
@@ -133,15 +158,19 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
     correction is added as its own line (``memplan.calibrate.apply``).
     Raises ``MemplanError`` for any invalid input.
     """
+    gpu_spec = _gpu(gpu)
+    capacity = _capacity(gpu_memory)
+    arguments.one_of("overheads", overheads, (Overheads, type(None)), what="an Overheads")
+    schedule = arguments.choice("schedule", schedule, Schedule)
+    calibration = arguments.strings("calibration", calibration)
     spec, par, wl = resolve(model, gpus=gpus, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp,
                             zero=zero, sequence_parallel=sequence_parallel,
                             vocab_parallel=vocab_parallel, tp_style=tp_style,
                             grad_buffers=grad_buffers, offload=offload, framework=framework,
                             stage_layers=stage_layers, dp_shard=dp_shard, **workload)
-    gpu_spec = gpu if isinstance(gpu, GpuSpec) else load_gpu(gpu)
-    est = _estimate(spec, gpu_spec, par, wl, capacity_bytes=_capacity(gpu_memory),
+    est = _estimate(spec, gpu_spec, par, wl, capacity_bytes=capacity,
                     overheads=overheads,
-                    schedule=Schedule(schedule))
+                    schedule=schedule)
     if not calibration:
         return est
     from memplan.calibrate.apply import calibrate
@@ -161,10 +190,31 @@ _FLAG_NAMES = {"micro_batch_size": "mbs", "global_batch_size": "gbs", "seq_len":
                "loss_chunks": "loss-chunks"}
 
 
+def _gpu(gpu: Any) -> GpuSpec:
+    """A catalog GPU by name or alias, or a ``GpuSpec`` as given."""
+    arguments.one_of("gpu", gpu, (str, GpuSpec), what="a GPU name (`memplan gpus`) or a GpuSpec")
+    return gpu if isinstance(gpu, GpuSpec) else load_gpu(gpu)
+
+
+def _spec(model: Any) -> ModelSpec:
+    """A catalog name, a model file's path, or a ``ModelSpec`` as given."""
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, PathLike):
+        model = fspath(model)
+    arguments.text("model", model)
+    return load_model(model)
+
+
 def _capacity(gpu_memory: str | int | None) -> int | None:
     """``--gpu-memory`` as int bytes ("80GiB", "80GB" or bytes), or None for the catalog's."""
     if gpu_memory is None:
         return None
+    arguments.one_of("gpu_memory", gpu_memory, (str, int), what='a size such as "80GiB" or '
+                     "int bytes")
+    if isinstance(gpu_memory, bool):
+        raise MemplanError(f"gpu_memory must be a size such as \"80GiB\" or int bytes, got "
+                           f"{arguments.shown(gpu_memory)}")
     try:
         return parse_bytes(gpu_memory)
     except ValueError as err:
@@ -180,7 +230,8 @@ def resolve(model: str | ModelSpec, *, gpus: int = 1, tp: int = 1, pp: int = 1, 
             **workload: Any) -> tuple[ModelSpec, ParallelConfig, Workload]:
     """The typed (spec, layout, workload) for names and numbers; raises MemplanError.
     Implementation choices left None take the framework's defaults (``memplan.presets``)."""
-    spec = model if isinstance(model, ModelSpec) else load_model(model)
+    spec = _spec(model)
+    arguments.model_fields(Workload, workload, _FLAG_NAMES)
     fw = presets.parse(framework)
     filled = presets.apply(fw, spec, {"tp_style": tp_style, "grad_buffers": grad_buffers,
                                       **workload})
@@ -195,12 +246,7 @@ def _validate(model: type[Workload], data: dict[str, Any]) -> Workload:
     try:
         return model.model_validate(data)
     except ValidationError as err:
-        first = err.errors()[0]
-        msg = first["msg"].removeprefix("Value error, ")
-        if not first["loc"]:  # a check across fields: its message names them
-            raise MemplanError(msg) from err
-        field = ".".join(_FLAG_NAMES.get(str(p), str(p)) for p in first["loc"])
-        raise MemplanError(f"{field}: {msg} (got {first.get('input')!r})") from err
+        raise MemplanError(validation_message(err, _FLAG_NAMES)) from err
 
 
 def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
@@ -217,11 +263,24 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
     from memplan.planner import DEFAULT_SAFETY
     from memplan.planner import plan as run_plan
 
-    spec = model if isinstance(model, ModelSpec) else load_model(model)
-    gpu_spec = gpu if isinstance(gpu, GpuSpec) else load_gpu(gpu)
+    spec = _spec(model)
+    gpu_spec = _gpu(gpu)
+    capacity = _capacity(gpu_memory)
+    arguments.integer("gpus", gpus, maximum=arguments.MAX_GPUS)
+    arguments.number("safety", safety, low=0, high=1, optional=True)
+    arguments.integer("max_tp", max_tp, maximum=arguments.MAX_GPUS, optional=True)
+    for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp), ("cp", cp), ("ep", ep)):
+        arguments.integer(name, value, maximum=arguments.MAX_GPUS, optional=True)
+
+    if zero is not None and (not arguments.is_int(zero) or zero not in (0, 1, 2, 3)):
+        raise MemplanError(f"zero must be 0, 1, 2 or 3, got {arguments.shown(zero)}")
+    arguments.boolean("sequence_parallel", sequence_parallel, optional=True)
+    calibration = arguments.strings("calibration", calibration)
+    arguments.model_fields(Workload, workload, _FLAG_NAMES)
+    _check_fixed(spec, gpus, tp, pp, cp)
     policies = None
     if recompute is not None:
-        policies = [Recompute.parse(r) for r in recompute]
+        policies = [Recompute.parse(r) for r in arguments.strings("recompute", recompute)]
     fw = presets.parse(workload.pop("framework", None))
     refused = presets.refused_recompute(fw)
     if refused:  # search only what the framework offers; refuse what it does not, by name
@@ -236,15 +295,59 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
     for name in presets.LAYOUT_FIELDS:  # the planner searches Megatron-style layouts
         filled.pop(name)
     result = run_plan(spec, gpu_spec, gpus, make_workload(spec, framework=fw, **filled),
-                      capacity_bytes=_capacity(gpu_memory), max_tp=max_tp, fixed=fixed,
+                      capacity_bytes=capacity, max_tp=max_tp, fixed=fixed,
                       safety=safety, recompute=policies)
+    _check_found(result, gpus, fixed)
     if not calibration:
         return result
     from memplan.calibrate.apply import calibrate_plan
     from memplan.calibrate.apply import resolve as load_profiles
 
     return calibrate_plan(result, spec, gpu_spec, load_profiles(_as_list(calibration), gpu_spec),
-                          capacity_bytes=_capacity(gpu_memory), safety=safety)
+                          capacity_bytes=capacity, safety=safety)
+
+
+def _check_fixed(spec: ModelSpec, gpus: int, tp: int | None, pp: int | None,
+                 cp: int | None) -> None:
+    """The layout degrees a plan keeps fixed must split ``gpus`` and the model (the
+    planner's own rules, ``memplan.planner.layouts``), or no layout can be searched."""
+    given = {name: value for name, value in (("tp", tp), ("pp", pp), ("cp", cp))
+             if value is not None}
+    product = 1
+    for value in given.values():
+        product *= value
+    if gpus % product:
+        names = "*".join(given)
+        numbers = "*".join(str(v) for v in given.values())
+        raise MemplanError(f"gpus ({gpus}) must be divisible by {names} "
+                           f"({numbers} = {product})" if len(given) > 1 else
+                           f"gpus ({gpus}) must be divisible by {names} ({product})")
+    if tp is not None:
+        for field in ("num_attention_heads", "num_kv_heads", "ffn_hidden_size"):
+            if getattr(spec, field) % tp:
+                raise MemplanError(f"tp ({tp}) must divide {field} ({getattr(spec, field)}) "
+                                   f"of {spec.name}")
+    if pp is not None and spec.num_layers % pp:
+        raise MemplanError(f"pp ({pp}) must divide num_layers ({spec.num_layers}) of "
+                           f"{spec.name} (the planner searches even pipeline stages)")
+
+
+# Why a plan found nothing that are not memory: the layout itself is impossible.
+_MEMORY_REASONS = ("out of memory", "sp off:")
+
+
+def _check_found(result: Any, gpus: int, fixed: dict[str, Any]) -> None:
+    """A plan with layout values fixed that leaves no layout to search is a mistake in the
+    input, not an answer: raise with the rule that removed the most layouts."""
+    given = {k: v for k, v in fixed.items() if v is not None}
+    if result.candidates or not given or not result.rejected:
+        return
+    if any(reason.startswith(_MEMORY_REASONS) for reason in result.rejected):
+        return
+    reason, count = result.rejected.most_common(1)[0]
+    kept = ", ".join(f"{k} {v}" for k, v in given.items())
+    raise MemplanError(f"no layout of {gpus} GPUs with {kept} can be searched: {reason} "
+                       f"({count} layouts)")
 
 
 def check(model: str | ModelSpec, *, safety: float | None = None, **kwargs: Any) -> Estimate:
@@ -253,5 +356,7 @@ def check(model: str | ModelSpec, *, safety: float | None = None, **kwargs: Any)
     from memplan.planner import DEFAULT_SAFETY
     from memplan.report.estimate import check_fits  # the breakdown in GiB is rendering
 
+    arguments.number("safety", safety, low=0, high=1, optional=True)
     return check_fits(estimate(model, **kwargs),
+
                       safety=DEFAULT_SAFETY if safety is None else safety)

@@ -7,6 +7,7 @@ importing the planner (which sits above calibration).
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
@@ -19,8 +20,9 @@ MAX_MBS = 64
 
 @lru_cache(maxsize=1024)  # a search asks for the same few batch sizes' divisors per layout
 def divisors(n: int) -> list[int]:
-    """Every positive divisor of ``n``, ascending."""
-    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    """Every positive divisor of ``n``, ascending (trial division to sqrt(n): for counts of
+    layers, experts and batches, which the specs and workloads bound)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     return sorted({*small, *(n // d for d in small)})
 
 
@@ -29,8 +31,10 @@ def micro_batch_sizes(par: ParallelConfig, global_batch_size: int) -> tuple[int,
     (``global_batch_size // dp``); with interleaving (vpp > 1) the micro-batch count must also
     divide by pp (Megatron-LM's interleaved schedule runs micro-batches in groups of pp)."""
     per_replica = global_batch_size // par.dp
-    return tuple(b for b in divisors(per_replica) if b <= MAX_MBS
+    # only sizes up to MAX_MBS are searched: try those, not every divisor of a large batch
+    return tuple(b for b in range(1, min(MAX_MBS, per_replica) + 1) if per_replica % b == 0
                  and not (par.vpp > 1 and (per_replica // b) % par.pp))
+
 
 
 __all__ = ["MAX_MBS", "divisors", "micro_batch_sizes"]

@@ -69,7 +69,11 @@ def _normal(name: str) -> str:
 
 def load_gpu(name: str) -> GpuSpec:
     """A catalog GPU by name or alias (case-insensitive); unknown names list the nearest."""
+    if not isinstance(name, str):
+        raise MemplanError(f"gpu must be a GPU name (`memplan gpus`), got {name!r} "
+                           f"({type(name).__name__})")
     key = _alias_index().get(_normal(name))
+
     if key is None:
         raise MemplanError(
             f"unknown GPU {name!r}" + suggest(_normal(name), list(_alias_index()))

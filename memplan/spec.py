@@ -10,17 +10,19 @@ no network, no code execution).
 from __future__ import annotations
 
 import enum
-import json
-import tomllib
+import os
 from dataclasses import dataclass
+
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from memplan.arguments import file_fields
 from memplan.catalog import data_dir, suggest
-from memplan.errors import MemplanError
+from memplan.errors import MemplanError, validation_message
+from memplan.inputs import MODEL_FILE_BYTES, read_json, read_toml, regular_file
 
 
 class NormKind(str, enum.Enum):
@@ -62,6 +64,12 @@ class PositionKind(str, enum.Enum):
 
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
+# Bounds that keep a mistyped spec from running for minutes or exhausting memory (the
+# estimate's work grows with the layer count; the planner factors the expert count): far
+# above the deepest published models (Llama 3.1 405B: 126 layers; Megatron-LM's 1T: 128)
+# and the widest expert counts (DeepSeek-V3: 256 routed experts).
+MAX_LAYERS = 10_000
+MAX_EXPERTS = 1_000_000
 
 
 class MoESpec(BaseModel):
@@ -69,7 +77,7 @@ class MoESpec(BaseModel):
 
     model_config = _FROZEN
 
-    num_experts: int = Field(gt=0)
+    num_experts: int = Field(gt=0, le=MAX_EXPERTS)
     top_k: int = Field(gt=0)
     expert_ffn_hidden_size: int = Field(gt=0)
     num_shared_experts: int = Field(default=0, ge=0)
@@ -93,7 +101,7 @@ class ModelSpec(BaseModel):
 
     name: str
     source: str = Field(description="where the numbers come from")
-    num_layers: int = Field(gt=0)
+    num_layers: int = Field(gt=0, le=MAX_LAYERS)
     hidden_size: int = Field(gt=0)
     ffn_hidden_size: int = Field(gt=0)
     num_attention_heads: int = Field(gt=0)
@@ -265,29 +273,47 @@ def catalog_names() -> tuple[str, ...]:
 
 def _validated(data: dict[str, Any], where: str) -> ModelSpec:
     try:
+        file_fields(ModelSpec, data)  # a file's true is not 1, nor its "64" 64
+    except MemplanError as err:
+        raise MemplanError(f"{where}: {err}") from None
+    try:
         return ModelSpec.model_validate(data)
     except ValidationError as err:
-        first = err.errors()[0]
-        field = ".".join(str(p) for p in first["loc"]) or "spec"
-        raise MemplanError(f"{where}: {field}: {first['msg']}") from err
+        raise MemplanError(f"{where}: {validation_message(err)}") from err
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
+    return read_toml(path, "model file", MODEL_FILE_BYTES)
+
+
+def _model_path(key: str) -> Path | None:
+    """The file ``key`` names (a folder: its config.json), None when nothing is there."""
+    path = Path(key).expanduser()
     try:
-        return tomllib.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
-        raise MemplanError(f"cannot read model TOML {path}: {err}") from err
+        exists, folder = path.exists(), path.is_dir()
+        inside = folder and (path / "config.json").exists()
+    except (OSError, ValueError):  # a name too long, or with a NUL, names no file
+        return None
+    if folder and not inside:
+        raise MemplanError(f"model: {path} is a folder without a config.json")
+    if not exists:
+        return None
+    return regular_file(path / "config.json" if folder else path, "model file")
+
 
 
 def load_model(name_or_path: str) -> ModelSpec:
     """A catalog name (``llama-2-7b``), a TOML spec file, or a Hugging Face ``config.json``."""
+    if isinstance(name_or_path, os.PathLike):
+        name_or_path = os.fspath(name_or_path)
+    if not isinstance(name_or_path, str) or not name_or_path.strip():
+        raise MemplanError(f"model must be a catalog name or a model file's path, got "
+                           f"{name_or_path!r}")
     key = name_or_path.strip()
     if key.lower() in catalog_names():
         return _load_catalog(key.lower())
-    path = Path(key).expanduser()
-    if path.is_dir() and (path / "config.json").is_file():
-        path = path / "config.json"
-    if path.is_file():
+    path = _model_path(key)
+    if path is not None:
         if path.suffix == ".toml":
             data = _read_toml(path)
             data.setdefault("name", path.stem)
@@ -308,11 +334,9 @@ def _load_catalog(name: str) -> ModelSpec:
 
 def load_hf_json(path: Path) -> dict[str, Any]:
     """Read a JSON file as data, with a one-line error when it is malformed."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise MemplanError(f"cannot read config {path}: {err}") from err
+    data = read_json(path, "config", MODEL_FILE_BYTES)
     if not isinstance(data, dict):
+
         raise MemplanError(f"config {path}: expected a JSON object, got {type(data).__name__}")
     return data
 

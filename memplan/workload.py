@@ -299,14 +299,24 @@ class PipelineSplit(str, enum.Enum):
     WEIGHTED = "weighted"
 
 
+# Bounds that keep a mistyped number from a search that never ends or byte counts past the
+# planner's 64-bit arrays: 2^24 sequences per step (Llama 3 trained with ~4k sequences of 4k
+# tokens, Dubey et al. 2024) and 2^24 tokens per sequence (the longest published training
+# contexts are 1M-10M tokens).
+MAX_SEQUENCES = 2**24
+MAX_SEQ_LEN = 2**24
+
+
 class Workload(BaseModel):
     """One training step. Token counts are per micro-batch, per data-parallel replica."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    micro_batch_size: int = Field(default=1, gt=0)
-    global_batch_size: int | None = Field(default=None, gt=0, description="None: mbs*dp*pp")
-    seq_len: int = Field(default=4096, gt=0)
+    micro_batch_size: int = Field(default=1, gt=0, le=MAX_SEQUENCES)
+    global_batch_size: int | None = Field(default=None, gt=0, le=MAX_SEQUENCES,
+                                          description="None: mbs*dp*pp")
+    seq_len: int = Field(default=4096, gt=0, le=MAX_SEQ_LEN)
+
     precision: Precision = Precision.BF16_MIXED
     optimizer: Optimizer = Optimizer.ADAMW
     optimizer_impl: OptimizerImpl = OptimizerImpl.FOREACH

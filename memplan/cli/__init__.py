@@ -1,7 +1,8 @@
 """The ``memplan`` command: thin typer commands over the core, one file per command group.
 
 Errors in user input print one line (``memplan: error: ...``) and exit 2; ``MEMPLAN_DEBUG=1``
-shows the traceback instead.
+shows the traceback instead. Ctrl-C prints one line (``memplan: interrupted: ...``: what was
+saved, the command that resumes) and exits 130.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import typer
 from pydantic import ValidationError
 from typer.exceptions import Abort, Exit, TyperException
 
-from memplan.errors import MemplanError
+from memplan.errors import EXIT_INTERRUPTED, Interrupted, MemplanError, shown, validation_message
 
 _SETTINGS = dict(name="memplan",
                  help="Per-GPU memory budgets for LLM training, before the job starts.",
@@ -80,12 +81,24 @@ def _group() -> None:
 
 def _one_line(err: BaseException) -> str:
     if isinstance(err, ValidationError):
-        first = err.errors()[0]
-        field = ".".join(str(p) for p in first["loc"])
-        return f"{field}: {first['msg']}"
+        return validation_message(err)
     if isinstance(err, TyperException):
-        return err.format_message().replace("\n", " ")
-    return str(err).replace("\n", " ")
+        text = err.format_message().replace("Value error, ", "")
+        cause = err.__cause__  # typer converts option values with pydantic: quote the value
+        if isinstance(cause, ValidationError) and cause.errors():
+            got = shown(cause.errors()[0].get("input"))
+            text += "" if got in text else f" (got {got})"
+        return " ".join(text.split())
+
+    if isinstance(err, OSError):  # a file the command reads or writes, named by the OS
+        return f"{err.filename}: {err.strerror or err}"
+    return " ".join(str(err).split())
+
+
+def _is_file_error(err: BaseException) -> bool:
+    """An OSError about a named file (a full disk, a folder turned read-only mid-run): the
+    user's to fix, so one line; any other OSError is a bug and keeps its traceback."""
+    return isinstance(err, OSError) and err.filename is not None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,14 +111,21 @@ def main(argv: list[str] | None = None) -> int:
         return done.exit_code
     except Abort:
         return 1
-    except (MemplanError, ValidationError, TyperException) as err:
+    except (Interrupted, KeyboardInterrupt) as err:
         if os.environ.get("MEMPLAN_DEBUG") == "1":
+            raise
+        print(f"memplan: interrupted: {_one_line(err) or 'nothing was saved'}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (MemplanError, ValidationError, TyperException, OSError) as err:
+        if os.environ.get("MEMPLAN_DEBUG") == "1" or (isinstance(err, OSError)
+                                                       and not _is_file_error(err)):
             raise
         message = _one_line(err)
         if message:  # no arguments: the help was printed, with nothing more to say
             print(f"memplan: error: {message}", file=sys.stderr)
         return EXIT_USAGE
     return code if isinstance(code, int) else 0
+
 
 
 def run() -> None:

@@ -13,7 +13,8 @@ from memplan.cli.options import Json
 Paths = Annotated[list[Path], typer.Argument(
     help="One chrome trace per rank (.json or .json.gz from torch.profiler).")]
 StragglerPct = Annotated[float, typer.Option(
-    "--straggler-pct", help="Flag the rank the others wait for when their median wait in "
+    "--straggler-pct", min=0.0, max=100.0, help=
+"Flag the rank the others wait for when their median wait in "
     "collectives exceeds this percentage of their analysed time.")]
 
 

@@ -9,10 +9,13 @@ import typer
 
 from memplan.cli.options import Job, Json, RecomputeChoice, uses
 
-Top = Annotated[int, typer.Option("--top", help="Candidates to show.")]
-MaxTp = Annotated[int | None, typer.Option("--max-tp", help="Largest TP (default: GPUs per node).")]
+Top = Annotated[int, typer.Option("--top", min=1, help="Candidates to show.")]
+MaxTp = Annotated[int | None, typer.Option("--max-tp", min=1,
+                                           help="Largest TP (default: GPUs per node).")]
 Safety = Annotated[float, typer.Option(
-    "--safety", help="Fraction of capacity kept free (default 0.05).")]
+    "--safety", min=0.0, max=1.0, help="Fraction of capacity kept free, in [0, 1) "
+    "(default 0.05).")]
+
 FixedRecompute = Annotated[RecomputeChoice | None, typer.Option(
     "--recompute", help="Fix the recompute policy (default: search all).")]
 

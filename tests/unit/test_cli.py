@@ -514,7 +514,8 @@ def test_debug_env_reraises(argv: list[str], error: type[BaseException],
 def test_debug_env_reraises_malformed_json(broken_json: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MEMPLAN_DEBUG", "1")
-    with pytest.raises(MemplanError, match="cannot read config"):
+    with pytest.raises(MemplanError, match="config: .* is not valid JSON"):
+
         main(["estimate", "--model", str(broken_json)])
 
 

@@ -1,0 +1,238 @@
+"""Reading the files a user gives memplan: regular files only, sizes and depths bounded.
+
+Every reader of user input (model files, calibration profiles, OOM logs, monitor records,
+profiler traces, profile summaries, snapshots) reads through here, so each refuses in one
+line, naming the file: a path that is missing, a folder, or not a regular file (``/dev/zero``,
+a FIFO: reading one would never end); a file over its size limit (checked before reading, and
+while reading, for a file that grows or a gzip stream that expands); text that is not UTF-8
+(with the byte offset); JSON or TOML that does not parse (with the line and column) or nests
+deeper than ``MAX_DEPTH``. Each limit is stated in the message that enforces it.
+
+A file cut short by a killed job is a separate case: ``memplan.evidence`` reads what is there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import tomllib
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from memplan.errors import MemplanError
+from memplan.units import GiB, KiB, MiB
+
+# Size limits by kind of file, each far above what the tools that write them produce, so
+# only a wrong file (a disk image, a device, a bomb) meets them:
+# - a model spec or HF config.json is a few KiB (Llama-3-405B's config.json: under 1 KiB);
+MODEL_FILE_BYTES = 1 * MiB
+# - a calibration profile is tens of KiB (calibration/profiles/*.json);
+PROFILE_BYTES = 16 * MiB
+# - an OOM message is a few lines; a whole training log given with --oom may be long;
+LOG_BYTES = 256 * MiB
+# - a MemoryMonitor file holds ~1.5 KiB per step: a million steps of one rank;
+MONITOR_BYTES = 2 * GiB
+# - a torch.profiler chrome trace of a few steps is tens to hundreds of MiB (decompressed);
+TRACE_BYTES = 2 * GiB
+# - a memory snapshot pickle with stack frames is tens to hundreds of MiB;
+SNAPSHOT_BYTES = 4 * GiB
+# - a `memplan profile` summary.json is a few KiB.
+SUMMARY_BYTES = 64 * MiB
+# Nesting deeper than this is not a spec, a profile or a trace (theirs are under 10 levels);
+# Python's parsers recurse per level and would fail with RecursionError near 1000.
+MAX_DEPTH = 64
+GZIP_MAGIC = b"\x1f\x8b"
+_CHUNK = 1 * MiB
+
+
+def size_text(num_bytes: int) -> str:
+    """A limit in words for messages: "16 MiB" (binary units, labelled)."""
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if num_bytes >= size and num_bytes % size == 0:
+            return f"{num_bytes // size} {unit}"
+    return f"{num_bytes} bytes"
+
+
+def regular_file(path: str | os.PathLike[str], what: str) -> Path:
+    """``path`` if it is a regular file (symlinks followed); otherwise one line saying what
+    it is. ``what`` names the input in the message (``--oom``, ``model file``)."""
+    p = Path(path)
+    try:
+        info = p.stat()
+    except FileNotFoundError:
+        raise MemplanError(f"{what}: {p}: no such file") from None
+    except OSError as err:
+        raise MemplanError(f"{what}: cannot read {p}: {err.strerror or err}") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise MemplanError(f"{what}: {p} is a folder, not a file")
+    if not stat.S_ISREG(info.st_mode):
+        raise MemplanError(f"{what}: {p} is not a regular file (a device, pipe or socket "
+                           "never ends or cannot be read twice); give a file")
+    return p
+
+
+def _too_big(p: Path, what: str, limit: int, detail: str = "") -> MemplanError:
+    return MemplanError(f"{what}: {p} is larger than the {size_text(limit)} limit for {what} "
+                        f"files{detail}; is it the right file?")
+
+
+def read_bytes(path: str | os.PathLike[str], what: str, limit: int) -> bytes:
+    """The bytes of a regular file of at most ``limit`` bytes."""
+    p = regular_file(path, what)
+    try:
+        if p.stat().st_size > limit:
+            raise _too_big(p, what, limit, f" ({p.stat().st_size:,} bytes)")
+        with p.open("rb") as fh:
+            data = fh.read(limit + 1)
+    except OSError as err:
+        raise MemplanError(f"{what}: cannot read {p}: {err.strerror or err}") from None
+    if len(data) > limit:  # grew while read
+        raise _too_big(p, what, limit, " (it grew while read)")
+    return data
+
+
+def decode(data: bytes, p: Path | str, what: str) -> str:
+    """``data`` as UTF-8 text, or one line with the byte offset of the first bad byte."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise MemplanError(f"{what}: {p} is not UTF-8 text (byte offset {err.start}: "
+                           f"{data[err.start:err.start + 1]!r}); is it the right file?") from None
+
+
+def read_text(path: str | os.PathLike[str], what: str, limit: int) -> str:
+    """A regular file of at most ``limit`` bytes as UTF-8 text."""
+    return decode(read_bytes(path, what, limit), path, what)
+
+
+@dataclass(frozen=True)
+class Unpacked:
+    """A file's bytes, gunzipped when it is gzip (by its magic bytes, not its name).
+    ``cut``: where a gzip stream ended early (a file still being written, or cut by a
+    killed job): the compressed byte offset, else None."""
+
+    data: bytes
+    compressed: bool
+    cut: int | None = None
+
+
+def read_maybe_gzip(path: str | os.PathLike[str], what: str, limit: int) -> Unpacked:
+    """A regular file, decompressed if it is gzip, at most ``limit`` bytes decompressed (so a
+    gzip bomb stops at the limit). A damaged stream names its compressed byte offset; a
+    stream cut short returns what decompressed before the cut (``Unpacked.cut``)."""
+    p = regular_file(path, what)
+    try:
+        with p.open("rb") as fh:
+            if fh.read(2) != GZIP_MAGIC:
+                fh.seek(0)
+                if p.stat().st_size > limit:
+                    raise _too_big(p, what, limit, f" ({p.stat().st_size:,} bytes)")
+                data = fh.read(limit + 1)
+                if len(data) > limit:
+                    raise _too_big(p, what, limit, " (it grew while read)")
+                return Unpacked(data, compressed=False)
+            fh.seek(0)
+            return _gunzip(fh, p, what, limit)
+    except OSError as err:
+        raise MemplanError(f"{what}: cannot read {p}: {err.strerror or err}") from None
+
+
+def _gunzip(fh: Any, p: Path, what: str, limit: int) -> Unpacked:
+    out = bytearray()
+    consumed = 0  # compressed bytes decompressed so far
+    inflate = zlib.decompressobj(wbits=31)  # gzip framing
+    buf = b""
+    while True:
+        if not buf:
+            buf = fh.read(_CHUNK)
+            if not buf:  # the file ends: complete only if the last member did
+                return Unpacked(bytes(out), compressed=True,
+                                cut=None if inflate.eof else consumed)
+        if inflate.eof:  # one member done and more bytes follow
+            if not buf.startswith(GZIP_MAGIC):
+                return Unpacked(bytes(out), compressed=True)  # trailing bytes: ignored
+            inflate = zlib.decompressobj(wbits=31)  # another member (gzip -c a b > c)
+        try:
+            out += inflate.decompress(buf, limit + 1 - len(out))
+        except zlib.error as err:
+            raise MemplanError(f"{what}: {p} is damaged gzip data between compressed bytes "
+                               f"{consumed:,} and {consumed + len(buf):,} ({err})") from None
+        if len(out) > limit:
+            raise _too_big(p, what, limit, " once decompressed")
+        rest = inflate.unused_data if inflate.eof else inflate.unconsumed_tail
+        consumed += len(buf) - len(rest)
+        buf = rest
+
+
+def depth(value: Any) -> int:
+    """How deeply lists and dicts nest in a parsed document (a scalar is 0), without
+    recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(
+            item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, level)
+        stack.extend((child, level + 1) for child in children)
+    return deepest
+
+
+def _too_deep(p: Path | str, what: str) -> MemplanError:
+    return MemplanError(f"{what}: {p} nests lists or tables deeper than {MAX_DEPTH} levels "
+                        "(memplan's limit); is it the right file?")
+
+
+def parse_json(text: str, p: Path | str, what: str) -> Any:
+    """JSON text as data: one line for a syntax error (line, column, byte offset) or nesting
+    deeper than ``MAX_DEPTH``."""
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        raise _too_deep(p, what) from None
+    except json.JSONDecodeError as err:
+        raise MemplanError(f"{what}: {p} is not valid JSON: {err.msg} at line {err.lineno} "
+                           f"column {err.colno} (char {err.pos})") from None
+    if depth(data) > MAX_DEPTH:
+        raise _too_deep(p, what)
+    return data
+
+
+def parse_toml(text: str, p: Path | str, what: str) -> dict[str, Any]:
+    """TOML text as data: one line for a syntax error (its line and column) or nesting deeper
+    than ``MAX_DEPTH``."""
+    try:
+        data = tomllib.loads(text)
+    except RecursionError:
+        raise _too_deep(p, what) from None
+    except tomllib.TOMLDecodeError as err:
+        raise MemplanError(f"{what}: {p} is not valid TOML: {err}") from None
+    if depth(data) > MAX_DEPTH:
+        raise _too_deep(p, what)
+    return data
+
+
+def read_json(path: str | os.PathLike[str], what: str, limit: int) -> Any:
+    return parse_json(read_text(path, what, limit), path, what)
+
+
+def read_toml(path: str | os.PathLike[str], what: str, limit: int) -> dict[str, Any]:
+    return parse_toml(read_text(path, what, limit), path, what)
+
+
+def read_stream(stream: Any, what: str, limit: int) -> str:
+    """Text from a stream (stdin), at most ``limit`` characters."""
+    text = stream.read(limit + 1)
+    if len(text) > limit:
+        raise MemplanError(f"{what}: standard input is over the {size_text(limit)} limit; "
+                           "give the error message only (e.g. grep -A3 OutOfMemoryError)")
+    return text
+
+
+__all__ = ["GZIP_MAGIC", "MAX_DEPTH", "Unpacked", "decode", "depth", "parse_json",
+           "parse_toml", "read_bytes", "read_json", "read_maybe_gzip", "read_stream",
+           "read_text", "read_toml", "regular_file", "size_text"]
