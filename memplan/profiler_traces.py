@@ -23,13 +23,13 @@ from __future__ import annotations
 import gzip
 import json
 import re
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from memplan.errors import MemplanError
 from memplan.intervals import Interval, intersect, length, subtract, union
+from memplan.stragglers import STRAGGLER_PCT, stragglers
 
 _STEP = re.compile(r"^ProfilerStep#(\d+)$")
 _NCCL = re.compile(r"^nccl(?:Dev)?Kernel_([A-Za-z]+)", re.IGNORECASE)
@@ -164,35 +164,10 @@ def analyze(rt: RankTrace) -> dict[str, Any]:
     }
 
 
-def stragglers(traces: list[RankTrace], threshold_pct: float = 5.0) -> dict[str, Any]:
-    """Across ranks. The i-th call of each collective is matched on every rank; a rank that
-    arrives late finds the others waiting, so a call's duration on a rank minus its shortest
-    duration on any rank is time that rank waited (clock-independent). The rank that waited
-    least is the one the others waited for; it is a straggler when the median of the other
-    ranks' waits exceeds ``threshold_pct`` of their analysed window."""
-    waits = {rt.rank: 0.0 for rt in traces}
-    matched = 0
-    for coll in sorted({k for rt in traces for k, _, _ in rt.comm}):
-        calls = {rt.rank: [hi - lo for k, lo, hi in sorted(rt.comm, key=lambda x: x[1])
-                           if k == coll] for rt in traces}
-        n = min(len(v) for v in calls.values())
-        matched += n
-        for i in range(n):
-            fastest = min(v[i] for v in calls.values())
-            for rank, v in calls.items():
-                waits[rank] += v[i] - fastest
-    windows = {rt.rank: length(window(rt)) for rt in traces}
-    compute = {rt.rank: length(intersect(rt.compute, window(rt))) for rt in traces}
-    late = min(waits, key=lambda r: waits[r]) if matched else None
-    others = [100.0 * waits[r] / windows[r] for r in waits if r != late and windows[r]]
-    wait_pct = statistics.median(others) if others else 0.0
-    return {"matched_collective_calls": matched, "wait_in_collectives_us": waits,
-            "compute_us": compute, "window_us": windows, "waited_for_rank": late,
-            "others_wait_pct": wait_pct, "threshold_pct": threshold_pct,
-            "stragglers": [late] if late is not None and wait_pct > threshold_pct else []}
-
-
-def analyze_paths(paths: list[str | Path], threshold_pct: float = 5.0) -> dict[str, Any]:
+def analyze_paths(paths: list[str | Path], threshold_pct: float | None = None
+                  ) -> dict[str, Any]:
+    """Every rank's ``analyze``, and across ranks ``memplan.stragglers.stragglers`` (with
+    ``threshold_pct``, default ``STRAGGLER_PCT``)."""
     traces = [load(p, i) for i, p in enumerate(paths)]
     ranks = [rt.rank for rt in traces]
     if len(set(ranks)) != len(ranks):
@@ -200,9 +175,10 @@ def analyze_paths(paths: list[str | Path], threshold_pct: float = 5.0) -> dict[s
     out: dict[str, Any] = {"unit": "microseconds (chrome trace ts/dur)",
                            "ranks": [analyze(rt) for rt in traces]}
     if len(traces) > 1:
-        out["across_ranks"] = stragglers(traces, threshold_pct)
+        windows = {rt.rank: window(rt) for rt in traces}
+        out["across_ranks"] = stragglers(traces, windows, STRAGGLER_PCT if threshold_pct is None
+                                         else threshold_pct)
     return out
 
 
-__all__ = ["RankTrace", "analyze", "analyze_paths", "collective_of", "load", "stragglers",
-           "window"]
+__all__ = ["RankTrace", "analyze", "analyze_paths", "collective_of", "load", "window"]

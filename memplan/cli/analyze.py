@@ -9,6 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from memplan.cli.options import Json
+from memplan.stragglers import STRAGGLER_PCT
 
 Paths = Annotated[list[Path], typer.Argument(
     help="One chrome trace per rank (.json or .json.gz from torch.profiler).")]
@@ -25,6 +26,8 @@ def analyze_trace(paths: Paths, straggler_pct: StragglerPct = 5.0,
 
     Time inside the profiled steps (ProfilerStep#N) splits into compute, exposed
     communication, exposed copies and idle, each a union of intervals (overlaps counted once).
+    Across ranks: each rank's exposed wait (the waiting part of its collectives, concurrent
+    calls counted once, less the time it computed) and the ranks the others waited for.
 
     Examples:
 
@@ -80,13 +83,19 @@ def _print(result: dict[str, Any]) -> None:
     across = result.get("across_ranks")
     if across is None:
         return
-    waits = ", ".join(f"rank {k}: {_ms(v)} ms" for k, v in across["wait_in_collectives_us"].items())
-    console.print(f"waiting in {across['matched_collective_calls']} matched collective calls: "
-                  f"{waits}")
-    if across["stragglers"]:
-        console.print(f"[bold yellow]straggler:[/] rank {across['stragglers'][0]}: the other "
-                      f"ranks waited {across['others_wait_pct']:.1f}% of their step time for it "
-                      f"(threshold {across['threshold_pct']}%)")
-    else:
-        console.print(f"no straggler above {across['threshold_pct']}% (others waited "
-                      f"{across['others_wait_pct']:.1f}%)")
+    waits = ", ".join(f"rank {k}: {_ms(v)} ms ({across['exposed_wait_pct'][k]:.1f}%)"
+                      for k, v in across["exposed_wait_us"].items())
+    console.print(f"exposed wait in {across['matched_collective_calls']} matched collective "
+                  f"calls (waiting not hidden under compute): {waits}")
+    late = across["late_pct_lower_quartile"]
+    for rank in across["stragglers"]:
+        console.print(f"[bold yellow]straggler:[/] rank {rank}: the other ranks waited for it "
+                      f"{late[rank]:.1f}% of the step or more in three steps of four "
+                      f"(median {across['late_pct_median'][rank]:.1f}%; threshold "
+                      f"{across['threshold_pct']:g}%)")
+    if not across["stragglers"]:
+        worst = across["waited_for_rank"]
+        console.print(f"no straggler: no rank was waited for over {across['threshold_pct']:g}% "
+                      "of the step in three steps of four"
+                      + ("" if worst is None else
+                         f" (most: rank {worst}, {late[worst]:.1f}%)"))

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from memplan.cli import app, main
+from memplan.errors import MemplanError
 from memplan.intervals import intersect, length, subtract, union
 from memplan.profiler_traces import analyze, analyze_paths, load
 
@@ -93,7 +94,8 @@ def _gloo_rank(path: Path, rank: int, compute_end: int) -> Path:
 
 def test_straggler_from_waits(tmp_path):
     """Rank 1 computes until 90, rank 0 until 50: rank 0's all-reduce lasts 50, rank 1's 10,
-    so rank 0 waited 40 of its 100 us for rank 1."""
+    so rank 0 waited 40 of its 100 us for rank 1, all of it exposed ([50, 90]): rank 1 is late
+    by 40% of the step in the only step."""
     paths = [_gloo_rank(tmp_path / "b.json", 1, 90), _gloo_rank(tmp_path / "a.json", 0, 50)]
     out = analyze_paths(paths)
     assert [r["rank"] for r in out["ranks"]] == [1, 0]  # ranks from distributedInfo
@@ -101,18 +103,76 @@ def test_straggler_from_waits(tmp_path):
     assert r0["split_us"] == {"compute": 50, "exposed_comm": 50, "exposed_copies": 0,
                               "idle": 0}
     across = out["across_ranks"]
-    assert across["wait_in_collectives_us"] == {1: 0, 0: 40}
-    assert across["waited_for_rank"] == 1 and across["others_wait_pct"] == 40
-    assert across["stragglers"] == [1]
+    assert across["waiting_us"] == {1: 0, 0: 40} and across["exposed_wait_us"] == {1: 0, 0: 40}
+    assert across["late_pct_lower_quartile"] == {1: 40, 0: -40}
+    assert across["waited_for_rank"] == 1 and across["stragglers"] == [1]
+    assert across["victims_exposed_wait_us"] == {0: 40}
     assert analyze_paths(paths, threshold_pct=50)["across_ranks"]["stragglers"] == []
 
 
+def test_exposed_wait_is_a_union_less_compute(tmp_path):
+    """Two DDP buckets wait at once. Rank 0 computes [0, 60]; bucket A runs [20, 100] and B
+    [55, 100] on its two gloo threads. Rank 1 computes [0, 90]; A [88, 100], B [90, 100]. Rank
+    0 waited 80 - 12 = 68 in A ([20, 88]) and 45 - 10 = 35 in B ([55, 90]): 103 summed, but the
+    union is [20, 90] = 70, and [20, 60] of it is hidden under compute, so its exposed wait is
+    [60, 90] = 30: from the end of its compute to rank 1's arrival."""
+    def rank(r, compute_end, calls):
+        return _write(tmp_path / f"r{r}.json", [
+            X("ProfilerStep#1", "user_annotation", 0, 100), X("aten::mm", "cpu_op", 0, compute_end),
+            *(X("gloo:all_reduce", "user_annotation", lo, hi - lo, tid=9 + k)
+              for k, (lo, hi) in enumerate(calls))], rank=r)
+
+    paths = [rank(0, 60, [(20, 100), (55, 100)]), rank(1, 90, [(88, 100), (90, 100)])]
+    across = analyze_paths(paths)["across_ranks"]
+    assert across["matched_collective_calls"] == 2
+    assert across["waiting_us"] == {0: 70, 1: 0} and across["exposed_wait_us"] == {0: 30, 1: 0}
+    assert across["steps"] == [{"step": 1, "duration_us": 100, "exposed_wait_us": {0: 30, 1: 0},
+                                "late_pct": {0: -30, 1: 30}}]
+    assert across["stragglers"] == [1]
+
+
+def test_straggler_needs_most_steps(tmp_path):
+    """Four steps; rank 1 arrives 30 us late in steps 1 and 2, rank 0 in steps 3 and 4 (ranks
+    taking turns, as on a busy machine): each is late by 30% in half the steps, so its lower
+    quartile is -30% and nobody is named. Late in three steps of four, rank 1 is."""
+    def trace(r, late_steps):
+        events = []
+        for k in range(4):
+            t0 = 100 * k
+            mine = 80 if k in late_steps[r] else 50
+            other = 80 if k in late_steps[1 - r] else 50
+            end = max(mine, other)
+            events += [X(f"ProfilerStep#{k + 1}", "user_annotation", t0, 100),
+                       X("aten::mm", "cpu_op", t0, mine),
+                       X("gloo:all_reduce", "user_annotation", t0 + mine, end + 10 - mine, tid=9)]
+        return _write(tmp_path / f"t{r}.json", events, rank=r)
+
+    turns = {1: {0, 1}, 0: {2, 3}}
+    across = analyze_paths([trace(0, turns), trace(1, turns)])["across_ranks"]
+    assert [s["late_pct"] for s in across["steps"]] == [{0: -30, 1: 30}] * 2 + [
+        {0: 30, 1: -30}] * 2
+    assert across["late_pct_lower_quartile"] == {0: -30, 1: -30} and across["stragglers"] == []
+    mostly = {1: {0, 1, 2}, 0: {3}}
+    across = analyze_paths([trace(0, mostly), trace(1, mostly)])["across_ranks"]
+    assert across["late_pct_lower_quartile"] == {0: -30, 1: 15} and across["stragglers"] == [1]
+
+
+def test_threshold_is_checked(tmp_path):
+    paths = [_gloo_rank(tmp_path / "b.json", 1, 90), _gloo_rank(tmp_path / "a.json", 0, 50)]
+    for bad in (-5, 100, True, "5"):
+        with pytest.raises(MemplanError, match="straggler threshold"):
+            analyze_paths(paths, threshold_pct=bad)
+
+
 def test_real_gloo_run():
+    """``benchmarks/gloo_trace.py``'s defaults: rank 1 computes 40 ms more before each
+    forward, 4 steps, 3 DDP buckets a step; the ranks' aligned-clock ready moments are in
+    truth_rank*.json next to the traces."""
     out = analyze_paths(GLOO)
     assert [r["rank"] for r in out["ranks"]] == [0, 1]
     for r in out["ranks"]:
-        assert r["device"] == "cpu" and r["num_steps"] == 3
-        assert r["collectives"]["all_reduce"]["count"] == 3  # DDP: one bucket per step
+        assert r["device"] == "cpu" and r["num_steps"] == 4
+        assert r["collectives"]["all_reduce"]["count"] == 12  # 3 buckets in each of 4 steps
         assert sum(r["split_us"].values()) == pytest.approx(r["window_us"], rel=1e-12)
         exposed = sum(s["exposed_comm_us"] for s in r["steps"])
         assert exposed == pytest.approx(r["split_us"]["exposed_comm"], rel=1e-12)
@@ -120,6 +180,11 @@ def test_real_gloo_run():
     across = out["across_ranks"]
     assert across["waited_for_rank"] == 1 and across["stragglers"] == [1]
     assert across["compute_us"][1] > across["compute_us"][0]  # rank 1's extra matmuls
+    truth = [json.loads((TRACES / "gloo_2rank" / f"truth_rank{r}.json").read_text())
+             for r in (0, 1)]
+    waited = sum(b["ready_ns"] - a["ready_ns"] for a, b in zip(*truth, strict=True)) / 1000
+    assert across["exposed_wait_us"][0] == pytest.approx(waited, rel=0.25)
+    assert across["exposed_wait_us"][1] < 0.05 * across["exposed_wait_us"][0]
 
 
 def test_cli_json_and_text(tmp_path):
