@@ -116,24 +116,31 @@ def make_layout(num_gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: in
 
 
 def parse_stage_layers(value: Any) -> tuple[int, ...] | None:
-    """Layers per virtual pipeline stage from "15,16,...", a sequence of ints, or None."""
+    """Layers per virtual pipeline stage from "15,16,16,15" (a run of equal stages may be
+    written "16x6", as ``memplan plan`` prints it), a sequence of ints, or None."""
     if value is None:
         return None
     items = value.split(",") if isinstance(value, str) else value
     try:
-        out = tuple(_layer_count(item) for item in items)
+        out = tuple(n for item in items for n in _layer_counts(item))
     except (TypeError, ValueError):
-        raise MemplanError(f"stage_layers must be layer counts separated by commas, got "
-                           f"{value!r}") from None
+        raise MemplanError(f"stage_layers must be layer counts separated by commas (a run as "
+                           f"16x6), got {value!r}") from None
     if not out:
         raise MemplanError(f"stage_layers must list at least one stage, got {value!r}")
     return out
 
 
-def _layer_count(item: Any) -> int:
+def _layer_counts(item: Any) -> list[int]:
     if isinstance(item, bool) or isinstance(item, float):
         raise TypeError(item)
-    return int(item.strip()) if isinstance(item, str) else int(item)
+    if not isinstance(item, str):
+        return [int(item)]
+    layers, _, times = item.strip().partition("x")
+    count = int(times) if times else 1
+    if count < 1:
+        raise ValueError(item)
+    return [int(layers)] * count
 
 
 def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFAULT_GPU,

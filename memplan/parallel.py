@@ -316,11 +316,20 @@ def _validate_split(spec: ModelSpec, par: ParallelConfig) -> None:
         raise LayoutError("stage_layers needs one entry per virtual pipeline stage",
                           f"stage_layers ({shown}) has {len(split)} entries; {what} = "
                           f"{par.pp * par.vpp} virtual stages need one each")
-    if min(split) < 1:
+    if min(split) < 0:
         stage = split.index(min(split))
+        raise LayoutError("stage_layers entries must not be negative",
+                          f"stage_layers ({shown}): stage {stage} has {split[stage]} layers")
+    # A virtual stage without a decoder layer is the first holding only the embedding or the
+    # last holding only the head (Llama 3 405B: Dubey et al. 2024, section 3.3.2; Megatron-LM
+    # --account-for-embedding/loss-in-pipeline-split); every pipeline rank needs a layer.
+    empty = [i for i, n in enumerate(split)
+             if n == 0 and (par.vpp == 1 or i not in (0, len(split) - 1))]
+    if empty:
+        what = "pipeline stage" if par.vpp == 1 else "virtual stage"
         raise LayoutError("stage_layers entries must be at least 1",
-                          f"stage_layers ({shown}): stage {stage} has {split[stage]} layers; "
-                          "every pipeline stage needs at least one decoder layer")
+                          f"stage_layers ({shown}): {what} {empty[0]} has 0 layers; only the "
+                          "first and the last virtual stage (--vpp > 1) may hold none")
     if sum(split) != spec.num_layers:
         raise LayoutError("stage_layers must sum to num_layers",
                           f"stage_layers ({shown}) sum to {sum(split)}, but {spec.name} has "

@@ -21,10 +21,17 @@ from memplan.errors import LayoutError, MemplanError
 from memplan.hardware import GpuSpec
 from memplan.model.estimate import Estimate, estimate
 from memplan.overheads import Overheads, default_overheads
-from memplan.parallel import INTERLEAVED_MICROBATCHES, ParallelConfig, ZeroStage, validate
+from memplan.parallel import (
+    INTERLEAVED_MICROBATCHES,
+    ParallelConfig,
+    ZeroStage,
+    rank_layers,
+    validate,
+    weighted_split,
+)
 from memplan.spec import ModelSpec
-from memplan.timing import Columns, StepTime, StepTimes, step_flops, step_times
-from memplan.workload import Recompute, Workload
+from memplan.timing import Columns, StepTime, StepTimes, stage_balance, step_flops, step_times
+from memplan.workload import PipelineSplit, Recompute, Workload
 
 DEFAULT_SAFETY = 0.05  # keep 5% of capacity free for what no model counts (stated assumption)
 # Llama 2 and 3 trained with about 4M tokens per step (Touvron et al. 2023; Dubey et al. 2024)
@@ -33,6 +40,11 @@ DEFAULT_TOKENS_PER_STEP = 4 * 1024 * 1024
 # gains little beyond), and context parallelism only from 8k tokens on (below, attention's
 # share of the work is too small for CP to pay; give --cp to search it anyway).
 MAX_VPP = 4
+# pipeline degrees searched beyond the layers' divisors: powers of two up to 32 (the largest
+# published dense runs use 16: Llama 3 405B, Dubey et al. 2024, section 3.3.2), and uneven
+# splits with at least two layers on every virtual stage
+MAX_PP = 32
+MIN_STAGE_LAYERS = 2
 LONG_SEQ = 8192
 RECOMPUTE_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
 SP_OFF_DOMINATED = "sp off: sp on needs no more memory and no more time at any micro-batch"
@@ -97,10 +109,33 @@ def _powers_of_two(limit: int) -> list[int]:
     return out
 
 
+def pipeline_splits(num_layers: int, pp: int, vpp: int,
+                    rule: PipelineSplit) -> list[tuple[int, ...] | None]:
+    """The layer splits searched for ``pp`` x ``vpp`` virtual stages (None: equal parts).
+    torchtitan's rule gives its one split; otherwise the equal split where it divides and the
+    split that counts the embedding and the head as a layer each (``weighted_split``: one
+    layer fewer on the first and the last stage, as Llama 3's 405B run and torchtitan place
+    them), which balances the stages' compute where the head is heavy."""
+    parts = pp * vpp
+    weighted = weighted_split(num_layers, parts) if pp > 1 else ()
+    uneven = weighted if weighted and len(set(weighted)) > 1 else None
+    if rule is PipelineSplit.WEIGHTED:
+        return [uneven] if weighted else []
+    out: list[tuple[int, ...] | None] = [None] if num_layers % parts == 0 else []
+    if uneven and min(uneven) >= MIN_STAGE_LAYERS:
+        out.append(uneven)
+    return out
+
+
 def layouts(spec: ModelSpec, num_gpus: int, seq_len: int, *, max_tp: int,
-            fixed: dict[str, object], rejected: Counter) -> list[ParallelConfig]:
+            fixed: dict[str, object], rejected: Counter,
+            split_rule: PipelineSplit = PipelineSplit.EVEN,
+            node_size: int = 8) -> list[ParallelConfig]:
     """Every layout of ``num_gpus`` the model can be split into, with ``fixed`` values kept.
-    With tp > 1 sequence parallelism is searched both ways unless fixed."""
+    With tp > 1 sequence parallelism is searched both ways unless fixed. Pipeline degrees
+    are the divisors of the layers and the powers of two up to them (with uneven splits,
+    ``pipeline_splits``); ZeRO-3 is searched with the shard group over all of dp and, where
+    smaller, over one node (HSDP: ``dp_shard`` ranks of a node, replicated across nodes)."""
     def choices(name: str, default: list) -> list:
         return [fixed[name]] if fixed.get(name) is not None else default
 
@@ -110,7 +145,9 @@ def layouts(spec: ModelSpec, num_gpus: int, seq_len: int, *, max_tp: int,
         if spec.num_kv_heads % tp or spec.num_attention_heads % tp or spec.ffn_hidden_size % tp:
             rejected[f"tp {tp} does not divide heads, KV heads or FFN"] += 1
             continue
-        for pp in choices("pp", divisors(spec.num_layers)):
+        pps = sorted({p for p in divisors(spec.num_layers) if p <= MAX_PP}
+                     | set(_powers_of_two(min(spec.num_layers, MAX_PP))))
+        for pp in choices("pp", pps):
             # load-balanced causal CP splits the sequence into 2 * cp chunks
             for cp in choices("cp", [c for c in _powers_of_two(8 if seq_len >= LONG_SEQ else 1)
                                      if c == 1 or seq_len % (2 * c) == 0]):
@@ -118,24 +155,41 @@ def layouts(spec: ModelSpec, num_gpus: int, seq_len: int, *, max_tp: int,
                     rejected["gpus not divisible by tp*pp*cp"] += 1
                     continue
                 dp = num_gpus // (tp * pp * cp)
-                vpps = ([v for v in divisors(spec.num_layers // pp) if v <= MAX_VPP]
-                        if pp > 1 else [1])
-                for vpp, ep, zero, sp in ((v, e, z, s) for v in choices("vpp", vpps)
-                                          for e in choices("ep", [e for e in divisors(experts)
-                                                                  if (dp * cp) % e == 0])
-                                          for z in choices("zero", [0, 1, 2, 3])
-                                          for s in choices("sp", [True, False] if tp > 1
-                                                           else [False])):
-                    out.append(_layout(tp, pp, vpp, dp, cp, ep, zero, bool(sp)))
+                node_shard = node_size // (tp * cp) if node_size % (tp * cp) == 0 else 0
+                vpps = list(range(1, MAX_VPP + 1)) if pp > 1 else [1]
+                for vpp in choices("vpp", vpps):
+                    splits = ([fixed["stage_layers"]] if fixed.get("stage_layers") is not None
+                              else pipeline_splits(spec.num_layers, pp, vpp, split_rule))
+                    if not splits:
+                        rejected["no pipeline split of the layers"] += 1
+                        continue
+                    for split, ep, zero, sp in (
+                            (sl, e, z, s) for sl in splits
+                            for e in choices("ep", [e for e in divisors(experts)
+                                                    if (dp * cp) % e == 0])
+                            for z in choices("zero", [0, 1, 2, 3])
+                            for s in choices("sp", [True, False] if tp > 1 else [False])):
+                        for shard in choices("dp_shard", _shards(dp, zero, ep, node_shard)):
+                            out.append(_layout(tp, pp, vpp, dp, cp, ep, zero, bool(sp), split,
+                                               shard))
+    return out
+
+
+def _shards(dp: int, zero: int, ep: int, node_shard: int) -> list[int | None]:
+    """Shard groups searched: all of dp, and for ZeRO-3 one node's worth where smaller."""
+    out: list[int | None] = [None]
+    if zero == 3 and ep == 1 and 1 < node_shard < dp and dp % node_shard == 0:
+        out.append(node_shard)
     return out
 
 
 @lru_cache(maxsize=16384)
 def _layout(tp: int, pp: int, vpp: int, dp: int, cp: int, ep: int, zero: int,
-            sp: bool) -> ParallelConfig:
+            sp: bool, split: tuple[int, ...] | None = None,
+            shard: int | None = None) -> ParallelConfig:
     """One object per layout, so caches keyed by it hit by identity across plans."""
     return ParallelConfig(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=ep, zero=ZeroStage(zero),
-                          sequence_parallel=sp)
+                          sequence_parallel=sp, stage_layers=split, dp_shard=shard)
 
 
 def _policies(allowed: list[Recompute], stage_layers: int) -> list[tuple[Recompute, int | None]]:
@@ -166,12 +220,13 @@ def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
     result = PlanResult(candidates=[], global_batch_size=gbs)
     pars = _sp_on_where_possible([
         par for par in layouts(spec, num_gpus, wl.seq_len, max_tp=max_tp or gpu.gpus_per_node,
-                               fixed=fixed or {}, rejected=result.rejected)
+                               fixed=fixed or {}, rejected=result.rejected,
+                               split_rule=wl.pipeline_split, node_size=gpu.gpus_per_node)
         if _usable(spec, par, wl, gbs, result.rejected)], result.rejected)
     ctx = _Context(spec, gpu, _with_gbs(wl, gbs), int(capacity * (1 - safety)),
                    default_overheads(gpu), capacity)
-    policies = [_policies(recompute or list(RECOMPUTE_ORDER), spec.num_layers // p.pp)
-                for p in pars]
+    policies = [_policies(recompute or list(RECOMPUTE_ORDER),
+                          min(rank_layers(spec.num_layers, p))) for p in pars]
     levels = _search_levels(ctx, pars, policies)
     fits = [fit for level in levels for fit in level.fits(pars, policies)]
     fits.sort(key=lambda f: (f.layout, f.level))  # a layout's policies in order of compute
@@ -219,7 +274,8 @@ def _sp_on_where_possible(pars: list[ParallelConfig], rejected: Counter) -> list
     out = []
     for par in pars:
         if par.tp > 1 and not par.sequence_parallel and _layout(
-                par.tp, par.pp, par.vpp, par.dp, par.cp, par.ep, int(par.zero), True) in usable:
+                par.tp, par.pp, par.vpp, par.dp, par.cp, par.ep, int(par.zero), True,
+                par.stage_layers, par.dp_shard) in usable:
             rejected[SP_OFF_DOMINATED] += 1
         else:
             out.append(par)
@@ -293,9 +349,10 @@ def _search_levels(ctx: _Context, pars: list[ParallelConfig],
         index = [i for i, p in enumerate(policies) if level < len(p) and sizes[i][-1] > above[i]]
         jobs = [Job(pars[i], ctx.workload(policies[i][level]), sizes[i], above[i])
                 for i in index]
-        # Layouts differing only in ZeRO stage hold the same activations: one leads its class.
-        classes = None if level else [(p.tp, p.pp, p.vpp, p.cp, p.ep, p.sequence_parallel)
-                                      for p in (pars[i] for i in index)]
+        # Layouts differing only in ZeRO stage (or shard group) hold the same activations: one
+        # leads its class.
+        classes = None if level else [(p.tp, p.pp, p.vpp, p.cp, p.ep, p.sequence_parallel,
+                                       p.stage_layers) for p in (pars[i] for i in index)]
         search = Search(ctx.spec, jobs, ctx.budget, ctx.ovh, slopes=slope[index],
                         classes=classes)
         found = search.run()
@@ -309,11 +366,14 @@ def _times(ctx: _Context, fits: list[_Fit]) -> StepTimes:
     """The step-time model of every fit in one vectorised pass."""
     gbs = ctx.wl.global_batch_size
     # recompute of k layers reruns k per pipeline stage: the FLOPs depend on the stages too
-    keys = [(f.policy, f.par.pp, f.par.vpp) for f in fits]
-    flops = {key: step_flops(ctx.spec, ctx.workload(key[0]), gbs, pp=key[1], vpp=key[2])
-             for key in set(keys)}
+    keys = [(f.policy, f.par.pp, f.par.vpp, f.par.stage_layers) for f in fits]
+    flops = {key: step_flops(ctx.spec, ctx.workload(key[0]), gbs, pp=key[1], vpp=key[2],
+                             split=key[3]) for key in set(keys)}
+    balance = {key: stage_balance(ctx.spec, ctx.workload(key[0]), key[1], key[2], key[3])
+               for key in set(keys)}
     cols = Columns.of([f.par for f in fits], [f.mbs for f in fits],
-                      [gbs // (f.mbs * f.par.dp) for f in fits], [f.num_params for f in fits])
+                      [gbs // (f.mbs * f.par.dp) for f in fits], [f.num_params for f in fits],
+                      num_layers=ctx.spec.num_layers, balance=[balance[key] for key in keys])
     model = np.array([flops[key][0] for key in keys])
     hardware = np.array([flops[key][1] for key in keys])
     return step_times(ctx.spec, ctx.gpu, ctx.wl, gbs, cols, model, hardware)

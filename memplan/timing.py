@@ -127,6 +127,32 @@ def recomputed_layers(num_layers: int, recompute_layers: int, pp: int,
     return tuple(sorted(out))
 
 
+@lru_cache(maxsize=4096)
+def stage_balance(spec: ModelSpec, wl: Workload, pp: int, vpp: int = 1,
+                  split: tuple[int, ...] | None = None) -> float:
+    """The busiest pipeline rank's FLOPs over the mean rank's: a pipeline runs at the pace of
+    its slowest stage (each micro-batch waits for it), so its compute time is the mean's
+    times this. A rank's FLOPs per token are its layers' (``layer_forward_flops``) and, on
+    the rank of the last virtual stage, the head's, three forwards each (forward and
+    backward) plus one more for what full recompute reruns and for the head of a chunked
+    loss. 1.0 without pipeline parallelism."""
+    if pp == 1:
+        return 1.0
+    per_layer = layer_forward_flops(spec, wl.seq_len)
+    par = ParallelConfig(pp=pp, vpp=vpp, stage_layers=split)
+    rerun = set()
+    if wl.recompute is Recompute.FULL:
+        rerun = (set(range(spec.num_layers)) if wl.recompute_layers is None else
+                 set(recomputed_layers(spec.num_layers, wl.recompute_layers, pp, vpp, split)))
+    head = 2.0 * spec.vocab_size * spec.hidden_size * (4 if wl.loss_chunks > 1 else 3)
+    ranks = []
+    for stage in range(pp):
+        layers = [i for chunk in stage_layers(spec.num_layers, par, stage) for i in chunk]
+        ranks.append(sum(per_layer[i] * (4 if i in rerun else 3) for i in layers)
+                     + (head if stage == pp - 1 else 0.0))
+    return max(ranks) * pp / sum(ranks)
+
+
 def step_flops(spec: ModelSpec, wl: Workload, global_batch: int, *, pp: int,
                vpp: int = 1, split: tuple[int, ...] | None = None) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) of one step of the whole job with ``pp`` pipeline stages
@@ -231,11 +257,15 @@ class Columns(NamedTuple):
     m: Any  # micro-batches per step
     params_on_rank: Any  # parameters of the most loaded rank, before ZeRO sharding
     offload: Any  # optimizer offloaded to the host (boolean)
+    layers: Any  # decoder layers of the busiest pipeline rank
+    shard: Any  # data-parallel ranks of one ZeRO shard group (dp without HSDP)
+    balance: Any  # the busiest rank's FLOPs over the mean rank's (``stage_balance``)
     ops: Any = _Arrays
 
     @classmethod
     def of(cls, layouts: list[ParallelConfig], mbs: list[int], m: list[int],
-           params_on_rank: list[int]) -> Columns:
+           params_on_rank: list[int], *, num_layers: int,
+           balance: list[float] | None = None) -> Columns:
         import numpy as np
 
         def col(name: str) -> np.ndarray:
@@ -247,18 +277,28 @@ class Columns(NamedTuple):
                    mbs=np.array(mbs, dtype=np.int64), m=np.array(m, dtype=np.int64),
                    params_on_rank=np.array(params_on_rank, dtype=np.int64),
                    offload=np.array([p.offload is Offload.OPTIMIZER for p in layouts],
-                                    dtype=bool))
+                                    dtype=bool),
+                   layers=np.array([_busiest_layers(num_layers, p) for p in layouts],
+                                   dtype=np.int64),
+                   shard=col("shard_group"),
+                   balance=np.ones(len(layouts)) if balance is None else np.array(balance))
 
     @classmethod
-    def one(cls, par: ParallelConfig, mbs: int, m: int, params_on_rank: int) -> Columns:
+    def one(cls, par: ParallelConfig, mbs: int, m: int, params_on_rank: int, *,
+            num_layers: int, balance: float = 1.0) -> Columns:
         return cls(tp=par.tp, pp=par.pp, vpp=par.vpp, dp=par.dp, cp=par.cp, ep=par.ep,
                    zero=int(par.zero), sp=par.sequence_parallel, mbs=mbs, m=m,
                    params_on_rank=params_on_rank, offload=par.offload is Offload.OPTIMIZER,
-                   ops=_Numbers)
+                   layers=_busiest_layers(num_layers, par), shard=par.shard_group,
+                   balance=balance, ops=_Numbers)
 
     @property
     def world_size(self) -> Any:
         return self.tp * self.pp * self.cp * self.dp
+
+
+def _busiest_layers(num_layers: int, par: ParallelConfig) -> int:
+    return max(rank_layers(num_layers, par))
 
 
 def _bandwidth(gpu: GpuSpec, c: Columns, span: Any) -> Any:
@@ -278,6 +318,38 @@ def _moe_layers_before(spec: ModelSpec) -> tuple[int, ...]:
     return tuple(accumulate((spec.is_moe_layer(i) for i in range(spec.num_layers)), initial=0))
 
 
+def dp_parts(wl: Workload, gpu: GpuSpec, c: Columns) -> tuple[Any, Any, Any]:
+    """Seconds of data-parallel communication in one step: (the gradients' reduction, the
+    weights' all-gather after the optimizer step, ZeRO-3's gathers for every micro-batch's
+    forward and backward).
+
+    Gradients are reduced once per step: all-reduced without ZeRO, reduce-scattered inside
+    the shard group with it (the optimizer's updated shards then all-gathered back, the same
+    volume); with HSDP (``dp_shard``) the shard group's reduce-scatter and all-gathers run
+    over its own span of ranks, and each shard is all-reduced across the replicas, a
+    ``1 / dp_shard`` share of the gradients over the whole data-parallel span (PyTorch FSDP2
+    HSDP: reduce-scatter then all-reduce, _fsdp_collectives.py foreach_reduce). ZeRO-3
+    gathers the weights in the dtype it computes in (fp32 under autocast) for every
+    micro-batch, forward and backward."""
+    where = c.ops.where
+    shard = c.shard * c.cp  # ranks of one shard group (CP folded in, as in memory)
+    replicas = c.dp // c.shard
+    grad_bytes = c.params_on_rank * wl.precision.policy.grad_bytes
+    weight_bytes = c.params_on_rank * wl.precision.policy.unsharded.itemsize
+    inside = _bandwidth(gpu, c, c.tp * shard)
+    across = _bandwidth(gpu, c, c.tp * c.cp * c.dp)
+    zero = c.zero >= ZeroStage.OPTIMIZER
+    # without ZeRO: one all-reduce (2 ring passes) over all data-parallel ranks
+    plain = 2 * _ring(c.dp * c.cp) * grad_bytes / across
+    sharded = (_ring(shard) * grad_bytes / inside
+               + 2 * _ring(replicas) * grad_bytes / shard / across)
+    reduce = where(zero, sharded, plain)
+    gather = where(zero, _ring(shard) * weight_bytes / inside, 0.0)
+    gathers = where(c.zero >= ZeroStage.PARAMETERS,
+                    2 * _ring(shard) * weight_bytes * c.m / inside, 0.0)
+    return reduce, gather, gathers
+
+
 def comm_columns(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns) -> dict[str, Any]:
     """Seconds each dimension spends communicating in one step of one GPU, before overlap, per
     candidate (``wl`` gives the sequence and precision; ``c`` the rest).
@@ -286,7 +358,7 @@ def comm_columns(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns) -> dic
     intra-node links when its span of consecutive ranks fits in a node.
     """
     e = wl.compute_dtype.itemsize
-    m, layers, where = c.m, spec.num_layers // c.pp, c.ops.where
+    m, layers, where = c.m, c.layers, c.ops.where
     tokens = c.mbs * local_seq(wl.seq_len, c.cp)
     act_bytes = tokens * spec.hidden_size * e
     out: dict[str, Any] = {}
@@ -294,17 +366,11 @@ def comm_columns(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns) -> dic
     # with SP, the same volume): 2 * ring factor per all-reduce.
     tp_bytes = 4 * 2 * _ring(c.tp) * act_bytes * layers * m
     out["tp"] = tp_bytes / _bandwidth(gpu, c, c.tp)
-    # DP: gradients reduced once per step (ZeRO: reduce-scatter + all-gather of the weights,
-    # the same volume); ZeRO-3 also gathers the weights for forward and backward.
-    dp = c.dp * c.cp
-    grad_bytes = c.params_on_rank * wl.precision.policy.grad_bytes
-    dp_bytes = 2 * _ring(dp) * grad_bytes
-    # weights are gathered in the dtype FSDP holds them for compute (fp32 under autocast)
-    gathers = 2 * _ring(dp) * c.params_on_rank * wl.precision.policy.unsharded.itemsize * m
-    dp_bytes = where(c.zero >= ZeroStage.PARAMETERS, dp_bytes + gathers, dp_bytes)
-    out["dp"] = dp_bytes / _bandwidth(gpu, c, c.tp * c.cp * c.dp)
-    # PP: each micro-batch's activations cross each boundary forward and their gradients back.
-    pp_bytes = where(c.pp > 1, 2 * act_bytes // where(c.sp, c.tp, 1) * m, 0)
+    out["dp"] = sum(dp_parts(wl, gpu, c))
+    # PP: each micro-batch's activations cross each boundary forward and their gradients back,
+    # once per model chunk: interleaving multiplies the sends by vpp (Narayanan et al. 2021,
+    # section 2.2.2: "the amount of communication also increases by v").
+    pp_bytes = where(c.pp > 1, 2 * act_bytes // where(c.sp, c.tp, 1) * m * c.vpp, 0)
     out["pp"] = pp_bytes / _bandwidth(gpu, c, c.world_size)
     # CP: a ring passes every other rank's K and V chunk through, forward and backward.
     kv = 2 * tokens * spec.kv_size // c.tp * e
@@ -368,9 +434,12 @@ def _step_fields(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int,
                  model_flops: Any, hardware_flops: Any, mfu: float) -> dict[str, Any]:
     """``StepTimes``' fields for the candidates of ``c`` (arrays, or numbers for one)."""
     world = c.world_size
-    compute = hardware_flops / world / (gpu.bf16_flops * mfu)
+    # the pipeline runs at its busiest rank's pace (``stage_balance``)
+    compute = hardware_flops / world / (gpu.bf16_flops * mfu) * c.balance
     comm = comm_columns(spec, gpu, wl, c)
-    exposed = sum(seconds * (1.0 - OVERLAP[kind]) for kind, seconds in comm.items())
+    exposed = sum(seconds * (1.0 - OVERLAP[kind]) for kind, seconds in comm.items()
+                  if kind not in WINDOWED)
+    exposed = exposed + _windowed(spec, gpu, wl, c, comm, compute, model_flops, hardware_flops)
     # (p - 1) / (v * m) of the ideal time (Narayanan et al. 2021, eq. 1-2)
     bubble = c.ops.where(c.pp > 1, (c.pp - 1) / (c.vpp * c.m) * (compute + exposed), 0.0)
     total = compute + exposed + bubble
@@ -386,6 +455,47 @@ def _step_fields(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int,
     }
 
 
+# Communication that can hide only behind the compute it runs beside (``_windowed``).
+WINDOWED = frozenset({"dp", "cp"})
+
+
+def _windowed(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns, comm: dict[str, Any],
+              compute: Any, model_flops: Any, hardware_flops: Any) -> Any:
+    """Exposed seconds of data- and context-parallel communication: at most ``OVERLAP`` of
+    each is hidden, and never more than the compute it can run beside.
+
+    - The gradients' reduction starts when the last micro-batch's backward makes them: with
+      gradient accumulation only that micro-batch's backward can hide it (Megatron-LM
+      ``--overlap-grad-reduce`` issues the bucket reduce-scatters in the last micro-batch's
+      backward, megatron/core/distributed/distributed_data_parallel.py; PyTorch DDP
+      ``no_sync`` skips the earlier ones).
+    - The weights' all-gather after the optimizer step hides behind the first micro-batch's
+      forward (``--overlap-param-gather``).
+    - ZeRO-3's gathers run beside every micro-batch's compute.
+    - The context-parallel ring sends each K/V block while the attention of the one before
+      runs (Liu et al. 2023, Ring Attention, section 3: the transfer hides when a block's
+      compute takes longer): only the attention's own compute can hide it.
+    """
+    where = c.ops.where
+    backward_share = 2.0 / 3.0 * model_flops / hardware_flops  # of the step's compute
+    per_mb = compute / c.m
+    reduce, gather, gathers = dp_parts(wl, gpu, c)
+    hidden = OVERLAP["dp"]
+
+    def exposed(seconds: Any, window: Any) -> Any:
+        return where(seconds * hidden > window, seconds - window, seconds * (1.0 - hidden))
+
+    dp = (exposed(reduce, per_mb * backward_share) + exposed(gather, per_mb * (1 - backward_share))
+          + exposed(gathers, compute))
+    matmul, attention, _ = forward_flops_per_token(spec, wl.seq_len)
+    attention_share = attention / (matmul + attention)
+    cp_hidden = OVERLAP["cp"]
+    cp = comm["cp"]
+    window = compute * attention_share
+    cp_exposed = where(cp * cp_hidden > window, cp - window, cp * (1.0 - cp_hidden))
+    return dp + cp_exposed
+
+
 def step_times(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int, c: Columns,
                model_flops: np.ndarray, hardware_flops: np.ndarray, *,
                mfu: float = DEFAULT_MFU) -> StepTimes:
@@ -399,7 +509,8 @@ def step_times(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int, c
 def comm_seconds(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload,
                  num_microbatches: int, params_on_rank: int) -> dict[str, float]:
     """``comm_columns`` of one layout."""
-    c = Columns.one(par, wl.micro_batch_size, num_microbatches, params_on_rank)
+    c = Columns.one(par, wl.micro_batch_size, num_microbatches, params_on_rank,
+                    num_layers=spec.num_layers)
     return {kind: float(v) for kind, v in comm_columns(spec, gpu, wl, c).items()}
 
 
@@ -410,7 +521,9 @@ def step_time(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload,
     plain numbers: the same floats, without numpy)."""
     model, hardware = step_flops(spec, wl, global_batch, pp=par.pp, vpp=par.vpp,
                                  split=par.stage_layers)
-    c = Columns.one(par, wl.micro_batch_size, num_microbatches, params_on_rank)
+    c = Columns.one(par, wl.micro_batch_size, num_microbatches, params_on_rank,
+                    num_layers=spec.num_layers,
+                    balance=stage_balance(spec, wl, par.pp, par.vpp, par.stage_layers))
     f = _step_fields(spec, gpu, wl, global_batch, c, model, hardware, mfu)
     return StepTime(
         model_flops=float(f["model_flops"]), hardware_flops=float(f["hardware_flops"]),

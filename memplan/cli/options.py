@@ -57,6 +57,13 @@ Tp = Annotated[int, typer.Option("--tp", help="Tensor-parallel degree.", rich_he
 Pp = Annotated[int, typer.Option("--pp", help="Pipeline-parallel degree.", rich_help_panel=_LAYOUT)]
 Vpp = Annotated[int, typer.Option("--vpp", help="Model chunks per pipeline rank (interleaved).",
                                   rich_help_panel=_LAYOUT)]
+StageLayers = Annotated[Optional[str], typer.Option(
+    "--stage-layers", help="Decoder layers on each pipeline stage in order, e.g. 15,16,16,15 "
+    "(each virtual stage with --vpp > 1; they sum to the model's layers). Default: the "
+    "framework's own split.", rich_help_panel=_LAYOUT)]
+DpShard = Annotated[Optional[int], typer.Option(
+    "--dp-shard", help="HSDP: data-parallel ranks of one ZeRO/FSDP shard group (dp = "
+    "replicas x dp-shard; default: shard over all of dp).", rich_help_panel=_LAYOUT)]
 Dp = Annotated[Optional[int], typer.Option(
     "--dp", help="Data-parallel degree (default: gpus / (tp*pp*cp)).", rich_help_panel=_LAYOUT)]
 Cp = Annotated[int, typer.Option("--cp", help="Context-parallel degree.", rich_help_panel=_LAYOUT)]
@@ -170,6 +177,8 @@ SHARED: dict[str, Shared] = {
     "pp": Shared(Pp, 1, "pp"),
     "vpp": Shared(Vpp, 1, "vpp"),
     "dp": Shared(Dp, None, "dp"),
+    "stage_layers": Shared(StageLayers, None, "stage_layers"),
+    "dp_shard": Shared(DpShard, None, "dp_shard"),
     "cp": Shared(Cp, 1, "cp"),
     "ep": Shared(Ep, 1, "ep"),
     "sp": Shared(Sp, None, "sequence_parallel"),
@@ -197,7 +206,7 @@ SHARED: dict[str, Shared] = {
 }
 
 LAYOUT = ("tp", "pp", "vpp", "dp", "cp", "ep", "sp", "vocab_parallel", "tp_style",
-          "grad_buffers", "offload", "zero")
+          "grad_buffers", "offload", "zero", "stage_layers", "dp_shard")
 WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "precision", "optimizer",
             "optimizer_impl", "attention", "norm", "logits_fp32", "loss_chunks", "framework",
             "keep_grads")

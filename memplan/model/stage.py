@@ -134,7 +134,9 @@ def stage_record(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, sta
         optimizer_bytes=st.optimizer_bytes, activations_bytes=w.activations,
         microbatches_in_flight=max(w.in_flight), microbatch_bytes=w.one_mb,
         activation_groups=tuple(groups), loss_bytes=w.loss_bytes,
-        sharding_buffers_bytes=fx.shard.peak_bytes + fx.buckets,
+        # kept gathered under PP: the unsharded gradient accumulators are buffers too
+        sharding_buffers_bytes=fx.shard.peak_bytes + fx.buckets + (
+            int(fx.params.total * fx.grad_per_param) if fx.shard.kept_gathered else 0),
         optimizer_temp_bytes=fx.opt_temp, buffers_bytes=fx.buffers, steady=w.steady,
         first_step=w.first_step,
         tensor_peak_bytes=tensor_peak, cuda_context_bytes=ovh.cuda_context_bytes,

@@ -6,6 +6,7 @@ from typing import Any
 
 from memplan.errors import MemplanError
 from memplan.model.estimate import PHASES, Estimate, PhasePeaks, StageMemory
+from memplan.parallel import virtual_stage_layers
 from memplan.report.sizes import format_gib, gib
 from memplan.timing import DEFAULT_MFU, StepTime, estimate_step_time
 
@@ -53,7 +54,9 @@ def estimate_json(est: Estimate) -> dict[str, Any]:
         "layout": {"tp": par.tp, "pp": par.pp, "vpp": par.vpp, "dp": par.dp, "cp": par.cp,
                    "ep": par.ep, "zero": int(par.zero), "sp": par.sequence_parallel,
                    "vocab_parallel": par.vocab_parallel, "tp_style": par.tp_style.value,
-                   "grad_buffers": par.grad_buffers.value, "offload": par.offload.value},
+                   "grad_buffers": par.grad_buffers.value, "offload": par.offload.value,
+                   "stage_layers": list(virtual_stage_layers(est.spec.num_layers, par)),
+                   "dp_shard": par.shard_group, "replicas": par.replicas},
         "workload": {
             "mbs": wl.micro_batch_size, "gbs": est.global_batch_size,
             "num_microbatches": est.num_microbatches, "seq": wl.seq_len,
@@ -109,7 +112,11 @@ def render_estimate(est: Estimate) -> Any:
     header = Text(
         f"{est.spec.name} ({est.spec.num_params / 1e9:.2f}B params) on {par.world_size} x "
         f"{est.gpu.name}: tp={par.tp} pp={par.pp} vpp={par.vpp} dp={par.dp} cp={par.cp} "
-        f"ep={par.ep} zero={int(par.zero)} sp={'on' if par.sequence_parallel else 'off'}\n"
+        f"ep={par.ep} zero={int(par.zero)} sp={'on' if par.sequence_parallel else 'off'}"
+        + (f" dp_shard={par.shard_group} (x{par.replicas} replicas)" if par.replicas > 1
+           else "")
+        + (f"\nstage layers {','.join(map(str, par.stage_layers))}" if par.stage_layers
+           else "") + "\n"
         f"mbs={wl.micro_batch_size} gbs={est.global_batch_size} "
         f"(micro-batches per step {est.num_microbatches}) seq={wl.seq_len} "
         f"precision={wl.precision.value} optimizer={wl.optimizer.value}/"

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from itertools import groupby
 from typing import TYPE_CHECKING, Any
 
-from memplan.parallel import ParallelConfig
+from memplan.parallel import ParallelConfig, rank_layers
 from memplan.report.sizes import format_gib, gib
 
 if TYPE_CHECKING:
@@ -20,7 +21,10 @@ def plan_json(result: PlanResult, top: int) -> dict[str, Any]:
         "candidates": [{
             "layout": {"tp": c.layout.tp, "pp": c.layout.pp, "vpp": c.layout.vpp,
                        "dp": c.layout.dp, "cp": c.layout.cp, "ep": c.layout.ep,
-                       "zero": int(c.layout.zero), "sp": c.layout.sequence_parallel},
+                       "zero": int(c.layout.zero), "sp": c.layout.sequence_parallel,
+                       "stage_layers": (list(c.layout.stage_layers)
+                                        if c.layout.stage_layers else None),
+                       "dp_shard": c.layout.shard_group},
             "mbs": c.micro_batch_size, "recompute": c.recompute.label,
             "recompute_layers": c.recompute_layers,
             "peak_bytes": c.peak_bytes, "capacity_bytes": c.capacity_bytes,
@@ -38,9 +42,20 @@ _BOUND = {"compute": "compute", "communication": "comm", "pipeline bubble": "bub
 def _layout(p: ParallelConfig) -> str:
     parts = [f"tp{p.tp}" + ("+sp" if p.sequence_parallel else ""), f"pp{p.pp}"]
     parts += [f"v{p.vpp}"] if p.vpp > 1 else []
+    parts += [f"[{split_label(p.stage_layers)}]"] if p.stage_layers else []
     parts += [f"cp{p.cp}"] if p.cp > 1 else []
     parts += [f"ep{p.ep}"] if p.ep > 1 else []
-    return " ".join([*parts, f"dp{p.dp}", f"z{int(p.zero)}"])
+    dp = f"dp{p.dp}" + (f"/{p.shard_group}" if p.replicas > 1 else "")
+    return " ".join([*parts, dp, f"z{int(p.zero)}"])
+
+
+def split_label(split: tuple[int, ...]) -> str:
+    """Layers per stage, runs of equal stages written once with their count: 15,16x6,15."""
+    out: list[str] = []
+    for key, group in groupby(split):
+        n = len(list(group))
+        out.append(f"{key}x{n}" if n > 1 else str(key))
+    return ",".join(out)
 
 
 def render_plan(result: PlanResult, model: str, num_layers: int, gpus: int, gpu: str,
@@ -60,7 +75,8 @@ def render_plan(result: PlanResult, model: str, num_layers: int, gpus: int, gpu:
         table.add_column(col, justify="right", no_wrap=True)
     for c in result.candidates[:top]:
         # full recompute of k of the stage's layers: "full 2 of 8"
-        label = c.recompute.label + (f" {c.recompute_layers} of {num_layers // c.layout.pp}"
+        label = c.recompute.label + (f" {c.recompute_layers} of "
+                                     f"{max(rank_layers(num_layers, c.layout))}"
                                      if c.recompute_layers else "")
         table.add_row(_layout(c.layout), str(c.micro_batch_size), label,
                       gib(c.peak_bytes, 1), f"{c.time.step_s:.2f}",

@@ -154,12 +154,15 @@ def test_estimate_json_step_time_derived_by_hand() -> None:
     2 * 128 * 64 attention = 108,800 FLOPs, the head 2 * 128 * 64 = 16,384, so the model FLOPs
     are 3 * (2 * 108,800 + 16,384) * 1,024 = 718,798,848. Full recompute of 1 layer of each
     stage reruns both layers: + 2 * 108,800 * 1,024 = 222,822,400, 941,621,248 for the job,
-    470,810,624 per GPU. Compute at 40% of the H100's 989.4 TFLOP/s; the only communication is
-    the pipeline's: 2 * (256 tokens * 64 * 2 B) * 4 micro-batches = 262,144 B over NVLink
-    (450 GB/s), half exposed; the bubble (2 - 1) / 4 of compute and exposed communication."""
+    470,810,624 per GPU. Compute at 40% of the H100's 989.4 TFLOP/s, at the pace of the
+    busier stage: per token the first runs layer 0 four times (435,200), the second layer 1
+    four times and the head three (435,200 + 49,152 = 484,352), 484,352 / 459,776 of the mean.
+    The only communication is the pipeline's: 2 * (256 tokens * 64 * 2 B) * 4 micro-batches
+    = 262,144 B over NVLink (450 GB/s), half exposed; the bubble (2 - 1) / 4 of compute and
+    exposed communication."""
     out = estimate_cli(*TINY_PP2)
     assert out["flops_per_step"] == 470_810_624
-    compute = 470_810_624 / (989.4e12 * 0.4)
+    compute = 470_810_624 / (989.4e12 * 0.4) * 484_352 / 459_776
     exposed = 262_144 / 450e9 * 0.5
     step = (compute + exposed) * (1 + 1 / 4)
     assert out["step_time_s"] == pytest.approx(step, rel=1e-12)

@@ -28,7 +28,7 @@ from memplan.planner import (
     plan,
 )
 from memplan.spec import ModelSpec, MoESpec
-from memplan.timing import Columns, step_flops, step_time, step_times
+from memplan.timing import Columns, stage_balance, step_flops, step_time, step_times
 
 GPU = memplan.load_gpu("h100")
 TINY = memplan.load_model("tiny")
@@ -202,7 +202,10 @@ def test_step_times_of_many_candidates_equal_step_time() -> None:
         gbs = 4096
         flops = [step_flops(spec, wl, gbs, pp=par.pp, vpp=par.vpp) for par, wl, _, _ in rows]
         cols = Columns.of([r[0] for r in rows], [r[1].micro_batch_size for r in rows],
-                          [r[2] for r in rows], [r[3] for r in rows])
+                          [r[2] for r in rows], [r[3] for r in rows],
+                          num_layers=spec.num_layers,
+                          balance=[stage_balance(spec, wl, par.pp, par.vpp) for par, wl, _, _
+                                   in rows])
         times = step_times(spec, GPU, rows[0][1].model_copy(update={"micro_batch_size": 1}),
                            gbs, cols, np.array([f[0] for f in flops]),
                            np.array([f[1] for f in flops]))
