@@ -3,8 +3,10 @@
 A dict translator: ``memplan.spec`` reads the file and validates the fields it returns.
 
 The file is read as JSON data only: no ``transformers`` import, no ``trust_remote_code``, no
-network. Only the families whose field names and conventions are known here are accepted
-(llama, mistral, mixtral, qwen2, gpt2); anything else is refused rather than guessed at, because
+network. The translators of llama, mistral, mixtral, qwen2 and gpt2 are here, those of the other
+families in ``memplan.hf_families``, which dispatches on ``model_type``
+(``memplan.hf_families.spec_fields``). Only families whose field names and conventions are
+known are accepted; anything else is refused rather than guessed at, because
 a silently wrong parameter count would make every memory figure downstream wrong.
 """
 
@@ -17,11 +19,9 @@ from memplan.errors import MemplanError
 
 _MISSING = object()
 
-# llama, mistral, mixtral and qwen2 share Llama's field names; gpt2 has its own.
-_SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "gpt2")
 
 
-class _Config:
+class ConfigKeys:
     """Typed access to the JSON object, with errors that name the file, the key and the value."""
 
     def __init__(self, data: dict[str, Any], where: str) -> None:
@@ -68,7 +68,7 @@ class _Config:
         return value
 
 
-def _head_dim(cfg: _Config, hidden: int, heads: int, heads_key: str) -> int:
+def _head_dim(cfg: ConfigKeys, hidden: int, heads: int, heads_key: str) -> int:
     """hidden / heads, refusing a remainder rather than silently rounding it away."""
     if hidden % heads:
         raise cfg.error(heads_key, f"{heads} does not divide hidden size {hidden} "
@@ -76,7 +76,7 @@ def _head_dim(cfg: _Config, hidden: int, heads: int, heads_key: str) -> int:
     return hidden // heads
 
 
-def _gated_mlp(cfg: _Config) -> str:
+def gated_mlp(cfg: ConfigKeys) -> str:
     act = cfg.get_str("hidden_act", "silu").lower()
     if act in ("silu", "swish"):
         return "swiglu"
@@ -89,7 +89,7 @@ def _gated_mlp(cfg: _Config) -> str:
 _KERNEL_GELU = ("gelu", "gelu_pytorch_tanh")
 
 
-def _plain_mlp(cfg: _Config) -> tuple[str, str]:
+def _plain_mlp(cfg: ConfigKeys) -> tuple[str, str]:
     """(MLP kind, activation implementation) of a GPT-2-style ``activation_function``."""
     act = cfg.get_str("activation_function", "gelu_new").lower()
     if act in _KERNEL_GELU:
@@ -103,33 +103,51 @@ def _plain_mlp(cfg: _Config) -> tuple[str, str]:
                     "(one kernel), gelu_new (transformers' Python formula) and relu")
 
 
-def _llama_like(cfg: _Config, model_type: str) -> dict[str, Any]:
+def llama_fields(cfg: ConfigKeys, *, head_dim_default: int | None, tie_default: bool,
+                 bias: bool = True, defaults: dict[str, int] | None = None) -> dict[str, Any]:
+    """The fields every Llama-style config names alike. ``head_dim`` is read when given, else
+    ``head_dim_default`` (the family's configuration class default), else hidden / heads.
+    ``bias``: ``attention_bias`` covers q, k, v and o (Llama's); otherwise the caller sets
+    the biases. ``defaults``: the configuration class's defaults of vocab_size and
+    max_position_embeddings (else both are required)."""
+    given = defaults or {}
     hidden = cfg.get_int("hidden_size")
     heads = cfg.get_int("num_attention_heads")
-    # Llama's attention_bias covers q, k, v and o. Qwen2's q/k/v bias is hard-wired in its
-    # modeling code (no config field) and its o_proj never has one.
-    attention_bias = cfg.get_bool("attention_bias", False)
-    qwen2 = model_type == "qwen2"
-    fields: dict[str, Any] = {
+    if cfg.data.get("head_dim") is not None:
+        head_dim = cfg.get_int("head_dim")
+    elif head_dim_default is not None:
+        head_dim = head_dim_default
+    else:
+        head_dim = _head_dim(cfg, hidden, heads, "num_attention_heads")
+    attention_bias = cfg.get_bool("attention_bias", False) if bias else False
+    return {
         "num_layers": cfg.get_int("num_hidden_layers"),
         "hidden_size": hidden,
         "ffn_hidden_size": cfg.get_int("intermediate_size"),
         "num_attention_heads": heads,
         "num_kv_heads": cfg.get_int("num_key_value_heads", heads),
         # Some models (e.g. Mistral-Nemo) set head_dim so that heads * head_dim != hidden.
-        "head_dim": (cfg.get_int("head_dim") if cfg.data.get("head_dim") is not None
-                     else _head_dim(cfg, hidden, heads, "num_attention_heads")),
-        "vocab_size": cfg.get_int("vocab_size"),
-        "max_seq_len": cfg.get_int("max_position_embeddings"),
+        "head_dim": head_dim,
+        "vocab_size": cfg.get_int("vocab_size", given.get("vocab_size", _MISSING)),
+        "max_seq_len": cfg.get_int("max_position_embeddings",
+                                   given.get("max_position_embeddings", _MISSING)),
         "norm": "rmsnorm",
-        "mlp": _gated_mlp(cfg),
+        "mlp": gated_mlp(cfg),
         "position": "rope",
-        # transformers defaults tie_word_embeddings to False for all four families.
-        "tied_embeddings": cfg.get_bool("tie_word_embeddings", False),
-        "qkv_bias": qwen2 or attention_bias,
-        "attn_out_bias": attention_bias and not qwen2,
+        "tied_embeddings": cfg.get_bool("tie_word_embeddings", tie_default),
+        "qkv_bias": attention_bias,
+        "attn_out_bias": attention_bias,
         "mlp_bias": cfg.get_bool("mlp_bias", False),
     }
+
+
+def llama_like(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
+    # Llama's attention_bias covers q, k, v and o. Qwen2's q/k/v bias is hard-wired in its
+    # modeling code (no config field) and its o_proj never has one.
+    # transformers defaults tie_word_embeddings to False for all four families.
+    fields = llama_fields(cfg, head_dim_default=None, tie_default=False)
+    if model_type == "qwen2":
+        fields.update(qkv_bias=True, attn_out_bias=False)
     if model_type == "mixtral":
         # Mixtral's intermediate_size is the expert width; every layer is MoE and the router
         # (gate) is a bias-free linear layer.
@@ -142,7 +160,7 @@ def _llama_like(cfg: _Config, model_type: str) -> dict[str, Any]:
     return fields
 
 
-def _gpt2(cfg: _Config) -> dict[str, Any]:
+def gpt2(cfg: ConfigKeys) -> dict[str, Any]:
     hidden = cfg.get_int("n_embd")
     heads = cfg.get_int("n_head")
     # One dropout rate stands for all of them; the largest is the safe (conservative) choice.
@@ -176,17 +194,3 @@ def model_name(path: Path) -> str:
     if path.name == "config.json" and path.parent.name:
         return path.parent.name
     return path.stem
-
-
-def spec_fields(data: dict[str, Any], where: str, name: str) -> dict[str, Any]:
-    """The ``ModelSpec`` fields of a config (``config.json`` or ``PretrainedConfig.to_dict()``);
-    ``where`` names it in errors."""
-    cfg = _Config(data, where)
-    model_type = cfg.get_str("model_type")
-    if model_type not in _SUPPORTED:
-        raise cfg.error("model_type", f"unsupported value {model_type!r}; "
-                                      f"supported: {', '.join(_SUPPORTED)}")
-    fields = _gpt2(cfg) if model_type == "gpt2" else _llama_like(cfg, model_type)
-    fields["name"] = name
-    fields["source"] = f"Hugging Face config.json ({model_type}) at {where}"
-    return fields

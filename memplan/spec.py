@@ -63,6 +63,48 @@ class PositionKind(str, enum.Enum):
     NONE = "none"
 
 
+class QkNorm(str, enum.Enum):
+    """An RMSNorm on the query and key projections' outputs, before RoPE.
+
+    head  one weight of head_dim each for q and k, shared by the heads (Qwen3's and Gemma 3's
+          ``q_norm`` / ``k_norm``: models/qwen3/modeling_qwen3.py Qwen3Attention.__init__)
+    full  over the whole projection: weights of heads*head_dim and kv_heads*head_dim
+          (OLMo 2: models/olmo2/modeling_olmo2.py Olmo2Attention.__init__)
+    """
+
+    NONE = "none"
+    HEAD = "head"
+    FULL = "full"
+
+
+class NormPlacement(str, enum.Enum):
+    """Where a layer's norms sit around its two mixers (attention, feed-forward).
+
+    pre       norm -> mixer -> residual add (Llama, GPT-2): two norms per layer
+    sandwich  norm -> mixer -> norm -> residual add (Gemma 2 / 3: input_layernorm,
+              post_attention_layernorm, pre_feedforward_layernorm, post_feedforward_layernorm;
+              models/gemma2/modeling_gemma2.py Gemma2DecoderLayer.forward): four norms
+    post      mixer -> norm -> residual add, the mixers reading the residual stream itself
+              (OLMo 2: models/olmo2/modeling_olmo2.py Olmo2DecoderLayer.forward): two norms
+    """
+
+    PRE = "pre"
+    SANDWICH = "sandwich"
+    POST = "post"
+
+    @property
+    def norms_per_layer(self) -> int:
+        return 4 if self is NormPlacement.SANDWICH else 2
+
+    @property
+    def pre_norm(self) -> bool:
+        return self is not NormPlacement.POST
+
+    @property
+    def post_norm(self) -> bool:
+        return self is not NormPlacement.PRE
+
+
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 # Bounds that keep a mistyped spec from running for minutes or exhausting memory (the
 # estimate's work grows with the layer count; the planner factors the expert count): far
@@ -83,7 +125,18 @@ class MoESpec(BaseModel):
     num_shared_experts: int = Field(default=0, ge=0)
     shared_expert_ffn_hidden_size: int = Field(default=0, ge=0)
     layer_freq: int = Field(default=1, gt=0, description="every layer_freq-th layer is MoE")
+    first_dense_layers: int = Field(default=0, ge=0, description=(
+        "the first k layers have a dense MLP of ffn_hidden_size (DeepSeek-V3's "
+        "first_k_dense_replace)"))
     router_bias: bool = False
+    shared_expert_gate: bool = Field(default=False, description=(
+        "a bias-free h -> 1 linear whose sigmoid scales the shared experts' output (Qwen2-MoE's "
+        "shared_expert_gate: models/qwen2_moe/modeling_qwen2_moe.py "
+        "Qwen2MoeSparseMoeBlock.forward)"))
+    stacked_experts: bool = Field(default=False, description=(
+        "the routed experts' weights as two 3-D tensors per layer, gate_up_proj (E, 2f, h) and "
+        "down_proj (E, h, f) (transformers 5: MixtralExperts, Qwen2MoeExperts, "
+        "DeepseekV3NaiveMoe), where separate expert MLPs have 2 or 3 tensors each"))
 
     @model_validator(mode="after")
     def _check(self) -> MoESpec:
@@ -92,6 +145,23 @@ class MoESpec(BaseModel):
         if self.num_shared_experts and not self.shared_expert_ffn_hidden_size:
             raise ValueError("shared_expert_ffn_hidden_size is required when num_shared_experts > 0")
         return self
+
+
+class MlaSpec(BaseModel):
+    """Multi-head latent attention (DeepSeek-V2/V3; models/deepseek_v3/modeling_deepseek_v3.py
+    DeepseekV3Attention): queries through a low-rank projection (h -> q_lora_rank, an RMSNorm,
+    -> heads * (nope + rope)), keys and values from one compressed projection h -> kv_lora_rank
+    + rope (an RMSNorm on the kv_lora_rank part, then -> heads * (nope + v)), the decoupled
+    RoPE key (qk_rope_head_dim) shared by the heads. The spec's head_dim is the query/key head
+    (nope + rope) and its num_kv_heads the query heads."""
+
+    model_config = _FROZEN
+
+    q_lora_rank: int = Field(ge=0, description="0: one h -> heads * (nope + rope) projection")
+    kv_lora_rank: int = Field(gt=0)
+    qk_nope_head_dim: int = Field(gt=0)
+    qk_rope_head_dim: int = Field(gt=0)
+    v_head_dim: int = Field(gt=0)
 
 
 class ModelSpec(BaseModel):
@@ -116,8 +186,25 @@ class ModelSpec(BaseModel):
     tied_embeddings: bool
     qkv_bias: bool = False
     fused_qkv: bool = Field(default=False, description=(
-        "one q/k/v projection parameter (GPT-2's c_attn, litgpt's qkv, torchtitan's wqkv) "
-        "where separate q, k and v projections have three"))
+        "one q/k/v projection parameter (GPT-2's c_attn, litgpt's qkv, torchtitan's wqkv, "
+        "Phi-3's qkv_proj) where separate q, k and v projections have three"))
+    fused_gate_up: bool = Field(default=False, description=(
+        "a gated MLP's gate and up projections as one parameter (Phi-3's gate_up_proj: "
+        "models/phi3/modeling_phi3.py Phi3MLP)"))
+    qk_norm: QkNorm = QkNorm.NONE
+    norm_placement: NormPlacement = NormPlacement.PRE
+    final_logit_softcap: float | None = Field(default=None, gt=0, description=(
+        "logits -> cap * tanh(logits / cap) before the loss (Gemma 2's "
+        "final_logit_softcapping)"))
+    attn_logit_softcap: float | None = Field(default=None, gt=0, description=(
+        "attention scores -> cap * tanh(scores / cap) before the softmax (Gemma 2's "
+        "attn_logit_softcapping; transformers applies it in eager attention only)"))
+    sliding_window: int | None = Field(default=None, gt=0, description=(
+        "tokens a sliding-window layer attends to"))
+    sliding_window_pattern: int = Field(default=0, ge=0, description=(
+        "with a sliding window: 0, every layer slides; n, every n-th layer (index % n == n - "
+        "1) attends to the full sequence and the others slide (Gemma 2: 2, Gemma 3: 6)"))
+    mla: MlaSpec | None = None
     attn_out_bias: bool = False
     mlp_bias: bool = False
     norm_bias: bool = Field(default=False, description="LayerNorm with a bias (beta)")
@@ -133,6 +220,20 @@ class ModelSpec(BaseModel):
             )
         if self.norm_bias and self.norm is NormKind.RMSNORM:
             raise ValueError("norm_bias is only meaningful for layernorm")
+        if self.fused_gate_up and not self.mlp.gated:
+            raise ValueError(f"fused_gate_up needs a gated mlp (swiglu, geglu), got {self.mlp.value}")
+        if self.mla is not None:
+            head = self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim
+            if self.head_dim != head or self.num_kv_heads != self.num_attention_heads:
+                raise ValueError(
+                    f"with mla, head_dim ({self.head_dim}) must be qk_nope_head_dim + "
+                    f"qk_rope_head_dim ({head}) and num_kv_heads ({self.num_kv_heads}) "
+                    f"num_attention_heads ({self.num_attention_heads})")
+            if self.qk_norm is not QkNorm.NONE or self.fused_qkv:
+                raise ValueError("mla has its own low-rank norms: qk_norm and fused_qkv do not apply")
+        if self.moe is not None and self.moe.first_dense_layers >= self.num_layers:
+            raise ValueError(f"moe.first_dense_layers ({self.moe.first_dense_layers}) must be "
+                             f"below num_layers ({self.num_layers})")
         return self
 
     @property
@@ -145,9 +246,24 @@ class ModelSpec(BaseModel):
         """Width of each of the key and value projection outputs."""
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def attn_out_size(self) -> int:
+        """Width of the attention output the output projection reads: heads * v_head_dim with
+        MLA, else heads * head_dim."""
+        return self.num_attention_heads * (self.mla.v_head_dim if self.mla else self.head_dim)
+
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer ``index`` (0-based) has an MoE feed-forward."""
-        return self.moe is not None and index % self.moe.layer_freq == self.moe.layer_freq - 1
+        moe = self.moe
+        return (moe is not None and index >= moe.first_dense_layers
+                and index % moe.layer_freq == moe.layer_freq - 1)
+
+    def is_sliding_layer(self, index: int) -> bool:
+        """Whether layer ``index`` (0-based) attends to a sliding window."""
+        if self.sliding_window is None:
+            return False
+        n = self.sliding_window_pattern
+        return n == 0 or index % n != n - 1
 
     @property
     def num_moe_layers(self) -> int:
@@ -199,17 +315,55 @@ def norm_params(spec: ModelSpec) -> int:
     return spec.hidden_size * (2 if spec.norm_bias else 1)
 
 
+def qk_norm_params(spec: ModelSpec) -> int:
+    """The q and k norms' weights (``QkNorm``): replicated by TP for ``head`` (one head_dim
+    weight each), as the projections they follow for ``full`` (counted with them)."""
+    if spec.qk_norm is QkNorm.HEAD:
+        return 2 * spec.head_dim
+    if spec.qk_norm is QkNorm.FULL:
+        return spec.q_size + spec.kv_size
+    return 0
+
+
 def attention_params(spec: ModelSpec) -> tuple[int, int]:
     """(TP-sharded, replicated) parameters of one attention block.
 
     q: h*(a*d), k and v: h*(g*d) each, output: (a*d)*h; q/k/v biases are column-parallel
-    (sharded), the output bias is row-parallel (replicated).
+    (sharded), the output bias is row-parallel (replicated); per-head q/k norms replicated,
+    full-width ones sharded with their projections. MLA: ``mla_params``.
     """
+    if spec.mla is not None:
+        return mla_params(spec)
     h = spec.hidden_size
     weights = h * spec.q_size + 2 * h * spec.kv_size + spec.q_size * h
     qkv_bias = (spec.q_size + 2 * spec.kv_size) if spec.qkv_bias else 0
     out_bias = h if spec.attn_out_bias else 0
-    return weights + qkv_bias, out_bias
+    qk = qk_norm_params(spec)
+    full = spec.qk_norm is QkNorm.FULL
+    return weights + qkv_bias + (qk if full else 0), out_bias + (0 if full else qk)
+
+
+def mla_params(spec: ModelSpec) -> tuple[int, int]:
+    """(TP-sharded, replicated) parameters of one MLA block (``MlaSpec``): the down
+    projections (h -> q_lora_rank, h -> kv_lora_rank + rope) and their norms replicated, as
+    Megatron-LM's MLASelfAttention duplicates them; the up and output projections sharded.
+    ``qkv_bias`` / ``attn_out_bias`` stand for DeepSeek's attention_bias, which covers the two
+    down projections and the output projection."""
+    mla, h, a = spec.mla, spec.hidden_size, spec.num_attention_heads
+    assert mla is not None
+    rope = mla.qk_rope_head_dim
+    kv_down = h * (mla.kv_lora_rank + rope) + ((mla.kv_lora_rank + rope) if spec.qkv_bias else 0)
+    kv_up = mla.kv_lora_rank * a * (mla.qk_nope_head_dim + mla.v_head_dim)
+    out = spec.attn_out_size * h
+    out_bias = h if spec.attn_out_bias else 0
+    if mla.q_lora_rank:
+        q_down = h * mla.q_lora_rank + (mla.q_lora_rank if spec.qkv_bias else 0)
+        replicated = q_down + mla.q_lora_rank + kv_down + mla.kv_lora_rank
+        sharded = mla.q_lora_rank * spec.q_size + kv_up + out
+    else:
+        replicated = kv_down + mla.kv_lora_rank
+        sharded = h * spec.q_size + kv_up + out
+    return sharded, replicated + out_bias
 
 
 def mlp_params(spec: ModelSpec, ffn: int) -> tuple[int, int]:
@@ -228,13 +382,14 @@ def mlp_params(spec: ModelSpec, ffn: int) -> tuple[int, int]:
 
 def layer_params(spec: ModelSpec, index: int) -> LayerParams:
     attn_sharded, attn_repl = attention_params(spec)
-    norms = 2 * norm_params(spec)
     moe = spec.moe
+    norms = spec.norm_placement.norms_per_layer * norm_params(spec)
     if moe is None or not spec.is_moe_layer(index):
         mlp_sharded, mlp_repl = mlp_params(spec, spec.ffn_hidden_size)
         return LayerParams(attn_sharded + mlp_sharded, attn_repl + mlp_repl + norms)
     expert_sharded, expert_repl = mlp_params(spec, moe.expert_ffn_hidden_size)
-    router = spec.hidden_size * moe.num_experts + (moe.num_experts if moe.router_bias else 0)
+    router = (spec.hidden_size * moe.num_experts + (moe.num_experts if moe.router_bias else 0)
+              + (spec.hidden_size if moe.shared_expert_gate else 0))
     shared_sharded, shared_repl = (0, 0)
     if moe.num_shared_experts:
         shared_sharded, shared_repl = mlp_params(
@@ -352,6 +507,6 @@ def spec_from_hf_config(path: Path) -> ModelSpec:
 def spec_from_hf_dict(data: dict[str, Any], where: str, name: str) -> ModelSpec:
     """A ``ModelSpec`` from a config's fields (``config.json`` or ``PretrainedConfig.to_dict()``,
     ``memplan.hf_config``); ``where`` names it in errors."""
-    from memplan.hf_config import spec_fields
+    from memplan.hf_families import spec_fields
 
     return _validated(spec_fields(data, where, name), where)

@@ -13,7 +13,8 @@ from __future__ import annotations
 from memplan.model import eager
 from memplan.model.block import BackwardMoment, Moment, linear_sizes, weight_casts
 from memplan.model.dims import FP32_BYTES, Dims, Term, residual_dropout_mask, total
-from memplan.spec import ModelSpec, PositionKind, attention_params
+from memplan.model.norm import norm_terms
+from memplan.spec import ModelSpec, PositionKind, QkNorm, attention_params
 from memplan.workload import Attention as Kernel
 from memplan.workload import AttentionImpl, RopeCache, Recompute, Workload
 
@@ -65,7 +66,40 @@ def attention_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recomput
             elif fp32_softmax:
                 terms.append(Term("attn.softmax_cast", scores * e))
     casts = weight_casts("attn", sum(attention_weights(spec, t)), dm)
-    return terms + casts + residual_dropout_mask("attn", spec, dm)
+    return terms + qk_norm_terms(spec, wl, dm) + casts + residual_dropout_mask("attn", spec, dm)
+
+
+def qk_norm_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
+    """The q and k norms (``QkNorm``) on the projections' outputs, each as a layer norm of
+    its width (``memplan.model.norm``) on its own input's dtype, the compute dtype (the
+    projection's output): its fp32 copy, per-row statistics and the normalised tensor; its
+    output goes to RoPE, which saves nothing of it. ``head``: rows of head_dim per token and
+    head; ``full``: one row of the rank's projection width per token."""
+    if spec.qk_norm is QkNorm.NONE:
+        return []
+    low = dm._replace(res_tokens_div=1, gathered_linear_input=False, stream_e=dm.e,
+                      autocast=False)
+    out = []
+    for name, heads in (("q_norm", spec.num_attention_heads), ("k_norm", spec.num_kv_heads)):
+        local = heads // dm.tp
+        if spec.qk_norm is QkNorm.HEAD:
+            width, rows = spec.head_dim, dm.tokens * local
+        else:
+            width, rows = local * spec.head_dim, dm.tokens
+        narrow = spec.model_copy(update={"hidden_size": width, "norm_bias": False})
+        out += [t for t in norm_terms(f"attn.{name}", narrow, wl, low._replace(tokens=rows))
+                if not t.name.endswith(".output")]
+    return out
+
+
+def qk_norm_sizes(spec: ModelSpec, t: int) -> list[int]:
+    """The q and k norms' weights on one TP rank: per-head ones replicated, full-width ones
+    split with the heads."""
+    if spec.qk_norm is QkNorm.HEAD:
+        return [spec.head_dim, spec.head_dim]
+    if spec.qk_norm is QkNorm.FULL:
+        return [spec.q_size // t, spec.kv_size // t]
+    return []
 
 
 def _litgpt_terms(spec: ModelSpec, dm: Dims, grouped: bool) -> list[Term]:
@@ -220,7 +254,7 @@ class Attention:
 
     def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:
         h, q, kv, bias = spec.hidden_size, spec.q_size, spec.kv_size, spec.qkv_bias
-        out = linear_sizes(q, h, spec.attn_out_bias, False, t)
+        out = linear_sizes(q, h, spec.attn_out_bias, False, t) + qk_norm_sizes(spec, t)
         if spec.fused_qkv:  # one q/k/v parameter (and one bias)
             return linear_sizes(h, q + 2 * kv, bias, True, t) + out
         return (linear_sizes(h, q, bias, True, t) + linear_sizes(h, kv, bias, True, t)
@@ -231,7 +265,7 @@ class Attention:
         h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
         out = q * h // t + (h if spec.attn_out_bias else 0)
         qkv = h * (q + 2 * kv) // t + ((q + 2 * kv) // t if spec.qkv_bias else 0)
-        return {"attn_out": out, "attn": out + qkv}
+        return {"attn_out": out, "attn": out + qkv + sum(qk_norm_sizes(spec, t))}
 
     def flops_per_token(self, spec: ModelSpec, seq_len: int) -> float:
         """2 FLOPs per projection weight, and QK^T and PV over the causal average context

@@ -28,19 +28,58 @@ from memplan.model.block import Block
 from memplan.model.dims import FP32_BYTES, Dims, Term, total
 from memplan.model.mlp import Mlp
 from memplan.model.moe import MoE
-from memplan.model.norm import Norm
+from memplan.model.mla import Mla
+from memplan.model.norm import Norm, StreamInput
 from memplan.model.sac import sac_terms
-from memplan.spec import ModelSpec
+from memplan.spec import ModelSpec, NormPlacement
 from memplan.workload import NormImpl, Recompute, SelectiveImpl, Workload
 
-_ATTENTION, _MLP, _MOE = Attention(), Mlp(), MoE()
-_DENSE = (Norm("attn_norm"), _ATTENTION, Norm("mlp_norm"), _MLP)
-_SPARSE = (Norm("attn_norm"), _ATTENTION, Norm("mlp_norm"), _MOE)
+_ATTENTION, _MLA, _MLP, _MOE = Attention(), Mla(), Mlp(), MoE()
+_PRE = {"attn": Norm("attn_norm"), "mlp": Norm("mlp_norm")}
+_INPUT = {"attn": StreamInput("attn_input"), "mlp": StreamInput("mlp_input")}
+_POST = {"attn": Norm("attn_post_norm"), "mlp": Norm("mlp_post_norm")}
+MIXERS = (Attention, Mla, Mlp, MoE)
 
 
-def layer_blocks(moe_layer: bool) -> tuple[Block, ...]:
-    """The blocks of a layer in execution order: (norm, mixer) pairs."""
-    return _SPARSE if moe_layer else _DENSE
+def _sublayer(placement: NormPlacement, place: str, mixer: Block) -> tuple[Block, ...]:
+    pre = _PRE[place] if placement.pre_norm else _INPUT[place]
+    return (pre, mixer, _POST[place]) if placement.post_norm else (pre, mixer)
+
+
+_BLOCKS = {(placement, mla, moe): (_sublayer(placement, "attn", _MLA if mla else _ATTENTION)
+                                   + _sublayer(placement, "mlp", _MOE if moe else _MLP))
+           for placement in NormPlacement for mla in (False, True) for moe in (False, True)}
+
+
+# every block object a layer can have (each exposes ``memplan.model.block.Block``)
+ALL_BLOCKS = tuple({id(b): b for blocks in _BLOCKS.values() for b in blocks}.values())
+
+
+def layer_blocks(spec: ModelSpec, moe_layer: bool) -> tuple[Block, ...]:
+    """The blocks of a layer in execution order: per sub-layer its norm (or, without one, the
+    stream input the mixer reads), its mixer, and a norm on the mixer's output where the
+    placement has one (``NormPlacement``)."""
+    return _BLOCKS[(spec.norm_placement, spec.mla is not None, moe_layer)]
+
+
+def sublayers(blocks: tuple[Block, ...]) -> list[tuple[Block, ...]]:
+    """The blocks of each residual sub-layer: from its norm (or stream input) to the block
+    before the next one's."""
+    starts = [i for i, b in enumerate(blocks) if isinstance(b, (Norm, StreamInput))
+              and not b.name.endswith("_post_norm")]
+    return [blocks[a:b] for a, b in zip(starts, starts[1:] + [len(blocks)])]
+
+
+def unsaved_stream(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    """The residual stream beside a sub-layer until its add, when nothing saves that tensor:
+    an upcast norm in low precision saves an fp32 copy of its input, not the input itself
+    (fp32 runs save the input itself, as does a norm under autocast, where the stream is
+    fp32); a mixer reading the stream directly (no norm) saves it, but for the casts of an
+    fp32 stream under autocast."""
+    stream = dm.stream(spec.hidden_size)
+    if not spec.norm_placement.pre_norm:
+        return stream if dm.autocast else 0
+    return stream if wl.norm_impl.upcast and dm.stream_e < FP32_BYTES else 0
 
 
 class ForwardMoment(NamedTuple):
@@ -74,23 +113,19 @@ def layer_terms(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
     """Saved terms of one transformer layer under ``recompute`` (FULL keeps only its input)."""
     if recompute is Recompute.FULL:
         return [Term("layer.input", dm.rows * spec.hidden_size * dm.stream_e)]
-    return [term for block in layer_blocks(moe_layer)
+    return [term for block in layer_blocks(spec, moe_layer)
             for term in block.saved(spec, wl, dm, recompute)]
-
-
-def _pairs(blocks: tuple[Block, ...]) -> list[tuple[Block, Block]]:
-    return list(zip(blocks[::2], blocks[1::2]))
 
 
 def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
                     recompute: Recompute) -> list[ForwardMoment]:
     """Local peaks of one layer's forward (see the module docstring)."""
-    blocks = layer_blocks(moe_layer)
+    blocks = layer_blocks(spec, moe_layer)
     stream = dm.stream(spec.hidden_size)
     out: list[ForwardMoment] = []
     if recompute is Recompute.FULL:
         held = stream  # the checkpointed input
-        for norm, mixer in _pairs(blocks):
+        for norm, mixer, *post in sublayers(blocks):
             out += [ForwardMoment(m.name, held + m.transient_bytes, 0)
                     for m in norm.working_set(spec, wl, dm)]
             # the casts of the mixer's weights join the cache as its linears run: at its
@@ -99,21 +134,19 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
             late = last_weight(spec, dm, mixer) * dm.e if casts else 0
             out += [ForwardMoment(m.name, held + casts - late + stream + m.transient_bytes, 0)
                     for m in mixer.working_set(spec, wl, dm)]
+            out += [ForwardMoment(m.name, held + casts + m.transient_bytes, 0)
+                    for b in post for m in b.working_set(spec, wl, dm)]
             held += casts + stream  # the sub-layer's residual sum joins the input
         return out
-    # An upcast norm in low precision saves an fp32 copy of its input, not the input itself:
-    # the residual stream stays alive beside everything (fp32 runs save the input itself, as
-    # does a norm under autocast, where the stream is fp32).
-    unsaved_input = (stream if wl.norm_impl.upcast and dm.stream_e < FP32_BYTES
-                     else 0)
+    unsaved_input = unsaved_stream(spec, wl, dm)
     # Under autocast no linear saves a norm's (fp32) output, the casts of it instead; the
     # output is the mixer's argument, alive until the mixer returns (under DTensor sequence
     # parallelism the mixer's input all-gathered to the full sequence, once for its linears).
     norm_out = dm.linear_rows * spec.hidden_size * dm.stream_e if dm.autocast else 0
     prior = 0
-    for i, block in enumerate(blocks):
+    for block in blocks:
         prior += cast_cache_bytes(spec, wl, dm, block, recompute)
-        beside = unsaved_input + (norm_out if i % 2 else 0)
+        beside = unsaved_input + (norm_out if isinstance(block, MIXERS) else 0)
         out += [ForwardMoment(m.name, prior + m.own_bytes, beside + m.transient_bytes)
                 for m in block.forward_moments(spec, wl, dm, recompute)]
         prior += total(block.saved(spec, wl, dm, recompute))
@@ -128,7 +161,7 @@ def cast_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, block: Block,
     cache keeps every cast of an fp32 leaf that requires grad (``cached_cast`` in
     ``aten/src/ATen/autocast_mode.cpp``, whatever the grad mode) until the outermost autocast
     region exits (``torch.autocast.__exit__`` clears it)."""
-    if not dm.autocast or isinstance(block, Norm):
+    if not dm.autocast or not isinstance(block, MIXERS):
         return 0
     casts = sum(block.tensor_sizes(spec, dm.tp, 1)) * dm.e
     if recompute is Recompute.FULL:
@@ -150,19 +183,20 @@ def kv_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute
 
 def last_weight(spec: ModelSpec, dm: Dims, mixer: Block) -> int:
     """Elements of a mixer's output projection weight on this rank (its last matmul)."""
-    return spec.q_size * spec.hidden_size // dm.tp if isinstance(mixer, Attention) else (
-        spec.ffn_hidden_size * spec.hidden_size // dm.tp)
+    return spec.attn_out_size * spec.hidden_size // dm.tp if isinstance(mixer, (Attention, Mla)) \
+        else spec.ffn_hidden_size * spec.hidden_size // dm.tp
 
 
 def layer_cast_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, moe_layer: bool,
                            recompute: Recompute) -> int:
-    return sum(cast_cache_bytes(spec, wl, dm, b, recompute) for b in layer_blocks(moe_layer))
+    return sum(cast_cache_bytes(spec, wl, dm, b, recompute)
+               for b in layer_blocks(spec, moe_layer))
 
 
 def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
                      recompute: Recompute) -> list[BackwardMoment]:
     """The local peaks of one layer's backward, in backward order (see the module docstring)."""
-    blocks = layer_blocks(moe_layer)
+    blocks = layer_blocks(spec, moe_layer)
     policy = Recompute.NONE if recompute is Recompute.FULL else recompute  # what is rebuilt
     stream = dm.stream(spec.hidden_size)
     mixer_out = dm.rows * spec.hidden_size * dm.e  # a mixer's output (the compute dtype)
@@ -171,7 +205,8 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
     prior = [sum(saved[:i]) for i in range(len(blocks))]
     # The checkpointed input stays while the layer is rebuilt, unless the rebuilt norm saves
     # that very tensor (a fused norm's input; an fp32 stream, where the upcast is a no-op).
-    input_is_saved = wl.norm_impl is NormImpl.FUSED or dm.stream_e >= FP32_BYTES
+    input_is_saved = (wl.norm_impl is NormImpl.FUSED or dm.stream_e >= FP32_BYTES
+                      or not (spec.norm_placement.pre_norm or dm.autocast))
     extra = stream if recompute is Recompute.FULL and not input_is_saved else 0
     out: list[BackwardMoment] = []
     if recompute is Recompute.FULL:
@@ -236,7 +271,7 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
 def grad_group_params(spec: ModelSpec, t: int, ep: int, moe: bool) -> dict[str, int]:
     """Parameters on one rank of the groups whose gradients appear during a layer's backward."""
     groups: dict[str, int] = {}
-    for block in layer_blocks(moe):
+    for block in layer_blocks(spec, moe):
         groups.update(block.grad_groups(spec, t, ep))
     return groups
 
@@ -249,13 +284,14 @@ def moment_params(groups: dict[str, int], kind: LayerKind) -> tuple[int, ...]:
 def layer_tensor_sizes(spec: ModelSpec, t: int, ep: int, moe_layer: bool) -> list[int]:
     """Elements of a layer's parameter tensors on one TP rank, in registration order (norm,
     q/k/v/o, norm, MLP up/gate/down; the router and experts for an MoE layer)."""
-    return [n for block in layer_blocks(moe_layer) for n in block.tensor_sizes(spec, t, ep)]
+    return [n for block in layer_blocks(spec, moe_layer)
+            for n in block.tensor_sizes(spec, t, ep)]
 
 
 def layer_flops_per_token(spec: ModelSpec, seq_len: int, index: int) -> float:
     """Forward FLOPs of one token through layer ``index``: the sum of its blocks'."""
     return sum(block.flops_per_token(spec, seq_len)
-               for block in layer_blocks(spec.is_moe_layer(index)))
+               for block in layer_blocks(spec, spec.is_moe_layer(index)))
 
 
 def merge_terms(groups: tuple[tuple[int, tuple[Term, ...]], ...]) -> tuple[Term, ...]:

@@ -29,8 +29,12 @@ def mlp_terms(prefix: str, spec: ModelSpec, dm: Dims, ffn: int, tokens: int) -> 
 
 
 def mlp_tensor_sizes(spec: ModelSpec, ffn: int, t: int) -> list[int]:
-    """An MLP's up (and gate) projection, column-parallel, and its down projection."""
+    """An MLP's up (and gate) projection, column-parallel, and its down projection; gate and
+    up as one parameter with ``fused_gate_up``."""
     h = spec.hidden_size
+    if spec.fused_gate_up:
+        return (linear_sizes(h, 2 * ffn, spec.mlp_bias, True, t)
+                + linear_sizes(ffn, h, spec.mlp_bias, False, t))
     up = linear_sizes(h, ffn, spec.mlp_bias, True, t)
     gate = linear_sizes(h, ffn, spec.mlp_bias, True, t) if spec.mlp.gated else []
     return up + gate + linear_sizes(ffn, h, spec.mlp_bias, False, t)

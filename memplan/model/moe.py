@@ -85,14 +85,22 @@ class MoE:
         return []
 
     def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:
-        """The router, this rank's experts, the shared experts."""
-        moe = _moe(spec)
-        out = [spec.hidden_size * moe.num_experts] + ([moe.num_experts] if moe.router_bias else [])
-        for _ in range(moe.num_experts // ep):
-            out += mlp.mlp_tensor_sizes(spec, moe.expert_ffn_hidden_size, t)
+        """The router, this rank's experts (each an MLP, or two stacked tensors for all), the
+        shared experts and their gate."""
+        moe, h = _moe(spec), spec.hidden_size
+        out = [h * moe.num_experts] + ([moe.num_experts] if moe.router_bias else [])
+        local, f = moe.num_experts // ep, moe.expert_ffn_hidden_size
+        if moe.stacked_experts:
+            inputs = 2 if spec.mlp.gated else 1
+            out += [local * inputs * f * h // t, local * h * f // t]
+        else:
+            for _ in range(local):
+                out += mlp.mlp_tensor_sizes(spec, f, t)
         if moe.num_shared_experts:
             out += mlp.mlp_tensor_sizes(
                 spec, moe.num_shared_experts * moe.shared_expert_ffn_hidden_size, t)
+        if moe.shared_expert_gate:
+            out.append(h)
         return out
 
     def grad_groups(self, spec: ModelSpec, t: int, ep: int) -> dict[str, int]:
@@ -100,12 +108,15 @@ class MoE:
         ffn = (moe.num_experts // ep * moe.expert_ffn_hidden_size
                + moe.num_shared_experts * moe.shared_expert_ffn_hidden_size)
         out = h * ffn // t
-        return {"mlp_out": out, "mlp": out * (3 if spec.mlp.gated else 2) + h * moe.num_experts}
+        gate = h if moe.shared_expert_gate else 0
+        return {"mlp_out": out,
+                "mlp": out * (3 if spec.mlp.gated else 2) + h * moe.num_experts + gate}
 
     def flops_per_token(self, spec: ModelSpec, seq_len: int) -> float:
         """The router and shared experts, and the top-k of the routed experts."""
         moe = _moe(spec)
-        router = spec.hidden_size * moe.num_experts + (moe.num_experts if moe.router_bias else 0)
+        router = (spec.hidden_size * moe.num_experts + (moe.num_experts if moe.router_bias else 0)
+                  + (spec.hidden_size if moe.shared_expert_gate else 0))
         shared = sum(mlp_params(spec, moe.num_shared_experts
                                 * moe.shared_expert_ffn_hidden_size)) \
             if moe.num_shared_experts else 0

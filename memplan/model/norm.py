@@ -39,8 +39,21 @@ def output_saved_fp32(prefix: str, wl: Workload) -> bool:
     return prefix == "final_norm" and wl.loss_chunks > 1
 
 
+def is_post(prefix: str) -> bool:
+    """A norm on a mixer's output, before the residual add (``NormPlacement``)."""
+    return prefix.endswith("_post_norm")
+
+
 def norm_terms(prefix: str, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
-    """A norm in the residual stream, its output included (saved by the following linear)."""
+    """A norm in the residual stream, its output included (saved by the following linear).
+    A post norm (``is_post``) normalises a mixer's output for the residual add, which saves
+    nothing: its output is not saved."""
+    if is_post(prefix):
+        return [t for t in _norm_terms(prefix, spec, wl, dm) if not t.name.endswith(".output")]
+    return _norm_terms(prefix, spec, wl, dm)
+
+
+def _norm_terms(prefix: str, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
     rows, h = dm.rows, spec.hidden_size
     stats = rows * FP32_BYTES * (2 if spec.norm is NormKind.LAYERNORM else 1)
     # the output is saved by the next (column-parallel) linear: as its sequence shard, or
@@ -130,8 +143,16 @@ def backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     return 5 * rows * h * FP32_BYTES
 
 
+def post_input_unsaved(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    """A post norm's input, the mixer's output in the compute dtype, when the norm does not
+    save that tensor itself (an upcast below fp32 saves an fp32 copy of it)."""
+    saved = wl.norm_impl is NormImpl.FUSED or dm.e >= FP32_BYTES
+    return 0 if saved else dm.rows * spec.hidden_size * dm.e
+
+
 class Norm:
-    """A norm block of a layer, named by its place (``attn_norm``, ``mlp_norm``)."""
+    """A norm block of a layer, named by its place (``attn_norm``, ``mlp_norm`` before the
+    mixers; ``attn_post_norm``, ``mlp_post_norm`` on their outputs)."""
 
     __slots__ = ("name",)
 
@@ -143,10 +164,19 @@ class Norm:
 
     def forward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
                         recompute: Recompute) -> list[Moment]:
-        return [Moment(self.name, total(norm_terms(self.name, spec, wl, dm)),
-                       forward_transient(spec, wl, dm))]
+        own = total(norm_terms(self.name, spec, wl, dm))
+        if is_post(self.name):
+            # the mixer's output it reads, then its own output beside that input before the
+            # residual add frees both
+            out = dm.rows * spec.hidden_size * dm.e
+            unsaved = post_input_unsaved(spec, wl, dm)
+            return [Moment(self.name, own, unsaved + max(forward_transient(spec, wl, dm), out))]
+        return [Moment(self.name, own, forward_transient(spec, wl, dm))]
 
     def working_set(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
+        if is_post(self.name):  # beside the mixer's output it reads
+            return [Moment(self.name, 0, dm.rows * spec.hidden_size * dm.e
+                           + working_set(spec, wl, dm))]
         return [Moment(self.name, 0, working_set(spec, wl, dm))]
 
     def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
@@ -205,3 +235,43 @@ def final_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     low = e < FP32_BYTES
     return (inside + rows * h * e + (rows * e if low else 0) + rows * FP32_BYTES
             + (h * FP32_BYTES if low else 0))
+
+
+class StreamInput:
+    """A mixer that reads the residual stream itself, no norm before it (``NormPlacement.
+    POST``, OLMo 2): its linears save the stream tensor (as the linears see it: the sequence
+    shard, or all-gathered under DTensor sequence parallelism), under autocast a cast of it
+    per linear. No parameters."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def saved(self, spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
+        copies = consumers(self.name.replace("_input", "_norm"), spec, wl) if dm.autocast else 1
+        return [Term(f"{self.name}.output",
+                     copies * dm.linear_rows * spec.hidden_size * dm.e)]
+
+    def forward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
+                        recompute: Recompute) -> list[Moment]:
+        return []
+
+    def working_set(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
+        return []
+
+    def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
+                         recompute: Recompute) -> list[BackwardMoment]:
+        return []
+
+    def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
+        return []
+
+    def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:
+        return []
+
+    def grad_groups(self, spec: ModelSpec, t: int, ep: int) -> dict[str, int]:
+        return {self.name: 0}
+
+    def flops_per_token(self, spec: ModelSpec, seq_len: int) -> float:
+        return 0.0

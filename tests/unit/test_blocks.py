@@ -13,6 +13,7 @@ from memplan.model.attention import Attention
 from memplan.model.block import Block
 from memplan.model.dims import Dims, total
 from memplan.model.layer import (
+    ALL_BLOCKS,
     backward_moments,
     forward_moments,
     grad_group_params,
@@ -197,9 +198,11 @@ def test_block_flops_add_up_to_the_step_time_model(model: str) -> None:
 
 
 def test_every_block_has_the_interface() -> None:
-    """Norm, attention, MLP and MoE all expose the same methods (``memplan.model.block``)."""
+    """Norms, stream inputs, attention, MLA, MLP and MoE all expose the same methods
+    (``memplan.model.block``)."""
     methods = [name for name in Block.__dict__ if not name.startswith("_") and name != "name"]
-    for block in (*layer_blocks(False), MoE()):
+    assert len(ALL_BLOCKS) == 10
+    for block in ALL_BLOCKS:
         assert all(callable(getattr(block, name)) for name in methods), block
         assert isinstance(block.name, str)
 

@@ -24,13 +24,23 @@ PAIRS = {
     "Mixtral-8x7B-v0.1": "mixtral-8x7b",
     "Qwen2.5-7B": "qwen2.5-7b",
     "gpt2": "gpt2",
+    "Qwen3-8B": "qwen3-8b",
+    "Qwen3-30B-A3B": "qwen3-30b-a3b",
+    "Qwen1.5-MoE-A2.7B": "qwen1.5-moe-a2.7b",
+    "gemma-2-9b": "gemma-2-9b",
+    "gemma-3-12b-pt": "gemma-3-12b",
+    "Phi-3-mini-4k-instruct": "phi-3-mini-4k",
+    "OLMo-2-1124-7B": "olmo-2-7b",
+    "DeepSeek-V3": "deepseek-v3",
 }
 
 # Fields that must agree between a config.json and its catalog entry (name and source differ).
 SHAPE_FIELDS = (
     "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "head_dim", "vocab_size",
     "max_seq_len", "norm", "mlp", "position", "tied_embeddings", "qkv_bias", "attn_out_bias",
-    "mlp_bias", "norm_bias", "dropout", "moe",
+    "mlp_bias", "norm_bias", "dropout", "moe", "fused_gate_up", "qk_norm",
+    "norm_placement", "final_logit_softcap", "attn_logit_softcap", "sliding_window",
+    "sliding_window_pattern", "mla",
 )
 
 
@@ -196,3 +206,86 @@ def test_gelu_new_saves_three_more_intermediates() -> None:
     kernel = memplan.estimate(spec.model_copy(update={"activation_impl": "kernel"}),
                               seq_len=1024, overheads=no_overheads()).worst
     assert formula.activations_bytes - kernel.activations_bytes == 12 * 3 * 1024 * 3072 * 2
+
+
+# --- the families of memplan.hf_families ------------------------------------------------------
+
+def test_new_family_specifics() -> None:
+    """What each family's modeling code builds beyond Llama's layer (memplan.hf_families)."""
+    def read(folder: str):
+        return spec_from_hf_config(HF / folder / "config.json")
+
+    qwen3 = read("Qwen3-8B")
+    assert qwen3.qk_norm.value == "head" and not qwen3.qkv_bias
+    qwen2_moe = read("Qwen1.5-MoE-A2.7B")
+    assert qwen2_moe.qkv_bias and not qwen2_moe.attn_out_bias
+    moe = qwen2_moe.moe
+    assert moe is not None and moe.shared_expert_gate and moe.num_shared_experts == 1
+    assert (moe.num_experts, moe.top_k, moe.shared_expert_ffn_hidden_size) == (60, 4, 5632)
+    gemma2 = read("gemma-2-9b")
+    assert gemma2.q_size == 4096 != gemma2.hidden_size and gemma2.tied_embeddings
+    assert (gemma2.final_logit_softcap, gemma2.attn_logit_softcap) == (30.0, 50.0)
+    assert [gemma2.is_sliding_layer(i) for i in range(4)] == [True, False, True, False]
+    gemma3 = read("gemma-3-12b-pt")
+    assert gemma3.vocab_size == 262208 and gemma3.head_dim == 256  # Gemma3TextConfig defaults
+    assert [i for i in range(12) if not gemma3.is_sliding_layer(i)] == [5, 11]
+    assert "vision tower is not counted" in gemma3.source
+    phi3 = read("Phi-3-mini-4k-instruct")
+    assert phi3.fused_qkv and phi3.fused_gate_up and phi3.sliding_window == 2047
+    assert phi3.is_sliding_layer(0) and phi3.is_sliding_layer(31)
+    olmo2 = read("OLMo-2-1124-7B")
+    assert olmo2.norm_placement.value == "post" and olmo2.qk_norm.value == "full"
+    dsv3 = read("DeepSeek-V3")
+    assert dsv3.mla is not None and dsv3.mla.q_lora_rank == 1536 and dsv3.head_dim == 192
+    assert dsv3.moe is not None and dsv3.num_moe_layers == 58
+    assert not dsv3.is_moe_layer(2) and dsv3.is_moe_layer(3)
+
+
+def test_published_totals() -> None:
+    """Parameter totals the publishers state: Phi-3-mini 3,821,079,552 (keras-hub's
+    phi3_presets.py, ``params``), Gemma 2 9B 9,241,705,984; Qwen3-8B 8.2B of which 6.95B
+    non-embedding (its model card: 8.19B less two 151936 x 4096 tables)."""
+    assert load_model("phi-3-mini-4k").num_params == 3_821_079_552
+    assert load_model("gemma-2-9b").num_params == 9_241_705_984
+    qwen3 = load_model("qwen3-8b")
+    assert round((qwen3.num_params - 2 * 151936 * 4096) / 1e9, 2) == 6.95
+
+
+def test_qwen_sliding_layers_from_max_window_layers_are_refused(tmp_path: Path) -> None:
+    """use_sliding_window slides the layers from max_window_layers on: no periodic pattern."""
+    data = _base("Qwen3-8B") | {"use_sliding_window": True, "sliding_window": 4096,
+                                 "max_window_layers": 28}
+    assert "layer_types" in _error(_write(tmp_path, data))
+
+
+def test_layer_types_read_and_checked(tmp_path: Path) -> None:
+    types = ["sliding_attention", "sliding_attention", "full_attention"] * 14
+    spec = spec_from_hf_config(_write(tmp_path, _base("gemma-2-9b") | {"layer_types": types}))
+    assert spec.sliding_window_pattern == 3
+    bad = ["full_attention", "sliding_attention"] * 21
+    assert "layer_types" in _error(_write(tmp_path, _base("gemma-2-9b") | {"layer_types": bad}))
+    assert "layer_types" in _error(_write(tmp_path, _base("gemma-2-9b") | {"layer_types": [1]}))
+
+
+def test_moe_layout_refusals(tmp_path: Path) -> None:
+    """Dense layers other than a leading run, zero experts, MLA with fewer KV heads."""
+    base = _base("Qwen1.5-MoE-A2.7B")
+    assert "mlp_only_layers" in _error(_write(tmp_path, base | {"mlp_only_layers": [3]}))
+    spec = spec_from_hf_config(_write(tmp_path, base | {"mlp_only_layers": [1, 0]}))
+    assert spec.moe is not None and spec.moe.first_dense_layers == 2 and spec.num_moe_layers == 22
+    assert "num_experts" in _error(_write(tmp_path, base | {"num_experts": 0}))
+    dsv3 = _base("DeepSeek-V3")
+    assert "num_key_value_heads" in _error(_write(tmp_path, dsv3 | {"num_key_value_heads": 8}))
+    assert "first_k_dense_replace" in _error(_write(tmp_path,
+                                                    dsv3 | {"first_k_dense_replace": 61}))
+
+
+def test_gemma3_needs_its_text_config(tmp_path: Path) -> None:
+    data = _base("gemma-3-12b-pt")
+    del data["text_config"]
+    assert "text_config" in _error(_write(tmp_path, data))
+
+
+def test_phi3_partial_rotary_refused(tmp_path: Path) -> None:
+    data = _base("Phi-3-mini-4k-instruct") | {"partial_rotary_factor": 0.5}
+    assert "partial_rotary_factor" in _error(_write(tmp_path, data))

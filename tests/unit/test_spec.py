@@ -32,7 +32,21 @@ PUBLISHED = {
     "gpt2": 124_439_808,
 }
 
-EXPECTED_CATALOG = {*PUBLISHED, "gpt3-175b", "tiny"}
+# The newer families: their totals as their model cards state them (billions, to the digits
+# given; DeepSeek-V3's main model, Gemma 3's language model). The exact counts are checked
+# against the models transformers builds (tests/traced/test_hf_families.py).
+STATED_BILLIONS = {
+    "qwen3-8b": 8.2, "qwen3-30b-a3b": 30.5, "qwen1.5-moe-a2.7b": 14.3, "gemma-2-9b": 9.24,
+    "gemma-3-12b": 11.8, "phi-3-mini-4k": 3.8, "olmo-2-7b": 7.3, "deepseek-v3": 671,
+}
+EXPECTED_CATALOG = {*PUBLISHED, *STATED_BILLIONS, "gpt3-175b", "tiny"}
+
+
+@pytest.mark.parametrize("name", sorted(STATED_BILLIONS))
+def test_catalog_count_matches_the_stated_total(name: str) -> None:
+    stated = STATED_BILLIONS[name]
+    digits = len(str(stated).partition(".")[2]) if "." in str(stated) else 0
+    assert round(param_counts(load_model(name)).total / 1e9, digits) == stated
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))

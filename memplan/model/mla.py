@@ -1,0 +1,167 @@
+"""Multi-head latent attention (``MlaSpec``): DeepSeek-V2/V3's attention block.
+
+As transformers runs it (``models/deepseek_v3/modeling_deepseek_v3.py``
+``DeepseekV3Attention.forward``, transformers 5.3):
+
+- queries: ``q_a_proj`` (h -> q_lora_rank, replicated by TP), ``q_a_layernorm`` on its
+  output, ``q_b_proj`` (-> heads * (nope + rope)); without q_lora_rank one ``q_proj``. The
+  q_b output is split into its no-RoPE and RoPE parts, the RoPE part rotated, both
+  concatenated into the query the core saves: the q_b output itself is saved by no one.
+- keys and values: ``kv_a_proj_with_mqa`` (h -> kv_lora_rank + rope, replicated), the
+  kv_lora_rank part through ``kv_a_layernorm`` and ``kv_b_proj`` (-> heads * (nope + v)),
+  the rope part rotated once and expanded to every head. The key is a concatenation (a new
+  tensor); the value a view of the kv_b output, so the core's saved value keeps that whole
+  output alive (``mla.kv_up``).
+- the core: with the value head narrower than the query/key head, CUDA's SDPA runs its
+  memory-efficient kernel (flash needs equal head dims), which saves q, k, v, its output and
+  an fp32 logsumexp per query and head; its output is the one the output projection saves
+  (``transpose(1, 2).contiguous()`` of the kernel's output is a view).
+
+The two norms follow the layer norms' implementation (``memplan.model.norm``): their input's
+fp32 copy, per-row statistics, the normalised tensor and the output the up projection saves.
+Eager attention is modelled as the generic block's core (``memplan.model.eager``) with q, k
+and v at the query/key head width.
+"""
+
+from __future__ import annotations
+
+from memplan.model import eager
+from memplan.model.block import BackwardMoment, Moment, linear_sizes, weight_casts
+from memplan.model.dims import FP32_BYTES, Dims, Term, residual_dropout_mask, total
+from memplan.model.norm import norm_terms
+from memplan.spec import MlaSpec, ModelSpec, mla_params
+from memplan.workload import Attention as Kernel
+from memplan.workload import Recompute, Workload
+
+
+def _mla(spec: ModelSpec) -> MlaSpec:
+    assert spec.mla is not None, "an MLA block needs spec.mla"
+    return spec.mla
+
+
+def _latent_norm(prefix: str, width: int, spec: ModelSpec, wl: Workload,
+                 dm: Dims) -> list[Term]:
+    """A low-rank norm's terms: the layer norm's over ``width`` elements per token, on every
+    token (the down projections are not sequence-parallel)."""
+    narrow = spec.model_copy(update={"hidden_size": width, "norm_bias": False})
+    whole = dm._replace(res_tokens_div=1, gathered_linear_input=False)
+    return norm_terms(prefix, narrow, wl, whole)
+
+
+def _widths(spec: ModelSpec, t: int) -> tuple[int, int, int]:
+    """Per token on one TP rank: the query (= key) width, the kv_b output's width and the
+    attention output's width."""
+    mla, a = _mla(spec), spec.num_attention_heads // t
+    return (a * spec.head_dim, a * (mla.qk_nope_head_dim + mla.v_head_dim),
+            a * mla.v_head_dim)
+
+
+def mla_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
+    """The MLA block's saved terms (see the module docstring), with its output's dropout."""
+    mla, e = _mla(spec), dm.e
+    qk, kv_up, out = _widths(spec, dm.tp)
+    terms = []
+    if mla.q_lora_rank:
+        terms += _latent_norm("mla.q_norm", mla.q_lora_rank, spec, wl, dm)
+    terms += _latent_norm("mla.kv_norm", mla.kv_lora_rank, spec, wl, dm)
+    terms += [Term("mla.q", dm.tokens * qk * e), Term("mla.k", dm.tokens * qk * e),
+              Term("mla.kv_up", dm.tokens * kv_up * e), Term("mla.out", dm.tokens * out * e)]
+    if recompute is Recompute.NONE:
+        heads = spec.num_attention_heads // dm.tp
+        if wl.attention is Kernel.FLASH:
+            terms.append(Term("mla.lse", dm.b * heads * dm.s * FP32_BYTES))
+        else:
+            scores = dm.b * heads * dm.s * dm.s_kv
+            fp32 = dm.autocast or (wl.softmax_fp32 and e < FP32_BYTES)
+            terms.append(Term("mla.softmax", scores * (FP32_BYTES if fp32 else e)))
+            if fp32:
+                terms.append(Term("mla.softmax_cast", scores * e))
+    casts = weight_casts("mla", sum(mla_weights(spec, dm.tp)), dm)
+    return terms + casts + residual_dropout_mask("attn", spec, dm)
+
+
+def mla_weights(spec: ModelSpec, t: int) -> list[int]:
+    """Elements of the block's projection weights on one TP rank, in registration order:
+    q_a, q_b (or q), kv_a, kv_b, o."""
+    mla, h = _mla(spec), spec.hidden_size
+    qk, kv_up, out = _widths(spec, t)
+    q = [h * mla.q_lora_rank, mla.q_lora_rank * qk] if mla.q_lora_rank else [h * qk]
+    return q + [h * (mla.kv_lora_rank + mla.qk_rope_head_dim), mla.kv_lora_rank * kv_up,
+                out * h]
+
+
+class Mla:
+    """Multi-head latent attention (``MlaSpec``), its down projections replicated by TP."""
+
+    name = "attn"
+
+    def saved(self, spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
+        return mla_terms(spec, wl, dm, recompute)
+
+    def _out(self, spec: ModelSpec, dm: Dims) -> int:
+        return dm.tokens * _widths(spec, dm.tp)[2] * dm.e
+
+    def forward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
+                        recompute: Recompute) -> list[Moment]:
+        """The core's peak, its output not made yet, beside the concatenated q and k being
+        made from the q_b output (alive until the concatenation); the output projection's
+        output before the residual add."""
+        saved = total(mla_terms(spec, wl, dm, recompute))
+        qk = dm.tokens * _widths(spec, dm.tp)[0] * dm.e
+        stream = dm.rows * spec.hidden_size * dm.e
+        core = qk
+        if wl.attention is Kernel.EAGER:
+            core = eager.forward_saving(eager.core(spec, dm, wl.softmax_fp32 and dm.e < 4))
+        return [Moment("attention", saved, stream),
+                Moment("attention_core", saved - self._out(spec, dm), core)]
+
+    def working_set(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
+        """In a checkpointed layer: what the block would save (nothing is), with its output
+        projection's output."""
+        stream = dm.rows * spec.hidden_size * dm.e
+        return [Moment("attention", 0,
+                       stream + total(mla_terms(spec, wl, dm, Recompute.NONE)))]
+
+    def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
+                         recompute: Recompute) -> list[BackwardMoment]:
+        """The core's backward (the output's gradient, and those of q, k and v), then the
+        projections': the up projections' input gradients beside the down projections'."""
+        saved = total(mla_terms(spec, wl, dm, recompute))
+        qk, kv_up, out = (w * dm.tokens * dm.e for w in _widths(spec, dm.tp))
+        v = out
+        core = out + 2 * qk + v
+        if wl.attention is Kernel.EAGER:
+            c = eager.core(spec, dm, wl.softmax_fp32 and dm.e < FP32_BYTES)
+            core = max(t for _, t in eager.backward(c, rebuild=False))
+        grad_inputs = 2 * dm.rows * spec.hidden_size * dm.e
+        mla = _mla(spec)
+        latent = dm.tokens * (mla.q_lora_rank + mla.kv_lora_rank) * dm.e
+        return [
+            BackwardMoment("attention.0", saved - out, core, ("attn_out",)),
+            BackwardMoment("attn_in", 0, grad_inputs + latent + kv_up, ("attn",)),
+        ]
+
+    def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
+        return []
+
+    def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:
+        mla, h = _mla(spec), spec.hidden_size
+        qk, kv_up, out = _widths(spec, t)
+        kv_a = mla.kv_lora_rank + mla.qk_rope_head_dim
+        q = ([*linear_sizes(h, mla.q_lora_rank, spec.qkv_bias, True, 1), mla.q_lora_rank,
+              mla.q_lora_rank * qk] if mla.q_lora_rank else [h * qk])
+        return (q + linear_sizes(h, kv_a, spec.qkv_bias, True, 1) + [mla.kv_lora_rank,
+                mla.kv_lora_rank * kv_up] + [out * h] + ([h] if spec.attn_out_bias else []))
+
+    def grad_groups(self, spec: ModelSpec, t: int, ep: int) -> dict[str, int]:
+        """``attn_out``: the output projection (its backward runs first); ``attn``: all."""
+        h = spec.hidden_size
+        out = _widths(spec, t)[2] * h + (h if spec.attn_out_bias else 0)
+        return {"attn_out": out, "attn": sum(self.tensor_sizes(spec, t, ep))}
+
+    def flops_per_token(self, spec: ModelSpec, seq_len: int) -> float:
+        """2 FLOPs per projection weight; QK^T over the query/key head and PV over the value
+        head, each over the causal average context s/2."""
+        mla = _mla(spec)
+        core = seq_len * spec.num_attention_heads * (spec.head_dim + mla.v_head_dim)
+        return 2.0 * sum(mla_params(spec)) + core
