@@ -27,6 +27,14 @@ the headline median and maximum. Runs with features memplan cannot express are s
 (as the closest expressible run) and shown, with the gaps named, and summarised on their own
 line; a ``MemplanError`` is reported as ``refused: <message>``.
 
+Other estimators: ``benchmarks/data/other_estimators.json`` (written by
+``benchmarks/other_estimators.py``, which runs llm-analysis, Megatron-LM's
+``theoretical_memory_usage.py`` and DeepSpeed's ZeRO model-states estimator) holds each tool's
+inputs and raw outputs per run id. This script reads only that file (so the doc regenerates
+without those tools) and compares the output the file names for the run's ``quantity``
+(``compared``, scaled by ``unit_bytes``) with the measurement; runs a tool cannot express are
+shown as ``n/a: <why>``. Each tool's summary is next to memplan's on the same runs.
+
 ``python benchmarks/accuracy_table.py`` writes the doc; ``--check`` exits 1 if it would change.
 """
 
@@ -36,7 +44,8 @@ import argparse
 import json
 import statistics
 import sys
-from dataclasses import dataclass
+import textwrap
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,6 +56,7 @@ import memplan
 from memplan.errors import MemplanError
 
 DATA = ROOT / "benchmarks" / "data" / "published_runs.json"
+OTHERS = ROOT / "benchmarks" / "data" / "other_estimators.json"
 DOC = ROOT / "docs" / "accuracy.md"
 GiB = 2**30
 
@@ -74,25 +84,65 @@ def quantity_bytes(stage, quantity: str) -> int:
     raise ValueError(f"unknown quantity {quantity!r}")
 
 
+def load_others(path: Path = OTHERS) -> list[dict]:
+    """The other estimators' stored results; one entry per tool, ``runs`` absent when the tool
+    was not run at all (its ``reason`` says why)."""
+    if not path.is_file():
+        return []
+    return json.loads(path.read_text())["estimators"]
+
+
+@dataclass(frozen=True)
+class Other:
+    """One other estimator on one run: its number for the measured quantity, or why none."""
+
+    label: str
+    estimate_bytes: int | None
+    note: str | None = None  # "n/a: <why>" or "refused: <message>" when there is no number
+
+
+def other_estimate(estimator: dict, run: dict) -> Other:
+    """The bytes ``estimator`` gives for what ``run`` measured: its stored output named by
+    ``compared[quantity]`` times ``unit_bytes``, rounded to whole bytes."""
+    label = estimator["label"]
+    entry = estimator["runs"].get(run["id"])
+    if entry is None:
+        return Other(label, None, "n/a: not run (stored results predate this run)")
+    if entry["status"] == "n/a":
+        return Other(label, None, f"n/a: {entry['reason']}")
+    if entry["status"] == "refused":
+        return Other(label, None, f"refused: {entry['error'].splitlines()[0]}")
+    key = estimator["compared"].get(run["quantity"])
+    if key is None:
+        return Other(label, None, f"n/a: no number for {run['quantity']}")
+    return Other(label, round(entry["outputs"][key] * estimator["unit_bytes"]))
+
+
 @dataclass(frozen=True)
 class Row:
     run: dict
     memplan_bytes: int | None  # None when refused
     refused: str | None = None
+    others: tuple[Other, ...] = field(default=())
 
     @property
     def error_pct(self) -> float | None:
         if self.memplan_bytes is None:
             return None
-        measured = self.run["measured_bytes"]
-        return 100.0 * (self.memplan_bytes - measured) / measured
+        return error_pct(self.memplan_bytes, self.run["measured_bytes"])
 
     @property
     def expressed(self) -> bool:
         return self.memplan_bytes is not None and not self.run.get("not_expressible")
 
 
-def evaluate(run: dict) -> Row:
+def error_pct(estimate_bytes: int, measured_bytes: int) -> float:
+    return 100.0 * (estimate_bytes - measured_bytes) / measured_bytes
+
+
+def evaluate(run: dict, others: list[dict] | None = None) -> Row:
+    ran = [e for e in (others or []) if "runs" in e]
+    extra = tuple(other_estimate(e, run) for e in ran)
     args = dict(run["memplan_args"])
     model = args.pop("model")
     path = ROOT / model
@@ -101,17 +151,19 @@ def evaluate(run: dict) -> Row:
     try:
         est = memplan.estimate(model, **args)
     except MemplanError as err:
-        return Row(run, None, refused=str(err).splitlines()[0])
+        return Row(run, None, refused=str(err).splitlines()[0], others=extra)
     quantity = run["quantity"]
     if run["rank"] == "last":
         value = quantity_bytes(est.stages[-1], quantity)
     else:
         value = max(quantity_bytes(s, quantity) for s in est.stages)
-    return Row(run, value)
+    return Row(run, value, others=extra)
 
 
-def build_rows(runs: list[dict]) -> list[Row]:
-    return [evaluate(run) for run in runs]
+def build_rows(runs: list[dict], others: list[dict] | None = None) -> list[Row]:
+    """``others`` defaults to the stored other-estimator results."""
+    others = load_others() if others is None else others
+    return [evaluate(run, others) for run in runs]
 
 
 def _layout(run: dict) -> str:
@@ -155,7 +207,103 @@ def _stats(errors: list[float]) -> str:
             f"mean signed error {statistics.fmean(errors):+.1f}% over {len(errors)} runs")
 
 
-def render(rows: list[Row]) -> str:
+def _other_summary(index: int, estimator: dict, rows: list[Row]) -> str:
+    """One estimator's statistics over the runs it estimates, next to memplan's on the same
+    runs (those memplan does not refuse)."""
+    cells = [(r, r.others[index]) for r in rows]
+    have = [(r, o) for r, o in cells if o.estimate_bytes is not None]
+    both = [(r, o) for r, o in have if r.memplan_bytes is not None]
+    own = [error_pct(o.estimate_bytes, r.run["measured_bytes"]) for r, o in both]
+    memplan_same = [r.error_pct for r, _ in both]
+    refused = sum(1 for _, o in cells if o.note and o.note.startswith("refused"))
+    approximated = sum(1 for r, _ in both if not r.expressed)
+    label = estimator["label"]
+    where = (f"On those {len(both)}" if len(both) == len(have)
+             else f"On the {len(both)} of them memplan also estimates")
+    line = (f"- {estimator['tool']} {estimator['version']}: a number for {len(have)} of "
+            f"{len(rows)} runs ({refused} refused, {len(rows) - len(have) - refused} n/a). "
+            f"{where} ({approximated} approximated by memplan): {label} {_stats(own)}; "
+            f"memplan on the same runs: {_stats(memplan_same)}.")
+    only = [(r, o) for r, o in have if r.memplan_bytes is None]
+    if only:
+        errs = ", ".join(f"{error_pct(o.estimate_bytes, r.run['measured_bytes']):+.1f}%"
+                         for r, o in only)
+        line += f" On {len(only)} runs memplan refuses: {errs}."
+    return line
+
+
+def _other_cell(other: Other, measured_bytes: int) -> str:
+    if other.estimate_bytes is None:
+        return _cell(other.note or "")
+    return f"{_gib(other.estimate_bytes)} ({error_pct(other.estimate_bytes, measured_bytes):+.1f}%)"
+
+
+_HOW = {
+    "llm-analysis": (
+        "**llm-analysis {version}** (PyPI, `pip install --no-deps llm-analysis==0.2.2 "
+        "'fire<0.6'`: its pins would downgrade transformers and huggingface_hub, which it needs "
+        "only to read a Hub config): `LLMAnalysis(...).training(...)`, built as its `train` "
+        "entry point does, with a `ModelConfig` from the run's model shape (the padded "
+        "vocabulary; for a gated MLP `ffn_embed_dim` = 1.5 x the gated width, so that its "
+        "2 h ffn weights and 2 ffn saved values per token equal SwiGLU's 3 h ffn and 3 ffn), "
+        "its `h100-sxm-80gb` GPU config with the run's nominal capacity (80, 96 or 141 GB; only "
+        "its check that the batch fits reads it, and that check refuses the runs it predicts "
+        "do not fit), `w16a16e16`, tp, pp, dp, `sp_size` tp with sequence parallelism else 1, "
+        "the micro-batch and gradient accumulation, sequence, recompute level (none, "
+        "selective, full: 0, 1, 2), ZeRO stage (Megatron's distributed optimizer 1, FSDP 3), "
+        "and for unfused attention `flash_attn=False` with `softmax_dropout` (attention "
+        "dropout 0.1). Compared: `(weight+op_state+grad+act)_memory_per_gpu` with peaks, "
+        "`(weight+op_state+grad)_memory_per_gpu` with allocated between steps. n/a: context "
+        "parallelism and the interleaved schedule, which it has no input for."),
+    "megatron": (
+        "**Megatron-LM `megatron/training/theoretical_memory_usage.py`** at {version}, run "
+        "from a Megatron-LM git checkout (`--megatron-lm`; it is not in the megatron-core "
+        "wheel, and none of it is copied here). Per Megatron-LM CI run: the run's "
+        "`model_config.yaml` read at the run's commit from the checkout's history, its "
+        "MODEL_ARGS turned into flags as the CI's `_run_training.sh` does, parsed by "
+        "Megatron's own `parse_args` and `validate_args` (WORLD_SIZE = the run's GPUs, its "
+        "ENV_VARS set, `get_device_arch_version` answered 9 for Hopper as there is no GPU "
+        "here, `typing.override` from typing_extensions on Python 3.11), the vocabulary padded "
+        "by its `vocab_size_with_padding`, the micro-batch count from its calculator, then "
+        "`report_theoretical_memory(args, num_microbatches=..., verbose=True)` as "
+        "`training.py` calls it. Compared: `total` (weights + optimizer + activations; its "
+        "'MB' is 2^20 bytes) with max allocated, `weight and optimizer` with allocated between "
+        "steps. It describes rank 0 (the first stage, the most loaded shard); the CI logs the "
+        "last stage. n/a: the torchtitan runs (no Megatron arguments; no FSDP)."),
+    "deepspeed": (
+        "**DeepSpeed {version}** ZeRO model-states estimator (installed with `--no-deps "
+        "--no-build-isolation` into its own directory, not the project's environment; it "
+        "imports on CPU): `estimate_zero3_model_states_mem_needs(total_params, "
+        "largest_layer_params, num_gpus_per_node, num_nodes, cpu_offload=False, "
+        "cpu_offload_params=False, zero_init=True)`, the no-offload row that "
+        "`estimate_zero3_model_states_mem_needs_all_cold` prints, with the spec's exact "
+        "parameter count and its largest single module (the V x h embedding). Its per-GPU "
+        "number (4 x largest layer + 18 bytes x parameters / GPUs) is model states only, so "
+        "against a measured peak its error is mostly the activations it does not count. n/a: "
+        "ZeRO-0 and ZeRO-1 runs (it has ZeRO-2 and ZeRO-3 estimators only), tp, pp or cp."),
+}
+
+
+def _bullet(text: str) -> list[str]:
+    return textwrap.wrap(text, width=94, initial_indent="- ", subsequent_indent="  ",
+                         break_on_hyphens=False, break_long_words=False)
+
+
+def _other_method(estimator: dict) -> list[str]:
+    """How one other estimator was run (text per tool) and what it leaves out (its data)."""
+    if "runs" not in estimator:
+        return _bullet(f"**{estimator['tool']}**: not run: {estimator['reason']}.")
+    how = _HOW.get(estimator["id"], "**{tool} {version}**: {entry}.")
+    text = how.format(version=estimator["version"], tool=estimator["tool"],
+                      entry=estimator["entry"])
+    return _bullet(text + " Leaves out: " + "; ".join(estimator["leaves_out"]) + ".")
+
+
+def render(rows: list[Row], others: list[dict] | None = None) -> str:
+    """``others``: the stored other-estimator results (default: the committed file), in the
+    order of each row's ``others``."""
+    others = load_others() if others is None else others
+    ran = [e for e in others if "runs" in e]
     expressed = [r.error_pct for r in rows if r.expressed]
     approximated = [r.error_pct for r in rows if r.memplan_bytes is not None and not r.expressed]
     refused = [r for r in rows if r.refused is not None]
@@ -163,10 +311,12 @@ def render(rows: list[Row]) -> str:
     out = [
         "# memplan against published, measured memory",
         "",
-        "Generated by `python benchmarks/accuracy_table.py` from `benchmarks/data/published_runs.json`;",
-        "`python benchmarks/accuracy_table.py --check` fails when this file is stale (also a unit test).",
-        "Each run's source, a quote of its numbers, what it measured and the memplan arguments that",
-        "describe it are in the JSON. Sizes in GiB (2^30 bytes).",
+        "Generated by `python benchmarks/accuracy_table.py` from",
+        "`benchmarks/data/published_runs.json` and `benchmarks/data/other_estimators.json`;",
+        "`python benchmarks/accuracy_table.py --check` fails when this file is stale (also a unit",
+        "test). Each run's source, a quote of its numbers, what it measured and the memplan",
+        "arguments that describe it are in the first JSON; each other estimator's version, inputs",
+        "and raw outputs per run in the second. Sizes in GiB (2^30 bytes).",
         "",
         "## Summary",
         "",
@@ -175,11 +325,15 @@ def render(rows: list[Row]) -> str:
         ("- Runs estimated as the closest expressible run (features memplan cannot express, "
          f"listed): {_stats(approximated)}."),
         f"- Refused by memplan: {len(refused)}.",
+        *(_other_summary(i, e, rows) for i, e in enumerate(ran)),
         "",
         "## Runs",
         "",
-        "| id | source | framework | layout | measured | memplan | error | not expressible |",
-        "|---|---|---|---|---:|---:|---:|---|",
+        "Other estimators: their estimate (signed error), or why there is none.",
+        "",
+        ("| id | source | framework | layout | measured | memplan | error | not expressible | "
+         + "".join(f"{e['label']} | " for e in ran)).rstrip(),
+        "|---|---|---|---|---:|---:|---:|---|" + "---:|" * len(ran),
     ]
     for r in rows:
         run = r.run
@@ -188,10 +342,12 @@ def render(rows: list[Row]) -> str:
         else:
             memplan_cell, err_cell = _gib(r.memplan_bytes), f"{r.error_pct:+.1f}%"
         gaps = "; ".join(run.get("not_expressible") or []) or "-"
+        extra = "".join(f" {_other_cell(o, run['measured_bytes'])} |" for o in r.others)
         out.append(
             f"| {_cell(run['id'])} | {_source_link(run)} | {run['framework']} | "
             f"{_cell(_layout(run))}; {run['quantity']} ({run['rank']} rank) | "
-            f"{_gib(run['measured_bytes'])} | {memplan_cell} | {err_cell} | {_cell(gaps)} |")
+            f"{_gib(run['measured_bytes'])} | {memplan_cell} | {err_cell} | {_cell(gaps)} |"
+            + extra)
     out += [
         "",
         "## Method",
@@ -212,7 +368,24 @@ def render(rows: list[Row]) -> str:
         "  with the source flags it transcribes (Megatron pads the vocabulary to a multiple of",
         "  128 x tp, so the padded size is in the spec).",
         "",
+        "### Other estimators",
+        "",
     ]
+    out += _bullet(
+        "`python benchmarks/other_estimators.py --megatron-lm PATH --deepspeed-path DIR` runs "
+        "them (each in a subprocess) and stores each tool's version, the inputs it was given "
+        "and its raw outputs per run id, with per-run caveats; a tool that is not available "
+        "keeps its stored results. This doc reads only the stored file. No other estimator is "
+        "a dependency of memplan or its test extra.")
+    out += _bullet(
+        "Each is given what it has inputs for and compared with the same measurement as "
+        "memplan, with the same error definition; its summary line puts memplan's statistics "
+        "on the same runs next to it. None of them models the CUDA context, the cuBLAS "
+        "workspace or the allocator, so against a peak reserved they miss the allocator "
+        "reserve too.")
+    for estimator in others:
+        out += _other_method(estimator)
+    out.append("")
     return "\n".join(out)
 
 

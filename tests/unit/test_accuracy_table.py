@@ -66,3 +66,110 @@ def test_torch_free():
             "m.build_rows(m.load_runs()); "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], check=False, timeout=60).returncode == 0
+
+
+# ------------------------------------------------------------------ other estimators
+
+@pytest.fixture(scope="module")
+def others(table):
+    return {e["id"]: e for e in table.load_others()}
+
+
+def _by_id(runs, run_id):
+    return next(run for run in runs if run["id"] == run_id)
+
+
+def test_other_estimators_cover_every_run(others, runs):
+    """Every estimator that ran has an entry for every published run, with its version, and
+    each number it is compared on is one of its stored outputs."""
+    assert {"llm-analysis", "megatron", "deepspeed", "accelerate"} <= set(others)
+    assert "runs" not in others["accelerate"] and others["accelerate"]["reason"]
+    for est in (e for e in others.values() if "runs" in e):
+        assert est["version"] and est["label"] and est["leaves_out"], est["id"]
+        assert set(est["runs"]) == {run["id"] for run in runs}, est["id"]
+        for run in runs:
+            entry = est["runs"][run["id"]]
+            assert entry["status"] in {"ok", "n/a", "refused"}, (est["id"], run["id"])
+            if entry["status"] == "n/a":
+                assert entry["reason"], (est["id"], run["id"])
+                continue
+            assert entry["inputs"], (est["id"], run["id"])
+            if entry["status"] == "ok":
+                assert est["compared"][run["quantity"]] in entry["outputs"]
+
+
+def test_megatron_weights_and_optimizer_by_hand(table, others, runs):
+    """Megatron's weight_and_optimizer for the 7B tp4 pp1 run (distributed optimizer, dp 2),
+    compared with allocated between steps. h 4096, 32 heads, 8 query groups, ffn 16384,
+    untied, vocab 131584 (padded for tp 4), LayerNorm:
+    attention 2 h^2 (1 + 8/32) = 41,943,040; MLP 2 h ffn = 134,217,728; per-layer norms 2 h 2
+    = 16,384. On a tp rank: (32 x 176,160,768 + 2 x 4096 x 131584) / 4 = 1,678,770,176
+    sharded plus 32 x 16,384 + 2 x 4096 = 532,480 replicated = 1,679,302,656 parameters,
+    at 6 + 12 / 2 = 12 bytes: 20,151,631,872 bytes (19218.09375 of its 2^20-byte 'MB')."""
+    run = _by_id(runs, "megatron-ci/gpt3_7b_tp4_pp1_memory_speed/allocated")
+    est = others["megatron"]
+    assert est["runs"][run["id"]]["outputs"]["weight_and_optimizer_mb"] == 19218.09375
+    other = table.other_estimate(est, run)
+    assert other.estimate_bytes == 1_679_302_656 * 12 == 20_151_631_872
+    assert other.note is None
+
+
+def test_llm_analysis_model_states_by_hand(table, others, runs):
+    """llm-analysis on the same run: per layer 2 h^2 + 2 h (h 8/32) = 41,943,040 attention,
+    2 h ffn = 134,217,728 MLP, 2 h = 8,192 norm weights; one (tied) 4096 x 131584 embedding and
+    a 4096 final norm: 32 x 176,168,960 + 538,968,064 + 4,096 = 6,176,378,880 parameters,
+    over tp 4: 2 bytes of weights, 4 of gradients, 12 of optimizer states over dp 2 (ZeRO-1):
+    6,176,378,880 / 4 x (2 + 4 + 12 / 2) = 18,529,136,640 bytes."""
+    run = _by_id(runs, "megatron-ci/gpt3_7b_tp4_pp1_memory_speed/allocated")
+    est = others["llm-analysis"]
+    outputs = est["runs"][run["id"]]["outputs"]
+    assert outputs["num_params_total"] == 6_176_378_880
+    other = table.other_estimate(est, run)
+    assert other.estimate_bytes == 6_176_378_880 // 4 * 12 == 18_529_136_640
+    err = table.error_pct(other.estimate_bytes, run["measured_bytes"])
+    assert err == pytest.approx(100 * (18_529_136_640 - 20_663_519_232) / 20_663_519_232)
+
+
+def test_deepspeed_zero3_by_hand(table, others, runs):
+    """DeepSpeed's ZeRO-3 GPU number (no offload) for Llama-3-8B on 8 GPUs: 4 bytes x the
+    largest layer (the 128256 x 4096 = 525,336,576 embedding) + 18 bytes x 8,030,261,248
+    parameters / 8 = 2,101,346,304 + 18,068,087,808 = 20,169,434,112 bytes, compared with
+    the measured peak reserved (model states only)."""
+    run = _by_id(runs, "torchtitan/llama3.1-8b/8gpu-fsdp-sac")
+    est = others["deepspeed"]
+    entry = est["runs"][run["id"]]
+    assert entry["inputs"]["kwargs"]["total_params"] == 8_030_261_248
+    assert entry["inputs"]["kwargs"]["largest_layer_params"] == 128256 * 4096
+    other = table.other_estimate(est, run)
+    assert other.estimate_bytes == 4 * 525_336_576 + 18 * 8_030_261_248 // 8 == 20_169_434_112
+
+
+def test_not_expressible_and_refused_cells(table, others, runs):
+    cp_run = _by_id(runs, "torchtitan/llama3.1-8b/8gpu-fsdp4-cp2-seq65536")
+    assert table.other_estimate(others["llm-analysis"], cp_run).note == (
+        "n/a: no context parallelism (cp 2)")
+    titan = _by_id(runs, "torchtitan/llama3.1-8b/8gpu-fsdp-sac")
+    assert table.other_estimate(others["megatron"], titan).note.startswith("n/a: ")
+    refused = table.other_estimate(others["llm-analysis"], titan)
+    assert refused.estimate_bytes is None and refused.note.startswith("refused: AssertionError")
+
+
+def test_other_summary_compares_on_the_same_runs(table):
+    """memplan's statistics next to an estimator cover only the runs that estimator gives a
+    number for (and memplan does not refuse)."""
+    def run(run_id):
+        return {"id": run_id, "measured_bytes": 100, "quantity": "max_allocated",
+                "not_expressible": []}
+
+    est = {"id": "x", "label": "X", "tool": "X", "version": "1"}
+    rows = [
+        table.Row(run("a"), 110, others=(table.Other("X", 80),)),  # X -20%, memplan +10%
+        table.Row(run("b"), 150, others=(table.Other("X", None, "n/a: no cp"),)),
+        table.Row(run("c"), None, refused="no", others=(table.Other("X", 50),)),
+    ]
+    line = table._other_summary(0, est, rows)
+    assert "a number for 2 of 3 runs (0 refused, 1 n/a)" in line
+    assert ("X median |error| 20.0%, max |error| 20.0%, mean signed error -20.0% over 1 runs; "
+            "memplan on the same runs: median |error| 10.0%, max |error| 10.0%, mean signed "
+            "error +10.0% over 1 runs") in line
+    assert "On 1 runs memplan refuses: -50.0%" in line
