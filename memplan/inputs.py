@@ -225,12 +225,14 @@ def read_toml(path: str | os.PathLike[str], what: str, limit: int) -> dict[str, 
 
 
 def read_stream(stream: Any, what: str, limit: int) -> str:
-    """Text from a stream (stdin), at most ``limit`` characters."""
-    text = stream.read(limit + 1)
-    if len(text) > limit:
+    """Text from a stream (stdin), at most ``limit`` bytes; bytes that are not UTF-8 are
+    replaced (a pasted log may hold any)."""
+    source = getattr(stream, "buffer", stream)
+    data = source.read(limit + 1)
+    if len(data) > limit:
         raise MemplanError(f"{what}: standard input is over the {size_text(limit)} limit; "
                            "give the error message only (e.g. grep -A3 OutOfMemoryError)")
-    return text
+    return data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data
 
 
 __all__ = ["GZIP_MAGIC", "MAX_DEPTH", "Unpacked", "decode", "depth", "parse_json",

@@ -20,9 +20,8 @@ Each stream's (GPU) or thread's (CPU) own busy time in W is reported too.
 
 from __future__ import annotations
 
-import gzip
-import json
 import re
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +48,7 @@ class RankTrace:
     # busy intervals of each GPU stream (GPU traces) or thread (CPU traces)
     lanes: dict[str, list[Interval]] = field(default_factory=dict)
     steps: list[tuple[int, float, float]] = field(default_factory=list)  # (number, lo, hi)
+    partial: str | None = None  # a cut file read up to its last complete event: where it ends
 
 
 def _snake(name: str) -> str:
@@ -71,28 +71,28 @@ def collective_of(event: dict[str, Any]) -> str | None:
 
 
 def load(path: str | Path, index: int = 0) -> RankTrace:
-    """Read one chrome trace; the rank comes from ``distributedInfo``, else ``index``."""
+    """Read one chrome trace; the rank comes from ``distributedInfo``, else ``index``. A file
+    cut short is read up to its last complete event (``RankTrace.partial`` says where it
+    ends; ``memplan.trace_files``)."""
+    from memplan.trace_files import read_trace
+
     p = Path(path)
-    try:
-        opener = gzip.open if p.suffix == ".gz" else open
-        with opener(p, "rt") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as err:
-        raise MemplanError(f"{p}: not a readable chrome trace ({err})") from err
-    if isinstance(data, list):
-        data = {"traceEvents": data}
-    events = [e for e in data.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
-    info = data.get("distributedInfo") or {}
+    trace = read_trace(p)
+    events = trace.events
+    info = trace.meta.get("distributedInfo") or {}
     has_gpu = any(e.get("cat") == "kernel" for e in events)
     rt = RankTrace(path=str(p), rank=int(info.get("rank", index)),
-                   world_size=info.get("world_size"), device="gpu" if has_gpu else "cpu")
+                   world_size=info.get("world_size"), device="gpu" if has_gpu else "cpu",
+                   partial=trace.partial)
     gpu_steps = any(e.get("cat") == "gpu_user_annotation" and _STEP.match(e.get("name", ""))
                     for e in events)
     for e in events:
         _classify(rt, e, gpu_steps)
     rt.steps.sort()
     if not events:
-        raise MemplanError(f"{p}: no complete ('X') events; export with export_chrome_trace")
+        raise MemplanError(f"{p}: no complete ('X') events; " + (
+            trace.partial if trace.partial else "export with export_chrome_trace"))
+
     return rt
 
 
@@ -173,7 +173,9 @@ def analyze_paths(paths: list[str | Path], threshold_pct: float | None = None
     if len(set(ranks)) != len(ranks):
         raise MemplanError(f"two traces claim the same rank: {ranks}")
     out: dict[str, Any] = {"unit": "microseconds (chrome trace ts/dur)",
-                           "ranks": [analyze(rt) for rt in traces]}
+                           "ranks": [analyze(rt) for rt in traces],
+                           "partial": [rt.partial for rt in traces if rt.partial]}
+
     if len(traces) > 1:
         windows = {rt.rank: window(rt) for rt in traces}
         out["across_ranks"] = stragglers(traces, windows, STRAGGLER_PCT if threshold_pct is None

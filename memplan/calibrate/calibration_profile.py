@@ -17,7 +17,6 @@ so ``memplan calibrate --refit`` can re-derive every committed profile from comm
 
 from __future__ import annotations
 
-import json
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -25,8 +24,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from memplan.calibrate.records import SCHEMA_VERSION, Meta, write_json_atomic
-from memplan.errors import MemplanError
+from memplan.errors import MemplanError, validation_message
+from memplan.inputs import PROFILE_BYTES, read_json
 from memplan.spec import ModelSpec
+
 from memplan.workload import Workload
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -142,10 +143,7 @@ def save_profile(path: Path, profile: Profile) -> None:
 
 def load_profile(path: str | Path) -> Profile:
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise MemplanError(f"cannot read calibration profile {path}: {err}") from err
+    data = read_json(path, "calibration profile", PROFILE_BYTES)
     version = data.get("schema_version") if isinstance(data, dict) else None
     if version != SCHEMA_VERSION:
         raise MemplanError(f"calibration profile {path}: schema_version {version!r} is not "
@@ -153,9 +151,8 @@ def load_profile(path: str | Path) -> Profile:
     try:
         return Profile.model_validate(data)
     except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise MemplanError(f"calibration profile {path}: {where}: {first['msg']}") from err
+        raise MemplanError(f"calibration profile {path}: {validation_message(err)}") from err
+
 
 
 @lru_cache(maxsize=1)

@@ -79,7 +79,14 @@ def _group() -> None:
     """Per-GPU memory budgets for LLM training, before the job starts."""
 
 
+def warn(message: str) -> None:
+    """One line on stderr for a result that stands but is partial (a damaged file read as far
+    as it goes): ``memplan: warning: ...``; stdout keeps the result (and ``--json`` its JSON)."""
+    print(f"memplan: warning: {' '.join(message.split())}", file=sys.stderr)
+
+
 def _one_line(err: BaseException) -> str:
+
     if isinstance(err, ValidationError):
         return validation_message(err)
     if isinstance(err, TyperException):
@@ -132,4 +139,5 @@ def run() -> None:
     sys.exit(main())
 
 
-__all__ = ["app", "main", "run"]
+__all__ = ["app", "main", "run", "warn"]
+

@@ -38,6 +38,11 @@ def analyze_trace(paths: Paths, straggler_pct: StragglerPct = 5.0,
     from memplan.profiler_traces import analyze_paths
 
     result = analyze_paths(list(paths), straggler_pct)
+    from memplan.cli import warn
+
+    for note in result["partial"]:
+        warn(note)
+
     if json_out:
         typer.echo(json.dumps(result, indent=2))
         return

@@ -69,7 +69,11 @@ def diagnose(
     from memplan.diagnose.snapshot import load_snapshot, snapshot_report
     from memplan.report.diagnose import render_text, to_json
 
-    report = read_oom(oom, sys.stdin.read() if oom == "-" else None) if oom else None
+    from memplan.inputs import LOG_BYTES, read_stream
+
+    stdin = read_stream(sys.stdin, "--oom", LOG_BYTES) if oom == "-" else None
+    report = read_oom(oom, stdin) if oom else None
+
     if snapshot:
         snap = snapshot_report(load_snapshot(snapshot, trust_pickle=trust_pickle))
         report = snap if report is None else dataclasses.replace(
@@ -77,6 +81,11 @@ def diagnose(
             num_segments=snap.num_segments)
     result = run_diagnose(job.model, oom=report, profile=profile, monitor=monitor or None,
                           fixes=not no_fixes, **job.kwargs())
+    from memplan.cli import warn
+
+    for note in result.monitor.partial if result.monitor is not None else ():
+        warn(f"partial monitor evidence: {note}")
+
     if json_out:
         typer.echo(json.dumps(to_json(result), indent=2))
         return

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from memplan.cli.options import Json
-from memplan.errors import MemplanError
+
 
 Paths = Annotated[list[Path], typer.Argument(
     help="Directories holding memory_rank<R>.jsonl files, or the files themselves.")]
@@ -27,19 +27,17 @@ def monitor_summary(paths: Paths, json_out: Json = False) -> None:
 
       memplan monitor-summary runs/mem/memory_rank3.jsonl --json
     """
-    from memplan.monitor import read_records, summarize
+    from memplan.cli import warn
+    from memplan.diagnose.monitored import read_monitor
 
-    for p in paths:
-        if not p.exists():
-            raise MemplanError(f"{p}: no such file or directory")
-    try:
-        records = read_records(list(paths))
-    except (OSError, ValueError, KeyError) as err:
-        raise MemplanError(f"not a memory monitor record file ({err})") from err
-    if not records:
-        raise MemplanError("no memory monitor records (memory_rank*.jsonl) found")
-    result = summarize(records)
+    # the reader `diagnose --monitor` uses: every record checked, what a killed job left
+    # (a cut last line) skipped and reported, so both commands accept the same files
+    monitored = read_monitor([str(p) for p in paths], what="monitor-summary")
+    result = {**monitored.summary, "partial": list(monitored.partial)}
+    for note in monitored.partial:
+        warn(note)
     if json_out:
+
         typer.echo(json.dumps(result, indent=2))
         return
     from rich.console import Console

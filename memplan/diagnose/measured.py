@@ -7,13 +7,13 @@ their split by category, the reserved bytes on CUDA, and the first-step analysis
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from memplan.diagnose.explain import Finding
-from memplan.errors import MemplanError
+from memplan.errors import MemplanError, shown
+from memplan.inputs import SUMMARY_BYTES, read_json
 from memplan.model.estimate import StageMemory
 from memplan.overheads import ALLOCATOR_FRACTION
 
@@ -43,33 +43,64 @@ class Measured:
 
 
 def read_profile(path: str) -> Measured:
-    """``summary.json`` of a ``memplan profile`` directory (or the file itself)."""
+    """``summary.json`` of a ``memplan profile`` directory (or the file itself). Raises
+    MemplanError naming the file and the field that is missing or of the wrong type."""
     file = Path(path)
     if file.is_dir():
         file = file / "summary.json"
-    try:
-        data = json.loads(file.read_text())
-    except OSError as err:
-        raise MemplanError(f"--profile: cannot read {file}: {err.strerror}") from err
-    except json.JSONDecodeError as err:
-        raise MemplanError(f"--profile: {file} is not JSON ({err.msg}, line {err.lineno})") from err
-    try:
-        phases = data["phases"]
-        last = str(data["num_steps"])
-        first = _phases(phases["1"], 1)
-        steady = _phases(phases.get(last, {}), int(last))
-        warnings = tuple(str(w) for w in data.get("first_step", {}).get("warnings", []))
-        return Measured(str(data.get("device", "")), first, steady, warnings)
-    except (KeyError, TypeError, ValueError, AttributeError) as err:
-        raise MemplanError(f"--profile: {file} lacks {err} of a `memplan profile` summary "
-                           "(phases by step with peak_bytes)") from err
+    data = read_json(file, "--profile", SUMMARY_BYTES)
+    where = f"--profile: {file}"
+    if not isinstance(data, dict):
+        raise MemplanError(f"{where} holds {shown(data)}, not a `memplan profile` summary")
+    phases = _field(data, "phases", dict, where)
+    last = _field(data, "num_steps", int, where)
+    if last < 1:
+        raise MemplanError(f"{where}: num_steps is {last}, not a step count")
+    first = _phases(_field(phases, "1", dict, f"{where}: phases"), 1, where)
+    steady = _phases(phases.get(str(last), {}), last, where)
+    head = data.get("first_step", {})
+    warnings = head.get("warnings", []) if isinstance(head, dict) else []
+    if not isinstance(warnings, list):
+        raise MemplanError(f"{where}: first_step.warnings is {shown(warnings)}, not a list")
+    return Measured(str(data.get("device", "")), first, steady, tuple(map(str, warnings)))
 
 
-def _phases(raw: dict[str, Any], step: int) -> dict[str, PhasePeak]:
-    return {phase: PhasePeak(step, phase, int(v["peak_bytes"]),
-                             {k: int(b) for k, b in v.get("by_category", {}).items()},
-                             None if v.get("reserved_bytes") is None else int(v["reserved_bytes"]))
-            for phase, v in raw.items()}
+def _field(data: dict[str, Any], key: str, kind: type, where: str) -> Any:
+    """``data[key]`` of type ``kind`` (an int is not a bool), or one line naming it."""
+    value = data.get(key)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        got = "missing" if key not in data else f"{shown(value)}"
+        raise MemplanError(f"{where}: {key} is {got}, not {_KINDS[kind]} (a `memplan profile` "
+                           "summary has phases by step with peak_bytes)")
+    return value
+
+
+_KINDS = {dict: "an object", int: "an integer", list: "a list"}
+
+
+def _bytes(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise MemplanError(f"{where} is {shown(value)}, not a byte count")
+    return value
+
+
+def _phases(raw: Any, step: int, where: str) -> dict[str, PhasePeak]:
+    if not isinstance(raw, dict):
+        raise MemplanError(f"{where}: phases.{step} is {shown(raw)}, not an object")
+    out = {}
+    for phase, v in raw.items():
+        at = f"{where}: phases.{step}.{phase}"
+        if not isinstance(v, dict):
+            raise MemplanError(f"{at} is {shown(v)}, not an object")
+        cats = v.get("by_category", {})
+        if not isinstance(cats, dict):
+            raise MemplanError(f"{at}.by_category is {shown(cats)}, not an object")
+        reserved = v.get("reserved_bytes")
+        out[phase] = PhasePeak(
+            step, phase, _bytes(v.get("peak_bytes"), f"{at}.peak_bytes"),
+            {k: _bytes(b, f"{at}.by_category.{k}") for k, b in cats.items()},
+            None if reserved is None else _bytes(reserved, f"{at}.reserved_bytes"))
+    return out
 
 
 def profile_findings(s: StageMemory, m: Measured) -> list[Finding]:

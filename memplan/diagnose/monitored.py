@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from memplan.diagnose.explain import Finding
-from memplan.errors import MemplanError
+from memplan.errors import MemplanError, shown
+from memplan.inputs import MONITOR_BYTES, regular_file, size_text
 from memplan.model.estimate import Estimate
 from memplan.monitor import MemoryMonitor, summarize
 from memplan.overheads import ALLOCATOR_FRACTION
@@ -36,6 +39,13 @@ DEVIATION_PCT: float = _DEFAULTS["deviation_pct"].default
 _INT_KEYS = ("allocated_bytes", "reserved_bytes", "peak_bytes", "inactive_split_bytes",
              "alloc_retries", "num_ooms", "capacity_bytes", "fragmentation_bytes",
              "headroom_bytes")
+# Derived differences, which a record may hold below zero (reserved under allocated between
+# the allocator's reads; reserved above the capacity the driver reports).
+_SIGNED_KEYS = ("fragmentation_bytes", "headroom_bytes")
+# A record is ~1.5 KiB (memplan.monitor); a line this long is not one.
+MAX_LINE_BYTES = 1024 * 1024
+CRLF = b"\r\n"
+_RECORD_START = re.compile(r'\{\s*"rank"\s*:')
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,7 @@ class Monitored:
     files: tuple[str, ...]
     records: dict[int, tuple[dict[str, Any], ...]]
     summary: dict[str, Any]
+    partial: tuple[str, ...] = ()  # what a killed job left and was skipped, by file and line
 
     @property
     def worst_rank(self) -> int:
@@ -67,68 +78,143 @@ class Monitored:
         return max(caps) if caps else None
 
 
-def _files(path: str) -> list[Path]:
+def _files(path: str, what: str) -> list[Path]:
     p = Path(path)
     if p.is_dir():
         found = sorted(p.glob(RECORD_GLOB))
         if not found:
-            raise MemplanError(f"--monitor: {p} holds no {RECORD_GLOB} files")
-        return found
-    if not p.exists():
-        raise MemplanError(f"--monitor: cannot read {p}: no such file or directory")
-    return [p]
+            raise MemplanError(f"{what}: {p} holds no {RECORD_GLOB} files")
+        return [regular_file(f, what) for f in found]
+    return [regular_file(p, what)]
 
 
-def _check(file: Path, num: int, rec: Any) -> dict[str, Any]:
-    where = f"--monitor: {file} line {num}"
+def _check(where: str, rec: Any) -> dict[str, Any]:
     if not isinstance(rec, dict):
         raise MemplanError(f"{where}: a record is a JSON object, not {type(rec).__name__}")
-    for key in ("rank", "step"):
-        if type(rec.get(key)) is not int:
-            raise MemplanError(f"{where}: no int {key!r} (not a MemoryMonitor record)")
-    if type(rec.get("step_time_s")) not in (int, float):
-        raise MemplanError(f"{where}: no number 'step_time_s' (not a MemoryMonitor record)")
+    for key, low in (("rank", 0), ("step", 1)):
+        value = rec.get(key)
+        if type(value) is not int or value < low:
+            raise MemplanError(f"{where}: {key!r} is {shown(value)}, not an int >= {low} "
+                               "(not a MemoryMonitor record)")
+    took = rec.get("step_time_s")
+    if type(took) not in (int, float) or not math.isfinite(took) or took < 0:
+        raise MemplanError(f"{where}: 'step_time_s' is {shown(took)}, not a number of seconds "
+                           ">= 0 (not a MemoryMonitor record)")
     for key in _INT_KEYS:
-        if key in rec and type(rec[key]) is not int:
-            raise MemplanError(f"{where}: {key!r} is {rec[key]!r}, not an int")
+        if key in rec and (type(rec[key]) is not int
+                           or (rec[key] < 0 and key not in _SIGNED_KEYS)):
+            raise MemplanError(f"{where}: {key!r} is {shown(rec[key])}, not a byte count")
+    warned = rec.get("warnings", [])
+    if not isinstance(warned, list) or not all(isinstance(w, str) for w in warned):
+        raise MemplanError(f"{where}: 'warnings' is {shown(warned)}, not a list of strings")
     return rec
 
 
-def _read_file(file: Path) -> list[dict[str, Any]]:
-    """One file's records, each checked, naming the line that is not a record. (Line by line
-    here rather than ``memplan.monitor.read_records``, which cannot say which line failed.)"""
+def _restarted(line: str) -> tuple[dict[str, Any], int] | None:
+    """A record cut by a killed job with the restarted job's first record appended to it on
+    the same line (the monitor appends): (that record, bytes of the cut one), or None."""
+    for m in _RECORD_START.finditer(line, 1):
+        try:
+            rec = json.loads(line[m.start():])
+        except (json.JSONDecodeError, RecursionError):
+            continue
+        return rec, m.start()
+    return None
+
+
+def _lines(file: Path, what: str):
+    """(number, text, ends with a newline) of each line of ``file``, bounded in length."""
     try:
-        lines = file.read_text().splitlines()
+        size = file.stat().st_size
+        if size > MONITOR_BYTES:
+            raise MemplanError(f"{what}: {file} is {size:,} bytes, over the "
+                               f"{size_text(MONITOR_BYTES)} limit for monitor files")
+        with file.open("rb") as fh:
+            offset = 0
+            for num, raw in enumerate(iter(lambda: fh.readline(MAX_LINE_BYTES + 1), b""), 1):
+                if len(raw) > MAX_LINE_BYTES:
+                    raise MemplanError(f"{what}: {file} line {num} (byte offset {offset:,}) is "
+                                       f"longer than {size_text(MAX_LINE_BYTES)}: not a "
+                                       "MemoryMonitor record")
+                yield num, raw, offset
+                offset += len(raw)
     except OSError as err:
-        raise MemplanError(f"--monitor: cannot read {file}: {err.strerror}") from err
-    except UnicodeDecodeError as err:
-        raise MemplanError(f"--monitor: {file} is not a text file") from err
-    out = []
-    for num, line in enumerate(lines, start=1):
+        raise MemplanError(f"{what}: cannot read {file}: {err.strerror or err}") from None
+
+
+def _cut(err: Exception, line: str) -> bool:
+    """Whether a JSON error is the line ending too soon (a record cut short) rather than a
+    wrong byte inside it."""
+    if not isinstance(err, json.JSONDecodeError):
+        return False
+    return (err.msg.startswith(("Unterminated string", "Invalid control character"))
+            or not line[err.pos:].strip())
+
+
+def _read_file(file: Path, what: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """One file's records, each checked, naming the line (and byte offset) that is not a
+    record; and notes on what a killed job left and was skipped (its last record cut short;
+    a cut record a restarted job appended to). Line by line here rather than
+    ``memplan.monitor.read_records``, which cannot say which line failed."""
+    out: list[dict[str, Any]] = []
+    notes: list[str] = []
+    lines = _lines(file, what)
+    ahead = next(lines, None)
+    while ahead is not None:
+        num, raw, offset = ahead
+        ahead = next(lines, None)
+        last = ahead is None
+        where = f"{what}: {file} line {num} (byte offset {offset:,})"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            if not last:
+                raise MemplanError(f"{where} is not UTF-8 text (byte offset "
+                                   f"{offset + err.start:,})") from None
+            line = raw[:err.start].decode("utf-8")  # cut inside a character
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise MemplanError(f"--monitor: {file} line {num} is not JSON "
-                               f"({err.msg}, column {err.colno})") from err
-        out.append(_check(file, num, rec))
+        except (json.JSONDecodeError, RecursionError) as err:
+            if last and _cut(err, line):
+                size = len(raw.rstrip(CRLF))
+                notes.append(f"{file} line {num} is cut ({size} bytes of a record: the job "
+                             f"stopped while writing it); the {len(out)} records before it "
+                             "are used")
+                break
+            found = _restarted(line)
+            if found is None:
+                detail = (f"{err.msg}, column {err.colno}" if isinstance(err, json.JSONDecodeError)
+                          else "nested too deep")
+                raise MemplanError(f"{where} is not JSON ({detail})") from None
+            rec, cut = found
+            notes.append(f"{file} line {num} starts with a record cut by a stopped job ({cut} "
+                         "bytes, skipped) before the restarted job's first record")
+        out.append(_check(where, rec))
     if not out:
-        raise MemplanError(f"--monitor: {file} holds no records")
-    return out
+        raise MemplanError(f"{what}: {file} holds no records"
+                           + (f" ({notes[0]})" if notes else ""))
+    return out, notes
 
 
-def read_monitor(paths: Sequence[str]) -> Monitored:
+def read_monitor(paths: Sequence[str], what: str = "--monitor") -> Monitored:
     """The records of ``paths`` (JSONL files, or directories of ``memory_rank*.jsonl``).
-    Raises MemplanError naming the file (and line) that is missing or not a record."""
-    files = [f for p in paths for f in _files(str(p))]
+    Raises MemplanError naming the file (and line) that is missing or not a record; what a
+    killed job left (a cut last line) is skipped and said in ``Monitored.partial``. ``what``
+    names the input in messages (the option or command)."""
+    files = [f for p in paths for f in _files(str(p), what)]
     by_rank: dict[int, list[dict[str, Any]]] = {}
+    partial: list[str] = []
     for f in files:
-        for rec in _read_file(f):
+        records, notes = _read_file(f, what)
+        partial += notes
+        for rec in records:
             by_rank.setdefault(rec["rank"], []).append(rec)
     every = [r for recs in by_rank.values() for r in recs]
     return Monitored(tuple(map(str, files)),
-                     {k: tuple(v) for k, v in sorted(by_rank.items())}, summarize(every))
+                     {k: tuple(v) for k, v in sorted(by_rank.items())}, summarize(every),
+                     tuple(partial))
 
 
 def _pct(measured: int, predicted: int) -> str:
@@ -283,4 +369,8 @@ def monitor_findings(est: Estimate, capacity_bytes: int, m: Monitored) -> list[F
                   _headroom(est, capacity_bytes, m)):
         if found is not None:
             out.append(found)
+    # the evidence is partial where a killed job cut a file: say so beside what it shows
+    out += [Finding("monitor_partial", "partial monitor evidence: " + note.replace(
+        "{", "{{").replace("}", "}}")) for note in m.partial]
     return out
+

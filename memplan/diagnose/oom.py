@@ -81,7 +81,9 @@ import re
 from dataclasses import dataclass
 
 from memplan.errors import MemplanError
+from memplan.inputs import LOG_BYTES, read_bytes
 from memplan.units import GiB, KiB, MiB, ceil_div
+
 
 # format_size's units (c10/cuda/CUDACachingAllocator.cpp until 2.4, then c10/core)
 _UNITS = {"bytes": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB}
@@ -357,10 +359,14 @@ def request_matches(oom: OomReport, tensor_bytes: int) -> bool:
 
 def read_oom(path: str, stdin_text: str | None = None) -> OomReport:
     """``parse_oom`` of a file's text, or of ``stdin_text`` when ``path`` is "-"."""
-    if path == "-":
-        return parse_oom(stdin_text or "")
+    # a log may hold any bytes (a progress bar's escapes, a cut multi-byte character): the
+    # message's own lines are ASCII, so undecodable bytes are replaced, not refused
+    text = (stdin_text or "" if path == "-" else
+            read_bytes(path, "--oom", LOG_BYTES).decode("utf-8", errors="replace"))
     try:
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            return parse_oom(fh.read())
-    except OSError as err:
-        raise MemplanError(f"--oom: cannot read {path}: {err.strerror}") from err
+        return parse_oom(text)
+    except MemplanError as err:
+        where = "standard input" if path == "-" else path
+        raise MemplanError(f"--oom: {where}: {err}") from None
+
+

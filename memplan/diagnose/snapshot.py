@@ -44,6 +44,8 @@ from typing import Any
 
 from memplan.diagnose.oom import OomReport
 from memplan.errors import MemplanError
+from memplan.inputs import SNAPSHOT_BYTES, read_bytes
+
 
 REFUSE = ("{path} is a pickle, and loading a pickle can run arbitrary code; memplan reads it "
           "only with --trust-pickle, for a file you made yourself with "
@@ -65,11 +67,7 @@ def load_snapshot(path: str, *, trust_pickle: bool) -> dict[str, Any]:
     """The snapshot dict in ``path``; MemplanError without ``trust_pickle`` or if unreadable."""
     if not trust_pickle:
         raise MemplanError(REFUSE.format(path=path))
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read()
-    except OSError as err:
-        raise MemplanError(f"--snapshot: cannot read {path}: {err.strerror}") from err
+    raw = read_bytes(path, "--snapshot", SNAPSHOT_BYTES)
     try:
         data = _NoGlobals(io.BytesIO(raw)).load()
     except MemplanError:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import shlex
 
 import pytest
@@ -168,7 +169,7 @@ def test_malformed_message_cli_one_line(tmp_path, capsys) -> None:
     assert err.startswith("memplan: error: ") and err.count("\n") == 1
     assert "Traceback" not in err
     assert main(["diagnose", "-m", "tiny", "--oom", str(tmp_path / "missing.txt")]) == 2
-    assert "cannot read" in capsys.readouterr().err
+    assert "missing.txt: no such file" in capsys.readouterr().err
 
 
 # llama-2-7b on 8 H100s, ZeRO-1, micro-batch 4: does not fit (the estimate's 138.96 GiB)
@@ -380,7 +381,7 @@ def test_profile_directory(tmp_path) -> None:
     assert measured["category_bytes"] == 21 * 2**20
     assert kinds["fragmentation"].sizes["cache_bytes"] == 9 * 2**20  # 40 reserved - 31 MiB
     (tmp_path / "summary.json").write_text("{}")
-    with pytest.raises(MemplanError, match="lacks 'phases'"):
+    with pytest.raises(MemplanError, match="phases is missing, not an object"):
         diagnose("tiny", profile=str(tmp_path), fixes=False)
     assert main(["diagnose", "-m", "tiny", "--profile", str(tmp_path / "none")]) == 2
 
@@ -560,12 +561,12 @@ def test_monitor_step_times_only(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("lines, says", [
-    ([json.dumps(_record(0, 1, GiB, GiB, GiB)), '{"rank": 0, "step": 2, "allocated_'],
-     "line 2 is not JSON"),
-    (['{"step": 1, "step_time_s": 0.5}'], "line 1: no int 'rank'"),
+    ([json.dumps(_record(0, 1, GiB, GiB, GiB)), '{"rank": 0, "step": 2, "allocated_',
+      json.dumps(_record(0, 3, GiB, GiB, GiB))], "line 2 (byte offset 318) is not JSON"),
+    (['{"step": 1, "step_time_s": 0.5}'], "line 1 (byte offset 0): 'rank' is null, not an int"),
     (["", json.dumps({**_record(0, 1, GiB, GiB, GiB), "peak_bytes": "8GiB"})],
-     "line 2: 'peak_bytes' is '8GiB', not an int"),
-    (["[1, 2]"], "line 1: a record is a JSON object, not list"),
+     "line 2 (byte offset 1): 'peak_bytes' is '8GiB', not a byte count"),
+    (["[1, 2]"], "line 1 (byte offset 0): a record is a JSON object, not list"),
     ([""], "holds no records"),
 ])
 def test_monitor_malformed_one_line(tmp_path, capsys, lines, says) -> None:
@@ -576,15 +577,57 @@ def test_monitor_malformed_one_line(tmp_path, capsys, lines, says) -> None:
     err = capsys.readouterr().err
     assert err.startswith(f"memplan: error: --monitor: {bad}") and says in err
     assert err.count("\n") == 1 and "Traceback" not in err
-    with pytest.raises(MemplanError, match=says):
+    with pytest.raises(MemplanError, match=re.escape(says)):
         diagnose("tiny", monitor=str(tmp_path), fixes=False)
+
+
+@pytest.mark.parametrize("newline", ["", "\n"])
+def test_monitor_cut_last_record_is_reported_and_the_rest_used(tmp_path, capsys,
+                                                                newline) -> None:
+    """A job killed while writing leaves its last record cut (usually without its newline):
+    ``diagnose --monitor`` and ``monitor-summary`` both read the records before it, say so on
+    one stderr line naming the file and line, and mark the result partial."""
+    recs = [_record(0, s, s * GiB, (s + 1) * GiB, 8 * GiB) for s in (1, 2)]
+    path = tmp_path / "memory_rank0.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs)
+                    + json.dumps(_record(0, 3, GiB, GiB, GiB))[:40] + newline)
+    assert main(["monitor-summary", str(tmp_path), "--json"]) == 0
+    out, err = capsys.readouterr()
+    summary = json.loads(out)
+    assert summary["ranks"]["0"]["num_steps"] == 2
+    assert summary["ranks"]["0"]["max_peak_bytes"] == 3 * GiB
+    assert summary["partial"] == [f"{path} line 3 is cut (40 bytes of a record: the job stopped "
+                                  "while writing it); the 2 records before it are used"]
+    assert err == f"memplan: warning: {summary['partial'][0]}\n"
+    assert main(["diagnose", "-m", "tiny", "--monitor", str(path), "--no-fixes", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and f"{path} line 3 is cut" in err
+    found = {f["kind"]: f for f in json.loads(out)["findings"]}
+    assert "partial monitor evidence" in found["monitor_partial"]["message"]
+
+    r = diagnose("tiny", monitor=str(path), fixes=False)
+    assert r.monitor.summary["ranks"][0]["num_steps"] == 2 and len(r.monitor.partial) == 1
+
+
+def test_monitor_cut_record_then_a_restarted_job(tmp_path) -> None:
+    """A restarted job appends to the file its killed predecessor cut: the cut record and the
+    new first record share a line. The new record is read, the cut one skipped and named."""
+    cut = json.dumps(_record(0, 7, GiB, GiB, GiB))[:55]
+    path = tmp_path / "memory_rank0.jsonl"
+    path.write_text(json.dumps(_record(0, 6, GiB, GiB, GiB)) + "\n" + cut
+                    + json.dumps(_record(0, 1, 2 * GiB, 2 * GiB, 4 * GiB)) + "\n")
+    r = diagnose("tiny", monitor=str(path), fixes=False)
+    assert [rec["step"] for rec in r.monitor.records[0]] == [6, 1]
+    assert r.monitor.partial == (f"{path} line 2 starts with a record cut by a stopped job (55 "
+                                 "bytes, skipped) before the restarted job's first record",)
 
 
 def test_monitor_missing_paths(tmp_path, capsys) -> None:
     missing = tmp_path / "missing.jsonl"
     assert main(["diagnose", "-m", "tiny", "--monitor", str(missing)]) == 2
     err = capsys.readouterr().err
-    assert err == f"memplan: error: --monitor: cannot read {missing}: no such file or directory\n"
+    assert err == f"memplan: error: --monitor: {missing}: no such file\n"
+
     assert main(["diagnose", "-m", "tiny", "--monitor", str(tmp_path)]) == 2
     assert f"{tmp_path} holds no memory_rank*.jsonl files" in capsys.readouterr().err
 
