@@ -14,12 +14,12 @@ from memplan.stragglers import STRAGGLER_PCT
 Paths = Annotated[list[Path], typer.Argument(
     help="One chrome trace per rank (.json or .json.gz from torch.profiler).")]
 StragglerPct = Annotated[float, typer.Option(
-    "--straggler-pct", min=0.0, max=100.0, help=
-"Flag the rank the others wait for when their median wait in "
-    "collectives exceeds this percentage of their analysed time.")]
+    "--straggler-pct", min=0.0, max=100.0,
+    help="Name a rank a straggler when, in at least three profiled steps of four, the other "
+    "ranks' exposed wait in collectives exceeds its own by this percentage of the step.")]
 
 
-def analyze_trace(paths: Paths, straggler_pct: StragglerPct = 5.0,
+def analyze_trace(paths: Paths, straggler_pct: StragglerPct = STRAGGLER_PCT,
                   json_out: Json = False) -> None:
     """Communication time by collective, its overlap with compute, exposed communication per
     step, and stragglers across ranks. Offline: torch is not needed.
