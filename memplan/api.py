@@ -262,6 +262,7 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
          tp: int | None = None, pp: int | None = None, vpp: int | None = None,
          cp: int | None = None, ep: int | None = None, zero: int | None = None,
          sequence_parallel: bool | None = None, calibration: str | list[str] | None = None,
+         stage_layers: Any = None, dp_shard: int | None = None,
          **workload: Any):
     """Layouts, recompute policies and micro-batch sizes that fit ``gpus`` GPUs, fastest first
     (``memplan.planner.PlanResult``). Layout arguments given are fixed; the rest are searched.
@@ -296,7 +297,8 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
                 presets.validate(None, make_workload(spec, framework=fw, recompute=policy))
         policies = [p for p in (policies or list(Recompute)) if p.label not in refused]
     fixed = {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "zero": zero,
-             "sp": sequence_parallel}
+             "sp": sequence_parallel, "stage_layers": parse_stage_layers(stage_layers),
+             "dp_shard": dp_shard}
     safety = DEFAULT_SAFETY if safety is None else safety
     filled = presets.apply(fw, spec, workload)
     for name in presets.LAYOUT_FIELDS:  # the planner searches Megatron-style layouts
@@ -334,9 +336,9 @@ def _check_fixed(spec: ModelSpec, gpus: int, tp: int | None, pp: int | None,
             if getattr(spec, field) % tp:
                 raise MemplanError(f"tp ({tp}) must divide {field} ({getattr(spec, field)}) "
                                    f"of {spec.name}")
-    if pp is not None and spec.num_layers % pp:
-        raise MemplanError(f"pp ({pp}) must divide num_layers ({spec.num_layers}) of "
-                           f"{spec.name} (the planner searches even pipeline stages)")
+    if pp is not None and pp > spec.num_layers:  # uneven splits are searched too
+        raise MemplanError(f"pp ({pp}) must be at most num_layers ({spec.num_layers}) of "
+                           f"{spec.name}: every pipeline stage needs a layer")
 
 
 # Why a plan found nothing that are not memory: the layout itself is impossible.

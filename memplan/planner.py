@@ -99,6 +99,20 @@ class PlanResult:
     searched: int = 0  # (layout, recompute, micro-batch) candidates the search covered
     global_batch_size: int = 0
     oom_excess_bytes: int | None = None  # smallest overshoot of a configuration that did not fit
+    closest_miss: Miss | None = None  # that configuration
+    budget_bytes: int = 0  # what a configuration may peak at: capacity * (1 - safety)
+
+
+@dataclass(frozen=True)
+class Miss:
+    """The configuration that came closest to fitting, and its peak."""
+
+    layout: ParallelConfig
+    micro_batch_size: int
+    recompute: Recompute
+    recompute_layers: int | None
+    peak_bytes: int
+    stage: int  # its most loaded pipeline stage
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -157,6 +171,9 @@ def layouts(spec: ModelSpec, num_gpus: int, seq_len: int, *, max_tp: int,
                 dp = num_gpus // (tp * pp * cp)
                 node_shard = node_size // (tp * cp) if node_size % (tp * cp) == 0 else 0
                 vpps = list(range(1, MAX_VPP + 1)) if pp > 1 else [1]
+                given = fixed.get("stage_layers")
+                if given is not None:  # a given split says how many virtual stages
+                    vpps = [len(given) // pp] if len(given) % pp == 0 else [1]
                 for vpp in choices("vpp", vpps):
                     splits = ([fixed["stage_layers"]] if fixed.get("stage_layers") is not None
                               else pipeline_splits(spec.num_layers, pp, vpp, split_rule))
@@ -235,7 +252,10 @@ def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
         result.rejected["out of memory at the smallest micro-batch with every recompute policy"] \
             += without
     result.candidates = _ranked(ctx, fits)
-    result.oom_excess_bytes = _closest_miss(ctx, levels)
+    result.budget_bytes = ctx.budget
+    result.closest_miss = _closest_miss(ctx, levels)
+    if result.closest_miss is not None:
+        result.oom_excess_bytes = result.closest_miss.peak_bytes - ctx.budget
     result.evaluated = ctx.evaluated + sum(level.search.evaluated for level in levels)
     result.searched = sum(level.found.searched for level in levels)
     return result
@@ -391,18 +411,21 @@ def _ranked(ctx: _Context, fits: list[_Fit]) -> list[Candidate]:
     return out
 
 
-def _closest_miss(ctx: _Context, levels: list[_Level]) -> int | None:
-    """The smallest overshoot among the configurations found not to fit. The searches' bytes
-    for those are lower bounds (an evaluation stops at the first stage over the budget), so
-    exact ones are computed in order of the bound until no bound can beat the best."""
+def _closest_miss(ctx: _Context, levels: list[_Level]) -> Miss | None:
+    """The configuration with the smallest overshoot among those found not to fit. The
+    searches' bytes for those are lower bounds (an evaluation stops at the first stage over
+    the budget), so exact ones are computed in order of the bound until no bound can beat the
+    best."""
     misses = sorted((bound, level.index, job, b) for level in levels
                     for bound, job, b in level.found.misses)
-    best: int | None = None
+    best: Miss | None = None
     for bound, index, job, b in misses:
-        if best is not None and bound >= best:
+        if best is not None and bound >= best.peak_bytes:
             break
         j = levels[index].search.jobs[job]
-        peak = evaluate(ctx.spec, j.par, j.wl, b, ctx.ovh).peak_bytes
+        peak = evaluate(ctx.spec, j.par, j.wl, b, ctx.ovh)
         ctx.evaluated += 1
-        best = peak if best is None else min(best, peak)
-    return None if best is None else best - ctx.budget
+        if best is None or peak.peak_bytes < best.peak_bytes:
+            best = Miss(j.par, b, j.wl.recompute, j.wl.recompute_layers, peak.peak_bytes,
+                        peak.stage)
+    return best

@@ -211,6 +211,10 @@ class _Numbers:
     def like(value: float, _shape: Any) -> float:
         return value
 
+    @staticmethod
+    def per_value(fn: Any, value: Any) -> Any:
+        return fn(value)
+
 
 class _Arrays:
     """The same functions on numpy arrays (imported by whoever built the arrays)."""
@@ -238,6 +242,14 @@ class _Arrays:
         import numpy as np
 
         return np.broadcast_to(value, shape)
+
+    @staticmethod
+    def per_value(fn: Any, values: Any) -> Any:
+        """``fn`` of each entry, computed once per distinct value."""
+        import numpy as np
+
+        keys, inverse = np.unique(values, return_inverse=True)
+        return np.array([fn(k) for k in keys])[inverse]
 
 
 class Columns(NamedTuple):
@@ -318,14 +330,18 @@ def _moe_layers_before(spec: ModelSpec) -> tuple[int, ...]:
     return tuple(accumulate((spec.is_moe_layer(i) for i in range(spec.num_layers)), initial=0))
 
 
-def dp_parts(wl: Workload, gpu: GpuSpec, c: Columns) -> tuple[Any, Any, Any]:
-    """Seconds of data-parallel communication in one step: (the gradients' reduction, the
-    weights' all-gather after the optimizer step, ZeRO-3's gathers for every micro-batch's
-    forward and backward).
+def dp_parts(wl: Workload, gpu: GpuSpec, c: Columns) -> tuple[Any, Any, Any, Any]:
+    """Seconds of data-parallel communication in one step: (the gradients' reduction once
+    per step, their reduction in every micro-batch, the weights' all-gather after the
+    optimizer step, ZeRO-3's gathers for every micro-batch's forward and backward).
 
-    Gradients are reduced once per step: all-reduced without ZeRO, reduce-scattered inside
-    the shard group with it (the optimizer's updated shards then all-gathered back, the same
-    volume); with HSDP (``dp_shard``) the shard group's reduce-scatter and all-gathers run
+    Without ZeRO and with ZeRO-1 gradients accumulate whole and are reduced once per step:
+    all-reduced without ZeRO, reduce-scattered inside the shard group with it (the
+    optimizer's updated shards then all-gathered back). ZeRO-2 and 3 keep only their shard
+    of the gradients, so every micro-batch's backward reduce-scatters what it made
+    (DeepSpeed ZeRO-2 reduces each backward's gradient buckets, runtime/zero/stage_1_and_2.py
+    reduce_ipg_grads; FSDP2 reduce-scatters in every backward unless gradient sync is turned
+    off). With HSDP (``dp_shard``) the shard group's reduce-scatter and all-gathers run
     over its own span of ranks, and each shard is all-reduced across the replicas, a
     ``1 / dp_shard`` share of the gradients over the whole data-parallel span (PyTorch FSDP2
     HSDP: reduce-scatter then all-reduce, _fsdp_collectives.py foreach_reduce). ZeRO-3
@@ -343,11 +359,13 @@ def dp_parts(wl: Workload, gpu: GpuSpec, c: Columns) -> tuple[Any, Any, Any]:
     plain = 2 * _ring(c.dp * c.cp) * grad_bytes / across
     sharded = (_ring(shard) * grad_bytes / inside
                + 2 * _ring(replicas) * grad_bytes / shard / across)
-    reduce = where(zero, sharded, plain)
+    each = c.zero >= ZeroStage.GRADIENTS
+    reduce = where(each, 0.0, where(zero, sharded, plain))
+    reduce_each = where(each, sharded * c.m, 0.0)
     gather = where(zero, _ring(shard) * weight_bytes / inside, 0.0)
     gathers = where(c.zero >= ZeroStage.PARAMETERS,
                     2 * _ring(shard) * weight_bytes * c.m / inside, 0.0)
-    return reduce, gather, gathers
+    return reduce, reduce_each, gather, gathers
 
 
 def comm_columns(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns) -> dict[str, Any]:
@@ -434,8 +452,13 @@ def _step_fields(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int,
                  model_flops: Any, hardware_flops: Any, mfu: float) -> dict[str, Any]:
     """``StepTimes``' fields for the candidates of ``c`` (arrays, or numbers for one)."""
     world = c.world_size
-    # the pipeline runs at its busiest rank's pace (``stage_balance``)
+    # the pipeline runs at its busiest rank's pace (``stage_balance``); with context
+    # parallelism the attention runs on seq / cp tokens, at that length's kernel rate
     compute = hardware_flops / world / (gpu.bf16_flops * mfu) * c.balance
+    matmul, attention, _ = forward_flops_per_token(spec, wl.seq_len)
+    share = attention / (matmul + attention)
+    slower = c.ops.per_value(lambda cp: _cp_attention_time(wl.seq_len, int(cp)), c.cp)
+    compute = compute * (1.0 - share + share * slower)
     comm = comm_columns(spec, gpu, wl, c)
     exposed = sum(seconds * (1.0 - OVERLAP[kind]) for kind, seconds in comm.items()
                   if kind not in WINDOWED)
@@ -455,6 +478,39 @@ def _step_fields(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int,
     }
 
 
+# Measured attention kernel throughput by sequence length (FlashAttention-3 forward on an H100,
+# head dim 128, batch x seq = 16k tokens, TFLOP/s; pytorch/benchmark PR 2391, D60117034):
+# short sequences run the kernel below its long-sequence rate. Context parallelism runs
+# attention on seq / cp tokens per rank, so its attention runs at the rate of that length.
+ATTENTION_TFLOPS_BY_SEQ = ((512, 430.32), (1024, 517.099), (2048, 565.544), (4096, 590.233),
+                           (8192, 614.234), (16384, 620.73))
+ATTENTION_RATE_SOURCE = ("FlashAttention-3 forward TFLOP/s by sequence length, H100, head dim "
+                         "128 (pytorch/benchmark PR 2391)")
+
+
+def attention_rate(seq_len: int) -> float:
+    """The attention kernel's throughput at ``seq_len`` tokens relative to its longest measured
+    (``ATTENTION_TFLOPS_BY_SEQ``; linear in log2 of the length between points, the ends held
+    beyond them)."""
+    import math
+
+    points = ATTENTION_TFLOPS_BY_SEQ
+    top = points[-1][1]
+    if seq_len <= points[0][0]:
+        return points[0][1] / top
+    for (s0, r0), (s1, r1) in zip(points, points[1:]):
+        if seq_len <= s1:
+            f = (math.log2(seq_len) - math.log2(s0)) / (math.log2(s1) - math.log2(s0))
+            return (r0 + f * (r1 - r0)) / top
+    return 1.0
+
+
+def _cp_attention_time(seq_len: int, cp: int) -> float:
+    """The attention's time with context parallelism over its time without: the kernel runs
+    on seq / cp tokens per rank (``attention_rate``)."""
+    return attention_rate(seq_len) / attention_rate(max(1, seq_len // cp)) if cp > 1 else 1.0
+
+
 # Communication that can hide only behind the compute it runs beside (``_windowed``).
 WINDOWED = frozenset({"dp", "cp"})
 
@@ -464,14 +520,15 @@ def _windowed(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns, comm: dic
     """Exposed seconds of data- and context-parallel communication: at most ``OVERLAP`` of
     each is hidden, and never more than the compute it can run beside.
 
-    - The gradients' reduction starts when the last micro-batch's backward makes them: with
-      gradient accumulation only that micro-batch's backward can hide it (Megatron-LM
+    - A reduction once per step starts when the last micro-batch's backward makes the
+      gradients: with gradient accumulation only that micro-batch's backward can hide it (Megatron-LM
       ``--overlap-grad-reduce`` issues the bucket reduce-scatters in the last micro-batch's
       backward, megatron/core/distributed/distributed_data_parallel.py; PyTorch DDP
       ``no_sync`` skips the earlier ones).
     - The weights' all-gather after the optimizer step hides behind the first micro-batch's
       forward (``--overlap-param-gather``).
-    - ZeRO-3's gathers run beside every micro-batch's compute.
+    - ZeRO-2/3's reduction in every micro-batch hides behind every backward, ZeRO-3's gathers
+      behind every micro-batch's compute.
     - The context-parallel ring sends each K/V block while the attention of the one before
       runs (Liu et al. 2023, Ring Attention, section 3: the transfer hides when a block's
       compute takes longer): only the attention's own compute can hide it.
@@ -479,14 +536,14 @@ def _windowed(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns, comm: dic
     where = c.ops.where
     backward_share = 2.0 / 3.0 * model_flops / hardware_flops  # of the step's compute
     per_mb = compute / c.m
-    reduce, gather, gathers = dp_parts(wl, gpu, c)
+    reduce, reduce_each, gather, gathers = dp_parts(wl, gpu, c)
     hidden = OVERLAP["dp"]
 
     def exposed(seconds: Any, window: Any) -> Any:
         return where(seconds * hidden > window, seconds - window, seconds * (1.0 - hidden))
 
-    dp = (exposed(reduce, per_mb * backward_share) + exposed(gather, per_mb * (1 - backward_share))
-          + exposed(gathers, compute))
+    dp = (exposed(reduce, per_mb * backward_share) + exposed(reduce_each, compute * backward_share)
+          + exposed(gather, per_mb * (1 - backward_share)) + exposed(gathers, compute))
     matmul, attention, _ = forward_flops_per_token(spec, wl.seq_len)
     attention_share = attention / (matmul + attention)
     cp_hidden = OVERLAP["cp"]

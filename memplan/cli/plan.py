@@ -21,7 +21,8 @@ FixedRecompute = Annotated[RecomputeChoice | None, typer.Option(
 
 
 # Layout options given are fixed, the others searched: no layout default but the GPU count.
-@uses("model", "gpus", "gpu", "gpu_memory", "tp", "pp", "vpp", "cp", "ep", "sp", "zero", "gbs",
+@uses("model", "gpus", "gpu", "gpu_memory", "tp", "pp", "vpp", "cp", "ep", "sp", "zero",
+      "stage_layers", "dp_shard", "gbs",
       "seq", "precision", "optimizer", "optimizer_impl", "attention", "norm", "logits_fp32",
       "loss_chunks", "framework", "keep_grads", "calibration",
       gpus=8, tp=None, pp=None, vpp=None, cp=None, ep=None, zero=None)
@@ -49,14 +50,17 @@ def plan(
 
     result = run_plan(job.model, safety=safety, max_tp=max_tp,
                       recompute=None if recompute is None else [recompute.value], **job.kwargs())
-    from memplan.report.plan import plan_json, render_plan
+    from memplan.report.plan import no_fit_reason, plan_json, render_plan
 
     if json_out:
         typer.echo(json.dumps(plan_json(result, top), indent=2))
-        return
-    from rich.console import Console
+    else:
+        from rich.console import Console
 
-    from memplan.spec import load_model
+        from memplan.spec import load_model
 
-    spec = load_model(job.model)
-    Console().print(render_plan(result, spec.name, spec.num_layers, job.gpus, job.gpu, top))
+        spec = load_model(job.model)
+        Console().print(render_plan(result, spec.name, spec.num_layers, job.gpus, job.gpu, top))
+    if not result.candidates:  # never an empty table with success
+        typer.echo(f"memplan: {no_fit_reason(result)}", err=True)
+        raise typer.Exit(1)

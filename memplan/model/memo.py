@@ -71,10 +71,8 @@ def stage_parts(spec: ModelSpec, par: ParallelConfig,
 @lru_cache(maxsize=8192)
 def _parts_for(spec: ModelSpec, par: ParallelConfig,
                wl: Workload) -> tuple[tuple[StageStates, StageKinds], ...]:
-    states = _without(wl, True)
-    return tuple((_states_for(spec, par, states, i), _kinds_for(spec, wl, par.pp, par.vpp, i,
-                                                                  par.stage_layers))
-                 for i in range(par.pp))
+    return tuple(zip(_all_states(spec, par, _without(wl, True)),
+                     _all_kinds(spec, wl, par.pp, par.vpp, par.stage_layers)))
 
 
 def optimizer_phase_bytes(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> int:
@@ -85,18 +83,36 @@ def optimizer_phase_bytes(spec: ModelSpec, par: ParallelConfig, wl: Workload) ->
 
 @lru_cache(maxsize=4096)
 def _optimizer_phase(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> int:
-    return max(_states_for(spec, par, wl, i).optimizer_phase for i in range(par.pp))
+    return max(states.optimizer_phase for states in _all_states(spec, par, wl))
 
 
-_kinds_for = lru_cache(maxsize=4096)(build_kinds)
+@lru_cache(maxsize=4096)
+def _all_kinds(spec: ModelSpec, wl: Workload, pp: int, vpp: int,
+               split: tuple[int, ...] | None) -> tuple[StageKinds, ...]:
+    """Every stage's layer kinds (one cache entry per layout, not per stage: the keys are
+    hashed once)."""
+    return tuple(build_kinds(spec, wl, pp, vpp, i, split) for i in range(pp))
 
 
-@lru_cache(maxsize=16384)
-def _states_for(spec: ModelSpec, par: ParallelConfig, wl: Workload, stage: int) -> StageStates:
-    layers = stage_layer_indices(spec, par.pp, par.vpp, stage, par.stage_layers)
-    params = stage_params(spec, par.tp, par.ep, par.pp, layers, stage == 0, stage == par.pp - 1,
-                          par.vocab_divisor)
-    return build_states(spec, par, wl, params, stage)
+@lru_cache(maxsize=4096)
+def _all_states(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> tuple[StageStates, ...]:
+    """Every stage's states (interior stages with the same parameters share theirs)."""
+    out = []
+    seen: dict = {}
+    for stage in range(par.pp):
+        layers = stage_layer_indices(spec, par.pp, par.vpp, stage, par.stage_layers)
+        params = stage_params(spec, par.tp, par.ep, par.pp, layers, stage == 0,
+                              stage == par.pp - 1, par.vocab_divisor)
+        interior = 0 < stage < par.pp - 1
+        key = (params, len(layers)) if interior else None
+        if key is not None and key in seen:
+            out.append(seen[key]._replace(first=False, last=False))
+            continue
+        states = build_states(spec, par, wl, params, stage)
+        if key is not None:
+            seen[key] = states
+        out.append(states)
+    return tuple(out)
 
 
 @lru_cache(maxsize=8192)

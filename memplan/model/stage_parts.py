@@ -8,6 +8,7 @@ configuration, and a search evaluates many micro-batch sizes and policies of eac
 from __future__ import annotations
 
 from collections import Counter
+from functools import lru_cache
 from itertools import accumulate
 from typing import NamedTuple
 
@@ -80,14 +81,16 @@ class StageStates(NamedTuple):
                 + self.buckets + self.buffers)
 
 
+@lru_cache(maxsize=16384)
 def chunk_layer_indices(spec: ModelSpec, pp: int, vpp: int, stage: int,
-                        split: tuple[int, ...] | None = None) -> list[list[int]]:
+                        split: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], ...]:
     """The decoder layers of each model chunk of pipeline rank ``stage`` (``split``: the
     layout's ``stage_layers``)."""
-    return stage_layers(spec.num_layers, ParallelConfig(pp=pp, vpp=vpp, stage_layers=split),
-                        stage)
+    return tuple(tuple(chunk) for chunk in stage_layers(
+        spec.num_layers, ParallelConfig(pp=pp, vpp=vpp, stage_layers=split), stage))
 
 
+@lru_cache(maxsize=16384)
 def stage_layer_indices(spec: ModelSpec, pp: int, vpp: int, stage: int,
                         split: tuple[int, ...] | None = None) -> tuple[int, ...]:
     """The decoder layers of pipeline rank ``stage``, its model chunks in order."""

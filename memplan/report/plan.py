@@ -19,12 +19,7 @@ def plan_json(result: PlanResult, top: int) -> dict[str, Any]:
         "evaluated": result.evaluated,
         "searched": result.searched,
         "candidates": [{
-            "layout": {"tp": c.layout.tp, "pp": c.layout.pp, "vpp": c.layout.vpp,
-                       "dp": c.layout.dp, "cp": c.layout.cp, "ep": c.layout.ep,
-                       "zero": int(c.layout.zero), "sp": c.layout.sequence_parallel,
-                       "stage_layers": (list(c.layout.stage_layers)
-                                        if c.layout.stage_layers else None),
-                       "dp_shard": c.layout.shard_group},
+            "layout": _layout_json(c.layout),
             "mbs": c.micro_batch_size, "recompute": c.recompute.label,
             "recompute_layers": c.recompute_layers,
             "peak_bytes": c.peak_bytes, "capacity_bytes": c.capacity_bytes,
@@ -33,7 +28,39 @@ def plan_json(result: PlanResult, top: int) -> dict[str, Any]:
         } for c in result.candidates[:top]],
         "rejected": dict(result.rejected),
         "oom_excess_bytes": result.oom_excess_bytes,
+        "budget_bytes": result.budget_bytes,
+        "closest_miss": None if result.closest_miss is None else {
+            "layout": _layout_json(result.closest_miss.layout),
+            "mbs": result.closest_miss.micro_batch_size,
+            "recompute": result.closest_miss.recompute.label,
+            "recompute_layers": result.closest_miss.recompute_layers,
+            "peak_bytes": result.closest_miss.peak_bytes,
+            "stage": result.closest_miss.stage},
+        "no_fit": no_fit_reason(result) if not result.candidates else None,
     }
+
+
+def _layout_json(p: ParallelConfig) -> dict[str, Any]:
+    return {"tp": p.tp, "pp": p.pp, "vpp": p.vpp, "dp": p.dp, "cp": p.cp, "ep": p.ep,
+            "zero": int(p.zero), "sp": p.sequence_parallel,
+            "stage_layers": list(p.stage_layers) if p.stage_layers else None,
+            "dp_shard": p.shard_group}
+
+
+def no_fit_reason(result: PlanResult) -> str:
+    """Why a plan has no candidate, in one line: the closest configuration and by how much it
+    misses the usable capacity, else the rules that ruled every layout out."""
+    miss = result.closest_miss
+    if miss is not None:
+        recompute = miss.recompute.label + (f" {miss.recompute_layers} layers"
+                                            if miss.recompute_layers else "")
+        return (f"nothing fits: the closest is {_layout(miss.layout)} at micro-batch "
+                f"{miss.micro_batch_size} with recompute {recompute}, peak "
+                f"{format_gib(miss.peak_bytes)} on stage {miss.stage}, "
+                f"{format_gib(miss.peak_bytes - result.budget_bytes)} over the usable "
+                f"{format_gib(result.budget_bytes)} (capacity less the safety margin)")
+    reasons = "; ".join(f"{n} x {reason}" for reason, n in result.rejected.most_common(3))
+    return f"no layout to search: {reasons or 'no layout of these GPUs'}"
 
 
 _BOUND = {"compute": "compute", "communication": "comm", "pipeline bubble": "bubble"}
