@@ -319,7 +319,8 @@ def _validate_split(spec: ModelSpec, par: ParallelConfig) -> None:
     if min(split) < 0:
         stage = split.index(min(split))
         raise LayoutError("stage_layers entries must not be negative",
-                          f"stage_layers ({shown}): stage {stage} has {split[stage]} layers")
+                          f"stage_layers ({shown}): stage {stage} has {split[stage]} layers; "
+                          "layer counts must not be negative")
     # A virtual stage without a decoder layer is the first holding only the embedding or the
     # last holding only the head (Llama 3 405B: Dubey et al. 2024, section 3.3.2; Megatron-LM
     # --account-for-embedding/loss-in-pipeline-split); every pipeline rank needs a layer.
