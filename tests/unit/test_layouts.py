@@ -151,7 +151,7 @@ def test_megatron_and_generic_refuse_an_even_split_that_does_not_divide() -> Non
     (("--pp", "4", "--vpp", "2", "--stage-layers", "31,32,32,31"),
      ("has 4 entries", "pp*vpp (4*2) = 8")),
     (("--pp", "8", "--stage-layers", "15,16,x,15"), ("stage_layers must be layer counts",)),
-    (("--pp", "8", "--stage-layers", "-1,17,16,16,16,16,16,30"), ("not negative",)),
+    (("--pp", "8", "--stage-layers", "-1,17,16,16,16,16,16,30"), ("must not be negative",)),
     (("--zero", "3", "--dp-shard", "3"), ("dp_shard (3) must divide dp (64)",)),
     (("--zero", "0", "--dp-shard", "8"), ("dp_shard (8)", "zero 0")),
     (("--zero", "3", "--dp-shard", "0"), ("dp_shard",)),
