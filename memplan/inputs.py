@@ -8,7 +8,8 @@ while reading, for a file that grows or a gzip stream that expands); text that i
 (with the byte offset); JSON or TOML that does not parse (with the line and column) or nests
 deeper than ``MAX_DEPTH``. Each limit is stated in the message that enforces it.
 
-A file cut short by a killed job is a separate case: ``memplan.evidence`` reads what is there.
+A file cut short by a killed job is read as far as it goes where that is evidence worth having:
+``memplan.trace_files`` (profiler traces) and ``memplan.diagnose.monitored`` (monitor records).
 """
 
 from __future__ import annotations

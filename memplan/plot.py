@@ -6,7 +6,9 @@ nothing. Bytes become GiB (``memplan.report.sizes``) on an axis labelled GiB.
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
+
 
 from memplan.report.sizes import in_gib
 from memplan.timeline import Timeline
@@ -65,7 +67,12 @@ def plot_timeline(tl: Timeline, path: Path, *, predicted_peak_bytes: int | None 
         ax.set_title(f"{tl.context.get('model', 'step')}: memory by phase ({tl.device})")
         ax.legend(loc="upper left", fontsize=8)
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        from memplan.outputs import write_atomic  # whole or not at all
+
+        png = io.BytesIO()
+        fig.savefig(png, dpi=110, format="png")
+        write_atomic(path, png.getvalue())
+
     finally:
         plt.close(fig)
     return path

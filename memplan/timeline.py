@@ -17,7 +17,9 @@ bytes a step leaves alive are ``end - start``.
 from __future__ import annotations
 
 import csv
+import io
 import json
+
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -184,23 +186,27 @@ def _versus(peaks: dict[int, dict[str, Sample]], predicted: dict[str, Any],
 
 
 def write(tl: Timeline, out_dir: Path, predicted: dict[str, Any] | None = None) -> list[Path]:
-    """``timeline.json``, ``timeline.csv`` and ``summary.json`` in ``out_dir``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """``timeline.json``, ``timeline.csv`` and ``summary.json`` in ``out_dir``, each written
+    whole or not at all (``memplan.outputs.write_atomic``)."""
+    from memplan.outputs import write_atomic
+
     tj, tc, sj = out_dir / "timeline.json", out_dir / "timeline.csv", out_dir / "summary.json"
-    tj.write_text(json.dumps({"device": tl.device, "source": tl.source,
-                              "num_steps": tl.num_steps, **tl.context,
-                              "samples": [asdict(s) for s in tl.samples]}) + "\n")
-    with tc.open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["index", "step", "phase", "total_bytes", *CATEGORIES, "reserved_bytes",
-                    "device_used_bytes", "peak_bytes", "op"])
-        for s in tl.samples:
-            w.writerow([s.index, s.step, s.phase, s.total_bytes,
-                        *(s.by_category.get(c, "") for c in CATEGORIES),
-                        _blank(s.reserved_bytes), _blank(s.device_used_bytes),
-                        _blank(s.peak_bytes), s.op])
-    sj.write_text(json.dumps(summary(tl, predicted), indent=2) + "\n")
+    write_atomic(tj, json.dumps({"device": tl.device, "source": tl.source,
+                                 "num_steps": tl.num_steps, **tl.context,
+                                 "samples": [asdict(s) for s in tl.samples]}) + "\n")
+    table = io.StringIO(newline="")
+    w = csv.writer(table)
+    w.writerow(["index", "step", "phase", "total_bytes", *CATEGORIES, "reserved_bytes",
+                "device_used_bytes", "peak_bytes", "op"])
+    for s in tl.samples:
+        w.writerow([s.index, s.step, s.phase, s.total_bytes,
+                    *(s.by_category.get(c, "") for c in CATEGORIES),
+                    _blank(s.reserved_bytes), _blank(s.device_used_bytes),
+                    _blank(s.peak_bytes), s.op])
+    write_atomic(tc, table.getvalue())
+    write_atomic(sj, json.dumps(summary(tl, predicted), indent=2) + "\n")
     return [tj, tc, sj]
+
 
 
 def _blank(v: int | None) -> int | str:

@@ -21,17 +21,17 @@ most the point in progress and never leaves a half-written record under its fina
 from __future__ import annotations
 
 import json
-import os
 import platform
 import re
-import tempfile
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from memplan.errors import MemplanError
+from memplan.outputs import write_atomic
 from memplan.parallel import ParallelConfig
+
 from memplan.spec import ModelSpec
 from memplan.workload import Workload
 
@@ -143,20 +143,10 @@ def record_path(folder: Path, key: str) -> Path:
 
 def write_json_atomic(path: Path, data: dict) -> None:
     """Write ``data`` as JSON to ``path``: a temporary file in the same folder, then rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     text = _NUMBER_LIST.sub(lambda m: "[" + ",".join(m.group(1).split()).replace(",,", ",")
                             + "]", json.dumps(data, indent=1))
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, text + "\n")
+
 
 
 def write_record(folder: Path, record: Record) -> Path:

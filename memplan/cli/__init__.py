@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import shlex
 import sys
 from functools import lru_cache
 
@@ -108,9 +109,30 @@ def _is_file_error(err: BaseException) -> bool:
     return isinstance(err, OSError) and err.filename is not None
 
 
+_ARGS: list[str] = []  # the command line being run, for messages that say how to rerun it
+
+
+def command_line(*extra: str) -> str:
+    """The command line being run (``memplan calibrate --quick``), with the options in
+    ``extra`` (``"--resume"``, ``"--name", "cpu"``) appended where it lacks them: what an
+    interrupted command prints to resume."""
+    args = list(_ARGS)
+    groups: list[list[str]] = []
+    for item in extra:  # an option and the values after it
+        if item.startswith("-") or not groups:
+            groups.append([item])
+        else:
+            groups[-1].append(item)
+    for group in groups:
+        if group[0] not in args:
+            args += group
+    return shlex.join(["memplan", *args])
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point. Returns the exit code (0 ok, 2 bad input)."""
+    """Console entry point. Returns the exit code (0 ok, 2 bad input, 130 interrupted)."""
     args = sys.argv[1:] if argv is None else list(argv)
+    _ARGS[:] = args
     try:
         command = _command_for(args)
         code = command.main(args=args, prog_name="memplan", standalone_mode=False)
@@ -139,5 +161,6 @@ def run() -> None:
     sys.exit(main())
 
 
-__all__ = ["app", "main", "run", "warn"]
+__all__ = ["app", "command_line", "main", "run", "warn"]
+
 

@@ -13,7 +13,9 @@ from typing import Annotated
 import typer
 
 from memplan.cli.options import Job, Json, uses
-from memplan.errors import MemplanError
+from memplan.errors import Interrupted, MemplanError
+from memplan.outputs import check_out_dir
+
 from memplan.workload import Precision, Workload
 
 
@@ -117,8 +119,11 @@ def calibrate(
       memplan calibrate --refit
     """
     precision = job.precision
+    out = check_out_dir(out)
     if refit:
         return _refit(out, json_out)
+    if name is not None:
+        _check_name(name)
     if nproc < 1:
         raise MemplanError(f"nproc ({nproc}) must be at least 1")
     if module is not None and (nproc > 1 or device is not DeviceChoice.CPU):
@@ -141,15 +146,43 @@ def calibrate(
         name = name or "model-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", module.split(":")[-1])
     else:
         name = name or (meta.gpu or "cpu") + (f"-nproc{nproc}" if nproc > 1 else "")
+    _check_name(name)
     folder = out / "records" / name
     _check_folder(folder, resume)
-    if module is not None:
-        _run_module(module, model, precision, seq, meta, folder, resume, fake=not real)
-    elif nproc > 1:
-        _run_dist(device.value, nproc, quick, resume, gpu, command, folder)
-    else:
-        _run_grid(device.value, model, quick, resume, meta, folder)
-    _fit_and_report(folder, out / "profiles" / f"{name}.json", name, json_out)
+    try:
+        if module is not None:
+            _run_module(module, model, precision, seq, meta, folder, resume, fake=not real)
+        elif nproc > 1:
+            _run_dist(device.value, nproc, quick, resume, gpu, command, folder)
+        else:
+            _run_grid(device.value, model, quick, resume, meta, folder)
+        _fit_and_report(folder, out / "profiles" / f"{name}.json", name, json_out)
+    except KeyboardInterrupt:
+        raise Interrupted(_kept(folder, name)) from None
+
+
+# a run name is one folder and one file name inside --out: no separators, no "..", no
+# leading dot or dash (a hidden file, an option)
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
+
+def _check_name(name: str) -> None:
+    if not _NAME.fullmatch(name) or ".." in name:
+        raise MemplanError(f"name: {name!r} is not a plain run name (letters, digits, '.', '_' "
+                           "and '-', at most 128, no '/' or '..'): the run is written to "
+                           "OUT/records/NAME and OUT/profiles/NAME.json, inside --out")
+
+
+def _kept(folder: Path, name: str) -> str:
+    """What an interrupted run kept (each record is written whole as it finishes) and the
+    command that resumes it."""
+    from memplan.calibrate.records import finished_keys
+    from memplan.cli import command_line
+
+    done = len(finished_keys(folder))
+    return (f"{done} finished {'record is' if done == 1 else 'records are'} saved in {folder}; "
+            f"resume with: {command_line('--resume', '--name', name)}")
+
 
 
 def _torch():
@@ -224,18 +257,34 @@ def _run_dist(device: str, nproc: int, quick: bool, resume: bool, gpu: str | Non
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert proc.stdout is not None
         other: list[str] = []
-        for line in proc.stdout:
-            if line.startswith("{"):
-                bar.advance(task)
-            elif line.strip():
-                other = [line.strip()]  # the last line that is not a record
+        try:
+            for line in proc.stdout:
+                if line.startswith("{"):
+                    bar.advance(task)
+                elif line.strip():
+                    other = [line.strip()]  # the last line that is not a record
+        except BaseException:  # Ctrl-C: the ranks stop too (each record is written whole)
+            _stop(proc)
+            raise
         if proc.wait() != 0:
             last = other or ["no output"]
             raise MemplanError(f"torchrun with {nproc} ranks failed (exit {proc.returncode}): "
                                f"{last[0]}")
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    """End torchrun and its ranks: SIGTERM, then SIGKILL after 10 s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def _run_module(target: str, model: str | None, precision: Precision, seq: int | None, meta,
+
                 folder: Path, resume: bool, *, fake: bool) -> None:
     from memplan.calibrate.records import finished_keys, write_record
     from memplan.profile.user_model import (

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from pathlib import Path
+
 from typing import Annotated
 
 import typer
 
 from memplan.api import resolve
+from memplan.cli import command_line
 from memplan.cli.options import WORKLOAD, Job, Json, uses
-from memplan.errors import MemplanError
+from memplan.errors import Interrupted, MemplanError
+from memplan.outputs import check_out_dir, staged_dir, write_atomic
 
 Steps = Annotated[int, typer.Option("--steps", help="Training steps (>= 2).")]
 Device = Annotated[str, typer.Option("--device", help="cpu (exact tensor tracker) or cuda "
@@ -55,6 +59,8 @@ def profile(
 
       memplan profile -m tiny --real --perf --out prof/
     """
+    if out is not None:  # where the results go is checked before anything runs
+        out = check_out_dir(out)
     spec, par, wl = resolve(job.model, **job.kwargs(resolve_only=True))
     if layers is not None:
         if not 0 < layers <= spec.num_layers:
@@ -71,30 +77,51 @@ def profile(
         from memplan.profile.reference_profile import predicted, profile_reference
     except ImportError as err:  # torch missing
         raise MemplanError(f"profile needs torch: pip install 'memplan[torch]' ({err})") from err
-    snapshot = out / "snapshot.pickle" if out is not None and device == "cuda" else None
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-    tl = profile_reference(spec, par, wl, steps=steps, device=device, fake=fake,
-                           snapshot_path=snapshot)
-    pred = predicted(spec, gpu_spec, par, wl, tensors_only=device != "cuda")
-    from memplan.timeline import summary, write
-
-    result = summary(tl, pred)
-    if out is not None:
-        written = write(tl, out, pred)
-        from memplan.plot import plot_timeline
-
-        png = plot_timeline(tl, out / "timeline.png", predicted_peak_bytes=pred["peak_bytes"])
-        written += [p for p in (png, snapshot) if p is not None]
-        result["files"] = [str(p) for p in written]
-    if perf:
-        result["perf"] = _perf(spec, wl, device, steps, out, gpu_spec)
+    # every file goes to a staging folder, moved into --out only when all are written: a
+    # failure or Ctrl-C leaves --out as it was (memplan.outputs.staged_dir)
+    try:
+        with staged_dir(out) if out is not None else nullcontext(None) as stage:
+            result = _run(spec, par, wl, gpu_spec, steps, device, fake, perf, stage,
+                          profile_reference, predicted)
+    except KeyboardInterrupt:
+        kept = f"nothing was written to {out}" if out is not None else "nothing was written"
+        raise Interrupted(f"{kept}; rerun with: {command_line()}") from None
+    if out is not None:  # name the files where they are now
+        for key in ("files",):
+            result[key] = [str(out / Path(p).name) for p in result.get(key, [])]
+        if perf and result["perf"].get("trace"):
+            result["perf"]["trace"] = str(out / Path(result["perf"]["trace"]).name)
     if json_out:
         typer.echo(json.dumps(result, indent=2))
         return
     _print(result)
     if perf:
         _print_perf(result["perf"])
+
+
+def _run(spec, par, wl, gpu_spec, steps: int, device: str, fake: bool, perf: bool,
+         stage: Path | None, profile_reference, predicted) -> dict:
+    """The profile's result, with its files written into ``stage`` (when given)."""
+    snapshot = stage / "snapshot.pickle" if stage is not None and device == "cuda" else None
+    tl = profile_reference(spec, par, wl, steps=steps, device=device, fake=fake,
+                           snapshot_path=snapshot)
+    pred = predicted(spec, gpu_spec, par, wl, tensors_only=device != "cuda")
+    from memplan.timeline import summary, write
+
+    result = summary(tl, pred)
+    if stage is not None:
+        written = write(tl, stage, pred)
+        from memplan.plot import plot_timeline
+
+        png = plot_timeline(tl, stage / "timeline.png", predicted_peak_bytes=pred["peak_bytes"])
+        written += [p for p in (png, snapshot) if p is not None]
+        result["files"] = [str(p) for p in written]
+    if perf:
+        result["perf"] = _perf(spec, wl, device, steps, stage, gpu_spec)
+        if stage is not None:
+            result["files"] += [str(stage / "perf.json")] + (
+                [result["perf"]["trace"]] if result["perf"].get("trace") else [])
+    return result
 
 
 def _perf(spec, wl, device: str, steps: int, out: Path | None, gpu_spec) -> dict:
@@ -104,7 +131,7 @@ def _perf(spec, wl, device: str, steps: int, out: Path | None, gpu_spec) -> dict
     model, opt, step_fn = reference_step(spec, wl, device)
     result = profile_perf(model, opt, step_fn, steps=steps, out_dir=out, gpu=gpu_spec)
     if out is not None:
-        (out / "perf.json").write_text(json.dumps(result, indent=2) + "\n")
+        write_atomic(out / "perf.json", json.dumps(result, indent=2) + "\n")
     return result
 
 

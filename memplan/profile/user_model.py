@@ -68,6 +68,9 @@ def load_factory(target: str) -> Factory:
             module = importlib.import_module(module_name)
     except (ImportError, OSError) as err:
         raise MemplanError(f"module: cannot import {module_name!r}: {err}") from err
+    except (Exception, SystemExit) as err:  # the user's module failed while it ran
+        raise MemplanError(f"module: importing {module_name!r} raised "
+                           f"{type(err).__name__}: {_first_line(err)}") from err
     obj: Any = module
     for part in attr.split("."):
         obj = getattr(obj, part, None)
@@ -75,14 +78,53 @@ def load_factory(target: str) -> Factory:
             raise MemplanError(f"module: {module_name!r} has no attribute {attr!r}")
     if not callable(obj):
         raise MemplanError(f"module: {target!r} is not callable")
+    _check_signature(obj, target)
     return obj
 
 
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else "(no message)"
+
+
+_KWARGS = ("dtype", "device")
+
+
+def _check_signature(factory: Factory, target: str) -> None:
+    """The factory must be callable as ``factory(dtype=..., device=...)`` (either may be
+    left out of its signature): say so before any tracing, not as a TypeError inside it."""
+    try:
+        sig = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin or C callable: called as it is
+        return
+    required = [p for p in sig.parameters.values()
+                if p.default is p.empty and p.name not in _KWARGS
+                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    positional = [p.name for p in sig.parameters.values()
+                  if p.name in _KWARGS and p.kind is p.POSITIONAL_ONLY]
+    if required or positional:
+        what = (f"requires {', '.join(p.name for p in required)}" if required else
+                f"takes {', '.join(positional)} only by position")
+        raise MemplanError(f"module: {target}{sig} {what}; memplan calls it as "
+                           "factory(*, dtype, device)")
+
+
 def build(factory: Factory, dtype: torch.dtype, device: str = "cpu") -> nn.Module:
-    params = inspect.signature(factory).parameters
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        params = {}
     kwargs = {k: v for k, v in (("dtype", dtype), ("device", device)) if k in params}
-    model = factory(**kwargs)
+    name = getattr(factory, "__qualname__", repr(factory))
+    try:
+        model = factory(**kwargs)
+    except MemplanError:
+        raise
+    except Exception as err:  # the user's code: one line naming it, the traceback with DEBUG
+        raise MemplanError(f"module: the factory {name}() raised {type(err).__name__}: "
+                           f"{_first_line(err)}") from err
     if not isinstance(model, nn.Module):
+
         raise MemplanError(f"module: the factory returned {type(model).__name__}, not an "
                            "nn.Module")
     return model
@@ -205,6 +247,13 @@ def trace_point(factory: Factory, spec: ModelSpec, wl: Workload, *, fake: bool =
         raise MemplanError(f"module: the model reads tensor values, which fake tensors do not "
                            f"have ({type(err).__name__}: {str(err).splitlines()[0][:120]}); "
                            "trace a small config with --real") from err
+    except MemplanError:
+        raise
+    except Exception as err:  # the user's forward or loss failed: MEMPLAN_DEBUG=1 shows where
+        raise MemplanError(f"module: a training step of the model at micro-batch "
+                           f"{wl.micro_batch_size}, sequence {wl.seq_len} raised "
+                           f"{type(err).__name__}: {_first_line(err)[:200]}") from err
+
     flops = step_flops(spec, wl, wl.micro_batch_size, pp=1)[1]  # one process, no pipeline
     ops: dict[tuple[int, str], list[int]] = {}
     for point in tracker.timeline:

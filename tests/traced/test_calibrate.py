@@ -170,9 +170,10 @@ def test_records_are_written_atomically(tmp_path: Path, grid: list[Point],
     def crash(*_a, **_k):
         raise OSError("disk gone")
 
-    monkeypatch.setattr("memplan.calibrate.records.os.replace", crash)
-    with pytest.raises(OSError):
+    monkeypatch.setattr("memplan.outputs.os.replace", crash)
+    with pytest.raises(MemplanError, match="disk gone; it is as it was"):
         write_record(tmp_path, synthetic(grid[1], KNOWN))
+
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # no partial, no temp
 
 

@@ -1,0 +1,126 @@
+"""Writing files: checked before any work starts, written whole or not at all.
+
+- ``check_out_dir``: a command's ``--out`` folder is checked before the command measures or
+  traces anything: not an existing file, and inside a folder this user can write, so a long
+  run never ends on an error about where its results were to go.
+- ``write_atomic``: every file memplan writes goes to a temporary file in the same folder,
+  flushed to disk, then renamed over the target (``os.replace``, atomic on POSIX and Windows),
+  so a crash, a full disk or Ctrl-C leaves the old file or the new one, never half of one.
+- ``staged_dir``: a command that writes several files (``memplan profile --out``) writes them
+  into a hidden staging folder and moves them into place only when all are written; on any
+  failure or Ctrl-C the staging folder is removed and ``--out`` is as it was (a new folder is
+  not created at all).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from memplan.errors import MemplanError
+
+_STAGING = ".memplan-staging-"
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _plain_mode(path: str | os.PathLike[str], folder: bool = False) -> None:
+    """The permissions an ordinary open() or mkdir() would have given (``tempfile`` makes its
+    files 0600 and folders 0700, private to the user)."""
+    os.chmod(path, (0o777 if folder else 0o666) & ~_umask())
+
+
+def _existing_ancestor(path: Path) -> Path:
+    for parent in (path, *path.parents):
+        if parent.exists():
+            return parent
+    return Path(".")
+
+
+def check_out_dir(path: str | os.PathLike[str], what: str = "--out") -> Path:
+    """``path`` as a folder to write results into: an existing folder, or one that can be
+    created. One line naming the problem otherwise (an existing file, a file in the way, a
+    folder this user cannot write)."""
+    p = Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        raise MemplanError(f"{what}: {p} is an existing file, not a folder; give a folder "
+                           "(it is created if missing)")
+    base = _existing_ancestor(p)
+    if not base.is_dir():
+        raise MemplanError(f"{what}: {p} cannot be created: {base} is a file, not a folder")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise MemplanError(f"{what}: cannot write in {base} (permission denied); give a folder "
+                           "you can write")
+    return p
+
+
+def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> Path:
+    """Write ``data`` to ``path`` whole: a temporary file beside it, flushed to disk, then
+    renamed over it. On any failure the temporary file is removed and ``path`` is as it was;
+    an ``OSError`` (a full disk) becomes one line naming the file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data.encode("utf-8") if isinstance(data, str) else data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        _plain_mode(tmp)
+        os.replace(tmp, path)
+    except OSError as err:
+        Path(tmp).unlink(missing_ok=True)
+        raise MemplanError(f"cannot write {path}: {err.strerror or err}; it is as it was"
+                           ) from err
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _publish(staging: Path, out: Path) -> None:
+    """Move every file of ``staging`` into ``out`` (each an atomic rename), or ``staging``
+    itself when ``out`` does not exist yet."""
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(staging, out)
+        return
+    for item in sorted(staging.iterdir()):
+        os.replace(item, out / item.name)
+    staging.rmdir()
+
+
+@contextmanager
+def staged_dir(out: str | os.PathLike[str], what: str = "--out") -> Iterator[Path]:
+    """A staging folder to write ``out``'s files into; they move into ``out`` when the block
+    ends without error. On an error or Ctrl-C nothing of the run is left: the staging folder
+    is removed, and ``out`` keeps what it held before (or is not created)."""
+    out = check_out_dir(out, what)
+    base = out if out.exists() else _existing_ancestor(out.parent)
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=_STAGING + (out.name if base != out else ""),
+                                        dir=base))
+        _plain_mode(staging, folder=True)
+    except OSError as err:
+        raise MemplanError(f"{what}: cannot write in {base}: {err.strerror or err}") from err
+    try:
+        yield staging
+        try:
+            _publish(staging, out)
+        except OSError as err:
+            raise MemplanError(f"{what}: cannot move the results into {out}: "
+                               f"{err.strerror or err}") from err
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+__all__ = ["check_out_dir", "staged_dir", "write_atomic"]
