@@ -4,8 +4,9 @@
 
 Runs a small MLP's training step (forward, backward, AdamW) on CUDA when available, else CPU,
 and times: the step alone, the step followed by ``monitor.step()``, and ``monitor.step()``
-alone. On CUDA the monitor reads ``torch.cuda.memory_stats``; on CPU it reads a dict shaped
-like it (the allocator's ~80 counters), so the JSON encoding and file write are the same size.
+alone. On CUDA the monitor reads ``torch.cuda.memory_stats`` and the process's memory (its
+default reader); on CPU it reads the process's memory and a dict shaped like the allocator's
+(~80 counters), so the JSON encoding, the file write and the trend windows are the same.
 The overhead is the median ``monitor.step()`` time over the median step time. Prints JSON.
 """
 
@@ -21,7 +22,8 @@ import time
 def main() -> None:
     import torch
 
-    from memplan.monitor import MemoryMonitor, cuda_reader
+    from memplan.monitor import MemoryMonitor
+    from memplan.monitor_readers import cuda_reader, default_reader, host_reader
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100)
@@ -42,12 +44,15 @@ def main() -> None:
 
     for _ in range(10):
         train_step()
-    reader = cuda_reader()
+    reader = default_reader() if cuda_reader() is not None else None
     if reader is None:
         fake = {f"counter_{i}": i for i in range(80)}
         fake.update(allocated_bytes=1 << 30, reserved_bytes=1 << 31, peak_bytes=1 << 30,
                     capacity_bytes=80 << 30)
-        reader = fake.copy
+        host = host_reader()
+
+        def reader() -> dict[str, int]:  # the allocator's shape, and the process's memory
+            return {**fake, **host()}
     with tempfile.TemporaryDirectory() as out:
         mon = MemoryMonitor(out, rank=0, reader=reader)
         plain, calls = [], []

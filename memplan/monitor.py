@@ -5,27 +5,41 @@
             train_step(batch)
             monitor.step()
 
-Each ``step()`` appends one record to ``<dir>/memory_rank<R>.jsonl``: the step's wall time
-and, from ``reader`` (default: the CUDA caching allocator's ``torch.cuda.memory_stats`` when
-torch is already imported and CUDA is up), allocated, reserved and peak bytes (the peak counter
-is reset after each read, so it is this step's), fragmentation (reserved - allocated, and the
-allocator's inactive split blocks), allocation retries and OOMs so far, and headroom (device
-capacity - max(reserved, peak)). Without CUDA only step times are recorded, unless ``reader``
-is given (any callable returning a dict with those ``*_bytes`` keys).
+Each ``step()`` appends one record to ``<dir>/memory_rank<R>.jsonl``: the step's wall time and
+what ``reader`` returns (default ``memplan.monitor_readers.default_reader``): on CUDA the
+caching allocator's allocated, reserved and peak bytes (this step's), inactive split blocks,
+allocation retries and OOMs, and the device capacity; on every device the process's resident
+set (``rss_bytes``), the memory it may still grow into, and, while a
+``memplan.profile.tracker.MemoryTracker`` is active, the exact live tensor bytes. From those it
+derives fragmentation (reserved - allocated) and, on CUDA, headroom (capacity - max(reserved,
+peak)). ``reader`` may be any callable returning a dict of int counters (``*_bytes`` keys).
 
-Warnings, kept in the step's record and logged (each kind once) to ``memplan.monitor``:
+Warnings, kept in the step's record and logged to ``memplan.monitor``, each kind at its first
+step and then at most once every ``warn_every`` steps while it lasts (saying how many steps it
+held in between):
 - headroom under ``min_headroom_pct`` of capacity;
-- a leak: allocated bytes at step end grew for ``leak_steps`` steps in a row;
-- the step's peak departs from ``predicted_peak_bytes`` by more than ``deviation_pct``.
+- a leak in ``allocated_bytes``, ``tensor_bytes`` or ``rss_bytes``: a robust trend over a window
+  (``memplan.trend``: Theil-Sen growth of ``leak_bytes`` or more with the floor rising in each
+  third of the window) at three time scales, the last ``leak_window`` steps and the floors of
+  blocks of 8 and 64 steps, so a leak every few steps and a slow one are both caught and a
+  periodic sawtooth is left alone;
+- the step's peak (CUDA) or tensor peak (tracker) departs from ``predicted_peak_bytes`` by more
+  than ``deviation_pct``.
 
-It never raises into the training loop: a failing read or write is counted in ``errors`` and
-logged once. torch-free at import; nothing is read until the first step.
+Arguments are checked when it is made (``MemplanError`` naming the argument, before training
+starts). After that it never raises into the training loop: a failing reader, clock or disk is
+counted in ``errors`` and logged (rate-limited); a reader or clock that raises ``SystemExit``,
+``KeyboardInterrupt`` or any other ``BaseException`` stops the monitor (``stopped`` says why,
+and a last record with ``monitor_stopped``) and the job goes on. Memory stays bounded: the
+monitor keeps a running summary (``summary``) and the trend windows, not its records.
+torch-free at import; nothing is read until the first step.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -33,33 +47,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
 
+from memplan.errors import MemplanError
+from memplan.monitor_readers import Reader, cuda_reader, default_reader, host_reader
+from memplan.monitor_window import LEAK_SERIES, LeakWindows
+from memplan.trend import Trend, trend
+from memplan.units import MiB
+
 log = logging.getLogger("memplan.monitor")
 
-Reader = Callable[[], dict[str, int]]
-_STAT_KEYS = {"allocated_bytes": "allocated_bytes.all.current",
-              "reserved_bytes": "reserved_bytes.all.current",
-              "peak_bytes": "allocated_bytes.all.peak",
-              "inactive_split_bytes": "inactive_split_bytes.all.current",
-              "alloc_retries": "num_alloc_retries", "num_ooms": "num_ooms"}
-
-
-def cuda_reader() -> Reader | None:
-    """The CUDA allocator's counters, or None when torch is not imported or CUDA is not up
-    (the monitor never initialises CUDA itself)."""
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return None
-    device = torch.cuda.current_device()
-    capacity = torch.cuda.get_device_properties(device).total_memory
-
-    def read() -> dict[str, int]:
-        stats = torch.cuda.memory_stats(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        out = {k: int(stats.get(v, 0)) for k, v in _STAT_KEYS.items()}
-        out["capacity_bytes"] = capacity
-        return out
-
-    return read
+# Defaults, each argued in the module docstring of memplan.trend or here: 30 steps tolerate a
+# sawtooth of period up to 24 steps (tests/traced/test_monitor.py); 64 MiB over the window is
+# under any leak that threatens a job and above the step-to-step noise of a process's RSS.
+LEAK_WINDOW = 30
+LEAK_BYTES = 64 * MiB
+WARN_EVERY = 100
 
 
 def _rank() -> int:
@@ -71,29 +72,102 @@ def _rank() -> int:
     return 0
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _int(name: str, value: Any, low: int, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise MemplanError(f"MemoryMonitor: {name} must be an int >= {low}"
+                           f"{' or None' if allow_none else ''}, not {value!r}")
+
+
+def _pct(name: str, value: Any, high: float) -> None:
+    if not _number(value) or not 0 <= value < high:
+        raise MemplanError(f"MemoryMonitor: {name} must be a number from 0 to under {high:g}, "
+                           f"not {value!r}")
+
+
+def _out_dir(value: Any) -> Path:
+    if isinstance(value, bool) or not isinstance(value, str | os.PathLike) or value == "":
+        raise MemplanError(f"MemoryMonitor: out_dir must be a folder path (str or "
+                           f"os.PathLike), not {value!r}")
+    path = Path(value)
+    for part in (path, *path.parents):  # the nearest existing one must be a folder
+        if part.exists():
+            if not part.is_dir():
+                raise MemplanError(f"MemoryMonitor: out_dir {path}: {part} is a file, not a "
+                                   "folder")
+            break
+    return path
+
+
+def _clock(clock: Any) -> Callable[[], float]:
+    if not callable(clock):
+        raise MemplanError(f"MemoryMonitor: clock must be a callable returning seconds, not "
+                           f"{clock!r}")
+    try:
+        now = clock()
+    except BaseException as err:  # any failure, SystemExit too, is the argument's: said here
+        raise MemplanError(f"MemoryMonitor: clock() failed when tried: {err!r}") from err
+    if not _number(now):
+        raise MemplanError(f"MemoryMonitor: clock() must return a number of seconds, not "
+                           f"{now!r}")
+    return clock
+
+
+# the keys of a record the monitor writes itself; a reader cannot replace them
+_OWN_KEYS = frozenset({"rank", "step", "time", "step_time_s", "warnings", "monitor_stopped"})
+
+
+# the counters whose largest value the running summary keeps
+_MAX_KEYS = ("allocated_bytes", "reserved_bytes", "peak_bytes", "fragmentation_bytes",
+             "inactive_split_bytes", "alloc_retries", "num_ooms", "rss_bytes",
+             "peak_rss_bytes", "tensor_bytes", "tensor_peak_bytes")
+
+
+class _Stop(Exception):
+    """A reader or clock raised a BaseException: the monitor stops."""
+
+
 class MemoryMonitor:
     """Record one JSONL line per training step for this rank; see the module docstring."""
 
-    def __init__(self, out_dir: str | Path, *, rank: int | None = None,
+    def __init__(self, out_dir: str | os.PathLike[str], *, rank: int | None = None,
                  reader: Reader | None = None, predicted_peak_bytes: int | None = None,
                  deviation_pct: float = 10.0, min_headroom_pct: float = 5.0,
-                 leak_steps: int = 5, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.out_dir = Path(out_dir)
-        self.rank = rank
-        self.reader = reader
+                 leak_window: int = LEAK_WINDOW, leak_bytes: int = LEAK_BYTES,
+                 warn_every: int = WARN_EVERY,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.out_dir = _out_dir(out_dir)
+        _int("rank", rank, 0, allow_none=True)
+        if reader is not None and not callable(reader):
+            raise MemplanError(f"MemoryMonitor: reader must be a callable returning a dict of "
+                               f"counters, or None, not {reader!r}")
+        _int("predicted_peak_bytes", predicted_peak_bytes, 1, allow_none=True)
+        _pct("deviation_pct", deviation_pct, math.inf)
+        _pct("min_headroom_pct", min_headroom_pct, 100)
+        _int("leak_window", leak_window, 6)
+        _int("leak_bytes", leak_bytes, 1)
+        _int("warn_every", warn_every, 1)
+        self.clock = _clock(clock)
+        self.rank, self.reader = rank, reader
         self.predicted_peak_bytes = predicted_peak_bytes
-        self.deviation_pct = deviation_pct
-        self.min_headroom_pct = min_headroom_pct
-        self.leak_steps = leak_steps
-        self.clock = clock
-        self.records: list[dict[str, Any]] = []
-        self.warnings: list[str] = []
+        self.deviation_pct, self.min_headroom_pct = deviation_pct, min_headroom_pct
+        self.leak_window, self.leak_bytes, self.warn_every = leak_window, leak_bytes, warn_every
         self.errors = 0
+        self.stopped: str | None = None
+        self.last_record: dict[str, Any] | None = None
+        self._windows = LeakWindows(leak_window, leak_bytes)
+        self._num_steps = 0
         self._file: Any = None
         self._last: float | None = None
-        self._growth = 0
         self._started = False
-        self._logged: set[str] = set()
+        self._warned: dict[str, list[int]] = {}  # kind -> [step logged, steps since, total]
+        self._max: dict[str, int] = {}
+        self._min_headroom: int | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
     def __enter__(self) -> Self:
@@ -105,91 +179,233 @@ class MemoryMonitor:
 
     def start(self) -> None:
         """Open this rank's file and start the first step's clock (``step()`` does it too)."""
+        self._started = True
         try:
             if self.rank is None:
                 self.rank = _rank()
+        except Exception as err:  # noqa: BLE001 - a bad RANK variable: rank 0, said once
+            self.rank = 0
+            self._error("rank", err)
+        try:
             if self.reader is None:
-                self.reader = cuda_reader()
+                self.reader = default_reader()
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            self._file = (self.out_dir / f"memory_rank{self.rank}.jsonl").open("a")
+            path = self.out_dir / f"memory_rank{self.rank}.jsonl"
+            self._file = open(path, "ab", buffering=0)  # noqa: SIM115 - held across steps
         except Exception as err:  # noqa: BLE001 - the training loop must go on
-            self._fail(err)
-        self._started = True
-        self._last = self.clock()
+            self._error("start", err)
+        try:
+            self._last = self._now()
+        except _Stop:
+            pass
 
     def close(self) -> None:
+        """Close the file (it reopens, appending, if ``step()`` is called again)."""
         try:
             if self._file is not None:
                 self._file.close()
         except Exception as err:  # noqa: BLE001
-            self._fail(err)
+            self._error("close", err)
         self._file = None
+        self._started = False
 
     def __call__(self, *_: Any, **__: Any) -> dict[str, Any] | None:
         """Callback form: any arguments are ignored (e.g. a trainer's callback signature)."""
         return self.step()
 
+    # --- transformers' TrainerCallback protocol (duck-typed: transformers is not imported) -
+    def on_train_begin(self, *_: Any, **__: Any) -> None:
+        if not self._started:
+            self.start()
+
+    def on_step_end(self, *_: Any, **__: Any) -> None:
+        self.step()  # a callback returns None: Trainer would take a returned value as control
+
+    def on_train_end(self, *_: Any, **__: Any) -> None:
+        self.close()
+
+    def __getattr__(self, name: str) -> Any:
+        # every other TrainerCallback event (on_init_end, on_log, ... and those added later)
+        if name.startswith("on_") and not name.startswith("on__"):
+            return _ignore
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def lightning_callback(self) -> Any:
+        """This monitor as a Lightning ``Callback`` (``memplan.monitor_callbacks``)."""
+        from memplan.monitor_callbacks import lightning_callback
+
+        return lightning_callback(self)
+
     # --- one step --------------------------------------------------------------------------
     def step(self) -> dict[str, Any] | None:
-        """Record the step that just ended; returns the record, or None if it failed."""
+        """Record the step that just ended; returns the record, or None if none was made."""
+        if self.stopped is not None:
+            return None
         try:
             return self._step()
+        except _Stop:
+            return None
         except Exception as err:  # noqa: BLE001 - never raise into the training loop
-            self._fail(err)
+            self._error("step", err)
             return None
 
     def _step(self) -> dict[str, Any]:
         if not self._started:
             self.start()
-        now = self.clock()
-        rec: dict[str, Any] = {"rank": self.rank, "step": len(self.records) + 1,
-                               "time": time.time(), "step_time_s": now - (self._last or now)}
+        if self.stopped is not None:
+            raise _Stop
+        self._num_steps += 1
+        now = self._now()
+        took = now - self._last if self._last is not None and now >= self._last else 0.0
+        rec: dict[str, Any] = {"rank": self.rank, "step": self._num_steps,
+                               "time": time.time(), "step_time_s": took}
         self._last = now
         if self.reader is not None:
-            rec.update(self.reader())
-            rec["fragmentation_bytes"] = rec.get("reserved_bytes", 0) - rec.get(
-                "allocated_bytes", 0)
-            if "capacity_bytes" in rec:
-                rec["headroom_bytes"] = rec["capacity_bytes"] - max(
-                    rec.get("reserved_bytes", 0), rec.get("peak_bytes", 0))
+            rec.update(self._read())
+        if "reserved_bytes" in rec and "allocated_bytes" in rec:
+            rec["fragmentation_bytes"] = rec["reserved_bytes"] - rec["allocated_bytes"]
+        if "capacity_bytes" in rec and "headroom_bytes" not in rec and (
+                "reserved_bytes" in rec or "peak_bytes" in rec):
+            rec["headroom_bytes"] = rec["capacity_bytes"] - max(
+                rec.get("reserved_bytes", 0), rec.get("peak_bytes", 0))
         rec["warnings"] = self._check(rec)
-        self.records.append(rec)
-        if self._file is not None:
-            self._file.write(json.dumps(rec) + "\n")
-            self._file.flush()
+        self._keep(rec)
+        self._write(rec)
+        self.last_record = rec
         return rec
+
+    def _hook(self, what: str, fn: Callable[[], Any]) -> Any:
+        """Call a user hook; a BaseException that is not an Exception stops the monitor."""
+        try:
+            return fn()
+        except Exception:
+            raise
+        except BaseException as err:  # noqa: BLE001 - SystemExit, KeyboardInterrupt, ...
+            self._stop(f"{what} raised {type(err).__name__}({', '.join(map(repr, err.args))})")
+            raise _Stop from None
+
+    def _now(self) -> float:
+        try:
+            now = self._hook("clock", self.clock)
+            if not _number(now):
+                raise TypeError(f"clock() returned {now!r}, not a number of seconds")
+            return float(now)
+        except _Stop:
+            raise
+        except Exception as err:  # noqa: BLE001 - step times from here on: perf_counter
+            self._error("clock", err)
+            self.clock, self._last = time.perf_counter, None
+            return time.perf_counter()
+
+    def _read(self) -> dict[str, int]:
+        try:
+            got = self._hook("reader", self.reader)  # type: ignore[arg-type]
+        except _Stop:
+            raise
+        except Exception as err:  # noqa: BLE001
+            self._error("reader", err)
+            return {}
+        if not isinstance(got, dict):
+            self._error("reader", TypeError(f"returned {type(got).__name__}, not a dict"))
+            return {}
+        out = {k: v for k, v in got.items() if type(v) is int and k not in _OWN_KEYS
+               and type(k) is str}
+        if len(out) < len(got):
+            bad = next(k for k in got if k not in out)
+            self._error("reader", TypeError(f"{bad!r} is {got[bad]!r}, not an int counter "
+                                            "of its own"))
+        return out
 
     def _check(self, rec: dict[str, Any]) -> list[str]:
         out: list[tuple[str, str]] = []
         cap, room = rec.get("capacity_bytes"), rec.get("headroom_bytes")
         if cap and room is not None and 100.0 * room / cap < self.min_headroom_pct:
-            out.append(("headroom", (f"headroom {room} bytes is under {self.min_headroom_pct}% of "
-                       f"{cap} bytes")))
-        prev = self.records[-1] if self.records else None
-        if prev is not None and "allocated_bytes" in rec:
-            grew = rec["allocated_bytes"] > prev.get("allocated_bytes", rec["allocated_bytes"])
-            self._growth = self._growth + 1 if grew else 0
-            if self._growth == self.leak_steps:
-                first = self.records[-self.leak_steps]["allocated_bytes"]
-                out.append(("leak", (f"allocated grew {self.leak_steps} steps in a row "
-                            f"(+{rec['allocated_bytes'] - first} bytes): possible leak")))
-        want, peak = self.predicted_peak_bytes, rec.get("peak_bytes")
+            out.append(("headroom", (f"headroom {room} bytes is under {self.min_headroom_pct}% "
+                                     f"of {cap} bytes")))
+        for found in self._windows.add(rec):
+            out.append((f"leak:{found.series}", _leak_text(found)))
+        want = self.predicted_peak_bytes
+        peak = rec.get("peak_bytes", rec.get("tensor_peak_bytes"))
         if want and peak is not None:
             pct = 100.0 * (peak - want) / want
             if abs(pct) > self.deviation_pct:
                 out.append(("prediction", (f"peak {peak} bytes is {pct:+.1f}% from the "
                                           f"predicted {want} bytes")))
-        for kind, text in out:  # each kind is logged once; every record keeps its own
-            if kind not in self._logged:
-                self._logged.add(kind)
-                log.warning("rank %s step %s: %s", self.rank, rec["step"], text)
-        self.warnings += [text for _, text in out]
+        for kind, text in out:
+            self._warn(kind, text, rec["step"])
         return [text for _, text in out]
 
-    def _fail(self, err: Exception) -> None:
+    def _warn(self, kind: str, text: str, step: int) -> None:
+        """Log ``kind`` at its first step, then at most once every ``warn_every`` steps."""
+        seen = self._warned.get(kind)
+        if seen is not None and step - seen[0] < self.warn_every:
+            seen[1] += 1
+            seen[2] += 1
+            return
+        since = f" (held {seen[1]} more steps since step {seen[0]})" if seen and seen[1] else ""
+        log.warning("rank %s step %s: %s%s", self.rank, step, text, since)
+        self._warned[kind] = [step, 0, (seen[2] if seen else 0) + 1]
+
+    def _keep(self, rec: dict[str, Any]) -> None:
+        for key in _MAX_KEYS:
+            value = rec.get(key)
+            if value is not None and (key not in self._max or value > self._max[key]):
+                self._max[key] = value
+        room = rec.get("headroom_bytes")
+        if room is not None:
+            self._min_headroom = room if self._min_headroom is None else min(
+                self._min_headroom, room)
+
+    def _write(self, rec: dict[str, Any]) -> None:
+        if self._file is None:
+            return
+        line = (json.dumps(rec) + "\n").encode()
+        try:
+            done = 0
+            while done < len(line):  # unbuffered: a record is written whole or fails
+                done += self._file.write(line[done:])
+        except Exception as err:  # noqa: BLE001 - a full or failing disk: counted
+            self._error("write", err)
+
+    def _stop(self, why: str) -> None:
+        self.stopped = why
         self.errors += 1
-        if self.errors == 1:
-            log.warning("memory monitor disabled part of its work: %s", err)
+        log.warning("rank %s: memory monitor stopped: %s; training goes on", self.rank, why)
+        rec = {"rank": self.rank, "step": max(self._num_steps, 1), "time": time.time(),
+               "step_time_s": 0.0, "monitor_stopped": why, "warnings": [f"stopped: {why}"]}
+        self._write(rec)
+        self.close()
+
+    def _error(self, what: str, err: BaseException) -> None:
+        self.errors += 1
+        self._warn(f"error:{what}", f"memory monitor: {what} failed ({err!r}); counted in "
+                   f"errors ({self.errors} so far)", max(self._num_steps, 1))
+
+    # --- what it has seen -------------------------------------------------------------------
+    @property
+    def summary(self) -> dict[str, Any]:
+        """The running summary: steps, the largest of each byte counter, the smallest
+        headroom, warnings by kind (how many steps each held), errors, why it stopped, and the
+        latest trend of each series."""
+        out: dict[str, Any] = {"rank": self.rank, "num_steps": self._num_steps,
+                               "errors": self.errors, "stopped": self.stopped,
+                               **{f"max_{k}": v for k, v in sorted(self._max.items())},
+                               "warnings": {k: v[2] for k, v in sorted(self._warned.items())},
+                               "trends": {k: t.as_dict() for k, t in
+                                          self._windows.latest().items()}}
+        if self._min_headroom is not None:
+            out["min_headroom_bytes"] = self._min_headroom
+        return out
+
+
+def _ignore(*_: Any, **__: Any) -> None:
+    return None
+
+
+def _leak_text(t: Trend) -> str:
+    return (f"{t.series} grew {t.growth_bytes} bytes over steps {t.first_step}-{t.last_step} "
+            f"({t.slope_bytes_per_step:.0f} bytes/step, Theil-Sen; its floor rose in each "
+            "third of the window): possible leak")
 
 
 def read_records(paths: list[str | Path]) -> list[dict[str, Any]]:
@@ -210,10 +426,27 @@ def _median(values: list[float]) -> float:
     return (v[n // 2] + v[(n - 1) // 2]) / 2 if n else 0.0
 
 
+# the most points a whole run's trend is judged on: longer runs are cut into this many blocks
+# and each block's floor (least bytes) is a point, as the monitor's coarser windows do
+RUN_TREND_POINTS = 90
+
+
+def run_trend(series: str, recs: list[dict[str, Any]],
+              min_growth_bytes: int = LEAK_BYTES) -> Trend | None:
+    """The trend of ``series`` over a rank's whole run (``memplan.trend``), on block floors
+    when the run is longer than ``RUN_TREND_POINTS`` steps."""
+    rows = [(r["step"], r[series]) for r in recs if type(r.get(series)) is int]
+    size = max(1, math.ceil(len(rows) / RUN_TREND_POINTS))
+    blocks = [rows[i:i + size] for i in range(0, len(rows), size)]
+    points = [(b[-1][0], min(v for _, v in b)) for b in blocks]
+    return trend(series, [s for s, _ in points], [v for _, v in points], min_growth_bytes)
+
+
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Per rank: the largest peak, reserved and fragmentation, the smallest headroom, retries
-    and OOMs (cumulative counters: the last value), median step time, warnings; and the worst
-    rank, the one with the largest peak (or the slowest median step when no bytes were read)."""
+    and OOMs (cumulative counters: the last value), median step time, warnings, the trend of
+    each memory series over the run (``run_trend``); and the worst rank, the one with the
+    largest peak (or the slowest median step when no bytes were read)."""
     by_rank: dict[int, list[dict[str, Any]]] = {}
     for r in records:
         by_rank.setdefault(int(r["rank"]), []).append(r)
@@ -224,7 +457,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
                                "median_step_time_s": _median([r["step_time_s"] for r in recs]),
                                "num_warnings": sum(len(r.get("warnings", [])) for r in recs)}
         for key in ("peak_bytes", "reserved_bytes", "fragmentation_bytes",
-                    "inactive_split_bytes"):
+                    "inactive_split_bytes", "rss_bytes", "tensor_bytes", "tensor_peak_bytes"):
             vals = [r[key] for r in recs if key in r]
             if vals:
                 row[f"max_{key}"] = max(vals)
@@ -234,6 +467,9 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         for key in ("alloc_retries", "num_ooms"):
             if key in recs[-1]:
                 row[key] = recs[-1][key]
+        trends = {s: t.as_dict() for s in LEAK_SERIES if (t := run_trend(s, recs)) is not None}
+        if trends:
+            row["trend"] = trends
         ranks[rank] = row
     if not ranks:
         return {"ranks": {}, "worst_rank": None}
@@ -243,4 +479,5 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     return {"ranks": ranks, "worst_rank": worst, "worst_by": key, "worst": ranks[worst]}
 
 
-__all__ = ["MemoryMonitor", "cuda_reader", "read_records", "summarize"]
+__all__ = ["LEAK_BYTES", "LEAK_WINDOW", "WARN_EVERY", "MemoryMonitor", "cuda_reader",
+           "host_reader", "read_records", "run_trend", "summarize"]

@@ -19,7 +19,10 @@ def monitor_summary(paths: Paths, json_out: Json = False) -> None:
     """Summarise the per-step records a MemoryMonitor wrote on every rank.
 
     Per rank: largest peak, reserved and fragmentation, smallest headroom, allocation retries,
-    OOMs, median step time and warnings; the worst rank is the one with the largest peak.
+    OOMs, median step time and warnings; the worst rank is the one with the largest peak. Then
+    each rank's memory trend per series (allocated, tensors, resident set): the Theil-Sen
+    slope over the run, the growth, the floor of each third and whether the monitor's leak
+    rule holds.
 
     Examples:
 
@@ -37,7 +40,6 @@ def monitor_summary(paths: Paths, json_out: Json = False) -> None:
     for note in monitored.partial:
         warn(note)
     if json_out:
-
         typer.echo(json.dumps(result, indent=2))
         return
     from rich.console import Console

@@ -4,7 +4,8 @@ Reads the files ``memplan.monitor.MemoryMonitor`` writes (one ``memory_rank<R>.j
 one JSON record per training step), reduces them with ``memplan.monitor.summarize`` to the
 worst rank (the largest allocated peak), and sets that rank's measured peak, reserved bytes,
 allocator cache and headroom next to the estimate of its pipeline stage. Allocation retries,
-OOMs and step-over-step growth (the monitor's own leak rule) are looked for on every rank.
+OOMs and growth (the monitor's own leak rule, ``memplan.trend``, over each rank's whole run)
+are looked for on every rank.
 Torch-free; sizes stay int bytes until ``memplan.report.diagnose``.
 """
 
@@ -29,10 +30,9 @@ from memplan.overheads import ALLOCATOR_FRACTION
 # The file name MemoryMonitor.start writes, as memplan.monitor.read_records globs it.
 RECORD_GLOB = "memory_rank*.jsonl"
 # The monitor's own thresholds (its constructor's defaults), so a diagnosis flags what a
-# default monitor flags: growth for leak_steps steps in a row, headroom under
-# min_headroom_pct of capacity, a peak more than deviation_pct from the prediction.
+# default monitor flags: headroom under min_headroom_pct of capacity, a peak more than
+# deviation_pct from the prediction (a leak: memplan.monitor.summarize's trend, the same rule).
 _DEFAULTS = inspect.signature(MemoryMonitor).parameters
-LEAK_STEPS: int = _DEFAULTS["leak_steps"].default
 MIN_HEADROOM_PCT: float = _DEFAULTS["min_headroom_pct"].default
 DEVIATION_PCT: float = _DEFAULTS["deviation_pct"].default
 # Counters a record may hold (memplan.monitor: the allocator's, and the two it derives).
@@ -311,37 +311,28 @@ def _counters(m: Monitored) -> list[Finding]:
     return out
 
 
-def growth_run(records: Sequence[dict[str, Any]]) -> tuple[int, int, int] | None:
-    """The longest run of steps whose allocated bytes at step end each exceed the step before
-    (memplan.monitor's leak rule): (first step, last step, bytes grown), or None when no run
-    reaches ``LEAK_STEPS`` steps in a row."""
-    best, start, prev = None, 0, None
-    for i, rec in enumerate(records):
-        if "allocated_bytes" not in rec:
-            continue
-        grew = prev is not None and rec["allocated_bytes"] > records[prev]["allocated_bytes"]
-        start = start if grew else i
-        if i - start >= LEAK_STEPS and (best is None or i - start > best[1] - best[0]):
-            best = (start, i)
-        prev = i
-    if best is None:
-        return None
-    first, last = records[best[0]], records[best[1]]
-    return first["step"], last["step"], last["allocated_bytes"] - first["allocated_bytes"]
+# what a leak in each series the monitor trends exhausts
+_LEAKS_INTO = {"allocated_bytes": "the GPU", "tensor_bytes": "the device",
+               "rss_bytes": "the host's memory"}
 
 
 def _leak(m: Monitored) -> Finding | None:
-    runs = {k: run for k, recs in m.records.items() if (run := growth_run(recs)) is not None}
-    if not runs:
+    """The largest leak ``memplan.monitor.summarize`` found on any rank (its trend over the
+    rank's run: Theil-Sen growth with the floor rising in each third)."""
+    leaks = {(k, series): t for k, row in m.summary["ranks"].items()
+             for series, t in row.get("trend", {}).items() if t["leak"]}
+    if not leaks:
         return None
-    rank = max(runs, key=lambda k: runs[k][2])
-    first, last, grown = runs[rank]
-    return Finding("leak", f"memory grows step over step on rank {rank}: allocated at step end "
-                   f"rose every step from step {first} to {last} (+{{growth_bytes}}; "
-                   f"{len(runs)} of {len(m.records)} ranks grow {LEAK_STEPS} steps in a row or "
-                   "more, the monitor's leak rule): tensors kept across steps (a loss kept "
-                   "without .item(), a growing cache or list) will exhaust the GPU",
-                   {"growth_bytes": grown}, cause=True)
+    (rank, series), t = max(leaks.items(), key=lambda kv: kv[1]["growth_bytes"])
+    num_ranks = len({k for k, _ in leaks})
+    return Finding("leak", f"memory grows on rank {rank}: {series.removesuffix('_bytes')} at "
+                   f"step end rose from step {t['first_step']} to {t['last_step']} "
+                   f"(+{{growth_bytes}}, {t['slope_bytes_per_step']:.0f} bytes a step by a "
+                   f"robust trend, its floor rising in each third of the run; {num_ranks} of "
+                   f"{len(m.records)} ranks grow so, the monitor's leak rule): tensors kept "
+                   "across steps (a loss kept without .item(), a growing cache or list) will "
+                   f"exhaust {_LEAKS_INTO.get(series, 'the memory')}",
+                   {"growth_bytes": t["growth_bytes"]}, cause=True)
 
 
 def _headroom(est: Estimate, capacity_bytes: int, m: Monitored) -> Finding | None:

@@ -84,6 +84,7 @@ class MemoryTracker(TorchDispatchMode):
         self._live: dict[int, list[Any]] = {}  # id(storage) -> [nbytes, category, weakref]
         self.by_category = dict.fromkeys(CATEGORIES, 0)
         self.total_bytes = 0
+        self.high_water_bytes = 0  # the most total_bytes since take_high_water()
         self.step = 0
         self.phase = "forward"
         self.op_index = 0
@@ -103,6 +104,8 @@ class MemoryTracker(TorchDispatchMode):
         self._live[key] = [nbytes, category, ref]
         self.by_category[category] += nbytes
         self.total_bytes += nbytes
+        if self.total_bytes > self.high_water_bytes:
+            self.high_water_bytes = self.total_bytes
 
     def _resize(self, entry: list[Any], nbytes: int) -> None:
         delta = nbytes - entry[0]
@@ -110,6 +113,8 @@ class MemoryTracker(TorchDispatchMode):
             entry[0] = nbytes
             self.by_category[entry[1]] += delta
             self.total_bytes += delta
+            if self.total_bytes > self.high_water_bytes:
+                self.high_water_bytes = self.total_bytes
 
     def _drop(self, key: int) -> None:
         entry = self._live.pop(key, None)
@@ -151,6 +156,12 @@ class MemoryTracker(TorchDispatchMode):
 
     def bytes_in(self, category: str) -> int:
         return self.by_category[category]
+
+    def take_high_water(self) -> int:
+        """The most bytes alive at once since the previous call (or the start); restarts the
+        count from the bytes alive now (``memplan.monitor`` reads a step's peak so)."""
+        high, self.high_water_bytes = self.high_water_bytes, self.total_bytes
+        return high
 
     # --- phases ----------------------------------------------------------------------------
     def set_phase(self, phase: str, step: int | None = None) -> None:

@@ -1,10 +1,11 @@
-"""``MemoryMonitor`` and ``memplan monitor-summary``: records, warnings, ranks, never raising."""
+"""``MemoryMonitor`` on real loops: the process's memory on CPU, the exact tensor tracker, a
+real leak caught, transformers' callback handler and Lightning's trainer driving it;
+``memplan monitor-summary``. (The rule itself, faults and patterns: tests/unit/test_monitor.py.)"""
 
 from __future__ import annotations
 
 import itertools
 import json
-import logging
 import subprocess
 import sys
 
@@ -14,113 +15,134 @@ from typer.testing import CliRunner
 from memplan.cli import app, main
 from memplan.monitor import MemoryMonitor, read_records, summarize
 
-GiB = 1 << 30
+GiB, MiB = 1 << 30, 1 << 20
 
 
-class Script:
-    """A reader returning the given stats in turn, and a clock advancing 0.5 s per call."""
-
-    def __init__(self, stats):
-        self.stats = list(stats)
-        self.t = 0.0
-
-    def read(self):
-        return dict(self.stats.pop(0))
-
-    def clock(self):
-        self.t += 0.5
-        return self.t
-
-
-def _stats(alloc, peak, reserved=None, cap=80 * GiB):
-    return {"allocated_bytes": alloc, "peak_bytes": peak,
-            "reserved_bytes": reserved if reserved is not None else peak + GiB,
-            "inactive_split_bytes": 1024, "alloc_retries": 0, "num_ooms": 0,
-            "capacity_bytes": cap}
-
-
-def test_records_and_warnings(tmp_path):
-    s = Script([_stats(10 * GiB, 40 * GiB), _stats(11 * GiB, 41 * GiB),
-                _stats(12 * GiB, 42 * GiB), _stats(12 * GiB, 78 * GiB, 78 * GiB)])
-    with MemoryMonitor(tmp_path, rank=3, reader=s.read, clock=s.clock, leak_steps=2,
-                       predicted_peak_bytes=40 * GiB, deviation_pct=4.0) as mon:
-        recs = [mon.step() for _ in range(4)]
-    assert [r["step_time_s"] for r in recs] == [0.5] * 4
-    assert recs[0]["fragmentation_bytes"] == 31 * GiB  # reserved 41 - allocated 10
-    assert recs[0]["headroom_bytes"] == 80 * GiB - 41 * GiB
-    assert recs[0]["warnings"] == [] and recs[1]["warnings"] == []
-    assert recs[2]["warnings"] == [(f"allocated grew 2 steps in a row (+{2 * GiB} bytes): "
-                                   "possible leak"),
-                                   (f"peak {42 * GiB} bytes is +5.0% from the predicted "
-                                   f"{40 * GiB} bytes")]
-    assert recs[3]["headroom_bytes"] == 2 * GiB  # 2.5% of 80 GiB: under 5%
-    assert recs[3]["warnings"][0].startswith(f"headroom {2 * GiB} bytes is under 5.0%")
-    lines = (tmp_path / "memory_rank3.jsonl").read_text().splitlines()
-    assert [json.loads(line) for line in lines] == recs
-
-
-def test_never_raises(tmp_path, caplog):
-    def broken():
-        raise RuntimeError("no stats")
-
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    mon = MemoryMonitor(blocker / "sub", rank=0, reader=broken)  # a file where a dir should be
-    with caplog.at_level(logging.WARNING, logger="memplan.monitor"), mon:
-        assert mon.step() is None and mon.step() is None
-    assert mon.errors == 3  # the directory once, the reader twice
-    assert len(caplog.records) == 1  # logged once
-
-
-def test_no_reader_records_time_only(tmp_path, monkeypatch):
+def test_cpu_job_records_process_memory(tmp_path, monkeypatch):
+    """No reader, no CUDA: the process's resident set and the host's memory, every step."""
     monkeypatch.setenv("RANK", "5")
     with MemoryMonitor(tmp_path) as mon:
         rec = mon.step()
     assert rec["rank"] == 5 and "allocated_bytes" not in rec and rec["step_time_s"] >= 0
+    assert 0 < rec["rss_bytes"] <= rec["peak_rss_bytes"]
+    assert 0 < rec["headroom_bytes"] < rec["capacity_bytes"]
     assert (tmp_path / "memory_rank5.jsonl").exists()
 
 
-def test_exact_leak_on_a_real_loop(tmp_path):
-    """A real CPU loop under the exact tracker keeping 1,000 fp32 values (4,000 bytes) per
-    step: allocated grows by exactly 4,000 bytes a step and the leak is flagged at step 4."""
+def test_rss_leak_of_a_real_loop(tmp_path):
+    """A loop that keeps 4 MiB of Python bytes a step (touched, so resident): the resident set
+    grows 4 MiB a step, 116 MiB over a 30-step window, and the leak is named in rss_bytes."""
+    kept = []
+    with MemoryMonitor(tmp_path, rank=0) as mon:
+        for _ in range(40):
+            kept.append(bytearray(4 * MiB))
+            rec = mon.step()
+    assert any(w.startswith("rss_bytes grew ") for w in rec["warnings"])
+    trend = mon.summary["trends"]["rss_bytes"]
+    assert trend["leak"] and trend["slope_bytes_per_step"] == pytest.approx(4 * MiB, rel=0.1)
+
+
+def test_exact_tensor_bytes_under_the_tracker(tmp_path):
+    """A real CPU loop under the exact tracker keeping 1,000 fp32 values (4,000 bytes) a step:
+    the default reader finds the active tracker, tensor bytes grow by exactly 4,000 a step, and
+    the tensor peak of each step is read; with a 1,000-byte threshold the leak is flagged once
+    the window holds 15 steps."""
     torch = pytest.importorskip("torch")
     from memplan.profile.tracker import MemoryTracker
 
-    model = torch.nn.Linear(16, 16)
     kept = []
     tracker = MemoryTracker()
-    with tracker, MemoryMonitor(tmp_path, rank=0, leak_steps=3,
-                                reader=lambda: {"allocated_bytes": tracker.total_bytes}) as mon:
-        for _ in range(4):
+    with tracker, MemoryMonitor(tmp_path, rank=0, leak_bytes=1000) as mon:
+        recs = []
+        model = torch.nn.Linear(16, 16)
+        for _ in range(20):
             model(torch.randn(8, 16)).sum().backward()
             model.zero_grad()
             kept.append(torch.zeros(1000))
-            mon.step()
-    allocs = [r["allocated_bytes"] for r in mon.records]
-    assert [b - a for a, b in itertools.pairwise(allocs)] == [4000, 4000, 4000]
-    assert mon.records[3]["warnings"] == [("allocated grew 3 steps in a row (+12000 bytes): "
-                                          "possible leak")]
+            recs.append(mon.step())
+    tensors = [r["tensor_bytes"] for r in recs]
+    assert {b - a for a, b in itertools.pairwise(tensors)} == {4000}
+    assert all(r["tensor_peak_bytes"] >= r["tensor_bytes"] for r in recs)
+    flagged = [r["step"] for r in recs if any("tensor_bytes grew" in w for w in r["warnings"])]
+    assert flagged == list(range(15, 21))
+    assert "growth_bytes" in mon.summary["trends"]["tensor_bytes"]
+    assert any(w.startswith("tensor_bytes grew 76000 bytes over steps 1-20 (4000 bytes/step")
+               for w in recs[-1]["warnings"])
 
 
-def _two_ranks(tmp_path):
-    for rank, peak in ((0, 40 * GiB), (1, 44 * GiB)):
-        s = Script([_stats(10 * GiB, peak), _stats(10 * GiB, peak - GiB)])
-        with MemoryMonitor(tmp_path, rank=rank, reader=s.read, clock=s.clock) as mon:
-            mon.step()
-            mon.step()
+def test_transformers_callback_handler(tmp_path):
+    """transformers' own CallbackHandler dispatching every event a Trainer sends to the monitor
+    passed as a callback (``Trainer(callbacks=[monitor])``): one record per optimizer step."""
+    pytest.importorskip("torch")
+    tc = pytest.importorskip("transformers.trainer_callback")
+
+    mon = MemoryMonitor(tmp_path, rank=0)
+    # (TrainingArguments needs accelerate; the handler only passes args on to callbacks)
+    handler = tc.CallbackHandler([tc.PrinterCallback(), mon], None, None, None, None)
+    args = None
+    state, control = tc.TrainerState(), tc.TrainerControl()
+    handler.on_init_end(args, state, control)
+    handler.on_train_begin(args, state, control)
+    for step in range(1, 4):
+        handler.on_step_begin(args, state, control)
+        handler.on_pre_optimizer_step(args, state, control)
+        handler.on_optimizer_step(args, state, control)
+        state.global_step = step
+        control = handler.on_step_end(args, state, control)
+        assert isinstance(control, tc.TrainerControl)  # the monitor returned None
+        handler.on_log(args, state, control, logs={})
+    handler.on_train_end(args, state, control)
+    lines = (tmp_path / "memory_rank0.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
 
 
-def test_summary_worst_rank(tmp_path):
-    _two_ranks(tmp_path)
-    out = summarize(read_records([tmp_path]))
-    assert out["worst_rank"] == 1 and out["worst_by"] == "max_peak_bytes"
-    assert out["worst"]["max_peak_bytes"] == 44 * GiB
-    assert out["worst"]["min_headroom_bytes"] == 80 * GiB - 45 * GiB
-    assert out["ranks"][0]["num_steps"] == 2 and out["ranks"][0]["median_step_time_s"] == 0.5
+def test_lightning_trainer(tmp_path):
+    """Lightning's Trainer on CPU, 4 optimizer steps of 8 batches (accumulating 2): the
+    callback records once per optimizer step and takes the rank from the trainer."""
+    torch = pytest.importorskip("torch")
+    pl = pytest.importorskip("lightning.pytorch")
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, _):
+            return self.layer(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 8)),
+                                       batch_size=8)
+    mon = MemoryMonitor(tmp_path / "mem")
+    trainer = pl.Trainer(max_steps=4, accumulate_grad_batches=2, callbacks=[
+        mon.lightning_callback()], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+        default_root_dir=tmp_path)
+    trainer.fit(Tiny(), data)
+    recs = read_records([tmp_path / "mem"])
+    assert [r["step"] for r in recs] == [1, 2, 3, 4] and {r["rank"] for r in recs} == {0}
+    assert all("rss_bytes" in r for r in recs)
+
+
+def test_import_is_torch_free():
+    code = ("import sys, memplan.monitor, memplan.monitor_callbacks; "
+            "m = memplan.monitor.MemoryMonitor('x'); m.on_init_end(None, None, None); "
+            "assert not {'torch', 'transformers', 'lightning'} & set(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_cli_monitor_summary(tmp_path, capsys):
-    _two_ranks(tmp_path)
+    for rank, peak in ((0, 40 * GiB), (1, 44 * GiB)):
+        stats = iter([{"allocated_bytes": 10 * GiB, "peak_bytes": p, "reserved_bytes": p + GiB,
+                       "capacity_bytes": 80 * GiB} for p in (peak, peak - GiB)])
+        with MemoryMonitor(tmp_path, rank=rank, reader=lambda s=stats: next(s)) as mon:
+            mon.step()
+            mon.step()
+    out = summarize(read_records([tmp_path]))
+    assert out["worst_rank"] == 1 and out["worst"]["max_peak_bytes"] == 44 * GiB
+    assert out["worst"]["min_headroom_bytes"] == 80 * GiB - 45 * GiB
     res = CliRunner().invoke(app, ["monitor-summary", str(tmp_path), "--json"],
                              catch_exceptions=False)
     assert res.exit_code == 0 and json.loads(res.stdout)["worst_rank"] == 1
@@ -128,14 +150,7 @@ def test_cli_monitor_summary(tmp_path, capsys):
                              catch_exceptions=False)
     assert res.exit_code == 0 and "worst rank: 1" in res.stdout
     assert main(["monitor-summary", str(tmp_path / "missing")]) == 2
-    assert "no such file" in capsys.readouterr().err
-    (tmp_path / "empty").mkdir()
-    assert main(["monitor-summary", str(tmp_path / "empty")]) == 2
-
-
-def test_import_is_torch_free():
-    code = "import sys, memplan.monitor; assert 'torch' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True)
+    capsys.readouterr()
 
 
 @pytest.mark.gpu
@@ -143,7 +158,7 @@ def test_cuda_reader():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from memplan.monitor import cuda_reader
+    from memplan.monitor_readers import cuda_reader
 
     x = torch.empty(1 << 20, device="cuda")
     read = cuda_reader()
