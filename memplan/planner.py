@@ -131,7 +131,9 @@ def pipeline_splits(num_layers: int, pp: int, vpp: int,
     layer fewer on the first and the last stage, as Llama 3's 405B run and torchtitan place
     them), which balances the stages' compute where the head is heavy."""
     parts = pp * vpp
-    weighted = weighted_split(num_layers, parts) if pp > 1 else ()
+    if pp == 1:
+        return [None]
+    weighted = weighted_split(num_layers, parts)
     uneven = weighted if weighted and len(set(weighted)) > 1 else None
     if rule is PipelineSplit.WEIGHTED:
         return [uneven] if weighted else []

@@ -82,6 +82,7 @@ def test_planner_splits() -> None:
     assert pipeline_splits(32, 4, 1, PipelineSplit.EVEN) == [None, (8, 9, 8, 7)]
     assert pipeline_splits(126, 8, 1, PipelineSplit.EVEN) == [(15, 16, 16, 16, 16, 16, 16, 15)]
     assert pipeline_splits(126, 1, 1, PipelineSplit.EVEN) == [None]
+    assert pipeline_splits(126, 1, 1, PipelineSplit.WEIGHTED) == [None]  # no pipeline
 
 
 # --- estimates of the published 405B layouts ------------------------------------------------
@@ -251,3 +252,18 @@ def test_context_parallel_attention_runs_at_the_rate_of_its_share() -> None:
     assert attention_rate(8192) == pytest.approx(614.234 / 620.73)
     assert _cp_attention_time(8192, 8) == pytest.approx(614.234 / 517.099)
     assert _cp_attention_time(8192, 1) == 1.0
+
+
+def test_planning_doc_is_current() -> None:
+    """docs/planning.md's tables are what benchmarks/planning_doc.py builds now."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "planning_doc.py"
+    spec = importlib.util.spec_from_file_location("planning_doc", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    current = module.DOC.read_text()
+    assert module.render(current, module.tables()) == current, (
+        "docs/planning.md is stale: run python benchmarks/planning_doc.py")
