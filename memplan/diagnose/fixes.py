@@ -21,7 +21,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from memplan.errors import MemplanError
-from memplan.model.estimate import Estimate
+from memplan.model.estimate import ZERO3_CAVEAT, Estimate
+
 from memplan.parallel import Offload, ZeroStage, local_seq
 from memplan.planner import DEFAULT_SAFETY
 from memplan.timing import StepTime, estimate_step_time
@@ -162,10 +163,33 @@ def suggest(model: Any, est: Estimate, given: dict[str, Any], *, capacity_bytes:
                           f"the baseline's {est.peak_bytes}"))
                 for f in fixes if f.saved_bytes <= 0]
     fixes = [f for f in fixes if f.saved_bytes > 0]
+    fixes, dominated = _drop_dominated_zero(fixes, est.parallel.dp)
+    skipped += dominated
     # safe fits fastest first, then fits inside the safety margin, then the rest by bytes saved
     fixes.sort(key=lambda f: (not f.fits, not f.safe,
                               f.time.step_s if f.fits else -f.saved_bytes, -f.saved_bytes))
     return Fixes(est, time_of(est), tuple(fixes), tuple(skipped))
+
+
+def _drop_dominated_zero(fixes: list[Fix], dp: int) -> tuple[list[Fix], list[tuple[str, str]]]:
+    """A higher ZeRO stage is not always smaller: ZeRO-3's gathered parameter buffers can
+    outweigh what sharding the parameters saves at small dp (``ZERO3_CAVEAT``). A stage whose
+    peak is not below a lower stage's, offered beside it, saves nothing more and costs more
+    communication: it is not offered, and the reason is kept."""
+    stages = {f.change["zero"]: f for f in fixes if set(f.change) == {"zero"}}
+    kept, dropped = [], []
+    for f in fixes:
+        lower = [stages[z] for z in stages
+                 if set(f.change) == {"zero"} and z < f.change["zero"]
+                 and stages[z].peak_bytes <= f.peak_bytes]
+        if lower:
+            best = min(lower, key=lambda g: g.peak_bytes)
+            dropped.append((f.name, f"saves less than {best.name}: its peak_bytes "
+                            f"{f.peak_bytes} is not below {best.peak_bytes} ({ZERO3_CAVEAT}; "
+                            f"dp {dp})"))
+        else:
+            kept.append(f)
+    return kept, dropped
 
 
 def _fix(name: str, flags: str, change: dict[str, Any], new: Estimate, base: Estimate,

@@ -42,6 +42,7 @@ from memplan.parallel import (
     GradBuffers,
     Offload,
     ParallelConfig,
+    ZeroStage,
     pipeline_stage,
     resolve_batch,
     resolve_split,
@@ -85,6 +86,15 @@ class Estimate:
         return base if self.calibration is None else self.calibration.amend(base)
 
     @property
+    def caveats(self) -> tuple[str, ...]:
+        """Choices of this configuration that do not always lower memory, stated beside the
+        assumptions: ZeRO-3 at small dp, a chunked loss at few tokens (``ZERO3_CAVEAT``,
+        ``LOSS_CHUNKS_CAVEAT``)."""
+        return (*((ZERO3_CAVEAT,) if self.parallel.zero >= ZeroStage.PARAMETERS else ()),
+                *((LOSS_CHUNKS_CAVEAT,) if self.workload.loss_chunks > 1 else ()))
+
+    @property
+
     def worst(self) -> StageMemory:
         return max(self.stages, key=lambda s: (s.peak_bytes, -s.stage))
 
@@ -239,7 +249,22 @@ def _shifted(template: StageMemory, stage: int, flight: tuple[int, ...], vpp: in
                    peak_bytes=rank_peak_bytes(tensor_peak, ovh))
 
 
+# Two changes that do not always save memory (both found by fuzzing pairs of estimates, and
+# traced: tests/traced/test_ground_truth.py), stated wherever they apply, and never offered
+# as a saving where they cost more (memplan.diagnose.fixes drops them).
+ZERO3_CAVEAT = (
+    "ZeRO-3 gathers each unit's parameters, and holds its unsharded gradients until the "
+    "reduce-scatter, in buffers beside the shards: at small dp these can outweigh what "
+    "sharding the parameters saves, so ZeRO-3 can need more memory than ZeRO-2 "
+    "(compare --zero 2)")
+LOSS_CHUNKS_CAVEAT = (
+    "a chunked loss sums its chunks' head-weight gradients in backward (up to three "
+    "vocab x hidden tensors at once): with few tokens per micro-batch that outweighs the "
+    "logits it saves, so more chunks can need more memory (compare --loss-chunks 1)")
+
+
 def _assumptions(par: ParallelConfig, wl: Workload, schedule: Schedule,
+
                  ovh: Overheads) -> tuple[str, ...]:
     sched = ("interleaved 1F1B" if par.vpp > 1 else schedule.value) if par.pp > 1 else "none"
     return (

@@ -82,6 +82,7 @@ def estimate_json(est: Estimate) -> dict[str, Any]:
         "calibration": (est.calibration.json(est.stages.index(worst))
                         if est.calibration is not None else None),
         "assumptions": list(est.assumptions),
+        "caveats": list(est.caveats),
     }
 
 
@@ -169,7 +170,9 @@ def render_estimate(est: Estimate) -> Any:
         f"peak {format_gib(est.peak_bytes)} of {format_gib(est.capacity_bytes)} capacity "
         f"(stage {est.worst.stage}); headroom {format_gib(est.headroom_bytes)}: {verdict}",
         style="bold green" if est.fits else "bold red")
-    notes = Text("assumptions:\n" + "\n".join(f"  - {a}" for a in est.assumptions), style="dim")
+    notes = Text("assumptions:\n" + "\n".join(f"  - {a}" for a in est.assumptions)
+                 + "".join(f"\n  - not always a saving: {c}" for c in est.caveats), style="dim")
+
     parts = [header, stages, table, phases, summary, Text(_time_line(est))]
     if not est.fits:
         parts.append(Text(_why_not(est)))
