@@ -433,9 +433,22 @@ RUN_TREND_POINTS = 90
 
 def run_trend(series: str, recs: list[dict[str, Any]],
               min_growth_bytes: int = LEAK_BYTES) -> Trend | None:
-    """The trend of ``series`` over a rank's whole run (``memplan.trend``), on block floors
-    when the run is longer than ``RUN_TREND_POINTS`` steps."""
+    """The trend of ``series`` over a rank's run (``memplan.trend``), on block floors when the
+    run is longer than ``RUN_TREND_POINTS`` steps: over the whole run, or, when that is no
+    leak, over the longest of its last half, quarter and eighth that is (a leak that began
+    late in the run raises the floor in its own thirds only)."""
     rows = [(r["step"], r[series]) for r in recs if type(r.get(series)) is int]
+    whole = _trend_of(series, rows, min_growth_bytes)
+    if whole is None or whole.leak:
+        return whole
+    for part in (2, 4, 8):
+        late = _trend_of(series, rows[len(rows) - len(rows) // part:], min_growth_bytes)
+        if late is not None and late.leak:
+            return late
+    return whole
+
+
+def _trend_of(series: str, rows: list[tuple[int, int]], min_growth_bytes: int) -> Trend | None:
     size = max(1, math.ceil(len(rows) / RUN_TREND_POINTS))
     blocks = [rows[i:i + size] for i in range(0, len(rows), size)]
     points = [(b[-1][0], min(v for _, v in b)) for b in blocks]
@@ -445,8 +458,9 @@ def run_trend(series: str, recs: list[dict[str, Any]],
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Per rank: the largest peak, reserved and fragmentation, the smallest headroom, retries
     and OOMs (cumulative counters: the last value), median step time, warnings, the trend of
-    each memory series over the run (``run_trend``); and the worst rank, the one with the
-    largest peak (or the slowest median step when no bytes were read)."""
+    each memory series over the run (``run_trend``) and the steps with a leak warning; and the
+    worst rank, the one with the largest allocated peak (else tensor peak, else resident set;
+    the slowest median step when no bytes were read)."""
     by_rank: dict[int, list[dict[str, Any]]] = {}
     for r in records:
         by_rank.setdefault(int(r["rank"]), []).append(r)
@@ -470,11 +484,16 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         trends = {s: t.as_dict() for s in LEAK_SERIES if (t := run_trend(s, recs)) is not None}
         if trends:
             row["trend"] = trends
+        warned = [r["step"] for r in recs
+                  if any("possible leak" in w for w in r.get("warnings", []))]
+        if warned:
+            row["leak_warnings"] = {"num_steps": len(warned), "first_step": warned[0]}
         ranks[rank] = row
     if not ranks:
         return {"ranks": {}, "worst_rank": None}
-    has_peak = all("max_peak_bytes" in r for r in ranks.values())
-    key = "max_peak_bytes" if has_peak else "median_step_time_s"
+    # the largest allocated peak, else tensor peak, else resident set every rank recorded
+    key = next((k for k in ("max_peak_bytes", "max_tensor_peak_bytes", "max_rss_bytes")
+                if all(k in r for r in ranks.values())), "median_step_time_s")
     worst = max(ranks, key=lambda k: ranks[k][key])
     return {"ranks": ranks, "worst_rank": worst, "worst_by": key, "worst": ranks[worst]}
 

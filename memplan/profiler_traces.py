@@ -168,14 +168,18 @@ def analyze_paths(paths: list[str | Path], threshold_pct: float | None = None
                   ) -> dict[str, Any]:
     """Every rank's ``analyze``, and across ranks ``memplan.stragglers.stragglers`` (with
     ``threshold_pct``, default ``STRAGGLER_PCT``)."""
-    traces = [load(p, i) for i, p in enumerate(paths)]
+    return analyze_traces([load(p, i) for i, p in enumerate(paths)], threshold_pct)
+
+
+def analyze_traces(traces: list[RankTrace], threshold_pct: float | None = None
+                   ) -> dict[str, Any]:
+    """``analyze_paths`` of traces already loaded."""
     ranks = [rt.rank for rt in traces]
     if len(set(ranks)) != len(ranks):
         raise MemplanError(f"two traces claim the same rank: {ranks}")
     out: dict[str, Any] = {"unit": "microseconds (chrome trace ts/dur)",
                            "ranks": [analyze(rt) for rt in traces],
                            "partial": [rt.partial for rt in traces if rt.partial]}
-
     if len(traces) > 1:
         windows = {rt.rank: window(rt) for rt in traces}
         out["across_ranks"] = stragglers(traces, windows, STRAGGLER_PCT if threshold_pct is None
@@ -183,4 +187,5 @@ def analyze_paths(paths: list[str | Path], threshold_pct: float | None = None
     return out
 
 
-__all__ = ["RankTrace", "analyze", "analyze_paths", "collective_of", "load", "window"]
+__all__ = ["RankTrace", "analyze", "analyze_paths", "analyze_traces", "collective_of", "load",
+           "window"]

@@ -19,7 +19,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ class Sample:
     reserved_bytes: int | None = None
     device_used_bytes: int | None = None
     peak_bytes: int | None = None  # CUDA: allocator peak since the previous sample
+    time_s: float | None = None  # seconds since the timeline's first sample
 
 
 @dataclass
@@ -196,10 +196,10 @@ def write(tl: Timeline, out_dir: Path, predicted: dict[str, Any] | None = None) 
                                  "samples": [asdict(s) for s in tl.samples]}) + "\n")
     table = io.StringIO(newline="")
     w = csv.writer(table)
-    w.writerow(["index", "step", "phase", "total_bytes", *CATEGORIES, "reserved_bytes",
-                "device_used_bytes", "peak_bytes", "op"])
+    w.writerow(["index", "step", "phase", "time_s", "total_bytes", *CATEGORIES,
+                "reserved_bytes", "device_used_bytes", "peak_bytes", "op"])
     for s in tl.samples:
-        w.writerow([s.index, s.step, s.phase, s.total_bytes,
+        w.writerow([s.index, s.step, s.phase, _blank(s.time_s), s.total_bytes,
                     *(s.by_category.get(c, "") for c in CATEGORIES),
                     _blank(s.reserved_bytes), _blank(s.device_used_bytes),
                     _blank(s.peak_bytes), s.op])
@@ -209,7 +209,7 @@ def write(tl: Timeline, out_dir: Path, predicted: dict[str, Any] | None = None) 
 
 
 
-def _blank(v: int | None) -> int | str:
+def _blank(v: float | None) -> float | str:
     return "" if v is None else v
 
 

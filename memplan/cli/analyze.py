@@ -19,8 +19,13 @@ StragglerPct = Annotated[float, typer.Option(
     "ranks' exposed wait in collectives exceeds its own by this percentage of the step.")]
 
 
+PlotPath = Annotated[Path | None, typer.Option(
+    "--plot", help="Also draw each rank's compute, exposed communication and idle over time, "
+    "stragglers marked, to this .png or .svg file (needs matplotlib).")]
+
+
 def analyze_trace(paths: Paths, straggler_pct: StragglerPct = STRAGGLER_PCT,
-                  json_out: Json = False) -> None:
+                  plot: PlotPath = None, json_out: Json = False) -> None:
     """Communication time by collective, its overlap with compute, exposed communication per
     step, and stragglers across ranks. Offline: torch is not needed.
 
@@ -34,10 +39,22 @@ def analyze_trace(paths: Paths, straggler_pct: StragglerPct = STRAGGLER_PCT,
       memplan analyze-trace traces/rank0.json traces/rank1.json
 
       memplan analyze-trace run/*.pt.trace.json.gz --json
-    """
-    from memplan.profiler_traces import analyze_paths
 
-    result = analyze_paths(list(paths), straggler_pct)
+      memplan analyze-trace traces/rank*.json.gz --plot traces.png
+    """
+    from memplan.profiler_traces import analyze_traces, load
+
+    if plot is not None:  # the plot's name is checked before the traces are read
+        from memplan.report.plot import check_path
+
+        check_path(plot)
+    traces = [load(p, i) for i, p in enumerate(paths)]
+    result = analyze_traces(traces, straggler_pct)
+    if plot is not None:
+        from memplan.report.plot_trace import plot_traces
+
+        drawn = plot_traces(traces, plot, across=result.get("across_ranks"))
+        result["plot"] = None if drawn is None else str(drawn)
     from memplan.cli import warn
 
     for note in result["partial"]:

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Annotated
 
 import typer
 
 from memplan.api import estimate as run_estimate
 from memplan.cli.options import ESTIMATE, Job, Json, uses
 
+PlotPath = Annotated[Path | None, typer.Option(
+    "--plot", help="Also draw each pipeline stage's peak as a stacked bar against the GPU's "
+    "capacity, to this .png or .svg file (needs matplotlib).")]
+
 
 @uses(*ESTIMATE)
-def estimate(job: Job, json_out: Json = False) -> None:
+def estimate(job: Job, plot: PlotPath = None, json_out: Json = False) -> None:
     """Per-GPU memory of every pipeline stage and the most loaded rank.
 
     Parameters, gradients, optimizer states, saved activations, transients and fixed
@@ -27,13 +33,31 @@ def estimate(job: Job, json_out: Json = False) -> None:
       memplan estimate -m ./config.json -n 8 --zero 3 --recompute full --json
 
       memplan estimate -m llama-3-8b -n 8 --gpu h200 --calibration auto
+
+      memplan estimate -m llama-7b -n 8 --tp 2 --pp 4 --plot stages.png
     """
+    if plot is not None:
+        from memplan.report.plot import check_path
+
+        check_path(plot)
     est = run_estimate(job.model, **job.kwargs())
     from memplan.report import estimate_json, render_estimate
 
+    drawn = None
+    if plot is not None:
+        from memplan.report.plot_estimate import plot_estimate
+
+        drawn = plot_estimate(est, plot)
     if json_out:
-        typer.echo(json.dumps(estimate_json(est), indent=2))
+        out = estimate_json(est)
+        if plot is not None:
+            out["plot"] = None if drawn is None else str(drawn)
+        typer.echo(json.dumps(out, indent=2))
         return
     from rich.console import Console
 
     Console().print(render_estimate(est))
+    if drawn is not None:
+        typer.echo(f"wrote {drawn}")
+    elif plot is not None:
+        typer.echo("no plot: matplotlib is not installed (pip install matplotlib)")

@@ -10,12 +10,14 @@ import typer
 
 from memplan.cli.options import Json
 
-
 Paths = Annotated[list[Path], typer.Argument(
     help="Directories holding memory_rank<R>.jsonl files, or the files themselves.")]
+PlotPath = Annotated[Path | None, typer.Option(
+    "--plot", help="Also draw memory and headroom per step, one line per rank, to this .png "
+    "or .svg file (needs matplotlib).")]
 
 
-def monitor_summary(paths: Paths, json_out: Json = False) -> None:
+def monitor_summary(paths: Paths, plot: PlotPath = None, json_out: Json = False) -> None:
     """Summarise the per-step records a MemoryMonitor wrote on every rank.
 
     Per rank: largest peak, reserved and fragmentation, smallest headroom, allocation retries,
@@ -29,7 +31,13 @@ def monitor_summary(paths: Paths, json_out: Json = False) -> None:
       memplan monitor-summary runs/mem
 
       memplan monitor-summary runs/mem/memory_rank3.jsonl --json
+
+      memplan monitor-summary runs/mem --plot memory.png
     """
+    if plot is not None:
+        from memplan.report.plot import check_path
+
+        check_path(plot)
     from memplan.cli import warn
     from memplan.diagnose.monitored import read_monitor
 
@@ -39,6 +47,11 @@ def monitor_summary(paths: Paths, json_out: Json = False) -> None:
     result = {**monitored.summary, "partial": list(monitored.partial)}
     for note in monitored.partial:
         warn(note)
+    if plot is not None:
+        from memplan.report.plot_monitor import plot_monitor
+
+        drawn = plot_monitor({k: list(v) for k, v in monitored.records.items()}, plot)
+        result["plot"] = None if drawn is None else str(drawn)
     if json_out:
         typer.echo(json.dumps(result, indent=2))
         return
@@ -48,3 +61,6 @@ def monitor_summary(paths: Paths, json_out: Json = False) -> None:
 
     Console().print(render_monitor_summary(result))
     typer.echo(f"worst rank: {result['worst_rank']} (by {result['worst_by']}; marked *)")
+    if plot is not None:
+        typer.echo(f"wrote {result['plot']}" if result["plot"] else
+                   "no plot: matplotlib is not installed (pip install matplotlib)")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from contextlib import nullcontext
 from pathlib import Path
-
 from typing import Annotated
 
 import typer
@@ -29,6 +28,8 @@ Perf = Annotated[bool, typer.Option(
 Out = Annotated[Path | None, typer.Option(
     "--out", help="Write timeline.json, timeline.csv, summary.json (and timeline.png with "
     "matplotlib; snapshot.pickle on CUDA) here.")]
+PlotFormat = Annotated[str, typer.Option(
+    "--plot-format", help="The timeline plot's format in --out: png or svg.")]
 
 
 # one rank, no layout; the global batch is the micro-batch
@@ -42,6 +43,7 @@ def profile(
     fake: Fake = True,
     out: Out = None,
     perf: Perf = False,
+    plot_format: PlotFormat = "png",
     json_out: Json = False,
 ) -> None:
     """Run training steps of the reference model on one rank and record memory by phase.
@@ -61,6 +63,8 @@ def profile(
     """
     if out is not None:  # where the results go is checked before anything runs
         out = check_out_dir(out)
+    if plot_format not in ("png", "svg"):
+        raise MemplanError(f"--plot-format ({plot_format!r}) must be png or svg")
     spec, par, wl = resolve(job.model, **job.kwargs(resolve_only=True))
     if layers is not None:
         if not 0 < layers <= spec.num_layers:
@@ -82,7 +86,7 @@ def profile(
     try:
         with staged_dir(out) if out is not None else nullcontext(None) as stage:
             result = _run(spec, par, wl, gpu_spec, steps, device, fake, perf, stage,
-                          profile_reference, predicted)
+                          profile_reference, predicted, plot_format)
     except KeyboardInterrupt:
         kept = f"nothing was written to {out}" if out is not None else "nothing was written"
         raise Interrupted(f"{kept}; rerun with: {command_line()}") from None
@@ -100,7 +104,7 @@ def profile(
 
 
 def _run(spec, par, wl, gpu_spec, steps: int, device: str, fake: bool, perf: bool,
-         stage: Path | None, profile_reference, predicted) -> dict:
+         stage: Path | None, profile_reference, predicted, plot_format: str = "png") -> dict:
     """The profile's result, with its files written into ``stage`` (when given)."""
     snapshot = stage / "snapshot.pickle" if stage is not None and device == "cuda" else None
     tl = profile_reference(spec, par, wl, steps=steps, device=device, fake=fake,
@@ -111,9 +115,13 @@ def _run(spec, par, wl, gpu_spec, steps: int, device: str, fake: bool, perf: boo
     result = summary(tl, pred)
     if stage is not None:
         written = write(tl, stage, pred)
-        from memplan.plot import plot_timeline
+        from memplan.report.plot_timeline import plot_timeline
 
-        png = plot_timeline(tl, stage / "timeline.png", predicted_peak_bytes=pred["peak_bytes"])
+        # the estimate's phase peaks over their phases; on CUDA its whole peak too (with the
+        # fixed overheads), against the device's used bytes
+        png = plot_timeline(tl, stage / f"timeline.{plot_format}", predicted=pred,
+                            predicted_peak_bytes=pred["peak_bytes"] if device == "cuda"
+                            else None)
         written += [p for p in (png, snapshot) if p is not None]
         result["files"] = [str(p) for p in written]
     if perf:

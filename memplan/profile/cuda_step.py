@@ -7,7 +7,8 @@ change, at each step start and at each step end it reads, after a synchronize:
   sample's peak belongs to the phase that just ended, which is the sample's phase);
 - ``torch.cuda.memory_reserved`` (``reserved_bytes``);
 - ``torch.cuda.mem_get_info`` total - free (``device_used_bytes``: every process on the
-  device, CUDA context and cuBLAS workspaces included).
+  device, CUDA context and cuBLAS workspaces included);
+- the time since sampling began (``time_s``, after the synchronize).
 Step start and end samples also hold ``{"optimizer": bytes of optimizer.state tensors}``.
 With ``snapshot_path`` the allocator's history is recorded
 (``torch.cuda.memory._record_memory_history``) and dumped there for pytorch.org/memory_viz.
@@ -15,6 +16,7 @@ With ``snapshot_path`` the allocator's history is recorded
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,7 @@ class _Sampler(TorchDispatchMode):
         self.step = 0
         self.phase = "forward"
         self.samples: list[Sample] = []
+        self.t0 = time.perf_counter()
 
     def sample(self, op: str, by_category: dict[str, int] | None = None) -> None:
         torch.cuda.synchronize()
@@ -43,7 +46,7 @@ class _Sampler(TorchDispatchMode):
             index=len(self.samples), step=self.step, phase=self.phase,
             total_bytes=torch.cuda.memory_allocated(), op=op, by_category=by_category or {},
             reserved_bytes=torch.cuda.memory_reserved(), device_used_bytes=total - free,
-            peak_bytes=torch.cuda.max_memory_allocated()))
+            peak_bytes=torch.cuda.max_memory_allocated(), time_s=time.perf_counter() - self.t0))
         torch.cuda.reset_peak_memory_stats()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]

@@ -87,8 +87,10 @@ TRACKER_SOURCE = ("exact tensor tracker (torch dispatch mode): bytes of live ten
 
 def from_tracker(tracker: MemoryTracker, steps: int, context: dict[str, Any]) -> Timeline:
     """The tracker's timeline as torch-free samples."""
+    t0 = tracker.timeline[0].time_s if tracker.timeline else 0.0
     samples = [Sample(index=p.op_index, step=p.step, phase=p.phase, total_bytes=p.total_bytes,
-                      by_category=p.by_category, op=p.op) for p in tracker.timeline]
+                      by_category=p.by_category, op=p.op, time_s=p.time_s - t0)
+               for p in tracker.timeline]
     return Timeline(device="cpu-tracker", source=TRACKER_SOURCE, num_steps=steps,
                     samples=samples, context=context)
 

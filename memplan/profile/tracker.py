@@ -15,6 +15,7 @@ The bytes still alive at the end of forward that were born in forward are what a
 
 from __future__ import annotations
 
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,7 @@ class TimelinePoint:
     total_bytes: int
     by_category: dict[str, int]
     op: str = ""
+    time_s: float = 0.0  # time.perf_counter() when recorded
 
 
 def _storages(obj: Any) -> list[torch.UntypedStorage]:
@@ -104,8 +106,7 @@ class MemoryTracker(TorchDispatchMode):
         self._live[key] = [nbytes, category, ref]
         self.by_category[category] += nbytes
         self.total_bytes += nbytes
-        if self.total_bytes > self.high_water_bytes:
-            self.high_water_bytes = self.total_bytes
+        self.high_water_bytes = max(self.high_water_bytes, self.total_bytes)
 
     def _resize(self, entry: list[Any], nbytes: int) -> None:
         delta = nbytes - entry[0]
@@ -113,8 +114,7 @@ class MemoryTracker(TorchDispatchMode):
             entry[0] = nbytes
             self.by_category[entry[1]] += delta
             self.total_bytes += delta
-            if self.total_bytes > self.high_water_bytes:
-                self.high_water_bytes = self.total_bytes
+            self.high_water_bytes = max(self.high_water_bytes, self.total_bytes)
 
     def _drop(self, key: int) -> None:
         entry = self._live.pop(key, None)
@@ -182,7 +182,8 @@ class MemoryTracker(TorchDispatchMode):
             peak.op_index = self.op_index
         if self.keep_timeline:
             self.timeline.append(TimelinePoint(self.op_index, self.step, self.phase,
-                                               self.total_bytes, dict(self.by_category), op))
+                                               self.total_bytes, dict(self.by_category), op,
+                                               time.perf_counter()))
 
     def peak(self, step: int, phase: str) -> PhasePeak:
         return self.peaks[(step, phase)]

@@ -14,6 +14,12 @@ def in_gib(num_bytes: int) -> float:
     return num_bytes / GiB
 
 
+def axis_unit(max_bytes: int) -> tuple[int, str]:
+    """The unit a plot axis reaching ``max_bytes`` is drawn in, and its label: GiB from 1 GiB
+    up, MiB below (binary either way)."""
+    return (GiB, "GiB") if max_bytes >= GiB else (MiB, "MiB")
+
+
 def gib(num_bytes: int, digits: int = 2) -> str:
     """Bytes as GiB without the label, for a column headed GiB: "12.50"."""
     return f"{in_gib(num_bytes):.{digits}f}"

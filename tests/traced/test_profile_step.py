@@ -139,7 +139,7 @@ def test_write_outputs(tmp_path):
 
 def test_plot_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from memplan.plot import plot_timeline
+    from memplan.report.plot_timeline import plot_timeline
 
     model, opt = _mlp()
     tl = profile_step(model, opt, _step, steps=2)
