@@ -24,7 +24,8 @@ Layers = Annotated[int | None, typer.Option(
     "--layers", help="Run only this many layers of the model (a shorter copy of the spec).")]
 Perf = Annotated[bool, typer.Option(
     "--perf", help="Also time the steps under torch.profiler (real tensors): top ops and "
-    "kernels, compute/communication/copies/idle, FLOP/s, MFU, the bound; trace.json in --out.")]
+    "kernels, compute/communication/copies/idle, FLOP/s, bytes/s, MFU, the bound (a roofline "
+    "on CUDA); trace.json in --out, with phase ranges and memory counters.")]
 Out = Annotated[Path | None, typer.Option(
     "--out", help="Write timeline.json, timeline.csv, summary.json (and timeline.png with "
     "matplotlib; snapshot.pickle on CUDA) here.")]
@@ -139,7 +140,10 @@ def _perf(spec, wl, device: str, steps: int, out: Path | None, gpu_spec) -> dict
     model, opt, step_fn = reference_step(spec, wl, device)
     result = profile_perf(model, opt, step_fn, steps=steps, out_dir=out, gpu=gpu_spec)
     if out is not None:
-        write_atomic(out / "perf.json", json.dumps(result, indent=2) + "\n")
+        # perf.json names the trace by file name: the folder it is written in is a staging
+        # folder, renamed into --out when every file is written
+        saved = dict(result, trace=Path(result["trace"]).name if result["trace"] else None)
+        write_atomic(out / "perf.json", json.dumps(saved, indent=2) + "\n")
     return result
 
 
@@ -159,9 +163,12 @@ def _print_perf(p: dict) -> None:
     console.print("time in profiled steps, ms: " + ", ".join(
         f"{k.replace('_', ' ')} {v / 1000:.2f}" for k, v in s.items()))
     mfu = "" if p["mfu"] is None else f", MFU {100 * p['mfu']:.1f}% ({p['mfu_source']})"
+    moved = "" if p.get("achieved_bytes_per_s") is None else \
+        f", {p['achieved_bytes_per_s'] / 1e9:.2f} GB/s moved by its ops"
     console.print(f"mean step {p['mean_step_us'] / 1000:.2f} ms, "
-                  f"{p['achieved_flops_per_s'] / 1e12:.4f} TFLOP/s achieved{mfu}")
-    console.print(f"{p['bound']}-bound: {p['why']}")
+                  f"{p['achieved_flops_per_s'] / 1e12:.4f} TFLOP/s achieved{moved}{mfu}")
+    verdict = p["bound"] if p["bound"] == "not classified" else f"{p['bound']}-bound"
+    console.print(f"{verdict}: {p['why']}")
     if p["trace"]:
         console.print(f"wrote {p['trace']} (open in ui.perfetto.dev)")
 
