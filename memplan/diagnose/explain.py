@@ -139,6 +139,8 @@ def diagnose(est: Estimate, oom: OomReport | None = None) -> Diagnosis:
 
 def _comparison(est: Estimate, s: StageMemory, oom: OomReport,
                 capacity: int) -> list[Finding]:
+    if oom.kind == "nccl":
+        return [_nccl(s, oom, capacity)]
     if oom.kind == "driver":
         return [Finding("driver", "the CUDA runtime itself ran out of memory (an allocation "
                         "outside PyTorch's caching allocator: NCCL, cuBLAS, the CUDA context), "
@@ -180,6 +182,36 @@ def _comparison(est: Estimate, s: StageMemory, oom: OomReport,
                            "({predicted_peak_bytes} of {capacity_bytes}); the findings below "
                            "say what it leaves out", sizes, cause=False))
     return out
+
+
+# What NCCL's buffers are and what shrinks them: the NCCL user guide, "Environment Variables"
+# (docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html: NCCL_BUFFSIZE, 4 MiB by default,
+# the buffer per channel and peer; NCCL_NVLS_ENABLE, NVLink SHARP's buffers; NCCL_MAX_NCHANNELS)
+# and PyTorch's torch.distributed.init_process_group (device_id= makes the communicator at once).
+NCCL_DOCS = "docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html"
+
+
+def _nccl(s: StageMemory, oom: OomReport, capacity: int) -> Finding:
+    room = capacity - s.peak_bytes
+    sizes = {"headroom_bytes": room} if room >= 0 else {"over_bytes": -room}
+    left = ("the estimate leaves {headroom_bytes} beside this rank's peak" if room >= 0 else
+            "the estimate of this rank is itself {over_bytes} over the GPU, so the tensors "
+            "leave NCCL nothing")
+    failed = ""
+    if oom.requested_bytes is not None:
+        sizes["requested_bytes"] = oom.requested_bytes
+        failed = " (it failed to allocate {requested_bytes})"
+    return Finding("nccl", "NCCL itself ran out of memory" + failed + ": a communicator's "
+                   "buffers or NCCL's own state, allocated with cudaMalloc (or cuMem*) outside "
+                   "PyTorch's caching allocator, so memory PyTorch holds reserved, even unused, "
+                   f"is not free for it; {left}. What helps: create the communicators before the model fills the GPU "
+                   "(init_process_group(device_id=...) makes them at once), fewer communicators "
+                   "(each process group, and each pair of ranks a send/recv joins, has its own "
+                   "buffers), smaller ones (NCCL_BUFFSIZE below its 4 MiB per channel and peer, "
+                   "NCCL_MAX_NCHANNELS, NCCL_NVLS_ENABLE=0 on NVSwitch systems), and more "
+                   "headroom (a smaller micro-batch or recomputation, "
+                   "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True so cached blocks go back); "
+                   f"NCCL user guide, Environment Variables ({NCCL_DOCS})", sizes, cause=True)
 
 
 def _step_name(step: str) -> str:

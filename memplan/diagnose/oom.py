@@ -72,6 +72,15 @@ ceil(0.005 x unit): 0 for bytes, 6 B for KiB, 5,243 B for MiB, 5,368,710 B for G
 
 The CUDA runtime's own "CUDA error: out of memory" (cudaMalloc outside the caching allocator:
 NCCL, cuBLAS, the context) carries no numbers; it is recognised as its own kind.
+
+NCCL's own reports are their own kind too (``nccl``): its ``CUDACHECK``/``CUCHECK`` macros
+(src/include/checks.h) log ``NCCL WARN Cuda failure 2 'out of memory'`` (the error number
+first in recent releases, ``Cuda failure 'out of memory'`` before), its allocators
+(src/include/alloc.h) ``NCCL WARN Failed to CUDA calloc 6291456 bytes`` (or ``calloc async``,
+the one size such a log gives), and PyTorch's ``DistBackendError`` ends in NCCL's last error
+(``ncclUnhandledCudaError: Call to CUDA function failed. Last error: Cuda failure 'out of
+memory'``). Such an allocation is a communicator's buffers or NCCL's own state, made with
+cudaMalloc or cuMem* outside PyTorch's caching allocator.
 """
 
 from __future__ import annotations
@@ -83,7 +92,6 @@ from dataclasses import dataclass
 from memplan.errors import MemplanError
 from memplan.inputs import LOG_BYTES, read_bytes
 from memplan.units import GiB, KiB, MiB, ceil_div
-
 
 # format_size's units (c10/cuda/CUDACachingAllocator.cpp until 2.4, then c10/core)
 _UNITS = {"bytes": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB}
@@ -127,6 +135,11 @@ _ASYNC = re.compile(
     + _size("limit"))
 _ASYNC_CUT = re.compile(r"Allocation on device\b")
 _DRIVER = re.compile(r"CUDA error: out of memory")
+# NCCL (see the module docstring); a line prefix "host:pid:tid [dev]" names the CUDA device
+_NCCL = re.compile(r"NCCL WARN\b[^']{0,200}?out of memory|Cuda failure (?:\d+ )?'out of memory'"
+                   r"|Failed to CUDA calloc(?: async)? \d+ bytes")
+_NCCL_SIZE = re.compile(r"Failed to CUDA calloc(?: async)? (\d+) bytes")
+_NCCL_DEVICE = re.compile(r"\[(\d+)\] (?:[\w/.]+:\d+ )?NCCL WARN")
 _OTHER = re.compile(r"(MPS backend) out of memory")
 # torchrun and most launchers prefix each line of a rank's output: "[rank3]: ", "3: "
 _RANK_PREFIX = re.compile(r"^\s*\[(?:default)?rank(\d+)\]:\s?|^\s*(\d+):\s", re.MULTILINE)
@@ -140,10 +153,11 @@ class OomReport:
     """The numbers of one out-of-memory message; sizes are int bytes, each within
     ``rounding_bytes`` of the true value (None where this format does not give it)."""
 
-    kind: str  # "allocator" (the caching allocator's message), "driver" (no numbers) or
+    kind: str  # "allocator" (the caching allocator's message), "driver" (no numbers),
+    #            "nccl" (NCCL's own report; at most the size it failed to allocate) or
     #            "snapshot" (memplan.diagnose.snapshot: exact bytes)
-    version: str  # which message format: "1.x-2.0", "2.1+", "cudaMallocAsync", "driver" or
-    #               "snapshot"
+    version: str  # which message format: "1.x-2.0", "2.1+", "cudaMallocAsync", "driver",
+    #               "nccl" or "snapshot"
     device: int | None = None
     rank: int | None = None  # from a "[rankN]:" line prefix, when present
     # the allocation that failed: the caching allocator's segment ("Tried to allocate": the
@@ -259,6 +273,11 @@ def _headless(flat: str, rank: int | None) -> OomReport:
                            "on device': PyTorch 2.3 and later printed the device index as a "
                            "raw byte, and GPU 0's byte (NUL) cut the message there, so no size "
                            "survives; give a memory snapshot (--snapshot) instead")
+    if _NCCL.search(flat):
+        size, dev = _NCCL_SIZE.search(flat), _NCCL_DEVICE.search(flat)
+        return OomReport(kind="nccl", version="nccl", rank=rank,
+                         device=int(dev.group(1)) if dev else None,
+                         requested_bytes=int(size.group(1)) if size else None)
     if _DRIVER.search(flat):
         return OomReport(kind="driver", version="driver", rank=rank)
     other = _OTHER.search(flat)
@@ -266,7 +285,8 @@ def _headless(flat: str, rank: int | None) -> OomReport:
         raise MemplanError(f"{other.group(1)} out-of-memory messages are not read; give "
                            "a CUDA, HIP or XPU caching allocator message")
     raise MemplanError("no PyTorch out-of-memory message found: expected 'CUDA out of "
-                       "memory. Tried to allocate ...' (PyTorch 1.x to current)")
+                       "memory. Tried to allocate ...' (PyTorch 1.x to current), or NCCL's "
+                       "\"NCCL WARN Cuda failure 2 'out of memory'\"")
 
 
 def _old_report(m: re.Match, requested: int, bound: int, rank: int | None) -> OomReport:
@@ -346,7 +366,7 @@ def request_matches(oom: OomReport, tensor_bytes: int) -> bool:
     """Whether the failed allocation of ``oom`` can be one tensor of ``tensor_bytes``: the
     caching allocator reports its segment (``segment_bytes``), a snapshot the request rounded
     to 512 B, cudaMallocAsync the request itself; each within the message's rounding."""
-    if oom.requested_bytes is None:
+    if oom.requested_bytes is None or oom.kind == "nccl":  # NCCL's buffers are no tensor
         return False
     if oom.kind == "allocator" and oom.version != "cudaMallocAsync":
         expected = segment_bytes(tensor_bytes)

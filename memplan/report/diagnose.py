@@ -20,6 +20,12 @@ def sentence(f: Finding) -> str:
 def _oom_line(oom: OomReport) -> str:
     if oom.kind == "driver":
         return "error: CUDA runtime out of memory (no sizes in the message)"
+    if oom.kind == "nccl":
+        where = "".join(f", {label} {value}" for label, value in (
+            ("GPU", oom.device), ("rank", oom.rank)) if value is not None)
+        failed = "" if oom.requested_bytes is None else \
+            f": an allocation of {size(oom.requested_bytes)} failed"
+        return f"error: NCCL out of memory{where}{failed}"
     parts = [f"error ({oom.version} format"
              + (f", GPU {oom.device}" if oom.device is not None else "")
              + (f", rank {oom.rank}" if oom.rank is not None else "") + "):"]
