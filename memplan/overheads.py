@@ -12,10 +12,24 @@ from functools import lru_cache
 from memplan.hardware import GpuSpec
 from memplan.units import MiB
 
-# CUDA >= 11.7 loads kernels lazily; the bare context is "around 400MB" on current GPUs
-# (PyTorch maintainers, pytorch/pytorch#109888 and #107667; 256-616 MiB seen across GPUs).
+# The default CUDA context: what the driver holds for a process, outside PyTorch's caching
+# allocator, once its first training step has run with lazy module loading (CUDA >= 11.7 loads
+# a kernel when it is first used; PyTorch sets CUDA_MODULE_LOADING=LAZY since 1.13,
+# pytorch/pytorch#86509): the bare context, the kernels loaded so far, and the cuBLAS and cuDNN
+# handles the first step creates (their workspaces come from the caching allocator: the
+# workspace line below). PyTorch's maintainers put it at "around 400MB" (#109888) and ~300 MB
+# (#107667; 256-616 MiB seen across GPUs); #86509 measured 287,047,680 bytes after a first
+# tensor with lazy loading and 666,632,192 with eager loading. The 1-2 GB people read in
+# nvidia-smi are more than this: nvidia-smi counts the caching allocator's reserved pool as the
+# process's memory, and eager loading (CUDA_MODULE_LOADING=EAGER, or CUDA < 11.7) loads every
+# kernel of every library at once (over 1,000 MB, #107667). `memplan calibrate` measures it on
+# a machine (memplan.profile.overhead_probe: context, first tensor, cuBLAS, attention).
 CUDA_CONTEXT_BYTES = 400 * MiB
-CUDA_CONTEXT_SOURCE = "default: bare CUDA context with lazy loading, ~400 MiB (pytorch/pytorch#109888)"
+CUDA_CONTEXT_SOURCE = ("default: CUDA context after the first step with lazy module loading "
+                       "(bare context, loaded kernels, cuBLAS/cuDNN handles; their workspaces "
+                       "are the workspace line), ~400 MiB (pytorch/pytorch#109888); nvidia-smi's "
+                       "1-2 GB also counts PyTorch's reserved pool and, with eager loading, "
+                       "every kernel")
 
 # PyTorch allocates one cuBLAS workspace per (handle, stream) from the caching allocator:
 # 32 MiB on compute capability 9.x (Hopper), 4 MiB elsewhere, following cuBLAS's

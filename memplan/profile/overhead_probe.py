@@ -7,12 +7,19 @@ its used bytes at start, which include both contexts, so the difference is one b
 The second process then reports the growth after ``torch.ones((1, 1)).to("cuda")`` (the first
 allocator segment and the kernels it loads), the first bf16 matmul (cuBLAS handle and
 workspace), and the first flash SDPA call (its kernels). The calling process never touches the
-device here.
+device here; without a CUDA device (asked in the first process, before it makes a context) or
+when a probe process fails, ``run_probes`` raises ``MemplanError`` with one line saying why.
+
+What the probes measure is what ``memplan.overheads``' default CUDA context (400 MiB) stands
+for until they run: ``context`` the bare context, ``first_tensor``, ``cublas`` and ``sdpa`` what
+the first step adds outside the caching allocator (its first segment and kernels, the cuBLAS
+handle and its kernels, the attention kernels).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -28,7 +35,22 @@ def _used() -> int:
     return total - free
 
 
+def _no_cuda() -> str | None:
+    """Why this process cannot probe the device, or None (asked before any context exists)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return (f"no CUDA device is visible (torch {torch.__version__}, built for CUDA "
+            f"{torch.version.cuda}, CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')!s})")
+
+
 def hold() -> None:
+    why = _no_cuda()
+    if why is not None:
+        print(json.dumps({"error": why}), flush=True)
+        return
     print(json.dumps({"used": _used()}), flush=True)
     sys.stdin.readline()
 
@@ -52,24 +74,64 @@ def steps() -> None:
     print(json.dumps(out), flush=True)
 
 
+def _last_line(text: str | None) -> str:
+    lines = [line for line in (text or "").strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"
+
+
+def _answer(line: str, proc: subprocess.Popen[str], what: str) -> dict[str, int]:
+    """The JSON a probe process printed, or MemplanError saying why there is none."""
+    try:
+        got = json.loads(line)
+    except json.JSONDecodeError:
+        proc.kill()
+        _, err = proc.communicate(timeout=PROBE_TIMEOUT_S)
+        raise MemplanError(f"overhead probe: the {what} process ended without a result "
+                           f"(exit {proc.returncode}): {_last_line(err)}") from None
+    if "error" in got:
+        raise MemplanError(f"overhead probe needs a CUDA GPU: {got['error']}")
+    return got
+
+
+def _release(proc: subprocess.Popen[str]) -> None:
+    """Let the holding process go (it may have ended already) and reap it."""
+    try:
+        if proc.stdin and not proc.stdin.closed:
+            proc.stdin.write("\n")
+            proc.stdin.close()
+    except (BrokenPipeError, OSError):  # it has exited: nothing to release
+        pass
+    try:
+        proc.wait(timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def run_probes() -> dict[str, int]:
-    """Device-used growth in bytes: context, first_tensor, cublas, sdpa (see the docstring)."""
+    """Device-used growth in bytes: context, first_tensor, cublas, sdpa (see the docstring).
+    Raises MemplanError (one line) without a CUDA device or when a probe process fails."""
     cmd = [sys.executable, "-m", "memplan.profile.overhead_probe"]
     first = subprocess.Popen([*cmd, "hold"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:
-        held = json.loads(first.stdout.readline())  # type: ignore[union-attr]
-        second = subprocess.run([*cmd, "steps"], capture_output=True, text=True,
-                                timeout=PROBE_TIMEOUT_S, check=True)
-        got = json.loads(second.stdout.strip().splitlines()[-1])
-    except (json.JSONDecodeError, IndexError, subprocess.SubprocessError) as err:
-        detail = getattr(err, "stderr", None) or str(err)
-        raise MemplanError(f"overhead probe failed: {detail.strip().splitlines()[-1:]}") from err
+        held = _answer(first.stdout.readline(), first, "first")  # type: ignore[union-attr]
+        try:
+            second = subprocess.run([*cmd, "steps"], capture_output=True, text=True, check=False,
+                                    timeout=PROBE_TIMEOUT_S)
+        except subprocess.TimeoutExpired as err:
+            raise MemplanError(f"overhead probe: the second process ran past "
+                               f"{PROBE_TIMEOUT_S} s") from err
+        if second.returncode != 0:
+            raise MemplanError(f"overhead probe: the second process failed (exit "
+                               f"{second.returncode}): {_last_line(second.stderr)}")
+        try:
+            got = json.loads(second.stdout.strip().splitlines()[-1])
+        except (json.JSONDecodeError, IndexError) as err:
+            raise MemplanError(f"overhead probe: the second process printed no result: "
+                               f"{_last_line(second.stderr)}") from err
     finally:
-        if first.stdin:
-            first.stdin.write("\n")
-            first.stdin.close()
-        first.wait(timeout=PROBE_TIMEOUT_S)
+        _release(first)
     return {"context": got["init"] - held["used"],
             "first_tensor": got["first_tensor"] - got["init"],
             "cublas": got["cublas"] - got["first_tensor"],
