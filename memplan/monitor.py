@@ -298,23 +298,16 @@ class MemoryMonitor:
             return time.perf_counter()
 
     def _read(self) -> dict[str, int]:
-        try:
-            got = self._hook("reader", self.reader)  # type: ignore[arg-type]
+        try:  # the reader's dict is read inside the hook too: its items() is its own code
+            got, bad = self._hook("reader", lambda: _counters(self.reader()))  # type: ignore[misc]
         except _Stop:
             raise
         except Exception as err:  # noqa: BLE001
             self._error("reader", err)
             return {}
-        if not isinstance(got, dict):
-            self._error("reader", TypeError(f"returned {type(got).__name__}, not a dict"))
-            return {}
-        out = {k: v for k, v in got.items() if type(v) is int and k not in _OWN_KEYS
-               and type(k) is str}
-        if len(out) < len(got):
-            bad = next(k for k in got if k not in out)
-            self._error("reader", TypeError(f"{bad!r} is {got[bad]!r}, not an int counter "
-                                            "of its own"))
-        return out
+        if bad is not None:
+            self._error("reader", TypeError(bad))
+        return got
 
     def _check(self, rec: dict[str, Any]) -> list[str]:
         out: list[tuple[str, str]] = []
@@ -400,6 +393,18 @@ class MemoryMonitor:
 
 def _ignore(*_: Any, **__: Any) -> None:
     return None
+
+
+def _counters(got: Any) -> tuple[dict[str, int], str | None]:
+    """The int counters of a reader's answer, and what was wrong with the rest (or None)."""
+    if not isinstance(got, dict):
+        return {}, f"returned {type(got).__name__}, not a dict"
+    out = {k: v for k, v in got.items() if type(v) is int and k not in _OWN_KEYS
+           and type(k) is str}
+    if len(out) == len(got):
+        return out, None
+    key = next(k for k in got if k not in out)
+    return out, f"{key!r} is {got[key]!r}, not an int counter of its own"
 
 
 def _leak_text(t: Trend) -> str:

@@ -247,6 +247,17 @@ def test_reader_raising_base_exception_stops_the_monitor(tmp_path, exc, caplog):
     assert any("stopped" in r.getMessage() for r in caplog.records)
 
 
+def test_reader_answer_raising_when_read(tmp_path):
+    """The reader returns a dict whose items() raises KeyboardInterrupt: that is the reader's
+    code too, so the monitor stops and the step returns."""
+    class Sly(dict):
+        def items(self):
+            raise KeyboardInterrupt
+
+    mon = MemoryMonitor(tmp_path, rank=0, reader=lambda: Sly(allocated_bytes=1))
+    assert mon.step() is None and mon.stopped == "reader raised KeyboardInterrupt()"
+
+
 def test_clock_failing_later(tmp_path):
     """A clock that works when the monitor is made, then raises: step times fall back to
     time.perf_counter, the error is counted; one raising SystemExit stops the monitor."""
