@@ -150,12 +150,14 @@ def llama_like(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
         fields.update(qkv_bias=True, attn_out_bias=False)
     if model_type == "mixtral":
         # Mixtral's intermediate_size is the expert width; every layer is MoE and the router
-        # (gate) is a bias-free linear layer.
+        # (gate) is a bias-free linear layer; transformers 5 stacks the experts' weights
+        # (models/mixtral/modeling_mixtral.py MixtralExperts: gate_up_proj, down_proj)
         fields["moe"] = {
             "num_experts": cfg.get_int("num_local_experts"),
             "top_k": cfg.get_int("num_experts_per_tok"),
             "expert_ffn_hidden_size": fields["ffn_hidden_size"],
             "router_bias": False,
+            "stacked_experts": True,
         }
     return fields
 

@@ -149,7 +149,8 @@ def _gemma_mlp(cfg: ConfigKeys) -> str:
 def gemma(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
     """models/gemma2/modeling_gemma2.py, models/gemma3/modeling_gemma3.py: head_dim its own key
     (default 256), four norms per layer (Gemma2DecoderLayer: input, post-attention,
-    pre-feed-forward, post-feed-forward), tied embeddings by default, a gated GELU; Gemma 2
+    pre-feed-forward, post-feed-forward) that scale in fp32 by (1 + weight)
+    (Gemma2RMSNorm.forward), tied embeddings by default, a gated GELU; Gemma 2
     soft-caps the attention scores (eager attention only: sdpa_attention_forward takes no
     softcap) and the final logits (Gemma2ForCausalLM.forward), every second layer sliding;
     Gemma 3 adds per-head q/k norms (Gemma3Attention), no soft-capping by default and every
@@ -164,6 +165,7 @@ def gemma(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
     default = [SLIDING if (i + 1) % period else FULL for i in range(num_layers)]
     fields.update(
         mlp=_gemma_mlp(cfg), qkv_bias=bias, attn_out_bias=bias, norm_placement="sandwich",
+        norm_scale_fp32=True,
         **sliding_fields(cfg, _layer_types(cfg, num_layers, default), _window(cfg) or 4096),
     )
     default_cap = (30.0, 50.0) if gemma2 else (None, None)
@@ -198,11 +200,12 @@ def phi3(cfg: ConfigKeys) -> dict[str, Any]:
 def olmo2(cfg: ConfigKeys) -> dict[str, Any]:
     """models/olmo2/modeling_olmo2.py: norms after the mixers, before the residual add, none
     before them (Olmo2DecoderLayer.forward), q and k normalised over the whole projection
-    (Olmo2Attention.q_norm of heads * head_dim, k_norm of kv_heads * head_dim),
-    attention_bias on q, k, v and o."""
+    (Olmo2Attention.q_norm of heads * head_dim, k_norm of kv_heads * head_dim), the weight
+    multiplying the fp32 normalised tensor (Olmo2RMSNorm.forward), attention_bias on q, k, v
+    and o."""
     fields = llama_fields(cfg, head_dim_default=None, tie_default=False,
                           defaults={"vocab_size": 50304, "max_position_embeddings": 2048})
-    fields.update(qk_norm="full", norm_placement="post")
+    fields.update(qk_norm="full", norm_placement="post", norm_scale_fp32=True)
     return fields
 
 
@@ -213,7 +216,8 @@ def deepseek_v3(cfg: ConfigKeys) -> dict[str, Any]:
     intermediate_size in the first first_k_dense_replace layers (DeepseekV3DecoderLayer), then
     DeepseekV3MoE: n_routed_experts stacked (DeepseekV3NaiveMoe), a sigmoid router without
     bias (DeepseekV3TopkRouter; its e_score_correction_bias is a buffer) and n_shared_experts
-    as one MLP of moe_intermediate_size * n_shared_experts. transformers builds no
+    as one MLP of moe_intermediate_size * n_shared_experts; the router's linear on fp32 copies
+    of its input and weight (DeepseekV3TopkRouter.forward). transformers builds no
     multi-token-prediction layers (num_nextn_predict_layers: DeepseekV3ForCausalLM's
     _keys_to_ignore_on_load_unexpected drops model.layers.61)."""
     hidden = cfg.get_int("hidden_size")
@@ -237,7 +241,7 @@ def deepseek_v3(cfg: ConfigKeys) -> dict[str, Any]:
         "num_experts": _num_experts(cfg, ("n_routed_experts", "num_local_experts"), 256),
         "top_k": cfg.get_int("num_experts_per_tok", 8),
         "expert_ffn_hidden_size": moe_ffn, "first_dense_layers": first_dense,
-        "stacked_experts": True,
+        "stacked_experts": True, "router_fp32": True,
     }
     if shared:
         moe.update(num_shared_experts=cfg.get_int("n_shared_experts", 1),

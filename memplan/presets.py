@@ -39,8 +39,10 @@ class Default(NamedTuple):
 
 def _hf_norm(spec: ModelSpec) -> str:
     # LlamaRMSNorm / Qwen2RMSNorm / MistralRMSNorm are Python upcasts; GPT-2's nn.LayerNorm is
-    # one aten kernel
-    return "fused" if spec.norm is NormKind.LAYERNORM else "upcast"
+    # one aten kernel; Gemma's and OLMo 2's RMSNorms scale the fp32 tensor before the cast
+    if spec.norm is NormKind.LAYERNORM:
+        return "fused"
+    return "upcast-fp32" if spec.norm_scale_fp32 else "upcast"
 
 
 def _titan_units(spec: ModelSpec) -> str:
@@ -60,7 +62,8 @@ PRESETS: dict[Framework, tuple[Default, ...]] = {
                 f"for torch >= 2.8 ({_TRANSFORMERS})"),
         Default("norm_impl", _hf_norm,
                 f"models/llama/modeling_llama.py LlamaRMSNorm.forward upcasts to fp32 in "
-                f"Python; GPT-2 uses nn.LayerNorm ({_TRANSFORMERS})"),
+                f"Python; Gemma2RMSNorm / Olmo2RMSNorm scale the fp32 tensor before the cast "
+                f"back; GPT-2 uses nn.LayerNorm ({_TRANSFORMERS})"),
         Default("logits_fp32", True,
                 f"loss/loss_utils.py ForCausalLMLoss: logits.float() ({_TRANSFORMERS})"),
         Default("logits_held", LogitsHeld.LOSS.value,
@@ -71,6 +74,16 @@ PRESETS: dict[Framework, tuple[Default, ...]] = {
                 f"models/llama/modeling_llama.py eager_attention_forward: softmax(..., "
                 f"dtype=torch.float32).to(query.dtype) ({_TRANSFORMERS}; eager attention "
                 f"only)"),
+        Default("moe_impl", "grouped",
+                f"integrations/moe.py grouped_mm_experts_forward: the experts' default "
+                f"implementation (modeling_utils.py get_correct_experts_implementation) for "
+                f"the stacked experts of Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 "
+                f"({_TRANSFORMERS})"),
+        Default("window_mask", True,
+                f"masking_utils.py sdpa_mask: a sliding-window layer gets an explicit mask "
+                f"unless the sequence is shorter than the window (_ignore_causal_mask_sdpa); "
+                f"integrations/sdpa_attention.py repeats K and V for it (use_gqa_in_sdpa "
+                f"needs no mask) ({_TRANSFORMERS})"),
         Default("kv_cache", True,
                 f"models/llama/modeling_llama.py LlamaModel.forward builds a DynamicCache "
                 f"when use_cache (the published configs' default), also in training without "
@@ -181,7 +194,7 @@ GENERIC: dict[str, Any] = {
     "selective_impl": "core", "fused_qkv": False, "rope_cache": "forward", "loss_split": 0,
     "ddp_any_size": False,
     "attention_impl": "generic", "pipeline_split": "even", "tp_style": "megatron",
-    "grad_buffers": "view",
+    "grad_buffers": "view", "moe_impl": "loop", "window_mask": False,
 }
 LAYOUT_FIELDS = frozenset({"tp_style", "grad_buffers"})
 

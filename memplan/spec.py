@@ -12,7 +12,6 @@ from __future__ import annotations
 import enum
 import os
 from dataclasses import dataclass
-
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -129,6 +128,9 @@ class MoESpec(BaseModel):
         "the first k layers have a dense MLP of ffn_hidden_size (DeepSeek-V3's "
         "first_k_dense_replace)"))
     router_bias: bool = False
+    router_fp32: bool = Field(default=False, description=(
+        "the router's linear runs on fp32 copies of its input and weight (DeepSeek-V3's "
+        "DeepseekV3TopkRouter.forward), which it saves"))
     shared_expert_gate: bool = Field(default=False, description=(
         "a bias-free h -> 1 linear whose sigmoid scales the shared experts' output (Qwen2-MoE's "
         "shared_expert_gate: models/qwen2_moe/modeling_qwen2_moe.py "
@@ -193,6 +195,11 @@ class ModelSpec(BaseModel):
         "models/phi3/modeling_phi3.py Phi3MLP)"))
     qk_norm: QkNorm = QkNorm.NONE
     norm_placement: NormPlacement = NormPlacement.PRE
+    norm_scale_fp32: bool = Field(default=False, description=(
+        "the model's RMSNorm multiplies its fp32 normalised tensor by the weight before the cast "
+        "back (Gemma's x * (1 + w): Gemma2RMSNorm.forward; OLMo 2's w * x: Olmo2RMSNorm."
+        "forward), as --norm upcast-fp32 does; where the framework runs the model's own norm "
+        "(transformers) that is its norm implementation"))
     final_logit_softcap: float | None = Field(default=None, gt=0, description=(
         "logits -> cap * tanh(logits / cap) before the loss (Gemma 2's "
         "final_logit_softcapping)"))
@@ -251,6 +258,11 @@ class ModelSpec(BaseModel):
         """Width of the attention output the output projection reads: heads * v_head_dim with
         MLA, else heads * head_dim."""
         return self.num_attention_heads * (self.mla.v_head_dim if self.mla else self.head_dim)
+
+    @property
+    def rope_dim(self) -> int:
+        """Width RoPE rotates per head: MLA's decoupled RoPE head, else the whole head."""
+        return self.mla.qk_rope_head_dim if self.mla else self.head_dim
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer ``index`` (0-based) has an MoE feed-forward."""
@@ -454,7 +466,6 @@ def _model_path(key: str) -> Path | None:
     if not exists:
         return None
     return regular_file(path / "config.json" if folder else path, "model file")
-
 
 
 def load_model(name_or_path: str) -> ModelSpec:

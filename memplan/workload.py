@@ -307,6 +307,23 @@ MAX_SEQUENCES = 2**24
 MAX_SEQ_LEN = 2**24
 
 
+class MoeImpl(str, enum.Enum):
+    """How an MoE feed-forward runs its routed experts.
+
+    loop     one expert after another over its gathered rows, the weighted outputs combined
+             out of place with index_add (memplan's reference model, ``memplan.profile.
+             reference.MoE``)
+    grouped  transformers' default experts implementation (integrations/moe.py
+             ``grouped_mm_experts_forward``; ``get_correct_experts_implementation`` picks
+             grouped_mm): the routed rows sorted by expert, one grouped matmul over all of
+             them for gate/up and one for down, weighted, unsorted and summed per token (the
+             sum saves nothing)
+    """
+
+    LOOP = "loop"
+    GROUPED = "grouped"
+
+
 class Workload(BaseModel):
     """One training step. Token counts are per micro-batch, per data-parallel replica."""
 
@@ -349,6 +366,11 @@ class Workload(BaseModel):
         "chunked_cross_entropy: logits.split(128)); 0: one piece"))
     rope_cache: RopeCache = RopeCache.FORWARD
     attention_impl: AttentionImpl = AttentionImpl.GENERIC
+    moe_impl: MoeImpl = MoeImpl.LOOP
+    window_mask: bool = Field(default=False, description=(
+        "sliding-window layers attend through an explicit mask once the sequence reaches the "
+        "window, which SDPA converts to the query's dtype and saves, K and V repeated to every "
+        "query head for it (transformers' SDPA path)"))
     pipeline_split: PipelineSplit = PipelineSplit.EVEN
     loss_chunks: int = Field(default=1, gt=0, description=(
         "1: the head and cross-entropy run on all tokens at once; n > 1: on n chunks of the "

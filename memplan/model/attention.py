@@ -45,11 +45,14 @@ def attention_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recomput
     if litgpt:
         terms += _litgpt_terms(spec, dm, grouped)
     elif (wl.kv_cache and (spec.fused_qkv or wl.fused_qkv) and not dm.autocast
-          and recompute is Recompute.NONE):
+          and recompute is Recompute.NONE and spec.position is not PositionKind.ROPE):
         # a key/value cache filled by the training forward (transformers' DynamicLayer.update:
         # torch.cat) hands SDPA copies of k and v, while q is still a view of the fused
         # projection's output: SDPA's saved q keeps all of it alive, its k and v parts too
+        # (with RoPE, q is RoPE's new tensor)
         terms.append(Term("attn.qkv_pinned", dm.tokens * 2 * spec.kv_size // t * e))
+    if head_major_core(spec, wl, recompute):
+        terms.append(Term("attn.core_out", dm.tokens * spec.q_size // t * e))
     if recompute is Recompute.NONE:
         if wl.attention is Kernel.FLASH:
             terms.append(Term("attn.lse", dm.b * heads * dm.s * FP32_BYTES))
@@ -59,6 +62,10 @@ def attention_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recomput
             # transformers' eager softmax runs in fp32 and casts back (softmax_fp32)
             scores = dm.b * heads * dm.s * dm.s_kv
             fp32_softmax = dm.autocast or (wl.softmax_fp32 and e < FP32_BYTES)
+            if spec.attn_logit_softcap is not None:
+                # Gemma 2's eager_attention_forward: scores / cap, tanh (which saves its
+                # output), * cap, before the mask and the softmax
+                terms.append(Term("attn.softcap_tanh", scores * e))
             terms.append(Term("attn.softmax", scores * (FP32_BYTES if fp32_softmax else e)))
             if spec.dropout > 0:
                 terms.append(Term("attn.softmax_dropout_mask", scores))
@@ -100,6 +107,21 @@ def qk_norm_sizes(spec: ModelSpec, t: int) -> list[int]:
     if spec.qk_norm is QkNorm.FULL:
         return [spec.q_size // t, spec.kv_size // t]
     return []
+
+
+def head_major_core(spec: ModelSpec, wl: Workload, recompute: Recompute) -> bool:
+    """Whether the fused core's output is head-major, so that the reshape for the output
+    projection copies it and both are saved: transformers' rotate-half RoPE
+    (``apply_rotary_pos_emb``: ``q * cos + rotate_half(q) * sin``) on a q sliced out of one
+    fused projection (Phi-3's qkv_proj: a view that is not dense) returns a contiguous
+    head-major q, and SDPA's output takes q's layout (flash's ``empty_like`` of it); a q of its
+    own projection is a dense token-major view, whose layout elementwise ops keep (traced:
+    tests/traced/test_frameworks.py phi3). torchtitan's complex RoPE (``RopeCache.LAYER``)
+    reshapes its result token-major again; eager attention copies its output anyway
+    (``memplan.model.eager``)."""
+    return (spec.fused_qkv and spec.position is PositionKind.ROPE
+            and wl.attention is Kernel.FLASH and wl.rope_cache is RopeCache.FORWARD
+            and wl.attention_impl is AttentionImpl.GENERIC and recompute is Recompute.NONE)
 
 
 def _litgpt_terms(spec: ModelSpec, dm: Dims, grouped: bool) -> list[Term]:
@@ -273,6 +295,80 @@ class Attention:
         return 2.0 * sum(attention_params(spec)) + 2.0 * seq_len * spec.q_size
 
 
+def windowed(spec: ModelSpec, wl: Workload) -> bool:
+    """Whether a sliding-window layer's SDPA gets an explicit mask (``Workload.window_mask``):
+    transformers' ``_ignore_causal_mask_sdpa`` (masking_utils.py) skips the mask only when the
+    keys are fewer than the window (``kv_length < local_attention_size``). Its layers are then
+    a kind of their own (``memplan.model.stage_parts.layer_keys``)."""
+    return (wl.window_mask and wl.attention is Kernel.FLASH and spec.sliding_window is not None
+            and wl.seq_len >= spec.sliding_window)
+
+
+class WindowAttention(Attention):
+    """The attention block of a sliding-window layer. Where its SDPA call gets an explicit
+    mask (``windowed``), SDPA converts the boolean mask to the query's dtype and saves that
+    copy (``convert_boolean_attn_mask`` in aten/src/ATen/native/transformers/attention.cpp;
+    CUDA's memory-efficient kernel saves it as its attn_bias), one per layer, and transformers
+    repeats K and V to every query head first (integrations/sdpa_attention.py: no
+    ``enable_gqa`` with a mask), so the core saves them at the query width: the block is the
+    generic one with a key/value head per query head, plus the mask (traced:
+    tests/traced/test_frameworks.py gemma2-window). Otherwise it is the generic block."""
+
+    def _as_run(self, spec: ModelSpec, wl: Workload, dm: Dims) -> ModelSpec:
+        if not windowed(spec, wl) or spec.num_kv_heads == spec.num_attention_heads:
+            return spec
+        return spec.model_copy(update={"num_kv_heads": spec.num_attention_heads})
+
+    def _mask(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
+        """The saved mask, and the q/k norms' terms at the model's K width (they run before
+        the repetition) in place of the repeated spec's."""
+        if not windowed(spec, wl):
+            return []
+        run = self._as_run(spec, wl, dm)
+        qk = qk_norm_terms(spec, wl, dm)
+        return [Term("attn.window_mask", dm.b * dm.s * dm.s_kv * dm.e),
+                Term("attn.qk_norm_width", total(qk) - total(qk_norm_terms(run, wl, dm)))]
+
+    def saved(self, spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
+        run = self._as_run(spec, wl, dm)
+        if run is spec:
+            return attention_terms(spec, wl, dm, recompute) + self._mask(spec, wl, dm)
+        qk = {t.name for t in qk_norm_terms(run, wl, dm)}
+        return ([t for t in attention_terms(run, wl, dm, recompute) if t.name not in qk]
+                + qk_norm_terms(spec, wl, dm) + self._mask(spec, wl, dm)[:1])
+
+    def forward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
+                        recompute: Recompute) -> list[Moment]:
+        mask = total(self._mask(spec, wl, dm))
+        return [m._replace(own_bytes=m.own_bytes + mask)
+                for m in super().forward_moments(self._as_run(spec, wl, dm), wl, dm, recompute)]
+
+    def working_set(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
+        return super().working_set(self._as_run(spec, wl, dm), wl, dm)
+
+    def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
+                         recompute: Recompute) -> list[BackwardMoment]:
+        mask = total(self._mask(spec, wl, dm))
+        run = self._as_run(spec, wl, dm)
+        out = super().backward_moments(run, wl, dm, recompute)
+        # the core's moments hold the mask
+        return [m._replace(own_bytes=m.own_bytes + mask) if m.name.startswith("attention")
+                else m for m in out]
+
+    def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
+        return super().rebuild_moments(self._as_run(spec, wl, dm), wl, dm)
+
+
+def window_mask_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    """The boolean sliding-window mask transformers builds once per forward for its windowed
+    layers (``windowed``; masking_utils.py create_sliding_window_causal_mask: (b, 1, s,
+    s_kv)), alive until the model's forward returns."""
+    if not windowed(spec, wl) or not any(spec.is_sliding_layer(i)
+                                             for i in range(spec.num_layers)):
+        return 0
+    return dm.b * dm.s * dm.s_kv
+
+
 def rope_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
     """cos and sin tables, computed once per micro-batch per stage and saved by every layer,
     in the activations' dtype (fp32 under autocast, as Hugging Face casts them to the hidden
@@ -280,7 +376,7 @@ def rope_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
     (``rope_buffer_bytes``)."""
     if spec.position is not PositionKind.ROPE or wl.rope_cache is not RopeCache.FORWARD:
         return []
-    return [Term("rope.cos_sin", 2 * dm.s * spec.head_dim * dm.stream_e)]
+    return [Term("rope.cos_sin", 2 * dm.s * spec.rope_dim * dm.stream_e)]
 
 
 # torchtitan's RoPE.cache: complex64, one (real, imaginary) fp32 pair per two rotated dims
@@ -297,8 +393,8 @@ def rope_buffer_bytes(spec: ModelSpec, wl: Workload, num_layers: int) -> int:
     if spec.position is not PositionKind.ROPE or wl.rope_cache is RopeCache.FORWARD:
         return 0
     if wl.rope_cache is RopeCache.MODEL:
-        return 2 * wl.seq_len * spec.head_dim * wl.precision.policy.params.itemsize
-    return num_layers * wl.seq_len * (spec.head_dim // 2) * COMPLEX64_PAIR_BYTES
+        return 2 * wl.seq_len * spec.rope_dim * wl.precision.policy.params.itemsize
+    return num_layers * wl.seq_len * (spec.rope_dim // 2) * COMPLEX64_PAIR_BYTES
 
 
 def eager_mask_bytes(wl: Workload, dm: Dims) -> int:

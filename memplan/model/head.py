@@ -34,7 +34,18 @@ def head_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
     # a chunked loss's checkpoints do not keep the head weight's cast (autocast's cache holds
     # it to the forward's end: ``forward_extra_bytes``)
     casts = [] if wl.loss_chunks > 1 else weight_casts("head", _head_weight(spec, dm), dm)
-    return [*norm_terms("final_norm", spec, wl, dm), *casts, *loss, *batch_terms(wl, dm)]
+    return [*norm_terms("final_norm", spec, wl, dm), *casts, *softcap_terms(spec, wl, dm),
+            *loss, *batch_terms(wl, dm)]
+
+
+def softcap_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
+    """Final-logit soft-capping (``final_logit_softcap``), as Gemma2ForCausalLM.forward runs
+    it on the head's output before the loss: ``logits / cap``, ``tanh``, ``* cap``; tanh saves
+    its output, logits-sized in the compute dtype (the divisions by a number save nothing).
+    A chunked loss keeps it inside each chunk's checkpoint."""
+    if spec.final_logit_softcap is None or wl.loss_chunks > 1:
+        return []
+    return [Term("loss.softcap_tanh", dm.tokens * dm.vocab_shard * dm.e)]
 
 
 def _head_weight(spec: ModelSpec, dm: Dims) -> int:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from memplan.model.attention import Attention
+from memplan.model.attention import Attention, WindowAttention, windowed
 from memplan.model.block import Block
 from memplan.model.dims import FP32_BYTES, Dims, Term, total
 from memplan.model.mlp import Mlp
@@ -32,9 +32,10 @@ from memplan.model.mla import Mla
 from memplan.model.norm import Norm, StreamInput
 from memplan.model.sac import sac_terms
 from memplan.spec import ModelSpec, NormPlacement
+from memplan.workload import Attention as Kernel
 from memplan.workload import NormImpl, Recompute, SelectiveImpl, Workload
 
-_ATTENTION, _MLA, _MLP, _MOE = Attention(), Mla(), Mlp(), MoE()
+_ATTENTION, _WINDOW, _MLA, _MLP, _MOE = Attention(), WindowAttention(), Mla(), Mlp(), MoE()
 _PRE = {"attn": Norm("attn_norm"), "mlp": Norm("mlp_norm")}
 _INPUT = {"attn": StreamInput("attn_input"), "mlp": StreamInput("mlp_input")}
 _POST = {"attn": Norm("attn_post_norm"), "mlp": Norm("mlp_post_norm")}
@@ -46,20 +47,23 @@ def _sublayer(placement: NormPlacement, place: str, mixer: Block) -> tuple[Block
     return (pre, mixer, _POST[place]) if placement.post_norm else (pre, mixer)
 
 
-_BLOCKS = {(placement, mla, moe): (_sublayer(placement, "attn", _MLA if mla else _ATTENTION)
-                                   + _sublayer(placement, "mlp", _MOE if moe else _MLP))
-           for placement in NormPlacement for mla in (False, True) for moe in (False, True)}
+_ATTENTIONS = {"mla": _MLA, "window": _WINDOW, "full": _ATTENTION}
+_BLOCKS = {(placement, attention, moe): (_sublayer(placement, "attn", _ATTENTIONS[attention])
+                                         + _sublayer(placement, "mlp", _MOE if moe else _MLP))
+           for placement in NormPlacement for attention in _ATTENTIONS for moe in (False, True)}
 
 
 # every block object a layer can have (each exposes ``memplan.model.block.Block``)
 ALL_BLOCKS = tuple({id(b): b for blocks in _BLOCKS.values() for b in blocks}.values())
 
 
-def layer_blocks(spec: ModelSpec, moe_layer: bool) -> tuple[Block, ...]:
+def layer_blocks(spec: ModelSpec, moe_layer: bool, sliding: bool = False) -> tuple[Block, ...]:
     """The blocks of a layer in execution order: per sub-layer its norm (or, without one, the
     stream input the mixer reads), its mixer, and a norm on the mixer's output where the
-    placement has one (``NormPlacement``)."""
-    return _BLOCKS[(spec.norm_placement, spec.mla is not None, moe_layer)]
+    placement has one (``NormPlacement``). ``sliding``: a sliding-window layer's attention
+    (``memplan.model.attention.WindowAttention``)."""
+    attention = "mla" if spec.mla is not None else "window" if sliding else "full"
+    return _BLOCKS[(spec.norm_placement, attention, moe_layer)]
 
 
 def sublayers(blocks: tuple[Block, ...]) -> list[tuple[Block, ...]]:
@@ -109,18 +113,18 @@ class BackwardMoment(NamedTuple):
 
 
 def layer_terms(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
-                recompute: Recompute) -> list[Term]:
+                recompute: Recompute, sliding: bool = False) -> list[Term]:
     """Saved terms of one transformer layer under ``recompute`` (FULL keeps only its input)."""
     if recompute is Recompute.FULL:
         return [Term("layer.input", dm.rows * spec.hidden_size * dm.stream_e)]
-    return [term for block in layer_blocks(spec, moe_layer)
+    return [term for block in layer_blocks(spec, moe_layer, sliding)
             for term in block.saved(spec, wl, dm, recompute)]
 
 
 def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
-                    recompute: Recompute) -> list[ForwardMoment]:
+                    recompute: Recompute, sliding: bool = False) -> list[ForwardMoment]:
     """Local peaks of one layer's forward (see the module docstring)."""
-    blocks = layer_blocks(spec, moe_layer)
+    blocks = layer_blocks(spec, moe_layer, sliding)
     stream = dm.stream(spec.hidden_size)
     out: list[ForwardMoment] = []
     if recompute is Recompute.FULL:
@@ -142,7 +146,9 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
     # Under autocast no linear saves a norm's (fp32) output, the casts of it instead; the
     # output is the mixer's argument, alive until the mixer returns (under DTensor sequence
     # parallelism the mixer's input all-gathered to the full sequence, once for its linears).
-    norm_out = dm.linear_rows * spec.hidden_size * dm.stream_e if dm.autocast else 0
+    # Without a norm before the mixer its argument is the stream, counted as unsaved above.
+    norm_out = (dm.linear_rows * spec.hidden_size * dm.stream_e
+                if dm.autocast and spec.norm_placement.pre_norm else 0)
     prior = 0
     for block in blocks:
         prior += cast_cache_bytes(spec, wl, dm, block, recompute)
@@ -170,15 +176,24 @@ def cast_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, block: Block,
                        if t.name.endswith(".weight_casts"))
 
 
-def kv_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> int:
+def kv_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute,
+                   sliding: bool = False) -> int:
     """A key/value cache the training forward fills (``Workload.kv_cache``: transformers with
     use_cache, which gradient checkpointing turns off): its copies of K and V replace the
     projections' outputs, except under autocast, where they are made in the fp32 key's dtype
     (``DynamicLayer.lazy_initialization``) and autograd saves casts of them: both fp32 copies
-    stay until the forward's output is dropped."""
-    if not (wl.kv_cache and dm.autocast and recompute is Recompute.NONE):
+    stay until the forward's output is dropped. Eager attention with grouped K/V saves the
+    copies ``repeat_kv`` makes for every query head, not the cache's K and V, which stay as
+    long (traced: tests/traced/test_frameworks.py gemma2 eager), as does SDPA in a
+    sliding-window layer given a mask (``memplan.model.attention.windowed``)."""
+    if not (wl.kv_cache and recompute is Recompute.NONE):
         return 0
-    return 2 * dm.tokens * spec.kv_size // dm.tp * dm.stream_e
+    if dm.autocast:
+        return 2 * dm.tokens * spec.kv_size // dm.tp * dm.stream_e
+    repeated = wl.attention is Kernel.EAGER or (sliding and windowed(spec, wl))
+    if repeated and spec.num_kv_heads < spec.num_attention_heads:
+        return 2 * dm.tokens * spec.kv_size // dm.tp * dm.e
+    return 0
 
 
 def last_weight(spec: ModelSpec, dm: Dims, mixer: Block) -> int:
@@ -188,15 +203,15 @@ def last_weight(spec: ModelSpec, dm: Dims, mixer: Block) -> int:
 
 
 def layer_cast_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, moe_layer: bool,
-                           recompute: Recompute) -> int:
+                           recompute: Recompute, sliding: bool = False) -> int:
     return sum(cast_cache_bytes(spec, wl, dm, b, recompute)
-               for b in layer_blocks(spec, moe_layer))
+               for b in layer_blocks(spec, moe_layer, sliding))
 
 
 def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
-                     recompute: Recompute) -> list[BackwardMoment]:
+                     recompute: Recompute, sliding: bool = False) -> list[BackwardMoment]:
     """The local peaks of one layer's backward, in backward order (see the module docstring)."""
-    blocks = layer_blocks(spec, moe_layer)
+    blocks = layer_blocks(spec, moe_layer, sliding)
     policy = Recompute.NONE if recompute is Recompute.FULL else recompute  # what is rebuilt
     stream = dm.stream(spec.hidden_size)
     mixer_out = dm.rows * spec.hidden_size * dm.e  # a mixer's output (the compute dtype)
@@ -246,12 +261,13 @@ class LayerKind(NamedTuple):
 
 
 def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
-               policy: Recompute) -> LayerKind:
-    """A layer's saved terms and moments (``memplan.model.memo`` caches it per kind)."""
+               policy: Recompute, sliding: bool = False) -> LayerKind:
+    """A layer's saved terms and moments (``memplan.model.memo`` caches it per kind);
+    ``sliding``: a sliding-window layer (``memplan.model.stage_parts.layer_keys``)."""
     if policy is Recompute.SELECTIVE and wl.selective_impl is SelectiveImpl.OP:
         # per-op SAC: a fully recomputed layer that also keeps its save list's outputs,
         # which the rerun reuses (so its backward is the full recompute's)
-        full = layer_kind(spec, wl, dm, moe, Recompute.FULL)
+        full = layer_kind(spec, wl, dm, moe, Recompute.FULL, sliding)
         kept = tuple(sac_terms(spec, dm, wl.fused_qkv or spec.fused_qkv))
         # the recomputed layer's forward peaks in the MLP, before the down projection, whose
         # output (kept) does not exist yet
@@ -259,13 +275,13 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
         return full._replace(terms=full.terms + kept,
                              saved_bytes=full.saved_bytes + total(kept),
                              forward_peak_bytes=full.forward_peak_bytes + total(kept) - late)
-    terms = tuple(layer_terms(spec, wl, dm, moe_layer=moe, recompute=policy))
-    moments = backward_moments(spec, wl, dm, moe_layer=moe, recompute=policy)
-    forward = forward_moments(spec, wl, dm, moe_layer=moe, recompute=policy)
+    terms = tuple(layer_terms(spec, wl, dm, moe_layer=moe, recompute=policy, sliding=sliding))
+    moments = backward_moments(spec, wl, dm, moe_layer=moe, recompute=policy, sliding=sliding)
+    forward = forward_moments(spec, wl, dm, moe_layer=moe, recompute=policy, sliding=sliding)
     return LayerKind(terms, total(terms), tuple(moments),
                      max(m.alive_bytes + m.transient_bytes for m in forward),
-                     layer_cast_cache_bytes(spec, wl, dm, moe, policy)
-                     + kv_cache_bytes(spec, wl, dm, policy))
+                     layer_cast_cache_bytes(spec, wl, dm, moe, policy, sliding)
+                     + kv_cache_bytes(spec, wl, dm, policy, sliding))
 
 
 def grad_group_params(spec: ModelSpec, t: int, ep: int, moe: bool) -> dict[str, int]:

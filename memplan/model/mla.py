@@ -11,7 +11,8 @@ As transformers runs it (``models/deepseek_v3/modeling_deepseek_v3.py``
   kv_lora_rank part through ``kv_a_layernorm`` and ``kv_b_proj`` (-> heads * (nope + v)),
   the rope part rotated once and expanded to every head. The key is a concatenation (a new
   tensor); the value a view of the kv_b output, so the core's saved value keeps that whole
-  output alive (``mla.kv_up``).
+  output alive (``mla.kv_up``), unless a key/value cache filled by the training forward
+  (``Workload.kv_cache``) hands the core its copies of k and v.
 - the core: with the value head narrower than the query/key head, CUDA's SDPA runs its
   memory-efficient kernel (flash needs equal head dims), which saves q, k, v, its output and
   an fp32 logsumexp per query and head; its output is the one the output projection saves
@@ -63,9 +64,21 @@ def mla_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> 
     terms = []
     if mla.q_lora_rank:
         terms += _latent_norm("mla.q_norm", mla.q_lora_rank, spec, wl, dm)
-    terms += _latent_norm("mla.kv_norm", mla.kv_lora_rank, spec, wl, dm)
-    terms += [Term("mla.q", dm.tokens * qk * e), Term("mla.k", dm.tokens * qk * e),
-              Term("mla.kv_up", dm.tokens * kv_up * e), Term("mla.out", dm.tokens * out * e)]
+    kv_norm = _latent_norm("mla.kv_norm", mla.kv_lora_rank, spec, wl, dm)
+    if wl.norm_impl.upcast and e >= FP32_BYTES:
+        # in fp32 the upcast is the input itself, a slice of the kv_a output: all of it kept
+        kv_norm = [Term(t.name, t.size_bytes * (mla.kv_lora_rank + mla.qk_rope_head_dim)
+                        // mla.kv_lora_rank) if t.name.endswith("input_fp32") else t
+                   for t in kv_norm]
+    terms += kv_norm
+    terms += [Term("mla.q", dm.tokens * qk * e), Term("mla.k", dm.tokens * qk * e)]
+    if wl.kv_cache and recompute is Recompute.NONE:
+        # a key/value cache filled by the training forward hands the core its copies of k and
+        # v (transformers' DynamicLayer.update): the kv_b output is not kept
+        terms.append(Term("mla.v", dm.tokens * out * e))
+    else:
+        terms.append(Term("mla.kv_up", dm.tokens * kv_up * e))
+    terms.append(Term("mla.out", dm.tokens * out * e))
     if recompute is Recompute.NONE:
         heads = spec.num_attention_heads // dm.tp
         if wl.attention is Kernel.FLASH:

@@ -1,10 +1,13 @@
-"""The mixture-of-experts feed-forward block (the reference's loop over experts), with its
-output's dropout. Routing is taken as balanced: each rank's experts see T*k tokens, T*k/E each.
+"""The mixture-of-experts feed-forward block, with its output's dropout. Routing is taken as
+balanced: each rank's experts see T*k tokens, T*k/E each.
 
-What it saves: router probabilities (fp32), top-k indices and renormalised weights, each
-expert's gathered rows and their index, the MLP terms over its tokens, its output, the routing
-weights, and the weighted output the combine keeps; shared experts as a dense MLP over all
-tokens.
+What it saves (``Workload.moe_impl``): router probabilities (fp32), top-k indices and
+renormalised weights, the gathered rows and their index, the MLP terms over them, the experts'
+outputs and the routing weights; the reference's loop (``loop``) also the weighted outputs its
+out-of-place combine keeps; transformers' grouped experts (``grouped``) the sort permutation
+and its inverse instead (the per-token sum saves nothing). Shared experts are a dense MLP over
+all tokens, behind a sigmoid gate that saves their output where the model has one; a router
+on fp32 copies (``router_fp32``) saves them.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from memplan.model import mlp
 from memplan.model.block import BackwardMoment, Moment
 from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term, residual_dropout_mask, total
 from memplan.spec import ModelSpec, MoESpec, mlp_params
-from memplan.workload import Recompute, Workload
+from memplan.workload import MoeImpl, Recompute, Workload
 
 
 def _moe(spec: ModelSpec) -> MoESpec:
@@ -21,27 +24,54 @@ def _moe(spec: ModelSpec) -> MoESpec:
     return spec.moe
 
 
-def moe_terms(spec: ModelSpec, dm: Dims) -> list[Term]:
+def moe_terms(spec: ModelSpec, dm: Dims, impl: MoeImpl = MoeImpl.LOOP) -> list[Term]:
     """An MoE feed-forward's saved terms, assuming balanced routing."""
     moe = _moe(spec)
     routed = dm.tokens * moe.top_k
     h, e = spec.hidden_size, dm.e
-    terms = [
+    grouped = impl is MoeImpl.GROUPED
+    terms = []
+    if moe.router_fp32 and e < FP32_BYTES:
+        # DeepseekV3TopkRouter: F.linear(x.type(float32), weight.type(float32))
+        terms += [Term("moe.router_input_fp32", dm.tokens * h * FP32_BYTES),
+                  Term("moe.router_weight_fp32", moe.num_experts * h * FP32_BYTES)]
+    terms += [
         Term("moe.router_probs", dm.tokens * moe.num_experts * FP32_BYTES),
         Term("moe.topk_indices", routed * INDEX_BYTES),
         # the renormalisation of the top-k weights saves them and their per-token sum (fp32)
         Term("moe.topk_weights", routed * FP32_BYTES + dm.tokens * FP32_BYTES),
         Term("moe.token_index", routed * INDEX_BYTES),  # which rows each expert gathers
+    ]
+    if grouped:  # the sort by expert (argsort) and its inverse, both indexing saved rows
+        terms += [Term("moe.sort_index", routed * INDEX_BYTES),
+                  Term("moe.unsort_index", routed * INDEX_BYTES)]
+    terms += [
         Term("moe.dispatched", routed * h * e),
         *mlp.mlp_terms("moe.expert", spec, dm, moe.expert_ffn_hidden_size, routed),
         Term("moe.expert_out", routed * h * e),
-        Term("moe.routing_weights", routed * e),
-        Term("moe.combine_in", routed * h * e),  # the weighted outputs, saved by index_add
+        # grouped: the fp32 routing weights (the router's dtype) the outputs are scaled by
+        Term("moe.routing_weights", routed * (FP32_BYTES if grouped else e)),
     ]
+    if not grouped:
+        terms.append(Term("moe.combine_in", routed * h * e))  # weighted outputs, index_add's
     if moe.num_shared_experts:
         ffn = moe.num_shared_experts * moe.shared_expert_ffn_hidden_size
         terms += mlp.mlp_terms("moe.shared", spec, dm, ffn, dm.tokens)
+        if moe.shared_expert_gate:
+            # sigmoid(gate(x)) * shared(x): the product saves the sigmoid and the output
+            terms += [Term("moe.shared_gate", dm.tokens * e),
+                      Term("moe.shared_out", dm.tokens * h * e)]
     return terms
+
+
+def _grouped_extra(spec: ModelSpec, dm: Dims) -> int:
+    """Grouped experts' transients beside their saved terms once the down projection has run:
+    its output scaled by the fp32 routing weights (fp32 by type promotion), that product
+    unsorted (a copy) and the per-token sum of it."""
+    moe = _moe(spec)
+    routed, h = dm.tokens * moe.top_k, spec.hidden_size
+    weighted = routed * h * max(dm.e, FP32_BYTES)
+    return 2 * weighted
 
 
 class MoE:
@@ -50,12 +80,16 @@ class MoE:
     name = "mlp"  # the feed-forward's place in the layer, whichever kind it is
 
     def saved(self, spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
-        return moe_terms(spec, dm) + residual_dropout_mask("mlp", spec, dm)
+        return moe_terms(spec, dm, wl.moe_impl) + residual_dropout_mask("mlp", spec, dm)
 
     def forward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
                         recompute: Recompute) -> list[Moment]:
         stream = dm.rows * spec.hidden_size * dm.e
-        return [Moment("mlp", total(self.saved(spec, wl, dm, recompute)), stream)]
+        saved = total(self.saved(spec, wl, dm, recompute))
+        moments = [Moment("mlp", saved, stream)]
+        if wl.moe_impl is MoeImpl.GROUPED:
+            moments.append(Moment("moe_combine", saved, _grouped_extra(spec, dm)))
+        return moments
 
     def working_set(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
         """Experts run one after another over their T*k/E rows, while the router's
@@ -70,13 +104,22 @@ class MoE:
 
     def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
                          recompute: Recompute) -> list[BackwardMoment]:
-        """One expert's MLP backward at a time (the largest working set is one expert's).
-        The combine's backward ran first: its weighted outputs are freed, and so is the
-        output of the expert whose MLP backward is running (one expert's T*k/E rows)."""
+        """The loop: one expert's MLP backward at a time (the largest working set is one
+        expert's); the combine's backward ran first: its weighted outputs are freed, and so is
+        the output of the expert whose MLP backward is running (one expert's T*k/E rows).
+        Grouped: one MLP backward over all routed rows, the experts' outputs freed by the
+        weighting's backward."""
         moe, h, e = _moe(spec), spec.hidden_size, dm.e
         routed = dm.tokens * moe.top_k * h * e
+        saved = total(self.saved(spec, wl, dm, recompute))
+        if wl.moe_impl is MoeImpl.GROUPED:
+            return mlp.backward_moments(
+                spec, dm, saved=saved, freed=mlp.dropout_mask_bytes(spec, dm) + routed,
+                run_tokens=dm.tokens * moe.top_k, ffn=moe.expert_ffn_hidden_size,
+                grad_inputs=2 * dm.rows * h * e, fresh=0, out_grad=routed,
+                fused_in=moe.stacked_experts and spec.mlp.gated)
         return mlp.backward_moments(
-            spec, dm, saved=total(self.saved(spec, wl, dm, recompute)),
+            spec, dm, saved=saved,
             freed=mlp.dropout_mask_bytes(spec, dm) + routed + routed // moe.num_experts,
             run_tokens=dm.tokens * moe.top_k // moe.num_experts,
             ffn=moe.expert_ffn_hidden_size, grad_inputs=2 * dm.rows * h * e, fresh=0)

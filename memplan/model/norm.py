@@ -24,12 +24,12 @@ from memplan.workload import NormImpl, Recompute, Workload
 
 def consumers(prefix: str, spec: ModelSpec, wl: Workload) -> int:
     """Linears that read a norm's output: separate q, k and v projections (or one fused qkv)
-    after the attention norm; gate and up (or one first linear) after the MLP norm; the head
-    after the final norm."""
+    after the attention norm; gate and up (or one first linear, or one fused gate_up) after
+    the MLP norm; the head after the final norm."""
     if prefix == "attn_norm":
         return 1 if spec.fused_qkv or wl.fused_qkv else 3
     if prefix == "mlp_norm":
-        return 2 if spec.mlp.gated else 1
+        return 2 if spec.mlp.gated and not spec.fused_gate_up else 1
     return 1
 
 

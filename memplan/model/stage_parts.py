@@ -20,14 +20,16 @@ from memplan.model.model_states import (
     sharding_buffers,
     state_bytes,
 )
-from memplan.model.attention import rope_buffer_bytes
+from memplan.model.attention import rope_buffer_bytes, windowed
 from memplan.model.pipeline import stage_layers
 from memplan.model.walk import first_positions, runs_of
 from memplan.parallel import GradBuffers, ParallelConfig, ZeroStage
 from memplan.spec import ModelSpec
 from memplan.workload import Recompute, Workload
 
-LayerKey = tuple[bool, Recompute]  # (MoE layer?, recompute policy)
+# (MoE layer?, recompute policy), and True third for a sliding-window layer whose attention
+# differs from the full layers' (memplan.model.attention.windowed)
+LayerKey = tuple[bool, Recompute] | tuple[bool, Recompute, bool]
 
 
 def layer_recompute(wl: Workload, position: int) -> Recompute:
@@ -40,10 +42,16 @@ def layer_recompute(wl: Workload, position: int) -> Recompute:
 
 
 def layer_keys(spec: ModelSpec, wl: Workload, layers: list[int]) -> list[LayerKey]:
-    """(MoE layer?, recompute policy) of each layer of a stage, in order."""
-    if spec.moe is None and wl.recompute_layers is None:
+    """(MoE layer?, recompute policy) of each layer of a stage, in order (``LayerKey``)."""
+    window = windowed(spec, wl)
+    if spec.moe is None and wl.recompute_layers is None and not window:
         return [(False, wl.recompute)] * len(layers)
-    return [(spec.is_moe_layer(i), layer_recompute(wl, pos)) for pos, i in enumerate(layers)]
+    keys: list[LayerKey] = [(spec.is_moe_layer(i), layer_recompute(wl, pos))
+                            for pos, i in enumerate(layers)]
+    if window:
+        keys = [(*key, True) if spec.is_sliding_layer(i) else key
+                for key, i in zip(keys, layers)]
+    return keys
 
 
 class StageKinds(NamedTuple):

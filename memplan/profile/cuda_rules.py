@@ -37,6 +37,13 @@ Kernels (``cuda_kernels``, also active inside ``cuda_autocast``):
 - ``F.rms_norm`` is ``_fused_rms_norm`` on CUDA (``aten/src/ATen/native/layer_norm.cpp``,
   ``rms_norm_symint``), whose autograd saves the input and an fp32 rstd per row; on CPU it is a
   composite of upcast elementwise ops.
+- ``F.scaled_dot_product_attention`` with a value head narrower than the query/key head
+  (MLA: DeepSeek-V3) runs CUDA's memory-efficient kernel, flash needing one head dim for all
+  three (``aten/src/ATen/native/transformers/sdp_utils_cpp.h`` ``check_head_dim_size_flash``):
+  ``_scaled_dot_product_efficient_attention`` saves q, k, v, its output and an fp32
+  logsumexp per query and head, padded to 32 queries (``kAlignLSE``); CPU's flash kernel
+  refuses such heads and the math fallback materialises the scores. ``_EfficientAttention``
+  saves what the CUDA kernel saves, its output and gradients computed one head at a time.
 """
 
 from __future__ import annotations
@@ -223,8 +230,67 @@ def _dropout_rule(orig):
     return _dropout
 
 
+LSE_ALIGN = 32  # kAlignLSE, aten/src/ATen/native/transformers/cuda/mem_eff_attention
+
+
+class _EfficientAttention(torch.autograd.Function):
+    """CUDA's memory-efficient SDPA kernel as its autograd holds it (see the module
+    docstring): forward and backward computed head by head with the math kernel, so that no
+    score-sized tensor of all heads exists at once (the CUDA kernel tiles them)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, causal: bool,
+                scale: float | None, sdpa) -> torch.Tensor:
+        b, h, s = q.shape[0], q.shape[1], q.shape[2]
+        # the kernel's output is (B, M, H, Kv), returned transposed (attention.cu
+        # _efficient_attention_forward): token-major whatever q's layout
+        out = q.new_empty(b, s, h, v.shape[-1]).transpose(1, 2)
+        with torch.no_grad():
+            for i in range(h):
+                m = None if mask is None else mask[:, i:i + 1] if mask.shape[1] > 1 else mask
+                out[:, i:i + 1] = sdpa(q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1],
+                                       attn_mask=m, is_causal=causal, scale=scale)
+        lse = torch.empty(b, h, -(-s // LSE_ALIGN) * LSE_ALIGN, dtype=torch.float32,
+                          device=q.device)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mask, ctx.causal, ctx.scale, ctx.sdpa = mask, causal, scale, sdpa
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        q, k, v, _out, _lse = ctx.saved_tensors
+        grads = [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
+        mask = ctx.mask
+        for i in range(q.shape[1]):
+            part = [t[:, i:i + 1].detach().requires_grad_() for t in (q, k, v)]
+            m = None if mask is None else mask[:, i:i + 1] if mask.shape[1] > 1 else mask
+            with torch.enable_grad():
+                o = ctx.sdpa(*part, attn_mask=m, is_causal=ctx.causal, scale=ctx.scale)
+            for g, t in zip(grads, torch.autograd.grad(o, part, grad[:, i:i + 1])):
+                g[:, i:i + 1] = t
+        return (*grads, None, None, None, None)
+
+
+def _sdpa_rule(orig):
+    def run(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+            enable_gqa=False):
+        grouped = enable_gqa and key.shape[-3] != query.shape[-3]
+        if (query.shape[-1] == value.shape[-1] or dropout_p or grouped
+                or not torch.is_grad_enabled()):
+            return orig(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                        is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        if _autocast_on():  # an autocast op of the low-precision list
+            low = torch.get_autocast_dtype("cpu")
+            query, key, value = (_to_low(t, low) for t in (query, key, value))
+        with torch.autocast("cpu", enabled=False):
+            return _EfficientAttention.apply(query, key, value, attn_mask, is_causal, scale,
+                                             orig)
+    return run
+
+
 def _rules(autocast: bool) -> list[tuple[Any, str, Any]]:
-    rules = [(_FN, "rms_norm", _rms_norm_rule), (_FN, "dropout", _dropout_rule)]
+    rules = [(_FN, "rms_norm", _rms_norm_rule), (_FN, "dropout", _dropout_rule),
+             (_FN, "scaled_dot_product_attention", _sdpa_rule)]
     if autocast:
         rules += [(o, n, _fp32_rule) for o, n in FP32_OPS]
         rules += [(o, n, _set_dtype_rule) for o, n in SET_DTYPE_OPS]

@@ -198,10 +198,10 @@ def test_block_flops_add_up_to_the_step_time_model(model: str) -> None:
 
 
 def test_every_block_has_the_interface() -> None:
-    """Norms, stream inputs, attention, MLA, MLP and MoE all expose the same methods
-    (``memplan.model.block``)."""
+    """Norms, stream inputs, attention (full and windowed), MLA, MLP and MoE all expose the
+    same methods (``memplan.model.block``)."""
     methods = [name for name in Block.__dict__ if not name.startswith("_") and name != "name"]
-    assert len(ALL_BLOCKS) == 10
+    assert len(ALL_BLOCKS) == 11
     for block in ALL_BLOCKS:
         assert all(callable(getattr(block, name)) for name in methods), block
         assert isinstance(block.name, str)
