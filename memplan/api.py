@@ -11,7 +11,6 @@ from functools import lru_cache, wraps
 from os import PathLike, fspath
 from typing import Any
 
-
 from pydantic import ValidationError
 
 from memplan import arguments, presets
@@ -61,8 +60,9 @@ def _cached_workload(items: tuple[tuple[str, Any], ...]) -> Workload:
 
 def _cached(function):
     """``lru_cache`` that lets an unhashable argument through uncached, to be refused by name
-    in the body (``lru_cache`` alone would raise ``TypeError: unhashable type``)."""
-    cached = lru_cache(maxsize=4096)(function)
+    in the body (``lru_cache`` alone would raise ``TypeError: unhashable type``); typed, so
+    that ``True`` is not served the cached answer for 1 without being checked."""
+    cached = lru_cache(maxsize=4096, typed=True)(function)
 
     @wraps(function)
     def call(*args: Any, **kwargs: Any) -> Any:

@@ -36,5 +36,4 @@ def micro_batch_sizes(par: ParallelConfig, global_batch_size: int) -> tuple[int,
                  and not (par.vpp > 1 and (per_replica // b) % par.pp))
 
 
-
 __all__ = ["MAX_MBS", "divisors", "micro_batch_sizes"]

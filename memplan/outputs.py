@@ -26,6 +26,15 @@ from memplan.errors import MemplanError
 _STAGING = ".memplan-staging-"
 
 
+class WriteError(MemplanError):
+    """A file could not be written (``path``: which; ``reason``: the OS's words)."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(f"cannot write {path}: {reason}; it is as it was")
+        self.path = path
+        self.reason = reason
+
+
 def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
@@ -78,8 +87,7 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> Path:
         os.replace(tmp, path)
     except OSError as err:
         Path(tmp).unlink(missing_ok=True)
-        raise MemplanError(f"cannot write {path}: {err.strerror or err}; it is as it was"
-                           ) from err
+        raise WriteError(path, err.strerror or str(err)) from err
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -112,7 +120,17 @@ def staged_dir(out: str | os.PathLike[str], what: str = "--out") -> Iterator[Pat
     except OSError as err:
         raise MemplanError(f"{what}: cannot write in {base}: {err.strerror or err}") from err
     try:
-        yield staging
+        try:
+            yield staging
+        except WriteError as err:  # name the file where it was to go, not the staging copy
+            raise MemplanError(f"{what}: cannot write {out / err.path.name}: {err.reason}; "
+                               f"nothing of this run was kept") from err
+        except OSError as err:
+            if err.filename is None or not str(err.filename).startswith(str(staging)):
+                raise
+            name = Path(err.filename).name
+            raise MemplanError(f"{what}: cannot write {out / name}: {err.strerror or err}; "
+                               "nothing of this run was kept") from err
         try:
             _publish(staging, out)
         except OSError as err:
@@ -123,4 +141,4 @@ def staged_dir(out: str | os.PathLike[str], what: str = "--out") -> Iterator[Pat
             shutil.rmtree(staging, ignore_errors=True)
 
 
-__all__ = ["check_out_dir", "staged_dir", "write_atomic"]
+__all__ = ["WriteError", "check_out_dir", "staged_dir", "write_atomic"]

@@ -21,7 +21,6 @@ Each stream's (GPU) or thread's (CPU) own busy time in W is reported too.
 from __future__ import annotations
 
 import re
-
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any

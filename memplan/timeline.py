@@ -208,7 +208,6 @@ def write(tl: Timeline, out_dir: Path, predicted: dict[str, Any] | None = None) 
     return [tj, tc, sj]
 
 
-
 def _blank(v: float | None) -> float | str:
     return "" if v is None else v
 

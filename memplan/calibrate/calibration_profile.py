@@ -27,7 +27,6 @@ from memplan.calibrate.records import SCHEMA_VERSION, Meta, write_json_atomic
 from memplan.errors import MemplanError, validation_message
 from memplan.inputs import PROFILE_BYTES, read_json
 from memplan.spec import ModelSpec
-
 from memplan.workload import Workload
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -152,7 +151,6 @@ def load_profile(path: str | Path) -> Profile:
         return Profile.model_validate(data)
     except ValidationError as err:
         raise MemplanError(f"calibration profile {path}: {validation_message(err)}") from err
-
 
 
 @lru_cache(maxsize=1)

@@ -31,7 +31,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from memplan.errors import MemplanError
 from memplan.outputs import write_atomic
 from memplan.parallel import ParallelConfig
-
 from memplan.spec import ModelSpec
 from memplan.workload import Workload
 

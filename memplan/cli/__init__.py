@@ -156,7 +156,6 @@ def main(argv: list[str] | None = None) -> int:
     return code if isinstance(code, int) else 0
 
 
-
 def run() -> None:
     sys.exit(main())
 

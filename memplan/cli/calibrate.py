@@ -15,7 +15,6 @@ import typer
 from memplan.cli.options import Job, Json, uses
 from memplan.errors import Interrupted, MemplanError
 from memplan.outputs import check_out_dir
-
 from memplan.workload import Precision, Workload
 
 
@@ -182,7 +181,6 @@ def _kept(folder: Path, name: str) -> str:
     done = len(finished_keys(folder))
     return (f"{done} finished {'record is' if done == 1 else 'records are'} saved in {folder}; "
             f"resume with: {command_line('--resume', '--name', name)}")
-
 
 
 def _torch():

@@ -67,9 +67,8 @@ def diagnose(
     from memplan.diagnose import diagnose as run_diagnose
     from memplan.diagnose.oom import read_oom
     from memplan.diagnose.snapshot import load_snapshot, snapshot_report
-    from memplan.report.diagnose import render_text, to_json
-
     from memplan.inputs import LOG_BYTES, read_stream
+    from memplan.report.diagnose import render_text, to_json
 
     stdin = read_stream(sys.stdin, "--oom", LOG_BYTES) if oom == "-" else None
     report = read_oom(oom, stdin) if oom else None

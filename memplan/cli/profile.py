@@ -62,8 +62,11 @@ def profile(
 
       memplan profile -m tiny --real --perf --out prof/
     """
+    if device not in ("cpu", "cuda"):
+        raise MemplanError(f"--device: {device!r} is not a device profile runs on (cpu or cuda)")
     if out is not None:  # where the results go is checked before anything runs
         out = check_out_dir(out)
+
     if plot_format not in ("png", "svg"):
         raise MemplanError(f"--plot-format ({plot_format!r}) must be png or svg")
     spec, par, wl = resolve(job.model, **job.kwargs(resolve_only=True))

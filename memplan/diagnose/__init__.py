@@ -9,6 +9,7 @@ Torch-free; only ``report`` output turns bytes into GiB (``memplan.report.diagno
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -37,18 +38,29 @@ def diagnose(model: Any, *, oom: OomReport | str | None = None, profile: Any = N
     PyTorch), else the device capacity the monitor recorded, else the GPU catalog's. Raises
     MemplanError for invalid input."""
     from memplan.api import estimate
+    from memplan.arguments import one_of, strings
     from memplan.diagnose.explain import diagnose as explain
     from memplan.diagnose.explain import unexplained_bytes
     from memplan.diagnose.fixes import suggest
+    from memplan.diagnose.measured import Measured
+    from memplan.diagnose.monitored import Monitored
     from memplan.diagnose.utilisation import utilisation
+
+    one_of("oom", oom, (str, OomReport, type(None)), what="an error message or an OomReport")
+    one_of("profile", profile, (str, os.PathLike, Measured, type(None)),
+           what="a `memplan profile` folder or a Measured")
+    if monitor is not None and not isinstance(monitor, Monitored):
+        items = [monitor] if isinstance(monitor, (str, os.PathLike)) else monitor
+        if isinstance(items, (list, tuple)):
+            items = [os.fspath(m) if isinstance(m, os.PathLike) else m for m in items]
+        monitor = strings("monitor", items)
 
     report = parse_oom(oom) if isinstance(oom, str) else oom
     watched = None
     if monitor is not None:
-        from memplan.diagnose.monitored import Monitored, read_monitor
+        from memplan.diagnose.monitored import read_monitor
 
-        watched = monitor if isinstance(monitor, Monitored) else read_monitor(
-            [monitor] if isinstance(monitor, str) else monitor)
+        watched = monitor if isinstance(monitor, Monitored) else read_monitor(monitor)
     kwargs = dict(estimate_kwargs)
     source = "--gpu-memory" if kwargs.get("gpu_memory") is not None else "GPU catalog"
     if kwargs.get("gpu_memory") is None and report is not None and report.total_bytes:
@@ -62,7 +74,9 @@ def diagnose(model: Any, *, oom: OomReport | str | None = None, profile: Any = N
     if profile is not None:
         from memplan.diagnose.measured import profile_findings, read_profile
 
-        measured = read_profile(profile) if isinstance(profile, str) else profile
+        measured = (profile if isinstance(profile, Measured) else
+                    read_profile(os.fspath(profile)))
+
         found = replace(found, findings=found.findings
                         + tuple(profile_findings(found.stage, measured)))
     if watched is not None:

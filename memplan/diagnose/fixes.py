@@ -22,7 +22,6 @@ from typing import Any
 
 from memplan.errors import MemplanError
 from memplan.model.estimate import ZERO3_CAVEAT, Estimate
-
 from memplan.parallel import Offload, ZeroStage, local_seq
 from memplan.planner import DEFAULT_SAFETY
 from memplan.timing import StepTime, estimate_step_time

@@ -168,10 +168,10 @@ def _read_file(file: Path, what: str) -> tuple[list[dict[str, Any]], list[str]]:
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as err:
-            if not last:
+            if not (last and err.start >= len(raw.rstrip(CRLF)) - 3):
                 raise MemplanError(f"{where} is not UTF-8 text (byte offset "
                                    f"{offset + err.start:,})") from None
-            line = raw[:err.start].decode("utf-8")  # cut inside a character
+            line = raw[:err.start].decode("utf-8")  # the job stopped inside a character
         if not line.strip():
             continue
         try:

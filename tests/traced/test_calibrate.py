@@ -203,6 +203,46 @@ def test_resume_measures_only_missing_points(tmp_path: Path, grid: list[Point],
     assert finished_keys(tmp_path) == {p.key for p in points}
 
 
+def test_ctrl_c_says_what_is_saved_and_the_command_resumes(tmp_path: Path, capsys,
+                                                           monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """Ctrl-C after two of the quick CPU grid's ten points: exit 130, one line with the
+    records kept and the command that resumes; that command measures the other eight and
+    fits the profile."""
+    pytest.importorskip("torch")
+    import shlex
+
+    from memplan.profile import calibrate_run
+
+    real = calibrate_run.run_grid
+    measured: list[int] = []
+
+    def two_then_ctrl_c(points, folder, meta, *, steps, resume, progress):
+        real(points[:2], folder, meta, steps=steps, resume=resume, progress=progress)
+        raise KeyboardInterrupt
+
+    def counted(points, folder, meta, *, steps, resume, progress):
+        done = finished_keys(folder)
+        measured.append(sum(p.key not in done for p in points))
+        real(points, folder, meta, steps=steps, resume=resume, progress=progress)
+
+    monkeypatch.delenv("MEMPLAN_DEBUG", raising=False)
+    monkeypatch.setattr(calibrate_run, "run_grid", two_then_ctrl_c)
+    out = tmp_path / "cal"
+    assert main(["calibrate", "--device", "cpu", "--quick", "--out", str(out)]) == 130
+    lines = capsys.readouterr().err.splitlines()
+    folder = out / "records" / "cpu"
+    command = (f"memplan calibrate --device cpu --quick --out {out} --resume --name cpu")
+    assert [line for line in lines if line.startswith("memplan:")] == [lines[-1]]
+    assert lines[-1] == (f"memplan: interrupted: 2 finished records are saved in {folder}; "
+                         f"resume with: {command}")
+    assert len(finished_keys(folder)) == 2 and not (out / "profiles").exists()
+    monkeypatch.setattr(calibrate_run, "run_grid", counted)
+    assert main(shlex.split(command)[1:]) == 0
+    assert measured == [8] and len(finished_keys(folder)) == 10
+    assert load_profile(out / "profiles" / "cpu.json").kind == "device"
+
+
 # --- profiles applied ----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

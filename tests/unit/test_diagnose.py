@@ -596,8 +596,8 @@ def test_monitor_cut_last_record_is_reported_and_the_rest_used(tmp_path, capsys,
     summary = json.loads(out)
     assert summary["ranks"]["0"]["num_steps"] == 2
     assert summary["ranks"]["0"]["max_peak_bytes"] == 3 * GiB
-    assert summary["partial"] == [f"{path} line 3 is cut (40 bytes of a record: the job stopped "
-                                  "while writing it); the 2 records before it are used"]
+    assert summary["partial"] == [(f"{path} line 3 is cut (40 bytes of a record: the job "
+                                   "stopped while writing it); the 2 records before it are used")]
     assert err == f"memplan: warning: {summary['partial'][0]}\n"
     assert main(["diagnose", "-m", "tiny", "--monitor", str(path), "--no-fixes", "--json"]) == 0
     out, err = capsys.readouterr()
@@ -618,8 +618,8 @@ def test_monitor_cut_record_then_a_restarted_job(tmp_path) -> None:
                     + json.dumps(_record(0, 1, 2 * GiB, 2 * GiB, 4 * GiB)) + "\n")
     r = diagnose("tiny", monitor=str(path), fixes=False)
     assert [rec["step"] for rec in r.monitor.records[0]] == [6, 1]
-    assert r.monitor.partial == (f"{path} line 2 starts with a record cut by a stopped job (55 "
-                                 "bytes, skipped) before the restarted job's first record",)
+    assert r.monitor.partial == ((f"{path} line 2 starts with a record cut by a stopped job "
+                                  "(55 bytes, skipped) before the restarted job's first record"),)
 
 
 def test_monitor_missing_paths(tmp_path, capsys) -> None:

@@ -17,8 +17,8 @@ from memplan.diagnose import diagnose
 from memplan.model.estimate import LOSS_CHUNKS_CAVEAT, ZERO3_CAVEAT
 
 # GPT-2 (124M parameters) in fp32 on 2 GPUs: dp 2, one sequence of 256 tokens per micro-batch
-SMALL_DP = dict(gpus=2, micro_batch_size=1, seq_len=256, precision="fp32")
-FEW_TOKENS = dict(SMALL_DP, seq_len=128)
+SMALL_DP = {"gpus": 2, "micro_batch_size": 1, "seq_len": 256, "precision": "fp32"}
+FEW_TOKENS = {**SMALL_DP, "seq_len": 128}
 
 
 def test_zero3_costs_more_than_zero2_at_small_dp_and_says_so() -> None:

@@ -1,0 +1,695 @@
+"""A corpus of bad input, damaged files and wrong outputs: one clear line every time.
+
+Every case runs ``memplan`` the way a user would (``memplan.cli.main`` with a command line,
+files written to a temporary folder, the working directory an empty folder) and asserts the
+contract: exit code 2, exactly one line on stderr (``memplan: error: ...``) naming the field or
+file and the numbers, nothing on stdout, no traceback, and the file system afterwards exactly
+as before (nothing created, nothing changed, nothing half-written). The Python API's cases
+assert a ``MemplanError`` naming the argument, and no other exception.
+
+Kinds: option types and ranges of every command; model files (TOML and JSON: booleans,
+strings and floats where integers belong, absurd sizes, nesting, syntax, encodings, devices);
+every evidence reader (profiler traces, monitor records, OOM logs, snapshots, profile
+summaries, calibration profiles) on missing, non-regular, binary, cut and wrong-shaped files;
+output folders (an existing file, a file in the way, a run name that leaves ``--out``); the
+Python API's arguments.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import math
+import os
+import pickle
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import memplan
+from memplan.cli import main
+from memplan.errors import MemplanError
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+TRACE_GZ = (DATA / "traces" / "gloo_2rank" / "rank0.json.gz").read_bytes()
+TRACE = json.loads(gzip.decompress(TRACE_GZ))
+LLAMA_CONFIG = json.loads((DATA / "hf" / "Meta-Llama-3-8B" / "config.json").read_text())
+TINY_TOML = {
+    "source": "test", "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 176,
+    "num_attention_heads": 4, "num_kv_heads": 2, "head_dim": 16, "vocab_size": 128,
+    "max_seq_len": 256, "norm": "rmsnorm", "mlp": "swiglu", "position": "rope",
+    "tied_embeddings": False,
+}
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+def toml_value(value: Any) -> str:
+    """A TOML literal for the corpus' values (scalars, arrays, inline tables)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf") if math.isinf(
+            value) else repr(value)
+    if isinstance(value, (int, str)):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
+    raise TypeError(value)
+
+
+def toml_text(fields: dict[str, Any]) -> str:
+    return "".join(f"{k} = {toml_value(v)}\n" for k, v in fields.items())
+
+
+def tiny_toml(**changes: Any) -> str:
+    """The tiny spec as TOML with ``changes`` (a value of ``...`` removes the key)."""
+    fields = {**TINY_TOML, **changes}
+    return toml_text({k: v for k, v in fields.items() if v is not ...})
+
+
+def llama_json(**changes: Any) -> str:
+    return json.dumps({k: v for k, v in {**LLAMA_CONFIG, **changes}.items() if v is not ...})
+
+
+def record(rank: int = 0, step: int = 1, **changes: Any) -> dict[str, Any]:
+    """One MemoryMonitor record (memplan.monitor's keys)."""
+    return {"rank": rank, "step": step, "time": 1.7e9 + step, "step_time_s": 0.5,
+            "allocated_bytes": 2**30, "reserved_bytes": 2**31, "peak_bytes": 2**30,
+            "capacity_bytes": 80 * 2**30, "fragmentation_bytes": 2**30,
+            "headroom_bytes": 78 * 2**30, "warnings": [], **changes}
+
+
+def jsonl(*records: Any) -> str:
+    return "".join(json.dumps(r) + "\n" for r in records)
+
+
+def trace_with(*events: Any, **top: Any) -> str:
+    return json.dumps({"distributedInfo": {"rank": 0, "world_size": 1}, **top,
+                       "traceEvents": list(events)})
+
+
+X = {"ph": "X", "name": "aten::mm", "cat": "cpu_op", "ts": 10.0, "dur": 5.0, "tid": 1}
+
+
+def deep(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def _tree(root: Path) -> dict[str, tuple[Any, ...]]:
+    """Every file and folder under ``root``: its kind, size and content hash (and mode)."""
+    out: dict[str, tuple[Any, ...]] = {}
+    for path in sorted(root.rglob("*")):
+        rel = str(path.relative_to(root))
+        if path.is_dir():
+            out[rel] = ("dir", path.stat().st_mode)
+        elif path.is_file():
+            out[rel] = ("file", path.stat().st_size, hashlib.sha1(path.read_bytes()).hexdigest())
+        else:  # a FIFO: reading it would wait for a writer
+            out[rel] = ("special", path.stat().st_mode)
+    return out
+
+
+@pytest.fixture
+def sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An input folder ``in`` and an empty working directory ``cwd`` under ``tmp_path``."""
+    monkeypatch.delenv("MEMPLAN_DEBUG", raising=False)
+    monkeypatch.setenv("COLUMNS", "200")
+    (tmp_path / "in").mkdir()
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    return tmp_path
+
+
+def assert_refused(argv: list[str], mentions: list[str], root: Path,
+                   capsys: pytest.CaptureFixture[str]) -> str:
+    """``memplan argv`` exits 2 with one line naming ``mentions`` and leaves ``root`` as it was."""
+    before = _tree(root)
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2, (code, out[-300:], err)
+    assert err.startswith("memplan: error: ") and err.endswith("\n") and err.count("\n") == 1, err
+    assert "Traceback" not in out + err and out == "", (out, err)
+    for text in mentions:
+        assert text in err, (text, err)
+    assert _tree(root) == before, "the command changed the file system"
+    return err
+
+
+# --- 1. options of every command -----------------------------------------------------------
+
+E = ["estimate", "-m", "tiny"]
+P = ["plan", "-m", "tiny"]
+OPTION_CASES: dict[str, tuple[list[str], list[str]]] = {
+    "gpus-zero": ([*E, "--gpus", "0"], ["gpus", "0"]),
+    "gpus-negative": ([*E, "-n", "-3"], ["gpus", "-3"]),
+    "gpus-fraction": ([*E, "--gpus", "1.5"], ["--gpus", "1.5"]),
+    "gpus-word": ([*E, "--gpus", "eight"], ["--gpus", "eight"]),
+    "gpus-over-limit": ([*E, "--gpus", str(2**25)], ["gpus", "16777216", str(2**25)]),
+    "tp-zero": ([*E, "--tp", "0"], ["tp", "0"]),
+    "tp-splits-no-gpus": ([*E, "-n", "8", "--tp", "3"], ["gpus (8)", "tp", "3"]),
+    "tp-over-heads": ([*E, "-n", "8", "--tp", "8"], ["tp (8)", "num_attention_heads (4)"]),
+    "pp-negative": ([*E, "--pp", "-1"], ["pp", "-1"]),
+    "pp-over-layers": ([*E, "-n", "4", "--pp", "4"], ["pp", "4", "2"]),
+    "vpp-zero": ([*E, "--vpp", "0"], ["vpp", "0"]),
+    "cp-zero": ([*E, "--cp", "0"], ["cp", "0"]),
+    "ep-zero": ([*E, "--ep", "0"], ["ep", "0"]),
+    "ep-dense": ([*E, "-n", "2", "--ep", "2"], ["ep (2)"]),
+    "dp-zero": ([*E, "--dp", "0"], ["dp", "0"]),
+    "dp-mismatch": ([*E, "-n", "8", "--dp", "3"], ["dp", "3", "8"]),
+    "zero-five": ([*E, "--zero", "5"], ["--zero", "5"]),
+    "zero-word": ([*E, "--zero", "full"], ["--zero", "full"]),
+    "mbs-zero": ([*E, "--mbs", "0"], ["mbs", "0"]),
+    "mbs-fraction": ([*E, "--mbs", "1.5"], ["--mbs", "1.5"]),
+    "mbs-over-limit": ([*E, "--mbs", str(2**30)], ["mbs", str(2**30), "16777216"]),
+    "gbs-zero": ([*E, "--gbs", "0"], ["gbs", "0"]),
+    "gbs-not-a-multiple": ([*E, "-n", "8", "--mbs", "2", "--gbs", "12"], ["gbs (12)", "16"]),
+    "gbs-over-limit": ([*E, "--gbs", str(10**21)], ["gbs", str(10**21)]),
+    "seq-zero": ([*E, "--seq", "0"], ["seq", "0"]),
+    "seq-over-limit": ([*E, "--seq", str(2**30)], ["seq", str(2**30), "16777216"]),
+    "seq-cp-odd": ([*E, "-n", "2", "--cp", "2", "--seq", "127"], ["seq (127)", "cp"]),
+    "recompute-word": ([*E, "--recompute", "some"], ["--recompute", "some"]),
+    "recompute-layers-negative": ([*E, "--recompute", "full", "--recompute-layers", "-1"],
+                                  ["recompute-layers", "-1"]),
+    "recompute-layers-over": ([*E, "--recompute", "full", "--recompute-layers", "100"],
+                              ["recompute_layers", "100", "2"]),
+    "recompute-layers-without-full": ([*E, "--recompute-layers", "1"], ["recompute_layers"]),
+    "precision-word": ([*E, "--precision", "bf17"], ["--precision", "bf17"]),
+    "optimizer-word": ([*E, "--optimizer", "adamz"], ["--optimizer", "adamz"]),
+    "optimizer-impl-word": ([*E, "--optimizer-impl", "turbo"], ["--optimizer-impl", "turbo"]),
+    "attention-word": ([*E, "--attention", "sparse"], ["--attention", "sparse"]),
+    "norm-word": ([*E, "--norm", "batch"], ["--norm", "batch"]),
+    "loss-chunks-zero": ([*E, "--loss-chunks", "0"], ["loss-chunks", "0"]),
+    "loss-chunks-fraction": ([*E, "--loss-chunks", "2.5"], ["--loss-chunks", "2.5"]),
+    "framework-word": ([*E, "--framework", "jax"], ["--framework", "jax"]),
+    "tp-style-word": ([*E, "--tp-style", "zz"], ["--tp-style", "zz"]),
+    "grad-buffers-word": ([*E, "--grad-buffers", "zz"], ["--grad-buffers", "zz"]),
+    "offload-word": ([*E, "--offload", "everything"], ["--offload", "everything"]),
+    "offload-without-zero": ([*E, "--offload", "optimizer"], ["offload", "zero"]),
+    "schedule-word": ([*E, "--schedule", "zigzag"], ["--schedule", "zigzag"]),
+    "gpu-unknown": ([*E, "--gpu", "h900"], ["h900"]),
+    "gpu-memory-unit": ([*E, "--gpu-memory", "80XB"], ["gpu_memory", "80XB"]),
+    "gpu-memory-zero": ([*E, "--gpu-memory", "0GB"], ["gpu_memory", "0GB"]),
+    "gpu-memory-negative": ([*E, "--gpu-memory", "-5GiB"], ["gpu_memory", "-5GiB"]),
+    "gpu-memory-nan": ([*E, "--gpu-memory", "nan"], ["gpu_memory", "nan"]),
+    "gpu-memory-empty": ([*E, "--gpu-memory", ""], ["gpu_memory"]),
+    "model-unknown": (["estimate", "-m", "llama-9"], ["llama-9"]),
+    "model-empty": (["estimate", "-m", ""], ["model"]),
+    "model-missing": (["estimate", "-n", "8"], ["--model"]),
+    "option-unknown": ([*E, "--bogus"], ["--bogus"]),
+    "calibration-missing": ([*E, "--calibration", "nowhere.json"], ["nowhere.json"]),
+    "plan-top-negative": ([*P, "--top", "-1"], ["--top", "-1"]),
+    "plan-top-zero": ([*P, "--top", "0"], ["--top", "0"]),
+    "plan-max-tp-negative": ([*P, "--max-tp", "-4"], ["--max-tp", "-4"]),
+    "plan-max-tp-zero": ([*P, "--max-tp", "0"], ["--max-tp", "0"]),
+    "plan-safety-one": ([*P, "--safety", "1"], ["safety", "1"]),
+    "plan-safety-negative": ([*P, "--safety", "-0.1"], ["--safety", "-0.1"]),
+    "plan-safety-nan": ([*P, "--safety", "nan"], ["--safety", "nan"]),
+    "plan-gpus-zero": ([*P, "-n", "0"], ["gpus", "0"]),
+    "plan-gpus-fraction": ([*P, "-n", "1.5"], ["--gpus", "1.5"]),
+    "plan-tp-splits-no-gpus": ([*P, "-n", "8", "--tp", "3"], ["gpus (8)", "tp (3)"]),
+    "plan-tp-over-heads": ([*P, "-n", "8", "--tp", "8"], ["tp (8)", "num_attention_heads (4)"]),
+    "plan-pp-over-layers": ([*P, "-n", "6", "--pp", "3"], ["pp (3)", "num_layers (2)"]),
+    "plan-recompute-word": ([*P, "--recompute", "most"], ["--recompute", "most"]),
+    "plan-zero-four": ([*P, "--zero", "4"], ["--zero", "4"]),
+    "plan-gbs-zero": ([*P, "--gbs", "0"], ["gbs", "0"]),
+    "diagnose-oom-missing": (["diagnose", "-m", "tiny", "--oom", "none.txt"], ["none.txt"]),
+    "diagnose-monitor-missing": (["diagnose", "-m", "tiny", "--monitor", "none"], ["none"]),
+    "diagnose-profile-missing": (["diagnose", "-m", "tiny", "--profile", "none"], ["none"]),
+    "diagnose-snapshot-untrusted": (["diagnose", "-m", "tiny", "--snapshot", "s.pickle"],
+                                    ["s.pickle", "--trust-pickle"]),
+    "diagnose-snapshot-missing": (["diagnose", "-m", "tiny", "--snapshot", "s.pickle",
+                                   "--trust-pickle"], ["s.pickle"]),
+    "trace-steps-one": (["trace", "-m", "tiny", "--steps", "1"], ["steps (1)"]),
+    "trace-layers-zero": (["trace", "-m", "tiny", "--layers", "0"], ["layers (0)", "2"]),
+    "trace-pp": (["trace", "-m", "tiny", "-n", "2", "--pp", "2"], ["pipeline"]),
+    "profile-steps-one": (["profile", "-m", "tiny", "--steps", "1"], ["steps (1)"]),
+    "profile-layers-over": (["profile", "-m", "tiny", "--layers", "9"], ["layers (9)", "2"]),
+    "profile-perf-fake": (["profile", "-m", "tiny", "--perf"], ["--perf", "--real"]),
+    "profile-device-word": (["profile", "-m", "tiny", "--device", "tpu"], ["--device", "tpu"]),
+    "calibrate-nproc-zero": (["calibrate", "--nproc", "0"], ["nproc (0)"]),
+    "calibrate-module-on-cuda": (["calibrate", "--module", "m.py:f"], ["module", "--device cpu"]),
+    "calibrate-module-no-factory": (["calibrate", "--device", "cpu", "--module", "m.py"],
+                                    ["module", "m.py"]),
+    "calibrate-fsdp-precision": (["calibrate", "--precision", "fsdp-bf16"], ["fsdp-bf16"]),
+    "analyze-pct-negative": (["analyze-trace", "--straggler-pct", "-5", "t.json"],
+                             ["--straggler-pct", "-5"]),
+    "analyze-pct-over": (["analyze-trace", "--straggler-pct", "101", "t.json"],
+                         ["--straggler-pct", "101"]),
+    "analyze-pct-nan": (["analyze-trace", "--straggler-pct", "nan", "t.json"],
+                        ["--straggler-pct", "nan"]),
+    "analyze-missing": (["analyze-trace", "t.json"], ["t.json", "no such file"]),
+    "analyze-no-paths": (["analyze-trace"], ["paths"]),
+    "monitor-summary-missing": (["monitor-summary", "none"], ["none", "no such file"]),
+    "monitor-summary-no-paths": (["monitor-summary"], ["paths"]),
+    "command-unknown": (["estimat", "-m", "tiny"], ["estimat"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OPTION_CASES))
+def test_bad_option(case: str, sandbox: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv, mentions = OPTION_CASES[case]
+    assert_refused(argv, mentions, sandbox, capsys)
+
+
+# --- 2. model files ------------------------------------------------------------------------
+
+# name -> (file name, content, mentions); "{f}" in a mention is the file's path
+MODEL_CASES: dict[str, tuple[str, str | bytes, list[str]]] = {
+    "toml-bool-layers": ("m.toml", tiny_toml(num_layers=True),
+                         ["{f}", "num_layers", "integer", "true"]),
+    "toml-bool-false-heads": ("m.toml", tiny_toml(num_attention_heads=False),
+                              ["num_attention_heads", "false"]),
+    "toml-string-hidden": ("m.toml", tiny_toml(hidden_size="64"), ["hidden_size", "'64'"]),
+    "toml-float-heads": ("m.toml", tiny_toml(num_kv_heads=2.0), ["num_kv_heads", "2.0"]),
+    "toml-negative-vocab": ("m.toml", tiny_toml(vocab_size=-128), ["vocab_size", "-128"]),
+    "toml-zero-layers": ("m.toml", tiny_toml(num_layers=0), ["num_layers", "0"]),
+    "toml-billion-layers": ("m.toml", tiny_toml(num_layers=10**9),
+                            ["num_layers", "10000", "1000000000"]),
+    "toml-huge-layers": ("m.toml", tiny_toml(num_layers=2**62), ["num_layers", str(2**62)]),
+    "toml-unknown-key": ("m.toml", tiny_toml(num_layer=3), ["num_layer", "Extra"]),
+    "toml-missing-key": ("m.toml", tiny_toml(vocab_size=...), ["vocab_size", "required"]),
+    "toml-bad-enum": ("m.toml", tiny_toml(norm="batchnorm"), ["norm", "batchnorm"]),
+    "toml-int-bool": ("m.toml", tiny_toml(tied_embeddings=1), ["tied_embeddings", "1"]),
+    "toml-string-dropout": ("m.toml", tiny_toml(dropout="0.1"), ["dropout", "'0.1'"]),
+    "toml-dropout-one": ("m.toml", tiny_toml(dropout=1.5), ["dropout", "1.5"]),
+    "toml-nan-dropout": ("m.toml", tiny_toml(dropout=float("nan")), ["dropout", "nan"]),
+    "toml-kv-heads-divide": ("m.toml", tiny_toml(num_kv_heads=3),
+                             ["num_kv_heads (3)", "num_attention_heads (4)"]),
+    "toml-moe-bool-experts": ("m.toml", tiny_toml(moe={"num_experts": True, "top_k": 1,
+                                                        "expert_ffn_hidden_size": 8}),
+                              ["moe.num_experts", "true"]),
+    "toml-moe-million-experts": ("m.toml", tiny_toml(moe={"num_experts": 10**7, "top_k": 1,
+                                                          "expert_ffn_hidden_size": 8}),
+                                 ["num_experts", "1000000"]),
+    "toml-moe-not-a-table": ("m.toml", tiny_toml(moe=5), ["moe", "5"]),
+    "toml-name-number": ("m.toml", tiny_toml(name=5), ["name", "5"]),
+    "toml-list-layers": ("m.toml", tiny_toml(num_layers=[2]), ["num_layers", "[2]"]),
+    "toml-deep-array": ("m.toml", "source = \"t\"\nx = " + deep(3000) + "\n",
+                        ["{f}", "64 levels"]),
+    "toml-moderately-deep": ("m.toml", "source = \"t\"\nx = " + deep(100) + "\n",
+                             ["{f}", "64 levels"]),
+    "toml-syntax": ("m.toml", 'source = "t"\nnum_layers = 2\nhidden_size = = 64\n',
+                    ["{f}", "line 3"]),
+    "toml-binary": ("m.toml", bytes(range(256)), ["{f}", "UTF-8", "byte offset"]),
+    "toml-empty": ("m.toml", "", ["{f}", "required"]),
+    "toml-over-size": ("m.toml", tiny_toml() + "#" * (1024 * 1024 + 1), ["{f}", "1 MiB"]),
+    "json-bool-layers": ("config.json", llama_json(num_hidden_layers=True),
+                         ["{f}", "num_hidden_layers", "True"]),
+    "json-string-hidden": ("config.json", llama_json(hidden_size="4096"),
+                           ["hidden_size", "'4096'"]),
+    "json-float-layers": ("config.json", llama_json(num_hidden_layers=1e9),
+                          ["num_hidden_layers", "1000000000.0"]),
+    "json-billion-layers": ("config.json", llama_json(num_hidden_layers=10**9),
+                            ["num_layers", "10000"]),
+    "json-negative-vocab": ("config.json", llama_json(vocab_size=-1), ["vocab_size", "-1"]),
+    "json-string-tie": ("config.json", llama_json(tie_word_embeddings="yes"),
+                        ["tie_word_embeddings", "'yes'"]),
+    "json-unsupported-type": ("config.json", llama_json(model_type="rwkv"),
+                              ["model_type", "rwkv"]),
+    "json-missing-type": ("config.json", llama_json(model_type=...), ["model_type"]),
+    "json-array": ("config.json", "[1, 2, 3]", ["{f}", "object", "list"]),
+    "json-deep": ("config.json", deep(100000), ["{f}", "64 levels"]),
+    "json-cut": ("config.json", llama_json()[:200], ["{f}", "line", "column"]),
+    "json-binary": ("config.json", b"\x89PNG\r\n\x1a\n" + bytes(200), ["{f}", "byte offset"]),
+    "json-utf16": ("config.json", llama_json().encode("utf-16"), ["{f}", "UTF-8"]),
+    "json-over-size": ("config.json", " " * (1024 * 1024 + 1) + llama_json(), ["1 MiB"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MODEL_CASES))
+def test_bad_model_file(case: str, sandbox: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    name, content, mentions = MODEL_CASES[case]
+    path = sandbox / "in" / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    assert_refused(["estimate", "-m", str(path), "-n", "8"],
+                   [m.replace("{f}", str(path)) for m in mentions], sandbox, capsys)
+
+
+def test_model_paths_that_are_not_files(sandbox: Path, capsys) -> None:
+    assert_refused(["estimate", "-m", "/dev/zero"], ["/dev/zero", "not a regular file"],
+                   sandbox, capsys)
+    folder = sandbox / "in"
+    assert_refused(["estimate", "-m", str(folder)], [str(folder), "without a config.json"],
+                   sandbox, capsys)
+    (folder / "config.json").mkdir()
+    assert_refused(["estimate", "-m", str(folder)], ["config.json", "folder"], sandbox, capsys)
+    fifo = sandbox / "in" / "fifo.toml"
+    os.mkfifo(fifo)
+    assert_refused(["estimate", "-m", str(fifo)], [str(fifo), "not a regular file"],
+                   sandbox, capsys)
+
+
+# --- 3. evidence files ---------------------------------------------------------------------
+
+def _gz(text: str) -> bytes:
+    return gzip.compress(text.encode(), mtime=0)
+
+
+# name -> (command before the path, file name, content or None for "{in}" itself, mentions)
+EVIDENCE_CASES: dict[str, tuple[list[str], str, Any, list[str]]] = {
+    "trace-empty": (["analyze-trace"], "t.json", "", ["{f}", "traceEvents"]),
+    "trace-garbage-text": (["analyze-trace"], "t.json", "hello world", ["{f}", "line 1"]),
+    "trace-binary": (["analyze-trace"], "t.json", bytes(range(128, 256)) * 4,
+                     ["{f}", "UTF-8", "byte offset 0"]),
+    "trace-corrupt-gzip": (["analyze-trace"], "t.json.gz", b"\x1f\x8b\x08" + b"\xff" * 64,
+                           ["{f}", "damaged gzip", "compressed bytes 0"]),
+    "trace-gzip-of-text": (["analyze-trace"], "t.json.gz", _gz("not json at all"),
+                           ["{f}", "invalid JSON", "line 1"]),
+    "trace-gzip-cut-in-header": (["analyze-trace"], "t.json.gz", TRACE_GZ[:40],
+                                 ["{f}", "cut"]),
+    "trace-events-number": (["analyze-trace"], "t.json", json.dumps({"traceEvents": 5}),
+                            ["{f}", "traceEvents is int"]),
+    "trace-event-not-object": (["analyze-trace"], "t.json", trace_with(X, 7),
+                               ["{f}", "event 1", "7"]),
+    "trace-dur-text": (["analyze-trace"], "t.json", trace_with({**X, "dur": "5"}),
+                       ["{f}", "event 0", "dur", "'5'"]),
+    "trace-dur-negative": (["analyze-trace"], "t.json", trace_with({**X, "dur": -5}),
+                           ["{f}", "event 0", "negative", "-5"]),
+    "trace-ts-bool": (["analyze-trace"], "t.json", trace_with({**X, "ts": True}),
+                      ["{f}", "ts", "true"]),
+    "trace-name-number": (["analyze-trace"], "t.json", trace_with({**X, "name": 3}),
+                          ["{f}", "name", "3"]),
+    "trace-rank-text": (["analyze-trace"], "t.json",
+                        trace_with(X, distributedInfo={"rank": "zero"}),
+                        ["{f}", "distributedInfo.rank", "'zero'"]),
+    "trace-info-list": (["analyze-trace"], "t.json", trace_with(X, distributedInfo=[0]),
+                        ["{f}", "distributedInfo", "[0]"]),
+    "trace-top-number": (["analyze-trace"], "t.json", "5", ["{f}", "5"]),
+    "trace-no-complete-events": (["analyze-trace"], "t.json",
+                                 trace_with({"ph": "M", "name": "process_name"}),
+                                 ["{f}", "no complete"]),
+    "trace-folder": (["analyze-trace"], "", None, ["{f}", "folder"]),
+    "trace-garbage-inside": (["analyze-trace"], "t.json",
+                             json.dumps(TRACE)[:5000] + "@@@" + json.dumps(TRACE)[5000:],
+                             ["{f}", "invalid JSON", "line 1"]),
+    "monitor-list": (["monitor-summary"], "memory_rank0.jsonl", "[1, 2]\n",
+                     ["{f} line 1 (byte offset 0)", "JSON object"]),
+    "monitor-rank-text": (["monitor-summary"], "memory_rank0.jsonl", jsonl(record(rank="a")),
+                          ["{f} line 1", "'rank' is 'a'"]),
+    "monitor-no-rank": (["monitor-summary"], "memory_rank0.jsonl",
+                        jsonl({"step": 1, "step_time_s": 1.0}), ["{f} line 1", "'rank'"]),
+    "monitor-rank-bool": (["monitor-summary"], "memory_rank0.jsonl", jsonl(record(rank=True)),
+                          ["{f} line 1", "'rank' is true"]),
+    "monitor-step-zero": (["monitor-summary"], "memory_rank0.jsonl", jsonl(record(step=0)),
+                          ["{f} line 1", "'step' is 0"]),
+    "monitor-time-text": (["monitor-summary"], "memory_rank0.jsonl",
+                          jsonl(record(step_time_s="x")), ["{f} line 1", "'step_time_s'"]),
+    "monitor-time-negative": (["monitor-summary"], "memory_rank0.jsonl",
+                              jsonl(record(step_time_s=-1)), ["step_time_s", "-1"]),
+    "monitor-peak-text": (["monitor-summary"], "memory_rank0.jsonl",
+                          jsonl(record(), record(step=2, peak_bytes="8GiB")),
+                          ["{f} line 2", "'peak_bytes' is '8GiB'"]),
+    "monitor-bytes-negative": (["monitor-summary"], "memory_rank0.jsonl",
+                               jsonl(record(reserved_bytes=-1)), ["'reserved_bytes' is -1"]),
+    "monitor-warnings-number": (["monitor-summary"], "memory_rank0.jsonl",
+                                jsonl(record(warnings=3)), ["'warnings' is 3"]),
+    "monitor-binary": (["monitor-summary"], "memory_rank0.jsonl", b"\xff\xfe\x00garbage\n" * 2,
+                       ["{f} line 1", "UTF-8"]),
+    "monitor-garbage-between": (["monitor-summary"], "memory_rank0.jsonl",
+                                jsonl(record()) + "#garbage\n" + jsonl(record(step=2)),
+                                ["{f} line 2", "not JSON"]),
+    "monitor-only-a-cut-line": (["monitor-summary"], "memory_rank0.jsonl",
+                                json.dumps(record())[:30], ["{f}", "holds no records", "cut"]),
+    "monitor-empty": (["monitor-summary"], "memory_rank0.jsonl", "\n\n", ["holds no records"]),
+    "monitor-long-line": (["monitor-summary"], "memory_rank0.jsonl",
+                          "{" + " " * (1024 * 1024 + 10) + "}\n", ["line 1", "1 MiB"]),
+    "monitor-deep-line": (["monitor-summary"], "memory_rank0.jsonl",
+                          jsonl(record()) + deep(50000) + "\n" + jsonl(record(step=2)),
+                          ["{f} line 2", "not JSON"]),
+    "monitor-folder-empty": (["monitor-summary"], "", None, ["{f}", "no memory_rank"]),
+    "diagnose-monitor-rank-text": (["diagnose", "-m", "tiny", "--monitor"],
+                                   "memory_rank0.jsonl", jsonl(record(rank="a")),
+                                   ["--monitor", "{f} line 1", "'rank' is 'a'"]),
+    "diagnose-monitor-binary": (["diagnose", "-m", "tiny", "--monitor"], "memory_rank0.jsonl",
+                                bytes(range(11, 256)), ["--monitor", "{f}", "UTF-8"]),
+    "oom-no-message": (["diagnose", "-m", "tiny", "--oom"], "err.txt", "all is well\n",
+                       ["--oom", "{f}", "no PyTorch out-of-memory message"]),
+    "oom-binary": (["diagnose", "-m", "tiny", "--oom"], "err.txt", bytes(range(256)) * 8,
+                   ["--oom", "{f}"]),
+    "oom-folder": (["diagnose", "-m", "tiny", "--oom"], "", None, ["--oom", "{f}", "folder"]),
+    "oom-half-message": (["diagnose", "-m", "tiny", "--oom"], "err.txt",
+                         "CUDA out of memory. Tried to allocate lots", ["--oom", "{f}"]),
+    "snapshot-binary": (["diagnose", "-m", "tiny", "--trust-pickle", "--snapshot"], "s.pickle",
+                        bytes(range(256)), ["--snapshot", "{f}", "not a readable pickle"]),
+    "snapshot-text": (["diagnose", "-m", "tiny", "--trust-pickle", "--snapshot"], "s.pickle",
+                      "hello", ["--snapshot", "{f}"]),
+    "snapshot-no-segments": (["diagnose", "-m", "tiny", "--trust-pickle", "--snapshot"],
+                             "s.pickle", pickle.dumps({"device_traces": []}),
+                             ["--snapshot", "{f}", "segments"]),
+    "snapshot-segment-number": (["diagnose", "-m", "tiny", "--trust-pickle", "--snapshot"],
+                                "s.pickle", pickle.dumps({"segments": [5]}),
+                                ["--snapshot", "segment 0", "int"]),
+    "snapshot-payload": (["diagnose", "-m", "tiny", "--trust-pickle", "--snapshot"], "s.pickle",
+                         b"cos\nsystem\n(S'true'\ntR.", ["os.system", "not one"]),
+    "snapshot-cut": (["diagnose", "-m", "tiny", "--trust-pickle", "--snapshot"], "s.pickle",
+                     pickle.dumps({"segments": [{"total_size": 1, "allocated_size": 1}]})[:20],
+                     ["--snapshot", "{f}", "not a readable pickle"]),
+    "profile-binary": (["diagnose", "-m", "tiny", "--profile"], "summary.json",
+                       bytes(range(256)), ["--profile", "{f}", "UTF-8", "byte offset"]),
+    "profile-list": (["diagnose", "-m", "tiny", "--profile"], "summary.json", "[1, 2]",
+                     ["--profile", "{f}", "[1, 2]"]),
+    "profile-empty-object": (["diagnose", "-m", "tiny", "--profile"], "summary.json", "{}",
+                             ["--profile", "{f}", "phases is missing"]),
+    "profile-phases-list": (["diagnose", "-m", "tiny", "--profile"], "summary.json",
+                            json.dumps({"phases": [], "num_steps": 2}), ["phases is []"]),
+    "profile-steps-bool": (["diagnose", "-m", "tiny", "--profile"], "summary.json",
+                           json.dumps({"phases": {}, "num_steps": True}),
+                           ["num_steps is true"]),
+    "profile-peak-text": (["diagnose", "-m", "tiny", "--profile"], "summary.json",
+                          json.dumps({"phases": {"1": {"forward": {"peak_bytes": "big"}}},
+                                      "num_steps": 1}),
+                          ["phases.1.forward.peak_bytes", "'big'"]),
+    "profile-cut": (["diagnose", "-m", "tiny", "--profile"], "summary.json", '{"phases": {"1',
+                    ["--profile", "{f}", "line 1"]),
+    "profile-deep": (["diagnose", "-m", "tiny", "--profile"], "summary.json", deep(200),
+                     ["--profile", "{f}", "64 levels"]),
+    "profile-folder-without-summary": (["diagnose", "-m", "tiny", "--profile"], "", None,
+                                       ["--profile", "summary.json", "no such file"]),
+    "calibration-binary": (["estimate", "-m", "tiny", "--calibration"], "p.json",
+                           bytes(range(256)), ["calibration profile", "{f}", "UTF-8"]),
+    "calibration-list": (["estimate", "-m", "tiny", "--calibration"], "p.json", "[]",
+                         ["calibration profile", "{f}", "schema_version"]),
+    "calibration-no-version": (["estimate", "-m", "tiny", "--calibration"], "p.json", "{}",
+                               ["{f}", "schema_version None"]),
+    "calibration-no-fields": (["estimate", "-m", "tiny", "--calibration"], "p.json",
+                              json.dumps({"schema_version": 1}), ["{f}", "required"]),
+    "calibration-deep": (["estimate", "-m", "tiny", "--calibration"], "p.json", deep(500),
+                         ["{f}", "64 levels"]),
+    "calibration-cut": (["estimate", "-m", "tiny", "--calibration"], "p.json",
+                        '{"schema_version": 1, "kind": "dev', ["{f}", "line 1"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EVIDENCE_CASES))
+def test_bad_evidence(case: str, sandbox: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    command, name, content, mentions = EVIDENCE_CASES[case]
+    path = sandbox / "in" / name if name else sandbox / "in"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    assert_refused([*command, str(path)], [m.replace("{f}", str(path)) for m in mentions],
+                   sandbox, capsys)
+
+
+DEVICE_READERS = {
+    "monitor-summary": ["monitor-summary"],
+    "analyze-trace": ["analyze-trace"],
+    "oom": ["diagnose", "-m", "tiny", "--oom"],
+    "monitor": ["diagnose", "-m", "tiny", "--monitor"],
+    "snapshot": ["diagnose", "-m", "tiny", "--trust-pickle", "--snapshot"],
+    "profile": ["diagnose", "-m", "tiny", "--profile"],
+    "calibration": ["estimate", "-m", "tiny", "--calibration"],
+}
+
+
+@pytest.mark.parametrize("reader", sorted(DEVICE_READERS))
+def test_dev_zero_is_refused_by_every_reader(reader: str, sandbox: Path, capsys) -> None:
+    """/dev/zero never ends: each reader refuses it before reading a byte."""
+    assert_refused([*DEVICE_READERS[reader], "/dev/zero"], ["/dev/zero", "not a regular file"],
+                   sandbox, capsys)
+
+
+def test_two_traces_of_one_rank(sandbox: Path, capsys) -> None:
+    paths = []
+    for k in range(2):
+        path = sandbox / "in" / f"r{k}.json.gz"
+        path.write_bytes(TRACE_GZ)
+        paths.append(str(path))
+    assert_refused(["analyze-trace", *paths], ["same rank"], sandbox, capsys)
+
+
+@pytest.mark.parametrize("data", [b"\xff\xfe\xfd" * 100, b"", b"CUDA out of memory. Tried"])
+def test_oom_from_stdin_without_a_message(data: bytes, sandbox: Path, capsys,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+    assert_refused(["diagnose", "-m", "tiny", "--oom", "-"], ["--oom", "standard input"],
+                   sandbox, capsys)
+
+
+# --- 4. outputs ----------------------------------------------------------------------------
+
+def _existing_file(root: Path) -> Path:
+    path = root / "in" / "results"
+    path.write_text("an earlier result\n")
+    return path
+
+
+OUTPUT_CASES: dict[str, tuple[Callable[[Path], list[str]], list[str]]] = {
+    "profile-out-is-a-file": (lambda r: ["profile", "-m", "tiny", "--out",
+                                         str(_existing_file(r))],
+                              ["--out", "existing file"]),
+    "profile-out-under-a-file": (lambda r: ["profile", "-m", "tiny", "--out",
+                                            str(_existing_file(r) / "sub")],
+                                 ["--out", "is a file"]),
+    "calibrate-out-is-a-file": (lambda r: ["calibrate", "--device", "cpu", "--out",
+                                           str(_existing_file(r))],
+                                ["--out", "existing file"]),
+    "calibrate-out-under-a-file": (lambda r: ["calibrate", "--device", "cpu", "--out",
+                                              str(_existing_file(r) / "cal")],
+                                   ["--out", "is a file"]),
+    "calibrate-name-climbs-out": (lambda r: ["calibrate", "--device", "cpu", "--out",
+                                             str(r / "in" / "cal"), "--name", "../../x"],
+                                  ["name", "'../../x'", "inside --out"]),
+    "calibrate-name-has-a-slash": (lambda r: ["calibrate", "--device", "cpu", "--out",
+                                              str(r / "in" / "cal"), "--name", "a/b"],
+                                   ["name", "'a/b'"]),
+    "calibrate-name-dot-dot": (lambda r: ["calibrate", "--device", "cpu", "--out",
+                                          str(r / "in" / "cal"), "--name", ".."],
+                               ["name", "'..'"]),
+    "calibrate-name-absolute": (lambda r: ["calibrate", "--device", "cpu", "--out",
+                                           str(r / "in" / "cal"), "--name", "/tmp/x"],
+                                ["name", "'/tmp/x'"]),
+    "calibrate-name-hidden": (lambda r: ["calibrate", "--device", "cpu", "--out",
+                                         str(r / "in" / "cal"), "--name", ".x"],
+                              ["name", "'.x'"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OUTPUT_CASES))
+def test_bad_output(case: str, sandbox: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    build, mentions = OUTPUT_CASES[case]
+    assert_refused(build(sandbox), mentions, sandbox, capsys)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+@pytest.mark.parametrize("command", [["profile", "-m", "tiny"], ["calibrate", "--device", "cpu"]])
+def test_read_only_output_folder(command: list[str], sandbox: Path, capsys) -> None:
+    folder = sandbox / "in" / "ro"
+    folder.mkdir()
+    folder.chmod(0o555)
+    try:
+        assert_refused([*command, "--out", str(folder / "new")], ["--out", "permission denied"],
+                       sandbox, capsys)
+    finally:
+        folder.chmod(0o755)
+
+
+# --- 5. the Python API ---------------------------------------------------------------------
+
+API_CASES: dict[str, tuple[Callable[..., Any], tuple, dict[str, Any], list[str]]] = {
+    "gpus-string": (memplan.estimate, ("tiny",), {"gpus": "8"}, ["gpus", "'8'"]),
+    "gpus-float": (memplan.estimate, ("tiny",), {"gpus": 1.5}, ["gpus", "1.5"]),
+    "gpus-bool": (memplan.estimate, ("tiny",), {"gpus": True}, ["gpus", "true"]),
+    "gpus-none": (memplan.estimate, ("tiny",), {"gpus": None}, ["gpus", "null"]),
+    "gpus-zero": (memplan.estimate, ("tiny",), {"gpus": 0}, ["gpus", "0"]),
+    "gpu-none": (memplan.estimate, ("tiny",), {"gpu": None}, ["gpu", "null"]),
+    "gpu-number": (memplan.estimate, ("tiny",), {"gpu": 100}, ["gpu", "100"]),
+    "gpu-unknown": (memplan.estimate, ("tiny",), {"gpu": "h900"}, ["h900"]),
+    "schedule-word": (memplan.estimate, ("tiny",), {"schedule": "zigzag"},
+                      ["schedule", "zigzag"]),
+    "schedule-number": (memplan.estimate, ("tiny",), {"schedule": 3}, ["schedule", "3"]),
+    "tp-float": (memplan.estimate, ("tiny",), {"tp": 2.0}, ["tp", "2.0"]),
+    "tp-bool": (memplan.estimate, ("tiny",), {"tp": True}, ["tp", "true"]),
+    "tp-string": (memplan.estimate, ("tiny",), {"tp": "2"}, ["tp", "'2'"]),
+    "pp-list": (memplan.estimate, ("tiny",), {"pp": [1]}, ["pp", "[1]"]),
+    "dp-string": (memplan.estimate, ("tiny",), {"dp": "2"}, ["dp", "'2'"]),
+    "zero-string": (memplan.estimate, ("tiny",), {"zero": "1"}, ["zero", "'1'"]),
+    "zero-four": (memplan.estimate, ("tiny",), {"zero": 4}, ["zero", "4"]),
+    "zero-bool": (memplan.estimate, ("tiny",), {"zero": True}, ["zero", "true"]),
+    "sp-string": (memplan.estimate, ("tiny",), {"sequence_parallel": "on"},
+                  ["sequence_parallel", "'on'"]),
+    "vocab-parallel-none": (memplan.estimate, ("tiny",), {"vocab_parallel": None},
+                            ["vocab_parallel"]),
+    "tp-style-number": (memplan.estimate, ("tiny",), {"tp_style": 1}, ["tp_style", "1"]),
+    "grad-buffers-word": (memplan.estimate, ("tiny",), {"grad_buffers": "zz"},
+                          ["grad_buffers", "zz"]),
+    "offload-number": (memplan.estimate, ("tiny",), {"offload": 5}, ["offload", "5"]),
+    "framework-word": (memplan.estimate, ("tiny",), {"framework": "jax"}, ["framework", "jax"]),
+    "mbs-string": (memplan.estimate, ("tiny",), {"micro_batch_size": "2"}, ["mbs", "'2'"]),
+    "mbs-bool": (memplan.estimate, ("tiny",), {"micro_batch_size": True}, ["mbs", "true"]),
+    "seq-float": (memplan.estimate, ("tiny",), {"seq_len": 2.5}, ["seq", "2.5"]),
+    "gbs-negative": (memplan.estimate, ("tiny",), {"global_batch_size": -1}, ["gbs", "-1"]),
+    "logits-fp32-string": (memplan.estimate, ("tiny",), {"logits_fp32": "yes"},
+                           ["logits-fp32", "'yes'"]),
+    "precision-word": (memplan.estimate, ("tiny",), {"precision": "bf17"},
+                       ["precision", "bf17"]),
+    "recompute-word": (memplan.estimate, ("tiny",), {"recompute": "zzz"}, ["recompute", "zzz"]),
+    "workload-typo": (memplan.estimate, ("tiny",), {"micro_batch": 2}, ["micro_batch"]),
+    "calibration-number": (memplan.estimate, ("tiny",), {"calibration": 5},
+                           ["calibration", "5"]),
+    "overheads-string": (memplan.estimate, ("tiny",), {"overheads": "x"}, ["overheads", "'x'"]),
+    "gpu-memory-bool": (memplan.estimate, ("tiny",), {"gpu_memory": True}, ["gpu_memory"]),
+    "gpu-memory-list": (memplan.estimate, ("tiny",), {"gpu_memory": [1]}, ["gpu_memory"]),
+    "gpu-memory-unit": (memplan.estimate, ("tiny",), {"gpu_memory": "80XB"},
+                        ["gpu_memory", "80XB"]),
+    "model-none": (memplan.estimate, (None,), {}, ["model", "null"]),
+    "model-number": (memplan.estimate, (5,), {}, ["model", "5"]),
+    "model-empty": (memplan.estimate, ("",), {}, ["model"]),
+    "model-unknown": (memplan.estimate, ("llama-9",), {}, ["llama-9"]),
+    "plan-gpus-string": (memplan.plan, ("tiny",), {"gpus": "8"}, ["gpus", "'8'"]),
+    "plan-gpus-zero": (memplan.plan, ("tiny",), {"gpus": 0}, ["gpus", "0"]),
+    "plan-tp-splits-no-gpus": (memplan.plan, ("tiny",), {"gpus": 8, "tp": 3},
+                               ["gpus (8)", "tp (3)"]),
+    "plan-max-tp-negative": (memplan.plan, ("tiny",), {"gpus": 8, "max_tp": -4},
+                             ["max_tp", "-4"]),
+    "plan-safety-string": (memplan.plan, ("tiny",), {"gpus": 8, "safety": "x"},
+                           ["safety", "'x'"]),
+    "plan-safety-nan": (memplan.plan, ("tiny",), {"gpus": 8, "safety": float("nan")},
+                        ["safety", "nan"]),
+    "plan-recompute-word": (memplan.plan, ("tiny",), {"gpus": 8, "recompute": ["zz"]},
+                            ["recompute", "zz"]),
+    "plan-recompute-number": (memplan.plan, ("tiny",), {"gpus": 8, "recompute": 3},
+                              ["recompute", "3"]),
+    "plan-zero-seven": (memplan.plan, ("tiny",), {"gpus": 8, "zero": 7}, ["zero", "7"]),
+    "check-safety-two": (memplan.check, ("tiny",), {"safety": 2}, ["safety", "2"]),
+    "make-layout-string": (memplan.make_layout, ("8",), {}, ["gpus", "'8'"]),
+    "make-layout-list": (memplan.make_layout, (8,), {"tp": [1]}, ["tp", "[1]"]),
+    "make-workload-not-a-spec": (memplan.make_workload, ("tiny",), {}, ["spec", "'tiny'"]),
+    "load-model-none": (memplan.load_model, (None,), {}, ["model", "None"]),
+    "load-gpu-none": (memplan.load_gpu, (None,), {}, ["gpu", "None"]),
+    "diagnose-oom-number": (None, ("tiny",), {"oom": 5}, ["oom", "5"]),
+    "diagnose-monitor-number": (None, ("tiny",), {"monitor": 5}, ["monitor", "5"]),
+    "diagnose-profile-number": (None, ("tiny",), {"profile": 5}, ["profile", "5"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(API_CASES))
+def test_bad_api_argument(case: str) -> None:
+    function, args, kwargs, mentions = API_CASES[case]
+    if function is None:
+        from memplan.diagnose import diagnose as function
+    with pytest.raises(MemplanError) as raised:
+        function(*args, **kwargs)
+    message = str(raised.value)
+    assert "\n" not in message
+    for text in mentions:
+        assert text in message, (text, message)
+
+
+def test_the_corpus_is_large() -> None:
+    """At least 120 cases of bad input, across the CLI, the API and each reader."""
+    total = (len(OPTION_CASES) + len(MODEL_CASES) + len(EVIDENCE_CASES) + len(OUTPUT_CASES)
+             + len(API_CASES) + len(DEVICE_READERS))
+    assert total >= 120, total

@@ -1,0 +1,198 @@
+"""Faults during a run: Ctrl-C, a full disk, a file cut by a killed job.
+
+``memplan profile`` runs here against a stand-in for the torch module that measures
+(``memplan.profile.reference_profile``: its two functions, which the command imports when it
+runs), so the tests are torch-free and fast; what they check is the command's own handling:
+the results written into a staging folder and moved into ``--out`` only when complete, an
+interrupt or a write error leaving ``--out`` exactly as it was. ``calibrate``'s interrupt runs
+real CPU steps in ``tests/traced/test_calibrate.py``.
+"""
+
+from __future__ import annotations
+
+import errno
+import gzip
+import hashlib
+import json
+import os
+import stat
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from memplan.cli import main
+from memplan.errors import MemplanError
+from memplan.outputs import check_out_dir, staged_dir, write_atomic
+from memplan.timeline import Sample, Timeline
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def _timeline() -> Timeline:
+    """Two steps of three phases, 1 KiB more live in step 2 (hand-made samples)."""
+    samples = [Sample(index=i, step=step, phase=phase, total_bytes=1024 * (i + step),
+                      by_category={"activations": 1024 * i}, op=f"op{i}")
+               for i, (step, phase) in enumerate((s, p) for s in (1, 2)
+                                                 for p in ("forward", "backward", "optimizer"))]
+    return Timeline(device="cpu-tracker", source="hand-made samples", num_steps=2,
+                    samples=samples, context={"model": "tiny"})
+
+
+def _stand_in(monkeypatch: pytest.MonkeyPatch, run) -> None:
+    """``memplan.profile.reference_profile`` with ``profile_reference`` = ``run``."""
+    module = types.ModuleType("memplan.profile.reference_profile")
+    module.profile_reference = run
+    module.predicted = lambda *a, **k: {"source": "stand-in", "first_step": {}, "steady": {},
+                                        "peak_bytes": 4096}
+    monkeypatch.setitem(sys.modules, "memplan.profile.reference_profile", module)
+
+
+def _tree(root: Path) -> dict[str, tuple]:
+    return {str(p.relative_to(root)): (p.is_dir(), p.is_file() and hashlib.sha1(
+        p.read_bytes()).hexdigest()) for p in sorted(root.rglob("*"))}
+
+
+@pytest.fixture
+def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.delenv("MEMPLAN_DEBUG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _interrupt_after_half_a_file(*_a, snapshot_path=None, **_k):
+    """Write 65,536 bytes of a result where the command asked for one, then Ctrl-C."""
+    Path(snapshot_path).write_bytes(b"x" * 65536)
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_profile_interrupted_leaves_out_as_it_was(work: Path, existing: bool, capsys,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    out = work / "runs" / "prof"
+    if existing:  # an earlier run's results stay whole
+        out.mkdir(parents=True)
+        (out / "timeline.json").write_text('{"earlier": true}\n')
+    before = _tree(work)
+    _stand_in(monkeypatch, _interrupt_after_half_a_file)
+    argv = ["profile", "-m", "tiny", "--device", "cuda", "--out", str(out)]
+    assert main(argv) == 130
+    captured = capsys.readouterr()
+    assert captured.err == (f"memplan: interrupted: nothing was written to {out}; rerun with: "
+                            f"memplan profile -m tiny --device cuda --out {out}\n")
+    assert _tree(work) == before  # no staging folder, no half file, nothing new
+
+
+def test_profile_disk_full_leaves_out_as_it_was(work: Path, capsys,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second file's write fails with ENOSPC: one line, exit 2, nothing kept."""
+    _stand_in(monkeypatch, lambda *a, **k: _timeline())
+    calls = []
+    real = os.fsync
+
+    def fsync(fd):
+        calls.append(fd)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd)
+
+    monkeypatch.setattr("memplan.outputs.os.fsync", fsync)
+    out = work / "prof"
+    assert main(["profile", "-m", "tiny", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"memplan: error: --out: cannot write {out / 'timeline.csv'}: No space left on "
+                   "device; nothing of this run was kept\n")
+    assert sorted(p.name for p in work.iterdir()) == []  # neither --out nor a staging folder
+
+
+def test_profile_writes_every_file_into_out(work: Path, capsys,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    _stand_in(monkeypatch, lambda *a, **k: _timeline())
+    out = work / "a" / "b"
+    assert main(["profile", "-m", "tiny", "--out", str(out), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    names = {"timeline.json", "timeline.csv", "summary.json"}
+    assert names <= {Path(p).name for p in result["files"]}
+    assert all(Path(p).parent == out for p in result["files"])
+    assert names <= {p.name for p in out.iterdir()}
+    assert [p.name for p in (work / "a").iterdir()] == ["b"]  # no staging folder left
+    assert json.loads((out / "summary.json").read_text())["num_steps"] == 2
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE((out / "summary.json").stat().st_mode) == 0o666 & ~umask
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask
+
+
+def test_write_atomic_keeps_the_old_file_on_failure(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "r.json"
+    write_atomic(path, "old\n")
+
+    def replace(*_a):
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr("memplan.outputs.os.replace", replace)
+    with pytest.raises(MemplanError, match=r"cannot write .*r.json: I/O error; it is as it was"):
+        write_atomic(path, "new\n" * 10000)
+    assert path.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_staged_dir_removes_everything_on_an_error(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError), staged_dir(out) as stage:
+        (stage / "half.json").write_text("{")
+        raise RuntimeError("stopped")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unwritable_folder_is_refused_before_work(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``os.access`` answers as for a read-only folder (as root it never does)."""
+    monkeypatch.setattr("memplan.outputs.os.access", lambda *_a: False)
+    with pytest.raises(MemplanError, match=f"--out: cannot write in {tmp_path} "
+                                           r"\(permission denied\)"):
+        check_out_dir(tmp_path / "new")
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- damaged evidence: the rest is used, the result says it is partial ---------------------
+
+def _cut_trace(tmp_path: Path, fraction: float) -> Path:
+    raw = (DATA / "traces" / "gloo_2rank" / "rank0.json.gz").read_bytes()
+    path = tmp_path / "rank0.json.gz"
+    path.write_bytes(raw[:int(len(raw) * fraction)])
+    return path
+
+
+@pytest.mark.parametrize("fraction", [0.3, 0.6, 0.95])
+def test_a_cut_trace_is_read_up_to_its_last_event(tmp_path: Path, fraction: float,
+                                                  capsys) -> None:
+    """A .json.gz cut by a killed job: analyze-trace reads the events before the cut, exit
+    0, one warning line naming the file and the compressed byte where it ends."""
+    whole = tmp_path / "whole.json.gz"
+    whole.write_bytes((DATA / "traces" / "gloo_2rank" / "rank0.json.gz").read_bytes())
+    assert main(["analyze-trace", str(whole), "--json"]) == 0
+    full = json.loads(capsys.readouterr().out)
+    path = _cut_trace(tmp_path, fraction)
+    assert main(["analyze-trace", str(path), "--json"]) == 0
+    out, err = capsys.readouterr()
+    result = json.loads(out)
+    size = path.stat().st_size
+    assert result["partial"] == [result["partial"][0]]
+    assert result["partial"][0].startswith(f"{path} is cut (its gzip stream ends at "
+                                           f"compressed byte {size:,}")
+    assert err == f"memplan: warning: {result['partial'][0]}\n"
+    assert full["partial"] == []
+    assert 0 < result["ranks"][0]["num_steps"] <= full["ranks"][0]["num_steps"]
+    assert result["ranks"][0]["window_us"] <= full["ranks"][0]["window_us"]
+
+
+def test_a_cut_plain_json_trace_names_its_line(tmp_path: Path, capsys) -> None:
+    text = gzip.decompress((DATA / "traces" / "gloo_2rank" / "rank0.json.gz").read_bytes())
+    path = tmp_path / "rank0.json"
+    path.write_bytes(text[:len(text) // 2])
+    assert main(["analyze-trace", str(path)]) == 0
+    err = capsys.readouterr().err
+    line = text[:len(text) // 2].count(b"\n") + 1
+    assert err.startswith(f"memplan: warning: {path} is cut (its JSON ends at line {line}")
