@@ -37,15 +37,18 @@ DEFAULT_SAFETY = 0.05  # keep 5% of capacity free for what no model counts (stat
 # Llama 2 and 3 trained with about 4M tokens per step (Touvron et al. 2023; Dubey et al. 2024)
 DEFAULT_TOKENS_PER_STEP = 4 * 1024 * 1024
 # Search bounds, stated: up to 4 model chunks per pipeline rank (Megatron-LM's interleaving
-# gains little beyond), and context parallelism only from 8k tokens on (below, attention's
-# share of the work is too small for CP to pay; give --cp to search it anyway).
+# gains little beyond), and context parallelism only above 8k tokens: the published runs use it
+# for long sequences only (Llama 3: CP 16 at 128K and none at 8K, Dubey et al. 2024, Table 4;
+# torchtitan's benchmarks from 32K), and at 8K attention is a few percent of the FLOPs, so CP's
+# per-layer costs the time model does not have (kernel launches per ring step, the chunk
+# reordering) weigh more than the ring it models. Give --cp to search it anyway.
 MAX_VPP = 4
-# pipeline degrees searched beyond the layers' divisors: powers of two up to 32 (the largest
+# pipeline degrees searched beyond the layers' divisors: powers of two up to 16 (the largest
 # published dense runs use 16: Llama 3 405B, Dubey et al. 2024, section 3.3.2), and uneven
 # splits with at least two layers on every virtual stage
-MAX_PP = 32
+MAX_PP = 16
 MIN_STAGE_LAYERS = 2
-LONG_SEQ = 8192
+LONG_SEQ = 16384
 RECOMPUTE_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
 SP_OFF_DOMINATED = "sp off: sp on needs no more memory and no more time at any micro-batch"
 # Rejections the planner finds before ``validate``, keyed as ``LayoutError.rule`` is (no
@@ -137,8 +140,11 @@ def pipeline_splits(num_layers: int, pp: int, vpp: int,
     uneven = weighted if weighted and len(set(weighted)) > 1 else None
     if rule is PipelineSplit.WEIGHTED:
         return [uneven] if weighted else []
-    out: list[tuple[int, ...] | None] = [None] if num_layers % parts == 0 else []
-    if uneven and min(uneven) >= MIN_STAGE_LAYERS:
+    even = num_layers % parts == 0
+    out: list[tuple[int, ...] | None] = [None] if even else []
+    # beside an even split, only without interleaving: there the head's share is a whole
+    # stage's imbalance; with chunks the split is searched where no even one exists
+    if uneven and min(uneven) >= MIN_STAGE_LAYERS and (not even or vpp == 1):
         out.append(uneven)
     return out
 

@@ -319,6 +319,35 @@ def _bandwidth(gpu: GpuSpec, c: Columns, span: Any) -> Any:
                        gpu.inter_node_bytes_per_s)
 
 
+# NCCL's latency model of a ring collective with the Simple protocol (NVIDIA/nccl
+# src/graph/tuning.cc, ncclTopoTuneModel: baseLat ring/Simple 8.4 us, hwLat ring/Simple 3.4 us
+# per step over NVLink and 9.6 us per step over the network): a reduce-scatter or all-gather of
+# n ranks takes n - 1 steps, an all-reduce 2 (n - 1), the steps between nodes at the network's
+# latency. A point-to-point send pays one step.
+RING_BASE_S = 8.4e-6
+RING_STEP_NVLINK_S = 3.4e-6
+RING_STEP_NET_S = 9.6e-6
+NCCL_LATENCY_SOURCE = "NVIDIA/nccl src/graph/tuning.cc (ring, Simple protocol)"
+
+
+def _ring_latency(gpu: GpuSpec, ranks: Any, span: Any, passes: int = 1) -> Any:
+    """Seconds of latency of one ring collective over ``ranks`` ranks whose group spans
+    ``span`` consecutive global ranks (``passes`` 2 for an all-reduce); 0 for one rank."""
+    g = gpu.gpus_per_node
+    nodes = (span + g - 1) // g
+    steps = ranks - 1
+    inter = nodes - 1 if not hasattr(nodes, "shape") else nodes - 1
+    inter = (inter + steps - abs(inter - steps)) / 2  # min(nodes - 1, ranks - 1)
+    one = RING_BASE_S + (steps - inter) * RING_STEP_NVLINK_S + inter * RING_STEP_NET_S
+    return (ranks > 1) * passes * one
+
+
+def _step_latency(gpu: GpuSpec, span: Any) -> Any:
+    """One ring step or point-to-point send: NVLink inside a node, else the network."""
+    return (span <= gpu.gpus_per_node) * RING_STEP_NVLINK_S + (span > gpu.gpus_per_node) * \
+        RING_STEP_NET_S
+
+
 def _ring(size: Any) -> Any:
     """Bytes each rank sends per byte of a ring all-gather or reduce-scatter (0 alone)."""
     return (size - 1) / size
@@ -359,12 +388,21 @@ def dp_parts(wl: Workload, gpu: GpuSpec, c: Columns) -> tuple[Any, Any, Any, Any
     plain = 2 * _ring(c.dp * c.cp) * grad_bytes / across
     sharded = (_ring(shard) * grad_bytes / inside
                + 2 * _ring(replicas) * grad_bytes / shard / across)
+    # one collective per unit (a layer's bucket or FSDP unit, the embedding's, the head's),
+    # each paying the ring's latency (``_ring_latency``)
+    units = c.layers + 2
+    span_inside, span_all = c.tp * shard, c.tp * c.cp * c.dp
+    lat_plain = units * _ring_latency(gpu, c.dp * c.cp, span_all, passes=2)
+    lat_shard = units * _ring_latency(gpu, shard, span_inside)
+    lat_replicas = units * _ring_latency(gpu, replicas, span_all, passes=2)
+    plain = plain + lat_plain
+    sharded = sharded + lat_shard + lat_replicas
     each = c.zero >= ZeroStage.GRADIENTS
     reduce = where(each, 0.0, where(zero, sharded, plain))
     reduce_each = where(each, sharded * c.m, 0.0)
-    gather = where(zero, _ring(shard) * weight_bytes / inside, 0.0)
+    gather = where(zero, _ring(shard) * weight_bytes / inside + lat_shard, 0.0)
     gathers = where(c.zero >= ZeroStage.PARAMETERS,
-                    2 * _ring(shard) * weight_bytes * c.m / inside, 0.0)
+                    2 * c.m * (_ring(shard) * weight_bytes / inside + lat_shard), 0.0)
     return reduce, reduce_each, gather, gathers
 
 
@@ -383,16 +421,23 @@ def comm_columns(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns) -> dic
     # TP: two all-reduces per layer forward and two backward (or all-gather + reduce-scatter
     # with SP, the same volume): 2 * ring factor per all-reduce.
     tp_bytes = 4 * 2 * _ring(c.tp) * act_bytes * layers * m
-    out["tp"] = tp_bytes / _bandwidth(gpu, c, c.tp)
+    # ... each a collective of its own: 8 ring passes per layer and micro-batch
+    tp_latency = 8 * layers * m * _ring_latency(gpu, c.tp, c.tp)
+    out["tp"] = tp_bytes / _bandwidth(gpu, c, c.tp) + tp_latency
     out["dp"] = sum(dp_parts(wl, gpu, c))
     # PP: each micro-batch's activations cross each boundary forward and their gradients back,
     # once per model chunk: interleaving multiplies the sends by vpp (Narayanan et al. 2021,
     # section 2.2.2: "the amount of communication also increases by v").
     pp_bytes = where(c.pp > 1, 2 * act_bytes // where(c.sp, c.tp, 1) * m * c.vpp, 0)
-    out["pp"] = pp_bytes / _bandwidth(gpu, c, c.world_size)
-    # CP: a ring passes every other rank's K and V chunk through, forward and backward.
+    sends = where(c.pp > 1, 2 * m * c.vpp, 0)
+    out["pp"] = pp_bytes / _bandwidth(gpu, c, c.world_size) + sends * _step_latency(
+        gpu, c.world_size)
+    # CP: a ring passes every other rank's K and V chunk through, forward and backward, one
+    # send per step of cp - 1 per layer and micro-batch each way
     kv = 2 * tokens * spec.kv_size // c.tp * e
-    out["cp"] = 2 * (c.cp - 1) * kv * layers * m / _bandwidth(gpu, c, c.tp * c.cp)
+    cp_steps = 2 * (c.cp - 1) * layers * m
+    out["cp"] = (cp_steps * kv / _bandwidth(gpu, c, c.tp * c.cp)
+                 + cp_steps * _step_latency(gpu, c.tp * c.cp))
     # EP: dispatch and combine all-to-alls of the routed tokens, forward and backward.
     ep_bytes: Any = 0.0
     if spec.moe is not None:

@@ -158,12 +158,12 @@ def test_estimate_json_step_time_derived_by_hand() -> None:
     busier stage: per token the first runs layer 0 four times (435,200), the second layer 1
     four times and the head three (435,200 + 49,152 = 484,352), 484,352 / 459,776 of the mean.
     The only communication is the pipeline's: 2 * (256 tokens * 64 * 2 B) * 4 micro-batches
-    = 262,144 B over NVLink (450 GB/s), half exposed; the bubble (2 - 1) / 4 of compute and
-    exposed communication."""
+    = 262,144 B over NVLink (450 GB/s), 8 sends of 3.4 us each (NCCL's NVLink step), half
+    exposed; the bubble (2 - 1) / 4 of compute and exposed communication."""
     out = estimate_cli(*TINY_PP2)
     assert out["flops_per_step"] == 470_810_624
     compute = 470_810_624 / (989.4e12 * 0.4) * 484_352 / 459_776
-    exposed = 262_144 / 450e9 * 0.5
+    exposed = (262_144 / 450e9 + 8 * 3.4e-6) * 0.5
     step = (compute + exposed) * (1 + 1 / 4)
     assert out["step_time_s"] == pytest.approx(step, rel=1e-12)
     assert out["tokens_per_s_per_gpu"] == pytest.approx(1024 / step / 2, rel=1e-12)

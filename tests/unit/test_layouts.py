@@ -189,11 +189,17 @@ def test_hsdp_communication_by_link() -> None:
     n, policy = spec.num_params, wl.precision.policy
     assert (policy.grad_bytes, policy.unsharded.itemsize) == (2, 2)
     g, w = n * 2, n * 2  # the gradient and weight bytes a rank communicates
+    # and every collective, one per unit (32 layers, embedding, head), pays NCCL's ring
+    # latency: 16 ranks on 2 nodes 8.4 + 14 * 3.4 + 9.6 us, 8 on one 8.4 + 7 * 3.4 us, the
+    # replicas' all-reduce 2 * (8.4 + 9.6) us
+    units = 34
+    ring16, ring8, pair = 65.6e-6, 32.2e-6, 2 * 18.0e-6
     full = comm_seconds(spec, gpu, memplan.make_layout(16, zero=3), wl, 1, n)["dp"]
-    assert full == pytest.approx(15 / 16 * (g + w + 2 * w) / 50e9, rel=1e-12)
-    hsdp = comm_seconds(spec, gpu, memplan.make_layout(16, zero=3, dp_shard=8), wl, 1, n)["dp"]
-    assert hsdp == pytest.approx(7 / 8 * (g + w + 2 * w) / 450e9 + 2 * 1 / 2 * g / 8 / 50e9,
+    assert full == pytest.approx(15 / 16 * (g + w + 2 * w) / 50e9 + 4 * units * ring16,
                                  rel=1e-12)
+    hsdp = comm_seconds(spec, gpu, memplan.make_layout(16, zero=3, dp_shard=8), wl, 1, n)["dp"]
+    assert hsdp == pytest.approx(7 / 8 * (g + w + 2 * w) / 450e9 + 2 * 1 / 2 * g / 8 / 50e9
+                                 + units * (4 * ring8 + pair), rel=1e-12)
 
 
 # --- the planner ------------------------------------------------------------------------------

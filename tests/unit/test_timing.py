@@ -91,13 +91,19 @@ def test_pipeline_bubble() -> None:
 
 def test_groups_inside_a_node_use_the_links_beyond_it_the_network() -> None:
     """H100 nodes of 8: tp 8 stays on NVLink (450 GB/s), tp 16 crosses the network (50 GB/s):
-    the per-byte time rises 9x, the ring factor 15/16 vs 7/8."""
+    the per-byte time rises 9x, the ring factor 15/16 vs 7/8. Each of the 8 ring passes per
+    layer pays NCCL's ring latency (src/graph/tuning.cc, Simple): 8.4 us + 3.4 us per NVLink
+    step + 9.6 us per network step, 8.4 + 7 * 3.4 = 32.2 us for tp 8 and 8.4 + 14 * 3.4 + 9.6
+    = 65.6 us for tp 16, times 8 * 80 layers."""
     spec = memplan.load_model("llama-2-70b")
     gpu = memplan.load_gpu("h100")
     wl = memplan.make_workload(spec, seq_len=4096)
     t8 = comm_seconds(spec, gpu, memplan.make_layout(8, tp=8), wl, 1, 1)["tp"]
     t16 = comm_seconds(spec, gpu, memplan.make_layout(16, tp=16), wl, 1, 1)["tp"]
-    assert t16 / t8 == pytest.approx((450e9 / 50e9) * (15 / 16) / (7 / 8))
+    lat8, lat16 = 8 * 80 * 32.2e-6, 8 * 80 * 65.6e-6
+    bytes8 = 4 * 2 * 7 / 8 * 4096 * 8192 * 2 * 80  # act bytes: 4096 tokens x 8192 x bf16
+    assert t8 == pytest.approx(bytes8 / 450e9 + lat8, rel=1e-12)
+    assert (t16 - lat16) / (t8 - lat8) == pytest.approx((450e9 / 50e9) * (15 / 16) / (7 / 8))
 
 
 def test_no_parallelism_no_communication() -> None:
@@ -109,11 +115,15 @@ def test_no_parallelism_no_communication() -> None:
 
 
 def test_data_parallel_all_reduce_volume() -> None:
-    """dp 64 across nodes: 2 * 63/64 of the bf16 gradients over the 50 GB/s network."""
+    """dp 64 across nodes: 2 * 63/64 of the bf16 gradients over the 50 GB/s network, in one
+    all-reduce per unit (32 layers, the embedding, the head), each 2 ring passes of NCCL's
+    latency over 8 nodes: 8.4 us + 56 NVLink steps * 3.4 us + 7 network steps * 9.6 us."""
     spec = memplan.load_model("llama-2-7b")
     comm = comm_seconds(spec, memplan.load_gpu("h100"), memplan.make_layout(64),
                         memplan.make_workload(spec), 1, spec.num_params)
-    assert comm["dp"] == pytest.approx(2 * 63 / 64 * spec.num_params * 2 / 50e9)
+    latency = 34 * 2 * (8.4e-6 + 56 * 3.4e-6 + 7 * 9.6e-6)
+    assert comm["dp"] == pytest.approx(2 * 63 / 64 * spec.num_params * 2 / 50e9 + latency,
+                                       rel=1e-12)
 
 
 LLAMA2_7B_LAYER_FWD = 2 * 202_383_360 + 2 * 4096 * 4096  # one token, one layer: 438,321,152
