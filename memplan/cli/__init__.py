@@ -153,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         if message:  # no arguments: the help was printed, with nothing more to say
             print(f"memplan: error: {message}", file=sys.stderr)
         return EXIT_USAGE
+    if code == EXIT_INTERRUPTED:  # typer's answer to a Ctrl-C no command turned into a line
+        print("memplan: interrupted: nothing was written", file=sys.stderr)
     return code if isinstance(code, int) else 0
 
 

@@ -196,3 +196,16 @@ def test_a_cut_plain_json_trace_names_its_line(tmp_path: Path, capsys) -> None:
     err = capsys.readouterr().err
     line = text[:len(text) // 2].count(b"\n") + 1
     assert err.startswith(f"memplan: warning: {path} is cut (its JSON ends at line {line}")
+
+
+def test_ctrl_c_in_a_command_that_keeps_nothing(work: Path, capsys,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan interrupted mid-search: exit 130 and one line, no traceback."""
+    def interrupted(*_a, **_k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("memplan.planner.plan", interrupted)
+    assert main(["plan", "-m", "tiny", "-n", "8"]) == 130
+    captured = capsys.readouterr()
+    assert captured.err == "memplan: interrupted: nothing was written\n"
+    assert list(work.iterdir()) == []
