@@ -24,10 +24,11 @@ scheduler holds one process back and then the other, so none of them is late in 
 a rank that is slower for a reason is late in every step. The default, 10% of the step, sits
 well above the lower-quartile lateness of equal ranks and well below that of a lagging one,
 as measured with ``benchmarks/gloo_trace.py`` on a 2-core machine running other work: with
-no lag, at most 0.9% in 14 runs of 3 to 8 steps (one of them beside a process spinning on a
-core), while a single step's lateness went up to 32%; a 40 ms lag in ~100 ms steps, 23-28%.
-A busy machine can also slow one rank in most steps; then it is a straggler, truly
-(tests/traced/test_stragglers.py checks every verdict against the aligned-clock truth).
+no lag, at most 0.9% in 18 of 19 runs of 3 or 8 steps (8 of them beside a process spinning on
+a core), while a single step's lateness went up to 32%; in the 19th the machine held one rank
+back in every step (40%, and the aligned clocks agreed: it was a straggler). A 40 ms lag in
+~100 ms steps: 23-28%. tests/traced/test_stragglers.py checks each verdict against the
+aligned-clock truth of its run.
 """
 
 from __future__ import annotations
