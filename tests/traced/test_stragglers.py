@@ -90,8 +90,9 @@ def test_lagging_rank_named_and_victim_wait_sized(runs):
         got = across["exposed_wait_us"][victim]
         assert got == pytest.approx(waited[victim], rel=0.25), (run.name, got, waited)
         assert across["victims_exposed_wait_us"] == {victim: got}
-        # the straggler itself hardly waits: under a tenth of what its victim did
-        assert across["exposed_wait_us"][lag_rank] < 0.1 * got
+        # the straggler itself hardly waits: what the truth has it wait (the machine can hold
+        # its victim back in a step too), give or take a tenth of its victim's wait
+        assert across["exposed_wait_us"][lag_rank] <= waited[lag_rank] + 0.1 * got
 
 
 def test_no_straggler_without_lag(runs):
