@@ -16,6 +16,13 @@ from collections import deque
 from typing import Any
 
 from memplan.trend import MIN_STEPS, Trend, floors, trend
+from memplan.units import MiB
+
+# The defaults of MemoryMonitor's leak rule: 30 steps tolerate a sawtooth of period up to 24
+# steps (tests/unit/test_monitor_rules.py); 64 MiB over the window is under any leak that
+# threatens a job and above the step-to-step noise of a process's resident set.
+LEAK_WINDOW = 30
+LEAK_BYTES = 64 * MiB
 
 # The series a leak is looked for in: the CUDA allocator's, the tracker's tensors, the
 # process's resident set.
@@ -92,4 +99,4 @@ class LeakWindows:
         return dict(self._latest)
 
 
-__all__ = ["LEAK_SERIES", "SCALES", "LeakWindows"]
+__all__ = ["LEAK_BYTES", "LEAK_SERIES", "LEAK_WINDOW", "SCALES", "LeakWindows"]
