@@ -63,7 +63,7 @@ def profile(
       memplan profile -m tiny --real --perf --out prof/
     """
     if device not in ("cpu", "cuda"):
-        raise MemplanError(f"--device: {device!r} is not a device profile runs on (cpu or cuda)")
+        raise MemplanError(f"--device {device!r}: profile runs on cpu or cuda")
     if out is not None:  # where the results go is checked before anything runs
         out = check_out_dir(out)
 
