@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from memplan.errors import MemplanError
+from memplan.monitor_callbacks import TrainerHooks
 from memplan.monitor_readers import Reader, cuda_reader, default_reader, host_reader
 from memplan.monitor_records import read_records, run_trend, summarize
 from memplan.monitor_window import LEAK_BYTES, LEAK_WINDOW, LeakWindows
@@ -128,8 +129,10 @@ class _Stop(Exception):
     """A reader or clock raised a BaseException: the monitor stops."""
 
 
-class MemoryMonitor:
-    """Record one JSONL line per training step for this rank; see the module docstring."""
+class MemoryMonitor(TrainerHooks):
+    """Record one JSONL line per training step for this rank; see the module docstring. It is
+    a callback of transformers' ``Trainer`` and Lightning's as it is
+    (``memplan.monitor_callbacks.TrainerHooks``)."""
 
     def __init__(self, out_dir: str | os.PathLike[str], *, rank: int | None = None,
                  reader: Reader | None = None, predicted_peak_bytes: int | None = None,
@@ -208,29 +211,6 @@ class MemoryMonitor:
     def __call__(self, *_: Any, **__: Any) -> dict[str, Any] | None:
         """Callback form: any arguments are ignored (e.g. a trainer's callback signature)."""
         return self.step()
-
-    # --- transformers' TrainerCallback protocol (duck-typed: transformers is not imported) -
-    def on_train_begin(self, *_: Any, **__: Any) -> None:
-        if not self._started:
-            self.start()
-
-    def on_step_end(self, *_: Any, **__: Any) -> None:
-        self.step()  # a callback returns None: Trainer would take a returned value as control
-
-    def on_train_end(self, *_: Any, **__: Any) -> None:
-        self.close()
-
-    def __getattr__(self, name: str) -> Any:
-        # every other TrainerCallback event (on_init_end, on_log, ... and those added later)
-        if name.startswith("on_") and not name.startswith("on__"):
-            return _ignore
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    def lightning_callback(self) -> Any:
-        """This monitor as a Lightning ``Callback`` (``memplan.monitor_callbacks``)."""
-        from memplan.monitor_callbacks import lightning_callback
-
-        return lightning_callback(self)
 
     # --- one step --------------------------------------------------------------------------
     def step(self) -> dict[str, Any] | None:
@@ -385,10 +365,6 @@ class MemoryMonitor:
         if self._min_headroom is not None:
             out["min_headroom_bytes"] = self._min_headroom
         return out
-
-
-def _ignore(*_: Any, **__: Any) -> None:
-    return None
 
 
 def _counters(got: Any) -> tuple[dict[str, int], str | None]:

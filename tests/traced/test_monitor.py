@@ -96,9 +96,11 @@ def test_transformers_callback_handler(tmp_path):
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
 
 
-def test_lightning_trainer(tmp_path):
-    """Lightning's Trainer on CPU, 4 optimizer steps of 8 batches (accumulating 2): the
-    callback records once per optimizer step and takes the rank from the trainer."""
+@pytest.mark.parametrize("given", ["monitor", "lightning_callback"])
+def test_lightning_trainer(tmp_path, given):
+    """Lightning's Trainer on CPU, 4 optimizer steps of 8 batches (accumulating 2), with the
+    monitor itself or its Callback subclass: one record per optimizer step, the rank from the
+    trainer."""
     torch = pytest.importorskip("torch")
     pl = pytest.importorskip("lightning.pytorch")
 
@@ -116,10 +118,12 @@ def test_lightning_trainer(tmp_path):
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 8)),
                                        batch_size=8)
     mon = MemoryMonitor(tmp_path / "mem")
-    trainer = pl.Trainer(max_steps=4, accumulate_grad_batches=2, callbacks=[
-        mon.lightning_callback()], logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
-        default_root_dir=tmp_path)
+    callback = mon if given == "monitor" else mon.lightning_callback()
+    assert isinstance(callback, pl.Callback) == (given == "lightning_callback")
+    trainer = pl.Trainer(max_steps=4, accumulate_grad_batches=2, callbacks=[callback],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, accelerator="cpu",
+                         default_root_dir=tmp_path)
     trainer.fit(Tiny(), data)
     recs = read_records([tmp_path / "mem"])
     assert [r["step"] for r in recs] == [1, 2, 3, 4] and {r["rank"] for r in recs} == {0}

@@ -364,4 +364,4 @@ def test_trainer_callback_protocol(tmp_path):
     assert mon.summary["num_steps"] == 3
     assert len((tmp_path / "memory_rank0.jsonl").read_text().splitlines()) == 3
     with pytest.raises(AttributeError):
-        mon.state_key  # noqa: B018 - only on_* events are answered
+        mon.no_such_thing  # noqa: B018 - only events (on_*) are answered by any name
