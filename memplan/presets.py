@@ -124,6 +124,12 @@ PRESETS: dict[Framework, tuple[Default, ...]] = {
                 f"every attention layer, complex64 (max_seq_len, head_dim/2), cut to "
                 f"training.seq_len by models/common/decoder.py Decoder.Config."
                 f"update_from_config ({_TITAN})"),
+        Default("loss_impl", "torchtitan",
+                f"components/loss.py cross_entropy_loss: on logits sharded over the "
+                f"vocabulary (under TP: models/common/decoder_sharding.py "
+                f"set_decoder_sharding_config keeps lm_head's output S(-1)) "
+                f"_LossParallelCrossEntropy, whose forward keeps the shifted logits and whose "
+                f"backward makes three logits-sized tensors ({_TITAN})"),
         Default("pipeline_split", "weighted",
                 f"distributed/pipeline_parallel.py pipeline_llm: without "
                 f"module_fqns_per_model_part, _generate_llm_fqn_per_model_part splits the "

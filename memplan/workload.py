@@ -217,10 +217,16 @@ class LossImpl(str, enum.Enum):
               one fp32 copy of the compute-dtype logits turned into the saved softmax in place
               (max subtracted, exp and normalised in place), the backward computed in place
               on that buffer; the compute-dtype logits stay alive in the model's forward
+    torchtitan  torchtitan's _LossParallelCrossEntropy on vocab-sharded logits under TP
+              (components/loss.py, torchtitan 0.3.0): its forward holds the shifted logits
+              beside the fp32 logits and the saved log-probabilities, its fused backward a
+              zeros-like gradient, exp(log_probs) and their sum; without TP,
+              F.cross_entropy as generic
     """
 
     GENERIC = "generic"
     MEGATRON = "megatron"
+    TORCHTITAN = "torchtitan"
 
 
 class SelectiveImpl(str, enum.Enum):

@@ -95,7 +95,18 @@ def forward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
         # the model's output keeps the compute-dtype logits while the loss reads its fp32 copy
         # (in fp32 the upcast is the tensor itself)
         held += dm.tokens * dm.vocab_shard * dm.e
+    if _titan_parallel_loss(spec, wl, dm):
+        # _LossParallelCrossEntropy.forward: ``shifted = logits_2d - local_max`` lives beside
+        # the fp32 logits and the log-probabilities it makes
+        held += dm.tokens * dm.vocab_shard * _logit_bytes(wl, dm)
     return held + _logits_alive(wl, dm)
+
+
+def _titan_parallel_loss(spec: ModelSpec, wl: Workload, dm: Dims) -> bool:
+    """torchtitan's vocab-parallel cross-entropy (``LossImpl.TORCHTITAN`` on logits the TP
+    ranks split over the vocabulary); a chunked loss is PyTorch's."""
+    return (wl.loss_impl is LossImpl.TORCHTITAN and wl.loss_chunks == 1
+            and dm.vocab_shard < spec.vocab_size)
 
 
 def _megatron_loss(wl: Workload) -> bool:
@@ -197,6 +208,10 @@ def loss_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims, vocab_grad_byte
             # output, then the split's backward concatenates the pieces' gradients into a
             # new logits-sized one: both beside the rest once every piece is done
             return logits
+        if _titan_parallel_loss(spec, wl, dm):
+            # _LossParallelCrossEntropy.backward: zeros_like(log_probs), exp(log_probs) and
+            # their sum (then the product, with the sum and the zeros still alive)
+            return 3 * logits
         return 2 * logits
     logits = chunk * dm.vocab_shard * _logit_bytes(wl, dm)
     grad_input = _chunk_input_grads(spec, dm)

@@ -280,3 +280,21 @@ def test_megatron_gradient_buffer_exists_from_the_wrap() -> None:
     plain = _est(**kw).worst
     assert megatron.grads_bytes == plain.grads_bytes == load_model("tiny").num_params * 4
     assert megatron.first_step.forward - plain.first_step.forward == megatron.grads_bytes
+
+
+def test_torchtitan_vocab_parallel_loss_holds_one_more_logits_tensor() -> None:
+    """torchtitan's _LossParallelCrossEntropy (components/loss.py) under TP: its forward keeps
+    ``shifted`` beside the fp32 logits and the log-probabilities, its fused backward makes
+    zeros_like, exp and their sum where F.cross_entropy's makes two. llama-3-8b at tp 2,
+    2,048 tokens: one vocabulary shard of fp32 logits is 2,048 * 64,128 * 4 = 525,336,576 B
+    more at the loss in both phases; at tp 1 the logits are whole and the loss is
+    F.cross_entropy."""
+    shard = 2048 * 64_128 * 4
+    kw = dict(gpus=8, zero=3, framework="torchtitan", precision="fsdp-bf16", seq_len=2048)
+    titan = memplan.estimate("llama-3-8b", tp=2, **kw).stages[0]
+    generic = memplan.estimate("llama-3-8b", tp=2, loss_impl="generic", **kw).stages[0]
+    assert titan.first_step.forward - generic.first_step.forward == shard
+    assert titan.first_step.backward - generic.first_step.backward == shard
+    one = memplan.estimate("llama-3-8b", **kw).stages[0]
+    same = memplan.estimate("llama-3-8b", loss_impl="generic", **kw).stages[0]
+    assert one.first_step == same.first_step
