@@ -9,15 +9,24 @@ from typing import Annotated
 import typer
 
 from memplan.api import estimate as run_estimate
-from memplan.cli.options import ESTIMATE, Job, Json, uses
+from memplan.cli.options import (
+    ESTIMATE,
+    Job,
+    Json,
+    MegatronArgs,
+    TorchtitanConfig,
+    defaults_of,
+    uses,
+)
 
 PlotPath = Annotated[Path | None, typer.Option(
     "--plot", help="Also draw each pipeline stage's peak as a stacked bar against the GPU's "
     "capacity, to this .png or .svg file (needs matplotlib).")]
 
 
-@uses(*ESTIMATE)
-def estimate(job: Job, plot: PlotPath = None, json_out: Json = False) -> None:
+@uses(*ESTIMATE, model=None)
+def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfig = None,
+             megatron_args: MegatronArgs = None, json_out: Json = False) -> None:
     """Per-GPU memory of every pipeline stage and the most loaded rank.
 
     Parameters, gradients, optimizer states, saved activations, transients and fixed
@@ -35,12 +44,21 @@ def estimate(job: Job, plot: PlotPath = None, json_out: Json = False) -> None:
       memplan estimate -m llama-3-8b -n 8 --gpu h200 --calibration auto
 
       memplan estimate -m llama-7b -n 8 --tp 2 --pp 4 --plot stages.png
+
+      memplan estimate -n 64 --torchtitan-config llama3_8b.toml
+
+      memplan estimate -n 8 --megatron-args "--num-layers 32 --hidden-size 4096 ..."
     """
     if plot is not None:
         from memplan.report.plot import check_path
 
         check_path(plot)
-    est = run_estimate(job.model, **job.kwargs())
+    from memplan.config_import.apply import configure
+
+    model, kwargs, imported = configure(job.model, job.kwargs(), defaults_of(job, estimate),
+                                        torchtitan=torchtitan_config,
+                                        megatron=megatron_args)
+    est = run_estimate(model, **kwargs)
     from memplan.report import estimate_json, render_estimate
 
     drawn = None
@@ -52,10 +70,14 @@ def estimate(job: Job, plot: PlotPath = None, json_out: Json = False) -> None:
         out = estimate_json(est)
         if plot is not None:
             out["plot"] = None if drawn is None else str(drawn)
+        if imported is not None:
+            out["config"] = imported.as_json()
         typer.echo(json.dumps(out, indent=2))
         return
     from rich.console import Console
 
+    if imported is not None:
+        typer.echo("\n".join(imported.lines()))
     Console().print(render_estimate(est))
     if drawn is not None:
         typer.echo(f"wrote {drawn}")

@@ -14,6 +14,7 @@ import enum
 import functools
 import inspect
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Annotated, Any, NamedTuple, Optional
 
 import typer
@@ -139,6 +140,16 @@ Calibration = Annotated[Optional[list[str]], typer.Option(
     "--calibration", help="A profile from `memplan calibrate` (JSON file), a folder to search "
     "for the GPU's profile, or `auto` for the committed one; its correction is its own line. "
     "Give it twice for a device and a model profile.")]
+_CONFIGS = "Inputs from a job's own config"
+TorchtitanConfig = Annotated[Optional[Path], typer.Option(
+    "--torchtitan-config", help="A torchtitan job TOML (torchtitan 0.2's train_configs): its "
+    "model, parallelism, batch, sequence, activation checkpointing and precision become these "
+    "options, printed as a mapping; --gpus gives the world size.", rich_help_panel=_CONFIGS)]
+MegatronArgs = Annotated[Optional[str], typer.Option(
+    "--megatron-args", help="Megatron-LM launch arguments, quoted, or a file of them (a "
+    "launch script, or a test model_config.yaml): the model's shape, TP/PP/CP/EP, virtual "
+    "stages, batch, sequence, recompute, distributed optimizer and precision become these "
+    "options, printed as a mapping; --gpus gives the world size.", rich_help_panel=_CONFIGS)]
 
 
 def _same(value: Any) -> Any:
@@ -231,6 +242,13 @@ class Job(NamedTuple):
         return {opt.api: opt.convert(self.values[name])
                 for name, opt in ((n, SHARED[n]) for n in self.values)
                 if opt.api is not None and (opt.resolve or not resolve_only)}
+
+
+def defaults_of(job: Job, command: Callable[..., Any]) -> dict[str, Any]:
+    """The API keywords ``command``'s options give when left unset (its ``uses`` defaults),
+    to tell what a command line set from what it left."""
+    params = inspect.signature(command).parameters
+    return Job({n: params[n].default for n in job.values if n in params}).kwargs()
 
 
 def uses(*names: str, **defaults: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

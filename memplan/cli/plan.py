@@ -7,7 +7,16 @@ from typing import Annotated
 
 import typer
 
-from memplan.cli.options import Job, Json, RecomputeChoice, uses
+from memplan.cli.options import (
+    Job,
+    Json,
+    MegatronArgs,
+    RecomputeChoice,
+    TorchtitanConfig,
+    defaults_of,
+    uses,
+)
+from memplan.errors import MemplanError
 
 Top = Annotated[int, typer.Option("--top", min=1, help="Candidates to show.")]
 MaxTp = Annotated[int | None, typer.Option("--max-tp", min=1,
@@ -25,13 +34,15 @@ FixedRecompute = Annotated[RecomputeChoice | None, typer.Option(
       "stage_layers", "dp_shard", "gbs",
       "seq", "precision", "optimizer", "optimizer_impl", "attention", "norm", "logits_fp32",
       "loss_chunks", "framework", "keep_grads", "calibration",
-      gpus=8, tp=None, pp=None, vpp=None, cp=None, ep=None, zero=None)
+      model=None, gpus=8, tp=None, pp=None, vpp=None, cp=None, ep=None, zero=None)
 def plan(
     job: Job,
     recompute: FixedRecompute = None,
     max_tp: MaxTp = None,
     safety: Safety = 0.05,
     top: Top = 10,
+    torchtitan_config: TorchtitanConfig = None,
+    megatron_args: MegatronArgs = None,
     json_out: Json = False,
 ) -> None:
     """Find the layouts, micro-batch and recompute that fit, fastest first.
@@ -45,21 +56,38 @@ def plan(
       memplan plan --model llama-2-7b --gpus 8
 
       memplan plan -m llama-3-70b -n 512 --seq 8192 --gbs 512 --tp 8 --json
+
+      memplan plan -n 64 --torchtitan-config llama3_8b.toml
     """
     from memplan.api import plan as run_plan
+    from memplan.config_import.apply import configure
 
-    result = run_plan(job.model, safety=safety, max_tp=max_tp,
-                      recompute=None if recompute is None else [recompute.value], **job.kwargs())
+    model, kwargs, imported = configure(job.model, job.kwargs(), defaults_of(job, plan),
+                                        torchtitan=torchtitan_config,
+                                        megatron=megatron_args)
+    policy = None if recompute is None else recompute.value
+    fixed = kwargs.pop("recompute", None)
+    if policy is not None and fixed is not None and fixed != policy:
+        raise MemplanError(f"--recompute {policy} and the config's recompute ({fixed}) "
+                           "disagree: give one of them")
+    policy = policy or fixed
+    result = run_plan(model, safety=safety, max_tp=max_tp,
+                      recompute=None if policy is None else [policy], **kwargs)
     from memplan.report.plan import no_fit_reason, plan_json, render_plan
 
     if json_out:
-        typer.echo(json.dumps(plan_json(result, top), indent=2))
+        out = plan_json(result, top)
+        if imported is not None:
+            out["config"] = imported.as_json()
+        typer.echo(json.dumps(out, indent=2))
     else:
         from rich.console import Console
 
-        from memplan.spec import load_model
+        from memplan.spec import ModelSpec, load_model
 
-        spec = load_model(job.model)
+        if imported is not None:
+            typer.echo("\n".join(imported.lines()))
+        spec = model if isinstance(model, ModelSpec) else load_model(model)
         Console().print(render_plan(result, spec.name, spec.num_layers, job.gpus, job.gpu, top))
     if not result.candidates:  # never an empty table with success
         typer.echo(f"memplan: {no_fit_reason(result)}", err=True)

@@ -16,7 +16,7 @@ from memplan.model.dims import FP32_BYTES, Dims, Term, residual_dropout_mask, to
 from memplan.model.norm import norm_terms
 from memplan.spec import ModelSpec, PositionKind, QkNorm, attention_params
 from memplan.workload import Attention as Kernel
-from memplan.workload import AttentionImpl, RopeCache, Recompute, Workload
+from memplan.workload import AttentionImpl, Recompute, RopeCache, Workload
 
 
 def attention_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:

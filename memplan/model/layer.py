@@ -26,9 +26,9 @@ from typing import NamedTuple
 from memplan.model.attention import Attention, WindowAttention, windowed
 from memplan.model.block import Block
 from memplan.model.dims import FP32_BYTES, Dims, Term, total
+from memplan.model.mla import Mla
 from memplan.model.mlp import Mlp
 from memplan.model.moe import MoE
-from memplan.model.mla import Mla
 from memplan.model.norm import Norm, StreamInput
 from memplan.model.sac import sac_terms
 from memplan.spec import ModelSpec, NormPlacement

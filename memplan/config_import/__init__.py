@@ -1,0 +1,106 @@
+"""The configs people already have, read as memplan's inputs: a torchtitan job TOML
+(``memplan.config_import.torchtitan``) and Megatron-LM launch arguments
+(``memplan.config_import.megatron``).
+
+Each reader returns an ``Imported``: the model (a catalog name or a ``ModelSpec``), the
+``memplan.api`` keyword arguments the config sets, and for every key it read the memplan input
+it became (``Mapped``), so the mapping can be shown. What a config sets that memplan cannot
+express is refused by name (``MemplanError``, one line); what memplan reads but does not model
+(float8, torch.compile) is a note beside the estimate; keys that change no memory memplan
+models (learning rates, logging, data paths) are listed as not read. torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from memplan.errors import MemplanError, shown
+from memplan.spec import ModelSpec
+
+# memplan.api keyword -> the CLI flag a user would give for it (for the mapping's text)
+FLAGS = {
+    "model": "--model", "gpus": "--gpus", "tp": "--tp", "pp": "--pp", "vpp": "--vpp",
+    "cp": "--cp", "ep": "--ep", "dp": "--dp", "dp_shard": "--dp-shard", "zero": "--zero",
+    "sequence_parallel": "--sp", "vocab_parallel": "--vocab-parallel",
+    "stage_layers": "--stage-layers", "offload": "--offload",
+    "micro_batch_size": "--mbs", "global_batch_size": "--gbs", "seq_len": "--seq",
+    "recompute": "--recompute", "recompute_layers": "--recompute-layers",
+    "precision": "--precision", "optimizer": "--optimizer", "optimizer_impl": "--optimizer-impl",
+    "attention": "--attention", "framework": "--framework", "schedule": "--schedule",
+    "keep_grads": "--keep-grads", "fused_qkv": "(fused q/k/v)", "rope_cache": "(RoPE tables)",
+}
+
+
+@dataclass(frozen=True)
+class Mapped:
+    """One key of the config and the memplan input it became (``target``: a FLAGS key, or
+    ``model`` for a key that shapes the model spec)."""
+
+    key: str
+    given: Any
+    target: str
+    value: Any
+    how: str = ""
+
+    def line(self) -> str:
+        flag = FLAGS.get(self.target, self.target)
+        value = self.value if isinstance(self.value, str) else shown(self.value)
+        how = f" ({self.how})" if self.how else ""
+        return f"{self.key} = {shown(self.given)} -> {flag} {value}{how}"
+
+
+@dataclass
+class Imported:
+    """What a config sets: ``model`` (a catalog name, a ModelSpec, or None when the config
+    does not name one), ``inputs`` (``memplan.api`` keywords), the ``mapping`` that made
+    them, ``notes`` (read, not modelled) and ``unread`` keys."""
+
+    source: str
+    model: str | ModelSpec | None = None
+    inputs: dict[str, Any] = field(default_factory=dict)
+    mapping: list[Mapped] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    unread: list[str] = field(default_factory=list)
+
+    def set(self, key: str, given: Any, target: str, value: Any, how: str = "") -> None:
+        """Record that ``key`` (= ``given``) sets the memplan input ``target`` to ``value``."""
+        self.mapping.append(Mapped(key, given, target, value, how))
+        if target != "model":
+            self.inputs[target] = value
+
+    def refuse(self, key: str, given: Any, why: str) -> MemplanError:
+        return MemplanError(f"{self.source}: {key} = {shown(given)}: {why}")
+
+    def lines(self) -> list[str]:
+        """The mapping as text, one line per key, then the notes and the keys not read."""
+        out = [f"inputs from {self.source}:"]
+        out += [f"  {m.line()}" for m in self.mapping]
+        out += [f"  note: {n}" for n in self.notes]
+        if self.unread:
+            out.append("  not read (no memory memplan models): " + ", ".join(self.unread))
+        return out
+
+    def as_json(self) -> dict[str, Any]:
+        return {"source": self.source,
+                "mapping": [{"key": m.key, "given": m.given, "input": FLAGS.get(m.target,
+                                                                                  m.target),
+                             "value": m.value if not isinstance(m.value, ModelSpec)
+                             else m.value.name, "how": m.how} for m in self.mapping],
+                "notes": list(self.notes), "unread": list(self.unread)}
+
+
+def merge(imported: Imported, given: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """``given`` (the API keywords of the command line) with the config's inputs: a value the
+    command line left at its default takes the config's; one given there too must agree
+    (else one line naming both)."""
+    out = dict(given)
+    for key, value in imported.inputs.items():
+        if key in given and given[key] != defaults.get(key) and given[key] != value:
+            flag = FLAGS.get(key, key)
+            source = next(m.key for m in imported.mapping if m.target == key)
+            raise MemplanError(f"{flag} {shown(given[key])} and {source} in {imported.source} "
+                               f"({shown(value)}) disagree: give one of them")
+        out[key] = value
+    return out
+

@@ -1,0 +1,45 @@
+"""A command line with ``--torchtitan-config`` or ``--megatron-args``: the config's inputs in
+place of the options the command line left unset (``memplan.config_import.merge``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memplan.config_import import Imported, merge
+from memplan.config_import import megatron as mega
+from memplan.config_import import torchtitan as titan
+from memplan.errors import MemplanError
+from memplan.spec import ModelSpec
+
+# Workload fields a config sets that no command-line option exposes
+_WORKLOAD_ONLY = frozenset({"fused_qkv", "rope_cache"})
+
+
+def configure(model: str | None, given: dict[str, Any], defaults: dict[str, Any], *,
+              torchtitan: Any = None, megatron: str | None = None,
+              ) -> tuple[str | ModelSpec, dict[str, Any], Imported | None]:
+    """(model, API keyword arguments, the ``Imported`` or None) of a command line (``model``
+    and its API keywords ``given``, ``defaults`` what its options give unset) with a job's
+    config. Keywords a command does not take (``plan`` searches the micro-batch) are notes.
+    ``model`` given replaces the config's (its shape for a model the config does not map)."""
+    if torchtitan is None and megatron is None:
+        if model is None:
+            raise MemplanError("--model is required (or --torchtitan-config / "
+                               "--megatron-args)")
+        return model, given, None
+    if torchtitan is not None and megatron is not None:
+        raise MemplanError("give --torchtitan-config or --megatron-args, not both")
+    gpus = given.get("gpus", 1)
+    if torchtitan is not None:
+        imported = titan.read(torchtitan, gpus, model=model)
+    else:
+        imported = mega.read(megatron, gpus)
+    takes = set(given) | {"recompute"}  # plan's --recompute is its own option
+    for key in [k for k in imported.inputs if k not in takes and k not in _WORKLOAD_ONLY]:
+        imported.notes.append(f"{key} = {imported.inputs.pop(key)}: not an input of this "
+                              "command (searched)")
+    merged = merge(imported, given, defaults)
+    chosen = model if model is not None else imported.model
+    if chosen is None:
+        raise MemplanError(f"{imported.source}: names no model memplan maps; give --model")
+    return chosen, merged, imported

@@ -1,0 +1,511 @@
+"""Megatron-LM launch arguments (``--megatron-args "..."`` or a file of them) as memplan's
+inputs: the model's shape (a ``ModelSpec``), the layout, the batch, recompute, the
+distributed optimizer and the precision.
+
+The flags and their defaults are Megatron-LM's (megatron/training/arguments.py at commit
+6e091e1b68c6856c9eeea3069cc167061c0acb64, which builds most of them from megatron-core's
+dataclass fields: ``TransformerConfig.num_layers`` is ``--num-layers``; megatron-core 0.16
+holds the same defaults); each rule cites the function it follows. A file is read as shell
+words (comments and line continuations allowed, a launcher and its own flags before the
+training script skipped: ``torchrun --nproc-per-node 8 pretrain_gpt.py``), or, when it holds a ``MODEL_ARGS:`` block, as
+Megatron-LM's own test configs (tests/functional_tests/test_cases/*/model_config.yaml).
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import shlex
+from pathlib import Path
+from typing import Any
+
+from memplan.config_import import Imported
+from memplan.errors import MemplanError
+from memplan.inputs import MODEL_FILE_BYTES, read_text
+from memplan.spec import ModelSpec
+
+ARGS = "megatron/training/arguments.py"
+# the GPT-2 BPE vocabulary (vocab.json: 50257 tokens), Megatron's GPT2BPETokenizer
+GPT2_VOCAB = 50257
+# flags read nowhere in memplan's memory model: logging, data, checkpoints, schedules of the
+# learning rate, determinism, and timing-only overlaps
+QUIET_PREFIXES = ("--log-", "--lr", "--min-lr", "--save", "--load", "--eval-", "--tensorboard",
+                  "--data-", "--split", "--train-", "--timing-", "--distributed-backend",
+                  "--weight-decay", "--clip-grad", "--exit-", "--seed", "--ckpt-", "--dist-ckpt",
+                  "--no-ckpt-", "--use-checkpoint-", "--use-persistent-ckpt", "--async-save",
+                  "--mock-data", "--no-mmap-bin-files", "--deterministic-mode",
+                  "--verify-integrity", "--use-mcore-models", "--no-gradient-accumulation-fusion",
+                  "--overlap-grad-reduce", "--overlap-param-gather", "--merge-file",
+                  "--init-method-std", "--adam-", "--wandb", "--rotary-base", "--norm-epsilon",
+                  "--attention-softmax-in-fp32", "--apply-query-key-layer-scaling",
+                  "--no-masked-softmax-fusion", "--no-bias-", "--tokenizer-model",
+                  "--vocab-file", "--tokenizer-type", "--vocab-size", "--padded-vocab-size")
+
+
+def words(text: str) -> list[str]:
+    """Shell words of a launch command: comments dropped, lines joined."""
+    try:  # a backslash before a newline continues the line, as in a shell
+        return shlex.split(text.replace("\\\n", " "), comments=True)
+    except ValueError as err:
+        raise MemplanError(f"Megatron arguments: {err} (quote them as a shell would)") from err
+
+
+def _scalar(text: str) -> Any:
+    low = text.strip().strip("'\"")
+    if low.lower() in ("true", "false"):
+        return low.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(low)
+        except ValueError:
+            pass
+    return low
+
+
+def parse(text: str, where: str) -> dict[str, Any]:
+    """Flag -> value (True for a flag without one, a list for several values)."""
+    if "MODEL_ARGS:" in text:
+        return _model_args(text, where)
+    tokens = words(text)
+    # the training script's flags follow it (torchrun's own come before it)
+    script = next((i + 1 for i, t in enumerate(tokens) if t.endswith(".py")), 0)
+    start = next((i for i, t in enumerate(tokens) if i >= script and t.startswith("--")),
+                 len(tokens))
+    out: dict[str, Any] = {}
+    flag = None
+    for tok in tokens[start:]:
+        if tok.startswith("--"):
+            flag, _, value = tok.partition("=")
+            out[flag] = _scalar(value) if value else True
+            continue
+        if flag is None:
+            raise MemplanError(f"{where}: {tok!r} is not a flag")
+        prev = out[flag]
+        out[flag] = _scalar(tok) if prev is True else (
+            [*prev, _scalar(tok)] if isinstance(prev, list) else [prev, _scalar(tok)])
+    if not out:
+        raise MemplanError(f"{where}: no --flags found")
+    return out
+
+
+def _model_args(text: str, where: str) -> dict[str, Any]:
+    """The ``MODEL_ARGS:`` mapping of a Megatron-LM test config: one ``--flag: value`` per
+    indented line (the one YAML form those files use)."""
+    out: dict[str, Any] = {}
+    inside = False
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        if not line.startswith((" ", "\t")):
+            inside = line.strip() == "MODEL_ARGS:"
+            continue
+        if inside:
+            flag, sep, value = line.split(" #")[0].strip().partition(":")
+            if not sep or not flag.startswith("--"):
+                raise MemplanError(f"{where}: line {n}: expected '--flag: value' under "
+                                   f"MODEL_ARGS, got {line.strip()!r}")
+            out[flag] = _scalar(value) if value.strip() else True
+    return out
+
+
+def read(given: str, gpus: int) -> Imported:
+    """The inputs of Megatron-LM arguments: ``given`` is a file of them or the arguments."""
+    path = Path(given)
+    if not given.lstrip().startswith("-") and "\n" not in given and path.is_file():
+        text, source = read_text(path, "Megatron arguments", MODEL_FILE_BYTES), str(path)
+    else:
+        text, source = given, "--megatron-args"
+    args = parse(text, f"Megatron arguments {source}")
+    imp = Imported(source=f"Megatron-LM arguments {source}")
+    _Reader(args, imp, gpus).run()
+    return imp
+
+
+class _Reader:
+    def __init__(self, args: dict[str, Any], imp: Imported, gpus: int) -> None:
+        self.args, self.imp, self.gpus = args, imp, gpus
+        self.used: set[str] = set()
+
+    # --- typed access ---------------------------------------------------------------------
+    def has(self, flag: str) -> bool:
+        return flag in self.args and self.args[flag] is not False
+
+    def int(self, flag: str, default: Any = None) -> Any:
+        self.used.add(flag)
+        value = self.args.get(flag, default)
+        if value is not default and (isinstance(value, bool) or not isinstance(value, int)):
+            raise self.imp.refuse(flag, value, "expected an integer")
+        return value
+
+    def float(self, flag: str, default: float) -> float:
+        self.used.add(flag)
+        value = self.args.get(flag, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.imp.refuse(flag, value, "expected a number")
+        return float(value)
+
+    def str(self, flag: str, default: Any = None) -> Any:
+        self.used.add(flag)
+        value = self.args.get(flag, default)
+        return value if value is default else str(value)
+
+    def flag(self, flag: str) -> bool:
+        self.used.add(flag)
+        value = self.args.get(flag, False)
+        if not isinstance(value, bool):
+            raise self.imp.refuse(flag, value, "a switch takes no value (or true/false)")
+        return value
+
+    def refuse(self, flag: str, why: str) -> MemplanError:
+        return self.imp.refuse(flag, self.args.get(flag), why)
+
+    # --- the reading ----------------------------------------------------------------------
+    def run(self) -> None:
+        imp = self.imp
+        imp.set("(framework)", "megatron", "framework", "megatron",
+                "Megatron-LM's implementation defaults")
+        self._refusals()
+        tp = self.int("--tensor-model-parallel-size", 1)
+        spec = self._model(tp)
+        imp.model = spec
+        imp.set("(model shape)", spec.name, "model", spec.name, f"{spec.num_params:,} "
+                "parameters")
+        self._layout(spec, tp)
+        self._workload(spec)
+        for flag in self.args:
+            if flag not in self.used and not flag.startswith(QUIET_PREFIXES):
+                imp.unread.append(flag)
+
+    def _refusals(self) -> None:
+        """Settings that change the bytes in ways memplan does not model."""
+        refused = {
+            "--fp8-format": "fp8 training (Transformer Engine's fp8 casts) is not modelled",
+            "--fp8": "fp8 training is not modelled",
+            "--fp4-format": "fp4 training is not modelled",
+            "--use-torch-fsdp2": "PyTorch FSDP2 under Megatron-LM is not modelled",
+            "--use-megatron-fsdp": "Megatron FSDP is not modelled (the distributed optimizer "
+                                   "is --use-distributed-optimizer)",
+            "--cpu-offloading": "activation and weight CPU offloading is not modelled",
+            "--cross-entropy-loss-fusion": "the fused cross-entropy is not modelled (the "
+                                           "megatron preset's loss is the vocab-parallel one)",
+            "--hybrid-layer-pattern": "hybrid (Mamba) layers are not modelled",
+            "--encoder-num-layers": "encoder-decoder models are not modelled",
+            "--distribute-saved-activations": "saved activations split over TP are not "
+                                              "modelled",
+            "--moe-router-dtype": "a router run in another dtype is not modelled",
+            "--grad-reduce-in-bf16": "bf16 gradient buffers with bf16 weights: use "
+                                     "--main-grads-dtype bf16's equivalent, bf16-mixed",
+        }
+        for flag, why in refused.items():
+            self.used.add(flag)
+            if self.has(flag):
+                raise self.refuse(flag, why)
+        mtp = self.int("--mtp-num-layers", None)
+        if mtp:
+            raise self.refuse("--mtp-num-layers", "multi-token-prediction modules are not "
+                                                  "modelled")
+        if self.int("--num-distributed-optimizer-instances", 1) != 1:
+            raise self.refuse("--num-distributed-optimizer-instances",
+                              "a distributed optimizer sharded over part of DP is not modelled")
+        for flag in ("--exp-avg-dtype", "--exp-avg-sq-dtype"):
+            if self.str(flag, "fp32") != "fp32":
+                raise self.refuse(flag, "optimizer states below fp32 are not modelled")
+
+    def _vocab(self, tp: int) -> tuple[int, str]:
+        """The padded vocabulary (megatron/core/tokenizers/utils/build_tokenizer.py
+        vocab_size_with_padding: up to a multiple of make_vocab_size_divisible_by * tp) of
+        the tokenizer's: NullTokenizer's --vocab-size (null_tokenizer.py), GPT2BPETokenizer's
+        50257 (the default with --vocab-file); another tokenizer's vocabulary is in its files,
+        which memplan reads as --vocab-size when given."""
+        kind = self.str("--tokenizer-type", None)
+        size = self.int("--vocab-size", None)
+        if kind in (None, "GPT2BPETokenizer") and size is None and "--vocab-file" in self.args:
+            size, how = GPT2_VOCAB, "GPT-2 BPE (vocab.json 50257)"
+        elif size is not None:
+            how = f"--vocab-size {size}" + (f" ({kind})" if kind else "")
+        else:
+            raise self.imp.refuse("--tokenizer-type", kind, "the vocabulary comes from the "
+                                  "tokenizer's files: add --vocab-size N (the tokenizer's size)")
+        multiple = self.int("--make-vocab-size-divisible-by", 128) * tp
+        return math.ceil(size / multiple) * multiple, f"{how} padded to a multiple of {multiple}"
+
+    def _model(self, tp: int) -> ModelSpec:
+        """A GPTModel's shape (megatron-core TransformerConfig fields; the defaults of
+        arguments.py validate_args: ffn 4h, or int(4h*2/3/64)*64 with --swiglu; kv_channels
+        h / heads)."""
+        layers, h = self.int("--num-layers"), self.int("--hidden-size")
+        heads = self.int("--num-attention-heads")
+        for flag, value in (("--num-layers", layers), ("--hidden-size", h),
+                            ("--num-attention-heads", heads)):
+            if value is None:
+                raise self.imp.refuse(flag, None, "required for the model's shape")
+        gated = self.flag("--swiglu")
+        ffn = self.int("--ffn-hidden-size", None) or (int((4 * h * 2 / 3) / 64) * 64 if gated
+                                                      else 4 * h)
+        kv = self.int("--num-query-groups", heads) if self.flag("--group-query-attention") \
+            else heads
+        head_dim = self.int("--kv-channels", None) or h // heads
+        vocab, vocab_how = self._vocab(tp)
+        seq = self.int("--seq-length", None)
+        max_seq = self.int("--max-position-embeddings", seq)
+        norm = self.str("--normalization", "LayerNorm")
+        if norm not in ("LayerNorm", "RMSNorm"):
+            raise self.refuse("--normalization", "modelled are LayerNorm and RMSNorm")
+        position = self._position()
+        bias = not self.flag("--disable-bias-linear")
+        hidden_dropout = self.float("--hidden-dropout", 0.1)
+        fields: dict[str, Any] = dict(
+            num_layers=layers, hidden_size=h, ffn_hidden_size=ffn, num_attention_heads=heads,
+            num_kv_heads=kv, head_dim=head_dim, vocab_size=vocab, max_seq_len=max_seq,
+            norm="rmsnorm" if norm == "RMSNorm" else "layernorm",
+            norm_bias=norm == "LayerNorm", mlp="swiglu" if gated else "gelu",
+            position=position,
+            tied_embeddings=not self.flag("--untie-embeddings-and-output-weights"),
+            qkv_bias=bias or self.flag("--add-qkv-bias"), attn_out_bias=bias, mlp_bias=bias,
+            dropout=max(hidden_dropout, self.float("--attention-dropout", 0.1)),
+            qk_norm="head" if self.flag("--qk-layernorm") else "none")
+        self._activation()
+        fields.update(self._mla(heads))
+        moe = self._moe(layers, ffn)
+        if moe:
+            fields["moe"] = moe
+        name = f"megatron-{layers}x{h}"
+        return ModelSpec(name=name, source=f"{self.imp.source}: {vocab_how}", **fields)
+
+    def _activation(self) -> None:
+        for flag in ("--squared-relu", "--quick-geglu", "--openai-gelu"):
+            if self.flag(flag):
+                raise self.refuse(flag, "modelled are GeLU and SwiGLU MLPs")
+
+    def _position(self) -> str:
+        kind = self.str("--position-embedding-type", "learned_absolute")
+        if self.flag("--use-rotary-position-embeddings"):
+            kind = "rope"
+        if self.float("--rotary-percent", 1.0) != 1.0:
+            raise self.refuse("--rotary-percent", "partial rotary embeddings are not modelled")
+        kinds = {"learned_absolute": "learned", "rope": "rope", "none": "none"}
+        if kind not in kinds:
+            raise self.imp.refuse("--position-embedding-type", kind,
+                                  f"modelled are {', '.join(kinds)}")
+        return kinds[kind]
+
+    def _mla(self, heads: int) -> dict[str, Any]:
+        """--multi-latent-attention (megatron/core/transformer/multi_latent_attention.py):
+        the query/key head is --qk-head-dim + --qk-pos-emb-head-dim, one KV head per query
+        head."""
+        if not self.flag("--multi-latent-attention"):
+            return {}
+        nope, rope = self.int("--qk-head-dim", 128), self.int("--qk-pos-emb-head-dim", 64)
+        return {"head_dim": nope + rope, "num_kv_heads": heads,
+                "mla": {"q_lora_rank": self.int("--q-lora-rank", None) or 0,
+                        "kv_lora_rank": self.int("--kv-lora-rank", 32),
+                        "qk_nope_head_dim": nope, "qk_rope_head_dim": rope,
+                        "v_head_dim": self.int("--v-head-dim", 128)}}
+
+    def _moe(self, layers: int, ffn: int) -> dict[str, Any] | None:
+        """--num-experts and its companions (arguments.py _add_moe_args; megatron-core
+        TransformerConfig moe_*): --moe-layer-freq 1, or a pattern of leading dense layers
+        then MoE layers ("([0]*3+[1]*58)")."""
+        experts = self.int("--num-experts", None)
+        if not experts:
+            return None
+        moe: dict[str, Any] = {
+            "num_experts": experts, "top_k": self.int("--moe-router-topk", 2),
+            "expert_ffn_hidden_size": self.int("--moe-ffn-hidden-size", None) or ffn}
+        shared = self.int("--moe-shared-expert-intermediate-size", None)
+        if shared:
+            moe.update(num_shared_experts=1, shared_expert_ffn_hidden_size=shared,
+                       shared_expert_gate=self.flag("--moe-shared-expert-gate"))
+        moe["first_dense_layers"] = self._dense_lead(layers)
+        return moe
+
+    def _dense_lead(self, layers: int) -> int:
+        freq = self.args.get("--moe-layer-freq", 1)
+        self.used.add("--moe-layer-freq")
+        if freq in (1, "1"):
+            return 0
+        pattern = _pattern(freq) if isinstance(freq, str) else None
+        lead = pattern.index(1) if pattern and 1 in pattern else 0
+        if pattern != [0] * lead + [1] * (layers - lead) or not lead:
+            raise self.refuse("--moe-layer-freq", f"modelled are 1 (every layer MoE) and "
+                                                  f"leading dense layers then MoE layers, "
+                                                  f"{layers} in all")
+        return lead
+
+    def _layout(self, spec: ModelSpec, tp: int) -> None:
+        imp = self.imp
+        pp = self.int("--pipeline-model-parallel-size", 1)
+        cp = self.int("--context-parallel-size", 1)
+        ep = self.int("--expert-model-parallel-size", 1)
+        etp = self.int("--expert-tensor-parallel-size", None)
+        if etp is not None and etp != tp:
+            raise self.refuse("--expert-tensor-parallel-size",
+                              f"experts split by TP other than --tensor-model-parallel-size "
+                              f"({tp}) are not modelled")
+        for flag, value, target in (("--tensor-model-parallel-size", tp, "tp"),
+                                    ("--pipeline-model-parallel-size", pp, "pp"),
+                                    ("--context-parallel-size", cp, "cp"),
+                                    ("--expert-model-parallel-size", ep, "ep")):
+            if value != 1 or flag in self.args:
+                imp.set(flag, value, target, value)
+        # Megatron's sequence parallelism is off unless asked for (TransformerConfig
+        # sequence_parallel = False; validate_args turns it off at tp 1)
+        sp = self.flag("--sequence-parallel") and tp > 1
+        imp.set("--sequence-parallel", self.args.get("--sequence-parallel", False),
+                "sequence_parallel", sp)
+        self._virtual(spec.num_layers, pp)
+        self._uneven(spec.num_layers, pp)
+        dist = self.flag("--use-distributed-optimizer")
+        imp.set("--use-distributed-optimizer", dist, "zero", 1 if dist else 0,
+                "ZeRO-1: optimizer states sharded over DP" if dist else "")
+        if self.flag("--optimizer-cpu-offload"):
+            if self.float("--optimizer-offload-fraction", 1.0) != 1.0:
+                raise self.refuse("--optimizer-offload-fraction",
+                                  "part of the optimizer offloaded is not modelled")
+            imp.set("--optimizer-cpu-offload", True, "offload", "optimizer")
+
+    def _virtual(self, layers: int, pp: int) -> None:
+        """arguments.py validate_args: num_layers_per_pipeline_stage //
+        num_layers_per_virtual_pipeline_stage stages per rank."""
+        per_virtual = self.int("--num-layers-per-virtual-pipeline-stage", None)
+        stages = self.int("--num-virtual-stages-per-pipeline-rank", None)
+        if per_virtual is not None:
+            per_stage = layers // pp
+            if layers % pp or per_stage % per_virtual:
+                raise self.refuse("--num-layers-per-virtual-pipeline-stage",
+                                  f"{layers} layers over pp {pp} do not split into "
+                                  f"{per_virtual}-layer virtual stages")
+            self.imp.set("--num-layers-per-virtual-pipeline-stage", per_virtual, "vpp",
+                         per_stage // per_virtual, f"{per_stage} layers per rank / "
+                                                   f"{per_virtual}")
+        elif stages is not None:
+            self.imp.set("--num-virtual-stages-per-pipeline-rank", stages, "vpp", stages)
+
+    def _uneven(self, layers: int, pp: int) -> None:
+        """--decoder-first/last-pipeline-num-layers: the rest split evenly over the middle
+        stages (megatron/core/transformer/transformer_block.py get_num_layers_to_build)."""
+        first = self.int("--decoder-first-pipeline-num-layers", None)
+        last = self.int("--decoder-last-pipeline-num-layers", None)
+        if first is None and last is None:
+            return
+        if "vpp" in self.imp.inputs:
+            raise self.refuse("--decoder-first-pipeline-num-layers",
+                              "uneven first/last stages with virtual stages are not modelled")
+        middle_stages = pp - (first is not None) - (last is not None)
+        rest = layers - (first or 0) - (last or 0)
+        if middle_stages < 0 or rest < 0 or (middle_stages and rest % middle_stages) or \
+                (not middle_stages and rest):
+            raise self.refuse("--decoder-first-pipeline-num-layers",
+                              f"{layers} layers do not split over pp {pp} that way")
+        even = [rest // middle_stages] * middle_stages if middle_stages else []
+        split = ([first] if first is not None else []) + even + ([last] if last is not None
+                                                                 else [])
+        self.imp.set("--decoder-first/last-pipeline-num-layers", f"{first}/{last}",
+                     "stage_layers", ",".join(str(n) for n in split))
+
+    def _workload(self, spec: ModelSpec) -> None:
+        imp = self.imp
+        mbs = self.int("--micro-batch-size", 1)
+        imp.set("--micro-batch-size", mbs, "micro_batch_size", mbs)
+        gbs = self.int("--global-batch-size", None)
+        if gbs is not None:
+            imp.set("--global-batch-size", gbs, "global_batch_size", gbs)
+        seq = self.int("--seq-length", None)
+        if seq is None:
+            raise self.imp.refuse("--seq-length", None, "required for the activations")
+        imp.set("--seq-length", seq, "seq_len", seq)
+        self._recompute()
+        self._precision()
+        optimizer = self.str("--optimizer", "adam")
+        if optimizer not in ("adam", "sgd"):
+            raise self.refuse("--optimizer", "modelled are adam and sgd")
+        imp.set("--optimizer", optimizer, "optimizer", "adamw" if optimizer == "adam" else "sgd")
+        impl = self.str("--transformer-impl", "transformer_engine")
+        backend = self.str("--attention-backend", "auto")
+        if impl == "local":  # megatron/core/transformer/dot_product_attention.py
+            imp.set("--transformer-impl", impl, "attention", "eager", "scores materialised")
+        else:
+            eager = backend == "unfused"
+            imp.set("--attention-backend", backend, "attention", "eager" if eager else "flash",
+                    "scores materialised" if eager else "a fused kernel (flash / cuDNN)")
+        if impl == "local":
+            imp.notes.append("--transformer-impl local: Megatron's own (non-TE) layers; "
+                             "memplan's megatron preset (fused norms) stands for them")
+
+    def _recompute(self) -> None:
+        """--recompute-activations is selective (validate_args); full needs a method:
+        uniform with 1 layer per checkpoint is every layer, block with N is the first N of a
+        stage (megatron/core/transformer/transformer_block.py _checkpointed_forward)."""
+        imp = self.imp
+        gran = "selective" if self.flag("--recompute-activations") else self.str(
+            "--recompute-granularity", None)
+        method = self.str("--recompute-method", None)
+        layers = self.int("--recompute-num-layers", None)
+        if gran is None:
+            imp.set("--recompute-granularity", None, "recompute", "none")
+        elif gran == "selective":
+            imp.set("--recompute-granularity", gran, "recompute", "selective",
+                    "the attention core")
+        elif gran == "full" and method == "uniform" and layers == 1:
+            imp.set("--recompute-method/num-layers", "uniform/1", "recompute", "full")
+        elif gran == "full" and method == "block" and layers:
+            imp.set("--recompute-granularity", gran, "recompute", "full")
+            imp.set("--recompute-method/num-layers", f"block/{layers}", "recompute_layers",
+                    layers, "the first N layers of each stage")
+        else:
+            raise imp.refuse("--recompute-granularity/method/num-layers",
+                             f"{gran}/{method}/{layers}",
+                             "modelled are selective, full uniform 1, and full block N")
+
+    def _precision(self) -> None:
+        """arguments.py validate_args: --bf16 accumulates and all-reduces gradients in fp32
+        (main gradients) unless --main-grads-dtype bf16; --fp16 keeps fp16 gradients unless
+        --accumulate-allreduce-grads-in-fp32; neither is fp32."""
+        imp = self.imp
+        main = self.str("--main-grads-dtype", "fp32")
+        fp32_acc = self.flag("--accumulate-allreduce-grads-in-fp32")
+        if self.flag("--bf16"):
+            imp.set("--bf16", True, "precision", "bf16-fp32-grads" if main == "fp32"
+                    else "bf16-mixed", "bf16 weights, fp32 master and optimizer states, "
+                    + ("fp32 main gradients" if main == "fp32" else "bf16 gradients"))
+        elif self.flag("--fp16"):
+            if fp32_acc:
+                raise self.refuse("--accumulate-allreduce-grads-in-fp32",
+                                  "fp16 weights with fp32 main gradients are not modelled")
+            imp.set("--fp16", True, "precision", "fp16-mixed",
+                    "fp16 weights and gradients, fp32 master and optimizer states")
+        else:
+            imp.set("(no --bf16 / --fp16)", None, "precision", "fp32")
+
+
+def _pattern(text: str) -> list[int] | None:
+    """A --moe-layer-freq pattern such as "([0]*3+[1]*58)": lists of 0/1, + and *, nothing
+    else evaluated."""
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except SyntaxError:
+        return None
+
+    def value(node: ast.AST) -> Any:
+        if isinstance(node, ast.Expression):
+            return value(node.body)
+        if isinstance(node, ast.List):
+            items = [value(e) for e in node.elts]
+            return items if all(i in (0, 1) for i in items) else None
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            if left is None or right is None:
+                return None
+            if isinstance(node.op, ast.Add):
+                return left + right if isinstance(left, list) == isinstance(right, list) \
+                    else None
+            if isinstance(left, list) and isinstance(right, int) and 0 <= right <= 4096:
+                return left * right
+            return None
+        return None
+
+    result = value(tree)
+    return result if isinstance(result, list) else None
+

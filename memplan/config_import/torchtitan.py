@@ -1,0 +1,330 @@
+"""A torchtitan job TOML (``--torchtitan-config job.toml``) as memplan's inputs.
+
+The keys and their defaults are those of torchtitan's ``JobConfig`` (torchtitan/config/
+job_config.py at v0.2.2, the last release that reads job TOMLs: 0.3.0 replaced them with
+Python config registries, whose TrainingConfig and ParallelismConfig keep the same key names,
+torchtitan/config/configs.py); the semantics are torchtitan v0.2.2's, each read where it is
+named below. The job runs with memplan's torchtitan preset (``--framework torchtitan``), with
+v0.2.2's own choices where they differ from 0.3.0's (``keep_grads``, ``fused_qkv``).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from memplan.config_import import Imported
+from memplan.inputs import MODEL_FILE_BYTES, read_toml
+from memplan.spec import ModelSpec
+
+_SRC = "torchtitan v0.2.2"
+# torchtitan's llama3 flavors (models/llama3/__init__.py llama3_configs) and the catalog
+# entries of the same shape (the 8B flavor: dim 4096, 32 layers, 32 heads, 8 KV heads, ffn
+# multiplier 1.3 / multiple_of 1024 -> 14336, vocabulary 128256)
+MODELS = {("llama3", "8B"): "llama-3-8b", ("llama3", "70B"): "llama-3-70b",
+          ("llama3", "405B"): "llama-3.1-405b"}
+# llama3's debugmodel flavor: dim 256, 6 layers, 16 heads, vocabulary 2048; the MLP width of
+# TransformerModelArgs' defaults (multiple_of 256: 4*256 -> 2/3 -> 682 -> 768)
+DEBUGMODEL = dict(num_layers=6, hidden_size=256, ffn_hidden_size=768, num_attention_heads=16,
+                  num_kv_heads=16, head_dim=16, vocab_size=2048, norm="rmsnorm", mlp="swiglu",
+                  position="rope", tied_embeddings=False)
+# sections that hold nothing memplan's memory model reads
+QUIET = ("job", "profiling", "metrics", "lr_scheduler", "checkpoint", "validation", "comm",
+         "fault_tolerance", "experimental", "memory_estimation", "float8", "quantize",
+         "mx", "dataloader")
+SCHEDULES = {"1F1B": ("1f1b", True), "GPipe": ("gpipe", True), "Interleaved1F1B": ("1f1b", False)}
+
+
+class _Toml:
+    """Typed access to the TOML's sections, refusing a wrong type by its key."""
+
+    def __init__(self, data: dict[str, Any], imp: Imported) -> None:
+        self.data, self.imp = data, imp
+
+    def section(self, name: str) -> dict[str, Any]:
+        value = self.data.get(name, {})
+        if not isinstance(value, dict):
+            raise self.imp.refuse(name, value, "expected a table")
+        return value
+
+    def get(self, section: str, key: str, kind: type, default: Any) -> Any:
+        value = self.section(section).get(key, default)
+        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            ok = True
+        if not ok:
+            raise self.imp.refuse(f"{section}.{key}", value, f"expected {kind.__name__}")
+        return value
+
+
+def read(path: str | Path, gpus: int, model: str | None = None) -> Imported:
+    """The inputs of the job file at ``path`` run on ``gpus`` GPUs (the file names no world
+    size; data_parallel_shard_degree = -1 takes the ranks left); ``model``: the model given
+    instead of the file's (``--model``)."""
+    data = read_toml(path, "torchtitan config", MODEL_FILE_BYTES)
+    imp = Imported(source=f"torchtitan config {path}")
+    toml = _Toml(data, imp)
+    imp.set("(framework)", "torchtitan", "framework", "torchtitan",
+            "the job runs torchtitan: its implementation defaults")
+    if model is None:
+        _model(toml, imp)
+    else:
+        imp.model = model
+        imp.set("model.name/flavor", f"{toml.get('model', 'name', str, 'llama3')} "
+                f"{toml.get('model', 'flavor', str, 'debugmodel')}", "model", model,
+                "replaced by --model")
+    degrees = _layout(toml, imp, gpus)
+    _batch(toml, imp, degrees)
+    _precision(toml, imp, degrees)
+    _recompute(toml, imp)
+    _optimizer(toml, imp)
+    _notes(toml, imp)
+    imp.set("(train loop)", "optimizers.zero_grad()", "keep_grads", False,
+            f"{_SRC} train.py train_step: zero_grad() sets gradients to None")
+    imp.set("(model code)", "wq, wk, wv", "fused_qkv", False,
+            f"{_SRC} models/llama3/model/model.py Attention: three projections")
+    imp.set("(model code)", "freqs_cis", "rope_cache", "model",
+            f"{_SRC} models/llama3/model/model.py Transformer: one RoPE buffer on the model "
+            f"(complex64, counted as memplan's model-wide tables)")
+    for name in data:
+        if name not in _READ and name not in QUIET:
+            imp.unread.append(f"[{name}]")
+    return imp
+
+
+_READ = ("model", "training", "parallelism", "activation_checkpoint", "optimizer", "compile")
+
+
+def _model(toml: _Toml, imp: Imported) -> None:
+    name = toml.get("model", "name", str, "llama3")
+    flavor = toml.get("model", "flavor", str, "debugmodel")
+    key = "model.name/flavor"
+    if (name, flavor) in MODELS:
+        imp.model = MODELS[(name, flavor)]
+        imp.set(key, f"{name} {flavor}", "model", imp.model, "the catalog entry of its shape")
+        return
+    if (name, flavor) == ("llama3", "debugmodel"):
+        seq = toml.get("training", "seq_len", int, 2048)
+        imp.model = ModelSpec(name="torchtitan-llama3-debugmodel", max_seq_len=seq,
+                              source=f"{_SRC} models/llama3/__init__.py llama3_configs"
+                                     "['debugmodel']", **DEBUGMODEL)
+        imp.set(key, f"{name} {flavor}", "model", imp.model.name,
+                "dim 256, 6 layers, 16 heads, vocabulary 2048")
+        return
+    known = ", ".join(f"{n} {f}" for n, f in [*MODELS, ("llama3", "debugmodel")])
+    raise imp.refuse(key, f"{name} {flavor}", f"not a torchtitan model memplan maps ({known}); "
+                                              "give its shape with --model")
+
+
+def _degree(toml: _Toml, key: str, default: int = 1) -> int:
+    value = toml.get("parallelism", key, int, default)
+    if value < 1 and not (key == "data_parallel_shard_degree" and value == -1):
+        raise toml.imp.refuse(f"parallelism.{key}", value, "expected a degree of 1 or more")
+    return value
+
+
+def _layout(toml: _Toml, imp: Imported, gpus: int) -> dict[str, int]:
+    """The parallel degrees, as ParallelDims._validate resolves them (distributed/
+    parallel_dims.py): the shard degree -1 is the ranks left after the others."""
+    p = "parallelism"
+    rep = _degree(toml, "data_parallel_replicate_degree")
+    shard = _degree(toml, "data_parallel_shard_degree", -1)
+    tp, pp = _degree(toml, "tensor_parallel_degree"), _degree(toml, "pipeline_parallel_degree")
+    cp, ep = _degree(toml, "context_parallel_degree"), _degree(toml, "expert_parallel_degree")
+    others = rep * cp * tp * pp
+    if shard == -1:
+        if gpus % others or gpus < others:
+            raise imp.refuse(f"{p}.data_parallel_shard_degree", -1,
+                             f"takes the ranks left of --gpus ({gpus}) after replicate * cp * "
+                             f"tp * pp ({others}): give --gpus, a multiple of {others}")
+        shard = gpus // others
+        how = f"-1: the ranks left of --gpus {gpus}"
+    else:
+        how = ""
+        if gpus != 1 and gpus != others * shard:
+            raise imp.refuse(f"{p}.*_degree", others * shard,
+                             f"the degrees multiply to {others * shard} ranks, --gpus is {gpus}")
+        imp.set("(world size)", others * shard, "gpus", others * shard,
+                "the degrees' product")
+    for key, value, target in (("tensor_parallel_degree", tp, "tp"),
+                               ("pipeline_parallel_degree", pp, "pp"),
+                               ("context_parallel_degree", cp, "cp")):
+        if value != 1 or key in toml.section(p):
+            imp.set(f"{p}.{key}", value, target, value)
+    if ep != 1:
+        imp.set(f"{p}.expert_parallel_degree", ep, "ep", ep)
+    fsdp = shard > 1 or cp > 1  # ParallelDims.fsdp_enabled
+    imp.set(f"{p}.data_parallel_shard_degree", toml.section(p).get(
+        "data_parallel_shard_degree", -1), "dp", rep * shard,
+        how or "dp = replicate * shard")
+    imp.set(f"{p}.data_parallel_shard_degree", shard, "zero", 3 if fsdp else 0,
+            "FSDP2 (fully_shard) when the shard degree or cp > 1; else DDP or one rank")
+    if rep > 1 and shard > 1:
+        imp.set(f"{p}.data_parallel_replicate_degree", rep, "dp_shard", shard,
+                "HSDP: replicas of shard groups")
+    if tp > 1:
+        imp.set(f"{p}.tensor_parallel_degree", tp, "sequence_parallel", True,
+                "its TP plans shard the norms' sequence (SequenceParallel)")
+        if toml.get(p, "disable_loss_parallel", bool, False):
+            raise imp.refuse(f"{p}.disable_loss_parallel", True,
+                             "the head's output gathered to the whole vocabulary on every TP "
+                             "rank (loss parallel off) is not modelled")
+    reshard = toml.get(p, "fsdp_reshard_after_forward", str, "default")
+    if reshard != "default":
+        raise imp.refuse(f"{p}.fsdp_reshard_after_forward", reshard,
+                         "memplan models torchtitan's default resharding only")
+    if toml.section(p).get("module_fqns_per_model_part") is not None:
+        raise imp.refuse(f"{p}.module_fqns_per_model_part", "...",
+                         "a hand-made split into stages: give it as --stage-layers")
+    if pp > 1:
+        _pipeline(toml, imp, pp)
+    return {"dp": rep * shard, "pp": pp, "tp": tp, "fsdp": int(fsdp)}
+
+
+def _pipeline(toml: _Toml, imp: Imported, pp: int) -> None:
+    """The schedule and stages per rank (distributed/pipeline_parallel.py pipeline_llm: a
+    multi-stage schedule without layers_per_stage has 2 stages per rank)."""
+    p = "parallelism"
+    name = toml.get(p, "pipeline_parallel_schedule", str, "1F1B")
+    if name not in SCHEDULES:
+        raise imp.refuse(f"{p}.pipeline_parallel_schedule", name,
+                         f"modelled are {', '.join(SCHEDULES)}")
+    schedule, single = SCHEDULES[name]
+    imp.set(f"{p}.pipeline_parallel_schedule", name, "schedule", schedule)
+    per_stage = toml.section(p).get("pipeline_parallel_layers_per_stage")
+    if per_stage is None:
+        stages = 1 if single else 2
+        how = "one stage per rank" if single else "a multi-stage schedule's default: 2 per rank"
+    else:
+        per_stage = toml.get(p, "pipeline_parallel_layers_per_stage", int, 1)
+        first = toml.get(p, "pipeline_parallel_first_stage_less_layers", int, 1)
+        last = toml.get(p, "pipeline_parallel_last_stage_less_layers", int, 1)
+        layers = _num_layers(imp)
+        total = math.ceil((layers + first + last) / per_stage)
+        if total % pp:
+            raise imp.refuse(f"{p}.pipeline_parallel_layers_per_stage", per_stage,
+                             f"{total} stages do not divide over {pp} ranks")
+        stages = total // pp
+        how = f"ceil(({layers} + {first} + {last}) / {per_stage}) stages over {pp} ranks"
+    imp.set(f"{p}.pipeline_parallel_layers_per_stage", per_stage, "vpp", stages, how)
+
+
+def _num_layers(imp: Imported) -> int:
+    from memplan.spec import load_model
+
+    model = imp.model
+    return (model if isinstance(model, ModelSpec) else load_model(str(model))).num_layers
+
+
+def _batch(toml: _Toml, imp: Imported, degrees: dict[str, int]) -> None:
+    """local_batch_size is per data-parallel rank per step; with PP it is split into
+    micro-batches of pipeline_parallel_microbatch_size (torchtitan/train.py)."""
+    t = "training"
+    key = "local_batch_size" if "local_batch_size" in toml.section(t) or \
+        "batch_size" not in toml.section(t) else "batch_size"  # the name before 0.2
+    local = toml.get(t, key, int, 8)
+    if local < 1:
+        raise imp.refuse(f"{t}.{key}", local, "expected 1 or more")
+    global_ = toml.get(t, "global_batch_size", int, -1)
+    if degrees["pp"] > 1:
+        mbs = toml.get("parallelism", "pipeline_parallel_microbatch_size", int, 1)
+        imp.set("parallelism.pipeline_parallel_microbatch_size", mbs, "micro_batch_size", mbs)
+        imp.set(f"{t}.{key}", local, "global_batch_size",
+                global_ if global_ > 0 else local * degrees["dp"],
+                f"local batch * dp ({degrees['dp']}), split into micro-batches of {mbs}")
+    else:
+        imp.set(f"{t}.{key}", local, "micro_batch_size", local)
+        if global_ > 0:
+            imp.set(f"{t}.global_batch_size", global_, "global_batch_size", global_,
+                    "gradient accumulation")
+        else:
+            imp.set(f"{t}.{key}", local, "global_batch_size", local * degrees["dp"],
+                    f"local batch * dp ({degrees['dp']})")
+    seq = toml.get(t, "seq_len", int, 2048)
+    imp.set(f"{t}.seq_len", seq, "seq_len", seq)
+
+
+def _precision(toml: _Toml, imp: Imported, degrees: dict[str, int]) -> None:
+    """training.dtype bfloat16: everything in bf16; else fp32 weights with FSDP2's
+    MixedPrecisionPolicy(param_dtype=mixed_precision_param) when FSDP is on
+    (models/llama3/infra/parallelize.py apply_fsdp), torch.autocast for DDP or one rank, and
+    no mixed precision under TP or PP without FSDP (distributed/utils.py maybe_enable_amp)."""
+    t = "training"
+    dtype = toml.get(t, "dtype", str, "float32")
+    param = toml.get(t, "mixed_precision_param", str, "bfloat16")
+    if dtype not in ("float32", "bfloat16") or param not in ("float32", "bfloat16"):
+        raise imp.refuse(f"{t}.dtype/mixed_precision_param", f"{dtype}/{param}",
+                         "expected float32 or bfloat16")
+    if dtype == "bfloat16":
+        imp.set(f"{t}.dtype", dtype, "precision", "bf16-pure",
+                "parameters, gradients and optimizer states in bf16")
+    elif param == "float32":
+        imp.set(f"{t}.mixed_precision_param", param, "precision", "fp32")
+    elif degrees["fsdp"]:
+        imp.set(f"{t}.mixed_precision_param", param, "precision", "fsdp-bf16",
+                "fully_shard's MixedPrecisionPolicy: bf16 compute copies of fp32 shards")
+    elif degrees["tp"] > 1 or degrees["pp"] > 1:
+        imp.set(f"{t}.mixed_precision_param", param, "precision", "fp32",
+                "maybe_enable_amp: no mixed precision with TP or PP without FSDP")
+    else:
+        imp.set(f"{t}.mixed_precision_param", param, "precision", "amp-bf16",
+                "maybe_enable_amp: torch.autocast for DDP or one rank")
+    if toml.get(t, "enable_cpu_offload", bool, False):
+        raise imp.refuse(f"{t}.enable_cpu_offload", True,
+                         "FSDP2's CPU offload of parameters and gradients is not modelled")
+
+
+def _recompute(toml: _Toml, imp: Imported) -> None:
+    a = "activation_checkpoint"
+    mode = toml.get(a, "mode", str, "selective")
+    option = str(toml.section(a).get("selective_ac_option", "2"))
+    if mode == "none":
+        imp.set(f"{a}.mode", mode, "recompute", "none")
+    elif mode == "full":
+        imp.set(f"{a}.mode", mode, "recompute", "full")
+    elif mode == "selective" and option == "op":
+        imp.set(f"{a}.mode/selective_ac_option", "selective/op", "recompute", "selective",
+                "per-op SAC (the torchtitan preset's selective_impl op)")
+    elif mode == "selective" and option == "1":
+        imp.set(f"{a}.mode/selective_ac_option", "selective/1", "recompute", "full",
+                "every layer checkpointed")
+    elif mode == "selective":
+        raise imp.refuse(f"{a}.selective_ac_option", option,
+                         "checkpointing every n-th layer is not modelled (op, 1, or mode "
+                         "full / none)")
+    else:
+        raise imp.refuse(f"{a}.mode", mode, "modelled are none, selective and full")
+
+
+def _optimizer(toml: _Toml, imp: Imported) -> None:
+    o = "optimizer"
+    name = toml.get(o, "name", str, "AdamW")
+    if name not in ("AdamW", "Adam"):
+        raise imp.refuse(f"{o}.name", name, "modelled are AdamW and Adam (two states)")
+    imp.set(f"{o}.name", name, "optimizer", "adamw")
+    impl = toml.get(o, "implementation", str, "fused")
+    impls = {"fused": "fused", "foreach": "foreach", "for-loop": "forloop"}
+    if impl not in impls:
+        raise imp.refuse(f"{o}.implementation", impl, f"expected {', '.join(impls)}")
+    imp.set(f"{o}.implementation", impl, "optimizer_impl", impls[impl])
+    if toml.get(o, "early_step_in_backward", bool, False):
+        raise imp.refuse(f"{o}.early_step_in_backward", True,
+                         "the optimizer step inside backward is not modelled")
+
+
+def _notes(toml: _Toml, imp: Imported) -> None:
+    converters = toml.section("model").get("converters", [])
+    if isinstance(converters, str):
+        converters = [converters]
+    for conv in converters:
+        if conv in ("float8", "mx", "quantize.linear.float8", "quantize.linear.mx"):
+            imp.notes.append(f"model.converters {conv!r}: low-precision linears are not "
+                             "modelled; estimated with bf16 matmuls (and bf16 FSDP gathers)")
+        else:
+            raise imp.refuse("model.converters", conv, "not a converter memplan knows")
+    if toml.get("compile", "enable", bool, False):
+        imp.notes.append("compile.enable: torch.compile's fusions are not modelled; "
+                         "estimated as eager PyTorch runs it")
+    if toml.get("parallelism", "enable_async_tensor_parallel", bool, False):
+        imp.notes.append("parallelism.enable_async_tensor_parallel: timing, no bytes modelled")

@@ -1,0 +1,290 @@
+"""A job's own config as memplan's inputs: torchtitan job TOMLs and Megatron-LM arguments.
+
+Fixtures: torchtitan's published train configs (tests/data/torchtitan: torchtitan/models/
+llama3/train_configs at tag v0.2.2, the last release that reads job TOMLs) and the
+model_config.yaml of every Megatron-LM CI run in benchmarks/data/published_runs.json
+(tests/data/megatron, each at the commit the run cites). The published runs' hand-derived
+memplan inputs and model TOMLs are what the importers must reproduce.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from memplan.cli import app, main
+from memplan.config_import import megatron, torchtitan
+from memplan.errors import MemplanError
+from memplan.spec import ModelSpec, load_model
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+ROOT = DATA.parent.parent
+RUNS = json.loads((ROOT / "benchmarks" / "data" / "published_runs.json").read_text())
+TITAN = DATA / "torchtitan"
+MEGATRON = DATA / "megatron"
+
+
+def _megatron_runs() -> list:
+    out = []
+    for run in RUNS:
+        if run["framework"] == "megatron":
+            case = re.search(r"test_cases/gpt/([^/]+)/model_config", run["source"]).group(1)
+            out.append(pytest.param(run, case, id=run["id"].removeprefix("megatron-ci/")))
+    return out
+
+
+# --- Megatron-LM ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("run", "case"), _megatron_runs())
+def test_megatron_ci_args_give_the_published_runs_inputs(run: dict, case: str) -> None:
+    """Each CI run's model_config.yaml maps to the inputs and the model spec written by hand
+    for benchmarks/accuracy_table.py (every spec field but the name and source)."""
+    args = run["memplan_args"]
+    imp = megatron.read(str(MEGATRON / f"{case}.yaml"), args["gpus"])
+    want = {k: v for k, v in args.items() if k not in ("model", "gpus", "gpu")}
+    assert {k: imp.inputs.get(k) for k in want} == want
+    spec, ref = imp.model, load_model(str(ROOT / args["model"]))
+    assert isinstance(spec, ModelSpec)
+    fields = [f for f in ModelSpec.model_fields if f not in ("name", "source")]
+    assert {f: getattr(spec, f) for f in fields} == {f: getattr(ref, f) for f in fields}
+    assert not imp.unread  # every flag of the CI configs is mapped or known to need nothing
+
+
+def test_megatron_launch_command() -> None:
+    """Shell words of a launch script: the launcher before the first flag skipped, line
+    continuations and comments allowed; the model's shape from the flags' defaults (4h MLP,
+    LayerNorm, learned positions, tied embeddings, biases, GPT-2 BPE vocabulary padded to a
+    multiple of 128 * tp: 50257 -> 50432 at tp 2)."""
+    text = """torchrun --nproc-per-node 8 pretrain_gpt.py \\
+        --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \\
+        --seq-length 2048 --max-position-embeddings 2048  # the context
+        --tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 2 \\
+        --global-batch-size 256 --vocab-file vocab.json --merge-file merges.txt \\
+        --recompute-granularity full --recompute-method block --recompute-num-layers 4 \\
+        --use-distributed-optimizer --bf16 --lr 3e-4 --data-path a b c"""
+    imp = megatron.read(text, 64)
+    spec = imp.model
+    assert isinstance(spec, ModelSpec)
+    assert (spec.ffn_hidden_size, spec.vocab_size, spec.norm.value, spec.tied_embeddings,
+            spec.position.value, spec.qkv_bias) == (8192, 50432, "layernorm", True,
+                                                     "learned", True)
+    assert imp.inputs == {
+        "framework": "megatron", "tp": 2, "sequence_parallel": True, "zero": 1,
+        "micro_batch_size": 2, "global_batch_size": 256, "seq_len": 2048,
+        "recompute": "full", "recompute_layers": 4, "precision": "bf16-fp32-grads",
+        "optimizer": "adamw", "attention": "flash"}
+    assert imp.unread == []  # --lr, --data-path: no memory memplan models
+
+
+def test_megatron_deepseek_v3_shape() -> None:
+    """MLA, a shared expert and leading dense layers from Megatron-LM's flags give DeepSeek-V3's
+    shape: the catalog entry's parameter count (its transformers-built count)."""
+    args = ("--num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432 "
+            "--num-attention-heads 128 --multi-latent-attention --q-lora-rank 1536 "
+            "--kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128 "
+            "--num-experts 256 --moe-router-topk 8 --moe-ffn-hidden-size 2048 "
+            "--moe-shared-expert-intermediate-size 2048 --moe-layer-freq '([0]*3+[1]*58)' "
+            "--normalization RMSNorm --swiglu --disable-bias-linear "
+            "--untie-embeddings-and-output-weights --position-embedding-type rope "
+            "--tokenizer-type HuggingFaceTokenizer --vocab-size 129280 --seq-length 4096 "
+            "--max-position-embeddings 163840 --expert-model-parallel-size 8 --bf16")
+    spec = megatron.read(args, 256).model
+    assert isinstance(spec, ModelSpec)
+    assert spec.num_params == load_model("deepseek-v3").num_params
+    assert spec.moe is not None and spec.moe.first_dense_layers == 3
+
+
+@pytest.mark.parametrize(("extra", "flag"), [
+    ("--fp8-format hybrid", "--fp8-format"),
+    ("--mtp-num-layers 1", "--mtp-num-layers"),
+    ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 2",
+     "--recompute-granularity/method/num-layers"),
+    ("--num-experts 8 --moe-layer-freq '([1]*2+[0]*2)'", "--moe-layer-freq"),
+    ("--use-torch-fsdp2", "--use-torch-fsdp2"),
+    ("--tensor-model-parallel-size 2 --expert-tensor-parallel-size 1",
+     "--expert-tensor-parallel-size"),
+    ("--position-embedding-type yarn", "--position-embedding-type"),
+    ("--num-layers-per-virtual-pipeline-stage 3 --pipeline-model-parallel-size 2",
+     "--num-layers-per-virtual-pipeline-stage"),
+])
+def test_megatron_refuses_what_it_cannot_express(extra: str, flag: str) -> None:
+    base = ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 512 "
+            "--max-position-embeddings 512 --vocab-size 1000 --tokenizer-type NullTokenizer ")
+    with pytest.raises(MemplanError) as err:
+        megatron.read(base + extra, 8)
+    message = str(err.value)
+    assert flag in message and "\n" not in message
+
+
+def test_megatron_vocabulary_needs_a_size() -> None:
+    """A tokenizer whose vocabulary is in its files: refused until --vocab-size says it."""
+    with pytest.raises(MemplanError, match="--tokenizer-type = 'HuggingFaceTokenizer'.*"
+                                           "--vocab-size"):
+        megatron.read("--num-layers 2 --hidden-size 64 --num-attention-heads 2 "
+                      "--seq-length 64 --tokenizer-type HuggingFaceTokenizer", 1)
+
+
+def test_megatron_uneven_stages() -> None:
+    """--decoder-first/last-pipeline-num-layers: the rest even over the middle stages."""
+    imp = megatron.read("--num-layers 30 --hidden-size 64 --num-attention-heads 2 "
+                        "--seq-length 64 --vocab-size 100 --tokenizer-type NullTokenizer "
+                        "--pipeline-model-parallel-size 4 --decoder-first-pipeline-num-layers 6 "
+                        "--decoder-last-pipeline-num-layers 6", 4)
+    assert imp.inputs["stage_layers"] == "6,9,9,6"
+
+
+# --- torchtitan ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("toml", "gpus", "model", "inputs"), [
+    ("llama3_8b", 64, "llama-3-8b",
+     {"dp": 64, "zero": 3, "micro_batch_size": 1, "global_batch_size": 64, "seq_len": 8192,
+      "precision": "fsdp-bf16", "recompute": "selective", "optimizer_impl": "fused"}),
+    ("llama3_70b", 64, "llama-3-70b",
+     {"tp": 8, "dp": 8, "zero": 3, "sequence_parallel": True, "micro_batch_size": 8,
+      "global_batch_size": 64, "seq_len": 8192, "recompute": "full"}),
+    ("llama3_405b", 128, "llama-3.1-405b",
+     {"tp": 8, "dp": 16, "zero": 3, "micro_batch_size": 2, "recompute": "full"}),
+])
+def test_torchtitan_published_train_configs(toml: str, gpus: int, model: str,
+                                            inputs: dict) -> None:
+    """data_parallel_shard_degree = -1 takes the ranks left of --gpus; FSDP2's bf16
+    MixedPrecisionPolicy; SAC by op; the model by its flavor."""
+    imp = torchtitan.read(TITAN / f"{toml}.toml", gpus)
+    assert imp.model == model
+    assert {k: imp.inputs.get(k) for k in inputs} == inputs
+    assert imp.inputs["framework"] == "torchtitan"
+    assert imp.unread == []
+
+
+def test_torchtitan_notes_what_it_does_not_model() -> None:
+    """llama3_405b.toml converts its linears to float8 and compiles: noted, estimated
+    without."""
+    notes = " ".join(torchtitan.read(TITAN / "llama3_405b.toml", 128).notes)
+    assert "float8" in notes and "torch.compile" in notes
+
+
+def test_torchtitan_every_nth_layer_checkpointing_is_refused() -> None:
+    """debug_model.toml checkpoints every 2nd layer (selective_ac_option '2')."""
+    with pytest.raises(MemplanError, match="selective_ac_option = '2'"):
+        torchtitan.read(TITAN / "debug_model.toml", 8)
+
+
+def test_torchtitan_float8_run_of_the_accuracy_table(tmp_path: Path) -> None:
+    """The published H200 float8 run (llama3_8b.toml with --training.local_batch_size=2, its
+    float8 converter, compile; 4 nodes of 8 GPUs) gives the accuracy table's inputs."""
+    run = next(r for r in RUNS if r["id"] == "torchtitan/llama3.1-8b/h200-32gpu-fsdp-sac-float8")
+    text = (TITAN / "llama3_8b.toml").read_text()
+    text = text.replace("local_batch_size = 1", "local_batch_size = 2")
+    text = text.replace("[compile]\nenable=false", "[compile]\nenable=true")
+    text = text.replace('hf_assets_path = "./assets/hf/Llama-3.1-8B"',
+                        'hf_assets_path = "./assets/hf/Llama-3.1-8B"\n'
+                        'converters = ["quantize.linear.float8"]')
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    imp = torchtitan.read(path, run["memplan_args"]["gpus"])
+    want = {k: v for k, v in run["memplan_args"].items() if k not in ("model", "gpus", "gpu")}
+    assert {k: imp.inputs.get(k) for k in want} == want
+    assert imp.model == run["memplan_args"]["model"]
+    assert len(imp.notes) == 2  # float8, compile
+
+
+@pytest.mark.parametrize(("edit", "key"), [
+    (("fsdp_reshard_after_forward", '"never"'), "fsdp_reshard_after_forward"),
+    (("enable_cpu_offload", "true"), "enable_cpu_offload"),
+    (("flavor", '"3B"'), "model.name/flavor"),
+    (("mode", '"memory_budget"'), "activation_checkpoint.mode"),
+    (("pipeline_parallel_schedule", '"ZBVZeroBubble"'), "pipeline_parallel_schedule"),
+])
+def test_torchtitan_refuses_by_name(tmp_path: Path, edit: tuple[str, str], key: str) -> None:
+    key_name, value = edit
+    text = (TITAN / "llama3_8b.toml").read_text()
+    section = {"fsdp_reshard_after_forward": "[parallelism]", "enable_cpu_offload": "[training]",
+               "mode": None, "flavor": None, "pipeline_parallel_schedule": "[parallelism]"}
+    if section[key_name]:
+        text = text.replace(section[key_name], f"{section[key_name]}\n{key_name} = {value}")
+    else:
+        text = re.sub(rf"^{key_name} = .*$", f"{key_name} = {value}", text, flags=re.M)
+    if key_name == "pipeline_parallel_schedule":
+        text = text.replace("pipeline_parallel_degree = 1", "pipeline_parallel_degree = 2")
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    with pytest.raises(MemplanError) as err:
+        torchtitan.read(path, 64)
+    assert key in str(err.value) and "\n" not in str(err.value)
+
+
+def test_torchtitan_pipeline_stages(tmp_path: Path) -> None:
+    """Interleaved1F1B without layers_per_stage: 2 stages per rank (pipeline_llm); the PP
+    micro-batch splits the local batch."""
+    text = (TITAN / "llama3_8b.toml").read_text().replace(
+        "pipeline_parallel_degree = 1",
+        'pipeline_parallel_degree = 4\npipeline_parallel_schedule = "Interleaved1F1B"\n'
+        "pipeline_parallel_microbatch_size = 1")
+    text = text.replace("local_batch_size = 1", "local_batch_size = 8")
+    job = tmp_path / "job.toml"
+    job.write_text(text)
+    imp = torchtitan.read(job, 64)
+    assert (imp.inputs["pp"], imp.inputs["vpp"], imp.inputs["schedule"]) == (4, 2, "1f1b")
+    assert (imp.inputs["micro_batch_size"], imp.inputs["global_batch_size"]) == (1, 128)
+
+
+def test_torchtitan_shard_degree_needs_gpus() -> None:
+    with pytest.raises(MemplanError, match="give --gpus"):
+        torchtitan.read(TITAN / "llama3_70b.toml", 12)
+
+
+# --- the CLI -------------------------------------------------------------------------------
+
+def test_cli_prints_the_mapping_then_the_estimate() -> None:
+    result = CliRunner().invoke(app, ["estimate", "-n", "64", "--torchtitan-config",
+                                      str(TITAN / "llama3_8b.toml")])
+    assert result.exit_code == 0, result.output
+    assert "training.local_batch_size = 1 -> --mbs 1" in result.output
+    assert "llama-3-8b" in result.output
+
+
+def test_cli_json_has_the_mapping() -> None:
+    result = CliRunner().invoke(app, ["estimate", "-n", "8", "--json", "--megatron-args",
+                                      str(MEGATRON / "gpt3_mcore_te_tp2_pp2_resume_torch_dist.yaml")])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert out["config"]["mapping"][0]["input"] == "--framework"
+    keys = {m["key"] for m in out["config"]["mapping"]}
+    assert "--tensor-model-parallel-size" in keys
+
+
+def test_cli_flag_and_config_must_agree(capsys: pytest.CaptureFixture[str]) -> None:
+    """A flag given with another value than the config's: one line naming both, exit 2; the
+    same value is fine."""
+    toml = str(TITAN / "llama3_70b.toml")
+    assert main(["estimate", "-n", "64", "--tp", "4", "--torchtitan-config", toml]) == 2
+    err = capsys.readouterr().err
+    assert "--tp 4" in err and "tensor_parallel_degree" in err and err.count("\n") == 1
+    same = CliRunner().invoke(app, ["estimate", "-n", "64", "--tp", "8",
+                                    "--torchtitan-config", toml])
+    assert same.exit_code == 0, same.output
+
+
+def test_cli_model_replaces_the_configs() -> None:
+    result = CliRunner().invoke(app, ["estimate", "-n", "64", "-m", "llama-2-7b",
+                                      "--torchtitan-config", str(TITAN / "llama3_8b.toml")])
+    assert result.exit_code == 0, result.output
+    assert "replaced by --model" in result.output and "llama-2-7b" in result.output
+
+
+def test_cli_plan_takes_a_config() -> None:
+    result = CliRunner().invoke(app, ["plan", "-n", "8", "--top", "1", "--json",
+                                      "--megatron-args",
+                                      str(MEGATRON / "gpt3_mcore_te_tp1_pp4_vp1.yaml")])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert out["candidates"] and "config" in out
+
+
+def test_cli_needs_a_model_or_a_config(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "-n", "8"]) == 2
+    assert "--model is required" in capsys.readouterr().err
