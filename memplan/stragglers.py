@@ -18,13 +18,13 @@ less its compute, within the analysed steps: the time the rank stood still for a
 Who is late. In each profiled step (``ProfilerStep#N``, matched by number on every rank), a
 rank's lateness is how much less exposed wait it had than the median of the other ranks, as a
 share of the step: the ranks that arrive last wait least. A rank is a straggler when its
-lateness is above ``threshold_pct`` in at least three steps of four (the lower quartile over
-steps, ``STRAGGLER_QUANTILE``). Equal ranks on a busy machine take turns being late, as the
+lateness is above ``threshold_pct`` in at least three steps of four (``STRAGGLER_SHARE``;
+the median and the lower quartile of its lateness over steps are reported beside it). Equal ranks on a busy machine take turns being late, as the
 scheduler holds one process back and then the other, so none of them is late in most steps;
 a rank that is slower for a reason is late in every step. The default, 10% of the step, sits
-well above the lower-quartile lateness of equal ranks and well below that of a lagging one,
+well above the lateness equal ranks have in most steps and well below a lagging one's,
 as measured with ``benchmarks/gloo_trace.py`` on a 2-core machine running other work: with
-no lag, at most 0.9% in 18 of 19 runs of 3 or 8 steps (8 of them beside a process spinning on
+no lag, a lower quartile of at most 0.9% in 18 of 19 runs of 3 or 8 steps (8 of them beside a process spinning on
 a core), while a single step's lateness went up to 32%; in the 19th the machine held one rank
 back in every step (40%, and the aligned clocks agreed: it was a straggler). A 40 ms lag in
 ~100 ms steps: 23-28%. tests/traced/test_stragglers.py checks each verdict against the
@@ -43,8 +43,9 @@ if TYPE_CHECKING:
     from memplan.profiler_traces import RankTrace
 
 # Lateness, as a share of the step, above which a rank is named a straggler, and the share of
-# steps it must hold in (the docstring says why).
+# steps it must hold in (the docstring says why); the quantile of lateness reported beside.
 STRAGGLER_PCT = 10.0
+STRAGGLER_SHARE = 0.75
 STRAGGLER_QUANTILE = 0.25
 
 
@@ -99,7 +100,10 @@ def stragglers(traces: list[RankTrace], windows: dict[int, list[Interval]],
             for rt in traces}
     mostly = {rt.rank: _quantile([s["late_pct"][rt.rank] for s in per_step], STRAGGLER_QUANTILE)
               for rt in traces}
-    named = [r for r in sorted(mostly) if matched and mostly[r] > threshold_pct]
+    late_steps = {rt.rank: sum(s["late_pct"][rt.rank] > threshold_pct for s in per_step)
+                  for rt in traces}
+    named = [r for r in sorted(late_steps) if matched and per_step
+             and late_steps[r] >= STRAGGLER_SHARE * len(per_step)]
     waited_for = max(late, key=lambda r: (late[r], -summary["exposed_wait_us"][r])) \
         if matched else None
     out: dict[str, Any] = {
@@ -107,6 +111,7 @@ def stragglers(traces: list[RankTrace], windows: dict[int, list[Interval]],
         "exposed_wait_pct": {r: 100.0 * v / summary["window_us"][r] if summary["window_us"][r]
                              else 0.0 for r, v in summary["exposed_wait_us"].items()},
         "late_pct_median": late, "late_pct_lower_quartile": mostly,
+        "late_steps": late_steps, "num_steps": len(per_step),
         "waited_for_rank": waited_for, "threshold_pct": threshold_pct,
         "stragglers": named, "steps": per_step,
         "rule": (f"a straggler waited {threshold_pct:g}% of the step less than the median of "
@@ -152,4 +157,5 @@ def _quantile(values: list[float], q: float) -> float:
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
-__all__ = ["STRAGGLER_PCT", "STRAGGLER_QUANTILE", "stragglers", "waiting_intervals"]
+__all__ = ["STRAGGLER_PCT", "STRAGGLER_QUANTILE", "STRAGGLER_SHARE", "stragglers",
+           "waiting_intervals"]

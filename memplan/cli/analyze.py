@@ -109,15 +109,14 @@ def _print(result: dict[str, Any]) -> None:
                       for k, v in across["exposed_wait_us"].items())
     console.print(f"exposed wait in {across['matched_collective_calls']} matched collective "
                   f"calls (waiting not hidden under compute): {waits}")
-    late = across["late_pct_lower_quartile"]
+    late, steps = across["late_steps"], across["num_steps"]
     for rank in across["stragglers"]:
         console.print(f"[bold yellow]straggler:[/] rank {rank}: the other ranks waited for it "
-                      f"{late[rank]:.1f}% of the step or more in three steps of four "
-                      f"(median {across['late_pct_median'][rank]:.1f}%; threshold "
-                      f"{across['threshold_pct']:g}%)")
+                      f"over {across['threshold_pct']:g}% of the step in {late[rank]} of "
+                      f"{steps} steps (median {across['late_pct_median'][rank]:.1f}%)")
     if not across["stragglers"]:
         worst = across["waited_for_rank"]
         console.print(f"no straggler: no rank was waited for over {across['threshold_pct']:g}% "
                       "of the step in three steps of four"
                       + ("" if worst is None else
-                         f" (most: rank {worst}, {late[worst]:.1f}%)"))
+                         f" (most: rank {worst}, in {late[worst]} of {steps} steps)"))

@@ -68,7 +68,7 @@ def plot_traces(traces: list[RankTrace], path: Path, *,
 
 def _label(rt: RankTrace, across: dict[str, Any] | None, named: set[int]) -> str:
     if rt.rank in named and across is not None:
-        late = across["late_pct_lower_quartile"][rt.rank]
+        late = across["late_pct_median"][rt.rank]
         return f"rank {rt.rank}: straggler\n(late {late:.0f}% of the step)"
     return f"rank {rt.rank}"
 

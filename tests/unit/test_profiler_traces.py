@@ -105,6 +105,7 @@ def test_straggler_from_waits(tmp_path):
     across = out["across_ranks"]
     assert across["waiting_us"] == {1: 0, 0: 40} and across["exposed_wait_us"] == {1: 0, 0: 40}
     assert across["late_pct_lower_quartile"] == {1: 40, 0: -40}
+    assert across["late_steps"] == {1: 1, 0: 0} and across["num_steps"] == 1
     assert across["waited_for_rank"] == 1 and across["stragglers"] == [1]
     assert across["victims_exposed_wait_us"] == {0: 40}
     assert analyze_paths(paths, threshold_pct=50)["across_ranks"]["stragglers"] == []
@@ -133,8 +134,8 @@ def test_exposed_wait_is_a_union_less_compute(tmp_path):
 
 def test_straggler_needs_most_steps(tmp_path):
     """Four steps; rank 1 arrives 30 us late in steps 1 and 2, rank 0 in steps 3 and 4 (ranks
-    taking turns, as on a busy machine): each is late by 30% in half the steps, so its lower
-    quartile is -30% and nobody is named. Late in three steps of four, rank 1 is."""
+    taking turns, as on a busy machine): each is late by 30% in half the steps, and nobody is
+    named. Late in three steps of four, rank 1 is."""
     def trace(r, late_steps):
         events = []
         for k in range(4):
@@ -151,10 +152,11 @@ def test_straggler_needs_most_steps(tmp_path):
     across = analyze_paths([trace(0, turns), trace(1, turns)])["across_ranks"]
     assert [s["late_pct"] for s in across["steps"]] == [{0: -30, 1: 30}] * 2 + [
         {0: 30, 1: -30}] * 2
-    assert across["late_pct_lower_quartile"] == {0: -30, 1: -30} and across["stragglers"] == []
+    assert across["late_steps"] == {0: 2, 1: 2} and across["stragglers"] == []
+    assert across["late_pct_lower_quartile"] == {0: -30, 1: -30}
     mostly = {1: {0, 1, 2}, 0: {3}}
     across = analyze_paths([trace(0, mostly), trace(1, mostly)])["across_ranks"]
-    assert across["late_pct_lower_quartile"] == {0: -30, 1: 15} and across["stragglers"] == [1]
+    assert across["late_steps"] == {0: 1, 1: 3} and across["stragglers"] == [1]
 
 
 def test_threshold_is_checked(tmp_path):
