@@ -201,11 +201,12 @@ def olmo2(cfg: ConfigKeys) -> dict[str, Any]:
     """models/olmo2/modeling_olmo2.py: norms after the mixers, before the residual add, none
     before them (Olmo2DecoderLayer.forward), q and k normalised over the whole projection
     (Olmo2Attention.q_norm of heads * head_dim, k_norm of kv_heads * head_dim), the weight
-    multiplying the fp32 normalised tensor (Olmo2RMSNorm.forward), attention_bias on q, k, v
-    and o."""
+    multiplying the fp32 normalised tensor (Olmo2RMSNorm.forward), RoPE casting q and k back
+    to their dtype (apply_rotary_pos_emb), attention_bias on q, k, v and o."""
     fields = llama_fields(cfg, head_dim_default=None, tie_default=False,
                           defaults={"vocab_size": 50304, "max_position_embeddings": 2048})
-    fields.update(qk_norm="full", norm_placement="post", norm_scale_fp32=True)
+    fields.update(qk_norm="full", norm_placement="post", norm_scale_fp32=True,
+                  rope_keeps_dtype=True)
     return fields
 
 

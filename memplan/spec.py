@@ -195,6 +195,10 @@ class ModelSpec(BaseModel):
         "models/phi3/modeling_phi3.py Phi3MLP)"))
     qk_norm: QkNorm = QkNorm.NONE
     norm_placement: NormPlacement = NormPlacement.PRE
+    rope_keeps_dtype: bool = Field(default=False, description=(
+        "RoPE casts the rotated q and k back to their own dtype (OLMo 2's apply_rotary_pos_emb: "
+        "q_embed.to(q.dtype)), so under autocast they stay in the low dtype where other "
+        "models' come out fp32 from the fp32 tables"))
     norm_scale_fp32: bool = Field(default=False, description=(
         "the model's RMSNorm multiplies its fp32 normalised tensor by the weight before the cast "
         "back (Gemma's x * (1 + w): Gemma2RMSNorm.forward; OLMo 2's w * x: Olmo2RMSNorm."
@@ -258,6 +262,12 @@ class ModelSpec(BaseModel):
         """Width of the attention output the output projection reads: heads * v_head_dim with
         MLA, else heads * head_dim."""
         return self.num_attention_heads * (self.mla.v_head_dim if self.mla else self.head_dim)
+
+    @property
+    def rope_fp32_under_autocast(self) -> bool:
+        """Whether RoPE's q and k come out fp32 under autocast (the fp32 cos/sin tables times
+        the low-precision projections), unless RoPE casts them back (``rope_keeps_dtype``)."""
+        return self.position is PositionKind.ROPE and not self.rope_keeps_dtype
 
     @property
     def rope_dim(self) -> int:

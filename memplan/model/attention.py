@@ -34,7 +34,7 @@ def attention_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recomput
     # Under autocast RoPE multiplies the low-precision projections by the fp32 tables: q and k
     # come out fp32. The core's matmuls save low-precision casts of them; a checkpointed core
     # keeps its inputs, the fp32 tensors themselves.
-    rotated = dm.autocast and spec.position is PositionKind.ROPE
+    rotated = dm.autocast and spec.rope_fp32_under_autocast
     qk_e = dm.stream_e if rotated and recompute is Recompute.SELECTIVE else e
     terms = [
         Term("attn.q", dm.tokens * spec.q_size // t * qk_e),
@@ -150,7 +150,7 @@ def _core(spec: ModelSpec, wl: Workload, dm: Dims) -> eager.Core:
 
 def _fp32_rotated(spec: ModelSpec, dm: Dims) -> int:
     """Under autocast with RoPE: the caller's q and k rotated by the fp32 tables, in fp32."""
-    if not dm.autocast or spec.position is not PositionKind.ROPE:
+    if not dm.autocast or not spec.rope_fp32_under_autocast:
         return 0
     return dm.tokens * (spec.q_size + spec.kv_size) // dm.tp * dm.stream_e
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from memplan.model.dims import FP32_BYTES, MASK_BYTES, Dims
-from memplan.spec import ModelSpec, PositionKind
+from memplan.spec import ModelSpec
 
 
 class Core(NamedTuple):
@@ -92,7 +92,7 @@ def core(spec: ModelSpec, dm: Dims, softmax_fp32: bool = False) -> Core:
     # probabilities
     fp32_softmax = amp or softmax_fp32
     value_input = scores * dm.e if dropout or fp32_softmax else 0
-    rope = amp and spec.position is PositionKind.ROPE
+    rope = amp and spec.rope_fp32_under_autocast
     fp32_q = dm.tokens * spec.q_size // dm.tp * dm.stream_e
     fp32_k = dm.tokens * spec.kv_size // dm.tp * dm.stream_e
     return Core(scores=scores * dm.e, mask=scores * MASK_BYTES if dropout else 0,

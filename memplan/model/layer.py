@@ -189,7 +189,9 @@ def kv_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute
     if not (wl.kv_cache and recompute is Recompute.NONE):
         return 0
     if dm.autocast:
-        return 2 * dm.tokens * spec.kv_size // dm.tp * dm.stream_e
+        # RoPE that keeps the low dtype hands the cache low-precision K, which SDPA saves
+        return (2 * dm.tokens * spec.kv_size // dm.tp * dm.stream_e
+                if spec.rope_fp32_under_autocast else 0)
     repeated = wl.attention is Kernel.EAGER or (sliding and windowed(spec, wl))
     if repeated and spec.num_kv_heads < spec.num_attention_heads:
         return 2 * dm.tokens * spec.kv_size // dm.tp * dm.e

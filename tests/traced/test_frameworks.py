@@ -207,15 +207,7 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
     (FrameworkCase("transformers", "olmo2-toy", hf("OLMo-2-1124-7B", **OLMO2_TOY),
                    "bf16-pure", 2, 128), None),
     (FrameworkCase("transformers", "olmo2-toy", hf("OLMo-2-1124-7B", **OLMO2_TOY),
-                   "amp-bf16", 2, 128),
-     Known(("first_step.forward_bytes",),
-           "Olmo2Model.forward under autocast (models/olmo2/modeling_olmo2.py): the "
-           "forward's peak, at the loss, is 263,792 B below memplan's, which is the fp32 K/V "
-           "copies memplan has the DynamicCache hold (layer.kv_cache_bytes, 131,712 B a "
-           "layer); with use_cache off the trace holds the same bytes to the byte and the "
-           "estimate, without the cache, is within 0.01%. Not attributed further. Measured: "
-           "first-step forward +1.11%, steady +0.66%; activations and backward within "
-           "0.02%.")),
+                   "amp-bf16", 2, 128), None),  # its RoPE casts q, k back: low-precision K/V
     # MLA (CUDA's memory-efficient SDPA for its narrower value head), a dense layer, then
     # grouped experts with a shared expert and an fp32 router
     (FrameworkCase("transformers", "deepseek-v3-toy", hf("DeepSeek-V3", **DEEPSEEK_TOY),

@@ -40,7 +40,7 @@ SHAPE_FIELDS = (
     "max_seq_len", "norm", "mlp", "position", "tied_embeddings", "qkv_bias", "attn_out_bias",
     "mlp_bias", "norm_bias", "dropout", "moe", "fused_gate_up", "qk_norm",
     "norm_placement", "final_logit_softcap", "attn_logit_softcap", "sliding_window",
-    "sliding_window_pattern", "mla",
+    "sliding_window_pattern", "mla", "norm_scale_fp32", "rope_keeps_dtype",
 )
 
 
