@@ -20,7 +20,9 @@ from typer.exceptions import Abort, Exit, TyperException
 from memplan.errors import EXIT_INTERRUPTED, Interrupted, MemplanError, shown, validation_message
 
 _SETTINGS = dict(name="memplan",
-                 help="Per-GPU memory budgets for LLM training, before the job starts.",
+                 help="Per-GPU memory budgets for LLM training, before the job starts. "
+                 "memplan --version says which; --width N lays tables out N columns wide "
+                 "(default: the terminal's, or 240 when the output is no terminal).",
                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
 # Every command: its name -> (module of memplan.cli, function), the one list the app is built
@@ -129,11 +131,64 @@ def command_line(*extra: str) -> str:
     return shlex.join(["memplan", *args])
 
 
+# Tables a pipe or a file receives are laid out this wide (rich lays out 80 columns when stdout
+# is no terminal): a table is as wide as its content, so none is cut or folded.
+PIPED_WIDTH = 240
+MIN_WIDTH = 40
+
+
+def _take_width(args: list[str]) -> tuple[list[str], str | None]:
+    """``args`` without ``--width N`` / ``--width=N``, and N as given (None when absent)."""
+    out, width, rest = [], None, iter(args)
+    for item in rest:
+        if item == "--width":
+            width = next(rest, "")
+        elif item.startswith("--width="):
+            width = item.partition("=")[2]
+        else:
+            out.append(item)
+    return out, width
+
+
+def _width_columns(width: str | None) -> str | None:
+    """The COLUMNS a command runs with: ``--width N``; without it, output that is no terminal
+    (a pipe, a file, a CI log) gets ``PIPED_WIDTH`` unless COLUMNS says; else None (rich
+    asks the terminal)."""
+    if width is not None:
+        if not width.isdigit() or int(width) < MIN_WIDTH:
+            raise MemplanError(f"--width must be a whole number of columns, at least "
+                               f"{MIN_WIDTH}, got {width!r}")
+        return width
+    if "COLUMNS" not in os.environ and not sys.stdout.isatty():
+        return str(PIPED_WIDTH)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point. Returns the exit code (0 ok, 2 bad input, 130 interrupted)."""
     args = sys.argv[1:] if argv is None else list(argv)
     _ARGS[:] = args
+    before = os.environ.get("COLUMNS")
     try:
+        return _main(args)
+    finally:  # the width is the command's, not the caller's process's
+        if before is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = before
+
+
+def _main(args: list[str]) -> int:
+    try:
+        args, width = _take_width(args)
+        columns = _width_columns(width)
+        if columns is not None:
+            os.environ["COLUMNS"] = columns
+        if args[:1] in (["--version"], ["-V"]):
+            from memplan import __version__
+
+            print(f"memplan {__version__}")
+            return 0
         command = _command_for(args)
         code = command.main(args=args, prog_name="memplan", standalone_mode=False)
     except Exit as done:

@@ -97,9 +97,11 @@ def render_plan(result: PlanResult, model: str, num_layers: int, gpus: int, gpu:
     table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True, pad_edge=False,
                   title=f"{model} on {gpus} x {gpu}, global batch {result.global_batch_size}: "
                         f"{len(result.candidates)} fit ({result.evaluated} estimates; GiB = 2^30 B)")
-    table.add_column("layout", no_wrap=True)
+    # narrower than its content (a small terminal, --width), a cell folds onto a second line
+    # rather than being cut
+    table.add_column("layout", overflow="fold")
     for col in ("mbs", "recompute", "GiB", "step s", "tok/s/GPU", "MFU", "bound"):
-        table.add_column(col, justify="right", no_wrap=True)
+        table.add_column(col, justify="right", overflow="fold")
     for c in result.candidates[:top]:
         # full recompute of k of the stage's layers: "full 2 of 8"
         label = c.recompute.label + (f" {c.recompute_layers} of "

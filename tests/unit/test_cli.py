@@ -544,3 +544,24 @@ def test_estimate_writes_no_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert list(work.iterdir()) == []
     assert _tree(data_dir()) == catalog_before
     capsys.readouterr()
+
+
+def test_version_and_width(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    """``--version`` names the package's version; output that is no terminal gets tables at
+    their full width (240 columns: the plan table's layouts are not cut), ``--width N`` sets
+    it, a width under 40 is one line and exit 2; the caller's COLUMNS is left as it was."""
+    from memplan import __version__
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"memplan {__version__}\n"
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert main(["plan", "-m", "llama-3.1-405b", "-n", "512", "--tp", "8", "--pp", "8",
+                 "--seq", "8192", "--gbs", "256", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out and "[3,4x30,3]" in out
+    assert "COLUMNS" not in __import__("os").environ
+    assert main(["--width", "60", "models"]) == 0
+    assert max(len(line) for line in capsys.readouterr().out.splitlines()) <= 60
+    assert main(["models", "--width", "30"]) == 2
+    assert capsys.readouterr().err == (
+        "memplan: error: --width must be a whole number of columns, at least 40, got '30'\n")
