@@ -23,7 +23,7 @@ _SETTINGS = dict(name="memplan",
                  help="Per-GPU memory budgets for LLM training, before the job starts. "
                  "memplan --version says which; --width N lays tables out N columns wide "
                  "(default: the terminal's, or 240 when the output is no terminal).",
-                 no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+                 no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False)
 
 # Every command: its name -> (module of memplan.cli, function), the one list the app is built
 # from. A command line imports and builds only the command it names (the others' imports and
@@ -193,6 +193,8 @@ def _main(args: list[str]) -> int:
         code = command.main(args=args, prog_name="memplan", standalone_mode=False)
     except Exit as done:
         return done.exit_code
+    except SystemExit as done:  # typer's completion options end the program themselves
+        return done.code if isinstance(done.code, int) else 0
     except Abort:
         return 1
     except (Interrupted, KeyboardInterrupt) as err:

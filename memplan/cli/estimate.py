@@ -19,6 +19,9 @@ from memplan.cli.options import (
     uses,
 )
 
+Quiet = Annotated[bool, typer.Option(
+    "--quiet", "-q", help="Print only the verdict line (fits or not, peak, stage, headroom); "
+    "the exit code is 0 either way, as without it.")]
 PlotPath = Annotated[Path | None, typer.Option(
     "--plot", help="Also draw each pipeline stage's peak as a stacked bar against the GPU's "
     "capacity, to this .png or .svg file (needs matplotlib).")]
@@ -26,7 +29,8 @@ PlotPath = Annotated[Path | None, typer.Option(
 
 @uses(*ESTIMATE, model=None)
 def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfig = None,
-             megatron_args: MegatronArgs = None, json_out: Json = False) -> None:
+             megatron_args: MegatronArgs = None, json_out: Json = False,
+             quiet: Quiet = False) -> None:
     """Per-GPU memory of every pipeline stage and the most loaded rank.
 
     Parameters, gradients, optimizer states, saved activations, transients and fixed
@@ -73,6 +77,11 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
         if imported is not None:
             out["config"] = imported.as_json()
         typer.echo(json.dumps(out, indent=2))
+        return
+    if quiet:
+        from memplan.report.estimate import verdict_line
+
+        typer.echo(verdict_line(est))
         return
     from rich.console import Console
 

@@ -125,9 +125,10 @@ def render_estimate(est: Estimate) -> Any:
         + (f" ({wl.recompute_layers} layers)" if wl.recompute_layers is not None else ""))
 
     stages = Table(title="Per-GPU memory by pipeline stage, GiB (2^30 bytes)")
-    for col in ("stage", "layers", "params", "grads", "optim", "activ", "in flight", "peak"):
-        stages.add_column(col, justify="right", no_wrap=True)
-    stages.add_column("at", no_wrap=True)
+    for col in ("stage", "layers", "parameters", "gradients", "optimizer states",
+                "activations", "micro-batches in flight", "peak"):
+        stages.add_column(col, justify="right", overflow="fold")
+    stages.add_column("peak phase", overflow="fold")
     for s in est.stages:
         stages.add_row(f"{s.stage}{' *' if s is est.worst else ''}", str(s.num_layers),
                        *(gib(getattr(s, a)) for a in _COMPONENTS),
@@ -165,18 +166,22 @@ def render_estimate(est: Estimate) -> Any:
         phases.add_row(name, format_gib(getattr(est.worst.first_step, name)),
                        format_gib(getattr(est.worst.steady, name)))
 
-    verdict = "FITS" if est.fits else "DOES NOT FIT"
-    summary = Text(
-        f"peak {format_gib(est.peak_bytes)} of {format_gib(est.capacity_bytes)} capacity "
-        f"(stage {est.worst.stage}); headroom {format_gib(est.headroom_bytes)}: {verdict}",
-        style="bold green" if est.fits else "bold red")
+    summary = Text(verdict_line(est), style="bold green" if est.fits else "bold red")
     notes = Text("assumptions:\n" + "\n".join(f"  - {a}" for a in est.assumptions)
                  + "".join(f"\n  - not always a saving: {c}" for c in est.caveats), style="dim")
 
-    parts = [header, stages, table, phases, summary, Text(_time_line(est))]
-    if not est.fits:
-        parts.append(Text(_why_not(est)))
+    # the verdict first, then what it is made of
+    parts = [summary, *([Text(_why_not(est))] if not est.fits else []), header, stages, table,
+             phases, Text(_time_line(est))]
     return Group(*parts, notes)
+
+
+def verdict_line(est: Estimate) -> str:
+    """Whether it fits, the peak, its stage and the headroom, in one line."""
+    verdict = "FITS" if est.fits else "DOES NOT FIT"
+    return (f"{verdict}: peak {format_gib(est.peak_bytes)} of {format_gib(est.capacity_bytes)} "
+            f"capacity (stage {est.worst.stage}, {est.worst.peak_phase}); headroom "
+            f"{format_gib(est.headroom_bytes)}")
 
 
 def _why_not(est: Estimate) -> str:
@@ -194,8 +199,7 @@ def _why_not(est: Estimate) -> str:
 def _short_phase(s: StageMemory) -> str:
     first = s.first_step.peak > s.steady.peak
     phases = s.first_step if first else s.steady
-    short = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}[phases.peak_phase]
-    return short + (" step 1" if first else "")
+    return phases.peak_phase + (", step 1" if first else "")
 
 
 def does_not_fit(est: Estimate, budget_bytes: int, safety: float) -> str:

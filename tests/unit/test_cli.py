@@ -565,3 +565,27 @@ def test_version_and_width(capsys: pytest.CaptureFixture[str], monkeypatch) -> N
     assert main(["models", "--width", "30"]) == 2
     assert capsys.readouterr().err == (
         "memplan: error: --width must be a whole number of columns, at least 40, got '30'\n")
+
+
+def test_estimate_opens_with_its_verdict_and_quiet_prints_only_that(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The first line says whether it fits, the peak, its stage and phase and the headroom;
+    ``--quiet`` prints that line alone; the stage table names its columns in words."""
+    assert main(["estimate", "-m", "llama-2-7b", "-n", "8", "--zero", "3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("FITS: peak ") and "capacity (stage 0, " in out[0]
+    assert "headroom" in out[0]
+    text = " ".join(out)
+    for column in ("parameters", "gradients", "optimizer states", "activations",
+                   "micro-batches in flight", "peak phase"):
+        assert column in text
+    assert main(["estimate", "-m", "llama-2-7b", "-n", "8", "--zero", "3", "--quiet"]) == 0
+    assert capsys.readouterr().out.splitlines() == [out[0]]
+    assert main(["estimate", "-m", "llama-2-7b", "-n", "8", "-q"]) == 0
+    assert capsys.readouterr().out.startswith("DOES NOT FIT: peak ")
+
+
+def test_shell_completion_script(capsys: pytest.CaptureFixture[str]) -> None:
+    """typer's completion: ``--show-completion bash`` prints the script a shell sources."""
+    assert main(["--show-completion", "bash"]) == 0
+    assert "_memplan_completion" in capsys.readouterr().out
