@@ -22,6 +22,7 @@ numbers (``Columns.one``), so that timing one estimate imports no numpy (about 7
 from __future__ import annotations
 
 import enum
+import math
 from functools import lru_cache
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -334,10 +335,9 @@ def _ring_latency(gpu: GpuSpec, ranks: Any, span: Any, passes: int = 1) -> Any:
     """Seconds of latency of one ring collective over ``ranks`` ranks whose group spans
     ``span`` consecutive global ranks (``passes`` 2 for an all-reduce); 0 for one rank."""
     g = gpu.gpus_per_node
-    nodes = (span + g - 1) // g
     steps = ranks - 1
-    inter = nodes - 1 if not hasattr(nodes, "shape") else nodes - 1
-    inter = (inter + steps - abs(inter - steps)) / 2  # min(nodes - 1, ranks - 1)
+    crossings = (span + g - 1) // g - 1  # node boundaries the group's span crosses
+    inter = (crossings + steps - abs(crossings - steps)) / 2  # min of the two, arrays too
     one = RING_BASE_S + (steps - inter) * RING_STEP_NVLINK_S + inter * RING_STEP_NET_S
     return (ranks > 1) * passes * one
 
@@ -537,8 +537,6 @@ def attention_rate(seq_len: int) -> float:
     """The attention kernel's throughput at ``seq_len`` tokens relative to its longest measured
     (``ATTENTION_TFLOPS_BY_SEQ``; linear in log2 of the length between points, the ends held
     beyond them)."""
-    import math
-
     points = ATTENTION_TFLOPS_BY_SEQ
     top = points[-1][1]
     if seq_len <= points[0][0]:
