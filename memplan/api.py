@@ -105,9 +105,7 @@ def make_layout(num_gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: in
     if offload not in {kind.value for kind in Offload}:
         raise MemplanError(f"offload must be none or optimizer, got {offload!r}")
     split = parse_stage_layers(stage_layers)
-    if dp_shard is not None and (isinstance(dp_shard, bool) or not isinstance(dp_shard, int)
-                                 or dp_shard <= 0):
-        raise MemplanError(f"dp_shard must be a positive integer, got {dp_shard!r}")
+    arguments.integer("dp_shard", dp_shard, optional=True)
     return layout_for_gpus(num_gpus, tp=tp, pp=pp, cp=cp, dp=dp, vpp=vpp, ep=ep,
                            zero=ZeroStage(zero), sequence_parallel=sp,
                            vocab_parallel=vocab_parallel, tp_style=TpStyle(tp_style),
@@ -132,10 +130,10 @@ def parse_stage_layers(value: Any) -> tuple[int, ...] | None:
 
 
 def _layer_counts(item: Any) -> list[int]:
-    if isinstance(item, bool) or isinstance(item, float):
-        raise TypeError(item)
     if not isinstance(item, str):
-        return [int(item)]
+        if not arguments.is_int(item):
+            raise TypeError(item)
+        return [item]
     layers, _, times = item.strip().partition("x")
     count = int(times) if times else 1
     if count < 1:

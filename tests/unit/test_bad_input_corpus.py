@@ -21,7 +21,6 @@ import gzip
 import hashlib
 import io
 import json
-import math
 import os
 import pickle
 import sys
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from toml_literals import toml_value  # tests/unit/toml_literals.py
 
 import memplan
 from memplan.cli import main
@@ -48,22 +48,6 @@ TINY_TOML = {
 
 
 # --- helpers -------------------------------------------------------------------------------
-
-def toml_value(value: Any) -> str:
-    """A TOML literal for the corpus' values (scalars, arrays, inline tables)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf") if math.isinf(
-            value) else repr(value)
-    if isinstance(value, (int, str)):
-        return json.dumps(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
-    raise TypeError(value)
-
 
 def toml_text(fields: dict[str, Any]) -> str:
     return "".join(f"{k} = {toml_value(v)}\n" for k, v in fields.items())

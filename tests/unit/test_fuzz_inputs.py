@@ -13,13 +13,13 @@ import contextlib
 import gzip
 import io
 import json
-import math
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from toml_literals import toml_value  # tests/unit/toml_literals.py
 
 from memplan.cli import main
 
@@ -70,19 +70,6 @@ values = st.one_of(scalars, st.lists(scalars, max_size=3),
 mutations = st.lists(st.tuples(st.sampled_from([*TINY, "moe", "dropout", "name", "num_layer",
                                                 "qkv_bias"]),
                                st.one_of(st.none(), values)), min_size=1, max_size=3)
-
-
-def toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf") if math.isinf(
-            value) else repr(value)
-    if isinstance(value, (int, str)):
-        return json.dumps(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
 
 
 def mutated(base: dict[str, Any], changes: list[tuple[str, Any]]) -> dict[str, Any]:
