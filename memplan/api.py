@@ -260,12 +260,14 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
          tp: int | None = None, pp: int | None = None, vpp: int | None = None,
          cp: int | None = None, ep: int | None = None, zero: int | None = None,
          sequence_parallel: bool | None = None, calibration: str | list[str] | None = None,
-         stage_layers: Any = None, dp_shard: int | None = None,
+         stage_layers: Any = None, dp_shard: int | None = None, top: int | None = None,
          **workload: Any):
     """Layouts, recompute policies and micro-batch sizes that fit ``gpus`` GPUs, fastest first
     (``memplan.planner.PlanResult``). Layout arguments given are fixed; the rest are searched.
     ``workload`` takes Workload fields (seq_len, global_batch_size, precision, ...).
-    ``calibration`` as for ``estimate``: candidates are re-checked and re-timed with it."""
+    ``calibration`` as for ``estimate``: candidates are re-checked and re-timed with it.
+    ``top``: only the ``top`` fastest candidates are wanted, so recompute policies that cannot
+    beat them are not searched (the first ``top`` are the same; without calibration)."""
     from memplan.planner import DEFAULT_SAFETY
     from memplan.planner import plan as run_plan
 
@@ -275,6 +277,7 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
     arguments.integer("gpus", gpus, maximum=arguments.MAX_GPUS)
     arguments.number("safety", safety, low=0, high=1, optional=True)
     arguments.integer("max_tp", max_tp, maximum=arguments.MAX_GPUS, optional=True)
+    arguments.integer("top", top, optional=True)
     for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp), ("cp", cp), ("ep", ep)):
         arguments.integer(name, value, maximum=arguments.MAX_GPUS, optional=True)
 
@@ -303,7 +306,9 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
         filled.pop(name)
     result = run_plan(spec, gpu_spec, gpus, make_workload(spec, framework=fw, **filled),
                       capacity_bytes=capacity, max_tp=max_tp, fixed=fixed,
-                      safety=safety, recompute=policies)
+                      safety=safety, recompute=policies,
+                      # calibration re-times every candidate: the analytic order may change
+                      top=None if calibration else top)
     _check_found(result, gpus, fixed)
     if not calibration:
         return result

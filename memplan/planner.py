@@ -51,6 +51,10 @@ MIN_STAGE_LAYERS = 2
 LONG_SEQ = 16384
 RECOMPUTE_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
 SP_OFF_DOMINATED = "sp off: sp on needs no more memory and no more time at any micro-batch"
+SLOWER_THAN_TOP = ("out of memory with the cheaper recompute policies; with the others, "
+                   "slower at every micro-batch than the top {top} found")
+# a bound beats a time only by more than float rounding could make up
+ROUNDING = 1e-9
 # Rejections the planner finds before ``validate``, keyed as ``LayoutError.rule`` is (no
 # numbers), with the rule text of the core's own check, so a plan counts them as one.
 GBS_PER_REPLICA = "gbs must be divisible by dp"  # memplan.parallel.replica_batch
@@ -236,10 +240,17 @@ def _policies(allowed: list[Recompute], stage_layers: int) -> list[tuple[Recompu
 def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
          capacity_bytes: int | None = None, safety: float = DEFAULT_SAFETY,
          max_tp: int | None = None, fixed: dict[str, object] | None = None,
-         recompute: list[Recompute] | None = None) -> PlanResult:
-    """Feasible candidates ranked by step time (fastest first), and rejections by reason."""
+         recompute: list[Recompute] | None = None, top: int | None = None) -> PlanResult:
+    """Feasible candidates ranked by step time (fastest first), and rejections by reason.
+
+    With ``top`` only the ``top`` fastest are sure to be among the candidates: a recompute
+    policy of a layout is not searched when no micro-batch it could fit would be faster than
+    the ``top``-th fastest candidate found with cheaper policies (``_fastest_possible``), so
+    the first ``top`` candidates are those of the full search (in the same order)."""
     if not 0 <= safety < 1:
         raise MemplanError(f"safety must be in [0, 1), got {safety}")
+    if top is not None and top < 1:
+        raise MemplanError(f"top must be at least 1, got {top}")
     capacity = capacity_bytes or gpu.memory_bytes
     gbs = wl.global_batch_size or max(1, DEFAULT_TOKENS_PER_STEP // wl.seq_len)
     result = PlanResult(candidates=[], global_batch_size=gbs)
@@ -252,13 +263,15 @@ def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
                    default_overheads(gpu), capacity)
     policies = [_policies(recompute or list(RECOMPUTE_ORDER),
                           min(rank_layers(spec.num_layers, p))) for p in pars]
-    levels = _search_levels(ctx, pars, policies)
+    levels, pruned = _search_levels(ctx, pars, policies, top)
     fits = [fit for level in levels for fit in level.fits(pars, policies)]
     fits.sort(key=lambda f: (f.layout, f.level))  # a layout's policies in order of compute
-    without = len(pars) - len({f.layout for f in fits})
-    if without:
+    without = set(range(len(pars))) - {f.layout for f in fits}
+    if without - pruned:
         result.rejected["out of memory at the smallest micro-batch with every recompute policy"] \
-            += without
+            += len(without - pruned)
+    if without & pruned:
+        result.rejected[SLOWER_THAN_TOP.format(top=top)] += len(without & pruned)
     result.candidates = _ranked(ctx, fits)
     result.budget_bytes = ctx.budget
     result.closest_miss = _closest_miss(ctx, levels)
@@ -365,16 +378,28 @@ class _Level:
 
 
 def _search_levels(ctx: _Context, pars: list[ParallelConfig],
-                   policies: list[list[tuple[Recompute, int | None]]]) -> list[_Level]:
+                   policies: list[list[tuple[Recompute, int | None]]],
+                   top: int | None = None) -> tuple[list[_Level], set[int]]:
     """One search per recompute level, in order of extra compute. A policy with more recompute
     is kept only if it fits a larger micro-batch than the cheaper ones did (otherwise it costs
     compute for nothing), so each level searches above the largest fit before it, starting
-    from the bytes per sample the cheaper policy showed (at most what this one needs)."""
+    from the bytes per sample the cheaper policy showed (at most what this one needs). With
+    ``top``, a layout's policy is searched only if it could beat the ``top``-th fastest fit
+    so far (``_fastest_possible``); returned beside the levels: the layouts a level skipped."""
     above, slope = [0] * len(pars), np.zeros(len(pars))
     sizes = [micro_batch_sizes(p, ctx.wl.global_batch_size) for p in pars]
     levels: list[_Level] = []
+    fit_times: list[float] = []  # step seconds of every fit so far (with ``top``)
+    pruned: set[int] = set()
     for level in range(max((len(p) for p in policies), default=0)):
         index = [i for i, p in enumerate(policies) if level < len(p) and sizes[i][-1] > above[i]]
+        if top is not None and len(fit_times) >= top and index:
+            bound = sorted(fit_times)[top - 1] * (1 + ROUNDING)
+            fastest = _fastest_possible(ctx, [(pars[i], policies[i][level],
+                                               [b for b in sizes[i] if b > above[i]])
+                                              for i in index])
+            pruned.update(i for i, t in zip(index, fastest) if t > bound)
+            index = [i for i, t in zip(index, fastest) if t <= bound]
         jobs = [Job(pars[i], ctx.workload(policies[i][level]), sizes[i], above[i])
                 for i in index]
         # Layouts differing only in ZeRO stage (or shard group) hold the same activations: one
@@ -387,20 +412,47 @@ def _search_levels(ctx: _Context, pars: list[ParallelConfig],
         for k, i in enumerate(index):
             above[i], slope[i] = max(above[i], int(found.mbs[k])), found.slope[k]
         levels.append(_Level(level, search, found, index))
-    return levels
+        if top is not None:
+            new = levels[-1].fits(pars, policies)
+            if new:
+                fit_times.extend(float(t) for t in _times(ctx, new).step_s)
+    return levels, pruned
+
+
+def _fastest_possible(ctx: _Context, rows: list[tuple[ParallelConfig,
+                                                      tuple[Recompute, int | None],
+                                                      list[int]]]) -> list[float]:
+    """For each (layout, recompute policy, micro-batch sizes): the smallest step seconds the
+    step-time model gives it at any of the sizes, whatever the size it fits. The time is taken
+    with no parameters on the rank: every term of it grows with them (the data-parallel
+    reductions and gathers, the offloaded step), so none is faster than this."""
+    flat = [(par, policy, b, 0) for par, policy, bs in rows for b in bs]
+    step = _row_times(ctx, flat).step_s
+    out, at = [], 0
+    for _, _, bs in rows:
+        out.append(float(step[at:at + len(bs)].min()) if bs else float("inf"))
+        at += len(bs)
+    return out
 
 
 def _times(ctx: _Context, fits: list[_Fit]) -> StepTimes:
     """The step-time model of every fit in one vectorised pass."""
+    return _row_times(ctx, [(f.par, f.policy, f.mbs, f.num_params) for f in fits])
+
+
+def _row_times(ctx: _Context, rows: list[tuple[ParallelConfig, tuple[Recompute, int | None],
+                                               int, int]]) -> StepTimes:
+    """The step-time model of (layout, recompute policy, micro-batch, parameters of the most
+    loaded rank) rows in one vectorised pass."""
     gbs = ctx.wl.global_batch_size
     # recompute of k layers reruns k per pipeline stage: the FLOPs depend on the stages too
-    keys = [(f.policy, f.par.pp, f.par.vpp, f.par.stage_layers) for f in fits]
+    keys = [(policy, par.pp, par.vpp, par.stage_layers) for par, policy, _, _ in rows]
     flops = {key: step_flops(ctx.spec, ctx.workload(key[0]), gbs, pp=key[1], vpp=key[2],
                              split=key[3]) for key in set(keys)}
     balance = {key: stage_balance(ctx.spec, ctx.workload(key[0]), key[1], key[2], key[3])
                for key in set(keys)}
-    cols = Columns.of([f.par for f in fits], [f.mbs for f in fits],
-                      [gbs // (f.mbs * f.par.dp) for f in fits], [f.num_params for f in fits],
+    cols = Columns.of([r[0] for r in rows], [r[2] for r in rows],
+                      [gbs // (r[2] * r[0].dp) for r in rows], [r[3] for r in rows],
                       num_layers=ctx.spec.num_layers, balance=[balance[key] for key in keys])
     model = np.array([flops[key][0] for key in keys])
     hardware = np.array([flops[key][1] for key in keys])

@@ -71,7 +71,7 @@ def plan(
         raise MemplanError(f"--recompute {policy} and the config's recompute ({fixed}) "
                            "disagree: give one of them")
     policy = policy or fixed
-    result = run_plan(model, safety=safety, max_tp=max_tp,
+    result = run_plan(model, safety=safety, max_tp=max_tp, top=top,
                       recompute=None if policy is None else [policy], **kwargs)
     from memplan.report.plan import no_fit_reason, plan_json, render_plan
 

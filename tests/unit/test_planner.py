@@ -209,3 +209,75 @@ def test_plan_json_counts_rejections_by_rule() -> None:
     rejected = json.loads(out.stdout)["rejected"]
     assert rejected["gbs must be divisible by dp"] == 4
     assert not [key for key in rejected if "12" in key]  # the rule, not the numbers
+
+
+TOP_CASES = [("llama-2-7b", 8, {"seq_len": 4096}), ("llama-2-13b", 16, {"seq_len": 4096}),
+             ("mixtral-8x7b", 16, {"seq_len": 2048, "global_batch_size": 256}),
+             ("llama-3.1-70b", 64, {"seq_len": 8192, "global_batch_size": 128})]
+
+
+@pytest.mark.parametrize("model,gpus,fields", TOP_CASES)
+def test_top_gives_the_full_search_first_candidates(model: str, gpus: int, fields: dict) -> None:
+    """With ``top`` recompute policies that cannot beat the top-th fastest fit are skipped:
+    the first ``top`` candidates are those of the full search, in its order, with fewer
+    evaluations; and no candidate of the full search is faster than its policy's bound."""
+    from memplan.planner import _Context, _fastest_possible, _with_gbs, default_overheads
+
+    spec, gpu = memplan.load_model(model), memplan.load_gpu("h100")
+    wl = _wl(spec, **fields)
+    full = plan(spec, gpu, gpus, wl)
+    assert len(full.candidates) > 10
+
+    def key(c):
+        return (c.layout, c.micro_batch_size, c.recompute, c.recompute_layers, c.time.step_s,
+                c.peak_bytes)
+
+    for top in (1, 10):
+        cut = plan(spec, gpu, gpus, wl, top=top)
+        assert [key(c) for c in cut.candidates[:top]] == [key(c) for c in full.candidates[:top]]
+        assert cut.evaluated < full.evaluated
+        assert len(cut.candidates) < len(full.candidates)
+    # the bound is one: at the candidate's own micro-batch, with no parameters on the rank
+    ctx = _Context(spec, gpu, _with_gbs(wl, full.global_batch_size), 0,
+                   default_overheads(gpu), gpu.memory_bytes)
+    bounds = _fastest_possible(ctx, [(c.layout, (c.recompute, c.recompute_layers),
+                                      [c.micro_batch_size]) for c in full.candidates])
+    assert all(b <= c.time.step_s for b, c in zip(bounds, full.candidates))
+    assert any(b < c.time.step_s for b, c in zip(bounds, full.candidates))
+
+
+def test_top_with_calibration_searches_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A calibrated plan re-times every candidate, so the analytic bound must skip none: the
+    planner is asked for every candidate then, and for the top ones otherwise."""
+    import memplan.calibrate.apply as apply
+    import memplan.planner as planner
+
+    asked = []
+    real = planner.plan
+
+    def recording(*args, **kwargs):
+        asked.append(kwargs["top"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "plan", recording)
+    monkeypatch.setattr(apply, "resolve", lambda paths, gpu: ["profile"])
+    monkeypatch.setattr(apply, "calibrate_plan", lambda result, *a, **k: result)
+    memplan.plan("llama-2-7b", gpus=8, top=3)
+    memplan.plan("llama-2-7b", gpus=8, top=3, calibration="profile.json")
+    assert asked == [3, None]
+
+
+def test_cli_plan_counts_skipped_layouts() -> None:
+    """The command asks for its --top only; layouts skipped that way are counted by reason,
+    not called out of memory."""
+    out = CliRunner().invoke(app, ["plan", "--model", "llama-3.1-70b", "--gpus", "64", "--seq",
+                                   "8192", "--gbs", "128", "--json", "--top", "3"])
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.output)
+    assert len(data["candidates"]) == 3
+    skipped = [k for k in data["rejected"] if "slower at every micro-batch than the top 3" in k]
+    assert skipped and data["rejected"][skipped[0]] > 0
+    full = memplan.plan("llama-3.1-70b", gpus=64, seq_len=8192, global_batch_size=128)
+    assert data["evaluated"] < full.evaluated
+    assert [c["step_time_s"] for c in data["candidates"]] == pytest.approx(
+        [c.time.step_s for c in full.candidates[:3]], rel=1e-12)
