@@ -1,7 +1,9 @@
 """Apply calibration profiles to an estimate (and to a plan's candidates).
 
 The analytic lines stay as they are; a profile adds its correction of the tensor peak as its own
-line (``StageMemory.calibration_bytes``) and, when it measured them on the estimate's GPU,
+line (``StageMemory.calibration_bytes``), its calibrated phase peaks replace the analytic ones
+(``StageMemory.steady`` / ``first_step``, the analytic ones kept beside them as
+``StageMemory.analytic_phases``) and, when it measured them on the estimate's GPU,
 replaces the fixed-overhead defaults: the memory outside the caching allocator (CUDA context,
 kernels, NCCL) and the allocator's reserve (max reserved = ratio * max allocated + rounding).
 At most one device profile and one model profile apply together; their tensor corrections add.
@@ -24,15 +26,16 @@ from memplan.calibrate.features import (
 )
 from memplan.errors import MemplanError
 from memplan.hardware import GpuSpec
-from memplan.model.estimate import PHASES, Estimate, StageMemory
+from memplan.model.estimate import PHASES, Estimate, PhasePeaks, StageMemory
 from memplan.overheads import Overheads
 from memplan.spec import ModelSpec
 
 # Spec fields a model profile may differ in from the estimate's spec (the traced model may be
 # a shallower copy; names and sources are labels).
 _SPEC_FREE = {"name", "source", "num_layers", "max_seq_len"}
-_WORKLOAD_FIXED = ("precision", "optimizer", "optimizer_impl", "recompute", "recompute_layers",
-                   "attention", "norm_impl", "logits_fp32", "loss_chunks")
+_WORKLOAD_FIXED = ("framework", "precision", "optimizer", "optimizer_impl", "recompute",
+                   "recompute_layers", "attention", "norm_impl", "logits_fp32", "logits_held",
+                   "keep_grads", "loss_chunks")
 
 
 @dataclass(frozen=True)
@@ -142,7 +145,12 @@ def _stage(st: StageMemory, est: Estimate, device: Loaded | None, model: Loaded 
     at = max(corrected, key=lambda k: corrected[k])
     tensor = corrected[at]
     alloc = _allocator(device, ovh, tensor)
+    def calibrated(kind: str) -> PhasePeaks:
+        return PhasePeaks(**{p: corrected[(kind, p)] for p in PHASES})
+
     new = replace(st, calibration_bytes=tensor - st.tensor_peak_bytes,
+                  steady=calibrated("steady"), first_step=calibrated("first_step"),
+                  analytic_phases=(st.steady, st.first_step),
                   cuda_context_bytes=ovh.cuda_context_bytes, workspace_bytes=ovh.workspace_bytes,
                   allocator_bytes=alloc, peak_bytes=tensor + ovh.fixed_bytes + alloc)
     cal = StageCalibration(

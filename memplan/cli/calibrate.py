@@ -45,7 +45,8 @@ Name = Annotated[str | None, typer.Option(
 GpuName = Annotated[str | None, typer.Option(
     "--gpu", help="Catalog name of this GPU when its device name does not match one.")]
 MaxSeq = Annotated[int | None, typer.Option(
-    "--seq", help="--module: the longest sequence traced (default: min(max positions, 1024)).")]
+    "--seq", help="--module: the longest sequence traced, up to the model's positions "
+    "(default: min(max positions, 1024)).")]
 Real = Annotated[bool, typer.Option(
     "--real", help="--module: real CPU tensors instead of fake ones (for a small config whose "
     "forward reads tensor values).")]
@@ -81,8 +82,12 @@ def _progress(total: int):
                     console=Console(stderr=True))
 
 
-# the reference model, layouts and the rest of the workload are the grid's own
-@uses("precision")
+# the reference model, layouts and the rest of the workload are the grid's own; --module
+# traces the user's model with the implementation these options describe
+MODULE_ONLY = ("optimizer_impl", "attention", "norm", "framework")
+
+
+@uses("precision", *MODULE_ONLY, attention=None)
 def calibrate(
     job: Job,
     device: DeviceOpt = DeviceChoice.CUDA,
@@ -115,6 +120,8 @@ def calibrate(
 
       memplan calibrate --device cpu --module mypkg.models:build --seq 512
 
+      memplan calibrate --device cpu --module mypkg.models:build --framework transformers
+
       memplan calibrate --refit
     """
     precision = job.precision
@@ -128,6 +135,15 @@ def calibrate(
     if module is not None and (nproc > 1 or device is not DeviceChoice.CPU):
         raise MemplanError("module: a user model is traced under fake tensors on one CPU "
                            "process; use --device cpu without --nproc")
+    if module is None:
+        given = [name for name in MODULE_ONLY if job.values[name] is not None]
+        given += ["seq"] if seq is not None else []
+        given += ["real"] if real else []
+        if given:
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            raise MemplanError(f"{given[0].replace('_', '-')}: {flags} only apply with --module "
+                               "(they describe the model it traces); the grid runs its own "
+                               "reference model over its own sequences and implementations")
     if precision is Precision.FSDP_BF16:
         raise MemplanError("precision: fsdp-bf16 needs an FSDP layout; calibrate runs it "
                            "with --nproc")
@@ -136,7 +152,8 @@ def calibrate(
         _check_cuda(torch, nproc)
     command = _command(device=device, quick=quick, nproc=nproc if nproc > 1 else None,
                        module=module, model=model, precision=None if module is None
-                       else precision, seq=seq, real=real, gpu=gpu, name=name,
+                       else precision, **{n: job.values[n] for n in MODULE_ONLY}, seq=seq,
+                       real=real, gpu=gpu, name=name,
                        out=None if out == Path("calibration") else out)
     from memplan.profile.calibrate_run import make_meta
 
@@ -150,7 +167,7 @@ def calibrate(
     _check_folder(folder, resume)
     try:
         if module is not None:
-            _run_module(module, model, precision, seq, meta, folder, resume, fake=not real)
+            _run_module(module, model, job, seq, meta, folder, resume, fake=not real)
         elif nproc > 1:
             _run_dist(device.value, nproc, quick, resume, gpu, command, folder)
         else:
@@ -281,8 +298,7 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def _run_module(target: str, model: str | None, precision: Precision, seq: int | None, meta,
-
+def _run_module(target: str, model: str | None, job: Job, seq: int | None, meta,
                 folder: Path, resume: bool, *, fake: bool) -> None:
     from memplan.calibrate.records import finished_keys, write_record
     from memplan.profile.user_model import (
@@ -299,9 +315,9 @@ def _run_module(target: str, model: str | None, precision: Precision, seq: int |
         from memplan.spec import load_model
 
         spec = load_model(model)
-    spec = resolve_spec(factory, spec)
+    spec, configured = resolve_spec(factory, spec)
     points = user_points(spec, seq)
-    wl = Workload(precision=precision)
+    wl = module_workload(spec, job, configured)
     done = finished_keys(folder) if resume else set()
     with _progress(len(points)) as bar:
         task = bar.add_task(f"{target} ({spec.name})", total=len(points))
@@ -310,6 +326,26 @@ def _run_module(target: str, model: str | None, precision: Precision, seq: int |
                 write_record(folder, measure_user_point(factory, target, spec, wl, point, meta,
                                                         fake=fake))
             bar.advance(task)
+
+
+def module_workload(spec, job: Job, configured) -> Workload:
+    """The workload a user model is traced and fitted against: the options given, the
+    framework's defaults (``memplan.presets``) for the rest, and the attention the model's
+    Hugging Face config names (``configured``: (attention, its config name) or None), which
+    an --attention that says otherwise contradicts."""
+    from memplan.api import resolve
+
+    kwargs = job.kwargs()
+    if configured is not None:
+        found, name = configured
+        given = kwargs.get("attention")
+        if given is not None and given is not found:
+            raise MemplanError(f"attention: the model's config runs {name!r} attention "
+                               f"(config._attn_implementation), which memplan describes as "
+                               f"{found.value}, not {given.value}; set attn_implementation "
+                               "in the factory's config instead")
+        kwargs["attention"] = found
+    return resolve(spec, **{k: v for k, v in kwargs.items() if v is not None})[2]
 
 
 def _fit_and_report(folder: Path, path: Path, name: str, json_out: bool) -> None:

@@ -84,6 +84,10 @@ class StageMemory:
     # line: peak_bytes = tensor_peak + calibration + context + workspace + allocator
     calibration_bytes: int = 0
     host_bytes: int = 0  # offloaded to host memory (not in peak_bytes): ``StateBytes.host_bytes``
+    # with a calibration applied, ``steady`` and ``first_step`` are the calibrated phase peaks
+    # (their largest is tensor_peak + calibration) and these the analytic ones: (steady,
+    # first step); None for an analytic estimate
+    analytic_phases: tuple[PhasePeaks, PhasePeaks] | None = None
     buffers_bytes: int = 0  # registered buffers (RoPE tables): resident in every phase
 
     @property

@@ -80,9 +80,11 @@ class _Recipe:
     """Weights the model computes with, the tensors the optimizer updates, and the glue."""
 
     def __init__(self, model: torch.nn.Module, precision: Precision,
-                 tracker: MemoryTracker) -> None:
+                 tracker: MemoryTracker, *, keep_grads: bool = False) -> None:
         self.params = [p for p in model.parameters()]
         self.precision = precision
+        # zero_grad(set_to_none=False): the gradients stay allocated, zeroed, between steps
+        self.keep_grads = keep_grads
         policy = precision.policy
         # autocast on the weights' device: on CUDA its own, on CPU (a trace) CPU autocast,
         # which ``autocast_rules`` makes follow CUDA's lists
@@ -166,6 +168,13 @@ class _Recipe:
                     p.copy_(m)
                     m.grad = None
         for p in self.params:
+            if self.keep_grads:
+                for grad in (p.grad, getattr(p, "main_grad", None)):
+                    if grad is not None:
+                        grad.zero_()
+                if hasattr(p, "main_grad"):  # the bf16 gradient became the main one
+                    p.grad = None
+                continue
             p.grad = None
             if hasattr(p, "main_grad"):
                 del p.main_grad
@@ -210,7 +219,7 @@ def run_steps(model: torch.nn.Module, spec: ModelSpec, wl: Workload, tracker: Me
              else contextlib.nullcontext())
     with tracker, rules:
         tracker.register(list(model.parameters()), "parameters")
-        recipe = _Recipe(model, precision, tracker)
+        recipe = _Recipe(model, precision, tracker, keep_grads=wl.keep_grads)
         opt = _optimizer(recipe.updated(), wl)
         tracker.register(recipe.masters or [], "optimizer")
         result = TraceResult(spec=spec, params_bytes=tracker.bytes_in("parameters"))

@@ -45,7 +45,7 @@ from memplan.profile.distributed import ParallelTracker
 from memplan.profile.trace import _TORCH_DTYPE, _fake_mode, run_steps
 from memplan.spec import ModelSpec
 from memplan.timing import step_flops
-from memplan.workload import Workload
+from memplan.workload import Attention, LogitsHeld, Workload
 
 Factory = Callable[..., nn.Module]
 
@@ -143,19 +143,43 @@ def hf_spec(model: nn.Module) -> ModelSpec | None:
                              str(data.get("_name_or_path") or type(model).__name__))
 
 
-def find_blocks(model: nn.Module) -> nn.Module:
-    """The transformer blocks: of the ``nn.ModuleList`` / ``nn.Sequential`` containers whose
-    children share one class, the one holding the most parameters (not, say, one layer's list
-    of experts)."""
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks, in order: of the containers whose children share one class
+    (``nn.ModuleList`` and ``nn.Sequential`` as Hugging Face, litgpt and nanoGPT hold them;
+    ``nn.ModuleDict`` as torchtitan does, ``layers["0"]``...), the one holding the most
+    parameters (not, say, one layer's list of experts)."""
+    def children(mod: nn.Module) -> list[nn.Module]:
+        return list(mod.values()) if isinstance(mod, nn.ModuleDict) else list(mod)
+
     def weight(mod: nn.Module) -> tuple[int, int]:
         return sum(p.numel() for p in mod.parameters()), len(mod)
 
     found = [mod for mod in model.modules()
-             if isinstance(mod, nn.ModuleList | nn.Sequential) and len(mod)
-             and len({type(c) for c in mod}) == 1 and (len(mod) > 1 or mod is not model)]
+             if isinstance(mod, nn.ModuleList | nn.Sequential | nn.ModuleDict) and len(mod)
+             and len({type(c) for c in children(mod)}) == 1 and (len(mod) > 1 or mod is not model)]
     if not found:
-        raise MemplanError(f"module: {type(model).__name__} has no nn.ModuleList of blocks")
-    return max(found, key=weight)
+        raise MemplanError(f"module: {type(model).__name__} has no nn.ModuleList, "
+                           "nn.Sequential or nn.ModuleDict of blocks")
+    return children(max(found, key=weight))
+
+
+# Hugging Face ``config._attn_implementation`` -> the attention memplan describes it with: SDPA's
+# and the flash / flex kernels save their output and logsumexp, eager the s^2 probabilities
+# (transformers 5.3 modeling_utils.py ALL_ATTENTION_FUNCTIONS)
+_HF_ATTENTION = {"eager": Attention.EAGER, "sdpa": Attention.FLASH,
+                 "flash_attention_2": Attention.FLASH, "flash_attention_3": Attention.FLASH,
+                 "flex_attention": Attention.FLASH}
+
+
+def module_attention(model: nn.Module) -> tuple[Attention, str] | None:
+    """The attention a Hugging Face model's config says it runs, with the config's name for
+    it; None when the module has no such config (or names a kernel memplan does not know)."""
+    config = getattr(model, "config", None)
+    name = getattr(config, "_attn_implementation", None)
+    if name is None and callable(getattr(config, "to_dict", None)):
+        name = config.to_dict().get("attn_implementation")
+    found = _HF_ATTENTION.get(name) if isinstance(name, str) else None
+    return None if found is None else (found, name)
 
 
 def _field(out: Any, name: str) -> torch.Tensor | None:
@@ -176,31 +200,44 @@ class CausalLM(nn.Module):
     ``input_ids``) or ``targets`` (nanoGPT, positional input); otherwise cross-entropy on its
     logits upcast to fp32."""
 
-    def __init__(self, inner: nn.Module) -> None:
+    def __init__(self, inner: nn.Module, *, hold: bool = False) -> None:
         super().__init__()
         self.inner = inner
         params = inspect.signature(inner.forward).parameters
         self.labels = next((k for k in ("labels", "targets") if k in params), None)
+        # ``LogitsHeld.STEP``: the loop keeps the logits as a variable through backward and
+        # the optimizer step, until the next step's loss replaces them (litgpt's pretrain)
+        self.hold = hold
+        self.held: torch.Tensor | None = None
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.labels == "labels":
-            loss = _field(self.inner(input_ids=ids, labels=targets), "loss")
+            out = self.inner(input_ids=ids, labels=targets)
         elif self.labels == "targets":
-            loss = _field(self.inner(ids, targets=targets), "loss")
+            out = self.inner(ids, targets=targets)
         else:
-            logits = _field(self.inner(ids), "logits")
+            out = self.inner(ids)
+            logits = _field(out, "logits")
             if logits is None:
                 raise MemplanError("module: forward(input_ids) returned no logits")
-            return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            self._keep(logits)
+            return loss
+        loss = _field(out, "loss")
         if loss is None:
             raise MemplanError(f"module: forward({self.labels}=...) returned no loss")
+        self._keep(_field(out, "logits"))
         return loss
+
+    def _keep(self, logits: torch.Tensor | None) -> None:
+        if self.hold:
+            self.held = logits
 
 
 class BlockTracker(ParallelTracker):
     """The exact tracker plus the saved bytes born inside each block's forward."""
 
-    def __init__(self, blocks: nn.ModuleList) -> None:
+    def __init__(self, blocks: list[nn.Module]) -> None:
         super().__init__(timeline=True)
         self.born: dict[int, dict] = {}
         self.layer_saved: dict[int, list[int]] = {}
@@ -239,7 +276,7 @@ def trace_point(factory: Factory, spec: ModelSpec, wl: Workload, *, fake: bool =
         with _fake_mode() if fake else _null():
             torch.manual_seed(0)
             inner = build(factory, _TORCH_DTYPE[wl.compute_dtype.value])
-            model = CausalLM(inner)
+            model = CausalLM(inner, hold=wl.logits_held is LogitsHeld.STEP)
             tracker = BlockTracker(find_blocks(inner))
             traced = run_steps(model, spec, wl, tracker, steps=2)
     except (DataDependentOutputException, DynamicOutputShapeException,
@@ -289,24 +326,43 @@ def default_points(max_seq: int) -> list[tuple[int, int, str]]:
     return fit + held
 
 
-def resolve_spec(factory: Factory, spec: ModelSpec | None) -> ModelSpec:
+def resolve_spec(factory: Factory, spec: ModelSpec | None
+                 ) -> tuple[ModelSpec, tuple[Attention, str] | None]:
     """``spec`` when given, else the one the model's Hugging Face config describes; at the
-    depth the factory builds (its number of blocks)."""
+    depth the factory builds (its number of blocks). Beside it, the attention the model's
+    config says it runs (``module_attention``)."""
     with _fake_mode():
         model = build(factory, torch.float32)
         found = spec or hf_spec(model)
         blocks = len(find_blocks(model))
+        attention = module_attention(model)
     if found is None:
         raise MemplanError("module: the model has no Hugging Face config to read its spec from; "
                            "pass --model with the spec it implements")
     if blocks != found.num_layers:
         found = found.model_copy(update={"num_layers": blocks,
                                          "name": f"{found.name}[:{blocks}]"})
-    return found
+    return found, attention
+
+
+# the longest sequence traced when --seq is not given: the fit's points run up to it, and
+# beyond 1,024 tokens a CPU trace of a full-width model takes minutes per point
+DEFAULT_MAX_SEQ = 1024
+MIN_SEQ = 16  # the grid traces S/4, S/2, 3S/4 and S: a multiple of 16, at least 16
 
 
 def user_points(spec: ModelSpec, max_seq: int | None = None) -> list[tuple[int, int, str]]:
-    return default_points(min(max_seq or spec.max_seq_len, spec.max_seq_len, 1024))
+    """The (mbs, seq, role) points traced: up to ``max_seq`` tokens when given (refused
+    beyond the model's positions), else up to min(its positions, ``DEFAULT_MAX_SEQ``)."""
+    if max_seq is None:
+        return default_points(min(spec.max_seq_len, DEFAULT_MAX_SEQ))
+    if max_seq < MIN_SEQ:
+        raise MemplanError(f"seq ({max_seq}) must be at least {MIN_SEQ}: the traces run "
+                           f"S/4, S/2, 3S/4 and S tokens")
+    if max_seq > spec.max_seq_len:
+        raise MemplanError(f"seq ({max_seq}) is longer than {spec.name}'s {spec.max_seq_len} "
+                           f"positions (max_seq_len)")
+    return default_points(max_seq)
 
 
 def point_key(b: int, s: int) -> str:

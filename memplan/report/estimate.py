@@ -36,7 +36,12 @@ def stage_json(s: StageMemory) -> dict[str, Any]:
         "peak_bytes": s.peak_bytes,
         "host_bytes": s.host_bytes,
         "peak_phase": s.peak_phase,
+        # calibrated when a profile was applied (their largest: tensor peak + calibration),
+        # with the analytic ones beside them; analytic otherwise (analytic_phases null)
         "phases": {"steady": _phases(s.steady), "first_step": _phases(s.first_step)},
+        "analytic_phases": (None if s.analytic_phases is None else
+                            {"steady": _phases(s.analytic_phases[0]),
+                             "first_step": _phases(s.analytic_phases[1])}),
         "activation_terms_per_microbatch": {t.name: t.size_bytes for t in s.activation_terms},
     }
 
@@ -158,13 +163,20 @@ def render_estimate(est: Estimate) -> Any:
         value = getattr(worst, attr)
         table.add_row(label, gib(value), f"{value:,}")
 
-    phases = Table(title=f"Phase peaks of stage {est.worst.stage}, tensors only (GiB)")
+    analytic = est.worst.analytic_phases
+    phases = Table(title=f"Phase peaks of stage {est.worst.stage}, tensors only (GiB)"
+               + (", calibrated" if analytic else ""))
     phases.add_column("phase")
     phases.add_column("first step", justify="right")
     phases.add_column("steady state", justify="right")
+    if analytic:
+        phases.add_column("first step (analytic)", justify="right")
+        phases.add_column("steady state (analytic)", justify="right")
     for name in PHASES:
         phases.add_row(name, format_gib(getattr(est.worst.first_step, name)),
-                       format_gib(getattr(est.worst.steady, name)))
+                       format_gib(getattr(est.worst.steady, name)),
+                       *([format_gib(getattr(analytic[1], name)),
+                          format_gib(getattr(analytic[0], name))] if analytic else []))
 
     summary = Text(verdict_line(est), style="bold green" if est.fits else "bold red")
     notes = Text("assumptions:\n" + "\n".join(f"  - {a}" for a in est.assumptions)

@@ -266,13 +266,21 @@ def test_estimate_shows_the_correction_as_its_own_line(gpu_profile: Path) -> Non
         (p.params_bytes, p.activations_bytes, p.tensor_peak_bytes)
     # the correction, derived by hand from KNOWN: each phase plus its terms, the largest wins
     act, temp = w.activations_bytes, w.optimizer_temp_bytes
-    expected = max(
-        *(ph.forward + 3 * MiB + 0.05 * act for ph in (w.first_step, w.steady)),
-        *(ph.backward + 5 * MiB + 0.08 * act for ph in (w.first_step, w.steady)),
-        *(ph.optimizer + 1 * MiB + 0.5 * temp for ph in (w.first_step, w.steady)))
+
+    def by_hand(ph):
+        return (ph.forward + 3 * MiB + 0.05 * act, ph.backward + 5 * MiB + 0.08 * act,
+                ph.optimizer + 1 * MiB + 0.5 * temp)
+
+    expected = max(*by_hand(p.first_step), *by_hand(p.steady))
     # (the synthetic measurements are whole bytes: the fitted coefficients carry a few bytes
     # of rounding at 65 GB)
     assert abs(w.tensor_peak_bytes + w.calibration_bytes - expected) <= 4
+    # the calibrated phase peaks replace the analytic ones, which stay beside them
+    assert w.analytic_phases == (p.steady, p.first_step)
+    for calibrated, analytic in ((w.first_step, p.first_step), (w.steady, p.steady)):
+        got = (calibrated.forward, calibrated.backward, calibrated.optimizer)
+        assert all(abs(g - h) <= 4 for g, h in zip(got, by_hand(analytic), strict=True))
+    assert max(w.first_step.peak, w.steady.peak) == w.tensor_peak_bytes + w.calibration_bytes
     assert w.cuda_context_bytes == OUTSIDE and w.workspace_bytes == 0
     corrected = w.tensor_peak_bytes + w.calibration_bytes
     assert abs(w.allocator_bytes - (RATIO - 1) * corrected - ROUNDING) <= 3
@@ -290,10 +298,19 @@ def test_estimate_cli_json_and_table(gpu_profile: Path) -> None:
     assert out["calibration_bytes"] == cal["tensor_peak_bytes"] - out["stages"][0][
         "tensor_peak_bytes"] > 0
     assert out["stages"][0]["calibration_bytes"] == out["calibration_bytes"]
+    # stages[].phases are the calibrated figures, the analytic ones beside them
+    stage = out["stages"][0]
+    assert stage["phases"] == cal["phases"]
+    assert max(v for step in stage["phases"].values() for v in step.values()) == \
+        cal["tensor_peak_bytes"]
+    assert max(v for step in stage["analytic_phases"].values() for v in step.values()) == \
+        stage["tensor_peak_bytes"]
     table = CliRunner().invoke(app, args, env={"COLUMNS": "200"}, catch_exceptions=False).stdout
     assert "calibration correction" in table and "tensor peak" in table
+    assert "steady state (analytic)" in table and "calibrated" in table
     plain = json.loads(CliRunner().invoke(app, ["estimate", "-m", "tiny", "--json"]).stdout)
     assert plain["calibration"] is None and plain["calibration_bytes"] == 0
+    assert plain["stages"][0]["analytic_phases"] is None
 
 
 def test_profile_is_found_for_the_gpu_and_refused_for_another(gpu_profile: Path,
@@ -647,3 +664,187 @@ def test_cuda_quick_calibration(tmp_path: Path) -> None:
     dev = prof["device"]
     assert dev["reserved_ratio"] >= 1.0 and dev["outside_allocator_bytes"] > 0
     assert 0 < dev["mfu"] < 1
+
+
+# --- calibrate --module: the options, the sequence, the containers ---------------------------
+
+HF_EXAMPLE = ROOT / "calibration" / "examples" / "hf_factory.py"
+
+
+def _hf_example(tmp_path: Path) -> str:
+    factory = tmp_path / "hf_factory.py"
+    factory.write_text(HF_EXAMPLE.read_text())
+    return f"{factory}:build"
+
+
+def test_module_workload_follows_the_framework_and_the_config(tmp_path: Path) -> None:
+    """--framework hf traces the transformers model with the Trainer's defaults (fused
+    AdamW, upcast norms, logits held by the output during the loss, KV cache) and the config's
+    eager attention: memplan's analytic model of that workload matches the trace of the
+    library's own code to within 0.1% at every point, where the generic workload is far off;
+    the profile then applies to that workload only."""
+    pytest.importorskip("transformers")
+    factory = _hf_example(tmp_path)
+    out = {}
+    for name, extra in (("hf", ["--framework", "hf"]), ("generic", [])):
+        result = CliRunner().invoke(app, ["calibrate", "--device", "cpu", "--module", factory,
+                                          "--seq", "64", "--out", str(tmp_path), "--name",
+                                          name, *extra], catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        out[name] = load_profile(tmp_path / "profiles" / f"{name}.json")
+    hf, generic = out["hf"], out["generic"]
+    wl = hf.model.workload
+    assert (wl.framework.value, wl.optimizer_impl.value, wl.attention.value,
+            wl.norm_impl.value, wl.logits_held.value, wl.kv_cache) == \
+        ("hf", "fused", "eager", "upcast", "loss", True)
+    assert generic.model.workload.attention.value == "eager"  # read from the config
+    assert hf.error("peak", "analytic").max_abs_pct < 0.1
+    assert hf.error("saved", "analytic").max_abs_pct < 0.1
+    assert generic.error("peak", "analytic").max_abs_pct > 5
+    spec = hf.model.spec
+    path = str(tmp_path / "profiles" / "hf.json")
+    est = memplan.estimate(spec, framework="hf", attention="eager", micro_batch_size=2,
+                           seq_len=48, calibration=path)
+    assert est.calibration is not None
+    with pytest.raises(MemplanError, match="framework hf"):
+        memplan.estimate(spec, attention="eager", calibration=path)
+    with pytest.raises(MemplanError, match="optimizer_impl"):
+        memplan.estimate(spec, framework="hf", attention="eager", optimizer_impl="foreach",
+                         calibration=path)
+
+
+def test_module_optimizer_impl_is_traced_and_fitted(tmp_path: Path) -> None:
+    """--optimizer-impl fused runs torch.optim.AdamW(fused=True) in the traces: a fused
+    estimate takes the profile, a foreach one (the generic default) is refused."""
+    pytest.importorskip("transformers")
+    result = CliRunner().invoke(app, ["calibrate", "--device", "cpu", "--module",
+                                      _hf_example(tmp_path), "--seq", "32", "--optimizer-impl",
+                                      "fused", "--out", str(tmp_path)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    path = tmp_path / "profiles" / "model-build.json"
+    prof = load_profile(path)
+    assert prof.model.workload.optimizer_impl.value == "fused"
+    # the fused step makes no parameter-sized intermediate: the optimizer phase is analytic
+    assert prof.error("steady.optimizer", "analytic").max_abs_pct < 0.01
+    spec = prof.model.spec
+    assert memplan.estimate(spec, attention="eager", optimizer_impl="fused",
+                            calibration=str(path)).calibration
+    with pytest.raises(MemplanError, match="optimizer_impl fused"):
+        memplan.estimate(spec, attention="eager", calibration=str(path))
+
+
+def test_module_attention_contradicting_the_config_is_refused(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("transformers")
+    code = main(["calibrate", "--device", "cpu", "--module", _hf_example(tmp_path),
+                 "--attention", "flash", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "config runs 'eager' attention" in err and "not flash" in err
+    assert not (tmp_path / "records").exists()
+
+
+def test_module_seq_is_honoured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--seq sets the longest traced sequence, beyond 1,024 tokens too, up to the model's
+    positions; without it the traces stop at min(positions, 1,024)."""
+    from memplan.profile.user_model import user_points
+
+    spec = memplan.load_model("llama-2-7b")  # 4,096 positions
+    assert max(s for _, s, _ in user_points(spec)) == 1024
+    assert max(s for _, s, _ in user_points(spec, 2048)) == 2048
+    assert max(s for _, s, _ in user_points(spec, 4096)) == 4096
+    with pytest.raises(MemplanError, match=r"seq \(8192\) is longer than .* 4096 positions"):
+        user_points(spec, 8192)
+    with pytest.raises(MemplanError, match=r"seq \(8\) must be at least 16"):
+        user_points(spec, 8)
+
+
+def test_module_seq_reaches_the_records(tmp_path: Path) -> None:
+    """A traced run at --seq 2048 records points at 2,048 tokens (the factory's config has
+    2,048 positions)."""
+    pytest.importorskip("transformers")
+    text = HF_EXAMPLE.read_text().replace("max_position_embeddings=256",
+                                          "max_position_embeddings=2048")
+    assert text != HF_EXAMPLE.read_text()
+    factory = tmp_path / "hf_long.py"
+    factory.write_text(text.replace("num_hidden_layers=4", "num_hidden_layers=1"))
+    from memplan.profile.user_model import load_factory, resolve_spec, user_points
+
+    spec, _ = resolve_spec(load_factory(f"{factory}:build"), None)
+    assert spec.max_seq_len == 2048
+    assert max(s for _, s, _ in user_points(spec, 2048)) == 2048
+
+
+def test_grid_refuses_module_options(tmp_path: Path, capsys) -> None:
+    """--seq, --framework, --attention, --norm and --optimizer-impl describe the traced user
+    model: without --module they would be ignored, so they are refused."""
+    for extra in (["--seq", "2048"], ["--framework", "hf"], ["--norm", "fused"],
+                  ["--optimizer-impl", "fused"], ["--attention", "eager"]):
+        code = main(["calibrate", "--device", "cpu", "--quick", "--out", str(tmp_path), *extra])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and "only apply with --module" in err, extra
+    assert not (tmp_path / "records").exists()
+
+
+def test_blocks_in_a_module_dict_are_found() -> None:
+    """torchtitan keeps its blocks in an nn.ModuleDict: they are found, in order, and each
+    block's saved bytes are recorded."""
+    pytest.importorskip("torchtitan")
+    import torch
+
+    from memplan.profile.frameworks import torchtitan_spec
+    from memplan.profile.user_model import find_blocks, load_factory, trace_point
+
+    target = f"{USER_MODEL / 'torchtitan_llama.py'}:build"
+    factory = load_factory(target)
+    model = factory(dtype=torch.float32)
+    assert isinstance(model.layers, torch.nn.ModuleDict)
+    blocks = find_blocks(model)
+    assert blocks == list(model.layers.values()) and len(blocks) == 3
+    mod = sys.modules["torchtitan_llama"]
+    spec = torchtitan_spec(mod.config(), "torchtitan-toy")
+    steps, num = trace_point(factory, spec, memplan.make_workload(
+        spec, micro_batch_size=2, seq_len=32, precision="fp32", framework="torchtitan"),
+        fake=False)
+    assert num == spec.num_params
+    saved = steps[-1].layer_saved_bytes
+    assert len(saved) == 3 and len(set(saved)) == 1 and saved[0] > 0
+
+
+def test_reference_trace_keeps_zeroed_gradients() -> None:
+    """keep_grads (zero_grad(set_to_none=False), torchtitan's default) in the traced loop:
+    the gradients stay allocated into the next forward, as memplan's estimate has them,
+    byte for byte."""
+    from memplan.model.estimate import estimate
+    from memplan.overheads import no_overheads
+    from memplan.parallel import ParallelConfig
+    from memplan.profile.trace import trace
+
+    spec = memplan.load_model("tiny")
+    forward = {}
+    for keep in (False, True):
+        wl = memplan.make_workload(spec, micro_batch_size=2, seq_len=64, keep_grads=keep)
+        traced = trace(spec, ParallelConfig(), wl, steps=3)
+        est = estimate(spec, load_gpu("h100"), ParallelConfig(), wl, overheads=no_overheads())
+        steady = est.stages[0].steady
+        for phase in PHASES:
+            assert traced.steady.phases[phase].total_bytes == getattr(steady, phase)
+        forward[keep] = traced.steady.phases["forward"].total_bytes
+    assert forward[True] - forward[False] == est.stages[0].grads_bytes > 0
+
+
+def test_loop_held_logits_are_traced(tmp_path: Path) -> None:
+    """logits_held step (litgpt's loop variable): the traced loop keeps the logits through
+    backward and the optimizer step, so the steady optimizer phase holds them."""
+    pytest.importorskip("transformers")
+    from memplan.profile.user_model import load_factory, resolve_spec, trace_point
+
+    factory = load_factory(_hf_example(tmp_path))
+    spec, _ = resolve_spec(factory, None)
+    peaks = {}
+    for held in ("none", "step"):
+        wl = memplan.make_workload(spec, micro_batch_size=2, seq_len=32, precision="fp32",
+                                   attention="eager", logits_held=held)
+        steps, _ = trace_point(factory, spec, wl)
+        peaks[held] = steps[-1].phases["optimizer"].allocated_bytes
+    logits = 2 * 32 * spec.vocab_size * 4  # (b, s, V) fp32
+    assert peaks["step"] - peaks["none"] == logits
