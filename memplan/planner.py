@@ -51,7 +51,7 @@ MIN_STAGE_LAYERS = 2
 LONG_SEQ = 16384
 RECOMPUTE_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
 SP_OFF_DOMINATED = "sp off: sp on needs no more memory and no more time at any micro-batch"
-SLOWER_THAN_TOP = ("out of memory with the cheaper recompute policies; with the others, "
+SLOWER_THAN_TOP = ("out of memory with the cheaper recompute policies, and with the others "
                    "slower at every micro-batch than the top {top} found")
 # a bound beats a time only by more than float rounding could make up
 ROUNDING = 1e-9
