@@ -108,7 +108,9 @@ def calibrate(
 
     Runs short training steps of the reference model over a grid (micro-batch, sequence,
     recompute, precision, attention), each record written as soon as it finishes, then fits
-    the profile that `estimate --calibration` and `plan --calibration` apply.
+    the profile that `estimate --calibration` and `plan --calibration` apply. With --module it
+    traces your own model instead; --framework, --precision, --optimizer-impl, --attention and
+    --norm then say what it runs (the profile applies to estimates of that workload only).
 
     Examples:
 
@@ -120,7 +122,7 @@ def calibrate(
 
       memplan calibrate --device cpu --module mypkg.models:build --seq 512
 
-      memplan calibrate --device cpu --module mypkg.models:build --framework transformers
+      memplan calibrate --device cpu --module mypkg.models:build --framework hf
 
       memplan calibrate --refit
     """

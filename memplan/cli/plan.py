@@ -18,7 +18,8 @@ from memplan.cli.options import (
 )
 from memplan.errors import MemplanError
 
-Top = Annotated[int, typer.Option("--top", min=1, help="Candidates to show.")]
+Top = Annotated[int, typer.Option("--top", min=1, help="Candidates to show; recompute policies "
+                                  "that cannot reach them are not searched.")]
 MaxTp = Annotated[int | None, typer.Option("--max-tp", min=1,
                                            help="Largest TP (default: GPUs per node).")]
 Safety = Annotated[float, typer.Option(

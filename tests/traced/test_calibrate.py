@@ -713,24 +713,29 @@ def test_module_workload_follows_the_framework_and_the_config(tmp_path: Path) ->
                          calibration=path)
 
 
-def test_module_optimizer_impl_is_traced_and_fitted(tmp_path: Path) -> None:
-    """--optimizer-impl fused runs torch.optim.AdamW(fused=True) in the traces: a fused
-    estimate takes the profile, a foreach one (the generic default) is refused."""
+def test_module_optimizer_impl_and_norm_are_traced_and_recorded(tmp_path: Path) -> None:
+    """--optimizer-impl fused runs torch.optim.AdamW(fused=True) in the traces, and --norm
+    names the norm the analytic side assumes: an estimate with both takes the profile, one
+    with the generic defaults (foreach, upcast) is refused by name."""
     pytest.importorskip("transformers")
     result = CliRunner().invoke(app, ["calibrate", "--device", "cpu", "--module",
                                       _hf_example(tmp_path), "--seq", "32", "--optimizer-impl",
-                                      "fused", "--out", str(tmp_path)], catch_exceptions=False)
+                                      "fused", "--norm", "fused", "--out", str(tmp_path)],
+                                catch_exceptions=False)
     assert result.exit_code == 0, result.output
     path = tmp_path / "profiles" / "model-build.json"
     prof = load_profile(path)
-    assert prof.model.workload.optimizer_impl.value == "fused"
+    wl = prof.model.workload
+    assert (wl.optimizer_impl.value, wl.norm_impl.value) == ("fused", "fused")
     # the fused step makes no parameter-sized intermediate: the optimizer phase is analytic
     assert prof.error("steady.optimizer", "analytic").max_abs_pct < 0.01
     spec = prof.model.spec
-    assert memplan.estimate(spec, attention="eager", optimizer_impl="fused",
+    assert memplan.estimate(spec, attention="eager", optimizer_impl="fused", norm_impl="fused",
                             calibration=str(path)).calibration
     with pytest.raises(MemplanError, match="optimizer_impl fused"):
-        memplan.estimate(spec, attention="eager", calibration=str(path))
+        memplan.estimate(spec, attention="eager", norm_impl="fused", calibration=str(path))
+    with pytest.raises(MemplanError, match="norm_impl fused"):
+        memplan.estimate(spec, attention="eager", optimizer_impl="fused", calibration=str(path))
 
 
 def test_module_attention_contradicting_the_config_is_refused(tmp_path: Path, capsys) -> None:
