@@ -205,6 +205,9 @@ class ShardingBuffers(NamedTuple):
     #                              reduce, and gradients accumulate unsharded until then
     separate_units: bool = False  # embedding and head are units of their own (reduce-scattered
     #                               after their own backward, not at the end)
+    forward_start_bytes: int = 0  # gathered at a block's start in forward, before it computes
+    #                               (0: not above ``gathered_bytes`` there)
+    forward_first_start_bytes: int = 0  # ... at the stage's first block's start
 
     @property
     def peak_bytes(self) -> int:
@@ -263,6 +266,13 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload) -> 
             # its storage is made in wait_for_unshard), so each unit is gathered alone.
             head, emb = params.head, params.embedding
             ahead = 0 if one_rank else 1  # the unit prefetched beside the running one
+            # A block's start in forward: FSDPParamGroup.wait_for_unshard (torch 2.13
+            # _fully_shard/_fsdp_param_group.py) drops the previous unit's all-gather output
+            # from comm_ctx.all_gather_state but still holds it in its local
+            # prev_all_gather_state until it returns, so the block's own all-gather output
+            # and its unsharded parameters are made beside it: three units, the embedding's
+            # output instead of a block's for the first (traced, torchtitan full AC cases).
+            start, first_start = (0, 0) if one_rank else (3 * layer * e, (emb + 2 * layer) * e)
             return ShardingBuffers(max(blocks, layer + ahead * head) * e, head * e,
                                    params.largest_unit * policy.grad_bytes,
                                    backward_head_bytes=(head + ahead * layer) * e,
@@ -274,9 +284,17 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload) -> 
                                    # torchtitan's factor 1.0 (_fsdp_collectives.py
                                    # foreach_reduce, world_size 1 branch; torchtitan
                                    # distributed/fsdp.py disable_fsdp_gradient_division)
-                                   reduce_copies=3 if one_rank else 0)
+                                   reduce_copies=3 if one_rank else 0,
+                                   forward_start_bytes=start,
+                                   forward_first_start_bytes=first_start)
+        # a block's start in forward, as with torchtitan's units below: the previous unit's
+        # all-gather output still held beside the block's own and its parameters (for the
+        # first block the previous unit is the root, gathered itself); the root stays gathered
+        start, first_start = ((0, 0) if one_rank else
+                              ((root + 3 * layer) * e, (2 * root + 2 * layer) * e))
         return ShardingBuffers((root + blocks) * e, (root + layer) * e,
-                               params.largest_unit * policy.grad_bytes)
+                               params.largest_unit * policy.grad_bytes,
+                               forward_start_bytes=start, forward_first_start_bytes=first_start)
     if par.zero == ZeroStage.GRADIENTS and par.dense_shard_degree > 1:
         # The bucket holds gradients not yet reduced, which are at most the ones this rank
         # does not own: ZeRO-2 never holds more gradient bytes than ZeRO-1.

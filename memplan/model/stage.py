@@ -244,12 +244,18 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     # the next forward (from step 2 on), until its loss replaces them
     held = shared.step_held if last else 0
 
+    # a block's start (its gather, ``ShardingBuffers.forward_start_bytes``): the gathered
+    # units beside the block's input, the residual stream it is about to read
+    stream = shared.dm.stream(spec.hidden_size)
+    block_start = tuple(b + stream if b else 0 for b in (shard.forward_start_bytes,
+                                                        shard.forward_first_start_bytes))
+
     def fwd_acts(until_loss: int) -> int:
         return forward_peak(
             walk.runs, walk.other_bytes + walk.rest_saved - batch + targets,
             head_bytes - targets,
             shared.final_norm_bytes + shared.final_norm_extra if last else 0, loss_fwd,
-            (shard.gathered_bytes, shard.gathered_at_loss_bytes), until_loss,
+            (shard.gathered_bytes, shard.gathered_at_loss_bytes, *block_start), until_loss,
             shared.upcast if last else 0)
 
     def peaks(opt_bytes: int, from_loss: int = 0, earlier: int = 0,

@@ -77,7 +77,7 @@ class Walk(NamedTuple):
 
 def forward_peak(runs: list[tuple[LayerKind, int, tuple[int, ...], int]], before: int,
                   head_saved: int, final_norm: int, loss_extra: int,
-                  gathered: tuple[int, int] = (0, 0), until_loss: int = 0,
+                  gathered: tuple[int, ...] = (0, 0), until_loss: int = 0,
                   upcast: int = 0) -> int:
     """Largest activation bytes alive during one micro-batch's forward on a stage.
 
@@ -86,14 +86,21 @@ def forward_peak(runs: list[tuple[LayerKind, int, tuple[int, ...], int]], before
     holds the run's peak. Then the final norm and the loss (last stage). ``until_loss``: bytes
     alive until the loss starts (the previous step's logits a loop still holds); ``upcast``:
     the final norm's saved terms and the new logits made beside the held ones before the loss
-    (``memplan.model.head.upcast_bytes``; 0 when no loop holds logits).
+    (``memplan.model.head.upcast_bytes``; 0 when no loop holds logits). ``gathered``: ZeRO-3
+    weights gathered while a block runs and at the loss, and, where modelled, at a block's
+    start (its gather, before its compute) and at the stage's first block's start
+    (``ShardingBuffers.forward_start_bytes``).
     """
-    in_block, at_loss = gathered  # ZeRO-3 weights gathered at those moments
+    in_block, at_loss, at_start, at_first_start = (*gathered, 0, 0)[:4]
     acts, peak = before + until_loss, before + until_loss
-    for kind, _, _, n in runs:
+    for index, (kind, _, _, n) in enumerate(runs):
         # autocast's cached casts of the layers before stay until the forward ends
         held = kind.saved_bytes + kind.cached_bytes
         peak = max(peak, acts + (n - 1) * held + kind.forward_peak_bytes + in_block)
+        if index == 0:
+            peak = max(peak, acts + at_first_start)
+        if index or n > 1:  # the run's last block gathered: the most saved before it
+            peak = max(peak, acts + (n - 1) * held + at_start)
         acts += n * held
     if head_saved:
         peak = max(peak, acts + final_norm + at_loss, acts + upcast + at_loss,

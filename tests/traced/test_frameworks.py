@@ -232,13 +232,10 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
     (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fp32", 2, 128, dp=8), None),
     (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=8,
                    options={"ac": "selective"}), None),
+    # with full AC the forward peaks at a block's gather: the previous unit's all-gather
+    # output still held (wait_for_unshard's prev_all_gather_state), its own, its parameters
     (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=8,
-                   options={"ac": "full"}),
-     Known(("first_step.forward_bytes",),
-           "FullAC (distributed/activation_checkpoint.py) at 8 ranks: 66,560 B more at the "
-           "forward's peak than memplan's checkpointed layers hold, not attributed yet (the "
-           "same bytes at 2 ranks, where they are under 1%). Measured: forward -1.14% first "
-           "step, -0.85% steady; every other row within 1%.")),
+                   options={"ac": "full"}), None),
     # one rank: parallelize_llama runs apply_fsdp_to_decoder at shard degree 1 too, where a
     # unit is gathered alone (no flat all-gather output) and its reduce holds three copies
     (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=1), None),
