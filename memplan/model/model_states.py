@@ -294,6 +294,8 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload) -> 
                               ((root + 3 * layer) * e, (2 * root + 2 * layer) * e))
         return ShardingBuffers((root + blocks) * e, (root + layer) * e,
                                params.largest_unit * policy.grad_bytes,
+                               backward_block_bytes=(root + blocks) * e,
+                               backward_last_block_bytes=(root + layer) * e,
                                forward_start_bytes=start, forward_first_start_bytes=first_start)
     if par.zero == ZeroStage.GRADIENTS and par.dense_shard_degree > 1:
         # The bucket holds gradients not yet reduced, which are at most the ones this rank

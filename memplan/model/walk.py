@@ -184,6 +184,16 @@ def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
             if n == 1:
                 first_moment = last_moment
         peak = max(peak, first_moment, last_moment)
+        if held and n > 2:
+            # FSDP2's buffers are not the same for every block of a run: the first block in
+            # backward holds no earlier reduce-scatter input, the stage's first block prefetches
+            # no block before it, and the blocks between hold both (a reduce-scatter input and
+            # the all-gather output of the block their backward prefetches), so the second and
+            # the second-to-last blocks are moments of their own (traced: test_ground_truth.py,
+            # test_fsdp_backward_between_the_ends_of_a_run)
+            for k in {1, n - 2}:
+                peak = max(peak, below + local + k * (step_grads - kind.saved_bytes)
+                           + root_held + held)
         if sh.reduce_copies and growing:  # the run's first and last units at their reduce
             #                               (weights resharded, saved tensors freed)
             for k in {1, n}:
