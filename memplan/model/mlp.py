@@ -56,7 +56,7 @@ def inner_grads_per_intermediate(spec: ModelSpec) -> int:
 def backward_moments(spec: ModelSpec, dm: Dims, *, saved: int, freed: int, run_tokens: int,
                      ffn: int, grad_inputs: int, fresh: int,
                      out_cast: int = 0, out_grad: int = 0,
-                     fused_in: bool = False) -> list[BackwardMoment]:
+                     fused_in: bool = False, in_saved: int = 0) -> list[BackwardMoment]:
     """An MLP's backward peaks over ``run_tokens`` rows of width ``ffn`` (one expert's rows in
     an MoE): the second linear's, from dropout's gradient (one intermediate gradient); the
     activation's, dropout's gradient freed; the input projections', the last weight gradient
@@ -66,7 +66,9 @@ def backward_moments(spec: ModelSpec, dm: Dims, *, saved: int, freed: int, run_t
     ``out_grad``: the gradient of the second linear's output, where it is not the block
     output's (grouped experts: their rows' gradient, made by the weighting's backward);
     ``fused_in``: gate and up are one projection (``fused_gate_up``, stacked experts), whose
-    output's gradient, both halves concatenated, is alive at its backward."""
+    output's gradient, both halves concatenated, is alive at its backward; ``in_saved``: what
+    the input projections saved of their own input that is still alive while their backward
+    runs (grouped experts: the dispatched rows, saved by the gate_up grouped_mm alone)."""
     h, e = spec.hidden_size, dm.e
     per_inner = inner_grads_per_intermediate(spec)
     inner = run_tokens * ffn // dm.tp * e
@@ -78,8 +80,8 @@ def backward_moments(spec: ModelSpec, dm: Dims, *, saved: int, freed: int, run_t
         BackwardMoment("mlp", saved - freed, dropout_grad + out_grad + grads // per_inner,
                        ("mlp_out",), fresh),
         BackwardMoment("mlp_act", saved - freed - out_cast, grads, ("mlp_out",)),
-        BackwardMoment("mlp_in", 0, grad_inputs + inner * (2 if fused_in else 1), ("mlp",),
-                       fresh),
+        BackwardMoment("mlp_in", in_saved, grad_inputs + inner * (2 if fused_in else 1),
+                       ("mlp",), fresh),
     ]
 
 

@@ -117,7 +117,7 @@ class MoE:
                 spec, dm, saved=saved, freed=mlp.dropout_mask_bytes(spec, dm) + routed,
                 run_tokens=dm.tokens * moe.top_k, ffn=moe.expert_ffn_hidden_size,
                 grad_inputs=2 * dm.rows * h * e, fresh=0, out_grad=routed,
-                fused_in=moe.stacked_experts and spec.mlp.gated)
+                fused_in=moe.stacked_experts and spec.mlp.gated, in_saved=routed)
         return mlp.backward_moments(
             spec, dm, saved=saved,
             freed=mlp.dropout_mask_bytes(spec, dm) + routed + routed // moe.num_experts,

@@ -155,16 +155,11 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
                    "fp32", 2, 128),
      None),  # hf: the DynamicCache's K/V copies, q's view pins the fused c_attn output
     # --- Mixtral: routing reads values, so small real tensors ---------------------------------
+    # transformers' grouped experts (integrations/moe.py grouped_mm_experts_forward): the
+    # gate_up grouped_mm saves the dispatched rows for its weight gradient, alive through its
+    # backward (memplan.model.moe: in_saved; was -1.38% in the first backward)
     (FrameworkCase("transformers", "mixtral-toy", hf("Mixtral-8x7B-v0.1", **MIXTRAL_TOY),
-                   "fp32", 2, 64),
-     Known(("first_step.backward_bytes",),
-           "transformers' grouped experts (integrations/moe.py grouped_mm_experts_forward, "
-           "the default for MixtralExperts' stacked gate_up_proj / down_proj): the gate_up "
-           "grouped_mm's backward makes the weight gradient of all experts at once, beside "
-           "the gradient of its output (both halves, concatenated by chunk's backward), with "
-           "more of the experts' saved rows still alive than memplan's MLP backward holds "
-           "there. Measured: first-step backward -1.38% (128,160 B under), steady -0.74%; "
-           "activations and forward within 0.02%, optimizer states exact.")),
+                   "fp32", 2, 64), None),
     # --- the newer families: their configs cut to toy widths (memplan.hf_families) ---------
     (FrameworkCase("transformers", "qwen3-toy", hf("Qwen3-8B", **QWEN3_TOY), "fp32", 2, 128),
      None),  # per-head q/k RMSNorms
