@@ -153,3 +153,16 @@ def test_the_comparison_reads_what_a_line_shows() -> None:
     assert _missing(["  params  1,333,829,633"], output)
     assert not _missing(["  other ... anything"], output)
     assert _missing(["  params 1,333,829,632 +0.000 ..."], output)
+
+
+def test_python_api_example_runs(workdir: Path) -> None:
+    """The README's Python API block runs as written, from the repository's files."""
+    text = README.read_text()
+    block = text.split("### Python API", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    proc = subprocess.run([sys.executable, "-c", block], cwd=workdir, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    import memplan
+
+    count = memplan.load_model(str(ROOT / "tests/data/hf/Meta-Llama-3-8B/config.json"))
+    assert "# 8,030,261,248" in block and count.num_params == 8_030_261_248
