@@ -2,12 +2,15 @@
 
 Not a test: run it by hand (torch needed), from the repository root::
 
-    .venv/bin/python benchmarks/survey_ground_truth.py --seconds 150 --seed 4 [--small]
+    .venv/bin/python benchmarks/survey_ground_truth.py --seconds 150 --seed 4 [--small] [--fsdp]
 
 Each sample draws a decoder spec (Llama or GPT style, MHA/GQA/MQA, gated or plain MLP, biases,
 tied embeddings, dropout) and a workload (recipe, recompute, attention kernel, norm kernel,
 logits dtype, optimizer implementation), traces two steps with fake tensors and compares every
-row of ``memplan trace``. It prints how many samples had a row beyond 0.5% and the worst ones:
+row of ``memplan trace``; with ``--fsdp`` it traces rank 0 of FSDP2 over 2, 4 or 8 ranks of
+the fake process group instead (``precision`` fsdp-bf16, fp32 or bf16-pure, as
+tests/traced/test_ground_truth.py's FSDP grid), sequences down to 16 tokens so that the layers
+can outweigh their activations. It prints how many samples had a row beyond 0.5% and the worst ones:
 the grid in tests/traced/test_ground_truth.py pins the cases that agree, this finds the next ones.
 """
 
@@ -58,18 +61,38 @@ def sample_workload(rng: random.Random, small: bool) -> dict:
         loss_chunks=rng.choice([1, 1, 2, 3, 8]))
 
 
+def sample_fsdp(rng: random.Random, small: bool) -> tuple[int, dict]:
+    """A data-parallel degree and an FSDP2 workload (the recipes FSDP2 runs)."""
+    return rng.choice([2, 4, 8]), dict(
+        seq_len=rng.choice([16, 32, 64, 128] if small else [16, 32, 128, 256]),
+        micro_batch_size=rng.choice([1, 2]),
+        precision=rng.choice(["fsdp-bf16", "fp32", "bf16-pure"]),
+        recompute=rng.choice(["none", "selective", "full"]),
+        attention=rng.choice(["flash", "eager"]), norm_impl=rng.choice(["upcast", "fused"]),
+        optimizer_impl=rng.choice(["foreach", "fused"]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=120.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--small", action="store_true", help="tiny widths (transients dominate)")
+    parser.add_argument("--fsdp", action="store_true", help="rank 0 of FSDP2 (zero 3) over dp ranks")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     runs, misses, rows = 0, [], Counter()
     start = time.time()
     while time.time() - start < args.seconds:
-        spec, fields = sample_spec(rng, args.small), sample_workload(rng, args.small)
-        result = compare(spec, make_layout(1), make_workload(spec, **fields))
+        spec = sample_spec(rng, args.small)
+        if args.fsdp:
+            dp, fields = sample_fsdp(rng, args.small)
+            spec = spec.model_copy(update={"dropout": 0.0})  # FSDP grid: no dropout
+            layout = make_layout(dp, zero=3)
+            fields["dp"] = dp
+        else:
+            fields, layout = sample_workload(rng, args.small), make_layout(1)
+        result = compare(spec, layout, make_workload(
+            spec, **{k: v for k, v in fields.items() if k != "dp"}))
         runs += 1
         off = [r for r in result.rows if abs(r.diff_pct) > TOLERANCE_PCT]
         if off:

@@ -296,6 +296,8 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload) -> 
                                params.largest_unit * policy.grad_bytes,
                                backward_block_bytes=(root + blocks) * e,
                                backward_last_block_bytes=(root + layer) * e,
+                               # at the embedding's backward every block is resharded
+                               backward_end_bytes=root * e,
                                forward_start_bytes=start, forward_first_start_bytes=first_start)
     if par.zero == ZeroStage.GRADIENTS and par.dense_shard_degree > 1:
         # The bucket holds gradients not yet reduced, which are at most the ones this rank

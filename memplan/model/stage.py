@@ -346,7 +346,7 @@ def _grad_sharding(wl: Workload, fx: StageStates, boundary_grad: int = 0) -> Gra
         gathered_at_loss=_or(shard.backward_head_bytes, shard.gathered_at_loss_bytes),
         gathered_at_end=_or(shard.backward_end_bytes, shard.gathered_at_loss_bytes),
         separate_units=shard.separate_units, reduce_copies=shard.reduce_copies,
-        boundary_grad=boundary_grad if shard.reduce_copies else 0)
+        boundary_grad=boundary_grad if shard.reduce_copies or shard.gathered_bytes else 0)
 
 
 def _or(value: int, default: int) -> int:

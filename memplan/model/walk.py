@@ -150,6 +150,10 @@ def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
     # the head's own unit: its reduce-scatter input (unsharded, in the reduce dtype) is held
     # until the first block's reduce-scatter, as a block's is until the next one's
     previous = int(h.grads * sh.unsharded_ratio) if sh.separate_units else 0
+    # the reduce-scatter input held while a block runs is the unit's before it in backward:
+    # the head's (above) for the first block, then a block's of its own size (not the largest
+    # unit's: an embedding or a root outweighs a block where the vocabulary is large)
+    prev_input = previous
 
     def reduced(unit: int) -> int:
         # a unit's reduce at shard degree 1, beyond the gradients held before it
@@ -169,8 +173,9 @@ def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
             local = max(m.alive_bytes + m.transient_bytes
                         + int(min(sh.buffer, g * sh.unsharded_ratio) * sh.unsharded_dtype)
                         for m, g in zip(kind.moments, moment_grads))
-            first_buffer = root_held + (held if done else previous)
-            last_buffer = root_held + (held if done or n > 1 else previous)
+            run_input = int(layer_grads * sh.unsharded_ratio)
+            first_buffer = root_held + prev_input
+            last_buffer = root_held + (run_input if n > 1 else prev_input)
         else:  # one buffer of the gradients made so far
             local = max(m.alive_bytes + m.transient_bytes + (g if growing else 0)
                         for m, g in zip(kind.moments, moment_grads))
@@ -193,7 +198,31 @@ def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
             # test_fsdp_backward_between_the_ends_of_a_run)
             for k in {1, n - 2}:
                 peak = max(peak, below + local + k * (step_grads - kind.saved_bytes)
-                           + root_held + held)
+                           + root_held + run_input)
+        if held and not sh.reduce_copies and not sh.separate_units and growing:
+            # FSDP2 at a block's reduce-scatter (after its backward, its weights resharded,
+            # the previous reduce-scatter input dropped first: FSDPParamGroup.post_backward
+            # pops reduce_scatter_states beyond reduce_scatter_max_input_buffers, 1): its
+            # unsharded gradients, in the weights' dtype, beside the reduce-dtype input they
+            # are copied into (foreach_reduce_scatter_copy_in), the gradient of its input, and
+            # the root with the block the backward prefetched (the root alone after the
+            # stage's first block)
+            unit_grads = int(layer_grads * sh.unsharded_ratio * sh.unsharded_dtype)
+            # ... and at its copy-out before its backward (FSDPParamGroup.wait_for_unshard in
+            # pre_backward): its all-gather output beside its unsharded weights (the same
+            # bytes as its gradients in the weights' dtype), its saved tensors all alive, the
+            # previous block's reduce-scatter input still held
+            for k in {1, min(2, n), n}:
+                peak = max(peak, acts - (k - 1) * kind.saved_bytes + grads
+                           + (k - 1) * step_grads + pending + root_held
+                           + (prev_input if k == 1 else run_input)
+                           + sh.gathered_last_block + unit_grads)
+            for k in {1, n}:
+                gathered = (sh.gathered_at_end if index == last_run and k == n
+                            else sh.gathered_last_block)
+                peak = max(peak, acts - k * kind.saved_bytes + grads + (k - 1) * step_grads
+                           + pending + root_held + unit_grads + run_input + sh.boundary_grad
+                           + gathered)
         if sh.reduce_copies and growing:  # the run's first and last units at their reduce
             #                               (weights resharded, saved tensors freed)
             for k in {1, n}:
@@ -203,9 +232,11 @@ def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
         grads += n * step_grads
         produced += n * layer_grads
         done += n
+        if held:
+            prev_input = int(layer_grads * sh.unsharded_ratio)
     end_grads = grads_total if growing or grads_prior else grads
     end_units = emb.grads if sh.separate_units else h.grads + emb.grads
-    end_buffer = (root(end_units) + (held if done else 0) if held
+    end_buffer = (root(end_units) + (prev_input if done else 0) if held
                   else buffer(produced + emb.grads))
     if sh.reduce_copies and sh.separate_units and growing:  # the embedding's unit
         peak = max(peak, acts - emb.freed_before + end_grads - emb.grads + reduced(emb.grads)

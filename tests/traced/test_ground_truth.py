@@ -300,6 +300,42 @@ def test_fsdp_backward_between_the_ends_of_a_run(dp: int, recompute: str) -> Non
         assert abs(row.diff_bytes) <= 896, row
 
 
+# Stacks of one to three blocks beside roots up to twice their size (vocabulary 320 and 4,000,
+# width 256, 32 tokens): the reduce-scatter input a block's backward holds is the previous
+# block's, not the largest unit's (the root); a block's own reduce-scatter, its gradients
+# beside their reduce-dtype copy, and its copy-out before its backward are moments of their
+# own; at the embedding's backward the root alone is gathered. Before, 15-34% off in backward.
+STACK = _variant(name="tiny-stack", hidden_size=256, ffn_hidden_size=688, num_attention_heads=2,
+                 num_kv_heads=2, head_dim=64)
+
+
+@pytest.mark.parametrize("layers, vocab", [
+    (2, 320), (3, 4000),
+    pytest.param(1, 320, marks=pytest.mark.xfail(strict=True, reason=(
+        "one block, vocabulary 320: forward -1.62% (61,440 B under: a bf16 and an fp32 "
+        "logits-sized tensor, 32 x 320) in the first step, -1.33% steady, not attributed yet; "
+        "backward within 0.1%"))),
+    pytest.param(1, 4000, marks=pytest.mark.xfail(strict=True, reason=(
+        "one block beside a root twice its size: backward +0.69% (95,744 B over) in the "
+        "first step, +0.57% steady, not attributed yet; forward and states exact")))])
+def test_fsdp_short_stacks_and_heavy_roots(layers: int, vocab: int) -> None:
+    spec = _variant(STACK, num_layers=layers, vocab_size=vocab)
+    wl = make_workload(spec, seq_len=32, micro_batch_size=1, precision="fsdp-bf16")
+    _assert_agrees(compare(spec, make_layout(8, zero=3), wl),
+                   exact=("params_bytes", "grads_bytes", "optimizer_bytes",
+                          "activations_bytes"))
+
+
+def test_fsdp_gpt2_rank_at_dp_2() -> None:
+    """GPT-2, fp32, dp 2: a tied root of 38.6M parameters beside 7.1M-parameter blocks. The
+    traced rank peaks within 0.01% of the estimate (it read the root's reduce-scatter input as
+    every block's before, and said ZeRO-3 costs more than ZeRO-2 here)."""
+    spec = load_model("gpt2")
+    wl = make_workload(spec, seq_len=256, micro_batch_size=1, precision="fp32")
+    result = compare(spec, make_layout(2, zero=3), wl)
+    assert all(abs(r.diff_pct) < 0.01 for r in result.rows), result.rows
+
+
 # DDP ranks (real tensors: DDP's reducer reads parameter data), PyTorch's default buckets
 DDP_GRID = [
     (2, dict(seq_len=64, micro_batch_size=2)),
