@@ -238,6 +238,18 @@ def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
     end_units = emb.grads if sh.separate_units else h.grads + emb.grads
     end_buffer = (root(end_units) + (prev_input if done else 0) if held
                   else buffer(produced + emb.grads))
+    if held and not sh.reduce_copies and not sh.separate_units:
+        # FSDP2's root (embedding, final norm, head) at its reduce-scatter after the
+        # embedding's backward, its weights resharded (_fsdp_collectives.py foreach_reduce):
+        # its unsharded gradients, in the weights' dtype, copied into the reduce-dtype input,
+        # then freed (unsharded_grads.clear()) before the output shard is made beside that
+        # input. Its shard is new in the first micro-batch; in later ones the output joins it.
+        rs_input = int(end_units * sh.unsharded_ratio)
+        root_grads = int(end_units * sh.unsharded_ratio * sh.unsharded_dtype)
+        after = acts - emb.freed_before
+        new_shard = end_units if growing else 0
+        peak = max(peak, after + end_grads - new_shard + root_grads + rs_input,
+                   after + end_grads + rs_input + (0 if growing else end_units))
     if sh.reduce_copies and sh.separate_units and growing:  # the embedding's unit
         peak = max(peak, acts - emb.freed_before + end_grads - emb.grads + reduced(emb.grads)
                    - sh.boundary_grad)
