@@ -336,7 +336,7 @@ def _grad_sharding(wl: Workload, fx: StageStates, boundary_grad: int = 0) -> Gra
         unsharded_ratio=fx.params.total * policy.grad_bytes / max(fx.states.grads_bytes, 1),
         # FSDP2 frees a unit's reduce-scatter input only when the next unit's reduce-scatter
         # waits on it (traced, tests/traced/test_ground_truth.py FSDP_GRID)
-        held_reduce_input=shard.grad_bytes if shard.gathered_bytes else 0,
+        fsdp2=bool(shard.gathered_bytes),
         unsharded_dtype=policy.unsharded.itemsize / policy.grad_bytes,
         # in backward FSDP2 holds the root and the block being computed (traced); with
         # torchtitan's units, the head's unit until its backward, one block, the embedding's

@@ -46,8 +46,8 @@ class GradSharding(NamedTuple):
 
     buffer: int  # ZeRO-2/3 unsharded gradients awaiting reduce-scatter, at most
     unsharded_ratio: float  # unsharded / held gradient bytes (the ZeRO-2 shard degree)
-    held_reduce_input: int = 0  # FSDP2: a unit's reduce-scatter input, held (beside its
-    #                             shard) until the next unit's reduce-scatter
+    fsdp2: bool = False  # FSDP2: a unit's gradients unsharded until its own reduce-scatter,
+    #                      whose input is held (beside its shard) until the next unit's
     unsharded_dtype: float = 1.0  # FSDP2: bytes of an unsharded gradient (the weights'
     #                               dtype) per byte of its reduce dtype
     gathered_in_block: int = 0  # ZeRO-3 gathered weights while a block's backward runs
@@ -135,7 +135,7 @@ def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
         waiting = min(sh.buffer, int(made * sh.unsharded_ratio))
         return waiting - int(waiting / sh.unsharded_ratio) if sh.unsharded_ratio > 1 else waiting
 
-    held, done = sh.held_reduce_input, 0  # blocks whose reduce-scatter input may still be held
+    fsdp2, done = sh.fsdp2, 0  # blocks whose reduce-scatter input may still be held
 
     def root(made: int) -> int:
         # FSDP2's root (embedding, final norm, head) reduce-scatters at the end of backward:
@@ -144,9 +144,9 @@ def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
 
     if h.final_norm_bwd:  # the head's weight gradient exists; the norm's own comes after
         peak = max(peak, acts + h.final_norm_saved + grads + emb.tied_pending + h.final_norm_bwd
-                   + (root(produced) if held else buffer(produced)) + sh.gathered_at_loss)
+                   + (root(produced) if fsdp2 else buffer(produced)) + sh.gathered_at_loss)
     pending = emb.tied_pending  # a tied head's weight grad waits for the embedding's
-    root_held = root(h.grads) if held and not sh.separate_units else 0
+    root_held = root(h.grads) if fsdp2 and not sh.separate_units else 0
     # the head's own unit: its reduce-scatter input (unsharded, in the reduce dtype) is held
     # until the first block's reduce-scatter, as a block's is until the next one's
     previous = int(h.grads * sh.unsharded_ratio) if sh.separate_units else 0
@@ -167,7 +167,7 @@ def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
         # Before the layer's backward its own saved bytes are part of ``acts``; each moment
         # counts what of them (or of their recomputation) is still alive.
         below = acts - kind.saved_bytes + grads + pending + sh.gathered_in_block
-        if held:
+        if fsdp2:
             # FSDP2: at each moment this unit's gradients so far exist unsharded (its shard
             # comes with its reduce-scatter), beside the previous unit's whole reduce input
             local = max(m.alive_bytes + m.transient_bytes
@@ -189,7 +189,7 @@ def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
             if n == 1:
                 first_moment = last_moment
         peak = max(peak, first_moment, last_moment)
-        if held and n > 2:
+        if fsdp2 and n > 2:
             # FSDP2's buffers are not the same for every block of a run: the first block in
             # backward holds no earlier reduce-scatter input, the stage's first block prefetches
             # no block before it, and the blocks between hold both (a reduce-scatter input and
@@ -199,7 +199,7 @@ def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
             for k in {1, n - 2}:
                 peak = max(peak, below + local + k * (step_grads - kind.saved_bytes)
                            + root_held + run_input)
-        if held and not sh.reduce_copies and not sh.separate_units and growing:
+        if fsdp2 and not sh.reduce_copies and not sh.separate_units and growing:
             # FSDP2 at a block's reduce-scatter (after its backward, its weights resharded,
             # the previous reduce-scatter input dropped first: FSDPParamGroup.post_backward
             # pops reduce_scatter_states beyond reduce_scatter_max_input_buffers, 1): its
@@ -232,13 +232,13 @@ def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
         grads += n * step_grads
         produced += n * layer_grads
         done += n
-        if held:
+        if fsdp2:
             prev_input = int(layer_grads * sh.unsharded_ratio)
     end_grads = grads_total if growing or grads_prior else grads
     end_units = emb.grads if sh.separate_units else h.grads + emb.grads
-    end_buffer = (root(end_units) + (prev_input if done else 0) if held
+    end_buffer = (root(end_units) + (prev_input if done else 0) if fsdp2
                   else buffer(produced + emb.grads))
-    if held and not sh.reduce_copies and not sh.separate_units:
+    if fsdp2 and not sh.reduce_copies and not sh.separate_units:
         # FSDP2's root (embedding, final norm, head) at its reduce-scatter after the
         # embedding's backward, its weights resharded (_fsdp_collectives.py foreach_reduce):
         # its unsharded gradients, in the weights' dtype, copied into the reduce-dtype input,
