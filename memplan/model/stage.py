@@ -246,9 +246,11 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
 
     # a block's start (its gather, ``ShardingBuffers.forward_start_bytes``): the gathered
     # units beside the block's input, the residual stream it is about to read
-    stream = shared.dm.stream(spec.hidden_size)
-    block_start = tuple(b + stream if b else 0 for b in (shard.forward_start_bytes,
-                                                        shard.forward_first_start_bytes))
+    block_start = (0, 0)
+    if shard.forward_start_bytes:
+        stream = shared.dm.stream(spec.hidden_size)
+        block_start = (shard.forward_start_bytes + stream,
+                       shard.forward_first_start_bytes + stream)
 
     def fwd_acts(until_loss: int) -> int:
         return forward_peak(

@@ -77,7 +77,7 @@ class Walk(NamedTuple):
 
 def forward_peak(runs: list[tuple[LayerKind, int, tuple[int, ...], int]], before: int,
                   head_saved: int, final_norm: int, loss_extra: int,
-                  gathered: tuple[int, ...] = (0, 0), until_loss: int = 0,
+                  gathered: tuple[int, int, int, int] = (0, 0, 0, 0), until_loss: int = 0,
                   upcast: int = 0) -> int:
     """Largest activation bytes alive during one micro-batch's forward on a stage.
 
@@ -91,7 +91,7 @@ def forward_peak(runs: list[tuple[LayerKind, int, tuple[int, ...], int]], before
     start (its gather, before its compute) and at the stage's first block's start
     (``ShardingBuffers.forward_start_bytes``).
     """
-    in_block, at_loss, at_start, at_first_start = (*gathered, 0, 0)[:4]
+    in_block, at_loss, at_start, at_first_start = gathered
     acts, peak = before + until_loss, before + until_loss
     for index, (kind, _, _, n) in enumerate(runs):
         # autocast's cached casts of the layers before stay until the forward ends
