@@ -78,8 +78,9 @@ def test_sweep_records_hold_the_invariants() -> None:
 
 def test_invariants_catch_a_broken_record() -> None:
     """A record whose allocator line moved by one byte breaks the sum of its lines and the
-    allocator's 5%; one whose steady optimizer phase lost a byte breaks the phase's parts; one whose stage-0 gradients are sharded one element the wrong way breaks
-    the ZeRO sharding (the first dense ZeRO-2 record at dp 3)."""
+    allocator's 5%; one whose steady optimizer phase lost a byte breaks the phase's parts;
+    one whose stage-0 gradients are sharded one element the wrong way breaks the ZeRO
+    sharding (the first dense ZeRO-2 record at dp 3)."""
     sweep = _sweep_module()
     recorded = _recorded()
     rec = copy.deepcopy(recorded[0])
