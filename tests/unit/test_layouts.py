@@ -106,9 +106,17 @@ def test_torchtitan_under_pp_keeps_units_gathered_and_gradients_unsharded() -> N
     est = memplan.estimate("llama-3-8b", gpus=16, pp=2, zero=3, framework="torchtitan",
                            precision="fsdp-bf16", seq_len=2048)
     last = est.stages[1]
+    # the last stage: 16 layers of 41,943,040 attention (2 h^2 + 2 h 1024) + 176,160,768 SwiGLU
+    # (3 h 14336) + 8,192 norms = 218,112,000, the final norm 4,096 and the 128256 x 4096 head
+    # 525,336,576: 4,015,132,672 parameters
+    n = 16 * 218_112_000 + 4096 + 525_336_576
+    assert last.num_params == n == 4_015_132_672
     unit = 525_336_576 + 4096  # [final norm, lm_head]: the largest unit of the last stage
-    assert last.sharding_buffers_bytes == (last.num_params * 2 + last.num_params * 4
-                                           + unit * 4 + -(-unit * 4 // 8))
+    # gathered bf16 (2 n) + unsharded fp32 gradients (4 n) + the unit's reduce-scatter input
+    # (4 unit) and its output shard over dp 8 (ceil(4 unit / 8)):
+    # 8,030,265,344 + 16,060,530,688 + 2,101,362,688 + 262,670,336 = 26,454,829,056
+    assert last.sharding_buffers_bytes == (n * 2 + n * 4 + unit * 4 + -(-unit * 4 // 8))
+    assert last.sharding_buffers_bytes == 26_454_829_056
     # without PP the same job holds two blocks and the head's unit, not the stage
     flat = memplan.estimate("llama-3-8b", gpus=16, zero=3, framework="torchtitan",
                             precision="fsdp-bf16", seq_len=2048)

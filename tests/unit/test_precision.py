@@ -52,11 +52,16 @@ def test_bf16_pure_states_by_hand() -> None:
 
 
 def test_bf16_pure_sharded_by_zero() -> None:
-    """llama-2-7b, ZeRO-1 over 8 GPUs: the moments of 1/8 of the parameters, in bf16."""
+    """llama-2-7b (6,738,415,616 parameters: 32 layers of 4 h^2 attention + 3 h f SwiGLU + 2 h
+    norms = 202,383,360 with h 4096, f 11008, two 32000 x 4096 embeddings = 262,144,000 and
+    the final norm 4096), ZeRO-1 over 8 GPUs: the bf16 moments of 1/8 of the parameters,
+    6,738,415,616 / 8 = 842,301,952 (exact), 2 x 2 B each = 3,369,207,808 B; bf16 weights
+    unsharded, 2 x 6,738,415,616 = 13,476,831,232 B."""
     est = memplan.estimate("llama-2-7b", gpus=8, zero=1, precision="bf16-pure")
     s = est.worst
-    assert s.optimizer_bytes == 4 * -(-s.num_params // 8)
-    assert s.params_bytes == 2 * s.num_params
+    assert s.num_params == 32 * 202_383_360 + 2 * 131_072_000 + 4096 == 6_738_415_616
+    assert s.optimizer_bytes == 4 * 842_301_952 == 3_369_207_808
+    assert s.params_bytes == 13_476_831_232
 
 
 def test_bf16_pure_with_offload_is_refused() -> None:
