@@ -153,6 +153,18 @@ def test_fsdp2_reduce_scatter_with_the_input_gradient() -> None:
     assert backward_peak(_walk(kind, 150, (0,), 4, sharding), 0, 600) == 1_750
 
 
+def test_fsdp2_reduce_scatter_after_the_stage_first_block() -> None:
+    """As ``test_fsdp2_reduce_scatter_with_the_input_gradient`` with 300 B gathered at the end
+    (the embedding's backward): after the stage's first block its reduce-scatter holds
+    0 saved + 3 * 150 + 300 + 300 + 500 + 300 = 1,850 (only the root is gathered there, not
+    the 350 B of a block's backward); after the first block walked 1,750; the end
+    600 + 300 + 300 = 1,200; the others at most 1,500. Peak 1,850."""
+    kind = _kind(100, ((100, 10),))
+    sharding = _fsdp2(unsharded_dtype=1.0, gathered_in_block=400, gathered_at_loss=0,
+                      gathered_at_end=300, gathered_last_block=350, boundary_grad=500)
+    assert backward_peak(_walk(kind, 150, (0,), 4, sharding), 0, 600) == 1_850
+
+
 def test_fsdp2_forward_gathers_at_a_block_start() -> None:
     """Forward of n=4 blocks (S=100, F=120) with 5 B alive before: 300 B gathered while a
     block runs, 450 B at a block's start (its all-gather output and parameters beside the
