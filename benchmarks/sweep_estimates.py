@@ -173,8 +173,10 @@ def invariants(rec: dict[str, Any]) -> list[str]:
       5. the optimizer phase is weights + gradients + optimizer states + the step's
          temporaries + registered buffers + DDP's copied gradient buckets, exactly (no sweep
          configuration holds logits across the step);
-      6. the steady forward holds at least weights + optimizer states + buffers, the steady
-         backward at least those and every gradient (its end);
+      6. the steady forward holds at least weights + optimizer states + buffers (and every
+         gradient with more than one micro-batch per step: the earlier ones made them), the
+         steady backward at least those and every gradient (its end); step 1 alike without
+         the optimizer states;
       7. without virtual stages, all saved activations are the micro-batches in flight times
          one micro-batch's terms;
       8. for dense models: weights, gradients and optimizer states are the rank's parameters
@@ -225,9 +227,16 @@ def invariants(rec: dict[str, Any]) -> list[str]:
         held = st["params_bytes"] + st["optimizer_bytes"] + st["buffers_bytes"]
         need(steady["optimizer_bytes"] == held + st["grads_bytes"] + st["optimizer_temp_bytes"]
              + (st["grads_bytes"] if copy_buckets else 0), s + "optimizer phase != its parts")
-        need(steady["forward_bytes"] >= held, s + "forward below the states it holds")
+        # with several micro-batches the earlier ones' gradients exist in the forward too
+        grads_fwd = st["grads_bytes"] if est["workload"]["num_microbatches"] > 1 else 0
+        need(steady["forward_bytes"] >= held + grads_fwd, s + "forward below the states it holds")
         need(steady["backward_bytes"] >= held + st["grads_bytes"],
              s + "backward below the states and gradients it holds")
+        # step 1: no optimizer states yet (its master copy is not a line of its own)
+        step1 = st["params_bytes"] + st["buffers_bytes"]
+        need(first["forward_bytes"] >= step1 + grads_fwd
+             and first["backward_bytes"] >= step1 + st["grads_bytes"],
+             s + "step 1 below the weights and gradients it holds")
         if lay["vpp"] == 1:
             one = sum(st["activation_terms_per_microbatch"].values())
             need(st["activations_bytes"] == st["microbatches_in_flight"] * one,
