@@ -28,6 +28,7 @@ from itertools import accumulate
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from memplan.hardware import GpuSpec
+from memplan.model.optimizer import optimizer_policy
 from memplan.model.pipeline import stage_layers
 from memplan.model.sac import recomputed
 from memplan.parallel import Offload, ParallelConfig, ZeroStage, local_seq, rank_layers
@@ -460,7 +461,8 @@ def _host_seconds(gpu: GpuSpec, wl: Workload, c: Columns) -> tuple[Any, Any]:
     e = wl.compute_dtype.itemsize
     down = shard * wl.precision.policy.grad_bytes / gpu.host_link_bytes_per_s
     up = shard * e / gpu.host_link_bytes_per_s
-    streamed = shard * (2 * (FP32_BYTES + wl.optimizer.num_states * FP32_BYTES) + FP32_BYTES + e)
+    states = optimizer_policy(wl.optimizer).host_state_bytes_per_param()
+    streamed = shard * (2 * (FP32_BYTES + states) + FP32_BYTES + e)
     cpu = streamed / (gpu.host_memory_bytes_per_s / gpu.gpus_per_node)
     return c.ops.where(c.offload, down, 0.0), c.ops.where(c.offload, up + cpu, 0.0)
 
