@@ -368,6 +368,15 @@ class WindowAttention(Attention):
     def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
         return super().rebuild_moments(self._as_run(spec, wl, dm), wl, dm)
 
+    def core_flops_per_token(self, spec: ModelSpec, seq_len: int) -> float:
+        """QK^T and PV over the keys a query attends to: at most the window's w. Averaged
+        over the sequence as the full layer's s/2 is (each query x attending to min(x, w)
+        keys, integrated): s/2 while s <= w, else w - w^2 / (2s); 2 * 2 * context * a * d."""
+        w = spec.sliding_window
+        if w is None or seq_len <= w:
+            return super().core_flops_per_token(spec, seq_len)
+        return 4.0 * (w - w * w / (2 * seq_len)) * spec.q_size
+
 
 def window_mask_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     """The boolean sliding-window mask transformers builds once per forward for its windowed
