@@ -75,7 +75,7 @@ def attention_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recomput
                 terms.append(Term("attn.softmax_dropout_out", scores * e))
             elif fp32_softmax:
                 terms.append(Term("attn.softmax_cast", scores * e))
-    casts = linear.projection_casts("attn", attention_linears(spec), dm)
+    casts = linear.saved_terms("attn", attention_linears(spec), dm)
     return terms + qk_norm_terms(spec, wl, dm) + casts + residual_dropout_mask("attn", spec, dm)
 
 
@@ -180,7 +180,7 @@ def _before_output(spec: ModelSpec, dm: Dims, saved: int) -> int:
 def _out_cast(spec: ModelSpec, dm: Dims) -> int:
     """The output projection's saved weight cast (autocast): made after the core, freed by
     its backward before the core's."""
-    return linear.weight_cast_bytes(attention_linears(spec)[-1:], dm)
+    return linear.saved_bytes(attention_linears(spec)[-1:], dm)
 
 
 def _flash_backward(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute,

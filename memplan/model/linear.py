@@ -77,14 +77,16 @@ def weight_casts(prefix: str, elements: int, dm: Dims) -> list[Term]:
     return [Term(f"{prefix}.weight_casts", elements * dm.e)] if dm.autocast else []
 
 
-def projection_casts(prefix: str, linears: Sequence[Linear], dm: Dims) -> list[Term]:
-    """``weight_casts`` of the projections' weights on this rank (one term)."""
+def saved_terms(prefix: str, linears: Sequence[Linear], dm: Dims) -> list[Term]:
+    """What the projections save of their own for backward, beyond the activations the block
+    counts (their inputs, ``saved_input``): under autocast the casts of their weights on this
+    rank (``weight_casts``, one term)."""
     return weight_casts(prefix, sum(weight_elements(lin, dm.tp) for lin in linears), dm)
 
 
-def weight_cast_bytes(linears: Sequence[Linear], dm: Dims) -> int:
-    """``projection_casts`` in bytes (0 without autocast)."""
-    return sum(term.size_bytes for term in projection_casts("", linears, dm))
+def saved_bytes(linears: Sequence[Linear], dm: Dims) -> int:
+    """``saved_terms`` in bytes (0 without autocast)."""
+    return sum(term.size_bytes for term in saved_terms("", linears, dm))
 
 
 def input_copies(readers: int, dm: Dims) -> int:

@@ -92,7 +92,7 @@ def mla_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> 
             terms.append(Term("mla.softmax", scores * (FP32_BYTES if fp32 else e)))
             if fp32:
                 terms.append(Term("mla.softmax_cast", scores * e))
-    casts = linear.projection_casts("mla", mla_linears(spec), dm)
+    casts = linear.saved_terms("mla", mla_linears(spec), dm)
     return terms + casts + residual_dropout_mask("attn", spec, dm)
 
 

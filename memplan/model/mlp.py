@@ -107,7 +107,7 @@ class Mlp:
 
     def saved(self, spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
         return (mlp_terms("mlp", spec, dm, spec.ffn_hidden_size, dm.tokens)
-                + linear.projection_casts("mlp", mlp_linears(spec, spec.ffn_hidden_size), dm)
+                + linear.saved_terms("mlp", mlp_linears(spec, spec.ffn_hidden_size), dm)
                 + residual_dropout_mask("mlp", spec, dm))
 
     def forward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
@@ -139,7 +139,7 @@ class Mlp:
             freed=dropout_mask_bytes(spec, dm), run_tokens=dm.tokens,
             ffn=spec.ffn_hidden_size, grad_inputs=(2 if spec.mlp.gated else 1) * rows_h_e,
             fresh=spec.hidden_size * spec.ffn_hidden_size // dm.tp,
-            out_cast=linear.weight_cast_bytes(mlp_linears(spec, spec.ffn_hidden_size)[-1:], dm))
+            out_cast=linear.saved_bytes(mlp_linears(spec, spec.ffn_hidden_size)[-1:], dm))
 
     def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
         return []

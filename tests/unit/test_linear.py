@@ -30,14 +30,14 @@ def test_tensor_sizes_follow_megatron_splits() -> None:
     assert linear.tensor_sizes(Linear("a", "g", 64, 32, stack=2), 4) == [1024]
 
 
-def test_projection_casts_only_under_autocast() -> None:
+def test_saved_terms_only_under_autocast() -> None:
     """q 64 -> 32 and o 32 -> 64 at t = 2: 1,024 + 1,024 weight elements on the rank (the
     biases are not saved casts), 2 bytes each under bf16 autocast: 4,096 bytes; none
     without autocast."""
     lins = [Linear("q", "attn", 64, 32, True), Linear("o", "attn_out", 32, 64, True, Split.ROW)]
-    assert linear.projection_casts("x", lins, AMP) == [Term("x.weight_casts", 4096)]
-    assert linear.projection_casts("x", lins, DM) == []
-    assert linear.weight_cast_bytes(lins[1:], AMP) == 2048
+    assert linear.saved_terms("x", lins, AMP) == [Term("x.weight_casts", 4096)]
+    assert linear.saved_terms("x", lins, DM) == []
+    assert linear.saved_bytes(lins[1:], AMP) == 2048
 
 
 def test_input_copies_and_saved_input() -> None:
@@ -75,8 +75,8 @@ def test_blocks_declare_their_projections() -> None:
     assert [lin.name for lin in attn] == ["q", "k", "v", "o"]
     assert Attention().tensor_sizes(TINY, 2, 1) == [2048, 32, 1024, 16, 1024, 16, 2048]
     assert Attention().grad_groups(TINY, 2, 1) == {"attn_out": 2048, "attn": 6208}
-    assert linear.projection_casts("attn", attn, AMP)[0].size_bytes == 12288
+    assert linear.saved_terms("attn", attn, AMP)[0].size_bytes == 12288
     assert [lin.name for lin in mlp_linears(TINY, 96)] == ["up", "gate", "down"]
     assert Mlp().tensor_sizes(TINY, 2, 1) == [3072, 3072, 3072]
     assert Mlp().grad_groups(TINY, 2, 1) == {"mlp_out": 3072, "mlp": 9216}
-    assert linear.projection_casts("mlp", mlp_linears(TINY, 96), AMP)[0].size_bytes == 18432
+    assert linear.saved_terms("mlp", mlp_linears(TINY, 96), AMP)[0].size_bytes == 18432
