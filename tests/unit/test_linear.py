@@ -6,8 +6,10 @@ from memplan.model import linear
 from memplan.model.attention import Attention, attention_linears
 from memplan.model.dims import Dims, Term
 from memplan.model.linear import Linear, Split
+from memplan.model.mla import Mla, mla_linears
 from memplan.model.mlp import Mlp, mlp_linears
-from memplan.spec import ModelSpec
+from memplan.model.moe import MoE
+from memplan.spec import MlaSpec, ModelSpec, MoESpec
 
 # a bf16 micro-batch of 2 x 8 tokens at TP 2 (only the fields the projections read matter)
 DM = Dims(b=2, s=8, s_kv=8, tokens=16, res_tokens_div=1, tp=2, e=2, vocab_shard=64, stream_e=2)
@@ -80,3 +82,37 @@ def test_blocks_declare_their_projections() -> None:
     assert Mlp().tensor_sizes(TINY, 2, 1) == [3072, 3072, 3072]
     assert Mlp().grad_groups(TINY, 2, 1) == {"mlp_out": 3072, "mlp": 9216}
     assert linear.saved_terms("mlp", mlp_linears(TINY, 96), AMP)[0].size_bytes == 18432
+
+
+def test_moe_declares_router_and_this_ranks_experts() -> None:
+    """4 experts of SwiGLU width 32, top-2, h = 64, at EP 2 and TP 2: the router 64*4 = 256
+    (replicated), then this rank's 2 experts, each up, gate and down of 64*32/2 = 1,024; stacked,
+    one gate-up tensor 2 * 64*64/2 = 4,096 and one down 2 * 32*64/2 = 2,048. Gradients after
+    the down projections' backward: 2,048; after all: 2,048 + 4,096 + 256 = 6,400. FLOPs per
+    token: the router 2 * 256 = 512, and the top-2 of 4 experts of 3 * 64*32 = 6,144
+    parameters: 2 * 4 * 6,144 * 2/4 = 24,576; 25,088 in all."""
+    moe = {"num_experts": 4, "top_k": 2, "expert_ffn_hidden_size": 32}
+    spec = TINY.model_copy(update={"moe": MoESpec(**moe)})
+    stacked = TINY.model_copy(update={"moe": MoESpec(**moe, stacked_experts=True)})
+    assert MoE().tensor_sizes(spec, 2, 2) == [256] + [1024] * 6
+    assert MoE().tensor_sizes(stacked, 2, 2) == [256, 4096, 2048]
+    groups = {"mlp_out": 2048, "mlp": 6400}
+    assert MoE().grad_groups(spec, 2, 2) == MoE().grad_groups(stacked, 2, 2) == groups
+    assert MoE().flops_per_token(spec, 64) == 25088.0
+
+
+def test_mla_declares_replicated_down_projections() -> None:
+    """h = 64, 4 heads, q_lora 16, kv_lora 8, nope 8, rope 4 (head 12), value 8, at TP 2: q_a
+    64*16 = 1,024 (replicated) and its norm 16; q_b 16 * 48/2 = 384; kv_a 64*12 = 768
+    (replicated) and its norm 8; kv_b 8 * 4*16/2 = 256; o 32*64/2 = 1,024. ``attn``: all
+    3,480. Under bf16 autocast the weight casts: (1,024 + 384 + 768 + 256 + 1,024) * 2 =
+    6,912 bytes. FLOPs at seq 64: 2 * (1,024 + 768 + 768 + 512 + 2,048 projection and 24
+    norm parameters) = 10,288, and the core 64 * 4 * (12 + 8) = 5,120: 15,408."""
+    mla = MlaSpec(q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                  v_head_dim=8)
+    spec = TINY.model_copy(update={"mla": mla, "head_dim": 12, "num_kv_heads": 4,
+                                   "qkv_bias": False})
+    assert Mla().tensor_sizes(spec, 2, 1) == [1024, 16, 384, 768, 8, 256, 1024]
+    assert Mla().grad_groups(spec, 2, 1) == {"attn_out": 1024, "attn": 3480}
+    assert linear.saved_bytes(mla_linears(spec), AMP) == 6912
+    assert Mla().flops_per_token(spec, 64) == 15408.0
