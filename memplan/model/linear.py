@@ -81,6 +81,8 @@ def saved_terms(prefix: str, linears: Sequence[Linear], dm: Dims) -> list[Term]:
     """What the projections save of their own for backward, beyond the activations the block
     counts (their inputs, ``saved_input``): under autocast the casts of their weights on this
     rank (``weight_casts``, one term)."""
+    if not dm.autocast:  # (the planner's hot path: no sum to make)
+        return []
     return weight_casts(prefix, sum(weight_elements(lin, dm.tp) for lin in linears), dm)
 
 
