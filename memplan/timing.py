@@ -28,10 +28,12 @@ from itertools import accumulate
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from memplan.hardware import GpuSpec
+from memplan.model.flops import layer_flops
+from memplan.model.optimizer import optimizer_policy
 from memplan.model.pipeline import stage_layers
 from memplan.model.sac import recomputed
 from memplan.parallel import Offload, ParallelConfig, ZeroStage, local_seq, rank_layers
-from memplan.spec import ModelSpec, param_counts
+from memplan.spec import ModelSpec
 from memplan.units import DType
 from memplan.workload import Recompute, SelectiveImpl, Workload
 
@@ -84,34 +86,21 @@ class StepTime(NamedTuple):
 
 
 @lru_cache(maxsize=256)
-def _active_weights(spec: ModelSpec) -> tuple[int, ...]:
-    """Weights one token multiplies in each layer: all but the routed experts, of which the
-    top-k it visits."""
-    out = []
-    for i, layer in enumerate(param_counts(spec).layers):
-        weights = layer.tp_sharded + layer.replicated
-        if spec.is_moe_layer(i) and spec.moe is not None:
-            weights += layer.expert * spec.moe.top_k // spec.moe.num_experts
-        out.append(weights)
-    return tuple(out)
-
-
-@lru_cache(maxsize=256)
 def forward_flops_per_token(spec: ModelSpec, seq_len: int) -> tuple[float, float, float]:
-    """(projection and head matmuls, attention score matmuls, per layer attention) FLOPs of one
-    token's forward through the whole model."""
+    """(projection and head matmuls, attention score matmuls, the latter's mean per layer)
+    FLOPs of one token's forward through the whole model: the layers' from their blocks
+    (``memplan.model.flops``), the head's 2 per weight."""
+    layers = layer_flops(spec, seq_len)
     head = spec.vocab_size * spec.hidden_size
-    attn_per_layer = 2.0 * seq_len * spec.q_size  # QK^T and PV, causal average context s/2
-    return (2.0 * (sum(_active_weights(spec)) + head), attn_per_layer * spec.num_layers,
-            attn_per_layer)
+    attention = sum(layer.attention for layer in layers)
+    return (sum(layer.matmul for layer in layers) + 2.0 * head, attention,
+            attention / spec.num_layers)
 
 
 @lru_cache(maxsize=256)
-def layer_forward_flops(spec: ModelSpec, seq_len: int) -> tuple[int, ...]:
-    """Forward FLOPs of one token through each layer: its projection matmuls and causal
-    attention's two batched matmuls."""
-    attn = 2 * seq_len * spec.q_size
-    return tuple(2 * weights + attn for weights in _active_weights(spec))
+def layer_forward_flops(spec: ModelSpec, seq_len: int) -> tuple[float, ...]:
+    """Forward FLOPs of one token through each layer (``memplan.model.flops``)."""
+    return tuple(layer.total for layer in layer_flops(spec, seq_len))
 
 
 @lru_cache(maxsize=1024)
@@ -159,7 +148,7 @@ def step_flops(spec: ModelSpec, wl: Workload, global_batch: int, *, pp: int,
     """(model FLOPs, hardware FLOPs) of one step of the whole job with ``pp`` pipeline stages
     of ``vpp`` chunks each: ``wl.recompute_layers`` counts per stage, as in memory."""
     tokens = global_batch * wl.seq_len
-    matmul, attention, attn_layer = forward_flops_per_token(spec, wl.seq_len)
+    matmul, attention, _ = forward_flops_per_token(spec, wl.seq_len)
     forward = matmul + attention
     model = 3.0 * forward * tokens
     head = 2.0 * spec.vocab_size * spec.hidden_size
@@ -182,7 +171,7 @@ def step_flops(spec: ModelSpec, wl: Workload, global_batch: int, *, pp: int,
         # and not the attention kernel, whose output it keeps
         extra += _sac_rerun_flops(spec, wl) * spec.num_layers * tokens
     elif wl.recompute is Recompute.SELECTIVE:
-        extra += attn_layer * spec.num_layers * tokens
+        extra += attention * tokens
     return model, model + extra
 
 
@@ -460,7 +449,8 @@ def _host_seconds(gpu: GpuSpec, wl: Workload, c: Columns) -> tuple[Any, Any]:
     e = wl.compute_dtype.itemsize
     down = shard * wl.precision.policy.grad_bytes / gpu.host_link_bytes_per_s
     up = shard * e / gpu.host_link_bytes_per_s
-    streamed = shard * (2 * (FP32_BYTES + wl.optimizer.num_states * FP32_BYTES) + FP32_BYTES + e)
+    states = optimizer_policy(wl.optimizer).host_state_bytes_per_param()
+    streamed = shard * (2 * (FP32_BYTES + states) + FP32_BYTES + e)
     cpu = streamed / (gpu.host_memory_bytes_per_s / gpu.gpus_per_node)
     return c.ops.where(c.offload, down, 0.0), c.ops.where(c.offload, up + cpu, 0.0)
 

@@ -106,18 +106,11 @@ _POLICIES = {
 
 
 class Optimizer(str, enum.Enum):
-    """AdamW keeps two moments per parameter (exp_avg, exp_avg_sq); SGD with momentum one
-    (torch.optim), each in the dtype of what it updates (``PrecisionPolicy.updated``)."""
+    """The optimizer (torch.optim's): its states and its step's temporaries are
+    ``memplan.model.optimizer.POLICIES``."""
 
     ADAMW = "adamw"
     SGD = "sgd"
-
-    @property
-    def num_states(self) -> int:
-        return 2 if self is Optimizer.ADAMW else 1
-
-    def state_bytes_per_param(self, policy: PrecisionPolicy) -> int:
-        return self.num_states * policy.updated.itemsize
 
 
 class OptimizerImpl(str, enum.Enum):

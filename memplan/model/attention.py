@@ -10,11 +10,14 @@ section 5) reruns the core, so nothing the core saves internally is kept.
 
 from __future__ import annotations
 
-from memplan.model import eager
-from memplan.model.block import BackwardMoment, Moment, linear_sizes, weight_casts
+from functools import lru_cache
+
+from memplan.model import eager, linear
+from memplan.model.block import BackwardMoment, Moment
 from memplan.model.dims import FP32_BYTES, Dims, Term, residual_dropout_mask, total
+from memplan.model.linear import Linear, Split
 from memplan.model.norm import norm_terms
-from memplan.spec import ModelSpec, PositionKind, QkNorm, attention_params
+from memplan.spec import ModelSpec, PositionKind, QkNorm, qk_norm_params
 from memplan.workload import Attention as Kernel
 from memplan.workload import AttentionImpl, Recompute, RopeCache, Workload
 
@@ -40,7 +43,7 @@ def attention_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recomput
         Term("attn.q", dm.tokens * spec.q_size // t * qk_e),
         Term("attn.k", dm.tokens * kv_width // t * qk_e),
         Term("attn.v", dm.tokens * kv_width // t * e),
-        Term("attn.out", dm.tokens * spec.q_size // t * e),
+        linear.saved_input("attn.out", attention_linears(spec)[-1], dm.tokens, dm),
     ]
     if litgpt:
         terms += _litgpt_terms(spec, dm, grouped)
@@ -72,7 +75,7 @@ def attention_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recomput
                 terms.append(Term("attn.softmax_dropout_out", scores * e))
             elif fp32_softmax:
                 terms.append(Term("attn.softmax_cast", scores * e))
-    casts = weight_casts("attn", sum(attention_weights(spec, t)), dm)
+    casts = linear.saved_terms("attn", attention_linears(spec), dm)
     return terms + qk_norm_terms(spec, wl, dm) + casts + residual_dropout_mask("attn", spec, dm)
 
 
@@ -137,10 +140,17 @@ def _litgpt_terms(spec: ModelSpec, dm: Dims, grouped: bool) -> list[Term]:
     return terms
 
 
-def attention_weights(spec: ModelSpec, t: int) -> tuple[int, int, int, int]:
-    """Elements of the q, k, v and output projection weights on one TP rank."""
-    h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
-    return h * q // t, h * kv // t, h * kv // t, q * h // t
+@lru_cache(maxsize=256)
+def attention_linears(spec: ModelSpec) -> tuple[Linear, ...]:
+    """The block's projections in registration order: q, k and v (one qkv with
+    ``fused_qkv``), column-parallel, which the ``attn`` gradient group ends with; the output
+    projection, row-parallel, the ``attn_out`` group (its backward runs first)."""
+    h, q, kv, bias = spec.hidden_size, spec.q_size, spec.kv_size, spec.qkv_bias
+    out = Linear("o", "attn_out", q, h, spec.attn_out_bias, Split.ROW)
+    if spec.fused_qkv:  # one q/k/v parameter (and one bias)
+        return Linear("qkv", "attn", h, q + 2 * kv, bias), out
+    return (Linear("q", "attn", h, q, bias), Linear("k", "attn", h, kv, bias),
+            Linear("v", "attn", h, kv, bias), out)
 
 
 def _core(spec: ModelSpec, wl: Workload, dm: Dims) -> eager.Core:
@@ -170,7 +180,7 @@ def _before_output(spec: ModelSpec, dm: Dims, saved: int) -> int:
 def _out_cast(spec: ModelSpec, dm: Dims) -> int:
     """The output projection's saved weight cast (autocast): made after the core, freed by
     its backward before the core's."""
-    return total(weight_casts("attn_out", attention_weights(spec, dm.tp)[3], dm))
+    return linear.saved_bytes(attention_linears(spec)[-1:], dm)
 
 
 def _flash_backward(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute,
@@ -275,24 +285,24 @@ class Attention:
                        eager.forward_saving(_core(spec, wl, dm)))]
 
     def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:
-        h, q, kv, bias = spec.hidden_size, spec.q_size, spec.kv_size, spec.qkv_bias
-        out = linear_sizes(q, h, spec.attn_out_bias, False, t) + qk_norm_sizes(spec, t)
-        if spec.fused_qkv:  # one q/k/v parameter (and one bias)
-            return linear_sizes(h, q + 2 * kv, bias, True, t) + out
-        return (linear_sizes(h, q, bias, True, t) + linear_sizes(h, kv, bias, True, t)
-                + linear_sizes(h, kv, bias, True, t) + out)
+        """The projections (``attention_linears``), then the q and k norms."""
+        return linear.all_tensor_sizes(attention_linears(spec), t) + qk_norm_sizes(spec, t)
 
     def grad_groups(self, spec: ModelSpec, t: int, ep: int) -> dict[str, int]:
         """``attn_out``: the output projection (its backward runs first); ``attn``: all."""
-        h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
-        out = q * h // t + (h if spec.attn_out_bias else 0)
-        qkv = h * (q + 2 * kv) // t + ((q + 2 * kv) // t if spec.qkv_bias else 0)
-        return {"attn_out": out, "attn": out + qkv + sum(qk_norm_sizes(spec, t))}
+        return linear.grad_groups(attention_linears(spec), t, ("attn_out", "attn"),
+                                  {"attn": sum(qk_norm_sizes(spec, t))})
 
     def flops_per_token(self, spec: ModelSpec, seq_len: int) -> float:
-        """2 FLOPs per projection weight, and QK^T and PV over the causal average context
-        s/2: 2 * 2 * (s/2) * a * d (Narayanan et al. 2021, arXiv 2104.04473, section 5.1)."""
-        return 2.0 * sum(attention_params(spec)) + 2.0 * seq_len * spec.q_size
+        """2 FLOPs per projection weight (``memplan.model.linear``) and per q/k norm weight,
+        and the core's (``core_flops_per_token``)."""
+        return (linear.flops_per_token(attention_linears(spec)) + 2.0 * qk_norm_params(spec)
+                + self.core_flops_per_token(spec, seq_len))
+
+    def core_flops_per_token(self, spec: ModelSpec, seq_len: int) -> float:
+        """QK^T and PV over the causal average context s/2: 2 * 2 * (s/2) * a * d
+        (Narayanan et al. 2021, arXiv 2104.04473, section 5.1)."""
+        return 2.0 * seq_len * spec.q_size
 
 
 def windowed(spec: ModelSpec, wl: Workload) -> bool:
@@ -357,6 +367,15 @@ class WindowAttention(Attention):
 
     def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
         return super().rebuild_moments(self._as_run(spec, wl, dm), wl, dm)
+
+    def core_flops_per_token(self, spec: ModelSpec, seq_len: int) -> float:
+        """QK^T and PV over the keys a query attends to: at most the window's w. Averaged
+        over the sequence as the full layer's s/2 is (each query x attending to min(x, w)
+        keys, integrated): s/2 while s <= w, else w - w^2 / (2s); 2 * 2 * context * a * d."""
+        w = spec.sliding_window
+        if w is None or seq_len <= w:
+            return super().core_flops_per_token(spec, seq_len)
+        return 4.0 * (w - w * w / (2 * seq_len)) * spec.q_size
 
 
 def window_mask_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:

@@ -74,16 +74,3 @@ class Block(Protocol):
 
     def flops_per_token(self, spec: ModelSpec, seq_len: int) -> float: ...
 
-
-def linear_sizes(d_in: int, d_out: int, bias: bool, column: bool, t: int) -> list[int]:
-    """Elements of one linear's weight (and bias) on one TP rank: column-parallel splits the
-    output and its bias, row-parallel the input (its bias replicated; Megatron-LM)."""
-    return [d_in * d_out // t] + ([d_out // t if column else d_out] if bias else [])
-
-
-def weight_casts(prefix: str, elements: int, dm: Dims) -> list[Term]:
-    """Under autocast, the low-precision casts of a block's matmul weights (``elements`` on
-    this rank), which its linears save for backward: autocast casts an fp32 weight once per
-    autocast region and caches the cast (``cached_cast`` in ``aten/src/ATen/autocast_mode.cpp``:
-    fp32 leaves that require grad), so each forward of a micro-batch makes its own set."""
-    return [Term(f"{prefix}.weight_casts", elements * dm.e)] if dm.autocast else []

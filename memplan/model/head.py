@@ -8,7 +8,7 @@ its input (a view of the final norm's output) and recomputes the rest in its bac
 
 from __future__ import annotations
 
-from memplan.model.block import weight_casts
+from memplan.model.linear import weight_casts
 from memplan.model.dims import FP32_BYTES, INDEX_BYTES, MASK_BYTES, Dims, Term, total
 from memplan.model.norm import norm_terms
 from memplan.spec import ModelSpec

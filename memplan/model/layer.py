@@ -306,12 +306,6 @@ def layer_tensor_sizes(spec: ModelSpec, t: int, ep: int, moe_layer: bool) -> lis
             for n in block.tensor_sizes(spec, t, ep)]
 
 
-def layer_flops_per_token(spec: ModelSpec, seq_len: int, index: int) -> float:
-    """Forward FLOPs of one token through layer ``index``: the sum of its blocks'."""
-    return sum(block.flops_per_token(spec, seq_len)
-               for block in layer_blocks(spec, spec.is_moe_layer(index)))
-
-
 def merge_terms(groups: tuple[tuple[int, tuple[Term, ...]], ...]) -> tuple[Term, ...]:
     """Sum ``count`` copies of each term list by name."""
     sums: dict[str, int] = {}

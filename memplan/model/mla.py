@@ -26,11 +26,14 @@ and v at the query/key head width.
 
 from __future__ import annotations
 
-from memplan.model import eager
-from memplan.model.block import BackwardMoment, Moment, linear_sizes, weight_casts
+from functools import lru_cache
+
+from memplan.model import eager, linear
+from memplan.model.block import BackwardMoment, Moment
 from memplan.model.dims import FP32_BYTES, Dims, Term, residual_dropout_mask, total
+from memplan.model.linear import Linear, Split
 from memplan.model.norm import norm_terms
-from memplan.spec import MlaSpec, ModelSpec, mla_params
+from memplan.spec import MlaSpec, ModelSpec
 from memplan.workload import Attention as Kernel
 from memplan.workload import Recompute, Workload
 
@@ -78,7 +81,7 @@ def mla_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> 
         terms.append(Term("mla.v", dm.tokens * out * e))
     else:
         terms.append(Term("mla.kv_up", dm.tokens * kv_up * e))
-    terms.append(Term("mla.out", dm.tokens * out * e))
+    terms.append(linear.saved_input("mla.out", mla_linears(spec)[-1], dm.tokens, dm))
     if recompute is Recompute.NONE:
         heads = spec.num_attention_heads // dm.tp
         if wl.attention is Kernel.FLASH:
@@ -89,18 +92,31 @@ def mla_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> 
             terms.append(Term("mla.softmax", scores * (FP32_BYTES if fp32 else e)))
             if fp32:
                 terms.append(Term("mla.softmax_cast", scores * e))
-    casts = weight_casts("mla", sum(mla_weights(spec, dm.tp)), dm)
+    casts = linear.saved_terms("mla", mla_linears(spec), dm)
     return terms + casts + residual_dropout_mask("attn", spec, dm)
 
 
-def mla_weights(spec: ModelSpec, t: int) -> list[int]:
-    """Elements of the block's projection weights on one TP rank, in registration order:
-    q_a, q_b (or q), kv_a, kv_b, o."""
-    mla, h = _mla(spec), spec.hidden_size
-    qk, kv_up, out = _widths(spec, t)
-    q = [h * mla.q_lora_rank, mla.q_lora_rank * qk] if mla.q_lora_rank else [h * qk]
-    return q + [h * (mla.kv_lora_rank + mla.qk_rope_head_dim), mla.kv_lora_rank * kv_up,
-                out * h]
+@lru_cache(maxsize=64)
+def mla_linears(spec: ModelSpec) -> tuple[Linear, ...]:
+    """The block's projections in registration order: q_a (replicated) and q_b, or one q;
+    kv_a (replicated) and kv_b; o, row-parallel (the ``attn_out`` gradient group). DeepSeek's
+    attention_bias (``qkv_bias``) covers the down projections, ``attn_out_bias`` the output."""
+    mla, h, a = _mla(spec), spec.hidden_size, spec.num_attention_heads
+    bias = spec.qkv_bias
+    q: tuple[Linear, ...] = (Linear("q", "attn", h, spec.q_size),)
+    if mla.q_lora_rank:
+        q = (Linear("q_a", "attn", h, mla.q_lora_rank, bias, Split.NONE),
+             Linear("q_b", "attn", mla.q_lora_rank, spec.q_size))
+    return (*q, Linear("kv_a", "attn", h, mla.kv_lora_rank + mla.qk_rope_head_dim, bias,
+                       Split.NONE),
+            Linear("kv_b", "attn", mla.kv_lora_rank, a * (mla.qk_nope_head_dim + mla.v_head_dim)),
+            Linear("o", "attn_out", spec.attn_out_size, h, spec.attn_out_bias, Split.ROW))
+
+
+def _latent_norm_sizes(spec: ModelSpec) -> tuple[int, int]:
+    """The q_a and kv_a norms' weights (replicated; q_a's 0 without q_lora_rank)."""
+    mla = _mla(spec)
+    return mla.q_lora_rank, mla.kv_lora_rank
 
 
 class Mla:
@@ -158,23 +174,27 @@ class Mla:
         return []
 
     def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:
-        mla, h = _mla(spec), spec.hidden_size
-        qk, kv_up, out = _widths(spec, t)
-        kv_a = mla.kv_lora_rank + mla.qk_rope_head_dim
-        q = ([*linear_sizes(h, mla.q_lora_rank, spec.qkv_bias, True, 1), mla.q_lora_rank,
-              mla.q_lora_rank * qk] if mla.q_lora_rank else [h * qk])
-        return (q + linear_sizes(h, kv_a, spec.qkv_bias, True, 1) + [mla.kv_lora_rank,
-                mla.kv_lora_rank * kv_up] + [out * h] + ([h] if spec.attn_out_bias else []))
+        """The projections (``mla_linears``), each latent norm after its down projection."""
+        sizes = [linear.tensor_sizes(lin, t) for lin in mla_linears(spec)]
+        q_norm, kv_norm = _latent_norm_sizes(spec)
+        if q_norm:
+            sizes.insert(1, [q_norm])
+        sizes.insert(len(sizes) - 2, [kv_norm])
+        return [n for part in sizes for n in part]
 
     def grad_groups(self, spec: ModelSpec, t: int, ep: int) -> dict[str, int]:
         """``attn_out``: the output projection (its backward runs first); ``attn``: all."""
-        h = spec.hidden_size
-        out = _widths(spec, t)[2] * h + (h if spec.attn_out_bias else 0)
-        return {"attn_out": out, "attn": sum(self.tensor_sizes(spec, t, ep))}
+        return linear.grad_groups(mla_linears(spec), t, ("attn_out", "attn"),
+                                  {"attn": sum(_latent_norm_sizes(spec))})
 
     def flops_per_token(self, spec: ModelSpec, seq_len: int) -> float:
-        """2 FLOPs per projection weight; QK^T over the query/key head and PV over the value
-        head, each over the causal average context s/2."""
-        mla = _mla(spec)
-        core = seq_len * spec.num_attention_heads * (spec.head_dim + mla.v_head_dim)
-        return 2.0 * sum(mla_params(spec)) + core
+        """2 FLOPs per projection weight and per latent norm weight, and the core's
+        (``core_flops_per_token``)."""
+        return (linear.flops_per_token(mla_linears(spec)) + 2.0 * sum(_latent_norm_sizes(spec))
+                + self.core_flops_per_token(spec, seq_len))
+
+    def core_flops_per_token(self, spec: ModelSpec, seq_len: int) -> float:
+        """QK^T over the query/key head and PV over the value head, each over the causal
+        average context s/2."""
+        core = seq_len * spec.num_attention_heads * (spec.head_dim + _mla(spec).v_head_dim)
+        return float(core)

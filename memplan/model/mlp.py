@@ -7,9 +7,13 @@ ReLU, only its output (its backward reads the output, which the next linear save
 
 from __future__ import annotations
 
-from memplan.model.block import BackwardMoment, Moment, linear_sizes, weight_casts
+from functools import lru_cache
+
+from memplan.model import linear
+from memplan.model.block import BackwardMoment, Moment
 from memplan.model.dims import MASK_BYTES, Dims, Term, residual_dropout_mask, total
-from memplan.spec import ActivationImpl, MlpKind, ModelSpec, mlp_params
+from memplan.model.linear import Linear, Split
+from memplan.spec import ActivationImpl, MlpKind, ModelSpec
 from memplan.workload import Recompute, Workload
 
 
@@ -28,16 +32,22 @@ def mlp_terms(prefix: str, spec: ModelSpec, dm: Dims, ffn: int, tokens: int) -> 
     return [Term(f"{prefix}.{n}", inner) for n in names]
 
 
-def mlp_tensor_sizes(spec: ModelSpec, ffn: int, t: int) -> list[int]:
-    """An MLP's up (and gate) projection, column-parallel, and its down projection; gate and
-    up as one parameter with ``fused_gate_up``."""
-    h = spec.hidden_size
+@lru_cache(maxsize=256)
+def mlp_linears(spec: ModelSpec, ffn: int) -> tuple[Linear, ...]:
+    """An MLP of width ``ffn``, its projections in registration order: up (and gate),
+    column-parallel, gate and up as one parameter with ``fused_gate_up`` (the ``mlp`` gradient
+    group ends with them); down, row-parallel (``mlp_out``: its backward runs first)."""
+    h, bias = spec.hidden_size, spec.mlp_bias
+    down = Linear("down", "mlp_out", ffn, h, bias, Split.ROW)
     if spec.fused_gate_up:
-        return (linear_sizes(h, 2 * ffn, spec.mlp_bias, True, t)
-                + linear_sizes(ffn, h, spec.mlp_bias, False, t))
-    up = linear_sizes(h, ffn, spec.mlp_bias, True, t)
-    gate = linear_sizes(h, ffn, spec.mlp_bias, True, t) if spec.mlp.gated else []
-    return up + gate + linear_sizes(ffn, h, spec.mlp_bias, False, t)
+        return Linear("gate_up", "mlp", h, 2 * ffn, bias), down
+    gate = (Linear("gate", "mlp", h, ffn, bias),) if spec.mlp.gated else ()
+    return Linear("up", "mlp", h, ffn, bias), *gate, down
+
+
+def mlp_tensor_sizes(spec: ModelSpec, ffn: int, t: int) -> list[int]:
+    """An MLP's parameter tensors on one TP rank (``mlp_linears``)."""
+    return linear.all_tensor_sizes(mlp_linears(spec, ffn), t)
 
 
 def inner_grads_per_intermediate(spec: ModelSpec) -> int:
@@ -96,9 +106,9 @@ class Mlp:
     name = "mlp"
 
     def saved(self, spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
-        weights = (3 if spec.mlp.gated else 2) * spec.hidden_size * spec.ffn_hidden_size // dm.tp
         return (mlp_terms("mlp", spec, dm, spec.ffn_hidden_size, dm.tokens)
-                + weight_casts("mlp", weights, dm) + residual_dropout_mask("mlp", spec, dm))
+                + linear.saved_terms("mlp", mlp_linears(spec, spec.ffn_hidden_size), dm)
+                + residual_dropout_mask("mlp", spec, dm))
 
     def forward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
                         recompute: Recompute) -> list[Moment]:
@@ -129,8 +139,7 @@ class Mlp:
             freed=dropout_mask_bytes(spec, dm), run_tokens=dm.tokens,
             ffn=spec.ffn_hidden_size, grad_inputs=(2 if spec.mlp.gated else 1) * rows_h_e,
             fresh=spec.hidden_size * spec.ffn_hidden_size // dm.tp,
-            out_cast=total(weight_casts("mlp", spec.ffn_hidden_size * spec.hidden_size // dm.tp,
-                                        dm)))
+            out_cast=linear.saved_bytes(mlp_linears(spec, spec.ffn_hidden_size)[-1:], dm))
 
     def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
         return []
@@ -140,12 +149,7 @@ class Mlp:
 
     def grad_groups(self, spec: ModelSpec, t: int, ep: int) -> dict[str, int]:
         """``mlp_out``: the down projection (its backward runs first); ``mlp``: all."""
-        h, ffn = spec.hidden_size, spec.ffn_hidden_size
-        mult = 3 if spec.mlp.gated else 2
-        bias = h if spec.mlp_bias else 0
-        return {"mlp_out": h * ffn // t + bias,
-                "mlp": mult * h * ffn // t + (mult - 1) * (ffn // t if spec.mlp_bias else 0)
-                + bias}
+        return linear.grad_groups(mlp_linears(spec, spec.ffn_hidden_size), t, ("mlp_out", "mlp"))
 
     def flops_per_token(self, spec: ModelSpec, seq_len: int) -> float:
-        return 2.0 * sum(mlp_params(spec, spec.ffn_hidden_size))
+        return linear.flops_per_token(mlp_linears(spec, spec.ffn_hidden_size))

@@ -14,10 +14,12 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from memplan.model.layer import layer_tensor_sizes
+from memplan.model.optimizer import optimizer_policy
+from memplan.model.trainable import ALL, TrainablePolicy
 from memplan.parallel import Offload, ParallelConfig, ZeroStage, vocab_shard
 from memplan.spec import ModelSpec, param_counts
 from memplan.units import DType, ceil_div
-from memplan.workload import FsdpUnits, Optimizer, OptimizerImpl, Workload
+from memplan.workload import FsdpUnits, Workload
 
 FP32_BYTES = DType.FP32.itemsize
 
@@ -34,6 +36,8 @@ class StageParams(NamedTuple):
     #                                order a model registers them (embedding, layers, head)
     largest_unit: int  # elements of the largest FSDP unit (a layer, or the embedding/head)
     num_tensors: int  # parameter tensors on the rank
+    embedding_tensors: int = 0  # of tensor_sizes, the embedding's (the first ones)
+    head_tensors: int = 0  # ... the final norm's and the head's (the last ones)
 
     @property
     def total(self) -> int:
@@ -71,16 +75,20 @@ def count_stage_params(spec: ModelSpec, t: int, ep: int, pp: int, layers: tuple[
     sizes: list[int] = []
     if first:
         sizes += [vocab_rows] + ([counts.position_embedding] if counts.position_embedding else [])
+    embedding_tensors = len(sizes)
     kinds = {moe: layer_tensor_sizes(spec, t, ep, moe)
              for moe in {spec.is_moe_layer(i) for i in layers}}
     for i in layers:
         sizes += kinds[spec.is_moe_layer(i)]
+    before_head = len(sizes)
     if last:
         sizes += [h] * (2 if spec.norm_bias else 1)
         sizes += [vocab_rows] if counts.head or pp > 1 else []
     return StageParams(dense=dense, expert=expert, layers=tuple(per_layer), embedding=embed,
                        head=head, tensor_sizes=tuple(sizes),
-                       largest_unit=max(0, embed, head, *per_layer), num_tensors=len(sizes))
+                       largest_unit=max(0, embed, head, *per_layer), num_tensors=len(sizes),
+                       embedding_tensors=embedding_tensors,
+                       head_tensors=len(sizes) - before_head)
 
 
 class StateBytes(NamedTuple):
@@ -109,29 +117,31 @@ def _shard(num: int, degree: int, sharded: bool) -> int:
     return ceil_div(num, degree) if sharded else num
 
 
-def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload) -> StateBytes:
+def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
+                trainable: TrainablePolicy = ALL) -> StateBytes:
+    """The rank's weights (all of them), and the gradients and optimizer states of the
+    parameters that train (``trainable``), each sharded by ZeRO from its stage on."""
     policy = wl.precision.policy
+    optimizer = optimizer_policy(wl.optimizer)
+    trained = trainable.trained(params)
     z = par.zero
     dense_d, expert_d = par.dense_shard_degree, par.expert_shard_degree
 
-    def held(stage: ZeroStage) -> int:
+    def held(dense: int, expert: int, stage: ZeroStage) -> int:
         on = z >= stage
-        return _shard(params.dense, dense_d, on) + _shard(params.expert, expert_d, on)
+        return _shard(dense, dense_d, on) + _shard(expert, expert_d, on)
 
-    opt_params = held(ZeroStage.OPTIMIZER)
-    per_param_opt = policy.master_bytes + wl.optimizer.state_bytes_per_param(policy)
-    # fused AdamW keeps its per-tensor step counters on the device (fp32 scalars); foreach
-    # and for-loop keep them on the host (torch.optim.AdamW, capturable=False)
-    steps = (params.num_tensors * FP32_BYTES if wl.optimizer is Optimizer.ADAMW
-             and wl.optimizer_impl is OptimizerImpl.FUSED else 0)
-    params_bytes = held(ZeroStage.PARAMETERS) * policy.param_bytes
-    grads_bytes = held(ZeroStage.GRADIENTS) * policy.grad_bytes
+    opt_params = held(trained.dense, trained.expert, ZeroStage.OPTIMIZER)
+    per_param_opt = policy.master_bytes + optimizer.state_bytes_per_param(policy)
+    steps = optimizer.step_counter_bytes(wl.optimizer_impl, len(trained.tensor_sizes))
+    params_bytes = held(params.dense, params.expert, ZeroStage.PARAMETERS) * policy.param_bytes
+    grads_bytes = held(trained.dense, trained.expert, ZeroStage.GRADIENTS) * policy.grad_bytes
     if par.offload is Offload.OPTIMIZER:
         # the CPU optimizer keeps an fp32 master copy even when the GPU trains in fp32
         # (DeepSpeed's CPU-Adam updates its own fp32 partition), its states, and reads an fp32
         # copy of the gradient shard; the step counters stay on the host
         master, grad = FP32_BYTES, FP32_BYTES
-        host = opt_params * (master + wl.optimizer.num_states * FP32_BYTES + grad)
+        host = opt_params * (master + optimizer.host_state_bytes_per_param() + grad)
         return StateBytes(params_bytes=params_bytes, grads_bytes=grads_bytes, optimizer_bytes=0,
                           master_bytes=0, num_optimizer_params=opt_params, host_bytes=host)
     scaler = GRAD_SCALER_STATE_BYTES if policy.grad_scaler else 0
@@ -146,33 +156,24 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload) -> State
 
 
 def optimizer_step_temp_bytes(params: StageParams, st: StateBytes, par: ParallelConfig,
-                              wl: Workload) -> int:
-    """Temporaries of the optimizer step beyond the states.
-
-    AdamW foreach (torch.optim's CUDA default) materialises one intermediate list the size of
-    all parameters it updates; for-loop a parameter's two intermediates and the previous
-    parameter's denominator; fused none; each in the dtype of what it updates (fp32 for a
-    master copy, the weights' dtype without one).
-    torch.optim.SGD with momentum updates in place. With a low-precision gradient and an fp32
-    master copy the step reads fp32 gradients, copied shard by shard (Megatron-LM's
-    ``_copy_model_grads_to_main_grads``): one fp32 copy of the updated shard.
+                              wl: Workload, trainable: TrainablePolicy = ALL) -> int:
+    """Temporaries of the optimizer step beyond the states: the implementation's
+    (``memplan.model.optimizer``), over the tensors it updates (this rank's shards of them
+    under ZeRO), in the dtype of what it updates (fp32 for a master copy, the weights' dtype
+    without one). With a low-precision gradient and an fp32 master copy the step reads fp32
+    gradients, copied shard by shard (Megatron-LM's ``_copy_model_grads_to_main_grads``):
+    one fp32 copy of the updated shard.
     """
     policy = wl.precision.policy
-    temp = 0
     if par.offload is Offload.OPTIMIZER:  # the step runs on the host
         return 0
-    updated = policy.updated.itemsize
-    if wl.optimizer is Optimizer.ADAMW:
-        if wl.optimizer_impl is OptimizerImpl.FOREACH:
-            temp = st.num_optimizer_params * updated
-        elif wl.optimizer_impl is OptimizerImpl.FORLOOP:
-            sizes = params.tensor_sizes
-            if par.zero >= ZeroStage.OPTIMIZER:
-                sizes = tuple(ceil_div(n, par.dense_shard_degree) for n in sizes)
-            # sqrt and div make a parameter's denominator while the previous parameter's is
-            # still referenced (torch.optim's _single_tensor_adamw loop)
-            pairs = [prev + 2 * cur for prev, cur in zip((0, *sizes), sizes)]
-            temp = max(pairs, default=0) * updated
+    step = optimizer_policy(wl.optimizer).step(wl.optimizer_impl)
+    sizes: tuple[int, ...] = ()
+    if step.per_tensor:
+        sizes = trainable.trained(params).tensor_sizes
+        if par.zero >= ZeroStage.OPTIMIZER:
+            sizes = tuple(ceil_div(n, par.dense_shard_degree) for n in sizes)
+    temp = step.elements(st.num_optimizer_params, sizes) * policy.updated.itemsize
     if policy.master_bytes and policy.grad_bytes < FP32_BYTES:
         temp += st.num_optimizer_params * FP32_BYTES
     if policy.grad_scaler:

@@ -12,10 +12,13 @@ on fp32 copies (``router_fp32``) saves them.
 
 from __future__ import annotations
 
-from memplan.model import mlp
+from functools import lru_cache
+
+from memplan.model import linear, mlp
 from memplan.model.block import BackwardMoment, Moment
 from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term, residual_dropout_mask, total
-from memplan.spec import ModelSpec, MoESpec, mlp_params
+from memplan.model.linear import Linear, Split
+from memplan.spec import ModelSpec, MoESpec
 from memplan.workload import MoeImpl, Recompute, Workload
 
 
@@ -62,6 +65,40 @@ def moe_terms(spec: ModelSpec, dm: Dims, impl: MoeImpl = MoeImpl.LOOP) -> list[T
             terms += [Term("moe.shared_gate", dm.tokens * e),
                       Term("moe.shared_out", dm.tokens * h * e)]
     return terms
+
+
+def router_linears(spec: ModelSpec) -> tuple[tuple[Linear, ...], tuple[Linear, ...]]:
+    """(the router, the shared experts' gate): projections every rank holds whole (the
+    router replicated, as Megatron-LM's TopKRouter), which every token passes."""
+    moe, h = _moe(spec), spec.hidden_size
+    router = Linear("router", "mlp", h, moe.num_experts, moe.router_bias, Split.NONE)
+    gate = Linear("shared_gate", "mlp", h, 1, split=Split.NONE)
+    return (router,), ((gate,) if moe.shared_expert_gate else ())
+
+
+def _shared_linears(spec: ModelSpec) -> tuple[Linear, ...]:
+    moe = _moe(spec)
+    if not moe.num_shared_experts:
+        return ()
+    return mlp.mlp_linears(spec, moe.num_shared_experts * moe.shared_expert_ffn_hidden_size)
+
+
+@lru_cache(maxsize=256)
+def moe_linears(spec: ModelSpec, ep: int) -> tuple[Linear, ...]:
+    """The block's projections on one EP rank in registration order: the router, this rank's
+    experts (each an MLP, or with ``stacked_experts`` two tensors holding all of them: gate and
+    up, then down), the shared experts and their gate."""
+    moe, h = _moe(spec), spec.hidden_size
+    local, f = moe.num_experts // ep, moe.expert_ffn_hidden_size
+    router, gate = router_linears(spec)
+    if moe.stacked_experts:
+        inputs = 2 if spec.mlp.gated else 1
+        experts: tuple[Linear, ...] = (
+            Linear("experts_in", "mlp", h, inputs * f, stack=local),
+            Linear("experts_down", "mlp_out", f, h, split=Split.ROW, stack=local))
+    else:
+        experts = mlp.mlp_linears(spec, f) * local
+    return router + experts + _shared_linears(spec) + gate
 
 
 def _grouped_extra(spec: ModelSpec, dm: Dims) -> int:
@@ -128,40 +165,19 @@ class MoE:
         return []
 
     def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:
-        """The router, this rank's experts (each an MLP, or two stacked tensors for all), the
-        shared experts and their gate."""
-        moe, h = _moe(spec), spec.hidden_size
-        out = [h * moe.num_experts] + ([moe.num_experts] if moe.router_bias else [])
-        local, f = moe.num_experts // ep, moe.expert_ffn_hidden_size
-        if moe.stacked_experts:
-            inputs = 2 if spec.mlp.gated else 1
-            out += [local * inputs * f * h // t, local * h * f // t]
-        else:
-            for _ in range(local):
-                out += mlp.mlp_tensor_sizes(spec, f, t)
-        if moe.num_shared_experts:
-            out += mlp.mlp_tensor_sizes(
-                spec, moe.num_shared_experts * moe.shared_expert_ffn_hidden_size, t)
-        if moe.shared_expert_gate:
-            out.append(h)
-        return out
+        """The router, this rank's experts, the shared experts and their gate
+        (``moe_linears``)."""
+        return linear.all_tensor_sizes(moe_linears(spec, ep), t)
 
     def grad_groups(self, spec: ModelSpec, t: int, ep: int) -> dict[str, int]:
-        moe, h = _moe(spec), spec.hidden_size
-        ffn = (moe.num_experts // ep * moe.expert_ffn_hidden_size
-               + moe.num_shared_experts * moe.shared_expert_ffn_hidden_size)
-        out = h * ffn // t
-        gate = h if moe.shared_expert_gate else 0
-        return {"mlp_out": out,
-                "mlp": out * (3 if spec.mlp.gated else 2) + h * moe.num_experts + gate}
+        """``mlp_out``: the experts' down projections (their backward runs first); ``mlp``:
+        all."""
+        return linear.grad_groups(moe_linears(spec, ep), t, ("mlp_out", "mlp"))
 
     def flops_per_token(self, spec: ModelSpec, seq_len: int) -> float:
         """The router and shared experts, and the top-k of the routed experts."""
         moe = _moe(spec)
-        router = (spec.hidden_size * moe.num_experts + (moe.num_experts if moe.router_bias else 0)
-                  + (spec.hidden_size if moe.shared_expert_gate else 0))
-        shared = sum(mlp_params(spec, moe.num_shared_experts
-                                * moe.shared_expert_ffn_hidden_size)) \
-            if moe.num_shared_experts else 0
-        experts = moe.num_experts * sum(mlp_params(spec, moe.expert_ffn_hidden_size))
-        return 2.0 * (router + shared) + 2.0 * (experts * moe.top_k // moe.num_experts)
+        router, gate = router_linears(spec)
+        every = linear.params(router + gate + _shared_linears(spec))
+        experts = moe.num_experts * linear.params(mlp.mlp_linears(spec, moe.expert_ffn_hidden_size))
+        return 2.0 * every + 2.0 * (experts * moe.top_k // moe.num_experts)

@@ -17,6 +17,7 @@ projections, two for gate and up).
 from __future__ import annotations
 
 from memplan.model.block import BackwardMoment, Moment
+from memplan.model.linear import input_copies
 from memplan.model.dims import FP32_BYTES, Dims, Term, total
 from memplan.spec import ModelSpec, NormKind, norm_params
 from memplan.workload import NormImpl, Recompute, Workload
@@ -59,7 +60,7 @@ def _norm_terms(prefix: str, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Te
     # the output is saved by the next (column-parallel) linear: as its sequence shard, or
     # all-gathered to the full sequence (DTensor sequence parallelism); under autocast each
     # linear saves its own cast of it
-    copies = consumers(prefix, spec, wl) if dm.autocast else 1
+    copies = input_copies(consumers(prefix, spec, wl), dm)
     out_e = dm.e
     if dm.autocast and output_saved_fp32(prefix, wl):
         copies, out_e = 1, dm.stream_e
@@ -249,7 +250,7 @@ class StreamInput:
         self.name = name
 
     def saved(self, spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
-        copies = consumers(self.name.replace("_input", "_norm"), spec, wl) if dm.autocast else 1
+        copies = input_copies(consumers(self.name.replace("_input", "_norm"), spec, wl), dm)
         return [Term(f"{self.name}.output",
                      copies * dm.linear_rows * spec.hidden_size * dm.e)]
 

@@ -29,12 +29,13 @@ from dataclasses import dataclass, field
 import torch
 
 from memplan.errors import MemplanError
+from memplan.model.optimizer import optimizer_policy
 from memplan.parallel import ParallelConfig
 from memplan.profile.cuda_rules import autocast_rules
 from memplan.profile.reference import ReferenceModel, RefOptions
 from memplan.profile.tracker import CATEGORIES, MemoryTracker, PhasePeak
 from memplan.spec import ModelSpec
-from memplan.workload import Optimizer, OptimizerImpl, Precision, Workload
+from memplan.workload import OptimizerImpl, Precision, Workload
 
 _TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -67,13 +68,15 @@ class TraceResult:
 
 
 def _optimizer(params: list[torch.Tensor], wl: Workload) -> torch.optim.Optimizer:
-    impl = wl.optimizer_impl
-    flags = {"foreach": impl is OptimizerImpl.FOREACH, "fused": impl is OptimizerImpl.FUSED}
-    if wl.optimizer is Optimizer.ADAMW:
-        return torch.optim.AdamW(params, lr=1e-4, **flags)
-    if impl is OptimizerImpl.FUSED:
-        raise MemplanError("optimizer_impl: torch.optim.SGD has no fused CPU implementation")
-    return torch.optim.SGD(params, lr=1e-4, momentum=0.9, foreach=flags["foreach"])
+    impl, policy = wl.optimizer_impl, optimizer_policy(wl.optimizer)
+    flags = {"foreach": impl is OptimizerImpl.FOREACH}
+    if policy.fused_on_cpu:
+        flags["fused"] = impl is OptimizerImpl.FUSED
+    elif impl is OptimizerImpl.FUSED:
+        raise MemplanError(f"optimizer_impl: torch.optim.{policy.torch_class} has no fused CPU "
+                           "implementation")
+    optimizer = getattr(torch.optim, policy.torch_class)
+    return optimizer(params, lr=1e-4, **dict(policy.torch_kwargs), **flags)
 
 
 class _Recipe:

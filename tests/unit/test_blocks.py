@@ -18,7 +18,6 @@ from memplan.model.layer import (
     forward_moments,
     grad_group_params,
     layer_blocks,
-    layer_flops_per_token,
     layer_kind,
     layer_tensor_sizes,
     layer_terms,
@@ -185,16 +184,20 @@ def test_block_parameters_add_up_to_the_layer(model: str, t: int) -> None:
 
 
 @pytest.mark.parametrize("model", ["tiny", "gpt2", "llama-3-8b", "mixtral-8x7b"])
-def test_block_flops_add_up_to_the_step_time_model(model: str) -> None:
-    """2 FLOPs per parameter a token passes (top-k of the experts) plus causal attention's
-    2*s*q per layer: the blocks' FLOPs per token add up to the step-time model's."""
-    from memplan.timing import forward_flops_per_token
+def test_block_flops_count_two_per_parameter(model: str) -> None:
+    """2 FLOPs per parameter a token passes, counted by ``layer_params`` (all but the routed
+    experts, of which the top-k), and causal attention's 2*s*q per layer: the blocks' FLOPs
+    per token (``memplan.model.flops``, which the step-time model reads)."""
+    from memplan.model.flops import layer_flops
 
     spec = load_model(model)
     seq = 2048
-    matmul, attention, _ = forward_flops_per_token(spec, seq)
-    layers = sum(layer_flops_per_token(spec, seq, i) for i in range(spec.num_layers))
-    assert layers == matmul - 2.0 * spec.vocab_size * spec.hidden_size + attention
+    for i, layer in enumerate(layer_flops(spec, seq)):
+        counts = layer_params(spec, i)
+        weights = counts.tp_sharded + counts.replicated
+        if spec.moe is not None and spec.is_moe_layer(i):
+            weights += counts.expert * spec.moe.top_k // spec.moe.num_experts
+        assert layer == (2 * weights, 2 * seq * spec.q_size)
 
 
 def test_every_block_has_the_interface() -> None:

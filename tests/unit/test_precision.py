@@ -6,6 +6,7 @@ import pytest
 
 import memplan
 from memplan.errors import MemplanError
+from memplan.model.optimizer import optimizer_policy
 from memplan.overheads import no_overheads
 from memplan.units import DType
 from memplan.workload import Optimizer, Precision
@@ -29,8 +30,9 @@ def test_policy_bytes(precision: Precision) -> None:
     weights, bf16 for bf16-pure (torch.optim's zeros_like(param))."""
     policy = precision.policy
     assert (policy.param_bytes, policy.grad_bytes, policy.master_bytes,
-            Optimizer.ADAMW.state_bytes_per_param(policy)) == TABLE[precision]
-    assert Optimizer.SGD.state_bytes_per_param(policy) == TABLE[precision][3] // 2
+            optimizer_policy(Optimizer.ADAMW).state_bytes_per_param(policy)) == TABLE[precision]
+    assert (optimizer_policy(Optimizer.SGD).state_bytes_per_param(policy)
+            == TABLE[precision][3] // 2)
 
 
 def test_bf16_pure_states_by_hand() -> None:

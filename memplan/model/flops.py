@@ -1,0 +1,48 @@
+"""Forward FLOPs of one token through each layer, read from its blocks: the one source the
+step-time model (``memplan.timing``) computes with.
+
+A layer's FLOPs are its blocks' ``flops_per_token`` (2 per parameter the token passes, the
+top-k of the routed experts, and the attention core's), split into the attention core's
+score matmuls (QK^T and PV: their kernel runs at its own rate, and selective recompute reruns
+them) and the rest. A sliding-window layer's core attends over its window
+(``memplan.model.attention.WindowAttention``).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import NamedTuple
+
+from memplan.model.attention import Attention
+from memplan.model.layer import layer_blocks
+from memplan.model.mla import Mla
+from memplan.spec import ModelSpec
+
+
+class LayerFlops(NamedTuple):
+    """Forward FLOPs of one token through one layer."""
+
+    matmul: float  # projections, norms, router: 2 per parameter it passes
+    attention: float  # the attention core's two batched matmuls
+
+    @property
+    def total(self) -> float:
+        return self.matmul + self.attention
+
+
+@lru_cache(maxsize=256)
+def layer_flops(spec: ModelSpec, seq_len: int) -> tuple[LayerFlops, ...]:
+    """``LayerFlops`` of each layer of the model at ``seq_len`` tokens per sequence; layers of
+    one kind (MoE or dense, sliding-window or full) computed once."""
+    kinds: dict[tuple[bool, bool], LayerFlops] = {}
+    out = []
+    for i in range(spec.num_layers):
+        key = (spec.is_moe_layer(i), spec.is_sliding_layer(i))
+        if key not in kinds:
+            blocks = layer_blocks(spec, *key)
+            total = sum(block.flops_per_token(spec, seq_len) for block in blocks)
+            core = sum(block.core_flops_per_token(spec, seq_len) for block in blocks
+                       if isinstance(block, (Attention, Mla)))
+            kinds[key] = LayerFlops(total - core, core)
+        out.append(kinds[key])
+    return tuple(out)

@@ -1,0 +1,127 @@
+"""One place every projection of a block goes through.
+
+A block declares its projections (``Linear``: a name, the gradient group its backward fills,
+its width in and out, a bias, how tensor parallelism splits it) and reads from here what
+depends on a projection alone: its parameter tensors on one TP rank, the low-precision weight
+casts it saves under autocast, the copies of its input it saves, the gradient groups its
+backward makes, its FLOPs. A change made at the level of one linear (autocast's casts today;
+float8 casts, adapters, quantized base weights next) is made here once, for every block.
+
+Tensor parallelism follows Megatron-LM (``megatron/core/tensor_parallel/layers.py``):
+``ColumnParallelLinear`` splits the output and its bias, ``RowParallelLinear`` the input (its
+bias replicated); a projection that is not split (MLA's down projections, Megatron-LM's
+``MLASelfAttention``; a router) holds all of it on every rank.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from memplan.model.dims import Dims, Term
+
+
+class Split(str, enum.Enum):
+    """How tensor parallelism splits a projection (see the module docstring)."""
+
+    COLUMN = "column"  # the output (and the bias) split by t
+    ROW = "row"  # the input split by t, the bias replicated
+    NONE = "none"  # replicated: every rank holds all of it
+
+
+class Linear(NamedTuple):
+    """One projection of a block, ``d_in`` -> ``d_out`` elements per token, whole (before any
+    split). ``stack``: experts held in one parameter (a stacked expert tensor: ``stack``
+    weights of this shape in one tensor, no bias). ``saves_input``: its backward needs its
+    input (for the weight's gradient), which autograd saves."""
+
+    name: str
+    group: str
+    d_in: int
+    d_out: int
+    bias: bool = False
+    split: Split = Split.COLUMN
+    stack: int = 1
+    saves_input: bool = True
+
+
+def weight_elements(lin: Linear, t: int) -> int:
+    """Elements of the weight on one TP rank (all ``stack`` experts of it)."""
+    div = 1 if lin.split is Split.NONE else t
+    return lin.stack * lin.d_in * lin.d_out // div
+
+
+def tensor_sizes(lin: Linear, t: int) -> list[int]:
+    """Elements of the weight and the bias on one TP rank, in registration order."""
+    if not lin.bias:
+        return [weight_elements(lin, t)]
+    return [weight_elements(lin, t), lin.d_out // t if lin.split is Split.COLUMN else lin.d_out]
+
+
+def all_tensor_sizes(linears: Sequence[Linear], t: int) -> list[int]:
+    """``tensor_sizes`` of each projection, in the order given."""
+    return [n for lin in linears for n in tensor_sizes(lin, t)]
+
+
+def params(linears: Sequence[Linear], t: int = 1) -> int:
+    """Parameters of the projections on one TP rank (all of them at ``t`` = 1)."""
+    return sum(all_tensor_sizes(linears, t))
+
+
+def weight_casts(prefix: str, elements: int, dm: Dims) -> list[Term]:
+    """Under autocast, the low-precision casts of ``elements`` weight elements on this rank,
+    which the linears save for backward: autocast casts an fp32 weight once per autocast
+    region and caches the cast (``cached_cast`` in ``aten/src/ATen/autocast_mode.cpp``: fp32
+    leaves that require grad), so each forward of a micro-batch makes its own set."""
+    return [Term(f"{prefix}.weight_casts", elements * dm.e)] if dm.autocast else []
+
+
+def saved_terms(prefix: str, linears: Sequence[Linear], dm: Dims) -> list[Term]:
+    """What the projections save of their own for backward, beyond the activations the block
+    counts (their inputs, ``saved_input``): under autocast the casts of their weights on this
+    rank (``weight_casts``, one term)."""
+    if not dm.autocast:  # (the planner's hot path: no sum to make)
+        return []
+    return weight_casts(prefix, sum(weight_elements(lin, dm.tp) for lin in linears), dm)
+
+
+def saved_bytes(linears: Sequence[Linear], dm: Dims) -> int:
+    """``saved_terms`` in bytes (0 without autocast)."""
+    return sum(term.size_bytes for term in saved_terms("", linears, dm))
+
+
+def input_copies(readers: int, dm: Dims) -> int:
+    """Copies of one input tensor that ``readers`` linears reading it save: one shared tensor,
+    or under autocast each linear's own low-precision cast (autocast casts the input of every
+    matmul separately and caches only leaves' casts: ``cached_cast``, ``autocast_mode.cpp``)."""
+    return readers if dm.autocast else 1
+
+
+def saved_input(name: str, lin: Linear, rows: int, dm: Dims) -> Term:
+    """The input a projection saves, ``rows`` tokens of its (TP-local) input width in the
+    compute dtype: a row-parallel projection's input is split by t, a column-parallel one's is
+    whole."""
+    width = lin.d_in // dm.tp if lin.split is Split.ROW else lin.d_in
+    return Term(name, rows * width * dm.e if lin.saves_input else 0)
+
+
+def grad_groups(linears: Sequence[Linear], t: int, order: tuple[str, ...],
+                others: dict[str, int] | None = None) -> dict[str, int]:
+    """Parameters on one TP rank whose gradients exist once the backward has run through each
+    group of ``order`` (the backward's order: each group includes those before it). ``others``:
+    parameters of a group that are not projections (norms inside a block)."""
+    extra = others or {}
+    out: dict[str, int] = {}
+    running = 0
+    for group in order:
+        running += params([lin for lin in linears if lin.group == group], t) + extra.get(group, 0)
+        out[group] = running
+    return out
+
+
+def flops_per_token(linears: Sequence[Linear]) -> float:
+    """Forward FLOPs of one token through the projections: 2 per parameter, a multiply and an
+    add per weight (and one add per bias element, counted alike; Narayanan et al. 2021, arXiv
+    2104.04473, section 5.1, count 2 per weight)."""
+    return 2.0 * params(linears)
