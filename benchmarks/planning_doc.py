@@ -23,7 +23,7 @@ if str(ROOT) not in sys.path:
 
 import memplan
 from memplan.report.plan import _layout
-from memplan.timing import estimate_step_time, step_flops
+from memplan.planning.timing import estimate_step_time, step_flops
 
 DOC = ROOT / "docs" / "planning.md"
 GiB = 2**30

@@ -263,13 +263,13 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
          stage_layers: Any = None, dp_shard: int | None = None, top: int | None = None,
          **workload: Any):
     """Layouts, recompute policies and micro-batch sizes that fit ``gpus`` GPUs, fastest first
-    (``memplan.planner.PlanResult``). Layout arguments given are fixed; the rest are searched.
-    ``workload`` takes Workload fields (seq_len, global_batch_size, precision, ...).
+    (``memplan.planning.planner.PlanResult``). Layout arguments given are fixed; the rest are
+    searched. ``workload`` takes Workload fields (seq_len, global_batch_size, precision, ...).
     ``calibration`` as for ``estimate``: candidates are re-checked and re-timed with it.
     ``top``: only the ``top`` fastest candidates are wanted, so recompute policies that cannot
     beat them are not searched (the first ``top`` are the same; without calibration)."""
-    from memplan.planner import DEFAULT_SAFETY
-    from memplan.planner import plan as run_plan
+    from memplan.planning.planner import DEFAULT_SAFETY
+    from memplan.planning.planner import plan as run_plan
 
     spec = _spec(model)
     gpu_spec = _gpu(gpu)
@@ -322,7 +322,7 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
 def _check_fixed(spec: ModelSpec, gpus: int, tp: int | None, pp: int | None,
                  cp: int | None) -> None:
     """The layout degrees a plan keeps fixed must split ``gpus`` and the model (the
-    planner's own rules, ``memplan.planner.layouts``), or no layout can be searched."""
+    planner's own rules, ``memplan.planning.planner.layouts``), or no layout can be searched."""
     given = {name: value for name, value in (("tp", tp), ("pp", pp), ("cp", cp))
              if value is not None}
     product = 1
@@ -365,7 +365,7 @@ def _check_found(result: Any, gpus: int, fixed: dict[str, Any]) -> None:
 def check(model: str | ModelSpec, *, safety: float | None = None, **kwargs: Any) -> Estimate:
     """``estimate(model, **kwargs)``, raising MemplanError with the breakdown when it does not
     fit in capacity * (1 - safety): a launcher's pre-flight check."""
-    from memplan.planner import DEFAULT_SAFETY
+    from memplan.planning.planner import DEFAULT_SAFETY
     from memplan.report.estimate import check_fits  # the breakdown in GiB is rendering
 
     arguments.number("safety", safety, low=0, high=1, optional=True)

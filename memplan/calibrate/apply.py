@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from memplan.batch_sizes import micro_batch_sizes
+from memplan.planning.batch_sizes import micro_batch_sizes
 from memplan.calibrate.calibration_profile import Profile, find_profile, load_profile
 from memplan.calibrate.features import (
     FEATURES,
@@ -272,7 +272,7 @@ def calibrate_plan(result: Any, spec: ModelSpec, gpu: GpuSpec, loaded: list[Load
         return result
     from memplan.model.estimate import estimate
     from memplan.parallel import resolve_batch
-    from memplan.timing import step_time
+    from memplan.planning.timing import step_time
 
     budget = int((capacity_bytes or gpu.memory_bytes) * (1 - safety))
     gbs = result.global_batch_size

@@ -90,7 +90,7 @@ class StepMeasure(BaseModel):
 
     step: int = Field(ge=1)
     time_s: float = Field(ge=0, description="wall time of the step (CPU: under the tracker)")
-    hardware_flops: float = Field(ge=0, description="FLOPs this rank ran (memplan.timing, "
+    hardware_flops: float = Field(ge=0, description="FLOPs this rank ran (memplan.planning.timing, "
                                   "recompute included)")
     achieved_flops_per_s: float = Field(ge=0)
     phases: dict[str, PhaseMeasure]

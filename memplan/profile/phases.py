@@ -19,7 +19,7 @@ import torch
 
 from memplan.errors import MemplanError
 from memplan.profile.tracker import MemoryTracker
-from memplan.timeline import PHASES
+from memplan.measure.timeline import PHASES
 
 StepFn = Callable[[torch.nn.Module, torch.optim.Optimizer, int], Any]
 

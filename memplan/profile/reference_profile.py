@@ -24,7 +24,7 @@ from memplan.profile.step import StepFn, from_tracker
 from memplan.profile.trace import _fake_mode, _optimizer, _Recipe, ref_options, run_steps
 from memplan.profile.tracker import MemoryTracker
 from memplan.spec import ModelSpec
-from memplan.timeline import Timeline
+from memplan.measure.timeline import Timeline
 from memplan.workload import Workload
 
 

@@ -46,7 +46,7 @@ from memplan.calibrate.refit import build_profile, refit_all
 from memplan.cli import app, main
 from memplan.errors import MemplanError
 from memplan.hardware import load_gpu
-from memplan.timing import step_flops
+from memplan.planning.timing import step_flops
 from memplan.units import GiB, MiB
 
 ROOT = Path(__file__).resolve().parents[2]

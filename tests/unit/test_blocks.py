@@ -188,7 +188,7 @@ def test_block_parameters_add_up_to_the_layer(model: str, t: int) -> None:
 def test_block_flops_add_up_to_the_step_time_model(model: str) -> None:
     """2 FLOPs per parameter a token passes (top-k of the experts) plus causal attention's
     2*s*q per layer: the blocks' FLOPs per token add up to the step-time model's."""
-    from memplan.timing import forward_flops_per_token
+    from memplan.planning.timing import forward_flops_per_token
 
     spec = load_model(model)
     seq = 2048

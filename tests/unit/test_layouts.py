@@ -13,8 +13,8 @@ import pytest
 import memplan
 from memplan.cli import main
 from memplan.parallel import ParallelConfig, rank_layers, weighted_split
-from memplan.planner import pipeline_splits
-from memplan.timing import (
+from memplan.planning.planner import pipeline_splits
+from memplan.planning.timing import (
     ATTENTION_TFLOPS_BY_SEQ,
     _cp_attention_time,
     attention_rate,

@@ -2,7 +2,7 @@
 
 For every layout (tp, pp with virtual stages, cp, ep, dp derived, ZeRO stage, sequence
 parallelism on and off) and recompute policy the planner finds the largest micro-batch that fits
-in ``capacity * (1 - safety)``, for all layouts at once (``batch_search``: the answer a brute
+in ``capacity * (1 - safety)``, for all layouts at once (``search``: the answer a brute
 force over ``estimate`` gives), times every feasible candidate in one vectorised pass of the
 step-time model, and ranks them. Every rejected layout keeps its reason.
 """
@@ -15,8 +15,8 @@ from functools import cached_property, lru_cache
 
 import numpy as np
 
-from memplan.batch_search import Found, Job, Search, evaluate
-from memplan.batch_sizes import divisors, micro_batch_sizes
+from memplan.planning.search import Found, Job, Search, evaluate
+from memplan.planning.batch_sizes import divisors, micro_batch_sizes
 from memplan.errors import LayoutError, MemplanError
 from memplan.hardware import GpuSpec
 from memplan.model.estimate import Estimate, estimate
@@ -30,7 +30,14 @@ from memplan.parallel import (
     weighted_split,
 )
 from memplan.spec import ModelSpec
-from memplan.timing import Columns, StepTime, StepTimes, stage_balance, step_flops, step_times
+from memplan.planning.timing import (
+    Columns,
+    StepTime,
+    StepTimes,
+    stage_balance,
+    step_flops,
+    step_times,
+)
 from memplan.workload import PipelineSplit, Recompute, Workload
 
 DEFAULT_SAFETY = 0.05  # keep 5% of capacity free for what no model counts (stated assumption)
@@ -307,8 +314,8 @@ def _sp_on_where_possible(pars: list[ParallelConfig], rejected: Counter) -> list
     """Layouts with sequence parallelism off (tp > 1) are dropped where the same layout with
     it on is one of ``pars``: sequence parallelism splits the residual-stream activations by
     tp and leaves everything else a rank holds as it is (``memplan.model.dims``), and it
-    splits the pipeline sends by tp (``memplan.timing``), so with it on a layout needs no more
-    memory and no more time at every micro-batch (tests/unit/test_planner_vector.py checks this
+    splits the pipeline sends by tp (``memplan.planning.timing``), so with it on a layout needs no
+    more memory and no more time at every micro-batch (tests/unit/test_planner_vector.py checks this
     over a grid). Off stays where on is not possible (tp does not divide the sequence) or was
     ruled out by the caller."""
     usable = set(pars)
