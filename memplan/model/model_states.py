@@ -16,10 +16,8 @@ from typing import NamedTuple
 from memplan.model.layer import layer_tensor_sizes
 from memplan.parallel import Offload, ParallelConfig, ZeroStage, vocab_shard
 from memplan.spec import ModelSpec, param_counts
-from memplan.units import DType, ceil_div
+from memplan.units import FP32_BYTES, ceil_div
 from memplan.workload import FsdpUnits, Optimizer, OptimizerImpl, Workload
-
-FP32_BYTES = DType.FP32.itemsize
 
 
 class StageParams(NamedTuple):
