@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from memplan import arguments, presets
 from memplan.errors import MemplanError, validation_message
-from memplan.hardware import GpuSpec, load_gpu
+from memplan.hardware import DEFAULT_GPU, GpuSpec, load_gpu
 from memplan.model.estimate import Estimate
 from memplan.model.estimate import estimate as _estimate
 from memplan.model.pipeline import Schedule
@@ -30,14 +30,12 @@ from memplan.parallel import (
 )
 from memplan.spec import ModelSpec, load_model
 from memplan.units import parse_bytes
-from memplan.workload import Recompute, Workload
-
-DEFAULT_GPU = "h100-sxm"
-DEFAULT_SEQ = 4096  # a common pre-training context (Llama 2); capped at the model's maximum
+from memplan.workload import DEFAULT_SEQ_LEN, Recompute, Workload
 
 
 def default_seq(spec: ModelSpec) -> int:
-    return min(DEFAULT_SEQ, spec.max_seq_len)
+    """``Workload``'s default sequence length, capped at the model's maximum."""
+    return min(DEFAULT_SEQ_LEN, spec.max_seq_len)
 
 
 def make_workload(spec: ModelSpec, **fields: Any) -> Workload:
@@ -85,9 +83,7 @@ def make_layout(num_gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: in
                 offload: str = "none", stage_layers: Any = None,
                 dp_shard: int | None = None) -> ParallelConfig:
     """A layout for ``num_gpus``; sequence parallelism defaults to on whenever tp > 1; TP style
-    and gradient buffers default to Megatron-LM's (``memplan.presets.GENERIC``)."""
-    tp_style = presets.GENERIC["tp_style"] if tp_style is None else tp_style
-    grad_buffers = presets.GENERIC["grad_buffers"] if grad_buffers is None else grad_buffers
+    and gradient buffers left None take ``ParallelConfig``'s defaults (Megatron-LM's)."""
     for name, value in (("gpus", num_gpus), ("tp", tp), ("pp", pp), ("vpp", vpp), ("cp", cp),
                         ("ep", ep)):
         arguments.integer(name, value, maximum=arguments.MAX_GPUS)
@@ -97,10 +93,15 @@ def make_layout(num_gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: in
     arguments.boolean("sequence_parallel", sequence_parallel, optional=True)
     arguments.boolean("vocab_parallel", vocab_parallel)
     sp = tp > 1 if sequence_parallel is None else sequence_parallel
-    if tp_style not in {style.value for style in TpStyle}:
-        raise MemplanError(f"tp_style must be megatron or dtensor, got {tp_style!r}")
-    if grad_buffers not in {kind.value for kind in GradBuffers}:
-        raise MemplanError(f"grad_buffers must be view or copy, got {grad_buffers!r}")
+    styles: dict[str, Any] = {}  # only those given: the rest are ParallelConfig's defaults
+    if tp_style is not None:
+        if tp_style not in {style.value for style in TpStyle}:
+            raise MemplanError(f"tp_style must be megatron or dtensor, got {tp_style!r}")
+        styles["tp_style"] = TpStyle(tp_style)
+    if grad_buffers is not None:
+        if grad_buffers not in {kind.value for kind in GradBuffers}:
+            raise MemplanError(f"grad_buffers must be view or copy, got {grad_buffers!r}")
+        styles["grad_buffers"] = GradBuffers(grad_buffers)
     offload = getattr(offload, "value", offload)
     if offload not in {kind.value for kind in Offload}:
         raise MemplanError(f"offload must be none or optimizer, got {offload!r}")
@@ -108,9 +109,8 @@ def make_layout(num_gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: in
     arguments.integer("dp_shard", dp_shard, optional=True)
     return layout_for_gpus(num_gpus, tp=tp, pp=pp, cp=cp, dp=dp, vpp=vpp, ep=ep,
                            zero=ZeroStage(zero), sequence_parallel=sp,
-                           vocab_parallel=vocab_parallel, tp_style=TpStyle(tp_style),
-                           grad_buffers=GradBuffers(grad_buffers), offload=Offload(offload),
-                           stage_layers=split, dp_shard=dp_shard)
+                           vocab_parallel=vocab_parallel, offload=Offload(offload),
+                           stage_layers=split, dp_shard=dp_shard, **styles)
 
 
 def parse_stage_layers(value: Any) -> tuple[int, ...] | None:
@@ -303,7 +303,7 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
     safety = DEFAULT_SAFETY if safety is None else safety
     filled = presets.apply(fw, spec, workload)
     for name in presets.LAYOUT_FIELDS:  # the planner searches Megatron-style layouts
-        filled.pop(name)
+        filled.pop(name, None)
     result = run_plan(spec, gpu_spec, gpus, make_workload(spec, framework=fw, **filled),
                       capacity_bytes=capacity, max_tp=max_tp, fixed=fixed,
                       safety=safety, recompute=policies,

@@ -19,6 +19,7 @@ from typing import Annotated, Any, NamedTuple, Optional
 
 import typer
 
+from memplan.hardware import DEFAULT_GPU
 from memplan.model.pipeline import Schedule
 from memplan.parallel import GradBuffers, Offload, TpStyle
 from memplan.workload import (
@@ -182,7 +183,7 @@ _REQUIRED = inspect.Parameter.empty
 SHARED: dict[str, Shared] = {
     "model": Shared(Model, _REQUIRED, None),  # the first positional argument of the API
     "gpus": Shared(Gpus, 1, "gpus"),
-    "gpu": Shared(Gpu, "h100-sxm", "gpu", resolve=False),
+    "gpu": Shared(Gpu, DEFAULT_GPU, "gpu", resolve=False),
     "gpu_memory": Shared(GpuMemory, None, "gpu_memory", resolve=False),
     "tp": Shared(Tp, 1, "tp"),
     "pp": Shared(Pp, 1, "pp"),
