@@ -41,7 +41,7 @@ def default_seq(spec: ModelSpec) -> int:
 def make_workload(spec: ModelSpec, **fields: Any) -> Workload:
     """A ``Workload`` from keyword fields, with the default sequence length for ``spec``."""
     arguments.one_of("spec", spec, (ModelSpec,), what="a ModelSpec")
-    arguments.model_fields(Workload, fields, _FLAG_NAMES)
+    arguments.model_fields(Workload, fields, arguments.LABELS)
     if fields.get("seq_len") is None:
         fields["seq_len"] = default_seq(spec)
     items = tuple(sorted((k, v) for k, v in fields.items() if v is not None))
@@ -188,13 +188,6 @@ def _as_list(value: str | list[str]) -> list[str]:
     return [value] if isinstance(value, str) else list(value)
 
 
-# Workload fields by the name the CLI gives them, so errors name what the user typed.
-_FLAG_NAMES = {"micro_batch_size": "mbs", "global_batch_size": "gbs", "seq_len": "seq",
-               "recompute_layers": "recompute-layers", "optimizer_impl": "optimizer-impl",
-               "norm_impl": "norm", "logits_fp32": "logits-fp32",
-               "loss_chunks": "loss-chunks"}
-
-
 def _gpu(gpu: Any) -> GpuSpec:
     """A catalog GPU by name or alias, or a ``GpuSpec`` as given."""
     arguments.one_of("gpu", gpu, (str, GpuSpec), what="a GPU name (`memplan gpus`) or a GpuSpec")
@@ -236,7 +229,7 @@ def resolve(model: str | ModelSpec, *, gpus: int = 1, tp: int = 1, pp: int = 1, 
     """The typed (spec, layout, workload) for names and numbers; raises MemplanError.
     Implementation choices left None take the framework's defaults (``memplan.presets``)."""
     spec = _spec(model)
-    arguments.model_fields(Workload, workload, _FLAG_NAMES)
+    arguments.model_fields(Workload, workload, arguments.LABELS)
     fw = presets.parse(framework)
     filled = presets.apply(fw, spec, {"tp_style": tp_style, "grad_buffers": grad_buffers,
                                       **workload})
@@ -251,7 +244,7 @@ def _validate(model: type[Workload], data: dict[str, Any]) -> Workload:
     try:
         return model.model_validate(data)
     except ValidationError as err:
-        raise MemplanError(validation_message(err, _FLAG_NAMES)) from err
+        raise MemplanError(validation_message(err, arguments.LABELS)) from err
 
 
 def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
@@ -285,7 +278,7 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
         raise MemplanError(f"zero must be 0, 1, 2 or 3, got {arguments.shown(zero)}")
     arguments.boolean("sequence_parallel", sequence_parallel, optional=True)
     calibration = arguments.strings("calibration", calibration)
-    arguments.model_fields(Workload, workload, _FLAG_NAMES)
+    arguments.model_fields(Workload, workload, arguments.LABELS)
     _check_fixed(spec, gpus, tp, pp, cp)
     policies = None
     if recompute is not None:
