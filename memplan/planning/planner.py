@@ -15,8 +15,6 @@ from functools import cached_property, lru_cache
 
 import numpy as np
 
-from memplan.planning.search import Found, Job, Search, evaluate
-from memplan.planning.batch_sizes import divisors, micro_batch_sizes
 from memplan.errors import LayoutError, MemplanError
 from memplan.hardware import GpuSpec
 from memplan.model.estimate import Estimate, estimate
@@ -25,11 +23,16 @@ from memplan.parallel import (
     INTERLEAVED_MICROBATCHES,
     ParallelConfig,
     ZeroStage,
+    cp_rule,
+    ep_rule,
+    gpus_rule,
     rank_layers,
+    tp_rule,
     validate,
     weighted_split,
 )
-from memplan.spec import ModelSpec
+from memplan.planning.batch_sizes import divisors, micro_batch_sizes
+from memplan.planning.search import Found, Job, Search, evaluate
 from memplan.planning.timing import (
     Columns,
     StepTime,
@@ -38,6 +41,7 @@ from memplan.planning.timing import (
     step_flops,
     step_times,
 )
+from memplan.spec import ModelSpec
 from memplan.workload import PipelineSplit, Recompute, Workload
 
 DEFAULT_SAFETY = 0.05  # keep 5% of capacity free for what no model counts (stated assumption)
@@ -175,17 +179,16 @@ def layouts(spec: ModelSpec, num_gpus: int, seq_len: int, *, max_tp: int,
     out = []
     experts = spec.moe.num_experts if spec.moe else 1
     for tp in choices("tp", [t for t in _powers_of_two(max_tp)]):
-        if spec.num_kv_heads % tp or spec.num_attention_heads % tp or spec.ffn_hidden_size % tp:
-            rejected[f"tp {tp} does not divide heads, KV heads or FFN"] += 1
+        if (err := tp_rule(spec, tp)) is not None:
+            rejected[err.rule] += 1
             continue
         pps = sorted({p for p in divisors(spec.num_layers) if p <= MAX_PP}
                      | set(_powers_of_two(min(spec.num_layers, MAX_PP))))
         for pp in choices("pp", pps):
-            # load-balanced causal CP splits the sequence into 2 * cp chunks
             for cp in choices("cp", [c for c in _powers_of_two(8 if seq_len >= LONG_SEQ else 1)
-                                     if c == 1 or seq_len % (2 * c) == 0]):
-                if num_gpus % (tp * pp * cp):
-                    rejected["gpus not divisible by tp*pp*cp"] += 1
+                                     if cp_rule(seq_len, c) is None]):
+                if (err := gpus_rule(num_gpus, tp, pp, cp)) is not None:
+                    rejected[err.rule] += 1
                     continue
                 dp = num_gpus // (tp * pp * cp)
                 node_shard = node_size // (tp * cp) if node_size % (tp * cp) == 0 else 0
@@ -202,7 +205,7 @@ def layouts(spec: ModelSpec, num_gpus: int, seq_len: int, *, max_tp: int,
                     for split, ep, zero, sp in (
                             (sl, e, z, s) for sl in splits
                             for e in choices("ep", [e for e in divisors(experts)
-                                                    if (dp * cp) % e == 0])
+                                                    if ep_rule(experts, e, dp * cp) is None])
                             for z in choices("zero", [0, 1, 2, 3])
                             for s in choices("sp", [True, False] if tp > 1 else [False])):
                         for shard in choices("dp_shard", _shards(dp, zero, ep, node_shard)):
