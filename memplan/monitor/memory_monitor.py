@@ -51,8 +51,8 @@ from memplan.errors import MemplanError
 from memplan.monitor.callbacks import TrainerHooks
 from memplan.monitor.readers import Reader, cuda_reader, default_reader, host_reader
 from memplan.monitor.records import read_records, run_trend, summarize
-from memplan.monitor.window import LEAK_BYTES, LEAK_WINDOW, LeakWindows
 from memplan.monitor.trend import Trend
+from memplan.monitor.window import LEAK_BYTES, LEAK_WINDOW, LeakWindows
 
 log = logging.getLogger("memplan.monitor")
 

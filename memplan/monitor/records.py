@@ -13,8 +13,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from memplan.monitor.window import LEAK_BYTES, LEAK_SERIES
 from memplan.monitor.trend import Trend, trend
+from memplan.monitor.window import LEAK_BYTES, LEAK_SERIES
 
 
 def read_records(paths: list[str | Path]) -> list[dict[str, Any]]:

@@ -40,10 +40,10 @@ from memplan.calibrate.records import (
 )
 from memplan.errors import MemplanError
 from memplan.hardware import gpu_catalog, load_gpu
+from memplan.planning.timing import step_flops
 from memplan.profile.reference import ReferenceModel
 from memplan.profile.trace import TraceResult, ref_options, run_steps
 from memplan.profile.tracker import MemoryTracker, PhasePeak
-from memplan.planning.timing import step_flops
 
 
 def _today() -> str:

@@ -33,10 +33,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from memplan.hardware import GpuSpec
-from memplan.outputs import write_atomic
 from memplan.measure.perf import summarize
-from memplan.profile.step import StepFn, _device_of
 from memplan.measure.profiler_traces import analyze, load
+from memplan.outputs import write_atomic
+from memplan.profile.step import StepFn, _device_of
 
 COUNTER = "memory allocated (bytes)"
 _DEVICE_TYPES = {0: "cpu", 1: "cuda"}  # c10::DeviceType of the profiler's [memory] events

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from memplan.errors import MemplanError
-from memplan.profile.tracker import MemoryTracker
 from memplan.measure.timeline import PHASES
+from memplan.profile.tracker import MemoryTracker
 
 StepFn = Callable[[torch.nn.Module, torch.optim.Optimizer, int], Any]
 

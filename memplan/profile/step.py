@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from memplan.errors import MemplanError
+from memplan.measure.timeline import Sample, Timeline
 from memplan.profile.cuda_step import profile_cuda
 from memplan.profile.phases import PhaseDetector, StepFn, phase, phase_hooks, relabel_states
 from memplan.profile.tracker import MemoryTracker
-from memplan.measure.timeline import Sample, Timeline
 
 
 class StepTracker(MemoryTracker):

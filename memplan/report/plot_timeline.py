@@ -16,9 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from memplan.measure.timeline import CATEGORIES, Sample, Timeline
 from memplan.report.plot import CATEGORY_COLOURS, PHASE_LABELS, PHASE_SHADES, figure
 from memplan.report.sizes import axis_unit
-from memplan.measure.timeline import CATEGORIES, Sample, Timeline
 
 
 def _phase_of(s: Sample) -> str:

@@ -15,8 +15,8 @@ from typing import Any
 
 from memplan.measure.intervals import Interval, intersect, subtract, union
 from memplan.measure.profiler_traces import RankTrace, window
-from memplan.report.plot import figure
 from memplan.measure.stragglers import waiting_intervals
+from memplan.report.plot import figure
 
 COLOURS = {"compute": "#4c72b0", "exposed communication": "#dd8452",
            "exposed copies": "#8172b3"}

@@ -112,8 +112,8 @@ def test_profile_perf_cpu_exact_flops(tmp_path):
     and the first layer's weight grad, three mm of 262,144 (the input needs no grad).
     5 * 262,144 = 1,310,720 FLOPs per step."""
     torch = pytest.importorskip("torch")
-    from memplan.profile.perf import profile_perf
     from memplan.measure.profiler_traces import load
+    from memplan.profile.perf import profile_perf
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),

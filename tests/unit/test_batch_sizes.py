@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-from memplan.planning import planner
-from memplan.planning.batch_sizes import MAX_MBS, divisors, micro_batch_sizes
 from memplan.calibrate import apply
 from memplan.parallel import ParallelConfig
+from memplan.planning import planner
+from memplan.planning.batch_sizes import MAX_MBS, divisors, micro_batch_sizes
 
 
 def test_sizes_by_hand() -> None:

@@ -24,8 +24,8 @@ import pytest
 
 from memplan.cli import main
 from memplan.errors import MemplanError
-from memplan.outputs import check_out_dir, staged_dir, write_atomic
 from memplan.measure.timeline import Sample, Timeline
+from memplan.outputs import check_out_dir, staged_dir, write_atomic
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 

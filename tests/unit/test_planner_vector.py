@@ -13,13 +13,12 @@ import numpy as np
 import pytest
 
 import memplan
-from memplan.planning import search
-from memplan.planning.search import Job, Search
-from memplan.planning.batch_sizes import micro_batch_sizes
 from memplan.errors import MemplanError
 from memplan.model.estimate import estimate, most_loaded, optimizer_floor_bytes
 from memplan.overheads import default_overheads
 from memplan.parallel import validate
+from memplan.planning import search
+from memplan.planning.batch_sizes import micro_batch_sizes
 from memplan.planning.planner import (
     RECOMPUTE_ORDER,
     SP_OFF_DOMINATED,
@@ -27,8 +26,9 @@ from memplan.planning.planner import (
     layouts,
     plan,
 )
-from memplan.spec import ModelSpec, MoESpec
+from memplan.planning.search import Job, Search
 from memplan.planning.timing import Columns, stage_balance, step_flops, step_time, step_times
+from memplan.spec import ModelSpec, MoESpec
 
 GPU = memplan.load_gpu("h100")
 TINY = memplan.load_model("tiny")

@@ -196,8 +196,8 @@ def test_moe_recompute_reruns_the_layers_of_each_stage() -> None:
     """An MoE layer every second layer (1, 3, 5, 7 of 8): at pp 2, vpp 2, k 1 the first layer of
     each stage's list reruns, layers 0 and 2, both dense, so the extra FLOPs are two dense
     layers' (per token 2 * weights + 2 * s * q_size) times the tokens."""
-    from memplan.spec import MoESpec
     from memplan.planning.timing import layer_forward_flops
+    from memplan.spec import MoESpec
 
     tiny = memplan.load_model("tiny")
     spec = tiny.model_copy(update={"num_layers": 8, "moe": MoESpec(
