@@ -444,11 +444,18 @@ def resolve_batch(par: ParallelConfig, wl: Workload) -> tuple[int, int]:
 INTERLEAVED_MICROBATCHES = "interleaved pipeline needs micro-batches per step divisible by pp"
 
 
+def gbs_rule(gbs: int, dp: int) -> LayoutError | None:
+    """dp must divide the global batch (``replica_batch``), as the error or None."""
+    if gbs % dp:
+        return LayoutError("gbs must be divisible by dp",
+                           f"gbs ({gbs}) must be divisible by dp ({dp})")
+    return None
+
+
 def replica_batch(par: ParallelConfig, gbs: int) -> int:
     """Samples per data-parallel replica per step: ``gbs / dp``."""
-    if gbs % par.dp:
-        raise LayoutError("gbs must be divisible by dp",
-                          f"gbs ({gbs}) must be divisible by dp ({par.dp})")
+    if (err := gbs_rule(gbs, par.dp)) is not None:
+        raise err
     return gbs // par.dp
 
 

@@ -25,6 +25,7 @@ from memplan.parallel import (
     ZeroStage,
     cp_rule,
     ep_rule,
+    gbs_rule,
     gpus_rule,
     rank_layers,
     tp_rule,
@@ -68,7 +69,6 @@ SLOWER_THAN_TOP = ("out of memory with the cheaper recompute policies, and with 
 ROUNDING = 1e-9
 # Rejections the planner finds before ``validate``, keyed as ``LayoutError.rule`` is (no
 # numbers), with the rule text of the core's own check, so a plan counts them as one.
-GBS_PER_REPLICA = "gbs must be divisible by dp"  # memplan.parallel.replica_batch
 NO_INTERLEAVED_SPLIT = INTERLEAVED_MICROBATCHES  # for every micro-batch size (``_sizes``)
 
 
@@ -296,8 +296,8 @@ def _usable(spec: ModelSpec, par: ParallelConfig, wl: Workload, gbs: int,
             rejected: Counter) -> bool:
     """Whether ``estimate`` can evaluate ``par`` at some micro-batch; if not, its rule is
     counted in ``rejected``."""
-    if gbs % par.dp:
-        rejected[GBS_PER_REPLICA] += 1
+    if (err := gbs_rule(gbs, par.dp)) is not None:
+        rejected[err.rule] += 1
         return False
     if not micro_batch_sizes(par, gbs):
         rejected[NO_INTERLEAVED_SPLIT] += 1

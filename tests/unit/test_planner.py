@@ -160,7 +160,7 @@ def test_rejections_are_counted_by_rule() -> None:
 
     from memplan.errors import LayoutError
     from memplan.parallel import replica_batch, resolve_batch
-    from memplan.planning.planner import GBS_PER_REPLICA, NO_INTERLEAVED_SPLIT, _usable
+    from memplan.planning.planner import NO_INTERLEAVED_SPLIT, _usable
 
     spec = memplan.load_model("llama-2-7b")
     wl = _wl(spec, seq_len=4096)
@@ -169,7 +169,8 @@ def test_rejections_are_counted_by_rule() -> None:
     assert not _usable(spec, dp8, wl, 12, rejected)
     with pytest.raises(LayoutError) as err:
         replica_batch(dp8, 12)
-    assert rejected == Counter({GBS_PER_REPLICA: 1}) and err.value.rule == GBS_PER_REPLICA
+    rule = "gbs must be divisible by dp"
+    assert rejected == Counter({rule: 1}) and err.value.rule == rule
 
     chunks = memplan.ParallelConfig(pp=4, vpp=2, dp=2)
     assert not _usable(spec, chunks, wl, 4, rejected)
