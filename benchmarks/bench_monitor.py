@@ -23,7 +23,7 @@ def main() -> None:
     import torch
 
     from memplan.monitor import MemoryMonitor
-    from memplan.monitor_readers import cuda_reader, default_reader, host_reader
+    from memplan.monitor.readers import cuda_reader, default_reader, host_reader
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100)

@@ -35,7 +35,7 @@ CASES = [
 # One fresh interpreter: the first and a second plan() call, timed after the imports.
 IN_PROCESS = """
 import json, sys, time
-import memplan, memplan.planner
+import memplan, memplan.planning.planner
 model, gpus, fields = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 memplan.load_model(model), memplan.load_gpu("h100-sxm")
 top = json.loads(sys.argv[4])
@@ -70,7 +70,8 @@ def start_up() -> float:
     """Wall time of a fresh interpreter importing what the command imports before it searches
     (the CLI, hence pydantic and typer, and numpy): the floor under any command's time."""
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import memplan.cli, memplan.planner"], check=True)
+    subprocess.run([sys.executable, "-c", "import memplan.cli, memplan.planning.planner"],
+                   check=True)
     return time.perf_counter() - start
 
 

@@ -22,8 +22,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import memplan
+from memplan.planning.timing import estimate_step_time, step_flops
 from memplan.report.plan import _layout
-from memplan.timing import estimate_step_time, step_flops
 
 DOC = ROOT / "docs" / "planning.md"
 GiB = 2**30

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from memplan import arguments, presets
 from memplan.errors import MemplanError, validation_message
-from memplan.hardware import GpuSpec, load_gpu
+from memplan.hardware import DEFAULT_GPU, GpuSpec, load_gpu
 from memplan.model.estimate import Estimate
 from memplan.model.estimate import estimate as _estimate
 from memplan.model.pipeline import Schedule
@@ -30,20 +30,18 @@ from memplan.parallel import (
 )
 from memplan.spec import ModelSpec, load_model
 from memplan.units import parse_bytes
-from memplan.workload import Recompute, Workload
-
-DEFAULT_GPU = "h100-sxm"
-DEFAULT_SEQ = 4096  # a common pre-training context (Llama 2); capped at the model's maximum
+from memplan.workload import DEFAULT_SEQ_LEN, Recompute, Workload
 
 
 def default_seq(spec: ModelSpec) -> int:
-    return min(DEFAULT_SEQ, spec.max_seq_len)
+    """``Workload``'s default sequence length, capped at the model's maximum."""
+    return min(DEFAULT_SEQ_LEN, spec.max_seq_len)
 
 
 def make_workload(spec: ModelSpec, **fields: Any) -> Workload:
     """A ``Workload`` from keyword fields, with the default sequence length for ``spec``."""
     arguments.one_of("spec", spec, (ModelSpec,), what="a ModelSpec")
-    arguments.model_fields(Workload, fields, _FLAG_NAMES)
+    arguments.model_fields(Workload, fields, arguments.LABELS)
     if fields.get("seq_len") is None:
         fields["seq_len"] = default_seq(spec)
     items = tuple(sorted((k, v) for k, v in fields.items() if v is not None))
@@ -85,9 +83,7 @@ def make_layout(num_gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: in
                 offload: str = "none", stage_layers: Any = None,
                 dp_shard: int | None = None) -> ParallelConfig:
     """A layout for ``num_gpus``; sequence parallelism defaults to on whenever tp > 1; TP style
-    and gradient buffers default to Megatron-LM's (``memplan.presets.GENERIC``)."""
-    tp_style = presets.GENERIC["tp_style"] if tp_style is None else tp_style
-    grad_buffers = presets.GENERIC["grad_buffers"] if grad_buffers is None else grad_buffers
+    and gradient buffers left None take ``ParallelConfig``'s defaults (Megatron-LM's)."""
     for name, value in (("gpus", num_gpus), ("tp", tp), ("pp", pp), ("vpp", vpp), ("cp", cp),
                         ("ep", ep)):
         arguments.integer(name, value, maximum=arguments.MAX_GPUS)
@@ -97,10 +93,15 @@ def make_layout(num_gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: in
     arguments.boolean("sequence_parallel", sequence_parallel, optional=True)
     arguments.boolean("vocab_parallel", vocab_parallel)
     sp = tp > 1 if sequence_parallel is None else sequence_parallel
-    if tp_style not in {style.value for style in TpStyle}:
-        raise MemplanError(f"tp_style must be megatron or dtensor, got {tp_style!r}")
-    if grad_buffers not in {kind.value for kind in GradBuffers}:
-        raise MemplanError(f"grad_buffers must be view or copy, got {grad_buffers!r}")
+    styles: dict[str, Any] = {}  # only those given: the rest are ParallelConfig's defaults
+    if tp_style is not None:
+        if tp_style not in {style.value for style in TpStyle}:
+            raise MemplanError(f"tp_style must be megatron or dtensor, got {tp_style!r}")
+        styles["tp_style"] = TpStyle(tp_style)
+    if grad_buffers is not None:
+        if grad_buffers not in {kind.value for kind in GradBuffers}:
+            raise MemplanError(f"grad_buffers must be view or copy, got {grad_buffers!r}")
+        styles["grad_buffers"] = GradBuffers(grad_buffers)
     offload = getattr(offload, "value", offload)
     if offload not in {kind.value for kind in Offload}:
         raise MemplanError(f"offload must be none or optimizer, got {offload!r}")
@@ -108,9 +109,8 @@ def make_layout(num_gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: in
     arguments.integer("dp_shard", dp_shard, optional=True)
     return layout_for_gpus(num_gpus, tp=tp, pp=pp, cp=cp, dp=dp, vpp=vpp, ep=ep,
                            zero=ZeroStage(zero), sequence_parallel=sp,
-                           vocab_parallel=vocab_parallel, tp_style=TpStyle(tp_style),
-                           grad_buffers=GradBuffers(grad_buffers), offload=Offload(offload),
-                           stage_layers=split, dp_shard=dp_shard)
+                           vocab_parallel=vocab_parallel, offload=Offload(offload),
+                           stage_layers=split, dp_shard=dp_shard, **styles)
 
 
 def parse_stage_layers(value: Any) -> tuple[int, ...] | None:
@@ -188,13 +188,6 @@ def _as_list(value: str | list[str]) -> list[str]:
     return [value] if isinstance(value, str) else list(value)
 
 
-# Workload fields by the name the CLI gives them, so errors name what the user typed.
-_FLAG_NAMES = {"micro_batch_size": "mbs", "global_batch_size": "gbs", "seq_len": "seq",
-               "recompute_layers": "recompute-layers", "optimizer_impl": "optimizer-impl",
-               "norm_impl": "norm", "logits_fp32": "logits-fp32",
-               "loss_chunks": "loss-chunks"}
-
-
 def _gpu(gpu: Any) -> GpuSpec:
     """A catalog GPU by name or alias, or a ``GpuSpec`` as given."""
     arguments.one_of("gpu", gpu, (str, GpuSpec), what="a GPU name (`memplan gpus`) or a GpuSpec")
@@ -236,7 +229,7 @@ def resolve(model: str | ModelSpec, *, gpus: int = 1, tp: int = 1, pp: int = 1, 
     """The typed (spec, layout, workload) for names and numbers; raises MemplanError.
     Implementation choices left None take the framework's defaults (``memplan.presets``)."""
     spec = _spec(model)
-    arguments.model_fields(Workload, workload, _FLAG_NAMES)
+    arguments.model_fields(Workload, workload, arguments.LABELS)
     fw = presets.parse(framework)
     filled = presets.apply(fw, spec, {"tp_style": tp_style, "grad_buffers": grad_buffers,
                                       **workload})
@@ -251,7 +244,7 @@ def _validate(model: type[Workload], data: dict[str, Any]) -> Workload:
     try:
         return model.model_validate(data)
     except ValidationError as err:
-        raise MemplanError(validation_message(err, _FLAG_NAMES)) from err
+        raise MemplanError(validation_message(err, arguments.LABELS)) from err
 
 
 def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
@@ -263,13 +256,13 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
          stage_layers: Any = None, dp_shard: int | None = None, top: int | None = None,
          **workload: Any):
     """Layouts, recompute policies and micro-batch sizes that fit ``gpus`` GPUs, fastest first
-    (``memplan.planner.PlanResult``). Layout arguments given are fixed; the rest are searched.
-    ``workload`` takes Workload fields (seq_len, global_batch_size, precision, ...).
+    (``memplan.planning.planner.PlanResult``). Layout arguments given are fixed; the rest are
+    searched. ``workload`` takes Workload fields (seq_len, global_batch_size, precision, ...).
     ``calibration`` as for ``estimate``: candidates are re-checked and re-timed with it.
     ``top``: only the ``top`` fastest candidates are wanted, so recompute policies that cannot
     beat them are not searched (the first ``top`` are the same; without calibration)."""
-    from memplan.planner import DEFAULT_SAFETY
-    from memplan.planner import plan as run_plan
+    from memplan.planning.planner import DEFAULT_SAFETY
+    from memplan.planning.planner import plan as run_plan
 
     spec = _spec(model)
     gpu_spec = _gpu(gpu)
@@ -285,7 +278,7 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
         raise MemplanError(f"zero must be 0, 1, 2 or 3, got {arguments.shown(zero)}")
     arguments.boolean("sequence_parallel", sequence_parallel, optional=True)
     calibration = arguments.strings("calibration", calibration)
-    arguments.model_fields(Workload, workload, _FLAG_NAMES)
+    arguments.model_fields(Workload, workload, arguments.LABELS)
     _check_fixed(spec, gpus, tp, pp, cp)
     policies = None
     if recompute is not None:
@@ -303,7 +296,7 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
     safety = DEFAULT_SAFETY if safety is None else safety
     filled = presets.apply(fw, spec, workload)
     for name in presets.LAYOUT_FIELDS:  # the planner searches Megatron-style layouts
-        filled.pop(name)
+        filled.pop(name, None)
     result = run_plan(spec, gpu_spec, gpus, make_workload(spec, framework=fw, **filled),
                       capacity_bytes=capacity, max_tp=max_tp, fixed=fixed,
                       safety=safety, recompute=policies,
@@ -322,7 +315,7 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
 def _check_fixed(spec: ModelSpec, gpus: int, tp: int | None, pp: int | None,
                  cp: int | None) -> None:
     """The layout degrees a plan keeps fixed must split ``gpus`` and the model (the
-    planner's own rules, ``memplan.planner.layouts``), or no layout can be searched."""
+    planner's own rules, ``memplan.planning.planner.layouts``), or no layout can be searched."""
     given = {name: value for name, value in (("tp", tp), ("pp", pp), ("cp", cp))
              if value is not None}
     product = 1
@@ -365,7 +358,7 @@ def _check_found(result: Any, gpus: int, fixed: dict[str, Any]) -> None:
 def check(model: str | ModelSpec, *, safety: float | None = None, **kwargs: Any) -> Estimate:
     """``estimate(model, **kwargs)``, raising MemplanError with the breakdown when it does not
     fit in capacity * (1 - safety): a launcher's pre-flight check."""
-    from memplan.planner import DEFAULT_SAFETY
+    from memplan.planning.planner import DEFAULT_SAFETY
     from memplan.report.estimate import check_fits  # the breakdown in GiB is rendering
 
     arguments.number("safety", safety, low=0, high=1, optional=True)

@@ -6,6 +6,8 @@ a ``TypeError`` or, worse, be taken (``True`` is an ``int`` in Python, so ``tp=T
 a TP degree of 1). Each check here raises ``MemplanError`` with the argument's name, what it
 must be and the value given (``memplan.errors.shown``), before any work; the rules of the
 layout itself (``tp (16) must divide num_kv_heads (8)``) stay in ``memplan.parallel``.
+
+``CLI_OPTIONS`` is the one table of which command-line option sets which API keyword.
 """
 
 from __future__ import annotations
@@ -18,6 +20,30 @@ from collections.abc import Mapping
 from typing import Any
 
 from memplan.errors import MemplanError, shown
+
+# The command-line option of each ``memplan.api`` keyword the CLI's shared options set (the
+# model aside: the API's first argument): the one table the CLI's options
+# (``memplan.cli.options``), the API's messages and an imported config's mapping read. The flag
+# is ``--`` and the option with ``-`` for ``_`` (``flag``).
+CLI_OPTIONS: dict[str, str] = {
+    **{name: name for name in (
+        "gpus", "gpu", "gpu_memory", "tp", "pp", "vpp", "dp", "cp", "ep", "stage_layers",
+        "dp_shard", "vocab_parallel", "tp_style", "grad_buffers", "offload", "zero",
+        "recompute", "recompute_layers", "precision", "optimizer", "optimizer_impl",
+        "attention", "logits_fp32", "framework", "keep_grads", "loss_chunks", "schedule",
+        "calibration")},
+    "sequence_parallel": "sp", "micro_batch_size": "mbs", "global_batch_size": "gbs",
+    "seq_len": "seq", "norm_impl": "norm",
+}
+# How a message names a keyword the CLI offers: its flag without the dashes (``mbs``,
+# ``recompute-layers``); a keyword only the API takes keeps its own name.
+LABELS: dict[str, str] = {key: option.replace("_", "-") for key, option in CLI_OPTIONS.items()}
+
+
+def flag(keyword: str) -> str:
+    """The command-line flag that sets ``keyword`` (``micro_batch_size`` -> ``--mbs``)."""
+    return f"--{LABELS[keyword]}"
+
 
 # The most GPUs a job may name: 2^24, over a hundred times the largest published training
 # clusters (~100k GPUs), so a mistyped count fails here rather than in a search.
@@ -121,7 +147,7 @@ def model_fields(model: Any, values: Mapping[str, Any], names: Mapping[str, str]
     """The int and bool fields of a pydantic ``model`` among ``values`` are of their type (a
     pydantic model in lax mode would take ``"2"`` for 2 and ``True`` for 1); unknown names
     and the other fields are left to the model's own validation. ``names``: how the message
-    names a field (the CLI's flag names)."""
+    names a field (``LABELS``: the CLI's flag names)."""
     fields = model.model_fields
     for key, value in values.items():
         if key not in fields or value is None:

@@ -15,6 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from memplan.catalog import data_dir, suggest
 from memplan.errors import MemplanError
 
+# The GPU an estimate or a plan assumes when none is named (``memplan gpus`` lists the others).
+DEFAULT_GPU = "h100-sxm"
+
 
 class GpuSpec(BaseModel):
     """One accelerator model. Bandwidths are bytes/s in one direction, per GPU."""

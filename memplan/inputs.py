@@ -9,7 +9,8 @@ while reading, for a file that grows or a gzip stream that expands); text that i
 deeper than ``MAX_DEPTH``. Each limit is stated in the message that enforces it.
 
 A file cut short by a killed job is read as far as it goes where that is evidence worth having:
-``memplan.trace_files`` (profiler traces) and ``memplan.diagnose.monitored`` (monitor records).
+``memplan.measure.trace_files`` (profiler traces) and ``memplan.diagnose.monitored`` (monitor
+records).
 """
 
 from __future__ import annotations

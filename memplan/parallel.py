@@ -217,10 +217,8 @@ def layout_for_gpus(num_gpus: int, *, tp: int = 1, pp: int = 1, cp: int = 1,
         raise LayoutError("gpus must be positive", f"gpus must be positive, got {num_gpus}")
     model_par = tp * pp * cp
     if dp is None:
-        if num_gpus % model_par:
-            raise LayoutError(
-                "gpus must be divisible by tp*pp*cp",
-                f"gpus ({num_gpus}) must be divisible by tp*pp*cp ({tp}*{pp}*{cp} = {model_par})")
+        if (err := gpus_rule(num_gpus, tp, pp, cp)) is not None:
+            raise err
         dp = num_gpus // model_par
     elif dp * model_par != num_gpus:
         raise LayoutError(
@@ -229,16 +227,60 @@ def layout_for_gpus(num_gpus: int, *, tp: int = 1, pp: int = 1, cp: int = 1,
     return ParallelConfig(tp=tp, pp=pp, cp=cp, dp=dp, **rest)  # type: ignore[arg-type]
 
 
+# The rules of one degree, for a search that builds layouts degree by degree (the planner): each
+# returns the ``LayoutError`` ``validate`` raises for the first rule broken, or None. Plain
+# integer checks, cheap enough for every candidate degree.
+
+def gpus_rule(num_gpus: int, tp: int, pp: int, cp: int) -> LayoutError | None:
+    """tp*pp*cp must divide the GPUs (dp is the rest)."""
+    if num_gpus % (tp * pp * cp):
+        return LayoutError("gpus must be divisible by tp*pp*cp",
+                           f"gpus ({num_gpus}) must be divisible by tp*pp*cp ({tp}*{pp}*{cp} "
+                           f"= {tp * pp * cp})")
+    return None
+
+
+def tp_rule(spec: ModelSpec, tp: int) -> LayoutError | None:
+    """tp must divide the attention heads, the KV heads and the FFN width (column-parallel
+    linears split their output features), and an MoE's expert FFN width."""
+    # one test per rule, no table built: validate runs this for every layout a plan searches
+    if spec.num_attention_heads % tp:
+        return _divides_error("tp", tp, "num_attention_heads", spec.num_attention_heads)
+    if spec.num_kv_heads % tp:
+        return _divides_error("tp", tp, "num_kv_heads", spec.num_kv_heads)
+    if spec.ffn_hidden_size % tp:
+        return _divides_error("tp", tp, "ffn_hidden_size", spec.ffn_hidden_size)
+    if spec.moe is not None and spec.moe.expert_ffn_hidden_size % tp:
+        return _divides_error("tp", tp, "expert_ffn_hidden_size", spec.moe.expert_ffn_hidden_size)
+    return None
+
+
+def cp_rule(seq_len: int, cp: int) -> LayoutError | None:
+    """Load-balanced causal CP splits the sequence into 2*cp chunks (Megatron-LM context
+    parallelism docs: seq length must be divisible by 2 * cp)."""
+    if cp > 1 and seq_len % (2 * cp):
+        return _divides_error("2*cp", 2 * cp, "seq", seq_len)
+    return None
+
+
+def ep_rule(num_experts: int, ep: int, dp_cp: int) -> LayoutError | None:
+    """ep must divide the routed experts and the data- and context-parallel ranks
+    (``dp_cp`` = dp*cp) it splits them across."""
+    if num_experts % ep:
+        return _divides_error("ep", ep, "num_experts", num_experts)
+    if dp_cp % ep:
+        return _divides_error("ep", ep, "dp*cp", dp_cp)
+    return None
+
+
 def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
     """Raise ``LayoutError`` for a layout or workload the model cannot be split into or
     estimated with (the batch split aside: ``resolve_batch`` checks it)."""
-    _require_divides("tp", par.tp, "num_attention_heads", spec.num_attention_heads)
-    _require_divides("tp", par.tp, "num_kv_heads", spec.num_kv_heads)
-    _require_divides("tp", par.tp, "ffn_hidden_size", spec.ffn_hidden_size)
+    if (err := tp_rule(spec, par.tp)) is not None:
+        raise err
     if spec.moe is not None:
-        _require_divides("tp", par.tp, "expert_ffn_hidden_size", spec.moe.expert_ffn_hidden_size)
-        _require_divides("ep", par.ep, "num_experts", spec.moe.num_experts)
-        _require_divides("ep", par.ep, "dp*cp", par.dp * par.cp)
+        if (err := ep_rule(spec.moe.num_experts, par.ep, par.dp * par.cp)) is not None:
+            raise err
     elif par.ep > 1:
         raise LayoutError("ep > 1 needs a mixture-of-experts model",
                           f"ep ({par.ep}) > 1 needs a mixture-of-experts model; {spec.name} "
@@ -259,10 +301,8 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
         raise LayoutError("offload optimizer needs ZeRO stage 1, 2 or 3",
                           "offload optimizer needs ZeRO stage 1, 2 or 3 (DeepSpeed ZeRO-Offload "
                           f"partitions the optimizer first), got zero {int(par.zero)}")
-    if par.cp > 1:
-        # Load-balanced causal CP splits the sequence into 2*cp chunks (Megatron-LM context
-        # parallelism docs: seq length must be divisible by 2 * cp).
-        _require_divides("2*cp", 2 * par.cp, "seq", wl.seq_len)
+    if (err := cp_rule(wl.seq_len, par.cp)) is not None:
+        raise err
     if par.offload is Offload.OPTIMIZER and wl.precision is Precision.FSDP_BF16:
         raise LayoutError(
             "offload optimizer does not combine with precision fsdp-bf16",
@@ -404,15 +444,26 @@ def resolve_batch(par: ParallelConfig, wl: Workload) -> tuple[int, int]:
 INTERLEAVED_MICROBATCHES = "interleaved pipeline needs micro-batches per step divisible by pp"
 
 
+def gbs_rule(gbs: int, dp: int) -> LayoutError | None:
+    """dp must divide the global batch (``replica_batch``), as the error or None."""
+    if gbs % dp:
+        return LayoutError("gbs must be divisible by dp",
+                           f"gbs ({gbs}) must be divisible by dp ({dp})")
+    return None
+
+
 def replica_batch(par: ParallelConfig, gbs: int) -> int:
     """Samples per data-parallel replica per step: ``gbs / dp``."""
-    if gbs % par.dp:
-        raise LayoutError("gbs must be divisible by dp",
-                          f"gbs ({gbs}) must be divisible by dp ({par.dp})")
+    if (err := gbs_rule(gbs, par.dp)) is not None:
+        raise err
     return gbs // par.dp
 
 
 def _require_divides(name: str, value: int, target_name: str, target: int) -> None:
     if target % value:
-        raise LayoutError(f"{name} must divide {target_name}",
-                          f"{name} ({value}) must divide {target_name} ({target})")
+        raise _divides_error(name, value, target_name, target)
+
+
+def _divides_error(name: str, value: int, target_name: str, target: int) -> LayoutError:
+    return LayoutError(f"{name} must divide {target_name}",
+                       f"{name} ({value}) must divide {target_name} ({target})")

@@ -192,17 +192,15 @@ PRESETS: dict[Framework, tuple[Default, ...]] = {
     ),
 }
 
-# The generic value of every field a preset may set (what memplan assumes without one).
-GENERIC: dict[str, Any] = {
-    "optimizer_impl": "foreach", "norm_impl": "upcast", "logits_fp32": True,
-    "logits_held": LogitsHeld.NONE.value, "softmax_fp32": False, "kv_cache": False,
-    "fsdp_units": "root", "keep_grads": False, "loss_impl": "generic",
-    "selective_impl": "core", "fused_qkv": False, "rope_cache": "forward", "loss_split": 0,
-    "ddp_any_size": False,
-    "attention_impl": "generic", "pipeline_split": "even", "tp_style": "megatron",
-    "grad_buffers": "view", "moe_impl": "loop", "window_mask": False,
-}
+# The fields a preset may set. One that neither the user nor the preset sets keeps its own
+# default, declared once on ``Workload`` (or ``ParallelConfig`` for the layout's two): the
+# generic preset is those defaults.
 LAYOUT_FIELDS = frozenset({"tp_style", "grad_buffers"})
+FIELDS = frozenset({
+    "optimizer_impl", "norm_impl", "logits_fp32", "logits_held", "softmax_fp32", "kv_cache",
+    "fsdp_units", "keep_grads", "loss_impl", "selective_impl", "fused_qkv", "rope_cache",
+    "loss_split", "ddp_any_size", "attention_impl", "pipeline_split", "moe_impl",
+    "window_mask"}) | LAYOUT_FIELDS
 
 
 def parse(value: object) -> Framework:
@@ -220,13 +218,12 @@ def parse(value: object) -> Framework:
 
 
 def apply(framework: Framework, spec: ModelSpec, given: dict[str, Any]) -> dict[str, Any]:
-    """``given`` keyword arguments with every field the user left unset (absent or None)
-    filled from the preset, else the generic value."""
+    """``given`` keyword arguments with each field the preset sets filled from it where the
+    user left it unset (absent or None); the others keep the model's own default."""
     out = dict(given)
-    preset = {d.field: d for d in PRESETS[framework]}
-    for name, generic in GENERIC.items():
-        if out.get(name) is None:
-            out[name] = preset[name].resolve(spec) if name in preset else generic
+    for default in PRESETS[framework]:
+        if out.get(default.field) is None:
+            out[default.field] = default.resolve(spec)
     return out
 
 

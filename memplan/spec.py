@@ -519,7 +519,7 @@ def load_hf_json(path: Path) -> dict[str, Any]:
 
 def spec_from_hf_config(path: Path) -> ModelSpec:
     """Read ``path`` (a Hugging Face ``config.json``) into a ``ModelSpec``."""
-    from memplan.hf_config import model_name  # only config files need the translator
+    from memplan.hf.config import model_name  # only config files need the translator
 
     path = Path(path)
     return spec_from_hf_dict(load_hf_json(path), str(path), model_name(path))
@@ -527,7 +527,7 @@ def spec_from_hf_config(path: Path) -> ModelSpec:
 
 def spec_from_hf_dict(data: dict[str, Any], where: str, name: str) -> ModelSpec:
     """A ``ModelSpec`` from a config's fields (``config.json`` or ``PretrainedConfig.to_dict()``,
-    ``memplan.hf_config``); ``where`` names it in errors."""
-    from memplan.hf_families import spec_fields
+    ``memplan.hf.config``); ``where`` names it in errors."""
+    from memplan.hf.families import spec_fields
 
     return _validated(spec_fields(data, where, name), where)

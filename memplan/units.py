@@ -1,4 +1,4 @@
-"""Byte arithmetic, dtypes and size strings.
+"""Byte arithmetic, dtypes, size strings, and the phases every peak is named by.
 
 Memory inside memplan is always an ``int`` number of bytes. Only the report layer turns bytes
 into GiB (``memplan.report.sizes``); this module holds the unit sizes and the parser for user
@@ -42,6 +42,11 @@ class DType(str, enum.Enum):
 
 
 _ITEMSIZE = {DType.FP32: 4, DType.BF16: 2, DType.FP16: 2, DType.FP8: 1, DType.INT64: 8}
+# master weights, optimizer states, upcast norms and losses are fp32 whatever the recipe
+FP32_BYTES = DType.FP32.itemsize
+
+# The phases of a training step, in order; an estimated, traced or recorded peak is one of them.
+PHASES = ("forward", "backward", "optimizer")
 
 
 def ceil_div(a: int, b: int) -> int:

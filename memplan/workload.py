@@ -304,6 +304,9 @@ class PipelineSplit(str, enum.Enum):
 # contexts are 1M-10M tokens).
 MAX_SEQUENCES = 2**24
 MAX_SEQ_LEN = 2**24
+# A common pre-training context (Llama 2: 4096 tokens, Touvron et al. 2023, arXiv 2307.09288);
+# the API caps it at the model's maximum (``memplan.api.default_seq``).
+DEFAULT_SEQ_LEN = 4096
 
 
 class MoeImpl(str, enum.Enum):
@@ -331,7 +334,7 @@ class Workload(BaseModel):
     micro_batch_size: int = Field(default=1, gt=0, le=MAX_SEQUENCES)
     global_batch_size: int | None = Field(default=None, gt=0, le=MAX_SEQUENCES,
                                           description="None: mbs*dp*pp")
-    seq_len: int = Field(default=4096, gt=0, le=MAX_SEQ_LEN)
+    seq_len: int = Field(default=DEFAULT_SEQ_LEN, gt=0, le=MAX_SEQ_LEN)
 
     precision: Precision = Precision.BF16_MIXED
     optimizer: Optimizer = Optimizer.ADAMW

@@ -15,7 +15,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from memplan.batch_sizes import micro_batch_sizes
 from memplan.calibrate.calibration_profile import Profile, find_profile, load_profile
 from memplan.calibrate.features import (
     FEATURES,
@@ -28,6 +27,7 @@ from memplan.errors import MemplanError
 from memplan.hardware import GpuSpec
 from memplan.model.estimate import PHASES, Estimate, PhasePeaks, StageMemory
 from memplan.overheads import Overheads
+from memplan.planning.batch_sizes import micro_batch_sizes
 from memplan.spec import ModelSpec
 
 # Spec fields a model profile may differ in from the estimate's spec (the traced model may be
@@ -272,7 +272,7 @@ def calibrate_plan(result: Any, spec: ModelSpec, gpu: GpuSpec, loaded: list[Load
         return result
     from memplan.model.estimate import estimate
     from memplan.parallel import resolve_batch
-    from memplan.timing import step_time
+    from memplan.planning.timing import step_time
 
     budget = int((capacity_bytes or gpu.memory_bytes) * (1 - safety))
     gbs = result.global_batch_size

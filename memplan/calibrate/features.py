@@ -20,7 +20,7 @@ a policy grows with b*s alike, so per-tensor coefficients could not be told apar
 
 from __future__ import annotations
 
-from memplan.hardware import GpuSpec, load_gpu
+from memplan.hardware import DEFAULT_GPU, GpuSpec, load_gpu
 from memplan.model.estimate import PHASES, Estimate, StageMemory, estimate
 from memplan.overheads import no_overheads
 from memplan.parallel import ParallelConfig
@@ -45,7 +45,7 @@ def is_score_term(name: str) -> bool:
 def analytic(spec: ModelSpec, par: ParallelConfig, wl: Workload,
              gpu: GpuSpec | None = None) -> Estimate:
     """Tensor bytes only (no fixed overheads), as the exact tracker counts them."""
-    return estimate(spec, gpu or load_gpu("h100-sxm"), par, wl, overheads=no_overheads())
+    return estimate(spec, gpu or load_gpu(DEFAULT_GPU), par, wl, overheads=no_overheads())
 
 
 def score_bytes(stage: StageMemory) -> int:

@@ -68,9 +68,9 @@ def reference_spec(device: str, *, num_layers: int = 2) -> ModelSpec:
 def cuda_spec_for(total_bytes: int, points: list[tuple[ParallelConfig, Workload]]) -> ModelSpec:
     """The deepest CUDA reference model whose analytic peak over ``points`` stays within
     ``CUDA_FILL`` of ``total_bytes`` (even layer counts, 2 to MAX_CUDA_LAYERS)."""
-    from memplan.hardware import load_gpu
+    from memplan.hardware import DEFAULT_GPU, load_gpu
 
-    gpu = load_gpu("h100-sxm")  # only its capacity would be read; the tensor peak is asked
+    gpu = load_gpu(DEFAULT_GPU)  # only its capacity would be read; the tensor peak is asked
     best = None
     for layers in range(2, MAX_CUDA_LAYERS + 1, 2):
         spec = reference_spec("cuda", num_layers=layers)

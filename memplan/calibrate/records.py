@@ -32,12 +32,12 @@ from memplan.errors import MemplanError
 from memplan.outputs import write_atomic
 from memplan.parallel import ParallelConfig
 from memplan.spec import ModelSpec
+from memplan.units import PHASES
 from memplan.workload import Workload
 
 SCHEMA_VERSION = 1
 # a JSON list of numbers only, written on one line (op-by-op byte series stay readable)
 _NUMBER_LIST = re.compile(r"\[\s*((?:-?[0-9.eE+]+,\s*)*-?[0-9.eE+]+)\s*\]")
-PHASES = ("forward", "backward", "optimizer")
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 
@@ -90,7 +90,7 @@ class StepMeasure(BaseModel):
 
     step: int = Field(ge=1)
     time_s: float = Field(ge=0, description="wall time of the step (CPU: under the tracker)")
-    hardware_flops: float = Field(ge=0, description="FLOPs this rank ran (memplan.timing, "
+    hardware_flops: float = Field(ge=0, description="FLOPs this rank ran (memplan.planning.timing, "
                                   "recompute included)")
     achieved_flops_per_s: float = Field(ge=0)
     phases: dict[str, PhaseMeasure]

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from memplan.cli.options import Json
-from memplan.stragglers import STRAGGLER_PCT
+from memplan.measure.stragglers import STRAGGLER_PCT
 
 Paths = Annotated[list[Path], typer.Argument(
     help="One chrome trace per rank (.json or .json.gz from torch.profiler).")]
@@ -42,7 +42,7 @@ def analyze_trace(paths: Paths, straggler_pct: StragglerPct = STRAGGLER_PCT,
 
       memplan analyze-trace traces/rank*.json.gz --plot traces.png
     """
-    from memplan.profiler_traces import analyze_traces, load
+    from memplan.measure.profiler_traces import analyze_traces, load
 
     if plot is not None:  # the plot's name is checked before the traces are read
         from memplan.report.plot import check_path

@@ -1,7 +1,8 @@
 """Options shared by several commands, declared once.
 
 Each shared option is one ``Annotated`` alias (its flags, help and panel) and one row of
-``SHARED`` (its default and the ``memplan.api`` keyword its value goes to). A command names
+``SHARED`` (its default, the model's own where the model has one); the ``memplan.api`` keyword
+its value goes to is ``memplan.arguments.CLI_OPTIONS``'s. A command names
 the options it takes with ``@uses(...)``: they are added to its signature, so ``--help``
 lists them as if written there, and reach the command body as one ``Job``, whose
 ``kwargs()`` are the keyword arguments of ``memplan.api.resolve`` / ``estimate`` / ``plan``.
@@ -19,15 +20,19 @@ from typing import Annotated, Any, NamedTuple, Optional
 
 import typer
 
+from memplan import arguments
+from memplan.hardware import DEFAULT_GPU
 from memplan.model.pipeline import Schedule
-from memplan.parallel import GradBuffers, Offload, TpStyle
+from memplan.parallel import GradBuffers, Offload, ParallelConfig, TpStyle
 from memplan.workload import (
+    DEFAULT_SEQ_LEN,
     Attention,
     Framework,
     NormImpl,
     Optimizer,
     OptimizerImpl,
     Precision,
+    Workload,
 )
 
 
@@ -95,7 +100,7 @@ Gbs = Annotated[Optional[int], typer.Option(
     "--gbs", help="Global batch size (default: mbs*dp*pp, filling the pipeline).",
     rich_help_panel=_WORKLOAD)]
 Seq = Annotated[Optional[int], typer.Option(
-    "--seq", help="Sequence length (default: 4096, capped at the model's maximum).",
+    "--seq", help=f"Sequence length (default: {DEFAULT_SEQ_LEN}, capped at the model's maximum).",
     rich_help_panel=_WORKLOAD)]
 RecomputeOpt = Annotated[RecomputeChoice, typer.Option(
     "--recompute", help="none; selective (attention core); full (layer inputs only).",
@@ -167,53 +172,56 @@ def _zero(choice: ZeroChoice | None) -> int | None:
 
 # NamedTuples, not dataclasses: immutable too, and five times cheaper to define at start-up
 class Shared(NamedTuple):
-    """One shared option: its declaration, its default, and the ``memplan.api`` keyword it
-    sets (``api``; None: the command reads it from the ``Job`` itself)."""
+    """One shared option: its declaration and its default (the ``memplan.api`` keyword it
+    sets: ``KEYWORDS``)."""
 
     annotation: Any
     default: Any
-    api: str | None
     convert: Callable[[Any], Any] = _same
     resolve: bool = True  # a keyword of ``memplan.api.resolve`` (else of estimate/plan only)
 
 
 _REQUIRED = inspect.Parameter.empty
+# option -> the ``memplan.api`` keyword it sets (the model, the API's first argument, aside:
+# a command reads it from the ``Job`` itself)
+KEYWORDS = {option: keyword for keyword, option in arguments.CLI_OPTIONS.items()}
+_WL, _PAR = Workload.model_fields, ParallelConfig.model_fields  # the defaults, declared there
 
 SHARED: dict[str, Shared] = {
-    "model": Shared(Model, _REQUIRED, None),  # the first positional argument of the API
-    "gpus": Shared(Gpus, 1, "gpus"),
-    "gpu": Shared(Gpu, "h100-sxm", "gpu", resolve=False),
-    "gpu_memory": Shared(GpuMemory, None, "gpu_memory", resolve=False),
-    "tp": Shared(Tp, 1, "tp"),
-    "pp": Shared(Pp, 1, "pp"),
-    "vpp": Shared(Vpp, 1, "vpp"),
-    "dp": Shared(Dp, None, "dp"),
-    "stage_layers": Shared(StageLayers, None, "stage_layers"),
-    "dp_shard": Shared(DpShard, None, "dp_shard"),
-    "cp": Shared(Cp, 1, "cp"),
-    "ep": Shared(Ep, 1, "ep"),
-    "sp": Shared(Sp, None, "sequence_parallel"),
-    "vocab_parallel": Shared(VocabParallel, True, "vocab_parallel"),
-    "tp_style": Shared(TpStyleOpt, None, "tp_style", _value),
-    "grad_buffers": Shared(GradBuffersOpt, None, "grad_buffers", _value),
-    "offload": Shared(OffloadOpt, Offload.NONE, "offload", _value),
-    "zero": Shared(Zero, ZeroChoice.Z0, "zero", _zero),
-    "mbs": Shared(Mbs, 1, "micro_batch_size"),
-    "gbs": Shared(Gbs, None, "global_batch_size"),
-    "seq": Shared(Seq, None, "seq_len"),
-    "recompute": Shared(RecomputeOpt, RecomputeChoice.NONE, "recompute", _value),
-    "recompute_layers": Shared(RecomputeLayers, None, "recompute_layers"),
-    "precision": Shared(PrecisionOpt, Precision.BF16_MIXED, "precision"),
-    "optimizer": Shared(OptimizerOpt, Optimizer.ADAMW, "optimizer"),
-    "optimizer_impl": Shared(OptimizerImplOpt, None, "optimizer_impl"),
-    "attention": Shared(AttentionOpt, Attention.FLASH, "attention"),
-    "norm": Shared(NormOpt, None, "norm_impl"),
-    "logits_fp32": Shared(LogitsFp32, None, "logits_fp32"),
-    "framework": Shared(FrameworkOpt, None, "framework", _value),
-    "keep_grads": Shared(KeepGrads, None, "keep_grads"),
-    "loss_chunks": Shared(LossChunks, 1, "loss_chunks"),
-    "schedule": Shared(ScheduleOpt, Schedule.ONE_F_ONE_B, "schedule", resolve=False),
-    "calibration": Shared(Calibration, None, "calibration", resolve=False),
+    "model": Shared(Model, _REQUIRED),  # the first positional argument of the API
+    "gpus": Shared(Gpus, 1),
+    "gpu": Shared(Gpu, DEFAULT_GPU, resolve=False),
+    "gpu_memory": Shared(GpuMemory, None, resolve=False),
+    "tp": Shared(Tp, _PAR["tp"].default),
+    "pp": Shared(Pp, _PAR["pp"].default),
+    "vpp": Shared(Vpp, _PAR["vpp"].default),
+    "dp": Shared(Dp, None),
+    "stage_layers": Shared(StageLayers, None),
+    "dp_shard": Shared(DpShard, None),
+    "cp": Shared(Cp, _PAR["cp"].default),
+    "ep": Shared(Ep, _PAR["ep"].default),
+    "sp": Shared(Sp, None),
+    "vocab_parallel": Shared(VocabParallel, _PAR["vocab_parallel"].default),
+    "tp_style": Shared(TpStyleOpt, None, _value),
+    "grad_buffers": Shared(GradBuffersOpt, None, _value),
+    "offload": Shared(OffloadOpt, _PAR["offload"].default, _value),
+    "zero": Shared(Zero, ZeroChoice.Z0, _zero),
+    "mbs": Shared(Mbs, _WL["micro_batch_size"].default),
+    "gbs": Shared(Gbs, None),
+    "seq": Shared(Seq, None),
+    "recompute": Shared(RecomputeOpt, RecomputeChoice.NONE, _value),
+    "recompute_layers": Shared(RecomputeLayers, None),
+    "precision": Shared(PrecisionOpt, _WL["precision"].default),
+    "optimizer": Shared(OptimizerOpt, _WL["optimizer"].default),
+    "optimizer_impl": Shared(OptimizerImplOpt, None),
+    "attention": Shared(AttentionOpt, _WL["attention"].default),
+    "norm": Shared(NormOpt, None),
+    "logits_fp32": Shared(LogitsFp32, None),
+    "framework": Shared(FrameworkOpt, None, _value),
+    "keep_grads": Shared(KeepGrads, None),
+    "loss_chunks": Shared(LossChunks, _WL["loss_chunks"].default),
+    "schedule": Shared(ScheduleOpt, Schedule.ONE_F_ONE_B, resolve=False),
+    "calibration": Shared(Calibration, None, resolve=False),
 }
 
 LAYOUT = ("tp", "pp", "vpp", "dp", "cp", "ep", "sp", "vocab_parallel", "tp_style",
@@ -239,9 +247,9 @@ class Job(NamedTuple):
     def kwargs(self, *, resolve_only: bool = False) -> dict[str, Any]:
         """The ``memplan.api`` keyword arguments of these options (only those ``resolve``
         takes with ``resolve_only``): the one place parsed values become API values."""
-        return {opt.api: opt.convert(self.values[name])
+        return {KEYWORDS[name]: opt.convert(self.values[name])
                 for name, opt in ((n, SHARED[n]) for n in self.values)
-                if opt.api is not None and (opt.resolve or not resolve_only)}
+                if name in KEYWORDS and (opt.resolve or not resolve_only)}
 
 
 def defaults_of(job: Job, command: Callable[..., Any]) -> dict[str, Any]:

@@ -114,7 +114,7 @@ def _run(spec, par, wl, gpu_spec, steps: int, device: str, fake: bool, perf: boo
     tl = profile_reference(spec, par, wl, steps=steps, device=device, fake=fake,
                            snapshot_path=snapshot)
     pred = predicted(spec, gpu_spec, par, wl, tensors_only=device != "cuda")
-    from memplan.timeline import summary, write
+    from memplan.measure.timeline import summary, write
 
     result = summary(tl, pred)
     if stage is not None:

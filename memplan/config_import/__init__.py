@@ -15,27 +15,28 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from memplan import arguments
 from memplan.errors import MemplanError, shown
 from memplan.spec import ModelSpec
 
-# memplan.api keyword -> the CLI flag a user would give for it (for the mapping's text)
-FLAGS = {
-    "model": "--model", "gpus": "--gpus", "tp": "--tp", "pp": "--pp", "vpp": "--vpp",
-    "cp": "--cp", "ep": "--ep", "dp": "--dp", "dp_shard": "--dp-shard", "zero": "--zero",
-    "sequence_parallel": "--sp", "vocab_parallel": "--vocab-parallel",
-    "stage_layers": "--stage-layers", "offload": "--offload",
-    "micro_batch_size": "--mbs", "global_batch_size": "--gbs", "seq_len": "--seq",
-    "recompute": "--recompute", "recompute_layers": "--recompute-layers",
-    "precision": "--precision", "optimizer": "--optimizer", "optimizer_impl": "--optimizer-impl",
-    "attention": "--attention", "framework": "--framework", "schedule": "--schedule",
-    "keep_grads": "--keep-grads", "fused_qkv": "(fused q/k/v)", "rope_cache": "(RoPE tables)",
-}
+# How the mapping names a target that no shared option's keyword is: the model (the CLI's
+# first option), and the inputs only a config sets. Every other target is a ``memplan.api``
+# keyword, named by its flag (``memplan.arguments.CLI_OPTIONS``).
+_NOT_KEYWORDS = {"model": "--model", "fused_qkv": "(fused q/k/v)", "rope_cache": "(RoPE tables)"}
+
+
+def flag(target: str) -> str:
+    """The CLI flag a user would give for ``target`` (a ``memplan.api`` keyword), for the
+    mapping's text."""
+    if target in arguments.CLI_OPTIONS:
+        return arguments.flag(target)
+    return _NOT_KEYWORDS.get(target, target)
 
 
 @dataclass(frozen=True)
 class Mapped:
-    """One key of the config and the memplan input it became (``target``: a FLAGS key, or
-    ``model`` for a key that shapes the model spec)."""
+    """One key of the config and the memplan input it became (``target``: a ``memplan.api``
+    keyword, or ``model`` for a key that shapes the model spec)."""
 
     key: str
     given: Any
@@ -44,10 +45,10 @@ class Mapped:
     how: str = ""
 
     def line(self) -> str:
-        flag = FLAGS.get(self.target, self.target)
+        shown_flag = flag(self.target)
         value = self.value if isinstance(self.value, str) else shown(self.value)
         how = f" ({self.how})" if self.how else ""
-        return f"{self.key} = {shown(self.given)} -> {flag} {value}{how}"
+        return f"{self.key} = {shown(self.given)} -> {shown_flag} {value}{how}"
 
 
 @dataclass
@@ -83,8 +84,7 @@ class Imported:
 
     def as_json(self) -> dict[str, Any]:
         return {"source": self.source,
-                "mapping": [{"key": m.key, "given": m.given, "input": FLAGS.get(m.target,
-                                                                                  m.target),
+                "mapping": [{"key": m.key, "given": m.given, "input": flag(m.target),
                              "value": m.value if not isinstance(m.value, ModelSpec)
                              else m.value.name, "how": m.how} for m in self.mapping],
                 "notes": list(self.notes), "unread": list(self.unread)}
@@ -97,9 +97,8 @@ def merge(imported: Imported, given: dict[str, Any], defaults: dict[str, Any]) -
     out = dict(given)
     for key, value in imported.inputs.items():
         if key in given and given[key] != defaults.get(key) and given[key] != value:
-            flag = FLAGS.get(key, key)
             source = next(m.key for m in imported.mapping if m.target == key)
-            raise MemplanError(f"{flag} {shown(given[key])} and {source} in {imported.source} "
+            raise MemplanError(f"{flag(key)} {shown(given[key])} and {source} in {imported.source} "
                                f"({shown(value)}) disagree: give one of them")
         out[key] = value
     return out

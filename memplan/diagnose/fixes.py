@@ -1,8 +1,8 @@
 """Fixes for a configuration that does not fit, each checked by re-running the estimator.
 
 A fix is a change of ``memplan.estimate``'s arguments. Each is estimated again (``peak_bytes``,
-whether it fits) and timed with the step-time model (``memplan.timing``), then ranked: those
-that fit with the planner's safety margin free first, fastest first; then those that fit
+whether it fits) and timed with the step-time model (``memplan.planning.timing``), then ranked:
+those that fit with the planner's safety margin free first, fastest first; then those that fit
 only inside the margin; then the rest by bytes saved. The global batch is held fixed,
 so a smaller micro-batch means more accumulation steps and a larger TP/PP/CP degree a smaller
 data-parallel one. The planner's fastest layout that fits is offered too.
@@ -23,8 +23,8 @@ from typing import Any
 from memplan.errors import MemplanError
 from memplan.model.estimate import ZERO3_CAVEAT, Estimate
 from memplan.parallel import Offload, ZeroStage, local_seq
-from memplan.planner import DEFAULT_SAFETY
-from memplan.timing import StepTime, estimate_step_time
+from memplan.planning.planner import DEFAULT_SAFETY
+from memplan.planning.timing import StepTime, estimate_step_time
 from memplan.units import ceil_div
 from memplan.workload import OptimizerImpl, Precision, Recompute
 
@@ -61,7 +61,7 @@ class Fix:
 
     @property
     def safe(self) -> bool:
-        """Fits with the planner's safety margin free (memplan.planner.DEFAULT_SAFETY)."""
+        """Fits with the planner's safety margin free (memplan.planning.planner.DEFAULT_SAFETY)."""
         return self.peak_bytes + self.margin_bytes <= self.capacity_bytes * (1 - DEFAULT_SAFETY)
 
 
@@ -205,7 +205,7 @@ def _planned(model: Any, est: Estimate, base: dict[str, Any], capacity_bytes: in
              margin_bytes: int) -> Fix | str | None:
     """The planner's fastest configuration for the same GPUs and global batch in the capacity
     less ``margin_bytes``, re-estimated with ``memplan.estimate`` (the planner keeps a 5%
-    safety margin, memplan.planner)."""
+    safety margin, memplan.planning.planner)."""
     if margin_bytes >= capacity_bytes:
         return "the job held more than the capacity beyond the estimate"
     from memplan.api import estimate, plan

@@ -1,6 +1,6 @@
 """A ``memplan profile`` output directory as evidence: measured phase peaks against the estimate.
 
-Reads ``summary.json`` (written by ``memplan.timeline.write``): per step and phase the peak
+Reads ``summary.json`` (written by ``memplan.measure.timeline.write``): per step and phase the peak
 bytes (tensors under the exact CPU tracker, the caching allocator's allocated bytes on CUDA),
 their split by category, the reserved bytes on CUDA, and the first-step analysis' warnings.
 """

@@ -4,8 +4,8 @@ Reads the files ``memplan.monitor.MemoryMonitor`` writes (one ``memory_rank<R>.j
 one JSON record per training step), reduces them with ``memplan.monitor.summarize`` to the
 worst rank (the largest allocated peak), and sets that rank's measured peak, reserved bytes,
 allocator cache and headroom next to the estimate of its pipeline stage. Allocation retries,
-OOMs and growth (the monitor's own leak rule, ``memplan.trend``, over each rank's whole run)
-are looked for on every rank.
+OOMs and growth (the monitor's own leak rule, ``memplan.monitor.trend``, over each rank's whole
+run) are looked for on every rank.
 Torch-free; sizes stay int bytes until ``memplan.report.diagnose``.
 """
 
@@ -24,7 +24,8 @@ from memplan.diagnose.explain import Finding
 from memplan.errors import MemplanError, shown
 from memplan.inputs import MONITOR_BYTES, regular_file, size_text
 from memplan.model.estimate import Estimate
-from memplan.monitor import MemoryMonitor, summarize
+from memplan.monitor.memory_monitor import MemoryMonitor
+from memplan.monitor.records import summarize
 from memplan.overheads import ALLOCATOR_FRACTION
 
 # The file name MemoryMonitor.start writes, as memplan.monitor.read_records globs it.

@@ -1,6 +1,6 @@
 """What bounds a configuration: memory, compute, communication or the pipeline bubble.
 
-From the estimate and the step-time model (``memplan.timing``, whose MFU and overlap
+From the estimate and the step-time model (``memplan.planning.timing``, whose MFU and overlap
 assumptions it inherits). A job is memory-bound when memory, not speed, decides its
 configuration: it does not fit within the planner's safety margin, or it spends FLOPs on
 recomputation only to save memory. Otherwise the step-time model's largest term bounds it.
@@ -11,11 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memplan.model.estimate import Estimate
-from memplan.planner import DEFAULT_SAFETY
-from memplan.timing import Bound, StepTime
+from memplan.planning.planner import DEFAULT_SAFETY
+from memplan.planning.timing import Bound, StepTime
 from memplan.workload import Recompute
 
-# What moves each communication dimension (memplan.timing.comm_columns says what each sends).
+# What moves each communication dimension (memplan.planning.timing.comm_columns says what each
+# sends).
 _COMM_ADVICE = {
     "tp": "a smaller TP degree, or TP kept inside one node (its collectives are exposed)",
     "dp": "a larger micro-batch or global batch per step (the gradient reduction is paid once "
@@ -75,7 +76,7 @@ def utilisation(est: Estimate, time: StepTime, *, capacity_bytes: int | None = N
                       "interleaving (--vpp) shrink it")
     if bound == "compute":
         advice.append(f"compute: {time.compute_s / time.step_s:.1%} of the step at the assumed "
-                      "MFU (memplan.timing); only faster kernels, less recomputation or more "
-                      "GPUs move it")
+                      "MFU (memplan.planning.timing); only faster kernels, less recomputation or "
+                      "more GPUs move it")
     return Utilisation(bound=bound, time=time, headroom_bytes=headroom,
                        recompute_share=recompute, advice=tuple(advice))

@@ -15,10 +15,10 @@ from typing import NamedTuple
 
 from memplan.parallel import ParallelConfig, TpStyle, local_seq
 from memplan.spec import ModelSpec
+from memplan.units import FP32_BYTES as FP32_BYTES  # the blocks read it here
 from memplan.units import DType
 from memplan.workload import Workload
 
-FP32_BYTES = DType.FP32.itemsize
 INDEX_BYTES = DType.INT64.itemsize  # token ids and targets are int64 (torch.long)
 MASK_BYTES = 1  # torch's native_dropout returns a bool mask, one byte per element
 

@@ -1,5 +1,5 @@
 """Forward FLOPs of one token through each layer, read from its blocks: the one source the
-step-time model (``memplan.timing``) computes with.
+step-time model (``memplan.planning.timing``) computes with.
 
 A layer's FLOPs are its blocks' ``flops_per_token`` (2 per parameter the token passes, the
 top-k of the routed experts, and the attention core's), split into the attention core's

@@ -18,10 +18,8 @@ from memplan.model.optimizer import optimizer_policy
 from memplan.model.trainable import ALL, TrainablePolicy
 from memplan.parallel import Offload, ParallelConfig, ZeroStage, vocab_shard
 from memplan.spec import ModelSpec, param_counts
-from memplan.units import DType, ceil_div
+from memplan.units import FP32_BYTES, ceil_div
 from memplan.workload import FsdpUnits, Workload
-
-FP32_BYTES = DType.FP32.itemsize
 
 
 class StageParams(NamedTuple):

@@ -11,10 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from memplan.units import DType
+from memplan.units import FP32_BYTES
 from memplan.workload import Optimizer, OptimizerImpl, PrecisionPolicy
-
-FP32_BYTES = DType.FP32.itemsize
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,8 @@ from memplan.model.walk import (
 from memplan.overheads import Overheads
 from memplan.parallel import ParallelConfig, ZeroStage
 from memplan.spec import ModelSpec, param_counts
+from memplan.units import PHASES
 from memplan.workload import Workload
-
-PHASES = ("forward", "backward", "optimizer")
 
 # A layer kind's entry in a walk: its kind, its parameters' gradient bytes, and the gradient
 # bytes of each of its moment groups (``memo.SharedTerms.moment_params``).

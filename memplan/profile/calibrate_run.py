@@ -40,10 +40,10 @@ from memplan.calibrate.records import (
 )
 from memplan.errors import MemplanError
 from memplan.hardware import gpu_catalog, load_gpu
+from memplan.planning.timing import step_flops
 from memplan.profile.reference import ReferenceModel
 from memplan.profile.trace import TraceResult, ref_options, run_steps
 from memplan.profile.tracker import MemoryTracker, PhasePeak
-from memplan.timing import step_flops
 
 
 def _today() -> str:
@@ -181,7 +181,7 @@ class NullTracker:
 
 
 def rank_flops(point: Point) -> float:
-    """Hardware FLOPs one rank runs per step (``memplan.timing``: recompute included)."""
+    """Hardware FLOPs one rank runs per step (``memplan.planning.timing``: recompute included)."""
     par, wl = point.layout, point.workload
     return step_flops(point.spec, wl, wl.micro_batch_size * par.dp, pp=par.pp,
                       vpp=par.vpp)[1] / par.world_size

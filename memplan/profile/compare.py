@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from memplan.hardware import load_gpu
+from memplan.hardware import DEFAULT_GPU, load_gpu
 from memplan.model.estimate import PHASES, Estimate, StageMemory, estimate
 from memplan.overheads import no_overheads
 from memplan.parallel import GradBuffers, ParallelConfig, TpStyle
@@ -79,7 +79,7 @@ def compare(spec: ModelSpec, par: ParallelConfig, wl: Workload, *, steps: int = 
     if steps < 2:
         raise ValueError(f"steps must be at least 2 (first step and steady state), got {steps}")
     result = run_trace(spec, par, wl, steps=steps, fake=fake)
-    est = estimate(spec, load_gpu("h100-sxm"), par, wl, overheads=no_overheads())
+    est = estimate(spec, load_gpu(DEFAULT_GPU), par, wl, overheads=no_overheads())
     return Comparison(spec, par, wl, rows(result, est.stages[0]), result, est)
 
 

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memplan.measure.timeline import Sample, Timeline
 from memplan.profile.phases import PhaseDetector, StepFn, phase_hooks
-from memplan.timeline import Sample, Timeline
 
 CUDA_SOURCE = ("CUDA caching allocator (torch.cuda.memory_allocated / max_memory_allocated / "
                "memory_reserved) and cudaMemGetInfo, read at every phase change")

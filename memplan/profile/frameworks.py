@@ -48,7 +48,7 @@ import torch
 
 from memplan import api
 from memplan.errors import MemplanError
-from memplan.hardware import load_gpu
+from memplan.hardware import DEFAULT_GPU, load_gpu
 from memplan.model.estimate import PHASES, estimate
 from memplan.overheads import no_overheads
 from memplan.parallel import ParallelConfig
@@ -212,7 +212,7 @@ def make_workload(built: Built) -> Workload:
 def compare_built(built: Built, trace: TraceResult) -> Comparison:
     """The library's trace next to ``estimate`` of its spec, layout and workload."""
     wl = make_workload(built)
-    est = estimate(built.spec, load_gpu("h100-sxm"), built.layout, wl, overheads=no_overheads())
+    est = estimate(built.spec, load_gpu(DEFAULT_GPU), built.layout, wl, overheads=no_overheads())
     return Comparison(built.spec, built.layout, wl, rows(trace, est.stages[0]), trace, est)
 
 

@@ -1,4 +1,4 @@
-"""Run a training step under ``torch.profiler`` and reduce what it saw (``memplan.perf``).
+"""Run a training step under ``torch.profiler`` and reduce what it saw (``memplan.measure.perf``).
 
 ``profile_perf(model, optimizer, step_fn)`` runs ``warmup`` steps then ``steps`` profiled
 steps (CPU activity, plus CUDA when the model is on a GPU, ``with_flops=True``,
@@ -33,10 +33,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from memplan.hardware import GpuSpec
+from memplan.measure.perf import summarize
+from memplan.measure.profiler_traces import analyze, load
 from memplan.outputs import write_atomic
-from memplan.perf import summarize
 from memplan.profile.step import StepFn, _device_of
-from memplan.profiler_traces import analyze, load
 
 COUNTER = "memory allocated (bytes)"
 _DEVICE_TYPES = {0: "cpu", 1: "cuda"}  # c10::DeviceType of the profiler's [memory] events

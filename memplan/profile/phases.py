@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from memplan.errors import MemplanError
+from memplan.measure.timeline import PHASES
 from memplan.profile.tracker import MemoryTracker
-from memplan.timeline import PHASES
 
 StepFn = Callable[[torch.nn.Module, torch.optim.Optimizer, int], Any]
 

@@ -16,6 +16,7 @@ import torch
 
 from memplan.errors import MemplanError
 from memplan.hardware import GpuSpec
+from memplan.measure.timeline import Timeline
 from memplan.model.estimate import PHASES, estimate
 from memplan.overheads import default_overheads, no_overheads
 from memplan.parallel import ParallelConfig
@@ -24,7 +25,6 @@ from memplan.profile.step import StepFn, from_tracker
 from memplan.profile.trace import _fake_mode, _optimizer, _Recipe, ref_options, run_steps
 from memplan.profile.tracker import MemoryTracker
 from memplan.spec import ModelSpec
-from memplan.timeline import Timeline
 from memplan.workload import Workload
 
 

@@ -2,7 +2,7 @@
 
 ``step_fn(model, optimizer, step)`` runs one whole training step (forward, backward, optimizer
 step, zero_grad); ``profile_step`` calls it ``steps`` times and returns a
-``memplan.timeline.Timeline``. Phases are found without changes to the step
+``memplan.measure.timeline.Timeline``. Phases are found without changes to the step
 (``memplan.profile.phases``); a step function can also label a region itself:
 ``with memplan.profile.phase("other"):``.
 
@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from memplan.errors import MemplanError
+from memplan.measure.timeline import Sample, Timeline
 from memplan.profile.cuda_step import profile_cuda
 from memplan.profile.phases import PhaseDetector, StepFn, phase, phase_hooks, relabel_states
 from memplan.profile.tracker import MemoryTracker
-from memplan.timeline import Sample, Timeline
 
 
 class StepTracker(MemoryTracker):
@@ -56,7 +56,7 @@ def profile_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step_
     """Run ``step_fn`` ``steps`` times and record one rank's memory timeline by phase.
 
     ``device``: ``"cpu"`` (exact tensor tracker) or ``"cuda"`` (caching allocator); default:
-    the device of the model's parameters. Returns bytes per event; see ``memplan.timeline``.
+    the device of the model's parameters. Returns bytes per event; see ``memplan.measure.timeline``.
     """
     if steps < 2:
         raise MemplanError(f"steps ({steps}) must be at least 2: the first step and a later one")

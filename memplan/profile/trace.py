@@ -35,6 +35,7 @@ from memplan.profile.cuda_rules import autocast_rules
 from memplan.profile.reference import ReferenceModel, RefOptions
 from memplan.profile.tracker import CATEGORIES, MemoryTracker, PhasePeak
 from memplan.spec import ModelSpec
+from memplan.units import PHASES
 from memplan.workload import OptimizerImpl, Precision, Workload
 
 _TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -269,7 +270,7 @@ def _step(model, opt, recipe: _Recipe, tracker: MemoryTracker, wl: Workload,
                     tracker.relabel(value, "optimizer")
     tracker.set_phase("optimizer")
     measure = StepMeasure(
-        step=k, phases={ph: tracker.peak(k, ph) for ph in ("forward", "backward", "optimizer")},
+        step=k, phases={ph: tracker.peak(k, ph) for ph in PHASES},
         saved_activations_bytes=saved, grads_bytes=grads,
         optimizer_bytes=tracker.bytes_in("optimizer"))
     return measure

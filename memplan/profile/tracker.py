@@ -24,8 +24,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
-PHASES = ("forward", "backward", "optimizer")
+from memplan.measure.timeline import CATEGORIES
+from memplan.units import PHASES
 
 
 @dataclass

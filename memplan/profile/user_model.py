@@ -41,10 +41,10 @@ from memplan.calibrate.records import (
 )
 from memplan.errors import MemplanError
 from memplan.parallel import ParallelConfig
+from memplan.planning.timing import step_flops
 from memplan.profile.distributed import ParallelTracker
 from memplan.profile.trace import _TORCH_DTYPE, _fake_mode, run_steps
 from memplan.spec import ModelSpec
-from memplan.timing import step_flops
 from memplan.workload import Attention, LogitsHeld, Workload
 
 Factory = Callable[..., nn.Module]

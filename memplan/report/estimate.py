@@ -7,8 +7,8 @@ from typing import Any
 from memplan.errors import MemplanError
 from memplan.model.estimate import PHASES, Estimate, PhasePeaks, StageMemory
 from memplan.parallel import virtual_stage_layers
+from memplan.planning.timing import DEFAULT_MFU, StepTime, estimate_step_time
 from memplan.report.sizes import format_gib, gib
-from memplan.timing import DEFAULT_MFU, StepTime, estimate_step_time
 
 _COMPONENTS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes")
 

@@ -31,10 +31,10 @@ def render_monitor_summary(result: dict[str, Any]) -> Any:
 
 
 def render_trends(result: dict[str, Any]) -> Any:
-    """Per rank and series: the run's robust trend (``memplan.trend``) in GiB, or None."""
+    """Per rank and series: the run's robust trend (``memplan.monitor.trend``) in GiB, or None."""
     from rich.table import Table
 
-    from memplan.monitor import LEAK_BYTES
+    from memplan.monitor.window import LEAK_BYTES
 
     rows = [(rank, series, t) for rank, r in result["ranks"].items()
             for series, t in r.get("trend", {}).items()]

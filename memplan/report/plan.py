@@ -9,7 +9,7 @@ from memplan.parallel import ParallelConfig, rank_layers
 from memplan.report.sizes import format_gib, gib
 
 if TYPE_CHECKING:
-    from memplan.planner import PlanResult
+    from memplan.planning.planner import PlanResult
 
 
 def plan_json(result: PlanResult, top: int) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """A plot of a memory timeline: one rank's training steps on a time axis, for a design doc.
 
-``plot_timeline`` puts the samples of a ``memplan.timeline.Timeline`` on a
+``plot_timeline`` puts the samples of a ``memplan.measure.timeline.Timeline`` on a
 time axis in seconds. Under the exact CPU tracker the live bytes are stacked by category
 (parameters, gradients, optimizer states, activations, temporaries); on CUDA the allocated,
 reserved and device-used bytes are lines through the samples (one at each phase's end). Each
@@ -16,9 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from memplan.measure.timeline import CATEGORIES, Sample, Timeline
 from memplan.report.plot import CATEGORY_COLOURS, PHASE_LABELS, PHASE_SHADES, figure
 from memplan.report.sizes import axis_unit
-from memplan.timeline import CATEGORIES, Sample, Timeline
 
 
 def _phase_of(s: Sample) -> str:
@@ -146,9 +146,9 @@ def _shade(ax: Any, spans: list[tuple[float, float, int, str]], width: float) ->
 
 def _measured_peaks(ax: Any, tl: Timeline, spans: list[tuple[float, float, int, str]],
                     unit: int) -> None:
-    """Each step's measured phase peaks (``memplan.timeline.phase_peaks``: on CUDA the
+    """Each step's measured phase peaks (``memplan.measure.timeline.phase_peaks``: on CUDA the
     allocator's peak in the phase, which no sample sees) as a black line over the phase."""
-    from memplan.timeline import phase_peaks
+    from memplan.measure.timeline import phase_peaks
 
     peaks = phase_peaks(tl)
     first = True

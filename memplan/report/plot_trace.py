@@ -2,10 +2,10 @@
 
 One row per rank, on each rank's own time since its first profiled step (milliseconds; the
 ranks of different hosts share no clock). Within the analysed steps the time splits as in
-``memplan.profiler_traces.analyze``: compute; exposed communication (not under compute), of
-which the exposed wait (``memplan.stragglers``: waiting for a later rank) is hatched; exposed
-copies; idle (the white). Step boundaries are ticks; stragglers are named in red with their
-lateness, and each rank's exposed wait is written at the end of its row.
+``memplan.measure.profiler_traces.analyze``: compute; exposed communication (not under
+compute), of which the exposed wait (``memplan.measure.stragglers``: waiting for a later rank) is
+hatched; exposed copies; idle (the white). Step boundaries are ticks; stragglers are named in red
+with their lateness, and each rank's exposed wait is written at the end of its row.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from memplan.intervals import Interval, intersect, subtract, union
-from memplan.profiler_traces import RankTrace, window
+from memplan.measure.intervals import Interval, intersect, subtract, union
+from memplan.measure.profiler_traces import RankTrace, window
+from memplan.measure.stragglers import waiting_intervals
 from memplan.report.plot import figure
-from memplan.stragglers import waiting_intervals
 
 COLOURS = {"compute": "#4c72b0", "exposed communication": "#dd8452",
            "exposed copies": "#8172b3"}
@@ -35,7 +35,7 @@ def _rows(rt: RankTrace, waits: list[Interval]) -> dict[str, list[Interval]]:
 def plot_traces(traces: list[RankTrace], path: Path, *,
                 across: dict[str, Any] | None = None) -> Path | None:
     """Write ``path`` (PNG or SVG); ``None`` when matplotlib is not installed. ``across``:
-    ``memplan.stragglers.stragglers`` of the same traces (stragglers and waits named)."""
+    ``memplan.measure.stragglers.stragglers`` of the same traces (stragglers and waits named)."""
     waits, _ = waiting_intervals(traces) if len(traces) > 1 else ({}, 0)
     named = set((across or {}).get("stragglers", []))
     order = sorted(traces, key=lambda rt: rt.rank)

@@ -46,12 +46,11 @@ from memplan.calibrate.refit import build_profile, refit_all
 from memplan.cli import app, main
 from memplan.errors import MemplanError
 from memplan.hardware import load_gpu
-from memplan.timing import step_flops
-from memplan.units import GiB, MiB
+from memplan.planning.timing import step_flops
+from memplan.units import PHASES, GiB, MiB
 
 ROOT = Path(__file__).resolve().parents[2]
 USER_MODEL = ROOT / "tests" / "data" / "user_model"
-PHASES = ("forward", "backward", "optimizer")
 
 # Known coefficients of the synthetic device (see features.py for their meaning).
 KNOWN = {

@@ -67,7 +67,7 @@ MIXTRAL_TOY = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256,
                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                    vocab_size=512)
 TITAN_TOY = dict(dim=256, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=1000)
-# the newer families (memplan.hf_families), cut from their published configs; the special
+# the newer families (memplan.hf.families), cut from their published configs; the special
 # token ids beyond the cut vocabularies dropped
 NO_IDS = dict(pad_token_id=None)
 QWEN3_TOY = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=896,
@@ -160,7 +160,7 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
     # backward (memplan.model.moe: in_saved; was -1.38% in the first backward)
     (FrameworkCase("transformers", "mixtral-toy", hf("Mixtral-8x7B-v0.1", **MIXTRAL_TOY),
                    "fp32", 2, 64), None),
-    # --- the newer families: their configs cut to toy widths (memplan.hf_families) ---------
+    # --- the newer families: their configs cut to toy widths (memplan.hf.families) ---------
     (FrameworkCase("transformers", "qwen3-toy", hf("Qwen3-8B", **QWEN3_TOY), "fp32", 2, 128),
      None),  # per-head q/k RMSNorms
     (FrameworkCase("transformers", "qwen3-toy", hf("Qwen3-8B", **QWEN3_TOY), "bf16-pure", 2,
@@ -316,7 +316,7 @@ def test_fake_tensors_trace_as_real(case: FrameworkCase, known: Known | None) ->
 
 
 def test_cases_cover_the_families() -> None:
-    """A case for every family of memplan.hf_families, each passing outright in one recipe."""
+    """A case for every family of memplan.hf.families, each passing outright in one recipe."""
     families = {str(c.config["model_type"]) for c, k in CASES
                 if c.library == "transformers" and k is None}
     assert families >= {"qwen3", "qwen3_moe", "qwen2_moe", "gemma2", "gemma3_text", "phi3",

@@ -131,7 +131,7 @@ def test_lightning_trainer(tmp_path, given):
 
 
 def test_import_is_torch_free():
-    code = ("import sys, memplan.monitor, memplan.monitor_callbacks; "
+    code = ("import sys, memplan.monitor, memplan.monitor.callbacks; "
             "m = memplan.monitor.MemoryMonitor('x'); m.on_init_end(None, None, None); "
             "assert not {'torch', 'transformers', 'lightning'} & set(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -162,7 +162,7 @@ def test_cuda_reader():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from memplan.monitor_readers import cuda_reader
+    from memplan.monitor.readers import cuda_reader
 
     x = torch.empty(1 << 20, device="cuda")
     read = cuda_reader()

@@ -42,11 +42,11 @@ from memplan.profile.trace import (  # noqa: E402
     trace,
 )
 from memplan.spec import load_model  # noqa: E402
+from memplan.units import PHASES  # noqa: E402
 from memplan.workload import Workload  # noqa: E402
 
 SPEC = load_model("tiny")
 B, S, H = 2, 64, 64
-PHASES = ("forward", "backward", "optimizer")
 
 
 def wl(precision: str) -> Workload:

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from memplan.cli import app, main
-from memplan.perf import NOT_CLASSIFIED, bound, summarize
+from memplan.measure.perf import NOT_CLASSIFIED, bound, summarize
 
 SPLIT = {"compute": 100.0, "exposed_comm": 0.0, "exposed_copies": 0.0, "idle": 0.0}
 TRACE = {"steps": [{"duration_us": 40.0}, {"duration_us": 60.0}], "window_us": 100.0,
@@ -112,8 +112,8 @@ def test_profile_perf_cpu_exact_flops(tmp_path):
     and the first layer's weight grad, three mm of 262,144 (the input needs no grad).
     5 * 262,144 = 1,310,720 FLOPs per step."""
     torch = pytest.importorskip("torch")
+    from memplan.measure.profiler_traces import load
     from memplan.profile.perf import profile_perf
-    from memplan.profiler_traces import load
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),

@@ -17,11 +17,11 @@ from typer.testing import CliRunner
 
 from memplan.api import resolve
 from memplan.cli import app, main
+from memplan.measure.timeline import first_step_anomaly, phase_peaks, summary, write
 from memplan.profile import phase, profile_step
 from memplan.profile.reference import ReferenceModel
 from memplan.profile.reference_profile import profile_reference
 from memplan.profile.trace import ref_options, trace
-from memplan.timeline import first_step_anomaly, phase_peaks, summary, write
 
 PARAM_BYTES = 848
 

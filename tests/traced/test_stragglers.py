@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from memplan.profiler_traces import analyze_paths
-from memplan.stragglers import STRAGGLER_PCT, STRAGGLER_SHARE
+from memplan.measure.profiler_traces import analyze_paths
+from memplan.measure.stragglers import STRAGGLER_PCT, STRAGGLER_SHARE
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gloo_trace.py"
@@ -61,7 +61,7 @@ def runs(tmp_path_factory):
 def _truth(run: Path) -> tuple[dict[int, float], dict[int, list[float]]]:
     """Per rank, from the shared clock: the exposed wait in microseconds (summed over steps)
     and its lateness in each step in % of the step (the median of the other ranks' wait less
-    its own, as memplan.stragglers defines it)."""
+    its own, as memplan.measure.stragglers defines it)."""
     truth = _bench().read_truth(run)
     ranks = sorted(truth)
     waited = {r: 0.0 for r in ranks}

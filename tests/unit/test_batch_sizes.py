@@ -1,11 +1,12 @@
-"""The micro-batch sizes the planner and calibration's re-check search (``memplan.batch_sizes``)."""
+"""The micro-batch sizes the planner and calibration's re-check search
+(``memplan.planning.batch_sizes``)."""
 
 from __future__ import annotations
 
-from memplan import planner
-from memplan.batch_sizes import MAX_MBS, divisors, micro_batch_sizes
 from memplan.calibrate import apply
 from memplan.parallel import ParallelConfig
+from memplan.planning import planner
+from memplan.planning.batch_sizes import MAX_MBS, divisors, micro_batch_sizes
 
 
 def test_sizes_by_hand() -> None:

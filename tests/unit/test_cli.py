@@ -341,6 +341,25 @@ def test_shared_options_are_declared_once() -> None:
     assert group.commands["diagnose"].callback.shared == group.commands["estimate"].callback.shared
 
 
+def test_flag_names_come_from_one_table() -> None:
+    """``memplan.arguments.CLI_OPTIONS`` names the option of every API keyword the shared
+    options set, and nothing else: each shared option but the model sets the keyword the
+    table gives it, and the flag it declares is the table's (``--sp`` for sequence_parallel,
+    ``--mbs`` for micro_batch_size, ``--recompute-layers`` for recompute_layers)."""
+    import typer
+
+    from memplan import arguments
+    from memplan.cli.options import KEYWORDS, SHARED
+
+    assert set(KEYWORDS) == set(SHARED) - {"model"}
+    assert (arguments.flag("sequence_parallel"), arguments.flag("micro_batch_size"),
+            arguments.flag("recompute_layers")) == ("--sp", "--mbs", "--recompute-layers")
+    group = typer.main.get_command(app)
+    declared = {p.name: p.opts[0] for p in group.commands["estimate"].params}
+    for option, keyword in KEYWORDS.items():
+        assert declared[option] == arguments.flag(keyword), option
+
+
 @pytest.mark.parametrize(("argv", "kwargs"), [
     ([], {}),
     (["--tp", "2", "--pp", "2", "--vpp", "2", "--zero", "1", "--sp", "--no-vocab-parallel",

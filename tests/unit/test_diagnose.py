@@ -356,7 +356,7 @@ def test_snapshot_with_globals_is_refused(tmp_path, capsys) -> None:
 
 
 def _timeline():
-    from memplan.timeline import Sample, Timeline
+    from memplan.measure.timeline import Sample, Timeline
 
     mib = 2**20
     samples = [Sample(0, 1, "forward", 10 * mib, {"parameters": 4 * mib}, reserved_bytes=12 * mib),
@@ -370,7 +370,7 @@ def _timeline():
 
 
 def test_profile_directory(tmp_path) -> None:
-    from memplan.timeline import write
+    from memplan.measure.timeline import write
 
     write(_timeline(), tmp_path)
     r = diagnose("tiny", profile=str(tmp_path), fixes=False)

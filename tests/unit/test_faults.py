@@ -24,8 +24,8 @@ import pytest
 
 from memplan.cli import main
 from memplan.errors import MemplanError
+from memplan.measure.timeline import Sample, Timeline
 from memplan.outputs import check_out_dir, staged_dir, write_atomic
-from memplan.timeline import Sample, Timeline
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -204,7 +204,7 @@ def test_ctrl_c_in_a_command_that_keeps_nothing(work: Path, capsys,
     def interrupted(*_a, **_k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("memplan.planner.plan", interrupted)
+    monkeypatch.setattr("memplan.planning.planner.plan", interrupted)
     assert main(["plan", "-m", "tiny", "-n", "8"]) == 130
     captured = capsys.readouterr()
     assert captured.err == "memplan: interrupted: nothing was written\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from memplan.model.flops import layer_flops
 from memplan.spec import load_model
-from memplan.timing import forward_flops_per_token
+from memplan.planning.timing import forward_flops_per_token
 
 
 def test_sliding_window_layers_attend_over_their_window() -> None:

@@ -215,10 +215,10 @@ def test_gelu_new_saves_three_more_intermediates() -> None:
     assert formula.activations_bytes - kernel.activations_bytes == 12 * 3 * 1024 * 3072 * 2
 
 
-# --- the families of memplan.hf_families ------------------------------------------------------
+# --- the families of memplan.hf.families ------------------------------------------------------
 
 def test_new_family_specifics() -> None:
-    """What each family's modeling code builds beyond Llama's layer (memplan.hf_families)."""
+    """What each family's modeling code builds beyond Llama's layer (memplan.hf.families)."""
     def read(folder: str):
         return spec_from_hf_config(HF / folder / "config.json")
 

@@ -13,8 +13,8 @@ import pytest
 import memplan
 from memplan.cli import main
 from memplan.parallel import ParallelConfig, rank_layers, weighted_split
-from memplan.planner import pipeline_splits
-from memplan.timing import (
+from memplan.planning.planner import pipeline_splits
+from memplan.planning.timing import (
     ATTENTION_TFLOPS_BY_SEQ,
     _cp_attention_time,
     attention_rate,
@@ -281,3 +281,53 @@ def test_planning_doc_is_current() -> None:
     current = module.DOC.read_text()
     assert module.render(current, module.tables()) == current, (
         "docs/planning.md is stale: run python benchmarks/planning_doc.py")
+
+
+# --- the layout rules the planner and validate share ----------------------------------------
+
+def test_degree_rules_name_the_first_broken_rule() -> None:
+    """Each rule returns the error ``validate`` raises, or None. GPT-2 has 12 heads, 12 KV heads
+    and an FFN of 3072: tp 8 divides none of the heads (12 = 8 + 4), tp 4 all three (3, 3,
+    768). Load-balanced CP cuts seq into 2*cp chunks: 4096 / 6 leaves 4, 4096 / 8 = 512.
+    Mixtral's 8 experts over ep 3 leave 2; ep 4 divides them but not dp*cp = 6. 24 GPUs are
+    not a multiple of tp*pp*cp = 2*2*4 = 16."""
+    from memplan.parallel import cp_rule, ep_rule, gpus_rule, tp_rule
+    from memplan.spec import load_model
+
+    gpt2 = load_model("gpt2")
+    err = tp_rule(gpt2, 8)
+    assert (err.rule, str(err)) == ("tp must divide num_attention_heads",
+                                    "tp (8) must divide num_attention_heads (12)")
+    assert tp_rule(gpt2, 4) is None
+    mixtral = load_model("mixtral-8x7b")
+    odd_experts = mixtral.model_copy(update={"moe": mixtral.moe.model_copy(
+        update={"expert_ffn_hidden_size": 14_340})})  # 14,340 / 8 = 1,792.5
+    assert str(tp_rule(odd_experts, 8)) == "tp (8) must divide expert_ffn_hidden_size (14340)"
+    assert tp_rule(odd_experts, 4) is None  # 14,340 / 4 = 3,585
+    assert str(cp_rule(4096, 3)) == "2*cp (6) must divide seq (4096)"
+    assert cp_rule(4096, 4) is None and cp_rule(4095, 1) is None
+    assert str(ep_rule(8, 3, 6)) == "ep (3) must divide num_experts (8)"
+    assert str(ep_rule(8, 4, 6)) == "ep (4) must divide dp*cp (6)"
+    assert ep_rule(8, 2, 6) is None
+    assert str(gpus_rule(24, 2, 2, 4)) == "gpus (24) must be divisible by tp*pp*cp (2*2*4 = 16)"
+    assert gpus_rule(32, 2, 2, 4) is None
+
+
+def test_planner_counts_rejections_by_the_rules_validate_raises() -> None:
+    """GPT-2 on 8 GPUs: of tp 1, 2, 4, 8 only tp 8 breaks a rule (12 heads), counted once
+    under validate's own rule name; and ``validate`` refuses that layout with the same rule."""
+    from collections import Counter
+
+    from memplan.errors import LayoutError
+    from memplan.parallel import validate
+    from memplan.planning.planner import layouts
+    from memplan.spec import load_model
+
+    gpt2 = load_model("gpt2")
+    rejected: Counter = Counter()
+    pars = layouts(gpt2, 8, 1024, max_tp=8, fixed={}, rejected=rejected)
+    assert rejected["tp must divide num_attention_heads"] == 1
+    assert {par.tp for par in pars} == {1, 2, 4}
+    with pytest.raises(LayoutError) as err:
+        validate(gpt2, ParallelConfig(tp=8), memplan.make_workload(gpt2, seq_len=1024))
+    assert err.value.rule == "tp must divide num_attention_heads"

@@ -1,6 +1,6 @@
 """``MemoryMonitor`` fed through its ``reader`` hook: leak and non-leak patterns, rate-limited
 warnings, argument checks, faults of its reader, clock and disk, bounded memory; the trend
-rule itself (``memplan.trend``). torch-free."""
+rule itself (``memplan.monitor.trend``). torch-free."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from memplan.errors import MemplanError
 from memplan.monitor import LEAK_BYTES, MemoryMonitor, summarize
-from memplan.trend import floors, theil_sen, trend
+from memplan.monitor.trend import floors, theil_sen, trend
 
 MiB, GiB = 2**20, 2**30
 

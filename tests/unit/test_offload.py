@@ -81,7 +81,7 @@ def test_step_time_adds_the_host_terms() -> None:
     assert t.comm_s["host_step"] == pytest.approx(down + SHARD * 30 / 76.8e9, rel=1e-12)
     base = time_of(memplan.estimate("llama-2-7b", gpus=8, zero=1))
     assert base.comm_s["host_grads"] == base.comm_s["host_step"] == 0.0
-    # exposed: a fifth of the download and all of the step (memplan.timing.OVERLAP)
+    # exposed: a fifth of the download and all of the step (memplan.planning.timing.OVERLAP)
     assert t.step_s - base.step_s == pytest.approx(0.2 * down + down + SHARD * 30 / 76.8e9,
                                                    rel=1e-9)
 

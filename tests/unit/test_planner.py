@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 import memplan
 from memplan.cli import app, main
 from memplan.errors import MemplanError
-from memplan.planner import DEFAULT_SAFETY, plan
+from memplan.planning.planner import DEFAULT_SAFETY, plan
 from memplan.report.estimate import check_fits
 from memplan.workload import Recompute
 
@@ -160,7 +160,7 @@ def test_rejections_are_counted_by_rule() -> None:
 
     from memplan.errors import LayoutError
     from memplan.parallel import replica_batch, resolve_batch
-    from memplan.planner import GBS_PER_REPLICA, NO_INTERLEAVED_SPLIT, _usable
+    from memplan.planning.planner import NO_INTERLEAVED_SPLIT, _usable
 
     spec = memplan.load_model("llama-2-7b")
     wl = _wl(spec, seq_len=4096)
@@ -169,7 +169,8 @@ def test_rejections_are_counted_by_rule() -> None:
     assert not _usable(spec, dp8, wl, 12, rejected)
     with pytest.raises(LayoutError) as err:
         replica_batch(dp8, 12)
-    assert rejected == Counter({GBS_PER_REPLICA: 1}) and err.value.rule == GBS_PER_REPLICA
+    rule = "gbs must be divisible by dp"
+    assert rejected == Counter({rule: 1}) and err.value.rule == rule
 
     chunks = memplan.ParallelConfig(pp=4, vpp=2, dp=2)
     assert not _usable(spec, chunks, wl, 4, rejected)
@@ -188,7 +189,7 @@ def test_a_plain_error_is_counted_by_its_message(monkeypatch: pytest.MonkeyPatch
     """A check that raises MemplanError rather than LayoutError keys its whole message."""
     from collections import Counter
 
-    from memplan import planner
+    from memplan.planning import planner
 
     def refuse(*_args: object) -> None:
         raise MemplanError("seq (4096) is odd here")
@@ -221,7 +222,7 @@ def test_top_gives_the_full_search_first_candidates(model: str, gpus: int, field
     """With ``top`` recompute policies that cannot beat the top-th fastest fit are skipped:
     the first ``top`` candidates are those of the full search, in its order, with fewer
     evaluations; and no candidate of the full search is faster than its policy's bound."""
-    from memplan.planner import _Context, _fastest_possible, _with_gbs, default_overheads
+    from memplan.planning.planner import _Context, _fastest_possible, _with_gbs, default_overheads
 
     spec, gpu = memplan.load_model(model), memplan.load_gpu("h100")
     wl = _wl(spec, **fields)
@@ -250,7 +251,7 @@ def test_top_with_calibration_searches_everything(monkeypatch: pytest.MonkeyPatc
     """A calibrated plan re-times every candidate, so the analytic bound must skip none: the
     planner is asked for every candidate then, and for the top ones otherwise."""
     import memplan.calibrate.apply as apply
-    import memplan.planner as planner
+    import memplan.planning.planner as planner
 
     asked = []
     real = planner.plan

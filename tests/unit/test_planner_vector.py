@@ -13,22 +13,22 @@ import numpy as np
 import pytest
 
 import memplan
-from memplan import batch_search
-from memplan.batch_search import Job, Search
-from memplan.batch_sizes import micro_batch_sizes
 from memplan.errors import MemplanError
 from memplan.model.estimate import estimate, most_loaded, optimizer_floor_bytes
 from memplan.overheads import default_overheads
 from memplan.parallel import validate
-from memplan.planner import (
+from memplan.planning import search
+from memplan.planning.batch_sizes import micro_batch_sizes
+from memplan.planning.planner import (
     RECOMPUTE_ORDER,
     SP_OFF_DOMINATED,
     _policies,
     layouts,
     plan,
 )
+from memplan.planning.search import Job, Search
+from memplan.planning.timing import Columns, stage_balance, step_flops, step_time, step_times
 from memplan.spec import ModelSpec, MoESpec
-from memplan.timing import Columns, stage_balance, step_flops, step_time, step_times
 
 GPU = memplan.load_gpu("h100")
 TINY = memplan.load_model("tiny")
@@ -169,7 +169,7 @@ def test_the_answer_fits_and_the_next_size_was_evaluated_not_to(monkeypatch) -> 
         evaluated.append(mbs)
         return SimpleNamespace(peak_bytes=budget + (1 if mbs not in fits else -1), num_params=7)
 
-    monkeypatch.setattr(batch_search, "evaluate", table)
+    monkeypatch.setattr(search, "evaluate", table)
     for fits, answer in (({1, 2, 4}, 4), ({1}, 1), (set(), 0), ({1, 2, 4, 8, 16}, 16),
                          ({1, 2, 16}, 16), ({1, 2}, 2)):
         evaluated.clear()

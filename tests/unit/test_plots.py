@@ -14,13 +14,13 @@ from typer.testing import CliRunner
 import memplan
 from memplan.cli import app, main
 from memplan.errors import MemplanError
-from memplan.profiler_traces import analyze_traces, load
+from memplan.measure.profiler_traces import analyze_traces, load
+from memplan.measure.timeline import Sample, Timeline
 from memplan.report.plot import check_path
 from memplan.report.plot_estimate import plot_estimate, stage_parts
 from memplan.report.plot_monitor import plot_monitor
 from memplan.report.plot_timeline import phase_spans, plot_timeline
 from memplan.report.plot_trace import plot_traces
-from memplan.timeline import Sample, Timeline
 
 pytest.importorskip("matplotlib")
 

@@ -12,8 +12,9 @@ from memplan import presets
 from memplan.cli import app, main
 from memplan.errors import MemplanError
 from memplan.overheads import no_overheads
+from memplan.parallel import ParallelConfig
 from memplan.spec import load_model
-from memplan.workload import Framework, LogitsHeld, NormImpl, OptimizerImpl
+from memplan.workload import Framework, LogitsHeld, NormImpl, OptimizerImpl, Workload
 
 # tiny: V 128, h 64; at b 2, s 128: T = 256 tokens
 T, V = 256, 128
@@ -26,15 +27,23 @@ def _est(**kw):
 
 @pytest.mark.parametrize("framework", [f.value for f in Framework])
 def test_every_preset_fills_every_field_with_a_source(framework: str) -> None:
-    """Each preset's defaults are fields the generic preset has, each with its source: a
-    file and a function of that framework, and the version checked."""
+    """Each preset's defaults are fields a preset may set, each with its source: a file and a
+    function of that framework, and the version checked; applied to no options, the preset
+    gives exactly its own fields (the rest keep the models' defaults)."""
     fw = presets.parse(framework)
     for default in presets.PRESETS[fw]:
-        assert default.field in presets.GENERIC
+        assert default.field in presets.FIELDS
         assert ".py" in default.source and any(ch.isdigit() for ch in default.source)
     spec = load_model("llama-3-8b")
     filled = presets.apply(fw, spec, {})
-    assert set(filled) == set(presets.GENERIC)
+    assert set(filled) == {default.field for default in presets.PRESETS[fw]}
+
+
+def test_preset_fields_are_layout_or_workload_fields() -> None:
+    """What a preset may set is a field of the layout (its two) or of the workload, so the
+    default it leaves is the model's own."""
+    assert presets.LAYOUT_FIELDS <= set(ParallelConfig.model_fields)
+    assert presets.FIELDS - presets.LAYOUT_FIELDS <= set(Workload.model_fields)
 
 
 def test_explicit_options_win_over_the_preset() -> None:

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 from memplan.cli import app, main
 from memplan.errors import MemplanError
-from memplan.intervals import intersect, length, subtract, union
-from memplan.profiler_traces import analyze, analyze_paths, load
+from memplan.measure.intervals import intersect, length, subtract, union
+from memplan.measure.profiler_traces import analyze, analyze_paths, load
 
 TRACES = Path(__file__).parent.parent / "data" / "traces"
 GLOO = sorted((TRACES / "gloo_2rank").glob("rank*.json.gz"))

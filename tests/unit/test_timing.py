@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import memplan
-from memplan.timing import (
+from memplan.planning.timing import (
     DEFAULT_MFU,
     OVERLAP,
     Bound,
@@ -175,7 +175,7 @@ def test_recomputed_layers_are_the_ones_memory_recomputes(num_layers: int, pp: i
     [0, 1] + [4, 5] and reruns 0, 1, 4; stage 1 holds [2, 3] + [6, 7] and reruns 2, 3, 6."""
     from memplan.model.pipeline import stage_layers
     from memplan.model.stage_parts import layer_keys
-    from memplan.timing import recomputed_layers
+    from memplan.planning.timing import recomputed_layers
     from memplan.workload import Recompute
 
     spec = memplan.load_model("tiny").model_copy(update={"num_layers": num_layers})
@@ -196,8 +196,8 @@ def test_moe_recompute_reruns_the_layers_of_each_stage() -> None:
     """An MoE layer every second layer (1, 3, 5, 7 of 8): at pp 2, vpp 2, k 1 the first layer of
     each stage's list reruns, layers 0 and 2, both dense, so the extra FLOPs are two dense
     layers' (per token 2 * weights + 2 * s * q_size) times the tokens."""
+    from memplan.planning.timing import layer_forward_flops
     from memplan.spec import MoESpec
-    from memplan.timing import layer_forward_flops
 
     tiny = memplan.load_model("tiny")
     spec = tiny.model_copy(update={"num_layers": 8, "moe": MoESpec(

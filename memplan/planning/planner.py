@@ -2,7 +2,7 @@
 
 For every layout (tp, pp with virtual stages, cp, ep, dp derived, ZeRO stage, sequence
 parallelism on and off) and recompute policy the planner finds the largest micro-batch that fits
-in ``capacity * (1 - safety)``, for all layouts at once (``batch_search``: the answer a brute
+in ``capacity * (1 - safety)``, for all layouts at once (``search``: the answer a brute
 force over ``estimate`` gives), times every feasible candidate in one vectorised pass of the
 step-time model, and ranks them. Every rejected layout keeps its reason.
 """
@@ -15,8 +15,6 @@ from functools import cached_property, lru_cache
 
 import numpy as np
 
-from memplan.batch_search import Found, Job, Search, evaluate
-from memplan.batch_sizes import divisors, micro_batch_sizes
 from memplan.errors import LayoutError, MemplanError
 from memplan.hardware import GpuSpec
 from memplan.model.estimate import Estimate, estimate
@@ -25,12 +23,26 @@ from memplan.parallel import (
     INTERLEAVED_MICROBATCHES,
     ParallelConfig,
     ZeroStage,
+    cp_rule,
+    ep_rule,
+    gbs_rule,
+    gpus_rule,
     rank_layers,
+    tp_rule,
     validate,
     weighted_split,
 )
+from memplan.planning.batch_sizes import divisors, micro_batch_sizes
+from memplan.planning.search import Found, Job, Search, evaluate
+from memplan.planning.timing import (
+    Columns,
+    StepTime,
+    StepTimes,
+    stage_balance,
+    step_flops,
+    step_times,
+)
 from memplan.spec import ModelSpec
-from memplan.timing import Columns, StepTime, StepTimes, stage_balance, step_flops, step_times
 from memplan.workload import PipelineSplit, Recompute, Workload
 
 DEFAULT_SAFETY = 0.05  # keep 5% of capacity free for what no model counts (stated assumption)
@@ -57,7 +69,6 @@ SLOWER_THAN_TOP = ("out of memory with the cheaper recompute policies, and with 
 ROUNDING = 1e-9
 # Rejections the planner finds before ``validate``, keyed as ``LayoutError.rule`` is (no
 # numbers), with the rule text of the core's own check, so a plan counts them as one.
-GBS_PER_REPLICA = "gbs must be divisible by dp"  # memplan.parallel.replica_batch
 NO_INTERLEAVED_SPLIT = INTERLEAVED_MICROBATCHES  # for every micro-batch size (``_sizes``)
 
 
@@ -168,17 +179,16 @@ def layouts(spec: ModelSpec, num_gpus: int, seq_len: int, *, max_tp: int,
     out = []
     experts = spec.moe.num_experts if spec.moe else 1
     for tp in choices("tp", [t for t in _powers_of_two(max_tp)]):
-        if spec.num_kv_heads % tp or spec.num_attention_heads % tp or spec.ffn_hidden_size % tp:
-            rejected[f"tp {tp} does not divide heads, KV heads or FFN"] += 1
+        if (err := tp_rule(spec, tp)) is not None:
+            rejected[err.rule] += 1
             continue
         pps = sorted({p for p in divisors(spec.num_layers) if p <= MAX_PP}
                      | set(_powers_of_two(min(spec.num_layers, MAX_PP))))
         for pp in choices("pp", pps):
-            # load-balanced causal CP splits the sequence into 2 * cp chunks
             for cp in choices("cp", [c for c in _powers_of_two(8 if seq_len >= LONG_SEQ else 1)
-                                     if c == 1 or seq_len % (2 * c) == 0]):
-                if num_gpus % (tp * pp * cp):
-                    rejected["gpus not divisible by tp*pp*cp"] += 1
+                                     if cp_rule(seq_len, c) is None]):
+                if (err := gpus_rule(num_gpus, tp, pp, cp)) is not None:
+                    rejected[err.rule] += 1
                     continue
                 dp = num_gpus // (tp * pp * cp)
                 node_shard = node_size // (tp * cp) if node_size % (tp * cp) == 0 else 0
@@ -195,7 +205,7 @@ def layouts(spec: ModelSpec, num_gpus: int, seq_len: int, *, max_tp: int,
                     for split, ep, zero, sp in (
                             (sl, e, z, s) for sl in splits
                             for e in choices("ep", [e for e in divisors(experts)
-                                                    if (dp * cp) % e == 0])
+                                                    if ep_rule(experts, e, dp * cp) is None])
                             for z in choices("zero", [0, 1, 2, 3])
                             for s in choices("sp", [True, False] if tp > 1 else [False])):
                         for shard in choices("dp_shard", _shards(dp, zero, ep, node_shard)):
@@ -286,8 +296,8 @@ def _usable(spec: ModelSpec, par: ParallelConfig, wl: Workload, gbs: int,
             rejected: Counter) -> bool:
     """Whether ``estimate`` can evaluate ``par`` at some micro-batch; if not, its rule is
     counted in ``rejected``."""
-    if gbs % par.dp:
-        rejected[GBS_PER_REPLICA] += 1
+    if (err := gbs_rule(gbs, par.dp)) is not None:
+        rejected[err.rule] += 1
         return False
     if not micro_batch_sizes(par, gbs):
         rejected[NO_INTERLEAVED_SPLIT] += 1
@@ -307,8 +317,8 @@ def _sp_on_where_possible(pars: list[ParallelConfig], rejected: Counter) -> list
     """Layouts with sequence parallelism off (tp > 1) are dropped where the same layout with
     it on is one of ``pars``: sequence parallelism splits the residual-stream activations by
     tp and leaves everything else a rank holds as it is (``memplan.model.dims``), and it
-    splits the pipeline sends by tp (``memplan.timing``), so with it on a layout needs no more
-    memory and no more time at every micro-batch (tests/unit/test_planner_vector.py checks this
+    splits the pipeline sends by tp (``memplan.planning.timing``), so with it on a layout needs no
+    more memory and no more time at every micro-batch (tests/unit/test_planner_vector.py checks this
     over a grid). Off stays where on is not possible (tp does not divide the sequence) or was
     ruled out by the caller."""
     usable = set(pars)

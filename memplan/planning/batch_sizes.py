@@ -1,8 +1,8 @@
 """The micro-batch sizes a layout can run at a global batch size: the planner's search space.
 
-Torch-free and below both users: ``memplan.planner`` searches these sizes, and calibration's
-``calibrate_plan`` re-searches each planned candidate's micro-batch over the same ones without
-importing the planner (which sits above calibration).
+Torch-free and below both users: ``memplan.planning.planner`` searches these sizes, and
+calibration's ``calibrate_plan`` re-searches each planned candidate's micro-batch over the same
+ones without importing the planner (which sits above calibration).
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ torch-free. ``memplan.profile.perf`` runs the profiler and hands over:
   ``flops`` as counted by ``with_flops=True``: matmuls, convolutions and some elementwise
   ops; attention kernels may count none);
 - ``kernels``: one row per GPU kernel name (``name``, ``calls``, ``time_us``), empty on CPU;
-- ``trace``: ``memplan.profiler_traces.analyze`` of the exported chrome trace (the split of the
-  profiled steps into compute, exposed communication, exposed copies and idle);
+- ``trace``: ``memplan.measure.profiler_traces.analyze`` of the exported chrome trace (the split
+  of the profiled steps into compute, exposed communication, exposed copies and idle);
 - ``bytes_per_step``: the bytes the step's aten ops read and write (each op's input and output
   tensors, once each; views move nothing), counted in one step outside the profiler.
 

@@ -13,8 +13,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from memplan.monitor_window import LEAK_BYTES, LEAK_SERIES
-from memplan.trend import Trend, trend
+from memplan.monitor.trend import Trend, trend
+from memplan.monitor.window import LEAK_BYTES, LEAK_SERIES
 
 
 def read_records(paths: list[str | Path]) -> list[dict[str, Any]]:
@@ -42,8 +42,8 @@ RUN_TREND_POINTS = 90
 
 def run_trend(series: str, recs: list[dict[str, Any]],
               min_growth_bytes: int = LEAK_BYTES) -> Trend | None:
-    """The trend of ``series`` over a rank's run (``memplan.trend``), on block floors when the
-    run is longer than ``RUN_TREND_POINTS`` steps: over the whole run, or, when that is no
+    """The trend of ``series`` over a rank's run (``memplan.monitor.trend``), on block floors when
+    the run is longer than ``RUN_TREND_POINTS`` steps: over the whole run, or, when that is no
     leak, over the longest of its last half, quarter and eighth that is (a leak that began
     late in the run raises the floor in its own thirds only)."""
     rows = [(r["step"], r[series]) for r in recs if type(r.get(series)) is int]

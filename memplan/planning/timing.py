@@ -34,15 +34,13 @@ from memplan.model.pipeline import stage_layers
 from memplan.model.sac import recomputed
 from memplan.parallel import Offload, ParallelConfig, ZeroStage, local_seq, rank_layers
 from memplan.spec import ModelSpec
-from memplan.units import DType
+from memplan.units import FP32_BYTES
 from memplan.workload import Recompute, SelectiveImpl, Workload
 
 if TYPE_CHECKING:
     import numpy as np
 
     from memplan.model.estimate import Estimate
-
-FP32_BYTES = DType.FP32.itemsize
 
 # Llama 3 405B pre-training reached 38-43% BF16 MFU on 16k H100s (Dubey et al. 2024, arXiv
 # 2407.21783, Table 4); the midpoint is the assumption until calibration measures it.

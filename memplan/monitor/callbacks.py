@@ -21,12 +21,9 @@ that checks the type.
 from __future__ import annotations
 
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from memplan.errors import MemplanError
-
-if TYPE_CHECKING:
-    from memplan.monitor import MemoryMonitor
 
 
 def _ignore(*_: Any, **__: Any) -> None:
@@ -41,16 +38,26 @@ class TrainerHooks:
     _seen_global_step: int = -1
     rank: int | None
 
+    # what the recorder provides (``MemoryMonitor``); the hooks below only drive these
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def step(self) -> Any:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
     # transformers (TrainerCallback: args, state, control, **kwargs)
     def on_train_begin(self, *_: Any, **__: Any) -> None:
         if not self._started:
-            self.start()  # type: ignore[attr-defined]
+            self.start()
 
     def on_step_end(self, *_: Any, **__: Any) -> None:
-        self.step()  # type: ignore[attr-defined]
+        self.step()
 
     def on_train_end(self, *_: Any, **__: Any) -> None:  # Lightning's too: it closes
-        self.close()  # type: ignore[attr-defined]
+        self.close()
 
     # Lightning (Callback: trainer, pl_module, ...)
     def on_fit_start(self, trainer: Any, *_: Any) -> None:
@@ -58,19 +65,19 @@ class TrainerHooks:
             self.rank = int(trainer.global_rank)
         self._seen_global_step = int(trainer.global_step)
         if not self._started:
-            self.start()  # type: ignore[attr-defined]
+            self.start()
 
     def on_train_batch_end(self, trainer: Any, *_: Any, **__: Any) -> None:
         step = int(trainer.global_step)
         if step != self._seen_global_step:  # an optimizer step ended with this batch
             self._seen_global_step = step
-            self.step()  # type: ignore[attr-defined]
+            self.step()
 
     def on_fit_end(self, *_: Any) -> None:
-        self.close()  # type: ignore[attr-defined]
+        self.close()
 
     def on_exception(self, *_: Any) -> None:
-        self.close()  # type: ignore[attr-defined]
+        self.close()
 
     @property
     def state_key(self) -> str:
@@ -97,7 +104,7 @@ class TrainerHooks:
 
     def lightning_callback(self) -> Any:
         """This monitor as an instance of a Lightning ``Callback`` subclass."""
-        return lightning_callback(self)  # type: ignore[arg-type]
+        return lightning_callback(self)
 
 
 @cache
@@ -112,9 +119,9 @@ def _callback_class() -> type:
                                f"({err})") from err
 
     class MemoryMonitorCallback(Callback):  # type: ignore[misc, valid-type]
-        """Lightning hooks that drive a ``memplan.monitor.MemoryMonitor``."""
+        """Lightning hooks that drive a ``TrainerHooks`` (a ``MemoryMonitor``)."""
 
-        def __init__(self, monitor: MemoryMonitor) -> None:
+        def __init__(self, monitor: TrainerHooks) -> None:
             self.monitor = monitor
 
         def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -132,7 +139,7 @@ def _callback_class() -> type:
     return MemoryMonitorCallback
 
 
-def lightning_callback(monitor: MemoryMonitor) -> Any:
+def lightning_callback(monitor: TrainerHooks) -> Any:
     """A Lightning ``Callback`` that records ``monitor`` once per optimizer step."""
     return _callback_class()(monitor)
 

@@ -6,7 +6,7 @@ bytes) of the last ``window`` blocks of 8 and 64 steps, so together they span 30
 rises and falls inside the block (a sawtooth shorter than the block), and a slow leak that
 adds too little in 30 steps to reach the threshold adds enough over 240 or 1,920.
 
-A scale is judged (``memplan.trend.trend``) once it holds half its window, each time a point
+A scale is judged (``memplan.monitor.trend.trend``) once it holds half its window, each time a point
 is added; the floors are checked first, as they are cheap and a leak needs both to rise.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from memplan.trend import MIN_STEPS, Trend, floors, trend
+from memplan.monitor.trend import MIN_STEPS, Trend, floors, trend
 from memplan.units import MiB
 
 # The defaults of MemoryMonitor's leak rule: 30 steps tolerate a sawtooth of period up to 24

@@ -23,7 +23,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-PHASES = ("forward", "backward", "optimizer", "other")
+from memplan import units
+
+# a step's phases, and "other": after backward, outside the optimizer step (clipping, zero_grad)
+PHASES = (*units.PHASES, "other")
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
 
 

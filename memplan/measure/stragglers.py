@@ -1,7 +1,8 @@
 """Stragglers across ranks: who waited in collectives, for whom, and how much of it was exposed.
 
-torch-free; reads ``memplan.profiler_traces.RankTrace`` and each rank's analysed window (the
-union of its profiled steps, ``memplan.profiler_traces.window``); times in microseconds.
+torch-free; reads ``memplan.measure.trace_files.RankTrace`` and each rank's analysed window
+(the union of its profiled steps, ``memplan.measure.profiler_traces.window``); times in
+microseconds.
 
 Waiting. A collective cannot finish before its last rank arrives, so a rank that arrives early
 waits. The i-th call of each collective is matched on every rank; on the rank that arrived
@@ -37,10 +38,10 @@ import statistics
 from typing import TYPE_CHECKING, Any
 
 from memplan.errors import MemplanError
-from memplan.intervals import Interval, intersect, length, subtract, union
+from memplan.measure.intervals import Interval, intersect, length, subtract, union
 
 if TYPE_CHECKING:
-    from memplan.profiler_traces import RankTrace
+    from memplan.measure.trace_files import RankTrace
 
 # Lateness, as a share of the step, above which a rank is named a straggler, and the share of
 # steps it must hold in (the docstring says why); the quantile of lateness reported beside.
@@ -77,7 +78,7 @@ def _steps(traces: list[RankTrace]) -> list[int]:
 def stragglers(traces: list[RankTrace], windows: dict[int, list[Interval]],
                threshold_pct: float = STRAGGLER_PCT) -> dict[str, Any]:
     """Across ranks: waiting and exposed waiting per rank, per step, and the stragglers.
-    ``windows``: each rank's analysed time (``memplan.profiler_traces.window``)."""
+    ``windows``: each rank's analysed time (``memplan.measure.profiler_traces.window``)."""
     if isinstance(threshold_pct, bool) or not isinstance(threshold_pct, int | float) \
             or not 0 <= threshold_pct < 100:
         raise MemplanError(f"straggler threshold ({threshold_pct!r}) must be a percentage of "

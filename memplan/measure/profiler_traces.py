@@ -21,33 +21,16 @@ Each stream's (GPU) or thread's (CPU) own busy time in W is reported too.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from memplan.errors import MemplanError
-from memplan.intervals import Interval, intersect, length, subtract, union
-from memplan.stragglers import STRAGGLER_PCT, stragglers
+from memplan.measure.intervals import Interval, intersect, length, subtract, union
+from memplan.measure.stragglers import STRAGGLER_PCT, stragglers
+from memplan.measure.trace_files import RankTrace, read_trace
 
 _STEP = re.compile(r"^ProfilerStep#(\d+)$")
 _NCCL = re.compile(r"^nccl(?:Dev)?Kernel_([A-Za-z]+)", re.IGNORECASE)
-
-
-@dataclass
-class RankTrace:
-    """The events of one rank's trace, classified."""
-
-    path: str
-    rank: int
-    world_size: int | None
-    device: str  # "gpu" or "cpu"
-    compute: list[Interval] = field(default_factory=list)
-    copies: list[Interval] = field(default_factory=list)
-    comm: list[tuple[str, float, float]] = field(default_factory=list)  # (collective, lo, hi)
-    # busy intervals of each GPU stream (GPU traces) or thread (CPU traces)
-    lanes: dict[str, list[Interval]] = field(default_factory=dict)
-    steps: list[tuple[int, float, float]] = field(default_factory=list)  # (number, lo, hi)
-    partial: str | None = None  # a cut file read up to its last complete event: where it ends
 
 
 def _snake(name: str) -> str:
@@ -72,9 +55,7 @@ def collective_of(event: dict[str, Any]) -> str | None:
 def load(path: str | Path, index: int = 0) -> RankTrace:
     """Read one chrome trace; the rank comes from ``distributedInfo``, else ``index``. A file
     cut short is read up to its last complete event (``RankTrace.partial`` says where it
-    ends; ``memplan.trace_files``)."""
-    from memplan.trace_files import read_trace
-
+    ends; ``memplan.measure.trace_files``)."""
     p = Path(path)
     trace = read_trace(p)
     events = trace.events
@@ -165,7 +146,7 @@ def analyze(rt: RankTrace) -> dict[str, Any]:
 
 def analyze_paths(paths: list[str | Path], threshold_pct: float | None = None
                   ) -> dict[str, Any]:
-    """Every rank's ``analyze``, and across ranks ``memplan.stragglers.stragglers`` (with
+    """Every rank's ``analyze``, and across ranks ``memplan.measure.stragglers.stragglers`` (with
     ``threshold_pct``, default ``STRAGGLER_PCT``)."""
     return analyze_traces([load(p, i) for i, p in enumerate(paths)], threshold_pct)
 

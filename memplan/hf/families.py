@@ -1,7 +1,7 @@
 """Which translator reads a ``config.json`` (``spec_fields``, by its ``model_type``), and those
 of the families that are not Llama's field for field: Qwen3, Qwen2-MoE / Qwen3-MoE, Gemma 2 /
 3, Phi-3, OLMo 2 and DeepSeek-V3 (Llama's, Mistral's, Mixtral's, Qwen2's and GPT-2's are
-``memplan.hf_config``'s).
+``memplan.hf.config``'s).
 
 Each reads a family's keys with the defaults of its transformers 5 configuration class (a key
 missing from the file takes the class's default, as ``AutoConfig`` does) and returns the
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from memplan.hf_config import ConfigKeys, gated_mlp, gpt2, llama_fields, llama_like
+from memplan.hf.config import ConfigKeys, gated_mlp, gpt2, llama_fields, llama_like
 
-# llama, mistral, mixtral and qwen2 share Llama's field names (memplan.hf_config); gpt2 has
+# llama, mistral, mixtral and qwen2 share Llama's field names (memplan.hf.config); gpt2 has
 # its own; the others are read here
 SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "gpt2", "qwen3", "qwen2_moe", "qwen3_moe",
              "gemma2", "gemma3_text", "gemma3", "phi3", "olmo2", "deepseek_v3")

@@ -6,7 +6,7 @@
             monitor.step()
 
 Each ``step()`` appends one record to ``<dir>/memory_rank<R>.jsonl``: the step's wall time and
-what ``reader`` returns (default ``memplan.monitor_readers.default_reader``): on CUDA the
+what ``reader`` returns (default ``memplan.monitor.readers.default_reader``): on CUDA the
 caching allocator's allocated, reserved and peak bytes (this step's), inactive split blocks,
 allocation retries and OOMs, and the device capacity; on every device the process's resident
 set (``rss_bytes``), the memory it may still grow into, and, while a
@@ -19,8 +19,8 @@ step and then at most once every ``warn_every`` steps while it lasts (saying how
 held in between):
 - headroom under ``min_headroom_pct`` of capacity;
 - a leak in ``allocated_bytes``, ``tensor_bytes`` or ``rss_bytes``: a robust trend over a window
-  (``memplan.trend``: Theil-Sen growth of ``leak_bytes`` or more with the floor rising in each
-  third of the window) at three time scales, the last ``leak_window`` steps and the floors of
+  (``memplan.monitor.trend``: Theil-Sen growth of ``leak_bytes`` or more with the floor rising in
+  each third of the window) at three time scales, the last ``leak_window`` steps and the floors of
   blocks of 8 and 64 steps, so a leak every few steps and a slow one are both caught and a
   periodic sawtooth is left alone;
 - the step's peak (CUDA) or tensor peak (tracker) departs from ``predicted_peak_bytes`` by more
@@ -48,11 +48,11 @@ from pathlib import Path
 from typing import Any, Self
 
 from memplan.errors import MemplanError
-from memplan.monitor_callbacks import TrainerHooks
-from memplan.monitor_readers import Reader, cuda_reader, default_reader, host_reader
-from memplan.monitor_records import read_records, run_trend, summarize
-from memplan.monitor_window import LEAK_BYTES, LEAK_WINDOW, LeakWindows
-from memplan.trend import Trend
+from memplan.monitor.callbacks import TrainerHooks
+from memplan.monitor.readers import Reader, cuda_reader, default_reader, host_reader
+from memplan.monitor.records import read_records, run_trend, summarize
+from memplan.monitor.trend import Trend
+from memplan.monitor.window import LEAK_BYTES, LEAK_WINDOW, LeakWindows
 
 log = logging.getLogger("memplan.monitor")
 
@@ -132,7 +132,7 @@ class _Stop(Exception):
 class MemoryMonitor(TrainerHooks):
     """Record one JSONL line per training step for this rank; see the module docstring. It is
     a callback of transformers' ``Trainer`` and Lightning's as it is
-    (``memplan.monitor_callbacks.TrainerHooks``)."""
+    (``memplan.monitor.callbacks.TrainerHooks``)."""
 
     def __init__(self, out_dir: str | os.PathLike[str], *, rank: int | None = None,
                  reader: Reader | None = None, predicted_peak_bytes: int | None = None,

@@ -4,8 +4,8 @@ A dict translator: ``memplan.spec`` reads the file and validates the fields it r
 
 The file is read as JSON data only: no ``transformers`` import, no ``trust_remote_code``, no
 network. The translators of llama, mistral, mixtral, qwen2 and gpt2 are here, those of the other
-families in ``memplan.hf_families``, which dispatches on ``model_type``
-(``memplan.hf_families.spec_fields``). Only families whose field names and conventions are
+families in ``memplan.hf.families``, which dispatches on ``model_type``
+(``memplan.hf.families.spec_fields``). Only families whose field names and conventions are
 known are accepted; anything else is refused rather than guessed at, because
 a silently wrong parameter count would make every memory figure downstream wrong.
 """

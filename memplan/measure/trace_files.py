@@ -10,6 +10,10 @@ Anything else that does not parse names the file and the line and column, or the
 Events are checked where they are read: each is a JSON object, and a complete event
 (``"ph": "X"``) has finite numbers ``ts`` and ``dur`` (``dur`` >= 0) and string ``name`` and
 ``cat`` where present.
+
+``RankTrace`` is what ``memplan.measure.profiler_traces.load`` makes of one: its events
+classified into compute, copies, communication, lanes and steps, which both the per-rank
+analysis and ``memplan.measure.stragglers`` read.
 """
 
 from __future__ import annotations
@@ -17,12 +21,13 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from memplan.errors import MemplanError, shown
 from memplan.inputs import TRACE_BYTES, read_maybe_gzip
+from memplan.measure.intervals import Interval
 
 WHAT = "trace"
 _EVENTS_KEY = re.compile(r'"traceEvents"\s*:\s*\[')
@@ -39,6 +44,23 @@ class TraceFile:
     meta: dict[str, Any]
     events: list[dict[str, Any]]
     partial: str | None = None
+
+
+@dataclass
+class RankTrace:
+    """The events of one rank's trace, classified."""
+
+    path: str
+    rank: int
+    world_size: int | None
+    device: str  # "gpu" or "cpu"
+    compute: list[Interval] = field(default_factory=list)
+    copies: list[Interval] = field(default_factory=list)
+    comm: list[tuple[str, float, float]] = field(default_factory=list)  # (collective, lo, hi)
+    # busy intervals of each GPU stream (GPU traces) or thread (CPU traces)
+    lanes: dict[str, list[Interval]] = field(default_factory=dict)
+    steps: list[tuple[int, float, float]] = field(default_factory=list)  # (number, lo, hi)
+    partial: str | None = None  # a cut file read up to its last complete event: where it ends
 
 
 def _text(data: bytes, p: Path, cut: bool) -> str:
@@ -171,4 +193,4 @@ def read_trace(path: str | Path) -> TraceFile:
     return TraceFile(str(p), _meta(data, p), _complete(data.get("traceEvents", []), p), partial)
 
 
-__all__ = ["TraceFile", "read_trace"]
+__all__ = ["RankTrace", "TraceFile", "read_trace"]
