@@ -10,10 +10,20 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
-if TYPE_CHECKING:
-    from memplan.model.model_states import StageParams
+
+class StageParams(Protocol):
+    """What the policy reads of a stage's parameter counts
+    (``memplan.model.model_states.StageParams`` has these fields)."""
+
+    dense: int
+    expert: int
+    embedding: int
+    head: int
+    tensor_sizes: tuple[int, ...]
+    embedding_tensors: int
+    head_tensors: int
 
 
 class ParamGroup(str, enum.Enum):
