@@ -26,7 +26,7 @@ def _est(**kw):
 
 
 @pytest.mark.parametrize("framework", [f.value for f in Framework])
-def test_every_preset_fills_every_field_with_a_source(framework: str) -> None:
+def test_every_preset_default_is_a_preset_field_with_a_source(framework: str) -> None:
     """Each preset's defaults are fields a preset may set, each with its source: a file and a
     function of that framework, and the version checked; applied to no options, the preset
     gives exactly its own fields (the rest keep the models' defaults)."""
