@@ -170,6 +170,12 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
     (FrameworkCase("transformers", "gpt2-toy-tanh", hf("gpt2", activation_function=
                                                        "gelu_pytorch_tanh", use_cache=False,
                                                        **GPT2_TOY), "amp-bf16", 2, 128), None),
+    # the published use_cache: q's view pins the fused c_attn output beside the cache's
+    # copies of K and V, in bf16 and under autocast alike
+    (FrameworkCase("transformers", "gpt2-toy-cache", hf("gpt2", **GPT2_TOY), "bf16-pure", 2,
+                   128), None),
+    (FrameworkCase("transformers", "gpt2-toy-cache", hf("gpt2", **GPT2_TOY), "amp-bf16", 2,
+                   128), None),
     # --- Mixtral: routing reads values, so small real tensors ---------------------------------
     # transformers' grouped experts (integrations/moe.py grouped_mm_experts_forward): the
     # gate_up grouped_mm saves the dispatched rows for its weight gradient, alive through its

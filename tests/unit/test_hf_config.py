@@ -368,3 +368,23 @@ def test_gated_python_formula_activations_are_refused(tmp_path: Path, act: str) 
     data = json.loads((HF / "Meta-Llama-3-8B" / "config.json").read_text())
     path.write_text(json.dumps({**data, "hidden_act": "gelu_pytorch_tanh"}))
     assert spec_from_hf_config(path).mlp.value == "geglu"
+
+
+@pytest.mark.parametrize("precision", ["bf16-pure", "amp-bf16"])
+def test_gpt2_cache_pins_the_fused_projection(precision: str) -> None:
+    """GPT-2 (published config: use_cache) at b 1, s 1024, hf preset: DynamicLayer.update
+    copies K and V into the cache (torch.cat) and SDPA saves the copies, while q, a view of
+    c_attn's fused output, keeps all of that output alive, its K and V thirds too: 2 x 1024
+    tokens x 768 x 2 B more per layer than without the cache, x 12 layers. Under autocast
+    c_attn's output (addmm) and so the copies are bf16 as well."""
+    import memplan
+    from memplan.overheads import no_overheads
+
+    spec = spec_from_hf_config(HF / "gpt2" / "config.json")
+
+    def activations(kv_cache: bool) -> int:
+        return memplan.estimate(spec, seq_len=1024, framework="hf", precision=precision,
+                                kv_cache=kv_cache,
+                                overheads=no_overheads()).worst.activations_bytes
+
+    assert activations(True) - activations(False) == 12 * 2 * 1024 * 768 * 2
