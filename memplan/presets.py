@@ -50,6 +50,11 @@ def _hf_softmax(spec: ModelSpec) -> bool:
     return spec.eager_softmax_fp32
 
 
+def _hf_cache(spec: ModelSpec) -> bool:
+    # the model's config.json decides (ModelSpec.use_cache); Trainer leaves it as it is
+    return spec.use_cache
+
+
 def _titan_units(spec: ModelSpec) -> str:
     return "root" if spec.tied_embeddings else "torchtitan"
 
@@ -92,11 +97,11 @@ PRESETS: dict[Framework, tuple[Default, ...]] = {
                 f"unless the sequence is shorter than the window (_ignore_causal_mask_sdpa); "
                 f"integrations/sdpa_attention.py repeats K and V for it (use_gqa_in_sdpa "
                 f"needs no mask) ({_TRANSFORMERS})"),
-        Default("kv_cache", True,
+        Default("kv_cache", _hf_cache,
                 f"models/llama/modeling_llama.py LlamaModel.forward builds a DynamicCache "
-                f"when use_cache (the published configs' default), also in training without "
-                f"gradient checkpointing; cache_utils.py DynamicLayer.update concatenates each "
-                f"layer's K and V into it ({_TRANSFORMERS})"),
+                f"when the config's use_cache (every configuration class's default), also in "
+                f"training without gradient checkpointing; cache_utils.py DynamicLayer.update "
+                f"concatenates each layer's K and V into it ({_TRANSFORMERS})"),
     ),
     Framework.TORCHTITAN: (
         Default("optimizer_impl", "fused",

@@ -133,7 +133,8 @@ UseCache = Annotated[Optional[bool], typer.Option(
     "--use-cache/--no-use-cache", help="The training forward fills a key/value cache "
     "(transformers' config use_cache, which Trainer leaves on: a DynamicCache holds each "
     "layer's K and V until the forward's output is dropped; off with gradient checkpointing) "
-    "(default: the framework's; hf: on).", rich_help_panel=_KERNELS)]
+    "(default: the framework's; hf: the model config's use_cache, on unless it says false).",
+    rich_help_panel=_KERNELS)]
 FrameworkOpt = Annotated[Optional[Framework], typer.Option(
     "--framework", help="The framework that runs the job: its implementation defaults "
     "(norm kernel, optimizer implementation, who holds the logits, ...) apply to every "

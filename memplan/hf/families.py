@@ -289,6 +289,8 @@ def spec_fields(data: dict[str, Any], where: str, name: str) -> dict[str, Any]:
         cfg, model_type = ConfigKeys(text, f"{where}: text_config"), "gemma3_text"
         source += ": its language model (text_config); the vision tower is not counted"
     fields = _family_fields(cfg, model_type)
+    # every configuration class defaults use_cache to true (configuration_<family>.py)
+    fields["use_cache"] = cfg.get_bool("use_cache", True)
     fields["name"] = name
     fields["source"] = source
     return fields

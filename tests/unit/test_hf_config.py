@@ -388,3 +388,23 @@ def test_gpt2_cache_pins_the_fused_projection(precision: str) -> None:
                                 overheads=no_overheads()).worst.activations_bytes
 
     assert activations(True) - activations(False) == 12 * 2 * 1024 * 768 * 2
+
+
+def test_use_cache_is_the_configs(tmp_path: Path) -> None:
+    """transformers builds a DynamicCache in training when the config's use_cache is on
+    (LlamaModel.forward), every configuration class's default: the hf preset's kv_cache
+    follows the file (absent: on), and --no-use-cache / kv_cache=False still wins."""
+    import memplan
+
+    data = json.loads((HF / "Meta-Llama-3-8B" / "config.json").read_text())
+    path = tmp_path / "config.json"
+    for given, expected in ((None, True), (True, True), (False, False)):
+        body = {k: v for k, v in data.items() if k != "use_cache"}
+        if given is not None:
+            body["use_cache"] = given
+        path.write_text(json.dumps(body))
+        spec = spec_from_hf_config(path)
+        assert spec.use_cache is expected
+        assert memplan.estimate(spec, framework="hf").workload.kv_cache is expected
+    assert memplan.estimate(spec_from_hf_config(HF / "Meta-Llama-3-8B" / "config.json"),
+                            framework="hf", kv_cache=False).workload.kv_cache is False
