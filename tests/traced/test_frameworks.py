@@ -176,6 +176,12 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
                    128), None),
     (FrameworkCase("transformers", "gpt2-toy-cache", hf("gpt2", **GPT2_TOY), "amp-bf16", 2,
                    128), None),
+    # the published width (768, 12 heads, ffn 3072, vocabulary 50257) cut to two layers, on
+    # fake tensors: eager with its attention dropout under autocast, SDPA in bf16
+    (FrameworkCase("transformers", "gpt2-2l", hf("gpt2", n_layer=2), "amp-bf16", 1, 512,
+                   fake=True, options={"attn": "eager"}), None),
+    (FrameworkCase("transformers", "gpt2-2l", hf("gpt2", n_layer=2, attn_pdrop=0.0),
+                   "bf16-pure", 2, 512, fake=True), None),
     # --- Mixtral: routing reads values, so small real tensors ---------------------------------
     # transformers' grouped experts (integrations/moe.py grouped_mm_experts_forward): the
     # gate_up grouped_mm saves the dispatched rows for its weight gradient, alive through its
