@@ -33,7 +33,7 @@ CLI_OPTIONS: dict[str, str] = {
         "attention", "logits_fp32", "framework", "keep_grads", "loss_chunks", "schedule",
         "calibration")},
     "sequence_parallel": "sp", "micro_batch_size": "mbs", "global_batch_size": "gbs",
-    "seq_len": "seq", "norm_impl": "norm",
+    "seq_len": "seq", "norm_impl": "norm", "kv_cache": "use_cache",
 }
 # How a message names a keyword the CLI offers: its flag without the dashes (``mbs``,
 # ``recompute-layers``); a keyword only the API takes keeps its own name.

@@ -45,6 +45,16 @@ def _hf_norm(spec: ModelSpec) -> str:
     return "upcast-fp32" if spec.norm_scale_fp32 else "upcast"
 
 
+def _hf_softmax(spec: ModelSpec) -> bool:
+    # the family's own eager_attention_forward decides (ModelSpec.eager_softmax_fp32)
+    return spec.eager_softmax_fp32
+
+
+def _hf_cache(spec: ModelSpec) -> bool:
+    # the model's config.json decides (ModelSpec.use_cache); Trainer leaves it as it is
+    return spec.use_cache
+
+
 def _titan_units(spec: ModelSpec) -> str:
     return "root" if spec.tied_embeddings else "torchtitan"
 
@@ -70,10 +80,13 @@ PRESETS: dict[Framework, tuple[Default, ...]] = {
                 f"models/llama/modeling_llama.py LlamaForCausalLM.forward keeps `logits` for "
                 f"its CausalLMOutputWithPast while the loss upcasts a copy; Trainer."
                 f"compute_loss drops the output before backward ({_TRANSFORMERS})"),
-        Default("softmax_fp32", True,
-                f"models/llama/modeling_llama.py eager_attention_forward: softmax(..., "
-                f"dtype=torch.float32).to(query.dtype) ({_TRANSFORMERS}; eager attention "
-                f"only)"),
+        Default("softmax_fp32", _hf_softmax,
+                f"the family's eager_attention_forward (eager attention only): "
+                f"models/llama/modeling_llama.py softmax(..., dtype=torch.float32)."
+                f"to(query.dtype), as Mistral's, Mixtral's, Qwen2's, Qwen3's, the MoE Qwens', "
+                f"Gemma 2/3's, Phi-3's, OLMo 2's and DeepSeek-V3's; models/gpt2/"
+                f"modeling_gpt2.py softmax(attn_weights, dim=-1) in the scores' dtype "
+                f"({_TRANSFORMERS})"),
         Default("moe_impl", "grouped",
                 f"integrations/moe.py grouped_mm_experts_forward: the experts' default "
                 f"implementation (modeling_utils.py get_correct_experts_implementation) for "
@@ -84,11 +97,11 @@ PRESETS: dict[Framework, tuple[Default, ...]] = {
                 f"unless the sequence is shorter than the window (_ignore_causal_mask_sdpa); "
                 f"integrations/sdpa_attention.py repeats K and V for it (use_gqa_in_sdpa "
                 f"needs no mask) ({_TRANSFORMERS})"),
-        Default("kv_cache", True,
+        Default("kv_cache", _hf_cache,
                 f"models/llama/modeling_llama.py LlamaModel.forward builds a DynamicCache "
-                f"when use_cache (the published configs' default), also in training without "
-                f"gradient checkpointing; cache_utils.py DynamicLayer.update concatenates each "
-                f"layer's K and V into it ({_TRANSFORMERS})"),
+                f"when the config's use_cache (every configuration class's default), also in "
+                f"training without gradient checkpointing; cache_utils.py DynamicLayer.update "
+                f"concatenates each layer's K and V into it ({_TRANSFORMERS})"),
     ),
     Framework.TORCHTITAN: (
         Default("optimizer_impl", "fused",

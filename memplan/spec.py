@@ -204,6 +204,18 @@ class ModelSpec(BaseModel):
         "back (Gemma's x * (1 + w): Gemma2RMSNorm.forward; OLMo 2's w * x: Olmo2RMSNorm."
         "forward), as --norm upcast-fp32 does; where the framework runs the model's own norm "
         "(transformers) that is its norm implementation"))
+    eager_softmax_fp32: bool = Field(default=True, description=(
+        "the model's own eager attention runs its softmax in fp32 and casts the probabilities "
+        "back for the value matmul (transformers' eager_attention_forward of Llama and the "
+        "families built on it: softmax(..., dtype=torch.float32).to(query.dtype)); false: in "
+        "the scores' dtype (models/gpt2/modeling_gpt2.py eager_attention_forward: "
+        "softmax(attn_weights, dim=-1)). Read where the framework runs the model's own "
+        "attention code (transformers: the hf preset's softmax_fp32)"))
+    use_cache: bool = Field(default=True, description=(
+        "the model's config asks its forward for a key/value cache (transformers' "
+        "PretrainedConfig.use_cache, true in every configuration class memplan.hf reads): "
+        "the hf preset's kv_cache, which LlamaModel.forward and the others build in training "
+        "too"))
     final_logit_softcap: float | None = Field(default=None, gt=0, description=(
         "logits -> cap * tanh(logits / cap) before the loss (Gemma 2's "
         "final_logit_softcapping)"))

@@ -129,6 +129,12 @@ KeepGrads = Annotated[Optional[bool], typer.Option(
     "--keep-grads/--no-keep-grads", help="zero_grad(set_to_none=False): gradients stay "
     "allocated between steps (default: the framework's; torchtitan keeps them unless "
     "training.disable_cuda_graphs).", rich_help_panel=_KERNELS)]
+UseCache = Annotated[Optional[bool], typer.Option(
+    "--use-cache/--no-use-cache", help="The training forward fills a key/value cache "
+    "(transformers' config use_cache, which Trainer leaves on: a DynamicCache holds each "
+    "layer's K and V until the forward's output is dropped; off with gradient checkpointing) "
+    "(default: the framework's; hf: the model config's use_cache, on unless it says false).",
+    rich_help_panel=_KERNELS)]
 FrameworkOpt = Annotated[Optional[Framework], typer.Option(
     "--framework", help="The framework that runs the job: its implementation defaults "
     "(norm kernel, optimizer implementation, who holds the logits, ...) apply to every "
@@ -219,6 +225,7 @@ SHARED: dict[str, Shared] = {
     "logits_fp32": Shared(LogitsFp32, None),
     "framework": Shared(FrameworkOpt, None, _value),
     "keep_grads": Shared(KeepGrads, None),
+    "use_cache": Shared(UseCache, None),
     "loss_chunks": Shared(LossChunks, _WL["loss_chunks"].default),
     "schedule": Shared(ScheduleOpt, Schedule.ONE_F_ONE_B, resolve=False),
     "calibration": Shared(Calibration, None, resolve=False),
@@ -228,7 +235,10 @@ LAYOUT = ("tp", "pp", "vpp", "dp", "cp", "ep", "sp", "vocab_parallel", "tp_style
           "grad_buffers", "offload", "zero", "stage_layers", "dp_shard")
 WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "precision", "optimizer",
             "optimizer_impl", "attention", "norm", "logits_fp32", "loss_chunks", "framework",
-            "keep_grads")
+            "keep_grads", "use_cache")
+# what a framework's own loop decides, beyond memplan's reference model (which trace and
+# profile run)
+FRAMEWORK_ONLY = ("framework", "keep_grads", "use_cache")
 # everything ``memplan estimate`` takes: diagnose takes the same configuration
 ESTIMATE = ("model", "gpus", "gpu", "gpu_memory", *LAYOUT, *WORKLOAD, "schedule", "calibration")
 

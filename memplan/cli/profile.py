@@ -11,7 +11,7 @@ import typer
 
 from memplan.api import resolve
 from memplan.cli import command_line
-from memplan.cli.options import WORKLOAD, Job, Json, uses
+from memplan.cli.options import FRAMEWORK_ONLY, WORKLOAD, Job, Json, uses
 from memplan.errors import Interrupted, MemplanError
 from memplan.outputs import check_out_dir, staged_dir, write_atomic
 
@@ -34,7 +34,7 @@ PlotFormat = Annotated[str, typer.Option(
 
 
 # one rank, no layout; the global batch is the micro-batch
-@uses("model", *(n for n in WORKLOAD if n not in ("gbs", "framework", "keep_grads")),
+@uses("model", *(n for n in WORKLOAD if n != "gbs" and n not in FRAMEWORK_ONLY),
       "gpu")
 def profile(
     job: Job,

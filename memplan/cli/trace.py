@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from memplan.api import resolve
-from memplan.cli.options import WORKLOAD, Job, Json, uses
+from memplan.cli.options import FRAMEWORK_ONLY, WORKLOAD, Job, Json, uses
 from memplan.errors import MemplanError
 
 Steps = Annotated[int, typer.Option("--steps", help="Training steps (>= 2: first and steady).")]
@@ -20,7 +20,7 @@ Layers = Annotated[int | None, typer.Option(
 
 # the layout options of the ranks the fake process group traces (no chunks, experts, offload)
 @uses("model", "gpus", "tp", "pp", "dp", "cp", "sp", "zero",
-      *(n for n in WORKLOAD if n not in ("framework", "keep_grads")))
+      *(n for n in WORKLOAD if n not in FRAMEWORK_ONLY))
 def trace(
     job: Job,
     layers: Layers = None,

@@ -76,17 +76,29 @@ def _head_dim(cfg: ConfigKeys, hidden: int, heads: int, heads_key: str) -> int:
     return hidden // heads
 
 
-def gated_mlp(cfg: ConfigKeys) -> str:
-    act = cfg.get_str("hidden_act", "silu").lower()
-    if act in ("silu", "swish"):
-        return "swiglu"
-    if act.startswith("gelu"):
-        return "geglu"
-    raise cfg.error("hidden_act", f"unsupported activation {act!r} (expected silu or gelu)")
-
-
-# transformers' ACT2FN (activations.py): the names that run one aten kernel
+# transformers' ACT2FN (activations.py): the names that run one aten kernel (GELUActivation:
+# F.gelu; GELUTanh: F.gelu(approximate="tanh"); SiLUActivation and nn.SiLU: F.silu)
 _KERNEL_GELU = ("gelu", "gelu_pytorch_tanh")
+_KERNEL_SILU = ("silu", "swish")
+
+
+def gated_act(cfg: ConfigKeys, key: str, default: str) -> str:
+    """The gated MLP kind of an activation name: one aten kernel (``_KERNEL_SILU``,
+    ``_KERNEL_GELU``). ACT2FN's Python formulas (gelu_new, gelu_fast, gelu_python_tanh, ...)
+    save other tensors in other dtypes (``memplan.model.mlp.gelu_new_saved``), modelled in
+    GPT-2's plain MLP only: refused by name here."""
+    act = cfg.get_str(key, default).lower()
+    if act in _KERNEL_SILU:
+        return "swiglu"
+    if act in _KERNEL_GELU:
+        return "geglu"
+    raise cfg.error(key, f"unsupported activation {act!r} for a gated MLP: modelled are "
+                         f"{', '.join(_KERNEL_SILU + _KERNEL_GELU)} (one kernel each); "
+                         "transformers' Python-formula activations are not")
+
+
+def gated_mlp(cfg: ConfigKeys) -> str:
+    return gated_act(cfg, "hidden_act", "silu")
 
 
 def _plain_mlp(cfg: ConfigKeys) -> tuple[str, str]:
@@ -187,6 +199,8 @@ def gpt2(cfg: ConfigKeys) -> dict[str, Any]:
         "attn_out_bias": True,
         "mlp_bias": True,
         "dropout": dropout,
+        # eager_attention_forward: softmax(attn_weights, dim=-1), no upcast
+        "eager_softmax_fp32": False,
     }
 
 

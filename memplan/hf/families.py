@@ -14,7 +14,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from memplan.hf.config import ConfigKeys, gated_mlp, gpt2, llama_fields, llama_like
+from memplan.hf.config import (
+    ConfigKeys,
+    gated_act,
+    gated_mlp,
+    gpt2,
+    llama_fields,
+    llama_like,
+)
 
 # llama, mistral, mixtral and qwen2 share Llama's field names (memplan.hf.config); gpt2 has
 # its own; the others are read here
@@ -138,12 +145,13 @@ def qwen_moe(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
 
 def _gemma_mlp(cfg: ConfigKeys) -> str:
     """Gemma's MLP activation: ``hidden_activation`` (``hidden_act`` in older files), a gated
-    GELU (Gemma2MLP: act(gate) * up)."""
+    GELU (Gemma2MLP: act(gate) * up), gelu_pytorch_tanh by default (one kernel)."""
     key = "hidden_activation" if cfg.data.get("hidden_activation") is not None else "hidden_act"
-    act = cfg.get_str(key, "gelu_pytorch_tanh").lower()
-    if not act.startswith("gelu"):
-        raise cfg.error(key, f"unsupported activation {act!r} for Gemma (expected gelu*)")
-    return "geglu"
+    kind = gated_act(cfg, key, "gelu_pytorch_tanh")
+    if kind != "geglu":
+        raise cfg.error(key, f"unsupported activation {cfg.get_str(key)!r} for Gemma "
+                             "(expected gelu or gelu_pytorch_tanh)")
+    return kind
 
 
 def gemma(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
@@ -281,6 +289,8 @@ def spec_fields(data: dict[str, Any], where: str, name: str) -> dict[str, Any]:
         cfg, model_type = ConfigKeys(text, f"{where}: text_config"), "gemma3_text"
         source += ": its language model (text_config); the vision tower is not counted"
     fields = _family_fields(cfg, model_type)
+    # every configuration class defaults use_cache to true (configuration_<family>.py)
+    fields["use_cache"] = cfg.get_bool("use_cache", True)
     fields["name"] = name
     fields["source"] = source
     return fields

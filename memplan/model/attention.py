@@ -47,12 +47,13 @@ def attention_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recomput
     ]
     if litgpt:
         terms += _litgpt_terms(spec, dm, grouped)
-    elif (wl.kv_cache and (spec.fused_qkv or wl.fused_qkv) and not dm.autocast
+    elif (wl.kv_cache and (spec.fused_qkv or wl.fused_qkv)
           and recompute is Recompute.NONE and spec.position is not PositionKind.ROPE):
         # a key/value cache filled by the training forward (transformers' DynamicLayer.update:
         # torch.cat) hands SDPA copies of k and v, while q is still a view of the fused
         # projection's output: SDPA's saved q keeps all of it alive, its k and v parts too
-        # (with RoPE, q is RoPE's new tensor)
+        # (with RoPE, q is RoPE's new tensor); under autocast too, the fused output and the
+        # copies in the low dtype (traced: tests/traced/test_frameworks.py gpt2-toy-cache)
         terms.append(Term("attn.qkv_pinned", dm.tokens * 2 * spec.kv_size // t * e))
     if head_major_core(spec, wl, recompute):
         terms.append(Term("attn.core_out", dm.tokens * spec.q_size // t * e))

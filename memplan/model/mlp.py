@@ -11,7 +11,7 @@ from functools import lru_cache
 
 from memplan.model import linear
 from memplan.model.block import BackwardMoment, Moment
-from memplan.model.dims import MASK_BYTES, Dims, Term, residual_dropout_mask, total
+from memplan.model.dims import FP32_BYTES, MASK_BYTES, Dims, Term, residual_dropout_mask, total
 from memplan.model.linear import Linear, Split
 from memplan.spec import ActivationImpl, MlpKind, ModelSpec
 from memplan.workload import Recompute, Workload
@@ -19,17 +19,32 @@ from memplan.workload import Recompute, Workload
 
 def mlp_terms(prefix: str, spec: ModelSpec, dm: Dims, ffn: int, tokens: int) -> list[Term]:
     """A dense MLP of width ``ffn`` over ``tokens`` tokens, TP-split."""
-    inner = tokens * ffn // dm.tp * dm.e
+    elements = tokens * ffn // dm.tp
     if spec.mlp.gated:
         names = ("gate", "act", "up", "prod")
     elif spec.mlp is MlpKind.RELU:
         names = ("act",)  # ReLU's backward reads its output, which the next linear saves too
     elif spec.activation_impl is ActivationImpl.GELU_NEW:
-        # the formula's autograd: pow saves x, tanh its output, (0.5*x) * (1+tanh) both
-        names = ("fc1", "gelu_tanh", "gelu_half_x", "gelu_one_plus_tanh", "act")
+        return [Term(f"{prefix}.{n}", elements * size)
+                for n, size in gelu_new_saved(dm).items()]
     else:
         names = ("fc1", "act")
-    return [Term(f"{prefix}.{n}", inner) for n in names]
+    return [Term(f"{prefix}.{n}", elements * dm.e) for n in names]
+
+
+def gelu_new_saved(dm: Dims) -> dict[str, int]:
+    """Bytes per element of what transformers' NewGELUActivation formula (activations.py:
+    0.5 * x * (1 + tanh(c * (x + 0.044715 * pow(x, 3))))) leaves saved, with the down
+    projection's saved input (``act``). Its autograd: pow saves its input, tanh its output,
+    (0.5 * x) * (1 + tanh) both factors. Under CUDA autocast ``pow`` is an fp32 op
+    (aten/src/ATen/autocast_mode.h AT_FORALL_FP32), so it saves an fp32 cast of x (x itself,
+    which nothing else saves, is freed); tanh, the adds and the scalar multiplies are not
+    autocast ops and type-promote, so tanh and 1 + tanh are fp32, 0.5 * x stays low and their
+    product is fp32, which the down projection casts back and saves (traced:
+    tests/traced/test_frameworks.py gpt2-toy amp-bf16)."""
+    e, wide = dm.e, (FP32_BYTES if dm.autocast else dm.e)
+    return {"fc1": wide, "gelu_tanh": wide, "gelu_half_x": e, "gelu_one_plus_tanh": wide,
+            "act": e}
 
 
 @lru_cache(maxsize=256)
@@ -50,17 +65,32 @@ def mlp_tensor_sizes(spec: ModelSpec, ffn: int, t: int) -> list[int]:
     return linear.all_tensor_sizes(mlp_linears(spec, ffn), t)
 
 
-def inner_grads_per_intermediate(spec: ModelSpec) -> int:
-    """Intermediate-sized gradients an MLP's backward holds at its activation: a gated MLP the
-    gradients of its product, activation and up projection while the product is freed (2
-    beyond the saved ones); GELU the gradients of its activation and first linear while the
-    activation is freed (1); transformers' gelu_new formula the gradients of both factors of
-    its last product beside the incoming one, its other saved tensors alive (2, traced:
-    tests/traced/test_frameworks.py gpt2-toy); ReLU both gradients beside its saved output
-    (2)."""
+def act_grad_bytes(spec: ModelSpec, dm: Dims) -> int:
+    """Bytes per intermediate element of the gradients an MLP's backward holds at its
+    activation, beyond what stays saved (the down projection's saved input counted among
+    the saved though its backward freed it: it stands for the incoming gradient of its size).
+    A gated MLP the gradients of its product, activation and up projection while the product
+    is freed (2 intermediates); GELU the gradients of its activation and first linear while
+    the activation is freed (1); ReLU both gradients beside its saved output (2);
+    transformers' gelu_new formula the gradients of its output and of both factors of its
+    last product (``gelu_new_grad_bytes``)."""
     if spec.mlp.gated or spec.mlp is MlpKind.RELU:
-        return 2
-    return 2 if spec.activation_impl is ActivationImpl.GELU_NEW else 1
+        return 2 * dm.e
+    if spec.activation_impl is ActivationImpl.GELU_NEW:
+        return gelu_new_grad_bytes(dm)
+    return dm.e
+
+
+def gelu_new_grad_bytes(dm: Dims) -> int:
+    """gelu_new's backward at its last product (0.5 * x) * (1 + tanh): the gradient of its
+    output and the gradients of both factors, in the product's dtype (fp32 under autocast,
+    where the output's gradient comes from the down projection's cast's backward, and the
+    low 0.5 * x's gradient is cast down too), the down projection's saved input already freed
+    (traced: tests/traced/test_frameworks.py gpt2-toy; under autocast 4 + 4 + 4 + 2 - 2 = 12
+    bytes, in bf16 2 + 2 + 2 - 2 = 4)."""
+    wide = FP32_BYTES if dm.autocast else dm.e
+    cast = dm.e if dm.autocast else 0
+    return 3 * wide + cast - dm.e
 
 
 def backward_moments(spec: ModelSpec, dm: Dims, *, saved: int, freed: int, run_tokens: int,
@@ -80,14 +110,14 @@ def backward_moments(spec: ModelSpec, dm: Dims, *, saved: int, freed: int, run_t
     the input projections saved of their own input that is still alive while their backward
     runs (grouped experts: the dispatched rows, saved by the gate_up grouped_mm alone)."""
     h, e = spec.hidden_size, dm.e
-    per_inner = inner_grads_per_intermediate(spec)
-    inner = run_tokens * ffn // dm.tp * e
-    grads = per_inner * inner
+    elements = run_tokens * ffn // dm.tp
+    inner = elements * e
+    grads = elements * act_grad_bytes(spec, dm)
     # With dropout on the block output, the block's backward starts from dropout's gradient
     # (a new residual-sized tensor) while the incoming one stays for the skip path.
     dropout_grad = dm.rows * h * e if spec.dropout > 0 else 0
     return [
-        BackwardMoment("mlp", saved - freed, dropout_grad + out_grad + grads // per_inner,
+        BackwardMoment("mlp", saved - freed, dropout_grad + out_grad + inner,
                        ("mlp_out",), fresh),
         BackwardMoment("mlp_act", saved - freed - out_cast, grads, ("mlp_out",)),
         BackwardMoment("mlp_in", in_saved, grad_inputs + inner * (2 if fused_in else 1),

@@ -339,8 +339,7 @@ def build_hf(case: FrameworkCase) -> Built:
     # attention implementation (memplan.presets has what transformers runs)
     workload = dict(framework="hf", micro_batch_size=b, seq_len=s, precision=rec.name,
                     attention="flash" if attn == "sdpa" else "eager")
-    if not config.use_cache:
-        workload["kv_cache"] = False  # the user's own config turns the cache off
+    # the config's use_cache reaches the estimate through the spec (the hf preset's kv_cache)
     return Built("transformers", model, spec, api.make_layout(1), workload, step, opt)
 
 

@@ -63,6 +63,9 @@ QWEN_TOY = dict(num_hidden_layers=2, hidden_size=224, intermediate_size=1184,
 # attention dropout off: CPU's SDPA falls back to its math kernel with dropout, where CUDA's
 # flash kernel drops inside the kernel; residual and embedding dropout stay (bool masks)
 GPT2_TOY = dict(n_layer=2, n_embd=256, n_head=4, vocab_size=1000, attn_pdrop=0.0)
+# eager attention drops the probabilities with its own nn.Dropout (a bool mask on CUDA):
+# the published rate, which memplan's one dropout rate stands for
+GPT2_EAGER = dict(GPT2_TOY, attn_pdrop=0.1)
 MIXTRAL_TOY = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256,
                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                    vocab_size=512)
@@ -154,6 +157,31 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
                                                              "gelu_pytorch_tanh", **GPT2_TOY),
                    "fp32", 2, 128),
      None),  # hf: the DynamicCache's K/V copies, q's view pins the fused c_attn output
+    # GPT-2's eager softmax in the compute dtype (modeling_gpt2.py eager_attention_forward),
+    # gelu_new's formula under autocast with pow in fp32 (CUDA's AT_FORALL_FP32)
+    (FrameworkCase("transformers", "gpt2-toy", hf("gpt2", use_cache=False, **GPT2_TOY),
+                   "bf16-pure", 2, 128), None),
+    (FrameworkCase("transformers", "gpt2-toy", hf("gpt2", use_cache=False, **GPT2_EAGER),
+                   "bf16-pure", 2, 128, options={"attn": "eager"}), None),
+    (FrameworkCase("transformers", "gpt2-toy", hf("gpt2", use_cache=False, **GPT2_TOY),
+                   "amp-bf16", 2, 128), None),
+    (FrameworkCase("transformers", "gpt2-toy", hf("gpt2", use_cache=False, **GPT2_EAGER),
+                   "amp-bf16", 2, 128, options={"attn": "eager"}), None),
+    (FrameworkCase("transformers", "gpt2-toy-tanh", hf("gpt2", activation_function=
+                                                       "gelu_pytorch_tanh", use_cache=False,
+                                                       **GPT2_TOY), "amp-bf16", 2, 128), None),
+    # the published use_cache: q's view pins the fused c_attn output beside the cache's
+    # copies of K and V, in bf16 and under autocast alike
+    (FrameworkCase("transformers", "gpt2-toy-cache", hf("gpt2", **GPT2_TOY), "bf16-pure", 2,
+                   128), None),
+    (FrameworkCase("transformers", "gpt2-toy-cache", hf("gpt2", **GPT2_TOY), "amp-bf16", 2,
+                   128), None),
+    # the published width (768, 12 heads, ffn 3072, vocabulary 50257) cut to two layers, on
+    # fake tensors: eager with its attention dropout under autocast, SDPA in bf16
+    (FrameworkCase("transformers", "gpt2-2l", hf("gpt2", n_layer=2), "amp-bf16", 1, 512,
+                   fake=True, options={"attn": "eager"}), None),
+    (FrameworkCase("transformers", "gpt2-2l", hf("gpt2", n_layer=2, attn_pdrop=0.0),
+                   "bf16-pure", 2, 512, fake=True), None),
     # --- Mixtral: routing reads values, so small real tensors ---------------------------------
     # transformers' grouped experts (integrations/moe.py grouped_mm_experts_forward): the
     # gate_up grouped_mm saves the dispatched rows for its weight gradient, alive through its

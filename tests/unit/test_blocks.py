@@ -221,3 +221,18 @@ def test_moe_block_terms() -> None:
     dm = Dims.of(spec, ParallelConfig(), WL)
     saved = total(MoE().saved(spec, WL, dm, Recompute.NONE))
     assert saved == 1_024 + 1_024 + 768 + 1_024 + 3 * 16_384 + 256 + 32_768
+
+
+def test_gelu_new_backward_holds_fp32_gradients_under_autocast() -> None:
+    """gelu_new's backward at its last product holds the output's gradient and both factors'
+    beyond its saved tensors, the down projection's saved input (counted among the saved)
+    standing for one: in bf16 2 + 2 + 2 - 2 = 4 B per element; under autocast the product
+    is fp32, so are the three gradients, and 0.5 * x's is cast down to bf16:
+    4 + 4 + 4 + 2 - 2 = 12 B (traced, tests/traced/test_frameworks.py gpt2-toy amp-bf16)."""
+    from memplan.model.dims import Dims
+    from memplan.model.mlp import gelu_new_grad_bytes
+
+    bf16 = Dims(b=1, s=1, s_kv=1, tokens=1, res_tokens_div=1, tp=1, e=2, vocab_shard=1,
+                stream_e=2)
+    assert gelu_new_grad_bytes(bf16) == 4
+    assert gelu_new_grad_bytes(bf16._replace(stream_e=4, autocast=True)) == 12

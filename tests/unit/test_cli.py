@@ -609,3 +609,31 @@ def test_shell_completion_script(capsys: pytest.CaptureFixture[str]) -> None:
     """typer's completion: ``--show-completion bash`` prints the script a shell sources."""
     assert main(["--show-completion", "bash"]) == 0
     assert "_memplan_completion" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("flag", "kv_cache"), [("--use-cache", True),
+                                                ("--no-use-cache", False)])
+def test_use_cache_sets_the_kv_cache(flag: str, kv_cache: bool) -> None:
+    """``--use-cache/--no-use-cache`` is the API's ``kv_cache`` (``arguments.CLI_OPTIONS``).
+    Llama-3-8B in amp-bf16 under the hf preset: with the cache, each layer's K and V are
+    copied into it in fp32 (DynamicLayer.lazy_initialization takes the fp32 rotated key's
+    dtype) and live until the forward's output is dropped, so the forward peaks higher
+    without it by those copies: the JSON of each flag is the API's with that value, and they
+    differ."""
+    from memplan import arguments
+
+    assert arguments.flag("kv_cache") == "--use-cache"
+    args = ("--model", "llama-3-8b", "--framework", "hf", "--precision", "amp-bf16")
+    cli = estimate_cli(*args, flag)
+    api = memplan.estimate("llama-3-8b", framework="hf", precision="amp-bf16",
+                           kv_cache=kv_cache)
+    assert cli == json.loads(json.dumps(estimate_json(api)))
+    assert cli["workload"]["kv_cache"] is kv_cache
+    other = estimate_cli(*args, "--no-use-cache" if kv_cache else "--use-cache")
+    assert (cli["peak_bytes"] > other["peak_bytes"]) is kv_cache
+
+
+def test_use_cache_defaults_to_the_framework() -> None:
+    """Not given: the hf preset's use_cache (on), the generic preset's (off)."""
+    assert estimate_cli("--model", "gpt2", "--framework", "hf")["workload"]["kv_cache"] is True
+    assert estimate_cli("--model", "gpt2")["workload"]["kv_cache"] is False

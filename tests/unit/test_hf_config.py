@@ -296,3 +296,115 @@ def test_gemma3_needs_its_text_config(tmp_path: Path) -> None:
 def test_phi3_partial_rotary_refused(tmp_path: Path) -> None:
     data = _base("Phi-3-mini-4k-instruct") | {"partial_rotary_factor": 0.5}
     assert "partial_rotary_factor" in _error(_write(tmp_path, data))
+
+
+def test_eager_softmax_dtype_is_the_familys() -> None:
+    """transformers 5.3's eager_attention_forward: GPT-2's runs softmax(attn_weights) in the
+    scores' dtype (models/gpt2/modeling_gpt2.py), Llama's and the families built on it
+    softmax(..., dtype=torch.float32).to(query.dtype) (models/llama/modeling_llama.py, and
+    each of memplan.hf.families' modules). The hf preset reads the family's."""
+    import memplan
+
+    assert not spec_from_hf_config(HF / "gpt2" / "config.json").eager_softmax_fp32
+    for folder in ("Meta-Llama-3-8B", "Mistral-7B-v0.1", "Qwen2.5-7B", "Qwen3-8B",
+                   "gemma-2-9b", "Phi-3-mini-4k-instruct", "OLMo-2-1124-7B", "DeepSeek-V3"):
+        assert spec_from_hf_config(HF / folder / "config.json").eager_softmax_fp32, folder
+    gpt2 = memplan.estimate(spec_from_hf_config(HF / "gpt2" / "config.json"), framework="hf",
+                            attention="eager")
+    assert not gpt2.workload.softmax_fp32
+    assert memplan.estimate("gpt2", framework="hf").workload.softmax_fp32 is False
+    assert memplan.estimate("llama-3-8b", framework="hf").workload.softmax_fp32 is True
+
+
+def test_gpt2_eager_softmax_in_bf16_saves_two_bytes_less_per_score() -> None:
+    """GPT-2 (published config: dropout 0.1) in bf16 with eager attention at b 1, s 1024, hf
+    preset: its softmax output, which softmax's backward saves, is bf16 (2 B per score)
+    where an fp32 softmax saves 4 B; dropout's bool mask and its bf16 output (the value
+    matmul's input) are saved either way. 12 layers x 12 heads x 1024^2 scores x 2 B."""
+    import memplan
+    from memplan.overheads import no_overheads
+
+    spec = spec_from_hf_config(HF / "gpt2" / "config.json")
+
+    def activations(s) -> int:
+        return memplan.estimate(s, seq_len=1024, framework="hf", attention="eager",
+                                precision="bf16-pure",
+                                overheads=no_overheads()).worst.activations_bytes
+
+    upcast = activations(spec.model_copy(update={"eager_softmax_fp32": True}))
+    assert upcast - activations(spec) == 12 * 12 * 1024 * 1024 * 2
+
+
+def test_gelu_new_under_autocast_saves_fp32_tensors() -> None:
+    """GPT-2 (gelu_new) under amp-bf16 at b 1, s 1024: on CUDA autocast runs pow in fp32
+    (AT_FORALL_FP32), so the formula saves an fp32 cast of x (4 B), tanh's fp32 output (4),
+    0.5 * x in bf16 (2) and the fp32 1 + tanh (4); the fp32 product is cast to bf16 for the
+    down projection, which saves the cast (2): 16 B per ffn element where one GELU kernel
+    saves its bf16 input and output (4): 12 B more, x 12 layers x 1024 tokens x 3072."""
+    import memplan
+    from memplan.overheads import no_overheads
+
+    spec = spec_from_hf_config(HF / "gpt2" / "config.json")
+
+    def activations(s) -> int:
+        return memplan.estimate(s, seq_len=1024, precision="amp-bf16",
+                                overheads=no_overheads()).worst.activations_bytes
+
+    kernel = spec.model_copy(update={"activation_impl": "kernel"})
+    assert activations(spec) - activations(kernel) == 12 * 1024 * 3072 * 12
+
+
+@pytest.mark.parametrize("act", ["gelu_new", "gelu_fast", "gelu_python_tanh", "quick_gelu"])
+def test_gated_python_formula_activations_are_refused(tmp_path: Path, act: str) -> None:
+    """A gated MLP runs ACT2FN[hidden_act]: gelu and gelu_pytorch_tanh (and silu) are one
+    kernel each; the Python formulas save other tensors in other dtypes, modelled for GPT-2's
+    plain MLP only, so a Llama-style or Gemma config naming one is refused by name."""
+    for folder, key in (("Meta-Llama-3-8B", "hidden_act"), ("gemma-2-9b", "hidden_activation")):
+        data = json.loads((HF / folder / "config.json").read_text())
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps({**data, key: act}))
+        with pytest.raises(MemplanError, match=f"{key}.*{act}"):
+            spec_from_hf_config(path)
+    data = json.loads((HF / "Meta-Llama-3-8B" / "config.json").read_text())
+    path.write_text(json.dumps({**data, "hidden_act": "gelu_pytorch_tanh"}))
+    assert spec_from_hf_config(path).mlp.value == "geglu"
+
+
+@pytest.mark.parametrize("precision", ["bf16-pure", "amp-bf16"])
+def test_gpt2_cache_pins_the_fused_projection(precision: str) -> None:
+    """GPT-2 (published config: use_cache) at b 1, s 1024, hf preset: DynamicLayer.update
+    copies K and V into the cache (torch.cat) and SDPA saves the copies, while q, a view of
+    c_attn's fused output, keeps all of that output alive, its K and V thirds too: 2 x 1024
+    tokens x 768 x 2 B more per layer than without the cache, x 12 layers. Under autocast
+    c_attn's output (addmm) and so the copies are bf16 as well."""
+    import memplan
+    from memplan.overheads import no_overheads
+
+    spec = spec_from_hf_config(HF / "gpt2" / "config.json")
+
+    def activations(kv_cache: bool) -> int:
+        return memplan.estimate(spec, seq_len=1024, framework="hf", precision=precision,
+                                kv_cache=kv_cache,
+                                overheads=no_overheads()).worst.activations_bytes
+
+    assert activations(True) - activations(False) == 12 * 2 * 1024 * 768 * 2
+
+
+def test_use_cache_is_the_configs(tmp_path: Path) -> None:
+    """transformers builds a DynamicCache in training when the config's use_cache is on
+    (LlamaModel.forward), every configuration class's default: the hf preset's kv_cache
+    follows the file (absent: on), and --no-use-cache / kv_cache=False still wins."""
+    import memplan
+
+    data = json.loads((HF / "Meta-Llama-3-8B" / "config.json").read_text())
+    path = tmp_path / "config.json"
+    for given, expected in ((None, True), (True, True), (False, False)):
+        body = {k: v for k, v in data.items() if k != "use_cache"}
+        if given is not None:
+            body["use_cache"] = given
+        path.write_text(json.dumps(body))
+        spec = spec_from_hf_config(path)
+        assert spec.use_cache is expected
+        assert memplan.estimate(spec, framework="hf").workload.kv_cache is expected
+    assert memplan.estimate(spec_from_hf_config(HF / "Meta-Llama-3-8B" / "config.json"),
+                            framework="hf", kv_cache=False).workload.kv_cache is False
