@@ -15,6 +15,7 @@ import gzip
 import hashlib
 import json
 import os
+import pickle
 import stat
 import sys
 import types
@@ -209,3 +210,56 @@ def test_ctrl_c_in_a_command_that_keeps_nothing(work: Path, capsys,
     captured = capsys.readouterr()
     assert captured.err == "memplan: interrupted: nothing was written\n"
     assert list(work.iterdir()) == []
+
+
+# --- a memory cap (ulimit -v, common on HPC login nodes) -----------------------------------
+
+CAPPED_CHILD = r"""
+import contextlib, gzip, io, pathlib, pickle, resource, sys
+from memplan import inputs
+from memplan.cli import main
+
+def address_space():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+
+folder = pathlib.Path(sys.argv[1])
+# room for the run itself, and less than any reader's size limit but the model file's: a
+# reader that reserved its limit up front fails here with MemoryError
+cap = address_space() + 200 * 2**20
+resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+small = folder / "small.bin"
+for name in ("MODEL_FILE_BYTES", "PROFILE_BYTES", "LOG_BYTES", "MONITOR_BYTES", "TRACE_BYTES",
+             "SNAPSHOT_BYTES", "SUMMARY_BYTES"):
+    limit = getattr(inputs, name)
+    assert len(inputs.read_bytes(small, name, limit)) == 100, name
+    assert len(inputs.read_maybe_gzip(small, name, limit).data) == 100, name
+    assert len(inputs.read_stream(io.BytesIO(bytes(100)), name, limit)) == 100, name
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    assert main(["analyze-trace", str(folder / "rank0.json"), "--json"]) == 0
+    assert main(["diagnose", "-m", "tiny", "--no-fixes", "--trust-pickle", "--snapshot",
+                 str(folder / "s.pickle"), "--json"]) == 0
+print("ok")
+"""
+
+
+def test_readers_under_a_memory_cap(tmp_path: Path) -> None:
+    """Every reader holds no more memory than the file it reads: under an address-space cap
+    200 MiB above what the process already maps, a 100-byte file is read at every size limit
+    (16 MiB to 4 GiB), and a plain (not gzipped) trace and a snapshot through the commands.
+    Before, a read asked for a buffer of its whole limit and failed with MemoryError."""
+    import subprocess
+
+    (tmp_path / "small.bin").write_bytes(b"x" * 100)
+    (tmp_path / "rank0.json").write_bytes(
+        gzip.decompress((DATA / "traces" / "gloo_2rank" / "rank0.json.gz").read_bytes()))
+    (tmp_path / "s.pickle").write_bytes(pickle.dumps(
+        {"segments": [{"total_size": 2**20, "allocated_size": 2**19, "blocks": []}]}))
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1",
+           "OPENBLAS_NUM_THREADS": "1", "MEMPLAN_DEBUG": "1"}
+    proc = subprocess.run([sys.executable, "-c", CAPPED_CHILD, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
