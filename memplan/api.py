@@ -28,7 +28,7 @@ from memplan.parallel import (
     ZeroStage,
     layout_for_gpus,
 )
-from memplan.spec import ModelSpec, load_model
+from memplan.spec import MAX_LAYERS, ModelSpec, load_model
 from memplan.units import parse_bytes
 from memplan.workload import Recompute, Workload
 
@@ -120,24 +120,42 @@ def parse_stage_layers(value: Any) -> tuple[int, ...] | None:
         return None
     items = value.split(",") if isinstance(value, str) else value
     try:
-        out = tuple(n for item in items for n in _layer_counts(item))
+        counts: list[int] = []
+        for item in items:
+            counts += _layer_counts(item)
+            if len(counts) > MAX_LAYERS:
+                raise _TooManyStages
+        out = tuple(counts)
+    except _TooManyStages:
+        raise MemplanError(f"stage_layers lists more than {MAX_LAYERS} stages (memplan's "
+                           f"limit: a stage holds a layer or none), got "
+                           f"{arguments.shown(value)}") from None
     except (TypeError, ValueError):
         raise MemplanError(f"stage_layers must be layer counts separated by commas (a run as "
-                           f"16x6), got {value!r}") from None
+                           f"16x6), got {arguments.shown(value)}") from None
     if not out:
-        raise MemplanError(f"stage_layers must list at least one stage, got {value!r}")
+        raise MemplanError(f"stage_layers must list at least one stage, got "
+                           f"{arguments.shown(value)}")
     return out
 
 
+class _TooManyStages(Exception):
+    """A stage list longer than MAX_LAYERS, found before the list is made."""
+
+
 def _layer_counts(item: Any) -> list[int]:
+    """The stages of one item ("16" or a run "16x6"); the runs are bounded before they are
+    expanded, so "1x99999999999" is refused rather than built."""
     if not isinstance(item, str):
         if not arguments.is_int(item):
             raise TypeError(item)
-        return [item]
+        return [int(item)]
     layers, _, times = item.strip().partition("x")
     count = int(times) if times else 1
     if count < 1:
         raise ValueError(item)
+    if count > MAX_LAYERS:
+        raise _TooManyStages
     return [int(layers)] * count
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from memplan.errors import MemplanError, shown
-from memplan.inputs import TRACE_BYTES, read_maybe_gzip
+from memplan.inputs import TRACE_BYTES, read_maybe_gzip, too_long_number
 
 WHAT = "trace"
 _EVENTS_KEY = re.compile(r'"traceEvents"\s*:\s*\[')
@@ -42,12 +42,13 @@ class TraceFile:
 
 
 def _text(data: bytes, p: Path, cut: bool) -> str:
-    """UTF-8 text; a cut file may end inside a character, which is dropped."""
+    """UTF-8 text (without a byte-order mark); a cut file may end inside a character, which
+    is dropped."""
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as err:
         if cut and err.start >= len(data) - 3:
-            return data[:err.start].decode("utf-8")
+            return data[:err.start].decode("utf-8").removeprefix("\ufeff")
         raise MemplanError(f"{WHAT}: {p} is not UTF-8 text (byte offset {err.start} of the "
                            f"{'decompressed ' if cut else ''}data: "
                            f"{data[err.start:err.start + 1]!r}); not a chrome trace") from None
@@ -73,7 +74,7 @@ def _salvage(text: str, p: Path) -> tuple[Any, int]:
     elif m is not None:
         try:  # the fields before the events, closed as an object
             meta = json.loads(text[:m.start()].rstrip().rstrip(",") + "}")
-        except (json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):  # ValueError: an over-long integer too
             meta = {}
         pos = m.end()
         meta = meta if isinstance(meta, dict) else {}
@@ -86,8 +87,12 @@ def _salvage(text: str, p: Path) -> tuple[Any, int]:
             break
         try:
             event, pos = _DECODER.raw_decode(text, pos)
-        except (json.JSONDecodeError, RecursionError):
+        except json.JSONDecodeError:
             break  # the event the file was cut in
+        except RecursionError:
+            break
+        except ValueError:  # an integer over Python's digit limit, not a cut
+            raise too_long_number(p, WHAT) from None
         events.append(event)
     return {**meta, "traceEvents": events}, len(events)
 
@@ -161,6 +166,8 @@ def read_trace(path: str | Path) -> TraceFile:
                else f"its JSON ends at line {text.count(chr(10)) + 1}")
         partial = (f"{p} is cut ({end}, as a killed job or an unfinished copy leaves it): "
                    f"read up to its last complete event, {count} events")
+    except ValueError:  # not a syntax error: an integer over Python's digit limit
+        raise too_long_number(p, WHAT) from None
     else:
         if raw.cut is not None:  # the JSON closed although the gzip stream did not
             partial = f"{p}: its gzip stream ends early at compressed byte {raw.cut:,}"

@@ -20,11 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from memplan.config_import import Imported
-from memplan.errors import MemplanError
+from memplan.errors import MemplanError, shown
 from memplan.inputs import MODEL_FILE_BYTES, read_text
-from memplan.spec import ModelSpec
+from memplan.spec import MAX_LAYERS, ModelSpec
 
 ARGS = "megatron/training/arguments.py"
+# the longest --moe-layer-freq read: a list of MAX_LAYERS "0, " items fits; the parser's
+# recursion and the list it builds stay small
+MAX_PATTERN_CHARS = 4 * MAX_LAYERS + 64
 # the GPT-2 BPE vocabulary (vocab.json: 50257 tokens), Megatron's GPT2BPETokenizer
 GPT2_VOCAB = 50257
 # flags read nowhere in memplan's memory model: logging, data, checkpoints, schedules of the
@@ -51,15 +54,22 @@ def words(text: str) -> list[str]:
 
 
 def _scalar(text: str) -> Any:
+    """A value as argparse's ``type=int`` or ``type=float`` would read it, else the text. A
+    value no count or fraction can be is kept as its text, so the flag that reads it says
+    "expected an integer": one of more digits than Python's ``int()`` reads (it raises, and
+    ``float()`` would read it as inf), or one that reads as inf or nan."""
     low = text.strip().strip("'\"")
     if low.lower() in ("true", "false"):
         return low.lower() == "true"
-    for kind in (int, float):
-        try:
-            return kind(low)
-        except ValueError:
-            pass
-    return low
+    try:
+        return int(low)
+    except ValueError:
+        pass
+    try:
+        value = float(low)
+    except ValueError:
+        return low
+    return value if math.isfinite(value) else low
 
 
 def parse(text: str, where: str) -> dict[str, Any]:
@@ -324,7 +334,7 @@ class _Reader:
         self.used.add("--moe-layer-freq")
         if freq in (1, "1"):
             return 0
-        pattern = _pattern(freq) if isinstance(freq, str) else None
+        pattern = _bounded_pattern(freq) if isinstance(freq, str) else None
         lead = pattern.index(1) if pattern and 1 in pattern else 0
         if pattern != [0] * lead + [1] * (layers - lead) or not lead:
             raise self.refuse("--moe-layer-freq", f"modelled are 1 (every layer MoE) and "
@@ -501,11 +511,27 @@ def _pattern(text: str) -> list[int] | None:
             if isinstance(node.op, ast.Add):
                 return left + right if isinstance(left, list) == isinstance(right, list) \
                     else None
-            if isinstance(left, list) and isinstance(right, int) and 0 <= right <= 4096:
+            if (isinstance(left, list) and isinstance(right, int) and 0 <= right
+                    and len(left) * right <= MAX_LAYERS):  # a layer pattern: one per layer
                 return left * right
-            return None
+            raise ValueError(f"a pattern of more than {MAX_LAYERS} layers (memplan's limit)")
         return None
 
     result = value(tree)
     return result if isinstance(result, list) else None
+
+
+def _bounded_pattern(text: str) -> list[int] | None:
+    """``_pattern``, its size checked before any list is made: one line for a pattern longer
+    than a model can be (``[0]*4096*4096*4096`` would ask for 2^36 items)."""
+    if len(text) > MAX_PATTERN_CHARS:
+        raise MemplanError(f"--moe-layer-freq is {len(text):,} characters long, over the "
+                           f"{MAX_PATTERN_CHARS:,} a pattern of {MAX_LAYERS} layers needs")
+    try:
+        return _pattern(text)
+    except ValueError as err:
+        raise MemplanError(f"--moe-layer-freq {shown(text)} is {err}") from None
+    except RecursionError:  # a chain of thousands of + parses as a tree as deep
+        raise MemplanError(f"--moe-layer-freq {shown(text)} nests deeper than Python's parser "
+                           "reads: write a run of layers as [0]*N") from None
 

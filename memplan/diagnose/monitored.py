@@ -15,6 +15,7 @@ import inspect
 import json
 import math
 import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any
 
 from memplan.diagnose.explain import Finding
 from memplan.errors import MemplanError, shown
-from memplan.inputs import MONITOR_BYTES, regular_file, size_text
+from memplan.inputs import MONITOR_BYTES, UTF8_BOM, regular_file, size_text
 from memplan.model.estimate import Estimate
 from memplan.monitor import MemoryMonitor, summarize
 from memplan.overheads import ALLOCATOR_FRACTION
@@ -116,7 +117,7 @@ def _restarted(line: str) -> tuple[dict[str, Any], int] | None:
     for m in _RECORD_START.finditer(line, 1):
         try:
             rec = json.loads(line[m.start():])
-        except (json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):
             continue
         return rec, m.start()
     return None
@@ -166,6 +167,8 @@ def _read_file(file: Path, what: str) -> tuple[list[dict[str, Any]], list[str]]:
         last = ahead is None
         where = f"{what}: {file} line {num} (byte offset {offset:,})"
         try:
+            if num == 1 and raw.startswith(UTF8_BOM):  # an editor's byte-order mark
+                raw, offset = raw[len(UTF8_BOM):], offset + len(UTF8_BOM)
             line = raw.decode("utf-8")
         except UnicodeDecodeError as err:
             if not (last and err.start >= len(raw.rstrip(CRLF)) - 3):
@@ -176,7 +179,7 @@ def _read_file(file: Path, what: str) -> tuple[list[dict[str, Any]], list[str]]:
             continue
         try:
             rec = json.loads(line)
-        except (json.JSONDecodeError, RecursionError) as err:
+        except (ValueError, RecursionError) as err:  # ValueError: an over-long integer
             if last and _cut(err, line):
                 size = len(raw.rstrip(CRLF))
                 notes.append(f"{file} line {num} is cut ({size} bytes of a record: the job "
@@ -186,7 +189,9 @@ def _read_file(file: Path, what: str) -> tuple[list[dict[str, Any]], list[str]]:
             found = _restarted(line)
             if found is None:
                 detail = (f"{err.msg}, column {err.colno}" if isinstance(err, json.JSONDecodeError)
-                          else "nested too deep")
+                          else "nested too deep" if isinstance(err, RecursionError)
+                          else f"an integer of more than {sys.get_int_max_str_digits() or 4300} "
+                          "digits")
                 raise MemplanError(f"{where} is not JSON ({detail})") from None
             rec, cut = found
             notes.append(f"{file} line {num} starts with a record cut by a stopped job ({cut} "

@@ -232,7 +232,19 @@ def _clean(text: str) -> tuple[str, int | None]:
 def parse_oom(text: str) -> OomReport:
     """The first out-of-memory message in ``text`` (a log, a traceback or the message alone).
 
-    Raises MemplanError naming what is missing when no message can be read."""
+    Raises MemplanError naming what is missing when no message can be read, or a number no
+    message holds (one past ``int()``'s digit limit, or a size that is inf as a float)."""
+    try:
+        return _parse_oom(text)
+    except MemplanError:
+        raise
+    except (ValueError, OverflowError):
+        raise MemplanError("the out-of-memory message holds a number too long to be a size, "
+                           "a device or a rank (PyTorch prints a few digits): an altered "
+                           "message") from None
+
+
+def _parse_oom(text: str) -> OomReport:
     if not isinstance(text, str):
         raise MemplanError(f"the OOM text must be a string, not {type(text).__name__}")
     flat, rank = _clean(text)

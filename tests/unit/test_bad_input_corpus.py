@@ -522,6 +522,131 @@ def test_oom_from_stdin_without_a_message(data: bytes, sandbox: Path, capsys,
                    sandbox, capsys)
 
 
+# --- 3b. numbers and sizes: past Python's digit limit, past memplan's bounds, size bombs ---
+
+HUGE = "1" * 5000  # past int()'s 4300-digit limit: a ValueError that is no syntax error
+MEGATRON = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 128 "
+            "--max-position-embeddings 128 --vocab-size 128")
+MOE = MEGATRON + " --num-experts 4 --moe-layer-freq "
+NUMBER_OPTION_CASES: dict[str, tuple[list[str], list[str]]] = {
+    "gpus-5000-digits": ([*E, "--gpus", HUGE], ["--gpus"]),
+    "seq-5000-digits": ([*E, "--seq", HUGE], ["--seq"]),
+    "gpu-memory-5000-digits": ([*E, "--gpu-memory", HUGE + "GiB"], ["gpu_memory", "1 PiB"]),
+    "gpu-memory-inf-as-float": ([*E, "--gpu-memory", "9" * 400 + "TiB"],
+                                ["gpu_memory", "1 PiB"]),
+    "gpu-memory-over-limit": ([*E, "--gpu-memory", "1025TiB"], ["gpu_memory", "'1025TiB'"]),
+    "gpu-memory-bytes-over-limit": ([*E, "--gpu-memory", str(2**50 + 1)],
+                                    ["gpu_memory", str(2**50 + 1)]),
+    "stage-layers-bomb": ([*E, "-n", "2", "--pp", "2", "--stage-layers", "1x99999999999"],
+                          ["stage_layers", "10000", "'1x99999999999'"]),
+    "stage-layers-many-runs": ([*E, "-n", "2", "--pp", "2", "--stage-layers",
+                                ",".join(["1x9999"] * 3)], ["stage_layers", "10000"]),
+    "stage-layers-5000-digits": ([*E, "-n", "2", "--pp", "2", "--stage-layers", "1x" + HUGE],
+                                 ["stage_layers", "..."]),
+    "megatron-pattern-bomb": (["estimate", "--megatron-args", MOE + "[0]*4096*4096*4096"],
+                              ["--moe-layer-freq", "10000 layers"]),
+    "megatron-pattern-product": (["estimate", "--megatron-args", MOE + "[0]*100*101"],
+                                 ["--moe-layer-freq", "10000 layers"]),
+    "megatron-pattern-long": (["estimate", "--megatron-args", MOE + "[0]+" * 12000 + "[1]"],
+                              ["--moe-layer-freq", "characters"]),
+    "megatron-pattern-deep": (["estimate", "--megatron-args", MOE + "[0]+" * 9000 + "[1]"],
+                              ["--moe-layer-freq"]),
+    "megatron-layers-5000-digits": (["estimate", "--megatron-args",
+                                     MEGATRON.replace("--num-layers 4", "--num-layers " + HUGE)],
+                                    ["--num-layers", "expected an integer"]),
+    "megatron-layers-inf": (["estimate", "--megatron-args",
+                             MEGATRON.replace("--num-layers 4", "--num-layers 1e999")],
+                            ["--num-layers", "'1e999'", "expected an integer"]),
+    "megatron-dropout-inf": (["estimate", "--megatron-args", MEGATRON + " --hidden-dropout 1e999"],
+                             ["--hidden-dropout", "'1e999'", "expected a number"]),
+    "megatron-dropout-nan": (["estimate", "--megatron-args", MEGATRON + " --hidden-dropout nan"],
+                             ["--hidden-dropout", "'nan'", "expected a number"]),
+    "width-5000-digits": (["--width", HUGE, "models"], ["--width", "10000"]),
+    "width-superscript": (["--width", "\u00b2", "models"], ["--width"]),
+    "width-over-limit": (["--width", "99999", "models"], ["--width", "99999"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NUMBER_OPTION_CASES))
+def test_bad_number_option(case: str, sandbox: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv, mentions = NUMBER_OPTION_CASES[case]
+    err = assert_refused(argv, mentions, sandbox, capsys)
+    assert len(err) < 600, err  # the value is quoted cut short, never whole
+
+
+def _with_huge(text: str, value: str) -> str:
+    """``text`` with its ``value`` (a number written once in it) replaced by HUGE."""
+    assert text.count(value) == 1, value
+    return text.replace(value, HUGE)
+
+
+# name -> (command before the path, file name, content, mentions); as EVIDENCE_CASES
+NUMBER_FILE_CASES: dict[str, tuple[list[str], str, Any, list[str]]] = {
+    "toml-5000-digit-layers": (["estimate", "-m"], "m.toml",
+                               _with_huge(tiny_toml(num_layers=4242), "4242"),
+                               ["{f}", "4300 digits"]),
+    "json-5000-digit-layers": (["estimate", "-m"], "config.json",
+                               _with_huge(llama_json(num_hidden_layers=7777), "7777"),
+                               ["{f}", "4300 digits"]),
+    "json-inf-layers": (["estimate", "-m"], "config.json",
+                        llama_json(num_hidden_layers=12345).replace("12345", "1e999"),
+                        ["num_hidden_layers", "inf"]),
+    "trace-5000-digit-ts": (["analyze-trace"], "t.json",
+                            _with_huge(trace_with({**X, "ts": 424242}), "424242"),
+                            ["{f}", "4300 digits"]),
+    "trace-5000-digit-rank": (["analyze-trace"], "t.json",
+                              _with_huge(trace_with(X, distributedInfo={"rank": 424242}),
+                                         "424242"), ["{f}", "4300 digits"]),
+    "trace-gz-5000-digit-dur": (["analyze-trace"], "t.json.gz",
+                                _gz(_with_huge(trace_with({**X, "dur": 424242}), "424242")),
+                                ["{f}", "4300 digits"]),
+    "monitor-5000-digit-bytes": (["monitor-summary"], "memory_rank0.jsonl",
+                                 _with_huge(jsonl(record(allocated_bytes=424242)), "424242"),
+                                 ["{f}", "line 1", "4300 digits"]),
+    "monitor-5000-digit-step": (["diagnose", "-m", "tiny", "--monitor"], "memory_rank0.jsonl",
+                                jsonl(record()) + _with_huge(jsonl(record(step=9876543, time=1.0)),
+                                                             "9876543"),
+                                ["--monitor", "{f}", "line 2", "4300 digits"]),
+    "profile-5000-digit-steps": (["diagnose", "-m", "tiny", "--profile"], "summary.json",
+                                 _with_huge(json.dumps({"phases": {}, "num_steps": 424242}),
+                                            "424242"), ["--profile", "{f}", "4300 digits"]),
+    "calibration-5000-digit-version": (["estimate", "-m", "tiny", "--calibration"], "p.json",
+                                       _with_huge(json.dumps({"schema_version": 424242}),
+                                                  "424242"), ["{f}", "4300 digits"]),
+    "oom-5000-digit-size": (["diagnose", "-m", "tiny", "--oom"], "oom.txt",
+                            f"CUDA out of memory. Tried to allocate {HUGE}.00 GiB. GPU 0 has a "
+                            "total capacity of 79.10 GiB of which 1.00 MiB is free.",
+                            ["out-of-memory message", "too long"]),
+    "oom-5000-digit-device": (["diagnose", "-m", "tiny", "--oom"], "oom.txt",
+                              "CUDA out of memory. Tried to allocate 2.00 GiB (GPU " + HUGE
+                              + "; 79.35 GiB total capacity; 70.00 GiB already allocated; "
+                              "1.00 GiB free; 75.00 GiB reserved in total by PyTorch)",
+                              ["out-of-memory message", "too long"]),
+    "megatron-file-5000-digits": (["estimate", "--megatron-args"], "args.sh",
+                                  "pretrain_gpt.py " + MEGATRON.replace("--hidden-size 64",
+                                                                        "--hidden-size " + HUGE),
+                                  ["--hidden-size", "expected an integer"]),
+    "torchtitan-5000-digit-layers": (["estimate", "--torchtitan-config"], "job.toml",
+                                     "[model]\nname = \"llama3\"\nflavor = \"debugmodel\"\n"
+                                     "[training]\nseq_len = " + HUGE + "\n",
+                                     ["{f}", "4300 digits"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NUMBER_FILE_CASES))
+def test_bad_number_in_a_file(case: str, sandbox: Path,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    command, name, content, mentions = NUMBER_FILE_CASES[case]
+    path = sandbox / "in" / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    err = assert_refused([*command, str(path)], [m.replace("{f}", str(path)) for m in mentions],
+                         sandbox, capsys)
+    assert len(err) < 600 + len(str(path)), err
+
+
 # --- 4. outputs ----------------------------------------------------------------------------
 
 def _existing_file(root: Path) -> Path:
@@ -675,5 +800,6 @@ def test_bad_api_argument(case: str) -> None:
 def test_the_corpus_is_large() -> None:
     """At least 120 cases of bad input, across the CLI, the API and each reader."""
     total = (len(OPTION_CASES) + len(MODEL_CASES) + len(EVIDENCE_CASES) + len(OUTPUT_CASES)
-             + len(API_CASES) + len(DEVICE_READERS))
+             + len(API_CASES) + len(DEVICE_READERS) + len(NUMBER_OPTION_CASES)
+             + len(NUMBER_FILE_CASES))
     assert total >= 120, total
