@@ -26,6 +26,11 @@ held in between):
 - the step's peak (CUDA) or tensor peak (tracker) departs from ``predicted_peak_bytes`` by more
   than ``deviation_pct``.
 
+The record file is opened as this job's own, never through a link (a symbolic or hard link
+planted at ``memory_rank<R>.jsonl`` in a shared folder is refused, with one line, rather than
+followed), and each record is appended whole or not at all (a write cut by a full disk is
+truncated back), so the file never ends in half a record.
+
 Arguments are checked when it is made (``MemplanError`` naming the argument, before training
 starts). After that it never raises into the training loop: a failing reader, clock or disk is
 counted in ``errors`` and logged (rate-limited); a reader or clock that raises ``SystemExit``,
@@ -37,6 +42,7 @@ torch-free at import; nothing is read until the first step.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -52,6 +58,7 @@ from memplan.monitor_callbacks import TrainerHooks
 from memplan.monitor_readers import Reader, cuda_reader, default_reader, host_reader
 from memplan.monitor_records import read_records, run_trend, summarize
 from memplan.monitor_window import LEAK_BYTES, LEAK_WINDOW, LeakWindows
+from memplan.outputs import open_append, refuse_link
 from memplan.trend import Trend
 
 log = logging.getLogger("memplan.monitor")
@@ -152,6 +159,8 @@ class MemoryMonitor(TrainerHooks):
         _int("leak_bytes", leak_bytes, 1)
         _int("warn_every", warn_every, 1)
         self.clock = _clock(clock)
+        if rank is not None:  # said before training starts; start() checks again
+            refuse_link(self.out_dir / f"memory_rank{rank}.jsonl", "MemoryMonitor")
         self.rank, self.reader = rank, reader
         self.predicted_peak_bytes = predicted_peak_bytes
         self.deviation_pct, self.min_headroom_pct = deviation_pct, min_headroom_pct
@@ -189,8 +198,8 @@ class MemoryMonitor(TrainerHooks):
             if self.reader is None:
                 self.reader = default_reader()
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            path = self.out_dir / f"memory_rank{self.rank}.jsonl"
-            self._file = open(path, "ab", buffering=0)  # noqa: SIM115 - held across steps
+            self._file = open_append(self.out_dir / f"memory_rank{self.rank}.jsonl",
+                                     "MemoryMonitor")
         except Exception as err:  # noqa: BLE001 - the training loop must go on
             self._error("start", err)
         try:
@@ -326,14 +335,27 @@ class MemoryMonitor(TrainerHooks):
                 self._min_headroom, room)
 
     def _write(self, rec: dict[str, Any]) -> None:
+        """Append the record's line whole, or nothing: a write that fails part-way (a full
+        disk) is cut back to where the line began, so the file never ends in half a record
+        that the next one would be appended to."""
         if self._file is None:
             return
         line = (json.dumps(rec) + "\n").encode()
+        end = None
         try:
+            end = self._file.seek(0, os.SEEK_END)
             done = 0
-            while done < len(line):  # unbuffered: a record is written whole or fails
-                done += self._file.write(line[done:])
+            while done < len(line):  # unbuffered: each write is one system call
+                wrote = self._file.write(line[done:])
+                if not wrote:
+                    raise OSError(errno.ENOSPC, f"wrote {done} of {len(line)} bytes")
+                done += wrote
         except Exception as err:  # noqa: BLE001 - a full or failing disk: counted
+            if end is not None:
+                try:
+                    self._file.truncate(end)
+                except Exception:  # noqa: BLE001, S110 - the write's error is the one counted
+                    pass
             self._error("write", err)
 
     def _stop(self, why: str) -> None:

@@ -14,12 +14,15 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from memplan.errors import MemplanError
 
@@ -69,6 +72,44 @@ def check_out_dir(path: str | os.PathLike[str], what: str = "--out") -> Path:
         raise MemplanError(f"{what}: cannot write in {base} (permission denied); give a folder "
                            "you can write")
     return p
+
+
+def refuse_link(path: Path, what: str) -> None:
+    """One line for an output that is a symbolic link (dangling or not): in a shared folder
+    another user may have planted it to make this job write to a file of their choosing."""
+    if path.is_symlink():
+        raise MemplanError(f"{what}: {path} is a symbolic link (to {os.readlink(path)}); "
+                           "memplan writes no file through a link: remove it or give another "
+                           "folder")
+
+
+def open_append(path: Path, what: str) -> Any:
+    """``path`` opened to append to (created if missing), never through a link: the last
+    component is opened with O_NOFOLLOW (a symbolic link planted there fails instead of being
+    followed) and O_NONBLOCK (a FIFO planted there fails instead of waiting for a reader),
+    and what opened must be a regular file with no other name (a hard link to another
+    user's file is refused). An unbuffered binary file; one line (``MemplanError``) naming
+    ``what`` and the path otherwise."""
+    refuse_link(path, what)  # where O_NOFOLLOW does not exist (Windows), and for the message
+    flags = (os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+             | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as err:
+        if err.errno == errno.ELOOP:  # a link planted between the check and the open
+            refuse_link(path, what)
+        if err.errno == errno.ENXIO:  # a FIFO with no reader
+            raise MemplanError(f"{what}: {path} is not a regular file") from None
+        raise
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
+        os.close(fd)
+        kind = "a hard link to another file" if stat.S_ISREG(info.st_mode) else "not a file"
+        raise MemplanError(f"{what}: {path} is {kind}; memplan appends only to a file of its "
+                           "own: remove it or give another folder")
+    if hasattr(os, "set_blocking"):
+        os.set_blocking(fd, True)
+    return os.fdopen(fd, "ab", buffering=0)
 
 
 def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> Path:
@@ -141,4 +182,5 @@ def staged_dir(out: str | os.PathLike[str], what: str = "--out") -> Iterator[Pat
             shutil.rmtree(staging, ignore_errors=True)
 
 
-__all__ = ["WriteError", "check_out_dir", "staged_dir", "write_atomic"]
+__all__ = ["WriteError", "check_out_dir", "open_append", "refuse_link", "staged_dir",
+           "write_atomic"]
