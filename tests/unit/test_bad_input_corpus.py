@@ -92,7 +92,9 @@ def _tree(root: Path) -> dict[str, tuple[Any, ...]]:
     out: dict[str, tuple[Any, ...]] = {}
     for path in sorted(root.rglob("*")):
         rel = str(path.relative_to(root))
-        if path.is_dir():
+        if path.is_symlink():  # a link (maybe to nothing, or to itself): where it points
+            out[rel] = ("link", os.readlink(path))
+        elif path.is_dir():
             out[rel] = ("dir", path.stat().st_mode)
         elif path.is_file():
             out[rel] = ("file", path.stat().st_size, hashlib.sha1(path.read_bytes()).hexdigest())
@@ -655,7 +657,45 @@ def _existing_file(root: Path) -> Path:
     return path
 
 
+def _dangling(root: Path) -> Path:
+    link = root / "in" / "out"
+    link.symlink_to(root / "in" / "missing")
+    return link
+
+
+def _loop(root: Path) -> Path:
+    link = root / "in" / "out"
+    link.symlink_to(link)
+    return link
+
+
+LONG = "n" * 300  # over the 255 bytes a file or folder name may have (ext4, xfs, tmpfs)
 OUTPUT_CASES: dict[str, tuple[Callable[[Path], list[str]], list[str]]] = {
+    "profile-out-dangling-link": (lambda r: ["profile", "-m", "tiny", "--out", str(_dangling(r))],
+                                  ["--out", "symbolic link to nothing"]),
+    "profile-out-link-loop": (lambda r: ["profile", "-m", "tiny", "--out", str(_loop(r))],
+                              ["--out", "symbolic link to nothing"]),
+    "profile-out-under-a-dangling-link": (lambda r: ["profile", "-m", "tiny", "--out",
+                                                     str(_dangling(r) / "a" / "b")],
+                                          ["--out", "symbolic link to nothing"]),
+    "profile-out-300-characters": (lambda r: ["profile", "-m", "tiny", "--out",
+                                              str(r / "in" / LONG)], ["--out", "too long"]),
+    "profile-out-300-characters-deeper": (lambda r: ["profile", "-m", "tiny", "--out",
+                                                     str(r / "in" / LONG / "sub")],
+                                          ["--out", "too long"]),
+    "calibrate-out-dangling-link": (lambda r: ["calibrate", "--device", "cpu", "--out",
+                                               str(_dangling(r))],
+                                    ["--out", "symbolic link to nothing"]),
+    "calibrate-out-300-characters": (lambda r: ["calibrate", "--device", "cpu", "--out",
+                                                str(r / "in" / LONG)], ["--out", "too long"]),
+    "plot-300-characters": (lambda r: ["estimate", "-m", "tiny", "--plot",
+                                       str(r / "in" / (LONG + ".png"))], ["--plot", "too long"]),
+    "plot-in-a-dangling-link": (lambda r: ["estimate", "-m", "tiny", "--plot",
+                                           str(_dangling(r) / "p.png")],
+                                ["--plot", "symbolic link to nothing"]),
+    "monitor-plot-link-loop": (lambda r: ["monitor-summary", "x", "--plot",
+                                          str(_loop(r) / "p.svg")],
+                               ["--plot", "symbolic link to nothing"]),
     "profile-out-is-a-file": (lambda r: ["profile", "-m", "tiny", "--out",
                                          str(_existing_file(r))],
                               ["--out", "existing file"]),

@@ -263,3 +263,136 @@ def test_readers_under_a_memory_cap(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", CAPPED_CHILD, str(tmp_path)], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+
+
+# --- outputs: checked before any work; what a killed run left, removed by the next ----------
+
+def _never_run(*_a, **_k):
+    raise AssertionError("the command measured before checking --out")
+
+
+def _link_to_nothing(root: Path) -> Path:
+    link = root / "out"
+    link.symlink_to(root / "missing")
+    return link
+
+
+def _link_loop(root: Path) -> Path:
+    link = root / "out"
+    link.symlink_to(link)
+    return link
+
+
+def _under_a_dangling_link(root: Path) -> Path:
+    return _link_to_nothing(root) / "sub"
+
+
+def _long_name(root: Path) -> Path:
+    return root / ("x" * 300)
+
+
+@pytest.mark.parametrize("make", [_link_to_nothing, _link_loop, _under_a_dangling_link,
+                                  _long_name])
+@pytest.mark.parametrize("command", [["profile", "-m", "tiny"], ["calibrate", "--device", "cpu"]])
+def test_out_is_refused_before_any_work(work: Path, make, command: list[str], capsys,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A --out that can never hold the results (a symbolic link to nothing or to itself, on
+    the way or at the end; a name longer than the file system's 255 bytes) is refused in one
+    line naming --out, before anything is measured; nothing is created."""
+    _stand_in(monkeypatch, _never_run)
+    out = make(work)
+    before = _tree(work)
+    assert main([*command, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("memplan: error: --out: ") and err.count("\n") == 1, err
+    assert "symbolic link to nothing" in err or "too long" in err, err
+    assert _tree(work) == before
+
+
+STAGING = ".memplan-staging-"
+
+
+def _leftover(root: Path, name: str, age_s: float = 0.0) -> Path:
+    """A staging folder as a run left it, a file in it, last changed ``age_s`` ago."""
+    import time
+
+    folder = root / name
+    folder.mkdir()
+    (folder / "timeline.json").write_text("{}")
+    then = time.time() - age_s
+    for path in (folder / "timeline.json", folder):
+        os.utime(path, (then, then))
+    return folder
+
+
+def test_staging_a_killed_run_left_is_removed_by_the_next(work: Path, capsys,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the folder a run stages in, the next run removes what runs that are over left (a
+    process of this machine that no longer exists; another machine's or an older memplan's
+    folder unchanged for over two days) and keeps the rest: this process's own (a live
+    run's), another machine's or an unnamed one changed recently, and anything not a staging
+    folder."""
+    import socket
+
+    from memplan.outputs import STALE_STAGING_S, _host
+
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text()) if Path(
+        "/proc/sys/kernel/pid_max").exists() else 2**22
+    host = _host()
+    assert socket.gethostname()  # the names below are this machine's
+    gone = [_leftover(work, f"{STAGING}{pid_max + 1}@{host}@prof1a2b3c4d"),
+            _leftover(work, f"{STAGING}{pid_max + 7}@{host}@"),
+            _leftover(work, f"{STAGING}12@other-node@prof9", age_s=STALE_STAGING_S + 60),
+            _leftover(work, f"{STAGING}profk3j4h5g6", age_s=STALE_STAGING_S + 60)]
+    kept = [_leftover(work, f"{STAGING}{os.getpid()}@{host}@profzzzz1111", age_s=10**7),
+            _leftover(work, f"{STAGING}12@other-node@profqqqq", age_s=60),
+            _leftover(work, f"{STAGING}profrecent12", age_s=60),
+            _leftover(work, "results-of-another-run")]
+    _stand_in(monkeypatch, lambda *a, **k: _timeline())
+    assert main(["profile", "-m", "tiny", "--out", str(work / "prof")]) == 0
+    capsys.readouterr()
+    assert not any(p.exists() for p in gone)
+    assert all(p.exists() for p in kept)
+    assert (work / "prof" / "summary.json").exists()
+
+
+KILLED_CHILD = r"""
+import os, signal, sys, types
+from pathlib import Path
+
+def killed(*_a, snapshot_path=None, **_k):
+    Path(snapshot_path).write_bytes(b"x" * 4096)  # a half-written result in the staging folder
+    os.kill(os.getpid(), signal.SIGKILL)
+
+module = types.ModuleType("memplan.profile.reference_profile")
+module.profile_reference = killed
+module.predicted = lambda *a, **k: {}
+sys.modules["memplan.profile.reference_profile"] = module
+from memplan.cli import main
+main(["profile", "-m", "tiny", "--device", "cuda", "--out", sys.argv[1]])
+"""
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_sigkilled_profile_leaves_staging_the_next_run_removes(
+        work: Path, existing: bool, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A profile killed by SIGKILL (no handler runs) leaves its staging folder; the next
+    profile into the same --out removes it, and --out holds only that run's results."""
+    import signal
+    import subprocess
+
+    out = work / "prof"
+    if existing:
+        out.mkdir()
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", KILLED_CHILD, str(out)], cwd=work,
+                          env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True,
+                          timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    staged = work if not existing else out
+    assert [p.name for p in staged.iterdir() if p.name.startswith(STAGING)], "nothing left"
+    _stand_in(monkeypatch, lambda *a, **k: _timeline())
+    assert main(["profile", "-m", "tiny", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert [p.name for p in work.iterdir()] == ["prof"]
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
