@@ -40,6 +40,7 @@ def default_seq(spec: ModelSpec) -> int:
     return min(DEFAULT_SEQ, spec.max_seq_len)
 
 
+@arguments.plain_arguments
 def make_workload(spec: ModelSpec, **fields: Any) -> Workload:
     """A ``Workload`` from keyword fields, with the default sequence length for ``spec``."""
     arguments.one_of("spec", spec, (ModelSpec,), what="a ModelSpec")
@@ -77,6 +78,7 @@ def _cached(function):
     return call
 
 
+@arguments.plain_arguments
 @_cached
 def make_layout(num_gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 1,
                 ep: int = 1, dp: int | None = None, zero: int = 0,
@@ -159,6 +161,7 @@ def _layer_counts(item: Any) -> list[int]:
     return [int(layers)] * count
 
 
+@arguments.plain_arguments
 def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFAULT_GPU,
              gpu_memory: str | int | None = None, tp: int = 1, pp: int = 1, vpp: int = 1,
              cp: int = 1, ep: int = 1, dp: int | None = None, zero: int = 0,
@@ -244,6 +247,7 @@ def _capacity(gpu_memory: str | int | None) -> int | None:
         raise MemplanError(f"gpu_memory: {err}") from err
 
 
+@arguments.plain_arguments
 def resolve(model: str | ModelSpec, *, gpus: int = 1, tp: int = 1, pp: int = 1, vpp: int = 1,
             cp: int = 1, ep: int = 1, dp: int | None = None, zero: int = 0,
             sequence_parallel: bool | None = None, vocab_parallel: bool = True,
@@ -272,6 +276,7 @@ def _validate(model: type[Workload], data: dict[str, Any]) -> Workload:
         raise MemplanError(validation_message(err, _FLAG_NAMES)) from err
 
 
+@arguments.plain_arguments
 def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
          gpu_memory: str | int | None = None, safety: float | None = None,
          max_tp: int | None = None, recompute: list[str] | None = None,
@@ -380,6 +385,7 @@ def _check_found(result: Any, gpus: int, fixed: dict[str, Any]) -> None:
                        f"({count} layouts)")
 
 
+@arguments.plain_arguments
 def check(model: str | ModelSpec, *, safety: float | None = None, **kwargs: Any) -> Estimate:
     """``estimate(model, **kwargs)``, raising MemplanError with the breakdown when it does not
     fit in capacity * (1 - safety): a launcher's pre-flight check."""

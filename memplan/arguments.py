@@ -11,13 +11,17 @@ layout itself (``tp (16) must divide num_kv_heads (8)``) stay in ``memplan.paral
 from __future__ import annotations
 
 import enum
+import functools
 import math
+import operator
 import types
 import typing
 from collections.abc import Mapping
 from typing import Any
 
-from memplan.errors import MemplanError, shown
+from pydantic import BaseModel, ValidationError
+
+from memplan.errors import MemplanError, shown, validation_message
 
 # The most GPUs a job may name: 2^24, over a hundred times the largest published training
 # clusters (~100k GPUs), so a mistyped count fails here rather than in a search.
@@ -32,6 +36,65 @@ def is_int(value: Any) -> bool:
     """A true integer: not a bool (an int subclass in Python, and in TOML/JSON a different
     type), not a float however round."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def plain(name: str, value: Any) -> Any:
+    """``value`` as the API's checks and formulas take it: an integral number of another type
+    (numpy's ``int64``, anything with ``__index__`` but a bool) as an ``int``, recursively in
+    lists, tuples and numpy arrays (``np.arange``); a pydantic model validated anew
+    (``revalidated``); anything else as it is, for the checks to judge."""
+    if value is None or type(value) in (int, float, str, bool):
+        return value
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(plain(name, item) for item in value)
+    if isinstance(value, BaseModel):
+        return revalidated(name, value)
+    if hasattr(value, "__array__") and hasattr(value, "tolist"):  # a numpy array: its items
+        return plain(name, value.tolist())
+    if (not isinstance(value, (bool, int, float, str, enum.Enum))
+            and hasattr(type(value), "__index__")):
+        try:
+            return operator.index(value)
+        except TypeError:  # an __index__ that refuses (numpy's bool): judged as it is
+            return value
+    return value
+
+
+def revalidated(name: str, model: BaseModel) -> BaseModel:
+    """A pydantic ``model`` given to the API, validated again from its fields: an object made
+    with ``model_copy(update=...)`` or ``model_construct(...)`` skipped validation, and would
+    otherwise reach the formulas with a negative layer count or a missing field. One line
+    naming the argument and the field otherwise."""
+    kind = type(model)
+    unknown = sorted(set(vars(model)) - set(kind.model_fields))
+    if unknown:  # model_copy(update=...) sets a misspelt name as it is
+        raise MemplanError(f"{name}: {kind.__name__} has no field {unknown[0]!r}")
+    try:
+        data = model.model_dump(round_trip=True, warnings=False)
+    except Exception as err:  # noqa: BLE001 - a field holding what no dump can read
+        raise MemplanError(f"{name}: this {kind.__name__} cannot be read back "
+                           f"({type(err).__name__}); build it with {kind.__name__}(...)") from None
+    try:
+        return kind.model_validate(data)
+    except ValidationError as err:
+        raise MemplanError(f"{name}: {kind.__name__} {validation_message(err)}") from None
+
+
+def plain_arguments(function: Any) -> Any:
+    """``function`` with every argument made ``plain`` first (see there): the API's entry
+    points take numpy integers and re-check the pydantic objects they are given."""
+    positional = function.__code__.co_varnames[:function.__code__.co_argcount]
+
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        args = tuple(plain(positional[i] if i < len(positional) else "argument", value)
+                     for i, value in enumerate(args))
+        return function(*args, **{key: plain(key, value) for key, value in kwargs.items()})
+
+    for attribute in ("cache_clear", "cache_info"):
+        if hasattr(function, attribute):
+            setattr(call, attribute, getattr(function, attribute))
+    return call
 
 
 def integer(name: str, value: Any, *, minimum: int | None = 1, maximum: int | None = None,

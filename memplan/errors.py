@@ -41,6 +41,8 @@ def shown(value: Any, limit: int = 60) -> str:
     if value is None or isinstance(value, bool):
         return {None: "null", True: "true", False: "false"}[value]
     text = repr(value)
+    if "\n" in text:  # one line, whatever the repr (a numpy array's spans lines)
+        text = " ".join(text.split())
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 

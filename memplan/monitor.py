@@ -46,6 +46,7 @@ import errno
 import json
 import logging
 import math
+import operator
 import os
 import sys
 import time
@@ -80,12 +81,20 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _int(name: str, value: Any, low: int, *, allow_none: bool = False) -> None:
+def _int(name: str, value: Any, low: int, *, allow_none: bool = False) -> Any:
+    """``value`` as an int >= ``low`` (numpy's integers too: anything with ``__index__`` but
+    a bool), or None where allowed."""
     if value is None and allow_none:
-        return
+        return None
+    if not isinstance(value, (bool, int)) and hasattr(type(value), "__index__"):
+        try:
+            value = operator.index(value)
+        except TypeError:
+            pass
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise MemplanError(f"MemoryMonitor: {name} must be an int >= {low}"
                            f"{' or None' if allow_none else ''}, not {value!r}")
+    return int(value)
 
 
 def _pct(name: str, value: Any, high: float) -> None:
@@ -148,16 +157,16 @@ class MemoryMonitor(TrainerHooks):
                  warn_every: int = WARN_EVERY,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.out_dir = _out_dir(out_dir)
-        _int("rank", rank, 0, allow_none=True)
+        rank = _int("rank", rank, 0, allow_none=True)
         if reader is not None and not callable(reader):
             raise MemplanError(f"MemoryMonitor: reader must be a callable returning a dict of "
                                f"counters, or None, not {reader!r}")
-        _int("predicted_peak_bytes", predicted_peak_bytes, 1, allow_none=True)
+        predicted_peak_bytes = _int("predicted_peak_bytes", predicted_peak_bytes, 1, allow_none=True)
         _pct("deviation_pct", deviation_pct, math.inf)
         _pct("min_headroom_pct", min_headroom_pct, 100)
-        _int("leak_window", leak_window, 6)
-        _int("leak_bytes", leak_bytes, 1)
-        _int("warn_every", warn_every, 1)
+        leak_window = _int("leak_window", leak_window, 6)
+        leak_bytes = _int("leak_bytes", leak_bytes, 1)
+        warn_every = _int("warn_every", warn_every, 1)
         self.clock = _clock(clock)
         if rank is not None:  # said before training starts; start() checks again
             refuse_link(self.out_dir / f"memory_rank{rank}.jsonl", "MemoryMonitor")

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from toml_literals import toml_value  # tests/unit/toml_literals.py
 
@@ -824,6 +825,98 @@ API_CASES: dict[str, tuple[Callable[..., Any], tuple, dict[str, Any], list[str]]
 }
 
 
+# objects that skipped validation (model_copy's update and model_construct do not validate)
+TINY_SPEC = memplan.load_model("tiny")
+H100 = memplan.load_gpu("h100-sxm")
+API_OBJECT_CASES: dict[str, tuple[Callable[..., Any], tuple, dict[str, Any], list[str]]] = {
+    "copy-negative-layers": (memplan.estimate, (TINY_SPEC.model_copy(update={"num_layers": -3}),),
+                             {}, ["model", "num_layers", "-3"]),
+    "copy-billion-layers": (memplan.estimate,
+                            (TINY_SPEC.model_copy(update={"num_layers": 10**9}),), {},
+                            ["model", "num_layers", "10000"]),
+    "copy-zero-heads": (memplan.estimate,
+                        (TINY_SPEC.model_copy(update={"num_attention_heads": 0}),), {},
+                        ["model", "num_attention_heads", "0"]),
+    "copy-heads-do-not-divide": (memplan.estimate,
+                                 (TINY_SPEC.model_copy(update={"num_kv_heads": 3}),), {},
+                                 ["model", "num_kv_heads (3)"]),
+    "copy-moe-as-partial-dict": (memplan.estimate,
+                                 (TINY_SPEC.model_copy(update={"moe": {"num_experts": 3}}),), {},
+                                 ["model", "moe.top_k", "required"]),
+    "copy-unknown-field": (memplan.estimate, (TINY_SPEC.model_copy(update={"layers": 3}),), {},
+                           ["model", "layers"]),
+    "construct-partial": (memplan.estimate, (memplan.ModelSpec.model_construct(num_layers=2),),
+                          {}, ["model", "required"]),
+    "construct-empty": (memplan.estimate, (memplan.ModelSpec.model_construct(),), {},
+                        ["model", "required"]),
+    "plan-copy-negative-layers": (memplan.plan,
+                                  (TINY_SPEC.model_copy(update={"num_layers": -3}),),
+                                  {"gpus": 8}, ["model", "num_layers", "-3"]),
+    "check-construct": (memplan.check, (memplan.ModelSpec.model_construct(num_layers=2),), {},
+                        ["model", "required"]),
+    "make-workload-construct": (memplan.make_workload,
+                                (memplan.ModelSpec.model_construct(num_layers=2),), {},
+                                ["spec", "required"]),
+    "gpu-copy-zero-memory": (memplan.estimate, ("tiny",),
+                             {"gpu": H100.model_copy(update={"memory_bytes": 0})},
+                             ["gpu", "memory_bytes", "0"]),
+    "gpu-copy-negative-flops": (memplan.estimate, ("tiny",),
+                                {"gpu": H100.model_copy(update={"bf16_flops": -1.0})},
+                                ["gpu", "bf16_flops"]),
+    "gpu-construct": (memplan.estimate, ("tiny",),
+                      {"gpu": memplan.GpuSpec.model_construct(name="x")}, ["gpu", "required"]),
+    "numpy-float-tp": (memplan.estimate, ("tiny",), {"tp": np.float64(2.0)}, ["tp", "2.0"]),
+    "numpy-bool-gpus": (memplan.estimate, ("tiny",), {"gpus": np.bool_(True)}, ["gpus"]),
+    "numpy-negative-gpus": (memplan.estimate, ("tiny",), {"gpus": np.int64(-8)},
+                            ["gpus", "-8"]),
+    "numpy-huge-mbs": (memplan.estimate, ("tiny",), {"micro_batch_size": np.int64(2**40)},
+                       ["mbs", str(2**40)]),
+    "numpy-stage-layers-2d": (memplan.estimate, ("tiny",),
+                              {"gpus": 2, "pp": 2, "stage_layers": np.ones((2, 2), int)},
+                              ["stage_layers"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(API_OBJECT_CASES))
+def test_api_objects_are_validated(case: str) -> None:
+    """Whatever object the API is given, it is validated anew: a MemplanError of one line
+    naming the argument and the field, never an IndexError or AttributeError from inside."""
+    function, args, kwargs, mentions = API_OBJECT_CASES[case]
+    with pytest.raises(MemplanError) as raised:
+        function(*args, **kwargs)
+    message = str(raised.value)
+    assert "\n" not in message
+    for text in mentions:
+        assert text in message, (text, message)
+
+
+def test_numpy_and_other_integral_types_are_integers(tmp_path: Path) -> None:
+    """np.int64, np.int32, values of np.arange and any class with ``__index__`` are integers
+    to the API: the same answers as plain ints (a sweep built with np.arange runs)."""
+
+    class Count:  # an integral type of the user's own
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def __index__(self) -> int:
+            return self.n
+
+    plain = memplan.estimate("tiny", gpus=8, tp=2, micro_batch_size=2, seq_len=128)
+    for gpus, tp, mbs in ((np.int64(8), np.int32(2), np.int16(2)), (Count(8), Count(2), 2)):
+        got = memplan.estimate("tiny", gpus=gpus, tp=tp, micro_batch_size=mbs,
+                               seq_len=np.uint16(128))
+        assert got.peak_bytes == plain.peak_bytes
+    assert [memplan.estimate("tiny", micro_batch_size=b).peak_bytes
+            for b in np.arange(1, 3)] == [memplan.estimate("tiny", micro_batch_size=b).peak_bytes
+                                          for b in (1, 2)]
+    layout = memplan.make_layout(np.int64(4), pp=np.int64(2), stage_layers=np.array([1, 1]))
+    assert layout.stage_layers == (1, 1) and type(layout.pp) is int
+    assert memplan.plan("tiny", gpus=np.int64(2), top=np.int64(1)).candidates
+    from memplan.monitor import MemoryMonitor
+
+    assert MemoryMonitor(tmp_path, rank=np.int64(3), reader=dict).rank == 3
+
+
 @pytest.mark.parametrize("case", sorted(API_CASES))
 def test_bad_api_argument(case: str) -> None:
     function, args, kwargs, mentions = API_CASES[case]
@@ -841,5 +934,5 @@ def test_the_corpus_is_large() -> None:
     """At least 120 cases of bad input, across the CLI, the API and each reader."""
     total = (len(OPTION_CASES) + len(MODEL_CASES) + len(EVIDENCE_CASES) + len(OUTPUT_CASES)
              + len(API_CASES) + len(DEVICE_READERS) + len(NUMBER_OPTION_CASES)
-             + len(NUMBER_FILE_CASES))
+             + len(NUMBER_FILE_CASES) + len(API_OBJECT_CASES))
     assert total >= 120, total
