@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from memplan.cli.options import Job, Json, uses
-from memplan.errors import Interrupted, MemplanError
+from memplan.errors import Interrupted, MemplanError, deferred_interrupts
 from memplan.outputs import check_out_dir
 from memplan.workload import Precision, Workload
 
@@ -168,12 +168,13 @@ def calibrate(
     folder = out / "records" / name
     _check_folder(folder, resume)
     try:
-        if module is not None:
-            _run_module(module, model, job, seq, meta, folder, resume, fake=not real)
-        elif nproc > 1:
-            _run_dist(device.value, nproc, quick, resume, gpu, command, folder)
-        else:
-            _run_grid(device.value, model, quick, resume, meta, folder)
+        with deferred_interrupts():  # Ctrl-C taken between torch operators and steps
+            if module is not None:
+                _run_module(module, model, job, seq, meta, folder, resume, fake=not real)
+            elif nproc > 1:
+                _run_dist(device.value, nproc, quick, resume, gpu, command, folder)
+            else:
+                _run_grid(device.value, model, quick, resume, meta, folder)
         _fit_and_report(folder, out / "profiles" / f"{name}.json", name, json_out)
     except KeyboardInterrupt:
         raise Interrupted(_kept(folder, name)) from None

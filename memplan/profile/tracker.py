@@ -24,6 +24,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from memplan.errors import raise_if_interrupted
+
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
 PHASES = ("forward", "backward", "optimizer")
 
@@ -190,6 +192,7 @@ class MemoryTracker(TorchDispatchMode):
 
     # --- dispatch --------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        raise_if_interrupted()  # Ctrl-C is taken here, between operators (memplan.errors)
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self.op_index += 1

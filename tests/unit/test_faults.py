@@ -396,3 +396,94 @@ def test_a_sigkilled_profile_leaves_staging_the_next_run_removes(
     capsys.readouterr()
     assert [p.name for p in work.iterdir()] == ["prof"]
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
+
+
+# --- Ctrl-C: one line and exit 130, wherever it lands ----------------------------------------
+
+def test_ctrl_c_in_torch_work_is_taken_at_a_safe_point() -> None:
+    """Inside ``deferred_interrupts`` a SIGINT does not raise where it lands (it may land in a
+    callback torch runs from C++, where an exception aborts the process): the code around it
+    finishes its statement, ``raise_if_interrupted`` raises KeyboardInterrupt, and the handler
+    that was there before is back after the block."""
+    import signal
+
+    from memplan.errors import deferred_interrupts, raise_if_interrupted
+
+    before = signal.getsignal(signal.SIGINT)
+    reached = []
+    with pytest.raises(KeyboardInterrupt), deferred_interrupts():
+        raise_if_interrupted()  # nothing pending: no effect
+        os.kill(os.getpid(), signal.SIGINT)  # the handler runs before the next statement
+        reached.append("after the signal")  # a critical region: not cut short
+        raise_if_interrupted()
+        reached.append("never")
+    assert reached == ["after the signal"]
+    assert signal.getsignal(signal.SIGINT) is before
+    raise_if_interrupted()  # the flag was cleared on the way out
+
+    with pytest.raises(KeyboardInterrupt), deferred_interrupts():  # no check inside: at its end
+        os.kill(os.getpid(), signal.SIGINT)
+        reached.append("finished")
+    assert reached[-1] == "finished"
+
+
+@pytest.mark.parametrize("command", [["trace", "-m", "tiny"],
+                                     ["profile", "-m", "tiny", "--out", "prof"]])
+def test_ctrl_c_in_a_torch_command_is_one_line(command: list[str], work: Path, capsys,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SIGINT lands while the torch work runs (a stand-in for it, torch-free): exit 130,
+    one line, nothing written."""
+    import signal
+
+    from memplan.errors import raise_if_interrupted
+
+    def working(*_a, **_k):
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(3):  # operators go on until the next safe point
+            raise_if_interrupted()
+        raise AssertionError("not interrupted")
+
+    module = types.ModuleType("memplan.profile.compare")
+    module.compare, module.comparison_json = working, dict
+    monkeypatch.setitem(sys.modules, "memplan.profile.compare", module)
+    _stand_in(monkeypatch, working)
+    assert main(command) == 130
+    err = capsys.readouterr().err
+    assert err.startswith("memplan: interrupted: ") and err.count("\n") == 1, err
+    assert list(work.iterdir()) == []
+
+
+SIGINT_CHILD = r"""
+import sys
+import memplan.planner as planner
+from memplan.cli import main
+
+real = planner.plan
+
+def busy(*args, **kwargs):  # a plan that stays mid-search until interrupted
+    print("working", flush=True)
+    while True:
+        real(*args, **kwargs)
+
+planner.plan = busy
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigint_to_a_running_command_exits_130_with_one_line(work: Path) -> None:
+    """A real SIGINT from outside (what Ctrl-C sends) to ``memplan plan`` mid-search: exit 130
+    and one line on stderr, no traceback. The signal is sent once the child says it works,
+    and it keeps working until interrupted, so no timing decides the outcome."""
+    import signal
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    child = subprocess.Popen([sys.executable, "-c", SIGINT_CHILD, "plan", "-m", "llama-2-7b",
+                              "-n", "64"], cwd=work, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(root)})
+    assert child.stdout.readline() == "working\n"
+    child.send_signal(signal.SIGINT)
+    _, err = child.communicate(timeout=120)
+    assert child.returncode == 130, err[-2000:]
+    assert err == "memplan: interrupted: nothing was written\n"
