@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from memplan.config_import import Imported
+from memplan.errors import MemplanError
 from memplan.inputs import MODEL_FILE_BYTES, read_toml
 from memplan.spec import ModelSpec
 
@@ -64,6 +65,11 @@ def read(path: str | Path, gpus: int, model: str | None = None) -> Imported:
     instead of the file's (``--model``)."""
     data = read_toml(path, "torchtitan config", MODEL_FILE_BYTES)
     imp = Imported(source=f"torchtitan config {path}")
+    if not data or (model is None and "model" not in data):  # not a job file: say what lacks
+        raise MemplanError(f"torchtitan config {path}: "
+                           + ("the file is empty" if not data else "it has no [model] table")
+                           + ": a torchtitan job TOML names at least [model] name and flavor "
+                           "(torchtitan's train_configs/*.toml); or give --model")
     toml = _Toml(data, imp)
     imp.set("(framework)", "torchtitan", "framework", "torchtitan",
             "the job runs torchtitan: its implementation defaults")
@@ -290,8 +296,11 @@ def _recompute(toml: _Toml, imp: Imported) -> None:
         imp.set(f"{a}.mode/selective_ac_option", "selective/1", "recompute", "full",
                 "every layer checkpointed")
     elif mode == "selective":
+        given = "selective_ac_option" in toml.section(a)
         raise imp.refuse(f"{a}.selective_ac_option", option,
-                         "checkpointing every n-th layer is not modelled (op, 1, or mode "
+                         ("" if given else "torchtitan's default, as the file sets no "
+                          f"[{a}] selective_ac_option: ")
+                         + "checkpointing every n-th layer is not modelled (op, 1, or mode "
                          "full / none)")
     else:
         raise imp.refuse(f"{a}.mode", mode, "modelled are none, selective and full")

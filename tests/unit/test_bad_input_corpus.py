@@ -514,7 +514,106 @@ def test_two_traces_of_one_rank(sandbox: Path, capsys) -> None:
         path = sandbox / "in" / f"r{k}.json.gz"
         path.write_bytes(TRACE_GZ)
         paths.append(str(path))
-    assert_refused(["analyze-trace", *paths], ["same rank"], sandbox, capsys)
+    assert_refused(["analyze-trace", *paths], [f"{paths[0]} and {paths[1]} are both rank 0"],
+                   sandbox, capsys)
+    assert_refused(["analyze-trace", paths[0], paths[0]], [paths[0], "given twice"], sandbox,
+                   capsys)
+    assert_refused(["analyze-trace", str(sandbox / "in")], [f"{paths[0]} and {paths[1]}"],
+                   sandbox, capsys)
+
+
+# --- 3c. encodings and what a message names ------------------------------------------------
+
+BOM = b"\xef\xbb\xbf"
+
+
+def _analyzed(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    assert main([*argv, "--json"]) == 0, capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert err == "", err
+    return json.loads(out)
+
+
+BOM_CASES: dict[str, tuple[list[str], str, bytes]] = {
+    "model-toml": (["estimate", "-m"], "m.toml", tiny_toml().encode()),
+    "hf-config": (["estimate", "-n", "8", "-m"], "config.json", llama_json().encode()),
+    "megatron-args": (["estimate", "--megatron-args"], "args.sh",
+                      b"pretrain_gpt.py --num-layers 4 --hidden-size 64 "
+                      b"--num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 "
+                      b"--vocab-size 128"),
+    "torchtitan": (["estimate", "--torchtitan-config"], "job.toml",
+                   b'[model]\nname = "llama3"\nflavor = "debugmodel"\n'
+                   b'[activation_checkpoint]\nmode = "full"\n'),
+    "monitor": (["monitor-summary"], "memory_rank0.jsonl", jsonl(record()).encode()),
+    "trace": (["analyze-trace"], "t.json", gzip.decompress(TRACE_GZ)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BOM_CASES))
+def test_a_utf8_byte_order_mark_is_accepted(case: str, sandbox: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A file saved by an editor that puts the UTF-8 byte-order mark first reads as the same
+    file without it (the same answer, no warning)."""
+    command, name, content = BOM_CASES[case]
+    plain, marked = sandbox / "in" / name, sandbox / "in" / ("bom-" + name)
+    plain.write_bytes(content)
+    marked.write_bytes(BOM + content)
+    if case == "monitor":  # a folder per file: monitor-summary names files by their folder
+        marked = sandbox / "in" / "bom" / name
+        marked.parent.mkdir()
+        marked.write_bytes(BOM + content)
+    got, want = _analyzed([*command, str(marked)], capsys), _analyzed([*command, str(plain)],
+                                                                      capsys)
+    assert json.dumps(got).replace(str(marked), str(plain)) == json.dumps(want)
+
+
+def test_a_folder_of_traces_is_read_as_its_files(sandbox: Path, capsys) -> None:
+    """analyze-trace takes a folder as monitor-summary does (and as Holistic Trace Analysis
+    takes a run's trace folder): its .json and .json.gz files, in name order; other files
+    and hidden ones are left out."""
+    folder = sandbox / "in" / "run"
+    folder.mkdir()
+    for rank in (0, 1):
+        (folder / f"rank{rank}.json.gz").write_bytes(
+            (DATA / "traces" / "gloo_2rank" / f"rank{rank}.json.gz").read_bytes())
+    (folder / "notes.txt").write_text("not a trace")
+    (folder / ".rank9.json").write_text("{}")
+    files = _analyzed(["analyze-trace", str(folder / "rank0.json.gz"),
+                       str(folder / "rank1.json.gz")], capsys)
+    assert _analyzed(["analyze-trace", str(folder)], capsys) == files
+    assert [r["path"] for r in files["ranks"]] == [str(folder / "rank0.json.gz"),
+                                                   str(folder / "rank1.json.gz")]
+
+
+MESSAGE_CASES: dict[str, tuple[list[str], str, Any, list[str]]] = {
+    "torchtitan-empty": (["estimate", "--torchtitan-config"], "job.toml", "",
+                         ["{f}", "empty", "[model]"]),
+    "torchtitan-no-model": (["estimate", "--torchtitan-config"], "job.toml",
+                            "[training]\nseq_len = 128\n", ["{f}", "no [model] table"]),
+    "torchtitan-default-ac": (["estimate", "--torchtitan-config"], "job.toml",
+                              '[model]\nname = "llama3"\nflavor = "debugmodel"\n',
+                              ["selective_ac_option", "default", "sets no"]),
+    "trace-folder-without-traces": (["analyze-trace"], "", None,
+                                    ["{f}", "without trace files"]),
+    "model-toml-utf16": (["estimate", "-m"], "m.toml", tiny_toml().encode("utf-16"),
+                         ["{f}", "UTF-8", "byte offset 0"]),
+    "model-toml-bom-then-binary": (["estimate", "-m"], "m.toml", BOM + b"\xff\xfe",
+                                   ["{f}", "UTF-8", "byte offset 3"]),
+    "monitor-utf16": (["monitor-summary"], "memory_rank0.jsonl",
+                      jsonl(record()).encode("utf-16"), ["{f}", "UTF-8"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MESSAGE_CASES))
+def test_message_names_what(case: str, sandbox: Path, capsys) -> None:
+    command, name, content, mentions = MESSAGE_CASES[case]
+    path = sandbox / "in" / name if name else sandbox / "in"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    assert_refused([*command, str(path)], [m.replace("{f}", str(path)) for m in mentions],
+                   sandbox, capsys)
 
 
 @pytest.mark.parametrize("data", [b"\xff\xfe\xfd" * 100, b"", b"CUDA out of memory. Tried"])
@@ -934,5 +1033,6 @@ def test_the_corpus_is_large() -> None:
     """At least 120 cases of bad input, across the CLI, the API and each reader."""
     total = (len(OPTION_CASES) + len(MODEL_CASES) + len(EVIDENCE_CASES) + len(OUTPUT_CASES)
              + len(API_CASES) + len(DEVICE_READERS) + len(NUMBER_OPTION_CASES)
-             + len(NUMBER_FILE_CASES) + len(API_OBJECT_CASES))
+             + len(NUMBER_FILE_CASES) + len(API_OBJECT_CASES) + len(BOM_CASES)
+             + len(MESSAGE_CASES))
     assert total >= 120, total
