@@ -45,12 +45,13 @@ QUIET_PREFIXES = ("--log-", "--lr", "--min-lr", "--save", "--load", "--eval-", "
                   "--vocab-file", "--tokenizer-type", "--vocab-size", "--padded-vocab-size")
 
 
-def words(text: str) -> list[str]:
-    """Shell words of a launch command: comments dropped, lines joined."""
+def words(text: str, where: str = "Megatron arguments") -> list[str]:
+    """Shell words of a launch command: comments dropped, lines joined. ``where`` names the
+    arguments in a message (the file, or --megatron-args)."""
     try:  # a backslash before a newline continues the line, as in a shell
         return shlex.split(text.replace("\\\n", " "), comments=True)
     except ValueError as err:
-        raise MemplanError(f"Megatron arguments: {err} (quote them as a shell would)") from err
+        raise MemplanError(f"{where}: {err} (quote them as a shell would)") from err
 
 
 def _scalar(text: str) -> Any:
@@ -76,7 +77,7 @@ def parse(text: str, where: str) -> dict[str, Any]:
     """Flag -> value (True for a flag without one, a list for several values)."""
     if "MODEL_ARGS:" in text:
         return _model_args(text, where)
-    tokens = words(text)
+    tokens = words(text, where)
     # the training script's flags follow it (torchrun's own come before it)
     script = next((i + 1 for i, t in enumerate(tokens) if t.endswith(".py")), 0)
     start = next((i for i, t in enumerate(tokens) if i >= script and t.startswith("--")),
