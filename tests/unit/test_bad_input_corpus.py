@@ -1029,5 +1029,40 @@ def test_the_corpus_is_large() -> None:
     total = (len(OPTION_CASES) + len(MODEL_CASES) + len(EVIDENCE_CASES) + len(OUTPUT_CASES)
              + len(API_CASES) + len(DEVICE_READERS) + len(NUMBER_OPTION_CASES)
              + len(NUMBER_FILE_CASES) + len(API_OBJECT_CASES) + len(BOM_CASES)
-             + len(MESSAGE_CASES))
+             + len(MESSAGE_CASES) + len(RECORD_CASES))
     assert total >= 120, total
+
+
+# --- 6. calibration records a run left in --out (read by --resume and --refit) --------------
+
+RECORD_CASES: dict[str, tuple[Any, list[str]]] = {
+    "fifo": (None, ["not a regular file"]),
+    "binary": (bytes(range(256)), ["UTF-8", "byte offset"]),
+    "list": (b"[1, 2]", ["calibration record"]),
+    "5000-digits": (b'{"schema_version": ' + b"7" * 5000 + b"}", ["calibration record"]),
+    "deep": (deep(5000).encode(), ["calibration record"]),
+    "empty": (b"", ["calibration record"]),
+    "bom-then-garbage": (b"\xef\xbb\xbf{", ["calibration record"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RECORD_CASES))
+def test_bad_calibration_record(case: str, tmp_path: Path) -> None:
+    """A records folder holding a device file, binary, a wrong shape or a number past Python's
+    limit: --refit's reader refuses in one line naming the file (a FIFO is not waited on),
+    and --resume's count of finished points skips it (that point is measured again)."""
+    from memplan.calibrate.records import finished_keys, read_records
+
+    content, mentions = RECORD_CASES[case]
+    path = tmp_path / "tp1-x.json"
+    if content is None:
+        os.mkfifo(path)
+    else:
+        path.write_bytes(content)
+    with pytest.raises(MemplanError) as raised:
+        read_records(tmp_path)
+    message = str(raised.value)
+    assert "\n" not in message and str(path) in message, message
+    for text in mentions:
+        assert text in message, (text, message)
+    assert finished_keys(tmp_path) == set()
