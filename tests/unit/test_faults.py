@@ -487,3 +487,94 @@ def test_sigint_to_a_running_command_exits_130_with_one_line(work: Path) -> None
     _, err = child.communicate(timeout=120)
     assert child.returncode == 130, err[-2000:]
     assert err == "memplan: interrupted: nothing was written\n"
+
+
+# --- concurrency: two runs writing into one folder -------------------------------------------
+
+def test_two_runs_staging_into_one_out_keep_each_others_files(work: Path) -> None:
+    """Run B starts while run A is still writing (its staging folder is a live run's: never
+    removed as stale); both finish and --out holds both runs' files, no staging left."""
+    out = work / "prof"
+    with staged_dir(out) as first:
+        (first / "a.json").write_text("{}")
+        with staged_dir(out) as second:
+            assert first.exists()  # B's clean-up left A's folder alone
+            (second / "b.json").write_text("[]")
+        assert first.exists() and (first / "a.json").exists()
+    assert sorted(p.name for p in out.iterdir()) == ["a.json", "b.json"]
+    assert sorted(p.name for p in work.iterdir()) == ["prof"]
+
+
+def test_two_monitors_appending_to_one_file_keep_every_line_whole(tmp_path: Path) -> None:
+    """Two monitors writing the same rank's file at once (a restarted job while the old one
+    still runs): each record is one append of a whole line, so the file holds every record of
+    both, each line whole, whatever the interleaving."""
+    import threading
+
+    from memplan.diagnose.monitored import read_monitor
+    from memplan.monitor import MemoryMonitor
+
+    monitors = [MemoryMonitor(tmp_path, rank=0, reader=lambda k=k: {"allocated_bytes": k,
+                                                                     "pad_bytes": 10**6})
+                for k in (1, 2)]
+    barrier = threading.Barrier(2)
+
+    def steps(monitor: MemoryMonitor) -> None:
+        barrier.wait()
+        for _ in range(300):
+            monitor.step()
+        monitor.close()
+
+    threads = [threading.Thread(target=steps, args=(m,)) for m in monitors]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lines = (tmp_path / "memory_rank0.jsonl").read_bytes().split(b"\n")
+    assert lines[-1] == b"" and len(lines) == 601
+    records = [json.loads(line) for line in lines[:-1]]
+    assert sorted(r["allocated_bytes"] for r in records) == [1] * 300 + [2] * 300
+    assert all(m.errors == 0 for m in monitors)
+    assert read_monitor([str(tmp_path)]).partial == ()
+
+
+def test_writers_racing_on_one_file_leave_one_whole(tmp_path: Path) -> None:
+    """Threads writing one result file at once: it ends as one writer's bytes, whole, and no
+    temporary file is left beside it."""
+    import threading
+
+    path = tmp_path / "summary.json"
+    contents = [(str(k) * 50_000).encode() for k in range(4)]
+    barrier = threading.Barrier(len(contents))
+
+    def write(data: bytes) -> None:
+        barrier.wait()
+        for _ in range(5):
+            write_atomic(path, data)
+
+    threads = [threading.Thread(target=write, args=(c,)) for c in contents]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert path.read_bytes() in contents
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+@pytest.mark.parametrize("kind", ["file", "dangling"])
+def test_a_link_planted_at_a_result_is_replaced_not_followed(work: Path, kind: str, capsys,
+                                                             monkeypatch) -> None:
+    """A symbolic link planted in --out where a result goes (to another file, or to nowhere):
+    the result replaces the link (os.replace does not follow it), the file it pointed to is
+    untouched and nothing is created outside --out."""
+    out, victim = work / "prof", work / "victim.txt"
+    out.mkdir()
+    victim.write_text("someone else's file\n")
+    (out / "summary.json").symlink_to(victim if kind == "file" else work / "created")
+    _stand_in(monkeypatch, lambda *a, **k: _timeline())
+    assert main(["profile", "-m", "tiny", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert victim.read_text() == "someone else's file\n"
+    assert not (out / "summary.json").is_symlink()
+    assert json.loads((out / "summary.json").read_text())["num_steps"] == 2
+    assert sorted(p.name for p in work.iterdir()) == ["prof", "victim.txt"]
