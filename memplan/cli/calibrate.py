@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 import re
 import subprocess
 import sys
@@ -16,6 +17,10 @@ from memplan.cli.options import Job, Json, uses
 from memplan.errors import Interrupted, MemplanError, deferred_interrupts
 from memplan.outputs import check_out_dir
 from memplan.workload import Precision, Workload
+
+# the most CPU ranks on a small machine: each rank is a process running the model; more
+# than the machine's CPUs (or this, on a machine with fewer) only queue for them
+MIN_CPU_RANKS = 8
 
 
 class DeviceChoice(str, enum.Enum):
@@ -134,6 +139,11 @@ def calibrate(
         _check_name(name)
     if nproc < 1:
         raise MemplanError(f"nproc ({nproc}) must be at least 1")
+    cpu_ranks = max(os.cpu_count() or 1, MIN_CPU_RANKS)
+    if device is DeviceChoice.CPU and nproc > cpu_ranks:  # each rank is a process
+        raise MemplanError(f"nproc ({nproc}) must be at most {cpu_ranks} on --device cpu (this "
+                           f"machine's {os.cpu_count()} CPUs, at least {MIN_CPU_RANKS}): each "
+                           "rank is a process")
     if module is not None and (nproc > 1 or device is not DeviceChoice.CPU):
         raise MemplanError("module: a user model is traced under fake tensors on one CPU "
                            "process; use --device cpu without --nproc")
@@ -168,13 +178,14 @@ def calibrate(
     folder = out / "records" / name
     _check_folder(folder, resume)
     try:
-        with deferred_interrupts():  # Ctrl-C taken between torch operators and steps
-            if module is not None:
-                _run_module(module, model, job, seq, meta, folder, resume, fake=not real)
-            elif nproc > 1:
-                _run_dist(device.value, nproc, quick, resume, gpu, command, folder)
-            else:
-                _run_grid(device.value, model, quick, resume, meta, folder)
+        if nproc > 1:  # torch runs in the ranks; here Ctrl-C stops them (_run_dist)
+            _run_dist(device.value, nproc, quick, resume, gpu, command, folder)
+        else:
+            with deferred_interrupts():  # Ctrl-C taken between torch operators and steps
+                if module is not None:
+                    _run_module(module, model, job, seq, meta, folder, resume, fake=not real)
+                else:
+                    _run_grid(device.value, model, quick, resume, meta, folder)
         _fit_and_report(folder, out / "profiles" / f"{name}.json", name, json_out)
     except KeyboardInterrupt:
         raise Interrupted(_kept(folder, name)) from None

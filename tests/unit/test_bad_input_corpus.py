@@ -658,6 +658,8 @@ NUMBER_OPTION_CASES: dict[str, tuple[list[str], list[str]]] = {
                              ["--hidden-dropout", "'1e999'", "expected a number"]),
     "megatron-dropout-nan": (["estimate", "--megatron-args", MEGATRON + " --hidden-dropout nan"],
                              ["--hidden-dropout", "'nan'", "expected a number"]),
+    "calibrate-nproc-cpu-bomb": (["calibrate", "--device", "cpu", "--nproc", "100000"],
+                                 ["nproc (100000)", "--device cpu", "process"]),
     "width-5000-digits": (["--width", HUGE, "models"], ["--width", "10000"]),
     "width-superscript": (["--width", "\u00b2", "models"], ["--width"]),
     "width-over-limit": (["--width", "99999", "models"], ["--width", "99999"]),
