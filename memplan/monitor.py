@@ -161,7 +161,8 @@ class MemoryMonitor(TrainerHooks):
         if reader is not None and not callable(reader):
             raise MemplanError(f"MemoryMonitor: reader must be a callable returning a dict of "
                                f"counters, or None, not {reader!r}")
-        predicted_peak_bytes = _int("predicted_peak_bytes", predicted_peak_bytes, 1, allow_none=True)
+        predicted_peak_bytes = _int("predicted_peak_bytes", predicted_peak_bytes, 1,
+                                    allow_none=True)
         _pct("deviation_pct", deviation_pct, math.inf)
         _pct("min_headroom_pct", min_headroom_pct, 100)
         leak_window = _int("leak_window", leak_window, 6)
