@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memplan.errors import MemplanError
+from memplan.errors import MemplanError, shown
 from memplan.units import GiB, KiB, MiB
 
 # Size limits by kind of file, each far above what the tools that write them produce, so
@@ -43,6 +43,10 @@ TRACE_BYTES = 2 * GiB
 SNAPSHOT_BYTES = 4 * GiB
 # - a `memplan profile` summary.json is a few KiB.
 SUMMARY_BYTES = 64 * MiB
+# Integers in a file are counts, sizes and times that the tools writing them store in 64 bits
+# (torch.profiler's, the MemoryMonitor's, pydantic's JSON); past that a number is a wrong
+# file, and past a float's range it would overflow where a result is computed.
+MAX_FILE_INT = 2**63 - 1
 # Nesting deeper than this is not a spec, a profile or a trace (theirs are under 10 levels);
 # Python's parsers recurse per level and would fail with RecursionError near 1000.
 MAX_DEPTH = 64
@@ -190,16 +194,40 @@ def _gunzip(fh: Any, p: Path, what: str, limit: int) -> Unpacked:
 def depth(value: Any) -> int:
     """How deeply lists and dicts nest in a parsed document (a scalar is 0), without
     recursion."""
-    deepest, stack = 0, [(value, 1)]
+    return _walk(value)[0]
+
+
+def too_large(value: Any) -> bool:
+    """An integer outside ``MAX_FILE_INT`` (bools are not integers here)."""
+    return type(value) is int and not -MAX_FILE_INT <= value <= MAX_FILE_INT
+
+
+def _walk(value: Any) -> tuple[int, int | None]:
+    """(nesting depth, the first integer past ``MAX_FILE_INT`` or None) of a parsed
+    document, in one pass without recursion."""
+    deepest, huge, stack = 0, None, [(value, 1)]
     while stack:
         item, level = stack.pop()
         children = item.values() if isinstance(item, dict) else item if isinstance(
             item, list) else None
         if children is None:
+            if huge is None and too_large(item):
+                huge = item
             continue
         deepest = max(deepest, level)
         stack.extend((child, level + 1) for child in children)
-    return deepest
+    return deepest, huge
+
+
+def checked(data: Any, p: Path | str, what: str) -> Any:
+    """``data`` parsed from ``p``, if it nests at most ``MAX_DEPTH`` deep and holds no integer
+    past ``MAX_FILE_INT``; one line naming the file otherwise."""
+    deepest, huge = _walk(data)
+    if deepest > MAX_DEPTH:
+        raise _too_deep(p, what)
+    if huge is not None:
+        raise too_large_number(p, what, huge)
+    return data
 
 
 def too_long_number(p: Path | str, what: str) -> MemplanError:
@@ -209,6 +237,13 @@ def too_long_number(p: Path | str, what: str) -> MemplanError:
     return MemplanError(f"{what}: {p} holds an integer of more than "
                         f"{sys.get_int_max_str_digits() or 4300} digits, more than any count "
                         "or size can be; is it the right file?")
+
+
+def too_large_number(p: Path | str, what: str, value: int) -> MemplanError:
+    """The line for an integer past ``MAX_FILE_INT``."""
+    return MemplanError(f"{what}: {p} holds the integer {shown(value)} ({len(str(value))} "
+                        "digits), past the 64-bit range of any count, size or time these "
+                        "files hold; is it the right file?")
 
 
 def _too_deep(p: Path | str, what: str) -> MemplanError:
@@ -228,9 +263,7 @@ def parse_json(text: str, p: Path | str, what: str) -> Any:
                            f"column {err.colno} (char {err.pos})") from None
     except ValueError:  # not a syntax error: an integer over Python's digit limit
         raise too_long_number(p, what) from None
-    if depth(data) > MAX_DEPTH:
-        raise _too_deep(p, what)
-    return data
+    return checked(data, p, what)
 
 
 def parse_toml(text: str, p: Path | str, what: str) -> dict[str, Any]:
@@ -244,9 +277,7 @@ def parse_toml(text: str, p: Path | str, what: str) -> dict[str, Any]:
         raise MemplanError(f"{what}: {p} is not valid TOML: {err}") from None
     except ValueError:  # not a syntax error: an integer over Python's digit limit
         raise too_long_number(p, what) from None
-    if depth(data) > MAX_DEPTH:
-        raise _too_deep(p, what)
-    return data
+    return checked(data, p, what)
 
 
 def read_json(path: str | os.PathLike[str], what: str, limit: int) -> Any:
@@ -275,6 +306,7 @@ def read_stream(stream: Any, what: str, limit: int) -> str:
     return data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data
 
 
-__all__ = ["GZIP_MAGIC", "MAX_DEPTH", "UTF8_BOM", "Unpacked", "decode", "depth", "parse_json",
-           "parse_toml", "read_bytes", "read_json", "read_maybe_gzip", "read_stream",
-           "read_text", "read_toml", "regular_file", "size_text", "too_long_number"]
+__all__ = ["GZIP_MAGIC", "MAX_DEPTH", "MAX_FILE_INT", "UTF8_BOM", "Unpacked", "checked", "decode",
+           "depth", "parse_json", "parse_toml", "read_bytes", "read_json", "read_maybe_gzip",
+           "read_stream", "read_text", "read_toml", "regular_file", "size_text", "too_large",
+           "too_large_number", "too_long_number"]

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from memplan.errors import MemplanError
-from memplan.inputs import MONITOR_BYTES, read_text, too_long_number
+from memplan.inputs import MONITOR_BYTES, checked, read_text, too_long_number
 from memplan.monitor_window import LEAK_BYTES, LEAK_SERIES
 from memplan.trend import Trend, trend
 
@@ -36,7 +36,9 @@ def read_records(paths: list[str | Path]) -> list[dict[str, Any]]:
 def _record(line: str, f: Path, num: int) -> Any:
     """One JSONL line as data, or one line naming the file and line that is not JSON."""
     try:
-        return json.loads(line)
+        return checked(json.loads(line), f"{f} line {num}", "monitor records")
+    except MemplanError:
+        raise
     except json.JSONDecodeError as err:
         raise MemplanError(f"monitor records: {f} line {num} is not JSON ({err.msg}, column "
                            f"{err.colno})") from None

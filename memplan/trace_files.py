@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from memplan.errors import MemplanError, shown
-from memplan.inputs import TRACE_BYTES, read_maybe_gzip, too_long_number
+from memplan.arguments import MAX_GPUS
+from memplan.inputs import TRACE_BYTES, read_maybe_gzip, too_large, too_long_number
 
 WHAT = "trace"
 _EVENTS_KEY = re.compile(r'"traceEvents"\s*:\s*\[')
@@ -99,7 +100,8 @@ def _salvage(text: str, p: Path) -> tuple[Any, int]:
 
 def _number(e: dict[str, Any], key: str, i: int, p: Path) -> float:
     value = e.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or too_large(value)
+            or not math.isfinite(value)):  # (an int past 64 bits would overflow a float)
         raise MemplanError(f"{WHAT}: {p}: event {i} ({shown(e.get('name'))}) has {key} "
                            f"{shown(value)}, not a number of microseconds")
     return float(value)
@@ -139,9 +141,9 @@ def _meta(data: dict[str, Any], p: Path) -> dict[str, Any]:
     for key, low in (("rank", 0), ("world_size", 1)):
         value = info.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < low):
+                                  or not low <= value <= MAX_GPUS):
             raise MemplanError(f"{WHAT}: {p}: distributedInfo.{key} is {shown(value)}, not an "
-                               f"integer >= {low}")
+                               f"integer from {low} to {MAX_GPUS}")
     return meta
 
 

@@ -14,8 +14,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from memplan.config_import import Imported
-from memplan.errors import MemplanError
+from memplan.errors import MemplanError, validation_message
 from memplan.inputs import MODEL_FILE_BYTES, read_toml
 from memplan.spec import ModelSpec
 
@@ -112,9 +114,12 @@ def _model(toml: _Toml, imp: Imported) -> None:
         return
     if (name, flavor) == ("llama3", "debugmodel"):
         seq = toml.get("training", "seq_len", int, 2048)
-        imp.model = ModelSpec(name="torchtitan-llama3-debugmodel", max_seq_len=seq,
-                              source=f"{_SRC} models/llama3/__init__.py llama3_configs"
-                                     "['debugmodel']", **DEBUGMODEL)
+        try:
+            imp.model = ModelSpec(name="torchtitan-llama3-debugmodel", max_seq_len=seq,
+                                  source=f"{_SRC} models/llama3/__init__.py llama3_configs"
+                                         "['debugmodel']", **DEBUGMODEL)
+        except ValidationError as err:  # the model's context is the job's seq_len
+            raise imp.refuse("training.seq_len", seq, validation_message(err)) from None
         imp.set(key, f"{name} {flavor}", "model", imp.model.name,
                 "dim 256, 6 layers, 16 heads, vocabulary 2048")
         return

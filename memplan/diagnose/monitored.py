@@ -23,7 +23,7 @@ from typing import Any
 
 from memplan.diagnose.explain import Finding
 from memplan.errors import MemplanError, shown
-from memplan.inputs import MONITOR_BYTES, UTF8_BOM, regular_file, size_text
+from memplan.inputs import MONITOR_BYTES, UTF8_BOM, regular_file, size_text, too_large
 from memplan.model.estimate import Estimate
 from memplan.monitor import MemoryMonitor, summarize
 from memplan.overheads import ALLOCATOR_FRACTION
@@ -92,6 +92,14 @@ def _files(path: str, what: str) -> list[Path]:
 def _check(where: str, rec: Any) -> dict[str, Any]:
     if not isinstance(rec, dict):
         raise MemplanError(f"{where}: a record is a JSON object, not {type(rec).__name__}")
+    huge = next((k for k, v in rec.items() if too_large(v)), None)
+    if huge is not None:  # past 64 bits: no counter the monitor writes (and past a float's
+        raise MemplanError(f"{where}: {huge!r} is {shown(rec[huge])}, past the 64-bit range "
+                           "of a counter (not a MemoryMonitor record)")
+    when = rec.get("time")
+    if when is not None and (type(when) not in (int, float) or not math.isfinite(when)):
+        raise MemplanError(f"{where}: 'time' is {shown(when)}, not a number of seconds (not a "
+                           "MemoryMonitor record)")
     for key, low in (("rank", 0), ("step", 1)):
         value = rec.get(key)
         if type(value) is not int or value < low:

@@ -746,6 +746,26 @@ def test_bad_number_in_a_file(case: str, sandbox: Path,
     assert len(err) < 600 + len(str(path)), err
 
 
+@pytest.mark.parametrize("digits", [20, 400])
+@pytest.mark.parametrize("case", sorted(NUMBER_FILE_CASES))
+def test_integer_past_64_bits_in_a_file(case: str, digits: int, sandbox: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """The same numbers 20 and 400 digits long: within Python's digit limit, past the 64-bit
+    range of any count or size these files hold (and a 400-digit one past a float's). Each
+    reader refuses in one line naming the file or the option that gave it, where such a
+    number used to overflow into a traceback where results are computed."""
+    command, name, content, _ = NUMBER_FILE_CASES[case]
+    path = sandbox / "in" / name
+    long = "7" * digits
+    if isinstance(content, bytes):  # gzip: the number inside the stream
+        path.write_bytes(_gz(gzip.decompress(content).decode().replace(HUGE, long)))
+    else:
+        path.write_text(content.replace(HUGE, long))
+    err = assert_refused([*command, str(path)], [], sandbox, capsys)
+    assert str(path) in err or command[-1] in err, err
+    assert len(err) < 600 + len(str(path)), err
+
+
 # --- 4. outputs ----------------------------------------------------------------------------
 
 def _existing_file(root: Path) -> Path:

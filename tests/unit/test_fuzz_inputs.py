@@ -363,19 +363,21 @@ READERS: dict[str, tuple[list[str], str, bytes]] = {
 }
 
 
-def _digits_to_huge(data: bytes, which: int) -> bytes:
-    """``data`` with its ``which``-th run of digits (cyclically) made 5,000 digits long."""
+def _digits_to_huge(data: bytes, which: int, digits: int) -> bytes:
+    """``data`` with its ``which``-th run of digits (cyclically) made ``digits`` long."""
     runs = list(re.finditer(rb"[0-9]+", data))
     if not runs:
-        return data + b"7" * 5000
+        return data + b"7" * digits
     m = runs[which % len(runs)]
-    return data[:m.start()] + b"7" * 5000 + data[m.end():]
+    return data[:m.start()] + b"7" * digits + data[m.end():]
 
 
 mangles = st.one_of(
     st.tuples(st.just("cut"), st.integers(min_value=0, max_value=2000)),
     st.tuples(st.just("splice"), st.integers(min_value=0, max_value=2000), st.binary(max_size=6)),
-    st.tuples(st.just("huge"), st.integers(min_value=0, max_value=50)),
+    # past 64 bits (20 digits), past a float (309), past Python's int() limit (4301)
+    st.tuples(st.just("huge"), st.integers(min_value=0, max_value=50),
+              st.sampled_from([19, 20, 40, 309, 400, 4300, 4301, 6000])),
     st.tuples(st.just("bom")), st.tuples(st.just("utf16")), st.tuples(st.just("empty")))
 
 
@@ -387,7 +389,7 @@ def _mangled(seed: bytes, how: tuple[Any, ...]) -> bytes:
         at = how[1] % (len(seed) + 1)
         return seed[:at] + how[2] + seed[at:]
     if kind == "huge":
-        return _digits_to_huge(seed, how[1])
+        return _digits_to_huge(seed, how[1], how[2])
     if kind == "bom":
         return b"\xef\xbb\xbf" + seed
     if kind == "utf16":
@@ -397,7 +399,7 @@ def _mangled(seed: bytes, how: tuple[Any, ...]) -> bytes:
 
 @pytest.mark.parametrize("reader", sorted(READERS))
 def test_every_file_reader(reader: str) -> None:
-    """Every reader on its file cut anywhere, with bytes spliced in, a number made 5,000
+    """Every reader on its file cut anywhere, with bytes spliced in, a number made 19 to 6,000
     digits long, a byte-order mark, UTF-16, or nothing: answered, or refused in one line
     naming the file (or the option that gave it), with nothing written."""
     command, name, seed = READERS[reader]
