@@ -10,6 +10,7 @@ layout itself (``tp (16) must divide num_kv_heads (8)``) stay in ``memplan.paral
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import math
@@ -196,6 +197,66 @@ def model_fields(model: Any, values: Mapping[str, Any], names: Mapping[str, str]
         elif int in allowed and not is_int(value):
             raise MemplanError(f"{label} must be an integer, got {shown(value)} "
                                f"({_kind(value)})")
+
+
+# The largest integer a result object of the API holds (bytes, counts, indices): 64-bit.
+MAX_OBJECT_INT = 2**63 - 1
+
+
+def dataclass_fields(name: str, obj: Any) -> None:
+    """A dataclass given to the API (``OomReport``, ``Measured``, ...) holds what its fields
+    say: an int field an int (not a bool) from 0 to ``MAX_OBJECT_INT``, a str field a str, a
+    dict, tuple or list field one (its int items and nested dataclasses checked in turn).
+    A dataclass is not validated when it is made, so one built by hand is checked here;
+    one line naming the argument and the field otherwise."""
+    hints = typing.get_type_hints(type(obj))
+    for field in dataclasses.fields(obj):
+        _check_value(f"{name}.{field.name}", getattr(obj, field.name), hints[field.name])
+
+
+def _check_value(label: str, value: Any, annotation: Any) -> None:
+    options = (typing.get_args(annotation) if isinstance(annotation, types.UnionType)
+               or typing.get_origin(annotation) is typing.Union else (annotation,))
+    if value is None and type(None) in options:
+        return
+    for option in options:
+        origin = typing.get_origin(option) or option
+        if option is Any or origin is Any:
+            return
+        if origin is int and is_int(value):
+            if not 0 <= value <= MAX_OBJECT_INT:
+                raise MemplanError(f"{label} must be from 0 to {MAX_OBJECT_INT}, got "
+                                   f"{shown(value)}")
+            return
+        if origin in (str, bool, float) and isinstance(value, origin) and (
+                origin is bool or not isinstance(value, bool)):
+            return
+        if origin in (dict, tuple, list) and isinstance(value, origin):
+            _check_items(label, value, typing.get_args(option))
+            return
+        if dataclasses.is_dataclass(origin) and isinstance(value, origin):
+            dataclass_fields(label, value)
+            return
+    raise MemplanError(f"{label} must be {_words(options)}, got {shown(value)} "
+                       f"({_kind(value)})")
+
+
+def _check_items(label: str, value: Any, args: tuple[Any, ...]) -> None:
+    if isinstance(value, dict) and len(args) == 2:
+        for key, item in value.items():
+            _check_value(f"{label}[{key!r}]", item, args[1])
+    elif args and args[-1] is not Ellipsis and len(args) == 1:
+        for i, item in enumerate(value):
+            _check_value(f"{label}[{i}]", item, args[0])
+    elif len(args) == 2 and args[1] is Ellipsis:
+        for i, item in enumerate(value):
+            _check_value(f"{label}[{i}]", item, args[0])
+
+
+def _words(options: tuple[Any, ...]) -> str:
+    names = [getattr(typing.get_origin(o) or o, "__name__", str(o)) for o in options]
+    return " or ".join("None" if n == "NoneType" else f"{'an' if n[0] in 'aeiou' else 'a'} {n}"
+                       for n in names)
 
 
 def _submodel(annotation: Any) -> Any:

@@ -79,6 +79,25 @@ class Monitored:
         return max(caps) if caps else None
 
 
+def revalidated(given: Any) -> Monitored:
+    """A ``Monitored`` given to the API, checked as its files would be: each record a
+    MemoryMonitor record (``_check``), and the summary made anew from them (a summary built
+    by hand would otherwise be trusted). One line naming the rank and record otherwise."""
+    records = given.records
+    if not isinstance(records, dict) or not all(
+            type(rank) is int and isinstance(recs, (tuple, list))
+            for rank, recs in records.items()):
+        raise MemplanError(f"monitor: Monitored.records must map each rank (an int) to its "
+                           f"records, got {shown(records)}")
+    every = [_check(f"monitor: rank {rank} record {i}", rec)
+             for rank, recs in records.items() for i, rec in enumerate(recs)]
+    if not every:
+        raise MemplanError("monitor: Monitored.records holds no records")
+    return Monitored(tuple(map(str, given.files)),
+                     {k: tuple(v) for k, v in sorted(records.items())}, summarize(every),
+                     tuple(map(str, given.partial)))
+
+
 def _files(path: str, what: str) -> list[Path]:
     p = Path(path)
     if p.is_dir():

@@ -150,6 +150,11 @@ _RANK_PREFIX = re.compile(r"^\s*\[(?:default)?rank(\d+)\]:\s?|^\s*(\d+):\s", re.
 _UNAVAILABLE = 2**63
 
 
+# the kinds of report (OomReport.kind): the caching allocator's message, the driver's (no
+# numbers), NCCL's own, a memory snapshot's
+OOM_KINDS = ("allocator", "driver", "nccl", "snapshot")
+
+
 @dataclass(frozen=True)
 class OomReport:
     """The numbers of one out-of-memory message; sizes are int bytes, each within

@@ -993,6 +993,59 @@ API_OBJECT_CASES: dict[str, tuple[Callable[..., Any], tuple, dict[str, Any], lis
 }
 
 
+def _api_report_cases() -> dict[str, tuple[Callable[..., Any], tuple, dict[str, Any],
+                                           list[str]]]:
+    """Result objects given back to the API (a dataclass is not validated when made)."""
+    from memplan.diagnose import diagnose
+    from memplan.diagnose.measured import Measured, PhasePeak
+    from memplan.diagnose.monitored import Monitored
+    from memplan.diagnose.oom import OomReport
+
+    def report(**fields: Any) -> Any:
+        return OomReport(**{"kind": "allocator", "version": "2.1+", **fields})
+
+    def measured(first: Any) -> Any:
+        return Measured(device="cuda", first=first, steady={}, warnings=())
+
+    def monitored(*records: Any) -> Any:
+        return Monitored(files=("m.jsonl",), records={0: records}, summary={"ranks": {}})
+
+    peak = PhasePeak(1, "forward", 2**20, {"activations": 2**20}, None)
+    return {
+        "oom-report-negative-total": (diagnose, ("tiny",), {"oom": report(total_bytes=-5)},
+                                      ["oom.total_bytes", "-5"]),
+        "oom-report-text-size": (diagnose, ("tiny",), {"oom": report(free_bytes="8GiB")},
+                                 ["oom.free_bytes", "'8GiB'"]),
+        "oom-report-bool-device": (diagnose, ("tiny",), {"oom": report(device=True)},
+                                   ["oom.device", "true"]),
+        "oom-report-huge-bytes": (diagnose, ("tiny",), {"oom": report(requested_bytes=2**70)},
+                                  ["oom.requested_bytes", str(2**70)]),
+        "oom-report-kind": (diagnose, ("tiny",), {"oom": report(kind="gpu")},
+                            ["oom.kind", "'gpu'"]),
+        "profile-negative-peak": (diagnose, ("tiny",), {"profile": measured(
+            {"forward": PhasePeak(1, "forward", -1, {}, None)})},
+            ["profile.first['forward'].peak_bytes", "-1"]),
+        "profile-not-a-peak": (diagnose, ("tiny",), {"profile": measured({"forward": 5})},
+                               ["profile.first['forward']", "PhasePeak"]),
+        "profile-peak-text-bytes": (diagnose, ("tiny",), {"profile": measured(
+            {"forward": PhasePeak(1, "forward", 7, {"activations": "1 GiB"}, None)})},
+            ["profile.first['forward'].by_category['activations']", "'1 GiB'"]),
+        "profile-good-peak-bad-steady": (diagnose, ("tiny",), {"profile": Measured(
+            device="cuda", first={"forward": peak}, steady=[], warnings=())},
+            ["profile.steady", "dict"]),
+        "monitor-bad-record": (diagnose, ("tiny",), {"monitor": monitored(
+            {"rank": 0, "step": 0, "step_time_s": 0.5})}, ["monitor", "record 0", "'step'"]),
+        "monitor-no-records": (diagnose, ("tiny",), {"monitor": monitored()},
+                               ["monitor", "no records"]),
+        "monitor-huge-bytes": (diagnose, ("tiny",), {"monitor": monitored(
+            {"rank": 0, "step": 1, "step_time_s": 0.5, "allocated_bytes": 2**70})},
+            ["monitor", "allocated_bytes", "64-bit"]),
+    }
+
+
+API_OBJECT_CASES.update(_api_report_cases())
+
+
 @pytest.mark.parametrize("case", sorted(API_OBJECT_CASES))
 def test_api_objects_are_validated(case: str) -> None:
     """Whatever object the API is given, it is validated anew: a MemplanError of one line
