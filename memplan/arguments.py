@@ -50,6 +50,9 @@ def plain(name: str, value: Any) -> Any:
         return type(value)(plain(name, item) for item in value)
     if isinstance(value, BaseModel):
         return revalidated(name, value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        dataclass_fields(name, value)  # (Overheads: not validated when made)
+        return value
     if hasattr(value, "__array__") and hasattr(value, "tolist"):  # a numpy array: its items
         return plain(name, value.tolist())
     if (not isinstance(value, (bool, int, float, str, enum.Enum))
@@ -204,9 +207,10 @@ MAX_OBJECT_INT = 2**63 - 1
 
 
 def dataclass_fields(name: str, obj: Any) -> None:
-    """A dataclass given to the API (``OomReport``, ``Measured``, ...) holds what its fields
-    say: an int field an int (not a bool) from 0 to ``MAX_OBJECT_INT``, a str field a str, a
-    dict, tuple or list field one (its int items and nested dataclasses checked in turn).
+    """A dataclass given to the API (``OomReport``, ``Measured``, ``Overheads``) holds what its
+    fields say: an int field an int (not a bool) from 0 to ``MAX_OBJECT_INT``, a float field a
+    finite number >= 0, a str field a str, a dict, tuple or list field one (its items and
+    nested dataclasses checked in turn).
     A dataclass is not validated when it is made, so one built by hand is checked here;
     one line naming the argument and the field otherwise."""
     hints = typing.get_type_hints(type(obj))
@@ -228,8 +232,11 @@ def _check_value(label: str, value: Any, annotation: Any) -> None:
                 raise MemplanError(f"{label} must be from 0 to {MAX_OBJECT_INT}, got "
                                    f"{shown(value)}")
             return
-        if origin in (str, bool, float) and isinstance(value, origin) and (
-                origin is bool or not isinstance(value, bool)):
+        if origin is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not (math.isfinite(value) and value >= 0):
+                raise MemplanError(f"{label} must be a finite number >= 0, got {shown(value)}")
+            return
+        if origin in (str, bool) and isinstance(value, origin):
             return
         if origin in (dict, tuple, list) and isinstance(value, origin):
             _check_items(label, value, typing.get_args(option))

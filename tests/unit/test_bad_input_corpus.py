@@ -17,6 +17,7 @@ Python API's arguments.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import hashlib
 import io
@@ -1044,6 +1045,23 @@ def _api_report_cases() -> dict[str, tuple[Callable[..., Any], tuple, dict[str, 
 
 
 API_OBJECT_CASES.update(_api_report_cases())
+def _overheads(**changes: Any) -> Any:
+    from memplan.overheads import default_overheads
+
+    return dataclasses.replace(default_overheads(H100), **changes)
+
+
+API_OBJECT_CASES.update({
+    "overheads-negative-context": (memplan.estimate, ("tiny",),
+                                   {"overheads": _overheads(cuda_context_bytes=-1)},
+                                   ["overheads.cuda_context_bytes", "-1"]),
+    "overheads-nan-fraction": (memplan.estimate, ("tiny",),
+                               {"overheads": _overheads(allocator_fraction=float("nan"))},
+                               ["overheads.allocator_fraction", "nan"]),
+    "overheads-text-workspace": (memplan.estimate, ("tiny",),
+                                 {"overheads": _overheads(workspace_bytes="32MiB")},
+                                 ["overheads.workspace_bytes", "'32MiB'"]),
+})
 
 
 @pytest.mark.parametrize("case", sorted(API_OBJECT_CASES))

@@ -24,12 +24,14 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import numpy as np
 import pytest
 import typer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from toml_literals import toml_value  # tests/unit/toml_literals.py
 
+import memplan
 from memplan.cli import COMMANDS, _app_of, main
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -417,3 +419,51 @@ def test_every_file_reader(reader: str) -> None:
             assert_clean([*command, name], root, names=(name, command[-1]))
 
     check()
+
+
+# --- the Python API: objects that skipped validation, numpy and other integral types --------
+
+class _Index:
+    """An integral type of a user's own (anything with ``__index__``)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __index__(self) -> int:
+        return self.n
+
+
+API_VALUES = st.one_of(
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.sampled_from([0, 1, 2, 3, 8, 64, 2**24, 2**31, 2**63, -1, True, None, 1.5, float("nan"),
+                     "8", "", [2], {"x": 1}]),
+    st.integers(min_value=-8, max_value=2**40).map(np.int64),
+    st.integers(min_value=0, max_value=64).map(_Index))
+SPEC_FIELDS = sorted([
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_kv_heads",
+    "head_dim", "vocab_size", "max_seq_len", "sliding_window", "sliding_window_pattern",
+    "dropout", "moe", "mla", "tied_embeddings", "norm", "name"])
+API_ARGS = ["gpus", "tp", "pp", "dp", "cp", "ep", "vpp", "zero", "micro_batch_size",
+            "global_batch_size", "seq_len", "loss_chunks", "recompute_layers", "gpu_memory",
+            "stage_layers", "dp_shard"]
+
+
+@settings(max_examples=60, derandomize=True, deadline=None, database=None)
+@given(st.lists(st.tuples(st.sampled_from(SPEC_FIELDS), API_VALUES), max_size=3),
+       st.lists(st.tuples(st.sampled_from(API_ARGS), API_VALUES), max_size=3),
+       st.booleans())
+def test_api_with_any_object(updates: list[tuple[str, Any]], kwargs: list[tuple[str, Any]],
+                             construct: bool) -> None:
+    """A ModelSpec changed without validation (model_copy's update, or model_construct), and
+    any values of the layout and workload arguments (numpy integers and user integral types
+    among them): an Estimate, or a MemplanError of one line; never another exception."""
+    base = memplan.load_model("tiny")
+    fields = {**base.model_dump(), **dict(updates)}
+    spec = (memplan.ModelSpec.model_construct(**fields) if construct
+            else base.model_copy(update=dict(updates)))
+    try:
+        est = memplan.estimate(spec, **dict(kwargs))
+    except memplan.MemplanError as err:
+        assert "\n" not in str(err) and str(err), err
+    else:
+        assert est.peak_bytes > 0
