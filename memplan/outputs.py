@@ -160,6 +160,20 @@ def open_append(path: Path, what: str) -> Any:
     return os.fdopen(fd, "ab", buffering=0)
 
 
+def check_inside(out: Path, inner: Path, what: str = "--out") -> None:
+    """Each folder from ``out`` down to ``inner`` that exists already is a folder of its own,
+    not a symbolic link: a link planted inside ``out`` (in a shared folder) would take the
+    results elsewhere. One line naming ``what`` and the link otherwise."""
+    path = out
+    for part in inner.relative_to(out).parts:
+        path = path / part
+        if path.is_symlink():
+            raise MemplanError(f"{what}: {path} is a symbolic link (to {os.readlink(path)}); "
+                               f"results are written only inside {out}: remove it")
+        if path.exists() and not path.is_dir():
+            raise MemplanError(f"{what}: {path} is a file, not a folder")
+
+
 def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> Path:
     """Write ``data`` to ``path`` whole: a temporary file beside it, flushed to disk, then
     renamed over it. On any failure the temporary file is removed and ``path`` is as it was;
@@ -288,5 +302,5 @@ def staged_dir(out: str | os.PathLike[str], what: str = "--out") -> Iterator[Pat
             shutil.rmtree(staging, ignore_errors=True)
 
 
-__all__ = ["WriteError", "check_file_name", "check_out_dir", "open_append", "refuse_link",
-           "remove_stale_staging", "staged_dir", "write_atomic"]
+__all__ = ["WriteError", "check_file_name", "check_inside", "check_out_dir", "open_append",
+           "refuse_link", "remove_stale_staging", "staged_dir", "write_atomic"]

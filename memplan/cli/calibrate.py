@@ -15,7 +15,7 @@ import typer
 
 from memplan.cli.options import Job, Json, uses
 from memplan.errors import Interrupted, MemplanError, deferred_interrupts
-from memplan.outputs import check_out_dir
+from memplan.outputs import check_inside, check_out_dir
 from memplan.workload import Precision, Workload
 
 # the most CPU ranks on a small machine: each rank is a process running the model; more
@@ -133,6 +133,8 @@ def calibrate(
     """
     precision = job.precision
     out = check_out_dir(out)
+    for inner in ("records", "profiles"):  # before any work: no link inside --out
+        check_inside(out, out / inner)
     if refit:
         return _refit(out, json_out)
     if name is not None:
@@ -234,7 +236,11 @@ def _check_cuda(torch, nproc: int) -> None:
 
 
 def _check_folder(folder: Path, resume: bool) -> None:
+    """The run's records folder, before any point is measured: inside --out (no link on the
+    way), and empty unless resuming."""
     from memplan.calibrate.records import finished_keys
+
+    check_inside(folder.parents[1], folder)
 
     done = finished_keys(folder)
     if done and not resume:

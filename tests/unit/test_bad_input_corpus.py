@@ -787,6 +787,15 @@ def _loop(root: Path) -> Path:
     return link
 
 
+def _linked_inside(root: Path, name: str) -> Path:
+    """An --out folder whose ``name`` subfolder is a link planted to a folder outside it."""
+    out, elsewhere = root / "in" / "cal", root / "in" / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    (out / name).symlink_to(elsewhere)
+    return out
+
+
 LONG = "n" * 300  # over the 255 bytes a file or folder name may have (ext4, xfs, tmpfs)
 OUTPUT_CASES: dict[str, tuple[Callable[[Path], list[str]], list[str]]] = {
     "profile-out-dangling-link": (lambda r: ["profile", "-m", "tiny", "--out", str(_dangling(r))],
@@ -826,6 +835,12 @@ OUTPUT_CASES: dict[str, tuple[Callable[[Path], list[str]], list[str]]] = {
     "calibrate-out-under-a-file": (lambda r: ["calibrate", "--device", "cpu", "--out",
                                               str(_existing_file(r) / "cal")],
                                    ["--out", "is a file"]),
+    "calibrate-records-a-link": (lambda r: ["calibrate", "--device", "cpu", "--out",
+                                            str(_linked_inside(r, "records"))],
+                                 ["--out", "records is a symbolic link", "inside"]),
+    "calibrate-profiles-a-link": (lambda r: ["calibrate", "--refit", "--out",
+                                             str(_linked_inside(r, "profiles"))],
+                                  ["--out", "profiles is a symbolic link"]),
     "calibrate-name-climbs-out": (lambda r: ["calibrate", "--device", "cpu", "--out",
                                              str(r / "in" / "cal"), "--name", "../../x"],
                                   ["name", "'../../x'", "inside --out"]),
