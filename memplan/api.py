@@ -28,7 +28,7 @@ from memplan.parallel import (
     ZeroStage,
     layout_for_gpus,
 )
-from memplan.spec import ModelSpec, load_model
+from memplan.spec import MAX_LAYERS, ModelSpec, load_model
 from memplan.units import parse_bytes
 from memplan.workload import DEFAULT_SEQ_LEN, Recompute, Workload
 
@@ -38,6 +38,7 @@ def default_seq(spec: ModelSpec) -> int:
     return min(DEFAULT_SEQ_LEN, spec.max_seq_len)
 
 
+@arguments.plain_arguments
 def make_workload(spec: ModelSpec, **fields: Any) -> Workload:
     """A ``Workload`` from keyword fields, with the default sequence length for ``spec``."""
     arguments.one_of("spec", spec, (ModelSpec,), what="a ModelSpec")
@@ -75,6 +76,7 @@ def _cached(function):
     return call
 
 
+@arguments.plain_arguments
 @_cached
 def make_layout(num_gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 1,
                 ep: int = 1, dp: int | None = None, zero: int = 0,
@@ -120,27 +122,46 @@ def parse_stage_layers(value: Any) -> tuple[int, ...] | None:
         return None
     items = value.split(",") if isinstance(value, str) else value
     try:
-        out = tuple(n for item in items for n in _layer_counts(item))
+        counts: list[int] = []
+        for item in items:
+            counts += _layer_counts(item)
+            if len(counts) > MAX_LAYERS:
+                raise _TooManyStages
+        out = tuple(counts)
+    except _TooManyStages:
+        raise MemplanError(f"stage_layers lists more than {MAX_LAYERS} stages (memplan's "
+                           f"limit: a stage holds a layer or none), got "
+                           f"{arguments.shown(value)}") from None
     except (TypeError, ValueError):
         raise MemplanError(f"stage_layers must be layer counts separated by commas (a run as "
-                           f"16x6), got {value!r}") from None
+                           f"16x6), got {arguments.shown(value)}") from None
     if not out:
-        raise MemplanError(f"stage_layers must list at least one stage, got {value!r}")
+        raise MemplanError(f"stage_layers must list at least one stage, got "
+                           f"{arguments.shown(value)}")
     return out
 
 
+class _TooManyStages(Exception):
+    """A stage list longer than MAX_LAYERS, found before the list is made."""
+
+
 def _layer_counts(item: Any) -> list[int]:
+    """The stages of one item ("16" or a run "16x6"); the runs are bounded before they are
+    expanded, so "1x99999999999" is refused rather than built."""
     if not isinstance(item, str):
         if not arguments.is_int(item):
             raise TypeError(item)
-        return [item]
+        return [int(item)]
     layers, _, times = item.strip().partition("x")
     count = int(times) if times else 1
     if count < 1:
         raise ValueError(item)
+    if count > MAX_LAYERS:
+        raise _TooManyStages
     return [int(layers)] * count
 
 
+@arguments.plain_arguments
 def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFAULT_GPU,
              gpu_memory: str | int | None = None, tp: int = 1, pp: int = 1, vpp: int = 1,
              cp: int = 1, ep: int = 1, dp: int | None = None, zero: int = 0,
@@ -219,6 +240,7 @@ def _capacity(gpu_memory: str | int | None) -> int | None:
         raise MemplanError(f"gpu_memory: {err}") from err
 
 
+@arguments.plain_arguments
 def resolve(model: str | ModelSpec, *, gpus: int = 1, tp: int = 1, pp: int = 1, vpp: int = 1,
             cp: int = 1, ep: int = 1, dp: int | None = None, zero: int = 0,
             sequence_parallel: bool | None = None, vocab_parallel: bool = True,
@@ -247,6 +269,7 @@ def _validate(model: type[Workload], data: dict[str, Any]) -> Workload:
         raise MemplanError(validation_message(err, arguments.LABELS)) from err
 
 
+@arguments.plain_arguments
 def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
          gpu_memory: str | int | None = None, safety: float | None = None,
          max_tp: int | None = None, recompute: list[str] | None = None,
@@ -355,6 +378,7 @@ def _check_found(result: Any, gpus: int, fixed: dict[str, Any]) -> None:
                        f"({count} layouts)")
 
 
+@arguments.plain_arguments
 def check(model: str | ModelSpec, *, safety: float | None = None, **kwargs: Any) -> Estimate:
     """``estimate(model, **kwargs)``, raising MemplanError with the breakdown when it does not
     fit in capacity * (1 - safety): a launcher's pre-flight check."""

@@ -12,14 +12,19 @@ layout itself (``tp (16) must divide num_kv_heads (8)``) stay in ``memplan.paral
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import functools
 import math
+import operator
 import types
 import typing
 from collections.abc import Mapping
 from typing import Any
 
-from memplan.errors import MemplanError, shown
+from pydantic import BaseModel, ValidationError
+
+from memplan.errors import MemplanError, shown, validation_message
 
 # The command-line option of each ``memplan.api`` keyword the CLI's shared options set (the
 # model aside: the API's first argument): the one table the CLI's options
@@ -58,6 +63,68 @@ def is_int(value: Any) -> bool:
     """A true integer: not a bool (an int subclass in Python, and in TOML/JSON a different
     type), not a float however round."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def plain(name: str, value: Any) -> Any:
+    """``value`` as the API's checks and formulas take it: an integral number of another type
+    (numpy's ``int64``, anything with ``__index__`` but a bool) as an ``int``, recursively in
+    lists, tuples and numpy arrays (``np.arange``); a pydantic model validated anew
+    (``revalidated``); anything else as it is, for the checks to judge."""
+    if value is None or type(value) in (int, float, str, bool):
+        return value
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(plain(name, item) for item in value)
+    if isinstance(value, BaseModel):
+        return revalidated(name, value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        dataclass_fields(name, value)  # (Overheads: not validated when made)
+        return value
+    if hasattr(value, "__array__") and hasattr(value, "tolist"):  # a numpy array: its items
+        return plain(name, value.tolist())
+    if (not isinstance(value, (bool, int, float, str, enum.Enum))
+            and hasattr(type(value), "__index__")):
+        try:
+            return operator.index(value)
+        except TypeError:  # an __index__ that refuses (numpy's bool): judged as it is
+            return value
+    return value
+
+
+def revalidated(name: str, model: BaseModel) -> BaseModel:
+    """A pydantic ``model`` given to the API, validated again from its fields: an object made
+    with ``model_copy(update=...)`` or ``model_construct(...)`` skipped validation, and would
+    otherwise reach the formulas with a negative layer count or a missing field. One line
+    naming the argument and the field otherwise."""
+    kind = type(model)
+    unknown = sorted(set(vars(model)) - set(kind.model_fields))
+    if unknown:  # model_copy(update=...) sets a misspelt name as it is
+        raise MemplanError(f"{name}: {kind.__name__} has no field {unknown[0]!r}")
+    try:
+        data = model.model_dump(round_trip=True, warnings=False)
+    except Exception as err:  # noqa: BLE001 - a field holding what no dump can read
+        raise MemplanError(f"{name}: this {kind.__name__} cannot be read back "
+                           f"({type(err).__name__}); build it with {kind.__name__}(...)") from None
+    try:
+        return kind.model_validate(data)
+    except ValidationError as err:
+        raise MemplanError(f"{name}: {kind.__name__} {validation_message(err)}") from None
+
+
+def plain_arguments(function: Any) -> Any:
+    """``function`` with every argument made ``plain`` first (see there): the API's entry
+    points take numpy integers and re-check the pydantic objects they are given."""
+    positional = function.__code__.co_varnames[:function.__code__.co_argcount]
+
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        args = tuple(plain(positional[i] if i < len(positional) else "argument", value)
+                     for i, value in enumerate(args))
+        return function(*args, **{key: plain(key, value) for key, value in kwargs.items()})
+
+    for attribute in ("cache_clear", "cache_info"):
+        if hasattr(function, attribute):
+            setattr(call, attribute, getattr(function, attribute))
+    return call
 
 
 def integer(name: str, value: Any, *, minimum: int | None = 1, maximum: int | None = None,
@@ -159,6 +226,70 @@ def model_fields(model: Any, values: Mapping[str, Any], names: Mapping[str, str]
         elif int in allowed and not is_int(value):
             raise MemplanError(f"{label} must be an integer, got {shown(value)} "
                                f"({_kind(value)})")
+
+
+# The largest integer a result object of the API holds (bytes, counts, indices): 64-bit.
+MAX_OBJECT_INT = 2**63 - 1
+
+
+def dataclass_fields(name: str, obj: Any) -> None:
+    """A dataclass given to the API (``OomReport``, ``Measured``, ``Overheads``) holds what its
+    fields say: an int field an int (not a bool) from 0 to ``MAX_OBJECT_INT``, a float field a
+    finite number >= 0, a str field a str, a dict, tuple or list field one (its items and
+    nested dataclasses checked in turn).
+    A dataclass is not validated when it is made, so one built by hand is checked here;
+    one line naming the argument and the field otherwise."""
+    hints = typing.get_type_hints(type(obj))
+    for field in dataclasses.fields(obj):
+        _check_value(f"{name}.{field.name}", getattr(obj, field.name), hints[field.name])
+
+
+def _check_value(label: str, value: Any, annotation: Any) -> None:
+    options = (typing.get_args(annotation) if isinstance(annotation, types.UnionType)
+               or typing.get_origin(annotation) is typing.Union else (annotation,))
+    if value is None and type(None) in options:
+        return
+    for option in options:
+        origin = typing.get_origin(option) or option
+        if option is Any or origin is Any:
+            return
+        if origin is int and is_int(value):
+            if not 0 <= value <= MAX_OBJECT_INT:
+                raise MemplanError(f"{label} must be from 0 to {MAX_OBJECT_INT}, got "
+                                   f"{shown(value)}")
+            return
+        if origin is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not (math.isfinite(value) and value >= 0):
+                raise MemplanError(f"{label} must be a finite number >= 0, got {shown(value)}")
+            return
+        if origin in (str, bool) and isinstance(value, origin):
+            return
+        if origin in (dict, tuple, list) and isinstance(value, origin):
+            _check_items(label, value, typing.get_args(option))
+            return
+        if dataclasses.is_dataclass(origin) and isinstance(value, origin):
+            dataclass_fields(label, value)
+            return
+    raise MemplanError(f"{label} must be {_words(options)}, got {shown(value)} "
+                       f"({_kind(value)})")
+
+
+def _check_items(label: str, value: Any, args: tuple[Any, ...]) -> None:
+    if isinstance(value, dict) and len(args) == 2:
+        for key, item in value.items():
+            _check_value(f"{label}[{key!r}]", item, args[1])
+    elif args and args[-1] is not Ellipsis and len(args) == 1:
+        for i, item in enumerate(value):
+            _check_value(f"{label}[{i}]", item, args[0])
+    elif len(args) == 2 and args[1] is Ellipsis:
+        for i, item in enumerate(value):
+            _check_value(f"{label}[{i}]", item, args[0])
+
+
+def _words(options: tuple[Any, ...]) -> str:
+    names = [getattr(typing.get_origin(o) or o, "__name__", str(o)) for o in options]
+    return " or ".join("None" if n == "NoneType" else f"{'an' if n[0] in 'aeiou' else 'a'} {n}"
+                       for n in names)
 
 
 def _submodel(annotation: Any) -> Any:

@@ -2,12 +2,17 @@
 
 ``MemplanError`` is every mistake in the input (the CLI prints it on one line and exits 2);
 ``validation_message`` is the one place a pydantic ``ValidationError`` becomes such a line;
-``Interrupted`` is Ctrl-C during a long command, saying what was kept (the CLI exits 130).
+``Interrupted`` is Ctrl-C during a long command, saying what was kept (the CLI exits 130);
+``deferred_interrupts`` takes Ctrl-C during torch work at a safe point.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+import signal
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a job stopped by Ctrl-C
@@ -35,12 +40,55 @@ class Interrupted(Exception):
     resumes (or reruns) it; the CLI prints it on one line and exits ``EXIT_INTERRUPTED``."""
 
 
+# Set by deferred_interrupts' SIGINT handler; turned into KeyboardInterrupt at a safe point.
+_INTERRUPTED = [False]
+
+
+@contextmanager
+def deferred_interrupts() -> Iterator[None]:
+    """Ctrl-C during torch work, taken at a safe point. Python's own handler raises
+    KeyboardInterrupt wherever the main thread is, which may be a Python callback torch calls
+    from C++ code that cannot pass an exception on (a weakref finaliser run by a tensor's
+    destructor): the process then aborts (SIGABRT, a C++ traceback). Inside this block SIGINT
+    only sets a flag; ``raise_if_interrupted`` (called between operators and between steps)
+    raises KeyboardInterrupt there, and the block's end raises it if no check did. A second
+    Ctrl-C while the first waits ends the process at once with the CLI's line and exit code.
+    Outside the main thread (where no handler can be set) the block changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(_signum: int, _frame: Any) -> None:
+        if _INTERRUPTED[0]:
+            os.write(2, b"memplan: interrupted: nothing was written\n")
+            os._exit(EXIT_INTERRUPTED)
+        _INTERRUPTED[0] = True
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        pending, _INTERRUPTED[0] = _INTERRUPTED[0], False
+    if pending:
+        raise KeyboardInterrupt
+
+
+def raise_if_interrupted() -> None:
+    """KeyboardInterrupt if Ctrl-C came inside ``deferred_interrupts`` (a safe point: the
+    caller is Python code that torch passes exceptions from, or a step boundary)."""
+    if _INTERRUPTED[0]:
+        raise KeyboardInterrupt
+
+
 def shown(value: Any, limit: int = 60) -> str:
     """A value as a message quotes it: TOML/JSON spelling for booleans and null, ``repr``
     otherwise, cut at ``limit`` characters (a model file's value may be a long array)."""
     if value is None or isinstance(value, bool):
         return {None: "null", True: "true", False: "false"}[value]
     text = repr(value)
+    if "\n" in text:  # one line, whatever the repr (a numpy array's spans lines)
+        text = " ".join(text.split())
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 

@@ -18,13 +18,14 @@ from __future__ import annotations
 import json
 import os
 import stat
+import sys
 import tomllib
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memplan.errors import MemplanError
+from memplan.errors import MemplanError, shown
 from memplan.units import GiB, KiB, MiB
 
 # Size limits by kind of file, each far above what the tools that write them produce, so
@@ -43,10 +44,16 @@ TRACE_BYTES = 2 * GiB
 SNAPSHOT_BYTES = 4 * GiB
 # - a `memplan profile` summary.json is a few KiB.
 SUMMARY_BYTES = 64 * MiB
+# Integers in a file are counts, sizes and times that the tools writing them store in 64 bits
+# (torch.profiler's, the MemoryMonitor's, pydantic's JSON); past that a number is a wrong
+# file, and past a float's range it would overflow where a result is computed.
+MAX_FILE_INT = 2**63 - 1
 # Nesting deeper than this is not a spec, a profile or a trace (theirs are under 10 levels);
 # Python's parsers recurse per level and would fail with RecursionError near 1000.
 MAX_DEPTH = 64
 GZIP_MAGIC = b"\x1f\x8b"
+# The UTF-8 byte-order mark (U+FEFF encoded) Notepad and some exporters put before the text.
+UTF8_BOM = b"\xef\xbb\xbf"
 _CHUNK = 1 * MiB
 
 
@@ -81,28 +88,49 @@ def _too_big(p: Path, what: str, limit: int, detail: str = "") -> MemplanError:
                         f"files{detail}; is it the right file?")
 
 
+def _read_all(fh: Any, p: Path, what: str, limit: int) -> bytes:
+    """The rest of an open file, at most ``limit`` bytes, never holding more memory than the
+    file has bytes: one read of the size the file says it has (``fh.read(limit + 1)`` would
+    reserve the whole limit up front, 4 GiB for a snapshot, and fail under a memory cap such
+    as ``ulimit -v``), then small reads only for what it gained since (a file still being
+    written, or one whose size the OS does not know, as in /proc)."""
+    size = os.fstat(fh.fileno()).st_size - fh.tell()
+    if size > limit:
+        raise _too_big(p, what, limit, f" ({size:,} bytes)")
+    data = fh.read(size) if size > 0 else b""
+    more = fh.read(1)
+    if not more:
+        return data
+    out = bytearray(data)
+    out += more
+    while len(out) <= limit:
+        chunk = fh.read(min(_CHUNK, limit + 1 - len(out)))
+        if not chunk:
+            return bytes(out)
+        out += chunk
+    raise _too_big(p, what, limit, " (it grew while read)")
+
+
 def read_bytes(path: str | os.PathLike[str], what: str, limit: int) -> bytes:
     """The bytes of a regular file of at most ``limit`` bytes."""
     p = regular_file(path, what)
     try:
-        if p.stat().st_size > limit:
-            raise _too_big(p, what, limit, f" ({p.stat().st_size:,} bytes)")
         with p.open("rb") as fh:
-            data = fh.read(limit + 1)
+            return _read_all(fh, p, what, limit)
     except OSError as err:
         raise MemplanError(f"{what}: cannot read {p}: {err.strerror or err}") from None
-    if len(data) > limit:  # grew while read
-        raise _too_big(p, what, limit, " (it grew while read)")
-    return data
 
 
 def decode(data: bytes, p: Path | str, what: str) -> str:
-    """``data`` as UTF-8 text, or one line with the byte offset of the first bad byte."""
+    """``data`` as UTF-8 text, without the byte-order mark some Windows editors put first
+    (``UTF8_BOM``), or one line with the byte offset of the first bad byte."""
+    skip = len(UTF8_BOM) if data.startswith(UTF8_BOM) else 0
     try:
-        return data.decode("utf-8")
+        return data[skip:].decode("utf-8")
     except UnicodeDecodeError as err:
-        raise MemplanError(f"{what}: {p} is not UTF-8 text (byte offset {err.start}: "
-                           f"{data[err.start:err.start + 1]!r}); is it the right file?") from None
+        at = err.start + skip
+        raise MemplanError(f"{what}: {p} is not UTF-8 text (byte offset {at}: "
+                           f"{data[at:at + 1]!r}); is it the right file?") from None
 
 
 def read_text(path: str | os.PathLike[str], what: str, limit: int) -> str:
@@ -130,12 +158,7 @@ def read_maybe_gzip(path: str | os.PathLike[str], what: str, limit: int) -> Unpa
         with p.open("rb") as fh:
             if fh.read(2) != GZIP_MAGIC:
                 fh.seek(0)
-                if p.stat().st_size > limit:
-                    raise _too_big(p, what, limit, f" ({p.stat().st_size:,} bytes)")
-                data = fh.read(limit + 1)
-                if len(data) > limit:
-                    raise _too_big(p, what, limit, " (it grew while read)")
-                return Unpacked(data, compressed=False)
+                return Unpacked(_read_all(fh, p, what, limit), compressed=False)
             fh.seek(0)
             return _gunzip(fh, p, what, limit)
     except OSError as err:
@@ -172,16 +195,56 @@ def _gunzip(fh: Any, p: Path, what: str, limit: int) -> Unpacked:
 def depth(value: Any) -> int:
     """How deeply lists and dicts nest in a parsed document (a scalar is 0), without
     recursion."""
-    deepest, stack = 0, [(value, 1)]
+    return _walk(value)[0]
+
+
+def too_large(value: Any) -> bool:
+    """An integer outside ``MAX_FILE_INT`` (bools are not integers here)."""
+    return type(value) is int and not -MAX_FILE_INT <= value <= MAX_FILE_INT
+
+
+def _walk(value: Any) -> tuple[int, int | None]:
+    """(nesting depth, the first integer past ``MAX_FILE_INT`` or None) of a parsed
+    document, in one pass without recursion."""
+    deepest, huge, stack = 0, None, [(value, 1)]
     while stack:
         item, level = stack.pop()
         children = item.values() if isinstance(item, dict) else item if isinstance(
             item, list) else None
         if children is None:
+            if huge is None and too_large(item):
+                huge = item
             continue
         deepest = max(deepest, level)
         stack.extend((child, level + 1) for child in children)
-    return deepest
+    return deepest, huge
+
+
+def checked(data: Any, p: Path | str, what: str) -> Any:
+    """``data`` parsed from ``p``, if it nests at most ``MAX_DEPTH`` deep and holds no integer
+    past ``MAX_FILE_INT``; one line naming the file otherwise."""
+    deepest, huge = _walk(data)
+    if deepest > MAX_DEPTH:
+        raise _too_deep(p, what)
+    if huge is not None:
+        raise too_large_number(p, what, huge)
+    return data
+
+
+def too_long_number(p: Path | str, what: str) -> MemplanError:
+    """The line for an integer longer than Python reads (``int()`` refuses more than
+    ``sys.get_int_max_str_digits()`` digits, 4300 by default, with a ValueError that is no
+    syntax error: the JSON and TOML parsers let it through as it is)."""
+    return MemplanError(f"{what}: {p} holds an integer of more than "
+                        f"{sys.get_int_max_str_digits() or 4300} digits, more than any count "
+                        "or size can be; is it the right file?")
+
+
+def too_large_number(p: Path | str, what: str, value: int) -> MemplanError:
+    """The line for an integer past ``MAX_FILE_INT``."""
+    return MemplanError(f"{what}: {p} holds the integer {shown(value)} ({len(str(value))} "
+                        "digits), past the 64-bit range of any count, size or time these "
+                        "files hold; is it the right file?")
 
 
 def _too_deep(p: Path | str, what: str) -> MemplanError:
@@ -199,9 +262,9 @@ def parse_json(text: str, p: Path | str, what: str) -> Any:
     except json.JSONDecodeError as err:
         raise MemplanError(f"{what}: {p} is not valid JSON: {err.msg} at line {err.lineno} "
                            f"column {err.colno} (char {err.pos})") from None
-    if depth(data) > MAX_DEPTH:
-        raise _too_deep(p, what)
-    return data
+    except ValueError:  # not a syntax error: an integer over Python's digit limit
+        raise too_long_number(p, what) from None
+    return checked(data, p, what)
 
 
 def parse_toml(text: str, p: Path | str, what: str) -> dict[str, Any]:
@@ -213,9 +276,9 @@ def parse_toml(text: str, p: Path | str, what: str) -> dict[str, Any]:
         raise _too_deep(p, what) from None
     except tomllib.TOMLDecodeError as err:
         raise MemplanError(f"{what}: {p} is not valid TOML: {err}") from None
-    if depth(data) > MAX_DEPTH:
-        raise _too_deep(p, what)
-    return data
+    except ValueError:  # not a syntax error: an integer over Python's digit limit
+        raise too_long_number(p, what) from None
+    return checked(data, p, what)
 
 
 def read_json(path: str | os.PathLike[str], what: str, limit: int) -> Any:
@@ -230,13 +293,21 @@ def read_stream(stream: Any, what: str, limit: int) -> str:
     """Text from a stream (stdin), at most ``limit`` bytes; bytes that are not UTF-8 are
     replaced (a pasted log may hold any)."""
     source = getattr(stream, "buffer", stream)
-    data = source.read(limit + 1)
-    if len(data) > limit:
+    parts, size = [], 0
+    while size <= limit:  # small reads: a read of limit + 1 would reserve all of it up front
+        chunk = source.read(min(_CHUNK, limit + 1 - size))
+        if not chunk:
+            break
+        parts.append(chunk)
+        size += len(chunk)
+    data = (b"" if not parts or isinstance(parts[0], bytes) else "").join(parts)
+    if size > limit:
         raise MemplanError(f"{what}: standard input is over the {size_text(limit)} limit; "
                            "give the error message only (e.g. grep -A3 OutOfMemoryError)")
     return data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data
 
 
-__all__ = ["GZIP_MAGIC", "MAX_DEPTH", "Unpacked", "decode", "depth", "parse_json",
-           "parse_toml", "read_bytes", "read_json", "read_maybe_gzip", "read_stream",
-           "read_text", "read_toml", "regular_file", "size_text"]
+__all__ = ["GZIP_MAGIC", "MAX_DEPTH", "MAX_FILE_INT", "UTF8_BOM", "Unpacked", "checked", "decode",
+           "depth", "parse_json", "parse_toml", "read_bytes", "read_json", "read_maybe_gzip",
+           "read_stream", "read_text", "read_toml", "regular_file", "size_text", "too_large",
+           "too_large_number", "too_long_number"]

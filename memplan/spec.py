@@ -111,6 +111,13 @@ _FROZEN = ConfigDict(frozen=True, extra="forbid")
 # and the widest expert counts (DeepSeek-V3: 256 routed experts).
 MAX_LAYERS = 10_000
 MAX_EXPERTS = 1_000_000
+# Widths, head counts and head dims: 2^24, a thousand times the widest published (Llama 3.1
+# 405B: hidden 16,384, ffn 53,248; 128 heads), so products of widths stay far inside the
+# planner's 64-bit integers and a float's range (a 400-digit width overflowed to a traceback).
+MAX_WIDTH = 2**24
+# Vocabulary rows and context lengths: 2^31, the int32 range of token ids and positions
+# (the largest published vocabularies are ~256k, Gemma; contexts 1M-10M tokens).
+MAX_ROWS = 2**31
 
 
 class MoESpec(BaseModel):
@@ -119,12 +126,13 @@ class MoESpec(BaseModel):
     model_config = _FROZEN
 
     num_experts: int = Field(gt=0, le=MAX_EXPERTS)
-    top_k: int = Field(gt=0)
-    expert_ffn_hidden_size: int = Field(gt=0)
-    num_shared_experts: int = Field(default=0, ge=0)
-    shared_expert_ffn_hidden_size: int = Field(default=0, ge=0)
-    layer_freq: int = Field(default=1, gt=0, description="every layer_freq-th layer is MoE")
-    first_dense_layers: int = Field(default=0, ge=0, description=(
+    top_k: int = Field(gt=0, le=MAX_EXPERTS)
+    expert_ffn_hidden_size: int = Field(gt=0, le=MAX_WIDTH)
+    num_shared_experts: int = Field(default=0, ge=0, le=MAX_EXPERTS)
+    shared_expert_ffn_hidden_size: int = Field(default=0, ge=0, le=MAX_WIDTH)
+    layer_freq: int = Field(default=1, gt=0, le=MAX_LAYERS,
+                            description="every layer_freq-th layer is MoE")
+    first_dense_layers: int = Field(default=0, ge=0, le=MAX_LAYERS, description=(
         "the first k layers have a dense MLP of ffn_hidden_size (DeepSeek-V3's "
         "first_k_dense_replace)"))
     router_bias: bool = False
@@ -159,11 +167,12 @@ class MlaSpec(BaseModel):
 
     model_config = _FROZEN
 
-    q_lora_rank: int = Field(ge=0, description="0: one h -> heads * (nope + rope) projection")
-    kv_lora_rank: int = Field(gt=0)
-    qk_nope_head_dim: int = Field(gt=0)
-    qk_rope_head_dim: int = Field(gt=0)
-    v_head_dim: int = Field(gt=0)
+    q_lora_rank: int = Field(ge=0, le=MAX_WIDTH, description=(
+        "0: one h -> heads * (nope + rope) projection"))
+    kv_lora_rank: int = Field(gt=0, le=MAX_WIDTH)
+    qk_nope_head_dim: int = Field(gt=0, le=MAX_WIDTH)
+    qk_rope_head_dim: int = Field(gt=0, le=MAX_WIDTH)
+    v_head_dim: int = Field(gt=0, le=MAX_WIDTH)
 
 
 class ModelSpec(BaseModel):
@@ -174,13 +183,13 @@ class ModelSpec(BaseModel):
     name: str
     source: str = Field(description="where the numbers come from")
     num_layers: int = Field(gt=0, le=MAX_LAYERS)
-    hidden_size: int = Field(gt=0)
-    ffn_hidden_size: int = Field(gt=0)
-    num_attention_heads: int = Field(gt=0)
-    num_kv_heads: int = Field(gt=0)
-    head_dim: int = Field(gt=0)
-    vocab_size: int = Field(gt=0)
-    max_seq_len: int = Field(gt=0)
+    hidden_size: int = Field(gt=0, le=MAX_WIDTH)
+    ffn_hidden_size: int = Field(gt=0, le=MAX_WIDTH)
+    num_attention_heads: int = Field(gt=0, le=MAX_WIDTH)
+    num_kv_heads: int = Field(gt=0, le=MAX_WIDTH)
+    head_dim: int = Field(gt=0, le=MAX_WIDTH)
+    vocab_size: int = Field(gt=0, le=MAX_ROWS)
+    max_seq_len: int = Field(gt=0, le=MAX_ROWS)
     norm: NormKind
     mlp: MlpKind
     activation_impl: ActivationImpl = ActivationImpl.KERNEL
@@ -222,9 +231,9 @@ class ModelSpec(BaseModel):
     attn_logit_softcap: float | None = Field(default=None, gt=0, description=(
         "attention scores -> cap * tanh(scores / cap) before the softmax (Gemma 2's "
         "attn_logit_softcapping; transformers applies it in eager attention only)"))
-    sliding_window: int | None = Field(default=None, gt=0, description=(
+    sliding_window: int | None = Field(default=None, gt=0, le=MAX_ROWS, description=(
         "tokens a sliding-window layer attends to"))
-    sliding_window_pattern: int = Field(default=0, ge=0, description=(
+    sliding_window_pattern: int = Field(default=0, ge=0, le=MAX_LAYERS, description=(
         "with a sliding window: 0, every layer slides; n, every n-th layer (index % n == n - "
         "1) attends to the full sequence and the others slide (Gemma 2: 2, Gemma 3: 6)"))
     mla: MlaSpec | None = None

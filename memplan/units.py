@@ -19,6 +19,10 @@ MB = 1000**2
 GB = 1000**3
 TB = 1000**4
 
+# The largest size a user may give (a GPU's memory): 1 PiB, over a thousand times any GPU's
+# or host's memory, so a mistyped size is refused rather than computed with.
+MAX_SIZE_BYTES = 2**50
+
 _SIZE_UNITS = {
     "": 1, "b": 1,
     "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB,
@@ -55,20 +59,37 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def parse_bytes(text: str | int) -> int:
-    """Parse "80GiB", "80 GB", "1.5TiB" or a plain integer into int bytes.
+    """Parse "80GiB", "80 GB", "1.5TiB" or a plain integer into int bytes, at most
+    ``MAX_SIZE_BYTES``.
 
     GiB/MiB/KiB are powers of 1024, GB/MB/KB powers of 1000. A bare number is bytes.
     """
     if isinstance(text, int):
         if text <= 0:
             raise ValueError(f"size must be positive, got {text}")
+        if text > MAX_SIZE_BYTES:
+            raise ValueError(_too_large(text))
         return text
     m = _SIZE_RE.match(str(text))
     if not m or m.group(2).lower() not in _SIZE_UNITS:
         raise ValueError(
-            f"cannot read size {text!r}: use a number with a unit such as 80GiB (2^30) or 80GB (10^9)"
+            f"cannot read size {_quoted(text)}: use a number with a unit such as 80GiB (2^30) "
+            "or 80GB (10^9)"
         )
-    value = int(round(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]))
+    # a number of any length reads as a float (inf past 1.8e308), so the bound comes first
+    value = float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+    if not value <= MAX_SIZE_BYTES:
+        raise ValueError(_too_large(text))
+    value = int(round(value))
     if value <= 0:
-        raise ValueError(f"size must be at least 1 byte, got {text!r}")
+        raise ValueError(f"size must be at least 1 byte, got {_quoted(text)}")
     return value
+
+
+def _quoted(text: object, limit: int = 60) -> str:
+    shown = repr(text)
+    return shown if len(shown) <= limit else shown[:limit - 3] + "..."
+
+
+def _too_large(text: object) -> str:
+    return f"size must be at most 1 PiB (2^50 bytes, memplan's limit), got {_quoted(text)}"

@@ -308,6 +308,9 @@ MAX_SEQ_LEN = 2**24
 # the API caps it at the model's maximum (``memplan.api.default_seq``).
 DEFAULT_SEQ_LEN = 4096
 
+# a model's layers at most (memplan.spec.MAX_LAYERS): more recomputed layers than any has
+MAX_RECOMPUTE_LAYERS = 10_000
+
 
 class MoeImpl(str, enum.Enum):
     """How an MoE feed-forward runs its routed experts.
@@ -340,7 +343,7 @@ class Workload(BaseModel):
     optimizer: Optimizer = Optimizer.ADAMW
     optimizer_impl: OptimizerImpl = OptimizerImpl.FOREACH
     recompute: Recompute = Recompute.NONE
-    recompute_layers: int | None = Field(default=None, ge=0)
+    recompute_layers: int | None = Field(default=None, ge=0, le=MAX_RECOMPUTE_LAYERS)
     attention: Attention = Attention.FLASH
     norm_impl: NormImpl = NormImpl.UPCAST
     logits_fp32: bool = Field(default=True, description="loss computed on fp32 logits")
@@ -363,7 +366,7 @@ class Workload(BaseModel):
     ddp_any_size: bool = Field(default=False, description=(
         "the model is wrapped in data-parallel buffers at any data-parallel size, one rank "
         "included (Megatron-LM's DDP): its gradient buffer exists from the wrap on"))
-    loss_split: int = Field(default=0, ge=0, description=(
+    loss_split: int = Field(default=0, ge=0, le=MAX_SEQ_LEN, description=(
         "tokens per piece of a cross-entropy split without checkpointing (litgpt's "
         "chunked_cross_entropy: logits.split(128)); 0: one piece"))
     rope_cache: RopeCache = RopeCache.FORWARD
@@ -374,7 +377,7 @@ class Workload(BaseModel):
         "window, which SDPA converts to the query's dtype and saves, K and V repeated to every "
         "query head for it (transformers' SDPA path)"))
     pipeline_split: PipelineSplit = PipelineSplit.EVEN
-    loss_chunks: int = Field(default=1, gt=0, description=(
+    loss_chunks: int = Field(default=1, gt=0, le=MAX_SEQ_LEN, description=(
         "1: the head and cross-entropy run on all tokens at once; n > 1: on n chunks of the "
         "tokens, each under activation checkpointing (logits never exist for all tokens)"))
 

@@ -29,6 +29,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from memplan.errors import MemplanError
+from memplan.inputs import PROFILE_BYTES, read_text
 from memplan.outputs import write_atomic
 from memplan.parallel import ParallelConfig
 from memplan.spec import ModelSpec
@@ -155,8 +156,12 @@ def write_record(folder: Path, record: Record) -> Path:
 
 
 def read_record(path: Path) -> Record:
+    """One record file (a regular file, UTF-8, bounded as a profile is: ``memplan.inputs``),
+    checked; one line naming the file and the field otherwise."""
     try:
-        return Record.model_validate_json(Path(path).read_text())
+        return Record.model_validate_json(read_text(path, "calibration record", PROFILE_BYTES))
+    except MemplanError:
+        raise
     except (OSError, ValidationError, ValueError) as err:
         first = err.errors()[0] if isinstance(err, ValidationError) else None
         where = ".".join(str(p) for p in first["loc"]) if first else ""
@@ -218,6 +223,9 @@ def read_probes(folder: Path) -> ProbeRecord | None:
     if not path.is_file():
         return None
     try:
-        return ProbeRecord.model_validate_json(path.read_text())
+        return ProbeRecord.model_validate_json(read_text(path, "calibration probes",
+                                                         PROFILE_BYTES))
+    except MemplanError:
+        raise
     except (OSError, ValidationError, ValueError) as err:
         raise MemplanError(f"calibration probes {path}: {str(err).splitlines()[0]}") from err

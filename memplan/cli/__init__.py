@@ -135,6 +135,8 @@ def command_line(*extra: str) -> str:
 # is no terminal): a table is as wide as its content, so none is cut or folded.
 PIPED_WIDTH = 240
 MIN_WIDTH = 40
+# a table line rich lays out is built whole in memory: wider than any screen or log viewer
+MAX_WIDTH = 10_000
 
 
 def _take_width(args: list[str]) -> tuple[list[str], str | None]:
@@ -155,9 +157,10 @@ def _width_columns(width: str | None) -> str | None:
     (a pipe, a file, a CI log) gets ``PIPED_WIDTH`` unless COLUMNS says; else None (rich
     asks the terminal)."""
     if width is not None:
-        if not width.isdigit() or int(width) < MIN_WIDTH:
-            raise MemplanError(f"--width must be a whole number of columns, at least "
-                               f"{MIN_WIDTH}, got {width!r}")
+        if (not (width.isascii() and width.isdigit()) or len(width) > len(str(MAX_WIDTH))
+                or not MIN_WIDTH <= int(width) <= MAX_WIDTH):
+            raise MemplanError(f"--width must be a whole number of columns from {MIN_WIDTH} "
+                               f"to {MAX_WIDTH}, got {shown(width)}")
         return width
     if "COLUMNS" not in os.environ and not sys.stdout.isatty():
         return str(PIPED_WIDTH)

@@ -12,7 +12,8 @@ from memplan.cli.options import Json
 from memplan.measure.stragglers import STRAGGLER_PCT
 
 Paths = Annotated[list[Path], typer.Argument(
-    help="One chrome trace per rank (.json or .json.gz from torch.profiler).")]
+    help="One chrome trace per rank (.json or .json.gz from torch.profiler), or a folder of "
+    "them (as Holistic Trace Analysis takes).")]
 StragglerPct = Annotated[float, typer.Option(
     "--straggler-pct", min=0.0, max=100.0,
     help="Name a rank a straggler when, in at least three profiled steps of four, the other "
@@ -40,15 +41,17 @@ def analyze_trace(paths: Paths, straggler_pct: StragglerPct = STRAGGLER_PCT,
 
       memplan analyze-trace run/*.pt.trace.json.gz --json
 
+      memplan analyze-trace run/traces/
+
       memplan analyze-trace traces/rank*.json.gz --plot traces.png
     """
-    from memplan.measure.profiler_traces import analyze_traces, load
+    from memplan.measure.profiler_traces import analyze_traces, load_all
 
     if plot is not None:  # the plot's name is checked before the traces are read
         from memplan.report.plot import check_path
 
         check_path(plot)
-    traces = [load(p, i) for i, p in enumerate(paths)]
+    traces = load_all(paths)
     result = analyze_traces(traces, straggler_pct)
     if plot is not None:
         from memplan.report.plot_trace import plot_traces

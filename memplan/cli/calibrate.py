@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 import re
 import subprocess
 import sys
@@ -13,9 +14,13 @@ from typing import Annotated
 import typer
 
 from memplan.cli.options import Job, Json, uses
-from memplan.errors import Interrupted, MemplanError
-from memplan.outputs import check_out_dir
+from memplan.errors import Interrupted, MemplanError, deferred_interrupts
+from memplan.outputs import check_inside, check_out_dir
 from memplan.workload import Precision, Workload
+
+# the most CPU ranks on a small machine: each rank is a process running the model; more
+# than the machine's CPUs (or this, on a machine with fewer) only queue for them
+MIN_CPU_RANKS = 8
 
 
 class DeviceChoice(str, enum.Enum):
@@ -128,12 +133,19 @@ def calibrate(
     """
     precision = job.precision
     out = check_out_dir(out)
+    for inner in ("records", "profiles"):  # before any work: no link inside --out
+        check_inside(out, out / inner)
     if refit:
         return _refit(out, json_out)
     if name is not None:
         _check_name(name)
     if nproc < 1:
         raise MemplanError(f"nproc ({nproc}) must be at least 1")
+    cpu_ranks = max(os.cpu_count() or 1, MIN_CPU_RANKS)
+    if device is DeviceChoice.CPU and nproc > cpu_ranks:  # each rank is a process
+        raise MemplanError(f"nproc ({nproc}) must be at most {cpu_ranks} on --device cpu (this "
+                           f"machine's {os.cpu_count()} CPUs, at least {MIN_CPU_RANKS}): each "
+                           "rank is a process")
     if module is not None and (nproc > 1 or device is not DeviceChoice.CPU):
         raise MemplanError("module: a user model is traced under fake tensors on one CPU "
                            "process; use --device cpu without --nproc")
@@ -168,12 +180,14 @@ def calibrate(
     folder = out / "records" / name
     _check_folder(folder, resume)
     try:
-        if module is not None:
-            _run_module(module, model, job, seq, meta, folder, resume, fake=not real)
-        elif nproc > 1:
+        if nproc > 1:  # torch runs in the ranks; here Ctrl-C stops them (_run_dist)
             _run_dist(device.value, nproc, quick, resume, gpu, command, folder)
         else:
-            _run_grid(device.value, model, quick, resume, meta, folder)
+            with deferred_interrupts():  # Ctrl-C taken between torch operators and steps
+                if module is not None:
+                    _run_module(module, model, job, seq, meta, folder, resume, fake=not real)
+                else:
+                    _run_grid(device.value, model, quick, resume, meta, folder)
         _fit_and_report(folder, out / "profiles" / f"{name}.json", name, json_out)
     except KeyboardInterrupt:
         raise Interrupted(_kept(folder, name)) from None
@@ -222,7 +236,11 @@ def _check_cuda(torch, nproc: int) -> None:
 
 
 def _check_folder(folder: Path, resume: bool) -> None:
+    """The run's records folder, before any point is measured: inside --out (no link on the
+    way), and empty unless resuming."""
     from memplan.calibrate.records import finished_keys
+
+    check_inside(folder.parents[1], folder)
 
     done = finished_keys(folder)
     if done and not resume:

@@ -12,7 +12,7 @@ import typer
 from memplan.api import resolve
 from memplan.cli import command_line
 from memplan.cli.options import FRAMEWORK_ONLY, WORKLOAD, Job, Json, uses
-from memplan.errors import Interrupted, MemplanError
+from memplan.errors import Interrupted, MemplanError, deferred_interrupts
 from memplan.outputs import check_out_dir, staged_dir, write_atomic
 
 Steps = Annotated[int, typer.Option("--steps", help="Training steps (>= 2).")]
@@ -88,7 +88,8 @@ def profile(
     # every file goes to a staging folder, moved into --out only when all are written: a
     # failure or Ctrl-C leaves --out as it was (memplan.outputs.staged_dir)
     try:
-        with staged_dir(out) if out is not None else nullcontext(None) as stage:
+        with (staged_dir(out) if out is not None else nullcontext(None) as stage,
+              deferred_interrupts()):  # Ctrl-C taken between torch operators
             result = _run(spec, par, wl, gpu_spec, steps, device, fake, perf, stage,
                           profile_reference, predicted, plot_format)
     except KeyboardInterrupt:

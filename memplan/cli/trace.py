@@ -9,7 +9,7 @@ import typer
 
 from memplan.api import resolve
 from memplan.cli.options import FRAMEWORK_ONLY, WORKLOAD, Job, Json, uses
-from memplan.errors import MemplanError
+from memplan.errors import MemplanError, deferred_interrupts
 
 Steps = Annotated[int, typer.Option("--steps", help="Training steps (>= 2: first and steady).")]
 Fake = Annotated[bool, typer.Option(
@@ -55,7 +55,8 @@ def trace(
         from memplan.profile.compare import compare, comparison_json
     except ImportError as err:  # torch missing
         raise MemplanError(f"trace needs torch: pip install 'memplan[torch]' ({err})") from err
-    result = compare(spec, par, wl, steps=steps, fake=fake)
+    with deferred_interrupts():  # Ctrl-C taken between torch operators, never inside one
+        result = compare(spec, par, wl, steps=steps, fake=fake)
     if json_out:
         typer.echo(json.dumps(comparison_json(result), indent=2))
         return

@@ -33,6 +33,34 @@ def flag(target: str) -> str:
     return _NOT_KEYWORDS.get(target, target)
 
 
+# the layout degrees a config sets: at most arguments.MAX_GPUS, as memplan.api checks them
+_DEGREES = frozenset({"gpus", "tp", "pp", "vpp", "cp", "ep", "dp", "dp_shard"})
+
+
+def _past_bound(target: str, value: Any) -> str | None:
+    """What ``value`` must be for the input ``target`` when it is an int past that input's
+    bound (a Workload field's ``gt``/``ge``/``le``, a layout degree's MAX_GPUS), else None."""
+    from memplan.arguments import MAX_GPUS
+    from memplan.workload import Workload
+
+    if type(value) is not int:
+        return None
+    if target in _DEGREES:
+        return None if 0 < value <= MAX_GPUS else f"from 1 to {MAX_GPUS}"
+    spec = Workload.model_fields.get(target)
+    for rule in spec.metadata if spec is not None else ():
+        low = getattr(rule, "gt", None)
+        if low is not None and value <= low:
+            return f"more than {low}"
+        low = getattr(rule, "ge", None)
+        if low is not None and value < low:
+            return f"at least {low}"
+        high = getattr(rule, "le", None)
+        if high is not None and value > high:
+            return f"at most {high}"
+    return None
+
+
 @dataclass(frozen=True)
 class Mapped:
     """One key of the config and the memplan input it became (``target``: a ``memplan.api``
@@ -65,7 +93,12 @@ class Imported:
     unread: list[str] = field(default_factory=list)
 
     def set(self, key: str, given: Any, target: str, value: Any, how: str = "") -> None:
-        """Record that ``key`` (= ``given``) sets the memplan input ``target`` to ``value``."""
+        """Record that ``key`` (= ``given``) sets the memplan input ``target`` to ``value``;
+        a count past the bound of the input it sets is refused here, naming ``key`` (the
+        input's own check would name only the input)."""
+        bound = _past_bound(target, value)
+        if bound is not None:
+            raise self.refuse(key, given, f"{FLAGS.get(target, target)} must be {bound}")
         self.mapping.append(Mapped(key, given, target, value, how))
         if target != "model":
             self.inputs[target] = value

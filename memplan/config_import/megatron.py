@@ -19,12 +19,22 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
+from memplan.arguments import MAX_GPUS
 from memplan.config_import import Imported
-from memplan.errors import MemplanError
+from memplan.errors import MemplanError, shown, validation_message
 from memplan.inputs import MODEL_FILE_BYTES, read_text
-from memplan.spec import ModelSpec
+from memplan.spec import MAX_LAYERS, ModelSpec
 
 ARGS = "megatron/training/arguments.py"
+# the longest --moe-layer-freq read: a list of MAX_LAYERS "0, " items fits; the parser's
+# recursion and the list it builds stay small
+MAX_PATTERN_CHARS = 4 * MAX_LAYERS + 64
+# the largest integer argument read: every one memplan reads is a width, a count, a length
+# or a degree, each bounded far lower where it is used (memplan.spec, memplan.workload);
+# this bound comes first, before any list is built from one
+MAX_INT_ARG = 2**31 - 1
 # the GPT-2 BPE vocabulary (vocab.json: 50257 tokens), Megatron's GPT2BPETokenizer
 GPT2_VOCAB = 50257
 # flags read nowhere in memplan's memory model: logging, data, checkpoints, schedules of the
@@ -42,31 +52,39 @@ QUIET_PREFIXES = ("--log-", "--lr", "--min-lr", "--save", "--load", "--eval-", "
                   "--vocab-file", "--tokenizer-type", "--vocab-size", "--padded-vocab-size")
 
 
-def words(text: str) -> list[str]:
-    """Shell words of a launch command: comments dropped, lines joined."""
+def words(text: str, where: str = "Megatron arguments") -> list[str]:
+    """Shell words of a launch command: comments dropped, lines joined. ``where`` names the
+    arguments in a message (the file, or --megatron-args)."""
     try:  # a backslash before a newline continues the line, as in a shell
         return shlex.split(text.replace("\\\n", " "), comments=True)
     except ValueError as err:
-        raise MemplanError(f"Megatron arguments: {err} (quote them as a shell would)") from err
+        raise MemplanError(f"{where}: {err} (quote them as a shell would)") from err
 
 
 def _scalar(text: str) -> Any:
+    """A value as argparse's ``type=int`` or ``type=float`` would read it, else the text. A
+    value no count or fraction can be is kept as its text, so the flag that reads it says
+    "expected an integer": one of more digits than Python's ``int()`` reads (it raises, and
+    ``float()`` would read it as inf), or one that reads as inf or nan."""
     low = text.strip().strip("'\"")
     if low.lower() in ("true", "false"):
         return low.lower() == "true"
-    for kind in (int, float):
-        try:
-            return kind(low)
-        except ValueError:
-            pass
-    return low
+    try:
+        return int(low)
+    except ValueError:
+        pass
+    try:
+        value = float(low)
+    except ValueError:
+        return low
+    return value if math.isfinite(value) else low
 
 
 def parse(text: str, where: str) -> dict[str, Any]:
     """Flag -> value (True for a flag without one, a list for several values)."""
     if "MODEL_ARGS:" in text:
         return _model_args(text, where)
-    tokens = words(text)
+    tokens = words(text, where)
     # the training script's flags follow it (torchrun's own come before it)
     script = next((i + 1 for i, t in enumerate(tokens) if t.endswith(".py")), 0)
     start = next((i for i, t in enumerate(tokens) if i >= script and t.startswith("--")),
@@ -135,6 +153,9 @@ class _Reader:
         value = self.args.get(flag, default)
         if value is not default and (isinstance(value, bool) or not isinstance(value, int)):
             raise self.imp.refuse(flag, value, "expected an integer")
+        if value is not default and abs(value) > MAX_INT_ARG:  # read before any is built on
+            raise self.imp.refuse(flag, value, f"expected an integer of at most {MAX_INT_ARG} "
+                                               "(no width, count or length is larger)")
         return value
 
     def float(self, flag: str, default: float) -> float:
@@ -270,7 +291,10 @@ class _Reader:
         if moe:
             fields["moe"] = moe
         name = f"megatron-{layers}x{h}"
-        return ModelSpec(name=name, source=f"{self.imp.source}: {vocab_how}", **fields)
+        try:
+            return ModelSpec(name=name, source=f"{self.imp.source}: {vocab_how}", **fields)
+        except ValidationError as err:  # a bound of the spec's: said for these arguments
+            raise MemplanError(f"{self.imp.source}: {validation_message(err)}") from None
 
     def _activation(self) -> None:
         for flag in ("--squared-relu", "--quick-geglu", "--openai-gelu"):
@@ -324,9 +348,10 @@ class _Reader:
         self.used.add("--moe-layer-freq")
         if freq in (1, "1"):
             return 0
-        pattern = _pattern(freq) if isinstance(freq, str) else None
+        pattern = _bounded_pattern(freq, self.imp.source) if isinstance(freq, str) else None
         lead = pattern.index(1) if pattern and 1 in pattern else 0
-        if pattern != [0] * lead + [1] * (layers - lead) or not lead:
+        if (pattern is None or len(pattern) != layers or not lead  # (length first: no list
+                or pattern != [0] * lead + [1] * (layers - lead)):  # as long as a bad count)
             raise self.refuse("--moe-layer-freq", f"modelled are 1 (every layer MoE) and "
                                                   f"leading dense layers then MoE layers, "
                                                   f"{layers} in all")
@@ -342,6 +367,11 @@ class _Reader:
             raise self.refuse("--expert-tensor-parallel-size",
                               f"experts split by TP other than --tensor-model-parallel-size "
                               f"({tp}) are not modelled")
+        for flag, value in (("--tensor-model-parallel-size", tp),
+                            ("--pipeline-model-parallel-size", pp),
+                            ("--context-parallel-size", cp), ("--expert-model-parallel-size", ep)):
+            if not 0 < value <= MAX_GPUS:
+                raise self.refuse(flag, f"expected a degree from 1 to {MAX_GPUS}")
         for flag, value, target in (("--tensor-model-parallel-size", tp, "tp"),
                                     ("--pipeline-model-parallel-size", pp, "pp"),
                                     ("--context-parallel-size", cp, "cp"),
@@ -501,11 +531,28 @@ def _pattern(text: str) -> list[int] | None:
             if isinstance(node.op, ast.Add):
                 return left + right if isinstance(left, list) == isinstance(right, list) \
                     else None
-            if isinstance(left, list) and isinstance(right, int) and 0 <= right <= 4096:
+            if (isinstance(left, list) and isinstance(right, int) and 0 <= right
+                    and len(left) * right <= MAX_LAYERS):  # a layer pattern: one per layer
                 return left * right
-            return None
+            raise ValueError(f"a pattern of more than {MAX_LAYERS} layers (memplan's limit)")
         return None
 
     result = value(tree)
     return result if isinstance(result, list) else None
+
+
+def _bounded_pattern(text: str, where: str) -> list[int] | None:
+    """``_pattern``, its size checked before any list is made: one line (naming ``where``,
+    the arguments' source) for a pattern longer than a model can be (``[0]*4096*4096*4096``
+    would ask for 2^36 items)."""
+    if len(text) > MAX_PATTERN_CHARS:
+        raise MemplanError(f"{where}: --moe-layer-freq is {len(text):,} characters long, over "
+                           f"the {MAX_PATTERN_CHARS:,} a pattern of {MAX_LAYERS} layers needs")
+    try:
+        return _pattern(text)
+    except ValueError as err:
+        raise MemplanError(f"{where}: --moe-layer-freq {shown(text)} is {err}") from None
+    except RecursionError:  # a chain of thousands of + parses as a tree as deep
+        raise MemplanError(f"{where}: --moe-layer-freq {shown(text)} nests deeper than "
+                           "Python's parser reads: write a run of layers as [0]*N") from None
 

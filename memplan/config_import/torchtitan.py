@@ -14,7 +14,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from memplan.config_import import Imported
+from memplan.errors import MemplanError, validation_message
 from memplan.inputs import MODEL_FILE_BYTES, read_toml
 from memplan.spec import ModelSpec
 
@@ -64,6 +67,11 @@ def read(path: str | Path, gpus: int, model: str | None = None) -> Imported:
     instead of the file's (``--model``)."""
     data = read_toml(path, "torchtitan config", MODEL_FILE_BYTES)
     imp = Imported(source=f"torchtitan config {path}")
+    if not data or (model is None and "model" not in data):  # not a job file: say what lacks
+        raise MemplanError(f"torchtitan config {path}: "
+                           + ("the file is empty" if not data else "it has no [model] table")
+                           + ": a torchtitan job TOML names at least [model] name and flavor "
+                           "(torchtitan's train_configs/*.toml); or give --model")
     toml = _Toml(data, imp)
     imp.set("(framework)", "torchtitan", "framework", "torchtitan",
             "the job runs torchtitan: its implementation defaults")
@@ -106,9 +114,12 @@ def _model(toml: _Toml, imp: Imported) -> None:
         return
     if (name, flavor) == ("llama3", "debugmodel"):
         seq = toml.get("training", "seq_len", int, 2048)
-        imp.model = ModelSpec(name="torchtitan-llama3-debugmodel", max_seq_len=seq,
-                              source=f"{_SRC} models/llama3/__init__.py llama3_configs"
-                                     "['debugmodel']", **DEBUGMODEL)
+        try:
+            imp.model = ModelSpec(name="torchtitan-llama3-debugmodel", max_seq_len=seq,
+                                  source=f"{_SRC} models/llama3/__init__.py llama3_configs"
+                                         "['debugmodel']", **DEBUGMODEL)
+        except ValidationError as err:  # the model's context is the job's seq_len
+            raise imp.refuse("training.seq_len", seq, validation_message(err)) from None
         imp.set(key, f"{name} {flavor}", "model", imp.model.name,
                 "dim 256, 6 layers, 16 heads, vocabulary 2048")
         return
@@ -290,8 +301,11 @@ def _recompute(toml: _Toml, imp: Imported) -> None:
         imp.set(f"{a}.mode/selective_ac_option", "selective/1", "recompute", "full",
                 "every layer checkpointed")
     elif mode == "selective":
+        given = "selective_ac_option" in toml.section(a)
         raise imp.refuse(f"{a}.selective_ac_option", option,
-                         "checkpointing every n-th layer is not modelled (op, 1, or mode "
+                         ("" if given else "torchtitan's default, as the file sets no "
+                          f"[{a}] selective_ac_option: ")
+                         + "checkpointing every n-th layer is not modelled (op, 1, or mode "
                          "full / none)")
     else:
         raise imp.refuse(f"{a}.mode", mode, "modelled are none, selective and full")

@@ -15,8 +15,9 @@ from typing import Any
 
 from memplan.diagnose.explain import Diagnosis, Finding
 from memplan.diagnose.fixes import Fix, Fixes
-from memplan.diagnose.oom import OomReport, parse_oom
+from memplan.diagnose.oom import OOM_KINDS, OomReport, parse_oom
 from memplan.diagnose.utilisation import Utilisation
+from memplan.errors import MemplanError
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ def diagnose(model: Any, *, oom: OomReport | str | None = None, profile: Any = N
     PyTorch), else the device capacity the monitor recorded, else the GPU catalog's. Raises
     MemplanError for invalid input."""
     from memplan.api import estimate
-    from memplan.arguments import one_of, strings
+    from memplan.arguments import dataclass_fields, one_of, strings
     from memplan.diagnose.explain import diagnose as explain
     from memplan.diagnose.explain import unexplained_bytes
     from memplan.diagnose.fixes import suggest
@@ -55,12 +56,21 @@ def diagnose(model: Any, *, oom: OomReport | str | None = None, profile: Any = N
             items = [os.fspath(m) if isinstance(m, os.PathLike) else m for m in items]
         monitor = strings("monitor", items)
 
+    if isinstance(oom, OomReport):  # objects are checked as a file's numbers would be
+        dataclass_fields("oom", oom)
+        one_of("oom.kind", oom.kind, (str,), what="a report kind")
+        if oom.kind not in OOM_KINDS:
+            raise MemplanError(f"oom.kind must be one of {', '.join(OOM_KINDS)}, got "
+                               f"{oom.kind!r}")
+    if isinstance(profile, Measured):
+        dataclass_fields("profile", profile)
     report = parse_oom(oom) if isinstance(oom, str) else oom
     watched = None
     if monitor is not None:
-        from memplan.diagnose.monitored import read_monitor
+        from memplan.diagnose.monitored import read_monitor, revalidated
 
-        watched = monitor if isinstance(monitor, Monitored) else read_monitor(monitor)
+        watched = revalidated(monitor) if isinstance(monitor, Monitored) else read_monitor(
+            monitor)
     kwargs = dict(estimate_kwargs)
     source = "--gpu-memory" if kwargs.get("gpu_memory") is not None else "GPU catalog"
     if kwargs.get("gpu_memory") is None and report is not None and report.total_bytes:

@@ -15,6 +15,7 @@ import inspect
 import json
 import math
 import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any
 
 from memplan.diagnose.explain import Finding
 from memplan.errors import MemplanError, shown
-from memplan.inputs import MONITOR_BYTES, regular_file, size_text
+from memplan.inputs import MONITOR_BYTES, UTF8_BOM, regular_file, size_text, too_large
 from memplan.model.estimate import Estimate
 from memplan.monitor.memory_monitor import MemoryMonitor
 from memplan.monitor.records import summarize
@@ -79,6 +80,25 @@ class Monitored:
         return max(caps) if caps else None
 
 
+def revalidated(given: Any) -> Monitored:
+    """A ``Monitored`` given to the API, checked as its files would be: each record a
+    MemoryMonitor record (``_check``), and the summary made anew from them (a summary built
+    by hand would otherwise be trusted). One line naming the rank and record otherwise."""
+    records = given.records
+    if not isinstance(records, dict) or not all(
+            type(rank) is int and isinstance(recs, (tuple, list))
+            for rank, recs in records.items()):
+        raise MemplanError(f"monitor: Monitored.records must map each rank (an int) to its "
+                           f"records, got {shown(records)}")
+    every = [_check(f"monitor: rank {rank} record {i}", rec)
+             for rank, recs in records.items() for i, rec in enumerate(recs)]
+    if not every:
+        raise MemplanError("monitor: Monitored.records holds no records")
+    return Monitored(tuple(map(str, given.files)),
+                     {k: tuple(v) for k, v in sorted(records.items())}, summarize(every),
+                     tuple(map(str, given.partial)))
+
+
 def _files(path: str, what: str) -> list[Path]:
     p = Path(path)
     if p.is_dir():
@@ -92,6 +112,14 @@ def _files(path: str, what: str) -> list[Path]:
 def _check(where: str, rec: Any) -> dict[str, Any]:
     if not isinstance(rec, dict):
         raise MemplanError(f"{where}: a record is a JSON object, not {type(rec).__name__}")
+    huge = next((k for k, v in rec.items() if too_large(v)), None)
+    if huge is not None:  # past 64 bits: no counter the monitor writes (and past a float's
+        raise MemplanError(f"{where}: {huge!r} is {shown(rec[huge])}, past the 64-bit range "
+                           "of a counter (not a MemoryMonitor record)")
+    when = rec.get("time")
+    if when is not None and (type(when) not in (int, float) or not math.isfinite(when)):
+        raise MemplanError(f"{where}: 'time' is {shown(when)}, not a number of seconds (not a "
+                           "MemoryMonitor record)")
     for key, low in (("rank", 0), ("step", 1)):
         value = rec.get(key)
         if type(value) is not int or value < low:
@@ -117,7 +145,7 @@ def _restarted(line: str) -> tuple[dict[str, Any], int] | None:
     for m in _RECORD_START.finditer(line, 1):
         try:
             rec = json.loads(line[m.start():])
-        except (json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):
             continue
         return rec, m.start()
     return None
@@ -167,6 +195,8 @@ def _read_file(file: Path, what: str) -> tuple[list[dict[str, Any]], list[str]]:
         last = ahead is None
         where = f"{what}: {file} line {num} (byte offset {offset:,})"
         try:
+            if num == 1 and raw.startswith(UTF8_BOM):  # an editor's byte-order mark
+                raw, offset = raw[len(UTF8_BOM):], offset + len(UTF8_BOM)
             line = raw.decode("utf-8")
         except UnicodeDecodeError as err:
             if not (last and err.start >= len(raw.rstrip(CRLF)) - 3):
@@ -177,7 +207,7 @@ def _read_file(file: Path, what: str) -> tuple[list[dict[str, Any]], list[str]]:
             continue
         try:
             rec = json.loads(line)
-        except (json.JSONDecodeError, RecursionError) as err:
+        except (ValueError, RecursionError) as err:  # ValueError: an over-long integer
             if last and _cut(err, line):
                 size = len(raw.rstrip(CRLF))
                 notes.append(f"{file} line {num} is cut ({size} bytes of a record: the job "
@@ -187,7 +217,9 @@ def _read_file(file: Path, what: str) -> tuple[list[dict[str, Any]], list[str]]:
             found = _restarted(line)
             if found is None:
                 detail = (f"{err.msg}, column {err.colno}" if isinstance(err, json.JSONDecodeError)
-                          else "nested too deep")
+                          else "nested too deep" if isinstance(err, RecursionError)
+                          else f"an integer of more than {sys.get_int_max_str_digits() or 4300} "
+                          "digits")
                 raise MemplanError(f"{where} is not JSON ({detail})") from None
             rec, cut = found
             notes.append(f"{file} line {num} starts with a record cut by a stopped job ({cut} "

@@ -85,12 +85,14 @@ cudaMalloc or cuMem* outside PyTorch's caching allocator.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
 
-from memplan.errors import MemplanError
-from memplan.inputs import LOG_BYTES, read_bytes
+from memplan.arguments import MAX_GPUS
+from memplan.errors import MemplanError, shown
+from memplan.inputs import LOG_BYTES, MAX_FILE_INT, read_bytes
 from memplan.units import GiB, KiB, MiB, ceil_div
 
 # format_size's units (c10/cuda/CUDACachingAllocator.cpp until 2.4, then c10/core)
@@ -146,6 +148,11 @@ _RANK_PREFIX = re.compile(r"^\s*\[(?:default)?rank(\d+)\]:\s?|^\s*(\d+):\s", re.
 # NVML's "not available" (2^64 - 1 bytes) prints as 17179869184.00 GiB; so does an unset
 # cudaMallocAsync limit (UINT64_MAX)
 _UNAVAILABLE = 2**63
+
+
+# the kinds of report (OomReport.kind): the caching allocator's message, the driver's (no
+# numbers), NCCL's own, a memory snapshot's
+OOM_KINDS = ("allocator", "driver", "nccl", "snapshot")
 
 
 @dataclass(frozen=True)
@@ -232,7 +239,27 @@ def _clean(text: str) -> tuple[str, int | None]:
 def parse_oom(text: str) -> OomReport:
     """The first out-of-memory message in ``text`` (a log, a traceback or the message alone).
 
-    Raises MemplanError naming what is missing when no message can be read."""
+    Raises MemplanError naming what is missing when no message can be read, or a number no
+    message holds (one past ``int()``'s digit limit, or a size that is inf as a float)."""
+    try:
+        report = _parse_oom(text)
+    except MemplanError:
+        raise
+    except (ValueError, OverflowError):
+        raise MemplanError("the out-of-memory message holds a number too long to be a size, "
+                           "a device or a rank (PyTorch prints a few digits): an altered "
+                           "message") from None
+    for field in dataclasses.fields(report):
+        value = getattr(report, field.name)
+        limit = MAX_GPUS if field.name in ("device", "rank") else MAX_FILE_INT
+        if type(value) is int and not -MAX_FILE_INT <= value <= limit:
+            raise MemplanError(f"the out-of-memory message gives {field.name} {shown(value)}, "
+                               f"past {limit:,} (no device or job has as many): an altered "
+                               "message")
+    return report
+
+
+def _parse_oom(text: str) -> OomReport:
     if not isinstance(text, str):
         raise MemplanError(f"the OOM text must be a string, not {type(text).__name__}")
     flat, rank = _clean(text)

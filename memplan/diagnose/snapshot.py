@@ -43,8 +43,8 @@ import pickle
 from typing import Any
 
 from memplan.diagnose.oom import OomReport
-from memplan.errors import MemplanError
-from memplan.inputs import SNAPSHOT_BYTES, read_bytes
+from memplan.errors import MemplanError, shown
+from memplan.inputs import SNAPSHOT_BYTES, read_bytes, too_large
 
 
 REFUSE = ("{path} is a pickle, and loading a pickle can run arbitrary code; memplan reads it "
@@ -84,8 +84,9 @@ def load_snapshot(path: str, *, trust_pickle: bool) -> dict[str, Any]:
 
 
 def _int(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise MemplanError(f"--snapshot: {what} is {value!r}, not a byte count: not a "
+    """A byte count: an int from 0 to ``MAX_FILE_INT`` (the allocator's sizes are 64-bit)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or too_large(value):
+        raise MemplanError(f"--snapshot: {what} is {shown(value)}, not a byte count: not a "
                            "snapshot from torch.cuda.memory._dump_snapshot")
     return value
 

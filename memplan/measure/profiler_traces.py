@@ -144,19 +144,68 @@ def analyze(rt: RankTrace) -> dict[str, Any]:
     }
 
 
+# The names torch.profiler's exporters give a trace (tensorboard_trace_handler writes
+# <worker>.<time>.pt.trace.json, gzipped with use_gzip), as a folder of them is read.
+TRACE_SUFFIXES = (".json", ".json.gz")
+
+
+def trace_paths(paths: list[str | Path]) -> list[Path]:
+    """``paths`` with each folder replaced by the trace files in it (``TRACE_SUFFIXES``, in
+    name order), as Holistic Trace Analysis takes a folder of one run's traces. One line for
+    a folder that holds none."""
+    out: list[Path] = []
+    for path in map(Path, paths):
+        if not path.is_dir():
+            out.append(path)
+            continue
+        found = sorted(p for p in path.iterdir()
+                       if p.name.endswith(TRACE_SUFFIXES) and not p.name.startswith(".")
+                       and p.is_file())
+        if not found:
+            raise MemplanError(f"trace: {path} is a folder without trace files (*.json or "
+                               "*.json.gz); give the traces or the folder that holds them")
+        out += found
+    return out
+
+
+def load_all(paths: list[str | Path]) -> list[RankTrace]:
+    """Every trace of ``paths`` (files, or folders of them: ``trace_paths``), loaded."""
+    return [load(p, i) for i, p in enumerate(trace_paths(paths))]
+
+
 def analyze_paths(paths: list[str | Path], threshold_pct: float | None = None
                   ) -> dict[str, Any]:
     """Every rank's ``analyze``, and across ranks ``memplan.measure.stragglers.stragglers`` (with
-    ``threshold_pct``, default ``STRAGGLER_PCT``)."""
-    return analyze_traces([load(p, i) for i, p in enumerate(paths)], threshold_pct)
+    ``threshold_pct``, default ``STRAGGLER_PCT``). ``paths``: trace files, or folders of them."""
+    return analyze_traces(load_all(paths), threshold_pct)
+
+
+def _same_rank(traces: list[RankTrace]) -> MemplanError | None:
+    """One line naming the first two traces of one rank, or None."""
+    seen: dict[int, RankTrace] = {}
+    for rt in traces:
+        first = seen.setdefault(rt.rank, rt)
+        if first is rt:
+            continue
+        try:
+            same = Path(first.path).samefile(rt.path)
+        except OSError:
+            same = False
+        if same:
+            return MemplanError(f"trace: {rt.path} is given twice ({first.path}); give each "
+                                "rank's trace once")
+        return MemplanError(f"trace: {first.path} and {rt.path} are both rank {rt.rank} (their "
+                            "distributedInfo.rank, or their place in the list without one); "
+                            "give one trace per rank")
+    return None
 
 
 def analyze_traces(traces: list[RankTrace], threshold_pct: float | None = None
                    ) -> dict[str, Any]:
     """``analyze_paths`` of traces already loaded."""
-    ranks = [rt.rank for rt in traces]
-    if len(set(ranks)) != len(ranks):
-        raise MemplanError(f"two traces claim the same rank: {ranks}")
+    twice = _same_rank(traces)
+    if twice is not None:
+        raise twice
     out: dict[str, Any] = {"unit": "microseconds (chrome trace ts/dur)",
                            "ranks": [analyze(rt) for rt in traces],
                            "partial": [rt.partial for rt in traces if rt.partial]}
@@ -167,5 +216,5 @@ def analyze_traces(traces: list[RankTrace], threshold_pct: float | None = None
     return out
 
 
-__all__ = ["RankTrace", "analyze", "analyze_paths", "analyze_traces", "collective_of", "load",
-           "window"]
+__all__ = ["TRACE_SUFFIXES", "RankTrace", "analyze", "analyze_paths", "analyze_traces",
+           "collective_of", "load", "load_all", "trace_paths", "window"]

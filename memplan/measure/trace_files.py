@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from memplan.errors import MemplanError, shown
-from memplan.inputs import TRACE_BYTES, read_maybe_gzip
+from memplan.arguments import MAX_GPUS
+from memplan.inputs import TRACE_BYTES, read_maybe_gzip, too_large, too_long_number
 from memplan.measure.intervals import Interval
 
 WHAT = "trace"
@@ -64,12 +65,13 @@ class RankTrace:
 
 
 def _text(data: bytes, p: Path, cut: bool) -> str:
-    """UTF-8 text; a cut file may end inside a character, which is dropped."""
+    """UTF-8 text (without a byte-order mark); a cut file may end inside a character, which
+    is dropped."""
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as err:
         if cut and err.start >= len(data) - 3:
-            return data[:err.start].decode("utf-8")
+            return data[:err.start].decode("utf-8").removeprefix("\ufeff")
         raise MemplanError(f"{WHAT}: {p} is not UTF-8 text (byte offset {err.start} of the "
                            f"{'decompressed ' if cut else ''}data: "
                            f"{data[err.start:err.start + 1]!r}); not a chrome trace") from None
@@ -95,7 +97,7 @@ def _salvage(text: str, p: Path) -> tuple[Any, int]:
     elif m is not None:
         try:  # the fields before the events, closed as an object
             meta = json.loads(text[:m.start()].rstrip().rstrip(",") + "}")
-        except (json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):  # ValueError: an over-long integer too
             meta = {}
         pos = m.end()
         meta = meta if isinstance(meta, dict) else {}
@@ -108,15 +110,20 @@ def _salvage(text: str, p: Path) -> tuple[Any, int]:
             break
         try:
             event, pos = _DECODER.raw_decode(text, pos)
-        except (json.JSONDecodeError, RecursionError):
+        except json.JSONDecodeError:
             break  # the event the file was cut in
+        except RecursionError:
+            break
+        except ValueError:  # an integer over Python's digit limit, not a cut
+            raise too_long_number(p, WHAT) from None
         events.append(event)
     return {**meta, "traceEvents": events}, len(events)
 
 
 def _number(e: dict[str, Any], key: str, i: int, p: Path) -> float:
     value = e.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or too_large(value)
+            or not math.isfinite(value)):  # (an int past 64 bits would overflow a float)
         raise MemplanError(f"{WHAT}: {p}: event {i} ({shown(e.get('name'))}) has {key} "
                            f"{shown(value)}, not a number of microseconds")
     return float(value)
@@ -156,9 +163,9 @@ def _meta(data: dict[str, Any], p: Path) -> dict[str, Any]:
     for key, low in (("rank", 0), ("world_size", 1)):
         value = info.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < low):
+                                  or not low <= value <= MAX_GPUS):
             raise MemplanError(f"{WHAT}: {p}: distributedInfo.{key} is {shown(value)}, not an "
-                               f"integer >= {low}")
+                               f"integer from {low} to {MAX_GPUS}")
     return meta
 
 
@@ -183,6 +190,8 @@ def read_trace(path: str | Path) -> TraceFile:
                else f"its JSON ends at line {text.count(chr(10)) + 1}")
         partial = (f"{p} is cut ({end}, as a killed job or an unfinished copy leaves it): "
                    f"read up to its last complete event, {count} events")
+    except ValueError:  # not a syntax error: an integer over Python's digit limit
+        raise too_long_number(p, WHAT) from None
     else:
         if raw.cut is not None:  # the JSON closed although the gzip stream did not
             partial = f"{p}: its gzip stream ends early at compressed byte {raw.cut:,}"

@@ -26,6 +26,11 @@ held in between):
 - the step's peak (CUDA) or tensor peak (tracker) departs from ``predicted_peak_bytes`` by more
   than ``deviation_pct``.
 
+The record file is opened as this job's own, never through a link (a symbolic or hard link
+planted at ``memory_rank<R>.jsonl`` in a shared folder is refused, with one line, rather than
+followed), and each record is appended whole or not at all (a write cut by a full disk is
+truncated back), so the file never ends in half a record.
+
 Arguments are checked when it is made (``MemplanError`` naming the argument, before training
 starts). After that it never raises into the training loop: a failing reader, clock or disk is
 counted in ``errors`` and logged (rate-limited); a reader or clock that raises ``SystemExit``,
@@ -37,9 +42,11 @@ torch-free at import; nothing is read until the first step.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
+import operator
 import os
 import sys
 import time
@@ -53,6 +60,7 @@ from memplan.monitor.readers import Reader, cuda_reader, default_reader, host_re
 from memplan.monitor.records import read_records, run_trend, summarize
 from memplan.monitor.trend import Trend
 from memplan.monitor.window import LEAK_BYTES, LEAK_WINDOW, LeakWindows
+from memplan.outputs import open_append, refuse_link
 
 log = logging.getLogger("memplan.monitor")
 
@@ -73,12 +81,20 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _int(name: str, value: Any, low: int, *, allow_none: bool = False) -> None:
+def _int(name: str, value: Any, low: int, *, allow_none: bool = False) -> Any:
+    """``value`` as an int >= ``low`` (numpy's integers too: anything with ``__index__`` but
+    a bool), or None where allowed."""
     if value is None and allow_none:
-        return
+        return None
+    if not isinstance(value, (bool, int)) and hasattr(type(value), "__index__"):
+        try:
+            value = operator.index(value)
+        except TypeError:
+            pass
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise MemplanError(f"MemoryMonitor: {name} must be an int >= {low}"
                            f"{' or None' if allow_none else ''}, not {value!r}")
+    return int(value)
 
 
 def _pct(name: str, value: Any, high: float) -> None:
@@ -141,17 +157,20 @@ class MemoryMonitor(TrainerHooks):
                  warn_every: int = WARN_EVERY,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.out_dir = _out_dir(out_dir)
-        _int("rank", rank, 0, allow_none=True)
+        rank = _int("rank", rank, 0, allow_none=True)
         if reader is not None and not callable(reader):
             raise MemplanError(f"MemoryMonitor: reader must be a callable returning a dict of "
                                f"counters, or None, not {reader!r}")
-        _int("predicted_peak_bytes", predicted_peak_bytes, 1, allow_none=True)
+        predicted_peak_bytes = _int("predicted_peak_bytes", predicted_peak_bytes, 1,
+                                    allow_none=True)
         _pct("deviation_pct", deviation_pct, math.inf)
         _pct("min_headroom_pct", min_headroom_pct, 100)
-        _int("leak_window", leak_window, 6)
-        _int("leak_bytes", leak_bytes, 1)
-        _int("warn_every", warn_every, 1)
+        leak_window = _int("leak_window", leak_window, 6)
+        leak_bytes = _int("leak_bytes", leak_bytes, 1)
+        warn_every = _int("warn_every", warn_every, 1)
         self.clock = _clock(clock)
+        if rank is not None:  # said before training starts; start() checks again
+            refuse_link(self.out_dir / f"memory_rank{rank}.jsonl", "MemoryMonitor")
         self.rank, self.reader = rank, reader
         self.predicted_peak_bytes = predicted_peak_bytes
         self.deviation_pct, self.min_headroom_pct = deviation_pct, min_headroom_pct
@@ -189,8 +208,8 @@ class MemoryMonitor(TrainerHooks):
             if self.reader is None:
                 self.reader = default_reader()
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            path = self.out_dir / f"memory_rank{self.rank}.jsonl"
-            self._file = open(path, "ab", buffering=0)  # noqa: SIM115 - held across steps
+            self._file = open_append(self.out_dir / f"memory_rank{self.rank}.jsonl",
+                                     "MemoryMonitor")
         except Exception as err:  # noqa: BLE001 - the training loop must go on
             self._error("start", err)
         try:
@@ -326,14 +345,27 @@ class MemoryMonitor(TrainerHooks):
                 self._min_headroom, room)
 
     def _write(self, rec: dict[str, Any]) -> None:
+        """Append the record's line whole, or nothing: a write that fails part-way (a full
+        disk) is cut back to where the line began, so the file never ends in half a record
+        that the next one would be appended to."""
         if self._file is None:
             return
         line = (json.dumps(rec) + "\n").encode()
+        end = None
         try:
+            end = self._file.seek(0, os.SEEK_END)
             done = 0
-            while done < len(line):  # unbuffered: a record is written whole or fails
-                done += self._file.write(line[done:])
+            while done < len(line):  # unbuffered: each write is one system call
+                wrote = self._file.write(line[done:])
+                if not wrote:
+                    raise OSError(errno.ENOSPC, f"wrote {done} of {len(line)} bytes")
+                done += wrote
         except Exception as err:  # noqa: BLE001 - a full or failing disk: counted
+            if end is not None:
+                try:
+                    self._file.truncate(end)
+                except Exception:  # noqa: BLE001, S110 - the write's error is the one counted
+                    pass
             self._error("write", err)
 
     def _stop(self, why: str) -> None:

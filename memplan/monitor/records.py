@@ -13,6 +13,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from memplan.errors import MemplanError
+from memplan.inputs import MONITOR_BYTES, checked, read_text, too_long_number
 from memplan.monitor.trend import Trend, trend
 from memplan.monitor.window import LEAK_BYTES, LEAK_SERIES
 
@@ -24,9 +26,26 @@ def read_records(paths: list[str | Path]) -> list[dict[str, Any]]:
         files += sorted(p.glob("memory_rank*.jsonl")) if p.is_dir() else [p]
     out = []
     for f in files:
-        with f.open() as fh:
-            out += [json.loads(line) for line in fh if line.strip()]
+        text = read_text(f, "monitor records", MONITOR_BYTES)
+        for num, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                out.append(_record(line, f, num))
     return out
+
+
+def _record(line: str, f: Path, num: int) -> Any:
+    """One JSONL line as data, or one line naming the file and line that is not JSON."""
+    try:
+        return checked(json.loads(line), f"{f} line {num}", "monitor records")
+    except MemplanError:
+        raise
+    except json.JSONDecodeError as err:
+        raise MemplanError(f"monitor records: {f} line {num} is not JSON ({err.msg}, column "
+                           f"{err.colno})") from None
+    except RecursionError:
+        raise MemplanError(f"monitor records: {f} line {num} nests too deep") from None
+    except ValueError:  # an integer over Python's digit limit
+        raise too_long_number(f"{f} line {num}", "monitor records") from None
 
 
 def _median(values: list[float]) -> float:

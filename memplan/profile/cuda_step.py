@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memplan.errors import raise_if_interrupted
 from memplan.measure.timeline import Sample, Timeline
 from memplan.profile.phases import PhaseDetector, StepFn, phase_hooks
 
@@ -87,6 +88,7 @@ def profile_cuda(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step_
     try:
         with phase_hooks(optimizer, det, None), sampler:
             for k in range(1, steps + 1):
+                raise_if_interrupted()  # Ctrl-C between steps (memplan.errors)
                 det.new_step()
                 sampler.step, sampler.phase = k, "forward"
                 torch.cuda.reset_peak_memory_stats()

@@ -32,6 +32,7 @@ from torch.profiler import ProfilerActivity, profile, record_function, schedule
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from memplan.errors import raise_if_interrupted
 from memplan.hardware import GpuSpec
 from memplan.measure.perf import summarize
 from memplan.measure.profiler_traces import analyze, load
@@ -176,6 +177,7 @@ def profile_perf(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step_
                      schedule=schedule(wait=0, warmup=warmup, active=steps)) as prof, \
                 phase_ranges(model, optimizer):
             for k in range(1, warmup + steps + 1):
+                raise_if_interrupted()  # Ctrl-C between steps (memplan.errors)
                 step_fn(model, optimizer, k)
                 if cuda:
                     torch.cuda.synchronize()

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from memplan.errors import MemplanError
+from memplan.errors import MemplanError, raise_if_interrupted
 from memplan.measure.timeline import Sample, Timeline
 from memplan.profile.cuda_step import profile_cuda
 from memplan.profile.phases import PhaseDetector, StepFn, phase, phase_hooks, relabel_states
@@ -74,6 +74,7 @@ def profile_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step_
                          "gradients")
         relabel_states(tracker, optimizer)  # states of a resumed optimizer
         for k in range(1, steps + 1):
+            raise_if_interrupted()  # Ctrl-C between steps (memplan.errors)
             det.new_step()
             tracker.set_phase("forward", step=k)
             step_fn(model, optimizer, k)

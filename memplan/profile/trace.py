@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from memplan.errors import MemplanError
+from memplan.errors import MemplanError, raise_if_interrupted
 from memplan.model.optimizer import optimizer_policy
 from memplan.parallel import ParallelConfig
 from memplan.profile.cuda_rules import autocast_rules
@@ -228,6 +228,7 @@ def run_steps(model: torch.nn.Module, spec: ModelSpec, wl: Workload, tracker: Me
         tracker.register(recipe.masters or [], "optimizer")
         result = TraceResult(spec=spec, params_bytes=tracker.bytes_in("parameters"))
         for k in range(1, steps + 1):
+            raise_if_interrupted()  # Ctrl-C between steps too (memplan.errors)
             result.steps.append(_step(model, opt, recipe, tracker, wl, spec, k))
     result.timeline = tracker.timeline
     return result

@@ -24,6 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from memplan.errors import raise_if_interrupted
 from memplan.measure.timeline import CATEGORIES
 from memplan.units import PHASES
 
@@ -190,6 +191,7 @@ class MemoryTracker(TorchDispatchMode):
 
     # --- dispatch --------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        raise_if_interrupted()  # Ctrl-C is taken here, between operators (memplan.errors)
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self.op_index += 1

@@ -35,15 +35,16 @@ PHASE_LABELS = {"setup": "setup", "forward": "fwd", "backward": "bwd", "optimize
 def check_path(path: Path, what: str = "--plot") -> Path:
     """``path`` as a plot file to write, checked before any work: a .png or .svg name, not a
     folder, in a folder that exists or can be made and that this user can write."""
-    from memplan.outputs import check_out_dir
+    from memplan.outputs import check_file_name, check_out_dir
 
     path = Path(path).expanduser()
     if path.suffix.lower() not in FORMATS:
         raise MemplanError(f"{what}: {path}: the name must end in .png or .svg")
+    check_out_dir(path.parent, what)
+    check_file_name(path, what)
     if path.is_dir():
         raise MemplanError(f"{what}: {path} is a folder; give a file name ending in .png or "
                            ".svg")
-    check_out_dir(path.parent, what)
     return path
 
 

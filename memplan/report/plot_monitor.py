@@ -66,8 +66,10 @@ def plot_monitor(records: dict[int, list[dict[str, Any]]], path: Path) -> Path |
         if cap is not None and drawn < cap / 4:
             title += f" (capacity {format_gib(cap)}, off the scale)"
         mem.set_title(title, fontsize=10)
-        mem.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-        room.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+        for ax in (mem, room):  # records without headroom draw nothing there to name
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,
+                          frameon=False)
     return path
 
 

@@ -17,6 +17,7 @@ Python API's arguments.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import hashlib
 import io
@@ -28,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from toml_literals import toml_value  # tests/unit/toml_literals.py
 
@@ -92,7 +94,9 @@ def _tree(root: Path) -> dict[str, tuple[Any, ...]]:
     out: dict[str, tuple[Any, ...]] = {}
     for path in sorted(root.rglob("*")):
         rel = str(path.relative_to(root))
-        if path.is_dir():
+        if path.is_symlink():  # a link (maybe to nothing, or to itself): where it points
+            out[rel] = ("link", os.readlink(path))
+        elif path.is_dir():
             out[rel] = ("dir", path.stat().st_mode)
         elif path.is_file():
             out[rel] = ("file", path.stat().st_size, hashlib.sha1(path.read_bytes()).hexdigest())
@@ -511,7 +515,101 @@ def test_two_traces_of_one_rank(sandbox: Path, capsys) -> None:
         path = sandbox / "in" / f"r{k}.json.gz"
         path.write_bytes(TRACE_GZ)
         paths.append(str(path))
-    assert_refused(["analyze-trace", *paths], ["same rank"], sandbox, capsys)
+    assert_refused(["analyze-trace", *paths], [f"{paths[0]} and {paths[1]} are both rank 0"],
+                   sandbox, capsys)
+    assert_refused(["analyze-trace", paths[0], paths[0]], [paths[0], "given twice"], sandbox,
+                   capsys)
+    assert_refused(["analyze-trace", str(sandbox / "in")], [f"{paths[0]} and {paths[1]}"],
+                   sandbox, capsys)
+
+
+# --- 3c. encodings and what a message names ------------------------------------------------
+
+BOM = b"\xef\xbb\xbf"
+
+
+def _analyzed(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    assert main([*argv, "--json"]) == 0, capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert err == "", err
+    return json.loads(out)
+
+
+BOM_CASES: dict[str, tuple[list[str], str, bytes]] = {
+    "model-toml": (["estimate", "-m"], "m.toml", tiny_toml().encode()),
+    "hf-config": (["estimate", "-n", "8", "-m"], "config.json", llama_json().encode()),
+    "megatron-args": (["estimate", "--megatron-args"], "args.sh",
+                      b"pretrain_gpt.py --num-layers 4 --hidden-size 64 "
+                      b"--num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 "
+                      b"--vocab-size 128"),
+    "torchtitan": (["estimate", "--torchtitan-config"], "job.toml",
+                   b'[model]\nname = "llama3"\nflavor = "debugmodel"\n'
+                   b'[activation_checkpoint]\nmode = "full"\n'),
+    "monitor": (["monitor-summary"], "memory_rank0.jsonl", jsonl(record()).encode()),
+    "trace": (["analyze-trace"], "t.json", gzip.decompress(TRACE_GZ)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BOM_CASES))
+def test_a_utf8_byte_order_mark_is_accepted(case: str, sandbox: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A file saved by an editor that puts the UTF-8 byte-order mark first reads as the same
+    file without it (the same answer, no warning)."""
+    command, name, content = BOM_CASES[case]
+    path = sandbox / "in" / name
+    path.write_bytes(content)
+    want = _analyzed([*command, str(path)], capsys)
+    path.write_bytes(BOM + content)  # the same file, saved with the mark
+    assert _analyzed([*command, str(path)], capsys) == want
+
+
+def test_a_folder_of_traces_is_read_as_its_files(sandbox: Path, capsys) -> None:
+    """analyze-trace takes a folder as monitor-summary does (and as Holistic Trace Analysis
+    takes a run's trace folder): its .json and .json.gz files, in name order; other files
+    and hidden ones are left out."""
+    folder = sandbox / "in" / "run"
+    folder.mkdir()
+    for rank in (0, 1):
+        (folder / f"rank{rank}.json.gz").write_bytes(
+            (DATA / "traces" / "gloo_2rank" / f"rank{rank}.json.gz").read_bytes())
+    (folder / "notes.txt").write_text("not a trace")
+    (folder / ".rank9.json").write_text("{}")
+    files = _analyzed(["analyze-trace", str(folder / "rank0.json.gz"),
+                       str(folder / "rank1.json.gz")], capsys)
+    assert _analyzed(["analyze-trace", str(folder)], capsys) == files
+    assert [r["path"] for r in files["ranks"]] == [str(folder / "rank0.json.gz"),
+                                                   str(folder / "rank1.json.gz")]
+
+
+MESSAGE_CASES: dict[str, tuple[list[str], str, Any, list[str]]] = {
+    "torchtitan-empty": (["estimate", "--torchtitan-config"], "job.toml", "",
+                         ["{f}", "empty", "[model]"]),
+    "torchtitan-no-model": (["estimate", "--torchtitan-config"], "job.toml",
+                            "[training]\nseq_len = 128\n", ["{f}", "no [model] table"]),
+    "torchtitan-default-ac": (["estimate", "--torchtitan-config"], "job.toml",
+                              '[model]\nname = "llama3"\nflavor = "debugmodel"\n',
+                              ["selective_ac_option", "default", "sets no"]),
+    "trace-folder-without-traces": (["analyze-trace"], "", None,
+                                    ["{f}", "without trace files"]),
+    "model-toml-utf16": (["estimate", "-m"], "m.toml", tiny_toml().encode("utf-16"),
+                         ["{f}", "UTF-8", "byte offset 0"]),
+    "model-toml-bom-then-binary": (["estimate", "-m"], "m.toml", BOM + b"\xff\xfe",
+                                   ["{f}", "UTF-8", "byte offset 3"]),
+    "monitor-utf16": (["monitor-summary"], "memory_rank0.jsonl",
+                      jsonl(record()).encode("utf-16"), ["{f}", "UTF-8"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MESSAGE_CASES))
+def test_message_names_what(case: str, sandbox: Path, capsys) -> None:
+    command, name, content, mentions = MESSAGE_CASES[case]
+    path = sandbox / "in" / name if name else sandbox / "in"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    assert_refused([*command, str(path)], [m.replace("{f}", str(path)) for m in mentions],
+                   sandbox, capsys)
 
 
 @pytest.mark.parametrize("data", [b"\xff\xfe\xfd" * 100, b"", b"CUDA out of memory. Tried"])
@@ -522,6 +620,153 @@ def test_oom_from_stdin_without_a_message(data: bytes, sandbox: Path, capsys,
                    sandbox, capsys)
 
 
+# --- 3b. numbers and sizes: past Python's digit limit, past memplan's bounds, size bombs ---
+
+HUGE = "1" * 5000  # past int()'s 4300-digit limit: a ValueError that is no syntax error
+MEGATRON = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 128 "
+            "--max-position-embeddings 128 --vocab-size 128")
+MOE = MEGATRON + " --num-experts 4 --moe-layer-freq "
+NUMBER_OPTION_CASES: dict[str, tuple[list[str], list[str]]] = {
+    "gpus-5000-digits": ([*E, "--gpus", HUGE], ["--gpus"]),
+    "seq-5000-digits": ([*E, "--seq", HUGE], ["--seq"]),
+    "gpu-memory-5000-digits": ([*E, "--gpu-memory", HUGE + "GiB"], ["gpu_memory", "1 PiB"]),
+    "gpu-memory-inf-as-float": ([*E, "--gpu-memory", "9" * 400 + "TiB"],
+                                ["gpu_memory", "1 PiB"]),
+    "gpu-memory-over-limit": ([*E, "--gpu-memory", "1025TiB"], ["gpu_memory", "'1025TiB'"]),
+    "gpu-memory-bytes-over-limit": ([*E, "--gpu-memory", str(2**50 + 1)],
+                                    ["gpu_memory", str(2**50 + 1)]),
+    "stage-layers-bomb": ([*E, "-n", "2", "--pp", "2", "--stage-layers", "1x99999999999"],
+                          ["stage_layers", "10000", "'1x99999999999'"]),
+    "stage-layers-many-runs": ([*E, "-n", "2", "--pp", "2", "--stage-layers",
+                                ",".join(["1x9999"] * 3)], ["stage_layers", "10000"]),
+    "stage-layers-5000-digits": ([*E, "-n", "2", "--pp", "2", "--stage-layers", "1x" + HUGE],
+                                 ["stage_layers", "..."]),
+    "megatron-pattern-bomb": (["estimate", "--megatron-args", MOE + "[0]*4096*4096*4096"],
+                              ["--moe-layer-freq", "10000 layers"]),
+    "megatron-pattern-product": (["estimate", "--megatron-args", MOE + "[0]*100*101"],
+                                 ["--moe-layer-freq", "10000 layers"]),
+    "megatron-pattern-long": (["estimate", "--megatron-args", MOE + "[0]+" * 12000 + "[1]"],
+                              ["--moe-layer-freq", "characters"]),
+    "megatron-pattern-deep": (["estimate", "--megatron-args", MOE + "[0]+" * 9000 + "[1]"],
+                              ["--moe-layer-freq"]),
+    "megatron-layers-5000-digits": (["estimate", "--megatron-args",
+                                     MEGATRON.replace("--num-layers 4", "--num-layers " + HUGE)],
+                                    ["--num-layers", "expected an integer"]),
+    "megatron-layers-inf": (["estimate", "--megatron-args",
+                             MEGATRON.replace("--num-layers 4", "--num-layers 1e999")],
+                            ["--num-layers", "'1e999'", "expected an integer"]),
+    "megatron-dropout-inf": (["estimate", "--megatron-args", MEGATRON + " --hidden-dropout 1e999"],
+                             ["--hidden-dropout", "'1e999'", "expected a number"]),
+    "megatron-dropout-nan": (["estimate", "--megatron-args", MEGATRON + " --hidden-dropout nan"],
+                             ["--hidden-dropout", "'nan'", "expected a number"]),
+    "calibrate-nproc-cpu-bomb": (["calibrate", "--device", "cpu", "--nproc", "100000"],
+                                 ["nproc (100000)", "--device cpu", "process"]),
+    "width-5000-digits": (["--width", HUGE, "models"], ["--width", "10000"]),
+    "width-superscript": (["--width", "\u00b2", "models"], ["--width"]),
+    "width-over-limit": (["--width", "99999", "models"], ["--width", "99999"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NUMBER_OPTION_CASES))
+def test_bad_number_option(case: str, sandbox: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv, mentions = NUMBER_OPTION_CASES[case]
+    err = assert_refused(argv, mentions, sandbox, capsys)
+    assert len(err) < 600, err  # the value is quoted cut short, never whole
+
+
+def _with_huge(text: str, value: str) -> str:
+    """``text`` with its ``value`` (a number written once in it) replaced by HUGE."""
+    assert text.count(value) == 1, value
+    return text.replace(value, HUGE)
+
+
+# name -> (command before the path, file name, content, mentions); as EVIDENCE_CASES
+NUMBER_FILE_CASES: dict[str, tuple[list[str], str, Any, list[str]]] = {
+    "toml-5000-digit-layers": (["estimate", "-m"], "m.toml",
+                               _with_huge(tiny_toml(num_layers=4242), "4242"),
+                               ["{f}", "4300 digits"]),
+    "json-5000-digit-layers": (["estimate", "-m"], "config.json",
+                               _with_huge(llama_json(num_hidden_layers=7777), "7777"),
+                               ["{f}", "4300 digits"]),
+    "json-inf-layers": (["estimate", "-m"], "config.json",
+                        llama_json(num_hidden_layers=12345).replace("12345", "1e999"),
+                        ["num_hidden_layers", "inf"]),
+    "trace-5000-digit-ts": (["analyze-trace"], "t.json",
+                            _with_huge(trace_with({**X, "ts": 424242}), "424242"),
+                            ["{f}", "4300 digits"]),
+    "trace-5000-digit-rank": (["analyze-trace"], "t.json",
+                              _with_huge(trace_with(X, distributedInfo={"rank": 424242}),
+                                         "424242"), ["{f}", "4300 digits"]),
+    "trace-gz-5000-digit-dur": (["analyze-trace"], "t.json.gz",
+                                _gz(_with_huge(trace_with({**X, "dur": 424242}), "424242")),
+                                ["{f}", "4300 digits"]),
+    "monitor-5000-digit-bytes": (["monitor-summary"], "memory_rank0.jsonl",
+                                 _with_huge(jsonl(record(allocated_bytes=424242)), "424242"),
+                                 ["{f}", "line 1", "4300 digits"]),
+    "monitor-5000-digit-step": (["diagnose", "-m", "tiny", "--monitor"], "memory_rank0.jsonl",
+                                jsonl(record()) + _with_huge(jsonl(record(step=9876543, time=1.0)),
+                                                             "9876543"),
+                                ["--monitor", "{f}", "line 2", "4300 digits"]),
+    "profile-5000-digit-steps": (["diagnose", "-m", "tiny", "--profile"], "summary.json",
+                                 _with_huge(json.dumps({"phases": {}, "num_steps": 424242}),
+                                            "424242"), ["--profile", "{f}", "4300 digits"]),
+    "calibration-5000-digit-version": (["estimate", "-m", "tiny", "--calibration"], "p.json",
+                                       _with_huge(json.dumps({"schema_version": 424242}),
+                                                  "424242"), ["{f}", "4300 digits"]),
+    "oom-5000-digit-size": (["diagnose", "-m", "tiny", "--oom"], "oom.txt",
+                            f"CUDA out of memory. Tried to allocate {HUGE}.00 GiB. GPU 0 has a "
+                            "total capacity of 79.10 GiB of which 1.00 MiB is free.",
+                            ["out-of-memory message", "too long"]),
+    "oom-5000-digit-device": (["diagnose", "-m", "tiny", "--oom"], "oom.txt",
+                              "CUDA out of memory. Tried to allocate 2.00 GiB (GPU " + HUGE
+                              + "; 79.35 GiB total capacity; 70.00 GiB already allocated; "
+                              "1.00 GiB free; 75.00 GiB reserved in total by PyTorch)",
+                              ["out-of-memory message", "too long"]),
+    "megatron-file-5000-digits": (["estimate", "--megatron-args"], "args.sh",
+                                  "pretrain_gpt.py " + MEGATRON.replace("--hidden-size 64",
+                                                                        "--hidden-size " + HUGE),
+                                  ["--hidden-size", "expected an integer"]),
+    "torchtitan-5000-digit-layers": (["estimate", "--torchtitan-config"], "job.toml",
+                                     "[model]\nname = \"llama3\"\nflavor = \"debugmodel\"\n"
+                                     "[training]\nseq_len = " + HUGE + "\n",
+                                     ["{f}", "4300 digits"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NUMBER_FILE_CASES))
+def test_bad_number_in_a_file(case: str, sandbox: Path,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    command, name, content, mentions = NUMBER_FILE_CASES[case]
+    path = sandbox / "in" / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    err = assert_refused([*command, str(path)], [m.replace("{f}", str(path)) for m in mentions],
+                         sandbox, capsys)
+    assert len(err) < 600 + len(str(path)), err
+
+
+@pytest.mark.parametrize("digits", [20, 400])
+@pytest.mark.parametrize("case", sorted(NUMBER_FILE_CASES))
+def test_integer_past_64_bits_in_a_file(case: str, digits: int, sandbox: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """The same numbers 20 and 400 digits long: within Python's digit limit, past the 64-bit
+    range of any count or size these files hold (and a 400-digit one past a float's). Each
+    reader refuses in one line naming the file or the option that gave it, where such a
+    number used to overflow into a traceback where results are computed."""
+    command, name, content, _ = NUMBER_FILE_CASES[case]
+    path = sandbox / "in" / name
+    long = "7" * digits
+    if isinstance(content, bytes):  # gzip: the number inside the stream
+        path.write_bytes(_gz(gzip.decompress(content).decode().replace(HUGE, long)))
+    else:
+        path.write_text(content.replace(HUGE, long))
+    err = assert_refused([*command, str(path)], [], sandbox, capsys)
+    assert str(path) in err or command[-1] in err, err
+    assert len(err) < 600 + len(str(path)), err
+
+
 # --- 4. outputs ----------------------------------------------------------------------------
 
 def _existing_file(root: Path) -> Path:
@@ -530,7 +775,54 @@ def _existing_file(root: Path) -> Path:
     return path
 
 
+def _dangling(root: Path) -> Path:
+    link = root / "in" / "out"
+    link.symlink_to(root / "in" / "missing")
+    return link
+
+
+def _loop(root: Path) -> Path:
+    link = root / "in" / "out"
+    link.symlink_to(link)
+    return link
+
+
+def _linked_inside(root: Path, name: str) -> Path:
+    """An --out folder whose ``name`` subfolder is a link planted to a folder outside it."""
+    out, elsewhere = root / "in" / "cal", root / "in" / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    (out / name).symlink_to(elsewhere)
+    return out
+
+
+LONG = "n" * 300  # over the 255 bytes a file or folder name may have (ext4, xfs, tmpfs)
 OUTPUT_CASES: dict[str, tuple[Callable[[Path], list[str]], list[str]]] = {
+    "profile-out-dangling-link": (lambda r: ["profile", "-m", "tiny", "--out", str(_dangling(r))],
+                                  ["--out", "symbolic link to nothing"]),
+    "profile-out-link-loop": (lambda r: ["profile", "-m", "tiny", "--out", str(_loop(r))],
+                              ["--out", "symbolic link to nothing"]),
+    "profile-out-under-a-dangling-link": (lambda r: ["profile", "-m", "tiny", "--out",
+                                                     str(_dangling(r) / "a" / "b")],
+                                          ["--out", "symbolic link to nothing"]),
+    "profile-out-300-characters": (lambda r: ["profile", "-m", "tiny", "--out",
+                                              str(r / "in" / LONG)], ["--out", "too long"]),
+    "profile-out-300-characters-deeper": (lambda r: ["profile", "-m", "tiny", "--out",
+                                                     str(r / "in" / LONG / "sub")],
+                                          ["--out", "too long"]),
+    "calibrate-out-dangling-link": (lambda r: ["calibrate", "--device", "cpu", "--out",
+                                               str(_dangling(r))],
+                                    ["--out", "symbolic link to nothing"]),
+    "calibrate-out-300-characters": (lambda r: ["calibrate", "--device", "cpu", "--out",
+                                                str(r / "in" / LONG)], ["--out", "too long"]),
+    "plot-300-characters": (lambda r: ["estimate", "-m", "tiny", "--plot",
+                                       str(r / "in" / (LONG + ".png"))], ["--plot", "too long"]),
+    "plot-in-a-dangling-link": (lambda r: ["estimate", "-m", "tiny", "--plot",
+                                           str(_dangling(r) / "p.png")],
+                                ["--plot", "symbolic link to nothing"]),
+    "monitor-plot-link-loop": (lambda r: ["monitor-summary", "x", "--plot",
+                                          str(_loop(r) / "p.svg")],
+                               ["--plot", "symbolic link to nothing"]),
     "profile-out-is-a-file": (lambda r: ["profile", "-m", "tiny", "--out",
                                          str(_existing_file(r))],
                               ["--out", "existing file"]),
@@ -543,6 +835,12 @@ OUTPUT_CASES: dict[str, tuple[Callable[[Path], list[str]], list[str]]] = {
     "calibrate-out-under-a-file": (lambda r: ["calibrate", "--device", "cpu", "--out",
                                               str(_existing_file(r) / "cal")],
                                    ["--out", "is a file"]),
+    "calibrate-records-a-link": (lambda r: ["calibrate", "--device", "cpu", "--out",
+                                            str(_linked_inside(r, "records"))],
+                                 ["--out", "records is a symbolic link", "inside"]),
+    "calibrate-profiles-a-link": (lambda r: ["calibrate", "--refit", "--out",
+                                             str(_linked_inside(r, "profiles"))],
+                                  ["--out", "profiles is a symbolic link"]),
     "calibrate-name-climbs-out": (lambda r: ["calibrate", "--device", "cpu", "--out",
                                              str(r / "in" / "cal"), "--name", "../../x"],
                                   ["name", "'../../x'", "inside --out"]),
@@ -659,6 +957,168 @@ API_CASES: dict[str, tuple[Callable[..., Any], tuple, dict[str, Any], list[str]]
 }
 
 
+# objects that skipped validation (model_copy's update and model_construct do not validate)
+TINY_SPEC = memplan.load_model("tiny")
+H100 = memplan.load_gpu("h100-sxm")
+API_OBJECT_CASES: dict[str, tuple[Callable[..., Any], tuple, dict[str, Any], list[str]]] = {
+    "copy-negative-layers": (memplan.estimate, (TINY_SPEC.model_copy(update={"num_layers": -3}),),
+                             {}, ["model", "num_layers", "-3"]),
+    "copy-billion-layers": (memplan.estimate,
+                            (TINY_SPEC.model_copy(update={"num_layers": 10**9}),), {},
+                            ["model", "num_layers", "10000"]),
+    "copy-zero-heads": (memplan.estimate,
+                        (TINY_SPEC.model_copy(update={"num_attention_heads": 0}),), {},
+                        ["model", "num_attention_heads", "0"]),
+    "copy-heads-do-not-divide": (memplan.estimate,
+                                 (TINY_SPEC.model_copy(update={"num_kv_heads": 3}),), {},
+                                 ["model", "num_kv_heads (3)"]),
+    "copy-moe-as-partial-dict": (memplan.estimate,
+                                 (TINY_SPEC.model_copy(update={"moe": {"num_experts": 3}}),), {},
+                                 ["model", "moe.top_k", "required"]),
+    "copy-unknown-field": (memplan.estimate, (TINY_SPEC.model_copy(update={"layers": 3}),), {},
+                           ["model", "layers"]),
+    "construct-partial": (memplan.estimate, (memplan.ModelSpec.model_construct(num_layers=2),),
+                          {}, ["model", "required"]),
+    "construct-empty": (memplan.estimate, (memplan.ModelSpec.model_construct(),), {},
+                        ["model", "required"]),
+    "plan-copy-negative-layers": (memplan.plan,
+                                  (TINY_SPEC.model_copy(update={"num_layers": -3}),),
+                                  {"gpus": 8}, ["model", "num_layers", "-3"]),
+    "check-construct": (memplan.check, (memplan.ModelSpec.model_construct(num_layers=2),), {},
+                        ["model", "required"]),
+    "make-workload-construct": (memplan.make_workload,
+                                (memplan.ModelSpec.model_construct(num_layers=2),), {},
+                                ["spec", "required"]),
+    "gpu-copy-zero-memory": (memplan.estimate, ("tiny",),
+                             {"gpu": H100.model_copy(update={"memory_bytes": 0})},
+                             ["gpu", "memory_bytes", "0"]),
+    "gpu-copy-negative-flops": (memplan.estimate, ("tiny",),
+                                {"gpu": H100.model_copy(update={"bf16_flops": -1.0})},
+                                ["gpu", "bf16_flops"]),
+    "gpu-construct": (memplan.estimate, ("tiny",),
+                      {"gpu": memplan.GpuSpec.model_construct(name="x")}, ["gpu", "required"]),
+    "numpy-float-tp": (memplan.estimate, ("tiny",), {"tp": np.float64(2.0)}, ["tp", "2.0"]),
+    "numpy-bool-gpus": (memplan.estimate, ("tiny",), {"gpus": np.bool_(True)}, ["gpus"]),
+    "numpy-negative-gpus": (memplan.estimate, ("tiny",), {"gpus": np.int64(-8)},
+                            ["gpus", "-8"]),
+    "numpy-huge-mbs": (memplan.estimate, ("tiny",), {"micro_batch_size": np.int64(2**40)},
+                       ["mbs", str(2**40)]),
+    "numpy-stage-layers-2d": (memplan.estimate, ("tiny",),
+                              {"gpus": 2, "pp": 2, "stage_layers": np.ones((2, 2), int)},
+                              ["stage_layers"]),
+}
+
+
+def _api_report_cases() -> dict[str, tuple[Callable[..., Any], tuple, dict[str, Any],
+                                           list[str]]]:
+    """Result objects given back to the API (a dataclass is not validated when made)."""
+    from memplan.diagnose import diagnose
+    from memplan.diagnose.measured import Measured, PhasePeak
+    from memplan.diagnose.monitored import Monitored
+    from memplan.diagnose.oom import OomReport
+
+    def report(**fields: Any) -> Any:
+        return OomReport(**{"kind": "allocator", "version": "2.1+", **fields})
+
+    def measured(first: Any) -> Any:
+        return Measured(device="cuda", first=first, steady={}, warnings=())
+
+    def monitored(*records: Any) -> Any:
+        return Monitored(files=("m.jsonl",), records={0: records}, summary={"ranks": {}})
+
+    peak = PhasePeak(1, "forward", 2**20, {"activations": 2**20}, None)
+    return {
+        "oom-report-negative-total": (diagnose, ("tiny",), {"oom": report(total_bytes=-5)},
+                                      ["oom.total_bytes", "-5"]),
+        "oom-report-text-size": (diagnose, ("tiny",), {"oom": report(free_bytes="8GiB")},
+                                 ["oom.free_bytes", "'8GiB'"]),
+        "oom-report-bool-device": (diagnose, ("tiny",), {"oom": report(device=True)},
+                                   ["oom.device", "true"]),
+        "oom-report-huge-bytes": (diagnose, ("tiny",), {"oom": report(requested_bytes=2**70)},
+                                  ["oom.requested_bytes", str(2**70)]),
+        "oom-report-kind": (diagnose, ("tiny",), {"oom": report(kind="gpu")},
+                            ["oom.kind", "'gpu'"]),
+        "profile-negative-peak": (diagnose, ("tiny",), {"profile": measured(
+            {"forward": PhasePeak(1, "forward", -1, {}, None)})},
+            ["profile.first['forward'].peak_bytes", "-1"]),
+        "profile-not-a-peak": (diagnose, ("tiny",), {"profile": measured({"forward": 5})},
+                               ["profile.first['forward']", "PhasePeak"]),
+        "profile-peak-text-bytes": (diagnose, ("tiny",), {"profile": measured(
+            {"forward": PhasePeak(1, "forward", 7, {"activations": "1 GiB"}, None)})},
+            ["profile.first['forward'].by_category['activations']", "'1 GiB'"]),
+        "profile-good-peak-bad-steady": (diagnose, ("tiny",), {"profile": Measured(
+            device="cuda", first={"forward": peak}, steady=[], warnings=())},
+            ["profile.steady", "dict"]),
+        "monitor-bad-record": (diagnose, ("tiny",), {"monitor": monitored(
+            {"rank": 0, "step": 0, "step_time_s": 0.5})}, ["monitor", "record 0", "'step'"]),
+        "monitor-no-records": (diagnose, ("tiny",), {"monitor": monitored()},
+                               ["monitor", "no records"]),
+        "monitor-huge-bytes": (diagnose, ("tiny",), {"monitor": monitored(
+            {"rank": 0, "step": 1, "step_time_s": 0.5, "allocated_bytes": 2**70})},
+            ["monitor", "allocated_bytes", "64-bit"]),
+    }
+
+
+API_OBJECT_CASES.update(_api_report_cases())
+def _overheads(**changes: Any) -> Any:
+    from memplan.overheads import default_overheads
+
+    return dataclasses.replace(default_overheads(H100), **changes)
+
+
+API_OBJECT_CASES.update({
+    "overheads-negative-context": (memplan.estimate, ("tiny",),
+                                   {"overheads": _overheads(cuda_context_bytes=-1)},
+                                   ["overheads.cuda_context_bytes", "-1"]),
+    "overheads-nan-fraction": (memplan.estimate, ("tiny",),
+                               {"overheads": _overheads(allocator_fraction=float("nan"))},
+                               ["overheads.allocator_fraction", "nan"]),
+    "overheads-text-workspace": (memplan.estimate, ("tiny",),
+                                 {"overheads": _overheads(workspace_bytes="32MiB")},
+                                 ["overheads.workspace_bytes", "'32MiB'"]),
+})
+
+
+@pytest.mark.parametrize("case", sorted(API_OBJECT_CASES))
+def test_api_objects_are_validated(case: str) -> None:
+    """Whatever object the API is given, it is validated anew: a MemplanError of one line
+    naming the argument and the field, never an IndexError or AttributeError from inside."""
+    function, args, kwargs, mentions = API_OBJECT_CASES[case]
+    with pytest.raises(MemplanError) as raised:
+        function(*args, **kwargs)
+    message = str(raised.value)
+    assert "\n" not in message
+    for text in mentions:
+        assert text in message, (text, message)
+
+
+def test_numpy_and_other_integral_types_are_integers(tmp_path: Path) -> None:
+    """np.int64, np.int32, values of np.arange and any class with ``__index__`` are integers
+    to the API: the same answers as plain ints (a sweep built with np.arange runs)."""
+
+    class Count:  # an integral type of the user's own
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def __index__(self) -> int:
+            return self.n
+
+    plain = memplan.estimate("tiny", gpus=8, tp=2, micro_batch_size=2, seq_len=128)
+    for gpus, tp, mbs in ((np.int64(8), np.int32(2), np.int16(2)), (Count(8), Count(2), 2)):
+        got = memplan.estimate("tiny", gpus=gpus, tp=tp, micro_batch_size=mbs,
+                               seq_len=np.uint16(128))
+        assert got.peak_bytes == plain.peak_bytes
+    assert [memplan.estimate("tiny", micro_batch_size=b).peak_bytes
+            for b in np.arange(1, 3)] == [memplan.estimate("tiny", micro_batch_size=b).peak_bytes
+                                          for b in (1, 2)]
+    layout = memplan.make_layout(np.int64(4), pp=np.int64(2), stage_layers=np.array([1, 1]))
+    assert layout.stage_layers == (1, 1) and type(layout.pp) is int
+    assert memplan.plan("tiny", gpus=np.int64(2), top=np.int64(1)).candidates
+    from memplan.monitor import MemoryMonitor
+
+    assert MemoryMonitor(tmp_path, rank=np.int64(3), reader=dict).rank == 3
+
+
 @pytest.mark.parametrize("case", sorted(API_CASES))
 def test_bad_api_argument(case: str) -> None:
     function, args, kwargs, mentions = API_CASES[case]
@@ -675,5 +1135,42 @@ def test_bad_api_argument(case: str) -> None:
 def test_the_corpus_is_large() -> None:
     """At least 120 cases of bad input, across the CLI, the API and each reader."""
     total = (len(OPTION_CASES) + len(MODEL_CASES) + len(EVIDENCE_CASES) + len(OUTPUT_CASES)
-             + len(API_CASES) + len(DEVICE_READERS))
+             + len(API_CASES) + len(DEVICE_READERS) + len(NUMBER_OPTION_CASES)
+             + len(NUMBER_FILE_CASES) + len(API_OBJECT_CASES) + len(BOM_CASES)
+             + len(MESSAGE_CASES) + len(RECORD_CASES))
     assert total >= 120, total
+
+
+# --- 6. calibration records a run left in --out (read by --resume and --refit) --------------
+
+RECORD_CASES: dict[str, tuple[Any, list[str]]] = {
+    "fifo": (None, ["not a regular file"]),
+    "binary": (bytes(range(256)), ["UTF-8", "byte offset"]),
+    "list": (b"[1, 2]", ["calibration record"]),
+    "5000-digits": (b'{"schema_version": ' + b"7" * 5000 + b"}", ["calibration record"]),
+    "deep": (deep(5000).encode(), ["calibration record"]),
+    "empty": (b"", ["calibration record"]),
+    "bom-then-garbage": (b"\xef\xbb\xbf{", ["calibration record"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RECORD_CASES))
+def test_bad_calibration_record(case: str, tmp_path: Path) -> None:
+    """A records folder holding a device file, binary, a wrong shape or a number past Python's
+    limit: --refit's reader refuses in one line naming the file (a FIFO is not waited on),
+    and --resume's count of finished points skips it (that point is measured again)."""
+    from memplan.calibrate.records import finished_keys, read_records
+
+    content, mentions = RECORD_CASES[case]
+    path = tmp_path / "tp1-x.json"
+    if content is None:
+        os.mkfifo(path)
+    else:
+        path.write_bytes(content)
+    with pytest.raises(MemplanError) as raised:
+        read_records(tmp_path)
+    message = str(raised.value)
+    assert "\n" not in message and str(path) in message, message
+    for text in mentions:
+        assert text in message, (text, message)
+    assert finished_keys(tmp_path) == set()

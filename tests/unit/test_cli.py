@@ -584,7 +584,8 @@ def test_version_and_width(capsys: pytest.CaptureFixture[str], monkeypatch) -> N
     assert max(len(line) for line in capsys.readouterr().out.splitlines()) <= 60
     assert main(["models", "--width", "30"]) == 2
     assert capsys.readouterr().err == (
-        "memplan: error: --width must be a whole number of columns, at least 40, got '30'\n")
+        "memplan: error: --width must be a whole number of columns from 40 to 10000, got "
+        "'30'\n")
 
 
 def test_estimate_opens_with_its_verdict_and_quiet_prints_only_that(

@@ -4,14 +4,17 @@ rule itself (``memplan.monitor.trend``). torch-free."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import random
 import sys
 import tracemalloc
 
 import pytest
 
+from memplan.diagnose.monitored import read_monitor
 from memplan.errors import MemplanError
 from memplan.monitor import LEAK_BYTES, MemoryMonitor, summarize
 from memplan.monitor.trend import floors, theil_sen, trend
@@ -365,3 +368,111 @@ def test_trainer_callback_protocol(tmp_path):
     assert len((tmp_path / "memory_rank0.jsonl").read_text().splitlines()) == 3
     with pytest.raises(AttributeError):
         mon.no_such_thing  # noqa: B018 - only events (on_*) are answered by any name
+
+
+# --- the record file in a shared folder: links planted at its name, a full disk -------------
+
+def _planted(tmp_path, kind):
+    """``out/memory_rank0.jsonl`` made by another user as ``kind``, and the file outside
+    ``out`` it would make the job write to (None for a FIFO)."""
+    out, victim = tmp_path / "out", tmp_path / "victim.txt"
+    out.mkdir()
+    victim.write_text("someone else's file\n")
+    name = out / "memory_rank0.jsonl"
+    if kind == "symlink":
+        name.symlink_to(victim)
+    elif kind == "dangling":
+        name.symlink_to(tmp_path / "created-through-the-link")
+    elif kind == "loop":
+        name.symlink_to(name)
+    elif kind == "hardlink":
+        os.link(victim, name)
+    else:
+        os.mkfifo(name)
+    return out, victim
+
+
+LINKS = ["symlink", "dangling", "loop", "hardlink", "fifo"]
+
+
+@pytest.mark.parametrize("kind", LINKS)
+def test_a_planted_link_is_refused_not_followed(tmp_path, kind, caplog, monkeypatch):
+    """Whatever is planted at the record file's name, nothing outside ``out_dir`` is written or
+    created; the job goes on, the refusal is one logged line naming the file, counted in
+    ``errors`` (the monitor never raises into the training loop once made)."""
+    out, victim = _planted(tmp_path, kind)
+    monkeypatch.setenv("RANK", "0")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with caplog.at_level(logging.WARNING, logger="memplan.monitor"):
+        mon = MemoryMonitor(out, reader=lambda: {"allocated_bytes": 7})  # rank from RANK
+        assert mon.step()["allocated_bytes"] == 7
+        assert mon.step()["step"] == 2
+        mon.close()
+    assert victim.read_text() == "someone else's file\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert mon.errors == 1
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "memory_rank0.jsonl is " in line and "\n" not in line, line
+
+
+@pytest.mark.parametrize("kind", ["symlink", "dangling"])
+def test_a_planted_link_is_refused_when_made(tmp_path, kind):
+    """With the rank given, a link already there is refused before training starts."""
+    out, _ = _planted(tmp_path, kind)
+    with pytest.raises(MemplanError, match=r"memory_rank0.jsonl is a symbolic link \(to "):
+        MemoryMonitor(out, rank=0, reader=dict)
+
+
+class _DiskFillsAfter:
+    """The monitor's file on a disk with ``room`` bytes left: a write past it stores what fits
+    and raises ENOSPC (as write(2) stores a part, then fails), until ``room`` grows again."""
+
+    def __init__(self, real, room):
+        self.real, self.room = real, room
+
+    def write(self, data):
+        if len(data) <= self.room:
+            self.room -= len(data)
+            return self.real.write(data)
+        self.real.write(data[:self.room])
+        self.room = 0
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name):  # seek, truncate, close: the real file's
+        return getattr(self.real, name)
+
+
+@pytest.mark.parametrize("room", [0, 1, 40, 80])
+def test_a_full_disk_never_leaves_a_cut_line(tmp_path, room):
+    """Steps 2 and 3 meet a full disk (``room`` bytes left, some of a line): each failed line
+    is cut back, so the file holds steps 1 and 4, whole, and reads back with no note."""
+    mon = MemoryMonitor(tmp_path, rank=0, reader=lambda: {"allocated_bytes": 7})
+    mon.step()
+    disk = _DiskFillsAfter(mon._file, room)
+    mon._file = disk
+    mon.step()
+    mon.step()
+    disk.room = 10**6
+    mon.step()
+    mon.close()
+    raw = (tmp_path / "memory_rank0.jsonl").read_bytes()
+    assert raw.endswith(b"\n")
+    assert [json.loads(line)["step"] for line in raw.splitlines()] == [1, 4]
+    assert mon.errors == 2
+    monitored = read_monitor([str(tmp_path)])
+    assert monitored.partial == () or list(monitored.partial) == []
+
+
+def test_dev_full_keeps_nothing_half_written(tmp_path):
+    """On a real full device (/dev/full: every write fails with ENOSPC) the monitor counts
+    the failure; the write is cut back (a device has no length to cut: nothing to keep)."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    mon = MemoryMonitor(tmp_path, rank=0, reader=dict)
+    mon.start()
+    real = mon._file
+    mon._file = open("/dev/full", "ab", buffering=0)  # noqa: SIM115
+    assert mon.step()["step"] == 1 and mon.errors == 1
+    mon._file.close()
+    mon._file = real
+    mon.close()
