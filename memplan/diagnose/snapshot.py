@@ -80,7 +80,25 @@ def load_snapshot(path: str, *, trust_pickle: bool) -> dict[str, Any]:
     if not isinstance(data, dict) or not isinstance(data.get("segments"), list):
         raise MemplanError(f"--snapshot: {path} has no 'segments' list: not a snapshot from "
                            "torch.cuda.memory._dump_snapshot")
+    entries = _entries(data)
+    if entries > len(raw):
+        raise MemplanError(f"--snapshot: {path} holds {entries:,} segments, blocks and events "
+                           f"in {len(raw):,} bytes: a pickle that repeats shared references, "
+                           "not a snapshot (each entry of one takes bytes of its own)")
     return data
+
+
+def _entries(data: dict[str, Any]) -> int:
+    """Segments, blocks and trace events as the reader will visit them (a shared list counted
+    each time it is referenced), counted by their lengths without visiting them: a pickle of
+    a few bytes can reference one list of a million blocks a million times."""
+    segments = data["segments"]
+    count = len(segments) + sum(len(seg["blocks"]) for seg in segments
+                                if isinstance(seg, dict) and isinstance(seg.get("blocks"), list))
+    traces = data.get("device_traces")
+    if isinstance(traces, list):
+        count += len(traces) + sum(len(t) for t in traces if isinstance(t, list))
+    return count
 
 
 def _int(value: Any, what: str) -> int:

@@ -591,6 +591,11 @@ MESSAGE_CASES: dict[str, tuple[list[str], str, Any, list[str]]] = {
                               ["selective_ac_option", "default", "sets no"]),
     "trace-folder-without-traces": (["analyze-trace"], "", None,
                                     ["{f}", "without trace files"]),
+    "snapshot-shared-references": (
+        ["diagnose", "-m", "tiny", "--trust-pickle", "--snapshot"], "s.pickle",
+        pickle.dumps({"segments": [{"total_size": 1000, "allocated_size": 1000, "blocks": [
+            {"size": 1, "state": "active_allocated"}] * 1000}] * 100_000}),
+        ["--snapshot", "{f}", "100,100,000 segments, blocks and events", "shared references"]),
     "model-toml-utf16": (["estimate", "-m"], "m.toml", tiny_toml().encode("utf-16"),
                          ["{f}", "UTF-8", "byte offset 0"]),
     "model-toml-bom-then-binary": (["estimate", "-m"], "m.toml", BOM + b"\xff\xfe",
