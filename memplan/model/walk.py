@@ -12,6 +12,7 @@ from itertools import groupby
 from typing import NamedTuple
 
 from memplan.model.layer import LayerKind
+from memplan.model.moments import Segment, change, instant, peak_of
 
 
 class HeadBackward(NamedTuple):
@@ -79,11 +80,11 @@ def forward_peak(runs: list[tuple[LayerKind, int, tuple[int, ...], int]], before
                   head_saved: int, final_norm: int, loss_extra: int,
                   gathered: tuple[int, int, int, int] = (0, 0, 0, 0), until_loss: int = 0,
                   upcast: int = 0) -> int:
-    """Largest activation bytes alive during one micro-batch's forward on a stage.
+    """Largest activation bytes alive during one micro-batch's forward on a stage: the fold
+    (``memplan.model.moments.fold``) of ``forward_segments``.
 
     ``before``: bytes alive before its first layer (other micro-batches in flight, rope tables,
-    embedding ids). Inside a run of identical layers the bytes only grow, so its last layer
-    holds the run's peak. Then the final norm and the loss (last stage). ``until_loss``: bytes
+    embedding ids). Then the final norm and the loss (last stage). ``until_loss``: bytes
     alive until the loss starts (the previous step's logits a loop still holds); ``upcast``:
     the final norm's saved terms and the new logits made beside the held ones before the loss
     (``memplan.model.head.upcast_bytes``; 0 when no loop holds logits). ``gathered``: ZeRO-3
@@ -91,21 +92,40 @@ def forward_peak(runs: list[tuple[LayerKind, int, tuple[int, ...], int]], before
     start (its gather, before its compute) and at the stage's first block's start
     (``ShardingBuffers.forward_start_bytes``).
     """
+    head = (head_saved, final_norm, loss_extra, upcast) if head_saved else None
+    return peak_of(forward_segments(runs, gathered, until_loss, head), before + until_loss)
+
+
+def forward_segments(runs: list[tuple[LayerKind, int, tuple[int, ...], int]],
+                     gathered: tuple[int, int, int, int], until_loss: int,
+                     head: tuple[int, int, int, int] | None) -> list[Segment]:
+    """One micro-batch's forward on a stage, in execution order: the stage's start, each
+    run of identical layers (a block's gather where modelled, then its compute, after which
+    its saved and cached bytes stay), then the final norm, the held logits freed and the
+    loss (``head``: its saved bytes, the final norm's, the loss's beyond them, the upcast).
+    ``gathered`` and ``until_loss`` as in ``forward_peak``."""
     in_block, at_loss, at_start, at_first_start = gathered
-    acts, peak = before + until_loss, before + until_loss
+    segments = [Segment((instant("stage.start", 0),))]
     for index, (kind, _, _, n) in enumerate(runs):
         # autocast's cached casts of the layers before stay until the forward ends
-        held = kind.saved_bytes + kind.cached_bytes
-        peak = max(peak, acts + (n - 1) * held + kind.forward_peak_bytes + in_block)
-        if index == 0:
-            peak = max(peak, acts + at_first_start)
-        if index or n > 1:  # the run's last block gathered: the most saved before it
-            peak = max(peak, acts + (n - 1) * held + at_start)
-        acts += n * held
-    if head_saved:
-        peak = max(peak, acts + final_norm + at_loss, acts + upcast + at_loss,
-                   acts - until_loss + head_saved + loss_extra + at_loss)
-    return peak
+        compute = instant("layer.forward", kind.forward_peak_bytes + in_block,
+                          kind.saved_bytes + kind.cached_bytes)
+        if not (at_start or at_first_start):
+            segments.append(Segment((compute,), n))
+            continue
+        start = instant("layer.gather", at_start)
+        if index == 0:  # the stage's first block gathers beside the root's or embedding's
+            segments.append(Segment((instant("layer.gather", at_first_start), compute)))
+            n -= 1
+        segments.append(Segment((start, compute), n))
+    if head is not None:
+        head_saved, final_norm, loss_extra, upcast = head
+        segments.append(Segment((
+            instant("final_norm.forward", final_norm + at_loss),
+            instant("loss.upcast", upcast + at_loss),
+            change("loop.logits_released", -until_loss),
+            instant("loss.forward", head_saved + loss_extra + at_loss))))
+    return segments
 
 
 def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
