@@ -193,11 +193,13 @@ class ShardingBuffers(NamedTuple):
     gathered_at_loss_bytes: int  # ... at the loss and the head (the root and one block)
     grad_bytes: int  # unsharded gradients before their reduce-scatter (backward, from the
     #                  first gradient on)
-    backward_head_bytes: int = -1  # gathered at the head's backward (-1: gathered_at_loss)
-    backward_block_bytes: int = -1  # ... while a block's backward runs (-1: at_loss)
-    backward_last_block_bytes: int = -1  # ... while the stage's first block's backward runs
-    #                                     (the last in backward; -1: backward_block_bytes)
-    backward_end_bytes: int = -1  # ... at the embedding's backward (-1: at_loss)
+    # gathered in backward (0 where nothing is gathered): at the head's backward, while a
+    # block's backward runs, while the stage's first block's (the last in backward) runs, and
+    # at the embedding's
+    backward_head_bytes: int = 0
+    backward_block_bytes: int = 0
+    backward_last_block_bytes: int = 0
+    backward_end_bytes: int = 0
     reduce_copies: int = 0  # unit-sized reduce-dtype tensors at a unit's reduce, where that
     #                         moment is modelled (FSDP2 at shard degree 1)
     kept_gathered: bool = False  # FSDP2 under pipeline parallelism as torchtitan runs it: every
@@ -294,6 +296,7 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload) -> 
                               ((root + 3 * layer) * e, (2 * root + 2 * layer) * e))
         return ShardingBuffers((root + blocks) * e, (root + layer) * e,
                                params.largest_unit * policy.grad_bytes,
+                               backward_head_bytes=(root + layer) * e,
                                backward_block_bytes=(root + blocks) * e,
                                backward_last_block_bytes=(root + layer) * e,
                                # at the embedding's backward every block is resharded

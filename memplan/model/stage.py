@@ -17,10 +17,10 @@ from memplan.model.dims import Term
 from memplan.model.embedding import embedding_backward_extra
 from memplan.model.layer import LayerKind, merge_terms
 from memplan.model.pipeline import Schedule
+from memplan.model.sharding import DataParallel
 from memplan.model.stage_parts import LayerKey, StageKinds, StageStates
 from memplan.model.walk import (
     EmbeddingBackward,
-    GradSharding,
     HeadBackward,
     Walk,
     backward_peak,
@@ -327,29 +327,22 @@ def _embedding_backward(spec: ModelSpec, shared: memo.SharedTerms,
                              freed_before=freed)
 
 
-def _grad_sharding(wl: Workload, fx: StageStates, boundary_grad: int = 0) -> GradSharding:
+def _grad_sharding(wl: Workload, fx: StageStates, boundary_grad: int = 0) -> DataParallel:
     shard, policy = fx.shard, wl.precision.policy
     if shard.kept_gathered:  # every unit gathered throughout; gradients as accumulators
         g = shard.gathered_bytes
-        return GradSharding(buffer=0, unsharded_ratio=1.0, gathered_in_block=g,
-                            gathered_last_block=g, gathered_at_loss=g, gathered_at_end=g)
-    return GradSharding(
-        buffer=shard.grad_bytes,
+        return DataParallel(at_head=g, in_block=g, in_first_block=g, at_embedding=g)
+    return DataParallel(
+        grad_cap=shard.grad_bytes,
         unsharded_ratio=fx.params.total * policy.grad_bytes / max(fx.states.grads_bytes, 1),
         # FSDP2 frees a unit's reduce-scatter input only when the next unit's reduce-scatter
         # waits on it (traced, tests/traced/test_ground_truth.py FSDP_GRID)
-        fsdp2=bool(shard.gathered_bytes),
+        per_unit=bool(shard.gathered_bytes),
         unsharded_dtype=policy.unsharded.itemsize / policy.grad_bytes,
         # in backward FSDP2 holds the root and the block being computed (traced); with
         # torchtitan's units, the head's unit until its backward, one block, the embedding's
-        gathered_in_block=_or(shard.backward_block_bytes, shard.gathered_at_loss_bytes),
-        gathered_last_block=_or(shard.backward_last_block_bytes,
-                                _or(shard.backward_block_bytes, shard.gathered_at_loss_bytes)),
-        gathered_at_loss=_or(shard.backward_head_bytes, shard.gathered_at_loss_bytes),
-        gathered_at_end=_or(shard.backward_end_bytes, shard.gathered_at_loss_bytes),
+        in_block=shard.backward_block_bytes, in_first_block=shard.backward_last_block_bytes,
+        at_head=shard.backward_head_bytes, at_embedding=shard.backward_end_bytes,
         separate_units=shard.separate_units, reduce_copies=shard.reduce_copies,
         boundary_grad=boundary_grad if shard.reduce_copies or shard.gathered_bytes else 0)
 
-
-def _or(value: int, default: int) -> int:
-    return default if value < 0 else value

@@ -12,7 +12,15 @@ from itertools import groupby
 from typing import NamedTuple
 
 from memplan.model.layer import LayerKind
-from memplan.model.moments import Segment, change, instant, peak_of
+from memplan.model.moments import Event, Segment, change, instant, peak_of
+from memplan.model.sharding import (
+    DataParallel,
+    Held,
+    Position,
+    end_moments,
+    head_moments,
+    run_positions,
+)
 
 
 class HeadBackward(NamedTuple):
@@ -42,28 +50,6 @@ class EmbeddingBackward(NamedTuple):
     #                    (rope tables, a checkpointed mask, dropout mask)
 
 
-class GradSharding(NamedTuple):
-    """How ZeRO-2/3 and FSDP2 hold gradients and weights during the backward."""
-
-    buffer: int  # ZeRO-2/3 unsharded gradients awaiting reduce-scatter, at most
-    unsharded_ratio: float  # unsharded / held gradient bytes (the ZeRO-2 shard degree)
-    fsdp2: bool = False  # FSDP2: a unit's gradients unsharded until its own reduce-scatter,
-    #                      whose input is held (beside its shard) until the next unit's
-    unsharded_dtype: float = 1.0  # FSDP2: bytes of an unsharded gradient (the weights'
-    #                               dtype) per byte of its reduce dtype
-    gathered_in_block: int = 0  # ZeRO-3 gathered weights while a block's backward runs
-    gathered_at_loss: int = 0  # ... at the loss and the head
-    gathered_at_end: int = 0  # ... at the embedding
-    gathered_last_block: int = 0  # ... while the stage's first block (the last in backward)
-    #                               runs its backward
-    separate_units: bool = False  # FSDP2: the embedding and the head are units of their own,
-    #                               each reduce-scattered after its backward
-    reduce_copies: int = 0  # FSDP2 at shard degree 1: unit-sized reduce-dtype tensors alive at
-    #                         a unit's reduce (its input, its output, which becomes the
-    #                         gradient, and a divided copy); 0 where no such moment is modelled
-    boundary_grad: int = 0  # ... and the gradient of the unit's input, alive beside them
-
-
 class Walk(NamedTuple):
     """Inputs of the backward walk of one stage (one micro-batch, bytes)."""
 
@@ -73,7 +59,7 @@ class Walk(NamedTuple):
     rest_saved: int  # rope tables, embedding ids, the batch: alive until the backward ends
     head: HeadBackward
     embedding: EmbeddingBackward
-    sharding: GradSharding
+    sharding: DataParallel
 
 
 def forward_peak(runs: list[tuple[LayerKind, int, tuple[int, ...], int]], before: int,
@@ -129,152 +115,70 @@ def forward_segments(runs: list[tuple[LayerKind, int, tuple[int, ...], int]],
 
 
 def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
-    """Largest bytes alive (activations + gradients + transients) during one backward.
+    """Largest bytes alive (activations + gradients + transients) during one backward: the fold
+    of ``backward_segments`` from all saved bytes and ``grads_prior``."""
+    alive = (w.other_bytes + w.rest_saved + w.head.saved
+             + sum(k.saved_bytes * n for k, _, _, n in w.runs) + grads_prior)
+    return peak_of(backward_segments(w, grads_prior, grads_total), alive)
+
+
+def backward_segments(w: Walk, grads_prior: int, grads_total: int) -> list[Segment]:
+    """One micro-batch's backward on a stage, in execution order: the loss and the head, each
+    run of identical layers (last to first), the embedding; the data-parallel mechanism's
+    moments (``memplan.model.sharding``) beside and between them.
 
     ``grads_prior`` is what exists when it starts: 0 for a step's only micro-batch, all
-    gradients when earlier micro-batches produced them (they then accumulate in place).
-    Layers are walked last to first in runs of identical layers; within a run the bytes
-    alive change by the same amount per layer, so the run's largest moment is at one end.
-    """
-    h, emb, sh = w.head, w.embedding, w.sharding
+    gradients when earlier micro-batches produced them (they then accumulate in place);
+    ``grads_total``: all of them when it ends."""
+    h, emb, dp = w.head, w.embedding, w.sharding
     growing = grads_prior == 0
-    acts = (w.other_bytes + w.rest_saved + h.saved
-            + sum(k.saved_bytes * n for k, _, _, n in w.runs))
-    grads = grads_prior
-    peak = sh.gathered_at_loss + max(acts + grads + h.loss,
-                                    acts - h.saved + h.final_norm_all + grads
-                                    + h.linear,
-                                    acts - h.saved + grads + h.main_grads)
-    acts -= h.saved
-    grads += h.grads if growing else 0
-    produced = h.grads  # this backward's gradients so far (the ZeRO buffer holds them)
-
-    def buffer(made: int) -> int:
-        # Gradients not yet reduce-scattered are held unsharded instead of as this rank's
-        # shard: the extra is the unsharded size minus the shard they will become.
-        waiting = min(sh.buffer, int(made * sh.unsharded_ratio))
-        return waiting - int(waiting / sh.unsharded_ratio) if sh.unsharded_ratio > 1 else waiting
-
-    fsdp2, done = sh.fsdp2, 0  # blocks whose reduce-scatter input may still be held
-
-    def root(made: int) -> int:
-        # FSDP2's root (embedding, final norm, head) reduce-scatters at the end of backward:
-        # until then its gradients are unsharded, in the weights' dtype
-        return int(made * sh.unsharded_ratio * sh.unsharded_dtype) - made
-
-    if h.final_norm_bwd:  # the head's weight gradient exists; the norm's own comes after
-        peak = max(peak, acts + h.final_norm_saved + grads + emb.tied_pending + h.final_norm_bwd
-                   + (root(produced) if fsdp2 else buffer(produced)) + sh.gathered_at_loss)
-    pending = emb.tied_pending  # a tied head's weight grad waits for the embedding's
-    root_held = root(h.grads) if fsdp2 and not sh.separate_units else 0
-    # the head's own unit: its reduce-scatter input (unsharded, in the reduce dtype) is held
-    # until the first block's reduce-scatter, as a block's is until the next one's
-    previous = int(h.grads * sh.unsharded_ratio) if sh.separate_units else 0
-    # the reduce-scatter input held while a block runs is the unit's before it in backward:
-    # the head's (above) for the first block, then a block's of its own size (not the largest
-    # unit's: an embedding or a root outweighs a block where the vocabulary is large)
-    prev_input = previous
-
-    def reduced(unit: int) -> int:
-        # a unit's reduce at shard degree 1, beyond the gradients held before it
-        return sh.reduce_copies * int(unit * sh.unsharded_ratio) + sh.boundary_grad
-
-    if sh.reduce_copies and sh.separate_units:  # the head's unit, after its backward
-        peak = max(peak, acts + grads - h.grads + pending + reduced(h.grads))
-    last_run = len(w.runs) - 1
+    segments, held = _head_segments(h, emb.tied_pending, dp, growing)
+    made = grads_prior + (h.grads if growing else 0)  # gradients held
     for index, (kind, layer_grads, moment_grads, n) in enumerate(reversed(w.runs)):
-        step_grads = layer_grads if growing else 0
-        # Before the layer's backward its own saved bytes are part of ``acts``; each moment
-        # counts what of them (or of their recomputation) is still alive.
-        below = acts - kind.saved_bytes + grads + pending + sh.gathered_in_block
-        if fsdp2:
-            # FSDP2: at each moment this unit's gradients so far exist unsharded (its shard
-            # comes with its reduce-scatter), beside the previous unit's whole reduce input
-            local = max(m.alive_bytes + m.transient_bytes
-                        + int(min(sh.buffer, g * sh.unsharded_ratio) * sh.unsharded_dtype)
-                        for m, g in zip(kind.moments, moment_grads))
-            run_input = int(layer_grads * sh.unsharded_ratio)
-            first_buffer = root_held + prev_input
-            last_buffer = root_held + (run_input if n > 1 else prev_input)
-        else:  # one buffer of the gradients made so far
-            local = max(m.alive_bytes + m.transient_bytes + (g if growing else 0)
-                        for m, g in zip(kind.moments, moment_grads))
-            early = max(moment_grads)
-            first_buffer = buffer(produced + early)
-            last_buffer = buffer(produced + (n - 1) * layer_grads + early)
-        first_moment = below + local + first_buffer
-        last_moment = below + local + (n - 1) * (step_grads - kind.saved_bytes) + last_buffer
-        if index == last_run:  # the stage's first block: what its backward prefetches differs
-            last_moment += sh.gathered_last_block - sh.gathered_in_block
-            if n == 1:
-                first_moment = last_moment
-        peak = max(peak, first_moment, last_moment)
-        if fsdp2 and n > 2:
-            # FSDP2's buffers are not the same for every block of a run: the first block in
-            # backward holds no earlier reduce-scatter input, the stage's first block prefetches
-            # no block before it, and the blocks between hold both (a reduce-scatter input and
-            # the all-gather output of the block their backward prefetches), so the second and
-            # the second-to-last blocks are moments of their own (traced: test_ground_truth.py,
-            # test_fsdp_backward_between_the_ends_of_a_run)
-            for k in {1, n - 2}:
-                peak = max(peak, below + local + k * (step_grads - kind.saved_bytes)
-                           + root_held + run_input)
-        if fsdp2 and not sh.reduce_copies and not sh.separate_units and growing:
-            # FSDP2 at a block's reduce-scatter (after its backward, its weights resharded,
-            # the previous reduce-scatter input dropped first: FSDPParamGroup.post_backward
-            # pops reduce_scatter_states beyond reduce_scatter_max_input_buffers, 1): its
-            # unsharded gradients, in the weights' dtype, beside the reduce-dtype input they
-            # are copied into (foreach_reduce_scatter_copy_in), the gradient of its input, and
-            # the root with the block the backward prefetched (the root alone after the
-            # stage's first block)
-            unit_grads = int(layer_grads * sh.unsharded_ratio * sh.unsharded_dtype)
-            # ... and at its copy-out before its backward (FSDPParamGroup.wait_for_unshard in
-            # pre_backward): its all-gather output beside its unsharded weights (the same
-            # bytes as its gradients in the weights' dtype), its saved tensors all alive, the
-            # previous block's reduce-scatter input still held
-            for k in {1, min(2, n), n}:
-                peak = max(peak, acts - (k - 1) * kind.saved_bytes + grads
-                           + (k - 1) * step_grads + pending + root_held
-                           + (prev_input if k == 1 else run_input)
-                           + sh.gathered_last_block + unit_grads)
-            for k in {1, n}:
-                gathered = (sh.gathered_at_end if index == last_run and k == n
-                            else sh.gathered_last_block)
-                peak = max(peak, acts - k * kind.saved_bytes + grads + (k - 1) * step_grads
-                           + pending + root_held + unit_grads + run_input + sh.boundary_grad
-                           + gathered)
-        if sh.reduce_copies and growing:  # the run's first and last units at their reduce
-            #                               (weights resharded, saved tensors freed)
-            for k in {1, n}:
-                peak = max(peak, acts - k * kind.saved_bytes + grads + (k - 1) * step_grads
-                           + pending + root_held + reduced(layer_grads))
-        acts -= n * kind.saved_bytes
-        grads += n * step_grads
-        produced += n * layer_grads
-        done += n
-        if fsdp2:
-            prev_input = int(layer_grads * sh.unsharded_ratio)
-    end_grads = grads_total if growing or grads_prior else grads
-    end_units = emb.grads if sh.separate_units else h.grads + emb.grads
-    end_buffer = (root(end_units) + (prev_input if done else 0) if fsdp2
-                  else buffer(produced + emb.grads))
-    if fsdp2 and not sh.reduce_copies and not sh.separate_units:
-        # FSDP2's root (embedding, final norm, head) at its reduce-scatter after the
-        # embedding's backward, its weights resharded (_fsdp_collectives.py foreach_reduce):
-        # its unsharded gradients, in the weights' dtype, copied into the reduce-dtype input,
-        # then freed (unsharded_grads.clear()) before the output shard is made beside that
-        # input. Its shard is new in the first micro-batch; in later ones the output joins it.
-        rs_input = int(end_units * sh.unsharded_ratio)
-        root_grads = int(end_units * sh.unsharded_ratio * sh.unsharded_dtype)
-        after = acts - emb.freed_before
-        new_shard = end_units if growing else 0
-        peak = max(peak, after + end_grads - new_shard + root_grads + rs_input,
-                   after + end_grads + rs_input + (0 if growing else end_units))
-    if sh.reduce_copies and sh.separate_units and growing:  # the embedding's unit
-        peak = max(peak, acts - emb.freed_before + end_grads - emb.grads + reduced(emb.grads)
-                   - sh.boundary_grad)
-    return max(peak, acts - emb.freed_before + end_grads + emb.extra + end_buffer
-               + sh.gathered_at_end)
+        positions, held = run_positions(dp, held, layer_grads, max(moment_grads), n, growing,
+                                        index == len(w.runs) - 1)
+        local = max(m.alive_bytes + m.transient_bytes + dp.moment_grads(g, growing)
+                    for m, g in zip(kind.moments, moment_grads))
+        step = layer_grads if growing else 0
+        segments += [_layer_segment(p, kind.saved_bytes, local, step) for p in positions]
+        made += n * step
+    beside, after = end_moments(dp, held, h.grads, emb.grads, growing)
+    segments.append(Segment((
+        # the rope tables, a checkpointed mask and the dropout mask freed; the tied head's
+        # pending gradient summed into the embedding's; every gradient of the stage held
+        change("embedding.release", grads_total - made - emb.freed_before - emb.tied_pending),
+        instant("embedding.backward", emb.extra + beside), *after)))
+    return segments
+
+
+def _head_segments(h: HeadBackward, pending: int, dp: DataParallel,
+                   growing: bool) -> tuple[list[Segment], Held]:
+    """The loss, the head projection, its fp32 main gradient and the final norm (all 0 but
+    the gathered weights off the last stage), and the mechanism's instants there."""
+    beside, after, held = head_moments(dp, h.grads)
+    at = dp.at_head
+    events = [instant("loss.backward", at + h.loss, -h.saved),
+              instant("head.backward", at + h.final_norm_all + h.linear),
+              # the head's weight gradient exists; a tied head's waits for the embedding's
+              instant("head.main_grads", at + h.main_grads, (h.grads if growing else 0) + pending)]
+    if h.final_norm_bwd:  # the final norm's own gradient comes after
+        events.append(instant("final_norm.backward",
+                              h.final_norm_saved + h.final_norm_bwd + beside + at))
+    return [Segment((*events, *after))], held
+
+
+def _layer_segment(position: Position, saved: int, local: int, step: int) -> Segment:
+    """``position.repeat`` layers in backward: the mechanism's instant before (their saved
+    bytes alive), their own peak (``local``) beside what the mechanism holds, its instant
+    after; each frees its ``saved`` bytes and keeps ``step`` bytes of gradients."""
+    before, after = position.before, position.after
+    start = (Event(before.name, -saved, before.transient) if before
+             else change("layer.release", -saved))
+    if after is None:
+        return Segment((start, instant("layer.backward", local + position.beside, step)),
+                       position.repeat)
+    return Segment((start, instant("layer.backward", local + position.beside),
+                    Event(after.name, step, after.transient)), position.repeat)
 
 
 def runs_of(keys: list) -> list[tuple[object, int]]:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from memplan.model.layer import BackwardMoment, LayerKind
+from memplan.model.sharding import DataParallel
 from memplan.model.walk import (
     EmbeddingBackward,
-    GradSharding,
     HeadBackward,
     Walk,
     backward_peak,
@@ -24,7 +24,7 @@ NO_EMBEDDING = EmbeddingBackward(0, 0, 0, 0)
 
 def _walk(**parts: object) -> Walk:
     fields = dict(runs=[(KIND, 50, (0,), 2)], other_bytes=0, rest_saved=0, head=NO_HEAD,
-                  embedding=NO_EMBEDDING, sharding=GradSharding(0, 1.0))
+                  embedding=NO_EMBEDDING, sharding=DataParallel())
     fields.update(parts)
     return Walk(**fields)  # type: ignore[arg-type]
 
@@ -68,7 +68,7 @@ def test_zero2_buffer_holds_unsharded_gradients() -> None:
     shard): 160 + 50 = 210; at the end the 100 B made wait (200 B): 100 + 100 = 200. With
     300 B of the embedding's gradients too, the end holds 400 B of gradients and 400 B beyond
     their shard: 800."""
-    sharding = GradSharding(buffer=1_000, unsharded_ratio=2.0)
+    sharding = DataParallel(grad_cap=1_000, unsharded_ratio=2.0)
     assert backward_peak(_walk(sharding=sharding), 0, 100) == 210
     embedding = EmbeddingBackward(grads=300, extra=0, tied_pending=0, freed_before=0)
     assert backward_peak(_walk(sharding=sharding, embedding=embedding), 0, 400) == 800
