@@ -85,8 +85,9 @@ def unfold(segments: Iterable[Segment]) -> Iterator[Event]:
 
 
 def timeline(segments: Iterable[Segment], alive: int = 0) -> Iterator[tuple[str, int, int]]:
-    """(name, bytes alive at the instant, alive + transient) of every event, unfolded; an event
-    without an instant reports its alive bytes as both."""
+    """(name, bytes alive at the instant, alive + transient) of every instant, unfolded (events
+    without one only change the alive bytes)."""
     for name, delta, transient in unfold(segments):
-        yield name, alive, alive + (transient or 0)
+        if transient is not None:
+            yield name, alive, alive + transient
         alive += delta
