@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from memplan.model.moments import Event, instant
+from memplan.model.moments import Event
 
 
 class DataParallel(NamedTuple):
@@ -108,7 +108,7 @@ def head_moments(dp: DataParallel, head_grads: int) -> tuple[int, tuple[Event, .
     beside = dp.root(head_grads) if dp.per_unit else dp.buffer(head_grads)
     events: tuple[Event, ...] = ()
     if dp.reduce_copies and dp.separate_units:  # the head's own unit at its reduce
-        events = (instant("head.reduce", dp.reduced(head_grads) - head_grads),)
+        events = (Event("head.reduce", 0, dp.reduced(head_grads) - head_grads),)
     root_held = dp.root(head_grads) if dp.per_unit and not dp.separate_units else 0
     # the head's own unit: its reduce-scatter input (unsharded, in the reduce dtype) is held
     # until the first block's reduce-scatter, as a block's is until the next one's
@@ -158,7 +158,7 @@ def _unit_positions(dp: DataParallel, held: Held, layer_grads: int, n: int, grow
             # pre_backward): its all-gather output beside its unsharded weights (the same
             # bytes as its gradients in the weights' dtype), the previous reduce-scatter
             # input still held
-            before = instant("unit.copy_out", root_held + held_input + dp.in_first_block
+            before = Event("unit.copy_out", 0, root_held + held_input + dp.in_first_block
                              + unit_grads)
             # at its reduce-scatter after its backward, its weights resharded, the previous
             # input dropped first (FSDPParamGroup.post_backward pops reduce_scatter_states
@@ -167,10 +167,10 @@ def _unit_positions(dp: DataParallel, held: Held, layer_grads: int, n: int, grow
             # the gradient of its input, and the root with the block the backward
             # prefetched (the embedding's weights after the stage's first block)
             end = dp.at_embedding if stage_first and last else dp.in_first_block
-            after = instant("unit.reduce_scatter", root_held + unit_grads + run_input
+            after = Event("unit.reduce_scatter", 0, root_held + unit_grads + run_input
                             + dp.boundary_grad + end) if measured else None
         elif dp.reduce_copies and growing and measured:  # weights resharded, saved freed
-            after = instant("unit.reduce", root_held + dp.reduced(layer_grads))
+            after = Event("unit.reduce", 0, root_held + dp.reduced(layer_grads))
         return Position(repeat, before, root_held + held_input + gathered, after)
 
     if n == 1:
@@ -199,10 +199,10 @@ def end_moments(dp: DataParallel, held: Held, head_grads: int, embedding_grads: 
         # then freed (unsharded_grads.clear()) before the output shard is made beside that
         # input. Its shard is new in the first micro-batch; in later ones the output joins it.
         rs_input = dp.unsharded(units)
-        events = (instant("root.reduce_scatter_input",
-                          dp.unit_grads(units) + rs_input - (units if growing else 0)),
-                  instant("root.reduce_scatter_output", rs_input + (0 if growing else units)))
+        events = (Event("root.reduce_scatter_input", 0,
+                        dp.unit_grads(units) + rs_input - (units if growing else 0)),
+                  Event("root.reduce_scatter_output", 0, rs_input + (0 if growing else units)))
     elif dp.reduce_copies and dp.separate_units and growing:  # the embedding's unit
-        events = (instant("embedding.reduce",
-                          dp.reduced(embedding_grads) - embedding_grads - dp.boundary_grad),)
+        events = (Event("embedding.reduce", 0,
+                        dp.reduced(embedding_grads) - embedding_grads - dp.boundary_grad),)
     return beside + dp.at_embedding, events

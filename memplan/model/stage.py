@@ -16,6 +16,7 @@ from memplan.model import memo
 from memplan.model.dims import Term
 from memplan.model.embedding import embedding_backward_extra
 from memplan.model.layer import LayerKind, merge_terms
+from memplan.model.moments import peak_of
 from memplan.model.pipeline import Schedule
 from memplan.model.sharding import DataParallel
 from memplan.model.stage_parts import LayerKey, StageKinds, StageStates
@@ -24,7 +25,8 @@ from memplan.model.walk import (
     HeadBackward,
     Walk,
     backward_peak,
-    forward_peak,
+    forward_segments,
+    loss_segment,
 )
 from memplan.overheads import Overheads
 from memplan.parallel import ParallelConfig, ZeroStage
@@ -252,13 +254,17 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
         block_start = (shard.forward_start_bytes + stream,
                        shard.forward_first_start_bytes + stream)
 
+    gathered = (shard.gathered_bytes, shard.gathered_at_loss_bytes, *block_start)
+    layers = forward_segments(walk.runs, gathered)  # the same in every step
+
     def fwd_acts(until_loss: int) -> int:
-        return forward_peak(
-            walk.runs, walk.other_bytes + walk.rest_saved - batch + targets,
-            head_bytes - targets,
-            shared.final_norm_bytes + shared.final_norm_extra if last else 0, loss_fwd,
-            (shard.gathered_bytes, shard.gathered_at_loss_bytes, *block_start), until_loss,
-            shared.upcast if last else 0)
+        segments = layers
+        if head_bytes - targets:  # the last stage's final norm and loss
+            segments = layers + [loss_segment(
+                head_bytes - targets, shared.final_norm_bytes + shared.final_norm_extra,
+                loss_fwd, shared.upcast, shard.gathered_at_loss_bytes, until_loss)]
+        return peak_of(segments, walk.other_bytes + walk.rest_saved - batch + targets
+                       + until_loss)
 
     def peaks(opt_bytes: int, from_loss: int = 0, earlier: int = 0,
               steady: bool = False) -> PhasePeaks:

@@ -12,7 +12,7 @@ from itertools import groupby
 from typing import NamedTuple
 
 from memplan.model.layer import LayerKind
-from memplan.model.moments import Event, Segment, change, instant, peak_of
+from memplan.model.moments import Event, Segment, peak_of
 from memplan.model.sharding import (
     DataParallel,
     Held,
@@ -78,40 +78,45 @@ def forward_peak(runs: list[tuple[LayerKind, int, tuple[int, ...], int]], before
     start (its gather, before its compute) and at the stage's first block's start
     (``ShardingBuffers.forward_start_bytes``).
     """
-    head = (head_saved, final_norm, loss_extra, upcast) if head_saved else None
-    return peak_of(forward_segments(runs, gathered, until_loss, head), before + until_loss)
+    segments = forward_segments(runs, gathered)
+    if head_saved:
+        segments.append(loss_segment(head_saved, final_norm, loss_extra, upcast,
+                                     gathered[1], until_loss))
+    return peak_of(segments, before + until_loss)
 
 
 def forward_segments(runs: list[tuple[LayerKind, int, tuple[int, ...], int]],
-                     gathered: tuple[int, int, int, int], until_loss: int,
-                     head: tuple[int, int, int, int] | None) -> list[Segment]:
-    """One micro-batch's forward on a stage, in execution order: the stage's start, each
-    run of identical layers (a block's gather where modelled, then its compute, after which
-    its saved and cached bytes stay), then the final norm, the held logits freed and the
-    loss (``head``: its saved bytes, the final norm's, the loss's beyond them, the upcast).
-    ``gathered`` and ``until_loss`` as in ``forward_peak``."""
-    in_block, at_loss, at_start, at_first_start = gathered
-    segments = [Segment((instant("stage.start", 0),))]
+                     gathered: tuple[int, int, int, int]) -> list[Segment]:
+    """One micro-batch's forward on a stage up to its last layer, in execution order: the
+    stage's start, then each run of identical layers (a block's gather where modelled, then
+    its compute, after which its saved and cached bytes stay). ``gathered`` as in
+    ``forward_peak``."""
+    in_block, _, at_start, at_first_start = gathered
+    segments = [Segment((Event("stage.start", 0, 0),))]
     for index, (kind, _, _, n) in enumerate(runs):
         # autocast's cached casts of the layers before stay until the forward ends
-        compute = instant("layer.forward", kind.forward_peak_bytes + in_block,
-                          kind.saved_bytes + kind.cached_bytes)
+        compute = Event("layer.forward", kind.saved_bytes + kind.cached_bytes,
+                        kind.forward_peak_bytes + in_block)
         if not (at_start or at_first_start):
             segments.append(Segment((compute,), n))
             continue
-        start = instant("layer.gather", at_start)
+        start = Event("layer.gather", 0, at_start)
         if index == 0:  # the stage's first block gathers beside the root's or embedding's
-            segments.append(Segment((instant("layer.gather", at_first_start), compute)))
+            segments.append(Segment((Event("layer.gather", 0, at_first_start), compute)))
             n -= 1
         segments.append(Segment((start, compute), n))
-    if head is not None:
-        head_saved, final_norm, loss_extra, upcast = head
-        segments.append(Segment((
-            instant("final_norm.forward", final_norm + at_loss),
-            instant("loss.upcast", upcast + at_loss),
-            change("loop.logits_released", -until_loss),
-            instant("loss.forward", head_saved + loss_extra + at_loss))))
     return segments
+
+
+def loss_segment(head_saved: int, final_norm: int, loss_extra: int, upcast: int, at_loss: int,
+                 until_loss: int) -> Segment:
+    """The last stage's final norm, the logits a loop held freed, then the loss: its saved
+    bytes and those beyond them, the upcast (``forward_peak``), beside ``at_loss`` gathered
+    bytes."""
+    return Segment((Event("final_norm.forward", 0, final_norm + at_loss),
+                    Event("loss.upcast", 0, upcast + at_loss),
+                    Event("loop.logits_released", -until_loss, None),
+                    Event("loss.forward", 0, head_saved + loss_extra + at_loss)))
 
 
 def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
@@ -146,8 +151,9 @@ def backward_segments(w: Walk, grads_prior: int, grads_total: int) -> list[Segme
     segments.append(Segment((
         # the rope tables, a checkpointed mask and the dropout mask freed; the tied head's
         # pending gradient summed into the embedding's; every gradient of the stage held
-        change("embedding.release", grads_total - made - emb.freed_before - emb.tied_pending),
-        instant("embedding.backward", emb.extra + beside), *after)))
+        Event("embedding.release",
+              grads_total - made - emb.freed_before - emb.tied_pending, None),
+        Event("embedding.backward", 0, emb.extra + beside), *after)))
     return segments
 
 
@@ -157,13 +163,16 @@ def _head_segments(h: HeadBackward, pending: int, dp: DataParallel,
     the gathered weights off the last stage), and the mechanism's instants there."""
     beside, after, held = head_moments(dp, h.grads)
     at = dp.at_head
-    events = [instant("loss.backward", at + h.loss, -h.saved),
-              instant("head.backward", at + h.final_norm_all + h.linear),
+    if not (pending or any(h)):  # no head on this stage: only what is gathered at its loss
+        return [Segment((Event("loss.backward", 0, at), *after))], held
+    events = [Event("loss.backward", -h.saved, at + h.loss),
+              Event("head.backward", 0, at + h.final_norm_all + h.linear),
               # the head's weight gradient exists; a tied head's waits for the embedding's
-              instant("head.main_grads", at + h.main_grads, (h.grads if growing else 0) + pending)]
+              Event("head.main_grads", (h.grads if growing else 0) + pending,
+                    at + h.main_grads)]
     if h.final_norm_bwd:  # the final norm's own gradient comes after
-        events.append(instant("final_norm.backward",
-                              h.final_norm_saved + h.final_norm_bwd + beside + at))
+        events.append(Event("final_norm.backward", 0,
+                            h.final_norm_saved + h.final_norm_bwd + beside + at))
     return [Segment((*events, *after))], held
 
 
@@ -173,11 +182,11 @@ def _layer_segment(position: Position, saved: int, local: int, step: int) -> Seg
     after; each frees its ``saved`` bytes and keeps ``step`` bytes of gradients."""
     before, after = position.before, position.after
     start = (Event(before.name, -saved, before.transient) if before
-             else change("layer.release", -saved))
+             else Event("layer.release", -saved, None))
     if after is None:
-        return Segment((start, instant("layer.backward", local + position.beside, step)),
+        return Segment((start, Event("layer.backward", step, local + position.beside)),
                        position.repeat)
-    return Segment((start, instant("layer.backward", local + position.beside),
+    return Segment((start, Event("layer.backward", 0, local + position.beside),
                     Event(after.name, step, after.transient)), position.repeat)
 
 
