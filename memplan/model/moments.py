@@ -58,11 +58,14 @@ def fold(segments: Iterable[Segment], alive: int = 0) -> tuple[int | None, int]:
     for events, repeat in segments:
         if repeat <= 0:
             continue
-        run, top = 0, None
-        for _, delta, transient in events:
-            if transient is not None and (top is None or run + transient > top):
-                top = run + transient
-            run += delta
+        if len(events) == 1:
+            _, run, top = events[0]
+        else:
+            run, top = 0, None
+            for _, delta, transient in events:
+                if transient is not None and (top is None or run + transient > top):
+                    top = run + transient
+                run += delta
         if top is not None:
             top += alive + max(0, (repeat - 1) * run)
             if peak is None or top > peak:

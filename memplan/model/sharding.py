@@ -24,7 +24,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from memplan.model.layer import BackwardMoment
+from memplan.model.model_states import ShardingBuffers
 from memplan.model.moments import Event
+from memplan.workload import PrecisionPolicy
 
 
 class DataParallel(NamedTuple):
@@ -70,17 +73,46 @@ class DataParallel(NamedTuple):
         """A unit's reduce at shard degree 1, beyond the gradients held before it."""
         return self.reduce_copies * self.unsharded(unit) + self.boundary_grad
 
-    def moment_grads(self, made: int, growing: bool) -> int:
-        """A block's own gradients at one of its moments, as held: FSDP2's unsharded in the
-        weights' dtype (capped at a unit), else as held where they are new this backward."""
+    def block_peak(self, moments: tuple[BackwardMoment, ...], grads: tuple[int, ...],
+                   growing: bool) -> int:
+        """A layer's largest moment in backward: its alive and transient bytes at each, with
+        its own gradients made by then (``grads``, held bytes) as the mechanism holds them:
+        FSDP2's unsharded in the weights' dtype (capped at a unit), else as held where they
+        are new this backward (accumulated into existing ones otherwise)."""
         if self.per_unit:
-            return int(min(self.grad_cap, made * self.unsharded_ratio) * self.unsharded_dtype)
-        return made if growing else 0
+            cap, ratio, dtype = self.grad_cap, self.unsharded_ratio, self.unsharded_dtype
+            return max(m.alive_bytes + m.transient_bytes + int(min(cap, g * ratio) * dtype)
+                       for m, g in zip(moments, grads))
+        if growing:
+            return max(m.alive_bytes + m.transient_bytes + g for m, g in zip(moments, grads))
+        return max(m.alive_bytes + m.transient_bytes for m in moments)
 
     @property
     def reduce_at_block(self) -> bool:
         """FSDP2's root-unit reduce-scatter moments of every block (not at shard degree 1)."""
         return self.per_unit and not self.reduce_copies and not self.separate_units
+
+
+def data_parallel(shard: ShardingBuffers, params: int, grads_bytes: int,
+                  policy: PrecisionPolicy) -> DataParallel:
+    """A stage's mechanism from its sharding buffers, its ``params`` and its held gradient
+    bytes (``grads_bytes``); the gradient of a unit's input (``boundary_grad``) depends on the
+    micro-batch and is set by the stage."""
+    if shard.kept_gathered:  # every unit gathered throughout; gradients as accumulators
+        g = shard.gathered_bytes
+        return DataParallel(at_head=g, in_block=g, in_first_block=g, at_embedding=g)
+    return DataParallel(
+        grad_cap=shard.grad_bytes,
+        unsharded_ratio=params * policy.grad_bytes / max(grads_bytes, 1),
+        # FSDP2 frees a unit's reduce-scatter input only when the next unit's reduce-scatter
+        # waits on it (traced, tests/traced/test_ground_truth.py FSDP_GRID)
+        per_unit=bool(shard.gathered_bytes),
+        unsharded_dtype=policy.unsharded.itemsize / policy.grad_bytes,
+        # in backward FSDP2 holds the root and the block being computed (traced); with
+        # torchtitan's units, the head's unit until its backward, one block, the embedding's
+        in_block=shard.backward_block_bytes, in_first_block=shard.backward_last_block_bytes,
+        at_head=shard.backward_head_bytes, at_embedding=shard.backward_end_bytes,
+        separate_units=shard.separate_units, reduce_copies=shard.reduce_copies)
 
 
 class Position(NamedTuple):
@@ -122,7 +154,7 @@ def run_positions(dp: DataParallel, held: Held, layer_grads: int, early: int, n:
     (``early``: the most of them made at one of a block's moments), in backward order;
     ``stage_first``: the run ends with the stage's first block. Returns its positions and
     what is carried on."""
-    after = held._replace(made=held.made + n * layer_grads, blocks=held.blocks + n)
+    after = Held(held.made + n * layer_grads, held.prev_input, held.root_held, held.blocks + n)
     if not dp.per_unit:
         first = dp.buffer(held.made + early)
         last = dp.buffer(held.made + (n - 1) * layer_grads + early)
@@ -136,7 +168,7 @@ def run_positions(dp: DataParallel, held: Held, layer_grads: int, early: int, n:
                 Position(n - 2, None, first + gathered, None),
                 Position(1, None, last + end_gathered, None)], after
     return _unit_positions(dp, held, layer_grads, n, growing, stage_first), \
-        after._replace(prev_input=dp.unsharded(layer_grads))
+        Held(after.made, dp.unsharded(layer_grads), after.root_held, after.blocks)
 
 
 def _unit_positions(dp: DataParallel, held: Held, layer_grads: int, n: int, growing: bool,

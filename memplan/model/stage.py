@@ -18,7 +18,6 @@ from memplan.model.embedding import embedding_backward_extra
 from memplan.model.layer import LayerKind, merge_terms
 from memplan.model.moments import peak_of
 from memplan.model.pipeline import Schedule
-from memplan.model.sharding import DataParallel
 from memplan.model.stage_parts import LayerKey, StageKinds, StageStates
 from memplan.model.walk import (
     EmbeddingBackward,
@@ -217,7 +216,9 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
         rest_saved=rope_bytes * par.vpp + embed_bytes + batch,
         head=_head_backward(shared, fx, head_bytes - batch),
         embedding=_embedding_backward(spec, shared, fx),
-        sharding=_grad_sharding(wl, fx, shared.dm.stream(spec.hidden_size)),
+        # a unit's reduce-scatter holds the gradient of its input beside it (FSDP2)
+        sharding=(fx.dp._replace(boundary_grad=shared.dm.stream(spec.hidden_size))
+                  if fx.dp.per_unit else fx.dp),
     )
     buckets = fx.buckets
     if shard.kept_gathered:
@@ -331,24 +332,3 @@ def _embedding_backward(spec: ModelSpec, shared: memo.SharedTerms,
     freed = rope + shared.embed_bytes - shared.embed[0].size_bytes
     return EmbeddingBackward(grads=grads, extra=extra, tied_pending=vocab_grad if tied else 0,
                              freed_before=freed)
-
-
-def _grad_sharding(wl: Workload, fx: StageStates, boundary_grad: int = 0) -> DataParallel:
-    shard, policy = fx.shard, wl.precision.policy
-    if shard.kept_gathered:  # every unit gathered throughout; gradients as accumulators
-        g = shard.gathered_bytes
-        return DataParallel(at_head=g, in_block=g, in_first_block=g, at_embedding=g)
-    return DataParallel(
-        grad_cap=shard.grad_bytes,
-        unsharded_ratio=fx.params.total * policy.grad_bytes / max(fx.states.grads_bytes, 1),
-        # FSDP2 frees a unit's reduce-scatter input only when the next unit's reduce-scatter
-        # waits on it (traced, tests/traced/test_ground_truth.py FSDP_GRID)
-        per_unit=bool(shard.gathered_bytes),
-        unsharded_dtype=policy.unsharded.itemsize / policy.grad_bytes,
-        # in backward FSDP2 holds the root and the block being computed (traced); with
-        # torchtitan's units, the head's unit until its backward, one block, the embedding's
-        in_block=shard.backward_block_bytes, in_first_block=shard.backward_last_block_bytes,
-        at_head=shard.backward_head_bytes, at_embedding=shard.backward_end_bytes,
-        separate_units=shard.separate_units, reduce_copies=shard.reduce_copies,
-        boundary_grad=boundary_grad if shard.reduce_copies or shard.gathered_bytes else 0)
-

@@ -22,6 +22,7 @@ from memplan.model.model_states import (
 )
 from memplan.model.attention import rope_buffer_bytes, windowed
 from memplan.model.pipeline import stage_layers
+from memplan.model.sharding import DataParallel, data_parallel
 from memplan.model.walk import first_positions, runs_of
 from memplan.parallel import GradBuffers, ParallelConfig, ZeroStage
 from memplan.spec import ModelSpec
@@ -80,6 +81,7 @@ class StageStates(NamedTuple):
     buckets: int  # DDP's persistent copy of the gradients
     persistent: bool  # gradients live in persistent data-parallel buffers
     buffers: int = 0  # registered buffers (RoPE tables), resident like the weights
+    dp: DataParallel = DataParallel()  # the data-parallel mechanism in backward
 
     @property
     def optimizer_phase(self) -> int:
@@ -143,4 +145,5 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
         persistent=ddp and par.grad_buffers is GradBuffers.VIEW,
         buffers=rope_buffer_bytes(spec, wl, len(stage_layer_indices(
             spec, par.pp, par.vpp, stage, par.stage_layers))),
+        dp=data_parallel(shard, params.total, st.grads_bytes, wl.precision.policy),
     )

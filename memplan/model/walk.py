@@ -142,8 +142,7 @@ def backward_segments(w: Walk, grads_prior: int, grads_total: int) -> list[Segme
     for index, (kind, layer_grads, moment_grads, n) in enumerate(reversed(w.runs)):
         positions, held = run_positions(dp, held, layer_grads, max(moment_grads), n, growing,
                                         index == len(w.runs) - 1)
-        local = max(m.alive_bytes + m.transient_bytes + dp.moment_grads(g, growing)
-                    for m, g in zip(kind.moments, moment_grads))
+        local = dp.block_peak(kind.moments, moment_grads, growing)
         step = layer_grads if growing else 0
         segments += [_layer_segment(p, kind.saved_bytes, local, step) for p in positions]
         made += n * step
@@ -178,15 +177,18 @@ def _head_segments(h: HeadBackward, pending: int, dp: DataParallel,
 
 def _layer_segment(position: Position, saved: int, local: int, step: int) -> Segment:
     """``position.repeat`` layers in backward: the mechanism's instant before (their saved
-    bytes alive), their own peak (``local``) beside what the mechanism holds, its instant
-    after; each frees its ``saved`` bytes and keeps ``step`` bytes of gradients."""
-    before, after = position.before, position.after
+    bytes alive), their own peak (``local``, which counts what of their saved bytes is still
+    alive) beside what the mechanism holds, its instant after; each frees its ``saved`` bytes
+    and keeps ``step`` bytes of gradients."""
+    before, after, beside = position.before, position.after, position.beside
+    if before is None and after is None:  # the layer's saved bytes counted in its peak
+        return Segment((Event("layer.backward", step - saved, local - saved + beside),),
+                       position.repeat)
     start = (Event(before.name, -saved, before.transient) if before
              else Event("layer.release", -saved, None))
     if after is None:
-        return Segment((start, Event("layer.backward", step, local + position.beside)),
-                       position.repeat)
-    return Segment((start, Event("layer.backward", 0, local + position.beside),
+        return Segment((start, Event("layer.backward", step, local + beside)), position.repeat)
+    return Segment((start, Event("layer.backward", 0, local + beside),
                     Event(after.name, step, after.transient)), position.repeat)
 
 
