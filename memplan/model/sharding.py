@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from memplan.model.layer import BackwardMoment
+from memplan.model.layer import LayerMoment
 from memplan.model.model_states import ShardingBuffers
 from memplan.model.moments import Event
 from memplan.workload import PrecisionPolicy
@@ -73,7 +73,7 @@ class DataParallel(NamedTuple):
         """A unit's reduce at shard degree 1, beyond the gradients held before it."""
         return self.reduce_copies * self.unsharded(unit) + self.boundary_grad
 
-    def block_peak(self, moments: tuple[BackwardMoment, ...], grads: tuple[int, ...],
+    def block_peak(self, moments: tuple[LayerMoment, ...], grads: tuple[int, ...],
                    growing: bool) -> int:
         """A layer's largest moment in backward: its alive and transient bytes at each, with
         its own gradients made by then (``grads``, held bytes) as the mechanism holds them:

@@ -11,43 +11,17 @@ from __future__ import annotations
 from itertools import groupby
 from typing import NamedTuple
 
+from memplan.model.embedding import EmbeddingBlock
+from memplan.model.head import HeadBlock
 from memplan.model.layer import LayerKind
 from memplan.model.moments import Event, Segment, peak_of
 from memplan.model.sharding import (
     DataParallel,
-    Held,
     Position,
     end_moments,
     head_moments,
     run_positions,
 )
-
-
-class HeadBackward(NamedTuple):
-    """The last stage's head in backward, bytes (all 0 on other stages)."""
-
-    saved: int  # the final norm's and the loss's saved terms
-    loss: int  # in the loss's backward, beyond what is saved
-    linear: int  # at the head projection's backward: logits grad in the compute dtype, input
-    #              grad and the head's weight grad
-    main_grads: int  # fp32 main gradients: at the head's fp32 copy, beyond what is saved below
-    #                  the final norm (its saved tensors but the output, the input gradient,
-    #                  the compute-dtype and fp32 weight gradients)
-    grads: int  # the final norm's and head's gradients as held
-    final_norm_saved: int  # what of the final norm is saved when its backward runs
-    final_norm_bwd: int  # gradients in flight inside the final norm's backward
-    final_norm_all: int  # all the final norm saves (alive at the head's backward)
-
-
-class EmbeddingBackward(NamedTuple):
-    """The first stage's embedding in backward, bytes (all 0 on other stages)."""
-
-    grads: int  # the embedding's gradients as held
-    extra: int  # at its backward, beyond its gradient: a tied head's pending gradient and the
-    #             sum; the compute-dtype copy beside an fp32 main grad
-    tied_pending: int  # a tied head's weight gradient, held until the embedding's backward
-    freed_before: int  # of the walk's ``rest_saved``: freed before the stage's last gradient
-    #                    (rope tables, a checkpointed mask, dropout mask)
 
 
 class Walk(NamedTuple):
@@ -57,31 +31,26 @@ class Walk(NamedTuple):
     #                                                          of its moments, count)
     other_bytes: int  # activations of the other micro-batches in flight, kept throughout
     rest_saved: int  # rope tables, embedding ids, the batch: alive until the backward ends
-    head: HeadBackward
-    embedding: EmbeddingBackward
+    head: HeadBlock
+    embedding: EmbeddingBlock
     sharding: DataParallel
 
 
 def forward_peak(runs: list[tuple[LayerKind, int, tuple[int, ...], int]], before: int,
-                  head_saved: int, final_norm: int, loss_extra: int,
-                  gathered: tuple[int, int, int, int] = (0, 0, 0, 0), until_loss: int = 0,
-                  upcast: int = 0) -> int:
+                 head: HeadBlock, gathered: tuple[int, int, int, int] = (0, 0, 0, 0),
+                 until_loss: int = 0) -> int:
     """Largest activation bytes alive during one micro-batch's forward on a stage: the fold
-    (``memplan.model.moments.fold``) of ``forward_segments``.
+    (``memplan.model.moments.fold``) of its layers' ``forward_segments`` and the head's.
 
     ``before``: bytes alive before its first layer (other micro-batches in flight, rope tables,
-    embedding ids). Then the final norm and the loss (last stage). ``until_loss``: bytes
-    alive until the loss starts (the previous step's logits a loop still holds); ``upcast``:
-    the final norm's saved terms and the new logits made beside the held ones before the loss
-    (``memplan.model.head.upcast_bytes``; 0 when no loop holds logits). ``gathered``: ZeRO-3
-    weights gathered while a block runs and at the loss, and, where modelled, at a block's
-    start (its gather, before its compute) and at the stage's first block's start
-    (``ShardingBuffers.forward_start_bytes``).
+    embedding ids). ``until_loss``: bytes alive until the loss starts (the previous step's
+    logits a loop still holds). ``gathered``: ZeRO-3 weights gathered while a block runs and
+    at the loss, and, where modelled, at a block's start (its gather, before its compute) and
+    at the stage's first block's start (``ShardingBuffers.forward_start_bytes``).
     """
     segments = forward_segments(runs, gathered)
-    if head_saved:
-        segments.append(loss_segment(head_saved, final_norm, loss_extra, upcast,
-                                     gathered[1], until_loss))
+    if head.forward_saved:
+        segments.append(head.forward_segment(gathered[1], until_loss))
     return peak_of(segments, before + until_loss)
 
 
@@ -108,17 +77,6 @@ def forward_segments(runs: list[tuple[LayerKind, int, tuple[int, ...], int]],
     return segments
 
 
-def loss_segment(head_saved: int, final_norm: int, loss_extra: int, upcast: int, at_loss: int,
-                 until_loss: int) -> Segment:
-    """The last stage's final norm, the logits a loop held freed, then the loss: its saved
-    bytes and those beyond them, the upcast (``forward_peak``), beside ``at_loss`` gathered
-    bytes."""
-    return Segment((Event("final_norm.forward", 0, final_norm + at_loss),
-                    Event("loss.upcast", 0, upcast + at_loss),
-                    Event("loop.logits_released", -until_loss, None),
-                    Event("loss.forward", 0, head_saved + loss_extra + at_loss)))
-
-
 def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
     """Largest bytes alive (activations + gradients + transients) during one backward: the fold
     of ``backward_segments`` from all saved bytes and ``grads_prior``."""
@@ -137,7 +95,8 @@ def backward_segments(w: Walk, grads_prior: int, grads_total: int) -> list[Segme
     ``grads_total``: all of them when it ends."""
     h, emb, dp = w.head, w.embedding, w.sharding
     growing = grads_prior == 0
-    segments, held = _head_segments(h, emb.tied_pending, dp, growing)
+    beside, after, held = head_moments(dp, h.grads)
+    segments = [Segment((*h.backward_events(dp.at_head, beside, growing), *after))]
     made = grads_prior + (h.grads if growing else 0)  # gradients held
     for index, (kind, layer_grads, moment_grads, n) in enumerate(reversed(w.runs)):
         positions, held = run_positions(dp, held, layer_grads, max(moment_grads), n, growing,
@@ -147,32 +106,10 @@ def backward_segments(w: Walk, grads_prior: int, grads_total: int) -> list[Segme
         segments += [_layer_segment(p, kind.saved_bytes, local, step) for p in positions]
         made += n * step
     beside, after = end_moments(dp, held, h.grads, emb.grads, growing)
-    segments.append(Segment((
-        # the rope tables, a checkpointed mask and the dropout mask freed; the tied head's
-        # pending gradient summed into the embedding's; every gradient of the stage held
-        Event("embedding.release",
-              grads_total - made - emb.freed_before - emb.tied_pending, None),
-        Event("embedding.backward", 0, emb.extra + beside), *after)))
+    # the tied head's pending gradient is summed into the embedding's
+    segments.append(Segment((*emb.backward_events(made + h.tied_grad, grads_total, beside),
+                             *after)))
     return segments
-
-
-def _head_segments(h: HeadBackward, pending: int, dp: DataParallel,
-                   growing: bool) -> tuple[list[Segment], Held]:
-    """The loss, the head projection, its fp32 main gradient and the final norm (all 0 but
-    the gathered weights off the last stage), and the mechanism's instants there."""
-    beside, after, held = head_moments(dp, h.grads)
-    at = dp.at_head
-    if not (pending or any(h)):  # no head on this stage: only what is gathered at its loss
-        return [Segment((Event("loss.backward", 0, at), *after))], held
-    events = [Event("loss.backward", -h.saved, at + h.loss),
-              Event("head.backward", 0, at + h.final_norm_all + h.linear),
-              # the head's weight gradient exists; a tied head's waits for the embedding's
-              Event("head.main_grads", (h.grads if growing else 0) + pending,
-                    at + h.main_grads)]
-    if h.final_norm_bwd:  # the final norm's own gradient comes after
-        events.append(Event("final_norm.backward", 0,
-                            h.final_norm_saved + h.final_norm_bwd + beside + at))
-    return [Segment((*events, *after))], held
 
 
 def _layer_segment(position: Position, saved: int, local: int, step: int) -> Segment:

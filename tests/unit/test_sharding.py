@@ -10,17 +10,17 @@ is alive: the backward starts from the four blocks' 400 B of saved bytes.
 
 from __future__ import annotations
 
-from memplan.model.layer import BackwardMoment, LayerKind
+from memplan.model.embedding import EmbeddingBlock
+from memplan.model.head import HeadBlock
+from memplan.model.layer import LayerKind, LayerMoment
 from memplan.model.moments import timeline
 from memplan.model.sharding import DataParallel
-from memplan.model.walk import EmbeddingBackward, HeadBackward, Walk, backward_peak
-from memplan.model.walk import backward_segments
+from memplan.model.walk import Walk, backward_peak, backward_segments
 
 KIND = LayerKind(terms=(), saved_bytes=100, forward_peak_bytes=120,
-                 moments=(BackwardMoment("m", 100, 10, ()),))
-HEAD = HeadBackward(saved=0, loss=0, linear=0, main_grads=0, grads=20, final_norm_saved=0,
-                    final_norm_bwd=0, final_norm_all=0)
-EMBEDDING = EmbeddingBackward(grads=30, extra=0, tied_pending=0, freed_before=0)
+                 moments=(LayerMoment("m", 100, 10, ()),))
+HEAD = HeadBlock(grads=20)
+EMBEDDING = EmbeddingBlock(grads=30)
 
 # FSDP2 at shard degree 2 (unsharded = 2 x held), weights and reduce in the same dtype, units
 # of at most 1,000 B: 300 B gathered at the head (root and one block), 400 B while a block's

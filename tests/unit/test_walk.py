@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from memplan.model.layer import BackwardMoment, LayerKind
+from memplan.model.embedding import EmbeddingBlock
+from memplan.model.head import HeadBlock
+from memplan.model.layer import LayerKind, LayerMoment
 from memplan.model.sharding import DataParallel
 from memplan.model.walk import (
-    EmbeddingBackward,
-    HeadBackward,
     Walk,
     backward_peak,
     first_positions,
@@ -17,14 +17,12 @@ from memplan.model.walk import (
 # A layer that saves 100 B, peaks at 120 B in its forward and, in its backward, holds all it
 # saved and 10 B of gradients in flight; its parameters' gradients are 50 B.
 KIND = LayerKind(terms=(), saved_bytes=100, forward_peak_bytes=120,
-                 moments=(BackwardMoment("m", 100, 10, ()),))
-NO_HEAD = HeadBackward(0, 0, 0, 0, 0, 0, 0, 0)
-NO_EMBEDDING = EmbeddingBackward(0, 0, 0, 0)
+                 moments=(LayerMoment("m", 100, 10, ()),))
 
 
 def _walk(**parts: object) -> Walk:
-    fields = dict(runs=[(KIND, 50, (0,), 2)], other_bytes=0, rest_saved=0, head=NO_HEAD,
-                  embedding=NO_EMBEDDING, sharding=DataParallel())
+    fields = dict(runs=[(KIND, 50, (0,), 2)], other_bytes=0, rest_saved=0, head=HeadBlock(),
+                  embedding=EmbeddingBlock(), sharding=DataParallel())
     fields.update(parts)
     return Walk(**fields)  # type: ignore[arg-type]
 
@@ -32,13 +30,14 @@ def _walk(**parts: object) -> Walk:
 def test_forward_peaks_at_the_last_layer_of_a_run() -> None:
     """5 B before the stage; the second layer's peak: 5 + 100 (the first layer's saved) +
     120 = 225."""
-    assert forward_peak(_walk().runs, 5, 0, 0, 0) == 225
+    assert forward_peak(_walk().runs, 5, HeadBlock()) == 225
 
 
 def test_forward_with_the_head() -> None:
     """After two layers (205 B alive) the final norm holds 30 B, then the loss saves 40 B
     and holds 60 B of logits: max(205 + 30, 205 + 40 + 60) = 305."""
-    assert forward_peak(_walk().runs, 5, 40, 30, 60) == 305
+    head = HeadBlock(forward_saved=40, final_norm_forward=30, loss_forward=60)
+    assert forward_peak(_walk().runs, 5, head) == 305
 
 
 def test_backward_peaks_at_the_first_layer_walked() -> None:
@@ -57,8 +56,7 @@ def test_backward_with_earlier_microbatches_gradients() -> None:
 def test_backward_starts_at_the_loss() -> None:
     """A head that saved 40 B and whose loss backward holds 500 B: 2 * 100 + 40 + 500 = 740
     at the loss's backward, larger than any layer's moment."""
-    head = HeadBackward(saved=40, loss=500, linear=0, main_grads=0, grads=0,
-                        final_norm_saved=0, final_norm_bwd=0, final_norm_all=0)
+    head = HeadBlock(saved=40, loss=500)
     assert backward_peak(_walk(head=head), 0, 100) == 740
 
 
@@ -70,7 +68,7 @@ def test_zero2_buffer_holds_unsharded_gradients() -> None:
     their shard: 800."""
     sharding = DataParallel(grad_cap=1_000, unsharded_ratio=2.0)
     assert backward_peak(_walk(sharding=sharding), 0, 100) == 210
-    embedding = EmbeddingBackward(grads=300, extra=0, tied_pending=0, freed_before=0)
+    embedding = EmbeddingBlock(grads=300)
     assert backward_peak(_walk(sharding=sharding, embedding=embedding), 0, 400) == 800
 
 
