@@ -2,7 +2,7 @@
 
 ``walk_stage`` sums what is alive at each phase's peak (what each phase holds is listed in
 ``memplan.model.estimate``'s docstring) from the stage's parts (``memplan.model.stage_parts``)
-and the per-micro-batch terms every stage shares (``memo.SharedTerms``); ``stage_record`` turns
+and the per-micro-batch terms every stage shares (``StageTerms``); ``stage_record`` turns
 the walk into a ``StageMemory`` with the fixed overheads on top. All sizes are int bytes for
 one GPU.
 """
@@ -21,6 +21,7 @@ from memplan.model.layer import LayerKind, merge_terms
 from memplan.model.moments import peak_of
 from memplan.model.pipeline import Schedule
 from memplan.model.stage_parts import LayerKey, StageKinds, StageStates
+from memplan.model.stage_terms import StageTerms
 from memplan.model.walk import Walk, backward_peak, forward_segments
 from memplan.overheads import Overheads
 from memplan.parallel import ParallelConfig, ZeroStage
@@ -30,7 +31,7 @@ from memplan.workload import Workload
 PHASES = ("forward", "backward", "optimizer")
 
 # A layer kind's entry in a walk: its kind, its parameters' gradient bytes, and the gradient
-# bytes of each of its moment groups (``memo.SharedTerms.moment_params``).
+# bytes of each of its moment groups (``StageTerms.moment_params``).
 Entries = dict[LayerKey, tuple[LayerKind, int, tuple[int, ...]]]
 
 
@@ -117,7 +118,7 @@ class Walked(NamedTuple):
 
 
 def stage_record(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: int,
-                 schedule: Schedule, ovh: Overheads, shared: memo.SharedTerms,
+                 schedule: Schedule, ovh: Overheads, shared: StageTerms,
                  parts: tuple[StageStates, StageKinds] | None = None) -> StageMemory:
     """Pipeline stage ``stage``'s record with ``m`` micro-batches per step; ``parts``: its
     ``stage_parts`` entry (looked up when not given)."""
@@ -150,15 +151,15 @@ def rank_peak_bytes(tensor_peak: int, ovh: Overheads) -> int:
     return tensor_peak + ovh.fixed_bytes + ovh.allocator_bytes(tensor_peak)
 
 
-def _entries(par: ParallelConfig, shared: memo.SharedTerms, fx: StageStates,
+def _entries(par: ParallelConfig, shared: StageTerms, fx: StageStates,
              kinds: StageKinds) -> Entries:
     """Each layer kind of the stage with its gradient bytes (``Entries``)."""
     grad_per_param = fx.grad_per_param
     entries: Entries = {}
     for key, pos in kinds.positions.items():
-        kind = shared.kind(key)
+        kind = shared.kinds[key]
         moment_grads = tuple(int(n * grad_per_param)
-                             for n in shared.moment_params(par.tp, par.ep, key))
+                             for n in shared.moment_params[key])
         if fx.main_grads and par.zero < ZeroStage.GRADIENTS:
             # the weight whose gradient was just made holds it in the compute dtype: its fp32
             # main gradient does not exist yet
@@ -186,7 +187,7 @@ def _saved(par: ParallelConfig, kinds: StageKinds, entries: Entries, flight: tup
 
 
 def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: int,
-               schedule: Schedule, shared: memo.SharedTerms,
+               schedule: Schedule, shared: StageTerms,
                parts: tuple[StageStates, StageKinds]) -> Walked:
     """Phase peaks of pipeline stage ``stage`` with ``m`` micro-batches per step, in step 1
     and in the steady state, without its record."""
@@ -218,7 +219,7 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
                   peaks(st.master_bytes, st.scaler_bytes, 0, False))
 
 
-def _walk(spec: ModelSpec, par: ParallelConfig, shared: memo.SharedTerms, fx: StageStates,
+def _walk(spec: ModelSpec, par: ParallelConfig, shared: StageTerms, fx: StageStates,
           kinds: StageKinds, entries: Entries,
           flight: tuple[int, ...]) -> tuple[Walk, int, int]:
     """The walk's inputs, the saved activations of every micro-batch in flight and of one."""
@@ -267,7 +268,7 @@ def _gradients(wl: Workload, fx: StageStates, walk: Walk, m: int) -> tuple[int, 
     return in_forward, bwd, in_forward, bwd
 
 
-def _forward(spec: ModelSpec, shared: memo.SharedTerms, fx: StageStates,
+def _forward(spec: ModelSpec, shared: StageTerms, fx: StageStates,
              walk: Walk) -> Callable[[int], int]:
     """The forward's activation peak given the bytes a loop holds until the loss."""
     shard = fx.shard
@@ -294,7 +295,7 @@ def _forward(spec: ModelSpec, shared: memo.SharedTerms, fx: StageStates,
     return peak
 
 
-def _head_block(spec: ModelSpec, shared: memo.SharedTerms, fx: StageStates, head_bytes: int,
+def _head_block(spec: ModelSpec, shared: StageTerms, fx: StageStates, head_bytes: int,
                 batch: int) -> HeadBlock:
     """The head on the last stage (zeros elsewhere); ``head_bytes``: its saved terms,
     ``batch``: of them, the ids and targets the training loop holds."""
@@ -302,7 +303,7 @@ def _head_block(spec: ModelSpec, shared: memo.SharedTerms, fx: StageStates, head
         return HeadBlock()
     vocab_grad = fx.vocab_grad
     grads = int(fx.params.head * fx.grad_per_param)
-    loss, linear = shared.head_backward(vocab_grad)
+    loss, linear = shared.head_loss_bwd, shared.head_linear_bwd
     # With fp32 main gradients the head's compute-dtype weight gradient is accumulated into a
     # new fp32 one (first micro-batch) while it still exists, after the head's backward freed
     # the logits gradient and its saved input (the final norm's output). (The final norm's
@@ -331,7 +332,7 @@ def _embedding_vocab_grad(dm: Dims, fx: StageStates) -> tuple[int, bool]:
     return fx.vocab_grad, fx.main_grads
 
 
-def _embedding_block(spec: ModelSpec, shared: memo.SharedTerms,
+def _embedding_block(spec: ModelSpec, shared: StageTerms,
                      fx: StageStates) -> EmbeddingBlock:
     """The embedding's backward on the first stage; elsewhere only the rope tables (and a
     checkpointed mask) are freed before the stage's last gradient."""
