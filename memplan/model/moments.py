@@ -67,7 +67,7 @@ def fold(segments: Iterable[Segment], alive: int = 0) -> tuple[int | None, int]:
                     top = run + transient
                 run += delta
         if top is not None:
-            top += alive + max(0, (repeat - 1) * run)
+            top += alive + (repeat - 1) * run if run > 0 else alive
             if peak is None or top > peak:
                 peak = top
         alive += repeat * run
