@@ -1,10 +1,12 @@
-"""The data-parallel mechanism's moments in a stage's backward: what it holds beside each block
-and the instants of its own (gathers, reduce-scatters), for one rank, in bytes.
+"""The data-parallel mechanism's moments in a stage's forward and backward: what it holds
+beside each block and the instants of its own (gathers, reduce-scatters), for one rank, in
+bytes.
 
-``DataParallel`` is the policy a stage reads (built from ``memplan.model.model_states.
-ShardingBuffers``); ``head_moments``, ``run_positions`` and ``end_moments`` emit its part of
-the backward in execution order, which ``memplan.model.walk`` lays beside the blocks' own
-moments. Three mechanisms share the vocabulary:
+``DataParallel`` is the policy a stage reads (built once per layout from
+``memplan.model.model_states.ShardingBuffers``, completed per micro-batch by ``with_stream``);
+``forward_positions``, ``head_moments``, ``run_positions`` and ``end_moments`` emit its part of
+the forward and the backward in execution order, which ``memplan.model.walk`` lays beside the
+blocks' own moments. Three mechanisms share the vocabulary:
 
 - replicated gradients (DDP, ZeRO-1): nothing beside the blocks;
 - one buffer of unsharded gradients awaiting their reduce-scatter (ZeRO-2's reduce bucket, at
@@ -49,6 +51,11 @@ class DataParallel(NamedTuple):
     #                         a unit's reduce (its input, its output, which becomes the
     #                         gradient, and a divided copy); 0 where no such moment is modelled
     boundary_grad: int = 0  # ... and the gradient of the unit's input, alive beside them
+    in_block_forward: int = 0  # weights gathered while a block runs forward
+    at_loss_forward: int = 0  # ... at the final norm and the loss
+    block_start: int = 0  # ... at a block's start (its gather, before it computes), beside
+    #                       the residual stream it is about to read; 0: not modelled
+    first_block_start: int = 0  # ... at the stage's first block's start
 
     def unsharded(self, held: int) -> int:
         """Unsharded bytes, in the reduce dtype, of ``held`` gradient bytes."""
@@ -100,7 +107,8 @@ def data_parallel(shard: ShardingBuffers, params: int, grads_bytes: int,
     micro-batch and is set by the stage."""
     if shard.kept_gathered:  # every unit gathered throughout; gradients as accumulators
         g = shard.gathered_bytes
-        return DataParallel(at_head=g, in_block=g, in_first_block=g, at_embedding=g)
+        return DataParallel(at_head=g, in_block=g, in_first_block=g, at_embedding=g,
+                            in_block_forward=g, at_loss_forward=g)
     return DataParallel(
         grad_cap=shard.grad_bytes,
         unsharded_ratio=params * policy.grad_bytes / max(grads_bytes, 1),
@@ -112,7 +120,36 @@ def data_parallel(shard: ShardingBuffers, params: int, grads_bytes: int,
         # torchtitan's units, the head's unit until its backward, one block, the embedding's
         in_block=shard.backward_block_bytes, in_first_block=shard.backward_last_block_bytes,
         at_head=shard.backward_head_bytes, at_embedding=shard.backward_end_bytes,
-        separate_units=shard.separate_units, reduce_copies=shard.reduce_copies)
+        separate_units=shard.separate_units, reduce_copies=shard.reduce_copies,
+        in_block_forward=shard.gathered_bytes, at_loss_forward=shard.gathered_at_loss_bytes,
+        block_start=shard.forward_start_bytes,
+        first_block_start=shard.forward_first_start_bytes)
+
+
+def with_stream(dp: DataParallel, stream: int) -> DataParallel:
+    """``dp`` for one micro-batch whose residual stream is ``stream`` bytes: beside a unit's
+    reduce-scatter the gradient of its input (FSDP2), beside a block's gather in forward the
+    input it is about to read."""
+    if not (dp.per_unit or dp.block_start):
+        return dp
+    return dp._replace(boundary_grad=stream if dp.per_unit else 0,
+                       block_start=dp.block_start + stream if dp.block_start else 0,
+                       first_block_start=dp.first_block_start + stream if dp.block_start
+                       else 0)
+
+
+def forward_positions(dp: DataParallel, n: int, stage_first: bool) -> list[Position]:
+    """A run of ``n`` identical blocks in forward: the weights gathered beside each block's
+    compute and, where modelled, its gather at its start (the stage's first block's beside
+    the root's or the embedding's all-gather output, not a block's)."""
+    if not dp.block_start:
+        return [Position(n, None, dp.in_block_forward, None)]
+    start = Event("unit.gather", 0, dp.block_start)
+    if not stage_first:
+        return [Position(n, start, dp.in_block_forward, None)]
+    return [Position(1, Event("unit.gather", 0, dp.first_block_start), dp.in_block_forward,
+                     None),
+            Position(n - 1, start, dp.in_block_forward, None)]
 
 
 class Position(NamedTuple):

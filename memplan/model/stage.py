@@ -21,6 +21,7 @@ from memplan.model.layer import LayerKind, merge_terms
 from memplan.model.moments import peak_of
 from memplan.model.pipeline import Schedule
 from memplan.model.stage_parts import LayerKey, StageKinds, StageStates
+from memplan.model.sharding import with_stream
 from memplan.model.stage_terms import StageTerms
 from memplan.model.walk import Walk, backward_peak, forward_segments
 from memplan.overheads import Overheads
@@ -200,7 +201,7 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     # logits a training loop keeps from the loss through backward and the optimizer step into
     # the next forward (from step 2 on), until its loss replaces them
     held = shared.step_held if fx.last else 0
-    forward = _forward(spec, shared, fx, walk)
+    forward = _forward(shared, fx, walk)
     base = st.params_bytes + fx.buckets + fx.buffers
 
     def peaks(opt_bytes: int, from_loss: int, earlier: int, steady: bool) -> PhasePeaks:
@@ -235,9 +236,7 @@ def _walk(spec: ModelSpec, par: ParallelConfig, shared: StageTerms, fx: StageSta
         rest_saved=rope_bytes * par.vpp + embed_bytes + batch,
         head=_head_block(spec, shared, fx, head_bytes, batch),
         embedding=_embedding_block(spec, shared, fx),
-        # a unit's reduce-scatter holds the gradient of its input beside it (FSDP2)
-        sharding=(fx.dp._replace(boundary_grad=shared.dm.stream(spec.hidden_size))
-                  if fx.dp.per_unit else fx.dp),
+        sharding=with_stream(fx.dp, shared.dm.stream(spec.hidden_size)),
     )
     return walk, activations, one_mb
 
@@ -268,28 +267,18 @@ def _gradients(wl: Workload, fx: StageStates, walk: Walk, m: int) -> tuple[int, 
     return in_forward, bwd, in_forward, bwd
 
 
-def _forward(spec: ModelSpec, shared: StageTerms, fx: StageStates,
-             walk: Walk) -> Callable[[int], int]:
+def _forward(shared: StageTerms, fx: StageStates, walk: Walk) -> Callable[[int], int]:
     """The forward's activation peak given the bytes a loop holds until the loss."""
-    shard = fx.shard
-    # a block's start (its gather, ``ShardingBuffers.forward_start_bytes``): the gathered
-    # units beside the block's input, the residual stream it is about to read
-    block_start = (0, 0)
-    if shard.forward_start_bytes:
-        stream = shared.dm.stream(spec.hidden_size)
-        block_start = (shard.forward_start_bytes + stream,
-                       shard.forward_first_start_bytes + stream)
-    layers = forward_segments(walk.runs, (shard.gathered_bytes, shard.gathered_at_loss_bytes,
-                                          *block_start))  # the same in every step
+    layers = forward_segments(walk.runs, walk.sharding)  # the same in every step
     # The targets exist from the step's start; the loss scalars from the loss on.
     before = walk.other_bytes + walk.rest_saved - (shared.batch_bytes - shared.targets_bytes
                                                    if fx.last else 0)
-    head = walk.head
+    head, at_loss = walk.head, walk.sharding.at_loss_forward
 
     def peak(until_loss: int) -> int:
         segments = layers
         if head.forward_saved:  # the last stage's final norm and loss
-            segments = [*layers, head.forward_segment(shard.gathered_at_loss_bytes, until_loss)]
+            segments = [*layers, head.forward_segment(at_loss, until_loss)]
         return peak_of(segments, before + until_loss)
 
     return peak

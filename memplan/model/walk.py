@@ -19,6 +19,7 @@ from memplan.model.sharding import (
     DataParallel,
     Position,
     end_moments,
+    forward_positions,
     head_moments,
     run_positions,
 )
@@ -37,43 +38,33 @@ class Walk(NamedTuple):
 
 
 def forward_peak(runs: list[tuple[LayerKind, int, tuple[int, ...], int]], before: int,
-                 head: HeadBlock, gathered: tuple[int, int, int, int] = (0, 0, 0, 0),
-                 until_loss: int = 0) -> int:
+                 head: HeadBlock, dp: DataParallel, until_loss: int = 0) -> int:
     """Largest activation bytes alive during one micro-batch's forward on a stage: the fold
     (``memplan.model.moments.fold``) of its layers' ``forward_segments`` and the head's.
 
     ``before``: bytes alive before its first layer (other micro-batches in flight, rope tables,
     embedding ids). ``until_loss``: bytes alive until the loss starts (the previous step's
-    logits a loop still holds). ``gathered``: ZeRO-3 weights gathered while a block runs and
-    at the loss, and, where modelled, at a block's start (its gather, before its compute) and
-    at the stage's first block's start (``ShardingBuffers.forward_start_bytes``).
+    logits a loop still holds). ``dp``: the data-parallel mechanism (its gathered weights).
     """
-    segments = forward_segments(runs, gathered)
+    segments = forward_segments(runs, dp)
     if head.forward_saved:
-        segments.append(head.forward_segment(gathered[1], until_loss))
+        segments.append(head.forward_segment(dp.at_loss_forward, until_loss))
     return peak_of(segments, before + until_loss)
 
 
 def forward_segments(runs: list[tuple[LayerKind, int, tuple[int, ...], int]],
-                     gathered: tuple[int, int, int, int]) -> list[Segment]:
+                     dp: DataParallel) -> list[Segment]:
     """One micro-batch's forward on a stage up to its last layer, in execution order: the
-    stage's start, then each run of identical layers (a block's gather where modelled, then
-    its compute, after which its saved and cached bytes stay). ``gathered`` as in
-    ``forward_peak``."""
-    in_block, _, at_start, at_first_start = gathered
+    stage's start, then each run of identical layers: the mechanism's instant before a
+    layer (a gather), the layer's compute beside what the mechanism holds, after which its
+    saved and cached bytes stay."""
     segments = [Segment((Event("stage.start", 0, 0),))]
     for index, (kind, _, _, n) in enumerate(runs):
         # autocast's cached casts of the layers before stay until the forward ends
-        compute = Event("layer.forward", kind.saved_bytes + kind.cached_bytes,
-                        kind.forward_peak_bytes + in_block)
-        if not (at_start or at_first_start):
-            segments.append(Segment((compute,), n))
-            continue
-        start = Event("layer.gather", 0, at_start)
-        if index == 0:  # the stage's first block gathers beside the root's or embedding's
-            segments.append(Segment((Event("layer.gather", 0, at_first_start), compute)))
-            n -= 1
-        segments.append(Segment((start, compute), n))
+        held, peak = kind.saved_bytes + kind.cached_bytes, kind.forward_peak_bytes
+        for p in forward_positions(dp, n, index == 0):
+            compute = Event("layer.forward", held, peak + p.beside)
+            segments.append(Segment((p.before, compute) if p.before else (compute,), p.repeat))
     return segments
 
 

@@ -14,8 +14,9 @@ from memplan.model.embedding import EmbeddingBlock
 from memplan.model.head import HeadBlock
 from memplan.model.layer import LayerKind, LayerMoment
 from memplan.model.moments import timeline
-from memplan.model.sharding import DataParallel
-from memplan.model.walk import Walk, backward_peak, backward_segments
+from memplan.model.sharding import DataParallel, with_stream
+from memplan.model.walk import Walk, backward_peak, backward_segments, forward_peak
+from memplan.model.walk import forward_segments
 
 KIND = LayerKind(terms=(), saved_bytes=100, forward_peak_bytes=120,
                  moments=(LayerMoment("m", 100, 10, ()),))
@@ -120,3 +121,23 @@ def test_zero2_bucket_between_the_ends_of_a_run() -> None:
     assert [at for name, at in _instants(dp) if name != "head.main_grads"][2:] == [
         450, 400, 350, 430, 400]
     assert backward_peak(_walk(dp), 0, 250) == 450
+
+
+def test_fsdp2_gathers_in_forward() -> None:
+    """FSDP2 in forward: 400 B gathered while a block computes (it and the one it prefetches
+    with the root); at a block's start its all-gather output beside the previous one's and
+    its parameters, 600 B, with the 100 B residual stream it is about to read: 700 B; the
+    stage's first block gathers beside the root's output instead, 700 + 100 = 800 B. Each
+    block keeps 100 B and peaks at 120 B in its compute.
+
+    - block 1: gather 0 + 800 = 800; compute 0 + 120 + 400 = 520; 100 kept.
+    - blocks 2-4: gathers at 100 + 700 = 800, 900, 1,000 (the peak: three blocks' saved
+      bytes and the gather); computes 620, 720, 820.
+    """
+    dp = with_stream(DataParallel(per_unit=True, in_block_forward=400, block_start=600,
+                                  first_block_start=700), 100)
+    assert (dp.block_start, dp.first_block_start, dp.boundary_grad) == (700, 800, 100)
+    runs = [(KIND, 50, (0,), 4)]
+    assert [at for _, _, at in timeline(forward_segments(runs, dp))] == [
+        0, 800, 520, 800, 620, 900, 720, 1_000, 820]
+    assert forward_peak(runs, 0, HeadBlock(), dp) == 1_000

@@ -30,14 +30,14 @@ def _walk(**parts: object) -> Walk:
 def test_forward_peaks_at_the_last_layer_of_a_run() -> None:
     """5 B before the stage; the second layer's peak: 5 + 100 (the first layer's saved) +
     120 = 225."""
-    assert forward_peak(_walk().runs, 5, HeadBlock()) == 225
+    assert forward_peak(_walk().runs, 5, HeadBlock(), DataParallel()) == 225
 
 
 def test_forward_with_the_head() -> None:
     """After two layers (205 B alive) the final norm holds 30 B, then the loss saves 40 B
     and holds 60 B of logits: max(205 + 30, 205 + 40 + 60) = 305."""
     head = HeadBlock(forward_saved=40, final_norm_forward=30, loss_forward=60)
-    assert forward_peak(_walk().runs, 5, head) == 305
+    assert forward_peak(_walk().runs, 5, head, DataParallel()) == 305
 
 
 def test_backward_peaks_at_the_first_layer_walked() -> None:
