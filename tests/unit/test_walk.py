@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
+import memplan
 from memplan.model.embedding import EmbeddingBlock
 from memplan.model.head import HeadBlock
 from memplan.model.layer import LayerKind, LayerMoment
+from memplan.model.moments import Segment, peak_of, timeline
 from memplan.model.sharding import DataParallel
 from memplan.model.walk import (
     Walk,
@@ -76,3 +80,30 @@ def test_runs_and_first_positions() -> None:
     keys = ["a", "a", "b", "a"]
     assert runs_of(keys) == [("a", 2), ("b", 1), ("a", 1)]
     assert first_positions(keys) == {"a": 0, "b": 2}
+
+
+@pytest.mark.parametrize("kw", [
+    dict(gpus=8, zero=1),
+    dict(gpus=8, zero=2, micro_batch_size=2, global_batch_size=64),
+    dict(gpus=8, zero=3, precision="fsdp-bf16", recompute="full"),
+    dict(gpus=6, zero=3, precision="fsdp-bf16", framework="torchtitan"),
+    dict(gpus=8, pp=2, zero=3, precision="fsdp-bf16", framework="torchtitan"),
+    dict(gpus=8, pp=2, vpp=2, zero=1, recompute="selective", global_batch_size=64),
+])
+def test_real_stages_fold_as_they_unfold(monkeypatch: pytest.MonkeyPatch, kw: dict) -> None:
+    """On real stages (DDP, ZeRO-1/2, FSDP2 with either unit layout, kept gathered under PP,
+    interleaved pipelines), every forward and backward fold equals the largest instant of the
+    same sequence walked event by event."""
+    import memplan.model.stage as stage
+    from memplan.model import walk
+
+    def checked(segments: list[Segment], alive: int = 0) -> int:
+        peak = peak_of(segments, alive)
+        assert peak == max(at for _, _, at in timeline(segments, alive))
+        return peak
+
+    folds = []
+    monkeypatch.setattr(stage, "peak_of", lambda s, a=0: folds.append(1) or checked(s, a))
+    monkeypatch.setattr(walk, "peak_of", lambda s, a=0: folds.append(1) or checked(s, a))
+    memplan.estimate("gpt2", seq_len=256, **kw)
+    assert len(folds) >= 3  # a forward in each step and a backward, at least
