@@ -63,6 +63,8 @@ class DataParallel(NamedTuple):
 
     def buffer(self, made: int) -> int:
         """Beyond the shard, the gradients made so far waiting unsharded (at most the cap)."""
+        if not self.grad_cap:  # gradients replicated: nothing waits
+            return 0
         waiting = min(self.grad_cap, int(made * self.unsharded_ratio))
         if self.unsharded_ratio > 1:
             return waiting - int(waiting / self.unsharded_ratio)
@@ -193,8 +195,10 @@ def run_positions(dp: DataParallel, held: Held, layer_grads: int, early: int, n:
     what is carried on."""
     after = Held(held.made + n * layer_grads, held.prev_input, held.root_held, held.blocks + n)
     if not dp.per_unit:
-        first = dp.buffer(held.made + early)
-        last = dp.buffer(held.made + (n - 1) * layer_grads + early)
+        first = last = 0
+        if dp.grad_cap:
+            first = dp.buffer(held.made + early)
+            last = dp.buffer(held.made + (n - 1) * layer_grads + early)
         gathered, end_gathered = dp.in_block, dp.in_first_block if stage_first else dp.in_block
         if first == last and gathered == end_gathered:
             return [Position(n, None, first + gathered, None)], after

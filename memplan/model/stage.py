@@ -18,7 +18,7 @@ from memplan.model.dims import Dims, Term
 from memplan.model.embedding import EmbeddingBlock, embedding_backward_extra
 from memplan.model.head import HeadBlock
 from memplan.model.layer import LayerKind, merge_terms
-from memplan.model.moments import peak_of
+from memplan.model.moments import fold, peak_of
 from memplan.model.pipeline import Schedule
 from memplan.model.stage_parts import LayerKey, StageKinds, StageStates
 from memplan.model.sharding import with_stream
@@ -269,17 +269,20 @@ def _gradients(wl: Workload, fx: StageStates, walk: Walk, m: int) -> tuple[int, 
 
 def _forward(shared: StageTerms, fx: StageStates, walk: Walk) -> Callable[[int], int]:
     """The forward's activation peak given the bytes a loop holds until the loss."""
-    layers = forward_segments(walk.runs, walk.sharding)  # the same in every step
+    # the layers are the same in every step: folded once, from 0 (a fold shifts with its
+    # start), the head's segment after them from where they leave the alive bytes
+    layers_peak, layers_alive = fold(forward_segments(walk.runs, walk.sharding))
     # The targets exist from the step's start; the loss scalars from the loss on.
     before = walk.other_bytes + walk.rest_saved - (shared.batch_bytes - shared.targets_bytes
                                                    if fx.last else 0)
     head, at_loss = walk.head, walk.sharding.at_loss_forward
 
     def peak(until_loss: int) -> int:
-        segments = layers
-        if head.forward_saved:  # the last stage's final norm and loss
-            segments = [*layers, head.forward_segment(at_loss, until_loss)]
-        return peak_of(segments, before + until_loss)
+        start = before + until_loss
+        if not head.forward_saved:  # no final norm and loss on this stage
+            return start + (layers_peak or 0)
+        return max(start + (layers_peak or 0), peak_of(
+            [head.forward_segment(at_loss, until_loss)], start + layers_alive))
 
     return peak
 

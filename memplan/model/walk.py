@@ -1,9 +1,12 @@
-"""The walks through one micro-batch's forward and backward on one pipeline stage.
+"""One micro-batch's forward and backward on one pipeline stage, as sequences of moments.
 
-A stage's layers come in few kinds (``memplan.model.layer.LayerKind``: dense or MoE, and their
-recompute policy). The walks visit the layers in execution order, in runs of identical layers,
-adding what is alive before each layer to its local peaks: the forward as saved bytes
-accumulate, the backward as they are freed and gradients appear.
+A stage's forward and its backward are each a list of ``Segment``s in execution order
+(``memplan.model.moments``): the layers, in runs of identical ones (``memplan.model.layer.
+LayerKind``: dense or MoE, and their recompute policy), the head (``HeadBlock``) and the
+embedding (``EmbeddingBlock``) emit their own events; the data-parallel mechanism
+(``memplan.model.sharding``) says what it holds beside each and adds its own instants, with
+positions in a run that differ (a run's first and last layer) as segments of their own. This
+module only lays them side by side in order; ``memplan.model.moments.fold`` walks them.
 """
 
 from __future__ import annotations
