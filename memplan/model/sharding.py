@@ -16,10 +16,12 @@ blocks' own moments. Three mechanisms share the vocabulary:
   own reduce-scatter after its backward, whose input is held until the next unit's; the root
   (embedding, final norm, head) reduce-scattered at the end, or, with separate units
   (torchtitan), the head's and the embedding's units after their own backward; gathered
-  weights beside every block (the block and the one its backward prefetches).
+  weights beside every block (the block and the one its backward prefetches); under pipeline
+  parallelism (kept gathered) every unit gathered throughout, gradients as plain accumulators.
 
 Gradient bytes come in as this rank's held (sharded) bytes; ``unsharded_ratio`` (unsharded /
-held) turns them into the unsharded bytes the mechanism holds, with today's rounding.
+held) turns them into the unsharded bytes the mechanism holds (truncated to whole bytes, as the
+pinned estimates were made).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from memplan.workload import PrecisionPolicy
 
 
 class DataParallel(NamedTuple):
-    """How one stage's data-parallel mechanism holds weights and gradients in backward."""
+    """How one stage's data-parallel mechanism holds weights and gradients in forward and
+    backward (bytes on one rank; 0 where it holds nothing)."""
 
     grad_cap: int = 0  # most unsharded gradient bytes awaiting a reduce-scatter
     unsharded_ratio: float = 1.0  # unsharded / held gradient bytes (the shard degree)
