@@ -73,3 +73,15 @@ def test_unfold_writes_every_repetition_out() -> None:
     a, b = instant("a", 1), change("b", 2)
     assert list(unfold([Segment((a, b), 2), Segment((b,), 1)])) == [a, b, a, b, b]
     assert list(itertools.islice(unfold([Segment((a,), 3)]), 5)) == [a, a, a]
+
+
+def test_optimizer_step_holds_every_state_and_its_temporaries() -> None:
+    """100 B of weights, 50 B of gradients, 200 B of master copy and moments, DDP's 50 B
+    bucket copy, 10 B of buffers, and 30 B of the step's temporaries on top: 440 B; the
+    temporaries are gone after it (410 B alive)."""
+    from memplan.model.model_states import StateBytes
+    from memplan.model.stage_parts import optimizer_step
+
+    st = StateBytes(params_bytes=100, grads_bytes=50, optimizer_bytes=200, master_bytes=0,
+                    num_optimizer_params=0)
+    assert fold([optimizer_step(st, 30, 50, 10)]) == (440, 410)
