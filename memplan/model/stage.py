@@ -271,18 +271,19 @@ def _forward(shared: StageTerms, fx: StageStates, walk: Walk) -> Callable[[int],
     """The forward's activation peak given the bytes a loop holds until the loss."""
     # the layers are the same in every step: folded once, from 0 (a fold shifts with its
     # start), the head's segment after them from where they leave the alive bytes
-    layers_peak, layers_alive = fold(forward_segments(walk.runs, walk.sharding))
-    # The targets exist from the step's start; the loss scalars from the loss on.
-    before = walk.other_bytes + walk.rest_saved - (shared.batch_bytes - shared.targets_bytes
-                                                   if fx.last else 0)
+    # The targets exist from the step's start (the ids the loop holds are no input of the
+    # graph); the loss scalars from the loss on.
+    inputs = walk.rest_saved - (shared.batch_bytes - shared.targets_bytes if fx.last else 0)
+    layers_peak, layers_alive = fold(forward_segments(walk.runs, walk.sharding,
+                                                      walk.other_bytes, inputs))
     head, at_loss = walk.head, walk.sharding.at_loss_forward
 
     def peak(until_loss: int) -> int:
-        start = before + until_loss
+        # the logits a loop holds from the step's start: alive under every instant
         if not head.forward_saved:  # no final norm and loss on this stage
-            return start + (layers_peak or 0)
-        return max(start + (layers_peak or 0), peak_of(
-            [head.forward_segment(at_loss, until_loss)], start + layers_alive))
+            return until_loss + (layers_peak or 0)
+        return max(until_loss + (layers_peak or 0), peak_of(
+            [head.forward_segment(at_loss, until_loss)], until_loss + layers_alive))
 
     return peak
 

@@ -49,19 +49,22 @@ def forward_peak(runs: list[tuple[LayerKind, int, tuple[int, ...], int]], before
     embedding ids). ``until_loss``: bytes alive until the loss starts (the previous step's
     logits a loop still holds). ``dp``: the data-parallel mechanism (its gathered weights).
     """
-    segments = forward_segments(runs, dp)
+    segments = forward_segments(runs, dp, 0, before)
     if head.forward_saved:
         segments.append(head.forward_segment(dp.at_loss_forward, until_loss))
-    return peak_of(segments, before + until_loss)
+    return peak_of(segments, until_loss)
 
 
 def forward_segments(runs: list[tuple[LayerKind, int, tuple[int, ...], int]],
-                     dp: DataParallel) -> list[Segment]:
-    """One micro-batch's forward on a stage up to its last layer, in execution order: the
-    stage's start, then each run of identical layers: the mechanism's instant before a
-    layer (a gather), the layer's compute beside what the mechanism holds, after which its
-    saved and cached bytes stay."""
-    segments = [Segment((Event("stage.start", 0, 0),))]
+                     dp: DataParallel, in_flight: int, inputs: int) -> list[Segment]:
+    """One micro-batch's forward on a stage up to its last layer, in execution order: what
+    is alive at its start (the activations of the ``in_flight`` other micro-batches the
+    pipeline schedule keeps, the stage's ``inputs``: rope tables, embedding ids, targets),
+    then each run of identical layers: the mechanism's instant before a layer (a gather), the
+    layer's compute beside what the mechanism holds, after which its saved and cached bytes
+    stay."""
+    segments = [Segment((Event("pipeline.in_flight", in_flight, None),
+                         Event("stage.inputs", inputs, None), Event("stage.start", 0, 0)))]
     for index, (kind, _, _, n) in enumerate(runs):
         # autocast's cached casts of the layers before stay until the forward ends
         held, peak = kind.saved_bytes + kind.cached_bytes, kind.forward_peak_bytes
@@ -73,16 +76,15 @@ def forward_segments(runs: list[tuple[LayerKind, int, tuple[int, ...], int]],
 
 def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
     """Largest bytes alive (activations + gradients + transients) during one backward: the fold
-    of ``backward_segments`` from all saved bytes and ``grads_prior``."""
-    alive = (w.other_bytes + w.rest_saved + w.head.saved
-             + sum(k.saved_bytes * n for k, _, _, n in w.runs) + grads_prior)
-    return peak_of(backward_segments(w, grads_prior, grads_total), alive)
+    of ``backward_segments``."""
+    return peak_of(backward_segments(w, grads_prior, grads_total))
 
 
 def backward_segments(w: Walk, grads_prior: int, grads_total: int) -> list[Segment]:
-    """One micro-batch's backward on a stage, in execution order: the loss and the head, each
-    run of identical layers (last to first), the embedding; the data-parallel mechanism's
-    moments (``memplan.model.sharding``) beside and between them.
+    """One micro-batch's backward on a stage, in execution order from nothing alive: what is
+    alive when it starts, the loss and the head, each run of identical layers (last to
+    first), the embedding; the data-parallel mechanism's moments (``memplan.model.sharding``)
+    beside and between them.
 
     ``grads_prior`` is what exists when it starts: 0 for a step's only micro-batch, all
     gradients when earlier micro-batches produced them (they then accumulate in place);
@@ -90,7 +92,16 @@ def backward_segments(w: Walk, grads_prior: int, grads_total: int) -> list[Segme
     h, emb, dp = w.head, w.embedding, w.sharding
     growing = grads_prior == 0
     beside, after, held = head_moments(dp, h.grads)
-    segments = [Segment((*h.backward_events(dp.at_head, beside, growing), *after))]
+    segments = [
+        # alive when it starts: the other micro-batches' activations the pipeline schedule
+        # keeps, the stage's inputs, every saved byte of this micro-batch, and the gradients
+        # the training loop kept or earlier micro-batches made
+        Segment((Event("pipeline.in_flight", w.other_bytes, None),
+                 Event("stage.inputs", w.rest_saved, None),
+                 Event("stage.saved", h.saved + sum(k.saved_bytes * n for k, _, _, n in w.runs),
+                       None),
+                 Event("loop.gradients", grads_prior, None))),
+        Segment((*h.backward_events(dp.at_head, beside, growing), *after))]
     made = grads_prior + (h.grads if growing else 0)  # gradients held
     for index, (kind, layer_grads, moment_grads, n) in enumerate(reversed(w.runs)):
         positions, held = run_positions(dp, held, layer_grads, max(moment_grads), n, growing,

@@ -38,7 +38,7 @@ def _walk(dp: DataParallel) -> Walk:
 
 
 def _instants(dp: DataParallel) -> list[tuple[str, int]]:
-    return [(name, at) for name, _, at in timeline(backward_segments(_walk(dp), 0, 250), 400)]
+    return [(name, at) for name, _, at in timeline(backward_segments(_walk(dp), 0, 250))]
 
 
 def test_fsdp2_moments_of_a_four_block_stage() -> None:
@@ -138,6 +138,6 @@ def test_fsdp2_gathers_in_forward() -> None:
                                   first_block_start=700), 100)
     assert (dp.block_start, dp.first_block_start, dp.boundary_grad) == (700, 800, 100)
     runs = [(KIND, 50, (0,), 4)]
-    assert [at for _, _, at in timeline(forward_segments(runs, dp))] == [
+    assert [at for _, _, at in timeline(forward_segments(runs, dp, 0, 0))] == [
         0, 800, 520, 800, 620, 900, 720, 1_000, 820]
     assert forward_peak(runs, 0, HeadBlock(), dp) == 1_000
