@@ -77,7 +77,8 @@ def forward_segments(runs: list[tuple[LayerKind, int, tuple[int, ...], int]],
 def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:
     """Largest bytes alive (activations + gradients + transients) during one backward: the fold
     of ``backward_segments``."""
-    return peak_of(backward_segments(w, grads_prior, grads_total))
+    return peak_of(_backward_moments(w, grads_prior, grads_total),
+                   sum(_start_bytes(w, grads_prior)))
 
 
 def backward_segments(w: Walk, grads_prior: int, grads_total: int) -> list[Segment]:
@@ -89,19 +90,30 @@ def backward_segments(w: Walk, grads_prior: int, grads_total: int) -> list[Segme
     ``grads_prior`` is what exists when it starts: 0 for a step's only micro-batch, all
     gradients when earlier micro-batches produced them (they then accumulate in place);
     ``grads_total``: all of them when it ends."""
+    return [backward_start(w, grads_prior), *_backward_moments(w, grads_prior, grads_total)]
+
+
+def backward_start(w: Walk, grads_prior: int) -> Segment:
+    """What is alive when a micro-batch's backward starts on a stage: the other micro-batches'
+    activations the pipeline schedule keeps, the stage's inputs, every byte this micro-batch
+    saved, and the gradients the training loop kept or earlier micro-batches made."""
+    names = ("pipeline.in_flight", "stage.inputs", "stage.saved", "loop.gradients")
+    return Segment(tuple(Event(name, size, None)
+                         for name, size in zip(names, _start_bytes(w, grads_prior))))
+
+
+def _start_bytes(w: Walk, grads_prior: int) -> tuple[int, int, int, int]:
+    """``backward_start``'s bytes, in its order (the fold starts from their sum)."""
+    return (w.other_bytes, w.rest_saved,
+            w.head.saved + sum(k.saved_bytes * n for k, _, _, n in w.runs), grads_prior)
+
+
+def _backward_moments(w: Walk, grads_prior: int, grads_total: int) -> list[Segment]:
+    """``backward_segments`` after its start."""
     h, emb, dp = w.head, w.embedding, w.sharding
     growing = grads_prior == 0
     beside, after, held = head_moments(dp, h.grads)
-    segments = [
-        # alive when it starts: the other micro-batches' activations the pipeline schedule
-        # keeps, the stage's inputs, every saved byte of this micro-batch, and the gradients
-        # the training loop kept or earlier micro-batches made
-        Segment((Event("pipeline.in_flight", w.other_bytes, None),
-                 Event("stage.inputs", w.rest_saved, None),
-                 Event("stage.saved", h.saved + sum(k.saved_bytes * n for k, _, _, n in w.runs),
-                       None),
-                 Event("loop.gradients", grads_prior, None))),
-        Segment((*h.backward_events(dp.at_head, beside, growing), *after))]
+    segments = [Segment((*h.backward_events(dp.at_head, beside, growing), *after))]
     made = grads_prior + (h.grads if growing else 0)  # gradients held
     for index, (kind, layer_grads, moment_grads, n) in enumerate(reversed(w.runs)):
         positions, held = run_positions(dp, held, layer_grads, max(moment_grads), n, growing,

@@ -38,7 +38,10 @@ def _walk(dp: DataParallel) -> Walk:
 
 
 def _instants(dp: DataParallel) -> list[tuple[str, int]]:
-    return [(name, at) for name, _, at in timeline(backward_segments(_walk(dp), 0, 250))]
+    """Every instant of the backward from nothing alive; its largest is ``backward_peak``."""
+    instants = [(name, at) for name, _, at in timeline(backward_segments(_walk(dp), 0, 250))]
+    assert max(at for _, at in instants) == backward_peak(_walk(dp), 0, 250)
+    return instants
 
 
 def test_fsdp2_moments_of_a_four_block_stage() -> None:
