@@ -3,7 +3,10 @@ its backward, where the stage's last gradients are made."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from memplan.model.dims import INDEX_BYTES, Dims, Term, residual_dropout_mask
+from memplan.model.moments import Event
 from memplan.spec import ModelSpec, PositionKind
 
 
@@ -38,3 +41,22 @@ def embedding_backward_extra(vocab_grad: int, embed_grads: int, *, tied: bool,
     dense = (vocab_grad if tied else 0) + vocab_grad + incoming - vocab_final
     positions = (vocab_grad if tied else 0) + positions_dense + incoming - vocab_final
     return max(after, dense, positions if main_grads and positions_dense else 0)
+
+
+class EmbeddingBlock(NamedTuple):
+    """The first stage's embedding in backward, one micro-batch, one rank, bytes; elsewhere
+    only ``freed_before``."""
+
+    grads: int = 0  # the embedding's gradients as held
+    extra: int = 0  # at its backward, beyond its gradient: a tied head's pending gradient and
+    #                 the sum; the compute-dtype copy beside an fp32 main grad
+    freed_before: int = 0  # of the stage's rest (rope tables, a checkpointed mask, dropout
+    #                        mask): freed before the stage's last gradient
+
+    def backward_events(self, held_grads: int, all_grads: int,
+                        beside: int) -> tuple[Event, ...]:
+        """From ``held_grads`` bytes of gradients (a tied head's pending one included) to all
+        the stage's (``all_grads``), its saved bytes freed first; ``beside``: what the
+        data-parallel mechanism holds at its backward."""
+        return (Event("embedding.release", all_grads - held_grads - self.freed_before, None),
+                Event("embedding.backward", 0, self.extra + beside))

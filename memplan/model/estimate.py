@@ -28,6 +28,7 @@ from memplan.hardware import GpuSpec
 from memplan.model import memo
 from memplan.model.dims import Dims
 from memplan.model.pipeline import Schedule, chunks_in_flight
+from memplan.model.stage_terms import StageTerms
 from memplan.model.stage import (
     PHASES,
     PhasePeaks,
@@ -132,8 +133,9 @@ def estimate(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, *
     validate(spec, par, wl)
     gbs, m = resolve_batch(par, wl)
     ovh = overheads if overheads is not None else default_overheads(gpu)
-    shared = memo.shared_terms(spec, wl, Dims.of(spec, par, wl))
-    stages = _stages(spec, par, wl, m, schedule, ovh, shared)
+    parts = memo.stage_parts(spec, par, wl)
+    shared = memo.shared_terms(spec, wl, Dims.of(spec, par, wl), par.ep, parts)
+    stages = _stages(spec, par, wl, m, schedule, ovh, shared, parts)
     return Estimate(
         spec=spec, gpu=gpu, parallel=par, workload=wl, num_microbatches=m,
         global_batch_size=gbs,
@@ -143,12 +145,12 @@ def estimate(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, *
 
 
 def _stages(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, schedule: Schedule,
-            ovh: Overheads, shared: memo.SharedTerms) -> tuple[StageMemory, ...]:
+            ovh: Overheads, shared: StageTerms,
+            parts: tuple[tuple[StageStates, StageKinds], ...]) -> tuple[StageMemory, ...]:
     """Every stage. Interior stages with the same layer kinds differ only in micro-batches in
     flight, which shift their forward and backward peaks by whole micro-batches (chunks,
     when interleaved): one is computed, the others follow from it."""
     out: list[StageMemory] = []
-    parts = memo.stage_parts(spec, par, wl)
     template = _template(par, parts)
     for i in range(par.pp):
         if _follows(par, parts, template, i):
@@ -198,8 +200,8 @@ def most_loaded(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, ovh:
     flight. With ``limit_bytes`` it returns the first stage whose peak_bytes exceed the limit
     (the configuration does not fit; another stage may peak higher). ``parts``: the layout's
     ``stage_parts``, the same at every micro-batch size (looked up when not given)."""
-    shared = memo.shared_terms(spec, wl, Dims.of(spec, par, wl))
     parts = parts or memo.stage_parts(spec, par, wl)
+    shared = memo.shared_terms(spec, wl, Dims.of(spec, par, wl), par.ep, parts)
     template = _template(par, parts)
     worst: RankPeak | None = None
     for i in range(par.pp):

@@ -8,8 +8,11 @@ its input (a view of the final norm's output) and recomputes the rest in its bac
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from memplan.model.linear import weight_casts
 from memplan.model.dims import FP32_BYTES, INDEX_BYTES, MASK_BYTES, Dims, Term, total
+from memplan.model.moments import Event, Segment
 from memplan.model.norm import norm_terms
 from memplan.spec import ModelSpec
 from memplan.units import ceil_div
@@ -235,3 +238,51 @@ def _chunk_input_grads(spec: ModelSpec, dm: Dims) -> int:
     rows of the final norm's output as the head sees it (all-gathered under DTensor sequence
     parallelism, where the split's backward runs before the gradient is scattered back)."""
     return dm.linear_rows * spec.hidden_size * dm.stream_e
+
+
+class HeadBlock(NamedTuple):
+    """The last stage's final norm, head projection and loss for one micro-batch on one rank,
+    in bytes, and the moments it emits (``memplan.model.moments``); all 0 on other stages."""
+
+    forward_saved: int = 0  # the final norm's and the loss's saved terms but the targets
+    final_norm_forward: int = 0  # the final norm's forward: its saved terms and transient
+    loss_forward: int = 0  # the loss's forward, beyond what is saved
+    upcast: int = 0  # the final norm's saved terms and new logits beside held ones
+    #                  (``upcast_bytes``)
+    saved: int = 0  # the final norm's and the loss's saved terms (batch excluded)
+    loss: int = 0  # in the loss's backward, beyond what is saved
+    linear: int = 0  # at the head projection's backward: logits grad in the compute dtype,
+    #                  input grad and the head's weight grad
+    main_grads: int = 0  # fp32 main gradients: at the head's fp32 copy, beyond what is saved
+    #                      below the final norm (its saved tensors but the output, the input
+    #                      gradient, the compute-dtype and fp32 weight gradients)
+    grads: int = 0  # the final norm's and head's gradients as held
+    final_norm_saved: int = 0  # what of the final norm is saved when its backward runs
+    final_norm_bwd: int = 0  # gradients in flight inside the final norm's backward
+    final_norm_all: int = 0  # all the final norm saves (alive at the head's backward)
+    tied_grad: int = 0  # a tied head's weight gradient, held until the embedding's backward
+
+    def forward_segment(self, at: int, until_loss: int) -> Segment:
+        """The final norm, the logits a loop held freed (``until_loss``), then the loss,
+        beside ``at`` gathered bytes."""
+        return Segment((Event("final_norm.forward", 0, self.final_norm_forward + at),
+                        Event("loss.upcast", 0, self.upcast + at),
+                        Event("loop.logits_released", -until_loss, None),
+                        Event("loss.forward", 0, self.forward_saved + self.loss_forward + at)))
+
+    def backward_events(self, at: int, beside: int, growing: bool) -> tuple[Event, ...]:
+        """The loss, the head projection, its fp32 main gradient, the final norm, beside
+        ``at`` gathered bytes (and ``beside`` at the final norm's backward); ``growing``:
+        its gradients are new (else accumulated into existing ones)."""
+        if not any(self):  # no head on this stage: only what is gathered at its loss
+            return (Event("loss.backward", 0, at),)
+        events = (Event("loss.backward", -self.saved, at + self.loss),
+                  Event("head.backward", 0, at + self.final_norm_all + self.linear),
+                  # the head's weight gradient exists; a tied head's waits for the embedding's
+                  Event("head.main_grads", (self.grads if growing else 0) + self.tied_grad,
+                        at + self.main_grads))
+        if not self.final_norm_bwd:
+            return events
+        # the final norm's own gradient comes after the head's
+        return (*events, Event("final_norm.backward", 0,
+                               self.final_norm_saved + self.final_norm_bwd + beside + at))

@@ -95,7 +95,7 @@ class ForwardMoment(NamedTuple):
     transient_bytes: int
 
 
-class BackwardMoment(NamedTuple):
+class LayerMoment(NamedTuple):
     """One moment inside a layer's backward where its bytes peak locally.
 
     ``alive_bytes``: this layer's saved (or recomputed) tensors still alive; ``transient_bytes``:
@@ -211,7 +211,7 @@ def layer_cast_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, moe_layer: b
 
 
 def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
-                     recompute: Recompute, sliding: bool = False) -> list[BackwardMoment]:
+                     recompute: Recompute, sliding: bool = False) -> list[LayerMoment]:
     """The local peaks of one layer's backward, in backward order (see the module docstring)."""
     blocks = layer_blocks(spec, moe_layer, sliding)
     policy = Recompute.NONE if recompute is Recompute.FULL else recompute  # what is rebuilt
@@ -225,7 +225,7 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
     input_is_saved = (wl.norm_impl is NormImpl.FUSED or dm.stream_e >= FP32_BYTES
                       or not (spec.norm_placement.pre_norm or dm.autocast))
     extra = stream if recompute is Recompute.FULL and not input_is_saved else 0
-    out: list[BackwardMoment] = []
+    out: list[LayerMoment] = []
     if recompute is Recompute.FULL:
         # The rerun stops once the last saved tensor is packed: after the MLP's output
         # dropout (its mask), or its second linear, whose output is alive then (and
@@ -238,14 +238,14 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
             # MLP's argument, all-gathered under DTensor sequence parallelism) still does
             # (traced)
             rerun_out = dm.linear_rows * spec.hidden_size * dm.stream_e
-        out.append(BackwardMoment("rebuild_out", extra + sum(saved), incoming + rerun_out, ()))
+        out.append(LayerMoment("rebuild_out", extra + sum(saved), incoming + rerun_out, ()))
         for block, before in zip(blocks, prior):
-            out += [BackwardMoment(m.name, extra + before + m.own_bytes,
+            out += [LayerMoment(m.name, extra + before + m.own_bytes,
                                    incoming + m.transient_bytes, ())
                     for m in block.rebuild_moments(spec, wl, dm)]
     later: tuple[str, ...] = ()  # the blocks whose backward has run: all their gradients
     for block, before in reversed(list(zip(blocks, prior))):
-        out += [BackwardMoment(m.name, extra + before + m.own_bytes, incoming + m.transient_bytes,
+        out += [LayerMoment(m.name, extra + before + m.own_bytes, incoming + m.transient_bytes,
                                later + m.grads, m.fresh_params)
                 for m in block.backward_moments(spec, wl, dm, policy)]
         later += (block.name,)
@@ -257,7 +257,7 @@ class LayerKind(NamedTuple):
 
     terms: tuple[Term, ...]
     saved_bytes: int
-    moments: tuple[BackwardMoment, ...]
+    moments: tuple[LayerMoment, ...]
     forward_peak_bytes: int  # largest alive + transient inside its forward
     cached_bytes: int = 0  # autocast's casts held from its forward to the forward's end
 

@@ -1,10 +1,11 @@
 """Every cache of the analytic model, in one place, apart from the formulas.
 
-The formulas (blocks, layer, states, stage walk) are plain functions of typed inputs; this
-module keeps what they compute for the inputs a search or a batch of estimates repeats: a
-layer kind per (spec, workload, per-rank dims, kind), a stage's parameters and states per
-layout, the per-micro-batch terms every stage of an estimate shares. Keys are frozen inputs, so
-a cached result is the formula's result for exactly those inputs. (Loading files once - the
+The formulas (blocks, layer, states, stage terms, stage walk) are plain functions of typed
+inputs; this module wraps them in caches for the inputs a search or a batch of estimates
+repeats: a layer kind per (spec, workload, per-rank dims, kind), a stage's parameters and
+states per layout, the per-micro-batch terms every stage of an estimate shares
+(``memplan.model.stage_terms``). Keys are frozen inputs, so a cached result is the formula's
+result for exactly those inputs. (Loading files once - the
 model and GPU catalogs, calibration profiles - is cached where they are read.)
 """
 
@@ -12,9 +13,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from memplan.model import attention, embedding, head, norm
-from memplan.model.dims import Dims, Term, total
-from memplan.model.layer import LayerKind, grad_group_params, moment_params
+from memplan.model.dims import Dims
+from memplan.model.layer import grad_group_params
 from memplan.model.layer import layer_kind as _layer_kind
 from memplan.model.model_states import StageParams, count_stage_params
 from memplan.model.pipeline import Schedule, chunks_in_flight
@@ -26,6 +26,7 @@ from memplan.model.stage_parts import (
     build_states,
     stage_layer_indices,
 )
+from memplan.model.stage_terms import StageTerms, stage_terms
 from memplan.parallel import ParallelConfig
 from memplan.spec import ModelSpec
 from memplan.workload import Recompute, Workload
@@ -121,10 +122,12 @@ def in_flight(pp: int, vpp: int, m: int, stage: int, schedule: Schedule) -> tupl
     return tuple(chunks_in_flight(ParallelConfig(pp=pp, vpp=vpp), m, stage, schedule))
 
 
-def shared_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> SharedTerms:
-    """The terms every stage of one estimate shares, built once per spec, per-kind workload
-    (``_per_kind``) and dims."""
-    return _shared_for(spec, _per_kind(wl), dm)
+def shared_terms(spec: ModelSpec, wl: Workload, dm: Dims, ep: int,
+                 parts: tuple[tuple[StageStates, StageKinds], ...]) -> StageTerms:
+    """``stage_terms`` for every layer kind of ``parts`` (a layout's ``stage_parts``), built
+    once per spec, per-kind workload (``_per_kind``), dims and set of kinds."""
+    keys = frozenset(key for _, kinds in parts for key in kinds.counts)
+    return _terms_for(spec, _per_kind(wl), dm, ep, keys)
 
 
 @lru_cache(maxsize=1024)
@@ -135,57 +138,6 @@ def _per_kind(wl: Workload) -> Workload:
 
 
 @lru_cache(maxsize=1024)
-def _shared_for(spec: ModelSpec, wl: Workload, dm: Dims) -> SharedTerms:
-    return SharedTerms(spec, wl, dm)
-
-
-class SharedTerms:
-    """Per-micro-batch terms that every stage of one estimate shares, built once, and the
-    layer kinds and head backward bytes its stages look up."""
-
-    def __init__(self, spec: ModelSpec, wl: Workload, dm: Dims) -> None:
-        self.spec, self.wl, self.dm = spec, wl, dm
-        saved_mask = attention.mask_terms(wl, dm)
-        self.rope: list[Term] = attention.rope_terms(spec, wl, dm) + saved_mask
-        self.embed = embedding.embedding_terms(spec, dm)
-        self.head = head.head_terms(spec, wl, dm)
-        self.rope_bytes, self.embed_bytes = total(self.rope), total(self.embed)
-        self.head_bytes = total(self.head)
-        batch = head.batch_terms(wl, dm)
-        self.batch_bytes, self.targets_bytes = total(batch), batch[0].size_bytes
-        self.loss_fwd = head.forward_extra_bytes(spec, wl, dm)
-        self.step_held = head.step_held_bytes(wl, dm)
-        self.upcast = head.upcast_bytes(spec, wl, dm)
-        # the causal mask lives through the forward; with recompute it is saved (a term)
-        self.mask = ((0 if saved_mask else attention.eager_mask_bytes(wl, dm))
-                     + attention.window_mask_bytes(spec, wl, dm))
-        self.final_norm_extra = norm.final_forward_transient(spec, wl, dm)
-        self.final_norm_bytes, self.final_norm_bwd_saved = norm.final_saved_bytes(spec, wl, dm)
-        self.final_norm_bwd = norm.final_backward_bytes(spec, wl, dm)
-        self._kinds: dict[LayerKey, LayerKind] = {}
-        self._moments: dict[tuple[int, int, LayerKey], tuple[int, ...]] = {}
-        self._head_bwd: dict[int, tuple[int, int]] = {}
-
-    def head_backward(self, vocab_grad: int) -> tuple[int, int]:
-        """(the loss's backward bytes, the head projection's backward bytes) for a head
-        gradient of ``vocab_grad`` bytes."""
-        found = self._head_bwd.get(vocab_grad)
-        if found is None:
-            found = self._head_bwd[vocab_grad] = (
-                head.loss_backward_bytes(self.spec, self.wl, self.dm, vocab_grad),
-                head.linear_backward_bytes(self.spec, self.wl, self.dm, vocab_grad))
-        return found
-
-    def moment_params(self, t: int, ep: int, key: LayerKey) -> tuple[int, ...]:
-        """Parameters whose gradients exist at each backward moment of a layer of ``key``."""
-        found = self._moments.get((t, ep, key))
-        if found is None:
-            found = self._moments[(t, ep, key)] = moment_params(
-                grad_groups(self.spec, t, ep, key[0]), self.kind(key))
-        return found
-
-    def kind(self, key: LayerKey) -> LayerKind:
-        found = self._kinds.get(key)
-        if found is None:
-            found = self._kinds[key] = layer_kind(self.spec, self.wl, self.dm, *key)
-        return found
+def _terms_for(spec: ModelSpec, wl: Workload, dm: Dims, ep: int,
+               keys: frozenset[LayerKey]) -> StageTerms:
+    return stage_terms(spec, wl, dm, ep, keys, layer_kind, grad_groups)

@@ -192,11 +192,13 @@ class ShardingBuffers(NamedTuple):
     gathered_at_loss_bytes: int  # ... at the loss and the head (the root and one block)
     grad_bytes: int  # unsharded gradients before their reduce-scatter (backward, from the
     #                  first gradient on)
-    backward_head_bytes: int = -1  # gathered at the head's backward (-1: gathered_at_loss)
-    backward_block_bytes: int = -1  # ... while a block's backward runs (-1: at_loss)
-    backward_last_block_bytes: int = -1  # ... while the stage's first block's backward runs
-    #                                     (the last in backward; -1: backward_block_bytes)
-    backward_end_bytes: int = -1  # ... at the embedding's backward (-1: at_loss)
+    # gathered in backward (0 where nothing is gathered): at the head's backward, while a
+    # block's backward runs, while the stage's first block's (the last in backward) runs, and
+    # at the embedding's
+    backward_head_bytes: int = 0
+    backward_block_bytes: int = 0
+    backward_last_block_bytes: int = 0
+    backward_end_bytes: int = 0
     reduce_copies: int = 0  # unit-sized reduce-dtype tensors at a unit's reduce, where that
     #                         moment is modelled (FSDP2 at shard degree 1)
     kept_gathered: bool = False  # FSDP2 under pipeline parallelism as torchtitan runs it: every
@@ -255,37 +257,7 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload) -> 
         e = policy.unsharded.itemsize
         root = params.embedding + params.head
         if separate_units(wl):
-            # torchtitan's units: the embedding resharded after its forward; [final norm,
-            # head] gathered from its forward (prefetched during the last block) to its
-            # backward. In backward a block runs beside the all-gather buffer of the unit its
-            # backward prefetches (the block before it; for the first block, the embedding);
-            # the head's unit beside the last block's prefetch; the embedding's at the end
-            # (traced: tests/traced/test_frameworks.py, torchtitan cases)
-            # At shard degree 1 a prefetch allocates nothing (unshard only marks the unit;
-            # its storage is made in wait_for_unshard), so each unit is gathered alone.
-            head, emb = params.head, params.embedding
-            ahead = 0 if one_rank else 1  # the unit prefetched beside the running one
-            # A block's start in forward: FSDPParamGroup.wait_for_unshard (torch 2.13
-            # _fully_shard/_fsdp_param_group.py) drops the previous unit's all-gather output
-            # from comm_ctx.all_gather_state but still holds it in its local
-            # prev_all_gather_state until it returns, so the block's own all-gather output
-            # and its unsharded parameters are made beside it: three units, the embedding's
-            # output instead of a block's for the first (traced, torchtitan full AC cases).
-            start, first_start = (0, 0) if one_rank else (3 * layer * e, (emb + 2 * layer) * e)
-            return ShardingBuffers(max(blocks, layer + ahead * head) * e, head * e,
-                                   params.largest_unit * policy.grad_bytes,
-                                   backward_head_bytes=(head + ahead * layer) * e,
-                                   backward_block_bytes=blocks * e,
-                                   backward_last_block_bytes=(layer + ahead * emb) * e,
-                                   backward_end_bytes=emb * e, separate_units=True,
-                                   # at shard degree 1 a unit's reduce holds its input, its
-                                   # output (the new gradient) and the input divided by
-                                   # torchtitan's factor 1.0 (_fsdp_collectives.py
-                                   # foreach_reduce, world_size 1 branch; torchtitan
-                                   # distributed/fsdp.py disable_fsdp_gradient_division)
-                                   reduce_copies=3 if one_rank else 0,
-                                   forward_start_bytes=start,
-                                   forward_first_start_bytes=first_start)
+            return _separate_units(params, one_rank, layer, blocks, e, policy.grad_bytes)
         # a block's start in forward, as with torchtitan's units below: the previous unit's
         # all-gather output still held beside the block's own and its parameters (for the
         # first block the previous unit is the root, gathered itself); the root stays gathered
@@ -293,6 +265,7 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload) -> 
                               ((root + 3 * layer) * e, (2 * root + 2 * layer) * e))
         return ShardingBuffers((root + blocks) * e, (root + layer) * e,
                                params.largest_unit * policy.grad_bytes,
+                               backward_head_bytes=(root + layer) * e,
                                backward_block_bytes=(root + blocks) * e,
                                backward_last_block_bytes=(root + layer) * e,
                                # at the embedding's backward every block is resharded
@@ -304,3 +277,40 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload) -> 
         not_owned = params.total - ceil_div(params.total, par.dense_shard_degree)
         return ShardingBuffers(0, 0, min(REDUCE_BUCKET_NUMEL, not_owned) * policy.grad_bytes)
     return ShardingBuffers(0, 0, 0)
+
+
+def _separate_units(params: StageParams, one_rank: bool, layer: int, blocks: int, e: int,
+                    grad_bytes: int) -> ShardingBuffers:
+    """FSDP2 with torchtitan's units (``sharding_buffers``): ``layer`` and ``blocks`` the
+    elements of one and of the gathered blocks, ``e`` the weights' bytes per element."""
+    # torchtitan's units: the embedding resharded after its forward; [final norm,
+    # head] gathered from its forward (prefetched during the last block) to its
+    # backward. In backward a block runs beside the all-gather buffer of the unit its
+    # backward prefetches (the block before it; for the first block, the embedding);
+    # the head's unit beside the last block's prefetch; the embedding's at the end
+    # (traced: tests/traced/test_frameworks.py, torchtitan cases)
+    # At shard degree 1 a prefetch allocates nothing (unshard only marks the unit;
+    # its storage is made in wait_for_unshard), so each unit is gathered alone.
+    head, emb = params.head, params.embedding
+    ahead = 0 if one_rank else 1  # the unit prefetched beside the running one
+    # A block's start in forward: FSDPParamGroup.wait_for_unshard (torch 2.13
+    # _fully_shard/_fsdp_param_group.py) drops the previous unit's all-gather output
+    # from comm_ctx.all_gather_state but still holds it in its local
+    # prev_all_gather_state until it returns, so the block's own all-gather output
+    # and its unsharded parameters are made beside it: three units, the embedding's
+    # output instead of a block's for the first (traced, torchtitan full AC cases).
+    start, first_start = (0, 0) if one_rank else (3 * layer * e, (emb + 2 * layer) * e)
+    return ShardingBuffers(max(blocks, layer + ahead * head) * e, head * e,
+                           params.largest_unit * grad_bytes,
+                           backward_head_bytes=(head + ahead * layer) * e,
+                           backward_block_bytes=blocks * e,
+                           backward_last_block_bytes=(layer + ahead * emb) * e,
+                           backward_end_bytes=emb * e, separate_units=True,
+                           # at shard degree 1 a unit's reduce holds its input, its
+                           # output (the new gradient) and the input divided by
+                           # torchtitan's factor 1.0 (_fsdp_collectives.py
+                           # foreach_reduce, world_size 1 branch; torchtitan
+                           # distributed/fsdp.py disable_fsdp_gradient_division)
+                           reduce_copies=3 if one_rank else 0,
+                           forward_start_bytes=start,
+                           forward_first_start_bytes=first_start)

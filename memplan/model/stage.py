@@ -2,30 +2,28 @@
 
 ``walk_stage`` sums what is alive at each phase's peak (what each phase holds is listed in
 ``memplan.model.estimate``'s docstring) from the stage's parts (``memplan.model.stage_parts``)
-and the per-micro-batch terms every stage shares (``memo.SharedTerms``); ``stage_record`` turns
+and the per-micro-batch terms every stage shares (``StageTerms``); ``stage_record`` turns
 the walk into a ``StageMemory`` with the fixed overheads on top. All sizes are int bytes for
 one GPU.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from memplan.model import memo
-from memplan.model.dims import Term
-from memplan.model.embedding import embedding_backward_extra
+from memplan.model.dims import Dims, Term
+from memplan.model.embedding import EmbeddingBlock, embedding_backward_extra
+from memplan.model.head import HeadBlock
 from memplan.model.layer import LayerKind, merge_terms
+from memplan.model.moments import fold, peak_of
 from memplan.model.pipeline import Schedule
 from memplan.model.stage_parts import LayerKey, StageKinds, StageStates
-from memplan.model.walk import (
-    EmbeddingBackward,
-    GradSharding,
-    HeadBackward,
-    Walk,
-    backward_peak,
-    forward_peak,
-)
+from memplan.model.sharding import with_stream
+from memplan.model.stage_terms import StageTerms
+from memplan.model.walk import Walk, backward_peak, forward_segments
 from memplan.overheads import Overheads
 from memplan.parallel import ParallelConfig, ZeroStage
 from memplan.spec import ModelSpec, param_counts
@@ -33,7 +31,7 @@ from memplan.units import PHASES
 from memplan.workload import Workload
 
 # A layer kind's entry in a walk: its kind, its parameters' gradient bytes, and the gradient
-# bytes of each of its moment groups (``memo.SharedTerms.moment_params``).
+# bytes of each of its moment groups (``StageTerms.moment_params``).
 Entries = dict[LayerKey, tuple[LayerKind, int, tuple[int, ...]]]
 
 
@@ -120,7 +118,7 @@ class Walked(NamedTuple):
 
 
 def stage_record(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: int,
-                 schedule: Schedule, ovh: Overheads, shared: memo.SharedTerms,
+                 schedule: Schedule, ovh: Overheads, shared: StageTerms,
                  parts: tuple[StageStates, StageKinds] | None = None) -> StageMemory:
     """Pipeline stage ``stage``'s record with ``m`` micro-batches per step; ``parts``: its
     ``stage_parts`` entry (looked up when not given)."""
@@ -153,15 +151,15 @@ def rank_peak_bytes(tensor_peak: int, ovh: Overheads) -> int:
     return tensor_peak + ovh.fixed_bytes + ovh.allocator_bytes(tensor_peak)
 
 
-def _entries(par: ParallelConfig, shared: memo.SharedTerms, fx: StageStates,
+def _entries(par: ParallelConfig, shared: StageTerms, fx: StageStates,
              kinds: StageKinds) -> Entries:
     """Each layer kind of the stage with its gradient bytes (``Entries``)."""
     grad_per_param = fx.grad_per_param
     entries: Entries = {}
     for key, pos in kinds.positions.items():
-        kind = shared.kind(key)
+        kind = shared.kinds[key]
         moment_grads = tuple(int(n * grad_per_param)
-                             for n in shared.moment_params(par.tp, par.ep, key))
+                             for n in shared.moment_params[key])
         if fx.main_grads and par.zero < ZeroStage.GRADIENTS:
             # the weight whose gradient was just made holds it in the compute dtype: its fp32
             # main gradient does not exist yet
@@ -189,132 +187,155 @@ def _saved(par: ParallelConfig, kinds: StageKinds, entries: Entries, flight: tup
 
 
 def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: int,
-               schedule: Schedule, shared: memo.SharedTerms,
+               schedule: Schedule, shared: StageTerms,
                parts: tuple[StageStates, StageKinds]) -> Walked:
     """Phase peaks of pipeline stage ``stage`` with ``m`` micro-batches per step, in step 1
     and in the steady state, without its record."""
     fx, kinds = parts
-    first, last, st = fx.first, fx.last, fx.states
+    st = fx.states
     flight = memo.in_flight(par.pp, par.vpp, m, stage, schedule)
     entries = _entries(par, shared, fx, kinds)
-
-    rope_bytes = shared.rope_bytes  # rope tables (and a saved mask): per chunk forward
-    embed_bytes = shared.embed_bytes if first else 0
-    head_bytes = shared.head_bytes if last else 0
-    batch = shared.batch_bytes if last else 0  # held by the training loop, not the graph
-    activations, one_mb = _saved(par, kinds, entries, flight, rope_bytes, embed_bytes,
-                                 head_bytes)
-
-    shard = fx.shard
-    loss_fwd = shared.loss_fwd if last else 0
-    mask = shared.mask  # eager attention's causal mask, through the forward
-    walk = Walk(
-        runs=[(*entries[k], n) for k, n in kinds.runs],
-        other_bytes=max(0, activations - one_mb),
-        rest_saved=rope_bytes * par.vpp + embed_bytes + batch,
-        head=_head_backward(shared, fx, head_bytes - batch),
-        embedding=_embedding_backward(spec, shared, fx),
-        sharding=_grad_sharding(wl, fx, shared.dm.stream(spec.hidden_size)),
-    )
-    buckets = fx.buckets
-    if shard.kept_gathered:
-        # FSDP2 under PP (``ShardingBuffers.kept_gathered``): the walk's gradients are the
-        # stage's unsharded accumulators, from the first micro-batch's backward to the reduce
-        # after the last, where a unit's reduce-scatter input and output shard join them
-        accum = int(fx.params.total * fx.grad_per_param)
-        grads_in_forward = accum if m > 1 else 0
-        bwd_tensors = max(backward_peak(walk, grads_in_forward, accum),
-                          accum + shard.grad_bytes + shard.gathered_bytes + walk.rest_saved)
-        # the sharded gradients the reduce makes, kept zeroed from step 2 (keep_grads)
-        kept = st.grads_bytes if wl.keep_grads else 0
-        steady_grads, steady_bwd = grads_in_forward + kept, bwd_tensors + kept
-    else:
-        grads_in_forward = st.grads_bytes if m > 1 or fx.persistent else 0
-        bwd_tensors = backward_peak(walk, grads_in_forward, st.grads_bytes)
-        # gradients zeroed, not freed (zero_grad(set_to_none=False)): from step 2 they exist
-        # through forward and backward accumulates into them
-        steady_grads, steady_bwd = grads_in_forward, bwd_tensors
-        if wl.keep_grads and not grads_in_forward:
-            steady_grads = st.grads_bytes
-            steady_bwd = backward_peak(walk, steady_grads, st.grads_bytes)
-    # The targets exist from the step's start; the loss scalars from the loss on.
-    targets = shared.targets_bytes if last else 0
+    walk, activations, one_mb = _walk(spec, par, shared, fx, kinds, entries, flight)
+    grads = _gradients(wl, fx, walk, m)
     # logits a training loop keeps from the loss through backward and the optimizer step into
     # the next forward (from step 2 on), until its loss replaces them
-    held = shared.step_held if last else 0
+    held = shared.step_held if fx.last else 0
+    forward = _forward(shared, fx, walk)
+    base = st.params_bytes + fx.buckets + fx.buffers
 
-    # a block's start (its gather, ``ShardingBuffers.forward_start_bytes``): the gathered
-    # units beside the block's input, the residual stream it is about to read
-    block_start = (0, 0)
-    if shard.forward_start_bytes:
-        stream = shared.dm.stream(spec.hidden_size)
-        block_start = (shard.forward_start_bytes + stream,
-                       shard.forward_first_start_bytes + stream)
-
-    def fwd_acts(until_loss: int) -> int:
-        return forward_peak(
-            walk.runs, walk.other_bytes + walk.rest_saved - batch + targets,
-            head_bytes - targets,
-            shared.final_norm_bytes + shared.final_norm_extra if last else 0, loss_fwd,
-            (shard.gathered_bytes, shard.gathered_at_loss_bytes, *block_start), until_loss,
-            shared.upcast if last else 0)
-
-    def peaks(opt_bytes: int, from_loss: int = 0, earlier: int = 0,
-              steady: bool = False) -> PhasePeaks:
-        base = st.params_bytes + opt_bytes + buckets + fx.buffers
-        grads, bwd = (steady_grads, steady_bwd) if steady else (grads_in_forward, bwd_tensors)
+    def peaks(opt_bytes: int, from_loss: int, earlier: int, steady: bool) -> PhasePeaks:
+        in_forward, bwd = grads[2:] if steady else grads[:2]
         return PhasePeaks(
-            forward=base + grads + fwd_acts(earlier) + mask,
-            backward=base + from_loss + held + bwd,
+            forward=base + opt_bytes + in_forward + forward(earlier) + shared.mask,
+            backward=base + opt_bytes + from_loss + held + bwd,
             optimizer=fx.optimizer_phase + held,
         )
 
     # Master weights exist from optimizer setup; a grad scaler's state from step 1's loss;
     # moments appear at step 1's optimizer step.
     return Walked(fx, kinds, entries, flight, activations, one_mb,
-                  max(loss_fwd, walk.head.loss),
-                  peaks(st.optimizer_bytes, earlier=held, steady=True),
-                  peaks(st.master_bytes, st.scaler_bytes))
+                  max(walk.head.loss_forward, walk.head.loss),
+                  peaks(st.optimizer_bytes, 0, held, True),
+                  peaks(st.master_bytes, st.scaler_bytes, 0, False))
 
 
-def _head_backward(shared: memo.SharedTerms, fx: StageStates, saved: int) -> HeadBackward:
-    """The head's backward on the last stage (zeros elsewhere); ``saved``: the final norm's
-    and the loss's saved terms."""
+def _walk(spec: ModelSpec, par: ParallelConfig, shared: StageTerms, fx: StageStates,
+          kinds: StageKinds, entries: Entries,
+          flight: tuple[int, ...]) -> tuple[Walk, int, int]:
+    """The walk's inputs, the saved activations of every micro-batch in flight and of one."""
+    rope_bytes = shared.rope_bytes  # rope tables (and a saved mask): per chunk forward
+    embed_bytes = shared.embed_bytes if fx.first else 0
+    head_bytes = shared.head_bytes if fx.last else 0
+    batch = shared.batch_bytes if fx.last else 0  # held by the training loop, not the graph
+    activations, one_mb = _saved(par, kinds, entries, flight, rope_bytes, embed_bytes,
+                                 head_bytes)
+    walk = Walk(
+        runs=[(*entries[k], n) for k, n in kinds.runs],
+        other_bytes=max(0, activations - one_mb),
+        rest_saved=rope_bytes * par.vpp + embed_bytes + batch,
+        head=_head_block(spec, shared, fx, head_bytes, batch),
+        embedding=_embedding_block(spec, shared, fx),
+        sharding=with_stream(fx.dp, shared.dm.stream(spec.hidden_size)),
+    )
+    return walk, activations, one_mb
+
+
+def _gradients(wl: Workload, fx: StageStates, walk: Walk, m: int) -> tuple[int, int, int, int]:
+    """Gradient bytes alive through the forward and the backward's tensor peak, in step 1
+    and in the steady state (the training loop's gradients: zeroed or freed, accumulated
+    over micro-batches, kept)."""
+    shard, st = fx.shard, fx.states
+    if shard.kept_gathered:
+        # FSDP2 under PP (``ShardingBuffers.kept_gathered``): the walk's gradients are the
+        # stage's unsharded accumulators, from the first micro-batch's backward to the reduce
+        # after the last, where a unit's reduce-scatter input and output shard join them
+        accum = int(fx.params.total * fx.grad_per_param)
+        in_forward = accum if m > 1 else 0
+        bwd = max(backward_peak(walk, in_forward, accum),
+                  accum + shard.grad_bytes + shard.gathered_bytes + walk.rest_saved)
+        # the sharded gradients the reduce makes, kept zeroed from step 2 (keep_grads)
+        kept = st.grads_bytes if wl.keep_grads else 0
+        return in_forward, bwd, in_forward + kept, bwd + kept
+    in_forward = st.grads_bytes if m > 1 or fx.persistent else 0
+    bwd = backward_peak(walk, in_forward, st.grads_bytes)
+    # gradients zeroed, not freed (zero_grad(set_to_none=False)): from step 2 they exist
+    # through forward and backward accumulates into them
+    if wl.keep_grads and not in_forward:
+        return in_forward, bwd, st.grads_bytes, backward_peak(walk, st.grads_bytes,
+                                                              st.grads_bytes)
+    return in_forward, bwd, in_forward, bwd
+
+
+def _forward(shared: StageTerms, fx: StageStates, walk: Walk) -> Callable[[int], int]:
+    """The forward's activation peak given the bytes a loop holds until the loss."""
+    # the layers are the same in every step: folded once, from 0 (a fold shifts with its
+    # start), the head's segment after them from where they leave the alive bytes
+    # The targets exist from the step's start (the ids the loop holds are no input of the
+    # graph); the loss scalars from the loss on.
+    inputs = walk.rest_saved - (shared.batch_bytes - shared.targets_bytes if fx.last else 0)
+    layers_peak, layers_alive = fold(forward_segments(walk.runs, walk.sharding,
+                                                      walk.other_bytes, inputs))
+    head, at_loss = walk.head, walk.sharding.at_loss_forward
+
+    def peak(until_loss: int) -> int:
+        # the logits a loop holds from the step's start: alive under every instant
+        if not head.forward_saved:  # no final norm and loss on this stage
+            return until_loss + (layers_peak or 0)
+        return max(until_loss + (layers_peak or 0), peak_of(
+            [head.forward_segment(at_loss, until_loss)], until_loss + layers_alive))
+
+    return peak
+
+
+def _head_block(spec: ModelSpec, shared: StageTerms, fx: StageStates, head_bytes: int,
+                batch: int) -> HeadBlock:
+    """The head on the last stage (zeros elsewhere); ``head_bytes``: its saved terms,
+    ``batch``: of them, the ids and targets the training loop holds."""
     if not fx.last:
-        return HeadBackward(0, 0, 0, 0, 0, 0, 0, 0)
+        return HeadBlock()
     vocab_grad = fx.vocab_grad
     grads = int(fx.params.head * fx.grad_per_param)
-    loss, linear = shared.head_backward(vocab_grad)
+    loss, linear = shared.head_loss_bwd, shared.head_linear_bwd
     # With fp32 main gradients the head's compute-dtype weight gradient is accumulated into a
     # new fp32 one (first micro-batch) while it still exists, after the head's backward freed
     # the logits gradient and its saved input (the final norm's output). (The final norm's
     # saved tensors but its output, plus the input gradient of the same size: the final
     # norm's saved bytes.)
     main = shared.final_norm_bytes + vocab_grad + grads if fx.main_grads else 0
-    return HeadBackward(saved=saved, loss=loss, linear=linear, main_grads=main, grads=grads,
-                        final_norm_saved=shared.final_norm_bwd_saved,
-                        final_norm_bwd=shared.final_norm_bwd,
-                        final_norm_all=shared.final_norm_bytes)
+    tied = spec.tied_embeddings and fx.first
+    return HeadBlock(
+        forward_saved=head_bytes - shared.targets_bytes,
+        final_norm_forward=shared.final_norm_bytes + shared.final_norm_extra,
+        loss_forward=shared.loss_fwd, upcast=shared.upcast,
+        saved=head_bytes - batch, loss=loss, linear=linear, main_grads=main, grads=grads,
+        final_norm_saved=shared.final_norm_bwd_saved, final_norm_bwd=shared.final_norm_bwd,
+        final_norm_all=shared.final_norm_bytes,
+        tied_grad=_embedding_vocab_grad(shared.dm, fx)[0] if tied else 0)
 
 
-def _embedding_backward(spec: ModelSpec, shared: memo.SharedTerms,
-                        fx: StageStates) -> EmbeddingBackward:
-    """The embedding's backward on the first stage; elsewhere only the rope tables (and a
-    checkpointed mask) are freed before the stage's last gradient."""
-    rope = shared.rope_bytes
-    if not fx.first:
-        return EmbeddingBackward(0, 0, 0, rope)
-    tied = spec.tied_embeddings and fx.last
-    vocab_grad, dm = fx.vocab_grad, shared.dm
-    main_grads = fx.main_grads
+def _embedding_vocab_grad(dm: Dims, fx: StageStates) -> tuple[int, bool]:
+    """(the embedding's dense gradient in the dtype it is made in, whether an fp32 main
+    gradient is made from it)."""
     if dm.autocast:
         # the embedding is no autocast op: it reads the fp32 weight, its output and the
         # gradient it receives are fp32, and its dense gradient is made in fp32 directly (a
         # tied head's gradient too, once its cast's backward has upcast it)
-        vocab_grad, main_grads = vocab_grad // dm.e * dm.stream_e, False
+        return fx.vocab_grad // dm.e * dm.stream_e, False
+    return fx.vocab_grad, fx.main_grads
+
+
+def _embedding_block(spec: ModelSpec, shared: StageTerms,
+                     fx: StageStates) -> EmbeddingBlock:
+    """The embedding's backward on the first stage; elsewhere only the rope tables (and a
+    checkpointed mask) are freed before the stage's last gradient."""
+    rope = shared.rope_bytes
+    if not fx.first:
+        return EmbeddingBlock(freed_before=rope)
+    dm = shared.dm
+    vocab_grad, main_grads = _embedding_vocab_grad(dm, fx)
     grads = int(fx.params.embedding * fx.grad_per_param)
     extra = embedding_backward_extra(
-        vocab_grad, grads, tied=tied, main_grads=main_grads,
+        vocab_grad, grads, tied=spec.tied_embeddings and fx.last, main_grads=main_grads,
         incoming=dm.tokens * spec.hidden_size * dm.stream_e,
         vocab_final=int(vocab_grad // dm.stream_e * fx.grad_per_param),
         positions_dense=param_counts(spec).position_embedding * dm.stream_e)
@@ -322,33 +343,4 @@ def _embedding_backward(spec: ModelSpec, shared: memo.SharedTerms,
     # (with the first layer's saved tensors), the embedding dropout's mask and the position
     # ids (the learned positions' backward runs first)
     freed = rope + shared.embed_bytes - shared.embed[0].size_bytes
-    return EmbeddingBackward(grads=grads, extra=extra, tied_pending=vocab_grad if tied else 0,
-                             freed_before=freed)
-
-
-def _grad_sharding(wl: Workload, fx: StageStates, boundary_grad: int = 0) -> GradSharding:
-    shard, policy = fx.shard, wl.precision.policy
-    if shard.kept_gathered:  # every unit gathered throughout; gradients as accumulators
-        g = shard.gathered_bytes
-        return GradSharding(buffer=0, unsharded_ratio=1.0, gathered_in_block=g,
-                            gathered_last_block=g, gathered_at_loss=g, gathered_at_end=g)
-    return GradSharding(
-        buffer=shard.grad_bytes,
-        unsharded_ratio=fx.params.total * policy.grad_bytes / max(fx.states.grads_bytes, 1),
-        # FSDP2 frees a unit's reduce-scatter input only when the next unit's reduce-scatter
-        # waits on it (traced, tests/traced/test_ground_truth.py FSDP_GRID)
-        fsdp2=bool(shard.gathered_bytes),
-        unsharded_dtype=policy.unsharded.itemsize / policy.grad_bytes,
-        # in backward FSDP2 holds the root and the block being computed (traced); with
-        # torchtitan's units, the head's unit until its backward, one block, the embedding's
-        gathered_in_block=_or(shard.backward_block_bytes, shard.gathered_at_loss_bytes),
-        gathered_last_block=_or(shard.backward_last_block_bytes,
-                                _or(shard.backward_block_bytes, shard.gathered_at_loss_bytes)),
-        gathered_at_loss=_or(shard.backward_head_bytes, shard.gathered_at_loss_bytes),
-        gathered_at_end=_or(shard.backward_end_bytes, shard.gathered_at_loss_bytes),
-        separate_units=shard.separate_units, reduce_copies=shard.reduce_copies,
-        boundary_grad=boundary_grad if shard.reduce_copies or shard.gathered_bytes else 0)
-
-
-def _or(value: int, default: int) -> int:
-    return default if value < 0 else value
+    return EmbeddingBlock(grads=grads, extra=extra, freed_before=freed)

@@ -21,7 +21,9 @@ from memplan.model.model_states import (
     state_bytes,
 )
 from memplan.model.attention import rope_buffer_bytes, windowed
+from memplan.model.moments import Event, Segment, peak_of
 from memplan.model.pipeline import stage_layers
+from memplan.model.sharding import DataParallel, data_parallel
 from memplan.model.walk import first_positions, runs_of
 from memplan.parallel import GradBuffers, ParallelConfig, ZeroStage
 from memplan.spec import ModelSpec
@@ -80,13 +82,20 @@ class StageStates(NamedTuple):
     buckets: int  # DDP's persistent copy of the gradients
     persistent: bool  # gradients live in persistent data-parallel buffers
     buffers: int = 0  # registered buffers (RoPE tables), resident like the weights
+    dp: DataParallel = DataParallel()  # the data-parallel mechanism
+    optimizer_phase: int = 0  # tensor bytes at the optimizer step (``optimizer_step``)
 
-    @property
-    def optimizer_phase(self) -> int:
-        """Tensor bytes at the optimizer step: no activation is alive."""
-        st = self.states
-        return (st.params_bytes + st.grads_bytes + st.optimizer_bytes + self.opt_temp
-                + self.buckets + self.buffers)
+
+def optimizer_step(st: StateBytes, temp: int, buckets: int, buffers: int) -> Segment:
+    """The optimizer step on one rank, where no activation is alive: the weights, gradients,
+    master copy and optimizer states, DDP's bucket copy of the gradients and the registered
+    buffers, with the step's temporaries (``optimizer_step_temp_bytes``) on top."""
+    return Segment((Event("weights", st.params_bytes, None),
+                    Event("gradients", st.grads_bytes, None),
+                    Event("optimizer.states", st.optimizer_bytes, None),
+                    Event("data_parallel.buckets", buckets, None),
+                    Event("buffers", buffers, None),
+                    Event("optimizer.step", 0, temp)))
 
 
 @lru_cache(maxsize=16384)
@@ -129,18 +138,22 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
     # a DDP wrap at any data-parallel size (Workload.ddp_any_size: Megatron-LM) keeps its
     # gradient buffer from the wrap on, one rank included
     ddp = par.data_parallel_buffers or (wl.ddp_any_size and par.zero < ZeroStage.GRADIENTS)
+    opt_temp = optimizer_step_temp_bytes(params, st, par, wl)
+    buckets = st.grads_bytes if ddp and par.grad_buffers is GradBuffers.COPY else 0
+    buffers = rope_buffer_bytes(spec, wl, len(stage_layer_indices(
+        spec, par.pp, par.vpp, stage, par.stage_layers)))
     return StageStates(
         first=first, last=last, params=params, states=st,
         # kept unsharded under PP (``ShardingBuffers.kept_gathered``): the walk's gradients
         # are the stage's unsharded accumulators, in the reduce dtype
         grad_per_param=(wl.precision.policy.grad_bytes if shard.kept_gathered
                         else st.grads_bytes / max(params.total, 1)),
-        opt_temp=optimizer_step_temp_bytes(params, st, par, wl),
+        opt_temp=opt_temp,
         shard=shard,
         vocab_grad=par.vocab_shard(spec.vocab_size) * spec.hidden_size * e,
         main_grads=wl.precision.policy.grad_bytes > e and par.zero < ZeroStage.PARAMETERS,
-        buckets=st.grads_bytes if ddp and par.grad_buffers is GradBuffers.COPY else 0,
-        persistent=ddp and par.grad_buffers is GradBuffers.VIEW,
-        buffers=rope_buffer_bytes(spec, wl, len(stage_layer_indices(
-            spec, par.pp, par.vpp, stage, par.stage_layers))),
+        buckets=buckets, persistent=ddp and par.grad_buffers is GradBuffers.VIEW,
+        buffers=buffers,
+        dp=data_parallel(shard, params.total, st.grads_bytes, wl.precision.policy),
+        optimizer_phase=peak_of([optimizer_step(st, opt_temp, buckets, buffers)]),
     )

@@ -507,7 +507,8 @@ def test_interior_stages_follow_from_one(monkeypatch: pytest.MonkeyPatch, model:
     kw = dict(gpus=2 * pp, pp=pp, vpp=vpp, zero=1, micro_batch_size=mbs, recompute=recompute,
               global_batch_size=mbs * 2 * pp * 2)
     derived = est(model, **kw)
-    monkeypatch.setattr(M, "_stages", lambda spec, par, wl, m, schedule, ovh, shared: tuple(
-        stage_record(spec, par, wl, m, i, schedule, ovh, shared) for i in range(par.pp)))
+    monkeypatch.setattr(M, "_stages", lambda spec, par, wl, m, schedule, ovh, shared, parts: tuple(
+        stage_record(spec, par, wl, m, i, schedule, ovh, shared, parts[i])
+        for i in range(par.pp)))
     computed = est(model, **kw)
     assert derived.stages == computed.stages

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from memplan.model.layer import BackwardMoment, LayerKind
+import pytest
+
+import memplan
+from memplan.model.embedding import EmbeddingBlock
+from memplan.model.head import HeadBlock
+from memplan.model.layer import LayerKind, LayerMoment
+from memplan.model.moments import Segment, fold, peak_of, timeline
+from memplan.model.sharding import DataParallel
 from memplan.model.walk import (
-    EmbeddingBackward,
-    GradSharding,
-    HeadBackward,
     Walk,
     backward_peak,
     first_positions,
@@ -17,14 +21,12 @@ from memplan.model.walk import (
 # A layer that saves 100 B, peaks at 120 B in its forward and, in its backward, holds all it
 # saved and 10 B of gradients in flight; its parameters' gradients are 50 B.
 KIND = LayerKind(terms=(), saved_bytes=100, forward_peak_bytes=120,
-                 moments=(BackwardMoment("m", 100, 10, ()),))
-NO_HEAD = HeadBackward(0, 0, 0, 0, 0, 0, 0, 0)
-NO_EMBEDDING = EmbeddingBackward(0, 0, 0, 0)
+                 moments=(LayerMoment("m", 100, 10, ()),))
 
 
 def _walk(**parts: object) -> Walk:
-    fields = dict(runs=[(KIND, 50, (0,), 2)], other_bytes=0, rest_saved=0, head=NO_HEAD,
-                  embedding=NO_EMBEDDING, sharding=GradSharding(0, 1.0))
+    fields = dict(runs=[(KIND, 50, (0,), 2)], other_bytes=0, rest_saved=0, head=HeadBlock(),
+                  embedding=EmbeddingBlock(), sharding=DataParallel())
     fields.update(parts)
     return Walk(**fields)  # type: ignore[arg-type]
 
@@ -32,13 +34,14 @@ def _walk(**parts: object) -> Walk:
 def test_forward_peaks_at_the_last_layer_of_a_run() -> None:
     """5 B before the stage; the second layer's peak: 5 + 100 (the first layer's saved) +
     120 = 225."""
-    assert forward_peak(_walk().runs, 5, 0, 0, 0) == 225
+    assert forward_peak(_walk().runs, 5, HeadBlock(), DataParallel()) == 225
 
 
 def test_forward_with_the_head() -> None:
     """After two layers (205 B alive) the final norm holds 30 B, then the loss saves 40 B
     and holds 60 B of logits: max(205 + 30, 205 + 40 + 60) = 305."""
-    assert forward_peak(_walk().runs, 5, 40, 30, 60) == 305
+    head = HeadBlock(forward_saved=40, final_norm_forward=30, loss_forward=60)
+    assert forward_peak(_walk().runs, 5, head, DataParallel()) == 305
 
 
 def test_backward_peaks_at_the_first_layer_walked() -> None:
@@ -57,8 +60,7 @@ def test_backward_with_earlier_microbatches_gradients() -> None:
 def test_backward_starts_at_the_loss() -> None:
     """A head that saved 40 B and whose loss backward holds 500 B: 2 * 100 + 40 + 500 = 740
     at the loss's backward, larger than any layer's moment."""
-    head = HeadBackward(saved=40, loss=500, linear=0, main_grads=0, grads=0,
-                        final_norm_saved=0, final_norm_bwd=0, final_norm_all=0)
+    head = HeadBlock(saved=40, loss=500)
     assert backward_peak(_walk(head=head), 0, 100) == 740
 
 
@@ -68,9 +70,9 @@ def test_zero2_buffer_holds_unsharded_gradients() -> None:
     shard): 160 + 50 = 210; at the end the 100 B made wait (200 B): 100 + 100 = 200. With
     300 B of the embedding's gradients too, the end holds 400 B of gradients and 400 B beyond
     their shard: 800."""
-    sharding = GradSharding(buffer=1_000, unsharded_ratio=2.0)
+    sharding = DataParallel(grad_cap=1_000, unsharded_ratio=2.0)
     assert backward_peak(_walk(sharding=sharding), 0, 100) == 210
-    embedding = EmbeddingBackward(grads=300, extra=0, tied_pending=0, freed_before=0)
+    embedding = EmbeddingBlock(grads=300)
     assert backward_peak(_walk(sharding=sharding, embedding=embedding), 0, 400) == 800
 
 
@@ -78,3 +80,35 @@ def test_runs_and_first_positions() -> None:
     keys = ["a", "a", "b", "a"]
     assert runs_of(keys) == [("a", 2), ("b", 1), ("a", 1)]
     assert first_positions(keys) == {"a": 0, "b": 2}
+
+
+@pytest.mark.parametrize("kw", [
+    dict(gpus=8, zero=1),
+    dict(gpus=8, zero=2, micro_batch_size=2, global_batch_size=64),
+    dict(gpus=8, zero=3, precision="fsdp-bf16", recompute="full"),
+    dict(gpus=6, zero=3, precision="fsdp-bf16", framework="torchtitan"),
+    dict(gpus=8, pp=2, zero=3, precision="fsdp-bf16", framework="torchtitan"),
+    dict(gpus=8, pp=2, vpp=2, zero=1, recompute="selective", global_batch_size=64),
+])
+def test_real_stages_fold_as_they_unfold(monkeypatch: pytest.MonkeyPatch, kw: dict) -> None:
+    """On real stages (DDP, ZeRO-1/2, FSDP2 with either unit layout, kept gathered under PP,
+    interleaved pipelines), every forward and backward fold equals the largest instant of the
+    same sequence walked event by event."""
+    import memplan.model.stage as stage
+    from memplan.model import walk
+
+    def checked(segments: list[Segment], alive: int = 0) -> int:
+        peak = peak_of(segments, alive)
+        assert peak == max(at for _, _, at in timeline(segments, alive))
+        return peak
+
+    def checked_fold(segments: list[Segment], alive: int = 0) -> tuple[int | None, int]:
+        checked(segments, alive)
+        return fold(segments, alive)
+
+    folds = []
+    monkeypatch.setattr(stage, "fold", lambda s, a=0: folds.append(1) or checked_fold(s, a))
+    monkeypatch.setattr(stage, "peak_of", lambda s, a=0: checked(s, a))
+    monkeypatch.setattr(walk, "peak_of", lambda s, a=0: folds.append(1) or checked(s, a))
+    memplan.estimate("gpt2", seq_len=256, **kw)
+    assert len(folds) >= 2  # a forward's layers and a backward, at least

@@ -1,0 +1,284 @@
+"""The data-parallel mechanism's moments in a stage's forward and backward: what it holds
+beside each block and the instants of its own (gathers, reduce-scatters), for one rank, in
+bytes.
+
+``DataParallel`` is the policy a stage reads (built once per layout from
+``memplan.model.model_states.ShardingBuffers``, completed per micro-batch by ``with_stream``);
+``forward_positions``, ``head_moments``, ``run_positions`` and ``end_moments`` emit its part of
+the forward and the backward in execution order, which ``memplan.model.walk`` lays beside the
+blocks' own moments. Three mechanisms share the vocabulary:
+
+- replicated gradients (DDP, ZeRO-1): nothing beside the blocks;
+- one buffer of unsharded gradients awaiting their reduce-scatter (ZeRO-2's reduce bucket, at
+  most ``grad_cap``): beside each block, the gradients made so far unsharded, beyond the shard
+  they become;
+- FSDP2 units (``per_unit``): each unit's gradients unsharded (in the weights' dtype) until its
+  own reduce-scatter after its backward, whose input is held until the next unit's; the root
+  (embedding, final norm, head) reduce-scattered at the end, or, with separate units
+  (torchtitan), the head's and the embedding's units after their own backward; gathered
+  weights beside every block (the block and the one its backward prefetches); under pipeline
+  parallelism (kept gathered) every unit gathered throughout, gradients as plain accumulators.
+
+Gradient bytes come in as this rank's held (sharded) bytes; ``unsharded_ratio`` (unsharded /
+held) turns them into the unsharded bytes the mechanism holds (truncated to whole bytes, as the
+pinned estimates were made).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from memplan.model.layer import LayerMoment
+from memplan.model.model_states import ShardingBuffers
+from memplan.model.moments import Event
+from memplan.workload import PrecisionPolicy
+
+
+class DataParallel(NamedTuple):
+    """How one stage's data-parallel mechanism holds weights and gradients in forward and
+    backward (bytes on one rank; 0 where it holds nothing)."""
+
+    grad_cap: int = 0  # most unsharded gradient bytes awaiting a reduce-scatter
+    unsharded_ratio: float = 1.0  # unsharded / held gradient bytes (the shard degree)
+    per_unit: bool = False  # FSDP2: a unit's gradients unsharded until its own reduce-scatter,
+    #                         whose input is held (beside its shard) until the next unit's
+    unsharded_dtype: float = 1.0  # FSDP2: bytes of an unsharded gradient (the weights'
+    #                               dtype) per byte of its reduce dtype
+    at_head: int = 0  # weights gathered at the loss and the head
+    in_block: int = 0  # ... while a block's backward runs
+    in_first_block: int = 0  # ... while the stage's first block (the last in backward) runs
+    at_embedding: int = 0  # ... at the embedding
+    separate_units: bool = False  # FSDP2: the embedding and the head are units of their own,
+    #                               each reduce-scattered after its backward
+    reduce_copies: int = 0  # FSDP2 at shard degree 1: unit-sized reduce-dtype tensors alive at
+    #                         a unit's reduce (its input, its output, which becomes the
+    #                         gradient, and a divided copy); 0 where no such moment is modelled
+    boundary_grad: int = 0  # ... and the gradient of the unit's input, alive beside them
+    in_block_forward: int = 0  # weights gathered while a block runs forward
+    at_loss_forward: int = 0  # ... at the final norm and the loss
+    block_start: int = 0  # ... at a block's start (its gather, before it computes), beside
+    #                       the residual stream it is about to read; 0: not modelled
+    first_block_start: int = 0  # ... at the stage's first block's start
+
+    def unsharded(self, held: int) -> int:
+        """Unsharded bytes, in the reduce dtype, of ``held`` gradient bytes."""
+        return int(held * self.unsharded_ratio)
+
+    def buffer(self, made: int) -> int:
+        """Beyond the shard, the gradients made so far waiting unsharded (at most the cap)."""
+        if not self.grad_cap:  # gradients replicated: nothing waits
+            return 0
+        waiting = min(self.grad_cap, int(made * self.unsharded_ratio))
+        if self.unsharded_ratio > 1:
+            return waiting - int(waiting / self.unsharded_ratio)
+        return waiting
+
+    def root(self, made: int) -> int:
+        """FSDP2's root gradients unsharded, in the weights' dtype, beyond their shard."""
+        return int(made * self.unsharded_ratio * self.unsharded_dtype) - made
+
+    def unit_grads(self, held: int) -> int:
+        """A unit's gradients unsharded, in the weights' dtype."""
+        return int(held * self.unsharded_ratio * self.unsharded_dtype)
+
+    def reduced(self, unit: int) -> int:
+        """A unit's reduce at shard degree 1, beyond the gradients held before it."""
+        return self.reduce_copies * self.unsharded(unit) + self.boundary_grad
+
+    def block_peak(self, moments: tuple[LayerMoment, ...], grads: tuple[int, ...],
+                   growing: bool) -> int:
+        """A layer's largest moment in backward: its alive and transient bytes at each, with
+        its own gradients made by then (``grads``, held bytes) as the mechanism holds them:
+        FSDP2's unsharded in the weights' dtype (capped at a unit), else as held where they
+        are new this backward (accumulated into existing ones otherwise)."""
+        if self.per_unit:
+            cap, ratio, dtype = self.grad_cap, self.unsharded_ratio, self.unsharded_dtype
+            return max(m.alive_bytes + m.transient_bytes + int(min(cap, g * ratio) * dtype)
+                       for m, g in zip(moments, grads))
+        if growing:
+            return max(m.alive_bytes + m.transient_bytes + g for m, g in zip(moments, grads))
+        return max(m.alive_bytes + m.transient_bytes for m in moments)
+
+    @property
+    def reduce_at_block(self) -> bool:
+        """FSDP2's root-unit reduce-scatter moments of every block (not at shard degree 1)."""
+        return self.per_unit and not self.reduce_copies and not self.separate_units
+
+
+def data_parallel(shard: ShardingBuffers, params: int, grads_bytes: int,
+                  policy: PrecisionPolicy) -> DataParallel:
+    """A stage's mechanism from its sharding buffers, its ``params`` and its held gradient
+    bytes (``grads_bytes``); the gradient of a unit's input (``boundary_grad``) depends on the
+    micro-batch and is set by the stage."""
+    if shard.kept_gathered:  # every unit gathered throughout; gradients as accumulators
+        g = shard.gathered_bytes
+        return DataParallel(at_head=g, in_block=g, in_first_block=g, at_embedding=g,
+                            in_block_forward=g, at_loss_forward=g)
+    return DataParallel(
+        grad_cap=shard.grad_bytes,
+        unsharded_ratio=params * policy.grad_bytes / max(grads_bytes, 1),
+        # FSDP2 frees a unit's reduce-scatter input only when the next unit's reduce-scatter
+        # waits on it (traced, tests/traced/test_ground_truth.py FSDP_GRID)
+        per_unit=bool(shard.gathered_bytes),
+        unsharded_dtype=policy.unsharded.itemsize / policy.grad_bytes,
+        # in backward FSDP2 holds the root and the block being computed (traced); with
+        # torchtitan's units, the head's unit until its backward, one block, the embedding's
+        in_block=shard.backward_block_bytes, in_first_block=shard.backward_last_block_bytes,
+        at_head=shard.backward_head_bytes, at_embedding=shard.backward_end_bytes,
+        separate_units=shard.separate_units, reduce_copies=shard.reduce_copies,
+        in_block_forward=shard.gathered_bytes, at_loss_forward=shard.gathered_at_loss_bytes,
+        block_start=shard.forward_start_bytes,
+        first_block_start=shard.forward_first_start_bytes)
+
+
+def with_stream(dp: DataParallel, stream: int) -> DataParallel:
+    """``dp`` for one micro-batch whose residual stream is ``stream`` bytes: beside a unit's
+    reduce-scatter the gradient of its input (FSDP2), beside a block's gather in forward the
+    input it is about to read."""
+    if not (dp.per_unit or dp.block_start):
+        return dp
+    return dp._replace(boundary_grad=stream if dp.per_unit else 0,
+                       block_start=dp.block_start + stream if dp.block_start else 0,
+                       first_block_start=dp.first_block_start + stream if dp.block_start
+                       else 0)
+
+
+def forward_positions(dp: DataParallel, n: int, stage_first: bool) -> list[Position]:
+    """A run of ``n`` identical blocks in forward: the weights gathered beside each block's
+    compute and, where modelled, its gather at its start (the stage's first block's beside
+    the root's or the embedding's all-gather output, not a block's)."""
+    if not dp.block_start:
+        return [Position(n, None, dp.in_block_forward, None)]
+    start = Event("unit.gather", 0, dp.block_start)
+    if not stage_first:
+        return [Position(n, start, dp.in_block_forward, None)]
+    return [Position(1, Event("unit.gather", 0, dp.first_block_start), dp.in_block_forward,
+                     None),
+            Position(n - 1, start, dp.in_block_forward, None)]
+
+
+class Position(NamedTuple):
+    """``repeat`` blocks in a row of one run, as the mechanism sees them in backward."""
+
+    repeat: int
+    before: Event | None  # its instant before a block's backward (the block's saved alive)
+    beside: int  # bytes it holds at every moment of the block's backward
+    after: Event | None  # its instant after the block's backward, before the block's
+    #                      gradients are counted as held
+
+
+class Held(NamedTuple):
+    """What the mechanism carries from one run of blocks to the next in backward."""
+
+    made: int  # held gradient bytes made this backward so far
+    prev_input: int  # the last unit's reduce-scatter input, still held
+    root_held: int  # the root's unsharded gradients beyond their shard
+    blocks: int  # blocks walked
+
+
+def head_moments(dp: DataParallel, head_grads: int) -> tuple[int, tuple[Event, ...], Held]:
+    """At the head: (the bytes beside the final norm's backward, the instants after it, what
+    is carried to the blocks). ``head_grads``: the head's (and final norm's) held gradients."""
+    beside = dp.root(head_grads) if dp.per_unit else dp.buffer(head_grads)
+    events: tuple[Event, ...] = ()
+    if dp.reduce_copies and dp.separate_units:  # the head's own unit at its reduce
+        events = (Event("head.reduce", 0, dp.reduced(head_grads) - head_grads),)
+    root_held = dp.root(head_grads) if dp.per_unit and not dp.separate_units else 0
+    # the head's own unit: its reduce-scatter input (unsharded, in the reduce dtype) is held
+    # until the first block's reduce-scatter, as a block's is until the next one's
+    previous = dp.unsharded(head_grads) if dp.separate_units else 0
+    return beside, events, Held(head_grads, previous, root_held, 0)
+
+
+def run_positions(dp: DataParallel, held: Held, layer_grads: int, early: int, n: int,
+                  growing: bool, stage_first: bool) -> tuple[list[Position], Held]:
+    """A run of ``n`` identical blocks whose held gradients are ``layer_grads`` each
+    (``early``: the most of them made at one of a block's moments), in backward order;
+    ``stage_first``: the run ends with the stage's first block. Returns its positions and
+    what is carried on."""
+    after = Held(held.made + n * layer_grads, held.prev_input, held.root_held, held.blocks + n)
+    if not dp.per_unit:
+        first = last = 0
+        if dp.grad_cap:
+            first = dp.buffer(held.made + early)
+            last = dp.buffer(held.made + (n - 1) * layer_grads + early)
+        gathered, end_gathered = dp.in_block, dp.in_first_block if stage_first else dp.in_block
+        if first == last and gathered == end_gathered:
+            return [Position(n, None, first + gathered, None)], after
+        if n == 1:
+            return [Position(1, None, last + end_gathered, None)], after
+        # the buffer only grows, so between the ends it holds at least the first block's
+        return [Position(1, None, first + gathered, None),
+                Position(n - 2, None, first + gathered, None),
+                Position(1, None, last + end_gathered, None)], after
+    return _unit_positions(dp, held, layer_grads, n, growing, stage_first), \
+        Held(after.made, dp.unsharded(layer_grads), after.root_held, after.blocks)
+
+
+def _unit_positions(dp: DataParallel, held: Held, layer_grads: int, n: int, growing: bool,
+                    stage_first: bool) -> list[Position]:
+    """FSDP2's blocks of one run: the first block in backward holds the previous unit's
+    reduce-scatter input, the others their neighbour's of the run; the stage's first block
+    prefetches no block before it (``in_first_block``) and reduce-scatters beside the
+    embedding's gathered weights. Between the ends the blocks hold both a reduce-scatter
+    input and the all-gather output of the block their backward prefetches (traced:
+    test_ground_truth.py, test_fsdp_backward_between_the_ends_of_a_run)."""
+    run_input, unit_grads = dp.unsharded(layer_grads), dp.unit_grads(layer_grads)
+    root_held = held.root_held
+
+    def position(repeat: int, held_input: int, last: bool, measured: bool) -> Position:
+        gathered = dp.in_first_block if stage_first and last else dp.in_block
+        before = after = None
+        if dp.reduce_at_block and growing:
+            # at its copy-out before its backward (FSDPParamGroup.wait_for_unshard in
+            # pre_backward): its all-gather output beside its unsharded weights (the same
+            # bytes as its gradients in the weights' dtype), the previous reduce-scatter
+            # input still held
+            before = Event("unit.copy_out", 0, root_held + held_input + dp.in_first_block
+                             + unit_grads)
+            # at its reduce-scatter after its backward, its weights resharded, the previous
+            # input dropped first (FSDPParamGroup.post_backward pops reduce_scatter_states
+            # beyond reduce_scatter_max_input_buffers, 1): its unsharded gradients beside
+            # the reduce-dtype input they are copied into (foreach_reduce_scatter_copy_in),
+            # the gradient of its input, and the root with the block the backward
+            # prefetched (the embedding's weights after the stage's first block)
+            end = dp.at_embedding if stage_first and last else dp.in_first_block
+            after = Event("unit.reduce_scatter", 0, root_held + unit_grads + run_input
+                            + dp.boundary_grad + end) if measured else None
+        elif dp.reduce_copies and growing and measured:  # weights resharded, saved freed
+            after = Event("unit.reduce", 0, root_held + dp.reduced(layer_grads))
+        return Position(repeat, before, root_held + held_input + gathered, after)
+
+    if n == 1:
+        return [position(1, held.prev_input, True, True)]
+    # a run's reduce-scatters are measured at its ends only
+    return [position(1, held.prev_input, False, True),
+            position(n - 2, run_input, False, False),
+            position(1, run_input, True, True)]
+
+
+def end_moments(dp: DataParallel, held: Held, head_grads: int, embedding_grads: int,
+                growing: bool) -> tuple[int, tuple[Event, ...]]:
+    """At the embedding's backward, every block done: (the bytes beside it, the mechanism's
+    instants after it, measured on the alive bytes once the stage's gradients are all
+    made)."""
+    units = embedding_grads if dp.separate_units else head_grads + embedding_grads
+    if dp.per_unit:
+        beside = dp.root(units) + (held.prev_input if held.blocks else 0)
+    else:
+        beside = dp.buffer(held.made + embedding_grads)
+    events: tuple[Event, ...] = ()
+    if dp.reduce_at_block:
+        # FSDP2's root (embedding, final norm, head) at its reduce-scatter after the
+        # embedding's backward, its weights resharded (_fsdp_collectives.py foreach_reduce):
+        # its unsharded gradients, in the weights' dtype, copied into the reduce-dtype input,
+        # then freed (unsharded_grads.clear()) before the output shard is made beside that
+        # input. Its shard is new in the first micro-batch; in later ones the output joins it.
+        rs_input = dp.unsharded(units)
+        events = (Event("root.reduce_scatter_input", 0,
+                        dp.unit_grads(units) + rs_input - (units if growing else 0)),
+                  Event("root.reduce_scatter_output", 0, rs_input + (0 if growing else units)))
+    elif dp.reduce_copies and dp.separate_units and growing:  # the embedding's unit
+        events = (Event("embedding.reduce", 0,
+                        dp.reduced(embedding_grads) - embedding_grads - dp.boundary_grad),)
+    return beside + dp.at_embedding, events

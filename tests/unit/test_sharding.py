@@ -1,0 +1,146 @@
+"""The data-parallel mechanism's moments in a stage's backward (``memplan.model.sharding``), on a
+hand-made stage of four identical blocks; every byte derived by hand in the docstrings.
+
+The stage: each block saves 100 B and peaks, in its own backward, at 100 B of what it saved
+plus 10 B in flight (110 B), none of its gradients made by then; a block's gradients are 50 B
+as held (this rank's shard). The last stage's head holds no activations here and makes 20 B of
+gradients, the embedding 30 B: 20 + 4 * 50 + 30 = 250 B of gradients at the end. Nothing else
+is alive: the backward starts from the four blocks' 400 B of saved bytes.
+"""
+
+from __future__ import annotations
+
+from memplan.model.embedding import EmbeddingBlock
+from memplan.model.head import HeadBlock
+from memplan.model.layer import LayerKind, LayerMoment
+from memplan.model.moments import timeline
+from memplan.model.sharding import DataParallel, with_stream
+from memplan.model.walk import Walk, backward_peak, backward_segments, forward_peak
+from memplan.model.walk import forward_segments
+
+KIND = LayerKind(terms=(), saved_bytes=100, forward_peak_bytes=120,
+                 moments=(LayerMoment("m", 100, 10, ()),))
+HEAD = HeadBlock(grads=20)
+EMBEDDING = EmbeddingBlock(grads=30)
+
+# FSDP2 at shard degree 2 (unsharded = 2 x held), weights and reduce in the same dtype, units
+# of at most 1,000 B: 300 B gathered at the head (root and one block), 400 B while a block's
+# backward runs (root, the block, the block it prefetches), 300 B at the stage's first block
+# (nothing left to prefetch), 200 B at the embedding (the root alone); the gradient of a unit's
+# input is 5 B.
+FSDP2 = DataParallel(grad_cap=1_000, unsharded_ratio=2.0, per_unit=True, at_head=300,
+                     in_block=400, in_first_block=300, at_embedding=200, boundary_grad=5)
+
+
+def _walk(dp: DataParallel) -> Walk:
+    return Walk(runs=[(KIND, 50, (0,), 4)], other_bytes=0, rest_saved=0, head=HEAD,
+                embedding=EMBEDDING, sharding=dp)
+
+
+def _instants(dp: DataParallel) -> list[tuple[str, int]]:
+    """Every instant of the backward from nothing alive; its largest is ``backward_peak``."""
+    instants = [(name, at) for name, _, at in timeline(backward_segments(_walk(dp), 0, 250))]
+    assert max(at for _, at in instants) == backward_peak(_walk(dp), 0, 250)
+    return instants
+
+
+def test_fsdp2_moments_of_a_four_block_stage() -> None:
+    """FSDP2, one micro-batch (gradients new). The root's 20 B of head gradients are held
+    unsharded (40 B): 20 B beyond their shard, ``root_held``, from the head on. A block's
+    unit: reduce-scatter input 2 * 50 = 100 B, its unsharded gradients 100 B.
+
+    - loss, head, head's gradient: 400 alive + 300 gathered = 700; then 420 alive.
+    - block 1 (first in backward), copy-out: 420 + 20 root + 0 previous input (the root's is
+      not reduce-scattered yet) + 300 gathered + 100 unsharded = 840; its backward, 100 B saved
+      freed: 320 + 110 + 20 + 0 + 400 = 850; reduce-scatter: 320 + 20 + 100 gradients + 100
+      input + 5 + 300 gathered = 845; then 50 B of gradients: 370.
+    - block 2 holds block 1's input (100): copy-out 370 + 20 + 100 + 300 + 100 = 890; backward
+      270 + 110 + 20 + 100 + 400 = 900 (the peak); its reduce-scatter is not measured (a
+      run's are at its ends); 320 after.
+    - block 3: copy-out 320 + 520 = 840; backward 220 + 630 = 850; 270 after.
+    - block 4 (the stage's first): copy-out 270 + 520 = 790; backward 170 + 110 + 20 + 100 +
+      300 = 700; reduce-scatter beside the embedding's gathered weights: 170 + 20 + 100 + 100
+      + 5 + 200 = 595; 220 after.
+    - embedding: all 250 B of gradients; the root's 20 + 30 = 50 B unsharded (100 B, 50 beyond
+      the shard), block 4's input (100), the root gathered (200): 250 + 350 = 600; the root's
+      reduce-scatter: its 100 B unsharded gradients beside their 100 B input, the 50 B shard
+      not made yet: 250 - 50 + 200 = 400; then the output beside the input: 250 + 100 = 350.
+    """
+    assert _instants(FSDP2) == [
+        ("loss.backward", 700), ("head.backward", 700), ("head.main_grads", 700),
+        ("unit.copy_out", 840), ("layer.backward", 850), ("unit.reduce_scatter", 845),
+        ("unit.copy_out", 890), ("layer.backward", 900),
+        ("unit.copy_out", 840), ("layer.backward", 850),
+        ("unit.copy_out", 790), ("layer.backward", 700), ("unit.reduce_scatter", 595),
+        ("embedding.backward", 600), ("root.reduce_scatter_input", 400),
+        ("root.reduce_scatter_output", 350)]
+    assert backward_peak(_walk(FSDP2), 0, 250) == 900
+
+
+def test_fsdp2_accumulating_micro_batch() -> None:
+    """A later micro-batch: all 250 B of gradients exist from the start (650 alive) and none
+    are added; FSDP2 still makes each unit's gradients unsharded before its reduce-scatter,
+    but the copy-out and reduce-scatter moments are those of the first micro-batch only.
+    Block 2's backward: 650 - 200 (two blocks' saved freed) + 110 + 20 + 100 + 400 = 1,080."""
+    assert backward_peak(_walk(FSDP2), 250, 250) == 1_080
+
+
+def test_torchtitan_units_at_shard_degree_1() -> None:
+    """torchtitan's units at shard degree 1 (unsharded = held): the head is its own unit,
+    reduced after its backward with 3 copies of its 20 B and the 5 B input gradient beside
+    the 420 B alive, its own 20 B replaced: 420 + 60 + 5 - 20 = 465. Nothing gathered (one
+    rank gathers nothing beyond its weights). Block 1 holds the head's reduce input (20 B):
+    320 + 110 + 20 = 450, then its reduce: 320 + 3 * 50 + 5 = 475; block 2 holds block 1's
+    50 B input: 270 + 110 + 50 = 430; block 4's reduce: 170 + 155 = 325. At the embedding:
+    250 alive, block 4's input (50 B) beside: 300; its own reduce: 250 - 30 + 90 + 5 - 5 =
+    310. Peak 475."""
+    dp = DataParallel(grad_cap=1_000, per_unit=True, separate_units=True, reduce_copies=3,
+                      boundary_grad=5)
+    assert _instants(dp) == [
+        ("loss.backward", 400), ("head.backward", 400), ("head.main_grads", 400),
+        ("head.reduce", 465),
+        ("layer.backward", 450), ("unit.reduce", 475),
+        ("layer.backward", 430), ("layer.backward", 380),
+        ("layer.backward", 330), ("unit.reduce", 325),
+        ("embedding.backward", 300), ("embedding.reduce", 310)]
+
+
+def test_kept_gathered_under_pipeline_parallelism() -> None:
+    """FSDP2 under PP as torchtitan runs it: every unit gathered throughout (250 B beside every
+    moment), gradients held as plain accumulators: block 1's backward 320 + 110 + 250 = 680
+    is the peak (the loss's 400 + 250 = 650 below it)."""
+    dp = DataParallel(at_head=250, in_block=250, in_first_block=250, at_embedding=250)
+    assert backward_peak(_walk(dp), 0, 250) == 680
+
+
+def test_zero2_bucket_between_the_ends_of_a_run() -> None:
+    """ZeRO-2 at shard degree 2 with a 300 B bucket: beside a block, the gradients made so far
+    wait unsharded (twice their held bytes, at most 300), beyond the shard they become.
+    Block 1: 20 B made, 40 unsharded, 20 beyond: 320 + 110 + 20 = 450. Block 4: 20 + 150 = 170
+    made, 300 unsharded (the cap), 150 beyond: 170 + 110 + 150 = 430. Blocks 2 and 3 are
+    measured with block 1's 20 B (the buffer only grows; the run's ends bound them): 270 + 130
+    = 400 and 220 + 130 = 350. At the embedding: 250 B made, the cap: 250 + 150 = 400."""
+    dp = DataParallel(grad_cap=300, unsharded_ratio=2.0)
+    assert [at for name, at in _instants(dp) if name != "head.main_grads"][2:] == [
+        450, 400, 350, 430, 400]
+    assert backward_peak(_walk(dp), 0, 250) == 450
+
+
+def test_fsdp2_gathers_in_forward() -> None:
+    """FSDP2 in forward: 400 B gathered while a block computes (it and the one it prefetches
+    with the root); at a block's start its all-gather output beside the previous one's and
+    its parameters, 600 B, with the 100 B residual stream it is about to read: 700 B; the
+    stage's first block gathers beside the root's output instead, 700 + 100 = 800 B. Each
+    block keeps 100 B and peaks at 120 B in its compute.
+
+    - block 1: gather 0 + 800 = 800; compute 0 + 120 + 400 = 520; 100 kept.
+    - blocks 2-4: gathers at 100 + 700 = 800, 900, 1,000 (the peak: three blocks' saved
+      bytes and the gather); computes 620, 720, 820.
+    """
+    dp = with_stream(DataParallel(per_unit=True, in_block_forward=400, block_start=600,
+                                  first_block_start=700), 100)
+    assert (dp.block_start, dp.first_block_start, dp.boundary_grad) == (700, 800, 100)
+    runs = [(KIND, 50, (0,), 4)]
+    assert [at for _, _, at in timeline(forward_segments(runs, dp, 0, 0))] == [
+        0, 800, 520, 800, 620, 900, 720, 1_000, 820]
+    assert forward_peak(runs, 0, HeadBlock(), dp) == 1_000
