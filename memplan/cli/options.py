@@ -108,6 +108,9 @@ RecomputeOpt = Annotated[RecomputeChoice, typer.Option(
 RecomputeLayers = Annotated[Optional[int], typer.Option(
     "--recompute-layers", help="With --recompute full: recompute only this many layers per stage.",
     rich_help_panel=_WORKLOAD)]
+RecomputeEvery = Annotated[Optional[int], typer.Option(
+    "--recompute-every", help="With --recompute full: recompute only every n-th layer of a "
+    "stage (torchtitan's selective_ac_option n).", rich_help_panel=_WORKLOAD)]
 PrecisionOpt = Annotated[Precision, typer.Option(
     "--precision", help="Precision recipe (weights / grads / master copy).",
     rich_help_panel=_WORKLOAD)]
@@ -217,6 +220,7 @@ SHARED: dict[str, Shared] = {
     "seq": Shared(Seq, None),
     "recompute": Shared(RecomputeOpt, RecomputeChoice.NONE, _value),
     "recompute_layers": Shared(RecomputeLayers, None),
+    "recompute_every": Shared(RecomputeEvery, None),
     "precision": Shared(PrecisionOpt, _WL["precision"].default),
     "optimizer": Shared(OptimizerOpt, _WL["optimizer"].default),
     "optimizer_impl": Shared(OptimizerImplOpt, None),
@@ -233,9 +237,9 @@ SHARED: dict[str, Shared] = {
 
 LAYOUT = ("tp", "pp", "vpp", "dp", "cp", "ep", "sp", "vocab_parallel", "tp_style",
           "grad_buffers", "offload", "zero", "stage_layers", "dp_shard")
-WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "precision", "optimizer",
-            "optimizer_impl", "attention", "norm", "logits_fp32", "loss_chunks", "framework",
-            "keep_grads", "use_cache")
+WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "recompute_every",
+            "precision", "optimizer", "optimizer_impl", "attention", "norm", "logits_fp32",
+            "loss_chunks", "framework", "keep_grads", "use_cache")
 # what a framework's own loop decides, beyond memplan's reference model (which trace and
 # profile run)
 FRAMEWORK_ONLY = ("framework", "keep_grads", "use_cache")

@@ -286,6 +286,11 @@ def _precision(toml: _Toml, imp: Imported, degrees: dict[str, int]) -> None:
                          "FSDP2's CPU offload of parameters and gradients is not modelled")
 
 
+# selective_ac_option n: a process-wide count of the blocks wrapped, each rank's model parts
+# in turn; a block is wrapped in full AC when the count is a multiple of n (0: every block)
+_AC = f"{_SRC} distributed/activation_checkpoint.py _apply_layer_sac"
+
+
 def _recompute(toml: _Toml, imp: Imported) -> None:
     a = "activation_checkpoint"
     mode = toml.get(a, "mode", str, "selective")
@@ -297,18 +302,28 @@ def _recompute(toml: _Toml, imp: Imported) -> None:
     elif mode == "selective" and option == "op":
         imp.set(f"{a}.mode/selective_ac_option", "selective/op", "recompute", "selective",
                 "per-op SAC (the torchtitan preset's selective_impl op)")
-    elif mode == "selective" and option == "1":
-        imp.set(f"{a}.mode/selective_ac_option", "selective/1", "recompute", "full",
-                "every layer checkpointed")
+    elif mode == "selective" and _digits(option) and int(option) <= 1:
+        imp.set(f"{a}.mode/selective_ac_option", f"selective/{option}", "recompute", "full",
+                f"{_AC}: every layer checkpointed")
+    elif mode == "selective" and _digits(option):
+        every = int(option)
+        given = "" if "selective_ac_option" in toml.section(a) else "its default; "
+        imp.set(f"{a}.mode/selective_ac_option", f"selective/{option}", "recompute", "full",
+                f"{given}whole layers checkpointed")
+        imp.set(f"{a}.selective_ac_option", option, "recompute_every", every,
+                f"{_AC}: blocks {every}, {2 * every}, ... of each rank, counted from 1 over "
+                "its model parts in order")
     elif mode == "selective":
-        given = "selective_ac_option" in toml.section(a)
         raise imp.refuse(f"{a}.selective_ac_option", option,
-                         ("" if given else "torchtitan's default, as the file sets no "
-                          f"[{a}] selective_ac_option: ")
-                         + "checkpointing every n-th layer is not modelled (op, 1, or mode "
-                         "full / none)")
+                         "expected op or a number of layers (v0.2.2 "
+                         "_apply_ac_to_transformer_block)")
     else:
         raise imp.refuse(f"{a}.mode", mode, "modelled are none, selective and full")
+
+
+def _digits(option: str) -> bool:
+    """v0.2.2's test of a layer count (``str.isdigit``), ASCII digits only."""
+    return option.isascii() and option.isdigit()
 
 
 def _optimizer(toml: _Toml, imp: Imported) -> None:

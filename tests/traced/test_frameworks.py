@@ -259,6 +259,10 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
     # output still held (wait_for_unshard's prev_all_gather_state), its own, its parameters
     (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=8,
                    options={"ac": "full"}), None),
+    # v0.2.2's selective_ac_option "2" (dropped in 0.3.0, reproduced as v0.2.2 wraps): full AC
+    # on blocks 1 and 3 of four (counted from 0), blocks 0 and 2 saving everything
+    (FrameworkCase("torchtitan", "llama3-toy-4l", TITAN_TOY | {"n_layers": 4}, "fsdp-bf16", 2,
+                   128, dp=2, options={"ac": "2"}), None),
     # one rank: parallelize_llama runs apply_fsdp_to_decoder at shard degree 1 too, where a
     # unit is gathered alone (no flat all-gather output) and its reduce holds three copies
     (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=1), None),

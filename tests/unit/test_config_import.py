@@ -167,10 +167,38 @@ def test_torchtitan_notes_what_it_does_not_model() -> None:
     assert "float8" in notes and "torch.compile" in notes
 
 
-def test_torchtitan_every_nth_layer_checkpointing_is_refused() -> None:
-    """debug_model.toml checkpoints every 2nd layer (selective_ac_option '2')."""
-    with pytest.raises(MemplanError, match="selective_ac_option = '2'"):
-        torchtitan.read(TITAN / "debug_model.toml", 8)
+def test_torchtitan_every_nth_layer_checkpointing() -> None:
+    """debug_model.toml checkpoints every 2nd layer (selective_ac_option '2'): full recompute
+    of every 2nd block (v0.2.2 _apply_layer_sac); its model is the debugmodel flavor (6 layers,
+    dim 256), its seq_len 2048, local batch 8 on 8 ranks of FSDP."""
+    imp = torchtitan.read(TITAN / "debug_model.toml", 8)
+    assert (imp.inputs["recompute"], imp.inputs["recompute_every"]) == ("full", 2)
+    lines = "\n".join(imp.lines())
+    assert "activation_checkpoint.selective_ac_option = '2' -> --recompute-every 2" in lines
+    assert "_apply_layer_sac" in lines
+
+
+@pytest.mark.parametrize(("option", "inputs"), [
+    ("'1'", {"recompute": "full"}), ("'0'", {"recompute": "full"}),
+    ("'3'", {"recompute": "full", "recompute_every": 3})])
+def test_torchtitan_layer_counts(tmp_path: Path, option: str, inputs: dict) -> None:
+    """0 and 1 wrap every block (``not ac_freq or count % ac_freq == 0``); 3 every third."""
+    text = (TITAN / "debug_model.toml").read_text().replace("selective_ac_option = '2'",
+                                                            f"selective_ac_option = {option}")
+    job = tmp_path / "job.toml"
+    job.write_text(text)
+    imp = torchtitan.read(job, 8)
+    got = {k: imp.inputs[k] for k in ("recompute", "recompute_every") if k in imp.inputs}
+    assert got == inputs
+
+
+def test_torchtitan_layer_option_not_a_number(tmp_path: Path) -> None:
+    text = (TITAN / "debug_model.toml").read_text().replace("selective_ac_option = '2'",
+                                                            "selective_ac_option = 'two'")
+    job = tmp_path / "job.toml"
+    job.write_text(text)
+    with pytest.raises(MemplanError, match="selective_ac_option = 'two'"):
+        torchtitan.read(job, 8)
 
 
 def test_torchtitan_float8_run_of_the_accuracy_table(tmp_path: Path) -> None:
