@@ -155,10 +155,13 @@ Calibration = Annotated[Optional[list[str]], typer.Option(
     "for the GPU's profile, or `auto` for the committed one; its correction is its own line. "
     "Give it twice for a device and a model profile.")]
 _CONFIGS = "Inputs from a job's own config"
-TorchtitanConfig = Annotated[Optional[Path], typer.Option(
-    "--torchtitan-config", help="A torchtitan job TOML (torchtitan 0.2's train_configs): its "
-    "model, parallelism, batch, sequence, activation checkpointing and precision become these "
-    "options, printed as a mapping; --gpus gives the world size.", rich_help_panel=_CONFIGS)]
+TorchtitanConfig = Annotated[Optional[str], typer.Option(
+    "--torchtitan-config", help="A torchtitan job TOML (torchtitan 0.2's train_configs), or a "
+    "config registry entry as torchtitan 0.3's entry point takes it, quoted: '--module llama3 "
+    "--config llama3_8b --training.local_batch_size 2' (or a config_registry.py path for "
+    "--module), parsed, never run. Its model, parallelism, batch, sequence, activation "
+    "checkpointing, loss and precision become these options, printed as a mapping; --gpus "
+    "gives the world size.", rich_help_panel=_CONFIGS)]
 MegatronArgs = Annotated[Optional[str], typer.Option(
     "--megatron-args", help="Megatron-LM launch arguments, quoted, or a file of them (a "
     "launch script, or a test model_config.yaml): the model's shape, TP/PP/CP/EP, virtual "

@@ -11,6 +11,7 @@ v0.2.2's own choices where they differ from 0.3.0's (``keep_grads``, ``fused_qkv
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,10 @@ class _Toml:
 
     def get(self, section: str, key: str, kind: type, default: Any) -> Any:
         value = self.section(section).get(key, default)
+        if getattr(value, "unevaluated", False):  # a registry's call or expression
+            raise self.imp.refuse(f"{section}.{key}", value,
+                                  "not a literal: memplan reads the config without running "
+                                  "it; give the value as an override (--section.key value)")
         ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             ok = True
@@ -62,9 +67,13 @@ class _Toml:
 
 
 def read(path: str | Path, gpus: int, model: str | None = None) -> Imported:
-    """The inputs of the job file at ``path`` run on ``gpus`` GPUs (the file names no world
-    size; data_parallel_shard_degree = -1 takes the ranks left); ``model``: the model given
-    instead of the file's (``--model``)."""
+    """The inputs of the job at ``path`` run on ``gpus`` GPUs (the job names no world size;
+    data_parallel_shard_degree = -1 takes the ranks left); ``model``: the model given instead
+    of the job's (``--model``). ``path``: a job TOML (torchtitan 0.2), or a config registry
+    entry as torchtitan 0.3's entry point takes it (``--module llama3 --config llama3_8b``
+    and overrides: ``memplan.config_import.torchtitan_registry``)."""
+    if not str(path).endswith(".toml"):
+        return _read_registry(str(path), gpus, model)
     data = read_toml(path, "torchtitan config", MODEL_FILE_BYTES)
     imp = Imported(source=f"torchtitan config {path}")
     if not data or (model is None and "model" not in data):  # not a job file: say what lacks
@@ -72,7 +81,22 @@ def read(path: str | Path, gpus: int, model: str | None = None) -> Imported:
                            + ("the file is empty" if not data else "it has no [model] table")
                            + ": a torchtitan job TOML names at least [model] name and flavor "
                            "(torchtitan's train_configs/*.toml); or give --model")
-    toml = _Toml(data, imp)
+    _read_tables(_Toml(data, imp), imp, gpus, model)
+    imp.set("(train loop)", "optimizers.zero_grad()", "keep_grads", False,
+            f"{_SRC} train.py train_step: zero_grad() sets gradients to None")
+    imp.set("(model code)", "wq, wk, wv", "fused_qkv", False,
+            f"{_SRC} models/llama3/model/model.py Attention: three projections")
+    imp.set("(model code)", "freqs_cis", "rope_cache", "model",
+            f"{_SRC} models/llama3/model/model.py Transformer: one RoPE buffer on the model "
+            f"(complex64, counted as memplan's model-wide tables)")
+    for name in data:
+        if name not in _READ and name not in QUIET:
+            imp.unread.append(f"[{name}]")
+    return imp
+
+
+def _read_tables(toml: _Toml, imp: Imported, gpus: int, model: str | None) -> None:
+    """The mapping of a job's tables (a TOML's, or those of a registry entry)."""
     imp.set("(framework)", "torchtitan", "framework", "torchtitan",
             "the job runs torchtitan: its implementation defaults")
     if model is None:
@@ -88,17 +112,49 @@ def read(path: str | Path, gpus: int, model: str | None = None) -> Imported:
     _recompute(toml, imp)
     _optimizer(toml, imp)
     _notes(toml, imp)
-    imp.set("(train loop)", "optimizers.zero_grad()", "keep_grads", False,
-            f"{_SRC} train.py train_step: zero_grad() sets gradients to None")
-    imp.set("(model code)", "wq, wk, wv", "fused_qkv", False,
-            f"{_SRC} models/llama3/model/model.py Attention: three projections")
-    imp.set("(model code)", "freqs_cis", "rope_cache", "model",
-            f"{_SRC} models/llama3/model/model.py Transformer: one RoPE buffer on the model "
-            f"(complex64, counted as memplan's model-wide tables)")
-    for name in data:
-        if name not in _READ and name not in QUIET:
-            imp.unread.append(f"[{name}]")
+
+
+def _read_registry(text: str, gpus: int, model: str | None) -> Imported:
+    """A registry entry: its ``Trainer.Config`` read as the job tables (torchtitan 0.3 keeps
+    the TOMLs' section and key names, config/configs.py), then the loss, which 0.3 names in
+    the config, and the loop's gradients."""
+    from memplan.config_import import torchtitan_registry as reg
+
+    command = reg.parse_command(text)
+    imp = Imported(source=f"torchtitan config {command.file} {command.config}"
+                          + "".join(f" --{k} {v}" for k, v in command.overrides))
+    trainer = reg.evaluate(command)
+    data, notes = reg.tables(trainer, command.module, imp.refuse)
+    if model is None and "model" not in data:
+        raise imp.refuse("model_spec", None, "the config names no model_registry(...) "
+                                             "flavor: give --model")
+    imp.notes.extend(notes)
+    _read_tables(_Toml(data, imp), imp, gpus, model)
+    loss = trainer.kwargs.get("loss")
+    if isinstance(loss, reg.Call) and loss.name.endswith("ChunkedLossWrapper.Config"):
+        chunks = loss.kwargs.get("num_chunks", 8)
+        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+            raise imp.refuse("loss.num_chunks", chunks, "expected a positive int")
+        imp.set("loss", f"ChunkedLossWrapper(num_chunks={chunks})", "loss_chunks", chunks,
+                "components/loss.py ChunkedLossWrapper: the head and loss per chunk of the "
+                "sequence, each chunk's backward run at once; estimated as memplan's "
+                "checkpointed loss chunks")
+    elif loss is not None and not (isinstance(loss, reg.Call)
+                                   and loss.name.endswith("CrossEntropyLoss.Config")):
+        raise imp.refuse("loss", loss, "read are CrossEntropyLoss.Config() and "
+                                       "ChunkedLossWrapper.Config(...)")
+    if toml_flag(data, "training", "disable_cuda_graphs"):
+        imp.set("training.disable_cuda_graphs", True, "keep_grads", False,
+                "0.3 trainer.py train_step: zero_grad(set_to_none=training.disable_cuda_graphs)")
+    imp.unread.extend(data.get("(unread)", []))
+    aliases = data.get("training", {}).get("(aliases)", {})
+    imp.mapping = [replace(m, key=aliases[m.key][0], given=aliases[m.key][1])
+                   if m.key in aliases else m for m in imp.mapping]  # the file's own names
     return imp
+
+
+def toml_flag(data: dict[str, Any], section: str, key: str) -> bool:
+    return data.get(section, {}).get(key) is True
 
 
 _READ = ("model", "training", "parallelism", "activation_checkpoint", "optimizer", "compile")
