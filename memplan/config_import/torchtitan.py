@@ -139,6 +139,11 @@ def _read_registry(text: str, gpus: int, model: str | None) -> Imported:
                 "components/loss.py ChunkedLossWrapper: the head and loss per chunk of the "
                 "sequence, each chunk's backward run at once; estimated as memplan's "
                 "checkpointed loss chunks")
+        imp.notes.append("loss ChunkedLossWrapper: not modelled, may change memory: lm_head "
+                         "kept gathered with its unsharded gradient over the chunks "
+                         "(set_reshard_after_backward(False), gradient sync at the last "
+                         "chunk), contiguous copies of the hidden states' chunks and their "
+                         "fp32 gradient accumulator (GradAccumulator)")
     elif loss is not None and not (isinstance(loss, reg.Call)
                                    and loss.name.endswith("CrossEntropyLoss.Config")):
         raise imp.refuse("loss", loss, "read are CrossEntropyLoss.Config() and "
