@@ -353,6 +353,11 @@ REG_MAIN = TITAN / "main" / "llama3" / "config_registry.py"
      {"tp": 2, "dp": 32, "micro_batch_size": 2, "global_batch_size": 64}),
     (f"--module={REG_030} --config=llama3_70b --parallelism.tensor_parallel_degree 4", 64,
      "llama-3-70b", {"tp": 4, "dp": 16, "global_batch_size": 128}),
+    # main with PP: each of the 4 pipeline micro-batches holds 8192 tokens, one sequence;
+    # a step is 4 of them on each of the 32 data-parallel ranks: 128 sequences
+    (f"{REG_MAIN} --config llama3_8b --parallelism.pipeline_parallel_degree 2 "
+     "--parallelism.num_pp_microbatches 4", 64, "llama-3-8b",
+     {"pp": 2, "dp": 32, "micro_batch_size": 1, "global_batch_size": 128, "vpp": 1}),
 ])
 def test_torchtitan_registry(command: str, gpus: int, model: str, inputs: dict) -> None:
     imp = torchtitan.read(command, gpus)
