@@ -478,11 +478,17 @@ def build_torchtitan(case: FrameworkCase) -> Built:
     b, s = case.micro_batch_size, case.seq_len
     set_to_none = case.options.get("set_to_none", True)
 
+    chunks = case.options.get("loss_chunks", 1)
+    chunked = _chunked_loss(model, chunks) if chunks > 1 else None
+
     def step(k: int, mark: Mark) -> None:
         inputs = torch.randint(0, cfg.vocab_size, (b, s))
         labels = torch.randint(0, cfg.vocab_size, (b, s))
         pred = model(inputs)
-        loss = cross_entropy_loss(pred, labels) / (b * s)
+        if chunked is None:
+            loss = cross_entropy_loss(pred, labels) / (b * s)
+        else:  # Trainer._forward_backward_body with the registry's ChunkedLossWrapper
+            loss, _ = chunked(pred, labels, torch.tensor(b * s))
         del pred
         mark("backward")
         loss.backward()
@@ -501,6 +507,8 @@ def build_torchtitan(case: FrameworkCase) -> Built:
                     recompute="full" if every is not None else ac, keep_grads=not set_to_none)
     if every is not None:
         workload["recompute_every"] = every
+    if chunks > 1:
+        workload["loss_chunks"] = chunks
     from memplan.profile.distributed import _follow_fsdp_storage
 
     # FSDP2 frees and re-allocates its unsharded buffers with storage resizes no dispatch
@@ -516,6 +524,20 @@ def _torchtitan_ac(mode: str):
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
     return FullAC.Config() if mode == "full" else SelectiveAC.Config()
+
+
+def _chunked_loss(model, chunks: int):
+    """torchtitan's ``ChunkedLossWrapper`` (components/loss.py; the llama3 registry's loss)
+    of ``chunks`` pieces, wired as ``Trainer.__init__`` wires it: the model returns the final
+    norm's output (``_skip_lm_head``) and the wrapper runs ``lm_head`` and the loss per chunk,
+    each chunk's backward at once."""
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+
+    loss = ChunkedLossWrapper.Config(num_chunks=chunks,
+                                     loss_fn=CrossEntropyLoss.Config()).build()
+    loss.set_lm_head(model.lm_head)
+    model._skip_lm_head = True
+    return loss
 
 
 def _layer_sac(model, every: int) -> None:
