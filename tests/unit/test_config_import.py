@@ -441,3 +441,15 @@ def test_cli_reads_a_registry_entry() -> None:
                                       f"{REG_030} --config llama3_8b"])
     assert result.exit_code == 0, result.output
     assert "training.local_batch_size = 1 -> --mbs 1" in result.output
+
+
+def test_torchtitan_registry_module_shorthand() -> None:
+    """``--module llama3``: the installed torchtitan's models/llama3/config_registry.py, found
+    on the path without importing it (ConfigManager._load_config's first candidate)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchtitan") is None:
+        pytest.skip("torchtitan is not installed")
+    imp = torchtitan.read("--module llama3 --config llama3_70b", 64)
+    assert "torchtitan/models/llama3/config_registry.py llama3_70b" in imp.source
+    assert (imp.model, imp.inputs["tp"]) == ("llama-3-70b", 8)
