@@ -589,9 +589,10 @@ MESSAGE_CASES: dict[str, tuple[list[str], str, Any, list[str]]] = {
                          ["{f}", "empty", "[model]"]),
     "torchtitan-no-model": (["estimate", "--torchtitan-config"], "job.toml",
                             "[training]\nseq_len = 128\n", ["{f}", "no [model] table"]),
-    "torchtitan-default-ac": (["estimate", "--torchtitan-config"], "job.toml",
-                              '[model]\nname = "llama3"\nflavor = "debugmodel"\n',
-                              ["selective_ac_option", "default", "sets no"]),
+    "torchtitan-ac-option-word": (["estimate", "--torchtitan-config"], "job.toml",
+                                  '[model]\nname = "llama3"\nflavor = "debugmodel"\n'
+                                  '[activation_checkpoint]\nselective_ac_option = "two"\n',
+                                  ["selective_ac_option", "two", "a number of layers"]),
     "trace-folder-without-traces": (["analyze-trace"], "", None,
                                     ["{f}", "without trace files"]),
     "snapshot-shared-references": (

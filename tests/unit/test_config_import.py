@@ -192,6 +192,16 @@ def test_torchtitan_layer_counts(tmp_path: Path, option: str, inputs: dict) -> N
     assert got == inputs
 
 
+def test_torchtitan_default_checkpointing(tmp_path: Path) -> None:
+    """A job that sets no [activation_checkpoint] runs v0.2.2's defaults, mode selective with
+    selective_ac_option '2' (job_config.py ActivationCheckpoint): every 2nd block, said so."""
+    job = tmp_path / "job.toml"
+    job.write_text('[model]\nname = "llama3"\nflavor = "debugmodel"\n')
+    imp = torchtitan.read(job, 8)
+    assert (imp.inputs["recompute"], imp.inputs["recompute_every"]) == ("full", 2)
+    assert any("its default" in m.how for m in imp.mapping)
+
+
 def test_torchtitan_layer_option_not_a_number(tmp_path: Path) -> None:
     text = (TITAN / "debug_model.toml").read_text().replace("selective_ac_option = '2'",
                                                             "selective_ac_option = 'two'")
