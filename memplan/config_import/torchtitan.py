@@ -1,4 +1,6 @@
-"""A torchtitan job TOML (``--torchtitan-config job.toml``) as memplan's inputs.
+"""A torchtitan job TOML (``--torchtitan-config job.toml``), or an entry of torchtitan 0.3's
+config registry (``--torchtitan-config "--module llama3 --config llama3_8b"``, read as the same
+tables by ``memplan.config_import.torchtitan_registry``), as memplan's inputs.
 
 The keys and their defaults are those of torchtitan's ``JobConfig`` (torchtitan/config/
 job_config.py at v0.2.2, the last release that reads job TOMLs: 0.3.0 replaced them with
