@@ -175,8 +175,8 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
     """Per-GPU memory of training ``model`` on ``gpus`` GPUs.
 
     ``workload`` takes the ``Workload`` fields (micro_batch_size, global_batch_size, seq_len,
-    precision, optimizer, optimizer_impl, recompute, recompute_layers, attention, norm_impl,
-    logits_fp32, loss_chunks). ``framework`` (megatron, torchtitan, hf, lightning; default
+    precision, optimizer, optimizer_impl, recompute, recompute_layers, recompute_every,
+    attention, norm_impl, logits_fp32, loss_chunks). ``framework`` (megatron, torchtitan, hf, lightning; default
     generic) fills every implementation choice left unset (None) with what that framework runs
     (``memplan.presets``). ``gpu_memory`` ("80GiB", "80GB" or int bytes) overrides the
     GPU's capacity. ``offload="optimizer"`` keeps the optimizer in host memory (``Offload``).

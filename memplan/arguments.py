@@ -34,7 +34,7 @@ CLI_OPTIONS: dict[str, str] = {
     **{name: name for name in (
         "gpus", "gpu", "gpu_memory", "tp", "pp", "vpp", "dp", "cp", "ep", "stage_layers",
         "dp_shard", "vocab_parallel", "tp_style", "grad_buffers", "offload", "zero",
-        "recompute", "recompute_layers", "precision", "optimizer", "optimizer_impl",
+        "recompute", "recompute_layers", "recompute_every", "precision", "optimizer", "optimizer_impl",
         "attention", "logits_fp32", "framework", "keep_grads", "loss_chunks", "schedule",
         "calibration")},
     "sequence_parallel": "sp", "micro_batch_size": "mbs", "global_batch_size": "gbs",

@@ -332,6 +332,16 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
 
 
 def _validate_recompute(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
+    if wl.recompute_every is not None:
+        if wl.recompute is not Recompute.FULL:
+            raise LayoutError("recompute_every applies only to recompute full",
+                              f"recompute_every ({wl.recompute_every}) applies only to "
+                              f"recompute full, got recompute {wl.recompute.label}")
+        if wl.recompute_layers is not None:
+            raise LayoutError("recompute_every and recompute_layers exclude each other",
+                              f"recompute_every ({wl.recompute_every}) and recompute_layers "
+                              f"({wl.recompute_layers}) choose the recomputed layers two ways: "
+                              "give one")
     if wl.recompute_layers is None:
         return
     if wl.recompute is not Recompute.FULL:

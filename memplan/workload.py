@@ -344,6 +344,10 @@ class Workload(BaseModel):
     optimizer_impl: OptimizerImpl = OptimizerImpl.FOREACH
     recompute: Recompute = Recompute.NONE
     recompute_layers: int | None = Field(default=None, ge=0, le=MAX_RECOMPUTE_LAYERS)
+    recompute_every: int | None = Field(default=None, ge=1, le=MAX_RECOMPUTE_LAYERS, description=(
+        "with recompute full: only every n-th layer of a pipeline rank is recomputed (its "
+        "n-th, 2n-th, ... layer, its model chunks in order: torchtitan's "
+        "selective_ac_option = n); None: every layer"))
     attention: Attention = Attention.FLASH
     norm_impl: NormImpl = NormImpl.UPCAST
     logits_fp32: bool = Field(default=True, description="loss computed on fp32 logits")

@@ -108,6 +108,9 @@ RecomputeOpt = Annotated[RecomputeChoice, typer.Option(
 RecomputeLayers = Annotated[Optional[int], typer.Option(
     "--recompute-layers", help="With --recompute full: recompute only this many layers per stage.",
     rich_help_panel=_WORKLOAD)]
+RecomputeEvery = Annotated[Optional[int], typer.Option(
+    "--recompute-every", help="With --recompute full: recompute only every n-th layer of a "
+    "stage (torchtitan's selective_ac_option n).", rich_help_panel=_WORKLOAD)]
 PrecisionOpt = Annotated[Precision, typer.Option(
     "--precision", help="Precision recipe (weights / grads / master copy).",
     rich_help_panel=_WORKLOAD)]
@@ -152,10 +155,13 @@ Calibration = Annotated[Optional[list[str]], typer.Option(
     "for the GPU's profile, or `auto` for the committed one; its correction is its own line. "
     "Give it twice for a device and a model profile.")]
 _CONFIGS = "Inputs from a job's own config"
-TorchtitanConfig = Annotated[Optional[Path], typer.Option(
-    "--torchtitan-config", help="A torchtitan job TOML (torchtitan 0.2's train_configs): its "
-    "model, parallelism, batch, sequence, activation checkpointing and precision become these "
-    "options, printed as a mapping; --gpus gives the world size.", rich_help_panel=_CONFIGS)]
+TorchtitanConfig = Annotated[Optional[str], typer.Option(
+    "--torchtitan-config", help="A torchtitan job TOML (torchtitan 0.2's train_configs), or a "
+    "config registry entry as torchtitan 0.3's entry point takes it, quoted: '--module llama3 "
+    "--config llama3_8b --training.local_batch_size 2' (or a config_registry.py path for "
+    "--module), parsed, never run. Its model, parallelism, batch, sequence, activation "
+    "checkpointing, loss and precision become these options, printed as a mapping; --gpus "
+    "gives the world size.", rich_help_panel=_CONFIGS)]
 MegatronArgs = Annotated[Optional[str], typer.Option(
     "--megatron-args", help="Megatron-LM launch arguments, quoted, or a file of them (a "
     "launch script, or a test model_config.yaml): the model's shape, TP/PP/CP/EP, virtual "
@@ -217,6 +223,7 @@ SHARED: dict[str, Shared] = {
     "seq": Shared(Seq, None),
     "recompute": Shared(RecomputeOpt, RecomputeChoice.NONE, _value),
     "recompute_layers": Shared(RecomputeLayers, None),
+    "recompute_every": Shared(RecomputeEvery, None),
     "precision": Shared(PrecisionOpt, _WL["precision"].default),
     "optimizer": Shared(OptimizerOpt, _WL["optimizer"].default),
     "optimizer_impl": Shared(OptimizerImplOpt, None),
@@ -233,9 +240,9 @@ SHARED: dict[str, Shared] = {
 
 LAYOUT = ("tp", "pp", "vpp", "dp", "cp", "ep", "sp", "vocab_parallel", "tp_style",
           "grad_buffers", "offload", "zero", "stage_layers", "dp_shard")
-WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "precision", "optimizer",
-            "optimizer_impl", "attention", "norm", "logits_fp32", "loss_chunks", "framework",
-            "keep_grads", "use_cache")
+WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "recompute_every",
+            "precision", "optimizer", "optimizer_impl", "attention", "norm", "logits_fp32",
+            "loss_chunks", "framework", "keep_grads", "use_cache")
 # what a framework's own loop decides, beyond memplan's reference model (which trace and
 # profile run)
 FRAMEWORK_ONLY = ("framework", "keep_grads", "use_cache")

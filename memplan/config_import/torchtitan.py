@@ -1,4 +1,6 @@
-"""A torchtitan job TOML (``--torchtitan-config job.toml``) as memplan's inputs.
+"""A torchtitan job TOML (``--torchtitan-config job.toml``), or an entry of torchtitan 0.3's
+config registry (``--torchtitan-config "--module llama3 --config llama3_8b"``, read as the same
+tables by ``memplan.config_import.torchtitan_registry``), as memplan's inputs.
 
 The keys and their defaults are those of torchtitan's ``JobConfig`` (torchtitan/config/
 job_config.py at v0.2.2, the last release that reads job TOMLs: 0.3.0 replaced them with
@@ -11,6 +13,7 @@ v0.2.2's own choices where they differ from 0.3.0's (``keep_grads``, ``fused_qkv
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +56,10 @@ class _Toml:
 
     def get(self, section: str, key: str, kind: type, default: Any) -> Any:
         value = self.section(section).get(key, default)
+        if getattr(value, "unevaluated", False):  # a registry's call or expression
+            raise self.imp.refuse(f"{section}.{key}", value,
+                                  "not a literal: memplan reads the config without running "
+                                  "it; give the value as an override (--section.key value)")
         ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             ok = True
@@ -62,9 +69,13 @@ class _Toml:
 
 
 def read(path: str | Path, gpus: int, model: str | None = None) -> Imported:
-    """The inputs of the job file at ``path`` run on ``gpus`` GPUs (the file names no world
-    size; data_parallel_shard_degree = -1 takes the ranks left); ``model``: the model given
-    instead of the file's (``--model``)."""
+    """The inputs of the job at ``path`` run on ``gpus`` GPUs (the job names no world size;
+    data_parallel_shard_degree = -1 takes the ranks left); ``model``: the model given instead
+    of the job's (``--model``). ``path``: a job TOML (torchtitan 0.2), or a config registry
+    entry as torchtitan 0.3's entry point takes it (``--module llama3 --config llama3_8b``
+    and overrides: ``memplan.config_import.torchtitan_registry``)."""
+    if not str(path).endswith(".toml"):
+        return _read_registry(str(path), gpus, model)
     data = read_toml(path, "torchtitan config", MODEL_FILE_BYTES)
     imp = Imported(source=f"torchtitan config {path}")
     if not data or (model is None and "model" not in data):  # not a job file: say what lacks
@@ -72,7 +83,22 @@ def read(path: str | Path, gpus: int, model: str | None = None) -> Imported:
                            + ("the file is empty" if not data else "it has no [model] table")
                            + ": a torchtitan job TOML names at least [model] name and flavor "
                            "(torchtitan's train_configs/*.toml); or give --model")
-    toml = _Toml(data, imp)
+    _read_tables(_Toml(data, imp), imp, gpus, model)
+    imp.set("(train loop)", "optimizers.zero_grad()", "keep_grads", False,
+            f"{_SRC} train.py train_step: zero_grad() sets gradients to None")
+    imp.set("(model code)", "wq, wk, wv", "fused_qkv", False,
+            f"{_SRC} models/llama3/model/model.py Attention: three projections")
+    imp.set("(model code)", "freqs_cis", "rope_cache", "model",
+            f"{_SRC} models/llama3/model/model.py Transformer: one RoPE buffer on the model "
+            f"(complex64, counted as memplan's model-wide tables)")
+    for name in data:
+        if name not in _READ and name not in QUIET:
+            imp.unread.append(f"[{name}]")
+    return imp
+
+
+def _read_tables(toml: _Toml, imp: Imported, gpus: int, model: str | None) -> None:
+    """The mapping of a job's tables (a TOML's, or those of a registry entry)."""
     imp.set("(framework)", "torchtitan", "framework", "torchtitan",
             "the job runs torchtitan: its implementation defaults")
     if model is None:
@@ -88,17 +114,54 @@ def read(path: str | Path, gpus: int, model: str | None = None) -> Imported:
     _recompute(toml, imp)
     _optimizer(toml, imp)
     _notes(toml, imp)
-    imp.set("(train loop)", "optimizers.zero_grad()", "keep_grads", False,
-            f"{_SRC} train.py train_step: zero_grad() sets gradients to None")
-    imp.set("(model code)", "wq, wk, wv", "fused_qkv", False,
-            f"{_SRC} models/llama3/model/model.py Attention: three projections")
-    imp.set("(model code)", "freqs_cis", "rope_cache", "model",
-            f"{_SRC} models/llama3/model/model.py Transformer: one RoPE buffer on the model "
-            f"(complex64, counted as memplan's model-wide tables)")
-    for name in data:
-        if name not in _READ and name not in QUIET:
-            imp.unread.append(f"[{name}]")
+
+
+def _read_registry(text: str, gpus: int, model: str | None) -> Imported:
+    """A registry entry: its ``Trainer.Config`` read as the job tables (torchtitan 0.3 keeps
+    the TOMLs' section and key names, config/configs.py), then the loss, which 0.3 names in
+    the config, and the loop's gradients."""
+    from memplan.config_import import torchtitan_registry as reg
+
+    command = reg.parse_command(text)
+    imp = Imported(source=f"torchtitan config {command.file} {command.config}"
+                          + "".join(f" --{k} {v}" for k, v in command.overrides))
+    trainer = reg.evaluate(command)
+    data, notes = reg.tables(trainer, command.module, imp.refuse)
+    if model is None and "model" not in data:
+        raise imp.refuse("model_spec", None, "the config names no model_registry(...) "
+                                             "flavor: give --model")
+    imp.notes.extend(notes)
+    _read_tables(_Toml(data, imp), imp, gpus, model)
+    loss = trainer.kwargs.get("loss")
+    if isinstance(loss, reg.Call) and loss.name.endswith("ChunkedLossWrapper.Config"):
+        chunks = loss.kwargs.get("num_chunks", 8)
+        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+            raise imp.refuse("loss.num_chunks", chunks, "expected a positive int")
+        imp.set("loss", f"ChunkedLossWrapper(num_chunks={chunks})", "loss_chunks", chunks,
+                "components/loss.py ChunkedLossWrapper: the head and loss per chunk of the "
+                "sequence, each chunk's backward run at once; estimated as memplan's "
+                "checkpointed loss chunks")
+        imp.notes.append("loss ChunkedLossWrapper: not modelled, may change memory: lm_head "
+                         "kept gathered with its unsharded gradient over the chunks "
+                         "(set_reshard_after_backward(False), gradient sync at the last "
+                         "chunk), contiguous copies of the hidden states' chunks and their "
+                         "fp32 gradient accumulator (GradAccumulator)")
+    elif loss is not None and not (isinstance(loss, reg.Call)
+                                   and loss.name.endswith("CrossEntropyLoss.Config")):
+        raise imp.refuse("loss", loss, "read are CrossEntropyLoss.Config() and "
+                                       "ChunkedLossWrapper.Config(...)")
+    if toml_flag(data, "training", "disable_cuda_graphs"):
+        imp.set("training.disable_cuda_graphs", True, "keep_grads", False,
+                "0.3 trainer.py train_step: zero_grad(set_to_none=training.disable_cuda_graphs)")
+    imp.unread.extend(data.get("(unread)", []))
+    aliases = data.get("training", {}).get("(aliases)", {})
+    imp.mapping = [replace(m, key=aliases[m.key][0], given=aliases[m.key][1])
+                   if m.key in aliases else m for m in imp.mapping]  # the file's own names
     return imp
+
+
+def toml_flag(data: dict[str, Any], section: str, key: str) -> bool:
+    return data.get(section, {}).get(key) is True
 
 
 _READ = ("model", "training", "parallelism", "activation_checkpoint", "optimizer", "compile")
@@ -286,6 +349,11 @@ def _precision(toml: _Toml, imp: Imported, degrees: dict[str, int]) -> None:
                          "FSDP2's CPU offload of parameters and gradients is not modelled")
 
 
+# selective_ac_option n: a process-wide count of the blocks wrapped, each rank's model parts
+# in turn; a block is wrapped in full AC when the count is a multiple of n (0: every block)
+_AC = f"{_SRC} distributed/activation_checkpoint.py _apply_layer_sac"
+
+
 def _recompute(toml: _Toml, imp: Imported) -> None:
     a = "activation_checkpoint"
     mode = toml.get(a, "mode", str, "selective")
@@ -297,18 +365,28 @@ def _recompute(toml: _Toml, imp: Imported) -> None:
     elif mode == "selective" and option == "op":
         imp.set(f"{a}.mode/selective_ac_option", "selective/op", "recompute", "selective",
                 "per-op SAC (the torchtitan preset's selective_impl op)")
-    elif mode == "selective" and option == "1":
-        imp.set(f"{a}.mode/selective_ac_option", "selective/1", "recompute", "full",
-                "every layer checkpointed")
+    elif mode == "selective" and _digits(option) and int(option) <= 1:
+        imp.set(f"{a}.mode/selective_ac_option", f"selective/{option}", "recompute", "full",
+                f"{_AC}: every layer checkpointed")
+    elif mode == "selective" and _digits(option):
+        every = int(option)
+        given = "" if "selective_ac_option" in toml.section(a) else "its default; "
+        imp.set(f"{a}.mode/selective_ac_option", f"selective/{option}", "recompute", "full",
+                f"{given}whole layers checkpointed")
+        imp.set(f"{a}.selective_ac_option", option, "recompute_every", every,
+                f"{_AC}: blocks {every}, {2 * every}, ... of each rank, counted from 1 over "
+                "its model parts in order")
     elif mode == "selective":
-        given = "selective_ac_option" in toml.section(a)
         raise imp.refuse(f"{a}.selective_ac_option", option,
-                         ("" if given else "torchtitan's default, as the file sets no "
-                          f"[{a}] selective_ac_option: ")
-                         + "checkpointing every n-th layer is not modelled (op, 1, or mode "
-                         "full / none)")
+                         "expected op or a number of layers (v0.2.2 "
+                         "_apply_ac_to_transformer_block)")
     else:
         raise imp.refuse(f"{a}.mode", mode, "modelled are none, selective and full")
+
+
+def _digits(option: str) -> bool:
+    """v0.2.2's test of a layer count (``str.isdigit``), ASCII digits only."""
+    return option.isascii() and option.isdigit()
 
 
 def _optimizer(toml: _Toml, imp: Imported) -> None:

@@ -90,10 +90,11 @@ def candidates(est: Estimate) -> list[tuple[str, str, dict[str, Any]]]:
     par, wl = est.parallel, est.workload
     out = []
     for policy in (Recompute.SELECTIVE, Recompute.FULL):
-        if policy > wl.recompute or (policy == wl.recompute == Recompute.FULL
-                                     and wl.recompute_layers is not None):
+        partial = wl.recompute_layers is not None or wl.recompute_every is not None
+        if policy > wl.recompute or (policy == wl.recompute == Recompute.FULL and partial):
             out.append((f"recompute {policy.label}", f"--recompute {policy.label}",
-                        {"recompute": policy.label, "recompute_layers": None}))
+                        {"recompute": policy.label, "recompute_layers": None,
+                         "recompute_every": None}))
     for zero in range(int(par.zero) + 1, 4):
         out.append((f"ZeRO stage {zero}", f"--zero {zero}", {"zero": zero}))
     for dim in ("tp", "pp", "cp"):
@@ -228,7 +229,7 @@ def _planned(model: Any, est: Estimate, base: dict[str, Any], capacity_bytes: in
     change: dict[str, Any] = {name: getattr(p, name) for name in _LAYOUT_FIELDS}
     change.update(zero=int(p.zero), sequence_parallel=p.sequence_parallel,
                   micro_batch_size=c.micro_batch_size, recompute=c.recompute.label,
-                  recompute_layers=c.recompute_layers)
+                  recompute_layers=c.recompute_layers, recompute_every=None)
     flags = (f"--tp {p.tp} --pp {p.pp} --vpp {p.vpp} --cp {p.cp} --ep {p.ep} --dp {p.dp} "
              f"--zero {int(p.zero)} {'--sp' if p.sequence_parallel else '--no-sp'} "
              f"--mbs {c.micro_batch_size} --recompute {c.recompute.label}"

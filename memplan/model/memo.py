@@ -58,7 +58,8 @@ def _without(wl: Workload, recompute: bool) -> Workload:
     what does not depend on them."""
     if recompute:
         return canonical(wl, micro_batch_size=1, global_batch_size=None,
-                         recompute=Recompute.NONE, recompute_layers=None)
+                         recompute=Recompute.NONE, recompute_layers=None,
+                         recompute_every=None)
     return canonical(wl, micro_batch_size=1, global_batch_size=None)
 
 
@@ -134,7 +135,8 @@ def shared_terms(spec: ModelSpec, wl: Workload, dm: Dims, ep: int,
 def _per_kind(wl: Workload) -> Workload:
     """What the per-kind terms read of ``wl``: not the global batch, nor how many layers get
     full recompute (the stage's layer kinds say which policy each layer has)."""
-    return canonical(wl, global_batch_size=None, recompute_layers=None)
+    return canonical(wl, global_batch_size=None, recompute_layers=None,
+                     recompute_every=None)
 
 
 @lru_cache(maxsize=1024)

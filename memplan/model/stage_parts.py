@@ -37,16 +37,22 @@ LayerKey = tuple[bool, Recompute] | tuple[bool, Recompute, bool]
 def layer_recompute(wl: Workload, position: int) -> Recompute:
     """Full recompute of k of a stage's layers applies to its first k (Megatron-LM's 'block'
     method, ``recompute_num_layers`` per pipeline stage); ``position`` counts the stage's
-    layers over all its model chunks."""
+    layers over all its model chunks. Full recompute of every n-th layer applies to the
+    stage's n-th, 2n-th, ... layer (torchtitan v0.2.2 distributed/activation_checkpoint.py
+    ``_apply_layer_sac``: a process-wide count of the blocks wrapped, each model part of the
+    rank in turn, checkpoints a block when the count is a multiple of n)."""
     if wl.recompute is Recompute.FULL and wl.recompute_layers is not None:
         return Recompute.FULL if position < wl.recompute_layers else Recompute.NONE
+    if wl.recompute is Recompute.FULL and wl.recompute_every is not None:
+        return Recompute.FULL if (position + 1) % wl.recompute_every == 0 else Recompute.NONE
     return wl.recompute
 
 
 def layer_keys(spec: ModelSpec, wl: Workload, layers: list[int]) -> list[LayerKey]:
     """(MoE layer?, recompute policy) of each layer of a stage, in order (``LayerKey``)."""
     window = windowed(spec, wl)
-    if spec.moe is None and wl.recompute_layers is None and not window:
+    if (spec.moe is None and wl.recompute_layers is None and wl.recompute_every is None
+            and not window):
         return [(False, wl.recompute)] * len(layers)
     keys: list[LayerKey] = [(spec.is_moe_layer(i), layer_recompute(wl, pos))
                             for pos, i in enumerate(layers)]

@@ -102,16 +102,18 @@ def layer_forward_flops(spec: ModelSpec, seq_len: int) -> tuple[float, ...]:
 
 
 @lru_cache(maxsize=1024)
-def recomputed_layers(num_layers: int, recompute_layers: int, pp: int,
-                      vpp: int = 1, split: tuple[int, ...] | None = None) -> tuple[int, ...]:
+def recomputed_layers(num_layers: int, recompute_layers: int | None, pp: int,
+                      vpp: int = 1, split: tuple[int, ...] | None = None,
+                      every: int | None = None) -> tuple[int, ...]:
     """Indices of the layers full recompute of ``recompute_layers`` per stage reruns: the first
-    k of each pipeline rank's layer list, its chunks in order
-    (``memplan.model.stage_parts.layer_recompute`` on ``memplan.model.pipeline.stage_layers``)."""
+    k of each pipeline rank's layer list, its chunks in order; with ``every`` n instead, the
+    n-th, 2n-th, ... of that list (``memplan.model.stage_parts.layer_recompute`` on
+    ``memplan.model.pipeline.stage_layers``)."""
     par = ParallelConfig(pp=pp, vpp=vpp, stage_layers=split)
     out: list[int] = []
     for stage in range(pp):
         layers = [i for chunk in stage_layers(num_layers, par, stage) for i in chunk]
-        out += layers[:recompute_layers]
+        out += layers[every - 1::every] if every is not None else layers[:recompute_layers]
     return tuple(sorted(out))
 
 
@@ -130,8 +132,10 @@ def stage_balance(spec: ModelSpec, wl: Workload, pp: int, vpp: int = 1,
     par = ParallelConfig(pp=pp, vpp=vpp, stage_layers=split)
     rerun = set()
     if wl.recompute is Recompute.FULL:
-        rerun = (set(range(spec.num_layers)) if wl.recompute_layers is None else
-                 set(recomputed_layers(spec.num_layers, wl.recompute_layers, pp, vpp, split)))
+        rerun = (set(range(spec.num_layers))
+                 if wl.recompute_layers is None and wl.recompute_every is None else
+                 set(recomputed_layers(spec.num_layers, wl.recompute_layers, pp, vpp, split,
+                                       wl.recompute_every)))
     head = 2.0 * spec.vocab_size * spec.hidden_size * (4 if wl.loss_chunks > 1 else 3)
     ranks = []
     for stage in range(pp):
@@ -156,13 +160,13 @@ def step_flops(spec: ModelSpec, wl: Workload, global_batch: int, *, pp: int,
         k = wl.recompute_layers
         largest = max(rank_layers(spec.num_layers, ParallelConfig(pp=pp, vpp=vpp,
                                                                    stage_layers=split)))
-        if k is None or k >= largest:  # every layer of every stage
+        if wl.recompute_every is None and (k is None or k >= largest):  # every layer
             per_layer = (forward - head) / spec.num_layers
             extra += per_layer * spec.num_layers * tokens
         else:
             per_token = layer_forward_flops(spec, wl.seq_len)
             rerun = sum(per_token[i] for i in recomputed_layers(spec.num_layers, k, pp, vpp,
-                                                                         split))
+                                                                         split, wl.recompute_every))
             extra += float(rerun * tokens)
     elif wl.recompute is Recompute.SELECTIVE and wl.selective_impl is SelectiveImpl.OP:
         # per-op SAC reruns the matmuls it does not keep (every second one; memplan.model.sac)

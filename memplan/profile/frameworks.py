@@ -425,7 +425,9 @@ def build_torchtitan(case: FrameworkCase) -> Built:
 
     options: ``set_to_none`` (default True), ``ac`` (``"none"``, default; ``"full"`` or
     ``"selective"``: torchtitan's own activation checkpointing, estimated as memplan's full or
-    selective recompute, the latter as its per-op SAC under the torchtitan preset). Its save
+    selective recompute, the latter as its per-op SAC under the torchtitan preset; a number n:
+    v0.2.2's every-n-th-block AC, ``_layer_sac``, estimated as full recompute of every n-th
+    layer). Its save
     list lacks CPU's SDPA kernel, which joins it while tracing (``_sac_saves_cpu_flash``), as
     a GPU's SDPA kernel is in it.
 
@@ -448,7 +450,10 @@ def build_torchtitan(case: FrameworkCase) -> Built:
         model = cfg.build()
     model.init_states(buffer_device=torch.device("cpu"))
     ac = case.options.get("ac", "none")
-    ac_config = _torchtitan_ac(ac)
+    every = int(ac) if ac.isdigit() else None
+    if every is not None:  # before parallelize_llama: its AC would come before FSDP too
+        _layer_sac(model, every)
+    ac_config = _torchtitan_ac("none" if every is not None else ac)
     precision = "bfloat16" if rec.name == "fsdp-bf16" else "float32"
     training = TrainingConfig(local_batch_size=case.micro_batch_size, seq_len=case.seq_len,
                               mixed_precision_param=precision)
@@ -473,11 +478,17 @@ def build_torchtitan(case: FrameworkCase) -> Built:
     b, s = case.micro_batch_size, case.seq_len
     set_to_none = case.options.get("set_to_none", True)
 
+    chunks = case.options.get("loss_chunks", 1)
+    chunked = _chunked_loss(model, chunks) if chunks > 1 else None
+
     def step(k: int, mark: Mark) -> None:
         inputs = torch.randint(0, cfg.vocab_size, (b, s))
         labels = torch.randint(0, cfg.vocab_size, (b, s))
         pred = model(inputs)
-        loss = cross_entropy_loss(pred, labels) / (b * s)
+        if chunked is None:
+            loss = cross_entropy_loss(pred, labels) / (b * s)
+        else:  # Trainer._forward_backward_body with the registry's ChunkedLossWrapper
+            loss, _ = chunked(pred, labels, torch.tensor(b * s))
         del pred
         mark("backward")
         loss.backward()
@@ -493,7 +504,11 @@ def build_torchtitan(case: FrameworkCase) -> Built:
     # nn.RMSNorm runs CUDA's fused kernel (cuda_kernels); the loss upcasts the logits
     # training.disable_cuda_graphs (set_to_none), a knob of the user's config
     workload = dict(framework="torchtitan", micro_batch_size=b, seq_len=s, precision=rec.name,
-                    recompute=ac, keep_grads=not set_to_none)
+                    recompute="full" if every is not None else ac, keep_grads=not set_to_none)
+    if every is not None:
+        workload["recompute_every"] = every
+    if chunks > 1:
+        workload["loss_chunks"] = chunks
     from memplan.profile.distributed import _follow_fsdp_storage
 
     # FSDP2 frees and re-allocates its unsharded buffers with storage resizes no dispatch
@@ -509,6 +524,40 @@ def _torchtitan_ac(mode: str):
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
     return FullAC.Config() if mode == "full" else SelectiveAC.Config()
+
+
+def _chunked_loss(model, chunks: int):
+    """torchtitan's ``ChunkedLossWrapper`` (components/loss.py; the llama3 registry's loss)
+    of ``chunks`` pieces, wired as ``Trainer.__init__`` wires it: the model returns the final
+    norm's output (``_skip_lm_head``) and the wrapper runs ``lm_head`` and the loss per chunk,
+    each chunk's backward at once."""
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+
+    loss = ChunkedLossWrapper.Config(num_chunks=chunks,
+                                     loss_fn=CrossEntropyLoss.Config()).build()
+    loss.set_lm_head(model.lm_head)
+    model._skip_lm_head = True
+    return loss
+
+
+def _layer_sac(model, every: int) -> None:
+    """torchtitan v0.2.2's ``selective_ac_option = every`` (distributed/activation_checkpoint.py
+    ``apply_ac`` -> ``_apply_ac_to_transformer_block`` -> ``_apply_layer_sac``), which 0.3.0
+    dropped: the blocks counted from 1 in ``layers`` order, a block wrapped in
+    ``checkpoint_wrapper`` with v0.2.2's defaults (preserve_rng_state True, determinism_check
+    "default", early_stop False, debug False) when the count is a multiple of ``every`` (0:
+    every block). One model here, so v0.2.2's process-wide count starts at 0."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper,
+    )
+
+    layers = model.get_submodule("layers")
+    for count, (layer_id, block) in enumerate(list(layers.named_children()), start=1):
+        if not every or count % every == 0:
+            block = checkpoint_wrapper(block, preserve_rng_state=True,
+                                       determinism_check="default", early_stop=False,
+                                       debug=False)
+            layers.register_module(layer_id, block)
 
 
 @contextlib.contextmanager

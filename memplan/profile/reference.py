@@ -34,6 +34,7 @@ class RefOptions:
     logits_fp32: bool = True
     recompute: Recompute = Recompute.NONE
     recompute_layers: int | None = None  # with FULL: only the first k layers
+    recompute_every: int | None = None  # with FULL: only every n-th layer (the n-th, 2n-th...)
     loss_chunks: int = 1  # > 1: head and loss per chunk of tokens, each checkpointed
     norm_eps: float = 1e-5
 
@@ -266,7 +267,9 @@ class ReferenceModel(nn.Module):
     def _full_recompute(self, index: int) -> bool:
         if self.opts.recompute is not Recompute.FULL:
             return False
-        k = self.opts.recompute_layers
+        k, every = self.opts.recompute_layers, self.opts.recompute_every
+        if every is not None:
+            return (index + 1) % every == 0
         return k is None or index < k
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -209,7 +209,8 @@ def ref_options(wl: Workload, dtype: torch.dtype | None = None) -> RefOptions:
     return RefOptions(dtype=dtype or _TORCH_DTYPE[own.value],
                       norm_impl=wl.norm_impl, attention=wl.attention,
                       logits_fp32=wl.logits_fp32, recompute=wl.recompute,
-                      recompute_layers=wl.recompute_layers, loss_chunks=wl.loss_chunks)
+                      recompute_layers=wl.recompute_layers,
+                      recompute_every=wl.recompute_every, loss_chunks=wl.loss_chunks)
 
 
 def run_steps(model: torch.nn.Module, spec: ModelSpec, wl: Workload, tracker: MemoryTracker,

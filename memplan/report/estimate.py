@@ -67,7 +67,8 @@ def estimate_json(est: Estimate) -> dict[str, Any]:
             "num_microbatches": est.num_microbatches, "seq": wl.seq_len,
             "precision": wl.precision.value, "optimizer": wl.optimizer.value,
             "optimizer_impl": wl.optimizer_impl.value, "recompute": wl.recompute.name.lower(),
-            "recompute_layers": wl.recompute_layers, "attention": wl.attention.value,
+            "recompute_layers": wl.recompute_layers, "recompute_every": wl.recompute_every,
+            "attention": wl.attention.value,
             "norm_impl": wl.norm_impl.value, "logits_fp32": wl.logits_fp32,
             "loss_chunks": wl.loss_chunks, "logits_held": wl.logits_held.value,
             "softmax_fp32": wl.softmax_fp32, "kv_cache": wl.kv_cache,
@@ -127,7 +128,8 @@ def render_estimate(est: Estimate) -> Any:
         f"(micro-batches per step {est.num_microbatches}) seq={wl.seq_len} "
         f"precision={wl.precision.value} optimizer={wl.optimizer.value}/"
         f"{wl.optimizer_impl.value} recompute={wl.recompute.name.lower()}"
-        + (f" ({wl.recompute_layers} layers)" if wl.recompute_layers is not None else ""))
+        + (f" ({wl.recompute_layers} layers)" if wl.recompute_layers is not None else "")
+        + (f" (every {wl.recompute_every}-th layer)" if wl.recompute_every is not None else ""))
 
     stages = Table(title="Per-GPU memory by pipeline stage, GiB (2^30 bytes)")
     for col in ("stage", "layers", "parameters", "gradients", "optimizer states",

@@ -105,6 +105,8 @@ GRID = [
     (TIED, dict(seq_len=64, micro_batch_size=1, precision="fp32"), True),
     (DEEP, dict(seq_len=128, micro_batch_size=2, recompute="full", recompute_layers=2), True),
     (DEEP, dict(seq_len=128, micro_batch_size=2, recompute="full", recompute_layers=1), True),
+    # every 2nd layer (torchtitan's selective_ac_option 2): layers 1 and 3 of 4 recomputed
+    (DEEP, dict(seq_len=128, micro_batch_size=2, recompute="full", recompute_every=2), True),
     (DEEP, dict(seq_len=256, micro_batch_size=2, recompute="selective"), True),
     (SMALL_VOCAB, dict(seq_len=128, micro_batch_size=2), True),
     (SMALL_VOCAB, dict(seq_len=128, micro_batch_size=2, recompute="full"), True),

@@ -169,6 +169,9 @@ OPTION_CASES: dict[str, tuple[list[str], list[str]]] = {
     "recompute-layers-over": ([*E, "--recompute", "full", "--recompute-layers", "100"],
                               ["recompute_layers", "100", "2"]),
     "recompute-layers-without-full": ([*E, "--recompute-layers", "1"], ["recompute_layers"]),
+    "recompute-every-zero": ([*E, "--recompute", "full", "--recompute-every", "0"],
+                             ["recompute-every", "0"]),
+    "recompute-every-without-full": ([*E, "--recompute-every", "2"], ["recompute_every"]),
     "precision-word": ([*E, "--precision", "bf17"], ["--precision", "bf17"]),
     "optimizer-word": ([*E, "--optimizer", "adamz"], ["--optimizer", "adamz"]),
     "optimizer-impl-word": ([*E, "--optimizer-impl", "turbo"], ["--optimizer-impl", "turbo"]),
@@ -586,9 +589,10 @@ MESSAGE_CASES: dict[str, tuple[list[str], str, Any, list[str]]] = {
                          ["{f}", "empty", "[model]"]),
     "torchtitan-no-model": (["estimate", "--torchtitan-config"], "job.toml",
                             "[training]\nseq_len = 128\n", ["{f}", "no [model] table"]),
-    "torchtitan-default-ac": (["estimate", "--torchtitan-config"], "job.toml",
-                              '[model]\nname = "llama3"\nflavor = "debugmodel"\n',
-                              ["selective_ac_option", "default", "sets no"]),
+    "torchtitan-ac-option-word": (["estimate", "--torchtitan-config"], "job.toml",
+                                  '[model]\nname = "llama3"\nflavor = "debugmodel"\n'
+                                  '[activation_checkpoint]\nselective_ac_option = "two"\n',
+                                  ["selective_ac_option", "two", "a number of layers"]),
     "trace-folder-without-traces": (["analyze-trace"], "", None,
                                     ["{f}", "without trace files"]),
     "snapshot-shared-references": (

@@ -167,10 +167,48 @@ def test_torchtitan_notes_what_it_does_not_model() -> None:
     assert "float8" in notes and "torch.compile" in notes
 
 
-def test_torchtitan_every_nth_layer_checkpointing_is_refused() -> None:
-    """debug_model.toml checkpoints every 2nd layer (selective_ac_option '2')."""
-    with pytest.raises(MemplanError, match="selective_ac_option = '2'"):
-        torchtitan.read(TITAN / "debug_model.toml", 8)
+def test_torchtitan_every_nth_layer_checkpointing() -> None:
+    """debug_model.toml checkpoints every 2nd layer (selective_ac_option '2'): full recompute
+    of every 2nd block (v0.2.2 _apply_layer_sac); its model is the debugmodel flavor (6 layers,
+    dim 256), its seq_len 2048, local batch 8 on 8 ranks of FSDP."""
+    imp = torchtitan.read(TITAN / "debug_model.toml", 8)
+    assert (imp.inputs["recompute"], imp.inputs["recompute_every"]) == ("full", 2)
+    lines = "\n".join(imp.lines())
+    assert "activation_checkpoint.selective_ac_option = '2' -> --recompute-every 2" in lines
+    assert "_apply_layer_sac" in lines
+
+
+@pytest.mark.parametrize(("option", "inputs"), [
+    ("'1'", {"recompute": "full"}), ("'0'", {"recompute": "full"}),
+    ("'3'", {"recompute": "full", "recompute_every": 3})])
+def test_torchtitan_layer_counts(tmp_path: Path, option: str, inputs: dict) -> None:
+    """0 and 1 wrap every block (``not ac_freq or count % ac_freq == 0``); 3 every third."""
+    text = (TITAN / "debug_model.toml").read_text().replace("selective_ac_option = '2'",
+                                                            f"selective_ac_option = {option}")
+    job = tmp_path / "job.toml"
+    job.write_text(text)
+    imp = torchtitan.read(job, 8)
+    got = {k: imp.inputs[k] for k in ("recompute", "recompute_every") if k in imp.inputs}
+    assert got == inputs
+
+
+def test_torchtitan_default_checkpointing(tmp_path: Path) -> None:
+    """A job that sets no [activation_checkpoint] runs v0.2.2's defaults, mode selective with
+    selective_ac_option '2' (job_config.py ActivationCheckpoint): every 2nd block, said so."""
+    job = tmp_path / "job.toml"
+    job.write_text('[model]\nname = "llama3"\nflavor = "debugmodel"\n')
+    imp = torchtitan.read(job, 8)
+    assert (imp.inputs["recompute"], imp.inputs["recompute_every"]) == ("full", 2)
+    assert any("its default" in m.how for m in imp.mapping)
+
+
+def test_torchtitan_layer_option_not_a_number(tmp_path: Path) -> None:
+    text = (TITAN / "debug_model.toml").read_text().replace("selective_ac_option = '2'",
+                                                            "selective_ac_option = 'two'")
+    job = tmp_path / "job.toml"
+    job.write_text(text)
+    with pytest.raises(MemplanError, match="selective_ac_option = 'two'"):
+        torchtitan.read(job, 8)
 
 
 def test_torchtitan_float8_run_of_the_accuracy_table(tmp_path: Path) -> None:
@@ -288,3 +326,140 @@ def test_cli_plan_takes_a_config() -> None:
 def test_cli_needs_a_model_or_a_config(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate", "-n", "8"]) == 2
     assert "--model is required" in capsys.readouterr().err
+
+
+# --- torchtitan's config registry (0.3 and later) -------------------------------------------
+
+REG_030 = TITAN / "v0.3.0" / "llama3" / "config_registry.py"
+REG_MAIN = TITAN / "main" / "llama3" / "config_registry.py"
+
+
+@pytest.mark.parametrize(("command", "gpus", "model", "inputs"), [
+    # TrainingConfig(local_batch_size=1, seq_len=8192), SelectiveAC.Config(), the llama3
+    # registry's ChunkedLossWrapper (num_chunks defaults to 8), default_adamw: fused
+    (f"{REG_030} --config llama3_8b", 64, "llama-3-8b",
+     {"dp": 64, "zero": 3, "micro_batch_size": 1, "global_batch_size": 64, "seq_len": 8192,
+      "precision": "fsdp-bf16", "recompute": "selective", "optimizer_impl": "fused",
+      "loss_chunks": 8}),
+    # tensor_parallel_degree=8: dp = 64 / 8; local batch 8 * dp 8 = 64; FullAC
+    (f"{REG_030} --config llama3_70b", 64, "llama-3-70b",
+     {"tp": 8, "dp": 8, "zero": 3, "sequence_parallel": True, "micro_batch_size": 8,
+      "global_batch_size": 64, "seq_len": 8192, "recompute": "full"}),
+    (f"{REG_030} --config llama3_405b", 128, "llama-3.1-405b",
+     {"tp": 8, "dp": 16, "micro_batch_size": 2, "global_batch_size": 32, "recompute": "full"}),
+    # main: 8 * 2048 tokens per micro-batch in sequences of 2048: 8 sequences
+    (f"{REG_MAIN} --config llama3_debugmodel", 8, "torchtitan-llama3-debugmodel",
+     {"dp": 8, "micro_batch_size": 8, "global_batch_size": 64, "seq_len": 2048,
+      "recompute": "selective", "loss_chunks": 8}),
+    # 1 * 8192 tokens, max_context_length 8192: one sequence
+    (f"{REG_MAIN} --config llama3_8b", 64, "llama-3-8b",
+     {"dp": 64, "micro_batch_size": 1, "global_batch_size": 64, "seq_len": 8192}),
+    # 8 * 8192 tokens: 8 sequences of 8192, TP 8
+    (f"{REG_MAIN} --config llama3_70b", 64, "llama-3-70b",
+     {"tp": 8, "dp": 8, "micro_batch_size": 8, "global_batch_size": 64, "recompute": "full"}),
+    # overrides as torchtitan's entry point takes them, both spellings
+    (f"{REG_030} --config llama3_8b --training.local_batch_size=2 "
+     "--parallelism.tensor_parallel_degree 2", 64, "llama-3-8b",
+     {"tp": 2, "dp": 32, "micro_batch_size": 2, "global_batch_size": 64}),
+    (f"--module={REG_030} --config=llama3_70b --parallelism.tensor_parallel_degree 4", 64,
+     "llama-3-70b", {"tp": 4, "dp": 16, "global_batch_size": 128}),
+    # main with PP: each of the 4 pipeline micro-batches holds 8192 tokens, one sequence;
+    # a step is 4 of them on each of the 32 data-parallel ranks: 128 sequences
+    (f"{REG_MAIN} --config llama3_8b --parallelism.pipeline_parallel_degree 2 "
+     "--parallelism.num_pp_microbatches 4", 64, "llama-3-8b",
+     {"pp": 2, "dp": 32, "micro_batch_size": 1, "global_batch_size": 128, "vpp": 1}),
+])
+def test_torchtitan_registry(command: str, gpus: int, model: str, inputs: dict) -> None:
+    imp = torchtitan.read(command, gpus)
+    assert imp.model == model or imp.model.name == model
+    assert {k: imp.inputs.get(k) for k in inputs} == inputs
+    assert imp.inputs["framework"] == "torchtitan"
+    assert "keep_grads" not in imp.inputs  # 0.3's own: the torchtitan preset's
+    assert imp.unread == []
+
+
+def test_torchtitan_registry_names_its_keys() -> None:
+    """Each mapping line names the registry's own field; the token budget's sequences said."""
+    imp = torchtitan.read(f"{REG_MAIN} --config llama3_debugmodel", 8)
+    lines = "\n".join(imp.lines())
+    assert "training.num_tokens_per_microbatch_per_dp_rank = 16384 -> --mbs 8" in lines
+    assert "training.max_context_length = 2048 -> --seq 2048" in lines
+    assert "loss = 'ChunkedLossWrapper(num_chunks=8)' -> --loss-chunks 8" in lines
+    assert imp.source.endswith("config_registry.py llama3_debugmodel")
+    assert any("ChunkedLossWrapper: not modelled, may change memory" in n for n in imp.notes)
+
+
+def test_torchtitan_registry_notes() -> None:
+    """llama3_405b: float8 converter and compile noted; flex attention noted."""
+    notes = " ".join(torchtitan.read(f"{REG_030} --config llama3_405b", 128).notes)
+    assert "float8" in notes and "torch.compile" in notes and "flex" in notes
+
+
+def _registry(tmp_path: Path, body: str, top: str = "") -> str:
+    folder = tmp_path / "llama3"
+    folder.mkdir(exist_ok=True)
+    (folder / "config_registry.py").write_text(
+        f"{top}\ndef base():\n    return Trainer.Config(model_spec=model_registry('8B'), "
+        "training=TrainingConfig(local_batch_size=4, seq_len=4096))\n\n"
+        f"def job():\n{body}\n")
+    return f"{folder / 'config_registry.py'} --config job"
+
+
+def test_torchtitan_registry_is_parsed_not_run(tmp_path: Path) -> None:
+    """A top level that would fail when imported, a derived config that sets fields (as
+    llama3_debugmodel_varlen_attn does), arithmetic on literals: 2 * 4 sequences of 2048."""
+    command = _registry(tmp_path, "    config = base()\n"
+                                  "    config.training.local_batch_size = 2 * 4\n"
+                                  "    config.training.seq_len = 2048\n"
+                                  "    config.training.disable_cuda_graphs = True\n"
+                                  "    config.activation_checkpoint = FullAC.Config()\n"
+                                  "    return config",
+                        top="raise SystemExit('imported')")
+    imp = torchtitan.read(command, 8)
+    assert (imp.inputs["micro_batch_size"], imp.inputs["seq_len"]) == (8, 2048)
+    assert (imp.inputs["recompute"], imp.inputs["keep_grads"]) == ("full", False)
+
+
+@pytest.mark.parametrize(("body", "match"), [
+    ("    config = base()\n    config.training.local_batch_size = helper()\n    return config",
+     "training.local_batch_size = helper()"),
+    ("    import os\n    os.system('x')\n    return base()", "line 6: 'import os'"),
+    ("    for i in range(2):\n        pass\n    return base()", "line 6: 'for i in range(2):'"),
+    ("    config = base()\n    config.activation_checkpoint = MemoryBudgetAC.Config()\n"
+     "    return config", "activation_checkpoint.mode"),
+    ("    return Trainer.Config(model_spec=model_registry('8B', attn_backend='varlen'))",
+     "model_spec attn_backend"),
+    ("    return Trainer.Config(model_spec=model_registry('8B'), "
+     "training=TrainingConfig(num_tokens_per_microbatch_per_dp_rank=3000, "
+     "max_context_length=2048))", "num_tokens_per_microbatch_per_dp_rank = 3000"),
+])
+def test_torchtitan_registry_refuses_by_name(tmp_path: Path, body: str, match: str) -> None:
+    with pytest.raises(MemplanError, match=re.escape(match)) as err:
+        torchtitan.read(_registry(tmp_path, body), 8)
+    assert "\n" not in str(err.value)
+
+
+def test_torchtitan_registry_needs_a_config_function() -> None:
+    with pytest.raises(MemplanError, match="no config function 'llama3_9b'"):
+        torchtitan.read(f"{REG_030} --config llama3_9b", 8)
+    with pytest.raises(MemplanError, match="--module"):
+        torchtitan.read("--config llama3_8b", 8)
+
+
+def test_cli_reads_a_registry_entry() -> None:
+    result = CliRunner().invoke(app, ["estimate", "-n", "64", "--torchtitan-config",
+                                      f"{REG_030} --config llama3_8b"])
+    assert result.exit_code == 0, result.output
+    assert "training.local_batch_size = 1 -> --mbs 1" in result.output
+
+
+def test_torchtitan_registry_module_shorthand() -> None:
+    """``--module llama3``: the installed torchtitan's models/llama3/config_registry.py, found
+    on the path without importing it (ConfigManager._load_config's first candidate)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchtitan") is None:
+        pytest.skip("torchtitan is not installed")
+    imp = torchtitan.read("--module llama3 --config llama3_70b", 64)
+    assert "torchtitan/models/llama3/config_registry.py llama3_70b" in imp.source
+    assert (imp.model, imp.inputs["tp"]) == ("llama-3-70b", 8)

@@ -192,6 +192,22 @@ def test_recomputed_layers_are_the_ones_memory_recomputes(num_layers: int, pp: i
         assert recomputed_layers(8, 3, 2, 2) == (0, 1, 2, 3, 4, 6)
 
 
+def test_every_nth_layer_reruns_what_memory_recomputes() -> None:
+    """Full recompute of every 2nd layer, 8 layers on pp 2, vpp 2: stage 0's list [0, 1, 4, 5]
+    reruns its 2nd and 4th, 1 and 5; stage 1's [2, 3, 6, 7] reruns 3 and 7. The extra FLOPs of
+    a step are those four layers' forwards (all layers alike: half of full recompute's)."""
+    from memplan.planning.timing import recomputed_layers, step_flops
+
+    assert recomputed_layers(8, None, 2, 2, every=2) == (1, 3, 5, 7)
+    spec = memplan.load_model("tiny").model_copy(update={"num_layers": 8})
+    every = memplan.make_workload(spec, recompute="full", recompute_every=2, seq_len=64)
+    full = memplan.make_workload(spec, recompute="full", seq_len=64)
+    none = memplan.make_workload(spec, recompute="none", seq_len=64)
+    base = step_flops(spec, none, 8, pp=2, vpp=2)[1]
+    half = (step_flops(spec, full, 8, pp=2, vpp=2)[1] - base) / 2
+    assert step_flops(spec, every, 8, pp=2, vpp=2)[1] - base == pytest.approx(half)
+
+
 def test_moe_recompute_reruns_the_layers_of_each_stage() -> None:
     """An MoE layer every second layer (1, 3, 5, 7 of 8): at pp 2, vpp 2, k 1 the first layer of
     each stage's list reruns, layers 0 and 2, both dense, so the extra FLOPs are two dense
