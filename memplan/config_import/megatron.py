@@ -22,7 +22,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from memplan.arguments import MAX_GPUS
-from memplan.config_import import Imported
+from memplan.config_import import Imported, shell
 from memplan.errors import MemplanError, shown, validation_message
 from memplan.inputs import MODEL_FILE_BYTES, read_text
 from memplan.spec import MAX_LAYERS, ModelSpec
@@ -37,6 +37,12 @@ MAX_PATTERN_CHARS = 4 * MAX_LAYERS + 64
 MAX_INT_ARG = 2**31 - 1
 # the GPT-2 BPE vocabulary (vocab.json: 50257 tokens), Megatron's GPT2BPETokenizer
 GPT2_VOCAB = 50257
+# Megatron-LM's training scripts for models other than GPTModel (the repository's root)
+OTHER_MODELS = {"pretrain_bert.py": "BERT (an encoder)", "pretrain_t5.py": "T5 (encoder-decoder)",
+                "pretrain_mamba.py": "a Mamba hybrid", "pretrain_hybrid.py": "a Mamba hybrid",
+                "pretrain_vlm.py": "a vision-language model",
+                "pretrain_vision_classify.py": "a vision model",
+                "pretrain_retro.py": "RETRO", "pretrain_ict.py": "a retriever (ICT)"}
 # flags read nowhere in memplan's memory model: logging, data, checkpoints, schedules of the
 # learning rate, determinism, and timing-only overlaps
 QUIET_PREFIXES = ("--log-", "--lr", "--min-lr", "--save", "--load", "--eval-", "--tensorboard",
@@ -84,9 +90,15 @@ def parse(text: str, where: str) -> dict[str, Any]:
     """Flag -> value (True for a flag without one, a list for several values)."""
     if "MODEL_ARGS:" in text:
         return _model_args(text, where)
-    tokens = words(text, where)
+    # a launch script's training command as bash would expand it (arrays, variables,
+    # branches; nothing run), else the text's words
+    tokens = shell.training_command(text, where) or words(text, where)
     # the training script's flags follow it (torchrun's own come before it)
     script = next((i + 1 for i, t in enumerate(tokens) if t.endswith(".py")), 0)
+    if script and Path(tokens[script - 1]).name in OTHER_MODELS:
+        raise MemplanError(f"{where}: {Path(tokens[script - 1]).name} trains "
+                           f"{OTHER_MODELS[Path(tokens[script - 1]).name]}, which memplan "
+                           "does not model (it models pretrain_gpt.py's GPTModel)")
     start = next((i for i, t in enumerate(tokens) if i >= script and t.startswith("--")),
                  len(tokens))
     out: dict[str, Any] = {}
