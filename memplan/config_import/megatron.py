@@ -43,19 +43,23 @@ OTHER_MODELS = {"pretrain_bert.py": "BERT (an encoder)", "pretrain_t5.py": "T5 (
                 "pretrain_vlm.py": "a vision-language model",
                 "pretrain_vision_classify.py": "a vision model",
                 "pretrain_retro.py": "RETRO", "pretrain_ict.py": "a retriever (ICT)"}
-# flags read nowhere in memplan's memory model: logging, data, checkpoints, schedules of the
-# learning rate, determinism, and timing-only overlaps
+# flags that hold no GPU memory: logging, data paths, checkpoint files, schedules of the
+# learning rate, seeds and tokenizer files (read as the vocabulary where it is given). Any
+# other flag memplan does not read is listed as not modelled, one that may change memory:
+# fusions switched off (--no-bias-*-fusion, --no-masked-softmax-fusion,
+# --no-gradient-accumulation-fusion), the softmax's dtype, overlapped reductions and
+# Megatron FSDP's --data-parallel-* are among them
 QUIET_PREFIXES = ("--log-", "--lr", "--min-lr", "--save", "--load", "--eval-", "--tensorboard",
-                  "--data-", "--split", "--train-", "--timing-", "--distributed-backend",
-                  "--weight-decay", "--clip-grad", "--exit-", "--seed", "--ckpt-", "--dist-ckpt",
-                  "--no-ckpt-", "--use-checkpoint-", "--use-persistent-ckpt", "--async-save",
-                  "--mock-data", "--no-mmap-bin-files", "--deterministic-mode",
-                  "--verify-integrity", "--use-mcore-models", "--no-gradient-accumulation-fusion",
-                  "--overlap-grad-reduce", "--overlap-param-gather", "--merge-file",
-                  "--init-method-std", "--adam-", "--wandb", "--rotary-base", "--norm-epsilon",
-                  "--attention-softmax-in-fp32", "--apply-query-key-layer-scaling",
-                  "--no-masked-softmax-fusion", "--no-bias-", "--tokenizer-model",
-                  "--vocab-file", "--tokenizer-type", "--vocab-size", "--padded-vocab-size")
+                  "--data-path", "--data-cache-path", "--split", "--train-iters",
+                  "--train-samples", "--timing-", "--distributed-backend", "--weight-decay",
+                  "--exit-", "--seed", "--ckpt-", "--dist-ckpt", "--no-ckpt-",
+                  "--use-checkpoint-", "--mock-data", "--no-mmap-bin-files",
+                  "--use-mcore-models", "--merge-file", "--init-method-std", "--adam-",
+                  "--wandb", "--rotary-base", "--norm-epsilon", "--tokenizer-model",
+                  "--vocab-file", "--tokenizer-type", "--vocab-size", "--padded-vocab-size",
+                  "--no-load-", "--decoupled-", "--num-workers", "--tiktoken-",
+                  "--distributed-timeout-minutes", "--clip-grad", "--deterministic-mode",
+                  "--async-save", "--use-persistent-ckpt", "--verify-integrity")
 
 
 def words(text: str, where: str = "Megatron arguments") -> list[str]:
@@ -216,8 +220,15 @@ class _Reader:
             "--fp8": "fp8 training is not modelled",
             "--fp4-format": "fp4 training is not modelled",
             "--use-torch-fsdp2": "PyTorch FSDP2 under Megatron-LM is not modelled",
-            "--use-megatron-fsdp": "Megatron FSDP is not modelled (the distributed optimizer "
-                                   "is --use-distributed-optimizer)",
+            "--use-megatron-fsdp": "Megatron FSDP's buffers (megatron/core/distributed/fsdp: "
+                                   "sharded parameter and gradient buffers, double-buffered "
+                                   "all-gathers) are not modelled; memplan's --zero 3 is "
+                                   "FSDP2's and DeepSpeed's",
+            "--defer-embedding-wgrad-compute": "the output layer's inputs kept for its "
+                                               "deferred weight gradient (one per micro-batch, "
+                                               "until the pipeline's last backward: "
+                                               "megatron/core/models/gpt/gpt_model.py "
+                                               "embedding_activation_buffer) are not modelled",
             "--cpu-offloading": "activation and weight CPU offloading is not modelled",
             "--cross-entropy-loss-fusion": "the fused cross-entropy is not modelled (the "
                                            "megatron preset's loss is the vocab-parallel one)",
@@ -225,7 +236,10 @@ class _Reader:
             "--encoder-num-layers": "encoder-decoder models are not modelled",
             "--distribute-saved-activations": "saved activations split over TP are not "
                                               "modelled",
-            "--moe-router-dtype": "a router run in another dtype is not modelled",
+            "--moe-router-dtype": "the router's logits and probabilities in fp32 "
+                                  "(megatron/core/transformer/moe/router.py TopKRouter."
+                                  "gating: [tokens, experts] kept for backward) are not "
+                                  "modelled",
             "--grad-reduce-in-bf16": "bf16 gradient buffers with bf16 weights: use "
                                      "--main-grads-dtype bf16's equivalent, bf16-mixed",
         }
@@ -235,11 +249,17 @@ class _Reader:
                 raise self.refuse(flag, why)
         mtp = self.int("--mtp-num-layers", None)
         if mtp:
-            raise self.refuse("--mtp-num-layers", "multi-token-prediction modules are not "
-                                                  "modelled")
+            raise self.refuse("--mtp-num-layers", "multi-token-prediction modules (each a "
+                                                  "transformer layer, a projection and its "
+                                                  "own output layer and loss: megatron/core/"
+                                                  "transformer/multi_token_prediction.py) are "
+                                                  "not modelled")
         if self.int("--num-distributed-optimizer-instances", 1) != 1:
             raise self.refuse("--num-distributed-optimizer-instances",
-                              "a distributed optimizer sharded over part of DP is not modelled")
+                              "optimizer states sharded over DP / instances ranks, replicated "
+                              "over the instances (megatron/core/distributed/"
+                              "distributed_data_parallel.py: intra_distributed_optimizer_"
+                              "instance_group), are not modelled")
         for flag in ("--exp-avg-dtype", "--exp-avg-sq-dtype"):
             if self.str(flag, "fp32") != "fp32":
                 raise self.refuse(flag, "optimizer states below fp32 are not modelled")
@@ -331,8 +351,16 @@ class _Reader:
         head."""
         if not self.flag("--multi-latent-attention"):
             return {}
+        # Megatron's MLA builds q_layernorm / kv_layernorm on the low-rank latents only with
+        # --qk-layernorm (megatron/core/models/gpt/gpt_layer_specs.py
+        # get_gpt_layer_with_transformer_engine_spec); memplan's MLA always holds them
+        if not self.flag("--qk-layernorm"):
+            self.imp.notes.append("--multi-latent-attention without --qk-layernorm: memplan "
+                                  "counts the latent norms Megatron does not build "
+                                  "(q_lora_rank + kv_lora_rank weights per layer, and their "
+                                  "saved inputs)")
         nope, rope = self.int("--qk-head-dim", 128), self.int("--qk-pos-emb-head-dim", 64)
-        return {"head_dim": nope + rope, "num_kv_heads": heads,
+        return {"head_dim": nope + rope, "num_kv_heads": heads, "qk_norm": "none",
                 "mla": {"q_lora_rank": self.int("--q-lora-rank", None) or 0,
                         "kv_lora_rank": self.int("--kv-lora-rank", 32),
                         "qk_nope_head_dim": nope, "qk_rope_head_dim": rope,
@@ -397,6 +425,7 @@ class _Reader:
                 "sequence_parallel", sp)
         self._virtual(spec.num_layers, pp)
         self._uneven(spec.num_layers, pp)
+        self._account(spec.num_layers, pp)
         dist = self.flag("--use-distributed-optimizer")
         imp.set("--use-distributed-optimizer", dist, "zero", 1 if dist else 0,
                 "ZeRO-1: optimizer states sharded over DP" if dist else "")
@@ -408,7 +437,18 @@ class _Reader:
 
     def _virtual(self, layers: int, pp: int) -> None:
         """arguments.py validate_args: num_layers_per_pipeline_stage //
-        num_layers_per_virtual_pipeline_stage stages per rank."""
+        num_layers_per_virtual_pipeline_stage stages per rank. The interleaved schedule runs
+        micro-batches in groups of pp per virtual stage (model_parallel_config.py
+        microbatch_group_size_per_vp_stage, default pp) and raises when the last group has
+        fewer than pp (pipeline_parallel/schedules.py forward_backward_pipelining_with_
+        interleaving), so with the default the micro-batches per step divide by pp, as
+        memplan requires; another group size changes the warm-up micro-batches in flight
+        (get_pp_rank_microbatches: (pp - rank - 1) * 2 + (chunks - 1) * group)."""
+        group = self.int("--microbatch-group-size-per-virtual-pipeline-stage", None)
+        if group is not None and group != pp:
+            raise self.refuse("--microbatch-group-size-per-virtual-pipeline-stage",
+                              f"a group other than pp ({pp}) is not modelled (its warm-up "
+                              "holds (chunks - 1) * group micro-batches in flight)")
         per_virtual = self.int("--num-layers-per-virtual-pipeline-stage", None)
         stages = self.int("--num-virtual-stages-per-pipeline-rank", None)
         if per_virtual is not None:
@@ -422,6 +462,33 @@ class _Reader:
                                                    f"{per_virtual}")
         elif stages is not None:
             self.imp.set("--num-virtual-stages-per-pipeline-rank", stages, "vpp", stages)
+
+    def _account(self, layers: int, pp: int) -> None:
+        """--account-for-embedding/loss-in-pipeline-split: the embedding (the loss) counts as
+        one layer of the split, so the first (last) stage builds one layer fewer
+        (megatron/core/transformer/transformer_block.py get_num_layers_to_build: num_layers
+        + 1 per flag must divide by pp; without virtual stages here)."""
+        embedding = self.flag("--account-for-embedding-in-pipeline-split")
+        loss = self.flag("--account-for-loss-in-pipeline-split")
+        if not (embedding or loss):
+            return
+        flag = ("--account-for-embedding-in-pipeline-split" if embedding
+                else "--account-for-loss-in-pipeline-split")
+        if "vpp" in self.imp.inputs or "stage_layers" in self.imp.inputs:
+            raise self.refuse(flag, "with virtual stages or --decoder-first/last-pipeline-"
+                                    "num-layers it is not modelled")
+        total = layers + embedding + loss
+        if total % pp or (total // pp) < 1 + (embedding and loss and pp == 1):
+            raise self.refuse(flag, f"{layers} layers + {embedding + loss} do not divide by "
+                                    f"pp {pp} (Megatron asserts the same)")
+        split = [total // pp] * pp
+        split[0] -= embedding
+        split[-1] -= loss
+        self.imp.set(flag if not (embedding and loss) else "--account-for-embedding/loss-in-"
+                     "pipeline-split", True, "stage_layers", ",".join(str(n) for n in split),
+                     f"({layers} + {embedding + loss}) / pp {pp} per stage, one fewer on the "
+                     + ("first and last" if embedding and loss else
+                        "first" if embedding else "last"))
 
     def _uneven(self, layers: int, pp: int) -> None:
         """--decoder-first/last-pipeline-num-layers: the rest split evenly over the middle
