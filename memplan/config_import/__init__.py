@@ -35,7 +35,7 @@ def flag(target: str) -> str:
 
 
 # the layout degrees a config sets: at most arguments.MAX_GPUS, as memplan.api checks them
-_DEGREES = frozenset({"gpus", "tp", "pp", "vpp", "cp", "ep", "dp", "dp_shard"})
+_DEGREES = frozenset({"gpus", "tp", "pp", "vpp", "cp", "ep", "etp", "dp", "dp_shard"})
 
 
 def _past_bound(target: str, value: Any) -> str | None:

@@ -402,11 +402,14 @@ class _Reader:
         pp = self.int("--pipeline-model-parallel-size", 1)
         cp = self.int("--context-parallel-size", 1)
         ep = self.int("--expert-model-parallel-size", 1)
+        # megatron-core ModelParallelConfig.expert_tensor_parallel_size: None is tp
         etp = self.int("--expert-tensor-parallel-size", None)
-        if etp is not None and etp != tp:
+        if etp is not None and not 0 < etp <= MAX_GPUS:
             raise self.refuse("--expert-tensor-parallel-size",
-                              f"experts split by TP other than --tensor-model-parallel-size "
-                              f"({tp}) are not modelled")
+                              f"expected a degree from 1 to {MAX_GPUS}")
+        if etp is not None and etp != tp:
+            imp.set("--expert-tensor-parallel-size", etp, "etp", etp,
+                    f"the routed experts split by {etp}, the rest by tp {tp}")
         for flag, value in (("--tensor-model-parallel-size", tp),
                             ("--pipeline-model-parallel-size", pp),
                             ("--context-parallel-size", cp), ("--expert-model-parallel-size", ep)):

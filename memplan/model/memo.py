@@ -101,7 +101,7 @@ def _all_states(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> tuple[Sta
     seen: dict = {}
     for stage in range(par.pp):
         layers = stage_layer_indices(spec, par.pp, par.vpp, stage, par.stage_layers)
-        params = stage_params(spec, par.tp, par.ep, par.pp, layers, stage == 0,
+        params = stage_params(spec, par.tp, par.experts, par.pp, layers, stage == 0,
                               stage == par.pp - 1, par.vocab_divisor)
         interior = 0 < stage < par.pp - 1
         key = (params, len(layers)) if interior else None

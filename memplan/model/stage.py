@@ -161,7 +161,7 @@ def _entries(par: ParallelConfig, shared: memo.SharedTerms, fx: StageStates,
     for key, pos in kinds.positions.items():
         kind = shared.kind(key)
         moment_grads = tuple(int(n * grad_per_param)
-                             for n in shared.moment_params(par.tp, par.ep, key))
+                             for n in shared.moment_params(par.tp, par.experts, key))
         if fx.main_grads and par.zero < ZeroStage.GRADIENTS:
             # the weight whose gradient was just made holds it in the compute dtype: its fp32
             # main gradient does not exist yet

@@ -112,8 +112,6 @@ def test_megatron_deepseek_v3_shape() -> None:
      "--recompute-granularity/method/num-layers"),
     ("--num-experts 8 --moe-layer-freq '([1]*2+[0]*2)'", "--moe-layer-freq"),
     ("--use-torch-fsdp2", "--use-torch-fsdp2"),
-    ("--tensor-model-parallel-size 2 --expert-tensor-parallel-size 1",
-     "--expert-tensor-parallel-size"),
     ("--position-embedding-type yarn", "--position-embedding-type"),
     ("--num-layers-per-virtual-pipeline-stage 3 --pipeline-model-parallel-size 2",
      "--num-layers-per-virtual-pipeline-stage"),
