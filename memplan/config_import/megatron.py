@@ -230,8 +230,6 @@ class _Reader:
                                                "megatron/core/models/gpt/gpt_model.py "
                                                "embedding_activation_buffer) are not modelled",
             "--cpu-offloading": "activation and weight CPU offloading is not modelled",
-            "--cross-entropy-loss-fusion": "the fused cross-entropy is not modelled (the "
-                                           "megatron preset's loss is the vocab-parallel one)",
             "--hybrid-layer-pattern": "hybrid (Mamba) layers are not modelled",
             "--encoder-num-layers": "encoder-decoder models are not modelled",
             "--distribute-saved-activations": "saved activations split over TP are not "
@@ -247,6 +245,7 @@ class _Reader:
             self.used.add(flag)
             if self.has(flag):
                 raise self.refuse(flag, why)
+        self._loss_fusion()
         mtp = self.int("--mtp-num-layers", None)
         if mtp:
             raise self.refuse("--mtp-num-layers", "multi-token-prediction modules (each a "
@@ -263,6 +262,24 @@ class _Reader:
         for flag in ("--exp-avg-dtype", "--exp-avg-sq-dtype"):
             if self.str(flag, "fp32") != "fp32":
                 raise self.refuse(flag, "optimizer states below fp32 are not modelled")
+
+    def _loss_fusion(self) -> None:
+        """--cross-entropy-loss-fusion with the native implementation (the only one
+        validate_args allows): megatron/core/fusions/fused_cross_entropy.py
+        _VocabParallelCrossEntropy saves what the unfused tensor_parallel/cross_entropy.py
+        saves (the fp32 softmax, the target mask, the target indices) and returns the same
+        compute-dtype gradient (tests/traced/test_megatron_loss.py: forward and saved bytes
+        equal, run eagerly); its steps run compiled (megatron/core/jit.py jit_fuser), whose
+        kernels' buffers are not traced."""
+        impl = self.str("--cross-entropy-fusion-impl", "native")
+        if not self.flag("--cross-entropy-loss-fusion"):
+            return
+        if impl != "native":
+            raise self.refuse("--cross-entropy-fusion-impl", "Transformer Engine's fused "
+                                                             "cross-entropy is not modelled")
+        self.imp.notes.append("--cross-entropy-loss-fusion: read as the vocab-parallel loss, "
+                              "which saves the same tensors (fused_cross_entropy.py); its "
+                              "compiled kernels' buffers are not traced")
 
     def _vocab(self, tp: int) -> tuple[int, str]:
         """The padded vocabulary (megatron/core/tokenizers/utils/build_tokenizer.py

@@ -116,7 +116,8 @@ def test_megatron_deepseek_v3_shape() -> None:
     ("--num-layers-per-virtual-pipeline-stage 3 --pipeline-model-parallel-size 2",
      "--num-layers-per-virtual-pipeline-stage"),
     ("--defer-embedding-wgrad-compute", "--defer-embedding-wgrad-compute"),
-    ("--cross-entropy-loss-fusion", "--cross-entropy-loss-fusion"),
+    ("--cross-entropy-loss-fusion --cross-entropy-fusion-impl te",
+     "--cross-entropy-fusion-impl"),
     ("--moe-router-dtype fp32", "--moe-router-dtype"),
     ("--num-distributed-optimizer-instances 2", "--num-distributed-optimizer-instances"),
     ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params",
@@ -349,3 +350,12 @@ def test_megatron_mla_qk_layernorm_is_the_latent_norms() -> None:
     assert with_norm.model.qk_norm.value == "none" and not with_norm.notes
     assert with_norm.model.num_params == without.model.num_params
     assert any("latent norms" in n for n in without.notes)
+
+
+def test_megatron_fused_cross_entropy_is_the_vocab_parallel_loss() -> None:
+    """The native fused loss keeps what the unfused one keeps (traced in
+    tests/traced/test_megatron_loss.py): the same inputs as without the flag, and a note."""
+    fused = megatron.read(_BASE + "--cross-entropy-loss-fusion", 8)
+    plain = megatron.read(_BASE, 8)
+    assert fused.inputs == plain.inputs and fused.model == plain.model
+    assert any(n.startswith("--cross-entropy-loss-fusion") for n in fused.notes)
