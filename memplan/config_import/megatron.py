@@ -224,11 +224,15 @@ class _Reader:
                                    "sharded parameter and gradient buffers, double-buffered "
                                    "all-gathers) are not modelled; memplan's --zero 3 is "
                                    "FSDP2's and DeepSpeed's",
-            "--defer-embedding-wgrad-compute": "the output layer's inputs kept for its "
-                                               "deferred weight gradient (one per micro-batch, "
-                                               "until the pipeline's last backward: "
-                                               "megatron/core/models/gpt/gpt_model.py "
-                                               "embedding_activation_buffer) are not modelled",
+            "--defer-embedding-wgrad-compute": "the output layer's input and its logits' "
+                                               "gradient kept for the deferred weight "
+                                               "gradient, one pair per micro-batch up to "
+                                               "--wgrad-deferral-limit (0: all) until the "
+                                               "step's end (megatron/core/tensor_parallel/"
+                                               "layers.py ColumnParallelLinear.forward "
+                                               "embedding_activation_buffer, LinearWithGrad"
+                                               "AccumulationAndAsyncCommunication.backward "
+                                               "grad_output_buffer) are not modelled",
             "--cpu-offloading": "activation and weight CPU offloading is not modelled",
             "--hybrid-layer-pattern": "hybrid (Mamba) layers are not modelled",
             "--encoder-num-layers": "encoder-decoder models are not modelled",
