@@ -238,10 +238,6 @@ class _Reader:
             "--encoder-num-layers": "encoder-decoder models are not modelled",
             "--distribute-saved-activations": "saved activations split over TP are not "
                                               "modelled",
-            "--moe-router-dtype": "the router's logits and probabilities in fp32 "
-                                  "(megatron/core/transformer/moe/router.py TopKRouter."
-                                  "gating: [tokens, experts] kept for backward) are not "
-                                  "modelled",
             "--grad-reduce-in-bf16": "bf16 gradient buffers with bf16 weights: use "
                                      "--main-grads-dtype bf16's equivalent, bf16-mixed",
         }
@@ -250,6 +246,7 @@ class _Reader:
             if self.has(flag):
                 raise self.refuse(flag, why)
         self._loss_fusion()
+        self._router_dtype()
         mtp = self.int("--mtp-num-layers", None)
         if mtp:
             raise self.refuse("--mtp-num-layers", "multi-token-prediction modules (each a "
@@ -266,6 +263,23 @@ class _Reader:
         for flag in ("--exp-avg-dtype", "--exp-avg-sq-dtype"):
             if self.str(flag, "fp32") != "fp32":
                 raise self.refuse(flag, "optimizer states below fp32 are not modelled")
+
+    def _router_dtype(self) -> None:
+        """--moe-router-dtype fp32: the router's matmul runs in fp32
+        (megatron/core/transformer/moe/router.py TopKRouter.gating), through
+        moe_utils.py RouterGatingLinearFunction, which saves the compute-dtype input and
+        weight (no fp32 copies, unlike an autocast or transformers' fp32 router) and returns
+        [tokens, experts] fp32 logits: memplan counts the router's probabilities in fp32
+        already. fp64 is refused."""
+        dtype = self.str("--moe-router-dtype", None)
+        if dtype is None:
+            return
+        if dtype != "fp32":
+            raise self.refuse("--moe-router-dtype", "modelled is fp32 (the router's "
+                                                    "probabilities memplan counts in fp32)")
+        self.imp.notes.append("--moe-router-dtype fp32: the router's fp32 logits, which "
+                              "memplan counts as its fp32 probabilities; its saved input and "
+                              "weight stay in the compute dtype (RouterGatingLinearFunction)")
 
     def _loss_fusion(self) -> None:
         """--cross-entropy-loss-fusion with the native implementation (the only one

@@ -118,7 +118,7 @@ def test_megatron_deepseek_v3_shape() -> None:
     ("--defer-embedding-wgrad-compute", "--defer-embedding-wgrad-compute"),
     ("--cross-entropy-loss-fusion --cross-entropy-fusion-impl te",
      "--cross-entropy-fusion-impl"),
-    ("--moe-router-dtype fp32", "--moe-router-dtype"),
+    ("--num-experts 8 --moe-router-dtype fp64", "--moe-router-dtype"),
     ("--num-distributed-optimizer-instances 2", "--num-distributed-optimizer-instances"),
     ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params",
      "--use-megatron-fsdp"),
@@ -359,3 +359,11 @@ def test_megatron_fused_cross_entropy_is_the_vocab_parallel_loss() -> None:
     plain = megatron.read(_BASE, 8)
     assert fused.inputs == plain.inputs and fused.model == plain.model
     assert any(n.startswith("--cross-entropy-loss-fusion") for n in fused.notes)
+
+
+def test_megatron_router_dtype_fp32() -> None:
+    """RouterGatingLinearFunction saves the compute-dtype input and weight: no fp32 copies
+    (the spec's router_fp32 is transformers' DeepSeek router, which saves them), a note."""
+    imp = megatron.read(_BASE + "--num-experts 8 --moe-router-dtype fp32", 8)
+    assert imp.model.moe.router_fp32 is False
+    assert any(n.startswith("--moe-router-dtype fp32") for n in imp.notes)
