@@ -254,12 +254,6 @@ class _Reader:
                                                   "own output layer and loss: megatron/core/"
                                                   "transformer/multi_token_prediction.py) are "
                                                   "not modelled")
-        if self.int("--num-distributed-optimizer-instances", 1) != 1:
-            raise self.refuse("--num-distributed-optimizer-instances",
-                              "optimizer states sharded over DP / instances ranks, replicated "
-                              "over the instances (megatron/core/distributed/"
-                              "distributed_data_parallel.py: intra_distributed_optimizer_"
-                              "instance_group), are not modelled")
         for flag in ("--exp-avg-dtype", "--exp-avg-sq-dtype"):
             if self.str(flag, "fp32") != "fp32":
                 raise self.refuse(flag, "optimizer states below fp32 are not modelled")
@@ -467,11 +461,31 @@ class _Reader:
         dist = self.flag("--use-distributed-optimizer")
         imp.set("--use-distributed-optimizer", dist, "zero", 1 if dist else 0,
                 "ZeRO-1: optimizer states sharded over DP" if dist else "")
+        self._optimizer_instances(dist, tp * pp * cp)
         if self.flag("--optimizer-cpu-offload"):
             if self.float("--optimizer-offload-fraction", 1.0) != 1.0:
                 raise self.refuse("--optimizer-offload-fraction",
                                   "part of the optimizer offloaded is not modelled")
             imp.set("--optimizer-cpu-offload", True, "offload", "optimizer")
+
+    def _optimizer_instances(self, dist: bool, model_parallel: int) -> None:
+        """--num-distributed-optimizer-instances N: the distributed optimizer shards its
+        states over dp * cp / N ranks and N instances hold the same shards
+        (megatron/core/parallel_state.py initialize_model_parallel:
+        intra_partial_data_parallel_size), memplan's shard group (--dp-shard dp / N, its
+        shard degree dp_shard * cp)."""
+        flag = "--num-distributed-optimizer-instances"
+        instances = self.int(flag, 1)
+        if instances == 1:
+            return
+        if not dist:
+            raise self.refuse(flag, "needs --use-distributed-optimizer")
+        dp = self.gpus // model_parallel if self.gpus % model_parallel == 0 else 0
+        if instances < 1 or not dp or dp % instances:
+            raise self.refuse(flag, f"modelled where it divides the data-parallel degree "
+                                    f"({self.gpus} GPUs / tp*pp*cp {model_parallel})")
+        self.imp.set(flag, instances, "dp_shard", dp // instances,
+                     f"optimizer states sharded over dp {dp} / {instances} instances")
 
     def _virtual(self, layers: int, pp: int) -> None:
         """arguments.py validate_args: num_layers_per_pipeline_stage //

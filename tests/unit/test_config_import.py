@@ -120,6 +120,8 @@ def test_megatron_deepseek_v3_shape() -> None:
      "--cross-entropy-fusion-impl"),
     ("--num-experts 8 --moe-router-dtype fp64", "--moe-router-dtype"),
     ("--num-distributed-optimizer-instances 2", "--num-distributed-optimizer-instances"),
+    ("--use-distributed-optimizer --num-distributed-optimizer-instances 3",
+     "--num-distributed-optimizer-instances"),  # 3 does not divide dp 8
     ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params",
      "--use-megatron-fsdp"),
     ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
@@ -367,3 +369,11 @@ def test_megatron_router_dtype_fp32() -> None:
     imp = megatron.read(_BASE + "--num-experts 8 --moe-router-dtype fp32", 8)
     assert imp.model.moe.router_fp32 is False
     assert any(n.startswith("--moe-router-dtype fp32") for n in imp.notes)
+
+
+def test_megatron_distributed_optimizer_instances() -> None:
+    """2 instances at dp 8 (8 GPUs, tp 1): states sharded over 8 / 2 = 4 ranks, --dp-shard 4
+    with ZeRO-1."""
+    imp = megatron.read(_BASE + "--use-distributed-optimizer "
+                        "--num-distributed-optimizer-instances 2", 8)
+    assert (imp.inputs["zero"], imp.inputs["dp_shard"]) == (1, 4)
