@@ -504,6 +504,10 @@ class _Reader:
         per_virtual = self.int("--num-layers-per-virtual-pipeline-stage", None)
         stages = self.int("--num-virtual-stages-per-pipeline-rank", None)
         if per_virtual is not None:
+            # the embedding and the loss count as layers of the split when accounted for
+            # (validate_args)
+            layers += sum(self.flag(f"--account-for-{part}-in-pipeline-split")
+                          for part in ("embedding", "loss"))
             per_stage = layers // pp
             if layers % pp or per_stage % per_virtual:
                 raise self.refuse("--num-layers-per-virtual-pipeline-stage",
@@ -517,28 +521,30 @@ class _Reader:
 
     def _account(self, layers: int, pp: int) -> None:
         """--account-for-embedding/loss-in-pipeline-split: the embedding (the loss) counts as
-        one layer of the split, so the first (last) stage builds one layer fewer
+        one layer of the split, so the first (last) virtual stage builds one layer fewer
         (megatron/core/transformer/transformer_block.py get_num_layers_to_build: num_layers
-        + 1 per flag must divide by pp; without virtual stages here)."""
+        + 1 per flag over pp * vpp stages; the first virtual stage is chunk 0 of rank 0, the
+        last chunk vpp-1 of rank pp-1, memplan's first and last --stage-layers entries)."""
         embedding = self.flag("--account-for-embedding-in-pipeline-split")
         loss = self.flag("--account-for-loss-in-pipeline-split")
         if not (embedding or loss):
             return
         flag = ("--account-for-embedding-in-pipeline-split" if embedding
                 else "--account-for-loss-in-pipeline-split")
-        if "vpp" in self.imp.inputs or "stage_layers" in self.imp.inputs:
-            raise self.refuse(flag, "with virtual stages or --decoder-first/last-pipeline-"
-                                    "num-layers it is not modelled")
+        if "stage_layers" in self.imp.inputs:  # Megatron asserts the same
+            raise self.refuse(flag, "with --decoder-first/last-pipeline-num-layers Megatron "
+                                    "does not take it")
+        stages = pp * self.imp.inputs.get("vpp", 1)
         total = layers + embedding + loss
-        if total % pp or (total // pp) < 1 + (embedding and loss and pp == 1):
-            raise self.refuse(flag, f"{layers} layers + {embedding + loss} do not divide by "
-                                    f"pp {pp} (Megatron asserts the same)")
-        split = [total // pp] * pp
+        if total % stages or (total // stages) < 1 + (embedding and loss and stages == 1):
+            raise self.refuse(flag, f"{layers} layers + {embedding + loss} do not divide over "
+                                    f"{stages} stages (Megatron asserts the same)")
+        split = [total // stages] * stages
         split[0] -= embedding
         split[-1] -= loss
         self.imp.set(flag if not (embedding and loss) else "--account-for-embedding/loss-in-"
                      "pipeline-split", True, "stage_layers", ",".join(str(n) for n in split),
-                     f"({layers} + {embedding + loss}) / pp {pp} per stage, one fewer on the "
+                     f"({layers} + {embedding + loss}) / {stages} per stage, one fewer on the "
                      + ("first and last" if embedding and loss else
                         "first" if embedding else "last"))
 

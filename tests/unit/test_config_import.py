@@ -129,7 +129,7 @@ def test_megatron_deepseek_v3_shape() -> None:
      "--microbatch-group-size-per-virtual-pipeline-stage"),
     ("--pipeline-model-parallel-size 2 --account-for-embedding-in-pipeline-split",
      "--account-for-embedding-in-pipeline-split"),  # 4 + 1 layers do not split over 2
-    ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
+    ("--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 2 "
      "--account-for-loss-in-pipeline-split", "--account-for-loss-in-pipeline-split"),
 ])
 def test_megatron_refuses_what_it_cannot_express(extra: str, flag: str) -> None:
@@ -334,6 +334,11 @@ def test_megatron_flags_not_read_are_listed_as_may_change_memory() -> None:
     # 4 + 2 = 6 over pp 3: 2 each, one fewer on the first and on the last
     ("--pipeline-model-parallel-size 3 --account-for-embedding-in-pipeline-split "
      "--account-for-loss-in-pipeline-split", "1,2,1"),
+    # 4 + 2 = 6 over pp 3 x 2 virtual stages of 1 (vpp 6 / 3 / 1 = 2): the first virtual
+    # stage (chunk 0 of rank 0) and the last (chunk 1 of rank 2) empty
+    ("--pipeline-model-parallel-size 3 --num-layers-per-virtual-pipeline-stage 1 "
+     "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split",
+     "0,1,1,1,1,0"),
 ])
 def test_megatron_embedding_and_loss_in_the_pipeline_split(flags: str, split: str) -> None:
     """get_num_layers_to_build (transformer_block.py): (layers + 1 per flag) / pp per stage,
