@@ -83,7 +83,8 @@ def make_layout(num_gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: in
                 sequence_parallel: bool | None = None, vocab_parallel: bool = True,
                 tp_style: str | None = None, grad_buffers: str | None = None,
                 offload: str = "none", stage_layers: Any = None,
-                dp_shard: int | None = None, etp: int | None = None) -> ParallelConfig:
+                dp_shard: int | None = None, etp: int | None = None,
+                vpp_group: int | None = None) -> ParallelConfig:
     """A layout for ``num_gpus``; sequence parallelism defaults to on whenever tp > 1; TP style
     and gradient buffers left None take ``ParallelConfig``'s defaults (Megatron-LM's)."""
     for name, value in (("gpus", num_gpus), ("tp", tp), ("pp", pp), ("vpp", vpp), ("cp", cp),
@@ -110,7 +111,9 @@ def make_layout(num_gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: in
     split = parse_stage_layers(stage_layers)
     arguments.integer("dp_shard", dp_shard, optional=True)
     arguments.integer("etp", etp, maximum=arguments.MAX_GPUS, optional=True)
+    arguments.integer("vpp_group", vpp_group, optional=True)
     return layout_for_gpus(num_gpus, tp=tp, pp=pp, cp=cp, dp=dp, vpp=vpp, ep=ep, etp=etp,
+                           vpp_group=vpp_group,
                            zero=ZeroStage(zero), sequence_parallel=sp,
                            vocab_parallel=vocab_parallel, offload=Offload(offload),
                            stage_layers=split, dp_shard=dp_shard, **styles)
@@ -170,7 +173,8 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
              tp_style: str | None = None, grad_buffers: str | None = None,
              offload: str = "none", framework: str | None = None,
              stage_layers: Any = None, dp_shard: int | None = None,
-             etp: int | None = None, overheads: Overheads | None = None,
+             etp: int | None = None, vpp_group: int | None = None,
+             overheads: Overheads | None = None,
              schedule: Schedule | str = Schedule.ONE_F_ONE_B,
              calibration: str | list[str] | None = None, **workload: Any) -> Estimate:
     """Per-GPU memory of training ``model`` on ``gpus`` GPUs.
@@ -195,7 +199,7 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
                             vocab_parallel=vocab_parallel, tp_style=tp_style,
                             grad_buffers=grad_buffers, offload=offload, framework=framework,
                             stage_layers=stage_layers, dp_shard=dp_shard, etp=etp,
-                            **workload)
+                            vpp_group=vpp_group, **workload)
     est = _estimate(spec, gpu_spec, par, wl, capacity_bytes=capacity,
                     overheads=overheads,
                     schedule=schedule)
@@ -249,7 +253,7 @@ def resolve(model: str | ModelSpec, *, gpus: int = 1, tp: int = 1, pp: int = 1, 
             tp_style: str | None = None, grad_buffers: str | None = None,
             offload: str = "none", framework: str | None = None,
             stage_layers: Any = None, dp_shard: int | None = None,
-            etp: int | None = None,
+            etp: int | None = None, vpp_group: int | None = None,
             **workload: Any) -> tuple[ModelSpec, ParallelConfig, Workload]:
     """The typed (spec, layout, workload) for names and numbers; raises MemplanError.
     Implementation choices left None take the framework's defaults (``memplan.presets``)."""
@@ -262,7 +266,7 @@ def resolve(model: str | ModelSpec, *, gpus: int = 1, tp: int = 1, pp: int = 1, 
                       sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,
                       tp_style=filled.pop("tp_style"), grad_buffers=filled.pop("grad_buffers"),
                       offload=offload, stage_layers=stage_layers, dp_shard=dp_shard,
-                      etp=etp)
+                      etp=etp, vpp_group=vpp_group)
     return spec, par, make_workload(spec, framework=fw, **filled)
 
 

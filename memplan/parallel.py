@@ -96,6 +96,10 @@ class ParallelConfig(BaseModel):
     tp: int = Field(default=1, gt=0)
     pp: int = Field(default=1, gt=0)
     vpp: int = Field(default=1, gt=0)
+    vpp_group: int | None = Field(default=None, gt=0, description=(
+        "micro-batches per group of the interleaved schedule, each run through every model "
+        "chunk in turn (Megatron-LM's --microbatch-group-size-per-virtual-pipeline-stage); "
+        "None: pp"))
     dp: int = Field(default=1, gt=0)
     cp: int = Field(default=1, gt=0)
     ep: int = Field(default=1, gt=0)
@@ -348,6 +352,10 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
     if par.vpp > 1 and par.pp == 1:
         raise LayoutError("vpp > 1 needs pp > 1",
                           f"vpp ({par.vpp}) > 1 needs pp > 1 (interleaved pipeline)")
+    if par.vpp_group is not None and par.vpp == 1:
+        raise LayoutError("vpp_group needs vpp > 1",
+                          f"vpp_group ({par.vpp_group}) groups the micro-batches of an "
+                          "interleaved pipeline: it needs vpp > 1")
     if par.sequence_parallel:
         _require_divides("tp", par.tp, "seq/cp" if par.cp > 1 else "seq",
                          local_seq(wl.seq_len, par.cp))
@@ -490,16 +498,26 @@ def resolve_batch(par: ParallelConfig, wl: Workload) -> tuple[int, int]:
             f"gbs ({gbs}) must be divisible by mbs*dp ({wl.micro_batch_size}*{par.dp} = "
             f"{per_step})")
     m = gbs // per_step
-    if par.vpp > 1 and m % par.pp:
+    group = par.vpp_group or par.pp
+    if par.vpp > 1 and group == par.pp and m % par.pp:
         raise LayoutError(
             INTERLEAVED_MICROBATCHES,
             f"interleaved pipeline needs micro-batches per step ({m}) divisible by pp ({par.pp})")
+    if par.vpp > 1 and group != par.pp and (not par.pp <= group <= m or 0 < m % group < par.pp):
+        raise LayoutError(
+            INTERLEAVED_GROUPS,
+            f"interleaved pipeline with groups of {group} micro-batches needs pp ({par.pp}) <= "
+            f"{group} <= micro-batches per step ({m}), the last group empty or at least pp")
     return gbs, m
 
 
-# The rule an interleaved schedule puts on the batch split (Megatron-LM's
-# forward_backward_pipelining_with_interleaving asserts it).
+# The rules an interleaved schedule puts on the batch split: micro-batches run in groups of
+# microbatch_group_size_per_vp_stage (default pp), between pp and m, the last group empty or
+# at least pp (Megatron-LM's forward_backward_pipelining_with_interleaving raises otherwise;
+# with the default group: m divisible by pp).
 INTERLEAVED_MICROBATCHES = "interleaved pipeline needs micro-batches per step divisible by pp"
+INTERLEAVED_GROUPS = ("interleaved pipeline needs micro-batch groups between pp and the "
+                      "micro-batches per step, the last empty or at least pp")
 
 
 def gbs_rule(gbs: int, dp: int) -> LayoutError | None:

@@ -75,6 +75,10 @@ Dp = Annotated[Optional[int], typer.Option(
 Cp = Annotated[int, typer.Option("--cp", help="Context-parallel degree.", rich_help_panel=_LAYOUT)]
 Ep = Annotated[int, typer.Option("--ep", help="Expert-parallel degree (MoE).",
                                  rich_help_panel=_LAYOUT)]
+VppGroup = Annotated[Optional[int], typer.Option(
+    "--vpp-group", help="Interleaved pipeline: micro-batches per group run through each model "
+    "chunk in turn (Megatron-LM's --microbatch-group-size-per-virtual-pipeline-stage; "
+    "default: pp).", rich_help_panel=_LAYOUT)]
 Etp = Annotated[Optional[int], typer.Option(
     "--etp", help="Expert tensor-parallel degree: the TP split of each routed expert's weights "
     "(Megatron-LM's --expert-tensor-parallel-size; default: tp).", rich_help_panel=_LAYOUT)]
@@ -210,6 +214,7 @@ SHARED: dict[str, Shared] = {
     "cp": Shared(Cp, _PAR["cp"].default),
     "ep": Shared(Ep, _PAR["ep"].default),
     "etp": Shared(Etp, None),
+    "vpp_group": Shared(VppGroup, None),
     "sp": Shared(Sp, None),
     "vocab_parallel": Shared(VocabParallel, _PAR["vocab_parallel"].default),
     "tp_style": Shared(TpStyleOpt, None, _value),
@@ -235,7 +240,7 @@ SHARED: dict[str, Shared] = {
     "calibration": Shared(Calibration, None, resolve=False),
 }
 
-LAYOUT = ("tp", "pp", "vpp", "dp", "cp", "ep", "etp", "sp", "vocab_parallel", "tp_style",
+LAYOUT = ("tp", "pp", "vpp", "vpp_group", "dp", "cp", "ep", "etp", "sp", "vocab_parallel", "tp_style",
           "grad_buffers", "offload", "zero", "stage_layers", "dp_shard")
 WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "precision", "optimizer",
             "optimizer_impl", "attention", "norm", "logits_fp32", "loss_chunks", "framework",

@@ -493,14 +493,9 @@ class _Reader:
         micro-batches in groups of pp per virtual stage (model_parallel_config.py
         microbatch_group_size_per_vp_stage, default pp) and raises when the last group has
         fewer than pp (pipeline_parallel/schedules.py forward_backward_pipelining_with_
-        interleaving), so with the default the micro-batches per step divide by pp, as
-        memplan requires; another group size changes the warm-up micro-batches in flight
-        (get_pp_rank_microbatches: (pp - rank - 1) * 2 + (chunks - 1) * group)."""
-        group = self.int("--microbatch-group-size-per-virtual-pipeline-stage", None)
-        if group is not None and group != pp:
-            raise self.refuse("--microbatch-group-size-per-virtual-pipeline-stage",
-                              f"a group other than pp ({pp}) is not modelled (its warm-up "
-                              "holds (chunks - 1) * group micro-batches in flight)")
+        interleaving), so with the default the micro-batches per step divide by pp; another
+        group size (--vpp-group) runs other counts and changes the warm-up micro-batches in
+        flight (get_pp_rank_microbatches: (pp - rank - 1) * 2 + (chunks - 1) * group)."""
         per_virtual = self.int("--num-layers-per-virtual-pipeline-stage", None)
         stages = self.int("--num-virtual-stages-per-pipeline-rank", None)
         if per_virtual is not None:
@@ -518,6 +513,11 @@ class _Reader:
                                                    f"{per_virtual}")
         elif stages is not None:
             self.imp.set("--num-virtual-stages-per-pipeline-rank", stages, "vpp", stages)
+        flag = "--microbatch-group-size-per-virtual-pipeline-stage"
+        group = self.int(flag, None)
+        if group is not None and group != pp and self.imp.inputs.get("vpp", 1) > 1:
+            self.imp.set(flag, group, "vpp_group", group, "micro-batches per group of the "
+                         "interleaved schedule (default pp)")
 
     def _account(self, layers: int, pp: int) -> None:
         """--account-for-embedding/loss-in-pipeline-split: the embedding (the loss) counts as

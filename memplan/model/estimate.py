@@ -152,9 +152,10 @@ def _stages(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, schedule
     template = _template(par, parts)
     for i in range(par.pp):
         if _follows(par, parts, template, i):
-            flight = memo.in_flight(par.pp, par.vpp, m, i, schedule)
+            flight = memo.in_flight(par.pp, par.vpp, m, i, schedule, par.vpp_group)
             out.append(_shifted(out[template], i, flight, par.vpp,
-                                memo.in_flight(par.pp, par.vpp, m, template, schedule), ovh))
+                                memo.in_flight(par.pp, par.vpp, m, template, schedule,
+                                               par.vpp_group), ovh))
         else:
             out.append(stage_record(spec, par, wl, m, i, schedule, ovh, shared, parts[i]))
     return tuple(out)
@@ -204,8 +205,8 @@ def most_loaded(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, ovh:
     worst: RankPeak | None = None
     for i in range(par.pp):
         if _follows(par, parts, template, i) and (
-                sum(memo.in_flight(par.pp, par.vpp, m, i, schedule))
-                <= sum(memo.in_flight(par.pp, par.vpp, m, template, schedule))):
+                sum(memo.in_flight(par.pp, par.vpp, m, i, schedule, par.vpp_group))
+                <= sum(memo.in_flight(par.pp, par.vpp, m, template, schedule, par.vpp_group))):
             continue
         tensor = walk_stage(spec, par, wl, m, i, schedule, shared, parts[i]).tensor_peak
         peak = rank_peak_bytes(tensor, ovh)

@@ -116,9 +116,12 @@ def _all_states(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> tuple[Sta
 
 
 @lru_cache(maxsize=8192)
-def in_flight(pp: int, vpp: int, m: int, stage: int, schedule: Schedule) -> tuple[int, ...]:
-    """``chunks_in_flight``, which reads only pp and vpp of the layout."""
-    return tuple(chunks_in_flight(ParallelConfig(pp=pp, vpp=vpp), m, stage, schedule))
+def in_flight(pp: int, vpp: int, m: int, stage: int, schedule: Schedule,
+              group: int | None = None) -> tuple[int, ...]:
+    """``chunks_in_flight``, which reads only pp, vpp and vpp_group (``group``) of the
+    layout."""
+    return tuple(chunks_in_flight(ParallelConfig(pp=pp, vpp=vpp, vpp_group=group), m, stage,
+                                  schedule))
 
 
 def shared_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> SharedTerms:

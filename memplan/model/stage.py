@@ -195,7 +195,7 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     and in the steady state, without its record."""
     fx, kinds = parts
     first, last, st = fx.first, fx.last, fx.states
-    flight = memo.in_flight(par.pp, par.vpp, m, stage, schedule)
+    flight = memo.in_flight(par.pp, par.vpp, m, stage, schedule, par.vpp_group)
     entries = _entries(par, shared, fx, kinds)
 
     rope_bytes = shared.rope_bytes  # rope tables (and a saved mask): per chunk forward

@@ -63,7 +63,8 @@ def estimate_json(est: Estimate) -> dict[str, Any]:
                    "stage_layers": list(virtual_stage_layers(est.spec.num_layers, par)),
                    "dp_shard": par.shard_group, "replicas": par.replicas,
                    # only when given: the experts split by tp otherwise
-                   **({"etp": par.etp} if par.etp is not None else {})},
+                   **({"etp": par.etp} if par.etp is not None else {}),
+                   **({"vpp_group": par.vpp_group} if par.vpp_group is not None else {})},
         "workload": {
             "mbs": wl.micro_batch_size, "gbs": est.global_batch_size,
             "num_microbatches": est.num_microbatches, "seq": wl.seq_len,

@@ -124,9 +124,6 @@ def test_megatron_deepseek_v3_shape() -> None:
      "--num-distributed-optimizer-instances"),  # 3 does not divide dp 8
     ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params",
      "--use-megatron-fsdp"),
-    ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
-     "--microbatch-group-size-per-virtual-pipeline-stage 4",
-     "--microbatch-group-size-per-virtual-pipeline-stage"),
     ("--pipeline-model-parallel-size 2 --account-for-embedding-in-pipeline-split",
      "--account-for-embedding-in-pipeline-split"),  # 4 + 1 layers do not split over 2
     ("--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 2 "
@@ -382,3 +379,11 @@ def test_megatron_distributed_optimizer_instances() -> None:
     imp = megatron.read(_BASE + "--use-distributed-optimizer "
                         "--num-distributed-optimizer-instances 2", 8)
     assert (imp.inputs["zero"], imp.inputs["dp_shard"]) == (1, 4)
+
+
+def test_megatron_microbatch_group_size() -> None:
+    """--microbatch-group-size-per-virtual-pipeline-stage under interleaving: --vpp-group."""
+    imp = megatron.read(_BASE + "--pipeline-model-parallel-size 2 "
+                        "--num-layers-per-virtual-pipeline-stage 1 "
+                        "--microbatch-group-size-per-virtual-pipeline-stage 3", 2)
+    assert (imp.inputs["vpp"], imp.inputs["vpp_group"]) == (2, 3)
