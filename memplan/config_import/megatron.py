@@ -238,8 +238,6 @@ class _Reader:
             "--encoder-num-layers": "encoder-decoder models are not modelled",
             "--distribute-saved-activations": "saved activations split over TP are not "
                                               "modelled",
-            "--grad-reduce-in-bf16": "bf16 gradient buffers with bf16 weights: use "
-                                     "--main-grads-dtype bf16's equivalent, bf16-mixed",
         }
         for flag, why in refused.items():
             self.used.add(flag)
@@ -626,10 +624,16 @@ class _Reader:
 
     def _precision(self) -> None:
         """arguments.py validate_args: --bf16 accumulates and all-reduces gradients in fp32
-        (main gradients) unless --main-grads-dtype bf16; --fp16 keeps fp16 gradients unless
+        (main gradients) unless --main-grads-dtype bf16 or --grad-reduce-in-bf16; --fp16 keeps
+        fp16 gradients unless
         --accumulate-allreduce-grads-in-fp32; neither is fp32."""
         imp = self.imp
         main = self.str("--main-grads-dtype", "fp32")
+        # validate_args: --grad-reduce-in-bf16 turns accumulate_allreduce_grads_in_fp32 off,
+        # so DDP's grad_reduce_in_fp32 is off and the gradient buffers take the parameters'
+        # bf16 (megatron/core/distributed/distributed_data_parallel.py)
+        if self.flag("--grad-reduce-in-bf16") and self.flag("--bf16"):
+            main = "bf16"
         fp32_acc = self.flag("--accumulate-allreduce-grads-in-fp32")
         if self.flag("--bf16"):
             imp.set("--bf16", True, "precision", "bf16-fp32-grads" if main == "fp32"

@@ -387,3 +387,11 @@ def test_megatron_microbatch_group_size() -> None:
                         "--num-layers-per-virtual-pipeline-stage 1 "
                         "--microbatch-group-size-per-virtual-pipeline-stage 3", 2)
     assert (imp.inputs["vpp"], imp.inputs["vpp_group"]) == (2, 3)
+
+
+def test_megatron_grad_reduce_in_bf16() -> None:
+    """--bf16 --grad-reduce-in-bf16: bf16 gradient buffers (validate_args turns the fp32
+    accumulation off), memplan's bf16-mixed."""
+    imp = megatron.read(_BASE + "--bf16 --grad-reduce-in-bf16", 8)
+    assert imp.inputs["precision"] == "bf16-mixed"
+    assert megatron.read(_BASE + "--bf16", 8).inputs["precision"] == "bf16-fp32-grads"
