@@ -32,9 +32,11 @@ _TEXT_COMMANDS = {"echo", "printf", "cat", "mkdir", "ls", "test", "["}
 # bash's integer operators, as $((...)) evaluates them
 _ARITH = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
           ast.FloorDiv: operator.floordiv, ast.Div: operator.floordiv, ast.Mod: operator.mod}
-# the largest number of words a script may expand to (arrays doubled in a loop cannot grow:
-# loops are not run, so this bounds only what is written)
+# the most words a statement or an array may expand to, and the longest value a variable may
+# hold: a script that doubles an array or a string line after line (A=( "${A[@]}" "${A[@]}" ),
+# X="$X$X") is refused before it fills memory; a launch command has a few hundred words
 MAX_WORDS = 100_000
+MAX_VALUE_CHARS = 1_000_000
 
 
 @dataclass
@@ -260,6 +262,9 @@ class _Script:
         for t in tokens:
             if isinstance(t, Word):
                 out.extend(self.expand(t))
+                if len(out) > MAX_WORDS:
+                    raise MemplanError(f"{self.where}: a statement expands to over "
+                                       f"{MAX_WORDS:,} words")
         return out
 
 
@@ -267,7 +272,10 @@ def training_command(text: str, where: str) -> list[str] | None:
     """The words of the script's last command that runs a ``.py`` file (a launcher and its
     flags before it), expanded as bash would; None when ``text`` runs no such command."""
     script = _Script(_lex(text, where), where)
-    _Runner(script).block(0, len(script.tokens))
+    try:
+        _Runner(script).block(0, len(script.tokens))
+    except RecursionError:  # ${a:-${a:-...}} nested thousands deep, or as many nested ifs
+        raise MemplanError(f"{where}: nests deeper than memplan reads") from None
     runs = [c for c in script.commands
             if c and c[0] not in _TEXT_COMMANDS and any(w.endswith(".py") for w in c)]
     return runs[-1] if runs else None
@@ -391,7 +399,11 @@ class _Runner:
                 skip -= len(text)
                 continue
             parts.append((text, how))
-        return " ".join(self.s.expand(Word(parts), split=False))
+        value = " ".join(self.s.expand(Word(parts), split=False))
+        if len(value) > MAX_VALUE_CHARS:
+            raise MemplanError(f"{self.s.where}: a variable's value grows past "
+                               f"{MAX_VALUE_CHARS:,} characters")
+        return value
 
     def if_(self, i: int, close: int) -> None:
         """``if TEST; then ...; elif TEST; then ...; else ...; fi``: the first branch whose

@@ -160,3 +160,16 @@ def test_small_script_by_hand() -> None:
     assert shell.training_command(text, "t.sh") == [
         "python", "pretrain_gpt.py", "--tensor-model-parallel-size", "2", "--x ",
         "--pipeline-model-parallel-size", "8", "--tensor-model-parallel-size", "2", "--x"]
+
+
+@pytest.mark.parametrize("text", [
+    'A=( x )\n' + 'A=( "${A[@]}" "${A[@]}" )\n' * 40 + 'python pretrain_gpt.py\n',
+    'X=ab\n' + 'X="$X$X"\n' * 60 + 'python pretrain_gpt.py $X\n',
+    'python pretrain_gpt.py ' + '${A:-' * 5000 + 'x' + '}' * 5000 + '\n',
+])
+def test_scripts_that_grow_without_bound_are_refused(text: str) -> None:
+    """Doubling an array or a string line after line, or defaults nested thousands deep:
+    one line, before memory fills."""
+    with pytest.raises(MemplanError) as err:
+        shell.training_command(text, "t.sh")
+    assert "\n" not in str(err.value)
