@@ -285,7 +285,7 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
          cp: int | None = None, ep: int | None = None, zero: int | None = None,
          sequence_parallel: bool | None = None, calibration: str | list[str] | None = None,
          stage_layers: Any = None, dp_shard: int | None = None, top: int | None = None,
-         etp: int | None = None, **workload: Any):
+         etp: int | None = None, vpp_group: int | None = None, **workload: Any):
     """Layouts, recompute policies and micro-batch sizes that fit ``gpus`` GPUs, fastest first
     (``memplan.planning.planner.PlanResult``). Layout arguments given are fixed; the rest are
     searched. ``workload`` takes Workload fields (seq_len, global_batch_size, precision, ...).
@@ -305,6 +305,7 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
     for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp), ("cp", cp), ("ep", ep),
                         ("etp", etp)):
         arguments.integer(name, value, maximum=arguments.MAX_GPUS, optional=True)
+    arguments.integer("vpp_group", vpp_group, optional=True)
 
     if zero is not None and (not arguments.is_int(zero) or zero not in (0, 1, 2, 3)):
         raise MemplanError(f"zero must be 0, 1, 2 or 3, got {arguments.shown(zero)}")
@@ -322,7 +323,8 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
             if policy.label in refused:
                 presets.validate(None, make_workload(spec, framework=fw, recompute=policy))
         policies = [p for p in (policies or list(Recompute)) if p.label not in refused]
-    fixed = {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "etp": etp, "zero": zero,
+    fixed = {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "etp": etp,
+             "vpp_group": vpp_group, "zero": zero,
              "sp": sequence_parallel, "stage_layers": parse_stage_layers(stage_layers),
              "dp_shard": dp_shard}
     safety = DEFAULT_SAFETY if safety is None else safety

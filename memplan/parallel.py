@@ -498,17 +498,31 @@ def resolve_batch(par: ParallelConfig, wl: Workload) -> tuple[int, int]:
             f"gbs ({gbs}) must be divisible by mbs*dp ({wl.micro_batch_size}*{par.dp} = "
             f"{per_step})")
     m = gbs // per_step
-    group = par.vpp_group or par.pp
-    if par.vpp > 1 and group == par.pp and m % par.pp:
+    rule = interleaved_rule(par, m)
+    if rule == INTERLEAVED_MICROBATCHES:
         raise LayoutError(
-            INTERLEAVED_MICROBATCHES,
+            rule,
             f"interleaved pipeline needs micro-batches per step ({m}) divisible by pp ({par.pp})")
-    if par.vpp > 1 and group != par.pp and (not par.pp <= group <= m or 0 < m % group < par.pp):
+    if rule is not None:
+        group = par.vpp_group
         raise LayoutError(
-            INTERLEAVED_GROUPS,
+            rule,
             f"interleaved pipeline with groups of {group} micro-batches needs pp ({par.pp}) <= "
             f"{group} <= micro-batches per step ({m}), the last group empty or at least pp")
     return gbs, m
+
+
+def interleaved_rule(par: ParallelConfig, m: int) -> str | None:
+    """The rule ``m`` micro-batches per step break under ``par``'s interleaved schedule, or
+    None (see ``INTERLEAVED_GROUPS``)."""
+    if par.vpp == 1:
+        return None
+    group = par.vpp_group or par.pp
+    if group == par.pp:
+        return INTERLEAVED_MICROBATCHES if m % par.pp else None
+    if not par.pp <= group <= m or 0 < m % group < par.pp:
+        return INTERLEAVED_GROUPS
+    return None
 
 
 # The rules an interleaved schedule puts on the batch split: micro-batches run in groups of

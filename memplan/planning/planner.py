@@ -211,7 +211,8 @@ def layouts(spec: ModelSpec, num_gpus: int, seq_len: int, *, max_tp: int,
                         for shard in choices("dp_shard", _shards(dp, zero, ep, node_shard,
                                                                  etp)):
                             out.append(_layout(tp, pp, vpp, dp, cp, ep, zero, bool(sp), split,
-                                               shard, etp))
+                                               shard, etp,
+                                               fixed.get("vpp_group") if vpp > 1 else None))
     return out
 
 
@@ -257,10 +258,12 @@ def _shards(dp: int, zero: int, ep: int, node_shard: int,
 @lru_cache(maxsize=16384)
 def _layout(tp: int, pp: int, vpp: int, dp: int, cp: int, ep: int, zero: int,
             sp: bool, split: tuple[int, ...] | None = None,
-            shard: int | None = None, etp: int | None = None) -> ParallelConfig:
+            shard: int | None = None, etp: int | None = None,
+            group: int | None = None) -> ParallelConfig:
     """One object per layout, so caches keyed by it hit by identity across plans."""
     return ParallelConfig(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=ep, zero=ZeroStage(zero),
-                          sequence_parallel=sp, stage_layers=split, dp_shard=shard, etp=etp)
+                          sequence_parallel=sp, stage_layers=split, dp_shard=shard, etp=etp,
+                          vpp_group=group)
 
 
 def _policies(allowed: list[Recompute], stage_layers: int) -> list[tuple[Recompute, int | None]]:
@@ -358,7 +361,7 @@ def _sp_on_where_possible(pars: list[ParallelConfig], rejected: Counter) -> list
     for par in pars:
         if par.tp > 1 and not par.sequence_parallel and _layout(
                 par.tp, par.pp, par.vpp, par.dp, par.cp, par.ep, int(par.zero), True,
-                par.stage_layers, par.dp_shard, par.etp) in usable:
+                par.stage_layers, par.dp_shard, par.etp, par.vpp_group) in usable:
             rejected[SP_OFF_DOMINATED] += 1
         else:
             out.append(par)

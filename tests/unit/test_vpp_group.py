@@ -64,3 +64,13 @@ def test_six_micro_batches_over_four_stages() -> None:
     assert [s.microbatches_in_flight for s in est.stages] == [6, 6, 6, 6]
     with pytest.raises(memplan.MemplanError):
         memplan.estimate("llama-2-7b", gpus=4, pp=4, vpp=2, seq_len=128, global_batch_size=6)
+
+
+def test_plan_keeps_a_given_group() -> None:
+    """A plan with 6 micro-batches over pp 4: interleaving only with groups of 6."""
+    kw = dict(gpus=4, pp=4, tp=1, cp=1, zero=1, seq_len=128, global_batch_size=6)
+    grouped = memplan.plan("llama-2-7b", vpp_group=6, **kw)
+    assert {c.layout.vpp_group for c in grouped.candidates if c.layout.vpp > 1} == {6}
+    assert any(c.layout.vpp > 1 for c in grouped.candidates)
+    plain = memplan.plan("llama-2-7b", **kw)
+    assert all(c.layout.vpp == 1 for c in plain.candidates)
