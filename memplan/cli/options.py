@@ -240,7 +240,8 @@ SHARED: dict[str, Shared] = {
     "calibration": Shared(Calibration, None, resolve=False),
 }
 
-LAYOUT = ("tp", "pp", "vpp", "vpp_group", "dp", "cp", "ep", "etp", "sp", "vocab_parallel", "tp_style",
+LAYOUT = ("tp", "pp", "vpp", "vpp_group", "dp", "cp", "ep", "etp", "sp", "vocab_parallel",
+          "tp_style",
           "grad_buffers", "offload", "zero", "stage_layers", "dp_shard")
 WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "precision", "optimizer",
             "optimizer_impl", "attention", "norm", "logits_fp32", "loss_chunks", "framework",
