@@ -30,6 +30,8 @@ from pathlib import Path
 CASES = [
     ("llama-2-7b", 8, {"seq_len": 4096}),
     ("llama-3.1-405b", 16384, {"seq_len": 8192, "global_batch_size": 2048}),
+    # a mixture of experts: ep and etp searched beside the dense degrees
+    ("mixtral-8x7b", 64, {"seq_len": 4096, "global_batch_size": 256}),
 ]
 
 # One fresh interpreter: the first and a second plan() call, timed after the imports.

@@ -83,7 +83,8 @@ def make_layout(num_gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: in
                 sequence_parallel: bool | None = None, vocab_parallel: bool = True,
                 tp_style: str | None = None, grad_buffers: str | None = None,
                 offload: str = "none", stage_layers: Any = None,
-                dp_shard: int | None = None) -> ParallelConfig:
+                dp_shard: int | None = None, etp: int | None = None,
+                vpp_group: int | None = None) -> ParallelConfig:
     """A layout for ``num_gpus``; sequence parallelism defaults to on whenever tp > 1; TP style
     and gradient buffers left None take ``ParallelConfig``'s defaults (Megatron-LM's)."""
     for name, value in (("gpus", num_gpus), ("tp", tp), ("pp", pp), ("vpp", vpp), ("cp", cp),
@@ -109,7 +110,10 @@ def make_layout(num_gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: in
         raise MemplanError(f"offload must be none or optimizer, got {offload!r}")
     split = parse_stage_layers(stage_layers)
     arguments.integer("dp_shard", dp_shard, optional=True)
-    return layout_for_gpus(num_gpus, tp=tp, pp=pp, cp=cp, dp=dp, vpp=vpp, ep=ep,
+    arguments.integer("etp", etp, maximum=arguments.MAX_GPUS, optional=True)
+    arguments.integer("vpp_group", vpp_group, optional=True)
+    return layout_for_gpus(num_gpus, tp=tp, pp=pp, cp=cp, dp=dp, vpp=vpp, ep=ep, etp=etp,
+                           vpp_group=vpp_group,
                            zero=ZeroStage(zero), sequence_parallel=sp,
                            vocab_parallel=vocab_parallel, offload=Offload(offload),
                            stage_layers=split, dp_shard=dp_shard, **styles)
@@ -169,6 +173,7 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
              tp_style: str | None = None, grad_buffers: str | None = None,
              offload: str = "none", framework: str | None = None,
              stage_layers: Any = None, dp_shard: int | None = None,
+             etp: int | None = None, vpp_group: int | None = None,
              overheads: Overheads | None = None,
              schedule: Schedule | str = Schedule.ONE_F_ONE_B,
              calibration: str | list[str] | None = None, **workload: Any) -> Estimate:
@@ -193,7 +198,8 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
                             zero=zero, sequence_parallel=sequence_parallel,
                             vocab_parallel=vocab_parallel, tp_style=tp_style,
                             grad_buffers=grad_buffers, offload=offload, framework=framework,
-                            stage_layers=stage_layers, dp_shard=dp_shard, **workload)
+                            stage_layers=stage_layers, dp_shard=dp_shard, etp=etp,
+                            vpp_group=vpp_group, **workload)
     est = _estimate(spec, gpu_spec, par, wl, capacity_bytes=capacity,
                     overheads=overheads,
                     schedule=schedule)
@@ -247,6 +253,7 @@ def resolve(model: str | ModelSpec, *, gpus: int = 1, tp: int = 1, pp: int = 1, 
             tp_style: str | None = None, grad_buffers: str | None = None,
             offload: str = "none", framework: str | None = None,
             stage_layers: Any = None, dp_shard: int | None = None,
+            etp: int | None = None, vpp_group: int | None = None,
             **workload: Any) -> tuple[ModelSpec, ParallelConfig, Workload]:
     """The typed (spec, layout, workload) for names and numbers; raises MemplanError.
     Implementation choices left None take the framework's defaults (``memplan.presets``)."""
@@ -258,7 +265,8 @@ def resolve(model: str | ModelSpec, *, gpus: int = 1, tp: int = 1, pp: int = 1, 
     par = make_layout(gpus, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp, zero=zero,
                       sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,
                       tp_style=filled.pop("tp_style"), grad_buffers=filled.pop("grad_buffers"),
-                      offload=offload, stage_layers=stage_layers, dp_shard=dp_shard)
+                      offload=offload, stage_layers=stage_layers, dp_shard=dp_shard,
+                      etp=etp, vpp_group=vpp_group)
     return spec, par, make_workload(spec, framework=fw, **filled)
 
 
@@ -277,7 +285,7 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
          cp: int | None = None, ep: int | None = None, zero: int | None = None,
          sequence_parallel: bool | None = None, calibration: str | list[str] | None = None,
          stage_layers: Any = None, dp_shard: int | None = None, top: int | None = None,
-         **workload: Any):
+         etp: int | None = None, vpp_group: int | None = None, **workload: Any):
     """Layouts, recompute policies and micro-batch sizes that fit ``gpus`` GPUs, fastest first
     (``memplan.planning.planner.PlanResult``). Layout arguments given are fixed; the rest are
     searched. ``workload`` takes Workload fields (seq_len, global_batch_size, precision, ...).
@@ -294,8 +302,10 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
     arguments.number("safety", safety, low=0, high=1, optional=True)
     arguments.integer("max_tp", max_tp, maximum=arguments.MAX_GPUS, optional=True)
     arguments.integer("top", top, optional=True)
-    for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp), ("cp", cp), ("ep", ep)):
+    for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp), ("cp", cp), ("ep", ep),
+                        ("etp", etp)):
         arguments.integer(name, value, maximum=arguments.MAX_GPUS, optional=True)
+    arguments.integer("vpp_group", vpp_group, optional=True)
 
     if zero is not None and (not arguments.is_int(zero) or zero not in (0, 1, 2, 3)):
         raise MemplanError(f"zero must be 0, 1, 2 or 3, got {arguments.shown(zero)}")
@@ -313,7 +323,8 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
             if policy.label in refused:
                 presets.validate(None, make_workload(spec, framework=fw, recompute=policy))
         policies = [p for p in (policies or list(Recompute)) if p.label not in refused]
-    fixed = {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "zero": zero,
+    fixed = {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "etp": etp,
+             "vpp_group": vpp_group, "zero": zero,
              "sp": sequence_parallel, "stage_layers": parse_stage_layers(stage_layers),
              "dp_shard": dp_shard}
     safety = DEFAULT_SAFETY if safety is None else safety

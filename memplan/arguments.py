@@ -32,7 +32,8 @@ from memplan.errors import MemplanError, shown, validation_message
 # is ``--`` and the option with ``-`` for ``_`` (``flag``).
 CLI_OPTIONS: dict[str, str] = {
     **{name: name for name in (
-        "gpus", "gpu", "gpu_memory", "tp", "pp", "vpp", "dp", "cp", "ep", "stage_layers",
+        "gpus", "gpu", "gpu_memory", "tp", "pp", "vpp", "dp", "cp", "ep", "etp", "vpp_group",
+        "stage_layers",
         "dp_shard", "vocab_parallel", "tp_style", "grad_buffers", "offload", "zero",
         "recompute", "recompute_layers", "recompute_every", "precision", "optimizer", "optimizer_impl",
         "attention", "logits_fp32", "framework", "keep_grads", "loss_chunks", "schedule",

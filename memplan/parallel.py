@@ -10,6 +10,7 @@ without them, which a search counts its rejections by.
 from __future__ import annotations
 
 import enum
+from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -70,12 +71,24 @@ class Offload(str, enum.Enum):
     OPTIMIZER = "optimizer"
 
 
+class ExpertSplit(NamedTuple):
+    """How one rank holds the routed experts: ``ep`` ranks split the experts, ``etp`` ranks
+    split each expert's weights (column-parallel in, row-parallel out, as TP)."""
+
+    ep: int
+    etp: int
+
+
 class ParallelConfig(BaseModel):
     """Degrees of each parallel dimension. World size = tp * pp * cp * dp.
 
     ``vpp`` is the number of model chunks per pipeline rank (interleaved 1F1B when > 1). ``ep``
-    splits routed experts across ranks of the data- and context-parallel group (expert weights
-    are further split by TP, as in Megatron-LM's default expert tensor parallelism).
+    splits routed experts across ranks of the data- and context-parallel group; ``etp`` splits
+    each expert's weights (Megatron-LM's --expert-tensor-parallel-size; None: by tp, its
+    default). With ``etp`` the experts' groups are carved from tp x dp x cp ranks: ep x etp
+    ranks hold one copy of the experts, tp * dp * cp / (ep * etp) copies exist
+    (megatron/core/parallel_state.py initialize_model_parallel: the expert-data-parallel
+    group is world / (etp * ep * pp)).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -83,9 +96,15 @@ class ParallelConfig(BaseModel):
     tp: int = Field(default=1, gt=0)
     pp: int = Field(default=1, gt=0)
     vpp: int = Field(default=1, gt=0)
+    vpp_group: int | None = Field(default=None, gt=0, description=(
+        "micro-batches per group of the interleaved schedule, each run through every model "
+        "chunk in turn (Megatron-LM's --microbatch-group-size-per-virtual-pipeline-stage); "
+        "None: pp"))
     dp: int = Field(default=1, gt=0)
     cp: int = Field(default=1, gt=0)
     ep: int = Field(default=1, gt=0)
+    etp: int | None = Field(default=None, gt=0, description=(
+        "TP degree of the routed experts' weights; None: tp (Megatron-LM's default)"))
     zero: ZeroStage = ZeroStage.NONE
     sequence_parallel: bool = False
     vocab_parallel: bool = Field(default=True, description="embedding, head and loss split "
@@ -145,9 +164,22 @@ class ParallelConfig(BaseModel):
         return self.dp * self.cp
 
     @property
+    def expert_tp(self) -> int:
+        """TP degree of the routed experts' weights: ``etp``, else tp."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def experts(self) -> ExpertSplit:
+        """How the routed experts are split: (ep, expert_tp)."""
+        return ExpertSplit(self.ep, self.expert_tp)
+
+    @property
     def expert_shard_degree(self) -> int:
-        """Replicas of one expert shard: the expert-data-parallel group, dp * cp / ep."""
-        return self.dp * self.cp // self.ep
+        """Replicas of one expert shard: the expert-data-parallel group, dp * cp / ep, or
+        tp * dp * cp / (ep * etp) with ``etp``."""
+        if self.etp is None:
+            return self.dp * self.cp // self.ep
+        return self.tp * self.dp * self.cp // (self.ep * self.etp)
 
     @property
     def sp_divisor(self) -> int:
@@ -273,12 +305,42 @@ def ep_rule(num_experts: int, ep: int, dp_cp: int) -> LayoutError | None:
     return None
 
 
+def etp_rule(spec: ModelSpec, par: ParallelConfig) -> LayoutError | None:
+    """etp needs routed experts, must divide the experts' FFN width, and ep * etp must divide
+    tp * dp * cp (Megatron-LM initialize_model_parallel: world size divisible by
+    etp * ep * pp)."""
+    if par.etp is None:
+        return None
+    if spec.moe is None:
+        return LayoutError("etp needs a mixture-of-experts model",
+                           f"etp ({par.etp}) needs a mixture-of-experts model; {spec.name} "
+                           "has no routed experts")
+    return expert_rule(spec.moe.num_experts, spec.moe.expert_ffn_hidden_size, par.ep,
+                       par.etp, par.tp * par.dp * par.cp)
+
+
+def expert_rule(num_experts: int, expert_ffn: int, ep: int, etp: int,
+                tp_dp_cp: int) -> LayoutError | None:
+    """``etp_rule`` on plain degrees (the planner's): etp divides the experts' FFN width, ep
+    the experts, ep * etp the tp * dp * cp ranks."""
+    if expert_ffn % etp:
+        return _divides_error("etp", etp, "expert_ffn_hidden_size", expert_ffn)
+    if num_experts % ep:
+        return _divides_error("ep", ep, "num_experts", num_experts)
+    if tp_dp_cp % (ep * etp):
+        return _divides_error("ep*etp", ep * etp, "tp*dp*cp", tp_dp_cp)
+    return None
+
+
 def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
     """Raise ``LayoutError`` for a layout or workload the model cannot be split into or
     estimated with (the batch split aside: ``resolve_batch`` checks it)."""
     if (err := tp_rule(spec, par.tp)) is not None:
         raise err
-    if spec.moe is not None:
+    if par.etp is not None:  # the experts' groups carved from tp x dp x cp
+        if (err := etp_rule(spec, par)) is not None:
+            raise err
+    elif spec.moe is not None:
         if (err := ep_rule(spec.moe.num_experts, par.ep, par.dp * par.cp)) is not None:
             raise err
     elif par.ep > 1:
@@ -290,6 +352,10 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
     if par.vpp > 1 and par.pp == 1:
         raise LayoutError("vpp > 1 needs pp > 1",
                           f"vpp ({par.vpp}) > 1 needs pp > 1 (interleaved pipeline)")
+    if par.vpp_group is not None and par.vpp == 1:
+        raise LayoutError("vpp_group needs vpp > 1",
+                          f"vpp_group ({par.vpp_group}) groups the micro-batches of an "
+                          "interleaved pipeline: it needs vpp > 1")
     if par.sequence_parallel:
         _require_divides("tp", par.tp, "seq/cp" if par.cp > 1 else "seq",
                          local_seq(wl.seq_len, par.cp))
@@ -398,7 +464,7 @@ def _validate_shard_group(spec: ModelSpec, par: ParallelConfig) -> None:
         raise LayoutError("dp_shard needs ZeRO stage 1, 2 or 3",
                           f"dp_shard ({par.dp_shard}) shards states within groups of the data-"
                           "parallel ranks; with zero 0 nothing is sharded (use --zero 1-3)")
-    if par.ep > 1 and par.dp_shard < par.dp:
+    if (par.ep > 1 or par.etp is not None) and par.dp_shard < par.dp:
         raise LayoutError("dp_shard with ep > 1 is not modelled",
                           f"dp_shard ({par.dp_shard}) < dp ({par.dp}) with ep ({par.ep}) > 1: "
                           "how expert weights shard within a replicate group is not modelled")
@@ -442,16 +508,40 @@ def resolve_batch(par: ParallelConfig, wl: Workload) -> tuple[int, int]:
             f"gbs ({gbs}) must be divisible by mbs*dp ({wl.micro_batch_size}*{par.dp} = "
             f"{per_step})")
     m = gbs // per_step
-    if par.vpp > 1 and m % par.pp:
+    rule = interleaved_rule(par, m)
+    if rule == INTERLEAVED_MICROBATCHES:
         raise LayoutError(
-            INTERLEAVED_MICROBATCHES,
+            rule,
             f"interleaved pipeline needs micro-batches per step ({m}) divisible by pp ({par.pp})")
+    if rule is not None:
+        group = par.vpp_group
+        raise LayoutError(
+            rule,
+            f"interleaved pipeline with groups of {group} micro-batches needs pp ({par.pp}) <= "
+            f"{group} <= micro-batches per step ({m}), the last group empty or at least pp")
     return gbs, m
 
 
-# The rule an interleaved schedule puts on the batch split (Megatron-LM's
-# forward_backward_pipelining_with_interleaving asserts it).
+def interleaved_rule(par: ParallelConfig, m: int) -> str | None:
+    """The rule ``m`` micro-batches per step break under ``par``'s interleaved schedule, or
+    None (see ``INTERLEAVED_GROUPS``)."""
+    if par.vpp == 1:
+        return None
+    group = par.vpp_group or par.pp
+    if group == par.pp:
+        return INTERLEAVED_MICROBATCHES if m % par.pp else None
+    if not par.pp <= group <= m or 0 < m % group < par.pp:
+        return INTERLEAVED_GROUPS
+    return None
+
+
+# The rules an interleaved schedule puts on the batch split: micro-batches run in groups of
+# microbatch_group_size_per_vp_stage (default pp), between pp and m, the last group empty or
+# at least pp (Megatron-LM's forward_backward_pipelining_with_interleaving raises otherwise;
+# with the default group: m divisible by pp).
 INTERLEAVED_MICROBATCHES = "interleaved pipeline needs micro-batches per step divisible by pp"
+INTERLEAVED_GROUPS = ("interleaved pipeline needs micro-batch groups between pp and the "
+                      "micro-batches per step, the last empty or at least pp")
 
 
 def gbs_rule(gbs: int, dp: int) -> LayoutError | None:

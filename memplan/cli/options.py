@@ -75,6 +75,13 @@ Dp = Annotated[Optional[int], typer.Option(
 Cp = Annotated[int, typer.Option("--cp", help="Context-parallel degree.", rich_help_panel=_LAYOUT)]
 Ep = Annotated[int, typer.Option("--ep", help="Expert-parallel degree (MoE).",
                                  rich_help_panel=_LAYOUT)]
+VppGroup = Annotated[Optional[int], typer.Option(
+    "--vpp-group", help="Interleaved pipeline: micro-batches per group run through each model "
+    "chunk in turn (Megatron-LM's --microbatch-group-size-per-virtual-pipeline-stage; "
+    "default: pp).", rich_help_panel=_LAYOUT)]
+Etp = Annotated[Optional[int], typer.Option(
+    "--etp", help="Expert tensor-parallel degree: the TP split of each routed expert's weights "
+    "(Megatron-LM's --expert-tensor-parallel-size; default: tp).", rich_help_panel=_LAYOUT)]
 Sp = Annotated[Optional[bool], typer.Option(
     "--sp/--no-sp", help="Sequence parallelism (default: on when tp > 1).",
     rich_help_panel=_LAYOUT)]
@@ -212,6 +219,8 @@ SHARED: dict[str, Shared] = {
     "dp_shard": Shared(DpShard, None),
     "cp": Shared(Cp, _PAR["cp"].default),
     "ep": Shared(Ep, _PAR["ep"].default),
+    "etp": Shared(Etp, None),
+    "vpp_group": Shared(VppGroup, None),
     "sp": Shared(Sp, None),
     "vocab_parallel": Shared(VocabParallel, _PAR["vocab_parallel"].default),
     "tp_style": Shared(TpStyleOpt, None, _value),
@@ -238,7 +247,8 @@ SHARED: dict[str, Shared] = {
     "calibration": Shared(Calibration, None, resolve=False),
 }
 
-LAYOUT = ("tp", "pp", "vpp", "dp", "cp", "ep", "sp", "vocab_parallel", "tp_style",
+LAYOUT = ("tp", "pp", "vpp", "vpp_group", "dp", "cp", "ep", "etp", "sp", "vocab_parallel",
+          "tp_style",
           "grad_buffers", "offload", "zero", "stage_layers", "dp_shard")
 WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "recompute_every",
             "precision", "optimizer", "optimizer_impl", "attention", "norm", "logits_fp32",

@@ -32,7 +32,7 @@ FixedRecompute = Annotated[RecomputeChoice | None, typer.Option(
 
 # Layout options given are fixed, the others searched: no layout default but the GPU count.
 @uses("model", "gpus", "gpu", "gpu_memory", "tp", "pp", "vpp", "cp", "ep", "sp", "zero",
-      "stage_layers", "dp_shard", "gbs",
+      "stage_layers", "dp_shard", "etp", "vpp_group", "gbs",
       "seq", "precision", "optimizer", "optimizer_impl", "attention", "norm", "logits_fp32",
       "loss_chunks", "framework", "keep_grads", "use_cache", "calibration",
       model=None, gpus=8, tp=None, pp=None, vpp=None, cp=None, ep=None, zero=None)

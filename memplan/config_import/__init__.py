@@ -6,8 +6,9 @@ Each reader returns an ``Imported``: the model (a catalog name or a ``ModelSpec`
 ``memplan.api`` keyword arguments the config sets, and for every key it read the memplan input
 it became (``Mapped``), so the mapping can be shown. What a config sets that memplan cannot
 express is refused by name (``MemplanError``, one line); what memplan reads but does not model
-(float8, torch.compile) is a note beside the estimate; keys that change no memory memplan
-models (learning rates, logging, data paths) are listed as not read. torch-free.
+(float8, torch.compile) is a note beside the estimate; keys it neither reads nor knows to hold
+no memory are listed as not modelled, keys that hold none (learning rates, logging, data
+paths) are left out. torch-free.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def flag(target: str) -> str:
 
 
 # the layout degrees a config sets: at most arguments.MAX_GPUS, as memplan.api checks them
-_DEGREES = frozenset({"gpus", "tp", "pp", "vpp", "cp", "ep", "dp", "dp_shard"})
+_DEGREES = frozenset({"gpus", "tp", "pp", "vpp", "cp", "ep", "etp", "dp", "dp_shard"})
 
 
 def _past_bound(target: str, value: Any) -> str | None:
@@ -112,7 +113,7 @@ class Imported:
         out += [f"  {m.line()}" for m in self.mapping]
         out += [f"  note: {n}" for n in self.notes]
         if self.unread:
-            out.append("  not read (no memory memplan models): " + ", ".join(self.unread))
+            out.append("  not modelled, may change memory: " + ", ".join(self.unread))
         return out
 
     def as_json(self) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from memplan.arguments import MAX_GPUS
-from memplan.config_import import Imported
+from memplan.config_import import Imported, shell
 from memplan.errors import MemplanError, shown, validation_message
 from memplan.inputs import MODEL_FILE_BYTES, read_text
 from memplan.spec import MAX_LAYERS, ModelSpec
@@ -37,19 +37,29 @@ MAX_PATTERN_CHARS = 4 * MAX_LAYERS + 64
 MAX_INT_ARG = 2**31 - 1
 # the GPT-2 BPE vocabulary (vocab.json: 50257 tokens), Megatron's GPT2BPETokenizer
 GPT2_VOCAB = 50257
-# flags read nowhere in memplan's memory model: logging, data, checkpoints, schedules of the
-# learning rate, determinism, and timing-only overlaps
+# Megatron-LM's training scripts for models other than GPTModel (the repository's root)
+OTHER_MODELS = {"pretrain_bert.py": "BERT (an encoder)", "pretrain_t5.py": "T5 (encoder-decoder)",
+                "pretrain_mamba.py": "a Mamba hybrid", "pretrain_hybrid.py": "a Mamba hybrid",
+                "pretrain_vlm.py": "a vision-language model",
+                "pretrain_vision_classify.py": "a vision model",
+                "pretrain_retro.py": "RETRO", "pretrain_ict.py": "a retriever (ICT)"}
+# flags that hold no GPU memory: logging, data paths, checkpoint files, schedules of the
+# learning rate, seeds and tokenizer files (read as the vocabulary where it is given). Any
+# other flag memplan does not read is listed as not modelled, one that may change memory:
+# fusions switched off (--no-bias-*-fusion, --no-masked-softmax-fusion,
+# --no-gradient-accumulation-fusion), the softmax's dtype, overlapped reductions and
+# Megatron FSDP's --data-parallel-* are among them
 QUIET_PREFIXES = ("--log-", "--lr", "--min-lr", "--save", "--load", "--eval-", "--tensorboard",
-                  "--data-", "--split", "--train-", "--timing-", "--distributed-backend",
-                  "--weight-decay", "--clip-grad", "--exit-", "--seed", "--ckpt-", "--dist-ckpt",
-                  "--no-ckpt-", "--use-checkpoint-", "--use-persistent-ckpt", "--async-save",
-                  "--mock-data", "--no-mmap-bin-files", "--deterministic-mode",
-                  "--verify-integrity", "--use-mcore-models", "--no-gradient-accumulation-fusion",
-                  "--overlap-grad-reduce", "--overlap-param-gather", "--merge-file",
-                  "--init-method-std", "--adam-", "--wandb", "--rotary-base", "--norm-epsilon",
-                  "--attention-softmax-in-fp32", "--apply-query-key-layer-scaling",
-                  "--no-masked-softmax-fusion", "--no-bias-", "--tokenizer-model",
-                  "--vocab-file", "--tokenizer-type", "--vocab-size", "--padded-vocab-size")
+                  "--data-path", "--data-cache-path", "--split", "--train-iters",
+                  "--train-samples", "--timing-", "--distributed-backend", "--weight-decay",
+                  "--exit-", "--seed", "--ckpt-", "--dist-ckpt", "--no-ckpt-",
+                  "--use-checkpoint-", "--mock-data", "--no-mmap-bin-files",
+                  "--use-mcore-models", "--merge-file", "--init-method-std", "--adam-",
+                  "--wandb", "--rotary-base", "--norm-epsilon", "--tokenizer-model",
+                  "--vocab-file", "--tokenizer-type", "--vocab-size", "--padded-vocab-size",
+                  "--no-load-", "--decoupled-", "--num-workers", "--tiktoken-",
+                  "--distributed-timeout-minutes", "--clip-grad", "--deterministic-mode",
+                  "--async-save", "--use-persistent-ckpt", "--verify-integrity")
 
 
 def words(text: str, where: str = "Megatron arguments") -> list[str]:
@@ -84,9 +94,15 @@ def parse(text: str, where: str) -> dict[str, Any]:
     """Flag -> value (True for a flag without one, a list for several values)."""
     if "MODEL_ARGS:" in text:
         return _model_args(text, where)
-    tokens = words(text, where)
+    # a launch script's training command as bash would expand it (arrays, variables,
+    # branches; nothing run), else the text's words
+    tokens = shell.training_command(text, where) or words(text, where)
     # the training script's flags follow it (torchrun's own come before it)
     script = next((i + 1 for i, t in enumerate(tokens) if t.endswith(".py")), 0)
+    if script and Path(tokens[script - 1]).name in OTHER_MODELS:
+        raise MemplanError(f"{where}: {Path(tokens[script - 1]).name} trains "
+                           f"{OTHER_MODELS[Path(tokens[script - 1]).name]}, which memplan "
+                           "does not model (it models pretrain_gpt.py's GPTModel)")
     start = next((i for i, t in enumerate(tokens) if i >= script and t.startswith("--")),
                  len(tokens))
     out: dict[str, Any] = {}
@@ -204,33 +220,76 @@ class _Reader:
             "--fp8": "fp8 training is not modelled",
             "--fp4-format": "fp4 training is not modelled",
             "--use-torch-fsdp2": "PyTorch FSDP2 under Megatron-LM is not modelled",
-            "--use-megatron-fsdp": "Megatron FSDP is not modelled (the distributed optimizer "
-                                   "is --use-distributed-optimizer)",
+            "--use-megatron-fsdp": "Megatron FSDP's buffers (megatron/core/distributed/fsdp: "
+                                   "sharded parameter and gradient buffers, double-buffered "
+                                   "all-gathers) are not modelled; memplan's --zero 3 is "
+                                   "FSDP2's and DeepSpeed's",
+            "--defer-embedding-wgrad-compute": "the output layer's input and its logits' "
+                                               "gradient kept for the deferred weight "
+                                               "gradient, one pair per micro-batch up to "
+                                               "--wgrad-deferral-limit (0: all) until the "
+                                               "step's end (megatron/core/tensor_parallel/"
+                                               "layers.py ColumnParallelLinear.forward "
+                                               "embedding_activation_buffer, LinearWithGrad"
+                                               "AccumulationAndAsyncCommunication.backward "
+                                               "grad_output_buffer) are not modelled",
             "--cpu-offloading": "activation and weight CPU offloading is not modelled",
-            "--cross-entropy-loss-fusion": "the fused cross-entropy is not modelled (the "
-                                           "megatron preset's loss is the vocab-parallel one)",
             "--hybrid-layer-pattern": "hybrid (Mamba) layers are not modelled",
             "--encoder-num-layers": "encoder-decoder models are not modelled",
             "--distribute-saved-activations": "saved activations split over TP are not "
                                               "modelled",
-            "--moe-router-dtype": "a router run in another dtype is not modelled",
-            "--grad-reduce-in-bf16": "bf16 gradient buffers with bf16 weights: use "
-                                     "--main-grads-dtype bf16's equivalent, bf16-mixed",
         }
         for flag, why in refused.items():
             self.used.add(flag)
             if self.has(flag):
                 raise self.refuse(flag, why)
+        self._loss_fusion()
+        self._router_dtype()
         mtp = self.int("--mtp-num-layers", None)
         if mtp:
-            raise self.refuse("--mtp-num-layers", "multi-token-prediction modules are not "
-                                                  "modelled")
-        if self.int("--num-distributed-optimizer-instances", 1) != 1:
-            raise self.refuse("--num-distributed-optimizer-instances",
-                              "a distributed optimizer sharded over part of DP is not modelled")
+            raise self.refuse("--mtp-num-layers", "multi-token-prediction modules (each a "
+                                                  "transformer layer, a projection and its "
+                                                  "own output layer and loss: megatron/core/"
+                                                  "transformer/multi_token_prediction.py) are "
+                                                  "not modelled")
         for flag in ("--exp-avg-dtype", "--exp-avg-sq-dtype"):
             if self.str(flag, "fp32") != "fp32":
                 raise self.refuse(flag, "optimizer states below fp32 are not modelled")
+
+    def _router_dtype(self) -> None:
+        """--moe-router-dtype fp32: the router's matmul runs in fp32
+        (megatron/core/transformer/moe/router.py TopKRouter.gating), through
+        moe_utils.py RouterGatingLinearFunction, which saves the compute-dtype input and
+        weight (no fp32 copies, unlike an autocast or transformers' fp32 router) and returns
+        [tokens, experts] fp32 logits: memplan counts the router's probabilities in fp32
+        already. fp64 is refused."""
+        dtype = self.str("--moe-router-dtype", None)
+        if dtype is None:
+            return
+        if dtype != "fp32":
+            raise self.refuse("--moe-router-dtype", "modelled is fp32 (the router's "
+                                                    "probabilities memplan counts in fp32)")
+        self.imp.notes.append("--moe-router-dtype fp32: the router's fp32 logits, which "
+                              "memplan counts as its fp32 probabilities; its saved input and "
+                              "weight stay in the compute dtype (RouterGatingLinearFunction)")
+
+    def _loss_fusion(self) -> None:
+        """--cross-entropy-loss-fusion with the native implementation (the only one
+        validate_args allows): megatron/core/fusions/fused_cross_entropy.py
+        _VocabParallelCrossEntropy saves what the unfused tensor_parallel/cross_entropy.py
+        saves (the fp32 softmax, the target mask, the target indices) and returns the same
+        compute-dtype gradient (tests/traced/test_megatron_loss.py: forward and saved bytes
+        equal, run eagerly); its steps run compiled (megatron/core/jit.py jit_fuser), whose
+        kernels' buffers are not traced."""
+        impl = self.str("--cross-entropy-fusion-impl", "native")
+        if not self.flag("--cross-entropy-loss-fusion"):
+            return
+        if impl != "native":
+            raise self.refuse("--cross-entropy-fusion-impl", "Transformer Engine's fused "
+                                                             "cross-entropy is not modelled")
+        self.imp.notes.append("--cross-entropy-loss-fusion: read as the vocab-parallel loss, "
+                              "which saves the same tensors (fused_cross_entropy.py); its "
+                              "compiled kernels' buffers are not traced")
 
     def _vocab(self, tp: int) -> tuple[int, str]:
         """The padded vocabulary (megatron/core/tokenizers/utils/build_tokenizer.py
@@ -319,8 +378,16 @@ class _Reader:
         head."""
         if not self.flag("--multi-latent-attention"):
             return {}
+        # Megatron's MLA builds q_layernorm / kv_layernorm on the low-rank latents only with
+        # --qk-layernorm (megatron/core/models/gpt/gpt_layer_specs.py
+        # get_gpt_layer_with_transformer_engine_spec); memplan's MLA always holds them
+        if not self.flag("--qk-layernorm"):
+            self.imp.notes.append("--multi-latent-attention without --qk-layernorm: memplan "
+                                  "counts the latent norms Megatron does not build "
+                                  "(q_lora_rank + kv_lora_rank weights per layer, and their "
+                                  "saved inputs)")
         nope, rope = self.int("--qk-head-dim", 128), self.int("--qk-pos-emb-head-dim", 64)
-        return {"head_dim": nope + rope, "num_kv_heads": heads,
+        return {"head_dim": nope + rope, "num_kv_heads": heads, "qk_norm": "none",
                 "mla": {"q_lora_rank": self.int("--q-lora-rank", None) or 0,
                         "kv_lora_rank": self.int("--kv-lora-rank", 32),
                         "qk_nope_head_dim": nope, "qk_rope_head_dim": rope,
@@ -362,11 +429,14 @@ class _Reader:
         pp = self.int("--pipeline-model-parallel-size", 1)
         cp = self.int("--context-parallel-size", 1)
         ep = self.int("--expert-model-parallel-size", 1)
+        # megatron-core ModelParallelConfig.expert_tensor_parallel_size: None is tp
         etp = self.int("--expert-tensor-parallel-size", None)
-        if etp is not None and etp != tp:
+        if etp is not None and not 0 < etp <= MAX_GPUS:
             raise self.refuse("--expert-tensor-parallel-size",
-                              f"experts split by TP other than --tensor-model-parallel-size "
-                              f"({tp}) are not modelled")
+                              f"expected a degree from 1 to {MAX_GPUS}")
+        if etp is not None and etp != tp:
+            imp.set("--expert-tensor-parallel-size", etp, "etp", etp,
+                    f"the routed experts split by {etp}, the rest by tp {tp}")
         for flag, value in (("--tensor-model-parallel-size", tp),
                             ("--pipeline-model-parallel-size", pp),
                             ("--context-parallel-size", cp), ("--expert-model-parallel-size", ep)):
@@ -385,21 +455,52 @@ class _Reader:
                 "sequence_parallel", sp)
         self._virtual(spec.num_layers, pp)
         self._uneven(spec.num_layers, pp)
+        self._account(spec.num_layers, pp)
         dist = self.flag("--use-distributed-optimizer")
         imp.set("--use-distributed-optimizer", dist, "zero", 1 if dist else 0,
                 "ZeRO-1: optimizer states sharded over DP" if dist else "")
+        self._optimizer_instances(dist, tp * pp * cp)
         if self.flag("--optimizer-cpu-offload"):
             if self.float("--optimizer-offload-fraction", 1.0) != 1.0:
                 raise self.refuse("--optimizer-offload-fraction",
                                   "part of the optimizer offloaded is not modelled")
             imp.set("--optimizer-cpu-offload", True, "offload", "optimizer")
 
+    def _optimizer_instances(self, dist: bool, model_parallel: int) -> None:
+        """--num-distributed-optimizer-instances N: the distributed optimizer shards its
+        states over dp * cp / N ranks and N instances hold the same shards
+        (megatron/core/parallel_state.py initialize_model_parallel:
+        intra_partial_data_parallel_size), memplan's shard group (--dp-shard dp / N, its
+        shard degree dp_shard * cp)."""
+        flag = "--num-distributed-optimizer-instances"
+        instances = self.int(flag, 1)
+        if instances == 1:
+            return
+        if not dist:
+            raise self.refuse(flag, "needs --use-distributed-optimizer")
+        dp = self.gpus // model_parallel if self.gpus % model_parallel == 0 else 0
+        if instances < 1 or not dp or dp % instances:
+            raise self.refuse(flag, f"modelled where it divides the data-parallel degree "
+                                    f"({self.gpus} GPUs / tp*pp*cp {model_parallel})")
+        self.imp.set(flag, instances, "dp_shard", dp // instances,
+                     f"optimizer states sharded over dp {dp} / {instances} instances")
+
     def _virtual(self, layers: int, pp: int) -> None:
         """arguments.py validate_args: num_layers_per_pipeline_stage //
-        num_layers_per_virtual_pipeline_stage stages per rank."""
+        num_layers_per_virtual_pipeline_stage stages per rank. The interleaved schedule runs
+        micro-batches in groups of pp per virtual stage (model_parallel_config.py
+        microbatch_group_size_per_vp_stage, default pp) and raises when the last group has
+        fewer than pp (pipeline_parallel/schedules.py forward_backward_pipelining_with_
+        interleaving), so with the default the micro-batches per step divide by pp; another
+        group size (--vpp-group) runs other counts and changes the warm-up micro-batches in
+        flight (get_pp_rank_microbatches: (pp - rank - 1) * 2 + (chunks - 1) * group)."""
         per_virtual = self.int("--num-layers-per-virtual-pipeline-stage", None)
         stages = self.int("--num-virtual-stages-per-pipeline-rank", None)
         if per_virtual is not None:
+            # the embedding and the loss count as layers of the split when accounted for
+            # (validate_args)
+            layers += sum(self.flag(f"--account-for-{part}-in-pipeline-split")
+                          for part in ("embedding", "loss"))
             per_stage = layers // pp
             if layers % pp or per_stage % per_virtual:
                 raise self.refuse("--num-layers-per-virtual-pipeline-stage",
@@ -410,6 +511,40 @@ class _Reader:
                                                    f"{per_virtual}")
         elif stages is not None:
             self.imp.set("--num-virtual-stages-per-pipeline-rank", stages, "vpp", stages)
+        flag = "--microbatch-group-size-per-virtual-pipeline-stage"
+        group = self.int(flag, None)
+        if group is not None and group != pp and self.imp.inputs.get("vpp", 1) > 1:
+            self.imp.set(flag, group, "vpp_group", group, "micro-batches per group of the "
+                         "interleaved schedule (default pp)")
+
+    def _account(self, layers: int, pp: int) -> None:
+        """--account-for-embedding/loss-in-pipeline-split: the embedding (the loss) counts as
+        one layer of the split, so the first (last) virtual stage builds one layer fewer
+        (megatron/core/transformer/transformer_block.py get_num_layers_to_build: num_layers
+        + 1 per flag over pp * vpp stages; the first virtual stage is chunk 0 of rank 0, the
+        last chunk vpp-1 of rank pp-1, memplan's first and last --stage-layers entries)."""
+        embedding = self.flag("--account-for-embedding-in-pipeline-split")
+        loss = self.flag("--account-for-loss-in-pipeline-split")
+        if not (embedding or loss):
+            return
+        flag = ("--account-for-embedding-in-pipeline-split" if embedding
+                else "--account-for-loss-in-pipeline-split")
+        if "stage_layers" in self.imp.inputs:  # Megatron asserts the same
+            raise self.refuse(flag, "with --decoder-first/last-pipeline-num-layers Megatron "
+                                    "does not take it")
+        stages = pp * self.imp.inputs.get("vpp", 1)
+        total = layers + embedding + loss
+        if total % stages or (total // stages) < 1 + (embedding and loss and stages == 1):
+            raise self.refuse(flag, f"{layers} layers + {embedding + loss} do not divide over "
+                                    f"{stages} stages (Megatron asserts the same)")
+        split = [total // stages] * stages
+        split[0] -= embedding
+        split[-1] -= loss
+        self.imp.set(flag if not (embedding and loss) else "--account-for-embedding/loss-in-"
+                     "pipeline-split", True, "stage_layers", ",".join(str(n) for n in split),
+                     f"({layers} + {embedding + loss}) / {stages} per stage, one fewer on the "
+                     + ("first and last" if embedding and loss else
+                        "first" if embedding else "last"))
 
     def _uneven(self, layers: int, pp: int) -> None:
         """--decoder-first/last-pipeline-num-layers: the rest split evenly over the middle
@@ -489,10 +624,16 @@ class _Reader:
 
     def _precision(self) -> None:
         """arguments.py validate_args: --bf16 accumulates and all-reduces gradients in fp32
-        (main gradients) unless --main-grads-dtype bf16; --fp16 keeps fp16 gradients unless
+        (main gradients) unless --main-grads-dtype bf16 or --grad-reduce-in-bf16; --fp16 keeps
+        fp16 gradients unless
         --accumulate-allreduce-grads-in-fp32; neither is fp32."""
         imp = self.imp
         main = self.str("--main-grads-dtype", "fp32")
+        # validate_args: --grad-reduce-in-bf16 turns accumulate_allreduce_grads_in_fp32 off,
+        # so DDP's grad_reduce_in_fp32 is off and the gradient buffers take the parameters'
+        # bf16 (megatron/core/distributed/distributed_data_parallel.py)
+        if self.flag("--grad-reduce-in-bf16") and self.flag("--bf16"):
+            main = "bf16"
         fp32_acc = self.flag("--accumulate-allreduce-grads-in-fp32")
         if self.flag("--bf16"):
             imp.set("--bf16", True, "precision", "bf16-fp32-grads" if main == "fp32"

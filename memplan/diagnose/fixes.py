@@ -199,7 +199,7 @@ def _fix(name: str, flags: str, change: dict[str, Any], new: Estimate, base: Est
                note=note)
 
 
-_LAYOUT_FIELDS = ("tp", "pp", "vpp", "cp", "ep", "dp")
+_LAYOUT_FIELDS = ("tp", "pp", "vpp", "cp", "ep", "etp", "dp")
 
 
 def _planned(model: Any, est: Estimate, base: dict[str, Any], capacity_bytes: int,
@@ -233,6 +233,7 @@ def _planned(model: Any, est: Estimate, base: dict[str, Any], capacity_bytes: in
     flags = (f"--tp {p.tp} --pp {p.pp} --vpp {p.vpp} --cp {p.cp} --ep {p.ep} --dp {p.dp} "
              f"--zero {int(p.zero)} {'--sp' if p.sequence_parallel else '--no-sp'} "
              f"--mbs {c.micro_batch_size} --recompute {c.recompute.label}"
+             + (f" --etp {p.etp}" if p.etp is not None else "")
              + (f" --recompute-layers {c.recompute_layers}" if c.recompute_layers else ""))
     try:
         new = estimate(model, **{**base, **change})

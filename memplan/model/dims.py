@@ -48,6 +48,7 @@ class Dims(NamedTuple):
     gathered_linear_input: bool = False  # SP with DTensor: linears save full-sequence inputs
     stream_e: int = 0  # bytes per element of the residual stream (fp32 under autocast; else e)
     autocast: bool = False  # fp32 weights under torch.autocast: matmuls save cast copies
+    etp: int = 0  # TP degree of the routed experts (ParallelConfig.etp); 0: tp
 
     @classmethod
     def of(cls, spec: ModelSpec, par: ParallelConfig, wl: Workload) -> Dims:
@@ -60,7 +61,11 @@ class Dims(NamedTuple):
                    gathered_linear_input=(par.sequence_parallel and par.tp > 1
                                           and par.tp_style is TpStyle.DTENSOR),
                    stream_e=policy.params.itemsize if policy.autocast else e,
-                   autocast=policy.autocast is not None)
+                   autocast=policy.autocast is not None, etp=par.etp or 0)
+
+    def experts(self) -> Dims:
+        """These dims for the routed experts' projections: their inner widths split by etp."""
+        return self._replace(tp=self.etp) if self.etp else self
 
     def stream(self, hidden: int) -> int:
         """Bytes of one residual-stream tensor of width ``hidden`` on this rank."""

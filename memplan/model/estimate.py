@@ -134,7 +134,7 @@ def estimate(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, *
     gbs, m = resolve_batch(par, wl)
     ovh = overheads if overheads is not None else default_overheads(gpu)
     parts = memo.stage_parts(spec, par, wl)
-    shared = memo.shared_terms(spec, wl, Dims.of(spec, par, wl), par.ep, parts)
+    shared = memo.shared_terms(spec, wl, Dims.of(spec, par, wl), par.experts, parts)
     stages = _stages(spec, par, wl, m, schedule, ovh, shared, parts)
     return Estimate(
         spec=spec, gpu=gpu, parallel=par, workload=wl, num_microbatches=m,
@@ -154,9 +154,10 @@ def _stages(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, schedule
     template = _template(par, parts)
     for i in range(par.pp):
         if _follows(par, parts, template, i):
-            flight = memo.in_flight(par.pp, par.vpp, m, i, schedule)
+            flight = memo.in_flight(par.pp, par.vpp, m, i, schedule, par.vpp_group)
             out.append(_shifted(out[template], i, flight, par.vpp,
-                                memo.in_flight(par.pp, par.vpp, m, template, schedule), ovh))
+                                memo.in_flight(par.pp, par.vpp, m, template, schedule,
+                                               par.vpp_group), ovh))
         else:
             out.append(stage_record(spec, par, wl, m, i, schedule, ovh, shared, parts[i]))
     return tuple(out)
@@ -201,13 +202,13 @@ def most_loaded(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, ovh:
     (the configuration does not fit; another stage may peak higher). ``parts``: the layout's
     ``stage_parts``, the same at every micro-batch size (looked up when not given)."""
     parts = parts or memo.stage_parts(spec, par, wl)
-    shared = memo.shared_terms(spec, wl, Dims.of(spec, par, wl), par.ep, parts)
+    shared = memo.shared_terms(spec, wl, Dims.of(spec, par, wl), par.experts, parts)
     template = _template(par, parts)
     worst: RankPeak | None = None
     for i in range(par.pp):
         if _follows(par, parts, template, i) and (
-                sum(memo.in_flight(par.pp, par.vpp, m, i, schedule))
-                <= sum(memo.in_flight(par.pp, par.vpp, m, template, schedule))):
+                sum(memo.in_flight(par.pp, par.vpp, m, i, schedule, par.vpp_group))
+                <= sum(memo.in_flight(par.pp, par.vpp, m, template, schedule, par.vpp_group))):
             continue
         tensor = walk_stage(spec, par, wl, m, i, schedule, shared, parts[i]).tensor_peak
         peak = rank_peak_bytes(tensor, ovh)

@@ -27,7 +27,7 @@ from memplan.model.stage_parts import (
     stage_layer_indices,
 )
 from memplan.model.stage_terms import StageTerms, stage_terms
-from memplan.parallel import ParallelConfig
+from memplan.parallel import ExpertSplit, ParallelConfig
 from memplan.spec import ModelSpec
 from memplan.workload import Recompute, Workload
 
@@ -103,7 +103,7 @@ def _all_states(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> tuple[Sta
     seen: dict = {}
     for stage in range(par.pp):
         layers = stage_layer_indices(spec, par.pp, par.vpp, stage, par.stage_layers)
-        params = stage_params(spec, par.tp, par.ep, par.pp, layers, stage == 0,
+        params = stage_params(spec, par.tp, par.experts, par.pp, layers, stage == 0,
                               stage == par.pp - 1, par.vocab_divisor)
         interior = 0 < stage < par.pp - 1
         key = (params, len(layers)) if interior else None
@@ -118,12 +118,15 @@ def _all_states(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> tuple[Sta
 
 
 @lru_cache(maxsize=8192)
-def in_flight(pp: int, vpp: int, m: int, stage: int, schedule: Schedule) -> tuple[int, ...]:
-    """``chunks_in_flight``, which reads only pp and vpp of the layout."""
-    return tuple(chunks_in_flight(ParallelConfig(pp=pp, vpp=vpp), m, stage, schedule))
+def in_flight(pp: int, vpp: int, m: int, stage: int, schedule: Schedule,
+              group: int | None = None) -> tuple[int, ...]:
+    """``chunks_in_flight``, which reads only pp, vpp and vpp_group (``group``) of the
+    layout."""
+    return tuple(chunks_in_flight(ParallelConfig(pp=pp, vpp=vpp, vpp_group=group), m, stage,
+                                  schedule))
 
 
-def shared_terms(spec: ModelSpec, wl: Workload, dm: Dims, ep: int,
+def shared_terms(spec: ModelSpec, wl: Workload, dm: Dims, ep: int | ExpertSplit,
                  parts: tuple[tuple[StageStates, StageKinds], ...]) -> StageTerms:
     """``stage_terms`` for every layer kind of ``parts`` (a layout's ``stage_parts``), built
     once per spec, per-kind workload (``_per_kind``), dims and set of kinds."""
@@ -140,6 +143,6 @@ def _per_kind(wl: Workload) -> Workload:
 
 
 @lru_cache(maxsize=1024)
-def _terms_for(spec: ModelSpec, wl: Workload, dm: Dims, ep: int,
+def _terms_for(spec: ModelSpec, wl: Workload, dm: Dims, ep: int | ExpertSplit,
                keys: frozenset[LayerKey]) -> StageTerms:
     return stage_terms(spec, wl, dm, ep, keys, layer_kind, grad_groups)

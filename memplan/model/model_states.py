@@ -16,7 +16,7 @@ from typing import NamedTuple
 from memplan.model.layer import layer_tensor_sizes
 from memplan.model.optimizer import optimizer_policy
 from memplan.model.trainable import ALL, TrainablePolicy
-from memplan.parallel import Offload, ParallelConfig, ZeroStage, vocab_shard
+from memplan.parallel import ExpertSplit, Offload, ParallelConfig, ZeroStage, vocab_shard
 from memplan.spec import ModelSpec, param_counts
 from memplan.units import FP32_BYTES, ceil_div
 from memplan.workload import FsdpUnits, Workload
@@ -45,12 +45,13 @@ class StageParams(NamedTuple):
 def stage_params(spec: ModelSpec, par: ParallelConfig, layers: list[int], *, first: bool,
                  last: bool) -> StageParams:
     """Parameters on one TP rank of the stage holding ``layers``."""
-    return count_stage_params(spec, par.tp, par.ep, par.pp, tuple(layers), first, last,
+    return count_stage_params(spec, par.tp, par.experts, par.pp, tuple(layers), first, last,
                               par.vocab_divisor)
 
 
-def count_stage_params(spec: ModelSpec, t: int, ep: int, pp: int, layers: tuple[int, ...],
-                       first: bool, last: bool, vocab_div: int) -> StageParams:
+def count_stage_params(spec: ModelSpec, t: int, ep: int | ExpertSplit, pp: int,
+                       layers: tuple[int, ...], first: bool, last: bool,
+                       vocab_div: int) -> StageParams:
     """``stage_params`` from the layout's degrees: tensor parallelism ``t``, expert
     parallelism ``ep``, ``pp`` pipeline stages, the vocabulary split by ``vocab_div``
     (``memplan.model.memo.stage_params`` caches it per layout)."""
@@ -62,7 +63,8 @@ def count_stage_params(spec: ModelSpec, t: int, ep: int, pp: int, layers: tuple[
     for i in layers:
         lp = counts.layers[i]
         layer_dense = ceil_div(lp.tp_sharded, t) + lp.replicated
-        layer_expert = lp.expert // (ep * t)
+        layer_expert = lp.expert // (ep.ep * ep.etp if isinstance(ep, ExpertSplit)
+                                     else ep * t)
         dense += layer_dense
         expert += layer_expert
         per_layer.append(layer_dense + layer_expert)

@@ -18,8 +18,13 @@ from memplan.model import linear, mlp
 from memplan.model.block import BackwardMoment, Moment
 from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term, residual_dropout_mask, total
 from memplan.model.linear import Linear, Split
+from memplan.parallel import ExpertSplit
 from memplan.spec import ModelSpec, MoESpec
 from memplan.workload import MoeImpl, Recompute, Workload
+
+
+# the name prefix of a routed expert's projections (not stacked)
+_EXPERT_MLP = "expert."
 
 
 def _moe(spec: ModelSpec) -> MoESpec:
@@ -50,7 +55,7 @@ def moe_terms(spec: ModelSpec, dm: Dims, impl: MoeImpl = MoeImpl.LOOP) -> list[T
                   Term("moe.unsort_index", routed * INDEX_BYTES)]
     terms += [
         Term("moe.dispatched", routed * h * e),
-        *mlp.mlp_terms("moe.expert", spec, dm, moe.expert_ffn_hidden_size, routed),
+        *mlp.mlp_terms("moe.expert", spec, dm.experts(), moe.expert_ffn_hidden_size, routed),
         Term("moe.expert_out", routed * h * e),
         # grouped: the fp32 routing weights (the router's dtype) the outputs are scaled by
         Term("moe.routing_weights", routed * (FP32_BYTES if grouped else e)),
@@ -96,8 +101,9 @@ def moe_linears(spec: ModelSpec, ep: int) -> tuple[Linear, ...]:
         experts: tuple[Linear, ...] = (
             Linear("experts_in", "mlp", h, inputs * f, stack=local),
             Linear("experts_down", "mlp_out", f, h, split=Split.ROW, stack=local))
-    else:
-        experts = mlp.mlp_linears(spec, f) * local
+    else:  # each expert an MLP, its projections named as routed (``_routed``)
+        experts = tuple(lin._replace(name=_EXPERT_MLP + lin.name)
+                        for lin in mlp.mlp_linears(spec, f)) * local
     return router + experts + _shared_linears(spec) + gate
 
 
@@ -134,7 +140,7 @@ class MoE:
         moe, h, e = _moe(spec), spec.hidden_size, dm.e
         stream = dm.rows * h * e
         rows_e = dm.tokens * moe.top_k // moe.num_experts
-        inner = rows_e * moe.expert_ffn_hidden_size // dm.tp * e
+        inner = rows_e * moe.expert_ffn_hidden_size // dm.experts().tp * e
         expert = rows_e * h * e + max(rows_e * h * e + inner,
                                       (3 if spec.mlp.gated else 2) * inner)
         return [Moment("mlp", 0, dm.tokens * moe.num_experts * FP32_BYTES + stream + expert)]
@@ -151,12 +157,12 @@ class MoE:
         saved = total(self.saved(spec, wl, dm, recompute))
         if wl.moe_impl is MoeImpl.GROUPED:
             return mlp.backward_moments(
-                spec, dm, saved=saved, freed=mlp.dropout_mask_bytes(spec, dm) + routed,
+                spec, dm.experts(), saved=saved, freed=mlp.dropout_mask_bytes(spec, dm) + routed,
                 run_tokens=dm.tokens * moe.top_k, ffn=moe.expert_ffn_hidden_size,
                 grad_inputs=2 * dm.rows * h * e, fresh=0, out_grad=routed,
                 fused_in=moe.stacked_experts and spec.mlp.gated, in_saved=routed)
         return mlp.backward_moments(
-            spec, dm, saved=saved,
+            spec, dm.experts(), saved=saved,
             freed=mlp.dropout_mask_bytes(spec, dm) + routed + routed // moe.num_experts,
             run_tokens=dm.tokens * moe.top_k // moe.num_experts,
             ffn=moe.expert_ffn_hidden_size, grad_inputs=2 * dm.rows * h * e, fresh=0)
@@ -164,15 +170,25 @@ class MoE:
     def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
         return []
 
-    def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:
+    def tensor_sizes(self, spec: ModelSpec, t: int, ep: int | ExpertSplit) -> list[int]:
         """The router, this rank's experts, the shared experts and their gate
-        (``moe_linears``)."""
-        return linear.all_tensor_sizes(moe_linears(spec, ep), t)
+        (``moe_linears``); the routed experts split by etp (``ExpertSplit``), the rest by
+        ``t``."""
+        ep, etp = _split(ep, t)
+        linears = moe_linears(spec, ep)
+        return [n for lin in linears for n in linear.tensor_sizes(lin, etp if _routed(lin)
+                                                                  else t)]
 
-    def grad_groups(self, spec: ModelSpec, t: int, ep: int) -> dict[str, int]:
+    def grad_groups(self, spec: ModelSpec, t: int, ep: int | ExpertSplit) -> dict[str, int]:
         """``mlp_out``: the experts' down projections (their backward runs first); ``mlp``:
         all."""
-        return linear.grad_groups(moe_linears(spec, ep), t, ("mlp_out", "mlp"))
+        ep, etp = _split(ep, t)
+        linears, order = moe_linears(spec, ep), ("mlp_out", "mlp")
+        if etp == t:
+            return linear.grad_groups(linears, t, order)
+        routed = linear.grad_groups([lin for lin in linears if _routed(lin)], etp, order)
+        rest = linear.grad_groups([lin for lin in linears if not _routed(lin)], t, order)
+        return {g: routed[g] + rest[g] for g in order}
 
     def flops_per_token(self, spec: ModelSpec, seq_len: int) -> float:
         """The router and shared experts, and the top-k of the routed experts."""
@@ -181,3 +197,14 @@ class MoE:
         every = linear.params(router + gate + _shared_linears(spec))
         experts = moe.num_experts * linear.params(mlp.mlp_linears(spec, moe.expert_ffn_hidden_size))
         return 2.0 * every + 2.0 * (experts * moe.top_k // moe.num_experts)
+
+
+def _split(ep: int | ExpertSplit, t: int) -> tuple[int, int]:
+    """(ep, the experts' TP degree): an ``ExpertSplit``, or a bare ep with the experts split
+    by ``t``."""
+    return (ep.ep, ep.etp) if isinstance(ep, ExpertSplit) else (ep, t)
+
+
+def _routed(lin: Linear) -> bool:
+    """Whether a projection of ``moe_linears`` belongs to a routed expert."""
+    return lin.name.startswith("experts_") or lin.name.startswith(_EXPERT_MLP)

@@ -3,8 +3,11 @@
 1F1B (PipeDream-Flush, Narayanan et al. 2021): rank i holds min(m, p - i) micro-batches of
 activations at its peak. Interleaved 1F1B with v chunks per rank (Megatron-LM's
 ``forward_backward_pipelining_with_interleaving``): rank i runs (p - i - 1) * 2 + (v - 1) * p
-warm-up chunk-forwards plus one, in order of groups of p micro-batches per chunk. GPipe keeps all
-m micro-batches of every stage.
+warm-up chunk-forwards plus one, in order of groups of p micro-batches per chunk; with groups of N
+micro-batches (``vpp_group``, Megatron-LM's microbatch_group_size_per_vp_stage) (v - 1) * N in
+place of (v - 1) * p (``get_pp_rank_microbatches``), in the order of ``get_schedule_table``: each
+group of N (the last of m mod N) through chunk 0, then chunk 1, .... GPipe keeps all m
+micro-batches of every stage.
 """
 
 from __future__ import annotations
@@ -36,8 +39,15 @@ def chunks_in_flight(par: ParallelConfig, num_microbatches: int, stage: int,
         return [m] * v
     if v == 1:
         return [min(m, p - stage)]
-    warmup = min(m * v, (p - stage - 1) * 2 + (v - 1) * p + 1)
+    group = par.vpp_group or p
+    warmup = min(m * v, (p - stage - 1) * 2 + (v - 1) * group + 1)
     counts = [0] * v
-    for k in range(warmup):  # the k-th chunk-forward goes to chunk (k // p) % v
-        counts[(k // p) % v] += 1
+    if m % group == 0:
+        for k in range(warmup):  # the k-th chunk-forward goes to chunk (k // group) % v
+            counts[(k // group) % v] += 1
+        return counts
+    order = [c for start in range(0, m, group)  # get_schedule_table's chunk order
+             for c in range(v) for _ in range(min(group, m - start))]
+    for c in order[:warmup]:
+        counts[c] += 1
     return counts

@@ -193,7 +193,7 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     and in the steady state, without its record."""
     fx, kinds = parts
     st = fx.states
-    flight = memo.in_flight(par.pp, par.vpp, m, stage, schedule)
+    flight = memo.in_flight(par.pp, par.vpp, m, stage, schedule, par.vpp_group)
     entries = _entries(par, shared, fx, kinds)
     walk, activations, one_mb = _walk(spec, par, shared, fx, kinds, entries, flight)
     grads = _gradients(wl, fx, walk, m)

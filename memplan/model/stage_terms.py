@@ -15,6 +15,7 @@ from memplan.model import attention, embedding, head, norm
 from memplan.model.dims import Dims, Term, total
 from memplan.model.layer import LayerKind, grad_group_params, layer_kind, moment_params
 from memplan.model.stage_parts import LayerKey
+from memplan.parallel import ExpertSplit
 from memplan.spec import ModelSpec
 from memplan.workload import Workload
 
@@ -46,7 +47,7 @@ class StageTerms(NamedTuple):
     #                                                 each backward moment of a kind
 
 
-def stage_terms(spec: ModelSpec, wl: Workload, dm: Dims, ep: int, keys: Iterable[LayerKey],
+def stage_terms(spec: ModelSpec, wl: Workload, dm: Dims, ep: int | ExpertSplit, keys: Iterable[LayerKey],
                 kind_of: Callable[..., LayerKind] = layer_kind,
                 groups_of: Callable[..., dict[str, int]] = grad_group_params) -> StageTerms:
     """The terms of ``spec`` under ``wl`` at ``dm``, with the layer kinds of ``keys`` (``ep``:

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from memplan.parallel import ParallelConfig
+from memplan.parallel import ParallelConfig, interleaved_rule
 
 # The largest micro-batch the planner searches: a stated bound of the search, not a device limit.
 MAX_MBS = 64
@@ -29,11 +26,12 @@ def divisors(n: int) -> list[int]:
 def micro_batch_sizes(par: ParallelConfig, global_batch_size: int) -> tuple[int, ...]:
     """Micro-batch sizes up to ``MAX_MBS`` that divide the per-replica batch
     (``global_batch_size // dp``); with interleaving (vpp > 1) the micro-batch count must also
-    divide by pp (Megatron-LM's interleaved schedule runs micro-batches in groups of pp)."""
+    split into the schedule's groups (``interleaved_rule``: divide by pp with Megatron-LM's
+    default group of pp)."""
     per_replica = global_batch_size // par.dp
     # only sizes up to MAX_MBS are searched: try those, not every divisor of a large batch
     return tuple(b for b in range(1, min(MAX_MBS, per_replica) + 1) if per_replica % b == 0
-                 and not (par.vpp > 1 and (per_replica // b) % par.pp))
+                 and interleaved_rule(par, per_replica // b) is None)
 
 
 __all__ = ["MAX_MBS", "divisors", "micro_batch_sizes"]

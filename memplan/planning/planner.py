@@ -25,6 +25,7 @@ from memplan.parallel import (
     ZeroStage,
     cp_rule,
     ep_rule,
+    expert_rule,
     gbs_rule,
     gpus_rule,
     rank_layers,
@@ -202,22 +203,54 @@ def layouts(spec: ModelSpec, num_gpus: int, seq_len: int, *, max_tp: int,
                     if not splits:
                         rejected["no pipeline split of the layers"] += 1
                         continue
-                    for split, ep, zero, sp in (
+                    for split, (ep, etp), zero, sp in (
                             (sl, e, z, s) for sl in splits
-                            for e in choices("ep", [e for e in divisors(experts)
-                                                    if ep_rule(experts, e, dp * cp) is None])
+                            for e in _expert_splits(spec, tp, dp * cp, fixed)
                             for z in choices("zero", [0, 1, 2, 3])
                             for s in choices("sp", [True, False] if tp > 1 else [False])):
-                        for shard in choices("dp_shard", _shards(dp, zero, ep, node_shard)):
+                        for shard in choices("dp_shard", _shards(dp, zero, ep, node_shard,
+                                                                 etp)):
                             out.append(_layout(tp, pp, vpp, dp, cp, ep, zero, bool(sp), split,
-                                               shard))
+                                               shard, etp,
+                                               fixed.get("vpp_group") if vpp > 1 else None))
     return out
 
 
-def _shards(dp: int, zero: int, ep: int, node_shard: int) -> list[int | None]:
+def _expert_splits(spec: ModelSpec, tp: int, dp_cp: int,
+                   fixed: dict[str, object]) -> list[tuple[int, int | None]]:
+    """(ep, etp) pairs searched: each ep dividing the experts, with the experts split by tp
+    (etp None) where ``ep_rule`` allows it, else by the largest etp below tp that allows it
+    (``expert_rule``: ep * etp within tp * dp * cp, as Megatron-LM's MoE layouts use). A
+    smaller etp for the same ep is not searched: it holds more of the expert weights and
+    their inner activations, and the step-time model times both alike. A given etp is kept."""
+    if spec.moe is None:  # a dense model: ep 1 (another given ep is not a layout of it)
+        return [(1, None)] if fixed.get("ep") in (None, 1) else []
+    experts, ffn = spec.moe.num_experts, spec.moe.expert_ffn_hidden_size
+    eps = [fixed["ep"]] if fixed.get("ep") is not None else divisors(experts)
+    given = fixed.get("etp")
+    out: list[tuple[int, int | None]] = []
+    for ep in eps:
+        if given is not None and given != tp:
+            etps: list[int | None] = [given]  # type: ignore[list-item]
+        elif given is not None or ep_rule(experts, ep, dp_cp) is None:
+            etps = [None]
+        else:
+            etps = [t for t in (t for t in sorted(divisors(tp), reverse=True) if t < tp)
+                    if expert_rule(experts, ffn, ep, t, tp * dp_cp) is None][:1]
+        for etp in etps:
+            if etp is None and ep_rule(experts, ep, dp_cp) is not None:
+                continue
+            if etp is not None and expert_rule(experts, ffn, ep, etp, tp * dp_cp) is not None:
+                continue
+            out.append((ep, etp))  # type: ignore[arg-type]
+    return out
+
+
+def _shards(dp: int, zero: int, ep: int, node_shard: int,
+            etp: int | None = None) -> list[int | None]:
     """Shard groups searched: all of dp, and for ZeRO-3 one node's worth where smaller."""
     out: list[int | None] = [None]
-    if zero == 3 and ep == 1 and 1 < node_shard < dp and dp % node_shard == 0:
+    if zero == 3 and ep == 1 and etp is None and 1 < node_shard < dp and dp % node_shard == 0:
         out.append(node_shard)
     return out
 
@@ -225,10 +258,12 @@ def _shards(dp: int, zero: int, ep: int, node_shard: int) -> list[int | None]:
 @lru_cache(maxsize=16384)
 def _layout(tp: int, pp: int, vpp: int, dp: int, cp: int, ep: int, zero: int,
             sp: bool, split: tuple[int, ...] | None = None,
-            shard: int | None = None) -> ParallelConfig:
+            shard: int | None = None, etp: int | None = None,
+            group: int | None = None) -> ParallelConfig:
     """One object per layout, so caches keyed by it hit by identity across plans."""
     return ParallelConfig(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=ep, zero=ZeroStage(zero),
-                          sequence_parallel=sp, stage_layers=split, dp_shard=shard)
+                          sequence_parallel=sp, stage_layers=split, dp_shard=shard, etp=etp,
+                          vpp_group=group)
 
 
 def _policies(allowed: list[Recompute], stage_layers: int) -> list[tuple[Recompute, int | None]]:
@@ -326,7 +361,7 @@ def _sp_on_where_possible(pars: list[ParallelConfig], rejected: Counter) -> list
     for par in pars:
         if par.tp > 1 and not par.sequence_parallel and _layout(
                 par.tp, par.pp, par.vpp, par.dp, par.cp, par.ep, int(par.zero), True,
-                par.stage_layers, par.dp_shard) in usable:
+                par.stage_layers, par.dp_shard, par.etp, par.vpp_group) in usable:
             rejected[SP_OFF_DOMINATED] += 1
         else:
             out.append(par)
@@ -414,8 +449,9 @@ def _search_levels(ctx: _Context, pars: list[ParallelConfig],
                 for i in index]
         # Layouts differing only in ZeRO stage (or shard group) hold the same activations: one
         # leads its class.
-        classes = None if level else [(p.tp, p.pp, p.vpp, p.cp, p.ep, p.sequence_parallel,
-                                       p.stage_layers) for p in (pars[i] for i in index)]
+        classes = None if level else [(p.tp, p.pp, p.vpp, p.cp, p.ep, p.etp,
+                                       p.sequence_parallel, p.stage_layers)
+                                      for p in (pars[i] for i in index)]
         search = Search(ctx.spec, jobs, ctx.budget, ctx.ovh, slopes=slope[index],
                         classes=classes)
         found = search.run()

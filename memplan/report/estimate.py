@@ -61,7 +61,10 @@ def estimate_json(est: Estimate) -> dict[str, Any]:
                    "vocab_parallel": par.vocab_parallel, "tp_style": par.tp_style.value,
                    "grad_buffers": par.grad_buffers.value, "offload": par.offload.value,
                    "stage_layers": list(virtual_stage_layers(est.spec.num_layers, par)),
-                   "dp_shard": par.shard_group, "replicas": par.replicas},
+                   "dp_shard": par.shard_group, "replicas": par.replicas,
+                   # only when given: the experts split by tp otherwise
+                   **({"etp": par.etp} if par.etp is not None else {}),
+                   **({"vpp_group": par.vpp_group} if par.vpp_group is not None else {})},
         "workload": {
             "mbs": wl.micro_batch_size, "gbs": est.global_batch_size,
             "num_microbatches": est.num_microbatches, "seq": wl.seq_len,
@@ -119,7 +122,8 @@ def render_estimate(est: Estimate) -> Any:
     header = Text(
         f"{est.spec.name} ({est.spec.num_params / 1e9:.2f}B params) on {par.world_size} x "
         f"{est.gpu.name}: tp={par.tp} pp={par.pp} vpp={par.vpp} dp={par.dp} cp={par.cp} "
-        f"ep={par.ep} zero={int(par.zero)} sp={'on' if par.sequence_parallel else 'off'}"
+        f"ep={par.ep}" + (f" etp={par.etp}" if par.etp is not None else "")
+        + f" zero={int(par.zero)} sp={'on' if par.sequence_parallel else 'off'}"
         + (f" dp_shard={par.shard_group} (x{par.replicas} replicas)" if par.replicas > 1
            else "")
         + (f"\nstage layers {','.join(map(str, par.stage_layers))}" if par.stage_layers

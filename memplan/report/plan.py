@@ -44,7 +44,8 @@ def _layout_json(p: ParallelConfig) -> dict[str, Any]:
     return {"tp": p.tp, "pp": p.pp, "vpp": p.vpp, "dp": p.dp, "cp": p.cp, "ep": p.ep,
             "zero": int(p.zero), "sp": p.sequence_parallel,
             "stage_layers": list(p.stage_layers) if p.stage_layers else None,
-            "dp_shard": p.shard_group}
+            "dp_shard": p.shard_group, "etp": p.expert_tp,
+            **({"vpp_group": p.vpp_group} if p.vpp_group is not None else {})}
 
 
 def no_fit_reason(result: PlanResult) -> str:
@@ -69,9 +70,11 @@ _BOUND = {"compute": "compute", "communication": "comm", "pipeline bubble": "bub
 def _layout(p: ParallelConfig) -> str:
     parts = [f"tp{p.tp}" + ("+sp" if p.sequence_parallel else ""), f"pp{p.pp}"]
     parts += [f"v{p.vpp}"] if p.vpp > 1 else []
+    parts += [f"g{p.vpp_group}"] if p.vpp_group is not None else []
     parts += [f"[{split_label(p.stage_layers)}]"] if p.stage_layers else []
     parts += [f"cp{p.cp}"] if p.cp > 1 else []
     parts += [f"ep{p.ep}"] if p.ep > 1 else []
+    parts += [f"etp{p.etp}"] if p.etp is not None and p.etp != p.tp else []
     dp = f"dp{p.dp}" + (f"/{p.shard_group}" if p.replicas > 1 else "")
     return " ".join([*parts, dp, f"z{int(p.zero)}"])
 

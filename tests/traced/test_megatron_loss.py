@@ -90,3 +90,53 @@ def test_vocab_parallel_cross_entropy_matches_the_terms(megatron_group, b: int, 
     # backward: the logits' compute-dtype gradient beside the fp32 buffer it was computed in
     # (memplan's loss backward term), with per-token operands at most
     assert 0 <= backward - loss_backward_bytes(spec, wl, dm, 0) <= 4 * tokens * 8
+
+
+@pytest.mark.parametrize(("b", "s", "vocab"), [(2, 128, 1000), (1, 96, 777)])
+def test_fused_cross_entropy_keeps_what_the_unfused_keeps(megatron_group, b: int, s: int,
+                                                          vocab: int) -> None:
+    """--cross-entropy-loss-fusion (megatron/core/fusions/fused_cross_entropy.py, the native
+    implementation, the only one Megatron-LM's validate_args allows): its steps run eagerly
+    here (megatron.core.jit's jit_fuser off: a dispatch mode does not see inside compiled
+    kernels), against the unfused loss on the same inputs. The forward peak and the saved
+    tensors are the same bytes (the fp32 softmax, the target mask, the target indices); the
+    backward differs by per-token operands (the loss gradient and indices, under 4 x 8 B per
+    token), which memplan's loss terms leave out for both."""
+    import importlib
+
+    import megatron.core.jit as jit
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+
+    compiled = jit.jit_fuser
+    jit.disable_jit_fuser()
+    try:
+        import megatron.core.fusions.fused_cross_entropy as fused_module
+        fused_module = importlib.reload(fused_module)
+        group = parallel_state.get_tensor_model_parallel_group()
+        runs = {}
+        for name, loss_fn in (
+                ("unfused", vocab_parallel_cross_entropy),
+                ("fused", lambda x, t: fused_module.fused_vocab_parallel_cross_entropy(x, t,
+                                                                                       group))):
+            torch.manual_seed(0)
+            tracker = MemoryTracker()
+            with tracker:
+                tracker.set_phase("forward", step=1)
+                logits = torch.randn(s, b, vocab, dtype=torch.bfloat16, requires_grad=True)
+                target = torch.randint(0, vocab, (s, b))
+                inputs = tracker.bytes_in("activations")
+                loss = loss_fn(logits, target).sum()
+                forward = tracker.peak(1, "forward").total_bytes - inputs
+                tracker.set_phase("backward")
+                saved = tracker.bytes_in("activations") - inputs
+                start = tracker.total_bytes
+                loss.backward()
+                backward = tracker.peak(1, "backward").total_bytes - start
+            runs[name] = (forward, saved, backward, logits.grad.dtype)
+    finally:
+        jit.jit_fuser = compiled
+        importlib.reload(fused_module)
+    (f0, s0, b0, g0), (f1, s1, b1, g1) = runs["unfused"], runs["fused"]
+    assert (f1, s1, g1) == (f0, s0, g0) == (f0, s0, torch.bfloat16)
+    assert 0 <= b1 - b0 <= 4 * b * s * 8

@@ -94,7 +94,7 @@ def test_plan_cli_json_contract() -> None:
     data = json.loads(out.stdout)
     assert 0 < len(data["candidates"]) <= 3
     first = data["candidates"][0]
-    assert set(first["layout"]) == {"tp", "pp", "vpp", "dp", "cp", "ep", "zero", "sp",
+    assert set(first["layout"]) == {"tp", "pp", "vpp", "dp", "cp", "ep", "etp", "zero", "sp",
                                     "stage_layers", "dp_shard"}
     assert first["layout"]["tp"] == 2
     for key in ("mbs", "recompute", "peak_bytes", "step_time_s", "tokens_per_s_per_gpu", "fits"):
