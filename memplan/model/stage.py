@@ -16,6 +16,12 @@ from typing import NamedTuple
 from memplan.model import memo
 from memplan.model.dims import Dims, Term
 from memplan.model.embedding import EmbeddingBlock, embedding_backward_extra
+from memplan.model.grad_sync import (
+    accumulated_gradients,
+    accumulates_unsharded,
+    new_grads_beside,
+    unsynced,
+)
 from memplan.model.head import HeadBlock
 from memplan.model.layer import LayerKind, merge_terms
 from memplan.model.moments import fold, peak_of
@@ -192,11 +198,20 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     """Phase peaks of pipeline stage ``stage`` with ``m`` micro-batches per step, in step 1
     and in the steady state, without its record."""
     fx, kinds = parts
+    # gradients accumulated unsharded without a sync (``memplan.model.grad_sync``): the
+    # walk's gradients are the stage's accumulators, in the reduce dtype
+    accumulating = accumulates_unsharded(wl, fx.dp, fx.shard.kept_gathered, m)
+    if accumulating:
+        fx = fx._replace(grad_per_param=float(wl.precision.policy.grad_bytes),
+                         dp=unsynced(fx.dp))
     st = fx.states
     flight = memo.in_flight(par.pp, par.vpp, m, stage, schedule)
     entries = _entries(par, shared, fx, kinds)
     walk, activations, one_mb = _walk(spec, par, shared, fx, kinds, entries, flight)
-    grads = _gradients(wl, fx, walk, m)
+    grads = (accumulated_gradients(
+        walk, st, int(fx.params.total * fx.grad_per_param),
+        new_grads_beside(fx.params, wl, fx.shard.separate_units), fx.shard.grad_bytes,
+        wl.keep_grads) if accumulating else _gradients(wl, fx, walk, m))
     # logits a training loop keeps from the loss through backward and the optimizer step into
     # the next forward (from step 2 on), until its loss replaces them
     held = shared.step_held if fx.last else 0

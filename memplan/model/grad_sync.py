@@ -1,0 +1,101 @@
+"""Gradient accumulation without a reduce on every micro-batch (``Workload.grad_sync`` "last"):
+what a loop that syncs gradients only in the last micro-batch's backward holds, for one rank
+of one stage, in bytes.
+
+What each data-parallel mechanism does when it is not told to sync (torch 2.13):
+
+- FSDP2 (``FSDPModule.set_requires_gradient_sync(False)``): a unit's ``post_backward``
+  (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py ``FSDPParamGroup.post_backward``,
+  ``if not self.reduce_grads``) reshards the weights as usual but skips the reduce-scatter:
+  each parameter keeps its *unsharded* gradient, converted to the reduce dtype where it
+  differs from the weights' (``FSDPParam.to_accumulated_grad_if_needed``, _fsdp_param.py:
+  ``unsharded_accumulated_grad = unsharded_grad.to(reduce_dtype)``); the next micro-batch's
+  new gradient, made in the weights' dtype, is added into it at the unit's post_backward
+  (``accumulate_unsharded_grad_if_needed``). Those accumulators (every parameter of the stage,
+  unsharded across data parallelism, ``params/TP x reduce-dtype bytes``) live from the first
+  micro-batch's backward until the last micro-batch's reduce-scatter of each unit, where
+  ``foreach_reduce`` copies them into its input and drops them. No sharded gradient exists
+  before that reduce.
+- DDP (``no_sync()``, torch/nn/parallel/distributed.py): ``_post_forward`` calls
+  ``reducer.prepare_for_backward`` only while ``require_backward_grad_sync``, so the reducer's
+  autograd hooks do nothing; gradients accumulate into ``param.grad`` as with a sync, and the
+  flat buckets (allocated at the wrap) are left as they are: the same bytes as "every".
+- ZeRO-1: gradients are unsharded in every micro-batch anyway: the same bytes as "every".
+- ZeRO-2 (DeepSpeed's partitioned gradients): refused in ``memplan.parallel.validate``.
+
+So only FSDP2 (not under pipeline parallelism, where torch's pipeline stage already runs
+this way: ``memplan.model.model_states.ShardingBuffers.kept_gathered``) changes, and only
+with more than one micro-batch per step.
+"""
+
+from __future__ import annotations
+
+from memplan.model.model_states import StageParams, StateBytes
+from memplan.model.sharding import DataParallel
+from memplan.model.walk import Walk, backward_peak
+from memplan.workload import GradSync, Workload
+
+
+def accumulates_unsharded(wl: Workload, dp: DataParallel, kept_gathered: bool, m: int) -> bool:
+    """FSDP2 units that keep unsharded accumulated gradients across this step's ``m``
+    micro-batches (``grad_sync`` last, more than one micro-batch, not already kept so by the
+    pipeline stage)."""
+    return wl.grad_sync is GradSync.LAST and dp.per_unit and not kept_gathered and m > 1
+
+
+def unsynced(dp: DataParallel) -> DataParallel:
+    """FSDP2's mechanism in a micro-batch whose gradients are plain unsharded accumulators:
+    the weights gathered and resharded as with a sync, no gradient waiting unsharded beside
+    its shard and no reduce-scatter input held (the accumulators are the walk's gradients)."""
+    return DataParallel(in_block=dp.in_block, in_first_block=dp.in_first_block,
+                        at_head=dp.at_head, at_embedding=dp.at_embedding,
+                        in_block_forward=dp.in_block_forward,
+                        at_loss_forward=dp.at_loss_forward, block_start=dp.block_start,
+                        first_block_start=dp.first_block_start)
+
+
+def new_grads_beside(params: StageParams, wl: Workload, separate_units: bool) -> int:
+    """Bytes of new gradients, in the weights' dtype, beside the accumulators in a later
+    micro-batch's backward, where FSDP2 makes them apart from the accumulators (a reduce
+    dtype other than the weights': ``to_accumulated_grad_if_needed`` moved the accumulator
+    off ``.grad``, so autograd makes a new ``.grad`` that the unit's post_backward adds in
+    and drops). The largest block's, and with the root unit (embedding, final norm and head
+    in one unit, whose post_backward runs after the embedding's backward) the head's and the
+    final norm's, made at the loss and held to the end of backward. 0 where the weights'
+    dtype is the reduce dtype: autograd adds each new gradient into ``.grad`` in place."""
+    policy = wl.precision.policy
+    e = policy.unsharded.itemsize
+    if e == policy.grad_bytes:
+        return 0
+    root = 0 if separate_units else params.head
+    return (max(params.layers, default=0) + root) * e
+
+
+def accumulated_gradients(walk: Walk, st: StateBytes, accum: int, beside: int,
+                          reduce_input: int, keep_grads: bool) -> tuple[int, int, int, int]:
+    """Gradient bytes alive through the forward and the backward's tensor peak, in step 1 and
+    in the steady state (``memplan.model.stage._gradients``'s tuple), when the walk's
+    gradients are the stage's unsharded accumulators (``accum`` bytes, all of them made by
+    the first micro-batch's backward).
+
+    From the second micro-batch on the accumulators exist through forward and backward, with
+    the new gradients ``new_grads_beside`` counts (``beside``) over the whole backward (a
+    bound: the block's part exists during its own backward only). In the last micro-batch a
+    unit's reduce-scatter input (``reduce_input``: the largest unit's unsharded gradients in
+    the reduce dtype) is made beside the accumulators not yet reduced (at most all of them:
+    each unit's is dropped once copied in), the weights gathered for the next block and the
+    saved activations of the blocks still to run (all but one block's, at the first
+    reduce-scatter, where the most are alive). ``keep_grads``: the sharded gradients the
+    reduce makes stay allocated from step 2."""
+    first = backward_peak(walk, 0, accum)
+    later = backward_peak(walk, accum, accum) + beside
+    saved = sum(kind.saved_bytes * n for kind, _, _, n in walk.runs)
+    one_block = walk.runs[-1][0].saved_bytes if walk.runs else 0
+    at_reduce = (accum + reduce_input + walk.sharding.in_block + walk.rest_saved
+                 + walk.other_bytes + saved - one_block)
+    bwd = max(first, later, at_reduce)
+    kept = st.grads_bytes if keep_grads else 0
+    return accum, bwd, accum + kept, bwd + kept
+
+
+__all__ = ["accumulated_gradients", "accumulates_unsharded", "new_grads_beside", "unsynced"]
