@@ -43,52 +43,65 @@ def accumulates_unsharded(wl: Workload, dp: DataParallel, kept_gathered: bool, m
     return wl.grad_sync is GradSync.LAST and dp.per_unit and not kept_gathered and m > 1
 
 
-def unsynced(dp: DataParallel) -> DataParallel:
+def unsynced(dp: DataParallel, root_new: int = 0) -> DataParallel:
     """FSDP2's mechanism in a micro-batch whose gradients are plain unsharded accumulators:
     the weights gathered and resharded as with a sync, no gradient waiting unsharded beside
-    its shard and no reduce-scatter input held (the accumulators are the walk's gradients)."""
-    return DataParallel(in_block=dp.in_block, in_first_block=dp.in_first_block,
-                        at_head=dp.at_head, at_embedding=dp.at_embedding,
+    its shard and no reduce-scatter input held (the accumulators are the walk's gradients).
+    Beside every block's and the embedding's backward, the root's new gradients
+    (``root_new``: ``new_grads``)."""
+    return DataParallel(in_block=dp.in_block + root_new,
+                        in_first_block=dp.in_first_block + root_new,
+                        at_head=dp.at_head, at_embedding=dp.at_embedding + root_new,
                         in_block_forward=dp.in_block_forward,
                         at_loss_forward=dp.at_loss_forward, block_start=dp.block_start,
                         first_block_start=dp.first_block_start)
 
 
-def new_grads_beside(params: StageParams, wl: Workload, separate_units: bool) -> int:
-    """Bytes of new gradients, in the weights' dtype, beside the accumulators in a later
-    micro-batch's backward, where FSDP2 makes them apart from the accumulators (a reduce
+def new_grads(params: StageParams, wl: Workload, separate_units: bool) -> tuple[float, int]:
+    """Where FSDP2 makes a micro-batch's new gradients apart from the accumulators (a reduce
     dtype other than the weights': ``to_accumulated_grad_if_needed`` moved the accumulator
-    off ``.grad``, so autograd makes a new ``.grad`` that the unit's post_backward adds in
-    and drops). The largest block's, and with the root unit (embedding, final norm and head
-    in one unit, whose post_backward runs after the embedding's backward) the head's and the
-    final norm's, made at the loss and held to the end of backward. 0 where the weights'
-    dtype is the reduce dtype: autograd adds each new gradient into ``.grad`` in place."""
+    off ``.grad``, so autograd makes a new ``.grad`` in the weights' dtype that the unit's
+    post_backward adds in and drops): (their bytes per accumulator byte, the root's new
+    gradients in bytes). A block's exist during its own backward; with the root unit
+    (embedding, final norm and head in one unit, whose post_backward runs after the
+    embedding's backward) the head's and the final norm's are made at the head's backward
+    and held to the end. (0, 0) where the weights' dtype is the reduce dtype: autograd adds
+    each new gradient into ``.grad`` in place."""
     policy = wl.precision.policy
     e = policy.unsharded.itemsize
     if e == policy.grad_bytes:
-        return 0
-    root = 0 if separate_units else params.head
-    return (max(params.layers, default=0) + root) * e
+        return 0.0, 0
+    return e / policy.grad_bytes, (0 if separate_units else params.head * e)
 
 
-def accumulated_gradients(walk: Walk, st: StateBytes, accum: int, beside: int,
-                          reduce_input: int, keep_grads: bool) -> tuple[int, int, int, int]:
+def with_new_grads(walk: Walk, ratio: float) -> Walk:
+    """``walk`` with each block's new gradients (``ratio`` x the accumulator bytes its moments
+    made by then) in flight at each of its moments."""
+    if not ratio:
+        return walk
+    runs = [(kind._replace(moments=tuple(
+                m._replace(transient_bytes=m.transient_bytes + int(g * ratio))
+                for m, g in zip(kind.moments, grads))), layer, grads, n)
+            for kind, layer, grads, n in walk.runs]
+    return walk._replace(runs=runs)
+
+
+def accumulated_gradients(walk: Walk, st: StateBytes, accum: int, reduce_input: int,
+                          keep_grads: bool) -> tuple[int, int, int, int]:
     """Gradient bytes alive through the forward and the backward's tensor peak, in step 1 and
     in the steady state (``memplan.model.stage._gradients``'s tuple), when the walk's
     gradients are the stage's unsharded accumulators (``accum`` bytes, all of them made by
-    the first micro-batch's backward).
+    the first micro-batch's backward) and its mechanism is ``unsynced``.
 
-    From the second micro-batch on the accumulators exist through forward and backward, with
-    the new gradients ``new_grads_beside`` counts (``beside``) over the whole backward (a
-    bound: the block's part exists during its own backward only). In the last micro-batch a
-    unit's reduce-scatter input (``reduce_input``: the largest unit's unsharded gradients in
-    the reduce dtype) is made beside the accumulators not yet reduced (at most all of them:
-    each unit's is dropped once copied in), the weights gathered for the next block and the
-    saved activations of the blocks still to run (all but one block's, at the first
-    reduce-scatter, where the most are alive). ``keep_grads``: the sharded gradients the
-    reduce makes stay allocated from step 2."""
+    From the second micro-batch on the accumulators exist through forward and backward. In
+    the last micro-batch a unit's reduce-scatter input (``reduce_input``: the largest unit's
+    unsharded gradients in the reduce dtype) is made beside the accumulators not yet reduced
+    (at most all of them: each unit's is dropped once copied in), what the mechanism holds
+    beside a block, and the saved activations of the blocks still to run (all but one
+    block's, at the first reduce-scatter, where the most are alive). ``keep_grads``: the
+    sharded gradients the reduce makes stay allocated from step 2."""
     first = backward_peak(walk, 0, accum)
-    later = backward_peak(walk, accum, accum) + beside
+    later = backward_peak(walk, accum, accum)
     saved = sum(kind.saved_bytes * n for kind, _, _, n in walk.runs)
     one_block = walk.runs[-1][0].saved_bytes if walk.runs else 0
     at_reduce = (accum + reduce_input + walk.sharding.in_block + walk.rest_saved
@@ -98,4 +111,5 @@ def accumulated_gradients(walk: Walk, st: StateBytes, accum: int, beside: int,
     return accum, bwd, accum + kept, bwd + kept
 
 
-__all__ = ["accumulated_gradients", "accumulates_unsharded", "new_grads_beside", "unsynced"]
+__all__ = ["accumulated_gradients", "accumulates_unsharded", "new_grads", "unsynced",
+           "with_new_grads"]

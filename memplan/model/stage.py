@@ -19,8 +19,9 @@ from memplan.model.embedding import EmbeddingBlock, embedding_backward_extra
 from memplan.model.grad_sync import (
     accumulated_gradients,
     accumulates_unsharded,
-    new_grads_beside,
+    new_grads,
     unsynced,
+    with_new_grads,
 )
 from memplan.model.head import HeadBlock
 from memplan.model.layer import LayerKind, merge_terms
@@ -202,16 +203,19 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     # walk's gradients are the stage's accumulators, in the reduce dtype
     accumulating = accumulates_unsharded(wl, fx.dp, fx.shard.kept_gathered, m)
     if accumulating:
+        ratio, root_new = new_grads(fx.params, wl, fx.shard.separate_units)
         fx = fx._replace(grad_per_param=float(wl.precision.policy.grad_bytes),
-                         dp=unsynced(fx.dp))
+                         dp=unsynced(fx.dp, root_new))
     st = fx.states
     flight = memo.in_flight(par.pp, par.vpp, m, stage, schedule)
     entries = _entries(par, shared, fx, kinds)
     walk, activations, one_mb = _walk(spec, par, shared, fx, kinds, entries, flight)
-    grads = (accumulated_gradients(
-        walk, st, int(fx.params.total * fx.grad_per_param),
-        new_grads_beside(fx.params, wl, fx.shard.separate_units), fx.shard.grad_bytes,
-        wl.keep_grads) if accumulating else _gradients(wl, fx, walk, m))
+    if accumulating:
+        walk = with_new_grads(walk, ratio)
+        grads = accumulated_gradients(walk, st, int(fx.params.total * fx.grad_per_param),
+                                      fx.shard.grad_bytes, wl.keep_grads)
+    else:
+        grads = _gradients(wl, fx, walk, m)
     # logits a training loop keeps from the loss through backward and the optimizer step into
     # the next forward (from step 2 on), until its loss replaces them
     held = shared.step_held if fx.last else 0
