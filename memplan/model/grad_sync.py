@@ -57,58 +57,82 @@ def unsynced(dp: DataParallel, root_new: int = 0) -> DataParallel:
                         first_block_start=dp.first_block_start)
 
 
-def new_grads(params: StageParams, wl: Workload, separate_units: bool) -> tuple[float, int]:
-    """Where FSDP2 makes a micro-batch's new gradients apart from the accumulators (a reduce
-    dtype other than the weights': ``to_accumulated_grad_if_needed`` moved the accumulator
-    off ``.grad``, so autograd makes a new ``.grad`` in the weights' dtype that the unit's
-    post_backward adds in and drops): (their bytes per accumulator byte, the root's new
-    gradients in bytes). A block's exist during its own backward; with the root unit
-    (embedding, final norm and head in one unit, whose post_backward runs after the
-    embedding's backward) the head's and the final norm's are made at the head's backward
-    and held to the end. (0, 0) where the weights' dtype is the reduce dtype: autograd adds
-    each new gradient into ``.grad`` in place."""
+def new_grads(params: StageParams, wl: Workload,
+              separate_units: bool) -> tuple[float, int, int]:
+    """How a later micro-batch's new gradients sit beside FSDP2's accumulators: (their bytes
+    per accumulator byte made, at each of a block's moments; the root's, held through the
+    backward; bytes per parameter of a weight whose gradient a moment just made), in bytes.
+
+    With a reduce dtype other than the weights' (``to_accumulated_grad_if_needed`` moved the
+    accumulator off ``.grad``) autograd makes a new ``.grad`` in the weights' dtype that the
+    unit's post_backward adds in and drops: a block's exist during its own backward; with the
+    root unit (embedding, final norm and head in one unit, whose post_backward runs after the
+    embedding's backward) the head's and the final norm's are made at the head's backward and
+    held to the end. In one dtype autograd adds each new gradient into ``.grad`` in place
+    (``AccumulateGrad``): the weight's new gradient a moment just made
+    (``LayerMoment.fresh_params``) in flight."""
     policy = wl.precision.policy
     e = policy.unsharded.itemsize
     if e == policy.grad_bytes:
-        return 0.0, 0
-    return e / policy.grad_bytes, (0 if separate_units else params.head * e)
+        return 0.0, 0, e
+    return e / policy.grad_bytes, (0 if separate_units else params.head * e), 0
 
 
-def with_new_grads(walk: Walk, ratio: float) -> Walk:
-    """``walk`` with each block's new gradients (``ratio`` x the accumulator bytes its moments
-    made by then) in flight at each of its moments."""
-    if not ratio:
+def with_new_grads(walk: Walk, ratio: float, fresh: int = 0) -> Walk:
+    """``walk`` with each block's new gradients in flight at each of its moments: ``ratio`` x
+    the accumulator bytes its moments made by then, and ``fresh`` bytes per parameter of the
+    weight whose gradient the moment just made."""
+    if not (ratio or fresh):
         return walk
     runs = [(kind._replace(moments=tuple(
-                m._replace(transient_bytes=m.transient_bytes + int(g * ratio))
+                m._replace(transient_bytes=m.transient_bytes + int(g * ratio)
+                           + m.fresh_params * fresh)
                 for m, g in zip(kind.moments, grads))), layer, grads, n)
             for kind, layer, grads, n in walk.runs]
     return walk._replace(runs=runs)
 
 
 def accumulated_gradients(walk: Walk, st: StateBytes, accum: int, reduce_input: int,
-                          keep_grads: bool) -> tuple[int, int, int, int]:
+                          output_shard: int, keep_grads: bool) -> tuple[int, int, int, int]:
     """Gradient bytes alive through the forward and the backward's tensor peak, in step 1 and
     in the steady state (``memplan.model.stage._gradients``'s tuple), when the walk's
     gradients are the stage's unsharded accumulators (``accum`` bytes, all of them made by
     the first micro-batch's backward) and its mechanism is ``unsynced``.
 
-    From the second micro-batch on the accumulators exist through forward and backward. In
-    the last micro-batch a unit's reduce-scatter input (``reduce_input``: the largest unit's
-    unsharded gradients in the reduce dtype) is made beside the accumulators not yet reduced
-    (at most all of them: each unit's is dropped once copied in), what the mechanism holds
-    beside a block, and the saved activations of the blocks still to run (all but one
-    block's, at the first reduce-scatter, where the most are alive). ``keep_grads``: the
-    sharded gradients the reduce makes stay allocated from step 2."""
+    From the second micro-batch on the accumulators exist through forward and backward. The
+    last micro-batch reduce-scatters each unit after its backward (``_sync_moments``).
+    ``keep_grads``: the sharded gradients the reduce makes stay allocated from step 2."""
     first = backward_peak(walk, 0, accum)
     later = backward_peak(walk, accum, accum)
-    saved = sum(kind.saved_bytes * n for kind, _, _, n in walk.runs)
-    one_block = walk.runs[-1][0].saved_bytes if walk.runs else 0
-    at_reduce = (accum + reduce_input + walk.sharding.in_block + walk.rest_saved
-                 + walk.other_bytes + saved - one_block)
-    bwd = max(first, later, at_reduce)
+    bwd = max(first, later, *_sync_moments(walk, accum, reduce_input, output_shard))
     kept = st.grads_bytes if keep_grads else 0
     return accum, bwd, accum + kept, bwd + kept
+
+
+def _sync_moments(walk: Walk, accum: int, reduce_input: int,
+                  output_shard: int) -> tuple[int, ...]:
+    """The last micro-batch's reduce-scatters, at the first blocks walked, where the most
+    activations are alive (``foreach_reduce``, _fsdp_collectives.py): at the first block's,
+    its weights resharded, the accumulators (its own copied from, not yet dropped) beside the
+    reduce-scatter input (``reduce_input``: the largest unit's, in the reduce dtype), the
+    root's weights and the block prefetched, and every other block's saved activations; at
+    the next block's backward, that input has replaced the block's accumulator and its
+    output shard (``output_shard``) is made, beside the next block's own peak."""
+    dp, kinds = walk.sharding, [kind for kind, _, _, n in reversed(walk.runs)
+                                for _ in range(min(n, 2))]
+    if not kinds:
+        return ()
+    held = walk.rest_saved + walk.other_bytes + sum(k.saved_bytes * n
+                                                    for k, _, _, n in walk.runs)
+    rest = held - kinds[0].saved_bytes
+    # after the first block's reshard: the root and the block its backward prefetched
+    moments = [accum + reduce_input + dp.in_first_block + rest]
+    if len(kinds) > 1:
+        local = max(m.alive_bytes + m.transient_bytes for m in kinds[1].moments)
+        layers = sum(n for _, _, _, n in walk.runs)
+        gathered = dp.in_first_block if layers == 2 else dp.in_block
+        moments.append(accum + output_shard + gathered + rest - kinds[1].saved_bytes + local)
+    return tuple(moments)
 
 
 __all__ = ["accumulated_gradients", "accumulates_unsharded", "new_grads", "unsynced",

@@ -203,7 +203,8 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     # walk's gradients are the stage's accumulators, in the reduce dtype
     accumulating = accumulates_unsharded(wl, fx.dp, fx.shard.kept_gathered, m)
     if accumulating:
-        ratio, root_new = new_grads(fx.params, wl, fx.shard.separate_units)
+        ratio, root_new, fresh = new_grads(fx.params, wl, fx.shard.separate_units)
+        output_shard = int(fx.shard.grad_bytes / fx.dp.unsharded_ratio)
         fx = fx._replace(grad_per_param=float(wl.precision.policy.grad_bytes),
                          dp=unsynced(fx.dp, root_new))
     st = fx.states
@@ -211,9 +212,9 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     entries = _entries(par, shared, fx, kinds)
     walk, activations, one_mb = _walk(spec, par, shared, fx, kinds, entries, flight)
     if accumulating:
-        walk = with_new_grads(walk, ratio)
+        walk = with_new_grads(walk, ratio, fresh)
         grads = accumulated_gradients(walk, st, int(fx.params.total * fx.grad_per_param),
-                                      fx.shard.grad_bytes, wl.keep_grads)
+                                      fx.shard.grad_bytes, output_shard, wl.keep_grads)
     else:
         grads = _gradients(wl, fx, walk, m)
     # logits a training loop keeps from the loss through backward and the optimizer step into

@@ -8,7 +8,7 @@ import pytest
 import memplan
 from memplan.errors import LayoutError
 from memplan.model.embedding import EmbeddingBlock
-from memplan.model.grad_sync import accumulated_gradients, new_grads_beside
+from memplan.model.grad_sync import accumulated_gradients, new_grads, with_new_grads
 from memplan.model.head import HeadBlock
 from memplan.model.layer import LayerKind, LayerMoment
 from memplan.model.model_states import StageParams, StateBytes
@@ -31,36 +31,56 @@ TINY_PARAMS = 108_864
 
 def test_accumulated_gradients_by_hand() -> None:
     """Accumulators ``accum`` = 2 x 50 = 100 B; 40 B of weights gathered beside each block's
-    backward; 30 B of new gradients beside the accumulators in a later backward; a 50 B
-    reduce-scatter input in the last one.
+    backward; in the last micro-batch a 50 B reduce-scatter input and a 25 B output shard.
 
       first micro-batch   start 200 saved; the first layer walked: 200 + 10 in flight + 40
                           gathered = 250; the second: 100 saved + 50 made + 10 + 40 = 200
-      later micro-batch   the accumulators under every moment: 250 + 100 = 350, plus the 30 B
-                          of new gradients: 380
-      at a reduce         100 accumulators + 50 input + 40 gathered + one layer's 100 saved
-                          = 290
-    Backward 380 in step 1 and the steady state; forward 100 (the accumulators). Keeping the
+      later micro-batch   the accumulators under every moment: 250 + 100 = 350
+      first reduce        100 accumulators + 50 input + 40 gathered + the other layer's 100
+                          saved = 290
+      second layer        100 accumulators + 25 output shard + 40 gathered + its own 110
+                          (100 alive + 10 in flight) = 275
+    Backward 350 in step 1 and the steady state; forward 100 (the accumulators). Keeping the
     25 B of sharded gradients (zero_grad(set_to_none=False)) adds 25 from step 2."""
-    assert accumulated_gradients(WALK, STATES, 100, 30, 50, False) == (100, 380, 100, 380)
-    assert accumulated_gradients(WALK, STATES, 100, 30, 50, True) == (100, 380, 125, 405)
-    # a reduce-scatter input larger than the new gradients: 100 + 200 + 40 + 100 = 440
-    assert accumulated_gradients(WALK, STATES, 100, 30, 200, False)[1] == 440
+    assert accumulated_gradients(WALK, STATES, 100, 50, 25, False) == (100, 350, 100, 350)
+    assert accumulated_gradients(WALK, STATES, 100, 50, 25, True) == (100, 350, 125, 375)
+    # a 400 B reduce-scatter input (200 B shard): first reduce 100 + 400 + 40 + 100 = 640;
+    # second layer 100 + 200 + 40 + 110 = 450
+    assert accumulated_gradients(WALK, STATES, 100, 400, 200, False)[1] == 640
+    # a 150 B shard of a 100 B input only (an impossible 2/3 shard, to reach the second
+    # layer's moment): 100 + 150 + 40 + 110 = 400 > 290
+    assert accumulated_gradients(WALK, STATES, 100, 100, 150, False)[1] == 400
 
 
 def test_new_gradients_beside_the_accumulators() -> None:
-    """fsdp-bf16 (bf16 weights, fp32 reduce): blocks of 1,000 and 1,200 parameters, a head
-    (final norm + output) of 500; the largest block's and the root's head made in bf16 beside
-    the fp32 accumulators: (1,200 + 500) x 2 = 3,400 B; with the head a unit of its own
-    (torchtitan's units, reduced after its own backward) 1,200 x 2 = 2,400. Weights and
-    reduce in one dtype (fp32, bf16-pure): each new gradient is added into .grad in place: 0."""
+    """fsdp-bf16 (bf16 weights, fp32 reduce): a head (final norm + output) of 500 parameters;
+    new bf16 gradients are 2 / 4 = 0.5 B per accumulator byte, and the root's head made at
+    the head's backward, held beside every block: 500 x 2 = 1,000 B; with the head a unit of
+    its own (torchtitan's units, reduced after its own backward) 0. Weights and reduce in one
+    dtype (fp32: 4 B, bf16-pure: 2 B): autograd adds each new gradient into ``.grad`` in place,
+    the weight's gradient a moment just made in flight, its parameters x 4 or 2 B."""
     params = StageParams(dense=2_700, expert=0, layers=(1_000, 1_200), embedding=0, head=500,
                          tensor_sizes=(), largest_unit=1_200, num_tensors=0)
     fsdp = Workload(precision="fsdp-bf16")
-    assert new_grads_beside(params, fsdp, separate_units=False) == 3_400
-    assert new_grads_beside(params, fsdp, separate_units=True) == 2_400
-    assert new_grads_beside(params, Workload(precision="fp32"), separate_units=False) == 0
-    assert new_grads_beside(params, Workload(precision="bf16-pure"), separate_units=False) == 0
+    assert new_grads(params, fsdp, separate_units=False) == (0.5, 1_000, 0)
+    assert new_grads(params, fsdp, separate_units=True) == (0.5, 0, 0)
+    assert new_grads(params, Workload(precision="fp32"), separate_units=False) == (0.0, 0, 4)
+    assert new_grads(params, Workload(precision="bf16-pure"), separate_units=False) == (0.0, 0, 2)
+
+
+def test_new_gradients_at_each_moment() -> None:
+    """A layer with two moments: 10 B in flight with 0 accumulator bytes made, then 10 B with
+    40 made, its second moment just made a 6-parameter weight's gradient. Mixed dtypes (ratio
+    0.5): 10 + 0 and 10 + 20 in flight. One dtype (4 B per fresh parameter): 10 and 10 + 24."""
+    kind = LayerKind(terms=(), saved_bytes=100, forward_peak_bytes=120,
+                     moments=(LayerMoment("a", 100, 10, ()),
+                              LayerMoment("b", 100, 10, (), fresh_params=6)))
+    walk = WALK._replace(runs=[(kind, 50, (0, 40), 2)])
+    mixed = with_new_grads(walk, 0.5, 0).runs[0][0].moments
+    same = with_new_grads(walk, 0.0, 4).runs[0][0].moments
+    assert [m.transient_bytes for m in mixed] == [10, 30]
+    assert [m.transient_bytes for m in same] == [10, 34]
+    assert with_new_grads(walk, 0.0, 0) is walk
 
 
 def _stage(**kwargs: object):
