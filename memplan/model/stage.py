@@ -129,8 +129,8 @@ def stage_record(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, sta
                  parts: tuple[StageStates, StageKinds] | None = None) -> StageMemory:
     """Pipeline stage ``stage``'s record with ``m`` micro-batches per step; ``parts``: its
     ``stage_parts`` entry (looked up when not given)."""
-    w = walk_stage(spec, par, wl, m, stage, schedule, shared,
-                   parts or memo.stage_parts(spec, par, wl)[stage])
+    parts = parts or memo.stage_parts(spec, par, wl)[stage]
+    w = walk_stage(spec, par, wl, m, stage, schedule, shared, parts)
     fx, st = w.states, w.states.states
     groups = [(par.vpp, tuple(shared.rope)), (1, tuple(shared.embed if fx.first else ())),
               (1, tuple(shared.head if fx.last else ())),
@@ -142,9 +142,12 @@ def stage_record(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, sta
         optimizer_bytes=st.optimizer_bytes, activations_bytes=w.activations,
         microbatches_in_flight=max(w.in_flight), microbatch_bytes=w.one_mb,
         activation_groups=tuple(groups), loss_bytes=w.loss_bytes,
-        # kept gathered under PP: the unsharded gradient accumulators are buffers too
+        # kept gathered under PP, or accumulated without a sync (``memplan.model.grad_sync``):
+        # the unsharded gradient accumulators are buffers too
         sharding_buffers_bytes=fx.shard.peak_bytes + fx.buckets + (
-            int(fx.params.total * fx.grad_per_param) if fx.shard.kept_gathered else 0),
+            int(fx.params.total * fx.grad_per_param) if fx.shard.kept_gathered else 0) + (
+            fx.params.total * wl.precision.policy.grad_bytes
+            if accumulates_unsharded(wl, parts[0].dp, fx.shard.kept_gathered, m) else 0),
         optimizer_temp_bytes=fx.opt_temp, buffers_bytes=fx.buffers, steady=w.steady,
         first_step=w.first_step,
         tensor_peak_bytes=tensor_peak, cuda_context_bytes=ovh.cuda_context_bytes,

@@ -93,13 +93,16 @@ def test_fsdp2_forward_holds_the_unsharded_accumulators() -> None:
     217,728 B. Syncing at the last only, they hold every parameter's unsharded fp32
     accumulator instead: 108,864 x 4 = 435,456 B, 217,728 more, in the first step and the
     steady state (nothing else in the forward changes: the weights are gathered and resharded
-    as before). The stage's held (sharded) gradients are the same."""
+    as before). The stage's held (sharded) gradients are the same; its gradient and gather
+    buffers show the 435,456 B of accumulators."""
     kw = dict(zero=3, precision="fsdp-bf16", micro_batch_size=1, global_batch_size=8)
     every, last = _stage(**kw), _stage(grad_sync="last", **kw)
     assert last.grads_bytes == every.grads_bytes == 217_728
     assert last.steady.forward - every.steady.forward == TINY_PARAMS * 4 - 217_728
     assert last.first_step.forward - every.first_step.forward == TINY_PARAMS * 4 - 217_728
     assert last.steady.backward > every.steady.backward
+    # the accumulators are shown with the sharding buffers
+    assert last.sharding_buffers_bytes - every.sharding_buffers_bytes == TINY_PARAMS * 4
 
 
 def test_fsdp2_one_micro_batch_syncs_at_it() -> None:
