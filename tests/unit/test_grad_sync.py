@@ -125,3 +125,14 @@ def test_zero2_with_last_is_refused() -> None:
     """DeepSpeed's no_sync() asserts unpartitioned gradients: zero 2 with last is refused."""
     with pytest.raises(LayoutError, match="grad_sync last"):
         _stage(zero=2, grad_sync="last", micro_batch_size=1, global_batch_size=8)
+
+
+def test_torchtitan_under_pp_already_syncs_at_the_last() -> None:
+    """torchtitan under pipeline parallelism: torch's pipeline stage runs every micro-batch's
+    backward without a sync (``backward_maybe_with_nosync``), which the estimate models on its
+    own (``ShardingBuffers.kept_gathered``): "last" changes no byte of it."""
+    kw = dict(gpus=4, pp=2, zero=3, framework="torchtitan", precision="fsdp-bf16",
+              micro_batch_size=1, global_batch_size=8)
+    every = memplan.estimate("tiny", seq_len=64, **kw)
+    last = memplan.estimate("tiny", seq_len=64, grad_sync="last", **kw)
+    assert last.stages == every.stages
