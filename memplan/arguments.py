@@ -37,7 +37,7 @@ CLI_OPTIONS: dict[str, str] = {
         "dp_shard", "vocab_parallel", "tp_style", "grad_buffers", "offload", "zero",
         "recompute", "recompute_layers", "recompute_every", "precision", "optimizer", "optimizer_impl",
         "attention", "logits_fp32", "framework", "keep_grads", "loss_chunks", "schedule",
-        "calibration")},
+        "calibration", "grad_sync")},
     "sequence_parallel": "sp", "micro_batch_size": "mbs", "global_batch_size": "gbs",
     "seq_len": "seq", "norm_impl": "norm", "kv_cache": "use_cache",
 }

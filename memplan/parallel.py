@@ -18,7 +18,7 @@ from memplan import presets
 from memplan.errors import LayoutError
 from memplan.spec import ModelSpec, PositionKind
 from memplan.units import ceil_div
-from memplan.workload import PipelineSplit, Precision, Recompute, Workload
+from memplan.workload import GradSync, PipelineSplit, Precision, Recompute, Workload
 
 
 class ZeroStage(enum.IntEnum):
@@ -393,6 +393,14 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
             f"precision {wl.precision.value} with MoE layers ({spec.moe.num_experts} experts): "
             "what autocast saves around routing and the experts is not modelled yet (use "
             "bf16-pure, bf16-mixed or fp32)")
+    if (wl.grad_sync is GradSync.LAST and par.zero == ZeroStage.GRADIENTS
+            and par.dense_shard_degree > 1):
+        raise LayoutError(
+            "grad_sync last does not combine with ZeRO stage 2",
+            "grad_sync last with zero 2: DeepSpeed reduces partitioned gradients in every "
+            "micro-batch's backward, and its engine's no_sync() asserts that gradients are not "
+            "partitioned (deepspeed/runtime/engine.py DeepSpeedEngine.no_sync); use zero 1, or "
+            "zero 3 (FSDP2's set_requires_gradient_sync(False))")
     _validate_recompute(spec, par, wl)
     presets.validate(par, wl)  # options the workload's framework does not offer
 

@@ -249,6 +249,26 @@ class FsdpUnits(str, enum.Enum):
     TORCHTITAN = "torchtitan"
 
 
+class GradSync(str, enum.Enum):
+    """When a training loop that accumulates gradients over micro-batches reduces them across
+    data-parallel ranks.
+
+    every  after every micro-batch's backward (FSDP2's default: ``FSDPModule.
+           set_requires_gradient_sync`` is True unless a loop turns it off; DeepSpeed ZeRO-2/3
+           reduce in every backward's hooks)
+    last   only in the last micro-batch's backward: FSDP2 with
+           ``set_requires_gradient_sync(False)`` on the others (each unit's gradients stay
+           unsharded, in the reduce dtype, across micro-batches:
+           ``FSDPParam.to_accumulated_grad_if_needed``), DDP under ``no_sync()`` (gradients
+           accumulate in ``param.grad``, the buckets untouched), ZeRO-1 (gradients unsharded
+           anyway); torch's pipeline stage always runs this way
+           (``torch/distributed/pipelining/stage.py`` ``backward_maybe_with_nosync``)
+    """
+
+    EVERY = "every"
+    LAST = "last"
+
+
 class RopeCache(str, enum.Enum):
     """Where the RoPE cos/sin tables live.
 
@@ -361,6 +381,7 @@ class Workload(BaseModel):
         "zero_grad(set_to_none=False): from step 2 on the zeroed gradients stay allocated "
         "through forward, and backward accumulates into them"))
     logits_held: LogitsHeld = LogitsHeld.NONE
+    grad_sync: GradSync = GradSync.EVERY
     softmax_fp32: bool = Field(default=False, description=(
         "eager attention's softmax in fp32 with a compute-dtype copy for the value matmul "
         "(transformers' eager_attention_forward)"))

@@ -28,6 +28,7 @@ from memplan.workload import (
     DEFAULT_SEQ_LEN,
     Attention,
     Framework,
+    GradSync,
     NormImpl,
     Optimizer,
     OptimizerImpl,
@@ -139,6 +140,12 @@ KeepGrads = Annotated[Optional[bool], typer.Option(
     "--keep-grads/--no-keep-grads", help="zero_grad(set_to_none=False): gradients stay "
     "allocated between steps (default: the framework's; torchtitan keeps them unless "
     "training.disable_cuda_graphs).", rich_help_panel=_KERNELS)]
+GradSyncOpt = Annotated[GradSync, typer.Option(
+    "--grad-sync", help="With gradient accumulation: every (reduce after each micro-batch, "
+    "FSDP2's default) or last (only the last micro-batch syncs: FSDP2 "
+    "set_requires_gradient_sync(False) keeps unsharded gradients in the reduce dtype across "
+    "micro-batches; DDP no_sync() and ZeRO-1 hold the same bytes as every).",
+    rich_help_panel=_WORKLOAD)]
 UseCache = Annotated[Optional[bool], typer.Option(
     "--use-cache/--no-use-cache", help="The training forward fills a key/value cache "
     "(transformers' config use_cache, which Trainer leaves on: a DynamicCache holds each "
@@ -242,6 +249,7 @@ SHARED: dict[str, Shared] = {
     "framework": Shared(FrameworkOpt, None, _value),
     "keep_grads": Shared(KeepGrads, None),
     "use_cache": Shared(UseCache, None),
+    "grad_sync": Shared(GradSyncOpt, _WL["grad_sync"].default),
     "loss_chunks": Shared(LossChunks, _WL["loss_chunks"].default),
     "schedule": Shared(ScheduleOpt, Schedule.ONE_F_ONE_B, resolve=False),
     "calibration": Shared(Calibration, None, resolve=False),
@@ -252,7 +260,7 @@ LAYOUT = ("tp", "pp", "vpp", "vpp_group", "dp", "cp", "ep", "etp", "sp", "vocab_
           "grad_buffers", "offload", "zero", "stage_layers", "dp_shard")
 WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "recompute_every",
             "precision", "optimizer", "optimizer_impl", "attention", "norm", "logits_fp32",
-            "loss_chunks", "framework", "keep_grads", "use_cache")
+            "loss_chunks", "framework", "keep_grads", "use_cache", "grad_sync")
 # what a framework's own loop decides, beyond memplan's reference model (which trace and
 # profile run)
 FRAMEWORK_ONLY = ("framework", "keep_grads", "use_cache")

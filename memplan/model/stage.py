@@ -16,6 +16,13 @@ from typing import NamedTuple
 from memplan.model import memo
 from memplan.model.dims import Dims, Term
 from memplan.model.embedding import EmbeddingBlock, embedding_backward_extra
+from memplan.model.grad_sync import (
+    accumulated_gradients,
+    accumulates_unsharded,
+    new_grads,
+    unsynced,
+    with_new_grads,
+)
 from memplan.model.head import HeadBlock
 from memplan.model.layer import LayerKind, merge_terms
 from memplan.model.moments import fold, peak_of
@@ -122,8 +129,8 @@ def stage_record(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, sta
                  parts: tuple[StageStates, StageKinds] | None = None) -> StageMemory:
     """Pipeline stage ``stage``'s record with ``m`` micro-batches per step; ``parts``: its
     ``stage_parts`` entry (looked up when not given)."""
-    w = walk_stage(spec, par, wl, m, stage, schedule, shared,
-                   parts or memo.stage_parts(spec, par, wl)[stage])
+    parts = parts or memo.stage_parts(spec, par, wl)[stage]
+    w = walk_stage(spec, par, wl, m, stage, schedule, shared, parts)
     fx, st = w.states, w.states.states
     groups = [(par.vpp, tuple(shared.rope)), (1, tuple(shared.embed if fx.first else ())),
               (1, tuple(shared.head if fx.last else ())),
@@ -135,9 +142,12 @@ def stage_record(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, sta
         optimizer_bytes=st.optimizer_bytes, activations_bytes=w.activations,
         microbatches_in_flight=max(w.in_flight), microbatch_bytes=w.one_mb,
         activation_groups=tuple(groups), loss_bytes=w.loss_bytes,
-        # kept gathered under PP: the unsharded gradient accumulators are buffers too
+        # kept gathered under PP, or accumulated without a sync (``memplan.model.grad_sync``):
+        # the unsharded gradient accumulators are buffers too
         sharding_buffers_bytes=fx.shard.peak_bytes + fx.buckets + (
-            int(fx.params.total * fx.grad_per_param) if fx.shard.kept_gathered else 0),
+            int(fx.params.total * fx.grad_per_param) if fx.shard.kept_gathered else 0) + (
+            fx.params.total * wl.precision.policy.grad_bytes
+            if accumulates_unsharded(wl, parts[0].dp, fx.shard.kept_gathered, m) else 0),
         optimizer_temp_bytes=fx.opt_temp, buffers_bytes=fx.buffers, steady=w.steady,
         first_step=w.first_step,
         tensor_peak_bytes=tensor_peak, cuda_context_bytes=ovh.cuda_context_bytes,
@@ -192,11 +202,24 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     """Phase peaks of pipeline stage ``stage`` with ``m`` micro-batches per step, in step 1
     and in the steady state, without its record."""
     fx, kinds = parts
+    # gradients accumulated unsharded without a sync (``memplan.model.grad_sync``): the
+    # walk's gradients are the stage's accumulators, in the reduce dtype
+    accumulating = accumulates_unsharded(wl, fx.dp, fx.shard.kept_gathered, m)
+    if accumulating:
+        ratio, root_new, fresh = new_grads(fx.params, wl, fx.shard.separate_units)
+        output_shard = int(fx.shard.grad_bytes / fx.dp.unsharded_ratio)
+        fx = fx._replace(grad_per_param=float(wl.precision.policy.grad_bytes),
+                         dp=unsynced(fx.dp, root_new))
     st = fx.states
     flight = memo.in_flight(par.pp, par.vpp, m, stage, schedule, par.vpp_group)
     entries = _entries(par, shared, fx, kinds)
     walk, activations, one_mb = _walk(spec, par, shared, fx, kinds, entries, flight)
-    grads = _gradients(wl, fx, walk, m)
+    if accumulating:
+        walk = with_new_grads(walk, ratio, fresh)
+        grads = accumulated_gradients(walk, st, int(fx.params.total * fx.grad_per_param),
+                                      fx.shard.grad_bytes, output_shard, wl.keep_grads)
+    else:
+        grads = _gradients(wl, fx, walk, m)
     # logits a training loop keeps from the loss through backward and the optimizer step into
     # the next forward (from step 2 on), until its loss replaces them
     held = shared.step_held if fx.last else 0

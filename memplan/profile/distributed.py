@@ -50,10 +50,16 @@ from torch import nn
 from memplan.errors import MemplanError
 from memplan.parallel import ParallelConfig
 from memplan.profile.reference import ReferenceModel
-from memplan.profile.trace import TraceResult, _fake_mode, ref_options, run_steps
+from memplan.profile.trace import (
+    SyncContext,
+    TraceResult,
+    _fake_mode,
+    ref_options,
+    run_steps,
+)
 from memplan.profile.tracker import MemoryTracker, _local
 from memplan.spec import ModelSpec
-from memplan.workload import Precision, Workload
+from memplan.workload import GradSync, Precision, Workload
 
 GATHERED = "gathered"  # FSDP2's unsharded (all-gathered) parameter buffers
 BUCKETS = "buckets"  # DDP's flat gradient buckets
@@ -167,13 +173,40 @@ def trace_rank(spec: ModelSpec, par: ParallelConfig, wl: Workload, *, steps: int
             model = _ddp_model(spec, wl, tracker)
         if on_model is not None:
             on_model(model, tracker)
+        m, sync = accumulation(kind, par, wl, model)
         if kind != "fsdp":
-            return run_steps(model, spec, wl, tracker, steps=steps)
+            return run_steps(model, spec, wl, tracker, steps=steps, micro_batches=m, sync=sync)
         with _follow_fsdp_storage(tracker):
             # FSDP2 casts to bf16 itself: the optimizer updates the fp32 shards directly; under
             # autocast the recipe still runs forward and loss in autocast
             own = wl.precision if wl.precision.policy.autocast else Precision.FP32
-            return run_steps(model, spec, wl, tracker, steps=steps, precision=own)
+            return run_steps(model, spec, wl, tracker, steps=steps, precision=own,
+                             micro_batches=m, sync=sync)
+
+
+def accumulation(kind: str, par: ParallelConfig, wl: Workload,
+                 model: nn.Module) -> tuple[int, SyncContext | None]:
+    """The micro-batches per step the workload's global batch gives this layout (1 without
+    one), and with ``grad_sync`` last the loop's sync per micro-batch: FSDP2's
+    ``set_requires_gradient_sync(last)`` before each (on the root, which sets every unit),
+    DDP's ``no_sync()`` around all but the last."""
+    per_step = wl.micro_batch_size * par.dp
+    m, rest = divmod(wl.global_batch_size or per_step, per_step)
+    if m < 1 or rest:
+        raise MemplanError(f"trace_parallel: gbs ({wl.global_batch_size}) is not a multiple "
+                           f"of mbs*dp ({wl.micro_batch_size * par.dp})")
+    if wl.grad_sync is not GradSync.LAST or m == 1:
+        return m, None
+    if kind == "fsdp":
+        @contextlib.contextmanager
+        def fsdp_sync(last: bool) -> Iterator[None]:
+            model.set_requires_gradient_sync(last)
+            yield
+
+        return m, fsdp_sync
+    if kind == "ddp":
+        return m, lambda last: contextlib.nullcontext() if last else model.no_sync()
+    raise MemplanError("trace_parallel: grad_sync last is traced for FSDP2 and DDP only")
 
 
 def _check_precision(kind: str, wl: Workload) -> None:
@@ -387,5 +420,5 @@ def _allreduce_hook(_state, bucket):
     return fut
 
 
-__all__ = ["BUCKETS", "GATHERED", "ParallelTracker", "gloo_late_bytes", "layout_kind",
-           "trace_parallel", "trace_rank"]
+__all__ = ["BUCKETS", "GATHERED", "ParallelTracker", "accumulation", "gloo_late_bytes",
+           "layout_kind", "trace_parallel", "trace_rank"]

@@ -24,6 +24,7 @@ Precision recipes are implemented as the frameworks do:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -213,10 +214,19 @@ def ref_options(wl: Workload, dtype: torch.dtype | None = None) -> RefOptions:
                       recompute_every=wl.recompute_every, loss_chunks=wl.loss_chunks)
 
 
+# A loop's gradient sync per micro-batch: called with whether the micro-batch is the step's
+# last, it returns the context its forward and backward run in (``no_sync()``, or a context
+# that sets FSDP2's ``set_requires_gradient_sync``)
+SyncContext = Callable[[bool], contextlib.AbstractContextManager]
+
+
 def run_steps(model: torch.nn.Module, spec: ModelSpec, wl: Workload, tracker: MemoryTracker,
-              *, steps: int, precision: Precision | None = None) -> TraceResult:
+              *, steps: int, precision: Precision | None = None, micro_batches: int = 1,
+              sync: SyncContext | None = None) -> TraceResult:
     """Run ``steps`` training steps of a built (possibly sharded) model under ``tracker``.
-    ``precision`` overrides the workload's recipe (FSDP's own mixed precision runs as fp32)."""
+    ``precision`` overrides the workload's recipe (FSDP's own mixed precision runs as fp32).
+    ``micro_batches``: forward and backward runs per step, their gradients accumulated;
+    ``sync``: the context each runs in (None: the model's own, a sync every micro-batch)."""
     model.train()
     precision = precision or wl.precision
     on_cpu = all(p.device.type == "cpu" for p in model.parameters())
@@ -230,19 +240,16 @@ def run_steps(model: torch.nn.Module, spec: ModelSpec, wl: Workload, tracker: Me
         result = TraceResult(spec=spec, params_bytes=tracker.bytes_in("parameters"))
         for k in range(1, steps + 1):
             raise_if_interrupted()  # Ctrl-C between steps too (memplan.errors)
-            result.steps.append(_step(model, opt, recipe, tracker, wl, spec, k))
+            result.steps.append(_step(model, opt, recipe, tracker, wl, spec, k,
+                                      micro_batches, sync))
     result.timeline = tracker.timeline
     return result
 
 
-def _fake_mode():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    return FakeTensorMode()
-
-
-def _step(model, opt, recipe: _Recipe, tracker: MemoryTracker, wl: Workload,
-          spec: ModelSpec, k: int) -> StepMeasure:
+def _micro_batch(model, recipe: _Recipe, tracker: MemoryTracker, wl: Workload,
+                 spec: ModelSpec, k: int) -> int:
+    """One micro-batch's forward and backward in step ``k``; returns the saved activations
+    alive when its backward starts."""
     b, s = wl.micro_batch_size, wl.seq_len
     tracker.set_phase("forward", step=k)
     ids = torch.randint(0, spec.vocab_size, (b, s))
@@ -254,6 +261,23 @@ def _step(model, opt, recipe: _Recipe, tracker: MemoryTracker, wl: Workload,
     saved = tracker.bytes_in("activations")
     loss.backward()
     del loss, ids, targets
+    return saved
+
+
+def _fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
+
+
+def _step(model, opt, recipe: _Recipe, tracker: MemoryTracker, wl: Workload,
+          spec: ModelSpec, k: int, micro_batches: int = 1,
+          sync: SyncContext | None = None) -> StepMeasure:
+    saved = 0
+    for i in range(micro_batches):
+        last = i == micro_batches - 1
+        with sync(last) if sync is not None else contextlib.nullcontext():
+            saved = _micro_batch(model, recipe, tracker, wl, spec, k)
     tracker.set_phase("optimizer")
     grads = tracker.bytes_in("gradients")
     recipe.unscale(opt)
@@ -278,4 +302,5 @@ def _step(model, opt, recipe: _Recipe, tracker: MemoryTracker, wl: Workload,
     return measure
 
 
-__all__ = ["CATEGORIES", "StepMeasure", "TraceResult", "ref_options", "run_steps", "trace"]
+__all__ = ["CATEGORIES", "StepMeasure", "SyncContext", "TraceResult", "ref_options", "run_steps",
+           "trace"]

@@ -367,16 +367,18 @@ def test_flag_names_come_from_one_table() -> None:
       "--seq", "1024", "--recompute", "full", "--recompute-layers", "2", "--precision",
       "fp16-mixed", "--optimizer", "sgd", "--optimizer-impl", "forloop", "--attention", "eager",
       "--norm", "fused", "--no-logits-fp32", "--loss-chunks", "4", "--schedule", "gpipe",
-      "--gpu", "a100-80gb", "--gpu-memory", "70GiB"],
+      "--gpu", "a100-80gb", "--gpu-memory", "70GiB", "--grad-sync", "last"],
      {"tp": 2, "pp": 2, "vpp": 2, "zero": 1, "sequence_parallel": True,
       "vocab_parallel": False, "tp_style": "dtensor", "grad_buffers": "copy",
       "micro_batch_size": 2, "global_batch_size": 64, "seq_len": 1024, "recompute": "full",
       "recompute_layers": 2, "precision": "fp16-mixed", "optimizer": "sgd",
       "optimizer_impl": "forloop", "attention": "eager", "norm_impl": "fused",
       "logits_fp32": False, "loss_chunks": 4, "schedule": "gpipe", "gpu": "a100-80gb",
-      "gpu_memory": "70GiB"}),
+      "gpu_memory": "70GiB", "grad_sync": "last"}),
     (["--dp", "4", "--cp", "2", "--zero", "2", "--offload", "optimizer", "--mbs", "1"],
      {"dp": 4, "cp": 2, "zero": 2, "offload": "optimizer"}),
+    (["--zero", "3", "--precision", "fsdp-bf16", "--gbs", "32", "--grad-sync", "last"],
+     {"zero": 3, "precision": "fsdp-bf16", "global_batch_size": 32, "grad_sync": "last"}),
 ])
 def test_every_shared_option_reaches_the_api(argv: list[str], kwargs: dict[str, Any]) -> None:
     """Each flag sets the API keyword the option table names: the CLI's JSON equals the API's."""
