@@ -194,12 +194,13 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
     arguments.one_of("overheads", overheads, (Overheads, type(None)), what="an Overheads")
     schedule = arguments.choice("schedule", schedule, Schedule)
     calibration = arguments.strings("calibration", calibration)
-    spec, par, wl = resolve(model, gpus=gpus, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp,
-                            zero=zero, sequence_parallel=sequence_parallel,
-                            vocab_parallel=vocab_parallel, tp_style=tp_style,
-                            grad_buffers=grad_buffers, offload=offload, framework=framework,
-                            stage_layers=stage_layers, dp_shard=dp_shard, etp=etp,
-                            vpp_group=vpp_group, **workload)
+    # the arguments are plain already: resolve's own wrapper would check them a second time
+    spec, par, wl = resolve.__wrapped__(
+        model, gpus=gpus, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp, zero=zero,
+        sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel, tp_style=tp_style,
+        grad_buffers=grad_buffers, offload=offload, framework=framework,
+        stage_layers=stage_layers, dp_shard=dp_shard, etp=etp, vpp_group=vpp_group,
+        **workload)
     est = _estimate(spec, gpu_spec, par, wl, capacity_bytes=capacity,
                     overheads=overheads,
                     schedule=schedule)
@@ -262,12 +263,14 @@ def resolve(model: str | ModelSpec, *, gpus: int = 1, tp: int = 1, pp: int = 1, 
     fw = presets.parse(framework)
     filled = presets.apply(fw, spec, {"tp_style": tp_style, "grad_buffers": grad_buffers,
                                       **workload})
-    par = make_layout(gpus, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp, zero=zero,
-                      sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,
-                      tp_style=filled.pop("tp_style"), grad_buffers=filled.pop("grad_buffers"),
-                      offload=offload, stage_layers=stage_layers, dp_shard=dp_shard,
-                      etp=etp, vpp_group=vpp_group)
-    return spec, par, make_workload(spec, framework=fw, **filled)
+    # (the unwrapped functions: every argument is plain already, the spec validated)
+    par = make_layout.__wrapped__(
+        gpus, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp, zero=zero,
+        sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,
+        tp_style=filled.pop("tp_style"), grad_buffers=filled.pop("grad_buffers"),
+        offload=offload, stage_layers=stage_layers, dp_shard=dp_shard, etp=etp,
+        vpp_group=vpp_group)
+    return spec, par, make_workload.__wrapped__(spec, framework=fw, **filled)
 
 
 def _validate(model: type[Workload], data: dict[str, Any]) -> Workload:

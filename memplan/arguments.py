@@ -19,6 +19,7 @@ import math
 import operator
 import types
 import typing
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -91,11 +92,21 @@ def plain(name: str, value: Any) -> Any:
     return value
 
 
+# Objects ``revalidated`` has checked: id -> (a weak reference to the object given, what its
+# validation returned). Only frozen models whose fields all hash (no list or dict to change in
+# place) are kept, so the answer stays true while the object lives; the entry goes with it.
+_CHECKED: dict[int, tuple[weakref.ref, BaseModel]] = {}
+
+
 def revalidated(name: str, model: BaseModel) -> BaseModel:
     """A pydantic ``model`` given to the API, validated again from its fields: an object made
     with ``model_copy(update=...)`` or ``model_construct(...)`` skipped validation, and would
     otherwise reach the formulas with a negative layer count or a missing field. One line
-    naming the argument and the field otherwise."""
+    naming the argument and the field otherwise. An object given again is answered from
+    ``_CHECKED`` (by identity: a copy is a new object, checked anew)."""
+    seen = _CHECKED.get(id(model))
+    if seen is not None and seen[0]() is model:
+        return seen[1]
     kind = type(model)
     unknown = sorted(set(vars(model)) - set(kind.model_fields))
     if unknown:  # model_copy(update=...) sets a misspelt name as it is
@@ -106,9 +117,23 @@ def revalidated(name: str, model: BaseModel) -> BaseModel:
         raise MemplanError(f"{name}: this {kind.__name__} cannot be read back "
                            f"({type(err).__name__}); build it with {kind.__name__}(...)") from None
     try:
-        return kind.model_validate(data)
+        checked = kind.model_validate(data)
     except ValidationError as err:
         raise MemplanError(f"{name}: {kind.__name__} {validation_message(err)}") from None
+    _remember(model, checked)
+    return checked
+
+
+def _remember(model: BaseModel, checked: BaseModel) -> None:
+    """Keep ``checked`` for ``model`` in ``_CHECKED`` when ``model`` cannot change."""
+    if not type(model).model_config.get("frozen"):
+        return
+    try:
+        hash(model)
+    except TypeError:  # a list or dict field: it may change in place
+        return
+    key = id(model)
+    _CHECKED[key] = (weakref.ref(model, lambda _, key=key: _CHECKED.pop(key, None)), checked)
 
 
 def plain_arguments(function: Any) -> Any:

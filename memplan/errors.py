@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -63,6 +62,8 @@ def deferred_interrupts() -> Iterator[None]:
             os.write(2, b"memplan: interrupted: nothing was written\n")
             os._exit(EXIT_INTERRUPTED)
         _INTERRUPTED[0] = True
+
+    import signal  # only here: its enums cost every ``import memplan`` otherwise
 
     previous = signal.signal(signal.SIGINT, handler)
     try:

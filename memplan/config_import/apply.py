@@ -3,13 +3,13 @@ place of the options the command line left unset (``memplan.config_import.merge`
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from memplan.config_import import Imported, merge
-from memplan.config_import import megatron as mega
-from memplan.config_import import torchtitan as titan
 from memplan.errors import MemplanError
-from memplan.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from memplan.config_import import Imported
+    from memplan.spec import ModelSpec
 
 # Workload fields a config sets that no command-line option exposes
 _WORKLOAD_ONLY = frozenset({"fused_qkv", "rope_cache"})
@@ -29,6 +29,11 @@ def configure(model: str | None, given: dict[str, Any], defaults: dict[str, Any]
         return model, given, None
     if torchtitan is not None and megatron is not None:
         raise MemplanError("give --torchtitan-config or --megatron-args, not both")
+    # the readers only when a config is given: a plain command line does not compile them
+    from memplan.config_import import merge
+    from memplan.config_import import megatron as mega
+    from memplan.config_import import torchtitan as titan
+
     gpus = given.get("gpus", 1)
     if torchtitan is not None:
         imported = titan.read(torchtitan, gpus, model=model)

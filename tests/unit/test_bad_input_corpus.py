@@ -1101,6 +1101,22 @@ def test_api_objects_are_validated(case: str) -> None:
         assert text in message, (text, message)
 
 
+def test_api_object_given_again_is_answered_by_identity_and_copies_checked_anew() -> None:
+    """A spec the API has validated is not validated again when given again (the same
+    object back), yet a copy of it made with ``model_copy(update=...)`` (which skips
+    validation) is checked: num_layers -1 is refused by name, every time it is given."""
+    from memplan.arguments import revalidated
+
+    spec = memplan.load_model("tiny")
+    checked = revalidated("model", spec)
+    assert revalidated("model", spec) is checked
+    broken = spec.model_copy(update={"num_layers": -1})
+    for _ in range(2):
+        with pytest.raises(MemplanError, match="num_layers"):
+            memplan.estimate(broken)
+    assert revalidated("model", spec.model_copy()) is not checked
+
+
 def test_numpy_and_other_integral_types_are_integers(tmp_path: Path) -> None:
     """np.int64, np.int32, values of np.arange and any class with ``__index__`` are integers
     to the API: the same answers as plain ints (a sweep built with np.arange runs)."""
