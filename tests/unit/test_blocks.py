@@ -272,10 +272,10 @@ def test_embedding_block() -> None:
 
 
 @pytest.mark.parametrize("t", [1, 3])
-def test_head_and_embedding_tensors_are_the_stage_s(t: int) -> None:
+def test_head_and_embedding_tensors_match_the_stage(t: int) -> None:
     """The head's and the embedding's tensor sizes are the first and last of a one-stage
     model's (``count_stage_params``, untied tiny: 8,192 / 2,752 token rows, the final norm's
-    64 and the head's shard again)."""
+    64 and the head's shard)."""
     from memplan.model.model_states import count_stage_params
 
     stage = count_stage_params(TINY, t, 1, 1, (0, 1), True, True, t)
