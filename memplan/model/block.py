@@ -1,7 +1,8 @@
 """The interface every block of a layer exposes, and the moments it reports.
 
-A block (a norm, an attention, an MLP, an MoE feed-forward) says, for one micro-batch on one
-rank, in bytes:
+A block (a norm, an attention, an MLP, an MoE feed-forward; outside the layers the head,
+``memplan.model.head.HeadBlock``, and the embedding, ``memplan.model.embedding.
+EmbeddingBlock``) says, for one micro-batch on one rank, in bytes:
 
 - ``saved``: the tensors autograd keeps from its forward for its backward (``Term``s);
 - ``forward_moments``: its local peaks while it runs forward and saves, as (its own saved bytes

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from memplan.model.dims import INDEX_BYTES, Dims, Term, residual_dropout_mask
+from memplan.model.block import BackwardMoment, Moment
+from memplan.model.dims import INDEX_BYTES, Dims, Term, residual_dropout_mask, total
 from memplan.model.moments import Event
-from memplan.spec import ModelSpec, PositionKind
+from memplan.parallel import vocab_shard
+from memplan.spec import ModelSpec, PositionKind, param_counts
+from memplan.workload import Recompute, Workload
 
 
 def embedding_terms(spec: ModelSpec, dm: Dims) -> list[Term]:
@@ -52,6 +55,66 @@ class EmbeddingBlock(NamedTuple):
     #                 the sum; the compute-dtype copy beside an fp32 main grad
     freed_before: int = 0  # of the stage's rest (rope tables, a checkpointed mask, dropout
     #                        mask): freed before the stage's last gradient
+
+    # --- the ``Block`` interface (``memplan.model.block``): per micro-batch on one rank of the
+    # first stage, in bytes (``t``: the ranks that split the vocabulary,
+    # ``ParallelConfig.vocab_divisor``; ``ep`` has no meaning here) ---
+
+    name = "embedding"  # the token (and learned position) embedding
+
+    def saved(self, spec: ModelSpec, wl: Workload, dm: Dims,
+              recompute: Recompute) -> list[Term]:
+        """``embedding_terms``: the token ids, learned positions' ids, the dropout mask.
+        ``recompute`` applies to layers only: the embedding is never checkpointed by it."""
+        return embedding_terms(spec, dm)
+
+    def forward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
+                        recompute: Recompute) -> list[Moment]:
+        """Its saved terms, nothing beyond: its output is the residual stream the first layer
+        reads, counted there as the stage's input."""
+        return [Moment("embedding", total(embedding_terms(spec, dm)), 0)]
+
+    def working_set(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
+        """None: the embedding is never inside a checkpointed layer."""
+        return []
+
+    def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
+                         recompute: Recompute) -> list[BackwardMoment]:
+        """The token embedding's backward: its ids still saved (the position ids and dropout
+        mask freed before), beyond its gradients the incoming gradient of its output
+        (``embedding_backward_extra`` untied, without fp32 main gradients: what a tied head's
+        pending gradient and an fp32 main gradient add depends on the stage, which
+        ``memplan.model.stage`` passes it), its token rows' gradient just made."""
+        ids = embedding_terms(spec, dm)[0].size_bytes
+        vocab_grad = dm.vocab_shard * spec.hidden_size * dm.stream_e
+        extra = embedding_backward_extra(
+            vocab_grad, vocab_grad, tied=False, main_grads=False,
+            incoming=dm.tokens * spec.hidden_size * dm.stream_e, vocab_final=vocab_grad)
+        return [BackwardMoment("embedding", ids, extra, tuple(self.grad_groups(spec, 1, 1)),
+                               dm.vocab_shard * spec.hidden_size)]
+
+    def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
+        """None: nothing of the embedding is rebuilt by layer recompute."""
+        return []
+
+    def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:
+        """The token embedding's rows on this rank (ceil(V / t), ``vocab_shard``), then the
+        learned position table (whole on every rank), as ``count_stage_params`` lists them."""
+        positions = param_counts(spec).position_embedding
+        return ([vocab_shard(spec.vocab_size, t) * spec.hidden_size]
+                + ([positions] if positions else []))
+
+    def grad_groups(self, spec: ModelSpec, t: int, ep: int) -> dict[str, int]:
+        """Learned positions' gradient first (their backward runs first), then the token
+        embedding's (which a tied head's gradient is summed into)."""
+        positions = param_counts(spec).position_embedding
+        tokens = vocab_shard(spec.vocab_size, t) * spec.hidden_size
+        return ({"position_embedding": positions} if positions else {}) | {
+            "embedding": positions + tokens}
+
+    def flops_per_token(self, spec: ModelSpec, seq_len: int) -> float:
+        """0: a lookup, no multiply-add (the step-time model counts none)."""
+        return 0.0
 
     def backward_events(self, held_grads: int, all_grads: int,
                         beside: int) -> tuple[Event, ...]:

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from memplan.model.linear import weight_casts
+from memplan.model import linear as lin
+from memplan.model import norm
+from memplan.model.block import BackwardMoment, Moment
+from memplan.model.linear import Linear, Split, weight_casts
 from memplan.model.dims import FP32_BYTES, INDEX_BYTES, MASK_BYTES, Dims, Term, total
 from memplan.model.moments import Event, Segment
 from memplan.model.norm import norm_terms
-from memplan.spec import ModelSpec
+from memplan.parallel import vocab_shard
+from memplan.spec import ModelSpec, norm_params
 from memplan.units import ceil_div
-from memplan.workload import LogitsHeld, LossImpl, Workload
+from memplan.workload import LogitsHeld, LossImpl, Recompute, Workload
 
 
 def _logit_bytes(wl: Workload, dm: Dims) -> int:
@@ -53,6 +57,15 @@ def softcap_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
 
 def _head_weight(spec: ModelSpec, dm: Dims) -> int:
     return dm.vocab_shard * spec.hidden_size
+
+
+def head_linear(spec: ModelSpec, t: int) -> Linear:
+    """The output projection h -> V on one rank of ``t`` that split the vocabulary
+    (``ParallelConfig.vocab_divisor``): its shard of ceil(V / t) rows (``vocab_shard``, as
+    ``model_states.count_stage_params`` counts it; Megatron-LM pads the vocabulary), declared
+    whole on the rank (``Split.NONE``) so the ceiling is kept. No bias."""
+    return Linear("head", "head", spec.hidden_size, vocab_shard(spec.vocab_size, t),
+                  split=Split.NONE)
 
 
 def loss_chunk_tokens(wl: Workload, dm: Dims) -> tuple[int, int]:
@@ -249,7 +262,7 @@ class HeadBlock(NamedTuple):
     loss_forward: int = 0  # the loss's forward, beyond what is saved
     upcast: int = 0  # the final norm's saved terms and new logits beside held ones
     #                  (``upcast_bytes``)
-    saved: int = 0  # the final norm's and the loss's saved terms (batch excluded)
+    saved_bytes: int = 0  # the final norm's and the loss's saved terms (batch excluded)
     loss: int = 0  # in the loss's backward, beyond what is saved
     linear: int = 0  # at the head projection's backward: logits grad in the compute dtype,
     #                  input grad and the head's weight grad
@@ -261,6 +274,76 @@ class HeadBlock(NamedTuple):
     final_norm_bwd: int = 0  # gradients in flight inside the final norm's backward
     final_norm_all: int = 0  # all the final norm saves (alive at the head's backward)
     tied_grad: int = 0  # a tied head's weight gradient, held until the embedding's backward
+
+    # --- the ``Block`` interface (``memplan.model.block``): what the fields above are made
+    # from, per micro-batch on one rank of the last stage, in bytes (``t``: the ranks that
+    # split the vocabulary, ``ParallelConfig.vocab_divisor``; ``ep`` has no meaning here) ---
+
+    name = "head"  # the final norm, the output projection and the loss
+
+    def saved(self, spec: ModelSpec, wl: Workload, dm: Dims,
+              recompute: Recompute) -> list[Term]:
+        """``head_terms``: the final norm's, the weight cast's, the soft-cap's and the loss's
+        (log-softmax, or none with a chunked loss) saved terms and the batch's targets and
+        scalars. ``recompute`` applies to layers only: the head is never checkpointed by it
+        (a chunked loss checkpoints its own chunks, ``Workload.loss_chunks``)."""
+        return head_terms(spec, wl, dm)
+
+    def forward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
+                        recompute: Recompute) -> list[Moment]:
+        """The final norm (its saved terms, its transient ``norm.final_forward_transient``),
+        then the loss (all the head saves, beyond it ``forward_extra_bytes``)."""
+        final_norm, _ = norm.final_saved_bytes(spec, wl, dm)
+        return [Moment("final_norm", final_norm, norm.final_forward_transient(spec, wl, dm)),
+                Moment("loss", total(self.saved(spec, wl, dm, recompute)),
+                       forward_extra_bytes(spec, wl, dm))]
+
+    def working_set(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
+        """None: the head is never inside a checkpointed layer (its chunked loss's reruns are
+        counted in ``forward_extra_bytes`` and ``loss_backward_bytes``)."""
+        return []
+
+    def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
+                         recompute: Recompute) -> list[BackwardMoment]:
+        """The loss (all saved alive, ``loss_backward_bytes``), the output projection (the
+        final norm's saved terms, ``linear_backward_bytes``; its weight gradient just made in
+        the compute dtype), the final norm (what it still saves, ``final_backward_bytes``).
+        The head's weight gradient is counted as made in the compute dtype, as the stage's
+        terms count it (``stage_terms``); a tied head's is the embedding's group."""
+        fresh = _head_weight(spec, dm)  # elements of the weight whose gradient is made
+        grad = fresh * dm.e
+        final_norm, norm_at_backward = norm.final_saved_bytes(spec, wl, dm)
+        return [BackwardMoment("loss", total(self.saved(spec, wl, dm, recompute)),
+                               loss_backward_bytes(spec, wl, dm, grad)),
+                BackwardMoment("head", final_norm, linear_backward_bytes(spec, wl, dm, grad),
+                               ("head",), fresh),
+                BackwardMoment("final_norm", norm_at_backward,
+                               norm.final_backward_bytes(spec, wl, dm), ("head", "final_norm"))]
+
+    def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
+        """None: nothing of the head is rebuilt by layer recompute (see ``working_set``)."""
+        return []
+
+    def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:
+        """The final norm's weight (and bias), then the output projection's shard (none when
+        tied: the embedding's weight; a pipeline's last stage holds a copy of it, which
+        ``model_states.count_stage_params`` adds)."""
+        proj = [] if spec.tied_embeddings else lin.tensor_sizes(head_linear(spec, t), t)
+        return [spec.hidden_size] * (2 if spec.norm_bias else 1) + proj
+
+    def grad_groups(self, spec: ModelSpec, t: int, ep: int) -> dict[str, int]:
+        """The output projection's gradient first (0 when tied), then the final norm's."""
+        proj = [] if spec.tied_embeddings else [head_linear(spec, t)]
+        return lin.grad_groups(proj, t, ("head", "final_norm"),
+                                  {"final_norm": norm_params(spec)})
+
+    def flops_per_token(self, spec: ModelSpec, seq_len: int) -> float:
+        """The projection's 2*h*V (whole vocabulary: ``linear.flops_per_token``, the head term
+        of ``planning.timing``, tied or not) and the final norm's 2 per parameter, as a layer's
+        norms count (``Norm.flops_per_token``; the step-time model leaves the final norm's
+        out)."""
+        return (lin.flops_per_token([head_linear(spec, 1)])
+                + norm.Norm("final_norm").flops_per_token(spec, seq_len))
 
     def forward_segment(self, at: int, until_loss: int) -> Segment:
         """The final norm, the logits a loop held freed (``until_loss``), then the loss,
@@ -276,7 +359,7 @@ class HeadBlock(NamedTuple):
         its gradients are new (else accumulated into existing ones)."""
         if not any(self):  # no head on this stage: only what is gathered at its loss
             return (Event("loss.backward", 0, at),)
-        events = (Event("loss.backward", -self.saved, at + self.loss),
+        events = (Event("loss.backward", -self.saved_bytes, at + self.loss),
                   Event("head.backward", 0, at + self.final_norm_all + self.linear),
                   # the head's weight gradient exists; a tied head's waits for the embedding's
                   Event("head.main_grads", (self.grads if growing else 0) + self.tied_grad,

@@ -330,7 +330,7 @@ def _head_block(spec: ModelSpec, shared: StageTerms, fx: StageStates, head_bytes
         forward_saved=head_bytes - shared.targets_bytes,
         final_norm_forward=shared.final_norm_bytes + shared.final_norm_extra,
         loss_forward=shared.loss_fwd, upcast=shared.upcast,
-        saved=head_bytes - batch, loss=loss, linear=linear, main_grads=main, grads=grads,
+        saved_bytes=head_bytes - batch, loss=loss, linear=linear, main_grads=main, grads=grads,
         final_norm_saved=shared.final_norm_bwd_saved, final_norm_bwd=shared.final_norm_bwd,
         final_norm_all=shared.final_norm_bytes,
         tied_grad=_embedding_vocab_grad(shared.dm, fx)[0] if tied else 0)

@@ -105,7 +105,7 @@ def backward_start(w: Walk, grads_prior: int) -> Segment:
 def _start_bytes(w: Walk, grads_prior: int) -> tuple[int, int, int, int]:
     """``backward_start``'s bytes, in its order (the fold starts from their sum)."""
     return (w.other_bytes, w.rest_saved,
-            w.head.saved + sum(k.saved_bytes * n for k, _, _, n in w.runs), grads_prior)
+            w.head.saved_bytes + sum(k.saved_bytes * n for k, _, _, n in w.runs), grads_prior)
 
 
 def _backward_moments(w: Walk, grads_prior: int, grads_total: int) -> list[Segment]:

@@ -12,6 +12,8 @@ import pytest
 from memplan.model.attention import Attention
 from memplan.model.block import Block
 from memplan.model.dims import Dims, total
+from memplan.model.embedding import EmbeddingBlock
+from memplan.model.head import HeadBlock
 from memplan.model.layer import (
     ALL_BLOCKS,
     backward_moments,
@@ -201,13 +203,85 @@ def test_block_flops_count_two_per_parameter(model: str) -> None:
 
 
 def test_every_block_has_the_interface() -> None:
-    """Norms, stream inputs, attention (full and windowed), MLA, MLP and MoE all expose the
-    same methods (``memplan.model.block``)."""
+    """Norms, stream inputs, attention (full and windowed), MLA, MLP and MoE, the head and the
+    embedding all expose the same methods (``memplan.model.block``), and each answers them."""
     methods = [name for name in Block.__dict__ if not name.startswith("_") and name != "name"]
     assert len(ALL_BLOCKS) == 11
-    for block in ALL_BLOCKS:
+    for block in (*ALL_BLOCKS, HeadBlock(), EmbeddingBlock()):
         assert all(callable(getattr(block, name)) for name in methods), block
         assert isinstance(block.name, str)
+    for block in (HeadBlock(), EmbeddingBlock()):
+        assert total(block.saved(TINY, WL, DM, Recompute.NONE)) > 0
+        assert block.forward_moments(TINY, WL, DM, Recompute.NONE)
+        assert block.backward_moments(TINY, WL, DM, Recompute.NONE)
+        assert block.working_set(TINY, WL, DM) == block.rebuild_moments(TINY, WL, DM) == []
+        assert isinstance(block.flops_per_token(TINY, 32), float)
+
+
+def test_head_block() -> None:
+    """The final norm as ``test_upcast_norm``'s (33,024 B: fp32 input 16,384, output 8,192,
+    rstd 256, normed 8,192), the log-softmax T*V*4 = 64*128*4 = 32,768 (fp32 logits, the
+    workload's default), the targets T*8 = 512 and the loss's two fp32 scalars 8. Parameters
+    on a TP rank: the final norm's weight h = 64, then the head's vocabulary shard ceil(128 /
+    t) rows of h: 8,192 at t 1, 43*64 = 2,752 at t 3; its gradient first (64*64 = 4,096 at t
+    2), then the final norm's (+64). Tied: only the final norm. FLOPs per token: 2*h*V =
+    16,384 (the step-time model's head term) and the final norm's 2*h = 128."""
+    head = HeadBlock()
+    saved = {t.name: t.size_bytes for t in head.saved(TINY, WL, DM, Recompute.NONE)}
+    assert saved == {"final_norm.input_fp32": 16_384, "final_norm.output": 8_192,
+                     "final_norm.stats": 256, "final_norm.normed": 8_192,
+                     "loss.log_softmax": 32_768, "loss.targets": 512, "loss.scalars": 8}
+    assert [m[:2] for m in head.forward_moments(TINY, WL, DM, Recompute.NONE)] == [
+        ("final_norm", 33_024), ("loss", 66_312)]
+    back = head.backward_moments(TINY, WL, DM, Recompute.NONE)
+    assert [(m.name, m.own_bytes, m.grads, m.fresh_params) for m in back] == [
+        ("loss", 66_312, (), 0), ("head", 33_024, ("head",), 8_192),
+        ("final_norm", 16_640, ("head", "final_norm"), 0)]
+    assert head.tensor_sizes(TINY, 1, 1) == [64, 8_192]
+    assert head.tensor_sizes(TINY, 3, 1) == [64, 2_752]
+    assert head.grad_groups(TINY, 2, 1) == {"head": 4_096, "final_norm": 4_160}
+    tied = ModelSpec.model_validate({**TINY.model_dump(), "tied_embeddings": True})
+    assert head.tensor_sizes(tied, 1, 1) == [64]
+    assert head.grad_groups(tied, 1, 1) == {"head": 0, "final_norm": 64}
+    assert head.flops_per_token(TINY, 32) == 16_384 + 128
+
+
+def test_embedding_block() -> None:
+    """RoPE: the token ids T*8 = 512 saved; the token rows ceil(128 / t) * h: 8,192 at t 1,
+    43*64 = 2,752 at t 3. Its backward: the ids still saved, the incoming gradient of its
+    output T*h*2 = 8,192 in flight, the token rows' gradient (8,192 elements) just made.
+    Learned positions: their ids s*8 = 256 saved too, their table max_seq_len*h = 256*64 =
+    16,384 after the token rows, its gradient first (then 16,384 + 64*64 = 20,480 at t 2).
+    No FLOPs: a lookup."""
+    emb = EmbeddingBlock()
+    assert {t.name: t.size_bytes for t in emb.saved(TINY, WL, DM, Recompute.NONE)} == {
+        "embedding.ids": 512}
+    assert _moments(emb.forward_moments(TINY, WL, DM, Recompute.NONE)) == [("embedding", 512, 0)]
+    back = emb.backward_moments(TINY, WL, DM, Recompute.NONE)
+    assert [(m.name, m.own_bytes, m.transient_bytes, m.grads, m.fresh_params) for m in back] == [
+        ("embedding", 512, 8_192, ("embedding",), 8_192)]
+    assert emb.tensor_sizes(TINY, 1, 1) == [8_192]
+    assert emb.tensor_sizes(TINY, 3, 1) == [2_752]
+    assert emb.grad_groups(TINY, 1, 1) == {"embedding": 8_192}
+    learned = ModelSpec.model_validate({**TINY.model_dump(), "position": "learned"})
+    dm = Dims.of(learned, ParallelConfig(), WL)
+    assert total(emb.saved(learned, WL, dm, Recompute.NONE)) == 512 + 256
+    assert emb.tensor_sizes(learned, 1, 1) == [8_192, 16_384]
+    assert emb.grad_groups(learned, 2, 1) == {"position_embedding": 16_384, "embedding": 20_480}
+    assert emb.flops_per_token(TINY, 32) == 0.0
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_head_and_embedding_tensors_match_the_stage(t: int) -> None:
+    """The head's and the embedding's tensor sizes are the first and last of a one-stage
+    model's (``count_stage_params``, untied tiny: 8,192 / 2,752 token rows, the final norm's
+    64 and the head's shard)."""
+    from memplan.model.model_states import count_stage_params
+
+    stage = count_stage_params(TINY, t, 1, 1, (0, 1), True, True, t)
+    sizes = list(stage.tensor_sizes)
+    assert sizes[:stage.embedding_tensors] == EmbeddingBlock().tensor_sizes(TINY, t, 1)
+    assert sizes[len(sizes) - stage.head_tensors:] == HeadBlock().tensor_sizes(TINY, t, 1)
 
 
 def test_moe_block_terms() -> None:

@@ -60,7 +60,7 @@ def test_backward_with_earlier_microbatches_gradients() -> None:
 def test_backward_starts_at_the_loss() -> None:
     """A head that saved 40 B and whose loss backward holds 500 B: 2 * 100 + 40 + 500 = 740
     at the loss's backward, larger than any layer's moment."""
-    head = HeadBlock(saved=40, loss=500)
+    head = HeadBlock(saved_bytes=40, loss=500)
     assert backward_peak(_walk(head=head), 0, 100) == 740
 
 
