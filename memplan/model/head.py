@@ -353,13 +353,15 @@ class HeadBlock(NamedTuple):
                         Event("loop.logits_released", -until_loss, None),
                         Event("loss.forward", 0, self.forward_saved + self.loss_forward + at)))
 
-    def backward_events(self, at: int, beside: int, growing: bool) -> tuple[Event, ...]:
-        """The loss, the head projection, its fp32 main gradient, the final norm, beside
-        ``at`` gathered bytes (and ``beside`` at the final norm's backward); ``growing``:
-        its gradients are new (else accumulated into existing ones)."""
+    def backward_events(self, at_loss: int, at: int, beside: int,
+                        growing: bool) -> tuple[Event, ...]:
+        """The loss beside ``at_loss`` gathered bytes, then the head projection, its fp32
+        main gradient and the final norm beside ``at`` (and ``beside`` at the final norm's
+        backward); ``growing``: its gradients are new (else accumulated into existing
+        ones)."""
         if not any(self):  # no head on this stage: only what is gathered at its loss
             return (Event("loss.backward", 0, at),)
-        events = (Event("loss.backward", -self.saved_bytes, at + self.loss),
+        events = (Event("loss.backward", -self.saved_bytes, at_loss + self.loss),
                   Event("head.backward", 0, at + self.final_norm_all + self.linear),
                   # the head's weight gradient exists; a tied head's waits for the embedding's
                   Event("head.main_grads", (self.grads if growing else 0) + self.tied_grad,

@@ -201,6 +201,9 @@ class ShardingBuffers(NamedTuple):
     backward_block_bytes: int = 0
     backward_last_block_bytes: int = 0
     backward_end_bytes: int = 0
+    backward_head_prefetch_bytes: int = 0  # of ``backward_head_bytes``, the block the head's
+    #                                        unit prefetches, gathered only after the loss's
+    #                                        backward (0: gathered through it too)
     reduce_copies: int = 0  # unit-sized reduce-dtype tensors at a unit's reduce, where that
     #                         moment is modelled (FSDP2 at shard degree 1)
     kept_gathered: bool = False  # FSDP2 under pipeline parallelism as torchtitan runs it: every
@@ -290,7 +293,12 @@ def _separate_units(params: StageParams, one_rank: bool, layer: int, blocks: int
     # backward. In backward a block runs beside the all-gather buffer of the unit its
     # backward prefetches (the block before it; for the first block, the embedding);
     # the head's unit beside the last block's prefetch; the embedding's at the end
-    # (traced: tests/traced/test_frameworks.py, torchtitan cases)
+    # (traced: tests/traced/test_frameworks.py, torchtitan cases). The head's unit
+    # prefetches in its pre_backward, a hook on its output, the logits (torch 2.13
+    # _fsdp_state.py _register_pre_backward_hook, FSDPParamGroup.pre_backward ->
+    # _backward_prefetch): it fires once the loss's backward has made the logits'
+    # gradient, so the loss's backward runs beside the head's unit alone (traced, the
+    # dp 8 torchtitan case at vocabulary 32,000, where the loss's backward is the peak).
     # At shard degree 1 a prefetch allocates nothing (unshard only marks the unit;
     # its storage is made in wait_for_unshard), so each unit is gathered alone.
     head, emb = params.head, params.embedding
@@ -305,6 +313,7 @@ def _separate_units(params: StageParams, one_rank: bool, layer: int, blocks: int
     return ShardingBuffers(max(blocks, layer + ahead * head) * e, head * e,
                            params.largest_unit * grad_bytes,
                            backward_head_bytes=(head + ahead * layer) * e,
+                           backward_head_prefetch_bytes=ahead * layer * e,
                            backward_block_bytes=blocks * e,
                            backward_last_block_bytes=(layer + ahead * emb) * e,
                            backward_end_bytes=emb * e, separate_units=True,

@@ -45,6 +45,8 @@ class DataParallel(NamedTuple):
     unsharded_dtype: float = 1.0  # FSDP2: bytes of an unsharded gradient (the weights'
     #                               dtype) per byte of its reduce dtype
     at_head: int = 0  # weights gathered at the loss and the head
+    head_prefetch: int = 0  # ... of them, the block the head's unit prefetches, gathered only
+    #                         after the loss's backward
     in_block: int = 0  # ... while a block's backward runs
     in_first_block: int = 0  # ... while the stage's first block (the last in backward) runs
     at_embedding: int = 0  # ... at the embedding
@@ -100,6 +102,11 @@ class DataParallel(NamedTuple):
         return max(m.alive_bytes + m.transient_bytes for m in moments)
 
     @property
+    def at_loss(self) -> int:
+        """Weights gathered at the loss's backward: the head's, before its unit prefetches."""
+        return self.at_head - self.head_prefetch
+
+    @property
     def reduce_at_block(self) -> bool:
         """FSDP2's root-unit reduce-scatter moments of every block (not at shard degree 1)."""
         return self.per_unit and not self.reduce_copies and not self.separate_units
@@ -125,6 +132,7 @@ def data_parallel(shard: ShardingBuffers, params: int, grads_bytes: int,
         # torchtitan's units, the head's unit until its backward, one block, the embedding's
         in_block=shard.backward_block_bytes, in_first_block=shard.backward_last_block_bytes,
         at_head=shard.backward_head_bytes, at_embedding=shard.backward_end_bytes,
+        head_prefetch=shard.backward_head_prefetch_bytes,
         separate_units=shard.separate_units, reduce_copies=shard.reduce_copies,
         in_block_forward=shard.gathered_bytes, at_loss_forward=shard.gathered_at_loss_bytes,
         block_start=shard.forward_start_bytes,

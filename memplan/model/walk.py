@@ -113,7 +113,7 @@ def _backward_moments(w: Walk, grads_prior: int, grads_total: int) -> list[Segme
     h, emb, dp = w.head, w.embedding, w.sharding
     growing = grads_prior == 0
     beside, after, held = head_moments(dp, h.grads)
-    segments = [Segment((*h.backward_events(dp.at_head, beside, growing), *after))]
+    segments = [Segment((*h.backward_events(dp.at_loss, dp.at_head, beside, growing), *after))]
     made = grads_prior + (h.grads if growing else 0)  # gradients held
     for index, (kind, layer_grads, moment_grads, n) in enumerate(reversed(w.runs)):
         positions, held = run_positions(dp, held, layer_grads, max(moment_grads), n, growing,

@@ -272,6 +272,12 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
     # output still held (wait_for_unshard's prev_all_gather_state), its own, its parameters
     (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=8,
                    options={"ac": "full"}), None),
+    # a 32,000-token vocabulary: the loss's backward (fp32 logits' gradient) is the backward
+    # peak, beside the head's unit alone; the head's pre_backward (a hook on the logits)
+    # prefetches the last block only after it (counting that block there over-estimated
+    # the backward by its 1,508,352 B)
+    (FrameworkCase("torchtitan", "llama3-toy-v32k", TITAN_TOY | {"vocab_size": 32_000},
+                   "fsdp-bf16", 2, 128, dp=8), None),
     # v0.2.2's selective_ac_option "2" (dropped in 0.3.0, reproduced as v0.2.2 wraps): full AC
     # on blocks 1 and 3 of four (counted from 0), blocks 0 and 2 saving everything
     (FrameworkCase("torchtitan", "llama3-toy-4l", TITAN_TOY | {"n_layers": 4}, "fsdp-bf16", 2,

@@ -10,11 +10,13 @@ is alive: the backward starts from the four blocks' 400 B of saved bytes.
 
 from __future__ import annotations
 
+from memplan.api import resolve
 from memplan.model.embedding import EmbeddingBlock
 from memplan.model.head import HeadBlock
 from memplan.model.layer import LayerKind, LayerMoment
+from memplan.model.model_states import sharding_buffers, stage_params
 from memplan.model.moments import timeline
-from memplan.model.sharding import DataParallel, with_stream
+from memplan.model.sharding import DataParallel, data_parallel, with_stream
 from memplan.model.walk import Walk, backward_peak, backward_segments, forward_peak
 from memplan.model.walk import forward_segments
 
@@ -144,3 +146,35 @@ def test_fsdp2_gathers_in_forward() -> None:
     assert [at for _, _, at in timeline(forward_segments(runs, dp, 0, 0))] == [
         0, 800, 520, 800, 620, 900, 720, 1_000, 820]
     assert forward_peak(runs, 0, HeadBlock(), dp) == 1_000
+
+
+def test_torchtitan_head_unit_prefetches_after_the_loss() -> None:
+    """torchtitan's units at shard degree 2: 300 B gathered at the head (its own unit's 200 B
+    and the 100 B of the last block, which its pre_backward prefetches). That hook sits on the
+    head's output, the logits, so it fires once the loss's backward has made their gradient:
+    the loss's backward runs beside the head's 200 B alone. A loss of 250 B in flight: 400
+    alive + 250 + 200 = 850 at the loss's backward (not 950); the head's backward and its
+    gradient beside all 300 B: 400 + 300 = 700."""
+    dp = DataParallel(grad_cap=1_000, unsharded_ratio=2.0, per_unit=True, separate_units=True,
+                      at_head=300, head_prefetch=100, in_block=200, in_first_block=200,
+                      at_embedding=100)
+    walk = _walk(dp)._replace(head=HeadBlock(grads=20, loss=250))
+    instants = [(n, at) for n, _, at in timeline(backward_segments(walk, 0, 250))][:3]
+    assert instants == [("loss.backward", 850), ("head.backward", 700),
+                        ("head.main_grads", 700)]
+
+
+def test_torchtitan_units_gather_the_head_alone_at_the_loss_of_llama_3_8b() -> None:
+    """Llama-3-8B (dim 4096, 8 query and 8 x 128 = 1,024-wide KV projections, ffn 14,336,
+    vocabulary 128,256, untied) under torchtitan's FSDP2 on 8 ranks, bf16 gathered weights.
+    A block: 2 x 4096^2 (q, o) + 2 x 4096 x 1024 (k, v) + 3 x 4096 x 14336 (ffn) + 2 x 4096
+    (norms) = 218,112,000 elements; the [final norm, output] unit: 4096 + 128256 x 4096 =
+    525,340,672. At the head's backward both are gathered, (525,340,672 + 218,112,000) x 2 =
+    1,486,905,344 B; at the loss's backward the block's 436,224,000 B are not yet."""
+    spec, par, wl = resolve("llama-3-8b", gpus=8, zero=3, framework="torchtitan")
+    layers = list(range(spec.num_layers))
+    shard = sharding_buffers(stage_params(spec, par, layers, first=True, last=True), par, wl)
+    assert shard.backward_head_bytes == 1_486_905_344
+    assert shard.backward_head_prefetch_bytes == 436_224_000
+    dp = data_parallel(shard, 1, 1, wl.precision.policy)
+    assert dp.at_loss == 1_050_681_344  # 525,340,672 x 2
