@@ -5,7 +5,7 @@ A layer's FLOPs are its blocks' ``flops_per_token`` (2 per parameter the token p
 top-k of the routed experts, and the attention core's), split into the attention core's
 score matmuls (QK^T and PV: their kernel runs at its own rate, and selective recompute reruns
 them) and the rest. A sliding-window layer's core attends over its window
-(``memplan.model.attention.WindowAttention``).
+(``memplan.model.attention.WindowAttention``). The head's projection: ``head_flops_per_token``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import NamedTuple
 
+from memplan.model import linear
 from memplan.model.attention import Attention
+from memplan.model.head import head_linear
 from memplan.model.layer import layer_blocks
 from memplan.model.mla import Mla
 from memplan.spec import ModelSpec
@@ -46,3 +48,10 @@ def layer_flops(spec: ModelSpec, seq_len: int) -> tuple[LayerFlops, ...]:
             kinds[key] = LayerFlops(total - core, core)
         out.append(kinds[key])
     return tuple(out)
+
+
+def head_flops_per_token(spec: ModelSpec) -> float:
+    """Forward FLOPs of one token through the output projection: 2 per weight of the whole
+    vocabulary, tied or not (``HeadBlock.flops_per_token``'s projection term; the final
+    norm's 2*h is left out, as the step-time model has always counted the head)."""
+    return linear.flops_per_token([head_linear(spec, 1)])

@@ -28,7 +28,7 @@ from itertools import accumulate
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from memplan.hardware import GpuSpec
-from memplan.model.flops import layer_flops
+from memplan.model.flops import head_flops_per_token, layer_flops
 from memplan.model.optimizer import optimizer_policy
 from memplan.model.pipeline import stage_layers
 from memplan.model.sac import recomputed
@@ -89,9 +89,8 @@ def forward_flops_per_token(spec: ModelSpec, seq_len: int) -> tuple[float, float
     FLOPs of one token's forward through the whole model: the layers' from their blocks
     (``memplan.model.flops``), the head's 2 per weight."""
     layers = layer_flops(spec, seq_len)
-    head = spec.vocab_size * spec.hidden_size
     attention = sum(layer.attention for layer in layers)
-    return (sum(layer.matmul for layer in layers) + 2.0 * head, attention,
+    return (sum(layer.matmul for layer in layers) + head_flops_per_token(spec), attention,
             attention / spec.num_layers)
 
 
@@ -136,7 +135,7 @@ def stage_balance(spec: ModelSpec, wl: Workload, pp: int, vpp: int = 1,
                  if wl.recompute_layers is None and wl.recompute_every is None else
                  set(recomputed_layers(spec.num_layers, wl.recompute_layers, pp, vpp, split,
                                        wl.recompute_every)))
-    head = 2.0 * spec.vocab_size * spec.hidden_size * (4 if wl.loss_chunks > 1 else 3)
+    head = head_flops_per_token(spec) * (4 if wl.loss_chunks > 1 else 3)
     ranks = []
     for stage in range(pp):
         layers = [i for chunk in stage_layers(spec.num_layers, par, stage) for i in chunk]
@@ -153,7 +152,7 @@ def step_flops(spec: ModelSpec, wl: Workload, global_batch: int, *, pp: int,
     matmul, attention, _ = forward_flops_per_token(spec, wl.seq_len)
     forward = matmul + attention
     model = 3.0 * forward * tokens
-    head = 2.0 * spec.vocab_size * spec.hidden_size
+    head = head_flops_per_token(spec)
     # a chunked loss reruns each chunk's head projection in its backward
     extra = head * tokens if wl.loss_chunks > 1 else 0.0
     if wl.recompute is Recompute.FULL:

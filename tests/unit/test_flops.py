@@ -3,7 +3,7 @@ reads, derived by hand: sliding windows and MLA's value head."""
 
 from __future__ import annotations
 
-from memplan.model.flops import layer_flops
+from memplan.model.flops import head_flops_per_token, layer_flops
 from memplan.spec import load_model
 from memplan.planning.timing import forward_flops_per_token
 
@@ -29,3 +29,15 @@ def test_mla_core_reads_the_value_head() -> None:
     4,096, 2 * 2,048 * 128 * (192 + 128) = 167,772,160 per layer."""
     layers = layer_flops(load_model("deepseek-v3"), 4096)
     assert {layer.attention for layer in layers} == {167_772_160}
+
+
+def test_head_projection_counts_the_whole_vocabulary_tied_or_not() -> None:
+    """2 FLOPs per output-projection weight, the whole vocabulary: llama-2-7b (untied) 2 *
+    32,000 * 4,096 = 262,144,000; gemma-2-9b (tied to its embedding, still a matmul) 2 *
+    256,000 * 3,584 = 1,835,008,000. The step-time model's head term: the projection and head
+    matmuls of ``forward_flops_per_token`` are the layers' plus it."""
+    llama, gemma = load_model("llama-2-7b"), load_model("gemma-2-9b")
+    assert head_flops_per_token(llama) == 262_144_000
+    assert head_flops_per_token(gemma) == 1_835_008_000
+    layers = sum(layer.matmul for layer in layer_flops(llama, 4096))
+    assert forward_flops_per_token(llama, 4096)[0] == layers + 262_144_000
