@@ -30,6 +30,8 @@ with more than one micro-batch per step.
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 from memplan.model.model_states import StageParams, StateBytes
 from memplan.model.sharding import DataParallel
 from memplan.model.walk import Walk, backward_peak
@@ -59,10 +61,11 @@ def unsynced(dp: DataParallel, root_new: int = 0) -> DataParallel:
 
 
 def new_grads(params: StageParams, wl: Workload,
-              separate_units: bool) -> tuple[float, int, int]:
+              separate_units: bool) -> tuple[Fraction, int, int]:
     """How a later micro-batch's new gradients sit beside FSDP2's accumulators: (their bytes
     per accumulator byte made, at each of a block's moments; the root's, held through the
-    backward; bytes per parameter of a weight whose gradient a moment just made), in bytes.
+    backward; bytes per parameter of a weight whose gradient a moment just made), in bytes;
+    the first an exact ratio of itemsizes, so bytes made from it are whole without rounding.
 
     With a reduce dtype other than the weights' (``to_accumulated_grad_if_needed`` moved the
     accumulator off ``.grad``) autograd makes a new ``.grad`` in the weights' dtype that the
@@ -75,14 +78,14 @@ def new_grads(params: StageParams, wl: Workload,
     policy = wl.precision.policy
     e = policy.unsharded.itemsize
     if e == policy.grad_bytes:
-        return 0.0, 0, e
-    return e / policy.grad_bytes, (0 if separate_units else params.head * e), 0
+        return Fraction(0), 0, e
+    return Fraction(e, policy.grad_bytes), (0 if separate_units else params.head * e), 0
 
 
-def with_new_grads(walk: Walk, ratio: float, fresh: int = 0) -> Walk:
+def with_new_grads(walk: Walk, ratio: Fraction, fresh: int = 0) -> Walk:
     """``walk`` with each block's new gradients in flight at each of its moments: ``ratio`` x
-    the accumulator bytes its moments made by then, and ``fresh`` bytes per parameter of the
-    weight whose gradient the moment just made."""
+    the accumulator bytes its moments made by then (whole bytes, rounded down), and
+    ``fresh`` bytes per parameter of the weight whose gradient the moment just made."""
     if not (ratio or fresh):
         return walk
     runs = [(kind._replace(moments=tuple(

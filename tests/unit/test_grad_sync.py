@@ -3,6 +3,8 @@ bytes each data-parallel mechanism holds, derived by hand (``memplan.model.grad_
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import pytest
 
 import memplan
@@ -81,6 +83,20 @@ def test_new_gradients_at_each_moment() -> None:
     assert [m.transient_bytes for m in mixed] == [10, 30]
     assert [m.transient_bytes for m in same] == [10, 34]
     assert with_new_grads(walk, 0.0, 0) is walk
+
+
+def test_new_gradient_bytes_are_exact() -> None:
+    """The new gradients' share is an exact ratio of itemsizes (fsdp-bf16: 2 / 4), so a
+    moment's bytes are whole without float rounding: 2^54 + 2 accumulator bytes make
+    2^53 + 1 new ones (a float 0.5 would read 2^54 + 2 as 2^54 and give 2^53)."""
+    params = StageParams(dense=0, expert=0, layers=(), embedding=0, head=0, tensor_sizes=(),
+                         largest_unit=0, num_tensors=0)
+    ratio = new_grads(params, Workload(precision="fsdp-bf16"), separate_units=True)[0]
+    assert ratio == Fraction(1, 2)
+    kind = LayerKind(terms=(), saved_bytes=0, forward_peak_bytes=0,
+                     moments=(LayerMoment("a", 0, 0, ()),))
+    walk = WALK._replace(runs=[(kind, 0, (2**54 + 2,), 1)])
+    assert with_new_grads(walk, ratio).runs[0][0].moments[0].transient_bytes == 2**53 + 1
 
 
 def _stage(**kwargs: object):
