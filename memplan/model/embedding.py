@@ -99,7 +99,7 @@ class EmbeddingBlock(NamedTuple):
 
     def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:
         """The token embedding's rows on this rank (ceil(V / t), ``vocab_shard``), then the
-        learned position table (whole on every rank), as ``count_stage_params`` lists them."""
+        learned position table (whole on every rank); ``count_stage_params`` lists these."""
         positions = param_counts(spec).position_embedding
         return ([vocab_shard(spec.vocab_size, t) * spec.hidden_size]
                 + ([positions] if positions else []))

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from memplan.model.embedding import EmbeddingBlock
+from memplan.model.head import HeadBlock
 from memplan.model.layer import layer_tensor_sizes
 from memplan.model.optimizer import optimizer_policy
 from memplan.model.trainable import ALL, TrainablePolicy
@@ -74,7 +76,7 @@ def count_stage_params(spec: ModelSpec, t: int, ep: int | ExpertSplit, pp: int,
     dense += embed + head
     sizes: list[int] = []
     if first:
-        sizes += [vocab_rows] + ([counts.position_embedding] if counts.position_embedding else [])
+        sizes += EmbeddingBlock().tensor_sizes(spec, vocab_div, 1)
     embedding_tensors = len(sizes)
     kinds = {moe: layer_tensor_sizes(spec, t, ep, moe)
              for moe in {spec.is_moe_layer(i) for i in layers}}
@@ -82,8 +84,9 @@ def count_stage_params(spec: ModelSpec, t: int, ep: int | ExpertSplit, pp: int,
         sizes += kinds[spec.is_moe_layer(i)]
     before_head = len(sizes)
     if last:
-        sizes += [h] * (2 if spec.norm_bias else 1)
-        sizes += [vocab_rows] if counts.head or pp > 1 else []
+        sizes += HeadBlock().tensor_sizes(spec, vocab_div, 1)
+        # tied under pipeline parallelism the last stage holds its own copy of the embedding
+        sizes += [vocab_rows] if spec.tied_embeddings and pp > 1 else []
     return StageParams(dense=dense, expert=expert, layers=tuple(per_layer), embedding=embed,
                        head=head, tensor_sizes=tuple(sizes),
                        largest_unit=max(0, embed, head, *per_layer), num_tensors=len(sizes),
