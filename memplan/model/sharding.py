@@ -66,13 +66,17 @@ class DataParallel(NamedTuple):
         """Unsharded bytes, in the reduce dtype, of ``held`` gradient bytes."""
         return int(held * self.unsharded_ratio)
 
+    def shard_of(self, unsharded: int) -> int:
+        """This rank's shard, in held bytes, of ``unsharded`` gradient bytes."""
+        return int(unsharded / self.unsharded_ratio)
+
     def buffer(self, made: int) -> int:
         """Beyond the shard, the gradients made so far waiting unsharded (at most the cap)."""
         if not self.grad_cap:  # gradients replicated: nothing waits
             return 0
         waiting = min(self.grad_cap, int(made * self.unsharded_ratio))
         if self.unsharded_ratio > 1:
-            return waiting - int(waiting / self.unsharded_ratio)
+            return waiting - self.shard_of(waiting)
         return waiting
 
     def root(self, made: int) -> int:

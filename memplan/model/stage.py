@@ -207,7 +207,7 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     accumulating = accumulates_unsharded(wl, fx.dp, fx.shard.kept_gathered, m)
     if accumulating:
         ratio, root_new, fresh = new_grads(fx.params, wl, fx.shard.separate_units)
-        output_shard = int(fx.shard.grad_bytes / fx.dp.unsharded_ratio)
+        output_shard = fx.dp.shard_of(fx.shard.grad_bytes)
         fx = fx._replace(grad_per_param=float(wl.precision.policy.grad_bytes),
                          dp=unsynced(fx.dp, root_new))
     st = fx.states

@@ -178,3 +178,14 @@ def test_torchtitan_units_gather_the_head_alone_at_the_loss_of_llama_3_8b() -> N
     assert shard.backward_head_prefetch_bytes == 436_224_000
     dp = data_parallel(shard, 1, 1, wl.precision.policy)
     assert dp.at_loss == 1_050_681_344  # 525,340,672 x 2
+
+
+def test_shard_of_unsharded_gradients() -> None:
+    """At shard degree 2 (``FSDP2``) a rank holds half of the unsharded bytes, whole bytes
+    rounded down: 1,000 -> 500, 1,001 -> 500. ZeRO-2's reduce bucket of 1,000 B at degree 4
+    (unsharded = 4 x held): 200 B of gradients made are 800 B unsharded, 800 - 800 / 4 = 600 B
+    beyond the shard they become."""
+    assert (FSDP2.shard_of(1_000), FSDP2.shard_of(1_001)) == (500, 500)
+    bucket = DataParallel(grad_cap=1_000, unsharded_ratio=4.0)
+    assert bucket.shard_of(800) == 200
+    assert bucket.buffer(200) == 600
