@@ -25,12 +25,11 @@ from memplan.model.grad_sync import (
 )
 from memplan.model.head import HeadBlock
 from memplan.model.layer import LayerKind, merge_terms
-from memplan.model.moments import fold, peak_of
 from memplan.model.pipeline import Schedule
 from memplan.model.stage_parts import LayerKey, StageKinds, StageStates
 from memplan.model.sharding import with_stream
 from memplan.model.stage_terms import StageTerms
-from memplan.model.walk import Walk, backward_peak, forward_segments
+from memplan.model.walk import Walk, backward_peak, forward_peaks
 from memplan.overheads import Overheads
 from memplan.parallel import ParallelConfig, ZeroStage
 from memplan.spec import ModelSpec, param_counts
@@ -290,24 +289,12 @@ def _gradients(wl: Workload, fx: StageStates, walk: Walk, m: int) -> tuple[int, 
 
 
 def _forward(shared: StageTerms, fx: StageStates, walk: Walk) -> Callable[[int], int]:
-    """The forward's activation peak given the bytes a loop holds until the loss."""
-    # the layers are the same in every step: folded once, from 0 (a fold shifts with its
-    # start), the head's segment after them from where they leave the alive bytes
+    """The forward's activation peak given the bytes a loop holds until the loss
+    (``memplan.model.walk.forward_peaks``)."""
     # The targets exist from the step's start (the ids the loop holds are no input of the
     # graph); the loss scalars from the loss on.
     inputs = walk.rest_saved - (shared.batch_bytes - shared.targets_bytes if fx.last else 0)
-    layers_peak, layers_alive = fold(forward_segments(walk.runs, walk.sharding,
-                                                      walk.other_bytes, inputs))
-    head, at_loss = walk.head, walk.sharding.at_loss_forward
-
-    def peak(until_loss: int) -> int:
-        # the logits a loop holds from the step's start: alive under every instant
-        if not head.forward_saved:  # no final norm and loss on this stage
-            return until_loss + (layers_peak or 0)
-        return max(until_loss + (layers_peak or 0), peak_of(
-            [head.forward_segment(at_loss, until_loss)], until_loss + layers_alive))
-
-    return peak
+    return forward_peaks(walk.runs, walk.sharding, walk.other_bytes, inputs, walk.head)
 
 
 def _head_block(spec: ModelSpec, shared: StageTerms, fx: StageStates, head_bytes: int,

@@ -11,13 +11,14 @@ module only lays them side by side in order; ``memplan.model.moments.fold`` walk
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import groupby
 from typing import NamedTuple
 
 from memplan.model.embedding import EmbeddingBlock
 from memplan.model.head import HeadBlock
 from memplan.model.layer import LayerKind
-from memplan.model.moments import Event, Segment, peak_of
+from memplan.model.moments import Event, Segment, fold, peak_of
 from memplan.model.sharding import (
     DataParallel,
     Position,
@@ -49,10 +50,26 @@ def forward_peak(runs: list[tuple[LayerKind, int, tuple[int, ...], int]], before
     embedding ids). ``until_loss``: bytes alive until the loss starts (the previous step's
     logits a loop still holds). ``dp``: the data-parallel mechanism (its gathered weights).
     """
-    segments = forward_segments(runs, dp, 0, before)
-    if head.forward_saved:
-        segments.append(head.forward_segment(dp.at_loss_forward, until_loss))
-    return peak_of(segments, until_loss)
+    return forward_peaks(runs, dp, 0, before, head)(until_loss)
+
+
+def forward_peaks(runs: list[tuple[LayerKind, int, tuple[int, ...], int]], dp: DataParallel,
+                  in_flight: int, inputs: int, head: HeadBlock) -> Callable[[int], int]:
+    """``forward_peak`` as a function of ``until_loss``, from ``forward_segments``'
+    ``in_flight`` and ``inputs``: the layers, the same in every step, folded once from 0 (a
+    fold shifts with its start), the head's segment after them from where they leave the
+    alive bytes."""
+    layers_peak, layers_alive = fold(forward_segments(runs, dp, in_flight, inputs))
+
+    def peak(until_loss: int) -> int:
+        # the logits a loop holds from the step's start: alive under every instant
+        layers = until_loss + (layers_peak or 0)
+        if not head.forward_saved:  # no final norm and loss on this stage
+            return layers
+        return max(layers, peak_of([head.forward_segment(dp.at_loss_forward, until_loss)],
+                                   until_loss + layers_alive))
+
+    return peak
 
 
 def forward_segments(runs: list[tuple[LayerKind, int, tuple[int, ...], int]],

@@ -94,7 +94,6 @@ def test_real_stages_fold_as_they_unfold(monkeypatch: pytest.MonkeyPatch, kw: di
     """On real stages (DDP, ZeRO-1/2, FSDP2 with either unit layout, kept gathered under PP,
     interleaved pipelines), every forward and backward fold equals the largest instant of the
     same sequence walked event by event."""
-    import memplan.model.stage as stage
     from memplan.model import walk
 
     def checked(segments: list[Segment], alive: int = 0) -> int:
@@ -107,8 +106,9 @@ def test_real_stages_fold_as_they_unfold(monkeypatch: pytest.MonkeyPatch, kw: di
         return fold(segments, alive)
 
     folds = []
-    monkeypatch.setattr(stage, "fold", lambda s, a=0: folds.append(1) or checked_fold(s, a))
-    monkeypatch.setattr(stage, "peak_of", lambda s, a=0: checked(s, a))
+    # the stage's forward and backward are folded in the walk (``forward_peaks``,
+    # ``backward_peak``)
+    monkeypatch.setattr(walk, "fold", lambda s, a=0: folds.append(1) or checked_fold(s, a))
     monkeypatch.setattr(walk, "peak_of", lambda s, a=0: folds.append(1) or checked(s, a))
     memplan.estimate("gpt2", seq_len=256, **kw)
     assert len(folds) >= 2  # a forward's layers and a backward, at least
