@@ -194,7 +194,10 @@ class Mla:
                 + self.core_flops_per_token(spec, seq_len))
 
     def core_flops_per_token(self, spec: ModelSpec, seq_len: int) -> float:
-        """QK^T over the query/key head and PV over the value head, each over the causal
-        average context s/2."""
+        """QK^T over the query/key head (``head_dim`` = qk_nope_head_dim + qk_rope_head_dim,
+        which the spec checks) and PV over the value head (``v_head_dim``), each 2 FLOPs per
+        multiply-add over the causal average context s/2, as ``Attention.core_flops_per_token``
+        counts them (Narayanan et al. 2021, arXiv 2104.04473, section 5.1): 2 * (s/2) * a *
+        (head_dim + v_head_dim)."""
         core = seq_len * spec.num_attention_heads * (spec.head_dim + _mla(spec).v_head_dim)
         return float(core)
