@@ -45,6 +45,13 @@ def accumulates_unsharded(wl: Workload, dp: DataParallel, kept_gathered: bool, m
     return wl.grad_sync is GradSync.LAST and dp.per_unit and not kept_gathered and m > 1
 
 
+def accumulator_bytes(params: StageParams, wl: Workload) -> int:
+    """FSDP2's unsharded gradient accumulators on one rank of a stage: every parameter of
+    the stage (``params``, unsharded across data parallelism) in the reduce dtype, as this
+    module's docstring and ``ShardingBuffers.kept_gathered`` describe."""
+    return params.total * wl.precision.policy.grad_bytes
+
+
 def unsynced(dp: DataParallel, root_new: int = 0) -> DataParallel:
     """FSDP2's mechanism in a micro-batch whose gradients are plain unsharded accumulators:
     the weights gathered and resharded as with a sync, no gradient waiting unsharded beside
@@ -139,5 +146,5 @@ def _sync_moments(walk: Walk, accum: int, reduce_input: int,
     return tuple(moments)
 
 
-__all__ = ["accumulated_gradients", "accumulates_unsharded", "new_grads", "unsynced",
-           "with_new_grads"]
+__all__ = ["accumulated_gradients", "accumulates_unsharded", "accumulator_bytes", "new_grads",
+           "unsynced", "with_new_grads"]

@@ -19,6 +19,7 @@ from memplan.model.embedding import EmbeddingBlock, embedding_backward_extra
 from memplan.model.grad_sync import (
     accumulated_gradients,
     accumulates_unsharded,
+    accumulator_bytes,
     new_grads,
     unsynced,
     with_new_grads,
@@ -144,9 +145,9 @@ def stage_record(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, sta
         # kept gathered under PP, or accumulated without a sync (``memplan.model.grad_sync``):
         # the unsharded gradient accumulators are buffers too
         sharding_buffers_bytes=fx.shard.peak_bytes + fx.buckets + (
-            int(fx.params.total * fx.grad_per_param) if fx.shard.kept_gathered else 0) + (
-            fx.params.total * wl.precision.policy.grad_bytes
-            if accumulates_unsharded(wl, parts[0].dp, fx.shard.kept_gathered, m) else 0),
+            accumulator_bytes(fx.params, wl)
+            if fx.shard.kept_gathered
+            or accumulates_unsharded(wl, parts[0].dp, fx.shard.kept_gathered, m) else 0),
         optimizer_temp_bytes=fx.opt_temp, buffers_bytes=fx.buffers, steady=w.steady,
         first_step=w.first_step,
         tensor_peak_bytes=tensor_peak, cuda_context_bytes=ovh.cuda_context_bytes,
@@ -215,7 +216,7 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     walk, activations, one_mb = _walk(spec, par, shared, fx, kinds, entries, flight)
     if accumulating:
         walk = with_new_grads(walk, ratio, fresh)
-        grads = accumulated_gradients(walk, st, int(fx.params.total * fx.grad_per_param),
+        grads = accumulated_gradients(walk, st, accumulator_bytes(fx.params, wl),
                                       fx.shard.grad_bytes, output_shard, wl.keep_grads)
     else:
         grads = _gradients(wl, fx, walk, m)
@@ -271,7 +272,7 @@ def _gradients(wl: Workload, fx: StageStates, walk: Walk, m: int) -> tuple[int, 
         # FSDP2 under PP (``ShardingBuffers.kept_gathered``): the walk's gradients are the
         # stage's unsharded accumulators, from the first micro-batch's backward to the reduce
         # after the last, where a unit's reduce-scatter input and output shard join them
-        accum = int(fx.params.total * fx.grad_per_param)
+        accum = accumulator_bytes(fx.params, wl)
         in_forward = accum if m > 1 else 0
         bwd = max(backward_peak(walk, in_forward, accum),
                   accum + shard.grad_bytes + shard.gathered_bytes + walk.rest_saved)
