@@ -92,10 +92,12 @@ def plain(name: str, value: Any) -> Any:
     return value
 
 
-# Objects ``revalidated`` has checked: id -> (a weak reference to the object given, what its
-# validation returned). Only frozen models whose fields all hash (no list or dict to change in
-# place) are kept, so the answer stays true while the object lives; the entry goes with it.
-_CHECKED: dict[int, tuple[weakref.ref, BaseModel]] = {}
+# Objects ``revalidated`` has checked: id -> (a weak reference to the object given, its hash
+# then, what its validation returned). Only frozen models whose fields all hash (no list or
+# dict to change in place) are kept; a field set in place all the same (``object.__setattr__``
+# gets past ``frozen``) changes the hash, and the object is checked anew. The entry goes with
+# the object.
+_CHECKED: dict[int, tuple[weakref.ref, int, BaseModel]] = {}
 
 
 def revalidated(name: str, model: BaseModel) -> BaseModel:
@@ -103,10 +105,11 @@ def revalidated(name: str, model: BaseModel) -> BaseModel:
     with ``model_copy(update=...)`` or ``model_construct(...)`` skipped validation, and would
     otherwise reach the formulas with a negative layer count or a missing field. One line
     naming the argument and the field otherwise. An object given again is answered from
-    ``_CHECKED`` (by identity: a copy is a new object, checked anew)."""
-    seen = _CHECKED.get(id(model))
-    if seen is not None and seen[0]() is model:
-        return seen[1]
+    ``_CHECKED`` (by identity and the hash of its fields: a copy is a new object, checked
+    anew)."""
+    known = _known(model)
+    if known is not None:
+        return known
     kind = type(model)
     unknown = sorted(set(vars(model)) - set(kind.model_fields))
     if unknown:  # model_copy(update=...) sets a misspelt name as it is
@@ -124,16 +127,30 @@ def revalidated(name: str, model: BaseModel) -> BaseModel:
     return checked
 
 
+def _known(model: BaseModel) -> BaseModel | None:
+    """What ``model``'s validation returned, from ``_CHECKED``, if it is the object checked
+    and its fields hash as they did then; else None."""
+    seen = _CHECKED.get(id(model))
+    if seen is None or seen[0]() is not model:
+        return None
+    try:
+        same = hash(model) == seen[1]
+    except TypeError:  # a field set in place to a list or dict since
+        return None
+    return seen[2] if same else None
+
+
 def _remember(model: BaseModel, checked: BaseModel) -> None:
-    """Keep ``checked`` for ``model`` in ``_CHECKED`` when ``model`` cannot change."""
+    """Keep ``checked`` for ``model`` in ``_CHECKED`` when ``model`` is frozen."""
     if not type(model).model_config.get("frozen"):
         return
     try:
-        hash(model)
+        fields_hash = hash(model)
     except TypeError:  # a list or dict field: it may change in place
         return
     key = id(model)
-    _CHECKED[key] = (weakref.ref(model, lambda _, key=key: _CHECKED.pop(key, None)), checked)
+    _CHECKED[key] = (weakref.ref(model, lambda _, key=key: _CHECKED.pop(key, None)),
+                     fields_hash, checked)
 
 
 def plain_arguments(function: Any) -> Any:
