@@ -26,6 +26,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from memplan.errors import MemplanError, shown, validation_message
+from memplan.units import MAX_INT64
 
 # The command-line option of each ``memplan.api`` keyword the CLI's shared options set (the
 # model aside: the API's first argument): the one table the CLI's options
@@ -271,15 +272,11 @@ def model_fields(model: Any, values: Mapping[str, Any], names: Mapping[str, str]
                                f"({_kind(value)})")
 
 
-# The largest integer a result object of the API holds (bytes, counts, indices): 64-bit.
-MAX_OBJECT_INT = 2**63 - 1
-
-
 def dataclass_fields(name: str, obj: Any) -> None:
     """A dataclass given to the API (``OomReport``, ``Measured``, ``Overheads``) holds what its
-    fields say: an int field an int (not a bool) from 0 to ``MAX_OBJECT_INT``, a float field a
-    finite number >= 0, a str field a str, a dict, tuple or list field one (its items and
-    nested dataclasses checked in turn).
+    fields say: an int field an int (not a bool) from 0 to ``MAX_INT64`` (bytes, counts and
+    indices are 64-bit), a float field a finite number >= 0, a str field a str, a dict, tuple
+    or list field one (its items and nested dataclasses checked in turn).
     A dataclass is not validated when it is made, so one built by hand is checked here;
     one line naming the argument and the field otherwise."""
     hints = typing.get_type_hints(type(obj))
@@ -297,8 +294,8 @@ def _check_value(label: str, value: Any, annotation: Any) -> None:
         if option is Any or origin is Any:
             return
         if origin is int and is_int(value):
-            if not 0 <= value <= MAX_OBJECT_INT:
-                raise MemplanError(f"{label} must be from 0 to {MAX_OBJECT_INT}, got "
+            if not 0 <= value <= MAX_INT64:
+                raise MemplanError(f"{label} must be from 0 to {MAX_INT64}, got "
                                    f"{shown(value)}")
             return
         if origin is float and isinstance(value, (int, float)) and not isinstance(value, bool):

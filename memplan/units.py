@@ -19,6 +19,11 @@ MB = 1000**2
 GB = 1000**3
 TB = 1000**4
 
+# The largest signed 64-bit integer: counts, sizes and times that torch, its profiler, the
+# MemoryMonitor and JSON writers store (int64); past it a number is a wrong file or object,
+# and past a float's range it would overflow where a result is computed.
+MAX_INT64 = 2**63 - 1
+
 # The largest size a user may give (a GPU's memory): 1 PiB, over a thousand times any GPU's
 # or host's memory, so a mistyped size is refused rather than computed with.
 MAX_SIZE_BYTES = 2**50
