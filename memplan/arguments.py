@@ -75,7 +75,7 @@ def plain(name: str, value: Any) -> Any:
     (``revalidated``); anything else as it is, for the checks to judge."""
     if value is None or type(value) in (int, float, str, bool):
         return value
-    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+    if type(value) in (list, tuple):
         return type(value)(plain(name, item) for item in value)
     if isinstance(value, BaseModel):
         return revalidated(name, value)
@@ -165,10 +165,7 @@ def plain_arguments(function: Any) -> Any:
                      for i, value in enumerate(args))
         return function(*args, **{key: plain(key, value) for key, value in kwargs.items()})
 
-    for attribute in ("cache_clear", "cache_info"):
-        if hasattr(function, attribute):
-            setattr(call, attribute, getattr(function, attribute))
-    return call
+    return call  # (functools.wraps copies a cached function's cache_clear and cache_info)
 
 
 def integer(name: str, value: Any, *, minimum: int | None = 1, maximum: int | None = None,
@@ -318,10 +315,7 @@ def _check_items(label: str, value: Any, args: tuple[Any, ...]) -> None:
     if isinstance(value, dict) and len(args) == 2:
         for key, item in value.items():
             _check_value(f"{label}[{key!r}]", item, args[1])
-    elif args and args[-1] is not Ellipsis and len(args) == 1:
-        for i, item in enumerate(value):
-            _check_value(f"{label}[{i}]", item, args[0])
-    elif len(args) == 2 and args[1] is Ellipsis:
+    elif len(args) == 1 or (len(args) == 2 and args[1] is Ellipsis):  # list[T], tuple[T, ...]
         for i, item in enumerate(value):
             _check_value(f"{label}[{i}]", item, args[0])
 
