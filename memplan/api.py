@@ -181,12 +181,12 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
 
     ``workload`` takes the ``Workload`` fields (micro_batch_size, global_batch_size, seq_len,
     precision, optimizer, optimizer_impl, recompute, recompute_layers, recompute_every,
-    attention, norm_impl, logits_fp32, loss_chunks). ``framework`` (megatron, torchtitan, hf, lightning; default
-    generic) fills every implementation choice left unset (None) with what that framework runs
-    (``memplan.presets``). ``gpu_memory`` ("80GiB", "80GB" or int bytes) overrides the
-    GPU's capacity. ``offload="optimizer"`` keeps the optimizer in host memory (``Offload``).
-    ``calibration``: profile paths (or "auto", the committed profile for ``gpu``) whose
-    correction is added as its own line (``memplan.calibrate.apply``).
+    attention, norm_impl, logits_fp32, loss_chunks). ``framework`` (megatron, torchtitan, hf,
+    lightning; default generic) fills every implementation choice left unset (None) with what
+    that framework runs (``memplan.presets``). ``gpu_memory`` ("80GiB", "80GB" or int bytes)
+    overrides the GPU's capacity. ``offload="optimizer"`` keeps the optimizer in host memory
+    (``Offload``). ``calibration``: profile paths (or "auto", the committed profile for ``gpu``)
+    whose correction is added as its own line (``memplan.calibrate.apply``).
     Raises ``MemplanError`` for any invalid input.
     """
     gpu_spec = _gpu(gpu)

@@ -26,6 +26,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from memplan.errors import MemplanError, shown, validation_message
+from memplan.units import MAX_INT64
 
 # The command-line option of each ``memplan.api`` keyword the CLI's shared options set (the
 # model aside: the API's first argument): the one table the CLI's options
@@ -34,11 +35,10 @@ from memplan.errors import MemplanError, shown, validation_message
 CLI_OPTIONS: dict[str, str] = {
     **{name: name for name in (
         "gpus", "gpu", "gpu_memory", "tp", "pp", "vpp", "dp", "cp", "ep", "etp", "vpp_group",
-        "stage_layers",
-        "dp_shard", "vocab_parallel", "tp_style", "grad_buffers", "offload", "zero",
-        "recompute", "recompute_layers", "recompute_every", "precision", "optimizer", "optimizer_impl",
-        "attention", "logits_fp32", "framework", "keep_grads", "loss_chunks", "schedule",
-        "calibration", "grad_sync")},
+        "stage_layers", "dp_shard", "vocab_parallel", "tp_style", "grad_buffers", "offload",
+        "zero", "recompute", "recompute_layers", "recompute_every", "precision", "optimizer",
+        "optimizer_impl", "attention", "logits_fp32", "framework", "keep_grads", "loss_chunks",
+        "schedule", "calibration", "grad_sync")},
     "sequence_parallel": "sp", "micro_batch_size": "mbs", "global_batch_size": "gbs",
     "seq_len": "seq", "norm_impl": "norm", "kv_cache": "use_cache",
 }
@@ -74,7 +74,7 @@ def plain(name: str, value: Any) -> Any:
     (``revalidated``); anything else as it is, for the checks to judge."""
     if value is None or type(value) in (int, float, str, bool):
         return value
-    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+    if type(value) in (list, tuple):
         return type(value)(plain(name, item) for item in value)
     if isinstance(value, BaseModel):
         return revalidated(name, value)
@@ -92,10 +92,12 @@ def plain(name: str, value: Any) -> Any:
     return value
 
 
-# Objects ``revalidated`` has checked: id -> (a weak reference to the object given, what its
-# validation returned). Only frozen models whose fields all hash (no list or dict to change in
-# place) are kept, so the answer stays true while the object lives; the entry goes with it.
-_CHECKED: dict[int, tuple[weakref.ref, BaseModel]] = {}
+# Objects ``revalidated`` has checked: id -> (a weak reference to the object given, its hash
+# then, what its validation returned). Only frozen models whose fields all hash (no list or
+# dict to change in place) are kept; a field set in place all the same (``object.__setattr__``
+# gets past ``frozen``) changes the hash, and the object is checked anew. The entry goes with
+# the object.
+_CHECKED: dict[int, tuple[weakref.ref, int, BaseModel]] = {}
 
 
 def revalidated(name: str, model: BaseModel) -> BaseModel:
@@ -103,10 +105,11 @@ def revalidated(name: str, model: BaseModel) -> BaseModel:
     with ``model_copy(update=...)`` or ``model_construct(...)`` skipped validation, and would
     otherwise reach the formulas with a negative layer count or a missing field. One line
     naming the argument and the field otherwise. An object given again is answered from
-    ``_CHECKED`` (by identity: a copy is a new object, checked anew)."""
-    seen = _CHECKED.get(id(model))
-    if seen is not None and seen[0]() is model:
-        return seen[1]
+    ``_CHECKED`` (by identity and the hash of its fields: a copy is a new object, checked
+    anew)."""
+    known = _known(model)
+    if known is not None:
+        return known
     kind = type(model)
     unknown = sorted(set(vars(model)) - set(kind.model_fields))
     if unknown:  # model_copy(update=...) sets a misspelt name as it is
@@ -124,16 +127,30 @@ def revalidated(name: str, model: BaseModel) -> BaseModel:
     return checked
 
 
+def _known(model: BaseModel) -> BaseModel | None:
+    """What ``model``'s validation returned, from ``_CHECKED``, if it is the object checked
+    and its fields hash as they did then; else None."""
+    seen = _CHECKED.get(id(model))
+    if seen is None or seen[0]() is not model:
+        return None
+    try:
+        same = hash(model) == seen[1]
+    except TypeError:  # a field set in place to a list or dict since
+        return None
+    return seen[2] if same else None
+
+
 def _remember(model: BaseModel, checked: BaseModel) -> None:
-    """Keep ``checked`` for ``model`` in ``_CHECKED`` when ``model`` cannot change."""
+    """Keep ``checked`` for ``model`` in ``_CHECKED`` when ``model`` is frozen."""
     if not type(model).model_config.get("frozen"):
         return
     try:
-        hash(model)
+        fields_hash = hash(model)
     except TypeError:  # a list or dict field: it may change in place
         return
     key = id(model)
-    _CHECKED[key] = (weakref.ref(model, lambda _, key=key: _CHECKED.pop(key, None)), checked)
+    _CHECKED[key] = (weakref.ref(model, lambda _, key=key: _CHECKED.pop(key, None)),
+                     fields_hash, checked)
 
 
 def plain_arguments(function: Any) -> Any:
@@ -147,10 +164,7 @@ def plain_arguments(function: Any) -> Any:
                      for i, value in enumerate(args))
         return function(*args, **{key: plain(key, value) for key, value in kwargs.items()})
 
-    for attribute in ("cache_clear", "cache_info"):
-        if hasattr(function, attribute):
-            setattr(call, attribute, getattr(function, attribute))
-    return call
+    return call  # (functools.wraps copies a cached function's cache_clear and cache_info)
 
 
 def integer(name: str, value: Any, *, minimum: int | None = 1, maximum: int | None = None,
@@ -254,15 +268,11 @@ def model_fields(model: Any, values: Mapping[str, Any], names: Mapping[str, str]
                                f"({_kind(value)})")
 
 
-# The largest integer a result object of the API holds (bytes, counts, indices): 64-bit.
-MAX_OBJECT_INT = 2**63 - 1
-
-
 def dataclass_fields(name: str, obj: Any) -> None:
     """A dataclass given to the API (``OomReport``, ``Measured``, ``Overheads``) holds what its
-    fields say: an int field an int (not a bool) from 0 to ``MAX_OBJECT_INT``, a float field a
-    finite number >= 0, a str field a str, a dict, tuple or list field one (its items and
-    nested dataclasses checked in turn).
+    fields say: an int field an int (not a bool) from 0 to ``MAX_INT64`` (bytes, counts and
+    indices are 64-bit), a float field a finite number >= 0, a str field a str, a dict, tuple
+    or list field one (its items and nested dataclasses checked in turn).
     A dataclass is not validated when it is made, so one built by hand is checked here;
     one line naming the argument and the field otherwise."""
     hints = typing.get_type_hints(type(obj))
@@ -280,8 +290,8 @@ def _check_value(label: str, value: Any, annotation: Any) -> None:
         if option is Any or origin is Any:
             return
         if origin is int and is_int(value):
-            if not 0 <= value <= MAX_OBJECT_INT:
-                raise MemplanError(f"{label} must be from 0 to {MAX_OBJECT_INT}, got "
+            if not 0 <= value <= MAX_INT64:
+                raise MemplanError(f"{label} must be from 0 to {MAX_INT64}, got "
                                    f"{shown(value)}")
             return
         if origin is float and isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -304,10 +314,7 @@ def _check_items(label: str, value: Any, args: tuple[Any, ...]) -> None:
     if isinstance(value, dict) and len(args) == 2:
         for key, item in value.items():
             _check_value(f"{label}[{key!r}]", item, args[1])
-    elif args and args[-1] is not Ellipsis and len(args) == 1:
-        for i, item in enumerate(value):
-            _check_value(f"{label}[{i}]", item, args[0])
-    elif len(args) == 2 and args[1] is Ellipsis:
+    elif len(args) == 1 or (len(args) == 2 and args[1] is Ellipsis):  # list[T], tuple[T, ...]
         for i, item in enumerate(value):
             _check_value(f"{label}[{i}]", item, args[0])
 

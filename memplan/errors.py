@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from typing import Any
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a job stopped by Ctrl-C
+# The CLI's line for a Ctrl-C that came before any command could say what it kept
+NOTHING_WRITTEN = "memplan: interrupted: nothing was written"
 
 
 class MemplanError(ValueError):
@@ -59,7 +61,7 @@ def deferred_interrupts() -> Iterator[None]:
 
     def handler(_signum: int, _frame: Any) -> None:
         if _INTERRUPTED[0]:
-            os.write(2, b"memplan: interrupted: nothing was written\n")
+            os.write(2, f"{NOTHING_WRITTEN}\n".encode())
             os._exit(EXIT_INTERRUPTED)
         _INTERRUPTED[0] = True
 

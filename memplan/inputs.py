@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from memplan.errors import MemplanError, shown
-from memplan.units import GiB, KiB, MiB
+from memplan.units import MAX_INT64, GiB, KiB, MiB
 
 # Size limits by kind of file, each far above what the tools that write them produce, so
 # only a wrong file (a disk image, a device, a bomb) meets them:
@@ -44,10 +44,6 @@ TRACE_BYTES = 2 * GiB
 SNAPSHOT_BYTES = 4 * GiB
 # - a `memplan profile` summary.json is a few KiB.
 SUMMARY_BYTES = 64 * MiB
-# Integers in a file are counts, sizes and times that the tools writing them store in 64 bits
-# (torch.profiler's, the MemoryMonitor's, pydantic's JSON); past that a number is a wrong
-# file, and past a float's range it would overflow where a result is computed.
-MAX_FILE_INT = 2**63 - 1
 # Nesting deeper than this is not a spec, a profile or a trace (theirs are under 10 levels);
 # Python's parsers recurse per level and would fail with RecursionError near 1000.
 MAX_DEPTH = 64
@@ -199,12 +195,13 @@ def depth(value: Any) -> int:
 
 
 def too_large(value: Any) -> bool:
-    """An integer outside ``MAX_FILE_INT`` (bools are not integers here)."""
-    return type(value) is int and not -MAX_FILE_INT <= value <= MAX_FILE_INT
+    """An integer outside the 64-bit range (``MAX_INT64``) that the tools writing these files
+    store counts, sizes and times in (bools are not integers here)."""
+    return type(value) is int and not -MAX_INT64 <= value <= MAX_INT64
 
 
 def _walk(value: Any) -> tuple[int, int | None]:
-    """(nesting depth, the first integer past ``MAX_FILE_INT`` or None) of a parsed
+    """(nesting depth, the first integer past ``MAX_INT64`` or None) of a parsed
     document, in one pass without recursion."""
     deepest, huge, stack = 0, None, [(value, 1)]
     while stack:
@@ -222,7 +219,7 @@ def _walk(value: Any) -> tuple[int, int | None]:
 
 def checked(data: Any, p: Path | str, what: str) -> Any:
     """``data`` parsed from ``p``, if it nests at most ``MAX_DEPTH`` deep and holds no integer
-    past ``MAX_FILE_INT``; one line naming the file otherwise."""
+    past ``MAX_INT64``; one line naming the file otherwise."""
     deepest, huge = _walk(data)
     if deepest > MAX_DEPTH:
         raise _too_deep(p, what)
@@ -241,7 +238,7 @@ def too_long_number(p: Path | str, what: str) -> MemplanError:
 
 
 def too_large_number(p: Path | str, what: str, value: int) -> MemplanError:
-    """The line for an integer past ``MAX_FILE_INT``."""
+    """The line for an integer past ``MAX_INT64``."""
     return MemplanError(f"{what}: {p} holds the integer {shown(value)} ({len(str(value))} "
                         "digits), past the 64-bit range of any count, size or time these "
                         "files hold; is it the right file?")
@@ -307,7 +304,7 @@ def read_stream(stream: Any, what: str, limit: int) -> str:
     return data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data
 
 
-__all__ = ["GZIP_MAGIC", "MAX_DEPTH", "MAX_FILE_INT", "UTF8_BOM", "Unpacked", "checked", "decode",
+__all__ = ["GZIP_MAGIC", "MAX_DEPTH", "UTF8_BOM", "Unpacked", "checked", "decode",
            "depth", "parse_json", "parse_toml", "read_bytes", "read_json", "read_maybe_gzip",
            "read_stream", "read_text", "read_toml", "regular_file", "size_text", "too_large",
            "too_large_number", "too_long_number"]

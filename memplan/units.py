@@ -10,6 +10,8 @@ from __future__ import annotations
 import enum
 import re
 
+from memplan.errors import shown
+
 KiB = 1024
 MiB = 1024**2
 GiB = 1024**3
@@ -18,6 +20,11 @@ KB = 1000
 MB = 1000**2
 GB = 1000**3
 TB = 1000**4
+
+# The largest signed 64-bit integer: counts, sizes and times that torch, its profiler, the
+# MemoryMonitor and JSON writers store (int64); past it a number is a wrong file or object,
+# and past a float's range it would overflow where a result is computed.
+MAX_INT64 = 2**63 - 1
 
 # The largest size a user may give (a GPU's memory): 1 PiB, over a thousand times any GPU's
 # or host's memory, so a mistyped size is refused rather than computed with.
@@ -73,7 +80,7 @@ def parse_bytes(text: str | int) -> int:
     m = _SIZE_RE.match(str(text))
     if not m or m.group(2).lower() not in _SIZE_UNITS:
         raise ValueError(
-            f"cannot read size {_quoted(text)}: use a number with a unit such as 80GiB (2^30) "
+            f"cannot read size {shown(text)}: use a number with a unit such as 80GiB (2^30) "
             "or 80GB (10^9)"
         )
     # a number of any length reads as a float (inf past 1.8e308), so the bound comes first
@@ -82,14 +89,9 @@ def parse_bytes(text: str | int) -> int:
         raise ValueError(_too_large(text))
     value = int(round(value))
     if value <= 0:
-        raise ValueError(f"size must be at least 1 byte, got {_quoted(text)}")
+        raise ValueError(f"size must be at least 1 byte, got {shown(text)}")
     return value
 
 
-def _quoted(text: object, limit: int = 60) -> str:
-    shown = repr(text)
-    return shown if len(shown) <= limit else shown[:limit - 3] + "..."
-
-
 def _too_large(text: object) -> str:
-    return f"size must be at most 1 PiB (2^50 bytes, memplan's limit), got {_quoted(text)}"
+    return f"size must be at most 1 PiB (2^50 bytes, memplan's limit), got {shown(text)}"

@@ -13,6 +13,7 @@ from functools import cached_property
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from memplan.errors import MemplanError
+from memplan.spec import MAX_LAYERS
 from memplan.units import DType
 
 
@@ -328,9 +329,6 @@ MAX_SEQ_LEN = 2**24
 # the API caps it at the model's maximum (``memplan.api.default_seq``).
 DEFAULT_SEQ_LEN = 4096
 
-# a model's layers at most (memplan.spec.MAX_LAYERS): more recomputed layers than any has
-MAX_RECOMPUTE_LAYERS = 10_000
-
 
 class MoeImpl(str, enum.Enum):
     """How an MoE feed-forward runs its routed experts.
@@ -363,8 +361,9 @@ class Workload(BaseModel):
     optimizer: Optimizer = Optimizer.ADAMW
     optimizer_impl: OptimizerImpl = OptimizerImpl.FOREACH
     recompute: Recompute = Recompute.NONE
-    recompute_layers: int | None = Field(default=None, ge=0, le=MAX_RECOMPUTE_LAYERS)
-    recompute_every: int | None = Field(default=None, ge=1, le=MAX_RECOMPUTE_LAYERS, description=(
+    # layers to recompute: at most as many as a model may have (spec.MAX_LAYERS)
+    recompute_layers: int | None = Field(default=None, ge=0, le=MAX_LAYERS)
+    recompute_every: int | None = Field(default=None, ge=1, le=MAX_LAYERS, description=(
         "with recompute full: only every n-th layer of a pipeline rank is recomputed (its "
         "n-th, 2n-th, ... layer, its model chunks in order: torchtitan's "
         "selective_ac_option = n); None: every layer"))

@@ -17,7 +17,14 @@ import typer
 from pydantic import ValidationError
 from typer.exceptions import Abort, Exit, TyperException
 
-from memplan.errors import EXIT_INTERRUPTED, Interrupted, MemplanError, shown, validation_message
+from memplan.errors import (
+    EXIT_INTERRUPTED,
+    NOTHING_WRITTEN,
+    Interrupted,
+    MemplanError,
+    shown,
+    validation_message,
+)
 
 _SETTINGS = dict(name="memplan",
                  help="Per-GPU memory budgets for LLM training, before the job starts. "
@@ -214,7 +221,7 @@ def _main(args: list[str]) -> int:
             print(f"memplan: error: {message}", file=sys.stderr)
         return EXIT_USAGE
     if code == EXIT_INTERRUPTED:  # typer's answer to a Ctrl-C no command turned into a line
-        print("memplan: interrupted: nothing was written", file=sys.stderr)
+        print(NOTHING_WRITTEN, file=sys.stderr)
     return code if isinstance(code, int) else 0
 
 

@@ -92,8 +92,8 @@ from dataclasses import dataclass
 
 from memplan.arguments import MAX_GPUS
 from memplan.errors import MemplanError, shown
-from memplan.inputs import LOG_BYTES, MAX_FILE_INT, read_bytes
-from memplan.units import GiB, KiB, MiB, ceil_div
+from memplan.inputs import LOG_BYTES, read_bytes
+from memplan.units import MAX_INT64, GiB, KiB, MiB, ceil_div
 
 # format_size's units (c10/cuda/CUDACachingAllocator.cpp until 2.4, then c10/core)
 _UNITS = {"bytes": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB}
@@ -251,8 +251,8 @@ def parse_oom(text: str) -> OomReport:
                            "message") from None
     for field in dataclasses.fields(report):
         value = getattr(report, field.name)
-        limit = MAX_GPUS if field.name in ("device", "rank") else MAX_FILE_INT
-        if type(value) is int and not -MAX_FILE_INT <= value <= limit:
+        limit = MAX_GPUS if field.name in ("device", "rank") else MAX_INT64
+        if type(value) is int and not -MAX_INT64 <= value <= limit:
             raise MemplanError(f"the out-of-memory message gives {field.name} {shown(value)}, "
                                f"past {limit:,} (no device or job has as many): an altered "
                                "message")

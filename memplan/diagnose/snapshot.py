@@ -102,7 +102,7 @@ def _entries(data: dict[str, Any]) -> int:
 
 
 def _int(value: Any, what: str) -> int:
-    """A byte count: an int from 0 to ``MAX_FILE_INT`` (the allocator's sizes are 64-bit)."""
+    """A byte count: an int from 0 to ``MAX_INT64`` (the allocator's sizes are 64-bit)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0 or too_large(value):
         raise MemplanError(f"--snapshot: {what} is {shown(value)}, not a byte count: not a "
                            "snapshot from torch.cuda.memory._dump_snapshot")

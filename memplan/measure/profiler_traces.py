@@ -216,5 +216,5 @@ def analyze_traces(traces: list[RankTrace], threshold_pct: float | None = None
     return out
 
 
-__all__ = ["TRACE_SUFFIXES", "RankTrace", "analyze", "analyze_paths", "analyze_traces",
+__all__ = ["TRACE_SUFFIXES", "analyze", "analyze_paths", "analyze_traces",
            "collective_of", "load", "load_all", "trace_paths", "window"]

@@ -19,17 +19,17 @@ less its compute, within the analysed steps: the time the rank stood still for a
 Who is late. In each profiled step (``ProfilerStep#N``, matched by number on every rank), a
 rank's lateness is how much less exposed wait it had than the median of the other ranks, as a
 share of the step: the ranks that arrive last wait least. A rank is a straggler when its
-lateness is above ``threshold_pct`` in at least three steps of four (``STRAGGLER_SHARE``;
-the median and the lower quartile of its lateness over steps are reported beside it). Equal ranks on a busy machine take turns being late, as the
-scheduler holds one process back and then the other, so none of them is late in most steps;
-a rank that is slower for a reason is late in every step. The default, 10% of the step, sits
-well above the lateness equal ranks have in most steps and well below a lagging one's,
-as measured with ``benchmarks/gloo_trace.py`` on a 2-core machine running other work: with
-no lag, a lower quartile of at most 0.9% in 18 of 19 runs of 3 or 8 steps (8 of them beside a process spinning on
-a core), while a single step's lateness went up to 32%; in the 19th the machine held one rank
-back in every step (40%, and the aligned clocks agreed: it was a straggler). A 40 ms lag in
-~100 ms steps: 23-28%. tests/traced/test_stragglers.py checks each verdict against the
-aligned-clock truth of its run.
+lateness is above ``threshold_pct`` in at least three steps of four (``STRAGGLER_SHARE``; the
+median and the lower quartile of its lateness over steps are reported beside it). Equal ranks
+on a busy machine take turns being late, as the scheduler holds one process back and then the
+other, so none of them is late in most steps; a rank that is slower for a reason is late in
+every step. The default, 10% of the step, sits well above the lateness equal ranks have in most
+steps and well below a lagging one's, as measured with ``benchmarks/gloo_trace.py`` on a 2-core
+machine running other work: with no lag, a lower quartile of at most 0.9% in 18 of 19 runs of 3
+or 8 steps (8 of them beside a process spinning on a core), while a single step's lateness went
+up to 32%; in the 19th the machine held one rank back in every step (40%, and the aligned
+clocks agreed: it was a straggler). A 40 ms lag in ~100 ms steps: 23-28%.
+tests/traced/test_stragglers.py checks each verdict against the aligned-clock truth of its run.
 """
 
 from __future__ import annotations

@@ -46,7 +46,6 @@ import errno
 import json
 import logging
 import math
-import operator
 import os
 import sys
 import time
@@ -54,6 +53,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
 
+from memplan.arguments import plain
 from memplan.errors import MemplanError
 from memplan.monitor.callbacks import TrainerHooks
 from memplan.monitor.readers import Reader, cuda_reader, default_reader, host_reader
@@ -82,15 +82,11 @@ def _number(value: Any) -> bool:
 
 
 def _int(name: str, value: Any, low: int, *, allow_none: bool = False) -> Any:
-    """``value`` as an int >= ``low`` (numpy's integers too: anything with ``__index__`` but
-    a bool), or None where allowed."""
+    """``value`` as an int >= ``low`` (numpy's integers too: ``memplan.arguments.plain``), or
+    None where allowed."""
     if value is None and allow_none:
         return None
-    if not isinstance(value, (bool, int)) and hasattr(type(value), "__index__"):
-        try:
-            value = operator.index(value)
-        except TypeError:
-            pass
+    value = plain(name, value)
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise MemplanError(f"MemoryMonitor: {name} must be an int >= {low}"
                            f"{' or None' if allow_none else ''}, not {value!r}")

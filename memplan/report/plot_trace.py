@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from memplan.measure.intervals import Interval, intersect, subtract, union
-from memplan.measure.profiler_traces import RankTrace, window
+from memplan.measure.profiler_traces import window
 from memplan.measure.stragglers import waiting_intervals
+from memplan.measure.trace_files import RankTrace
 from memplan.report.plot import figure
 
 COLOURS = {"compute": "#4c72b0", "exposed communication": "#dd8452",

@@ -1117,6 +1117,25 @@ def test_api_object_given_again_is_answered_by_identity_and_copies_checked_anew(
     assert revalidated("model", spec.model_copy()) is not checked
 
 
+def test_api_object_set_in_place_after_its_check_is_checked_anew() -> None:
+    """``object.__setattr__`` gets past ``frozen``: a spec checked once, then given
+    num_layers -1 in place, is refused by name when given again (its hash is no longer the
+    one checked), and given num_layers 3 in place it is checked anew and read with 3 layers,
+    not the 2 it was checked with (``tiny`` has 2 layers)."""
+    from memplan.arguments import revalidated
+
+    spec = memplan.load_model("tiny").model_copy()  # (the catalog's own object left as it is)
+    assert revalidated("model", spec).num_layers == 2
+    object.__setattr__(spec, "num_layers", -1)
+    with pytest.raises(MemplanError, match="num_layers"):
+        memplan.estimate(spec)
+    object.__setattr__(spec, "num_layers", 3)
+    assert revalidated("model", spec).num_layers == 3
+    object.__setattr__(spec, "num_layers", [2])  # unhashable now: checked, not answered
+    with pytest.raises(MemplanError, match="num_layers"):
+        revalidated("model", spec)
+
+
 def test_numpy_and_other_integral_types_are_integers(tmp_path: Path) -> None:
     """np.int64, np.int32, values of np.arange and any class with ``__index__`` are integers
     to the API: the same answers as plain ints (a sweep built with np.arange runs)."""
