@@ -138,6 +138,16 @@ def test_megatron_refuses_what_it_cannot_express(extra: str, flag: str) -> None:
     assert flag in message and "\n" not in message
 
 
+def test_megatron_count_past_its_input_bound_names_the_flag() -> None:
+    """A count past the bound of the input it sets (Workload.micro_batch_size > 0) is
+    refused naming the Megatron flag and memplan's option, in one line."""
+    with pytest.raises(MemplanError) as err:
+        megatron.read("--num-layers 2 --hidden-size 64 --num-attention-heads 2 "
+                      "--seq-length 64 --vocab-size 100 --micro-batch-size 0", 1)
+    assert str(err.value) == ("Megatron-LM arguments --megatron-args: --micro-batch-size = 0: "
+                              "--mbs must be more than 0")
+
+
 def test_megatron_vocabulary_needs_a_size() -> None:
     """A tokenizer whose vocabulary is in its files: refused until --vocab-size says it."""
     with pytest.raises(MemplanError, match="--tokenizer-type = 'HuggingFaceTokenizer'.*"
