@@ -174,6 +174,13 @@ class _Reader:
                                                "(no width, count or length is larger)")
         return value
 
+    def degree(self, flag: str, default: int | None) -> int | None:
+        """A parallel degree: an integer from 1 to ``MAX_GPUS`` (or ``default``, None)."""
+        value = self.int(flag, default)
+        if value is not None and not 0 < value <= MAX_GPUS:
+            raise self.refuse(flag, f"expected a degree from 1 to {MAX_GPUS}")
+        return value
+
     def float(self, flag: str, default: float) -> float:
         self.used.add(flag)
         value = self.args.get(flag, default)
@@ -202,7 +209,7 @@ class _Reader:
         imp.set("(framework)", "megatron", "framework", "megatron",
                 "Megatron-LM's implementation defaults")
         self._refusals()
-        tp = self.int("--tensor-model-parallel-size", 1)
+        tp = self.degree("--tensor-model-parallel-size", 1)  # before the vocabulary's padding
         spec = self._model(tp)
         imp.model = spec
         imp.set("(model shape)", spec.name, "model", spec.name, f"{spec.num_params:,} "
@@ -426,22 +433,14 @@ class _Reader:
 
     def _layout(self, spec: ModelSpec, tp: int) -> None:
         imp = self.imp
-        pp = self.int("--pipeline-model-parallel-size", 1)
-        cp = self.int("--context-parallel-size", 1)
-        ep = self.int("--expert-model-parallel-size", 1)
+        pp = self.degree("--pipeline-model-parallel-size", 1)
+        cp = self.degree("--context-parallel-size", 1)
+        ep = self.degree("--expert-model-parallel-size", 1)
         # megatron-core ModelParallelConfig.expert_tensor_parallel_size: None is tp
-        etp = self.int("--expert-tensor-parallel-size", None)
-        if etp is not None and not 0 < etp <= MAX_GPUS:
-            raise self.refuse("--expert-tensor-parallel-size",
-                              f"expected a degree from 1 to {MAX_GPUS}")
+        etp = self.degree("--expert-tensor-parallel-size", None)
         if etp is not None and etp != tp:
             imp.set("--expert-tensor-parallel-size", etp, "etp", etp,
                     f"the routed experts split by {etp}, the rest by tp {tp}")
-        for flag, value in (("--tensor-model-parallel-size", tp),
-                            ("--pipeline-model-parallel-size", pp),
-                            ("--context-parallel-size", cp), ("--expert-model-parallel-size", ep)):
-            if not 0 < value <= MAX_GPUS:
-                raise self.refuse(flag, f"expected a degree from 1 to {MAX_GPUS}")
         for flag, value, target in (("--tensor-model-parallel-size", tp, "tp"),
                                     ("--pipeline-model-parallel-size", pp, "pp"),
                                     ("--context-parallel-size", cp, "cp"),

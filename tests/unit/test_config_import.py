@@ -126,6 +126,8 @@ def test_megatron_deepseek_v3_shape() -> None:
      "--use-megatron-fsdp"),
     ("--pipeline-model-parallel-size 2 --account-for-embedding-in-pipeline-split",
      "--account-for-embedding-in-pipeline-split"),  # 4 + 1 layers do not split over 2
+    # checked before the vocabulary is padded to a multiple of 128 * tp (a division by 0)
+    ("--tensor-model-parallel-size 0", "--tensor-model-parallel-size"),
     ("--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 2 "
      "--account-for-loss-in-pipeline-split", "--account-for-loss-in-pipeline-split"),
 ])
