@@ -44,7 +44,7 @@ OTHER_MODELS = {"pretrain_bert.py": "BERT (an encoder)", "pretrain_t5.py": "T5 (
                 "pretrain_vision_classify.py": "a vision model",
                 "pretrain_retro.py": "RETRO", "pretrain_ict.py": "a retriever (ICT)"}
 # flags that hold no GPU memory: logging, data paths, checkpoint files, schedules of the
-# learning rate, seeds and tokenizer files (read as the vocabulary where it is given). Any
+# learning rate, seeds and tokenizer files (--vocab-size and --tokenizer-type are read). Any
 # other flag memplan does not read is listed as not modelled, one that may change memory:
 # fusions switched off (--no-bias-*-fusion, --no-masked-softmax-fusion,
 # --no-gradient-accumulation-fusion), the softmax's dtype, overlapped reductions and
@@ -56,7 +56,7 @@ QUIET_PREFIXES = ("--log-", "--lr", "--min-lr", "--save", "--load", "--eval-", "
                   "--use-checkpoint-", "--mock-data", "--no-mmap-bin-files",
                   "--use-mcore-models", "--merge-file", "--init-method-std", "--adam-",
                   "--wandb", "--rotary-base", "--norm-epsilon", "--tokenizer-model",
-                  "--vocab-file", "--tokenizer-type", "--vocab-size", "--padded-vocab-size",
+                  "--vocab-file", "--padded-vocab-size",
                   "--no-load-", "--decoupled-", "--num-workers", "--tiktoken-",
                   "--distributed-timeout-minutes", "--clip-grad", "--deterministic-mode",
                   "--async-save", "--use-persistent-ckpt", "--verify-integrity")
