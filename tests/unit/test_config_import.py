@@ -469,6 +469,16 @@ def test_torchtitan_registry_refuses_by_name(tmp_path: Path, body: str, match: s
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("terms", [1500, 50_000])  # walked too deep; parsed too deep
+def test_torchtitan_registry_too_deep_is_one_line(tmp_path: Path, terms: int) -> None:
+    """An expression nested past Python's recursion limit: one line naming the file, whether
+    the parser or the reader's walk of the tree gives up."""
+    command = _registry(tmp_path, "    n = " + " + ".join(["1"] * terms) + "\n    return base()")
+    with pytest.raises(MemplanError, match="config_registry.py") as err:
+        torchtitan.read(command, 8)
+    assert "\n" not in str(err.value)
+
+
 def test_torchtitan_registry_needs_a_config_function() -> None:
     with pytest.raises(MemplanError, match="no config function 'llama3_9b'"):
         torchtitan.read(f"{REG_030} --config llama3_9b", 8)
