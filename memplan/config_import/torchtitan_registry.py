@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from memplan.errors import MemplanError
-from memplan.inputs import MODEL_FILE_BYTES, read_text
+from memplan.inputs import MODEL_FILE_BYTES, read_text, too_large
 
 _SRC = "torchtitan 0.3 config/manager.py ConfigManager._load_config"
 
@@ -133,7 +133,11 @@ class _Body:
             a, b = self.value(node.left, names, depth), self.value(node.right, names, depth)
             if _number(a) and _number(b) and not (isinstance(node.op, ast.FloorDiv)
                                                   and b == 0):
-                return _ARITHMETIC[type(node.op)](a, b)
+                result = _ARITHMETIC[type(node.op)](a, b)
+                # past 64 bits no count is: left unevaluated, so a chain of products
+                # (x = x * x, line after line) never grows a number without bound
+                if not too_large(result):
+                    return result
             return Opaque(ast.unparse(node))
         if isinstance(node, ast.Name):
             return names.get(node.id, Opaque(node.id))

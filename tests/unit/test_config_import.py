@@ -462,6 +462,10 @@ def test_torchtitan_registry_is_parsed_not_run(tmp_path: Path) -> None:
     ("    return Trainer.Config(model_spec=model_registry('8B'), "
      "training=TrainingConfig(num_tokens_per_microbatch_per_dp_rank=3000, "
      "max_context_length=2048))", "num_tokens_per_microbatch_per_dp_rank = 3000"),
+    # squared line after line, past 64 bits: left unevaluated (a count is never that large)
+    ("    n = 3037000500\n" + "    n = n * n\n" * 40 + "    config = base()\n"
+     "    config.training.local_batch_size = n\n    return config",
+     "training.local_batch_size = n * n"),
 ])
 def test_torchtitan_registry_refuses_by_name(tmp_path: Path, body: str, match: str) -> None:
     with pytest.raises(MemplanError, match=re.escape(match)) as err:
