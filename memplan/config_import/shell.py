@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass, field
 
 from memplan.errors import MemplanError
+from memplan.inputs import too_large
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(\+?)=")
@@ -208,7 +209,10 @@ class _Script:
                 got = self.env.get(node.id, "0") or "0"
                 return int(got) if isinstance(got, str) and got.lstrip("-").isdigit() else 0
             if isinstance(node, ast.BinOp) and type(node.op) in _ARITH:
-                return _ARITH[type(node.op)](value(node.left), value(node.right))
+                result = _ARITH[type(node.op)](value(node.left), value(node.right))
+                if too_large(result):  # past bash's 64-bit integers: left as its text
+                    raise ValueError(expr)
+                return result
             if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
                 return -value(node.operand)
             raise ValueError(expr)
