@@ -30,9 +30,22 @@ _ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(\+?)=")
 _CLOSERS = {"if": "fi", "case": "esac", "while": "done", "until": "done", "for": "done"}
 # commands whose words are text, not a launch (``echo "... pretrain_gpt.py ..."``)
 _TEXT_COMMANDS = {"echo", "printf", "cat", "mkdir", "ls", "test", "["}
+
+
+def _quotient(a: int, b: int) -> int:
+    """bash's / on integers: C's, truncated toward zero (-7 / 2 is -3, Python's // gives -4)."""
+    q = abs(a) // abs(b)
+    return q if (a < 0) == (b < 0) else -q
+
+
+def _remainder(a: int, b: int) -> int:
+    """bash's %: the sign of the dividend (-7 % 2 is -1, Python's gives 1)."""
+    return a - b * _quotient(a, b)
+
+
 # bash's integer operators, as $((...)) evaluates them
 _ARITH = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-          ast.FloorDiv: operator.floordiv, ast.Div: operator.floordiv, ast.Mod: operator.mod}
+          ast.FloorDiv: _quotient, ast.Div: _quotient, ast.Mod: _remainder}
 # the most words a statement or an array may expand to, and the longest value a variable may
 # hold: a script that doubles an array or a string line after line (A=( "${A[@]}" "${A[@]}" ),
 # X="$X$X") is refused before it fills memory; a launch command has a few hundred words
