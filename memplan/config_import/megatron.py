@@ -671,10 +671,12 @@ def _pattern(text: str) -> list[int] | None:
             if isinstance(node.op, ast.Add):
                 return left + right if isinstance(left, list) == isinstance(right, list) \
                     else None
-            if (isinstance(left, list) and isinstance(right, int) and 0 <= right
-                    and len(left) * right <= MAX_LAYERS):  # a layer pattern: one per layer
-                return left * right
-            raise ValueError(f"a pattern of more than {MAX_LAYERS} layers (memplan's limit)")
+            if not (isinstance(left, list) and isinstance(right, int) and right >= 0):
+                return None  # only a list repeated is a pattern (not 3*4, [0]*-1, [0]*[1])
+            if len(left) * right > MAX_LAYERS:  # a layer pattern: one per layer
+                raise ValueError(f"a pattern of more than {MAX_LAYERS} layers (memplan's "
+                                 "limit)")
+            return left * right
         return None
 
     result = value(tree)

@@ -150,6 +150,16 @@ def test_megatron_count_past_its_input_bound_names_the_flag() -> None:
                               "--mbs must be more than 0")
 
 
+@pytest.mark.parametrize("pattern", ["[0]*[1]+[1]*4", "[0]*(1*1)+[1]*3"])
+def test_megatron_layer_pattern_of_other_products(pattern: str) -> None:
+    """Only a list times a count is a run of layers: another product is no pattern memplan
+    reads (refused as such), not one "of more than 10000 layers"."""
+    with pytest.raises(MemplanError, match="--moe-layer-freq = .*modelled are 1") as err:
+        megatron.read("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+                      f"--vocab-size 128 --num-experts 4 --moe-layer-freq '{pattern}'", 4)
+    assert "10000" not in str(err.value)
+
+
 def test_megatron_vocabulary_needs_a_size() -> None:
     """A tokenizer whose vocabulary is in its files: refused until --vocab-size says it."""
     with pytest.raises(MemplanError, match="--tokenizer-type = 'HuggingFaceTokenizer'.*"
