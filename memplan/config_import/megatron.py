@@ -5,10 +5,13 @@ distributed optimizer and the precision.
 The flags and their defaults are Megatron-LM's (megatron/training/arguments.py at commit
 6e091e1b68c6856c9eeea3069cc167061c0acb64, which builds most of them from megatron-core's
 dataclass fields: ``TransformerConfig.num_layers`` is ``--num-layers``; megatron-core 0.16
-holds the same defaults); each rule cites the function it follows. A file is read as shell
-words (comments and line continuations allowed, a launcher and its own flags before the
-training script skipped: ``torchrun --nproc-per-node 8 pretrain_gpt.py``), or, when it holds a ``MODEL_ARGS:`` block, as
-Megatron-LM's own test configs (tests/functional_tests/test_cases/*/model_config.yaml).
+holds the same defaults); each rule cites the function it follows. A file is read as a
+launch script's training command (``memplan.config_import.shell``: variables, arrays and
+branches expanded as bash would, nothing run), else as shell words (comments and line
+continuations allowed), a launcher and its own flags before the training script skipped
+(``torchrun --nproc-per-node 8 pretrain_gpt.py``); or, when it holds a ``MODEL_ARGS:``
+block, as Megatron-LM's own test configs (tests/functional_tests/test_cases/*/
+model_config.yaml).
 """
 
 from __future__ import annotations
