@@ -473,9 +473,10 @@ def _validate_shard_group(spec: ModelSpec, par: ParallelConfig) -> None:
                           f"dp_shard ({par.dp_shard}) shards states within groups of the data-"
                           "parallel ranks; with zero 0 nothing is sharded (use --zero 1-3)")
     if (par.ep > 1 or par.etp is not None) and par.dp_shard < par.dp:
+        split = f"ep ({par.ep}) > 1" if par.etp is None else f"etp ({par.etp})"
         raise LayoutError("dp_shard with ep > 1 is not modelled",
-                          f"dp_shard ({par.dp_shard}) < dp ({par.dp}) with ep ({par.ep}) > 1: "
-                          "how expert weights shard within a replicate group is not modelled")
+                          f"dp_shard ({par.dp_shard}) < dp ({par.dp}) with {split}: how expert "
+                          "weights shard within a replicate group is not modelled")
 
 
 def resolve_split(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> ParallelConfig:

@@ -205,15 +205,11 @@ PRESETS: dict[Framework, tuple[Default, ...]] = {
     ),
 }
 
-# The fields a preset may set. One that neither the user nor the preset sets keeps its own
-# default, declared once on ``Workload`` (or ``ParallelConfig`` for the layout's two): the
-# generic preset is those defaults.
+# The fields a preset sets: those of the layout (``ParallelConfig``), the rest the workload's.
+# One that neither the user nor the preset sets keeps its own default, declared once on
+# ``Workload`` or ``ParallelConfig``: the generic preset is those defaults.
 LAYOUT_FIELDS = frozenset({"tp_style", "grad_buffers"})
-FIELDS = frozenset({
-    "optimizer_impl", "norm_impl", "logits_fp32", "logits_held", "softmax_fp32", "kv_cache",
-    "fsdp_units", "keep_grads", "loss_impl", "selective_impl", "fused_qkv", "rope_cache",
-    "loss_split", "ddp_any_size", "attention_impl", "pipeline_split", "moe_impl",
-    "window_mask"}) | LAYOUT_FIELDS
+FIELDS = frozenset(d.field for defaults in PRESETS.values() for d in defaults)
 
 
 def parse(value: object) -> Framework:

@@ -41,13 +41,12 @@ _DEGREES = frozenset({"gpus", "tp", "pp", "vpp", "cp", "ep", "etp", "dp", "dp_sh
 def _past_bound(target: str, value: Any) -> str | None:
     """What ``value`` must be for the input ``target`` when it is an int past that input's
     bound (a Workload field's ``gt``/``ge``/``le``, a layout degree's MAX_GPUS), else None."""
-    from memplan.arguments import MAX_GPUS
     from memplan.workload import Workload
 
     if type(value) is not int:
         return None
     if target in _DEGREES:
-        return None if 0 < value <= MAX_GPUS else f"from 1 to {MAX_GPUS}"
+        return None if 0 < value <= arguments.MAX_GPUS else f"from 1 to {arguments.MAX_GPUS}"
     spec = Workload.model_fields.get(target)
     for rule in spec.metadata if spec is not None else ():
         low = getattr(rule, "gt", None)
@@ -99,7 +98,7 @@ class Imported:
         input's own check would name only the input)."""
         bound = _past_bound(target, value)
         if bound is not None:
-            raise self.refuse(key, given, f"{FLAGS.get(target, target)} must be {bound}")
+            raise self.refuse(key, given, f"{flag(target)} must be {bound}")
         self.mapping.append(Mapped(key, given, target, value, how))
         if target != "model":
             self.inputs[target] = value

@@ -5,10 +5,13 @@ distributed optimizer and the precision.
 The flags and their defaults are Megatron-LM's (megatron/training/arguments.py at commit
 6e091e1b68c6856c9eeea3069cc167061c0acb64, which builds most of them from megatron-core's
 dataclass fields: ``TransformerConfig.num_layers`` is ``--num-layers``; megatron-core 0.16
-holds the same defaults); each rule cites the function it follows. A file is read as shell
-words (comments and line continuations allowed, a launcher and its own flags before the
-training script skipped: ``torchrun --nproc-per-node 8 pretrain_gpt.py``), or, when it holds a ``MODEL_ARGS:`` block, as
-Megatron-LM's own test configs (tests/functional_tests/test_cases/*/model_config.yaml).
+holds the same defaults); each rule cites the function it follows. A file is read as a
+launch script's training command (``memplan.config_import.shell``: variables, arrays and
+branches expanded as bash would, nothing run), else as shell words (comments and line
+continuations allowed), a launcher and its own flags before the training script skipped
+(``torchrun --nproc-per-node 8 pretrain_gpt.py``); or, when it holds a ``MODEL_ARGS:``
+block, as Megatron-LM's own test configs (tests/functional_tests/test_cases/*/
+model_config.yaml).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ OTHER_MODELS = {"pretrain_bert.py": "BERT (an encoder)", "pretrain_t5.py": "T5 (
                 "pretrain_vision_classify.py": "a vision model",
                 "pretrain_retro.py": "RETRO", "pretrain_ict.py": "a retriever (ICT)"}
 # flags that hold no GPU memory: logging, data paths, checkpoint files, schedules of the
-# learning rate, seeds and tokenizer files (read as the vocabulary where it is given). Any
+# learning rate, seeds and tokenizer files (--vocab-size and --tokenizer-type are read). Any
 # other flag memplan does not read is listed as not modelled, one that may change memory:
 # fusions switched off (--no-bias-*-fusion, --no-masked-softmax-fusion,
 # --no-gradient-accumulation-fusion), the softmax's dtype, overlapped reductions and
@@ -56,7 +59,7 @@ QUIET_PREFIXES = ("--log-", "--lr", "--min-lr", "--save", "--load", "--eval-", "
                   "--use-checkpoint-", "--mock-data", "--no-mmap-bin-files",
                   "--use-mcore-models", "--merge-file", "--init-method-std", "--adam-",
                   "--wandb", "--rotary-base", "--norm-epsilon", "--tokenizer-model",
-                  "--vocab-file", "--tokenizer-type", "--vocab-size", "--padded-vocab-size",
+                  "--vocab-file", "--padded-vocab-size",
                   "--no-load-", "--decoupled-", "--num-workers", "--tiktoken-",
                   "--distributed-timeout-minutes", "--clip-grad", "--deterministic-mode",
                   "--async-save", "--use-persistent-ckpt", "--verify-integrity")
@@ -174,6 +177,13 @@ class _Reader:
                                                "(no width, count or length is larger)")
         return value
 
+    def degree(self, flag: str, default: int | None) -> int | None:
+        """A parallel degree: an integer from 1 to ``MAX_GPUS`` (or ``default``, None)."""
+        value = self.int(flag, default)
+        if value is not None and not 0 < value <= MAX_GPUS:
+            raise self.refuse(flag, f"expected a degree from 1 to {MAX_GPUS}")
+        return value
+
     def float(self, flag: str, default: float) -> float:
         self.used.add(flag)
         value = self.args.get(flag, default)
@@ -202,7 +212,7 @@ class _Reader:
         imp.set("(framework)", "megatron", "framework", "megatron",
                 "Megatron-LM's implementation defaults")
         self._refusals()
-        tp = self.int("--tensor-model-parallel-size", 1)
+        tp = self.degree("--tensor-model-parallel-size", 1)  # before the vocabulary's padding
         spec = self._model(tp)
         imp.model = spec
         imp.set("(model shape)", spec.name, "model", spec.name, f"{spec.num_params:,} "
@@ -426,22 +436,14 @@ class _Reader:
 
     def _layout(self, spec: ModelSpec, tp: int) -> None:
         imp = self.imp
-        pp = self.int("--pipeline-model-parallel-size", 1)
-        cp = self.int("--context-parallel-size", 1)
-        ep = self.int("--expert-model-parallel-size", 1)
+        pp = self.degree("--pipeline-model-parallel-size", 1)
+        cp = self.degree("--context-parallel-size", 1)
+        ep = self.degree("--expert-model-parallel-size", 1)
         # megatron-core ModelParallelConfig.expert_tensor_parallel_size: None is tp
-        etp = self.int("--expert-tensor-parallel-size", None)
-        if etp is not None and not 0 < etp <= MAX_GPUS:
-            raise self.refuse("--expert-tensor-parallel-size",
-                              f"expected a degree from 1 to {MAX_GPUS}")
+        etp = self.degree("--expert-tensor-parallel-size", None)
         if etp is not None and etp != tp:
             imp.set("--expert-tensor-parallel-size", etp, "etp", etp,
                     f"the routed experts split by {etp}, the rest by tp {tp}")
-        for flag, value in (("--tensor-model-parallel-size", tp),
-                            ("--pipeline-model-parallel-size", pp),
-                            ("--context-parallel-size", cp), ("--expert-model-parallel-size", ep)):
-            if not 0 < value <= MAX_GPUS:
-                raise self.refuse(flag, f"expected a degree from 1 to {MAX_GPUS}")
         for flag, value, target in (("--tensor-model-parallel-size", tp, "tp"),
                                     ("--pipeline-model-parallel-size", pp, "pp"),
                                     ("--context-parallel-size", cp, "cp"),
@@ -672,10 +674,12 @@ def _pattern(text: str) -> list[int] | None:
             if isinstance(node.op, ast.Add):
                 return left + right if isinstance(left, list) == isinstance(right, list) \
                     else None
-            if (isinstance(left, list) and isinstance(right, int) and 0 <= right
-                    and len(left) * right <= MAX_LAYERS):  # a layer pattern: one per layer
-                return left * right
-            raise ValueError(f"a pattern of more than {MAX_LAYERS} layers (memplan's limit)")
+            if not (isinstance(left, list) and isinstance(right, int) and right >= 0):
+                return None  # only a list repeated is a pattern (not 3*4, [0]*-1, [0]*[1])
+            if len(left) * right > MAX_LAYERS:  # a layer pattern: one per layer
+                raise ValueError(f"a pattern of more than {MAX_LAYERS} layers (memplan's "
+                                 "limit)")
+            return left * right
         return None
 
     result = value(tree)

@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass, field
 
 from memplan.errors import MemplanError
+from memplan.inputs import too_large
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(\+?)=")
@@ -29,9 +30,22 @@ _ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(\+?)=")
 _CLOSERS = {"if": "fi", "case": "esac", "while": "done", "until": "done", "for": "done"}
 # commands whose words are text, not a launch (``echo "... pretrain_gpt.py ..."``)
 _TEXT_COMMANDS = {"echo", "printf", "cat", "mkdir", "ls", "test", "["}
+
+
+def _quotient(a: int, b: int) -> int:
+    """bash's / on integers: C's, truncated toward zero (-7 / 2 is -3, Python's // gives -4)."""
+    q = abs(a) // abs(b)
+    return q if (a < 0) == (b < 0) else -q
+
+
+def _remainder(a: int, b: int) -> int:
+    """bash's %: the sign of the dividend (-7 % 2 is -1, Python's gives 1)."""
+    return a - b * _quotient(a, b)
+
+
 # bash's integer operators, as $((...)) evaluates them
 _ARITH = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-          ast.FloorDiv: operator.floordiv, ast.Div: operator.floordiv, ast.Mod: operator.mod}
+          ast.FloorDiv: _quotient, ast.Div: _quotient, ast.Mod: _remainder}
 # the most words a statement or an array may expand to, and the longest value a variable may
 # hold: a script that doubles an array or a string line after line (A=( "${A[@]}" "${A[@]}" ),
 # X="$X$X") is refused before it fills memory; a launch command has a few hundred words
@@ -208,7 +222,10 @@ class _Script:
                 got = self.env.get(node.id, "0") or "0"
                 return int(got) if isinstance(got, str) and got.lstrip("-").isdigit() else 0
             if isinstance(node, ast.BinOp) and type(node.op) in _ARITH:
-                return _ARITH[type(node.op)](value(node.left), value(node.right))
+                result = _ARITH[type(node.op)](value(node.left), value(node.right))
+                if too_large(result):  # past bash's 64-bit integers: left as its text
+                    raise ValueError(expr)
+                return result
             if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
                 return -value(node.operand)
             raise ValueError(expr)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from memplan.errors import MemplanError
-from memplan.inputs import MODEL_FILE_BYTES
+from memplan.inputs import MODEL_FILE_BYTES, read_text, too_large
 
 _SRC = "torchtitan 0.3 config/manager.py ConfigManager._load_config"
 
@@ -133,7 +133,11 @@ class _Body:
             a, b = self.value(node.left, names, depth), self.value(node.right, names, depth)
             if _number(a) and _number(b) and not (isinstance(node.op, ast.FloorDiv)
                                                   and b == 0):
-                return _ARITHMETIC[type(node.op)](a, b)
+                result = _ARITHMETIC[type(node.op)](a, b)
+                # past 64 bits no count is: left unevaluated, so a chain of products
+                # (x = x * x, line after line) never grows a number without bound
+                if not too_large(result):
+                    return result
             return Opaque(ast.unparse(node))
         if isinstance(node, ast.Name):
             return names.get(node.id, Opaque(node.id))
@@ -257,14 +261,15 @@ def evaluate(command: Command) -> Call:
     """The ``Trainer.Config(...)`` call the config function returns, overrides applied."""
     path = command.file
     where = f"{path} {command.config}"
-    if path.stat().st_size > MODEL_FILE_BYTES:
-        raise MemplanError(f"{path}: larger than {MODEL_FILE_BYTES} bytes: not a config "
-                           "registry")
+    text = read_text(path, "torchtitan config registry", MODEL_FILE_BYTES)
     try:
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    except (SyntaxError, UnicodeDecodeError, ValueError) as err:
+        tree = ast.parse(text, filename=str(path))
+    except (SyntaxError, ValueError, RecursionError) as err:
         raise MemplanError(f"{path}: not Python memplan can parse ({err})") from None
-    trainer = _Body(tree, where).run(command.config)
+    try:
+        trainer = _Body(tree, where).run(command.config)
+    except RecursionError:  # an expression the parser took, too deep to walk (1 + 1 + ...)
+        raise MemplanError(f"{where}: nests deeper than memplan reads") from None
     if not isinstance(trainer, Call) or not trainer.name.endswith("Config"):
         raise MemplanError(f"{where}: returns {trainer!r}, not a Trainer.Config(...)")
     for key, text in command.overrides:

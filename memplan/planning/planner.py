@@ -178,7 +178,6 @@ def layouts(spec: ModelSpec, num_gpus: int, seq_len: int, *, max_tp: int,
         return [fixed[name]] if fixed.get(name) is not None else default
 
     out = []
-    experts = spec.moe.num_experts if spec.moe else 1
     for tp in choices("tp", [t for t in _powers_of_two(max_tp)]):
         if (err := tp_rule(spec, tp)) is not None:
             rejected[err.rule] += 1
@@ -192,6 +191,7 @@ def layouts(spec: ModelSpec, num_gpus: int, seq_len: int, *, max_tp: int,
                     rejected[err.rule] += 1
                     continue
                 dp = num_gpus // (tp * pp * cp)
+                expert_splits = _expert_splits(spec, tp, dp * cp, fixed)  # any vpp and split
                 node_shard = node_size // (tp * cp) if node_size % (tp * cp) == 0 else 0
                 vpps = list(range(1, MAX_VPP + 1)) if pp > 1 else [1]
                 given = fixed.get("stage_layers")
@@ -205,7 +205,7 @@ def layouts(spec: ModelSpec, num_gpus: int, seq_len: int, *, max_tp: int,
                         continue
                     for split, (ep, etp), zero, sp in (
                             (sl, e, z, s) for sl in splits
-                            for e in _expert_splits(spec, tp, dp * cp, fixed)
+                            for e in expert_splits
                             for z in choices("zero", [0, 1, 2, 3])
                             for s in choices("sp", [True, False] if tp > 1 else [False])):
                         for shard in choices("dp_shard", _shards(dp, zero, ep, node_shard,
@@ -228,21 +228,19 @@ def _expert_splits(spec: ModelSpec, tp: int, dp_cp: int,
     experts, ffn = spec.moe.num_experts, spec.moe.expert_ffn_hidden_size
     eps = [fixed["ep"]] if fixed.get("ep") is not None else divisors(experts)
     given = fixed.get("etp")
+    # in order of preference: by tp (None; a given etp equal to tp is tp's split), else the
+    # etps below tp, largest first
+    below = sorted((t for t in divisors(tp) if t < tp), reverse=True)
+    etps: list[int | None] = ([None, *below] if given is None
+                              else [None if given == tp else given])  # type: ignore[list-item]
     out: list[tuple[int, int | None]] = []
     for ep in eps:
-        if given is not None and given != tp:
-            etps: list[int | None] = [given]  # type: ignore[list-item]
-        elif given is not None or ep_rule(experts, ep, dp_cp) is None:
-            etps = [None]
-        else:
-            etps = [t for t in (t for t in sorted(divisors(tp), reverse=True) if t < tp)
-                    if expert_rule(experts, ffn, ep, t, tp * dp_cp) is None][:1]
         for etp in etps:
-            if etp is None and ep_rule(experts, ep, dp_cp) is not None:
-                continue
-            if etp is not None and expert_rule(experts, ffn, ep, etp, tp * dp_cp) is not None:
-                continue
-            out.append((ep, etp))  # type: ignore[arg-type]
+            broken = (ep_rule(experts, ep, dp_cp) if etp is None
+                      else expert_rule(experts, ffn, ep, etp, tp * dp_cp))
+            if broken is None:
+                out.append((ep, etp))
+                break
     return out
 
 

@@ -126,6 +126,8 @@ def test_megatron_deepseek_v3_shape() -> None:
      "--use-megatron-fsdp"),
     ("--pipeline-model-parallel-size 2 --account-for-embedding-in-pipeline-split",
      "--account-for-embedding-in-pipeline-split"),  # 4 + 1 layers do not split over 2
+    # checked before the vocabulary is padded to a multiple of 128 * tp (a division by 0)
+    ("--tensor-model-parallel-size 0", "--tensor-model-parallel-size"),
     ("--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 2 "
      "--account-for-loss-in-pipeline-split", "--account-for-loss-in-pipeline-split"),
 ])
@@ -136,6 +138,26 @@ def test_megatron_refuses_what_it_cannot_express(extra: str, flag: str) -> None:
         megatron.read(base + extra, 8)
     message = str(err.value)
     assert flag in message and "\n" not in message
+
+
+def test_megatron_count_past_its_input_bound_names_the_flag() -> None:
+    """A count past the bound of the input it sets (Workload.micro_batch_size > 0) is
+    refused naming the Megatron flag and memplan's option, in one line."""
+    with pytest.raises(MemplanError) as err:
+        megatron.read("--num-layers 2 --hidden-size 64 --num-attention-heads 2 "
+                      "--seq-length 64 --vocab-size 100 --micro-batch-size 0", 1)
+    assert str(err.value) == ("Megatron-LM arguments --megatron-args: --micro-batch-size = 0: "
+                              "--mbs must be more than 0")
+
+
+@pytest.mark.parametrize("pattern", ["[0]*[1]+[1]*4", "[0]*(1*1)+[1]*3"])
+def test_megatron_layer_pattern_of_other_products(pattern: str) -> None:
+    """Only a list times a count is a run of layers: another product is no pattern memplan
+    reads (refused as such), not one "of more than 10000 layers"."""
+    with pytest.raises(MemplanError, match="--moe-layer-freq = .*modelled are 1") as err:
+        megatron.read("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+                      f"--vocab-size 128 --num-experts 4 --moe-layer-freq '{pattern}'", 4)
+    assert "10000" not in str(err.value)
 
 
 def test_megatron_vocabulary_needs_a_size() -> None:
@@ -450,10 +472,24 @@ def test_torchtitan_registry_is_parsed_not_run(tmp_path: Path) -> None:
     ("    return Trainer.Config(model_spec=model_registry('8B'), "
      "training=TrainingConfig(num_tokens_per_microbatch_per_dp_rank=3000, "
      "max_context_length=2048))", "num_tokens_per_microbatch_per_dp_rank = 3000"),
+    # squared line after line, past 64 bits: left unevaluated (a count is never that large)
+    ("    n = 3037000500\n" + "    n = n * n\n" * 40 + "    config = base()\n"
+     "    config.training.local_batch_size = n\n    return config",
+     "training.local_batch_size = n * n"),
 ])
 def test_torchtitan_registry_refuses_by_name(tmp_path: Path, body: str, match: str) -> None:
     with pytest.raises(MemplanError, match=re.escape(match)) as err:
         torchtitan.read(_registry(tmp_path, body), 8)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("terms", [1500, 50_000])  # walked too deep; parsed too deep
+def test_torchtitan_registry_too_deep_is_one_line(tmp_path: Path, terms: int) -> None:
+    """An expression nested past Python's recursion limit: one line naming the file, whether
+    the parser or the reader's walk of the tree gives up."""
+    command = _registry(tmp_path, "    n = " + " + ".join(["1"] * terms) + "\n    return base()")
+    with pytest.raises(MemplanError, match="config_registry.py") as err:
+        torchtitan.read(command, 8)
     assert "\n" not in str(err.value)
 
 

@@ -79,6 +79,16 @@ def test_etp_rules(model: str, layout: dict, rule: str) -> None:
     assert err.value.rule == rule
 
 
+def test_shard_group_with_etp_names_etp() -> None:
+    """A shard group smaller than dp with the experts split by etp (ep 1) is refused under the
+    ep rule, its message naming etp, not "ep (1) > 1"."""
+    with pytest.raises(LayoutError) as err:
+        memplan.estimate("mixtral-8x7b", gpus=16, tp=4, seq_len=4096, zero=3, dp_shard=2,
+                         etp=2)
+    assert err.value.rule == "dp_shard with ep > 1 is not modelled"
+    assert str(err.value).startswith("dp_shard (2) < dp (4) with etp (2): ")
+
+
 def test_expert_rule_on_degrees() -> None:
     assert expert_rule(8, 14336, 8, 1, 16) is None
     assert expert_rule(8, 14336, 8, 2, 16) is None

@@ -162,6 +162,23 @@ def test_small_script_by_hand() -> None:
         "--pipeline-model-parallel-size", "8", "--tensor-model-parallel-size", "2", "--x"]
 
 
+def test_arithmetic_divides_as_bash() -> None:
+    """bash's / and % truncate toward zero (C's): -7 / 2 is -3 and -7 % 2 is -1; 7 / -2 is -3
+    and 7 % -2 is 1 (bash -c 'echo $((-7/2)) $((-7%2)) $((7/-2)) $((7%-2))')."""
+    text = 'A=-7\npython pretrain_gpt.py $((A/2)) $((A%2)) $((7/-2)) $((7%-2))\n'
+    assert shell.training_command(text, "t.sh") == ["python", "pretrain_gpt.py", "-3", "-1",
+                                                    "-3", "1"]
+
+
+def test_arithmetic_past_64_bits_is_left_as_text() -> None:
+    """bash's integers are 64-bit: 3037000500 squared (9,223,372,037,000,250,000) is past
+    2^63 - 1, so $((N*N)) is not evaluated (its text stays, and a flag reading it says it is
+    no integer); a chain of such products never grows a number without bound."""
+    text = 'N=3037000499\nM=$((N*N))\nN=3037000500\npython pretrain_gpt.py $M $((N*N))\n'
+    assert shell.training_command(text, "t.sh") == [
+        "python", "pretrain_gpt.py", "9223372030926249001", "$((N*N))"]
+
+
 @pytest.mark.parametrize("text", [
     'A=( x )\n' + 'A=( "${A[@]}" "${A[@]}" )\n' * 40 + 'python pretrain_gpt.py\n',
     'X=ab\n' + 'X="$X$X"\n' * 60 + 'python pretrain_gpt.py $X\n',
