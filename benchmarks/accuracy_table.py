@@ -326,7 +326,9 @@ def render_heldout(held: list[HeldOut], excluded: dict[str, str]) -> list[str]:
             f"{_cell(_heldout_layout(h.estimate))} | {_gib(run['measured_bytes'])} | "
             f"{memplan_cell} | {err_cell} | {_cell(', '.join(h.unread)) or '-'} |")
     if excluded:
-        out += ["", "Left out of the held-out set (same selection, each with why):", ""]
+        out += ["", "Left out of the held-out set, each with why (Megatron-LM tests that meet the",
+                "selection of `benchmarks/heldout_megatron.py` but are left out; published FSDP2",
+                "runs with gradient accumulation that were examined):", ""]
         out += [f"- `{case}`: {why}." for case, why in sorted(excluded.items())]
     return out
 
