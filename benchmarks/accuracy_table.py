@@ -35,18 +35,29 @@ without those tools) and compares the output the file names for the run's ``quan
 (``compared``, scaled by ``unit_bytes``) with the measurement; runs a tool cannot express are
 shown as ``n/a: <why>``. Each tool's summary is next to memplan's on the same runs.
 
+Held-out runs: ``benchmarks/data/heldout_runs.json`` (written by ``benchmarks/heldout_megatron.py``
+for Megatron-LM's functional tests) holds measured runs of trainers outside memplan's presets,
+kept apart from the published runs and described only by the trainer's own settings
+(``trainer_settings``: a Megatron ``model_config.yaml`` given to ``--megatron-args`` as it is, the
+GPU count and the GPU). Each is estimated by ``memplan estimate --json`` on those settings, run
+through the CLI as a user would (from the repository root, so that paths read as stored); a
+``MemplanError`` is reported as ``refused: <message>``. They have their own section and their
+own statistics, none of which count in the headline.
+
 ``python benchmarks/accuracy_table.py`` writes the doc; ``--check`` exits 1 if it would change.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere
@@ -57,6 +68,7 @@ from memplan.errors import MemplanError
 
 DATA = ROOT / "benchmarks" / "data" / "published_runs.json"
 OTHERS = ROOT / "benchmarks" / "data" / "other_estimators.json"
+HELDOUT = ROOT / "benchmarks" / "data" / "heldout_runs.json"
 DOC = ROOT / "docs" / "accuracy.md"
 GiB = 2**30
 
@@ -164,6 +176,161 @@ def build_rows(runs: list[dict], others: list[dict] | None = None) -> list[Row]:
     """``others`` defaults to the stored other-estimator results."""
     others = load_others() if others is None else others
     return [evaluate(run, others) for run in runs]
+
+
+# ------------------------------------------------------------------------- held-out runs
+
+HELDOUT_MEDIAN_PCT = 8.0  # the held-out target: median |error| at most this,
+HELDOUT_FLOOR_PCT = -15.0  # none below this (an under-estimate that would OOM), none refused
+
+
+def load_heldout(path: Path = HELDOUT) -> list[dict]:
+    if not path.is_file():
+        return []
+    return json.loads(path.read_text())["runs"]
+
+
+def load_excluded(path: Path = HELDOUT) -> dict[str, str]:
+    """Runs left out of the held-out set, each with why (selection rules of the collectors)."""
+    if not path.is_file():
+        return {}
+    return json.loads(path.read_text()).get("excluded", {})
+
+
+def settings_command(settings: dict) -> list[str]:
+    """The ``memplan estimate --json`` command line of a held-out run's trainer settings (paths
+    relative to the repository root)."""
+    args = ["estimate", "--json", "--gpus", str(settings["gpus"]), "--gpu", settings["gpu"]]
+    if "megatron_args" in settings:
+        args += ["--megatron-args", settings["megatron_args"]]
+    if "torchtitan_config" in settings:
+        args += ["--torchtitan-config", settings["torchtitan_config"]]
+    return args + list(settings.get("options", []))
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """A held-out run and memplan's reading of its trainer settings: the estimate's JSON
+    (``layout``, ``workload``, ``config``), None when refused."""
+
+    row: Row
+    estimate: dict | None = None
+
+    @property
+    def unread(self) -> list[str]:
+        return list(((self.estimate or {}).get("config") or {}).get("unread", []))
+
+
+def evaluate_heldout(run: dict) -> HeldOut:
+    """``memplan estimate`` on the run's trainer settings, through the CLI; an error that is not
+    a ``MemplanError`` (a crash, not a refusal) is raised."""
+    from typer.testing import CliRunner
+
+    from memplan.cli import app
+
+    with contextlib.chdir(ROOT):  # the settings name files relative to the repository
+        result = CliRunner().invoke(app, settings_command(run["trainer_settings"]))
+    if result.exit_code != 0:
+        if isinstance(result.exception, MemplanError):
+            return HeldOut(Row(run, None, refused=str(result.exception).splitlines()[0]))
+        if result.exception is not None and not isinstance(result.exception, SystemExit):
+            raise result.exception
+        return HeldOut(Row(run, None, refused=result.output.strip().splitlines()[-1]))
+    out = json.loads(result.output)
+    stages = [SimpleNamespace(**s) for s in out["stages"]]
+    quantity = run["quantity"]
+    if run["rank"] == "last":
+        value = quantity_bytes(stages[-1], quantity)
+    else:
+        value = max(quantity_bytes(s, quantity) for s in stages)
+    return HeldOut(Row(run, value), out)
+
+
+def build_heldout(runs: list[dict] | None = None) -> list[HeldOut]:
+    return [evaluate_heldout(run) for run in (load_heldout() if runs is None else runs)]
+
+
+def _heldout_layout(estimate: dict | None) -> str:
+    if estimate is None:
+        return "-"
+    lay, wl = estimate["layout"], estimate["workload"]
+    parts = [f"{estimate['num_gpus']}x {estimate['gpu']}", f"tp{lay['tp']}"
+             + (" (no SP)" if lay["tp"] > 1 and not lay["sp"] else ""),
+             f"pp{lay['pp']}" + (f" vpp{lay['vpp']}" if lay["vpp"] > 1 else "")]
+    parts += [f"{k}{lay[k]}" for k in ("cp", "ep", "etp") if lay.get(k, 1) > 1 or
+              (k == "etp" and k in lay)]
+    parts += [f"dp{lay['dp']}", f"zero{lay['zero']}", f"mbs{wl['mbs']}"]
+    if wl.get("gbs"):
+        parts.append(f"gbs{wl['gbs']}")
+    parts += [f"seq{wl['seq']}", wl["precision"], f"recompute {wl['recompute']}",
+              f"{wl['attention']} attn"]
+    return ", ".join(parts)
+
+
+def heldout_summary(held: list[HeldOut]) -> list[str]:
+    """The held-out statistics: over the runs memplan estimates, and how many it refuses."""
+    rows = [h.row for h in held]
+    errors = [r.error_pct for r in rows if r.memplan_bytes is not None]
+    refused = [r for r in rows if r.refused is not None]
+    out = [f"- {len(rows)} held-out runs ({', '.join(sorted({r.run['framework'] for r in rows}))})"
+           f": {len(errors)} estimated, {len(refused)} refused."]
+    if errors:
+        worst = min(rows, key=lambda r: r.error_pct if r.error_pct is not None else 0.0)
+        largest = max((r for r in rows if r.error_pct is not None),
+                      key=lambda r: abs(r.error_pct))
+        out += [f"- Estimated runs: {_stats(errors)}.",
+                f"- Largest |error|: {largest.error_pct:+.1f}% ({largest.run['id']}); most "
+                f"under: {worst.error_pct:+.1f}% ({worst.run['id']}).",
+                f"- Within 8%: {sum(abs(e) <= 8.0 for e in errors)} of {len(errors)}; below "
+                f"{HELDOUT_FLOOR_PCT:.0f}%: {sum(e < HELDOUT_FLOOR_PCT for e in errors)}."]
+    out.append(f"- Target: median |error| <= {HELDOUT_MEDIAN_PCT:.0f}%, none below "
+               f"{HELDOUT_FLOOR_PCT:.0f}%, none refused.")
+    return out
+
+
+def _heldout_line(held: list[HeldOut]) -> str:
+    errors = [h.row.error_pct for h in held if h.row.memplan_bytes is not None]
+    refused = sum(h.row.refused is not None for h in held)
+    return f"{_stats(errors)}; {refused} of {len(held)} refused"
+
+
+def render_heldout(held: list[HeldOut], excluded: dict[str, str]) -> list[str]:
+    out = [
+        "## Held-out runs",
+        "",
+        "Measured runs of trainers outside memplan's presets, kept apart from the runs above",
+        "(`benchmarks/data/heldout_runs.json`, Megatron-LM's from",
+        "`python benchmarks/heldout_megatron.py --megatron-lm PATH`) and described only by the",
+        "trainer's own settings: each Megatron-LM functional test's `model_config.yaml` as it is",
+        "(copied under `benchmarks/data/heldout/megatron/`), given to",
+        "`memplan estimate --json --gpus 8 --gpu h100-sxm --megatron-args FILE` (the test's CI",
+        "recipe runs it on one node of 8 H100 80GB); the golden values' step-10",
+        "`mem-max-allocated-bytes` of the last pipeline stage against memplan's last stage, peak",
+        "allocated (tensor peak + cuBLAS workspace). None of these numbers is in any test, and no",
+        "term of memplan was set from them. They do not count in the summary above.",
+        "",
+        *heldout_summary(held),
+        "",
+        "| id | source | flags | memplan's reading | measured | memplan | error | not modelled "
+        "(memplan's list) |",
+        "|---|---|---|---|---:|---:|---:|---|",
+    ]
+    for h in held:
+        r, run = h.row, h.row.run
+        if r.memplan_bytes is None:
+            memplan_cell, err_cell = _cell(f"refused: {r.refused}"), ""
+        else:
+            memplan_cell, err_cell = _gib(r.memplan_bytes), f"{r.error_pct:+.1f}%"
+        out.append(
+            f"| {_cell(run['id'])} | {_source_link(run)} | {_cell(' '.join(run['flags']))} | "
+            f"{_cell(_heldout_layout(h.estimate))} | {_gib(run['measured_bytes'])} | "
+            f"{memplan_cell} | {err_cell} | {_cell(', '.join(h.unread)) or '-'} |")
+    if excluded:
+        out += ["", "Left out of the held-out set, each with why (Megatron-LM tests that meet the",
+                "selection of `benchmarks/heldout_megatron.py` but are left out; published FSDP2",
+                "runs with gradient accumulation that were examined):", ""]
+        out += [f"- `{case}`: {why}." for case, why in sorted(excluded.items())]
+    return out
 
 
 def _layout(run: dict) -> str:
@@ -299,10 +466,14 @@ def _other_method(estimator: dict) -> list[str]:
     return _bullet(text + " Leaves out: " + "; ".join(estimator["leaves_out"]) + ".")
 
 
-def render(rows: list[Row], others: list[dict] | None = None) -> str:
+def render(rows: list[Row], others: list[dict] | None = None,
+           heldout: list[HeldOut] | None = None, excluded: dict[str, str] | None = None) -> str:
     """``others``: the stored other-estimator results (default: the committed file), in the
-    order of each row's ``others``."""
+    order of each row's ``others``; ``heldout``: the held-out runs' rows (default: the
+    committed held-out runs, estimated)."""
     others = load_others() if others is None else others
+    heldout = build_heldout() if heldout is None else heldout
+    excluded = load_excluded() if excluded is None else excluded
     ran = [e for e in others if "runs" in e]
     expressed = [r.error_pct for r in rows if r.expressed]
     approximated = [r.error_pct for r in rows if r.memplan_bytes is not None and not r.expressed]
@@ -316,7 +487,8 @@ def render(rows: list[Row], others: list[dict] | None = None) -> str:
         "`python benchmarks/accuracy_table.py --check` fails when this file is stale (also a unit",
         "test). Each run's source, a quote of its numbers, what it measured and the memplan",
         "arguments that describe it are in the first JSON; each other estimator's version, inputs",
-        "and raw outputs per run in the second. Sizes in GiB (2^30 bytes).",
+        "and raw outputs per run in the second. Sizes in GiB (2^30 bytes). Held-out runs",
+        "(`benchmarks/data/heldout_runs.json`) have their own section.",
         "",
         "## Summary",
         "",
@@ -326,6 +498,7 @@ def render(rows: list[Row], others: list[dict] | None = None) -> str:
          f"listed): {_stats(approximated)}."),
         f"- Refused by memplan: {len(refused)}.",
         *(_other_summary(i, e, rows) for i, e in enumerate(ran)),
+        *([f"- Held-out runs (section below): {_heldout_line(heldout)}."] if heldout else []),
         "",
         "## Runs",
         "",
@@ -348,6 +521,8 @@ def render(rows: list[Row], others: list[dict] | None = None) -> str:
             f"{_cell(_layout(run))}; {run['quantity']} ({run['rank']} rank) | "
             f"{_gib(run['measured_bytes'])} | {memplan_cell} | {err_cell} | {_cell(gaps)} |"
             + extra)
+    if heldout:
+        out += ["", *render_heldout(heldout, excluded)]
     out += [
         "",
         "## Method",

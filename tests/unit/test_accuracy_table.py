@@ -58,12 +58,13 @@ def test_committed_doc_is_current(table, runs):
 
 
 def test_torch_free():
-    """The table builder never imports torch (checked in a fresh interpreter)."""
+    """The table builder never imports torch, held-out runs included (checked in a fresh
+    interpreter)."""
     code = ("import importlib.util, sys; "
             f"spec = importlib.util.spec_from_file_location('accuracy_table', {str(SCRIPT)!r}); "
             "m = importlib.util.module_from_spec(spec); sys.modules['accuracy_table'] = m; "
             "spec.loader.exec_module(m); "
-            "m.build_rows(m.load_runs()); "
+            "m.build_rows(m.load_runs()); m.build_heldout(); "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], check=False, timeout=60).returncode == 0
 
@@ -222,3 +223,102 @@ def test_every_run_stays_within_its_error_ceiling(table, runs):
     over = [(r.run["id"], r.refused or round(r.error_pct, 2), CEILING_PCT[r.run["id"]])
             for r in rows if r.error_pct is None or abs(r.error_pct) > CEILING_PCT[r.run["id"]]]
     assert not over, f"runs beyond their error ceiling (id, error %, ceiling): {over}"
+
+
+# ------------------------------------------------------------------ held-out runs
+
+HELDOUT_SETTINGS = {"gpus", "gpu", "megatron_args", "torchtitan_config", "options"}
+
+
+@pytest.fixture(scope="module")
+def heldout(table):
+    return table.load_heldout()
+
+
+def test_heldout_runs_are_apart_and_described_by_the_trainer(table, heldout, runs):
+    """Each held-out run has a source, a quote and a measurement like a published run, none is
+    a published run, and memplan sees it only through the trainer's own settings (no
+    memplan arguments written for it); each Megatron config it names is committed and
+    holds the flags the record lists."""
+    assert heldout
+    ids = [run["id"] for run in heldout]
+    assert len(ids) == len(set(ids)), "held-out run ids must be unique"
+    assert not set(ids) & {run["id"] for run in runs}, "a held-out run is also published"
+    for run in heldout:
+        assert run["source"].startswith("https://"), run["id"]
+        assert run["quote"].strip() and run["what"].strip(), run["id"]
+        assert isinstance(run["measured_bytes"], int) and run["measured_bytes"] > 0, run["id"]
+        assert run["quantity"] in table.QUANTITIES and run["rank"] in table.RANKS, run["id"]
+        assert "memplan_args" not in run, run["id"]
+        settings = run["trainer_settings"]
+        assert set(settings) <= HELDOUT_SETTINGS and {"gpus", "gpu"} <= set(settings)
+        if "megatron_args" in settings:
+            text = (ROOT / settings["megatron_args"]).read_text()
+            assert "MODEL_ARGS:" in text, run["id"]
+            for flag in run["flags"]:
+                assert f"  {flag}:" in text, (run["id"], flag)
+            assert str(run["measured_bytes"]) in run["quote"].replace(".0;", ";"), run["id"]
+
+
+def test_heldout_command_is_the_trainer_settings(table):
+    """A Megatron run's settings become exactly `memplan estimate --json --gpus 8 --gpu
+    h100-sxm --megatron-args FILE`, the file as stored (relative to the repository)."""
+    settings = {"megatron_args": "benchmarks/data/heldout/megatron/x.yaml", "gpus": 8,
+                "gpu": "h100-sxm"}
+    assert table.settings_command(settings) == [
+        "estimate", "--json", "--gpus", "8", "--gpu", "h100-sxm",
+        "--megatron-args", "benchmarks/data/heldout/megatron/x.yaml"]
+    assert table.settings_command({**settings, "options": ["--grad-sync", "last"]})[-2:] == [
+        "--grad-sync", "last"]
+
+
+def test_heldout_refusal_is_reported_with_the_stored_path(table, heldout):
+    """A refused run is a row without a number whose reason is memplan's own one line, naming
+    the config by its path in the repository (so the doc is the same on every machine)."""
+    run = next(r for r in heldout if "--use-megatron-fsdp" in r["flags"])
+    held = table.evaluate_heldout(run)
+    assert held.row.memplan_bytes is None and held.estimate is None
+    assert held.row.refused.startswith(
+        f"Megatron-LM arguments {run['trainer_settings']['megatron_args']}: "
+        "--use-megatron-fsdp = true: ")
+
+
+def test_heldout_estimate_is_the_last_stage_peak_allocated(table, heldout):
+    """An estimated run compares the last stage's tensor peak + workspace of the CLI's JSON,
+    the same number `memplan estimate --megatron-args FILE` prints for that stage."""
+    run = next(r for r in heldout if r["id"].endswith("tp2_pp1_te_8experts_etp1_ep4"))
+    held = table.evaluate_heldout(run)
+    last = held.estimate["stages"][-1]
+    assert held.row.memplan_bytes == last["tensor_peak_bytes"] + last["workspace_bytes"]
+    assert held.estimate["layout"]["etp"] == 1 and held.estimate["layout"]["ep"] == 4
+
+
+def test_heldout_summary_by_hand(table):
+    """Errors +10%, -20% and +5% with one refusal: median |error| 10%, max 20%, mean signed
+    -1.7%; 1 of 3 within 8%, 1 below -15%; the most under is the -20% run."""
+    def run(run_id):
+        return {"id": run_id, "measured_bytes": 100, "framework": "megatron"}
+
+    held = [table.HeldOut(table.Row(run("a"), 110)), table.HeldOut(table.Row(run("b"), 80)),
+            table.HeldOut(table.Row(run("c"), 105)),
+            table.HeldOut(table.Row(run("d"), None, refused="no"))]
+    lines = table.heldout_summary(held)
+    assert lines[0] == "- 4 held-out runs (megatron): 3 estimated, 1 refused."
+    assert lines[1] == ("- Estimated runs: median |error| 10.0%, max |error| 20.0%, mean "
+                        "signed error -1.7% over 3 runs.")
+    assert lines[2] == "- Largest |error|: -20.0% (b); most under: -20.0% (b)."
+    assert lines[3] == "- Within 8%: 1 of 3; below -15%: 1."
+
+
+def test_heldout_collector_reads_model_args():
+    """The collector's MODEL_ARGS reader: indented `--flag: value` lines under MODEL_ARGS,
+    comments after ' #' dropped, other blocks ignored."""
+    spec = importlib.util.spec_from_file_location(
+        "heldout_megatron", ROOT / "benchmarks" / "heldout_megatron.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = ("ENV_VARS:\n  CUDA_DEVICE_MAX_CONNECTIONS: 1\nMODEL_ARGS:\n  # sizes\n"
+            "  --num-layers: 12\n  --dist-ckpt-strictness: log_all # TE\n"
+            "  --qk-layernorm: true\nTEST_TYPE: regular\n")
+    assert module.model_args(text) == {"--num-layers": "12", "--dist-ckpt-strictness": "log_all",
+                                       "--qk-layernorm": "true"}
