@@ -35,6 +35,14 @@ EXPANDABLE_SOURCE = ("expandable_segments: reserved memory follows allocated mem
                      "rounding (PyTorch docs, CUDA memory management); allocator share 0")
 
 
+# Recipes that keep fp32 weights (a master copy, or fp32 parameters under autocast) with fp32
+# optimizer states: the pure-bf16 recipe keeps neither (``memplan.workload.Precision``), at the
+# cost of updating bf16 weights directly (the reason mixed precision keeps a master copy).
+_MASTER_RECIPES = frozenset({Precision.BF16_MIXED, Precision.BF16_FP32_GRADS,
+                             Precision.FP16_MIXED, Precision.FP32, Precision.AMP_BF16,
+                             Precision.AMP_FP16})
+
+
 @dataclass(frozen=True)
 class Fix:
     """One change, re-estimated. Sizes in int bytes; ``step_s`` from the step-time model."""
@@ -113,6 +121,9 @@ def candidates(est: Estimate) -> list[tuple[str, str, dict[str, Any]]]:
         out.append(("optimizer offloaded to the host",
                     "--offload optimizer" + (" --zero 1" if zero else ""),
                     {"offload": Offload.OPTIMIZER.value, **zero}))
+    if wl.precision in _MASTER_RECIPES:
+        out.append(("bf16 weights, gradients and states without an fp32 master copy",
+                    "--precision bf16-pure", {"precision": Precision.BF16_PURE}))
     if wl.optimizer_impl is not OptimizerImpl.FUSED:
         out.append(("fused optimizer", "--optimizer-impl fused",
                     {"optimizer_impl": OptimizerImpl.FUSED}))

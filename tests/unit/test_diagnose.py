@@ -678,3 +678,21 @@ def test_private_pools_named_in_the_comparison() -> None:
                  seq_len=4095, global_batch_size=64)
     comp = next(f for f in r.diagnosis.findings if f.kind == "comparison")
     assert comp.cause and comp.sizes["private_pool_bytes"] == 512 * 1024**2
+
+
+def test_pure_bf16_recipe_is_offered_and_saves_eight_bytes_per_parameter() -> None:
+    """A single-GPU bf16-mixed fine-tune of Llama-2-7B (6,738,415,616 parameters) with full
+    recompute does not fit in 80 GB: bf16 weights (2 B) and gradients (2 B), an fp32 master
+    copy (4 B) and two fp32 Adam states (8 B) are 16 B per parameter, 107.8 GB before any
+    activation. The pure-bf16 recipe keeps the weights and gradients and drops the master copy,
+    its two states in bf16 (2 x 2 B): 8 B per parameter, so the model states shrink by exactly
+    8 x 6,738,415,616 = 53,907,324,928 B, and 53.9 GB of states fit."""
+    given = dict(gpus=1, micro_batch_size=1, seq_len=2048, precision="bf16-mixed",
+                 recompute="full")
+    r = diagnose("llama-2-7b", gpu_memory=80 * 10**9, **given)
+    fix = next(f for f in r.fixes.ranked if f.flags.startswith("--precision bf16-pure"))
+    base, new = r.diagnosis.estimate.stages[0], fix.estimate.stages[0]
+    states = lambda s: s.params_bytes + s.grads_bytes + s.optimizer_bytes  # noqa: E731
+    assert base.num_params == 6_738_415_616
+    assert states(base) - states(new) == 8 * 6_738_415_616
+    assert fix.fits and not base.peak_bytes <= 80 * 10**9
