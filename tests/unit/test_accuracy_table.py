@@ -343,6 +343,7 @@ def test_finetune_median_error_target(table, finetune_runs):
 # one it is shown in docs/accuracy.md and counted in the median target above.
 FINETUNE_CEILING_PCT = {
     "torchtune/llama2-7b/readme-full-distributed-4x4090": 24.0,  # -22.74%
+    "peft-metamathqa/full-finetuning--llama-3.2-3B-lr_0.00001": 5.5,  # -4.46%
 }
 
 
