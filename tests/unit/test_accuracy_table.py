@@ -355,3 +355,33 @@ def test_finetune_runs_stay_within_their_error_ceilings(table, finetune_runs):
             for run_id, ceiling in FINETUNE_CEILING_PCT.items()
             if rows[run_id].error_pct is None or abs(rows[run_id].error_pct) > ceiling]
     assert not over, f"fine-tuning runs beyond their error ceiling: {over}"
+
+
+# ------------------------------------------------------------------ out-of-memory reports
+
+def test_oom_reports_name_a_job_and_the_savers_that_fit():
+    """benchmarks/data/oom_reports.json: real out-of-memory reports of fine-tuning jobs, each
+    the failing job as memplan.estimate arguments (catalog models only) and the savers
+    expected to fit, each a change of those arguments."""
+    import json
+
+    from memplan.spec import catalog_names
+
+    reports = json.loads((ROOT / "benchmarks" / "data" / "oom_reports.json").read_text())
+    assert len(reports) >= 8
+    ids = [r["id"] for r in reports]
+    assert len(ids) == len(set(ids))
+    for report in reports:
+        for key in ("source", "quote", "what_ran_out", "reported_fix", "capacity_note"):
+            assert report[key].strip(), (report["id"], key)
+        assert report["source"].startswith("https://github.com/"), report["id"]
+        args = report["memplan_args"]
+        assert args["model"] in catalog_names() and args["gpus"] >= 1, report["id"]
+        expected = report["expected"]
+        assert expected["baseline_fits"] is False and expected["basis"].strip(), report["id"]
+        assert expected["fits_with"], report["id"]
+        for saver in expected["fits_with"]:
+            assert saver["saver"] and saver["flags"].startswith("--"), report["id"]
+            assert saver["change"] and not set(saver["change"]) - set(args) - {
+                "zero", "offload", "base_quant", "recompute", "optimizer", "precision",
+                "micro_batch_size"}, report["id"]

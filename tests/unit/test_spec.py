@@ -33,6 +33,7 @@ PUBLISHED = {
     "qwen2.5-7b": 7_615_616_512,
     "qwen2.5-72b": 72_706_203_648,
     "gpt2": 124_439_808,
+    "gpt2-xl": 1_557_611_200,
 }
 
 # The newer families: their totals as their model cards state them (billions, to the digits
