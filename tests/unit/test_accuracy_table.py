@@ -344,6 +344,13 @@ def test_finetune_median_error_target(table, finetune_runs):
 FINETUNE_CEILING_PCT = {
     "torchtune/llama2-7b/readme-full-distributed-4x4090": 24.0,  # -22.74%
     "peft-metamathqa/full-finetuning--llama-3.2-3B-lr_0.00001": 5.5,  # -4.46%
+    "torchtune/llama3.2-3b/readme-optimization-flags-full-packed": 4.5,  # -3.48%
+    "torchtune/llama3.2-3b/readme-optimization-flags-full-packed-compile": 15.0,  # +13.55%
+    "torchtune/llama3.2-3b/readme-optimization-flags-full-packed-compile-chunked-ce":
+        36.0,  # +34.99%
+    "torchtune/llama3.2-3b/readme-optimization-flags-full-activation-checkpointing":
+        26.5,  # +25.30%
+    "torchtune/llama3.2-3b/readme-optimization-flags-full-optimizer-in-backward": 36.5,  # +35.07%
 }
 
 
