@@ -184,7 +184,8 @@ def _flag(key: str, value) -> str:
 
 
 def pending_options(run: dict) -> tuple[str, ...]:
-    """The fine-tuning options of ``run`` that memplan does not accept yet, as flags.
+    """The fine-tuning options of ``run`` that memplan does not accept yet, as flags (called
+    when the run's arguments are refused).
 
     The run's arguments without its ``FINETUNE_OPTIONS`` are estimated first; then each of
     those options is added in ``FINETUNE_OPTIONS`` order and kept when memplan accepts it. An
@@ -215,13 +216,13 @@ def evaluate(run: dict, others: list[dict] | None = None) -> Row:
     ran = [e for e in (others or []) if "runs" in e]
     extra = tuple(other_estimate(e, run) for e in ran)
     model, args = _model_and_args(run)
-    if any(key in args for key in FINETUNE_OPTIONS if key != "gpu"):
-        pending = pending_options(run)
-        if pending:
-            return Row(run, None, others=extra, pending=pending)
     try:
         est = memplan.estimate(model, **args)
     except MemplanError as err:
+        # an option memplan does not accept yet is not a refusal of the run
+        pending = pending_options(run)
+        if pending:
+            return Row(run, None, others=extra, pending=pending)
         return Row(run, None, refused=str(err).splitlines()[0], others=extra)
     quantity = run["quantity"]
     if run["rank"] == "last":

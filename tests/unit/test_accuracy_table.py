@@ -392,3 +392,22 @@ def test_oom_reports_name_a_job_and_the_savers_that_fit():
             assert saver["change"] and not set(saver["change"]) - set(args) - {
                 "zero", "offload", "base_quant", "recompute", "optimizer", "precision",
                 "micro_batch_size"}, report["id"]
+
+
+def test_rows_become_estimates_once_the_options_exist(table, finetune_runs, monkeypatch):
+    """Once memplan accepts the fine-tuning options, no row is pending and the section renders
+    with every run estimated. Stands in for that memplan: an estimate that accepts the options
+    and drops them (an unknown GPU becomes the default one)."""
+    real = table.memplan.estimate
+
+    def accepting(model, **kwargs):
+        for key in table.FINETUNE_OPTIONS:
+            kwargs.pop(key, None)
+        return real(model, **kwargs)
+
+    monkeypatch.setattr(table.memplan, "estimate", accepting)
+    rows = table.build_finetune_rows(finetune_runs)
+    assert not [r.run["id"] for r in rows if r.pending or r.refused]
+    lines = table.render_finetune(rows)
+    assert not any("not yet expressible:" in line for line in lines)
+    assert "- Not yet expressible (options memplan does not accept yet: none): 0." in lines
