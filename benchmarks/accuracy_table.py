@@ -44,6 +44,15 @@ through the CLI as a user would (from the repository root, so that paths read as
 ``MemplanError`` is reported as ``refused: <message>``. They have their own section and their
 own statistics, none of which count in the headline.
 
+Fine-tuning runs: ``benchmarks/data/finetune_runs.json`` holds published fine-tuning
+measurements (LoRA, QLoRA, 8-bit and paged optimizers, offloading) in the same record format,
+a held-out set: no term of memplan is fitted to them, and they are summarised on their own
+(median |error|, the fine-tuning accuracy target) apart from the runs above. Their memplan
+arguments use the fine-tuning options (``FINETUNE_OPTIONS``); an option or value memplan does
+not accept yet makes the row "not yet expressible: <option>" with no estimate (an estimate
+without LoRA or quantization would describe another job), so the doc builds before and after
+those options exist and each row turns into an estimate as its options land.
+
 ``python benchmarks/accuracy_table.py`` writes the doc; ``--check`` exits 1 if it would change.
 """
 
@@ -69,11 +78,30 @@ from memplan.errors import MemplanError
 DATA = ROOT / "benchmarks" / "data" / "published_runs.json"
 OTHERS = ROOT / "benchmarks" / "data" / "other_estimators.json"
 HELDOUT = ROOT / "benchmarks" / "data" / "heldout_runs.json"
+FINETUNE = ROOT / "benchmarks" / "data" / "finetune_runs.json"
 DOC = ROOT / "docs" / "accuracy.md"
 GiB = 2**30
 
 QUANTITIES = ("max_allocated", "allocated_current", "max_reserved", "device_used")
+# ``memplan.estimate`` keyword arguments of fine-tuning runs that memplan may not accept yet,
+# with their command-line flag, probed in this order (a later one may need an earlier one:
+# LoRA targets need a LoRA rank). Everything else in a run's arguments memplan accepts today.
+FINETUNE_OPTIONS = {
+    "gpu": "--gpu",
+    "optimizer": "--optimizer",
+    "offload": "--offload",
+    "lora_rank": "--lora-rank",
+    "lora_targets": "--lora-targets",
+    "lora_dropout": "--lora-dropout",
+    "base_quant": "--base-quant",
+}
 RANKS = ("last", "max")
+
+
+def load_finetune_runs(path: Path = FINETUNE) -> list[dict]:
+    """The held-out fine-tuning runs (same record format as ``load_runs``); none without
+    the file."""
+    return load_runs(path) if path.is_file() else []
 
 
 def load_runs(path: Path = DATA) -> list[dict]:
@@ -133,9 +161,11 @@ def other_estimate(estimator: dict, run: dict) -> Other:
 @dataclass(frozen=True)
 class Row:
     run: dict
-    memplan_bytes: int | None  # None when refused
+    memplan_bytes: int | None  # None when refused or not yet expressible
     refused: str | None = None
     others: tuple[Other, ...] = field(default=())
+    # options of the run memplan does not accept yet ("--lora-rank 16"): no estimate
+    pending: tuple[str, ...] = ()
 
     @property
     def error_pct(self) -> float | None:
@@ -152,17 +182,59 @@ def error_pct(estimate_bytes: int, measured_bytes: int) -> float:
     return 100.0 * (estimate_bytes - measured_bytes) / measured_bytes
 
 
-def evaluate(run: dict, others: list[dict] | None = None) -> Row:
-    ran = [e for e in (others or []) if "runs" in e]
-    extra = tuple(other_estimate(e, run) for e in ran)
+def _model_and_args(run: dict) -> tuple[str, dict]:
     args = dict(run["memplan_args"])
     model = args.pop("model")
     path = ROOT / model
     if path.is_file():  # a config committed under benchmarks/data/configs
         model = str(path)
+    return model, args
+
+
+def _flag(key: str, value) -> str:
+    return f"{FINETUNE_OPTIONS[key]} {value}"
+
+
+def pending_options(run: dict) -> tuple[str, ...]:
+    """The fine-tuning options of ``run`` that memplan does not accept yet, as flags (called
+    when the run's arguments are refused).
+
+    The run's arguments without its ``FINETUNE_OPTIONS`` are estimated first; then each of
+    those options is added in ``FINETUNE_OPTIONS`` order and kept when memplan accepts it. An
+    option is pending when adding it raises ``MemplanError`` (an unknown keyword, a value
+    outside today's choices, or a combination today's memplan refuses, such as an optimizer
+    offload without ZeRO). When the base itself is refused nothing is pending: ``evaluate``
+    reports the refusal."""
+    model, args = _model_and_args(run)
+    accepted = {k: v for k, v in args.items() if k not in FINETUNE_OPTIONS}
+    try:
+        memplan.estimate(model, **accepted)
+    except MemplanError:
+        return ()
+    pending = []
+    for key in FINETUNE_OPTIONS:
+        if key not in args:
+            continue
+        try:
+            memplan.estimate(model, **{**accepted, key: args[key]})
+        except MemplanError:
+            pending.append(_flag(key, args[key]))
+            continue
+        accepted[key] = args[key]
+    return tuple(pending)
+
+
+def evaluate(run: dict, others: list[dict] | None = None) -> Row:
+    ran = [e for e in (others or []) if "runs" in e]
+    extra = tuple(other_estimate(e, run) for e in ran)
+    model, args = _model_and_args(run)
     try:
         est = memplan.estimate(model, **args)
     except MemplanError as err:
+        # an option memplan does not accept yet is not a refusal of the run
+        pending = pending_options(run)
+        if pending:
+            return Row(run, None, others=extra, pending=pending)
         return Row(run, None, refused=str(err).splitlines()[0], others=extra)
     quantity = run["quantity"]
     if run["rank"] == "last":
@@ -333,6 +405,12 @@ def render_heldout(held: list[HeldOut], excluded: dict[str, str]) -> list[str]:
     return out
 
 
+def build_finetune_rows(runs: list[dict] | None = None) -> list[Row]:
+    """The held-out fine-tuning runs (default: the committed file), without other
+    estimators (none of them has LoRA, quantized weights or 8-bit optimizers)."""
+    return [evaluate(run, []) for run in (load_finetune_runs() if runs is None else runs)]
+
+
 def _layout(run: dict) -> str:
     a = run["memplan_args"]
     tp, pp, cp = a.get("tp", 1), a.get("pp", 1), a.get("cp", 1)
@@ -350,7 +428,25 @@ def _layout(run: dict) -> str:
               f"recompute {a.get('recompute', 'none')}"]
     if a.get("attention"):
         parts.append(f"{a['attention']} attn")
+    parts += _finetune_parts(a)
     return ", ".join(parts)
+
+
+def _finetune_parts(a: dict) -> list[str]:
+    """LoRA, base quantization, optimizer and offload of a run's arguments, where given."""
+    parts = []
+    if a.get("lora_rank"):
+        lora = f"LoRA r{a['lora_rank']} {a.get('lora_targets', 'default targets')}"
+        if a.get("lora_dropout"):
+            lora += f" dropout {a['lora_dropout']}"
+        parts.append(lora)
+    if a.get("base_quant", "none") != "none":
+        parts.append(f"{a['base_quant']} base")
+    if "optimizer" in a:
+        parts.append(a["optimizer"])
+    if a.get("offload", "none") != "none":
+        parts.append(f"offload {a['offload']}")
+    return parts
 
 
 def _source_link(run: dict) -> str:
@@ -466,14 +562,75 @@ def _other_method(estimator: dict) -> list[str]:
     return _bullet(text + " Leaves out: " + "; ".join(estimator["leaves_out"]) + ".")
 
 
+def _memplan_cells(r: Row) -> tuple[str, str]:
+    if r.pending:
+        return _cell("not yet expressible: " + ", ".join(r.pending)), ""
+    if r.memplan_bytes is None:
+        return _cell(f"refused: {r.refused}"), ""
+    return _gib(r.memplan_bytes), f"{r.error_pct:+.1f}%"
+
+
+def _finetune_summary(rows: list[Row]) -> list[str]:
+    expressed = [r.error_pct for r in rows if r.expressed]
+    approximated = [r.error_pct for r in rows if r.memplan_bytes is not None and not r.expressed]
+    pending = [r for r in rows if r.pending]
+    flags = sorted({f.split(" ")[0] for r in pending for f in r.pending})
+    refused = [r for r in rows if r.refused is not None]
+    sources = sorted({r.run["framework"] for r in rows})
+    return [
+        f"- {len(rows)} measured fine-tuning runs ({', '.join(sources) or 'none'}), held out: "
+        "nothing in memplan was fitted to them.",
+        f"- Runs memplan expresses: {_stats(expressed)}.",
+        f"- Runs estimated as the closest expressible run (gaps listed): {_stats(approximated)}.",
+        (f"- Not yet expressible (options memplan does not accept yet: "
+         f"{', '.join(flags) or 'none'}): {len(pending)}."),
+        f"- Refused by memplan: {len(refused)}.",
+    ]
+
+
+def _finetune_headline(rows: list[Row]) -> str:
+    expressed = [r.error_pct for r in rows if r.expressed]
+    pending = sum(1 for r in rows if r.pending)
+    return (f"- Fine-tuning runs (held out, their own section below): {len(rows)} runs; those "
+            f"memplan expresses: {_stats(expressed)}; not yet expressible: {pending}.")
+
+
+def render_finetune(rows: list[Row]) -> list[str]:
+    """The fine-tuning section: its summary, one row per run, and how it was collected."""
+    out = ["## Fine-tuning runs (held out)", ""]
+    out += _bullet(
+        "Published fine-tuning measurements (LoRA, QLoRA, 8-bit and paged optimizers, "
+        "offloading) from `benchmarks/data/finetune_runs.json`, compared by the same method "
+        "as the runs above and summarised apart from them. A run whose options memplan does "
+        "not accept yet is shown as not yet expressible, with no estimate.")
+    out += [""] + _finetune_summary(rows) + [
+        "",
+        "| id | source | framework | layout | measured | memplan | error | not expressible |",
+        "|---|---|---|---|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        run = r.run
+        memplan_cell, err_cell = _memplan_cells(r)
+        gaps = "; ".join(run.get("not_expressible") or []) or "-"
+        out.append(
+            f"| {_cell(run['id'])} | {_source_link(run)} | {run['framework']} | "
+            f"{_cell(_layout(run))}; {run['quantity']} ({run['rank']} rank) | "
+            f"{_gib(run['measured_bytes'])} | {memplan_cell} | {err_cell} | {_cell(gaps)} |")
+    out.append("")
+    return out
+
+
 def render(rows: list[Row], others: list[dict] | None = None,
-           heldout: list[HeldOut] | None = None, excluded: dict[str, str] | None = None) -> str:
+           heldout: list[HeldOut] | None = None, excluded: dict[str, str] | None = None,
+           finetune: list[Row] | None = None) -> str:
     """``others``: the stored other-estimator results (default: the committed file), in the
     order of each row's ``others``; ``heldout``: the held-out runs' rows (default: the
-    committed held-out runs, estimated)."""
+    committed held-out runs, estimated); ``finetune``: the held-out fine-tuning rows (default:
+    the committed file's)."""
     others = load_others() if others is None else others
     heldout = build_heldout() if heldout is None else heldout
     excluded = load_excluded() if excluded is None else excluded
+    finetune = build_finetune_rows() if finetune is None else finetune
     ran = [e for e in others if "runs" in e]
     expressed = [r.error_pct for r in rows if r.expressed]
     approximated = [r.error_pct for r in rows if r.memplan_bytes is not None and not r.expressed]
@@ -488,7 +645,8 @@ def render(rows: list[Row], others: list[dict] | None = None,
         "test). Each run's source, a quote of its numbers, what it measured and the memplan",
         "arguments that describe it are in the first JSON; each other estimator's version, inputs",
         "and raw outputs per run in the second. Sizes in GiB (2^30 bytes). Held-out runs",
-        "(`benchmarks/data/heldout_runs.json`) have their own section.",
+        "(`benchmarks/data/heldout_runs.json`) and fine-tuning runs, also held out",
+        "(`benchmarks/data/finetune_runs.json`), have their own sections.",
         "",
         "## Summary",
         "",
@@ -499,6 +657,7 @@ def render(rows: list[Row], others: list[dict] | None = None,
         f"- Refused by memplan: {len(refused)}.",
         *(_other_summary(i, e, rows) for i, e in enumerate(ran)),
         *([f"- Held-out runs (section below): {_heldout_line(heldout)}."] if heldout else []),
+        _finetune_headline(finetune),
         "",
         "## Runs",
         "",
@@ -510,10 +669,7 @@ def render(rows: list[Row], others: list[dict] | None = None,
     ]
     for r in rows:
         run = r.run
-        if r.memplan_bytes is None:
-            memplan_cell, err_cell = _cell(f"refused: {r.refused}"), ""
-        else:
-            memplan_cell, err_cell = _gib(r.memplan_bytes), f"{r.error_pct:+.1f}%"
+        memplan_cell, err_cell = _memplan_cells(r)
         gaps = "; ".join(run.get("not_expressible") or []) or "-"
         extra = "".join(f" {_other_cell(o, run['measured_bytes'])} |" for o in r.others)
         out.append(
@@ -523,8 +679,8 @@ def render(rows: list[Row], others: list[dict] | None = None,
             + extra)
     if heldout:
         out += ["", *render_heldout(heldout, excluded)]
+    out += [""] + render_finetune(finetune)
     out += [
-        "",
         "## Method",
         "",
         "- Each source's measured number is compared with the memplan number that corresponds to",
@@ -539,6 +695,11 @@ def render(rows: list[Row], others: list[dict] | None = None,
         "- Error is (memplan - measured) / measured. The headline statistics count only the runs",
         "  memplan expresses; runs with float8, torch.compile, uneven pipeline stages and similar",
         "  gaps are estimated as the closest expressible run and reported on their own line.",
+        "- Fine-tuning runs: the settings are read from the configuration the source names, at the",
+        "  source's commit (a recipe's YAML, a launch command), and each option memplan has is set",
+        "  from them (LoRA rank, targets and dropout, base-weight quantization, optimizer,",
+        "  offload); what it has no option for is listed as not expressible. Options memplan does",
+        "  not accept yet are found by estimating the run with and without each of them.",
         "- Model configs not in the catalog are TOML specs under `benchmarks/data/configs/`, each",
         "  with the source flags it transcribes (Megatron pads the vocabulary to a multiple of",
         "  128 x tp, so the padded size is in the spec).",

@@ -322,3 +322,192 @@ def test_heldout_collector_reads_model_args():
             "  --qk-layernorm: true\nTEST_TYPE: regular\n")
     assert module.model_args(text) == {"--num-layers": "12", "--dist-ckpt-strictness": "log_all",
                                        "--qk-layernorm": "true"}
+
+
+# ------------------------------------------------------------------ fine-tuning runs (held out)
+
+@pytest.fixture(scope="module")
+def finetune_runs(table):
+    return table.load_finetune_runs()
+
+
+def test_every_finetune_run_has_a_source_and_a_measurement(table, runs, finetune_runs):
+    """The held-out fine-tuning runs use the published runs' record format, with ids of their
+    own, and name only catalog models or committed configs."""
+    from memplan.spec import catalog_names
+
+    assert finetune_runs
+    ids = [run["id"] for run in finetune_runs]
+    assert len(ids) == len(set(ids)), "run ids must be unique"
+    assert not set(ids) & {run["id"] for run in runs}, "a fine-tuning id is also a published id"
+    catalog = set(catalog_names())
+    for run in finetune_runs:
+        for key in ("source", "quote", "what", "unit_note", "notes"):
+            assert run[key].strip(), (run["id"], key)
+        assert run["source"].startswith("https://"), run["id"]
+        assert isinstance(run["measured_bytes"], int) and run["measured_bytes"] > 0, run["id"]
+        assert run["quantity"] in table.QUANTITIES, run["id"]
+        assert run["rank"] in table.RANKS, run["id"]
+        assert isinstance(run["not_expressible"], list), run["id"]
+        args = run["memplan_args"]
+        assert "gpus" in args, run["id"]
+        model = args["model"]
+        assert model in catalog or (ROOT / model).is_file(), f"{run['id']}: {model}"
+
+
+def test_finetune_measured_bytes_follow_the_quoted_unit(finetune_runs):
+    """measured_bytes is the quoted number in the unit the source prints: torchtune's
+    memory_stats_log divided by 1e9 until mid-2024 ("GB"), its get_memory_stats by 1024**3
+    later ("GiB")."""
+    by_id = {run["id"]: run for run in finetune_runs}
+    assert by_id["torchtune/llama2-7b/qlora-single-device-tutorial"]["measured_bytes"] == (
+        9_290_000_000)
+    # 7.4 x 1,073,741,824 = 7,945,689,497.6, rounded to whole bytes
+    assert by_id["torchtune/llama3.1/readme-qlora-single-device-1x4090"]["measured_bytes"] == (
+        7_945_689_498)
+
+
+def _run(args, run_id="synthetic"):
+    return {"id": run_id, "measured_bytes": 10 * 2**30, "quantity": "max_reserved",
+            "rank": "max", "framework": "generic", "not_expressible": [],
+            "source": "https://example.org", "memplan_args": args}
+
+
+def test_an_option_memplan_does_not_accept_is_pending_not_an_error(table):
+    """An option (or value) memplan refuses makes the row "not yet expressible: <flag value>"
+    with no estimate; a row has no pending options when memplan accepts all of them. The
+    keyword ``lora_rank_that_never_exists`` stands for an option of a later version: it is
+    listed among the probed options for this test only."""
+    options = dict(table.FINETUNE_OPTIONS)
+    try:
+        table.FINETUNE_OPTIONS["lora_rank_that_never_exists"] = "--lora-rank-that-never-exists"
+        table.FINETUNE_OPTIONS["optimizer"] = "--optimizer"
+        base = {"model": "tiny", "gpus": 1, "seq_len": 64}
+        row = table.evaluate(_run({**base, "optimizer": "adamw",
+                                   "lora_rank_that_never_exists": 8}))
+        assert row.pending == ("--lora-rank-that-never-exists 8",)
+        assert row.memplan_bytes is None and row.refused is None and not row.expressed
+        assert row.error_pct is None
+        bad_value = table.evaluate(_run({**base, "optimizer": "no-such-optimizer"}))
+        assert bad_value.pending == ("--optimizer no-such-optimizer",)
+        accepted = table.evaluate(_run({**base, "optimizer": "adamw"}))
+        assert accepted.pending == () and accepted.memplan_bytes > 0 and accepted.expressed
+    finally:
+        table.FINETUNE_OPTIONS.clear()
+        table.FINETUNE_OPTIONS.update(options)
+
+
+def test_pending_rows_render_and_are_counted_apart(table):
+    """A pending row shows its flags in the memplan cell, no error, and counts only on the
+    not-yet-expressible line; an expressed row counts in the fine-tuning statistics."""
+    pending = table.Row(_run({"model": "tiny", "gpus": 1, "lora_rank": 8}, "p"), None,
+                        pending=("--lora-rank 8",))
+    done = table.Row(_run({"model": "tiny", "gpus": 1}, "d"), 11 * 2**30)  # +10.0%
+    lines = table.render_finetune([pending, done])
+    row_p = next(line for line in lines if line.startswith("| p |"))
+    assert "| not yet expressible: --lora-rank 8 |  |" in row_p
+    assert ("- Runs memplan expresses: median |error| 10.0%, max |error| 10.0%, mean signed "
+            "error +10.0% over 1 runs.") in lines
+    assert ("- Not yet expressible (options memplan does not accept yet: --lora-rank): 1."
+            in lines)
+
+
+def test_committed_finetune_rows_never_crash(table, finetune_runs):
+    """Every committed fine-tuning run becomes a row: an estimate, a refusal with its
+    message, or the options memplan does not accept yet."""
+    rows = table.build_finetune_rows(finetune_runs)
+    assert len(rows) == len(finetune_runs)
+    for row in rows:
+        assert row.pending or row.refused or row.memplan_bytes, row.run["id"]
+
+
+# The issue's target for the held-out fine-tuning runs, checked once enough of them are
+# expressible (before the fine-tuning options exist, only a few full fine-tuning runs are).
+FINETUNE_MEDIAN_TARGET_PCT = 8.0
+FINETUNE_MIN_EXPRESSED = 8
+
+
+def test_finetune_median_error_target(table, finetune_runs):
+    rows = table.build_finetune_rows(finetune_runs)
+    errors = [abs(r.error_pct) for r in rows if r.expressed]
+    if len(errors) < FINETUNE_MIN_EXPRESSED:
+        pytest.skip(f"{len(errors)} fine-tuning runs expressible; the target needs "
+                    f"{FINETUNE_MIN_EXPRESSED}")
+    import statistics
+
+    assert statistics.median(errors) <= FINETUNE_MEDIAN_TARGET_PCT, sorted(errors)
+
+
+# Error ceilings of the fine-tuning runs memplan expresses, by the rule of CEILING_PCT. A run
+# that becomes expressible when a fine-tuning option lands gets its ceiling then; until it has
+# one it is shown in docs/accuracy.md and counted in the median target above.
+FINETUNE_CEILING_PCT = {
+    "torchtune/llama2-7b/readme-full-distributed-4x4090": 24.0,  # -22.74%
+    "peft-metamathqa/full-finetuning--llama-3.2-3B-lr_0.00001": 5.5,  # -4.46%
+    "torchtune/llama3.2-3b/readme-optimization-flags-full-packed": 4.5,  # -3.48%
+    "torchtune/llama3.2-3b/readme-optimization-flags-full-packed-compile": 15.0,  # +13.55%
+    "torchtune/llama3.2-3b/readme-optimization-flags-full-packed-compile-chunked-ce":
+        36.0,  # +34.99%
+    "torchtune/llama3.2-3b/readme-optimization-flags-full-activation-checkpointing":
+        26.5,  # +25.30%
+    "torchtune/llama3.2-3b/readme-optimization-flags-full-optimizer-in-backward": 36.5,  # +35.07%
+}
+
+
+def test_finetune_runs_stay_within_their_error_ceilings(table, finetune_runs):
+    rows = {r.run["id"]: r for r in table.build_finetune_rows(finetune_runs)}
+    assert set(FINETUNE_CEILING_PCT) <= set(rows)
+    over = [(run_id, rows[run_id].refused or rows[run_id].pending
+             or round(rows[run_id].error_pct, 2), ceiling)
+            for run_id, ceiling in FINETUNE_CEILING_PCT.items()
+            if rows[run_id].error_pct is None or abs(rows[run_id].error_pct) > ceiling]
+    assert not over, f"fine-tuning runs beyond their error ceiling: {over}"
+
+
+# ------------------------------------------------------------------ out-of-memory reports
+
+def test_oom_reports_name_a_job_and_the_savers_that_fit():
+    """benchmarks/data/oom_reports.json: real out-of-memory reports of fine-tuning jobs, each
+    the failing job as memplan.estimate arguments (catalog models only) and the savers
+    expected to fit, each a change of those arguments."""
+    import json
+
+    from memplan.spec import catalog_names
+
+    reports = json.loads((ROOT / "benchmarks" / "data" / "oom_reports.json").read_text())
+    assert len(reports) >= 8
+    ids = [r["id"] for r in reports]
+    assert len(ids) == len(set(ids))
+    for report in reports:
+        for key in ("source", "quote", "what_ran_out", "reported_fix", "capacity_note"):
+            assert report[key].strip(), (report["id"], key)
+        assert report["source"].startswith("https://github.com/"), report["id"]
+        args = report["memplan_args"]
+        assert args["model"] in catalog_names() and args["gpus"] >= 1, report["id"]
+        expected = report["expected"]
+        assert expected["baseline_fits"] is False and expected["basis"].strip(), report["id"]
+        assert expected["fits_with"], report["id"]
+        for saver in expected["fits_with"]:
+            assert saver["saver"] and saver["flags"].startswith("--"), report["id"]
+            assert saver["change"] and not set(saver["change"]) - set(args) - {
+                "zero", "offload", "base_quant", "recompute", "optimizer", "precision",
+                "micro_batch_size"}, report["id"]
+
+
+def test_rows_become_estimates_once_the_options_exist(table, finetune_runs, monkeypatch):
+    """Once memplan accepts the fine-tuning options, no row is pending and the section renders
+    with every run estimated. Stands in for that memplan: an estimate that accepts the options
+    and drops them (an unknown GPU becomes the default one)."""
+    real = table.memplan.estimate
+
+    def accepting(model, **kwargs):
+        for key in table.FINETUNE_OPTIONS:
+            kwargs.pop(key, None)
+        return real(model, **kwargs)
+
+    monkeypatch.setattr(table.memplan, "estimate", accepting)
+    rows = table.build_finetune_rows(finetune_runs)
+    assert not [r.run["id"] for r in rows if r.pending or r.refused]
+    lines = table.render_finetune(rows)
+    assert not any("not yet expressible:" in line for line in lines)
+    assert "- Not yet expressible (options memplan does not accept yet: none): 0." in lines

@@ -27,11 +27,13 @@ PUBLISHED = {
     "llama-3.1-8b": 8_030_261_248,
     "llama-3.1-70b": 70_553_706_496,
     "llama-3.1-405b": 405_853_388_800,
+    "llama-3.2-3b": 3_212_749_824,
     "mistral-7b": 7_241_732_096,
     "mixtral-8x7b": 46_702_792_704,
     "qwen2.5-7b": 7_615_616_512,
     "qwen2.5-72b": 72_706_203_648,
     "gpt2": 124_439_808,
+    "gpt2-xl": 1_557_611_200,
 }
 
 # The newer families: their totals as their model cards state them (billions, to the digits
