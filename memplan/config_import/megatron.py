@@ -234,15 +234,6 @@ class _Reader:
                                    "sharded parameter and gradient buffers, double-buffered "
                                    "all-gathers) are not modelled; memplan's --zero 3 is "
                                    "FSDP2's and DeepSpeed's",
-            "--defer-embedding-wgrad-compute": "the output layer's input and its logits' "
-                                               "gradient kept for the deferred weight "
-                                               "gradient, one pair per micro-batch up to "
-                                               "--wgrad-deferral-limit (0: all) until the "
-                                               "step's end (megatron/core/tensor_parallel/"
-                                               "layers.py ColumnParallelLinear.forward "
-                                               "embedding_activation_buffer, LinearWithGrad"
-                                               "AccumulationAndAsyncCommunication.backward "
-                                               "grad_output_buffer) are not modelled",
             "--cpu-offloading": "activation and weight CPU offloading is not modelled",
             "--hybrid-layer-pattern": "hybrid (Mamba) layers are not modelled",
             "--encoder-num-layers": "encoder-decoder models are not modelled",
@@ -462,11 +453,39 @@ class _Reader:
         imp.set("--use-distributed-optimizer", dist, "zero", 1 if dist else 0,
                 "ZeRO-1: optimizer states sharded over DP" if dist else "")
         self._optimizer_instances(dist, tp * pp * cp)
+        self._deferred_wgrad(pp)
         if self.flag("--optimizer-cpu-offload"):
             if self.float("--optimizer-offload-fraction", 1.0) != 1.0:
                 raise self.refuse("--optimizer-offload-fraction",
                                   "part of the optimizer offloaded is not modelled")
             imp.set("--optimizer-cpu-offload", True, "offload", "optimizer")
+
+    def _deferred_wgrad(self, pp: int) -> None:
+        """--defer-embedding-wgrad-compute with --wgrad-deferral-limit N (0: every
+        micro-batch): the output layer's input and its logits' gradient kept per micro-batch
+        until the step's end, where the weight gradients are computed (tensor_parallel/
+        layers.py ColumnParallelLinear.forward ``embedding_activation_buffer``, Linear
+        WithGradAccumulationAndAsyncCommunication.backward ``grad_output_buffer``, utils.py
+        drain_embedding_wgrad_compute): ``head_wgrad_deferral`` (memplan.model.
+        deferred_wgrad). megatron-core's ModelParallelConfig.__post_init__ raises without
+        pipeline parallelism, without gradient-accumulation fusion and for a limit below 0."""
+        flag = "--defer-embedding-wgrad-compute"
+        limit = self.int("--wgrad-deferral-limit", 0)
+        if not self.flag(flag):
+            return
+        if pp == 1:
+            raise self.refuse(flag, "needs pipeline parallelism (megatron-core raises "
+                                    "without it)")
+        if self.flag("--no-gradient-accumulation-fusion"):
+            raise self.refuse(flag, "needs gradient-accumulation fusion (megatron-core "
+                                    "raises with --no-gradient-accumulation-fusion)")
+        if limit < 0:
+            raise self.refuse("--wgrad-deferral-limit", "must be at least 0")
+        self.imp.set(flag if limit == 0 else f"{flag} --wgrad-deferral-limit", True if
+                     limit == 0 else limit, "head_wgrad_deferral", limit,
+                     "the output layer's input and logits' gradient kept per micro-batch "
+                     + ("(all of them)" if limit == 0 else f"(the first {limit})")
+                     + " to the step's end")
 
     def _optimizer_instances(self, dist: bool, model_parallel: int) -> None:
         """--num-distributed-optimizer-instances N: the distributed optimizer shards its
