@@ -230,10 +230,6 @@ class _Reader:
             "--fp8": "fp8 training is not modelled",
             "--fp4-format": "fp4 training is not modelled",
             "--use-torch-fsdp2": "PyTorch FSDP2 under Megatron-LM is not modelled",
-            "--use-megatron-fsdp": "Megatron FSDP's buffers (megatron/core/distributed/fsdp: "
-                                   "sharded parameter and gradient buffers, double-buffered "
-                                   "all-gathers) are not modelled; memplan's --zero 3 is "
-                                   "FSDP2's and DeepSpeed's",
             "--cpu-offloading": "activation and weight CPU offloading is not modelled",
             "--hybrid-layer-pattern": "hybrid (Mamba) layers are not modelled",
             "--encoder-num-layers": "encoder-decoder models are not modelled",
@@ -450,8 +446,11 @@ class _Reader:
         self._uneven(spec.num_layers, pp)
         self._account(spec.num_layers, pp)
         dist = self.flag("--use-distributed-optimizer")
-        imp.set("--use-distributed-optimizer", dist, "zero", 1 if dist else 0,
-                "ZeRO-1: optimizer states sharded over DP" if dist else "")
+        if self._megatron_fsdp():
+            dist = False  # no_shard: the optimizer's main weights and states are whole
+        else:
+            imp.set("--use-distributed-optimizer", dist, "zero", 1 if dist else 0,
+                    "ZeRO-1: optimizer states sharded over DP" if dist else "")
         self._optimizer_instances(dist, tp * pp * cp)
         self._deferred_wgrad(pp)
         if self.flag("--optimizer-cpu-offload"):
@@ -459,6 +458,58 @@ class _Reader:
                 raise self.refuse("--optimizer-offload-fraction",
                                   "part of the optimizer offloaded is not modelled")
             imp.set("--optimizer-cpu-offload", True, "offload", "optimizer")
+
+    def _megatron_fsdp(self) -> bool:
+        """--use-megatron-fsdp with --data-parallel-sharding-strategy (default
+        optim_grads_params at the commit this reader follows). megatron-core 0.16.1
+        distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py ParamAndGradBuffer.
+        _init_each_parameter_group_buffers: no_shard builds no model-weight buffer (the
+        module's own weights), a whole fp32 main-weight buffer (preserve_fp32_weights) that
+        the optimizer updates with whole states (update_main_grads: no shard), and a whole
+        gradient buffer in fp32 under grad_reduce_in_fp32; GradReducePipeline._bucket_group_
+        gradient_reduce all-reduces it in place on the last micro-batch, after megatron_fsdp.py
+        _grad_acc added each weight's gradient into it: the bytes of Megatron's DDP without the
+        distributed optimizer (--zero 0). The other strategies are refused: optim reduce-
+        scatters into a new shard per bucket group (torch.empty_like(grad_shard)); optim_grads
+        and optim_grads_params hold per-unit temporary gradient (and gathered weight) buckets
+        beside bf16 and fp32 weight shards, unlike FSDP2's (memplan's --zero 3). Returns
+        whether no_shard was read."""
+        flag = "--use-megatron-fsdp"
+        strategy = self.str("--data-parallel-sharding-strategy", "optim_grads_params")
+        if not self.flag(flag):
+            if "--data-parallel-sharding-strategy" in self.args:
+                self.used.discard("--data-parallel-sharding-strategy")  # not read alone
+            return False
+        why = {"optim": "reduce-scatters each bucket group into a new gradient shard "
+                        "(param_and_grad_buffer.py _bucket_group_gradient_reduce), which "
+                        "is not modelled",
+               "optim_grads": "per-unit temporary gradient buckets reduce-scattered into "
+                              "shards on every micro-batch are not modelled",
+               "optim_grads_params": "per-unit gathered weight buckets and temporary "
+                                     "gradient buckets beside bf16 and fp32 weight shards are "
+                                     "not modelled (memplan's --zero 3 is FSDP2's)"}
+        if strategy != "no_shard":
+            raise self.imp.refuse(f"{flag} --data-parallel-sharding-strategy", strategy,
+                                  why.get(strategy, "not a strategy of Megatron FSDP"))
+        for dtype_flag in ("--megatron-fsdp-main-params-dtype",
+                           "--megatron-fsdp-main-grads-dtype",
+                           "--megatron-fsdp-grad-comm-dtype"):
+            if dtype_flag in self.args:
+                self.used.add(dtype_flag)
+                raise self.refuse(dtype_flag, "Megatron FSDP's own buffer dtypes are not "
+                                              "modelled (megatron-core 0.16.1's follow "
+                                              "--bf16 and the gradient-reduce dtype)")
+        if self.flag("--grad-reduce-in-bf16") or self.str("--main-grads-dtype",
+                                                           "fp32") != "fp32":
+            raise self.refuse(flag, "with bf16 main gradients update_main_grads makes an "
+                                    "fp32 copy of every gradient for the optimizer, which "
+                                    "is not modelled")
+        self.imp.set(f"{flag} --data-parallel-sharding-strategy", "no_shard", "zero", 0,
+                     "whole weights, fp32 main weights, gradients and optimizer states "
+                     "(Megatron FSDP no_shard's buffers, as Megatron's DDP"
+                     + ("; --use-distributed-optimizer shards nothing under no_shard)"
+                        if self.args.get("--use-distributed-optimizer") else ")"))
+        return True
 
     def _deferred_wgrad(self, pp: int) -> None:
         """--defer-embedding-wgrad-compute with --wgrad-deferral-limit N (0: every

@@ -123,3 +123,52 @@ def test_megatron_deferral_refused_where_megatron_raises(extra: str, flag: str) 
             "--max-position-embeddings 512 --vocab-size 1000 --tokenizer-type NullTokenizer ")
     with pytest.raises(MemplanError, match=flag):
         megatron.read(base + extra, 8)
+
+
+def test_megatron_fsdp_no_shard_args_file() -> None:
+    """Megatron FSDP with no_shard (a functional-test style config, 8 GPUs, bf16): its
+    buffers are Megatron DDP's without the distributed optimizer (param_and_grad_buffer.py
+    _init_each_parameter_group_buffers: the module's bf16 weights, whole fp32 main weights
+    and gradient buffer, whole optimizer states), --use-distributed-optimizer
+    notwithstanding: --zero 0 with fp32 main gradients. Per parameter on every rank: 2 B of
+    weights, 4 B of gradients, 4 B of main weights + 2 x 4 B of Adam states = 12 B, and fused
+    Adam's fp32 step count per parameter tensor: 68 of them (per layer 16: the q, k, v,
+    output, fc1 and fc2 weights and biases, two LayerNorms' weights and biases; the word and
+    position embeddings, tied to the output layer; the final norm's weight and bias), 272 B.
+    Every stage record equals Megatron's DDP run of the same arguments without Megatron FSDP
+    and the distributed optimizer."""
+    imp = megatron.read(str(MEGATRON / "memplan_tp1_pp1_megatron_fsdp_no_shard.yaml"), 8)
+    assert imp.inputs["zero"] == 0 and imp.inputs["precision"] == "bf16-fp32-grads"
+    assert not {"--use-megatron-fsdp", "--data-parallel-sharding-strategy"} & set(imp.unread)
+    est = memplan.estimate(imp.model, gpus=8, **imp.inputs)
+    rank = est.stages[0]
+    n = rank.num_params
+    assert (rank.params_bytes, rank.grads_bytes, rank.optimizer_bytes) == (
+        2 * n, 4 * n, 12 * n + 68 * 4)
+    text = (MEGATRON / "memplan_tp1_pp1_megatron_fsdp_no_shard.yaml").read_text()
+    ddp = megatron.read("\n".join(line for line in text.splitlines() if not any(
+        flag in line for flag in ("fsdp", "sharding", "distributed-optimizer"))), 8)
+    assert memplan.estimate(ddp.model, gpus=8, **ddp.inputs).stages == est.stages
+
+
+@pytest.mark.parametrize(("extra", "flag"), [
+    ("--use-megatron-fsdp", "--use-megatron-fsdp --data-parallel-sharding-strategy"),
+    ("--use-megatron-fsdp --data-parallel-sharding-strategy optim",
+     "--use-megatron-fsdp --data-parallel-sharding-strategy"),
+    ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads",
+     "--use-megatron-fsdp --data-parallel-sharding-strategy"),
+    ("--use-megatron-fsdp --data-parallel-sharding-strategy no_shard --grad-reduce-in-bf16",
+     "--use-megatron-fsdp"),
+    ("--use-megatron-fsdp --data-parallel-sharding-strategy no_shard "
+     "--megatron-fsdp-main-grads-dtype bf16", "--megatron-fsdp-main-grads-dtype"),
+])
+def test_megatron_fsdp_refused_by_strategy(extra: str, flag: str) -> None:
+    """The default optim_grads_params and the other sharding strategies hold buffers
+    memplan's data-parallel mechanisms do not (temporary per-unit buckets, a new shard per
+    reduce-scatter): refused, naming the flag, in one line."""
+    base = ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 512 "
+            "--max-position-embeddings 512 --vocab-size 1000 --tokenizer-type NullTokenizer "
+            "--bf16 ")
+    with pytest.raises(MemplanError) as err:
+        megatron.read(base + extra, 8)
+    assert flag in str(err.value) and "\n" not in str(err.value)
