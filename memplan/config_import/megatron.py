@@ -242,16 +242,35 @@ class _Reader:
                 raise self.refuse(flag, why)
         self._loss_fusion()
         self._router_dtype()
-        mtp = self.int("--mtp-num-layers", None)
-        if mtp:
-            raise self.refuse("--mtp-num-layers", "multi-token-prediction modules (each a "
-                                                  "transformer layer, a projection and its "
-                                                  "own output layer and loss: megatron/core/"
-                                                  "transformer/multi_token_prediction.py) are "
-                                                  "not modelled")
+        self._mtp()
         for flag in ("--exp-avg-dtype", "--exp-avg-sq-dtype"):
             if self.str(flag, "fp32") != "fp32":
                 raise self.refuse(flag, "optimizer states below fp32 are not modelled")
+
+    def _mtp(self) -> None:
+        """--mtp-num-layers D (megatron/core/transformer/multi_token_prediction.py): all D
+        modules on the last pipeline stage (``mtp_on_this_rank`` without a custom layout),
+        each ``MultiTokenPredictionLayer``: enorm, hnorm, eh_proj (column-parallel 2h -> h),
+        a transformer layer of the decoder's spec, a final norm; the stage also builds its own
+        copy of the embedding (models/gpt/gpt_model.py ``GPTModel.__init__``, ``if
+        self.pre_process or self.mtp_process``). ``GPTModel._postprocess`` concatenates the
+        main and the D hidden states (a new (1 + D) x [s, b, h] tensor, whose chunks the output
+        layer saves) and runs the shared output layer and the vocab-parallel loss once per
+        depth, each loss's saved softmax alive until the backward (``MTPLossAutoScaler``
+        keeps each depth's [b, s] loss). memplan's last stage has one head and no layers beyond
+        the decoder's: refused, naming the pieces. --mtp-loss-scaling-factor only scales the
+        losses' gradient (no memory) and is read only with D."""
+        mtp = self.int("--mtp-num-layers", None)
+        self.float("--mtp-loss-scaling-factor", 0.1)  # a scale of the loss: no tensor
+        if mtp:
+            raise self.refuse("--mtp-num-layers", "multi-token prediction is not modelled: "
+                                                  "on the last stage per depth a transformer "
+                                                  "layer, enorm/hnorm, a 2h -> h eh_proj, a "
+                                                  "final norm, the embedding's copy, and the "
+                                                  "shared output layer's logits and loss "
+                                                  "saved per depth (megatron/core/transformer/"
+                                                  "multi_token_prediction.py, models/gpt/"
+                                                  "gpt_model.py GPTModel._postprocess)")
 
     def _router_dtype(self) -> None:
         """--moe-router-dtype fp32: the router's matmul runs in fp32

@@ -172,3 +172,25 @@ def test_megatron_fsdp_refused_by_strategy(extra: str, flag: str) -> None:
     with pytest.raises(MemplanError) as err:
         megatron.read(base + extra, 8)
     assert flag in str(err.value) and "\n" not in str(err.value)
+
+
+def test_megatron_mtp_args_file_is_refused_by_its_pieces() -> None:
+    """--mtp-num-layers 1 (a functional-test style config): the module's layer, norms,
+    projection, embedding copy and per-depth logits and loss on the last stage are not
+    modelled, so the run is refused in one line naming the flag and the pieces, never read
+    as holding nothing."""
+    with pytest.raises(MemplanError) as err:
+        megatron.read(str(MEGATRON / "memplan_tp1_pp2_mtp.yaml"), 2)
+    message = str(err.value)
+    assert "--mtp-num-layers = 1" in message and "\n" not in message
+    for piece in ("transformer layer", "eh_proj", "embedding's copy", "logits and loss"):
+        assert piece in message
+
+
+def test_megatron_mtp_scaling_factor_alone_holds_nothing() -> None:
+    """--mtp-loss-scaling-factor without --mtp-num-layers scales nothing that exists: read,
+    neither refused nor listed as not modelled."""
+    base = ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 512 "
+            "--max-position-embeddings 512 --vocab-size 1000 --tokenizer-type NullTokenizer ")
+    imp = megatron.read(base + "--mtp-loss-scaling-factor 0.3", 8)
+    assert "--mtp-loss-scaling-factor" not in imp.unread
