@@ -19,7 +19,8 @@ from memplan.model.moments import Segment, fold
 from memplan.spec import load_model
 from memplan.workload import Workload
 
-MEGATRON = Path(__file__).resolve().parents[1] / "data" / "megatron"
+# functional-test style configs of the flags below (tests/data/megatron/flags/README.md)
+MEGATRON = Path(__file__).resolve().parents[1] / "data" / "megatron" / "flags"
 TINY = load_model("tiny")  # h 64, V 128, 2 layers (model_specs/models/tiny.toml)
 
 
