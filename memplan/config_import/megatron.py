@@ -25,7 +25,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from memplan.arguments import MAX_GPUS
-from memplan.config_import import Imported, shell
+from memplan.config_import import Imported, megatron_flags, shell
 from memplan.errors import MemplanError, shown, validation_message
 from memplan.inputs import MODEL_FILE_BYTES, read_text
 from memplan.spec import MAX_LAYERS, ModelSpec
@@ -242,35 +242,10 @@ class _Reader:
                 raise self.refuse(flag, why)
         self._loss_fusion()
         self._router_dtype()
-        self._mtp()
+        megatron_flags.mtp(self)
         for flag in ("--exp-avg-dtype", "--exp-avg-sq-dtype"):
             if self.str(flag, "fp32") != "fp32":
                 raise self.refuse(flag, "optimizer states below fp32 are not modelled")
-
-    def _mtp(self) -> None:
-        """--mtp-num-layers D (megatron/core/transformer/multi_token_prediction.py): all D
-        modules on the last pipeline stage (``mtp_on_this_rank`` without a custom layout),
-        each ``MultiTokenPredictionLayer``: enorm, hnorm, eh_proj (column-parallel 2h -> h),
-        a transformer layer of the decoder's spec, a final norm; the stage also builds its own
-        copy of the embedding (models/gpt/gpt_model.py ``GPTModel.__init__``, ``if
-        self.pre_process or self.mtp_process``). ``GPTModel._postprocess`` concatenates the
-        main and the D hidden states (a new (1 + D) x [s, b, h] tensor, whose chunks the output
-        layer saves) and runs the shared output layer and the vocab-parallel loss once per
-        depth, each loss's saved softmax alive until the backward (``MTPLossAutoScaler``
-        keeps each depth's [b, s] loss). memplan's last stage has one head and no layers beyond
-        the decoder's: refused, naming the pieces. --mtp-loss-scaling-factor only scales the
-        losses' gradient (no memory) and is read only with D."""
-        mtp = self.int("--mtp-num-layers", None)
-        self.float("--mtp-loss-scaling-factor", 0.1)  # a scale of the loss: no tensor
-        if mtp:
-            raise self.refuse("--mtp-num-layers", "multi-token prediction is not modelled: "
-                                                  "on the last stage per depth a transformer "
-                                                  "layer, enorm/hnorm, a 2h -> h eh_proj, a "
-                                                  "final norm, the embedding's copy, and the "
-                                                  "shared output layer's logits and loss "
-                                                  "saved per depth (megatron/core/transformer/"
-                                                  "multi_token_prediction.py, models/gpt/"
-                                                  "gpt_model.py GPTModel._postprocess)")
 
     def _router_dtype(self) -> None:
         """--moe-router-dtype fp32: the router's matmul runs in fp32
@@ -465,97 +440,18 @@ class _Reader:
         self._uneven(spec.num_layers, pp)
         self._account(spec.num_layers, pp)
         dist = self.flag("--use-distributed-optimizer")
-        if self._megatron_fsdp():
+        if megatron_flags.megatron_fsdp(self):
             dist = False  # no_shard: the optimizer's main weights and states are whole
         else:
             imp.set("--use-distributed-optimizer", dist, "zero", 1 if dist else 0,
                     "ZeRO-1: optimizer states sharded over DP" if dist else "")
         self._optimizer_instances(dist, tp * pp * cp)
-        self._deferred_wgrad(pp)
+        megatron_flags.deferred_wgrad(self, pp)
         if self.flag("--optimizer-cpu-offload"):
             if self.float("--optimizer-offload-fraction", 1.0) != 1.0:
                 raise self.refuse("--optimizer-offload-fraction",
                                   "part of the optimizer offloaded is not modelled")
             imp.set("--optimizer-cpu-offload", True, "offload", "optimizer")
-
-    def _megatron_fsdp(self) -> bool:
-        """--use-megatron-fsdp with --data-parallel-sharding-strategy (default
-        optim_grads_params at the commit this reader follows). megatron-core 0.16.1
-        distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py ParamAndGradBuffer.
-        _init_each_parameter_group_buffers: no_shard builds no model-weight buffer (the
-        module's own weights), a whole fp32 main-weight buffer (preserve_fp32_weights) that
-        the optimizer updates with whole states (update_main_grads: no shard), and a whole
-        gradient buffer in fp32 under grad_reduce_in_fp32; GradReducePipeline._bucket_group_
-        gradient_reduce all-reduces it in place on the last micro-batch, after megatron_fsdp.py
-        _grad_acc added each weight's gradient into it: the bytes of Megatron's DDP without the
-        distributed optimizer (--zero 0). The other strategies are refused: optim reduce-
-        scatters into a new shard per bucket group (torch.empty_like(grad_shard)); optim_grads
-        and optim_grads_params hold per-unit temporary gradient (and gathered weight) buckets
-        beside bf16 and fp32 weight shards, unlike FSDP2's (memplan's --zero 3). Returns
-        whether no_shard was read."""
-        flag = "--use-megatron-fsdp"
-        strategy = self.str("--data-parallel-sharding-strategy", "optim_grads_params")
-        if not self.flag(flag):
-            if "--data-parallel-sharding-strategy" in self.args:
-                self.used.discard("--data-parallel-sharding-strategy")  # not read alone
-            return False
-        why = {"optim": "reduce-scatters each bucket group into a new gradient shard "
-                        "(param_and_grad_buffer.py _bucket_group_gradient_reduce), which "
-                        "is not modelled",
-               "optim_grads": "per-unit temporary gradient buckets reduce-scattered into "
-                              "shards on every micro-batch are not modelled",
-               "optim_grads_params": "per-unit gathered weight buckets and temporary "
-                                     "gradient buckets beside bf16 and fp32 weight shards are "
-                                     "not modelled (memplan's --zero 3 is FSDP2's)"}
-        if strategy != "no_shard":
-            raise self.imp.refuse(f"{flag} --data-parallel-sharding-strategy", strategy,
-                                  why.get(strategy, "not a strategy of Megatron FSDP"))
-        for dtype_flag in ("--megatron-fsdp-main-params-dtype",
-                           "--megatron-fsdp-main-grads-dtype",
-                           "--megatron-fsdp-grad-comm-dtype"):
-            if dtype_flag in self.args:
-                self.used.add(dtype_flag)
-                raise self.refuse(dtype_flag, "Megatron FSDP's own buffer dtypes are not "
-                                              "modelled (megatron-core 0.16.1's follow "
-                                              "--bf16 and the gradient-reduce dtype)")
-        if self.flag("--grad-reduce-in-bf16") or self.str("--main-grads-dtype",
-                                                           "fp32") != "fp32":
-            raise self.refuse(flag, "with bf16 main gradients update_main_grads makes an "
-                                    "fp32 copy of every gradient for the optimizer, which "
-                                    "is not modelled")
-        self.imp.set(f"{flag} --data-parallel-sharding-strategy", "no_shard", "zero", 0,
-                     "whole weights, fp32 main weights, gradients and optimizer states "
-                     "(Megatron FSDP no_shard's buffers, as Megatron's DDP"
-                     + ("; --use-distributed-optimizer shards nothing under no_shard)"
-                        if self.args.get("--use-distributed-optimizer") else ")"))
-        return True
-
-    def _deferred_wgrad(self, pp: int) -> None:
-        """--defer-embedding-wgrad-compute with --wgrad-deferral-limit N (0: every
-        micro-batch): the output layer's input and its logits' gradient kept per micro-batch
-        until the step's end, where the weight gradients are computed (tensor_parallel/
-        layers.py ColumnParallelLinear.forward ``embedding_activation_buffer``, Linear
-        WithGradAccumulationAndAsyncCommunication.backward ``grad_output_buffer``, utils.py
-        drain_embedding_wgrad_compute): ``head_wgrad_deferral`` (memplan.model.
-        deferred_wgrad). megatron-core's ModelParallelConfig.__post_init__ raises without
-        pipeline parallelism, without gradient-accumulation fusion and for a limit below 0."""
-        flag = "--defer-embedding-wgrad-compute"
-        limit = self.int("--wgrad-deferral-limit", 0)
-        if not self.flag(flag):
-            return
-        if pp == 1:
-            raise self.refuse(flag, "needs pipeline parallelism (megatron-core raises "
-                                    "without it)")
-        if self.flag("--no-gradient-accumulation-fusion"):
-            raise self.refuse(flag, "needs gradient-accumulation fusion (megatron-core "
-                                    "raises with --no-gradient-accumulation-fusion)")
-        if limit < 0:
-            raise self.refuse("--wgrad-deferral-limit", "must be at least 0")
-        self.imp.set(flag if limit == 0 else f"{flag} --wgrad-deferral-limit", True if
-                     limit == 0 else limit, "head_wgrad_deferral", limit,
-                     "the output layer's input and logits' gradient kept per micro-batch "
-                     + ("(all of them)" if limit == 0 else f"(the first {limit})")
-                     + " to the step's end")
 
     def _optimizer_instances(self, dist: bool, model_parallel: int) -> None:
         """--num-distributed-optimizer-instances N: the distributed optimizer shards its
