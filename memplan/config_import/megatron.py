@@ -11,7 +11,8 @@ branches expanded as bash would, nothing run), else as shell words (comments and
 continuations allowed), a launcher and its own flags before the training script skipped
 (``torchrun --nproc-per-node 8 pretrain_gpt.py``); or, when it holds a ``MODEL_ARGS:``
 block, as Megatron-LM's own test configs (tests/functional_tests/test_cases/*/
-model_config.yaml).
+model_config.yaml). Multi-token prediction, Megatron FSDP and the deferred output-layer
+weight gradient are read in ``memplan.config_import.megatron_flags``.
 """
 
 from __future__ import annotations
