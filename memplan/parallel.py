@@ -401,6 +401,17 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
             "micro-batch's backward, and its engine's no_sync() asserts that gradients are not "
             "partitioned (deepspeed/runtime/engine.py DeepSpeedEngine.no_sync); use zero 1, or "
             "zero 3 (FSDP2's set_requires_gradient_sync(False))")
+    if wl.head_wgrad_deferral is not None and (par.pp == 1 or wl.loss_chunks > 1
+                                               or par.zero >= ZeroStage.PARAMETERS):
+        # megatron-core model_parallel_config.py ModelParallelConfig.__post_init__ raises
+        # without pipeline parallelism; a chunked loss runs the head once per chunk; with
+        # sharded parameters the drain's main gradient is not modelled
+        raise LayoutError(
+            "head_wgrad_deferral needs pp > 1, an unchunked loss and zero < 3",
+            f"head_wgrad_deferral ({wl.head_wgrad_deferral}) needs pp > 1 (got {par.pp}: "
+            "Megatron-core refuses to defer the output layer's weight gradient without "
+            f"pipeline parallelism), loss_chunks 1 (got {wl.loss_chunks}) and zero < 3 (got "
+            f"{int(par.zero)}: the drain into sharded parameters' gradients is not modelled)")
     _validate_recompute(spec, par, wl)
     presets.validate(par, wl)  # options the workload's framework does not offer
 

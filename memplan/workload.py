@@ -404,6 +404,11 @@ class Workload(BaseModel):
     loss_chunks: int = Field(default=1, gt=0, le=MAX_SEQ_LEN, description=(
         "1: the head and cross-entropy run on all tokens at once; n > 1: on n chunks of the "
         "tokens, each under activation checkpointing (logits never exist for all tokens)"))
+    head_wgrad_deferral: int | None = Field(default=None, ge=0, le=MAX_SEQUENCES, description=(
+        "the output layer's weight gradient deferred to the step's end for the first n "
+        "micro-batches (0: all), its input and logits' gradient kept until then "
+        "(memplan.model.deferred_wgrad; Megatron-LM's --defer-embedding-wgrad-compute, "
+        "--wgrad-deferral-limit n); None: computed in each backward"))
 
     @field_validator("recompute", mode="before")
     @classmethod

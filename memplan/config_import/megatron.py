@@ -11,7 +11,8 @@ branches expanded as bash would, nothing run), else as shell words (comments and
 continuations allowed), a launcher and its own flags before the training script skipped
 (``torchrun --nproc-per-node 8 pretrain_gpt.py``); or, when it holds a ``MODEL_ARGS:``
 block, as Megatron-LM's own test configs (tests/functional_tests/test_cases/*/
-model_config.yaml).
+model_config.yaml). Multi-token prediction, Megatron FSDP and the deferred output-layer
+weight gradient are read in ``memplan.config_import.megatron_flags``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from memplan.arguments import MAX_GPUS
-from memplan.config_import import Imported, shell
+from memplan.config_import import Imported, megatron_flags, shell
 from memplan.errors import MemplanError, shown, validation_message
 from memplan.inputs import MODEL_FILE_BYTES, read_text
 from memplan.spec import MAX_LAYERS, ModelSpec
@@ -230,19 +231,6 @@ class _Reader:
             "--fp8": "fp8 training is not modelled",
             "--fp4-format": "fp4 training is not modelled",
             "--use-torch-fsdp2": "PyTorch FSDP2 under Megatron-LM is not modelled",
-            "--use-megatron-fsdp": "Megatron FSDP's buffers (megatron/core/distributed/fsdp: "
-                                   "sharded parameter and gradient buffers, double-buffered "
-                                   "all-gathers) are not modelled; memplan's --zero 3 is "
-                                   "FSDP2's and DeepSpeed's",
-            "--defer-embedding-wgrad-compute": "the output layer's input and its logits' "
-                                               "gradient kept for the deferred weight "
-                                               "gradient, one pair per micro-batch up to "
-                                               "--wgrad-deferral-limit (0: all) until the "
-                                               "step's end (megatron/core/tensor_parallel/"
-                                               "layers.py ColumnParallelLinear.forward "
-                                               "embedding_activation_buffer, LinearWithGrad"
-                                               "AccumulationAndAsyncCommunication.backward "
-                                               "grad_output_buffer) are not modelled",
             "--cpu-offloading": "activation and weight CPU offloading is not modelled",
             "--hybrid-layer-pattern": "hybrid (Mamba) layers are not modelled",
             "--encoder-num-layers": "encoder-decoder models are not modelled",
@@ -255,13 +243,7 @@ class _Reader:
                 raise self.refuse(flag, why)
         self._loss_fusion()
         self._router_dtype()
-        mtp = self.int("--mtp-num-layers", None)
-        if mtp:
-            raise self.refuse("--mtp-num-layers", "multi-token-prediction modules (each a "
-                                                  "transformer layer, a projection and its "
-                                                  "own output layer and loss: megatron/core/"
-                                                  "transformer/multi_token_prediction.py) are "
-                                                  "not modelled")
+        megatron_flags.mtp(self)
         for flag in ("--exp-avg-dtype", "--exp-avg-sq-dtype"):
             if self.str(flag, "fp32") != "fp32":
                 raise self.refuse(flag, "optimizer states below fp32 are not modelled")
@@ -459,9 +441,13 @@ class _Reader:
         self._uneven(spec.num_layers, pp)
         self._account(spec.num_layers, pp)
         dist = self.flag("--use-distributed-optimizer")
-        imp.set("--use-distributed-optimizer", dist, "zero", 1 if dist else 0,
-                "ZeRO-1: optimizer states sharded over DP" if dist else "")
+        if megatron_flags.megatron_fsdp(self):
+            dist = False  # no_shard: the optimizer's main weights and states are whole
+        else:
+            imp.set("--use-distributed-optimizer", dist, "zero", 1 if dist else 0,
+                    "ZeRO-1: optimizer states sharded over DP" if dist else "")
         self._optimizer_instances(dist, tp * pp * cp)
+        megatron_flags.deferred_wgrad(self, pp)
         if self.flag("--optimizer-cpu-offload"):
             if self.float("--optimizer-offload-fraction", 1.0) != 1.0:
                 raise self.refuse("--optimizer-offload-fraction",

@@ -274,6 +274,9 @@ class HeadBlock(NamedTuple):
     final_norm_bwd: int = 0  # gradients in flight inside the final norm's backward
     final_norm_all: int = 0  # all the final norm saves (alive at the head's backward)
     tied_grad: int = 0  # a tied head's weight gradient, held until the embedding's backward
+    deferred: int = 0  # the input and logits' gradient kept for a deferred weight gradient
+    #                    from the head's backward to the step's end (``memplan.model.
+    #                    deferred_wgrad``)
 
     # --- the ``Block`` interface (``memplan.model.block``): what the fields above are made
     # from, per micro-batch on one rank of the last stage, in bytes (``t``: the ranks that
@@ -363,6 +366,9 @@ class HeadBlock(NamedTuple):
             return (Event("loss.backward", 0, at),)
         events = (Event("loss.backward", -self.saved_bytes, at_loss + self.loss),
                   Event("head.backward", 0, at + self.final_norm_all + self.linear),
+                  # a deferred weight gradient's input and logits' gradient stay
+                  *((Event("head.deferred_wgrad", self.deferred, None),) if self.deferred
+                    else ()),
                   # the head's weight gradient exists; a tied head's waits for the embedding's
                   Event("head.main_grads", (self.grads if growing else 0) + self.tied_grad,
                         at + self.main_grads))

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 from memplan.model import memo
 from memplan.model.dims import Dims, Term
+from memplan.model.deferred_wgrad import Deferred, deferred
 from memplan.model.embedding import EmbeddingBlock, embedding_backward_extra
 from memplan.model.grad_sync import (
     accumulated_gradients,
@@ -214,6 +215,9 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     flight = memo.in_flight(par.pp, par.vpp, m, stage, schedule, par.vpp_group)
     entries = _entries(par, shared, fx, kinds)
     walk, activations, one_mb = _walk(spec, par, shared, fx, kinds, entries, flight)
+    # the output layer's deferred weight gradient (``memplan.model.deferred_wgrad``)
+    dfr = deferred(spec, wl, shared.dm, m, flight[-1]) if fx.last else Deferred()
+    walk = _with_deferred(walk, dfr, fx.main_grads)
     if accumulating:
         walk = with_new_grads(walk, ratio, fresh)
         grads = accumulated_gradients(walk, st, accumulator_bytes(fx.params, wl),
@@ -223,15 +227,21 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     # logits a training loop keeps from the loss through backward and the optimizer step into
     # the next forward (from step 2 on), until its loss replaces them
     held = shared.step_held if fx.last else 0
-    forward = _forward(shared, fx, walk)
+    forward = _forward(shared, fx, walk, dfr.before_forward - dfr.before_backward)
     base = st.params_bytes + fx.buckets + fx.buffers
 
     def peaks(opt_bytes: int, from_loss: int, earlier: int, steady: bool) -> PhasePeaks:
         in_forward, bwd = grads[2:] if steady else grads[:2]
+        # the drain's gathered buffers stay from the first step's drain on
+        resident = dfr.resident if steady else 0
+        # the drain of deferred weight gradients after the last backward, beside the
+        # gradients (its gathered buffers counted in ``dfr.drain``)
+        drain = (base + opt_bytes + from_loss + held + st.grads_bytes + dfr.drain
+                 if dfr.pair else 0)
         return PhasePeaks(
-            forward=base + opt_bytes + in_forward + forward(earlier) + shared.mask,
-            backward=base + opt_bytes + from_loss + held + bwd,
-            optimizer=fx.optimizer_phase + held,
+            forward=base + resident + opt_bytes + in_forward + forward(earlier) + shared.mask,
+            backward=max(base + resident + opt_bytes + from_loss + held + bwd, drain),
+            optimizer=fx.optimizer_phase + held + resident,
         )
 
     # Master weights exist from optimizer setup; a grad scaler's state from step 1's loss;
@@ -263,6 +273,19 @@ def _walk(spec: ModelSpec, par: ParallelConfig, shared: StageTerms, fx: StageSta
     return walk, activations, one_mb
 
 
+def _with_deferred(walk: Walk, dfr: Deferred, main_grads: bool) -> Walk:
+    """``walk`` with the output layer's deferred weight gradient (``memplan.model.
+    deferred_wgrad``): the earlier micro-batches' pairs alive from its start, its own pair
+    kept from the head's backward on, and no compute-dtype weight gradient made there when
+    its own is deferred."""
+    if not dfr.pair:
+        return walk
+    h = walk.head
+    head = h._replace(deferred=dfr.own, linear=h.linear - dfr.weight_grad,
+                      main_grads=h.main_grads - (dfr.weight_grad if main_grads else 0))
+    return walk._replace(head=head, rest_saved=walk.rest_saved + dfr.before_backward)
+
+
 def _gradients(wl: Workload, fx: StageStates, walk: Walk, m: int) -> tuple[int, int, int, int]:
     """Gradient bytes alive through the forward and the backward's tensor peak, in step 1
     and in the steady state (the training loop's gradients: zeroed or freed, accumulated
@@ -289,12 +312,15 @@ def _gradients(wl: Workload, fx: StageStates, walk: Walk, m: int) -> tuple[int, 
     return in_forward, bwd, in_forward, bwd
 
 
-def _forward(shared: StageTerms, fx: StageStates, walk: Walk) -> Callable[[int], int]:
+def _forward(shared: StageTerms, fx: StageStates, walk: Walk,
+             deferred_less: int = 0) -> Callable[[int], int]:
     """The forward's activation peak given the bytes a loop holds until the loss
-    (``memplan.model.walk.forward_peaks``)."""
+    (``memplan.model.walk.forward_peaks``); ``deferred_less``: the deferred pairs alive at
+    the forward less those at the backward (``walk.rest_saved`` holds the latter)."""
     # The targets exist from the step's start (the ids the loop holds are no input of the
     # graph); the loss scalars from the loss on.
-    inputs = walk.rest_saved - (shared.batch_bytes - shared.targets_bytes if fx.last else 0)
+    inputs = (walk.rest_saved + deferred_less
+              - (shared.batch_bytes - shared.targets_bytes if fx.last else 0))
     return forward_peaks(walk.runs, walk.sharding, walk.other_bytes, inputs, walk.head)
 
 

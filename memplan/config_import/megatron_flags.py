@@ -1,0 +1,116 @@
+"""Megatron-LM flags whose memory memplan reads from megatron-core's source beside the
+rest of ``memplan.config_import.megatron``'s reading: multi-token prediction (refused by its
+pieces), Megatron FSDP's sharding strategies (no_shard read, the others refused) and the
+deferred output-layer weight gradient (``Workload.head_wgrad_deferral``). Each takes the
+reader of ``memplan.config_import.megatron`` (``r``), whose typed access marks a flag read.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from memplan.config_import.megatron import _Reader
+
+
+def mtp(r: _Reader) -> None:
+    """--mtp-num-layers D (megatron/core/transformer/multi_token_prediction.py): all D
+    modules on the last pipeline stage (``mtp_on_this_rank`` without a custom layout),
+    each ``MultiTokenPredictionLayer``: enorm, hnorm, eh_proj (column-parallel 2h -> h),
+    a transformer layer of the decoder's spec, a final norm; the stage also builds its own
+    copy of the embedding (models/gpt/gpt_model.py ``GPTModel.__init__``, ``if
+    self.pre_process or self.mtp_process``). ``GPTModel._postprocess`` concatenates the
+    main and the D hidden states (a new (1 + D) x [s, b, h] tensor, whose chunks the output
+    layer saves) and runs the shared output layer and the vocab-parallel loss once per
+    depth, each loss's saved softmax alive until the backward (``MTPLossAutoScaler``
+    keeps each depth's [b, s] loss). memplan's last stage has one head and no layers beyond
+    the decoder's: refused, naming the pieces. --mtp-loss-scaling-factor only scales the
+    losses' gradient (no memory) and is read only with D."""
+    depth = r.int("--mtp-num-layers", None)
+    r.float("--mtp-loss-scaling-factor", 0.1)  # a scale of the loss: no tensor
+    if depth:
+        raise r.refuse("--mtp-num-layers",
+                       "multi-token prediction is not modelled: on the last stage per depth "
+                       "a transformer layer, enorm/hnorm, a 2h -> h eh_proj, a final norm, "
+                       "the embedding's copy, and the shared output layer's logits and loss "
+                       "saved per depth (megatron/core/transformer/multi_token_prediction.py, "
+                       "models/gpt/gpt_model.py GPTModel._postprocess)")
+
+
+# why each sharding strategy but no_shard is refused (megatron-core 0.16.1
+# distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py)
+_STRATEGIES = {
+    "optim": "reduce-scatters each bucket group into a new gradient shard "
+             "(_bucket_group_gradient_reduce: torch.empty_like(grad_shard)), which is not "
+             "modelled",
+    "optim_grads": "per-unit temporary gradient buckets reduce-scattered into shards on "
+                   "every micro-batch are not modelled",
+    "optim_grads_params": "per-unit gathered weight buckets and temporary gradient buckets "
+                          "beside bf16 and fp32 weight shards are not modelled (memplan's "
+                          "--zero 3 is FSDP2's)",
+}
+
+
+def megatron_fsdp(r: _Reader) -> bool:
+    """--use-megatron-fsdp with --data-parallel-sharding-strategy (default
+    optim_grads_params at the commit this reader follows). megatron-core 0.16.1
+    distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py ParamAndGradBuffer.
+    _init_each_parameter_group_buffers: no_shard builds no model-weight buffer (the
+    module's own weights), a whole fp32 main-weight buffer (preserve_fp32_weights) that
+    the optimizer updates with whole states (update_main_grads: no shard), and a whole
+    gradient buffer in fp32 under grad_reduce_in_fp32; GradReducePipeline._bucket_group_
+    gradient_reduce all-reduces it in place on the last micro-batch, after megatron_fsdp.py
+    _grad_acc (a post-accumulate-grad hook per weight) added each weight's gradient into
+    it: the bytes of Megatron's DDP without the distributed optimizer (--zero 0). The other
+    strategies are refused (``_STRATEGIES``). Returns whether no_shard was read."""
+    flag = "--use-megatron-fsdp"
+    strategy = r.str("--data-parallel-sharding-strategy", "optim_grads_params")
+    if not r.flag(flag):
+        r.used.discard("--data-parallel-sharding-strategy")  # without it: not read
+        return False
+    if strategy != "no_shard":
+        raise r.imp.refuse(f"{flag} --data-parallel-sharding-strategy", strategy,
+                           _STRATEGIES.get(strategy, "not a strategy of Megatron FSDP"))
+    for dtype_flag in ("--megatron-fsdp-main-params-dtype", "--megatron-fsdp-main-grads-dtype",
+                       "--megatron-fsdp-grad-comm-dtype"):
+        if dtype_flag in r.args:
+            r.used.add(dtype_flag)
+            raise r.refuse(dtype_flag, "Megatron FSDP's own buffer dtypes are not modelled "
+                                       "(megatron-core 0.16.1's follow --bf16 and the "
+                                       "gradient-reduce dtype)")
+    if r.flag("--grad-reduce-in-bf16") or r.str("--main-grads-dtype", "fp32") != "fp32":
+        raise r.refuse(flag, "with bf16 main gradients update_main_grads makes an fp32 copy "
+                             "of every gradient for the optimizer, which is not modelled")
+    sharded = "; --use-distributed-optimizer shards nothing under no_shard" if r.args.get(
+        "--use-distributed-optimizer") else ""
+    r.imp.set(f"{flag} --data-parallel-sharding-strategy", "no_shard", "zero", 0,
+              "whole weights, fp32 main weights, gradients and optimizer states (Megatron "
+              f"FSDP no_shard's buffers, as Megatron's DDP{sharded})")
+    return True
+
+
+def deferred_wgrad(r: _Reader, pp: int) -> None:
+    """--defer-embedding-wgrad-compute with --wgrad-deferral-limit N (0: every
+    micro-batch): the output layer's input and its logits' gradient kept per micro-batch
+    until the step's end, where the weight gradients are computed (tensor_parallel/
+    layers.py ColumnParallelLinear.forward ``embedding_activation_buffer``, Linear
+    WithGradAccumulationAndAsyncCommunication.backward ``grad_output_buffer``, utils.py
+    drain_embedding_wgrad_compute): ``head_wgrad_deferral`` (memplan.model.
+    deferred_wgrad). megatron-core's ModelParallelConfig.__post_init__ raises without
+    pipeline parallelism, without gradient-accumulation fusion and for a limit below 0."""
+    flag = "--defer-embedding-wgrad-compute"
+    limit = r.int("--wgrad-deferral-limit", 0)
+    if not r.flag(flag):
+        return
+    if pp == 1:
+        raise r.refuse(flag, "needs pipeline parallelism (megatron-core raises without it)")
+    if r.flag("--no-gradient-accumulation-fusion"):
+        raise r.refuse(flag, "needs gradient-accumulation fusion (megatron-core raises with "
+                             "--no-gradient-accumulation-fusion)")
+    if limit < 0:
+        raise r.refuse("--wgrad-deferral-limit", "must be at least 0")
+    which = "(all of them)" if limit == 0 else f"(the first {limit})"
+    r.imp.set(flag if limit == 0 else f"{flag} --wgrad-deferral-limit",
+              True if limit == 0 else limit, "head_wgrad_deferral", limit,
+              f"the output layer's input and logits' gradient kept per micro-batch {which} to "
+              "the step's end")
