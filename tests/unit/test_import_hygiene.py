@@ -298,3 +298,40 @@ def test_top_level_is_a_short_list() -> None:
     rest live in their folders (docs/contributing.md)."""
     modules = sorted(path.name for path in PACKAGE.glob("*.py"))
     assert len(modules) <= 16, modules
+
+
+PLUGINS_CHILD = r"""
+import contextlib, io, json, os, sys
+import importlib.metadata as md
+groups = []
+_entry_points = md.entry_points
+def _recorded(**k):
+    groups.append(k.get("group"))
+    return _entry_points(**k)
+md.entry_points = _recorded
+import memplan.cli
+with contextlib.redirect_stdout(io.StringIO()):
+    code = memplan.cli.main(["estimate", "--model", "llama-7b", "--gpus", "8", "--json"])
+print(json.dumps({"code": code, "groups": groups,
+                  "after": os.environ.get("PYDANTIC_DISABLE_PLUGINS")}))
+"""
+
+
+@pytest.mark.parametrize("given", [None, "logfire"])
+def test_command_skips_the_pydantic_plugin_scan_and_restores_the_environment(given) -> None:
+    """A command builds its validators with pydantic's plugins off (no scan of every installed
+    distribution's entry points for group 'pydantic'); the caller's PYDANTIC_DISABLE_PLUGINS,
+    unset or set to a plugin name, is what it was afterwards, and a value the user set is
+    the one pydantic reads (a named plugin off still scans for the others)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MEMPLAN_DEBUG", "PYDANTIC_DISABLE_PLUGINS")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    if given is not None:
+        env["PYDANTIC_DISABLE_PLUGINS"] = given
+    proc = subprocess.run([sys.executable, "-c", PLUGINS_CHILD], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["code"] == 0
+    assert out["after"] == given
+    assert ("pydantic" in out["groups"]) == (given is not None)
