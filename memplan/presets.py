@@ -102,6 +102,14 @@ PRESETS: dict[Framework, tuple[Default, ...]] = {
                 f"when the config's use_cache (every configuration class's default), also in "
                 f"training without gradient checkpointing; cache_utils.py DynamicLayer.update "
                 f"concatenates each layer's K and V into it ({_TRANSFORMERS})"),
+        # DDP (--zero 0) and FSDP2 (--zero 3) only: under DeepSpeed (--zero 1/2) Trainer
+        # syncs every micro-batch, which is what "last" holds there (memplan.parallel)
+        Default("grad_sync", "last",
+                f"trainer.py Trainer._inner_training_loop runs each micro-batch but a step's "
+                f"last under accelerator.no_sync (unless sync_each_batch or DeepSpeed); "
+                f"accelerate/accelerator.py Accelerator.no_sync: DDP's no_sync(), FSDP2's "
+                f"set_requires_gradient_sync(False); GradientAccumulationPlugin."
+                f"sync_each_batch defaults to False (accelerate 1.15.0, {_TRANSFORMERS})"),
     ),
     Framework.TORCHTITAN: (
         Default("optimizer_impl", "fused",

@@ -14,7 +14,7 @@ from memplan.errors import MemplanError
 from memplan.overheads import no_overheads
 from memplan.parallel import ParallelConfig
 from memplan.spec import load_model
-from memplan.workload import Framework, LogitsHeld, NormImpl, OptimizerImpl, Workload
+from memplan.workload import Framework, GradSync, LogitsHeld, NormImpl, OptimizerImpl, Workload
 
 # tiny: V 128, h 64; at b 2, s 128: T = 256 tokens
 T, V = 256, 128
@@ -308,3 +308,22 @@ def test_torchtitan_vocab_parallel_loss_holds_one_more_logits_tensor() -> None:
     one = memplan.estimate("llama-3-8b", **kw).stages[0]
     same = memplan.estimate("llama-3-8b", loss_impl="generic", **kw).stages[0]
     assert one.first_step == same.first_step
+
+
+def test_hf_accumulates_without_sync_but_under_deepspeed() -> None:
+    """hf's Trainer syncs only a step's last micro-batch under DDP and FSDP2 (grad_sync last,
+    the preset's), and every one under DeepSpeed: there ZeRO-2, which refuses "last" from
+    other loops, is accepted and holds what "every" holds (only FSDP2 units change)."""
+    fsdp = memplan.estimate("tiny", gpus=2, zero=3, seq_len=128, micro_batch_size=2,
+                            global_batch_size=8, framework="hf", overheads=no_overheads())
+    assert fsdp.workload.grad_sync is GradSync.LAST
+    assert any(line.startswith("hf: grad_sync = last (trainer.py")
+               for line in fsdp.assumptions)
+    ds = dict(gpus=2, zero=2, seq_len=128, micro_batch_size=2, global_batch_size=8,
+              overheads=no_overheads())
+    hf = memplan.estimate("tiny", framework="hf", **ds)
+    assert hf.workload.grad_sync is GradSync.LAST
+    every = memplan.estimate("tiny", framework="hf", grad_sync="every", **ds)
+    assert hf.peak_bytes == every.peak_bytes
+    with pytest.raises(MemplanError, match="grad_sync last with zero 2"):
+        memplan.estimate("tiny", grad_sync="last", **ds)
