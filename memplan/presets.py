@@ -151,6 +151,11 @@ PRESETS: dict[Framework, tuple[Default, ...]] = {
                 f"set_decoder_sharding_config keeps lm_head's output S(-1)) "
                 f"_LossParallelCrossEntropy, whose forward keeps the shifted logits and whose "
                 f"backward makes three logits-sized tensors ({_TITAN})"),
+        Default("loss_chunk_backward", "in-loss",
+                f"components/loss.py ChunkedLossWrapper.__call__ (the loss of the llama3 and "
+                f"qwen3 registry's 8B/70B/405B and 0.6B-32B configs, 8 chunks; Trainer.Config's "
+                f"default loss is unchunked): each chunk's lm_head, loss and backward inside "
+                f"the loss call, lm_head's sync off but for the last chunk ({_TITAN})"),
         Default("pipeline_split", "weighted",
                 f"distributed/pipeline_parallel.py pipeline_llm: without "
                 f"module_fqns_per_model_part, _generate_llm_fqn_per_model_part splits the "

@@ -187,6 +187,20 @@ class Framework(str, enum.Enum):
     LIGHTNING = "lightning"
 
 
+class ChunkBackward(str, enum.Enum):
+    """When a chunked loss (``Workload.loss_chunks`` > 1) runs each chunk's backward.
+
+    rerun    in the model's backward: each chunk checkpointed (only its input kept), its head
+             and loss rerun there
+    in-loss  inside the loss call, chunk after chunk: the head's weight gradient summed over
+             the chunks then, the chunks' input gradients into one fp32 buffer, cast and saved
+             for the model's backward (torchtitan's ChunkedLossWrapper, components/loss.py)
+    """
+
+    RERUN = "rerun"
+    IN_LOSS = "in-loss"
+
+
 class LogitsHeld(str, enum.Enum):
     """Who keeps the logits beyond what autograd saves.
 
@@ -404,6 +418,7 @@ class Workload(BaseModel):
     loss_chunks: int = Field(default=1, gt=0, le=MAX_SEQ_LEN, description=(
         "1: the head and cross-entropy run on all tokens at once; n > 1: on n chunks of the "
         "tokens, each under activation checkpointing (logits never exist for all tokens)"))
+    loss_chunk_backward: ChunkBackward = ChunkBackward.RERUN
 
     @field_validator("recompute", mode="before")
     @classmethod

@@ -327,3 +327,41 @@ def test_hf_accumulates_without_sync_but_under_deepspeed() -> None:
     assert hf.peak_bytes == every.peak_bytes
     with pytest.raises(MemplanError, match="grad_sync last with zero 2"):
         memplan.estimate("tiny", grad_sync="last", **ds)
+
+
+def test_torchtitan_chunked_loss_runs_its_backward_in_the_loss_by_hand() -> None:
+    """torchtitan's ChunkedLossWrapper (the preset's loss_chunk_backward in-loss), tiny (V 128,
+    h 64) at b 2, s 128 (T 256), fsdp-bf16, 8 chunks of c = 32 tokens on 2 ranks.
+
+    Held through the loss call: the chunks' copies of the final norm's output T*h*2 = 32,768
+    and of the targets T*8 = 2,048 (b > 1), the fp32 input-gradient sum T*h*4 = 65,536, the
+    fp32 total 4: 100,356. The head's summed weight gradient, fp32 and whole: V*h*4 = 32,768.
+    A later chunk's loss backward: that sum, the bf16 logits c*V*2 = 8,192 and three fp32
+    logits-sized tensors 3*c*V*4 = 49,152 (90,112); its projection's backward: the sum, the
+    logits and their gradient 2*8,192, the new bf16 weight gradient V*h*2 = 16,384, the
+    chunk's input gradient c*h*2 = 4,096 (69,632). So the loss's forward holds 100,356 +
+    90,112 = 190,468 beyond what is saved. The last chunk's reduce: 100,356 + 32,768 + the
+    logits 8,192 + the input gradient 4,096 = 145,412 beside the reduce's own bytes; its
+    reduce-scatter input (V*h*4 = 32,768 whole) stays held into the backward. The loss's and
+    the projection's backward add nothing, and what is saved has the same bytes as with the
+    rerun chunks (the summed input gradient in place of the final norm's output)."""
+    from memplan.model import head, loss_in_call
+    from memplan.model.dims import Dims
+
+    spec, par, wl = memplan.api.resolve("tiny", gpus=2, zero=3, framework="torchtitan",
+                                        loss_chunks=8, seq_len=128, micro_batch_size=2,
+                                        precision="fsdp-bf16")
+    assert head.in_loss(wl)
+    dm = Dims.of(spec, par, wl)
+    assert loss_in_call.held_bytes(spec, wl, dm) == 100_356
+    assert loss_in_call.forward_extra_bytes(spec, wl, dm) == 190_468
+    assert loss_in_call.last_chunk_bytes(spec, wl, dm, 0) == 145_412
+    assert head.loss_backward_bytes(spec, wl, dm, V * 64 * 2) == 0
+    assert head.linear_backward_bytes(spec, wl, dm, V * 64 * 2) == 0
+    rerun = wl.model_copy(update={"loss_chunk_backward": "rerun"})
+    saved = {t.name: t.size_bytes for t in head.head_terms(spec, wl, dm)}
+    assert saved["loss.input_grad"] == T * 64 * 2
+    assert sum(saved.values()) == sum(t.size_bytes for t in head.head_terms(spec, rerun, dm))
+    est = memplan.estimate("tiny", gpus=2, zero=3, seq_len=128, micro_batch_size=2,
+                           loss_chunks=8, framework="torchtitan", overheads=no_overheads())
+    assert est.workload.loss_chunk_backward.value == "in-loss"
