@@ -365,3 +365,6 @@ def test_torchtitan_chunked_loss_runs_its_backward_in_the_loss_by_hand() -> None
     est = memplan.estimate("tiny", gpus=2, zero=3, seq_len=128, micro_batch_size=2,
                            loss_chunks=8, framework="torchtitan", overheads=no_overheads())
     assert est.workload.loss_chunk_backward.value == "in-loss"
+    from memplan.model.estimate import IN_LOSS_CAVEAT, LOSS_CHUNKS_CAVEAT
+
+    assert IN_LOSS_CAVEAT in est.caveats and LOSS_CHUNKS_CAVEAT not in est.caveats
