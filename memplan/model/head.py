@@ -110,11 +110,11 @@ def forward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     until the loss returns, next to the log-softmax output. A chunked loss holds the logits
     and the log-softmax output of one chunk, both freed when the chunk returns its sum.
     """
+    # a loss that runs its backward in the call is memplan.model.loss_in_call's
+    assert not in_loss(wl), "loss_in_call.forward_extra_bytes counts an in-loss chunked loss"
     # under autocast the head saves a cast of the final norm's fp32 output, which the model
     # still holds (its last hidden state; all-gathered under DTensor sequence parallelism)
     # while the loss runs
-    # a loss that runs its backward in the call is memplan.model.loss_in_call's
-    assert not in_loss(wl), "loss_in_call.forward_extra_bytes counts an in-loss chunked loss"
     if _megatron_loss(wl):
         # the model's compute-dtype logits beside the fp32 copy, which is the saved softmax
         return dm.tokens * dm.vocab_shard * dm.e
@@ -202,7 +202,7 @@ def linear_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims, vocab_grad_by
     the last chunk's weight gradient made, with its logits' gradient not yet freed and all
     input gradients beside it, or the three-way sum of the chunk run before it, beside the
     input gradients made so far (traced: tests/traced/test_ground_truth.py, ``loss_chunks``)."""
-    if in_loss(wl):  # run inside the loss call (``forward_extra_bytes``)
+    if in_loss(wl):  # run inside the loss call (``memplan.model.loss_in_call``)
         return 0
     chunk, chunks = loss_chunk_tokens(wl, dm)
     grad_logits = chunk * dm.vocab_shard * dm.e
