@@ -18,7 +18,7 @@ from memplan import presets
 from memplan.errors import LayoutError
 from memplan.spec import ModelSpec, PositionKind
 from memplan.units import ceil_div
-from memplan.workload import GradSync, PipelineSplit, Precision, Recompute, Workload
+from memplan.workload import Framework, GradSync, PipelineSplit, Precision, Recompute, Workload
 
 
 class ZeroStage(enum.IntEnum):
@@ -393,8 +393,11 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
             f"precision {wl.precision.value} with MoE layers ({spec.moe.num_experts} experts): "
             "what autocast saves around routing and the experts is not modelled yet (use "
             "bf16-pure, bf16-mixed or fp32)")
+    # hf's Trainer never turns the sync off under DeepSpeed (trainer.py
+    # _inner_training_loop): its "last" (the preset's) is "every" there, which is what the
+    # model holds for ZeRO-2 (memplan.model.grad_sync changes FSDP2 units only)
     if (wl.grad_sync is GradSync.LAST and par.zero == ZeroStage.GRADIENTS
-            and par.dense_shard_degree > 1):
+            and par.dense_shard_degree > 1 and wl.framework is not Framework.HF):
         raise LayoutError(
             "grad_sync last does not combine with ZeRO stage 2",
             "grad_sync last with zero 2: DeepSpeed reduces partitioned gradients in every "

@@ -102,6 +102,14 @@ PRESETS: dict[Framework, tuple[Default, ...]] = {
                 f"when the config's use_cache (every configuration class's default), also in "
                 f"training without gradient checkpointing; cache_utils.py DynamicLayer.update "
                 f"concatenates each layer's K and V into it ({_TRANSFORMERS})"),
+        # DDP (--zero 0) and FSDP2 (--zero 3) only: under DeepSpeed (--zero 1/2) Trainer
+        # syncs every micro-batch, which is what "last" holds there (memplan.parallel)
+        Default("grad_sync", "last",
+                f"trainer.py Trainer._inner_training_loop runs each micro-batch but a step's "
+                f"last under accelerator.no_sync (unless sync_each_batch or DeepSpeed); "
+                f"accelerate/accelerator.py Accelerator.no_sync: DDP's no_sync(), FSDP2's "
+                f"set_requires_gradient_sync(False); GradientAccumulationPlugin."
+                f"sync_each_batch defaults to False (accelerate 1.15.0, {_TRANSFORMERS})"),
     ),
     Framework.TORCHTITAN: (
         Default("optimizer_impl", "fused",
@@ -143,6 +151,11 @@ PRESETS: dict[Framework, tuple[Default, ...]] = {
                 f"set_decoder_sharding_config keeps lm_head's output S(-1)) "
                 f"_LossParallelCrossEntropy, whose forward keeps the shifted logits and whose "
                 f"backward makes three logits-sized tensors ({_TITAN})"),
+        Default("loss_chunk_backward", "in-loss",
+                f"components/loss.py ChunkedLossWrapper.__call__ (the loss of the llama3 and "
+                f"qwen3 registry's 8B/70B/405B and 0.6B-32B configs, 8 chunks; Trainer.Config's "
+                f"default loss is unchunked): each chunk's lm_head, loss and backward inside "
+                f"the loss call, lm_head's sync off but for the last chunk ({_TITAN})"),
         Default("pipeline_split", "weighted",
                 f"distributed/pipeline_parallel.py pipeline_llm: without "
                 f"module_fqns_per_model_part, _generate_llm_fqn_per_model_part splits the "

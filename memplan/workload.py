@@ -187,6 +187,20 @@ class Framework(str, enum.Enum):
     LIGHTNING = "lightning"
 
 
+class ChunkBackward(str, enum.Enum):
+    """When a chunked loss (``Workload.loss_chunks`` > 1) runs each chunk's backward.
+
+    rerun    in the model's backward: each chunk checkpointed (only its input kept), its head
+             and loss rerun there
+    in-loss  inside the loss call, chunk after chunk: the head's weight gradient summed over
+             the chunks then, the chunks' input gradients into one fp32 buffer, cast and saved
+             for the model's backward (torchtitan's ChunkedLossWrapper, components/loss.py)
+    """
+
+    RERUN = "rerun"
+    IN_LOSS = "in-loss"
+
+
 class LogitsHeld(str, enum.Enum):
     """Who keeps the logits beyond what autograd saves.
 
@@ -409,6 +423,7 @@ class Workload(BaseModel):
         "micro-batches (0: all), its input and logits' gradient kept until then "
         "(memplan.model.deferred_wgrad; Megatron-LM's --defer-embedding-wgrad-compute, "
         "--wgrad-deferral-limit n); None: computed in each backward"))
+    loss_chunk_backward: ChunkBackward = ChunkBackward.RERUN
 
     @field_validator("recompute", mode="before")
     @classmethod

@@ -35,7 +35,7 @@ from memplan.spec import ModelSpec
 _SPEC_FREE = {"name", "source", "num_layers", "max_seq_len"}
 _WORKLOAD_FIXED = ("framework", "precision", "optimizer", "optimizer_impl", "recompute",
                    "recompute_layers", "attention", "norm_impl", "logits_fp32", "logits_held",
-                   "keep_grads", "loss_chunks")
+                   "keep_grads", "loss_chunks", "loss_chunk_backward")
 
 
 @dataclass(frozen=True)

@@ -140,11 +140,12 @@ KeepGrads = Annotated[Optional[bool], typer.Option(
     "--keep-grads/--no-keep-grads", help="zero_grad(set_to_none=False): gradients stay "
     "allocated between steps (default: the framework's; torchtitan keeps them unless "
     "training.disable_cuda_graphs).", rich_help_panel=_KERNELS)]
-GradSyncOpt = Annotated[GradSync, typer.Option(
+GradSyncOpt = Annotated[Optional[GradSync], typer.Option(
     "--grad-sync", help="With gradient accumulation: every (reduce after each micro-batch, "
     "FSDP2's default) or last (only the last micro-batch syncs: FSDP2 "
     "set_requires_gradient_sync(False) keeps unsharded gradients in the reduce dtype across "
-    "micro-batches; DDP no_sync() and ZeRO-1 hold the same bytes as every).",
+    "micro-batches; DDP no_sync() and ZeRO-1 hold the same bytes as every). Default: the "
+    "framework's (hf: last; generic: every).",
     rich_help_panel=_WORKLOAD)]
 UseCache = Annotated[Optional[bool], typer.Option(
     "--use-cache/--no-use-cache", help="The training forward fills a key/value cache "
@@ -249,7 +250,7 @@ SHARED: dict[str, Shared] = {
     "framework": Shared(FrameworkOpt, None, _value),
     "keep_grads": Shared(KeepGrads, None),
     "use_cache": Shared(UseCache, None),
-    "grad_sync": Shared(GradSyncOpt, _WL["grad_sync"].default),
+    "grad_sync": Shared(GradSyncOpt, None),
     "loss_chunks": Shared(LossChunks, _WL["loss_chunks"].default),
     "schedule": Shared(ScheduleOpt, Schedule.ONE_F_ONE_B, resolve=False),
     "calibration": Shared(Calibration, None, resolve=False),

@@ -139,13 +139,10 @@ def _read_registry(text: str, gpus: int, model: str | None) -> Imported:
             raise imp.refuse("loss.num_chunks", chunks, "expected a positive int")
         imp.set("loss", f"ChunkedLossWrapper(num_chunks={chunks})", "loss_chunks", chunks,
                 "components/loss.py ChunkedLossWrapper: the head and loss per chunk of the "
-                "sequence, each chunk's backward run at once; estimated as memplan's "
-                "checkpointed loss chunks")
-        imp.notes.append("loss ChunkedLossWrapper: not modelled, may change memory: lm_head "
-                         "kept gathered with its unsharded gradient over the chunks "
-                         "(set_reshard_after_backward(False), gradient sync at the last "
-                         "chunk), contiguous copies of the hidden states' chunks and their "
-                         "fp32 gradient accumulator (GradAccumulator)")
+                "sequence, each chunk's backward run inside the loss call: lm_head kept "
+                "gathered, its gradient summed whole over the chunks (sync at the last "
+                "chunk), the chunks' copies and their fp32 input-gradient sum "
+                "(loss_chunk_backward in-loss, the torchtitan preset's)")
     elif loss is not None and not (isinstance(loss, reg.Call)
                                    and loss.name.endswith("CrossEntropyLoss.Config")):
         raise imp.refuse("loss", loss, "read are CrossEntropyLoss.Config() and "

@@ -27,6 +27,7 @@ from memplan import presets
 from memplan.hardware import GpuSpec
 from memplan.model import memo
 from memplan.model.dims import Dims
+from memplan.model.head import in_loss
 from memplan.model.pipeline import Schedule, chunks_in_flight
 from memplan.model.stage_terms import StageTerms
 from memplan.model.stage import (
@@ -92,7 +93,8 @@ class Estimate:
         assumptions: ZeRO-3 at small dp, a chunked loss at few tokens (``ZERO3_CAVEAT``,
         ``LOSS_CHUNKS_CAVEAT``)."""
         return (*((ZERO3_CAVEAT,) if self.parallel.zero >= ZeroStage.PARAMETERS else ()),
-                *((LOSS_CHUNKS_CAVEAT,) if self.workload.loss_chunks > 1 else ()))
+                *(((IN_LOSS_CAVEAT if in_loss(self.workload) else LOSS_CHUNKS_CAVEAT),)
+                  if self.workload.loss_chunks > 1 else ()))
 
     @property
 
@@ -264,6 +266,11 @@ LOSS_CHUNKS_CAVEAT = (
     "a chunked loss sums its chunks' head-weight gradients in backward (up to three "
     "vocab x hidden tensors at once): with few tokens per micro-batch that outweighs the "
     "logits it saves, so more chunks can need more memory (compare --loss-chunks 1)")
+IN_LOSS_CAVEAT = (
+    "a chunked loss that runs the head's backward inside the loss call holds the head's "
+    "weight gradient whole (unsharded, in the gradients' dtype) through the loss, and under "
+    "FSDP2 its reduce-scatter input into the backward: with few tokens per micro-batch that "
+    "outweighs the logits it saves (compare --loss-chunks 1)")
 
 
 def _assumptions(par: ParallelConfig, wl: Workload, schedule: Schedule,

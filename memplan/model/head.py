@@ -4,6 +4,12 @@ all tokens at once or in checkpointed chunks of the tokens.
 What it saves: the final norm's terms, the log-softmax output of the vocab-parallel loss and
 the targets. A chunked loss saves no log-softmax output: each chunk's checkpoint keeps only
 its input (a view of the final norm's output) and recomputes the rest in its backward.
+
+A chunked loss whose chunks run their backward inside the loss call (``ChunkBackward.IN_LOSS``,
+torchtitan 0.3's ``ChunkedLossWrapper.__call__`` in components/loss.py) saves the input
+gradient it summed over the chunks instead (``accumulated_grad``, cast to the final norm's
+output dtype: the output's bytes); the head's weight gradient exists when the loss returns, and
+the model's backward starts at the final norm (``memplan.model.loss_in_call``).
 """
 
 from __future__ import annotations
@@ -20,10 +26,10 @@ from memplan.model.norm import norm_terms
 from memplan.parallel import vocab_shard
 from memplan.spec import ModelSpec, norm_params
 from memplan.units import ceil_div
-from memplan.workload import LogitsHeld, LossImpl, Recompute, Workload
+from memplan.workload import ChunkBackward, LogitsHeld, LossImpl, Recompute, Workload
 
 
-def _logit_bytes(wl: Workload, dm: Dims) -> int:
+def logit_bytes(wl: Workload, dm: Dims) -> int:
     """The loss's dtype: fp32 with upcast logits, and under autocast always (log_softmax takes
     ``dtype=float32`` there: AT_FORALL_FP32_SET_OPT_DTYPE in ``aten/src/ATen/autocast_mode.h``)."""
     return FP32_BYTES if wl.logits_fp32 or dm.autocast else dm.e
@@ -35,14 +41,24 @@ def head_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
     loss = [] if wl.loss_chunks > 1 else [
         Term("loss.softmax" if _megatron_loss(wl) else "loss.log_softmax",
              dm.tokens * dm.vocab_shard * (FP32_BYTES if _megatron_loss(wl)
-                                           else _logit_bytes(wl, dm)))]
+                                           else logit_bytes(wl, dm)))]
     if _megatron_loss(wl):  # it also saves the target mask and the shard's target indices
         loss.append(Term("loss.target_mask", dm.tokens * (MASK_BYTES + INDEX_BYTES)))
     # a chunked loss's checkpoints do not keep the head weight's cast (autocast's cache holds
     # it to the forward's end: ``forward_extra_bytes``)
-    casts = [] if wl.loss_chunks > 1 else weight_casts("head", _head_weight(spec, dm), dm)
-    return [*norm_terms("final_norm", spec, wl, dm), *casts, *softcap_terms(spec, wl, dm),
-            *loss, *batch_terms(wl, dm)]
+    casts = [] if wl.loss_chunks > 1 else weight_casts("head", head_weight(spec, dm), dm)
+    final_norm = norm_terms("final_norm", spec, wl, dm)
+    if in_loss(wl):
+        # the final norm's output is freed with the loop's `pred`; _DecoderOutputGradient
+        # BackProp saves the summed input gradient, ``.to(hidden_states.dtype)``: its bytes
+        final_norm = [Term("loss.input_grad", t.size_bytes) if t.name == "final_norm.output"
+                      else t for t in final_norm]
+    return [*final_norm, *casts, *softcap_terms(spec, wl, dm), *loss, *batch_terms(wl, dm)]
+
+
+def in_loss(wl: Workload) -> bool:
+    """A chunked loss that runs each chunk's backward inside the loss call."""
+    return wl.loss_chunks > 1 and wl.loss_chunk_backward is ChunkBackward.IN_LOSS
 
 
 def softcap_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
@@ -55,7 +71,7 @@ def softcap_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
     return [Term("loss.softcap_tanh", dm.tokens * dm.vocab_shard * dm.e)]
 
 
-def _head_weight(spec: ModelSpec, dm: Dims) -> int:
+def head_weight(spec: ModelSpec, dm: Dims) -> int:
     return dm.vocab_shard * spec.hidden_size
 
 
@@ -84,7 +100,7 @@ def batch_terms(wl: Workload, dm: Dims) -> list[Term]:
     chunked loss saves no total weight (its chunks are checkpointed): the loss alone."""
     count = 1 if wl.loss_chunks > 1 else 2
     return [Term("loss.targets", dm.tokens * INDEX_BYTES),
-            Term("loss.scalars", count * _logit_bytes(wl, dm))]
+            Term("loss.scalars", count * logit_bytes(wl, dm))]
 
 
 def forward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
@@ -94,6 +110,8 @@ def forward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     until the loss returns, next to the log-softmax output. A chunked loss holds the logits
     and the log-softmax output of one chunk, both freed when the chunk returns its sum.
     """
+    # a loss that runs its backward in the call is memplan.model.loss_in_call's
+    assert not in_loss(wl), "loss_in_call.forward_extra_bytes counts an in-loss chunked loss"
     # under autocast the head saves a cast of the final norm's fp32 output, which the model
     # still holds (its last hidden state; all-gathered under DTensor sequence parallelism)
     # while the loss runs
@@ -104,7 +122,7 @@ def forward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     # (a loop that computes the loss outside the model, litgpt's, holds no hidden state: the
     # model's forward returned the logits alone)
     if dm.autocast and wl.logits_held is not LogitsHeld.STEP:
-        held = (_head_weight(spec, dm) * dm.e if wl.loss_chunks > 1
+        held = (head_weight(spec, dm) * dm.e if wl.loss_chunks > 1
                 else dm.linear_rows * spec.hidden_size * dm.stream_e)
     if (wl.logits_held is LogitsHeld.LOSS and wl.loss_chunks == 1
             and (wl.logits_fp32 or dm.autocast) and dm.e < FP32_BYTES):
@@ -114,7 +132,7 @@ def forward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     if _titan_parallel_loss(spec, wl, dm):
         # _LossParallelCrossEntropy.forward: ``shifted = logits_2d - local_max`` lives beside
         # the fp32 logits and the log-probabilities it makes
-        held += dm.tokens * dm.vocab_shard * _logit_bytes(wl, dm)
+        held += dm.tokens * dm.vocab_shard * logit_bytes(wl, dm)
     return held + _logits_alive(wl, dm)
 
 
@@ -136,7 +154,7 @@ def step_held_bytes(wl: Workload, dm: Dims) -> int:
     STEP``): the tensor the loss read, fp32 when upcast (Fabric converts the output)."""
     if wl.logits_held is not LogitsHeld.STEP:
         return 0
-    return dm.tokens * dm.vocab_shard * _logit_bytes(wl, dm)
+    return dm.tokens * dm.vocab_shard * logit_bytes(wl, dm)
 
 
 def upcast_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
@@ -147,17 +165,17 @@ def upcast_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     litgpt bf16-true and bf16-mixed)."""
     if wl.logits_held is not LogitsHeld.STEP or wl.loss_chunks > 1:
         return 0
-    lb = _logit_bytes(wl, dm)
-    casts = weight_casts("head", _head_weight(spec, dm), dm)
+    lb = logit_bytes(wl, dm)
+    casts = weight_casts("head", head_weight(spec, dm), dm)
     return (total(norm_terms("final_norm", spec, wl, dm) + casts)
             + dm.tokens * dm.vocab_shard * (dm.e + lb if dm.e < lb else lb))
 
 
 def _logits_alive(wl: Workload, dm: Dims) -> int:
     if wl.loss_chunks > 1:
-        return (2 * loss_chunk_tokens(wl, dm)[0] * dm.vocab_shard * _logit_bytes(wl, dm)
+        return (2 * loss_chunk_tokens(wl, dm)[0] * dm.vocab_shard * logit_bytes(wl, dm)
                 + _autocast_logits(wl, loss_chunk_tokens(wl, dm)[0], dm))
-    return dm.tokens * dm.vocab_shard * _logit_bytes(wl, dm) + _autocast_logits(wl, dm.tokens, dm)
+    return dm.tokens * dm.vocab_shard * logit_bytes(wl, dm) + _autocast_logits(wl, dm.tokens, dm)
 
 
 def _autocast_logits(wl: Workload, tokens: int, dm: Dims) -> int:
@@ -184,6 +202,8 @@ def linear_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims, vocab_grad_by
     the last chunk's weight gradient made, with its logits' gradient not yet freed and all
     input gradients beside it, or the three-way sum of the chunk run before it, beside the
     input gradients made so far (traced: tests/traced/test_ground_truth.py, ``loss_chunks``)."""
+    if in_loss(wl):  # run inside the loss call (``memplan.model.loss_in_call``)
+        return 0
     chunk, chunks = loss_chunk_tokens(wl, dm)
     grad_logits = chunk * dm.vocab_shard * dm.e
     if wl.loss_chunks == 1:
@@ -212,13 +232,15 @@ def loss_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims, vocab_grad_byte
     after: nothing saves them), then holds it with those two gradients. Its last chunk run is
     the worst: the other chunks' input gradients and their summed weight gradient
     (``vocab_grad_bytes``) wait beside it (``linear_backward_bytes``)."""
+    if in_loss(wl):  # the saved input gradient is handed on: nothing new
+        return 0
     chunk, chunks = loss_chunk_tokens(wl, dm)
     if _megatron_loss(wl):
         # the gradient is the softmax buffer updated in place; its cast to the compute dtype
         # is made while that fp32 buffer still exists
         return dm.tokens * dm.vocab_shard * dm.e
     if wl.loss_chunks == 1:
-        logits = dm.tokens * dm.vocab_shard * _logit_bytes(wl, dm)
+        logits = dm.tokens * dm.vocab_shard * logit_bytes(wl, dm)
         if 0 < wl.loss_split < dm.tokens:
             # split without checkpointing: each piece's backward frees its saved log-softmax
             # output, then the split's backward concatenates the pieces' gradients into a
@@ -229,7 +251,7 @@ def loss_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims, vocab_grad_byte
             # their sum (then the product, with the sum and the zeros still alive)
             return 3 * logits
         return 2 * logits
-    logits = chunk * dm.vocab_shard * _logit_bytes(wl, dm)
+    logits = chunk * dm.vocab_shard * logit_bytes(wl, dm)
     grad_input = _chunk_input_grads(spec, dm)
     others = grad_input - grad_input * chunk // dm.tokens
     return (3 * logits + (others + vocab_grad_bytes if chunks > 1 else 0)
@@ -243,7 +265,7 @@ def _rerun_casts(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     of the forward, whose cached cast every chunk read."""
     if not dm.autocast or wl.loss_chunks == 1:
         return 0
-    return (_head_weight(spec, dm) + loss_chunk_tokens(wl, dm)[0] * spec.hidden_size) * dm.e
+    return (head_weight(spec, dm) + loss_chunk_tokens(wl, dm)[0] * spec.hidden_size) * dm.e
 
 
 def _chunk_input_grads(spec: ModelSpec, dm: Dims) -> int:
@@ -277,6 +299,10 @@ class HeadBlock(NamedTuple):
     deferred: int = 0  # the input and logits' gradient kept for a deferred weight gradient
     #                    from the head's backward to the step's end (``memplan.model.
     #                    deferred_wgrad``)
+    loss_made: int = 0  # of ``grads``, those made inside the loss call (``in_loss``)
+    loss_held: int = 0  # what the loss call's reduce leaves held (the data-parallel
+    #                     mechanism's reduce-scatter input) until the final norm's unit
+    #                     reduces after its backward
 
     # --- the ``Block`` interface (``memplan.model.block``): what the fields above are made
     # from, per micro-batch on one rank of the last stage, in bytes (``t``: the ranks that
@@ -313,7 +339,7 @@ class HeadBlock(NamedTuple):
         the compute dtype), the final norm (what it still saves, ``final_backward_bytes``).
         The head's weight gradient is counted as made in the compute dtype, as the stage's
         terms count it (``stage_terms``); a tied head's is the embedding's group."""
-        fresh = _head_weight(spec, dm)  # elements of the weight whose gradient is made
+        fresh = head_weight(spec, dm)  # elements of the weight whose gradient is made
         grad = fresh * dm.e
         final_norm, norm_at_backward = norm.final_saved_bytes(spec, wl, dm)
         return [BackwardMoment("loss", total(self.saved(spec, wl, dm, recompute)),
@@ -364,16 +390,21 @@ class HeadBlock(NamedTuple):
         ones)."""
         if not any(self):  # no head on this stage: only what is gathered at its loss
             return (Event("loss.backward", 0, at),)
-        events = (Event("loss.backward", -self.saved_bytes, at_loss + self.loss),
+        # gradients the loss call made (new ones held from it on) and what its reduce holds
+        made = self.loss_made if growing else 0
+        events = (Event("loss.made", made + self.loss_held, None),
+                  Event("loss.backward", -self.saved_bytes, at_loss + self.loss),
                   Event("head.backward", 0, at + self.final_norm_all + self.linear),
                   # a deferred weight gradient's input and logits' gradient stay
                   *((Event("head.deferred_wgrad", self.deferred, None),) if self.deferred
                     else ()),
                   # the head's weight gradient exists; a tied head's waits for the embedding's
-                  Event("head.main_grads", (self.grads if growing else 0) + self.tied_grad,
-                        at + self.main_grads))
+                  Event("head.main_grads", (self.grads if growing else 0) - made
+                        + self.tied_grad, at + self.main_grads))
+        released = (Event("loss.released", -self.loss_held, None),) if self.loss_held else ()
         if not self.final_norm_bwd:
-            return events
+            return (*events, *released)
         # the final norm's own gradient comes after the head's
         return (*events, Event("final_norm.backward", 0,
-                               self.final_norm_saved + self.final_norm_bwd + beside + at))
+                               self.final_norm_saved + self.final_norm_bwd + beside + at),
+                *released)

@@ -34,7 +34,7 @@ from memplan.model.stage_terms import StageTerms
 from memplan.model.walk import Walk, backward_peak, forward_peaks
 from memplan.overheads import Overheads
 from memplan.parallel import ParallelConfig, ZeroStage
-from memplan.spec import ModelSpec, param_counts
+from memplan.spec import ModelSpec, norm_params, param_counts
 from memplan.units import PHASES
 from memplan.workload import Workload
 
@@ -340,14 +340,38 @@ def _head_block(spec: ModelSpec, shared: StageTerms, fx: StageStates, head_bytes
     # norm's saved bytes.)
     main = shared.final_norm_bytes + vocab_grad + grads if fx.main_grads else 0
     tied = spec.tied_embeddings and fx.first
+    made, held, loss_fwd = _in_loss_grads(spec, shared, fx, grads)
     return HeadBlock(
         forward_saved=head_bytes - shared.targets_bytes,
         final_norm_forward=shared.final_norm_bytes + shared.final_norm_extra,
-        loss_forward=shared.loss_fwd, upcast=shared.upcast,
+        loss_forward=loss_fwd, upcast=shared.upcast,
         saved_bytes=head_bytes - batch, loss=loss, linear=linear, main_grads=main, grads=grads,
         final_norm_saved=shared.final_norm_bwd_saved, final_norm_bwd=shared.final_norm_bwd,
         final_norm_all=shared.final_norm_bytes,
-        tied_grad=_embedding_vocab_grad(shared.dm, fx)[0] if tied else 0)
+        tied_grad=_embedding_vocab_grad(shared.dm, fx)[0] if tied else 0,
+        loss_made=made, loss_held=held)
+
+
+def _in_loss_grads(spec: ModelSpec, shared: StageTerms, fx: StageStates,
+                   grads: int) -> tuple[int, int, int]:
+    """A loss that runs the head's backward itself (``head.in_loss``): (the head projection's
+    gradients it makes, held bytes; what its reduce leaves held; the loss's forward beyond
+    what is saved). With FSDP2 and the head a unit of its own the last chunk reduce-scatters
+    the summed gradient (``ChunkedLossWrapper``: the unit's sync on for it alone): its input
+    (unsharded, reduce dtype) and its output shard beside the chunk, the input held until
+    the unit's next reduce-scatter, after the final norm's backward (traced:
+    tests/traced/test_frameworks.py, torchtitan ``loss_chunks``). Elsewhere the summed
+    gradient is the gradient, made in the loss."""
+    if not shared.loss_reduce:
+        return 0, 0, shared.loss_fwd
+    dp = fx.dp
+    made = grads - int(norm_params(spec) * fx.grad_per_param)  # the final norm's: in backward
+    if dp.per_unit and not dp.separate_units:  # the root's: unsharded until backward's end
+        return 0, 0, shared.loss_fwd
+    if not dp.per_unit:
+        return made, 0, shared.loss_fwd
+    held = dp.unsharded(made)
+    return made, held, max(shared.loss_fwd, shared.loss_reduce + held + made)
 
 
 def _embedding_vocab_grad(dm: Dims, fx: StageStates) -> tuple[int, bool]:

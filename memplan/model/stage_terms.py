@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
-from memplan.model import attention, embedding, head, norm
+from memplan.model import attention, embedding, head, loss_in_call, norm
 from memplan.model.dims import Dims, Term, total
 from memplan.model.layer import LayerKind, grad_group_params, layer_kind, moment_params
 from memplan.model.stage_parts import LayerKey
@@ -32,7 +32,8 @@ class StageTerms(NamedTuple):
     head_bytes: int
     batch_bytes: int  # the batch a training loop holds (ids and targets)
     targets_bytes: int
-    loss_fwd: int  # the loss's forward beyond what is saved (``head.forward_extra_bytes``)
+    loss_fwd: int  # the loss's forward beyond what is saved (``head.forward_extra_bytes``,
+    #                or ``loss_in_call.forward_extra_bytes``)
     step_held: int  # logits a loop holds into the next step (``head.step_held_bytes``)
     upcast: int  # ``head.upcast_bytes``
     mask: int  # the causal (and window) mask alive through the forward when not saved
@@ -42,6 +43,8 @@ class StageTerms(NamedTuple):
     final_norm_bwd: int  # gradients in flight inside the final norm's backward
     head_loss_bwd: int  # the loss's backward beyond what is saved (the rank's vocabulary)
     head_linear_bwd: int  # the head projection's backward
+    loss_reduce: int  # a loss that runs the head's backward itself (``head.in_loss``): its
+    #                   last chunk's moment but the reduce's own bytes; 0 for any other loss
     kinds: dict[LayerKey, LayerKind]  # every layer kind the estimate's stages hold
     moment_params: dict[LayerKey, tuple[int, ...]]  # parameters whose gradients exist at
     #                                                 each backward moment of a kind
@@ -64,7 +67,9 @@ def stage_terms(spec: ModelSpec, wl: Workload, dm: Dims, ep: int | ExpertSplit, 
     return StageTerms(
         dm=dm, rope=rope, embed=embed, head=head_terms, rope_bytes=total(rope),
         embed_bytes=total(embed), head_bytes=total(head_terms), batch_bytes=total(batch),
-        targets_bytes=batch[0].size_bytes, loss_fwd=head.forward_extra_bytes(spec, wl, dm),
+        targets_bytes=batch[0].size_bytes,
+        loss_fwd=(loss_in_call.forward_extra_bytes(spec, wl, dm) if head.in_loss(wl)
+                  else head.forward_extra_bytes(spec, wl, dm)),
         step_held=head.step_held_bytes(wl, dm), upcast=head.upcast_bytes(spec, wl, dm),
         # the causal mask lives through the forward; with recompute it is saved (a term)
         mask=((0 if saved_mask else attention.eager_mask_bytes(wl, dm))
@@ -74,6 +79,7 @@ def stage_terms(spec: ModelSpec, wl: Workload, dm: Dims, ep: int | ExpertSplit, 
         final_norm_bwd=norm.final_backward_bytes(spec, wl, dm),
         head_loss_bwd=head.loss_backward_bytes(spec, wl, dm, vocab_grad),
         head_linear_bwd=head.linear_backward_bytes(spec, wl, dm, vocab_grad),
+        loss_reduce=loss_in_call.last_chunk_bytes(spec, wl, dm, 0) if head.in_loss(wl) else 0,
         kinds=kinds,
         moment_params={key: moment_params(groups_of(spec, dm.tp, ep, key[0]), kind)
                        for key, kind in kinds.items()})

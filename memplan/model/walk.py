@@ -129,7 +129,8 @@ def _backward_moments(w: Walk, grads_prior: int, grads_total: int) -> list[Segme
     """``backward_segments`` after its start."""
     h, emb, dp = w.head, w.embedding, w.sharding
     growing = grads_prior == 0
-    beside, after, held = head_moments(dp, h.grads)
+    # the gradients the loss call made are reduced there: the head's unit reduces the rest
+    beside, after, held = head_moments(dp, h.grads - h.loss_made)
     segments = [Segment((*h.backward_events(dp.at_loss, dp.at_head, beside, growing), *after))]
     made = grads_prior + (h.grads if growing else 0)  # gradients held
     for index, (kind, layer_grads, moment_grads, n) in enumerate(reversed(w.runs)):

@@ -62,7 +62,7 @@ from memplan.spec import ModelSpec
 from memplan.workload import GradSync, Precision, Workload
 
 GATHERED = "gathered"  # FSDP2's unsharded (all-gathered) parameter buffers
-BUCKETS = "buckets"  # DDP's flat gradient buckets
+BUCKETS = "buckets"  # DDP's flat gradient buckets; reduce-scatter inputs FSDP2 holds
 
 
 class ParallelTracker(MemoryTracker):

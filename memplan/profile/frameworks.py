@@ -489,6 +489,7 @@ def build_torchtitan(case: FrameworkCase) -> Built:
             loss = cross_entropy_loss(pred, labels) / (b * s)
         else:  # Trainer._forward_backward_body with the registry's ChunkedLossWrapper
             loss, _ = chunked(pred, labels, torch.tensor(b * s))
+            _relabel_held_reduce(model, state["tracker"])
         del pred
         mark("backward")
         loss.backward()
@@ -511,11 +512,29 @@ def build_torchtitan(case: FrameworkCase) -> Built:
         workload["loss_chunks"] = chunks
     from memplan.profile.distributed import _follow_fsdp_storage
 
+    state: dict[str, Any] = {}
+
+    @contextlib.contextmanager
+    def follow(tracker: MemoryTracker) -> Iterator[None]:
+        state["tracker"] = tracker
+        with _follow_fsdp_storage(tracker):
+            yield
+
     # FSDP2 frees and re-allocates its unsharded buffers with storage resizes no dispatch
     # mode sees; memplan's parallel tracer follows them (category "gathered")
     layout = api.make_layout(case.dp, zero=3)
-    return Built("torchtitan", model, spec, layout, workload, step, opt,
-                 context=_follow_fsdp_storage)
+    return Built("torchtitan", model, spec, layout, workload, step, opt, context=follow)
+
+
+def _relabel_held_reduce(model, tracker: MemoryTracker) -> None:
+    """The reduce-scatter inputs FSDP2 holds until the next unit's reduce-scatter (here the
+    chunked loss's last chunk's): a gradient buffer of the data-parallel mechanism, not an
+    activation the graph saved (memplan: ``HeadBlock.loss_held``). Nothing of them is kept
+    referenced here, so they are freed when FSDP2 drops them."""
+    from memplan.profile.distributed import BUCKETS
+
+    for rs_state in model._get_fsdp_state()._comm_ctx.reduce_scatter_states:
+        tracker.relabel(rs_state.reduce_scatter_input, BUCKETS)
 
 
 def _torchtitan_ac(mode: str):

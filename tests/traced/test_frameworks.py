@@ -70,19 +70,6 @@ MIXTRAL_TOY = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256,
                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                    vocab_size=512)
 TITAN_TOY = dict(dim=256, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=1000)
-# torchtitan's ChunkedLossWrapper (components/loss.py) runs each chunk's head, loss and
-# backward inside the loss call, the head kept gathered (set_reshard_after_backward(False)) and
-# its gradient sync off but at the last chunk; memplan's --loss-chunks checkpoints the chunks
-# and reruns them in backward. Measured at dp 2 (and the same bytes at dp 8): 1,024,000 B =
-# vocabulary x dim x 4 B more alive after the loss than estimated, an fp32 head-sized tensor
-# (the head's gradient in the reduce dtype, by its size); at dp 8 backward is over-estimated
-# by the same bytes (+9.9%).
-TITAN_CHUNKED_LOSS = Known(
-    ("activations_bytes", "first_step.forward_bytes", "steady.forward_bytes"),
-    "torchtitan's ChunkedLossWrapper holds a vocabulary x dim fp32 tensor after the loss that "
-    "memplan's checkpointed --loss-chunks does not (1,024,000 B at dim 256, vocabulary 1000)",
-    {"activations_bytes": (-1_024_000, -16.6199), "first_step.forward_bytes": (-532_500, -4.1733),
-     "steady.forward_bytes": (-532_500, -2.5549)})
 # the newer families (memplan.hf.families), cut from their published configs; the special
 # token ids beyond the cut vocabularies dropped
 NO_IDS = dict(pad_token_id=None)
@@ -283,8 +270,14 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
     (FrameworkCase("torchtitan", "llama3-toy-4l", TITAN_TOY | {"n_layers": 4}, "fsdp-bf16", 2,
                    128, dp=2, options={"ac": "2"}), None),
     # the 0.3 llama3 registry's ChunkedLossWrapper (8 chunks), estimated as --loss-chunks 8
+    # (the preset's loss_chunk_backward in-loss): each chunk's head, loss and backward in the
+    # loss call, the head's summed weight gradient fp32 and whole until the last chunk's
+    # reduce-scatter, whose input FSDP2 holds into the backward (vocabulary x dim x 4 B)
     (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=2,
-                   options={"loss_chunks": 8}), TITAN_CHUNKED_LOSS),
+                   options={"loss_chunks": 8}), None),
+    # 8 ranks: the summed gradient and the reduce-scatter input whole, the output an eighth
+    (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=8,
+                   options={"loss_chunks": 8}), None),
     # one rank: parallelize_llama runs apply_fsdp_to_decoder at shard degree 1 too, where a
     # unit is gathered alone (no flat all-gather output) and its reduce holds three copies
     (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=1), None),

@@ -311,6 +311,30 @@ def test_fsdp_backward_between_the_ends_of_a_run(dp: int, recompute: str) -> Non
         assert abs(row.diff_bytes) <= 896, row
 
 
+# Plain FSDP2 (fully_shard on each block, then on the root, as a user's loop does) with a
+# 32,000-token vocabulary at width 256: the loss's backward (its fp32 logits' gradients) is the
+# backward peak. The reference model computes its loss inside the root's forward, so the root's
+# pre_backward hook (torch 2.13 _fsdp_state.py FSDPState._register_pre_backward_hook, on the
+# forward's outputs) runs before the loss's backward and prefetches the last block there: the
+# root and that block are gathered through it (ShardingBuffers.backward_head_bytes, no
+# head_prefetch). Under torchtitan's units the hook sits on the logits instead and the block
+# comes only after (test_frameworks.py, llama3-toy-v32k). Exact at 2 and 8 ranks; counting
+# one block less would read 1,385,472 B under at 8 ranks (-0.94%).
+LOSS_PEAK = _variant(name="tiny-v32k", hidden_size=256, ffn_hidden_size=688,
+                     num_attention_heads=8, num_kv_heads=2, head_dim=32, vocab_size=32_000,
+                     max_seq_len=1024)
+
+
+@pytest.mark.parametrize("dp", [2, 8])
+def test_fsdp_root_gathers_the_last_block_at_the_loss_backward(dp: int) -> None:
+    wl = make_workload(LOSS_PEAK, seq_len=128, micro_batch_size=2, precision="fsdp-bf16")
+    result = compare(LOSS_PEAK, make_layout(dp, zero=3), wl)
+    _assert_exact_rows(result, ("params_bytes", "grads_bytes", "optimizer_bytes",
+                                "activations_bytes", "first_step.forward_bytes",
+                                "steady.forward_bytes", "first_step.backward_bytes",
+                                "steady.backward_bytes"))
+
+
 # Stacks of one to three blocks beside roots up to twice their size (vocabulary 320 and 4,000,
 # width 256, 32 tokens): the reduce-scatter input a block's backward holds is the previous
 # block's, not the largest unit's (the root); a block's own reduce-scatter, its gradients

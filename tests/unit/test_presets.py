@@ -14,7 +14,7 @@ from memplan.errors import MemplanError
 from memplan.overheads import no_overheads
 from memplan.parallel import ParallelConfig
 from memplan.spec import load_model
-from memplan.workload import Framework, LogitsHeld, NormImpl, OptimizerImpl, Workload
+from memplan.workload import Framework, GradSync, LogitsHeld, NormImpl, OptimizerImpl, Workload
 
 # tiny: V 128, h 64; at b 2, s 128: T = 256 tokens
 T, V = 256, 128
@@ -308,3 +308,63 @@ def test_torchtitan_vocab_parallel_loss_holds_one_more_logits_tensor() -> None:
     one = memplan.estimate("llama-3-8b", **kw).stages[0]
     same = memplan.estimate("llama-3-8b", loss_impl="generic", **kw).stages[0]
     assert one.first_step == same.first_step
+
+
+def test_hf_accumulates_without_sync_but_under_deepspeed() -> None:
+    """hf's Trainer syncs only a step's last micro-batch under DDP and FSDP2 (grad_sync last,
+    the preset's), and every one under DeepSpeed: there ZeRO-2, which refuses "last" from
+    other loops, is accepted and holds what "every" holds (only FSDP2 units change)."""
+    fsdp = memplan.estimate("tiny", gpus=2, zero=3, seq_len=128, micro_batch_size=2,
+                            global_batch_size=8, framework="hf", overheads=no_overheads())
+    assert fsdp.workload.grad_sync is GradSync.LAST
+    assert any(line.startswith("hf: grad_sync = last (trainer.py")
+               for line in fsdp.assumptions)
+    ds = dict(gpus=2, zero=2, seq_len=128, micro_batch_size=2, global_batch_size=8,
+              overheads=no_overheads())
+    hf = memplan.estimate("tiny", framework="hf", **ds)
+    assert hf.workload.grad_sync is GradSync.LAST
+    every = memplan.estimate("tiny", framework="hf", grad_sync="every", **ds)
+    assert hf.peak_bytes == every.peak_bytes
+    with pytest.raises(MemplanError, match="grad_sync last with zero 2"):
+        memplan.estimate("tiny", grad_sync="last", **ds)
+
+
+def test_torchtitan_chunked_loss_runs_its_backward_in_the_loss_by_hand() -> None:
+    """torchtitan's ChunkedLossWrapper (the preset's loss_chunk_backward in-loss), tiny (V 128,
+    h 64) at b 2, s 128 (T 256), fsdp-bf16, 8 chunks of c = 32 tokens on 2 ranks.
+
+    Held through the loss call: the chunks' copies of the final norm's output T*h*2 = 32,768
+    and of the targets T*8 = 2,048 (b > 1), the fp32 input-gradient sum T*h*4 = 65,536, the
+    fp32 total 4: 100,356. The head's summed weight gradient, fp32 and whole: V*h*4 = 32,768.
+    A later chunk's loss backward: that sum, the bf16 logits c*V*2 = 8,192 and three fp32
+    logits-sized tensors 3*c*V*4 = 49,152 (90,112); its projection's backward: the sum, the
+    logits and their gradient 2*8,192, the new bf16 weight gradient V*h*2 = 16,384, the
+    chunk's input gradient c*h*2 = 4,096 (69,632). So the loss's forward holds 100,356 +
+    90,112 = 190,468 beyond what is saved. The last chunk's reduce: 100,356 + 32,768 + the
+    logits 8,192 + the input gradient 4,096 = 145,412 beside the reduce's own bytes; its
+    reduce-scatter input (V*h*4 = 32,768 whole) stays held into the backward. The loss's and
+    the projection's backward add nothing, and what is saved has the same bytes as with the
+    rerun chunks (the summed input gradient in place of the final norm's output)."""
+    from memplan.model import head, loss_in_call
+    from memplan.model.dims import Dims
+
+    spec, par, wl = memplan.api.resolve("tiny", gpus=2, zero=3, framework="torchtitan",
+                                        loss_chunks=8, seq_len=128, micro_batch_size=2,
+                                        precision="fsdp-bf16")
+    assert head.in_loss(wl)
+    dm = Dims.of(spec, par, wl)
+    assert loss_in_call.held_bytes(spec, wl, dm) == 100_356
+    assert loss_in_call.forward_extra_bytes(spec, wl, dm) == 190_468
+    assert loss_in_call.last_chunk_bytes(spec, wl, dm, 0) == 145_412
+    assert head.loss_backward_bytes(spec, wl, dm, V * 64 * 2) == 0
+    assert head.linear_backward_bytes(spec, wl, dm, V * 64 * 2) == 0
+    rerun = wl.model_copy(update={"loss_chunk_backward": "rerun"})
+    saved = {t.name: t.size_bytes for t in head.head_terms(spec, wl, dm)}
+    assert saved["loss.input_grad"] == T * 64 * 2
+    assert sum(saved.values()) == sum(t.size_bytes for t in head.head_terms(spec, rerun, dm))
+    est = memplan.estimate("tiny", gpus=2, zero=3, seq_len=128, micro_batch_size=2,
+                           loss_chunks=8, framework="torchtitan", overheads=no_overheads())
+    assert est.workload.loss_chunk_backward.value == "in-loss"
+    from memplan.model.estimate import IN_LOSS_CAVEAT, LOSS_CHUNKS_CAVEAT
+
+    assert IN_LOSS_CAVEAT in est.caveats and LOSS_CHUNKS_CAVEAT not in est.caveats

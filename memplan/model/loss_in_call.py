@@ -1,0 +1,66 @@
+"""A chunked loss that runs each chunk's backward inside the loss call (``head.in_loss``,
+``ChunkBackward.IN_LOSS``): what torchtitan 0.3's ``ChunkedLossWrapper.__call__``
+(components/loss.py) holds on one rank of the last stage, in bytes.
+
+The model returns the final norm's output; the wrapper splits it and the targets along the
+sequence, and for each chunk runs ``lm_head``, the loss and its backward at once: the chunk's
+input gradient is added into one fp32 buffer, the head's weight gradient summed over the chunks
+whole (the head's unit keeps its sync off until the last chunk), the last chunk's reduce-scatter
+sharding it. The buffer, cast to the output's dtype, is saved for the model's backward
+(``head.head_terms``: ``loss.input_grad``), which starts at the final norm.
+"""
+
+from __future__ import annotations
+
+from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims
+from memplan.model.head import head_weight, logit_bytes, loss_chunk_tokens
+from memplan.spec import ModelSpec
+from memplan.workload import Workload
+
+
+def forward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    """The loss call's most beyond what is saved, but for its last chunk (``last_chunk_bytes``):
+    what it holds throughout and the larger of a later chunk's two moments."""
+    return held_bytes(spec, wl, dm) + max(_chunk_moments(spec, wl, dm))
+
+
+def held_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    """What ``ChunkedLossWrapper.__call__`` holds through its chunks beyond what is saved: the
+    chunks of the final norm's output and of the targets, ``contiguous()`` copies where the
+    micro-batch has more than one sequence (a split along the sequence of one is a view), the
+    input gradients' fp32 sum (``GradAccumulator``, ``dtype=torch.float32``), the loss's
+    fp32 running total. (The final norm's output itself is the saved term it replaces.)"""
+    copies = (dm.linear_rows * spec.hidden_size * dm.stream_e + dm.tokens * INDEX_BYTES
+              if dm.b > 1 else 0)
+    return copies + dm.linear_rows * spec.hidden_size * FP32_BYTES + FP32_BYTES
+
+
+def accumulator_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    """The head's weight gradient summed over the chunks, whole (the data-parallel sync is
+    off until the last chunk: FSDP2 keeps it unsharded, ``FSDPParam.
+    to_accumulated_grad_if_needed``), in the gradients' (reduce) dtype."""
+    return head_weight(spec, dm) * wl.precision.policy.grad_bytes
+
+
+def _chunk_moments(spec: ModelSpec, wl: Workload, dm: Dims) -> tuple[int, int]:
+    """A chunk's two moments beside the summed weight gradient (a later chunk's): its loss's
+    backward (its compute-dtype logits, the log-softmax output, its gradient and the one it
+    makes, logits-sized in the loss's dtype); its projection's backward (the logits and their
+    gradient, the new weight gradient in the compute dtype, the chunk's input gradient)."""
+    chunk = loss_chunk_tokens(wl, dm)[0]
+    logits = chunk * dm.vocab_shard
+    acc = accumulator_bytes(spec, wl, dm)
+    loss = acc + logits * dm.e + 3 * logits * logit_bytes(wl, dm)
+    linear = (acc + 2 * logits * dm.e + head_weight(spec, dm) * dm.e
+              + chunk * spec.hidden_size * dm.stream_e)
+    return loss, linear
+
+
+def last_chunk_bytes(spec: ModelSpec, wl: Workload, dm: Dims, reduce_bytes: int) -> int:
+    """The last chunk's moment where the sync is on again (``set_requires_gradient_sync(True,
+    recurse=False)``): beyond what is saved, the loss call's holdings (``held_bytes``), the
+    summed weight gradient copied into ``reduce_bytes`` (the data-parallel mechanism's
+    reduce-scatter input and output shard), the chunk's logits and its input gradient."""
+    chunk = loss_chunk_tokens(wl, dm)[0]
+    return (held_bytes(spec, wl, dm) + accumulator_bytes(spec, wl, dm) + reduce_bytes
+            + chunk * (dm.vocab_shard * dm.e + spec.hidden_size * dm.stream_e))
