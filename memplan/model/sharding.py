@@ -17,7 +17,10 @@ blocks' own moments. Three mechanisms share the vocabulary:
   (embedding, final norm, head) reduce-scattered at the end, or, with separate units
   (torchtitan), the head's and the embedding's units after their own backward; gathered
   weights beside every block (the block and the one its backward prefetches); under pipeline
-  parallelism (kept gathered) every unit gathered throughout, gradients as plain accumulators.
+  parallelism (kept gathered) every unit gathered throughout, gradients as plain accumulators;
+- units as buckets (``queued_whole``): as the reduce buffer, the gradients made so far
+  unsharded up to the queue's capacity, whole beside the persistent shard, and a window of
+  gathered units beside each block (``memplan.model.fsdp_buckets``).
 
 Gradient bytes come in as this rank's held (sharded) bytes; ``unsharded_ratio`` (unsharded /
 held) turns them into the unsharded bytes the mechanism holds (truncated to whole bytes, as the
@@ -61,6 +64,7 @@ class DataParallel(NamedTuple):
     block_start: int = 0  # ... at a block's start (its gather, before it computes), beside
     #                       the residual stream it is about to read; 0: not modelled
     first_block_start: int = 0  # ... at the stage's first block's start
+    queued_whole: bool = False  # the waiting gradients are whole buckets beside the shard
 
     def unsharded(self, held: int) -> int:
         """Unsharded bytes, in the reduce dtype, of ``held`` gradient bytes."""
@@ -71,11 +75,12 @@ class DataParallel(NamedTuple):
         return int(unsharded / self.unsharded_ratio)
 
     def buffer(self, made: int) -> int:
-        """Beyond the shard, the gradients made so far waiting unsharded (at most the cap)."""
+        """Beyond the shard, the gradients made so far waiting unsharded (at most the cap);
+        whole buckets (``queued_whole``) are all beyond it."""
         if not self.grad_cap:  # gradients replicated: nothing waits
             return 0
         waiting = min(self.grad_cap, int(made * self.unsharded_ratio))
-        if self.unsharded_ratio > 1:
+        if self.unsharded_ratio > 1 and not self.queued_whole:
             return waiting - self.shard_of(waiting)
         return waiting
 
@@ -130,7 +135,8 @@ def data_parallel(shard: ShardingBuffers, params: int, grads_bytes: int,
         unsharded_ratio=params * policy.grad_bytes / max(grads_bytes, 1),
         # FSDP2 frees a unit's reduce-scatter input only when the next unit's reduce-scatter
         # waits on it (traced, tests/traced/test_ground_truth.py FSDP_GRID)
-        per_unit=bool(shard.gathered_bytes),
+        per_unit=bool(shard.gathered_bytes) and not shard.queued_whole,
+        queued_whole=shard.queued_whole,
         unsharded_dtype=policy.unsharded.itemsize / policy.grad_bytes,
         # in backward FSDP2 holds the root and the block being computed (traced); with
         # torchtitan's units, the head's unit until its backward, one block, the embedding's
