@@ -221,6 +221,9 @@ class ShardingBuffers(NamedTuple):
     queued_whole: bool = False  # gradients wait in whole unsharded buckets beside the
     #                             persistent shard (``grad_bytes`` the most alive at once),
     #                             which exists from the start (``FsdpUnits.BUCKETS``)
+    window_units: int = 0  # units of ``gathered_bytes`` gathered at once in forward, fewer
+    #                        over the stage's last blocks (0: not modelled)
+    window_unit: int = 0  # ... the bytes of one
 
     @property
     def peak_bytes(self) -> int:
@@ -339,8 +342,8 @@ def _separate_units(params: StageParams, one_rank: bool, layer: int, blocks: int
 def _bucketed_units(params: StageParams, par: ParallelConfig, wl: Workload) -> ShardingBuffers:
     """FSDP units as buckets (``FsdpUnits.BUCKETS``, ``memplan.model.fsdp_buckets``) on one
     rank, in bytes. Weights sharded (ZeRO-3): a window of units (``gathered_units``) gathered
-    in the weights' dtype beside a block in forward and in backward, one at the stage's first
-    block's backward; the other weights (embedding, final norm, head) gathered from their
+    in the weights' dtype beside a block in forward (fewer over the stage's last blocks) and
+    in backward, one at the stage's first block's backward; the other weights (embedding, final norm, head) gathered from their
     forward to the end of backward. Gradients: the unsharded buckets of ``queued_units``
     units and the other weights' unsharded gradients, in the gradient dtype, whole beside the
     persistent shard. At shard degree 1 nothing is temporary: the buffers are the weights and
@@ -352,8 +355,10 @@ def _bucketed_units(params: StageParams, par: ParallelConfig, wl: Workload) -> S
     if par.zero < ZeroStage.PARAMETERS:  # weights whole: only the gradient buckets
         return ShardingBuffers(0, 0, grads, queued_whole=True)
     e = wl.precision.policy.param_bytes  # the gathered bucket is in the weights' dtype
-    window = (root + gathered_units(params.layers) * layer) * e
+    units = gathered_units(params.layers)
+    window = (root + units * layer) * e
     return ShardingBuffers(window, root * e, grads, backward_head_bytes=root * e,
                            backward_block_bytes=window,
                            backward_last_block_bytes=(root + layer) * e,
-                           backward_end_bytes=root * e, queued_whole=True)
+                           backward_end_bytes=root * e, queued_whole=True,
+                           window_units=units, window_unit=layer * e)

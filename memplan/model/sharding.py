@@ -65,6 +65,9 @@ class DataParallel(NamedTuple):
     #                       the residual stream it is about to read; 0: not modelled
     first_block_start: int = 0  # ... at the stage's first block's start
     queued_whole: bool = False  # the waiting gradients are whole buckets beside the shard
+    window_units: int = 0  # units gathered at once in forward, fewer over the stage's last
+    #                        blocks (nothing after them to prefetch); 0: not modelled
+    window_unit: int = 0  # ... the gathered bytes of one of them
 
     def unsharded(self, held: int) -> int:
         """Unsharded bytes, in the reduce dtype, of ``held`` gradient bytes."""
@@ -146,7 +149,8 @@ def data_parallel(shard: ShardingBuffers, params: int, grads_bytes: int,
         separate_units=shard.separate_units, reduce_copies=shard.reduce_copies,
         in_block_forward=shard.gathered_bytes, at_loss_forward=shard.gathered_at_loss_bytes,
         block_start=shard.forward_start_bytes,
-        first_block_start=shard.forward_first_start_bytes)
+        first_block_start=shard.forward_first_start_bytes,
+        window_units=shard.window_units, window_unit=shard.window_unit)
 
 
 def with_stream(dp: DataParallel, stream: int) -> DataParallel:
@@ -161,10 +165,14 @@ def with_stream(dp: DataParallel, stream: int) -> DataParallel:
                        else 0)
 
 
-def forward_positions(dp: DataParallel, n: int, stage_first: bool) -> list[Position]:
+def forward_positions(dp: DataParallel, n: int, stage_first: bool,
+                      stage_last: bool = False) -> list[Position]:
     """A run of ``n`` identical blocks in forward: the weights gathered beside each block's
     compute and, where modelled, its gather at its start (the stage's first block's beside
-    the root's or the embedding's all-gather output, not a block's)."""
+    the root's or the embedding's all-gather output, not a block's); a window of units
+    shrinks over the stage's last blocks (``stage_last``: the run ends the stage)."""
+    if dp.window_unit and stage_last:
+        return _shrinking(dp, n)
     if not dp.block_start:
         return [Position(n, None, dp.in_block_forward, None)]
     start = Event("unit.gather", 0, dp.block_start)
@@ -173,6 +181,29 @@ def forward_positions(dp: DataParallel, n: int, stage_first: bool) -> list[Posit
     return [Position(1, Event("unit.gather", 0, dp.first_block_start), dp.in_block_forward,
                      None),
             Position(n - 1, start, dp.in_block_forward, None)]
+
+
+def _shrinking(dp: DataParallel, n: int) -> list[Position]:
+    """The stage's last run of ``n`` blocks in forward with a window of ``window_units``:
+    the i-th block (from 0) holds min(window, n - i) units. Where it shrinks, a block's bytes
+    change by the same amount at each block (its saved activations up, a unit down), so its
+    largest is at one of its ends: the blocks between them are given one unit, never above
+    the ends."""
+    full = dp.in_block_forward
+
+    def at(units: int) -> int:
+        return full - (dp.window_units - units) * dp.window_unit
+
+    whole = max(0, n - dp.window_units + 1)  # blocks with the whole window
+    rest = n - whole  # then rest, rest - 1, ..., 1 units
+    positions = [Position(whole, None, full, None)] if whole else []
+    if rest >= 2:
+        positions.append(Position(1, None, at(rest), None))
+    if rest >= 3:
+        positions.append(Position(rest - 2, None, at(1), None))
+    if rest >= 1:
+        positions.append(Position(1, None, at(1), None))
+    return positions
 
 
 class Position(NamedTuple):

@@ -121,3 +121,18 @@ def test_one_rank_has_no_temporary_bucket() -> None:
     _, states, shard, dp = _stage(3, gpus=1)
     assert states.params_bytes == N * 2
     assert (shard.gathered_bytes, shard.grad_bytes, dp.in_block) == (0, 0, 0)
+
+
+def test_the_forward_window_shrinks_over_the_stages_last_blocks() -> None:
+    """In forward the i-th of the 4 blocks holds min(4, 4 - i) units beside the root:
+    402,560 B at the first block, then 3, 2 and 1 units: the second block (16,448 + 3 *
+    46,208) * 2 = 310,144 B and the last (16,448 + 46,208) * 2 = 125,312 B; the third (2
+    units) is given one unit, its bytes between its neighbours' (a run's moments change
+    by the same amount per block). A stage's earlier run keeps the whole window."""
+    from memplan.model.sharding import forward_positions
+    _, _, _, dp = _stage(3)
+    last = forward_positions(dp, 4, True, True)
+    assert [(p.repeat, p.beside) for p in last] == [(1, 402_560), (1, 310_144), (1, 125_312),
+                                                    (1, 125_312)]
+    assert [(p.repeat, p.beside) for p in forward_positions(dp, 4, True, False)] == [
+        (4, 402_560)]
