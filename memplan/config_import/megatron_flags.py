@@ -124,6 +124,8 @@ def _bucket_dtypes(r: _Reader) -> str | None:
                        "of its own, which is not modelled")
     if grads == "fp16":
         raise r.refuse("--megatron-fsdp-main-grads-dtype", "fp16 is not modelled")
+    r.imp.notes.append(f"--megatron-fsdp-main-grads-dtype = {grads or 'auto'}: main gradient "
+                       f"shards and gradient buckets in {grads or 'the weights dtype'}")
     return grads
 
 
