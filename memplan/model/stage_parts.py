@@ -164,5 +164,10 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
                                      or shard.queued_whole),
         buffers=buffers,
         dp=data_parallel(shard, params.total, st.grads_bytes, wl.precision.policy),
-        optimizer_phase=peak_of([optimizer_step(st, opt_temp, buckets, buffers)]),
+        # units as buckets: the weights outside the units stay gathered across steps
+        # (Megatron-FSDP AllGatherPipeline.reset(preserve_non_fsdp_units=True) in
+        # synchronize_param_gather), so they are alive at the step
+        optimizer_phase=peak_of([optimizer_step(
+            st, opt_temp, buckets + (shard.gathered_at_loss_bytes if shard.queued_whole
+                                     else 0), buffers)]),
     )

@@ -136,3 +136,17 @@ def test_the_forward_window_shrinks_over_the_stages_last_blocks() -> None:
                                                     (1, 125_312)]
     assert [(p.repeat, p.beside) for p in forward_positions(dp, 4, True, False)] == [
         (4, 402_560)]
+
+
+def test_the_weights_outside_the_units_stay_gathered_at_the_optimizer_step() -> None:
+    """Megatron-FSDP keeps the buckets outside the units (embedding, final norm, head)
+    gathered across steps (AllGatherPipeline.reset(preserve_non_fsdp_units=True)): at the
+    optimizer step, beside the states (weights 134,188 B, main gradients 268,376 B, main
+    weights and Adam 805,284 B), the root's bf16 weights 32,896 B; fused Adam's step
+    temporaries are none (memplan.model.optimizer): 1,240,744 B."""
+    spec = memplan.spec.load_model("tiny").model_copy(update={"num_layers": 4})
+    est = memplan.estimate(spec, gpus=3, zero=3, framework="megatron", fsdp_units="buckets",
+                           precision="bf16-fp32-grads", seq_len=64)
+    stage = est.stages[0]
+    assert stage.optimizer_temp_bytes == 0
+    assert stage.steady.optimizer == 134_188 + 268_376 + 805_284 + 32_896
