@@ -3,7 +3,9 @@ a queue with a capacity in elements (``FsdpUnits.BUCKETS``): how many units' wei
 gathered at once and how many units' unsharded gradient buckets are alive at once, on one rank.
 
 Found in Megatron-FSDP (Megatron-LM 93ebf8d, megatron/core/distributed/fsdp/src/megatron_fsdp/;
-megatron-core 0.16.1 the same):
+megatron-core 0.16.1 the same). Its units are the transformer layers (mcore_fsdp_adapter.py
+FullyShardedDataParallel.__init__: fsdp_unit_modules = [TransformerLayer,
+MoETransformerLayer, MambaLayer] for every strategy but no_shard):
 
 - ``megatron_fsdp.py MegatronFSDP._init_fsdp_param_and_grad_buffer``: without
   ``--suggested-communication-unit-size`` the unit size is twice the mean elements of a
