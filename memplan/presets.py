@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 from memplan.errors import LayoutError
 from memplan.spec import ModelSpec, NormKind
-from memplan.workload import Framework, LogitsHeld, Recompute, Workload
+from memplan.workload import Framework, FsdpUnits, LogitsHeld, Recompute, Workload
 
 
 class Default(NamedTuple):
@@ -280,10 +280,12 @@ REFUSALS: dict[Framework, tuple[Refusal, ...]] = {
     Framework.TORCHTITAN: (),
     Framework.LIGHTNING: (),
     Framework.MEGATRON: (
-        Refusal(lambda par, wl: par is not None and int(par.zero) >= 2, "--zero 2 or 3",
+        Refusal(lambda par, wl: par is not None and int(par.zero) >= 2
+                and wl.fsdp_units is not FsdpUnits.BUCKETS, "--zero 2 or 3",
                 "Megatron-LM's distributed optimizer (--use-distributed-optimizer) shards the "
                 "optimizer states and keeps whole gradient buffers (--zero 1); its FSDP "
-                "(--use-megatron-fsdp) is not modelled"),
+                "(--use-megatron-fsdp, read by --megatron-args) shards gradients (2) or also "
+                "weights (3) as units of buckets"),
     ),
     Framework.GENERIC: (),
 }

@@ -258,10 +258,18 @@ class FsdpUnits(str, enum.Enum):
     torchtitan  the embedding its own unit (resharded after forward, gathered again for its
                 backward) and [final norm, head] another (not resharded after forward): its
                 ``apply_fsdp_to_decoder``; with tied embeddings one unit, as the root
+    buckets     every block a unit whose weights are one bucket, gathered into a temporary
+                bucket ahead of use (a window of units in elements) and released after its
+                forward and its backward; the other weights gathered from their forward to
+                the end of backward; each unit's gradients in a whole temporary bucket of
+                the main-gradient dtype, held after its reduce-scatter while the queue of
+                reduced buckets is under its capacity (Megatron-FSDP:
+                ``memplan.model.fsdp_buckets``)
     """
 
     ROOT = "root"
     TORCHTITAN = "torchtitan"
+    BUCKETS = "buckets"
 
 
 class GradSync(str, enum.Enum):

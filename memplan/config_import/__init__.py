@@ -24,7 +24,8 @@ from memplan.spec import ModelSpec
 # first option), and the inputs only a config sets. Every other target is a ``memplan.api``
 # keyword, named by its flag (``memplan.arguments.CLI_OPTIONS``).
 _NOT_KEYWORDS = {"model": "--model", "fused_qkv": "(fused q/k/v)", "rope_cache": "(RoPE tables)",
-                 "head_wgrad_deferral": "(deferred output-layer weight gradient)"}
+                 "head_wgrad_deferral": "(deferred output-layer weight gradient)",
+                 "fsdp_units": "(FSDP units)"}
 
 
 def flag(target: str) -> str:

@@ -163,6 +163,7 @@ class _Reader:
     def __init__(self, args: dict[str, Any], imp: Imported, gpus: int) -> None:
         self.args, self.imp, self.gpus = args, imp, gpus
         self.used: set[str] = set()
+        self.fsdp_main_grads: str | None = None  # Megatron FSDP's main-gradient dtype
 
     # --- typed access ---------------------------------------------------------------------
     def has(self, flag: str) -> bool:
@@ -442,7 +443,7 @@ class _Reader:
         self._account(spec.num_layers, pp)
         dist = self.flag("--use-distributed-optimizer")
         if megatron_flags.megatron_fsdp(self):
-            dist = False  # no_shard: the optimizer's main weights and states are whole
+            dist = False  # Megatron FSDP's strategy sets the ZeRO stage
         else:
             imp.set("--use-distributed-optimizer", dist, "zero", 1 if dist else 0,
                     "ZeRO-1: optimizer states sharded over DP" if dist else "")
@@ -621,6 +622,10 @@ class _Reader:
         # so DDP's grad_reduce_in_fp32 is off and the gradient buffers take the parameters'
         # bf16 (megatron/core/distributed/distributed_data_parallel.py)
         if self.flag("--grad-reduce-in-bf16") and self.flag("--bf16"):
+            main = "bf16"
+        if self.fsdp_main_grads is not None:  # Megatron FSDP's own main-gradient dtype
+            main = self.fsdp_main_grads
+        elif self.imp.inputs.get("fsdp_units") == "buckets":  # "auto": the weights' dtype
             main = "bf16"
         fp32_acc = self.flag("--accumulate-allreduce-grads-in-fp32")
         if self.flag("--bf16"):

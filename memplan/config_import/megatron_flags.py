@@ -1,6 +1,6 @@
 """Megatron-LM flags whose memory memplan reads from megatron-core's source beside the
 rest of ``memplan.config_import.megatron``'s reading: multi-token prediction (refused by its
-pieces), Megatron FSDP's sharding strategies (no_shard read, the others refused) and the
+pieces), Megatron FSDP's sharding strategies (optim refused) and the
 deferred output-layer weight gradient (``Workload.head_wgrad_deferral``). Each takes the
 reader of ``memplan.config_import.megatron`` (``r``), whose typed access marks a flag read.
 """
@@ -37,56 +37,96 @@ def mtp(r: _Reader) -> None:
                        "models/gpt/gpt_model.py GPTModel._postprocess)")
 
 
-# why each sharding strategy but no_shard is refused (megatron-core 0.16.1
-# distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py)
-_STRATEGIES = {
-    "optim": "reduce-scatters each bucket group into a new gradient shard "
-             "(_bucket_group_gradient_reduce: torch.empty_like(grad_shard)), which is not "
-             "modelled",
-    "optim_grads": "per-unit temporary gradient buckets reduce-scattered into shards on "
-                   "every micro-batch are not modelled",
-    "optim_grads_params": "per-unit gathered weight buckets and temporary gradient buckets "
-                          "beside bf16 and fp32 weight shards are not modelled (memplan's "
-                          "--zero 3 is FSDP2's)",
-}
+# Megatron FSDP's sharding strategies memplan models: the ZeRO stage and what it shards
+# (param_and_grad_buffer.py ParamAndGradBuffer._init_each_parameter_group_buffers); "optim"
+# is refused by name (``_refuse_optim``)
+_SHARDED = {"optim_grads": (2, "gradients and fp32 main weights sharded, weights whole"),
+            "optim_grads_params": (3, "weights, gradients and fp32 main weights sharded")}
+# --megatron-fsdp-*-dtype values as memplan's dtype names (arguments.py map_dtype; "auto":
+# megatron_fsdp/mixed_precision.py MixedPrecisionPolicy leaves the dtype to the weights')
+_DTYPES = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
 
 
 def megatron_fsdp(r: _Reader) -> bool:
     """--use-megatron-fsdp with --data-parallel-sharding-strategy (default
-    optim_grads_params at the commit this reader follows). megatron-core 0.16.1
-    distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py ParamAndGradBuffer.
-    _init_each_parameter_group_buffers: no_shard builds no model-weight buffer (the
-    module's own weights), a whole fp32 main-weight buffer (preserve_fp32_weights) that
-    the optimizer updates with whole states (update_main_grads: no shard), and a whole
-    gradient buffer in fp32 under grad_reduce_in_fp32; GradReducePipeline._bucket_group_
-    gradient_reduce all-reduces it in place on the last micro-batch, after megatron_fsdp.py
-    _grad_acc (a post-accumulate-grad hook per weight) added each weight's gradient into
-    it: the bytes of Megatron's DDP without the distributed optimizer (--zero 0). The other
-    strategies are refused (``_STRATEGIES``). Returns whether no_shard was read."""
+    optim_grads_params at the commit this reader follows, Megatron-LM 93ebf8d). Returns
+    whether it was read (it then sets the ZeRO stage itself).
+
+    no_shard (param_and_grad_buffer.py ParamAndGradBuffer._init_each_parameter_group_
+    buffers) builds no model-weight buffer (the module's own weights), a whole fp32
+    main-weight buffer that the optimizer updates with whole states (update_main_grads: no
+    shard), and a whole gradient buffer; GradReducePipeline._bucket_group_gradient_reduce
+    all-reduces it in place on the last micro-batch, after megatron_fsdp.py _grad_acc added
+    each weight's gradient in: Megatron's DDP without the distributed optimizer (--zero 0).
+
+    optim_grads_params (--zero 3) and optim_grads (--zero 2) shard the fp32 main weights
+    and the main gradients (and the weights under optim_grads_params) with temporary
+    buckets per transformer layer: ``FsdpUnits.BUCKETS`` (memplan.model.fsdp_buckets). The
+    main gradients take --megatron-fsdp-main-grads-dtype ("auto": the weights' dtype,
+    megatron_fsdp.py's MixedPrecisionPolicy; ``fsdp_main_grads`` for ``_precision``);
+    update_main_grads hands the optimizer an fp32 copy of a bf16 shard (the step's
+    temporary memplan counts for bf16 gradients with an fp32 master)."""
     flag = "--use-megatron-fsdp"
     strategy = r.str("--data-parallel-sharding-strategy", "optim_grads_params")
     if not r.flag(flag):
         r.used.discard("--data-parallel-sharding-strategy")  # without it: not read
         return False
+    key = f"{flag} --data-parallel-sharding-strategy"
+    if strategy in _SHARDED:
+        zero, what = _SHARDED[strategy]
+        r.fsdp_main_grads = _bucket_dtypes(r)
+        r.imp.set(key, strategy, "zero", zero, what)
+        r.imp.set(key, strategy, "fsdp_units", "buckets",
+                  "each transformer layer a unit of temporary buckets: weights gathered ahead "
+                  "(a window of 5e8 elements), gradient buckets queued up to 1e9 elements "
+                  "(megatron_fsdp.py _init_fsdp_param_and_grad_buffer)")
+        return True
     if strategy != "no_shard":
-        raise r.imp.refuse(f"{flag} --data-parallel-sharding-strategy", strategy,
-                           _STRATEGIES.get(strategy, "not a strategy of Megatron FSDP"))
+        raise r.imp.refuse(key, strategy, _refuse_optim(strategy))
     for dtype_flag in ("--megatron-fsdp-main-params-dtype", "--megatron-fsdp-main-grads-dtype",
                        "--megatron-fsdp-grad-comm-dtype"):
         if dtype_flag in r.args:
             r.used.add(dtype_flag)
-            raise r.refuse(dtype_flag, "Megatron FSDP's own buffer dtypes are not modelled "
-                                       "(megatron-core 0.16.1's follow --bf16 and the "
-                                       "gradient-reduce dtype)")
+            raise r.refuse(dtype_flag, "with no_shard Megatron FSDP's own buffer dtypes are "
+                                       "not modelled")
     if r.flag("--grad-reduce-in-bf16") or r.str("--main-grads-dtype", "fp32") != "fp32":
         raise r.refuse(flag, "with bf16 main gradients update_main_grads makes an fp32 copy "
                              "of every gradient for the optimizer, which is not modelled")
     sharded = "; --use-distributed-optimizer shards nothing under no_shard" if r.args.get(
         "--use-distributed-optimizer") else ""
-    r.imp.set(f"{flag} --data-parallel-sharding-strategy", "no_shard", "zero", 0,
+    r.imp.set(key, "no_shard", "zero", 0,
               "whole weights, fp32 main weights, gradients and optimizer states (Megatron "
               f"FSDP no_shard's buffers, as Megatron's DDP{sharded})")
     return True
+
+
+def _refuse_optim(strategy: str) -> str:
+    if strategy == "optim":
+        return ("reduce-scatters each bucket group into a new gradient shard beside whole "
+                "gradient buffers (_bucket_group_gradient_reduce), which is not modelled")
+    return "not a strategy of Megatron FSDP"
+
+
+def _bucket_dtypes(r: _Reader) -> str | None:
+    """The main gradients' dtype the sharded strategies hold (None: the weights'), from
+    --megatron-fsdp-main-params-dtype (fp32 modelled), --megatron-fsdp-main-grads-dtype and
+    --megatron-fsdp-grad-comm-dtype (the buckets' dtype: modelled where it is the main
+    gradients')."""
+    params = r.str("--megatron-fsdp-main-params-dtype", "fp32")
+    if params != "fp32":
+        raise r.refuse("--megatron-fsdp-main-params-dtype",
+                       "main weights other than fp32 are not modelled")
+    grads = _DTYPES.get(r.str("--megatron-fsdp-main-grads-dtype", "auto"))
+    comm = _DTYPES.get(r.str("--megatron-fsdp-grad-comm-dtype", "auto"))
+    if comm is not None and comm != grads:
+        raise r.refuse("--megatron-fsdp-grad-comm-dtype",
+                       "a communication dtype other than the main gradients' adds a bucket "
+                       "of its own, which is not modelled")
+    if grads == "fp16":
+        raise r.refuse("--megatron-fsdp-main-grads-dtype", "fp16 is not modelled")
+    r.imp.notes.append(f"--megatron-fsdp-main-grads-dtype = {grads or 'auto'}: main gradient "
+                       f"shards and gradient buckets in {grads or 'the weights dtype'}")
+    return grads
 
 
 def deferred_wgrad(r: _Reader, pp: int) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from memplan.model.embedding import EmbeddingBlock
+from memplan.model.fsdp_buckets import gathered_units, queued_units
 from memplan.model.head import HeadBlock
 from memplan.model.layer import layer_tensor_sizes
 from memplan.model.optimizer import optimizer_policy
@@ -217,6 +218,12 @@ class ShardingBuffers(NamedTuple):
     forward_start_bytes: int = 0  # gathered at a block's start in forward, before it computes
     #                               (0: not above ``gathered_bytes`` there)
     forward_first_start_bytes: int = 0  # ... at the stage's first block's start
+    queued_whole: bool = False  # gradients wait in whole unsharded buckets beside the
+    #                             persistent shard (``grad_bytes`` the most alive at once),
+    #                             which exists from the start (``FsdpUnits.BUCKETS``)
+    window_units: int = 0  # units of ``gathered_bytes`` gathered at once in forward, fewer
+    #                        over the stage's last blocks (0: not modelled)
+    window_unit: int = 0  # ... the bytes of one
 
     @property
     def peak_bytes(self) -> int:
@@ -233,6 +240,8 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload) -> 
     backward a unit's unsharded gradient before its reduce-scatter. ZeRO-2: one reduce bucket
     of unsharded gradients."""
     policy = wl.precision.policy
+    if par.zero >= ZeroStage.GRADIENTS and wl.fsdp_units is FsdpUnits.BUCKETS:
+        return _bucketed_units(params, par, wl)
     if par.zero >= ZeroStage.PARAMETERS and separate_units(wl) and par.pp > 1:
         # torchtitan under PP: reshard_after_forward = not pp_enabled (distributed/fsdp.py
         # get_fsdp_reshard_after_forward_policy, "default"), and torch's pipeline stage runs
@@ -328,3 +337,28 @@ def _separate_units(params: StageParams, one_rank: bool, layer: int, blocks: int
                            reduce_copies=3 if one_rank else 0,
                            forward_start_bytes=start,
                            forward_first_start_bytes=first_start)
+
+
+def _bucketed_units(params: StageParams, par: ParallelConfig, wl: Workload) -> ShardingBuffers:
+    """FSDP units as buckets (``FsdpUnits.BUCKETS``, ``memplan.model.fsdp_buckets``) on one
+    rank, in bytes. Weights sharded (ZeRO-3): a window of units (``gathered_units``) gathered
+    in the weights' dtype beside a block in forward (fewer over the stage's last blocks) and
+    in backward, one at the stage's first block's backward; the other weights (embedding, final norm, head) gathered from their
+    forward to the end of backward. Gradients: the unsharded buckets of ``queued_units``
+    units and the other weights' unsharded gradients, in the gradient dtype, whole beside the
+    persistent shard. At shard degree 1 nothing is temporary: the buffers are the weights and
+    gradients themselves (``DataParallelBuffer.is_data_distributed`` needs a group of 2)."""
+    if par.dense_shard_degree == 1:
+        return ShardingBuffers(0, 0, 0, queued_whole=True)
+    layer, root = max(params.layers, default=0), params.embedding + params.head
+    grads = (queued_units(params.layers) * layer + root) * wl.precision.policy.grad_bytes
+    if par.zero < ZeroStage.PARAMETERS:  # weights whole: only the gradient buckets
+        return ShardingBuffers(0, 0, grads, queued_whole=True)
+    e = wl.precision.policy.param_bytes  # the gathered bucket is in the weights' dtype
+    units = gathered_units(params.layers)
+    window = (root + units * layer) * e
+    return ShardingBuffers(window, root * e, grads, backward_head_bytes=root * e,
+                           backward_block_bytes=window,
+                           backward_last_block_bytes=(root + layer) * e,
+                           backward_end_bytes=root * e, queued_whole=True,
+                           window_units=units, window_unit=layer * e)

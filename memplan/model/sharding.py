@@ -17,7 +17,10 @@ blocks' own moments. Three mechanisms share the vocabulary:
   (embedding, final norm, head) reduce-scattered at the end, or, with separate units
   (torchtitan), the head's and the embedding's units after their own backward; gathered
   weights beside every block (the block and the one its backward prefetches); under pipeline
-  parallelism (kept gathered) every unit gathered throughout, gradients as plain accumulators.
+  parallelism (kept gathered) every unit gathered throughout, gradients as plain accumulators;
+- units as buckets (``queued_whole``): as the reduce buffer, the gradients made so far
+  unsharded up to the queue's capacity, whole beside the persistent shard, and a window of
+  gathered units beside each block (``memplan.model.fsdp_buckets``).
 
 Gradient bytes come in as this rank's held (sharded) bytes; ``unsharded_ratio`` (unsharded /
 held) turns them into the unsharded bytes the mechanism holds (truncated to whole bytes, as the
@@ -61,6 +64,10 @@ class DataParallel(NamedTuple):
     block_start: int = 0  # ... at a block's start (its gather, before it computes), beside
     #                       the residual stream it is about to read; 0: not modelled
     first_block_start: int = 0  # ... at the stage's first block's start
+    queued_whole: bool = False  # the waiting gradients are whole buckets beside the shard
+    window_units: int = 0  # units gathered at once in forward, fewer over the stage's last
+    #                        blocks (nothing after them to prefetch); 0: not modelled
+    window_unit: int = 0  # ... the gathered bytes of one of them
 
     def unsharded(self, held: int) -> int:
         """Unsharded bytes, in the reduce dtype, of ``held`` gradient bytes."""
@@ -71,11 +78,12 @@ class DataParallel(NamedTuple):
         return int(unsharded / self.unsharded_ratio)
 
     def buffer(self, made: int) -> int:
-        """Beyond the shard, the gradients made so far waiting unsharded (at most the cap)."""
+        """Beyond the shard, the gradients made so far waiting unsharded (at most the cap);
+        whole buckets (``queued_whole``) are all beyond it."""
         if not self.grad_cap:  # gradients replicated: nothing waits
             return 0
         waiting = min(self.grad_cap, int(made * self.unsharded_ratio))
-        if self.unsharded_ratio > 1:
+        if self.unsharded_ratio > 1 and not self.queued_whole:
             return waiting - self.shard_of(waiting)
         return waiting
 
@@ -130,7 +138,8 @@ def data_parallel(shard: ShardingBuffers, params: int, grads_bytes: int,
         unsharded_ratio=params * policy.grad_bytes / max(grads_bytes, 1),
         # FSDP2 frees a unit's reduce-scatter input only when the next unit's reduce-scatter
         # waits on it (traced, tests/traced/test_ground_truth.py FSDP_GRID)
-        per_unit=bool(shard.gathered_bytes),
+        per_unit=bool(shard.gathered_bytes) and not shard.queued_whole,
+        queued_whole=shard.queued_whole,
         unsharded_dtype=policy.unsharded.itemsize / policy.grad_bytes,
         # in backward FSDP2 holds the root and the block being computed (traced); with
         # torchtitan's units, the head's unit until its backward, one block, the embedding's
@@ -140,7 +149,8 @@ def data_parallel(shard: ShardingBuffers, params: int, grads_bytes: int,
         separate_units=shard.separate_units, reduce_copies=shard.reduce_copies,
         in_block_forward=shard.gathered_bytes, at_loss_forward=shard.gathered_at_loss_bytes,
         block_start=shard.forward_start_bytes,
-        first_block_start=shard.forward_first_start_bytes)
+        first_block_start=shard.forward_first_start_bytes,
+        window_units=shard.window_units, window_unit=shard.window_unit)
 
 
 def with_stream(dp: DataParallel, stream: int) -> DataParallel:
@@ -155,10 +165,14 @@ def with_stream(dp: DataParallel, stream: int) -> DataParallel:
                        else 0)
 
 
-def forward_positions(dp: DataParallel, n: int, stage_first: bool) -> list[Position]:
+def forward_positions(dp: DataParallel, n: int, stage_first: bool,
+                      stage_last: bool = False) -> list[Position]:
     """A run of ``n`` identical blocks in forward: the weights gathered beside each block's
     compute and, where modelled, its gather at its start (the stage's first block's beside
-    the root's or the embedding's all-gather output, not a block's)."""
+    the root's or the embedding's all-gather output, not a block's); a window of units
+    shrinks over the stage's last blocks (``stage_last``: the run ends the stage)."""
+    if dp.window_unit and stage_last:
+        return _shrinking(dp, n)
     if not dp.block_start:
         return [Position(n, None, dp.in_block_forward, None)]
     start = Event("unit.gather", 0, dp.block_start)
@@ -167,6 +181,29 @@ def forward_positions(dp: DataParallel, n: int, stage_first: bool) -> list[Posit
     return [Position(1, Event("unit.gather", 0, dp.first_block_start), dp.in_block_forward,
                      None),
             Position(n - 1, start, dp.in_block_forward, None)]
+
+
+def _shrinking(dp: DataParallel, n: int) -> list[Position]:
+    """The stage's last run of ``n`` blocks in forward with a window of ``window_units``:
+    the i-th block (from 0) holds min(window, n - i) units. Where it shrinks, a block's bytes
+    change by the same amount at each block (its saved activations up, a unit down), so its
+    largest is at one of its ends: the blocks between them are given one unit, never above
+    the ends."""
+    full = dp.in_block_forward
+
+    def at(units: int) -> int:
+        return full - (dp.window_units - units) * dp.window_unit
+
+    whole = max(0, n - dp.window_units + 1)  # blocks with the whole window
+    rest = n - whole  # then rest, rest - 1, ..., 1 units
+    positions = [Position(whole, None, full, None)] if whole else []
+    if rest >= 2:
+        positions.append(Position(1, None, at(rest), None))
+    if rest >= 3:
+        positions.append(Position(rest - 2, None, at(1), None))
+    if rest >= 1:
+        positions.append(Position(1, None, at(1), None))
+    return positions
 
 
 class Position(NamedTuple):

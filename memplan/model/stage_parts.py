@@ -157,9 +157,17 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
         opt_temp=opt_temp,
         shard=shard,
         vocab_grad=par.vocab_shard(spec.vocab_size) * spec.hidden_size * e,
-        main_grads=wl.precision.policy.grad_bytes > e and par.zero < ZeroStage.PARAMETERS,
-        buckets=buckets, persistent=ddp and par.grad_buffers is GradBuffers.VIEW,
+        main_grads=(wl.precision.policy.grad_bytes > e and par.zero < ZeroStage.PARAMETERS
+                    and not shard.queued_whole),
+        # whole-bucket units: the gradient shard is a buffer made with the wrap
+        buckets=buckets, persistent=(ddp and par.grad_buffers is GradBuffers.VIEW
+                                     or shard.queued_whole),
         buffers=buffers,
         dp=data_parallel(shard, params.total, st.grads_bytes, wl.precision.policy),
-        optimizer_phase=peak_of([optimizer_step(st, opt_temp, buckets, buffers)]),
+        # units as buckets: the weights outside the units stay gathered across steps
+        # (Megatron-FSDP AllGatherPipeline.reset(preserve_non_fsdp_units=True) in
+        # synchronize_param_gather), so they are alive at the step
+        optimizer_phase=peak_of([optimizer_step(
+            st, opt_temp, buckets + (shard.gathered_at_loss_bytes if shard.queued_whole
+                                     else 0), buffers)]),
     )

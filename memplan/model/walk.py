@@ -85,7 +85,7 @@ def forward_segments(runs: list[tuple[LayerKind, int, tuple[int, ...], int]],
     for index, (kind, _, _, n) in enumerate(runs):
         # autocast's cached casts of the layers before stay until the forward ends
         held, peak = kind.saved_bytes + kind.cached_bytes, kind.forward_peak_bytes
-        for p in forward_positions(dp, n, index == 0):
+        for p in forward_positions(dp, n, index == 0, index == len(runs) - 1):
             compute = Event("layer.forward", held, peak + p.beside)
             segments.append(Segment((p.before, compute) if p.before else (compute,), p.repeat))
     return segments

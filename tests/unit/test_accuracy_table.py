@@ -275,12 +275,12 @@ def test_heldout_command_is_the_trainer_settings(table):
 def test_heldout_refusal_is_reported_with_the_stored_path(table, heldout):
     """A refused run is a row without a number whose reason is memplan's own one line, naming
     the config by its path in the repository (so the doc is the same on every machine)."""
-    run = next(r for r in heldout if "--use-megatron-fsdp" in r["flags"])
+    run = next(r for r in heldout if "--mtp-num-layers" in r["flags"])
     held = table.evaluate_heldout(run)
     assert held.row.memplan_bytes is None and held.estimate is None
     assert held.row.refused.startswith(
         f"Megatron-LM arguments {run['trainer_settings']['megatron_args']}: "
-        "--use-megatron-fsdp = true: ")
+        "--mtp-num-layers = 1: ")
 
 
 def test_heldout_estimate_is_the_last_stage_peak_allocated(table, heldout):

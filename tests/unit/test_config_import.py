@@ -122,8 +122,9 @@ def test_megatron_deepseek_v3_shape() -> None:
     ("--num-distributed-optimizer-instances 2", "--num-distributed-optimizer-instances"),
     ("--use-distributed-optimizer --num-distributed-optimizer-instances 3",
      "--num-distributed-optimizer-instances"),  # 3 does not divide dp 8
-    ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params",
-     "--use-megatron-fsdp"),
+    ("--use-megatron-fsdp --data-parallel-sharding-strategy optim", "--use-megatron-fsdp"),
+    ("--use-megatron-fsdp --megatron-fsdp-grad-comm-dtype bf16",
+     "--megatron-fsdp-grad-comm-dtype"),  # a bucket beside the main gradients' dtype
     ("--pipeline-model-parallel-size 2 --account-for-embedding-in-pipeline-split",
      "--account-for-embedding-in-pipeline-split"),  # 4 + 1 layers do not split over 2
     # checked before the vocabulary is padded to a multiple of 128 * tp (a division by 0)

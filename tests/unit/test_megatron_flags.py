@@ -152,21 +152,50 @@ def test_megatron_fsdp_no_shard_args_file() -> None:
     assert memplan.estimate(ddp.model, gpus=8, **ddp.inputs).stages == est.stages
 
 
+@pytest.mark.parametrize(("extra", "zero", "precision"), [
+    ("", 3, "bf16-mixed"),
+    ("--data-parallel-sharding-strategy optim_grads", 2, "bf16-mixed"),
+    ("--megatron-fsdp-main-grads-dtype fp32", 3, "bf16-fp32-grads"),
+    ("--megatron-fsdp-main-grads-dtype fp32 --megatron-fsdp-grad-comm-dtype fp32 "
+     "--megatron-fsdp-main-params-dtype fp32", 3, "bf16-fp32-grads"),
+])
+def test_megatron_fsdp_sharded_strategies_are_units_of_buckets(extra: str, zero: int,
+                                                               precision: str) -> None:
+    """optim_grads_params (the default) shards weights, main gradients and fp32 main
+    weights (--zero 3), optim_grads all but the weights (--zero 2); both as units of
+    temporary buckets (``fsdp_units`` buckets). The main gradients take
+    --megatron-fsdp-main-grads-dtype, whose default "auto" is the weights' dtype
+    (Megatron-LM 93ebf8d arguments.py map_dtype: None; param_and_grad_buffer.py
+    _resolve_group_grad_dtype: the group's dtype): bf16 gradients beside the fp32 master
+    (bf16-mixed); fp32 gives Megatron's fp32 main gradients (bf16-fp32-grads)."""
+    base = ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 512 "
+            "--max-position-embeddings 512 --vocab-size 1000 --tokenizer-type NullTokenizer "
+            "--bf16 --use-distributed-optimizer --use-megatron-fsdp ")
+    imp = megatron.read(base + extra, 8)
+    assert (imp.inputs["zero"], imp.inputs["fsdp_units"], imp.inputs["precision"]) == (
+        zero, "buckets", precision)
+    assert not {f for f in imp.unread if "fsdp" in f or "sharding" in f}
+    est = memplan.estimate(imp.model, gpus=8, **imp.inputs)
+    assert est.stages[0].sharding_buffers_bytes > 0
+
+
 @pytest.mark.parametrize(("extra", "flag"), [
-    ("--use-megatron-fsdp", "--use-megatron-fsdp --data-parallel-sharding-strategy"),
     ("--use-megatron-fsdp --data-parallel-sharding-strategy optim",
      "--use-megatron-fsdp --data-parallel-sharding-strategy"),
-    ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads",
-     "--use-megatron-fsdp --data-parallel-sharding-strategy"),
+    ("--use-megatron-fsdp --megatron-fsdp-main-params-dtype bf16",
+     "--megatron-fsdp-main-params-dtype"),
+    ("--use-megatron-fsdp --megatron-fsdp-main-grads-dtype fp32 "
+     "--megatron-fsdp-grad-comm-dtype bf16", "--megatron-fsdp-grad-comm-dtype"),
     ("--use-megatron-fsdp --data-parallel-sharding-strategy no_shard --grad-reduce-in-bf16",
      "--use-megatron-fsdp"),
     ("--use-megatron-fsdp --data-parallel-sharding-strategy no_shard "
      "--megatron-fsdp-main-grads-dtype bf16", "--megatron-fsdp-main-grads-dtype"),
 ])
 def test_megatron_fsdp_refused_by_strategy(extra: str, flag: str) -> None:
-    """The default optim_grads_params and the other sharding strategies hold buffers
-    memplan's data-parallel mechanisms do not (temporary per-unit buckets, a new shard per
-    reduce-scatter): refused, naming the flag, in one line."""
+    """optim (a new shard per reduce-scatter beside whole gradient buffers), main weights
+    other than fp32, a gradient-communication dtype other than the main gradients' (a bucket
+    of its own) and no_shard with bf16 gradients are not modelled: refused, naming the
+    flag, in one line."""
     base = ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 512 "
             "--max-position-embeddings 512 --vocab-size 1000 --tokenizer-type NullTokenizer "
             "--bf16 ")
