@@ -369,6 +369,10 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
                           f"partitions the optimizer first), got zero {int(par.zero)}")
     if (err := cp_rule(wl.seq_len, par.cp)) is not None:
         raise err
+    if par.offload is Offload.OPTIMIZER and wl.optimizer.value.endswith("8bit"):
+        raise LayoutError(f"offload optimizer does not combine with {wl.optimizer.value}",
+                          f"offload optimizer runs DeepSpeed's CPU-Adam on the host; optimizer "
+                          f"{wl.optimizer.value} is bitsandbytes' on the GPU (choose one)")
     if par.offload is Offload.OPTIMIZER and wl.precision is Precision.FSDP_BF16:
         raise LayoutError(
             "offload optimizer does not combine with precision fsdp-bf16",

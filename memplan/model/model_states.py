@@ -104,6 +104,10 @@ class StateBytes(NamedTuple):
     num_optimizer_params: int  # elements this rank's optimizer updates
     host_bytes: int = 0  # in host memory instead (offload): master copy, states, fp32 gradients
     scaler_bytes: int = 0  # GradScaler's state (in optimizer_bytes): made at step 1's loss
+    setup_bytes: int = 0  # of optimizer_bytes, made with the optimizer beside the master copy,
+    #                       before step 1 (bitsandbytes' quantization maps)
+    paged_bytes: int = 0  # optimizer states in unified memory (paged optimizers), not in
+    #                       optimizer_bytes: on the device while it has room
 
 
 # torch.amp.GradScaler's state on the device: an fp32 scale and an int32 growth tracker, made
@@ -135,7 +139,7 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
         return _shard(dense, dense_d, on) + _shard(expert, expert_d, on)
 
     opt_params = held(trained.dense, trained.expert, ZeroStage.OPTIMIZER)
-    per_param_opt = policy.master_bytes + optimizer.state_bytes_per_param(policy)
+    states = optimizer.states(policy, opt_params, _updated_sizes(trained.tensor_sizes, par))
     steps = optimizer.step_counter_bytes(wl.optimizer_impl, len(trained.tensor_sizes))
     params_bytes = held(params.dense, params.expert, ZeroStage.PARAMETERS) * policy.param_bytes
     grads_bytes = held(trained.dense, trained.expert, ZeroStage.GRADIENTS) * policy.grad_bytes
@@ -151,11 +155,21 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
     return StateBytes(
         params_bytes=params_bytes,
         grads_bytes=grads_bytes,
-        optimizer_bytes=opt_params * per_param_opt + steps + scaler,
+        optimizer_bytes=opt_params * policy.master_bytes + states.device_bytes + steps + scaler,
         master_bytes=opt_params * policy.master_bytes,
         num_optimizer_params=opt_params,
         scaler_bytes=scaler,
+        setup_bytes=states.setup_bytes,
+        paged_bytes=states.paged_bytes,
     )
+
+
+def _updated_sizes(sizes: tuple[int, ...], par: ParallelConfig) -> tuple[int, ...]:
+    """Elements of each tensor the rank's optimizer updates: its shard of each under ZeRO
+    (FSDP2 shards every parameter on dim 0; the most loaded rank holds the ceil)."""
+    if par.zero >= ZeroStage.OPTIMIZER:
+        return tuple(ceil_div(n, par.dense_shard_degree) for n in sizes)
+    return sizes
 
 
 def optimizer_step_temp_bytes(params: StageParams, st: StateBytes, par: ParallelConfig,
@@ -165,18 +179,20 @@ def optimizer_step_temp_bytes(params: StageParams, st: StateBytes, par: Parallel
     under ZeRO), in the dtype of what it updates (fp32 for a master copy, the weights' dtype
     without one). With a low-precision gradient and an fp32 master copy the step reads fp32
     gradients, copied shard by shard (Megatron-LM's ``_copy_model_grads_to_main_grads``):
-    one fp32 copy of the updated shard.
+    one fp32 copy of the updated shard. A paged optimizer (``StateBytes.paged_bytes``) adds
+    the unified-memory pages of the tensor it updates, prefetched to the device.
     """
     policy = wl.precision.policy
     if par.offload is Offload.OPTIMIZER:  # the step runs on the host
         return 0
-    step = optimizer_policy(wl.optimizer).step(wl.optimizer_impl)
+    optimizer = optimizer_policy(wl.optimizer)
+    step = optimizer.step(wl.optimizer_impl)
     sizes: tuple[int, ...] = ()
-    if step.per_tensor:
-        sizes = trainable.trained(params).tensor_sizes
-        if par.zero >= ZeroStage.OPTIMIZER:
-            sizes = tuple(ceil_div(n, par.dense_shard_degree) for n in sizes)
-    temp = step.elements(st.num_optimizer_params, sizes) * policy.updated.itemsize
+    if step.per_tensor or optimizer.blockwise:
+        sizes = _updated_sizes(trainable.trained(params).tensor_sizes, par)
+    # a paged optimizer's states of the tensor being updated are on the device
+    temp = (step.elements(st.num_optimizer_params, sizes) * policy.updated.itemsize
+            + optimizer.pages_in_use(sizes))
     if policy.master_bytes and policy.grad_bytes < FP32_BYTES:
         temp += st.num_optimizer_params * FP32_BYTES
     if policy.grad_scaler:

@@ -1,17 +1,19 @@
 """The optimizer policy: the states an optimizer keeps per parameter and the temporaries each
 implementation of its step makes, as data the states read (``memplan.model.model_states``).
 
-An optimizer is one row of ``POLICIES``: its states per parameter element, per
-``OptimizerImpl`` its step's temporaries, and the torch.optim class a trace runs. A new
-optimizer is a member of ``memplan.workload.Optimizer`` and a row here.
+An optimizer is one row of ``POLICIES``: its states per parameter element (or, for
+bitsandbytes' 8-bit optimizers, per tensor: ``Blockwise``), per ``OptimizerImpl`` its step's
+temporaries, and the class a trace runs. A new optimizer is a member of
+``memplan.workload.Optimizer`` and a row here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from memplan.units import FP32_BYTES
+from memplan.units import FP32_BYTES, ceil_div
 from memplan.workload import Optimizer, OptimizerImpl, PrecisionPolicy
 
 
@@ -47,6 +49,64 @@ class StepTemps:
 NO_TEMPS = StepTemps()
 
 
+class States(NamedTuple):
+    """An optimizer's states on one rank, in bytes: held by the device's allocator, and in
+    unified memory (paged: on the device while it has room, paged out to the host under
+    pressure)."""
+
+    device_bytes: int
+    paged_bytes: int = 0
+    setup_bytes: int = 0  # of device_bytes, what exists from the optimizer's construction on
+
+
+@dataclass(frozen=True)
+class Blockwise:
+    """bitsandbytes' 8-bit states (``Optimizer2State.init_state`` in
+    ``bitsandbytes/optim/optimizer.py``, bitsandbytes 0.50.2), per parameter tensor of ``n``
+    elements: below ``min_8bit_size`` elements two fp32 states (``get_state_buffer(p,
+    dtype=torch.float32)``, whatever the parameter's dtype); from it on two uint8 states and
+    per state one fp32 absmax per block of ``block_size`` elements (``blocks = n // 256 +
+    bool(n % 256)``). The two quantization maps (``create_dynamic_map``, signed and unsigned,
+    256 fp32 values each) exist once per optimizer (``name2qmap``), made in its constructor
+    (``fill_qmap``), before step 1; every 8-bit tensor's state refers to them. Paged (``is_paged``): ``get_state_buffer`` puts the uint8 states
+    of a tensor of at least ``paged_min_numel`` elements in unified memory (``F.get_paged``:
+    ``cudaMallocManaged``, outside torch's allocator); absmax and the smaller tensors' states
+    stay device tensors."""
+
+    num_states: int = 2
+    block_size: int = 256  # init_state: blocksize = 256
+    min_8bit_size: int = 4096  # AdamW8bit(min_8bit_size=4096)
+    qmap_entries: int = 256  # create_dynamic_map(): 2**8 values, fp32
+    paged_min_numel: int | None = None  # get_state_buffer: paged when p.numel() >= 1e5
+
+    def paged(self, n: int) -> bool:
+        return (self.paged_min_numel is not None and n >= self.min_8bit_size
+                and n >= self.paged_min_numel)
+
+    def tensor_states(self, n: int) -> States:
+        """The states of one tensor of ``n`` elements."""
+        if n < self.min_8bit_size:
+            return States(self.num_states * n * FP32_BYTES)
+        absmax = self.num_states * ceil_div(n, self.block_size) * FP32_BYTES
+        codes = self.num_states * n  # uint8
+        return States(absmax, codes) if self.paged(n) else States(absmax + codes)
+
+    def states(self, tensor_sizes: Sequence[int]) -> States:
+        """The states of tensors of ``tensor_sizes`` elements, with the quantization maps
+        when any of them is 8-bit."""
+        parts = [self.tensor_states(n) for n in tensor_sizes]
+        maps = (self.num_states * self.qmap_entries * FP32_BYTES
+                if any(n >= self.min_8bit_size for n in tensor_sizes) else 0)
+        return States(sum(p.device_bytes for p in parts) + maps,
+                      sum(p.paged_bytes for p in parts), maps)
+
+    def pages_in_use(self, tensor_sizes: Sequence[int]) -> int:
+        """The paged states the device holds at least during the step: each tensor's are
+        prefetched before its update (``prefetch_state``: ``F.prefetch_tensor``), so the
+        largest paged tensor's, ``num_states`` bytes per element."""
+        return max((self.num_states * n for n in tensor_sizes if self.paged(n)), default=0)
+
+
 @dataclass(frozen=True)
 class OptimizerPolicy:
     """States per parameter element (each in the dtype of what it updates) and the step's
@@ -56,9 +116,24 @@ class OptimizerPolicy:
     name: str
     num_states: int
     temps: tuple[tuple[OptimizerImpl, StepTemps], ...] = ()
-    torch_class: str = ""  # the torch.optim class a trace runs (``memplan.profile.trace``)
+    torch_class: str = ""  # the class a trace runs (``memplan.profile.trace``): a torch.optim
+    #                        name, or a dotted path (bitsandbytes.optim.AdamW8bit)
     torch_kwargs: tuple[tuple[str, object], ...] = ()  # ... its arguments beyond lr
     fused_on_cpu: bool = False  # ... whether it has a fused CPU implementation
+    blockwise: Blockwise | None = None  # bitsandbytes' 8-bit states: per tensor, not dtype
+    note: str = ""  # what the estimate assumes of it, printed with the assumptions
+
+    def states(self, precision: PrecisionPolicy, num_params: int,
+               tensor_sizes: Sequence[int]) -> States:
+        """The states of ``num_params`` updated elements in tensors of ``tensor_sizes``
+        elements (read only by a blockwise optimizer)."""
+        if self.blockwise is not None:
+            return self.blockwise.states(tensor_sizes)
+        return States(num_params * self.state_bytes_per_param(precision))
+
+    def pages_in_use(self, tensor_sizes: Sequence[int]) -> int:
+        """Paged states the device holds during the step (``Blockwise.pages_in_use``)."""
+        return self.blockwise.pages_in_use(tensor_sizes) if self.blockwise else 0
 
     def state_bytes_per_param(self, precision: PrecisionPolicy) -> int:
         """Bytes of the states of one parameter element on the device."""
@@ -77,6 +152,10 @@ class OptimizerPolicy:
         return num_tensors * FP32_BYTES if self.step(impl).device_step_counters else 0
 
 
+_BNB_NOTE = ("optimizer states as bitsandbytes 0.50.2 creates them: per tensor of 4096 "
+             "elements or more two uint8 states and one fp32 absmax per 256 elements each, "
+             "smaller tensors two fp32 states; the CUDA update kernel makes no temporaries")
+
 POLICIES = {
     # torch.optim.AdamW (torch/optim/adamw.py): exp_avg and exp_avg_sq, each zeros_like(param).
     # foreach (the CUDA default, _multi_tensor_adamw) makes one intermediate list the size of
@@ -93,6 +172,22 @@ POLICIES = {
     # place by every implementation, no step count
     Optimizer.SGD: OptimizerPolicy("sgd", 1, torch_class="SGD",
                                    torch_kwargs=(("momentum", 0.9),)),
+    # bitsandbytes.optim.AdamW8bit / PagedAdamW8bit (bitsandbytes/optim/adamw.py): states per
+    # ``Blockwise``. No step temporaries on CUDA: ``Optimizer8bit.step`` updates one tensor at
+    # a time through ``optimizer_update_8bit_blockwise`` (or ``optimizer_update_32bit`` below
+    # min_8bit_size), whose CUDA implementations (``_optimizer_update_8bit_blockwise_impl`` and
+    # ``_optimizer_update_32bit_impl`` in bitsandbytes/backends/cuda/ops.py) pass pointers to
+    # one kernel that writes the parameter and its states in place; its step count is a Python
+    # int. The torch.optim implementations (foreach, fused, for-loop) do not apply.
+    Optimizer.ADAMW8BIT: OptimizerPolicy(
+        "adamw8bit", 2, torch_class="bitsandbytes.optim.AdamW8bit", blockwise=Blockwise(),
+        note=_BNB_NOTE),
+    Optimizer.PAGED_ADAMW8BIT: OptimizerPolicy(
+        "paged-adamw8bit", 2, torch_class="bitsandbytes.optim.PagedAdamW8bit",
+        blockwise=Blockwise(paged_min_numel=100_000),  # get_state_buffer: numel() < 1e5
+        note=_BNB_NOTE + "; paged: the uint8 states of tensors of 100,000 elements or more "
+        "live in unified memory (cudaMallocManaged), outside the peak except the pages of "
+        "the tensor being updated, which the step prefetches to the GPU"),
 }
 
 

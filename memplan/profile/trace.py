@@ -71,6 +71,10 @@ class TraceResult:
 
 def _optimizer(params: list[torch.Tensor], wl: Workload) -> torch.optim.Optimizer:
     impl, policy = wl.optimizer_impl, optimizer_policy(wl.optimizer)
+    if "." in policy.torch_class:  # another library's optimizer (bitsandbytes')
+        from memplan.profile.bnb import bnb_optimizer
+
+        return bnb_optimizer(policy.torch_class, params)
     flags = {"foreach": impl is OptimizerImpl.FOREACH}
     if policy.fused_on_cpu:
         flags["fused"] = impl is OptimizerImpl.FUSED

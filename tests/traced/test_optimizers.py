@@ -1,0 +1,54 @@
+"""bitsandbytes' 8-bit optimizers (``--optimizer adamw8bit|paged-adamw8bit``) against real
+training steps of the reference model, as ``test_ground_truth`` checks torch.optim's.
+
+What is traced and what is read from code: the optimizer objects are bitsandbytes 0.50.2's
+own (``bitsandbytes.optim.AdamW8bit``, ``PagedAdamW8bit``), so every state tensor their
+``init_state`` creates (uint8 states, fp32 absmax per block of 256, fp32 states below
+``min_8bit_size``) and the quantization maps their constructor makes are measured by the exact
+tracker. The update kernel is CUDA code: under fake tensors it runs as a fake op that, like the
+CUDA implementation, writes in place and allocates nothing (``memplan.profile.bnb``). Paging
+exists only on CUDA (on CPU ``get_state_buffer`` falls back to device tensors, with a warning),
+and the tiny model's tensors are all under its 100,000 elements, so the paged optimizer traces
+the same states; which states are paged is checked by hand in ``tests/unit/test_optimizer8bit``.
+
+Tiny (2 layers, h 64, f 176, V 128): the embedding and head (8192 elements), q and o (4096)
+and gate/up/down (11,264) get 8-bit states; k and v (2048) and the norms (64) keep fp32 ones
+(273,984 bytes in all, derived in ``tests/unit/test_optimizer8bit.py``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("bitsandbytes")  # imported before any trace: nothing of its import counted
+
+from memplan.api import make_layout, make_workload  # noqa: E402
+from memplan.profile.compare import compare  # noqa: E402
+from memplan.spec import load_model  # noqa: E402
+
+TOLERANCE_PCT = 1.0
+TINY = load_model("tiny")
+EXACT = ("params_bytes", "grads_bytes", "optimizer_bytes", "first_step.optimizer_bytes",
+         "steady.optimizer_bytes")
+
+GRID = [(opt, precision) for opt in ("adamw8bit", "paged-adamw8bit")
+        for precision in ("bf16-pure", "bf16-mixed", "fp32")]
+
+
+@pytest.mark.parametrize(("optimizer", "precision"), GRID,
+                         ids=[f"{o}-{p}" for o, p in GRID])
+def test_8bit_optimizer_matches_trace(optimizer: str, precision: str) -> None:
+    """States and the optimizer phase to the byte; every phase peak within 1%."""
+    wl = make_workload(TINY, seq_len=128, micro_batch_size=2, optimizer=optimizer,
+                       precision=precision)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # paged falls back on CPU (see above)
+        result = compare(TINY, make_layout(1), wl)
+    for name in EXACT:
+        row = result.row(name)
+        assert row.estimated_bytes == row.measured_bytes, row
+    bad = [r for r in result.rows if abs(r.diff_pct) > TOLERANCE_PCT]
+    assert not bad, bad
