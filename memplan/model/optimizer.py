@@ -68,7 +68,8 @@ class Blockwise:
     per state one fp32 absmax per block of ``block_size`` elements (``blocks = n // 256 +
     bool(n % 256)``). The two quantization maps (``create_dynamic_map``, signed and unsigned,
     256 fp32 values each) exist once per optimizer (``name2qmap``), made in its constructor
-    (``fill_qmap``), before step 1; every 8-bit tensor's state refers to them. Paged (``is_paged``): ``get_state_buffer`` puts the uint8 states
+    (``fill_qmap``), before step 1; every 8-bit tensor's state refers to them. Paged
+    (``is_paged``): ``get_state_buffer`` puts the uint8 states
     of a tensor of at least ``paged_min_numel`` elements in unified memory (``F.get_paged``:
     ``cudaMallocManaged``, outside torch's allocator); absmax and the smaller tensors' states
     stay device tensors."""
