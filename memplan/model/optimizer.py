@@ -9,9 +9,10 @@ temporaries, and the class a trace runs. A new optimizer is a member of
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from memplan.units import FP32_BYTES, ceil_div
 from memplan.workload import Optimizer, OptimizerImpl, PrecisionPolicy
@@ -48,6 +49,8 @@ class StepTemps:
 
 NO_TEMPS = StepTemps()
 
+Shapes = Sequence[tuple[int, ...]]  # the shape of each updated tensor, in step order
+
 
 class States(NamedTuple):
     """An optimizer's states on one rank, in bytes: held by the device's allocator, and in
@@ -57,6 +60,19 @@ class States(NamedTuple):
     device_bytes: int
     paged_bytes: int = 0
     setup_bytes: int = 0  # of device_bytes, what exists from the optimizer's construction on
+
+
+class PerTensor(Protocol):
+    """An optimizer whose states and temporaries depend on each tensor's shape, not only on
+    the number of elements: ``states`` in ``itemsize``-byte elements where it follows the
+    updated dtype, ``temp_bytes`` the step's largest set alive at once, ``device_counters``
+    the tensors whose step count is a device scalar."""
+
+    def states(self, shapes: Shapes, itemsize: int) -> States: ...
+
+    def temp_bytes(self, shapes: Shapes, itemsize: int, impl: OptimizerImpl) -> int: ...
+
+    def device_counters(self, shapes: Shapes, impl: OptimizerImpl) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -92,20 +108,25 @@ class Blockwise:
         codes = self.num_states * n  # uint8
         return States(absmax, codes) if self.paged(n) else States(absmax + codes)
 
-    def states(self, tensor_sizes: Sequence[int]) -> States:
-        """The states of tensors of ``tensor_sizes`` elements, with the quantization maps
-        when any of them is 8-bit."""
-        parts = [self.tensor_states(n) for n in tensor_sizes]
+    def states(self, shapes: Shapes, itemsize: int = 0) -> States:
+        """The states of tensors of ``shapes``, with the quantization maps when any of them
+        is 8-bit (``itemsize``, the updated dtype's, does not matter)."""
+        sizes = [math.prod(shape) for shape in shapes]
+        parts = [self.tensor_states(n) for n in sizes]
         maps = (self.num_states * self.qmap_entries * FP32_BYTES
-                if any(n >= self.min_8bit_size for n in tensor_sizes) else 0)
+                if any(n >= self.min_8bit_size for n in sizes) else 0)
         return States(sum(p.device_bytes for p in parts) + maps,
                       sum(p.paged_bytes for p in parts), maps)
 
-    def pages_in_use(self, tensor_sizes: Sequence[int]) -> int:
+    def temp_bytes(self, shapes: Shapes, itemsize: int, impl: OptimizerImpl) -> int:
         """The paged states the device holds at least during the step: each tensor's are
         prefetched before its update (``prefetch_state``: ``F.prefetch_tensor``), so the
-        largest paged tensor's, ``num_states`` bytes per element."""
-        return max((self.num_states * n for n in tensor_sizes if self.paged(n)), default=0)
+        largest paged tensor's, ``num_states`` bytes per element (0 unpaged)."""
+        return max((self.num_states * n for n in map(math.prod, shapes) if self.paged(n)),
+                   default=0)
+
+    def device_counters(self, shapes: Shapes, impl: OptimizerImpl) -> int:
+        return 0  # the step count is a Python int
 
 
 @dataclass(frozen=True)
@@ -121,20 +142,29 @@ class OptimizerPolicy:
     #                        name, or a dotted path (bitsandbytes.optim.AdamW8bit)
     torch_kwargs: tuple[tuple[str, object], ...] = ()  # ... its arguments beyond lr
     fused_on_cpu: bool = False  # ... whether it has a fused CPU implementation
-    blockwise: Blockwise | None = None  # bitsandbytes' 8-bit states: per tensor, not dtype
+    per_tensor: PerTensor | None = None  # states and temporaries by each tensor's shape
     note: str = ""  # what the estimate assumes of it, printed with the assumptions
 
-    def states(self, precision: PrecisionPolicy, num_params: int,
-               tensor_sizes: Sequence[int]) -> States:
-        """The states of ``num_params`` updated elements in tensors of ``tensor_sizes``
-        elements (read only by a blockwise optimizer)."""
-        if self.blockwise is not None:
-            return self.blockwise.states(tensor_sizes)
+    def states(self, precision: PrecisionPolicy, num_params: int, shapes: Shapes) -> States:
+        """The states of ``num_params`` updated elements in tensors of ``shapes`` (read only
+        by a per-tensor optimizer)."""
+        if self.per_tensor is not None:
+            return self.per_tensor.states(shapes, precision.updated.itemsize)
         return States(num_params * self.state_bytes_per_param(precision))
 
-    def pages_in_use(self, tensor_sizes: Sequence[int]) -> int:
-        """Paged states the device holds during the step (``Blockwise.pages_in_use``)."""
-        return self.blockwise.pages_in_use(tensor_sizes) if self.blockwise else 0
+    def temp_bytes(self, impl: OptimizerImpl, num_params: int, shapes: Shapes,
+                   itemsize: int) -> int:
+        """The step's temporaries over ``num_params`` updated elements in tensors of
+        ``shapes``, in ``itemsize``-byte elements (the updated dtype's)."""
+        if self.per_tensor is not None:
+            return self.per_tensor.temp_bytes(shapes, itemsize, impl)
+        sizes = [math.prod(shape) for shape in shapes]
+        return self.step(impl).elements(num_params, sizes) * itemsize
+
+    @property
+    def shaped(self) -> bool:
+        """Whether ``states`` and ``temp_bytes`` read the tensors' shapes."""
+        return self.per_tensor is not None
 
     def state_bytes_per_param(self, precision: PrecisionPolicy) -> int:
         """Bytes of the states of one parameter element on the device."""
@@ -148,8 +178,12 @@ class OptimizerPolicy:
     def step(self, impl: OptimizerImpl) -> StepTemps:
         return next((temps for key, temps in self.temps if key is impl), NO_TEMPS)
 
-    def step_counter_bytes(self, impl: OptimizerImpl, num_tensors: int) -> int:
-        """The step counts kept on the device: one fp32 scalar per parameter tensor."""
+    def step_counter_bytes(self, impl: OptimizerImpl, num_tensors: int,
+                           shapes: Shapes = ()) -> int:
+        """The step counts kept on the device: one fp32 scalar per parameter tensor (of
+        ``num_tensors``; a per-tensor optimizer says which of ``shapes``)."""
+        if self.per_tensor is not None:
+            return self.per_tensor.device_counters(shapes, impl) * FP32_BYTES
         return num_tensors * FP32_BYTES if self.step(impl).device_step_counters else 0
 
 
@@ -181,11 +215,11 @@ POLICIES = {
     # one kernel that writes the parameter and its states in place; its step count is a Python
     # int. The torch.optim implementations (foreach, fused, for-loop) do not apply.
     Optimizer.ADAMW8BIT: OptimizerPolicy(
-        "adamw8bit", 2, torch_class="bitsandbytes.optim.AdamW8bit", blockwise=Blockwise(),
+        "adamw8bit", 2, torch_class="bitsandbytes.optim.AdamW8bit", per_tensor=Blockwise(),
         note=_BNB_NOTE),
     Optimizer.PAGED_ADAMW8BIT: OptimizerPolicy(
         "paged-adamw8bit", 2, torch_class="bitsandbytes.optim.PagedAdamW8bit",
-        blockwise=Blockwise(paged_min_numel=100_000),  # get_state_buffer: numel() < 1e5
+        per_tensor=Blockwise(paged_min_numel=100_000),  # get_state_buffer: numel() < 1e5
         note=_BNB_NOTE + "; paged: the uint8 states of tensors of 100,000 elements or more "
         "live in unified memory (cudaMallocManaged), outside the peak except the pages of "
         "the tensor being updated, which the step prefetches to the GPU"),

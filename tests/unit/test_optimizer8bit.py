@@ -16,7 +16,9 @@ from memplan.api import estimate
 from memplan.cli import app, main
 from memplan.errors import MemplanError
 from memplan.model.optimizer import Blockwise, optimizer_policy
-from memplan.workload import Optimizer
+from memplan.workload import Optimizer, OptimizerImpl
+
+FOREACH = OptimizerImpl.FOREACH
 
 MAPS = 2 * 256 * 4
 
@@ -48,13 +50,13 @@ def test_paged_states_split() -> None:
     """Paged from 100,000 elements (``get_state_buffer``): 100,000 -> 200,000 paged and
     8 * 391 = 3128 absmax on the device; 99,999 -> 199,998 + 3128 on the device; 4000 ->
     32,000 (fp32); maps 2048. The step prefetches the largest paged tensor's 200,000."""
-    b = optimizer_policy(Optimizer.PAGED_ADAMW8BIT).blockwise
-    states = b.states([100_000, 99_999, 4000])
+    b = optimizer_policy(Optimizer.PAGED_ADAMW8BIT).per_tensor
+    states = b.states([(100_000,), (99_999,), (40, 100)])
     assert states.paged_bytes == 200_000
     assert states.device_bytes == 3128 + 199_998 + 3128 + 32_000 + MAPS
     assert states.setup_bytes == MAPS
-    assert b.pages_in_use([100_000, 99_999, 300_000]) == 600_000
-    assert Blockwise().states([100_000]).paged_bytes == 0  # not paged without is_paged
+    assert b.temp_bytes([(100_000,), (99_999,), (300, 1000)], 2, FOREACH) == 600_000
+    assert Blockwise().states([(100_000,)]).paged_bytes == 0  # not paged without is_paged
 
 
 def test_paged_estimate_holds_the_pages_of_one_tensor() -> None:
