@@ -373,6 +373,10 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
         raise LayoutError(f"offload optimizer does not combine with {wl.optimizer.value}",
                           f"offload optimizer runs DeepSpeed's CPU-Adam on the host; optimizer "
                           f"{wl.optimizer.value} is bitsandbytes' on the GPU (choose one)")
+    if wl.optimizer.value == "muon" and par.zero >= ZeroStage.OPTIMIZER:
+        raise LayoutError("optimizer muon does not combine with ZeRO",
+                          f"optimizer muon with zero {int(par.zero)}: torch.optim.Muon "
+                          "orthogonalizes whole matrices; a sharded Muon step is not modelled")
     if par.offload is Offload.OPTIMIZER and wl.precision is Precision.FSDP_BF16:
         raise LayoutError(
             "offload optimizer does not combine with precision fsdp-bf16",

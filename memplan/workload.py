@@ -115,12 +115,16 @@ class Optimizer(str, enum.Enum):
     adamw8bit        bitsandbytes AdamW8bit: two blockwise 8-bit states
     paged-adamw8bit  bitsandbytes PagedAdamW8bit: the same states, the large ones in unified
                      memory the driver pages out to the host under pressure
+    adafactor        torch.optim.Adafactor: row and column factors for matrices, full for vectors
+    muon             torch.optim.Muon on the 2-D parameters, torch.optim.AdamW on the others
     """
 
     ADAMW = "adamw"
     SGD = "sgd"
     ADAMW8BIT = "adamw8bit"
     PAGED_ADAMW8BIT = "paged-adamw8bit"
+    ADAFACTOR = "adafactor"
+    MUON = "muon"
 
 
 class OptimizerImpl(str, enum.Enum):

@@ -130,6 +130,82 @@ class Blockwise:
 
 
 @dataclass(frozen=True)
+class Factored:
+    """torch.optim.Adafactor (``torch/optim/_adafactor.py``, torch 2.13): ``_init_group``
+    gives a tensor of more than one dimension a row factor (its shape with the last dim 1)
+    and a column factor (the next-to-last dim 1), ``p.grad.new_zeros``, so in the gradient's
+    dtype; a vector one full ``variance``; the step count is a host scalar. The foreach step
+    (``_multi_tensor_adafactor``, the CUDA default) makes ``var_estimates``, one tensor the
+    size of each parameter of a group (matrices, then vectors, or the reverse), and the list
+    of the first group is still referenced (``updates``) while the second group's are made:
+    the size of all parameters at once. The for-loop (``_single_tensor_adafactor``) makes a
+    matrix's ``var_estimate`` (a vector's ``grad * grad`` and ``variance.clone()``) while the
+    previous tensor's update is still referenced."""
+
+    def states(self, shapes: Shapes, itemsize: int) -> States:
+        return States(sum(_factored(shape) for shape in shapes) * itemsize)
+
+    def temp_bytes(self, shapes: Shapes, itemsize: int, impl: OptimizerImpl) -> int:
+        sizes = [math.prod(shape) for shape in shapes]
+        if impl is OptimizerImpl.FORLOOP:
+            return max((prev + (2 if len(shape) == 1 else 1) * n for prev, n, shape
+                        in zip((0, *sizes), sizes, shapes)), default=0) * itemsize
+        return sum(sizes) * itemsize
+
+    def device_counters(self, shapes: Shapes, impl: OptimizerImpl) -> int:
+        return 0
+
+
+def _factored(shape: tuple[int, ...]) -> int:
+    """Adafactor's state elements for one tensor: row + column factors, or the vector."""
+    if len(shape) < 2:
+        return math.prod(shape)
+    *lead, rows, cols = shape
+    return math.prod(lead) * (rows + cols)
+
+
+# torch.optim.Muon's Newton-Schulz iteration (``_zeropower_via_newtonschulz``) runs in bf16
+_NS_DTYPE_BYTES = 2
+
+
+@dataclass(frozen=True)
+class MuonSplit:
+    """torch.optim.Muon (``torch/optim/_muon.py``, torch 2.13) on the 2-D parameters and
+    torch.optim.AdamW (``other``'s rows) on the rest: Muon refuses any other (``__init__``:
+    "Muon only supports 2D parameters"), and its docstring's recipe builds the two optimizers
+    so, stepping Muon first. Muon keeps one ``momentum_buffer`` per parameter
+    (``zeros_like(p.grad)``) and no step count. Its step (``_single_tensor_muon``, the only
+    implementation) per (m, n) tensor, k = min(m, n), K = max(m, n): ``grad.lerp(buf)``
+    (nesterov, the default: m*n in the gradient's dtype), then ``_zeropower_via_newtonschulz``
+    in bf16: the copy X (k x K), and per iteration ``X @ X.T`` and ``addmm`` of it (k x k
+    each) and the next X, made while the previous X and the previous Gram matrices are still
+    referenced: at most 2 k^2 + 2 k K bf16 elements beside the lerp. Without a copy (bf16
+    gradients) the first X is the lerp itself, still referenced, which the same bound
+    covers."""
+
+    other: OptimizerPolicy
+
+    def _split(self, shapes: Shapes) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+        return ([s for s in shapes if len(s) == 2], [s for s in shapes if len(s) != 2])
+
+    def states(self, shapes: Shapes, itemsize: int) -> States:
+        mats, others = self._split(shapes)
+        return States((sum(map(math.prod, mats))
+                       + self.other.num_states * sum(map(math.prod, others))) * itemsize)
+
+    def temp_bytes(self, shapes: Shapes, itemsize: int, impl: OptimizerImpl) -> int:
+        mats, others = self._split(shapes)
+        muon = max((m * n * itemsize + _NS_DTYPE_BYTES * 2 * min(m, n) * (min(m, n) + max(m, n))
+                    for m, n in mats), default=0)
+        rest = self.other.temp_bytes(impl, sum(map(math.prod, others)), others, itemsize)
+        return max(muon, rest)  # Muon steps first; its temporaries are gone by AdamW's step
+
+    def device_counters(self, shapes: Shapes, impl: OptimizerImpl) -> int:
+        others = self._split(shapes)[1]
+        return len(others) if self.other.step(impl).device_step_counters else 0
+
+
+@dataclass(frozen=True)
 class OptimizerPolicy:
     """States per parameter element (each in the dtype of what it updates) and the step's
     temporaries per implementation (``StepTemps``; an implementation not listed makes
@@ -207,6 +283,18 @@ POLICIES = {
     # place by every implementation, no step count
     Optimizer.SGD: OptimizerPolicy("sgd", 1, torch_class="SGD",
                                    torch_kwargs=(("momentum", 0.9),)),
+    # torch.optim.Adafactor: ``Factored``; no fused implementation
+    Optimizer.ADAFACTOR: OptimizerPolicy("adafactor", 1, torch_class="Adafactor",
+                                         per_tensor=Factored()),
+}
+POLICIES |= {
+    # torch.optim.Muon beside AdamW: ``MuonSplit``; torch_class names the pair a trace builds
+    Optimizer.MUON: OptimizerPolicy("muon", 1, torch_class="Muon+AdamW", fused_on_cpu=True,
+                                    per_tensor=MuonSplit(POLICIES[Optimizer.ADAMW]),
+                                    note=("optimizer: torch.optim.Muon on the 2-D parameters "
+                                          "(embedding and head included), torch.optim.AdamW "
+                                          "on the others, as torch's Muon docstring builds "
+                                          "them")),
     # bitsandbytes.optim.AdamW8bit / PagedAdamW8bit (bitsandbytes/optim/adamw.py): states per
     # ``Blockwise``. No step temporaries on CUDA: ``Optimizer8bit.step`` updates one tensor at
     # a time through ``optimizer_update_8bit_blockwise`` (or ``optimizer_update_32bit`` below

@@ -81,6 +81,10 @@ def _optimizer(params: list[torch.Tensor], wl: Workload) -> torch.optim.Optimize
     elif impl is OptimizerImpl.FUSED:
         raise MemplanError(f"optimizer_impl: torch.optim.{policy.torch_class} has no fused CPU "
                            "implementation")
+    if policy.torch_class == "Muon+AdamW":
+        from memplan.profile.chained import muon_and_adamw
+
+        return muon_and_adamw(params, flags)
     optimizer = getattr(torch.optim, policy.torch_class)
     return optimizer(params, lr=1e-4, **dict(policy.torch_kwargs), **flags)
 
