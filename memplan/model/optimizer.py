@@ -140,7 +140,8 @@ class Factored:
     of the first group is still referenced (``updates``) while the second group's are made:
     the size of all parameters at once. The for-loop (``_single_tensor_adafactor``) makes a
     matrix's ``var_estimate`` (a vector's ``grad * grad`` and ``variance.clone()``) while the
-    previous tensor's update is still referenced."""
+    previous tensor's update is still referenced. It has no fused implementation: a preset's
+    ``fused`` reads as foreach, what a framework's Adafactor runs on CUDA."""
 
     def states(self, shapes: Shapes, itemsize: int) -> States:
         return States(sum(_factored(shape) for shape in shapes) * itemsize)
