@@ -81,3 +81,33 @@ def test_torch_optimizer_matches_trace(optimizer: str, precision: str, impl: str
         assert abs(result.row(name).diff_pct) < 0.2, result.row(name)
     bad = [r for r in result.rows if abs(r.diff_pct) > TOLERANCE_PCT]
     assert not bad, bad
+
+
+@pytest.mark.parametrize("name", ["AdamW8bit", "PagedAdamW8bit"])
+def test_8bit_states_of_real_tensors(name: str) -> None:
+    """bitsandbytes' own CPU step on real tensors (its CPU kernel runs; its temporaries are
+    not the CUDA kernel's, so only the states are compared): a stack of Linear layers around
+    the thresholds, 64 x 63 = 4032 elements (fp32 states) with a bias of 64, 64 x 64 = 4096
+    and 400 x 250 = 100,000 (8-bit; on CUDA the paged optimizer pages the last). The state
+    tensors after one step, the shared quantization maps counted once, equal
+    ``Blockwise.states`` of the same shapes."""
+    import bitsandbytes
+
+    from memplan.model.optimizer import optimizer_policy
+    from memplan.workload import Optimizer
+
+    layers = [torch.nn.Linear(63, 64), torch.nn.Linear(64, 64, bias=False),
+              torch.nn.Linear(250, 400, bias=False)]
+    params = [p for layer in layers for p in layer.parameters()]
+    opt = getattr(bitsandbytes.optim, name)(params, lr=1e-4)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # paged falls back on CPU
+        opt.step()
+    seen = {v.data_ptr(): v.numel() * v.element_size() for state in opt.state.values()
+            for v in state.values() if isinstance(v, torch.Tensor)}
+    policy = optimizer_policy(Optimizer.PAGED_ADAMW8BIT if name.startswith("Paged")
+                              else Optimizer.ADAMW8BIT)
+    expected = policy.per_tensor.states([tuple(p.shape) for p in params], 4)
+    assert sum(seen.values()) == expected.device_bytes + expected.paged_bytes
