@@ -32,9 +32,13 @@ def _register_fake_update() -> None:
     """A fake kernel for the 8-bit update: in place, nothing allocated (as on CUDA)."""
     importlib.import_module("bitsandbytes")  # defines the op
 
-    @torch.library.register_fake(_OP)
     def _update_in_place(*args, **kwargs) -> None:
         return None
+
+    try:
+        torch.library.register_fake(_OP)(_update_in_place)
+    except RuntimeError:  # a bitsandbytes that registers its own fake kernel for it
+        pass
 
 
 @cache
