@@ -1,9 +1,10 @@
 """The optimizer policy: the states an optimizer keeps per parameter and the temporaries each
 implementation of its step makes, as data the states read (``memplan.model.model_states``).
 
-An optimizer is one row of ``POLICIES``: its states per parameter element (or, for
-bitsandbytes' 8-bit optimizers, per tensor: ``Blockwise``), per ``OptimizerImpl`` its step's
-temporaries, and the class a trace runs. A new optimizer is a member of
+An optimizer is one row of ``POLICIES``: its states per parameter element, per
+``OptimizerImpl`` its step's temporaries, and the class a trace runs; or, where the states or
+the step depend on each tensor's shape, a ``PerTensor`` (bitsandbytes' 8-bit ``Blockwise``,
+Adafactor's ``Factored``, ``MuonSplit``). A new optimizer is a member of
 ``memplan.workload.Optimizer`` and a row here.
 """
 
