@@ -369,6 +369,14 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
                           f"partitions the optimizer first), got zero {int(par.zero)}")
     if (err := cp_rule(wl.seq_len, par.cp)) is not None:
         raise err
+    if par.offload is Offload.OPTIMIZER and wl.optimizer.value not in ("adamw", "sgd"):
+        raise LayoutError(f"offload optimizer does not combine with {wl.optimizer.value}",
+                          f"offload optimizer runs DeepSpeed's CPU-Adam on the host; optimizer "
+                          f"{wl.optimizer.value} runs on the GPU (choose one)")
+    if wl.optimizer.value == "muon" and par.zero >= ZeroStage.OPTIMIZER:
+        raise LayoutError("optimizer muon does not combine with ZeRO",
+                          f"optimizer muon with zero {int(par.zero)}: torch.optim.Muon "
+                          "orthogonalizes whole matrices; a sharded Muon step is not modelled")
     if par.offload is Offload.OPTIMIZER and wl.precision is Precision.FSDP_BF16:
         raise LayoutError(
             "offload optimizer does not combine with precision fsdp-bf16",

@@ -107,11 +107,24 @@ _POLICIES = {
 
 
 class Optimizer(str, enum.Enum):
-    """The optimizer (torch.optim's): its states and its step's temporaries are
-    ``memplan.model.optimizer.POLICIES``."""
+    """The optimizer: its states and its step's temporaries are
+    ``memplan.model.optimizer.POLICIES``.
+
+    adamw            torch.optim.AdamW: two states per parameter
+    sgd              torch.optim.SGD with momentum 0.9: one momentum buffer per parameter
+    adamw8bit        bitsandbytes AdamW8bit: two blockwise 8-bit states
+    paged-adamw8bit  bitsandbytes PagedAdamW8bit: the same states, the large ones in unified
+                     memory the driver pages out to the host under pressure
+    adafactor        torch.optim.Adafactor: row and column factors for matrices, full for vectors
+    muon             torch.optim.Muon on the 2-D parameters, torch.optim.AdamW on the others
+    """
 
     ADAMW = "adamw"
     SGD = "sgd"
+    ADAMW8BIT = "adamw8bit"
+    PAGED_ADAMW8BIT = "paged-adamw8bit"
+    ADAFACTOR = "adafactor"
+    MUON = "muon"
 
 
 class OptimizerImpl(str, enum.Enum):

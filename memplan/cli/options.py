@@ -122,7 +122,10 @@ RecomputeEvery = Annotated[Optional[int], typer.Option(
 PrecisionOpt = Annotated[Precision, typer.Option(
     "--precision", help="Precision recipe (weights / grads / master copy).",
     rich_help_panel=_WORKLOAD)]
-OptimizerOpt = Annotated[Optimizer, typer.Option("--optimizer", rich_help_panel=_WORKLOAD)]
+OptimizerOpt = Annotated[Optimizer, typer.Option(
+    "--optimizer", help="adamw, sgd (momentum 0.9), adamw8bit / paged-adamw8bit "
+    "(bitsandbytes), adafactor, muon (Muon on 2-D weights, AdamW on the rest).",
+    rich_help_panel=_WORKLOAD)]
 OptimizerImplOpt = Annotated[Optional[OptimizerImpl], typer.Option(
     "--optimizer-impl", help="torch.optim implementation: step temporaries differ "
     "(default: the framework's; generic: foreach).",

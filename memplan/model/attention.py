@@ -289,6 +289,10 @@ class Attention:
         """The projections (``attention_linears``), then the q and k norms."""
         return linear.all_tensor_sizes(attention_linears(spec), t) + qk_norm_sizes(spec, t)
 
+    def tensor_shapes(self, spec: ModelSpec, t: int, ep: int) -> list[tuple[int, ...]]:
+        return (linear.all_tensor_shapes(attention_linears(spec), t)
+                + [(n,) for n in qk_norm_sizes(spec, t)])
+
     def grad_groups(self, spec: ModelSpec, t: int, ep: int) -> dict[str, int]:
         """``attn_out``: the output projection (its backward runs first); ``attn``: all."""
         return linear.grad_groups(attention_linears(spec), t, ("attn_out", "attn"),

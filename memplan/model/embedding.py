@@ -104,6 +104,13 @@ class EmbeddingBlock(NamedTuple):
         return ([vocab_shard(spec.vocab_size, t) * spec.hidden_size]
                 + ([positions] if positions else []))
 
+    def tensor_shapes(self, spec: ModelSpec, t: int, ep: int) -> list[tuple[int, ...]]:
+        """(rows, h) of the token embedding on this rank, then (positions, h)."""
+        h = spec.hidden_size
+        positions = param_counts(spec).position_embedding
+        return ([(vocab_shard(spec.vocab_size, t), h)]
+                + ([(positions // h, h)] if positions else []))
+
     def grad_groups(self, spec: ModelSpec, t: int, ep: int) -> dict[str, int]:
         """Learned positions' gradient first (their backward runs first), then the token
         embedding's (which a tied head's gradient is summed into)."""

@@ -28,6 +28,7 @@ from memplan.hardware import GpuSpec
 from memplan.model import memo
 from memplan.model.dims import Dims
 from memplan.model.head import in_loss
+from memplan.model.optimizer import optimizer_policy
 from memplan.model.pipeline import Schedule, chunks_in_flight
 from memplan.model.stage_terms import StageTerms
 from memplan.model.stage import (
@@ -293,6 +294,7 @@ def _assumptions(par: ParallelConfig, wl: Workload, schedule: Schedule,
         *(("optimizer offloaded to host memory: fp32 master weights, states, an fp32 gradient "
            "copy and the step on the CPU (ZeRO-Offload); the GPU keeps weights and gradients",)
           if par.offload is Offload.OPTIMIZER else ()),
+        *((note,) if (note := optimizer_policy(wl.optimizer).note) else ()),
         f"cuda context: {ovh.cuda_context_source}",
         f"workspace: {ovh.workspace_source}",
         f"allocator: {ovh.allocator_source}",

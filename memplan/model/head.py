@@ -360,6 +360,10 @@ class HeadBlock(NamedTuple):
         proj = [] if spec.tied_embeddings else lin.tensor_sizes(head_linear(spec, t), t)
         return [spec.hidden_size] * (2 if spec.norm_bias else 1) + proj
 
+    def tensor_shapes(self, spec: ModelSpec, t: int, ep: int) -> list[tuple[int, ...]]:
+        proj = [] if spec.tied_embeddings else lin.tensor_shapes(head_linear(spec, t), t)
+        return [(spec.hidden_size,)] * (2 if spec.norm_bias else 1) + proj
+
     def grad_groups(self, spec: ModelSpec, t: int, ep: int) -> dict[str, int]:
         """The output projection's gradient first (0 when tied), then the final norm's."""
         proj = [] if spec.tied_embeddings else [head_linear(spec, t)]

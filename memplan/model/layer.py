@@ -306,6 +306,13 @@ def layer_tensor_sizes(spec: ModelSpec, t: int, ep: int, moe_layer: bool) -> lis
             for n in block.tensor_sizes(spec, t, ep)]
 
 
+def layer_tensor_shapes(spec: ModelSpec, t: int, ep: int,
+                        moe_layer: bool) -> list[tuple[int, ...]]:
+    """Shapes of ``layer_tensor_sizes``' tensors, in the same order."""
+    return [shape for block in layer_blocks(spec, moe_layer)
+            for shape in block.tensor_shapes(spec, t, ep)]
+
+
 def merge_terms(groups: tuple[tuple[int, tuple[Term, ...]], ...]) -> tuple[Term, ...]:
     """Sum ``count`` copies of each term list by name."""
     sums: dict[str, int] = {}

@@ -59,6 +59,20 @@ def tensor_sizes(lin: Linear, t: int) -> list[int]:
     return [weight_elements(lin, t), lin.d_out // t if lin.split is Split.COLUMN else lin.d_out]
 
 
+def tensor_shapes(lin: Linear, t: int) -> list[tuple[int, ...]]:
+    """Shapes of the weight and the bias on one TP rank (``tensor_sizes`` elements): the
+    weight (d_out, d_in) as ``torch.nn.Linear`` holds it, (stack, d_out, d_in) stacked."""
+    d_out = lin.d_out // t if lin.split is Split.COLUMN else lin.d_out
+    d_in = lin.d_in // t if lin.split is Split.ROW else lin.d_in
+    weight = (lin.stack, d_out, d_in) if lin.stack > 1 else (d_out, d_in)
+    return [weight, (d_out,)] if lin.bias else [weight]
+
+
+def all_tensor_shapes(linears: Sequence[Linear], t: int) -> list[tuple[int, ...]]:
+    """``tensor_shapes`` of each projection, in the order given."""
+    return [shape for lin in linears for shape in tensor_shapes(lin, t)]
+
+
 def all_tensor_sizes(linears: Sequence[Linear], t: int) -> list[int]:
     """``tensor_sizes`` of each projection, in the order given."""
     return [n for lin in linears for n in tensor_sizes(lin, t)]

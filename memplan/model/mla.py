@@ -26,6 +26,8 @@ and v at the query/key head width.
 
 from __future__ import annotations
 
+import math
+
 from functools import lru_cache
 
 from memplan.model import eager, linear
@@ -175,12 +177,15 @@ class Mla:
 
     def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:
         """The projections (``mla_linears``), each latent norm after its down projection."""
-        sizes = [linear.tensor_sizes(lin, t) for lin in mla_linears(spec)]
+        return [math.prod(shape) for shape in self.tensor_shapes(spec, t, ep)]
+
+    def tensor_shapes(self, spec: ModelSpec, t: int, ep: int) -> list[tuple[int, ...]]:
+        shapes = [linear.tensor_shapes(lin, t) for lin in mla_linears(spec)]
         q_norm, kv_norm = _latent_norm_sizes(spec)
         if q_norm:
-            sizes.insert(1, [q_norm])
-        sizes.insert(len(sizes) - 2, [kv_norm])
-        return [n for part in sizes for n in part]
+            shapes.insert(1, [(q_norm,)])
+        shapes.insert(len(shapes) - 2, [(kv_norm,)])
+        return [shape for part in shapes for shape in part]
 
     def grad_groups(self, spec: ModelSpec, t: int, ep: int) -> dict[str, int]:
         """``attn_out``: the output projection (its backward runs first); ``attn``: all."""

@@ -177,6 +177,9 @@ class Mlp:
     def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:
         return mlp_tensor_sizes(spec, spec.ffn_hidden_size, t)
 
+    def tensor_shapes(self, spec: ModelSpec, t: int, ep: int) -> list[tuple[int, ...]]:
+        return linear.all_tensor_shapes(mlp_linears(spec, spec.ffn_hidden_size), t)
+
     def grad_groups(self, spec: ModelSpec, t: int, ep: int) -> dict[str, int]:
         """``mlp_out``: the down projection (its backward runs first); ``mlp``: all."""
         return linear.grad_groups(mlp_linears(spec, spec.ffn_hidden_size), t, ("mlp_out", "mlp"))

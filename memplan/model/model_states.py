@@ -11,14 +11,15 @@ parameters and the expert-data-parallel group for experts; the most loaded rank 
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from memplan.model.embedding import EmbeddingBlock
 from memplan.model.fsdp_buckets import gathered_units, queued_units
 from memplan.model.head import HeadBlock
-from memplan.model.layer import layer_tensor_sizes
+from memplan.model.layer import layer_tensor_shapes
 from memplan.model.optimizer import optimizer_policy
-from memplan.model.trainable import ALL, TrainablePolicy
+from memplan.model.trainable import ALL, Trained, TrainablePolicy
 from memplan.parallel import ExpertSplit, Offload, ParallelConfig, ZeroStage, vocab_shard
 from memplan.spec import ModelSpec, param_counts
 from memplan.units import FP32_BYTES, ceil_div
@@ -39,6 +40,7 @@ class StageParams(NamedTuple):
     num_tensors: int  # parameter tensors on the rank
     embedding_tensors: int = 0  # of tensor_sizes, the embedding's (the first ones)
     head_tensors: int = 0  # ... the final norm's and the head's (the last ones)
+    tensor_shapes: tuple[tuple[int, ...], ...] = ()  # the shape of each of tensor_sizes
 
     @property
     def total(self) -> int:
@@ -75,21 +77,22 @@ def count_stage_params(spec: ModelSpec, t: int, ep: int | ExpertSplit, pp: int,
     # Tied and p == 1: the head is the embedding itself, already counted.
     head = counts.final_norm + (vocab_rows if counts.head or pp > 1 else 0) if last else 0
     dense += embed + head
-    sizes: list[int] = []
+    shapes: list[tuple[int, ...]] = []
     if first:
-        sizes += EmbeddingBlock().tensor_sizes(spec, vocab_div, 1)
-    embedding_tensors = len(sizes)
-    kinds = {moe: layer_tensor_sizes(spec, t, ep, moe)
+        shapes += EmbeddingBlock().tensor_shapes(spec, vocab_div, 1)
+    embedding_tensors = len(shapes)
+    kinds = {moe: layer_tensor_shapes(spec, t, ep, moe)
              for moe in {spec.is_moe_layer(i) for i in layers}}
     for i in layers:
-        sizes += kinds[spec.is_moe_layer(i)]
-    before_head = len(sizes)
+        shapes += kinds[spec.is_moe_layer(i)]
+    before_head = len(shapes)
     if last:
-        sizes += HeadBlock().tensor_sizes(spec, vocab_div, 1)
+        shapes += HeadBlock().tensor_shapes(spec, vocab_div, 1)
         # tied under pipeline parallelism the last stage holds its own copy of the embedding
-        sizes += [vocab_rows] if spec.tied_embeddings and pp > 1 else []
+        shapes += [(vocab_rows // h, h)] if spec.tied_embeddings and pp > 1 else []
+    sizes = [math.prod(shape) for shape in shapes]
     return StageParams(dense=dense, expert=expert, layers=tuple(per_layer), embedding=embed,
-                       head=head, tensor_sizes=tuple(sizes),
+                       head=head, tensor_sizes=tuple(sizes), tensor_shapes=tuple(shapes),
                        largest_unit=max(0, embed, head, *per_layer), num_tensors=len(sizes),
                        embedding_tensors=embedding_tensors,
                        head_tensors=len(sizes) - before_head)
@@ -105,6 +108,10 @@ class StateBytes(NamedTuple):
     num_optimizer_params: int  # elements this rank's optimizer updates
     host_bytes: int = 0  # in host memory instead (offload): master copy, states, fp32 gradients
     scaler_bytes: int = 0  # GradScaler's state (in optimizer_bytes): made at step 1's loss
+    setup_bytes: int = 0  # of optimizer_bytes, made with the optimizer beside the master copy,
+    #                       before step 1 (bitsandbytes' quantization maps)
+    paged_bytes: int = 0  # optimizer states in unified memory (paged optimizers), not in
+    #                       optimizer_bytes: on the device while it has room
 
 
 # torch.amp.GradScaler's state on the device: an fp32 scale and an int32 growth tracker, made
@@ -136,8 +143,9 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
         return _shard(dense, dense_d, on) + _shard(expert, expert_d, on)
 
     opt_params = held(trained.dense, trained.expert, ZeroStage.OPTIMIZER)
-    per_param_opt = policy.master_bytes + optimizer.state_bytes_per_param(policy)
-    steps = optimizer.step_counter_bytes(wl.optimizer_impl, len(trained.tensor_sizes))
+    shapes = _updated_shapes(_shapes(trained), par)
+    states = optimizer.states(policy, opt_params, shapes)
+    steps = optimizer.step_counter_bytes(wl.optimizer_impl, len(trained.tensor_sizes), shapes)
     params_bytes = held(params.dense, params.expert, ZeroStage.PARAMETERS) * policy.param_bytes
     grads_bytes = held(trained.dense, trained.expert, ZeroStage.GRADIENTS) * policy.grad_bytes
     if par.offload is Offload.OPTIMIZER:
@@ -152,11 +160,28 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
     return StateBytes(
         params_bytes=params_bytes,
         grads_bytes=grads_bytes,
-        optimizer_bytes=opt_params * per_param_opt + steps + scaler,
+        optimizer_bytes=opt_params * policy.master_bytes + states.device_bytes + steps + scaler,
         master_bytes=opt_params * policy.master_bytes,
         num_optimizer_params=opt_params,
         scaler_bytes=scaler,
+        setup_bytes=states.setup_bytes,
+        paged_bytes=states.paged_bytes,
     )
+
+
+def _shapes(trained: Trained) -> tuple[tuple[int, ...], ...]:
+    """The trained tensors' shapes (flat ones where only their sizes are known)."""
+    return trained.tensor_shapes or tuple((n,) for n in trained.tensor_sizes)
+
+
+def _updated_shapes(shapes: tuple[tuple[int, ...], ...],
+                    par: ParallelConfig) -> tuple[tuple[int, ...], ...]:
+    """The shape of each tensor the rank's optimizer updates: its shard of each under ZeRO
+    (FSDP2 shards every parameter on dim 0; the most loaded rank holds the ceil)."""
+    if par.zero >= ZeroStage.OPTIMIZER:
+        d = par.dense_shard_degree
+        return tuple((ceil_div(shape[0], d), *shape[1:]) for shape in shapes)
+    return shapes
 
 
 def optimizer_step_temp_bytes(params: StageParams, st: StateBytes, par: ParallelConfig,
@@ -166,18 +191,21 @@ def optimizer_step_temp_bytes(params: StageParams, st: StateBytes, par: Parallel
     under ZeRO), in the dtype of what it updates (fp32 for a master copy, the weights' dtype
     without one). With a low-precision gradient and an fp32 master copy the step reads fp32
     gradients, copied shard by shard (Megatron-LM's ``_copy_model_grads_to_main_grads``):
-    one fp32 copy of the updated shard.
+    one fp32 copy of the updated shard. A paged optimizer (``StateBytes.paged_bytes``) adds
+    the unified-memory pages of the tensor it updates, prefetched to the device.
     """
     policy = wl.precision.policy
     if par.offload is Offload.OPTIMIZER:  # the step runs on the host
         return 0
-    step = optimizer_policy(wl.optimizer).step(wl.optimizer_impl)
-    sizes: tuple[int, ...] = ()
-    if step.per_tensor:
-        sizes = trainable.trained(params).tensor_sizes
-        if par.zero >= ZeroStage.OPTIMIZER:
-            sizes = tuple(ceil_div(n, par.dense_shard_degree) for n in sizes)
-    temp = step.elements(st.num_optimizer_params, sizes) * policy.updated.itemsize
+    optimizer = optimizer_policy(wl.optimizer)
+    shapes: tuple[tuple[int, ...], ...] = ()
+    if optimizer.shaped:
+        shapes = _updated_shapes(_shapes(trainable.trained(params)), par)
+    elif optimizer.step(wl.optimizer_impl).per_tensor:  # by elements, each shard ceil(n / d)
+        d = par.dense_shard_degree if par.zero >= ZeroStage.OPTIMIZER else 1
+        shapes = tuple((ceil_div(n, d),) for n in trainable.trained(params).tensor_sizes)
+    temp = optimizer.temp_bytes(wl.optimizer_impl, st.num_optimizer_params, shapes,
+                                policy.updated.itemsize)
     if policy.master_bytes and policy.grad_bytes < FP32_BYTES:
         temp += st.num_optimizer_params * FP32_BYTES
     if policy.grad_scaler:

@@ -179,6 +179,12 @@ class MoE:
         return [n for lin in linears for n in linear.tensor_sizes(lin, etp if _routed(lin)
                                                                   else t)]
 
+    def tensor_shapes(self, spec: ModelSpec, t: int,
+                      ep: int | ExpertSplit) -> list[tuple[int, ...]]:
+        ep, etp = _split(ep, t)
+        return [shape for lin in moe_linears(spec, ep)
+                for shape in linear.tensor_shapes(lin, etp if _routed(lin) else t)]
+
     def grad_groups(self, spec: ModelSpec, t: int, ep: int | ExpertSplit) -> dict[str, int]:
         """``mlp_out``: the experts' down projections (their backward runs first); ``mlp``:
         all."""

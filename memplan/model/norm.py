@@ -191,6 +191,9 @@ class Norm:
     def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:
         return [spec.hidden_size] * (2 if spec.norm_bias else 1)
 
+    def tensor_shapes(self, spec: ModelSpec, t: int, ep: int) -> list[tuple[int, ...]]:
+        return [(n,) for n in self.tensor_sizes(spec, t, ep)]
+
     def grad_groups(self, spec: ModelSpec, t: int, ep: int) -> dict[str, int]:
         return {self.name: norm_params(spec)}
 
@@ -269,6 +272,9 @@ class StreamInput:
         return []
 
     def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:
+        return []
+
+    def tensor_shapes(self, spec: ModelSpec, t: int, ep: int) -> list[tuple[int, ...]]:
         return []
 
     def grad_groups(self, spec: ModelSpec, t: int, ep: int) -> dict[str, int]:

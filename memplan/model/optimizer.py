@@ -2,16 +2,20 @@
 implementation of its step makes, as data the states read (``memplan.model.model_states``).
 
 An optimizer is one row of ``POLICIES``: its states per parameter element, per
-``OptimizerImpl`` its step's temporaries, and the torch.optim class a trace runs. A new
-optimizer is a member of ``memplan.workload.Optimizer`` and a row here.
+``OptimizerImpl`` its step's temporaries, and the class a trace runs; or, where the states or
+the step depend on each tensor's shape, a ``PerTensor`` (bitsandbytes' 8-bit ``Blockwise``,
+Adafactor's ``Factored``, ``MuonSplit``). A new optimizer is a member of
+``memplan.workload.Optimizer`` and a row here.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
-from memplan.units import FP32_BYTES
+from memplan.units import FP32_BYTES, ceil_div
 from memplan.workload import Optimizer, OptimizerImpl, PrecisionPolicy
 
 
@@ -46,6 +50,162 @@ class StepTemps:
 
 NO_TEMPS = StepTemps()
 
+Shapes = Sequence[tuple[int, ...]]  # the shape of each updated tensor, in step order
+
+
+class States(NamedTuple):
+    """An optimizer's states on one rank, in bytes: held by the device's allocator, and in
+    unified memory (paged: on the device while it has room, paged out to the host under
+    pressure)."""
+
+    device_bytes: int
+    paged_bytes: int = 0
+    setup_bytes: int = 0  # of device_bytes, what exists from the optimizer's construction on
+
+
+class PerTensor(Protocol):
+    """An optimizer whose states and temporaries depend on each tensor's shape, not only on
+    the number of elements: ``states`` in ``itemsize``-byte elements where it follows the
+    updated dtype, ``temp_bytes`` the step's largest set alive at once, ``device_counters``
+    the tensors whose step count is a device scalar."""
+
+    def states(self, shapes: Shapes, itemsize: int) -> States: ...
+
+    def temp_bytes(self, shapes: Shapes, itemsize: int, impl: OptimizerImpl) -> int: ...
+
+    def device_counters(self, shapes: Shapes, impl: OptimizerImpl) -> int: ...
+
+
+@dataclass(frozen=True)
+class Blockwise:
+    """bitsandbytes' 8-bit states (``Optimizer2State.init_state`` in
+    ``bitsandbytes/optim/optimizer.py``, bitsandbytes 0.50.2), per parameter tensor of ``n``
+    elements: below ``min_8bit_size`` elements two fp32 states (``get_state_buffer(p,
+    dtype=torch.float32)``, whatever the parameter's dtype); from it on two uint8 states and
+    per state one fp32 absmax per block of ``block_size`` elements (``blocks = n // 256 +
+    bool(n % 256)``). The two quantization maps (``create_dynamic_map``, signed and unsigned,
+    256 fp32 values each) exist once per optimizer (``name2qmap``), made in its constructor
+    (``fill_qmap``), before step 1; every 8-bit tensor's state refers to them. Paged
+    (``is_paged``): ``get_state_buffer`` puts the uint8 states
+    of a tensor of at least ``paged_min_numel`` elements in unified memory (``F.get_paged``:
+    ``cudaMallocManaged``, outside torch's allocator); absmax and the smaller tensors' states
+    stay device tensors."""
+
+    num_states: int = 2
+    block_size: int = 256  # init_state: blocksize = 256
+    min_8bit_size: int = 4096  # AdamW8bit(min_8bit_size=4096)
+    qmap_entries: int = 256  # create_dynamic_map(): 2**8 values, fp32
+    paged_min_numel: int | None = None  # get_state_buffer: paged when p.numel() >= 1e5
+
+    def paged(self, n: int) -> bool:
+        return (self.paged_min_numel is not None and n >= self.min_8bit_size
+                and n >= self.paged_min_numel)
+
+    def tensor_states(self, n: int) -> States:
+        """The states of one tensor of ``n`` elements."""
+        if n < self.min_8bit_size:
+            return States(self.num_states * n * FP32_BYTES)
+        absmax = self.num_states * ceil_div(n, self.block_size) * FP32_BYTES
+        codes = self.num_states * n  # uint8
+        return States(absmax, codes) if self.paged(n) else States(absmax + codes)
+
+    def states(self, shapes: Shapes, itemsize: int = 0) -> States:
+        """The states of tensors of ``shapes``, with the quantization maps when any of them
+        is 8-bit (``itemsize``, the updated dtype's, does not matter)."""
+        sizes = [math.prod(shape) for shape in shapes]
+        parts = [self.tensor_states(n) for n in sizes]
+        maps = (self.num_states * self.qmap_entries * FP32_BYTES
+                if any(n >= self.min_8bit_size for n in sizes) else 0)
+        return States(sum(p.device_bytes for p in parts) + maps,
+                      sum(p.paged_bytes for p in parts), maps)
+
+    def temp_bytes(self, shapes: Shapes, itemsize: int, impl: OptimizerImpl) -> int:
+        """The paged states the device holds at least during the step: each tensor's are
+        prefetched before its update (``prefetch_state``: ``F.prefetch_tensor``), so the
+        largest paged tensor's, ``num_states`` bytes per element (0 unpaged)."""
+        return max((self.num_states * n for n in map(math.prod, shapes) if self.paged(n)),
+                   default=0)
+
+    def device_counters(self, shapes: Shapes, impl: OptimizerImpl) -> int:
+        return 0  # the step count is a Python int
+
+
+@dataclass(frozen=True)
+class Factored:
+    """torch.optim.Adafactor (``torch/optim/_adafactor.py``, torch 2.13): ``_init_group``
+    gives a tensor of more than one dimension a row factor (its shape with the last dim 1)
+    and a column factor (the next-to-last dim 1), ``p.grad.new_zeros``, so in the gradient's
+    dtype; a vector one full ``variance``; the step count is a host scalar. The foreach step
+    (``_multi_tensor_adafactor``, the CUDA default) makes ``var_estimates``, one tensor the
+    size of each parameter of a group (matrices, then vectors, or the reverse), and the list
+    of the first group is still referenced (``updates``) while the second group's are made:
+    the size of all parameters at once. The for-loop (``_single_tensor_adafactor``) makes a
+    matrix's ``var_estimate`` (a vector's ``grad * grad`` and ``variance.clone()``) while the
+    previous tensor's update is still referenced. It has no fused implementation: a preset's
+    ``fused`` reads as foreach, what a framework's Adafactor runs on CUDA."""
+
+    def states(self, shapes: Shapes, itemsize: int) -> States:
+        return States(sum(_factored(shape) for shape in shapes) * itemsize)
+
+    def temp_bytes(self, shapes: Shapes, itemsize: int, impl: OptimizerImpl) -> int:
+        sizes = [math.prod(shape) for shape in shapes]
+        if impl is OptimizerImpl.FORLOOP:
+            return max((prev + (2 if len(shape) == 1 else 1) * n for prev, n, shape
+                        in zip((0, *sizes), sizes, shapes)), default=0) * itemsize
+        return sum(sizes) * itemsize
+
+    def device_counters(self, shapes: Shapes, impl: OptimizerImpl) -> int:
+        return 0
+
+
+def _factored(shape: tuple[int, ...]) -> int:
+    """Adafactor's state elements for one tensor: row + column factors, or the vector."""
+    if len(shape) < 2:
+        return math.prod(shape)
+    *lead, rows, cols = shape
+    return math.prod(lead) * (rows + cols)
+
+
+# torch.optim.Muon's Newton-Schulz iteration (``_zeropower_via_newtonschulz``) runs in bf16
+_NS_DTYPE_BYTES = 2
+
+
+@dataclass(frozen=True)
+class MuonSplit:
+    """torch.optim.Muon (``torch/optim/_muon.py``, torch 2.13) on the 2-D parameters and
+    torch.optim.AdamW (``other``'s rows) on the rest: Muon refuses any other (``__init__``:
+    "Muon only supports 2D parameters"), and its docstring's recipe builds the two optimizers
+    so, stepping Muon first. Muon keeps one ``momentum_buffer`` per parameter
+    (``zeros_like(p.grad)``) and no step count. Its step (``_single_tensor_muon``, the only
+    implementation) per (m, n) tensor, k = min(m, n), K = max(m, n): ``grad.lerp(buf)``
+    (nesterov, the default: m*n in the gradient's dtype), then ``_zeropower_via_newtonschulz``
+    in bf16: the copy X (k x K), and per iteration ``X @ X.T`` and ``addmm`` of it (k x k
+    each) and the next X, made while the previous X and the previous Gram matrices are still
+    referenced: at most 2 k^2 + 2 k K bf16 elements beside the lerp. Without a copy (bf16
+    gradients) the first X is the lerp itself, still referenced, which the same bound
+    covers."""
+
+    other: OptimizerPolicy
+
+    def _split(self, shapes: Shapes) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+        return ([s for s in shapes if len(s) == 2], [s for s in shapes if len(s) != 2])
+
+    def states(self, shapes: Shapes, itemsize: int) -> States:
+        mats, others = self._split(shapes)
+        return States((sum(map(math.prod, mats))
+                       + self.other.num_states * sum(map(math.prod, others))) * itemsize)
+
+    def temp_bytes(self, shapes: Shapes, itemsize: int, impl: OptimizerImpl) -> int:
+        mats, others = self._split(shapes)
+        muon = max((m * n * itemsize + _NS_DTYPE_BYTES * 2 * min(m, n) * (min(m, n) + max(m, n))
+                    for m, n in mats), default=0)
+        rest = self.other.temp_bytes(impl, sum(map(math.prod, others)), others, itemsize)
+        return max(muon, rest)  # Muon steps first; its temporaries are gone by AdamW's step
+
+    def device_counters(self, shapes: Shapes, impl: OptimizerImpl) -> int:
+        others = self._split(shapes)[1]
+        return len(others) if self.other.step(impl).device_step_counters else 0
+
 
 @dataclass(frozen=True)
 class OptimizerPolicy:
@@ -56,9 +216,33 @@ class OptimizerPolicy:
     name: str
     num_states: int
     temps: tuple[tuple[OptimizerImpl, StepTemps], ...] = ()
-    torch_class: str = ""  # the torch.optim class a trace runs (``memplan.profile.trace``)
+    torch_class: str = ""  # the class a trace runs (``memplan.profile.trace``): a torch.optim
+    #                        name, or a dotted path (bitsandbytes.optim.AdamW8bit)
     torch_kwargs: tuple[tuple[str, object], ...] = ()  # ... its arguments beyond lr
     fused_on_cpu: bool = False  # ... whether it has a fused CPU implementation
+    per_tensor: PerTensor | None = None  # states and temporaries by each tensor's shape
+    note: str = ""  # what the estimate assumes of it, printed with the assumptions
+
+    def states(self, precision: PrecisionPolicy, num_params: int, shapes: Shapes) -> States:
+        """The states of ``num_params`` updated elements in tensors of ``shapes`` (read only
+        by a per-tensor optimizer)."""
+        if self.per_tensor is not None:
+            return self.per_tensor.states(shapes, precision.updated.itemsize)
+        return States(num_params * self.state_bytes_per_param(precision))
+
+    def temp_bytes(self, impl: OptimizerImpl, num_params: int, shapes: Shapes,
+                   itemsize: int) -> int:
+        """The step's temporaries over ``num_params`` updated elements in tensors of
+        ``shapes``, in ``itemsize``-byte elements (the updated dtype's)."""
+        if self.per_tensor is not None:
+            return self.per_tensor.temp_bytes(shapes, itemsize, impl)
+        sizes = [math.prod(shape) for shape in shapes]
+        return self.step(impl).elements(num_params, sizes) * itemsize
+
+    @property
+    def shaped(self) -> bool:
+        """Whether ``states`` and ``temp_bytes`` read the tensors' shapes."""
+        return self.per_tensor is not None
 
     def state_bytes_per_param(self, precision: PrecisionPolicy) -> int:
         """Bytes of the states of one parameter element on the device."""
@@ -72,10 +256,18 @@ class OptimizerPolicy:
     def step(self, impl: OptimizerImpl) -> StepTemps:
         return next((temps for key, temps in self.temps if key is impl), NO_TEMPS)
 
-    def step_counter_bytes(self, impl: OptimizerImpl, num_tensors: int) -> int:
-        """The step counts kept on the device: one fp32 scalar per parameter tensor."""
+    def step_counter_bytes(self, impl: OptimizerImpl, num_tensors: int,
+                           shapes: Shapes = ()) -> int:
+        """The step counts kept on the device: one fp32 scalar per parameter tensor (of
+        ``num_tensors``; a per-tensor optimizer says which of ``shapes``)."""
+        if self.per_tensor is not None:
+            return self.per_tensor.device_counters(shapes, impl) * FP32_BYTES
         return num_tensors * FP32_BYTES if self.step(impl).device_step_counters else 0
 
+
+_BNB_NOTE = ("optimizer states as bitsandbytes 0.50.2 creates them: per tensor of 4096 "
+             "elements or more two uint8 states and one fp32 absmax per 256 elements each, "
+             "smaller tensors two fp32 states; the CUDA update kernel makes no temporaries")
 
 POLICIES = {
     # torch.optim.AdamW (torch/optim/adamw.py): exp_avg and exp_avg_sq, each zeros_like(param).
@@ -93,6 +285,34 @@ POLICIES = {
     # place by every implementation, no step count
     Optimizer.SGD: OptimizerPolicy("sgd", 1, torch_class="SGD",
                                    torch_kwargs=(("momentum", 0.9),)),
+    # torch.optim.Adafactor: ``Factored``; no fused implementation
+    Optimizer.ADAFACTOR: OptimizerPolicy("adafactor", 1, torch_class="Adafactor",
+                                         per_tensor=Factored()),
+}
+POLICIES |= {
+    # torch.optim.Muon beside AdamW: ``MuonSplit``; torch_class names the pair a trace builds
+    Optimizer.MUON: OptimizerPolicy("muon", 1, torch_class="Muon+AdamW", fused_on_cpu=True,
+                                    per_tensor=MuonSplit(POLICIES[Optimizer.ADAMW]),
+                                    note=("optimizer: torch.optim.Muon on the 2-D parameters "
+                                          "(embedding and head included), torch.optim.AdamW "
+                                          "on the others, as torch's Muon docstring builds "
+                                          "them")),
+    # bitsandbytes.optim.AdamW8bit / PagedAdamW8bit (bitsandbytes/optim/adamw.py): states per
+    # ``Blockwise``. No step temporaries on CUDA: ``Optimizer8bit.step`` updates one tensor at
+    # a time through ``optimizer_update_8bit_blockwise`` (or ``optimizer_update_32bit`` below
+    # min_8bit_size), whose CUDA implementations (``_optimizer_update_8bit_blockwise_impl`` and
+    # ``_optimizer_update_32bit_impl`` in bitsandbytes/backends/cuda/ops.py) pass pointers to
+    # one kernel that writes the parameter and its states in place; its step count is a Python
+    # int. The torch.optim implementations (foreach, fused, for-loop) do not apply.
+    Optimizer.ADAMW8BIT: OptimizerPolicy(
+        "adamw8bit", 2, torch_class="bitsandbytes.optim.AdamW8bit", per_tensor=Blockwise(),
+        note=_BNB_NOTE),
+    Optimizer.PAGED_ADAMW8BIT: OptimizerPolicy(
+        "paged-adamw8bit", 2, torch_class="bitsandbytes.optim.PagedAdamW8bit",
+        per_tensor=Blockwise(paged_min_numel=100_000),  # get_state_buffer: numel() < 1e5
+        note=_BNB_NOTE + "; paged: the uint8 states of tensors of 100,000 elements or more "
+        "live in unified memory (cudaMallocManaged), outside the peak except the pages of "
+        "the tensor being updated, which the step prefetches to the GPU"),
 }
 
 

@@ -94,6 +94,8 @@ class StageMemory:
     # first step); None for an analytic estimate
     analytic_phases: tuple[PhasePeaks, PhasePeaks] | None = None
     buffers_bytes: int = 0  # registered buffers (RoPE tables): resident in every phase
+    paged_bytes: int = 0  # optimizer states in unified memory (not in peak_bytes beyond the
+    #                       pages the step uses): ``StateBytes.paged_bytes``
 
     @property
     def activation_terms(self) -> tuple[Term, ...]:
@@ -154,6 +156,7 @@ def stage_record(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, sta
         tensor_peak_bytes=tensor_peak, cuda_context_bytes=ovh.cuda_context_bytes,
         workspace_bytes=ovh.workspace_bytes, allocator_bytes=ovh.allocator_bytes(tensor_peak),
         peak_bytes=rank_peak_bytes(tensor_peak, ovh), host_bytes=st.host_bytes,
+        paged_bytes=st.paged_bytes,
     )
 
 
@@ -244,12 +247,12 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
             optimizer=fx.optimizer_phase + held + resident,
         )
 
-    # Master weights exist from optimizer setup; a grad scaler's state from step 1's loss;
-    # moments appear at step 1's optimizer step.
+    # Master weights (and bitsandbytes' quantization maps) exist from optimizer setup; a grad
+    # scaler's state from step 1's loss; moments appear at step 1's optimizer step.
     return Walked(fx, kinds, entries, flight, activations, one_mb,
                   max(walk.head.loss_forward, walk.head.loss),
                   peaks(st.optimizer_bytes, 0, held, True),
-                  peaks(st.master_bytes, st.scaler_bytes, 0, False))
+                  peaks(st.master_bytes + st.setup_bytes, st.scaler_bytes, 0, False))
 
 
 def _walk(spec: ModelSpec, par: ParallelConfig, shared: StageTerms, fx: StageStates,

@@ -22,6 +22,7 @@ class StageParams(Protocol):
     embedding: int
     head: int
     tensor_sizes: tuple[int, ...]
+    tensor_shapes: tuple[tuple[int, ...], ...]
     embedding_tensors: int
     head_tensors: int
 
@@ -40,6 +41,7 @@ class Trained(NamedTuple):
     dense: int
     expert: int
     tensor_sizes: tuple[int, ...]  # elements of each trained tensor, in registration order
+    tensor_shapes: tuple[tuple[int, ...], ...] = ()  # ... their shapes
 
 
 @dataclass(frozen=True)
@@ -52,17 +54,21 @@ class TrainablePolicy:
         """What of ``params`` trains: its dense and expert counts and its tensors, without
         the frozen groups'."""
         if not self.frozen:
-            return Trained(params.dense, params.expert, params.tensor_sizes)
+            return Trained(params.dense, params.expert, params.tensor_sizes,
+                           params.tensor_shapes)
         sizes = params.tensor_sizes
         emb_n, head_n = params.embedding_tensors, params.head_tensors
-        parts = {ParamGroup.EMBEDDING: (sizes[:emb_n], params.embedding, 0),
-                 ParamGroup.LAYERS: (sizes[emb_n:len(sizes) - head_n],
-                                     params.dense - params.embedding - params.head,
-                                     params.expert),
-                 ParamGroup.HEAD: (sizes[len(sizes) - head_n:], params.head, 0)}
-        kept = [parts[g] for g in ParamGroup if g not in self.frozen]
-        return Trained(sum(p[1] for p in kept), sum(p[2] for p in kept),
-                       tuple(n for p in kept for n in p[0]))
+        groups = {ParamGroup.EMBEDDING: slice(0, emb_n),
+                  ParamGroup.LAYERS: slice(emb_n, len(sizes) - head_n),
+                  ParamGroup.HEAD: slice(len(sizes) - head_n, len(sizes))}
+        counts = {ParamGroup.EMBEDDING: (params.embedding, 0),
+                  ParamGroup.LAYERS: (params.dense - params.embedding - params.head,
+                                      params.expert),
+                  ParamGroup.HEAD: (params.head, 0)}
+        kept = [g for g in ParamGroup if g not in self.frozen]
+        return Trained(sum(counts[g][0] for g in kept), sum(counts[g][1] for g in kept),
+                       tuple(n for g in kept for n in sizes[groups[g]]),
+                       tuple(s for g in kept for s in params.tensor_shapes[groups[g]]))
 
 
 ALL = TrainablePolicy()

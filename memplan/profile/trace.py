@@ -71,12 +71,20 @@ class TraceResult:
 
 def _optimizer(params: list[torch.Tensor], wl: Workload) -> torch.optim.Optimizer:
     impl, policy = wl.optimizer_impl, optimizer_policy(wl.optimizer)
+    if "." in policy.torch_class:  # another library's optimizer (bitsandbytes')
+        from memplan.profile.bnb import bnb_optimizer
+
+        return bnb_optimizer(policy.torch_class, params)
     flags = {"foreach": impl is OptimizerImpl.FOREACH}
     if policy.fused_on_cpu:
         flags["fused"] = impl is OptimizerImpl.FUSED
     elif impl is OptimizerImpl.FUSED:
         raise MemplanError(f"optimizer_impl: torch.optim.{policy.torch_class} has no fused CPU "
                            "implementation")
+    if policy.torch_class == "Muon+AdamW":
+        from memplan.profile.chained import muon_and_adamw
+
+        return muon_and_adamw(params, flags)
     optimizer = getattr(torch.optim, policy.torch_class)
     return optimizer(params, lr=1e-4, **dict(policy.torch_kwargs), **flags)
 

@@ -35,6 +35,7 @@ def stage_json(s: StageMemory) -> dict[str, Any]:
         "calibration_bytes": s.calibration_bytes,
         "peak_bytes": s.peak_bytes,
         "host_bytes": s.host_bytes,
+        **({"paged_bytes": s.paged_bytes} if s.paged_bytes else {}),
         "peak_phase": s.peak_phase,
         # calibrated when a profile was applied (their largest: tensor peak + calibration),
         # with the analytic ones beside them; analytic otherwise (analytic_phases null)
@@ -80,6 +81,8 @@ def estimate_json(est: Estimate) -> dict[str, Any]:
         **{name: getattr(worst, name) for name in _COMPONENTS},
         "calibration_bytes": worst.calibration_bytes,
         "host_bytes": worst.host_bytes,
+        # only for a paged optimizer: its states in unified memory (``paged_line``)
+        **({"paged_bytes": worst.paged_bytes} if worst.paged_bytes else {}),
         "peak_bytes": est.peak_bytes,
         "capacity_bytes": est.capacity_bytes,
         "headroom_bytes": est.headroom_bytes,
@@ -164,6 +167,8 @@ def render_estimate(est: Estimate) -> Any:
         ("cuBLAS workspace", "workspace_bytes"), ("allocator reserve", "allocator_bytes"),
         ("peak per GPU", "peak_bytes"),
         *([("host memory (offloaded optimizer)", "host_bytes")] if worst.host_bytes else []),
+        *([("unified memory (paged optimizer states)", "paged_bytes")] if worst.paged_bytes
+          else []),
     ]
     for label, attr in rows:
         value = getattr(worst, attr)
@@ -190,8 +195,20 @@ def render_estimate(est: Estimate) -> Any:
 
     # the verdict first, then what it is made of
     parts = [summary, *([Text(_why_not(est))] if not est.fits else []), header, stages, table,
-             phases, Text(_time_line(est))]
+             *([Text(paged_line(est))] if worst.paged_bytes else []), phases,
+             Text(_time_line(est))]
     return Group(*parts, notes)
+
+
+def paged_line(est: Estimate) -> str:
+    """What the GPU holds of a paged optimizer's states (``memplan.model.optimizer``)."""
+    s = est.worst
+    return (f"{est.workload.optimizer.value}: {format_gib(s.paged_bytes)} of optimizer states "
+            "in unified memory, on the GPU while it has room and paged out to host memory "
+            f"under pressure; the GPU holds {format_gib(s.optimizer_bytes)} of states in "
+            "device memory (absmax, small tensors) and, during the step, the pages of the "
+            f"tensor being updated (in the step temporaries, "
+            f"{format_gib(s.optimizer_temp_bytes)}); the peak counts only these")
 
 
 def verdict_line(est: Estimate) -> str:

@@ -17,6 +17,7 @@ GIB = 2**30
 EXPECTED = {
     "a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "b200",
     "mi300x", "l40s", "rtx-4090", "v100-32gb",
+    "rtx-3090", "rtx-5090", "a10g", "l4", "rtx-a6000",
 }
 
 # (floor, ceiling) in GiB for the reported figure; the ceiling is the marketing size read as GiB,
@@ -32,6 +33,11 @@ REPORTED_GIB_RANGE = {
     "l40s": (44, 48),
     "rtx-4090": (23, 24),
     "v100-32gb": (31, 32),
+    "rtx-3090": (23, 24),
+    "rtx-5090": (31, 32),
+    "a10g": (22, 24),
+    "l4": (21, 24),
+    "rtx-a6000": (47, 48),
 }
 
 
@@ -79,6 +85,12 @@ def test_every_alias_resolves_to_its_own_gpu():
         ("Tesla V100-SXM2-32GB", "v100-32gb"),
         ("L40S", "l40s"),
         ("B200", "b200"),
+        ("NVIDIA GeForce RTX 3090", "rtx-3090"),
+        ("NVIDIA GeForce RTX 5090", "rtx-5090"),
+        ("NVIDIA A10G", "a10g"),
+        ("NVIDIA L4", "l4"),
+        ("NVIDIA RTX A6000", "rtx-a6000"),
+        ("A6000", "rtx-a6000"),
     ],
 )
 def test_aliases_and_device_names_resolve(alias, key):
@@ -100,6 +112,17 @@ def test_h100_memory_is_exact():
     assert load_gpu("h100-sxm").memory_bytes < 80 * GIB
 
 
+def test_fine_tuning_gpus_memory_is_exact():
+    """deviceQuery "24154 MBytes (25327697920 bytes)" (RTX 3090), "22478 MBytes (23570219008
+    bytes)" (L4); torch repr total_memory=22587MB (A10G) and 48676MB (RTX A6000), in MiB; the
+    RTX 5090's OOM message "total capacity of 31.36 GiB" -> 32112 MiB."""
+    assert load_gpu("rtx-3090").memory_bytes == 25_327_697_920
+    assert load_gpu("l4").memory_bytes == 23_570_219_008
+    assert load_gpu("a10g").memory_bytes == 22_587 * 2**20
+    assert load_gpu("rtx-a6000").memory_bytes == 48_676 * 2**20
+    assert round(load_gpu("rtx-5090").memory_bytes / GIB, 2) == 31.36
+
+
 def test_h200_memory_is_exact():
     # torch "total_memory=143156MB" (MiB); PyTorch OOM "total capacity of 139.80 GiB"
     assert load_gpu("h200").memory_bytes == 143_156 * 2**20 == 150_109_945_856
@@ -107,9 +130,10 @@ def test_h200_memory_is_exact():
 
 
 def test_rates_are_plausible():
+    # from the slowest catalog GPU up: the A10G's 70 TFLOPS and the L4's 300 GB/s GDDR6
     for gpu in gpu_catalog().values():
-        assert 1e14 <= gpu.bf16_flops <= 1e16, gpu.name
-        assert 5e11 <= gpu.hbm_bytes_per_s <= 1e13, gpu.name
+        assert 5e13 <= gpu.bf16_flops <= 1e16, gpu.name
+        assert 2.5e11 <= gpu.hbm_bytes_per_s <= 1e13, gpu.name
         assert 1e9 <= gpu.inter_node_bytes_per_s <= gpu.intra_node_bytes_per_s <= 1e12, gpu.name
         assert gpu.gpus_per_node >= 1
 
