@@ -274,6 +274,8 @@ class HeadBlock(NamedTuple):
     final_norm_bwd: int = 0  # gradients in flight inside the final norm's backward
     final_norm_all: int = 0  # all the final norm saves (alive at the head's backward)
     tied_grad: int = 0  # a tied head's weight gradient, held until the embedding's backward
+    held_logits: int = 0  # logits the training loop keeps from the loss to the next step's
+    #                       loss (``LogitsHeld.STEP``, ``step_held_bytes``)
 
     # --- the ``Block`` interface (``memplan.model.block``): what the fields above are made
     # from, per micro-batch on one rank of the last stage, in bytes (``t``: the ranks that
@@ -345,13 +347,25 @@ class HeadBlock(NamedTuple):
         return (lin.flops_per_token([head_linear(spec, 1)])
                 + norm.Norm("final_norm").flops_per_token(spec, seq_len))
 
-    def forward_segment(self, at: int, until_loss: int) -> Segment:
-        """The final norm, the logits a loop held freed (``until_loss``), then the loss,
-        beside ``at`` gathered bytes."""
+    def forward_segment(self, at: int, steady: bool) -> Segment:
+        """The final norm, the logits a loop held from the previous step freed (``steady``:
+        from step 2 on), then the loss, beside ``at`` gathered bytes; after it the loop keeps
+        the loss's logits (``held_logits``)."""
         return Segment((Event("final_norm.forward", 0, self.final_norm_forward + at),
                         Event("loss.upcast", 0, self.upcast + at),
-                        Event("loop.logits_released", -until_loss, None),
-                        Event("loss.forward", 0, self.forward_saved + self.loss_forward + at)))
+                        Event("loop.logits_released", -self.previous_logits(steady), None),
+                        Event("loss.forward", 0, self.forward_saved + self.loss_forward + at),
+                        Event("loop.logits_kept", self.held_logits, None)))
+
+    def previous_logits(self, steady: bool) -> int:
+        """The logits the loop still holds from the previous step when a forward starts: from
+        step 2 on (``steady``), until the loss replaces them."""
+        return self.held_logits if steady else 0
+
+    def loop_logits(self) -> Event:
+        """The logits the loop keeps alive from the loss through the backward and the
+        optimizer step (``held_logits``)."""
+        return Event("loop.logits", self.held_logits, None)
 
     def backward_events(self, at_loss: int, at: int, beside: int,
                         growing: bool) -> tuple[Event, ...]:

@@ -26,6 +26,7 @@ from memplan.model.grad_sync import (
 )
 from memplan.model.head import HeadBlock
 from memplan.model.layer import LayerKind, merge_terms
+from memplan.model.moments import Segment, peak_of
 from memplan.model.pipeline import Schedule
 from memplan.model.stage_parts import LayerKey, StageKinds, StageStates
 from memplan.model.sharding import with_stream
@@ -220,26 +221,22 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
                                       fx.shard.grad_bytes, output_shard, wl.keep_grads)
     else:
         grads = _gradients(wl, fx, walk, m)
-    # logits a training loop keeps from the loss through backward and the optimizer step into
-    # the next forward (from step 2 on), until its loss replaces them
-    held = shared.step_held if fx.last else 0
     forward = _forward(shared, fx, walk)
     base = st.params_bytes + fx.buckets + fx.buffers
+    # the logits a training loop keeps from the loss are alive at the optimizer step
+    optimizer = peak_of([Segment((walk.head.loop_logits(),)), fx.step])
 
-    def peaks(opt_bytes: int, from_loss: int, earlier: int, steady: bool) -> PhasePeaks:
+    def peaks(opt_bytes: int, from_loss: int, steady: bool) -> PhasePeaks:
         in_forward, bwd = grads[2:] if steady else grads[:2]
         return PhasePeaks(
-            forward=base + opt_bytes + in_forward + forward(earlier) + shared.mask,
-            backward=base + opt_bytes + from_loss + held + bwd,
-            optimizer=fx.optimizer_phase + held,
-        )
+            forward=base + opt_bytes + in_forward + forward(steady) + shared.mask,
+            backward=base + opt_bytes + from_loss + bwd, optimizer=optimizer)
 
     # Master weights exist from optimizer setup; a grad scaler's state from step 1's loss;
     # moments appear at step 1's optimizer step.
     return Walked(fx, kinds, entries, flight, activations, one_mb,
                   max(walk.head.loss_forward, walk.head.loss),
-                  peaks(st.optimizer_bytes, 0, held, True),
-                  peaks(st.master_bytes, st.scaler_bytes, 0, False))
+                  peaks(st.optimizer_bytes, 0, True), peaks(st.master_bytes, st.scaler_bytes, False))
 
 
 def _walk(spec: ModelSpec, par: ParallelConfig, shared: StageTerms, fx: StageStates,
@@ -275,7 +272,8 @@ def _gradients(wl: Workload, fx: StageStates, walk: Walk, m: int) -> tuple[int, 
         accum = accumulator_bytes(fx.params, wl)
         in_forward = accum if m > 1 else 0
         bwd = max(backward_peak(walk, in_forward, accum),
-                  accum + shard.grad_bytes + shard.gathered_bytes + walk.rest_saved)
+                  accum + shard.grad_bytes + shard.gathered_bytes + walk.rest_saved
+                  + walk.head.held_logits)
         # the sharded gradients the reduce makes, kept zeroed from step 2 (keep_grads)
         kept = st.grads_bytes if wl.keep_grads else 0
         return in_forward, bwd, in_forward + kept, bwd + kept
@@ -289,9 +287,9 @@ def _gradients(wl: Workload, fx: StageStates, walk: Walk, m: int) -> tuple[int, 
     return in_forward, bwd, in_forward, bwd
 
 
-def _forward(shared: StageTerms, fx: StageStates, walk: Walk) -> Callable[[int], int]:
-    """The forward's activation peak given the bytes a loop holds until the loss
-    (``memplan.model.walk.forward_peaks``)."""
+def _forward(shared: StageTerms, fx: StageStates, walk: Walk) -> Callable[[bool], int]:
+    """The forward's activation peak in step 1 or from step 2 on (``steady``: where the loop
+    holds the previous step's logits until the loss; ``memplan.model.walk.forward_peaks``)."""
     # The targets exist from the step's start (the ids the loop holds are no input of the
     # graph); the loss scalars from the loss on.
     inputs = walk.rest_saved - (shared.batch_bytes - shared.targets_bytes if fx.last else 0)
@@ -320,7 +318,7 @@ def _head_block(spec: ModelSpec, shared: StageTerms, fx: StageStates, head_bytes
         loss_forward=shared.loss_fwd, upcast=shared.upcast,
         saved_bytes=head_bytes - batch, loss=loss, linear=linear, main_grads=main, grads=grads,
         final_norm_saved=shared.final_norm_bwd_saved, final_norm_bwd=shared.final_norm_bwd,
-        final_norm_all=shared.final_norm_bytes,
+        final_norm_all=shared.final_norm_bytes, held_logits=shared.step_held,
         tied_grad=_embedding_vocab_grad(shared.dm, fx)[0] if tied else 0)
 
 

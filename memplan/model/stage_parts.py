@@ -89,7 +89,12 @@ class StageStates(NamedTuple):
     persistent: bool  # gradients live in persistent data-parallel buffers
     buffers: int = 0  # registered buffers (RoPE tables), resident like the weights
     dp: DataParallel = DataParallel()  # the data-parallel mechanism
-    optimizer_phase: int = 0  # tensor bytes at the optimizer step (``optimizer_step``)
+    step: Segment = Segment(())  # the optimizer step (``optimizer_step``)
+
+    @property
+    def optimizer_phase(self) -> int:
+        """Tensor bytes at the optimizer step's peak, nothing else alive."""
+        return peak_of([self.step])
 
 
 def optimizer_step(st: StateBytes, temp: int, buckets: int, buffers: int) -> Segment:
@@ -161,5 +166,5 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
         buckets=buckets, persistent=ddp and par.grad_buffers is GradBuffers.VIEW,
         buffers=buffers,
         dp=data_parallel(shard, params.total, st.grads_bytes, wl.precision.policy),
-        optimizer_phase=peak_of([optimizer_step(st, opt_temp, buckets, buffers)]),
+        step=optimizer_step(st, opt_temp, buckets, buffers),
     )
