@@ -4,7 +4,8 @@ bytes.
 
 ``DataParallel`` is the policy a stage reads (built once per layout from
 ``memplan.model.model_states.ShardingBuffers``, completed per micro-batch by ``with_stream``);
-``forward_positions``, ``head_moments``, ``run_positions`` and ``end_moments`` emit its part of
+``forward_positions``, ``head_moments``, ``run_positions``, ``end_moments`` and
+``step_end_moments`` emit its part of
 the forward and the backward in execution order, which ``memplan.model.walk`` lays beside the
 blocks' own moments. Three mechanisms share the vocabulary:
 
@@ -17,7 +18,8 @@ blocks' own moments. Three mechanisms share the vocabulary:
   (embedding, final norm, head) reduce-scattered at the end, or, with separate units
   (torchtitan), the head's and the embedding's units after their own backward; gathered
   weights beside every block (the block and the one its backward prefetches); under pipeline
-  parallelism (kept gathered) every unit gathered throughout, gradients as plain accumulators.
+  parallelism (kept gathered) every unit gathered throughout, gradients as plain accumulators
+  until the step's reduce after its last micro-batch.
 
 Gradient bytes come in as this rank's held (sharded) bytes; ``unsharded_ratio`` (unsharded /
 held) turns them into the unsharded bytes the mechanism holds (truncated to whole bytes, as the
@@ -61,6 +63,9 @@ class DataParallel(NamedTuple):
     block_start: int = 0  # ... at a block's start (its gather, before it computes), beside
     #                       the residual stream it is about to read; 0: not modelled
     first_block_start: int = 0  # ... at the stage's first block's start
+    step_reduce: int = 0  # kept gathered under PP: a unit's reduce-scatter input and output
+    #                       shard at the step's reduce, after its last micro-batch's backward
+    #                       (0: no such moment)
 
     def unsharded(self, held: int) -> int:
         """Unsharded bytes, in the reduce dtype, of ``held`` gradient bytes."""
@@ -124,7 +129,7 @@ def data_parallel(shard: ShardingBuffers, params: int, grads_bytes: int,
     if shard.kept_gathered:  # every unit gathered throughout; gradients as accumulators
         g = shard.gathered_bytes
         return DataParallel(at_head=g, in_block=g, in_first_block=g, at_embedding=g,
-                            in_block_forward=g, at_loss_forward=g)
+                            in_block_forward=g, at_loss_forward=g, step_reduce=shard.grad_bytes)
     return DataParallel(
         grad_cap=shard.grad_bytes,
         unsharded_ratio=params * policy.grad_bytes / max(grads_bytes, 1),
@@ -294,3 +299,17 @@ def end_moments(dp: DataParallel, held: Held, head_grads: int, embedding_grads: 
         events = (Event("embedding.reduce", 0,
                         dp.reduced(embedding_grads) - embedding_grads - dp.boundary_grad),)
     return beside + dp.at_embedding, events
+
+
+def step_end_moments(dp: DataParallel, in_flight: int, inputs_freed: int) -> tuple[Event, ...]:
+    """After the step's last micro-batch's backward on the stage, kept gathered under PP:
+    torch's pipeline stage runs each unit's post_backward once (``perform_reduce_grad``,
+    torch/distributed/pipelining/stage.py), a unit's reduce-scatter input and its output shard
+    (``step_reduce``) beside every unit gathered (``at_embedding``) and the accumulated
+    gradients. No other micro-batch is in flight by then (``in_flight``: their activations,
+    freed); the stage's inputs are counted whole there (``inputs_freed``: what of them the
+    embedding's backward freed, counted again; not traced). () for other mechanisms."""
+    if not dp.step_reduce:
+        return ()
+    return (Event("pipeline.drained", -in_flight, None),
+            Event("step.reduce_scatter", 0, dp.step_reduce + dp.at_embedding + inputs_freed))

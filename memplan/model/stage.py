@@ -236,7 +236,8 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     # moments appear at step 1's optimizer step.
     return Walked(fx, kinds, entries, flight, activations, one_mb,
                   max(walk.head.loss_forward, walk.head.loss),
-                  peaks(st.optimizer_bytes, 0, True), peaks(st.master_bytes, st.scaler_bytes, False))
+                  peaks(st.optimizer_bytes, 0, True),
+                  peaks(st.master_bytes, st.scaler_bytes, False))
 
 
 def _walk(spec: ModelSpec, par: ParallelConfig, shared: StageTerms, fx: StageStates,
@@ -268,12 +269,10 @@ def _gradients(wl: Workload, fx: StageStates, walk: Walk, m: int) -> tuple[int, 
     if shard.kept_gathered:
         # FSDP2 under PP (``ShardingBuffers.kept_gathered``): the walk's gradients are the
         # stage's unsharded accumulators, from the first micro-batch's backward to the reduce
-        # after the last, where a unit's reduce-scatter input and output shard join them
+        # after the last (``sharding.step_end_moments``, in the walk)
         accum = accumulator_bytes(fx.params, wl)
         in_forward = accum if m > 1 else 0
-        bwd = max(backward_peak(walk, in_forward, accum),
-                  accum + shard.grad_bytes + shard.gathered_bytes + walk.rest_saved
-                  + walk.head.held_logits)
+        bwd = backward_peak(walk, in_forward, accum)
         # the sharded gradients the reduce makes, kept zeroed from step 2 (keep_grads)
         kept = st.grads_bytes if wl.keep_grads else 0
         return in_forward, bwd, in_forward + kept, bwd + kept

@@ -26,6 +26,7 @@ from memplan.model.sharding import (
     forward_positions,
     head_moments,
     run_positions,
+    step_end_moments,
 )
 
 
@@ -108,7 +109,7 @@ def backward_segments(w: Walk, grads_prior: int, grads_total: int) -> list[Segme
     """One micro-batch's backward on a stage, in execution order from nothing alive: what is
     alive when it starts, the loss and the head, each run of identical layers (last to
     first), the embedding; the data-parallel mechanism's moments (``memplan.model.sharding``)
-    beside and between them.
+    beside and between them, and its own at the step's end after them.
 
     ``grads_prior`` is what exists when it starts: 0 for a step's only micro-batch, all
     gradients when earlier micro-batches produced them (they then accumulate in place);
@@ -152,7 +153,8 @@ def _backward_moments(w: Walk, grads_prior: int, grads_total: int) -> list[Segme
     # the tied head's pending gradient is summed into the embedding's
     segments.append(Segment((*emb.backward_events(made + h.tied_grad, grads_total, beside),
                              *after)))
-    return segments
+    end = step_end_moments(dp, w.other_bytes, emb.freed_before)
+    return [*segments, Segment(end)] if end else segments
 
 
 def _layer_segment(position: Position, saved: int, local: int, step: int) -> Segment:

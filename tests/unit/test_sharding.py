@@ -115,6 +115,31 @@ def test_kept_gathered_under_pipeline_parallelism() -> None:
     assert backward_peak(_walk(dp), 0, 250) == 680
 
 
+def test_kept_gathered_reduce_at_the_step_end() -> None:
+    """Kept gathered under PP, the step's reduce after the last micro-batch's backward is an
+    instant of the sequence (``step_end_moments``). The stage: 250 B gathered throughout, 70 B
+    of other micro-batches in flight, 40 B of inputs of which the embedding's backward frees
+    15 B; the reduce holds a unit's reduce-scatter input and output shard, 300 B.
+
+    From 70 + 40 + 400 saved = 510 B: the loss and the head at 510 + 250 = 760, the head's
+    20 B of gradients made (530 alive); block 4 (first walked) at 530 + 10 + 250 = 790, each
+    block then 50 B less alive (330 after block 1); the embedding frees 15 B and its 30 B of
+    gradients join (345 alive), its backward at 345 + 250 = 595. At the step's end the other
+    micro-batches' 70 B are done (275 alive) and the reduce holds 300 B beside the 250 B
+    gathered and the 15 B of inputs counted again: 275 + 300 + 250 + 15 = 840 (= 40 inputs +
+    250 gradients + 300 + 250 gathered), the peak."""
+    dp = DataParallel(at_head=250, in_block=250, in_first_block=250, at_embedding=250,
+                      step_reduce=300)
+    walk = _walk(dp)._replace(other_bytes=70, rest_saved=40,
+                              embedding=EmbeddingBlock(grads=30, freed_before=15))
+    instants = [(name, at) for name, _, at in timeline(backward_segments(walk, 0, 250))]
+    assert instants[-3:] == [("layer.backward", 640), ("embedding.backward", 595),
+                             ("step.reduce_scatter", 840)]
+    assert backward_peak(walk, 0, 250) == 840
+    # without the reduce (another mechanism), the peak is block 4's
+    assert backward_peak(walk._replace(sharding=dp._replace(step_reduce=0)), 0, 250) == 790
+
+
 def test_zero2_bucket_between_the_ends_of_a_run() -> None:
     """ZeRO-2 at shard degree 2 with a 300 B bucket: beside a block, the gradients made so far
     wait unsharded (twice their held bytes, at most 300), beyond the shard they become.
