@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import NamedTuple
 
 from memplan.model import memo
@@ -165,20 +166,26 @@ def rank_peak_bytes(tensor_peak: int, ovh: Overheads) -> int:
 def _entries(par: ParallelConfig, shared: StageTerms, fx: StageStates,
              kinds: StageKinds) -> Entries:
     """Each layer kind of the stage with its gradient bytes (``Entries``)."""
-    grad_per_param = fx.grad_per_param
+    per_param = fx.grad_per_param
     entries: Entries = {}
     for key, pos in kinds.positions.items():
         kind = shared.kinds[key]
-        moment_grads = tuple(int(n * grad_per_param)
-                             for n in shared.moment_params[key])
+        moment_grads = tuple(_grad_bytes(n, per_param) for n in shared.moment_params[key])
         if fx.main_grads and par.zero < ZeroStage.GRADIENTS:
             # the weight whose gradient was just made holds it in the compute dtype: its fp32
             # main gradient does not exist yet
-            less = fx.grad_per_param - shared.dm.e
-            moment_grads = tuple(g - int(m.fresh_params * less)
+            less = per_param - shared.dm.e
+            moment_grads = tuple(g - _grad_bytes(m.fresh_params, less)
                                  for g, m in zip(moment_grads, kind.moments))
-        entries[key] = (kind, int(fx.params.layers[pos] * grad_per_param), moment_grads)
+        entries[key] = (kind, _grad_bytes(fx.params.layers[pos], per_param), moment_grads)
     return entries
+
+
+def _grad_bytes(num_params: int, per_param: Fraction) -> int:
+    """Held gradient bytes of ``num_params`` parameters at ``per_param`` bytes each (exact,
+    ``StageStates.grad_per_param``), whole bytes rounded toward zero."""
+    whole = abs(num_params * per_param.numerator) // per_param.denominator
+    return whole if num_params * per_param.numerator >= 0 else -whole
 
 
 def _saved(par: ParallelConfig, kinds: StageKinds, entries: Entries, flight: tuple[int, ...],
@@ -209,7 +216,7 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     if accumulating:
         ratio, root_new, fresh = new_grads(fx.params, wl, fx.shard.separate_units)
         output_shard = fx.dp.shard_of(fx.shard.grad_bytes)
-        fx = fx._replace(grad_per_param=float(wl.precision.policy.grad_bytes),
+        fx = fx._replace(grad_per_param=Fraction(wl.precision.policy.grad_bytes),
                          dp=unsynced(fx.dp, root_new))
     st = fx.states
     flight = memo.in_flight(par.pp, par.vpp, m, stage, schedule, par.vpp_group)
@@ -302,7 +309,7 @@ def _head_block(spec: ModelSpec, shared: StageTerms, fx: StageStates, head_bytes
     if not fx.last:
         return HeadBlock()
     vocab_grad = fx.vocab_grad
-    grads = int(fx.params.head * fx.grad_per_param)
+    grads = _grad_bytes(fx.params.head, fx.grad_per_param)
     loss, linear = shared.head_loss_bwd, shared.head_linear_bwd
     # With fp32 main gradients the head's compute-dtype weight gradient is accumulated into a
     # new fp32 one (first micro-batch) while it still exists, after the head's backward freed
@@ -341,11 +348,11 @@ def _embedding_block(spec: ModelSpec, shared: StageTerms,
         return EmbeddingBlock(freed_before=rope)
     dm = shared.dm
     vocab_grad, main_grads = _embedding_vocab_grad(dm, fx)
-    grads = int(fx.params.embedding * fx.grad_per_param)
+    grads = _grad_bytes(fx.params.embedding, fx.grad_per_param)
     extra = embedding_backward_extra(
         vocab_grad, grads, tied=spec.tied_embeddings and fx.last, main_grads=main_grads,
         incoming=dm.tokens * spec.hidden_size * dm.stream_e,
-        vocab_final=int(vocab_grad // dm.stream_e * fx.grad_per_param),
+        vocab_final=_grad_bytes(vocab_grad // dm.stream_e, fx.grad_per_param),
         positions_dense=param_counts(spec).position_embedding * dm.stream_e)
     # freed before the token embedding's backward: the rope tables and a checkpointed mask
     # (with the first layer's saved tensors), the embedding dropout's mask and the position

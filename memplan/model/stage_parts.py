@@ -8,6 +8,7 @@ configuration, and a search evaluates many micro-batch sizes and policies of eac
 from __future__ import annotations
 
 from collections import Counter
+from fractions import Fraction
 from functools import lru_cache
 from itertools import accumulate
 from typing import NamedTuple
@@ -80,7 +81,8 @@ class StageStates(NamedTuple):
     last: bool
     params: StageParams
     states: StateBytes
-    grad_per_param: float
+    grad_per_param: Fraction  # held gradient bytes per parameter, exact (a shard's bytes
+    #                           over its parameters need not be whole)
     opt_temp: int
     shard: ShardingBuffers
     vocab_grad: int  # the embedding's (and a tied head's) gradient in the compute dtype
@@ -157,8 +159,8 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
         first=first, last=last, params=params, states=st,
         # kept unsharded under PP (``ShardingBuffers.kept_gathered``): the walk's gradients
         # are the stage's unsharded accumulators, in the reduce dtype
-        grad_per_param=(wl.precision.policy.grad_bytes if shard.kept_gathered
-                        else st.grads_bytes / max(params.total, 1)),
+        grad_per_param=(Fraction(wl.precision.policy.grad_bytes) if shard.kept_gathered
+                        else Fraction(st.grads_bytes, max(params.total, 1))),
         opt_temp=opt_temp,
         shard=shard,
         vocab_grad=par.vocab_shard(spec.vocab_size) * spec.hidden_size * e,
