@@ -277,6 +277,38 @@ class HeadBlock(NamedTuple):
     held_logits: int = 0  # logits the training loop keeps from the loss to the next step's
     #                       loss (``LogitsHeld.STEP``, ``step_held_bytes``)
 
+    @classmethod
+    def of(cls, spec: ModelSpec, wl: Workload, dm: Dims) -> HeadBlock:
+        """The head of one micro-batch on one rank of a last stage, read from its ``Block``
+        interface (``saved``, ``forward_moments``, ``backward_moments``): what every last
+        stage of an estimate shares. Its gradients are the stage's (``on_stage``). The
+        batch (targets, loss scalars) is the training loop's, not counted in ``saved_bytes``;
+        the loop's held logits are ``step_held_bytes``."""
+        block = cls()
+        saved = total(block.saved(spec, wl, dm, Recompute.NONE))
+        final_norm, loss_fwd = block.forward_moments(spec, wl, dm, Recompute.NONE)
+        loss, linear, final_norm_bwd = block.backward_moments(spec, wl, dm, Recompute.NONE)
+        batch = batch_terms(wl, dm)
+        return cls(forward_saved=saved - batch[0].size_bytes,
+                   final_norm_forward=final_norm.own_bytes + final_norm.transient_bytes,
+                   loss_forward=loss_fwd.transient_bytes, upcast=upcast_bytes(spec, wl, dm),
+                   saved_bytes=saved - total(batch), loss=loss.transient_bytes,
+                   linear=linear.transient_bytes, final_norm_saved=final_norm_bwd.own_bytes,
+                   final_norm_bwd=final_norm_bwd.transient_bytes,
+                   final_norm_all=linear.own_bytes, held_logits=step_held_bytes(wl, dm))
+
+    def on_stage(self, grads: int, vocab_grad: int, main_grads: bool,
+                 tied_grad: int) -> HeadBlock:
+        """This head on a stage whose final norm and head hold ``grads`` bytes of gradients.
+        With fp32 main gradients (``main_grads``) the head's compute-dtype weight gradient
+        (``vocab_grad``) is accumulated into a new fp32 one (first micro-batch) while it
+        still exists, after the head's backward freed the logits gradient and its saved input
+        (the final norm's output): the final norm's saved bytes (its saved tensors but its
+        output, plus the input gradient of the same size), both weight gradients. A tied
+        head's gradient (``tied_grad``) waits for the embedding's backward."""
+        main = self.final_norm_all + vocab_grad + grads if main_grads else 0
+        return self._replace(grads=grads, main_grads=main, tied_grad=tied_grad)
+
     # --- the ``Block`` interface (``memplan.model.block``): what the fields above are made
     # from, per micro-batch on one rank of the last stage, in bytes (``t``: the ranks that
     # split the vocabulary, ``ParallelConfig.vocab_divisor``; ``ep`` has no meaning here) ---

@@ -15,8 +15,8 @@ from fractions import Fraction
 from typing import NamedTuple
 
 from memplan.model import memo
-from memplan.model.dims import Dims, Term
-from memplan.model.embedding import EmbeddingBlock, embedding_backward_extra
+from memplan.model.dims import Term, whole_bytes
+from memplan.model.embedding import EmbeddingBlock, made_vocab_grad
 from memplan.model.grad_sync import (
     accumulated_gradients,
     accumulates_unsharded,
@@ -35,7 +35,7 @@ from memplan.model.stage_terms import StageTerms
 from memplan.model.walk import Walk, backward_peak, forward_peaks
 from memplan.overheads import Overheads
 from memplan.parallel import ParallelConfig, ZeroStage
-from memplan.spec import ModelSpec, param_counts
+from memplan.spec import ModelSpec
 from memplan.units import PHASES
 from memplan.workload import Workload
 
@@ -170,22 +170,15 @@ def _entries(par: ParallelConfig, shared: StageTerms, fx: StageStates,
     entries: Entries = {}
     for key, pos in kinds.positions.items():
         kind = shared.kinds[key]
-        moment_grads = tuple(_grad_bytes(n, per_param) for n in shared.moment_params[key])
+        moment_grads = tuple(whole_bytes(n, per_param) for n in shared.moment_params[key])
         if fx.main_grads and par.zero < ZeroStage.GRADIENTS:
             # the weight whose gradient was just made holds it in the compute dtype: its fp32
             # main gradient does not exist yet
             less = per_param - shared.dm.e
-            moment_grads = tuple(g - _grad_bytes(m.fresh_params, less)
+            moment_grads = tuple(g - whole_bytes(m.fresh_params, less)
                                  for g, m in zip(moment_grads, kind.moments))
-        entries[key] = (kind, _grad_bytes(fx.params.layers[pos], per_param), moment_grads)
+        entries[key] = (kind, whole_bytes(fx.params.layers[pos], per_param), moment_grads)
     return entries
-
-
-def _grad_bytes(num_params: int, per_param: Fraction) -> int:
-    """Held gradient bytes of ``num_params`` parameters at ``per_param`` bytes each (exact,
-    ``StageStates.grad_per_param``), whole bytes rounded toward zero."""
-    whole = abs(num_params * per_param.numerator) // per_param.denominator
-    return whole if num_params * per_param.numerator >= 0 else -whole
 
 
 def _saved(par: ParallelConfig, kinds: StageKinds, entries: Entries, flight: tuple[int, ...],
@@ -221,7 +214,7 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     st = fx.states
     flight = memo.in_flight(par.pp, par.vpp, m, stage, schedule, par.vpp_group)
     entries = _entries(par, shared, fx, kinds)
-    walk, activations, one_mb = _walk(spec, par, shared, fx, kinds, entries, flight)
+    walk, activations, one_mb = _walk(spec, par, wl, shared, fx, kinds, entries, flight)
     if accumulating:
         walk = with_new_grads(walk, ratio, fresh)
         grads = accumulated_gradients(walk, st, accumulator_bytes(fx.params, wl),
@@ -247,8 +240,8 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
                   peaks(st.master_bytes, st.scaler_bytes, False))
 
 
-def _walk(spec: ModelSpec, par: ParallelConfig, shared: StageTerms, fx: StageStates,
-          kinds: StageKinds, entries: Entries,
+def _walk(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTerms,
+          fx: StageStates, kinds: StageKinds, entries: Entries,
           flight: tuple[int, ...]) -> tuple[Walk, int, int]:
     """The walk's inputs, the saved activations of every micro-batch in flight and of one."""
     rope_bytes = shared.rope_bytes  # rope tables (and a saved mask): per chunk forward
@@ -261,8 +254,8 @@ def _walk(spec: ModelSpec, par: ParallelConfig, shared: StageTerms, fx: StageSta
         runs=[(*entries[k], n) for k, n in kinds.runs],
         other_bytes=max(0, activations - one_mb),
         rest_saved=rope_bytes * par.vpp + embed_bytes + batch,
-        head=_head_block(spec, shared, fx, head_bytes, batch),
-        embedding=_embedding_block(spec, shared, fx),
+        head=_head_block(spec, shared, fx),
+        embedding=_embedding_block(spec, wl, shared, fx),
         sharding=with_stream(fx.dp, shared.dm.stream(spec.hidden_size)),
     )
     return walk, activations, one_mb
@@ -302,60 +295,25 @@ def _forward(shared: StageTerms, fx: StageStates, walk: Walk) -> Callable[[bool]
     return forward_peaks(walk.runs, walk.sharding, walk.other_bytes, inputs, walk.head)
 
 
-def _head_block(spec: ModelSpec, shared: StageTerms, fx: StageStates, head_bytes: int,
-                batch: int) -> HeadBlock:
-    """The head on the last stage (zeros elsewhere); ``head_bytes``: its saved terms,
-    ``batch``: of them, the ids and targets the training loop holds."""
+def _head_block(spec: ModelSpec, shared: StageTerms, fx: StageStates) -> HeadBlock:
+    """The head on the last stage (``HeadBlock.of``, shared by the estimate's stages) with
+    this stage's gradients (zeros elsewhere)."""
     if not fx.last:
         return HeadBlock()
-    vocab_grad = fx.vocab_grad
-    grads = _grad_bytes(fx.params.head, fx.grad_per_param)
-    loss, linear = shared.head_loss_bwd, shared.head_linear_bwd
-    # With fp32 main gradients the head's compute-dtype weight gradient is accumulated into a
-    # new fp32 one (first micro-batch) while it still exists, after the head's backward freed
-    # the logits gradient and its saved input (the final norm's output). (The final norm's
-    # saved tensors but its output, plus the input gradient of the same size: the final
-    # norm's saved bytes.)
-    main = shared.final_norm_bytes + vocab_grad + grads if fx.main_grads else 0
-    tied = spec.tied_embeddings and fx.first
-    return HeadBlock(
-        forward_saved=head_bytes - shared.targets_bytes,
-        final_norm_forward=shared.final_norm_bytes + shared.final_norm_extra,
-        loss_forward=shared.loss_fwd, upcast=shared.upcast,
-        saved_bytes=head_bytes - batch, loss=loss, linear=linear, main_grads=main, grads=grads,
-        final_norm_saved=shared.final_norm_bwd_saved, final_norm_bwd=shared.final_norm_bwd,
-        final_norm_all=shared.final_norm_bytes, held_logits=shared.step_held,
-        tied_grad=_embedding_vocab_grad(shared.dm, fx)[0] if tied else 0)
+    tied = spec.tied_embeddings and fx.first  # the embedding's gradient on the same stage
+    tied_grad = made_vocab_grad(shared.dm, fx.vocab_grad, fx.main_grads)[0] if tied else 0
+    return shared.head_block.on_stage(whole_bytes(fx.params.head, fx.grad_per_param),
+                                      fx.vocab_grad, fx.main_grads, tied_grad)
 
 
-def _embedding_vocab_grad(dm: Dims, fx: StageStates) -> tuple[int, bool]:
-    """(the embedding's dense gradient in the dtype it is made in, whether an fp32 main
-    gradient is made from it)."""
-    if dm.autocast:
-        # the embedding is no autocast op: it reads the fp32 weight, its output and the
-        # gradient it receives are fp32, and its dense gradient is made in fp32 directly (a
-        # tied head's gradient too, once its cast's backward has upcast it)
-        return fx.vocab_grad // dm.e * dm.stream_e, False
-    return fx.vocab_grad, fx.main_grads
-
-
-def _embedding_block(spec: ModelSpec, shared: StageTerms,
+def _embedding_block(spec: ModelSpec, wl: Workload, shared: StageTerms,
                      fx: StageStates) -> EmbeddingBlock:
-    """The embedding's backward on the first stage; elsewhere only the rope tables (and a
-    checkpointed mask) are freed before the stage's last gradient."""
-    rope = shared.rope_bytes
+    """The embedding's backward on the first stage (``EmbeddingBlock.on_stage``); elsewhere
+    only the rope tables (and a checkpointed mask) are freed before the stage's last
+    gradient."""
     if not fx.first:
-        return EmbeddingBlock(freed_before=rope)
-    dm = shared.dm
-    vocab_grad, main_grads = _embedding_vocab_grad(dm, fx)
-    grads = _grad_bytes(fx.params.embedding, fx.grad_per_param)
-    extra = embedding_backward_extra(
-        vocab_grad, grads, tied=spec.tied_embeddings and fx.last, main_grads=main_grads,
-        incoming=dm.tokens * spec.hidden_size * dm.stream_e,
-        vocab_final=_grad_bytes(vocab_grad // dm.stream_e, fx.grad_per_param),
-        positions_dense=param_counts(spec).position_embedding * dm.stream_e)
-    # freed before the token embedding's backward: the rope tables and a checkpointed mask
-    # (with the first layer's saved tensors), the embedding dropout's mask and the position
-    # ids (the learned positions' backward runs first)
-    freed = rope + shared.embed_bytes - shared.embed[0].size_bytes
-    return EmbeddingBlock(grads=grads, extra=extra, freed_before=freed)
+        return EmbeddingBlock(freed_before=shared.rope_bytes)
+    return EmbeddingBlock().on_stage(
+        spec, wl, shared.dm, num_params=fx.params.embedding, per_param=fx.grad_per_param,
+        vocab_grad=fx.vocab_grad, main_grads=fx.main_grads,
+        tied=spec.tied_embeddings and fx.last, rope_bytes=shared.rope_bytes)
