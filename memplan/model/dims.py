@@ -94,5 +94,7 @@ def residual_dropout_mask(prefix: str, spec: ModelSpec, dm: Dims) -> list[Term]:
 def whole_bytes(count: int, per_item: Fraction) -> int:
     """``count`` items at ``per_item`` bytes each (an exact ratio: a shard's bytes over its
     parameters need not be whole), in whole bytes rounded toward zero, without a float."""
-    whole = abs(count * per_item.numerator) // per_item.denominator
-    return whole if count * per_item.numerator >= 0 else -whole
+    scaled = count * per_item.numerator
+    if scaled >= 0:
+        return scaled // per_item.denominator
+    return -(-scaled // per_item.denominator)

@@ -278,16 +278,20 @@ class HeadBlock(NamedTuple):
     #                       loss (``LogitsHeld.STEP``, ``step_held_bytes``)
 
     @classmethod
-    def of(cls, spec: ModelSpec, wl: Workload, dm: Dims) -> HeadBlock:
+    def of(cls, spec: ModelSpec, wl: Workload, dm: Dims,
+           saved_terms: list[Term] | None = None) -> HeadBlock:
         """The head of one micro-batch on one rank of a last stage, read from its ``Block``
-        interface (``saved``, ``forward_moments``, ``backward_moments``): what every last
-        stage of an estimate shares. Its gradients are the stage's (``on_stage``). The
-        batch (targets, loss scalars) is the training loop's, not counted in ``saved_bytes``;
-        the loop's held logits are ``step_held_bytes``."""
+        interface (``saved``, or ``saved_terms`` where the caller has them; the moments of
+        ``forward_moments`` and ``backward_moments``): what every last stage of an estimate
+        shares. Its gradients are the stage's (``on_stage``). The batch (targets, loss
+        scalars) is the training loop's, not counted in ``saved_bytes``; the loop's held
+        logits are ``step_held_bytes``."""
         block = cls()
-        saved = total(block.saved(spec, wl, dm, Recompute.NONE))
-        final_norm, loss_fwd = block.forward_moments(spec, wl, dm, Recompute.NONE)
-        loss, linear, final_norm_bwd = block.backward_moments(spec, wl, dm, Recompute.NONE)
+        saved = total(saved_terms if saved_terms is not None
+                      else block.saved(spec, wl, dm, Recompute.NONE))
+        final = norm.final_saved_bytes(spec, wl, dm)
+        final_norm, loss_fwd = block._forward_moments(spec, wl, dm, saved, final)
+        loss, linear, final_norm_bwd = block._backward_moments(spec, wl, dm, saved, final)
         batch = batch_terms(wl, dm)
         return cls(forward_saved=saved - batch[0].size_bytes,
                    final_norm_forward=final_norm.own_bytes + final_norm.transient_bytes,
@@ -327,10 +331,14 @@ class HeadBlock(NamedTuple):
                         recompute: Recompute) -> list[Moment]:
         """The final norm (its saved terms, its transient ``norm.final_forward_transient``),
         then the loss (all the head saves, beyond it ``forward_extra_bytes``)."""
-        final_norm, _ = norm.final_saved_bytes(spec, wl, dm)
-        return [Moment("final_norm", final_norm, norm.final_forward_transient(spec, wl, dm)),
-                Moment("loss", total(self.saved(spec, wl, dm, recompute)),
-                       forward_extra_bytes(spec, wl, dm))]
+        return self._forward_moments(spec, wl, dm, total(self.saved(spec, wl, dm, recompute)),
+                                     norm.final_saved_bytes(spec, wl, dm))
+
+    def _forward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims, saved: int,
+                         final: tuple[int, int]) -> list[Moment]:
+        """``forward_moments`` from the head's saved bytes and ``norm.final_saved_bytes``."""
+        return [Moment("final_norm", final[0], norm.final_forward_transient(spec, wl, dm)),
+                Moment("loss", saved, forward_extra_bytes(spec, wl, dm))]
 
     def working_set(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
         """None: the head is never inside a checkpointed layer (its chunked loss's reruns are
@@ -344,11 +352,16 @@ class HeadBlock(NamedTuple):
         the compute dtype), the final norm (what it still saves, ``final_backward_bytes``).
         The head's weight gradient is counted as made in the compute dtype, as the stage's
         terms count it (``stage_terms``); a tied head's is the embedding's group."""
+        return self._backward_moments(spec, wl, dm, total(self.saved(spec, wl, dm, recompute)),
+                                      norm.final_saved_bytes(spec, wl, dm))
+
+    def _backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims, saved: int,
+                          final: tuple[int, int]) -> list[BackwardMoment]:
+        """``backward_moments`` from the head's saved bytes and ``norm.final_saved_bytes``."""
         fresh = _head_weight(spec, dm)  # elements of the weight whose gradient is made
         grad = fresh * dm.e
-        final_norm, norm_at_backward = norm.final_saved_bytes(spec, wl, dm)
-        return [BackwardMoment("loss", total(self.saved(spec, wl, dm, recompute)),
-                               loss_backward_bytes(spec, wl, dm, grad)),
+        final_norm, norm_at_backward = final
+        return [BackwardMoment("loss", saved, loss_backward_bytes(spec, wl, dm, grad)),
                 BackwardMoment("head", final_norm, linear_backward_bytes(spec, wl, dm, grad),
                                ("head",), fresh),
                 BackwardMoment("final_norm", norm_at_backward,

@@ -69,30 +69,37 @@ class DataParallel(NamedTuple):
     #                       shard at the step's reduce, after its last micro-batch's backward
     #                       (0: no such moment)
 
+    # Bytes are made from bytes in integer arithmetic on the ratios' numerators and
+    # denominators (gradient bytes are never negative): exact, and no Fraction is built.
+
     def unsharded(self, held: int) -> int:
         """Unsharded bytes, in the reduce dtype, of ``held`` gradient bytes."""
-        return int(held * self.unsharded_ratio)
+        r = self.unsharded_ratio
+        return held * r.numerator // r.denominator
 
     def shard_of(self, unsharded: int) -> int:
         """This rank's shard, in held bytes, of ``unsharded`` gradient bytes."""
-        return int(unsharded / self.unsharded_ratio)
+        r = self.unsharded_ratio
+        return unsharded * r.denominator // r.numerator
 
     def buffer(self, made: int) -> int:
         """Beyond the shard, the gradients made so far waiting unsharded (at most the cap)."""
         if not self.grad_cap:  # gradients replicated: nothing waits
             return 0
-        waiting = min(self.grad_cap, int(made * self.unsharded_ratio))
-        if self.unsharded_ratio > 1:
+        waiting = min(self.grad_cap, self.unsharded(made))
+        r = self.unsharded_ratio
+        if r.numerator > r.denominator:
             return waiting - self.shard_of(waiting)
         return waiting
 
     def root(self, made: int) -> int:
         """FSDP2's root gradients unsharded, in the weights' dtype, beyond their shard."""
-        return int(made * self.unsharded_ratio * self.unsharded_dtype) - made
+        return self.unit_grads(made) - made
 
     def unit_grads(self, held: int) -> int:
         """A unit's gradients unsharded, in the weights' dtype."""
-        return int(held * self.unsharded_ratio * self.unsharded_dtype)
+        r, d = self.unsharded_ratio, self.unsharded_dtype
+        return held * r.numerator * d.numerator // (r.denominator * d.denominator)
 
     def reduced(self, unit: int) -> int:
         """A unit's reduce at shard degree 1, beyond the gradients held before it."""
@@ -105,8 +112,11 @@ class DataParallel(NamedTuple):
         FSDP2's unsharded in the weights' dtype (capped at a unit), else as held where they
         are new this backward (accumulated into existing ones otherwise)."""
         if self.per_unit:
-            cap, ratio, dtype = self.grad_cap, self.unsharded_ratio, self.unsharded_dtype
-            return max(m.alive_bytes + m.transient_bytes + int(min(cap, g * ratio) * dtype)
+            r, d = self.unsharded_ratio, self.unsharded_dtype
+            # min(cap, g x r) x d, whole bytes: the cap and g x r over r's denominator
+            cap, num = self.grad_cap * r.denominator, d.numerator
+            den = r.denominator * d.denominator
+            return max(m.alive_bytes + m.transient_bytes + min(cap, g * r.numerator) * num // den
                        for m, g in zip(moments, grads))
         if growing:
             return max(m.alive_bytes + m.transient_bytes + g for m, g in zip(moments, grads))

@@ -62,7 +62,7 @@ def stage_terms(spec: ModelSpec, wl: Workload, dm: Dims, ep: int | ExpertSplit,
         # the causal mask lives through the forward; with recompute it is saved (a term)
         mask=((0 if saved_mask else attention.eager_mask_bytes(wl, dm))
               + attention.window_mask_bytes(spec, wl, dm)),
-        head_block=HeadBlock.of(spec, wl, dm),
+        head_block=HeadBlock.of(spec, wl, dm, list(head_terms)),
         kinds=kinds,
         moment_params={key: moment_params(groups_of(spec, dm.tp, ep, key[0]), kind)
                        for key, kind in kinds.items()})

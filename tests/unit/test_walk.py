@@ -84,7 +84,7 @@ def test_zero2_buffer_holds_unsharded_gradients() -> None:
     shard): 160 + 50 = 210; at the end the 100 B made wait (200 B): 100 + 100 = 200. With
     300 B of the embedding's gradients too, the end holds 400 B of gradients and 400 B beyond
     their shard: 800."""
-    sharding = DataParallel(grad_cap=1_000, unsharded_ratio=2.0)
+    sharding = DataParallel(grad_cap=1_000, unsharded_ratio=2)
     assert backward_peak(_walk(sharding=sharding), 0, 100) == 210
     embedding = EmbeddingBlock(grads=300)
     assert backward_peak(_walk(sharding=sharding, embedding=embedding), 0, 400) == 800
