@@ -2,11 +2,12 @@
 
 A stage's forward and its backward are each a list of ``Segment``s in execution order
 (``memplan.model.moments``): the layers, in runs of identical ones (``memplan.model.layer.
-LayerKind``: dense or MoE, and their recompute policy), the head (``HeadBlock``) and the
-embedding (``EmbeddingBlock``) emit their own events; the data-parallel mechanism
-(``memplan.model.sharding``) says what it holds beside each and adds its own instants, with
-positions in a run that differ (a run's first and last layer) as segments of their own. This
-module only lays them side by side in order; ``memplan.model.moments.fold`` walks them.
+LayerKind``: dense or MoE, and their recompute policy), the head (``HeadBlock``, with the
+logits the training loop holds) and the embedding (``EmbeddingBlock``) emit their own events;
+the data-parallel mechanism (``memplan.model.sharding``) says what it holds beside each and
+adds its own instants (at the step's end too), with positions in a run that differ (a run's
+first and last layer) as segments of their own. This module only lays them side by side in
+order; ``memplan.model.moments.fold`` walks them.
 """
 
 from __future__ import annotations
