@@ -4,8 +4,11 @@ A user describes a run with the knobs they set in their framework (precision, la
 attention backend where the framework offers a choice, batch, sequence); the framework decides
 the rest: which norm kernel and optimizer implementation run, who holds the logits, what the
 loss upcasts, how tensor parallelism and data-parallel gradients are laid out. Each preset here
-is a list of such defaults, each with the file and function it was read from and the version
-checked. An option the user gives explicitly always wins over the preset.
+is a selection of the mechanisms the model reads (``Mechanism``: the optimizer's implementation,
+the kernels, selective recompute, the loss, the training loop, the data-parallel policy, the
+layout), each ``Selection`` the settings it gives that mechanism, each setting with the file
+and function it was read from and the version checked. An option the user gives explicitly
+always wins over the preset.
 
 ``generic`` is plain PyTorch as memplan's reference model runs it (``memplan.profile.
 reference``): torch.optim's foreach AdamW (its CUDA default), Hugging Face-style upcast norms,
@@ -18,6 +21,7 @@ would change the bytes (``validate``), not estimated as if they were the generic
 from __future__ import annotations
 
 from collections.abc import Callable
+from enum import Enum
 from typing import Any, NamedTuple
 
 from memplan.errors import LayoutError
@@ -35,6 +39,45 @@ class Default(NamedTuple):
 
     def resolve(self, spec: ModelSpec) -> Any:
         return self.value(spec) if callable(self.value) else self.value
+
+
+class Mechanism(Enum):
+    """The typed policies a preset selects from, each read by one part of the model (value:
+    what it decides, and where)."""
+
+    OPTIMIZER = "the optimizer's implementation: its step temporaries (model/optimizer.py)"
+    KERNELS = ("what the blocks' kernels save and hold: norms, attention core, MoE experts, "
+               "fused projections, RoPE tables, masks, a KV cache (model/ blocks)")
+    RECOMPUTE = "how selective recompute picks what to save (model/sac.py)"
+    LOSS = "the loss and its logits: dtype, implementation, split (model/head.py)"
+    LOOP = ("the training loop: the logits it holds, gradients zeroed or freed "
+            "(model/head.py, model/stage.py)")
+    DATA_PARALLEL = ("the data-parallel policy: FSDP units, DDP gradient buffers "
+                     "(model/model_states.py, model/sharding.py)")
+    LAYOUT = "tensor-parallel style and pipeline split (parallel.py, model/pipeline.py)"
+
+
+# The settings (Workload or ParallelConfig fields) of each mechanism: a preset selects a
+# mechanism by setting some of them.
+SETTINGS: dict[Mechanism, frozenset[str]] = {
+    Mechanism.OPTIMIZER: frozenset({"optimizer_impl"}),
+    Mechanism.KERNELS: frozenset({"norm_impl", "softmax_fp32", "moe_impl", "window_mask",
+                                  "kv_cache", "fused_qkv", "rope_cache", "attention_impl"}),
+    Mechanism.RECOMPUTE: frozenset({"selective_impl"}),
+    Mechanism.LOSS: frozenset({"logits_fp32", "loss_impl", "loss_split",
+                                "loss_chunk_backward"}),
+    Mechanism.LOOP: frozenset({"logits_held", "keep_grads", "grad_sync"}),
+    Mechanism.DATA_PARALLEL: frozenset({"fsdp_units", "grad_buffers", "ddp_any_size"}),
+    Mechanism.LAYOUT: frozenset({"tp_style", "pipeline_split"}),
+}
+
+
+class Selection(NamedTuple):
+    """A framework's choice of one mechanism: the settings it gives it, each with its
+    source (``Default``; each a setting of that mechanism, ``SETTINGS``)."""
+
+    mechanism: Mechanism
+    defaults: tuple[Default, ...]
 
 
 def _hf_norm(spec: ModelSpec) -> str:
@@ -64,157 +107,199 @@ _TITAN = "torchtitan 0.3.0"
 _LITGPT = "litgpt 0.5.13 / lightning 2.6"
 _MEGATRON = "megatron-core 0.16.1"
 
-PRESETS: dict[Framework, tuple[Default, ...]] = {
+PRESETS: dict[Framework, tuple[Selection, ...]] = {
     Framework.GENERIC: (),
     Framework.HF: (
-        Default("optimizer_impl", "fused",
-                f"transformers/training_args.py TrainingArguments.optim: adamw_torch_fused "
-                f"for torch >= 2.8 ({_TRANSFORMERS})"),
-        Default("norm_impl", _hf_norm,
-                f"models/llama/modeling_llama.py LlamaRMSNorm.forward upcasts to fp32 in "
-                f"Python; Gemma2RMSNorm / Olmo2RMSNorm scale the fp32 tensor before the cast "
-                f"back; GPT-2 uses nn.LayerNorm ({_TRANSFORMERS})"),
-        Default("logits_fp32", True,
-                f"loss/loss_utils.py ForCausalLMLoss: logits.float() ({_TRANSFORMERS})"),
-        Default("logits_held", LogitsHeld.LOSS.value,
-                f"models/llama/modeling_llama.py LlamaForCausalLM.forward keeps `logits` for "
-                f"its CausalLMOutputWithPast while the loss upcasts a copy; Trainer."
-                f"compute_loss drops the output before backward ({_TRANSFORMERS})"),
-        Default("softmax_fp32", _hf_softmax,
-                f"the family's eager_attention_forward (eager attention only): "
-                f"models/llama/modeling_llama.py softmax(..., dtype=torch.float32)."
-                f"to(query.dtype), as Mistral's, Mixtral's, Qwen2's, Qwen3's, the MoE Qwens', "
-                f"Gemma 2/3's, Phi-3's, OLMo 2's and DeepSeek-V3's; models/gpt2/"
-                f"modeling_gpt2.py softmax(attn_weights, dim=-1) in the scores' dtype "
-                f"({_TRANSFORMERS})"),
-        Default("moe_impl", "grouped",
-                f"integrations/moe.py grouped_mm_experts_forward: the experts' default "
-                f"implementation (modeling_utils.py get_correct_experts_implementation) for "
-                f"the stacked experts of Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 "
-                f"({_TRANSFORMERS})"),
-        Default("window_mask", True,
-                f"masking_utils.py sdpa_mask: a sliding-window layer gets an explicit mask "
-                f"unless the sequence is shorter than the window (_ignore_causal_mask_sdpa); "
-                f"integrations/sdpa_attention.py repeats K and V for it (use_gqa_in_sdpa "
-                f"needs no mask) ({_TRANSFORMERS})"),
-        Default("kv_cache", _hf_cache,
-                f"models/llama/modeling_llama.py LlamaModel.forward builds a DynamicCache "
-                f"when the config's use_cache (every configuration class's default), also in "
-                f"training without gradient checkpointing; cache_utils.py DynamicLayer.update "
-                f"concatenates each layer's K and V into it ({_TRANSFORMERS})"),
-        # DDP (--zero 0) and FSDP2 (--zero 3) only: under DeepSpeed (--zero 1/2) Trainer
-        # syncs every micro-batch, which is what "last" holds there (memplan.parallel)
-        Default("grad_sync", "last",
-                f"trainer.py Trainer._inner_training_loop runs each micro-batch but a step's "
-                f"last under accelerator.no_sync (unless sync_each_batch or DeepSpeed); "
-                f"accelerate/accelerator.py Accelerator.no_sync: DDP's no_sync(), FSDP2's "
-                f"set_requires_gradient_sync(False); GradientAccumulationPlugin."
-                f"sync_each_batch defaults to False (accelerate 1.15.0, {_TRANSFORMERS})"),
+        Selection(Mechanism.OPTIMIZER, (
+            Default("optimizer_impl", "fused",
+                    f"transformers/training_args.py TrainingArguments.optim: adamw_torch_fused "
+                    f"for torch >= 2.8 ({_TRANSFORMERS})"),
+        )),
+        Selection(Mechanism.KERNELS, (
+            Default("norm_impl", _hf_norm,
+                    f"models/llama/modeling_llama.py LlamaRMSNorm.forward upcasts to fp32 in "
+                    f"Python; Gemma2RMSNorm / Olmo2RMSNorm scale the fp32 tensor before the cast "
+                    f"back; GPT-2 uses nn.LayerNorm ({_TRANSFORMERS})"),
+            Default("softmax_fp32", _hf_softmax,
+                    f"the family's eager_attention_forward (eager attention only): "
+                    f"models/llama/modeling_llama.py softmax(..., dtype=torch.float32)."
+                    f"to(query.dtype), as Mistral's, Mixtral's, Qwen2's, Qwen3's, the MoE Qwens', "
+                    f"Gemma 2/3's, Phi-3's, OLMo 2's and DeepSeek-V3's; models/gpt2/"
+                    f"modeling_gpt2.py softmax(attn_weights, dim=-1) in the scores' dtype "
+                    f"({_TRANSFORMERS})"),
+            Default("moe_impl", "grouped",
+                    f"integrations/moe.py grouped_mm_experts_forward: the experts' default "
+                    f"implementation (modeling_utils.py get_correct_experts_implementation) for "
+                    f"the stacked experts of Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 "
+                    f"({_TRANSFORMERS})"),
+            Default("window_mask", True,
+                    f"masking_utils.py sdpa_mask: a sliding-window layer gets an explicit mask "
+                    f"unless the sequence is shorter than the window (_ignore_causal_mask_sdpa); "
+                    f"integrations/sdpa_attention.py repeats K and V for it (use_gqa_in_sdpa "
+                    f"needs no mask) ({_TRANSFORMERS})"),
+            Default("kv_cache", _hf_cache,
+                    f"models/llama/modeling_llama.py LlamaModel.forward builds a DynamicCache "
+                    f"when the config's use_cache (every configuration class's default), also in "
+                    f"training without gradient checkpointing; cache_utils.py DynamicLayer.update "
+                    f"concatenates each layer's K and V into it ({_TRANSFORMERS})"),
+        )),
+        Selection(Mechanism.LOSS, (
+            Default("logits_fp32", True,
+                    f"loss/loss_utils.py ForCausalLMLoss: logits.float() ({_TRANSFORMERS})"),
+        )),
+        Selection(Mechanism.LOOP, (
+            Default("logits_held", LogitsHeld.LOSS.value,
+                    f"models/llama/modeling_llama.py LlamaForCausalLM.forward keeps `logits` for "
+                    f"its CausalLMOutputWithPast while the loss upcasts a copy; Trainer."
+                    f"compute_loss drops the output before backward ({_TRANSFORMERS})"),
+            # DDP (--zero 0) and FSDP2 (--zero 3) only: under DeepSpeed (--zero 1/2) Trainer
+            # syncs every micro-batch, which is what "last" holds there (memplan.parallel)
+            Default("grad_sync", "last",
+                    f"trainer.py Trainer._inner_training_loop runs each micro-batch but a step's "
+                    f"last under accelerator.no_sync (unless sync_each_batch or DeepSpeed); "
+                    f"accelerate/accelerator.py Accelerator.no_sync: DDP's no_sync(), FSDP2's "
+                    f"set_requires_gradient_sync(False); GradientAccumulationPlugin."
+                    f"sync_each_batch defaults to False (accelerate 1.15.0, {_TRANSFORMERS})"),
+        )),
     ),
     Framework.TORCHTITAN: (
-        Default("optimizer_impl", "fused",
-                f"components/optimizer/optimizer.py OptimizersContainer config: implementation "
-                f"= 'fused' ({_TITAN})"),
-        Default("norm_impl", "fused",
-                f"models/common/nn_modules.py RMSNorm: nn.RMSNorm, which runs F.rms_norm, "
-                f"CUDA's fused kernel ({_TITAN})"),
-        Default("logits_fp32", True,
-                f"components/loss.py cross_entropy_loss: pred.flatten(0, 1).float() ({_TITAN})"),
-        Default("logits_held", LogitsHeld.LOSS.value,
-                f"trainer.py Trainer._forward_backward_body: `pred = model(inputs)` stays "
-                f"referenced while loss_fn upcasts a copy, `del pred` before backward "
-                f"({_TITAN})"),
-        Default("fsdp_units", _titan_units,
-                f"distributed/fsdp.py apply_fsdp_to_decoder: fully_shard on tok_embeddings "
-                f"(resharded after forward), on [norm, lm_head] (not resharded after "
-                f"forward) and on each block; with tied weights one unit of all three "
-                f"({_TITAN})"),
-        Default("selective_impl", "op",
-                f"distributed/activation_checkpoint.py SelectiveAC._wrap_block: the per-op "
-                f"policy, its save list _get_default_save_ops, every second mm recomputed "
-                f"({_TITAN})"),
-        Default("fused_qkv", True,
-                f"models/common/attention.py FusedQKVLinear (fuse_qkv in the llama3 flavors) "
-                f"({_TITAN})"),
-        Default("keep_grads", True,
-                f"trainer.py Trainer.train_step: optimizers.zero_grad(set_to_none="
-                f"training.disable_cuda_graphs), which config/configs.py defaults to False "
-                f"({_TITAN})"),
-        Default("rope_cache", "layer",
-                f"models/common/rope.py RoPE.__init__: register_buffer('cache', ...) in "
-                f"every attention layer, complex64 (max_seq_len, head_dim/2), cut to "
-                f"training.seq_len by models/common/decoder.py Decoder.Config."
-                f"update_from_config ({_TITAN})"),
-        Default("loss_impl", "torchtitan",
-                f"components/loss.py cross_entropy_loss: on logits sharded over the "
-                f"vocabulary (under TP: models/common/decoder_sharding.py "
-                f"set_decoder_sharding_config keeps lm_head's output S(-1)) "
-                f"_LossParallelCrossEntropy, whose forward keeps the shifted logits and whose "
-                f"backward makes three logits-sized tensors ({_TITAN})"),
-        Default("loss_chunk_backward", "in-loss",
-                f"components/loss.py ChunkedLossWrapper.__call__ (the loss of the llama3 and "
-                f"qwen3 registry's 8B/70B/405B and 0.6B-32B configs, 8 chunks; Trainer.Config's "
-                f"default loss is unchunked): each chunk's lm_head, loss and backward inside "
-                f"the loss call, lm_head's sync off but for the last chunk ({_TITAN})"),
-        Default("pipeline_split", "weighted",
-                f"distributed/pipeline_parallel.py pipeline_llm: without "
-                f"module_fqns_per_model_part, _generate_llm_fqn_per_model_part splits the "
-                f"layers with the embedding and the head counted as pipeline_parallel_first/"
-                f"last_stage_less_layers (1) layers each ({_TITAN})"),
-        Default("tp_style", "dtensor",
-                f"models/llama3/infra/parallelize.py apply_tp: DTensor ColwiseParallel / "
-                f"RowwiseParallel / SequenceParallel plans ({_TITAN})"),
+        Selection(Mechanism.OPTIMIZER, (
+            Default("optimizer_impl", "fused",
+                    f"components/optimizer/optimizer.py OptimizersContainer config: implementation "
+                    f"= 'fused' ({_TITAN})"),
+        )),
+        Selection(Mechanism.KERNELS, (
+            Default("norm_impl", "fused",
+                    f"models/common/nn_modules.py RMSNorm: nn.RMSNorm, which runs F.rms_norm, "
+                    f"CUDA's fused kernel ({_TITAN})"),
+            Default("fused_qkv", True,
+                    f"models/common/attention.py FusedQKVLinear (fuse_qkv in the llama3 flavors) "
+                    f"({_TITAN})"),
+            Default("rope_cache", "layer",
+                    f"models/common/rope.py RoPE.__init__: register_buffer('cache', ...) in "
+                    f"every attention layer, complex64 (max_seq_len, head_dim/2), cut to "
+                    f"training.seq_len by models/common/decoder.py Decoder.Config."
+                    f"update_from_config ({_TITAN})"),
+        )),
+        Selection(Mechanism.RECOMPUTE, (
+            Default("selective_impl", "op",
+                    f"distributed/activation_checkpoint.py SelectiveAC._wrap_block: the per-op "
+                    f"policy, its save list _get_default_save_ops, every second mm recomputed "
+                    f"({_TITAN})"),
+        )),
+        Selection(Mechanism.LOSS, (
+            Default("logits_fp32", True,
+                    f"components/loss.py cross_entropy_loss: pred.flatten(0, 1).float() "
+                    f"({_TITAN})"),
+            Default("loss_impl", "torchtitan",
+                    f"components/loss.py cross_entropy_loss: on logits sharded over the "
+                    f"vocabulary (under TP: models/common/decoder_sharding.py "
+                    f"set_decoder_sharding_config keeps lm_head's output S(-1)) "
+                    f"_LossParallelCrossEntropy, whose forward keeps the shifted logits and whose "
+                    f"backward makes three logits-sized tensors ({_TITAN})"),
+            Default("loss_chunk_backward", "in-loss",
+                    f"components/loss.py ChunkedLossWrapper.__call__ (the loss of the llama3 and "
+                    f"qwen3 registry's 8B/70B/405B and 0.6B-32B configs, 8 chunks; Trainer."
+                    f"Config's "
+                    f"default loss is unchunked): each chunk's lm_head, loss and backward inside "
+                    f"the loss call, lm_head's sync off but for the last chunk ({_TITAN})"),
+        )),
+        Selection(Mechanism.LOOP, (
+            Default("logits_held", LogitsHeld.LOSS.value,
+                    f"trainer.py Trainer._forward_backward_body: `pred = model(inputs)` stays "
+                    f"referenced while loss_fn upcasts a copy, `del pred` before backward "
+                    f"({_TITAN})"),
+            Default("keep_grads", True,
+                    f"trainer.py Trainer.train_step: optimizers.zero_grad(set_to_none="
+                    f"training.disable_cuda_graphs), which config/configs.py defaults to False "
+                    f"({_TITAN})"),
+        )),
+        Selection(Mechanism.DATA_PARALLEL, (
+            Default("fsdp_units", _titan_units,
+                    f"distributed/fsdp.py apply_fsdp_to_decoder: fully_shard on tok_embeddings "
+                    f"(resharded after forward), on [norm, lm_head] (not resharded after "
+                    f"forward) and on each block; with tied weights one unit of all three "
+                    f"({_TITAN})"),
+        )),
+        Selection(Mechanism.LAYOUT, (
+            Default("pipeline_split", "weighted",
+                    f"distributed/pipeline_parallel.py pipeline_llm: without "
+                    f"module_fqns_per_model_part, _generate_llm_fqn_per_model_part splits the "
+                    f"layers with the embedding and the head counted as pipeline_parallel_first/"
+                    f"last_stage_less_layers (1) layers each ({_TITAN})"),
+            Default("tp_style", "dtensor",
+                    f"models/llama3/infra/parallelize.py apply_tp: DTensor ColwiseParallel / "
+                    f"RowwiseParallel / SequenceParallel plans ({_TITAN})"),
+        )),
     ),
     Framework.LIGHTNING: (
-        Default("optimizer_impl", "fused",
-                f"litgpt/pretrain.py: instantiate_torch_optimizer(..., fused=fabric.device."
-                f"type == 'cuda') ({_LITGPT})"),
-        Default("norm_impl", "upcast-fp32",
-                f"litgpt/model.py RMSNorm.forward: x.float() normalised in fp32 and multiplied "
-                f"by weight.float() before the cast back ({_LITGPT})"),
-        Default("logits_fp32", True,
-                f"lightning/fabric/plugins/precision/half.py HalfPrecision.convert_output and "
-                f"amp.py MixedPrecision.convert_output return fp32 logits ({_LITGPT})"),
-        Default("logits_held", LogitsHeld.STEP.value,
-                f"litgpt/pretrain.py fit: `logits = model(input_ids)` is a loop variable "
-                f"({_LITGPT})"),
-        Default("loss_split", 128,
-                f"litgpt/utils.py chunked_cross_entropy(chunk_size=128): the flattened logits "
-                f"split into 128-token pieces, each its own cross_entropy, nothing "
-                f"checkpointed ({_LITGPT})"),
-        Default("rope_cache", "model",
-                f"litgpt/model.py GPT.max_seq_length: register_buffer('cos' / 'sin', "
-                f"rope_cache()) for max_seq_length positions, which litgpt/pretrain.py sets "
-                f"to train.max_seq_length; each forward slices them ({_LITGPT})"),
-        Default("attention_impl", "litgpt",
-                f"litgpt/model.py CausalSelfAttention.forward: qkv.split views, RoPE through "
-                f"torch.cat, k/v repeat_interleave for grouped queries, y.reshape after "
-                f"SDPA ({_LITGPT})"),
+        Selection(Mechanism.OPTIMIZER, (
+            Default("optimizer_impl", "fused",
+                    f"litgpt/pretrain.py: instantiate_torch_optimizer(..., fused=fabric.device."
+                    f"type == 'cuda') ({_LITGPT})"),
+        )),
+        Selection(Mechanism.KERNELS, (
+            Default("norm_impl", "upcast-fp32",
+                    f"litgpt/model.py RMSNorm.forward: x.float() normalised in fp32 and multiplied "
+                    f"by weight.float() before the cast back ({_LITGPT})"),
+            Default("rope_cache", "model",
+                    f"litgpt/model.py GPT.max_seq_length: register_buffer('cos' / 'sin', "
+                    f"rope_cache()) for max_seq_length positions, which litgpt/pretrain.py sets "
+                    f"to train.max_seq_length; each forward slices them ({_LITGPT})"),
+            Default("attention_impl", "litgpt",
+                    f"litgpt/model.py CausalSelfAttention.forward: qkv.split views, RoPE through "
+                    f"torch.cat, k/v repeat_interleave for grouped queries, y.reshape after "
+                    f"SDPA ({_LITGPT})"),
+        )),
+        Selection(Mechanism.LOSS, (
+            Default("logits_fp32", True,
+                    f"lightning/fabric/plugins/precision/half.py HalfPrecision.convert_output and "
+                    f"amp.py MixedPrecision.convert_output return fp32 logits ({_LITGPT})"),
+            Default("loss_split", 128,
+                    f"litgpt/utils.py chunked_cross_entropy(chunk_size=128): the flattened logits "
+                    f"split into 128-token pieces, each its own cross_entropy, nothing "
+                    f"checkpointed ({_LITGPT})"),
+        )),
+        Selection(Mechanism.LOOP, (
+            Default("logits_held", LogitsHeld.STEP.value,
+                    f"litgpt/pretrain.py fit: `logits = model(input_ids)` is a loop variable "
+                    f"({_LITGPT})"),
+        )),
     ),
     Framework.MEGATRON: (
-        Default("optimizer_impl", "fused",
-                f"megatron/core/optimizer/__init__.py: Apex / Transformer Engine FusedAdam "
-                f"({_MEGATRON})"),
-        Default("norm_impl", "fused",
-                f"megatron/core/extensions/transformer_engine.py TENorm, megatron/core/fusions/"
-                f"fused_layer_norm.py FusedLayerNorm ({_MEGATRON})"),
-        Default("loss_impl", "megatron",
-                f"megatron/core/tensor_parallel/cross_entropy.py _VocabParallelCrossEntropy: "
-                f"the fp32 copy of the logits becomes the saved softmax in place, its backward "
-                f"works in place on it; GPTModel.forward keeps the logits while the loss runs "
-                f"({_MEGATRON}; without --cross-entropy-loss-fusion)"),
-        Default("tp_style", "megatron",
-                f"megatron/core/tensor_parallel/layers.py Column/RowParallelLinear "
-                f"({_MEGATRON})"),
-        Default("grad_buffers", "view",
-                f"megatron/core/distributed/param_and_grad_buffer.py: gradients are views "
-                f"of persistent contiguous buffers ({_MEGATRON})"),
-        Default("ddp_any_size", True,
-                f"Megatron-LM megatron/training/training.py get_model wraps every model "
-                f"chunk in megatron/core/distributed DistributedDataParallel, whose "
-                f"param_and_grad_buffer.py _ParamAndGradBuffer.__init__ allocates the "
-                f"gradient buffer (torch.zeros(numel)) at any data-parallel size "
-                f"({_MEGATRON})"),
+        Selection(Mechanism.OPTIMIZER, (
+            Default("optimizer_impl", "fused",
+                    f"megatron/core/optimizer/__init__.py: Apex / Transformer Engine FusedAdam "
+                    f"({_MEGATRON})"),
+        )),
+        Selection(Mechanism.KERNELS, (
+            Default("norm_impl", "fused",
+                    f"megatron/core/extensions/transformer_engine.py TENorm, megatron/core/fusions/"
+                    f"fused_layer_norm.py FusedLayerNorm ({_MEGATRON})"),
+        )),
+        Selection(Mechanism.LOSS, (
+            Default("loss_impl", "megatron",
+                    f"megatron/core/tensor_parallel/cross_entropy.py _VocabParallelCrossEntropy: "
+                    f"the fp32 copy of the logits becomes the saved softmax in place, its backward "
+                    f"works in place on it; GPTModel.forward keeps the logits while the loss runs "
+                    f"({_MEGATRON}; without --cross-entropy-loss-fusion)"),
+        )),
+        Selection(Mechanism.DATA_PARALLEL, (
+            Default("grad_buffers", "view",
+                    f"megatron/core/distributed/param_and_grad_buffer.py: gradients are views "
+                    f"of persistent contiguous buffers ({_MEGATRON})"),
+            Default("ddp_any_size", True,
+                    f"Megatron-LM megatron/training/training.py get_model wraps every model "
+                    f"chunk in megatron/core/distributed DistributedDataParallel, whose "
+                    f"param_and_grad_buffer.py _ParamAndGradBuffer.__init__ allocates the "
+                    f"gradient buffer (torch.zeros(numel)) at any data-parallel size "
+                    f"({_MEGATRON})"),
+        )),
+        Selection(Mechanism.LAYOUT, (
+            Default("tp_style", "megatron",
+                    f"megatron/core/tensor_parallel/layers.py Column/RowParallelLinear "
+                    f"({_MEGATRON})"),
+        )),
     ),
 }
 
@@ -222,7 +307,14 @@ PRESETS: dict[Framework, tuple[Default, ...]] = {
 # One that neither the user nor the preset sets keeps its own default, declared once on
 # ``Workload`` or ``ParallelConfig``: the generic preset is those defaults.
 LAYOUT_FIELDS = frozenset({"tp_style", "grad_buffers"})
-FIELDS = frozenset(d.field for defaults in PRESETS.values() for d in defaults)
+
+
+def defaults(framework: Framework) -> tuple[Default, ...]:
+    """Every setting ``framework``'s preset gives, its mechanisms in order."""
+    return tuple(d for selection in PRESETS[framework] for d in selection.defaults)
+
+
+FIELDS = frozenset(d.field for framework in PRESETS for d in defaults(framework))
 
 
 def parse(value: object) -> Framework:
@@ -243,7 +335,7 @@ def apply(framework: Framework, spec: ModelSpec, given: dict[str, Any]) -> dict[
     """``given`` keyword arguments with each field the preset sets filled from it where the
     user left it unset (absent or None); the others keep the model's own default."""
     out = dict(given)
-    for default in PRESETS[framework]:
+    for default in defaults(framework):
         if out.get(default.field) is None:
             out[default.field] = default.resolve(spec)
     return out
@@ -253,7 +345,7 @@ def assumptions(framework: Framework, spec: ModelSpec, used: Callable[[str], Any
     """One line per preset default that the estimate used (``used(field)`` is the value it
     ran with), with its source; nothing for the generic preset."""
     out = []
-    for d in PRESETS[framework]:
+    for d in defaults(framework):
         if used(d.field) == d.resolve(spec):
             out.append(f"{framework.value}: {d.field} = {_show(d.resolve(spec))} ({d.source})")
     return out

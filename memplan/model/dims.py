@@ -11,6 +11,7 @@ attention and MLP blocks are split by t always.
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import NamedTuple
 
 from memplan.parallel import ParallelConfig, TpStyle, local_seq
@@ -88,3 +89,12 @@ def residual_dropout_mask(prefix: str, spec: ModelSpec, dm: Dims) -> list[Term]:
     if spec.dropout <= 0:
         return []
     return [Term(f"{prefix}.dropout_mask", dm.rows * spec.hidden_size * MASK_BYTES)]
+
+
+def whole_bytes(count: int, per_item: Fraction) -> int:
+    """``count`` items at ``per_item`` bytes each (an exact ratio: a shard's bytes over its
+    parameters need not be whole), in whole bytes rounded toward zero, without a float."""
+    scaled = count * per_item.numerator
+    if scaled >= 0:
+        return scaled // per_item.denominator
+    return -(-scaled // per_item.denominator)

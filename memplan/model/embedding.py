@@ -3,10 +3,11 @@ its backward, where the stage's last gradients are made."""
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import NamedTuple
 
 from memplan.model.block import BackwardMoment, Moment
-from memplan.model.dims import INDEX_BYTES, Dims, Term, residual_dropout_mask, total
+from memplan.model.dims import INDEX_BYTES, Dims, Term, residual_dropout_mask, total, whole_bytes
 from memplan.model.moments import Event
 from memplan.parallel import vocab_shard
 from memplan.spec import ModelSpec, PositionKind, param_counts
@@ -44,6 +45,17 @@ def embedding_backward_extra(vocab_grad: int, embed_grads: int, *, tied: bool,
     dense = (vocab_grad if tied else 0) + vocab_grad + incoming - vocab_final
     positions = (vocab_grad if tied else 0) + positions_dense + incoming - vocab_final
     return max(after, dense, positions if main_grads and positions_dense else 0)
+
+
+def made_vocab_grad(dm: Dims, vocab_grad: int, main_grads: bool) -> tuple[int, bool]:
+    """(the embedding's dense gradient in the dtype it is made in, whether an fp32 main
+    gradient is made from it), from ``vocab_grad``: its bytes in the compute dtype."""
+    if dm.autocast:
+        # the embedding is no autocast op: it reads the fp32 weight, its output and the
+        # gradient it receives are fp32, and its dense gradient is made in fp32 directly (a
+        # tied head's gradient too, once its cast's backward has upcast it)
+        return vocab_grad // dm.e * dm.stream_e, False
+    return vocab_grad, main_grads
 
 
 class EmbeddingBlock(NamedTuple):
@@ -122,6 +134,29 @@ class EmbeddingBlock(NamedTuple):
     def flops_per_token(self, spec: ModelSpec, seq_len: int) -> float:
         """0: a lookup, no multiply-add (the step-time model counts none)."""
         return 0.0
+
+    def on_stage(self, spec: ModelSpec, wl: Workload, dm: Dims, *, num_params: int,
+                 per_param: Fraction, vocab_grad: int, main_grads: bool, tied: bool,
+                 rope_bytes: int) -> EmbeddingBlock:
+        """This embedding's backward on a first stage, read from its ``Block`` interface
+        (``saved``, ``backward_moments``) and the stage's: its ``num_params`` parameters'
+        gradients at ``per_param`` held bytes each; its token rows' gradient as made
+        (``made_vocab_grad`` of ``vocab_grad``, the compute-dtype bytes, with fp32 main
+        gradients or not); a ``tied`` head's pending gradient summed into it. Freed before
+        its backward: the rope tables and a checkpointed mask (``rope_bytes``, with the first
+        layer's saved tensors), and of its own saved terms all but the token ids (the
+        dropout mask, the position ids: learned positions' backward runs first)."""
+        vocab, main = made_vocab_grad(dm, vocab_grad, main_grads)
+        grads = whole_bytes(num_params, per_param)
+        (moment,) = self.backward_moments(spec, wl, dm, Recompute.NONE)
+        extra = embedding_backward_extra(
+            vocab, grads, tied=tied, main_grads=main,
+            incoming=dm.tokens * spec.hidden_size * dm.stream_e,
+            vocab_final=whole_bytes(vocab // dm.stream_e, per_param),
+            positions_dense=param_counts(spec).position_embedding * dm.stream_e)
+        saved = total(self.saved(spec, wl, dm, Recompute.NONE))
+        return EmbeddingBlock(grads=grads, extra=extra,
+                              freed_before=rope_bytes + saved - moment.own_bytes)
 
     def backward_events(self, held_grads: int, all_grads: int,
                         beside: int) -> tuple[Event, ...]:

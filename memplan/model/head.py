@@ -303,6 +303,46 @@ class HeadBlock(NamedTuple):
     loss_held: int = 0  # what the loss call's reduce leaves held (the data-parallel
     #                     mechanism's reduce-scatter input) until the final norm's unit
     #                     reduces after its backward
+    held_logits: int = 0  # logits the training loop keeps from the loss to the next step's
+    #                       loss (``LogitsHeld.STEP``, ``step_held_bytes``)
+
+    @classmethod
+    def of(cls, spec: ModelSpec, wl: Workload, dm: Dims,
+           saved_terms: list[Term] | None = None, loss_extra: int | None = None) -> HeadBlock:
+        """The head of one micro-batch on one rank of a last stage, read from its ``Block``
+        interface (``saved``, or ``saved_terms`` where the caller has them; the moments of
+        ``forward_moments`` and ``backward_moments``): what every last stage of an estimate
+        shares. Its gradients are the stage's (``on_stage``). The batch (targets, loss
+        scalars) is the training loop's, not counted in ``saved_bytes``; the loop's held
+        logits are ``step_held_bytes``."""
+        block = cls()
+        saved = total(saved_terms if saved_terms is not None
+                      else block.saved(spec, wl, dm, Recompute.NONE))
+        final = norm.final_saved_bytes(spec, wl, dm)
+        # a loss that runs its backward in the call counts its own (``loss_in_call``)
+        extra = forward_extra_bytes(spec, wl, dm) if loss_extra is None else loss_extra
+        final_norm, loss_fwd = block._forward_moments(spec, wl, dm, saved, final, extra)
+        loss, linear, final_norm_bwd = block._backward_moments(spec, wl, dm, saved, final)
+        batch = batch_terms(wl, dm)
+        return cls(forward_saved=saved - batch[0].size_bytes,
+                   final_norm_forward=final_norm.own_bytes + final_norm.transient_bytes,
+                   loss_forward=loss_fwd.transient_bytes, upcast=upcast_bytes(spec, wl, dm),
+                   saved_bytes=saved - total(batch), loss=loss.transient_bytes,
+                   linear=linear.transient_bytes, final_norm_saved=final_norm_bwd.own_bytes,
+                   final_norm_bwd=final_norm_bwd.transient_bytes,
+                   final_norm_all=linear.own_bytes, held_logits=step_held_bytes(wl, dm))
+
+    def on_stage(self, grads: int, vocab_grad: int, main_grads: bool,
+                 tied_grad: int) -> HeadBlock:
+        """This head on a stage whose final norm and head hold ``grads`` bytes of gradients.
+        With fp32 main gradients (``main_grads``) the head's compute-dtype weight gradient
+        (``vocab_grad``) is accumulated into a new fp32 one (first micro-batch) while it
+        still exists, after the head's backward freed the logits gradient and its saved input
+        (the final norm's output): the final norm's saved bytes (its saved tensors but its
+        output, plus the input gradient of the same size), both weight gradients. A tied
+        head's gradient (``tied_grad``) waits for the embedding's backward."""
+        main = self.final_norm_all + vocab_grad + grads if main_grads else 0
+        return self._replace(grads=grads, main_grads=main, tied_grad=tied_grad)
 
     # --- the ``Block`` interface (``memplan.model.block``): what the fields above are made
     # from, per micro-batch on one rank of the last stage, in bytes (``t``: the ranks that
@@ -322,10 +362,16 @@ class HeadBlock(NamedTuple):
                         recompute: Recompute) -> list[Moment]:
         """The final norm (its saved terms, its transient ``norm.final_forward_transient``),
         then the loss (all the head saves, beyond it ``forward_extra_bytes``)."""
-        final_norm, _ = norm.final_saved_bytes(spec, wl, dm)
-        return [Moment("final_norm", final_norm, norm.final_forward_transient(spec, wl, dm)),
-                Moment("loss", total(self.saved(spec, wl, dm, recompute)),
-                       forward_extra_bytes(spec, wl, dm))]
+        return self._forward_moments(spec, wl, dm, total(self.saved(spec, wl, dm, recompute)),
+                                     norm.final_saved_bytes(spec, wl, dm),
+                                     forward_extra_bytes(spec, wl, dm))
+
+    def _forward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims, saved: int,
+                         final: tuple[int, int], loss_extra: int) -> list[Moment]:
+        """``forward_moments`` from the head's saved bytes, ``norm.final_saved_bytes`` and the
+        loss's bytes beyond what is saved."""
+        return [Moment("final_norm", final[0], norm.final_forward_transient(spec, wl, dm)),
+                Moment("loss", saved, loss_extra)]
 
     def working_set(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
         """None: the head is never inside a checkpointed layer (its chunked loss's reruns are
@@ -339,11 +385,16 @@ class HeadBlock(NamedTuple):
         the compute dtype), the final norm (what it still saves, ``final_backward_bytes``).
         The head's weight gradient is counted as made in the compute dtype, as the stage's
         terms count it (``stage_terms``); a tied head's is the embedding's group."""
+        return self._backward_moments(spec, wl, dm, total(self.saved(spec, wl, dm, recompute)),
+                                      norm.final_saved_bytes(spec, wl, dm))
+
+    def _backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims, saved: int,
+                          final: tuple[int, int]) -> list[BackwardMoment]:
+        """``backward_moments`` from the head's saved bytes and ``norm.final_saved_bytes``."""
         fresh = head_weight(spec, dm)  # elements of the weight whose gradient is made
         grad = fresh * dm.e
-        final_norm, norm_at_backward = norm.final_saved_bytes(spec, wl, dm)
-        return [BackwardMoment("loss", total(self.saved(spec, wl, dm, recompute)),
-                               loss_backward_bytes(spec, wl, dm, grad)),
+        final_norm, norm_at_backward = final
+        return [BackwardMoment("loss", saved, loss_backward_bytes(spec, wl, dm, grad)),
                 BackwardMoment("head", final_norm, linear_backward_bytes(spec, wl, dm, grad),
                                ("head",), fresh),
                 BackwardMoment("final_norm", norm_at_backward,
@@ -378,13 +429,25 @@ class HeadBlock(NamedTuple):
         return (lin.flops_per_token([head_linear(spec, 1)])
                 + norm.Norm("final_norm").flops_per_token(spec, seq_len))
 
-    def forward_segment(self, at: int, until_loss: int) -> Segment:
-        """The final norm, the logits a loop held freed (``until_loss``), then the loss,
-        beside ``at`` gathered bytes."""
+    def forward_segment(self, at: int, steady: bool) -> Segment:
+        """The final norm, the logits a loop held from the previous step freed (``steady``:
+        from step 2 on), then the loss, beside ``at`` gathered bytes; after it the loop keeps
+        the loss's logits (``held_logits``)."""
         return Segment((Event("final_norm.forward", 0, self.final_norm_forward + at),
                         Event("loss.upcast", 0, self.upcast + at),
-                        Event("loop.logits_released", -until_loss, None),
-                        Event("loss.forward", 0, self.forward_saved + self.loss_forward + at)))
+                        Event("loop.logits_released", -self.previous_logits(steady), None),
+                        Event("loss.forward", 0, self.forward_saved + self.loss_forward + at),
+                        Event("loop.logits_kept", self.held_logits, None)))
+
+    def previous_logits(self, steady: bool) -> int:
+        """The logits the loop still holds from the previous step when a forward starts: from
+        step 2 on (``steady``), until the loss replaces them."""
+        return self.held_logits if steady else 0
+
+    def loop_logits(self) -> Event:
+        """The logits the loop keeps alive from the loss through the backward and the
+        optimizer step (``held_logits``)."""
+        return Event("loop.logits", self.held_logits, None)
 
     def backward_events(self, at_loss: int, at: int, beside: int,
                         growing: bool) -> tuple[Event, ...]:

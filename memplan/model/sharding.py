@@ -4,7 +4,8 @@ bytes.
 
 ``DataParallel`` is the policy a stage reads (built once per layout from
 ``memplan.model.model_states.ShardingBuffers``, completed per micro-batch by ``with_stream``);
-``forward_positions``, ``head_moments``, ``run_positions`` and ``end_moments`` emit its part of
+``forward_positions``, ``head_moments``, ``run_positions``, ``end_moments`` and
+``step_end_moments`` emit its part of
 the forward and the backward in execution order, which ``memplan.model.walk`` lays beside the
 blocks' own moments. Three mechanisms share the vocabulary:
 
@@ -17,18 +18,20 @@ blocks' own moments. Three mechanisms share the vocabulary:
   (embedding, final norm, head) reduce-scattered at the end, or, with separate units
   (torchtitan), the head's and the embedding's units after their own backward; gathered
   weights beside every block (the block and the one its backward prefetches); under pipeline
-  parallelism (kept gathered) every unit gathered throughout, gradients as plain accumulators;
+  parallelism (kept gathered) every unit gathered throughout, gradients as plain accumulators
+  until the step's reduce after its last micro-batch;
 - units as buckets (``queued_whole``): as the reduce buffer, the gradients made so far
   unsharded up to the queue's capacity, whole beside the persistent shard, and a window of
   gathered units beside each block (``memplan.model.fsdp_buckets``).
 
 Gradient bytes come in as this rank's held (sharded) bytes; ``unsharded_ratio`` (unsharded /
-held) turns them into the unsharded bytes the mechanism holds (truncated to whole bytes, as the
-pinned estimates were made).
+held, an exact ``Fraction``) turns them into the unsharded bytes the mechanism holds, whole
+bytes rounded down.
 """
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import NamedTuple
 
 from memplan.model.layer import LayerMoment
@@ -42,11 +45,12 @@ class DataParallel(NamedTuple):
     backward (bytes on one rank; 0 where it holds nothing)."""
 
     grad_cap: int = 0  # most unsharded gradient bytes awaiting a reduce-scatter
-    unsharded_ratio: float = 1.0  # unsharded / held gradient bytes (the shard degree)
+    unsharded_ratio: Fraction = Fraction(1)  # unsharded / held gradient bytes (the shard
+    #                                          degree), exact
     per_unit: bool = False  # FSDP2: a unit's gradients unsharded until its own reduce-scatter,
     #                         whose input is held (beside its shard) until the next unit's
-    unsharded_dtype: float = 1.0  # FSDP2: bytes of an unsharded gradient (the weights'
-    #                               dtype) per byte of its reduce dtype
+    unsharded_dtype: Fraction = Fraction(1)  # FSDP2: bytes of an unsharded gradient (the
+    #                                          weights' dtype) per byte of its reduce dtype
     at_head: int = 0  # weights gathered at the loss and the head
     head_prefetch: int = 0  # ... of them, the block the head's unit prefetches, gathered only
     #                         after the loss's backward
@@ -68,32 +72,42 @@ class DataParallel(NamedTuple):
     window_units: int = 0  # units gathered at once in forward, fewer over the stage's last
     #                        blocks (nothing after them to prefetch); 0: not modelled
     window_unit: int = 0  # ... the gathered bytes of one of them
+    step_reduce: int = 0  # kept gathered under PP: a unit's reduce-scatter input and output
+    #                       shard at the step's reduce, after its last micro-batch's backward
+    #                       (0: no such moment)
+
+    # Bytes are made from bytes in integer arithmetic on the ratios' numerators and
+    # denominators (gradient bytes are never negative): exact, and no Fraction is built.
 
     def unsharded(self, held: int) -> int:
         """Unsharded bytes, in the reduce dtype, of ``held`` gradient bytes."""
-        return int(held * self.unsharded_ratio)
+        r = self.unsharded_ratio
+        return held * r.numerator // r.denominator
 
     def shard_of(self, unsharded: int) -> int:
         """This rank's shard, in held bytes, of ``unsharded`` gradient bytes."""
-        return int(unsharded / self.unsharded_ratio)
+        r = self.unsharded_ratio
+        return unsharded * r.denominator // r.numerator
 
     def buffer(self, made: int) -> int:
         """Beyond the shard, the gradients made so far waiting unsharded (at most the cap);
         whole buckets (``queued_whole``) are all beyond it."""
         if not self.grad_cap:  # gradients replicated: nothing waits
             return 0
-        waiting = min(self.grad_cap, int(made * self.unsharded_ratio))
-        if self.unsharded_ratio > 1 and not self.queued_whole:
+        waiting = min(self.grad_cap, self.unsharded(made))
+        r = self.unsharded_ratio
+        if r.numerator > r.denominator and not self.queued_whole:
             return waiting - self.shard_of(waiting)
         return waiting
 
     def root(self, made: int) -> int:
         """FSDP2's root gradients unsharded, in the weights' dtype, beyond their shard."""
-        return int(made * self.unsharded_ratio * self.unsharded_dtype) - made
+        return self.unit_grads(made) - made
 
     def unit_grads(self, held: int) -> int:
         """A unit's gradients unsharded, in the weights' dtype."""
-        return int(held * self.unsharded_ratio * self.unsharded_dtype)
+        r, d = self.unsharded_ratio, self.unsharded_dtype
+        return held * r.numerator * d.numerator // (r.denominator * d.denominator)
 
     def reduced(self, unit: int) -> int:
         """A unit's reduce at shard degree 1, beyond the gradients held before it."""
@@ -106,8 +120,11 @@ class DataParallel(NamedTuple):
         FSDP2's unsharded in the weights' dtype (capped at a unit), else as held where they
         are new this backward (accumulated into existing ones otherwise)."""
         if self.per_unit:
-            cap, ratio, dtype = self.grad_cap, self.unsharded_ratio, self.unsharded_dtype
-            return max(m.alive_bytes + m.transient_bytes + int(min(cap, g * ratio) * dtype)
+            r, d = self.unsharded_ratio, self.unsharded_dtype
+            # min(cap, g x r) x d, whole bytes: the cap and g x r over r's denominator
+            cap, num = self.grad_cap * r.denominator, d.numerator
+            den = r.denominator * d.denominator
+            return max(m.alive_bytes + m.transient_bytes + min(cap, g * r.numerator) * num // den
                        for m, g in zip(moments, grads))
         if growing:
             return max(m.alive_bytes + m.transient_bytes + g for m, g in zip(moments, grads))
@@ -132,15 +149,15 @@ def data_parallel(shard: ShardingBuffers, params: int, grads_bytes: int,
     if shard.kept_gathered:  # every unit gathered throughout; gradients as accumulators
         g = shard.gathered_bytes
         return DataParallel(at_head=g, in_block=g, in_first_block=g, at_embedding=g,
-                            in_block_forward=g, at_loss_forward=g)
+                            in_block_forward=g, at_loss_forward=g, step_reduce=shard.grad_bytes)
     return DataParallel(
         grad_cap=shard.grad_bytes,
-        unsharded_ratio=params * policy.grad_bytes / max(grads_bytes, 1),
+        unsharded_ratio=Fraction(params * policy.grad_bytes, max(grads_bytes, 1)),
         # FSDP2 frees a unit's reduce-scatter input only when the next unit's reduce-scatter
         # waits on it (traced, tests/traced/test_ground_truth.py FSDP_GRID)
         per_unit=bool(shard.gathered_bytes) and not shard.queued_whole,
         queued_whole=shard.queued_whole,
-        unsharded_dtype=policy.unsharded.itemsize / policy.grad_bytes,
+        unsharded_dtype=Fraction(policy.unsharded.itemsize, policy.grad_bytes),
         # in backward FSDP2 holds the root and the block being computed (traced); with
         # torchtitan's units, the head's unit until its backward, one block, the embedding's
         in_block=shard.backward_block_bytes, in_first_block=shard.backward_last_block_bytes,
@@ -331,3 +348,17 @@ def end_moments(dp: DataParallel, held: Held, head_grads: int, embedding_grads: 
         events = (Event("embedding.reduce", 0,
                         dp.reduced(embedding_grads) - embedding_grads - dp.boundary_grad),)
     return beside + dp.at_embedding, events
+
+
+def step_end_moments(dp: DataParallel, in_flight: int, inputs_freed: int) -> tuple[Event, ...]:
+    """After the step's last micro-batch's backward on the stage, kept gathered under PP:
+    torch's pipeline stage runs each unit's post_backward once (``perform_reduce_grad``,
+    torch/distributed/pipelining/stage.py), a unit's reduce-scatter input and its output shard
+    (``step_reduce``) beside every unit gathered (``at_embedding``) and the accumulated
+    gradients. No other micro-batch is in flight by then (``in_flight``: their activations,
+    freed); the stage's inputs are counted whole there (``inputs_freed``: what of them the
+    embedding's backward freed, counted again; not traced). () for other mechanisms."""
+    if not dp.step_reduce:
+        return ()
+    return (Event("pipeline.drained", -in_flight, None),
+            Event("step.reduce_scatter", 0, dp.step_reduce + dp.at_embedding + inputs_freed))

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import NamedTuple
 
 from memplan.model import memo
-from memplan.model.dims import Dims, Term
 from memplan.model.deferred_wgrad import Deferred, deferred
-from memplan.model.embedding import EmbeddingBlock, embedding_backward_extra
+from memplan.model.dims import Term, whole_bytes
+from memplan.model.embedding import EmbeddingBlock, made_vocab_grad
 from memplan.model.grad_sync import (
     accumulated_gradients,
     accumulates_unsharded,
@@ -27,6 +28,7 @@ from memplan.model.grad_sync import (
 )
 from memplan.model.head import HeadBlock
 from memplan.model.layer import LayerKind, merge_terms
+from memplan.model.moments import Segment, peak_of
 from memplan.model.pipeline import Schedule
 from memplan.model.stage_parts import LayerKey, StageKinds, StageStates
 from memplan.model.sharding import with_stream
@@ -34,7 +36,7 @@ from memplan.model.stage_terms import StageTerms
 from memplan.model.walk import Walk, backward_peak, forward_peaks
 from memplan.overheads import Overheads
 from memplan.parallel import ParallelConfig, ZeroStage
-from memplan.spec import ModelSpec, norm_params, param_counts
+from memplan.spec import ModelSpec, norm_params
 from memplan.units import PHASES
 from memplan.workload import Workload
 
@@ -168,19 +170,18 @@ def rank_peak_bytes(tensor_peak: int, ovh: Overheads) -> int:
 def _entries(par: ParallelConfig, shared: StageTerms, fx: StageStates,
              kinds: StageKinds) -> Entries:
     """Each layer kind of the stage with its gradient bytes (``Entries``)."""
-    grad_per_param = fx.grad_per_param
+    per_param = fx.grad_per_param
     entries: Entries = {}
     for key, pos in kinds.positions.items():
         kind = shared.kinds[key]
-        moment_grads = tuple(int(n * grad_per_param)
-                             for n in shared.moment_params[key])
+        moment_grads = tuple(whole_bytes(n, per_param) for n in shared.moment_params[key])
         if fx.main_grads and par.zero < ZeroStage.GRADIENTS:
             # the weight whose gradient was just made holds it in the compute dtype: its fp32
             # main gradient does not exist yet
-            less = fx.grad_per_param - shared.dm.e
-            moment_grads = tuple(g - int(m.fresh_params * less)
+            less = per_param - shared.dm.e
+            moment_grads = tuple(g - whole_bytes(m.fresh_params, less)
                                  for g, m in zip(moment_grads, kind.moments))
-        entries[key] = (kind, int(fx.params.layers[pos] * grad_per_param), moment_grads)
+        entries[key] = (kind, whole_bytes(fx.params.layers[pos], per_param), moment_grads)
     return entries
 
 
@@ -212,12 +213,12 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     if accumulating:
         ratio, root_new, fresh = new_grads(fx.params, wl, fx.shard.separate_units)
         output_shard = fx.dp.shard_of(fx.shard.grad_bytes)
-        fx = fx._replace(grad_per_param=float(wl.precision.policy.grad_bytes),
+        fx = fx._replace(grad_per_param=Fraction(wl.precision.policy.grad_bytes),
                          dp=unsynced(fx.dp, root_new))
     st = fx.states
     flight = memo.in_flight(par.pp, par.vpp, m, stage, schedule, par.vpp_group)
     entries = _entries(par, shared, fx, kinds)
-    walk, activations, one_mb = _walk(spec, par, shared, fx, kinds, entries, flight)
+    walk, activations, one_mb = _walk(spec, par, wl, shared, fx, kinds, entries, flight)
     # the output layer's deferred weight gradient (``memplan.model.deferred_wgrad``)
     dfr = deferred(spec, wl, shared.dm, m, flight[-1]) if fx.last else Deferred()
     walk = _with_deferred(walk, dfr, fx.main_grads)
@@ -227,13 +228,14 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
                                       fx.shard.grad_bytes, output_shard, wl.keep_grads)
     else:
         grads = _gradients(wl, fx, walk, m)
-    # logits a training loop keeps from the loss through backward and the optimizer step into
-    # the next forward (from step 2 on), until its loss replaces them
-    held = shared.step_held if fx.last else 0
     forward = _forward(shared, fx, walk, dfr.before_forward - dfr.before_backward)
     base = st.params_bytes + fx.buckets + fx.buffers
+    # the logits a training loop keeps from the loss are alive at the optimizer step
+    optimizer = peak_of([Segment((walk.head.loop_logits(),)), fx.step])
 
-    def peaks(opt_bytes: int, from_loss: int, earlier: int, steady: bool) -> PhasePeaks:
+    held = walk.head.held_logits  # logits the loop holds from the loss on (its drain's too)
+
+    def peaks(opt_bytes: int, from_loss: int, steady: bool) -> PhasePeaks:
         in_forward, bwd = grads[2:] if steady else grads[:2]
         # the drain's gathered buffers stay from the first step's drain on
         resident = dfr.resident if steady else 0
@@ -242,21 +244,20 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
         drain = (base + opt_bytes + from_loss + held + st.grads_bytes + dfr.drain
                  if dfr.pair else 0)
         return PhasePeaks(
-            forward=base + resident + opt_bytes + in_forward + forward(earlier) + shared.mask,
-            backward=max(base + resident + opt_bytes + from_loss + held + bwd, drain),
-            optimizer=fx.optimizer_phase + held + resident,
-        )
+            forward=base + resident + opt_bytes + in_forward + forward(steady) + shared.mask,
+            backward=max(base + resident + opt_bytes + from_loss + bwd, drain),
+            optimizer=optimizer + resident)
 
     # Master weights (and bitsandbytes' quantization maps) exist from optimizer setup; a grad
     # scaler's state from step 1's loss; moments appear at step 1's optimizer step.
     return Walked(fx, kinds, entries, flight, activations, one_mb,
                   max(walk.head.loss_forward, walk.head.loss),
-                  peaks(st.optimizer_bytes, 0, held, True),
-                  peaks(st.master_bytes + st.setup_bytes, st.scaler_bytes, 0, False))
+                  peaks(st.optimizer_bytes, 0, True),
+                  peaks(st.master_bytes + st.setup_bytes, st.scaler_bytes, False))
 
 
-def _walk(spec: ModelSpec, par: ParallelConfig, shared: StageTerms, fx: StageStates,
-          kinds: StageKinds, entries: Entries,
+def _walk(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTerms,
+          fx: StageStates, kinds: StageKinds, entries: Entries,
           flight: tuple[int, ...]) -> tuple[Walk, int, int]:
     """The walk's inputs, the saved activations of every micro-batch in flight and of one."""
     rope_bytes = shared.rope_bytes  # rope tables (and a saved mask): per chunk forward
@@ -269,8 +270,8 @@ def _walk(spec: ModelSpec, par: ParallelConfig, shared: StageTerms, fx: StageSta
         runs=[(*entries[k], n) for k, n in kinds.runs],
         other_bytes=max(0, activations - one_mb),
         rest_saved=rope_bytes * par.vpp + embed_bytes + batch,
-        head=_head_block(spec, shared, fx, head_bytes, batch),
-        embedding=_embedding_block(spec, shared, fx),
+        head=_head_block(spec, shared, fx),
+        embedding=_embedding_block(spec, wl, shared, fx),
         sharding=with_stream(fx.dp, shared.dm.stream(spec.hidden_size)),
     )
     return walk, activations, one_mb
@@ -297,11 +298,10 @@ def _gradients(wl: Workload, fx: StageStates, walk: Walk, m: int) -> tuple[int, 
     if shard.kept_gathered:
         # FSDP2 under PP (``ShardingBuffers.kept_gathered``): the walk's gradients are the
         # stage's unsharded accumulators, from the first micro-batch's backward to the reduce
-        # after the last, where a unit's reduce-scatter input and output shard join them
+        # after the last (``sharding.step_end_moments``, in the walk)
         accum = accumulator_bytes(fx.params, wl)
         in_forward = accum if m > 1 else 0
-        bwd = max(backward_peak(walk, in_forward, accum),
-                  accum + shard.grad_bytes + shard.gathered_bytes + walk.rest_saved)
+        bwd = backward_peak(walk, in_forward, accum)
         # the sharded gradients the reduce makes, kept zeroed from step 2 (keep_grads)
         kept = st.grads_bytes if wl.keep_grads else 0
         return in_forward, bwd, in_forward + kept, bwd + kept
@@ -316,10 +316,11 @@ def _gradients(wl: Workload, fx: StageStates, walk: Walk, m: int) -> tuple[int, 
 
 
 def _forward(shared: StageTerms, fx: StageStates, walk: Walk,
-             deferred_less: int = 0) -> Callable[[int], int]:
-    """The forward's activation peak given the bytes a loop holds until the loss
-    (``memplan.model.walk.forward_peaks``); ``deferred_less``: the deferred pairs alive at
-    the forward less those at the backward (``walk.rest_saved`` holds the latter)."""
+             deferred_less: int = 0) -> Callable[[bool], int]:
+    """The forward's activation peak in step 1 or from step 2 on (``steady``: where the loop
+    holds the previous step's logits until the loss; ``memplan.model.walk.forward_peaks``);
+    ``deferred_less``: the deferred pairs alive at the forward less those at the backward
+    (``walk.rest_saved`` holds the latter)."""
     # The targets exist from the step's start (the ids the loop holds are no input of the
     # graph); the loss scalars from the loss on.
     inputs = (walk.rest_saved + deferred_less
@@ -327,84 +328,50 @@ def _forward(shared: StageTerms, fx: StageStates, walk: Walk,
     return forward_peaks(walk.runs, walk.sharding, walk.other_bytes, inputs, walk.head)
 
 
-def _head_block(spec: ModelSpec, shared: StageTerms, fx: StageStates, head_bytes: int,
-                batch: int) -> HeadBlock:
-    """The head on the last stage (zeros elsewhere); ``head_bytes``: its saved terms,
-    ``batch``: of them, the ids and targets the training loop holds."""
+def _head_block(spec: ModelSpec, shared: StageTerms, fx: StageStates) -> HeadBlock:
+    """The head on the last stage (``HeadBlock.of``, shared by the estimate's stages) with
+    this stage's gradients (zeros elsewhere)."""
     if not fx.last:
         return HeadBlock()
-    vocab_grad = fx.vocab_grad
-    grads = int(fx.params.head * fx.grad_per_param)
-    loss, linear = shared.head_loss_bwd, shared.head_linear_bwd
-    # With fp32 main gradients the head's compute-dtype weight gradient is accumulated into a
-    # new fp32 one (first micro-batch) while it still exists, after the head's backward freed
-    # the logits gradient and its saved input (the final norm's output). (The final norm's
-    # saved tensors but its output, plus the input gradient of the same size: the final
-    # norm's saved bytes.)
-    main = shared.final_norm_bytes + vocab_grad + grads if fx.main_grads else 0
-    tied = spec.tied_embeddings and fx.first
-    made, held, loss_fwd = _in_loss_grads(spec, shared, fx, grads)
-    return HeadBlock(
-        forward_saved=head_bytes - shared.targets_bytes,
-        final_norm_forward=shared.final_norm_bytes + shared.final_norm_extra,
-        loss_forward=loss_fwd, upcast=shared.upcast,
-        saved_bytes=head_bytes - batch, loss=loss, linear=linear, main_grads=main, grads=grads,
-        final_norm_saved=shared.final_norm_bwd_saved, final_norm_bwd=shared.final_norm_bwd,
-        final_norm_all=shared.final_norm_bytes,
-        tied_grad=_embedding_vocab_grad(shared.dm, fx)[0] if tied else 0,
-        loss_made=made, loss_held=held)
+    tied = spec.tied_embeddings and fx.first  # the embedding's gradient on the same stage
+    tied_grad = made_vocab_grad(shared.dm, fx.vocab_grad, fx.main_grads)[0] if tied else 0
+    grads = whole_bytes(fx.params.head, fx.grad_per_param)
+    block = shared.head_block.on_stage(grads, fx.vocab_grad, fx.main_grads, tied_grad)
+    if not shared.loss_reduce:
+        return block
+    made, held, loss_fwd = _in_loss_grads(spec, shared, fx, grads, block.loss_forward)
+    return block._replace(loss_forward=loss_fwd, loss_made=made, loss_held=held)
 
 
-def _in_loss_grads(spec: ModelSpec, shared: StageTerms, fx: StageStates,
-                   grads: int) -> tuple[int, int, int]:
+def _in_loss_grads(spec: ModelSpec, shared: StageTerms, fx: StageStates, grads: int,
+                   loss_fwd: int) -> tuple[int, int, int]:
     """A loss that runs the head's backward itself (``head.in_loss``): (the head projection's
     gradients it makes, held bytes; what its reduce leaves held; the loss's forward beyond
-    what is saved). With FSDP2 and the head a unit of its own the last chunk reduce-scatters
-    the summed gradient (``ChunkedLossWrapper``: the unit's sync on for it alone): its input
-    (unsharded, reduce dtype) and its output shard beside the chunk, the input held until
-    the unit's next reduce-scatter, after the final norm's backward (traced:
-    tests/traced/test_frameworks.py, torchtitan ``loss_chunks``). Elsewhere the summed
-    gradient is the gradient, made in the loss."""
-    if not shared.loss_reduce:
-        return 0, 0, shared.loss_fwd
+    what is saved, ``loss_fwd`` without the reduce). With FSDP2 and the head a unit of its
+    own the last chunk reduce-scatters the summed gradient (``ChunkedLossWrapper``: the
+    unit's sync on for it alone): its input (unsharded, reduce dtype) and its output shard
+    beside the chunk, the input held until the unit's next reduce-scatter, after the final
+    norm's backward (traced: tests/traced/test_frameworks.py, torchtitan ``loss_chunks``).
+    Elsewhere the summed gradient is the gradient, made in the loss."""
     dp = fx.dp
-    made = grads - int(norm_params(spec) * fx.grad_per_param)  # the final norm's: in backward
+    # the final norm's gradient is made in backward
+    made = grads - whole_bytes(norm_params(spec), fx.grad_per_param)
     if dp.per_unit and not dp.separate_units:  # the root's: unsharded until backward's end
-        return 0, 0, shared.loss_fwd
+        return 0, 0, loss_fwd
     if not dp.per_unit:
-        return made, 0, shared.loss_fwd
+        return made, 0, loss_fwd
     held = dp.unsharded(made)
-    return made, held, max(shared.loss_fwd, shared.loss_reduce + held + made)
+    return made, held, max(loss_fwd, shared.loss_reduce + held + made)
 
 
-def _embedding_vocab_grad(dm: Dims, fx: StageStates) -> tuple[int, bool]:
-    """(the embedding's dense gradient in the dtype it is made in, whether an fp32 main
-    gradient is made from it)."""
-    if dm.autocast:
-        # the embedding is no autocast op: it reads the fp32 weight, its output and the
-        # gradient it receives are fp32, and its dense gradient is made in fp32 directly (a
-        # tied head's gradient too, once its cast's backward has upcast it)
-        return fx.vocab_grad // dm.e * dm.stream_e, False
-    return fx.vocab_grad, fx.main_grads
-
-
-def _embedding_block(spec: ModelSpec, shared: StageTerms,
+def _embedding_block(spec: ModelSpec, wl: Workload, shared: StageTerms,
                      fx: StageStates) -> EmbeddingBlock:
-    """The embedding's backward on the first stage; elsewhere only the rope tables (and a
-    checkpointed mask) are freed before the stage's last gradient."""
-    rope = shared.rope_bytes
+    """The embedding's backward on the first stage (``EmbeddingBlock.on_stage``); elsewhere
+    only the rope tables (and a checkpointed mask) are freed before the stage's last
+    gradient."""
     if not fx.first:
-        return EmbeddingBlock(freed_before=rope)
-    dm = shared.dm
-    vocab_grad, main_grads = _embedding_vocab_grad(dm, fx)
-    grads = int(fx.params.embedding * fx.grad_per_param)
-    extra = embedding_backward_extra(
-        vocab_grad, grads, tied=spec.tied_embeddings and fx.last, main_grads=main_grads,
-        incoming=dm.tokens * spec.hidden_size * dm.stream_e,
-        vocab_final=int(vocab_grad // dm.stream_e * fx.grad_per_param),
-        positions_dense=param_counts(spec).position_embedding * dm.stream_e)
-    # freed before the token embedding's backward: the rope tables and a checkpointed mask
-    # (with the first layer's saved tensors), the embedding dropout's mask and the position
-    # ids (the learned positions' backward runs first)
-    freed = rope + shared.embed_bytes - shared.embed[0].size_bytes
-    return EmbeddingBlock(grads=grads, extra=extra, freed_before=freed)
+        return EmbeddingBlock(freed_before=shared.rope_bytes)
+    return EmbeddingBlock().on_stage(
+        spec, wl, shared.dm, num_params=fx.params.embedding, per_param=fx.grad_per_param,
+        vocab_grad=fx.vocab_grad, main_grads=fx.main_grads,
+        tied=spec.tied_embeddings and fx.last, rope_bytes=shared.rope_bytes)

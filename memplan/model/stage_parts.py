@@ -8,6 +8,7 @@ configuration, and a search evaluates many micro-batch sizes and policies of eac
 from __future__ import annotations
 
 from collections import Counter
+from fractions import Fraction
 from functools import lru_cache
 from itertools import accumulate
 from typing import NamedTuple
@@ -80,7 +81,8 @@ class StageStates(NamedTuple):
     last: bool
     params: StageParams
     states: StateBytes
-    grad_per_param: float
+    grad_per_param: Fraction  # held gradient bytes per parameter, exact (a shard's bytes
+    #                           over its parameters need not be whole)
     opt_temp: int
     shard: ShardingBuffers
     vocab_grad: int  # the embedding's (and a tied head's) gradient in the compute dtype
@@ -89,7 +91,12 @@ class StageStates(NamedTuple):
     persistent: bool  # gradients live in persistent data-parallel buffers
     buffers: int = 0  # registered buffers (RoPE tables), resident like the weights
     dp: DataParallel = DataParallel()  # the data-parallel mechanism
-    optimizer_phase: int = 0  # tensor bytes at the optimizer step (``optimizer_step``)
+    step: Segment = Segment(())  # the optimizer step (``optimizer_step``)
+
+    @property
+    def optimizer_phase(self) -> int:
+        """Tensor bytes at the optimizer step's peak, nothing else alive."""
+        return peak_of([self.step])
 
 
 def optimizer_step(st: StateBytes, temp: int, buckets: int, buffers: int) -> Segment:
@@ -152,8 +159,8 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
         first=first, last=last, params=params, states=st,
         # kept unsharded under PP (``ShardingBuffers.kept_gathered``): the walk's gradients
         # are the stage's unsharded accumulators, in the reduce dtype
-        grad_per_param=(wl.precision.policy.grad_bytes if shard.kept_gathered
-                        else st.grads_bytes / max(params.total, 1)),
+        grad_per_param=(Fraction(wl.precision.policy.grad_bytes) if shard.kept_gathered
+                        else Fraction(st.grads_bytes, max(params.total, 1))),
         opt_temp=opt_temp,
         shard=shard,
         vocab_grad=par.vocab_shard(spec.vocab_size) * spec.hidden_size * e,
@@ -167,7 +174,6 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
         # units as buckets: the weights outside the units stay gathered across steps
         # (Megatron-FSDP AllGatherPipeline.reset(preserve_non_fsdp_units=True) in
         # synchronize_param_gather), so they are alive at the step
-        optimizer_phase=peak_of([optimizer_step(
-            st, opt_temp, buckets + (shard.gathered_at_loss_bytes if shard.queued_whole
-                                     else 0), buffers)]),
+        step=optimizer_step(st, opt_temp, buckets + (shard.gathered_at_loss_bytes
+                                                     if shard.queued_whole else 0), buffers),
     )

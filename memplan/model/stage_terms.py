@@ -1,7 +1,8 @@
 """The per-micro-batch terms every stage of one estimate shares, as plain data.
 
-``stage_terms`` assembles them from the formulas (rope tables, embedding, head, loss, final
-norm, the training loop's batch and held logits, the layer kinds the stages hold);
+``stage_terms`` assembles them from the formulas and the blocks (rope tables, the embedding's
+and the head's saved terms, the head block with its loss, final norm and the training loop's
+held logits, the loop's batch, the layer kinds the stages hold);
 ``memplan.model.memo`` caches it per spec, workload and dims, beside it. All sizes are int
 bytes for one rank and one micro-batch.
 """
@@ -11,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
-from memplan.model import attention, embedding, head, loss_in_call, norm
+from memplan.model import attention, embedding, head, loss_in_call
 from memplan.model.dims import Dims, Term, total
+from memplan.model.head import HeadBlock
 from memplan.model.layer import LayerKind, grad_group_params, layer_kind, moment_params
 from memplan.model.stage_parts import LayerKey
 from memplan.parallel import ExpertSplit
@@ -32,17 +34,9 @@ class StageTerms(NamedTuple):
     head_bytes: int
     batch_bytes: int  # the batch a training loop holds (ids and targets)
     targets_bytes: int
-    loss_fwd: int  # the loss's forward beyond what is saved (``head.forward_extra_bytes``,
-    #                or ``loss_in_call.forward_extra_bytes``)
-    step_held: int  # logits a loop holds into the next step (``head.step_held_bytes``)
-    upcast: int  # ``head.upcast_bytes``
     mask: int  # the causal (and window) mask alive through the forward when not saved
-    final_norm_extra: int  # the final norm's forward transient
-    final_norm_bytes: int  # all the final norm saves
-    final_norm_bwd_saved: int  # ... of it, what is saved when its backward runs
-    final_norm_bwd: int  # gradients in flight inside the final norm's backward
-    head_loss_bwd: int  # the loss's backward beyond what is saved (the rank's vocabulary)
-    head_linear_bwd: int  # the head projection's backward
+    head_block: HeadBlock  # the head's bytes on a last stage, its gradients not yet set
+    #                        (``HeadBlock.of``: its final norm, projection, loss, held logits)
     loss_reduce: int  # a loss that runs the head's backward itself (``head.in_loss``): its
     #                   last chunk's moment but the reduce's own bytes; 0 for any other loss
     kinds: dict[LayerKey, LayerKind]  # every layer kind the estimate's stages hold
@@ -50,7 +44,8 @@ class StageTerms(NamedTuple):
     #                                                 each backward moment of a kind
 
 
-def stage_terms(spec: ModelSpec, wl: Workload, dm: Dims, ep: int | ExpertSplit, keys: Iterable[LayerKey],
+def stage_terms(spec: ModelSpec, wl: Workload, dm: Dims, ep: int | ExpertSplit,
+                keys: Iterable[LayerKey],
                 kind_of: Callable[..., LayerKind] = layer_kind,
                 groups_of: Callable[..., dict[str, int]] = grad_group_params) -> StageTerms:
     """The terms of ``spec`` under ``wl`` at ``dm``, with the layer kinds of ``keys`` (``ep``:
@@ -61,25 +56,24 @@ def stage_terms(spec: ModelSpec, wl: Workload, dm: Dims, ep: int | ExpertSplit, 
     embed, head_terms = tuple(embedding.embedding_terms(spec, dm)), tuple(head.head_terms(
         spec, wl, dm))
     batch = head.batch_terms(wl, dm)
-    vocab_grad = dm.vocab_shard * spec.hidden_size * dm.e  # the head's weight gradient
-    final_norm, final_norm_bwd_saved = norm.final_saved_bytes(spec, wl, dm)
     kinds = {key: kind_of(spec, wl, dm, *key) for key in keys}
     return StageTerms(
         dm=dm, rope=rope, embed=embed, head=head_terms, rope_bytes=total(rope),
         embed_bytes=total(embed), head_bytes=total(head_terms), batch_bytes=total(batch),
         targets_bytes=batch[0].size_bytes,
-        loss_fwd=(loss_in_call.forward_extra_bytes(spec, wl, dm) if head.in_loss(wl)
-                  else head.forward_extra_bytes(spec, wl, dm)),
-        step_held=head.step_held_bytes(wl, dm), upcast=head.upcast_bytes(spec, wl, dm),
         # the causal mask lives through the forward; with recompute it is saved (a term)
         mask=((0 if saved_mask else attention.eager_mask_bytes(wl, dm))
               + attention.window_mask_bytes(spec, wl, dm)),
-        final_norm_extra=norm.final_forward_transient(spec, wl, dm),
-        final_norm_bytes=final_norm, final_norm_bwd_saved=final_norm_bwd_saved,
-        final_norm_bwd=norm.final_backward_bytes(spec, wl, dm),
-        head_loss_bwd=head.loss_backward_bytes(spec, wl, dm, vocab_grad),
-        head_linear_bwd=head.linear_backward_bytes(spec, wl, dm, vocab_grad),
+        head_block=_head_of(spec, wl, dm, list(head_terms)),
         loss_reduce=loss_in_call.last_chunk_bytes(spec, wl, dm, 0) if head.in_loss(wl) else 0,
         kinds=kinds,
         moment_params={key: moment_params(groups_of(spec, dm.tp, ep, key[0]), kind)
                        for key, kind in kinds.items()})
+
+
+def _head_of(spec: ModelSpec, wl: Workload, dm: Dims, terms: list[Term]) -> HeadBlock:
+    """The head of every last stage (``HeadBlock.of``); a loss that runs each chunk's head
+    backward inside its call (``head.in_loss``) holds what ``loss_in_call`` counts in its
+    forward instead of a rerun chunk's."""
+    extra = loss_in_call.forward_extra_bytes(spec, wl, dm) if head.in_loss(wl) else None
+    return HeadBlock.of(spec, wl, dm, terms, extra)

@@ -2,11 +2,12 @@
 
 A stage's forward and its backward are each a list of ``Segment``s in execution order
 (``memplan.model.moments``): the layers, in runs of identical ones (``memplan.model.layer.
-LayerKind``: dense or MoE, and their recompute policy), the head (``HeadBlock``) and the
-embedding (``EmbeddingBlock``) emit their own events; the data-parallel mechanism
-(``memplan.model.sharding``) says what it holds beside each and adds its own instants, with
-positions in a run that differ (a run's first and last layer) as segments of their own. This
-module only lays them side by side in order; ``memplan.model.moments.fold`` walks them.
+LayerKind``: dense or MoE, and their recompute policy), the head (``HeadBlock``, with the
+logits the training loop holds) and the embedding (``EmbeddingBlock``) emit their own events;
+the data-parallel mechanism (``memplan.model.sharding``) says what it holds beside each and
+adds its own instants (at the step's end too), with positions in a run that differ (a run's
+first and last layer) as segments of their own. This module only lays them side by side in
+order; ``memplan.model.moments.fold`` walks them.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import NamedTuple
 from memplan.model.embedding import EmbeddingBlock
 from memplan.model.head import HeadBlock
 from memplan.model.layer import LayerKind
-from memplan.model.moments import Event, Segment, fold, peak_of
+from memplan.model.moments import Event, Segment, peak_of
 from memplan.model.sharding import (
     DataParallel,
     Position,
@@ -26,6 +27,7 @@ from memplan.model.sharding import (
     forward_positions,
     head_moments,
     run_positions,
+    step_end_moments,
 )
 
 
@@ -42,51 +44,57 @@ class Walk(NamedTuple):
 
 
 def forward_peak(runs: list[tuple[LayerKind, int, tuple[int, ...], int]], before: int,
-                 head: HeadBlock, dp: DataParallel, until_loss: int = 0) -> int:
+                 head: HeadBlock, dp: DataParallel, steady: bool = False) -> int:
     """Largest activation bytes alive during one micro-batch's forward on a stage: the fold
     (``memplan.model.moments.fold``) of its layers' ``forward_segments`` and the head's.
 
     ``before``: bytes alive before its first layer (other micro-batches in flight, rope tables,
-    embedding ids). ``until_loss``: bytes alive until the loss starts (the previous step's
-    logits a loop still holds). ``dp``: the data-parallel mechanism (its gathered weights).
+    embedding ids). ``steady``: from step 2 on, where a loop still holds the previous step's
+    logits (``HeadBlock.previous_logits``) until the loss. ``dp``: the data-parallel
+    mechanism (its gathered weights).
     """
-    return forward_peaks(runs, dp, 0, before, head)(until_loss)
+    return forward_peaks(runs, dp, 0, before, head)(steady)
 
 
 def forward_peaks(runs: list[tuple[LayerKind, int, tuple[int, ...], int]], dp: DataParallel,
-                  in_flight: int, inputs: int, head: HeadBlock) -> Callable[[int], int]:
-    """``forward_peak`` as a function of ``until_loss``, from ``forward_segments``'
-    ``in_flight`` and ``inputs``: the layers, the same in every step, folded once from 0 (a
-    fold shifts with its start), the head's segment after them from where they leave the
-    alive bytes."""
-    layers_peak, layers_alive = fold(forward_segments(runs, dp, in_flight, inputs))
+                  in_flight: int, inputs: int, head: HeadBlock) -> Callable[[bool], int]:
+    """``forward_peak`` as a function of ``steady``: the fold of ``forward_segments`` (from
+    ``in_flight``, ``inputs`` and the logits the loop holds from the previous step), then the
+    head's segment where the stage has one; the layers' segments are built once."""
+    layers = forward_segments(runs, dp, in_flight, inputs)[1:]
+    tail = head.forward_saved > 0  # a final norm and a loss on this stage
 
-    def peak(until_loss: int) -> int:
-        # the logits a loop holds from the step's start: alive under every instant
-        layers = until_loss + (layers_peak or 0)
-        if not head.forward_saved:  # no final norm and loss on this stage
-            return layers
-        return max(layers, peak_of([head.forward_segment(dp.at_loss_forward, until_loss)],
-                                   until_loss + layers_alive))
+    def peak(steady: bool) -> int:
+        start = forward_start(in_flight, inputs, head.previous_logits(steady))
+        end = [head.forward_segment(dp.at_loss_forward, steady)] if tail else []
+        return peak_of([start, *layers, *end])
 
     return peak
 
 
+def forward_start(in_flight: int, inputs: int, held: int = 0) -> Segment:
+    """What is alive when a micro-batch's forward starts on a stage: the activations of the
+    ``in_flight`` other micro-batches the pipeline schedule keeps, the stage's ``inputs``
+    (rope tables, embedding ids, targets), the logits the training loop still holds from the
+    previous step (``held``)."""
+    return Segment((Event("pipeline.in_flight", in_flight, None),
+                    Event("stage.inputs", inputs, None), Event("loop.logits", held, None),
+                    Event("stage.start", 0, 0)))
+
+
 def forward_segments(runs: list[tuple[LayerKind, int, tuple[int, ...], int]],
-                     dp: DataParallel, in_flight: int, inputs: int) -> list[Segment]:
+                     dp: DataParallel, in_flight: int, inputs: int,
+                     held: int = 0) -> list[Segment]:
     """One micro-batch's forward on a stage up to its last layer, in execution order: what
-    is alive at its start (the activations of the ``in_flight`` other micro-batches the
-    pipeline schedule keeps, the stage's ``inputs``: rope tables, embedding ids, targets),
-    then each run of identical layers: the mechanism's instant before a layer (a gather), the
-    layer's compute beside what the mechanism holds, after which its saved and cached bytes
-    stay."""
-    segments = [Segment((Event("pipeline.in_flight", in_flight, None),
-                         Event("stage.inputs", inputs, None), Event("stage.start", 0, 0)))]
+    is alive at its start (``forward_start``), then each run of identical layers: the
+    mechanism's instant before a layer (a gather), the layer's compute beside what the
+    mechanism holds, after which its saved and cached bytes stay."""
+    segments = [forward_start(in_flight, inputs, held)]
     for index, (kind, _, _, n) in enumerate(runs):
         # autocast's cached casts of the layers before stay until the forward ends
-        held, peak = kind.saved_bytes + kind.cached_bytes, kind.forward_peak_bytes
+        held_bytes, peak = kind.saved_bytes + kind.cached_bytes, kind.forward_peak_bytes
         for p in forward_positions(dp, n, index == 0, index == len(runs) - 1):
-            compute = Event("layer.forward", held, peak + p.beside)
+            compute = Event("layer.forward", held_bytes, peak + p.beside)
             segments.append(Segment((p.before, compute) if p.before else (compute,), p.repeat))
     return segments
 
@@ -102,7 +110,7 @@ def backward_segments(w: Walk, grads_prior: int, grads_total: int) -> list[Segme
     """One micro-batch's backward on a stage, in execution order from nothing alive: what is
     alive when it starts, the loss and the head, each run of identical layers (last to
     first), the embedding; the data-parallel mechanism's moments (``memplan.model.sharding``)
-    beside and between them.
+    beside and between them, and its own at the step's end after them.
 
     ``grads_prior`` is what exists when it starts: 0 for a step's only micro-batch, all
     gradients when earlier micro-batches produced them (they then accumulate in place);
@@ -113,16 +121,19 @@ def backward_segments(w: Walk, grads_prior: int, grads_total: int) -> list[Segme
 def backward_start(w: Walk, grads_prior: int) -> Segment:
     """What is alive when a micro-batch's backward starts on a stage: the other micro-batches'
     activations the pipeline schedule keeps, the stage's inputs, every byte this micro-batch
-    saved, and the gradients the training loop kept or earlier micro-batches made."""
-    names = ("pipeline.in_flight", "stage.inputs", "stage.saved", "loop.gradients")
+    saved, the logits the training loop keeps from the loss (``HeadBlock.loop_logits``) and
+    the gradients it kept or earlier micro-batches made."""
+    names = ("pipeline.in_flight", "stage.inputs", "stage.saved", "loop.logits",
+             "loop.gradients")
     return Segment(tuple(Event(name, size, None)
                          for name, size in zip(names, _start_bytes(w, grads_prior))))
 
 
-def _start_bytes(w: Walk, grads_prior: int) -> tuple[int, int, int, int]:
+def _start_bytes(w: Walk, grads_prior: int) -> tuple[int, int, int, int, int]:
     """``backward_start``'s bytes, in its order (the fold starts from their sum)."""
     return (w.other_bytes, w.rest_saved,
-            w.head.saved_bytes + sum(k.saved_bytes * n for k, _, _, n in w.runs), grads_prior)
+            w.head.saved_bytes + sum(k.saved_bytes * n for k, _, _, n in w.runs),
+            w.head.loop_logits().delta, grads_prior)
 
 
 def _backward_moments(w: Walk, grads_prior: int, grads_total: int) -> list[Segment]:
@@ -144,7 +155,8 @@ def _backward_moments(w: Walk, grads_prior: int, grads_total: int) -> list[Segme
     # the tied head's pending gradient is summed into the embedding's
     segments.append(Segment((*emb.backward_events(made + h.tied_grad, grads_total, beside),
                              *after)))
-    return segments
+    end = step_end_moments(dp, w.other_bytes, emb.freed_before)
+    return [*segments, Segment(end)] if end else segments
 
 
 def _layer_segment(position: Position, saved: int, local: int, step: int) -> Segment:

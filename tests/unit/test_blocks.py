@@ -7,11 +7,13 @@ T = 64 tokens and a residual-stream tensor is T*h*e = 8,192 B.
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import pytest
 
 from memplan.model.attention import Attention
 from memplan.model.block import Block
-from memplan.model.dims import Dims, total
+from memplan.model.dims import Dims, total, whole_bytes
 from memplan.model.embedding import EmbeddingBlock
 from memplan.model.head import HeadBlock
 from memplan.model.layer import (
@@ -269,6 +271,36 @@ def test_embedding_block() -> None:
     assert emb.tensor_sizes(learned, 1, 1) == [8_192, 16_384]
     assert emb.grad_groups(learned, 2, 1) == {"position_embedding": 16_384, "embedding": 20_480}
     assert emb.flops_per_token(TINY, 32) == 0.0
+
+
+def test_head_and_embedding_on_a_stage() -> None:
+    """The head a stage walks, read from its block interface (``test_head_block``'s bytes):
+    saved but the targets 66,312 - 512 = 65,800 in forward; saved but the batch (targets and
+    scalars) 66,312 - 520 = 65,792; the final norm's 33,024 at the head's backward, 16,640 at
+    its own; no held logits (``LogitsHeld.NONE``). On a stage with 100 B of head gradients,
+    a 16,384 B compute-dtype head weight gradient and fp32 main gradients, the fp32 copy's
+    moment holds 33,024 + 16,384 + 100 = 49,508 beyond the saved.
+
+    The embedding on a first stage: 8,192 token rows at 4 held bytes each = 32,768 of
+    gradients; its 16,384 B compute-dtype gradient (no autocast) lives until added into the
+    fp32 one: 16,384 beyond the gradients (the dense moment, 16,384 + 8,192 incoming - 32,768
+    < 0, is below it); freed before its backward the 1,000 B of rope tables and its saved
+    terms but the ids (none here). At 3/2 bytes per parameter 8,191 parameters hold 12,286 B
+    (12,286.5, rounded down, without a float)."""
+    head = HeadBlock.of(TINY, WL, DM)
+    assert (head.forward_saved, head.saved_bytes, head.final_norm_all, head.final_norm_saved,
+            head.held_logits) == (65_800, 65_792, 33_024, 16_640, 0)
+    back = HeadBlock().backward_moments(TINY, WL, DM, Recompute.NONE)
+    assert (head.loss, head.linear, head.final_norm_bwd) == tuple(
+        m.transient_bytes for m in back)
+    on = head.on_stage(100, 16_384, True, 7)
+    assert (on.grads, on.main_grads, on.tied_grad) == (100, 49_508, 7)
+    emb = EmbeddingBlock().on_stage(TINY, WL, DM, num_params=8_192, per_param=Fraction(4),
+                                    vocab_grad=16_384, main_grads=True, tied=False,
+                                    rope_bytes=1_000)
+    assert emb == EmbeddingBlock(grads=32_768, extra=16_384, freed_before=1_000)
+    assert whole_bytes(8_191, Fraction(3, 2)) == 12_286
+    assert whole_bytes(-3, Fraction(1, 2)) == -1
 
 
 @pytest.mark.parametrize("t", [1, 3])

@@ -31,12 +31,28 @@ def test_every_preset_default_is_a_preset_field_with_a_source(framework: str) ->
     function of that framework, and the version checked; applied to no options, the preset
     gives exactly its own fields (the rest keep the models' defaults)."""
     fw = presets.parse(framework)
-    for default in presets.PRESETS[fw]:
+    for default in presets.defaults(fw):
         assert default.field in presets.FIELDS
         assert ".py" in default.source and any(ch.isdigit() for ch in default.source)
     spec = load_model("llama-3-8b")
     filled = presets.apply(fw, spec, {})
-    assert set(filled) == {default.field for default in presets.PRESETS[fw]}
+    assert set(filled) == {default.field for default in presets.defaults(fw)}
+
+
+@pytest.mark.parametrize("framework", [f.value for f in Framework])
+def test_every_preset_is_a_selection_of_mechanisms(framework: str) -> None:
+    """A preset selects each mechanism at most once, with settings of that mechanism only
+    (``presets.SETTINGS``), no setting twice; the mechanisms' settings are disjoint."""
+    selections = presets.PRESETS[presets.parse(framework)]
+    mechanisms = [s.mechanism for s in selections]
+    assert len(mechanisms) == len(set(mechanisms))
+    for selection in selections:
+        assert selection.defaults
+        assert {d.field for d in selection.defaults} <= presets.SETTINGS[selection.mechanism]
+    fields = [d.field for d in presets.defaults(presets.parse(framework))]
+    assert len(fields) == len(set(fields))
+    assert sum(map(len, presets.SETTINGS.values())) == len(frozenset().union(
+        *presets.SETTINGS.values()))
 
 
 def test_preset_fields_are_layout_or_workload_fields() -> None:
@@ -75,7 +91,7 @@ def test_generic_is_the_reference_model() -> None:
 def test_assumptions_name_each_default_and_its_source() -> None:
     est = memplan.estimate("llama-3-8b", gpus=8, framework="hf")
     lines = [a for a in est.assumptions if a.startswith("hf: ")]
-    assert len(lines) == len(presets.PRESETS[Framework.HF])
+    assert len(lines) == len(presets.defaults(Framework.HF))
     assert any("training_args.py" in a and "fused" in a for a in lines)
     # a default the user overrode is not claimed as the framework's
     own = memplan.estimate("llama-3-8b", gpus=8, framework="hf", optimizer_impl="foreach")

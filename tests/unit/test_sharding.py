@@ -30,7 +30,7 @@ EMBEDDING = EmbeddingBlock(grads=30)
 # backward runs (root, the block, the block it prefetches), 300 B at the stage's first block
 # (nothing left to prefetch), 200 B at the embedding (the root alone); the gradient of a unit's
 # input is 5 B.
-FSDP2 = DataParallel(grad_cap=1_000, unsharded_ratio=2.0, per_unit=True, at_head=300,
+FSDP2 = DataParallel(grad_cap=1_000, unsharded_ratio=2, per_unit=True, at_head=300,
                      in_block=400, in_first_block=300, at_embedding=200, boundary_grad=5)
 
 
@@ -115,6 +115,31 @@ def test_kept_gathered_under_pipeline_parallelism() -> None:
     assert backward_peak(_walk(dp), 0, 250) == 680
 
 
+def test_kept_gathered_reduce_at_the_step_end() -> None:
+    """Kept gathered under PP, the step's reduce after the last micro-batch's backward is an
+    instant of the sequence (``step_end_moments``). The stage: 250 B gathered throughout, 70 B
+    of other micro-batches in flight, 40 B of inputs of which the embedding's backward frees
+    15 B; the reduce holds a unit's reduce-scatter input and output shard, 300 B.
+
+    From 70 + 40 + 400 saved = 510 B: the loss and the head at 510 + 250 = 760, the head's
+    20 B of gradients made (530 alive); block 4 (first walked) at 530 + 10 + 250 = 790, each
+    block then 50 B less alive (330 after block 1); the embedding frees 15 B and its 30 B of
+    gradients join (345 alive), its backward at 345 + 250 = 595. At the step's end the other
+    micro-batches' 70 B are done (275 alive) and the reduce holds 300 B beside the 250 B
+    gathered and the 15 B of inputs counted again: 275 + 300 + 250 + 15 = 840 (= 40 inputs +
+    250 gradients + 300 + 250 gathered), the peak."""
+    dp = DataParallel(at_head=250, in_block=250, in_first_block=250, at_embedding=250,
+                      step_reduce=300)
+    walk = _walk(dp)._replace(other_bytes=70, rest_saved=40,
+                              embedding=EmbeddingBlock(grads=30, freed_before=15))
+    instants = [(name, at) for name, _, at in timeline(backward_segments(walk, 0, 250))]
+    assert instants[-3:] == [("layer.backward", 640), ("embedding.backward", 595),
+                             ("step.reduce_scatter", 840)]
+    assert backward_peak(walk, 0, 250) == 840
+    # without the reduce (another mechanism), the peak is block 4's
+    assert backward_peak(walk._replace(sharding=dp._replace(step_reduce=0)), 0, 250) == 790
+
+
 def test_zero2_bucket_between_the_ends_of_a_run() -> None:
     """ZeRO-2 at shard degree 2 with a 300 B bucket: beside a block, the gradients made so far
     wait unsharded (twice their held bytes, at most 300), beyond the shard they become.
@@ -122,7 +147,7 @@ def test_zero2_bucket_between_the_ends_of_a_run() -> None:
     made, 300 unsharded (the cap), 150 beyond: 170 + 110 + 150 = 430. Blocks 2 and 3 are
     measured with block 1's 20 B (the buffer only grows; the run's ends bound them): 270 + 130
     = 400 and 220 + 130 = 350. At the embedding: 250 B made, the cap: 250 + 150 = 400."""
-    dp = DataParallel(grad_cap=300, unsharded_ratio=2.0)
+    dp = DataParallel(grad_cap=300, unsharded_ratio=2)
     assert [at for name, at in _instants(dp) if name != "head.main_grads"][2:] == [
         450, 400, 350, 430, 400]
     assert backward_peak(_walk(dp), 0, 250) == 450
@@ -155,7 +180,7 @@ def test_torchtitan_head_unit_prefetches_after_the_loss() -> None:
     the loss's backward runs beside the head's 200 B alone. A loss of 250 B in flight: 400
     alive + 250 + 200 = 850 at the loss's backward (not 950); the head's backward and its
     gradient beside all 300 B: 400 + 300 = 700."""
-    dp = DataParallel(grad_cap=1_000, unsharded_ratio=2.0, per_unit=True, separate_units=True,
+    dp = DataParallel(grad_cap=1_000, unsharded_ratio=2, per_unit=True, separate_units=True,
                       at_head=300, head_prefetch=100, in_block=200, in_first_block=200,
                       at_embedding=100)
     walk = _walk(dp)._replace(head=HeadBlock(grads=20, loss=250))
@@ -186,6 +211,6 @@ def test_shard_of_unsharded_gradients() -> None:
     (unsharded = 4 x held): 200 B of gradients made are 800 B unsharded, 800 - 800 / 4 = 600 B
     beyond the shard they become."""
     assert (FSDP2.shard_of(1_000), FSDP2.shard_of(1_001)) == (500, 500)
-    bucket = DataParallel(grad_cap=1_000, unsharded_ratio=4.0)
+    bucket = DataParallel(grad_cap=1_000, unsharded_ratio=4)
     assert bucket.shard_of(800) == 200
     assert bucket.buffer(200) == 600

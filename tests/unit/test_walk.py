@@ -8,7 +8,7 @@ import memplan
 from memplan.model.embedding import EmbeddingBlock
 from memplan.model.head import HeadBlock
 from memplan.model.layer import LayerKind, LayerMoment
-from memplan.model.moments import Segment, fold, peak_of, timeline
+from memplan.model.moments import Segment, peak_of, timeline
 from memplan.model.sharding import DataParallel
 from memplan.model.walk import (
     Walk,
@@ -64,13 +64,27 @@ def test_backward_starts_at_the_loss() -> None:
     assert backward_peak(_walk(head=head), 0, 100) == 740
 
 
+def test_logits_held_by_the_loop() -> None:
+    """A loop that keeps 25 B of logits from the loss to the next step's loss (the head's
+    ``held_logits``). Step 1's forward: the two layers at 5 + 120 = 125 and 105 + 120 = 225,
+    the final norm at 205 + 30 = 235, the loss at 205 + 40 + 10 = 255. From step 2 the
+    previous step's logits are alive from the start until the loss frees them: 150, 250,
+    the final norm at 260, the loss still at 255. In backward they are alive throughout:
+    the loss's moment 2 * 100 + 40 + 500 + 25 = 765."""
+    head = HeadBlock(forward_saved=40, final_norm_forward=30, loss_forward=10, held_logits=25)
+    assert forward_peak(_walk().runs, 5, head, DataParallel()) == 255
+    assert forward_peak(_walk().runs, 5, head, DataParallel(), steady=True) == 260
+    head = HeadBlock(saved_bytes=40, loss=500, held_logits=25)
+    assert backward_peak(_walk(head=head), 0, 100) == 765
+
+
 def test_zero2_buffer_holds_unsharded_gradients() -> None:
     """ZeRO-2 with a shard degree of 2 (unsharded / held = 2) and a 1,000 B bucket. At the
     first layer walked the other layer's 50 B made wait unsharded (100 B, 50 beyond their
     shard): 160 + 50 = 210; at the end the 100 B made wait (200 B): 100 + 100 = 200. With
     300 B of the embedding's gradients too, the end holds 400 B of gradients and 400 B beyond
     their shard: 800."""
-    sharding = DataParallel(grad_cap=1_000, unsharded_ratio=2.0)
+    sharding = DataParallel(grad_cap=1_000, unsharded_ratio=2)
     assert backward_peak(_walk(sharding=sharding), 0, 100) == 210
     embedding = EmbeddingBlock(grads=300)
     assert backward_peak(_walk(sharding=sharding, embedding=embedding), 0, 400) == 800
@@ -101,14 +115,9 @@ def test_real_stages_fold_as_they_unfold(monkeypatch: pytest.MonkeyPatch, kw: di
         assert peak == max(at for _, _, at in timeline(segments, alive))
         return peak
 
-    def checked_fold(segments: list[Segment], alive: int = 0) -> tuple[int | None, int]:
-        checked(segments, alive)
-        return fold(segments, alive)
-
     folds = []
     # the stage's forward and backward are folded in the walk (``forward_peaks``,
     # ``backward_peak``)
-    monkeypatch.setattr(walk, "fold", lambda s, a=0: folds.append(1) or checked_fold(s, a))
     monkeypatch.setattr(walk, "peak_of", lambda s, a=0: folds.append(1) or checked(s, a))
     memplan.estimate("gpt2", seq_len=256, **kw)
     assert len(folds) >= 2  # a forward's layers and a backward, at least

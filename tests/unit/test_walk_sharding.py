@@ -27,6 +27,8 @@ included: set directly here, not through ``with_stream``).
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 from memplan.model.embedding import EmbeddingBlock
 from memplan.model.head import HeadBlock
 from memplan.model.layer import LayerKind, LayerMoment
@@ -72,7 +74,7 @@ def test_zero2_bucket_cap_inside_a_run() -> None:
       end                          900 made, waiting min(500, 1,800) = 500 -> 250 = 1,150
     Peak 1,950. Without the cap the last layer would hold 1,200 - 600 = 600 extra (2,300)."""
     kind = _kind(100, ((100, 1_000),))
-    sharding = DataParallel(grad_cap=500, unsharded_ratio=2.0)
+    sharding = DataParallel(grad_cap=500, unsharded_ratio=2)
     assert backward_peak(_walk(kind, 300, (0,), 3, sharding), 0, 900) == 1_950
 
 
@@ -87,7 +89,7 @@ def test_zero2_bucket_cap_at_the_end() -> None:
     extra at its backward and nothing freed before it (a tied head's pending gradient, 0 here,
     is the head's ``tied_grad``)."""
     kind = _kind(100, ((100, 10),))
-    sharding = DataParallel(grad_cap=500, unsharded_ratio=2.0)
+    sharding = DataParallel(grad_cap=500, unsharded_ratio=2)
     embedding = EmbeddingBlock(grads=300)
     assert backward_peak(_walk(kind, 50, (0,), 2, sharding, embedding), 0, 400) == 650
 
@@ -99,7 +101,7 @@ def test_zero2_bucket_at_an_uneven_shard_degree() -> None:
       end                    900 made, waiting 2,700 -> 1,800 extra: 2,700
     Peak 2,900."""
     kind = _kind(100, ((100, 1_000),))
-    sharding = DataParallel(grad_cap=1_000_000, unsharded_ratio=3.0)
+    sharding = DataParallel(grad_cap=1_000_000, unsharded_ratio=3)
     assert backward_peak(_walk(kind, 300, (0,), 3, sharding), 0, 900) == 2_900
 
 
@@ -108,7 +110,8 @@ def test_zero2_bucket_at_an_uneven_shard_degree() -> None:
 def _fsdp2(**changed: float) -> DataParallel:
     """FSDP2 units of at most 1,000 B at r=2, u=0.5; gathered 500 B in a block's backward,
     400 B at the loss and the head, 200 B at the embedding, 300 B at the stage's first block."""
-    return DataParallel(grad_cap=1_000, unsharded_ratio=2.0, per_unit=True, unsharded_dtype=0.5,
+    return DataParallel(grad_cap=1_000, unsharded_ratio=2, per_unit=True,
+                        unsharded_dtype=Fraction(1, 2),
                         in_block=500, at_head=400, at_embedding=200,
                         in_first_block=300)._replace(**changed)
 
@@ -175,7 +178,7 @@ def test_fsdp2_copy_out_before_the_stage_first_block_of_four() -> None:
     400 - 200 + 300 + 300 + 350 + 300 = 1,450; the root's reduce-scatter at the 600 alive, as
     in ``test_fsdp2_between_the_ends_of_a_run_of_five``)."""
     kind = _kind(100, ((100, 10),))
-    sharding = _fsdp2(unsharded_dtype=1.0, in_block=400, at_head=0, at_embedding=100,
+    sharding = _fsdp2(unsharded_dtype=1, in_block=400, at_head=0, at_embedding=100,
                       in_first_block=350)
     walk = _walk(kind, 150, (0,), 4, sharding)
     assert backward_peak(walk, 0, 600) == 1_500
@@ -195,7 +198,7 @@ def test_fsdp2_reduce_scatter_with_the_input_gradient() -> None:
     block walked 1,250 + 500 = 1,750, after the stage's first 1,150 + 500 = 1,650; every other
     moment as there (at most 1,500). Peak 1,750."""
     kind = _kind(100, ((100, 10),))
-    sharding = _fsdp2(unsharded_dtype=1.0, in_block=400, at_head=0, at_embedding=100,
+    sharding = _fsdp2(unsharded_dtype=1, in_block=400, at_head=0, at_embedding=100,
                       in_first_block=350, boundary_grad=500)
     assert backward_peak(_walk(kind, 150, (0,), 4, sharding), 0, 600) == 1_750
 
@@ -207,7 +210,7 @@ def test_fsdp2_reduce_scatter_after_the_stage_first_block() -> None:
     the 350 B of a block's backward); after the first block walked 1,750; the end
     600 + 300 + 300 = 1,200; the others at most 1,500. Peak 1,850."""
     kind = _kind(100, ((100, 10),))
-    sharding = _fsdp2(unsharded_dtype=1.0, in_block=400, at_head=0, at_embedding=300,
+    sharding = _fsdp2(unsharded_dtype=1, in_block=400, at_head=0, at_embedding=300,
                       in_first_block=350, boundary_grad=500)
     assert backward_peak(_walk(kind, 150, (0,), 4, sharding), 0, 600) == 1_850
 
