@@ -23,7 +23,8 @@ from memplan.spec import ModelSpec
 # How the mapping names a target that no shared option's keyword is: the model (the CLI's
 # first option), and the inputs only a config sets. Every other target is a ``memplan.api``
 # keyword, named by its flag (``memplan.arguments.CLI_OPTIONS``).
-_NOT_KEYWORDS = {"model": "--model", "fused_qkv": "(fused q/k/v)", "rope_cache": "(RoPE tables)"}
+_NOT_KEYWORDS = {"model": "--model", "fused_qkv": "(fused q/k/v)", "rope_cache": "(RoPE tables)",
+                 "loss_impl": "(loss)"}
 
 
 def flag(target: str) -> str:

@@ -286,20 +286,20 @@ class _Reader:
     def _loss_fusion(self) -> None:
         """--cross-entropy-loss-fusion with the native implementation (the only one
         validate_args allows): megatron/core/fusions/fused_cross_entropy.py
-        _VocabParallelCrossEntropy saves what the unfused tensor_parallel/cross_entropy.py
-        saves (the fp32 softmax, the target mask, the target indices) and returns the same
-        compute-dtype gradient (tests/traced/test_megatron_loss.py: forward and saved bytes
-        equal, run eagerly); its steps run compiled (megatron/core/jit.py jit_fuser), whose
-        kernels' buffers are not traced."""
+        _VocabParallelCrossEntropy runs the unfused loss's steps (tensor_parallel/
+        cross_entropy.py) through megatron/core/jit.py jit_fuser, torch.compile from torch
+        2.2: its forward saves and holds the same tensors, and its compiled
+        calculate_gradients makes the target's index_put on an fp32 copy of the softmax
+        (``loss_impl`` megatron-fused; traced: tests/traced/test_megatron_loss.py)."""
         impl = self.str("--cross-entropy-fusion-impl", "native")
         if not self.flag("--cross-entropy-loss-fusion"):
             return
         if impl != "native":
             raise self.refuse("--cross-entropy-fusion-impl", "Transformer Engine's fused "
                                                              "cross-entropy is not modelled")
-        self.imp.notes.append("--cross-entropy-loss-fusion: read as the vocab-parallel loss, "
-                              "which saves the same tensors (fused_cross_entropy.py); its "
-                              "compiled kernels' buffers are not traced")
+        self.imp.set("--cross-entropy-loss-fusion", True, "loss_impl", "megatron-fused",
+                     "fused_cross_entropy.py compiled: the backward's index_put on an fp32 "
+                     "copy of the softmax")
 
     def _vocab(self, tp: int) -> tuple[int, str]:
         """The padded vocabulary (megatron/core/tokenizers/utils/build_tokenizer.py

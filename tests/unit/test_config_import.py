@@ -567,13 +567,15 @@ def test_megatron_mla_qk_layernorm_is_the_latent_norms() -> None:
     assert any("latent norms" in n for n in without.notes)
 
 
-def test_megatron_fused_cross_entropy_is_the_vocab_parallel_loss() -> None:
-    """The native fused loss keeps what the unfused one keeps (traced in
-    tests/traced/test_megatron_loss.py): the same inputs as without the flag, and a note."""
+def test_megatron_fused_cross_entropy_is_the_compiled_vocab_parallel_loss() -> None:
+    """The native fused loss (fused_cross_entropy.py, compiled by jit_fuser) is read as
+    loss_impl megatron-fused, everything else as without the flag; TE's fused loss refused."""
     fused = megatron.read(_BASE + "--cross-entropy-loss-fusion", 8)
     plain = megatron.read(_BASE, 8)
-    assert fused.inputs == plain.inputs and fused.model == plain.model
-    assert any(n.startswith("--cross-entropy-loss-fusion") for n in fused.notes)
+    assert fused.inputs == {**plain.inputs, "loss_impl": "megatron-fused"}
+    assert fused.model == plain.model
+    with pytest.raises(MemplanError, match="Transformer Engine's fused cross-entropy"):
+        megatron.read(_BASE + "--cross-entropy-loss-fusion --cross-entropy-fusion-impl te", 8)
 
 
 def test_megatron_router_dtype_fp32() -> None:
