@@ -441,7 +441,12 @@ class _Reader:
         ep = self.degree("--expert-model-parallel-size", 1)
         # megatron-core ModelParallelConfig.expert_tensor_parallel_size: None is tp
         etp = self.degree("--expert-tensor-parallel-size", None)
-        if etp is not None and etp != tp:
+        if etp is not None and etp != tp and spec.moe is None:
+            # a dense GPTModel builds no expert layers: the expert groups parallel_state.py
+            # initialize_model_parallel makes hold no tensors
+            imp.notes.append(f"--expert-tensor-parallel-size {etp}: no effect on a dense model "
+                             "(Megatron builds no expert layers to split)")
+        elif etp is not None and etp != tp:
             imp.set("--expert-tensor-parallel-size", etp, "etp", etp,
                     f"the routed experts split by {etp}, the rest by tp {tp}")
         for flag, value, target in (("--tensor-model-parallel-size", tp, "tp"),

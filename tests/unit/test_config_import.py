@@ -578,6 +578,21 @@ def test_megatron_fused_cross_entropy_is_the_compiled_vocab_parallel_loss() -> N
         megatron.read(_BASE + "--cross-entropy-loss-fusion --cross-entropy-fusion-impl te", 8)
 
 
+def test_megatron_expert_tensor_parallel_on_a_dense_model_is_a_note() -> None:
+    """Megatron takes --expert-tensor-parallel-size on a dense model (its expert groups hold
+    no tensors): read with a note, no etp set, the same inputs as without it; on an MoE model
+    it is the experts' split (etp 1 under tp 2)."""
+    dense = megatron.read(_BASE + "--tensor-model-parallel-size 2 "
+                                  "--expert-tensor-parallel-size 4", 8)
+    plain = megatron.read(_BASE + "--tensor-model-parallel-size 2", 8)
+    assert dense.inputs == plain.inputs and "etp" not in dense.inputs
+    assert any(n.startswith("--expert-tensor-parallel-size 4: no effect") for n in dense.notes)
+    moe = megatron.read(_BASE + "--tensor-model-parallel-size 2 --num-experts 4 "
+                                "--expert-model-parallel-size 4 "
+                                "--expert-tensor-parallel-size 1", 8)
+    assert moe.inputs["etp"] == 1
+
+
 def test_megatron_router_dtype_fp32() -> None:
     """RouterGatingLinearFunction saves the compute-dtype input and weight: no fp32 copies
     (the spec's router_fp32 is transformers' DeepSeek router, which saves them), a note."""
