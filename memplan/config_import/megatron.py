@@ -25,7 +25,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from memplan.arguments import MAX_GPUS
-from memplan.config_import import Imported, shell
+from memplan.config_import import Imported, megatron_layout, shell
 from memplan.errors import MemplanError, shown, validation_message
 from memplan.inputs import MODEL_FILE_BYTES, read_text
 from memplan.spec import MAX_LAYERS, ModelSpec
@@ -460,6 +460,7 @@ class _Reader:
         sp = self.flag("--sequence-parallel") and tp > 1
         imp.set("--sequence-parallel", self.args.get("--sequence-parallel", False),
                 "sequence_parallel", sp)
+        self._pipeline_layout(spec.num_layers, pp)
         self._virtual(spec.num_layers, pp)
         self._uneven(spec.num_layers, pp)
         self._account(spec.num_layers, pp)
@@ -491,6 +492,32 @@ class _Reader:
                                     f"({self.gpus} GPUs / tp*pp*cp {model_parallel})")
         self.imp.set(flag, instances, "dp_shard", dp // instances,
                      f"optimizer states sharded over dp {dp} / {instances} instances")
+
+    def _pipeline_layout(self, layers: int, pp: int) -> None:
+        """--pipeline-model-parallel-layout: the virtual stages and their decoder layers
+        (``memplan.config_import.megatron_layout``); Megatron takes no other split flag with
+        it (validate_args; TransformerConfig.__post_init__ raises for the first/last stage
+        layers and the account-for flags)."""
+        flag = "--pipeline-model-parallel-layout"
+        text = self.str(flag, None)
+        if text is None:
+            return
+        others = ("--num-layers-per-virtual-pipeline-stage",
+                  "--num-virtual-stages-per-pipeline-rank",
+                  "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+                  "--account-for-embedding-in-pipeline-split",
+                  "--account-for-loss-in-pipeline-split")
+        given = [f for f in others if self.has(f)]
+        if given:
+            raise self.refuse(flag, f"Megatron takes it with no other split flag ({given[0]})")
+        try:
+            vpp, split = megatron_layout.stage_split(text, pp, layers)
+        except ValueError as err:
+            raise self.refuse(flag, str(err)) from None
+        if vpp > 1:
+            self.imp.set(flag, text, "vpp", vpp, f"{len(split)} stages / pp {pp}")
+        self.imp.set(flag, text, "stage_layers", ",".join(map(str, split)),
+                     "decoder layers (t) of each stage")
 
     def _virtual(self, layers: int, pp: int) -> None:
         """arguments.py validate_args: num_layers_per_pipeline_stage //

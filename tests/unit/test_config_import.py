@@ -593,6 +593,40 @@ def test_megatron_expert_tensor_parallel_on_a_dense_model_is_a_note() -> None:
     assert moe.inputs["etp"] == 1
 
 
+def test_megatron_pipeline_layout_is_the_split() -> None:
+    """--pipeline-model-parallel-layout as Megatron's parse_str_to_list reads it: "Et*3|(tt|)*
+    6L" unrolls to Ettt|tt|tt|tt|tt|tt|tt|L, 8 stages over pp 2: vpp 4, decoder layers
+    3,2,2,2,2,2,2,0 (15 = --num-layers); "Et,t|ttL" (a cosmetic comma) at pp 2 is vpp 1,
+    3 and 2 layers."""
+    base = _BASE.replace("--num-layers 4", "--num-layers 15") + \
+        "--pipeline-model-parallel-size 2 "
+    imp = megatron.read(base + "--pipeline-model-parallel-layout 'Et*3|(tt|)*6L'", 8)
+    assert imp.inputs["vpp"] == 4 and imp.inputs["stage_layers"] == "3,2,2,2,2,2,2,0"
+    five = _BASE.replace("--num-layers 4", "--num-layers 5") + \
+        "--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et,tt|ttL"
+    imp = megatron.read(five, 8)
+    assert "vpp" not in imp.inputs and imp.inputs["stage_layers"] == "3,2"
+
+
+@pytest.mark.parametrize(("layout", "extra", "why"), [
+    ("Et*3|(tt|)*5|L", "", "has 13 decoder layers"),  # 3 + 10, an empty stage
+    ("Ettt|(tt|)*6", "", "the loss \\(L\\) last"),
+    ("Et*3|(tt|)*5ttL", "", "has 7 stages, which pp \\(2\\) does not divide"),
+    ("Et*3|(tt|)*6xL", "", "has 'x'"),
+    ("E(t)*99999999|L", "", "unrolls to more than"),
+    ("Et*3|(tt|)*6L", "--num-virtual-stages-per-pipeline-rank 4",
+     "no other split flag \\(--num-virtual-stages-per-pipeline-rank\\)"),
+])
+def test_megatron_pipeline_layout_refusals(layout: str, extra: str, why: str) -> None:
+    """Megatron's own checks (PipelineParallelLayerLayout.__init__, validate_layer_layout,
+    validate_args) said for the layout; an unrolling past any layout of MAX_LAYERS layers is
+    refused before it is built."""
+    base = _BASE.replace("--num-layers 4", "--num-layers 15") + \
+        f"--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout '{layout}' {extra}"
+    with pytest.raises(MemplanError, match=f"--pipeline-model-parallel-layout = .*{why}"):
+        megatron.read(base, 8)
+
+
 def test_megatron_router_dtype_fp32() -> None:
     """RouterGatingLinearFunction saves the compute-dtype input and weight: no fp32 copies
     (the spec's router_fp32 is transformers' DeepSeek router, which saves them), a note."""
