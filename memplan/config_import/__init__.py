@@ -24,7 +24,7 @@ from memplan.spec import ModelSpec
 # first option), and the inputs only a config sets. Every other target is a ``memplan.api``
 # keyword, named by its flag (``memplan.arguments.CLI_OPTIONS``).
 _NOT_KEYWORDS = {"model": "--model", "fused_qkv": "(fused q/k/v)", "rope_cache": "(RoPE tables)",
-                 "loss_impl": "(loss)"}
+                 "loss_impl": "(loss)", "softmax_fp32": "(fp32 softmax)"}
 
 
 def flag(target: str) -> str:

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from memplan.spec import ModelSpec
 
 # Workload fields a config sets that no command-line option exposes
-_WORKLOAD_ONLY = frozenset({"fused_qkv", "rope_cache", "loss_impl"})
+_WORKLOAD_ONLY = frozenset({"fused_qkv", "rope_cache", "loss_impl", "softmax_fp32"})
 
 
 def configure(model: str | None, given: dict[str, Any], defaults: dict[str, Any], *,

@@ -50,7 +50,7 @@ OTHER_MODELS = {"pretrain_bert.py": "BERT (an encoder)", "pretrain_t5.py": "T5 (
 # learning rate, seeds and tokenizer files (--vocab-size and --tokenizer-type are read). Any
 # other flag memplan does not read is listed as not modelled, one that may change memory:
 # fusions switched off (--no-bias-*-fusion, --no-masked-softmax-fusion,
-# --no-gradient-accumulation-fusion), the softmax's dtype, overlapped reductions and
+# --no-gradient-accumulation-fusion), overlapped reductions and
 # Megatron FSDP's --data-parallel-* are among them
 QUIET_PREFIXES = ("--log-", "--lr", "--min-lr", "--save", "--load", "--eval-", "--tensorboard",
                   "--data-path", "--data-cache-path", "--split", "--train-iters",
@@ -630,6 +630,32 @@ class _Reader:
         if impl == "local":
             imp.notes.append("--transformer-impl local: Megatron's own (non-TE) layers; "
                              "memplan's megatron preset (fused norms) stands for them")
+        self._softmax_fp32(impl == "local", spec, mbs, seq)
+
+    def _softmax_fp32(self, local: bool, spec: ModelSpec, mbs: int, seq: int) -> None:
+        """--attention-softmax-in-fp32 is read only by Megatron's own core attention
+        (megatron/core/transformer/dot_product_attention.py, --transformer-impl local: its
+        FusedScaleMaskSoftmax); Transformer Engine's attention, unfused too, keeps its own
+        softmax (transformer_engine/pytorch/attention/dot_product_attention/softmax.py).
+        Megatron's fused kernel, where it runs, takes and saves 16-bit scores whatever the
+        flag; its PyTorch fallback (fused_softmax.py forward_torch_softmax) upcasts, saves
+        the fp32 softmax and casts it back: memplan's ``softmax_fp32``."""
+        flag = "--attention-softmax-in-fp32"
+        if not self.flag(flag):
+            return
+        low = self.imp.inputs.get("precision") in ("bf16-fp32-grads", "bf16-mixed",
+                                                   "fp16-mixed")
+        if not local or not low or self.imp.inputs.get("attention") != "eager":
+            self.imp.notes.append(f"{flag}: no effect here (read only by Megatron's own "
+                                  "attention with 16-bit scores, dot_product_attention.py)")
+            return
+        heads = spec.num_attention_heads // self.imp.inputs.get("tp", 1)
+        if not self.flag("--no-masked-softmax-fusion") and _fused_softmax(mbs, heads, seq):
+            self.imp.notes.append(f"{flag}: no effect here (Megatron's fused softmax kernel "
+                                  "runs: fused_softmax.py is_kernel_available)")
+            return
+        self.imp.set(flag, True, "softmax_fp32", True, "the PyTorch softmax fallback in fp32 "
+                     "(fused_softmax.py forward_torch_softmax)")
 
     def _recompute(self) -> None:
         """--recompute-activations is selective (validate_args); full needs a method:
@@ -681,6 +707,20 @@ class _Reader:
                     "fp16 weights and gradients, fp32 master and optimizer states")
         else:
             imp.set("(no --bf16 / --fp16)", None, "precision", "fp32")
+
+
+def _fused_softmax(b: int, heads: int, seq: int) -> bool:
+    """Whether Megatron's causal fused softmax kernel runs on [b, heads, seq, seq] scores
+    (megatron/core/fusions/fused_softmax.py FusedScaleMaskSoftmax.is_kernel_available: 16 <
+    sk <= 4096, sq and sk multiples of 4, b * heads a multiple of 4 and of the kernel's
+    batches per block: 128 threads over warps of min(32, sk's next power of two), two
+    batches per warp up to 128 keys; the same formula as Transformer Engine's
+    FusedScaleMaskSoftmax.get_batch_per_block)."""
+    if not (16 < seq <= 4096 and seq % 4 == 0 and (b * heads) % 4 == 0):
+        return False
+    pow2 = 1 << (seq - 1).bit_length()
+    per_block = (128 // min(pow2, 32)) * (2 if pow2 <= 128 else 1)
+    return (b * heads) % per_block == 0
 
 
 def _pattern(text: str) -> list[int] | None:

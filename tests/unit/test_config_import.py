@@ -627,6 +627,40 @@ def test_megatron_pipeline_layout_refusals(layout: str, extra: str, why: str) ->
         megatron.read(base, 8)
 
 
+def test_megatron_softmax_in_fp32_where_megatron_reads_it() -> None:
+    """--attention-softmax-in-fp32 is read by Megatron's own attention only (--transformer-
+    impl local), and only changes the bytes where its fused causal softmax kernel does not
+    run. _BASE: 4 heads, seq 512, mbs 1. Transformer Engine's attention: a note. Local at
+    seq 512: b * heads = 4, 512 keys (next power of two 512: warps of 32, 128 / 32 = 4 warps
+    of 1 batch) -> 4 batches per block, 4 % 4 == 0: the kernel runs, a note. Local at seq
+    8192 (past the kernel's 4096 keys), or with --no-masked-softmax-fusion: softmax_fp32."""
+    base = _BASE + "--bf16 --attention-softmax-in-fp32 --attention-backend unfused "
+    te = megatron.read(base, 8)
+    assert "softmax_fp32" not in te.inputs
+    assert any(n.startswith("--attention-softmax-in-fp32: no effect here (read only")
+               for n in te.notes)
+    local = megatron.read(base + "--transformer-impl local", 8)
+    assert "softmax_fp32" not in local.inputs
+    assert any("fused softmax kernel runs" in n for n in local.notes)
+    long = megatron.read(base.replace("512", "8192") + "--transformer-impl local", 8)
+    unfused = megatron.read(base + "--transformer-impl local --no-masked-softmax-fusion", 8)
+    assert long.inputs["softmax_fp32"] is True and unfused.inputs["softmax_fp32"] is True
+
+
+@pytest.mark.parametrize(("b", "heads", "seq", "runs"), [
+    (1, 4, 1024, True),   # 4 batches per block (1024 keys: 4 warps of 32, 1 batch each)
+    (1, 2, 1024, False),  # b * heads = 2, not a multiple of 4
+    (1, 4, 64, False),    # 64 keys: 4 warps x 2 batches = 8 per block; 4 % 8 != 0
+    (2, 4, 64, True),     # 8 % 8 == 0
+    (1, 4, 16, False),    # the kernel takes 16 < sk
+    (1, 4, 4100, False),  # ... <= 4096
+])
+def test_megatron_fused_softmax_availability(b: int, heads: int, seq: int, runs: bool) -> None:
+    """fused_softmax.py is_kernel_available for causal scores, by hand."""
+    from memplan.config_import.megatron import _fused_softmax
+    assert _fused_softmax(b, heads, seq) is runs
+
+
 def test_megatron_router_dtype_fp32() -> None:
     """RouterGatingLinearFunction saves the compute-dtype input and weight: no fp32 copies
     (the spec's router_fp32 is transformers' DeepSeek router, which saves them), a note."""
