@@ -174,12 +174,22 @@ class ParallelConfig(BaseModel):
         return ExpertSplit(self.ep, self.expert_tp)
 
     @property
-    def expert_shard_degree(self) -> int:
-        """Replicas of one expert shard: the expert-data-parallel group, dp * cp / ep, or
-        tp * dp * cp / (ep * etp) with ``etp``."""
+    def expert_data_parallel(self) -> int:
+        """Ranks holding the same expert shard: the expert-data-parallel group, dp * cp / ep,
+        or tp * dp * cp / (ep * etp) with ``etp``."""
         if self.etp is None:
             return self.dp * self.cp // self.ep
         return self.tp * self.dp * self.cp // (self.ep * self.etp)
+
+    @property
+    def expert_shard_degree(self) -> int:
+        """Ranks one expert shard's states are sharded over: the expert-data-parallel group
+        over the ``replicas`` (Megatron-LM's distributed optimizer instances shard expert
+        states over expert_data_parallel_size / num_distributed_optimizer_instances ranks:
+        parallel_state.py initialize_model_parallel intra_partial_expert_data_parallel_size,
+        optimizer/__init__.py intra_expt_dp_group; torchtitan's HSDP replicates its efsdp
+        shards over dp_replicate: distributed/parallel_dims.py sparse mesh)."""
+        return self.expert_data_parallel // self.replicas
 
     @property
     def sp_divisor(self) -> int:
@@ -494,11 +504,14 @@ def _validate_shard_group(spec: ModelSpec, par: ParallelConfig) -> None:
         raise LayoutError("dp_shard needs ZeRO stage 1, 2 or 3",
                           f"dp_shard ({par.dp_shard}) shards states within groups of the data-"
                           "parallel ranks; with zero 0 nothing is sharded (use --zero 1-3)")
-    if (par.ep > 1 or par.etp is not None) and par.dp_shard < par.dp:
-        split = f"ep ({par.ep}) > 1" if par.etp is None else f"etp ({par.etp})"
-        raise LayoutError("dp_shard with ep > 1 is not modelled",
-                          f"dp_shard ({par.dp_shard}) < dp ({par.dp}) with {split}: how expert "
-                          "weights shard within a replicate group is not modelled")
+    if par.expert_data_parallel % par.replicas:
+        # Megatron-LM asserts the same (parallel_state.py initialize_model_parallel: "Expert
+        # data parallel size should be divisible by partial DistOpt shard factor")
+        raise LayoutError("the replicas must divide the expert-data-parallel group",
+                          f"dp / dp_shard ({par.replicas} replicas) must divide the expert-"
+                          f"data-parallel group ({par.expert_data_parallel} ranks: "
+                          + ("dp*cp/ep" if par.etp is None else "tp*dp*cp/(ep*etp)")
+                          + "), over which the expert states are sharded")
 
 
 def resolve_split(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> ParallelConfig:

@@ -238,6 +238,11 @@ class LossImpl(str, enum.Enum):
               one fp32 copy of the compute-dtype logits turned into the saved softmax in place
               (max subtracted, exp and normalised in place), the backward computed in place
               on that buffer; the compute-dtype logits stay alive in the model's forward
+    megatron-fused  --cross-entropy-loss-fusion: the same steps in fusions/fused_cross_entropy.py
+              run through megatron/core/jit.py jit_fuser (torch.compile from torch 2.2): the
+              forward holds what megatron's does; calculate_gradients, functionalized, makes
+              the target's index_put on an fp32 copy of the saved softmax (then writes the
+              result back into it), so its backward holds one fp32 logits-sized buffer more
     torchtitan  torchtitan's _LossParallelCrossEntropy on vocab-sharded logits under TP
               (components/loss.py, torchtitan 0.3.0): its forward holds the shifted logits
               beside the fp32 logits and the saved log-probabilities, its fused backward a
@@ -247,6 +252,7 @@ class LossImpl(str, enum.Enum):
 
     GENERIC = "generic"
     MEGATRON = "megatron"
+    MEGATRON_FUSED = "megatron-fused"
     TORCHTITAN = "torchtitan"
 
 

@@ -25,7 +25,8 @@ from memplan.spec import ModelSpec
 # keyword, named by its flag (``memplan.arguments.CLI_OPTIONS``).
 _NOT_KEYWORDS = {"model": "--model", "fused_qkv": "(fused q/k/v)", "rope_cache": "(RoPE tables)",
                  "head_wgrad_deferral": "(deferred output-layer weight gradient)",
-                 "fsdp_units": "(FSDP units)"}
+                 "fsdp_units": "(FSDP units)",
+                 "loss_impl": "(loss)", "softmax_fp32": "(fp32 softmax)"}
 
 
 def flag(target: str) -> str:

@@ -12,7 +12,8 @@ if TYPE_CHECKING:
     from memplan.spec import ModelSpec
 
 # Workload fields a config sets that no command-line option exposes
-_WORKLOAD_ONLY = frozenset({"fused_qkv", "rope_cache", "head_wgrad_deferral", "fsdp_units"})
+_WORKLOAD_ONLY = frozenset({"fused_qkv", "rope_cache", "head_wgrad_deferral", "fsdp_units",
+                            "loss_impl", "softmax_fp32"})
 
 
 def configure(model: str | None, given: dict[str, Any], defaults: dict[str, Any], *,

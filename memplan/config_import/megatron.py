@@ -26,7 +26,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from memplan.arguments import MAX_GPUS
-from memplan.config_import import Imported, megatron_flags, shell
+from memplan.config_import import Imported, megatron_flags, megatron_layout, shell
 from memplan.errors import MemplanError, shown, validation_message
 from memplan.inputs import MODEL_FILE_BYTES, read_text
 from memplan.spec import MAX_LAYERS, ModelSpec
@@ -51,7 +51,7 @@ OTHER_MODELS = {"pretrain_bert.py": "BERT (an encoder)", "pretrain_t5.py": "T5 (
 # learning rate, seeds and tokenizer files (--vocab-size and --tokenizer-type are read). Any
 # other flag memplan does not read is listed as not modelled, one that may change memory:
 # fusions switched off (--no-bias-*-fusion, --no-masked-softmax-fusion,
-# --no-gradient-accumulation-fusion), the softmax's dtype, overlapped reductions and
+# --no-gradient-accumulation-fusion), overlapped reductions and
 # Megatron FSDP's --data-parallel-* are among them
 QUIET_PREFIXES = ("--log-", "--lr", "--min-lr", "--save", "--load", "--eval-", "--tensorboard",
                   "--data-path", "--data-cache-path", "--split", "--train-iters",
@@ -269,20 +269,20 @@ class _Reader:
     def _loss_fusion(self) -> None:
         """--cross-entropy-loss-fusion with the native implementation (the only one
         validate_args allows): megatron/core/fusions/fused_cross_entropy.py
-        _VocabParallelCrossEntropy saves what the unfused tensor_parallel/cross_entropy.py
-        saves (the fp32 softmax, the target mask, the target indices) and returns the same
-        compute-dtype gradient (tests/traced/test_megatron_loss.py: forward and saved bytes
-        equal, run eagerly); its steps run compiled (megatron/core/jit.py jit_fuser), whose
-        kernels' buffers are not traced."""
+        _VocabParallelCrossEntropy runs the unfused loss's steps (tensor_parallel/
+        cross_entropy.py) through megatron/core/jit.py jit_fuser, torch.compile from torch
+        2.2: its forward saves and holds the same tensors, and its compiled
+        calculate_gradients makes the target's index_put on an fp32 copy of the softmax
+        (``loss_impl`` megatron-fused; traced: tests/traced/test_megatron_loss.py)."""
         impl = self.str("--cross-entropy-fusion-impl", "native")
         if not self.flag("--cross-entropy-loss-fusion"):
             return
         if impl != "native":
             raise self.refuse("--cross-entropy-fusion-impl", "Transformer Engine's fused "
                                                              "cross-entropy is not modelled")
-        self.imp.notes.append("--cross-entropy-loss-fusion: read as the vocab-parallel loss, "
-                              "which saves the same tensors (fused_cross_entropy.py); its "
-                              "compiled kernels' buffers are not traced")
+        self.imp.set("--cross-entropy-loss-fusion", True, "loss_impl", "megatron-fused",
+                     "fused_cross_entropy.py compiled: the backward's index_put on an fp32 "
+                     "copy of the softmax")
 
     def _vocab(self, tp: int) -> tuple[int, str]:
         """The padded vocabulary (megatron/core/tokenizers/utils/build_tokenizer.py
@@ -424,7 +424,12 @@ class _Reader:
         ep = self.degree("--expert-model-parallel-size", 1)
         # megatron-core ModelParallelConfig.expert_tensor_parallel_size: None is tp
         etp = self.degree("--expert-tensor-parallel-size", None)
-        if etp is not None and etp != tp:
+        if etp is not None and etp != tp and spec.moe is None:
+            # a dense GPTModel builds no expert layers: the expert groups parallel_state.py
+            # initialize_model_parallel makes hold no tensors
+            imp.notes.append(f"--expert-tensor-parallel-size {etp}: no effect on a dense model "
+                             "(Megatron builds no expert layers to split)")
+        elif etp is not None and etp != tp:
             imp.set("--expert-tensor-parallel-size", etp, "etp", etp,
                     f"the routed experts split by {etp}, the rest by tp {tp}")
         for flag, value, target in (("--tensor-model-parallel-size", tp, "tp"),
@@ -438,6 +443,7 @@ class _Reader:
         sp = self.flag("--sequence-parallel") and tp > 1
         imp.set("--sequence-parallel", self.args.get("--sequence-parallel", False),
                 "sequence_parallel", sp)
+        self._pipeline_layout(spec.num_layers, pp)
         self._virtual(spec.num_layers, pp)
         self._uneven(spec.num_layers, pp)
         self._account(spec.num_layers, pp)
@@ -473,6 +479,32 @@ class _Reader:
                                     f"({self.gpus} GPUs / tp*pp*cp {model_parallel})")
         self.imp.set(flag, instances, "dp_shard", dp // instances,
                      f"optimizer states sharded over dp {dp} / {instances} instances")
+
+    def _pipeline_layout(self, layers: int, pp: int) -> None:
+        """--pipeline-model-parallel-layout: the virtual stages and their decoder layers
+        (``memplan.config_import.megatron_layout``); Megatron takes no other split flag with
+        it (validate_args; TransformerConfig.__post_init__ raises for the first/last stage
+        layers and the account-for flags)."""
+        flag = "--pipeline-model-parallel-layout"
+        text = self.str(flag, None)
+        if text is None:
+            return
+        others = ("--num-layers-per-virtual-pipeline-stage",
+                  "--num-virtual-stages-per-pipeline-rank",
+                  "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+                  "--account-for-embedding-in-pipeline-split",
+                  "--account-for-loss-in-pipeline-split")
+        given = [f for f in others if self.has(f)]
+        if given:
+            raise self.refuse(flag, f"Megatron takes it with no other split flag ({given[0]})")
+        try:
+            vpp, split = megatron_layout.stage_split(text, pp, layers)
+        except ValueError as err:
+            raise self.refuse(flag, str(err)) from None
+        if vpp > 1:
+            self.imp.set(flag, text, "vpp", vpp, f"{len(split)} stages / pp {pp}")
+        self.imp.set(flag, text, "stage_layers", ",".join(map(str, split)),
+                     "decoder layers (t) of each stage")
 
     def _virtual(self, layers: int, pp: int) -> None:
         """arguments.py validate_args: num_layers_per_pipeline_stage //
@@ -585,6 +617,32 @@ class _Reader:
         if impl == "local":
             imp.notes.append("--transformer-impl local: Megatron's own (non-TE) layers; "
                              "memplan's megatron preset (fused norms) stands for them")
+        self._softmax_fp32(impl == "local", spec, mbs, seq)
+
+    def _softmax_fp32(self, local: bool, spec: ModelSpec, mbs: int, seq: int) -> None:
+        """--attention-softmax-in-fp32 is read only by Megatron's own core attention
+        (megatron/core/transformer/dot_product_attention.py, --transformer-impl local: its
+        FusedScaleMaskSoftmax); Transformer Engine's attention, unfused too, keeps its own
+        softmax (transformer_engine/pytorch/attention/dot_product_attention/softmax.py).
+        Megatron's fused kernel, where it runs, takes and saves 16-bit scores whatever the
+        flag; its PyTorch fallback (fused_softmax.py forward_torch_softmax) upcasts, saves
+        the fp32 softmax and casts it back: memplan's ``softmax_fp32``."""
+        flag = "--attention-softmax-in-fp32"
+        if not self.flag(flag):
+            return
+        low = self.imp.inputs.get("precision") in ("bf16-fp32-grads", "bf16-mixed",
+                                                   "fp16-mixed")
+        if not local or not low or self.imp.inputs.get("attention") != "eager":
+            self.imp.notes.append(f"{flag}: no effect here (read only by Megatron's own "
+                                  "attention with 16-bit scores, dot_product_attention.py)")
+            return
+        heads = spec.num_attention_heads // self.imp.inputs.get("tp", 1)
+        if not self.flag("--no-masked-softmax-fusion") and _fused_softmax(mbs, heads, seq):
+            self.imp.notes.append(f"{flag}: no effect here (Megatron's fused softmax kernel "
+                                  "runs: fused_softmax.py is_kernel_available)")
+            return
+        self.imp.set(flag, True, "softmax_fp32", True, "the PyTorch softmax fallback in fp32 "
+                     "(fused_softmax.py forward_torch_softmax)")
 
     def _recompute(self) -> None:
         """--recompute-activations is selective (validate_args); full needs a method:
@@ -640,6 +698,20 @@ class _Reader:
                     "fp16 weights and gradients, fp32 master and optimizer states")
         else:
             imp.set("(no --bf16 / --fp16)", None, "precision", "fp32")
+
+
+def _fused_softmax(b: int, heads: int, seq: int) -> bool:
+    """Whether Megatron's causal fused softmax kernel runs on [b, heads, seq, seq] scores
+    (megatron/core/fusions/fused_softmax.py FusedScaleMaskSoftmax.is_kernel_available: 16 <
+    sk <= 4096, sq and sk multiples of 4, b * heads a multiple of 4 and of the kernel's
+    batches per block: 128 threads over warps of min(32, sk's next power of two), two
+    batches per warp up to 128 keys; the same formula as Transformer Engine's
+    FusedScaleMaskSoftmax.get_batch_per_block)."""
+    if not (16 < seq <= 4096 and seq % 4 == 0 and (b * heads) % 4 == 0):
+        return False
+    pow2 = 1 << (seq - 1).bit_length()
+    per_block = (128 // min(pow2, 32)) * (2 if pow2 <= 128 else 1)
+    return (b * heads) % per_block == 0
 
 
 def _pattern(text: str) -> list[int] | None:

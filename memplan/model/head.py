@@ -144,9 +144,23 @@ def _titan_parallel_loss(spec: ModelSpec, wl: Workload, dm: Dims) -> bool:
 
 
 def _megatron_loss(wl: Workload) -> bool:
-    """Megatron-LM's in-place vocab-parallel cross-entropy (``LossImpl.MEGATRON``); a chunked
-    loss is PyTorch's whatever the framework."""
-    return wl.loss_impl is LossImpl.MEGATRON and wl.loss_chunks == 1
+    """Megatron-LM's in-place vocab-parallel cross-entropy (``LossImpl.MEGATRON``, or its
+    fused form ``MEGATRON_FUSED``); a chunked loss is PyTorch's whatever the framework."""
+    return (wl.loss_impl in (LossImpl.MEGATRON, LossImpl.MEGATRON_FUSED)
+            and wl.loss_chunks == 1)
+
+
+def _fused_gradient_copy(wl: Workload, dm: Dims) -> int:
+    """The fp32 copy of the saved softmax that the compiled ``calculate_gradients`` of
+    megatron/core/fusions/fused_cross_entropy.py (``LossImpl.MEGATRON_FUSED``) works on:
+    torch.compile functionalizes ``grad_2d[arange_1d, masked_target_1d] -= softmax_update``
+    into an out-of-place index_put on a fresh buffer, multiplies it by the loss's gradient
+    into the compute-dtype result and writes it back into the softmax (its mutated input);
+    the copy lives until the call returns, beside the softmax and the result (traced:
+    tests/traced/test_megatron_loss.py, Inductor on CPU, the allocator's own events)."""
+    if wl.loss_impl is not LossImpl.MEGATRON_FUSED or wl.loss_chunks > 1:
+        return 0
+    return dm.tokens * dm.vocab_shard * FP32_BYTES
 
 
 def step_held_bytes(wl: Workload, dm: Dims) -> int:
@@ -237,8 +251,8 @@ def loss_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims, vocab_grad_byte
     chunk, chunks = loss_chunk_tokens(wl, dm)
     if _megatron_loss(wl):
         # the gradient is the softmax buffer updated in place; its cast to the compute dtype
-        # is made while that fp32 buffer still exists
-        return dm.tokens * dm.vocab_shard * dm.e
+        # is made while that fp32 buffer still exists (compiled: beside a copy of it)
+        return dm.tokens * dm.vocab_shard * dm.e + _fused_gradient_copy(wl, dm)
     if wl.loss_chunks == 1:
         logits = dm.tokens * dm.vocab_shard * logit_bytes(wl, dm)
         if 0 < wl.loss_split < dm.tokens:

@@ -140,3 +140,78 @@ def test_fused_cross_entropy_keeps_what_the_unfused_keeps(megatron_group, b: int
     (f0, s0, b0, g0), (f1, s1, b1, g1) = runs["unfused"], runs["fused"]
     assert (f1, s1, g1) == (f0, s0, g0) == (f0, s0, torch.bfloat16)
     assert 0 <= b1 - b0 <= 4 * b * s * 8
+
+
+def _allocator_bytes(run) -> tuple[int, int, int]:
+    """(forward peak, bytes at the backward's start, backward peak) of ``run(mark)``, each
+    over the bytes alive before it, from the CPU allocator's own events (torch.profiler with
+    profile_memory): they include the buffers compiled kernels allocate, which a dispatch
+    mode such as the exact tracker does not see. ``run`` calls ``mark()`` between its forward
+    and its backward."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    def marked():
+        with record_function("memplan.backward"):
+            pass
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run(marked)
+    events = prof.profiler.kineto_results.events()
+    mark = next(e.start_ns() for e in events if e.name() == "memplan.backward")
+    alive = forward = backward = start = 0
+    for event in sorted((e for e in events if e.name() == "[memory]"),
+                        key=lambda e: e.start_ns()):
+        if event.start_ns() >= mark and not start:
+            start = alive
+        alive += event.nbytes()
+        if event.start_ns() < mark:
+            forward = max(forward, alive)
+        else:
+            backward = max(backward, alive)
+    return forward, start, backward
+
+
+def test_compiled_fused_cross_entropy_backward_copies_the_softmax(megatron_group) -> None:
+    """--cross-entropy-loss-fusion as Megatron-LM runs it: fused_cross_entropy.py's steps
+    compiled by jit_fuser (torch.compile, Inductor; here on CPU) on bf16 logits [s, b, V] of
+    s 64, b 2, V 1024 (T 128 tokens). The forward peaks as the unfused loss's (T * V * (2 +
+    4): the bf16 logits and the fp32 softmax). In backward the compiled calculate_gradients
+    makes the target's index_put on an fp32 copy of the saved softmax and writes the product
+    back into it: beyond the logits and the softmax alive at its start, the bf16 gradient T *
+    V * 2 and that copy T * V * 4 (memplan's loss backward term for loss_impl megatron-fused),
+    with per-token operands at most. (Run eagerly, the backward holds the bf16 gradient alone:
+    test_fused_cross_entropy_keeps_what_the_unfused_keeps.)"""
+    import importlib
+
+    import megatron.core.fusions.fused_cross_entropy as fused_module
+    from megatron.core import parallel_state
+
+    import memplan.api
+
+    fused_module = importlib.reload(fused_module)  # jit_fuser as Megatron sets it: compiled
+    group = parallel_state.get_tensor_model_parallel_group()
+    s, b, vocab = 64, 2, 1024
+    tokens = s * b
+
+    def step(mark) -> None:
+        logits = torch.randn(s, b, vocab, dtype=torch.bfloat16, requires_grad=True)
+        target = torch.randint(0, vocab, (s, b))
+        loss = fused_module.fused_vocab_parallel_cross_entropy(logits, target, group).sum()
+        mark()
+        loss.backward()
+
+    step(lambda: None)  # compiles the four functions
+    forward, start, backward = _allocator_bytes(step)
+    spec = load_model("tiny").model_copy(update={"vocab_size": vocab})
+    wl = memplan.api.make_workload(spec, framework="megatron", loss_impl="megatron-fused",
+                                   micro_batch_size=b, seq_len=s,
+                                   precision="bf16-fp32-grads")
+    dm = Dims.of(spec, make_layout(1), wl)
+    # per-token tensors: the int64 targets, the shard's target indices, the mask, the max,
+    # the predicted logits with the sum of exponentials, the losses: under 8 x 8 B a token
+    per_token = 8 * tokens * 8
+    assert 0 <= forward - tokens * vocab * (2 + 4) <= per_token
+    assert 0 <= start - tokens * vocab * (2 + 4) <= per_token  # the logits, the softmax
+    extra = loss_backward_bytes(spec, wl, dm, 0)
+    assert extra == tokens * vocab * (2 + 4)
+    assert 0 <= backward - start - extra <= per_token

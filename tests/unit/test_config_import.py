@@ -569,13 +569,98 @@ def test_megatron_mla_qk_layernorm_is_the_latent_norms() -> None:
     assert any("latent norms" in n for n in without.notes)
 
 
-def test_megatron_fused_cross_entropy_is_the_vocab_parallel_loss() -> None:
-    """The native fused loss keeps what the unfused one keeps (traced in
-    tests/traced/test_megatron_loss.py): the same inputs as without the flag, and a note."""
+def test_megatron_fused_cross_entropy_is_the_compiled_vocab_parallel_loss() -> None:
+    """The native fused loss (fused_cross_entropy.py, compiled by jit_fuser) is read as
+    loss_impl megatron-fused, everything else as without the flag; TE's fused loss refused."""
     fused = megatron.read(_BASE + "--cross-entropy-loss-fusion", 8)
     plain = megatron.read(_BASE, 8)
-    assert fused.inputs == plain.inputs and fused.model == plain.model
-    assert any(n.startswith("--cross-entropy-loss-fusion") for n in fused.notes)
+    assert fused.inputs == {**plain.inputs, "loss_impl": "megatron-fused"}
+    assert fused.model == plain.model
+    with pytest.raises(MemplanError, match="Transformer Engine's fused cross-entropy"):
+        megatron.read(_BASE + "--cross-entropy-loss-fusion --cross-entropy-fusion-impl te", 8)
+
+
+def test_megatron_expert_tensor_parallel_on_a_dense_model_is_a_note() -> None:
+    """Megatron takes --expert-tensor-parallel-size on a dense model (its expert groups hold
+    no tensors): read with a note, no etp set, the same inputs as without it; on an MoE model
+    it is the experts' split (etp 1 under tp 2)."""
+    dense = megatron.read(_BASE + "--tensor-model-parallel-size 2 "
+                                  "--expert-tensor-parallel-size 4", 8)
+    plain = megatron.read(_BASE + "--tensor-model-parallel-size 2", 8)
+    assert dense.inputs == plain.inputs and "etp" not in dense.inputs
+    assert any(n.startswith("--expert-tensor-parallel-size 4: no effect") for n in dense.notes)
+    moe = megatron.read(_BASE + "--tensor-model-parallel-size 2 --num-experts 4 "
+                                "--expert-model-parallel-size 4 "
+                                "--expert-tensor-parallel-size 1", 8)
+    assert moe.inputs["etp"] == 1
+
+
+def test_megatron_pipeline_layout_is_the_split() -> None:
+    """--pipeline-model-parallel-layout as Megatron's parse_str_to_list reads it: "Et*3|(tt|)*
+    6L" unrolls to Ettt|tt|tt|tt|tt|tt|tt|L, 8 stages over pp 2: vpp 4, decoder layers
+    3,2,2,2,2,2,2,0 (15 = --num-layers); "Et,t|ttL" (a cosmetic comma) at pp 2 is vpp 1,
+    3 and 2 layers."""
+    base = _BASE.replace("--num-layers 4", "--num-layers 15") + \
+        "--pipeline-model-parallel-size 2 "
+    imp = megatron.read(base + "--pipeline-model-parallel-layout 'Et*3|(tt|)*6L'", 8)
+    assert imp.inputs["vpp"] == 4 and imp.inputs["stage_layers"] == "3,2,2,2,2,2,2,0"
+    five = _BASE.replace("--num-layers 4", "--num-layers 5") + \
+        "--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et,tt|ttL"
+    imp = megatron.read(five, 8)
+    assert "vpp" not in imp.inputs and imp.inputs["stage_layers"] == "3,2"
+
+
+@pytest.mark.parametrize(("layout", "extra", "why"), [
+    ("Et*3|(tt|)*5|L", "", "has 13 decoder layers"),  # 3 + 10, an empty stage
+    ("Ettt|(tt|)*6", "", "the loss \\(L\\) last"),
+    ("Et*3|(tt|)*5ttL", "", "has 7 stages, which pp \\(2\\) does not divide"),
+    ("Et*3|(tt|)*6xL", "", "has 'x'"),
+    ("E(t)*99999999|L", "", "unrolls to more than"),
+    ("Et*3|(tt|)*6L", "--num-virtual-stages-per-pipeline-rank 4",
+     "no other split flag \\(--num-virtual-stages-per-pipeline-rank\\)"),
+])
+def test_megatron_pipeline_layout_refusals(layout: str, extra: str, why: str) -> None:
+    """Megatron's own checks (PipelineParallelLayerLayout.__init__, validate_layer_layout,
+    validate_args) said for the layout; an unrolling past any layout of MAX_LAYERS layers is
+    refused before it is built."""
+    base = _BASE.replace("--num-layers 4", "--num-layers 15") + \
+        f"--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout '{layout}' {extra}"
+    with pytest.raises(MemplanError, match=f"--pipeline-model-parallel-layout = .*{why}"):
+        megatron.read(base, 8)
+
+
+def test_megatron_softmax_in_fp32_where_megatron_reads_it() -> None:
+    """--attention-softmax-in-fp32 is read by Megatron's own attention only (--transformer-
+    impl local), and only changes the bytes where its fused causal softmax kernel does not
+    run. _BASE: 4 heads, seq 512, mbs 1. Transformer Engine's attention: a note. Local at
+    seq 512: b * heads = 4, 512 keys (next power of two 512: warps of 32, 128 / 32 = 4 warps
+    of 1 batch) -> 4 batches per block, 4 % 4 == 0: the kernel runs, a note. Local at seq
+    8192 (past the kernel's 4096 keys), or with --no-masked-softmax-fusion: softmax_fp32."""
+    base = _BASE + "--bf16 --attention-softmax-in-fp32 --attention-backend unfused "
+    te = megatron.read(base, 8)
+    assert "softmax_fp32" not in te.inputs
+    assert any(n.startswith("--attention-softmax-in-fp32: no effect here (read only")
+               for n in te.notes)
+    local = megatron.read(base + "--transformer-impl local", 8)
+    assert "softmax_fp32" not in local.inputs
+    assert any("fused softmax kernel runs" in n for n in local.notes)
+    long = megatron.read(base.replace("512", "8192") + "--transformer-impl local", 8)
+    unfused = megatron.read(base + "--transformer-impl local --no-masked-softmax-fusion", 8)
+    assert long.inputs["softmax_fp32"] is True and unfused.inputs["softmax_fp32"] is True
+
+
+@pytest.mark.parametrize(("b", "heads", "seq", "runs"), [
+    (1, 4, 1024, True),   # 4 batches per block (1024 keys: 4 warps of 32, 1 batch each)
+    (1, 2, 1024, False),  # b * heads = 2, not a multiple of 4
+    (1, 4, 64, False),    # 64 keys: 4 warps x 2 batches = 8 per block; 4 % 8 != 0
+    (2, 4, 64, True),     # 8 % 8 == 0
+    (1, 4, 16, False),    # the kernel takes 16 < sk
+    (1, 4, 4100, False),  # ... <= 4096
+])
+def test_megatron_fused_softmax_availability(b: int, heads: int, seq: int, runs: bool) -> None:
+    """fused_softmax.py is_kernel_available for causal scores, by hand."""
+    from memplan.config_import.megatron import _fused_softmax
+    assert _fused_softmax(b, heads, seq) is runs
 
 
 def test_megatron_router_dtype_fp32() -> None:

@@ -79,14 +79,35 @@ def test_etp_rules(model: str, layout: dict, rule: str) -> None:
     assert err.value.rule == rule
 
 
-def test_shard_group_with_etp_names_etp() -> None:
-    """A shard group smaller than dp with the experts split by etp (ep 1) is refused under the
-    ep rule, its message naming etp, not "ep (1) > 1"."""
+def test_expert_states_shard_within_a_replica() -> None:
+    """Megatron-LM's --num-distributed-optimizer-instances 2 (memplan's dp_shard dp / 2) with
+    ep 2 at tp 4 on 16 GPUs (dp 4): dense states shard over dp / 2 = 2 ranks, expert states
+    over the expert-data-parallel group dp / ep = 2 over the 2 instances = 1 (parallel_state.py
+    intra_partial_expert_data_parallel_size). Per rank the experts are 1,409,286,144 / (2 * 4)
+    x 32 = 5,637,144,576 parameters, the dense 402,395,136; at 12 B of fp32 master and Adam
+    states each, one instance holds 12 x (402,395,136 / 4 + 5,637,144,576 / 2) =
+    35,030,052,864 B less than two."""
+    one, two = _mixtral(ep=2), _mixtral(ep=2, dp_shard=2)
+    assert ParallelConfig(tp=4, dp=4, ep=2, zero=1, dp_shard=2).expert_shard_degree == 1
+    assert ParallelConfig(tp=4, dp=4, ep=2, zero=1).expert_shard_degree == 2
+    dense, experts = DENSE_PER_LAYER_TP4 * 32 + EMBED_HEAD_TP4, EXPERTS_PER_LAYER // 8 * 32
+    assert (dense, experts) == (402_395_136, 5_637_144_576)
+    assert (two.stages[0].optimizer_bytes - one.stages[0].optimizer_bytes
+            == 12 * (dense // 4 + experts // 2) == 35_030_052_864)
+
+
+def test_replicas_must_divide_the_expert_data_parallel_group() -> None:
+    """ep 4 at dp 4 leaves an expert-data-parallel group of 1 rank: 2 replicas (dp_shard 2)
+    cannot split it (Megatron-LM asserts the same); with etp 2 the group is tp * dp / (ep *
+    etp) = 2 ranks and the message names that form."""
     with pytest.raises(LayoutError) as err:
-        memplan.estimate("mixtral-8x7b", gpus=16, tp=4, seq_len=4096, zero=3, dp_shard=2,
-                         etp=2)
-    assert err.value.rule == "dp_shard with ep > 1 is not modelled"
-    assert str(err.value).startswith("dp_shard (2) < dp (4) with etp (2): ")
+        memplan.estimate("mixtral-8x7b", gpus=16, tp=4, seq_len=4096, zero=1, dp_shard=2,
+                         ep=4)
+    assert err.value.rule == "the replicas must divide the expert-data-parallel group"
+    assert "(1 ranks: dp*cp/ep)" in str(err.value)
+    est = memplan.estimate("mixtral-8x7b", gpus=16, tp=4, seq_len=4096, zero=3, dp_shard=2,
+                           etp=2)
+    assert est.peak_bytes > 0
 
 
 def test_expert_rule_on_degrees() -> None:

@@ -192,6 +192,32 @@ def test_megatron_cross_entropy_terms_by_hand() -> None:
     assert megatron.workload.loss_impl.value == "megatron"
 
 
+def test_megatron_fused_cross_entropy_backward_by_hand() -> None:
+    """--cross-entropy-loss-fusion compiled (loss_impl megatron-fused) on tiny (V 128) at b 2,
+    s 128, T 256: the same saved fp32 softmax T * V * 4 and forward (bf16 logits T * V * 2)
+    as the unfused loss; its backward holds the bf16 gradient T * V * 2 and the fp32 copy of
+    the softmax the functionalized index_put writes into, T * V * 4: 196,608 B."""
+    from memplan.model.dims import Dims
+    from memplan.model.head import forward_extra_bytes, head_terms, loss_backward_bytes
+
+    spec = load_model("tiny")
+    wl = memplan.api.make_workload(spec, seq_len=128, micro_batch_size=2,
+                                   loss_impl="megatron-fused")
+    dm = Dims.of(spec, memplan.api.make_layout(1), wl)
+    terms = {t.name: t.size_bytes for t in head_terms(spec, wl, dm)}
+    assert terms["loss.softmax"] == T * V * 4 == 131_072
+    assert forward_extra_bytes(spec, wl, dm) == T * V * 2
+    assert loss_backward_bytes(spec, wl, dm, 0) == T * V * (2 + 4) == 196_608
+    # a chunked loss is PyTorch's whichever the implementation: no copy
+    chunked = memplan.api.make_workload(spec, seq_len=128, micro_batch_size=2,
+                                        loss_impl="megatron-fused", loss_chunks=2)
+    generic = memplan.api.make_workload(spec, seq_len=128, micro_batch_size=2, loss_chunks=2)
+    assert (loss_backward_bytes(spec, chunked, Dims.of(spec, memplan.api.make_layout(1),
+                                                       chunked), 0)
+            == loss_backward_bytes(spec, generic, Dims.of(spec, memplan.api.make_layout(1),
+                                                          generic), 0))
+
+
 def test_torchtitan_per_op_sac_by_hand() -> None:
     """Llama-3-8B at b 2, s 8192 (T 16,384 tokens, bf16) under torchtitan's per-op SAC, one
     layer: its input T*h*2, then of the matmuls wqkv, wo, w1, w3, w2 (fused q/k/v) the 1st,
