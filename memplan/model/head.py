@@ -16,6 +16,7 @@ from memplan.model.block import BackwardMoment, Moment
 from memplan.model.linear import Linear, Split, weight_casts
 from memplan.model.dims import FP32_BYTES, INDEX_BYTES, MASK_BYTES, Dims, Term, total
 from memplan.model.moments import Event, Segment
+from memplan.model.mtp import depth_terms
 from memplan.model.norm import norm_terms
 from memplan.parallel import vocab_shard
 from memplan.spec import ModelSpec, norm_params
@@ -31,18 +32,29 @@ def _logit_bytes(wl: Workload, dm: Dims) -> int:
 
 def head_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
     """Final norm, the head weight's cast under autocast, log-softmax output of the
-    vocab-parallel loss (unchunked), targets."""
-    loss = [] if wl.loss_chunks > 1 else [
-        Term("loss.softmax" if _megatron_loss(wl) else "loss.log_softmax",
-             dm.tokens * dm.vocab_shard * (FP32_BYTES if _megatron_loss(wl)
-                                           else _logit_bytes(wl, dm)))]
-    if _megatron_loss(wl):  # it also saves the target mask and the shard's target indices
-        loss.append(Term("loss.target_mask", dm.tokens * (MASK_BYTES + INDEX_BYTES)))
+    vocab-parallel loss (unchunked), targets; with multi-token prediction each depth's
+    terms beside its layer (``memplan.model.mtp.depth_terms``), its loss's as the head's."""
+    loss = _loss_terms(wl, dm)
+    mtp = depth_terms(spec, wl, dm, [Term(f"mtp.{t.name}", t.size_bytes) for t in loss]
+                      ) if wl.mtp_layers else []
     # a chunked loss's checkpoints do not keep the head weight's cast (autocast's cache holds
     # it to the forward's end: ``forward_extra_bytes``)
     casts = [] if wl.loss_chunks > 1 else weight_casts("head", _head_weight(spec, dm), dm)
     return [*norm_terms("final_norm", spec, wl, dm), *casts, *softcap_terms(spec, wl, dm),
-            *loss, *batch_terms(wl, dm)]
+            *loss, *batch_terms(wl, dm), *(mtp * wl.mtp_layers)]
+
+
+def _loss_terms(wl: Workload, dm: Dims) -> list[Term]:
+    """The loss's saved terms: the log-softmax output (Megatron-LM's fp32 softmax) of the
+    vocab-parallel loss, none when chunked; Megatron-LM's also saves the target mask and
+    the shard's target indices."""
+    loss = [] if wl.loss_chunks > 1 else [
+        Term("loss.softmax" if _megatron_loss(wl) else "loss.log_softmax",
+             dm.tokens * dm.vocab_shard * (FP32_BYTES if _megatron_loss(wl)
+                                           else _logit_bytes(wl, dm)))]
+    if _megatron_loss(wl):
+        loss.append(Term("loss.target_mask", dm.tokens * (MASK_BYTES + INDEX_BYTES)))
+    return loss
 
 
 def softcap_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
