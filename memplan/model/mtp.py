@@ -20,6 +20,17 @@ view of it), then the vocab-parallel loss per depth (its fp32 softmax saved to t
 the rolled loss mask (saved by the product) and the scaled [b, s] loss (saved by
 ``MTPLossAutoScaler``); the main logits and loss come last, so every depth's loss is alive at
 the main loss's forward and its backward, which runs first.
+
+What memplan does with them: each depth's transformer layer is one more layer of the last
+stage's runs (``memplan.model.stage_parts.build_kinds``), so its saved terms, moments and
+gradients are a decoder layer's; the rest of a depth is parameters of the head
+(``memplan.model.model_states.count_stage_params``) and saved terms the head carries
+(``memplan.model.head.head_terms``), freed at the main loss's backward. Two simplifications,
+each below a moment the walk already has: a depth's own terms (norm inputs, the
+concatenation, the embedding's ids) are freed at the loss's backward rather than at its
+layer's, just after; and the dense gradient of the MTP embedding's weight ([V / t, h] in the
+compute dtype at its backward) is not a moment of its own (the head projection's backward
+holds a logits-sized gradient beside the weight's, larger at every T > h).
 """
 
 from __future__ import annotations
