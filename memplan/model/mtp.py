@@ -25,10 +25,11 @@ What memplan does with them: each depth's transformer layer is one more layer of
 stage's runs (``memplan.model.stage_parts.build_kinds``), so its saved terms, moments and
 gradients are a decoder layer's; the rest of a depth is parameters of the head
 (``memplan.model.model_states.count_stage_params``) and saved terms the head carries
-(``memplan.model.head.head_terms``), freed at the main loss's backward. Two simplifications,
-each below a moment the walk already has: a depth's own terms (norm inputs, the
-concatenation, the embedding's ids) are freed at the loss's backward rather than at its
-layer's, just after; and the dense gradient of the MTP embedding's weight ([V / t, h] in the
+(``memplan.model.head.head_terms``), freed at the main loss's backward. Two simplifications:
+a depth's own terms (norm inputs, the concatenation, the embedding's ids: about 5 x [rows, h]
+in the compute dtype) are freed at the loss's backward rather than at its layer's, so the
+MTP layers' backward moments are low by them (the loss's backward, with every softmax alive,
+is the larger moment); and the dense gradient of the MTP embedding's weight ([V / t, h] in the
 compute dtype at its backward) is not a moment of its own (the head projection's backward
 holds a logits-sized gradient beside the weight's, larger at every T > h).
 """
