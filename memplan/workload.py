@@ -451,6 +451,10 @@ class Workload(BaseModel):
         "(memplan.model.deferred_wgrad; Megatron-LM's --defer-embedding-wgrad-compute, "
         "--wgrad-deferral-limit n); None: computed in each backward"))
     loss_chunk_backward: ChunkBackward = ChunkBackward.RERUN
+    mtp_layers: int = Field(default=0, ge=0, le=MAX_LAYERS, description=(
+        "multi-token prediction depths D on the last pipeline stage (memplan.model.mtp; "
+        "Megatron-LM's --mtp-num-layers): per depth a layer of the decoder's last kind, two "
+        "norms, a 2h -> h projection, a final norm, and the output layer's logits and loss"))
 
     @field_validator("recompute", mode="before")
     @classmethod

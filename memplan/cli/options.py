@@ -164,6 +164,10 @@ FrameworkOpt = Annotated[Optional[Framework], typer.Option(
 LossChunks = Annotated[int, typer.Option(
     "--loss-chunks", help="Run the head and cross-entropy on N chunks of the tokens, each "
     "checkpointed (1: all tokens at once).", rich_help_panel=_KERNELS)]
+MtpLayers = Annotated[int, typer.Option(
+    "--mtp-layers", help="Multi-token prediction depths on the last pipeline stage "
+    "(Megatron-LM's --mtp-num-layers): per depth a layer, norms, a 2h -> h projection and "
+    "its own logits and loss.", rich_help_panel=_WORKLOAD)]
 ScheduleOpt = Annotated[Schedule, typer.Option(
     "--schedule", help="Pipeline schedule (1f1b is interleaved when --vpp > 1).",
     rich_help_panel=_KERNELS)]
@@ -255,6 +259,7 @@ SHARED: dict[str, Shared] = {
     "use_cache": Shared(UseCache, None),
     "grad_sync": Shared(GradSyncOpt, None),
     "loss_chunks": Shared(LossChunks, _WL["loss_chunks"].default),
+    "mtp_layers": Shared(MtpLayers, _WL["mtp_layers"].default),
     "schedule": Shared(ScheduleOpt, Schedule.ONE_F_ONE_B, resolve=False),
     "calibration": Shared(Calibration, None, resolve=False),
 }
@@ -264,7 +269,8 @@ LAYOUT = ("tp", "pp", "vpp", "vpp_group", "dp", "cp", "ep", "etp", "sp", "vocab_
           "grad_buffers", "offload", "zero", "stage_layers", "dp_shard")
 WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "recompute_every",
             "precision", "optimizer", "optimizer_impl", "attention", "norm", "logits_fp32",
-            "loss_chunks", "framework", "keep_grads", "use_cache", "grad_sync")
+            "loss_chunks", "framework", "keep_grads", "use_cache", "grad_sync",
+            "mtp_layers")
 # what a framework's own loop decides, beyond memplan's reference model (which trace and
 # profile run)
 FRAMEWORK_ONLY = ("framework", "keep_grads", "use_cache")

@@ -1,7 +1,7 @@
 """Megatron-LM flags whose memory memplan reads from megatron-core's source beside the
-rest of ``memplan.config_import.megatron``'s reading: multi-token prediction (refused by its
-pieces), Megatron FSDP's sharding strategies (optim refused) and the
-deferred output-layer weight gradient (``Workload.head_wgrad_deferral``). Each takes the
+rest of ``memplan.config_import.megatron``'s reading: multi-token prediction
+(``Workload.mtp_layers``), Megatron FSDP's sharding strategies (no_shard read, the others
+refused) and the deferred output-layer weight gradient (``Workload.head_wgrad_deferral``). Each takes the
 reader of ``memplan.config_import.megatron`` (``r``), whose typed access marks a flag read.
 """
 
@@ -14,27 +14,27 @@ if TYPE_CHECKING:
 
 
 def mtp(r: _Reader) -> None:
-    """--mtp-num-layers D (megatron/core/transformer/multi_token_prediction.py): all D
-    modules on the last pipeline stage (``mtp_on_this_rank`` without a custom layout),
-    each ``MultiTokenPredictionLayer``: enorm, hnorm, eh_proj (column-parallel 2h -> h),
-    a transformer layer of the decoder's spec, a final norm; the stage also builds its own
-    copy of the embedding (models/gpt/gpt_model.py ``GPTModel.__init__``, ``if
-    self.pre_process or self.mtp_process``). ``GPTModel._postprocess`` concatenates the
-    main and the D hidden states (a new (1 + D) x [s, b, h] tensor, whose chunks the output
-    layer saves) and runs the shared output layer and the vocab-parallel loss once per
-    depth, each loss's saved softmax alive until the backward (``MTPLossAutoScaler``
-    keeps each depth's [b, s] loss). memplan's last stage has one head and no layers beyond
-    the decoder's: refused, naming the pieces. --mtp-loss-scaling-factor only scales the
-    losses' gradient (no memory) and is read only with D."""
+    """--mtp-num-layers D as ``Workload.mtp_layers`` (``memplan.model.mtp``, read from
+    megatron/core/transformer/multi_token_prediction.py and models/gpt/gpt_model.py
+    ``GPTModel.__init__`` and ``_postprocess``): all D modules on the last pipeline stage
+    (``mtp_on_this_rank`` without a custom layout), each a transformer layer of the decoder's
+    last layer's spec, enorm/hnorm, a 2h -> h ``eh_proj`` and a final norm, with the stage's
+    copy of the embedding, the concatenated (1 + D) x [s, b, h] hidden states and one set of
+    logits and one loss per depth. A custom --pipeline-model-parallel-layout can place the
+    modules elsewhere: refused with D. --mtp-loss-scaling-factor only scales the losses'
+    gradient (no memory)."""
     depth = r.int("--mtp-num-layers", None)
     r.float("--mtp-loss-scaling-factor", 0.1)  # a scale of the loss: no tensor
-    if depth:
-        raise r.refuse("--mtp-num-layers",
-                       "multi-token prediction is not modelled: on the last stage per depth "
-                       "a transformer layer, enorm/hnorm, a 2h -> h eh_proj, a final norm, "
-                       "the embedding's copy, and the shared output layer's logits and loss "
-                       "saved per depth (megatron/core/transformer/multi_token_prediction.py, "
-                       "models/gpt/gpt_model.py GPTModel._postprocess)")
+    if not depth:
+        return
+    if r.has("--pipeline-model-parallel-layout"):
+        raise r.refuse("--pipeline-model-parallel-layout",
+                       "with --mtp-num-layers a custom layout may place the MTP modules on "
+                       "any stage (multi_token_prediction.py mtp_on_this_rank); memplan puts "
+                       "them on the last stage, as megatron-core does without a layout")
+    r.imp.set("--mtp-num-layers", depth, "mtp_layers", depth,
+              f"{depth} multi-token prediction depth(s) on the last stage: a layer, norms, "
+              "eh_proj, the embedding's copy, and one more set of logits and loss each")
 
 
 # Megatron FSDP's sharding strategies memplan models: the ZeRO stage and what it shards

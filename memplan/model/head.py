@@ -22,6 +22,7 @@ from memplan.model.block import BackwardMoment, Moment
 from memplan.model.linear import Linear, Split, weight_casts
 from memplan.model.dims import FP32_BYTES, INDEX_BYTES, MASK_BYTES, Dims, Term, total
 from memplan.model.moments import Event, Segment
+from memplan.model.mtp import depth_terms
 from memplan.model.norm import norm_terms
 from memplan.parallel import vocab_shard
 from memplan.spec import ModelSpec, norm_params
@@ -37,13 +38,11 @@ def logit_bytes(wl: Workload, dm: Dims) -> int:
 
 def head_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
     """Final norm, the head weight's cast under autocast, log-softmax output of the
-    vocab-parallel loss (unchunked), targets."""
-    loss = [] if wl.loss_chunks > 1 else [
-        Term("loss.softmax" if _megatron_loss(wl) else "loss.log_softmax",
-             dm.tokens * dm.vocab_shard * (FP32_BYTES if _megatron_loss(wl)
-                                           else logit_bytes(wl, dm)))]
-    if _megatron_loss(wl):  # it also saves the target mask and the shard's target indices
-        loss.append(Term("loss.target_mask", dm.tokens * (MASK_BYTES + INDEX_BYTES)))
+    vocab-parallel loss (unchunked), targets; with multi-token prediction each depth's
+    terms beside its layer (``memplan.model.mtp.depth_terms``), its loss's as the head's."""
+    loss = _loss_terms(wl, dm)
+    mtp = depth_terms(spec, wl, dm, [Term(f"mtp.{t.name}", t.size_bytes) for t in loss]
+                      ) if wl.mtp_layers else []
     # a chunked loss's checkpoints do not keep the head weight's cast (autocast's cache holds
     # it to the forward's end: ``forward_extra_bytes``)
     casts = [] if wl.loss_chunks > 1 else weight_casts("head", head_weight(spec, dm), dm)
@@ -53,12 +52,26 @@ def head_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
         # BackProp saves the summed input gradient, ``.to(hidden_states.dtype)``: its bytes
         final_norm = [Term("loss.input_grad", t.size_bytes) if t.name == "final_norm.output"
                       else t for t in final_norm]
-    return [*final_norm, *casts, *softcap_terms(spec, wl, dm), *loss, *batch_terms(wl, dm)]
+    return [*final_norm, *casts, *softcap_terms(spec, wl, dm), *loss, *batch_terms(wl, dm),
+            *(mtp * wl.mtp_layers)]
 
 
 def in_loss(wl: Workload) -> bool:
     """A chunked loss that runs each chunk's backward inside the loss call."""
     return wl.loss_chunks > 1 and wl.loss_chunk_backward is ChunkBackward.IN_LOSS
+
+
+def _loss_terms(wl: Workload, dm: Dims) -> list[Term]:
+    """The loss's saved terms: the log-softmax output (Megatron-LM's fp32 softmax) of the
+    vocab-parallel loss, none when chunked; Megatron-LM's also saves the target mask and
+    the shard's target indices."""
+    loss = [] if wl.loss_chunks > 1 else [
+        Term("loss.softmax" if _megatron_loss(wl) else "loss.log_softmax",
+             dm.tokens * dm.vocab_shard * (FP32_BYTES if _megatron_loss(wl)
+                                           else logit_bytes(wl, dm)))]
+    if _megatron_loss(wl):
+        loss.append(Term("loss.target_mask", dm.tokens * (MASK_BYTES + INDEX_BYTES)))
+    return loss
 
 
 def softcap_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:

@@ -37,8 +37,8 @@ grad_groups = lru_cache(maxsize=1024)(grad_group_params)
 
 @lru_cache(maxsize=4096)
 def stage_params(spec: ModelSpec, t: int, ep: int, pp: int, layers: tuple[int, ...],
-                 first: bool, last: bool, vocab_div: int) -> StageParams:
-    return count_stage_params(spec, t, ep, pp, layers, first, last, vocab_div)
+                 first: bool, last: bool, vocab_div: int, mtp: int = 0) -> StageParams:
+    return count_stage_params(spec, t, ep, pp, layers, first, last, vocab_div, mtp)
 
 
 def canonical(wl: Workload, **fields: object) -> Workload:
@@ -104,7 +104,7 @@ def _all_states(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> tuple[Sta
     for stage in range(par.pp):
         layers = stage_layer_indices(spec, par.pp, par.vpp, stage, par.stage_layers)
         params = stage_params(spec, par.tp, par.experts, par.pp, layers, stage == 0,
-                              stage == par.pp - 1, par.vocab_divisor)
+                              stage == par.pp - 1, par.vocab_divisor, wl.mtp_layers)
         interior = 0 < stage < par.pp - 1
         key = (params, len(layers)) if interior else None
         if key is not None and key in seen:

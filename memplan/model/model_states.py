@@ -18,6 +18,9 @@ from memplan.model.embedding import EmbeddingBlock
 from memplan.model.fsdp_buckets import gathered_units, queued_units
 from memplan.model.head import HeadBlock
 from memplan.model.layer import layer_tensor_shapes
+from memplan.model.mtp import depth_params as mtp_depth_params
+from memplan.model.mtp import depth_tensor_shapes as mtp_depth_tensor_shapes
+from memplan.model.mtp import embedding_copy, mtp_layer_index
 from memplan.model.optimizer import optimizer_policy
 from memplan.model.trainable import ALL, Trained, TrainablePolicy
 from memplan.parallel import ExpertSplit, Offload, ParallelConfig, ZeroStage, vocab_shard
@@ -48,24 +51,31 @@ class StageParams(NamedTuple):
 
 
 def stage_params(spec: ModelSpec, par: ParallelConfig, layers: list[int], *, first: bool,
-                 last: bool) -> StageParams:
-    """Parameters on one TP rank of the stage holding ``layers``."""
+                 last: bool, mtp: int = 0) -> StageParams:
+    """Parameters on one TP rank of the stage holding ``layers`` (and, on the last stage,
+    ``mtp`` multi-token prediction depths)."""
     return count_stage_params(spec, par.tp, par.experts, par.pp, tuple(layers), first, last,
-                              par.vocab_divisor)
+                              par.vocab_divisor, mtp)
 
 
 def count_stage_params(spec: ModelSpec, t: int, ep: int | ExpertSplit, pp: int,
                        layers: tuple[int, ...], first: bool, last: bool,
-                       vocab_div: int) -> StageParams:
+                       vocab_div: int, mtp: int = 0) -> StageParams:
     """``stage_params`` from the layout's degrees: tensor parallelism ``t``, expert
     parallelism ``ep``, ``pp`` pipeline stages, the vocabulary split by ``vocab_div``
-    (``memplan.model.memo.stage_params`` caches it per layout)."""
+    (``memplan.model.memo.stage_params`` caches it per layout). On the last stage ``mtp``
+    depths (``memplan.model.mtp``) add a layer of the decoder's last kind each after the
+    stage's ``layers``, and to the head their norms, projections and embedding copy."""
     counts = param_counts(spec)
     h = spec.hidden_size
     vocab_rows = vocab_shard(spec.vocab_size, vocab_div) * h
+    depths = mtp if last else 0
+    mtp_extra = (depths * mtp_depth_params(spec, t)
+                 + embedding_copy(spec, vocab_rows, counts.position_embedding, pp)
+                 if depths else 0)
     dense = expert = 0
     per_layer = []
-    for i in layers:
+    for i in (*layers, *[mtp_layer_index(spec)] * depths):
         lp = counts.layers[i]
         layer_dense = ceil_div(lp.tp_sharded, t) + lp.replicated
         layer_expert = lp.expert // (ep.ep * ep.etp if isinstance(ep, ExpertSplit)
@@ -75,7 +85,8 @@ def count_stage_params(spec: ModelSpec, t: int, ep: int | ExpertSplit, pp: int,
         per_layer.append(layer_dense + layer_expert)
     embed = vocab_rows + counts.position_embedding if first else 0
     # Tied and p == 1: the head is the embedding itself, already counted.
-    head = counts.final_norm + (vocab_rows if counts.head or pp > 1 else 0) if last else 0
+    head = (counts.final_norm + (vocab_rows if counts.head or pp > 1 else 0)
+            + mtp_extra) if last else 0
     dense += embed + head
     shapes: list[tuple[int, ...]] = []
     if first:
@@ -85,11 +96,19 @@ def count_stage_params(spec: ModelSpec, t: int, ep: int | ExpertSplit, pp: int,
              for moe in {spec.is_moe_layer(i) for i in layers}}
     for i in layers:
         shapes += kinds[spec.is_moe_layer(i)]
+    if depths:
+        shapes += layer_tensor_shapes(spec, t, ep, spec.is_moe_layer(mtp_layer_index(spec))
+                                      ) * depths
     before_head = len(shapes)
     if last:
         shapes += HeadBlock().tensor_shapes(spec, vocab_div, 1)
         # tied under pipeline parallelism the last stage holds its own copy of the embedding
         shapes += [(vocab_rows // h, h)] if spec.tied_embeddings and pp > 1 else []
+        shapes += mtp_depth_tensor_shapes(spec, t) * depths
+        if depths:  # MTP's embedding under PP: its word table (tied: held above), positions
+            copy = [embedding_copy(spec, vocab_rows, 0, pp),
+                    embedding_copy(spec, 0, counts.position_embedding, pp)]
+            shapes += [(n // h, h) for n in copy if n]
     sizes = [math.prod(shape) for shape in shapes]
     return StageParams(dense=dense, expert=expert, layers=tuple(per_layer), embedding=embed,
                        head=head, tensor_sizes=tuple(sizes), tensor_shapes=tuple(shapes),

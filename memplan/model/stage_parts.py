@@ -23,6 +23,7 @@ from memplan.model.model_states import (
 )
 from memplan.model.attention import rope_buffer_bytes, windowed
 from memplan.model.moments import Event, Segment, peak_of
+from memplan.model.mtp import mtp_layer_index, mtp_recompute
 from memplan.model.pipeline import stage_layers
 from memplan.model.sharding import DataParallel, data_parallel
 from memplan.model.walk import first_positions, runs_of
@@ -131,6 +132,14 @@ def build_kinds(spec: ModelSpec, wl: Workload, pp: int, vpp: int, stage: int,
                 split: tuple[int, ...] | None = None) -> StageKinds:
     chunk_layers = chunk_layer_indices(spec, pp, vpp, stage, split)
     keys = layer_keys(spec, wl, [i for chunk in chunk_layers for i in chunk])
+    if wl.mtp_layers and stage == pp - 1:
+        # multi-token prediction's layers follow the last chunk's (``memplan.model.mtp``)
+        key = layer_keys(spec, wl.model_copy(update={"recompute": mtp_recompute(wl),
+                                                     "recompute_layers": None,
+                                                     "recompute_every": None}),
+                         [mtp_layer_index(spec)])[0]
+        keys += [key] * wl.mtp_layers
+        chunk_layers = (*chunk_layers[:-1], (*chunk_layers[-1], *[-1] * wl.mtp_layers))
     positions = first_positions(keys)
     counts = Counter(keys) if len(positions) > 1 else {keys[0]: len(keys)}
     ends = [0, *accumulate(len(chunk) for chunk in chunk_layers)]

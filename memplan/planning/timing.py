@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from memplan.hardware import GpuSpec
 from memplan.model.flops import head_flops_per_token, layer_flops
+from memplan.model.mtp import mtp_flops_per_token, mtp_layer_index
 from memplan.model.optimizer import optimizer_policy
 from memplan.model.pipeline import stage_layers
 from memplan.model.sac import recomputed
@@ -135,7 +136,8 @@ def stage_balance(spec: ModelSpec, wl: Workload, pp: int, vpp: int = 1,
                  if wl.recompute_layers is None and wl.recompute_every is None else
                  set(recomputed_layers(spec.num_layers, wl.recompute_layers, pp, vpp, split,
                                        wl.recompute_every)))
-    head = head_flops_per_token(spec) * (4 if wl.loss_chunks > 1 else 3)
+    head = (head_flops_per_token(spec) * (4 if wl.loss_chunks > 1 else 3)
+            + 3 * _mtp_flops(spec, wl))
     ranks = []
     for stage in range(pp):
         layers = [i for chunk in stage_layers(spec.num_layers, par, stage) for i in chunk]
@@ -151,7 +153,7 @@ def step_flops(spec: ModelSpec, wl: Workload, global_batch: int, *, pp: int,
     tokens = global_batch * wl.seq_len
     matmul, attention, _ = forward_flops_per_token(spec, wl.seq_len)
     forward = matmul + attention
-    model = 3.0 * forward * tokens
+    model = 3.0 * (forward + _mtp_flops(spec, wl)) * tokens
     head = head_flops_per_token(spec)
     # a chunked loss reruns each chunk's head projection in its backward
     extra = head * tokens if wl.loss_chunks > 1 else 0.0
@@ -174,6 +176,16 @@ def step_flops(spec: ModelSpec, wl: Workload, global_batch: int, *, pp: int,
     elif wl.recompute is Recompute.SELECTIVE:
         extra += attention * tokens
     return model, model + extra
+
+
+def _mtp_flops(spec: ModelSpec, wl: Workload) -> float:
+    """Forward FLOPs per token of the multi-token prediction depths on the last stage
+    (``memplan.model.mtp.mtp_flops_per_token``: a layer of the decoder's last kind, the
+    output layer, ``eh_proj`` and three norms each; their recompute is not counted)."""
+    if not wl.mtp_layers:
+        return 0.0
+    layer = layer_forward_flops(spec, wl.seq_len)[mtp_layer_index(spec)]
+    return wl.mtp_layers * mtp_flops_per_token(spec, layer, head_flops_per_token(spec))
 
 
 def _sac_rerun_flops(spec: ModelSpec, wl: Workload) -> float:

@@ -203,6 +203,9 @@ def trace(spec: ModelSpec, par: ParallelConfig, wl: Workload, *, steps: int = 2,
     if spec.moe is not None and fake:
         raise MemplanError("trace: MoE routing depends on the data, which fake tensors do not "
                            "have; trace a small MoE with --real")
+    if wl.mtp_layers:  # megatron-core's own MTP is traced (tests/traced/test_megatron_mtp.py)
+        raise MemplanError(f"trace: mtp_layers ({wl.mtp_layers}): the reference model has no "
+                           "multi-token prediction")
     mode = _fake_mode() if fake else contextlib.nullcontext()
     with mode:
         torch.manual_seed(0)

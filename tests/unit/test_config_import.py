@@ -107,7 +107,8 @@ def test_megatron_deepseek_v3_shape() -> None:
 
 @pytest.mark.parametrize(("extra", "flag"), [
     ("--fp8-format hybrid", "--fp8-format"),
-    ("--mtp-num-layers 1", "--mtp-num-layers"),
+    ("--mtp-num-layers 1 --pipeline-model-parallel-layout Et*2L",
+     "--pipeline-model-parallel-layout"),
     ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 2",
      "--recompute-granularity/method/num-layers"),
     ("--num-experts 8 --moe-layer-freq '([1]*2+[0]*2)'", "--moe-layer-freq"),

@@ -204,17 +204,14 @@ def test_megatron_fsdp_refused_by_strategy(extra: str, flag: str) -> None:
     assert flag in str(err.value) and "\n" not in str(err.value)
 
 
-def test_megatron_mtp_args_file_is_refused_by_its_pieces() -> None:
-    """--mtp-num-layers 1 (a functional-test style config): the module's layer, norms,
-    projection, embedding copy and per-depth logits and loss on the last stage are not
-    modelled, so the run is refused in one line naming the flag and the pieces, never read
-    as holding nothing."""
-    with pytest.raises(MemplanError) as err:
-        megatron.read(str(MEGATRON / "memplan_tp1_pp2_mtp.yaml"), 2)
-    message = str(err.value)
-    assert "--mtp-num-layers = 1" in message and "\n" not in message
-    for piece in ("transformer layer", "eh_proj", "embedding's copy", "logits and loss"):
-        assert piece in message
+def test_megatron_mtp_args_file_maps_to_mtp_layers() -> None:
+    """--mtp-num-layers 1 (a functional-test style config) maps to mtp_layers 1, read (not
+    listed as not modelled), and the run is estimated (pp 2 over 2 GPUs); the bytes are
+    derived in tests/unit/test_mtp.py."""
+    imp = megatron.read(str(MEGATRON / "memplan_tp1_pp2_mtp.yaml"), 2)
+    assert imp.inputs["mtp_layers"] == 1
+    assert not {"--mtp-num-layers", "--mtp-loss-scaling-factor"} & set(imp.unread)
+    memplan.estimate(imp.model, gpus=2, **imp.inputs)
 
 
 def test_megatron_mtp_scaling_factor_alone_holds_nothing() -> None:
