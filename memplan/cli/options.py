@@ -23,7 +23,7 @@ import typer
 from memplan import arguments
 from memplan.hardware import DEFAULT_GPU
 from memplan.model.pipeline import Schedule
-from memplan.parallel import GradBuffers, Offload, ParallelConfig, TpStyle
+from memplan.parallel import GradBuffers, ParallelConfig, TpStyle
 from memplan.workload import (
     DEFAULT_SEQ_LEN,
     Attention,
@@ -96,9 +96,10 @@ TpStyleOpt = Annotated[Optional[TpStyle], typer.Option(
 GradBuffersOpt = Annotated[Optional[GradBuffers], typer.Option(
     "--grad-buffers", help="ZeRO 0/1 data parallel: gradients as views of persistent buffers "
     "(Megatron-LM) or DDP's default copy into buckets.", rich_help_panel=_LAYOUT)]
-OffloadOpt = Annotated[Offload, typer.Option(
-    "--offload", help="optimizer: fp32 master weights, states and the step in host memory "
-    "(ZeRO-Offload; needs --zero 1-3).", rich_help_panel=_LAYOUT)]
+OffloadOpt = Annotated[str, typer.Option(
+    "--offload", help="Comma list of what lives in host memory: optimizer (states and step; "
+    "ZeRO-Offload with --zero 1-3, torchao CPUOffloadOptimizer without), activations "
+    "(save_on_cpu), params (FSDP2 CPUOffloadPolicy, --zero 3).", rich_help_panel=_LAYOUT)]
 Zero = Annotated[ZeroChoice, typer.Option(
     "--zero", help="ZeRO stage: 1 optimizer states, 2 + gradients, 3 (FSDP) + parameters.",
     rich_help_panel=_LAYOUT)]
@@ -232,7 +233,7 @@ SHARED: dict[str, Shared] = {
     "vocab_parallel": Shared(VocabParallel, _PAR["vocab_parallel"].default),
     "tp_style": Shared(TpStyleOpt, None, _value),
     "grad_buffers": Shared(GradBuffersOpt, None, _value),
-    "offload": Shared(OffloadOpt, _PAR["offload"].default, _value),
+    "offload": Shared(OffloadOpt, "none"),
     "zero": Shared(Zero, ZeroChoice.Z0, _zero),
     "mbs": Shared(Mbs, _WL["micro_batch_size"].default),
     "gbs": Shared(Gbs, None),

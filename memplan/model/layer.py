@@ -211,8 +211,12 @@ def layer_cast_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, moe_layer: b
 
 
 def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
-                     recompute: Recompute, sliding: bool = False) -> list[LayerMoment]:
-    """The local peaks of one layer's backward, in backward order (see the module docstring)."""
+                     recompute: Recompute, sliding: bool = False,
+                     host_saved: bool = False) -> list[LayerMoment]:
+    """The local peaks of one layer's backward, in backward order (see the module docstring).
+    ``host_saved``: its saved tensors wait in host memory (``memplan.model.offload``): at a
+    block's moments the blocks before it hold nothing on the GPU, and the block's running
+    node has unpacked a device copy of the weight it saved (its largest)."""
     blocks = layer_blocks(spec, moe_layer, sliding)
     policy = Recompute.NONE if recompute is Recompute.FULL else recompute  # what is rebuilt
     stream = dm.stream(spec.hidden_size)
@@ -245,6 +249,8 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
                     for m in block.rebuild_moments(spec, wl, dm)]
     later: tuple[str, ...] = ()  # the blocks whose backward has run: all their gradients
     for block, before in reversed(list(zip(blocks, prior))):
+        if host_saved:
+            before = max(block.tensor_sizes(spec, dm.tp, 1), default=0) * dm.e
         out += [LayerMoment(m.name, extra + before + m.own_bytes, incoming + m.transient_bytes,
                                later + m.grads, m.fresh_params)
                 for m in block.backward_moments(spec, wl, dm, policy)]

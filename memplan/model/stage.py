@@ -25,17 +25,18 @@ from memplan.model.grad_sync import (
     with_new_grads,
 )
 from memplan.model.head import HeadBlock
-from memplan.model.layer import LayerKind, merge_terms
+from memplan.model.layer import LayerKind, backward_moments, merge_terms
 from memplan.model.pipeline import Schedule
 from memplan.model.stage_parts import LayerKey, StageKinds, StageStates
 from memplan.model.sharding import with_stream
 from memplan.model.stage_terms import StageTerms
 from memplan.model.walk import Walk, backward_peak, forward_peaks
 from memplan.overheads import Overheads
-from memplan.parallel import ParallelConfig, ZeroStage
+from memplan.model.offload import kept_cache_bytes, saved_on_host
+from memplan.parallel import Offload, ParallelConfig, ZeroStage
 from memplan.spec import ModelSpec, param_counts
 from memplan.units import PHASES
-from memplan.workload import Workload
+from memplan.workload import Recompute, Workload
 
 # A layer kind's entry in a walk: its kind, its parameters' gradient bytes, and the gradient
 # bytes of each of its moment groups (``StageTerms.moment_params``).
@@ -161,13 +162,22 @@ def rank_peak_bytes(tensor_peak: int, ovh: Overheads) -> int:
     return tensor_peak + ovh.fixed_bytes + ovh.allocator_bytes(tensor_peak)
 
 
-def _entries(par: ParallelConfig, shared: StageTerms, fx: StageStates,
-             kinds: StageKinds) -> Entries:
+def _entries(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTerms,
+             fx: StageStates, kinds: StageKinds) -> Entries:
     """Each layer kind of the stage with its gradient bytes (``Entries``)."""
     grad_per_param = fx.grad_per_param
     entries: Entries = {}
+    offloaded = Offload.ACTIVATIONS in par.offload
     for key, pos in kinds.positions.items():
         kind = shared.kinds[key]
+        if offloaded:
+            kind = saved_on_host(kind, memo.layer_kind(spec, wl, shared.dm, key[0],
+                                                       Recompute.FULL, *key[2:]),
+                                 backward_moments(spec, wl, shared.dm, moe_layer=key[0],
+                                                  recompute=key[1], sliding=bool(key[2:]),
+                                                  host_saved=True),
+                                 shared.dm.stream(spec.hidden_size),
+                                 kept_cache_bytes(spec, wl, shared.dm, key[1], bool(key[2:])))
         moment_grads = tuple(int(n * grad_per_param)
                              for n in shared.moment_params[key])
         if fx.main_grads and par.zero < ZeroStage.GRADIENTS:
@@ -211,8 +221,12 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
         fx = fx._replace(grad_per_param=float(wl.precision.policy.grad_bytes),
                          dp=unsynced(fx.dp, root_new))
     st = fx.states
+    # rope tables only the decoder layers save: with their saved tensors on the host they are
+    # alive through the forward alone (``memplan.model.offload.saved_on_host``)
+    host_rope = shared.rope_bytes * par.vpp if Offload.ACTIVATIONS in par.offload else 0
+    shared = shared._replace(rope_bytes=0) if host_rope else shared
     flight = memo.in_flight(par.pp, par.vpp, m, stage, schedule, par.vpp_group)
-    entries = _entries(par, shared, fx, kinds)
+    entries = _entries(spec, par, wl, shared, fx, kinds)
     walk, activations, one_mb = _walk(spec, par, shared, fx, kinds, entries, flight)
     if accumulating:
         walk = with_new_grads(walk, ratio, fresh)
@@ -223,7 +237,7 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     # logits a training loop keeps from the loss through backward and the optimizer step into
     # the next forward (from step 2 on), until its loss replaces them
     held = shared.step_held if fx.last else 0
-    forward = _forward(shared, fx, walk)
+    forward = _forward(shared, fx, walk, host_rope)
     base = st.params_bytes + fx.buckets + fx.buffers
 
     def peaks(opt_bytes: int, from_loss: int, earlier: int, steady: bool) -> PhasePeaks:
@@ -289,12 +303,15 @@ def _gradients(wl: Workload, fx: StageStates, walk: Walk, m: int) -> tuple[int, 
     return in_forward, bwd, in_forward, bwd
 
 
-def _forward(shared: StageTerms, fx: StageStates, walk: Walk) -> Callable[[int], int]:
+def _forward(shared: StageTerms, fx: StageStates, walk: Walk,
+             forward_only: int = 0) -> Callable[[int], int]:
     """The forward's activation peak given the bytes a loop holds until the loss
-    (``memplan.model.walk.forward_peaks``)."""
+    (``memplan.model.walk.forward_peaks``); ``forward_only``: inputs alive through the forward
+    but not saved for backward."""
     # The targets exist from the step's start (the ids the loop holds are no input of the
     # graph); the loss scalars from the loss on.
-    inputs = walk.rest_saved - (shared.batch_bytes - shared.targets_bytes if fx.last else 0)
+    inputs = (walk.rest_saved + forward_only
+              - (shared.batch_bytes - shared.targets_bytes if fx.last else 0))
     return forward_peaks(walk.runs, walk.sharding, walk.other_bytes, inputs, walk.head)
 
 

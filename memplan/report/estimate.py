@@ -6,7 +6,7 @@ from typing import Any
 
 from memplan.errors import MemplanError
 from memplan.model.estimate import PHASES, Estimate, PhasePeaks, StageMemory
-from memplan.parallel import virtual_stage_layers
+from memplan.parallel import offload_names, virtual_stage_layers
 from memplan.planning.timing import DEFAULT_MFU, StepTime, estimate_step_time
 from memplan.report.sizes import format_gib, gib
 
@@ -59,7 +59,7 @@ def estimate_json(est: Estimate) -> dict[str, Any]:
         "layout": {"tp": par.tp, "pp": par.pp, "vpp": par.vpp, "dp": par.dp, "cp": par.cp,
                    "ep": par.ep, "zero": int(par.zero), "sp": par.sequence_parallel,
                    "vocab_parallel": par.vocab_parallel, "tp_style": par.tp_style.value,
-                   "grad_buffers": par.grad_buffers.value, "offload": par.offload.value,
+                   "grad_buffers": par.grad_buffers.value, "offload": offload_names(par.offload),
                    "stage_layers": list(virtual_stage_layers(est.spec.num_layers, par)),
                    "dp_shard": par.shard_group, "replicas": par.replicas,
                    # only when given: the experts split by tp otherwise
