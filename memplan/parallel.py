@@ -121,6 +121,13 @@ def offload_rule(par: "ParallelConfig", wl: Workload) -> LayoutError | None:
                                f"offload params with precision {precision}: FSDP2 updates its "
                                "own sharded weights (use fp32, fsdp-bf16 or bf16-pure)")
         return None
+    if Offload.ACTIVATIONS in par.offload and wl.precision.policy.autocast:
+        # traced: the autocast cache's weight casts beside offloaded saved tensors hold more in
+        # forward than the checkpointed layer's working set counts
+        return LayoutError(
+            f"offload activations does not combine with precision {precision}",
+            f"offload activations with precision {precision}: what autocast caches beside the "
+            "offloaded saved tensors is not modelled (use fp32, bf16-pure or bf16-mixed)")
     if host_optimizer(par) and wl.precision.policy.master is not None:
         return LayoutError(
             f"offload optimizer without ZeRO does not combine with precision {precision}",

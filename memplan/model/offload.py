@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from memplan.model.block import BackwardMoment, Block
 from memplan.model.dims import Dims
 from memplan.model.layer import LayerKind, LayerMoment, kv_cache_bytes
 from memplan.model.optimizer import OptimizerPolicy
@@ -124,3 +125,32 @@ def kept_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompu
     if kv_cache_bytes(spec, wl, dm, recompute, sliding):
         return 0
     return 2 * dm.tokens * spec.kv_size // dm.tp * dm.e
+
+
+def unpacked_bytes(spec: ModelSpec, dm: Dims, block: Block, moment: BackwardMoment) -> int:
+    """What the node running at ``block``'s backward ``moment`` has copied back to the GPU
+    when the layer's saved tensors are on the host (``saved_on_host``): a node unpacks the
+    tensors it saved, alive while it runs. A linear's backward reads its input and its weight
+    (``save_on_cpu`` packs parameters too: the copy is a second weight on the GPU, the
+    block's largest): the MLP's output projection reads the product (gated) or the
+    activation; the input projections read the block's input. The gated product's backward
+    reads its two factors. Other moments (norms, the attention core) read what the block
+    still holds at them (``moment.own_bytes``)."""
+    weight = max(block.tensor_sizes(spec, dm.tp, 1), default=0) * dm.e
+    inner = dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
+    if moment.name == "mlp":
+        return inner + weight
+    if moment.name == "mlp_act":
+        return (2 if spec.mlp.gated else 1) * inner
+    if moment.name in ("mlp_in", "attn_in"):
+        return dm.linear_rows * spec.hidden_size * dm.e + weight
+    return moment.own_bytes
+
+
+def host_activation_bytes(saved_bytes: int, weights_bytes: int, in_flight: int) -> int:
+    """Host memory of the decoder layers' saved tensors (``saved_on_host``) on one rank: per
+    micro-batch in flight, what its layers save (``saved_bytes``, each tensor once) and the
+    weights their matmuls save (``weights_bytes``: ``save_on_cpu`` packs parameters too). A
+    lower bound: a tensor that several nodes save (a linear input shared by q, k and v, a
+    norm's input read twice) is packed once per node."""
+    return in_flight * (saved_bytes + weights_bytes)

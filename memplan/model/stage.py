@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple
 
 from memplan.model import memo
@@ -32,7 +33,12 @@ from memplan.model.sharding import with_stream
 from memplan.model.stage_terms import StageTerms
 from memplan.model.walk import Walk, backward_peak, forward_peaks
 from memplan.overheads import Overheads
-from memplan.model.offload import kept_cache_bytes, saved_on_host
+from memplan.model.offload import (
+    host_activation_bytes,
+    kept_cache_bytes,
+    saved_on_host,
+    unpacked_bytes,
+)
 from memplan.parallel import Offload, ParallelConfig, ZeroStage
 from memplan.spec import ModelSpec, param_counts
 from memplan.units import PHASES
@@ -89,6 +95,8 @@ class StageMemory:
     # line: peak_bytes = tensor_peak + calibration + context + workspace + allocator
     calibration_bytes: int = 0
     host_bytes: int = 0  # offloaded to host memory (not in peak_bytes): ``StateBytes.host_bytes``
+    #                      and ``host_activations_bytes``
+    host_activations_bytes: int = 0  # ... of it, the saved activations (``Offload.ACTIVATIONS``)
     # with a calibration applied, ``steady`` and ``first_step`` are the calibrated phase peaks
     # (their largest is tensor_peak + calibration) and these the analytic ones: (steady,
     # first step); None for an analytic estimate
@@ -137,6 +145,10 @@ def stage_record(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, sta
               (1, tuple(shared.head if fx.last else ())),
               *((n, w.entries[k][0].terms) for k, n in w.kinds.counts.items())]
     tensor_peak = w.tensor_peak
+    host_activations = (host_activation_bytes(
+        sum(shared.kinds[k].saved_bytes * n for k, n in w.kinds.counts.items())
+        + shared.rope_bytes * par.vpp, sum(fx.params.layers) * shared.dm.e, max(w.in_flight))
+        if Offload.ACTIVATIONS in par.offload else 0)
     return StageMemory(
         stage=stage, num_layers=len(w.kinds.keys), num_params=fx.params.total,
         params_bytes=st.params_bytes, grads_bytes=st.grads_bytes,
@@ -153,7 +165,9 @@ def stage_record(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, sta
         first_step=w.first_step,
         tensor_peak_bytes=tensor_peak, cuda_context_bytes=ovh.cuda_context_bytes,
         workspace_bytes=ovh.workspace_bytes, allocator_bytes=ovh.allocator_bytes(tensor_peak),
-        peak_bytes=rank_peak_bytes(tensor_peak, ovh), host_bytes=st.host_bytes,
+        peak_bytes=rank_peak_bytes(tensor_peak, ovh),
+        host_bytes=st.host_bytes + host_activations,
+        host_activations_bytes=host_activations,
     )
 
 
@@ -175,7 +189,8 @@ def _entries(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTe
                                                        Recompute.FULL, *key[2:]),
                                  backward_moments(spec, wl, shared.dm, moe_layer=key[0],
                                                   recompute=key[1], sliding=bool(key[2:]),
-                                                  host_saved=True),
+                                                  host_saved=partial(unpacked_bytes, spec,
+                                                                     shared.dm)),
                                  shared.dm.stream(spec.hidden_size),
                                  kept_cache_bytes(spec, wl, shared.dm, key[1], bool(key[2:])))
         moment_grads = tuple(int(n * grad_per_param)

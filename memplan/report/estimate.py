@@ -35,6 +35,8 @@ def stage_json(s: StageMemory) -> dict[str, Any]:
         "calibration_bytes": s.calibration_bytes,
         "peak_bytes": s.peak_bytes,
         "host_bytes": s.host_bytes,
+        **({"host_activations_bytes": s.host_activations_bytes}
+           if s.host_activations_bytes else {}),
         "peak_phase": s.peak_phase,
         # calibrated when a profile was applied (their largest: tensor peak + calibration),
         # with the analytic ones beside them; analytic otherwise (analytic_phases null)
@@ -163,7 +165,9 @@ def render_estimate(est: Estimate) -> Any:
         ("CUDA context", "cuda_context_bytes"),
         ("cuBLAS workspace", "workspace_bytes"), ("allocator reserve", "allocator_bytes"),
         ("peak per GPU", "peak_bytes"),
-        *([("host memory (offloaded optimizer)", "host_bytes")] if worst.host_bytes else []),
+        *([("host memory (offloaded)", "host_bytes")] if worst.host_bytes else []),
+        *([("... of it, saved activations", "host_activations_bytes")]
+          if worst.host_activations_bytes else []),
     ]
     for label, attr in rows:
         value = getattr(worst, attr)
