@@ -65,8 +65,9 @@ class Offload(str, enum.Enum):
                  {device: cpu}``): fp32 master weights, states, an fp32 copy of the rank's
                  gradient shard; the GPU keeps the weights and gradients its stage leaves it.
                  Without ZeRO: torchao's ``CPUOffloadOptimizer`` (torchao/optim/cpu_offload.py):
-                 a pinned host copy of every trained weight and of its gradient, the states
-                 and the step on the host; the GPU keeps the weights and gradients.
+                 a pinned host copy of every trained weight of 4,096 elements or more and of
+                 its gradient, their states and step on the host (smaller ones stepped on the
+                 device); the GPU keeps the weights and gradients.
     activations  every tensor autograd saves is packed to host memory in forward and unpacked
                  to the GPU in backward (``torch.autograd.graph.save_on_cpu``)
     params       FSDP2's ``CPUOffloadPolicy`` (ZeRO stage 3 only): sharded weights, their

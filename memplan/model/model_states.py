@@ -18,7 +18,7 @@ from memplan.model.head import HeadBlock
 from memplan.model.layer import layer_tensor_sizes
 from memplan.model.optimizer import optimizer_policy
 from memplan.model.trainable import ALL, TrainablePolicy
-from memplan.model.offload import cpu_offload_policy, host_optimizer_bytes
+from memplan.model.offload import cpu_offload_policy, host_optimizer_states
 from memplan.parallel import (
     ExpertSplit,
     Offload,
@@ -157,10 +157,10 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
                           optimizer_bytes=0, master_bytes=0, num_optimizer_params=opt_params,
                           host_bytes=moved.host_bytes)
     if host_optimizer(par):  # torchao's CPUOffloadOptimizer (memplan.model.offload)
-        host = host_optimizer_bytes(opt_params, num_tensors, policy, optimizer)
+        device, host = host_optimizer_states(trained.tensor_sizes, policy, optimizer)
         scaler = GRAD_SCALER_STATE_BYTES if policy.grad_scaler else 0  # stays on the device
         return StateBytes(params_bytes=params_bytes, grads_bytes=grads_bytes,
-                          optimizer_bytes=scaler, master_bytes=0,
+                          optimizer_bytes=device + scaler, master_bytes=0,
                           num_optimizer_params=opt_params, host_bytes=host, scaler_bytes=scaler)
     if zero_offload(par):
         # the CPU optimizer keeps an fp32 master copy even when the GPU trains in fp32

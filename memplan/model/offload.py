@@ -4,8 +4,9 @@ and what the host holds, for one rank (``memplan.parallel.Offload``).
 Three mechanisms, each read from its code (torch 2.13, torchao 0.x):
 
 - the optimizer without ZeRO, torchao's ``CPUOffloadOptimizer`` (torchao/optim/cpu_offload.py):
-  at construction a pinned host copy of every trained parameter (``empty_like(p,
-  device="cpu", pin_memory=True)``) with a host gradient of the same dtype; a
+  at construction a pinned host copy of every trained parameter of at least ``minimal_size``
+  elements (``empty_like(p, device="cpu", pin_memory=True)``) with a host gradient of the same
+  dtype (smaller ones stay with an on-device optimizer); a
   ``post_accumulate_grad`` hook copies each device gradient into it; ``step`` runs one
   ``optimizer_class`` per parameter on the host copies (states ``zeros_like`` the host
   parameter: its dtype) and copies each updated parameter back into the device one in place
@@ -46,16 +47,27 @@ class Moved(NamedTuple):
     host_bytes: int
 
 
-def host_optimizer_bytes(num_params: int, num_tensors: int, policy: PrecisionPolicy,
-                         optimizer: OptimizerPolicy) -> int:
-    """Host bytes of torchao's ``CPUOffloadOptimizer`` over ``num_params`` trained elements in
-    ``num_tensors`` tensors: a host copy of each parameter and of its gradient, in the
-    weights' dtype, the states in the same dtype (``zeros_like`` the host parameter), and per
-    tensor its optimizer's step count (torch.optim on the CPU: an fp32 scalar per parameter
-    with states; SGD keeps none)."""
+# torchao CPUOffloadOptimizer(minimal_size=4096): a parameter of fewer elements stays on the
+# device, stepped there by one on-device ``optimizer_class`` (torchao/optim/cpu_offload.py)
+TORCHAO_MINIMAL_SIZE = 4096
+
+
+def host_optimizer_states(tensor_sizes: tuple[int, ...], policy: PrecisionPolicy,
+                   optimizer: OptimizerPolicy) -> tuple[int, int]:
+    """(device bytes, host bytes) of torchao's ``CPUOffloadOptimizer`` over the trained
+    tensors of ``tensor_sizes`` elements each. A tensor of at least ``TORCHAO_MINIMAL_SIZE``
+    elements gets a pinned host copy and a host gradient in the weights' dtype, its states in
+    the same dtype (``zeros_like`` the host copy) and, with AdamW, a step count (an fp32
+    scalar); a smaller one stays with the on-device optimizer: its states on the GPU, and
+    AdamW there is fused (torchao sets ``fused=True``), which keeps its step count on the
+    device too. Neither makes step temporaries on the GPU (fused; the host step)."""
     e = policy.params.itemsize
-    steps = num_tensors * FP32_BYTES if optimizer.name == "adamw" else 0
-    return num_params * (2 * e + optimizer.num_states * e) + steps
+    large = [n for n in tensor_sizes if n >= TORCHAO_MINIMAL_SIZE]
+    small = [n for n in tensor_sizes if n < TORCHAO_MINIMAL_SIZE]
+    step = FP32_BYTES if optimizer.name == "adamw" else 0
+    host = sum(large) * (2 * e + optimizer.num_states * e) + len(large) * step
+    device = sum(small) * optimizer.state_bytes_per_param(policy) + len(small) * step
+    return device, host
 
 
 def cpu_offload_policy(shard_params: int, shard_trained: int, num_tensors: int,
@@ -63,7 +75,7 @@ def cpu_offload_policy(shard_params: int, shard_trained: int, num_tensors: int,
     """FSDP2's ``CPUOffloadPolicy``: ``shard_params`` elements of sharded weights and
     ``shard_trained`` of gradients and states move to the host (weights in their dtype,
     gradients in the reduce dtype FSDP2 leaves them in, states in the weights' dtype, and the
-    host optimizer's step counts as ``host_optimizer_bytes``); the GPU keeps none of them."""
+    host optimizer's AdamW step counts, an fp32 scalar per tensor); the GPU keeps none of them."""
     steps = num_tensors * FP32_BYTES if optimizer.name == "adamw" else 0
     host = (shard_params * policy.param_bytes
             + shard_trained * (policy.grad_bytes + optimizer.state_bytes_per_param(policy))

@@ -46,6 +46,20 @@ def test_torchao_cpu_offload_optimizer() -> None:
     assert base.worst.steady.forward - w.steady.forward == N * 2 * 2  # the two bf16 states
 
 
+def test_torchao_keeps_small_tensors_on_the_device() -> None:
+    """The tiny spec (hidden 64, ffn 176, 2 layers, kv 32, vocabulary 128), fp32: tensors of at
+    least 4,096 elements go to the host: per layer q and o (64 * 64 = 4,096 each) and gate, up,
+    down (64 * 176 = 11,264 each), the embedding and the head (128 * 64 = 8,192 each): 100,352
+    elements in 12 tensors, each with an fp32 copy, gradient and two states (16 bytes) and a
+    step count: 100,352 * 16 + 12 * 4 = 1,605,680. k and v (64 * 32 = 2,048), the norms (64)
+    and the final norm stay: 8,512 elements in 9 tensors, stepped by a fused AdamW on the
+    device, two fp32 states each and a device step count: 8,512 * 8 + 9 * 4 = 68,132."""
+    w = memplan.estimate("tiny", precision="fp32", offload="optimizer").worst
+    assert w.host_bytes == 100_352 * 16 + 12 * 4 == 1_605_680
+    assert w.optimizer_bytes == 8_512 * 8 + 9 * 4 == 68_132
+    assert w.optimizer_temp_bytes == 0
+
+
 def test_fsdp2_cpu_offload_policy() -> None:
     """fsdp-bf16 on 8 GPUs, zero 3: each rank's shard is ceil(6,738,415,616 / 8) =
     842,301,952 parameters; the host holds its fp32 weights (4), fp32 gradients (4, the reduce
