@@ -153,7 +153,9 @@ def unpacked_bytes(spec: ModelSpec, dm: Dims, block: Block, moment: BackwardMome
     if moment.name == "mlp":
         return inner + weight
     if moment.name == "mlp_act":
-        return (2 if spec.mlp.gated else 1) * inner
+        # the product's two factors, beside its incoming gradient (which the moment's own
+        # bytes count where the product was saved)
+        return (3 if spec.mlp.gated else 2) * inner
     if moment.name in ("mlp_in", "attn_in"):
         return dm.linear_rows * spec.hidden_size * dm.e + weight
     return moment.own_bytes

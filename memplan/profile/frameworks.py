@@ -326,7 +326,9 @@ def build_hf(case: FrameworkCase) -> Built:
     offload = case.options.get("offload", "none")
     host = HostSaved()
     def offloading() -> contextlib.AbstractContextManager:
-        return (offload_layers(model.model.layers, host) if "activations" in offload
+        base = model.base_model  # the decoder layers: ``layers`` (Llama, Qwen, ...), ``h`` (GPT-2)
+        layers = getattr(base, "layers", None) or base.h
+        return (offload_layers(layers, host) if "activations" in offload
                 else contextlib.nullcontext())
 
     def step(k: int, mark: Mark) -> None:

@@ -5,8 +5,8 @@ saves them, on a transformers model (``offload="activations"``), and FSDP2's
 A CPU-only build cannot move a tensor off the device, so ``memplan.profile.offload.HostSaved``
 runs save_on_cpu's pack and unpack hooks with a real host side: what a decoder layer saves is
 copied outside the exact tracker (host memory) and copied back, counted, when a backward node
-reads it. Two training steps of Llama-3 cut to two layers (transformers 5.3, SDPA, the hf
-preset: the model returns its KV cache, the loop drops the output before backward); every
+reads it. Two training steps of Llama-3 and Qwen2.5 cut to two layers (transformers 5.3, SDPA,
+the hf preset: the model returns its KV cache, the loop drops the output before backward); every
 parameter, gradient, optimizer, saved-activation and phase row within 1%.
 
 FSDP2 runs ``fully_shard(..., offload_policy=CPUOffloadPolicy(pin_memory=False))`` through the
@@ -23,7 +23,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from test_frameworks import LLAMA3_TOY, hf  # tests/traced/test_frameworks.py
+from test_frameworks import LLAMA3_TOY, QWEN_TOY, hf  # tests/traced/test_frameworks.py
 from memplan import api
 from memplan.profile.compare import compare
 from memplan.profile.frameworks import FrameworkCase, compare_built, trace_case
@@ -31,17 +31,21 @@ from memplan.spec import load_model
 from memplan.workload import Workload
 
 
-def _case(recipe: str, offload: str) -> FrameworkCase:
+def _case(recipe: str, offload: str, qwen: bool = False) -> FrameworkCase:
+    if qwen:  # a wider MLP (ffn 5.3 x hidden), MQA, q/k/v biases
+        return FrameworkCase("transformers", "qwen2.5-toy", hf("Qwen2.5-7B", **QWEN_TOY),
+                             recipe, 2, 128, options={"offload": offload})
     return FrameworkCase("transformers", "llama3-toy", hf("Meta-Llama-3-8B", **LLAMA3_TOY),
                          recipe, 2, 128, options={"offload": offload})
 
 
-@pytest.mark.parametrize("recipe", ["fp32", "bf16-pure"])
-def test_save_on_cpu_matches_estimate(recipe: str) -> None:
+@pytest.mark.parametrize(("recipe", "qwen"), [("fp32", False), ("bf16-pure", False),
+                                              ("fp32", True)])
+def test_save_on_cpu_matches_estimate(recipe: str, qwen: bool) -> None:
     """Every row within 1%; the saved activations left on the GPU are the embedding's and the
     head's alone; the host holds at least what the estimate says (its lower bound: a tensor
     several nodes save is packed once per node)."""
-    built, result = trace_case(_case(recipe, "activations"))
+    built, result = trace_case(_case(recipe, "activations", qwen))
     c = compare_built(built, result)
     bad = [(r.name, r.measured_bytes, r.estimated_bytes, round(r.diff_pct, 3))
            for r in c.rows if abs(r.diff_pct) > 1.0]

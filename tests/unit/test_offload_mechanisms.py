@@ -90,10 +90,14 @@ def test_fsdp2_cpu_offload_policy() -> None:
     (dict(offload="activations", precision="amp-bf16"),
      "offload activations with precision amp-bf16"),
     (dict(gpus=8, zero=3, precision="fsdp-bf16", offload="optimizer"), "--offload params"),
+    (dict(offload="activations", attention="eager"), "offload activations with eager attention"),
+    (dict(model="gpt2", offload="activations"), r"with a non-gated MLP \(gpt2\)"),
+    (dict(model="mixtral-8x7b", gpus=8, ep=8, offload="activations"), "with MoE layers"),
 ])
 def test_refused_by_name(kwargs: dict, message: str) -> None:
+    kwargs = dict(kwargs)
     with pytest.raises(MemplanError, match=message):
-        memplan.estimate("llama-2-7b", **kwargs)
+        memplan.estimate(kwargs.pop("model", "llama-2-7b"), **kwargs)
 
 
 def test_activations_on_the_host() -> None:
