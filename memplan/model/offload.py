@@ -161,10 +161,16 @@ def unpacked_bytes(spec: ModelSpec, dm: Dims, block: Block, moment: BackwardMome
     return moment.own_bytes
 
 
-def host_activation_bytes(saved_bytes: int, weights_bytes: int, in_flight: int) -> int:
-    """Host memory of the decoder layers' saved tensors (``saved_on_host``) on one rank: per
-    micro-batch in flight, what its layers save (``saved_bytes``, each tensor once) and the
-    weights their matmuls save (``weights_bytes``: ``save_on_cpu`` packs parameters too). A
-    lower bound: a tensor that several nodes save (a linear input shared by q, k and v, a
-    norm's input read twice) is packed once per node."""
-    return in_flight * (saved_bytes + weights_bytes)
+def host_activation_bytes(kinds: list[tuple[int, bool, int]], layer_weights_bytes: int,
+                          rope_bytes: int, in_flight: int) -> int:
+    """Host memory of the decoder layers' saved tensors (``saved_on_host``) on one rank, per
+    micro-batch in flight: for each kind of layer (its saved bytes, whether it is fully
+    recomputed, how many), what it saves (each tensor once) and, unless recomputed, the
+    weights its matmuls save (``layer_weights_bytes`` per layer: ``save_on_cpu`` packs
+    parameters too), and the rope tables where no layer is recomputed (a checkpoint keeps
+    them, its inputs, on the device; its rerun saves there too). A lower bound: a tensor that
+    several nodes save (a linear input shared by q, k and v, a norm's input read twice) is
+    packed once per node."""
+    saved = sum(n * (size + (0 if full else layer_weights_bytes)) for size, full, n in kinds)
+    rope = 0 if any(full for _, full, _ in kinds) else rope_bytes
+    return in_flight * (saved + rope)

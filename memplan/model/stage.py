@@ -146,8 +146,9 @@ def stage_record(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, sta
               *((n, w.entries[k][0].terms) for k, n in w.kinds.counts.items())]
     tensor_peak = w.tensor_peak
     host_activations = (host_activation_bytes(
-        sum(shared.kinds[k].saved_bytes * n for k, n in w.kinds.counts.items())
-        + shared.rope_bytes * par.vpp, sum(fx.params.layers) * shared.dm.e, max(w.in_flight))
+        [(shared.kinds[k].saved_bytes, k[1] is Recompute.FULL, n)
+         for k, n in w.kinds.counts.items()], max(fx.params.layers) * shared.dm.e,
+        shared.rope_bytes * par.vpp, max(w.in_flight))
         if Offload.ACTIVATIONS in par.offload else 0)
     return StageMemory(
         stage=stage, num_layers=len(w.kinds.keys), num_params=fx.params.total,
@@ -185,12 +186,15 @@ def _entries(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTe
     for key, pos in kinds.positions.items():
         kind = shared.kinds[key]
         if offloaded:
+            # a fully recomputed layer's rerun saves on the GPU (the checkpoint's own hooks):
+            # only its checkpointed input waits on the host
+            unpacked = partial(unpacked_bytes, spec, shared.dm)
             kind = saved_on_host(kind, memo.layer_kind(spec, wl, shared.dm, key[0],
                                                        Recompute.FULL, *key[2:]),
                                  backward_moments(spec, wl, shared.dm, moe_layer=key[0],
                                                   recompute=key[1], sliding=bool(key[2:]),
-                                                  host_saved=partial(unpacked_bytes, spec,
-                                                                     shared.dm)),
+                                                  host_saved=None if key[1] is Recompute.FULL
+                                                  else unpacked),
                                  shared.dm.stream(spec.hidden_size),
                                  kept_cache_bytes(spec, wl, shared.dm, key[1], bool(key[2:])))
         moment_grads = tuple(int(n * grad_per_param)
@@ -237,8 +241,10 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
                          dp=unsynced(fx.dp, root_new))
     st = fx.states
     # rope tables only the decoder layers save: with their saved tensors on the host they are
-    # alive through the forward alone (``memplan.model.offload.saved_on_host``)
-    host_rope = shared.rope_bytes * par.vpp if Offload.ACTIVATIONS in par.offload else 0
+    # alive through the forward alone (``memplan.model.offload.saved_on_host``), unless a
+    # checkpointed layer keeps them (its inputs, held by the checkpoint itself)
+    host_rope = (shared.rope_bytes * par.vpp if Offload.ACTIVATIONS in par.offload
+                 and all(key[1] is not Recompute.FULL for key in kinds.keys) else 0)
     shared = shared._replace(rope_bytes=0) if host_rope else shared
     flight = memo.in_flight(par.pp, par.vpp, m, stage, schedule, par.vpp_group)
     entries = _entries(spec, par, wl, shared, fx, kinds)

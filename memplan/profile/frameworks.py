@@ -312,7 +312,8 @@ def build_hf(case: FrameworkCase) -> Built:
     options: ``attn`` (``"sdpa"``, default, or ``"eager"``), ``keep_output`` (True: the loop
     holds the model's output, logits included, through backward), ``offload``
     (``"activations"``: the decoder layers' saved tensors packed to the host as
-    ``save_on_cpu`` does, ``memplan.profile.offload``; estimated with ``offload``)."""
+    ``save_on_cpu`` does, ``memplan.profile.offload``; estimated with ``offload``),
+    ``recompute`` (``"full"``: ``gradient_checkpointing_enable``, non-reentrant)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     rec = recipe(case.recipe)
@@ -324,6 +325,9 @@ def build_hf(case: FrameworkCase) -> Built:
     b, s, vocab = case.micro_batch_size, case.seq_len, model.config.vocab_size
     keep = case.options.get("keep_output", False)
     offload = case.options.get("offload", "none")
+    recompute = case.options.get("recompute", "none")
+    if recompute == "full":  # Trainer's gradient_checkpointing=True, non-reentrant
+        model.gradient_checkpointing_enable({"use_reentrant": False})
     host = HostSaved()
     def offloading() -> contextlib.AbstractContextManager:
         base = model.base_model  # the decoder layers: ``layers`` (Llama, Qwen, ...), ``h`` (GPT-2)
@@ -350,7 +354,7 @@ def build_hf(case: FrameworkCase) -> Built:
     # described by the framework and the knobs a user sets: the recipe, the batch, the
     # attention implementation (memplan.presets has what transformers runs)
     workload = dict(framework="hf", micro_batch_size=b, seq_len=s, precision=rec.name,
-                    attention="flash" if attn == "sdpa" else "eager")
+                    attention="flash" if attn == "sdpa" else "eager", recompute=recompute)
     # the config's use_cache reaches the estimate through the spec (the hf preset's kv_cache)
     return Built("transformers", model, spec, api.make_layout(1, offload=offload), workload,
                  step, opt, host=host)

@@ -60,11 +60,28 @@ def offload_layers(layers: Iterable[torch.nn.Module], saved: HostSaved) -> Itera
     def leave(module, args, output):
         stack.pop().__exit__(None, None, None)
 
-    handles = []
+    handles, checkpointed = [], []
     for layer in layers:
+        if getattr(layer, "gradient_checkpointing", False):
+            # transformers' GradientCheckpointingLayer: the hooks go around its checkpoint, as
+            # save_on_cpu around the model's forward would be (the checkpoint's inputs packed,
+            # its rerun saving on the device under the checkpoint's own hooks)
+            run = layer._gradient_checkpointing_func
+            checkpointed.append((layer, run))
+            layer._gradient_checkpointing_func = _under(saved, run)
+            continue
         handles += [layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave)]
     try:
         yield
     finally:
         for handle in handles:
             handle.remove()
+        for layer, run in checkpointed:
+            layer._gradient_checkpointing_func = run
+
+
+def _under(saved: HostSaved, run):
+    def call(*args, **kwargs):
+        with saved.hooks():
+            return run(*args, **kwargs)
+    return call

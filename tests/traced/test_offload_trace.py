@@ -31,12 +31,12 @@ from memplan.spec import load_model
 from memplan.workload import Workload
 
 
-def _case(recipe: str, offload: str, qwen: bool = False) -> FrameworkCase:
+def _case(recipe: str, offload: str, qwen: bool = False, **options) -> FrameworkCase:
     if qwen:  # a wider MLP (ffn 5.3 x hidden), MQA, q/k/v biases
         return FrameworkCase("transformers", "qwen2.5-toy", hf("Qwen2.5-7B", **QWEN_TOY),
-                             recipe, 2, 128, options={"offload": offload})
+                             recipe, 2, 128, options={"offload": offload, **options})
     return FrameworkCase("transformers", "llama3-toy", hf("Meta-Llama-3-8B", **LLAMA3_TOY),
-                         recipe, 2, 128, options={"offload": offload})
+                         recipe, 2, 128, options={"offload": offload, **options})
 
 
 @pytest.mark.parametrize(("recipe", "qwen"), [("fp32", False), ("bf16-pure", False),
@@ -52,6 +52,19 @@ def test_save_on_cpu_matches_estimate(recipe: str, qwen: bool) -> None:
     assert not bad, bad
     host = c.estimate.stages[0].host_activations_bytes
     assert 0.8 * built.host.host_bytes <= host <= built.host.host_bytes
+
+
+def test_save_on_cpu_around_checkpointed_layers() -> None:
+    """Gradient checkpointing (non-reentrant) inside the hooks: only each layer's checkpointed
+    input goes to the host, 2 layers * 2 * 128 * 256 * 4 B = 524,288 (estimated exactly: the
+    rerun saves on the device, the rope tables stay, the checkpoint's inputs); every row
+    within 1%."""
+    built, result = trace_case(_case("fp32", "activations", recompute="full"))
+    c = compare_built(built, result)
+    bad = [(r.name, r.measured_bytes, r.estimated_bytes, round(r.diff_pct, 3))
+           for r in c.rows if abs(r.diff_pct) > 1.0]
+    assert not bad, bad
+    assert built.host.host_bytes == c.estimate.stages[0].host_activations_bytes == 524_288
 
 
 def test_hooks_move_every_layer_tensor() -> None:
