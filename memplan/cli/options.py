@@ -21,9 +21,10 @@ from typing import Annotated, Any, NamedTuple, Optional
 import typer
 
 from memplan import arguments
+from memplan.errors import MemplanError
 from memplan.hardware import DEFAULT_GPU
 from memplan.model.pipeline import Schedule
-from memplan.parallel import GradBuffers, ParallelConfig, TpStyle
+from memplan.parallel import GradBuffers, Offload, ParallelConfig, TpStyle
 from memplan.workload import (
     DEFAULT_SEQ_LEN,
     Attention,
@@ -193,6 +194,15 @@ def _value(choice: enum.Enum | None) -> Any:
     return None if choice is None else choice.value
 
 
+def _offload(value: str) -> str:
+    """``--offload``'s comma list, its names checked here so the error names the flag."""
+    names = {kind.value for kind in Offload}
+    if value != "none" and not set(value.split(",")) <= names:
+        raise MemplanError("--offload must be none or a comma list of optimizer, activations, "
+                           f"params, got {value!r}")
+    return value
+
+
 def _zero(choice: ZeroChoice | None) -> int | None:
     return None if choice is None else int(choice.value)
 
@@ -233,7 +243,7 @@ SHARED: dict[str, Shared] = {
     "vocab_parallel": Shared(VocabParallel, _PAR["vocab_parallel"].default),
     "tp_style": Shared(TpStyleOpt, None, _value),
     "grad_buffers": Shared(GradBuffersOpt, None, _value),
-    "offload": Shared(OffloadOpt, "none"),
+    "offload": Shared(OffloadOpt, "none", _offload),
     "zero": Shared(Zero, ZeroChoice.Z0, _zero),
     "mbs": Shared(Mbs, _WL["micro_batch_size"].default),
     "gbs": Shared(Gbs, None),
