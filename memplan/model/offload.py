@@ -11,8 +11,8 @@ Three mechanisms, each read from its code (torch 2.13, torchao 0.x):
   ``optimizer_class`` per parameter on the host copies (states ``zeros_like`` the host
   parameter: its dtype) and copies each updated parameter back into the device one in place
   (no device temporary). With ``offload_gradients=False`` (its default) the device gradients
-  stay until ``zero_grad``. The GPU keeps weights and gradients; no states, no step
-  temporaries.
+  stay until ``zero_grad``. The GPU keeps weights and gradients, and the states of the
+  small tensors (a fused on-device AdamW: no step temporaries).
 - the parameters, FSDP2's ``CPUOffloadPolicy`` (torch/distributed/fsdp/_fully_shard/
   _fsdp_param.py ``FSDPParam._init_sharded_param``: the padded shard moved to the CPU and
   pinned; _fsdp_collectives.py ``foreach_reduce``: each reduce-scatter output shard copied to
@@ -21,7 +21,13 @@ Three mechanisms, each read from its code (torch 2.13, torchao 0.x):
   gathers (the units' unsharded weights, forward and backward) and a unit's unsharded
   gradients before their reduce-scatter: ``memplan.model.model_states.sharding_buffers``,
   unchanged.
-- activations, ``torch.autograd.graph.save_on_cpu``: ``memplan.model.offload_activations``.
+- activations, ``torch.autograd.graph.save_on_cpu`` around the decoder layers
+  (torch/autograd/graph.py: ``pack_to_cpu`` copies every saved tensor, parameters and views
+  included, to the host; ``unpack_from_cpu`` makes a device copy for the node that reads it):
+  ``saved_on_host``, ``unpacked_bytes``, ``kept_cache_bytes``, ``host_activation_bytes``.
+  torchtune's ``OffloadActivations`` is not this: it keeps parameters and tensors under 1 KiB
+  on the device, and with streams (its default) the last five packed tensors in forward and
+  the previous node's unpacked ones in backward; it is not modelled.
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ TORCHAO_MINIMAL_SIZE = 4096
 
 
 def host_optimizer_states(tensor_sizes: tuple[int, ...], policy: PrecisionPolicy,
-                   optimizer: OptimizerPolicy) -> tuple[int, int]:
+                          optimizer: OptimizerPolicy) -> tuple[int, int]:
     """(device bytes, host bytes) of torchao's ``CPUOffloadOptimizer`` over the trained
     tensors of ``tensor_sizes`` elements each. A tensor of at least ``TORCHAO_MINIMAL_SIZE``
     elements gets a pinned host copy and a host gradient in the weights' dtype, its states in
@@ -99,9 +105,9 @@ def saved_on_host(kind: LayerKind, checkpointed: LayerKind, moments: list[LayerM
     beside it, what the layer caches for later (``kind``'s cached bytes beyond the checkpointed
     layer's, and ``cache``: a KV cache's K and V, which without offloading are the very tensors
     attention saves; they stay on the GPU, referenced by the cache, until the forward's output
-    is dropped), and ``stream``: the stage's first input,
-    which the model's forward keeps referenced through all its layers (transformers'
-    ``LlamaModel.forward`` holds ``inputs_embeds``). In its backward, ``moments``
+    is dropped), and ``stream``: the stage's first input, which the model's forward keeps
+    referenced through all its layers (transformers' ``LlamaModel.forward`` holds
+    ``inputs_embeds``). In its backward, ``moments``
     (``memplan.model.layer.backward_moments`` with ``host_saved``)."""
     own_cache = max(0, kind.cached_bytes - checkpointed.cached_bytes) + cache
     return kind._replace(saved_bytes=0, moments=tuple(moments),
