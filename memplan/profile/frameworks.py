@@ -354,7 +354,8 @@ def build_hf(case: FrameworkCase) -> Built:
     # described by the framework and the knobs a user sets: the recipe, the batch, the
     # attention implementation (memplan.presets has what transformers runs)
     workload = dict(framework="hf", micro_batch_size=b, seq_len=s, precision=rec.name,
-                    attention="flash" if attn == "sdpa" else "eager", recompute=recompute)
+                    attention="flash" if attn == "sdpa" else "eager",
+                    **({"recompute": recompute} if recompute != "none" else {}))
     # the config's use_cache reaches the estimate through the spec (the hf preset's kv_cache)
     return Built("transformers", model, spec, api.make_layout(1, offload=offload), workload,
                  step, opt, host=host)
