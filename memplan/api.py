@@ -82,7 +82,7 @@ def make_layout(num_gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: in
                 ep: int = 1, dp: int | None = None, zero: int = 0,
                 sequence_parallel: bool | None = None, vocab_parallel: bool = True,
                 tp_style: str | None = None, grad_buffers: str | None = None,
-                offload: str = "none", stage_layers: Any = None,
+                offload: Any = "none", stage_layers: Any = None,
                 dp_shard: int | None = None, etp: int | None = None,
                 vpp_group: int | None = None) -> ParallelConfig:
     """A layout for ``num_gpus``; sequence parallelism defaults to on whenever tp > 1; TP style
@@ -105,9 +105,7 @@ def make_layout(num_gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: in
         if grad_buffers not in {kind.value for kind in GradBuffers}:
             raise MemplanError(f"grad_buffers must be view or copy, got {grad_buffers!r}")
         styles["grad_buffers"] = GradBuffers(grad_buffers)
-    offload = getattr(offload, "value", offload)
-    if offload not in {kind.value for kind in Offload}:
-        raise MemplanError(f"offload must be none or optimizer, got {offload!r}")
+    targets = parse_offload(offload)
     split = parse_stage_layers(stage_layers)
     arguments.integer("dp_shard", dp_shard, optional=True)
     arguments.integer("etp", etp, maximum=arguments.MAX_GPUS, optional=True)
@@ -115,8 +113,23 @@ def make_layout(num_gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: in
     return layout_for_gpus(num_gpus, tp=tp, pp=pp, cp=cp, dp=dp, vpp=vpp, ep=ep, etp=etp,
                            vpp_group=vpp_group,
                            zero=ZeroStage(zero), sequence_parallel=sp,
-                           vocab_parallel=vocab_parallel, offload=Offload(offload),
+                           vocab_parallel=vocab_parallel, offload=targets,
                            stage_layers=split, dp_shard=dp_shard, **styles)
+
+
+def parse_offload(value: Any) -> frozenset[Offload]:
+    """What is offloaded (``Offload``) from "none", "optimizer,activations", an ``Offload``,
+    or a collection of names."""
+    names = (value.split(",") if isinstance(value, str)
+             else [value] if isinstance(value, Offload)
+             else list(value) if isinstance(value, (list, tuple, set, frozenset)) else None)
+    known = {kind.value: kind for kind in Offload}
+    picked = [known.get(getattr(name, "value", name).strip() if isinstance(
+        getattr(name, "value", name), str) else None) for name in names or ()]
+    if names is None or None in picked and names not in (["none"], [""]):
+        raise MemplanError("offload must be none or a comma list of optimizer, activations, "
+                           f"params, got {value!r}")
+    return frozenset(kind for kind in picked if kind is not None)
 
 
 def parse_stage_layers(value: Any) -> tuple[int, ...] | None:
@@ -171,7 +184,7 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
              cp: int = 1, ep: int = 1, dp: int | None = None, zero: int = 0,
              sequence_parallel: bool | None = None, vocab_parallel: bool = True,
              tp_style: str | None = None, grad_buffers: str | None = None,
-             offload: str = "none", framework: str | None = None,
+             offload: Any = "none", framework: str | None = None,
              stage_layers: Any = None, dp_shard: int | None = None,
              etp: int | None = None, vpp_group: int | None = None,
              overheads: Overheads | None = None,
@@ -184,8 +197,8 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
     attention, norm_impl, logits_fp32, loss_chunks). ``framework`` (megatron, torchtitan, hf,
     lightning; default generic) fills every implementation choice left unset (None) with what
     that framework runs (``memplan.presets``). ``gpu_memory`` ("80GiB", "80GB" or int bytes)
-    overrides the GPU's capacity. ``offload="optimizer"`` keeps the optimizer in host memory
-    (``Offload``). ``calibration``: profile paths (or "auto", the committed profile for ``gpu``)
+    overrides the GPU's capacity. ``offload``: what lives in host memory ("optimizer",
+    "activations", "params", a comma list or a collection of them; ``Offload``). ``calibration``: profile paths (or "auto", the committed profile for ``gpu``)
     whose correction is added as its own line (``memplan.calibrate.apply``).
     Raises ``MemplanError`` for any invalid input.
     """
@@ -252,7 +265,7 @@ def resolve(model: str | ModelSpec, *, gpus: int = 1, tp: int = 1, pp: int = 1, 
             cp: int = 1, ep: int = 1, dp: int | None = None, zero: int = 0,
             sequence_parallel: bool | None = None, vocab_parallel: bool = True,
             tp_style: str | None = None, grad_buffers: str | None = None,
-            offload: str = "none", framework: str | None = None,
+            offload: Any = "none", framework: str | None = None,
             stage_layers: Any = None, dp_shard: int | None = None,
             etp: int | None = None, vpp_group: int | None = None,
             **workload: Any) -> tuple[ModelSpec, ParallelConfig, Workload]:

@@ -18,7 +18,15 @@ from memplan import presets
 from memplan.errors import LayoutError
 from memplan.spec import ModelSpec, PositionKind
 from memplan.units import ceil_div
-from memplan.workload import Framework, GradSync, PipelineSplit, Precision, Recompute, Workload
+from memplan.workload import (
+    Attention,
+    Framework,
+    GradSync,
+    PipelineSplit,
+    Precision,
+    Recompute,
+    Workload,
+)
 
 
 class ZeroStage(enum.IntEnum):
@@ -57,18 +65,116 @@ class GradBuffers(str, enum.Enum):
 
 
 class Offload(str, enum.Enum):
-    """What lives in host memory instead of on the GPU.
+    """What lives in host memory instead of on the GPU; a layout holds a set of them (empty:
+    nothing). Each is a mechanism of its own in ``memplan.model.offload``.
 
-    none       nothing
-    optimizer  the optimizer: its fp32 master weights and states, an fp32 copy of the rank's
-               gradient shard it reads, and its step, which runs on the CPU (ZeRO-Offload,
-               Ren et al. 2021; DeepSpeed ``offload_optimizer: {device: cpu}``, valid with ZeRO
-               stages 1-3). The GPU keeps the weights and gradients its ZeRO stage leaves it:
-               frameworks that free the GPU's gradient shard once it is copied hold less.
+    optimizer    the optimizer's states and its step, on the CPU. With ZeRO stages 1-3 (and no
+                 ``params``): ZeRO-Offload (Ren et al. 2021; DeepSpeed ``offload_optimizer:
+                 {device: cpu}``): fp32 master weights, states, an fp32 copy of the rank's
+                 gradient shard; the GPU keeps the weights and gradients its stage leaves it.
+                 Without ZeRO: torchao's ``CPUOffloadOptimizer`` (torchao/optim/cpu_offload.py):
+                 a pinned host copy of every trained weight of 4,096 elements or more and of
+                 its gradient, their states and step on the host (smaller ones stepped on the
+                 device); the GPU keeps the weights and gradients.
+    activations  every tensor autograd saves is packed to host memory in forward and unpacked
+                 to the GPU in backward (``torch.autograd.graph.save_on_cpu``)
+    params       FSDP2's ``CPUOffloadPolicy`` (ZeRO stage 3 only): sharded weights, their
+                 gradients and the optimizer step on the host; the GPU holds the gathered
+                 units and the reduce-scatter buffers. Implies ``optimizer``.
     """
 
-    NONE = "none"
     OPTIMIZER = "optimizer"
+    ACTIVATIONS = "activations"
+    PARAMS = "params"
+
+
+def offload_names(offload: frozenset[Offload]) -> str:
+    """The set as the CLI writes it: "none", or its names in ``Offload``'s order, comma
+    separated."""
+    return ",".join(kind.value for kind in Offload if kind in offload) or "none"
+
+
+def zero_offload(par: "ParallelConfig") -> bool:
+    """The optimizer offloaded as ZeRO-Offload: ``optimizer`` with ZeRO stage 1-3, no
+    ``params``."""
+    return (Offload.OPTIMIZER in par.offload and Offload.PARAMS not in par.offload
+            and par.zero >= ZeroStage.OPTIMIZER)
+
+
+def _activations_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
+    """Activations on the host (``memplan.model.offload.saved_on_host``) are modelled for what
+    the traces cover: gated MLPs, flash/SDPA attention, no autocast (traced: eager attention,
+    GPT-2's MLP and autocast's cached casts held 3-20% more than the rule counts)."""
+    what = ("precision " + wl.precision.value if wl.precision.policy.autocast
+            else "eager attention" if wl.attention is Attention.EAGER
+            else "MoE layers" if spec.moe is not None else "MLA" if spec.mla is not None
+            else f"a non-gated MLP ({spec.name})" if not spec.mlp.gated else None)
+    if what is None:
+        return None
+    return LayoutError(f"offload activations is not modelled with {what.split(' (')[0]}",
+                       f"offload activations with {what}: not modelled yet (traced for gated "
+                       "MLPs, flash attention, fp32 or bf16 weights)")
+
+
+def optimizer_on_host(par: "ParallelConfig") -> bool:
+    """Whether the optimizer step runs on the CPU (any of ``Offload``'s optimizer mechanisms,
+    FSDP2's ``CPUOffloadPolicy`` included)."""
+    return bool(par.offload & {Offload.OPTIMIZER, Offload.PARAMS})
+
+
+def host_optimizer(par: "ParallelConfig") -> bool:
+    """The optimizer offloaded as torchao's ``CPUOffloadOptimizer``: ``optimizer`` without
+    ZeRO."""
+    return Offload.OPTIMIZER in par.offload and par.zero == ZeroStage.NONE
+
+
+def offload_rule(spec: ModelSpec, par: "ParallelConfig", wl: Workload) -> LayoutError | None:
+    """Where each offload mechanism (``Offload``) cannot combine with the model, layout or
+    recipe."""
+    precision = wl.precision.value
+    if Offload.ACTIVATIONS in par.offload and (err := _activations_rule(spec, wl)) is not None:
+        return err
+    if Offload.PARAMS in par.offload:
+        if par.zero < ZeroStage.PARAMETERS:
+            return LayoutError("offload params needs zero 3", "offload params needs zero 3 "
+                               "(FSDP2's CPUOffloadPolicy offloads sharded weights), got zero "
+                               f"{int(par.zero)}")
+        if par.pp > 1:
+            return LayoutError("offload params is not modelled with pp > 1",
+                               f"offload params with pp ({par.pp}) > 1: FSDP2 kept gathered "
+                               "under pipeline parallelism is not modelled with CPU offload")
+        if wl.precision.policy.master is not None or wl.precision.policy.autocast:
+            return LayoutError(f"offload params does not combine with precision {precision}",
+                               f"offload params with precision {precision}: FSDP2 updates its "
+                               "own sharded weights (use fp32, fsdp-bf16 or bf16-pure)")
+        return None
+    if host_optimizer(par) and wl.precision.policy.master is not None:
+        return LayoutError(
+            f"offload optimizer without ZeRO does not combine with precision {precision}",
+            f"offload optimizer with zero 0 (torchao CPUOffloadOptimizer) and precision "
+            f"{precision}: it updates the model's own weights, with no master copy (use fp32, "
+            "bf16-pure or amp-*, or zero 1-3)")
+    if not zero_offload(par):
+        return None
+    if wl.precision is Precision.FSDP_BF16:
+        return LayoutError(
+            "offload optimizer does not combine with precision fsdp-bf16",
+            "offload optimizer models DeepSpeed's ZeRO-Offload (optimizer only); precision "
+            "fsdp-bf16 is FSDP2, whose CPUOffloadPolicy offloads the weights too (--offload "
+            "params)")
+    if wl.precision is Precision.BF16_PURE:
+        return LayoutError(
+            "offload optimizer does not combine with precision bf16-pure",
+            "offload optimizer with precision bf16-pure: ZeRO-Offload keeps an fp32 master copy "
+            "and fp32 states on the host, which is bf16-mixed with the optimizer offloaded "
+            "(use --precision bf16-mixed)")
+    if wl.precision.policy.autocast:
+        return LayoutError(
+            f"offload optimizer does not combine with precision {precision}",
+            f"offload optimizer with precision {precision}: ZeRO-Offload trains "
+            "low-precision weights against an fp32 master copy on the host, not fp32 weights "
+            "under autocast (use --precision bf16-mixed or fp16-mixed)")
+    return None
 
 
 class ExpertSplit(NamedTuple):
@@ -111,7 +217,7 @@ class ParallelConfig(BaseModel):
                                  "over the vocabulary by TP; False: replicated on each TP rank")
     tp_style: TpStyle = TpStyle.MEGATRON
     grad_buffers: GradBuffers = GradBuffers.VIEW
-    offload: Offload = Offload.NONE
+    offload: frozenset[Offload] = frozenset()
     stage_layers: tuple[int, ...] | None = Field(default=None, description=(
         "decoder layers of each virtual pipeline stage in order (pp*vpp entries; virtual "
         "stage c*pp + r is model chunk c of pipeline rank r); None: pp*vpp equal parts"))
@@ -373,38 +479,18 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
         raise LayoutError(
             "seq exceeds the model's learned positions",
             f"seq ({wl.seq_len}) exceeds {spec.name}'s learned positions ({spec.max_seq_len})")
-    if par.offload is Offload.OPTIMIZER and par.zero < ZeroStage.OPTIMIZER:
-        raise LayoutError("offload optimizer needs ZeRO stage 1, 2 or 3",
-                          "offload optimizer needs ZeRO stage 1, 2 or 3 (DeepSpeed ZeRO-Offload "
-                          f"partitions the optimizer first), got zero {int(par.zero)}")
     if (err := cp_rule(wl.seq_len, par.cp)) is not None:
         raise err
-    if par.offload is Offload.OPTIMIZER and wl.optimizer.value not in ("adamw", "sgd"):
+    if optimizer_on_host(par) and wl.optimizer.value not in ("adamw", "sgd"):
         raise LayoutError(f"offload optimizer does not combine with {wl.optimizer.value}",
-                          f"offload optimizer runs DeepSpeed's CPU-Adam on the host; optimizer "
+                          f"offload optimizer runs its step on the host (CPU Adam); optimizer "
                           f"{wl.optimizer.value} runs on the GPU (choose one)")
     if wl.optimizer.value == "muon" and par.zero >= ZeroStage.OPTIMIZER:
         raise LayoutError("optimizer muon does not combine with ZeRO",
                           f"optimizer muon with zero {int(par.zero)}: torch.optim.Muon "
                           "orthogonalizes whole matrices; a sharded Muon step is not modelled")
-    if par.offload is Offload.OPTIMIZER and wl.precision is Precision.FSDP_BF16:
-        raise LayoutError(
-            "offload optimizer does not combine with precision fsdp-bf16",
-            "offload optimizer models DeepSpeed's ZeRO-Offload (optimizer only); precision "
-            "fsdp-bf16 is FSDP2, whose CPUOffloadPolicy offloads the weights too, which memplan "
-            "does not model")
-    if par.offload is Offload.OPTIMIZER and wl.precision is Precision.BF16_PURE:
-        raise LayoutError(
-            "offload optimizer does not combine with precision bf16-pure",
-            "offload optimizer with precision bf16-pure: ZeRO-Offload keeps an fp32 master copy "
-            "and fp32 states on the host, which is bf16-mixed with the optimizer offloaded "
-            "(use --precision bf16-mixed)")
-    if par.offload is Offload.OPTIMIZER and wl.precision.policy.autocast:
-        raise LayoutError(
-            f"offload optimizer does not combine with precision {wl.precision.value}",
-            f"offload optimizer with precision {wl.precision.value}: ZeRO-Offload trains "
-            "low-precision weights against an fp32 master copy on the host, not fp32 weights "
-            "under autocast (use --precision bf16-mixed or fp16-mixed)")
+    if (err := offload_rule(spec, par, wl)) is not None:
+        raise err
     if spec.moe is not None and wl.precision.policy.autocast:
         raise LayoutError(
             f"precision {wl.precision.value} is not modelled for MoE layers",

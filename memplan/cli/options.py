@@ -21,6 +21,7 @@ from typing import Annotated, Any, NamedTuple, Optional
 import typer
 
 from memplan import arguments
+from memplan.errors import MemplanError
 from memplan.hardware import DEFAULT_GPU
 from memplan.model.pipeline import Schedule
 from memplan.parallel import GradBuffers, Offload, ParallelConfig, TpStyle
@@ -96,9 +97,10 @@ TpStyleOpt = Annotated[Optional[TpStyle], typer.Option(
 GradBuffersOpt = Annotated[Optional[GradBuffers], typer.Option(
     "--grad-buffers", help="ZeRO 0/1 data parallel: gradients as views of persistent buffers "
     "(Megatron-LM) or DDP's default copy into buckets.", rich_help_panel=_LAYOUT)]
-OffloadOpt = Annotated[Offload, typer.Option(
-    "--offload", help="optimizer: fp32 master weights, states and the step in host memory "
-    "(ZeRO-Offload; needs --zero 1-3).", rich_help_panel=_LAYOUT)]
+OffloadOpt = Annotated[str, typer.Option(
+    "--offload", help="Comma list of what lives in host memory: optimizer (states and step; "
+    "ZeRO-Offload with --zero 1-3, torchao CPUOffloadOptimizer without), activations "
+    "(save_on_cpu), params (FSDP2 CPUOffloadPolicy, --zero 3).", rich_help_panel=_LAYOUT)]
 Zero = Annotated[ZeroChoice, typer.Option(
     "--zero", help="ZeRO stage: 1 optimizer states, 2 + gradients, 3 (FSDP) + parameters.",
     rich_help_panel=_LAYOUT)]
@@ -200,6 +202,15 @@ def _value(choice: enum.Enum | None) -> Any:
     return None if choice is None else choice.value
 
 
+def _offload(value: str) -> str:
+    """``--offload``'s comma list, its names checked here so the error names the flag."""
+    names = {kind.value for kind in Offload}
+    if value != "none" and not set(value.split(",")) <= names:
+        raise MemplanError("--offload must be none or a comma list of optimizer, activations, "
+                           f"params, got {value!r}")
+    return value
+
+
 def _zero(choice: ZeroChoice | None) -> int | None:
     return None if choice is None else int(choice.value)
 
@@ -240,7 +251,7 @@ SHARED: dict[str, Shared] = {
     "vocab_parallel": Shared(VocabParallel, _PAR["vocab_parallel"].default),
     "tp_style": Shared(TpStyleOpt, None, _value),
     "grad_buffers": Shared(GradBuffersOpt, None, _value),
-    "offload": Shared(OffloadOpt, _PAR["offload"].default, _value),
+    "offload": Shared(OffloadOpt, "none", _offload),
     "zero": Shared(Zero, ZeroChoice.Z0, _zero),
     "mbs": Shared(Mbs, _WL["micro_batch_size"].default),
     "gbs": Shared(Gbs, None),

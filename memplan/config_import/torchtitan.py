@@ -342,8 +342,12 @@ def _precision(toml: _Toml, imp: Imported, degrees: dict[str, int]) -> None:
         imp.set(f"{t}.mixed_precision_param", param, "precision", "amp-bf16",
                 "maybe_enable_amp: torch.autocast for DDP or one rank")
     if toml.get(t, "enable_cpu_offload", bool, False):
-        raise imp.refuse(f"{t}.enable_cpu_offload", True,
-                         "FSDP2's CPU offload of parameters and gradients is not modelled")
+        if not degrees["fsdp"]:
+            raise imp.refuse(f"{t}.enable_cpu_offload", True,
+                             "CPU offload without FSDP is not modelled")
+        imp.set(f"{t}.enable_cpu_offload", True, "offload", "params",
+                "fully_shard(offload_policy=CPUOffloadPolicy()): sharded weights, gradients "
+                "and the optimizer step on the host")
 
 
 # selective_ac_option n: a process-wide count of the blocks wrapped, each rank's model parts

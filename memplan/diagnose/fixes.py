@@ -116,7 +116,7 @@ def candidates(est: Estimate) -> list[tuple[str, str, dict[str, Any]]]:
     if wl.loss_chunks == 1 and chunks > 1:
         out.append((f"chunked cross-entropy ({chunks} chunks)", f"--loss-chunks {chunks}",
                     {"loss_chunks": chunks}))
-    if par.offload is Offload.NONE and wl.precision is not Precision.FSDP_BF16:
+    if not par.offload and wl.precision is not Precision.FSDP_BF16:
         zero = {} if par.zero >= ZeroStage.OPTIMIZER else {"zero": 1}
         out.append(("optimizer offloaded to the host",
                     "--offload optimizer" + (" --zero 1" if zero else ""),

@@ -39,17 +39,18 @@ from memplan.model.stage import (
     stage_record,
     walk_stage,
 )
+from memplan.model.offload import offload_assumptions
 from memplan.model.stage_parts import StageKinds, StageStates
 from memplan.overheads import Overheads, default_overheads
 from memplan.parallel import (
     GradBuffers,
-    Offload,
     ParallelConfig,
     ZeroStage,
     pipeline_stage,
     resolve_batch,
     resolve_split,
     validate,
+    zero_offload,
 )
 from memplan.spec import ModelSpec
 from memplan.workload import Framework, Workload
@@ -293,7 +294,8 @@ def _assumptions(par: ParallelConfig, wl: Workload, schedule: Schedule,
         "MoE routing balanced across experts (no capacity drop, no imbalance)",
         *(("optimizer offloaded to host memory: fp32 master weights, states, an fp32 gradient "
            "copy and the step on the CPU (ZeRO-Offload); the GPU keeps weights and gradients",)
-          if par.offload is Offload.OPTIMIZER else ()),
+          if zero_offload(par) else ()),
+        *offload_assumptions(par),
         *((note,) if (note := optimizer_policy(wl.optimizer).note) else ()),
         f"cuda context: {ovh.cuda_context_source}",
         f"workspace: {ovh.workspace_source}",

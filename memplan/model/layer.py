@@ -21,10 +21,11 @@ Every moment was read off traces of the reference model with the exact tracker
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 from memplan.model.attention import Attention, WindowAttention, windowed
-from memplan.model.block import Block
+from memplan.model.block import BackwardMoment, Block
 from memplan.model.dims import FP32_BYTES, Dims, Term, total
 from memplan.model.mla import Mla
 from memplan.model.mlp import Mlp
@@ -211,8 +212,13 @@ def layer_cast_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, moe_layer: b
 
 
 def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
-                     recompute: Recompute, sliding: bool = False) -> list[LayerMoment]:
-    """The local peaks of one layer's backward, in backward order (see the module docstring)."""
+                     recompute: Recompute, sliding: bool = False,
+                     host_saved: Callable[[Block, BackwardMoment], int] | None = None
+                     ) -> list[LayerMoment]:
+    """The local peaks of one layer's backward, in backward order (see the module docstring).
+    ``host_saved``: its saved tensors wait in host memory (``memplan.model.offload``): at a
+    block's moment the blocks before it hold nothing on the GPU and the block holds what
+    ``host_saved(block, moment)`` says its running node copied back."""
     blocks = layer_blocks(spec, moe_layer, sliding)
     policy = Recompute.NONE if recompute is Recompute.FULL else recompute  # what is rebuilt
     stream = dm.stream(spec.hidden_size)
@@ -245,8 +251,9 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
                     for m in block.rebuild_moments(spec, wl, dm)]
     later: tuple[str, ...] = ()  # the blocks whose backward has run: all their gradients
     for block, before in reversed(list(zip(blocks, prior))):
-        out += [LayerMoment(m.name, extra + before + m.own_bytes, incoming + m.transient_bytes,
-                               later + m.grads, m.fresh_params)
+        out += [LayerMoment(m.name, extra + (host_saved(block, m) if host_saved
+                                             else before + m.own_bytes),
+                            incoming + m.transient_bytes, later + m.grads, m.fresh_params)
                 for m in block.backward_moments(spec, wl, dm, policy)]
         later += (block.name,)
     return out

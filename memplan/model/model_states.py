@@ -23,7 +23,17 @@ from memplan.model.mtp import depth_tensor_shapes as mtp_depth_tensor_shapes
 from memplan.model.mtp import embedding_copy, mtp_layer_index
 from memplan.model.optimizer import optimizer_policy
 from memplan.model.trainable import ALL, Trained, TrainablePolicy
-from memplan.parallel import ExpertSplit, Offload, ParallelConfig, ZeroStage, vocab_shard
+from memplan.model.offload import cpu_offload_policy, host_optimizer_states
+from memplan.parallel import (
+    ExpertSplit,
+    Offload,
+    ParallelConfig,
+    ZeroStage,
+    host_optimizer,
+    optimizer_on_host,
+    vocab_shard,
+    zero_offload,
+)
 from memplan.spec import ModelSpec, param_counts
 from memplan.units import FP32_BYTES, ceil_div
 from memplan.workload import FsdpUnits, Workload
@@ -167,7 +177,20 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
     steps = optimizer.step_counter_bytes(wl.optimizer_impl, len(trained.tensor_sizes), shapes)
     params_bytes = held(params.dense, params.expert, ZeroStage.PARAMETERS) * policy.param_bytes
     grads_bytes = held(trained.dense, trained.expert, ZeroStage.GRADIENTS) * policy.grad_bytes
-    if par.offload is Offload.OPTIMIZER:
+    num_tensors = len(trained.tensor_sizes)
+    if Offload.PARAMS in par.offload:  # FSDP2's CPUOffloadPolicy (memplan.model.offload)
+        moved = cpu_offload_policy(held(params.dense, params.expert, ZeroStage.PARAMETERS),
+                                   opt_params, num_tensors, policy, optimizer)
+        return StateBytes(params_bytes=moved.params_bytes, grads_bytes=moved.grads_bytes,
+                          optimizer_bytes=0, master_bytes=0, num_optimizer_params=opt_params,
+                          host_bytes=moved.host_bytes)
+    if host_optimizer(par):  # torchao's CPUOffloadOptimizer (memplan.model.offload)
+        device, host = host_optimizer_states(trained.tensor_sizes, policy, optimizer)
+        scaler = GRAD_SCALER_STATE_BYTES if policy.grad_scaler else 0  # stays on the device
+        return StateBytes(params_bytes=params_bytes, grads_bytes=grads_bytes,
+                          optimizer_bytes=device + scaler, master_bytes=0,
+                          num_optimizer_params=opt_params, host_bytes=host, scaler_bytes=scaler)
+    if zero_offload(par):
         # the CPU optimizer keeps an fp32 master copy even when the GPU trains in fp32
         # (DeepSpeed's CPU-Adam updates its own fp32 partition), its states, and reads an fp32
         # copy of the gradient shard; the step counters stay on the host
@@ -214,7 +237,7 @@ def optimizer_step_temp_bytes(params: StageParams, st: StateBytes, par: Parallel
     the unified-memory pages of the tensor it updates, prefetched to the device.
     """
     policy = wl.precision.policy
-    if par.offload is Offload.OPTIMIZER:  # the step runs on the host
+    if optimizer_on_host(par):  # the step runs on the host
         return 0
     optimizer = optimizer_policy(wl.optimizer)
     shapes: tuple[tuple[int, ...], ...] = ()

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
+from functools import partial
 from typing import NamedTuple
 
 from memplan.model import memo
@@ -27,7 +28,7 @@ from memplan.model.grad_sync import (
     with_new_grads,
 )
 from memplan.model.head import HeadBlock
-from memplan.model.layer import LayerKind, merge_terms
+from memplan.model.layer import LayerKind, backward_moments, merge_terms
 from memplan.model.moments import Segment, peak_of
 from memplan.model.pipeline import Schedule
 from memplan.model.stage_parts import LayerKey, StageKinds, StageStates
@@ -35,10 +36,16 @@ from memplan.model.sharding import with_stream
 from memplan.model.stage_terms import StageTerms
 from memplan.model.walk import Walk, backward_peak, forward_peaks
 from memplan.overheads import Overheads
-from memplan.parallel import ParallelConfig, ZeroStage
+from memplan.model.offload import (
+    host_activation_bytes,
+    kept_cache_bytes,
+    saved_on_host,
+    unpacked_bytes,
+)
+from memplan.parallel import Offload, ParallelConfig, ZeroStage
 from memplan.spec import ModelSpec, norm_params
 from memplan.units import PHASES
-from memplan.workload import Workload
+from memplan.workload import Recompute, Workload
 
 # A layer kind's entry in a walk: its kind, its parameters' gradient bytes, and the gradient
 # bytes of each of its moment groups (``StageTerms.moment_params``).
@@ -91,6 +98,8 @@ class StageMemory:
     # line: peak_bytes = tensor_peak + calibration + context + workspace + allocator
     calibration_bytes: int = 0
     host_bytes: int = 0  # offloaded to host memory (not in peak_bytes): ``StateBytes.host_bytes``
+    #                      and ``host_activations_bytes``
+    host_activations_bytes: int = 0  # ... of it, the saved activations (``Offload.ACTIVATIONS``)
     # with a calibration applied, ``steady`` and ``first_step`` are the calibrated phase peaks
     # (their largest is tensor_peak + calibration) and these the analytic ones: (steady,
     # first step); None for an analytic estimate
@@ -141,6 +150,11 @@ def stage_record(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, sta
               (1, tuple(shared.head if fx.last else ())),
               *((n, w.entries[k][0].terms) for k, n in w.kinds.counts.items())]
     tensor_peak = w.tensor_peak
+    host_activations = (host_activation_bytes(
+        [(shared.kinds[k].saved_bytes, k[1] is Recompute.FULL, n)
+         for k, n in w.kinds.counts.items()], max(fx.params.layers) * shared.dm.e,
+        shared.rope_bytes * par.vpp, max(w.in_flight))
+        if Offload.ACTIVATIONS in par.offload else 0)
     return StageMemory(
         stage=stage, num_layers=len(w.kinds.keys), num_params=fx.params.total,
         params_bytes=st.params_bytes, grads_bytes=st.grads_bytes,
@@ -157,8 +171,9 @@ def stage_record(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, sta
         first_step=w.first_step,
         tensor_peak_bytes=tensor_peak, cuda_context_bytes=ovh.cuda_context_bytes,
         workspace_bytes=ovh.workspace_bytes, allocator_bytes=ovh.allocator_bytes(tensor_peak),
-        peak_bytes=rank_peak_bytes(tensor_peak, ovh), host_bytes=st.host_bytes,
-        paged_bytes=st.paged_bytes,
+        peak_bytes=rank_peak_bytes(tensor_peak, ovh),
+        host_bytes=st.host_bytes + host_activations,
+        host_activations_bytes=host_activations, paged_bytes=st.paged_bytes,
     )
 
 
@@ -167,13 +182,26 @@ def rank_peak_bytes(tensor_peak: int, ovh: Overheads) -> int:
     return tensor_peak + ovh.fixed_bytes + ovh.allocator_bytes(tensor_peak)
 
 
-def _entries(par: ParallelConfig, shared: StageTerms, fx: StageStates,
-             kinds: StageKinds) -> Entries:
+def _entries(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTerms,
+             fx: StageStates, kinds: StageKinds) -> Entries:
     """Each layer kind of the stage with its gradient bytes (``Entries``)."""
     per_param = fx.grad_per_param
     entries: Entries = {}
+    offloaded = Offload.ACTIVATIONS in par.offload
     for key, pos in kinds.positions.items():
         kind = shared.kinds[key]
+        if offloaded:
+            # a fully recomputed layer's rerun saves on the GPU (the checkpoint's own hooks):
+            # only its checkpointed input waits on the host
+            unpacked = partial(unpacked_bytes, spec, shared.dm)
+            kind = saved_on_host(kind, memo.layer_kind(spec, wl, shared.dm, key[0],
+                                                       Recompute.FULL, *key[2:]),
+                                 backward_moments(spec, wl, shared.dm, moe_layer=key[0],
+                                                  recompute=key[1], sliding=bool(key[2:]),
+                                                  host_saved=None if key[1] is Recompute.FULL
+                                                  else unpacked),
+                                 shared.dm.stream(spec.hidden_size),
+                                 kept_cache_bytes(spec, wl, shared.dm, key[1], bool(key[2:])))
         moment_grads = tuple(whole_bytes(n, per_param) for n in shared.moment_params[key])
         if fx.main_grads and par.zero < ZeroStage.GRADIENTS:
             # the weight whose gradient was just made holds it in the compute dtype: its fp32
@@ -216,8 +244,14 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
         fx = fx._replace(grad_per_param=Fraction(wl.precision.policy.grad_bytes),
                          dp=unsynced(fx.dp, root_new))
     st = fx.states
+    # rope tables only the decoder layers save: with their saved tensors on the host they are
+    # alive through the forward alone (``memplan.model.offload.saved_on_host``), unless a
+    # checkpointed layer keeps them (its inputs, held by the checkpoint itself)
+    host_rope = (shared.rope_bytes * par.vpp if Offload.ACTIVATIONS in par.offload
+                 and all(key[1] is not Recompute.FULL for key in kinds.keys) else 0)
+    shared = shared._replace(rope_bytes=0) if host_rope else shared
     flight = memo.in_flight(par.pp, par.vpp, m, stage, schedule, par.vpp_group)
-    entries = _entries(par, shared, fx, kinds)
+    entries = _entries(spec, par, wl, shared, fx, kinds)
     walk, activations, one_mb = _walk(spec, par, wl, shared, fx, kinds, entries, flight)
     # the output layer's deferred weight gradient (``memplan.model.deferred_wgrad``)
     dfr = deferred(spec, wl, shared.dm, m, flight[-1]) if fx.last else Deferred()
@@ -228,7 +262,7 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
                                       fx.shard.grad_bytes, output_shard, wl.keep_grads)
     else:
         grads = _gradients(wl, fx, walk, m)
-    forward = _forward(shared, fx, walk, dfr.before_forward - dfr.before_backward)
+    forward = _forward(shared, fx, walk, dfr.before_forward - dfr.before_backward + host_rope)
     base = st.params_bytes + fx.buckets + fx.buffers
     # the logits a training loop keeps from the loss are alive at the optimizer step
     optimizer = peak_of([Segment((walk.head.loop_logits(),)), fx.step])
@@ -316,14 +350,15 @@ def _gradients(wl: Workload, fx: StageStates, walk: Walk, m: int) -> tuple[int, 
 
 
 def _forward(shared: StageTerms, fx: StageStates, walk: Walk,
-             deferred_less: int = 0) -> Callable[[bool], int]:
+             forward_extra: int = 0) -> Callable[[bool], int]:
     """The forward's activation peak in step 1 or from step 2 on (``steady``: where the loop
     holds the previous step's logits until the loss; ``memplan.model.walk.forward_peaks``);
-    ``deferred_less``: the deferred pairs alive at the forward less those at the backward
-    (``walk.rest_saved`` holds the latter)."""
+    ``forward_extra``: inputs alive through the forward beyond those at the backward
+    (``walk.rest_saved``): the deferred pairs alive at the forward less those at the
+    backward, and rope tables saved on the host."""
     # The targets exist from the step's start (the ids the loop holds are no input of the
     # graph); the loss scalars from the loss on.
-    inputs = (walk.rest_saved + deferred_less
+    inputs = (walk.rest_saved + forward_extra
               - (shared.batch_bytes - shared.targets_bytes if fx.last else 0))
     return forward_peaks(walk.runs, walk.sharding, walk.other_bytes, inputs, walk.head)
 

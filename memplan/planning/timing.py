@@ -33,7 +33,7 @@ from memplan.model.mtp import mtp_flops_per_token, mtp_layer_index
 from memplan.model.optimizer import optimizer_policy
 from memplan.model.pipeline import stage_layers
 from memplan.model.sac import recomputed
-from memplan.parallel import Offload, ParallelConfig, ZeroStage, local_seq, rank_layers
+from memplan.parallel import ParallelConfig, ZeroStage, local_seq, rank_layers, optimizer_on_host
 from memplan.spec import ModelSpec
 from memplan.units import FP32_BYTES
 from memplan.workload import Recompute, SelectiveImpl, Workload
@@ -291,7 +291,7 @@ class Columns(NamedTuple):
                    sp=np.array([p.sequence_parallel for p in layouts], dtype=bool),
                    mbs=np.array(mbs, dtype=np.int64), m=np.array(m, dtype=np.int64),
                    params_on_rank=np.array(params_on_rank, dtype=np.int64),
-                   offload=np.array([p.offload is Offload.OPTIMIZER for p in layouts],
+                   offload=np.array([optimizer_on_host(p) for p in layouts],
                                     dtype=bool),
                    layers=np.array([_busiest_layers(num_layers, p) for p in layouts],
                                    dtype=np.int64),
@@ -303,7 +303,7 @@ class Columns(NamedTuple):
             num_layers: int, balance: float = 1.0) -> Columns:
         return cls(tp=par.tp, pp=par.pp, vpp=par.vpp, dp=par.dp, cp=par.cp, ep=par.ep,
                    zero=int(par.zero), sp=par.sequence_parallel, mbs=mbs, m=m,
-                   params_on_rank=params_on_rank, offload=par.offload is Offload.OPTIMIZER,
+                   params_on_rank=params_on_rank, offload=optimizer_on_host(par),
                    layers=_busiest_layers(num_layers, par), shard=par.shard_group,
                    balance=balance, ops=_Numbers)
 
@@ -458,7 +458,9 @@ def _host_seconds(gpu: GpuSpec, wl: Workload, c: Columns) -> tuple[Any, Any]:
     gradient and the states, writes the weights and states back and writes the compute-dtype
     copy sent to the GPU (Adam: 30 bytes per parameter in bf16). At peak bandwidth this is
     a lower bound on the step's time."""
-    shard = c.params_on_rank / (c.dp * c.cp)  # the rank's optimizer partition (ZeRO >= 1)
+    # the rank's optimizer partition (ZeRO >= 1); without ZeRO (torchao's CPUOffloadOptimizer)
+    # every rank steps all its parameters
+    shard = c.params_on_rank / c.ops.where(c.zero >= 1, c.dp * c.cp, 1)
     e = wl.compute_dtype.itemsize
     down = shard * wl.precision.policy.grad_bytes / gpu.host_link_bytes_per_s
     up = shard * e / gpu.host_link_bytes_per_s

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from memplan.errors import MemplanError
-from memplan.parallel import ParallelConfig
+from memplan.parallel import Offload, ParallelConfig
 from memplan.profile.reference import ReferenceModel
 from memplan.profile.trace import (
     SyncContext,
@@ -103,6 +103,35 @@ class ParallelTracker(MemoryTracker):
         for entry in self.born_since(before).values():
             moved += self.move(entry, category)
         return moved
+
+
+class HostOffloadTracker(ParallelTracker):
+    """``ParallelTracker`` for FSDP2 with ``CPUOffloadPolicy`` on a CPU-only build, where the
+    host and the device are the same memory: the totals (and so the phase peaks) count the
+    device alone. Host memory is the categories ``HOST``: the sharded weights
+    (``parameters``), the sharded gradients FSDP2 copies to the host after each
+    reduce-scatter (``gradients``, relabelled by a post-accumulate-grad hook FSDP2 calls on
+    each sharded parameter), the optimizer's states and whatever the optimizer step makes
+    (it runs on the host copies: ``optimizer``). ``by_category`` still counts all."""
+
+    HOST = ("parameters", "gradients", "optimizer")
+
+    @property  # type: ignore[override]
+    def total_bytes(self) -> int:
+        return sum(v for k, v in self.by_category.items() if k not in self.HOST)
+
+    @total_bytes.setter
+    def total_bytes(self, value: int) -> None:  # the base class's running sum: derived here
+        pass
+
+    def _add(self, st: torch.UntypedStorage, category: str) -> None:
+        super()._add(st, "optimizer" if self.phase == "optimizer" else category)
+
+
+def _host_gradients(model: nn.Module, tracker: ParallelTracker) -> None:
+    """Label each sharded gradient host memory as FSDP2 assigns it (``HostOffloadTracker``)."""
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda q: tracker.relabel(q.grad, "gradients"))
 
 
 OnModel = Callable[[nn.Module, ParallelTracker], None]
@@ -162,11 +191,14 @@ def trace_rank(spec: ModelSpec, par: ParallelConfig, wl: Workload, *, steps: int
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device, (par.world_size,))
-    tracker = ParallelTracker(timeline=timeline)
+    offload = Offload.PARAMS in par.offload
+    tracker = (HostOffloadTracker if offload else ParallelTracker)(timeline=timeline)
     with _fake_mode() if fake else contextlib.nullcontext():
         torch.manual_seed(0)  # every rank builds the same replicated weights
         if kind == "fsdp":
-            model = _fsdp_model(spec, wl, mesh, device)
+            model = _fsdp_model(spec, wl, mesh, device, offload)
+            if offload:
+                _host_gradients(model, tracker)
         elif kind == "tp":
             model = _tp_model(spec, wl, mesh, par.sequence_parallel, device)
         else:
@@ -253,8 +285,10 @@ def gloo_late_bytes(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> int:
 
 # --- FSDP2 ---------------------------------------------------------------------------------
 
-def _fsdp_model(spec: ModelSpec, wl: Workload, mesh, device: str = "cpu") -> nn.Module:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def _fsdp_model(spec: ModelSpec, wl: Workload, mesh, device: str = "cpu",
+                offload: bool = False) -> nn.Module:
+    """``offload``: FSDP2's ``CPUOffloadPolicy`` (unpinned: a CPU-only build cannot pin)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     # fp32 weights (FSDP2 keeps fp32 shards and casts the gathered copy), but the forward's own
     # tensors (RoPE tables, eager mask) in the compute dtype, as the model reads them from
@@ -267,9 +301,10 @@ def _fsdp_model(spec: ModelSpec, wl: Workload, mesh, device: str = "cpu") -> nn.
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
         mp = MixedPrecisionPolicy()
+    policy = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if offload else {}
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(block, mesh=mesh, mp_policy=mp, **policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp, **policy)
     return model
 
 

@@ -53,6 +53,7 @@ from memplan.model.estimate import PHASES, estimate
 from memplan.overheads import no_overheads
 from memplan.parallel import ParallelConfig
 from memplan.profile.compare import Comparison, Row, rows
+from memplan.profile.offload import HostSaved, offload_layers
 from memplan.profile.cuda_rules import autocast_rules, cuda_kernels
 from memplan.profile.step import relabel_states
 from memplan.profile.trace import StepMeasure, TraceResult
@@ -117,6 +118,7 @@ class Built:
     step: StepFn  # step(k, mark): one training step; mark(phase) at each phase change
     optimizer: torch.optim.Optimizer | None = None
     context: Callable[[MemoryTracker], contextlib.AbstractContextManager] | None = None
+    host: Any = None  # what the step put in host memory (``memplan.profile.offload``)
 
 
 @dataclass(frozen=True)
@@ -308,7 +310,10 @@ def build_hf(case: FrameworkCase) -> Built:
     ``clip_grad_norm_(max_norm=1.0)``, ``optimizer.step()`` and ``zero_grad(set_to_none=True)``.
 
     options: ``attn`` (``"sdpa"``, default, or ``"eager"``), ``keep_output`` (True: the loop
-    holds the model's output, logits included, through backward)."""
+    holds the model's output, logits included, through backward), ``offload``
+    (``"activations"``: the decoder layers' saved tensors packed to the host as
+    ``save_on_cpu`` does, ``memplan.profile.offload``; estimated with ``offload``),
+    ``recompute`` (``"full"``: ``gradient_checkpointing_enable``, non-reentrant)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     rec = recipe(case.recipe)
@@ -319,10 +324,21 @@ def build_hf(case: FrameworkCase) -> Built:
     opt = _fused_adamw([p for p in model.parameters() if p.requires_grad])
     b, s, vocab = case.micro_batch_size, case.seq_len, model.config.vocab_size
     keep = case.options.get("keep_output", False)
+    offload = case.options.get("offload", "none")
+    recompute = case.options.get("recompute", "none")
+    if recompute == "full":  # Trainer's gradient_checkpointing=True, non-reentrant
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    host = HostSaved()
+    def offloading() -> contextlib.AbstractContextManager:
+        base = model.base_model  # the decoder layers: ``layers`` (Llama, Qwen, ...), ``h`` (GPT-2)
+        layers = getattr(base, "layers", None) or base.h
+        return (offload_layers(layers, host) if "activations" in offload
+                else contextlib.nullcontext())
 
     def step(k: int, mark: Mark) -> None:
         ids = torch.randint(0, vocab, (b, s))
-        with _autocast(rec):
+        host.host_bytes = 0
+        with _autocast(rec), offloading():
             out = model(input_ids=ids, labels=ids)
         loss = out.loss
         if not keep:
@@ -338,9 +354,11 @@ def build_hf(case: FrameworkCase) -> Built:
     # described by the framework and the knobs a user sets: the recipe, the batch, the
     # attention implementation (memplan.presets has what transformers runs)
     workload = dict(framework="hf", micro_batch_size=b, seq_len=s, precision=rec.name,
-                    attention="flash" if attn == "sdpa" else "eager")
+                    attention="flash" if attn == "sdpa" else "eager",
+                    **({"recompute": recompute} if recompute != "none" else {}))
     # the config's use_cache reaches the estimate through the spec (the hf preset's kv_cache)
-    return Built("transformers", model, spec, api.make_layout(1), workload, step, opt)
+    return Built("transformers", model, spec, api.make_layout(1, offload=offload), workload,
+                 step, opt, host=host)
 
 
 BUILDERS["transformers"] = build_hf

@@ -6,7 +6,7 @@ from typing import Any
 
 from memplan.errors import MemplanError
 from memplan.model.estimate import PHASES, Estimate, PhasePeaks, StageMemory
-from memplan.parallel import virtual_stage_layers
+from memplan.parallel import offload_names, virtual_stage_layers
 from memplan.planning.timing import DEFAULT_MFU, StepTime, estimate_step_time
 from memplan.report.sizes import format_gib, gib
 
@@ -36,6 +36,8 @@ def stage_json(s: StageMemory) -> dict[str, Any]:
         "peak_bytes": s.peak_bytes,
         "host_bytes": s.host_bytes,
         **({"paged_bytes": s.paged_bytes} if s.paged_bytes else {}),
+        **({"host_activations_bytes": s.host_activations_bytes}
+           if s.host_activations_bytes else {}),
         "peak_phase": s.peak_phase,
         # calibrated when a profile was applied (their largest: tensor peak + calibration),
         # with the analytic ones beside them; analytic otherwise (analytic_phases null)
@@ -60,7 +62,7 @@ def estimate_json(est: Estimate) -> dict[str, Any]:
         "layout": {"tp": par.tp, "pp": par.pp, "vpp": par.vpp, "dp": par.dp, "cp": par.cp,
                    "ep": par.ep, "zero": int(par.zero), "sp": par.sequence_parallel,
                    "vocab_parallel": par.vocab_parallel, "tp_style": par.tp_style.value,
-                   "grad_buffers": par.grad_buffers.value, "offload": par.offload.value,
+                   "grad_buffers": par.grad_buffers.value, "offload": offload_names(par.offload),
                    "stage_layers": list(virtual_stage_layers(est.spec.num_layers, par)),
                    "dp_shard": par.shard_group, "replicas": par.replicas,
                    # only when given: the experts split by tp otherwise
@@ -166,7 +168,9 @@ def render_estimate(est: Estimate) -> Any:
         ("CUDA context", "cuda_context_bytes"),
         ("cuBLAS workspace", "workspace_bytes"), ("allocator reserve", "allocator_bytes"),
         ("peak per GPU", "peak_bytes"),
-        *([("host memory (offloaded optimizer)", "host_bytes")] if worst.host_bytes else []),
+        *([("host memory (offloaded)", "host_bytes")] if worst.host_bytes else []),
+        *([("... of it, saved activations", "host_activations_bytes")]
+          if worst.host_activations_bytes else []),
         *([("unified memory (paged optimizer states)", "paged_bytes")] if worst.paged_bytes
           else []),
     ]

@@ -274,7 +274,6 @@ def test_torchtitan_float8_run_of_the_accuracy_table(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("edit", "key"), [
     (("fsdp_reshard_after_forward", '"never"'), "fsdp_reshard_after_forward"),
-    (("enable_cpu_offload", "true"), "enable_cpu_offload"),
     (("flavor", '"3B"'), "model.name/flavor"),
     (("mode", '"memory_budget"'), "activation_checkpoint.mode"),
     (("pipeline_parallel_schedule", '"ZBVZeroBubble"'), "pipeline_parallel_schedule"),
@@ -295,6 +294,16 @@ def test_torchtitan_refuses_by_name(tmp_path: Path, edit: tuple[str, str], key: 
     with pytest.raises(MemplanError) as err:
         torchtitan.read(path, 64)
     assert key in str(err.value) and "\n" not in str(err.value)
+
+
+def test_torchtitan_cpu_offload_is_params(tmp_path: Path) -> None:
+    """training.enable_cpu_offload: torchtitan passes CPUOffloadPolicy() to fully_shard, which
+    is --offload params."""
+    text = (TITAN / "llama3_8b.toml").read_text().replace(
+        "[training]", "[training]\nenable_cpu_offload = true")
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    assert torchtitan.read(path, 64).inputs["offload"] == "params"
 
 
 def test_torchtitan_pipeline_stages(tmp_path: Path) -> None:

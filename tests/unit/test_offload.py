@@ -1,4 +1,4 @@
-"""Optimizer offload (ZeRO-Offload): what leaves the GPU, what the host holds, what it costs.
+"""Optimizer offload with ZeRO (ZeRO-Offload): what leaves the GPU, what the host holds, what it costs.
 
 Hand derivations for Llama-2-7B (6,738,415,616 parameters) on 8 H100s, ZeRO-1: each rank's
 optimizer partition is ceil(6,738,415,616 / 8) = 842,301,952 parameters.
@@ -58,16 +58,21 @@ def test_offload_never_raises_a_peak(kwargs: dict) -> None:
         assert b.steady.optimizer < a.steady.optimizer
 
 
-def test_needs_a_zero_stage(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(MemplanError, match=r"offload optimizer needs ZeRO stage 1, 2 or 3"):
+def test_refusals_name_the_field(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without ZeRO the optimizer offload is torchao's CPUOffloadOptimizer, which keeps no
+    master copy: bf16-mixed is refused; params need zero 3; an unknown name is refused."""
+    with pytest.raises(MemplanError, match=r"offload optimizer with zero 0 \(torchao"):
         memplan.estimate("llama-2-7b", gpus=8, offload="optimizer")
-    with pytest.raises(MemplanError, match="offload must be none or optimizer"):
+    with pytest.raises(MemplanError, match="offload must be none or a comma list of optimizer, "
+                                           "activations, params, got 'gpu'"):
+        memplan.estimate("llama-2-7b", gpus=8, zero=1, offload="gpu")
+    with pytest.raises(MemplanError, match="offload params needs zero 3"):
         memplan.estimate("llama-2-7b", gpus=8, zero=1, offload="params")
     assert main(["estimate", "--model", "llama-2-7b", "--gpus", "8",
                  "--offload", "optimizer"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
-    assert err.startswith("memplan: error: offload optimizer needs ZeRO stage 1, 2 or 3")
+    assert err.startswith("memplan: error: offload optimizer with zero 0 (torchao")
 
 
 def test_step_time_adds_the_host_terms() -> None:
