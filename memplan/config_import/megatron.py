@@ -498,7 +498,8 @@ class _Reader:
         if given:
             raise self.refuse(flag, f"Megatron takes it with no other split flag ({given[0]})")
         try:
-            vpp, split = megatron_layout.stage_split(text, pp, layers)
+            vpp, split = megatron_layout.stage_split(
+                text, pp, layers, self.int("--mtp-num-layers", None) or 0)
         except ValueError as err:
             raise self.refuse(flag, str(err)) from None
         if vpp > 1:

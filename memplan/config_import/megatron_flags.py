@@ -20,18 +20,14 @@ def mtp(r: _Reader) -> None:
     (``mtp_on_this_rank`` without a custom layout), each a transformer layer of the decoder's
     last layer's spec, enorm/hnorm, a 2h -> h ``eh_proj`` and a final norm, with the stage's
     copy of the embedding, the concatenated (1 + D) x [s, b, h] hidden states and one set of
-    logits and one loss per depth. A custom --pipeline-model-parallel-layout can place the
-    modules elsewhere: refused with D. --mtp-loss-scaling-factor only scales the losses'
-    gradient (no memory)."""
+    logits and one loss per depth. --mtp-loss-scaling-factor only scales the losses'
+    gradient (no memory). A custom --pipeline-model-parallel-layout is read by
+    ``memplan.config_import.megatron_layout``, which accepts its ``m`` only in the last
+    stage."""
     depth = r.int("--mtp-num-layers", None)
     r.float("--mtp-loss-scaling-factor", 0.1)  # a scale of the loss: no tensor
     if not depth:
         return
-    if r.has("--pipeline-model-parallel-layout"):
-        raise r.refuse("--pipeline-model-parallel-layout",
-                       "with --mtp-num-layers a custom layout may place the MTP modules on "
-                       "any stage (multi_token_prediction.py mtp_on_this_rank); memplan puts "
-                       "them on the last stage, as megatron-core does without a layout")
     r.imp.set("--mtp-num-layers", depth, "mtp_layers", depth,
               f"{depth} multi-token prediction depth(s) on the last stage: a layer, norms, "
               "eh_proj, the embedding's copy, and one more set of logits and loss each")

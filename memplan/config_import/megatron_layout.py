@@ -6,8 +6,12 @@ The string is read as megatron/core/transformer/pipeline_parallel_layer_layout.p
 ``x*n`` unrolled, stages split on ``|``; ``E`` the embedding, ``t`` a decoder layer, ``L`` the
 loss, ``m`` an MTP layer) and checked as its ``__init__`` and ``validate_layer_layout`` check
 it: the stages divide over pp (vpp = stages / pp; stage ``c * pp + r`` is model chunk ``c`` of
-rank ``r``, memplan's order), the embedding first and the loss last, each once, and as many
-``t`` as --num-layers. torch-free.
+rank ``r``, memplan's order), the embedding first and the loss last, each once, as many
+``t`` as --num-layers and as many ``m`` as --mtp-num-layers, no ``t`` after an ``m``.
+memplan places the MTP layers where megatron-core does without a layout: all in the last
+virtual stage of the last rank (``memplan.model.stage_parts.build_kinds``); a layout that puts
+an ``m`` in any other stage (Megatron's "standalone" MTP stage, ``validate_layer_layout``'s
+``mtp_standalone``) is refused by name. torch-free.
 """
 
 from __future__ import annotations
@@ -38,9 +42,11 @@ def _unroll(text: str) -> str:
     return text
 
 
-def stage_split(layout: str, pp: int, num_layers: int) -> tuple[int, tuple[int, ...]]:
+def stage_split(layout: str, pp: int, num_layers: int,
+                mtp_layers: int = 0) -> tuple[int, tuple[int, ...]]:
     """(vpp, decoder layers of each virtual stage in order) of a layout string, or
-    ``ValueError`` saying which of Megatron's checks it fails."""
+    ``ValueError`` saying which of Megatron's checks it fails or where the MTP layers (``m``,
+    ``mtp_layers`` of them) sit outside the last stage memplan models them on."""
     if len(layout) > MAX_LAYOUT_CHARS:
         raise ValueError(f"is {len(layout):,} characters long, more than a layout of "
                          f"{MAX_LAYERS} layers")
@@ -54,9 +60,23 @@ def stage_split(layout: str, pp: int, num_layers: int) -> tuple[int, tuple[int, 
     if not flat.startswith("E") or not flat.endswith("L") or flat.count("E") != 1 \
             or flat.count("L") != 1:
         raise ValueError("needs the embedding (E) first and the loss (L) last, each once")
-    if "m" in flat:
-        raise ValueError("places MTP layers (m), which memplan does not model")
+    _check_mtp(stages, mtp_layers)
     if flat.count("t") != num_layers:
         raise ValueError(f"has {flat.count('t')} decoder layers (t); --num-layers is "
                          f"{num_layers}")
     return len(stages) // pp, tuple(stage.count("t") for stage in stages)
+
+
+def _check_mtp(stages: list[str], mtp_layers: int) -> None:
+    """Megatron's MTP checks (``validate_layer_layout``: as many ``m`` as --mtp-num-layers,
+    no decoder layer after the first) and memplan's placement: every ``m`` in the last stage
+    string, which is the last virtual stage (chunk vpp - 1) of the last rank (pp - 1)."""
+    flat = "".join(stages)
+    if flat.count("m") != mtp_layers:
+        raise ValueError(f"has {flat.count('m')} MTP layers (m); --mtp-num-layers is "
+                         f"{mtp_layers}")
+    if "m" in flat and "t" in flat[flat.index("m"):]:
+        raise ValueError("places a decoder layer (t) after an MTP layer (m)")
+    if stages[-1].count("m") != mtp_layers:
+        raise ValueError("places MTP layers (m) outside the last stage (the last rank's last "
+                         "virtual stage), where memplan models them")

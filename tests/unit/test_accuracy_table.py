@@ -272,15 +272,21 @@ def test_heldout_command_is_the_trainer_settings(table):
         "--grad-sync", "last"]
 
 
-def test_heldout_refusal_is_reported_with_the_stored_path(table, heldout):
+def test_heldout_refusal_is_reported_with_the_stored_path(table, heldout, tmp_path):
     """A refused run is a row without a number whose reason is memplan's own one line, naming
-    the config by its path in the repository (so the doc is the same on every machine)."""
-    run = next(r for r in heldout if "--mtp-num-layers" in r["flags"])
+    the config by the path its settings give (so the doc is the same on every machine). The
+    MTP run's config with its layout's m moved to rank 0's last virtual stage ("Et*3|(tt|)*
+    5ttm|L", Megatron's standalone MTP stage) is refused."""
+    run = next(r for r in heldout if r["id"].endswith("tp2_pp2_ep4_etp1_fine_grained_offloading"))
+    text = (ROOT / run["trainer_settings"]["megatron_args"]).read_text()
+    config = tmp_path / "standalone_mtp.yaml"
+    config.write_text(text.replace("Et*3|(tt|)*6mL", "Et*3|(tt|)*5ttm|L"))
+    run = {**run, "trainer_settings": {**run["trainer_settings"], "megatron_args": str(config)}}
     held = table.evaluate_heldout(run)
     assert held.row.memplan_bytes is None and held.estimate is None
     assert held.row.refused.startswith(
-        f"Megatron-LM arguments {run['trainer_settings']['megatron_args']}: "
-        "--mtp-num-layers = 1: ")
+        f"Megatron-LM arguments {config}: --pipeline-model-parallel-layout = ")
+    assert "outside the last stage" in held.row.refused
 
 
 def test_heldout_estimate_is_the_last_stage_peak_allocated(table, heldout):

@@ -107,7 +107,7 @@ def test_megatron_deepseek_v3_shape() -> None:
 
 @pytest.mark.parametrize(("extra", "flag"), [
     ("--fp8-format hybrid", "--fp8-format"),
-    ("--mtp-num-layers 1 --pipeline-model-parallel-layout Et*2L",
+    ("--mtp-num-layers 1 --pipeline-model-parallel-layout EttttL",
      "--pipeline-model-parallel-layout"),
     ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 2",
      "--recompute-granularity/method/num-layers"),
@@ -620,6 +620,19 @@ def test_megatron_pipeline_layout_is_the_split() -> None:
     assert "vpp" not in imp.inputs and imp.inputs["stage_layers"] == "3,2"
 
 
+def test_megatron_pipeline_layout_with_mtp_on_the_last_stage() -> None:
+    """A layout whose MTP layer (m) is in the last stage string is where memplan models it:
+    "Et*3|(tt|)*6mL" (Megatron's functional test gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_fine_
+    grained_offloading) unrolls to Ettt|tt|tt|tt|tt|tt|tt|mL, 8 stages over pp 2: stage 7 =
+    chunk 7 // 2 = 3 (the last of vpp 4) of rank 7 % 2 = 1 (the last), decoder layers
+    3,2,2,2,2,2,2,0, and the one m matches --mtp-num-layers 1."""
+    base = _BASE.replace("--num-layers 4", "--num-layers 15") + \
+        "--pipeline-model-parallel-size 2 --mtp-num-layers 1 "
+    imp = megatron.read(base + "--pipeline-model-parallel-layout 'Et*3|(tt|)*6mL'", 8)
+    assert imp.inputs["vpp"] == 4 and imp.inputs["stage_layers"] == "3,2,2,2,2,2,2,0"
+    assert imp.inputs["mtp_layers"] == 1
+
+
 @pytest.mark.parametrize(("layout", "extra", "why"), [
     ("Et*3|(tt|)*5|L", "", "has 13 decoder layers"),  # 3 + 10, an empty stage
     ("Ettt|(tt|)*6", "", "the loss \\(L\\) last"),
@@ -628,6 +641,11 @@ def test_megatron_pipeline_layout_is_the_split() -> None:
     ("E(t)*99999999|L", "", "unrolls to more than"),
     ("Et*3|(tt|)*6L", "--num-virtual-stages-per-pipeline-rank 4",
      "no other split flag \\(--num-virtual-stages-per-pipeline-rank\\)"),
+    # Megatron's standalone MTP stage: m in chunk 3 of rank 0 (stage 6), not the last stage
+    ("Et*3|(tt|)*5ttm|L", "--mtp-num-layers 1", "outside the last stage"),
+    ("Et*3|(tt|)*6L", "--mtp-num-layers 1", "has 0 MTP layers \\(m\\)"),
+    ("Et*3|(tt|)*6mL", "", "has 1 MTP layers \\(m\\); --mtp-num-layers is 0"),
+    ("Et*3|(tt|)*5m|ttL", "--mtp-num-layers 1", "a decoder layer \\(t\\) after"),
 ])
 def test_megatron_pipeline_layout_refusals(layout: str, extra: str, why: str) -> None:
     """Megatron's own checks (PipelineParallelLayerLayout.__init__, validate_layer_layout,
