@@ -497,11 +497,13 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
             f"precision {wl.precision.value} with MoE layers ({spec.moe.num_experts} experts): "
             "what autocast saves around routing and the experts is not modelled yet (use "
             "bf16-pure, bf16-mixed or fp32)")
-    # hf's Trainer never turns the sync off under DeepSpeed (trainer.py
-    # _inner_training_loop): its "last" (the preset's) is "every" there, which is what the
-    # model holds for ZeRO-2 (memplan.model.grad_sync changes FSDP2 units only)
+    # hf's Trainer and Lightning's Fabric never turn the sync off under DeepSpeed (trainer.py
+    # _inner_training_loop; lightning_fabric/strategies/deepspeed.py: no backward sync
+    # control): their "last" (the presets') is "every" there, which is what the model holds
+    # for ZeRO-2 (memplan.model.grad_sync changes FSDP2 units only)
     if (wl.grad_sync is GradSync.LAST and par.zero == ZeroStage.GRADIENTS
-            and par.dense_shard_degree > 1 and wl.framework is not Framework.HF):
+            and par.dense_shard_degree > 1
+            and wl.framework not in (Framework.HF, Framework.LIGHTNING)):
         raise LayoutError(
             "grad_sync last does not combine with ZeRO stage 2",
             "grad_sync last with zero 2: DeepSpeed reduces partitioned gradients in every "

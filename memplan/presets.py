@@ -264,6 +264,15 @@ PRESETS: dict[Framework, tuple[Selection, ...]] = {
             Default("logits_held", LogitsHeld.STEP.value,
                     f"litgpt/pretrain.py fit: `logits = model(input_ids)` is a loop variable "
                     f"({_LITGPT})"),
+            # under DeepSpeed (--zero 1/2) Fabric syncs every micro-batch, which is what
+            # "last" holds there (memplan.parallel)
+            Default("grad_sync", "last",
+                    f"litgpt/pretrain.py fit and finetune/*.py: each micro-batch but a step's "
+                    f"last under fabric.no_backward_sync(model, enabled=is_accumulating): "
+                    f"DDPStrategy's DistributedDataParallel.no_sync(), FSDPStrategy's "
+                    f"FullyShardedDataParallel.no_sync(), ModelParallelStrategy's "
+                    f"set_requires_gradient_sync(False); DeepSpeedStrategy has no backward "
+                    f"sync control (lightning_fabric/strategies/deepspeed.py) ({_LITGPT})"),
         )),
     ),
     Framework.MEGATRON: (

@@ -371,6 +371,23 @@ def test_hf_accumulates_without_sync_but_under_deepspeed() -> None:
         memplan.estimate("tiny", grad_sync="last", **ds)
 
 
+def test_lightning_accumulates_without_sync_but_under_deepspeed() -> None:
+    """litgpt's loops run every micro-batch but a step's last under
+    fabric.no_backward_sync (grad_sync last, the preset's); Fabric's DeepSpeed strategy has
+    no backward sync control, so ZeRO-2 is accepted and holds what "every" holds."""
+    fsdp = memplan.estimate("tiny", gpus=2, zero=3, seq_len=128, micro_batch_size=2,
+                            global_batch_size=8, framework="lightning",
+                            overheads=no_overheads())
+    assert fsdp.workload.grad_sync is GradSync.LAST
+    assert any(line.startswith("lightning: grad_sync = last (litgpt/pretrain.py")
+               for line in fsdp.assumptions)
+    ds = dict(gpus=2, zero=2, seq_len=128, micro_batch_size=2, global_batch_size=8,
+              overheads=no_overheads())
+    lit = memplan.estimate("tiny", framework="lightning", **ds)
+    every = memplan.estimate("tiny", framework="lightning", grad_sync="every", **ds)
+    assert lit.workload.grad_sync is GradSync.LAST and lit.peak_bytes == every.peak_bytes
+
+
 def test_torchtitan_chunked_loss_runs_its_backward_in_the_loss_by_hand() -> None:
     """torchtitan's ChunkedLossWrapper (the preset's loss_chunk_backward in-loss), tiny (V 128,
     h 64) at b 2, s 128 (T 256), fsdp-bf16, 8 chunks of c = 32 tokens on 2 ranks.
