@@ -8,7 +8,9 @@ so a smaller micro-batch means more accumulation steps and a larger TP/PP/CP deg
 data-parallel one. The planner's fastest layout that fits is offered too.
 
 Offloading is offered for the optimizer (``memplan.parallel.Offload``; ZeRO stage 1 with it
-where the job has none), with the host memory it needs per GPU.
+where the job has none), the saved activations, and under ZeRO-3 the sharded weights, each with
+the host memory it needs per GPU; the fine-tuning savers beside them: the pure-bf16 recipe
+(no fp32 master copy) and AdamW's states in 8 bits, paged or not (bitsandbytes).
 Chunked cross-entropy is offered with ceil(vocab / hidden) chunks, the count Liger Kernel's
 fused linear cross-entropy uses so that one chunk's logits are about the size of the hidden
 states (``liger_kernel/ops/fused_linear_cross_entropy.py``: ``inc_factor = cdiv(V, H)``);
@@ -26,7 +28,7 @@ from memplan.parallel import Offload, ZeroStage, local_seq
 from memplan.planning.planner import DEFAULT_SAFETY
 from memplan.planning.timing import StepTime, estimate_step_time
 from memplan.units import ceil_div
-from memplan.workload import OptimizerImpl, Precision, Recompute
+from memplan.workload import Optimizer, OptimizerImpl, Precision, Recompute
 
 # With expandable segments a segment grows in place instead of being split, so reserved
 # memory follows allocated memory up to page rounding (PyTorch docs, "CUDA memory management:
@@ -121,6 +123,7 @@ def candidates(est: Estimate) -> list[tuple[str, str, dict[str, Any]]]:
         out.append(("optimizer offloaded to the host",
                     "--offload optimizer" + (" --zero 1" if zero else ""),
                     {"offload": Offload.OPTIMIZER.value, **zero}))
+    out += _saver_candidates(par, wl)
     if wl.precision in _MASTER_RECIPES:
         out.append(("bf16 weights, gradients and states without an fp32 master copy",
                     "--precision bf16-pure", {"precision": Precision.BF16_PURE}))
@@ -131,6 +134,34 @@ def candidates(est: Estimate) -> list[tuple[str, str, dict[str, Any]]]:
         out.append(("expandable segments", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
                     {"overheads": replace(est.overheads, allocator_fraction=0.0,
                                           allocator_source=EXPANDABLE_SOURCE)}))
+    return out
+
+
+def _offloading(par: Any, more: Offload) -> tuple[str, dict[str, Any]]:
+    """(the --offload flag, the estimate keyword) of the layout's offloads and ``more``."""
+    names = ",".join(sorted(o.value for o in {*par.offload, more}))
+    return f"--offload {names}", {"offload": names}
+
+
+def _saver_candidates(par: Any, wl: Any) -> list[tuple[str, str, dict[str, Any]]]:
+    """The fine-tuning savers that keep the job's model and method: AdamW's states in 8 bits
+    (bitsandbytes; paged: the large ones in unified memory the driver pages to the host), the
+    saved activations on the host (``torch.autograd.graph.save_on_cpu``), and under ZeRO-3
+    the sharded weights on the host (FSDP2's ``CPUOffloadPolicy``). Each is re-estimated;
+    one that does not combine with the job is skipped with the estimator's reason."""
+    out = []
+    if wl.optimizer is Optimizer.ADAMW:
+        out += [("8-bit AdamW states (bitsandbytes AdamW8bit)", "--optimizer adamw8bit",
+                 {"optimizer": Optimizer.ADAMW8BIT}),
+                ("paged 8-bit AdamW states (bitsandbytes PagedAdamW8bit)",
+                 "--optimizer paged-adamw8bit", {"optimizer": Optimizer.PAGED_ADAMW8BIT})]
+    if Offload.ACTIVATIONS not in par.offload:
+        flags, change = _offloading(par, Offload.ACTIVATIONS)
+        out.append(("saved activations offloaded to the host (save_on_cpu)", flags, change))
+    if par.zero == ZeroStage.PARAMETERS and Offload.PARAMS not in par.offload:
+        flags, change = _offloading(par, Offload.PARAMS)
+        out.append(("sharded weights offloaded to the host (FSDP2 CPUOffloadPolicy)", flags,
+                    change))
     return out
 
 

@@ -696,3 +696,26 @@ def test_pure_bf16_recipe_is_offered_and_saves_eight_bytes_per_parameter() -> No
     assert base.num_params == 6_738_415_616
     assert states(base) - states(new) == 8 * 6_738_415_616
     assert fix.fits and not base.peak_bytes <= 80 * 10**9
+
+
+def test_eight_bit_states_and_offloads_are_offered_with_their_bytes() -> None:
+    """A pure-bf16 full fine-tune of Llama-2-7B (6,738,415,616 parameters, every tensor of at
+    least 4,096 elements, each a multiple of 256) on one 32 GB GPU. AdamW keeps two bf16
+    states, 4 B per parameter. bitsandbytes' AdamW8bit keeps two uint8 states and one fp32
+    absmax per 256-element block of each: 2 + 2 x 4 / 256 = 2 + 1/32 B per parameter, plus its
+    two 256-entry fp32 quantization maps (2,048 B): the states shrink by
+    63/32 x 6,738,415,616 - 2,048 = 13,266,253,696 B. Offloading the saved activations is
+    offered too; the job has no ZeRO-3, so offloading its weights is not."""
+    given = dict(gpus=1, micro_batch_size=1, seq_len=2048, precision="bf16-pure",
+                 recompute="full")
+    r = diagnose("llama-2-7b", gpu_memory=32 * 10**9, **given)
+    fixes = {f.flags.split(" --gbs")[0]: f for f in r.fixes.ranked}
+    skipped = dict(r.fixes.skipped)
+    base = r.diagnosis.estimate.stages[0]
+    eight = fixes["--optimizer adamw8bit"].estimate.stages[0]
+    assert base.optimizer_bytes - eight.optimizer_bytes == 13_266_253_696
+    assert fixes["--optimizer paged-adamw8bit"].fits
+    assert "--offload activations" in fixes or \
+        "saved activations offloaded to the host (save_on_cpu)" in skipped
+    assert not any("CPUOffloadPolicy" in name for name in [*skipped, *(
+        f.name for f in r.fixes.ranked)])
