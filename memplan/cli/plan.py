@@ -75,10 +75,17 @@ def plan(
     policy = policy or fixed
     result = run_plan(model, safety=safety, max_tp=max_tp, top=top,
                       recompute=None if policy is None else [policy], **kwargs)
-    from memplan.report.plan import no_fit_reason, plan_json, render_plan
+    from memplan.report.plan import no_fit_reason, plan_json, render_plan, savers_json
 
+    found = None
+    if not result.candidates and result.closest_miss is not None:
+        from memplan.diagnose.fixes import savers
+
+        found = savers(model, kwargs, result.closest_miss, result.budget_bytes)
     if json_out:
         out = plan_json(result, top)
+        if found is not None:
+            out["savers"] = savers_json(found)
         if imported is not None:
             out["config"] = imported.as_json()
         typer.echo(json.dumps(out, indent=2))
@@ -91,6 +98,10 @@ def plan(
             typer.echo("\n".join(imported.lines()))
         spec = model if isinstance(model, ModelSpec) else load_model(model)
         Console().print(render_plan(result, spec.name, spec.num_layers, job.gpus, job.gpu, top))
+        if found is not None:
+            from memplan.report.plan import savers_text
+
+            typer.echo(savers_text(found))
     if not result.candidates:  # never an empty table with success
         typer.echo(f"memplan: {no_fit_reason(result)}", err=True)
         raise typer.Exit(1)

@@ -283,3 +283,33 @@ def _planned(model: Any, est: Estimate, base: dict[str, Any], capacity_bytes: in
         return str(err)
     return _fix("layout from memplan plan", flags, change, new, est, capacity_bytes,
                 note="fastest configuration `memplan plan` finds for these GPUs")
+
+
+# The estimate keywords a plan already searches: a saver changes none of them
+_SEARCHED = frozenset({*_LAYOUT_FIELDS, "zero", "sequence_parallel", "micro_batch_size",
+                       "recompute", "recompute_layers", "recompute_every"})
+
+
+def savers(model: Any, given: dict[str, Any], miss: Any, budget_bytes: int) -> Fixes:
+    """For a plan where nothing fits: the savers (``candidates`` that change no layout,
+    micro-batch or recompute, which the plan searched) applied to its closest configuration
+    ``miss`` (``memplan.planning.planner.Miss``), re-estimated and timed, ranked as
+    ``suggest`` ranks them; ``budget_bytes``: what a configuration may peak at (the
+    capacity less the plan's safety margin), so a saver that fits fits the plan's budget."""
+    from memplan.api import estimate
+
+    p = miss.layout
+    layout: dict[str, Any] = {name: getattr(p, name) for name in _LAYOUT_FIELDS}
+    layout.update(zero=int(p.zero), sequence_parallel=p.sequence_parallel,
+                  micro_batch_size=miss.micro_batch_size, recompute=miss.recompute.label,
+                  recompute_layers=miss.recompute_layers)
+    base = {**given, **layout}
+    est = estimate(model, **base)
+    found = suggest(model, est, base, capacity_bytes=budget_bytes, with_plan=False)
+    # a plan is re-run with a saver's flags beside its own (its global batch among them)
+    gbs = f" --gbs {est.global_batch_size}"
+    kept = tuple(replace(f, flags=f.flags.removesuffix(gbs)) for f in found.ranked
+                 if not set(f.change) & _SEARCHED)
+    return replace(found, ranked=kept,
+                   skipped=tuple((n, why) for n, why in found.skipped
+                                 if not why.startswith("lowers no peak")))

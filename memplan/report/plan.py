@@ -122,3 +122,40 @@ def render_plan(result: PlanResult, model: str, num_layers: int, gpus: int, gpu:
         parts.append(Text(f"closest configuration that did not fit: "
                           f"{format_gib(result.oom_excess_bytes)} over the usable capacity"))
     return Group(*parts)
+
+
+def savers_json(found: Any) -> dict[str, Any]:
+    """A plan's savers (``memplan.diagnose.fixes.savers``: ``Fixes`` of its closest
+    configuration) as JSON, int bytes: each saver's flags, peak, whether it fits the plan's
+    budget, its step time and what it costs against the closest configuration's."""
+    base = found.baseline_time.step_s
+    return {
+        "baseline_peak_bytes": found.baseline.peak_bytes,
+        "ranked": [{"name": f.name, "flags": f.flags, "change": _plain(f.change),
+                    "peak_bytes": f.peak_bytes, "saved_bytes": f.saved_bytes,
+                    "fits": f.fits, "step_time_s": f.time.step_s,
+                    "step_time_change": f.time.step_s / base - 1.0,
+                    "host_bytes": f.estimate.worst.host_bytes}
+                   for f in found.ranked],
+        "skipped": [{"name": name, "why": why} for name, why in found.skipped],
+    }
+
+
+def _plain(change: dict[str, Any]) -> dict[str, Any]:
+    return {k: getattr(v, "value", v) for k, v in change.items() if k != "overheads"}
+
+
+def savers_text(found: Any) -> str:
+    """The savers in lines: fits or over, peak, saving, step time and its change, flags."""
+    base = found.baseline_time.step_s
+    lines = [f"savers on the closest configuration (peak {format_gib(found.baseline.peak_bytes)}"
+             "), re-estimated, ranked (fits the budget, fastest, first):"]
+    for f in found.ranked:
+        host = f.estimate.worst.host_bytes
+        lines.append(f"  {'fits' if f.fits else 'over':4} {f.name}: peak "
+                     f"{format_gib(f.peak_bytes)} (saves {format_gib(f.saved_bytes)}), step "
+                     f"{f.time.step_s:.3g} s ({f.time.step_s / base - 1.0:+.1%})  [{f.flags}]"
+                     + (f"; host memory {format_gib(host)} per GPU" if host else ""))
+    if not found.ranked:
+        lines.append("  none lowers the peak")
+    return "\n".join(lines)
