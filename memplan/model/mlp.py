@@ -20,6 +20,17 @@ from memplan.workload import Recompute, Workload
 def mlp_terms(prefix: str, spec: ModelSpec, dm: Dims, ffn: int, tokens: int) -> list[Term]:
     """A dense MLP of width ``ffn`` over ``tokens`` tokens, TP-split."""
     elements = tokens * ffn // dm.tp
+    if not linear.keeps_input(mlp_linears(spec, ffn)[-1:], dm):
+        # the down projection's input is saved for its weight's gradient alone: frozen, the
+        # last name (its input) is not saved (gated: prod; GELU: act), but ReLU's output
+        last = ".prod" if spec.mlp.gated else ".act"
+        return [Term(n, 0 if n.endswith(last) and spec.mlp is not MlpKind.RELU else size)
+                for n, size in _mlp_terms(prefix, spec, dm, ffn, tokens)]
+    return _mlp_terms(prefix, spec, dm, ffn, tokens)
+
+
+def _mlp_terms(prefix: str, spec: ModelSpec, dm: Dims, ffn: int, tokens: int) -> list[Term]:
+    elements = tokens * ffn // dm.tp
     if spec.mlp.gated:
         names = ("gate", "act", "up", "prod")
     elif spec.mlp is MlpKind.RELU:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from memplan.model.adapters import ADAPTER_BYTES
 from memplan.model.embedding import EmbeddingBlock
 from memplan.model.head import HeadBlock
 from memplan.model.layer import layer_tensor_sizes
@@ -21,7 +22,7 @@ from memplan.model.trainable import ALL, TrainablePolicy
 from memplan.parallel import ExpertSplit, Offload, ParallelConfig, ZeroStage, vocab_shard
 from memplan.spec import ModelSpec, param_counts
 from memplan.units import FP32_BYTES, ceil_div
-from memplan.workload import FsdpUnits, Workload
+from memplan.workload import FsdpUnits, Precision, Workload
 
 
 class StageParams(NamedTuple):
@@ -135,9 +136,15 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
         return _shard(dense, dense_d, on) + _shard(expert, expert_d, on)
 
     opt_params = held(trained.dense, trained.expert, ZeroStage.OPTIMIZER)
+    params_bytes = held(params.dense, params.expert, ZeroStage.PARAMETERS) * policy.param_bytes
+    if trainable.adapters:
+        # the frozen base as stored, beside the adapters; the adapters are fp32 parameters
+        # the optimizer updates directly (no master copy: peft's autocast_adapter_dtype)
+        params_bytes += (held(trained.dense, 0, ZeroStage.PARAMETERS) * ADAPTER_BYTES
+                         - trainable.stored_less_bytes)
+        policy = Precision.FP32.policy
     per_param_opt = policy.master_bytes + optimizer.state_bytes_per_param(policy)
     steps = optimizer.step_counter_bytes(wl.optimizer_impl, len(trained.tensor_sizes))
-    params_bytes = held(params.dense, params.expert, ZeroStage.PARAMETERS) * policy.param_bytes
     grads_bytes = held(trained.dense, trained.expert, ZeroStage.GRADIENTS) * policy.grad_bytes
     if par.offload is Offload.OPTIMIZER:
         # the CPU optimizer keeps an fp32 master copy even when the GPU trains in fp32
@@ -167,7 +174,7 @@ def optimizer_step_temp_bytes(params: StageParams, st: StateBytes, par: Parallel
     gradients, copied shard by shard (Megatron-LM's ``_copy_model_grads_to_main_grads``):
     one fp32 copy of the updated shard.
     """
-    policy = wl.precision.policy
+    policy = wl.precision.policy if not trainable.adapters else Precision.FP32.policy
     if par.offload is Offload.OPTIMIZER:  # the step runs on the host
         return 0
     step = optimizer_policy(wl.optimizer).step(wl.optimizer_impl)
