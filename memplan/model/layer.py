@@ -312,9 +312,11 @@ def frozen_input_terms(spec: ModelSpec, dm: Dims, first_layer: tuple[Term, ...],
     """With frozen weights and no checkpointing (LoRA without ``enable_input_require_grads``)
     the embedding's output does not require grad, so what the first layer's input norm, the
     embedding's dropout and the dropout of the adapters reading the norm's output would save
-    is not saved: negative terms, beside the embedding's (autograd saves for an input only
+    is not saved (what the adapters save of their own input is): negative terms, beside the embedding's (autograd saves for an input only
     when some input requires grad)."""
-    unsaved = [t for t in first_layer if t.name.startswith("attn_norm.")]
+    # (the norm's output counts only where an adapter's lora_A saves it: its weight trains)
+    unsaved = [t for t in first_layer if t.name.startswith("attn_norm.")
+               and not t.name.endswith(".output")]
     unsaved += [t for t in embed if t.name == "embedding.dropout_mask"]
     readers = [lin for lin in layer_linears(spec, False) if lin.group == "attn"
                and lin.split is not Split.ROW and (dm.adapters and dm.adapters.adapts(lin))]

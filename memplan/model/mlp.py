@@ -124,6 +124,9 @@ def backward_moments(spec: ModelSpec, dm: Dims, *, saved: int, freed: int, run_t
     elements = run_tokens * ffn // dm.tp
     inner = elements * e
     grads = elements * act_grad_bytes(spec, dm)
+    if not linear.keeps_input(mlp_linears(spec, ffn)[-1:], dm) and spec.mlp is not MlpKind.RELU:
+        # a frozen down projection saved no input to stand for its incoming gradient
+        grads += inner
     # With dropout on the block output, the block's backward starts from dropout's gradient
     # (a new residual-sized tensor) while the incoming one stays for the skip path.
     dropout_grad = dm.rows * h * e if spec.dropout > 0 else 0

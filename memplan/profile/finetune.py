@@ -61,6 +61,7 @@ def _quantize(model: torch.nn.Module, quant: str) -> list[torch.Tensor]:
                 new.weight = bnb.nn.Int8Params(w, requires_grad=False, has_fp16_weights=False)
             new = new.to("cpu")
             setattr(parent, name.rpartition(".")[2], new)
+            extra.append(new.weight.data)  # the packed data: Params4bit is a subclass
             state = getattr(new.weight, "quant_state", None)
             if state is not None:
                 extra += [state.absmax, state.code, state.offset, state.state2.absmax]
