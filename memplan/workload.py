@@ -440,10 +440,9 @@ class Workload(BaseModel):
         if isinstance(value, str):
             value = tuple(v.strip() for v in value.split(",") if v.strip())
         if isinstance(value, (tuple, list)):
-            bad = [v for v in value if v not in (*LORA_PROJECTIONS, ALL_LINEAR)]
-            if bad or not value:
+            if not value or any(v not in (*LORA_PROJECTIONS, ALL_LINEAR) for v in value):
                 raise ValueError(f"must name projections of {','.join(LORA_PROJECTIONS)} or "
-                                 f"{ALL_LINEAR}, got {','.join(map(str, value)) or 'none'}")
+                                 f"{ALL_LINEAR}")
         return value
 
     @model_validator(mode="after")

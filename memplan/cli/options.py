@@ -27,6 +27,7 @@ from memplan.parallel import GradBuffers, Offload, ParallelConfig, TpStyle
 from memplan.workload import (
     DEFAULT_SEQ_LEN,
     Attention,
+    BaseQuant,
     Framework,
     GradSync,
     NormImpl,
@@ -160,6 +161,21 @@ FrameworkOpt = Annotated[Optional[Framework], typer.Option(
 LossChunks = Annotated[int, typer.Option(
     "--loss-chunks", help="Run the head and cross-entropy on N chunks of the tokens, each "
     "checkpointed (1: all tokens at once).", rich_help_panel=_KERNELS)]
+_FINETUNE = "Fine-tuning (LoRA as peft builds it)"
+LoraRank = Annotated[int, typer.Option(
+    "--lora-rank", min=0, help="LoRA adapters of this rank on frozen base weights (0: none; "
+    "fp32 adapters, the only parameters with gradients and optimizer states).",
+    rich_help_panel=_FINETUNE)]
+LoraTargets = Annotated[Optional[str], typer.Option(
+    "--lora-targets", help="Projections to adapt, comma-separated: q,k,v,o,gate,up,down, or "
+    "all-linear (default: peft's for the family: q,v, or a fused qkv).",
+    rich_help_panel=_FINETUNE)]
+LoraDropout = Annotated[float, typer.Option(
+    "--lora-dropout", help="Dropout on the adapters' input (a mask and a copy saved per "
+    "adapted projection).", rich_help_panel=_FINETUNE)]
+BaseQuantOpt = Annotated[BaseQuant, typer.Option(
+    "--base-quant", help="Frozen base linears stored as bitsandbytes NF4 with double "
+    "quantization (QLoRA) or int8 (LLM.int8).", rich_help_panel=_FINETUNE)]
 ScheduleOpt = Annotated[Schedule, typer.Option(
     "--schedule", help="Pipeline schedule (1f1b is interleaved when --vpp > 1).",
     rich_help_panel=_KERNELS)]
@@ -251,6 +267,9 @@ SHARED: dict[str, Shared] = {
     "use_cache": Shared(UseCache, None),
     "grad_sync": Shared(GradSyncOpt, _WL["grad_sync"].default),
     "loss_chunks": Shared(LossChunks, _WL["loss_chunks"].default),
+    "lora_rank": Shared(LoraRank, 0), "lora_targets": Shared(LoraTargets, None),
+    "lora_dropout": Shared(LoraDropout, 0.0),
+    "base_quant": Shared(BaseQuantOpt, BaseQuant.NONE, _value),
     "schedule": Shared(ScheduleOpt, Schedule.ONE_F_ONE_B, resolve=False),
     "calibration": Shared(Calibration, None, resolve=False),
 }
@@ -260,7 +279,8 @@ LAYOUT = ("tp", "pp", "vpp", "vpp_group", "dp", "cp", "ep", "etp", "sp", "vocab_
           "grad_buffers", "offload", "zero", "stage_layers", "dp_shard")
 WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "recompute_every",
             "precision", "optimizer", "optimizer_impl", "attention", "norm", "logits_fp32",
-            "loss_chunks", "framework", "keep_grads", "use_cache", "grad_sync")
+            "loss_chunks", "framework", "keep_grads", "use_cache", "grad_sync",
+            "lora_rank", "lora_targets", "lora_dropout", "base_quant")
 # what a framework's own loop decides, beyond memplan's reference model (which trace and
 # profile run)
 FRAMEWORK_ONLY = ("framework", "keep_grads", "use_cache")

@@ -115,3 +115,21 @@ def base_weight_bytes(quant: BaseQuant, d_in: int, d_out: int, dtype_bytes: int)
     if quant is BaseQuant.INT8:
         return int8_bytes(d_in, d_out)
     return d_in * d_out * dtype_bytes
+
+
+def assumptions(wl: Workload) -> tuple[str, ...]:
+    """The estimate's assumption lines for LoRA and quantized base weights (none without)."""
+    if wl.lora_rank == 0:
+        return ()
+    targets = ",".join(wl.lora_targets) if wl.lora_targets else (
+        "peft's default (q,v; a fused qkv whole)")
+    base = {BaseQuant.NONE: f"in {wl.precision.policy.params.value}",
+            BaseQuant.NF4: "NF4 with double quantization (bitsandbytes Linear4bit, blocks of "
+                           "64, absmax quantized by 256); embedding, norms and head in "
+                           f"{wl.precision.policy.params.value}",
+            BaseQuant.INT8: "int8 with an fp32 scale per row (bitsandbytes Linear8bitLt); "
+                            "embedding, norms and head in "
+                            f"{wl.precision.policy.params.value}"}[wl.base_quant]
+    return (f"LoRA rank {wl.lora_rank} on {targets}, dropout {wl.lora_dropout:g}, as peft "
+            f"builds it: adapters in fp32 (autocast_adapter_dtype), the only parameters "
+            f"with gradients and optimizer states; frozen base weights {base}",)
