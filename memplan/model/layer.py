@@ -26,7 +26,7 @@ from typing import NamedTuple
 from memplan.model.attention import Attention, WindowAttention, attention_linears, windowed
 from memplan.model.block import Block
 from memplan.model.dims import FP32_BYTES, MASK_BYTES, Dims, Term, total
-from memplan.model.linear import Linear, Split
+from memplan.model.linear import Linear, Split, shares_input
 from memplan.model.mla import Mla, mla_linears
 from memplan.model.mlp import Mlp, mlp_linears
 from memplan.model.moe import MoE
@@ -314,12 +314,14 @@ def frozen_input_terms(spec: ModelSpec, dm: Dims, first_layer: tuple[Term, ...],
     embedding's dropout and the dropout of the adapters reading the norm's output would save
     is not saved (what the adapters save of their own input is): negative terms, beside the embedding's (autograd saves for an input only
     when some input requires grad)."""
-    # (the norm's output counts only where an adapter's lora_A saves it: its weight trains)
-    unsaved = [t for t in first_layer if t.name.startswith("attn_norm.")
-               and not t.name.endswith(".output")]
-    unsaved += [t for t in embed if t.name == "embedding.dropout_mask"]
+    # (an adapter's lora_A saves the norm's output itself, if it does, all the same: its
+    # weight trains)
     readers = [lin for lin in layer_linears(spec, False) if lin.group == "attn"
                and lin.split is not Split.ROW and (dm.adapters and dm.adapters.adapts(lin))]
+    kept = shares_input(dm) and bool(readers)
+    unsaved = [t for t in first_layer if t.name.startswith("attn_norm.")
+               and not (kept and t.name.endswith(".output"))]
+    unsaved += [t for t in embed if t.name == "embedding.dropout_mask"]
     if dm.adapters and dm.adapters.dropout > 0:
         masks = sum(dm.tokens * lin.d_in * MASK_BYTES for lin in readers)
         unsaved.append(Term("lora.dropout_mask", masks))

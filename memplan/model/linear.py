@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 from memplan.model.adapters import ADAPTER_BYTES, Adapters
 from memplan.model.dims import MASK_BYTES, Dims, Term
+from memplan.workload import BaseQuant
 
 
 class Split(str, enum.Enum):
@@ -108,8 +109,10 @@ def shares_input(dm: Dims) -> bool:
 
 def keeps_input(linears: Sequence[Linear], dm: Dims) -> bool:
     """Whether the input the block counts for ``linears`` (which read one tensor) stays
-    saved: their weights train, or an adapter of theirs saves that very tensor."""
-    if dm.adapters is None:
+    saved: their weights train, an int8 base keeps it (bitsandbytes' ``MatMul8bitLt``
+    forward: ``ctx.tensors = (CAt, subA, A)`` whenever an input requires grad; its CPU
+    ``MatMul8bitFp``: ``ctx.A = A``), or an adapter of theirs saves that very tensor."""
+    if dm.adapters is None or dm.adapters.quant is BaseQuant.INT8:
         return True
     return shares_input(dm) and any(dm.adapters.adapts(lin) for lin in linears)
 

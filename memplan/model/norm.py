@@ -20,7 +20,7 @@ from memplan.model.block import BackwardMoment, Moment
 from memplan.model.linear import input_copies, shares_input
 from memplan.model.dims import FP32_BYTES, Dims, Term, total
 from memplan.spec import ModelSpec, NormKind, norm_params
-from memplan.workload import NormImpl, Recompute, Workload
+from memplan.workload import BaseQuant, NormImpl, Recompute, Workload
 
 
 def consumers(prefix: str, spec: ModelSpec, wl: Workload) -> int:
@@ -93,6 +93,8 @@ def output_kept(prefix: str, dm: Dims) -> bool:
     adapter of one of them saves the tensor itself (``memplan.model.linear.shares_input``);
     the head is never adapted."""
     if dm.adapters is None:
+        return True
+    if prefix in READERS and dm.adapters.quant is BaseQuant.INT8:  # (linear.keeps_input)
         return True
     return shares_input(dm) and bool(set(READERS.get(prefix, ())) & dm.adapters.targets)
 
