@@ -140,6 +140,29 @@ def adapter_terms(prefix: str, linears: Sequence[Linear], dm: Dims) -> list[Term
     return [Term(f"{prefix}.lora_input", inputs), Term(f"{prefix}.lora_rank", rank)]
 
 
+def adapter_forward_bytes(lin: Linear, dm: Dims) -> int:
+    """At an adapted projection's ``result + lora_B(...) * scaling``, beside its base output:
+    ``lora_B``'s output and its scaled copy, then the sum (bf16 + fp32 promotes to fp32)
+    beside the scaled copy, each rows x d_out in the adapters' dtype (0 when not adapted)."""
+    ad = dm.adapters
+    if ad is None or not ad.adapts(lin):
+        return 0
+    low = dm.e if dm.autocast else ADAPTER_BYTES
+    return 2 * dm.tokens * local_widths(lin, dm.tp)[1] * low
+
+
+def adapter_backward_bytes(lin: Linear, dm: Dims) -> int:
+    """At an adapted projection's backward, its adapter's before its base's (made later in
+    forward, so run first): the gradient of the summed output in the adapters' dtype, the
+    rank-r gradient and the gradient of ``lora_A``'s input (0 when not adapted)."""
+    ad = dm.adapters
+    if ad is None or not ad.adapts(lin):
+        return 0
+    low = dm.e if dm.autocast else ADAPTER_BYTES
+    d_in, d_out = local_widths(lin, dm.tp)
+    return dm.tokens * (d_out + ad.rank + d_in) * low
+
+
 def adapter_sizes(linears: Sequence[Linear], dm_adapters: Adapters | None,
                   t: int) -> list[int]:
     """Elements of each adapter tensor of ``linears`` on one TP rank, in registration order

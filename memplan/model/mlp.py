@@ -12,7 +12,7 @@ from functools import lru_cache
 from memplan.model import linear
 from memplan.model.block import BackwardMoment, Moment
 from memplan.model.dims import FP32_BYTES, MASK_BYTES, Dims, Term, residual_dropout_mask, total
-from memplan.model.linear import Linear, Split
+from memplan.model.linear import Linear, Split, local_widths
 from memplan.spec import ActivationImpl, MlpKind, ModelSpec
 from memplan.workload import Recompute, Workload
 
@@ -130,8 +130,10 @@ def backward_moments(spec: ModelSpec, dm: Dims, *, saved: int, freed: int, run_t
     # With dropout on the block output, the block's backward starts from dropout's gradient
     # (a new residual-sized tensor) while the incoming one stays for the skip path.
     dropout_grad = dm.rows * h * e if spec.dropout > 0 else 0
+    # LoRA on the down projection: its adapter's backward before its base's
+    lora = linear.adapter_backward_bytes(mlp_linears(spec, ffn)[-1], dm) if dm.adapters else 0
     return [
-        BackwardMoment("mlp", saved - freed, dropout_grad + out_grad + inner,
+        BackwardMoment("mlp", saved - freed, dropout_grad + out_grad + max(inner, lora),
                        ("mlp_out",), fresh),
         BackwardMoment("mlp_act", saved - freed - out_cast, grads, ("mlp_out",)),
         BackwardMoment("mlp_in", in_saved, grad_inputs + inner * (2 if fused_in else 1),
@@ -142,6 +144,19 @@ def backward_moments(spec: ModelSpec, dm: Dims, *, saved: int, freed: int, run_t
 def dropout_mask_bytes(spec: ModelSpec, dm: Dims) -> int:
     """The block output's dropout mask: freed when the MLP's backward starts."""
     return dm.rows * spec.hidden_size * MASK_BYTES if spec.dropout > 0 else 0
+
+
+def _adapter_forward(spec: ModelSpec, dm: Dims, saved: int) -> Moment:
+    """LoRA: the up projection's adapter sum (``linear.adapter_forward_bytes``) beside its base
+    output, before that output's cast is saved and before the down projection runs (its
+    adapter's terms not made yet)."""
+    ffn = spec.ffn_hidden_size
+    linears = mlp_linears(spec, ffn)
+    up, down = linears[0], linears[-1]
+    base_out = dm.tokens * local_widths(up, dm.tp)[1] * dm.e
+    later = total(linear.adapter_terms("mlp", (down,), dm)) + (base_out if spec.mlp.gated
+                                                                 else 0)
+    return Moment("mlp_lora", saved - later, base_out + linear.adapter_forward_bytes(up, dm))
 
 
 class Mlp:
@@ -160,6 +175,8 @@ class Mlp:
         stream = dm.rows * spec.hidden_size * dm.e
         # its output before the residual add, then beside the add's output
         moments = [Moment("mlp", saved, 2 * stream)]
+        if dm.adapters is not None:
+            moments.append(_adapter_forward(spec, dm, saved))
         if spec.mlp is MlpKind.RELU:
             # ReLU saves its output, not its input: the first linear's output lives beside it
             # until the activation returns, before the block's output dropout mask (traced)

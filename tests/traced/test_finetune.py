@@ -50,6 +50,9 @@ def hf(name: str, **overrides) -> dict:
 
 LLAMA3_TOY = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=896,
                   num_attention_heads=8, num_key_value_heads=2, vocab_size=1000)
+# a wide MLP over a small vocabulary: the adapters' fp32 transients in the MLP are the forward
+# and backward peaks, not the loss
+LLAMA_WIDE = dict(LLAMA3_TOY, intermediate_size=4096, vocab_size=256)
 GPT2_TOY = dict(n_layer=2, n_embd=256, n_head=4, vocab_size=1000, attn_pdrop=0.0)
 LLAMA = hf("Meta-Llama-3-8B", **LLAMA3_TOY)
 GPT2 = hf("gpt2", use_cache=False, **GPT2_TOY)
@@ -78,6 +81,8 @@ CASES = [
     # LLM.int8: the base keeps its input
     case(LLAMA, "llama3-toy", "bf16-pure", lora_rank=8, lora_targets="all-linear",
          base_quant="int8"),
+    case(hf("Meta-Llama-3-8B", **LLAMA_WIDE), "llama-wide-mlp", "bf16-pure", lora_rank=8,
+         lora_targets="all-linear"),
     # GPT-2: the one fused c_attn adapted (peft's default), Conv1D weights, LayerNorm
     case(GPT2, "gpt2-toy", "bf16-pure", lora_rank=8),
     case(GPT2, "gpt2-toy", "fp32", lora_rank=8, lora_dropout=0.05),
