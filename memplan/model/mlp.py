@@ -11,6 +11,7 @@ from functools import lru_cache
 
 from memplan.model import linear
 from memplan.model.block import BackwardMoment, Moment
+from memplan.model.norm import output_kept
 from memplan.model.dims import FP32_BYTES, MASK_BYTES, Dims, Term, residual_dropout_mask, total
 from memplan.model.linear import Linear, Split, local_widths
 from memplan.spec import ActivationImpl, MlpKind, ModelSpec
@@ -146,17 +147,25 @@ def dropout_mask_bytes(spec: ModelSpec, dm: Dims) -> int:
     return dm.rows * spec.hidden_size * MASK_BYTES if spec.dropout > 0 else 0
 
 
-def _adapter_forward(spec: ModelSpec, dm: Dims, saved: int) -> Moment:
-    """LoRA: the up projection's adapter sum (``linear.adapter_forward_bytes``) beside its base
-    output, before that output's cast is saved and before the down projection runs (its
-    adapter's terms not made yet)."""
+def _frozen_forward(spec: ModelSpec, dm: Dims, saved: int) -> list[Moment]:
+    """LoRA (frozen weights): the up projection's adapter sum (``linear.
+    adapter_forward_bytes``) beside its base output, before that output is saved and before
+    the down projection runs (its adapter's terms not made yet); the down projection's, with
+    its input alive though unsaved. The block's input (the norm's output), saved by no one,
+    is alive until the block returns (its caller's variable)."""
     ffn = spec.ffn_hidden_size
     linears = mlp_linears(spec, ffn)
     up, down = linears[0], linears[-1]
     base_out = dm.tokens * local_widths(up, dm.tp)[1] * dm.e
+    stream = dm.rows * spec.hidden_size * dm.e
+    block_in = 0 if output_kept("mlp_norm", dm) else dm.linear_rows * spec.hidden_size * dm.e
     later = total(linear.adapter_terms("mlp", (down,), dm)) + (base_out if spec.mlp.gated
                                                                  else 0)
-    return Moment("mlp_lora", saved - later, base_out + linear.adapter_forward_bytes(up, dm))
+    inner = 0 if linear.keeps_input((down,), dm) else dm.tokens * ffn // dm.tp * dm.e
+    return [Moment("mlp_lora", saved - later,
+                   block_in + base_out + linear.adapter_forward_bytes(up, dm)),
+            Moment("mlp_down", saved, block_in + inner + stream
+                   + linear.adapter_forward_bytes(down, dm))]
 
 
 class Mlp:
@@ -176,7 +185,7 @@ class Mlp:
         # its output before the residual add, then beside the add's output
         moments = [Moment("mlp", saved, 2 * stream)]
         if dm.adapters is not None:
-            moments.append(_adapter_forward(spec, dm, saved))
+            moments += _frozen_forward(spec, dm, saved)
         if spec.mlp is MlpKind.RELU:
             # ReLU saves its output, not its input: the first linear's output lives beside it
             # until the activation returns, before the block's output dropout mask (traced)
