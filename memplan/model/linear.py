@@ -163,6 +163,17 @@ def adapter_backward_bytes(lin: Linear, dm: Dims) -> int:
     return dm.tokens * (d_out + ad.rank + d_in) * low
 
 
+def dequant_bytes(lin: Linear, dm: Dims) -> int:
+    """The compute-dtype weight a quantized frozen base dequantizes for its backward's input
+    gradient, alive beside it (bitsandbytes ``MatMul4Bit.backward``: ``matmul(grad_output,
+    dequantize_4bit(B, state).to(dtype))``; ``MatMul8bitLt.backward``: ``CB.to(dtype,
+    copy=True).mul_(SCB / 127)``); its forward's happens inside one op (``gemm_4bit``'s
+    dequantize and linear), beside the output only. 0 unquantized."""
+    if dm.adapters is None or dm.adapters.quant is BaseQuant.NONE:
+        return 0
+    return weight_elements(lin, dm.tp) * dm.e
+
+
 def adapter_sizes(linears: Sequence[Linear], dm_adapters: Adapters | None,
                   t: int) -> list[int]:
     """Elements of each adapter tensor of ``linears`` on one TP rank, in registration order

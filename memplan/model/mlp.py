@@ -132,10 +132,14 @@ def backward_moments(spec: ModelSpec, dm: Dims, *, saved: int, freed: int, run_t
     # (a new residual-sized tensor) while the incoming one stays for the skip path.
     dropout_grad = dm.rows * h * e if spec.dropout > 0 else 0
     # LoRA on the down projection: its adapter's backward before its base's
-    lora = linear.adapter_backward_bytes(mlp_linears(spec, ffn)[-1], dm) if dm.adapters else 0
+    lora = dequant = 0
+    if dm.adapters is not None:  # the adapter's backward, then the base's
+        linears = mlp_linears(spec, ffn)
+        lora = linear.adapter_backward_bytes(linears[-1], dm)
+        dequant = linear.dequant_bytes(linears[-1], dm)
     return [
-        BackwardMoment("mlp", saved - freed, dropout_grad + out_grad + max(inner, lora),
-                       ("mlp_out",), fresh),
+        BackwardMoment("mlp", saved - freed,
+                       dropout_grad + out_grad + max(inner + dequant, lora), ("mlp_out",), fresh),
         BackwardMoment("mlp_act", saved - freed - out_cast, grads, ("mlp_out",)),
         BackwardMoment("mlp_in", in_saved, grad_inputs + inner * (2 if fused_in else 1),
                        ("mlp",), fresh),

@@ -156,3 +156,17 @@ def test_cli_error_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 2
     assert err == ("memplan: error: base_quant (int8) needs lora_rank > 0 (frozen base "
                    "weights train through adapters), got lora_rank 0\n")
+
+
+def test_dequantized_weight_in_backward() -> None:
+    """A quantized base's backward dequantizes its weight to the compute dtype beside the
+    input gradient: the toy's down projection, 896 x 256 in bf16, 458,752 B; none
+    unquantized."""
+    from memplan.model.linear import dequant_bytes
+    from memplan.model.mlp import mlp_linears
+
+    spec = toy()
+    down = mlp_linears(spec, spec.ffn_hidden_size)[-1]
+    for quant, expected in (("nf4", 458_752), ("int8", 458_752), ("none", 0)):
+        _, par, wl = api.resolve(spec, precision="bf16-pure", lora_rank=8, base_quant=quant)
+        assert dequant_bytes(down, Dims.of(spec, par, wl)) == expected
