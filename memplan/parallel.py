@@ -489,6 +489,11 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
         raise LayoutError("optimizer muon does not combine with ZeRO",
                           f"optimizer muon with zero {int(par.zero)}: torch.optim.Muon "
                           "orthogonalizes whole matrices; a sharded Muon step is not modelled")
+    if wl.lora_rank and wl.optimizer.value in ("adafactor", "muon"):
+        raise LayoutError(f"optimizer {wl.optimizer.value} does not combine with LoRA",
+                          f"optimizer {wl.optimizer.value} with lora_rank {wl.lora_rank}: its "
+                          "states follow each matrix's rows and columns, which memplan does "
+                          "not track for the adapters (use adamw, sgd or the 8-bit ones)")
     if (err := offload_rule(spec, par, wl)) is not None:
         raise err
     if spec.moe is not None and wl.precision.policy.autocast:

@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass
 from functools import cached_property
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from memplan.errors import MemplanError
 from memplan.spec import MAX_LAYERS
@@ -369,6 +369,8 @@ MAX_SEQ_LEN = 2**24
 # A common pre-training context (Llama 2: 4096 tokens, Touvron et al. 2023, arXiv 2307.09288);
 # the API caps it at the model's maximum (``memplan.api.default_seq``).
 DEFAULT_SEQ_LEN = 4096
+# the largest LoRA rank taken: far above any low-rank adapter, so a mistyped rank fails here
+MAX_LORA_RANK = 65_536
 
 
 class MoeImpl(str, enum.Enum):
@@ -386,6 +388,26 @@ class MoeImpl(str, enum.Enum):
 
     LOOP = "loop"
     GROUPED = "grouped"
+
+
+class BaseQuant(str, enum.Enum):
+    """How frozen base weights are stored under LoRA (``memplan.model.adapters``).
+
+    none  in the weights' dtype (the precision recipe's)
+    nf4   bitsandbytes ``Linear4bit`` NF4 with double quantization, as QLoRA loads a model
+          (``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+          bnb_4bit_use_double_quant=True)``): the decoder's linears only
+    int8  bitsandbytes ``Linear8bitLt`` (LLM.int8, ``load_in_8bit=True``): int8 rows and an
+          fp32 scale per row, the decoder's linears only
+    """
+
+    NONE = "none"
+    NF4 = "nf4"
+    INT8 = "int8"
+
+
+LORA_PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")  # --lora-targets' names
+ALL_LINEAR = "all-linear"  # peft's target_modules="all-linear": every projection but the head
 
 
 class Workload(BaseModel):
@@ -455,6 +477,36 @@ class Workload(BaseModel):
         "multi-token prediction depths D on the last pipeline stage (memplan.model.mtp; "
         "Megatron-LM's --mtp-num-layers): per depth a layer of the decoder's last kind, two "
         "norms, a 2h -> h projection, a final norm, and the output layer's logits and loss"))
+
+    # fine-tuning: LoRA adapters on frozen base weights (memplan.model.adapters)
+    lora_rank: int = Field(default=0, ge=0, le=MAX_LORA_RANK, description="0: no adapters")
+    lora_targets: tuple[str, ...] | None = Field(default=None, description=(
+        "projections q,k,v,o,gate,up,down or all-linear; None: peft's default per family"))
+    lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    base_quant: BaseQuant = BaseQuant.NONE
+
+    @field_validator("lora_targets", mode="before")
+    @classmethod
+    def _targets_by_name(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = tuple(v.strip() for v in value.split(",") if v.strip())
+        if isinstance(value, (tuple, list)):
+            if not value or any(v not in (*LORA_PROJECTIONS, ALL_LINEAR) for v in value):
+                raise ValueError(f"must name projections of {','.join(LORA_PROJECTIONS)} or "
+                                 f"{ALL_LINEAR}")
+        return value
+
+    @model_validator(mode="after")
+    def _adapters_need_rank(self) -> Workload:
+        if self.lora_rank == 0:
+            for name, value, off in (("lora_targets", self.lora_targets, None),
+                                     ("lora_dropout", self.lora_dropout, 0.0),
+                                     ("base_quant", self.base_quant.value, "none")):
+                if value != off:
+                    shown_value = ",".join(value) if isinstance(value, tuple) else value
+                    raise ValueError(f"{name} ({shown_value}) needs lora_rank > 0 (frozen "
+                                     "base weights train through adapters), got lora_rank 0")
+        return self
 
     @field_validator("recompute", mode="before")
     @classmethod

@@ -28,6 +28,7 @@ from memplan.parallel import GradBuffers, Offload, ParallelConfig, TpStyle
 from memplan.workload import (
     DEFAULT_SEQ_LEN,
     Attention,
+    BaseQuant,
     Framework,
     GradSync,
     NormImpl,
@@ -170,6 +171,21 @@ MtpLayers = Annotated[int, typer.Option(
     "--mtp-layers", help="Multi-token prediction depths on the last pipeline stage "
     "(Megatron-LM's --mtp-num-layers): per depth a layer, norms, a 2h -> h projection and "
     "its own logits and loss.", rich_help_panel=_WORKLOAD)]
+_FINETUNE = "Fine-tuning (LoRA as peft builds it)"
+LoraRank = Annotated[int, typer.Option(
+    "--lora-rank", min=0, help="LoRA adapters of this rank on frozen base weights (0: none; "
+    "fp32 adapters, the only parameters with gradients and optimizer states).",
+    rich_help_panel=_FINETUNE)]
+LoraTargets = Annotated[Optional[str], typer.Option(
+    "--lora-targets", help="Projections to adapt, comma-separated: q,k,v,o,gate,up,down, or "
+    "all-linear (default: peft's for the family: q,v, or a fused qkv).",
+    rich_help_panel=_FINETUNE)]
+LoraDropout = Annotated[float, typer.Option(
+    "--lora-dropout", help="Dropout on the adapters' input (a mask and a copy saved per "
+    "adapted projection).", rich_help_panel=_FINETUNE)]
+BaseQuantOpt = Annotated[BaseQuant, typer.Option(
+    "--base-quant", help="Frozen base linears stored as bitsandbytes NF4 with double "
+    "quantization (QLoRA) or int8 (LLM.int8).", rich_help_panel=_FINETUNE)]
 ScheduleOpt = Annotated[Schedule, typer.Option(
     "--schedule", help="Pipeline schedule (1f1b is interleaved when --vpp > 1).",
     rich_help_panel=_KERNELS)]
@@ -271,6 +287,9 @@ SHARED: dict[str, Shared] = {
     "grad_sync": Shared(GradSyncOpt, None),
     "loss_chunks": Shared(LossChunks, _WL["loss_chunks"].default),
     "mtp_layers": Shared(MtpLayers, _WL["mtp_layers"].default),
+    "lora_rank": Shared(LoraRank, 0), "lora_targets": Shared(LoraTargets, None),
+    "lora_dropout": Shared(LoraDropout, 0.0),
+    "base_quant": Shared(BaseQuantOpt, BaseQuant.NONE, _value),
     "schedule": Shared(ScheduleOpt, Schedule.ONE_F_ONE_B, resolve=False),
     "calibration": Shared(Calibration, None, resolve=False),
 }
@@ -281,7 +300,8 @@ LAYOUT = ("tp", "pp", "vpp", "vpp_group", "dp", "cp", "ep", "etp", "sp", "vocab_
 WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "recompute_every",
             "precision", "optimizer", "optimizer_impl", "attention", "norm", "logits_fp32",
             "loss_chunks", "framework", "keep_grads", "use_cache", "grad_sync",
-            "mtp_layers")
+            "mtp_layers",
+            "lora_rank", "lora_targets", "lora_dropout", "base_quant")
 # what a framework's own loop decides, beyond memplan's reference model (which trace and
 # profile run)
 FRAMEWORK_ONLY = ("framework", "keep_grads", "use_cache")

@@ -35,7 +35,7 @@ FixedRecompute = Annotated[RecomputeChoice | None, typer.Option(
       "stage_layers", "dp_shard", "etp", "vpp_group", "gbs",
       "seq", "precision", "optimizer", "optimizer_impl", "attention", "norm", "logits_fp32",
       "loss_chunks", "framework", "keep_grads", "use_cache", "grad_sync", "mtp_layers",
-      "calibration",
+      "calibration", "lora_rank", "lora_targets", "lora_dropout", "base_quant",
       model=None, gpus=8, tp=None, pp=None, vpp=None, cp=None, ep=None, zero=None)
 def plan(
     job: Job,
@@ -81,7 +81,8 @@ def plan(
     if not result.candidates and result.closest_miss is not None:
         from memplan.diagnose.fixes import savers
 
-        found = savers(model, kwargs, result.closest_miss, result.budget_bytes)
+        found = savers(model, kwargs, result.closest_miss, result.budget_bytes,
+                       result.global_batch_size)
     if json_out:
         out = plan_json(result, top)
         if found is not None:

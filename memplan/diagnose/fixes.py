@@ -137,6 +137,11 @@ def candidates(est: Estimate) -> list[tuple[str, str, dict[str, Any]]]:
     return out
 
 
+# The rank the LoRA savers propose: peft's default (peft/tuners/lora/config.py LoraConfig.r = 8,
+# peft 0.21.2); the adapters' bytes scale with it and are small beside the base either way
+_LORA_RANK = 8
+
+
 def _offloading(par: Any, more: Offload) -> tuple[str, dict[str, Any]]:
     """(the --offload flag, the estimate keyword) of the layout's offloads and ``more``."""
     names = ",".join(sorted(o.value for o in {*par.offload, more}))
@@ -144,7 +149,8 @@ def _offloading(par: Any, more: Offload) -> tuple[str, dict[str, Any]]:
 
 
 def _saver_candidates(par: Any, wl: Any) -> list[tuple[str, str, dict[str, Any]]]:
-    """The fine-tuning savers that keep the job's model and method: AdamW's states in 8 bits
+    """The fine-tuning savers: LoRA and QLoRA (another method: the base frozen), AdamW's
+    states in 8 bits
     (bitsandbytes; paged: the large ones in unified memory the driver pages to the host), the
     saved activations on the host (``torch.autograd.graph.save_on_cpu``), and under ZeRO-3
     the sharded weights on the host (FSDP2's ``CPUOffloadPolicy``). Each is re-estimated;
@@ -155,6 +161,15 @@ def _saver_candidates(par: Any, wl: Any) -> list[tuple[str, str, dict[str, Any]]
                  {"optimizer": Optimizer.ADAMW8BIT}),
                 ("paged 8-bit AdamW states (bitsandbytes PagedAdamW8bit)",
                  "--optimizer paged-adamw8bit", {"optimizer": Optimizer.PAGED_ADAMW8BIT})]
+    if not wl.lora_rank:  # another method: the base weights frozen, adapters trained
+        out += [(f"LoRA adapters of rank {_LORA_RANK} on frozen weights (trains the adapters "
+                 "only)", f"--lora-rank {_LORA_RANK}", {"lora_rank": _LORA_RANK}),
+                (f"QLoRA: LoRA rank {_LORA_RANK} on NF4 base weights (trains the adapters "
+                 "only)", f"--lora-rank {_LORA_RANK} --base-quant nf4",
+                 {"lora_rank": _LORA_RANK, "base_quant": "nf4"})]
+    elif wl.base_quant.value == "none":
+        out.append(("NF4 base weights under the adapters (QLoRA)", "--base-quant nf4",
+                    {"base_quant": "nf4"}))
     if Offload.ACTIVATIONS not in par.offload:
         flags, change = _offloading(par, Offload.ACTIVATIONS)
         out.append(("saved activations offloaded to the host (save_on_cpu)", flags, change))
@@ -290,20 +305,38 @@ _SEARCHED = frozenset({*_LAYOUT_FIELDS, "zero", "sequence_parallel", "micro_batc
                        "recompute", "recompute_layers", "recompute_every"})
 
 
-def savers(model: Any, given: dict[str, Any], miss: Any, budget_bytes: int) -> Fixes:
+def savers(model: Any, given: dict[str, Any], miss: Any, budget_bytes: int,
+           global_batch_size: int) -> Fixes:
     """For a plan where nothing fits: the savers (``candidates`` that change no layout,
     micro-batch or recompute, which the plan searched) applied to its closest configuration
-    ``miss`` (``memplan.planning.planner.Miss``), re-estimated and timed, ranked as
-    ``suggest`` ranks them; ``budget_bytes``: what a configuration may peak at (the
-    capacity less the plan's safety margin), so a saver that fits fits the plan's budget."""
-    from memplan.api import estimate
-
+    ``miss`` (``memplan.planning.planner.Miss``), re-estimated and timed; one that does not
+    fit there is tried again under full recompute, which the flags then say. Ranked as
+    ``suggest`` ranks them; ``budget_bytes``: what a configuration may peak at (the capacity
+    less the plan's safety margin), so a saver that fits fits the plan's budget; the plan's
+    ``global_batch_size`` is kept."""
     p = miss.layout
     layout: dict[str, Any] = {name: getattr(p, name) for name in _LAYOUT_FIELDS}
     layout.update(zero=int(p.zero), sequence_parallel=p.sequence_parallel,
                   micro_batch_size=miss.micro_batch_size, recompute=miss.recompute.label,
-                  recompute_layers=miss.recompute_layers)
-    base = {**given, **layout}
+                  recompute_layers=miss.recompute_layers, global_batch_size=global_batch_size)
+    found = _savers_at(model, {**given, **layout}, budget_bytes)
+    if miss.recompute is Recompute.FULL and miss.recompute_layers is None:
+        return found
+    full = {**given, **layout, "recompute": Recompute.FULL.label, "recompute_layers": None}
+    again = {f.name: f for f in _savers_at(model, full, budget_bytes).ranked}
+    ranked = [f if f.fits or f.name not in again or not again[f.name].fits
+              else replace(again[f.name], flags=again[f.name].flags + " --recompute full",
+                           saved_bytes=found.baseline.peak_bytes - again[f.name].peak_bytes)
+              for f in found.ranked]
+    ranked.sort(key=lambda f: (not f.fits, not f.safe,
+                               f.time.step_s if f.fits else -f.saved_bytes, -f.saved_bytes))
+    return replace(found, ranked=tuple(ranked))
+
+
+def _savers_at(model: Any, base: dict[str, Any], budget_bytes: int) -> Fixes:
+    """``suggest``'s savers of the configuration ``base`` (estimate keywords)."""
+    from memplan.api import estimate
+
     est = estimate(model, **base)
     found = suggest(model, est, base, capacity_bytes=budget_bytes, with_plan=False)
     # a plan is re-run with a saver's flags beside its own (its global batch among them)

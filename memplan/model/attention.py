@@ -43,7 +43,7 @@ def attention_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recomput
         Term("attn.q", dm.tokens * spec.q_size // t * qk_e),
         Term("attn.k", dm.tokens * kv_width // t * qk_e),
         Term("attn.v", dm.tokens * kv_width // t * e),
-        linear.saved_input("attn.out", attention_linears(spec)[-1], dm.tokens, dm),
+        _core_output(spec, wl, dm, recompute),
     ]
     if litgpt:
         terms += _litgpt_terms(spec, dm, grouped)
@@ -78,6 +78,17 @@ def attention_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recomput
                 terms.append(Term("attn.softmax_cast", scores * e))
     casts = linear.saved_terms("attn", attention_linears(spec), dm)
     return terms + qk_norm_terms(spec, wl, dm) + casts + residual_dropout_mask("attn", spec, dm)
+
+
+def _core_output(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> Term:
+    """The attention output, saved by the output projection (its input) and, as one tensor,
+    by a fused core that saves its output (SDPA's flash kernel: its backward reads ``out``),
+    which saves it when the projection's weight is frozen too."""
+    out = attention_linears(spec)[-1]
+    if (dm.adapters is not None and wl.attention is Kernel.FLASH
+            and recompute is Recompute.NONE):
+        return Term("attn.out", dm.tokens * out.d_in // dm.tp * dm.e)
+    return linear.saved_input("attn.out", out, dm.tokens, dm)
 
 
 def qk_norm_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import NamedTuple
 
+from memplan.model.adapters import Adapters, adapters_of
 from memplan.parallel import ParallelConfig, TpStyle, local_seq
 from memplan.spec import ModelSpec
 from memplan.units import FP32_BYTES as FP32_BYTES  # the blocks read it here
@@ -50,6 +51,7 @@ class Dims(NamedTuple):
     stream_e: int = 0  # bytes per element of the residual stream (fp32 under autocast; else e)
     autocast: bool = False  # fp32 weights under torch.autocast: matmuls save cast copies
     etp: int = 0  # TP degree of the routed experts (ParallelConfig.etp); 0: tp
+    adapters: Adapters | None = None  # LoRA on frozen base weights (memplan.model.adapters)
 
     @classmethod
     def of(cls, spec: ModelSpec, par: ParallelConfig, wl: Workload) -> Dims:
@@ -62,7 +64,8 @@ class Dims(NamedTuple):
                    gathered_linear_input=(par.sequence_parallel and par.tp > 1
                                           and par.tp_style is TpStyle.DTENSOR),
                    stream_e=policy.params.itemsize if policy.autocast else e,
-                   autocast=policy.autocast is not None, etp=par.etp or 0)
+                   autocast=policy.autocast is not None, etp=par.etp or 0,
+                   adapters=adapters_of(wl, spec.fused_qkv or wl.fused_qkv))
 
     def experts(self) -> Dims:
         """These dims for the routed experts' projections: their inner widths split by etp."""

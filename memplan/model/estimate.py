@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 from memplan import presets
 from memplan.hardware import GpuSpec
-from memplan.model import memo
+from memplan.model import adapters, memo
 from memplan.model.dims import Dims
 from memplan.model.head import in_loss
 from memplan.model.optimizer import optimizer_policy
@@ -292,6 +292,7 @@ def _assumptions(par: ParallelConfig, wl: Workload, schedule: Schedule,
         if par.data_parallel_buffers else
         "gradients freed after each optimizer step (zero_grad(set_to_none=True))",
         "MoE routing balanced across experts (no capacity drop, no imbalance)",
+        *adapters.assumptions(wl),
         *(("optimizer offloaded to host memory: fp32 master weights, states, an fp32 gradient "
            "copy and the step on the CPU (ZeRO-Offload); the GPU keeps weights and gradients",)
           if zero_offload(par) else ()),

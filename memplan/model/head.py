@@ -134,8 +134,9 @@ def forward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     held = 0
     # (a loop that computes the loss outside the model, litgpt's, holds no hidden state: the
     # model's forward returned the logits alone)
-    if dm.autocast and wl.logits_held is not LogitsHeld.STEP:
-        held = (head_weight(spec, dm) * dm.e if wl.loss_chunks > 1
+    # a frozen head (LoRA) saves no input at all: the held hidden state is alive alone
+    if (dm.autocast or dm.adapters is not None) and wl.logits_held is not LogitsHeld.STEP:
+        held = (head_weight(spec, dm) * dm.e if wl.loss_chunks > 1 and dm.autocast
                 else dm.linear_rows * spec.hidden_size * dm.stream_e)
     if (wl.logits_held is LogitsHeld.LOSS and wl.loss_chunks == 1
             and (wl.logits_fp32 or dm.autocast) and dm.e < FP32_BYTES):

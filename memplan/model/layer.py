@@ -24,11 +24,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-from memplan.model.attention import Attention, WindowAttention, windowed
+from memplan.model.attention import Attention, WindowAttention, attention_linears, windowed
 from memplan.model.block import BackwardMoment, Block
-from memplan.model.dims import FP32_BYTES, Dims, Term, total
-from memplan.model.mla import Mla
-from memplan.model.mlp import Mlp
+from memplan.model.dims import FP32_BYTES, MASK_BYTES, Dims, Term, total
+from memplan.model.linear import Linear, Split, shares_input
+from memplan.model.mla import Mla, mla_linears
+from memplan.model.mlp import Mlp, mlp_linears
 from memplan.model.moe import MoE
 from memplan.model.norm import Norm, StreamInput
 from memplan.model.sac import sac_terms
@@ -304,6 +305,34 @@ def grad_group_params(spec: ModelSpec, t: int, ep: int, moe: bool) -> dict[str, 
 def moment_params(groups: dict[str, int], kind: LayerKind) -> tuple[int, ...]:
     """Parameters whose gradients exist at each backward moment of a layer of ``kind``."""
     return tuple(sum(groups[g] for g in m.grads_before) for m in kind.moments)
+
+
+def layer_linears(spec: ModelSpec, moe_layer: bool) -> tuple[Linear, ...]:
+    """A layer's projections that are ``nn.Linear`` modules (what LoRA adapts and bitsandbytes
+    quantizes): the attention's, and a dense layer's MLP (stacked experts are not)."""
+    attn = mla_linears(spec) if spec.mla is not None else attention_linears(spec)
+    return attn + (() if moe_layer else mlp_linears(spec, spec.ffn_hidden_size))
+
+
+def frozen_input_terms(spec: ModelSpec, dm: Dims, first_layer: tuple[Term, ...],
+                       embed: tuple[Term, ...]) -> list[Term]:
+    """With frozen weights and no checkpointing (LoRA without ``enable_input_require_grads``)
+    the embedding's output does not require grad, so what the first layer's input norm, the
+    embedding's dropout and the dropout of the adapters reading the norm's output would save
+    is not saved (what the adapters save of their own input is): negative terms, beside the
+    embedding's (autograd saves for an input only when some input requires grad)."""
+    # (an adapter's lora_A saves the norm's output itself, if it does, all the same: its
+    # weight trains)
+    readers = [lin for lin in layer_linears(spec, False) if lin.group == "attn"
+               and lin.split is not Split.ROW and (dm.adapters and dm.adapters.adapts(lin))]
+    kept = shares_input(dm) and bool(readers)
+    unsaved = [t for t in first_layer if t.name.startswith("attn_norm.")
+               and not (kept and t.name.endswith(".output"))]
+    unsaved += [t for t in embed if t.name == "embedding.dropout_mask"]
+    if dm.adapters and dm.adapters.dropout > 0:
+        masks = sum(dm.tokens * lin.d_in * MASK_BYTES for lin in readers)
+        unsaved.append(Term("lora.dropout_mask", masks))
+    return [Term(f"first_layer.{t.name}", -t.size_bytes) for t in unsaved if t.size_bytes]
 
 
 def layer_tensor_sizes(spec: ModelSpec, t: int, ep: int, moe_layer: bool) -> list[int]:

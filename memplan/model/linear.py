@@ -19,7 +19,9 @@ import enum
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from memplan.model.dims import Dims, Term
+from memplan.model.adapters import ADAPTER_BYTES, Adapters
+from memplan.model.dims import MASK_BYTES, Dims, Term
+from memplan.workload import BaseQuant
 
 
 class Split(str, enum.Enum):
@@ -94,10 +96,110 @@ def weight_casts(prefix: str, elements: int, dm: Dims) -> list[Term]:
 def saved_terms(prefix: str, linears: Sequence[Linear], dm: Dims) -> list[Term]:
     """What the projections save of their own for backward, beyond the activations the block
     counts (their inputs, ``saved_input``): under autocast the casts of their weights on this
-    rank (``weight_casts``, one term)."""
-    if not dm.autocast:  # (the planner's hot path: no sum to make)
+    rank (``weight_casts``, one term); with LoRA what the adapters save (``adapter_terms``)."""
+    if not dm.autocast and dm.adapters is None:  # (the planner's hot path: no sum to make)
         return []
-    return weight_casts(prefix, sum(weight_elements(lin, dm.tp) for lin in linears), dm)
+    casts = weight_casts(prefix, sum(weight_elements(lin, dm.tp) for lin in linears), dm)
+    return casts + adapter_terms(prefix, linears, dm)
+
+
+def local_widths(lin: Linear, t: int) -> tuple[int, int]:
+    """(input, output) width of a projection on one TP rank."""
+    if lin.split is Split.ROW:
+        return lin.d_in // t, lin.d_out
+    if lin.split is Split.COLUMN:
+        return lin.d_in, lin.d_out // t
+    return lin.d_in, lin.d_out
+
+
+def shares_input(dm: Dims) -> bool:
+    """Whether ``lora_A`` saves the base linear's input tensor itself: no cast to the
+    adapters' fp32 (the base computes in fp32, no autocast) and no dropout
+    (``memplan.model.adapters``)."""
+    ad = dm.adapters
+    return (ad is not None and ad.dropout == 0 and not dm.autocast
+            and dm.e == ADAPTER_BYTES)
+
+
+def keeps_input(linears: Sequence[Linear], dm: Dims) -> bool:
+    """Whether the input the block counts for ``linears`` (which read one tensor) stays
+    saved: their weights train, an int8 base keeps it (bitsandbytes' ``MatMul8bitLt``
+    forward: ``ctx.tensors = (CAt, subA, A)`` whenever an input requires grad; its CPU
+    ``MatMul8bitFp``: ``ctx.A = A``), or an adapter of theirs saves that very tensor."""
+    if dm.adapters is None or dm.adapters.quant is BaseQuant.INT8:
+        return True
+    return shares_input(dm) and any(dm.adapters.adapts(lin) for lin in linears)
+
+
+def adapter_terms(prefix: str, linears: Sequence[Linear], dm: Dims) -> list[Term]:
+    """What the adapters of ``linears`` save for backward on this rank (``memplan.model.
+    adapters``): per adapted projection ``lora_B``'s rank-r input, and ``lora_A``'s input
+    unless it is the base's own input (``shares_input``: counted by the block): the fp32 cast
+    of it (under autocast the low-precision cast), or with dropout its bool mask and output."""
+    ad = dm.adapters
+    if ad is None:
+        return []
+    low = dm.e if dm.autocast else ADAPTER_BYTES  # autocast casts the fp32 adapters' matmuls
+    rows = dm.tokens
+    inputs = rank = 0
+    for lin in linears:
+        if not ad.adapts(lin):
+            continue
+        d_in, _ = local_widths(lin, dm.tp)
+        rank += rows * ad.rank * low
+        if ad.dropout > 0:
+            inputs += rows * d_in * (MASK_BYTES + low)
+        elif not shares_input(dm):
+            inputs += rows * d_in * low
+    return [Term(f"{prefix}.lora_input", inputs), Term(f"{prefix}.lora_rank", rank)]
+
+
+def adapter_forward_bytes(lin: Linear, dm: Dims) -> int:
+    """At an adapted projection's ``result + lora_B(...) * scaling``, beside its base output:
+    ``lora_B``'s output and its scaled copy, then the sum (bf16 + fp32 promotes to fp32)
+    beside the scaled copy, each rows x d_out in the adapters' dtype (0 when not adapted)."""
+    ad = dm.adapters
+    if ad is None or not ad.adapts(lin):
+        return 0
+    low = dm.e if dm.autocast else ADAPTER_BYTES
+    return 2 * dm.tokens * local_widths(lin, dm.tp)[1] * low
+
+
+def adapter_backward_bytes(lin: Linear, dm: Dims) -> int:
+    """At an adapted projection's backward, its adapter's before its base's (made later in
+    forward, so run first): the gradient of the summed output in the adapters' dtype, the
+    rank-r gradient and the gradient of ``lora_A``'s input (0 when not adapted)."""
+    ad = dm.adapters
+    if ad is None or not ad.adapts(lin):
+        return 0
+    low = dm.e if dm.autocast else ADAPTER_BYTES
+    d_in, d_out = local_widths(lin, dm.tp)
+    return dm.tokens * (d_out + ad.rank + d_in) * low
+
+
+def dequant_bytes(lin: Linear, dm: Dims) -> int:
+    """The compute-dtype weight a quantized frozen base dequantizes for its backward's input
+    gradient, alive beside it (bitsandbytes ``MatMul4Bit.backward``: ``matmul(grad_output,
+    dequantize_4bit(B, state).to(dtype))``; ``MatMul8bitLt.backward``: ``CB.to(dtype,
+    copy=True).mul_(SCB / 127)``); its forward's happens inside one op (``gemm_4bit``'s
+    dequantize and linear), beside the output only. 0 unquantized."""
+    if dm.adapters is None or dm.adapters.quant is BaseQuant.NONE:
+        return 0
+    return weight_elements(lin, dm.tp) * dm.e
+
+
+def adapter_sizes(linears: Sequence[Linear], dm_adapters: Adapters | None,
+                  t: int) -> list[int]:
+    """Elements of each adapter tensor of ``linears`` on one TP rank, in registration order
+    (``lora_A``, then ``lora_B``, of each adapted projection)."""
+    if dm_adapters is None:
+        return []
+    out = []
+    for lin in linears:
+        if dm_adapters.adapts(lin):
+            d_in, d_out = local_widths(lin, t)
+            out += [dm_adapters.rank * d_in, d_out * dm_adapters.rank]
+    return out
 
 
 def saved_bytes(linears: Sequence[Linear], dm: Dims) -> int:
@@ -117,7 +219,8 @@ def saved_input(name: str, lin: Linear, rows: int, dm: Dims) -> Term:
     compute dtype: a row-parallel projection's input is split by t, a column-parallel one's is
     whole."""
     width = lin.d_in // dm.tp if lin.split is Split.ROW else lin.d_in
-    return Term(name, rows * width * dm.e if lin.saves_input else 0)
+    kept = lin.saves_input and keeps_input((lin,), dm)
+    return Term(name, rows * width * dm.e if kept else 0)
 
 
 def grad_groups(linears: Sequence[Linear], t: int, order: tuple[str, ...],

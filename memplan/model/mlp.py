@@ -11,14 +11,26 @@ from functools import lru_cache
 
 from memplan.model import linear
 from memplan.model.block import BackwardMoment, Moment
+from memplan.model.norm import output_kept
 from memplan.model.dims import FP32_BYTES, MASK_BYTES, Dims, Term, residual_dropout_mask, total
-from memplan.model.linear import Linear, Split
+from memplan.model.linear import Linear, Split, local_widths
 from memplan.spec import ActivationImpl, MlpKind, ModelSpec
 from memplan.workload import Recompute, Workload
 
 
 def mlp_terms(prefix: str, spec: ModelSpec, dm: Dims, ffn: int, tokens: int) -> list[Term]:
     """A dense MLP of width ``ffn`` over ``tokens`` tokens, TP-split."""
+    elements = tokens * ffn // dm.tp
+    if not linear.keeps_input(mlp_linears(spec, ffn)[-1:], dm):
+        # the down projection's input is saved for its weight's gradient alone: frozen, the
+        # last name (its input) is not saved (gated: prod; GELU: act), but ReLU's output
+        last = ".prod" if spec.mlp.gated else ".act"
+        return [Term(n, 0 if n.endswith(last) and spec.mlp is not MlpKind.RELU else size)
+                for n, size in _mlp_terms(prefix, spec, dm, ffn, tokens)]
+    return _mlp_terms(prefix, spec, dm, ffn, tokens)
+
+
+def _mlp_terms(prefix: str, spec: ModelSpec, dm: Dims, ffn: int, tokens: int) -> list[Term]:
     elements = tokens * ffn // dm.tp
     if spec.mlp.gated:
         names = ("gate", "act", "up", "prod")
@@ -113,12 +125,21 @@ def backward_moments(spec: ModelSpec, dm: Dims, *, saved: int, freed: int, run_t
     elements = run_tokens * ffn // dm.tp
     inner = elements * e
     grads = elements * act_grad_bytes(spec, dm)
+    if not linear.keeps_input(mlp_linears(spec, ffn)[-1:], dm) and spec.mlp is not MlpKind.RELU:
+        # a frozen down projection saved no input to stand for its incoming gradient
+        grads += inner
     # With dropout on the block output, the block's backward starts from dropout's gradient
     # (a new residual-sized tensor) while the incoming one stays for the skip path.
     dropout_grad = dm.rows * h * e if spec.dropout > 0 else 0
+    # LoRA on the down projection: its adapter's backward before its base's
+    lora = dequant = 0
+    if dm.adapters is not None:  # the adapter's backward, then the base's
+        linears = mlp_linears(spec, ffn)
+        lora = linear.adapter_backward_bytes(linears[-1], dm)
+        dequant = linear.dequant_bytes(linears[-1], dm)
     return [
-        BackwardMoment("mlp", saved - freed, dropout_grad + out_grad + inner,
-                       ("mlp_out",), fresh),
+        BackwardMoment("mlp", saved - freed,
+                       dropout_grad + out_grad + max(inner + dequant, lora), ("mlp_out",), fresh),
         BackwardMoment("mlp_act", saved - freed - out_cast, grads, ("mlp_out",)),
         BackwardMoment("mlp_in", in_saved, grad_inputs + inner * (2 if fused_in else 1),
                        ("mlp",), fresh),
@@ -128,6 +149,27 @@ def backward_moments(spec: ModelSpec, dm: Dims, *, saved: int, freed: int, run_t
 def dropout_mask_bytes(spec: ModelSpec, dm: Dims) -> int:
     """The block output's dropout mask: freed when the MLP's backward starts."""
     return dm.rows * spec.hidden_size * MASK_BYTES if spec.dropout > 0 else 0
+
+
+def _frozen_forward(spec: ModelSpec, dm: Dims, saved: int) -> list[Moment]:
+    """LoRA (frozen weights): the up projection's adapter sum (``linear.
+    adapter_forward_bytes``) beside its base output, before that output is saved and before
+    the down projection runs (its adapter's terms not made yet); the down projection's, with
+    its input alive though unsaved. The block's input (the norm's output), saved by no one,
+    is alive until the block returns (its caller's variable)."""
+    ffn = spec.ffn_hidden_size
+    linears = mlp_linears(spec, ffn)
+    up, down = linears[0], linears[-1]
+    base_out = dm.tokens * local_widths(up, dm.tp)[1] * dm.e
+    stream = dm.rows * spec.hidden_size * dm.e
+    block_in = 0 if output_kept("mlp_norm", dm) else dm.linear_rows * spec.hidden_size * dm.e
+    later = total(linear.adapter_terms("mlp", (down,), dm)) + (base_out if spec.mlp.gated
+                                                                 else 0)
+    inner = 0 if linear.keeps_input((down,), dm) else dm.tokens * ffn // dm.tp * dm.e
+    return [Moment("mlp_lora", saved - later,
+                   block_in + base_out + linear.adapter_forward_bytes(up, dm)),
+            Moment("mlp_down", saved, block_in + inner + stream
+                   + linear.adapter_forward_bytes(down, dm))]
 
 
 class Mlp:
@@ -146,6 +188,8 @@ class Mlp:
         stream = dm.rows * spec.hidden_size * dm.e
         # its output before the residual add, then beside the add's output
         moments = [Moment("mlp", saved, 2 * stream)]
+        if dm.adapters is not None:
+            moments += _frozen_forward(spec, dm, saved)
         if spec.mlp is MlpKind.RELU:
             # ReLU saves its output, not its input: the first linear's output lives beside it
             # until the activation returns, before the block's output dropout mask (traced)

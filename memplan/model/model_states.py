@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from memplan.model.adapters import ADAPTER_BYTES
 from memplan.model.embedding import EmbeddingBlock
 from memplan.model.fsdp_buckets import gathered_units, queued_units
 from memplan.model.head import HeadBlock
@@ -36,7 +37,7 @@ from memplan.parallel import (
 )
 from memplan.spec import ModelSpec, param_counts
 from memplan.units import FP32_BYTES, ceil_div
-from memplan.workload import FsdpUnits, Workload
+from memplan.workload import FsdpUnits, Precision, Workload
 
 
 class StageParams(NamedTuple):
@@ -172,10 +173,16 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
         return _shard(dense, dense_d, on) + _shard(expert, expert_d, on)
 
     opt_params = held(trained.dense, trained.expert, ZeroStage.OPTIMIZER)
+    params_bytes = held(params.dense, params.expert, ZeroStage.PARAMETERS) * policy.param_bytes
+    if trainable.adapters:
+        # the frozen base as stored, beside the adapters; the adapters are fp32 parameters
+        # the optimizer updates directly (no master copy: peft's autocast_adapter_dtype)
+        params_bytes += (held(trained.dense, 0, ZeroStage.PARAMETERS) * ADAPTER_BYTES
+                         - trainable.stored_less_bytes)
+        policy = Precision.FP32.policy
     shapes = _updated_shapes(_shapes(trained), par)
     states = optimizer.states(policy, opt_params, shapes)
     steps = optimizer.step_counter_bytes(wl.optimizer_impl, len(trained.tensor_sizes), shapes)
-    params_bytes = held(params.dense, params.expert, ZeroStage.PARAMETERS) * policy.param_bytes
     grads_bytes = held(trained.dense, trained.expert, ZeroStage.GRADIENTS) * policy.grad_bytes
     num_tensors = len(trained.tensor_sizes)
     if Offload.PARAMS in par.offload:  # FSDP2's CPUOffloadPolicy (memplan.model.offload)
@@ -236,7 +243,7 @@ def optimizer_step_temp_bytes(params: StageParams, st: StateBytes, par: Parallel
     one fp32 copy of the updated shard. A paged optimizer (``StateBytes.paged_bytes``) adds
     the unified-memory pages of the tensor it updates, prefetched to the device.
     """
-    policy = wl.precision.policy
+    policy = wl.precision.policy if not trainable.adapters else Precision.FP32.policy
     if optimizer_on_host(par):  # the step runs on the host
         return 0
     optimizer = optimizer_policy(wl.optimizer)
@@ -413,8 +420,8 @@ def _bucketed_units(params: StageParams, par: ParallelConfig, wl: Workload) -> S
     """FSDP units as buckets (``FsdpUnits.BUCKETS``, ``memplan.model.fsdp_buckets``) on one
     rank, in bytes. Weights sharded (ZeRO-3): a window of units (``gathered_units``) gathered
     in the weights' dtype beside a block in forward (fewer over the stage's last blocks) and
-    in backward, one at the stage's first block's backward; the other weights (embedding, final norm, head) gathered from their
-    forward to the end of backward. Gradients: the unsharded buckets of ``queued_units``
+    in backward, one at the stage's first block's backward; the other weights (embedding,
+    final norm, head) gathered from their forward to the end of backward. Gradients: the unsharded buckets of ``queued_units``
     units and the other weights' unsharded gradients, in the gradient dtype, whole beside the
     persistent shard. At shard degree 1 nothing is temporary: the buffers are the weights and
     gradients themselves (``DataParallelBuffer.is_data_distributed`` needs a group of 2)."""

@@ -17,10 +17,10 @@ projections, two for gate and up).
 from __future__ import annotations
 
 from memplan.model.block import BackwardMoment, Moment
-from memplan.model.linear import input_copies
+from memplan.model.linear import input_copies, shares_input
 from memplan.model.dims import FP32_BYTES, Dims, Term, total
 from memplan.spec import ModelSpec, NormKind, norm_params
-from memplan.workload import NormImpl, Recompute, Workload
+from memplan.workload import BaseQuant, NormImpl, Recompute, Workload
 
 
 def consumers(prefix: str, spec: ModelSpec, wl: Workload) -> int:
@@ -64,6 +64,8 @@ def _norm_terms(prefix: str, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Te
     out_e = dm.e
     if dm.autocast and output_saved_fp32(prefix, wl):
         copies, out_e = 1, dm.stream_e
+    if not output_kept(prefix, dm):
+        copies = 0
     out = [Term(f"{prefix}.output", copies * dm.linear_rows * h * out_e),
            Term(f"{prefix}.stats", stats)]
     if wl.norm_impl is NormImpl.FUSED:
@@ -76,8 +78,25 @@ def _norm_terms(prefix: str, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Te
         return [Term(f"{prefix}.input_fp32", rows * h * FP32_BYTES), *out,
                 Term(f"{prefix}.normed", rows * h * FP32_BYTES),
                 *([Term(f"{prefix}.weight_fp32", weight)] if weight else [])]
+    # weight * normed saves normed for the weight's gradient alone: none when it is frozen
+    normed = 0 if dm.adapters is not None else rows * h * dm.stream_e
     return [Term(f"{prefix}.input_fp32", rows * h * FP32_BYTES), *out,
-            Term(f"{prefix}.normed", rows * h * dm.stream_e)]
+            Term(f"{prefix}.normed", normed)]
+
+
+# the projections that read each norm's output (memplan.model.linear's names)
+READERS = {"attn_norm": ("q", "k", "v", "qkv"), "mlp_norm": ("gate", "up", "gate_up")}
+
+
+def output_kept(prefix: str, dm: Dims) -> bool:
+    """Whether the linears after the norm save its output: their weights train, or an
+    adapter of one of them saves the tensor itself (``memplan.model.linear.shares_input``);
+    the head is never adapted."""
+    if dm.adapters is None:
+        return True
+    if prefix in READERS and dm.adapters.quant is BaseQuant.INT8:  # (linear.keeps_input)
+        return True
+    return shares_input(dm) and bool(set(READERS.get(prefix, ())) & dm.adapters.targets)
 
 
 def saved_at_backward(terms: list[Term]) -> int:

@@ -26,6 +26,7 @@ from memplan.model.moments import Event, Segment, peak_of
 from memplan.model.mtp import mtp_layer_index, mtp_recompute
 from memplan.model.pipeline import stage_layers
 from memplan.model.sharding import DataParallel, data_parallel
+from memplan.model.trainable import lora_policy
 from memplan.model.walk import first_positions, runs_of
 from memplan.parallel import GradBuffers, ParallelConfig, ZeroStage
 from memplan.spec import ModelSpec
@@ -152,7 +153,10 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
                  params: StageParams, stage: int) -> StageStates:
     """``params``: the stage's ``stage_params`` (cached apart, per layout)."""
     first, last = stage == 0, stage == par.pp - 1
-    st = state_bytes(params, par, wl)
+    trainable = lora_policy(spec, wl, stage_layer_indices(spec, par.pp, par.vpp, stage,
+                                                          par.stage_layers),
+                            par.tp, wl.precision.policy.param_bytes)
+    st = state_bytes(params, par, wl, trainable)
     shard = sharding_buffers(params, par, wl)
     e = wl.compute_dtype.itemsize
     # Gradients exist during forward when an earlier micro-batch made them, or when they live
@@ -160,7 +164,7 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
     # a DDP wrap at any data-parallel size (Workload.ddp_any_size: Megatron-LM) keeps its
     # gradient buffer from the wrap on, one rank included
     ddp = par.data_parallel_buffers or (wl.ddp_any_size and par.zero < ZeroStage.GRADIENTS)
-    opt_temp = optimizer_step_temp_bytes(params, st, par, wl)
+    opt_temp = optimizer_step_temp_bytes(params, st, par, wl, trainable)
     buckets = st.grads_bytes if ddp and par.grad_buffers is GradBuffers.COPY else 0
     buffers = rope_buffer_bytes(spec, wl, len(stage_layer_indices(
         spec, par.pp, par.vpp, stage, par.stage_layers)))
@@ -172,7 +176,8 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
                         else Fraction(st.grads_bytes, max(params.total, 1))),
         opt_temp=opt_temp,
         shard=shard,
-        vocab_grad=par.vocab_shard(spec.vocab_size) * spec.hidden_size * e,
+        # a frozen head and embedding (LoRA) make no gradient
+        vocab_grad=0 if wl.lora_rank else par.vocab_shard(spec.vocab_size) * spec.hidden_size * e,
         main_grads=(wl.precision.policy.grad_bytes > e and par.zero < ZeroStage.PARAMETERS
                     and not shard.queued_whole),
         # whole-bucket units: the gradient shard is a buffer made with the wrap

@@ -15,11 +15,17 @@ from typing import NamedTuple
 from memplan.model import attention, embedding, head, loss_in_call
 from memplan.model.dims import Dims, Term, total
 from memplan.model.head import HeadBlock
-from memplan.model.layer import LayerKind, grad_group_params, layer_kind, moment_params
+from memplan.model.layer import (
+    LayerKind,
+    frozen_input_terms,
+    grad_group_params,
+    layer_kind,
+    moment_params,
+)
 from memplan.model.stage_parts import LayerKey
 from memplan.parallel import ExpertSplit
 from memplan.spec import ModelSpec
-from memplan.workload import Workload
+from memplan.workload import Recompute, Workload
 
 
 class StageTerms(NamedTuple):
@@ -57,6 +63,9 @@ def stage_terms(spec: ModelSpec, wl: Workload, dm: Dims, ep: int | ExpertSplit,
         spec, wl, dm))
     batch = head.batch_terms(wl, dm)
     kinds = {key: kind_of(spec, wl, dm, *key) for key in keys}
+    first = next(iter(kinds.values()), None)
+    if first is not None and dm.adapters is not None and wl.recompute is not Recompute.FULL:
+        embed += tuple(frozen_input_terms(spec, dm, first.terms, embed))
     return StageTerms(
         dm=dm, rope=rope, embed=embed, head=head_terms, rope_bytes=total(rope),
         embed_bytes=total(embed), head_bytes=total(head_terms), batch_bytes=total(batch),

@@ -1,16 +1,24 @@
 """The trainable-parameter policy: which parameter groups of a stage hold gradients and
 optimizer states (``memplan.model.model_states`` reads it).
 
-Every parameter trains today (``ALL``). Freezing a group (``requires_grad_(False)``: no
+Every parameter trains by default (``ALL``). Freezing a group (``requires_grad_(False)``: no
 gradient is made for it, and the optimizer is built over the others, so it keeps no states
-for it) is a selection here; the weights themselves are held either way.
+for it) is a selection here; the weights themselves are held either way. With LoRA
+(``memplan.model.adapters``) every base weight is frozen and only the adapters train
+(``adapters``: their tensors; peft's ``get_peft_model`` calls ``requires_grad_(False)`` on
+everything but them, ``_mark_only_adapters_as_trainable``), in fp32; the frozen base linears
+may be stored quantized (``stored_less_bytes``).
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import NamedTuple, Protocol
+
+from memplan.spec import ModelSpec
+from memplan.workload import Workload
 
 
 class StageParams(Protocol):
@@ -49,10 +57,14 @@ class TrainablePolicy:
     """The frozen parameter groups (none: every parameter trains)."""
 
     frozen: frozenset[ParamGroup] = frozenset()
+    adapters: tuple[int, ...] = ()  # LoRA: elements of each adapter tensor, all that trains
+    stored_less_bytes: int = 0  # bytes the frozen base linears' storage saves (quantized)
 
     def trained(self, params: StageParams) -> Trained:
         """What of ``params`` trains: its dense and expert counts and its tensors, without
-        the frozen groups'."""
+        the frozen groups' (with adapters: the adapters alone)."""
+        if self.adapters:
+            return Trained(sum(self.adapters), 0, self.adapters)
         if not self.frozen:
             return Trained(params.dense, params.expert, params.tensor_sizes,
                            params.tensor_shapes)
@@ -72,3 +84,27 @@ class TrainablePolicy:
 
 
 ALL = TrainablePolicy()
+
+
+def lora_policy(spec: ModelSpec, wl: Workload, layers: Sequence[int], t: int,
+                param_bytes: int) -> TrainablePolicy:
+    """The trainable policy of a stage holding ``layers`` under LoRA (``ALL`` without): the
+    adapters of each layer's adapted projections on one TP rank, and what storing the base
+    linears quantized saves against ``param_bytes`` per weight element."""
+    from memplan.model.adapters import adapters_of, base_weight_bytes
+    from memplan.model.layer import layer_linears
+    from memplan.model.linear import adapter_sizes, local_widths
+
+    ad = adapters_of(wl, spec.fused_qkv or wl.fused_qkv)
+    if ad is None:
+        return ALL
+    sizes: list[int] = []
+    less = 0
+    for i in layers:
+        linears = layer_linears(spec, spec.is_moe_layer(i))
+        sizes += adapter_sizes(linears, ad, t)
+        for lin in linears:
+            d_in, d_out = local_widths(lin, t)
+            less += d_in * d_out * param_bytes - base_weight_bytes(ad.quant, d_in, d_out,
+                                                                   param_bytes)
+    return TrainablePolicy(adapters=tuple(sizes), stored_less_bytes=less)

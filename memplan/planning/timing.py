@@ -153,7 +153,7 @@ def step_flops(spec: ModelSpec, wl: Workload, global_batch: int, *, pp: int,
     tokens = global_batch * wl.seq_len
     matmul, attention, _ = forward_flops_per_token(spec, wl.seq_len)
     forward = matmul + attention
-    model = 3.0 * (forward + _mtp_flops(spec, wl)) * tokens
+    model = (3.0 * (forward + _mtp_flops(spec, wl)) - _frozen_wgrad(spec, wl, matmul)) * tokens
     head = head_flops_per_token(spec)
     # a chunked loss reruns each chunk's head projection in its backward
     extra = head * tokens if wl.loss_chunks > 1 else 0.0
@@ -176,6 +176,24 @@ def step_flops(spec: ModelSpec, wl: Workload, global_batch: int, *, pp: int,
     elif wl.recompute is Recompute.SELECTIVE:
         extra += attention * tokens
     return model, model + extra
+
+
+def _frozen_wgrad(spec: ModelSpec, wl: Workload, matmul: float) -> float:
+    """Per token, the weight-gradient FLOPs frozen weights skip, less what LoRA's adapters
+    add. With adapters (``memplan.model.adapters``) every base weight is frozen: its backward
+    makes the input's gradient (as many FLOPs as its forward) and no weight gradient, so the
+    step is 2x the matmuls' forward, not 3x. Each adapted projection adds its two rank-r
+    matmuls, 2r(d_in + d_out) per token forward, 3x that with their gradients (both train)."""
+    from memplan.model.adapters import adapters_of
+    from memplan.model.layer import layer_linears
+
+    ad = adapters_of(wl, spec.fused_qkv or wl.fused_qkv)
+    if ad is None:
+        return 0.0
+    added = sum(2 * ad.rank * (lin.d_in + lin.d_out)
+                for i in range(spec.num_layers)
+                for lin in layer_linears(spec, spec.is_moe_layer(i)) if ad.adapts(lin))
+    return matmul - 3.0 * added
 
 
 def _mtp_flops(spec: ModelSpec, wl: Workload) -> float:

@@ -119,6 +119,7 @@ class Built:
     optimizer: torch.optim.Optimizer | None = None
     context: Callable[[MemoryTracker], contextlib.AbstractContextManager] | None = None
     host: Any = None  # what the step put in host memory (``memplan.profile.offload``)
+    frozen: list[torch.Tensor] = field(default_factory=list)  # weights that do not train
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,7 @@ def run_library_steps(built: Built, tracker: LibraryTracker, *, steps: int = 2) 
     params = [p for p in model.parameters() if p.requires_grad]
     handles = []
     with tracker, (built.context(tracker) if built.context else contextlib.nullcontext()):
-        tracker.register(params, "parameters")
+        tracker.register(params + built.frozen, "parameters")
         tracker.register(list(model.buffers()), BUFFERS)
         handles = [p.register_post_accumulate_grad_hook(
             lambda q: tracker.relabel(q.grad, "gradients")) for p in params]

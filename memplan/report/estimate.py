@@ -78,6 +78,9 @@ def estimate_json(est: Estimate) -> dict[str, Any]:
             "norm_impl": wl.norm_impl.value, "logits_fp32": wl.logits_fp32,
             "loss_chunks": wl.loss_chunks, "logits_held": wl.logits_held.value,
             "softmax_fp32": wl.softmax_fp32, "kv_cache": wl.kv_cache,
+            **({"lora_rank": wl.lora_rank, "lora_targets": wl.lora_targets,
+                "lora_dropout": wl.lora_dropout, "base_quant": wl.base_quant.value}
+               if wl.lora_rank else {}),
         },
         "most_loaded_stage": worst.stage,
         **{name: getattr(worst, name) for name in _COMPONENTS},
@@ -138,7 +141,11 @@ def render_estimate(est: Estimate) -> Any:
         f"precision={wl.precision.value} optimizer={wl.optimizer.value}/"
         f"{wl.optimizer_impl.value} recompute={wl.recompute.name.lower()}"
         + (f" ({wl.recompute_layers} layers)" if wl.recompute_layers is not None else "")
-        + (f" (every {wl.recompute_every}-th layer)" if wl.recompute_every is not None else ""))
+        + (f" (every {wl.recompute_every}-th layer)" if wl.recompute_every is not None else "")
+        + (f"\nLoRA rank {wl.lora_rank} on "
+           f"{','.join(wl.lora_targets) if wl.lora_targets else 'the default targets'}, "
+           f"dropout {wl.lora_dropout:g}, base weights frozen ({wl.base_quant.value})"
+           if wl.lora_rank else ""))
 
     stages = Table(title="Per-GPU memory by pipeline stage, GiB (2^30 bytes)")
     for col in ("stage", "layers", "parameters", "gradients", "optimizer states",

@@ -719,3 +719,28 @@ def test_eight_bit_states_and_offloads_are_offered_with_their_bytes() -> None:
         "saved activations offloaded to the host (save_on_cpu)" in skipped
     assert not any("CPUOffloadPolicy" in name for name in [*skipped, *(
         f.name for f in r.fixes.ranked)])
+
+
+def test_plan_ranks_the_savers_when_nothing_fits(capsys) -> None:
+    """Llama-2-7B on one RTX 4090 fits in no layout (bf16-mixed AdamW: 16 B per parameter,
+    108 GB). The plan's JSON ranks the savers applied to its closest configuration, each
+    re-estimated: a saver that fits is one whose peak is within the plan's budget, and that
+    peak is what memplan.estimate gives with the saver's flags on that configuration
+    (QLoRA fits only under full recompute, which its flags say)."""
+    from memplan.cli import main
+
+    code = main(["plan", "-m", "llama-2-7b", "--gpus", "1", "--gpu", "rtx-4090", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 1 and not out["candidates"]
+    ranked = out["savers"]["ranked"]
+    fits = [f for f in ranked if f["fits"]]
+    assert fits and ranked[:len(fits)] == fits
+    assert all(f["peak_bytes"] <= out["budget_bytes"] for f in fits)
+    qlora = next(f for f in ranked if f["flags"].startswith("--lora-rank 8 --base-quant nf4"))
+    assert qlora["fits"] and qlora["flags"].endswith("--recompute full")
+    again = memplan.estimate("llama-2-7b", gpus=1, gpu="rtx-4090", lora_rank=8,
+                             base_quant="nf4", recompute="full", micro_batch_size=1,
+                             global_batch_size=out["global_batch_size"])
+    assert qlora["peak_bytes"] == again.peak_bytes
+    assert out["savers"]["baseline_peak_bytes"] == out["closest_miss"]["peak_bytes"] or \
+        out["savers"]["baseline_peak_bytes"] > out["budget_bytes"]

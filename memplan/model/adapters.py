@@ -1,0 +1,135 @@
+"""LoRA adapters on frozen (optionally quantized) base weights: the policy the linears read.
+
+peft 0.21.2 (``peft/tuners/lora/layer.py``, ``Linear.forward``) wraps each targeted projection:
+``result = base_layer(x)``, then ``x = _cast_input_dtype(x, lora_A.weight.dtype)``, ``result =
+result + lora_B(lora_A(dropout(x))) * scaling`` and ``result.to(<base output dtype>)``. What
+that holds, per adapted projection and micro-batch (the counts ``memplan.model.linear``
+makes from here):
+
+- the adapters ``lora_A`` (r x d_in) and ``lora_B`` (d_out x r) in fp32 whatever the base
+  dtype: ``get_peft_model(..., autocast_adapter_dtype=True)`` (its default) runs
+  ``cast_adapter_dtype`` (``peft/tuners/tuners_utils.py``), which upcasts bf16/fp16 adapter
+  parameters to fp32;
+- saved for backward: ``lora_A``'s input, the fp32 cast of x (its own copy per projection when
+  the base dtype is lower: ``x.to(fp32)`` per call; x itself, shared by the projections that
+  read it, when the base is fp32), with dropout P > 0 instead ``native_dropout``'s bool mask
+  and output (lora_A's input); ``lora_B``'s input, the rank-r intermediate (fp32);
+- the base linear, its weight frozen, saves no input: ``linear``'s autograd saves the input
+  only for the weight's gradient (``derivatives.yaml``: ``mm`` saves ``self`` when ``mat2``
+  requires grad).
+
+Default targets: peft's ``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``
+(``peft/utils/constants.py``) gives ``["q_proj", "v_proj"]`` for every family memplan reads
+with separate q/k/v projections (llama, mistral, mixtral, qwen2, qwen3, gemma, gemma2,
+gemma3_text) and the one fused projection for gpt2 (``["c_attn"]``); ``DEFAULT_TARGETS``
+states that as a rule of the model's shape (q and v, or the fused qkv).
+
+Quantized base weights (bitsandbytes 0.50.2, ``bitsandbytes/functional.py``
+``quantize_4bit``, ``nn/modules.py`` ``Int8Params``): ``nf4_bytes`` and ``int8_bytes``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+from memplan.units import FP32_BYTES, ceil_div
+from memplan.workload import ALL_LINEAR, BaseQuant, Workload
+
+# (the projections a fused one stands for: --lora-targets names the parts)
+PARTS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
+DEFAULT_TARGETS = ("q", "v")  # peft's mapping for llama, mistral, qwen2, ... (module doc)
+ADAPTED_NAMES = ("q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up")
+ADAPTER_BYTES = FP32_BYTES  # autocast_adapter_dtype=True: fp32 adapters (module docstring)
+
+# bitsandbytes 4-bit (functional.py quantize_4bit, blocksize 64 as Params4bit's default and
+# QLoRA's; compress_statistics=True: double quantization): two weights per byte, a uint8
+# absmax per 64-element block, those absmax quantized blockwise by 256 with an fp32 absmax per
+# 256 blocks, an fp32 offset (their mean) and the 16-entry fp32 NF4 code (get_4bit_type makes
+# one per weight); the 256-entry dynamic map of the nested quantization is one tensor per
+# process (name2qmap["dynamic"]), not counted per weight
+NF4_BLOCK = 64
+NF4_NESTED_BLOCK = 256
+NF4_CODE_BYTES = 16 * FP32_BYTES
+NF4_OFFSET_BYTES = FP32_BYTES
+
+
+class Projection(Protocol):
+    name: str
+    d_in: int
+    d_out: int
+    stack: int
+
+
+class Adapters(NamedTuple):
+    """LoRA on one model: its rank, the projections it adapts (memplan's names, fused ones
+    included), its dropout rate and how the frozen base weights are stored."""
+
+    rank: int
+    targets: frozenset[str]
+    dropout: float = 0.0
+    quant: BaseQuant = BaseQuant.NONE
+
+    def adapts(self, lin: Projection) -> bool:
+        """Whether ``lin`` gets an adapter: a targeted projection, or a fused one of which a
+        part is targeted (peft adapts the whole module: gpt2's ``c_attn``). Stacked experts
+        and routers are no ``nn.Linear``: never."""
+        return lin.stack == 1 and lin.name in self.targets
+
+    def params(self, lin: Projection, d_in: int, d_out: int) -> int:
+        """Elements of ``lin``'s adapters at local widths ``d_in`` x ``d_out``: ``lora_A``
+        r x d_in and ``lora_B`` d_out x r (0 when not adapted)."""
+        return self.rank * (d_in + d_out) if self.adapts(lin) else 0
+
+
+def adapters_of(wl: Workload, fused_qkv: bool = False) -> Adapters | None:
+    """The adapters ``wl`` asks for (None: no LoRA)."""
+    if wl.lora_rank == 0:
+        return None
+    names = wl.lora_targets or (("qkv",) if fused_qkv else DEFAULT_TARGETS)
+    if ALL_LINEAR in names:  # peft's "all-linear": every nn.Linear but the output layer
+        names = ADAPTED_NAMES
+    targets = set(names)
+    targets |= {fused for fused, parts in PARTS.items() if targets & set(parts)}
+    return Adapters(wl.lora_rank, frozenset(targets), wl.lora_dropout, wl.base_quant)
+
+
+def nf4_bytes(elements: int) -> int:
+    """Bytes of one weight of ``elements`` stored as NF4 with double quantization (the
+    constants above): packed nibbles, uint8 block absmax, fp32 nested absmax, offset, code."""
+    blocks = ceil_div(elements, NF4_BLOCK)
+    return (ceil_div(elements, 2) + blocks + ceil_div(blocks, NF4_NESTED_BLOCK) * FP32_BYTES
+            + NF4_OFFSET_BYTES + NF4_CODE_BYTES)
+
+
+def int8_bytes(d_in: int, d_out: int) -> int:
+    """Bytes of one ``Linear8bitLt`` weight (d_out x d_in): int8 rows (``Int8Params.CB`` is
+    the weight's data) and an fp32 absmax scale per output row (``SCB``,
+    ``int8_vectorwise_quant``)."""
+    return d_in * d_out + d_out * FP32_BYTES
+
+
+def base_weight_bytes(quant: BaseQuant, d_in: int, d_out: int, dtype_bytes: int) -> int:
+    """Bytes of one frozen d_out x d_in base weight as stored."""
+    if quant is BaseQuant.NF4:
+        return nf4_bytes(d_in * d_out)
+    if quant is BaseQuant.INT8:
+        return int8_bytes(d_in, d_out)
+    return d_in * d_out * dtype_bytes
+
+
+def assumptions(wl: Workload) -> tuple[str, ...]:
+    """The estimate's assumption lines for LoRA and quantized base weights (none without)."""
+    if wl.lora_rank == 0:
+        return ()
+    targets = ",".join(wl.lora_targets) if wl.lora_targets else (
+        "peft's default (q,v; a fused qkv whole)")
+    base = {BaseQuant.NONE: f"in {wl.precision.policy.params.value}",
+            BaseQuant.NF4: "NF4 with double quantization (bitsandbytes Linear4bit, blocks of "
+                           "64, absmax quantized by 256); embedding, norms and head in "
+                           f"{wl.precision.policy.params.value}",
+            BaseQuant.INT8: "int8 with an fp32 scale per row (bitsandbytes Linear8bitLt); "
+                            "embedding, norms and head in "
+                            f"{wl.precision.policy.params.value}"}[wl.base_quant]
+    return (f"LoRA rank {wl.lora_rank} on {targets}, dropout {wl.lora_dropout:g}, as peft "
+            f"builds it: adapters in fp32 (autocast_adapter_dtype), the only parameters "
+            f"with gradients and optimizer states; frozen base weights {base}",)

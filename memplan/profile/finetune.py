@@ -1,0 +1,125 @@
+"""Ground truth for fine-tuning: a transformers model wrapped by peft's LoRA, its base weights
+optionally quantized by bitsandbytes, stepped as ``transformers.Trainer`` steps it.
+
+``build_peft(case)`` (the ``"peft"`` library of ``memplan.profile.frameworks``) builds the
+model as ``build_hf`` does, then:
+
+- ``base_quant`` ``nf4``/``int8``: every ``nn.Linear`` of the decoder layers becomes a
+  bitsandbytes ``Linear4bit`` (NF4, blocksize 64, double quantization, the bf16 compute dtype:
+  QLoRA's ``BitsAndBytesConfig``) or ``Linear8bitLt`` (``has_fp16_weights=False``), its weight
+  quantized by moving it to the CPU device as transformers' loader does (bitsandbytes' CPU
+  backend: ``backends/cpu`` and ``backends/default``); the head stays in the model's dtype
+  (transformers keeps the output embedding unquantized, ``get_keys_to_not_convert``);
+- ``gc``: ``model.gradient_checkpointing_enable()`` before ``get_peft_model``, which then calls
+  ``enable_input_require_grads`` (``peft/utils/other.py``
+  ``_prepare_model_for_gradient_checkpointing``): the embedding's output requires grad;
+- ``get_peft_model(model, LoraConfig(r, lora_alpha=2r, lora_dropout, target_modules))`` with
+  peft's defaults (``autocast_adapter_dtype=True``: fp32 adapters).
+
+The frozen base weights (and a quantized weight's ``quant_state`` tensors) are parameters in the
+trace, as memplan's ``params_bytes`` counts them; AdamW(fused) runs over the adapters alone.
+
+CPU against CUDA: bitsandbytes' 4-bit forward ``gemm_4bit`` is one custom op, whose CPU
+implementation (dequantize, then ``F.linear``) runs below the tracker's dispatch, as CUDA's
+kernel does at training row counts (``backends/cuda/ops.py``: past its M threshold it runs the
+same dequantize and linear); the backward's ``dequantize_4bit`` is a visible op on both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from memplan.profile.frameworks import BUILDERS, Built, FrameworkCase, Mark, build_hf
+
+LORA_NAMES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj",
+              "up": "up_proj", "down": "down_proj"}
+
+
+def _quantize(model: torch.nn.Module, quant: str) -> list[torch.Tensor]:
+    """Replace the decoder layers' linears by bitsandbytes' quantized ones; the tensors each
+    quantized weight keeps beside its data (absmax, nested absmax, offset, code)."""
+    import bitsandbytes as bnb
+
+    extra: list[torch.Tensor] = []
+    for layer in model.model.layers:
+        for name, child in list(layer.named_modules()):
+            if not isinstance(child, torch.nn.Linear):
+                continue
+            parent = layer.get_submodule(name.rpartition(".")[0]) if "." in name else layer
+            w = child.weight.data
+            if quant == "nf4":
+                new = bnb.nn.Linear4bit(child.in_features, child.out_features,
+                                        bias=child.bias is not None, compute_dtype=w.dtype,
+                                        quant_type="nf4", compress_statistics=True)
+                new.weight = bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4",
+                                               compress_statistics=True, blocksize=64)
+            else:
+                new = bnb.nn.Linear8bitLt(child.in_features, child.out_features,
+                                          bias=child.bias is not None, has_fp16_weights=False)
+                new.weight = bnb.nn.Int8Params(w, requires_grad=False, has_fp16_weights=False)
+            new = new.to("cpu")
+            setattr(parent, name.rpartition(".")[2], new)
+            extra.append(new.weight.data)  # the packed data: Params4bit is a subclass
+            state = getattr(new.weight, "quant_state", None)
+            if state is not None:
+                extra += [state.absmax, state.code, state.offset, state.state2.absmax]
+            scb = getattr(new.weight, "SCB", None)
+            if scb is not None:
+                extra.append(scb)
+    return extra
+
+
+def build_peft(case: FrameworkCase) -> Built:
+    """``build_hf``'s model under peft LoRA (module docstring); options: ``lora_rank``,
+    ``lora_targets`` (memplan's names, comma-separated; None: peft's default),
+    ``lora_dropout``, ``base_quant`` (``none``, ``nf4``, ``int8``), ``gc`` (gradient
+    checkpointing), ``attn`` as ``build_hf``."""
+    from peft import LoraConfig, get_peft_model
+
+    opts = case.options
+    built = build_hf(FrameworkCase("transformers", case.name, case.config, case.recipe,
+                                   case.micro_batch_size, case.seq_len,
+                                   options={"attn": opts.get("attn", "sdpa")}))
+    model = built.model
+    quant = opts.get("base_quant", "none")
+    extra = _quantize(model, quant) if quant != "none" else []
+    if opts.get("gc"):
+        model.config.use_cache = False
+        model.gradient_checkpointing_enable()
+    rank = opts["lora_rank"]
+    targets = opts.get("lora_targets")
+    modules: Any = None
+    if targets == "all-linear":
+        modules = targets
+    elif targets is not None:
+        modules = [LORA_NAMES[t] for t in targets.split(",")]
+    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank,
+                                             lora_dropout=opts.get("lora_dropout", 0.0),
+                                             target_modules=modules))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
+    b, s, vocab = case.micro_batch_size, case.seq_len, model.config.vocab_size
+
+    def step(k: int, mark: Mark) -> None:
+        ids = torch.randint(0, vocab, (b, s))
+        loss = model(input_ids=ids, labels=ids).loss
+        mark("backward")
+        loss.backward()
+        del loss
+        mark("optimizer")
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    workload: dict[str, Any] = dict(built.workload, lora_rank=rank, lora_targets=targets,
+                                    lora_dropout=opts.get("lora_dropout", 0.0),
+                                    base_quant=quant)
+    if opts.get("gc"):
+        workload.update(recompute="full", kv_cache=False)
+    frozen = [p for p in model.parameters() if not p.requires_grad] + extra
+    return Built("peft", model, built.spec, built.layout, workload, step, opt, frozen=frozen)
+
+
+BUILDERS["peft"] = build_peft

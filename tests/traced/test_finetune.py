@@ -1,0 +1,107 @@
+"""LoRA and QLoRA against peft's and bitsandbytes' own code, traced on CPU.
+
+Each case builds a transformers model cut to two layers (``memplan.profile.finetune.
+build_peft``), wraps it with ``peft.get_peft_model`` (its defaults: fp32 adapters), optionally
+quantizes the decoder's linears with bitsandbytes, and runs two training steps under the exact
+tensor tracker (AdamW(fused) over the adapters, ``zero_grad(set_to_none=True)``, gradient
+clipping, as ``transformers.Trainer`` steps). memplan's estimate is described only by the
+recipe, the batch and the fine-tuning options (``lora_rank``, ``lora_targets``,
+``lora_dropout``, ``base_quant``, full recompute for gradient checkpointing): weights,
+gradients and optimizer states to the byte, saved activations and every phase peak of the
+first and the steady step within 1% (``known.check``).
+
+bitsandbytes on CPU: NF4 runs its CPU backend (``backends/cpu``, ``backends/default``): the
+forward's ``gemm_4bit`` is one custom op there, as on CUDA, and the backward's
+``dequantize_4bit`` a visible op; the int8 case runs ``MatMul8bitFp``, bitsandbytes' CPU/XPU
+training path (``autograd/_functions.py``), which keeps the input as CUDA's ``MatMul8bitLt``
+does (``ctx.A``; ``ctx.tensors = (CAt, subA, A)``); CUDA's outlier columns (``subA``, data
+dependent, threshold 6.0) have no CPU counterpart and are not modelled.
+
+Versions traced: peft 0.21.2, bitsandbytes 0.50.2, transformers 5.3.0, torch 2.13.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from known import check, param  # tests/traced/known.py
+from memplan.profile import finetune  # noqa: F401 (registers the "peft" builder)
+from memplan.profile.frameworks import FrameworkCase, compare_framework
+
+HF_DIR = Path(__file__).resolve().parents[1] / "data" / "hf"
+
+
+def hf(name: str, **overrides) -> dict:
+    """A published config.json (tests/data/hf) cut down by ``overrides`` (as
+    tests/traced/test_frameworks.py cuts them)."""
+    data = json.loads((HF_DIR / name / "config.json").read_text())
+    data = data.get("text_config", data)
+    data.pop("quantization_config", None)
+    data.update({k: None for k in ("bos_token_id", "eos_token_id")}, **overrides)
+    return data
+
+
+LLAMA3_TOY = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=896,
+                  num_attention_heads=8, num_key_value_heads=2, vocab_size=1000)
+# a wide MLP over a small vocabulary: the adapters' fp32 transients in the MLP are the forward
+# and backward peaks, not the loss
+LLAMA_WIDE = dict(LLAMA3_TOY, intermediate_size=4096, vocab_size=256)
+GPT2_TOY = dict(n_layer=2, n_embd=256, n_head=4, vocab_size=1000, attn_pdrop=0.0)
+LLAMA = hf("Meta-Llama-3-8B", **LLAMA3_TOY)
+GPT2 = hf("gpt2", use_cache=False, **GPT2_TOY)
+
+
+def case(config: dict, name: str, recipe: str, **options) -> FrameworkCase:
+    return FrameworkCase("peft", name, config, recipe, 2, 128, options=options)
+
+
+CASES = [
+    # peft's default targets (q_proj, v_proj), bf16 base, fp32 adapters: each adapter saves
+    # its own fp32 cast of the input
+    case(LLAMA, "llama3-toy", "bf16-pure", lora_rank=8),
+    # every linear, dropout: a bool mask and the fp32 dropout output per adapter, none in the
+    # first layer's attention (its input does not require grad)
+    case(LLAMA, "llama3-toy", "bf16-pure", lora_rank=8, lora_targets="all-linear",
+         lora_dropout=0.1),
+    # fp32 base: lora_A saves the base's input itself, one tensor for q and v
+    case(LLAMA, "llama3-toy", "fp32", lora_rank=8, lora_targets="q,v,o"),
+    # gradient checkpointing as transformers and peft enable it (enable_input_require_grads)
+    case(LLAMA, "llama3-toy", "bf16-pure", lora_rank=8, gc=True),
+    # QLoRA: NF4 with double quantization on the CPU backend
+    case(LLAMA, "llama3-toy", "bf16-pure", lora_rank=16, lora_targets="all-linear",
+         base_quant="nf4"),
+    case(LLAMA, "llama3-toy", "bf16-pure", lora_rank=8, base_quant="nf4", gc=True),
+    # LLM.int8: the base keeps its input
+    case(LLAMA, "llama3-toy", "bf16-pure", lora_rank=8, lora_targets="all-linear",
+         base_quant="int8"),
+    case(hf("Meta-Llama-3-8B", **LLAMA_WIDE), "llama-wide-mlp", "bf16-pure", lora_rank=8,
+         lora_targets="all-linear"),
+    # GPT-2: the one fused c_attn adapted (peft's default), Conv1D weights, LayerNorm
+    case(GPT2, "gpt2-toy", "bf16-pure", lora_rank=8),
+    case(GPT2, "gpt2-toy", "fp32", lora_rank=8, lora_dropout=0.05),
+]
+
+
+@pytest.mark.parametrize(("case", "known"), [param(c, None) for c in CASES])
+def test_peft_matches_estimate(case: FrameworkCase, known) -> None:
+    if case.options.get("base_quant", "none") != "none":
+        pytest.importorskip("bitsandbytes")
+    check(compare_framework(case).rows, known)
+
+
+def test_default_targets_are_peft_mapping() -> None:
+    """memplan's default targets (q and v, or a fused qkv whole) are peft's
+    TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING for the families memplan reads."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as M
+
+    for family in ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2",
+                   "gemma3_text"):
+        assert M[family] == ["q_proj", "v_proj"], family
+    assert M["gpt2"] == ["c_attn"]  # GPT-2's fused q/k/v projection

@@ -1,0 +1,191 @@
+"""LoRA adapters and quantized frozen base weights (``memplan.model.adapters``): storage, states
+and saved activations derived by hand, validation, the CLI flags.
+
+The toy shape is the one tests/traced/test_finetune.py traces: Llama 3 cut to two layers,
+hidden 256, 8 query and 2 KV heads of 32 (q 256 wide, k and v 64), ffn 896, vocabulary 1000,
+untied head; micro-batch 2 of 128 tokens (T = 256).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import memplan
+from memplan import api
+from memplan.cli import app, main
+from memplan.errors import MemplanError
+from memplan.hardware import DEFAULT_GPU, load_gpu
+from memplan.model.adapters import adapters_of, int8_bytes, nf4_bytes
+from memplan.model.dims import Dims
+from memplan.model.estimate import estimate
+from memplan.model.layer import layer_kind
+from memplan.overheads import no_overheads
+from memplan.spec import spec_from_hf_dict
+from memplan.workload import Workload
+
+HF = Path(__file__).resolve().parents[1] / "data" / "hf" / "Meta-Llama-3-8B" / "config.json"
+
+
+def toy():
+    data = json.loads(HF.read_text())
+    data.update(num_hidden_layers=2, hidden_size=256, intermediate_size=896,
+                num_attention_heads=8, num_key_value_heads=2, vocab_size=1000)
+    return spec_from_hf_dict(data, "test", "llama3-toy")
+
+
+def states(**lora):
+    spec, par, wl = api.resolve(toy(), framework="hf", micro_batch_size=2, seq_len=128,
+                                precision="bf16-pure", **lora)
+    return estimate(spec, load_gpu(DEFAULT_GPU), par, wl, overheads=no_overheads()).stages[0]
+
+
+def test_nf4_storage_of_one_weight() -> None:
+    """A 896 x 256 weight (229,376 elements) as NF4 with double quantization, as
+    bitsandbytes 0.50.2 stores it (read from a Params4bit on CPU): 114,688 B of packed nibbles,
+    3,584 uint8 block absmax (229,376 / 64), 14 fp32 nested absmax (ceil(3,584 / 256)) = 56 B,
+    an fp32 offset (4 B) and the 16-entry fp32 code (64 B): 118,396 B."""
+    assert nf4_bytes(229_376) == 114_688 + 3_584 + 56 + 4 + 64 == 118_396
+
+
+def test_int8_storage_of_one_weight() -> None:
+    """A 896 x 256 Linear8bitLt weight: 229,376 int8 + 896 fp32 row scales = 232,960 B."""
+    assert int8_bytes(256, 896) == 229_376 + 896 * 4
+
+
+def test_default_targets() -> None:
+    """peft's default for separate projections is q and v; a fused qkv is adapted whole;
+    all-linear is every projection; naming a part adapts a fused projection holding it."""
+    assert adapters_of(Workload(lora_rank=8)).targets == {"q", "v", "qkv"}
+    assert adapters_of(Workload(lora_rank=8), fused_qkv=True).targets == {"qkv"}
+    assert adapters_of(Workload(lora_rank=8, lora_targets="all-linear")).targets >= {
+        "q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up"}
+    assert "qkv" in adapters_of(Workload(lora_rank=8, lora_targets="k")).targets
+    assert adapters_of(Workload()) is None
+
+
+def test_lora_states_by_hand() -> None:
+    """Default targets, rank 8: q's adapters 8 x 256 + 256 x 8 = 4,096, v's 8 x 256 + 64 x 8
+    = 2,560; two layers: 13,312 fp32 parameters. Gradients 13,312 x 4 = 53,248 B; AdamW's two
+    fp32 states 106,496 B and, fused (the hf preset), an fp32 step count on the device per
+    adapter tensor, 8 x 4 = 32 B: 106,528 B. The bf16 base: embedding
+    256,000, per layer 65,536 + 2 x 16,384 + 65,536 + 3 x 229,376 + 2 x 256 = 852,480, final
+    norm 256, head 256,000: 2,217,216 x 2 B = 4,434,432 B, plus the adapters' 53,248 B."""
+    st = states(lora_rank=8)
+    assert st.grads_bytes == 53_248
+    assert st.optimizer_bytes == 106_496 + 32
+    assert st.params_bytes == 4_434_432 + 53_248
+
+
+def test_qlora_states_by_hand() -> None:
+    """All linears, rank 16, NF4: adapters per layer 16 x (512 + 320 + 320 + 512 + 3 x 1,152)
+    = 81,920, 163,840 in all (655,360 B). Base: embedding, norms and head in bf16, (256,000 +
+    4 x 256 + 256 + 256,000) x 2 = 1,026,560 B; per layer q and o 65,536 elements as NF4:
+    32,768 + 1,024 + 4 x 4 + 68 = 33,876 B each, k and v 16,384: 8,192 + 256 + 4 + 68 = 8,520
+    each, gate, up and down 118,396 each (``test_nf4_storage_of_one_weight``): 439,980 B a
+    layer, 879,960 B for two. Total 1,026,560 + 879,960 + 655,360 = 2,561,880 B (as traced)."""
+    st = states(lora_rank=16, lora_targets="all-linear", base_quant="nf4")
+    assert st.params_bytes == 2_561_880
+    assert st.grads_bytes == 655_360
+
+
+def test_adapter_activations_by_hand() -> None:
+    """bf16 base, q and v adapted, rank 8, T = 256 tokens: each adapter saves its own fp32
+    cast of the normed input, 256 x 256 x 4 = 262,144 B (two: 524,288), and its rank-8
+    intermediate, 256 x 8 x 4 = 8,192 B (two: 16,384). The frozen linears save no input:
+    the norms' weighted copies, the norms' outputs and the down projection's input are 0;
+    SDPA still saves the attention output (256 x 256 x 2 = 131,072 B)."""
+    spec, par, wl = api.resolve(toy(), framework="hf", micro_batch_size=2, seq_len=128,
+                                precision="bf16-pure", lora_rank=8)
+    terms = dict(layer_kind(spec, wl, Dims.of(spec, par, wl), False, wl.recompute).terms)
+    assert terms["attn.lora_input"] == 524_288
+    assert terms["attn.lora_rank"] == 16_384
+    assert terms["mlp.lora_input"] == terms["mlp.lora_rank"] == 0
+    assert terms["attn_norm.normed"] == terms["attn_norm.output"] == terms["mlp.prod"] == 0
+    assert terms["attn.out"] == 131_072
+
+
+def test_dropout_adds_mask_and_copy() -> None:
+    """With dropout each adapter saves a bool mask and the fp32 dropout output instead of the
+    cast: q and v, 256 x 256 x (1 + 4) = 327,680 B each."""
+    spec, par, wl = api.resolve(toy(), framework="hf", micro_batch_size=2, seq_len=128,
+                                precision="bf16-pure", lora_rank=8, lora_dropout=0.1)
+    terms = dict(layer_kind(spec, wl, Dims.of(spec, par, wl), False, wl.recompute).terms)
+    assert terms["attn.lora_input"] == 2 * 327_680
+
+
+def test_off_by_default() -> None:
+    """Without LoRA nothing changes: every parameter trains (bf16-pure: 2 B gradients)."""
+    st = states()
+    assert st.grads_bytes == 2_217_216 * 2
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"lora_targets": "q"}, "lora_targets (q) needs lora_rank > 0"),
+    ({"base_quant": "nf4"}, "base_quant (nf4) needs lora_rank > 0"),
+    ({"lora_dropout": 0.1}, "lora_dropout (0.1) needs lora_rank > 0"),
+    ({"lora_rank": 8, "lora_targets": "q,x"}, "must name projections of q,k,v,o,gate,up,down"),
+])
+def test_validation_names_the_field(kwargs, message) -> None:
+    with pytest.raises(MemplanError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        api.resolve(toy(), **kwargs)
+
+
+def test_cli_flags() -> None:
+    """The flags reach the workload; the JSON and the text say LoRA is on; a mistake is one
+    line and exit 2."""
+    runner = CliRunner()
+    args = ["estimate", "-m", "llama-2-7b", "--seq", "512", "--lora-rank", "16",
+            "--lora-targets", "q,k,v,o", "--lora-dropout", "0.05", "--base-quant", "nf4"]
+    out = json.loads(runner.invoke(app, [*args, "--json"], catch_exceptions=False).stdout)
+    assert out["workload"]["lora_rank"] == 16
+    assert out["workload"]["lora_targets"] == ["q", "k", "v", "o"]
+    assert out["workload"]["base_quant"] == "nf4"
+    assert any(a.startswith("LoRA rank 16 on q,k,v,o") for a in out["assumptions"])
+    text = runner.invoke(app, args, env={"COLUMNS": "250"}, catch_exceptions=False).stdout
+    assert "LoRA rank 16 on q,k,v,o, dropout 0.05, base weights frozen (nf4)" in text
+    assert "lora_rank" not in json.loads(runner.invoke(
+        app, ["estimate", "-m", "llama-2-7b", "--json"]).stdout)["workload"]
+
+
+def test_cli_error_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["estimate", "-m", "llama-2-7b", "--base-quant", "int8"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err == ("memplan: error: base_quant (int8) needs lora_rank > 0 (frozen base "
+                   "weights train through adapters), got lora_rank 0\n")
+
+
+def test_dequantized_weight_in_backward() -> None:
+    """A quantized base's backward dequantizes its weight to the compute dtype beside the
+    input gradient: the toy's down projection, 896 x 256 in bf16, 458,752 B; none
+    unquantized."""
+    from memplan.model.linear import dequant_bytes
+    from memplan.model.mlp import mlp_linears
+
+    spec = toy()
+    down = mlp_linears(spec, spec.ffn_hidden_size)[-1]
+    for quant, expected in (("nf4", 458_752), ("int8", 458_752), ("none", 0)):
+        _, par, wl = api.resolve(spec, precision="bf16-pure", lora_rank=8, base_quant=quant)
+        assert dequant_bytes(down, Dims.of(spec, par, wl)) == expected
+
+
+def test_lora_step_flops_skip_the_frozen_weight_gradients() -> None:
+    """Llama-2-7B at seq 2048, one sequence: its matmuls are 13,214,679,040 FLOPs per token
+    forward and the attention core 536,870,912 (both as memplan.planning.timing counts them),
+    so full training is 3 x 13,751,549,952 = 41,254,649,856 per token. With LoRA every base
+    weight is frozen: its backward makes only the input's gradient, one forward's worth, so
+    13,214,679,040 less; the default q,v adapters of rank 16 add 2 x 16 x (4096 + 4096) =
+    262,144 forward FLOPs per projection, 2 per layer, 32 layers: 16,777,216, trained: x 3 =
+    50,331,648. Per token 41,254,649,856 - 13,214,679,040 + 50,331,648 = 28,090,302,464;
+    x 2048 tokens = 57,528,939,446,272."""
+    from memplan.planning.timing import step_flops
+
+    spec = memplan.load_model("llama-2-7b")
+    full = memplan.make_workload(spec, seq_len=2048, micro_batch_size=1)
+    lora = memplan.make_workload(spec, seq_len=2048, micro_batch_size=1, lora_rank=16)
+    assert step_flops(spec, full, 1, pp=1)[0] == 41_254_649_856 * 2048
+    assert step_flops(spec, lora, 1, pp=1)[0] == 57_528_939_446_272
