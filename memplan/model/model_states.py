@@ -180,7 +180,8 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
         params_bytes += (held(trained.dense, 0, ZeroStage.PARAMETERS) * ADAPTER_BYTES
                          - trainable.stored_less_bytes)
         policy = Precision.FP32.policy
-    shapes = _updated_shapes(_shapes(trained), par)
+    # only a per-tensor optimizer reads the updated tensors' shapes
+    shapes = _updated_shapes(_shapes(trained), par) if optimizer.shaped else ()
     states = optimizer.states(policy, opt_params, shapes)
     steps = optimizer.step_counter_bytes(wl.optimizer_impl, len(trained.tensor_sizes), shapes)
     grads_bytes = held(trained.dense, trained.expert, ZeroStage.GRADIENTS) * policy.grad_bytes
