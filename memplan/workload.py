@@ -115,6 +115,7 @@ class Optimizer(str, enum.Enum):
     adamw8bit        bitsandbytes AdamW8bit: two blockwise 8-bit states
     paged-adamw8bit  bitsandbytes PagedAdamW8bit: the same states, the large ones in unified
                      memory the driver pages out to the host under pressure
+    paged-adamw      bitsandbytes PagedAdamW (32-bit): two fp32 states, the large ones paged
     adafactor        torch.optim.Adafactor: row and column factors for matrices, full for vectors
     muon             torch.optim.Muon on the 2-D parameters, torch.optim.AdamW on the others
     """
@@ -123,6 +124,7 @@ class Optimizer(str, enum.Enum):
     SGD = "sgd"
     ADAMW8BIT = "adamw8bit"
     PAGED_ADAMW8BIT = "paged-adamw8bit"
+    PAGED_ADAMW = "paged-adamw"
     ADAFACTOR = "adafactor"
     MUON = "muon"
 

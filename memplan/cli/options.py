@@ -125,8 +125,8 @@ PrecisionOpt = Annotated[Precision, typer.Option(
     "--precision", help="Precision recipe (weights / grads / master copy).",
     rich_help_panel=_WORKLOAD)]
 OptimizerOpt = Annotated[Optimizer, typer.Option(
-    "--optimizer", help="adamw, sgd (momentum 0.9), adamw8bit / paged-adamw8bit "
-    "(bitsandbytes), adafactor, muon (Muon on 2-D weights, AdamW on the rest).",
+    "--optimizer", help="adamw, sgd (momentum 0.9), adamw8bit / paged-adamw8bit / "
+    "paged-adamw (bitsandbytes), adafactor, muon (Muon on 2-D weights, AdamW on the rest).",
     rich_help_panel=_WORKLOAD)]
 OptimizerImplOpt = Annotated[Optional[OptimizerImpl], typer.Option(
     "--optimizer-impl", help="torch.optim implementation: step temporaries differ "
