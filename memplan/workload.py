@@ -250,12 +250,17 @@ class LossImpl(str, enum.Enum):
               beside the fp32 logits and the saved log-probabilities, its fused backward a
               zeros-like gradient, exp(log_probs) and their sum; without TP,
               F.cross_entropy as generic
+    torchtune-chunked  torchtune's chunked output (TransformerDecoder.chunked_output) with
+              CEWithChunkedOutputLoss, on ``loss_chunks`` chunks of the sequence, no
+              checkpoint: the compute-dtype logits chunks stay alive through the loss, each
+              upcast to fp32 in turn, every chunk's fp32 log-softmax saved
     """
 
     GENERIC = "generic"
     MEGATRON = "megatron"
     MEGATRON_FUSED = "megatron-fused"
     TORCHTITAN = "torchtitan"
+    TORCHTUNE_CHUNKED = "torchtune-chunked"
 
 
 class SelectiveImpl(str, enum.Enum):
@@ -462,6 +467,12 @@ class Workload(BaseModel):
     @classmethod
     def _recompute_by_name(cls, value: object) -> object:
         return Recompute.parse(value) if isinstance(value, str) else value
+
+    @property
+    def loss_checkpointed(self) -> bool:
+        """A chunked loss whose chunks are checkpointed (``loss_chunks`` > 1); torchtune's
+        chunked output and loss (``LossImpl.TORCHTUNE_CHUNKED``) checkpoints nothing."""
+        return self.loss_chunks > 1 and self.loss_impl is not LossImpl.TORCHTUNE_CHUNKED
 
     @property
     def compute_dtype(self) -> DType:
