@@ -14,7 +14,7 @@ so the matmul saves a copy of it, and the labels' chunks are copies too, which n
 saves). In all, the log-softmax output of every token in fp32: what an unchunked fp32 loss
 saves; the chunks change only what is alive beside it.
 
-Per micro-batch on one rank, T tokens in chunks of c = ceil(T / n) (``head.loss_chunk_tokens``),
+Per micro-batch on one rank, T = b s tokens in chunks of c = b ceil(s / n) tokens (``_chunk``),
 V the vocabulary rows, e the compute dtype's bytes, in bytes. Autocast is not modelled
 (torchtune runs its models in one dtype): ``parallel.validate`` refuses it.
 """
@@ -35,9 +35,17 @@ def torchtune_chunked(wl: Workload) -> bool:
 
 
 def _chunk(wl: Workload, dm: Dims) -> tuple[int, int]:
-    """(tokens per chunk, chunks), as ``torch.chunk`` splits the tokens."""
-    size = ceil_div(dm.tokens, wl.loss_chunks)
-    return size, ceil_div(dm.tokens, size)
+    """(tokens in the largest chunk, chunks), as ``h.chunk(n, dim=1)`` splits each sequence
+    of s tokens: chunks of ceil(s / n) of every sequence, the last smaller (fewer than n
+    chunks when n does not divide s evenly enough)."""
+    size = ceil_div(dm.s, wl.loss_chunks)
+    return dm.b * size, ceil_div(dm.s, size)
+
+
+def _chunk_tokens(wl: Workload, dm: Dims) -> list[int]:
+    """Tokens of each chunk, in the order autograd runs their backward: the last first."""
+    size, chunks = _chunk(wl, dm)
+    return [dm.tokens - (chunks - 1) * size] + [size] * (chunks - 1)
 
 
 def _copied(wl: Workload, dm: Dims) -> bool:
@@ -60,8 +68,8 @@ def forward_extra_bytes(wl: Workload, dm: Dims) -> int:
     """At the last chunk's log-softmax, beyond everything saved (all chunks' log-softmax
     outputs included): every chunk's logits in the compute dtype, held by the model's output,
     and the last chunk's fp32 upcast (none in fp32: ``.float()`` returns the tensor itself)."""
-    chunk = _chunk(wl, dm)[0]
-    upcast = chunk * dm.vocab_shard * FP32_BYTES if dm.e < FP32_BYTES else 0
+    last = _chunk_tokens(wl, dm)[0]
+    upcast = last * dm.vocab_shard * FP32_BYTES if dm.e < FP32_BYTES else 0
     return dm.tokens * dm.vocab_shard * dm.e + upcast
 
 
@@ -80,24 +88,21 @@ def loss_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims, vocab_grad_byte
     wait for the split's backward. With one sequence per micro-batch the chunks' inputs are
     views of the final norm's output, kept until the last is released; with copies each is
     freed as its gradient is made."""
-    chunk, chunks = _chunk(wl, dm)
-    low = chunk * dm.vocab_shard * FP32_BYTES
-    grad = chunk * dm.vocab_shard * dm.e if dm.e < FP32_BYTES else low
-    grad_in, w = chunk * spec.hidden_size * dm.e, vocab_grad_bytes
-
-    def inputs(j: int) -> int:  # input gradients of j chunks, less the copies they free
-        return 0 if _copied(wl, dm) else j * grad_in
-
-    # the loss of the j-th chunk run (0-based): its two fp32 gradients beside the earlier
-    # chunks' G, their log-softmax outputs freed
-    worst = max(j * (grad - low) + 2 * low for j in range(chunks))
-    every = dm.tokens * dm.vocab_shard  # all the log-softmax outputs freed, all G waiting
-    before = every * ((dm.e if dm.e < FP32_BYTES else FP32_BYTES) - FP32_BYTES)
-    for k in range(1, chunks + 1):
-        summed = w if k > 1 else 0  # the earlier chunks' sum, in the buffer
-        worst = max(worst,
-                    before - (k - 1) * grad + inputs(k - 1) + summed + grad_in + w,
-                    before - k * grad + inputs(k) + (3 * w if k > 1 else w))
+    v, h, w = dm.vocab_shard, spec.hidden_size, vocab_grad_bytes
+    grad_e = dm.e if dm.e < FP32_BYTES else FP32_BYTES  # G's bytes per element
+    worst, freed = 0, 0  # freed: log-softmax outputs released less the G made so far
+    for c in _chunk_tokens(wl, dm):
+        # its two fp32 gradients beside the earlier chunks' G, their outputs freed
+        worst = max(worst, 2 * c * v * FP32_BYTES - freed)
+        freed += c * v * (FP32_BYTES - grad_e)
+    grads, summed = 0, 0  # input gradients made (less copies freed); weight grads summed
+    for k, c in enumerate(_chunk_tokens(wl, dm)):
+        grad_in = c * h * dm.e
+        worst = max(worst, grads + summed + grad_in + w - freed)  # its projection
+        freed += c * v * grad_e  # its G freed
+        grads += 0 if _copied(wl, dm) else grad_in
+        worst = max(worst, grads + (3 * w if k else w) - freed)  # its weight gradient summed
+        summed = w
     return worst
 
 
