@@ -30,6 +30,7 @@ from memplan.workload import (
     Attention,
     Framework,
     GradSync,
+    LossImpl,
     NormImpl,
     Optimizer,
     OptimizerImpl,
@@ -166,6 +167,10 @@ FrameworkOpt = Annotated[Optional[Framework], typer.Option(
 LossChunks = Annotated[int, typer.Option(
     "--loss-chunks", help="Run the head and cross-entropy on N chunks of the tokens, each "
     "checkpointed (1: all tokens at once).", rich_help_panel=_KERNELS)]
+LossImplOpt = Annotated[Optional[LossImpl], typer.Option(
+    "--loss-impl", help="The cross-entropy implementation (default: the framework's); "
+    "torchtune-chunked: torchtune's chunked output and CEWithChunkedOutputLoss on "
+    "--loss-chunks chunks, none checkpointed.", rich_help_panel=_KERNELS)]
 MtpLayers = Annotated[int, typer.Option(
     "--mtp-layers", help="Multi-token prediction depths on the last pipeline stage "
     "(Megatron-LM's --mtp-num-layers): per depth a layer, norms, a 2h -> h projection and "
@@ -271,6 +276,7 @@ SHARED: dict[str, Shared] = {
     "grad_sync": Shared(GradSyncOpt, None),
     "loss_chunks": Shared(LossChunks, _WL["loss_chunks"].default),
     "mtp_layers": Shared(MtpLayers, _WL["mtp_layers"].default),
+    "loss_impl": Shared(LossImplOpt, None),
     "schedule": Shared(ScheduleOpt, Schedule.ONE_F_ONE_B, resolve=False),
     "calibration": Shared(Calibration, None, resolve=False),
 }
@@ -281,10 +287,10 @@ LAYOUT = ("tp", "pp", "vpp", "vpp_group", "dp", "cp", "ep", "etp", "sp", "vocab_
 WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "recompute_every",
             "precision", "optimizer", "optimizer_impl", "attention", "norm", "logits_fp32",
             "loss_chunks", "framework", "keep_grads", "use_cache", "grad_sync",
-            "mtp_layers")
+            "mtp_layers", "loss_impl")
 # what a framework's own loop decides, beyond memplan's reference model (which trace and
 # profile run)
-FRAMEWORK_ONLY = ("framework", "keep_grads", "use_cache")
+FRAMEWORK_ONLY = ("framework", "keep_grads", "use_cache", "loss_impl")
 # everything ``memplan estimate`` takes: diagnose takes the same configuration
 ESTIMATE = ("model", "gpus", "gpu", "gpu_memory", *LAYOUT, *WORKLOAD, "schedule", "calibration")
 

@@ -285,7 +285,10 @@ def _assumptions(par: ParallelConfig, wl: Workload, schedule: Schedule,
         f"optimizer: {wl.optimizer.value} {wl.optimizer_impl.value}; "
         f"loss on {'fp32' if wl.logits_fp32 else wl.compute_dtype.value} logits"
         + (f", in {wl.loss_chunks} checkpointed chunks of the tokens" if wl.loss_checkpointed
-           else "") + f"; logits held: {wl.logits_held.value}",
+           else "")
+        + (f", torchtune's chunked output and loss in {wl.loss_chunks} chunks (none "
+           "checkpointed)" if wl.loss_impl.value == "torchtune-chunked" else "")
+        + f"; logits held: {wl.logits_held.value}",
         ("data-parallel gradients in persistent buffers they are views of (Megatron-LM, "
          "DDP gradient_as_bucket_view=True)" if par.grad_buffers is GradBuffers.VIEW else
          "DDP gradient buckets: a persistent gradient-sized copy (PyTorch DDP default)")
