@@ -433,7 +433,8 @@ def _layout(run: dict) -> str:
 
 
 def _finetune_parts(a: dict) -> list[str]:
-    """LoRA, base quantization, optimizer and offload of a run's arguments, where given."""
+    """LoRA, base quantization, optimizer, torchtune's chunked loss and offload of a run's
+    arguments, where given."""
     parts = []
     if a.get("lora_rank"):
         lora = f"LoRA r{a['lora_rank']} {a.get('lora_targets', 'default targets')}"
@@ -444,6 +445,8 @@ def _finetune_parts(a: dict) -> list[str]:
         parts.append(f"{a['base_quant']} base")
     if "optimizer" in a:
         parts.append(a["optimizer"])
+    if a.get("loss_impl") == "torchtune-chunked":
+        parts.append(f"torchtune chunked CE x{a.get('loss_chunks', 1)}")
     if a.get("offload", "none") != "none":
         parts.append(f"offload {a['offload']}")
     return parts

@@ -20,8 +20,11 @@ from memplan.spec import ModelSpec, PositionKind
 from memplan.units import ceil_div
 from memplan.workload import (
     Attention,
+    ChunkBackward,
     Framework,
     GradSync,
+    LogitsHeld,
+    LossImpl,
     PipelineSplit,
     Precision,
     Recompute,
@@ -526,6 +529,17 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
             "Megatron-core refuses to defer the output layer's weight gradient without "
             f"pipeline parallelism), loss_chunks 1 (got {wl.loss_chunks}) and zero < 3 (got "
             f"{int(par.zero)}: the drain into sharded parameters' gradients is not modelled)")
+    if wl.loss_impl is LossImpl.TORCHTUNE_CHUNKED and (
+            wl.precision.policy.autocast or wl.loss_chunk_backward is ChunkBackward.IN_LOSS
+            or wl.logits_held is LogitsHeld.STEP or wl.mtp_layers):
+        # torchtune runs its models in one dtype, its recipe drops the logits after the loss
+        raise LayoutError(
+            "loss_impl torchtune-chunked runs without autocast, in-loss chunks, held logits "
+            "or multi-token prediction",
+            f"loss_impl torchtune-chunked (torchtune's chunked output) is modelled in one "
+            f"dtype without autocast (got precision {wl.precision.value}), with its chunks' "
+            "backward in the model's, no logits held by the loop and no multi-token "
+            "prediction")
     _validate_recompute(spec, par, wl)
     presets.validate(par, wl)  # options the workload's framework does not offer
 

@@ -115,6 +115,7 @@ class Optimizer(str, enum.Enum):
     adamw8bit        bitsandbytes AdamW8bit: two blockwise 8-bit states
     paged-adamw8bit  bitsandbytes PagedAdamW8bit: the same states, the large ones in unified
                      memory the driver pages out to the host under pressure
+    paged-adamw      bitsandbytes PagedAdamW (32-bit): two fp32 states, the large ones paged
     adafactor        torch.optim.Adafactor: row and column factors for matrices, full for vectors
     muon             torch.optim.Muon on the 2-D parameters, torch.optim.AdamW on the others
     """
@@ -123,6 +124,7 @@ class Optimizer(str, enum.Enum):
     SGD = "sgd"
     ADAMW8BIT = "adamw8bit"
     PAGED_ADAMW8BIT = "paged-adamw8bit"
+    PAGED_ADAMW = "paged-adamw"
     ADAFACTOR = "adafactor"
     MUON = "muon"
 
@@ -248,12 +250,17 @@ class LossImpl(str, enum.Enum):
               beside the fp32 logits and the saved log-probabilities, its fused backward a
               zeros-like gradient, exp(log_probs) and their sum; without TP,
               F.cross_entropy as generic
+    torchtune-chunked  torchtune's chunked output (TransformerDecoder.chunked_output) with
+              CEWithChunkedOutputLoss, on ``loss_chunks`` chunks of the sequence, no
+              checkpoint: the compute-dtype logits chunks stay alive through the loss, each
+              upcast to fp32 in turn, every chunk's fp32 log-softmax saved
     """
 
     GENERIC = "generic"
     MEGATRON = "megatron"
     MEGATRON_FUSED = "megatron-fused"
     TORCHTITAN = "torchtitan"
+    TORCHTUNE_CHUNKED = "torchtune-chunked"
 
 
 class SelectiveImpl(str, enum.Enum):
@@ -512,6 +519,12 @@ class Workload(BaseModel):
     @classmethod
     def _recompute_by_name(cls, value: object) -> object:
         return Recompute.parse(value) if isinstance(value, str) else value
+
+    @property
+    def loss_checkpointed(self) -> bool:
+        """A chunked loss whose chunks are checkpointed (``loss_chunks`` > 1); torchtune's
+        chunked output and loss (``LossImpl.TORCHTUNE_CHUNKED``) checkpoints nothing."""
+        return self.loss_chunks > 1 and self.loss_impl is not LossImpl.TORCHTUNE_CHUNKED
 
     @property
     def compute_dtype(self) -> DType:

@@ -31,6 +31,7 @@ from memplan.workload import (
     BaseQuant,
     Framework,
     GradSync,
+    LossImpl,
     NormImpl,
     Optimizer,
     OptimizerImpl,
@@ -126,8 +127,8 @@ PrecisionOpt = Annotated[Precision, typer.Option(
     "--precision", help="Precision recipe (weights / grads / master copy).",
     rich_help_panel=_WORKLOAD)]
 OptimizerOpt = Annotated[Optimizer, typer.Option(
-    "--optimizer", help="adamw, sgd (momentum 0.9), adamw8bit / paged-adamw8bit "
-    "(bitsandbytes), adafactor, muon (Muon on 2-D weights, AdamW on the rest).",
+    "--optimizer", help="adamw, sgd (momentum 0.9), adamw8bit / paged-adamw8bit / "
+    "paged-adamw (bitsandbytes), adafactor, muon (Muon on 2-D weights, AdamW on the rest).",
     rich_help_panel=_WORKLOAD)]
 OptimizerImplOpt = Annotated[Optional[OptimizerImpl], typer.Option(
     "--optimizer-impl", help="torch.optim implementation: step temporaries differ "
@@ -167,6 +168,10 @@ FrameworkOpt = Annotated[Optional[Framework], typer.Option(
 LossChunks = Annotated[int, typer.Option(
     "--loss-chunks", help="Run the head and cross-entropy on N chunks of the tokens, each "
     "checkpointed (1: all tokens at once).", rich_help_panel=_KERNELS)]
+LossImplOpt = Annotated[Optional[LossImpl], typer.Option(
+    "--loss-impl", help="The cross-entropy implementation (default: the framework's); "
+    "torchtune-chunked: torchtune's chunked output and CEWithChunkedOutputLoss on "
+    "--loss-chunks chunks, none checkpointed.", rich_help_panel=_KERNELS)]
 MtpLayers = Annotated[int, typer.Option(
     "--mtp-layers", help="Multi-token prediction depths on the last pipeline stage "
     "(Megatron-LM's --mtp-num-layers): per depth a layer, norms, a 2h -> h projection and "
@@ -290,6 +295,7 @@ SHARED: dict[str, Shared] = {
     "lora_rank": Shared(LoraRank, 0), "lora_targets": Shared(LoraTargets, None),
     "lora_dropout": Shared(LoraDropout, 0.0),
     "base_quant": Shared(BaseQuantOpt, BaseQuant.NONE, _value),
+    "loss_impl": Shared(LossImplOpt, None),
     "schedule": Shared(ScheduleOpt, Schedule.ONE_F_ONE_B, resolve=False),
     "calibration": Shared(Calibration, None, resolve=False),
 }
@@ -300,11 +306,11 @@ LAYOUT = ("tp", "pp", "vpp", "vpp_group", "dp", "cp", "ep", "etp", "sp", "vocab_
 WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "recompute_every",
             "precision", "optimizer", "optimizer_impl", "attention", "norm", "logits_fp32",
             "loss_chunks", "framework", "keep_grads", "use_cache", "grad_sync",
-            "mtp_layers",
+            "mtp_layers", "loss_impl",
             "lora_rank", "lora_targets", "lora_dropout", "base_quant")
 # what a framework's own loop decides, beyond memplan's reference model (which trace and
 # profile run)
-FRAMEWORK_ONLY = ("framework", "keep_grads", "use_cache")
+FRAMEWORK_ONLY = ("framework", "keep_grads", "use_cache", "loss_impl")
 # everything ``memplan estimate`` takes: diagnose takes the same configuration
 ESTIMATE = ("model", "gpus", "gpu", "gpu_memory", *LAYOUT, *WORKLOAD, "schedule", "calibration")
 

@@ -96,7 +96,7 @@ class Estimate:
         ``LOSS_CHUNKS_CAVEAT``)."""
         return (*((ZERO3_CAVEAT,) if self.parallel.zero >= ZeroStage.PARAMETERS else ()),
                 *(((IN_LOSS_CAVEAT if in_loss(self.workload) else LOSS_CHUNKS_CAVEAT),)
-                  if self.workload.loss_chunks > 1 else ()))
+                  if self.workload.loss_checkpointed else ()))
 
     @property
 
@@ -284,8 +284,11 @@ def _assumptions(par: ParallelConfig, wl: Workload, schedule: Schedule,
         f"attention kernel: {wl.attention.value}; norms: {wl.norm_impl.value}; "
         f"optimizer: {wl.optimizer.value} {wl.optimizer_impl.value}; "
         f"loss on {'fp32' if wl.logits_fp32 else wl.compute_dtype.value} logits"
-        + (f", in {wl.loss_chunks} checkpointed chunks of the tokens" if wl.loss_chunks > 1
-           else "") + f"; logits held: {wl.logits_held.value}",
+        + (f", in {wl.loss_chunks} checkpointed chunks of the tokens" if wl.loss_checkpointed
+           else "")
+        + (f", torchtune's chunked output and loss in {wl.loss_chunks} chunks (none "
+           "checkpointed)" if wl.loss_impl.value == "torchtune-chunked" else "")
+        + f"; logits held: {wl.logits_held.value}",
         ("data-parallel gradients in persistent buffers they are views of (Megatron-LM, "
          "DDP gradient_as_bucket_view=True)" if par.grad_buffers is GradBuffers.VIEW else
          "DDP gradient buckets: a persistent gradient-sized copy (PyTorch DDP default)")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from memplan.model import chunked_output as tune
 from memplan.model import linear as lin
 from memplan.model import norm
 from memplan.model.block import BackwardMoment, Moment
@@ -33,7 +34,8 @@ from memplan.workload import ChunkBackward, LogitsHeld, LossImpl, Recompute, Wor
 def logit_bytes(wl: Workload, dm: Dims) -> int:
     """The loss's dtype: fp32 with upcast logits, and under autocast always (log_softmax takes
     ``dtype=float32`` there: AT_FORALL_FP32_SET_OPT_DTYPE in ``aten/src/ATen/autocast_mode.h``)."""
-    return FP32_BYTES if wl.logits_fp32 or dm.autocast else dm.e
+    return (FP32_BYTES if wl.logits_fp32 or dm.autocast or tune.torchtune_chunked(wl)
+            else dm.e)
 
 
 def head_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
@@ -45,7 +47,7 @@ def head_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
                       ) if wl.mtp_layers else []
     # a chunked loss's checkpoints do not keep the head weight's cast (autocast's cache holds
     # it to the forward's end: ``forward_extra_bytes``)
-    casts = [] if wl.loss_chunks > 1 else weight_casts("head", head_weight(spec, dm), dm)
+    casts = [] if wl.loss_checkpointed else weight_casts("head", head_weight(spec, dm), dm)
     final_norm = norm_terms("final_norm", spec, wl, dm)
     if in_loss(wl):
         # the final norm's output is freed with the loop's `pred`; _DecoderOutputGradient
@@ -58,14 +60,14 @@ def head_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
 
 def in_loss(wl: Workload) -> bool:
     """A chunked loss that runs each chunk's backward inside the loss call."""
-    return wl.loss_chunks > 1 and wl.loss_chunk_backward is ChunkBackward.IN_LOSS
+    return wl.loss_checkpointed and wl.loss_chunk_backward is ChunkBackward.IN_LOSS
 
 
 def _loss_terms(wl: Workload, dm: Dims) -> list[Term]:
     """The loss's saved terms: the log-softmax output (Megatron-LM's fp32 softmax) of the
     vocab-parallel loss, none when chunked; Megatron-LM's also saves the target mask and
     the shard's target indices."""
-    loss = [] if wl.loss_chunks > 1 else [
+    loss = [] if wl.loss_checkpointed else [
         Term("loss.softmax" if _megatron_loss(wl) else "loss.log_softmax",
              dm.tokens * dm.vocab_shard * (FP32_BYTES if _megatron_loss(wl)
                                            else logit_bytes(wl, dm)))]
@@ -79,7 +81,7 @@ def softcap_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
     it on the head's output before the loss: ``logits / cap``, ``tanh``, ``* cap``; tanh saves
     its output, logits-sized in the compute dtype (the divisions by a number save nothing).
     A chunked loss keeps it inside each chunk's checkpoint."""
-    if spec.final_logit_softcap is None or wl.loss_chunks > 1:
+    if spec.final_logit_softcap is None or wl.loss_checkpointed:
         return []
     return [Term("loss.softcap_tanh", dm.tokens * dm.vocab_shard * dm.e)]
 
@@ -110,8 +112,11 @@ def loss_chunk_tokens(wl: Workload, dm: Dims) -> tuple[int, int]:
 def batch_terms(wl: Workload, dm: Dims) -> list[Term]:
     """The targets (saved by the loss) and the loss with nll_loss's saved total weight (two
     scalars in the logits' dtype): the training loop holds them until the backward ends. A
-    chunked loss saves no total weight (its chunks are checkpointed): the loss alone."""
-    count = 1 if wl.loss_chunks > 1 else 2
+    chunked loss saves no total weight (its chunks are checkpointed): the loss alone;
+    torchtune's chunked one is ``chunked_output.batch_terms``."""
+    if tune.torchtune_chunked(wl):
+        return tune.batch_terms(wl, dm)
+    count = 1 if wl.loss_checkpointed else 2
     return [Term("loss.targets", dm.tokens * INDEX_BYTES),
             Term("loss.scalars", count * logit_bytes(wl, dm))]
 
@@ -125,6 +130,8 @@ def forward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     """
     # a loss that runs its backward in the call is memplan.model.loss_in_call's
     assert not in_loss(wl), "loss_in_call.forward_extra_bytes counts an in-loss chunked loss"
+    if tune.torchtune_chunked(wl):
+        return tune.forward_extra_bytes(wl, dm)
     # under autocast the head saves a cast of the final norm's fp32 output, which the model
     # still holds (its last hidden state; all-gathered under DTensor sequence parallelism)
     # while the loss runs
@@ -136,9 +143,9 @@ def forward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     # model's forward returned the logits alone)
     # a frozen head (LoRA) saves no input at all: the held hidden state is alive alone
     if (dm.autocast or dm.adapters is not None) and wl.logits_held is not LogitsHeld.STEP:
-        held = (head_weight(spec, dm) * dm.e if wl.loss_chunks > 1 and dm.autocast
+        held = (head_weight(spec, dm) * dm.e if wl.loss_checkpointed and dm.autocast
                 else dm.linear_rows * spec.hidden_size * dm.stream_e)
-    if (wl.logits_held is LogitsHeld.LOSS and wl.loss_chunks == 1
+    if (wl.logits_held is LogitsHeld.LOSS and not wl.loss_checkpointed
             and (wl.logits_fp32 or dm.autocast) and dm.e < FP32_BYTES):
         # the model's output keeps the compute-dtype logits while the loss reads its fp32 copy
         # (in fp32 the upcast is the tensor itself)
@@ -153,7 +160,7 @@ def forward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
 def _titan_parallel_loss(spec: ModelSpec, wl: Workload, dm: Dims) -> bool:
     """torchtitan's vocab-parallel cross-entropy (``LossImpl.TORCHTITAN`` on logits the TP
     ranks split over the vocabulary); a chunked loss is PyTorch's."""
-    return (wl.loss_impl is LossImpl.TORCHTITAN and wl.loss_chunks == 1
+    return (wl.loss_impl is LossImpl.TORCHTITAN and not wl.loss_checkpointed
             and dm.vocab_shard < spec.vocab_size)
 
 
@@ -161,7 +168,7 @@ def _megatron_loss(wl: Workload) -> bool:
     """Megatron-LM's in-place vocab-parallel cross-entropy (``LossImpl.MEGATRON``, or its
     fused form ``MEGATRON_FUSED``); a chunked loss is PyTorch's whatever the framework."""
     return (wl.loss_impl in (LossImpl.MEGATRON, LossImpl.MEGATRON_FUSED)
-            and wl.loss_chunks == 1)
+            and not wl.loss_checkpointed)
 
 
 def _fused_gradient_copy(wl: Workload, dm: Dims) -> int:
@@ -172,7 +179,7 @@ def _fused_gradient_copy(wl: Workload, dm: Dims) -> int:
     into the compute-dtype result and writes it back into the softmax (its mutated input);
     the copy lives until the call returns, beside the softmax and the result (traced:
     tests/traced/test_megatron_loss.py, Inductor on CPU, the allocator's own events)."""
-    if wl.loss_impl is not LossImpl.MEGATRON_FUSED or wl.loss_chunks > 1:
+    if wl.loss_impl is not LossImpl.MEGATRON_FUSED or wl.loss_checkpointed:
         return 0
     return dm.tokens * dm.vocab_shard * FP32_BYTES
 
@@ -191,7 +198,7 @@ def upcast_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     inside the model call: the compute-dtype logits and their fp32 copy, beside the held ones,
     the final norm's saved terms and the head weight's cast, before the loss starts (traced:
     litgpt bf16-true and bf16-mixed)."""
-    if wl.logits_held is not LogitsHeld.STEP or wl.loss_chunks > 1:
+    if wl.logits_held is not LogitsHeld.STEP or wl.loss_checkpointed:
         return 0
     lb = logit_bytes(wl, dm)
     casts = weight_casts("head", head_weight(spec, dm), dm)
@@ -200,7 +207,7 @@ def upcast_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
 
 
 def _logits_alive(wl: Workload, dm: Dims) -> int:
-    if wl.loss_chunks > 1:
+    if wl.loss_checkpointed:
         return (2 * loss_chunk_tokens(wl, dm)[0] * dm.vocab_shard * logit_bytes(wl, dm)
                 + _autocast_logits(wl, loss_chunk_tokens(wl, dm)[0], dm))
     return dm.tokens * dm.vocab_shard * logit_bytes(wl, dm) + _autocast_logits(wl, dm.tokens, dm)
@@ -232,9 +239,11 @@ def linear_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims, vocab_grad_by
     input gradients made so far (traced: tests/traced/test_ground_truth.py, ``loss_chunks``)."""
     if in_loss(wl):  # run inside the loss call (``memplan.model.loss_in_call``)
         return 0
+    if tune.torchtune_chunked(wl):
+        return tune.linear_backward_bytes(spec, wl, dm, vocab_grad_bytes)
     chunk, chunks = loss_chunk_tokens(wl, dm)
     grad_logits = chunk * dm.vocab_shard * dm.e
-    if wl.loss_chunks == 1:
+    if not wl.loss_checkpointed:
         # with fp32 logits, the upcast's fp32 gradient has replaced the fp32 logits (both
         # freed by now); without, nothing is upcast: the compute-dtype logits gradient
         grad_input = dm.rows * spec.hidden_size * dm.e
@@ -262,12 +271,14 @@ def loss_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims, vocab_grad_byte
     (``vocab_grad_bytes``) wait beside it (``linear_backward_bytes``)."""
     if in_loss(wl):  # the saved input gradient is handed on: nothing new
         return 0
+    if tune.torchtune_chunked(wl):
+        return tune.loss_backward_bytes(spec, wl, dm, vocab_grad_bytes)
     chunk, chunks = loss_chunk_tokens(wl, dm)
     if _megatron_loss(wl):
         # the gradient is the softmax buffer updated in place; its cast to the compute dtype
         # is made while that fp32 buffer still exists (compiled: beside a copy of it)
         return dm.tokens * dm.vocab_shard * dm.e + _fused_gradient_copy(wl, dm)
-    if wl.loss_chunks == 1:
+    if not wl.loss_checkpointed:
         logits = dm.tokens * dm.vocab_shard * logit_bytes(wl, dm)
         if 0 < wl.loss_split < dm.tokens:
             # split without checkpointing: each piece's backward frees its saved log-softmax
@@ -291,7 +302,7 @@ def _rerun_casts(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     again (its forward's casts were not kept); both live until its projection's backward is
     done. The chunks' weight gradients still meet in the compute dtype, at the one cast node
     of the forward, whose cached cast every chunk read."""
-    if not dm.autocast or wl.loss_chunks == 1:
+    if not dm.autocast or not wl.loss_checkpointed:
         return 0
     return (head_weight(spec, dm) + loss_chunk_tokens(wl, dm)[0] * spec.hidden_size) * dm.e
 

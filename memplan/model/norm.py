@@ -37,7 +37,7 @@ def consumers(prefix: str, spec: ModelSpec, wl: Workload) -> int:
 def output_saved_fp32(prefix: str, wl: Workload) -> bool:
     """Under autocast, whether a norm's fp32 output itself is saved: the final norm's before a
     chunked loss, whose checkpointed chunks keep their inputs (views of it)."""
-    return prefix == "final_norm" and wl.loss_chunks > 1
+    return prefix == "final_norm" and wl.loss_checkpointed
 
 
 def is_post(prefix: str) -> bool:

@@ -131,6 +131,40 @@ class Blockwise:
 
 
 @dataclass(frozen=True)
+class Paged32:
+    """bitsandbytes' 32-bit paged states (``PagedAdamW`` / ``PagedAdamW32bit``, ``optim_bits=32``,
+    ``is_paged=True``; ``Optimizer2State.init_state`` in ``bitsandbytes/optim/optimizer.py``,
+    bitsandbytes 0.50.2): per parameter tensor of ``n`` elements two fp32 states
+    (``get_state_buffer(p, dtype=torch.float32)``, whatever the parameter's dtype;
+    ``min_8bit_size`` only picks 8-bit states, so it changes nothing here), in unified memory
+    (``F.get_paged``: ``cudaMallocManaged``) when ``n >= paged_min_numel``, device tensors
+    below it (``get_state_buffer``: ``p.numel() < 1e5``). No quantization maps (``fill_qmap``
+    runs for uint8 states only); the step count is a Python int; the CUDA update
+    (``_optimizer_update_32bit_impl``) writes the parameter and both states in place."""
+
+    num_states: int = 2
+    paged_min_numel: int = 100_000  # get_state_buffer: paged unless p.numel() < 1e5
+
+    def states(self, shapes: Shapes, itemsize: int = 0) -> States:
+        """The states of tensors of ``shapes`` (fp32 whatever ``itemsize``)."""
+        sizes = [math.prod(shape) * self.num_states * FP32_BYTES for shape in shapes]
+        paged = [b for b, shape in zip(sizes, shapes) if self.paged(math.prod(shape))]
+        return States(sum(sizes) - sum(paged), sum(paged))
+
+    def paged(self, n: int) -> bool:
+        return n >= self.paged_min_numel
+
+    def temp_bytes(self, shapes: Shapes, itemsize: int, impl: OptimizerImpl) -> int:
+        """The largest paged tensor's states, prefetched to the device before its update
+        (``prefetch_state``: both states), as ``Blockwise.temp_bytes``; 0 unpaged."""
+        return max((self.num_states * n * FP32_BYTES for n in map(math.prod, shapes)
+                    if self.paged(n)), default=0)
+
+    def device_counters(self, shapes: Shapes, impl: OptimizerImpl) -> int:
+        return 0  # the step count is a Python int
+
+
+@dataclass(frozen=True)
 class Factored:
     """torch.optim.Adafactor (``torch/optim/_adafactor.py``, torch 2.13): ``_init_group``
     gives a tensor of more than one dimension a row factor (its shape with the last dim 1)
@@ -313,6 +347,13 @@ POLICIES |= {
         note=_BNB_NOTE + "; paged: the uint8 states of tensors of 100,000 elements or more "
         "live in unified memory (cudaMallocManaged), outside the peak except the pages of "
         "the tensor being updated, which the step prefetches to the GPU"),
+    # bitsandbytes.optim.PagedAdamW (= PagedAdamW32bit, bitsandbytes/optim/adamw.py): ``Paged32``
+    Optimizer.PAGED_ADAMW: OptimizerPolicy(
+        "paged-adamw", 2, torch_class="bitsandbytes.optim.PagedAdamW", per_tensor=Paged32(),
+        note="optimizer states as bitsandbytes 0.50.2's PagedAdamW creates them: two fp32 "
+        "states per parameter, those of tensors of 100,000 elements or more in unified memory "
+        "(cudaMallocManaged), outside the peak except the pages of the tensor being updated, "
+        "which the step prefetches to the GPU; the CUDA update kernel makes no temporaries"),
 }
 
 

@@ -136,7 +136,7 @@ def stage_balance(spec: ModelSpec, wl: Workload, pp: int, vpp: int = 1,
                  if wl.recompute_layers is None and wl.recompute_every is None else
                  set(recomputed_layers(spec.num_layers, wl.recompute_layers, pp, vpp, split,
                                        wl.recompute_every)))
-    head = (head_flops_per_token(spec) * (4 if wl.loss_chunks > 1 else 3)
+    head = (head_flops_per_token(spec) * (4 if wl.loss_checkpointed else 3)
             + 3 * _mtp_flops(spec, wl))
     ranks = []
     for stage in range(pp):
@@ -156,7 +156,7 @@ def step_flops(spec: ModelSpec, wl: Workload, global_batch: int, *, pp: int,
     model = (3.0 * (forward + _mtp_flops(spec, wl)) - _frozen_wgrad(spec, wl, matmul)) * tokens
     head = head_flops_per_token(spec)
     # a chunked loss reruns each chunk's head projection in its backward
-    extra = head * tokens if wl.loss_chunks > 1 else 0.0
+    extra = head * tokens if wl.loss_checkpointed else 0.0
     if wl.recompute is Recompute.FULL:
         k = wl.recompute_layers
         largest = max(rank_layers(spec.num_layers, ParallelConfig(pp=pp, vpp=vpp,

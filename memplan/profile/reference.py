@@ -36,6 +36,7 @@ class RefOptions:
     recompute_layers: int | None = None  # with FULL: only the first k layers
     recompute_every: int | None = None  # with FULL: only every n-th layer (the n-th, 2n-th...)
     loss_chunks: int = 1  # > 1: head and loss per chunk of tokens, each checkpointed
+    torchtune_chunks: bool = False  # loss_chunks as torchtune's chunked output and loss
     norm_eps: float = 1e-5
 
 
@@ -290,6 +291,12 @@ class ReferenceModel(nn.Module):
             else:
                 x = block(x, rope, mask)
         x = self.final_norm(x)
+        if opts.torchtune_chunks:
+            # the model's output (its list of logits chunks) is held by the loop while the loss
+            # runs and dropped after it (``del logits``); the hidden state is not
+            logits = self._chunked_output(x)
+            del x
+            return ce_with_chunked_output(logits, targets, opts.loss_chunks)
         if opts.loss_chunks == 1:
             return self._loss(x, targets, "mean")
         # Chunked cross-entropy: each chunk's logits exist only inside its checkpointed region
@@ -301,6 +308,13 @@ class ReferenceModel(nn.Module):
             total = part if total is None else total + part
         return total / (b * s)
 
+    def _chunked_output(self, h: torch.Tensor) -> list[torch.Tensor]:
+        """torchtune 0.6.1's ``TransformerDecoder.chunked_output``: the output projection on
+        each chunk of the sequence (dim 1), in the compute dtype."""
+        head = ((lambda c: F.linear(c, self.embed.weight)) if self.head is None
+                else self.head)
+        return [head(chunk) for chunk in h.chunk(self.opts.loss_chunks, dim=1)]
+
     def _loss(self, x: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
         # The head is called as a module (not F.linear on its weight) so that tensor-parallel
         # styles, which are module hooks, apply to it.
@@ -309,3 +323,19 @@ class ReferenceModel(nn.Module):
             logits = logits.float()
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1),
                                reduction=reduction)
+
+
+def ce_with_chunked_output(logits: list[torch.Tensor], labels: torch.Tensor, chunks: int,
+                           ignore_index: int = -100) -> torch.Tensor:
+    """torchtune 0.6.1's ``CEWithChunkedOutputLoss.forward`` (torchtune/modules/loss/
+    ce_chunked_output_loss.py), statement for statement: each chunk's logits upcast to fp32
+    and ``F.cross_entropy(..., reduction="sum")``, one chunk at a time, the sum divided by the
+    number of labels not ignored. (torchtune itself does not import without torchao.)"""
+    total_elements = (labels != ignore_index).sum()
+    labels = [target_chunk.reshape(-1) for target_chunk in labels.chunk(chunks, dim=1)]
+    logits = [logit_chunk.reshape(-1, logit_chunk.size(-1)) for logit_chunk in logits]
+    total_loss = 0.0
+    for logits_chunk, labels_chunk in zip(logits, labels):
+        total_loss += F.cross_entropy(logits_chunk.float(), labels_chunk,
+                                      ignore_index=ignore_index, reduction="sum")
+    return total_loss / total_elements

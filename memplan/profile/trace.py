@@ -37,7 +37,7 @@ from memplan.profile.reference import ReferenceModel, RefOptions
 from memplan.profile.tracker import CATEGORIES, MemoryTracker, PhasePeak
 from memplan.spec import ModelSpec
 from memplan.units import PHASES
-from memplan.workload import OptimizerImpl, Precision, Workload
+from memplan.workload import LossImpl, OptimizerImpl, Precision, Workload
 
 _TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -222,7 +222,8 @@ def ref_options(wl: Workload, dtype: torch.dtype | None = None) -> RefOptions:
                       norm_impl=wl.norm_impl, attention=wl.attention,
                       logits_fp32=wl.logits_fp32, recompute=wl.recompute,
                       recompute_layers=wl.recompute_layers,
-                      recompute_every=wl.recompute_every, loss_chunks=wl.loss_chunks)
+                      recompute_every=wl.recompute_every, loss_chunks=wl.loss_chunks,
+                      torchtune_chunks=wl.loss_impl is LossImpl.TORCHTUNE_CHUNKED)
 
 
 # A loop's gradient sync per micro-batch: called with whether the micro-batch is the step's

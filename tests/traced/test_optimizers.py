@@ -1,6 +1,7 @@
 """The optimizers beyond AdamW and SGD against real training steps of the reference model,
 as ``test_ground_truth`` checks torch.optim's: bitsandbytes' 8-bit ones (``--optimizer
-adamw8bit|paged-adamw8bit``), torch.optim.Adafactor and torch.optim.Muon (beside AdamW).
+adamw8bit|paged-adamw8bit|paged-adamw``), torch.optim.Adafactor and torch.optim.Muon
+(beside AdamW).
 
 torch.optim.Adafactor reads values on the host (``step_t.item()``, ``p.norm(2).item()``),
 which fake tensors cannot give: it is traced on real CPU tensors, its foreach and for-loop
@@ -9,14 +10,16 @@ first step is 0.18% over: the model counts AdamW's states (made at AdamW's step,
 Muon's) beside Muon's temporaries; from the second step on they are there.
 
 What is traced and what is read from code: the optimizer objects are bitsandbytes 0.50.2's
-own (``bitsandbytes.optim.AdamW8bit``, ``PagedAdamW8bit``), so every state tensor their
-``init_state`` creates (uint8 states, fp32 absmax per block of 256, fp32 states below
-``min_8bit_size``) and the quantization maps their constructor makes are measured by the exact
-tracker. The update kernel is CUDA code: under fake tensors it runs as a fake op that, like the
-CUDA implementation, writes in place and allocates nothing (``memplan.profile.bnb``). Paging
-exists only on CUDA (on CPU ``get_state_buffer`` falls back to device tensors, with a warning),
-and the tiny model's tensors are all under its 100,000 elements, so the paged optimizer traces
-the same states; which states are paged is checked by hand in ``tests/unit/test_optimizer8bit``.
+own (``bitsandbytes.optim.AdamW8bit``, ``PagedAdamW8bit``, ``PagedAdamW``), so every state
+tensor their ``init_state`` creates (uint8 states, fp32 absmax per block of 256, fp32 states
+below ``min_8bit_size``; the 32-bit paged one's fp32 states for every tensor, no maps) and the
+quantization maps their constructor makes are measured by the exact tracker. The update kernel
+is CUDA code: under fake tensors it runs as a fake op that, like the CUDA implementation,
+writes in place and allocates nothing (``memplan.profile.bnb``). Paging exists only on CUDA
+(on CPU ``get_state_buffer`` falls back to device tensors, with a warning), and the tiny
+model's tensors are all under its 100,000 elements, so the paged optimizers trace the same
+states as unpaged ones would (``PagedAdamW``: 8 bytes per parameter element, 108,864 x 8 =
+870,912); which states are paged is checked by hand in ``tests/unit/test_optimizer8bit``.
 
 Tiny (2 layers, h 64, f 176, V 128): the embedding and head (8192 elements), q and o (4096)
 and gate/up/down (11,264) get 8-bit states; k and v (2048) and the norms (64) keep fp32 ones
@@ -41,7 +44,7 @@ TINY = load_model("tiny")
 EXACT = ("params_bytes", "grads_bytes", "optimizer_bytes", "first_step.optimizer_bytes",
          "steady.optimizer_bytes")
 
-GRID = [(opt, precision) for opt in ("adamw8bit", "paged-adamw8bit")
+GRID = [(opt, precision) for opt in ("adamw8bit", "paged-adamw8bit", "paged-adamw")
         for precision in ("bf16-pure", "bf16-mixed", "fp32")]
 
 
@@ -83,14 +86,16 @@ def test_torch_optimizer_matches_trace(optimizer: str, precision: str, impl: str
     assert not bad, bad
 
 
-@pytest.mark.parametrize("name", ["AdamW8bit", "PagedAdamW8bit"])
+@pytest.mark.parametrize("name", ["AdamW8bit", "PagedAdamW8bit", "PagedAdamW",
+                                  "PagedAdamW32bit"])
 def test_8bit_states_of_real_tensors(name: str) -> None:
     """bitsandbytes' own CPU step on real tensors (its CPU kernel runs; its temporaries are
     not the CUDA kernel's, so only the states are compared): a stack of Linear layers around
     the thresholds, 64 x 63 = 4032 elements (fp32 states) with a bias of 64, 64 x 64 = 4096
     and 400 x 250 = 100,000 (8-bit; on CUDA the paged optimizer pages the last). The state
     tensors after one step, the shared quantization maps counted once, equal
-    ``Blockwise.states`` of the same shapes."""
+    ``Blockwise.states`` of the same shapes; the 32-bit ``PagedAdamW`` (and its alias
+    ``PagedAdamW32bit``) ``Paged32.states``: 8 x (4032 + 64 + 4096 + 100,000) = 865,536."""
     import bitsandbytes
 
     from memplan.model.optimizer import optimizer_policy
@@ -107,7 +112,10 @@ def test_8bit_states_of_real_tensors(name: str) -> None:
         opt.step()
     seen = {v.data_ptr(): v.numel() * v.element_size() for state in opt.state.values()
             for v in state.values() if isinstance(v, torch.Tensor)}
-    policy = optimizer_policy(Optimizer.PAGED_ADAMW8BIT if name.startswith("Paged")
-                              else Optimizer.ADAMW8BIT)
+    policy = optimizer_policy({"AdamW8bit": Optimizer.ADAMW8BIT,
+                               "PagedAdamW8bit": Optimizer.PAGED_ADAMW8BIT}.get(
+                                   name, Optimizer.PAGED_ADAMW))
     expected = policy.per_tensor.states([tuple(p.shape) for p in params], 4)
     assert sum(seen.values()) == expected.device_bytes + expected.paged_bytes
+    if "8bit" not in name:
+        assert sum(seen.values()) == 865_536

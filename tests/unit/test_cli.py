@@ -379,6 +379,10 @@ def test_flag_names_come_from_one_table() -> None:
      {"dp": 4, "cp": 2, "zero": 2, "offload": "optimizer"}),
     (["--zero", "3", "--precision", "fsdp-bf16", "--gbs", "32", "--grad-sync", "last"],
      {"zero": 3, "precision": "fsdp-bf16", "global_batch_size": 32, "grad_sync": "last"}),
+    (["--precision", "bf16-pure", "--loss-impl", "torchtune-chunked", "--loss-chunks", "8",
+      "--optimizer", "paged-adamw"],
+     {"precision": "bf16-pure", "loss_impl": "torchtune-chunked", "loss_chunks": 8,
+      "optimizer": "paged-adamw"}),
 ])
 def test_every_shared_option_reaches_the_api(argv: list[str], kwargs: dict[str, Any]) -> None:
     """Each flag sets the API keyword the option table names: the CLI's JSON equals the API's."""

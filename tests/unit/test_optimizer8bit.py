@@ -92,3 +92,31 @@ def test_offload_with_an_8bit_optimizer_is_refused(capsys) -> None:
                  "optimizer", "--optimizer", "adamw8bit"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "optimizer adamw8bit" in err[0]
+
+
+def test_paged_32bit_states_split() -> None:
+    """bitsandbytes' PagedAdamW (32-bit): two fp32 states per element, 8n bytes per tensor,
+    paged from 100,000 elements (``get_state_buffer``), no quantization maps: 100,000 ->
+    800,000 paged; 99,999 -> 799,992 and 40 x 100 -> 32,000 on the device. The step
+    prefetches the largest paged tensor's states: 300 x 1000 -> 2,400,000."""
+    p = optimizer_policy(Optimizer.PAGED_ADAMW).per_tensor
+    states = p.states([(100_000,), (99_999,), (40, 100)])
+    assert states.paged_bytes == 800_000
+    assert states.device_bytes == 799_992 + 32_000
+    assert states.setup_bytes == 0
+    assert p.temp_bytes([(100_000,), (99_999,), (300, 1000)], 2, FOREACH) == 2_400_000
+    assert p.temp_bytes([(99_999,)], 2, FOREACH) == 0
+
+
+def test_paged_32bit_estimate() -> None:
+    """llama-3-8b, bf16-pure: the 65 norms of 4096 stay on the device, 65 x 4096 x 8 =
+    2,129,920; the 8,029,995,008 other elements are paged, x 8 = 64,239,960,064; the
+    embedding's (128,256 x 4096 = 525,336,576) x 8 = 4,202,692,608 are prefetched during
+    the step. Tiny (108,864 parameters, all tensors under 100,000): 870,912 on the device."""
+    est = estimate("llama-3-8b", optimizer="paged-adamw", precision="bf16-pure",
+                   seq_len=1024)
+    assert est.worst.optimizer_bytes == 2_129_920
+    assert est.worst.paged_bytes == 64_239_960_064
+    assert est.worst.optimizer_temp_bytes == 4_202_692_608
+    tiny = estimate("tiny", optimizer="paged-adamw", precision="bf16-pure", seq_len=128)
+    assert (tiny.worst.optimizer_bytes, tiny.worst.paged_bytes) == (870_912, 0)
