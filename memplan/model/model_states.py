@@ -174,11 +174,19 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
 
     opt_params = held(trained.dense, trained.expert, ZeroStage.OPTIMIZER)
     params_bytes = held(params.dense, params.expert, ZeroStage.PARAMETERS) * policy.param_bytes
+    device_only = 0  # bytes that are no parameter: the quantization state, whole on the device
     if trainable.adapters:
         # the frozen base as stored, beside the adapters; the adapters are fp32 parameters
-        # the optimizer updates directly (no master copy: peft's autocast_adapter_dtype)
-        params_bytes += (held(trained.dense, 0, ZeroStage.PARAMETERS) * ADAPTER_BYTES
-                         - trainable.stored_less_bytes)
+        # the optimizer updates directly (no master copy: peft's autocast_adapter_dtype).
+        # ZeRO-3 shards the parameters (the unquantized ones, a quantized weight's data and
+        # the adapters), not a quantized weight's state (``adapters.quant_data_bytes``)
+        on = z >= ZeroStage.PARAMETERS
+        params_bytes = (held(params.dense - trainable.quantized, params.expert,
+                             ZeroStage.PARAMETERS) * policy.param_bytes
+                        + _shard(trainable.quant_data_bytes, dense_d, on)
+                        + held(trained.dense, 0, ZeroStage.PARAMETERS) * ADAPTER_BYTES)
+        device_only = trainable.quant_state_bytes
+        params_bytes += device_only
         policy = Precision.FP32.policy
     shapes = _updated_shapes(_shapes(trained), par)
     states = optimizer.states(policy, opt_params, shapes)
@@ -186,9 +194,12 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
     grads_bytes = held(trained.dense, trained.expert, ZeroStage.GRADIENTS) * policy.grad_bytes
     num_tensors = len(trained.tensor_sizes)
     if Offload.PARAMS in par.offload:  # FSDP2's CPUOffloadPolicy (memplan.model.offload)
-        moved = cpu_offload_policy(held(params.dense, params.expert, ZeroStage.PARAMETERS),
-                                   opt_params, num_tensors, policy, optimizer)
-        return StateBytes(params_bytes=moved.params_bytes, grads_bytes=moved.grads_bytes,
+        # the weights move in their own dtypes (with adapters: the sharded bytes computed
+        # above); a quantization state is no parameter and stays on the device
+        moved = cpu_offload_policy(params_bytes - device_only, opt_params, num_tensors,
+                                   policy, optimizer)
+        return StateBytes(params_bytes=moved.params_bytes + device_only,
+                          grads_bytes=moved.grads_bytes,
                           optimizer_bytes=0, master_bytes=0, num_optimizer_params=opt_params,
                           host_bytes=moved.host_bytes)
     if host_optimizer(par):  # torchao's CPUOffloadOptimizer (memplan.model.offload)
@@ -312,10 +323,30 @@ def separate_units(wl: Workload) -> bool:
     return wl.fsdp_units is FsdpUnits.TORCHTITAN
 
 
-def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload) -> ShardingBuffers:
+def unit_bytes(params: StageParams, trainable: TrainablePolicy, e: int,
+               grad_bytes: int) -> tuple[int, int]:
+    """(gathered, unsharded gradient) bytes of the stage's largest decoder-layer unit under
+    FSDP: its weights gathered at ``e`` bytes each and gradients of ``grad_bytes``. With LoRA
+    (``trainable.adapters``) a unit gathers what its parameters store: the unquantized frozen
+    weights at ``e``, a quantized weight's own data as stored (``adapters.quant_data_bytes``;
+    its quantization state is no parameter and is never gathered) and the fp32 adapters; and
+    only the adapters have gradients (FSDP2's ``foreach_reduce`` reduces the parameters whose
+    gradient is not None: frozen ones make none), in fp32."""
+    if not trainable.adapters:
+        layer = max(params.layers, default=0)
+        return layer * e, params.largest_unit * grad_bytes
+    units = [(n - q) * e + data + a * ADAPTER_BYTES for n, q, data, a in zip(
+        params.layers, trainable.layer_quantized, trainable.layer_quant_data_bytes,
+        trainable.layer_adapters)]
+    return max(units, default=0), max(trainable.layer_adapters, default=0) * ADAPTER_BYTES
+
+
+def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload,
+                     trainable: TrainablePolicy = ALL) -> ShardingBuffers:
     """ZeRO-3/FSDP: the root's weights and two blocks gathered in the compute dtype, and in
     backward a unit's unsharded gradient before its reduce-scatter. ZeRO-2: one reduce bucket
-    of unsharded gradients."""
+    of unsharded gradients. With LoRA the units as ``unit_bytes`` counts them (the FSDP2 path
+    of decoder-layer units and a root; others count the base's elements)."""
     policy = wl.precision.policy
     if par.zero >= ZeroStage.GRADIENTS and wl.fsdp_units is FsdpUnits.BUCKETS:
         return _bucketed_units(params, par, wl)
@@ -342,28 +373,30 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload) -> 
         # one is gathered (prefetch): two blocks at a time (traced,
         # tests/traced/test_parallel_trace).
         layer = max(params.layers, default=0)
+        e = policy.unsharded.itemsize
+        layer_b, unit_grad = unit_bytes(params, trainable, e, policy.grad_bytes)
         # At shard degree 1 there is no flat all-gather output: each parameter's unsharded
         # storage is filled from its cast shard (torch/distributed/fsdp/_fully_shard/
         # _fsdp_param_group.py FSDPParamGroup.wait_for_unshard, world_size == 1), so no
         # previous unit's output is kept for overlap and one block is gathered at a time.
         one_rank = par.dense_shard_degree == 1
         blocks = 2 * layer if len(params.layers) > 1 and not one_rank else layer
-        e = policy.unsharded.itemsize
         root = params.embedding + params.head
         if separate_units(wl):
             return _separate_units(params, one_rank, layer, blocks, e, policy.grad_bytes)
         # a block's start in forward, as with torchtitan's units below: the previous unit's
         # all-gather output still held beside the block's own and its parameters (for the
         # first block the previous unit is the root, gathered itself); the root stays gathered
+        root_b = root * e
+        blocks_b = 2 * layer_b if blocks != layer else layer_b
         start, first_start = ((0, 0) if one_rank else
-                              ((root + 3 * layer) * e, (2 * root + 2 * layer) * e))
-        return ShardingBuffers((root + blocks) * e, (root + layer) * e,
-                               params.largest_unit * policy.grad_bytes,
-                               backward_head_bytes=(root + layer) * e,
-                               backward_block_bytes=(root + blocks) * e,
-                               backward_last_block_bytes=(root + layer) * e,
+                              (root_b + 3 * layer_b, 2 * root_b + 2 * layer_b))
+        return ShardingBuffers(root_b + blocks_b, root_b + layer_b, unit_grad,
+                               backward_head_bytes=root_b + layer_b,
+                               backward_block_bytes=root_b + blocks_b,
+                               backward_last_block_bytes=root_b + layer_b,
                                # at the embedding's backward every block is resharded
-                               backward_end_bytes=root * e,
+                               backward_end_bytes=root_b,
                                forward_start_bytes=start, forward_first_start_bytes=first_start)
     if par.zero == ZeroStage.GRADIENTS and par.dense_shard_degree > 1:
         # The bucket holds gradients not yet reduced, which are at most the ones this rank

@@ -76,14 +76,16 @@ def host_optimizer_states(tensor_sizes: tuple[int, ...], policy: PrecisionPolicy
     return device, host
 
 
-def cpu_offload_policy(shard_params: int, shard_trained: int, num_tensors: int,
+def cpu_offload_policy(shard_params_bytes: int, shard_trained: int, num_tensors: int,
                        policy: PrecisionPolicy, optimizer: OptimizerPolicy) -> Moved:
-    """FSDP2's ``CPUOffloadPolicy``: ``shard_params`` elements of sharded weights and
-    ``shard_trained`` of gradients and states move to the host (weights in their dtype,
-    gradients in the reduce dtype FSDP2 leaves them in, states in the weights' dtype, and the
-    host optimizer's AdamW step counts, an fp32 scalar per tensor); the GPU keeps none of them."""
+    """FSDP2's ``CPUOffloadPolicy``: the ``shard_params_bytes`` of sharded weights (in their
+    own dtypes: with LoRA a frozen base, quantized or not, and fp32 adapters) and
+    ``shard_trained`` elements of gradients and states move to the host (gradients in the
+    reduce dtype FSDP2 leaves them in, states in the trained weights' dtype, ``policy``, and
+    the host optimizer's AdamW step counts, an fp32 scalar per trained tensor); the GPU keeps
+    none of them."""
     steps = num_tensors * FP32_BYTES if optimizer.name == "adamw" else 0
-    host = (shard_params * policy.param_bytes
+    host = (shard_params_bytes
             + shard_trained * (policy.grad_bytes + optimizer.state_bytes_per_param(policy))
             + steps)
     return Moved(params_bytes=0, grads_bytes=0, host_bytes=host)

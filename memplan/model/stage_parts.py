@@ -157,7 +157,7 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
                                                           par.stage_layers),
                             par.tp, wl.precision.policy.param_bytes)
     st = state_bytes(params, par, wl, trainable)
-    shard = sharding_buffers(params, par, wl)
+    shard = sharding_buffers(params, par, wl, trainable)
     e = wl.compute_dtype.itemsize
     # Gradients exist during forward when an earlier micro-batch made them, or when they live
     # in persistent data-parallel buffers; DDP's default copies them into separate buckets.
