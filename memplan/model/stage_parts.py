@@ -30,7 +30,7 @@ from memplan.model.trainable import lora_policy
 from memplan.model.walk import first_positions, runs_of
 from memplan.parallel import GradBuffers, ParallelConfig, ZeroStage
 from memplan.spec import ModelSpec
-from memplan.workload import Recompute, Workload
+from memplan.workload import Precision, Recompute, Workload
 
 # (MoE layer?, recompute policy), and True third for a sliding-window layer whose attention
 # differs from the full layers' (memplan.model.attention.windowed)
@@ -184,7 +184,10 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
         buckets=buckets, persistent=(ddp and par.grad_buffers is GradBuffers.VIEW
                                      or shard.queued_whole),
         buffers=buffers,
-        dp=data_parallel(shard, params.total, st.grads_bytes, wl.precision.policy),
+        # with LoRA only the adapters have gradients, fp32 (memplan.model.adapters)
+        dp=(data_parallel(shard, sum(trainable.adapters), st.grads_bytes,
+                          Precision.FP32.policy) if trainable.adapters
+            else data_parallel(shard, params.total, st.grads_bytes, wl.precision.policy)),
         # units as buckets: the weights outside the units stay gathered across steps
         # (Megatron-FSDP AllGatherPipeline.reset(preserve_non_fsdp_units=True) in
         # synchronize_param_gather), so they are alive at the step

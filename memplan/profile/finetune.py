@@ -40,7 +40,8 @@ LORA_NAMES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate"
               "up": "up_proj", "down": "down_proj"}
 
 
-def _quantize(model: torch.nn.Module, quant: str) -> list[torch.Tensor]:
+def _quantize(model: torch.nn.Module, quant: str,
+              storage: torch.dtype = torch.uint8) -> list[torch.Tensor]:
     """Replace the decoder layers' linears by bitsandbytes' quantized ones; the tensors each
     quantized weight keeps beside its data (absmax, nested absmax, offset, code)."""
     import bitsandbytes as bnb
@@ -55,16 +56,22 @@ def _quantize(model: torch.nn.Module, quant: str) -> list[torch.Tensor]:
             if quant == "nf4":
                 new = bnb.nn.Linear4bit(child.in_features, child.out_features,
                                         bias=child.bias is not None, compute_dtype=w.dtype,
-                                        quant_type="nf4", compress_statistics=True)
+                                        quant_type="nf4", compress_statistics=True,
+                                        quant_storage=storage)
+                # module=new: the module keeps the quant_state, which FSDP's resharding of
+                # the weight drops (fix_4bit_weight_quant_state_from_module restores it)
                 new.weight = bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4",
-                                               compress_statistics=True, blocksize=64)
+                                               compress_statistics=True, blocksize=64,
+                                               quant_storage=storage, module=new)
             else:
                 new = bnb.nn.Linear8bitLt(child.in_features, child.out_features,
                                           bias=child.bias is not None, has_fp16_weights=False)
                 new.weight = bnb.nn.Int8Params(w, requires_grad=False, has_fp16_weights=False)
             new = new.to("cpu")
             setattr(parent, name.rpartition(".")[2], new)
-            extra.append(new.weight.data)  # the packed data: Params4bit is a subclass
+            if storage == torch.uint8:  # the packed data: Params4bit is a subclass (under
+                # FSDP, storage bf16, it is the sharded parameter, counted as one)
+                extra.append(new.weight.data)
             state = getattr(new.weight, "quant_state", None)
             if state is not None:
                 extra += [state.absmax, state.code, state.offset, state.state2.absmax]
@@ -87,7 +94,10 @@ def build_peft(case: FrameworkCase) -> Built:
                                    options={"attn": opts.get("attn", "sdpa")}))
     model = built.model
     quant = opts.get("base_quant", "none")
-    extra = _quantize(model, quant) if quant != "none" else []
+    # FSDP-QLoRA stores the packed 4-bit data as bf16 (bnb_4bit_quant_storage: peft's
+    # docs/source/accelerate/fsdp.md, "QLoRA with FSDP"), a unit's one dtype
+    storage = torch.bfloat16 if case.dp > 1 else torch.uint8
+    extra = _quantize(model, quant, storage) if quant != "none" else []
     if opts.get("gc"):
         model.config.use_cache = False
         model.gradient_checkpointing_enable()
