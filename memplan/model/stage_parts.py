@@ -21,7 +21,9 @@ from memplan.model.model_states import (
     sharding_buffers,
     state_bytes,
 )
+from memplan.model.adapters import ADAPTER_BYTES
 from memplan.model.attention import rope_buffer_bytes, windowed
+from memplan.model.grad_sync import accumulator_bytes
 from memplan.model.moments import Event, Segment, peak_of
 from memplan.model.mtp import mtp_layer_index, mtp_recompute
 from memplan.model.pipeline import stage_layers
@@ -94,6 +96,8 @@ class StageStates(NamedTuple):
     buffers: int = 0  # registered buffers (RoPE tables), resident like the weights
     dp: DataParallel = DataParallel()  # the data-parallel mechanism
     step: Segment = Segment(())  # the optimizer step (``optimizer_step``)
+    accum_bytes: int = 0  # FSDP2's unsharded gradient accumulators without a sync
+    #                       (``grad_sync.accumulator_bytes``): with LoRA the adapters' alone
 
     @property
     def optimizer_phase(self) -> int:
@@ -193,4 +197,7 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
         # synchronize_param_gather), so they are alive at the step
         step=optimizer_step(st, opt_temp, buckets + (shard.gathered_at_loss_bytes
                                                      if shard.queued_whole else 0), buffers),
+        # frozen weights make no gradient: only the adapters accumulate, in fp32
+        accum_bytes=(sum(trainable.adapters) * ADAPTER_BYTES if trainable.adapters
+                     else accumulator_bytes(params, wl)),
     )
