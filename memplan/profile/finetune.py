@@ -111,7 +111,8 @@ def build_peft(case: FrameworkCase) -> Built:
     model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank,
                                              lora_dropout=opts.get("lora_dropout", 0.0),
                                              target_modules=modules))
-    context = _fully_shard(model, case.dp) if case.dp > 1 else None
+    offload = opts.get("offload", "none")
+    context = _fully_shard(model, case.dp, offload == "params") if case.dp > 1 else None
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
     b, s, vocab = case.micro_batch_size, case.seq_len, model.config.vocab_size
@@ -133,27 +134,32 @@ def build_peft(case: FrameworkCase) -> Built:
     if opts.get("gc"):
         workload.update(recompute="full", kv_cache=False)
     frozen = [p for p in model.parameters() if not p.requires_grad] + extra
-    layout = api.make_layout(case.dp, zero=3) if case.dp > 1 else built.layout
+    layout = (api.make_layout(case.dp, zero=3, offload=None if offload == "none" else offload)
+              if case.dp > 1 else built.layout)
     return Built("peft", model, built.spec, layout, workload, step, opt, frozen=frozen,
                  context=context)
 
 
-def _fully_shard(model: torch.nn.Module, dp: int) -> Callable[[Any], Any]:
+def _fully_shard(model: torch.nn.Module, dp: int,
+                 offload: bool = False) -> Callable[[Any], Any]:
     """FSDP2 over the peft model on ``dp`` ranks of the process group: ``fully_shard`` on
     each decoder layer, then on the root (the transformers model inside peft's wrappers), its
     default ``MixedPrecisionPolicy`` (the weights' own dtypes: bf16 base, fp32 adapters; a
-    unit of mixed dtypes is all-gathered as bytes). The context the steps run in follows
-    FSDP2's storage resizes (``memplan.profile.distributed``)."""
+    unit of mixed dtypes is all-gathered as bytes); ``offload``: ``CPUOffloadPolicy``
+    (unpinned: a CPU-only build cannot pin; ``trace_case`` then counts the host apart). The
+    context the steps run in follows FSDP2's storage resizes
+    (``memplan.profile.distributed``)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     from memplan.profile.distributed import _follow_fsdp_storage
 
     mesh = init_device_mesh("cpu", (dp,))
+    policy = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if offload else {}
     inner = model.base_model.model
     for layer in inner.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(inner, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **policy)
+    fully_shard(inner, mesh=mesh, **policy)
     return _follow_fsdp_storage
 
 
