@@ -176,18 +176,9 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
     params_bytes = held(params.dense, params.expert, ZeroStage.PARAMETERS) * policy.param_bytes
     device_only = 0  # bytes that are no parameter: the quantization state, whole on the device
     if trainable.adapters:
-        # the frozen base as stored, beside the adapters; the adapters are fp32 parameters
-        # the optimizer updates directly (no master copy: peft's autocast_adapter_dtype).
-        # ZeRO-3 shards the parameters (the unquantized ones, a quantized weight's data and
-        # the adapters), not a quantized weight's state (``adapters.quant_data_bytes``)
-        on = z >= ZeroStage.PARAMETERS
-        params_bytes = (held(params.dense - trainable.quantized, params.expert,
-                             ZeroStage.PARAMETERS) * policy.param_bytes
-                        + _shard(trainable.quant_data_bytes, dense_d, on)
-                        + held(trained.dense, 0, ZeroStage.PARAMETERS) * ADAPTER_BYTES)
-        device_only = trainable.quant_state_bytes
-        params_bytes += device_only
-        policy = Precision.FP32.policy
+        params_bytes, device_only = lora_params_bytes(params, trainable, par,
+                                                      policy.param_bytes)
+        policy = Precision.FP32.policy  # the adapters train in fp32
     shapes = _updated_shapes(_shapes(trained), par)
     states = optimizer.states(policy, opt_params, shapes)
     steps = optimizer.step_counter_bytes(wl.optimizer_impl, len(trained.tensor_sizes), shapes)
@@ -227,6 +218,23 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
         setup_bytes=states.setup_bytes,
         paged_bytes=states.paged_bytes,
     )
+
+
+def lora_params_bytes(params: StageParams, trainable: TrainablePolicy, par: ParallelConfig,
+                      param_bytes: int) -> tuple[int, int]:
+    """(weights, of them the quantization state) on one rank with LoRA: the frozen base as
+    stored (unquantized weights at ``param_bytes``, a quantized weight's data and its state)
+    and the fp32 adapters, which the optimizer updates directly (no master copy: peft's
+    autocast_adapter_dtype). ZeRO-3 shards the parameters (the unquantized weights, a
+    quantized weight's data, the adapters) over the DP x CP group, dense and expert apart; a
+    quantized weight's state is no parameter and stays whole (``adapters.quant_data_bytes``)."""
+    on = par.zero >= ZeroStage.PARAMETERS
+    dense_d, expert_d = par.dense_shard_degree, par.expert_shard_degree
+    base = (_shard(params.dense - trainable.quantized, dense_d, on) * param_bytes
+            + _shard(params.expert, expert_d, on) * param_bytes
+            + _shard(trainable.quant_data_bytes, dense_d, on))
+    adapters = _shard(sum(trainable.adapters), dense_d, on) * ADAPTER_BYTES
+    return base + adapters + trainable.quant_state_bytes, trainable.quant_state_bytes
 
 
 def _shapes(trained: Trained) -> tuple[tuple[int, ...], ...]:
@@ -343,10 +351,9 @@ def unit_bytes(params: StageParams, trainable: TrainablePolicy, e: int,
 
 def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload,
                      trainable: TrainablePolicy = ALL) -> ShardingBuffers:
-    """ZeRO-3/FSDP: the root's weights and two blocks gathered in the compute dtype, and in
-    backward a unit's unsharded gradient before its reduce-scatter. ZeRO-2: one reduce bucket
-    of unsharded gradients. With LoRA the units as ``unit_bytes`` counts them (the FSDP2 path
-    of decoder-layer units and a root; others count the base's elements)."""
+    """ZeRO-3/FSDP: the root's weights and two blocks gathered in the compute dtype (with
+    LoRA as ``unit_bytes`` counts them: decoder-layer units and a root), and in backward a
+    unit's unsharded gradient before its reduce-scatter. ZeRO-2: one reduce bucket."""
     policy = wl.precision.policy
     if par.zero >= ZeroStage.GRADIENTS and wl.fsdp_units is FsdpUnits.BUCKETS:
         return _bucketed_units(params, par, wl)
@@ -372,8 +379,7 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload,
         # gathered until the end of backward; a block's gathered weights live while the next
         # one is gathered (prefetch): two blocks at a time (traced,
         # tests/traced/test_parallel_trace).
-        layer = max(params.layers, default=0)
-        e = policy.unsharded.itemsize
+        layer, e = max(params.layers, default=0), policy.unsharded.itemsize
         layer_b, unit_grad = unit_bytes(params, trainable, e, policy.grad_bytes)
         # At shard degree 1 there is no flat all-gather output: each parameter's unsharded
         # storage is filled from its cast shard (torch/distributed/fsdp/_fully_shard/
@@ -387,8 +393,7 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload,
         # a block's start in forward, as with torchtitan's units below: the previous unit's
         # all-gather output still held beside the block's own and its parameters (for the
         # first block the previous unit is the root, gathered itself); the root stays gathered
-        root_b = root * e
-        blocks_b = 2 * layer_b if blocks != layer else layer_b
+        root_b, blocks_b = root * e, (2 * layer_b if blocks != layer else layer_b)
         start, first_start = ((0, 0) if one_rank else
                               (root_b + 3 * layer_b, 2 * root_b + 2 * layer_b))
         return ShardingBuffers(root_b + blocks_b, root_b + layer_b, unit_grad,

@@ -17,7 +17,9 @@ Three mechanisms, each read from its code (torch 2.13, torchao 0.x):
   _fsdp_param.py ``FSDPParam._init_sharded_param``: the padded shard moved to the CPU and
   pinned; _fsdp_collectives.py ``foreach_reduce``: each reduce-scatter output shard copied to
   the CPU, the device one dropped): sharded weights, their sharded gradients and the
-  optimizer's states live on the host and the step runs there. The GPU holds what FSDP2
+  optimizer's states live on the host and the step runs there. It moves parameters only:
+  with LoRA the frozen base and the adapters in their own dtypes, while a quantized weight's
+  ``quant_state`` (no parameter) stays on the device. The GPU holds what FSDP2
   gathers (the units' unsharded weights, forward and backward) and a unit's unsharded
   gradients before their reduce-scatter: ``memplan.model.model_states.sharding_buffers``,
   unchanged.

@@ -7,7 +7,10 @@ for it) is a selection here; the weights themselves are held either way. With Lo
 (``memplan.model.adapters``) every base weight is frozen and only the adapters train
 (``adapters``: their tensors; peft's ``get_peft_model`` calls ``requires_grad_(False)`` on
 everything but them, ``_mark_only_adapters_as_trainable``), in fp32; the frozen base linears
-may be stored quantized (``stored_less_bytes``).
+may be stored quantized (``stored_less_bytes``). Under ZeRO-3 / FSDP the policy also says, per
+layer, what a unit shards and gathers (``layer_adapters``, ``layer_quantized``,
+``layer_quant_data_bytes``) and what every rank keeps whole (``quant_state_bytes``):
+``memplan.model.model_states.lora_params_bytes`` and ``unit_bytes``.
 """
 
 from __future__ import annotations

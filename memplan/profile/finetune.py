@@ -19,6 +19,13 @@ model as ``build_hf`` does, then:
 The frozen base weights (and a quantized weight's ``quant_state`` tensors) are parameters in the
 trace, as memplan's ``params_bytes`` counts them; AdamW(fused) runs over the adapters alone.
 
+With ``case.dp`` > 1 the peft model is sharded by FSDP2 (``_fully_shard``: each decoder layer,
+then the root) on the fake process group, as zero 3; 4-bit weights are then stored as bf16
+(``bnb_4bit_quant_storage=torch.bfloat16``, FSDP-QLoRA's setting), so FSDP2 shards and gathers
+``Params4bit``'s packed data as a plain tensor (traced on CPU: it works, and
+``Linear4bit.forward`` restores the quant_state from the module), while the quant_state stays
+whole on every rank. ``offload="params"``: FSDP2's ``CPUOffloadPolicy``.
+
 CPU against CUDA: bitsandbytes' 4-bit forward ``gemm_4bit`` is one custom op, whose CPU
 implementation (dequantize, then ``F.linear``) runs below the tracker's dispatch, as CUDA's
 kernel does at training row counts (``backends/cuda/ops.py``: past its M threshold it runs the
