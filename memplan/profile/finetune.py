@@ -141,8 +141,7 @@ def build_peft(case: FrameworkCase) -> Built:
     if opts.get("gc"):
         workload.update(recompute="full", kv_cache=False)
     frozen = [p for p in model.parameters() if not p.requires_grad] + extra
-    layout = (api.make_layout(case.dp, zero=3, offload=None if offload == "none" else offload)
-              if case.dp > 1 else built.layout)
+    layout = api.make_layout(case.dp, zero=3, offload=offload) if case.dp > 1 else built.layout
     return Built("peft", model, built.spec, layout, workload, step, opt, frozen=frozen,
                  context=context)
 
