@@ -404,11 +404,19 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload,
                                backward_end_bytes=root_b,
                                forward_start_bytes=start, forward_first_start_bytes=first_start)
     if par.zero == ZeroStage.GRADIENTS and par.dense_shard_degree > 1:
-        # The bucket holds gradients not yet reduced, which are at most the ones this rank
-        # does not own: ZeRO-2 never holds more gradient bytes than ZeRO-1.
-        not_owned = params.total - ceil_div(params.total, par.dense_shard_degree)
-        return ShardingBuffers(0, 0, min(REDUCE_BUCKET_NUMEL, not_owned) * policy.grad_bytes)
+        return ShardingBuffers(0, 0, _reduce_bucket(params, par, trainable, policy.grad_bytes))
     return ShardingBuffers(0, 0, 0)
+
+
+def _reduce_bucket(params: StageParams, par: ParallelConfig, trainable: TrainablePolicy,
+                   grad_bytes: int) -> int:
+    """ZeRO-2's reduce bucket of unsharded gradients, in bytes: the gradients not yet
+    reduced, which are at most the ones this rank does not own (ZeRO-2 never holds more
+    gradient bytes than ZeRO-1); with LoRA only the adapters' (fp32) make gradients."""
+    trained, e = ((sum(trainable.adapters), ADAPTER_BYTES) if trainable.adapters
+                  else (params.total, grad_bytes))
+    not_owned = trained - ceil_div(trained, par.dense_shard_degree)
+    return min(REDUCE_BUCKET_NUMEL, not_owned) * e
 
 
 def _separate_units(params: StageParams, one_rank: bool, layer: int, blocks: int, e: int,

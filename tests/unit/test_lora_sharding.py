@@ -99,3 +99,13 @@ def test_one_rank_unchanged() -> None:
     assert w.params_bytes == ((ROOT + LAYERS * NORMS) * 2 + LAYERS * NF4_DATA
                               + LAYERS * QUANT_STATE + LAYERS * ADAPTERS * 4)
     assert w.params_bytes == 36_777_219_264
+
+
+def test_qlora_70b_zero2_reduce_bucket() -> None:
+    """ZeRO-2 on 2 ranks: the reduce bucket holds at most the gradients this rank does not
+    own, and only the adapters make gradients: 80 x 1,294,336 = 103,546,880 elements, half
+    not owned, 51,773,440 (under the 5e8-element bucket), in fp32: 207,093,760 B. The weights
+    stay whole (no ZeRO-3): the one-rank bytes of ``test_one_rank_unchanged``."""
+    w = memplan.estimate("llama-2-70b", **dict(QLORA_70B, zero=2)).worst
+    assert w.sharding_buffers_bytes == LAYERS * ADAPTERS // 2 * 4 == 207_093_760
+    assert w.params_bytes == 36_777_219_264
