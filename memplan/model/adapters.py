@@ -117,6 +117,23 @@ def base_weight_bytes(quant: BaseQuant, d_in: int, d_out: int, dtype_bytes: int)
     return d_in * d_out * dtype_bytes
 
 
+def quant_data_bytes(quant: BaseQuant, d_in: int, d_out: int) -> int:
+    """Of ``base_weight_bytes`` of a quantized weight, the parameter's own data, which FSDP
+    shards and gathers: NF4's packed nibbles (``bnb_4bit_quant_storage=torch.bfloat16``, as
+    FSDP-QLoRA sets it, types the same bytes as bf16 so that a unit flattens as one dtype;
+    ``Params4bit`` data of shape (n / 4, 1)), LLM.int8's int8 rows. The rest, the
+    ``quant_state`` (absmax, nested absmax, offset, code) or ``SCB``, are attributes of the
+    parameter, not parameters: FSDP neither shards nor gathers them, every rank keeps them
+    whole on its device (``Linear4bit.quant_state`` is kept on the module for that:
+    ``fix_4bit_weight_quant_state_from_module``, bitsandbytes/nn/modules.py), and
+    ``CPUOffloadPolicy``, which moves parameters only, leaves them on the device."""
+    if quant is BaseQuant.NF4:
+        return ceil_div(d_in * d_out, 2)
+    if quant is BaseQuant.INT8:
+        return d_in * d_out
+    return 0
+
+
 def assumptions(wl: Workload) -> tuple[str, ...]:
     """The estimate's assumption lines for LoRA and quantized base weights (none without)."""
     if wl.lora_rank == 0:

@@ -12,7 +12,7 @@ parameters and the expert-data-parallel group for experts; the most loaded rank 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from memplan.model.adapters import ADAPTER_BYTES
 from memplan.model.embedding import EmbeddingBlock
@@ -174,12 +174,11 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
 
     opt_params = held(trained.dense, trained.expert, ZeroStage.OPTIMIZER)
     params_bytes = held(params.dense, params.expert, ZeroStage.PARAMETERS) * policy.param_bytes
+    device_only = 0  # bytes that are no parameter: the quantization state, whole on the device
     if trainable.adapters:
-        # the frozen base as stored, beside the adapters; the adapters are fp32 parameters
-        # the optimizer updates directly (no master copy: peft's autocast_adapter_dtype)
-        params_bytes += (held(trained.dense, 0, ZeroStage.PARAMETERS) * ADAPTER_BYTES
-                         - trainable.stored_less_bytes)
-        policy = Precision.FP32.policy
+        params_bytes, device_only = lora_params_bytes(params, trainable, par,
+                                                      policy.param_bytes)
+        policy = Precision.FP32.policy  # the adapters train in fp32
     # only a per-tensor optimizer reads the updated tensors' shapes
     shapes = _updated_shapes(_shapes(trained), par) if optimizer.shaped else ()
     states = optimizer.states(policy, opt_params, shapes)
@@ -187,9 +186,12 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
     grads_bytes = held(trained.dense, trained.expert, ZeroStage.GRADIENTS) * policy.grad_bytes
     num_tensors = len(trained.tensor_sizes)
     if Offload.PARAMS in par.offload:  # FSDP2's CPUOffloadPolicy (memplan.model.offload)
-        moved = cpu_offload_policy(held(params.dense, params.expert, ZeroStage.PARAMETERS),
-                                   opt_params, num_tensors, policy, optimizer)
-        return StateBytes(params_bytes=moved.params_bytes, grads_bytes=moved.grads_bytes,
+        # the weights move in their own dtypes (with adapters: the sharded bytes computed
+        # above); a quantization state is no parameter and stays on the device
+        moved = cpu_offload_policy(params_bytes - device_only, opt_params, num_tensors,
+                                   policy, optimizer)
+        return StateBytes(params_bytes=moved.params_bytes + device_only,
+                          grads_bytes=moved.grads_bytes,
                           optimizer_bytes=0, master_bytes=0, num_optimizer_params=opt_params,
                           host_bytes=moved.host_bytes)
     if host_optimizer(par):  # torchao's CPUOffloadOptimizer (memplan.model.offload)
@@ -199,13 +201,9 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
                           optimizer_bytes=device + scaler, master_bytes=0,
                           num_optimizer_params=opt_params, host_bytes=host, scaler_bytes=scaler)
     if zero_offload(par):
-        # the CPU optimizer keeps an fp32 master copy even when the GPU trains in fp32
-        # (DeepSpeed's CPU-Adam updates its own fp32 partition), its states, and reads an fp32
-        # copy of the gradient shard; the step counters stay on the host
-        master, grad = FP32_BYTES, FP32_BYTES
-        host = opt_params * (master + optimizer.host_state_bytes_per_param() + grad)
         return StateBytes(params_bytes=params_bytes, grads_bytes=grads_bytes, optimizer_bytes=0,
-                          master_bytes=0, num_optimizer_params=opt_params, host_bytes=host)
+                          master_bytes=0, num_optimizer_params=opt_params,
+                          host_bytes=_zero_offload_host_bytes(opt_params, optimizer))
     scaler = GRAD_SCALER_STATE_BYTES if policy.grad_scaler else 0
     return StateBytes(
         params_bytes=params_bytes,
@@ -217,6 +215,32 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
         setup_bytes=states.setup_bytes,
         paged_bytes=states.paged_bytes,
     )
+
+
+def _zero_offload_host_bytes(opt_params: int, optimizer: Any) -> int:
+    """Host bytes of ZeRO-Offload's CPU optimizer for ``opt_params`` updated elements: an fp32
+    master copy even when the GPU trains in fp32 (DeepSpeed's CPU-Adam updates its own fp32
+    partition), its states, and an fp32 copy of the gradient shard it reads; the step
+    counters stay on the host."""
+    master, grad = FP32_BYTES, FP32_BYTES
+    return opt_params * (master + optimizer.host_state_bytes_per_param() + grad)
+
+
+def lora_params_bytes(params: StageParams, trainable: TrainablePolicy, par: ParallelConfig,
+                      param_bytes: int) -> tuple[int, int]:
+    """(weights, of them the quantization state) on one rank with LoRA: the frozen base as
+    stored (unquantized weights at ``param_bytes``, a quantized weight's data and its state)
+    and the fp32 adapters, which the optimizer updates directly (no master copy: peft's
+    autocast_adapter_dtype). ZeRO-3 shards the parameters (the unquantized weights, a
+    quantized weight's data, the adapters) over the DP x CP group, dense and expert apart; a
+    quantized weight's state is no parameter and stays whole (``adapters.quant_data_bytes``)."""
+    on = par.zero >= ZeroStage.PARAMETERS
+    dense_d, expert_d = par.dense_shard_degree, par.expert_shard_degree
+    base = (_shard(params.dense - trainable.quantized, dense_d, on) * param_bytes
+            + _shard(params.expert, expert_d, on) * param_bytes
+            + _shard(trainable.quant_data_bytes, dense_d, on))
+    adapters = _shard(sum(trainable.adapters), dense_d, on) * ADAPTER_BYTES
+    return base + adapters + trainable.quant_state_bytes, trainable.quant_state_bytes
 
 
 def _shapes(trained: Trained) -> tuple[tuple[int, ...], ...]:
@@ -313,10 +337,29 @@ def separate_units(wl: Workload) -> bool:
     return wl.fsdp_units is FsdpUnits.TORCHTITAN
 
 
-def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload) -> ShardingBuffers:
-    """ZeRO-3/FSDP: the root's weights and two blocks gathered in the compute dtype, and in
-    backward a unit's unsharded gradient before its reduce-scatter. ZeRO-2: one reduce bucket
-    of unsharded gradients."""
+def unit_bytes(params: StageParams, trainable: TrainablePolicy, e: int,
+               grad_bytes: int) -> tuple[int, int]:
+    """(gathered, unsharded gradient) bytes of the stage's largest decoder-layer unit under
+    FSDP: its weights gathered at ``e`` bytes each and gradients of ``grad_bytes``. With LoRA
+    (``trainable.adapters``) a unit gathers what its parameters store: the unquantized frozen
+    weights at ``e``, a quantized weight's own data as stored (``adapters.quant_data_bytes``;
+    its quantization state is no parameter and is never gathered) and the fp32 adapters; and
+    only the adapters have gradients (FSDP2's ``foreach_reduce`` reduces the parameters whose
+    gradient is not None: frozen ones make none), in fp32."""
+    if not trainable.adapters:
+        layer = max(params.layers, default=0)
+        return layer * e, params.largest_unit * grad_bytes
+    units = [(n - q) * e + data + a * ADAPTER_BYTES for n, q, data, a in zip(
+        params.layers, trainable.layer_quantized, trainable.layer_quant_data_bytes,
+        trainable.layer_adapters)]
+    return max(units, default=0), max(trainable.layer_adapters, default=0) * ADAPTER_BYTES
+
+
+def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload,
+                     trainable: TrainablePolicy = ALL) -> ShardingBuffers:
+    """ZeRO-3/FSDP: the root's weights and two blocks gathered in the compute dtype (with
+    LoRA as ``unit_bytes`` counts them: decoder-layer units and a root), and in backward a
+    unit's unsharded gradient before its reduce-scatter. ZeRO-2: one reduce bucket."""
     policy = wl.precision.policy
     if par.zero >= ZeroStage.GRADIENTS and wl.fsdp_units is FsdpUnits.BUCKETS:
         return _bucketed_units(params, par, wl)
@@ -342,36 +385,44 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload) -> 
         # gathered until the end of backward; a block's gathered weights live while the next
         # one is gathered (prefetch): two blocks at a time (traced,
         # tests/traced/test_parallel_trace).
-        layer = max(params.layers, default=0)
+        layer, e = max(params.layers, default=0), policy.unsharded.itemsize
+        layer_b, unit_grad = unit_bytes(params, trainable, e, policy.grad_bytes)
         # At shard degree 1 there is no flat all-gather output: each parameter's unsharded
         # storage is filled from its cast shard (torch/distributed/fsdp/_fully_shard/
         # _fsdp_param_group.py FSDPParamGroup.wait_for_unshard, world_size == 1), so no
         # previous unit's output is kept for overlap and one block is gathered at a time.
         one_rank = par.dense_shard_degree == 1
         blocks = 2 * layer if len(params.layers) > 1 and not one_rank else layer
-        e = policy.unsharded.itemsize
         root = params.embedding + params.head
         if separate_units(wl):
             return _separate_units(params, one_rank, layer, blocks, e, policy.grad_bytes)
         # a block's start in forward, as with torchtitan's units below: the previous unit's
         # all-gather output still held beside the block's own and its parameters (for the
         # first block the previous unit is the root, gathered itself); the root stays gathered
+        root_b, blocks_b = root * e, (2 * layer_b if blocks != layer else layer_b)
         start, first_start = ((0, 0) if one_rank else
-                              ((root + 3 * layer) * e, (2 * root + 2 * layer) * e))
-        return ShardingBuffers((root + blocks) * e, (root + layer) * e,
-                               params.largest_unit * policy.grad_bytes,
-                               backward_head_bytes=(root + layer) * e,
-                               backward_block_bytes=(root + blocks) * e,
-                               backward_last_block_bytes=(root + layer) * e,
+                              (root_b + 3 * layer_b, 2 * root_b + 2 * layer_b))
+        return ShardingBuffers(root_b + blocks_b, root_b + layer_b, unit_grad,
+                               backward_head_bytes=root_b + layer_b,
+                               backward_block_bytes=root_b + blocks_b,
+                               backward_last_block_bytes=root_b + layer_b,
                                # at the embedding's backward every block is resharded
-                               backward_end_bytes=root * e,
+                               backward_end_bytes=root_b,
                                forward_start_bytes=start, forward_first_start_bytes=first_start)
     if par.zero == ZeroStage.GRADIENTS and par.dense_shard_degree > 1:
-        # The bucket holds gradients not yet reduced, which are at most the ones this rank
-        # does not own: ZeRO-2 never holds more gradient bytes than ZeRO-1.
-        not_owned = params.total - ceil_div(params.total, par.dense_shard_degree)
-        return ShardingBuffers(0, 0, min(REDUCE_BUCKET_NUMEL, not_owned) * policy.grad_bytes)
+        return ShardingBuffers(0, 0, _reduce_bucket(params, par, trainable, policy.grad_bytes))
     return ShardingBuffers(0, 0, 0)
+
+
+def _reduce_bucket(params: StageParams, par: ParallelConfig, trainable: TrainablePolicy,
+                   grad_bytes: int) -> int:
+    """ZeRO-2's reduce bucket of unsharded gradients, in bytes: the gradients not yet
+    reduced, which are at most the ones this rank does not own (ZeRO-2 never holds more
+    gradient bytes than ZeRO-1); with LoRA only the adapters' (fp32) make gradients."""
+    trained, e = ((sum(trainable.adapters), ADAPTER_BYTES) if trainable.adapters
+                  else (params.total, grad_bytes))
+    not_owned = trained - ceil_div(trained, par.dense_shard_degree)
+    return min(REDUCE_BUCKET_NUMEL, not_owned) * e
 
 
 def _separate_units(params: StageParams, one_rank: bool, layer: int, blocks: int, e: int,

@@ -17,7 +17,9 @@ Three mechanisms, each read from its code (torch 2.13, torchao 0.x):
   _fsdp_param.py ``FSDPParam._init_sharded_param``: the padded shard moved to the CPU and
   pinned; _fsdp_collectives.py ``foreach_reduce``: each reduce-scatter output shard copied to
   the CPU, the device one dropped): sharded weights, their sharded gradients and the
-  optimizer's states live on the host and the step runs there. The GPU holds what FSDP2
+  optimizer's states live on the host and the step runs there. It moves parameters only:
+  with LoRA the frozen base and the adapters in their own dtypes, while a quantized weight's
+  ``quant_state`` (no parameter) stays on the device. The GPU holds what FSDP2
   gathers (the units' unsharded weights, forward and backward) and a unit's unsharded
   gradients before their reduce-scatter: ``memplan.model.model_states.sharding_buffers``,
   unchanged.
@@ -76,14 +78,16 @@ def host_optimizer_states(tensor_sizes: tuple[int, ...], policy: PrecisionPolicy
     return device, host
 
 
-def cpu_offload_policy(shard_params: int, shard_trained: int, num_tensors: int,
+def cpu_offload_policy(shard_params_bytes: int, shard_trained: int, num_tensors: int,
                        policy: PrecisionPolicy, optimizer: OptimizerPolicy) -> Moved:
-    """FSDP2's ``CPUOffloadPolicy``: ``shard_params`` elements of sharded weights and
-    ``shard_trained`` of gradients and states move to the host (weights in their dtype,
-    gradients in the reduce dtype FSDP2 leaves them in, states in the weights' dtype, and the
-    host optimizer's AdamW step counts, an fp32 scalar per tensor); the GPU keeps none of them."""
+    """FSDP2's ``CPUOffloadPolicy``: the ``shard_params_bytes`` of sharded weights (in their
+    own dtypes: with LoRA a frozen base, quantized or not, and fp32 adapters) and
+    ``shard_trained`` elements of gradients and states move to the host (gradients in the
+    reduce dtype FSDP2 leaves them in, states in the trained weights' dtype, ``policy``, and
+    the host optimizer's AdamW step counts, an fp32 scalar per trained tensor); the GPU keeps
+    none of them."""
     steps = num_tensors * FP32_BYTES if optimizer.name == "adamw" else 0
-    host = (shard_params * policy.param_bytes
+    host = (shard_params_bytes
             + shard_trained * (policy.grad_bytes + optimizer.state_bytes_per_param(policy))
             + steps)
     return Moved(params_bytes=0, grads_bytes=0, host_bytes=host)

@@ -164,7 +164,7 @@ def stage_record(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, sta
         # kept gathered under PP, or accumulated without a sync (``memplan.model.grad_sync``):
         # the unsharded gradient accumulators are buffers too
         sharding_buffers_bytes=fx.shard.peak_bytes + fx.buckets + (
-            accumulator_bytes(fx.params, wl)
+            fx.accum_bytes
             if fx.shard.kept_gathered
             or accumulates_unsharded(wl, parts[0].dp, fx.shard.kept_gathered, m) else 0),
         optimizer_temp_bytes=fx.opt_temp, buffers_bytes=fx.buffers, steady=w.steady,
@@ -241,7 +241,7 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     if accumulating:
         ratio, root_new, fresh = new_grads(fx.params, wl, fx.shard.separate_units)
         output_shard = fx.dp.shard_of(fx.shard.grad_bytes)
-        fx = fx._replace(grad_per_param=Fraction(wl.precision.policy.grad_bytes),
+        fx = fx._replace(grad_per_param=Fraction(fx.accum_bytes, max(fx.params.total, 1)),
                          dp=unsynced(fx.dp, root_new))
     st = fx.states
     # rope tables only the decoder layers save: with their saved tensors on the host they are
@@ -258,7 +258,7 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     walk = _with_deferred(walk, dfr, fx.main_grads)
     if accumulating:
         walk = with_new_grads(walk, ratio, fresh)
-        grads = accumulated_gradients(walk, st, accumulator_bytes(fx.params, wl),
+        grads = accumulated_gradients(walk, st, fx.accum_bytes,
                                       fx.shard.grad_bytes, output_shard, wl.keep_grads)
     else:
         grads = _gradients(wl, fx, walk, m)
@@ -333,7 +333,7 @@ def _gradients(wl: Workload, fx: StageStates, walk: Walk, m: int) -> tuple[int, 
         # FSDP2 under PP (``ShardingBuffers.kept_gathered``): the walk's gradients are the
         # stage's unsharded accumulators, from the first micro-batch's backward to the reduce
         # after the last (``sharding.step_end_moments``, in the walk)
-        accum = accumulator_bytes(fx.params, wl)
+        accum = fx.accum_bytes
         in_forward = accum if m > 1 else 0
         bwd = backward_peak(walk, in_forward, accum)
         # the sharded gradients the reduce makes, kept zeroed from step 2 (keep_grads)

@@ -21,7 +21,9 @@ from memplan.model.model_states import (
     sharding_buffers,
     state_bytes,
 )
+from memplan.model.adapters import ADAPTER_BYTES
 from memplan.model.attention import rope_buffer_bytes, windowed
+from memplan.model.grad_sync import accumulator_bytes
 from memplan.model.moments import Event, Segment, peak_of
 from memplan.model.mtp import mtp_layer_index, mtp_recompute
 from memplan.model.pipeline import stage_layers
@@ -30,7 +32,7 @@ from memplan.model.trainable import lora_policy
 from memplan.model.walk import first_positions, runs_of
 from memplan.parallel import GradBuffers, ParallelConfig, ZeroStage
 from memplan.spec import ModelSpec
-from memplan.workload import Recompute, Workload
+from memplan.workload import Precision, Recompute, Workload
 
 # (MoE layer?, recompute policy), and True third for a sliding-window layer whose attention
 # differs from the full layers' (memplan.model.attention.windowed)
@@ -94,6 +96,8 @@ class StageStates(NamedTuple):
     buffers: int = 0  # registered buffers (RoPE tables), resident like the weights
     dp: DataParallel = DataParallel()  # the data-parallel mechanism
     step: Segment = Segment(())  # the optimizer step (``optimizer_step``)
+    accum_bytes: int = 0  # FSDP2's unsharded gradient accumulators without a sync
+    #                       (``grad_sync.accumulator_bytes``): with LoRA the adapters' alone
 
     @property
     def optimizer_phase(self) -> int:
@@ -157,7 +161,7 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
                                                           par.stage_layers),
                             par.tp, wl.precision.policy.param_bytes)
     st = state_bytes(params, par, wl, trainable)
-    shard = sharding_buffers(params, par, wl)
+    shard = sharding_buffers(params, par, wl, trainable)
     e = wl.compute_dtype.itemsize
     # Gradients exist during forward when an earlier micro-batch made them, or when they live
     # in persistent data-parallel buffers; DDP's default copies them into separate buckets.
@@ -184,10 +188,16 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
         buckets=buckets, persistent=(ddp and par.grad_buffers is GradBuffers.VIEW
                                      or shard.queued_whole),
         buffers=buffers,
-        dp=data_parallel(shard, params.total, st.grads_bytes, wl.precision.policy),
+        # with LoRA only the adapters have gradients, fp32 (memplan.model.adapters)
+        dp=(data_parallel(shard, sum(trainable.adapters), st.grads_bytes,
+                          Precision.FP32.policy) if trainable.adapters
+            else data_parallel(shard, params.total, st.grads_bytes, wl.precision.policy)),
         # units as buckets: the weights outside the units stay gathered across steps
         # (Megatron-FSDP AllGatherPipeline.reset(preserve_non_fsdp_units=True) in
         # synchronize_param_gather), so they are alive at the step
         step=optimizer_step(st, opt_temp, buckets + (shard.gathered_at_loss_bytes
                                                      if shard.queued_whole else 0), buffers),
+        # frozen weights make no gradient: only the adapters accumulate, in fp32
+        accum_bytes=(sum(trainable.adapters) * ADAPTER_BYTES if trainable.adapters
+                     else accumulator_bytes(params, wl)),
     )

@@ -7,7 +7,10 @@ for it) is a selection here; the weights themselves are held either way. With Lo
 (``memplan.model.adapters``) every base weight is frozen and only the adapters train
 (``adapters``: their tensors; peft's ``get_peft_model`` calls ``requires_grad_(False)`` on
 everything but them, ``_mark_only_adapters_as_trainable``), in fp32; the frozen base linears
-may be stored quantized (``stored_less_bytes``).
+may be stored quantized (``stored_less_bytes``). Under ZeRO-3 / FSDP the policy also says, per
+layer, what a unit shards and gathers (``layer_adapters``, ``layer_quantized``,
+``layer_quant_data_bytes``) and what every rank keeps whole (``quant_state_bytes``):
+``memplan.model.model_states.lora_params_bytes`` and ``unit_bytes``.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
 from memplan.spec import ModelSpec
-from memplan.workload import Workload
+from memplan.workload import BaseQuant, Workload
 
 
 class StageParams(Protocol):
@@ -59,6 +62,23 @@ class TrainablePolicy:
     frozen: frozenset[ParamGroup] = frozenset()
     adapters: tuple[int, ...] = ()  # LoRA: elements of each adapter tensor, all that trains
     stored_less_bytes: int = 0  # bytes the frozen base linears' storage saves (quantized)
+    # per layer of the stage, for FSDP's units: adapter elements, quantized base elements, and
+    # of those the bytes FSDP shards and gathers (``adapters.quant_data_bytes``); the stage's
+    # quantization state (scales, absmax), whole on every rank
+    layer_adapters: tuple[int, ...] = ()
+    layer_quantized: tuple[int, ...] = ()
+    layer_quant_data_bytes: tuple[int, ...] = ()
+    quant_state_bytes: int = 0
+
+    @property
+    def quantized(self) -> int:
+        """Elements of the stage's quantized base weights."""
+        return sum(self.layer_quantized)
+
+    @property
+    def quant_data_bytes(self) -> int:
+        """Bytes of the quantized base weights' own data (sharded by ZeRO-3)."""
+        return sum(self.layer_quant_data_bytes)
 
     def trained(self, params: StageParams) -> Trained:
         """What of ``params`` trains: its dense and expert counts and its tensors, without
@@ -91,7 +111,7 @@ def lora_policy(spec: ModelSpec, wl: Workload, layers: Sequence[int], t: int,
     """The trainable policy of a stage holding ``layers`` under LoRA (``ALL`` without): the
     adapters of each layer's adapted projections on one TP rank, and what storing the base
     linears quantized saves against ``param_bytes`` per weight element."""
-    from memplan.model.adapters import adapters_of, base_weight_bytes
+    from memplan.model.adapters import adapters_of, base_weight_bytes, quant_data_bytes
     from memplan.model.layer import layer_linears
     from memplan.model.linear import adapter_sizes, local_widths
 
@@ -99,12 +119,24 @@ def lora_policy(spec: ModelSpec, wl: Workload, layers: Sequence[int], t: int,
     if ad is None:
         return ALL
     sizes: list[int] = []
-    less = 0
+    per_layer: list[tuple[int, int, int]] = []  # adapters, quantized, their data bytes
+    less = state = 0
     for i in layers:
         linears = layer_linears(spec, spec.is_moe_layer(i))
-        sizes += adapter_sizes(linears, ad, t)
+        own = adapter_sizes(linears, ad, t)
+        sizes += own
+        quantized = data = 0
         for lin in linears:
             d_in, d_out = local_widths(lin, t)
-            less += d_in * d_out * param_bytes - base_weight_bytes(ad.quant, d_in, d_out,
-                                                                   param_bytes)
-    return TrainablePolicy(adapters=tuple(sizes), stored_less_bytes=less)
+            stored = base_weight_bytes(ad.quant, d_in, d_out, param_bytes)
+            less += d_in * d_out * param_bytes - stored
+            if ad.quant is not BaseQuant.NONE:
+                quantized += d_in * d_out
+                data += quant_data_bytes(ad.quant, d_in, d_out)
+                state += stored - quant_data_bytes(ad.quant, d_in, d_out)
+        per_layer.append((sum(own), quantized, data))
+    return TrainablePolicy(adapters=tuple(sizes), stored_less_bytes=less,
+                           layer_adapters=tuple(a for a, _, _ in per_layer),
+                           layer_quantized=tuple(q for _, q, _ in per_layer),
+                           layer_quant_data_bytes=tuple(d for _, _, d in per_layer),
+                           quant_state_bytes=state)

@@ -19,6 +19,13 @@ model as ``build_hf`` does, then:
 The frozen base weights (and a quantized weight's ``quant_state`` tensors) are parameters in the
 trace, as memplan's ``params_bytes`` counts them; AdamW(fused) runs over the adapters alone.
 
+With ``case.dp`` > 1 the peft model is sharded by FSDP2 (``_fully_shard``: each decoder layer,
+then the root) on the fake process group, as zero 3; 4-bit weights are then stored as bf16
+(``bnb_4bit_quant_storage=torch.bfloat16``, FSDP-QLoRA's setting), so FSDP2 shards and gathers
+``Params4bit``'s packed data as a plain tensor (traced on CPU: it works, and
+``Linear4bit.forward`` restores the quant_state from the module), while the quant_state stays
+whole on every rank. ``offload="params"``: FSDP2's ``CPUOffloadPolicy``.
+
 CPU against CUDA: bitsandbytes' 4-bit forward ``gemm_4bit`` is one custom op, whose CPU
 implementation (dequantize, then ``F.linear``) runs below the tracker's dispatch, as CUDA's
 kernel does at training row counts (``backends/cuda/ops.py``: past its M threshold it runs the
@@ -27,9 +34,12 @@ same dequantize and linear); the backward's ``dequantize_4bit`` is a visible op 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from memplan import api
 
 from memplan.profile.frameworks import BUILDERS, Built, FrameworkCase, Mark, build_hf
 
@@ -37,7 +47,8 @@ LORA_NAMES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate"
               "up": "up_proj", "down": "down_proj"}
 
 
-def _quantize(model: torch.nn.Module, quant: str) -> list[torch.Tensor]:
+def _quantize(model: torch.nn.Module, quant: str,
+              storage: torch.dtype = torch.uint8) -> list[torch.Tensor]:
     """Replace the decoder layers' linears by bitsandbytes' quantized ones; the tensors each
     quantized weight keeps beside its data (absmax, nested absmax, offset, code)."""
     import bitsandbytes as bnb
@@ -52,16 +63,22 @@ def _quantize(model: torch.nn.Module, quant: str) -> list[torch.Tensor]:
             if quant == "nf4":
                 new = bnb.nn.Linear4bit(child.in_features, child.out_features,
                                         bias=child.bias is not None, compute_dtype=w.dtype,
-                                        quant_type="nf4", compress_statistics=True)
+                                        quant_type="nf4", compress_statistics=True,
+                                        quant_storage=storage)
+                # module=new: the module keeps the quant_state, which FSDP's resharding of
+                # the weight drops (fix_4bit_weight_quant_state_from_module restores it)
                 new.weight = bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4",
-                                               compress_statistics=True, blocksize=64)
+                                               compress_statistics=True, blocksize=64,
+                                               quant_storage=storage, module=new)
             else:
                 new = bnb.nn.Linear8bitLt(child.in_features, child.out_features,
                                           bias=child.bias is not None, has_fp16_weights=False)
                 new.weight = bnb.nn.Int8Params(w, requires_grad=False, has_fp16_weights=False)
             new = new.to("cpu")
             setattr(parent, name.rpartition(".")[2], new)
-            extra.append(new.weight.data)  # the packed data: Params4bit is a subclass
+            if storage == torch.uint8:  # the packed data: Params4bit is a subclass (under
+                # FSDP, storage bf16, it is the sharded parameter, counted as one)
+                extra.append(new.weight.data)
             state = getattr(new.weight, "quant_state", None)
             if state is not None:
                 extra += [state.absmax, state.code, state.offset, state.state2.absmax]
@@ -84,7 +101,10 @@ def build_peft(case: FrameworkCase) -> Built:
                                    options={"attn": opts.get("attn", "sdpa")}))
     model = built.model
     quant = opts.get("base_quant", "none")
-    extra = _quantize(model, quant) if quant != "none" else []
+    # FSDP-QLoRA stores the packed 4-bit data as bf16 (bnb_4bit_quant_storage: peft's
+    # docs/source/accelerate/fsdp.md, "QLoRA with FSDP"), a unit's one dtype
+    storage = torch.bfloat16 if case.dp > 1 else torch.uint8
+    extra = _quantize(model, quant, storage) if quant != "none" else []
     if opts.get("gc"):
         model.config.use_cache = False
         model.gradient_checkpointing_enable()
@@ -98,6 +118,8 @@ def build_peft(case: FrameworkCase) -> Built:
     model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank,
                                              lora_dropout=opts.get("lora_dropout", 0.0),
                                              target_modules=modules))
+    offload = opts.get("offload", "none")
+    context = _fully_shard(model, case.dp, offload == "params") if case.dp > 1 else None
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
     b, s, vocab = case.micro_batch_size, case.seq_len, model.config.vocab_size
@@ -119,7 +141,32 @@ def build_peft(case: FrameworkCase) -> Built:
     if opts.get("gc"):
         workload.update(recompute="full", kv_cache=False)
     frozen = [p for p in model.parameters() if not p.requires_grad] + extra
-    return Built("peft", model, built.spec, built.layout, workload, step, opt, frozen=frozen)
+    layout = api.make_layout(case.dp, zero=3, offload=offload) if case.dp > 1 else built.layout
+    return Built("peft", model, built.spec, layout, workload, step, opt, frozen=frozen,
+                 context=context)
+
+
+def _fully_shard(model: torch.nn.Module, dp: int,
+                 offload: bool = False) -> Callable[[Any], Any]:
+    """FSDP2 over the peft model on ``dp`` ranks of the process group: ``fully_shard`` on
+    each decoder layer, then on the root (the transformers model inside peft's wrappers), its
+    default ``MixedPrecisionPolicy`` (the weights' own dtypes: bf16 base, fp32 adapters; a
+    unit of mixed dtypes is all-gathered as bytes); ``offload``: ``CPUOffloadPolicy``
+    (unpinned: a CPU-only build cannot pin; ``trace_case`` then counts the host apart). The
+    context the steps run in follows FSDP2's storage resizes
+    (``memplan.profile.distributed``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from memplan.profile.distributed import _follow_fsdp_storage
+
+    mesh = init_device_mesh("cpu", (dp,))
+    policy = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if offload else {}
+    inner = model.base_model.model
+    for layer in inner.model.layers:
+        fully_shard(layer, mesh=mesh, **policy)
+    fully_shard(inner, mesh=mesh, **policy)
+    return _follow_fsdp_storage
 
 
 BUILDERS["peft"] = build_peft

@@ -161,6 +161,25 @@ class LibraryTracker(MemoryTracker):
         self.resync = ParallelTracker.resync.__get__(self)
 
 
+class HostLibraryTracker(LibraryTracker):
+    """``LibraryTracker`` for FSDP2's ``CPUOffloadPolicy`` on a CPU-only build: the totals
+    count the device alone, as ``memplan.profile.distributed.HostOffloadTracker`` does (the
+    sharded weights, their gradients and the optimizer's states and step are host memory)."""
+
+    HOST = ("parameters", "gradients", "optimizer")
+
+    @property  # type: ignore[override]
+    def total_bytes(self) -> int:
+        return sum(v for k, v in self.by_category.items() if k not in self.HOST)
+
+    @total_bytes.setter
+    def total_bytes(self, value: int) -> None:  # the base class's running sum: derived here
+        pass
+
+    def _add(self, st: torch.UntypedStorage, category: str) -> None:
+        super()._add(st, "optimizer" if self.phase == "optimizer" else category)
+
+
 def _fake_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -234,7 +253,11 @@ def trace_case(case: FrameworkCase, *, fake: bool | None = None,
     with group, _fake_mode() if fake else contextlib.nullcontext(), rules:
         torch.manual_seed(0)
         built = builder(case)
-        return built, run_library_steps(built, LibraryTracker(), steps=steps)
+        from memplan.parallel import Offload
+
+        host = Offload.PARAMS in built.layout.offload
+        tracker = HostLibraryTracker() if host else LibraryTracker()
+        return built, run_library_steps(built, tracker, steps=steps)
 
 
 def compare_framework(case: FrameworkCase, *, fake: bool | None = None,
