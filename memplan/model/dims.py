@@ -94,7 +94,16 @@ def residual_dropout_mask(prefix: str, spec: ModelSpec, dm: Dims) -> list[Term]:
     return [Term(f"{prefix}.dropout_mask", dm.rows * spec.hidden_size * MASK_BYTES)]
 
 
-def whole_bytes(count: int, per_item: Fraction) -> int:
+def exact_ratio(numerator: int, denominator: int = 1) -> int | Fraction:
+    """``numerator / denominator`` exactly: an int where it divides (ints carry their own
+    ``numerator`` and ``denominator``, read without a Python call, so the common whole ratio
+    costs ``whole_bytes`` nothing), else a ``Fraction``."""
+    if numerator % denominator == 0:
+        return numerator // denominator
+    return Fraction(numerator, denominator)
+
+
+def whole_bytes(count: int, per_item: int | Fraction) -> int:
     """``count`` items at ``per_item`` bytes each (an exact ratio: a shard's bytes over its
     parameters need not be whole), in whole bytes rounded toward zero, without a float."""
     scaled = count * per_item.numerator

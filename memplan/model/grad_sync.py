@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from memplan.model.dims import exact_ratio
 from memplan.model.model_states import StageParams, StateBytes
 from memplan.model.sharding import DataParallel
 from memplan.model.walk import Walk, backward_peak
@@ -68,7 +69,7 @@ def unsynced(dp: DataParallel, root_new: int = 0) -> DataParallel:
 
 
 def new_grads(params: StageParams, wl: Workload,
-              separate_units: bool) -> tuple[Fraction, int, int]:
+              separate_units: bool) -> tuple[int | Fraction, int, int]:
     """How a later micro-batch's new gradients sit beside FSDP2's accumulators: (their bytes
     per accumulator byte made, at each of a block's moments; the root's, held through the
     backward; bytes per parameter of a weight whose gradient a moment just made), in bytes;
@@ -85,11 +86,11 @@ def new_grads(params: StageParams, wl: Workload,
     policy = wl.precision.policy
     e = policy.unsharded.itemsize
     if e == policy.grad_bytes:
-        return Fraction(0), 0, e
-    return Fraction(e, policy.grad_bytes), (0 if separate_units else params.head * e), 0
+        return 0, 0, e
+    return exact_ratio(e, policy.grad_bytes), (0 if separate_units else params.head * e), 0
 
 
-def with_new_grads(walk: Walk, ratio: Fraction, fresh: int = 0) -> Walk:
+def with_new_grads(walk: Walk, ratio: int | Fraction, fresh: int = 0) -> Walk:
     """``walk`` with each block's new gradients in flight at each of its moments: ``ratio`` x
     the accumulator bytes its moments made by then (whole bytes, rounded down), and
     ``fresh`` bytes per parameter of the weight whose gradient the moment just made."""

@@ -25,7 +25,7 @@ blocks' own moments. Three mechanisms share the vocabulary:
   gathered units beside each block (``memplan.model.fsdp_buckets``).
 
 Gradient bytes come in as this rank's held (sharded) bytes; ``unsharded_ratio`` (unsharded /
-held, an exact ``Fraction``) turns them into the unsharded bytes the mechanism holds, whole
+held, exact: an int where whole, else a ``Fraction``) turns them into the unsharded bytes the mechanism holds, whole
 bytes rounded down.
 """
 
@@ -34,6 +34,7 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import NamedTuple
 
+from memplan.model.dims import exact_ratio
 from memplan.model.layer import LayerMoment
 from memplan.model.model_states import ShardingBuffers
 from memplan.model.moments import Event
@@ -45,11 +46,11 @@ class DataParallel(NamedTuple):
     backward (bytes on one rank; 0 where it holds nothing)."""
 
     grad_cap: int = 0  # most unsharded gradient bytes awaiting a reduce-scatter
-    unsharded_ratio: Fraction = Fraction(1)  # unsharded / held gradient bytes (the shard
+    unsharded_ratio: int | Fraction = 1  # unsharded / held gradient bytes (the shard
     #                                          degree), exact
     per_unit: bool = False  # FSDP2: a unit's gradients unsharded until its own reduce-scatter,
     #                         whose input is held (beside its shard) until the next unit's
-    unsharded_dtype: Fraction = Fraction(1)  # FSDP2: bytes of an unsharded gradient (the
+    unsharded_dtype: int | Fraction = 1  # FSDP2: bytes of an unsharded gradient (the
     #                                          weights' dtype) per byte of its reduce dtype
     at_head: int = 0  # weights gathered at the loss and the head
     head_prefetch: int = 0  # ... of them, the block the head's unit prefetches, gathered only
@@ -152,12 +153,12 @@ def data_parallel(shard: ShardingBuffers, params: int, grads_bytes: int,
                             in_block_forward=g, at_loss_forward=g, step_reduce=shard.grad_bytes)
     return DataParallel(
         grad_cap=shard.grad_bytes,
-        unsharded_ratio=Fraction(params * policy.grad_bytes, max(grads_bytes, 1)),
+        unsharded_ratio=exact_ratio(params * policy.grad_bytes, max(grads_bytes, 1)),
         # FSDP2 frees a unit's reduce-scatter input only when the next unit's reduce-scatter
         # waits on it (traced, tests/traced/test_ground_truth.py FSDP_GRID)
         per_unit=bool(shard.gathered_bytes) and not shard.queued_whole,
         queued_whole=shard.queued_whole,
-        unsharded_dtype=Fraction(policy.unsharded.itemsize, policy.grad_bytes),
+        unsharded_dtype=exact_ratio(policy.unsharded.itemsize, policy.grad_bytes),
         # in backward FSDP2 holds the root and the block being computed (traced); with
         # torchtitan's units, the head's unit until its backward, one block, the embedding's
         in_block=shard.backward_block_bytes, in_first_block=shard.backward_last_block_bytes,

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from fractions import Fraction
 from functools import partial
 from typing import NamedTuple
 
 from memplan.model import memo
 from memplan.model.deferred_wgrad import Deferred, deferred
-from memplan.model.dims import Term, whole_bytes
+from memplan.model.dims import Term, exact_ratio, whole_bytes
 from memplan.model.embedding import EmbeddingBlock, made_vocab_grad
 from memplan.model.grad_sync import (
     accumulated_gradients,
@@ -241,7 +240,7 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     if accumulating:
         ratio, root_new, fresh = new_grads(fx.params, wl, fx.shard.separate_units)
         output_shard = fx.dp.shard_of(fx.shard.grad_bytes)
-        fx = fx._replace(grad_per_param=Fraction(fx.accum_bytes, max(fx.params.total, 1)),
+        fx = fx._replace(grad_per_param=exact_ratio(fx.accum_bytes, max(fx.params.total, 1)),
                          dp=unsynced(fx.dp, root_new))
     st = fx.states
     # rope tables only the decoder layers save: with their saved tensors on the host they are

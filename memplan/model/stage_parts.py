@@ -13,6 +13,10 @@ from functools import lru_cache
 from itertools import accumulate
 from typing import NamedTuple
 
+from memplan.model.adapters import ADAPTER_BYTES
+from memplan.model.attention import rope_buffer_bytes, windowed
+from memplan.model.dims import exact_ratio
+from memplan.model.grad_sync import accumulator_bytes
 from memplan.model.model_states import (
     ShardingBuffers,
     StageParams,
@@ -21,9 +25,6 @@ from memplan.model.model_states import (
     sharding_buffers,
     state_bytes,
 )
-from memplan.model.adapters import ADAPTER_BYTES
-from memplan.model.attention import rope_buffer_bytes, windowed
-from memplan.model.grad_sync import accumulator_bytes
 from memplan.model.moments import Event, Segment, peak_of
 from memplan.model.mtp import mtp_layer_index, mtp_recompute
 from memplan.model.pipeline import stage_layers
@@ -85,7 +86,7 @@ class StageStates(NamedTuple):
     last: bool
     params: StageParams
     states: StateBytes
-    grad_per_param: Fraction  # held gradient bytes per parameter, exact (a shard's bytes
+    grad_per_param: int | Fraction  # held gradient bytes per parameter, exact (a shard's bytes
     #                           over its parameters need not be whole)
     opt_temp: int
     shard: ShardingBuffers
@@ -176,8 +177,8 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
         first=first, last=last, params=params, states=st,
         # kept unsharded under PP (``ShardingBuffers.kept_gathered``): the walk's gradients
         # are the stage's unsharded accumulators, in the reduce dtype
-        grad_per_param=(Fraction(wl.precision.policy.grad_bytes) if shard.kept_gathered
-                        else Fraction(st.grads_bytes, max(params.total, 1))),
+        grad_per_param=(exact_ratio(wl.precision.policy.grad_bytes) if shard.kept_gathered
+                        else exact_ratio(st.grads_bytes, max(params.total, 1))),
         opt_temp=opt_temp,
         shard=shard,
         # a frozen head and embedding (LoRA) make no gradient

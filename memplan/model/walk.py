@@ -61,7 +61,7 @@ def forward_peaks(runs: list[tuple[LayerKind, int, tuple[int, ...], int]], dp: D
     """``forward_peak`` as a function of ``steady``: the fold of ``forward_segments`` (from
     ``in_flight``, ``inputs`` and the logits the loop holds from the previous step), then the
     head's segment where the stage has one; the layers' segments are built once."""
-    layers = forward_segments(runs, dp, in_flight, inputs)[1:]
+    layers = _layer_forward_segments(runs, dp)
     tail = head.forward_saved > 0  # a final norm and a loss on this stage
 
     def peak(steady: bool) -> int:
@@ -89,7 +89,13 @@ def forward_segments(runs: list[tuple[LayerKind, int, tuple[int, ...], int]],
     is alive at its start (``forward_start``), then each run of identical layers: the
     mechanism's instant before a layer (a gather), the layer's compute beside what the
     mechanism holds, after which its saved and cached bytes stay."""
-    segments = [forward_start(in_flight, inputs, held)]
+    return [forward_start(in_flight, inputs, held), *_layer_forward_segments(runs, dp)]
+
+
+def _layer_forward_segments(runs: list[tuple[LayerKind, int, tuple[int, ...], int]],
+                            dp: DataParallel) -> list[Segment]:
+    """``forward_segments`` after its start: each run of identical layers."""
+    segments = []
     for index, (kind, _, _, n) in enumerate(runs):
         # autocast's cached casts of the layers before stay until the forward ends
         held_bytes, peak = kind.saved_bytes + kind.cached_bytes, kind.forward_peak_bytes
