@@ -335,3 +335,10 @@ def test_command_skips_the_pydantic_plugin_scan_and_restores_the_environment(giv
     assert out["code"] == 0
     assert out["after"] == given
     assert ("pydantic" in out["groups"]) == (given is not None)
+
+
+def test_test_files_have_unique_names() -> None:
+    """pytest imports test modules by their basename (no packages under tests/): two files of
+    one name in tests/unit and tests/traced stop the whole suite at collection."""
+    names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
