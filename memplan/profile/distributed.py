@@ -57,7 +57,7 @@ from memplan.profile.trace import (
     ref_options,
     run_steps,
 )
-from memplan.profile.tracker import MemoryTracker, _local
+from memplan.profile.tracker import HostCategories, MemoryTracker, _local
 from memplan.spec import ModelSpec
 from memplan.workload import GradSync, Precision, Workload
 
@@ -105,7 +105,7 @@ class ParallelTracker(MemoryTracker):
         return moved
 
 
-class HostOffloadTracker(ParallelTracker):
+class HostOffloadTracker(HostCategories, ParallelTracker):
     """``ParallelTracker`` for FSDP2 with ``CPUOffloadPolicy`` on a CPU-only build, where the
     host and the device are the same memory: the totals (and so the phase peaks) count the
     device alone. Host memory is the categories ``HOST``: the sharded weights
@@ -113,19 +113,6 @@ class HostOffloadTracker(ParallelTracker):
     reduce-scatter (``gradients``, relabelled by a post-accumulate-grad hook FSDP2 calls on
     each sharded parameter), the optimizer's states and whatever the optimizer step makes
     (it runs on the host copies: ``optimizer``). ``by_category`` still counts all."""
-
-    HOST = ("parameters", "gradients", "optimizer")
-
-    @property  # type: ignore[override]
-    def total_bytes(self) -> int:
-        return sum(v for k, v in self.by_category.items() if k not in self.HOST)
-
-    @total_bytes.setter
-    def total_bytes(self, value: int) -> None:  # the base class's running sum: derived here
-        pass
-
-    def _add(self, st: torch.UntypedStorage, category: str) -> None:
-        super()._add(st, "optimizer" if self.phase == "optimizer" else category)
 
 
 def _host_gradients(model: nn.Module, tracker: ParallelTracker) -> None:

@@ -57,7 +57,7 @@ from memplan.profile.offload import HostSaved, offload_layers
 from memplan.profile.cuda_rules import autocast_rules, cuda_kernels
 from memplan.profile.step import relabel_states
 from memplan.profile.trace import StepMeasure, TraceResult
-from memplan.profile.tracker import MemoryTracker
+from memplan.profile.tracker import HostCategories, MemoryTracker
 from memplan.spec import ModelSpec, spec_from_hf_dict
 from memplan.workload import Precision, Workload
 
@@ -161,23 +161,10 @@ class LibraryTracker(MemoryTracker):
         self.resync = ParallelTracker.resync.__get__(self)
 
 
-class HostLibraryTracker(LibraryTracker):
+class HostLibraryTracker(HostCategories, LibraryTracker):
     """``LibraryTracker`` for FSDP2's ``CPUOffloadPolicy`` on a CPU-only build: the totals
     count the device alone, as ``memplan.profile.distributed.HostOffloadTracker`` does (the
     sharded weights, their gradients and the optimizer's states and step are host memory)."""
-
-    HOST = ("parameters", "gradients", "optimizer")
-
-    @property  # type: ignore[override]
-    def total_bytes(self) -> int:
-        return sum(v for k, v in self.by_category.items() if k not in self.HOST)
-
-    @total_bytes.setter
-    def total_bytes(self, value: int) -> None:  # the base class's running sum: derived here
-        pass
-
-    def _add(self, st: torch.UntypedStorage, category: str) -> None:
-        super()._add(st, "optimizer" if self.phase == "optimizer" else category)
 
 
 def _fake_mode():

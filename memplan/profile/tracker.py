@@ -204,3 +204,27 @@ class MemoryTracker(TorchDispatchMode):
                 self._resize(entry, st.nbytes())
         self._record(str(func))
         return out
+
+
+class HostCategories:
+    """A ``MemoryTracker`` mixin for FSDP2's ``CPUOffloadPolicy`` on a CPU-only build, where
+    the host and the device are the same memory: the totals (and so the phase peaks) count
+    the device alone. Host memory is the categories ``HOST``: the sharded weights
+    (``parameters``), their gradients (``gradients``) and whatever the optimizer step makes
+    (it runs on the host copies: ``optimizer``). ``by_category`` still counts all."""
+
+    HOST = ("parameters", "gradients", "optimizer")
+    by_category: dict[str, int]
+    phase: str
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(v for k, v in self.by_category.items() if k not in self.HOST)
+
+    @total_bytes.setter
+    def total_bytes(self, value: int) -> None:  # the base class's running sum: derived here
+        pass
+
+    def _add(self, st: torch.UntypedStorage, category: str) -> None:
+        category = "optimizer" if self.phase == "optimizer" else category
+        super()._add(st, category)  # type: ignore[misc]

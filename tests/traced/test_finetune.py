@@ -22,34 +22,18 @@ Versions traced: peft 0.21.2, bitsandbytes 0.50.2, transformers 5.3.0, torch 2.1
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
+from hf_configs import LLAMA3_TOY, hf  # tests/traced/hf_configs.py
 from known import Known, check, param  # tests/traced/known.py
 from memplan.profile import finetune  # noqa: F401 (registers the "peft" builder)
 from memplan.profile.frameworks import FrameworkCase, compare_framework
 
-HF_DIR = Path(__file__).resolve().parents[1] / "data" / "hf"
 
-
-def hf(name: str, **overrides) -> dict:
-    """A published config.json (tests/data/hf) cut down by ``overrides`` (as
-    tests/traced/test_frameworks.py cuts them)."""
-    data = json.loads((HF_DIR / name / "config.json").read_text())
-    data = data.get("text_config", data)
-    data.pop("quantization_config", None)
-    data.update({k: None for k in ("bos_token_id", "eos_token_id")}, **overrides)
-    return data
-
-
-LLAMA3_TOY = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=896,
-                  num_attention_heads=8, num_key_value_heads=2, vocab_size=1000)
 # a wide MLP over a small vocabulary: the adapters' fp32 transients in the MLP are the forward
 # and backward peaks, not the loss
 LLAMA_WIDE = dict(LLAMA3_TOY, intermediate_size=4096, vocab_size=256)

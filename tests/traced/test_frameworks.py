@@ -20,13 +20,11 @@ litgpt 0.5.13 with lightning 2.6.6, torch 2.13.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from hf_configs import LLAMA3_TOY, hf  # tests/traced/hf_configs.py
 from known import Known, KnownDeviation, check, param, table  # tests/traced/known.py
 from memplan.profile.frameworks import (
     FrameworkCase,
@@ -35,26 +33,10 @@ from memplan.profile.frameworks import (
 )
 
 
-HF_DIR = Path(__file__).resolve().parents[1] / "data" / "hf"
 IMPORTS = {"transformers": ("transformers",), "torchtitan": ("torchtitan", "triton"),
            "litgpt": ("litgpt", "lightning")}
 
 
-def hf(name: str, **overrides) -> dict:
-    """A published config.json (tests/data/hf), cut down by ``overrides``: a multimodal
-    config's language model (``text_config``); without the quantization of a published fp8
-    checkpoint (its stored weights, not the model trained)."""
-    data = json.loads((HF_DIR / name / "config.json").read_text())
-    data = data.get("text_config", data)
-    data.pop("quantization_config", None)
-    # ids beyond a cut vocabulary only draw a warning; drop them
-    data.update({k: None for k in ("bos_token_id", "eos_token_id")}, **overrides)
-    return data
-
-
-# cut to two layers and narrowed; the head ratio (GQA 4:1) and the ffn ratio kept
-LLAMA3_TOY = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=896,
-                  num_attention_heads=8, num_key_value_heads=2, vocab_size=1000)
 # a shape in no catalog: odd widths, MQA, 3 heads of 32, vocabulary 777
 ODD = dict(num_hidden_layers=2, hidden_size=96, intermediate_size=272, num_attention_heads=3,
            num_key_value_heads=1, vocab_size=777)
@@ -294,12 +276,10 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
 ]
 
 
-
 def _skip_without(library: str) -> None:
     for module in IMPORTS[library]:
         pytest.importorskip(module, reason=f"{library} case: {module} is not installed "
                                            "(pip install -e '.[test]')")
-
 
 
 @pytest.mark.parametrize(("case", "known"), [param(c, k) for c, k in CASES])
