@@ -21,9 +21,8 @@ import stat
 import sys
 import tomllib
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from memplan.errors import MemplanError, shown
 from memplan.units import MAX_INT64, GiB, KiB, MiB
@@ -134,8 +133,7 @@ def read_text(path: str | os.PathLike[str], what: str, limit: int) -> str:
     return decode(read_bytes(path, what, limit), path, what)
 
 
-@dataclass(frozen=True)
-class Unpacked:
+class Unpacked(NamedTuple):
     """A file's bytes, gunzipped when it is gzip (by its magic bytes, not its name).
     ``cut``: where a gzip stream ended early (a file still being written, or cut by a
     killed job): the compressed byte offset, else None."""

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import enum
 import os
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -320,8 +319,7 @@ class ModelSpec(BaseModel):
         return param_counts(self).total
 
 
-@dataclass(frozen=True)
-class LayerParams:
+class LayerParams(NamedTuple):
     """Parameter counts of one transformer layer, split by how tensor parallelism treats them.
 
     ``tp_sharded`` are split across TP ranks (column-parallel weights and biases, row-parallel
@@ -338,8 +336,7 @@ class LayerParams:
         return self.tp_sharded + self.replicated + self.expert
 
 
-@dataclass(frozen=True)
-class ParamCounts:
+class ParamCounts(NamedTuple):
     """Exact parameter counts of a model by part."""
 
     embedding: int  # token embedding V*h

@@ -121,7 +121,7 @@ def calibrate(est: Estimate, loaded: list[Loaded]) -> Estimate:
         cals.append(cal)
     mfu = device.profile.device.mfu if device and device.profile.device else None
     info = Calibration(tuple(x.path for x in loaded), tuple(cals), tuple(notes), mfu)
-    return replace(est, stages=tuple(stages), overheads=ovh, calibration=info)
+    return est._replace(stages=tuple(stages), overheads=ovh, calibration=info)
 
 
 def _stage(st: StageMemory, est: Estimate, device: Loaded | None, model: Loaded | None,
@@ -148,7 +148,7 @@ def _stage(st: StageMemory, est: Estimate, device: Loaded | None, model: Loaded 
     def calibrated(kind: str) -> PhasePeaks:
         return PhasePeaks(**{p: corrected[(kind, p)] for p in PHASES})
 
-    new = replace(st, calibration_bytes=tensor - st.tensor_peak_bytes,
+    new = st._replace(calibration_bytes=tensor - st.tensor_peak_bytes,
                   steady=calibrated("steady"), first_step=calibrated("first_step"),
                   analytic_phases=(st.steady, st.first_step),
                   cuda_context_bytes=ovh.cuda_context_bytes, workspace_bytes=ovh.workspace_bytes,

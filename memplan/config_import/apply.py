@@ -1,5 +1,5 @@
 """A command line with ``--torchtitan-config`` or ``--megatron-args``: the config's inputs in
-place of the options the command line left unset (``memplan.config_import.merge``)."""
+place of the options the command line left unset (``memplan.config_import.imported.merge``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from memplan.errors import MemplanError
 
 if TYPE_CHECKING:
-    from memplan.config_import import Imported
+    from memplan.config_import.imported import Imported
     from memplan.spec import ModelSpec
 
 # Workload fields a config sets that no command-line option exposes
@@ -31,7 +31,7 @@ def configure(model: str | None, given: dict[str, Any], defaults: dict[str, Any]
     if torchtitan is not None and megatron is not None:
         raise MemplanError("give --torchtitan-config or --megatron-args, not both")
     # the readers only when a config is given: a plain command line does not compile them
-    from memplan.config_import import merge
+    from memplan.config_import.imported import merge
     from memplan.config_import import megatron as mega
     from memplan.config_import import torchtitan as titan
 

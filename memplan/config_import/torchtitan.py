@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from memplan.config_import import Imported
+from memplan.config_import.imported import Imported
 from memplan.errors import MemplanError, validation_message
 from memplan.inputs import MODEL_FILE_BYTES, read_toml
 from memplan.spec import ModelSpec

@@ -20,7 +20,6 @@ separate lines on top of the tensor peak. One stage's walk through these phases 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 from memplan import presets
@@ -61,9 +60,9 @@ __all__ = ["PHASES", "Estimate", "PhasePeaks", "RankPeak", "StageMemory", "batch
            "estimate", "most_loaded", "optimizer_floor_bytes"]
 
 
-@dataclass(frozen=True)
-class Estimate:
-    """Per-GPU memory of a training job: every stage, and the most loaded rank."""
+class Estimate(NamedTuple):
+    """Per-GPU memory of a training job: every stage, and the most loaded rank. A tuple, so that
+    it is cheap to build and to derive (``_replace``)."""
 
     spec: ModelSpec
     gpu: GpuSpec
@@ -250,7 +249,7 @@ def _shifted(template: StageMemory, stage: int, flight: tuple[int, ...], vpp: in
 
     steady, first_step = shift(template.steady), shift(template.first_step)
     tensor_peak = max(steady.peak, first_step.peak)
-    return replace(template, stage=stage, activations_bytes=template.activations_bytes + delta,
+    return template._replace(stage=stage, activations_bytes=template.activations_bytes + delta,
                    microbatches_in_flight=max(flight), steady=steady, first_step=first_step,
                    tensor_peak_bytes=tensor_peak, allocator_bytes=ovh.allocator_bytes(tensor_peak),
                    peak_bytes=rank_peak_bytes(tensor_peak, ovh))

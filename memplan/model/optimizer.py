@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from memplan.units import FP32_BYTES, ceil_div
 from memplan.workload import Optimizer, OptimizerImpl, PrecisionPolicy
 
 
-@dataclass(frozen=True)
-class StepTemps:
+class StepTemps(NamedTuple):
     """What one implementation of the step makes beyond the states, in elements of what the
     optimizer updates (``PrecisionPolicy.updated``): ``all_params`` copies of every parameter
     it updates at once (a foreach intermediate list), or per tensor, while it steps one,
@@ -76,8 +74,7 @@ class PerTensor(Protocol):
     def device_counters(self, shapes: Shapes, impl: OptimizerImpl) -> int: ...
 
 
-@dataclass(frozen=True)
-class Blockwise:
+class Blockwise(NamedTuple):
     """bitsandbytes' 8-bit states (``Optimizer2State.init_state`` in
     ``bitsandbytes/optim/optimizer.py``, bitsandbytes 0.50.2), per parameter tensor of ``n``
     elements: below ``min_8bit_size`` elements two fp32 states (``get_state_buffer(p,
@@ -130,8 +127,7 @@ class Blockwise:
         return 0  # the step count is a Python int
 
 
-@dataclass(frozen=True)
-class Paged32:
+class Paged32(NamedTuple):
     """bitsandbytes' 32-bit paged states (``PagedAdamW`` / ``PagedAdamW32bit``, ``optim_bits=32``,
     ``is_paged=True``; ``Optimizer2State.init_state`` in ``bitsandbytes/optim/optimizer.py``,
     bitsandbytes 0.50.2): per parameter tensor of ``n`` elements two fp32 states
@@ -164,8 +160,7 @@ class Paged32:
         return 0  # the step count is a Python int
 
 
-@dataclass(frozen=True)
-class Factored:
+class Factored(NamedTuple):
     """torch.optim.Adafactor (``torch/optim/_adafactor.py``, torch 2.13): ``_init_group``
     gives a tensor of more than one dimension a row factor (its shape with the last dim 1)
     and a column factor (the next-to-last dim 1), ``p.grad.new_zeros``, so in the gradient's
@@ -204,8 +199,7 @@ def _factored(shape: tuple[int, ...]) -> int:
 _NS_DTYPE_BYTES = 2
 
 
-@dataclass(frozen=True)
-class MuonSplit:
+class MuonSplit(NamedTuple):
     """torch.optim.Muon (``torch/optim/_muon.py``, torch 2.13) on the 2-D parameters and
     torch.optim.AdamW (``other``'s rows) on the rest: Muon refuses any other (``__init__``:
     "Muon only supports 2D parameters"), and its docstring's recipe builds the two optimizers
@@ -241,8 +235,7 @@ class MuonSplit:
         return len(others) if self.other.step(impl).device_step_counters else 0
 
 
-@dataclass(frozen=True)
-class OptimizerPolicy:
+class OptimizerPolicy(NamedTuple):
     """States per parameter element (each in the dtype of what it updates) and the step's
     temporaries per implementation (``StepTemps``; an implementation not listed makes
     none)."""

@@ -10,7 +10,6 @@ one GPU.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
 
@@ -51,9 +50,9 @@ from memplan.workload import Recompute, Workload
 Entries = dict[LayerKey, tuple[LayerKind, int, tuple[int, ...]]]
 
 
-@dataclass(frozen=True)
-class PhasePeaks:
-    """Tensor bytes alive at each phase's peak (fixed overheads excluded)."""
+class PhasePeaks(NamedTuple):
+    """Tensor bytes alive at each phase's peak (fixed overheads excluded). A tuple: three are
+    made per stage walked, the cheapest immutable record to build."""
 
     forward: int
     backward: int
@@ -68,9 +67,9 @@ class PhasePeaks:
         return max(PHASES, key=lambda name: getattr(self, name))
 
 
-@dataclass(frozen=True)
-class StageMemory:
-    """One rank of pipeline stage ``stage``. All sizes are int bytes for that one GPU."""
+class StageMemory(NamedTuple):
+    """One rank of pipeline stage ``stage``. All sizes are int bytes for that one GPU. A tuple,
+    so that it is cheap to build and to derive (``_replace``)."""
 
     stage: int
     num_layers: int

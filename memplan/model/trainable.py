@@ -16,7 +16,6 @@ layer, what a unit shards and gathers (``layer_adapters``, ``layer_quantized``,
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
@@ -55,8 +54,7 @@ class Trained(NamedTuple):
     tensor_shapes: tuple[tuple[int, ...], ...] = ()  # ... their shapes
 
 
-@dataclass(frozen=True)
-class TrainablePolicy:
+class TrainablePolicy(NamedTuple):
     """The frozen parameter groups (none: every parameter trains)."""
 
     frozen: frozenset[ParamGroup] = frozenset()
