@@ -153,9 +153,12 @@ def test_megatron_fsdp_no_shard_args_file() -> None:
 
 
 @pytest.mark.parametrize(("extra", "zero", "precision"), [
-    ("", 3, "bf16-mixed"),
-    ("--data-parallel-sharding-strategy optim_grads", 2, "bf16-mixed"),
-    ("--megatron-fsdp-main-grads-dtype fp32", 3, "bf16-fp32-grads"),
+    ("", 3, "bf16-fp32-grads"),
+    ("--data-parallel-sharding-strategy optim_grads", 2, "bf16-fp32-grads"),
+    ("--megatron-fsdp-main-grads-dtype bf16", 3, "bf16-fp32-grads"),
+    ("--grad-reduce-in-bf16", 3, "bf16-mixed"),
+    ("--main-grads-dtype bf16", 3, "bf16-mixed"),
+    ("--main-grads-dtype bf16 --megatron-fsdp-main-grads-dtype fp32", 3, "bf16-fp32-grads"),
     ("--megatron-fsdp-main-grads-dtype fp32 --megatron-fsdp-grad-comm-dtype fp32 "
      "--megatron-fsdp-main-params-dtype fp32", 3, "bf16-fp32-grads"),
 ])
@@ -163,11 +166,14 @@ def test_megatron_fsdp_sharded_strategies_are_units_of_buckets(extra: str, zero:
                                                                precision: str) -> None:
     """optim_grads_params (the default) shards weights, main gradients and fp32 main
     weights (--zero 3), optim_grads all but the weights (--zero 2); both as units of
-    temporary buckets (``fsdp_units`` buckets). The main gradients take
-    --megatron-fsdp-main-grads-dtype, whose default "auto" is the weights' dtype
-    (Megatron-LM 93ebf8d arguments.py map_dtype: None; param_and_grad_buffer.py
-    _resolve_group_grad_dtype: the group's dtype): bf16 gradients beside the fp32 master
-    (bf16-mixed); fp32 gives Megatron's fp32 main gradients (bf16-fp32-grads)."""
+    temporary buckets (``fsdp_units`` buckets). --bf16 turns accumulate_allreduce_grads_in_
+    fp32 on (arguments.py validate_args), handed to Megatron-FSDP as grad_reduce_in_fp32
+    (training.py get_model), under which the main-gradient buffers and their buckets are
+    fp32 whatever --megatron-fsdp-main-grads-dtype says (megatron-core 0.16.1
+    ParamAndGradBuffer; Megatron-LM's mcore_fsdp_adapter.py until adfe9e1; traced:
+    tests/traced/test_megatron_fsdp_buffers.py): bf16-fp32-grads. --grad-reduce-in-bf16 or
+    --main-grads-dtype bf16 turn it off: then --megatron-fsdp-main-grads-dtype decides,
+    "auto" being the weights' bf16 (bf16-mixed), fp32 giving fp32 main gradients."""
     base = ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 512 "
             "--max-position-embeddings 512 --vocab-size 1000 --tokenizer-type NullTokenizer "
             "--bf16 --use-distributed-optimizer --use-megatron-fsdp ")
@@ -184,8 +190,10 @@ def test_megatron_fsdp_sharded_strategies_are_units_of_buckets(extra: str, zero:
      "--use-megatron-fsdp --data-parallel-sharding-strategy"),
     ("--use-megatron-fsdp --megatron-fsdp-main-params-dtype bf16",
      "--megatron-fsdp-main-params-dtype"),
-    ("--use-megatron-fsdp --megatron-fsdp-main-grads-dtype fp32 "
+    ("--use-megatron-fsdp --main-grads-dtype bf16 --megatron-fsdp-main-grads-dtype fp32 "
      "--megatron-fsdp-grad-comm-dtype bf16", "--megatron-fsdp-grad-comm-dtype"),
+    ("--use-megatron-fsdp --grad-reduce-in-bf16 --megatron-fsdp-main-grads-dtype fp32",
+     "--megatron-fsdp-grad-comm-dtype"),
     ("--use-megatron-fsdp --data-parallel-sharding-strategy no_shard --grad-reduce-in-bf16",
      "--use-megatron-fsdp"),
     ("--use-megatron-fsdp --data-parallel-sharding-strategy no_shard "
@@ -221,3 +229,4 @@ def test_megatron_mtp_scaling_factor_alone_holds_nothing() -> None:
             "--max-position-embeddings 512 --vocab-size 1000 --tokenizer-type NullTokenizer ")
     imp = megatron.read(base + "--mtp-loss-scaling-factor 0.3", 8)
     assert "--mtp-loss-scaling-factor" not in imp.unread
+
