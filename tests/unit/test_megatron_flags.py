@@ -230,3 +230,24 @@ def test_megatron_mtp_scaling_factor_alone_holds_nothing() -> None:
     imp = megatron.read(base + "--mtp-loss-scaling-factor 0.3", 8)
     assert "--mtp-loss-scaling-factor" not in imp.unread
 
+
+@pytest.mark.parametrize(("impl", "grouped"), [("transformer_engine", True), ("local", False)])
+def test_megatron_moe_grouped_gemm_keeps_te_workspaces(impl: str, grouped: bool) -> None:
+    """--moe-grouped-gemm with Transformer Engine's layers runs TE's GroupedLinear
+    (TEGroupedMLP), whose grouped GEMM keeps 4 cuBLAS workspaces of 32 MiB + 1,024 B on an
+    H100 (transformer_engine/pytorch/cpp_extensions/gemm.py get_cublas_workspace): the
+    workspace line grows by 4 x 33,555,456 = 134,221,824 B over the same run without the flag,
+    nothing else moves. With --transformer-impl local (Megatron's GroupedMLP) the flag is left
+    not read."""
+    base = ("--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 512 "
+            "--max-position-embeddings 512 --vocab-size 1000 --tokenizer-type NullTokenizer "
+            f"--bf16 --num-experts 4 --expert-model-parallel-size 2 --transformer-impl {impl}")
+    imp = megatron.read(base + " --moe-grouped-gemm", 2)
+    plain = megatron.read(base, 2)
+    assert imp.inputs.get("te_grouped_gemm", False) is grouped
+    assert ("--moe-grouped-gemm" in imp.unread) is not grouped
+    on = memplan.estimate(imp.model, gpus=2, gpu="h100", **imp.inputs)
+    off = memplan.estimate(plain.model, gpus=2, gpu="h100", **plain.inputs)
+    for a, b in zip(off.stages, on.stages):
+        assert b.workspace_bytes - a.workspace_bytes == (134_221_824 if grouped else 0)
+        assert b.tensor_peak_bytes == a.tensor_peak_bytes
