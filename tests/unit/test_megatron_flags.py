@@ -251,3 +251,26 @@ def test_megatron_moe_grouped_gemm_keeps_te_workspaces(impl: str, grouped: bool)
     for a, b in zip(off.stages, on.stages):
         assert b.workspace_bytes - a.workspace_bytes == (134_221_824 if grouped else 0)
         assert b.tensor_peak_bytes == a.tensor_peak_bytes
+
+
+def test_megatron_fsdp_moe_functional_test_states_and_workspaces() -> None:
+    """The functional test gpt3_mcore_te_tp2_zp_z3_resume_torch_dist_te_8experts2parallel_
+    top2router as written (12 layers, h 512, ffn 2048, 8 experts, ep 2, tp 2, no linear
+    biases, LayerNorm, learned positions, GPT-2 vocabulary 50257 padded to 50432, tied
+    output, --bf16, Megatron-FSDP optim_grads_params on 8 GPUs: dp 4, expert dp 2).
+    Per rank, by hand: dense weights 50432 / 2 * 512 = 12,910,592 (embedding) + 524,288
+    (positions) + 12 * (2 * 1,024 norms + 3 * 512 * 256 qkv + 256 * 512 proj + 8 * 512
+    router = 530,432) + 1,024 (final norm) = 19,801,088, sharded over 4: 4,950,272; expert
+    weights 12 * 4 local experts * 2 * 512 * 1024 = 50,331,648, sharded over 2: 25,165,824;
+    30,116,096 in all. Gradient shards fp32 under --bf16 (grad_reduce_in_fp32): 4 B each,
+    120,464,384 B, so no fp32 copy at the step; the workspace line: PyTorch's 32 MiB and
+    Transformer Engine's four grouped-GEMM workspaces, 4 * 33,555,456 = 134,221,824 B."""
+    path = (Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "heldout" / "megatron"
+            / "gpt3_mcore_te_tp2_zp_z3_resume_torch_dist_te_8experts2parallel_top2router.yaml")
+    imp = megatron.read(str(path), 8)
+    stage = memplan.estimate(imp.model, gpus=8, gpu="h100-sxm", **imp.inputs).stages[-1]
+    shard = 19_801_088 // 4 + 50_331_648 // 2
+    assert shard == 30_116_096
+    assert (stage.params_bytes, stage.grads_bytes) == (2 * shard, 4 * shard)
+    assert stage.optimizer_temp_bytes == 0
+    assert stage.workspace_bytes == 32 * 2**20 + 4 * (32 * 2**20 + 1024)
