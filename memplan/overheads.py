@@ -6,7 +6,7 @@ and is reported on its own line, so the analytic tensor bytes stay visible next 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from memplan.hardware import GpuSpec
@@ -36,6 +36,15 @@ CUDA_CONTEXT_SOURCE = ("default: CUDA context after the first step with lazy mod
 # cublasSetWorkspace recommendation (pytorch/pytorch#89027, #120925).
 _CUBLAS_WORKSPACE_HOPPER_BYTES = 32 * MiB
 _CUBLAS_WORKSPACE_DEFAULT_BYTES = 4 * MiB
+
+# Transformer Engine's cuBLAS workspace (transformer_engine/pytorch/cpp_extensions/gemm.py
+# get_cublas_workspace_size_bytes, the same in TE v2.10 to v2.18): 32 MiB + 1,024 B from compute
+# capability 9 (its NVFP4 GEMMs' alignment and scales), 4 MiB below; and TE's compute streams
+# (transformer_engine/common/util/multi_stream.cpp get_num_compute_streams: 4), over which its
+# grouped GEMM spreads the experts' GEMMs (common/gemm/cublaslt_gemm.cu, workspace[i % 4]).
+_TE_WORKSPACE_HOPPER_BYTES = 32 * MiB + 1024
+_TE_WORKSPACE_DEFAULT_BYTES = 4 * MiB
+TE_COMPUTE_STREAMS = 4
 
 # Reserved-but-unallocated memory of the caching allocator (block rounding, split blocks,
 # fragmentation) as a fraction of the peak allocated bytes. Not derivable from first
@@ -77,6 +86,31 @@ def default_overheads(gpu: GpuSpec) -> Overheads:
         allocator_fraction=ALLOCATOR_FRACTION,
         allocator_source=ALLOCATOR_SOURCE,
     )
+
+
+def te_grouped_gemm_workspace_bytes(gpu: GpuSpec) -> int:
+    """Transformer Engine's grouped-GEMM workspaces on ``gpu``: gemm.py general_grouped_gemm
+    takes get_cublas_workspace(device, ub=False, grouped_gemm=True), which makes one
+    workspace per compute stream (tex.get_num_cublas_streams()) with torch.empty, through
+    PyTorch's caching allocator, and keeps them (functools.lru_cache) from the first grouped
+    GEMM to the process's end: 4 x (32 MiB + 1,024 B) from compute capability 9."""
+    major = int(gpu.compute_capability.split(".")[0])
+    each = _TE_WORKSPACE_HOPPER_BYTES if major >= 9 else _TE_WORKSPACE_DEFAULT_BYTES
+    return TE_COMPUTE_STREAMS * each
+
+
+def with_library_workspaces(ovh: Overheads, gpu: GpuSpec, te_grouped_gemm: bool) -> Overheads:
+    """``ovh`` with the workspaces a job's libraries keep beside PyTorch's cuBLAS one: Transformer
+    Engine's grouped-GEMM workspaces when the experts run it (``Workload.te_grouped_gemm``),
+    allocated bytes on the workspace line (calibration measures PyTorch's own only)."""
+    if not te_grouped_gemm:
+        return ovh
+    extra = te_grouped_gemm_workspace_bytes(gpu)
+    return replace(ovh, workspace_bytes=ovh.workspace_bytes + extra,
+                   workspace_source=(f"{ovh.workspace_source}; Transformer Engine's grouped GEMM: "
+                                     f"{TE_COMPUTE_STREAMS} cuBLAS workspaces, {extra:,} B "
+                                     "(transformer_engine/pytorch/cpp_extensions/gemm.py "
+                                     "get_cublas_workspace)"))
 
 
 def no_overheads() -> Overheads:

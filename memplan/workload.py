@@ -480,6 +480,10 @@ class Workload(BaseModel):
         "(memplan.model.deferred_wgrad; Megatron-LM's --defer-embedding-wgrad-compute, "
         "--wgrad-deferral-limit n); None: computed in each backward"))
     loss_chunk_backward: ChunkBackward = ChunkBackward.RERUN
+    te_grouped_gemm: bool = Field(default=False, description=(
+        "the routed experts run Transformer Engine's grouped GEMM (its GroupedLinear; "
+        "Megatron-LM's --moe-grouped-gemm): one cuBLAS workspace per TE compute stream, "
+        "made at the first grouped GEMM and kept (memplan.overheads.with_library_workspaces)"))
     mtp_layers: int = Field(default=0, ge=0, le=MAX_LAYERS, description=(
         "multi-token prediction depths D on the last pipeline stage (memplan.model.mtp; "
         "Megatron-LM's --mtp-num-layers): per depth a layer of the decoder's last kind, two "

@@ -619,7 +619,24 @@ class _Reader:
         if impl == "local":
             imp.notes.append("--transformer-impl local: Megatron's own (non-TE) layers; "
                              "memplan's megatron preset (fused norms) stands for them")
+        self._grouped_gemm(impl == "local", spec)
         self._softmax_fp32(impl == "local", spec, mbs, seq)
+
+    def _grouped_gemm(self, local: bool, spec: ModelSpec) -> None:
+        """--moe-grouped-gemm with Transformer Engine's layers: the experts are TEGroupedMLP
+        (megatron/core/models/gpt/gpt_layer_specs.py, megatron-core 0.16.1), whose
+        TEColumn/RowParallelGroupedLinear are TE's GroupedLinear, run by general_grouped_gemm
+        on TE's four grouped-GEMM cuBLAS workspaces (``te_grouped_gemm``,
+        memplan.overheads.te_grouped_gemm_workspace_bytes). With --transformer-impl local it
+        is Megatron's GroupedMLP (the grouped_gemm package), which memplan does not model:
+        left as not read."""
+        if local or spec.moe is None or not self.has("--moe-grouped-gemm"):
+            return
+        if self.flag("--moe-grouped-gemm"):
+            self.imp.set("--moe-grouped-gemm", True, "te_grouped_gemm", True,
+                         "Transformer Engine's grouped GEMM: 4 cuBLAS workspaces kept "
+                         "(transformer_engine/pytorch/cpp_extensions/gemm.py "
+                         "get_cublas_workspace)")
 
     def _softmax_fp32(self, local: bool, spec: ModelSpec, mbs: int, seq: int) -> None:
         """--attention-softmax-in-fp32 is read only by Megatron's own core attention

@@ -58,10 +58,10 @@ def megatron_fsdp(r: _Reader) -> bool:
     optim_grads_params (--zero 3) and optim_grads (--zero 2) shard the fp32 main weights
     and the main gradients (and the weights under optim_grads_params) with temporary
     buckets per transformer layer: ``FsdpUnits.BUCKETS`` (memplan.model.fsdp_buckets). The
-    main gradients take --megatron-fsdp-main-grads-dtype ("auto": the weights' dtype,
-    megatron_fsdp.py's MixedPrecisionPolicy; ``fsdp_main_grads`` for ``_precision``);
-    update_main_grads hands the optimizer an fp32 copy of a bf16 shard (the step's
-    temporary memplan counts for bf16 gradients with an fp32 master)."""
+    main gradients' dtype is ``_bucket_dtypes``'s (``fsdp_main_grads`` for ``_precision``):
+    fp32 under --bf16 as Megatron-LM launches it, else --megatron-fsdp-main-grads-dtype;
+    with bf16 ones update_main_grads hands the optimizer an fp32 copy of the shard (the
+    step's temporary memplan counts for bf16 gradients with an fp32 master)."""
     flag = "--use-megatron-fsdp"
     strategy = r.str("--data-parallel-sharding-strategy", "optim_grads_params")
     if not r.flag(flag):
@@ -107,14 +107,39 @@ def _bucket_dtypes(r: _Reader) -> str | None:
     """The main gradients' dtype the sharded strategies hold (None: the weights'), from
     --megatron-fsdp-main-params-dtype (fp32 modelled), --megatron-fsdp-main-grads-dtype and
     --megatron-fsdp-grad-comm-dtype (the buckets' dtype: modelled where it is the main
-    gradients')."""
+    gradients').
+
+    Megatron-LM's get_model hands DDP's config grad_reduce_in_fp32 =
+    accumulate_allreduce_grads_in_fp32, which validate_args (arguments.py) turns on with
+    --bf16 unless --grad-reduce-in-bf16 or --main-grads-dtype bf16. Under it megatron-core
+    0.16.1's Megatron-FSDP keeps fp32 main gradients: megatron_fsdp.py
+    MegatronFSDP._init_fsdp_param_and_grad_buffer passes it to ParamAndGradBuffer, whose
+    _init_each_parameter_group_buffers makes each group's main-gradient buffer
+    torch.float32, and the whole buckets _grad_acc fills (main_grad_getter: fetch_bucket in
+    the buffer's dtype) fp32 too. Megatron-LM's own Megatron-FSDP adapter kept that over the
+    --megatron-fsdp-*-dtype flags from their start (b969f76, 2026-03-02) to adfe9e1
+    (2026-07-02): mcore_fsdp_adapter.py FullyShardedDataParallel.__init__ sets
+    MixedPrecisionPolicy's main_grads_dtype and grad_comm_dtype to fp32 when
+    grad_reduce_in_fp32 (the functional tests' golden values of febd25e ran it); from
+    adfe9e1 on the flags decide ("auto": the weights' dtype). memplan follows 0.16.1."""
     params = r.str("--megatron-fsdp-main-params-dtype", "fp32")
     if params != "fp32":
         raise r.refuse("--megatron-fsdp-main-params-dtype",
                        "main weights other than fp32 are not modelled")
     grads = _DTYPES.get(r.str("--megatron-fsdp-main-grads-dtype", "auto"))
     comm = _DTYPES.get(r.str("--megatron-fsdp-grad-comm-dtype", "auto"))
-    if comm is not None and comm != grads:
+    if _grad_reduce_in_fp32(r):
+        r.imp.notes.append(
+            "--bf16 accumulates and reduces gradients in fp32 (grad_reduce_in_fp32): Megatron "
+            "FSDP's main gradient shards and gradient buckets in fp32 (megatron-core 0.16.1 "
+            "param_and_grad_buffer.py ParamAndGradBuffer; --megatron-fsdp-main-grads-dtype "
+            f"{grads or 'auto'} and --megatron-fsdp-grad-comm-dtype {comm or 'auto'} decide "
+            "only without it, or in Megatron-LM from adfe9e1)")
+        return "fp32"
+    if r.flag("--grad-reduce-in-bf16"):  # validate_args: the communication dtype bf16
+        comm = "bf16"
+    weights = "bf16" if r.flag("--bf16") else "fp16" if r.flag("--fp16") else "fp32"
+    if comm is not None and comm != (grads or weights):
         raise r.refuse("--megatron-fsdp-grad-comm-dtype",
                        "a communication dtype other than the main gradients' adds a bucket "
                        "of its own, which is not modelled")
@@ -123,6 +148,14 @@ def _bucket_dtypes(r: _Reader) -> str | None:
     r.imp.notes.append(f"--megatron-fsdp-main-grads-dtype = {grads or 'auto'}: main gradient "
                        f"shards and gradient buckets in {grads or 'the weights dtype'}")
     return grads
+
+
+def _grad_reduce_in_fp32(r: _Reader) -> bool:
+    """Megatron-LM's accumulate_allreduce_grads_in_fp32 (validate_args): with --bf16, unless
+    --grad-reduce-in-bf16 or --main-grads-dtype bf16 (--fp16 with
+    --accumulate-allreduce-grads-in-fp32 is refused by ``_precision``)."""
+    return (r.flag("--bf16") and not r.flag("--grad-reduce-in-bf16")
+            and r.str("--main-grads-dtype", "fp32") == "fp32")
 
 
 def deferred_wgrad(r: _Reader, pp: int) -> None:

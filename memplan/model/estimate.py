@@ -40,7 +40,7 @@ from memplan.model.stage import (
 )
 from memplan.model.offload import offload_assumptions
 from memplan.model.stage_parts import StageKinds, StageStates
-from memplan.overheads import Overheads, default_overheads
+from memplan.overheads import Overheads, default_overheads, with_library_workspaces
 from memplan.parallel import (
     GradBuffers,
     ParallelConfig,
@@ -135,7 +135,8 @@ def estimate(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, *
     par = resolve_split(spec, par, wl)
     validate(spec, par, wl)
     gbs, m = resolve_batch(par, wl)
-    ovh = overheads if overheads is not None else default_overheads(gpu)
+    ovh = with_library_workspaces(overheads if overheads is not None
+                                  else default_overheads(gpu), gpu, wl.te_grouped_gemm)
     parts = memo.stage_parts(spec, par, wl)
     shared = memo.shared_terms(spec, wl, Dims.of(spec, par, wl), par.experts, parts)
     stages = _stages(spec, par, wl, m, schedule, ovh, shared, parts)

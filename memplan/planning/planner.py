@@ -18,7 +18,7 @@ import numpy as np
 from memplan.errors import LayoutError, MemplanError
 from memplan.hardware import GpuSpec
 from memplan.model.estimate import Estimate, estimate
-from memplan.overheads import Overheads, default_overheads
+from memplan.overheads import Overheads, default_overheads, with_library_workspaces
 from memplan.parallel import (
     INTERLEAVED_MICROBATCHES,
     ParallelConfig,
@@ -303,7 +303,8 @@ def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
                                split_rule=wl.pipeline_split, node_size=gpu.gpus_per_node)
         if _usable(spec, par, wl, gbs, result.rejected)], result.rejected)
     ctx = _Context(spec, gpu, _with_gbs(wl, gbs), int(capacity * (1 - safety)),
-                   default_overheads(gpu), capacity)
+                   with_library_workspaces(default_overheads(gpu), gpu, wl.te_grouped_gemm),
+                   capacity)
     policies = [_policies(recompute or list(RECOMPUTE_ORDER),
                           min(rank_layers(spec.num_layers, p))) for p in pars]
     levels, pruned = _search_levels(ctx, pars, policies, top)

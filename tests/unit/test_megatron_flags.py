@@ -153,9 +153,12 @@ def test_megatron_fsdp_no_shard_args_file() -> None:
 
 
 @pytest.mark.parametrize(("extra", "zero", "precision"), [
-    ("", 3, "bf16-mixed"),
-    ("--data-parallel-sharding-strategy optim_grads", 2, "bf16-mixed"),
-    ("--megatron-fsdp-main-grads-dtype fp32", 3, "bf16-fp32-grads"),
+    ("", 3, "bf16-fp32-grads"),
+    ("--data-parallel-sharding-strategy optim_grads", 2, "bf16-fp32-grads"),
+    ("--megatron-fsdp-main-grads-dtype bf16", 3, "bf16-fp32-grads"),
+    ("--grad-reduce-in-bf16", 3, "bf16-mixed"),
+    ("--main-grads-dtype bf16", 3, "bf16-mixed"),
+    ("--main-grads-dtype bf16 --megatron-fsdp-main-grads-dtype fp32", 3, "bf16-fp32-grads"),
     ("--megatron-fsdp-main-grads-dtype fp32 --megatron-fsdp-grad-comm-dtype fp32 "
      "--megatron-fsdp-main-params-dtype fp32", 3, "bf16-fp32-grads"),
 ])
@@ -163,11 +166,14 @@ def test_megatron_fsdp_sharded_strategies_are_units_of_buckets(extra: str, zero:
                                                                precision: str) -> None:
     """optim_grads_params (the default) shards weights, main gradients and fp32 main
     weights (--zero 3), optim_grads all but the weights (--zero 2); both as units of
-    temporary buckets (``fsdp_units`` buckets). The main gradients take
-    --megatron-fsdp-main-grads-dtype, whose default "auto" is the weights' dtype
-    (Megatron-LM 93ebf8d arguments.py map_dtype: None; param_and_grad_buffer.py
-    _resolve_group_grad_dtype: the group's dtype): bf16 gradients beside the fp32 master
-    (bf16-mixed); fp32 gives Megatron's fp32 main gradients (bf16-fp32-grads)."""
+    temporary buckets (``fsdp_units`` buckets). --bf16 turns accumulate_allreduce_grads_in_
+    fp32 on (arguments.py validate_args), handed to Megatron-FSDP as grad_reduce_in_fp32
+    (training.py get_model), under which the main-gradient buffers and their buckets are
+    fp32 whatever --megatron-fsdp-main-grads-dtype says (megatron-core 0.16.1
+    ParamAndGradBuffer; Megatron-LM's mcore_fsdp_adapter.py until adfe9e1; traced:
+    tests/traced/test_megatron_fsdp_buffers.py): bf16-fp32-grads. --grad-reduce-in-bf16 or
+    --main-grads-dtype bf16 turn it off: then --megatron-fsdp-main-grads-dtype decides,
+    "auto" being the weights' bf16 (bf16-mixed), fp32 giving fp32 main gradients."""
     base = ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 512 "
             "--max-position-embeddings 512 --vocab-size 1000 --tokenizer-type NullTokenizer "
             "--bf16 --use-distributed-optimizer --use-megatron-fsdp ")
@@ -184,8 +190,10 @@ def test_megatron_fsdp_sharded_strategies_are_units_of_buckets(extra: str, zero:
      "--use-megatron-fsdp --data-parallel-sharding-strategy"),
     ("--use-megatron-fsdp --megatron-fsdp-main-params-dtype bf16",
      "--megatron-fsdp-main-params-dtype"),
-    ("--use-megatron-fsdp --megatron-fsdp-main-grads-dtype fp32 "
+    ("--use-megatron-fsdp --main-grads-dtype bf16 --megatron-fsdp-main-grads-dtype fp32 "
      "--megatron-fsdp-grad-comm-dtype bf16", "--megatron-fsdp-grad-comm-dtype"),
+    ("--use-megatron-fsdp --grad-reduce-in-bf16 --megatron-fsdp-main-grads-dtype fp32",
+     "--megatron-fsdp-grad-comm-dtype"),
     ("--use-megatron-fsdp --data-parallel-sharding-strategy no_shard --grad-reduce-in-bf16",
      "--use-megatron-fsdp"),
     ("--use-megatron-fsdp --data-parallel-sharding-strategy no_shard "
@@ -221,3 +229,48 @@ def test_megatron_mtp_scaling_factor_alone_holds_nothing() -> None:
             "--max-position-embeddings 512 --vocab-size 1000 --tokenizer-type NullTokenizer ")
     imp = megatron.read(base + "--mtp-loss-scaling-factor 0.3", 8)
     assert "--mtp-loss-scaling-factor" not in imp.unread
+
+
+@pytest.mark.parametrize(("impl", "grouped"), [("transformer_engine", True), ("local", False)])
+def test_megatron_moe_grouped_gemm_keeps_te_workspaces(impl: str, grouped: bool) -> None:
+    """--moe-grouped-gemm with Transformer Engine's layers runs TE's GroupedLinear
+    (TEGroupedMLP), whose grouped GEMM keeps 4 cuBLAS workspaces of 32 MiB + 1,024 B on an
+    H100 (transformer_engine/pytorch/cpp_extensions/gemm.py get_cublas_workspace): the
+    workspace line grows by 4 x 33,555,456 = 134,221,824 B over the same run without the flag,
+    nothing else moves. With --transformer-impl local (Megatron's GroupedMLP) the flag is left
+    not read."""
+    base = ("--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 512 "
+            "--max-position-embeddings 512 --vocab-size 1000 --tokenizer-type NullTokenizer "
+            f"--bf16 --num-experts 4 --expert-model-parallel-size 2 --transformer-impl {impl}")
+    imp = megatron.read(base + " --moe-grouped-gemm", 2)
+    plain = megatron.read(base, 2)
+    assert imp.inputs.get("te_grouped_gemm", False) is grouped
+    assert ("--moe-grouped-gemm" in imp.unread) is not grouped
+    on = memplan.estimate(imp.model, gpus=2, gpu="h100", **imp.inputs)
+    off = memplan.estimate(plain.model, gpus=2, gpu="h100", **plain.inputs)
+    for a, b in zip(off.stages, on.stages):
+        assert b.workspace_bytes - a.workspace_bytes == (134_221_824 if grouped else 0)
+        assert b.tensor_peak_bytes == a.tensor_peak_bytes
+
+
+def test_megatron_fsdp_moe_functional_test_states_and_workspaces() -> None:
+    """The functional test gpt3_mcore_te_tp2_zp_z3_resume_torch_dist_te_8experts2parallel_
+    top2router as written (12 layers, h 512, ffn 2048, 8 experts, ep 2, tp 2, no linear
+    biases, LayerNorm, learned positions, GPT-2 vocabulary 50257 padded to 50432, tied
+    output, --bf16, Megatron-FSDP optim_grads_params on 8 GPUs: dp 4, expert dp 2).
+    Per rank, by hand: dense weights 50432 / 2 * 512 = 12,910,592 (embedding) + 524,288
+    (positions) + 12 * (2 * 1,024 norms + 3 * 512 * 256 qkv + 256 * 512 proj + 8 * 512
+    router = 530,432) + 1,024 (final norm) = 19,801,088, sharded over 4: 4,950,272; expert
+    weights 12 * 4 local experts * 2 * 512 * 1024 = 50,331,648, sharded over 2: 25,165,824;
+    30,116,096 in all. Gradient shards fp32 under --bf16 (grad_reduce_in_fp32): 4 B each,
+    120,464,384 B, so no fp32 copy at the step; the workspace line: PyTorch's 32 MiB and
+    Transformer Engine's four grouped-GEMM workspaces, 4 * 33,555,456 = 134,221,824 B."""
+    path = (Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "heldout" / "megatron"
+            / "gpt3_mcore_te_tp2_zp_z3_resume_torch_dist_te_8experts2parallel_top2router.yaml")
+    imp = megatron.read(str(path), 8)
+    stage = memplan.estimate(imp.model, gpus=8, gpu="h100-sxm", **imp.inputs).stages[-1]
+    shard = 19_801_088 // 4 + 50_331_648 // 2
+    assert shard == 30_116_096
+    assert (stage.params_bytes, stage.grads_bytes) == (2 * shard, 4 * shard)
+    assert stage.optimizer_temp_bytes == 0
+    assert stage.workspace_bytes == 32 * 2**20 + 4 * (32 * 2**20 + 1024)

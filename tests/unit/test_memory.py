@@ -126,6 +126,24 @@ def test_default_overheads(gpu: str, workspace_mib: int) -> None:
     assert e.worst.tensor_peak_bytes == bare.worst.tensor_peak_bytes
 
 
+@pytest.mark.parametrize(("gpu", "each"), [("h100", 32 * MiB + 1024), ("h200", 32 * MiB + 1024),
+                                         ("a100-80gb", 4 * MiB)])
+def test_te_grouped_gemm_workspaces(gpu: str, each: int) -> None:
+    """Transformer Engine's grouped GEMM (``te_grouped_gemm``) keeps one cuBLAS workspace per
+    TE compute stream (transformer_engine/common/util/multi_stream.cpp: 4) beside PyTorch's:
+    get_cublas_workspace_size_bytes is 32 MiB + 1,024 B from compute capability 9 (H100,
+    H200: 4 x 33,555,456 = 134,221,824 B), 4 MiB below (A100: 16,777,216 B), on the
+    workspace line, the tensor peak unchanged."""
+    off = memplan.estimate("llama-2-7b", gpus=8, zero=1, seq_len=2048, gpu=gpu)
+    on = memplan.estimate("llama-2-7b", gpus=8, zero=1, seq_len=2048, gpu=gpu,
+                          te_grouped_gemm=True)
+    for a, b in zip(off.stages, on.stages):
+        assert b.workspace_bytes - a.workspace_bytes == 4 * each
+        assert b.peak_bytes - a.peak_bytes == 4 * each
+        assert b.tensor_peak_bytes == a.tensor_peak_bytes
+    assert "Transformer Engine's grouped GEMM" in on.overheads.workspace_source
+
+
 # --- pipeline ---------------------------------------------------------------------------------
 
 def _stage_terms(e: Estimate, layers: list[int], *, embedding: bool, head: bool) -> int:
