@@ -218,6 +218,17 @@ def test_torchao_01_states_and_load_by_hand() -> None:
     assert states(lora_rank=16, lora_targets="all-linear", base_quant="nf4").load_bytes == 0
 
 
+def test_torchao_01_is_not_sharded(capsys: pytest.CaptureFixture[str]) -> None:
+    """torchao 0.1's NF4Tensor has no ops for FSDP to shard it: zero 3 is refused, in one line
+    naming both values, exit 2."""
+    code = main(["estimate", "-m", "llama-2-7b", "--gpus", "2", "--zero", "3",
+                 "--lora-rank", "8", "--base-quant", "nf4-torchao-0.1"])
+    assert code == 2
+    assert capsys.readouterr().err == (
+        "memplan: error: base_quant nf4-torchao-0.1 with zero 3: torchao 0.1's NF4Tensor "
+        "cannot be sharded (nf4 describes a sharded QLoRA)\n")
+
+
 def test_torchao_01_dequantize_working_set() -> None:
     """torchao's get_original_weight, the toy's down projection (229,376 elements): int64
     indices of both nibbles 8 B, the looked-up and the scaled halves 2 + 2 B, the stacked bf16
