@@ -411,7 +411,7 @@ class BaseQuant(str, enum.Enum):
           ``linear_nf4``), as torchtune's QLoRA (``LoRALinear(quantize_base=True)``) used it
           while it pinned ``torchao==0.1``: the same NF4 blocks as bitsandbytes, dequantized
           by plain PyTorch ops in forward and backward, and each weight quantized on the GPU
-          at load in one piece (``memplan.model.adapters``)
+          at load in one piece (``memplan.model.adapters``); the adapted linears only
     """
 
     NONE = "none"

@@ -105,6 +105,15 @@ class Adapters(NamedTuple):
         and routers are no ``nn.Linear``: never."""
         return lin.stack == 1 and lin.name in self.targets
 
+    def quantizes(self, lin: Projection) -> bool:
+        """Whether ``lin``'s base weight is stored quantized: bitsandbytes (``load_in_4bit``,
+        ``load_in_8bit``) replaces every linear of the decoder; torchtune quantizes only the
+        base of a ``LoRALinear(quantize_base=True)`` (its builders at 0914d5cf, ``lora_llama2``:
+        "Only applied to base weights within linear layers LoRA is applied to")."""
+        if self.quant is BaseQuant.NONE:
+            return False
+        return self.adapts(lin) if self.quant is BaseQuant.NF4_TORCHAO_01 else True
+
     def params(self, lin: Projection, d_in: int, d_out: int) -> int:
         """Elements of ``lin``'s adapters at local widths ``d_in`` x ``d_out``: ``lora_A``
         r x d_in and ``lora_B`` d_out x r (0 when not adapted)."""

@@ -132,6 +132,8 @@ def lora_policy(spec: ModelSpec, wl: Workload, layers: Sequence[int], t: int,
         quantized = data = 0
         for lin in linears:
             d_in, d_out = local_widths(lin, t)
+            if not ad.quantizes(lin):
+                continue
             stored = base_weight_bytes(ad.quant, d_in, d_out, param_bytes)
             less += d_in * d_out * param_bytes - stored
             if ad.quant is not BaseQuant.NONE:

@@ -218,6 +218,20 @@ def test_torchao_01_states_and_load_by_hand() -> None:
     assert states(lora_rank=16, lora_targets="all-linear", base_quant="nf4").load_bytes == 0
 
 
+def test_torchao_01_quantizes_the_adapted_linears_only() -> None:
+    """torchtune quantizes the base of a LoRALinear only: q and v adapted (rank 8), per layer q
+    as NF4 35,874 B and v 8,994 B (``test_torchao_01_states_and_load_by_hand``), k, o, gate, up
+    and down in bf16 (32,768 + 131,072 + 3 x 458,752), norms 1,024: 1,585,988 B; two layers
+    3,171,976, embedding, final norm and head 1,024,512, the fp32 adapters 53,248: 4,249,736 B.
+    The largest weight quantized at load is q (65,536 elements): 68 x 65,536 + 5 x 1,024 + 34
+    = 4,461,602 B. bitsandbytes' NF4 quantizes every linear (k's 16,384-element weight
+    too: the base of ``test_qlora_states_by_hand``, 1,906,520 B, and the adapters 53,248)."""
+    st = states(lora_rank=8, base_quant="nf4-torchao-0.1")
+    assert st.params_bytes == 4_249_736
+    assert st.load_bytes == st.params_bytes + st.buffers_bytes + 4_461_602
+    assert states(lora_rank=8, base_quant="nf4").params_bytes == 1_906_520 + 53_248
+
+
 def test_torchao_01_is_not_sharded(capsys: pytest.CaptureFixture[str]) -> None:
     """torchao 0.1's NF4Tensor has no ops for FSDP to shard it: zero 3 is refused, in one line
     naming both values, exit 2."""
@@ -242,7 +256,8 @@ def test_torchao_01_dequantize_working_set() -> None:
     down = mlp_linears(spec, spec.ffn_hidden_size)[-1]
     for quant, backward, forward in (("nf4-torchao-0.1", 3_218_432, 3_218_432),
                                      ("nf4", 917_504, 458_752), ("none", 458_752, 458_752)):
-        _, par, wl = api.resolve(spec, precision="bf16-pure", lora_rank=8, base_quant=quant)
+        _, par, wl = api.resolve(spec, precision="bf16-pure", lora_rank=8,
+                                 lora_targets="all-linear", base_quant=quant)
         dm = Dims.of(spec, par, wl)
         assert dequant_backward_bytes(down, dm, 458_752) == backward
         assert dequant_forward_bytes(down, dm, 458_752) == forward
