@@ -499,6 +499,13 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
                           "not track for the adapters (use adamw, sgd or the 8-bit ones)")
     if (err := offload_rule(spec, par, wl)) is not None:
         raise err
+    if wl.base_quant.value == "nf4-torchao-0.1" and par.zero >= ZeroStage.PARAMETERS:
+        # torchao 0.1's NF4Tensor implements no chunk/split/view ops for FSDP to shard it
+        # (added after 0.1: torchao commit ac53d7fb, "[FSDP2][NF4Tensor][2/n] implement
+        # torch.chunk and other ops"); torchtune's sharded QLoRA came with them
+        raise LayoutError("base_quant nf4-torchao-0.1 does not combine with zero 3",
+                          f"base_quant nf4-torchao-0.1 with zero {int(par.zero)}: torchao "
+                          "0.1's NF4Tensor cannot be sharded (nf4 describes a sharded QLoRA)")
     if spec.moe is not None and wl.precision.policy.autocast:
         raise LayoutError(
             f"precision {wl.precision.value} is not modelled for MoE layers",

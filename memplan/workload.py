@@ -406,11 +406,18 @@ class BaseQuant(str, enum.Enum):
           bnb_4bit_use_double_quant=True)``): the decoder's linears only
     int8  bitsandbytes ``Linear8bitLt`` (LLM.int8, ``load_in_8bit=True``): int8 rows and an
           fp32 scale per row, the decoder's linears only
+    nf4-torchao-0.1
+          torchao 0.1's ``NF4Tensor`` (``torchao/dtypes/nf4tensor.py``: ``to_nf4``,
+          ``linear_nf4``), as torchtune's QLoRA (``LoRALinear(quantize_base=True)``) used it
+          while it pinned ``torchao==0.1``: the same NF4 blocks as bitsandbytes, dequantized
+          by plain PyTorch ops in forward and backward, and each weight quantized on the GPU
+          at load in one piece (``memplan.model.adapters``); the adapted linears only
     """
 
     NONE = "none"
     NF4 = "nf4"
     INT8 = "int8"
+    NF4_TORCHAO_01 = "nf4-torchao-0.1"
 
 
 LORA_PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")  # --lora-targets' names

@@ -143,7 +143,7 @@ def _stage(st: StageMemory, est: Estimate, device: Loaded | None, model: Loaded 
             delta[k] += v
     corrected = {k: phases[k] + round(delta[k]) for k in phases}
     at = max(corrected, key=lambda k: corrected[k])
-    tensor = corrected[at]
+    tensor = max(corrected[at], st.load_bytes)  # the model's load is not corrected
     alloc = _allocator(device, ovh, tensor)
     def calibrated(kind: str) -> PhasePeaks:
         return PhasePeaks(**{p: corrected[(kind, p)] for p in PHASES})

@@ -190,7 +190,8 @@ LoraDropout = Annotated[float, typer.Option(
     "adapted projection).", rich_help_panel=_FINETUNE)]
 BaseQuantOpt = Annotated[BaseQuant, typer.Option(
     "--base-quant", help="Frozen base linears stored as bitsandbytes NF4 with double "
-    "quantization (QLoRA) or int8 (LLM.int8).", rich_help_panel=_FINETUNE)]
+    "quantization (QLoRA), int8 (LLM.int8), or torchao 0.1's NF4Tensor (torchtune's QLoRA "
+    "while it pinned torchao 0.1).", rich_help_panel=_FINETUNE)]
 ScheduleOpt = Annotated[Schedule, typer.Option(
     "--schedule", help="Pipeline schedule (1f1b is interleaved when --vpp > 1).",
     rich_help_panel=_KERNELS)]

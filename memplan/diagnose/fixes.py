@@ -167,7 +167,7 @@ def _saver_candidates(par: Any, wl: Any) -> list[tuple[str, str, dict[str, Any]]
                 (f"QLoRA: LoRA rank {_LORA_RANK} on NF4 base weights (trains the adapters "
                  "only)", f"--lora-rank {_LORA_RANK} --base-quant nf4",
                  {"lora_rank": _LORA_RANK, "base_quant": "nf4"})]
-    elif wl.base_quant.value != "nf4":
+    elif not wl.base_quant.value.startswith("nf4"):  # already NF4 (bitsandbytes or torchao)
         out.append(("NF4 base weights under the adapters (QLoRA)", "--base-quant nf4",
                     {"base_quant": "nf4"}))
     if Offload.ACTIVATIONS not in par.offload:

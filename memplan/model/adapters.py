@@ -26,13 +26,38 @@ states that as a rule of the model's shape (q and v, or the fused qkv).
 
 Quantized base weights (bitsandbytes 0.50.2, ``bitsandbytes/functional.py``
 ``quantize_4bit``, ``nn/modules.py`` ``Int8Params``): ``nf4_bytes`` and ``int8_bytes``.
+
+torchao 0.1's ``NF4Tensor`` (``torchao/dtypes/nf4tensor.py``; torchtune pinned
+``torchao==0.1`` from its first QLoRA recipe, commit 0914d5cf, ``pyproject.toml``), what
+``--base-quant nf4-torchao-0.1`` counts, traced on CPU (``tests/traced/test_torchao_nf4.py``):
+
+- stored (``nf4_torchao_01_bytes``): the packed nibbles (``quantized_data``, uint8, n / 2), an
+  int8 scale per block of 64 (``quantized_scalers``), the scales' bf16 quantization factors
+  per 256 blocks, kept as a view (``quantization_factor[:, 0]`` in ``double_quantize_scalers``)
+  of the whole expanded (n / 64 / 256, 256) bf16 tensor, so n / 64 bf16 elements; the bf16
+  mean of the scales and the 16-entry bf16 code (``nf4``), one per weight;
+- dequantized (``torchao_dequant_bytes``): ``LinearNF4`` runs ``F.linear(input,
+  weight.to(input.dtype))`` in forward and ``grad_output @ weight.to(grad_output.dtype)`` in
+  backward; ``.to`` runs ``get_original_weight``, which holds at once both nibbles of every
+  byte as int64 indices (8 bytes per weight), the two halves looked up in the code and the two
+  scaled by their block's scale (bf16, 2 + 2 bytes per weight), the stacked bf16 result (2)
+  and the dequantized block scales (bf16, one per 64 weights): 14 n + n / 32 bytes;
+- quantized at load (``torchao_quantize_bytes``): torchtune's ``copy_`` for ``NF4Tensor``
+  (``torchtune/utils/_register_nf4_dispatch_ops.py``, ``inplace_copy``) moves the checkpoint's
+  bf16 weight to the GPU and runs ``to_nf4`` on it whole: ``quantize_tensor_nearest`` takes
+  ``(value.unsqueeze(-1) - nf4).abs()`` over the 16 code values, two (n, 16) bf16 tensors at
+  once (64 bytes per weight), beside the bf16 source (2) and the block-scaled copy
+  (``convert_to_norm_float_weight``'s ``blocks / scales``, 2), the new scales (int8 and their
+  factors' expanded bf16 tensor) and the blocks' bf16 absmax: 68 n + 5 n / 64 + 34 bytes while
+  the old weight is still held (later torchao quantizes in chunks of 1024**2 weights, torchao
+  commit 6081796b, "This can cause a large memory spike").
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple, Protocol
 
-from memplan.units import FP32_BYTES, ceil_div
+from memplan.units import FP32_BYTES, DType, ceil_div
 from memplan.workload import ALL_LINEAR, BaseQuant, Workload
 
 # (the projections a fused one stands for: --lora-targets names the parts)
@@ -49,7 +74,12 @@ ADAPTER_BYTES = FP32_BYTES  # autocast_adapter_dtype=True: fp32 adapters (module
 # process (name2qmap["dynamic"]), not counted per weight
 NF4_BLOCK = 64
 NF4_NESTED_BLOCK = 256
-NF4_CODE_BYTES = 16 * FP32_BYTES
+NF4_CODE_VALUES = 16
+# torchao 0.1's NF4Tensor takes bf16 weights only (from_tensor asserts it) and keeps its code,
+# scale factors and mean in bf16; get_original_weight indexes the code with int64 indices
+BF16_BYTES = DType.BF16.itemsize
+INDEX_BYTES = DType.INT64.itemsize
+NF4_CODE_BYTES = NF4_CODE_VALUES * FP32_BYTES
 NF4_OFFSET_BYTES = FP32_BYTES
 
 
@@ -74,6 +104,15 @@ class Adapters(NamedTuple):
         part is targeted (peft adapts the whole module: gpt2's ``c_attn``). Stacked experts
         and routers are no ``nn.Linear``: never."""
         return lin.stack == 1 and lin.name in self.targets
+
+    def quantizes(self, lin: Projection) -> bool:
+        """Whether ``lin``'s base weight is stored quantized: bitsandbytes (``load_in_4bit``,
+        ``load_in_8bit``) replaces every linear of the decoder; torchtune quantizes only the
+        base of a ``LoRALinear(quantize_base=True)`` (its builders at 0914d5cf, ``lora_llama2``:
+        "Only applied to base weights within linear layers LoRA is applied to")."""
+        if self.quant is BaseQuant.NONE:
+            return False
+        return self.adapts(lin) if self.quant is BaseQuant.NF4_TORCHAO_01 else True
 
     def params(self, lin: Projection, d_in: int, d_out: int) -> int:
         """Elements of ``lin``'s adapters at local widths ``d_in`` x ``d_out``: ``lora_A``
@@ -101,6 +140,31 @@ def nf4_bytes(elements: int) -> int:
             + NF4_OFFSET_BYTES + NF4_CODE_BYTES)
 
 
+def nf4_torchao_01_bytes(elements: int) -> int:
+    """Bytes of one weight of ``elements`` as torchao 0.1's ``NF4Tensor`` stores it (module
+    docstring): nibbles, int8 block scales, their factors' whole bf16 tensor (one element per
+    block), the bf16 mean and the 16-entry bf16 code."""
+    blocks = ceil_div(elements, NF4_BLOCK)
+    return ceil_div(elements, 2) + blocks + blocks * BF16_BYTES + BF16_BYTES + 16 * BF16_BYTES
+
+
+def torchao_dequant_bytes(elements: int) -> int:
+    """Bytes alive at the end of torchao's ``get_original_weight`` for a weight of
+    ``elements`` (module docstring): int64 indices of both nibbles (8 per weight), the looked-up
+    and the scaled halves (2 + 2), the stacked bf16 weight (2), the bf16 block scales."""
+    return (INDEX_BYTES + 3 * BF16_BYTES) * elements + ceil_div(elements, NF4_BLOCK) * BF16_BYTES
+
+
+def torchao_quantize_bytes(elements: int) -> int:
+    """Bytes ``to_nf4`` holds at once, torchao 0.1, for a bf16 weight of ``elements`` on the
+    device (module docstring): the source and its block-scaled copy (bf16), the two (n, 16)
+    bf16 distance tensors, the int8 scales, their factors' expanded bf16 tensor and the blocks'
+    bf16 absmax, the scales' mean and the code."""
+    blocks = ceil_div(elements, NF4_BLOCK)
+    return ((2 + 2 * NF4_CODE_VALUES) * BF16_BYTES * elements
+            + blocks + 2 * blocks * BF16_BYTES + BF16_BYTES + NF4_CODE_VALUES * BF16_BYTES)
+
+
 def int8_bytes(d_in: int, d_out: int) -> int:
     """Bytes of one ``Linear8bitLt`` weight (d_out x d_in): int8 rows (``Int8Params.CB`` is
     the weight's data) and an fp32 absmax scale per output row (``SCB``,
@@ -114,6 +178,8 @@ def base_weight_bytes(quant: BaseQuant, d_in: int, d_out: int, dtype_bytes: int)
         return nf4_bytes(d_in * d_out)
     if quant is BaseQuant.INT8:
         return int8_bytes(d_in, d_out)
+    if quant is BaseQuant.NF4_TORCHAO_01:
+        return nf4_torchao_01_bytes(d_in * d_out)
     return d_in * d_out * dtype_bytes
 
 
@@ -127,7 +193,7 @@ def quant_data_bytes(quant: BaseQuant, d_in: int, d_out: int) -> int:
     whole on its device (``Linear4bit.quant_state`` is kept on the module for that:
     ``fix_4bit_weight_quant_state_from_module``, bitsandbytes/nn/modules.py), and
     ``CPUOffloadPolicy``, which moves parameters only, leaves them on the device."""
-    if quant is BaseQuant.NF4:
+    if quant in (BaseQuant.NF4, BaseQuant.NF4_TORCHAO_01):
         return ceil_div(d_in * d_out, 2)
     if quant is BaseQuant.INT8:
         return d_in * d_out
@@ -146,7 +212,12 @@ def assumptions(wl: Workload) -> tuple[str, ...]:
                            f"{wl.precision.policy.params.value}",
             BaseQuant.INT8: "int8 with an fp32 scale per row (bitsandbytes Linear8bitLt); "
                             "embedding, norms and head in "
-                            f"{wl.precision.policy.params.value}"}[wl.base_quant]
+                            f"{wl.precision.policy.params.value}",
+            BaseQuant.NF4_TORCHAO_01: "NF4 as torchao 0.1's NF4Tensor (blocks of 64, scales "
+                                      "quantized by 256; dequantized by PyTorch ops in "
+                                      "forward and backward; each weight quantized whole on "
+                                      "the GPU at load); embedding, norms and head in "
+                                      f"{wl.precision.policy.params.value}"}[wl.base_quant]
     return (f"LoRA rank {wl.lora_rank} on {targets}, dropout {wl.lora_dropout:g}, as peft "
             f"builds it: adapters in fp32 (autocast_adapter_dtype), the only parameters "
             f"with gradients and optimizer states; frozen base weights {base}",)

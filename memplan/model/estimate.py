@@ -249,7 +249,7 @@ def _shifted(template: StageMemory, stage: int, flight: tuple[int, ...], vpp: in
         return PhasePeaks(p.forward + delta, p.backward + delta, p.optimizer)
 
     steady, first_step = shift(template.steady), shift(template.first_step)
-    tensor_peak = max(steady.peak, first_step.peak)
+    tensor_peak = max(steady.peak, first_step.peak, template.load_bytes)
     return template._replace(stage=stage, activations_bytes=template.activations_bytes + delta,
                    microbatches_in_flight=max(flight), steady=steady, first_step=first_step,
                    tensor_peak_bytes=tensor_peak, allocator_bytes=ovh.allocator_bytes(tensor_peak),

@@ -19,7 +19,7 @@ import enum
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from memplan.model.adapters import ADAPTER_BYTES, Adapters
+from memplan.model.adapters import ADAPTER_BYTES, Adapters, torchao_dequant_bytes
 from memplan.model.dims import MASK_BYTES, Dims, Term
 from memplan.workload import BaseQuant
 
@@ -183,9 +183,37 @@ def dequant_bytes(lin: Linear, dm: Dims) -> int:
     dequantize_4bit(B, state).to(dtype))``; ``MatMul8bitLt.backward``: ``CB.to(dtype,
     copy=True).mul_(SCB / 127)``); its forward's happens inside one op (``gemm_4bit``'s
     dequantize and linear), beside the output only. 0 unquantized."""
-    if dm.adapters is None or dm.adapters.quant is BaseQuant.NONE:
+    if dm.adapters is None or not dm.adapters.quantizes(lin):
         return 0
     return weight_elements(lin, dm.tp) * dm.e
+
+
+def dequant_backward_bytes(lin: Linear, dm: Dims, grad_in_bytes: int) -> int:
+    """Bytes alive at a frozen base's input-gradient matmul, its result (``grad_in_bytes``)
+    included: with bitsandbytes the dequantized weight beside it (``dequant_bytes``); with
+    torchao's ``NF4Tensor`` (``grad_output @ weight.to(dtype)``) the larger of
+    ``get_original_weight``'s working set (``adapters.torchao_dequant_bytes``) and the
+    dequantized weight beside the result."""
+    if (dm.adapters is not None and dm.adapters.quant is BaseQuant.NF4_TORCHAO_01
+            and dm.adapters.quantizes(lin)):
+        return _torchao_dequant(lin, dm, grad_in_bytes)
+    return grad_in_bytes + dequant_bytes(lin, dm)
+
+
+def dequant_forward_bytes(lin: Linear, dm: Dims, out_bytes: int) -> int:
+    """Bytes alive at a frozen base's forward, its output (``out_bytes``) included:
+    bitsandbytes dequantizes inside one op (``gemm_4bit``), beside nothing but the output;
+    torchao's ``LinearNF4.forward`` (``F.linear(input, weight.to(input.dtype))``) as in
+    ``dequant_backward_bytes``."""
+    if (dm.adapters is not None and dm.adapters.quant is BaseQuant.NF4_TORCHAO_01
+            and dm.adapters.quantizes(lin)):
+        return _torchao_dequant(lin, dm, out_bytes)
+    return out_bytes
+
+
+def _torchao_dequant(lin: Linear, dm: Dims, out_bytes: int) -> int:
+    n = weight_elements(lin, dm.tp)
+    return max(torchao_dequant_bytes(n), n * dm.e + out_bytes)
 
 
 def adapter_sizes(linears: Sequence[Linear], dm_adapters: Adapters | None,

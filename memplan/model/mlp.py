@@ -132,14 +132,14 @@ def backward_moments(spec: ModelSpec, dm: Dims, *, saved: int, freed: int, run_t
     # (a new residual-sized tensor) while the incoming one stays for the skip path.
     dropout_grad = dm.rows * h * e if spec.dropout > 0 else 0
     # LoRA on the down projection: its adapter's backward before its base's
-    lora = dequant = 0
+    lora, base = 0, inner
     if dm.adapters is not None:  # the adapter's backward, then the base's
         linears = mlp_linears(spec, ffn)
         lora = linear.adapter_backward_bytes(linears[-1], dm)
-        dequant = linear.dequant_bytes(linears[-1], dm)
+        base = linear.dequant_backward_bytes(linears[-1], dm, inner)
     return [
         BackwardMoment("mlp", saved - freed,
-                       dropout_grad + out_grad + max(inner + dequant, lora), ("mlp_out",), fresh),
+                       dropout_grad + out_grad + max(base, lora), ("mlp_out",), fresh),
         BackwardMoment("mlp_act", saved - freed - out_cast, grads, ("mlp_out",)),
         BackwardMoment("mlp_in", in_saved, grad_inputs + inner * (2 if fused_in else 1),
                        ("mlp",), fresh),
@@ -168,7 +168,8 @@ def _frozen_forward(spec: ModelSpec, dm: Dims, saved: int) -> list[Moment]:
     inner = 0 if linear.keeps_input((down,), dm) else dm.tokens * ffn // dm.tp * dm.e
     return [Moment("mlp_lora", saved - later,
                    block_in + base_out + linear.adapter_forward_bytes(up, dm)),
-            Moment("mlp_down", saved, block_in + inner + stream
+            Moment("mlp_down", saved, block_in + inner
+                   + linear.dequant_forward_bytes(down, dm, stream)
                    + linear.adapter_forward_bytes(down, dm))]
 
 

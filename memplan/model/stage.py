@@ -105,6 +105,9 @@ class StageMemory(NamedTuple):
     buffers_bytes: int = 0  # registered buffers (RoPE tables): resident in every phase
     paged_bytes: int = 0  # optimizer states in unified memory (not in peak_bytes beyond the
     #                       pages the step uses): ``StateBytes.paged_bytes``
+    load_bytes: int = 0  # tensor bytes at the model's load, before step 1, where they exceed
+    #                      the weights (``stage_parts.load_bytes``; 0: not modelled); in
+    #                      tensor_peak_bytes when above both steps' peaks
 
     @property
     def activation_terms(self) -> tuple[Term, ...]:
@@ -113,6 +116,8 @@ class StageMemory(NamedTuple):
 
     @property
     def peak_phase(self) -> str:
+        if self.load_bytes > max(self.steady.peak, self.first_step.peak):
+            return "model load (before step 1)"
         which = self.steady if self.steady.peak >= self.first_step.peak else self.first_step
         step = "steady" if which is self.steady else "first step"
         return f"{which.peak_phase} ({step})"
@@ -133,7 +138,7 @@ class Walked(NamedTuple):
 
     @property
     def tensor_peak(self) -> int:
-        return max(self.steady.peak, self.first_step.peak)
+        return max(self.steady.peak, self.first_step.peak, self.states.load)
 
 
 def stage_record(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: int,
@@ -172,6 +177,7 @@ def stage_record(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, sta
         peak_bytes=rank_peak_bytes(tensor_peak, ovh),
         host_bytes=st.host_bytes + host_activations,
         host_activations_bytes=host_activations, paged_bytes=st.paged_bytes,
+        load_bytes=fx.load,
     )
 
 

@@ -99,6 +99,8 @@ class StageStates(NamedTuple):
     step: Segment = Segment(())  # the optimizer step (``optimizer_step``)
     accum_bytes: int = 0  # FSDP2's unsharded gradient accumulators without a sync
     #                       (``grad_sync.accumulator_bytes``): with LoRA the adapters' alone
+    load: int = 0  # tensor bytes at the model's load, before the first step, where quantizing
+    #                a base weight on the device holds more than the weights (0: not modelled)
 
     @property
     def optimizer_phase(self) -> int:
@@ -201,4 +203,15 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
         # frozen weights make no gradient: only the adapters accumulate, in fp32
         accum_bytes=(sum(trainable.adapters) * ADAPTER_BYTES if trainable.adapters
                      else accumulator_bytes(params, wl)),
+        load=load_bytes(st, buffers, trainable.quantize_bytes),
     )
+
+
+def load_bytes(st: StateBytes, buffers: int, quantize_bytes: int) -> int:
+    """Tensor bytes at the model's load (0 where not modelled): torchtune builds the model on
+    the device and then copies the checkpoint into it (``load_state_dict``), quantizing each
+    weight as it arrives (``adapters.torchao_quantize_bytes``), its old quantized weight still
+    held: every weight and buffer, no gradient or optimizer state yet, and the largest
+    weight's quantization. The caching allocator keeps what it reserved for it into training
+    (torchtune calls no ``empty_cache``), so a step's reserved peak is at least this."""
+    return st.params_bytes + buffers + quantize_bytes if quantize_bytes else 0

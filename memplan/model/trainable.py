@@ -67,6 +67,9 @@ class TrainablePolicy(NamedTuple):
     layer_quantized: tuple[int, ...] = ()
     layer_quant_data_bytes: tuple[int, ...] = ()
     quant_state_bytes: int = 0
+    # the most bytes quantizing one base weight holds at the model's load, on the device
+    # (``adapters.torchao_quantize_bytes``; 0 where the load is not modelled)
+    quantize_bytes: int = 0
 
     @property
     def quantized(self) -> int:
@@ -109,7 +112,8 @@ def lora_policy(spec: ModelSpec, wl: Workload, layers: Sequence[int], t: int,
     """The trainable policy of a stage holding ``layers`` under LoRA (``ALL`` without): the
     adapters of each layer's adapted projections on one TP rank, and what storing the base
     linears quantized saves against ``param_bytes`` per weight element."""
-    from memplan.model.adapters import adapters_of, base_weight_bytes, quant_data_bytes
+    from memplan.model.adapters import (adapters_of, base_weight_bytes, quant_data_bytes,
+                                        torchao_quantize_bytes)
     from memplan.model.layer import layer_linears
     from memplan.model.linear import adapter_sizes, local_widths
 
@@ -118,7 +122,7 @@ def lora_policy(spec: ModelSpec, wl: Workload, layers: Sequence[int], t: int,
         return ALL
     sizes: list[int] = []
     per_layer: list[tuple[int, int, int]] = []  # adapters, quantized, their data bytes
-    less = state = 0
+    less = state = largest = 0
     for i in layers:
         linears = layer_linears(spec, spec.is_moe_layer(i))
         own = adapter_sizes(linears, ad, t)
@@ -126,15 +130,20 @@ def lora_policy(spec: ModelSpec, wl: Workload, layers: Sequence[int], t: int,
         quantized = data = 0
         for lin in linears:
             d_in, d_out = local_widths(lin, t)
+            if not ad.quantizes(lin):
+                continue
             stored = base_weight_bytes(ad.quant, d_in, d_out, param_bytes)
             less += d_in * d_out * param_bytes - stored
             if ad.quant is not BaseQuant.NONE:
                 quantized += d_in * d_out
                 data += quant_data_bytes(ad.quant, d_in, d_out)
                 state += stored - quant_data_bytes(ad.quant, d_in, d_out)
+                largest = max(largest, d_in * d_out)
         per_layer.append((sum(own), quantized, data))
     return TrainablePolicy(adapters=tuple(sizes), stored_less_bytes=less,
                            layer_adapters=tuple(a for a, _, _ in per_layer),
                            layer_quantized=tuple(q for _, q, _ in per_layer),
                            layer_quant_data_bytes=tuple(d for _, _, d in per_layer),
-                           quant_state_bytes=state)
+                           quant_state_bytes=state,
+                           quantize_bytes=(torchao_quantize_bytes(largest)
+                                           if ad.quant is BaseQuant.NF4_TORCHAO_01 else 0))

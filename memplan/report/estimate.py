@@ -38,6 +38,7 @@ def stage_json(s: StageMemory) -> dict[str, Any]:
         **({"paged_bytes": s.paged_bytes} if s.paged_bytes else {}),
         **({"host_activations_bytes": s.host_activations_bytes}
            if s.host_activations_bytes else {}),
+        **({"load_bytes": s.load_bytes} if s.load_bytes else {}),
         "peak_phase": s.peak_phase,
         # calibrated when a profile was applied (their largest: tensor peak + calibration),
         # with the analytic ones beside them; analytic otherwise (analytic_phases null)
@@ -199,6 +200,9 @@ def render_estimate(est: Estimate) -> Any:
                        format_gib(getattr(est.worst.steady, name)),
                        *([format_gib(getattr(analytic[1], name)),
                           format_gib(getattr(analytic[0], name))] if analytic else []))
+    if est.worst.load_bytes:  # before step 1 (``StageMemory.load_bytes``)
+        phases.add_row("model load", format_gib(est.worst.load_bytes), "",
+                       *(["", ""] if analytic else []))
 
     summary = Text(verdict_line(est), style="bold green" if est.fits else "bold red")
     notes = Text("assumptions:\n" + "\n".join(f"  - {a}" for a in est.assumptions)
@@ -243,6 +247,8 @@ def _why_not(est: Estimate) -> str:
 
 
 def _short_phase(s: StageMemory) -> str:
+    if s.load_bytes > max(s.first_step.peak, s.steady.peak):
+        return "model load"
     first = s.first_step.peak > s.steady.peak
     phases = s.first_step if first else s.steady
     return phases.peak_phase + (", step 1" if first else "")

@@ -435,10 +435,13 @@ FINETUNE_MIN_EXPRESSED = 8
 
 # Not met yet: the median |error| of the 12 fine-tuning runs memplan expresses, as measured
 # (docs/accuracy.md's fine-tuning section). The largest misses: peft's FSDP-QLoRA 70B runs
-# (-14% to -34%, causes not found yet), torchtune's distributed LoRA/QLoRA (+25%, +50%; its
-# QLoRA is torchao's NF4 tensor, estimated with bitsandbytes' layout) and its 4-GPU full
-# fine-tune (-23%). A known deviation: the test fails when the median moves by more than 0.05
-# percentage points (update it with the cause), and passes once it is at the target.
+# (-14% to -34%, causes not found yet), torchtune's FSDP1 runs (LoRA on 2 GPUs -30%, the 4-GPU
+# full fine-tune -23%) and its QLoRA tutorial run (-18%: torchao 0.1's whole-tensor
+# quantization at load is counted, nf4-torchao-0.1; the caching allocator's segments left
+# from quantizing the smaller attention weights are not). The QLoRA run moved from -45.5% to
+# -18.4% without moving the median (it stays above it). A known deviation: the test fails
+# when the median moves by more than 0.05 percentage points (update it with the cause), and
+# passes once it is at the target.
 FINETUNE_MEDIAN_KNOWN_PCT = 14.90
 
 

@@ -189,3 +189,75 @@ def test_lora_step_flops_skip_the_frozen_weight_gradients() -> None:
     lora = memplan.make_workload(spec, seq_len=2048, micro_batch_size=1, lora_rank=16)
     assert step_flops(spec, full, 1, pp=1)[0] == 41_254_649_856 * 2048
     assert step_flops(spec, lora, 1, pp=1)[0] == 57_528_939_446_272
+
+
+def test_torchao_01_nf4_storage_of_one_weight() -> None:
+    """The same 896 x 256 weight as torchao 0.1's NF4Tensor (traced: tests/traced/
+    test_torchao_nf4.py): 114,688 B of packed nibbles, 3,584 int8 block scales, their bf16
+    quantization factors kept as a view of the whole expanded tensor, 3,584 x 2 = 7,168 B, a
+    bf16 mean (2 B) and the 16-entry bf16 code (32 B): 125,474 B."""
+    from memplan.model.adapters import nf4_torchao_01_bytes
+
+    assert nf4_torchao_01_bytes(229_376) == 114_688 + 3_584 + 7_168 + 2 + 32 == 125_474
+
+
+def test_torchao_01_states_and_load_by_hand() -> None:
+    """All linears, rank 16, torchao 0.1 NF4: per layer q and o 65,536 elements, 32,768 +
+    1,024 + 2,048 + 34 = 35,874 B each; k and v 16,384, 8,192 + 256 + 512 + 34 = 8,994 each;
+    gate, up and down 125,474 each: 466,158 B a layer, 932,316 for two. Total with the bf16
+    embedding, norms and head (1,026,560) and the fp32 adapters (655,360): 2,614,236 B. The
+    model's load quantizes the largest weight (229,376 elements) whole beside every weight:
+    68 x 229,376 + 5 x 3,584 + 34 = 15,615,522 B on top of the weights and buffers, above
+    either step's peak at 256 tokens, so it is the tensor peak. bitsandbytes' NF4 models no
+    load."""
+    st = states(lora_rank=16, lora_targets="all-linear", base_quant="nf4-torchao-0.1")
+    assert st.params_bytes == 2_614_236
+    assert st.load_bytes == st.params_bytes + st.buffers_bytes + 15_615_522
+    assert st.tensor_peak_bytes == st.load_bytes
+    assert st.peak_phase == "model load (before step 1)"
+    assert states(lora_rank=16, lora_targets="all-linear", base_quant="nf4").load_bytes == 0
+
+
+def test_torchao_01_quantizes_the_adapted_linears_only() -> None:
+    """torchtune quantizes the base of a LoRALinear only: q and v adapted (rank 8), per layer q
+    as NF4 35,874 B and v 8,994 B (``test_torchao_01_states_and_load_by_hand``), k, o, gate, up
+    and down in bf16 (32,768 + 131,072 + 3 x 458,752), norms 1,024: 1,585,988 B; two layers
+    3,171,976, embedding, final norm and head 1,024,512, the fp32 adapters 53,248: 4,249,736 B.
+    The largest weight quantized at load is q (65,536 elements): 68 x 65,536 + 5 x 1,024 + 34
+    = 4,461,602 B. bitsandbytes' NF4 quantizes every linear (k's 16,384-element weight
+    too: the base of ``test_qlora_states_by_hand``, 1,906,520 B, and the adapters 53,248)."""
+    st = states(lora_rank=8, base_quant="nf4-torchao-0.1")
+    assert st.params_bytes == 4_249_736
+    assert st.load_bytes == st.params_bytes + st.buffers_bytes + 4_461_602
+    assert states(lora_rank=8, base_quant="nf4").params_bytes == 1_906_520 + 53_248
+
+
+def test_torchao_01_is_not_sharded(capsys: pytest.CaptureFixture[str]) -> None:
+    """torchao 0.1's NF4Tensor has no ops for FSDP to shard it: zero 3 is refused, in one line
+    naming both values, exit 2."""
+    code = main(["estimate", "-m", "llama-2-7b", "--gpus", "2", "--zero", "3",
+                 "--lora-rank", "8", "--base-quant", "nf4-torchao-0.1"])
+    assert code == 2
+    assert capsys.readouterr().err == (
+        "memplan: error: base_quant nf4-torchao-0.1 with zero 3: torchao 0.1's NF4Tensor "
+        "cannot be sharded (nf4 describes a sharded QLoRA)\n")
+
+
+def test_torchao_01_dequantize_working_set() -> None:
+    """torchao's get_original_weight, the toy's down projection (229,376 elements): int64
+    indices of both nibbles 8 B, the looked-up and the scaled halves 2 + 2 B, the stacked bf16
+    weight 2 B a weight, and 3,584 bf16 block scales: 14 x 229,376 + 7,168 = 3,218,432 B,
+    more than the bf16 weight beside its input gradient (T = 256 x 896 x 2 = 458,752 B each:
+    917,504), which is bitsandbytes' figure."""
+    from memplan.model.linear import dequant_backward_bytes, dequant_forward_bytes
+    from memplan.model.mlp import mlp_linears
+
+    spec = toy()
+    down = mlp_linears(spec, spec.ffn_hidden_size)[-1]
+    for quant, backward, forward in (("nf4-torchao-0.1", 3_218_432, 3_218_432),
+                                     ("nf4", 917_504, 458_752), ("none", 458_752, 458_752)):
+        _, par, wl = api.resolve(spec, precision="bf16-pure", lora_rank=8,
+                                 lora_targets="all-linear", base_quant=quant)
+        dm = Dims.of(spec, par, wl)
+        assert dequant_backward_bytes(down, dm, 458_752) == backward
+        assert dequant_forward_bytes(down, dm, 458_752) == forward
