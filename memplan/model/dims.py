@@ -103,6 +103,11 @@ def exact_ratio(numerator: int, denominator: int = 1) -> int | Fraction:
     return Fraction(numerator, denominator)
 
 
+def whole_bytes_each(counts: tuple[int, ...], per_item: int | Fraction) -> tuple[int, ...]:
+    """``whole_bytes`` of each of ``counts``."""
+    return tuple(whole_bytes(n, per_item) for n in counts)
+
+
 def whole_bytes(count: int, per_item: int | Fraction) -> int:
     """``count`` items at ``per_item`` bytes each (an exact ratio: a shard's bytes over its
     parameters need not be whole), in whole bytes rounded toward zero, without a float."""

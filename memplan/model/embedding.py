@@ -58,6 +58,15 @@ def made_vocab_grad(dm: Dims, vocab_grad: int, main_grads: bool) -> tuple[int, b
     return vocab_grad, main_grads
 
 
+class EmbeddingFixed(NamedTuple):
+    """An embedding's bytes that its stage does not change (``EmbeddingBlock.fixed``)."""
+
+    saved: int  # its saved terms (``saved``)
+    kept: int  # of them, alive at its backward: the token ids (``backward_moments``)
+    incoming: int  # the gradient of its output, alive while its dense gradient is made
+    positions_dense: int  # learned positions' dense gradient in the stream dtype (0: none)
+
+
 class EmbeddingBlock(NamedTuple):
     """The first stage's embedding in backward, one micro-batch, one rank, bytes; elsewhere
     only ``freed_before``."""
@@ -137,26 +146,34 @@ class EmbeddingBlock(NamedTuple):
 
     def on_stage(self, spec: ModelSpec, wl: Workload, dm: Dims, *, num_params: int,
                  per_param: Fraction, vocab_grad: int, main_grads: bool, tied: bool,
-                 rope_bytes: int) -> EmbeddingBlock:
+                 rope_bytes: int, fixed: EmbeddingFixed | None = None) -> EmbeddingBlock:
         """This embedding's backward on a first stage, read from its ``Block`` interface
-        (``saved``, ``backward_moments``) and the stage's: its ``num_params`` parameters'
-        gradients at ``per_param`` held bytes each; its token rows' gradient as made
-        (``made_vocab_grad`` of ``vocab_grad``, the compute-dtype bytes, with fp32 main
-        gradients or not); a ``tied`` head's pending gradient summed into it. Freed before
-        its backward: the rope tables and a checkpointed mask (``rope_bytes``, with the first
-        layer's saved tensors), and of its own saved terms all but the token ids (the
-        dropout mask, the position ids: learned positions' backward runs first)."""
+        (``saved``, ``backward_moments``: ``fixed``, the same on every stage of an estimate,
+        ``EmbeddingBlock.fixed``) and the stage's: its ``num_params`` parameters' gradients at
+        ``per_param`` held bytes each; its token rows' gradient as made (``made_vocab_grad``
+        of ``vocab_grad``, the compute-dtype bytes, with fp32 main gradients or not); a
+        ``tied`` head's pending gradient summed into it. Freed before its backward: the rope
+        tables and a checkpointed mask (``rope_bytes``, with the first layer's saved tensors),
+        and of its own saved terms all but the token ids (the dropout mask, the position ids:
+        learned positions' backward runs first)."""
+        fixed = fixed or self.fixed(spec, wl, dm)
         vocab, main = made_vocab_grad(dm, vocab_grad, main_grads)
         grads = whole_bytes(num_params, per_param)
-        (moment,) = self.backward_moments(spec, wl, dm, Recompute.NONE)
         extra = embedding_backward_extra(
-            vocab, grads, tied=tied, main_grads=main,
-            incoming=dm.tokens * spec.hidden_size * dm.stream_e,
+            vocab, grads, tied=tied, main_grads=main, incoming=fixed.incoming,
             vocab_final=whole_bytes(vocab // dm.stream_e, per_param),
-            positions_dense=param_counts(spec).position_embedding * dm.stream_e)
-        saved = total(self.saved(spec, wl, dm, Recompute.NONE))
+            positions_dense=fixed.positions_dense)
         return EmbeddingBlock(grads=grads, extra=extra,
-                              freed_before=rope_bytes + saved - moment.own_bytes)
+                              freed_before=rope_bytes + fixed.saved - fixed.kept)
+
+    def fixed(self, spec: ModelSpec, wl: Workload, dm: Dims) -> EmbeddingFixed:
+        """What ``on_stage`` reads of the ``Block`` interface, the same on every first stage
+        of an estimate (``memplan.model.stage_terms.StageTerms.embedding``)."""
+        (moment,) = self.backward_moments(spec, wl, dm, Recompute.NONE)
+        return EmbeddingFixed(
+            saved=total(self.saved(spec, wl, dm, Recompute.NONE)), kept=moment.own_bytes,
+            incoming=dm.tokens * spec.hidden_size * dm.stream_e,
+            positions_dense=param_counts(spec).position_embedding * dm.stream_e)
 
     def backward_events(self, held_grads: int, all_grads: int,
                         beside: int) -> tuple[Event, ...]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from memplan.model.dims import Dims
+from memplan.model.dims import whole_bytes_each as _whole_bytes_each
 from memplan.model.layer import grad_group_params
 from memplan.model.layer import layer_kind as _layer_kind
 from memplan.model.model_states import StageParams, count_stage_params
@@ -33,6 +34,8 @@ from memplan.workload import Recompute, Workload
 
 layer_kind = lru_cache(maxsize=4096)(_layer_kind)
 grad_groups = lru_cache(maxsize=1024)(grad_group_params)
+# a layer kind's gradient bytes at each of its moments: the same for every micro-batch size
+whole_bytes_each = lru_cache(maxsize=8192)(_whole_bytes_each)
 
 
 @lru_cache(maxsize=4096)

@@ -206,7 +206,7 @@ def _entries(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTe
                                                   else unpacked),
                                  shared.dm.stream(spec.hidden_size),
                                  kept_cache_bytes(spec, wl, shared.dm, key[1], bool(key[2:])))
-        moment_grads = tuple(whole_bytes(n, per_param) for n in shared.moment_params[key])
+        moment_grads = memo.whole_bytes_each(shared.moment_params[key], per_param)
         if fx.main_grads and par.zero < ZeroStage.GRADIENTS:
             # the weight whose gradient was just made holds it in the compute dtype: its fp32
             # main gradient does not exist yet
@@ -413,4 +413,5 @@ def _embedding_block(spec: ModelSpec, wl: Workload, shared: StageTerms,
     return EmbeddingBlock().on_stage(
         spec, wl, shared.dm, num_params=fx.params.embedding, per_param=fx.grad_per_param,
         vocab_grad=fx.vocab_grad, main_grads=fx.main_grads,
-        tied=spec.tied_embeddings and fx.last, rope_bytes=shared.rope_bytes)
+        tied=spec.tied_embeddings and fx.last, rope_bytes=shared.rope_bytes,
+        fixed=shared.embedding)

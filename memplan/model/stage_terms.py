@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 from memplan.model import attention, embedding, head, loss_in_call
 from memplan.model.dims import Dims, Term, total
+from memplan.model.embedding import EmbeddingFixed
 from memplan.model.head import HeadBlock
 from memplan.model.layer import (
     LayerKind,
@@ -41,6 +42,8 @@ class StageTerms(NamedTuple):
     batch_bytes: int  # the batch a training loop holds (ids and targets)
     targets_bytes: int
     mask: int  # the causal (and window) mask alive through the forward when not saved
+    embedding: EmbeddingFixed  # the embedding's bytes on a first stage, its gradients not
+    #                            yet set (``EmbeddingBlock.fixed``)
     head_block: HeadBlock  # the head's bytes on a last stage, its gradients not yet set
     #                        (``HeadBlock.of``: its final norm, projection, loss, held logits)
     loss_reduce: int  # a loss that runs the head's backward itself (``head.in_loss``): its
@@ -73,6 +76,7 @@ def stage_terms(spec: ModelSpec, wl: Workload, dm: Dims, ep: int | ExpertSplit,
         # the causal mask lives through the forward; with recompute it is saved (a term)
         mask=((0 if saved_mask else attention.eager_mask_bytes(wl, dm))
               + attention.window_mask_bytes(spec, wl, dm)),
+        embedding=embedding.EmbeddingBlock().fixed(spec, wl, dm),
         head_block=_head_of(spec, wl, dm, list(head_terms)),
         loss_reduce=loss_in_call.last_chunk_bytes(spec, wl, dm, 0) if head.in_loss(wl) else 0,
         kinds=kinds,
