@@ -1,0 +1,141 @@
+"""DeepSpeed's own engine traced on CPU: a transformers model under ``deepspeed.initialize``
+with ZeRO stage 2, stepped as the transformers Trainer steps it, under memplan's exact tensor
+tracker, against ``memplan.model.estimate.estimate`` of the deepspeed preset.
+
+How it runs without a GPU: DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``,
+deepspeed/accelerator/cpu_accelerator.py: a synchronized device, no streams) and rank 0 of a
+``dp``-rank fake process group (torch.testing's ``fake`` backend: collectives return at once,
+every tensor has the shape and dtype it has on a real rank), as the other parallel traces do.
+The client optimizer is ``torch.optim.AdamW(fused=True)``: what the Trainer hands DeepSpeed when
+the ds_config has no ``optimizer`` table (its ``adamw_torch_fused`` default), so DeepSpeed's
+FusedAdam op, which a CPU build would compile, is not needed. The step is the Trainer's
+(trainer.py training_step / _inner_training_loop under DeepSpeed): ``engine(**inputs)``, its
+loss alone kept (compute_loss), ``engine.backward(loss)`` (the gradient hooks fill the reduce
+bucket; the epilogue reduces the last one), ``engine.step()`` (the ZeRO optimizer's step and
+the weights' all-gather).
+
+What is registered up front: the flat bf16 weights (the model's parameters are views of
+``bit16_groups_flat``) as ``parameters``; the fp32 partition
+(``single_partition_of_fp32_groups``) as ``optimizer``; the model's buffers. At the optimizer
+phase the rank's gradient partition (the gradients of ``params_in_partition``, views of
+``grads_in_partition``) is counted as ``gradients``. Categories only label; the phase totals
+are every live storage.
+
+This module imports torch, transformers and deepspeed; memplan's CLI never imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from memplan import api
+from memplan.profile.cuda_rules import cuda_kernels
+from memplan.profile.frameworks import (
+    Built,
+    FrameworkCase,
+    LibraryTracker,
+    Mark,
+    _process_group,
+    compare_built,
+    hf_spec,
+    run_library_steps,
+)
+from memplan.profile.compare import Comparison
+from memplan.profile.trace import TraceResult
+
+# ZeRO-2 as the preset models it: bf16 weights and gradients, fp32 partition and states
+PRECISIONS = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+
+
+def _environment(dp: int) -> None:
+    """What DeepSpeed reads before it starts: the CPU accelerator, and the launcher's
+    variables (engine.py _do_args_sanity_check asserts LOCAL_RANK)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE=str(dp))
+
+
+def ds_config(case: FrameworkCase) -> dict[str, Any]:
+    """The ds_config of a case: its micro-batch, precision and ZeRO options (``options``:
+    ``reduce_bucket_size``, ``overlap_comm``, ``contiguous_gradients``)."""
+    zero = {"stage": 2, **{k: v for k, v in case.options.items()
+                           if k in ("reduce_bucket_size", "overlap_comm",
+                                    "contiguous_gradients")}}
+    precision = "fp16" if case.recipe == "fp16-mixed" else "bf16"
+    return {"train_micro_batch_size_per_gpu": case.micro_batch_size,
+            "gradient_accumulation_steps": 1, precision: {"enabled": True},
+            "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True,
+            "zero_optimization": zero}
+
+
+def build_deepspeed(case: FrameworkCase) -> Built:
+    """A transformers causal LM (``case.config``, SDPA attention) in the recipe's dtype,
+    wrapped by ``deepspeed.initialize`` with ``ds_config(case)``."""
+    _environment(case.dp)
+    import deepspeed
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**case.config)
+    model = AutoModelForCausalLM.from_config(config, dtype=PRECISIONS[case.recipe],
+                                             attn_implementation="sdpa")
+    spec = hf_spec(model.config, case.name)
+    client = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+    cfg = ds_config(case)
+    engine, zero_opt, _, _ = deepspeed.initialize(model=model, optimizer=client, config=cfg,
+                                                  dist_init_required=False)
+    b, s, vocab = case.micro_batch_size, case.seq_len, model.config.vocab_size
+
+    def step(k: int, mark: Mark) -> None:
+        ids = torch.randint(0, vocab, (b, s))
+        out = engine(input_ids=ids, labels=ids)
+        loss = out.loss
+        del out
+        mark("backward")
+        engine.backward(loss)
+        del loss
+        _label_partition(zero_opt, tracker_of[0])
+        mark("optimizer")
+        engine.step()
+
+    tracker_of: list[Any] = [None]
+
+    @contextlib.contextmanager
+    def registered(tracker: LibraryTracker) -> Iterator[None]:
+        tracker_of[0] = tracker
+        tracker.register(list(zero_opt.single_partition_of_fp32_groups), "optimizer")
+        yield
+
+    zero = cfg["zero_optimization"]
+    workload = dict(framework="deepspeed", micro_batch_size=b, seq_len=s,
+                    precision=case.recipe, attention="flash", optimizer_impl="fused",
+                    **({"zero_bucket_numel": int(zero["reduce_bucket_size"])}
+                       if "reduce_bucket_size" in zero else {}),
+                    **({"zero_bucket_buffers": 2} if zero.get("overlap_comm") else {}))
+    return Built("deepspeed", model, spec, api.make_layout(case.dp, zero=2), workload, step,
+                 zero_opt.optimizer, context=registered)
+
+
+def _label_partition(zero_opt: Any, tracker: LibraryTracker) -> None:
+    """Count the rank's gradient partition (views of ``grads_in_partition``) as gradients."""
+    for group in zero_opt.params_in_partition:
+        for p in group:
+            if p.grad is not None:
+                tracker.relabel(p.grad, "gradients")
+
+
+def trace_deepspeed(case: FrameworkCase, steps: int = 2) -> tuple[Built, TraceResult]:
+    """Build and trace ``case`` on rank 0 of ``case.dp`` fake ranks, CUDA's kernels."""
+    with _process_group(case.dp), cuda_kernels():
+        torch.manual_seed(0)
+        built = build_deepspeed(case)
+        return built, run_library_steps(built, LibraryTracker(), steps=steps)
+
+
+def compare_deepspeed(case: FrameworkCase, steps: int = 2) -> Comparison:
+    """The trace of ``case`` next to memplan's estimate of the deepspeed preset."""
+    built, result = trace_deepspeed(case, steps)
+    return compare_built(built, result)
