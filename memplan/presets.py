@@ -437,6 +437,11 @@ REFUSALS: dict[Framework, tuple[Refusal, ...]] = {
                 "DeepSpeed's ZeRO keeps bf16/fp16 weights and gradients with an fp32 "
                 "partition (bf16 or fp16 enabled); an fp32 run clones an fp32 partition "
                 "beside fp32 weights, not modelled"),
+        Refusal(lambda par, wl: par is not None and (par.tp > 1 or par.pp > 1 or par.cp > 1
+                                                     or par.ep > 1),
+                "--tp, --pp, --cp or --ep above 1",
+                "DeepSpeed's pipeline engine (runtime/pipe), AutoTP, Ulysses and MoE groups "
+                "are not modelled: data parallelism only"),
         Refusal(lambda par, wl: par is not None and bool(par.offload), "--offload",
                 "ZeRO-Offload's device buffers (stage_1_and_2.py "
                 "temp_grad_buffer_for_gpu_offload, the largest parameter's size) are not "

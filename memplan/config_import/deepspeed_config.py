@@ -81,6 +81,7 @@ def read(path: str | Path, gpus: int, model: str | ModelSpec | None) -> Imported
             _dtypes(imp, key, value)
         elif key not in QUIET:
             raise imp.refuse(key, value, "not modelled by memplan's DeepSpeed preset")
+    _accumulation(imp, data.get("gradient_accumulation_steps", 1), gpus)
     if "zero_optimization" not in data:
         raise imp.refuse("zero_optimization", None, "absent: stage 0 (no ZeRO) is not "
                          "modelled by memplan's DeepSpeed preset")
@@ -245,6 +246,25 @@ def _micro_batch(imp: Imported, value: Any) -> None:
         return
     imp.set("train_micro_batch_size_per_gpu", value, "micro_batch_size",
             _count(imp, "train_micro_batch_size_per_gpu", value))
+
+
+def _accumulation(imp: Imported, steps: Any, gpus: int) -> None:
+    """gradient_accumulation_steps with the micro-batch: the global batch (DeepSpeed's
+    train_batch_size = micro-batch x accumulation x data-parallel ranks, runtime/config.py
+    _batch_assertion)."""
+    if steps == "auto":
+        imp.notes.append("gradient_accumulation_steps = auto: the Trainer's "
+                         f"gradient_accumulation_steps ({_HF}.trainer_config_process); "
+                         "here --gbs decides")
+        return
+    steps = _count(imp, "gradient_accumulation_steps", steps)
+    mbs = imp.inputs.get("micro_batch_size")
+    if steps > 1 and mbs is None:
+        raise imp.refuse("gradient_accumulation_steps", steps, "needs "
+                         "train_micro_batch_size_per_gpu as a number to give the global batch")
+    if steps >= 1 and mbs is not None:
+        imp.set("gradient_accumulation_steps", steps, "global_batch_size", mbs * steps * gpus,
+                f"train_micro_batch_size_per_gpu x {steps} x {gpus} GPUs")
 
 
 def _checkpointing(imp: Imported, table: dict[str, Any]) -> None:

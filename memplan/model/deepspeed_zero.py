@@ -56,6 +56,44 @@ def step_flat_copy_bytes(partition_numel: int, grad_bytes: int) -> int:
     return partition_numel * grad_bytes
 
 
+def first_reduce(head: int, layers: tuple[int, ...], embedding: int, bucket_numel: int) -> int:
+    """Where in backward the last rank's gradient partition is allocated, whole: the first
+    bucket reduce (``reduce_independent_p_g_buckets_and_remove_grads``: a gradient that does
+    not fit reduces the bucket first; ``reduce_ipg_grads`` -> ``copy_grads_in_partition``
+    allocates ``grads_in_partition``, the rank's whole partition, at the first of its
+    parameters reduced). The last rank owns the flat buffer's tail (the head, the last
+    layers), whose gradients come first, so its partition is the earliest. Gradients come
+    in backward order: the head (its projection, then the final norm), the layers last to
+    first, the embedding. Returns -1 for the head's backward, i (0 = the last layer) for the
+    i-th layer in backward, len(layers) for the embedding's, len(layers) + 1 when everything
+    fits in one bucket (the backward's epilogue reduces it). ``head``, ``layers`` and
+    ``embedding`` in elements; a unit is counted from its start where the crossing falls
+    inside it."""
+    done = 0
+    for index, numel in ((-1, head), *enumerate(reversed(layers)), (len(layers), embedding)):
+        # (a first gradient larger than the bucket waits alone for the next one's hook:
+        # inside the same unit, each has more than one tensor)
+        if numel and done + numel > bucket_numel:
+            return index
+        done += numel
+    return len(layers) + 1
+
+
+def weight_grads_at(fresh: tuple[int, ...], bucket_numel: int, grad_bytes: int) -> tuple[int, ...]:
+    """Unsharded weight gradients alive at each of a layer's backward moments (``fresh``: the
+    elements of the weight whose gradient was just made there, 0 where none was): a gradient
+    exists at its own moment, until its hook copies it into the bucket; one larger than the
+    bucket is not copied (``reduce_independent_p_g_buckets_and_remove_grads``:
+    ``extra_large_param_to_reduce``) and stays until the next weight's hook reduces it, so
+    it is alive at the moments between, the next weight's included."""
+    out, carried = [], 0
+    for numel in fresh:
+        out.append((numel + carried) * grad_bytes)
+        if numel:
+            carried = numel if numel > bucket_numel else 0
+    return tuple(out)
+
+
 class EstimatorBytes(NamedTuple):
     """What a DeepSpeed estimator returns, int bytes: CPU, GPU per rank (and for ZeRO-3 the
     largest layer's 4 B/param term)."""

@@ -40,7 +40,6 @@ from memplan.profile.frameworks import (
     FrameworkCase,
     LibraryTracker,
     Mark,
-    _process_group,
     compare_built,
     hf_spec,
     run_library_steps,
@@ -56,7 +55,7 @@ def _environment(dp: int) -> None:
     """What DeepSpeed reads before it starts: the CPU accelerator, and the launcher's
     variables (engine.py _do_args_sanity_check asserts LOCAL_RANK)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE=str(dp))
+    os.environ.update(LOCAL_RANK="0", RANK=str(dp - 1), WORLD_SIZE=str(dp))
 
 
 def ds_config(case: FrameworkCase) -> dict[str, Any]:
@@ -67,7 +66,8 @@ def ds_config(case: FrameworkCase) -> dict[str, Any]:
                                     "contiguous_gradients")}}
     precision = "fp16" if case.recipe == "fp16-mixed" else "bf16"
     return {"train_micro_batch_size_per_gpu": case.micro_batch_size,
-            "gradient_accumulation_steps": 1, precision: {"enabled": True},
+            "gradient_accumulation_steps": case.options.get("accumulation", 1),
+            precision: {"enabled": True},
             "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True,
             "zero_optimization": zero}
 
@@ -89,14 +89,23 @@ def build_deepspeed(case: FrameworkCase) -> Built:
                                                   dist_init_required=False)
     b, s, vocab = case.micro_batch_size, case.seq_len, model.config.vocab_size
 
+    m = cfg["gradient_accumulation_steps"]
+
     def step(k: int, mark: Mark) -> None:
-        ids = torch.randint(0, vocab, (b, s))
-        out = engine(input_ids=ids, labels=ids)
-        loss = out.loss
-        del out
-        mark("backward")
-        engine.backward(loss)
-        del loss
+        # accelerate's DeepSpeedEngineWrapper.backward: engine.backward, then engine.step,
+        # which steps at the accumulation boundary only
+        for j in range(m):
+            if j:
+                mark("forward")
+            ids = torch.randint(0, vocab, (b, s))
+            out = engine(input_ids=ids, labels=ids)
+            loss = out.loss
+            del out
+            mark("backward")
+            engine.backward(loss)
+            del loss
+            if j < m - 1:
+                engine.step()
         _label_partition(zero_opt, tracker_of[0])
         mark("optimizer")
         engine.step()
@@ -111,6 +120,7 @@ def build_deepspeed(case: FrameworkCase) -> Built:
 
     zero = cfg["zero_optimization"]
     workload = dict(framework="deepspeed", micro_batch_size=b, seq_len=s,
+                    global_batch_size=b * case.dp * m,
                     precision=case.recipe, attention="flash", optimizer_impl="fused",
                     **({"zero_bucket_numel": int(zero["reduce_bucket_size"])}
                        if "reduce_bucket_size" in zero else {}),
@@ -120,16 +130,32 @@ def build_deepspeed(case: FrameworkCase) -> Built:
 
 
 def _label_partition(zero_opt: Any, tracker: LibraryTracker) -> None:
-    """Count the rank's gradient partition (views of ``grads_in_partition``) as gradients."""
-    for group in zero_opt.params_in_partition:
-        for p in group:
-            if p.grad is not None:
-                tracker.relabel(p.grad, "gradients")
+    """Count the rank's gradient partition as gradients: the epilogue leaves it in
+    ``averaged_gradients`` (views of ``grads_in_partition``), the parameters' ``.grad``
+    cleared (``_clear_param_grad_only``)."""
+    for group in zero_opt.averaged_gradients.values():
+        for g in group or ():
+            tracker.relabel(g, "gradients")
+
+
+@contextlib.contextmanager
+def _last_rank(dp: int) -> Iterator[None]:
+    """The last of ``dp`` ranks on torch's fake process group: the rank whose partition is the
+    flat buffer's tail, the head's and the last layers' gradients, made first in backward
+    (``memplan.model.deepspeed_zero.first_reduce``)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=dp - 1, world_size=dp)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def trace_deepspeed(case: FrameworkCase, steps: int = 2) -> tuple[Built, TraceResult]:
-    """Build and trace ``case`` on rank 0 of ``case.dp`` fake ranks, CUDA's kernels."""
-    with _process_group(case.dp), cuda_kernels():
+    """Build and trace ``case`` on the last of ``case.dp`` fake ranks, CUDA's kernels."""
+    with _last_rank(case.dp), cuda_kernels():
         torch.manual_seed(0)
         built = build_deepspeed(case)
         return built, run_library_steps(built, LibraryTracker(), steps=steps)
@@ -139,3 +165,22 @@ def compare_deepspeed(case: FrameworkCase, steps: int = 2) -> Comparison:
     """The trace of ``case`` next to memplan's estimate of the deepspeed preset."""
     built, result = trace_deepspeed(case, steps)
     return compare_built(built, result)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m memplan.profile.deepspeed_trace CASE_JSON``: one case (the fields of
+    ``FrameworkCase``) traced in this process, its rows printed as JSON. DeepSpeed keeps its
+    process groups in module globals (deepspeed/utils/groups.py), so each case runs in a
+    process of its own."""
+    import json
+    import sys
+
+    from memplan.profile.compare import comparison_json
+
+    fields = json.loads((argv if argv is not None else sys.argv[1:])[0])
+    c = compare_deepspeed(FrameworkCase(**fields))
+    print(json.dumps(comparison_json(c)))
+
+
+if __name__ == "__main__":
+    main()

@@ -21,6 +21,8 @@ from memplan.model.deepspeed_zero import (
     bucket_buffers,
     estimate_zero2,
     estimate_zero3,
+    first_reduce,
+    weight_grads_at,
 )
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "deepspeed"
@@ -105,24 +107,45 @@ def test_reduce_bucket_is_whole_from_the_first_gradient() -> None:
 def test_backward_holds_the_bucket_forward_does_not() -> None:
     """The bucket exists from the first gradient hook (the head's weight gradient) to the end
     of backward: where a moment with it is the backward's peak, the peak rises by its bytes
-    (5e8 x 2 B against 4e8 x 2 B: 2e8 B), the forward peak does not move. The loss's backward
-    runs before the first gradient hook: with a bucket of 1e8 elements (2e8 B) the peak is
-    there, 131,072,000 B above the forward's (Llama-2-7B, seq 2048: the logits' gradient in
-    bf16, 2048 x 32,000 x 2 B), the same as without any bucket's bytes."""
+    (5e8 x 2 B against 4e8 x 2 B: 2e8 B; the partition is made at the same block with both,
+    ``test_first_reduce_by_hand``), the forward peak does not move."""
     big = api.estimate("llama-7b", gpus=8, zero=2, framework="deepspeed").stages[0]
     less = api.estimate("llama-7b", gpus=8, zero=2, framework="deepspeed",
                         zero_bucket_numel=400_000_000).stages[0]
-    small = api.estimate("llama-7b", gpus=8, zero=2, framework="deepspeed",
-                         zero_bucket_numel=100_000_000).stages[0]
-    assert big.steady.forward == less.steady.forward == small.steady.forward
+    assert big.steady.forward == less.steady.forward
     assert big.steady.backward - less.steady.backward == 200_000_000
-    assert small.steady.backward - small.steady.forward == 2048 * 32_000 * 2
+
+
+def test_first_reduce_by_hand() -> None:
+    """Llama-2-7B in backward order: the head (lm_head 32,000 x 4,096 = 131,072,000 and the
+    final norm 4,096: 131,076,096 elements), then layers of 4 x 4096^2 + 3 x 4096 x 11008 +
+    2 x 4096 = 202,383,360 each. A 5e8 bucket is passed within the second layer in backward
+    (131,076,096 + 2 x 202,383,360 = 535,842,816 > 5e8): index 1; 4e8 the same; 1e8 within the
+    head (-1); a bucket larger than all 6,738,415,616 elements: the epilogue (32 + 1 = 33)."""
+    head, layer, emb = 131_076_096, 202_383_360, 131_072_000
+    layers = (layer,) * 32
+    assert first_reduce(head, layers, emb, 500_000_000) == 1
+    assert first_reduce(head, layers, emb, 400_000_000) == 1
+    assert first_reduce(head, layers, emb, 100_000_000) == -1
+    assert first_reduce(head, layers, emb, 7_000_000_000) == 33
+    # 131,076,096 + 32 x 202,383,360 = 6,607,343,616: the embedding's gradient passes 6.7e9
+    assert first_reduce(head, layers, emb, 6_700_000_000) == 32
+
+
+def test_weight_grads_at_moments_by_hand() -> None:
+    """A layer's moments making gradients of 0, 400, 0, 100, 300 elements, bf16, bucket 250:
+    each at its own moment (800, 200, 600 B); the 400-element one is larger than the bucket and
+    stays until the next weight's hook: also at the two moments after it (800 B at the second,
+    (100 + 400) x 2 = 1,000 B at the fourth); the 300-element one would stay beyond the layer."""
+    assert weight_grads_at((0, 400, 0, 100, 300), 250, 2) == (0, 800, 800, 1_000, 600)
+    assert weight_grads_at((0, 400, 0, 100, 300), 500, 2) == (0, 800, 0, 200, 600)
 
 
 def test_deepspeed_refuses_what_it_does_not_model() -> None:
     for kwargs, name in ((dict(zero=3), "--zero 0, 1 or 3"), (dict(zero=1), "--zero 0, 1 or 3"),
                          (dict(zero=2, precision="fp32"), "precision"),
-                         (dict(zero=2, offload="optimizer"), "--offload")):
+                         (dict(zero=2, offload="optimizer"), "--offload"),
+                         (dict(zero=2, tp=2), "--tp, --pp"), (dict(zero=2, pp=2), "--tp, --pp")):
         with pytest.raises(MemplanError, match=name):
             api.estimate("llama-7b", gpus=8, framework="deepspeed", **kwargs)
 
@@ -207,3 +230,17 @@ def test_cli_plan_takes_a_deepspeed_config() -> None:
                                       str(DATA / "ds_config_zero2_hf.json")])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["candidates"]
+
+
+def test_accumulation_gives_the_global_batch(tmp_path: Path) -> None:
+    """train_micro_batch_size_per_gpu 2 x gradient_accumulation_steps 4 x 8 GPUs = 64
+    sequences per step (DeepSpeed's train_batch_size); the estimate then holds two gradient
+    partitions in a later micro-batch's backward."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2,
+                                "gradient_accumulation_steps": 4, "bf16": {"enabled": True},
+                                "zero_optimization": {"stage": 2}}))
+    imp = deepspeed_config.read(path, 8, "llama-7b")
+    assert imp.inputs["global_batch_size"] == 64 and imp.inputs["micro_batch_size"] == 2
+    est = api.estimate("llama-7b", gpus=8, **imp.inputs)
+    assert est.stages[0].grads_bytes == 2 * (LLAMA_7B_PARAMS // 8)
