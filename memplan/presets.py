@@ -442,6 +442,14 @@ REFUSALS: dict[Framework, tuple[Refusal, ...]] = {
                 "--tp, --pp, --cp or --ep above 1",
                 "DeepSpeed's pipeline engine (runtime/pipe), AutoTP, Ulysses and MoE groups "
                 "are not modelled: data parallelism only"),
+        Refusal(lambda par, wl: wl.recompute.label == "selective", "--recompute selective",
+                "transformers has no selective recompute; gradient_checkpointing_enable() "
+                "checkpoints each decoder layer, which is --recompute full"),
+        Refusal(lambda par, wl: bool(wl.lora_rank) or wl.optimizer.value != "adamw",
+                "LoRA or an optimizer other than AdamW",
+                "DeepSpeed's ZeRO-2 is traced with AdamW on every weight; adapters (fp32 "
+                "gradients in the partition) and bitsandbytes' states on its flat partition "
+                "are not"),
         Refusal(lambda par, wl: par is not None and bool(par.offload), "--offload",
                 "ZeRO-Offload's device buffers (stage_1_and_2.py "
                 "temp_grad_buffer_for_gpu_offload, the largest parameter's size) are not "

@@ -244,3 +244,26 @@ def test_accumulation_gives_the_global_batch(tmp_path: Path) -> None:
     assert imp.inputs["global_batch_size"] == 64 and imp.inputs["micro_batch_size"] == 2
     est = api.estimate("llama-7b", gpus=8, **imp.inputs)
     assert est.stages[0].grads_bytes == 2 * (LLAMA_7B_PARAMS // 8)
+
+
+def test_diagnose_proposes_deepspeeds_bucket_levers() -> None:
+    """Llama-2-7B on 8 V100s, ZeRO-2 under DeepSpeed's defaults (one 5e8-element bucket):
+    diagnose re-estimates a hidden^2 = 16,777,216-element bucket (the Trainer's "auto"). The
+    bucket shrinks by (5e8 - 16,777,216) x 2 B = 966,445,568 B, but the gradient partition
+    (2 x 842,301,952 = 1,684,603,904 B) is then made at the head's backward (131,076,096 >
+    16,777,216) instead of the second layer's: the re-estimated saving is what the estimate
+    says, less than the bucket alone. With overlap_comm (two buckets) one bucket is proposed
+    too: 5e8 x 2 B = 1e9 B off the backward peak, 1.05e9 B with the allocator's share (5% of
+    the tensor peak until calibrated)."""
+    from memplan.diagnose import diagnose
+
+    r = diagnose("llama-7b", gpus=8, zero=2, framework="deepspeed", gpu="v100-sxm2-32gb",
+                 micro_batch_size=1, seq_len=2048)
+    fix = next(f for f in r.fixes.ranked if "reduce bucket of hidden^2" in f.name)
+    assert fix.change == {"zero_bucket_numel": 16_777_216}
+    assert 0 < fix.saved_bytes < 966_445_568
+    two = diagnose("llama-7b", gpus=8, zero=2, framework="deepspeed", gpu="v100-sxm2-32gb",
+                   micro_batch_size=1, seq_len=2048, zero_bucket_buffers=2)
+    one = next(f for f in two.fixes.ranked if "one reduce bucket" in f.name)
+    # the bucket's 1e9 B, and the allocator's assumed 5% of the tensor peak on it
+    assert one.saved_bytes == 1_050_000_000
