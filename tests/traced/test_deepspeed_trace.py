@@ -30,9 +30,9 @@ from memplan.model.deepspeed_zero import estimate_zero2, estimate_zero3
 TOY = hf("Meta-Llama-3-8B", **LLAMA3_TOY)
 
 
-def _trace(**options) -> dict:
+def _trace(dp: int = 2, **options) -> dict:
     case = dict(library="deepspeed", name="llama3", config=TOY, recipe="bf16-mixed",
-                micro_batch_size=1, seq_len=64, dp=2, options=options)
+                micro_batch_size=1, seq_len=64, dp=dp, options=options)
     out = subprocess.run([sys.executable, "-m", "memplan.profile.deepspeed_trace",
                           json.dumps(case)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -51,7 +51,9 @@ def _trace(**options) -> dict:
     # accumulated one (stage_1_and_2.py independent_gradient_partition_epilogue adds it into
     # all_grad_tensors)
     dict(reduce_bucket_size=300_000, accumulation=2),
-], ids=["bucket-3e5", "overlap", "bucket-default", "accumulation-2"])
+    # one rank: its partition is the whole model
+    dict(reduce_bucket_size=300_000, dp=1),
+], ids=["bucket-3e5", "overlap", "bucket-default", "accumulation-2", "one-rank"])
 def test_zero2_phase_peaks_within_one_percent(options: dict) -> None:
     c = _trace(**options)
     diff = c["diff"]
