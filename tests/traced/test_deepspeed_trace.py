@@ -67,13 +67,24 @@ def test_zero2_phase_peaks_within_one_percent(options: dict) -> None:
             assert abs(diff[f"{step}.{phase}_bytes"]["pct"]) <= 1.0, (step, phase, diff)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bucket smaller than the MLP weights (1e5 elements): each such gradient is kept as its own "
-    "tensor until the next weight's hook (extra_large_param_to_reduce), which the model "
-    "counts at the layer's moments with a new weight gradient only; measured -1.07% "
-    "(first step backward: 13,774,288 B traced, 13,626,952 B estimated)"))
-def test_zero2_bucket_smaller_than_a_weight() -> None:
-    c = _trace(reduce_bucket_size=100_000)
+# The kept gradient is counted (memplan.model.deepspeed_zero.weight_grads_at: the down
+# projection's beside the up projection's, 917,504 B, as traced); what is missing at that
+# instant is one T x f and one T x h gradient of the layer's own (114,688 + 32,768 =
+# 147,456 B, traced 147,336 B): the gate branch's gradient waits while the up projection's
+# backward runs, which memplan's "mlp_in" moment (memplan/model/mlp.py) does not hold. Without
+# a kept gradient that moment is not the peak (the other cases, tests/traced/test_frameworks.py).
+_KEPT = ("a bucket smaller than the MLP weights: the down projection's gradient is kept to the "
+         "next hook (extra_large_param_to_reduce), which makes the up projection's backward the "
+         "peak, where memplan's mlp_in moment lacks the gate branch's T x f gradient and a "
+         "T x h one (147,456 B)")
+
+
+@pytest.mark.xfail(strict=True, reason=_KEPT + "; measured -1.07% at step 1's backward")
+@pytest.mark.parametrize("bucket", [100_000, 65_536], ids=["bucket-1e5", "trainer-auto-h2"])
+def test_zero2_bucket_smaller_than_a_weight(bucket: int) -> None:
+    """1e5 elements, and hidden^2 = 65,536 (the Trainer's "auto"): traced 13,774,288 B and
+    13,705,360 B at step 1's backward, estimated 13,626,952 B and 13,558,024 B (-1.07%)."""
+    c = _trace(reduce_bucket_size=bucket)
     assert abs(c["diff"]["first_step.backward_bytes"]["pct"]) <= 1.0
 
 
