@@ -451,9 +451,9 @@ REFUSALS: dict[Framework, tuple[Refusal, ...]] = {
                 "gradients in the partition) and bitsandbytes' states on its flat partition "
                 "are not"),
         Refusal(lambda par, wl: par is not None and bool(par.offload), "--offload",
-                "ZeRO-Offload's device buffers (stage_1_and_2.py "
-                "temp_grad_buffer_for_gpu_offload, the largest parameter's size) are not "
-                "modelled yet"),
+                "ZeRO-Offload's device side (stage_1_and_2.py temp_grad_buffer_for_gpu_offload, "
+                "the largest parameter's size, and at each reduce an fp64 copy of a gradient "
+                "for its norm, set_norm_for_param_grad_in_gpu) is not modelled yet"),
     ),
 }
 REFUSALS[Framework.TORCHTITAN] += (

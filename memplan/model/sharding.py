@@ -76,6 +76,8 @@ class DataParallel(NamedTuple):
     step_reduce: int = 0  # kept gathered under PP: a unit's reduce-scatter input and output
     #                       shard at the step's reduce, after its last micro-batch's backward
     #                       (0: no such moment)
+    fresh_only: bool = False  # gradients copied away at their hooks: a moment holds only
+    #                           the weight gradients just made, in every micro-batch
     partition: int = 0  # gradients held whole from one point of the backward on, not growing
     #                     with the gradients made (the walk's own gradients are then 0)
     partition_from: int = 0  # ... that point: -1 the head's backward (after the loss's), i
@@ -132,9 +134,9 @@ class DataParallel(NamedTuple):
             den = r.denominator * d.denominator
             return max(m.alive_bytes + m.transient_bytes + min(cap, g * r.numerator) * num // den
                        for m, g in zip(moments, grads))
-        # a whole partition's moments hold the fresh weight gradients alone, in every
-        # micro-batch (``partition``)
-        if growing or self.partition:
+        # gradients copied away at their hooks: the moments hold the fresh weight gradients
+        # alone, in every micro-batch (``fresh_only``)
+        if growing or self.fresh_only:
             return max(m.alive_bytes + m.transient_bytes + g for m, g in zip(moments, grads))
         return max(m.alive_bytes + m.transient_bytes for m in moments)
 
@@ -176,7 +178,8 @@ def data_parallel(shard: ShardingBuffers, params: int, grads_bytes: int,
         block_start=shard.forward_start_bytes,
         first_block_start=shard.forward_first_start_bytes,
         window_units=shard.window_units, window_unit=shard.window_unit,
-        partition=shard.partition_bytes, partition_from=shard.partition_from)
+        partition=shard.partition_bytes, partition_from=shard.partition_from,
+        fresh_only=bool(shard.bucket_bytes))
 
 
 def with_stream(dp: DataParallel, stream: int) -> DataParallel:
@@ -273,7 +276,7 @@ def run_positions(dp: DataParallel, held: Held, layer_grads: int, early: int, n:
     ``stage_first``: the run ends with the stage's first block. Returns its positions and
     what is carried on."""
     after = Held(held.made + n * layer_grads, held.prev_input, held.root_held, held.blocks + n)
-    if dp.partition:
+    if dp.fresh_only:
         return _partition_positions(dp, held.blocks, n, stage_first), after
     if not dp.per_unit:
         first = last = 0

@@ -203,9 +203,10 @@ def _entries(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTe
                                  shared.dm.stream(spec.hidden_size),
                                  kept_cache_bytes(spec, wl, shared.dm, key[1], bool(key[2:])))
         moment_grads = tuple(whole_bytes(n, per_param) for n in shared.moment_params[key])
-        if fx.shard.partition_bytes:
-            # gradients held whole in a partition (DeepSpeed): at a moment only the weight
-            # gradient just made exists, unsharded, until its hook copies it away
+        if fx.shard.bucket_bytes:
+            # gradients copied into preallocated buckets at their hooks (DeepSpeed): at a
+            # moment only the weight gradient just made exists, unsharded, until its hook
+            # copies it away (one larger than the bucket until the next hook)
             moment_grads = weight_grads_at(tuple(m.fresh_params for m in kind.moments),
                                            wl.zero_bucket_numel,
                                            wl.precision.policy.grad_bytes)

@@ -31,7 +31,7 @@ from memplan.model.pipeline import stage_layers
 from memplan.model.sharding import DataParallel, data_parallel
 from memplan.model.trainable import lora_policy
 from memplan.model.walk import first_positions, runs_of
-from memplan.parallel import GradBuffers, ParallelConfig, ZeroStage
+from memplan.parallel import GradBuffers, ParallelConfig, ZeroStage, optimizer_on_host
 from memplan.spec import ModelSpec
 from memplan.units import FP32_BYTES
 from memplan.workload import Precision, Recompute, Workload
@@ -198,9 +198,10 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
         first=first, last=last, params=params, states=st,
         # kept unsharded under PP (``ShardingBuffers.kept_gathered``): the walk's gradients
         # are the stage's unsharded accumulators, in the reduce dtype
-        # (a partition made whole at once, ``ShardingBuffers.partition_bytes``: none grow)
+        # (gradients copied into preallocated buckets at their hooks, and a partition made
+        # whole at once, ``ShardingBuffers.bucket_bytes``/``partition_bytes``: none grow)
         grad_per_param=(exact_ratio(wl.precision.policy.grad_bytes) if shard.kept_gathered
-                        else 0 if shard.partition_bytes
+                        else 0 if shard.bucket_bytes
                         else exact_ratio(st.grads_bytes, max(params.total, 1))),
         opt_temp=opt_temp,
         shard=shard,
@@ -222,7 +223,8 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
         step=optimizer_step(st, opt_temp, buckets + (shard.gathered_at_loss_bytes
                                                      if shard.queued_whole else 0), buffers),
         first_step=(flat_partition_step(st, opt_temp, st.num_optimizer_params * FP32_BYTES,
-                                        buffers, True) if wl.flat_partition else None),
+                                        buffers, True)
+                    if wl.flat_partition and not optimizer_on_host(par) else None),
         # frozen weights make no gradient: only the adapters accumulate, in fp32
         accum_bytes=(sum(trainable.adapters) * ADAPTER_BYTES if trainable.adapters
                      else accumulator_bytes(params, wl)),

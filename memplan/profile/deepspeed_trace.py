@@ -35,6 +35,7 @@ import torch
 
 from memplan import api
 from memplan.profile.cuda_rules import cuda_kernels
+from memplan.profile.tracker import HostCategories
 from memplan.profile.frameworks import (
     Built,
     FrameworkCase,
@@ -63,7 +64,7 @@ def ds_config(case: FrameworkCase) -> dict[str, Any]:
     ``reduce_bucket_size``, ``overlap_comm``, ``contiguous_gradients``)."""
     zero = {"stage": 2, **{k: v for k, v in case.options.items()
                            if k in ("reduce_bucket_size", "overlap_comm",
-                                    "contiguous_gradients")}}
+                                    "contiguous_gradients", "offload_optimizer")}}
     # fp16 with a static loss scale (runtime/fp16/loss_scaler.py LossScaler): a dynamic one
     # skips the steps whose scaled gradients overflow, which a random toy's first steps do
     table = ({"enabled": True, "loss_scale": 128} if case.recipe == "fp16-mixed"
@@ -72,6 +73,9 @@ def ds_config(case: FrameworkCase) -> dict[str, Any]:
             "gradient_accumulation_steps": case.options.get("accumulation", 1),
             "fp16" if case.recipe == "fp16-mixed" else "bf16": table,
             "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True,
+            # the Trainer's torch AdamW stepping the host partition (DeepSpeedCPUAdam would
+            # need its C++ op built); the same states, on the host
+            "zero_force_ds_cpu_optimizer": False,
             "zero_optimization": zero}
 
 
@@ -119,6 +123,12 @@ def build_deepspeed(case: FrameworkCase) -> Built:
     def registered(tracker: LibraryTracker) -> Iterator[None]:
         tracker_of[0] = tracker
         tracker.register(list(zero_opt.single_partition_of_fp32_groups), "optimizer")
+        if zero_opt.cpu_offload:  # ZeRO-Offload: what stage_1_and_2.py __init__ puts on the host
+            tracker.register([p.grad for p in zero_opt.single_partition_of_fp32_groups]
+                             + list(zero_opt.param_buffer_of_bit16_for_cpu_offload_groups)
+                             + [zero_opt.temp_grad_buffer_for_cpu_offload], "optimizer")
+            # ... and on the device: a buffer of the largest parameter's size
+            tracker.register(zero_opt.temp_grad_buffer_for_gpu_offload, "buckets")
         yield
 
     zero = cfg["zero_optimization"]
@@ -128,7 +138,9 @@ def build_deepspeed(case: FrameworkCase) -> Built:
                     **({"zero_bucket_numel": int(zero["reduce_bucket_size"])}
                        if "reduce_bucket_size" in zero else {}),
                     **({"zero_bucket_buffers": 2} if zero.get("overlap_comm") else {}))
-    return Built("deepspeed", model, spec, api.make_layout(case.dp, zero=2), workload, step,
+    offload = "optimizer" if "offload_optimizer" in zero else "none"
+    return Built("deepspeed", model, spec, api.make_layout(case.dp, zero=2, offload=offload),
+                 workload, step,
                  zero_opt.optimizer, context=registered)
 
 
@@ -156,12 +168,23 @@ def _last_rank(dp: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+class OffloadTracker(HostCategories, LibraryTracker):
+    """``LibraryTracker`` for ZeRO-Offload on a CPU-only build: the totals count the device
+    alone; host memory is the ``optimizer`` category (the fp32 partition, its gradient, the
+    bit16 copy, the host gradient buffer, the states, and whatever the step makes: it runs
+    on the host)."""
+
+    HOST = ("optimizer",)
+
+
 def trace_deepspeed(case: FrameworkCase, steps: int = 2) -> tuple[Built, TraceResult]:
     """Build and trace ``case`` on the last of ``case.dp`` fake ranks, CUDA's kernels."""
     with _last_rank(case.dp), cuda_kernels():
         torch.manual_seed(0)
         built = build_deepspeed(case)
-        return built, run_library_steps(built, LibraryTracker(), steps=steps)
+        offload = "offload_optimizer" in case.options
+        tracker = OffloadTracker() if offload else LibraryTracker()
+        return built, run_library_steps(built, tracker, steps=steps)
 
 
 def compare_deepspeed(case: FrameworkCase, steps: int = 2) -> Comparison:
