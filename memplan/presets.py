@@ -60,14 +60,15 @@ class Mechanism(Enum):
 # The settings (Workload or ParallelConfig fields) of each mechanism: a preset selects a
 # mechanism by setting some of them.
 SETTINGS: dict[Mechanism, frozenset[str]] = {
-    Mechanism.OPTIMIZER: frozenset({"optimizer_impl"}),
+    Mechanism.OPTIMIZER: frozenset({"optimizer_impl", "flat_partition"}),
     Mechanism.KERNELS: frozenset({"norm_impl", "softmax_fp32", "moe_impl", "window_mask",
                                   "kv_cache", "fused_qkv", "rope_cache", "attention_impl"}),
     Mechanism.RECOMPUTE: frozenset({"selective_impl"}),
     Mechanism.LOSS: frozenset({"logits_fp32", "loss_impl", "loss_split",
                                 "loss_chunk_backward"}),
     Mechanism.LOOP: frozenset({"logits_held", "keep_grads", "grad_sync"}),
-    Mechanism.DATA_PARALLEL: frozenset({"fsdp_units", "grad_buffers", "ddp_any_size"}),
+    Mechanism.DATA_PARALLEL: frozenset({"fsdp_units", "grad_buffers", "ddp_any_size",
+                                        "zero_bucket_numel", "zero_bucket_buffers"}),
     Mechanism.LAYOUT: frozenset({"tp_style", "pipeline_split"}),
 }
 
@@ -106,6 +107,7 @@ _TRANSFORMERS = "transformers 5.24"
 _TITAN = "torchtitan 0.3.0"
 _LITGPT = "litgpt 0.5.13 / lightning 2.6"
 _MEGATRON = "megatron-core 0.16.1"
+_DEEPSPEED = "deepspeed 0.19.8"
 
 PRESETS: dict[Framework, tuple[Selection, ...]] = {
     Framework.GENERIC: (),
@@ -311,6 +313,40 @@ PRESETS: dict[Framework, tuple[Selection, ...]] = {
         )),
     ),
 }
+# DeepSpeed as the transformers Trainer runs it (TrainingArguments(deepspeed=ds_config)): the
+# model's own kernels, loss and held logits are the hf preset's; the optimizer and the
+# data-parallel buffers are DeepSpeed's engine's; gradients are reduced in every micro-batch's
+# backward (trainer.py _inner_training_loop never enters no_sync under DeepSpeed)
+PRESETS[Framework.DEEPSPEED] = (
+        *(sel for sel in PRESETS[Framework.HF]
+          if sel.mechanism in (Mechanism.KERNELS, Mechanism.LOSS)),
+        Selection(Mechanism.LOOP, tuple(d for sel in PRESETS[Framework.HF]
+                                        if sel.mechanism is Mechanism.LOOP
+                                        for d in sel.defaults if d.field != "grad_sync")),
+        Selection(Mechanism.OPTIMIZER, (
+            Default("optimizer_impl", "fused",
+                    f"ops/adam/fused_adam.py FusedAdam.step: multi_tensor_apply over the fp32 "
+                    f"partition, no temporaries beyond exp_avg and exp_avg_sq (the optimizer "
+                    f"'AdamW'/'Adam' of a ds_config, engine.py _configure_basic_optimizer) "
+                    f"({_DEEPSPEED})"),
+            Default("flat_partition", True,
+                    f"runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer.__init__: the "
+                    f"optimizer's params are one flat fp32 partition per group "
+                    f"(single_partition_of_fp32_groups); .step: flatten(averaged_gradients[i]) "
+                    f"copies the gradient partition, .to(fp32) makes the fp32 gradient the "
+                    f"optimizer reads ({_DEEPSPEED})"),
+        )),
+        Selection(Mechanism.DATA_PARALLEL, (
+            Default("zero_bucket_numel", 500_000_000,
+                    f"runtime/zero/config.py DeepSpeedZeroConfig.reduce_bucket_size = 5e8; "
+                    f"stage_1_and_2.py setup_buckets: torch.empty(reduce_bucket_size) in the "
+                    f"gradients' dtype at a backward's first gradient hook ({_DEEPSPEED})"),
+            Default("zero_bucket_buffers", 1,
+                    f"runtime/zero/config.py contiguous_gradients = True, overlap_comm True "
+                    f"for stage 3 only (overlap_comm_valid): one bucket, a second "
+                    f"with overlap_comm (stage_1_and_2.py setup_buckets buf_1) ({_DEEPSPEED})"),
+        )),
+)
 
 # The fields a preset sets: those of the layout (``ParallelConfig``), the rest the workload's.
 # One that neither the user nor the preset sets keeps its own default, declared once on
@@ -389,6 +425,36 @@ REFUSALS: dict[Framework, tuple[Refusal, ...]] = {
                 "weights (3) as units of buckets"),
     ),
     Framework.GENERIC: (),
+    Framework.DEEPSPEED: (
+        Refusal(lambda par, wl: par is not None and int(par.zero) != 2, "--zero 0, 1 or 3",
+                "memplan models DeepSpeed's ZeRO stage 2 (runtime/zero/stage_1_and_2.py "
+                "DeepSpeedZeroOptimizer with partition_grads); stage 1's full gradients "
+                "moved through the bucket, stage 3's parameter coordinator "
+                "(partitioned_param_coordinator.py: prefetch bucket, max live parameters, "
+                "persistence threshold) and stage 0's bf16 optimizer are not modelled yet"),
+        Refusal(lambda par, wl: wl.precision.value not in ("bf16-mixed", "fp16-mixed"),
+                "a precision other than bf16-mixed or fp16-mixed",
+                "DeepSpeed's ZeRO keeps bf16/fp16 weights and gradients with an fp32 "
+                "partition (bf16 or fp16 enabled); an fp32 run clones an fp32 partition "
+                "beside fp32 weights, not modelled"),
+        Refusal(lambda par, wl: par is not None and (par.tp > 1 or par.pp > 1 or par.cp > 1
+                                                     or par.ep > 1),
+                "--tp, --pp, --cp or --ep above 1",
+                "DeepSpeed's pipeline engine (runtime/pipe), AutoTP, Ulysses and MoE groups "
+                "are not modelled: data parallelism only"),
+        Refusal(lambda par, wl: wl.recompute.label == "selective", "--recompute selective",
+                "transformers has no selective recompute; gradient_checkpointing_enable() "
+                "checkpoints each decoder layer, which is --recompute full"),
+        Refusal(lambda par, wl: bool(wl.lora_rank) or wl.optimizer.value != "adamw",
+                "LoRA or an optimizer other than AdamW",
+                "DeepSpeed's ZeRO-2 is traced with AdamW on every weight; adapters (fp32 "
+                "gradients in the partition) and bitsandbytes' states on its flat partition "
+                "are not"),
+        Refusal(lambda par, wl: par is not None and bool(par.offload), "--offload",
+                "ZeRO-Offload's device side (stage_1_and_2.py temp_grad_buffer_for_gpu_offload, "
+                "the largest parameter's size, and at each reduce an fp64 copy of a gradient "
+                "for its norm, set_norm_for_param_grad_in_gpu) is not modelled yet"),
+    ),
 }
 REFUSALS[Framework.TORCHTITAN] += (
     Refusal(lambda par, wl: par is not None and int(par.zero) in (1, 2), "--zero 1 or 2",

@@ -200,6 +200,7 @@ class Framework(str, enum.Enum):
     TORCHTITAN = "torchtitan"
     HF = "hf"
     LIGHTNING = "lightning"
+    DEEPSPEED = "deepspeed"
 
 
 class ChunkBackward(str, enum.Enum):
@@ -458,6 +459,17 @@ class Workload(BaseModel):
         "through forward, and backward accumulates into them"))
     logits_held: LogitsHeld = LogitsHeld.NONE
     grad_sync: GradSync = GradSync.EVERY
+    # DeepSpeed's ZeRO-1/2 gradient buckets and step (memplan.model.deepspeed_zero)
+    zero_bucket_numel: int = Field(default=0, ge=0, le=10**12, description=(
+        "elements of each preallocated reduce bucket (DeepSpeed's reduce_bucket_size: "
+        "stage_1_and_2.py setup_buckets); 0: no preallocated bucket"))
+    zero_bucket_buffers: int = Field(default=0, ge=0, le=2, description=(
+        "how many such buckets a backward allocates: 1, or 2 with overlap_comm; 0 without "
+        "contiguous_gradients"))
+    flat_partition: bool = Field(default=False, description=(
+        "the optimizer updates one flat fp32 partition per parameter group, whose gradient "
+        "the step makes by flattening the rank's gradient partition (a copy in the "
+        "gradients' dtype) and upcasting it (DeepSpeed's DeepSpeedZeroOptimizer.step)"))
     softmax_fp32: bool = Field(default=False, description=(
         "eager attention's softmax in fp32 with a compute-dtype copy for the value matmul "
         "(transformers' eager_attention_forward)"))

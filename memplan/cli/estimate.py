@@ -11,6 +11,7 @@ import typer
 from memplan.api import estimate as run_estimate
 from memplan.cli.options import (
     ESTIMATE,
+    DeepspeedConfig,
     Job,
     Json,
     MegatronArgs,
@@ -29,7 +30,8 @@ PlotPath = Annotated[Path | None, typer.Option(
 
 @uses(*ESTIMATE, model=None)
 def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfig = None,
-             megatron_args: MegatronArgs = None, json_out: Json = False,
+             megatron_args: MegatronArgs = None,
+             deepspeed_config: DeepspeedConfig = None, json_out: Json = False,
              quiet: Quiet = False) -> None:
     """Per-GPU memory of every pipeline stage and the most loaded rank.
 
@@ -51,6 +53,8 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
 
       memplan estimate -n 64 --torchtitan-config llama3_8b.toml
 
+      memplan estimate -m llama-7b -n 8 --deepspeed-config ds_config_zero2.json
+
       memplan estimate -n 8 --megatron-args "--num-layers 32 --hidden-size 4096 ..."
     """
     if plot is not None:
@@ -61,7 +65,8 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
 
     model, kwargs, imported = configure(job.model, job.kwargs(), defaults_of(job, estimate),
                                         torchtitan=torchtitan_config,
-                                        megatron=megatron_args)
+                                        megatron=megatron_args,
+                                        deepspeed=deepspeed_config)
     est = run_estimate(model, **kwargs)
     from memplan.report import estimate_json, render_estimate
 

@@ -208,6 +208,12 @@ TorchtitanConfig = Annotated[Optional[str], typer.Option(
     "--module), parsed, never run. Its model, parallelism, batch, sequence, activation "
     "checkpointing, loss and precision become these options, printed as a mapping; --gpus "
     "gives the world size.", rich_help_panel=_CONFIGS)]
+DeepspeedConfig = Annotated[Optional[str], typer.Option(
+    "--deepspeed-config", help="A DeepSpeed ds_config.json, read as written (the Trainer's "
+    "\"auto\" filled from --model's hidden size and these options): ZeRO stage, precision, "
+    "reduce bucket, contiguous_gradients and overlap_comm become these options under "
+    "--framework deepspeed, printed as a mapping; --model and --gpus give the model and the "
+    "world size.", rich_help_panel=_CONFIGS)]
 MegatronArgs = Annotated[Optional[str], typer.Option(
     "--megatron-args", help="Megatron-LM launch arguments, quoted, or a file of them (a "
     "launch script, or a test model_config.yaml): the model's shape, TP/PP/CP/EP, virtual "

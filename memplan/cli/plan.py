@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from memplan.cli.options import (
+    DeepspeedConfig,
     Job,
     Json,
     MegatronArgs,
@@ -45,6 +46,7 @@ def plan(
     top: Top = 10,
     torchtitan_config: TorchtitanConfig = None,
     megatron_args: MegatronArgs = None,
+    deepspeed_config: DeepspeedConfig = None,
     json_out: Json = False,
 ) -> None:
     """Find the layouts, micro-batch and recompute that fit, fastest first.
@@ -60,13 +62,16 @@ def plan(
       memplan plan -m llama-3-70b -n 512 --seq 8192 --gbs 512 --tp 8 --json
 
       memplan plan -n 64 --torchtitan-config llama3_8b.toml
+
+      memplan plan -m llama-7b -n 8 --deepspeed-config ds_config_zero2.json
     """
     from memplan.api import plan as run_plan
     from memplan.config_import.apply import configure
 
     model, kwargs, imported = configure(job.model, job.kwargs(), defaults_of(job, plan),
                                         torchtitan=torchtitan_config,
-                                        megatron=megatron_args)
+                                        megatron=megatron_args,
+                                        deepspeed=deepspeed_config)
     policy = None if recompute is None else recompute.value
     fixed = kwargs.pop("recompute", None)
     if policy is not None and fixed is not None and fixed != policy:

@@ -1,5 +1,6 @@
-"""A command line with ``--torchtitan-config`` or ``--megatron-args``: the config's inputs in
-place of the options the command line left unset (``memplan.config_import.imported.merge``)."""
+"""A command line with ``--torchtitan-config``, ``--megatron-args`` or ``--deepspeed-config``:
+the config's inputs in place of the options the command line left unset
+(``memplan.config_import.imported.merge``)."""
 
 from __future__ import annotations
 
@@ -13,30 +14,39 @@ if TYPE_CHECKING:
 
 # Workload fields a config sets that no command-line option exposes
 _WORKLOAD_ONLY = frozenset({"fused_qkv", "rope_cache", "head_wgrad_deferral", "fsdp_units",
-                            "loss_impl", "softmax_fp32", "te_grouped_gemm"})
+                            "loss_impl", "softmax_fp32", "te_grouped_gemm",
+                            "zero_bucket_numel", "zero_bucket_buffers"})
 
 
 def configure(model: str | None, given: dict[str, Any], defaults: dict[str, Any], *,
               torchtitan: Any = None, megatron: str | None = None,
+              deepspeed: str | None = None,
               ) -> tuple[str | ModelSpec, dict[str, Any], Imported | None]:
     """(model, API keyword arguments, the ``Imported`` or None) of a command line (``model``
     and its API keywords ``given``, ``defaults`` what its options give unset) with a job's
     config. Keywords a command does not take (``plan`` searches the micro-batch) are notes.
     ``model`` given replaces the config's (its shape for a model the config does not map)."""
-    if torchtitan is None and megatron is None:
+    if torchtitan is None and megatron is None and deepspeed is None:
         if model is None:
             raise MemplanError("--model is required (or --torchtitan-config / "
                                "--megatron-args)")
         return model, given, None
-    if torchtitan is not None and megatron is not None:
-        raise MemplanError("give --torchtitan-config or --megatron-args, not both")
+    if sum(c is not None for c in (torchtitan, megatron, deepspeed)) > 1:
+        raise MemplanError("give one of --torchtitan-config, --megatron-args and "
+                           "--deepspeed-config")
     # the readers only when a config is given: a plain command line does not compile them
     from memplan.config_import.imported import merge
     from memplan.config_import import megatron as mega
     from memplan.config_import import torchtitan as titan
 
     gpus = given.get("gpus", 1)
-    if torchtitan is not None:
+    if deepspeed is not None:
+        from memplan.config_import import deepspeed_config
+
+        if model is None:
+            raise MemplanError("--deepspeed-config names no model: give --model")
+        imported = deepspeed_config.read(deepspeed, gpus, model)
+    elif torchtitan is not None:
         imported = titan.read(torchtitan, gpus, model=model)
     else:
         imported = mega.read(megatron, gpus)

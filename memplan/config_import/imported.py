@@ -17,7 +17,9 @@ from memplan.spec import ModelSpec
 _NOT_KEYWORDS = {"model": "--model", "fused_qkv": "(fused q/k/v)", "rope_cache": "(RoPE tables)",
                  "head_wgrad_deferral": "(deferred output-layer weight gradient)",
                  "fsdp_units": "(FSDP units)",
-                 "loss_impl": "(loss)", "softmax_fp32": "(fp32 softmax)"}
+                 "loss_impl": "(loss)", "softmax_fp32": "(fp32 softmax)",
+                 "zero_bucket_numel": "(reduce bucket elements)",
+                 "zero_bucket_buffers": "(reduce buckets)"}
 
 
 def flag(target: str) -> str:

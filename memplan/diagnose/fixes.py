@@ -124,6 +124,7 @@ def candidates(est: Estimate) -> list[tuple[str, str, dict[str, Any]]]:
                     "--offload optimizer" + (" --zero 1" if zero else ""),
                     {"offload": Offload.OPTIMIZER.value, **zero}))
     out += _saver_candidates(par, wl)
+    out += _bucket_candidates(est)
     if wl.precision in _MASTER_RECIPES:
         out.append(("bf16 weights, gradients and states without an fp32 master copy",
                     "--precision bf16-pure", {"precision": Precision.BF16_PURE}))
@@ -146,6 +147,24 @@ def _offloading(par: Any, more: Offload) -> tuple[str, dict[str, Any]]:
     """(the --offload flag, the estimate keyword) of the layout's offloads and ``more``."""
     names = ",".join(sorted(o.value for o in {*par.offload, more}))
     return f"--offload {names}", {"offload": names}
+
+
+def _bucket_candidates(est: Estimate) -> list[tuple[str, str, dict[str, Any]]]:
+    """DeepSpeed's reduce buckets (``memplan.model.deepspeed_zero``), allocated whole in
+    backward: one buffer instead of two (overlap_comm off), and a bucket of hidden^2 elements
+    (what the transformers Trainer's "auto" gives) where the bucket is larger. Each is a
+    ds_config key; both change only when the gradient partition is made (first_reduce)."""
+    wl, h = est.workload, est.spec.hidden_size
+    out = []
+    if wl.zero_bucket_buffers == 2:
+        out.append(("one reduce bucket instead of two (DeepSpeed overlap_comm off)",
+                    "ds_config zero_optimization.overlap_comm = false",
+                    {"zero_bucket_buffers": 1}))
+    if wl.zero_bucket_buffers and wl.zero_bucket_numel > h * h:
+        out.append((f"a reduce bucket of hidden^2 = {h * h:,} elements (DeepSpeed)",
+                    f"ds_config zero_optimization.reduce_bucket_size = {h * h}",
+                    {"zero_bucket_numel": h * h}))
+    return out
 
 
 def _saver_candidates(par: Any, wl: Any) -> list[tuple[str, str, dict[str, Any]]]:

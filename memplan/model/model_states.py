@@ -15,6 +15,7 @@ import math
 from typing import Any, NamedTuple
 
 from memplan.model.adapters import ADAPTER_BYTES
+from memplan.model.deepspeed_zero import bucket_bytes, first_reduce, step_flat_copy_bytes
 from memplan.model.embedding import EmbeddingBlock
 from memplan.model.fsdp_buckets import gathered_units, queued_units
 from memplan.model.head import HeadBlock
@@ -182,7 +183,9 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
     # only a per-tensor optimizer reads the updated tensors' shapes
     shapes = _updated_shapes(_shapes(trained), par) if optimizer.shaped else ()
     states = optimizer.states(policy, opt_params, shapes)
-    steps = optimizer.step_counter_bytes(wl.optimizer_impl, len(trained.tensor_sizes), shapes)
+    # one flat partition per parameter group (DeepSpeed): one tensor's step count
+    updated = 1 if wl.flat_partition else len(trained.tensor_sizes)
+    steps = optimizer.step_counter_bytes(wl.optimizer_impl, updated, shapes)
     grads_bytes = held(trained.dense, trained.expert, ZeroStage.GRADIENTS) * policy.grad_bytes
     num_tensors = len(trained.tensor_sizes)
     if Offload.PARAMS in par.offload:  # FSDP2's CPUOffloadPolicy (memplan.model.offload)
@@ -282,6 +285,8 @@ def optimizer_step_temp_bytes(params: StageParams, st: StateBytes, par: Parallel
                                 policy.updated.itemsize)
     if policy.master_bytes and policy.grad_bytes < FP32_BYTES:
         temp += st.num_optimizer_params * FP32_BYTES
+    if wl.flat_partition:  # beside the partition and its fp32 copy (deepspeed_zero)
+        temp += step_flat_copy_bytes(st.num_optimizer_params, policy.grad_bytes)
     if policy.grad_scaler:
         return max(temp + GRAD_SCALER_STEP_BYTES, GRAD_SCALER_UNSCALE_BYTES)
     return temp
@@ -326,10 +331,16 @@ class ShardingBuffers(NamedTuple):
     window_units: int = 0  # units of ``gathered_bytes`` gathered at once in forward, fewer
     #                        over the stage's last blocks (0: not modelled)
     window_unit: int = 0  # ... the bytes of one
+    bucket_bytes: int = 0  # preallocated reduce buckets held through backward (already in
+    #                        the backward_* bytes above; here for the record)
+    partition_bytes: int = 0  # the rank's gradient partition, whole from one point of the
+    #                           backward on (not growing with the gradients made)
+    partition_from: int = 0  # ... that point: -1 the head's backward, i the i-th block in
+    #                          backward (0: the stage's last), beyond the blocks: at its end
 
     @property
     def peak_bytes(self) -> int:
-        return self.gathered_bytes + self.grad_bytes
+        return self.gathered_bytes + self.grad_bytes + self.bucket_bytes
 
 
 def separate_units(wl: Workload) -> bool:
@@ -409,9 +420,32 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload,
                                # at the embedding's backward every block is resharded
                                backward_end_bytes=root_b,
                                forward_start_bytes=start, forward_first_start_bytes=first_start)
+    if wl.zero_bucket_buffers and par.zero == ZeroStage.GRADIENTS:
+        return _preallocated_buckets(params, par, wl, trainable, policy.grad_bytes)
     if par.zero == ZeroStage.GRADIENTS and par.dense_shard_degree > 1:
         return ShardingBuffers(0, 0, _reduce_bucket(params, par, trainable, policy.grad_bytes))
     return ShardingBuffers(0, 0, 0)
+
+
+def _preallocated_buckets(params: StageParams, par: ParallelConfig, wl: Workload,
+                          trainable: TrainablePolicy, grad_bytes: int) -> ShardingBuffers:
+    """DeepSpeed's reduce buckets and gradient partition (``memplan.model.deepspeed_zero``).
+    The buckets are whole from the first gradient of a backward to its end, at any
+    data-parallel size, nothing growing with the gradients made; the first gradient hook runs
+    after the loss's backward (the head's weight gradient), so they are held beside every
+    backward moment but the loss's (the ``backward_head_prefetch_bytes`` share of the head's
+    bytes). The rank's gradient partition is whole from the first bucket reduce on
+    (``first_reduce``, the last rank's: the most loaded), not growing with the gradients
+    made."""
+    held = bucket_bytes(wl.zero_bucket_numel, wl.zero_bucket_buffers, grad_bytes)
+    trained = trainable.trained(params)
+    partition = (_shard(trained.dense, par.dense_shard_degree, True)
+                 + _shard(trained.expert, par.expert_shard_degree, True)) * grad_bytes
+    start = first_reduce(params.head, params.layers, params.embedding, wl.zero_bucket_numel)
+    return ShardingBuffers(0, 0, 0, backward_head_bytes=held, backward_block_bytes=held,
+                           backward_last_block_bytes=held, backward_end_bytes=held,
+                           backward_head_prefetch_bytes=held, bucket_bytes=held,
+                           partition_bytes=partition, partition_from=start)
 
 
 def _reduce_bucket(params: StageParams, par: ParallelConfig, trainable: TrainablePolicy,

@@ -76,6 +76,13 @@ class DataParallel(NamedTuple):
     step_reduce: int = 0  # kept gathered under PP: a unit's reduce-scatter input and output
     #                       shard at the step's reduce, after its last micro-batch's backward
     #                       (0: no such moment)
+    fresh_only: bool = False  # gradients copied away at their hooks: a moment holds only
+    #                           the weight gradients just made, in every micro-batch
+    partition: int = 0  # gradients held whole from one point of the backward on, not growing
+    #                     with the gradients made (the walk's own gradients are then 0)
+    partition_from: int = 0  # ... that point: -1 the head's backward (after the loss's), i
+    #                          the i-th block in backward; beyond the blocks it is the end's
+    #                          gradients (the walk's grads_total)
 
     # Bytes are made from bytes in integer arithmetic on the ratios' numerators and
     # denominators (gradient bytes are never negative): exact, and no Fraction is built.
@@ -127,7 +134,9 @@ class DataParallel(NamedTuple):
             den = r.denominator * d.denominator
             return max(m.alive_bytes + m.transient_bytes + min(cap, g * r.numerator) * num // den
                        for m, g in zip(moments, grads))
-        if growing:
+        # gradients copied away at their hooks: the moments hold the fresh weight gradients
+        # alone, in every micro-batch (``fresh_only``)
+        if growing or self.fresh_only:
             return max(m.alive_bytes + m.transient_bytes + g for m, g in zip(moments, grads))
         return max(m.alive_bytes + m.transient_bytes for m in moments)
 
@@ -168,7 +177,9 @@ def data_parallel(shard: ShardingBuffers, params: int, grads_bytes: int,
         in_block_forward=shard.gathered_bytes, at_loss_forward=shard.gathered_at_loss_bytes,
         block_start=shard.forward_start_bytes,
         first_block_start=shard.forward_first_start_bytes,
-        window_units=shard.window_units, window_unit=shard.window_unit)
+        window_units=shard.window_units, window_unit=shard.window_unit,
+        partition=shard.partition_bytes, partition_from=shard.partition_from,
+        fresh_only=bool(shard.bucket_bytes))
 
 
 def with_stream(dp: DataParallel, stream: int) -> DataParallel:
@@ -247,6 +258,7 @@ def head_moments(dp: DataParallel, head_grads: int) -> tuple[int, tuple[Event, .
     """At the head: (the bytes beside the final norm's backward, the instants after it, what
     is carried to the blocks). ``head_grads``: the head's (and final norm's) held gradients."""
     beside = dp.root(head_grads) if dp.per_unit else dp.buffer(head_grads)
+    beside += dp.partition if dp.partition_from < 0 else 0
     events: tuple[Event, ...] = ()
     if dp.reduce_copies and dp.separate_units:  # the head's own unit at its reduce
         events = (Event("head.reduce", 0, dp.reduced(head_grads) - head_grads),)
@@ -264,6 +276,8 @@ def run_positions(dp: DataParallel, held: Held, layer_grads: int, early: int, n:
     ``stage_first``: the run ends with the stage's first block. Returns its positions and
     what is carried on."""
     after = Held(held.made + n * layer_grads, held.prev_input, held.root_held, held.blocks + n)
+    if dp.fresh_only:
+        return _partition_positions(dp, held.blocks, n, stage_first), after
     if not dp.per_unit:
         first = last = 0
         if dp.grad_cap:
@@ -280,6 +294,25 @@ def run_positions(dp: DataParallel, held: Held, layer_grads: int, early: int, n:
                 Position(1, None, last + end_gathered, None)], after
     return _unit_positions(dp, held, layer_grads, n, growing, stage_first), \
         Held(after.made, dp.unsharded(layer_grads), after.root_held, after.blocks)
+
+
+def _partition_positions(dp: DataParallel, start: int, n: int,
+                         stage_first: bool) -> list[Position]:
+    """Blocks ``start`` to ``start + n - 1`` in backward with a partition held whole from block
+    ``partition_from`` on (the block where it is made counted with it), beside what the
+    mechanism holds at every block (``in_block``; ``in_first_block`` at the stage's first)."""
+    without = min(n, max(0, dp.partition_from - start))
+    spans = [(without, 0), (n - without, dp.partition)]
+    out = []
+    for count, extra in (span for span in spans if span[0]):
+        out.append(Position(count, None, dp.in_block + extra, None))
+    if stage_first and dp.in_first_block != dp.in_block:
+        last = out.pop()
+        extra = last.beside - dp.in_block
+        if last.repeat > 1:
+            out.append(last._replace(repeat=last.repeat - 1))
+        out.append(Position(1, None, dp.in_first_block + extra, None))
+    return out
 
 
 def _unit_positions(dp: DataParallel, held: Held, layer_grads: int, n: int, growing: bool,

@@ -27,6 +27,7 @@ from memplan.model.grad_sync import (
 )
 from memplan.model.head import HeadBlock
 from memplan.model.layer import LayerKind, backward_moments, merge_terms
+from memplan.model.deepspeed_zero import weight_grads_at
 from memplan.model.moments import Segment, peak_of
 from memplan.model.pipeline import Schedule
 from memplan.model.stage_parts import LayerKey, StageKinds, StageStates
@@ -207,6 +208,13 @@ def _entries(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTe
                                  shared.dm.stream(spec.hidden_size),
                                  kept_cache_bytes(spec, wl, shared.dm, key[1], bool(key[2:])))
         moment_grads = memo.whole_bytes_each(shared.moment_params[key], per_param)
+        if fx.shard.bucket_bytes:
+            # gradients copied into preallocated buckets at their hooks (DeepSpeed): at a
+            # moment only the weight gradient just made exists, unsharded, until its hook
+            # copies it away (one larger than the bucket until the next hook)
+            moment_grads = weight_grads_at(tuple(m.fresh_params for m in kind.moments),
+                                           wl.zero_bucket_numel,
+                                           wl.precision.policy.grad_bytes)
         if fx.main_grads and par.zero < ZeroStage.GRADIENTS:
             # the weight whose gradient was just made holds it in the compute dtype: its fp32
             # main gradient does not exist yet
@@ -269,7 +277,8 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     forward = _forward(shared, fx, walk, dfr.before_forward - dfr.before_backward + host_rope)
     base = st.params_bytes + fx.buckets + fx.buffers
     # the logits a training loop keeps from the loss are alive at the optimizer step
-    optimizer = peak_of([Segment((walk.head.loop_logits(),)), fx.step])
+    optimizer, optimizer_first = (peak_of([Segment((walk.head.loop_logits(),)), s])
+                                  for s in (fx.step, fx.first_step or fx.step))
 
     held = walk.head.held_logits  # logits the loop holds from the loss on (its drain's too)
 
@@ -284,7 +293,7 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
         return PhasePeaks(
             forward=base + resident + opt_bytes + in_forward + forward(steady) + shared.mask,
             backward=max(base + resident + opt_bytes + from_loss + bwd, drain),
-            optimizer=optimizer + resident)
+            optimizer=(optimizer if steady else optimizer_first) + resident)
 
     # Master weights (and bitsandbytes' quantization maps) exist from optimizer setup; a grad
     # scaler's state from step 1's loss; moments appear at step 1's optimizer step.

@@ -31,8 +31,9 @@ from memplan.model.pipeline import stage_layers
 from memplan.model.sharding import DataParallel, data_parallel
 from memplan.model.trainable import lora_policy
 from memplan.model.walk import first_positions, runs_of
-from memplan.parallel import GradBuffers, ParallelConfig, ZeroStage
+from memplan.parallel import GradBuffers, ParallelConfig, ZeroStage, optimizer_on_host
 from memplan.spec import ModelSpec
+from memplan.units import FP32_BYTES
 from memplan.workload import Precision, Recompute, Workload
 
 # (MoE layer?, recompute policy), and True third for a sliding-window layer whose attention
@@ -101,6 +102,8 @@ class StageStates(NamedTuple):
     #                       (``grad_sync.accumulator_bytes``): with LoRA the adapters' alone
     load: int = 0  # tensor bytes at the model's load, before the first step, where quantizing
     #                a base weight on the device holds more than the weights (0: not modelled)
+    first_step: Segment | None = None  # step 1's optimizer step where its order differs
+    #                                    (states made after the temporaries); None: ``step``
 
     @property
     def optimizer_phase(self) -> int:
@@ -118,6 +121,24 @@ def optimizer_step(st: StateBytes, temp: int, buckets: int, buffers: int) -> Seg
                     Event("data_parallel.buckets", buckets, None),
                     Event("buffers", buffers, None),
                     Event("optimizer.step", 0, temp)))
+
+
+def flat_partition_step(st: StateBytes, temp: int, upcast: int, buffers: int,
+                        first: bool) -> Segment:
+    """DeepSpeed's ZeRO-2 step (``memplan.model.deepspeed_zero``) in its order: the gradient
+    partition flattened and upcast beside it (``temp``: the flat copy and the fp32 gradient),
+    then the partition freed, the optimizer's states made in step 1 (lazily, by the
+    optimizer's first step), and the optimizer's update beside the fp32 gradient
+    (``upcast``)."""
+    states = st.optimizer_bytes - st.master_bytes if first else 0
+    return Segment((Event("weights", st.params_bytes, None),
+                    Event("gradients", st.grads_bytes, None),
+                    Event("optimizer.states", st.optimizer_bytes - states, None),
+                    Event("buffers", buffers, None),
+                    Event("optimizer.flatten", 0, temp),
+                    Event("gradients.freed", -st.grads_bytes, None),
+                    Event("optimizer.first_states", states, None),
+                    Event("optimizer.step", 0, upcast)))
 
 
 @lru_cache(maxsize=16384)
@@ -179,7 +200,10 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
         first=first, last=last, params=params, states=st,
         # kept unsharded under PP (``ShardingBuffers.kept_gathered``): the walk's gradients
         # are the stage's unsharded accumulators, in the reduce dtype
+        # (gradients copied into preallocated buckets at their hooks, and a partition made
+        # whole at once, ``ShardingBuffers.bucket_bytes``/``partition_bytes``: none grow)
         grad_per_param=(exact_ratio(wl.precision.policy.grad_bytes) if shard.kept_gathered
+                        else 0 if shard.bucket_bytes
                         else exact_ratio(st.grads_bytes, max(params.total, 1))),
         opt_temp=opt_temp,
         shard=shard,
@@ -200,6 +224,9 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
         # synchronize_param_gather), so they are alive at the step
         step=optimizer_step(st, opt_temp, buckets + (shard.gathered_at_loss_bytes
                                                      if shard.queued_whole else 0), buffers),
+        first_step=(flat_partition_step(st, opt_temp, st.num_optimizer_params * FP32_BYTES,
+                                        buffers, True)
+                    if wl.flat_partition and not optimizer_on_host(par) else None),
         # frozen weights make no gradient: only the adapters accumulate, in fp32
         accum_bytes=(sum(trainable.adapters) * ADAPTER_BYTES if trainable.adapters
                      else accumulator_bytes(params, wl)),

@@ -1,0 +1,146 @@
+"""DeepSpeed's ZeRO optimizer (``DeepSpeedZeroOptimizer``, stages 1 and 2): the buffers it holds
+beside the model states on one rank, in bytes, and DeepSpeed's own model-state estimators.
+
+Read in DeepSpeed 0.19.8, ``deepspeed/runtime/zero/stage_1_and_2.py`` (``docs/deepspeed.md``
+lists what each piece holds, with the function):
+
+- ``setup_buckets`` (from the first gradient hook of a backward, ``process_gradients``) allocates
+  the reduce bucket, ``torch.empty(reduce_bucket_size)`` in the gradients' dtype, whole, and a
+  second one with ``overlap_comm`` (double buffering); ``_release_ipg_buffers`` (the backward's
+  epilogue, ``independent_gradient_partition_epilogue``) drops them. Only with
+  ``contiguous_gradients`` (its default): without it no bucket is preallocated.
+- ``step``: ``flatten(self.averaged_gradients[i])`` makes a new flat copy of the rank's gradient
+  partition (the gradients' dtype) while the partition (``grads_in_partition``, views of it in
+  ``averaged_gradients``) is alive; ``.to(fp32)`` makes the fp32 gradient the optimizer reads
+  (``single_partition_of_fp32_groups[i].grad``), then the flat copy and the partition are freed
+  and the optimizer steps (FusedAdam's ``multi_tensor_apply``: no temporaries beyond its states).
+  The fp32 gradient is one fp32 tensor of a 1/N partition: the 3.14 GiB request of the 8-GPU
+  ZeRO-2 out-of-memory report is one of them (a 6.7B model: 6.7e9 / 8 x 4 B = 3.14 GiB).
+
+The estimators (``estimate_zero2_model_states_mem_needs`` in stage_1_and_2.py,
+``estimate_zero3_model_states_mem_needs`` in stage3.py) are reproduced as written: what they
+count and what they leave out is their own (no buckets, no activations, no step transients).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+# DeepSpeedZeroConfig defaults (deepspeed/runtime/zero/config.py, 0.19.8): reduce_bucket_size
+# and allgather_bucket_size 5e8 elements, contiguous_gradients True, overlap_comm None ->
+# True for stage 3 only (overlap_comm_valid)
+REDUCE_BUCKET_SIZE = 500_000_000
+ALLGATHER_BUCKET_SIZE = 500_000_000
+# the estimators' default additional_buffer_factor
+ADDITIONAL_BUFFER_FACTOR = 1.5
+
+
+def bucket_buffers(contiguous_gradients: bool, overlap_comm: bool) -> int:
+    """Reduce buckets a backward allocates (``setup_buckets``): none without contiguous
+    gradients, two with ``overlap_comm`` (``buf_1``), else one."""
+    if not contiguous_gradients:
+        return 0
+    return 2 if overlap_comm else 1
+
+
+def bucket_bytes(numel: int, buffers: int, grad_bytes: int) -> int:
+    """Bytes of the reduce buckets: ``buffers`` of ``numel`` elements of ``grad_bytes`` each
+    (``_gradient_reduction_buffer_dtype``: the gradients' dtype without a separate fp32
+    accumulation dtype)."""
+    return numel * buffers * grad_bytes
+
+
+def step_flat_copy_bytes(partition_numel: int, grad_bytes: int) -> int:
+    """The step's flat copy of the rank's gradient partition (``flatten(averaged_gradients)``),
+    in the gradients' dtype, alive with the partition and its fp32 copy."""
+    return partition_numel * grad_bytes
+
+
+def first_reduce(head: int, layers: tuple[int, ...], embedding: int, bucket_numel: int) -> int:
+    """Where in backward the last rank's gradient partition is allocated, whole: the first
+    bucket reduce (``reduce_independent_p_g_buckets_and_remove_grads``: a gradient that does
+    not fit reduces the bucket first; ``reduce_ipg_grads`` -> ``copy_grads_in_partition``
+    allocates ``grads_in_partition``, the rank's whole partition, at the first of its
+    parameters reduced). The last rank owns the flat buffer's tail (the head, the last
+    layers), whose gradients come first, so its partition is the earliest. Gradients come
+    in backward order: the head (its projection, then the final norm), the layers last to
+    first, the embedding. Returns -1 for the head's backward, i (0 = the last layer) for the
+    i-th layer in backward, len(layers) for the embedding's, len(layers) + 1 when everything
+    fits in one bucket (the backward's epilogue reduces it). ``head``, ``layers`` and
+    ``embedding`` in elements; a unit is counted from its start where the crossing falls
+    inside it."""
+    done = 0
+    for index, numel in ((-1, head), *enumerate(reversed(layers)), (len(layers), embedding)):
+        # (a first gradient larger than the bucket waits alone for the next one's hook:
+        # inside the same unit, each has more than one tensor)
+        if numel and done + numel > bucket_numel:
+            return index
+        done += numel
+    return len(layers) + 1
+
+
+def weight_grads_at(fresh: tuple[int, ...], bucket_numel: int, grad_bytes: int) -> tuple[int, ...]:
+    """Unsharded weight gradients alive at each of a layer's backward moments (``fresh``: the
+    elements of the weight whose gradient was just made there, 0 where none was): a gradient
+    exists at its own moment, until its hook copies it into the bucket; one larger than the
+    bucket is not copied (``reduce_independent_p_g_buckets_and_remove_grads``:
+    ``extra_large_param_to_reduce``) and stays until the next weight's hook reduces it, so
+    it is alive at the moments between, the next weight's included."""
+    out, carried = [], 0
+    for numel in fresh:
+        out.append((numel + carried) * grad_bytes)
+        if numel:
+            carried = numel if numel > bucket_numel else 0
+    return tuple(out)
+
+
+class EstimatorBytes(NamedTuple):
+    """What a DeepSpeed estimator returns, int bytes: CPU, GPU per rank (and for ZeRO-3 the
+    largest layer's 4 B/param term)."""
+
+    cpu_bytes: int
+    gpu_bytes: int
+    largest_layer_bytes: int = 0
+
+
+def estimate_zero2(total_params: int, num_gpus_per_node: int = 1, num_nodes: int = 1,
+                   cpu_offload: bool = True,
+                   additional_buffer_factor: float = ADDITIONAL_BUFFER_FACTOR) -> EstimatorBytes:
+    """``estimate_zero2_model_states_mem_needs`` (stage_1_and_2.py) as written: GPU 2P with
+    offload, else 2P + int(18P / N) ("2 = params_16bit, 18 = 2_grads_16bit + 4_grads_32bit +
+    4_params_32bit + 8_optimizer_states_32bit"); CPU P x max(4N, 16) x factor with offload, else
+    P x 4 x gpus per node x factor; both truncated by int()."""
+    total_gpus = num_nodes * num_gpus_per_node
+    if cpu_offload:
+        gpu = 2 * total_params
+        cpu = total_params * max(4 * total_gpus, 16) * additional_buffer_factor
+    else:
+        gpu = 2 * total_params + int(18 * total_params / total_gpus)
+        cpu = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+    return EstimatorBytes(int(cpu), int(gpu))
+
+
+def estimate_zero3(total_params: int, largest_layer_params: int, num_gpus_per_node: int = 1,
+                   num_nodes: int = 1, cpu_offload: bool = True, cpu_offload_params: bool = True,
+                   zero_init: bool = True,
+                   additional_buffer_factor: float = ADDITIONAL_BUFFER_FACTOR) -> EstimatorBytes:
+    """``estimate_zero3_model_states_mem_needs`` (stage3.py) as written. ``largest_layer_params``
+    is its ``model_to_params``'s: the most parameters one module holds itself
+    (``parameters(recurse=False)``), e.g. the embedding or the output projection, not a
+    decoder layer."""
+    total_gpus = num_nodes * num_gpus_per_node
+    gpus_factor = 1 / num_nodes
+    largest = 4 * largest_layer_params
+    f = additional_buffer_factor
+    if cpu_offload and cpu_offload_params:
+        gpu = largest
+        cpu = total_params * (18 * gpus_factor if zero_init
+                              else max(4 * num_gpus_per_node, 18 * gpus_factor)) * f
+    elif cpu_offload:
+        gpu = largest + int(2 * total_params / total_gpus)
+        cpu = total_params * (16 * gpus_factor if zero_init
+                              else max(4 * num_gpus_per_node, 16 * gpus_factor)) * f
+    else:
+        gpu = largest + int(18 * total_params / total_gpus)
+        cpu = (largest_layer_params if zero_init else total_params) * 4 * num_gpus_per_node * f
+    return EstimatorBytes(int(cpu), int(gpu), largest)

@@ -1,0 +1,212 @@
+"""DeepSpeed's own engine traced on CPU: a transformers model under ``deepspeed.initialize``
+with ZeRO stage 2, stepped as the transformers Trainer steps it, under memplan's exact tensor
+tracker, against ``memplan.model.estimate.estimate`` of the deepspeed preset.
+
+How it runs without a GPU: DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``,
+deepspeed/accelerator/cpu_accelerator.py: a synchronized device, no streams) and rank 0 of a
+``dp``-rank fake process group (torch.testing's ``fake`` backend: collectives return at once,
+every tensor has the shape and dtype it has on a real rank), as the other parallel traces do.
+The client optimizer is ``torch.optim.AdamW(fused=True)``: what the Trainer hands DeepSpeed when
+the ds_config has no ``optimizer`` table (its ``adamw_torch_fused`` default), so DeepSpeed's
+FusedAdam op, which a CPU build would compile, is not needed. The step is the Trainer's
+(trainer.py training_step / _inner_training_loop under DeepSpeed): ``engine(**inputs)``, its
+loss alone kept (compute_loss), ``engine.backward(loss)`` (the gradient hooks fill the reduce
+bucket; the epilogue reduces the last one), ``engine.step()`` (the ZeRO optimizer's step and
+the weights' all-gather).
+
+What is registered up front: the flat bf16 weights (the model's parameters are views of
+``bit16_groups_flat``) as ``parameters``; the fp32 partition
+(``single_partition_of_fp32_groups``) as ``optimizer``; the model's buffers. At the optimizer
+phase the rank's gradient partition (the gradients of ``params_in_partition``, views of
+``grads_in_partition``) is counted as ``gradients``. Categories only label; the phase totals
+are every live storage.
+
+This module imports torch, transformers and deepspeed; memplan's CLI never imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from memplan import api
+from memplan.profile.cuda_rules import cuda_kernels
+from memplan.profile.tracker import HostCategories
+from memplan.profile.frameworks import (
+    Built,
+    FrameworkCase,
+    LibraryTracker,
+    Mark,
+    compare_built,
+    hf_spec,
+    run_library_steps,
+)
+from memplan.profile.compare import Comparison
+from memplan.profile.trace import TraceResult
+
+# ZeRO-2 as the preset models it: bf16 weights and gradients, fp32 partition and states
+PRECISIONS = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+
+
+def _environment(dp: int) -> None:
+    """What DeepSpeed reads before it starts: the CPU accelerator, and the launcher's
+    variables (engine.py _do_args_sanity_check asserts LOCAL_RANK)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.update(LOCAL_RANK="0", RANK=str(dp - 1), WORLD_SIZE=str(dp))
+
+
+def ds_config(case: FrameworkCase) -> dict[str, Any]:
+    """The ds_config of a case: its micro-batch, precision and ZeRO options (``options``:
+    ``reduce_bucket_size``, ``overlap_comm``, ``contiguous_gradients``)."""
+    zero = {"stage": 2, **{k: v for k, v in case.options.items()
+                           if k in ("reduce_bucket_size", "overlap_comm",
+                                    "contiguous_gradients", "offload_optimizer")}}
+    # fp16 with a static loss scale (runtime/fp16/loss_scaler.py LossScaler): a dynamic one
+    # skips the steps whose scaled gradients overflow, which a random toy's first steps do
+    table = ({"enabled": True, "loss_scale": 128} if case.recipe == "fp16-mixed"
+             else {"enabled": True})
+    return {"train_micro_batch_size_per_gpu": case.micro_batch_size,
+            "gradient_accumulation_steps": case.options.get("accumulation", 1),
+            "fp16" if case.recipe == "fp16-mixed" else "bf16": table,
+            "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True,
+            # the Trainer's torch AdamW stepping the host partition (DeepSpeedCPUAdam would
+            # need its C++ op built); the same states, on the host
+            "zero_force_ds_cpu_optimizer": False,
+            "zero_optimization": zero}
+
+
+def build_deepspeed(case: FrameworkCase) -> Built:
+    """A transformers causal LM (``case.config``, SDPA attention) in the recipe's dtype,
+    wrapped by ``deepspeed.initialize`` with ``ds_config(case)``."""
+    _environment(case.dp)
+    import deepspeed
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**case.config)
+    model = AutoModelForCausalLM.from_config(config, dtype=PRECISIONS[case.recipe],
+                                             attn_implementation="sdpa")
+    spec = hf_spec(model.config, case.name)
+    client = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+    cfg = ds_config(case)
+    engine, zero_opt, _, _ = deepspeed.initialize(model=model, optimizer=client, config=cfg,
+                                                  dist_init_required=False)
+    b, s, vocab = case.micro_batch_size, case.seq_len, model.config.vocab_size
+
+    m = cfg["gradient_accumulation_steps"]
+
+    def step(k: int, mark: Mark) -> None:
+        # accelerate's DeepSpeedEngineWrapper.backward: engine.backward, then engine.step,
+        # which steps at the accumulation boundary only
+        for j in range(m):
+            if j:
+                mark("forward")
+            ids = torch.randint(0, vocab, (b, s))
+            out = engine(input_ids=ids, labels=ids)
+            loss = out.loss
+            del out
+            mark("backward")
+            engine.backward(loss)
+            del loss
+            if j < m - 1:
+                engine.step()
+        _label_partition(zero_opt, tracker_of[0])
+        mark("optimizer")
+        engine.step()
+
+    tracker_of: list[Any] = [None]
+
+    @contextlib.contextmanager
+    def registered(tracker: LibraryTracker) -> Iterator[None]:
+        tracker_of[0] = tracker
+        tracker.register(list(zero_opt.single_partition_of_fp32_groups), "optimizer")
+        if zero_opt.cpu_offload:  # ZeRO-Offload: what stage_1_and_2.py __init__ puts on the host
+            tracker.register([p.grad for p in zero_opt.single_partition_of_fp32_groups]
+                             + list(zero_opt.param_buffer_of_bit16_for_cpu_offload_groups)
+                             + [zero_opt.temp_grad_buffer_for_cpu_offload], "optimizer")
+            # ... and on the device: a buffer of the largest parameter's size
+            tracker.register(zero_opt.temp_grad_buffer_for_gpu_offload, "buckets")
+        yield
+
+    zero = cfg["zero_optimization"]
+    workload = dict(framework="deepspeed", micro_batch_size=b, seq_len=s,
+                    global_batch_size=b * case.dp * m,
+                    precision=case.recipe, attention="flash", optimizer_impl="fused",
+                    **({"zero_bucket_numel": int(zero["reduce_bucket_size"])}
+                       if "reduce_bucket_size" in zero else {}),
+                    **({"zero_bucket_buffers": 2} if zero.get("overlap_comm") else {}))
+    offload = "optimizer" if "offload_optimizer" in zero else "none"
+    return Built("deepspeed", model, spec, api.make_layout(case.dp, zero=2, offload=offload),
+                 workload, step,
+                 zero_opt.optimizer, context=registered)
+
+
+def _label_partition(zero_opt: Any, tracker: LibraryTracker) -> None:
+    """Count the rank's gradient partition as gradients: the epilogue leaves it in
+    ``averaged_gradients`` (views of ``grads_in_partition``), the parameters' ``.grad``
+    cleared (``_clear_param_grad_only``)."""
+    for group in zero_opt.averaged_gradients.values():
+        for g in group or ():
+            tracker.relabel(g, "gradients")
+
+
+@contextlib.contextmanager
+def _last_rank(dp: int) -> Iterator[None]:
+    """The last of ``dp`` ranks on torch's fake process group: the rank whose partition is the
+    flat buffer's tail, the head's and the last layers' gradients, made first in backward
+    (``memplan.model.deepspeed_zero.first_reduce``)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=dp - 1, world_size=dp)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class OffloadTracker(HostCategories, LibraryTracker):
+    """``LibraryTracker`` for ZeRO-Offload on a CPU-only build: the totals count the device
+    alone; host memory is the ``optimizer`` category (the fp32 partition, its gradient, the
+    bit16 copy, the host gradient buffer, the states, and whatever the step makes: it runs
+    on the host)."""
+
+    HOST = ("optimizer",)
+
+
+def trace_deepspeed(case: FrameworkCase, steps: int = 2) -> tuple[Built, TraceResult]:
+    """Build and trace ``case`` on the last of ``case.dp`` fake ranks, CUDA's kernels."""
+    with _last_rank(case.dp), cuda_kernels():
+        torch.manual_seed(0)
+        built = build_deepspeed(case)
+        offload = "offload_optimizer" in case.options
+        tracker = OffloadTracker() if offload else LibraryTracker()
+        return built, run_library_steps(built, tracker, steps=steps)
+
+
+def compare_deepspeed(case: FrameworkCase, steps: int = 2) -> Comparison:
+    """The trace of ``case`` next to memplan's estimate of the deepspeed preset."""
+    built, result = trace_deepspeed(case, steps)
+    return compare_built(built, result)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m memplan.profile.deepspeed_trace CASE_JSON``: one case (the fields of
+    ``FrameworkCase``) traced in this process, its rows printed as JSON. DeepSpeed keeps its
+    process groups in module globals (deepspeed/utils/groups.py), so each case runs in a
+    process of its own."""
+    import json
+    import sys
+
+    from memplan.profile.compare import comparison_json
+
+    fields = json.loads((argv if argv is not None else sys.argv[1:])[0])
+    c = compare_deepspeed(FrameworkCase(**fields))
+    print(json.dumps(comparison_json(c)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""DeepSpeed's ZeRO-2 as memplan models it (``memplan.model.deepspeed_zero``, the deepspeed
+preset) and a ds_config.json read as written (``memplan.config_import.deepspeed_config``).
+
+Every expected number is derived by hand from DeepSpeed 0.19.8's source in the docstring;
+tests/traced/test_deepspeed_trace.py checks the same against DeepSpeed's own code.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from memplan import api
+from memplan.cli import app, main
+from memplan.config_import import deepspeed_config
+from memplan.errors import MemplanError
+from memplan.model.deepspeed_zero import (
+    bucket_buffers,
+    estimate_zero2,
+    estimate_zero3,
+    first_reduce,
+    weight_grads_at,
+)
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "deepspeed"
+LLAMA_7B_PARAMS = 6_738_415_616  # tests/unit/test_hf_config.py: Llama-2-7B's published count
+GIB = 2**30
+
+
+# --- DeepSpeed's own estimators, as written ------------------------------------------------
+
+def test_zero2_estimator_by_hand() -> None:
+    """estimate_zero2_model_states_mem_needs (stage_1_and_2.py), P = 1e9:
+    - 8 GPUs, 1 node, no offload: GPU 2P + int(18P / 8) = 2e9 + 2.25e9 = 4.25e9;
+      CPU P x 4 x 8 x 1.5 = 48e9.
+    - the same with offload: GPU 2P = 2e9; CPU P x max(4 x 8, 16) x 1.5 = 48e9.
+    - 2 nodes of 8, offload: CPU P x max(64, 16) x 1.5 = 96e9; no offload: GPU 2e9 +
+      int(18e9 / 16) = 3.125e9, CPU P x 4 x 8 x 1.5 = 48e9 (per node's GPUs).
+    - one GPU, offload: CPU P x max(4, 16) x 1.5 = 24e9."""
+    p = 1_000_000_000
+    assert estimate_zero2(p, 8, 1, cpu_offload=False) == (48_000_000_000, 4_250_000_000, 0)
+    assert estimate_zero2(p, 8, 1, cpu_offload=True) == (48_000_000_000, 2_000_000_000, 0)
+    assert estimate_zero2(p, 8, 2, cpu_offload=True).cpu_bytes == 96_000_000_000
+    assert estimate_zero2(p, 8, 2, cpu_offload=False) == (48_000_000_000, 3_125_000_000, 0)
+    assert estimate_zero2(p, 1, 1, cpu_offload=True).cpu_bytes == 24_000_000_000
+
+
+def test_zero3_estimator_by_hand() -> None:
+    """estimate_zero3_model_states_mem_needs (stage3.py), P = 1e9, largest layer 1e8 (4 B each:
+    4e8), 8 GPUs on 1 node (gpus_factor 1):
+    - no offload: GPU 4e8 + int(18e9 / 8) = 2.65e9; CPU (zero_init) 1e8 x 4 x 8 x 1.5 = 4.8e9,
+      (no zero_init) 1e9 x 4 x 8 x 1.5 = 48e9.
+    - optimizer offloaded: GPU 4e8 + int(2e9 / 8) = 6.5e8; CPU 1e9 x 16 x 1.5 = 24e9.
+    - both offloaded: GPU 4e8; CPU 1e9 x 18 x 1.5 = 27e9; without zero_init
+      1e9 x max(32, 18) x 1.5 = 48e9."""
+    p, big = 1_000_000_000, 100_000_000
+    assert estimate_zero3(p, big, 8, 1, cpu_offload=False) == (
+        4_800_000_000, 2_650_000_000, 400_000_000)
+    assert estimate_zero3(p, big, 8, 1, cpu_offload=False, zero_init=False).cpu_bytes == (
+        48_000_000_000)
+    assert estimate_zero3(p, big, 8, 1, cpu_offload=True, cpu_offload_params=False) == (
+        24_000_000_000, 650_000_000, 400_000_000)
+    assert estimate_zero3(p, big, 8, 1) == (27_000_000_000, 400_000_000, 400_000_000)
+    assert estimate_zero3(p, big, 8, 1, zero_init=False).cpu_bytes == 48_000_000_000
+
+
+def test_model_states_equal_deepspeeds_zero2_estimator() -> None:
+    """Llama-2-7B (P = 6,738,415,616; P / 8 = 842,301,952 exactly) on 8 GPUs, ZeRO-2, bf16:
+    DeepSpeed's estimator gives 2P + int(18P / 8) = 13,476,831,232 + 15,161,435,136 =
+    28,638,266,368 B ("2 = params_16bit, 18 = 2_grads_16bit + 4_grads_32bit + 4_params_32bit
+    + 8_optimizer_states_32bit"). memplan holds the same pieces: weights 2P, the gradient
+    partition 2P/8, the fp32 partition and its two states 12P/8 plus one fp32 step count of the
+    one flat partition (4 B, torch's fused AdamW; DeepSpeed's FusedAdam keeps it in Python), and
+    in the step the fp32 gradient 4P/8 = 3,369,207,808 B (3.14 GiB: the out-of-memory report's
+    request) beside the flat copy of the gradient partition 2P/8 = 1,684,603,904 B."""
+    est = api.estimate("llama-7b", gpus=8, zero=2, framework="deepspeed")
+    st = est.stages[0]
+    part = LLAMA_7B_PARAMS // 8
+    assert st.params_bytes == 13_476_831_232
+    assert st.grads_bytes == 2 * part == 1_684_603_904
+    assert st.optimizer_bytes == 12 * part + 4 == 10_107_623_428
+    fp32_grad = 4 * part
+    assert fp32_grad == 3_369_207_808 and round(fp32_grad / GIB, 2) == 3.14
+    assert st.optimizer_temp_bytes == fp32_grad + 2 * part == 5_053_811_712
+    model_states = st.params_bytes + st.grads_bytes + st.optimizer_bytes - 4 + fp32_grad
+    assert model_states == estimate_zero2(LLAMA_7B_PARAMS, 8, 1, cpu_offload=False).gpu_bytes
+    assert model_states == 28_638_266_368
+
+
+def test_reduce_bucket_is_whole_from_the_first_gradient() -> None:
+    """DeepSpeed's default bucket: 5e8 elements of bf16, one buffer (overlap_comm off below
+    stage 3): 1e9 B, however few gradients are not this rank's (a 1-rank job holds it too);
+    overlap_comm doubles it; contiguous_gradients off allocates none."""
+    assert (bucket_buffers(True, False), bucket_buffers(True, True),
+            bucket_buffers(False, True)) == (1, 2, 0)
+    for gpus in (1, 8):
+        st = api.estimate("llama-7b", gpus=gpus, zero=2, framework="deepspeed").stages[0]
+        assert st.sharding_buffers_bytes == 1_000_000_000
+    two = api.estimate("llama-7b", gpus=8, zero=2, framework="deepspeed",
+                       zero_bucket_buffers=2).stages[0]
+    assert two.sharding_buffers_bytes == 2_000_000_000
+
+
+def test_backward_holds_the_bucket_forward_does_not() -> None:
+    """The bucket exists from the first gradient hook (the head's weight gradient) to the end
+    of backward: where a moment with it is the backward's peak, the peak rises by its bytes
+    (5e8 x 2 B against 4e8 x 2 B: 2e8 B; the partition is made at the same block with both,
+    ``test_first_reduce_by_hand``), the forward peak does not move."""
+    big = api.estimate("llama-7b", gpus=8, zero=2, framework="deepspeed").stages[0]
+    less = api.estimate("llama-7b", gpus=8, zero=2, framework="deepspeed",
+                        zero_bucket_numel=400_000_000).stages[0]
+    assert big.steady.forward == less.steady.forward
+    assert big.steady.backward - less.steady.backward == 200_000_000
+
+
+def test_first_reduce_by_hand() -> None:
+    """Llama-2-7B in backward order: the head (lm_head 32,000 x 4,096 = 131,072,000 and the
+    final norm 4,096: 131,076,096 elements), then layers of 4 x 4096^2 + 3 x 4096 x 11008 +
+    2 x 4096 = 202,383,360 each. A 5e8 bucket is passed within the second layer in backward
+    (131,076,096 + 2 x 202,383,360 = 535,842,816 > 5e8): index 1; 4e8 the same; 1e8 within the
+    head (-1); a bucket larger than all 6,738,415,616 elements: the epilogue (32 + 1 = 33)."""
+    head, layer, emb = 131_076_096, 202_383_360, 131_072_000
+    layers = (layer,) * 32
+    assert first_reduce(head, layers, emb, 500_000_000) == 1
+    assert first_reduce(head, layers, emb, 400_000_000) == 1
+    assert first_reduce(head, layers, emb, 100_000_000) == -1
+    assert first_reduce(head, layers, emb, 7_000_000_000) == 33
+    # 131,076,096 + 32 x 202,383,360 = 6,607,343,616: the embedding's gradient passes 6.7e9
+    assert first_reduce(head, layers, emb, 6_700_000_000) == 32
+
+
+def test_weight_grads_at_moments_by_hand() -> None:
+    """A layer's moments making gradients of 0, 400, 0, 100, 300 elements, bf16, bucket 250:
+    each at its own moment (800, 200, 600 B); the 400-element one is larger than the bucket and
+    stays until the next weight's hook: also at the two moments after it (800 B at the second,
+    (100 + 400) x 2 = 1,000 B at the fourth); the 300-element one would stay beyond the layer."""
+    assert weight_grads_at((0, 400, 0, 100, 300), 250, 2) == (0, 800, 800, 1_000, 600)
+    assert weight_grads_at((0, 400, 0, 100, 300), 500, 2) == (0, 800, 0, 200, 600)
+
+
+def test_deepspeed_refuses_what_it_does_not_model() -> None:
+    for kwargs, name in ((dict(zero=3), "--zero 0, 1 or 3"), (dict(zero=1), "--zero 0, 1 or 3"),
+                         (dict(zero=2, precision="fp32"), "precision"),
+                         (dict(zero=2, offload="optimizer"), "--offload"),
+                         (dict(zero=2, tp=2), "--tp, --pp"), (dict(zero=2, pp=2), "--tp, --pp")):
+        with pytest.raises(MemplanError, match=name):
+            api.estimate("llama-7b", gpus=8, framework="deepspeed", **kwargs)
+
+
+# --- ds_config.json as written --------------------------------------------------------------
+
+def test_trainer_auto_bucket_is_hidden_squared() -> None:
+    """reduce_bucket_size "auto": the Trainer fills hidden x hidden (transformers/integrations/
+    deepspeed.py trainer_config_finalize): Llama-2-7B's 4096^2 = 16,777,216 elements; with
+    overlap_comm two bf16 buckets: 16,777,216 x 2 x 2 = 67,108,864 B."""
+    imp = deepspeed_config.read(DATA / "ds_config_zero2_hf.json", 8, "llama-7b")
+    assert imp.inputs == {"framework": "deepspeed", "optimizer": "adamw", "zero": 2,
+                          "zero_bucket_numel": 16_777_216, "zero_bucket_buffers": 2}
+    line = next(m.line() for m in imp.mapping if m.target == "zero_bucket_numel")
+    assert "auto: hidden x hidden = 4096 x 4096" in line
+    assert any("bf16.enabled = auto" in n for n in imp.notes)
+    est = api.estimate("llama-7b", gpus=8, **imp.inputs)
+    assert est.stages[0].sharding_buffers_bytes == 67_108_864
+
+
+def test_published_deberta_config_reads_as_written() -> None:
+    """microsoft/deberta-v2-xxlarge-mnli's ds_config.json: fp16, stage 2, reduce bucket 5e7,
+    overlap_comm and contiguous gradients (two buckets), allgather bucket 1.25e9 (no buffer)."""
+    imp = deepspeed_config.read(DATA / "deberta_v2_xxlarge_mnli.json", 8, "llama-7b")
+    assert imp.inputs == {"framework": "deepspeed", "precision": "fp16-mixed", "zero": 2,
+                          "zero_bucket_numel": 50_000_000, "zero_bucket_buffers": 2}
+    assert any("allgather_bucket_size" in n and "holds nothing" in n for n in imp.notes)
+
+
+def test_zero3_auto_values_are_resolved_in_the_refusal_path() -> None:
+    """The documented ZeRO-3 example is refused by its stage, naming the key."""
+    with pytest.raises(MemplanError, match=r"zero_optimization.stage = 3"):
+        deepspeed_config.read(DATA / "ds_config_zero3_hf.json", 8, "llama-7b")
+
+
+def test_documented_offload_example_refused_by_name() -> None:
+    with pytest.raises(MemplanError, match=r"zero_optimization.offload_optimizer"):
+        deepspeed_config.read(DATA / "ds_config_zero2_offload_hf.json", 8, "llama-7b")
+
+
+@pytest.mark.parametrize(("config", "key"), [
+    ({"zero_optimization": {"stage": 2, "zero_quantized_gradients": True}},
+     "zero_optimization.zero_quantized_gradients"),
+    ({"zero_optimization": {"stage": 2, "no_such_key": 1}}, "zero_optimization.no_such_key"),
+    ({"zero_optimization": {"stage": 2}, "pipeline": {"stages": 2}}, "pipeline"),
+    ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "Lamb"}}, "optimizer.type"),
+    ({"zero_optimization": {"stage": 2},
+      "activation_checkpointing": {"partition_activations": True}},
+     "activation_checkpointing.partition_activations"),
+    ({"zero_optimization": {"stage": 2}, "data_types": {"grad_accum_dtype": "fp32"}},
+     "data_types.grad_accum_dtype"),
+    ({"zero_optimization": {"stage": 2, "reduce_bucket_size": 1.5}},
+     "zero_optimization.reduce_bucket_size"),
+    ({"bf16": {"enabled": True}}, "zero_optimization"),
+])
+def test_unsupported_keys_refused_by_name(tmp_path: Path, config: dict, key: str) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(MemplanError, match=key.replace(".", r"\.")):
+        deepspeed_config.read(path, 8, "llama-7b")
+
+
+def test_cli_prints_the_mapping_then_the_estimate() -> None:
+    result = CliRunner().invoke(app, ["estimate", "-m", "llama-7b", "-n", "8",
+                                      "--deepspeed-config", str(DATA / "ds_config_zero2_hf.json")])
+    assert result.exit_code == 0, result.output
+    assert "zero_optimization.reduce_bucket_size = 'auto' -> (reduce bucket elements) " \
+           "16777216" in result.output
+    assert "zero=2" in result.output
+
+
+def test_cli_refusal_is_one_line_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["estimate", "-m", "llama-7b", "-n", "8", "--deepspeed-config",
+                 str(DATA / "ds_config_zero3_hf.json")])
+    err = capsys.readouterr().err
+    assert code == 2 and "zero_optimization.stage = 3" in err and err.count("\n") == 1
+
+
+def test_cli_plan_takes_a_deepspeed_config() -> None:
+    result = CliRunner().invoke(app, ["plan", "-m", "llama-7b", "-n", "8", "--top", "1",
+                                      "--json", "--zero", "2", "--deepspeed-config",
+                                      str(DATA / "ds_config_zero2_hf.json")])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["candidates"]
+
+
+def test_accumulation_gives_the_global_batch(tmp_path: Path) -> None:
+    """train_micro_batch_size_per_gpu 2 x gradient_accumulation_steps 4 x 8 GPUs = 64
+    sequences per step (DeepSpeed's train_batch_size); the estimate then holds two gradient
+    partitions in a later micro-batch's backward."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2,
+                                "gradient_accumulation_steps": 4, "bf16": {"enabled": True},
+                                "zero_optimization": {"stage": 2}}))
+    imp = deepspeed_config.read(path, 8, "llama-7b")
+    assert imp.inputs["global_batch_size"] == 64 and imp.inputs["micro_batch_size"] == 2
+    est = api.estimate("llama-7b", gpus=8, **imp.inputs)
+    assert est.stages[0].grads_bytes == 2 * (LLAMA_7B_PARAMS // 8)
+
+
+def test_diagnose_proposes_deepspeeds_bucket_levers() -> None:
+    """Llama-2-7B on 8 V100s, ZeRO-2 under DeepSpeed's defaults (one 5e8-element bucket):
+    diagnose re-estimates a hidden^2 = 16,777,216-element bucket (the Trainer's "auto"). The
+    bucket shrinks by (5e8 - 16,777,216) x 2 B = 966,445,568 B, but the gradient partition
+    (2 x 842,301,952 = 1,684,603,904 B) is then made at the head's backward (131,076,096 >
+    16,777,216) instead of the second layer's: the re-estimated saving is what the estimate
+    says, less than the bucket alone. With overlap_comm (two buckets) one bucket is proposed
+    too: 5e8 x 2 B = 1e9 B off the backward peak, 1.05e9 B with the allocator's share (5% of
+    the tensor peak until calibrated)."""
+    from memplan.diagnose import diagnose
+
+    r = diagnose("llama-7b", gpus=8, zero=2, framework="deepspeed", gpu="v100-sxm2-32gb",
+                 micro_batch_size=1, seq_len=2048)
+    fix = next(f for f in r.fixes.ranked if "reduce bucket of hidden^2" in f.name)
+    assert fix.change == {"zero_bucket_numel": 16_777_216}
+    assert 0 < fix.saved_bytes < 966_445_568
+    two = diagnose("llama-7b", gpus=8, zero=2, framework="deepspeed", gpu="v100-sxm2-32gb",
+                   micro_batch_size=1, seq_len=2048, zero_bucket_buffers=2)
+    one = next(f for f in two.fixes.ranked if "one reduce bucket" in f.name)
+    # the bucket's 1e9 B, and the allocator's assumed 5% of the tensor peak on it
+    assert one.saved_bytes == 1_050_000_000
