@@ -95,5 +95,3 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
     Console().print(render_estimate(est))
     if drawn is not None:
         typer.echo(f"wrote {drawn}")
-    elif plot is not None:
-        typer.echo("no plot: matplotlib is not installed (pip install matplotlib)")

@@ -62,5 +62,4 @@ def monitor_summary(paths: Paths, plot: PlotPath = None, json_out: Json = False)
     Console().print(render_monitor_summary(result))
     typer.echo(f"worst rank: {result['worst_rank']} (by {result['worst_by']}; marked *)")
     if plot is not None:
-        typer.echo(f"wrote {result['plot']}" if result["plot"] else
-                   "no plot: matplotlib is not installed (pip install matplotlib)")
+        typer.echo(f"wrote {result['plot']}")

@@ -29,16 +29,13 @@ def _series(recs: list[dict[str, Any]]) -> tuple[str, str] | None:
     return None
 
 
-def plot_monitor(records: dict[int, list[dict[str, Any]]], path: Path) -> Path | None:
-    """Write ``path`` (PNG or SVG) for each rank's records (``{rank: [record, ...]}``);
-    ``None`` when matplotlib is not installed."""
+def plot_monitor(records: dict[int, list[dict[str, Any]]], path: Path) -> Path:
+    """Write ``path`` (PNG or SVG) for each rank's records (``{rank: [record, ...]}``)."""
     every = [r for recs in records.values() for r in recs]
     top = max([r.get(k, 0) for r in every for k, _ in MEMORY_SERIES]
               + [r.get("headroom_bytes", 0) for r in every] + [1])
     unit, label = axis_unit(top)
     with figure(path, figsize=(12, 6.5)) as fig:
-        if fig is None:
-            return None
         mem, room = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [2, 1]})
         colours = [f"C{k % 10}" for k in range(len(records))]
         shown: set[str] = set()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -650,3 +651,36 @@ def test_use_cache_defaults_to_the_framework() -> None:
     """Not given: the hf preset's use_cache (on), the generic preset's (off)."""
     assert estimate_cli("--model", "gpt2", "--framework", "hf")["workload"]["kv_cache"] is True
     assert estimate_cli("--model", "gpt2")["workload"]["kv_cache"] is False
+
+
+@pytest.mark.parametrize("argv", [
+    ["estimate", "-m", "llama-7b", "-n", "8", "--plot", "{dir}/stages.png"],
+    ["monitor-summary", "{dir}/none.jsonl", "--plot", "{dir}/monitor.png"],
+    ["analyze-trace", "{dir}/none.json", "--plot", "{dir}/ranks.png"],
+])
+def test_plot_without_matplotlib_is_one_line_exit_2_before_any_work(
+        argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--plot`` is checked before anything is read or estimated: without matplotlib (a None
+    entry in ``sys.modules`` makes ``importlib.util.find_spec`` report it absent) the command
+    says so in one line and exits 2, and nothing is written (the inputs need not exist: the
+    check comes first)."""
+    monkeypatch.delenv("MEMPLAN_DEBUG", raising=False)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    err = assert_one_line_error(capsys, main([a.format(dir=tmp_path) for a in argv]),
+                                ["--plot", "matplotlib is not installed"])
+    assert "nothing was run" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plot_api_without_matplotlib_raises(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plotting functions say the same through the API (``MemplanError``), and write
+    nothing."""
+    from memplan.report.plot_estimate import plot_estimate
+
+    est = memplan.estimate("llama-7b", gpus=8)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(MemplanError, match="matplotlib is not installed"):
+        plot_estimate(est, tmp_path / "stages.png")
+    assert list(tmp_path.iterdir()) == []
