@@ -27,6 +27,10 @@ Safety = Annotated[float, typer.Option(
     "--safety", min=0.0, max=1.0, help="Fraction of capacity kept free, in [0, 1) "
     "(default 0.05).")]
 
+Quiet = Annotated[bool, typer.Option(
+    "--quiet", "-q", help="Print only the fastest configuration that fits, in one line (none "
+    "fits: the reason, exit 1).")]
+
 FixedRecompute = Annotated[RecomputeChoice | None, typer.Option(
     "--recompute", help="Fix the recompute policy (default: search all).")]
 
@@ -48,6 +52,7 @@ def plan(
     megatron_args: MegatronArgs = None,
     deepspeed_config: DeepspeedConfig = None,
     json_out: Json = False,
+    quiet: Quiet = False,
 ) -> None:
     """Find the layouts, micro-batch and recompute that fit, fastest first.
 
@@ -82,6 +87,16 @@ def plan(
                       recompute=None if policy is None else [policy], **kwargs)
     from memplan.report.plan import no_fit_reason, plan_json, render_plan, savers_json
 
+    if quiet and not json_out:
+        if result.candidates:
+            from memplan.report.plan import best_line
+            from memplan.spec import ModelSpec, load_model
+
+            spec = model if isinstance(model, ModelSpec) else load_model(model)
+            typer.echo(best_line(result, spec.num_layers))
+            return
+        typer.echo(f"memplan: {no_fit_reason(result)}", err=True)
+        raise typer.Exit(1)
     found = None
     if not result.candidates and result.closest_miss is not None:
         from memplan.diagnose.fixes import savers

@@ -684,3 +684,25 @@ def test_plot_api_without_matplotlib_raises(tmp_path: Path,
     with pytest.raises(MemplanError, match="matplotlib is not installed"):
         plot_estimate(est, tmp_path / "stages.png")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_plan_quiet_is_the_fastest_candidate_in_one_line() -> None:
+    """``plan --quiet`` prints one line, the first candidate of the same plan's JSON: its
+    layout, micro-batch, recompute, peak (GiB = 2^30 B, two decimals) and step time."""
+    quiet = invoke("plan", "-m", "llama-7b", "-n", "8", "--quiet").stdout
+    first = json.loads(invoke("plan", "-m", "llama-7b", "-n", "8", "--json").stdout)
+    best = first["candidates"][0]
+    lay = best["layout"]
+    assert quiet.count("\n") == 1 and quiet.startswith("FITS: "), quiet
+    assert (f"tp{lay['tp']} pp{lay['pp']} dp{lay['dp']} z{lay['zero']}, mbs {best['mbs']}, "
+            f"recompute {best['recompute']}; peak {best['peak_bytes'] / 2**30:.2f} GiB of "
+            f"{first['budget_bytes'] / 2**30:.2f} GiB usable; step "
+            f"{best['step_time_s']:.2f} s") in quiet, quiet
+
+
+def test_plan_quiet_when_nothing_fits_says_why_exit_1() -> None:
+    """Nothing fits: nothing on stdout, the reason on stderr, exit 1 (as without --quiet)."""
+    result = CliRunner().invoke(app, ["plan", "-m", "llama-3-70b", "-n", "1", "--quiet"])
+    assert result.exit_code == 1
+    assert result.stdout == ""
+    assert result.stderr.startswith("memplan: nothing fits"), result.stderr
