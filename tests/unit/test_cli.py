@@ -706,3 +706,19 @@ def test_plan_quiet_when_nothing_fits_says_why_exit_1() -> None:
     assert result.exit_code == 1
     assert result.stdout == ""
     assert result.stderr.startswith("memplan: nothing fits"), result.stderr
+
+
+@pytest.mark.parametrize("command", [None, "estimate", "plan", "diagnose", "models", "gpus",
+                                     "trace", "profile", "calibrate", "analyze-trace",
+                                     "monitor-summary"])
+def test_help_shows_no_type_noise(command: str | None, capsys: pytest.CaptureFixture[str],
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Help lists a value's type only where it helps: numbers and choices. A flag shows no
+    ``<bool>``, a name or path no ``<str>`` (the help text says what it is)."""
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main([*([command] if command else []), "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--help" in out
+    assert "<bool>" not in out and "<str>" not in out, out
+    if command == "plan":  # numbers and choices keep theirs
+        assert "<int" in out and "<none|selective|full>" in out
