@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
@@ -19,6 +18,7 @@ from memplan.cli.options import (
     defaults_of,
     uses,
 )
+from memplan.report.versioned import dumps
 
 Quiet = Annotated[bool, typer.Option(
     "--quiet", "-q", help="Print only the verdict line (fits or not, peak, stage, headroom); "
@@ -81,7 +81,7 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
             out["plot"] = None if drawn is None else str(drawn)
         if imported is not None:
             out["config"] = imported.as_json()
-        typer.echo(json.dumps(out, indent=2))
+        typer.echo(dumps("estimate", out))
         return
     if quiet:
         from memplan.report.estimate import verdict_line

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated
 
 import typer
@@ -18,6 +17,7 @@ from memplan.cli.options import (
     uses,
 )
 from memplan.errors import MemplanError
+from memplan.report.versioned import dumps
 
 Top = Annotated[int, typer.Option("--top", min=1, help="Candidates to show; recompute policies "
                                   "that cannot reach them are not searched.")]
@@ -109,7 +109,7 @@ def plan(
             out["savers"] = savers_json(found)
         if imported is not None:
             out["config"] = imported.as_json()
-        typer.echo(json.dumps(out, indent=2))
+        typer.echo(dumps("plan", out))
     else:
         from rich.console import Console
 

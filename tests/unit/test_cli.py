@@ -21,6 +21,7 @@ import memplan
 from memplan.cli import app, main
 from memplan.errors import MemplanError
 from memplan.report import estimate_json
+from memplan.report.versioned import SCHEMA_VERSION
 from memplan.spec import catalog_names
 
 LLAMA_7B_PARAMS = 6_738_415_616
@@ -45,8 +46,11 @@ def flat(text: str) -> str:
 
 
 def estimate_cli(*args: str) -> dict[str, Any]:
+    """The estimate's JSON without its envelope (its version and command, checked here)."""
     result = invoke("estimate", *args, "--json")
-    return json.loads(result.stdout)  # the whole stdout is exactly one JSON document
+    out = json.loads(result.stdout)  # the whole stdout is exactly one JSON document
+    assert (out.pop("schema_version"), out.pop("command")) == (SCHEMA_VERSION, "estimate")
+    return out
 
 
 def walk_bytes(obj: Any, path: str = "") -> list[tuple[str, Any]]:
@@ -235,7 +239,9 @@ def test_models_lists_catalog_names_at_80_columns() -> None:
 
 
 def test_models_json() -> None:
-    rows = json.loads(invoke("models", "--json").stdout)
+    out = json.loads(invoke("models", "--json").stdout)
+    assert (out["schema_version"], out["command"]) == (SCHEMA_VERSION, "models")
+    rows = out["models"]
     assert isinstance(rows, list)
     by_name = {row["name"]: row for row in rows}
     assert set(by_name) == set(catalog_names())
@@ -253,7 +259,7 @@ def test_gpus_lists_h100_at_80_columns() -> None:
 
 
 def test_gpus_json() -> None:
-    rows = json.loads(invoke("gpus", "--json").stdout)
+    rows = json.loads(invoke("gpus", "--json").stdout)["gpus"]
     by_name = {row["name"]: row for row in rows}
     assert "h100-sxm" in by_name
     assert by_name["h100-sxm"]["memory_bytes"] == memplan.load_gpu("h100").memory_bytes
