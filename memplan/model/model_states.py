@@ -326,6 +326,13 @@ class ShardingBuffers(NamedTuple):
     window_units: int = 0  # units of ``gathered_bytes`` gathered at once in forward, fewer
     #                        over the stage's last blocks (0: not modelled)
     window_unit: int = 0  # ... the bytes of one
+    backward_reduce_bytes: int = 0  # FSDP1: gathered at a block's reduce-scatter, its own
+    #                                 weights freed (the root and the block prefetched)
+    flat_units: bool = False  # FSDP1: each unit's reduce-scatter input and output made and
+    #                          dropped in its own post-backward hook, none held to the next
+    lazy_init_bytes: int = 0  # made and freed one at a time in the first step's forward,
+    #                           before any activation: the largest such buffer (FSDP1's
+    #                           padded unsharded flat parameters, ``memplan.model.fsdp1``)
 
     @property
     def peak_bytes(self) -> int:
@@ -361,6 +368,10 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload,
     LoRA as ``unit_bytes`` counts them: decoder-layer units and a root), and in backward a
     unit's unsharded gradient before its reduce-scatter. ZeRO-2: one reduce bucket."""
     policy = wl.precision.policy
+    if wl.fsdp_version == 1 and par.zero >= ZeroStage.PARAMETERS and par.dense_shard_degree > 1:
+        from memplan.model.fsdp1 import fsdp1_buffers  # it imports this module
+
+        return fsdp1_buffers(params, par, wl)
     if par.zero >= ZeroStage.GRADIENTS and wl.fsdp_units is FsdpUnits.BUCKETS:
         return _bucketed_units(params, par, wl)
     if par.zero >= ZeroStage.PARAMETERS and separate_units(wl) and par.pp > 1:

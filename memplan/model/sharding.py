@@ -73,6 +73,11 @@ class DataParallel(NamedTuple):
     window_units: int = 0  # units gathered at once in forward, fewer over the stage's last
     #                        blocks (nothing after them to prefetch); 0: not modelled
     window_unit: int = 0  # ... the gathered bytes of one of them
+    at_reduce: int = 0  # FSDP1: weights gathered at a block's reduce-scatter
+    flat: bool = False  # FSDP1 (``memplan.model.fsdp1``): a unit's reduce-scatter input is
+    #                     its unsharded gradient itself, or its copy in the reduce dtype where
+    #                     that differs, and it and the output shard are dropped in the unit's
+    #                     own post-backward hook; nothing is held to the next unit's
     step_reduce: int = 0  # kept gathered under PP: a unit's reduce-scatter input and output
     #                       shard at the step's reduce, after its last micro-batch's backward
     #                       (0: no such moment)
@@ -168,7 +173,8 @@ def data_parallel(shard: ShardingBuffers, params: int, grads_bytes: int,
         in_block_forward=shard.gathered_bytes, at_loss_forward=shard.gathered_at_loss_bytes,
         block_start=shard.forward_start_bytes,
         first_block_start=shard.forward_first_start_bytes,
-        window_units=shard.window_units, window_unit=shard.window_unit)
+        window_units=shard.window_units, window_unit=shard.window_unit,
+        flat=shard.flat_units, at_reduce=shard.backward_reduce_bytes)
 
 
 def with_stream(dp: DataParallel, stream: int) -> DataParallel:
@@ -278,8 +284,9 @@ def run_positions(dp: DataParallel, held: Held, layer_grads: int, early: int, n:
         return [Position(1, None, first + gathered, None),
                 Position(n - 2, None, first + gathered, None),
                 Position(1, None, last + end_gathered, None)], after
+    held_input = 0 if dp.flat else dp.unsharded(layer_grads)
     return _unit_positions(dp, held, layer_grads, n, growing, stage_first), \
-        Held(after.made, dp.unsharded(layer_grads), after.root_held, after.blocks)
+        Held(after.made, held_input, after.root_held, after.blocks)
 
 
 def _unit_positions(dp: DataParallel, held: Held, layer_grads: int, n: int, growing: bool,
@@ -292,6 +299,8 @@ def _unit_positions(dp: DataParallel, held: Held, layer_grads: int, n: int, grow
     test_ground_truth.py, test_fsdp_backward_between_the_ends_of_a_run)."""
     run_input, unit_grads = dp.unsharded(layer_grads), dp.unit_grads(layer_grads)
     root_held = held.root_held
+    if dp.flat:
+        return _flat_positions(dp, held, layer_grads, n, growing, stage_first)
 
     def position(repeat: int, held_input: int, last: bool, measured: bool) -> Position:
         gathered = dp.in_first_block if stage_first and last else dp.in_block
@@ -322,6 +331,47 @@ def _unit_positions(dp: DataParallel, held: Held, layer_grads: int, n: int, grow
     return [position(1, held.prev_input, False, True),
             position(n - 2, run_input, False, False),
             position(1, run_input, True, True)]
+
+
+def flat_reduce(dp: DataParallel, grads: int) -> int:
+    """FSDP1's reduce of a unit whose held gradients are ``grads`` bytes, beyond its unsharded
+    gradient (torch 2.13 _runtime_utils.py ``_post_backward_hook``, ``_reduce_grad``): its copy
+    in the reduce dtype where that differs (``flat_param.grad.to(reduce_dtype)``, the
+    autograd-made gradient still referenced) and the output shard
+    (``_get_reduce_scatter_tensors``: ``torch.empty_like(chunks[0])``) in the reduce dtype,
+    which ``_cast_grad_to_param_dtype`` replaces by its copy in the weights' dtype: held
+    bytes. ``F.pad``'s copy where a unit's elements do not divide by the shard degree is not
+    counted (none of the padding is)."""
+    copy = dp.unsharded(grads) if dp.unsharded_dtype != 1 else 0
+    return copy + grads
+
+
+def _flat_positions(dp: DataParallel, held: Held, layer_grads: int, n: int, growing: bool,
+                    stage_first: bool) -> list[Position]:
+    """FSDP1's blocks of one run (``flat``): beside each block's backward the root and the
+    blocks gathered (``in_block``; the stage's first block ``in_first_block``). After it, the
+    larger of two instants, each beside the gradient of its input: the flat gradient made,
+    its weights still gathered (the views' gradients, one per parameter, concatenated by
+    autograd's backward of the ``split`` that made the views from the flat parameter,
+    ``FlatParamHandle._get_unflat_views``: the unit's gradients twice); and its reduce, its
+    weights freed and the next unit gathered where its prefetch does so (``at_reduce``, the
+    root alone at the stage's first), its unsharded gradient beside ``flat_reduce``."""
+    root_held, unit_grads = held.root_held, dp.unit_grads(layer_grads)
+
+    def position(repeat: int, last: bool) -> Position:
+        gathered = dp.in_first_block if last else dp.in_block
+        after = None
+        if growing:
+            end = dp.at_embedding if last else dp.at_reduce
+            flatten = 2 * unit_grads + gathered
+            reduce = unit_grads + flat_reduce(dp, layer_grads) + end
+            after = Event("unit.flat_grad", 0,
+                          root_held + dp.boundary_grad + max(flatten, reduce))
+        return Position(repeat, None, root_held + gathered, after)
+
+    if not stage_first:
+        return [position(n, False)]
+    return [position(n - 1, False), position(1, True)] if n > 1 else [position(1, True)]
 
 
 def end_moments(dp: DataParallel, held: Held, head_grads: int, embedding_grads: int,
