@@ -82,3 +82,21 @@ def lazy_init(params: StageParams, world: int, param_bytes: int, e: int) -> int:
     weights' own (``_full_prec_full_param_padded``); the largest unit's, alone."""
     unit = padded(max(*params.layers, params.embedding + params.head, 0), world)
     return unit * max(param_bytes, e)
+
+
+def flat_sync_reduce(unit_grad_bytes: int, output_shard: int, wl: Workload) -> tuple[int, int]:
+    """FSDP1's reduce of a unit's accumulated flat gradient in the last micro-batch, after
+    ``no_sync()`` ones (``unit_grad_bytes``: the largest unit's unsharded gradient in the
+    reduce dtype; ``output_shard``: its shard): (the bytes made beside the accumulators at the
+    reduce, the accumulator bytes it drops). ``_reduce_grad`` copies the accumulator into the
+    reduce dtype where that differs from the gathered weights' (the accumulator is the
+    reduce-scatter input itself otherwise) and makes the output shard; it sets
+    ``flat_param.grad = None``, so the accumulator is freed when it returns. The hook runs
+    as a post-hook of the flat parameter's ``AccumulateGrad`` node
+    (``_register_post_backward_hook``: ``acc_grad.register_hook``), whose incoming gradient,
+    added into the accumulator, is still referenced: the unit's new flat gradient too."""
+    policy = wl.precision.policy
+    e = policy.unsharded.itemsize
+    copy = unit_grad_bytes if e != policy.grad_bytes else 0
+    accumulator = unit_grad_bytes * e // policy.grad_bytes
+    return copy + output_shard + accumulator, accumulator

@@ -181,9 +181,9 @@ def with_stream(dp: DataParallel, stream: int) -> DataParallel:
     """``dp`` for one micro-batch whose residual stream is ``stream`` bytes: beside a unit's
     reduce-scatter the gradient of its input (FSDP2), beside a block's gather in forward the
     input it is about to read."""
-    if not (dp.per_unit or dp.block_start):
+    if not (dp.per_unit or dp.block_start or dp.flat):
         return dp
-    return dp._replace(boundary_grad=stream if dp.per_unit else 0,
+    return dp._replace(boundary_grad=stream if dp.per_unit or dp.flat else 0,
                        block_start=dp.block_start + stream if dp.block_start else 0,
                        first_block_start=dp.first_block_start + stream if dp.block_start
                        else 0)
@@ -270,6 +270,8 @@ def run_positions(dp: DataParallel, held: Held, layer_grads: int, early: int, n:
     ``stage_first``: the run ends with the stage's first block. Returns its positions and
     what is carried on."""
     after = Held(held.made + n * layer_grads, held.prev_input, held.root_held, held.blocks + n)
+    if dp.flat and not dp.per_unit:  # FSDP1 without a sync: the walk's grads are accumulators
+        return _flat_unsynced(dp, layer_grads, n, stage_first), after
     if not dp.per_unit:
         first = last = 0
         if dp.grad_cap:
@@ -368,6 +370,24 @@ def _flat_positions(dp: DataParallel, held: Held, layer_grads: int, n: int, grow
             after = Event("unit.flat_grad", 0,
                           root_held + dp.boundary_grad + max(flatten, reduce))
         return Position(repeat, None, root_held + gathered, after)
+
+    if not stage_first:
+        return [position(n, False)]
+    return [position(n - 1, False), position(1, True)] if n > 1 else [position(1, True)]
+
+
+def _flat_unsynced(dp: DataParallel, layer_grads: int, n: int,
+                   stage_first: bool) -> list[Position]:
+    """FSDP1's blocks of one run in a micro-batch without a sync (``no_sync()``, the walk's
+    gradients the units' flat accumulators of ``layer_grads`` bytes each): after each block's
+    backward, its weights still gathered, the views' new gradients beside the flat gradient
+    they are concatenated into, which ``AccumulateGrad`` keeps as the accumulator (the first
+    micro-batch) or adds into it in place (the others); ``_post_backward_hook`` then reshards
+    the weights (FULL_SHARD) and returns before any reduce (``not state._sync_gradients``)."""
+    def position(repeat: int, last: bool) -> Position:
+        gathered = dp.in_first_block if last else dp.in_block
+        return Position(repeat, None, gathered, Event(
+            "unit.flat_grad", 0, gathered + 2 * layer_grads + dp.boundary_grad))
 
     if not stage_first:
         return [position(n, False)]
