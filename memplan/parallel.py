@@ -131,6 +131,27 @@ def host_optimizer(par: "ParallelConfig") -> bool:
     return Offload.OPTIMIZER in par.offload and par.zero == ZeroStage.NONE
 
 
+def fsdp1_rule(spec: ModelSpec, par: "ParallelConfig", wl: Workload) -> LayoutError | None:
+    """What FSDP1 (``fsdp_version`` 1 at zero 3 with data parallelism: ``memplan.model.fsdp1``)
+    is modelled with: Accelerate's and the Trainer's layout (data parallelism alone, one
+    unit per decoder layer, dense layers, every weight trained), no parameter offload, no
+    forward prefetch (traced, not modelled: its backward gathers a third block)."""
+    if wl.fsdp_version != 1 or par.zero < ZeroStage.PARAMETERS or par.dense_shard_degree == 1:
+        return None
+    why = ("tp, pp, cp or ep > 1" if max(par.tp, par.pp, par.cp, par.ep) > 1
+           else "offload params (CPUOffload)" if Offload.PARAMS in par.offload
+           else "forward_prefetch" if wl.forward_prefetch
+           else f"lora_rank {wl.lora_rank}" if wl.lora_rank
+           else "mixture-of-experts layers" if spec.moe is not None else None)
+    if why is None:
+        return None
+    return LayoutError(f"fsdp_version 1 is not modelled with {why}",
+                       f"fsdp_version 1 with {why}: FSDP1 (FullyShardedDataParallel) is "
+                       "modelled for data parallelism over dense decoder layers, every "
+                       "weight trained, without parameter offload or forward_prefetch "
+                       "(use fsdp_version 2)")
+
+
 def offload_rule(spec: ModelSpec, par: "ParallelConfig", wl: Workload) -> LayoutError | None:
     """Where each offload mechanism (``Offload``) cannot combine with the model, layout or
     recipe."""
@@ -498,6 +519,8 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
                           "states follow each matrix's rows and columns, which memplan does "
                           "not track for the adapters (use adamw, sgd or the 8-bit ones)")
     if (err := offload_rule(spec, par, wl)) is not None:
+        raise err
+    if (err := fsdp1_rule(spec, par, wl)) is not None:
         raise err
     if spec.moe is not None and wl.precision.policy.autocast:
         raise LayoutError(

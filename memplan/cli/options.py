@@ -28,6 +28,7 @@ from memplan.parallel import GradBuffers, Offload, ParallelConfig, TpStyle
 from memplan.workload import (
     DEFAULT_SEQ_LEN,
     Attention,
+    BackwardPrefetch,
     BaseQuant,
     Framework,
     GradSync,
@@ -154,6 +155,16 @@ GradSyncOpt = Annotated[Optional[GradSync], typer.Option(
     "micro-batches; DDP no_sync() and ZeRO-1 hold the same bytes as every). Default: the "
     "framework's (hf: last; generic: every).",
     rich_help_panel=_WORKLOAD)]
+FsdpVersion = Annotated[Optional[int], typer.Option(
+    "--fsdp-version", min=1, max=2, help="Which FSDP shards under --zero 3: 2 (fully_shard, "
+    "per-parameter) or 1 (FullyShardedDataParallel FULL_SHARD: one flat parameter per "
+    "wrapped unit). Default: the framework's (hf: 1, Accelerate's default; generic: 2).",
+    rich_help_panel=_LAYOUT)]
+FsdpBackwardPrefetch = Annotated[Optional[BackwardPrefetch], typer.Option(
+    "--fsdp-backward-prefetch", help="FSDP1's backward_prefetch: pre (BACKWARD_PRE, torch's "
+    "default: two blocks gathered in backward), post (BACKWARD_POST) or none (Accelerate's and "
+    "the Trainer's NO_PREFETCH). Default: the framework's (hf: none; generic: pre).",
+    rich_help_panel=_LAYOUT)]
 UseCache = Annotated[Optional[bool], typer.Option(
     "--use-cache/--no-use-cache", help="The training forward fills a key/value cache "
     "(transformers' config use_cache, which Trainer leaves on: a DynamicCache holds each "
@@ -290,6 +301,8 @@ SHARED: dict[str, Shared] = {
     "keep_grads": Shared(KeepGrads, None),
     "use_cache": Shared(UseCache, None),
     "grad_sync": Shared(GradSyncOpt, None),
+    "fsdp_version": Shared(FsdpVersion, None),
+    "fsdp_backward_prefetch": Shared(FsdpBackwardPrefetch, None, _value),
     "loss_chunks": Shared(LossChunks, _WL["loss_chunks"].default),
     "mtp_layers": Shared(MtpLayers, _WL["mtp_layers"].default),
     "lora_rank": Shared(LoraRank, 0), "lora_targets": Shared(LoraTargets, None),
@@ -306,7 +319,7 @@ LAYOUT = ("tp", "pp", "vpp", "vpp_group", "dp", "cp", "ep", "etp", "sp", "vocab_
 WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "recompute_every",
             "precision", "optimizer", "optimizer_impl", "attention", "norm", "logits_fp32",
             "loss_chunks", "framework", "keep_grads", "use_cache", "grad_sync",
-            "mtp_layers", "loss_impl",
+            "fsdp_version", "fsdp_backward_prefetch", "mtp_layers", "loss_impl",
             "lora_rank", "lora_targets", "lora_dropout", "base_quant")
 # what a framework's own loop decides, beyond memplan's reference model (which trace and
 # profile run)

@@ -34,7 +34,8 @@ FixedRecompute = Annotated[RecomputeChoice | None, typer.Option(
 @uses("model", "gpus", "gpu", "gpu_memory", "tp", "pp", "vpp", "cp", "ep", "sp", "zero",
       "stage_layers", "dp_shard", "etp", "vpp_group", "gbs",
       "seq", "precision", "optimizer", "optimizer_impl", "attention", "norm", "logits_fp32",
-      "loss_chunks", "framework", "keep_grads", "use_cache", "grad_sync", "mtp_layers",
+      "loss_chunks", "framework", "keep_grads", "use_cache", "grad_sync", "fsdp_version",
+      "fsdp_backward_prefetch", "mtp_layers",
       "loss_impl", "calibration", "lora_rank", "lora_targets", "lora_dropout", "base_quant",
       model=None, gpus=8, tp=None, pp=None, vpp=None, cp=None, ep=None, zero=None)
 def plan(

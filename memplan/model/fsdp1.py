@@ -30,9 +30,18 @@ torch/distributed/fsdp/; docs/fsdp1.md has the whole reading).
 from __future__ import annotations
 
 from memplan.model.model_states import ShardingBuffers, StageParams
-from memplan.parallel import ParallelConfig
+from memplan.model.sharding import DataParallel
+from memplan.parallel import ParallelConfig, ZeroStage
 from memplan.units import ceil_div
 from memplan.workload import BackwardPrefetch, Workload
+
+
+def flat_units(par: ParallelConfig, wl: Workload) -> bool:
+    """FSDP1's FULL_SHARD units: ``fsdp_version`` 1 at zero 3 over more than one rank (on one
+    rank FSDP1 runs NO_SHARD, ``_init_utils.py _init_core_state``, which is not modelled
+    apart: the weights and gradients are then whole, as without FSDP)."""
+    return (wl.fsdp_version == 1 and par.zero >= ZeroStage.PARAMETERS
+            and par.dense_shard_degree > 1)
 
 
 def padded(numel: int, world: int) -> int:
@@ -84,19 +93,23 @@ def lazy_init(params: StageParams, world: int, param_bytes: int, e: int) -> int:
     return unit * max(param_bytes, e)
 
 
-def flat_sync_reduce(unit_grad_bytes: int, output_shard: int, wl: Workload) -> tuple[int, int]:
-    """FSDP1's reduce of a unit's accumulated flat gradient in the last micro-batch, after
-    ``no_sync()`` ones (``unit_grad_bytes``: the largest unit's unsharded gradient in the
-    reduce dtype; ``output_shard``: its shard): (the bytes made beside the accumulators at the
-    reduce, the accumulator bytes it drops). ``_reduce_grad`` copies the accumulator into the
-    reduce dtype where that differs from the gathered weights' (the accumulator is the
-    reduce-scatter input itself otherwise) and makes the output shard; it sets
-    ``flat_param.grad = None``, so the accumulator is freed when it returns. The hook runs
+def last_reduce(dp: DataParallel, unit_grad_bytes: int, wl: Workload) -> tuple[int, int, int]:
+    """The reduce of a unit's accumulated gradient in the last micro-batch after unsynced ones
+    (``unit_grad_bytes``: the largest unit's unsharded gradient in the reduce dtype): (the
+    bytes made beside the accumulators at the reduce, the output shard, the accumulator bytes
+    the reduce drops). FSDP2 (``memplan.model.grad_sync``): its reduce-scatter input in the
+    reduce dtype, which replaces the accumulator. FSDP1 (``flat``): ``_reduce_grad`` copies
+    the accumulator into the reduce dtype where that differs from the gathered weights' (the
+    accumulator is the reduce-scatter input itself otherwise) and makes the output shard; it
+    sets ``flat_param.grad = None``, so the accumulator is freed when it returns. The hook runs
     as a post-hook of the flat parameter's ``AccumulateGrad`` node
     (``_register_post_backward_hook``: ``acc_grad.register_hook``), whose incoming gradient,
     added into the accumulator, is still referenced: the unit's new flat gradient too."""
+    output_shard = dp.shard_of(unit_grad_bytes)
+    if not dp.flat:
+        return unit_grad_bytes, output_shard, 0
     policy = wl.precision.policy
     e = policy.unsharded.itemsize
     copy = unit_grad_bytes if e != policy.grad_bytes else 0
     accumulator = unit_grad_bytes * e // policy.grad_bytes
-    return copy + output_shard + accumulator, accumulator
+    return copy + output_shard + accumulator, output_shard, accumulator

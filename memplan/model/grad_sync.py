@@ -114,9 +114,9 @@ def with_new_grads(walk: Walk, ratio: int | Fraction, fresh: int = 0) -> Walk:
     return walk._replace(runs=runs)
 
 
-def accumulated_gradients(walk: Walk, st: StateBytes, accum: int, reduce_input: int,
-                          output_shard: int, keep_grads: bool,
-                          freed: int = 0) -> tuple[int, int, int, int]:
+def accumulated_gradients(walk: Walk, st: StateBytes, accum: int,
+                          reduce: tuple[int, int, int],
+                          keep_grads: bool) -> tuple[int, int, int, int]:
     """Gradient bytes alive through the forward and the backward's tensor peak, in step 1 and
     in the steady state (``memplan.model.stage._gradients``'s tuple), when the walk's
     gradients are the stage's unsharded accumulators (``accum`` bytes, all of them made by
@@ -125,11 +125,11 @@ def accumulated_gradients(walk: Walk, st: StateBytes, accum: int, reduce_input: 
     From the second micro-batch on the accumulators exist through forward and backward. The
     last micro-batch reduce-scatters each unit after its backward (``_sync_moments``).
     ``keep_grads``: the sharded gradients the reduce makes stay allocated from step 2;
-    ``freed``: the accumulator bytes the reduce itself drops (FSDP1's, in its
-    ``_reduce_grad``; FSDP2's input replaces its accumulator, 0)."""
+    ``reduce``: (the bytes made beside the accumulators at a unit's reduce, its output shard,
+    the accumulator bytes the reduce itself drops), ``memplan.model.fsdp1.last_reduce``."""
     first = backward_peak(walk, 0, accum)
     later = backward_peak(walk, accum, accum)
-    bwd = max(first, later, *_sync_moments(walk, accum, reduce_input, output_shard, freed))
+    bwd = max(first, later, *_sync_moments(walk, accum, *reduce))
     kept = st.grads_bytes if keep_grads else 0
     return accum, bwd, accum + kept, bwd + kept
 

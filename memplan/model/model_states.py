@@ -368,10 +368,6 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload,
     LoRA as ``unit_bytes`` counts them: decoder-layer units and a root), and in backward a
     unit's unsharded gradient before its reduce-scatter. ZeRO-2: one reduce bucket."""
     policy = wl.precision.policy
-    if wl.fsdp_version == 1 and par.zero >= ZeroStage.PARAMETERS and par.dense_shard_degree > 1:
-        from memplan.model.fsdp1 import fsdp1_buffers  # it imports this module
-
-        return fsdp1_buffers(params, par, wl)
     if par.zero >= ZeroStage.GRADIENTS and wl.fsdp_units is FsdpUnits.BUCKETS:
         return _bucketed_units(params, par, wl)
     if par.zero >= ZeroStage.PARAMETERS and separate_units(wl) and par.pp > 1:

@@ -18,7 +18,7 @@ from memplan.model import memo
 from memplan.model.deferred_wgrad import Deferred, deferred
 from memplan.model.dims import Term, exact_ratio, whole_bytes
 from memplan.model.embedding import EmbeddingBlock, made_vocab_grad
-from memplan.model.fsdp1 import flat_sync_reduce
+from memplan.model.fsdp1 import last_reduce
 from memplan.model.grad_sync import (
     accumulated_gradients,
     accumulates_unsharded,
@@ -240,9 +240,7 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     accumulating = accumulates_unsharded(wl, fx.dp, fx.shard.kept_gathered, m)
     if accumulating:
         ratio, root_new, fresh = new_grads(fx.params, wl, fx.shard.separate_units)
-        output_shard = fx.dp.shard_of(fx.shard.grad_bytes)
-        reduce_input, freed = (flat_sync_reduce(fx.shard.grad_bytes, output_shard, wl)
-                               if fx.dp.flat else (fx.shard.grad_bytes, 0))
+        reduce = last_reduce(fx.dp, fx.shard.grad_bytes, wl)
         fx = fx._replace(grad_per_param=exact_ratio(fx.accum_bytes, max(fx.params.total, 1)),
                          dp=unsynced(fx.dp, root_new))
     st = fx.states
@@ -260,8 +258,7 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     walk = _with_deferred(walk, dfr, fx.main_grads)
     if accumulating:
         walk = with_new_grads(walk, ratio, fresh)
-        grads = accumulated_gradients(walk, st, fx.accum_bytes, reduce_input, output_shard,
-                                      wl.keep_grads, freed)
+        grads = accumulated_gradients(walk, st, fx.accum_bytes, reduce, wl.keep_grads)
     else:
         grads = _gradients(wl, fx, walk, m)
     forward = _forward(shared, fx, walk, dfr.before_forward - dfr.before_backward + host_rope)
