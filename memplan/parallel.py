@@ -132,24 +132,15 @@ def host_optimizer(par: "ParallelConfig") -> bool:
 
 
 def fsdp1_rule(spec: ModelSpec, par: "ParallelConfig", wl: Workload) -> LayoutError | None:
-    """What FSDP1 (``fsdp_version`` 1 at zero 3 with data parallelism: ``memplan.model.fsdp1``)
-    is modelled with: Accelerate's and the Trainer's layout (data parallelism alone, one
-    unit per decoder layer, dense layers, every weight trained), no parameter offload, no
-    forward prefetch (traced, not modelled: its backward gathers a third block)."""
-    if wl.fsdp_version != 1 or par.zero < ZeroStage.PARAMETERS or par.dense_shard_degree == 1:
-        return None
-    why = ("tp, pp, cp or ep > 1" if max(par.tp, par.pp, par.cp, par.ep) > 1
-           else "offload params (CPUOffload)" if Offload.PARAMS in par.offload
-           else "forward_prefetch" if wl.forward_prefetch
-           else f"lora_rank {wl.lora_rank}" if wl.lora_rank
-           else "mixture-of-experts layers" if spec.moe is not None else None)
-    if why is None:
-        return None
-    return LayoutError(f"fsdp_version 1 is not modelled with {why}",
-                       f"fsdp_version 1 with {why}: FSDP1 (FullyShardedDataParallel) is "
-                       "modelled for data parallelism over dense decoder layers, every "
-                       "weight trained, without parameter offload or forward_prefetch "
-                       "(use fsdp_version 2)")
+    """FSDP1's ``forward_prefetch`` (``fsdp_version`` 1 at zero 3 with data parallelism) is
+    traced but not modelled: its backward gathers a third block (memplan.model.fsdp1)."""
+    if (wl.fsdp_version == 1 and wl.forward_prefetch and par.zero >= ZeroStage.PARAMETERS
+            and par.dense_shard_degree > 1):
+        return LayoutError("fsdp_version 1 is not modelled with forward_prefetch",
+                           "fsdp_version 1 with forward_prefetch: FSDP1's forward prefetch is "
+                           "not modelled (its backward gathers a third block); use "
+                           "forward_prefetch false")
+    return None
 
 
 def offload_rule(spec: ModelSpec, par: "ParallelConfig", wl: Workload) -> LayoutError | None:

@@ -31,17 +31,40 @@ from __future__ import annotations
 
 from memplan.model.model_states import ShardingBuffers, StageParams
 from memplan.model.sharding import DataParallel
-from memplan.parallel import ParallelConfig, ZeroStage
+from memplan.parallel import Offload, ParallelConfig, ZeroStage
+from memplan.spec import ModelSpec
 from memplan.units import ceil_div
 from memplan.workload import BackwardPrefetch, Workload
 
 
-def flat_units(par: ParallelConfig, wl: Workload) -> bool:
-    """FSDP1's FULL_SHARD units: ``fsdp_version`` 1 at zero 3 over more than one rank (on one
-    rank FSDP1 runs NO_SHARD, ``_init_utils.py _init_core_state``, which is not modelled
-    apart: the weights and gradients are then whole, as without FSDP)."""
+def flat_units(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> bool:
+    """FSDP1's FULL_SHARD units are modelled: ``fsdp_version`` 1 at zero 3 over more than one
+    rank (on one rank FSDP1 runs NO_SHARD, ``_init_utils.py _init_core_state``: the weights and
+    gradients whole, as without FSDP), in the layout it was traced in (``unmodelled``)."""
     return (wl.fsdp_version == 1 and par.zero >= ZeroStage.PARAMETERS
-            and par.dense_shard_degree > 1)
+            and par.dense_shard_degree > 1 and not unmodelled(spec, par, wl))
+
+
+def unmodelled(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> str | None:
+    """What of the job FSDP1's model does not cover (None: nothing): there FSDP2's units
+    stand for it, and the estimate says so (``assumptions``)."""
+    return ("tp, pp, cp or ep > 1" if max(par.tp, par.pp, par.cp, par.ep) > 1
+            else "offload params (CPUOffload)" if Offload.PARAMS in par.offload
+            else "LoRA (frozen weights in the flat parameters)" if wl.lora_rank
+            else "mixture-of-experts layers" if spec.moe is not None else None)
+
+
+def assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> tuple[str, ...]:
+    """The estimate's line about FSDP1, where ``fsdp_version`` 1 shards (zero 3, dp > 1)."""
+    if wl.fsdp_version != 1 or par.zero < ZeroStage.PARAMETERS or par.dense_shard_degree == 1:
+        return ()
+    if (why := unmodelled(spec, par, wl)) is not None:
+        return (f"fsdp_version 1 with {why}: FSDP2's units stand for FSDP1's flat parameters "
+                "(not modelled or traced there)",)
+    return (f"FSDP1 FULL_SHARD (memplan.model.fsdp1): a flat parameter per decoder layer, the "
+            f"root unit holding embedding, final norm and head; backward_prefetch "
+            f"{wl.backward_prefetch.value}; limit_all_gathers and use_orig_params change no "
+            f"allocated byte modelled",)
 
 
 def padded(numel: int, world: int) -> int:

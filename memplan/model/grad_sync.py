@@ -46,13 +46,13 @@ def accumulates_unsharded(wl: Workload, dp: DataParallel, kept_gathered: bool, m
     return wl.grad_sync is GradSync.LAST and dp.per_unit and not kept_gathered and m > 1
 
 
-def accumulator_bytes(params: StageParams, wl: Workload) -> int:
+def accumulator_bytes(params: StageParams, wl: Workload, flat: bool = False) -> int:
     """FSDP2's unsharded gradient accumulators on one rank of a stage: every parameter of
     the stage (``params``, unsharded across data parallelism) in the reduce dtype, as this
     module's docstring and ``ShardingBuffers.kept_gathered`` describe. FSDP1's are each
     unit's flat gradient in the dtype autograd makes it in, the gathered weights'
-    (``memplan.model.fsdp1.unsynced_grads``)."""
-    if wl.fsdp_version == 1:
+    (``flat``: ``memplan.model.fsdp1``)."""
+    if flat:
         return params.total * wl.precision.policy.unsharded.itemsize
     return params.total * wl.precision.policy.grad_bytes
 
@@ -72,8 +72,8 @@ def unsynced(dp: DataParallel, root_new: int = 0) -> DataParallel:
                         first_block_start=dp.first_block_start)
 
 
-def new_grads(params: StageParams, wl: Workload,
-              separate_units: bool) -> tuple[int | Fraction, int, int]:
+def new_grads(params: StageParams, wl: Workload, separate_units: bool,
+              flat: bool = False) -> tuple[int | Fraction, int, int]:
     """How a later micro-batch's new gradients sit beside FSDP2's accumulators: (their bytes
     per accumulator byte made, at each of a block's moments; the root's, held through the
     backward; bytes per parameter of a weight whose gradient a moment just made), in bytes;
@@ -89,7 +89,7 @@ def new_grads(params: StageParams, wl: Workload,
     (``LayerMoment.fresh_params``) in flight."""
     policy = wl.precision.policy
     e = policy.unsharded.itemsize
-    if wl.fsdp_version == 1:
+    if flat:
         # FSDP1: the views' new gradients (one per parameter) wait for the flat gradient
         # that autograd's split backward concatenates them into once the unit's backward is
         # done (``memplan.model.sharding``, ``flat``): in the accumulators' dtype; the root's

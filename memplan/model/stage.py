@@ -239,7 +239,7 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     # walk's gradients are the stage's accumulators, in the reduce dtype
     accumulating = accumulates_unsharded(wl, fx.dp, fx.shard.kept_gathered, m)
     if accumulating:
-        ratio, root_new, fresh = new_grads(fx.params, wl, fx.shard.separate_units)
+        ratio, root_new, fresh = new_grads(fx.params, wl, fx.shard.separate_units, fx.dp.flat)
         reduce = last_reduce(fx.dp, fx.shard.grad_bytes, wl)
         fx = fx._replace(grad_per_param=exact_ratio(fx.accum_bytes, max(fx.params.total, 1)),
                          dp=unsynced(fx.dp, root_new))

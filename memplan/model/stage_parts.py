@@ -163,7 +163,7 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
                                                           par.stage_layers),
                             par.tp, wl.precision.policy.param_bytes)
     st = state_bytes(params, par, wl, trainable)
-    shard = (fsdp1_buffers(params, par, wl) if flat_units(par, wl)
+    shard = (fsdp1_buffers(params, par, wl) if flat_units(spec, par, wl)
              else sharding_buffers(params, par, wl, trainable))
     e = wl.compute_dtype.itemsize
     # Gradients exist during forward when an earlier micro-batch made them, or when they live
@@ -202,5 +202,5 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
                                                      if shard.queued_whole else 0), buffers),
         # frozen weights make no gradient: only the adapters accumulate, in fp32
         accum_bytes=(sum(trainable.adapters) * ADAPTER_BYTES if trainable.adapters
-                     else accumulator_bytes(params, wl)),
+                     else accumulator_bytes(params, wl, shard.flat_units)),
     )

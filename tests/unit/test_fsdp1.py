@@ -134,7 +134,7 @@ def test_no_sync_accumulators_and_the_last_reduce() -> None:
     copy 4,004, the shard 1,001 and the incoming bf16 flat gradient 2,002 = 7,007 made, the
     bf16 accumulator 2,002 dropped; fp32: no copy, 1,001 + 4,004 = 5,005, 4,004 dropped."""
     assert accumulator_bytes(PARAMS, make_workload(TINY, fsdp_version=1,
-                                                   precision="fsdp-bf16")) == 5206
+                                                   precision="fsdp-bf16"), True) == 5206
     assert accumulator_bytes(PARAMS, make_workload(TINY, precision="fsdp-bf16")) == 10412
     flat = DataParallel(flat=True, unsharded_ratio=4)
     assert last_reduce(flat, 4004, make_workload(TINY, fsdp_version=1,
@@ -156,14 +156,26 @@ def test_fsdp1_changes_only_zero_3_with_data_parallelism() -> None:
         assert one.peak_bytes == two.peak_bytes
 
 
-@pytest.mark.parametrize(("option", "named"), [
-    (dict(tp=2), "tp, pp, cp or ep > 1"), (dict(offload="params"), "offload params"),
-    (dict(forward_prefetch=True), "forward_prefetch"), (dict(lora_rank=8), "lora_rank 8")])
-def test_what_fsdp1_is_not_modelled_with_is_refused_by_name(option: dict, named: str) -> None:
+def test_forward_prefetch_is_refused_by_name() -> None:
     from memplan.api import estimate
 
-    with pytest.raises(MemplanError, match=named):
-        estimate("tiny", gpus=4, zero=3, fsdp_version=1, seq_len=64, **option)
+    with pytest.raises(MemplanError, match="forward_prefetch"):
+        estimate("tiny", gpus=4, zero=3, fsdp_version=1, seq_len=64, forward_prefetch=True)
+
+
+@pytest.mark.parametrize(("option", "named"), [
+    (dict(gpus=8, tp=2), "tp, pp, cp or ep > 1"),
+    (dict(offload="params", precision="fsdp-bf16"), "offload params"),
+    (dict(lora_rank=8), "LoRA")])
+def test_where_fsdp1_is_not_modelled_fsdp2_stands_for_it_and_says_so(option: dict,
+                                                                    named: str) -> None:
+    from memplan.api import estimate
+
+    layout = {"gpus": 4, **option}
+    one = estimate("tiny", zero=3, fsdp_version=1, seq_len=64, **layout)
+    two = estimate("tiny", zero=3, fsdp_version=2, seq_len=64, **layout)
+    assert one.peak_bytes == two.peak_bytes
+    assert any(named in line and "FSDP2's units stand for" in line for line in one.assumptions)
 
 
 def test_cli_fsdp_version_and_the_hf_default() -> None:
