@@ -39,12 +39,26 @@ _PREFETCH = {BackwardPrefetch.PRE: "BACKWARD_PRE", BackwardPrefetch.POST: "BACKW
              BackwardPrefetch.NONE: None}
 
 
+# FullyShardedDataParallel keyword arguments a trace may set beyond the workload's (a test's
+# ``with extra_options(use_orig_params=True)``): knobs the estimate holds the same bytes for
+EXTRA: dict = {}
+
+
+@contextlib.contextmanager
+def extra_options(**kwargs) -> Iterator[None]:
+    EXTRA.update(kwargs)
+    try:
+        yield
+    finally:
+        EXTRA.clear()
+
+
 def fsdp1_model(spec: ModelSpec, par: ParallelConfig, wl: Workload,
                 device: str = "cpu") -> nn.Module:
     """The reference model under ``FullyShardedDataParallel``: fp32 weights with
     ``MixedPrecision(param_dtype=bf16, reduce_dtype=fp32)`` for ``fsdp-bf16``, bf16 weights
     for ``bf16-pure``, fp32 otherwise; ``--zero 3`` is ``FULL_SHARD``, ``--zero 2``
-    ``SHARD_GRAD_OP``."""
+    ``SHARD_GRAD_OP``; ``EXTRA`` keyword arguments on top."""
     from torch.distributed.fsdp import (
         BackwardPrefetch as Prefetch,
         FullyShardedDataParallel,
@@ -65,7 +79,7 @@ def fsdp1_model(spec: ModelSpec, par: ParallelConfig, wl: Workload,
         model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device(device),
         sharding_strategy=strategy, mixed_precision=mp,
         backward_prefetch=Prefetch[prefetch] if prefetch else None,
-        forward_prefetch=wl.forward_prefetch, limit_all_gathers=True)
+        forward_prefetch=wl.forward_prefetch, **{"limit_all_gathers": True, **EXTRA})
 
 
 @contextlib.contextmanager
