@@ -10,6 +10,7 @@ import typer
 
 from memplan.api import estimate as run_estimate
 from memplan.cli.options import (
+    AccelerateConfig,
     ESTIMATE,
     Job,
     Json,
@@ -29,7 +30,8 @@ PlotPath = Annotated[Path | None, typer.Option(
 
 @uses(*ESTIMATE, model=None)
 def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfig = None,
-             megatron_args: MegatronArgs = None, json_out: Json = False,
+             megatron_args: MegatronArgs = None,
+             accelerate_config: AccelerateConfig = None, json_out: Json = False,
              quiet: Quiet = False) -> None:
     """Per-GPU memory of every pipeline stage and the most loaded rank.
 
@@ -61,7 +63,8 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
 
     model, kwargs, imported = configure(job.model, job.kwargs(), defaults_of(job, estimate),
                                         torchtitan=torchtitan_config,
-                                        megatron=megatron_args)
+                                        megatron=megatron_args,
+                                        accelerate=accelerate_config)
     est = run_estimate(model, **kwargs)
     from memplan.report import estimate_json, render_estimate
 

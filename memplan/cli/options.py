@@ -218,6 +218,12 @@ TorchtitanConfig = Annotated[Optional[str], typer.Option(
     "--module), parsed, never run. Its model, parallelism, batch, sequence, activation "
     "checkpointing, loss and precision become these options, printed as a mapping; --gpus "
     "gives the world size.", rich_help_panel=_CONFIGS)]
+AccelerateConfig = Annotated[Optional[str], typer.Option(
+    "--accelerate-config", help="An Accelerate config YAML (as `accelerate config` writes "
+    "it) of an FSDP job: its FSDP section (version, sharding strategy, backward prefetch, "
+    "wrap policy, activation checkpointing), num_processes and mixed_precision become these "
+    "options, printed as a mapping; --model names the model the script loads.",
+    rich_help_panel=_CONFIGS)]
 MegatronArgs = Annotated[Optional[str], typer.Option(
     "--megatron-args", help="Megatron-LM launch arguments, quoted, or a file of them (a "
     "launch script, or a test model_config.yaml): the model's shape, TP/PP/CP/EP, virtual "

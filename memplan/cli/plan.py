@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from memplan.cli.options import (
+    AccelerateConfig,
     Job,
     Json,
     MegatronArgs,
@@ -46,6 +47,7 @@ def plan(
     top: Top = 10,
     torchtitan_config: TorchtitanConfig = None,
     megatron_args: MegatronArgs = None,
+    accelerate_config: AccelerateConfig = None,
     json_out: Json = False,
 ) -> None:
     """Find the layouts, micro-batch and recompute that fit, fastest first.
@@ -67,7 +69,8 @@ def plan(
 
     model, kwargs, imported = configure(job.model, job.kwargs(), defaults_of(job, plan),
                                         torchtitan=torchtitan_config,
-                                        megatron=megatron_args)
+                                        megatron=megatron_args,
+                                        accelerate=accelerate_config)
     policy = None if recompute is None else recompute.value
     fixed = kwargs.pop("recompute", None)
     if policy is not None and fixed is not None and fixed != policy:

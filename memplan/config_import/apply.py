@@ -13,23 +13,27 @@ if TYPE_CHECKING:
 
 # Workload fields a config sets that no command-line option exposes
 _WORKLOAD_ONLY = frozenset({"fused_qkv", "rope_cache", "head_wgrad_deferral", "fsdp_units",
-                            "loss_impl", "softmax_fp32"})
+                            "loss_impl", "softmax_fp32", "forward_prefetch"})
 
 
 def configure(model: str | None, given: dict[str, Any], defaults: dict[str, Any], *,
               torchtitan: Any = None, megatron: str | None = None,
+              accelerate: str | None = None,
               ) -> tuple[str | ModelSpec, dict[str, Any], Imported | None]:
     """(model, API keyword arguments, the ``Imported`` or None) of a command line (``model``
     and its API keywords ``given``, ``defaults`` what its options give unset) with a job's
     config. Keywords a command does not take (``plan`` searches the micro-batch) are notes.
     ``model`` given replaces the config's (its shape for a model the config does not map)."""
+    if sum(c is not None for c in (torchtitan, megatron, accelerate)) > 1:
+        raise MemplanError("give one of --torchtitan-config, --megatron-args, "
+                           "--accelerate-config")
+    if accelerate is not None:
+        return _accelerate(model, given, defaults, accelerate)
     if torchtitan is None and megatron is None:
         if model is None:
             raise MemplanError("--model is required (or --torchtitan-config / "
                                "--megatron-args)")
         return model, given, None
-    if torchtitan is not None and megatron is not None:
-        raise MemplanError("give --torchtitan-config or --megatron-args, not both")
     # the readers only when a config is given: a plain command line does not compile them
     from memplan.config_import import merge
     from memplan.config_import import megatron as mega
@@ -49,3 +53,20 @@ def configure(model: str | None, given: dict[str, Any], defaults: dict[str, Any]
     if chosen is None:
         raise MemplanError(f"{imported.source}: names no model memplan maps; give --model")
     return chosen, merged, imported
+
+
+def _accelerate(model: str | None, given: dict[str, Any], defaults: dict[str, Any],
+                path: str) -> tuple[str | ModelSpec, dict[str, Any], Imported]:
+    """An Accelerate config names no model (the training script loads it): ``--model`` gives
+    it; the job runs with the hf preset (the Trainer's and Accelerate's loop) unless
+    ``--framework`` says otherwise."""
+    from memplan.config_import import accelerate, merge
+
+    if model is None:
+        raise MemplanError(f"accelerate config {path}: names no model (the training script "
+                           "loads it); give --model")
+    imported = accelerate.read(path, given.get("gpus", 1))
+    if given.get("framework") is None:
+        imported.set("(the launcher)", "accelerate launch", "framework", "hf",
+                      "Accelerate's and the Trainer's loop (memplan.presets)")
+    return model, merge(imported, given, defaults), imported
