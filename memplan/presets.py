@@ -68,7 +68,8 @@ SETTINGS: dict[Mechanism, frozenset[str]] = {
                                 "loss_chunk_backward"}),
     Mechanism.LOOP: frozenset({"logits_held", "keep_grads", "grad_sync"}),
     Mechanism.DATA_PARALLEL: frozenset({"fsdp_units", "grad_buffers", "ddp_any_size",
-                                        "fsdp_version", "backward_prefetch"}),
+                                        "fsdp_version", "backward_prefetch",
+                                        "use_orig_params"}),
     Mechanism.LAYOUT: frozenset({"tp_style", "pipeline_split"}),
 }
 
@@ -174,6 +175,10 @@ PRESETS: dict[Framework, tuple[Selection, ...]] = {
                     f"backward_prefetch None (NO_PREFETCH) unless FSDP_BACKWARD_PREFETCH; "
                     f"training_args.py _process_fsdp_args: fsdp_config.get('backward_prefetch', "
                     f"'NO_PREFETCH') ({_ACCELERATE}, {_TRANSFORMERS})"),
+            Default("use_orig_params", True,
+                    f"training_args.py TrainingArguments._process_fsdp_args: "
+                    f"fsdp_config.get('use_orig_params', 'true') (Accelerate's own plugin "
+                    f"defaults to False) ({_TRANSFORMERS})"),
         )),
     ),
     Framework.TORCHTITAN: (

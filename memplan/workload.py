@@ -467,6 +467,10 @@ class Workload(BaseModel):
         "DTensors); 1, FullyShardedDataParallel (one flat parameter per wrapped unit, "
         "memplan.model.fsdp1): --zero 3 is FULL_SHARD, --zero 2 SHARD_GRAD_OP"))
     backward_prefetch: BackwardPrefetch = BackwardPrefetch.PRE
+    use_orig_params: bool = Field(default=False, description=(
+        "FSDP1's use_orig_params: zero_grad(set_to_none=True) clears the original parameters' "
+        "gradient views only, so the flat parameters' sharded gradients live until the next "
+        "step's root pre-forward"))
     forward_prefetch: bool = Field(default=False, description=(
         "FSDP1's forward_prefetch: a unit's pre-forward all-gathers the next unit's weights "
         "(two blocks gathered in forward); False: one at a time"))

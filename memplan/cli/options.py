@@ -165,6 +165,10 @@ FsdpBackwardPrefetch = Annotated[Optional[BackwardPrefetch], typer.Option(
     "default: two blocks gathered in backward), post (BACKWARD_POST) or none (Accelerate's and "
     "the Trainer's NO_PREFETCH). Default: the framework's (hf: none; generic: pre).",
     rich_help_panel=_LAYOUT)]
+FsdpUseOrigParams = Annotated[Optional[bool], typer.Option(
+    "--fsdp-use-orig-params/--no-fsdp-use-orig-params", help="FSDP1's use_orig_params: the "
+    "sharded gradients live into the next step's forward. Default: the framework's (hf: on, "
+    "the Trainer's default; generic: off).", rich_help_panel=_LAYOUT)]
 UseCache = Annotated[Optional[bool], typer.Option(
     "--use-cache/--no-use-cache", help="The training forward fills a key/value cache "
     "(transformers' config use_cache, which Trainer leaves on: a DynamicCache holds each "
@@ -309,6 +313,7 @@ SHARED: dict[str, Shared] = {
     "grad_sync": Shared(GradSyncOpt, None),
     "fsdp_version": Shared(FsdpVersion, None),
     "fsdp_backward_prefetch": Shared(FsdpBackwardPrefetch, None, _value),
+    "fsdp_use_orig_params": Shared(FsdpUseOrigParams, None),
     "loss_chunks": Shared(LossChunks, _WL["loss_chunks"].default),
     "mtp_layers": Shared(MtpLayers, _WL["mtp_layers"].default),
     "lora_rank": Shared(LoraRank, 0), "lora_targets": Shared(LoraTargets, None),
@@ -325,7 +330,8 @@ LAYOUT = ("tp", "pp", "vpp", "vpp_group", "dp", "cp", "ep", "etp", "sp", "vocab_
 WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "recompute_every",
             "precision", "optimizer", "optimizer_impl", "attention", "norm", "logits_fp32",
             "loss_chunks", "framework", "keep_grads", "use_cache", "grad_sync",
-            "fsdp_version", "fsdp_backward_prefetch", "mtp_layers", "loss_impl",
+            "fsdp_version", "fsdp_backward_prefetch", "fsdp_use_orig_params", "mtp_layers",
+            "loss_impl",
             "lora_rank", "lora_targets", "lora_dropout", "base_quant")
 # what a framework's own loop decides, beyond memplan's reference model (which trace and
 # profile run)

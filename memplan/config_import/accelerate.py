@@ -104,12 +104,15 @@ def _fsdp(fsdp: dict[str, Any], imp: Imported, machines: int) -> None:
     _strategy(fsdp, version, imp, machines)
     for key, off in (("fsdp_offload_params", "CPUOffload(offload_params=True)"),
                      ("fsdp_forward_prefetch", "forward_prefetch"),
-                     ("fsdp_use_orig_params", "use_orig_params (traced: the sharded gradients "
-                      "live into the next step's forward)"),
                      ("fsdp_activation_checkpointing_offload", "activations offloaded")):
         if fsdp.get(key, False) is not False:
             raise imp.refuse(f"fsdp_config.{key}", fsdp[key], f"{off} is not modelled for "
                              "FSDP1 (docs/fsdp1.md)")
+    orig = fsdp.get("fsdp_use_orig_params", False)
+    if type(orig) is not bool:
+        raise imp.refuse("fsdp_config.fsdp_use_orig_params", orig, "expected true or false")
+    imp.set("fsdp_config.fsdp_use_orig_params", orig, "use_orig_params", orig,
+            "absent: the plugin's default" if "fsdp_use_orig_params" not in fsdp else "")
     policy = fsdp.get("fsdp_auto_wrap_policy", "NO_WRAP")
     if policy != "TRANSFORMER_BASED_WRAP":
         raise imp.refuse("fsdp_config.fsdp_auto_wrap_policy", policy, "memplan's units are the "

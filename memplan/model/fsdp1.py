@@ -103,7 +103,12 @@ def fsdp1_buffers(params: StageParams, par: ParallelConfig, wl: Workload) -> Sha
         # then where BACKWARD_PRE prefetched it in the pre-backward hook or BACKWARD_POST in
         # the post-backward hook, before the reduce (_post_backward_reshard)
         backward_reduce_bytes=root_b + (layer_b if prefetch and many else 0),
-        flat_units=True, lazy_init_bytes=lazy_init(params, world, policy.param_bytes, e))
+        flat_units=True, lazy_init_bytes=lazy_init(params, world, policy.param_bytes, e),
+        # use_orig_params: the optimizer holds the original parameters, whose gradients are
+        # views of the flat parameter's; zero_grad(set_to_none=True) drops the views, and the
+        # flat gradient lives until the next step's root pre-forward
+        # (_runtime_utils.py _reset_flat_param_grad_info_if_needed) (traced)
+        grads_to_forward=wl.use_orig_params)
 
 
 def lazy_init(params: StageParams, world: int, param_bytes: int, e: int) -> int:

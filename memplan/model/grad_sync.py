@@ -63,7 +63,8 @@ def unsynced(dp: DataParallel, root_new: int = 0) -> DataParallel:
     its shard and no reduce-scatter input held (the accumulators are the walk's gradients).
     Beside every block's and the embedding's backward, the root's new gradients
     (``root_new``: ``new_grads``)."""
-    return DataParallel(flat=dp.flat, in_block=dp.in_block + root_new,
+    return DataParallel(flat=dp.flat, at_reduce=dp.at_reduce + root_new,
+                        in_block=dp.in_block + root_new,
                         in_first_block=dp.in_first_block + root_new,
                         at_head=dp.at_head, head_prefetch=dp.head_prefetch,
                         at_embedding=dp.at_embedding + root_new,
@@ -152,7 +153,8 @@ def _sync_moments(walk: Walk, accum: int, reduce_input: int,
         k.saved_bytes * n for k, _, _, n in walk.runs)
     rest = held - kinds[0].saved_bytes
     # after the first block's reshard: the root and the block its backward prefetched
-    moments = [accum + reduce_input + dp.in_first_block + rest]
+    # (FSDP1: ``at_reduce``, the root alone without a backward prefetch)
+    moments = [accum + reduce_input + (dp.at_reduce if dp.flat else dp.in_first_block) + rest]
     if len(kinds) > 1:
         local = max(m.alive_bytes + m.transient_bytes for m in kinds[1].moments)
         layers = sum(n for _, _, _, n in walk.runs)

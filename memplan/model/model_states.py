@@ -330,6 +330,8 @@ class ShardingBuffers(NamedTuple):
     #                                 weights freed (the root and the block prefetched)
     flat_units: bool = False  # FSDP1: each unit's reduce-scatter input and output made and
     #                          dropped in its own post-backward hook, none held to the next
+    grads_to_forward: bool = False  # FSDP1 with use_orig_params: from step 2 the sharded
+    #                                 gradients are alive at the forward's start
     lazy_init_bytes: int = 0  # made and freed one at a time in the first step's forward,
     #                           before any activation: the largest such buffer (FSDP1's
     #                           padded unsharded flat parameters, ``memplan.model.fsdp1``)
@@ -337,6 +339,14 @@ class ShardingBuffers(NamedTuple):
     @property
     def peak_bytes(self) -> int:
         return self.gathered_bytes + self.grad_bytes
+
+    def forward_start(self, steady: bool, grads_bytes: int) -> int:
+        """Bytes beside the weights and optimizer states at the forward's start, before any
+        activation: step 1's lazy init (``lazy_init_bytes``), later steps' gradients that
+        live on into it (``grads_to_forward``: ``grads_bytes``)."""
+        if steady:
+            return grads_bytes if self.grads_to_forward else 0
+        return self.lazy_init_bytes
 
 
 def separate_units(wl: Workload) -> bool:

@@ -276,7 +276,7 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
         # gradients (its gathered buffers counted in ``dfr.drain``)
         drain = (base + opt_bytes + from_loss + held + st.grads_bytes + dfr.drain
                  if dfr.pair else 0)
-        init = 0 if steady else base + opt_bytes + fx.shard.lazy_init_bytes
+        init = base + opt_bytes + fx.shard.forward_start(steady, st.grads_bytes)
         return PhasePeaks(
             forward=max(base + resident + opt_bytes + in_forward + forward(steady)
                         + shared.mask, init),

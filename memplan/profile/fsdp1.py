@@ -79,7 +79,8 @@ def fsdp1_model(spec: ModelSpec, par: ParallelConfig, wl: Workload,
         model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device(device),
         sharding_strategy=strategy, mixed_precision=mp,
         backward_prefetch=Prefetch[prefetch] if prefetch else None,
-        forward_prefetch=wl.forward_prefetch, **{"limit_all_gathers": True, **EXTRA})
+        forward_prefetch=wl.forward_prefetch, use_orig_params=wl.use_orig_params,
+        **{"limit_all_gathers": True, **EXTRA})
 
 
 @contextlib.contextmanager

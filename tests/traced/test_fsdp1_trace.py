@@ -21,6 +21,7 @@ before it was modelled (``memplan.model.fsdp1``, ``memplan.model.sharding`` ``fl
 - the flat gradient: the views' gradients and their concatenation alive together, and a
   unit's reduce (reduce-dtype copy, output shard) in its own post-backward hook (-15% on
   tiny-wide fp32 before);
+- ``use_orig_params``: the flat sharded gradients alive at the next step's forward start;
 - ``no_sync()`` accumulation: flat accumulators in the gathered dtype (bf16 under
   ``MixedPrecision(param_dtype=bf16)``), the last micro-batch's reduce beside the incoming flat
   gradient the ``AccumulateGrad`` post-hook still references (-5% before).
@@ -76,6 +77,21 @@ CASES = [
                      precision="fsdp-bf16", grad_sync="last")),
     ("deep", 4, dict(seq_len=32, micro_batch_size=1, global_batch_size=12, precision="fp32",
                      grad_sync="last", backward_prefetch="none")),
+    # the last micro-batch's first reduce beside the root alone without a prefetch (+6.6%
+    # before), beside the block BACKWARD_POST gathered
+    ("deep", 4, dict(seq_len=32, micro_batch_size=1, global_batch_size=8,
+                     precision="fsdp-bf16", grad_sync="last", backward_prefetch="none")),
+    ("deep", 4, dict(seq_len=32, micro_batch_size=1, global_batch_size=8,
+                     precision="fsdp-bf16", grad_sync="last", backward_prefetch="post")),
+    # use_orig_params (the Trainer's default): the sharded gradients live into the next
+    # step's forward (-10% before, tiny-wide), the rest the same bytes
+    ("wide", 2, dict(seq_len=32, micro_batch_size=1, precision="fsdp-bf16",
+                     use_orig_params=True)),
+    ("wide", 4, dict(seq_len=32, micro_batch_size=1, precision="fp32", use_orig_params=True,
+                     backward_prefetch="post")),
+    ("deep", 2, dict(seq_len=32, micro_batch_size=1, global_batch_size=4,
+                     precision="fsdp-bf16", grad_sync="last", use_orig_params=True,
+                     backward_prefetch="none")),
 ]
 
 
@@ -94,3 +110,37 @@ def test_fsdp1_rank_matches_trace(name: str, dp: int, fields: dict) -> None:
     bad = [r for r in result.rows if abs(r.diff_pct) > TOLERANCE_PCT]
     assert not bad, "\n".join(f"{r.name}: measured {r.measured_bytes:,} estimated "
                               f"{r.estimated_bytes:,} ({r.diff_pct:+.3f}%)" for r in bad)
+
+
+def test_limit_all_gathers_changes_no_allocated_byte() -> None:
+    """``limit_all_gathers=False`` (torch's rate limiter off): the same allocations and frees
+    in the same order on the CPU thread, so the same estimate holds (on a GPU it changes when
+    freed blocks become reusable: reserved memory, not modelled)."""
+    from memplan.profile.fsdp1 import extra_options
+
+    wl = make_workload(WIDE, fsdp_version=1, seq_len=32, micro_batch_size=1,
+                       precision="fsdp-bf16")
+    with extra_options(limit_all_gathers=False):
+        result = compare(WIDE, make_layout(4, zero=3), wl)
+    assert all(abs(r.diff_pct) <= TOLERANCE_PCT for r in result.rows)
+
+
+@pytest.mark.parametrize(("grad_sync", "gbs", "gathered"), [("every", 2, 23_011_328),
+                                                            ("last", 4, 19_799_040)])
+def test_shard_grad_op_keeps_every_block_gathered_after_its_forward(grad_sync: str, gbs: int,
+                                                                    gathered: int) -> None:
+    """SHARD_GRAD_OP (``--zero 2`` with FSDP1 in the tracer; not modelled by the estimate):
+    no unit is freed after its forward (``_post_forward_reshard``: SHARD_GRAD_OP is not in
+    RESHARD_AFTER_FORWARD_HANDLE_STRATEGIES). tiny-wide, 2 ranks, fsdp-bf16: a layer is
+    4 x 512 x 512 + 3 x 512 x 1,408 + 2 x 512 = 3,212,288 elements, 6,424,576 B gathered in
+    bf16; the root 2 x 256 x 512 + 512 = 262,656 elements, 525,312 B. The forward's largest
+    gathered bytes: at the last block's gather the root, the three blocks and that block's
+    low-precision shard (1,606,144 elements x 2 B = 3,212,288): 23,011,328 B. Under no_sync()
+    the blocks also stay gathered across micro-batches (``_should_free_in_backward`` is False),
+    so later micro-batches gather nothing: the root and the three blocks, 19,799,040 B."""
+    from memplan.profile.distributed import GATHERED, trace_parallel
+
+    wl = make_workload(WIDE, fsdp_version=1, seq_len=32, micro_batch_size=1,
+                       precision="fsdp-bf16", global_batch_size=gbs, grad_sync=grad_sync)
+    steady = trace_parallel(WIDE, make_layout(2, zero=2), wl).steps[-1]
+    assert steady.phases["forward"].by_category[GATHERED] == gathered

@@ -36,6 +36,7 @@ def test_the_example_config_maps_key_by_key() -> None:
         ("mixed_precision", "precision", "fsdp-bf16"),
         ("fsdp_config.fsdp_version", "fsdp_version", 1),
         ("fsdp_config.fsdp_sharding_strategy", "zero", 3),
+        ("fsdp_config.fsdp_use_orig_params", "use_orig_params", False),
         ("fsdp_config.fsdp_backward_prefetch", "backward_prefetch", "pre"),
     ]
     assert any("LlamaDecoderLayer" in note for note in imp.notes)
@@ -51,6 +52,7 @@ def test_the_estimate_is_the_one_of_the_same_flags() -> None:
 
     got = json.loads(out.output)
     same = estimate("tiny", gpus=8, zero=3, fsdp_version=1, backward_prefetch="pre",
+                    use_orig_params=False,
                     precision="fsdp-bf16", framework="hf", seq_len=64)
     assert got["config"]["mapping"][0]["input"] == "--gpus"
     assert got["stages"][0]["peak_bytes"] == same.stages[0].peak_bytes
@@ -77,7 +79,7 @@ def test_activation_checkpointing_and_hybrid_shard(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("fsdp", "top", "named"), [
     ({"fsdp_sharding_strategy": "SHARD_GRAD_OP"}, {}, "fsdp_config.fsdp_sharding_strategy"),
     ({"fsdp_sharding_strategy": 2}, {}, "fsdp_config.fsdp_sharding_strategy"),
-    ({"fsdp_use_orig_params": "true"}, {}, "fsdp_config.fsdp_use_orig_params"),
+    ({"fsdp_use_orig_params": "yes please"}, {}, "fsdp_config.fsdp_use_orig_params"),
     ({"fsdp_forward_prefetch": "true"}, {}, "fsdp_config.fsdp_forward_prefetch"),
     ({"fsdp_offload_params": "true"}, {}, "fsdp_config.fsdp_offload_params"),
     ({"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP"}, {}, "fsdp_config.fsdp_auto_wrap_policy"),

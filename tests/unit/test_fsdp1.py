@@ -190,3 +190,22 @@ def test_cli_fsdp_version_and_the_hf_default() -> None:
                               "--framework", "hf", "--fsdp-version", "2", "--json"])
     assert two.exit_code == 0 and "fsdp_version = 1" not in two.output
     assert main(["estimate", "-m", "tiny", "-n", "4", "--fsdp-version", "3"]) == 2
+
+
+def test_use_orig_params_keeps_the_gradients_to_the_next_forward() -> None:
+    """With use_orig_params the step's sharded gradients are alive at the next forward's
+    start: from step 2 that moment is the weights, the optimizer states and the gradients.
+    tiny over 2 ranks, fp32: 2 x 46,208 + 16,448 = 108,864 parameters, 54,432 per rank:
+    217,728 B of weights, 217,728 of gradients, 435,456 of AdamW states: 870,912 B. In step 1
+    the start holds the lazy init instead."""
+    from memplan.api import estimate
+    from memplan.model.model_states import ShardingBuffers
+
+    b = ShardingBuffers(0, 0, 0, grads_to_forward=True, lazy_init_bytes=7)
+    assert (b.forward_start(True, 217728), b.forward_start(False, 217728)) == (217728, 7)
+    assert ShardingBuffers(0, 0, 0).forward_start(True, 217728) == 0
+    kw = dict(gpus=2, zero=3, fsdp_version=1, seq_len=8, precision="fp32")
+    orig = estimate("tiny", use_orig_params=True, **kw).stages[0]
+    plain = estimate("tiny", use_orig_params=False, **kw).stages[0]
+    assert orig.steady.forward == max(plain.steady.forward, 870912)
+    assert orig.first_step.forward == plain.first_step.forward
