@@ -144,3 +144,63 @@ def test_shard_grad_op_keeps_every_block_gathered_after_its_forward(grad_sync: s
                        precision="fsdp-bf16", global_batch_size=gbs, grad_sync=grad_sync)
     steady = trace_parallel(WIDE, make_layout(2, zero=2), wl).steps[-1]
     assert steady.phases["forward"].by_category[GATHERED] == gathered
+
+
+# --- real gloo, two processes, against the fake group -----------------------------------------
+
+GLOO_FIELDS = [dict(seq_len=64, micro_batch_size=2, precision="fsdp-bf16"),
+               dict(seq_len=64, micro_batch_size=2, global_batch_size=8, precision="fp32",
+                    grad_sync="last", backward_prefetch="none")]
+
+
+def _gloo_rank(rank: int, folder: str) -> None:
+    """One worker: every case on one gloo group met through a file store in ``folder``."""
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from memplan.profile.distributed import trace_rank
+
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank,
+                            world_size=2)
+    try:
+        out = [_summary(trace_rank(TINY, make_layout(2, zero=3),
+                                   make_workload(TINY, fsdp_version=1, **fields), fake=False))
+               for fields in GLOO_FIELDS]
+    finally:
+        dist.destroy_process_group()
+    (Path(folder) / f"rank{rank}.json").write_text(json.dumps(out))
+
+
+def _summary(r) -> dict:
+    return {"params": r.params_bytes,
+            "steps": [{"grads": s.grads_bytes, "optimizer": s.optimizer_bytes,
+                       "peaks": {ph: p.total_bytes for ph, p in s.phases.items()}}
+                      for s in r.steps]}
+
+
+def test_real_gloo_ranks_against_the_fake_group(tmp_path) -> None:
+    """Two real gloo ranks of FSDP1 against the fake-group trace of rank 0 (tiny divides by 2:
+    both ranks hold the same bytes): states exactly, every phase peak at least the fake
+    group's and at most ``gloo_late_bytes`` more (gloo's worker threads may drop a finished
+    collective's tensors late)."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from memplan.profile.distributed import gloo_late_bytes, trace_parallel
+
+    mp.start_processes(_gloo_rank, args=(str(tmp_path),), nprocs=2, start_method="spawn")
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for index, fields in enumerate(GLOO_FIELDS):
+        wl = make_workload(TINY, fsdp_version=1, **fields)
+        par = make_layout(2, zero=3)
+        fake, late = _summary(trace_parallel(TINY, par, wl)), gloo_late_bytes(TINY, par, wl)
+        for rank in ranks:
+            real = rank[index]
+            assert real["params"] == fake["params"]
+            for got, want in zip(real["steps"], fake["steps"], strict=True):
+                assert (got["grads"], got["optimizer"]) == (want["grads"], want["optimizer"])
+                for phase, measured in got["peaks"].items():
+                    assert 0 <= measured - want["peaks"][phase] <= late, (fields, phase)
