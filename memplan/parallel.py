@@ -132,14 +132,23 @@ def host_optimizer(par: "ParallelConfig") -> bool:
 
 
 def fsdp1_rule(spec: ModelSpec, par: "ParallelConfig", wl: Workload) -> LayoutError | None:
-    """FSDP1's ``forward_prefetch`` (``fsdp_version`` 1 at zero 3 with data parallelism) is
-    traced but not modelled: its backward gathers a third block (memplan.model.fsdp1)."""
-    if (wl.fsdp_version == 1 and wl.forward_prefetch and par.zero >= ZeroStage.PARAMETERS
-            and par.dense_shard_degree > 1):
+    """What FSDP1 (``fsdp_version`` 1 at zero 3 with data parallelism) is traced with but not
+    modelled: ``forward_prefetch`` (its backward gathers a third block) and SHARD_GRAD_OP
+    under ``no_sync()`` accumulation (memplan.model.fsdp1)."""
+    if wl.fsdp_version != 1 or par.zero < ZeroStage.PARAMETERS or par.dense_shard_degree == 1:
+        return None
+    if wl.forward_prefetch:
         return LayoutError("fsdp_version 1 is not modelled with forward_prefetch",
                            "fsdp_version 1 with forward_prefetch: FSDP1's forward prefetch is "
                            "not modelled (its backward gathers a third block); use "
                            "forward_prefetch false")
+    accumulating = (wl.global_batch_size or 0) > wl.micro_batch_size * par.dp
+    if not wl.reshard_after_forward and wl.grad_sync is GradSync.LAST and accumulating:
+        return LayoutError("SHARD_GRAD_OP is not modelled with grad_sync last",
+                           "fsdp_version 1 with reshard_after_forward false (SHARD_GRAD_OP) "
+                           "and grad_sync last: under no_sync() its units stay gathered across "
+                           "micro-batches (_should_free_in_backward), not modelled; use "
+                           "grad_sync every")
     return None
 
 

@@ -467,6 +467,9 @@ class Workload(BaseModel):
         "DTensors); 1, FullyShardedDataParallel (one flat parameter per wrapped unit, "
         "memplan.model.fsdp1): --zero 3 is FULL_SHARD, --zero 2 SHARD_GRAD_OP"))
     backward_prefetch: BackwardPrefetch = BackwardPrefetch.PRE
+    reshard_after_forward: bool = Field(default=True, description=(
+        "FSDP1 (fsdp_version 1): False is SHARD_GRAD_OP, each unit kept gathered from its "
+        "forward to its post-backward (memplan.model.fsdp1); True is FULL_SHARD"))
     use_orig_params: bool = Field(default=False, description=(
         "FSDP1's use_orig_params: zero_grad(set_to_none=True) clears the original parameters' "
         "gradient views only, so the flat parameters' sharded gradients live until the next "

@@ -148,12 +148,15 @@ def _strategy(fsdp: dict[str, Any], version: int, imp: Imported, machines: int) 
         if given is not True:
             raise imp.refuse(f"fsdp_config.{key}", given, "FSDP2 without resharding after "
                              "forward is not modelled for a data-parallel job")
-    elif name not in ("FULL_SHARD", "HYBRID_SHARD"):
-        raise imp.refuse(f"fsdp_config.{key}", given, "memplan models FULL_SHARD and "
-                         "HYBRID_SHARD (SHARD_GRAD_OP, NO_SHARD and HYBRID_SHARD_ZERO2 are "
+    elif name not in ("FULL_SHARD", "HYBRID_SHARD", "SHARD_GRAD_OP"):
+        raise imp.refuse(f"fsdp_config.{key}", given, "memplan models FULL_SHARD, "
+                         "SHARD_GRAD_OP and HYBRID_SHARD (NO_SHARD and HYBRID_SHARD_ZERO2 are "
                          "not modelled: docs/fsdp1.md)")
     imp.set(f"fsdp_config.{key}", given, "zero", 3, "parameters, gradients and optimizer "
             "states sharded")
+    if name == "SHARD_GRAD_OP":
+        imp.set(f"fsdp_config.{key}", given, "reshard_after_forward", False,
+                "each unit kept gathered from its forward to its post-backward")
     if name == "HYBRID_SHARD":
         # FULL_SHARD within a machine, replicated across machines: torch's
         # _init_utils.py _init_intra_and_inter_node_groups shards over

@@ -78,7 +78,8 @@ def fsdp1_buffers(params: StageParams, par: ParallelConfig, wl: Workload) -> Sha
     backward; one block gathered in forward (two with ``forward_prefetch``, fewer over the
     stage's last), the root alone at the loss; in backward one block, or two with
     ``BACKWARD_PRE``; at a block's gather in forward, under parameter mixed precision, its
-    low-precision shard beside it."""
+    low-precision shard beside it. SHARD_GRAD_OP (``reshard_after_forward`` False):
+    ``_kept_units``."""
     policy, world = wl.precision.policy, par.dense_shard_degree
     e = policy.unsharded.itemsize
     layer = max(params.layers, default=0)
@@ -91,6 +92,15 @@ def fsdp1_buffers(params: StageParams, par: ParallelConfig, wl: Workload) -> Sha
     start = root_b + (1 + ahead) * layer_b + mp_shard if mp_shard else 0
     back = 1 if wl.backward_prefetch is BackwardPrefetch.PRE and many else 0
     prefetch = wl.backward_prefetch is not BackwardPrefetch.NONE
+    common = dict(flat_units=True, lazy_init_bytes=lazy_init(params, world, policy.param_bytes, e),
+                  # use_orig_params: the optimizer holds the original parameters, whose
+                  # gradients are views of the flat parameter's; zero_grad(set_to_none=True)
+                  # drops the views, and the flat gradient lives until the next step's root
+                  # pre-forward (_runtime_utils.py _reset_flat_param_grad_info_if_needed)
+                  grads_to_forward=wl.use_orig_params)
+    if not wl.reshard_after_forward:
+        return _kept_units(params, world, e, root_b, layer_b + mp_shard, policy.grad_bytes,
+                           common)
     return ShardingBuffers(
         root_b + (1 + ahead) * layer_b, root_b, params.largest_unit * policy.grad_bytes,
         backward_head_bytes=root_b + (layer_b if wl.backward_prefetch is BackwardPrefetch.PRE
@@ -102,13 +112,26 @@ def fsdp1_buffers(params: StageParams, par: ParallelConfig, wl: Workload) -> Sha
         # at a block's reduce its weights are freed; the block before it is gathered by
         # then where BACKWARD_PRE prefetched it in the pre-backward hook or BACKWARD_POST in
         # the post-backward hook, before the reduce (_post_backward_reshard)
-        backward_reduce_bytes=root_b + (layer_b if prefetch and many else 0),
-        flat_units=True, lazy_init_bytes=lazy_init(params, world, policy.param_bytes, e),
-        # use_orig_params: the optimizer holds the original parameters, whose gradients are
-        # views of the flat parameter's; zero_grad(set_to_none=True) drops the views, and the
-        # flat gradient lives until the next step's root pre-forward
-        # (_runtime_utils.py _reset_flat_param_grad_info_if_needed) (traced)
-        grads_to_forward=wl.use_orig_params)
+        backward_reduce_bytes=root_b + (layer_b if prefetch and many else 0), **common)
+
+
+def _kept_units(params: StageParams, world: int, e: int, root_b: int, gather: int,
+                grad_bytes: int, common: dict) -> ShardingBuffers:
+    """SHARD_GRAD_OP: no unit is freed after its forward (``_post_forward_reshard``: it is
+    not in ``RESHARD_AFTER_FORWARD_HANDLE_STRATEGIES``), so each block's padded flat
+    parameter stays alive from its gather (``gather``: it and its low-precision shard) to its
+    post-backward, which frees it before the reduce (``_should_free_in_backward`` with a
+    sync); a backward prefetch finds every block gathered already. The root as with
+    FULL_SHARD. Traced (tests/traced/test_fsdp1_trace.py)."""
+    kept = [padded(n, world) * e for n in params.layers]
+    layer_b = max(kept, default=0)
+    return ShardingBuffers(
+        root_b, root_b, params.largest_unit * grad_bytes,
+        backward_head_bytes=root_b + sum(kept), backward_block_bytes=root_b,
+        backward_last_block_bytes=root_b, backward_end_bytes=root_b,
+        forward_start_bytes=root_b + gather, forward_first_start_bytes=root_b + gather,
+        backward_reduce_bytes=root_b, kept_layer_bytes=layer_b, kept_layers_bytes=sum(kept),
+        **common)
 
 
 def lazy_init(params: StageParams, world: int, param_bytes: int, e: int) -> int:

@@ -330,6 +330,9 @@ class ShardingBuffers(NamedTuple):
     #                                 weights freed (the root and the block prefetched)
     flat_units: bool = False  # FSDP1: each unit's reduce-scatter input and output made and
     #                          dropped in its own post-backward hook, none held to the next
+    kept_layer_bytes: int = 0  # FSDP1 SHARD_GRAD_OP: a block's gathered bytes, kept from its
+    #                            gather in forward to its post-backward
+    kept_layers_bytes: int = 0  # ... the stage's blocks', all kept at the forward's end
     grads_to_forward: bool = False  # FSDP1 with use_orig_params: from step 2 the sharded
     #                                 gradients are alive at the forward's start
     lazy_init_bytes: int = 0  # made and freed one at a time in the first step's forward,

@@ -74,6 +74,9 @@ class DataParallel(NamedTuple):
     #                        blocks (nothing after them to prefetch); 0: not modelled
     window_unit: int = 0  # ... the gathered bytes of one of them
     at_reduce: int = 0  # FSDP1: weights gathered at a block's reduce-scatter
+    kept_layer: int = 0  # FSDP1 SHARD_GRAD_OP: a block's gathered bytes, alive from its
+    #                      gather in forward to its post-backward
+    kept_layers: int = 0  # ... every block's, alive from the forward's end
     flat: bool = False  # FSDP1 (``memplan.model.fsdp1``): a unit's reduce-scatter input is
     #                     its unsharded gradient itself, or its copy in the reduce dtype where
     #                     that differs, and it and the output shard are dropped in the unit's
@@ -174,7 +177,8 @@ def data_parallel(shard: ShardingBuffers, params: int, grads_bytes: int,
         block_start=shard.forward_start_bytes,
         first_block_start=shard.forward_first_start_bytes,
         window_units=shard.window_units, window_unit=shard.window_unit,
-        flat=shard.flat_units, at_reduce=shard.backward_reduce_bytes)
+        flat=shard.flat_units, at_reduce=shard.backward_reduce_bytes,
+        kept_layer=shard.kept_layer_bytes, kept_layers=shard.kept_layers_bytes)
 
 
 def with_stream(dp: DataParallel, stream: int) -> DataParallel:
@@ -197,6 +201,10 @@ def forward_positions(dp: DataParallel, n: int, stage_first: bool,
     shrinks over the stage's last blocks (``stage_last``: the run ends the stage)."""
     if dp.window_unit and stage_last:
         return _shrinking(dp, n)
+    if dp.kept_layer:  # each block's gathered weights stay alive after its forward
+        start = dp.first_block_start if stage_first else dp.block_start
+        return [Position(n, Event("unit.gather", dp.kept_layer, start), dp.in_block_forward,
+                         None)]
     if not dp.block_start:
         return [Position(n, None, dp.in_block_forward, None)]
     start = Event("unit.gather", 0, dp.block_start)
@@ -260,6 +268,9 @@ def head_moments(dp: DataParallel, head_grads: int) -> tuple[int, tuple[Event, .
     # the head's own unit: its reduce-scatter input (unsharded, in the reduce dtype) is held
     # until the first block's reduce-scatter, as a block's is until the next one's
     previous = dp.unsharded(head_grads) if dp.separate_units else 0
+    if dp.kept_layers:  # FSDP1 SHARD_GRAD_OP: the blocks kept gathered since the forward,
+        #                 counted beside the loss and the head, alive from here on
+        events += (Event("units.kept", dp.kept_layers, None),)
     return beside, events, Held(head_grads, previous, root_held, 0)
 
 
@@ -366,8 +377,9 @@ def _flat_positions(dp: DataParallel, held: Held, layer_grads: int, n: int, grow
         if growing:
             end = dp.at_embedding if last else dp.at_reduce
             flatten = 2 * unit_grads + gathered
-            reduce = unit_grads + flat_reduce(dp, layer_grads) + end
-            after = Event("unit.flat_grad", 0,
+            # its own weights freed before the reduce (alive until then when kept)
+            reduce = unit_grads + flat_reduce(dp, layer_grads) + end - dp.kept_layer
+            after = Event("unit.flat_grad", -dp.kept_layer,
                           root_held + dp.boundary_grad + max(flatten, reduce))
         return Position(repeat, None, root_held + gathered, after)
 

@@ -127,7 +127,7 @@ OnModel = Callable[[nn.Module, ParallelTracker], None]
 def layout_kind(par: ParallelConfig, wl: Workload | None = None) -> str:
     """``fsdp``, ``fsdp1`` (``wl.fsdp_version`` 1: ``memplan.profile.fsdp1``), ``tp`` or
     ``ddp``; raise for layouts this tracer does not build."""
-    if (wl is not None and wl.fsdp_version == 1 and par.dp > 1 and par.zero >= 2
+    if (wl is not None and wl.fsdp_version == 1 and par.dp > 1 and par.zero == 3
             and par.tp == par.pp == par.cp == par.ep == 1):
         return "fsdp1"
     if par.pp > 1 or par.cp > 1 or par.ep > 1:

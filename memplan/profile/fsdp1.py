@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from memplan.parallel import ParallelConfig, ZeroStage
+from memplan.parallel import ParallelConfig
 from memplan.profile.reference import Block, ReferenceModel
 from memplan.profile.trace import ref_options
 from memplan.profile.tracker import MemoryTracker
@@ -57,8 +57,8 @@ def fsdp1_model(spec: ModelSpec, par: ParallelConfig, wl: Workload,
                 device: str = "cpu") -> nn.Module:
     """The reference model under ``FullyShardedDataParallel``: fp32 weights with
     ``MixedPrecision(param_dtype=bf16, reduce_dtype=fp32)`` for ``fsdp-bf16``, bf16 weights
-    for ``bf16-pure``, fp32 otherwise; ``--zero 3`` is ``FULL_SHARD``, ``--zero 2``
-    ``SHARD_GRAD_OP``; ``EXTRA`` keyword arguments on top."""
+    for ``bf16-pure``, fp32 otherwise; ``FULL_SHARD``, or ``SHARD_GRAD_OP`` where the
+    workload does not reshard after forward; ``EXTRA`` keyword arguments on top."""
     from torch.distributed.fsdp import (
         BackwardPrefetch as Prefetch,
         FullyShardedDataParallel,
@@ -72,7 +72,7 @@ def fsdp1_model(spec: ModelSpec, par: ParallelConfig, wl: Workload,
     model.opts = ref_options(wl)
     mp = (MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if wl.precision is Precision.FSDP_BF16 else None)
-    strategy = (ShardingStrategy.FULL_SHARD if par.zero >= ZeroStage.PARAMETERS
+    strategy = (ShardingStrategy.FULL_SHARD if wl.reshard_after_forward
                 else ShardingStrategy.SHARD_GRAD_OP)
     prefetch = _PREFETCH[wl.backward_prefetch]
     return FullyShardedDataParallel(

@@ -77,8 +77,8 @@ def test_activation_checkpointing_and_hybrid_shard(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("fsdp", "top", "named"), [
-    ({"fsdp_sharding_strategy": "SHARD_GRAD_OP"}, {}, "fsdp_config.fsdp_sharding_strategy"),
-    ({"fsdp_sharding_strategy": 2}, {}, "fsdp_config.fsdp_sharding_strategy"),
+    ({"fsdp_sharding_strategy": "NO_SHARD"}, {}, "fsdp_config.fsdp_sharding_strategy"),
+    ({"fsdp_sharding_strategy": 5}, {}, "fsdp_config.fsdp_sharding_strategy"),
     ({"fsdp_use_orig_params": "yes please"}, {}, "fsdp_config.fsdp_use_orig_params"),
     ({"fsdp_forward_prefetch": "true"}, {}, "fsdp_config.fsdp_forward_prefetch"),
     ({"fsdp_offload_params": "true"}, {}, "fsdp_config.fsdp_offload_params"),
@@ -114,3 +114,11 @@ def test_the_yaml_subset() -> None:
                    "i": [0, 1]}
     with pytest.raises(MemplanError, match="line 2"):
         parse_yaml("a: 1\nnot yaml\n", imp)
+
+
+@pytest.mark.parametrize("given", ["SHARD_GRAD_OP", 2])
+def test_shard_grad_op_keeps_units_gathered(tmp_path: Path, given) -> None:
+    """SHARD_GRAD_OP (by name or by its number, 2): zero 3 without resharding after forward."""
+    got = {m.target: m.value for m in read(_write(tmp_path, {"fsdp_sharding_strategy": given}),
+                                           1).mapping}
+    assert (got["zero"], got["reshard_after_forward"]) == (3, False)

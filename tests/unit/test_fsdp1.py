@@ -209,3 +209,39 @@ def test_use_orig_params_keeps_the_gradients_to_the_next_forward() -> None:
     plain = estimate("tiny", use_orig_params=False, **kw).stages[0]
     assert orig.steady.forward == max(plain.steady.forward, 870912)
     assert orig.first_step.forward == plain.first_step.forward
+
+
+def test_shard_grad_op_keeps_each_block_from_its_forward_to_its_post_backward() -> None:
+    """SHARD_GRAD_OP (``reshard_after_forward`` False), fsdp-bf16 over 4 ranks (above): at a
+    block's gather the root, the block and its low-precision shard, 1,208 + 2,008 + 502 =
+    3,718, after which the block's 2,008 B stay alive (``kept_layer_bytes``); beside a block's
+    compute the root alone, 1,208; at the head both blocks kept and the root, 1,208 + 2 x
+    2,008 = 5,224; a backward prefetch finds them gathered: the root alone beside a block's
+    backward and at its reduce."""
+    b = _buffers(precision="fsdp-bf16", reshard_after_forward=False)
+    assert (b.forward_start_bytes, b.kept_layer_bytes, b.kept_layers_bytes) == (3718, 2008, 4016)
+    assert (b.gathered_bytes, b.gathered_at_loss_bytes, b.backward_head_bytes) == (
+        1208, 1208, 5224)
+    assert (b.backward_block_bytes, b.backward_reduce_bytes, b.backward_end_bytes) == (
+        1208, 1208, 1208)
+
+
+def test_shard_grad_op_blocks_free_their_weights_at_their_reduce() -> None:
+    """A kept block (2,008 B alive) after its backward: the flat gradient made beside the
+    root (1,208), 2 x 2,000 + 1,208 = 5,208; its reduce after its weights are freed,
+    2,000 + 5,000 + 1,208 - 2,008 = 6,200; with the input's gradient (100) 6,300, and the
+    2,008 B leave the alive bytes."""
+    dp = DataParallel(flat=True, per_unit=True, unsharded_ratio=4,
+                      unsharded_dtype=Fraction(1, 2), in_block=1208, in_first_block=1208,
+                      at_embedding=1208, at_reduce=1208, boundary_grad=100, kept_layer=2008)
+    positions, _ = run_positions(dp, Held(0, 0, 0, 0), 1000, 1000, 2, True, False)
+    assert [(p.repeat, p.beside, p.after.delta, p.after.transient) for p in positions] == [
+        (2, 1208, -2008, 6300)]
+
+
+def test_shard_grad_op_with_accumulation_is_refused_by_name() -> None:
+    from memplan.api import estimate
+
+    with pytest.raises(MemplanError, match="SHARD_GRAD_OP"):
+        estimate("tiny", gpus=4, zero=3, fsdp_version=1, reshard_after_forward=False,
+                 grad_sync="last", global_batch_size=8, seq_len=64)
