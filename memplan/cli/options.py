@@ -169,6 +169,10 @@ FsdpUseOrigParams = Annotated[Optional[bool], typer.Option(
     "--fsdp-use-orig-params/--no-fsdp-use-orig-params", help="FSDP1's use_orig_params: the "
     "sharded gradients live into the next step's forward. Default: the framework's (hf: on, "
     "the Trainer's default; generic: off).", rich_help_panel=_LAYOUT)]
+FsdpReshardAfterForward = Annotated[Optional[bool], typer.Option(
+    "--fsdp-reshard-after-forward/--no-fsdp-reshard-after-forward", help="FSDP1's sharding "
+    "strategy at --zero 3: FULL_SHARD (on, the default) or SHARD_GRAD_OP (off: each unit kept "
+    "gathered from its forward to its backward).", rich_help_panel=_LAYOUT)]
 UseCache = Annotated[Optional[bool], typer.Option(
     "--use-cache/--no-use-cache", help="The training forward fills a key/value cache "
     "(transformers' config use_cache, which Trainer leaves on: a DynamicCache holds each "
@@ -314,6 +318,7 @@ SHARED: dict[str, Shared] = {
     "fsdp_version": Shared(FsdpVersion, None),
     "fsdp_backward_prefetch": Shared(FsdpBackwardPrefetch, None, _value),
     "fsdp_use_orig_params": Shared(FsdpUseOrigParams, None),
+    "fsdp_reshard_after_forward": Shared(FsdpReshardAfterForward, None),
     "loss_chunks": Shared(LossChunks, _WL["loss_chunks"].default),
     "mtp_layers": Shared(MtpLayers, _WL["mtp_layers"].default),
     "lora_rank": Shared(LoraRank, 0), "lora_targets": Shared(LoraTargets, None),
@@ -330,8 +335,8 @@ LAYOUT = ("tp", "pp", "vpp", "vpp_group", "dp", "cp", "ep", "etp", "sp", "vocab_
 WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "recompute_every",
             "precision", "optimizer", "optimizer_impl", "attention", "norm", "logits_fp32",
             "loss_chunks", "framework", "keep_grads", "use_cache", "grad_sync",
-            "fsdp_version", "fsdp_backward_prefetch", "fsdp_use_orig_params", "mtp_layers",
-            "loss_impl",
+            "fsdp_version", "fsdp_backward_prefetch", "fsdp_use_orig_params",
+            "fsdp_reshard_after_forward", "mtp_layers", "loss_impl",
             "lora_rank", "lora_targets", "lora_dropout", "base_quant")
 # what a framework's own loop decides, beyond memplan's reference model (which trace and
 # profile run)

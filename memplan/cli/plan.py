@@ -36,7 +36,8 @@ FixedRecompute = Annotated[RecomputeChoice | None, typer.Option(
       "stage_layers", "dp_shard", "etp", "vpp_group", "gbs",
       "seq", "precision", "optimizer", "optimizer_impl", "attention", "norm", "logits_fp32",
       "loss_chunks", "framework", "keep_grads", "use_cache", "grad_sync", "fsdp_version",
-      "fsdp_backward_prefetch", "fsdp_use_orig_params", "mtp_layers",
+      "fsdp_backward_prefetch", "fsdp_use_orig_params", "fsdp_reshard_after_forward",
+      "mtp_layers",
       "loss_impl", "calibration", "lora_rank", "lora_targets", "lora_dropout", "base_quant",
       model=None, gpus=8, tp=None, pp=None, vpp=None, cp=None, ep=None, zero=None)
 def plan(

@@ -27,8 +27,7 @@ _NOT_KEYWORDS = {"model": "--model", "fused_qkv": "(fused q/k/v)", "rope_cache":
                  "head_wgrad_deferral": "(deferred output-layer weight gradient)",
                  "fsdp_units": "(FSDP units)",
                  "loss_impl": "(loss)", "softmax_fp32": "(fp32 softmax)",
-                 "forward_prefetch": "(FSDP1 forward prefetch)",
-                 "reshard_after_forward": "(FSDP1 SHARD_GRAD_OP: not resharded after forward)"}
+                 "forward_prefetch": "(FSDP1 forward prefetch)"}
 
 
 def flag(target: str) -> str:

@@ -13,8 +13,7 @@ if TYPE_CHECKING:
 
 # Workload fields a config sets that no command-line option exposes
 _WORKLOAD_ONLY = frozenset({"fused_qkv", "rope_cache", "head_wgrad_deferral", "fsdp_units",
-                            "loss_impl", "softmax_fp32", "forward_prefetch",
-                            "reshard_after_forward"})
+                            "loss_impl", "softmax_fp32", "forward_prefetch"})
 
 
 def configure(model: str | None, given: dict[str, Any], defaults: dict[str, Any], *,

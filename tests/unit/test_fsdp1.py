@@ -245,3 +245,19 @@ def test_shard_grad_op_with_accumulation_is_refused_by_name() -> None:
     with pytest.raises(MemplanError, match="SHARD_GRAD_OP"):
         estimate("tiny", gpus=4, zero=3, fsdp_version=1, reshard_after_forward=False,
                  grad_sync="last", global_batch_size=8, seq_len=64)
+
+
+def test_cli_shard_grad_op() -> None:
+    """--no-fsdp-reshard-after-forward is SHARD_GRAD_OP: the estimate of the API's
+    reshard_after_forward False."""
+    import json
+
+    out = CliRunner().invoke(app, ["estimate", "-m", "tiny", "-n", "4", "--zero", "3", "--seq",
+                                   "64", "--fsdp-version", "1",
+                                   "--no-fsdp-reshard-after-forward", "--json"])
+    assert out.exit_code == 0, out.output
+    from memplan.api import estimate
+
+    same = estimate("tiny", gpus=4, zero=3, fsdp_version=1, reshard_after_forward=False,
+                    seq_len=64)
+    assert json.loads(out.output)["stages"][0]["peak_bytes"] == same.stages[0].peak_bytes
