@@ -194,3 +194,32 @@ def test_real_gloo_ranks_against_the_fake_group(tmp_path) -> None:
                 assert (got["grads"], got["optimizer"]) == (want["grads"], want["optimizer"])
                 for phase, measured in got["peaks"].items():
                     assert 0 <= measured - want["peaks"][phase] <= late, (fields, phase)
+
+
+# --- transformers' Llama under FSDP1 as Accelerate wraps it ------------------------------------
+
+HF_CASES = [("fp32", 2, {}), ("bf16-pure", 4, {"backward_prefetch": "pre"}),
+            ("fsdp-bf16", 2, {"use_orig_params": False})]
+
+
+@pytest.mark.parametrize(("recipe", "dp", "fsdp1"), HF_CASES,
+                         ids=[f"{r}-dp{d}-{o}" for r, d, o in HF_CASES])
+def test_transformers_llama_under_fsdp1(recipe: str, dp: int, fsdp1: dict) -> None:
+    """A two-layer transformers Llama (tests/traced/hf_configs.py LLAMA3_TOY) wrapped as
+    accelerate 1.15.0 wraps FSDP1 with the hf preset's defaults (every LlamaDecoderLayer a
+    unit, no backward prefetch, use_orig_params; ``memplan.profile.frameworks._fsdp1_wrap``),
+    stepped as the Trainer steps (the model's loss, ``model.clip_grad_norm_``, fused AdamW),
+    rank 0 of the fake group: parameters, gradients and saved activations exact, every row
+    within 1% (in practice within 2.3 KB: the clip's per-tensor norms, AdamW's step
+    counters)."""
+    pytest.importorskip("transformers")
+    from hf_configs import LLAMA3_TOY, hf  # tests/traced/hf_configs.py
+
+    from memplan.profile.frameworks import FrameworkCase, compare_framework
+
+    case = FrameworkCase("transformers", "llama3-toy", hf("Meta-Llama-3-8B", **LLAMA3_TOY),
+                         recipe, 2, 128, dp=dp, options={"fsdp1": fsdp1})
+    result = compare_framework(case)
+    for row in ("params_bytes", "grads_bytes", "activations_bytes"):
+        assert result.row(row).diff_bytes == 0, result.row(row)
+    assert all(abs(r.diff_pct) <= TOLERANCE_PCT for r in result.rows), result.rows
