@@ -9,6 +9,7 @@ import typer
 
 from memplan.api import estimate as run_estimate
 from memplan.cli.options import (
+    AccelerateConfig,
     ESTIMATE,
     DeepspeedConfig,
     Job,
@@ -31,7 +32,8 @@ PlotPath = Annotated[Path | None, typer.Option(
 @uses(*ESTIMATE, model=None)
 def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfig = None,
              megatron_args: MegatronArgs = None,
-             deepspeed_config: DeepspeedConfig = None, json_out: Json = False,
+             deepspeed_config: DeepspeedConfig = None,
+             accelerate_config: AccelerateConfig = None, json_out: Json = False,
              quiet: Quiet = False) -> None:
     """Per-GPU memory of every pipeline stage and the most loaded rank.
 
@@ -66,7 +68,8 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
     model, kwargs, imported = configure(job.model, job.kwargs(), defaults_of(job, estimate),
                                         torchtitan=torchtitan_config,
                                         megatron=megatron_args,
-                                        deepspeed=deepspeed_config)
+                                        deepspeed=deepspeed_config,
+                                        accelerate=accelerate_config)
     est = run_estimate(model, **kwargs)
     from memplan.report import estimate_json, render_estimate
 

@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from memplan.cli.options import (
+    AccelerateConfig,
     DeepspeedConfig,
     Job,
     Json,
@@ -39,7 +40,9 @@ FixedRecompute = Annotated[RecomputeChoice | None, typer.Option(
 @uses("model", "gpus", "gpu", "gpu_memory", "tp", "pp", "vpp", "cp", "ep", "sp", "zero",
       "stage_layers", "dp_shard", "etp", "vpp_group", "gbs",
       "seq", "precision", "optimizer", "optimizer_impl", "attention", "norm", "logits_fp32",
-      "loss_chunks", "framework", "keep_grads", "use_cache", "grad_sync", "mtp_layers",
+      "loss_chunks", "framework", "keep_grads", "use_cache", "grad_sync", "fsdp_version",
+      "fsdp_backward_prefetch", "fsdp_use_orig_params", "fsdp_reshard_after_forward",
+      "mtp_layers",
       "loss_impl", "calibration", "lora_rank", "lora_targets", "lora_dropout", "base_quant",
       model=None, gpus=8, tp=None, pp=None, vpp=None, cp=None, ep=None, zero=None)
 def plan(
@@ -51,6 +54,7 @@ def plan(
     torchtitan_config: TorchtitanConfig = None,
     megatron_args: MegatronArgs = None,
     deepspeed_config: DeepspeedConfig = None,
+    accelerate_config: AccelerateConfig = None,
     json_out: Json = False,
     quiet: Quiet = False,
 ) -> None:
@@ -76,7 +80,8 @@ def plan(
     model, kwargs, imported = configure(job.model, job.kwargs(), defaults_of(job, plan),
                                         torchtitan=torchtitan_config,
                                         megatron=megatron_args,
-                                        deepspeed=deepspeed_config)
+                                        deepspeed=deepspeed_config,
+                                        accelerate=accelerate_config)
     policy = None if recompute is None else recompute.value
     fixed = kwargs.pop("recompute", None)
     if policy is not None and fixed is not None and fixed != policy:

@@ -16,6 +16,7 @@ from typing import NamedTuple
 from memplan.model.adapters import ADAPTER_BYTES
 from memplan.model.attention import rope_buffer_bytes, windowed
 from memplan.model.dims import exact_ratio
+from memplan.model.fsdp1 import flat_units, fsdp1_buffers
 from memplan.model.grad_sync import accumulator_bytes
 from memplan.model.model_states import (
     ShardingBuffers,
@@ -185,7 +186,8 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
                                                           par.stage_layers),
                             par.tp, wl.precision.policy.param_bytes)
     st = state_bytes(params, par, wl, trainable)
-    shard = sharding_buffers(params, par, wl, trainable)
+    shard = (fsdp1_buffers(params, par, wl) if flat_units(spec, par, wl)
+             else sharding_buffers(params, par, wl, trainable))
     e = wl.compute_dtype.itemsize
     # Gradients exist during forward when an earlier micro-batch made them, or when they live
     # in persistent data-parallel buffers; DDP's default copies them into separate buckets.
@@ -229,7 +231,7 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
                     if wl.flat_partition and not optimizer_on_host(par) else None),
         # frozen weights make no gradient: only the adapters accumulate, in fp32
         accum_bytes=(sum(trainable.adapters) * ADAPTER_BYTES if trainable.adapters
-                     else accumulator_bytes(params, wl)),
+                     else accumulator_bytes(params, wl, shard.flat_units)),
         load=load_bytes(st, buffers, trainable.quantize_bytes),
     )
 
