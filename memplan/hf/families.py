@@ -26,7 +26,7 @@ from memplan.hf.config import (
 # llama, mistral, mixtral and qwen2 share Llama's field names (memplan.hf.config); gpt2 has
 # its own; the others are read here
 SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "gpt2", "qwen3", "qwen2_moe", "qwen3_moe",
-             "gemma2", "gemma3_text", "gemma3", "phi3", "olmo2", "deepseek_v3")
+             "gemma2", "gemma3_text", "gemma3", "phi3", "olmo2", "deepseek_v3", "granite")
 FULL, SLIDING = "full_attention", "sliding_attention"
 # configuration classes' defaults (configuration_<family>.py __init__)
 _QWEN = {"vocab_size": 151936, "max_position_embeddings": 32768}
@@ -218,6 +218,18 @@ def olmo2(cfg: ConfigKeys) -> dict[str, Any]:
     return fields
 
 
+def granite(cfg: ConfigKeys) -> dict[str, Any]:
+    """models/granite/modeling_granite.py: Llama's parameters (GraniteConfig's defaults are
+    LlamaConfig's: vocab_size 32000, max_position_embeddings 2048, untied) and four scalar
+    multipliers, none a parameter: embedding_multiplier (GraniteModel.forward: inputs_embeds *
+    m), attention_multiplier (GraniteAttention.scaling, the softmax scale SDPA takes),
+    residual_multiplier (GraniteDecoderLayer.forward: residual + out * m) and logits_scaling
+    (GraniteForCausalLM.forward: logits / s). Multiplying by a Python scalar saves nothing for
+    the backward (autograd's mul/div by a scalar keep only the scalar)."""
+    return llama_fields(cfg, head_dim_default=None, tie_default=False,
+                        defaults={"vocab_size": 32000, "max_position_embeddings": 2048})
+
+
 def deepseek_v3(cfg: ConfigKeys) -> dict[str, Any]:
     """models/deepseek_v3/modeling_deepseek_v3.py: MLA (DeepseekV3Attention: q_a_proj /
     q_a_layernorm / q_b_proj, or one q_proj without q_lora_rank; kv_a_proj_with_mqa,
@@ -311,4 +323,6 @@ def _family_fields(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
         return olmo2(cfg)
     if model_type == "deepseek_v3":
         return deepseek_v3(cfg)
+    if model_type == "granite":
+        return granite(cfg)
     return llama_like(cfg, model_type)

@@ -219,6 +219,14 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
                    "fp32", 2, 64), None),
     (FrameworkCase("transformers", "deepseek-v3-toy", hf("DeepSeek-V3", **DEEPSEEK_TOY),
                    "bf16-pure", 2, 64), None),
+    # --- the families of memplan.hf.families added with issue 36, cut to LLAMA3_TOY's shape ---
+    # Granite: its four scalar multipliers (embedding, residual, attention, logits) save nothing
+    (FrameworkCase("transformers", "granite-toy", hf("granite-3.3-8b-instruct", **LLAMA3_TOY),
+                   "fp32", 2, 128), None),
+    (FrameworkCase("transformers", "granite-toy", hf("granite-3.3-8b-instruct", **LLAMA3_TOY),
+                   "bf16-pure", 2, 128), None),
+    (FrameworkCase("transformers", "granite-toy", hf("granite-3.3-8b-instruct", **LLAMA3_TOY),
+                   "amp-bf16", 2, 128), None),
     # --- torchtitan: Llama3 with its own FSDP2 on 2 ranks of the fake process group -----------
     # (the torchtitan preset: its FSDP units, fused AdamW, fused RMSNorm, kept gradients; the
     # cases set training.disable_cuda_graphs, i.e. set_to_none, as a user knob)
@@ -347,7 +355,7 @@ def test_cases_cover_the_families() -> None:
     families = {str(c.config["model_type"]) for c, k in CASES
                 if c.library == "transformers" and k is None}
     assert families >= {"qwen3", "qwen3_moe", "qwen2_moe", "gemma2", "gemma3_text", "phi3",
-                        "olmo2", "deepseek_v3"}
+                        "olmo2", "deepseek_v3", "granite"}
 
 
 def test_cases_cover_the_libraries() -> None:

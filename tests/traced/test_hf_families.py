@@ -35,6 +35,7 @@ PUBLISHED = {
     "Phi-3-mini-4k-instruct": "phi-3-mini-4k",
     "OLMo-2-1124-7B": "olmo-2-7b",
     "DeepSeek-V3": "deepseek-v3",
+    "granite-3.3-8b-instruct": "granite-3.3-8b",
 }
 
 TOY = {

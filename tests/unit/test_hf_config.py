@@ -32,6 +32,7 @@ PAIRS = {
     "Phi-3-mini-4k-instruct": "phi-3-mini-4k",
     "OLMo-2-1124-7B": "olmo-2-7b",
     "DeepSeek-V3": "deepseek-v3",
+    "granite-3.3-8b-instruct": "granite-3.3-8b",
 }
 
 # Fields that must agree between a config.json and its catalog entry (name and source differ).
