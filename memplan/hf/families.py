@@ -26,7 +26,8 @@ from memplan.hf.config import (
 # llama, mistral, mixtral and qwen2 share Llama's field names (memplan.hf.config); gpt2 has
 # its own; the others are read here
 SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "gpt2", "qwen3", "qwen2_moe", "qwen3_moe",
-             "gemma2", "gemma3_text", "gemma3", "phi3", "olmo2", "deepseek_v3", "granite")
+             "gemma2", "gemma3_text", "gemma3", "phi3", "olmo2", "deepseek_v3", "granite",
+             "gemma")
 FULL, SLIDING = "full_attention", "sliding_attention"
 # configuration classes' defaults (configuration_<family>.py __init__)
 _QWEN = {"vocab_size": 151936, "max_position_embeddings": 32768}
@@ -187,6 +188,26 @@ def gemma(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
     return fields
 
 
+def gemma1(cfg: ConfigKeys) -> dict[str, Any]:
+    """models/gemma/modeling_gemma.py: Llama's layer with two pre-norms (GemmaDecoderLayer:
+    input_layernorm, post_attention_layernorm) scaling in fp32 by (1 + weight)
+    (GemmaRMSNorm.forward), head_dim its own key (default 256), tied embeddings by default, a
+    gated MLP of ACT2FN[hidden_act] (GemmaMLP; GemmaConfig's default gelu_pytorch_tanh; the
+    published files' hidden_activation is no attribute transformers 5 reads), attention_bias
+    on q, k, v and o. The embedding's scaling by sqrt(hidden) (GemmaModel.forward: a multiply
+    by a 0-d tensor) saves nothing of the activations' size."""
+    fields = llama_fields(cfg, head_dim_default=256, tie_default=True, defaults=_GEMMA2)
+    if cfg.get_bool("use_bidirectional_attention", False):
+        raise cfg.error("use_bidirectional_attention", "bidirectional attention (an encoder) "
+                                                       "is not modelled")
+    kind = gated_act(cfg, "hidden_act", "gelu_pytorch_tanh")
+    if kind != "geglu":
+        raise cfg.error("hidden_act", f"unsupported activation {cfg.get_str('hidden_act')!r} "
+                                      "for Gemma (expected gelu or gelu_pytorch_tanh)")
+    fields.update(mlp=kind, norm_scale_fp32=True)
+    return fields
+
+
 def phi3(cfg: ConfigKeys) -> dict[str, Any]:
     """models/phi3/modeling_phi3.py: Llama's layer with one fused qkv_proj (Phi3Attention) and
     one fused gate_up_proj (Phi3MLP), no biases, the residual dropout resid_pdrop on both
@@ -323,6 +344,8 @@ def _family_fields(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
         return olmo2(cfg)
     if model_type == "deepseek_v3":
         return deepseek_v3(cfg)
+    if model_type == "gemma":
+        return gemma1(cfg)
     if model_type == "granite":
         return granite(cfg)
     return llama_like(cfg, model_type)

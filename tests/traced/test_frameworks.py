@@ -227,6 +227,13 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
                    "bf16-pure", 2, 128), None),
     (FrameworkCase("transformers", "granite-toy", hf("granite-3.3-8b-instruct", **LLAMA3_TOY),
                    "amp-bf16", 2, 128), None),
+    # Gemma 1: two pre-norms scaling in fp32, a gated exact GELU, head_dim its own
+    (FrameworkCase("transformers", "gemma-toy", hf("gemma-7b", **GEMMA_TOY), "fp32", 2, 128),
+     None),
+    (FrameworkCase("transformers", "gemma-toy", hf("gemma-7b", **GEMMA_TOY), "bf16-pure", 2,
+                   128), None),
+    (FrameworkCase("transformers", "gemma-toy", hf("gemma-7b", **GEMMA_TOY), "amp-bf16", 2,
+                   128), None),
     # --- torchtitan: Llama3 with its own FSDP2 on 2 ranks of the fake process group -----------
     # (the torchtitan preset: its FSDP units, fused AdamW, fused RMSNorm, kept gradients; the
     # cases set training.disable_cuda_graphs, i.e. set_to_none, as a user knob)
@@ -355,7 +362,7 @@ def test_cases_cover_the_families() -> None:
     families = {str(c.config["model_type"]) for c, k in CASES
                 if c.library == "transformers" and k is None}
     assert families >= {"qwen3", "qwen3_moe", "qwen2_moe", "gemma2", "gemma3_text", "phi3",
-                        "olmo2", "deepseek_v3", "granite"}
+                        "olmo2", "deepseek_v3", "granite", "gemma"}
 
 
 def test_cases_cover_the_libraries() -> None:

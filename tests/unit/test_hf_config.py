@@ -33,6 +33,7 @@ PAIRS = {
     "OLMo-2-1124-7B": "olmo-2-7b",
     "DeepSeek-V3": "deepseek-v3",
     "granite-3.3-8b-instruct": "granite-3.3-8b",
+    "gemma-7b": "gemma-7b",
 }
 
 # Fields that must agree between a config.json and its catalog entry (name and source differ).
