@@ -27,7 +27,7 @@ from memplan.hf.config import (
 # its own; the others are read here
 SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "gpt2", "qwen3", "qwen2_moe", "qwen3_moe",
              "gemma2", "gemma3_text", "gemma3", "phi3", "olmo2", "deepseek_v3", "granite",
-             "gemma")
+             "gemma", "ministral")
 FULL, SLIDING = "full_attention", "sliding_attention"
 # configuration classes' defaults (configuration_<family>.py __init__)
 _QWEN = {"vocab_size": 151936, "max_position_embeddings": 32768}
@@ -208,6 +208,21 @@ def gemma1(cfg: ConfigKeys) -> dict[str, Any]:
     return fields
 
 
+def ministral(cfg: ConfigKeys) -> dict[str, Any]:
+    """models/ministral/modeling_ministral.py: Mistral's layer (no biases on q, k, v, o or the
+    MLP: MinistralAttention, MinistralMLP) with a sliding window per layer_types
+    (MinistralAttention.sliding_window), which MinistralConfig fills with every layer sliding
+    when sliding_window is set (default 4096), else every layer full."""
+    fields = llama_fields(cfg, head_dim_default=None, tie_default=False, bias=False,
+                          defaults={"vocab_size": 32000, "max_position_embeddings": 131072})
+    window = _window(cfg) if "sliding_window" in cfg.data else 4096
+    num_layers = fields["num_layers"]
+    default = [SLIDING if window is not None else FULL] * num_layers
+    fields.update(mlp_bias=False, **sliding_fields(cfg, _layer_types(cfg, num_layers, default),
+                                                    window))
+    return fields
+
+
 def phi3(cfg: ConfigKeys) -> dict[str, Any]:
     """models/phi3/modeling_phi3.py: Llama's layer with one fused qkv_proj (Phi3Attention) and
     one fused gate_up_proj (Phi3MLP), no biases, the residual dropout resid_pdrop on both
@@ -346,6 +361,8 @@ def _family_fields(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
         return deepseek_v3(cfg)
     if model_type == "gemma":
         return gemma1(cfg)
+    if model_type == "ministral":
+        return ministral(cfg)
     if model_type == "granite":
         return granite(cfg)
     return llama_like(cfg, model_type)

@@ -85,6 +85,8 @@ DEEPSEEK_TOY = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256,
                     first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=32,
                     qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_group=2,
                     topk_group=1, rope_scaling=None)
+MINISTRAL_TOY = dict(LLAMA3_TOY, head_dim=32, sliding_window=32,
+                     layer_types=["sliding_attention", "full_attention"])
 LITGPT_TOY = dict(n_layer=2, n_embd=256, n_head=4, intermediate_size=688, vocab_size=1000,
                   padded_vocab_size=1000, block_size=256)
 LITGPT_GQA = dict(LITGPT_TOY, n_head=8, n_query_groups=2)
@@ -234,6 +236,13 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
                    128), None),
     (FrameworkCase("transformers", "gemma-toy", hf("gemma-7b", **GEMMA_TOY), "amp-bf16", 2,
                    128), None),
+    # Ministral: Mistral's layer with layer_types; a 32-token window on every second layer
+    (FrameworkCase("transformers", "ministral-window", hf("Ministral-8B-Instruct-2410",
+                                                          **MINISTRAL_TOY), "fp32", 2, 128),
+     None),
+    (FrameworkCase("transformers", "ministral-window", hf("Ministral-8B-Instruct-2410",
+                                                          **MINISTRAL_TOY), "bf16-pure", 2,
+                   128), None),
     # --- torchtitan: Llama3 with its own FSDP2 on 2 ranks of the fake process group -----------
     # (the torchtitan preset: its FSDP units, fused AdamW, fused RMSNorm, kept gradients; the
     # cases set training.disable_cuda_graphs, i.e. set_to_none, as a user knob)
@@ -362,7 +371,8 @@ def test_cases_cover_the_families() -> None:
     families = {str(c.config["model_type"]) for c, k in CASES
                 if c.library == "transformers" and k is None}
     assert families >= {"qwen3", "qwen3_moe", "qwen2_moe", "gemma2", "gemma3_text", "phi3",
-                        "olmo2", "deepseek_v3", "granite", "gemma"}
+                        "olmo2", "deepseek_v3", "granite", "gemma",
+                        "ministral"}
 
 
 def test_cases_cover_the_libraries() -> None:

@@ -37,6 +37,7 @@ PUBLISHED = {
     "DeepSeek-V3": "deepseek-v3",
     "granite-3.3-8b-instruct": "granite-3.3-8b",
     "gemma-7b": "gemma-7b",
+    "Ministral-8B-Instruct-2410": "ministral-8b",
 }
 
 TOY = {

@@ -34,6 +34,7 @@ PAIRS = {
     "DeepSeek-V3": "deepseek-v3",
     "granite-3.3-8b-instruct": "granite-3.3-8b",
     "gemma-7b": "gemma-7b",
+    "Ministral-8B-Instruct-2410": "ministral-8b",
 }
 
 # Fields that must agree between a config.json and its catalog entry (name and source differ).
