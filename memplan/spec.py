@@ -241,6 +241,11 @@ class ModelSpec(BaseModel):
     norm_bias: bool = Field(default=False, description="LayerNorm with a bias (beta)")
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     moe: MoESpec | None = None
+    nope_layer_interval: int = Field(default=0, ge=0, le=MAX_LAYERS, description=(
+        "with RoPE: 0, every layer rotates q and k; n, every n-th layer (index % n == n - 1) "
+        "attends without positions (SmolLM3's no_rope_layers: models/smollm3/"
+        "modeling_smollm3.py SmolLM3Attention.use_rope); the RoPE tables are the model's, "
+        "made once per forward"))
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
@@ -299,6 +304,11 @@ class ModelSpec(BaseModel):
         moe = self.moe
         return (moe is not None and index >= moe.first_dense_layers
                 and index % moe.layer_freq == moe.layer_freq - 1)
+
+    def is_nope_layer(self, index: int) -> bool:
+        """Whether layer ``index`` (0-based) of a RoPE model attends without RoPE."""
+        n = self.nope_layer_interval
+        return n > 0 and index % n == n - 1
 
     def is_sliding_layer(self, index: int) -> bool:
         """Whether layer ``index`` (0-based) attends to a sliding window."""

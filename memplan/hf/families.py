@@ -27,7 +27,7 @@ from memplan.hf.config import (
 # its own; the others are read here
 SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "gpt2", "qwen3", "qwen2_moe", "qwen3_moe",
              "gemma2", "gemma3_text", "gemma3", "phi3", "olmo2", "deepseek_v3", "granite",
-             "gemma", "ministral")
+             "gemma", "ministral", "smollm3")
 FULL, SLIDING = "full_attention", "sliding_attention"
 # configuration classes' defaults (configuration_<family>.py __init__)
 _QWEN = {"vocab_size": 151936, "max_position_embeddings": 32768}
@@ -223,6 +223,36 @@ def ministral(cfg: ConfigKeys) -> dict[str, Any]:
     return fields
 
 
+def smollm3(cfg: ConfigKeys) -> dict[str, Any]:
+    """models/smollm3/modeling_smollm3.py: Llama's layer (attention_bias on q, k, v and o,
+    mlp_bias) where layer i rotates q and k only when no_rope_layers[i] is 1
+    (SmolLM3Attention.use_rope); SmolLM3Config fills no_rope_layers with every
+    no_rope_layer_interval-th layer (default 4) without RoPE (``nope_layer_interval``), and
+    slides the window only on layers without RoPE when use_sliding_window. Tied by default."""
+    fields = llama_fields(cfg, head_dim_default=None, tie_default=True,
+                          defaults={"vocab_size": 128256, "max_position_embeddings": 32768})
+    num_layers = fields["num_layers"]
+    interval = cfg.get_int("no_rope_layer_interval", 4)
+    default = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    rope = cfg.data.get("no_rope_layers")
+    if rope is None:
+        rope = default
+    if rope != default:
+        every = [1] * num_layers
+        if rope != every:
+            raise cfg.error("no_rope_layers", f"only every layer with RoPE or every "
+                                              f"no_rope_layer_interval-th ({interval}) without "
+                                              f"it is modelled, got {rope!r}")
+        interval = 0
+    elif interval > num_layers:
+        interval = 0  # every layer rotates
+    window = (_window(cfg) if cfg.get_bool("use_sliding_window", False) else None)
+    types = [SLIDING if window is not None and not r else FULL for r in rope]
+    fields.update(nope_layer_interval=interval,
+                  **sliding_fields(cfg, _layer_types(cfg, num_layers, types), window))
+    return fields
+
+
 def phi3(cfg: ConfigKeys) -> dict[str, Any]:
     """models/phi3/modeling_phi3.py: Llama's layer with one fused qkv_proj (Phi3Attention) and
     one fused gate_up_proj (Phi3MLP), no biases, the residual dropout resid_pdrop on both
@@ -363,6 +393,8 @@ def _family_fields(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
         return gemma1(cfg)
     if model_type == "ministral":
         return ministral(cfg)
+    if model_type == "smollm3":
+        return smollm3(cfg)
     if model_type == "granite":
         return granite(cfg)
     return llama_like(cfg, model_type)

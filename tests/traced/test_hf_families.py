@@ -38,6 +38,7 @@ PUBLISHED = {
     "granite-3.3-8b-instruct": "granite-3.3-8b",
     "gemma-7b": "gemma-7b",
     "Ministral-8B-Instruct-2410": "ministral-8b",
+    "SmolLM3-3B": "smollm3-3b",
 }
 
 TOY = {
@@ -74,6 +75,25 @@ TOY = {
                                   q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
                                   qk_rope_head_dim=8, v_head_dim=24, n_group=2, topk_group=1,
                                   attention_bias=True, n_shared_experts=2),
+    "granite-bias-untied": dict(model_type="granite", hidden_size=128, intermediate_size=256,
+                                num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, vocab_size=500, attention_bias=True,
+                                mlp_bias=True, embedding_multiplier=12.0,
+                                residual_multiplier=0.22, logits_scaling=8.0),
+    "gemma-mqa-untied": dict(model_type="gemma", hidden_size=128, intermediate_size=256,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                             head_dim=48, vocab_size=500, tie_word_embeddings=False,
+                             attention_bias=True, pad_token_id=None),
+    "ministral-alternating": dict(model_type="ministral", hidden_size=128,
+                                  intermediate_size=256, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=500,
+                                  head_dim=32, sliding_window=64, layer_types=["sliding_attention",
+                                                                  "full_attention"] * 2),
+    "smollm3-interval2": dict(model_type="smollm3", hidden_size=128,
+                                     intermediate_size=256, num_hidden_layers=4,
+                                     num_attention_heads=4, num_key_value_heads=2,
+                                     vocab_size=500, no_rope_layer_interval=2,
+                                     attention_bias=True, pad_token_id=None),
 }
 
 

@@ -35,6 +35,7 @@ PAIRS = {
     "granite-3.3-8b-instruct": "granite-3.3-8b",
     "gemma-7b": "gemma-7b",
     "Ministral-8B-Instruct-2410": "ministral-8b",
+    "SmolLM3-3B": "smollm3-3b",
 }
 
 # Fields that must agree between a config.json and its catalog entry (name and source differ).
@@ -44,6 +45,7 @@ SHAPE_FIELDS = (
     "mlp_bias", "norm_bias", "dropout", "moe", "fused_gate_up", "qk_norm",
     "norm_placement", "final_logit_softcap", "attn_logit_softcap", "sliding_window",
     "sliding_window_pattern", "mla", "norm_scale_fp32", "rope_keeps_dtype",
+    "nope_layer_interval",
 )
 
 
