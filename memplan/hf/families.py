@@ -27,7 +27,8 @@ from memplan.hf.config import (
 # its own; the others are read here
 SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "gpt2", "qwen3", "qwen2_moe", "qwen3_moe",
              "gemma2", "gemma3_text", "gemma3", "phi3", "olmo2", "deepseek_v3", "granite",
-             "gemma", "ministral", "smollm3")
+             "gemma", "ministral", "smollm3",
+             "olmo3")
 FULL, SLIDING = "full_attention", "sliding_attention"
 # configuration classes' defaults (configuration_<family>.py __init__)
 _QWEN = {"vocab_size": 151936, "max_position_embeddings": 32768}
@@ -296,6 +297,21 @@ def granite(cfg: ConfigKeys) -> dict[str, Any]:
                         defaults={"vocab_size": 32000, "max_position_embeddings": 2048})
 
 
+def olmo3(cfg: ConfigKeys) -> dict[str, Any]:
+    """models/olmo3/modeling_olmo3.py: OLMo 2's layer (``olmo2``: Olmo3DecoderLayer's norms
+    after the mixers, Olmo3Attention's q/k norms over the whole projection, Olmo3RMSNorm's
+    fp32 scaling, apply_rotary_pos_emb's cast back) with a sliding window per layer_types
+    (Olmo3Attention.sliding_window), which Olmo3Config fills with every fourth layer full and
+    the others sliding (sliding_window default 4096). One rotary embedding for all layers
+    (Olmo3Model.rotary_emb)."""
+    fields = olmo2(cfg)
+    num_layers = fields["num_layers"]
+    window = _window(cfg) if "sliding_window" in cfg.data else 4096
+    default = [SLIDING if (i + 1) % 4 else FULL for i in range(num_layers)]
+    fields.update(sliding_fields(cfg, _layer_types(cfg, num_layers, default), window))
+    return fields
+
+
 def deepseek_v3(cfg: ConfigKeys) -> dict[str, Any]:
     """models/deepseek_v3/modeling_deepseek_v3.py: MLA (DeepseekV3Attention: q_a_proj /
     q_a_layernorm / q_b_proj, or one q_proj without q_lora_rank; kv_a_proj_with_mqa,
@@ -395,6 +411,8 @@ def _family_fields(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
         return ministral(cfg)
     if model_type == "smollm3":
         return smollm3(cfg)
+    if model_type == "olmo3":
+        return olmo3(cfg)
     if model_type == "granite":
         return granite(cfg)
     return llama_like(cfg, model_type)

@@ -90,6 +90,9 @@ MINISTRAL_TOY = dict(LLAMA3_TOY, head_dim=32, sliding_window=32,
 # four layers, the fourth without RoPE (no_rope_layers refilled from no_rope_layer_interval)
 SMOLLM3_TOY = dict(LLAMA3_TOY, num_hidden_layers=4, no_rope_layers=None, layer_types=None,
                    **NO_IDS)
+# four layers (the fourth full), 64-token windows, the published YaRN scaling left out
+OLMO3_TOY = dict(LLAMA3_TOY, num_hidden_layers=4, layer_types=None, sliding_window=64,
+                 rope_scaling=None, **NO_IDS)
 LITGPT_TOY = dict(n_layer=2, n_embd=256, n_head=4, intermediate_size=688, vocab_size=1000,
                   padded_vocab_size=1000, block_size=256)
 LITGPT_GQA = dict(LITGPT_TOY, n_head=8, n_query_groups=2)
@@ -255,6 +258,16 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
                    "bf16-pure", 2, 128), None),
     (FrameworkCase("transformers", "smollm3-toy", hf("SmolLM3-3B", **SMOLLM3_TOY),
                    "amp-bf16", 2, 128), None),
+    # OLMo 3: OLMo 2's layer, three 64-token window layers then a full one; under autocast
+    # with the published 4,096-token window (no mask at 128 tokens: a window's mask under
+    # autocast is not modelled, as for gemma2-window and ministral-window)
+    (FrameworkCase("transformers", "olmo3-window", hf("Olmo-3-1025-7B", **OLMO3_TOY), "fp32",
+                   2, 128), None),
+    (FrameworkCase("transformers", "olmo3-window", hf("Olmo-3-1025-7B", **OLMO3_TOY),
+                   "bf16-pure", 2, 128), None),
+    (FrameworkCase("transformers", "olmo3-toy", hf("Olmo-3-1025-7B", **OLMO3_TOY
+                                                   | {"sliding_window": 4096}),
+                   "amp-bf16", 2, 128), None),
     # --- torchtitan: Llama3 with its own FSDP2 on 2 ranks of the fake process group -----------
     # (the torchtitan preset: its FSDP units, fused AdamW, fused RMSNorm, kept gradients; the
     # cases set training.disable_cuda_graphs, i.e. set_to_none, as a user knob)
@@ -384,7 +397,7 @@ def test_cases_cover_the_families() -> None:
                 if c.library == "transformers" and k is None}
     assert families >= {"qwen3", "qwen3_moe", "qwen2_moe", "gemma2", "gemma3_text", "phi3",
                         "olmo2", "deepseek_v3", "granite", "gemma",
-                        "ministral", "smollm3"}
+                        "ministral", "smollm3", "olmo3"}
 
 
 def test_cases_cover_the_libraries() -> None:

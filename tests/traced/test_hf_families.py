@@ -39,6 +39,7 @@ PUBLISHED = {
     "gemma-7b": "gemma-7b",
     "Ministral-8B-Instruct-2410": "ministral-8b",
     "SmolLM3-3B": "smollm3-3b",
+    "Olmo-3-1025-7B": "olmo-3-7b",
 }
 
 TOY = {
@@ -94,6 +95,11 @@ TOY = {
                                      num_attention_heads=4, num_key_value_heads=2,
                                      vocab_size=500, no_rope_layer_interval=2,
                                      attention_bias=True, pad_token_id=None),
+    "olmo3-bias-default-window": dict(model_type="olmo3", hidden_size=128,
+                                      intermediate_size=256, num_hidden_layers=8,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=500, attention_bias=True, pad_token_id=None,
+                                      eos_token_id=None),
 }
 
 

@@ -36,6 +36,7 @@ PAIRS = {
     "gemma-7b": "gemma-7b",
     "Ministral-8B-Instruct-2410": "ministral-8b",
     "SmolLM3-3B": "smollm3-3b",
+    "Olmo-3-1025-7B": "olmo-3-7b",
 }
 
 # Fields that must agree between a config.json and its catalog entry (name and source differ).
