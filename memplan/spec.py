@@ -246,6 +246,11 @@ class ModelSpec(BaseModel):
         "attends without positions (SmolLM3's no_rope_layers: models/smollm3/"
         "modeling_smollm3.py SmolLM3Attention.use_rope); the RoPE tables are the model's, "
         "made once per forward"))
+    rotary_dim: int | None = Field(default=None, gt=0, le=MAX_WIDTH, description=(
+        "partial rotary embeddings: RoPE rotates the first rotary_dim of each head and passes "
+        "the rest through (Phi-4-mini's partial_rotary_factor: models/phi3/modeling_phi3.py "
+        "apply_rotary_pos_emb, Phi3RotaryEmbedding of int(head_dim * factor)); None: the "
+        "whole head"))
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
@@ -258,6 +263,10 @@ class ModelSpec(BaseModel):
             raise ValueError("norm_bias is only meaningful for layernorm")
         if self.fused_gate_up and not self.mlp.gated:
             raise ValueError(f"fused_gate_up needs a gated mlp (swiglu, geglu), got {self.mlp.value}")
+        if self.rotary_dim is not None and (self.rotary_dim > self.head_dim
+                                            or self.rotary_dim % 2 or self.mla is not None):
+            raise ValueError(f"rotary_dim ({self.rotary_dim}) must be even, at most head_dim "
+                             f"({self.head_dim}), and without mla")
         if self.mla is not None:
             head = self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim
             if self.head_dim != head or self.num_kv_heads != self.num_attention_heads:
@@ -296,7 +305,10 @@ class ModelSpec(BaseModel):
 
     @property
     def rope_dim(self) -> int:
-        """Width RoPE rotates per head: MLA's decoupled RoPE head, else the whole head."""
+        """Width RoPE rotates per head: MLA's decoupled RoPE head, ``rotary_dim`` where it is
+        partial, else the whole head."""
+        if self.rotary_dim is not None:
+            return self.rotary_dim
         return self.mla.qk_rope_head_dim if self.mla else self.head_dim
 
     def is_moe_layer(self, index: int) -> bool:

@@ -256,20 +256,43 @@ def smollm3(cfg: ConfigKeys) -> dict[str, Any]:
 
 def phi3(cfg: ConfigKeys) -> dict[str, Any]:
     """models/phi3/modeling_phi3.py: Llama's layer with one fused qkv_proj (Phi3Attention) and
-    one fused gate_up_proj (Phi3MLP), no biases, the residual dropout resid_pdrop on both
+    one fused gate_up_proj (Phi3MLP), no biases, RoPE on the first int(head_dim *
+    partial_rotary_factor) of each head (apply_rotary_pos_emb: Phi-4-mini's 0.75), the residual dropout resid_pdrop on both
     sub-layers' outputs and embd_pdrop on the embedding (the largest rate stands for all),
     every layer sliding when sliding_window is set (Phi3Attention.forward)."""
     fields = llama_fields(cfg, head_dim_default=None, tie_default=False, bias=False,
                           defaults={"vocab_size": 32064, "max_position_embeddings": 4096})
-    if cfg.get_float("partial_rotary_factor", 1.0) != 1.0:
-        raise cfg.error("partial_rotary_factor", "partial rotary embeddings are not modelled")
     dropout = max(cfg.get_float(k, 0.0) for k in ("resid_pdrop", "embd_pdrop",
                                                   "attention_dropout"))
     window = _window(cfg)
     types = _layer_types(cfg, fields["num_layers"], [SLIDING] * fields["num_layers"])
     fields.update(fused_qkv=True, fused_gate_up=True, dropout=dropout,
-                  **sliding_fields(cfg, types, window))
+                  **sliding_fields(cfg, types, window), **_partial_rotary(cfg, fields))
     return fields
+
+
+def _partial_rotary(cfg: ConfigKeys, fields: dict[str, Any]) -> dict[str, Any]:
+    """``rotary_dim`` of a ``partial_rotary_factor`` below 1: int(head_dim * factor)
+    (modeling_rope_utils.py _compute_default_rope_parameters, Phi3RotaryEmbedding). The
+    factor is read where Phi3Config.convert_rope_params_to_dict finds it: rope_scaling's or
+    rope_parameters' own key first, else the top-level one (default 1.0)."""
+    factor, key = 1.0, "partial_rotary_factor"
+    for where in ("rope_scaling", "rope_parameters"):
+        params = cfg.data.get(where)
+        if isinstance(params, dict) and params.get(key) is not None:
+            factor = ConfigKeys(params, f"{cfg.where}: {where}").get_float(key, 1.0)
+            break
+    else:
+        factor = cfg.get_float(key, 1.0)
+    if not 0.0 < factor <= 1.0:
+        raise cfg.error(key, f"expected a factor in (0, 1], got {factor}")
+    rotary = int(fields["head_dim"] * factor)
+    if rotary == fields["head_dim"]:
+        return {}
+    if rotary == 0 or rotary % 2:
+        raise cfg.error(key, f"{factor} of head_dim {fields['head_dim']} rotates {rotary} "
+                             "dimensions; an even count above 0 is modelled")
+    return {"rotary_dim": rotary}
 
 
 def olmo2(cfg: ConfigKeys) -> dict[str, Any]:

@@ -93,6 +93,9 @@ SMOLLM3_TOY = dict(LLAMA3_TOY, num_hidden_layers=4, no_rope_layers=None, layer_t
 # four layers (the fourth full), 64-token windows, the published YaRN scaling left out
 OLMO3_TOY = dict(LLAMA3_TOY, num_hidden_layers=4, layer_types=None, sliding_window=64,
                  rope_scaling=None, **NO_IDS)
+# 4 heads of 64 (a quarter of each passed through RoPE), no window
+PHI4_TOY = dict(LLAMA3_TOY, num_attention_heads=4, num_key_value_heads=2, sliding_window=None,
+                **NO_IDS)
 LITGPT_TOY = dict(n_layer=2, n_embd=256, n_head=4, intermediate_size=688, vocab_size=1000,
                   padded_vocab_size=1000, block_size=256)
 LITGPT_GQA = dict(LITGPT_TOY, n_head=8, n_query_groups=2)
@@ -267,6 +270,13 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
                    "bf16-pure", 2, 128), None),
     (FrameworkCase("transformers", "olmo3-toy", hf("Olmo-3-1025-7B", **OLMO3_TOY
                                                    | {"sliding_window": 4096}),
+                   "amp-bf16", 2, 128), None),
+    # Phi-4-mini: Phi-3's layer with RoPE on three quarters of each head (tables of 48 of 64)
+    (FrameworkCase("transformers", "phi4-mini-toy", hf("Phi-4-mini-instruct", **PHI4_TOY),
+                   "fp32", 2, 128), None),
+    (FrameworkCase("transformers", "phi4-mini-toy", hf("Phi-4-mini-instruct", **PHI4_TOY),
+                   "bf16-pure", 2, 128), None),
+    (FrameworkCase("transformers", "phi4-mini-toy", hf("Phi-4-mini-instruct", **PHI4_TOY),
                    "amp-bf16", 2, 128), None),
     # --- torchtitan: Llama3 with its own FSDP2 on 2 ranks of the fake process group -----------
     # (the torchtitan preset: its FSDP units, fused AdamW, fused RMSNorm, kept gradients; the

@@ -40,6 +40,7 @@ PUBLISHED = {
     "Ministral-8B-Instruct-2410": "ministral-8b",
     "SmolLM3-3B": "smollm3-3b",
     "Olmo-3-1025-7B": "olmo-3-7b",
+    "Phi-4-mini-instruct": "phi-4-mini",
 }
 
 TOY = {
@@ -100,6 +101,10 @@ TOY = {
                                       num_attention_heads=4, num_key_value_heads=2,
                                       vocab_size=500, attention_bias=True, pad_token_id=None,
                                       eos_token_id=None),
+    "phi3-partial-rotary": dict(model_type="phi3", hidden_size=128, intermediate_size=256,
+                                num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, vocab_size=500, pad_token_id=None,
+                                partial_rotary_factor=0.5, tie_word_embeddings=True),
 }
 
 
