@@ -251,6 +251,15 @@ class ModelSpec(BaseModel):
         "the rest through (Phi-4-mini's partial_rotary_factor: models/phi3/modeling_phi3.py "
         "apply_rotary_pos_emb, Phi3RotaryEmbedding of int(head_dim * factor)); None: the "
         "whole head"))
+    parallel_block: bool = Field(default=False, description=(
+        "one norm per layer whose output both attention and the MLP read, their outputs "
+        "added to the residual together (Cohere2DecoderLayer.forward: residual + attn(x) + "
+        "mlp(x), x = input_layernorm(residual)); with norm_placement pre only"))
+    norm_centres_twice: bool = Field(default=False, description=(
+        "a Python LayerNorm that subtracts the mean twice, once for the variance and once for "
+        "the normalisation, each fp32 difference saved (Cohere2LayerNorm.forward: "
+        "(x - mean).pow(2).mean() and (x - mean) * rsqrt(var + eps)); with norm_scale_fp32 "
+        "its weight multiplies the fp32 normalised tensor"))
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
@@ -263,6 +272,11 @@ class ModelSpec(BaseModel):
             raise ValueError("norm_bias is only meaningful for layernorm")
         if self.fused_gate_up and not self.mlp.gated:
             raise ValueError(f"fused_gate_up needs a gated mlp (swiglu, geglu), got {self.mlp.value}")
+        if self.norm_centres_twice and self.norm is not NormKind.LAYERNORM:
+            raise ValueError("norm_centres_twice is a LayerNorm's")
+        if self.parallel_block and self.norm_placement is not NormPlacement.PRE:
+            raise ValueError(f"parallel_block needs norm_placement pre, got "
+                             f"{self.norm_placement.value}")
         if self.rotary_dim is not None and (self.rotary_dim > self.head_dim
                                             or self.rotary_dim % 2 or self.mla is not None):
             raise ValueError(f"rotary_dim ({self.rotary_dim}) must be even, at most head_dim "
@@ -445,7 +459,7 @@ def mlp_params(spec: ModelSpec, ffn: int) -> tuple[int, int]:
 def layer_params(spec: ModelSpec, index: int) -> LayerParams:
     attn_sharded, attn_repl = attention_params(spec)
     moe = spec.moe
-    norms = spec.norm_placement.norms_per_layer * norm_params(spec)
+    norms = (1 if spec.parallel_block else spec.norm_placement.norms_per_layer) * norm_params(spec)
     if moe is None or not spec.is_moe_layer(index):
         mlp_sharded, mlp_repl = mlp_params(spec, spec.ffn_hidden_size)
         return LayerParams(attn_sharded + mlp_sharded, attn_repl + mlp_repl + norms)

@@ -28,7 +28,7 @@ from memplan.hf.config import (
 SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "gpt2", "qwen3", "qwen2_moe", "qwen3_moe",
              "gemma2", "gemma3_text", "gemma3", "phi3", "olmo2", "deepseek_v3", "granite",
              "gemma", "ministral", "smollm3",
-             "olmo3")
+             "olmo3", "cohere2")
 FULL, SLIDING = "full_attention", "sliding_attention"
 # configuration classes' defaults (configuration_<family>.py __init__)
 _QWEN = {"vocab_size": 151936, "max_position_embeddings": 32768}
@@ -335,6 +335,35 @@ def olmo3(cfg: ConfigKeys) -> dict[str, Any]:
     return fields
 
 
+def cohere2(cfg: ConfigKeys) -> dict[str, Any]:
+    """models/cohere2/modeling_cohere2.py: a parallel layer (Cohere2DecoderLayer.forward:
+    residual + self_attn(x) + mlp(x) of one input_layernorm x), a LayerNorm without bias that
+    normalises an fp32 copy and multiplies by the fp32 weight before the cast back
+    (Cohere2LayerNorm.forward: saves x - mean and the normalised tensor in fp32, as
+    ``norm_scale_fp32`` does), RoPE on q and k in fp32 cast back to their dtype
+    (apply_rotary_pos_emb) on the sliding-window layers only, every sliding_window_pattern-th
+    (4) layer full and without positions (Cohere2Attention.forward), attention_bias on q, k,
+    v and o, a bias-free gated MLP, tied embeddings by default; the logits multiplied by
+    logit_scale (Cohere2ForCausalLM.forward: a scalar, nothing saved)."""
+    fields = llama_fields(cfg, head_dim_default=None, tie_default=True,
+                          defaults={"vocab_size": 256000, "max_position_embeddings": 8192})
+    num_layers = fields["num_layers"]
+    period = cfg.get_int("sliding_window_pattern", 4)
+    window = _window(cfg) if "sliding_window" in cfg.data else 4096
+    types = _layer_types(cfg, num_layers,
+                         [SLIDING if (i + 1) % period else FULL for i in range(num_layers)])
+    sliding = sliding_fields(cfg, types, window)
+    if window is None or SLIDING not in types:
+        raise cfg.error("layer_types", "Cohere2 rotates q and k on its sliding-window layers "
+                                       "only: without them no layer has positions, which is "
+                                       "not modelled")
+    fields.update(norm="layernorm", mlp_bias=False, parallel_block=True, norm_scale_fp32=True,
+                  norm_centres_twice=True,
+                  rope_keeps_dtype=True,
+                  nope_layer_interval=sliding.get("sliding_window_pattern", 0), **sliding)
+    return fields
+
+
 def deepseek_v3(cfg: ConfigKeys) -> dict[str, Any]:
     """models/deepseek_v3/modeling_deepseek_v3.py: MLA (DeepseekV3Attention: q_a_proj /
     q_a_layernorm / q_b_proj, or one q_proj without q_lora_rank; kv_a_proj_with_mqa,
@@ -436,6 +465,8 @@ def _family_fields(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
         return smollm3(cfg)
     if model_type == "olmo3":
         return olmo3(cfg)
+    if model_type == "cohere2":
+        return cohere2(cfg)
     if model_type == "granite":
         return granite(cfg)
     return llama_like(cfg, model_type)

@@ -96,6 +96,8 @@ OLMO3_TOY = dict(LLAMA3_TOY, num_hidden_layers=4, layer_types=None, sliding_wind
 # 4 heads of 64 (a quarter of each passed through RoPE), no window
 PHI4_TOY = dict(LLAMA3_TOY, num_attention_heads=4, num_key_value_heads=2, sliding_window=None,
                 **NO_IDS)
+# four layers (the fourth full), the published 4,096-token window (no mask at 128 tokens)
+COHERE2_TOY = dict(LLAMA3_TOY, num_hidden_layers=4, head_dim=32, **NO_IDS)
 LITGPT_TOY = dict(n_layer=2, n_embd=256, n_head=4, intermediate_size=688, vocab_size=1000,
                   padded_vocab_size=1000, block_size=256)
 LITGPT_GQA = dict(LITGPT_TOY, n_head=8, n_query_groups=2)
@@ -278,6 +280,22 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
                    "bf16-pure", 2, 128), None),
     (FrameworkCase("transformers", "phi4-mini-toy", hf("Phi-4-mini-instruct", **PHI4_TOY),
                    "amp-bf16", 2, 128), None),
+    # Cohere2 (Command R7B): attention and MLP in parallel after one Python LayerNorm (two
+    # fp32 differences, the fp32 normalised tensor saved), RoPE in fp32 cast back on the
+    # window layers, the fourth layer full without RoPE
+    (FrameworkCase("transformers", "cohere2-toy", hf("c4ai-command-r7b-12-2024",
+                                                     **COHERE2_TOY), "fp32", 2, 128), None),
+    (FrameworkCase("transformers", "cohere2-toy", hf("c4ai-command-r7b-12-2024",
+                                                     **COHERE2_TOY), "bf16-pure", 2, 128),
+     None),
+    (FrameworkCase("transformers", "cohere2-toy", hf("c4ai-command-r7b-12-2024",
+                                                     **COHERE2_TOY), "amp-bf16", 2, 128), None),
+    (FrameworkCase("transformers", "cohere2-toy", hf("c4ai-command-r7b-12-2024",
+                                                     **COHERE2_TOY), "bf16-pure", 2, 128,
+                   options={"recompute": "full"}), None),
+    (FrameworkCase("transformers", "cohere2-window", hf("c4ai-command-r7b-12-2024",
+                                                        **COHERE2_TOY | {"sliding_window": 64}),
+                   "bf16-pure", 2, 128), None),
     # --- torchtitan: Llama3 with its own FSDP2 on 2 ranks of the fake process group -----------
     # (the torchtitan preset: its FSDP units, fused AdamW, fused RMSNorm, kept gradients; the
     # cases set training.disable_cuda_graphs, i.e. set_to_none, as a user knob)
@@ -407,7 +425,8 @@ def test_cases_cover_the_families() -> None:
                 if c.library == "transformers" and k is None}
     assert families >= {"qwen3", "qwen3_moe", "qwen2_moe", "gemma2", "gemma3_text", "phi3",
                         "olmo2", "deepseek_v3", "granite", "gemma",
-                        "ministral", "smollm3", "olmo3"}
+                        "ministral", "smollm3", "olmo3",
+                        "cohere2"}
 
 
 def test_cases_cover_the_libraries() -> None:

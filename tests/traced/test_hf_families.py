@@ -41,6 +41,7 @@ PUBLISHED = {
     "SmolLM3-3B": "smollm3-3b",
     "Olmo-3-1025-7B": "olmo-3-7b",
     "Phi-4-mini-instruct": "phi-4-mini",
+    "c4ai-command-r7b-12-2024": "command-r7b",
 }
 
 TOY = {
@@ -105,6 +106,11 @@ TOY = {
                                 num_hidden_layers=2, num_attention_heads=4,
                                 num_key_value_heads=2, vocab_size=500, pad_token_id=None,
                                 partial_rotary_factor=0.5, tie_word_embeddings=True),
+    "cohere2-bias-untied": dict(model_type="cohere2", hidden_size=128, intermediate_size=256,
+                                num_hidden_layers=6, num_attention_heads=4,
+                                num_key_value_heads=2, vocab_size=500, attention_bias=True,
+                                tie_word_embeddings=False, sliding_window_pattern=3,
+                                pad_token_id=None, bos_token_id=None, eos_token_id=None),
 }
 
 

@@ -38,6 +38,7 @@ PAIRS = {
     "SmolLM3-3B": "smollm3-3b",
     "Olmo-3-1025-7B": "olmo-3-7b",
     "Phi-4-mini-instruct": "phi-4-mini",
+    "c4ai-command-r7b-12-2024": "command-r7b",
 }
 
 # Fields that must agree between a config.json and its catalog entry (name and source differ).
@@ -47,7 +48,7 @@ SHAPE_FIELDS = (
     "mlp_bias", "norm_bias", "dropout", "moe", "fused_gate_up", "qk_norm",
     "norm_placement", "final_logit_softcap", "attn_logit_softcap", "sliding_window",
     "sliding_window_pattern", "mla", "norm_scale_fp32", "rope_keeps_dtype",
-    "nope_layer_interval", "rotary_dim",
+    "nope_layer_interval", "rotary_dim", "parallel_block", "norm_centres_twice",
 )
 
 
