@@ -28,7 +28,7 @@ from memplan.hf.config import (
 SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "gpt2", "qwen3", "qwen2_moe", "qwen3_moe",
              "gemma2", "gemma3_text", "gemma3", "phi3", "olmo2", "deepseek_v3", "granite",
              "gemma", "ministral", "smollm3",
-             "olmo3", "cohere2")
+             "olmo3", "cohere2", "ministral3")
 FULL, SLIDING = "full_attention", "sliding_attention"
 # configuration classes' defaults (configuration_<family>.py __init__)
 _QWEN = {"vocab_size": 151936, "max_position_embeddings": 32768}
@@ -254,6 +254,21 @@ def smollm3(cfg: ConfigKeys) -> dict[str, Any]:
     return fields
 
 
+def ministral3(cfg: ConfigKeys) -> dict[str, Any]:
+    """models/ministral3/modeling_ministral3.py: Mistral's layer (no biases), head_dim its own
+    key (default 128), every layer sliding when sliding_window is set (Ministral3Model: one
+    mask for all layers), and the rotated q multiplied by a per-position scale
+    (Ministral3Attention.forward: _get_llama_4_attn_scale(...).to(q.dtype), a (s, 1) tensor
+    without grad: the product replaces q, saving only that scale)."""
+    fields = llama_fields(cfg, head_dim_default=128, tie_default=False, bias=False,
+                          defaults={"vocab_size": 131072, "max_position_embeddings": 262144})
+    window = _window(cfg)
+    num_layers = fields["num_layers"]
+    fields.update(mlp_bias=False, **sliding_fields(cfg, [SLIDING if window else FULL]
+                                                   * num_layers, window))
+    return fields
+
+
 def phi3(cfg: ConfigKeys) -> dict[str, Any]:
     """models/phi3/modeling_phi3.py: Llama's layer with one fused qkv_proj (Phi3Attention) and
     one fused gate_up_proj (Phi3MLP), no biases, RoPE on the first int(head_dim *
@@ -467,6 +482,8 @@ def _family_fields(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
         return olmo3(cfg)
     if model_type == "cohere2":
         return cohere2(cfg)
+    if model_type == "ministral3":
+        return ministral3(cfg)
     if model_type == "granite":
         return granite(cfg)
     return llama_like(cfg, model_type)

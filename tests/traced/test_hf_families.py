@@ -111,6 +111,9 @@ TOY = {
                                 num_key_value_heads=2, vocab_size=500, attention_bias=True,
                                 tie_word_embeddings=False, sliding_window_pattern=3,
                                 pad_token_id=None, bos_token_id=None, eos_token_id=None),
+    "ministral3-window": dict(model_type="ministral3", hidden_size=128, intermediate_size=256,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              vocab_size=500, sliding_window=64, pad_token_id=None),
 }
 
 
