@@ -28,7 +28,7 @@ from memplan.hf.config import (
 SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "gpt2", "qwen3", "qwen2_moe", "qwen3_moe",
              "gemma2", "gemma3_text", "gemma3", "phi3", "olmo2", "deepseek_v3", "granite",
              "gemma", "ministral", "smollm3",
-             "olmo3", "cohere2", "ministral3")
+             "olmo3", "cohere2", "ministral3", "mistral3")
 FULL, SLIDING = "full_attention", "sliding_attention"
 # configuration classes' defaults (configuration_<family>.py __init__)
 _QWEN = {"vocab_size": 151936, "max_position_embeddings": 32768}
@@ -435,7 +435,7 @@ def deepseek_v3(cfg: ConfigKeys) -> dict[str, Any]:
 def spec_fields(data: dict[str, Any], where: str, name: str) -> dict[str, Any]:
     """The ``ModelSpec`` fields of a config (``config.json`` or ``PretrainedConfig.to_dict()``);
     ``where`` names it in errors."""
-    cfg = ConfigKeys(data, where)
+    cfg = outer = ConfigKeys(data, where)
     model_type = cfg.get_str("model_type")
     if model_type not in SUPPORTED:
         raise cfg.error("model_type", f"unsupported value {model_type!r}; "
@@ -449,7 +449,24 @@ def spec_fields(data: dict[str, Any], where: str, name: str) -> dict[str, Any]:
                                            "text_config (a JSON object)")
         cfg, model_type = ConfigKeys(text, f"{where}: text_config"), "gemma3_text"
         source += ": its language model (text_config); the vision tower is not counted"
+    elif model_type == "mistral3":
+        # Mistral3ForConditionalGeneration (Ministral 3, Mistral Small 3.1): its language model
+        # is text_config's, of text_config's model_type (Mistral3Config: default mistral)
+        text = data.get("text_config")
+        if not isinstance(text, dict):
+            raise cfg.error("text_config", "a mistral3 config describes its language model in "
+                                           "text_config (a JSON object)")
+        cfg = ConfigKeys(text, f"{where}: text_config")
+        model_type = cfg.get_str("model_type", "mistral")
+        if model_type not in ("mistral", "ministral", "ministral3"):
+            raise cfg.error("model_type", f"a mistral3 language model of {model_type!r} is not "
+                                          "modelled (mistral, ministral, ministral3 are)")
+        source += ": its language model (text_config); the vision tower is not counted"
     fields = _family_fields(cfg, model_type)
+    if outer.get_str("model_type") == "mistral3":
+        # the multimodal model ties its head by the outer config's tie_word_embeddings
+        # (Mistral3Config: default true; Mistral3ForConditionalGeneration._tied_weights_keys)
+        fields["tied_embeddings"] = outer.get_bool("tie_word_embeddings", True)
     # every configuration class defaults use_cache to true (configuration_<family>.py)
     fields["use_cache"] = cfg.get_bool("use_cache", True)
     fields["name"] = name

@@ -169,3 +169,33 @@ def test_gemma3_vision_tower_is_what_is_not_counted() -> None:
     spec = spec_from_hf_config(HF / "gemma-3-12b-pt" / "config.json")
     assert sum(p.numel() for p in full.parameters()) == spec.num_params + vision
     assert 0.4e9 < vision < 0.45e9
+
+
+def test_mistral3_counts_its_language_model() -> None:
+    """A mistral3 config (Ministral 3's Mistral3ForConditionalGeneration) is counted as its
+    language model, text_config's, with the head tied by the outer tie_word_embeddings
+    (Mistral3Config: default true, which the text config's false does not change): the
+    multimodal model transformers builds is that model's parameters plus the vision tower
+    and the projector, none of them under ``model.language_model.`` or ``lm_head``."""
+    text = dict(model_type="ministral3", hidden_size=128, intermediate_size=256,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                vocab_size=500, pad_token_id=None)
+    vision = dict(model_type="pixtral", hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=1, num_attention_heads=2, image_size=64, patch_size=16)
+    data = dict(model_type="mistral3", text_config=text, vision_config=vision)
+    config = transformers.AutoConfig.for_model(**data)
+    with torch.device("meta"):
+        full = transformers.Mistral3ForConditionalGeneration(config)
+    language = sum(p.numel() for name, p in full.named_parameters()
+                   if name.startswith(("model.language_model.", "lm_head.")))
+    spec = spec_from_hf_dict(data, "mistral3-toy", "mistral3-toy")
+    assert spec.tied_embeddings and spec.num_params == language
+    assert spec.num_params == spec_from_hf_dict(text, "t", "t").num_params - 500 * 128
+    assert sum(p.numel() for p in full.parameters()) > language
+    untied = data | {"tie_word_embeddings": False}
+    with torch.device("meta"):
+        full = transformers.Mistral3ForConditionalGeneration(
+            transformers.AutoConfig.for_model(**untied))
+    assert spec_from_hf_dict(untied, "u", "u").num_params == sum(
+        p.numel() for name, p in full.named_parameters()
+        if name.startswith(("model.language_model.", "lm_head.")))
