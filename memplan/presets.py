@@ -86,8 +86,9 @@ class Selection(NamedTuple):
 def _hf_norm(spec: ModelSpec) -> str:
     # LlamaRMSNorm / Qwen2RMSNorm / MistralRMSNorm are Python upcasts; GPT-2's nn.LayerNorm is
     # one aten kernel; Gemma's and OLMo 2's RMSNorms scale the fp32 tensor before the cast
+    # (Cohere2LayerNorm too: ModelSpec.norm_centres_twice)
     if spec.norm is NormKind.LAYERNORM:
-        return "fused"
+        return "upcast-fp32" if spec.norm_centres_twice else "fused"
     return "upcast-fp32" if spec.norm_scale_fp32 else "upcast"
 
 

@@ -241,6 +241,25 @@ class ModelSpec(BaseModel):
     norm_bias: bool = Field(default=False, description="LayerNorm with a bias (beta)")
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     moe: MoESpec | None = None
+    nope_layer_interval: int = Field(default=0, ge=0, le=MAX_LAYERS, description=(
+        "with RoPE: 0, every layer rotates q and k; n, every n-th layer (index % n == n - 1) "
+        "attends without positions (SmolLM3's no_rope_layers: models/smollm3/"
+        "modeling_smollm3.py SmolLM3Attention.use_rope); the RoPE tables are the model's, "
+        "made once per forward"))
+    rotary_dim: int | None = Field(default=None, gt=0, le=MAX_WIDTH, description=(
+        "partial rotary embeddings: RoPE rotates the first rotary_dim of each head and passes "
+        "the rest through (Phi-4-mini's partial_rotary_factor: models/phi3/modeling_phi3.py "
+        "apply_rotary_pos_emb, Phi3RotaryEmbedding of int(head_dim * factor)); None: the "
+        "whole head"))
+    parallel_block: bool = Field(default=False, description=(
+        "one norm per layer whose output both attention and the MLP read, their outputs "
+        "added to the residual together (Cohere2DecoderLayer.forward: residual + attn(x) + "
+        "mlp(x), x = input_layernorm(residual)); with norm_placement pre only"))
+    norm_centres_twice: bool = Field(default=False, description=(
+        "a Python LayerNorm that subtracts the mean twice, once for the variance and once for "
+        "the normalisation, each fp32 difference saved (Cohere2LayerNorm.forward: "
+        "(x - mean).pow(2).mean() and (x - mean) * rsqrt(var + eps)); with norm_scale_fp32 "
+        "its weight multiplies the fp32 normalised tensor"))
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
@@ -253,6 +272,15 @@ class ModelSpec(BaseModel):
             raise ValueError("norm_bias is only meaningful for layernorm")
         if self.fused_gate_up and not self.mlp.gated:
             raise ValueError(f"fused_gate_up needs a gated mlp (swiglu, geglu), got {self.mlp.value}")
+        if self.norm_centres_twice and self.norm is not NormKind.LAYERNORM:
+            raise ValueError("norm_centres_twice is a LayerNorm's")
+        if self.parallel_block and self.norm_placement is not NormPlacement.PRE:
+            raise ValueError(f"parallel_block needs norm_placement pre, got "
+                             f"{self.norm_placement.value}")
+        if self.rotary_dim is not None and (self.rotary_dim > self.head_dim
+                                            or self.rotary_dim % 2 or self.mla is not None):
+            raise ValueError(f"rotary_dim ({self.rotary_dim}) must be even, at most head_dim "
+                             f"({self.head_dim}), and without mla")
         if self.mla is not None:
             head = self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim
             if self.head_dim != head or self.num_kv_heads != self.num_attention_heads:
@@ -291,7 +319,10 @@ class ModelSpec(BaseModel):
 
     @property
     def rope_dim(self) -> int:
-        """Width RoPE rotates per head: MLA's decoupled RoPE head, else the whole head."""
+        """Width RoPE rotates per head: MLA's decoupled RoPE head, ``rotary_dim`` where it is
+        partial, else the whole head."""
+        if self.rotary_dim is not None:
+            return self.rotary_dim
         return self.mla.qk_rope_head_dim if self.mla else self.head_dim
 
     def is_moe_layer(self, index: int) -> bool:
@@ -299,6 +330,11 @@ class ModelSpec(BaseModel):
         moe = self.moe
         return (moe is not None and index >= moe.first_dense_layers
                 and index % moe.layer_freq == moe.layer_freq - 1)
+
+    def is_nope_layer(self, index: int) -> bool:
+        """Whether layer ``index`` (0-based) of a RoPE model attends without RoPE."""
+        n = self.nope_layer_interval
+        return n > 0 and index % n == n - 1
 
     def is_sliding_layer(self, index: int) -> bool:
         """Whether layer ``index`` (0-based) attends to a sliding window."""
@@ -423,7 +459,7 @@ def mlp_params(spec: ModelSpec, ffn: int) -> tuple[int, int]:
 def layer_params(spec: ModelSpec, index: int) -> LayerParams:
     attn_sharded, attn_repl = attention_params(spec)
     moe = spec.moe
-    norms = spec.norm_placement.norms_per_layer * norm_params(spec)
+    norms = (1 if spec.parallel_block else spec.norm_placement.norms_per_layer) * norm_params(spec)
     if moe is None or not spec.is_moe_layer(index):
         mlp_sharded, mlp_repl = mlp_params(spec, spec.ffn_hidden_size)
         return LayerParams(attn_sharded + mlp_sharded, attn_repl + mlp_repl + norms)

@@ -26,7 +26,9 @@ from memplan.hf.config import (
 # llama, mistral, mixtral and qwen2 share Llama's field names (memplan.hf.config); gpt2 has
 # its own; the others are read here
 SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "gpt2", "qwen3", "qwen2_moe", "qwen3_moe",
-             "gemma2", "gemma3_text", "gemma3", "phi3", "olmo2", "deepseek_v3")
+             "gemma2", "gemma3_text", "gemma3", "phi3", "olmo2", "deepseek_v3", "granite",
+             "gemma", "ministral", "smollm3",
+             "olmo3", "cohere2", "ministral3", "mistral3")
 FULL, SLIDING = "full_attention", "sliding_attention"
 # configuration classes' defaults (configuration_<family>.py __init__)
 _QWEN = {"vocab_size": 151936, "max_position_embeddings": 32768}
@@ -187,22 +189,125 @@ def gemma(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
     return fields
 
 
+def gemma1(cfg: ConfigKeys) -> dict[str, Any]:
+    """models/gemma/modeling_gemma.py: Llama's layer with two pre-norms (GemmaDecoderLayer:
+    input_layernorm, post_attention_layernorm) scaling in fp32 by (1 + weight)
+    (GemmaRMSNorm.forward), head_dim its own key (default 256), tied embeddings by default, a
+    gated MLP of ACT2FN[hidden_act] (GemmaMLP; GemmaConfig's default gelu_pytorch_tanh; the
+    published files' hidden_activation is no attribute transformers 5 reads), attention_bias
+    on q, k, v and o. The embedding's scaling by sqrt(hidden) (GemmaModel.forward: a multiply
+    by a 0-d tensor) saves nothing of the activations' size."""
+    fields = llama_fields(cfg, head_dim_default=256, tie_default=True, defaults=_GEMMA2)
+    if cfg.get_bool("use_bidirectional_attention", False):
+        raise cfg.error("use_bidirectional_attention", "bidirectional attention (an encoder) "
+                                                       "is not modelled")
+    kind = gated_act(cfg, "hidden_act", "gelu_pytorch_tanh")
+    if kind != "geglu":
+        raise cfg.error("hidden_act", f"unsupported activation {cfg.get_str('hidden_act')!r} "
+                                      "for Gemma (expected gelu or gelu_pytorch_tanh)")
+    fields.update(mlp=kind, norm_scale_fp32=True)
+    return fields
+
+
+def ministral(cfg: ConfigKeys) -> dict[str, Any]:
+    """models/ministral/modeling_ministral.py: Mistral's layer (no biases on q, k, v, o or the
+    MLP: MinistralAttention, MinistralMLP) with a sliding window per layer_types
+    (MinistralAttention.sliding_window), which MinistralConfig fills with every layer sliding
+    when sliding_window is set (default 4096), else every layer full."""
+    fields = llama_fields(cfg, head_dim_default=None, tie_default=False, bias=False,
+                          defaults={"vocab_size": 32000, "max_position_embeddings": 131072})
+    window = _window(cfg) if "sliding_window" in cfg.data else 4096
+    num_layers = fields["num_layers"]
+    default = [SLIDING if window is not None else FULL] * num_layers
+    fields.update(mlp_bias=False, **sliding_fields(cfg, _layer_types(cfg, num_layers, default),
+                                                    window))
+    return fields
+
+
+def smollm3(cfg: ConfigKeys) -> dict[str, Any]:
+    """models/smollm3/modeling_smollm3.py: Llama's layer (attention_bias on q, k, v and o,
+    mlp_bias) where layer i rotates q and k only when no_rope_layers[i] is 1
+    (SmolLM3Attention.use_rope); SmolLM3Config fills no_rope_layers with every
+    no_rope_layer_interval-th layer (default 4) without RoPE (``nope_layer_interval``), and
+    slides the window only on layers without RoPE when use_sliding_window. Tied by default."""
+    fields = llama_fields(cfg, head_dim_default=None, tie_default=True,
+                          defaults={"vocab_size": 128256, "max_position_embeddings": 32768})
+    num_layers = fields["num_layers"]
+    interval = cfg.get_int("no_rope_layer_interval", 4)
+    default = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    rope = cfg.data.get("no_rope_layers")
+    if rope is None:
+        rope = default
+    if rope != default:
+        every = [1] * num_layers
+        if rope != every:
+            raise cfg.error("no_rope_layers", f"only every layer with RoPE or every "
+                                              f"no_rope_layer_interval-th ({interval}) without "
+                                              f"it is modelled, got {rope!r}")
+        interval = 0
+    elif interval > num_layers:
+        interval = 0  # every layer rotates
+    window = (_window(cfg) if cfg.get_bool("use_sliding_window", False) else None)
+    types = [SLIDING if window is not None and not r else FULL for r in rope]
+    fields.update(nope_layer_interval=interval,
+                  **sliding_fields(cfg, _layer_types(cfg, num_layers, types), window))
+    return fields
+
+
+def ministral3(cfg: ConfigKeys) -> dict[str, Any]:
+    """models/ministral3/modeling_ministral3.py: Mistral's layer (no biases), head_dim its own
+    key (default 128), every layer sliding when sliding_window is set (Ministral3Model: one
+    mask for all layers), and the rotated q multiplied by a per-position scale
+    (Ministral3Attention.forward: _get_llama_4_attn_scale(...).to(q.dtype), a (s, 1) tensor
+    without grad: the product replaces q, saving only that scale)."""
+    fields = llama_fields(cfg, head_dim_default=128, tie_default=False, bias=False,
+                          defaults={"vocab_size": 131072, "max_position_embeddings": 262144})
+    window = _window(cfg)
+    num_layers = fields["num_layers"]
+    fields.update(mlp_bias=False, **sliding_fields(cfg, [SLIDING if window else FULL]
+                                                   * num_layers, window))
+    return fields
+
+
 def phi3(cfg: ConfigKeys) -> dict[str, Any]:
     """models/phi3/modeling_phi3.py: Llama's layer with one fused qkv_proj (Phi3Attention) and
-    one fused gate_up_proj (Phi3MLP), no biases, the residual dropout resid_pdrop on both
+    one fused gate_up_proj (Phi3MLP), no biases, RoPE on the first int(head_dim *
+    partial_rotary_factor) of each head (apply_rotary_pos_emb: Phi-4-mini's 0.75), the residual dropout resid_pdrop on both
     sub-layers' outputs and embd_pdrop on the embedding (the largest rate stands for all),
     every layer sliding when sliding_window is set (Phi3Attention.forward)."""
     fields = llama_fields(cfg, head_dim_default=None, tie_default=False, bias=False,
                           defaults={"vocab_size": 32064, "max_position_embeddings": 4096})
-    if cfg.get_float("partial_rotary_factor", 1.0) != 1.0:
-        raise cfg.error("partial_rotary_factor", "partial rotary embeddings are not modelled")
     dropout = max(cfg.get_float(k, 0.0) for k in ("resid_pdrop", "embd_pdrop",
                                                   "attention_dropout"))
     window = _window(cfg)
     types = _layer_types(cfg, fields["num_layers"], [SLIDING] * fields["num_layers"])
     fields.update(fused_qkv=True, fused_gate_up=True, dropout=dropout,
-                  **sliding_fields(cfg, types, window))
+                  **sliding_fields(cfg, types, window), **_partial_rotary(cfg, fields))
     return fields
+
+
+def _partial_rotary(cfg: ConfigKeys, fields: dict[str, Any]) -> dict[str, Any]:
+    """``rotary_dim`` of a ``partial_rotary_factor`` below 1: int(head_dim * factor)
+    (modeling_rope_utils.py _compute_default_rope_parameters, Phi3RotaryEmbedding). The
+    factor is read where Phi3Config.convert_rope_params_to_dict finds it: rope_scaling's or
+    rope_parameters' own key first, else the top-level one (default 1.0)."""
+    factor, key = 1.0, "partial_rotary_factor"
+    for where in ("rope_scaling", "rope_parameters"):
+        params = cfg.data.get(where)
+        if isinstance(params, dict) and params.get(key) is not None:
+            factor = ConfigKeys(params, f"{cfg.where}: {where}").get_float(key, 1.0)
+            break
+    else:
+        factor = cfg.get_float(key, 1.0)
+    if not 0.0 < factor <= 1.0:
+        raise cfg.error(key, f"expected a factor in (0, 1], got {factor}")
+    rotary = int(fields["head_dim"] * factor)
+    if rotary == fields["head_dim"]:
+        return {}
+    if rotary == 0 or rotary % 2:
+        raise cfg.error(key, f"{factor} of head_dim {fields['head_dim']} rotates {rotary} "
+                             "dimensions; an even count above 0 is modelled")
+    return {"rotary_dim": rotary}
 
 
 def olmo2(cfg: ConfigKeys) -> dict[str, Any]:
@@ -215,6 +320,62 @@ def olmo2(cfg: ConfigKeys) -> dict[str, Any]:
                           defaults={"vocab_size": 50304, "max_position_embeddings": 2048})
     fields.update(qk_norm="full", norm_placement="post", norm_scale_fp32=True,
                   rope_keeps_dtype=True)
+    return fields
+
+
+def granite(cfg: ConfigKeys) -> dict[str, Any]:
+    """models/granite/modeling_granite.py: Llama's parameters (GraniteConfig's defaults are
+    LlamaConfig's: vocab_size 32000, max_position_embeddings 2048, untied) and four scalar
+    multipliers, none a parameter: embedding_multiplier (GraniteModel.forward: inputs_embeds *
+    m), attention_multiplier (GraniteAttention.scaling, the softmax scale SDPA takes),
+    residual_multiplier (GraniteDecoderLayer.forward: residual + out * m) and logits_scaling
+    (GraniteForCausalLM.forward: logits / s). Multiplying by a Python scalar saves nothing for
+    the backward (autograd's mul/div by a scalar keep only the scalar)."""
+    return llama_fields(cfg, head_dim_default=None, tie_default=False,
+                        defaults={"vocab_size": 32000, "max_position_embeddings": 2048})
+
+
+def olmo3(cfg: ConfigKeys) -> dict[str, Any]:
+    """models/olmo3/modeling_olmo3.py: OLMo 2's layer (``olmo2``: Olmo3DecoderLayer's norms
+    after the mixers, Olmo3Attention's q/k norms over the whole projection, Olmo3RMSNorm's
+    fp32 scaling, apply_rotary_pos_emb's cast back) with a sliding window per layer_types
+    (Olmo3Attention.sliding_window), which Olmo3Config fills with every fourth layer full and
+    the others sliding (sliding_window default 4096). One rotary embedding for all layers
+    (Olmo3Model.rotary_emb)."""
+    fields = olmo2(cfg)
+    num_layers = fields["num_layers"]
+    window = _window(cfg) if "sliding_window" in cfg.data else 4096
+    default = [SLIDING if (i + 1) % 4 else FULL for i in range(num_layers)]
+    fields.update(sliding_fields(cfg, _layer_types(cfg, num_layers, default), window))
+    return fields
+
+
+def cohere2(cfg: ConfigKeys) -> dict[str, Any]:
+    """models/cohere2/modeling_cohere2.py: a parallel layer (Cohere2DecoderLayer.forward:
+    residual + self_attn(x) + mlp(x) of one input_layernorm x), a LayerNorm without bias that
+    normalises an fp32 copy and multiplies by the fp32 weight before the cast back
+    (Cohere2LayerNorm.forward: saves x - mean and the normalised tensor in fp32, as
+    ``norm_scale_fp32`` does), RoPE on q and k in fp32 cast back to their dtype
+    (apply_rotary_pos_emb) on the sliding-window layers only, every sliding_window_pattern-th
+    (4) layer full and without positions (Cohere2Attention.forward), attention_bias on q, k,
+    v and o, a bias-free gated MLP, tied embeddings by default; the logits multiplied by
+    logit_scale (Cohere2ForCausalLM.forward: a scalar, nothing saved)."""
+    fields = llama_fields(cfg, head_dim_default=None, tie_default=True,
+                          defaults={"vocab_size": 256000, "max_position_embeddings": 8192})
+    num_layers = fields["num_layers"]
+    period = cfg.get_int("sliding_window_pattern", 4)
+    window = _window(cfg) if "sliding_window" in cfg.data else 4096
+    types = _layer_types(cfg, num_layers,
+                         [SLIDING if (i + 1) % period else FULL for i in range(num_layers)])
+    sliding = sliding_fields(cfg, types, window)
+    if window is None or SLIDING not in types:
+        raise cfg.error("layer_types", "Cohere2 rotates q and k on its sliding-window layers "
+                                       "only: without them no layer has positions, which is "
+                                       "not modelled")
+    fields.update(norm="layernorm", mlp_bias=False, parallel_block=True, norm_scale_fp32=True,
+                  norm_centres_twice=True,
+                  rope_keeps_dtype=True,
+                  nope_layer_interval=sliding.get("sliding_window_pattern", 0), **sliding)
     return fields
 
 
@@ -274,7 +435,7 @@ def deepseek_v3(cfg: ConfigKeys) -> dict[str, Any]:
 def spec_fields(data: dict[str, Any], where: str, name: str) -> dict[str, Any]:
     """The ``ModelSpec`` fields of a config (``config.json`` or ``PretrainedConfig.to_dict()``);
     ``where`` names it in errors."""
-    cfg = ConfigKeys(data, where)
+    cfg = outer = ConfigKeys(data, where)
     model_type = cfg.get_str("model_type")
     if model_type not in SUPPORTED:
         raise cfg.error("model_type", f"unsupported value {model_type!r}; "
@@ -288,7 +449,24 @@ def spec_fields(data: dict[str, Any], where: str, name: str) -> dict[str, Any]:
                                            "text_config (a JSON object)")
         cfg, model_type = ConfigKeys(text, f"{where}: text_config"), "gemma3_text"
         source += ": its language model (text_config); the vision tower is not counted"
+    elif model_type == "mistral3":
+        # Mistral3ForConditionalGeneration (Ministral 3, Mistral Small 3.1): its language model
+        # is text_config's, of text_config's model_type (Mistral3Config: default mistral)
+        text = data.get("text_config")
+        if not isinstance(text, dict):
+            raise cfg.error("text_config", "a mistral3 config describes its language model in "
+                                           "text_config (a JSON object)")
+        cfg = ConfigKeys(text, f"{where}: text_config")
+        model_type = cfg.get_str("model_type", "mistral")
+        if model_type not in ("mistral", "ministral", "ministral3"):
+            raise cfg.error("model_type", f"a mistral3 language model of {model_type!r} is not "
+                                          "modelled (mistral, ministral, ministral3 are)")
+        source += ": its language model (text_config); the vision tower is not counted"
     fields = _family_fields(cfg, model_type)
+    if outer.get_str("model_type") == "mistral3":
+        # the multimodal model ties its head by the outer config's tie_word_embeddings
+        # (Mistral3Config: default true; Mistral3ForConditionalGeneration._tied_weights_keys)
+        fields["tied_embeddings"] = outer.get_bool("tie_word_embeddings", True)
     # every configuration class defaults use_cache to true (configuration_<family>.py)
     fields["use_cache"] = cfg.get_bool("use_cache", True)
     fields["name"] = name
@@ -311,4 +489,18 @@ def _family_fields(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
         return olmo2(cfg)
     if model_type == "deepseek_v3":
         return deepseek_v3(cfg)
+    if model_type == "gemma":
+        return gemma1(cfg)
+    if model_type == "ministral":
+        return ministral(cfg)
+    if model_type == "smollm3":
+        return smollm3(cfg)
+    if model_type == "olmo3":
+        return olmo3(cfg)
+    if model_type == "cohere2":
+        return cohere2(cfg)
+    if model_type == "ministral3":
+        return ministral3(cfg)
+    if model_type == "granite":
+        return granite(cfg)
     return llama_like(cfg, model_type)

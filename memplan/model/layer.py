@@ -53,6 +53,9 @@ _ATTENTIONS = {"mla": _MLA, "window": _WINDOW, "full": _ATTENTION}
 _BLOCKS = {(placement, attention, moe): (_sublayer(placement, "attn", _ATTENTIONS[attention])
                                          + _sublayer(placement, "mlp", _MOE if moe else _MLP))
            for placement in NormPlacement for attention in _ATTENTIONS for moe in (False, True)}
+# a parallel layer (``ModelSpec.parallel_block``): one norm, then both mixers reading its output
+_PARALLEL = {(attention, moe): (_PRE["attn"], _ATTENTIONS[attention], _MOE if moe else _MLP)
+             for attention in _ATTENTIONS for moe in (False, True)}
 
 
 # every block object a layer can have (each exposes ``memplan.model.block.Block``)
@@ -65,6 +68,8 @@ def layer_blocks(spec: ModelSpec, moe_layer: bool, sliding: bool = False) -> tup
     placement has one (``NormPlacement``). ``sliding``: a sliding-window layer's attention
     (``memplan.model.attention.WindowAttention``)."""
     attention = "mla" if spec.mla is not None else "window" if sliding else "full"
+    if spec.parallel_block:
+        return _PARALLEL[(attention, moe_layer)]
     return _BLOCKS[(spec.norm_placement, attention, moe_layer)]
 
 

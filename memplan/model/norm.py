@@ -25,12 +25,15 @@ from memplan.workload import BaseQuant, NormImpl, Recompute, Workload
 
 def consumers(prefix: str, spec: ModelSpec, wl: Workload) -> int:
     """Linears that read a norm's output: separate q, k and v projections (or one fused qkv)
-    after the attention norm; gate and up (or one first linear, or one fused gate_up) after
+    after the attention norm (and the MLP's, in a parallel layer); gate and up (or one first linear, or one fused gate_up) after
     the MLP norm; the head after the final norm."""
+    mlp = 2 if spec.mlp.gated and not spec.fused_gate_up else 1
     if prefix == "attn_norm":
-        return 1 if spec.fused_qkv or wl.fused_qkv else 3
+        # a parallel layer's one norm feeds the MLP's first linears too
+        return (1 if spec.fused_qkv or wl.fused_qkv else 3) + (mlp if spec.parallel_block
+                                                                else 0)
     if prefix == "mlp_norm":
-        return 2 if spec.mlp.gated and not spec.fused_gate_up else 1
+        return mlp
     return 1
 
 
@@ -56,7 +59,9 @@ def norm_terms(prefix: str, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Ter
 
 def _norm_terms(prefix: str, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
     rows, h = dm.rows, spec.hidden_size
-    stats = rows * FP32_BYTES * (2 if spec.norm is NormKind.LAYERNORM else 1)
+    # a LayerNorm centring twice saves rsqrt's output alone (its mean is saved by no one)
+    two = spec.norm is NormKind.LAYERNORM and not spec.norm_centres_twice
+    stats = rows * FP32_BYTES * (2 if two else 1)
     # the output is saved by the next (column-parallel) linear: as its sequence shard, or
     # all-gathered to the full sequence (DTensor sequence parallelism); under autocast each
     # linear saves its own cast of it
@@ -75,7 +80,9 @@ def _norm_terms(prefix: str, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Te
     if wl.norm_impl is NormImpl.UPCAST_FP32:
         # (in fp32 runs the weight's .float() is the weight itself)
         weight = h * FP32_BYTES * (2 if spec.norm_bias else 1) if dm.stream_e < FP32_BYTES else 0
-        return [Term(f"{prefix}.input_fp32", rows * h * FP32_BYTES), *out,
+        # a LayerNorm centring twice saves both fp32 differences (ModelSpec.norm_centres_twice)
+        centred = [Term(f"{prefix}.centred_fp32", rows * h * FP32_BYTES)] * spec.norm_centres_twice
+        return [Term(f"{prefix}.input_fp32", rows * h * FP32_BYTES), *out, *centred,
                 Term(f"{prefix}.normed", rows * h * FP32_BYTES),
                 *([Term(f"{prefix}.weight_fp32", weight)] if weight else [])]
     # weight * normed saves normed for the weight's gradient alone: none when it is frozen

@@ -35,6 +35,13 @@ PUBLISHED = {
     "Phi-3-mini-4k-instruct": "phi-3-mini-4k",
     "OLMo-2-1124-7B": "olmo-2-7b",
     "DeepSeek-V3": "deepseek-v3",
+    "granite-3.3-8b-instruct": "granite-3.3-8b",
+    "gemma-7b": "gemma-7b",
+    "Ministral-8B-Instruct-2410": "ministral-8b",
+    "SmolLM3-3B": "smollm3-3b",
+    "Olmo-3-1025-7B": "olmo-3-7b",
+    "Phi-4-mini-instruct": "phi-4-mini",
+    "c4ai-command-r7b-12-2024": "command-r7b",
 }
 
 TOY = {
@@ -71,6 +78,42 @@ TOY = {
                                   q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
                                   qk_rope_head_dim=8, v_head_dim=24, n_group=2, topk_group=1,
                                   attention_bias=True, n_shared_experts=2),
+    "granite-bias-untied": dict(model_type="granite", hidden_size=128, intermediate_size=256,
+                                num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, vocab_size=500, attention_bias=True,
+                                mlp_bias=True, embedding_multiplier=12.0,
+                                residual_multiplier=0.22, logits_scaling=8.0),
+    "gemma-mqa-untied": dict(model_type="gemma", hidden_size=128, intermediate_size=256,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                             head_dim=48, vocab_size=500, tie_word_embeddings=False,
+                             attention_bias=True, pad_token_id=None),
+    "ministral-alternating": dict(model_type="ministral", hidden_size=128,
+                                  intermediate_size=256, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=500,
+                                  head_dim=32, sliding_window=64, layer_types=["sliding_attention",
+                                                                  "full_attention"] * 2),
+    "smollm3-interval2": dict(model_type="smollm3", hidden_size=128,
+                                     intermediate_size=256, num_hidden_layers=4,
+                                     num_attention_heads=4, num_key_value_heads=2,
+                                     vocab_size=500, no_rope_layer_interval=2,
+                                     attention_bias=True, pad_token_id=None),
+    "olmo3-bias-default-window": dict(model_type="olmo3", hidden_size=128,
+                                      intermediate_size=256, num_hidden_layers=8,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=500, attention_bias=True, pad_token_id=None,
+                                      eos_token_id=None),
+    "phi3-partial-rotary": dict(model_type="phi3", hidden_size=128, intermediate_size=256,
+                                num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, vocab_size=500, pad_token_id=None,
+                                partial_rotary_factor=0.5, tie_word_embeddings=True),
+    "cohere2-bias-untied": dict(model_type="cohere2", hidden_size=128, intermediate_size=256,
+                                num_hidden_layers=6, num_attention_heads=4,
+                                num_key_value_heads=2, vocab_size=500, attention_bias=True,
+                                tie_word_embeddings=False, sliding_window_pattern=3,
+                                pad_token_id=None, bos_token_id=None, eos_token_id=None),
+    "ministral3-window": dict(model_type="ministral3", hidden_size=128, intermediate_size=256,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              vocab_size=500, sliding_window=64, pad_token_id=None),
 }
 
 
@@ -126,3 +169,33 @@ def test_gemma3_vision_tower_is_what_is_not_counted() -> None:
     spec = spec_from_hf_config(HF / "gemma-3-12b-pt" / "config.json")
     assert sum(p.numel() for p in full.parameters()) == spec.num_params + vision
     assert 0.4e9 < vision < 0.45e9
+
+
+def test_mistral3_counts_its_language_model() -> None:
+    """A mistral3 config (Ministral 3's Mistral3ForConditionalGeneration) is counted as its
+    language model, text_config's, with the head tied by the outer tie_word_embeddings
+    (Mistral3Config: default true, which the text config's false does not change): the
+    multimodal model transformers builds is that model's parameters plus the vision tower
+    and the projector, none of them under ``model.language_model.`` or ``lm_head``."""
+    text = dict(model_type="ministral3", hidden_size=128, intermediate_size=256,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                vocab_size=500, pad_token_id=None)
+    vision = dict(model_type="pixtral", hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=1, num_attention_heads=2, image_size=64, patch_size=16)
+    data = dict(model_type="mistral3", text_config=text, vision_config=vision)
+    config = transformers.AutoConfig.for_model(**data)
+    with torch.device("meta"):
+        full = transformers.Mistral3ForConditionalGeneration(config)
+    language = sum(p.numel() for name, p in full.named_parameters()
+                   if name.startswith(("model.language_model.", "lm_head.")))
+    spec = spec_from_hf_dict(data, "mistral3-toy", "mistral3-toy")
+    assert spec.tied_embeddings and spec.num_params == language
+    assert spec.num_params == spec_from_hf_dict(text, "t", "t").num_params - 500 * 128
+    assert sum(p.numel() for p in full.parameters()) > language
+    untied = data | {"tie_word_embeddings": False}
+    with torch.device("meta"):
+        full = transformers.Mistral3ForConditionalGeneration(
+            transformers.AutoConfig.for_model(**untied))
+    assert spec_from_hf_dict(untied, "u", "u").num_params == sum(
+        p.numel() for name, p in full.named_parameters()
+        if name.startswith(("model.language_model.", "lm_head.")))

@@ -32,6 +32,13 @@ PAIRS = {
     "Phi-3-mini-4k-instruct": "phi-3-mini-4k",
     "OLMo-2-1124-7B": "olmo-2-7b",
     "DeepSeek-V3": "deepseek-v3",
+    "granite-3.3-8b-instruct": "granite-3.3-8b",
+    "gemma-7b": "gemma-7b",
+    "Ministral-8B-Instruct-2410": "ministral-8b",
+    "SmolLM3-3B": "smollm3-3b",
+    "Olmo-3-1025-7B": "olmo-3-7b",
+    "Phi-4-mini-instruct": "phi-4-mini",
+    "c4ai-command-r7b-12-2024": "command-r7b",
 }
 
 # Fields that must agree between a config.json and its catalog entry (name and source differ).
@@ -41,6 +48,7 @@ SHAPE_FIELDS = (
     "mlp_bias", "norm_bias", "dropout", "moe", "fused_gate_up", "qk_norm",
     "norm_placement", "final_logit_softcap", "attn_logit_softcap", "sliding_window",
     "sliding_window_pattern", "mla", "norm_scale_fp32", "rope_keeps_dtype",
+    "nope_layer_interval", "rotary_dim", "parallel_block", "norm_centres_twice",
 )
 
 
@@ -293,9 +301,20 @@ def test_gemma3_needs_its_text_config(tmp_path: Path) -> None:
     assert "text_config" in _error(_write(tmp_path, data))
 
 
-def test_phi3_partial_rotary_refused(tmp_path: Path) -> None:
-    data = _base("Phi-3-mini-4k-instruct") | {"partial_rotary_factor": 0.5}
-    assert "partial_rotary_factor" in _error(_write(tmp_path, data))
+def test_phi3_partial_rotary(tmp_path: Path) -> None:
+    """Phi-3-mini's head_dim 96 (3072 / 32): a factor of 0.5 rotates int(96 * 0.5) = 48
+    dimensions (Phi3RotaryEmbedding), rope_parameters' own 0.25 wins over the top-level
+    one (Phi3Config.convert_rope_params_to_dict: setdefault): int(96 * 0.25) = 24; a factor
+    that rotates nothing (int(96 * 0.01) = 0) or is out of (0, 1] is refused by name."""
+    data = _base("Phi-3-mini-4k-instruct")
+    assert load_model(str(_write(tmp_path, data | {"partial_rotary_factor": 0.5}))).rope_dim == 48
+    nested = data | {"partial_rotary_factor": 0.5,
+                     "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.25}}
+    assert load_model(str(_write(tmp_path, nested))).rotary_dim == 24
+    assert load_model(str(_write(tmp_path, data | {"partial_rotary_factor": 1.0}))).rotary_dim is None
+    for bad in (0.01, 1.5, 0.0):
+        assert "partial_rotary_factor" in _error(_write(tmp_path, data | {
+            "partial_rotary_factor": bad}))
 
 
 def test_eager_softmax_dtype_is_the_familys() -> None:

@@ -10,9 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from memplan.errors import MemplanError
-from memplan.spec import catalog_names, load_model, param_counts
+from memplan.spec import ModelSpec, catalog_names, load_model, param_counts
 
 PUBLISHED = {
     "llama-7b": 6_738_415_616,
@@ -43,7 +44,10 @@ STATED_BILLIONS = {
     "qwen3-8b": 8.2, "qwen3-30b-a3b": 30.5, "qwen1.5-moe-a2.7b": 14.3, "gemma-2-9b": 9.24,
     "gemma-3-12b": 11.8, "phi-3-mini-4k": 3.8, "olmo-2-7b": 7.3, "deepseek-v3": 671,
 }
-EXPECTED_CATALOG = {*PUBLISHED, *STATED_BILLIONS, "gpt3-175b", "tiny"}
+# families whose catalog entries are checked against the count of the model transformers
+# builds from the same config.json (tests/traced/test_hf_families.py), to the parameter
+COUNTED_BY_TRANSFORMERS: set[str] = {"command-r7b", "phi-4-mini", "olmo-3-7b", "smollm3-3b", "ministral-8b", "gemma-7b", "granite-3.3-8b"}
+EXPECTED_CATALOG = {*PUBLISHED, *STATED_BILLIONS, *COUNTED_BY_TRANSFORMERS, "gpt3-175b", "tiny"}
 
 
 @pytest.mark.parametrize("name", sorted(STATED_BILLIONS))
@@ -195,3 +199,39 @@ def test_malformed_toml(tmp_path: Path) -> None:
     path.write_text("num_layers = = 2\n")
     with pytest.raises(MemplanError, match="broken.toml"):
         load_model(str(path))
+
+
+def _tiny(**fields) -> ModelSpec:
+    base = dict(name="t", source="hand", num_layers=1, hidden_size=8, ffn_hidden_size=16,
+                num_attention_heads=2, num_kv_heads=2, head_dim=4, vocab_size=10,
+                max_seq_len=32, norm="layernorm", mlp="swiglu", position="rope",
+                tied_embeddings=True)
+    return ModelSpec(**(base | fields))
+
+
+def test_parallel_block_has_one_norm_per_layer() -> None:
+    """By hand, h = 8, ffn 16, 2 heads of 4, vocabulary 10, one layer, tied, LayerNorm
+    without bias: embedding 10 * 8 = 80; q, k, v, o 4 * 8 * 8 = 256; gate, up, down
+    3 * 8 * 16 = 384; final norm 8; a sequential layer's two norms 16 (744 in all), a
+    parallel layer's one 8 (736)."""
+    assert _tiny().num_params == 744
+    assert _tiny(parallel_block=True).num_params == 736
+
+
+@pytest.mark.parametrize(("fields", "named"), [
+    ({"parallel_block": True, "norm_placement": "sandwich"}, "parallel_block"),
+    ({"norm_centres_twice": True, "norm": "rmsnorm"}, "norm_centres_twice"),
+    ({"rotary_dim": 3}, "rotary_dim"),
+    ({"rotary_dim": 6}, "rotary_dim"),
+])
+def test_new_layer_fields_refuse_what_they_do_not_describe(fields: dict, named: str) -> None:
+    with pytest.raises(ValidationError, match=named):
+        _tiny(**fields)
+
+
+def test_rope_dim_and_nope_layers() -> None:
+    """rotary_dim narrows RoPE's width (head_dim 4, rotary 2); every 4th layer (index 3, 7)
+    without RoPE at interval 4."""
+    assert _tiny(rotary_dim=2).rope_dim == 2 and _tiny().rope_dim == 4
+    spec = _tiny(num_layers=8, nope_layer_interval=4)
+    assert [i for i in range(8) if spec.is_nope_layer(i)] == [3, 7]
