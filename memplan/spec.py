@@ -241,6 +241,10 @@ class ModelSpec(BaseModel):
     norm_bias: bool = Field(default=False, description="LayerNorm with a bias (beta)")
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     moe: MoESpec | None = None
+    partial_rotary_factor: float = Field(default=1.0, gt=0.0, le=1.0, description=(
+        "the share of each head RoPE rotates, the first int(head_dim * factor) channels, the "
+        "rest passing through (GLM-4's apply_rotary_pos_emb: q_rot, q_pass = q[..., :rotary_"
+        "dim], q[..., rotary_dim:]; rope_init_fn's dim = int(head_dim * partial_rotary_factor))"))
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
@@ -291,8 +295,11 @@ class ModelSpec(BaseModel):
 
     @property
     def rope_dim(self) -> int:
-        """Width RoPE rotates per head: MLA's decoupled RoPE head, else the whole head."""
-        return self.mla.qk_rope_head_dim if self.mla else self.head_dim
+        """Width RoPE rotates per head: MLA's decoupled RoPE head, else the head's first
+        int(head_dim * partial_rotary_factor) channels (all of them by default)."""
+        if self.mla:
+            return self.mla.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer ``index`` (0-based) has an MoE feed-forward."""

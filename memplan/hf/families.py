@@ -22,11 +22,13 @@ from memplan.hf.config import (
     llama_fields,
     llama_like,
 )
+from memplan.hf.families_moe import MOE_FAMILIES, moe_family_fields
 
 # llama, mistral, mixtral and qwen2 share Llama's field names (memplan.hf.config); gpt2 has
 # its own; the others are read here
 SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "gpt2", "qwen3", "qwen2_moe", "qwen3_moe",
              "gemma2", "gemma3_text", "gemma3", "phi3", "olmo2", "deepseek_v3")
+SUPPORTED += MOE_FAMILIES  # memplan.hf.families_moe
 FULL, SLIDING = "full_attention", "sliding_attention"
 # configuration classes' defaults (configuration_<family>.py __init__)
 _QWEN = {"vocab_size": 151936, "max_position_embeddings": 32768}
@@ -297,6 +299,8 @@ def spec_fields(data: dict[str, Any], where: str, name: str) -> dict[str, Any]:
 
 
 def _family_fields(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
+    if model_type in MOE_FAMILIES:
+        return moe_family_fields(cfg, model_type)
     if model_type == "gpt2":
         return gpt2(cfg)
     if model_type == "qwen3":

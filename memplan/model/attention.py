@@ -133,8 +133,12 @@ def head_major_core(spec: ModelSpec, wl: Workload, recompute: Recompute) -> bool
     own projection is a dense token-major view, whose layout elementwise ops keep (traced:
     tests/traced/test_frameworks.py phi3). torchtitan's complex RoPE (``RopeCache.LAYER``)
     reshapes its result token-major again; eager attention copies its output anyway
-    (``memplan.model.eager``)."""
-    return (spec.fused_qkv and spec.position is PositionKind.ROPE
+    (``memplan.model.eager``). Partial rotary embeddings concatenate the rotated channels
+    with the others (GLM-4's ``apply_rotary_pos_emb``: ``torch.cat([q_embed, q_pass],
+    dim=-1)``), a new contiguous head-major q whatever q's own layout (traced:
+    tests/traced/test_hf_moe_families.py glm4, glm4_moe)."""
+    return ((spec.fused_qkv or spec.partial_rotary_factor < 1)
+            and spec.position is PositionKind.ROPE
             and wl.attention is Kernel.FLASH and wl.rope_cache is RopeCache.FORWARD
             and wl.attention_impl is AttentionImpl.GENERIC and recompute is Recompute.NONE)
 

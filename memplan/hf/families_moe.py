@@ -1,0 +1,103 @@
+"""Translators of the MoE and hybrid families' ``config.json``: GLM-4 (its dense sibling
+first), GLM-4.5.
+
+Each reads a family's keys with the defaults of its transformers 5 configuration class (a key
+missing from the file takes the class's default, as ``AutoConfig`` does) and returns the
+``ModelSpec`` fields of the model ``AutoModelForCausalLM.from_config`` builds; the module each
+reading follows is named beside it (``transformers/models/<family>/``, transformers 5.3).
+A setting that would build a model memplan does not describe is refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memplan.hf.config import ConfigKeys, llama_fields
+
+MOE_FAMILIES = ("glm4", "glm4_moe")
+# configuration_glm4.py Glm4Config.__init__ / configuration_glm4_moe.py Glm4MoeConfig.__init__
+_GLM = {"vocab_size": 151552, "max_position_embeddings": 131072}
+
+
+def partial_rotary(cfg: ConfigKeys, default: float) -> float:
+    """``partial_rotary_factor``: transformers 5 keeps it in ``rope_parameters`` (its
+    standardisation copies a top-level key there); the class's default otherwise
+    (Glm4Config.__init__: kwargs.setdefault("partial_rotary_factor", 0.5))."""
+    rope = cfg.data.get("rope_parameters")
+    if isinstance(rope, dict) and rope.get("partial_rotary_factor") is not None:
+        value = rope["partial_rotary_factor"]
+        key = "rope_parameters.partial_rotary_factor"
+    else:
+        value = cfg.data.get("partial_rotary_factor", default)
+        key = "partial_rotary_factor"
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise cfg.error(key, f"expected a number in (0, 1], got {value!r}")
+    return float(value)
+
+
+def glm4(cfg: ConfigKeys) -> dict[str, Any]:
+    """models/glm4/modeling_glm4.py: four norms per layer (Glm4DecoderLayer.forward:
+    input_layernorm, post_self_attn_layernorm on the attention's output, post_attention_
+    layernorm before the MLP, post_mlp_layernorm on its output), Llama's RMSNorm (Glm4RMSNorm:
+    weight * x.to(input_dtype)), q/k/v biases from attention_bias (default true) and none on
+    o_proj (Glm4Attention.__init__), one gate_up_proj (Glm4MLP), RoPE on the first half of
+    each head (apply_rotary_pos_emb; partial_rotary_factor 0.5). head_dim defaults to 128."""
+    fields = llama_fields(cfg, head_dim_default=128, tie_default=False, bias=False,
+                          defaults=_GLM)
+    fields.update(qkv_bias=cfg.get_bool("attention_bias", True), attn_out_bias=False,
+                  fused_gate_up=True, norm_placement="sandwich",
+                  partial_rotary_factor=partial_rotary(cfg, 0.5))
+    return fields
+
+
+def _first_dense(cfg: ConfigKeys, num_layers: int, default: int) -> int:
+    value = cfg.data.get("first_k_dense_replace", default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < num_layers:
+        raise cfg.error("first_k_dense_replace", f"expected 0 to {num_layers - 1}, "
+                                                 f"got {value!r}")
+    return value
+
+
+def glm4_moe(cfg: ConfigKeys) -> dict[str, Any]:
+    """models/glm4_moe/modeling_glm4_moe.py: Llama's pre-norm layer (Glm4MoeDecoderLayer) with
+    grouped-query attention, q/k/v biases from attention_bias (default false), none on o_proj,
+    per-head q/k RMSNorms when use_qk_norm (Glm4MoeAttention), RoPE on the first
+    partial_rotary_factor (0.5) of each head; dense MLPs of intermediate_size in the first
+    first_k_dense_replace layers, then Glm4MoeMoE: n_routed_experts stacked
+    (Glm4MoeNaiveMoe: gate_up_proj, down_proj), a bias-free router whose linear runs on fp32
+    copies (Glm4MoeTopkRouter.forward; e_score_correction_bias a buffer; the n_group /
+    topk_group selection works on the scores, no parameters) and the n_shared_experts as one
+    MLP of moe_intermediate_size * n_shared_experts (Glm4MoeMoE.__init__). head_dim is read
+    when given (Glm4MoeAttention: getattr(config, "head_dim", hidden // heads)). transformers
+    builds no multi-token-prediction layer (num_nextn_predict_layers)."""
+    fields = llama_fields(cfg, head_dim_default=None, tie_default=False, bias=False,
+                          defaults=_GLM)
+    bias = cfg.get_bool("attention_bias", False)
+    shared = cfg.get_int("n_shared_experts", 1)
+    moe_ffn = cfg.get_int("moe_intermediate_size", 1408)
+    experts = cfg.get_int("n_routed_experts", 128)
+    groups = cfg.get_int("n_group", 1)
+    if groups <= 0 or experts % groups:
+        raise cfg.error("n_group", f"{groups} groups do not divide {experts} routed experts")
+    moe: dict[str, Any] = {
+        "num_experts": experts, "top_k": cfg.get_int("num_experts_per_tok", 8),
+        "expert_ffn_hidden_size": moe_ffn,
+        "first_dense_layers": _first_dense(cfg, fields["num_layers"], 1),
+        "stacked_experts": True, "router_fp32": True,
+    }
+    if shared:
+        moe.update(num_shared_experts=shared, shared_expert_ffn_hidden_size=moe_ffn)
+    fields.update(qkv_bias=bias, attn_out_bias=False, moe=moe,
+                  partial_rotary_factor=partial_rotary(cfg, 0.5))
+    if cfg.get_bool("use_qk_norm", False):
+        fields["qk_norm"] = "head"
+    return fields
+
+
+def moe_family_fields(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
+    """The ``ModelSpec`` fields of a ``MOE_FAMILIES`` config."""
+    if model_type == "glm4":
+        return glm4(cfg)
+    return glm4_moe(cfg)

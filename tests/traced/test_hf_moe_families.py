@@ -1,0 +1,122 @@
+"""The MoE and hybrid families (memplan.hf.families_moe) against the models transformers builds
+from them: parameter counts of the flagships' published configs on the meta device, and
+training steps of the configs cut to a few layers traced under the exact tensor tracker.
+
+The published configs are written out below from the models' ``config.json`` on the Hugging
+Face Hub (the keys that shape the model; ids and rope scalars kept as published).
+
+Versions: transformers 5.3.0, torch 2.13.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from known import check  # noqa: E402  (tests/traced/known.py)
+from memplan.model.model_states import count_stage_params  # noqa: E402
+from memplan.profile.frameworks import FrameworkCase, compare_framework  # noqa: E402
+from memplan.spec import load_model, spec_from_hf_dict  # noqa: E402
+
+# zai-org/GLM-4-32B-0414 config.json
+GLM4_32B = {
+    "architectures": ["Glm4ForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+    "eos_token_id": [151329, 151336, 151338], "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 6144, "initializer_range": 0.02, "intermediate_size": 23040,
+    "max_position_embeddings": 32768, "model_type": "glm4", "num_attention_heads": 48,
+    "num_hidden_layers": 61, "num_key_value_heads": 2, "pad_token_id": 151329,
+    "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "vocab_size": 151552,
+}
+# zai-org/GLM-4.5 config.json (355B total, 32B active)
+GLM45 = {
+    "architectures": ["Glm4MoeForCausalLM"], "attention_bias": True,
+    "attention_dropout": 0.0, "pad_token_id": 151329,
+    "eos_token_id": [151329, 151336, 151338], "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 5120, "partial_rotary_factor": 0.5, "initializer_range": 0.02,
+    "intermediate_size": 12288, "max_position_embeddings": 131072, "model_type": "glm4_moe",
+    "moe_intermediate_size": 1536, "norm_topk_prob": True, "num_attention_heads": 96,
+    "n_group": 1, "topk_group": 1, "n_routed_experts": 160, "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+    "num_hidden_layers": 92, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "use_cache": True, "use_qk_norm": True, "vocab_size": 151552,
+}
+
+# published config -> catalog entry
+PUBLISHED = {"GLM-4-32B-0414": (GLM4_32B, "glm-4-32b"), "GLM-4.5": (GLM45, "glm-4.5")}
+
+
+def _built(data: dict) -> torch.nn.Module:
+    config = transformers.AutoConfig.for_model(**data)
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _check_count(model: torch.nn.Module, spec) -> None:
+    params = list(model.parameters())
+    assert spec.num_params == sum(p.numel() for p in params)
+    layers = tuple(range(spec.num_layers))
+    sizes = count_stage_params(spec, 1, 1, 1, layers, True, True, 1).tensor_sizes
+    assert sorted(sizes) == sorted(p.numel() for p in params)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_config_counts_as_transformers_builds_it(name: str) -> None:
+    """The flagship's count and tensor layout, to the parameter, and the catalog's entry."""
+    data, entry = PUBLISHED[name]
+    spec = spec_from_hf_dict(data, name, name)
+    _check_count(_built(data), spec)
+    assert load_model(entry).num_params == spec.num_params
+
+
+# toy widths of each family, cut from the published configs above
+def _cut(data: dict, **overrides) -> dict:
+    out = dict(data, eos_token_id=None, pad_token_id=None)  # ids beyond the cut vocabulary
+    out.update(overrides)
+    return out
+
+
+GLM4_TOY = _cut(GLM4_32B, num_hidden_layers=2, hidden_size=256, intermediate_size=768,
+                num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=1000)
+GLM45_TOY = _cut(GLM45, num_hidden_layers=2, hidden_size=128, intermediate_size=256,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
+                 n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                 first_k_dense_replace=1)
+
+TOY = {
+    "glm4-toy": GLM4_TOY,
+    "glm4_moe-toy": GLM45_TOY,
+    "glm4_moe-two-shared-no-qk-norm": _cut(GLM45_TOY, n_shared_experts=2, use_qk_norm=False,
+                                           attention_bias=False, n_routed_experts=8,
+                                           n_group=2, partial_rotary_factor=0.25),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TOY))
+def test_toy_config_counts_as_transformers_builds_it(name: str) -> None:
+    """The file's keys and transformers' ``to_dict()`` of its config both count the model."""
+    model = _built(TOY[name])
+    _check_count(model, spec_from_hf_dict(TOY[name], name, name))
+    _check_count(model, spec_from_hf_dict(model.config.to_dict(), name, name))
+
+
+CASES = [
+    # sandwich norms in the compute dtype, fused gate_up, RoPE on half of each head
+    FrameworkCase("transformers", "glm4-toy", GLM4_TOY, "fp32", 2, 128),
+    FrameworkCase("transformers", "glm4-toy", GLM4_TOY, "bf16-pure", 2, 128),
+    FrameworkCase("transformers", "glm4-toy", GLM4_TOY, "amp-bf16", 2, 128),
+    # a dense layer, then stacked experts with a shared expert and an fp32 router
+    FrameworkCase("transformers", "glm4_moe-toy", GLM45_TOY, "fp32", 2, 64),
+    FrameworkCase("transformers", "glm4_moe-toy", GLM45_TOY, "bf16-pure", 2, 64),
+    # (amp-bf16 with MoE layers is refused by memplan.parallel.validate, as for every MoE)
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.name}-{c.recipe}")
+def test_library_matches_estimate(case: FrameworkCase) -> None:
+    """Every phase peak, saved activations and states within 1% of transformers' own step."""
+    check(compare_framework(case).rows, None)
