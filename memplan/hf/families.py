@@ -22,7 +22,7 @@ from memplan.hf.config import (
     llama_fields,
     llama_like,
 )
-from memplan.hf.families_moe import MOE_FAMILIES, moe_family_fields
+from memplan.hf.families_moe import MOE_FAMILIES, moe_family_fields, refuse_not_modelled
 
 # llama, mistral, mixtral and qwen2 share Llama's field names (memplan.hf.config); gpt2 has
 # its own; the others are read here
@@ -278,6 +278,7 @@ def spec_fields(data: dict[str, Any], where: str, name: str) -> dict[str, Any]:
     ``where`` names it in errors."""
     cfg = ConfigKeys(data, where)
     model_type = cfg.get_str("model_type")
+    refuse_not_modelled(cfg, model_type)
     if model_type not in SUPPORTED:
         raise cfg.error("model_type", f"unsupported value {model_type!r}; "
                                       f"supported: {', '.join(SUPPORTED)}")

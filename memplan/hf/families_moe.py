@@ -15,6 +15,23 @@ from typing import Any
 from memplan.hf.config import ConfigKeys, llama_fields
 
 MOE_FAMILIES = ("glm4", "glm4_moe")
+# families whose blocks memplan does not describe yet: what each lacks, read from its modeling
+# code (transformers 5.3), refused by name rather than estimated as something else
+NOT_MODELLED = {
+    "gpt_oss": "GPT-OSS's attention sinks in its eager attention (modeling_gpt_oss.py "
+               "eager_attention_forward: the per-head sinks concatenated to the scores; no "
+               "SDPA), its clamped SwiGLU with biased experts looped one by one "
+               "(GptOssExperts._apply_gate, forward) and its biased router are not modelled",
+    "llama4_text": "Llama 4's chunked local attention interleaved with NoPE global layers "
+                   "(modeling_llama4.py Llama4TextAttention: attention_chunk_size, "
+                   "no_rope_layers, the NoPE layers' attn_temperature_tuning), its L2 q/k norm "
+                   "and its sigmoid-scaled routed input (Llama4TextMoe.forward) are not "
+                   "modelled",
+    "qwen3_next": "Qwen3-Next's gated DeltaNet linear-attention layers (modeling_qwen3_next.py "
+                  "Qwen3NextGatedDeltaNet: conv1d, chunked delta rule, gated RMSNorm) and its "
+                  "output-gated full attention (Qwen3NextAttention: q_proj of 2 * heads * "
+                  "head_dim) are not modelled",
+}
 # configuration_glm4.py Glm4Config.__init__ / configuration_glm4_moe.py Glm4MoeConfig.__init__
 _GLM = {"vocab_size": 151552, "max_position_embeddings": 131072}
 
@@ -94,6 +111,13 @@ def glm4_moe(cfg: ConfigKeys) -> dict[str, Any]:
     if cfg.get_bool("use_qk_norm", False):
         fields["qk_norm"] = "head"
     return fields
+
+
+def refuse_not_modelled(cfg: ConfigKeys, model_type: str) -> None:
+    """One line naming what a ``NOT_MODELLED`` family lacks."""
+    if model_type in NOT_MODELLED:
+        raise cfg.error("model_type", f"{model_type!r} is recognised but not supported: "
+                                      f"{NOT_MODELLED[model_type]}")
 
 
 def moe_family_fields(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
