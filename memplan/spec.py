@@ -245,6 +245,13 @@ class ModelSpec(BaseModel):
         "the share of each head RoPE rotates, the first int(head_dim * factor) channels, the "
         "rest passing through (GLM-4's apply_rotary_pos_emb: q_rot, q_pass = q[..., :rotary_"
         "dim], q[..., rotary_dim:]; rope_init_fn's dim = int(head_dim * partial_rotary_factor))"))
+    approximate: str | None = Field(default=None, description=(
+        "why this spec's blocks only approximate the model (a model type memplan has no reader "
+        "for, read as its nearest known block: memplan.hf.fallback); None: the spec is the "
+        "model"))
+    exact_num_params: int | None = Field(default=None, gt=0, description=(
+        "the model's exact parameter count where the spec is approximate: transformers' own "
+        "build of its config on the meta device (memplan.hf.fallback)"))
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
@@ -555,4 +562,11 @@ def spec_from_hf_dict(data: dict[str, Any], where: str, name: str) -> ModelSpec:
     ``memplan.hf.config``); ``where`` names it in errors."""
     from memplan.hf.families import spec_fields
 
-    return _validated(spec_fields(data, where, name), where)
+    spec = _validated(spec_fields(data, where, name), where)
+    if spec.approximate and spec.exact_num_params not in (None, spec.num_params):
+        # an unknown model type read as its nearest known block (memplan.hf.fallback)
+        own, exact = spec.num_params, spec.exact_num_params
+        note = (f"; its blocks count {own:,} ({100 * (own - exact) / exact:+.1f}%), which the "
+                "estimate's weights, gradients and optimizer states follow")
+        spec = spec.model_copy(update={"approximate": spec.approximate + note})
+    return spec

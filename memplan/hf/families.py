@@ -22,6 +22,7 @@ from memplan.hf.config import (
     llama_fields,
     llama_like,
 )
+from memplan.hf.fallback import fallback_fields
 from memplan.hf.families_moe import MOE_FAMILIES, moe_family_fields, refuse_not_modelled
 
 # llama, mistral, mixtral and qwen2 share Llama's field names (memplan.hf.config); gpt2 has
@@ -279,9 +280,8 @@ def spec_fields(data: dict[str, Any], where: str, name: str) -> dict[str, Any]:
     cfg = ConfigKeys(data, where)
     model_type = cfg.get_str("model_type")
     refuse_not_modelled(cfg, model_type)
-    if model_type not in SUPPORTED:
-        raise cfg.error("model_type", f"unsupported value {model_type!r}; "
-                                      f"supported: {', '.join(SUPPORTED)}")
+    if model_type not in SUPPORTED:  # transformers' exact count, an approximate estimate
+        return fallback_fields(cfg, model_type, SUPPORTED, name, where)
     source = f"Hugging Face config.json ({model_type}) at {where}"
     if model_type == "gemma3":
         # Gemma3ForConditionalGeneration: its language model is text_config's Gemma3TextModel

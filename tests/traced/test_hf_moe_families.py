@@ -120,3 +120,35 @@ CASES = [
 def test_library_matches_estimate(case: FrameworkCase) -> None:
     """Every phase peak, saved activations and states within 1% of transformers' own step."""
     check(compare_framework(case).rows, None)
+
+
+# --- a model type memplan has no reader for (memplan.hf.fallback) ----------------------------
+
+# HuggingFaceTB/SmolLM3-3B's shape (its NoPE layers and tied embeddings are what Llama's block
+# does not describe), cut to two layers
+SMOL_TOY = {"model_type": "smollm3", "hidden_size": 256, "intermediate_size": 768,
+            "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
+            "vocab_size": 1000, "pad_token_id": None, "bos_token_id": None,
+            "eos_token_id": None}
+
+
+def test_unknown_type_counts_as_transformers_builds_it() -> None:
+    """The exact count is transformers' own build of the file, stated beside the approximate
+    spec (read as Llama's block, here with SmolLM3Config's tied embeddings)."""
+    spec = spec_from_hf_dict(SMOL_TOY, "cfg.json", "smol")
+    exact = sum(p.numel() for p in _built(SMOL_TOY).parameters())
+    assert spec.exact_num_params == exact
+    assert spec.approximate and "'smollm3'" in spec.approximate and f"{exact:,}" in \
+        spec.approximate
+    assert spec.tied_embeddings and spec.num_params == exact
+
+
+def test_model_without_attention_layers_is_refused() -> None:
+    """Mamba's layers hold a mixer, no self_attn: no known block is near it."""
+    from memplan.errors import MemplanError
+
+    data = {"model_type": "mamba", "hidden_size": 64, "num_hidden_layers": 2,
+            "vocab_size": 100, "intermediate_size": 128, "num_attention_heads": 4}
+    with pytest.raises(MemplanError) as err:
+        spec_from_hf_dict(data, "cfg.json", "m")
+    assert "'mamba'" in str(err.value) and "0 of its 2 layers" in str(err.value)
