@@ -147,6 +147,15 @@ class MoESpec(BaseModel):
         "down_proj (E, h, f) (transformers 5: MixtralExperts, Qwen2MoeExperts, "
         "DeepseekV3NaiveMoe), where separate expert MLPs have 2 or 3 tensors each"))
 
+    clamped_swiglu: bool = Field(default=False, description=(
+        "the routed experts' SwiGLU clamped, (clamp(up) + 1) * g * sigmoid(1.702 g) with g = "
+        "clamp(gate) (GPT-OSS: models/gpt_oss/modeling_gpt_oss.py GptOssExperts._apply_gate), "
+        "which saves the gate/up output, the clamped gate, the sigmoid, up + 1 and their "
+        "product"))
+    router_topk_softmax: bool = Field(default=False, description=(
+        "the router takes the top-k logits and softmaxes only them, in its own dtype (GPT-OSS: "
+        "GptOssTopKRouter.forward), saving the k weights, not every expert's probability"))
+
     @model_validator(mode="after")
     def _check(self) -> MoESpec:
         if self.top_k > self.num_experts:
@@ -245,6 +254,10 @@ class ModelSpec(BaseModel):
         "the share of each head RoPE rotates, the first int(head_dim * factor) channels, the "
         "rest passing through (GLM-4's apply_rotary_pos_emb: q_rot, q_pass = q[..., :rotary_"
         "dim], q[..., rotary_dim:]; rope_init_fn's dim = int(head_dim * partial_rotary_factor))"))
+    attn_sinks: bool = Field(default=False, description=(
+        "a learned logit per query head that joins every row of the scores before the "
+        "softmax and is dropped after it (GPT-OSS's sinks: models/gpt_oss/modeling_gpt_oss.py "
+        "GptOssAttention.sinks, eager_attention_forward)"))
     approximate: str | None = Field(default=None, description=(
         "why this spec's blocks only approximate the model (a model type memplan has no reader "
         "for, read as its nearest known block: memplan.hf.fallback); None: the spec is the "
@@ -394,7 +407,8 @@ def attention_params(spec: ModelSpec) -> tuple[int, int]:
     out_bias = h if spec.attn_out_bias else 0
     qk = qk_norm_params(spec)
     full = spec.qk_norm is QkNorm.FULL
-    return weights + qkv_bias + (qk if full else 0), out_bias + (0 if full else qk)
+    sinks = spec.num_attention_heads if spec.attn_sinks else 0  # replicated, as the norms
+    return weights + qkv_bias + (qk if full else 0), out_bias + (0 if full else qk) + sinks
 
 
 def mla_params(spec: ModelSpec) -> tuple[int, int]:

@@ -1,5 +1,5 @@
 """Translators of the MoE and hybrid families' ``config.json``: GLM-4 (its dense sibling
-first), GLM-4.5.
+first), GLM-4.5, GPT-OSS; Llama 4 text and Qwen3-Next refused by name (``NOT_MODELLED``).
 
 Each reads a family's keys with the defaults of its transformers 5 configuration class (a key
 missing from the file takes the class's default, as ``AutoConfig`` does) and returns the
@@ -14,14 +14,10 @@ from typing import Any
 
 from memplan.hf.config import ConfigKeys, llama_fields
 
-MOE_FAMILIES = ("glm4", "glm4_moe")
+MOE_FAMILIES = ("glm4", "glm4_moe", "gpt_oss")
 # families whose blocks memplan does not describe yet: what each lacks, read from its modeling
 # code (transformers 5.3), refused by name rather than estimated as something else
 NOT_MODELLED = {
-    "gpt_oss": "GPT-OSS's attention sinks in its eager attention (modeling_gpt_oss.py "
-               "eager_attention_forward: the per-head sinks concatenated to the scores; no "
-               "SDPA), its clamped SwiGLU with biased experts looped one by one "
-               "(GptOssExperts._apply_gate, forward) and its biased router are not modelled",
     "llama4_text": "Llama 4's chunked local attention interleaved with NoPE global layers "
                    "(modeling_llama4.py Llama4TextAttention: attention_chunk_size, "
                    "no_rope_layers, the NoPE layers' attn_temperature_tuning), its L2 q/k norm "
@@ -120,8 +116,55 @@ def refuse_not_modelled(cfg: ConfigKeys, model_type: str) -> None:
                                       f"{NOT_MODELLED[model_type]}")
 
 
+def _gpt_oss_window(cfg: ConfigKeys, num_layers: int) -> dict[str, Any]:
+    """GptOssConfig's layer_types: sliding on even layers, full on odd ones unless given; only
+    that alternation (memplan's sliding_window_pattern 2) or every layer full is modelled."""
+    window = cfg.get_int("sliding_window", 128) if cfg.data.get("sliding_window", 128) else None
+    default = ["sliding_attention" if (i + 1) % 2 else "full_attention"
+               for i in range(num_layers)]
+    types = cfg.data.get("layer_types") or default
+    if types == ["full_attention"] * num_layers or window is None:
+        return {}
+    if types != default:
+        raise cfg.error("layer_types", "only sliding and full layers alternating (sliding "
+                                       f"first) is modelled, got {types!r}")
+    return {"sliding_window": window, "sliding_window_pattern": 2}
+
+
+def gpt_oss(cfg: ConfigKeys) -> dict[str, Any]:
+    """models/gpt_oss/modeling_gpt_oss.py: Llama's pre-norm layer (GptOssDecoderLayer) with
+    biases on q, k, v and o (GptOssConfig sets attention_bias true whatever the file says),
+    a learned sink logit per head (GptOssAttention.sinks) in its eager attention, which
+    softmaxes in the scores' dtype (eager_attention_forward: F.softmax(..., dtype=
+    combined_logits.dtype)); sliding (sliding_window, 128) and full layers alternating;
+    every layer's MLP is GptOssMLP: a router with a bias (GptOssTopKRouter) over
+    num_local_experts stacked experts with biases (GptOssExperts: gate_up_proj (E, h, 2f),
+    gate_up_proj_bias (E, 2f), down_proj (E, f, h), down_proj_bias (E, h)) of
+    intermediate_size, their SwiGLU clamped (GptOssExperts._apply_gate). head_dim defaults
+    to 64. The published MXFP4 checkpoint (quantization_config) stores the experts' weights
+    in 4 bits (their scales beside them) and the rest in bf16; MXFP4 does not train
+    (quantizers/quantizer_mxfp4.py Mxfp4HfQuantizer.is_trainable: "consider dequantizing the
+    model first by passing quantization_config=Mxfp4Config(dequantize=True)"), which
+    dequantizes the experts to bf16: the model read here is that dequantized one, every
+    weight trained in the recipe's dtype (bf16 weights, fp32 master weights and moments under
+    mixed precision)."""
+    fields = llama_fields(cfg, head_dim_default=64, tie_default=False, bias=False,
+                          defaults={"vocab_size": 201088, "max_position_embeddings": 131072})
+    experts = cfg.get_int("num_local_experts", 128)
+    fields.update(
+        qkv_bias=True, attn_out_bias=True, attn_sinks=True, mlp_bias=True,
+        norm_scale_fp32=True,  # GptOssRMSNorm.forward: (weight * x).to(input_dtype)
+        eager_softmax_fp32=False, **_gpt_oss_window(cfg, fields["num_layers"]),
+        moe={"num_experts": experts, "top_k": cfg.get_int("num_experts_per_tok", 4),
+             "expert_ffn_hidden_size": fields["ffn_hidden_size"], "router_bias": True,
+             "stacked_experts": True, "clamped_swiglu": True, "router_topk_softmax": True})
+    return fields
+
+
 def moe_family_fields(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
     """The ``ModelSpec`` fields of a ``MOE_FAMILIES`` config."""
     if model_type == "glm4":
         return glm4(cfg)
+    if model_type == "gpt_oss":
+        return gpt_oss(cfg)
     return glm4_moe(cfg)

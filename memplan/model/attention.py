@@ -14,7 +14,7 @@ from functools import lru_cache
 
 from memplan.model import eager, linear
 from memplan.model.block import BackwardMoment, Moment
-from memplan.model.dims import FP32_BYTES, Dims, Term, residual_dropout_mask, total
+from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term, residual_dropout_mask, total
 from memplan.model.linear import Linear, Split
 from memplan.model.norm import norm_terms
 from memplan.spec import ModelSpec, PositionKind, QkNorm, qk_norm_params
@@ -71,6 +71,13 @@ def attention_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recomput
                 # output), * cap, before the mask and the softmax
                 terms.append(Term("attn.softcap_tanh", scores * e))
             terms.append(Term("attn.softmax", scores * (FP32_BYTES if fp32_softmax else e)))
+            if spec.attn_sinks:
+                # GPT-OSS's eager_attention_forward: the sink column joins the scores (the
+                # softmax saves s_kv + 1 columns) after subtracting the row max, whose
+                # backward saves its int64 index
+                rows = dm.b * heads * dm.s
+                terms.append(Term("attn.sinks", rows * ((FP32_BYTES if fp32_softmax else e)
+                                                        + INDEX_BYTES)))
             if spec.dropout > 0:
                 terms.append(Term("attn.softmax_dropout_mask", scores))
                 terms.append(Term("attn.softmax_dropout_out", scores * e))
@@ -122,6 +129,12 @@ def qk_norm_sizes(spec: ModelSpec, t: int) -> list[int]:
     if spec.qk_norm is QkNorm.FULL:
         return [spec.q_size // t, spec.kv_size // t]
     return []
+
+
+def _small_sizes(spec: ModelSpec, t: int) -> list[int]:
+    """The q and k norms' weights, then the per-head sinks (GPT-OSS: GptOssAttention.sinks,
+    one logit per query head, held whole)."""
+    return qk_norm_sizes(spec, t) + ([spec.num_attention_heads] if spec.attn_sinks else [])
 
 
 def head_major_core(spec: ModelSpec, wl: Workload, recompute: Recompute) -> bool:
@@ -301,17 +314,17 @@ class Attention:
                        eager.forward_saving(_core(spec, wl, dm)))]
 
     def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:
-        """The projections (``attention_linears``), then the q and k norms."""
-        return linear.all_tensor_sizes(attention_linears(spec), t) + qk_norm_sizes(spec, t)
+        """The projections (``attention_linears``), then the q and k norms and the sinks."""
+        return linear.all_tensor_sizes(attention_linears(spec), t) + _small_sizes(spec, t)
 
     def tensor_shapes(self, spec: ModelSpec, t: int, ep: int) -> list[tuple[int, ...]]:
         return (linear.all_tensor_shapes(attention_linears(spec), t)
-                + [(n,) for n in qk_norm_sizes(spec, t)])
+                + [(n,) for n in _small_sizes(spec, t)])
 
     def grad_groups(self, spec: ModelSpec, t: int, ep: int) -> dict[str, int]:
         """``attn_out``: the output projection (its backward runs first); ``attn``: all."""
         return linear.grad_groups(attention_linears(spec), t, ("attn_out", "attn"),
-                                  {"attn": sum(qk_norm_sizes(spec, t))})
+                                  {"attn": sum(_small_sizes(spec, t))})
 
     def flops_per_token(self, spec: ModelSpec, seq_len: int) -> float:
         """2 FLOPs per projection weight (``memplan.model.linear``) and per q/k norm weight,

@@ -46,8 +46,33 @@ GLM45 = {
     "torch_dtype": "bfloat16", "use_cache": True, "use_qk_norm": True, "vocab_size": 151552,
 }
 
+# openai/gpt-oss-120b config.json (the MXFP4 quantization_config left out: the bf16 model
+# transformers dequantizes it to, Mxfp4Config(dequantize=True), is the one trained)
+GPT_OSS_120B = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+    "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+    "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 18,
+    "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64,
+    "num_experts_per_tok": 4, "num_hidden_layers": 36, "num_key_value_heads": 8,
+    "num_local_experts": 128, "output_router_logits": False, "pad_token_id": 199999,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                     "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                     "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
+    "swiglu_limit": 7.0, "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0",
+    "use_cache": True, "vocab_size": 201088,
+}
+# openai/gpt-oss-20b: the same but 24 layers and 32 experts
+GPT_OSS_20B = dict(GPT_OSS_120B, num_hidden_layers=24, num_local_experts=32,
+                   layer_types=["sliding_attention", "full_attention"] * 12)
+
 # published config -> catalog entry
-PUBLISHED = {"GLM-4-32B-0414": (GLM4_32B, "glm-4-32b"), "GLM-4.5": (GLM45, "glm-4.5")}
+PUBLISHED = {"GLM-4-32B-0414": (GLM4_32B, "glm-4-32b"), "GLM-4.5": (GLM45, "glm-4.5"),
+             "gpt-oss-120b": (GPT_OSS_120B, "gpt-oss-120b"),
+             "gpt-oss-20b": (GPT_OSS_20B, "gpt-oss-20b")}
 
 
 def _built(data: dict) -> torch.nn.Module:
@@ -87,9 +112,16 @@ GLM45_TOY = _cut(GLM45, num_hidden_layers=2, hidden_size=128, intermediate_size=
                  n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                  first_k_dense_replace=1)
 
+# a 32-token window on the first layer, the second full
+GPT_OSS_TOY = _cut(GPT_OSS_120B, num_hidden_layers=2, hidden_size=128, intermediate_size=128,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
+                   num_local_experts=4, num_experts_per_tok=2, sliding_window=32,
+                   layer_types=["sliding_attention", "full_attention"])
+
 TOY = {
     "glm4-toy": GLM4_TOY,
     "glm4_moe-toy": GLM45_TOY,
+    "gpt_oss-toy": GPT_OSS_TOY,
     "glm4_moe-two-shared-no-qk-norm": _cut(GLM45_TOY, n_shared_experts=2, use_qk_norm=False,
                                            attention_bias=False, n_routed_experts=8,
                                            n_group=2, partial_rotary_factor=0.25),
@@ -113,6 +145,13 @@ CASES = [
     FrameworkCase("transformers", "glm4_moe-toy", GLM45_TOY, "fp32", 2, 64),
     FrameworkCase("transformers", "glm4_moe-toy", GLM45_TOY, "bf16-pure", 2, 64),
     # (amp-bf16 with MoE layers is refused by memplan.parallel.validate, as for every MoE)
+    # eager attention (GptOssForCausalLM has no SDPA) with the sink column, a sliding and a
+    # full layer, biased stacked experts through grouped_mm with the clamped SwiGLU, the
+    # router's softmax of its top-k logits, the norms scaling in fp32
+    FrameworkCase("transformers", "gpt_oss-toy", GPT_OSS_TOY, "fp32", 2, 64,
+                  options={"attn": "eager"}),
+    FrameworkCase("transformers", "gpt_oss-toy", GPT_OSS_TOY, "bf16-pure", 2, 64,
+                  options={"attn": "eager"}),
 ]
 
 
@@ -152,3 +191,4 @@ def test_model_without_attention_layers_is_refused() -> None:
     with pytest.raises(MemplanError) as err:
         spec_from_hf_dict(data, "cfg.json", "m")
     assert "'mamba'" in str(err.value) and "0 of its 2 layers" in str(err.value)
+

@@ -44,10 +44,10 @@ STATED_BILLIONS = {
     "gemma-3-12b": 11.8, "phi-3-mini-4k": 3.8, "olmo-2-7b": 7.3, "deepseek-v3": 671,
 }
 # The MoE / hybrid families' flagships, whose model cards state nominal sizes ("32B"; GLM-4.5's
-# "355B" counts its multi-token-prediction layer, which transformers does not build): their
-# exact counts are checked against transformers' meta build (tests/traced/
-# test_hf_moe_families.py)
-MOE_FAMILY_FLAGSHIPS = {"glm-4-32b", "glm-4.5"}
+# "355B" counts its multi-token-prediction layer, which transformers does not build; gpt-oss's
+# 116.8B and 20.9B): their exact counts are checked against transformers' meta build
+# (tests/traced/test_hf_moe_families.py)
+MOE_FAMILY_FLAGSHIPS = {"glm-4-32b", "glm-4.5", "gpt-oss-120b", "gpt-oss-20b"}
 EXPECTED_CATALOG = {*PUBLISHED, *STATED_BILLIONS, *MOE_FAMILY_FLAGSHIPS, "gpt3-175b", "tiny"}
 
 
