@@ -20,9 +20,10 @@ MOE_FAMILIES = ("glm4", "glm4_moe", "gpt_oss")
 NOT_MODELLED = {
     "llama4_text": "Llama 4's chunked local attention interleaved with NoPE global layers "
                    "(modeling_llama4.py Llama4TextAttention: attention_chunk_size, "
-                   "no_rope_layers, the NoPE layers' attn_temperature_tuning), its L2 q/k norm "
-                   "and its sigmoid-scaled routed input (Llama4TextMoe.forward) are not "
-                   "modelled",
+                   "no_rope_layers, attn_temperature_tuning), its weightless L2 q/k norm "
+                   "(Llama4TextL2Norm) and its MoE that runs every token through every expert "
+                   "(Llama4TextMoe.forward: hidden_states.repeat(num_experts, 1) scaled by "
+                   "sigmoid scores, zero off the top-k) are not modelled",
     "qwen3_next": "Qwen3-Next's gated DeltaNet linear-attention layers (modeling_qwen3_next.py "
                   "Qwen3NextGatedDeltaNet: conv1d, chunked delta rule, gated RMSNorm) and its "
                   "output-gated full attention (Qwen3NextAttention: q_proj of 2 * heads * "

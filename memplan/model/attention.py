@@ -61,28 +61,7 @@ def attention_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recomput
         if wl.attention is Kernel.FLASH:
             terms.append(Term("attn.lse", dm.b * heads * dm.s * FP32_BYTES))
         else:
-            # under autocast the scores are fp32 (the bf16 product plus the fp32 mask), so is
-            # the softmax; the second matmul saves a cast of its input
-            # transformers' eager softmax runs in fp32 and casts back (softmax_fp32)
-            scores = dm.b * heads * dm.s * dm.s_kv
-            fp32_softmax = dm.autocast or (wl.softmax_fp32 and e < FP32_BYTES)
-            if spec.attn_logit_softcap is not None:
-                # Gemma 2's eager_attention_forward: scores / cap, tanh (which saves its
-                # output), * cap, before the mask and the softmax
-                terms.append(Term("attn.softcap_tanh", scores * e))
-            terms.append(Term("attn.softmax", scores * (FP32_BYTES if fp32_softmax else e)))
-            if spec.attn_sinks:
-                # GPT-OSS's eager_attention_forward: the sink column joins the scores (the
-                # softmax saves s_kv + 1 columns) after subtracting the row max, whose
-                # backward saves its int64 index
-                rows = dm.b * heads * dm.s
-                terms.append(Term("attn.sinks", rows * ((FP32_BYTES if fp32_softmax else e)
-                                                        + INDEX_BYTES)))
-            if spec.dropout > 0:
-                terms.append(Term("attn.softmax_dropout_mask", scores))
-                terms.append(Term("attn.softmax_dropout_out", scores * e))
-            elif fp32_softmax:
-                terms.append(Term("attn.softmax_cast", scores * e))
+            terms += _eager_score_terms(spec, wl, dm, heads)
     casts = linear.saved_terms("attn", attention_linears(spec), dm)
     return terms + qk_norm_terms(spec, wl, dm) + casts + residual_dropout_mask("attn", spec, dm)
 
@@ -96,6 +75,34 @@ def _core_output(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) 
             and recompute is Recompute.NONE):
         return Term("attn.out", dm.tokens * out.d_in // dm.tp * dm.e)
     return linear.saved_input("attn.out", out, dm.tokens, dm)
+
+
+def _eager_score_terms(spec: ModelSpec, wl: Workload, dm: Dims, heads: int) -> list[Term]:
+    """Eager attention's saved score-sized tensors: under autocast the scores are fp32 (the
+    bf16 product plus the fp32 mask), so is the softmax; the second matmul saves a cast of its
+    input; transformers' eager softmax runs in fp32 and casts back (softmax_fp32)."""
+    e = dm.e
+    terms = []
+    scores = dm.b * heads * dm.s * dm.s_kv
+    fp32_softmax = dm.autocast or (wl.softmax_fp32 and e < FP32_BYTES)
+    if spec.attn_logit_softcap is not None:
+        # Gemma 2's eager_attention_forward: scores / cap, tanh (which saves its output),
+        # * cap, before the mask and the softmax
+        terms.append(Term("attn.softcap_tanh", scores * e))
+    terms.append(Term("attn.softmax", scores * (FP32_BYTES if fp32_softmax else e)))
+    if spec.attn_sinks:
+        # GPT-OSS's eager_attention_forward: the sink column joins the scores (the softmax
+        # saves s_kv + 1 columns) after subtracting the row max, whose backward saves its
+        # int64 index
+        rows = dm.b * heads * dm.s
+        terms.append(Term("attn.sinks", rows * ((FP32_BYTES if fp32_softmax else e)
+                                                + INDEX_BYTES)))
+    if spec.dropout > 0:
+        terms.append(Term("attn.softmax_dropout_mask", scores))
+        terms.append(Term("attn.softmax_dropout_out", scores * e))
+    elif fp32_softmax:
+        terms.append(Term("attn.softmax_cast", scores * e))
+    return terms
 
 
 def qk_norm_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
