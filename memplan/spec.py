@@ -147,6 +147,15 @@ class MoESpec(BaseModel):
         "down_proj (E, h, f) (transformers 5: MixtralExperts, Qwen2MoeExperts, "
         "DeepseekV3NaiveMoe), where separate expert MLPs have 2 or 3 tensors each"))
 
+    clamped_swiglu: bool = Field(default=False, description=(
+        "the routed experts' SwiGLU clamped, (clamp(up) + 1) * g * sigmoid(1.702 g) with g = "
+        "clamp(gate) (GPT-OSS: models/gpt_oss/modeling_gpt_oss.py GptOssExperts._apply_gate), "
+        "which saves the gate/up output, the clamped gate, the sigmoid, up + 1 and their "
+        "product"))
+    router_topk_softmax: bool = Field(default=False, description=(
+        "the router takes the top-k logits and softmaxes only them, in its own dtype (GPT-OSS: "
+        "GptOssTopKRouter.forward), saving the k weights, not every expert's probability"))
+
     @model_validator(mode="after")
     def _check(self) -> MoESpec:
         if self.top_k > self.num_experts:
@@ -260,6 +269,17 @@ class ModelSpec(BaseModel):
         "the normalisation, each fp32 difference saved (Cohere2LayerNorm.forward: "
         "(x - mean).pow(2).mean() and (x - mean) * rsqrt(var + eps)); with norm_scale_fp32 "
         "its weight multiplies the fp32 normalised tensor"))
+    attn_sinks: bool = Field(default=False, description=(
+        "a learned logit per query head that joins every row of the scores before the "
+        "softmax and is dropped after it (GPT-OSS's sinks: models/gpt_oss/modeling_gpt_oss.py "
+        "GptOssAttention.sinks, eager_attention_forward)"))
+    approximate: str | None = Field(default=None, description=(
+        "why this spec's blocks only approximate the model (a model type memplan has no reader "
+        "for, read as its nearest known block: memplan.hf.fallback); None: the spec is the "
+        "model"))
+    exact_num_params: int | None = Field(default=None, gt=0, description=(
+        "the model's exact parameter count where the spec is approximate: transformers' own "
+        "build of its config on the meta device (memplan.hf.fallback)"))
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
@@ -320,7 +340,7 @@ class ModelSpec(BaseModel):
     @property
     def rope_dim(self) -> int:
         """Width RoPE rotates per head: MLA's decoupled RoPE head, ``rotary_dim`` where it is
-        partial, else the whole head."""
+        partial (transformers' int(head_dim * partial_rotary_factor)), else the whole head."""
         if self.rotary_dim is not None:
             return self.rotary_dim
         return self.mla.qk_rope_head_dim if self.mla else self.head_dim
@@ -416,7 +436,8 @@ def attention_params(spec: ModelSpec) -> tuple[int, int]:
     out_bias = h if spec.attn_out_bias else 0
     qk = qk_norm_params(spec)
     full = spec.qk_norm is QkNorm.FULL
-    return weights + qkv_bias + (qk if full else 0), out_bias + (0 if full else qk)
+    sinks = spec.num_attention_heads if spec.attn_sinks else 0  # replicated, as the norms
+    return weights + qkv_bias + (qk if full else 0), out_bias + (0 if full else qk) + sinks
 
 
 def mla_params(spec: ModelSpec) -> tuple[int, int]:
@@ -584,4 +605,11 @@ def spec_from_hf_dict(data: dict[str, Any], where: str, name: str) -> ModelSpec:
     ``memplan.hf.config``); ``where`` names it in errors."""
     from memplan.hf.families import spec_fields
 
-    return _validated(spec_fields(data, where, name), where)
+    spec = _validated(spec_fields(data, where, name), where)
+    if spec.approximate and spec.exact_num_params not in (None, spec.num_params):
+        # an unknown model type read as its nearest known block (memplan.hf.fallback)
+        own, exact = spec.num_params, spec.exact_num_params
+        note = (f"; its blocks count {own:,} ({100 * (own - exact) / exact:+.1f}%), which the "
+                "estimate's weights, gradients and optimizer states follow")
+        spec = spec.model_copy(update={"approximate": spec.approximate + note})
+    return spec

@@ -22,6 +22,8 @@ from memplan.hf.config import (
     llama_fields,
     llama_like,
 )
+from memplan.hf.fallback import fallback_fields
+from memplan.hf.families_moe import MOE_FAMILIES, moe_family_fields, refuse_not_modelled
 
 # llama, mistral, mixtral and qwen2 share Llama's field names (memplan.hf.config); gpt2 has
 # its own; the others are read here
@@ -29,6 +31,7 @@ SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "gpt2", "qwen3", "qwen2_moe
              "gemma2", "gemma3_text", "gemma3", "phi3", "olmo2", "deepseek_v3", "granite",
              "gemma", "ministral", "smollm3",
              "olmo3", "cohere2", "ministral3", "mistral3")
+SUPPORTED += MOE_FAMILIES  # memplan.hf.families_moe
 FULL, SLIDING = "full_attention", "sliding_attention"
 # configuration classes' defaults (configuration_<family>.py __init__)
 _QWEN = {"vocab_size": 151936, "max_position_embeddings": 32768}
@@ -437,9 +440,9 @@ def spec_fields(data: dict[str, Any], where: str, name: str) -> dict[str, Any]:
     ``where`` names it in errors."""
     cfg = outer = ConfigKeys(data, where)
     model_type = cfg.get_str("model_type")
-    if model_type not in SUPPORTED:
-        raise cfg.error("model_type", f"unsupported value {model_type!r}; "
-                                      f"supported: {', '.join(SUPPORTED)}")
+    refuse_not_modelled(cfg, model_type)
+    if model_type not in SUPPORTED:  # transformers' exact count, an approximate estimate
+        return fallback_fields(cfg, model_type, SUPPORTED, name, where)
     source = f"Hugging Face config.json ({model_type}) at {where}"
     if model_type == "gemma3":
         # Gemma3ForConditionalGeneration: its language model is text_config's Gemma3TextModel
@@ -475,6 +478,8 @@ def spec_fields(data: dict[str, Any], where: str, name: str) -> dict[str, Any]:
 
 
 def _family_fields(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
+    if model_type in MOE_FAMILIES:
+        return moe_family_fields(cfg, model_type)
     if model_type == "gpt2":
         return gpt2(cfg)
     if model_type == "qwen3":

@@ -14,7 +14,7 @@ from functools import lru_cache
 
 from memplan.model import eager, linear
 from memplan.model.block import BackwardMoment, Moment
-from memplan.model.dims import FP32_BYTES, Dims, Term, residual_dropout_mask, total
+from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term, residual_dropout_mask, total
 from memplan.model.linear import Linear, Split
 from memplan.model.norm import norm_terms
 from memplan.spec import ModelSpec, PositionKind, QkNorm, qk_norm_params
@@ -61,21 +61,7 @@ def attention_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recomput
         if wl.attention is Kernel.FLASH:
             terms.append(Term("attn.lse", dm.b * heads * dm.s * FP32_BYTES))
         else:
-            # under autocast the scores are fp32 (the bf16 product plus the fp32 mask), so is
-            # the softmax; the second matmul saves a cast of its input
-            # transformers' eager softmax runs in fp32 and casts back (softmax_fp32)
-            scores = dm.b * heads * dm.s * dm.s_kv
-            fp32_softmax = dm.autocast or (wl.softmax_fp32 and e < FP32_BYTES)
-            if spec.attn_logit_softcap is not None:
-                # Gemma 2's eager_attention_forward: scores / cap, tanh (which saves its
-                # output), * cap, before the mask and the softmax
-                terms.append(Term("attn.softcap_tanh", scores * e))
-            terms.append(Term("attn.softmax", scores * (FP32_BYTES if fp32_softmax else e)))
-            if spec.dropout > 0:
-                terms.append(Term("attn.softmax_dropout_mask", scores))
-                terms.append(Term("attn.softmax_dropout_out", scores * e))
-            elif fp32_softmax:
-                terms.append(Term("attn.softmax_cast", scores * e))
+            terms += _eager_score_terms(spec, wl, dm, heads)
     casts = linear.saved_terms("attn", attention_linears(spec), dm)
     return terms + qk_norm_terms(spec, wl, dm) + casts + residual_dropout_mask("attn", spec, dm)
 
@@ -89,6 +75,34 @@ def _core_output(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) 
             and recompute is Recompute.NONE):
         return Term("attn.out", dm.tokens * out.d_in // dm.tp * dm.e)
     return linear.saved_input("attn.out", out, dm.tokens, dm)
+
+
+def _eager_score_terms(spec: ModelSpec, wl: Workload, dm: Dims, heads: int) -> list[Term]:
+    """Eager attention's saved score-sized tensors: under autocast the scores are fp32 (the
+    bf16 product plus the fp32 mask), so is the softmax; the second matmul saves a cast of its
+    input; transformers' eager softmax runs in fp32 and casts back (softmax_fp32)."""
+    e = dm.e
+    terms = []
+    scores = dm.b * heads * dm.s * dm.s_kv
+    fp32_softmax = dm.autocast or (wl.softmax_fp32 and e < FP32_BYTES)
+    if spec.attn_logit_softcap is not None:
+        # Gemma 2's eager_attention_forward: scores / cap, tanh (which saves its output),
+        # * cap, before the mask and the softmax
+        terms.append(Term("attn.softcap_tanh", scores * e))
+    terms.append(Term("attn.softmax", scores * (FP32_BYTES if fp32_softmax else e)))
+    if spec.attn_sinks:
+        # GPT-OSS's eager_attention_forward: the sink column joins the scores (the softmax
+        # saves s_kv + 1 columns) after subtracting the row max, whose backward saves its
+        # int64 index
+        rows = dm.b * heads * dm.s
+        terms.append(Term("attn.sinks", rows * ((FP32_BYTES if fp32_softmax else e)
+                                                + INDEX_BYTES)))
+    if spec.dropout > 0:
+        terms.append(Term("attn.softmax_dropout_mask", scores))
+        terms.append(Term("attn.softmax_dropout_out", scores * e))
+    elif fp32_softmax:
+        terms.append(Term("attn.softmax_cast", scores * e))
+    return terms
 
 
 def qk_norm_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
@@ -124,6 +138,12 @@ def qk_norm_sizes(spec: ModelSpec, t: int) -> list[int]:
     return []
 
 
+def _small_sizes(spec: ModelSpec, t: int) -> list[int]:
+    """The q and k norms' weights, then the per-head sinks (GPT-OSS: GptOssAttention.sinks,
+    one logit per query head, held whole)."""
+    return qk_norm_sizes(spec, t) + ([spec.num_attention_heads] if spec.attn_sinks else [])
+
+
 def head_major_core(spec: ModelSpec, wl: Workload, recompute: Recompute) -> bool:
     """Whether the fused core's output is head-major, so that the reshape for the output
     projection copies it and both are saved: transformers' rotate-half RoPE
@@ -133,8 +153,12 @@ def head_major_core(spec: ModelSpec, wl: Workload, recompute: Recompute) -> bool
     own projection is a dense token-major view, whose layout elementwise ops keep (traced:
     tests/traced/test_frameworks.py phi3). torchtitan's complex RoPE (``RopeCache.LAYER``)
     reshapes its result token-major again; eager attention copies its output anyway
-    (``memplan.model.eager``)."""
-    return (spec.fused_qkv and spec.position is PositionKind.ROPE
+    (``memplan.model.eager``). Partial rotary embeddings concatenate the rotated channels
+    with the others (GLM-4's ``apply_rotary_pos_emb``: ``torch.cat([q_embed, q_pass],
+    dim=-1)``), a new contiguous head-major q whatever q's own layout (traced:
+    tests/traced/test_hf_moe_families.py glm4, glm4_moe)."""
+    return ((spec.fused_qkv or spec.rotary_dim is not None)
+            and spec.position is PositionKind.ROPE
             and wl.attention is Kernel.FLASH and wl.rope_cache is RopeCache.FORWARD
             and wl.attention_impl is AttentionImpl.GENERIC and recompute is Recompute.NONE)
 
@@ -297,17 +321,17 @@ class Attention:
                        eager.forward_saving(_core(spec, wl, dm)))]
 
     def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:
-        """The projections (``attention_linears``), then the q and k norms."""
-        return linear.all_tensor_sizes(attention_linears(spec), t) + qk_norm_sizes(spec, t)
+        """The projections (``attention_linears``), then the q and k norms and the sinks."""
+        return linear.all_tensor_sizes(attention_linears(spec), t) + _small_sizes(spec, t)
 
     def tensor_shapes(self, spec: ModelSpec, t: int, ep: int) -> list[tuple[int, ...]]:
         return (linear.all_tensor_shapes(attention_linears(spec), t)
-                + [(n,) for n in qk_norm_sizes(spec, t)])
+                + [(n,) for n in _small_sizes(spec, t)])
 
     def grad_groups(self, spec: ModelSpec, t: int, ep: int) -> dict[str, int]:
         """``attn_out``: the output projection (its backward runs first); ``attn``: all."""
         return linear.grad_groups(attention_linears(spec), t, ("attn_out", "attn"),
-                                  {"attn": sum(qk_norm_sizes(spec, t))})
+                                  {"attn": sum(_small_sizes(spec, t))})
 
     def flops_per_token(self, spec: ModelSpec, seq_len: int) -> float:
         """2 FLOPs per projection weight (``memplan.model.linear``) and per q/k norm weight,

@@ -58,7 +58,9 @@ def tensor_sizes(lin: Linear, t: int) -> list[int]:
     """Elements of the weight and the bias on one TP rank, in registration order."""
     if not lin.bias:
         return [weight_elements(lin, t)]
-    return [weight_elements(lin, t), lin.d_out // t if lin.split is Split.COLUMN else lin.d_out]
+    # a stacked bias holds one row per expert (GPT-OSS's gate_up_proj_bias: (E, 2f))
+    return [weight_elements(lin, t),
+            lin.stack * (lin.d_out // t if lin.split is Split.COLUMN else lin.d_out)]
 
 
 def tensor_shapes(lin: Linear, t: int) -> list[tuple[int, ...]]:
@@ -67,7 +69,8 @@ def tensor_shapes(lin: Linear, t: int) -> list[tuple[int, ...]]:
     d_out = lin.d_out // t if lin.split is Split.COLUMN else lin.d_out
     d_in = lin.d_in // t if lin.split is Split.ROW else lin.d_in
     weight = (lin.stack, d_out, d_in) if lin.stack > 1 else (d_out, d_in)
-    return [weight, (d_out,)] if lin.bias else [weight]
+    bias = (lin.stack, d_out) if lin.stack > 1 else (d_out,)
+    return [weight, bias] if lin.bias else [weight]
 
 
 def all_tensor_shapes(linears: Sequence[Linear], t: int) -> list[tuple[int, ...]]:

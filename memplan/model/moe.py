@@ -43,11 +43,7 @@ def moe_terms(spec: ModelSpec, dm: Dims, impl: MoeImpl = MoeImpl.LOOP) -> list[T
         # DeepseekV3TopkRouter: F.linear(x.type(float32), weight.type(float32))
         terms += [Term("moe.router_input_fp32", dm.tokens * h * FP32_BYTES),
                   Term("moe.router_weight_fp32", moe.num_experts * h * FP32_BYTES)]
-    terms += [
-        Term("moe.router_probs", dm.tokens * moe.num_experts * FP32_BYTES),
-        Term("moe.topk_indices", routed * INDEX_BYTES),
-        # the renormalisation of the top-k weights saves them and their per-token sum (fp32)
-        Term("moe.topk_weights", routed * FP32_BYTES + dm.tokens * FP32_BYTES),
+    terms += _router_terms(moe, dm, routed) + [
         Term("moe.token_index", routed * INDEX_BYTES),  # which rows each expert gathers
     ]
     if grouped:  # the sort by expert (argsort) and its inverse, both indexing saved rows
@@ -55,10 +51,12 @@ def moe_terms(spec: ModelSpec, dm: Dims, impl: MoeImpl = MoeImpl.LOOP) -> list[T
                   Term("moe.unsort_index", routed * INDEX_BYTES)]
     terms += [
         Term("moe.dispatched", routed * h * e),
-        *mlp.mlp_terms("moe.expert", spec, dm.experts(), moe.expert_ffn_hidden_size, routed),
+        *_expert_terms(spec, dm, routed),
         Term("moe.expert_out", routed * h * e),
-        # grouped: the fp32 routing weights (the router's dtype) the outputs are scaled by
-        Term("moe.routing_weights", routed * (FP32_BYTES if grouped else e)),
+        # grouped: the routing weights in the router's dtype (fp32, but GPT-OSS's softmax of
+        # the top-k logits) the outputs are scaled by
+        Term("moe.routing_weights", routed * (FP32_BYTES if grouped and not
+                                              moe.router_topk_softmax else e)),
     ]
     if not grouped:
         terms.append(Term("moe.combine_in", routed * h * e))  # weighted outputs, index_add's
@@ -70,6 +68,31 @@ def moe_terms(spec: ModelSpec, dm: Dims, impl: MoeImpl = MoeImpl.LOOP) -> list[T
             terms += [Term("moe.shared_gate", dm.tokens * e),
                       Term("moe.shared_out", dm.tokens * h * e)]
     return terms
+
+
+def _router_terms(moe: MoESpec, dm: Dims, routed: int) -> list[Term]:
+    """The router's saved outputs: the top-k indices, and the fp32 probabilities of every
+    expert with the renormalised top-k weights and their per-token sum; or GPT-OSS's softmax
+    of the top-k logits in the router's dtype (``router_topk_softmax``)."""
+    indices = Term("moe.topk_indices", routed * INDEX_BYTES)
+    if moe.router_topk_softmax:
+        return [indices, Term("moe.topk_weights", routed * dm.e)]
+    return [Term("moe.router_probs", dm.tokens * moe.num_experts * FP32_BYTES), indices,
+            Term("moe.topk_weights", routed * FP32_BYTES + dm.tokens * FP32_BYTES)]
+
+
+def _expert_terms(spec: ModelSpec, dm: Dims, routed: int) -> list[Term]:
+    """The routed rows' MLP terms; GPT-OSS's clamped SwiGLU (``clamped_swiglu``: clamp saves
+    its input, views of the gate/up output, which it pins; gate * sigmoid(alpha * gate) saves
+    the clamped gate and the sigmoid; (up + 1) * glu both factors; the down projection the
+    product)."""
+    moe, ex = _moe(spec), dm.experts()
+    if not moe.clamped_swiglu:
+        return mlp.mlp_terms("moe.expert", spec, ex, moe.expert_ffn_hidden_size, routed)
+    f = routed * moe.expert_ffn_hidden_size // ex.tp * ex.e
+    return [Term("moe.expert.gate_up", 2 * f), Term("moe.expert.gate_clamped", f),
+            Term("moe.expert.sigmoid", f), Term("moe.expert.up_plus_one", f),
+            Term("moe.expert.glu", f), Term("moe.expert.prod", f)]
 
 
 def router_linears(spec: ModelSpec) -> tuple[tuple[Linear, ...], tuple[Linear, ...]]:
@@ -98,9 +121,10 @@ def moe_linears(spec: ModelSpec, ep: int) -> tuple[Linear, ...]:
     router, gate = router_linears(spec)
     if moe.stacked_experts:
         inputs = 2 if spec.mlp.gated else 1
+        bias = spec.mlp_bias  # GPT-OSS's gate_up_proj_bias, down_proj_bias (GptOssExperts)
         experts: tuple[Linear, ...] = (
-            Linear("experts_in", "mlp", h, inputs * f, stack=local),
-            Linear("experts_down", "mlp_out", f, h, split=Split.ROW, stack=local))
+            Linear("experts_in", "mlp", h, inputs * f, bias, stack=local),
+            Linear("experts_down", "mlp_out", f, h, bias, split=Split.ROW, stack=local))
     else:  # each expert an MLP, its projections named as routed (``_routed``)
         experts = tuple(lin._replace(name=_EXPERT_MLP + lin.name)
                         for lin in mlp.mlp_linears(spec, f)) * local

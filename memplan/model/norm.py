@@ -85,8 +85,13 @@ def _norm_terms(prefix: str, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Te
         return [Term(f"{prefix}.input_fp32", rows * h * FP32_BYTES), *out, *centred,
                 Term(f"{prefix}.normed", rows * h * FP32_BYTES),
                 *([Term(f"{prefix}.weight_fp32", weight)] if weight else [])]
-    # weight * normed saves normed for the weight's gradient alone: none when it is frozen
-    normed = 0 if dm.adapters is not None else rows * h * dm.stream_e
+    # weight * normed saves normed for the weight's gradient alone: none when it is frozen.
+    # It is cast back to the input's dtype: a post norm's input is its mixer's output, in the
+    # compute dtype under autocast too (GLM-4's post_self_attn_layernorm / post_mlp_layernorm,
+    # Glm4RMSNorm.forward: weight * hidden_states.to(input_dtype); traced:
+    # tests/traced/test_hf_moe_families.py glm4 amp-bf16)
+    normed_e = dm.e if is_post(prefix) else dm.stream_e
+    normed = 0 if dm.adapters is not None else rows * h * normed_e
     return [Term(f"{prefix}.input_fp32", rows * h * FP32_BYTES), *out,
             Term(f"{prefix}.normed", normed)]
 

@@ -57,6 +57,9 @@ def estimate_json(est: Estimate) -> dict[str, Any]:
     return {
         "model": est.spec.name,
         "num_params": est.spec.num_params,
+        # an unknown model type read as its nearest known block (memplan.hf.fallback)
+        **({"approximate": est.spec.approximate, "exact_num_params": est.spec.exact_num_params}
+           if est.spec.approximate else {}),
         "gpu": est.gpu.name,
         "num_gpus": par.world_size,
         "framework": wl.framework.value,
@@ -146,7 +149,8 @@ def render_estimate(est: Estimate) -> Any:
         + (f"\nLoRA rank {wl.lora_rank} on "
            f"{','.join(wl.lora_targets) if wl.lora_targets else 'the default targets'}, "
            f"dropout {wl.lora_dropout:g}, base weights frozen ({wl.base_quant.value})"
-           if wl.lora_rank else ""))
+           if wl.lora_rank else "")
+        + (f"\nAPPROXIMATE: {est.spec.approximate}" if est.spec.approximate else ""))
 
     stages = Table(title="Per-GPU memory by pipeline stage, GiB (2^30 bytes)")
     for col in ("stage", "layers", "parameters", "gradients", "optimizer states",

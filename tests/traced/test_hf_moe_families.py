@@ -1,0 +1,203 @@
+"""The MoE and hybrid families (memplan.hf.families_moe) against the models transformers builds
+from them: parameter counts of the flagships' published configs on the meta device, and
+training steps of the configs cut to a few layers traced under the exact tensor tracker.
+
+The published configs are written out below from the models' ``config.json`` on the Hugging
+Face Hub (the keys that shape the model; ids and rope scalars kept as published).
+
+Versions: transformers 5.3.0, torch 2.13.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from known import check  # noqa: E402  (tests/traced/known.py)
+from memplan.model.model_states import count_stage_params  # noqa: E402
+from memplan.profile.frameworks import FrameworkCase, compare_framework  # noqa: E402
+from memplan.spec import load_model, spec_from_hf_dict  # noqa: E402
+
+# zai-org/GLM-4-32B-0414 config.json
+GLM4_32B = {
+    "architectures": ["Glm4ForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+    "eos_token_id": [151329, 151336, 151338], "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 6144, "initializer_range": 0.02, "intermediate_size": 23040,
+    "max_position_embeddings": 32768, "model_type": "glm4", "num_attention_heads": 48,
+    "num_hidden_layers": 61, "num_key_value_heads": 2, "pad_token_id": 151329,
+    "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "vocab_size": 151552,
+}
+# zai-org/GLM-4.5 config.json (355B total, 32B active)
+GLM45 = {
+    "architectures": ["Glm4MoeForCausalLM"], "attention_bias": True,
+    "attention_dropout": 0.0, "pad_token_id": 151329,
+    "eos_token_id": [151329, 151336, 151338], "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 5120, "partial_rotary_factor": 0.5, "initializer_range": 0.02,
+    "intermediate_size": 12288, "max_position_embeddings": 131072, "model_type": "glm4_moe",
+    "moe_intermediate_size": 1536, "norm_topk_prob": True, "num_attention_heads": 96,
+    "n_group": 1, "topk_group": 1, "n_routed_experts": 160, "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+    "num_hidden_layers": 92, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "use_cache": True, "use_qk_norm": True, "vocab_size": 151552,
+}
+
+# openai/gpt-oss-120b config.json (the MXFP4 quantization_config left out: the bf16 model
+# transformers dequantizes it to, Mxfp4Config(dequantize=True), is the one trained)
+GPT_OSS_120B = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+    "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+    "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 18,
+    "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64,
+    "num_experts_per_tok": 4, "num_hidden_layers": 36, "num_key_value_heads": 8,
+    "num_local_experts": 128, "output_router_logits": False, "pad_token_id": 199999,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                     "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                     "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
+    "swiglu_limit": 7.0, "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0",
+    "use_cache": True, "vocab_size": 201088,
+}
+# openai/gpt-oss-20b: the same but 24 layers and 32 experts
+GPT_OSS_20B = dict(GPT_OSS_120B, num_hidden_layers=24, num_local_experts=32,
+                   layer_types=["sliding_attention", "full_attention"] * 12)
+
+# zai-org/GLM-4.5-Air (106B total): 46 layers, the first dense, 128 experts of 1408, no q/k
+# norms
+GLM45_AIR = dict(GLM45, hidden_size=4096, intermediate_size=10944, num_hidden_layers=46,
+                 moe_intermediate_size=1408, n_routed_experts=128, first_k_dense_replace=1,
+                 routed_scaling_factor=1.0, use_qk_norm=False)
+
+# published config -> catalog entry (None: counted, not in the catalog)
+PUBLISHED = {"GLM-4.5-Air": (GLM45_AIR, None), "GLM-4-32B-0414": (GLM4_32B, "glm-4-32b"), "GLM-4.5": (GLM45, "glm-4.5"),
+             "gpt-oss-120b": (GPT_OSS_120B, "gpt-oss-120b"),
+             "gpt-oss-20b": (GPT_OSS_20B, "gpt-oss-20b")}
+
+
+def _built(data: dict) -> torch.nn.Module:
+    config = transformers.AutoConfig.for_model(**data)
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _check_count(model: torch.nn.Module, spec) -> None:
+    params = list(model.parameters())
+    assert spec.num_params == sum(p.numel() for p in params)
+    layers = tuple(range(spec.num_layers))
+    sizes = count_stage_params(spec, 1, 1, 1, layers, True, True, 1).tensor_sizes
+    assert sorted(sizes) == sorted(p.numel() for p in params)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_config_counts_as_transformers_builds_it(name: str) -> None:
+    """The flagship's count and tensor layout, to the parameter, and the catalog's entry."""
+    data, entry = PUBLISHED[name]
+    spec = spec_from_hf_dict(data, name, name)
+    _check_count(_built(data), spec)
+    if entry is not None:
+        assert load_model(entry).num_params == spec.num_params
+
+
+# toy widths of each family, cut from the published configs above
+def _cut(data: dict, **overrides) -> dict:
+    out = dict(data, eos_token_id=None, pad_token_id=None)  # ids beyond the cut vocabulary
+    out.update(overrides)
+    return out
+
+
+GLM4_TOY = _cut(GLM4_32B, num_hidden_layers=2, hidden_size=256, intermediate_size=768,
+                num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=1000)
+GLM45_TOY = _cut(GLM45, num_hidden_layers=2, hidden_size=128, intermediate_size=256,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
+                 n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                 first_k_dense_replace=1)
+
+# a 32-token window on the first layer, the second full
+GPT_OSS_TOY = _cut(GPT_OSS_120B, num_hidden_layers=2, hidden_size=128, intermediate_size=128,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
+                   num_local_experts=4, num_experts_per_tok=2, sliding_window=32,
+                   layer_types=["sliding_attention", "full_attention"])
+
+TOY = {
+    "glm4-toy": GLM4_TOY,
+    "glm4_moe-toy": GLM45_TOY,
+    "gpt_oss-toy": GPT_OSS_TOY,
+    "glm4_moe-two-shared-no-qk-norm": _cut(GLM45_TOY, n_shared_experts=2, use_qk_norm=False,
+                                           attention_bias=False, n_routed_experts=8,
+                                           n_group=2, partial_rotary_factor=0.25),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TOY))
+def test_toy_config_counts_as_transformers_builds_it(name: str) -> None:
+    """The file's keys and transformers' ``to_dict()`` of its config both count the model."""
+    model = _built(TOY[name])
+    _check_count(model, spec_from_hf_dict(TOY[name], name, name))
+    _check_count(model, spec_from_hf_dict(model.config.to_dict(), name, name))
+
+
+CASES = [
+    # sandwich norms in the compute dtype, fused gate_up, RoPE on half of each head
+    FrameworkCase("transformers", "glm4-toy", GLM4_TOY, "fp32", 2, 128),
+    FrameworkCase("transformers", "glm4-toy", GLM4_TOY, "bf16-pure", 2, 128),
+    FrameworkCase("transformers", "glm4-toy", GLM4_TOY, "amp-bf16", 2, 128),
+    # a dense layer, then stacked experts with a shared expert and an fp32 router
+    FrameworkCase("transformers", "glm4_moe-toy", GLM45_TOY, "fp32", 2, 64),
+    FrameworkCase("transformers", "glm4_moe-toy", GLM45_TOY, "bf16-pure", 2, 64),
+    # (amp-bf16 with MoE layers is refused by memplan.parallel.validate, as for every MoE)
+    # eager attention (GptOssForCausalLM has no SDPA) with the sink column, a sliding and a
+    # full layer, biased stacked experts through grouped_mm with the clamped SwiGLU, the
+    # router's softmax of its top-k logits, the norms scaling in fp32
+    FrameworkCase("transformers", "gpt_oss-toy", GPT_OSS_TOY, "fp32", 2, 64,
+                  options={"attn": "eager"}),
+    FrameworkCase("transformers", "gpt_oss-toy", GPT_OSS_TOY, "bf16-pure", 2, 64,
+                  options={"attn": "eager"}),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.name}-{c.recipe}")
+def test_library_matches_estimate(case: FrameworkCase) -> None:
+    """Every phase peak, saved activations and states within 1% of transformers' own step."""
+    check(compare_framework(case).rows, None)
+
+
+# --- a model type memplan has no reader for (memplan.hf.fallback) ----------------------------
+
+# EXAONE 4's type (transformers' exaone4: Llama's layer with post-norms and per-head q/k norms,
+# which memplan has no reader for), cut to two layers
+UNKNOWN_TOY = {"model_type": "exaone4", "hidden_size": 256, "intermediate_size": 768,
+               "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
+               "vocab_size": 1000, "pad_token_id": None, "bos_token_id": None,
+               "eos_token_id": None}
+
+
+def test_unknown_type_counts_as_transformers_builds_it() -> None:
+    """The exact count is transformers' own build of the file, stated beside the approximate
+    spec (read as Llama's block); where the blocks count otherwise (here its q/k norms, 2 x
+    32 weights per layer) the line says which count the states follow."""
+    spec = spec_from_hf_dict(UNKNOWN_TOY, "cfg.json", "exaone")
+    exact = sum(p.numel() for p in _built(UNKNOWN_TOY).parameters())
+    assert spec.exact_num_params == exact
+    assert spec.approximate and "'exaone4'" in spec.approximate and f"{exact:,}" in \
+        spec.approximate
+    assert exact - spec.num_params == 2 * 2 * 32
+    assert f"{spec.num_params:,}" in spec.approximate and "states follow" in spec.approximate
+
+
+def test_model_without_attention_layers_is_refused() -> None:
+    """Mamba's layers hold a mixer, no self_attn: no known block is near it."""
+    from memplan.errors import MemplanError
+
+    data = {"model_type": "mamba", "hidden_size": 64, "num_hidden_layers": 2,
+            "vocab_size": 100, "intermediate_size": 128, "num_attention_heads": 4}
+    with pytest.raises(MemplanError) as err:
+        spec_from_hf_dict(data, "cfg.json", "m")
+    assert "'mamba'" in str(err.value) and "0 of its 2 layers" in str(err.value)
+

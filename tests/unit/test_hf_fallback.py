@@ -1,0 +1,28 @@
+"""A model type memplan has no reader for (memplan.hf.fallback), without transformers: one
+line naming the type and how to count it. With transformers: tests/traced/
+test_hf_moe_families.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from memplan.errors import MemplanError
+from memplan.spec import spec_from_hf_dict
+
+SMOL = {"model_type": "starcoder2", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 100}
+
+
+def test_without_transformers_one_line_names_the_type_and_the_way(monkeypatch) -> None:
+    import memplan.profile.hf_meta as hf_meta
+
+    def missing(data):
+        raise ImportError("No module named 'transformers'")
+
+    monkeypatch.setattr(hf_meta, "meta_build", missing)
+    with pytest.raises(MemplanError) as err:
+        spec_from_hf_dict(SMOL, "cfg.json", "m")
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("cfg.json: model_type:")
+    assert "'starcoder2'" in message and "pip install transformers" in message
