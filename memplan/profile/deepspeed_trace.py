@@ -63,8 +63,9 @@ def ds_config(case: FrameworkCase) -> dict[str, Any]:
     """The ds_config of a case: its micro-batch, precision and ZeRO options (``options``:
     ``reduce_bucket_size``, ``overlap_comm``, ``contiguous_gradients``)."""
     zero = {"stage": 2, **{k: v for k, v in case.options.items()
-                           if k in ("reduce_bucket_size", "overlap_comm",
-                                    "contiguous_gradients", "offload_optimizer")}}
+                           if k in ("stage", "reduce_bucket_size", "overlap_comm",
+                                    "contiguous_gradients", "offload_optimizer")
+                           or k.startswith("stage3_") or k == "sub_group_size"}}
     # fp16 with a static loss scale (runtime/fp16/loss_scaler.py LossScaler): a dynamic one
     # skips the steps whose scaled gradients overflow, which a random toy's first steps do
     table = ({"enabled": True, "loss_scale": 128} if case.recipe == "fp16-mixed"
@@ -92,11 +93,14 @@ def build_deepspeed(case: FrameworkCase) -> Built:
     spec = hf_spec(model.config, case.name)
     client = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     cfg = ds_config(case)
+    if cfg["zero_optimization"]["stage"] == 3:
+        _skip_rank_agreement()
     engine, zero_opt, _, _ = deepspeed.initialize(model=model, optimizer=client, config=cfg,
                                                   dist_init_required=False)
     b, s, vocab = case.micro_batch_size, case.seq_len, model.config.vocab_size
 
     m = cfg["gradient_accumulation_steps"]
+    stage = cfg["zero_optimization"]["stage"]
 
     def step(k: int, mark: Mark) -> None:
         # accelerate's DeepSpeedEngineWrapper.backward: engine.backward, then engine.step,
@@ -113,15 +117,33 @@ def build_deepspeed(case: FrameworkCase) -> Built:
             del loss
             if j < m - 1:
                 engine.step()
-        _label_partition(zero_opt, tracker_of[0])
+        if stage != 3:
+            _label_partition(zero_opt, tracker_of[0])
         mark("optimizer")
         engine.step()
 
     tracker_of: list[Any] = [None]
+    sizes: dict[str, Any] = {}
 
     @contextlib.contextmanager
     def registered(tracker: LibraryTracker) -> Iterator[None]:
         tracker_of[0] = tracker
+        if stage == 3:  # stage3.py: the bit16 and fp32 partitions, per sub-group
+            tracker.register(list(zero_opt.fp16_partitioned_groups_flat), "parameters")
+            tracker.register(list(zero_opt.fp32_partitioned_groups_flat), "optimizer")
+            # _setup_for_real_optimizer: the reduce bucket and the gradient partitions, made
+            # at __init__ and kept
+            tracker.register([b.buffer for b in zero_opt.ipg_buckets.values()], "buckets")
+            tracker.register(zero_opt.grad_partitions_flat_buffer, "gradients")
+            sizes.update(
+                weights=_nbytes(zero_opt.fp16_partitioned_groups_flat),
+                master=_nbytes(zero_opt.fp32_partitioned_groups_flat),
+                bucket=_nbytes([b.buffer for b in zero_opt.ipg_buckets.values()]),
+                gradients=_nbytes([zero_opt.grad_partitions_flat_buffer]),
+                sub_groups=[t.numel() for t in zero_opt.fp32_partitioned_groups_flat],
+                persistent=sum(p.ds_numel for p in zero_opt.persistent_parameters))
+            yield
+            return
         tracker.register(list(zero_opt.single_partition_of_fp32_groups), "optimizer")
         if zero_opt.cpu_offload:  # ZeRO-Offload: what stage_1_and_2.py __init__ puts on the host
             tracker.register([p.grad for p in zero_opt.single_partition_of_fp32_groups]
@@ -139,9 +161,25 @@ def build_deepspeed(case: FrameworkCase) -> Built:
                        if "reduce_bucket_size" in zero else {}),
                     **({"zero_bucket_buffers": 2} if zero.get("overlap_comm") else {}))
     offload = "optimizer" if "offload_optimizer" in zero else "none"
-    return Built("deepspeed", model, spec, api.make_layout(case.dp, zero=2, offload=offload),
-                 workload, step,
-                 zero_opt.optimizer, context=registered)
+    built = Built("deepspeed", model, spec, api.make_layout(case.dp, zero=2, offload=offload),
+                  workload, step, zero_opt.optimizer, context=registered)
+    built.registered = sizes  # type: ignore[attr-defined]
+    return built
+
+
+def _nbytes(tensors: list[Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _skip_rank_agreement() -> None:
+    """ZeRO-3's coordinator checks at each step start that every rank recorded the same module
+    trace (partitioned_param_coordinator.py reset_step -> zero/utils.py
+    assert_ints_same_as_other_ranks: an all-reduce of the lengths and ids). On the fake
+    process group the collectives return at once with nothing in them, so the check fails;
+    it allocates only a few integers, and is skipped."""
+    from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator
+
+    coordinator.assert_ints_same_as_other_ranks = lambda ints: None
 
 
 def _label_partition(zero_opt: Any, tracker: LibraryTracker) -> None:
@@ -187,6 +225,15 @@ def trace_deepspeed(case: FrameworkCase, steps: int = 2) -> tuple[Built, TraceRe
         return built, run_library_steps(built, tracker, steps=steps)
 
 
+def trace_json(built: Built, result: TraceResult) -> dict[str, Any]:
+    """Each step's phase peaks (total and by category) and the bytes of what the ZeRO
+    optimizer registered, as JSON: ``{"steps": [{"forward": {"total": n, "parameters": ...},
+    ...}], "registered": {...}}``."""
+    steps = [{phase: {"total": peak.total_bytes, **peak.by_category}
+              for phase, peak in s.phases.items()} for s in result.steps]
+    return {"steps": steps, "registered": dict(getattr(built, "registered", {}) or {})}
+
+
 def compare_deepspeed(case: FrameworkCase, steps: int = 2) -> Comparison:
     """The trace of ``case`` next to memplan's estimate of the deepspeed preset."""
     built, result = trace_deepspeed(case, steps)
@@ -203,7 +250,11 @@ def main(argv: list[str] | None = None) -> None:
 
     from memplan.profile.compare import comparison_json
 
-    fields = json.loads((argv if argv is not None else sys.argv[1:])[0])
+    args = argv if argv is not None else sys.argv[1:]
+    fields = json.loads(args[0])
+    if "--trace" in args:  # the trace alone, for what memplan's preset does not model yet
+        print(json.dumps(trace_json(*trace_deepspeed(FrameworkCase(**fields)))))
+        return
     c = compare_deepspeed(FrameworkCase(**fields))
     print(json.dumps(comparison_json(c)))
 

@@ -22,7 +22,11 @@ from memplan.model.deepspeed_zero import (
     estimate_zero2,
     estimate_zero3,
     first_reduce,
+    partition_numel,
+    sub_groups,
     weight_grads_at,
+    zero3_states,
+    zero3_step_bytes,
 )
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "deepspeed"
@@ -148,6 +152,70 @@ def test_deepspeed_refuses_what_it_does_not_model() -> None:
                          (dict(zero=2, tp=2), "--tp, --pp"), (dict(zero=2, pp=2), "--tp, --pp")):
         with pytest.raises(MemplanError, match=name):
             api.estimate("llama-7b", gpus=8, framework="deepspeed", **kwargs)
+
+
+# --- ZeRO stage 3 (stage3.py), the pieces -----------------------------------------------------
+
+# The toy Llama of tests/traced (hf_configs.LLAMA3_TOY: vocabulary 1,000, hidden 256, MLP 896,
+# 8 heads of 32, 2 KV heads, 2 layers, untied head) on 2 ranks, each parameter's partition
+# ceil(numel / 2) in named_parameters() order: embedding 256,000 / 2 = 128,000; per layer q and o
+# 65,536 / 2 = 32,768, k and v 16,384 / 2 = 8,192, gate, up, down 229,376 / 2 = 114,688, two
+# norms 128; the final norm 128; the head 128,000. P / 2 = 1,108,608.
+_LAYER = (32_768, 8_192, 8_192, 32_768, 114_688, 114_688, 114_688, 128, 128)
+TOY_PARTITIONS = (128_000, *_LAYER, *_LAYER, 128, 128_000)
+
+
+def test_zero3_partition_and_sub_groups_by_hand() -> None:
+    """partition_numel: ceil(numel / N) (partition_parameters.py _aligned_size); 7 elements on
+    2 ranks: 4. Sub-groups (stage3.py _create_fp16_sub_groups) of the toy's partitions,
+    sub_group_size 5e5: the embedding and layer 0 up to its down projection make
+    128,000 + 32,768 + 8,192 + 8,192 + 32,768 + 3 x 114,688 = 553,984 >= 5e5, closed there;
+    the rest (layer 0's two norms 256, layer 1's 425,984 + 256, the final norm 128, the head
+    128,000) is 554,624, closed by the last parameter. The default 1e9: one sub-group of
+    1,108,608 (traced: tests/traced/test_deepspeed_trace.py)."""
+    assert partition_numel(7, 2) == 4 and partition_numel(65_536, 2) == 32_768
+    assert sum(TOY_PARTITIONS) == 1_108_608
+    assert sub_groups(TOY_PARTITIONS, 500_000) == (553_984, 554_624)
+    assert sub_groups(TOY_PARTITIONS) == (1_108_608,)
+
+
+def test_zero3_states_by_hand() -> None:
+    """The toy on 2 ranks, bf16, reduce bucket 3e5: bf16 partition 1,108,608 x 2 =
+    2,217,216 B; the kept gradient partition (grad accumulation dtype = bf16) the same; the
+    bucket 3e5 x 2 = 600,000 B; fp32 partition 4,434,432 B; Adam 8,868,864 B. Persistent
+    parameters (threshold 1e5): the 5 norms (256 each) and the 4 q/o (65,536) and 4 k/v
+    (16,384) projections = 1,280 + 262,144 + 65,536 = 328,960 elements, 657,920 B."""
+    st = zero3_states(TOY_PARTITIONS, 328_960, 300_000, 2, 2)
+    assert st == (2_217_216, 657_920, 2_217_216, 600_000, 4_434_432, 8_868_864)
+    assert zero3_states(TOY_PARTITIONS, 0, 300_000, 2, 2, contiguous=False).bucket == 0
+
+
+def test_zero3_step_by_hand() -> None:
+    """stage3.py step, one sub-group at a time. One sub-group g = 1,108,608: step 1 makes the
+    fp32 gradient (4g) and then exp_avg, exp_avg_sq (8g) beside it: 12g = 13,303,296 B
+    (the flat bf16 copy, 2g, is dropped before: 6g is less); later steps: the states 8g and
+    the flat copy with the fp32 gradient 6g = 15,520,512 B. Two sub-groups 553,984 and
+    554,624: step 1's peak is at the second, the first's states made: 8 x 553,984 +
+    12 x 554,624 = 4,431,872 + 6,655,488 = 11,087,360 B; later: 8 x 1,108,608 +
+    6 x 554,624 = 8,868,864 + 3,327,744 = 12,196,608 B."""
+    assert zero3_step_bytes((1_108_608,), 2, first=True) == 13_303_296
+    assert zero3_step_bytes((1_108_608,), 2, first=False) == 15_520_512
+    assert zero3_step_bytes((553_984, 554_624), 2, first=True) == 11_087_360
+    assert zero3_step_bytes((553_984, 554_624), 2, first=False) == 12_196_608
+
+
+def test_zero3_states_against_deepspeeds_estimator() -> None:
+    """estimate_zero3_model_states_mem_needs without offload: 4 B x the largest module's own
+    parameters + int(18P / N). Its 18P/N is the bf16 partition (2), the fp32 gradient (4),
+    the fp32 partition (4) and Adam (8): memplan's pieces give the same 18P/N for Llama-2-7B
+    on 8 GPUs (P / 8 = 842,301,952: 15,161,435,136 B); the kept bf16 gradient partition
+    (grad_partitions_flat_buffer, 2P/N = 1,684,603,904 B) is beyond it."""
+    part = LLAMA_7B_PARAMS // 8
+    st = zero3_states((part,), 0, 0, 2, 2)
+    fp32_grad = 4 * part
+    est = estimate_zero3(LLAMA_7B_PARAMS, 0, 8, 1, cpu_offload=False)
+    assert st.weights + fp32_grad + st.master + st.states == est.gpu_bytes == 15_161_435_136
+    assert st.gradients == 1_684_603_904
 
 
 # --- ds_config.json as written --------------------------------------------------------------
