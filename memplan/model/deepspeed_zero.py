@@ -225,3 +225,36 @@ def zero3_step_bytes(groups: tuple[int, ...], grad_bytes: int, first: bool) -> i
         most = max(most, made + max((grad_bytes + 4) * g, (4 + 8) * g))
         made += 8 * g
     return most
+
+
+# --- ZeRO stage 1 (stage_1_and_2.py with partition_grads False) -------------------------------
+
+def stage1_reduce_bytes(numels: tuple[int, ...], bucket_numel: int, dp: int, rank: int,
+                        grad_bytes: int) -> int:
+    """Gradient bytes (whole gradients, the bucket and the rank's gradient partition) at the
+    moment stage 1 makes the partition of ``rank``, after backward: ``engine.backward`` ->
+    ``allreduce_gradients`` -> ``reduce_gradients`` walks the parameters in forward order
+    (``numels``, the flat buffer's order), copying each whole gradient into the bucket (its own
+    storage dropped, ``.grad`` a view of the bucket) and reducing the bucket when the next one
+    does not fit (``reduce_independent_p_g_buckets_and_remove_grads``); the reduce that holds
+    the rank's first parameter allocates ``grads_in_partition`` (``copy_grads_in_partition``:
+    the elements of every parameter overlapping the partition, of the flat buffer padded to
+    2 x ``dp`` elements). The gradients not yet moved are alive then; later reduces only drop
+    more. The first rank's partition is made at the first reduce, the most loaded."""
+    total = sum(numels)
+    size = -(-total // (2 * dp)) * 2  # the padded flat buffer's 1/dp
+    lo, hi = rank * size, (rank + 1) * size
+    spans, start = [], 0
+    for n in numels:
+        spans.append((start, n))
+        start += n
+    part = sum(n for s, n in spans if s < hi and s + n > lo)
+    moved, bucket = 0, []
+    for s, n in [*spans, (total, 0)]:  # the last: the epilogue's reduce of what is left
+        if bucket and (n == 0 or sum(b[1] for b in bucket) + n > bucket_numel):
+            if any(b0 < hi and b0 + b1 > lo for b0, b1 in bucket):
+                break
+            bucket = []
+        bucket.append((s, n))
+        moved += n
+    return (total - moved + bucket_numel + part) * grad_bytes

@@ -52,11 +52,17 @@ from memplan.profile.trace import TraceResult
 PRECISIONS = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 
 
-def _environment(dp: int) -> None:
+def _environment(dp: int, rank: int) -> None:
     """What DeepSpeed reads before it starts: the CPU accelerator, and the launcher's
     variables (engine.py _do_args_sanity_check asserts LOCAL_RANK)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.update(LOCAL_RANK="0", RANK=str(dp - 1), WORLD_SIZE=str(dp))
+    os.environ.update(LOCAL_RANK="0", RANK=str(rank), WORLD_SIZE=str(dp))
+
+
+def _rank(case: FrameworkCase) -> int:
+    """The traced rank: the last unless ``options["rank"]`` (stage 1's most loaded is the
+    first, whose partition is made at the first reduce after backward)."""
+    return int(case.options.get("rank", case.dp - 1))
 
 
 def ds_config(case: FrameworkCase) -> dict[str, Any]:
@@ -83,7 +89,7 @@ def ds_config(case: FrameworkCase) -> dict[str, Any]:
 def build_deepspeed(case: FrameworkCase) -> Built:
     """A transformers causal LM (``case.config``, SDPA attention) in the recipe's dtype,
     wrapped by ``deepspeed.initialize`` with ``ds_config(case)``."""
-    _environment(case.dp)
+    _environment(case.dp, _rank(case))
     import deepspeed
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -192,14 +198,15 @@ def _label_partition(zero_opt: Any, tracker: LibraryTracker) -> None:
 
 
 @contextlib.contextmanager
-def _last_rank(dp: int) -> Iterator[None]:
-    """The last of ``dp`` ranks on torch's fake process group: the rank whose partition is the
-    flat buffer's tail, the head's and the last layers' gradients, made first in backward
-    (``memplan.model.deepspeed_zero.first_reduce``)."""
+def _last_rank(dp: int, rank: int | None = None) -> Iterator[None]:
+    """The last of ``dp`` ranks (or ``rank``) on torch's fake process group: the last is the
+    rank whose partition is the flat buffer's tail, the head's and the last layers'
+    gradients, made first in backward (``memplan.model.deepspeed_zero.first_reduce``)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=dp - 1, world_size=dp)
+    dist.init_process_group("fake", store=FakeStore(), rank=dp - 1 if rank is None else rank,
+                            world_size=dp)
     try:
         yield
     finally:
@@ -217,7 +224,7 @@ class OffloadTracker(HostCategories, LibraryTracker):
 
 def trace_deepspeed(case: FrameworkCase, steps: int = 2) -> tuple[Built, TraceResult]:
     """Build and trace ``case`` on the last of ``case.dp`` fake ranks, CUDA's kernels."""
-    with _last_rank(case.dp), cuda_kernels():
+    with _last_rank(case.dp, _rank(case)), cuda_kernels():
         torch.manual_seed(0)
         built = build_deepspeed(case)
         offload = "offload_optimizer" in case.options

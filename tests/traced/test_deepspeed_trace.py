@@ -172,3 +172,35 @@ def test_zero3_states_and_step_traced(sub_group_size, first: int, steady: int) -
 @pytest.mark.xfail(strict=True, raises=MemplanError, reason=_REFUSED)
 def test_zero3_estimate() -> None:
     api.estimate("llama-7b", gpus=2, zero=3, framework="deepspeed")
+
+
+# --- ZeRO stage 1 ------------------------------------------------------------------------------
+
+_STAGE1 = ("memplan's deepspeed preset refuses ZeRO-1: its walk drops the gradients not kept at "
+           "the embedding's backward, before the reduce after backward where the whole gradients "
+           "(less the first bucket's), the bucket and the first rank's partition are alive "
+           "together (traced on rank 0: 15,739,980 B at step 1's backward, 24,608,852 B at "
+           "step 2's)")
+
+
+def test_stage1_reduce_after_backward_traced() -> None:
+    """Stage 1 on the first of 2 fake ranks, bucket 3e5: the backward's peak is the reduce
+    after backward that makes rank 0's partition (memplan.model.deepspeed_zero.
+    stage1_reduce_bytes: 6,870,464 B, tests/unit/test_deepspeed.py test_stage1_reduce_by_hand)
+    beside the whole bf16 weights (4,434,432), the fp32 partition (4,434,432; with the states
+    from step 2 on, 13,303,296) and 644 B of the loss and buffers: 15,739,972 and 24,608,840 B
+    (traced 8 and 12 B more). The forward is ZeRO-2's: the weights, the fp32 partition (and
+    states) and the activations, 11,260,304 B at step 1."""
+    t = _trace_only(stage=1, reduce_bucket_size=300_000, rank=0)
+    step1, step2 = t["steps"]
+    weights = fp32 = 4_434_432
+    for measured, expected in (
+            (step1["backward"]["total"], weights + fp32 + 6_870_464 + 644),
+            (step2["backward"]["total"], weights + 3 * fp32 + 6_870_464 + 644),
+            (step1["forward"]["total"], 11_260_304)):
+        assert abs(measured - expected) / expected <= 0.0001, (measured, expected)
+
+
+@pytest.mark.xfail(strict=True, raises=MemplanError, reason=_STAGE1)
+def test_stage1_estimate() -> None:
+    api.estimate("llama-7b", gpus=2, zero=1, framework="deepspeed")

@@ -23,6 +23,7 @@ from memplan.model.deepspeed_zero import (
     estimate_zero3,
     first_reduce,
     partition_numel,
+    stage1_reduce_bytes,
     sub_groups,
     weight_grads_at,
     zero3_states,
@@ -216,6 +217,25 @@ def test_zero3_states_against_deepspeeds_estimator() -> None:
     est = estimate_zero3(LLAMA_7B_PARAMS, 0, 8, 1, cpu_offload=False)
     assert st.weights + fp32_grad + st.master + st.states == est.gpu_bytes == 15_161_435_136
     assert st.gradients == 1_684_603_904
+
+
+def test_stage1_reduce_by_hand() -> None:
+    """The toy on 2 ranks, bucket 3e5, bf16, forward order (the flat buffer's): embedding
+    256,000, per layer q 65,536, k and v 16,384, o 65,536, gate/up/down 229,376, norms 256;
+    final norm 256; head 256,000 (P = 2,217,216, a multiple of 4: partitions of 1,108,608).
+    Rank 0's partition covers the embedding to layer 1's q projection, which starts at
+    1,108,480 < 1,108,608: 1,174,016 elements. The first reduce (q does not fit beside the
+    embedding's 256,000) holds the embedding, rank 0's: there (2,217,216 - 256,000) whole
+    gradients + the bucket 300,000 + 1,174,016 = 3,435,232 elements, 6,870,464 B. Rank 1's
+    partition overlaps from layer 1's q on: 2,217,216 - 1,108,480 = 1,108,736 elements.
+    Buckets: [embedding] (q does not fit), [q k v o] = 163,840 (gate does not fit), [gate],
+    [up], [down, 2 norms, layer 1's q] = 295,424 (k does not fit): that reduce holds rank
+    1's first parameter. Moved by then 256,000 + 163,840 + 3 x 229,376 + 512 + 65,536 =
+    1,174,016; alive 1,043,200 + 300,000 + 1,108,736 = 2,451,936 elements, 4,903,872 B."""
+    layer = (65_536, 16_384, 16_384, 65_536, 229_376, 229_376, 229_376, 256, 256)
+    numels = (256_000, *layer, *layer, 256, 256_000)
+    assert stage1_reduce_bytes(numels, 300_000, 2, 0, 2) == 6_870_464
+    assert stage1_reduce_bytes(numels, 300_000, 2, 1, 2) == 4_903_872
 
 
 # --- ds_config.json as written --------------------------------------------------------------
