@@ -167,7 +167,7 @@ def build_deepspeed(case: FrameworkCase) -> Built:
                        if "reduce_bucket_size" in zero else {}),
                     **({"zero_bucket_buffers": 2} if zero.get("overlap_comm") else {}))
     offload = "optimizer" if "offload_optimizer" in zero else "none"
-    built = Built("deepspeed", model, spec, api.make_layout(case.dp, zero=2, offload=offload),
+    built = Built("deepspeed", model, spec, api.make_layout(case.dp, zero=stage, offload=offload),
                   workload, step, zero_opt.optimizer, context=registered)
     built.registered = sizes  # type: ignore[attr-defined]
     return built

@@ -176,13 +176,6 @@ def test_zero3_estimate() -> None:
 
 # --- ZeRO stage 1 ------------------------------------------------------------------------------
 
-_STAGE1 = ("memplan's deepspeed preset refuses ZeRO-1: its walk drops the gradients not kept at "
-           "the embedding's backward, before the reduce after backward where the whole gradients "
-           "(less the first bucket's), the bucket and the first rank's partition are alive "
-           "together (traced on rank 0: 15,739,980 B at step 1's backward, 24,608,852 B at "
-           "step 2's)")
-
-
 def test_stage1_reduce_after_backward_traced() -> None:
     """Stage 1 on the first of 2 fake ranks, bucket 3e5: the backward's peak is the reduce
     after backward that makes rank 0's partition (memplan.model.deepspeed_zero.
@@ -201,6 +194,16 @@ def test_stage1_reduce_after_backward_traced() -> None:
         assert abs(measured - expected) / expected <= 0.0001, (measured, expected)
 
 
-@pytest.mark.xfail(strict=True, raises=MemplanError, reason=_STAGE1)
-def test_stage1_estimate() -> None:
-    api.estimate("llama-7b", gpus=2, zero=1, framework="deepspeed")
+def test_stage1_phase_peaks_within_one_percent() -> None:
+    """memplan's estimate of ZeRO-1 (the reduce after backward, the step on the partition)
+    against the same trace of rank 0: every phase peak within 1%. Measured: step 1's
+    backward -0.84%, the steady backward -0.54% and optimizer -0.49%: rank 0's partition is
+    the numel of the parameters overlapping it (layer 1's q projection crosses its end:
+    2,348,032 B traced) where memplan counts P/N (2,217,216 B), and memplan's order of a
+    layer's tensors (norms first) moves the first bucket by a norm."""
+    c = _trace(stage=1, reduce_bucket_size=300_000, rank=0)
+    diff = c["diff"]
+    assert diff["params_bytes"]["bytes"] == 0 and diff["optimizer_bytes"]["bytes"] == 0
+    for step in ("first_step", "steady"):
+        for phase in ("forward", "backward", "optimizer"):
+            assert abs(diff[f"{step}.{phase}_bytes"]["pct"]) <= 1.0, (step, phase, diff)

@@ -147,7 +147,9 @@ def test_weight_grads_at_moments_by_hand() -> None:
 
 
 def test_deepspeed_refuses_what_it_does_not_model() -> None:
-    for kwargs, name in ((dict(zero=3), "--zero 0, 1 or 3"), (dict(zero=1), "--zero 0, 1 or 3"),
+    for kwargs, name in ((dict(zero=3), "--zero 0 or 3"), (dict(zero=0), "--zero 0 or 3"),
+                         (dict(zero=1, zero_bucket_buffers=2), "--zero 1 with overlap_comm"),
+                         (dict(zero=1, global_batch_size=16), "--zero 1 with overlap_comm"),
                          (dict(zero=2, precision="fp32"), "precision"),
                          (dict(zero=2, offload="optimizer"), "--offload"),
                          (dict(zero=2, tp=2), "--tp, --pp"), (dict(zero=2, pp=2), "--tp, --pp")):
@@ -236,6 +238,28 @@ def test_stage1_reduce_by_hand() -> None:
     numels = (256_000, *layer, *layer, 256, 256_000)
     assert stage1_reduce_bytes(numels, 300_000, 2, 0, 2) == 6_870_464
     assert stage1_reduce_bytes(numels, 300_000, 2, 1, 2) == 4_903_872
+
+
+def test_stage1_estimate_by_hand() -> None:
+    """Llama-2-7B on 8 GPUs, ZeRO-1, DeepSpeed's default bucket 5e8, in memplan's parameter
+    order (embedding 131,072,000; per layer a norm 4,096, q k v o 16,777,216 each, a norm,
+    gate up down 45,088,768 each): the reduce after backward in forward order fills the
+    bucket with the embedding, layer 0 (202,383,360) and layer 1 up to its up projection
+    (490,749,952 elements; the down projection would pass 5e8) and reduces: rank 0's
+    partition is made there. The flat buffer, 6,738,415,616 elements, is a multiple of 16:
+    partitions of 842,301,952; rank 0's overlaps up to layer 3's gate projection, which starts
+    at 805,339,136 and ends at 850,427,904. Alive then: 6,738,415,616 - 490,749,952 =
+    6,247,665,664 whole gradients + 5e8 + 850,427,904 = 7,598,093,568 elements, 15,196,187,136
+    B, beside the bf16 weights 13,476,831,232 B and the fp32 partition 3,369,207,808 B (step
+    1): 32,042,226,176 B; later steps add the states, 6,738,415,616 + 4 B. The step sees the
+    partition alone: gradients P/8 x 2 B at the optimizer phase, as at stage 2."""
+    est = api.estimate("llama-7b", gpus=8, zero=1, framework="deepspeed", micro_batch_size=1,
+                       seq_len=2048).stages[0]
+    assert est.first_step.backward == 13_476_831_232 + 3_369_207_808 + 15_196_187_136
+    assert est.steady.backward == 32_042_226_176 + 6_738_415_616 + 4
+    two = api.estimate("llama-7b", gpus=8, zero=2, framework="deepspeed", micro_batch_size=1,
+                       seq_len=2048).stages[0]
+    assert est.steady.optimizer == two.steady.optimizer
 
 
 # --- ds_config.json as written --------------------------------------------------------------
@@ -355,3 +379,17 @@ def test_diagnose_proposes_deepspeeds_bucket_levers() -> None:
     one = next(f for f in two.fixes.ranked if "one reduce bucket" in f.name)
     # the bucket's 1e9 B, and the allocator's assumed 5% of the tensor peak on it
     assert one.saved_bytes == 1_050_000_000
+
+
+def test_diagnose_proposes_stage_2_from_stage_1() -> None:
+    """From DeepSpeed's ZeRO-1, diagnose re-estimates stage 2 (the gradients partitioned in
+    backward: no whole gradients at the reduce after it, 15,196,187,136 B at stage 1 by
+    test_stage1_estimate_by_hand); stage 3 is refused under the preset, so not proposed."""
+    from memplan.diagnose import diagnose
+
+    r = diagnose("llama-7b", gpus=8, zero=1, framework="deepspeed", gpu="v100-sxm2-32gb",
+                 micro_batch_size=1, seq_len=2048)
+    names = {f.name: f for f in r.fixes.ranked}
+    assert names["ZeRO stage 2"].change == {"zero": 2}
+    assert names["ZeRO stage 2"].saved_bytes > 0
+    assert "ZeRO stage 3" not in names
