@@ -393,3 +393,20 @@ def test_diagnose_proposes_stage_2_from_stage_1() -> None:
     assert names["ZeRO stage 2"].change == {"zero": 2}
     assert names["ZeRO stage 2"].saved_bytes > 0
     assert "ZeRO stage 3" not in names
+
+
+def test_stage1_config_reads_and_overlap_is_refused(tmp_path: Path) -> None:
+    """A stage-1 ds_config maps to --zero 1 with one bucket of reduce_bucket_size elements;
+    with overlap_comm (two buckets) the preset refuses it by name, not traced at stage 1."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {
+        "stage": 1, "reduce_bucket_size": 2e8}}))
+    imp = deepspeed_config.read(path, 8, "llama-7b")
+    assert imp.inputs == {"framework": "deepspeed", "precision": "bf16-mixed", "zero": 1,
+                          "zero_bucket_numel": 200_000_000, "zero_bucket_buffers": 1}
+    api.estimate("llama-7b", gpus=8, **imp.inputs)
+    path.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {
+        "stage": 1, "overlap_comm": True}}))
+    imp = deepspeed_config.read(path, 8, "llama-7b")
+    with pytest.raises(MemplanError, match="--zero 1 with overlap_comm"):
+        api.estimate("llama-7b", gpus=8, **imp.inputs)
