@@ -39,10 +39,12 @@ CLI_OPTIONS: dict[str, str] = {
         "zero", "recompute", "recompute_layers", "recompute_every", "precision", "optimizer",
         "optimizer_impl", "attention", "logits_fp32", "framework", "keep_grads", "loss_chunks",
         "schedule", "calibration", "grad_sync",
-        "mtp_layers", "loss_impl",
+        "mtp_layers", "loss_impl", "fsdp_version",
         "lora_rank", "lora_targets", "lora_dropout", "base_quant")},  # fine-tuning
     "sequence_parallel": "sp", "micro_batch_size": "mbs", "global_batch_size": "gbs",
     "seq_len": "seq", "norm_impl": "norm", "kv_cache": "use_cache",
+    "backward_prefetch": "fsdp_backward_prefetch", "use_orig_params": "fsdp_use_orig_params",
+    "reshard_after_forward": "fsdp_reshard_after_forward",
 }
 # How a message names a keyword the CLI offers: its flag without the dashes (``mbs``,
 # ``recompute-layers``); a keyword only the API takes keeps its own name.

@@ -131,6 +131,27 @@ def host_optimizer(par: "ParallelConfig") -> bool:
     return Offload.OPTIMIZER in par.offload and par.zero == ZeroStage.NONE
 
 
+def fsdp1_rule(spec: ModelSpec, par: "ParallelConfig", wl: Workload) -> LayoutError | None:
+    """What FSDP1 (``fsdp_version`` 1 at zero 3 with data parallelism) is traced with but not
+    modelled: ``forward_prefetch`` (its backward gathers a third block) and SHARD_GRAD_OP
+    under ``no_sync()`` accumulation (memplan.model.fsdp1)."""
+    if wl.fsdp_version != 1 or par.zero < ZeroStage.PARAMETERS or par.dense_shard_degree == 1:
+        return None
+    if wl.forward_prefetch:
+        return LayoutError("fsdp_version 1 is not modelled with forward_prefetch",
+                           "fsdp_version 1 with forward_prefetch: FSDP1's forward prefetch is "
+                           "not modelled (its backward gathers a third block); use "
+                           "forward_prefetch false")
+    accumulating = (wl.global_batch_size or 0) > wl.micro_batch_size * par.dp
+    if not wl.reshard_after_forward and wl.grad_sync is GradSync.LAST and accumulating:
+        return LayoutError("SHARD_GRAD_OP is not modelled with grad_sync last",
+                           "fsdp_version 1 with reshard_after_forward false (SHARD_GRAD_OP) "
+                           "and grad_sync last: under no_sync() its units stay gathered across "
+                           "micro-batches (_should_free_in_backward), not modelled; use "
+                           "grad_sync every")
+    return None
+
+
 def offload_rule(spec: ModelSpec, par: "ParallelConfig", wl: Workload) -> LayoutError | None:
     """Where each offload mechanism (``Offload``) cannot combine with the model, layout or
     recipe."""
@@ -506,6 +527,8 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
         raise LayoutError("base_quant nf4-torchao-0.1 does not combine with zero 3",
                           f"base_quant nf4-torchao-0.1 with zero {int(par.zero)}: torchao "
                           "0.1's NF4Tensor cannot be sharded (nf4 describes a sharded QLoRA)")
+    if (err := fsdp1_rule(spec, par, wl)) is not None:
+        raise err
     if spec.moe is not None and wl.precision.policy.autocast:
         raise LayoutError(
             f"precision {wl.precision.value} is not modelled for MoE layers",

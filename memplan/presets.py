@@ -68,7 +68,9 @@ SETTINGS: dict[Mechanism, frozenset[str]] = {
                                 "loss_chunk_backward"}),
     Mechanism.LOOP: frozenset({"logits_held", "keep_grads", "grad_sync"}),
     Mechanism.DATA_PARALLEL: frozenset({"fsdp_units", "grad_buffers", "ddp_any_size",
-                                        "zero_bucket_numel", "zero_bucket_buffers"}),
+                                        "zero_bucket_numel", "zero_bucket_buffers",
+                                        "fsdp_version", "backward_prefetch",
+                                        "use_orig_params"}),
     Mechanism.LAYOUT: frozenset({"tp_style", "pipeline_split"}),
 }
 
@@ -104,6 +106,7 @@ def _titan_units(spec: ModelSpec) -> str:
 
 
 _TRANSFORMERS = "transformers 5.24"
+_ACCELERATE = "accelerate 1.15.0"
 _TITAN = "torchtitan 0.3.0"
 _LITGPT = "litgpt 0.5.13 / lightning 2.6"
 _MEGATRON = "megatron-core 0.16.1"
@@ -162,6 +165,22 @@ PRESETS: dict[Framework, tuple[Selection, ...]] = {
                     f"accelerate/accelerator.py Accelerator.no_sync: DDP's no_sync(), FSDP2's "
                     f"set_requires_gradient_sync(False); GradientAccumulationPlugin."
                     f"sync_each_batch defaults to False (accelerate 1.15.0, {_TRANSFORMERS})"),
+        )),
+        Selection(Mechanism.DATA_PARALLEL, (
+            Default("fsdp_version", 1,
+                    f"utils/dataclasses.py FullyShardedDataParallelPlugin.__post_init__: "
+                    f"fsdp_version = int(os.environ.get('FSDP_VERSION', '1')); transformers "
+                    f"training_args.py TrainingArguments._process_fsdp_args: "
+                    f"fsdp_config.get('version', 1) ({_ACCELERATE}, {_TRANSFORMERS})"),
+            Default("backward_prefetch", "none",
+                    f"utils/dataclasses.py FullyShardedDataParallelPlugin.__post_init__: "
+                    f"backward_prefetch None (NO_PREFETCH) unless FSDP_BACKWARD_PREFETCH; "
+                    f"training_args.py _process_fsdp_args: fsdp_config.get('backward_prefetch', "
+                    f"'NO_PREFETCH') ({_ACCELERATE}, {_TRANSFORMERS})"),
+            Default("use_orig_params", True,
+                    f"training_args.py TrainingArguments._process_fsdp_args: "
+                    f"fsdp_config.get('use_orig_params', 'true') (Accelerate's own plugin "
+                    f"defaults to False) ({_TRANSFORMERS})"),
         )),
     ),
     Framework.TORCHTITAN: (

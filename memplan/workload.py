@@ -299,6 +299,25 @@ class FsdpUnits(str, enum.Enum):
     BUCKETS = "buckets"
 
 
+class BackwardPrefetch(str, enum.Enum):
+    """FSDP1's ``backward_prefetch`` (``--fsdp-version 1``; torch/distributed/fsdp/
+    _runtime_utils.py ``_get_handle_to_prefetch``): when a unit's backward all-gathers the unit
+    that runs its backward next.
+
+    pre   in the unit's pre-backward hook, before its gradients are computed
+          (``BackwardPrefetch.BACKWARD_PRE``, torch's default): two units gathered while a
+          block's backward runs
+    post  in its post-backward hook, after its own unsharded weights are freed
+          (``BACKWARD_POST``): the next unit gathered beside the unit's reduce-scatter
+    none  no prefetch (``backward_prefetch=None``; Accelerate's and the Trainer's default,
+          ``NO_PREFETCH``): each unit gathered in its own pre-backward hook
+    """
+
+    PRE = "pre"
+    POST = "post"
+    NONE = "none"
+
+
 class GradSync(str, enum.Enum):
     """When a training loop that accumulates gradients over micro-batches reduces them across
     data-parallel ranks.
@@ -451,6 +470,21 @@ class Workload(BaseModel):
     framework: Framework = Framework.GENERIC
     fsdp_units: FsdpUnits = FsdpUnits.ROOT
     loss_impl: LossImpl = LossImpl.GENERIC
+    fsdp_version: int = Field(default=2, ge=1, le=2, description=(
+        "which FSDP shards under --zero 2/3 with data parallelism: 2, fully_shard (per-parameter "
+        "DTensors); 1, FullyShardedDataParallel (one flat parameter per wrapped unit, "
+        "memplan.model.fsdp1): --zero 3 is FULL_SHARD, --zero 2 SHARD_GRAD_OP"))
+    backward_prefetch: BackwardPrefetch = BackwardPrefetch.PRE
+    reshard_after_forward: bool = Field(default=True, description=(
+        "FSDP1 (fsdp_version 1): False is SHARD_GRAD_OP, each unit kept gathered from its "
+        "forward to its post-backward (memplan.model.fsdp1); True is FULL_SHARD"))
+    use_orig_params: bool = Field(default=False, description=(
+        "FSDP1's use_orig_params: zero_grad(set_to_none=True) clears the original parameters' "
+        "gradient views only, so the flat parameters' sharded gradients live until the next "
+        "step's root pre-forward"))
+    forward_prefetch: bool = Field(default=False, description=(
+        "FSDP1's forward_prefetch: a unit's pre-forward all-gathers the next unit's weights "
+        "(two blocks gathered in forward); False: one at a time"))
     selective_impl: SelectiveImpl = SelectiveImpl.CORE
     fused_qkv: bool = Field(default=False, description=(
         "one q/k/v projection (torchtitan's FusedQKVLinear): one matmul where three run"))

@@ -9,7 +9,12 @@ searches with fresh random examples, for looking for counter-examples on purpose
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
+from typing import Any
+
+import pytest
 
 try:
     from hypothesis import HealthCheck, settings
@@ -21,3 +26,37 @@ if settings is not None:
     settings.register_profile("deterministic", derandomize=True, database=None, **_UNTIMED)
     settings.register_profile("explore", derandomize=False, max_examples=500, **_UNTIMED)
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
+
+
+# Every ``--json`` output any test produces is checked against the published schema
+# (docs/schema/output.schema.json): the commands' JSON and its documentation cannot drift.
+_SCHEMA = Path(__file__).resolve().parent.parent / "docs" / "schema" / "output.schema.json"
+
+
+@pytest.fixture(autouse=True)
+def _json_outputs_follow_the_schema(monkeypatch: pytest.MonkeyPatch) -> None:
+    import jsonschema
+
+    from memplan.report import versioned
+
+    validator = _validator(jsonschema)
+    made = versioned.versioned
+
+    def checked(command: str, out: Any, key: str = "") -> dict[str, Any]:
+        result = made(command, out, key)
+        # the text the command prints is what a reader parses: check that, not the objects
+        validator.validate(json.loads(json.dumps(result)))
+        return result
+
+    monkeypatch.setattr(versioned, "versioned", checked)
+
+
+_VALIDATORS: list[Any] = []
+
+
+def _validator(jsonschema: Any) -> Any:
+    if not _VALIDATORS:
+        schema = json.loads(_SCHEMA.read_text())
+        jsonschema.Draft202012Validator.check_schema(schema)
+        _VALIDATORS.append(jsonschema.Draft202012Validator(schema))
+    return _VALIDATORS[0]

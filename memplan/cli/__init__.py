@@ -79,10 +79,30 @@ def _command_for(args: list[str]) -> typer.core.TyperGroup | typer.core.TyperCom
     help, options and errors are the same), or every command when none is named."""
     name = next((a for a in args if not a.startswith("-")), None)
     if name not in COMMANDS:
-        return typer.main.get_command(_full_app())
+        return _plain_help(typer.main.get_command(_full_app()))
     one = _app_of([name])
     one.callback()(_group)  # a group even with one command: ``memplan NAME ...`` parses as always
-    return typer.main.get_command(one)
+    return _plain_help(typer.main.get_command(one))
+
+
+# Value types the help shows: numbers (a value must parse as one) and choices; an on/off flag
+# takes no value, and a name or a path says what it is in its own help text.
+_SHOWN_TYPES = frozenset({int, float})
+
+
+def _plain_help(group: typer.core.TyperGroup) -> typer.core.TyperGroup:
+    """``group`` with the help's type column kept for numbers and choices only: no ``<bool>``
+    beside a flag, no ``<str>`` beside a name."""
+    for command in [group, *group.commands.values()]:
+        # the help flag is made on first use, from the context's names: made here, once
+        helper = command.get_help_option(typer.Context(command))
+        for param in [*command.params, *([helper] if helper is not None else [])]:
+            desc = getattr(param, "type_descriptor", None)
+            if (param.param_type_name == "option" and param.metavar is None
+                    and desc is not None and not desc.is_choice
+                    and desc.annotation not in _SHOWN_TYPES):
+                param.metavar = ""
+    return group
 
 
 def _group() -> None:

@@ -10,6 +10,7 @@ import typer
 
 from memplan.cli.options import Json
 from memplan.measure.stragglers import STRAGGLER_PCT
+from memplan.report.versioned import dumps
 
 Paths = Annotated[list[Path], typer.Argument(
     help="One chrome trace per rank (.json or .json.gz from torch.profiler), or a folder of "
@@ -64,7 +65,7 @@ def analyze_trace(paths: Paths, straggler_pct: StragglerPct = STRAGGLER_PCT,
         warn(note)
 
     if json_out:
-        typer.echo(json.dumps(result, indent=2))
+        typer.echo(dumps("analyze-trace", result))
         return
     _print(result)
 

@@ -16,6 +16,7 @@ import typer
 from memplan.cli.options import Job, Json, uses
 from memplan.errors import Interrupted, MemplanError, deferred_interrupts
 from memplan.outputs import check_inside, check_out_dir
+from memplan.report.versioned import dumps
 from memplan.workload import Precision, Workload
 
 # the most CPU ranks on a small machine: each rank is a process running the model; more
@@ -375,7 +376,8 @@ def _fit_and_report(folder: Path, path: Path, name: str, json_out: bool) -> None
     profile = build_profile(folder, path, name)
     save_profile(path, profile)
     if json_out:
-        typer.echo(json.dumps(profile.model_dump(mode="json", exclude_none=True), indent=2))
+        typer.echo(dumps("calibrate", {"profile": profile.model_dump(mode="json",
+                                                                   exclude_none=True)}))
         return
     from rich.console import Console
 
@@ -389,7 +391,8 @@ def _refit(out: Path, json_out: bool) -> None:
 
     results = refit_all(out)
     if json_out:
-        typer.echo(json.dumps([{"profile": str(p), "changed": c} for p, c in results]))
+        typer.echo(dumps("calibrate", [{"profile": str(p), "changed": c} for p, c in results],
+                         "profiles", indent=None))
         return
     for path, changed in results:
         typer.echo(f"{path}: {'re-fitted, changed' if changed else 'unchanged'}")

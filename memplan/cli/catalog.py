@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
 import typer
 
 from memplan.cli.options import Json
 from memplan.hardware import gpu_catalog
+from memplan.report.versioned import dumps
 from memplan.spec import catalog_names, load_model
 
 
@@ -18,8 +17,8 @@ def models(json_out: Json = False) -> None:
     """
     specs = [load_model(name) for name in catalog_names()]
     if json_out:
-        typer.echo(json.dumps([{**s.model_dump(mode="json"), "num_params": s.num_params}
-                               for s in specs], indent=2))
+        typer.echo(dumps("models", [{**s.model_dump(mode="json"), "num_params": s.num_params}
+                                     for s in specs], "models"))
         return
     from rich.console import Console
 
@@ -35,7 +34,7 @@ def gpus(json_out: Json = False) -> None:
     """
     catalog = gpu_catalog()
     if json_out:
-        typer.echo(json.dumps([g.model_dump(mode="json") for g in catalog.values()], indent=2))
+        typer.echo(dumps("gpus", [g.model_dump(mode="json") for g in catalog.values()], "gpus"))
         return
     from rich.console import Console
 

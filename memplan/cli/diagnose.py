@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from typing import Annotated
 
 import typer
 
 from memplan.cli.options import ESTIMATE, Job, Json, uses
+from memplan.report.versioned import dumps
 
 _INPUT = "Evidence"
 Oom = Annotated[str | None, typer.Option(
@@ -86,6 +86,6 @@ def diagnose(
         warn(f"partial monitor evidence: {note}")
 
     if json_out:
-        typer.echo(json.dumps(to_json(result), indent=2))
+        typer.echo(dumps("diagnose", to_json(result)))
         return
     typer.echo(render_text(result))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
@@ -10,6 +9,7 @@ import typer
 
 from memplan.api import estimate as run_estimate
 from memplan.cli.options import (
+    AccelerateConfig,
     ESTIMATE,
     DeepspeedConfig,
     Job,
@@ -19,6 +19,7 @@ from memplan.cli.options import (
     defaults_of,
     uses,
 )
+from memplan.report.versioned import dumps
 
 Quiet = Annotated[bool, typer.Option(
     "--quiet", "-q", help="Print only the verdict line (fits or not, peak, stage, headroom); "
@@ -31,7 +32,8 @@ PlotPath = Annotated[Path | None, typer.Option(
 @uses(*ESTIMATE, model=None)
 def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfig = None,
              megatron_args: MegatronArgs = None,
-             deepspeed_config: DeepspeedConfig = None, json_out: Json = False,
+             deepspeed_config: DeepspeedConfig = None,
+             accelerate_config: AccelerateConfig = None, json_out: Json = False,
              quiet: Quiet = False) -> None:
     """Per-GPU memory of every pipeline stage and the most loaded rank.
 
@@ -66,7 +68,8 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
     model, kwargs, imported = configure(job.model, job.kwargs(), defaults_of(job, estimate),
                                         torchtitan=torchtitan_config,
                                         megatron=megatron_args,
-                                        deepspeed=deepspeed_config)
+                                        deepspeed=deepspeed_config,
+                                        accelerate=accelerate_config)
     est = run_estimate(model, **kwargs)
     from memplan.report import estimate_json, render_estimate
 
@@ -81,7 +84,7 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
             out["plot"] = None if drawn is None else str(drawn)
         if imported is not None:
             out["config"] = imported.as_json()
-        typer.echo(json.dumps(out, indent=2))
+        typer.echo(dumps("estimate", out))
         return
     if quiet:
         from memplan.report.estimate import verdict_line
@@ -95,5 +98,3 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
     Console().print(render_estimate(est))
     if drawn is not None:
         typer.echo(f"wrote {drawn}")
-    elif plot is not None:
-        typer.echo("no plot: matplotlib is not installed (pip install matplotlib)")

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from memplan.cli.options import Json
+from memplan.report.versioned import dumps
 
 Paths = Annotated[list[Path], typer.Argument(
     help="Directories holding memory_rank<R>.jsonl files, or the files themselves.")]
@@ -53,7 +53,7 @@ def monitor_summary(paths: Paths, plot: PlotPath = None, json_out: Json = False)
         drawn = plot_monitor({k: list(v) for k, v in monitored.records.items()}, plot)
         result["plot"] = None if drawn is None else str(drawn)
     if json_out:
-        typer.echo(json.dumps(result, indent=2))
+        typer.echo(dumps("monitor-summary", result))
         return
     from rich.console import Console
 
@@ -62,5 +62,4 @@ def monitor_summary(paths: Paths, plot: PlotPath = None, json_out: Json = False)
     Console().print(render_monitor_summary(result))
     typer.echo(f"worst rank: {result['worst_rank']} (by {result['worst_by']}; marked *)")
     if plot is not None:
-        typer.echo(f"wrote {result['plot']}" if result["plot"] else
-                   "no plot: matplotlib is not installed (pip install matplotlib)")
+        typer.echo(f"wrote {result['plot']}")

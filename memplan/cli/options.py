@@ -28,6 +28,7 @@ from memplan.parallel import GradBuffers, Offload, ParallelConfig, TpStyle
 from memplan.workload import (
     DEFAULT_SEQ_LEN,
     Attention,
+    BackwardPrefetch,
     BaseQuant,
     Framework,
     GradSync,
@@ -154,6 +155,24 @@ GradSyncOpt = Annotated[Optional[GradSync], typer.Option(
     "micro-batches; DDP no_sync() and ZeRO-1 hold the same bytes as every). Default: the "
     "framework's (hf: last; generic: every).",
     rich_help_panel=_WORKLOAD)]
+FsdpVersion = Annotated[Optional[int], typer.Option(
+    "--fsdp-version", min=1, max=2, help="Which FSDP shards under --zero 3: 2 (fully_shard, "
+    "per-parameter) or 1 (FullyShardedDataParallel FULL_SHARD: one flat parameter per "
+    "wrapped unit). Default: the framework's (hf: 1, Accelerate's default; generic: 2).",
+    rich_help_panel=_LAYOUT)]
+FsdpBackwardPrefetch = Annotated[Optional[BackwardPrefetch], typer.Option(
+    "--fsdp-backward-prefetch", help="FSDP1's backward_prefetch: pre (BACKWARD_PRE, torch's "
+    "default: two blocks gathered in backward), post (BACKWARD_POST) or none (Accelerate's and "
+    "the Trainer's NO_PREFETCH). Default: the framework's (hf: none; generic: pre).",
+    rich_help_panel=_LAYOUT)]
+FsdpUseOrigParams = Annotated[Optional[bool], typer.Option(
+    "--fsdp-use-orig-params/--no-fsdp-use-orig-params", help="FSDP1's use_orig_params: the "
+    "sharded gradients live into the next step's forward. Default: the framework's (hf: on, "
+    "the Trainer's default; generic: off).", rich_help_panel=_LAYOUT)]
+FsdpReshardAfterForward = Annotated[Optional[bool], typer.Option(
+    "--fsdp-reshard-after-forward/--no-fsdp-reshard-after-forward", help="FSDP1's sharding "
+    "strategy at --zero 3: FULL_SHARD (on, the default) or SHARD_GRAD_OP (off: each unit kept "
+    "gathered from its forward to its backward).", rich_help_panel=_LAYOUT)]
 UseCache = Annotated[Optional[bool], typer.Option(
     "--use-cache/--no-use-cache", help="The training forward fills a key/value cache "
     "(transformers' config use_cache, which Trainer leaves on: a DynamicCache holds each "
@@ -214,6 +233,12 @@ DeepspeedConfig = Annotated[Optional[str], typer.Option(
     "reduce bucket, contiguous_gradients and overlap_comm become these options under "
     "--framework deepspeed, printed as a mapping; --model and --gpus give the model and the "
     "world size.", rich_help_panel=_CONFIGS)]
+AccelerateConfig = Annotated[Optional[str], typer.Option(
+    "--accelerate-config", help="An Accelerate config YAML (as `accelerate config` writes "
+    "it) of an FSDP job: its FSDP section (version, sharding strategy, backward prefetch, "
+    "wrap policy, activation checkpointing), num_processes and mixed_precision become these "
+    "options, printed as a mapping; --model names the model the script loads.",
+    rich_help_panel=_CONFIGS)]
 MegatronArgs = Annotated[Optional[str], typer.Option(
     "--megatron-args", help="Megatron-LM launch arguments, quoted, or a file of them (a "
     "launch script, or a test model_config.yaml): the model's shape, TP/PP/CP/EP, virtual "
@@ -297,6 +322,10 @@ SHARED: dict[str, Shared] = {
     "keep_grads": Shared(KeepGrads, None),
     "use_cache": Shared(UseCache, None),
     "grad_sync": Shared(GradSyncOpt, None),
+    "fsdp_version": Shared(FsdpVersion, None),
+    "fsdp_backward_prefetch": Shared(FsdpBackwardPrefetch, None, _value),
+    "fsdp_use_orig_params": Shared(FsdpUseOrigParams, None),
+    "fsdp_reshard_after_forward": Shared(FsdpReshardAfterForward, None),
     "loss_chunks": Shared(LossChunks, _WL["loss_chunks"].default),
     "mtp_layers": Shared(MtpLayers, _WL["mtp_layers"].default),
     "lora_rank": Shared(LoraRank, 0), "lora_targets": Shared(LoraTargets, None),
@@ -313,7 +342,8 @@ LAYOUT = ("tp", "pp", "vpp", "vpp_group", "dp", "cp", "ep", "etp", "sp", "vocab_
 WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "recompute_every",
             "precision", "optimizer", "optimizer_impl", "attention", "norm", "logits_fp32",
             "loss_chunks", "framework", "keep_grads", "use_cache", "grad_sync",
-            "mtp_layers", "loss_impl",
+            "fsdp_version", "fsdp_backward_prefetch", "fsdp_use_orig_params",
+            "fsdp_reshard_after_forward", "mtp_layers", "loss_impl",
             "lora_rank", "lora_targets", "lora_dropout", "base_quant")
 # what a framework's own loop decides, beyond memplan's reference model (which trace and
 # profile run)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated
 
 import typer
 
 from memplan.cli.options import (
+    AccelerateConfig,
     DeepspeedConfig,
     Job,
     Json,
@@ -18,6 +18,7 @@ from memplan.cli.options import (
     uses,
 )
 from memplan.errors import MemplanError
+from memplan.report.versioned import dumps
 
 Top = Annotated[int, typer.Option("--top", min=1, help="Candidates to show; recompute policies "
                                   "that cannot reach them are not searched.")]
@@ -27,6 +28,10 @@ Safety = Annotated[float, typer.Option(
     "--safety", min=0.0, max=1.0, help="Fraction of capacity kept free, in [0, 1) "
     "(default 0.05).")]
 
+Quiet = Annotated[bool, typer.Option(
+    "--quiet", "-q", help="Print only the fastest configuration that fits, in one line (none "
+    "fits: the reason, exit 1).")]
+
 FixedRecompute = Annotated[RecomputeChoice | None, typer.Option(
     "--recompute", help="Fix the recompute policy (default: search all).")]
 
@@ -35,7 +40,9 @@ FixedRecompute = Annotated[RecomputeChoice | None, typer.Option(
 @uses("model", "gpus", "gpu", "gpu_memory", "tp", "pp", "vpp", "cp", "ep", "sp", "zero",
       "stage_layers", "dp_shard", "etp", "vpp_group", "gbs",
       "seq", "precision", "optimizer", "optimizer_impl", "attention", "norm", "logits_fp32",
-      "loss_chunks", "framework", "keep_grads", "use_cache", "grad_sync", "mtp_layers",
+      "loss_chunks", "framework", "keep_grads", "use_cache", "grad_sync", "fsdp_version",
+      "fsdp_backward_prefetch", "fsdp_use_orig_params", "fsdp_reshard_after_forward",
+      "mtp_layers",
       "loss_impl", "calibration", "lora_rank", "lora_targets", "lora_dropout", "base_quant",
       model=None, gpus=8, tp=None, pp=None, vpp=None, cp=None, ep=None, zero=None)
 def plan(
@@ -47,7 +54,9 @@ def plan(
     torchtitan_config: TorchtitanConfig = None,
     megatron_args: MegatronArgs = None,
     deepspeed_config: DeepspeedConfig = None,
+    accelerate_config: AccelerateConfig = None,
     json_out: Json = False,
+    quiet: Quiet = False,
 ) -> None:
     """Find the layouts, micro-batch and recompute that fit, fastest first.
 
@@ -71,7 +80,8 @@ def plan(
     model, kwargs, imported = configure(job.model, job.kwargs(), defaults_of(job, plan),
                                         torchtitan=torchtitan_config,
                                         megatron=megatron_args,
-                                        deepspeed=deepspeed_config)
+                                        deepspeed=deepspeed_config,
+                                        accelerate=accelerate_config)
     policy = None if recompute is None else recompute.value
     fixed = kwargs.pop("recompute", None)
     if policy is not None and fixed is not None and fixed != policy:
@@ -82,6 +92,16 @@ def plan(
                       recompute=None if policy is None else [policy], **kwargs)
     from memplan.report.plan import no_fit_reason, plan_json, render_plan, savers_json
 
+    if quiet and not json_out:
+        if result.candidates:
+            from memplan.report.plan import best_line
+            from memplan.spec import ModelSpec, load_model
+
+            spec = model if isinstance(model, ModelSpec) else load_model(model)
+            typer.echo(best_line(result, spec.num_layers))
+            return
+        typer.echo(f"memplan: {no_fit_reason(result)}", err=True)
+        raise typer.Exit(1)
     found = None
     if not result.candidates and result.closest_miss is not None:
         from memplan.diagnose.fixes import savers
@@ -94,7 +114,7 @@ def plan(
             out["savers"] = savers_json(found)
         if imported is not None:
             out["config"] = imported.as_json()
-        typer.echo(json.dumps(out, indent=2))
+        typer.echo(dumps("plan", out))
     else:
         from rich.console import Console
 

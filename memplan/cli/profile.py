@@ -14,6 +14,7 @@ from memplan.cli import command_line
 from memplan.cli.options import FRAMEWORK_ONLY, WORKLOAD, Job, Json, uses
 from memplan.errors import Interrupted, MemplanError, deferred_interrupts
 from memplan.outputs import check_out_dir, staged_dir, write_atomic
+from memplan.report.versioned import dumps
 
 Steps = Annotated[int, typer.Option("--steps", help="Training steps (>= 2).")]
 Device = Annotated[str, typer.Option("--device", help="cpu (exact tensor tracker) or cuda "
@@ -101,7 +102,7 @@ def profile(
         if perf and result["perf"].get("trace"):
             result["perf"]["trace"] = str(out / Path(result["perf"]["trace"]).name)
     if json_out:
-        typer.echo(json.dumps(result, indent=2))
+        typer.echo(dumps("profile", result))
         return
     _print(result)
     if perf:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated
 
 import typer
@@ -10,6 +9,7 @@ import typer
 from memplan.api import resolve
 from memplan.cli.options import FRAMEWORK_ONLY, WORKLOAD, Job, Json, uses
 from memplan.errors import MemplanError, deferred_interrupts
+from memplan.report.versioned import dumps
 
 Steps = Annotated[int, typer.Option("--steps", help="Training steps (>= 2: first and steady).")]
 Fake = Annotated[bool, typer.Option(
@@ -58,7 +58,7 @@ def trace(
     with deferred_interrupts():  # Ctrl-C taken between torch operators, never inside one
         result = compare(spec, par, wl, steps=steps, fake=fake)
     if json_out:
-        typer.echo(json.dumps(comparison_json(result), indent=2))
+        typer.echo(dumps("trace", comparison_json(result)))
         return
     from rich.console import Console
     from rich.table import Table

@@ -19,7 +19,8 @@ _NOT_KEYWORDS = {"model": "--model", "fused_qkv": "(fused q/k/v)", "rope_cache":
                  "fsdp_units": "(FSDP units)",
                  "loss_impl": "(loss)", "softmax_fp32": "(fp32 softmax)",
                  "zero_bucket_numel": "(reduce bucket elements)",
-                 "zero_bucket_buffers": "(reduce buckets)"}
+                 "zero_bucket_buffers": "(reduce buckets)",
+                 "forward_prefetch": "(FSDP1 forward prefetch)"}
 
 
 def flag(target: str) -> str:

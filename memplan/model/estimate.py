@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 from memplan import presets
 from memplan.hardware import GpuSpec
-from memplan.model import adapters, memo
+from memplan.model import adapters, fsdp1, memo
 from memplan.model.dims import Dims
 from memplan.model.head import in_loss
 from memplan.model.optimizer import optimizer_policy
@@ -79,7 +79,8 @@ class Estimate(NamedTuple):
     @property
     def assumptions(self) -> tuple[str, ...]:
         """What the numbers assume, each with its source (printed with every result)."""
-        base = _assumptions(self.parallel, self.workload, self.schedule, self.overheads)
+        base = _assumptions(self.spec, self.parallel, self.workload, self.schedule,
+                            self.overheads)
         wl, par = self.workload, self.parallel
         fields = {**wl.model_dump(mode="json"), **par.model_dump(mode="json")}
         base = (f"framework: {wl.framework.value}"
@@ -275,7 +276,7 @@ IN_LOSS_CAVEAT = (
     "outweighs the logits it saves (compare --loss-chunks 1)")
 
 
-def _assumptions(par: ParallelConfig, wl: Workload, schedule: Schedule,
+def _assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload, schedule: Schedule,
 
                  ovh: Overheads) -> tuple[str, ...]:
     sched = ("interleaved 1F1B" if par.vpp > 1 else schedule.value) if par.pp > 1 else "none"
@@ -299,6 +300,7 @@ def _assumptions(par: ParallelConfig, wl: Workload, schedule: Schedule,
         "gradients freed after each optimizer step (zero_grad(set_to_none=True))",
         "MoE routing balanced across experts (no capacity drop, no imbalance)",
         *adapters.assumptions(wl),
+        *fsdp1.assumptions(spec, par, wl),
         *(("optimizer offloaded to host memory: fp32 master weights, states, an fp32 gradient "
            "copy and the step on the CPU (ZeRO-Offload); the GPU keeps weights and gradients",)
           if zero_offload(par) else ()),

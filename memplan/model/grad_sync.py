@@ -46,10 +46,14 @@ def accumulates_unsharded(wl: Workload, dp: DataParallel, kept_gathered: bool, m
     return wl.grad_sync is GradSync.LAST and dp.per_unit and not kept_gathered and m > 1
 
 
-def accumulator_bytes(params: StageParams, wl: Workload) -> int:
+def accumulator_bytes(params: StageParams, wl: Workload, flat: bool = False) -> int:
     """FSDP2's unsharded gradient accumulators on one rank of a stage: every parameter of
     the stage (``params``, unsharded across data parallelism) in the reduce dtype, as this
-    module's docstring and ``ShardingBuffers.kept_gathered`` describe."""
+    module's docstring and ``ShardingBuffers.kept_gathered`` describe. FSDP1's are each
+    unit's flat gradient in the dtype autograd makes it in, the gathered weights'
+    (``flat``: ``memplan.model.fsdp1``)."""
+    if flat:
+        return params.total * wl.precision.policy.unsharded.itemsize
     return params.total * wl.precision.policy.grad_bytes
 
 
@@ -59,7 +63,8 @@ def unsynced(dp: DataParallel, root_new: int = 0) -> DataParallel:
     its shard and no reduce-scatter input held (the accumulators are the walk's gradients).
     Beside every block's and the embedding's backward, the root's new gradients
     (``root_new``: ``new_grads``)."""
-    return DataParallel(in_block=dp.in_block + root_new,
+    return DataParallel(flat=dp.flat, at_reduce=dp.at_reduce + root_new,
+                        in_block=dp.in_block + root_new,
                         in_first_block=dp.in_first_block + root_new,
                         at_head=dp.at_head, head_prefetch=dp.head_prefetch,
                         at_embedding=dp.at_embedding + root_new,
@@ -68,8 +73,8 @@ def unsynced(dp: DataParallel, root_new: int = 0) -> DataParallel:
                         first_block_start=dp.first_block_start)
 
 
-def new_grads(params: StageParams, wl: Workload,
-              separate_units: bool) -> tuple[int | Fraction, int, int]:
+def new_grads(params: StageParams, wl: Workload, separate_units: bool,
+              flat: bool = False) -> tuple[int | Fraction, int, int]:
     """How a later micro-batch's new gradients sit beside FSDP2's accumulators: (their bytes
     per accumulator byte made, at each of a block's moments; the root's, held through the
     backward; bytes per parameter of a weight whose gradient a moment just made), in bytes;
@@ -85,6 +90,12 @@ def new_grads(params: StageParams, wl: Workload,
     (``LayerMoment.fresh_params``) in flight."""
     policy = wl.precision.policy
     e = policy.unsharded.itemsize
+    if flat:
+        # FSDP1: the views' new gradients (one per parameter) wait for the flat gradient
+        # that autograd's split backward concatenates them into once the unit's backward is
+        # done (``memplan.model.sharding``, ``flat``): in the accumulators' dtype; the root's
+        # head and final norm's from the head's backward to the end
+        return 1, params.head * e, 0
     if e == policy.grad_bytes:
         return 0, 0, e
     return exact_ratio(e, policy.grad_bytes), (0 if separate_units else params.head * e), 0
@@ -104,8 +115,9 @@ def with_new_grads(walk: Walk, ratio: int | Fraction, fresh: int = 0) -> Walk:
     return walk._replace(runs=runs)
 
 
-def accumulated_gradients(walk: Walk, st: StateBytes, accum: int, reduce_input: int,
-                          output_shard: int, keep_grads: bool) -> tuple[int, int, int, int]:
+def accumulated_gradients(walk: Walk, st: StateBytes, accum: int,
+                          reduce: tuple[int, int, int],
+                          keep_grads: bool) -> tuple[int, int, int, int]:
     """Gradient bytes alive through the forward and the backward's tensor peak, in step 1 and
     in the steady state (``memplan.model.stage._gradients``'s tuple), when the walk's
     gradients are the stage's unsharded accumulators (``accum`` bytes, all of them made by
@@ -113,16 +125,18 @@ def accumulated_gradients(walk: Walk, st: StateBytes, accum: int, reduce_input: 
 
     From the second micro-batch on the accumulators exist through forward and backward. The
     last micro-batch reduce-scatters each unit after its backward (``_sync_moments``).
-    ``keep_grads``: the sharded gradients the reduce makes stay allocated from step 2."""
+    ``keep_grads``: the sharded gradients the reduce makes stay allocated from step 2;
+    ``reduce``: (the bytes made beside the accumulators at a unit's reduce, its output shard,
+    the accumulator bytes the reduce itself drops), ``memplan.model.fsdp1.last_reduce``."""
     first = backward_peak(walk, 0, accum)
     later = backward_peak(walk, accum, accum)
-    bwd = max(first, later, *_sync_moments(walk, accum, reduce_input, output_shard))
+    bwd = max(first, later, *_sync_moments(walk, accum, *reduce))
     kept = st.grads_bytes if keep_grads else 0
     return accum, bwd, accum + kept, bwd + kept
 
 
 def _sync_moments(walk: Walk, accum: int, reduce_input: int,
-                  output_shard: int) -> tuple[int, ...]:
+                  output_shard: int, freed: int = 0) -> tuple[int, ...]:
     """The last micro-batch's reduce-scatters, at the first blocks walked, where the most
     activations are alive (``foreach_reduce``, _fsdp_collectives.py): at the first block's,
     its weights resharded, the accumulators (its own copied from, not yet dropped) beside the
@@ -139,12 +153,14 @@ def _sync_moments(walk: Walk, accum: int, reduce_input: int,
         k.saved_bytes * n for k, _, _, n in walk.runs)
     rest = held - kinds[0].saved_bytes
     # after the first block's reshard: the root and the block its backward prefetched
-    moments = [accum + reduce_input + dp.in_first_block + rest]
+    # (FSDP1: ``at_reduce``, the root alone without a backward prefetch)
+    moments = [accum + reduce_input + (dp.at_reduce if dp.flat else dp.in_first_block) + rest]
     if len(kinds) > 1:
         local = max(m.alive_bytes + m.transient_bytes for m in kinds[1].moments)
         layers = sum(n for _, _, _, n in walk.runs)
         gathered = dp.in_first_block if layers == 2 else dp.in_block
-        moments.append(accum + output_shard + gathered + rest - kinds[1].saved_bytes + local)
+        moments.append(accum - freed + output_shard + gathered + rest - kinds[1].saved_bytes
+                       + local)
     return tuple(moments)
 
 

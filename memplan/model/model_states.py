@@ -342,6 +342,18 @@ class ShardingBuffers(NamedTuple):
     #                           backward on (not growing with the gradients made)
     partition_from: int = 0  # ... that point: -1 the head's backward, i the i-th block in
     #                          backward (0: the stage's last), beyond the blocks: at its end
+    backward_reduce_bytes: int = 0  # FSDP1: gathered at a block's reduce-scatter, its own
+    #                                 weights freed (the root and the block prefetched)
+    flat_units: bool = False  # FSDP1: each unit's reduce-scatter input and output made and
+    #                          dropped in its own post-backward hook, none held to the next
+    kept_layer_bytes: int = 0  # FSDP1 SHARD_GRAD_OP: a block's gathered bytes, kept from its
+    #                            gather in forward to its post-backward
+    kept_layers_bytes: int = 0  # ... the stage's blocks', all kept at the forward's end
+    grads_to_forward: bool = False  # FSDP1 with use_orig_params: from step 2 the sharded
+    #                                 gradients are alive at the forward's start
+    lazy_init_bytes: int = 0  # made and freed one at a time in the first step's forward,
+    #                           before any activation: the largest such buffer (FSDP1's
+    #                           padded unsharded flat parameters, ``memplan.model.fsdp1``)
     reduce_after_bytes: int = 0  # gradient bytes at a reduce after backward, nothing else of
     #                              backward alive (DeepSpeed's ZeRO-1); 0: none
     step_grads_bytes: int = 0  # gradient bytes the optimizer step sees where they are not
@@ -350,6 +362,14 @@ class ShardingBuffers(NamedTuple):
     @property
     def peak_bytes(self) -> int:
         return self.gathered_bytes + self.grad_bytes + self.bucket_bytes
+
+    def forward_start(self, steady: bool, grads_bytes: int) -> int:
+        """Bytes beside the weights and optimizer states at the forward's start, before any
+        activation: step 1's lazy init (``lazy_init_bytes``), later steps' gradients that
+        live on into it (``grads_to_forward``: ``grads_bytes``)."""
+        if steady:
+            return grads_bytes if self.grads_to_forward else 0
+        return self.lazy_init_bytes
 
 
 def separate_units(wl: Workload) -> bool:

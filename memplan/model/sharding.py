@@ -73,6 +73,14 @@ class DataParallel(NamedTuple):
     window_units: int = 0  # units gathered at once in forward, fewer over the stage's last
     #                        blocks (nothing after them to prefetch); 0: not modelled
     window_unit: int = 0  # ... the gathered bytes of one of them
+    at_reduce: int = 0  # FSDP1: weights gathered at a block's reduce-scatter
+    kept_layer: int = 0  # FSDP1 SHARD_GRAD_OP: a block's gathered bytes, alive from its
+    #                      gather in forward to its post-backward
+    kept_layers: int = 0  # ... every block's, alive from the forward's end
+    flat: bool = False  # FSDP1 (``memplan.model.fsdp1``): a unit's reduce-scatter input is
+    #                     its unsharded gradient itself, or its copy in the reduce dtype where
+    #                     that differs, and it and the output shard are dropped in the unit's
+    #                     own post-backward hook; nothing is held to the next unit's
     step_reduce: int = 0  # kept gathered under PP: a unit's reduce-scatter input and output
     #                       shard at the step's reduce, after its last micro-batch's backward
     #                       (0: no such moment)
@@ -179,16 +187,18 @@ def data_parallel(shard: ShardingBuffers, params: int, grads_bytes: int,
         first_block_start=shard.forward_first_start_bytes,
         window_units=shard.window_units, window_unit=shard.window_unit,
         partition=shard.partition_bytes, partition_from=shard.partition_from,
-        fresh_only=bool(shard.bucket_bytes))
+        fresh_only=bool(shard.bucket_bytes),
+        flat=shard.flat_units, at_reduce=shard.backward_reduce_bytes,
+        kept_layer=shard.kept_layer_bytes, kept_layers=shard.kept_layers_bytes)
 
 
 def with_stream(dp: DataParallel, stream: int) -> DataParallel:
     """``dp`` for one micro-batch whose residual stream is ``stream`` bytes: beside a unit's
     reduce-scatter the gradient of its input (FSDP2), beside a block's gather in forward the
     input it is about to read."""
-    if not (dp.per_unit or dp.block_start):
+    if not (dp.per_unit or dp.block_start or dp.flat):
         return dp
-    return dp._replace(boundary_grad=stream if dp.per_unit else 0,
+    return dp._replace(boundary_grad=stream if dp.per_unit or dp.flat else 0,
                        block_start=dp.block_start + stream if dp.block_start else 0,
                        first_block_start=dp.first_block_start + stream if dp.block_start
                        else 0)
@@ -202,6 +212,10 @@ def forward_positions(dp: DataParallel, n: int, stage_first: bool,
     shrinks over the stage's last blocks (``stage_last``: the run ends the stage)."""
     if dp.window_unit and stage_last:
         return _shrinking(dp, n)
+    if dp.kept_layer:  # each block's gathered weights stay alive after its forward
+        start = dp.first_block_start if stage_first else dp.block_start
+        return [Position(n, Event("unit.gather", dp.kept_layer, start), dp.in_block_forward,
+                         None)]
     if not dp.block_start:
         return [Position(n, None, dp.in_block_forward, None)]
     start = Event("unit.gather", 0, dp.block_start)
@@ -266,6 +280,9 @@ def head_moments(dp: DataParallel, head_grads: int) -> tuple[int, tuple[Event, .
     # the head's own unit: its reduce-scatter input (unsharded, in the reduce dtype) is held
     # until the first block's reduce-scatter, as a block's is until the next one's
     previous = dp.unsharded(head_grads) if dp.separate_units else 0
+    if dp.kept_layers:  # FSDP1 SHARD_GRAD_OP: the blocks kept gathered since the forward,
+        #                 counted beside the loss and the head, alive from here on
+        events += (Event("units.kept", dp.kept_layers, None),)
     return beside, events, Held(head_grads, previous, root_held, 0)
 
 
@@ -278,6 +295,8 @@ def run_positions(dp: DataParallel, held: Held, layer_grads: int, early: int, n:
     after = Held(held.made + n * layer_grads, held.prev_input, held.root_held, held.blocks + n)
     if dp.fresh_only:
         return _partition_positions(dp, held.blocks, n, stage_first), after
+    if dp.flat and not dp.per_unit:  # FSDP1 without a sync: the walk's grads are accumulators
+        return _flat_unsynced(dp, layer_grads, n, stage_first), after
     if not dp.per_unit:
         first = last = 0
         if dp.grad_cap:
@@ -292,8 +311,9 @@ def run_positions(dp: DataParallel, held: Held, layer_grads: int, early: int, n:
         return [Position(1, None, first + gathered, None),
                 Position(n - 2, None, first + gathered, None),
                 Position(1, None, last + end_gathered, None)], after
+    held_input = 0 if dp.flat else dp.unsharded(layer_grads)
     return _unit_positions(dp, held, layer_grads, n, growing, stage_first), \
-        Held(after.made, dp.unsharded(layer_grads), after.root_held, after.blocks)
+        Held(after.made, held_input, after.root_held, after.blocks)
 
 
 def _partition_positions(dp: DataParallel, start: int, n: int,
@@ -325,6 +345,8 @@ def _unit_positions(dp: DataParallel, held: Held, layer_grads: int, n: int, grow
     test_ground_truth.py, test_fsdp_backward_between_the_ends_of_a_run)."""
     run_input, unit_grads = dp.unsharded(layer_grads), dp.unit_grads(layer_grads)
     root_held = held.root_held
+    if dp.flat:
+        return _flat_positions(dp, held, layer_grads, n, growing, stage_first)
 
     def position(repeat: int, held_input: int, last: bool, measured: bool) -> Position:
         gathered = dp.in_first_block if stage_first and last else dp.in_block
@@ -355,6 +377,66 @@ def _unit_positions(dp: DataParallel, held: Held, layer_grads: int, n: int, grow
     return [position(1, held.prev_input, False, True),
             position(n - 2, run_input, False, False),
             position(1, run_input, True, True)]
+
+
+def flat_reduce(dp: DataParallel, grads: int) -> int:
+    """FSDP1's reduce of a unit whose held gradients are ``grads`` bytes, beyond its unsharded
+    gradient (torch 2.13 _runtime_utils.py ``_post_backward_hook``, ``_reduce_grad``): its copy
+    in the reduce dtype where that differs (``flat_param.grad.to(reduce_dtype)``, the
+    autograd-made gradient still referenced) and the output shard
+    (``_get_reduce_scatter_tensors``: ``torch.empty_like(chunks[0])``) in the reduce dtype,
+    which ``_cast_grad_to_param_dtype`` replaces by its copy in the weights' dtype: held
+    bytes. ``F.pad``'s copy where a unit's elements do not divide by the shard degree is not
+    counted (none of the padding is)."""
+    copy = dp.unsharded(grads) if dp.unsharded_dtype != 1 else 0
+    return copy + grads
+
+
+def _flat_positions(dp: DataParallel, held: Held, layer_grads: int, n: int, growing: bool,
+                    stage_first: bool) -> list[Position]:
+    """FSDP1's blocks of one run (``flat``): beside each block's backward the root and the
+    blocks gathered (``in_block``; the stage's first block ``in_first_block``). After it, the
+    larger of two instants, each beside the gradient of its input: the flat gradient made,
+    its weights still gathered (the views' gradients, one per parameter, concatenated by
+    autograd's backward of the ``split`` that made the views from the flat parameter,
+    ``FlatParamHandle._get_unflat_views``: the unit's gradients twice); and its reduce, its
+    weights freed and the next unit gathered where its prefetch does so (``at_reduce``, the
+    root alone at the stage's first), its unsharded gradient beside ``flat_reduce``."""
+    root_held, unit_grads = held.root_held, dp.unit_grads(layer_grads)
+
+    def position(repeat: int, last: bool) -> Position:
+        gathered = dp.in_first_block if last else dp.in_block
+        after = None
+        if growing:
+            end = dp.at_embedding if last else dp.at_reduce
+            flatten = 2 * unit_grads + gathered
+            # its own weights freed before the reduce (alive until then when kept)
+            reduce = unit_grads + flat_reduce(dp, layer_grads) + end - dp.kept_layer
+            after = Event("unit.flat_grad", -dp.kept_layer,
+                          root_held + dp.boundary_grad + max(flatten, reduce))
+        return Position(repeat, None, root_held + gathered, after)
+
+    if not stage_first:
+        return [position(n, False)]
+    return [position(n - 1, False), position(1, True)] if n > 1 else [position(1, True)]
+
+
+def _flat_unsynced(dp: DataParallel, layer_grads: int, n: int,
+                   stage_first: bool) -> list[Position]:
+    """FSDP1's blocks of one run in a micro-batch without a sync (``no_sync()``, the walk's
+    gradients the units' flat accumulators of ``layer_grads`` bytes each): after each block's
+    backward, its weights still gathered, the views' new gradients beside the flat gradient
+    they are concatenated into, which ``AccumulateGrad`` keeps as the accumulator (the first
+    micro-batch) or adds into it in place (the others); ``_post_backward_hook`` then reshards
+    the weights (FULL_SHARD) and returns before any reduce (``not state._sync_gradients``)."""
+    def position(repeat: int, last: bool) -> Position:
+        gathered = dp.in_first_block if last else dp.in_block
+        return Position(repeat, None, gathered, Event(
+            "unit.flat_grad", 0, gathered + 2 * layer_grads + dp.boundary_grad))
+
+    if not stage_first:
+        return [position(n, False)]
+    return [position(n - 1, False), position(1, True)] if n > 1 else [position(1, True)]
 
 
 def end_moments(dp: DataParallel, held: Held, head_grads: int, embedding_grads: int,

@@ -17,6 +17,7 @@ from memplan.model import memo
 from memplan.model.deferred_wgrad import Deferred, deferred
 from memplan.model.dims import Term, exact_ratio, whole_bytes
 from memplan.model.embedding import EmbeddingBlock, made_vocab_grad
+from memplan.model.fsdp1 import last_reduce
 from memplan.model.grad_sync import (
     accumulated_gradients,
     accumulates_unsharded,
@@ -251,8 +252,8 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     # walk's gradients are the stage's accumulators, in the reduce dtype
     accumulating = accumulates_unsharded(wl, fx.dp, fx.shard.kept_gathered, m)
     if accumulating:
-        ratio, root_new, fresh = new_grads(fx.params, wl, fx.shard.separate_units)
-        output_shard = fx.dp.shard_of(fx.shard.grad_bytes)
+        ratio, root_new, fresh = new_grads(fx.params, wl, fx.shard.separate_units, fx.dp.flat)
+        reduce = last_reduce(fx.dp, fx.shard.grad_bytes, wl)
         fx = fx._replace(grad_per_param=exact_ratio(fx.accum_bytes, max(fx.params.total, 1)),
                          dp=unsynced(fx.dp, root_new))
     st = fx.states
@@ -270,15 +271,12 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     walk = _with_deferred(walk, dfr, fx.main_grads)
     if accumulating:
         walk = with_new_grads(walk, ratio, fresh)
-        grads = accumulated_gradients(walk, st, fx.accum_bytes,
-                                      fx.shard.grad_bytes, output_shard, wl.keep_grads)
+        grads = accumulated_gradients(walk, st, fx.accum_bytes, reduce, wl.keep_grads)
     else:
         grads = _gradients(wl, fx, walk, m)
     forward = _forward(shared, fx, walk, dfr.before_forward - dfr.before_backward + host_rope)
     base = st.params_bytes + fx.buckets + fx.buffers
-    # the logits a training loop keeps from the loss are alive at the optimizer step
-    optimizer, optimizer_first = (peak_of([Segment((walk.head.loop_logits(),)), s])
-                                  for s in (fx.step, fx.first_step or fx.step))
+    optimizer, optimizer_first = _optimizer_peaks(walk.head, fx)
 
     held = walk.head.held_logits  # logits the loop holds from the loss on (its drain's too)
 
@@ -290,8 +288,10 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
         # gradients (its gathered buffers counted in ``dfr.drain``)
         drain = max(base + opt_bytes + from_loss + held + st.grads_bytes + dfr.drain
                     if dfr.pair else 0, _reduce_after(fx, base + opt_bytes + from_loss))
+        init = base + opt_bytes + fx.shard.forward_start(steady, st.grads_bytes)
         return PhasePeaks(
-            forward=base + resident + opt_bytes + in_forward + forward(steady) + shared.mask,
+            forward=max(base + resident + opt_bytes + in_forward + forward(steady)
+                        + shared.mask, init),
             backward=max(base + resident + opt_bytes + from_loss + bwd, drain),
             optimizer=(optimizer if steady else optimizer_first) + resident)
 
@@ -307,6 +307,15 @@ def _reduce_after(fx: StageStates, beside: int) -> int:
     """A reduce after backward (DeepSpeed's ZeRO-1, ``ShardingBuffers.reduce_after_bytes``),
     nothing of backward alive but ``beside``; 0 where there is none."""
     return beside + fx.shard.reduce_after_bytes if fx.shard.reduce_after_bytes else 0
+
+
+def _optimizer_peaks(head: HeadBlock, fx: StageStates) -> tuple[int, int]:
+    """The optimizer step's activation-free peak from step 2 on and in step 1 (where its
+    order differs, ``StageStates.first_step``), the logits a training loop keeps from the loss
+    alive beside it."""
+    logits = Segment((head.loop_logits(),))
+    steady = peak_of([logits, fx.step])
+    return steady, steady if fx.first_step is None else peak_of([logits, fx.first_step])
 
 
 def _walk(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTerms,

@@ -16,6 +16,7 @@ from typing import NamedTuple
 from memplan.model.adapters import ADAPTER_BYTES
 from memplan.model.attention import rope_buffer_bytes, windowed
 from memplan.model.dims import exact_ratio
+from memplan.model.fsdp1 import flat_units, fsdp1_buffers
 from memplan.model.grad_sync import accumulator_bytes
 from memplan.model.model_states import (
     ShardingBuffers,
@@ -185,19 +186,18 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
                                                           par.stage_layers),
                             par.tp, wl.precision.policy.param_bytes)
     st = state_bytes(params, par, wl, trainable)
-    shard = sharding_buffers(params, par, wl, trainable)
+    shard = (fsdp1_buffers(params, par, wl) if flat_units(spec, par, wl)
+             else sharding_buffers(params, par, wl, trainable))
     e = wl.compute_dtype.itemsize
     # Gradients exist during forward when an earlier micro-batch made them, or when they live
     # in persistent data-parallel buffers; DDP's default copies them into separate buckets.
     # a DDP wrap at any data-parallel size (Workload.ddp_any_size: Megatron-LM) keeps its
-    # gradient buffer from the wrap on, one rank included
-    # (DeepSpeed's ZeRO-1 reduces through its own bucket, ``ShardingBuffers.reduce_after_bytes``)
+    # gradient buffer from the wrap on, one rank included (DeepSpeed's ZeRO-1: its own bucket)
     ddp = ((par.data_parallel_buffers and not shard.reduce_after_bytes)
            or (wl.ddp_any_size and par.zero < ZeroStage.GRADIENTS))
     opt_temp = optimizer_step_temp_bytes(params, st, par, wl, trainable)
     # the gradients the step sees (ZeRO-1 under DeepSpeed: the partition alone)
-    at_step = (st._replace(grads_bytes=shard.step_grads_bytes) if shard.step_grads_bytes
-               else st)
+    at_step = st._replace(grads_bytes=shard.step_grads_bytes) if shard.step_grads_bytes else st
     buckets = st.grads_bytes if ddp and par.grad_buffers is GradBuffers.COPY else 0
     buffers = rope_buffer_bytes(spec, wl, len(stage_layer_indices(
         spec, par.pp, par.vpp, stage, par.stage_layers)))
@@ -234,7 +234,7 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
                     if wl.flat_partition and not optimizer_on_host(par) else None),
         # frozen weights make no gradient: only the adapters accumulate, in fp32
         accum_bytes=(sum(trainable.adapters) * ADAPTER_BYTES if trainable.adapters
-                     else accumulator_bytes(params, wl)),
+                     else accumulator_bytes(params, wl, shard.flat_units)),
         load=load_bytes(st, buffers, trainable.quantize_bytes),
     )
 

@@ -179,7 +179,7 @@ def _layer_segment(position: Position, saved: int, local: int, step: int) -> Seg
     if after is None:
         return Segment((start, Event("layer.backward", step, local + beside)), position.repeat)
     return Segment((start, Event("layer.backward", 0, local + beside),
-                    Event(after.name, step, after.transient)), position.repeat)
+                    Event(after.name, step + after.delta, after.transient)), position.repeat)
 
 
 def runs_of(keys: list) -> list[tuple[object, int]]:

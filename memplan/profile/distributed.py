@@ -124,8 +124,12 @@ def _host_gradients(model: nn.Module, tracker: ParallelTracker) -> None:
 OnModel = Callable[[nn.Module, ParallelTracker], None]
 
 
-def layout_kind(par: ParallelConfig) -> str:
-    """``fsdp``, ``tp`` or ``ddp``; raise for layouts this tracer does not build."""
+def layout_kind(par: ParallelConfig, wl: Workload | None = None) -> str:
+    """``fsdp``, ``fsdp1`` (``wl.fsdp_version`` 1: ``memplan.profile.fsdp1``), ``tp`` or
+    ``ddp``; raise for layouts this tracer does not build."""
+    if (wl is not None and wl.fsdp_version == 1 and par.dp > 1 and par.zero == 3
+            and par.tp == par.pp == par.cp == par.ep == 1):
+        return "fsdp1"
     if par.pp > 1 or par.cp > 1 or par.ep > 1:
         raise MemplanError("trace_parallel: pp, cp and ep layouts are not traced yet")
     if par.tp > 1 and par.dp > 1:
@@ -146,7 +150,7 @@ def trace_parallel(spec: ModelSpec, par: ParallelConfig, wl: Workload, *, steps:
     """Trace rank 0 of ``par`` in this process through the fake process group.
     ``on_model(model, tracker)`` runs once the model is wrapped, before the first step (to
     attach hooks that measure parts of the model)."""
-    layout_kind(par)
+    layout_kind(par, wl)
     if dist.is_initialized():
         raise MemplanError("trace_parallel: a process group is already initialised; "
                            "call trace_rank instead")
@@ -166,11 +170,15 @@ def trace_rank(spec: ModelSpec, par: ParallelConfig, wl: Workload, *, steps: int
     """Trace this process's rank of ``par`` on the default process group (fake or real).
     ``device="cuda"`` builds the model and the mesh on this rank's current CUDA device (FSDP2
     and TP only; call it under ``torch.device("cuda")`` so the step's token ids follow)."""
-    kind = layout_kind(par)
+    kind = layout_kind(par, wl)
     if dist.get_world_size() != par.world_size:
         raise MemplanError(f"trace_rank: process group has {dist.get_world_size()} ranks, "
                            f"the layout {par.world_size}")
     _check_precision(kind, wl)
+    if kind == "fsdp1":
+        # FSDP1's init reads parameter data (_init_utils, flattening and sharding copies), which
+        # fake tensors do not have: it always runs on real tensors
+        fake = False
     if kind == "ddp" and fake:
         # DDP's reducer reads parameter data in C++ (shape check, bucket rebuild broadcast),
         # which fake tensors do not have.
@@ -182,6 +190,15 @@ def trace_rank(spec: ModelSpec, par: ParallelConfig, wl: Workload, *, steps: int
     tracker = (HostOffloadTracker if offload else ParallelTracker)(timeline=timeline)
     with _fake_mode() if fake else contextlib.nullcontext():
         torch.manual_seed(0)  # every rank builds the same replicated weights
+        if kind == "fsdp1":
+            from memplan.profile.fsdp1 import fsdp1_model, follow_flat_storage
+
+            model = fsdp1_model(spec, par, wl, device)
+            m, sync = accumulation(kind, par, wl, model)
+            with follow_flat_storage(tracker):
+                own = wl.precision if wl.precision.policy.autocast else Precision.FP32
+                return run_steps(model, spec, wl, tracker, steps=steps, precision=own,
+                                 micro_batches=m, sync=sync)
         if kind == "fsdp":
             model = _fsdp_model(spec, wl, mesh, device, offload)
             if offload:
@@ -223,18 +240,18 @@ def accumulation(kind: str, par: ParallelConfig, wl: Workload,
             yield
 
         return m, fsdp_sync
-    if kind == "ddp":
+    if kind in ("ddp", "fsdp1"):  # FullyShardedDataParallel.no_sync(), as DDP's
         return m, lambda last: contextlib.nullcontext() if last else model.no_sync()
     raise MemplanError("trace_parallel: grad_sync last is traced for FSDP2 and DDP only")
 
 
 def _check_precision(kind: str, wl: Workload) -> None:
-    if kind == "fsdp" and wl.precision not in (Precision.FSDP_BF16, Precision.FP32,
+    if kind in ("fsdp", "fsdp1") and wl.precision not in (Precision.FSDP_BF16, Precision.FP32,
                                                Precision.BF16_PURE, Precision.AMP_BF16,
                                                Precision.AMP_FP16):
         raise MemplanError(f"trace_parallel: FSDP2 runs fsdp-bf16, bf16-pure, amp-bf16, "
                            f"amp-fp16 or fp32, not {wl.precision.value}")
-    if kind != "fsdp" and wl.precision is Precision.FSDP_BF16:
+    if kind not in ("fsdp", "fsdp1") and wl.precision is Precision.FSDP_BF16:
         raise MemplanError("precision: fsdp-bf16 needs an FSDP layout (zero 3, dp > 1)")
 
 

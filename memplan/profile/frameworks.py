@@ -324,7 +324,9 @@ def build_hf(case: FrameworkCase) -> Built:
     holds the model's output, logits included, through backward), ``offload``
     (``"activations"``: the decoder layers' saved tensors packed to the host as
     ``save_on_cpu`` does, ``memplan.profile.offload``; estimated with ``offload``),
-    ``recompute`` (``"full"``: ``gradient_checkpointing_enable``, non-reentrant)."""
+    ``recompute`` (``"full"``: ``gradient_checkpointing_enable``, non-reentrant), ``fsdp1``
+    (with ``dp`` > 1: ``FullyShardedDataParallel`` as Accelerate's FSDP1 plugin wraps it,
+    ``_fsdp1_wrap``; the dict's keys are workload fields, e.g. ``backward_prefetch``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     rec = recipe(case.recipe)
@@ -332,6 +334,9 @@ def build_hf(case: FrameworkCase) -> Built:
     config = AutoConfig.for_model(**case.config)
     model = AutoModelForCausalLM.from_config(config, dtype=rec.weights, attn_implementation=attn)
     spec = hf_spec(model.config, case.name)
+    fsdp1 = case.options.get("fsdp1")
+    if fsdp1 is not None:
+        model = _fsdp1_wrap(model, case, fsdp1)
     opt = _fused_adamw([p for p in model.parameters() if p.requires_grad])
     b, s, vocab = case.micro_batch_size, case.seq_len, model.config.vocab_size
     keep = case.options.get("keep_output", False)
@@ -358,7 +363,10 @@ def build_hf(case: FrameworkCase) -> Built:
         loss.backward()
         del loss
         mark("optimizer")
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if fsdp1 is not None:  # Accelerator.clip_grad_norm_ on FSDP1: the module's own
+            model.clip_grad_norm_(1.0)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -366,10 +374,41 @@ def build_hf(case: FrameworkCase) -> Built:
     # attention implementation (memplan.presets has what transformers runs)
     workload = dict(framework="hf", micro_batch_size=b, seq_len=s, precision=rec.name,
                     attention="flash" if attn == "sdpa" else "eager",
-                    **({"recompute": recompute} if recompute != "none" else {}))
+                    **({"recompute": recompute} if recompute != "none" else {}),
+                    **({"fsdp_version": 1, **fsdp1} if fsdp1 is not None else {}))
     # the config's use_cache reaches the estimate through the spec (the hf preset's kv_cache)
-    return Built("transformers", model, spec, api.make_layout(1, offload=offload), workload,
-                 step, opt, host=host)
+    layout = (api.make_layout(case.dp, zero=3) if fsdp1 is not None
+              else api.make_layout(1, offload=offload))
+    context = None
+    if fsdp1 is not None:
+        from memplan.profile.fsdp1 import follow_flat_storage
+
+        context = follow_flat_storage
+    return Built("transformers", model, spec, layout, workload, step, opt, host=host,
+                 context=context)
+
+
+def _fsdp1_wrap(model, case: FrameworkCase, fields: dict[str, Any]) -> torch.nn.Module:
+    """``FullyShardedDataParallel`` as accelerate 1.15.0's ``Accelerator.prepare_model`` builds
+    it for FSDP1 with the hf preset's defaults (``memplan.presets``): every decoder layer a unit
+    (``transformer_cls_names_to_wrap`` from ``_no_split_modules``), FULL_SHARD, no backward
+    prefetch, ``use_orig_params`` (the Trainer's), ``limit_all_gathers``; ``fields`` override
+    (workload fields: ``backward_prefetch``, ``use_orig_params``); ``fsdp-bf16``:
+    ``MixedPrecision(param_dtype=bf16, reduce_dtype=fp32)``."""
+    from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel, MixedPrecision
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    base = model.base_model
+    layers = getattr(base, "layers", None) or base.h
+    prefetch = {"pre": "BACKWARD_PRE", "post": "BACKWARD_POST", "none": None}[
+        fields.get("backward_prefetch", "none")]
+    mp = (MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if case.recipe == "fsdp-bf16" else None)
+    return FullyShardedDataParallel(
+        model, auto_wrap_policy=ModuleWrapPolicy({type(layers[0])}),
+        device_id=torch.device("cpu"), mixed_precision=mp,
+        backward_prefetch=BackwardPrefetch[prefetch] if prefetch else None,
+        use_orig_params=fields.get("use_orig_params", True), limit_all_gathers=True)
 
 
 BUILDERS["transformers"] = build_hf

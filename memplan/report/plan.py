@@ -88,6 +88,24 @@ def split_label(split: tuple[int, ...]) -> str:
     return ",".join(out)
 
 
+def best_line(result: PlanResult, num_layers: int) -> str:
+    """The fastest candidate in one line: its layout, micro-batch, recompute, peak against the
+    budget, step time and MFU (``plan --quiet``); ``result`` has at least one candidate."""
+    c = result.candidates[0]
+    return (f"FITS: {_layout(c.layout)}, mbs {c.micro_batch_size}, recompute "
+            f"{_recompute(c, num_layers)}; peak {format_gib(c.peak_bytes)} of "
+            f"{format_gib(result.budget_bytes)} usable; step {c.time.step_s:.2f} s, MFU "
+            f"{c.time.mfu:.2f} (fastest of {len(result.candidates)})")
+
+
+def _recompute(c: Any, num_layers: int) -> str:
+    """A candidate's recompute policy; full recompute of k of a stage's layers: "full 2 of
+    8"."""
+    return c.recompute.label + (f" {c.recompute_layers} of "
+                                f"{max(rank_layers(num_layers, c.layout))}"
+                                if c.recompute_layers else "")
+
+
 def render_plan(result: PlanResult, model: str, num_layers: int, gpus: int, gpu: str,
                 top: int) -> Any:
     """The first ``top`` candidates as a table (peak in GiB), then the rejections and the
@@ -106,11 +124,7 @@ def render_plan(result: PlanResult, model: str, num_layers: int, gpus: int, gpu:
     for col in ("mbs", "recompute", "GiB", "step s", "tok/s/GPU", "MFU", "bound"):
         table.add_column(col, justify="right", overflow="fold")
     for c in result.candidates[:top]:
-        # full recompute of k of the stage's layers: "full 2 of 8"
-        label = c.recompute.label + (f" {c.recompute_layers} of "
-                                     f"{max(rank_layers(num_layers, c.layout))}"
-                                     if c.recompute_layers else "")
-        table.add_row(_layout(c.layout), str(c.micro_batch_size), label,
+        table.add_row(_layout(c.layout), str(c.micro_batch_size), _recompute(c, num_layers),
                       gib(c.peak_bytes, 1), f"{c.time.step_s:.2f}",
                       f"{c.time.tokens_per_s_per_gpu:,.0f}", f"{c.time.mfu:.2f}",
                       _BOUND[c.time.bound.value])

@@ -10,6 +10,7 @@ labelled with the unit.
 
 from __future__ import annotations
 
+import importlib.util
 import io
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,10 +34,14 @@ PHASE_LABELS = {"setup": "setup", "forward": "fwd", "backward": "bwd", "optimize
 
 
 def check_path(path: Path, what: str = "--plot") -> Path:
-    """``path`` as a plot file to write, checked before any work: a .png or .svg name, not a
-    folder, in a folder that exists or can be made and that this user can write."""
+    """``path`` as a plot file to write, checked before any work: matplotlib installed, a .png
+    or .svg name, not a folder, in a folder that exists or can be made and that this user can
+    write."""
     from memplan.outputs import check_file_name, check_out_dir
 
+    if importlib.util.find_spec("matplotlib") is None:
+        raise MemplanError(f"{what}: matplotlib is not installed (pip install matplotlib); "
+                           "nothing was run")
     path = Path(path).expanduser()
     if path.suffix.lower() not in FORMATS:
         raise MemplanError(f"{what}: {path}: the name must end in .png or .svg")
@@ -51,17 +56,14 @@ def check_path(path: Path, what: str = "--plot") -> Path:
 @contextmanager
 def figure(path: Path, **kw: Any) -> Iterator[Any]:
     """A matplotlib figure written to ``path`` (PNG or SVG by its suffix) when the block ends,
-    whole or not at all (``memplan.outputs.write_atomic``), and closed whatever happens;
-    yields None when matplotlib is not installed."""
+    whole or not at all (``memplan.outputs.write_atomic``), and closed whatever happens
+    (``MemplanError`` without matplotlib, from ``check_path``)."""
     path = check_path(path)
-    try:
-        import matplotlib
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        yield None
-        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     # spikes one op wide are real peaks: no line simplification may drop them; SVG text stays
     # text (searchable, editable in a doc)
     with plt.rc_context({"path.simplify": False, "svg.fonttype": "none"}):

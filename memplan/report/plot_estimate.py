@@ -45,12 +45,9 @@ def stage_parts(est: Any, s: Any) -> dict[str, int]:
     return parts
 
 
-def plot_estimate(est: Any, path: Path) -> Path | None:
-    """Write ``path`` (PNG or SVG) for ``memplan.model.estimate.Estimate`` ``est``; ``None``
-    when matplotlib is not installed."""
+def plot_estimate(est: Any, path: Path) -> Path:
+    """Write ``path`` (PNG or SVG) for ``memplan.model.estimate.Estimate`` ``est``."""
     with figure(path, figsize=(max(5.0, 2.2 + 0.9 * len(est.stages)), 4.8)) as fig:
-        if fig is None:
-            return None
         ax = fig.add_subplot()
         unit, label = axis_unit(max(est.capacity_bytes, *(s.peak_bytes for s in est.stages)))
         xs = list(range(len(est.stages)))

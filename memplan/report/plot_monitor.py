@@ -29,17 +29,20 @@ def _series(recs: list[dict[str, Any]]) -> tuple[str, str] | None:
     return None
 
 
-def plot_monitor(records: dict[int, list[dict[str, Any]]], path: Path) -> Path | None:
-    """Write ``path`` (PNG or SVG) for each rank's records (``{rank: [record, ...]}``);
-    ``None`` when matplotlib is not installed."""
+def plot_monitor(records: dict[int, list[dict[str, Any]]], path: Path) -> Path:
+    """Write ``path`` (PNG or SVG) for each rank's records (``{rank: [record, ...]}``)."""
     every = [r for recs in records.values() for r in recs]
     top = max([r.get(k, 0) for r in every for k, _ in MEMORY_SERIES]
               + [r.get("headroom_bytes", 0) for r in every] + [1])
     unit, label = axis_unit(top)
-    with figure(path, figsize=(12, 6.5)) as fig:
-        if fig is None:
-            return None
-        mem, room = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    # the headroom panel only where a record has headroom (a capacity was known): else the
+    # memory panel takes the whole figure
+    has_room = any("headroom_bytes" in r for r in every)
+    with figure(path, figsize=(12, 6.5 if has_room else 4.5)) as fig:
+        if has_room:
+            mem, room = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+        else:
+            mem, room = fig.subplots(1, 1), None
         colours = [f"C{k % 10}" for k in range(len(records))]
         shown: set[str] = set()
         for colour, (rank, recs) in zip(colours, sorted(records.items()), strict=True):
@@ -48,7 +51,7 @@ def plot_monitor(records: dict[int, list[dict[str, Any]]], path: Path) -> Path |
             if found is not None:
                 _memory(mem, rank, recs, found, colour, unit, shown)
             rooms = [(r["step"], r["headroom_bytes"] / unit) for r in recs if "headroom_bytes" in r]
-            if rooms:
+            if rooms and room is not None:
                 room.plot(*zip(*rooms, strict=True), color=colour, lw=1.2, label=f"rank {rank}")
             _crosses(mem, recs, found, unit, shown)
         caps = {r["capacity_bytes"] for r in every if "capacity_bytes" in r}
@@ -58,16 +61,17 @@ def plot_monitor(records: dict[int, list[dict[str, Any]]], path: Path) -> Path |
             mem.axhline(cap / unit, color="black", ls="--", lw=1, label="capacity")
         mem.set_ylabel(label)
         mem.set_ylim(0, None)
-        room.set_ylabel(f"headroom ({label})")
-        room.set_ylim(0, None)
-        room.set_xlabel("training step")
+        if room is not None:
+            room.set_ylabel(f"headroom ({label})")
+            room.set_ylim(0, None)
+        (room if room is not None else mem).set_xlabel("training step")
         title = (f"memory monitor: {len(records)} rank{'s' if len(records) > 1 else ''}, "
                  f"{max((len(v) for v in records.values()), default=0)} steps")
         if cap is not None and drawn < cap / 4:
             title += f" (capacity {format_gib(cap)}, off the scale)"
         mem.set_title(title, fontsize=10)
         for ax in (mem, room):  # records without headroom draw nothing there to name
-            if ax.get_legend_handles_labels()[0]:
+            if ax is not None and ax.get_legend_handles_labels()[0]:
                 ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,
                           frameon=False)
     return path

@@ -53,14 +53,12 @@ def _xs(tl: Timeline) -> tuple[list[float], str]:
 
 
 def plot_timeline(tl: Timeline, path: Path, *, predicted: dict[str, Any] | None = None,
-                  predicted_peak_bytes: int | None = None) -> Path | None:
-    """Write ``path`` (PNG or SVG); ``None`` when matplotlib is not installed. ``predicted``:
+                  predicted_peak_bytes: int | None = None) -> Path:
+    """Write ``path`` (PNG or SVG); ``predicted``:
     the estimate's ``{"first_step": {phase: bytes}, "steady": {phase: bytes}}`` (markers);
     ``predicted_peak_bytes``: a line at the estimate's peak."""
     xs, xlabel = _xs(tl)
     with figure(path, figsize=(12, 5)) as fig:
-        if fig is None:
-            return None
         ax = fig.add_subplot()
         top = max([_high(s) for s in tl.samples] + list(_predicted_values(predicted))
                   + [predicted_peak_bytes or 0])

@@ -34,15 +34,13 @@ def _rows(rt: RankTrace, waits: list[Interval]) -> dict[str, list[Interval]]:
 
 
 def plot_traces(traces: list[RankTrace], path: Path, *,
-                across: dict[str, Any] | None = None) -> Path | None:
-    """Write ``path`` (PNG or SVG); ``None`` when matplotlib is not installed. ``across``:
+                across: dict[str, Any] | None = None) -> Path:
+    """Write ``path`` (PNG or SVG); ``across``:
     ``memplan.measure.stragglers.stragglers`` of the same traces (stragglers and waits named)."""
     waits, _ = waiting_intervals(traces) if len(traces) > 1 else ({}, 0)
     named = set((across or {}).get("stragglers", []))
     order = sorted(traces, key=lambda rt: rt.rank)
     with figure(path, figsize=(12, 1.1 + 0.55 * len(order))) as fig:
-        if fig is None:
-            return None
         ax = fig.add_subplot()
         labels, end = [], 0.0
         for row, rt in enumerate(order):

@@ -410,7 +410,7 @@ def test_cpu_resume_refit_and_use(cpu_run: Path, capsys) -> None:
                                       "--out", str(cpu_run), "--json"], catch_exceptions=False)
     assert result.exit_code == 0
     assert {p.name: p.read_text() for p in folder.iterdir()} == before  # nothing re-measured
-    assert json.loads(result.stdout)["num_records"] == 10
+    assert json.loads(result.stdout)["profile"]["num_records"] == 10
     refit = CliRunner().invoke(app, ["calibrate", "--refit", "--out", str(cpu_run)])
     assert refit.exit_code == 0 and "unchanged" in refit.stdout
     out = json.loads(CliRunner().invoke(app, [
@@ -649,7 +649,7 @@ def test_cuda_quick_calibration(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["calibrate", "--quick", "--out", str(tmp_path), "--json"],
                                 catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    prof = json.loads(result.stdout)
+    prof = json.loads(result.stdout)["profile"]
     folder = tmp_path / prof["records"].replace("../", "")
     records = read_records(folder)
     assert len(records) == 10 and all(r.status in ("ok", "oom") for r in records)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import memplan
 from memplan.cli import app, main
 from memplan.errors import MemplanError
 from memplan.report import estimate_json
+from memplan.report.versioned import SCHEMA_VERSION
 from memplan.spec import catalog_names
 
 LLAMA_7B_PARAMS = 6_738_415_616
@@ -44,8 +46,11 @@ def flat(text: str) -> str:
 
 
 def estimate_cli(*args: str) -> dict[str, Any]:
+    """The estimate's JSON without its envelope (its version and command, checked here)."""
     result = invoke("estimate", *args, "--json")
-    return json.loads(result.stdout)  # the whole stdout is exactly one JSON document
+    out = json.loads(result.stdout)  # the whole stdout is exactly one JSON document
+    assert (out.pop("schema_version"), out.pop("command")) == (SCHEMA_VERSION, "estimate")
+    return out
 
 
 def walk_bytes(obj: Any, path: str = "") -> list[tuple[str, Any]]:
@@ -234,7 +239,9 @@ def test_models_lists_catalog_names_at_80_columns() -> None:
 
 
 def test_models_json() -> None:
-    rows = json.loads(invoke("models", "--json").stdout)
+    out = json.loads(invoke("models", "--json").stdout)
+    assert (out["schema_version"], out["command"]) == (SCHEMA_VERSION, "models")
+    rows = out["models"]
     assert isinstance(rows, list)
     by_name = {row["name"]: row for row in rows}
     assert set(by_name) == set(catalog_names())
@@ -252,7 +259,7 @@ def test_gpus_lists_h100_at_80_columns() -> None:
 
 
 def test_gpus_json() -> None:
-    rows = json.loads(invoke("gpus", "--json").stdout)
+    rows = json.loads(invoke("gpus", "--json").stdout)["gpus"]
     by_name = {row["name"]: row for row in rows}
     assert "h100-sxm" in by_name
     assert by_name["h100-sxm"]["memory_bytes"] == memplan.load_gpu("h100").memory_bytes
@@ -650,3 +657,74 @@ def test_use_cache_defaults_to_the_framework() -> None:
     """Not given: the hf preset's use_cache (on), the generic preset's (off)."""
     assert estimate_cli("--model", "gpt2", "--framework", "hf")["workload"]["kv_cache"] is True
     assert estimate_cli("--model", "gpt2")["workload"]["kv_cache"] is False
+
+
+@pytest.mark.parametrize("argv", [
+    ["estimate", "-m", "llama-7b", "-n", "8", "--plot", "{dir}/stages.png"],
+    ["monitor-summary", "{dir}/none.jsonl", "--plot", "{dir}/monitor.png"],
+    ["analyze-trace", "{dir}/none.json", "--plot", "{dir}/ranks.png"],
+])
+def test_plot_without_matplotlib_is_one_line_exit_2_before_any_work(
+        argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--plot`` is checked before anything is read or estimated: without matplotlib (a None
+    entry in ``sys.modules`` makes ``importlib.util.find_spec`` report it absent) the command
+    says so in one line and exits 2, and nothing is written (the inputs need not exist: the
+    check comes first)."""
+    monkeypatch.delenv("MEMPLAN_DEBUG", raising=False)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    err = assert_one_line_error(capsys, main([a.format(dir=tmp_path) for a in argv]),
+                                ["--plot", "matplotlib is not installed"])
+    assert "nothing was run" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plot_api_without_matplotlib_raises(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plotting functions say the same through the API (``MemplanError``), and write
+    nothing."""
+    from memplan.report.plot_estimate import plot_estimate
+
+    est = memplan.estimate("llama-7b", gpus=8)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(MemplanError, match="matplotlib is not installed"):
+        plot_estimate(est, tmp_path / "stages.png")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plan_quiet_is_the_fastest_candidate_in_one_line() -> None:
+    """``plan --quiet`` prints one line, the first candidate of the same plan's JSON: its
+    layout, micro-batch, recompute, peak (GiB = 2^30 B, two decimals) and step time."""
+    quiet = invoke("plan", "-m", "llama-7b", "-n", "8", "--quiet").stdout
+    first = json.loads(invoke("plan", "-m", "llama-7b", "-n", "8", "--json").stdout)
+    best = first["candidates"][0]
+    lay = best["layout"]
+    assert quiet.count("\n") == 1 and quiet.startswith("FITS: "), quiet
+    assert (f"tp{lay['tp']} pp{lay['pp']} dp{lay['dp']} z{lay['zero']}, mbs {best['mbs']}, "
+            f"recompute {best['recompute']}; peak {best['peak_bytes'] / 2**30:.2f} GiB of "
+            f"{first['budget_bytes'] / 2**30:.2f} GiB usable; step "
+            f"{best['step_time_s']:.2f} s") in quiet, quiet
+
+
+def test_plan_quiet_when_nothing_fits_says_why_exit_1() -> None:
+    """Nothing fits: nothing on stdout, the reason on stderr, exit 1 (as without --quiet)."""
+    result = CliRunner().invoke(app, ["plan", "-m", "llama-3-70b", "-n", "1", "--quiet"])
+    assert result.exit_code == 1
+    assert result.stdout == ""
+    assert result.stderr.startswith("memplan: nothing fits"), result.stderr
+
+
+@pytest.mark.parametrize("command", [None, "estimate", "plan", "diagnose", "models", "gpus",
+                                     "trace", "profile", "calibrate", "analyze-trace",
+                                     "monitor-summary"])
+def test_help_shows_no_type_noise(command: str | None, capsys: pytest.CaptureFixture[str],
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Help lists a value's type only where it helps: numbers and choices. A flag shows no
+    ``<bool>``, a name or path no ``<str>`` (the help text says what it is)."""
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main([*([command] if command else []), "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--help" in out
+    assert "<bool>" not in out and "<str>" not in out, out
+    if command == "plan":  # numbers and choices keep theirs
+        assert "<int" in out and "<none|selective|full>" in out

@@ -44,14 +44,14 @@ def test_accumulated_gradients_by_hand() -> None:
                           (100 alive + 10 in flight) = 275
     Backward 350 in step 1 and the steady state; forward 100 (the accumulators). Keeping the
     25 B of sharded gradients (zero_grad(set_to_none=False)) adds 25 from step 2."""
-    assert accumulated_gradients(WALK, STATES, 100, 50, 25, False) == (100, 350, 100, 350)
-    assert accumulated_gradients(WALK, STATES, 100, 50, 25, True) == (100, 350, 125, 375)
+    assert accumulated_gradients(WALK, STATES, 100, (50, 25, 0), False) == (100, 350, 100, 350)
+    assert accumulated_gradients(WALK, STATES, 100, (50, 25, 0), True) == (100, 350, 125, 375)
     # a 400 B reduce-scatter input (200 B shard): first reduce 100 + 400 + 40 + 100 = 640;
     # second layer 100 + 200 + 40 + 110 = 450
-    assert accumulated_gradients(WALK, STATES, 100, 400, 200, False)[1] == 640
+    assert accumulated_gradients(WALK, STATES, 100, (400, 200, 0), False)[1] == 640
     # a 150 B shard of a 100 B input only (an impossible 2/3 shard, to reach the second
     # layer's moment): 100 + 150 + 40 + 110 = 400 > 290
-    assert accumulated_gradients(WALK, STATES, 100, 100, 150, False)[1] == 400
+    assert accumulated_gradients(WALK, STATES, 100, (100, 150, 0), False)[1] == 400
 
 
 def test_new_gradients_beside_the_accumulators() -> None:

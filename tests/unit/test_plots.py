@@ -146,3 +146,24 @@ def test_monitor_plot(tmp_path):
                                    str(tmp_path / "cli.png")], env={"COLUMNS": "120"},
                              catch_exceptions=False)
     assert res.exit_code == 0 and f"wrote {tmp_path / 'cli.png'}" in res.stdout
+
+
+def test_monitor_plot_without_headroom_has_no_empty_panel(tmp_path):
+    """Records without a capacity carry no headroom: the figure is the memory panel alone (one
+    axes, the step label under it), not a memory panel above an empty third."""
+    import xml.etree.ElementTree as ET
+
+    recs = [{"rank": 0, "step": k, "time": 0.0, "allocated_bytes": 10 * GiB,
+             "peak_bytes": 30 * GiB} for k in range(1, 6)]
+    with_room = [{**r, "capacity_bytes": 80 * GiB, "headroom_bytes": 50 * GiB} for r in recs]
+    ns = "{http://www.w3.org/2000/svg}"
+
+    def axes(path):
+        tree = ET.parse(path)
+        return sum(1 for g in tree.iter(f"{ns}g") if g.get("id", "").startswith("axes_"))
+
+    plot_monitor({0: recs}, tmp_path / "alone.svg")
+    plot_monitor({0: with_room}, tmp_path / "both.svg")
+    assert (axes(tmp_path / "alone.svg"), axes(tmp_path / "both.svg")) == (1, 2)
+    texts = _texts(tmp_path / "alone.svg")
+    assert "training step" in texts and not any(t.startswith("headroom") for t in texts)

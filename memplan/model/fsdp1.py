@@ -1,0 +1,166 @@
+"""FSDP1 (``FullyShardedDataParallel``, ``--fsdp-version 1``) as Accelerate and the Trainer wrap
+a decoder: every decoder layer its own unit (``transformer_layer_cls_to_wrap``, by default the
+model's ``_no_split_modules``), the root unit holding the rest (embedding, final norm, head):
+what it gathers beside each block, on one rank, in bytes (torch 2.13,
+torch/distributed/fsdp/; docs/fsdp1.md has the whole reading).
+
+- One flat parameter per unit (``_flat_param.py FlatParamHandle._init_flat_param_and_metadata``):
+  the unit's parameters concatenated; its shard is ``ceil(numel / world)`` elements, the last
+  ranks' padded with zeros (``FlatParamHandle._get_shard``); the all-gather fills a padded
+  unsharded flat parameter of ``ceil(numel / world) x world`` elements in the forward/backward
+  dtype (``_full_param_padded``, made in ``FlatParamHandle._init_param_attributes``, allocated
+  in ``_alloc_padded_unsharded_flat_param`` and freed by ``_free_unsharded_flat_param``).
+- Under ``MixedPrecision(param_dtype=...)`` the shard is first cast into a low-precision copy
+  on the device (``_mp_shard``, ``FlatParamHandle._use_low_precision_shard`` in
+  ``pre_unshard``), the all-gather's input, freed once it returns (``post_unshard``): one shard
+  in the compute dtype beside the unit's gather.
+- Forward (``_runtime_utils.py _pre_forward_unshard``, ``_post_forward_reshard``): a unit is
+  gathered in its pre-forward and freed after its forward, but the root, which is not freed
+  after forward (``free_unsharded_flat_param = not state._is_root and ...``) and stays
+  gathered until its post-backward after the embedding's backward. ``forward_prefetch``
+  (``_prefetch_handle`` in ``_pre_forward_unshard``) gathers the next unit beside the running
+  one; without it one block is gathered at a time, and at the loss only the root.
+- Backward (``_pre_backward_hook``, ``_post_backward_reshard``, ``_get_handle_to_prefetch``):
+  each unit is gathered again in its pre-backward; ``BACKWARD_PRE`` prefetches the next unit
+  there (two blocks while a block's backward runs, the root's hook on the loss gathering the
+  last block at the head), ``BACKWARD_POST`` after the unit is freed in its post-backward, no
+  prefetch (Accelerate's and the Trainer's default) in each unit's own hook: one block.
+"""
+
+from __future__ import annotations
+
+from memplan.model.model_states import ShardingBuffers, StageParams
+from memplan.model.sharding import DataParallel
+from memplan.parallel import Offload, ParallelConfig, ZeroStage
+from memplan.spec import ModelSpec
+from memplan.units import ceil_div
+from memplan.workload import BackwardPrefetch, Workload
+
+
+def flat_units(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> bool:
+    """FSDP1's FULL_SHARD units are modelled: ``fsdp_version`` 1 at zero 3 over more than one
+    rank (on one rank FSDP1 runs NO_SHARD, ``_init_utils.py _init_core_state``: the weights and
+    gradients whole, as without FSDP), in the layout it was traced in (``unmodelled``)."""
+    return (wl.fsdp_version == 1 and par.zero >= ZeroStage.PARAMETERS
+            and par.dense_shard_degree > 1 and not unmodelled(spec, par, wl))
+
+
+def unmodelled(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> str | None:
+    """What of the job FSDP1's model does not cover (None: nothing): there FSDP2's units
+    stand for it, and the estimate says so (``assumptions``)."""
+    return ("tp, pp, cp or ep > 1" if max(par.tp, par.pp, par.cp, par.ep) > 1
+            else "offload params (CPUOffload)" if Offload.PARAMS in par.offload
+            else "LoRA (frozen weights in the flat parameters)" if wl.lora_rank
+            else "mixture-of-experts layers" if spec.moe is not None else None)
+
+
+def assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> tuple[str, ...]:
+    """The estimate's line about FSDP1, where ``fsdp_version`` 1 shards (zero 3, dp > 1)."""
+    if wl.fsdp_version != 1 or par.zero < ZeroStage.PARAMETERS or par.dense_shard_degree == 1:
+        return ()
+    if (why := unmodelled(spec, par, wl)) is not None:
+        return (f"fsdp_version 1 with {why}: FSDP2's units stand for FSDP1's flat parameters "
+                "(not modelled or traced there)",)
+    return (f"FSDP1 FULL_SHARD (memplan.model.fsdp1): a flat parameter per decoder layer, the "
+            f"root unit holding embedding, final norm and head; backward_prefetch "
+            f"{wl.backward_prefetch.value}; limit_all_gathers and use_orig_params change no "
+            f"allocated byte modelled",)
+
+
+def padded(numel: int, world: int) -> int:
+    """Elements of a unit's padded unsharded flat parameter: its shard, ``ceil(numel /
+    world)`` (``FlatParamHandle._get_shard``), on each of ``world`` ranks."""
+    return ceil_div(numel, world) * world
+
+
+def fsdp1_buffers(params: StageParams, par: ParallelConfig, wl: Workload) -> ShardingBuffers:
+    """FULL_SHARD units (``--zero 3``): the root gathered from its forward to the end of
+    backward; one block gathered in forward (two with ``forward_prefetch``, fewer over the
+    stage's last), the root alone at the loss; in backward one block, or two with
+    ``BACKWARD_PRE``; at a block's gather in forward, under parameter mixed precision, its
+    low-precision shard beside it. SHARD_GRAD_OP (``reshard_after_forward`` False):
+    ``_kept_units``."""
+    policy, world = wl.precision.policy, par.dense_shard_degree
+    e = policy.unsharded.itemsize
+    layer = max(params.layers, default=0)
+    layer_b = padded(layer, world) * e
+    root_b = padded(params.embedding + params.head, world) * e
+    many = len(params.layers) > 1
+    ahead = 1 if wl.forward_prefetch and many else 0
+    # the _mp_shard exists only where the gathered dtype differs from the weights'
+    mp_shard = ceil_div(layer, world) * e if e != policy.param_bytes else 0
+    start = root_b + (1 + ahead) * layer_b + mp_shard if mp_shard else 0
+    back = 1 if wl.backward_prefetch is BackwardPrefetch.PRE and many else 0
+    prefetch = wl.backward_prefetch is not BackwardPrefetch.NONE
+    common = dict(flat_units=True, lazy_init_bytes=lazy_init(params, world, policy.param_bytes, e),
+                  # use_orig_params: the optimizer holds the original parameters, whose
+                  # gradients are views of the flat parameter's; zero_grad(set_to_none=True)
+                  # drops the views, and the flat gradient lives until the next step's root
+                  # pre-forward (_runtime_utils.py _reset_flat_param_grad_info_if_needed)
+                  grads_to_forward=wl.use_orig_params)
+    if not wl.reshard_after_forward:
+        return _kept_units(params, world, e, root_b, layer_b + mp_shard, policy.grad_bytes,
+                           common)
+    return ShardingBuffers(
+        root_b + (1 + ahead) * layer_b, root_b, params.largest_unit * policy.grad_bytes,
+        backward_head_bytes=root_b + (layer_b if wl.backward_prefetch is BackwardPrefetch.PRE
+                                      else 0),
+        backward_block_bytes=root_b + (1 + back) * layer_b,
+        backward_last_block_bytes=root_b + layer_b, backward_end_bytes=root_b,
+        forward_start_bytes=start, forward_first_start_bytes=start,
+        window_units=1 + ahead if ahead else 0, window_unit=layer_b if ahead else 0,
+        # at a block's reduce its weights are freed; the block before it is gathered by
+        # then where BACKWARD_PRE prefetched it in the pre-backward hook or BACKWARD_POST in
+        # the post-backward hook, before the reduce (_post_backward_reshard)
+        backward_reduce_bytes=root_b + (layer_b if prefetch and many else 0), **common)
+
+
+def _kept_units(params: StageParams, world: int, e: int, root_b: int, gather: int,
+                grad_bytes: int, common: dict) -> ShardingBuffers:
+    """SHARD_GRAD_OP: no unit is freed after its forward (``_post_forward_reshard``: it is
+    not in ``RESHARD_AFTER_FORWARD_HANDLE_STRATEGIES``), so each block's padded flat
+    parameter stays alive from its gather (``gather``: it and its low-precision shard) to its
+    post-backward, which frees it before the reduce (``_should_free_in_backward`` with a
+    sync); a backward prefetch finds every block gathered already. The root as with
+    FULL_SHARD. Traced (tests/traced/test_fsdp1_trace.py)."""
+    kept = [padded(n, world) * e for n in params.layers]
+    layer_b = max(kept, default=0)
+    return ShardingBuffers(
+        root_b, root_b, params.largest_unit * grad_bytes,
+        backward_head_bytes=root_b + sum(kept), backward_block_bytes=root_b,
+        backward_last_block_bytes=root_b, backward_end_bytes=root_b,
+        forward_start_bytes=root_b + gather, forward_first_start_bytes=root_b + gather,
+        backward_reduce_bytes=root_b, kept_layer_bytes=layer_b, kept_layers_bytes=sum(kept),
+        **common)
+
+
+def lazy_init(params: StageParams, world: int, param_bytes: int, e: int) -> int:
+    """The first forward's largest buffer: the root's ``_lazy_init`` runs
+    ``FlatParamHandle._init_param_attributes`` on every unit, which makes each of its padded
+    unsharded flat parameters with ``torch.empty`` and frees it (``_free_storage``) at once,
+    one after another: in the compute dtype, and under parameter mixed precision also in the
+    weights' own (``_full_prec_full_param_padded``); the largest unit's, alone."""
+    unit = padded(max(*params.layers, params.embedding + params.head, 0), world)
+    return unit * max(param_bytes, e)
+
+
+def last_reduce(dp: DataParallel, unit_grad_bytes: int, wl: Workload) -> tuple[int, int, int]:
+    """The reduce of a unit's accumulated gradient in the last micro-batch after unsynced ones
+    (``unit_grad_bytes``: the largest unit's unsharded gradient in the reduce dtype): (the
+    bytes made beside the accumulators at the reduce, the output shard, the accumulator bytes
+    the reduce drops). FSDP2 (``memplan.model.grad_sync``): its reduce-scatter input in the
+    reduce dtype, which replaces the accumulator. FSDP1 (``flat``): ``_reduce_grad`` copies
+    the accumulator into the reduce dtype where that differs from the gathered weights' (the
+    accumulator is the reduce-scatter input itself otherwise) and makes the output shard; it
+    sets ``flat_param.grad = None``, so the accumulator is freed when it returns. The hook runs
+    as a post-hook of the flat parameter's ``AccumulateGrad`` node
+    (``_register_post_backward_hook``: ``acc_grad.register_hook``), whose incoming gradient,
+    added into the accumulator, is still referenced: the unit's new flat gradient too."""
+    output_shard = dp.shard_of(unit_grad_bytes)
+    if not dp.flat:
+        return unit_grad_bytes, output_shard, 0
+    policy = wl.precision.policy
+    e = policy.unsharded.itemsize
+    copy = unit_grad_bytes if e != policy.grad_bytes else 0
+    accumulator = unit_grad_bytes * e // policy.grad_bytes
+    return copy + output_shard + accumulator, output_shard, accumulator
