@@ -446,12 +446,21 @@ REFUSALS: dict[Framework, tuple[Refusal, ...]] = {
     ),
     Framework.GENERIC: (),
     Framework.DEEPSPEED: (
-        Refusal(lambda par, wl: par is not None and int(par.zero) != 2, "--zero 0, 1 or 3",
-                "memplan models DeepSpeed's ZeRO stage 2 (runtime/zero/stage_1_and_2.py "
-                "DeepSpeedZeroOptimizer with partition_grads); stage 1's full gradients "
-                "moved through the bucket, stage 3's parameter coordinator "
+        Refusal(lambda par, wl: par is not None and int(par.zero) not in (1, 2), "--zero 0 or 3",
+                "memplan models DeepSpeed's ZeRO stages 1 and 2 (runtime/zero/stage_1_and_2.py "
+                "DeepSpeedZeroOptimizer); stage 3's parameter coordinator "
                 "(partitioned_param_coordinator.py: prefetch bucket, max live parameters, "
-                "persistence threshold) and stage 0's bf16 optimizer are not modelled yet"),
+                "persistence threshold; its model states and step are in "
+                "memplan.model.deepspeed_zero) and stage 0's bf16 optimizer are not modelled "
+                "yet"),
+        Refusal(lambda par, wl: par is not None and int(par.zero) == 1 and (
+                    wl.zero_bucket_buffers != 1
+                    or (wl.global_batch_size or 0)
+                    > wl.micro_batch_size * par.data_parallel_degree),
+                "--zero 1 with overlap_comm, without contiguous_gradients or with gradient "
+                "accumulation",
+                "DeepSpeed's stage 1 is traced with one bucket and one micro-batch per step "
+                "(stage_1_and_2.py reduce_gradients after backward); the others are not"),
         Refusal(lambda par, wl: wl.precision.value not in ("bf16-mixed", "fp16-mixed"),
                 "a precision other than bf16-mixed or fp16-mixed",
                 "DeepSpeed's ZeRO keeps bf16/fp16 weights and gradients with an fp32 "

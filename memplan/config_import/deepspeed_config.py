@@ -140,14 +140,17 @@ def _zero(imp: Imported, zero: dict[str, Any], hidden: int | None) -> None:
     stage = zero.get("stage", 0)
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise imp.refuse("zero_optimization.stage", stage, "expected 0, 1, 2 or 3")
-    if stage != 2:
+    if stage not in (1, 2):
         raise imp.refuse("zero_optimization.stage", stage,
-                         "memplan models DeepSpeed's ZeRO stage 2 only (stage 1's gradients "
-                         "through the bucket, stage 3's parameter coordinator and stage 0's "
-                         "bf16 optimizer are not modelled yet)")
-    imp.set("zero_optimization.stage", stage, "zero", 2,
-            "runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer(partition_grads=True): "
-            "fp32 partition, states and gradient partition 1/N, bf16/fp16 weights whole")
+                         "memplan models DeepSpeed's ZeRO stages 1 and 2 only (stage 3's "
+                         "parameter coordinator and stage 0's bf16 optimizer are not modelled "
+                         "yet)")
+    imp.set("zero_optimization.stage", stage, "zero", stage,
+            "runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer(partition_grads="
+            + ("True): fp32 partition, states and gradient partition 1/N, bf16/fp16 weights "
+               "whole" if stage == 2 else
+               "False): fp32 partition and states 1/N, the gradients whole through backward, "
+               "reduced after it (reduce_gradients)"))
     for key, value in zero.items():
         name = f"zero_optimization.{key}"
         if key in ZERO_REFUSED and _on(value):
@@ -160,7 +163,7 @@ def _zero(imp: Imported, zero: dict[str, Any], hidden: int | None) -> None:
                                            "stage3_param_persistence_threshold"):
                 shown_value = _auto_hidden(imp, name, hidden, 0.9 if "prefetch" in key else 10)
             imp.notes.append(f"{name} = {shown_value}: read by ZeRO stage 3 only (stage3.py), "
-                             "holds nothing at stage 2")
+                             f"holds nothing at stage {stage}")
         elif key not in ZERO_QUIET and key not in ZERO_REFUSED and key not in (
                 "stage", "reduce_bucket_size", "contiguous_gradients", "overlap_comm",
                 "allgather_bucket_size"):

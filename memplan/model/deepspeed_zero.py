@@ -144,3 +144,117 @@ def estimate_zero3(total_params: int, largest_layer_params: int, num_gpus_per_no
         gpu = largest + int(18 * total_params / total_gpus)
         cpu = (largest_layer_params if zero_init else total_params) * 4 * num_gpus_per_node * f
     return EstimatorBytes(int(cpu), int(gpu), largest)
+
+
+# --- ZeRO stage 3 (runtime/zero/stage3.py DeepSpeedZeroOptimizer_Stage3) -------------------
+
+# DeepSpeedZeroConfig defaults (runtime/zero/config.py, 0.19.8): sub_group_size 1e9 elements,
+# stage3_param_persistence_threshold 1e5 elements
+SUB_GROUP_SIZE = 1_000_000_000
+PARAM_PERSISTENCE_THRESHOLD = 100_000
+
+
+def partition_numel(numel: int, dp: int) -> int:
+    """One parameter's partition on each rank (partition_parameters.py ``_aligned_size``: the
+    parameter padded to a multiple of the ranks, ``partition_size = tensor_size // world``)."""
+    return -(-numel // dp)
+
+
+def sub_groups(partitions: tuple[int, ...], sub_group_size: int = SUB_GROUP_SIZE
+               ) -> tuple[int, ...]:
+    """Elements of each optimizer sub-group (stage3.py ``_create_fp16_sub_groups``): the
+    parameters' partitions in the group's order, a sub-group closed once it reaches
+    ``sub_group_size``; one sub-group when the whole group is no larger."""
+    if sub_group_size >= sum(partitions):
+        return (sum(partitions),)
+    out, size = [], 0
+    for i, numel in enumerate(partitions):
+        size += numel
+        if size >= sub_group_size or i == len(partitions) - 1:
+            out.append(size)
+            size = 0
+    return tuple(out)
+
+
+class Zero3States(NamedTuple):
+    """What a ZeRO-3 rank holds from ``deepspeed.initialize`` on, int bytes, fp32 master weights
+    and Adam (stage3.py ``DeepSpeedZeroOptimizer_Stage3``):
+
+    - ``weights``: its bit16 partitions (``lp_param_buffer``, each parameter's ``ds_tensor`` a
+      view), plus ``persistent`` (parameters of at most stage3_param_persistence_threshold
+      elements stay gathered whole, parameter_offload.py ``persistent_parameters``);
+    - ``gradients``: ``grad_partitions_flat_buffer`` (``_setup_for_real_optimizer``:
+      torch.zeros of the partitions' elements, the gradient accumulation dtype, the model's
+      unless data_types.grad_accum_dtype), kept: the epilogue's partitions are views of it;
+    - ``bucket``: the reduce bucket (``_setup_for_real_optimizer``: torch.empty(
+      reduce_bucket_size) per communication dtype, with contiguous_gradients), kept;
+    - ``master``: the fp32 partitions, one flat tensor per sub-group (``_create_fp32_partitions``);
+    - ``states``: exp_avg and exp_avg_sq on them, made at the first step."""
+
+    weights: int
+    persistent: int
+    gradients: int
+    bucket: int
+    master: int
+    states: int
+
+
+def zero3_states(partitions: tuple[int, ...], persistent_numel: int, bucket_numel: int,
+                 weight_bytes: int, grad_bytes: int, contiguous: bool = True) -> Zero3States:
+    """``Zero3States`` of a rank whose parameters have the partitions ``partitions`` (elements,
+    ``partition_numel``); ``persistent_numel``: the elements of the persistent parameters."""
+    numel = sum(partitions)
+    return Zero3States(weights=numel * weight_bytes, persistent=persistent_numel * weight_bytes,
+                       gradients=numel * grad_bytes,
+                       bucket=bucket_numel * weight_bytes if contiguous else 0,
+                       master=numel * 4, states=numel * 8)
+
+
+def zero3_step_bytes(groups: tuple[int, ...], grad_bytes: int, first: bool) -> int:
+    """The Adam states and the step's temporaries at the step's peak, bytes (stage3.py
+    ``step``, one sub-group at a time): ``_prepare_fp32_grad_for_sub_group`` makes
+    ``flatten(averaged_gradients)`` (the gradient dtype) and its ``.to(fp32)`` together, the
+    flat copy then dropped; the wrapped optimizer steps; ``_release_sub_group`` drops the fp32
+    gradient. From the second step on every sub-group's states are there; at the first the
+    sub-group's exp_avg and exp_avg_sq are made beside its fp32 gradient, those of the
+    sub-groups before it already made."""
+    if not first:
+        return 8 * sum(groups) + (grad_bytes + 4) * max(groups)
+    most, made = 0, 0
+    for g in groups:
+        most = max(most, made + max((grad_bytes + 4) * g, (4 + 8) * g))
+        made += 8 * g
+    return most
+
+
+# --- ZeRO stage 1 (stage_1_and_2.py with partition_grads False) -------------------------------
+
+def stage1_reduce_bytes(numels: tuple[int, ...], bucket_numel: int, dp: int, rank: int,
+                        grad_bytes: int) -> int:
+    """Gradient bytes (whole gradients, the bucket and the rank's gradient partition) at the
+    moment stage 1 makes the partition of ``rank``, after backward: ``engine.backward`` ->
+    ``allreduce_gradients`` -> ``reduce_gradients`` walks the parameters in forward order
+    (``numels``, the flat buffer's order), copying each whole gradient into the bucket (its own
+    storage dropped, ``.grad`` a view of the bucket) and reducing the bucket when the next one
+    does not fit (``reduce_independent_p_g_buckets_and_remove_grads``); the reduce that holds
+    the rank's first parameter allocates ``grads_in_partition`` (``copy_grads_in_partition``:
+    the elements of every parameter overlapping the partition, of the flat buffer padded to
+    2 x ``dp`` elements). The gradients not yet moved are alive then; later reduces only drop
+    more. The first rank's partition is made at the first reduce, the most loaded."""
+    total = sum(numels)
+    size = -(-total // (2 * dp)) * 2  # the padded flat buffer's 1/dp
+    lo, hi = rank * size, (rank + 1) * size
+    spans, start = [], 0
+    for n in numels:
+        spans.append((start, n))
+        start += n
+    part = sum(n for s, n in spans if s < hi and s + n > lo)
+    moved, bucket = 0, []
+    for s, n in [*spans, (total, 0)]:  # the last: the epilogue's reduce of what is left
+        if bucket and (n == 0 or sum(b[1] for b in bucket) + n > bucket_numel):
+            if any(b0 < hi and b0 + b1 > lo for b0, b1 in bucket):
+                break
+            bucket = []
+        bucket.append((s, n))
+        moved += n
+    return (total - moved + bucket_numel + part) * grad_bytes

@@ -293,7 +293,10 @@ def _assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload, schedule: S
         ("data-parallel gradients in persistent buffers they are views of (Megatron-LM, "
          "DDP gradient_as_bucket_view=True)" if par.grad_buffers is GradBuffers.VIEW else
          "DDP gradient buckets: a persistent gradient-sized copy (PyTorch DDP default)")
-        if par.data_parallel_buffers else
+        if par.data_parallel_buffers and not wl.zero_bucket_buffers else
+        ("gradients whole through backward, reduced after it through DeepSpeed's bucket into "
+         "the rank's partition, the others freed (stage_1_and_2.py reduce_gradients, "
+         "_clear_param_grad_only)") if par.data_parallel_buffers else
         "gradients freed after each optimizer step (zero_grad(set_to_none=True))",
         "MoE routing balanced across experts (no capacity drop, no imbalance)",
         *adapters.assumptions(wl),

@@ -15,7 +15,12 @@ import math
 from typing import Any, NamedTuple
 
 from memplan.model.adapters import ADAPTER_BYTES
-from memplan.model.deepspeed_zero import bucket_bytes, first_reduce, step_flat_copy_bytes
+from memplan.model.deepspeed_zero import (
+    bucket_bytes,
+    first_reduce,
+    stage1_reduce_bytes,
+    step_flat_copy_bytes,
+)
 from memplan.model.embedding import EmbeddingBlock
 from memplan.model.fsdp_buckets import gathered_units, queued_units
 from memplan.model.head import HeadBlock
@@ -349,6 +354,10 @@ class ShardingBuffers(NamedTuple):
     lazy_init_bytes: int = 0  # made and freed one at a time in the first step's forward,
     #                           before any activation: the largest such buffer (FSDP1's
     #                           padded unsharded flat parameters, ``memplan.model.fsdp1``)
+    reduce_after_bytes: int = 0  # gradient bytes at a reduce after backward, nothing else of
+    #                              backward alive (DeepSpeed's ZeRO-1); 0: none
+    step_grads_bytes: int = 0  # gradient bytes the optimizer step sees where they are not
+    #                            the backward's (ZeRO-1's partition); 0: the same
 
     @property
     def peak_bytes(self) -> int:
@@ -440,7 +449,7 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload,
                                # at the embedding's backward every block is resharded
                                backward_end_bytes=root_b,
                                forward_start_bytes=start, forward_first_start_bytes=first_start)
-    if wl.zero_bucket_buffers and par.zero == ZeroStage.GRADIENTS:
+    if wl.zero_bucket_buffers and par.zero in (ZeroStage.OPTIMIZER, ZeroStage.GRADIENTS):
         return _preallocated_buckets(params, par, wl, trainable, policy.grad_bytes)
     if par.zero == ZeroStage.GRADIENTS and par.dense_shard_degree > 1:
         return ShardingBuffers(0, 0, _reduce_bucket(params, par, trainable, policy.grad_bytes))
@@ -456,7 +465,9 @@ def _preallocated_buckets(params: StageParams, par: ParallelConfig, wl: Workload
     backward moment but the loss's (the ``backward_head_prefetch_bytes`` share of the head's
     bytes). The rank's gradient partition is whole from the first bucket reduce on
     (``first_reduce``, the last rank's: the most loaded), not growing with the gradients
-    made."""
+    made. ZeRO-1's: ``_reduce_after_backward``."""
+    if par.zero == ZeroStage.OPTIMIZER:
+        return _reduce_after_backward(params, par, wl, grad_bytes)
     held = bucket_bytes(wl.zero_bucket_numel, wl.zero_bucket_buffers, grad_bytes)
     trained = trainable.trained(params)
     partition = (_shard(trained.dense, par.dense_shard_degree, True)
@@ -466,6 +477,23 @@ def _preallocated_buckets(params: StageParams, par: ParallelConfig, wl: Workload
                            backward_last_block_bytes=held, backward_end_bytes=held,
                            backward_head_prefetch_bytes=held, bucket_bytes=held,
                            partition_bytes=partition, partition_from=start)
+
+
+def _reduce_after_backward(params: StageParams, par: ParallelConfig, wl: Workload,
+                           grad_bytes: int) -> ShardingBuffers:
+    """DeepSpeed's ZeRO-1 (``memplan.model.deepspeed_zero.stage1_reduce_bytes``): the bucket
+    held from the first gradient hook to the end of backward (``setup_buckets``), the
+    gradients whole through backward; after it, the reduce in forward order makes the first
+    rank's partition (the most loaded) beside the gradients not yet moved and the bucket;
+    the step sees the partition alone (``_clear_param_grad_only``)."""
+    held = bucket_bytes(wl.zero_bucket_numel, wl.zero_bucket_buffers, grad_bytes)
+    d = par.dense_shard_degree
+    partition = _shard(params.dense, d, True) * grad_bytes
+    reduce = stage1_reduce_bytes(params.tensor_sizes, wl.zero_bucket_numel, d, 0, grad_bytes)
+    return ShardingBuffers(0, 0, 0, backward_head_bytes=held, backward_block_bytes=held,
+                           backward_last_block_bytes=held, backward_end_bytes=held,
+                           backward_head_prefetch_bytes=held, reduce_after_bytes=reduce,
+                           step_grads_bytes=partition)
 
 
 def _reduce_bucket(params: StageParams, par: ParallelConfig, trainable: TrainablePolicy,

@@ -286,8 +286,8 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
         resident = dfr.resident if steady else 0
         # the drain of deferred weight gradients after the last backward, beside the
         # gradients (its gathered buffers counted in ``dfr.drain``)
-        drain = (base + opt_bytes + from_loss + held + st.grads_bytes + dfr.drain
-                 if dfr.pair else 0)
+        drain = max(base + opt_bytes + from_loss + held + st.grads_bytes + dfr.drain
+                    if dfr.pair else 0, _reduce_after(fx, base + opt_bytes + from_loss))
         init = base + opt_bytes + fx.shard.forward_start(steady, st.grads_bytes)
         return PhasePeaks(
             forward=max(base + resident + opt_bytes + in_forward + forward(steady)
@@ -301,6 +301,12 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
                   max(walk.head.loss_forward, walk.head.loss),
                   peaks(st.optimizer_bytes, 0, True),
                   peaks(st.master_bytes + st.setup_bytes, st.scaler_bytes, False))
+
+
+def _reduce_after(fx: StageStates, beside: int) -> int:
+    """A reduce after backward (DeepSpeed's ZeRO-1, ``ShardingBuffers.reduce_after_bytes``),
+    nothing of backward alive but ``beside``; 0 where there is none."""
+    return beside + fx.shard.reduce_after_bytes if fx.shard.reduce_after_bytes else 0
 
 
 def _optimizer_peaks(head: HeadBlock, fx: StageStates) -> tuple[int, int]:

@@ -192,9 +192,12 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
     # Gradients exist during forward when an earlier micro-batch made them, or when they live
     # in persistent data-parallel buffers; DDP's default copies them into separate buckets.
     # a DDP wrap at any data-parallel size (Workload.ddp_any_size: Megatron-LM) keeps its
-    # gradient buffer from the wrap on, one rank included
-    ddp = par.data_parallel_buffers or (wl.ddp_any_size and par.zero < ZeroStage.GRADIENTS)
+    # gradient buffer from the wrap on, one rank included (DeepSpeed's ZeRO-1: its own bucket)
+    ddp = ((par.data_parallel_buffers and not shard.reduce_after_bytes)
+           or (wl.ddp_any_size and par.zero < ZeroStage.GRADIENTS))
     opt_temp = optimizer_step_temp_bytes(params, st, par, wl, trainable)
+    # the gradients the step sees (ZeRO-1 under DeepSpeed: the partition alone)
+    at_step = st._replace(grads_bytes=shard.step_grads_bytes) if shard.step_grads_bytes else st
     buckets = st.grads_bytes if ddp and par.grad_buffers is GradBuffers.COPY else 0
     buffers = rope_buffer_bytes(spec, wl, len(stage_layer_indices(
         spec, par.pp, par.vpp, stage, par.stage_layers)))
@@ -224,9 +227,9 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
         # units as buckets: the weights outside the units stay gathered across steps
         # (Megatron-FSDP AllGatherPipeline.reset(preserve_non_fsdp_units=True) in
         # synchronize_param_gather), so they are alive at the step
-        step=optimizer_step(st, opt_temp, buckets + (shard.gathered_at_loss_bytes
+        step=optimizer_step(at_step, opt_temp, buckets + (shard.gathered_at_loss_bytes
                                                      if shard.queued_whole else 0), buffers),
-        first_step=(flat_partition_step(st, opt_temp, st.num_optimizer_params * FP32_BYTES,
+        first_step=(flat_partition_step(at_step, opt_temp, st.num_optimizer_params * FP32_BYTES,
                                         buffers, True)
                     if wl.flat_partition and not optimizer_on_host(par) else None),
         # frozen weights make no gradient: only the adapters accumulate, in fp32

@@ -52,19 +52,26 @@ from memplan.profile.trace import TraceResult
 PRECISIONS = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 
 
-def _environment(dp: int) -> None:
+def _environment(dp: int, rank: int) -> None:
     """What DeepSpeed reads before it starts: the CPU accelerator, and the launcher's
     variables (engine.py _do_args_sanity_check asserts LOCAL_RANK)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.update(LOCAL_RANK="0", RANK=str(dp - 1), WORLD_SIZE=str(dp))
+    os.environ.update(LOCAL_RANK="0", RANK=str(rank), WORLD_SIZE=str(dp))
+
+
+def _rank(case: FrameworkCase) -> int:
+    """The traced rank: the last unless ``options["rank"]`` (stage 1's most loaded is the
+    first, whose partition is made at the first reduce after backward)."""
+    return int(case.options.get("rank", case.dp - 1))
 
 
 def ds_config(case: FrameworkCase) -> dict[str, Any]:
     """The ds_config of a case: its micro-batch, precision and ZeRO options (``options``:
     ``reduce_bucket_size``, ``overlap_comm``, ``contiguous_gradients``)."""
     zero = {"stage": 2, **{k: v for k, v in case.options.items()
-                           if k in ("reduce_bucket_size", "overlap_comm",
-                                    "contiguous_gradients", "offload_optimizer")}}
+                           if k in ("stage", "reduce_bucket_size", "overlap_comm",
+                                    "contiguous_gradients", "offload_optimizer")
+                           or k.startswith("stage3_") or k == "sub_group_size"}}
     # fp16 with a static loss scale (runtime/fp16/loss_scaler.py LossScaler): a dynamic one
     # skips the steps whose scaled gradients overflow, which a random toy's first steps do
     table = ({"enabled": True, "loss_scale": 128} if case.recipe == "fp16-mixed"
@@ -82,7 +89,7 @@ def ds_config(case: FrameworkCase) -> dict[str, Any]:
 def build_deepspeed(case: FrameworkCase) -> Built:
     """A transformers causal LM (``case.config``, SDPA attention) in the recipe's dtype,
     wrapped by ``deepspeed.initialize`` with ``ds_config(case)``."""
-    _environment(case.dp)
+    _environment(case.dp, _rank(case))
     import deepspeed
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -92,11 +99,14 @@ def build_deepspeed(case: FrameworkCase) -> Built:
     spec = hf_spec(model.config, case.name)
     client = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     cfg = ds_config(case)
+    if cfg["zero_optimization"]["stage"] == 3:
+        _skip_rank_agreement()
     engine, zero_opt, _, _ = deepspeed.initialize(model=model, optimizer=client, config=cfg,
                                                   dist_init_required=False)
     b, s, vocab = case.micro_batch_size, case.seq_len, model.config.vocab_size
 
     m = cfg["gradient_accumulation_steps"]
+    stage = cfg["zero_optimization"]["stage"]
 
     def step(k: int, mark: Mark) -> None:
         # accelerate's DeepSpeedEngineWrapper.backward: engine.backward, then engine.step,
@@ -113,15 +123,33 @@ def build_deepspeed(case: FrameworkCase) -> Built:
             del loss
             if j < m - 1:
                 engine.step()
-        _label_partition(zero_opt, tracker_of[0])
+        if stage != 3:
+            _label_partition(zero_opt, tracker_of[0])
         mark("optimizer")
         engine.step()
 
     tracker_of: list[Any] = [None]
+    sizes: dict[str, Any] = {}
 
     @contextlib.contextmanager
     def registered(tracker: LibraryTracker) -> Iterator[None]:
         tracker_of[0] = tracker
+        if stage == 3:  # stage3.py: the bit16 and fp32 partitions, per sub-group
+            tracker.register(list(zero_opt.fp16_partitioned_groups_flat), "parameters")
+            tracker.register(list(zero_opt.fp32_partitioned_groups_flat), "optimizer")
+            # _setup_for_real_optimizer: the reduce bucket and the gradient partitions, made
+            # at __init__ and kept
+            tracker.register([b.buffer for b in zero_opt.ipg_buckets.values()], "buckets")
+            tracker.register(zero_opt.grad_partitions_flat_buffer, "gradients")
+            sizes.update(
+                weights=_nbytes(zero_opt.fp16_partitioned_groups_flat),
+                master=_nbytes(zero_opt.fp32_partitioned_groups_flat),
+                bucket=_nbytes([b.buffer for b in zero_opt.ipg_buckets.values()]),
+                gradients=_nbytes([zero_opt.grad_partitions_flat_buffer]),
+                sub_groups=[t.numel() for t in zero_opt.fp32_partitioned_groups_flat],
+                persistent=sum(p.ds_numel for p in zero_opt.persistent_parameters))
+            yield
+            return
         tracker.register(list(zero_opt.single_partition_of_fp32_groups), "optimizer")
         if zero_opt.cpu_offload:  # ZeRO-Offload: what stage_1_and_2.py __init__ puts on the host
             tracker.register([p.grad for p in zero_opt.single_partition_of_fp32_groups]
@@ -139,9 +167,25 @@ def build_deepspeed(case: FrameworkCase) -> Built:
                        if "reduce_bucket_size" in zero else {}),
                     **({"zero_bucket_buffers": 2} if zero.get("overlap_comm") else {}))
     offload = "optimizer" if "offload_optimizer" in zero else "none"
-    return Built("deepspeed", model, spec, api.make_layout(case.dp, zero=2, offload=offload),
-                 workload, step,
-                 zero_opt.optimizer, context=registered)
+    built = Built("deepspeed", model, spec, api.make_layout(case.dp, zero=stage, offload=offload),
+                  workload, step, zero_opt.optimizer, context=registered)
+    built.registered = sizes  # type: ignore[attr-defined]
+    return built
+
+
+def _nbytes(tensors: list[Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _skip_rank_agreement() -> None:
+    """ZeRO-3's coordinator checks at each step start that every rank recorded the same module
+    trace (partitioned_param_coordinator.py reset_step -> zero/utils.py
+    assert_ints_same_as_other_ranks: an all-reduce of the lengths and ids). On the fake
+    process group the collectives return at once with nothing in them, so the check fails;
+    it allocates only a few integers, and is skipped."""
+    from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator
+
+    coordinator.assert_ints_same_as_other_ranks = lambda ints: None
 
 
 def _label_partition(zero_opt: Any, tracker: LibraryTracker) -> None:
@@ -154,14 +198,15 @@ def _label_partition(zero_opt: Any, tracker: LibraryTracker) -> None:
 
 
 @contextlib.contextmanager
-def _last_rank(dp: int) -> Iterator[None]:
-    """The last of ``dp`` ranks on torch's fake process group: the rank whose partition is the
-    flat buffer's tail, the head's and the last layers' gradients, made first in backward
-    (``memplan.model.deepspeed_zero.first_reduce``)."""
+def _last_rank(dp: int, rank: int | None = None) -> Iterator[None]:
+    """The last of ``dp`` ranks (or ``rank``) on torch's fake process group: the last is the
+    rank whose partition is the flat buffer's tail, the head's and the last layers'
+    gradients, made first in backward (``memplan.model.deepspeed_zero.first_reduce``)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=dp - 1, world_size=dp)
+    dist.init_process_group("fake", store=FakeStore(), rank=dp - 1 if rank is None else rank,
+                            world_size=dp)
     try:
         yield
     finally:
@@ -179,12 +224,21 @@ class OffloadTracker(HostCategories, LibraryTracker):
 
 def trace_deepspeed(case: FrameworkCase, steps: int = 2) -> tuple[Built, TraceResult]:
     """Build and trace ``case`` on the last of ``case.dp`` fake ranks, CUDA's kernels."""
-    with _last_rank(case.dp), cuda_kernels():
+    with _last_rank(case.dp, _rank(case)), cuda_kernels():
         torch.manual_seed(0)
         built = build_deepspeed(case)
         offload = "offload_optimizer" in case.options
         tracker = OffloadTracker() if offload else LibraryTracker()
         return built, run_library_steps(built, tracker, steps=steps)
+
+
+def trace_json(built: Built, result: TraceResult) -> dict[str, Any]:
+    """Each step's phase peaks (total and by category) and the bytes of what the ZeRO
+    optimizer registered, as JSON: ``{"steps": [{"forward": {"total": n, "parameters": ...},
+    ...}], "registered": {...}}``."""
+    steps = [{phase: {"total": peak.total_bytes, **peak.by_category}
+              for phase, peak in s.phases.items()} for s in result.steps]
+    return {"steps": steps, "registered": dict(getattr(built, "registered", {}) or {})}
 
 
 def compare_deepspeed(case: FrameworkCase, steps: int = 2) -> Comparison:
@@ -203,7 +257,11 @@ def main(argv: list[str] | None = None) -> None:
 
     from memplan.profile.compare import comparison_json
 
-    fields = json.loads((argv if argv is not None else sys.argv[1:])[0])
+    args = argv if argv is not None else sys.argv[1:]
+    fields = json.loads(args[0])
+    if "--trace" in args:  # the trace alone, for what memplan's preset does not model yet
+        print(json.dumps(trace_json(*trace_deepspeed(FrameworkCase(**fields)))))
+        return
     c = compare_deepspeed(FrameworkCase(**fields))
     print(json.dumps(comparison_json(c)))
 

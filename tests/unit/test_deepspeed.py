@@ -22,7 +22,12 @@ from memplan.model.deepspeed_zero import (
     estimate_zero2,
     estimate_zero3,
     first_reduce,
+    partition_numel,
+    stage1_reduce_bytes,
+    sub_groups,
     weight_grads_at,
+    zero3_states,
+    zero3_step_bytes,
 )
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "deepspeed"
@@ -142,12 +147,119 @@ def test_weight_grads_at_moments_by_hand() -> None:
 
 
 def test_deepspeed_refuses_what_it_does_not_model() -> None:
-    for kwargs, name in ((dict(zero=3), "--zero 0, 1 or 3"), (dict(zero=1), "--zero 0, 1 or 3"),
+    for kwargs, name in ((dict(zero=3), "--zero 0 or 3"), (dict(zero=0), "--zero 0 or 3"),
+                         (dict(zero=1, zero_bucket_buffers=2), "--zero 1 with overlap_comm"),
+                         (dict(zero=1, global_batch_size=16), "--zero 1 with overlap_comm"),
                          (dict(zero=2, precision="fp32"), "precision"),
                          (dict(zero=2, offload="optimizer"), "--offload"),
                          (dict(zero=2, tp=2), "--tp, --pp"), (dict(zero=2, pp=2), "--tp, --pp")):
         with pytest.raises(MemplanError, match=name):
             api.estimate("llama-7b", gpus=8, framework="deepspeed", **kwargs)
+
+
+# --- ZeRO stage 3 (stage3.py), the pieces -----------------------------------------------------
+
+# The toy Llama of tests/traced (hf_configs.LLAMA3_TOY: vocabulary 1,000, hidden 256, MLP 896,
+# 8 heads of 32, 2 KV heads, 2 layers, untied head) on 2 ranks, each parameter's partition
+# ceil(numel / 2) in named_parameters() order: embedding 256,000 / 2 = 128,000; per layer q and o
+# 65,536 / 2 = 32,768, k and v 16,384 / 2 = 8,192, gate, up, down 229,376 / 2 = 114,688, two
+# norms 128; the final norm 128; the head 128,000. P / 2 = 1,108,608.
+_LAYER = (32_768, 8_192, 8_192, 32_768, 114_688, 114_688, 114_688, 128, 128)
+TOY_PARTITIONS = (128_000, *_LAYER, *_LAYER, 128, 128_000)
+
+
+def test_zero3_partition_and_sub_groups_by_hand() -> None:
+    """partition_numel: ceil(numel / N) (partition_parameters.py _aligned_size); 7 elements on
+    2 ranks: 4. Sub-groups (stage3.py _create_fp16_sub_groups) of the toy's partitions,
+    sub_group_size 5e5: the embedding and layer 0 up to its down projection make
+    128,000 + 32,768 + 8,192 + 8,192 + 32,768 + 3 x 114,688 = 553,984 >= 5e5, closed there;
+    the rest (layer 0's two norms 256, layer 1's 425,984 + 256, the final norm 128, the head
+    128,000) is 554,624, closed by the last parameter. The default 1e9: one sub-group of
+    1,108,608 (traced: tests/traced/test_deepspeed_trace.py)."""
+    assert partition_numel(7, 2) == 4 and partition_numel(65_536, 2) == 32_768
+    assert sum(TOY_PARTITIONS) == 1_108_608
+    assert sub_groups(TOY_PARTITIONS, 500_000) == (553_984, 554_624)
+    assert sub_groups(TOY_PARTITIONS) == (1_108_608,)
+
+
+def test_zero3_states_by_hand() -> None:
+    """The toy on 2 ranks, bf16, reduce bucket 3e5: bf16 partition 1,108,608 x 2 =
+    2,217,216 B; the kept gradient partition (grad accumulation dtype = bf16) the same; the
+    bucket 3e5 x 2 = 600,000 B; fp32 partition 4,434,432 B; Adam 8,868,864 B. Persistent
+    parameters (threshold 1e5): the 5 norms (256 each) and the 4 q/o (65,536) and 4 k/v
+    (16,384) projections = 1,280 + 262,144 + 65,536 = 328,960 elements, 657,920 B."""
+    st = zero3_states(TOY_PARTITIONS, 328_960, 300_000, 2, 2)
+    assert st == (2_217_216, 657_920, 2_217_216, 600_000, 4_434_432, 8_868_864)
+    assert zero3_states(TOY_PARTITIONS, 0, 300_000, 2, 2, contiguous=False).bucket == 0
+
+
+def test_zero3_step_by_hand() -> None:
+    """stage3.py step, one sub-group at a time. One sub-group g = 1,108,608: step 1 makes the
+    fp32 gradient (4g) and then exp_avg, exp_avg_sq (8g) beside it: 12g = 13,303,296 B
+    (the flat bf16 copy, 2g, is dropped before: 6g is less); later steps: the states 8g and
+    the flat copy with the fp32 gradient 6g = 15,520,512 B. Two sub-groups 553,984 and
+    554,624: step 1's peak is at the second, the first's states made: 8 x 553,984 +
+    12 x 554,624 = 4,431,872 + 6,655,488 = 11,087,360 B; later: 8 x 1,108,608 +
+    6 x 554,624 = 8,868,864 + 3,327,744 = 12,196,608 B."""
+    assert zero3_step_bytes((1_108_608,), 2, first=True) == 13_303_296
+    assert zero3_step_bytes((1_108_608,), 2, first=False) == 15_520_512
+    assert zero3_step_bytes((553_984, 554_624), 2, first=True) == 11_087_360
+    assert zero3_step_bytes((553_984, 554_624), 2, first=False) == 12_196_608
+
+
+def test_zero3_states_against_deepspeeds_estimator() -> None:
+    """estimate_zero3_model_states_mem_needs without offload: 4 B x the largest module's own
+    parameters + int(18P / N). Its 18P/N is the bf16 partition (2), the fp32 gradient (4),
+    the fp32 partition (4) and Adam (8): memplan's pieces give the same 18P/N for Llama-2-7B
+    on 8 GPUs (P / 8 = 842,301,952: 15,161,435,136 B); the kept bf16 gradient partition
+    (grad_partitions_flat_buffer, 2P/N = 1,684,603,904 B) is beyond it."""
+    part = LLAMA_7B_PARAMS // 8
+    st = zero3_states((part,), 0, 0, 2, 2)
+    fp32_grad = 4 * part
+    est = estimate_zero3(LLAMA_7B_PARAMS, 0, 8, 1, cpu_offload=False)
+    assert st.weights + fp32_grad + st.master + st.states == est.gpu_bytes == 15_161_435_136
+    assert st.gradients == 1_684_603_904
+
+
+def test_stage1_reduce_by_hand() -> None:
+    """The toy on 2 ranks, bucket 3e5, bf16, forward order (the flat buffer's): embedding
+    256,000, per layer q 65,536, k and v 16,384, o 65,536, gate/up/down 229,376, norms 256;
+    final norm 256; head 256,000 (P = 2,217,216, a multiple of 4: partitions of 1,108,608).
+    Rank 0's partition covers the embedding to layer 1's q projection, which starts at
+    1,108,480 < 1,108,608: 1,174,016 elements. The first reduce (q does not fit beside the
+    embedding's 256,000) holds the embedding, rank 0's: there (2,217,216 - 256,000) whole
+    gradients + the bucket 300,000 + 1,174,016 = 3,435,232 elements, 6,870,464 B. Rank 1's
+    partition overlaps from layer 1's q on: 2,217,216 - 1,108,480 = 1,108,736 elements.
+    Buckets: [embedding] (q does not fit), [q k v o] = 163,840 (gate does not fit), [gate],
+    [up], [down, 2 norms, layer 1's q] = 295,424 (k does not fit): that reduce holds rank
+    1's first parameter. Moved by then 256,000 + 163,840 + 3 x 229,376 + 512 + 65,536 =
+    1,174,016; alive 1,043,200 + 300,000 + 1,108,736 = 2,451,936 elements, 4,903,872 B."""
+    layer = (65_536, 16_384, 16_384, 65_536, 229_376, 229_376, 229_376, 256, 256)
+    numels = (256_000, *layer, *layer, 256, 256_000)
+    assert stage1_reduce_bytes(numels, 300_000, 2, 0, 2) == 6_870_464
+    assert stage1_reduce_bytes(numels, 300_000, 2, 1, 2) == 4_903_872
+
+
+def test_stage1_estimate_by_hand() -> None:
+    """Llama-2-7B on 8 GPUs, ZeRO-1, DeepSpeed's default bucket 5e8, in memplan's parameter
+    order (embedding 131,072,000; per layer a norm 4,096, q k v o 16,777,216 each, a norm,
+    gate up down 45,088,768 each): the reduce after backward in forward order fills the
+    bucket with the embedding, layer 0 (202,383,360) and layer 1 up to its up projection
+    (490,749,952 elements; the down projection would pass 5e8) and reduces: rank 0's
+    partition is made there. The flat buffer, 6,738,415,616 elements, is a multiple of 16:
+    partitions of 842,301,952; rank 0's overlaps up to layer 3's gate projection, which starts
+    at 805,339,136 and ends at 850,427,904. Alive then: 6,738,415,616 - 490,749,952 =
+    6,247,665,664 whole gradients + 5e8 + 850,427,904 = 7,598,093,568 elements, 15,196,187,136
+    B, beside the bf16 weights 13,476,831,232 B and the fp32 partition 3,369,207,808 B (step
+    1): 32,042,226,176 B; later steps add the states, 6,738,415,616 + 4 B. The step sees the
+    partition alone: gradients P/8 x 2 B at the optimizer phase, as at stage 2."""
+    est = api.estimate("llama-7b", gpus=8, zero=1, framework="deepspeed", micro_batch_size=1,
+                       seq_len=2048).stages[0]
+    assert est.first_step.backward == 13_476_831_232 + 3_369_207_808 + 15_196_187_136
+    assert est.steady.backward == 32_042_226_176 + 6_738_415_616 + 4
+    two = api.estimate("llama-7b", gpus=8, zero=2, framework="deepspeed", micro_batch_size=1,
+                       seq_len=2048).stages[0]
+    assert est.steady.optimizer == two.steady.optimizer
 
 
 # --- ds_config.json as written --------------------------------------------------------------
@@ -267,3 +379,34 @@ def test_diagnose_proposes_deepspeeds_bucket_levers() -> None:
     one = next(f for f in two.fixes.ranked if "one reduce bucket" in f.name)
     # the bucket's 1e9 B, and the allocator's assumed 5% of the tensor peak on it
     assert one.saved_bytes == 1_050_000_000
+
+
+def test_diagnose_proposes_stage_2_from_stage_1() -> None:
+    """From DeepSpeed's ZeRO-1, diagnose re-estimates stage 2 (the gradients partitioned in
+    backward: no whole gradients at the reduce after it, 15,196,187,136 B at stage 1 by
+    test_stage1_estimate_by_hand); stage 3 is refused under the preset, so not proposed."""
+    from memplan.diagnose import diagnose
+
+    r = diagnose("llama-7b", gpus=8, zero=1, framework="deepspeed", gpu="v100-sxm2-32gb",
+                 micro_batch_size=1, seq_len=2048)
+    names = {f.name: f for f in r.fixes.ranked}
+    assert names["ZeRO stage 2"].change == {"zero": 2}
+    assert names["ZeRO stage 2"].saved_bytes > 0
+    assert "ZeRO stage 3" not in names
+
+
+def test_stage1_config_reads_and_overlap_is_refused(tmp_path: Path) -> None:
+    """A stage-1 ds_config maps to --zero 1 with one bucket of reduce_bucket_size elements;
+    with overlap_comm (two buckets) the preset refuses it by name, not traced at stage 1."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {
+        "stage": 1, "reduce_bucket_size": 2e8}}))
+    imp = deepspeed_config.read(path, 8, "llama-7b")
+    assert imp.inputs == {"framework": "deepspeed", "precision": "bf16-mixed", "zero": 1,
+                          "zero_bucket_numel": 200_000_000, "zero_bucket_buffers": 1}
+    api.estimate("llama-7b", gpus=8, **imp.inputs)
+    path.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {
+        "stage": 1, "overlap_comm": True}}))
+    imp = deepspeed_config.read(path, 8, "llama-7b")
+    with pytest.raises(MemplanError, match="--zero 1 with overlap_comm"):
+        api.estimate("llama-7b", gpus=8, **imp.inputs)
