@@ -154,6 +154,11 @@ GradSyncOpt = Annotated[Optional[GradSync], typer.Option(
     "micro-batches; DDP no_sync() and ZeRO-1 hold the same bytes as every). Default: the "
     "framework's (hf: last; generic: every).",
     rich_help_panel=_WORKLOAD)]
+CompileOpt = Annotated[Optional[bool], typer.Option(
+    "--compile/--no-compile", help="Each decoder layer under torch.compile (Inductor): "
+    "AOTAutograd's min-cut partitioner saves matmul and attention outputs and recomputes the "
+    "pointwise ops between them (torchtitan's compile.enable). Default: off.",
+    rich_help_panel=_KERNELS)]
 UseCache = Annotated[Optional[bool], typer.Option(
     "--use-cache/--no-use-cache", help="The training forward fills a key/value cache "
     "(transformers' config use_cache, which Trainer leaves on: a DynamicCache holds each "
@@ -296,6 +301,7 @@ SHARED: dict[str, Shared] = {
     "framework": Shared(FrameworkOpt, None, _value),
     "keep_grads": Shared(KeepGrads, None),
     "use_cache": Shared(UseCache, None),
+    "compile": Shared(CompileOpt, False),
     "grad_sync": Shared(GradSyncOpt, None),
     "loss_chunks": Shared(LossChunks, _WL["loss_chunks"].default),
     "mtp_layers": Shared(MtpLayers, _WL["mtp_layers"].default),
@@ -312,7 +318,7 @@ LAYOUT = ("tp", "pp", "vpp", "vpp_group", "dp", "cp", "ep", "etp", "sp", "vocab_
           "grad_buffers", "offload", "zero", "stage_layers", "dp_shard")
 WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "recompute_every",
             "precision", "optimizer", "optimizer_impl", "attention", "norm", "logits_fp32",
-            "loss_chunks", "framework", "keep_grads", "use_cache", "grad_sync",
+            "loss_chunks", "framework", "keep_grads", "use_cache", "grad_sync", "compile",
             "mtp_layers", "loss_impl",
             "lora_rank", "lora_targets", "lora_dropout", "base_quant")
 # what a framework's own loop decides, beyond memplan's reference model (which trace and

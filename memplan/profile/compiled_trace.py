@@ -1,0 +1,92 @@
+"""What Inductor's partitioner saves for backward in a compiled decoder layer, traced on CPU.
+
+A transformers ``LlamaDecoderLayer`` is compiled on its own (as torchtitan's
+``apply_compile`` compiles each decoder layer: torchtitan/distributed/compile.py), optionally
+wrapped in non-reentrant activation checkpointing first (torchtitan checkpoints, then
+compiles: torchtitan/models/llama3/parallelize.py). One forward and backward run; the
+partition Inductor makes (``torch._inductor.compile_fx.partition_fn`` calls
+``min_cut_rematerialization_partition``) is recorded: the forward graph's outputs beyond the
+layer's own are the tensors saved for backward, with their sizes from the fake values.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+
+class SavedTensor(NamedTuple):
+    """One tensor the compiled forward saves: its node, op, shape, dtype and bytes;
+    ``graph_input``: a graph input (the layer's input, a weight, the RoPE tables) rather than
+    a tensor the forward made."""
+
+    name: str
+    op: str
+    shape: tuple[int, ...]
+    dtype: str
+    size_bytes: int
+    graph_input: bool
+
+
+def _record(rows: list[list[SavedTensor]]):
+    import torch
+
+    from torch._inductor import compile_fx
+
+    original = compile_fx.min_cut_rematerialization_partition
+
+    def recording(gm: Any, joint_inputs: Any, **kwargs: Any):
+        fw, bw = original(gm, joint_inputs, **kwargs)
+        outputs = next(iter(fw.graph.find_nodes(op="output"))).args[0]
+        saved = []
+        for node in outputs[kwargs["num_fwd_outputs"]:]:
+            value = node.meta.get("val")
+            if not isinstance(value, torch.Tensor):
+                continue  # symbolic sizes, RNG seeds
+            numel = int(value.numel()) if all(isinstance(d, int) for d in value.shape) else 0
+            saved.append(SavedTensor(node.name, str(node.target), tuple(value.shape),
+                                     str(value.dtype).removeprefix("torch."),
+                                     numel * value.element_size(), node.op == "placeholder"))
+        rows.append(saved)
+        return fw, bw
+
+    return compile_fx, original, recording
+
+
+def compiled_layer_saved(config: dict, dtype_name: str, batch: int, seq: int,
+                         checkpoint: bool = False) -> list[SavedTensor]:
+    """The saved set of one compiled ``LlamaDecoderLayer`` of ``config`` (a config.json dict)
+    in ``dtype_name`` for ``batch`` sequences of ``seq`` tokens, SDPA attention."""
+    import torch
+    from torch.utils.checkpoint import checkpoint as run_checkpointed
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**config)
+    cfg._attn_implementation = "sdpa"
+    dtype = getattr(torch, dtype_name)
+    layer = LlamaDecoderLayer(cfg, 0).to(dtype)
+    x = torch.randn(batch, seq, cfg.hidden_size, dtype=dtype, requires_grad=True)
+    positions = torch.arange(seq)[None].expand(batch, seq)
+    cos, sin = LlamaRotaryEmbedding(cfg)(x, positions)
+
+    def run(h, c, s):
+        return layer(h, attention_mask=None, position_embeddings=(c, s))
+
+    def step(h, c, s):
+        if checkpoint:
+            return run_checkpointed(run, h, c, s, use_reentrant=False)
+        return run(h, c, s)
+
+    rows: list[list[SavedTensor]] = []
+    module, original, recording = _record(rows)
+    module.min_cut_rematerialization_partition = recording
+    try:
+        out = torch.compile(step, backend="inductor", fullgraph=True)(x, cos, sin)
+        (out[0] if isinstance(out, tuple) else out).sum().backward()
+    finally:
+        module.min_cut_rematerialization_partition = original
+        torch._dynamo.reset()
+    assert len(rows) == 1, f"expected one partitioned graph, got {len(rows)}"
+    return rows[0]

@@ -1,0 +1,55 @@
+"""A compiled decoder layer's saved set, from Inductor's real partitioner, against memplan.
+
+transformers' ``LlamaDecoderLayer`` (the Llama 3 config of tests/traced/hf_configs.py, cut to
+h = 256, 8 heads, 2 KV heads, ffn 896) is compiled on its own with the Inductor backend on CPU,
+as torchtitan compiles each decoder layer, optionally inside full activation checkpointing
+(``memplan.profile.compiled_trace``); the tensors ``min_cut_rematerialization_partition``
+saves for backward are recorded from the partitioned forward graph. memplan's saved terms of
+one layer with ``compile=True`` must match them to the byte: the tensors the forward made,
+and of its graph inputs the layer's input (the weights and the RoPE tables, one per model,
+are not a layer's activations).
+
+Traced (torch 2.13.0 CPU, transformers 5.3.0), 2 sequences of 64 tokens (T = 128):
+fp32 2,233,344 B = the layer input, each norm's rsqrt (T fp32) and output, the post-attention
+norm's input (kept as the output projection's output, the residual sum recomputed), q and k
+after RoPE, v, SDPA's output and logsumexp, gate, up and SiLU(gate) * up; bf16 1,119,232 B
+(the statistics fp32). Inside checkpointing the layer saves its input alone (and the RNG
+state, a symbolic-size uint8 tensor of the checkpoint, not counted).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from hf_configs import LLAMA3_TOY, hf  # tests/traced/hf_configs.py
+
+from memplan.model.dims import Dims, total
+from memplan.model.layer import layer_terms
+from memplan.parallel import ParallelConfig
+from memplan.profile.compiled_trace import compiled_layer_saved
+from memplan.spec import spec_from_hf_dict
+from memplan.workload import Recompute, Workload
+
+TOY = hf("Meta-Llama-3-8B", **LLAMA3_TOY)
+BATCH, SEQ = 2, 64
+
+
+def _traced_activations(dtype: str, checkpoint: bool) -> int:
+    saved = compiled_layer_saved(TOY, dtype, BATCH, SEQ, checkpoint=checkpoint)
+    stream = (BATCH, SEQ, TOY["hidden_size"])
+    return sum(t.size_bytes for t in saved if not t.graph_input or t.shape == stream)
+
+
+@pytest.mark.parametrize("dtype,precision", [("float32", "fp32"), ("bfloat16", "bf16-pure")])
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_compiled_layer_saves_what_the_partitioner_saves(dtype: str, precision: str,
+                                                         checkpoint: bool) -> None:
+    spec = spec_from_hf_dict(TOY, "llama3-toy", "llama3-toy")
+    recompute = Recompute.FULL if checkpoint else Recompute.NONE
+    wl = Workload(micro_batch_size=BATCH, seq_len=SEQ, precision=precision,
+                  recompute=recompute, compile=True)
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    modelled = total(layer_terms(spec, wl, dm, moe_layer=False, recompute=recompute))
+    assert modelled == _traced_activations(dtype, checkpoint)
