@@ -37,6 +37,14 @@ from __future__ import annotations
 from memplan.model.dims import Term
 from memplan.workload import NormImpl, Workload
 
+# Inductor's buffer reuse in the compiled forward: the residual add after the MLP is the last
+# reader of the down projection's output, of the same size and dtype, so it writes its result
+# in place (torch/_inductor/scheduler.py ``BaseSchedulerNode.decide_inplace_update``,
+# codegen/wrapper.py ``codegen_inplace_reuse``): one residual-sized tensor where eager holds
+# two (traced: the layer's forward ends with one buffer beyond its saved set). After
+# attention the add cannot: the output projection's output is saved.
+MLP_OUTPUTS = 1
+
 
 def layer_workload(wl: Workload) -> Workload:
     """The workload a compiled decoder layer's blocks read: its norms save what a fused norm

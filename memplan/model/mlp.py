@@ -190,8 +190,9 @@ class Mlp:
                         recompute: Recompute) -> list[Moment]:
         saved = total(self.saved(spec, wl, dm, recompute))
         stream = dm.rows * spec.hidden_size * dm.e
-        # its output before the residual add, then beside the add's output
-        moments = [Moment("mlp", saved, 2 * stream)]
+        # its output before the residual add, then beside the add's output; compiled, the add
+        # writes into the down projection's output (``compiled.MLP_OUTPUTS``)
+        moments = [Moment("mlp", saved, (compiled.MLP_OUTPUTS if wl.compile else 2) * stream)]
         if dm.adapters is not None:
             moments += _frozen_forward(spec, dm, saved)
         if spec.mlp is MlpKind.RELU:

@@ -52,12 +52,10 @@ def _record(rows: list[list[SavedTensor]]):
     return compile_fx, original, recording
 
 
-def compiled_layer_saved(config: dict, dtype_name: str, batch: int, seq: int,
-                         checkpoint: bool = False) -> list[SavedTensor]:
-    """The saved set of one compiled ``LlamaDecoderLayer`` of ``config`` (a config.json dict)
-    in ``dtype_name`` for ``batch`` sequences of ``seq`` tokens, SDPA attention."""
+def _layer(config: dict, dtype_name: str, batch: int, seq: int):
+    """transformers' LlamaDecoderLayer of ``config`` in ``dtype_name`` (SDPA attention), its
+    input and RoPE tables for ``batch`` sequences of ``seq`` tokens."""
     import torch
-    from torch.utils.checkpoint import checkpoint as run_checkpointed
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
@@ -70,6 +68,17 @@ def compiled_layer_saved(config: dict, dtype_name: str, batch: int, seq: int,
     x = torch.randn(batch, seq, cfg.hidden_size, dtype=dtype, requires_grad=True)
     positions = torch.arange(seq)[None].expand(batch, seq)
     cos, sin = LlamaRotaryEmbedding(cfg)(x, positions)
+    return layer, x, cos, sin
+
+
+def compiled_layer_saved(config: dict, dtype_name: str, batch: int, seq: int,
+                         checkpoint: bool = False) -> list[SavedTensor]:
+    """The saved set of one compiled ``LlamaDecoderLayer`` of ``config`` (a config.json dict)
+    in ``dtype_name`` for ``batch`` sequences of ``seq`` tokens, SDPA attention."""
+    import torch
+    from torch.utils.checkpoint import checkpoint as run_checkpointed
+
+    layer, x, cos, sin = _layer(config, dtype_name, batch, seq)
 
     def run(h, c, s):
         return layer(h, attention_mask=None, position_embeddings=(c, s))
@@ -90,3 +99,47 @@ def compiled_layer_saved(config: dict, dtype_name: str, batch: int, seq: int,
         torch._dynamo.reset()
     assert len(rows) == 1, f"expected one partitioned graph, got {len(rows)}"
     return rows[0]
+
+
+def compiled_layer_peaks(config: dict, dtype_name: str, batch: int, seq: int) -> tuple[int, int]:
+    """(forward peak, backward peak) of one compiled ``LlamaDecoderLayer`` step, in bytes
+    above what exists before it (weights, the input, the RoPE tables, the output's gradient),
+    from the CPU allocator's own events (torch.profiler with profile_memory: they include
+    the buffers compiled kernels allocate, which a dispatch mode does not see). The layer's
+    output stays alive through its backward (the step holds it). Compiled and run once first,
+    its gradients dropped."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    layer, x, cos, sin = _layer(config, dtype_name, batch, seq)
+    run = torch.compile(lambda h, c, s: layer(h, attention_mask=None, position_embeddings=(c, s)),
+                        backend="inductor", fullgraph=True)
+    grad = torch.ones_like(x, requires_grad=False)
+
+    def step(mark) -> None:
+        out = run(x, cos, sin)
+        out = out[0] if isinstance(out, tuple) else out
+        mark()
+        out.backward(grad)
+
+    def marked() -> None:
+        with record_function("memplan.backward"):
+            pass
+
+    step(lambda: None)
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step(marked)
+    torch._dynamo.reset()
+    events = prof.profiler.kineto_results.events()
+    mark = next(e.start_ns() for e in events if e.name() == "memplan.backward")
+    alive = forward = backward = 0
+    for event in sorted((e for e in events if e.name() == "[memory]"),
+                        key=lambda e: e.start_ns()):
+        alive += event.nbytes()
+        if event.start_ns() < mark:
+            forward = max(forward, alive)
+        else:
+            backward = max(backward, alive)
+    return forward, backward
