@@ -53,47 +53,67 @@ def _record(rows: list[list[SavedTensor]]):
 
 
 def _layer(config: dict, dtype_name: str, batch: int, seq: int):
-    """transformers' LlamaDecoderLayer of ``config`` in ``dtype_name`` (SDPA attention), its
-    input and RoPE tables for ``batch`` sequences of ``seq`` tokens."""
+    """A decoder layer in ``dtype_name``, a function running it on a hidden-state tensor, and
+    its input for ``batch`` sequences of ``seq`` tokens. ``config``: a transformers
+    config.json dict (its ``LlamaDecoderLayer``, SDPA attention, with RoPE tables made once
+    outside the layer as ``LlamaModel`` makes them) or, with ``"torchtitan"`` set to the
+    keywords of ``memplan.profile.frameworks.torchtitan_config``, torchtitan's Llama3 block
+    (its RoPE cache a buffer of the block, SDPA attention)."""
     import torch
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     torch._dynamo.reset()
     torch.manual_seed(0)
+    dtype = getattr(torch, dtype_name)
+    if "torchtitan" in config:
+        from memplan.profile.frameworks import torchtitan_config
+
+        cfg = torchtitan_config(**config["torchtitan"], seq_len=seq)
+        layer = cfg.layers[0].build().to(dtype)
+        for param in layer.parameters():  # its own init needs the model's; any values do
+            torch.nn.init.normal_(param, std=0.02)
+        x = torch.randn(batch, seq, cfg.dim, dtype=dtype, requires_grad=True)
+        return layer, (lambda h: layer(h, None, None)), x
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
     cfg = LlamaConfig(**config)
     cfg._attn_implementation = "sdpa"
-    dtype = getattr(torch, dtype_name)
     layer = LlamaDecoderLayer(cfg, 0).to(dtype)
     x = torch.randn(batch, seq, cfg.hidden_size, dtype=dtype, requires_grad=True)
     positions = torch.arange(seq)[None].expand(batch, seq)
     cos, sin = LlamaRotaryEmbedding(cfg)(x, positions)
-    return layer, x, cos, sin
+
+    def run(h):
+        out = layer(h, attention_mask=None, position_embeddings=(cos, sin))
+        return out[0] if isinstance(out, tuple) else out
+
+    return layer, run, x
 
 
 def compiled_layer_saved(config: dict, dtype_name: str, batch: int, seq: int,
                          checkpoint: bool = False) -> list[SavedTensor]:
-    """The saved set of one compiled ``LlamaDecoderLayer`` of ``config`` (a config.json dict)
-    in ``dtype_name`` for ``batch`` sequences of ``seq`` tokens, SDPA attention."""
+    """The saved set of one compiled decoder layer of ``config`` (``_layer``) in
+    ``dtype_name`` for ``batch`` sequences of ``seq`` tokens; ``checkpoint``: inside
+    non-reentrant activation checkpointing, compiled around it."""
     import torch
     from torch.utils.checkpoint import checkpoint as run_checkpointed
 
-    layer, x, cos, sin = _layer(config, dtype_name, batch, seq)
+    _, run, x = _layer(config, dtype_name, batch, seq)
 
-    def run(h, c, s):
-        return layer(h, attention_mask=None, position_embeddings=(c, s))
-
-    def step(h, c, s):
+    def step(h):
         if checkpoint:
-            return run_checkpointed(run, h, c, s, use_reentrant=False)
-        return run(h, c, s)
+            return run_checkpointed(run, h, use_reentrant=False)
+        return run(h)
 
     rows: list[list[SavedTensor]] = []
     module, original, recording = _record(rows)
     module.min_cut_rematerialization_partition = recording
+    # a cached compile (AOTAutograd's and Inductor's on-disk caches) skips the partitioner
+    no_cache = (torch._functorch.config.patch(enable_autograd_cache=False),
+                torch._inductor.config.patch(fx_graph_cache=False))
     try:
-        out = torch.compile(step, backend="inductor", fullgraph=True)(x, cos, sin)
-        (out[0] if isinstance(out, tuple) else out).sum().backward()
+        with no_cache[0], no_cache[1]:
+            torch.compile(step, backend="inductor", fullgraph=True)(x).sum().backward()
     finally:
         module.min_cut_rematerialization_partition = original
         torch._dynamo.reset()
@@ -102,7 +122,7 @@ def compiled_layer_saved(config: dict, dtype_name: str, batch: int, seq: int,
 
 
 def compiled_layer_peaks(config: dict, dtype_name: str, batch: int, seq: int) -> tuple[int, int]:
-    """(forward peak, backward peak) of one compiled ``LlamaDecoderLayer`` step, in bytes
+    """(forward peak, backward peak) of one compiled decoder layer's step (``_layer``), in bytes
     above what exists before it (weights, the input, the RoPE tables, the output's gradient),
     from the CPU allocator's own events (torch.profiler with profile_memory: they include
     the buffers compiled kernels allocate, which a dispatch mode does not see). The layer's
@@ -111,14 +131,12 @@ def compiled_layer_peaks(config: dict, dtype_name: str, batch: int, seq: int) ->
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    layer, x, cos, sin = _layer(config, dtype_name, batch, seq)
-    run = torch.compile(lambda h, c, s: layer(h, attention_mask=None, position_embeddings=(c, s)),
-                        backend="inductor", fullgraph=True)
+    layer, run, x = _layer(config, dtype_name, batch, seq)
+    run = torch.compile(run, backend="inductor", fullgraph=True)
     grad = torch.ones_like(x, requires_grad=False)
 
     def step(mark) -> None:
-        out = run(x, cos, sin)
-        out = out[0] if isinstance(out, tuple) else out
+        out = run(x)
         mark()
         out.backward(grad)
 

@@ -1,7 +1,8 @@
 """A compiled decoder layer's saved set, from Inductor's real partitioner, against memplan.
 
 transformers' ``LlamaDecoderLayer`` (the Llama 3 config of tests/traced/hf_configs.py, cut to
-h = 256, 8 heads, 2 KV heads, ffn 896) is compiled on its own with the Inductor backend on CPU,
+h = 256, 8 heads, 2 KV heads, ffn 896) and torchtitan's Llama3 block (0.3.0, the same widths,
+ffn 768) are compiled on their own with the Inductor backend on CPU,
 as torchtitan compiles each decoder layer, optionally inside full activation checkpointing
 (``memplan.profile.compiled_trace``); the tensors ``min_cut_rematerialization_partition``
 saves for backward are recorded from the partitioned forward graph. memplan's saved terms of
@@ -33,26 +34,48 @@ from memplan.spec import spec_from_hf_dict
 from memplan.workload import Recompute, Workload
 
 TOY = hf("Meta-Llama-3-8B", **LLAMA3_TOY)
+# torchtitan's Llama3 block at the same width (ffn 768 by its compute_ffn_hidden_dim)
+TITAN = {"torchtitan": dict(dim=256, n_layers=1, n_heads=8, n_kv_heads=2, vocab_size=1000)}
 BATCH, SEQ = 2, 64
 
 
-def _traced_activations(dtype: str, checkpoint: bool) -> int:
-    saved = compiled_layer_saved(TOY, dtype, BATCH, SEQ, checkpoint=checkpoint)
-    stream = (BATCH, SEQ, TOY["hidden_size"])
+def _traced_activations(config: dict, dtype: str, checkpoint: bool) -> int:
+    saved = compiled_layer_saved(config, dtype, BATCH, SEQ, checkpoint=checkpoint)
+    stream = (BATCH, SEQ, 256)
     return sum(t.size_bytes for t in saved if not t.graph_input or t.shape == stream)
 
 
+def _spec(library: str, fuse_qkv: bool):
+    if library == "transformers":
+        return spec_from_hf_dict(TOY, "llama3-toy", "llama3-toy")
+    from memplan.profile.frameworks import torchtitan_config, torchtitan_spec
+
+    cfg = torchtitan_config(**TITAN["torchtitan"], seq_len=SEQ, fuse_qkv=fuse_qkv)
+    return torchtitan_spec(cfg, "llama3-toy")
+
+
+@pytest.mark.parametrize("library,fuse_qkv", [("transformers", False), ("torchtitan", True),
+                                              ("torchtitan", False)])
 @pytest.mark.parametrize("dtype,precision", [("float32", "fp32"), ("bfloat16", "bf16-pure")])
 @pytest.mark.parametrize("checkpoint", [False, True])
-def test_compiled_layer_saves_what_the_partitioner_saves(dtype: str, precision: str,
+def test_compiled_layer_saves_what_the_partitioner_saves(library: str, fuse_qkv: bool,
+                                                         dtype: str, precision: str,
                                                          checkpoint: bool) -> None:
-    spec = spec_from_hf_dict(TOY, "llama3-toy", "llama3-toy")
+    """transformers' layer and torchtitan's block (fused wqkv or not; 0.3's default fuses):
+    torchtitan's fp32 2,036,736 B and bf16 1,020,928 B traced (its ffn 768: three T x 768
+    tensors where transformers' layer saves three T x 896)."""
+    config = TOY if library == "transformers" else {
+        "torchtitan": dict(TITAN["torchtitan"], fuse_qkv=fuse_qkv)}
+    spec = _spec(library, fuse_qkv)
     recompute = Recompute.FULL if checkpoint else Recompute.NONE
+    # torchtitan's RoPE cache is its attention's buffer (the preset's rope_cache "layer"):
+    # the complex RoPE returns q token-major, SDPA's output with it, no copy for wo
+    rope = {} if library == "transformers" else {"rope_cache": "layer"}
     wl = Workload(micro_batch_size=BATCH, seq_len=SEQ, precision=precision,
-                  recompute=recompute, compile=True)
+                  recompute=recompute, compile=True, **rope)
     dm = Dims.of(spec, ParallelConfig(), wl)
     modelled = total(layer_terms(spec, wl, dm, moe_layer=False, recompute=recompute))
-    assert modelled == _traced_activations(dtype, checkpoint)
+    assert modelled == _traced_activations(config, dtype, checkpoint)
 
 
 def test_compiled_layer_phase_peaks_fp32() -> None:
