@@ -454,7 +454,8 @@ def expert_rule(num_experts: int, expert_ffn: int, ep: int, etp: int,
 def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
     """What a compiled layer's saved set is derived for (``memplan.model.compiled``): a
     pre-norm dense layer with SDPA attention in one compute dtype, no recompute or a fully
-    checkpointed layer. The rest is not modelled yet: a refusal, not an eager estimate."""
+    checkpointed layer, or torchtitan's per-op SAC. The rest is not modelled yet: a refusal,
+    not an eager estimate."""
     why = None
     if spec.moe is not None:
         why = "MoE layers"
@@ -466,14 +467,14 @@ def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
         why = f"precision {wl.precision.value}"
     elif wl.lora_rank:
         why = f"lora_rank {wl.lora_rank}"
-    elif wl.recompute is Recompute.SELECTIVE:
-        why = "recompute selective"
+    elif wl.recompute is Recompute.SELECTIVE and wl.selective_impl.value != "op":
+        why = f"recompute selective ({wl.selective_impl.value})"
     if why is None:
         return None
     return LayoutError(f"compile is not modelled with {why}",
                        f"compile with {why}: what the partitioner saves there is not "
                        "modelled yet (compile is modelled for dense pre-norm layers, SDPA "
-                       "attention, no autocast, no LoRA, recompute none or full)")
+                       "attention, no autocast, no LoRA, recompute none, full or per-op SAC)")
 
 
 def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:

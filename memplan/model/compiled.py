@@ -30,6 +30,7 @@ a norm saves its input, its statistics and its output, as a fused norm kernel do
 and up outputs and their activated product, not the activation. Under full activation
 checkpointing around the layer (torchtitan's order, checkpoint then compile) every node of the
 forward is marked to recompute (``must_recompute``): the layer saves its inputs, as eagerly.
+Under torchtitan's per-op SAC (``sac_kept``) the tagged outputs backward reads are saved.
 """
 
 from __future__ import annotations
@@ -65,3 +66,15 @@ def mlp_terms(terms: list[Term], gated: bool) -> list[Term]:
     if gated:
         return [t for t in terms if not t.name.endswith(".act")]
     return [t for t in terms if t.name.rpartition(".")[2] in ("fc1", "act")]
+
+
+def sac_kept(terms: list[Term]) -> list[Term]:
+    """Per-op SAC (torchtitan's ``SelectiveAC``) checkpointed, then compiled: the policy tags
+    its save list's outputs ``MUST_SAVE`` and the rest ``PREFER_RECOMPUTE``
+    (torch/utils/checkpoint.py ``CheckpointPolicy``), which the partitioner reads as a ban on
+    recomputing the tagged nodes (``should_ban_recomputation``: "marked MUST_SAVE") and a
+    forced recompute of the others (``must_recompute``). The min cut still saves only what
+    backward reads: the down projection's output (``sac.mlp.w2``, an odd matmul the eager
+    policy caches for the rerun) feeds the residual add alone, whose backward reads nothing,
+    so it is not saved (traced: torchtitan's block, fused and separate q/k/v)."""
+    return [t for t in terms if t.name != "sac.mlp.w2"]

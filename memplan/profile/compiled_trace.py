@@ -91,17 +91,28 @@ def _layer(config: dict, dtype_name: str, batch: int, seq: int):
 
 
 def compiled_layer_saved(config: dict, dtype_name: str, batch: int, seq: int,
-                         checkpoint: bool = False) -> list[SavedTensor]:
+                         checkpoint: str = "none") -> list[SavedTensor]:
     """The saved set of one compiled decoder layer of ``config`` (``_layer``) in
-    ``dtype_name`` for ``batch`` sequences of ``seq`` tokens; ``checkpoint``: inside
-    non-reentrant activation checkpointing, compiled around it."""
+    ``dtype_name`` for ``batch`` sequences of ``seq`` tokens; ``checkpoint``: "full", inside
+    non-reentrant activation checkpointing, or "op", inside torchtitan's per-op SAC
+    (``SelectiveAC._wrap_block``, its save list with CPU's SDPA kernel:
+    ``frameworks._sac_saves_cpu_flash``), compiled around it, as torchtitan checkpoints, then
+    compiles."""
     import torch
     from torch.utils.checkpoint import checkpoint as run_checkpointed
 
-    _, run, x = _layer(config, dtype_name, batch, seq)
+    layer, run, x = _layer(config, dtype_name, batch, seq)
+    if checkpoint == "op":
+        from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+        from memplan.profile.frameworks import _sac_saves_cpu_flash
+
+        with _sac_saves_cpu_flash():
+            wrapped = SelectiveAC(SelectiveAC.Config())._wrap_block(layer, base_fqn="layers.0")
+        run = lambda h: wrapped(h, None, None)  # noqa: E731 (torchtitan's blocks only)
 
     def step(h):
-        if checkpoint:
+        if checkpoint == "full":
             return run_checkpointed(run, h, use_reentrant=False)
         return run(h)
 
