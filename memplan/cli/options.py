@@ -323,7 +323,8 @@ WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "recompute_eve
             "lora_rank", "lora_targets", "lora_dropout", "base_quant")
 # what a framework's own loop decides, beyond memplan's reference model (which trace and
 # profile run)
-FRAMEWORK_ONLY = ("framework", "keep_grads", "use_cache", "loss_impl")
+FRAMEWORK_ONLY = ("framework", "keep_grads", "use_cache", "loss_impl",
+                  "compile")  # the reference model runs eagerly
 # everything ``memplan estimate`` takes: diagnose takes the same configuration
 ESTIMATE = ("model", "gpus", "gpu", "gpu_memory", *LAYOUT, *WORKLOAD, "schedule", "calibration")
 
