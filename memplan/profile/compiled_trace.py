@@ -138,12 +138,22 @@ def compiled_layer_peaks(config: dict, dtype_name: str, batch: int, seq: int) ->
     from the CPU allocator's own events (torch.profiler with profile_memory: they include
     the buffers compiled kernels allocate, which a dispatch mode does not see). The layer's
     output stays alive through its backward (the step holds it). Compiled and run once first,
-    its gradients dropped."""
+    its gradients dropped. oneDNN is off: its bf16 matmuls on CPU allocate reordered weight
+    copies (132,736 B at the toy's q projection) that no GPU kernel makes."""
+    import torch
+
+    with torch.backends.mkldnn.flags(enabled=False):
+        return _peaks(config, dtype_name, batch, seq)
+
+
+def _peaks(config: dict, dtype_name: str, batch: int, seq: int) -> tuple[int, int]:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
     layer, run, x = _layer(config, dtype_name, batch, seq)
     run = torch.compile(run, backend="inductor", fullgraph=True)
+    no_cache = (torch._functorch.config.patch(enable_autograd_cache=False),
+                torch._inductor.config.patch(fx_graph_cache=False))
     grad = torch.ones_like(x, requires_grad=False)
 
     def step(mark) -> None:
@@ -155,7 +165,8 @@ def compiled_layer_peaks(config: dict, dtype_name: str, batch: int, seq: int) ->
         with record_function("memplan.backward"):
             pass
 
-    step(lambda: None)
+    with no_cache[0], no_cache[1]:
+        step(lambda: None)
     layer.zero_grad(set_to_none=True)
     x.grad = None
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

@@ -83,31 +83,35 @@ def test_compiled_layer_saves_what_the_partitioner_saves(library: str, fuse_qkv:
     assert modelled == _traced_activations(config, dtype, checkpoint)
 
 
-def test_compiled_layer_phase_peaks_fp32() -> None:
-    """The compiled fp32 layer's forward and backward peaks (``compiled_layer_peaks``: above
-    the weights, the input and the output's gradient, the output held through backward) against
-    memplan's layer moments, each with the gradients of the parameter groups made by then
-    (fp32, 4 B a parameter), less one residual-sized tensor: memplan counts the layer's input
-    (saved by its first norm) and the incoming gradient, the trace the held output in their
-    place (the same size), the input made before the step.
+@pytest.mark.parametrize("dtype,precision,grad_bytes,backward_over", [
+    ("float32", "fp32", 4, 68_608), ("bfloat16", "bf16-pure", 2, 36_864)])
+def test_compiled_layer_phase_peaks(dtype: str, precision: str, grad_bytes: int,
+                                    backward_over: int) -> None:
+    """The compiled layer's forward and backward peaks (``compiled_layer_peaks``: above the
+    weights, the input and the output's gradient, the output held through backward; oneDNN
+    off) against memplan's layer moments, each with the gradients of the parameter groups made
+    by then (in the weights' dtype), less one residual-sized tensor: memplan counts the
+    layer's input (saved by its first norm) and the incoming gradient, the trace the held
+    output in their place (the same size), the input made before the step.
 
-    Forward, traced 2,233,344 B: the saved set less the input (2,102,272) and the output, which
-    the residual add writes into the down projection's output (Inductor's in-place reuse,
-    ``memplan.model.compiled.MLP_OUTPUTS``): byte-exact. Backward, traced 4,261,888 B at the
-    input projections' weight gradients; memplan 4,330,496 B (+1.61%) at the same moment
-    (``mlp_in``). bf16 is not compared on CPU: oneDNN's bf16 matmuls allocate reordered weight
-    copies (132,736 B at the q projection) that a GPU step does not make."""
+    Forward, traced fp32 2,233,344 B, bf16 1,119,232 B: the saved set less the input and the
+    output, which the residual add writes into the down projection's output (Inductor's
+    in-place reuse, ``memplan.model.compiled.MLP_OUTPUTS``): byte-exact. Backward, traced fp32
+    4,261,888 B, bf16 2,130,944 B at the MLP's weight gradients; memplan over by 68,608 B
+    (+1.61%) and 36,864 B (+1.73%) at the same moment (``mlp_in``): the backward's buffers are
+    the eager model's, not Inductor's schedule of them."""
     from memplan.model.layer import grad_group_params
     from memplan.profile.compiled_trace import compiled_layer_peaks
 
     spec = spec_from_hf_dict(TOY, "llama3-toy", "llama3-toy")
-    wl = Workload(micro_batch_size=BATCH, seq_len=SEQ, precision="fp32", compile=True)
+    wl = Workload(micro_batch_size=BATCH, seq_len=SEQ, precision=precision, compile=True)
     dm = Dims.of(spec, ParallelConfig(), wl)
     kind = layer_kind(spec, wl, dm, False, Recompute.NONE)
     groups = grad_group_params(spec, 1, 1, False)
-    stream = BATCH * SEQ * TOY["hidden_size"] * 4
+    stream = BATCH * SEQ * TOY["hidden_size"] * grad_bytes
     backward = max(m.alive_bytes + m.transient_bytes
-                   + 4 * sum(groups[g] for g in m.grads_before) for m in kind.moments)
-    traced_forward, traced_backward = compiled_layer_peaks(TOY, "float32", BATCH, SEQ)
+                   + grad_bytes * sum(groups[g] for g in m.grads_before) for m in kind.moments)
+    traced_forward, traced_backward = compiled_layer_peaks(TOY, dtype, BATCH, SEQ)
     assert kind.forward_peak_bytes - stream == traced_forward
+    assert backward - stream - traced_backward == backward_over
     assert backward - stream == pytest.approx(traced_backward, rel=0.03)
