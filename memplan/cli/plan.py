@@ -36,7 +36,8 @@ FixedRecompute = Annotated[RecomputeChoice | None, typer.Option(
       "stage_layers", "dp_shard", "etp", "vpp_group", "gbs",
       "seq", "precision", "optimizer", "optimizer_impl", "attention", "norm", "logits_fp32",
       "loss_chunks", "framework", "keep_grads", "use_cache", "grad_sync", "mtp_layers",
-      "compile", "loss_impl", "calibration", "lora_rank", "lora_targets", "lora_dropout", "base_quant",
+      "compile", "loss_impl", "calibration", "lora_rank", "lora_targets", "lora_dropout",
+      "base_quant",
       model=None, gpus=8, tp=None, pp=None, vpp=None, cp=None, ep=None, zero=None)
 def plan(
     job: Job,

@@ -52,7 +52,8 @@ def test_per_op_sac_compiled_drops_the_down_projections_output() -> None:
     w1 5th, w2 7th) q 64*64*2 = 8,192, v 64*32*2 = 4,096, w1 64*176*2 = 22,528, not w2's
     output (read by the residual add alone); SDPA's output 8,192 and logsumexp 1,024:
     52,224 (eagerly w2's 8,192 more: 60,416)."""
-    wl = WL.model_copy(update={"recompute": Recompute.SELECTIVE, "selective_impl": SelectiveImpl.OP})
+    wl = WL.model_copy(update={"recompute": Recompute.SELECTIVE,
+                               "selective_impl": SelectiveImpl.OP})
     assert layer_kind(TINY, wl, DM, False, Recompute.SELECTIVE).saved_bytes == 52_224
     eager = wl.model_copy(update={"compile": False})
     assert layer_kind(TINY, eager, DM, False, Recompute.SELECTIVE).saved_bytes == 60_416
