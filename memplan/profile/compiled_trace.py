@@ -11,6 +11,9 @@ layer's own are the tensors saved for backward, with their sizes from the fake v
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 
@@ -25,6 +28,17 @@ class SavedTensor(NamedTuple):
     dtype: str
     size_bytes: int
     graph_input: bool
+
+
+@contextlib.contextmanager
+def _recursion_limit_kept() -> Iterator[None]:
+    """Inductor raises the interpreter's recursion limit while it compiles (and leaves it
+    raised); a trace leaves the process as it found it."""
+    limit = sys.getrecursionlimit()
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(limit)
 
 
 def _record(rows: list[list[SavedTensor]]):
@@ -98,6 +112,12 @@ def compiled_layer_saved(config: dict, dtype_name: str, batch: int, seq: int,
     (``SelectiveAC._wrap_block``, its save list with CPU's SDPA kernel:
     ``frameworks._sac_saves_cpu_flash``), compiled around it, as torchtitan checkpoints, then
     compiles."""
+    with _recursion_limit_kept():
+        return _saved(config, dtype_name, batch, seq, checkpoint)
+
+
+def _saved(config: dict, dtype_name: str, batch: int, seq: int,
+           checkpoint: str) -> list[SavedTensor]:
     import torch
     from torch.utils.checkpoint import checkpoint as run_checkpointed
 
@@ -142,7 +162,7 @@ def compiled_layer_peaks(config: dict, dtype_name: str, batch: int, seq: int) ->
     copies (132,736 B at the toy's q projection) that no GPU kernel makes."""
     import torch
 
-    with torch.backends.mkldnn.flags(enabled=False):
+    with torch.backends.mkldnn.flags(enabled=False), _recursion_limit_kept():
         return _peaks(config, dtype_name, batch, seq)
 
 
