@@ -472,6 +472,32 @@ def expert_rule(num_experts: int, expert_ffn: int, ep: int, etp: int,
     return None
 
 
+def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
+    """What a compiled layer's saved set is derived for (``memplan.model.compiled``): a
+    pre-norm dense layer with SDPA attention in one compute dtype, no recompute or a fully
+    checkpointed layer, or torchtitan's per-op SAC. The rest is not modelled yet: a refusal,
+    not an eager estimate."""
+    why = None
+    if spec.moe is not None:
+        why = "MoE layers"
+    elif spec.norm_placement.value != "pre":
+        why = f"{spec.norm_placement.value} norms"
+    elif wl.attention.value != "flash":
+        why = f"attention {wl.attention.value}"
+    elif wl.precision.policy.autocast:
+        why = f"precision {wl.precision.value}"
+    elif wl.lora_rank:
+        why = f"lora_rank {wl.lora_rank}"
+    elif wl.recompute is Recompute.SELECTIVE and wl.selective_impl.value != "op":
+        why = f"recompute selective ({wl.selective_impl.value})"
+    if why is None:
+        return None
+    return LayoutError(f"compile is not modelled with {why}",
+                       f"compile with {why}: what the partitioner saves there is not "
+                       "modelled yet (compile is modelled for dense pre-norm layers, SDPA "
+                       "attention, no autocast, no LoRA, recompute none, full or per-op SAC)")
+
+
 def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
     """Raise ``LayoutError`` for a layout or workload the model cannot be split into or
     estimated with (the batch split aside: ``resolve_batch`` checks it)."""
@@ -519,6 +545,8 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
                           "states follow each matrix's rows and columns, which memplan does "
                           "not track for the adapters (use adamw, sgd or the 8-bit ones)")
     if (err := offload_rule(spec, par, wl)) is not None:
+        raise err
+    if wl.compile and (err := compile_rule(spec, wl)) is not None:
         raise err
     if wl.base_quant.value == "nf4-torchao-0.1" and par.zero >= ZeroStage.PARAMETERS:
         # torchao 0.1's NF4Tensor implements no chunk/split/view ops for FSDP to shard it

@@ -510,6 +510,9 @@ class Workload(BaseModel):
     kv_cache: bool = Field(default=False, description=(
         "the training forward fills a key/value cache (transformers with use_cache): under "
         "autocast its fp32 copies of K and V live until the forward's output is dropped"))
+    compile: bool = Field(default=False, description=(
+        "each decoder layer runs under torch.compile (Inductor): AOTAutograd's min-cut "
+        "partitioner decides what its forward saves (memplan.model.compiled)"))
     ddp_any_size: bool = Field(default=False, description=(
         "the model is wrapped in data-parallel buffers at any data-parallel size, one rank "
         "included (Megatron-LM's DDP): its gradient buffer exists from the wrap on"))

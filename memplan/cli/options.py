@@ -173,6 +173,11 @@ FsdpReshardAfterForward = Annotated[Optional[bool], typer.Option(
     "--fsdp-reshard-after-forward/--no-fsdp-reshard-after-forward", help="FSDP1's sharding "
     "strategy at --zero 3: FULL_SHARD (on, the default) or SHARD_GRAD_OP (off: each unit kept "
     "gathered from its forward to its backward).", rich_help_panel=_LAYOUT)]
+CompileOpt = Annotated[Optional[bool], typer.Option(
+    "--compile/--no-compile", help="Each decoder layer under torch.compile (Inductor): "
+    "AOTAutograd's min-cut partitioner saves matmul and attention outputs and recomputes the "
+    "pointwise ops between them (torchtitan's compile.enable). Default: off.",
+    rich_help_panel=_KERNELS)]
 UseCache = Annotated[Optional[bool], typer.Option(
     "--use-cache/--no-use-cache", help="The training forward fills a key/value cache "
     "(transformers' config use_cache, which Trainer leaves on: a DynamicCache holds each "
@@ -321,6 +326,7 @@ SHARED: dict[str, Shared] = {
     "framework": Shared(FrameworkOpt, None, _value),
     "keep_grads": Shared(KeepGrads, None),
     "use_cache": Shared(UseCache, None),
+    "compile": Shared(CompileOpt, False),
     "grad_sync": Shared(GradSyncOpt, None),
     "fsdp_version": Shared(FsdpVersion, None),
     "fsdp_backward_prefetch": Shared(FsdpBackwardPrefetch, None, _value),
@@ -341,13 +347,14 @@ LAYOUT = ("tp", "pp", "vpp", "vpp_group", "dp", "cp", "ep", "etp", "sp", "vocab_
           "grad_buffers", "offload", "zero", "stage_layers", "dp_shard")
 WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "recompute_every",
             "precision", "optimizer", "optimizer_impl", "attention", "norm", "logits_fp32",
-            "loss_chunks", "framework", "keep_grads", "use_cache", "grad_sync",
+            "loss_chunks", "framework", "keep_grads", "use_cache", "grad_sync", "compile",
             "fsdp_version", "fsdp_backward_prefetch", "fsdp_use_orig_params",
             "fsdp_reshard_after_forward", "mtp_layers", "loss_impl",
             "lora_rank", "lora_targets", "lora_dropout", "base_quant")
 # what a framework's own loop decides, beyond memplan's reference model (which trace and
 # profile run)
-FRAMEWORK_ONLY = ("framework", "keep_grads", "use_cache", "loss_impl")
+FRAMEWORK_ONLY = ("framework", "keep_grads", "use_cache", "loss_impl",
+                  "compile")  # the reference model runs eagerly
 # everything ``memplan estimate`` takes: diagnose takes the same configuration
 ESTIMATE = ("model", "gpus", "gpu", "gpu_memory", *LAYOUT, *WORKLOAD, "schedule", "calibration")
 

@@ -406,6 +406,23 @@ def _optimizer(toml: _Toml, imp: Imported) -> None:
                          "the optimizer step inside backward is not modelled")
 
 
+def _compile(toml: _Toml, imp: Imported) -> None:
+    """compile.enable: with "model" in compile.components (torchtitan's default: model and
+    loss) and the inductor backend, each decoder layer is compiled (distributed/compile.py
+    apply_compile), its saved set decided by Inductor's min-cut partitioner (``--compile``).
+    The loss's compile is not modelled (estimated as eager)."""
+    components = toml.get("compile", "components", list, ["model", "loss"])
+    backend = toml.get("compile", "backend", str, "inductor")
+    if "model" in components and backend == "inductor":
+        imp.set("compile.enable", True, "compile", True,
+                "distributed/compile.py apply_compile: each TransformerBlock compiled")
+    elif "model" in components:
+        imp.notes.append(f"compile.backend {backend!r}: only Inductor's partitioner is "
+                         "modelled; the layers estimated as eager PyTorch runs them")
+    if "loss" in components:
+        imp.notes.append("compile.components 'loss': the compiled loss is estimated as eager")
+
+
 def _notes(toml: _Toml, imp: Imported) -> None:
     converters = toml.section("model").get("converters", [])
     if isinstance(converters, str):
@@ -417,7 +434,6 @@ def _notes(toml: _Toml, imp: Imported) -> None:
         else:
             raise imp.refuse("model.converters", conv, "not a converter memplan knows")
     if toml.get("compile", "enable", bool, False):
-        imp.notes.append("compile.enable: torch.compile's fusions are not modelled; "
-                         "estimated as eager PyTorch runs it")
+        _compile(toml, imp)
     if toml.get("parallelism", "enable_async_tensor_parallel", bool, False):
         imp.notes.append("parallelism.enable_async_tensor_parallel: timing, no bytes modelled")

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from memplan.model.attention import Attention, WindowAttention, attention_linears, windowed
+from memplan.model import compiled
 from memplan.model.block import BackwardMoment, Block
 from memplan.model.dims import FP32_BYTES, MASK_BYTES, Dims, Term, total
 from memplan.model.linear import Linear, Split, shares_input
@@ -122,6 +123,7 @@ class LayerMoment(NamedTuple):
 def layer_terms(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
                 recompute: Recompute, sliding: bool = False) -> list[Term]:
     """Saved terms of one transformer layer under ``recompute`` (FULL keeps only its input)."""
+    wl = compiled.layer_workload(wl)
     if recompute is Recompute.FULL:
         return [Term("layer.input", dm.rows * spec.hidden_size * dm.stream_e)]
     return [term for block in layer_blocks(spec, moe_layer, sliding)
@@ -131,6 +133,7 @@ def layer_terms(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
 def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
                     recompute: Recompute, sliding: bool = False) -> list[ForwardMoment]:
     """Local peaks of one layer's forward (see the module docstring)."""
+    wl = compiled.layer_workload(wl)
     blocks = layer_blocks(spec, moe_layer, sliding)
     stream = dm.stream(spec.hidden_size)
     out: list[ForwardMoment] = []
@@ -225,6 +228,7 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
     ``host_saved``: its saved tensors wait in host memory (``memplan.model.offload``): at a
     block's moment the blocks before it hold nothing on the GPU and the block holds what
     ``host_saved(block, moment)`` says its running node copied back."""
+    wl = compiled.layer_workload(wl)
     blocks = layer_blocks(spec, moe_layer, sliding)
     policy = Recompute.NONE if recompute is Recompute.FULL else recompute  # what is rebuilt
     stream = dm.stream(spec.hidden_size)
@@ -279,11 +283,13 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
                policy: Recompute, sliding: bool = False) -> LayerKind:
     """A layer's saved terms and moments (``memplan.model.memo`` caches it per kind);
     ``sliding``: a sliding-window layer (``memplan.model.stage_parts.layer_keys``)."""
+    wl = compiled.layer_workload(wl)
     if policy is Recompute.SELECTIVE and wl.selective_impl is SelectiveImpl.OP:
         # per-op SAC: a fully recomputed layer that also keeps its save list's outputs,
         # which the rerun reuses (so its backward is the full recompute's)
         full = layer_kind(spec, wl, dm, moe, Recompute.FULL, sliding)
-        kept = tuple(sac_terms(spec, dm, wl.fused_qkv or spec.fused_qkv))
+        kept = sac_terms(spec, dm, wl.fused_qkv or spec.fused_qkv)
+        kept = tuple(compiled.sac_kept(kept) if wl.compile else kept)
         # the recomputed layer's forward peaks in the MLP, before the down projection, whose
         # output (kept) does not exist yet
         late = sum(t.size_bytes for t in kept if t.name == "sac.mlp.w2")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from memplan.model import linear
+from memplan.model import compiled, linear
 from memplan.model.block import BackwardMoment, Moment
 from memplan.model.norm import output_kept
 from memplan.model.dims import FP32_BYTES, MASK_BYTES, Dims, Term, residual_dropout_mask, total
@@ -179,7 +179,10 @@ class Mlp:
     name = "mlp"
 
     def saved(self, spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
-        return (mlp_terms("mlp", spec, dm, spec.ffn_hidden_size, dm.tokens)
+        terms = mlp_terms("mlp", spec, dm, spec.ffn_hidden_size, dm.tokens)
+        if wl.compile:
+            terms = compiled.mlp_terms(terms, spec.mlp.gated)
+        return (terms
                 + linear.saved_terms("mlp", mlp_linears(spec, spec.ffn_hidden_size), dm)
                 + residual_dropout_mask("mlp", spec, dm))
 
@@ -187,8 +190,9 @@ class Mlp:
                         recompute: Recompute) -> list[Moment]:
         saved = total(self.saved(spec, wl, dm, recompute))
         stream = dm.rows * spec.hidden_size * dm.e
-        # its output before the residual add, then beside the add's output
-        moments = [Moment("mlp", saved, 2 * stream)]
+        # its output before the residual add, then beside the add's output; compiled, the add
+        # writes into the down projection's output (``compiled.MLP_OUTPUTS``)
+        moments = [Moment("mlp", saved, (compiled.MLP_OUTPUTS if wl.compile else 2) * stream)]
         if dm.adapters is not None:
             moments += _frozen_forward(spec, dm, saved)
         if spec.mlp is MlpKind.RELU:

@@ -466,8 +466,9 @@ def torchtitan_spec(cfg, name: str) -> ModelSpec:
             "intermediate_size": hidden, "vocab_size": cfg.vocab_size,
             "max_position_embeddings": attn.rope.max_seq_len, "hidden_act": "silu",
             "tie_word_embeddings": cfg.enable_weight_tying}
-    # FusedQKVLinear (models/common/attention.py): one wqkv parameter
-    fused = bool(getattr(attn, "fuse_qkv", True))
+    # FusedQKVLinear (models/common/attention.py): one wqkv parameter; QKVLinear: wq, wk, wv
+    qkv = getattr(attn, "qkv_linear", None)
+    fused = qkv is None or type(qkv).__qualname__.startswith("FusedQKVLinear")
     return spec_from_hf_dict(data, f"torchtitan {name}", name).model_copy(
         update={"fused_qkv": fused})
 

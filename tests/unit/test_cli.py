@@ -390,6 +390,7 @@ def test_flag_names_come_from_one_table() -> None:
       "--optimizer", "paged-adamw"],
      {"precision": "bf16-pure", "loss_impl": "torchtune-chunked", "loss_chunks": 8,
       "optimizer": "paged-adamw"}),
+    (["--precision", "bf16-pure", "--compile"], {"precision": "bf16-pure", "compile": True}),
 ])
 def test_every_shared_option_reaches_the_api(argv: list[str], kwargs: dict[str, Any]) -> None:
     """Each flag sets the API keyword the option table names: the CLI's JSON equals the API's."""
@@ -418,6 +419,8 @@ BAD_INPUTS = {
     "ep-experts": (["estimate", "--model", "mixtral-8x7b", "--ep", "3", "--gpus", "6"],
                    ["ep (3)", "num_experts (8)"]),
     "ep-dense": ([*M7, "--gpus", "8", "--ep", "2"], ["ep (2)", "llama-7b"]),
+    "compile-autocast": ([*M7, "--gpus", "8", "--compile", "--precision", "amp-bf16"],
+                         ["compile", "precision amp-bf16"]),
     "zero-5": ([*M7, "--gpus", "8", "--zero", "5"], ["--zero", "5"]),
     "mbs-0": ([*M7, "--gpus", "8", "--mbs", "0"], ["mbs", "0"]),
     "mbs-negative": ([*M7, "--gpus", "8", "--mbs", "-1"], ["mbs", "-1"]),

@@ -203,10 +203,13 @@ def test_torchtitan_published_train_configs(toml: str, gpus: int, model: str,
 
 
 def test_torchtitan_notes_what_it_does_not_model() -> None:
-    """llama3_405b.toml converts its linears to float8 and compiles: noted, estimated
-    without."""
-    notes = " ".join(torchtitan.read(TITAN / "llama3_405b.toml", 128).notes)
-    assert "float8" in notes and "torch.compile" in notes
+    """llama3_405b.toml converts its linears to float8 (noted, estimated without) and compiles
+    (compile.enable, components model and loss by default: the layers compiled, --compile;
+    the compiled loss noted as estimated eager)."""
+    imported = torchtitan.read(TITAN / "llama3_405b.toml", 128)
+    notes = " ".join(imported.notes)
+    assert "float8" in notes and "compiled loss" in notes
+    assert imported.inputs["compile"] is True
 
 
 def test_torchtitan_every_nth_layer_checkpointing() -> None:
@@ -442,9 +445,12 @@ def test_torchtitan_registry_names_its_keys() -> None:
 
 
 def test_torchtitan_registry_notes() -> None:
-    """llama3_405b: float8 converter and compile noted; flex attention noted."""
-    notes = " ".join(torchtitan.read(f"{REG_030} --config llama3_405b", 128).notes)
-    assert "float8" in notes and "torch.compile" in notes and "flex" in notes
+    """llama3_405b: float8 converter noted, compile mapped to --compile (its compiled loss
+    noted); flex attention noted."""
+    imported = torchtitan.read(f"{REG_030} --config llama3_405b", 128)
+    notes = " ".join(imported.notes)
+    assert "float8" in notes and "compiled loss" in notes and "flex" in notes
+    assert imported.inputs["compile"] is True
 
 
 def _registry(tmp_path: Path, body: str, top: str = "") -> str:

@@ -1,0 +1,80 @@
+"""What a decoder layer saves for backward under torch.compile (Inductor), per block.
+
+torchtitan compiles each decoder layer on its own (torchtitan/distributed/compile.py
+``apply_compile``: ``transformer_block.compile(backend=..., fullgraph=True)``), after wrapping
+it for activation checkpointing. Inductor's ``partition_fn`` (torch/_inductor/compile_fx.py)
+splits each layer's joint graph with ``min_cut_rematerialization_partition``
+(torch/_functorch/partitioners.py, torch 2.13), under the defaults of
+torch/_functorch/config.py (``activation_memory_budget = 1.0``: no budget pass;
+``ban_recompute_not_in_allowlist``, ``ban_recompute_materialized_backward``,
+``ban_recompute_reductions``: all True). Its rules, in ``solve_min_cut``:
+
+- ``should_ban_recomputation``: an op outside ``get_default_op_list``'s recomputable list
+  (matmuls, SDPA) is never recomputed, so its output is saved when backward reads it: the
+  gate and up projections' outputs (SiLU's and the product's backward read them);
+- ``is_materialized_backwards``: a tensor a non-fusible backward op reads (a matmul's weight
+  gradient, SDPA's backward) is banned from recomputation too, pointwise or not: every
+  projection's input (each norm's output, the core's output, SiLU(gate) * up), SDPA's
+  inputs (q and k after RoPE, v) and its logsumexp;
+- ``ban_if_reduction``: an output 4x smaller than its inputs is saved (the norm's per-row
+  statistics, rsqrt of the mean square);
+- the rest, pointwise ops of the allowlist (casts, pow, mul, silu, add), is recomputed in
+  backward from what is saved: a norm's fp32 copy of its input and its normalised tensor,
+  SiLU(gate). A norm's input is a graph input (the layer's input) or the residual sum, which
+  the min cut keeps as one saved tensor of its size (one operand, the other being the layer's
+  input, saved anyway).
+
+So per block (traced: tests/traced/test_compile_trace.py, transformers' LlamaDecoderLayer):
+a norm saves its input, its statistics and its output, as a fused norm kernel does
+(``NormImpl.FUSED``'s terms); attention with SDPA what it saves eagerly; a gated MLP its gate
+and up outputs and their activated product, not the activation. Under full activation
+checkpointing around the layer (torchtitan's order, checkpoint then compile) every node of the
+forward is marked to recompute (``must_recompute``): the layer saves its inputs, as eagerly.
+Under torchtitan's per-op SAC (``sac_kept``) the tagged outputs backward reads are saved.
+"""
+
+from __future__ import annotations
+
+from memplan.model.dims import Term
+from memplan.workload import NormImpl, Workload
+
+# Inductor's buffer reuse in the compiled forward: the residual add after the MLP is the last
+# reader of the down projection's output, of the same size and dtype, so it writes its result
+# in place (torch/_inductor/scheduler.py ``BaseSchedulerNode.decide_inplace_update``,
+# codegen/wrapper.py ``codegen_inplace_reuse``): one residual-sized tensor where eager holds
+# two (traced: the layer's forward ends with one buffer beyond its saved set). After
+# attention the add cannot: the output projection's output is saved.
+MLP_OUTPUTS = 1
+
+
+def layer_workload(wl: Workload) -> Workload:
+    """The workload a compiled decoder layer's blocks read: its norms save what a fused norm
+    saves (input, statistics, output; the fp32 copy and the normalised tensor recomputed).
+    The final norm and the head run eagerly (torchtitan compiles the layers alone) and read
+    ``wl`` itself."""
+    if not wl.compile or wl.norm_impl is NormImpl.FUSED:
+        return wl
+    return wl.model_copy(update={"norm_impl": NormImpl.FUSED})
+
+
+def mlp_terms(terms: list[Term], gated: bool) -> list[Term]:
+    """A dense MLP's saved terms compiled, from its eager ones (``memplan.model.mlp``): gated,
+    the activation's output is recomputed (SiLU/GELU of the saved gate output, fusible, read by
+    no matmul of backward); ungated, what the second linear and the activation's backward read
+    (the first linear's output and the activation's), transformers' gelu_new formula's
+    intermediate factors recomputed."""
+    if gated:
+        return [t for t in terms if not t.name.endswith(".act")]
+    return [t for t in terms if t.name.rpartition(".")[2] in ("fc1", "act")]
+
+
+def sac_kept(terms: list[Term]) -> list[Term]:
+    """Per-op SAC (torchtitan's ``SelectiveAC``) checkpointed, then compiled: the policy tags
+    its save list's outputs ``MUST_SAVE`` and the rest ``PREFER_RECOMPUTE``
+    (torch/utils/checkpoint.py ``CheckpointPolicy``), which the partitioner reads as a ban on
+    recomputing the tagged nodes (``should_ban_recomputation``: "marked MUST_SAVE") and a
+    forced recompute of the others (``must_recompute``). The min cut still saves only what
+    backward reads: the down projection's output (``sac.mlp.w2``, an odd matmul the eager
+    policy caches for the rerun) feeds the residual add alone, whose backward reads nothing,
+    so it is not saved (traced: torchtitan's block, fused and separate q/k/v)."""
+    return [t for t in terms if t.name != "sac.mlp.w2"]

@@ -1,0 +1,205 @@
+"""What Inductor's partitioner saves for backward in a compiled decoder layer, traced on CPU.
+
+A transformers ``LlamaDecoderLayer`` is compiled on its own (as torchtitan's
+``apply_compile`` compiles each decoder layer: torchtitan/distributed/compile.py), optionally
+wrapped in non-reentrant activation checkpointing first (torchtitan checkpoints, then
+compiles: torchtitan/models/llama3/parallelize.py). One forward and backward run; the
+partition Inductor makes (``torch._inductor.compile_fx.partition_fn`` calls
+``min_cut_rematerialization_partition``) is recorded: the forward graph's outputs beyond the
+layer's own are the tensors saved for backward, with their sizes from the fake values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+
+class SavedTensor(NamedTuple):
+    """One tensor the compiled forward saves: its node, op, shape, dtype and bytes;
+    ``graph_input``: a graph input (the layer's input, a weight, the RoPE tables) rather than
+    a tensor the forward made."""
+
+    name: str
+    op: str
+    shape: tuple[int, ...]
+    dtype: str
+    size_bytes: int
+    graph_input: bool
+
+
+@contextlib.contextmanager
+def _recursion_limit_kept() -> Iterator[None]:
+    """Inductor raises the interpreter's recursion limit while it compiles (and leaves it
+    raised); a trace leaves the process as it found it."""
+    limit = sys.getrecursionlimit()
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+def _record(rows: list[list[SavedTensor]]):
+    import torch
+
+    from torch._inductor import compile_fx
+
+    original = compile_fx.min_cut_rematerialization_partition
+
+    def recording(gm: Any, joint_inputs: Any, **kwargs: Any):
+        fw, bw = original(gm, joint_inputs, **kwargs)
+        outputs = next(iter(fw.graph.find_nodes(op="output"))).args[0]
+        saved = []
+        for node in outputs[kwargs["num_fwd_outputs"]:]:
+            value = node.meta.get("val")
+            if not isinstance(value, torch.Tensor):
+                continue  # symbolic sizes, RNG seeds
+            numel = int(value.numel()) if all(isinstance(d, int) for d in value.shape) else 0
+            saved.append(SavedTensor(node.name, str(node.target), tuple(value.shape),
+                                     str(value.dtype).removeprefix("torch."),
+                                     numel * value.element_size(), node.op == "placeholder"))
+        rows.append(saved)
+        return fw, bw
+
+    return compile_fx, original, recording
+
+
+def _layer(config: dict, dtype_name: str, batch: int, seq: int):
+    """A decoder layer in ``dtype_name``, a function running it on a hidden-state tensor, and
+    its input for ``batch`` sequences of ``seq`` tokens. ``config``: a transformers
+    config.json dict (its ``LlamaDecoderLayer``, SDPA attention, with RoPE tables made once
+    outside the layer as ``LlamaModel`` makes them) or, with ``"torchtitan"`` set to the
+    keywords of ``memplan.profile.frameworks.torchtitan_config``, torchtitan's Llama3 block
+    (its RoPE cache a buffer of the block, SDPA attention)."""
+    import torch
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    dtype = getattr(torch, dtype_name)
+    if "torchtitan" in config:
+        from memplan.profile.frameworks import torchtitan_config
+
+        cfg = torchtitan_config(**config["torchtitan"], seq_len=seq)
+        layer = cfg.layers[0].build().to(dtype)
+        for param in layer.parameters():  # its own init needs the model's; any values do
+            torch.nn.init.normal_(param, std=0.02)
+        x = torch.randn(batch, seq, cfg.dim, dtype=dtype, requires_grad=True)
+        return layer, (lambda h: layer(h, None, None)), x
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    cfg = LlamaConfig(**config)
+    cfg._attn_implementation = "sdpa"
+    layer = LlamaDecoderLayer(cfg, 0).to(dtype)
+    x = torch.randn(batch, seq, cfg.hidden_size, dtype=dtype, requires_grad=True)
+    positions = torch.arange(seq)[None].expand(batch, seq)
+    cos, sin = LlamaRotaryEmbedding(cfg)(x, positions)
+
+    def run(h):
+        out = layer(h, attention_mask=None, position_embeddings=(cos, sin))
+        return out[0] if isinstance(out, tuple) else out
+
+    return layer, run, x
+
+
+def compiled_layer_saved(config: dict, dtype_name: str, batch: int, seq: int,
+                         checkpoint: str = "none") -> list[SavedTensor]:
+    """The saved set of one compiled decoder layer of ``config`` (``_layer``) in
+    ``dtype_name`` for ``batch`` sequences of ``seq`` tokens; ``checkpoint``: "full", inside
+    non-reentrant activation checkpointing, or "op", inside torchtitan's per-op SAC
+    (``SelectiveAC._wrap_block``, its save list with CPU's SDPA kernel:
+    ``frameworks._sac_saves_cpu_flash``), compiled around it, as torchtitan checkpoints, then
+    compiles."""
+    with _recursion_limit_kept():
+        return _saved(config, dtype_name, batch, seq, checkpoint)
+
+
+def _saved(config: dict, dtype_name: str, batch: int, seq: int,
+           checkpoint: str) -> list[SavedTensor]:
+    import torch
+    from torch.utils.checkpoint import checkpoint as run_checkpointed
+
+    layer, run, x = _layer(config, dtype_name, batch, seq)
+    if checkpoint == "op":
+        from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+        from memplan.profile.frameworks import _sac_saves_cpu_flash
+
+        with _sac_saves_cpu_flash():
+            wrapped = SelectiveAC(SelectiveAC.Config())._wrap_block(layer, base_fqn="layers.0")
+        run = lambda h: wrapped(h, None, None)  # noqa: E731 (torchtitan's blocks only)
+
+    def step(h):
+        if checkpoint == "full":
+            return run_checkpointed(run, h, use_reentrant=False)
+        return run(h)
+
+    rows: list[list[SavedTensor]] = []
+    module, original, recording = _record(rows)
+    module.min_cut_rematerialization_partition = recording
+    # a cached compile (AOTAutograd's and Inductor's on-disk caches) skips the partitioner
+    no_cache = (torch._functorch.config.patch(enable_autograd_cache=False),
+                torch._inductor.config.patch(fx_graph_cache=False))
+    try:
+        with no_cache[0], no_cache[1]:
+            torch.compile(step, backend="inductor", fullgraph=True)(x).sum().backward()
+    finally:
+        module.min_cut_rematerialization_partition = original
+        torch._dynamo.reset()
+    assert len(rows) == 1, f"expected one partitioned graph, got {len(rows)}"
+    return rows[0]
+
+
+def compiled_layer_peaks(config: dict, dtype_name: str, batch: int, seq: int) -> tuple[int, int]:
+    """(forward peak, backward peak) of one compiled decoder layer's step (``_layer``), in bytes
+    above what exists before it (weights, the input, the RoPE tables, the output's gradient),
+    from the CPU allocator's own events (torch.profiler with profile_memory: they include
+    the buffers compiled kernels allocate, which a dispatch mode does not see). The layer's
+    output stays alive through its backward (the step holds it). Compiled and run once first,
+    its gradients dropped. oneDNN is off: its bf16 matmuls on CPU allocate reordered weight
+    copies (132,736 B at the toy's q projection) that no GPU kernel makes."""
+    import torch
+
+    with torch.backends.mkldnn.flags(enabled=False), _recursion_limit_kept():
+        return _peaks(config, dtype_name, batch, seq)
+
+
+def _peaks(config: dict, dtype_name: str, batch: int, seq: int) -> tuple[int, int]:
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    layer, run, x = _layer(config, dtype_name, batch, seq)
+    run = torch.compile(run, backend="inductor", fullgraph=True)
+    no_cache = (torch._functorch.config.patch(enable_autograd_cache=False),
+                torch._inductor.config.patch(fx_graph_cache=False))
+    grad = torch.ones_like(x, requires_grad=False)
+
+    def step(mark) -> None:
+        out = run(x)
+        mark()
+        out.backward(grad)
+
+    def marked() -> None:
+        with record_function("memplan.backward"):
+            pass
+
+    with no_cache[0], no_cache[1]:
+        step(lambda: None)
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step(marked)
+    torch._dynamo.reset()
+    events = prof.profiler.kineto_results.events()
+    mark = next(e.start_ns() for e in events if e.name() == "memplan.backward")
+    alive = forward = backward = 0
+    for event in sorted((e for e in events if e.name() == "[memory]"),
+                        key=lambda e: e.start_ns()):
+        alive += event.nbytes()
+        if event.start_ns() < mark:
+            forward = max(forward, alive)
+        else:
+            backward = max(backward, alive)
+    return forward, backward

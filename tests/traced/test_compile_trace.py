@@ -1,0 +1,117 @@
+"""A compiled decoder layer's saved set, from Inductor's real partitioner, against memplan.
+
+transformers' ``LlamaDecoderLayer`` (the Llama 3 config of tests/traced/hf_configs.py, cut to
+h = 256, 8 heads, 2 KV heads, ffn 896) and torchtitan's Llama3 block (0.3.0, the same widths,
+ffn 768) are compiled on their own with the Inductor backend on CPU,
+as torchtitan compiles each decoder layer, optionally inside full activation checkpointing
+(``memplan.profile.compiled_trace``); the tensors ``min_cut_rematerialization_partition``
+saves for backward are recorded from the partitioned forward graph. memplan's saved terms of
+one layer with ``compile=True`` must match them to the byte: the tensors the forward made,
+and of its graph inputs the layer's input (the weights and the RoPE tables, one per model,
+are not a layer's activations).
+
+Traced (torch 2.13.0 CPU, transformers 5.3.0), 2 sequences of 64 tokens (T = 128):
+fp32 2,233,344 B = the layer input, each norm's rsqrt (T fp32) and output, the post-attention
+norm's input (kept as the output projection's output, the residual sum recomputed), q and k
+after RoPE, v, SDPA's output and logsumexp, gate, up and SiLU(gate) * up; bf16 1,119,232 B
+(the statistics fp32). Inside checkpointing the layer saves its input alone (and the RNG
+state, a symbolic-size uint8 tensor of the checkpoint, not counted).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from hf_configs import LLAMA3_TOY, hf  # tests/traced/hf_configs.py
+
+from memplan.model.dims import Dims
+from memplan.model.layer import layer_kind
+from memplan.parallel import ParallelConfig
+from memplan.profile.compiled_trace import compiled_layer_saved
+from memplan.spec import spec_from_hf_dict
+from memplan.workload import Recompute, Workload
+
+TOY = hf("Meta-Llama-3-8B", **LLAMA3_TOY)
+# torchtitan's Llama3 block at the same width (ffn 768 by its compute_ffn_hidden_dim)
+TITAN = {"torchtitan": dict(dim=256, n_layers=1, n_heads=8, n_kv_heads=2, vocab_size=1000)}
+BATCH, SEQ = 2, 64
+
+
+def _traced_activations(config: dict, dtype: str, checkpoint: str) -> int:
+    saved = compiled_layer_saved(config, dtype, BATCH, SEQ, checkpoint=checkpoint)
+    stream = (BATCH, SEQ, 256)
+    return sum(t.size_bytes for t in saved if not t.graph_input or t.shape == stream)
+
+
+def _spec(library: str, fuse_qkv: bool):
+    if library == "transformers":
+        return spec_from_hf_dict(TOY, "llama3-toy", "llama3-toy")
+    from memplan.profile.frameworks import torchtitan_config, torchtitan_spec
+
+    cfg = torchtitan_config(**TITAN["torchtitan"], seq_len=SEQ, fuse_qkv=fuse_qkv)
+    return torchtitan_spec(cfg, "llama3-toy")
+
+
+@pytest.mark.parametrize("library,fuse_qkv", [("transformers", False), ("torchtitan", True),
+                                              ("torchtitan", False)])
+@pytest.mark.parametrize("dtype,precision", [("float32", "fp32"), ("bfloat16", "bf16-pure")])
+@pytest.mark.parametrize("checkpoint", ["none", "full", "op"])
+def test_compiled_layer_saves_what_the_partitioner_saves(library: str, fuse_qkv: bool,
+                                                         dtype: str, precision: str,
+                                                         checkpoint: str) -> None:
+    """transformers' layer and torchtitan's block (fused wqkv or not; 0.3's default fuses):
+    torchtitan's fp32 2,036,736 B and bf16 1,020,928 B traced (its ffn 768: three T x 768
+    tensors where transformers' layer saves three T x 896). Under torchtitan's per-op SAC
+    (its policy, a torchtitan block's) the input, the odd matmuls' outputs but the down
+    projection's, SDPA's output and logsumexp: fp32 856,064 B fused, 823,296 B separate."""
+    if checkpoint == "op" and library != "torchtitan":
+        pytest.skip("per-op SAC is torchtitan's policy")
+    config = TOY if library == "transformers" else {
+        "torchtitan": dict(TITAN["torchtitan"], fuse_qkv=fuse_qkv)}
+    spec = _spec(library, fuse_qkv)
+    recompute = {"none": Recompute.NONE, "full": Recompute.FULL,
+                 "op": Recompute.SELECTIVE}[checkpoint]
+    # torchtitan's RoPE cache is its attention's buffer (the preset's rope_cache "layer"):
+    # the complex RoPE returns q token-major, SDPA's output with it, no copy for wo
+    rope = {} if library == "transformers" else {"rope_cache": "layer", "selective_impl": "op"}
+    wl = Workload(micro_batch_size=BATCH, seq_len=SEQ, precision=precision,
+                  recompute=recompute, compile=True, **rope)
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    modelled = layer_kind(spec, wl, dm, False, recompute).saved_bytes
+    assert modelled == _traced_activations(config, dtype, checkpoint)
+
+
+@pytest.mark.parametrize("dtype,precision,grad_bytes,backward_over", [
+    ("float32", "fp32", 4, 68_608), ("bfloat16", "bf16-pure", 2, 36_864)])
+def test_compiled_layer_phase_peaks(dtype: str, precision: str, grad_bytes: int,
+                                    backward_over: int) -> None:
+    """The compiled layer's forward and backward peaks (``compiled_layer_peaks``: above the
+    weights, the input and the output's gradient, the output held through backward; oneDNN
+    off) against memplan's layer moments, each with the gradients of the parameter groups made
+    by then (in the weights' dtype), less one residual-sized tensor: memplan counts the
+    layer's input (saved by its first norm) and the incoming gradient, the trace the held
+    output in their place (the same size), the input made before the step.
+
+    Forward, traced fp32 2,233,344 B, bf16 1,119,232 B: the saved set less the input and the
+    output, which the residual add writes into the down projection's output (Inductor's
+    in-place reuse, ``memplan.model.compiled.MLP_OUTPUTS``): byte-exact. Backward, traced fp32
+    4,261,888 B, bf16 2,130,944 B at the MLP's weight gradients; memplan over by 68,608 B
+    (+1.61%) and 36,864 B (+1.73%) at the same moment (``mlp_in``): the backward's buffers are
+    the eager model's, not Inductor's schedule of them."""
+    from memplan.model.layer import grad_group_params
+    from memplan.profile.compiled_trace import compiled_layer_peaks
+
+    spec = spec_from_hf_dict(TOY, "llama3-toy", "llama3-toy")
+    wl = Workload(micro_batch_size=BATCH, seq_len=SEQ, precision=precision, compile=True)
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    kind = layer_kind(spec, wl, dm, False, Recompute.NONE)
+    groups = grad_group_params(spec, 1, 1, False)
+    stream = BATCH * SEQ * TOY["hidden_size"] * grad_bytes
+    backward = max(m.alive_bytes + m.transient_bytes
+                   + grad_bytes * sum(groups[g] for g in m.grads_before) for m in kind.moments)
+    traced_forward, traced_backward = compiled_layer_peaks(TOY, dtype, BATCH, SEQ)
+    assert kind.forward_peak_bytes - stream == traced_forward
+    assert backward - stream - traced_backward == backward_over
+    assert backward - stream == pytest.approx(traced_backward, rel=0.03)

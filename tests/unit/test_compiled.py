@@ -1,0 +1,72 @@
+"""A compiled decoder layer's saved terms (``memplan.model.compiled``) on the tiny spec, by hand.
+
+tiny: h = 64, f = 176 (SwiGLU), 4 query heads, 2 KV heads, d = 16 (q width 64, KV width 32),
+RMSNorm, RoPE. Workload: mbs 2, seq 32, bf16 (e = 2): T = 64 tokens, T*h*e = 8,192 B.
+The rules (torch/_functorch/partitioners.py ``solve_min_cut``) are traced on transformers'
+Llama layer in tests/traced/test_compile_trace.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from memplan.errors import LayoutError
+from memplan.model.dims import Dims, total
+from memplan.model.layer import layer_kind, layer_terms
+from memplan.parallel import ParallelConfig, validate
+from memplan.spec import load_model
+from memplan.workload import Recompute, SelectiveImpl, Workload
+
+TINY = load_model("tiny")
+WL = Workload(micro_batch_size=2, seq_len=32, compile=True)
+DM = Dims.of(TINY, ParallelConfig(), WL)
+
+
+def test_compiled_layer_terms() -> None:
+    """Each norm: its input 8,192 (the layer's input; the residual sum), rsqrt T*4 = 256, its
+    output 8,192 (16,640), not the fp32 copy or the normalised tensor (recomputed pointwise);
+    attention: q 8,192, k and v 64*32*2 = 4,096 each, SDPA's output 8,192, logsumexp
+    2*4*32*4 = 1,024 (25,600); the MLP: gate, up and their product 64*176*2 = 22,528 each
+    (67,584), not SiLU(gate). 2*16,640 + 25,600 + 67,584 = 126,464 (eager: 181,760)."""
+    terms = {t.name: t.size_bytes
+             for t in layer_terms(TINY, WL, DM, moe_layer=False, recompute=Recompute.NONE)
+             if t.size_bytes}
+    assert terms == {
+        "attn_norm.input": 8_192, "attn_norm.output": 8_192, "attn_norm.stats": 256,
+        "attn.q": 8_192, "attn.k": 4_096, "attn.v": 4_096, "attn.out": 8_192, "attn.lse": 1_024,
+        "mlp_norm.input": 8_192, "mlp_norm.output": 8_192, "mlp_norm.stats": 256,
+        "mlp.gate": 22_528, "mlp.up": 22_528, "mlp.prod": 22_528}
+    assert sum(terms.values()) == 126_464
+    eager = WL.model_copy(update={"compile": False})
+    assert layer_kind(TINY, eager, DM, False, Recompute.NONE).saved_bytes == 181_760
+
+
+def test_checkpointed_compiled_layer_keeps_its_input() -> None:
+    """Full checkpointing around the compiled layer: every forward node must be recomputed,
+    the layer's input (8,192) is saved."""
+    assert layer_kind(TINY, WL, DM, False, Recompute.FULL).saved_bytes == 8_192
+
+
+def test_per_op_sac_compiled_drops_the_down_projections_output() -> None:
+    """torchtitan's per-op SAC, compiled: the input 8,192; of the odd matmuls (q 1st, v 3rd,
+    w1 5th, w2 7th) q 64*64*2 = 8,192, v 64*32*2 = 4,096, w1 64*176*2 = 22,528, not w2's
+    output (read by the residual add alone); SDPA's output 8,192 and logsumexp 1,024:
+    52,224 (eagerly w2's 8,192 more: 60,416)."""
+    wl = WL.model_copy(update={"recompute": Recompute.SELECTIVE,
+                               "selective_impl": SelectiveImpl.OP})
+    assert layer_kind(TINY, wl, DM, False, Recompute.SELECTIVE).saved_bytes == 52_224
+    eager = wl.model_copy(update={"compile": False})
+    assert layer_kind(TINY, eager, DM, False, Recompute.SELECTIVE).saved_bytes == 60_416
+
+
+@pytest.mark.parametrize(("model", "update", "why"), [
+    ("mixtral-8x7b", {}, "MoE layers"),
+    ("tiny", {"precision": "amp-bf16"}, "precision amp-bf16"),
+    ("tiny", {"attention": "eager"}, "attention eager"),
+    ("tiny", {"lora_rank": 8}, "lora_rank 8"),
+    ("tiny", {"recompute": "selective"}, r"recompute selective \(core\)"),
+])
+def test_compile_refuses_what_is_not_modelled(model: str, update: dict, why: str) -> None:
+    wl = Workload.model_validate({**WL.model_dump(), **update})
+    with pytest.raises(LayoutError, match=why):
+        validate(load_model(model), ParallelConfig(), wl)
