@@ -1,4 +1,4 @@
-"""Make the README's example plots from real runs on this machine's CPU (docs/images/).
+"""Make the example plots of docs/profiling.md from real runs on this machine's CPU (docs/images/).
 
     python benchmarks/docs_plots.py [docs/images]
 

@@ -1,5 +1,5 @@
-"""The README works as written: every command it shows runs, from a copy of the repository's
-files, and prints what the README shows after it.
+"""The README and the pages of docs/ work as written: every command they show runs, from a copy
+of the repository's files, and prints what the page shows after it.
 
 A command is a ``$ memplan ...`` line of a text block (its ``# comment`` is not part of it);
 the lines after it, up to the next command or the block's end, are what it prints. Each such
@@ -28,6 +28,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
+# the README and every page of docs/: a command moved from one to another is still run
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 MEMPLAN = Path(sys.executable).with_name("memplan")
 # the repository files the commands read, copied: commands write into the copy (profile --out,
 # calibrate's calibration/ folder), never into the repository
@@ -37,14 +39,15 @@ CUDA_COMMENT = re.compile(r"\bCUDA GPUs?\b")
 
 
 class Shown(NamedTuple):
-    line: int  # README line number of the command
+    line: int  # line number of the command in its page
     command: str
     comment: str
     output: list[str]
+    page: str = "README.md"
 
 
-def shown_commands(text: str) -> list[Shown]:
-    """Each ``$ memplan`` command of the README's text blocks, with what it shows."""
+def shown_commands(text: str, page: str = "README.md") -> list[Shown]:
+    """Each ``$ memplan`` command of a page's text blocks, with what it shows."""
     out: list[Shown] = []
     in_block = False
     current: Shown | None = None
@@ -57,7 +60,7 @@ def shown_commands(text: str) -> list[Shown]:
             continue
         if raw.startswith("$ "):
             command, _, comment = raw[2:].partition("  #")
-            current = Shown(number, command.strip(), comment.strip(), [])
+            current = Shown(number, command.strip(), comment.strip(), [], page)
             out.append(current)
         elif current is not None and raw.strip():
             current.output.append(raw)
@@ -87,10 +90,14 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return work
 
 
-COMMANDS = shown_commands(README.read_text())
+COMMANDS = [shown for page in PAGES
+            for shown in shown_commands(page.read_text(), str(page.relative_to(ROOT)))]
 
 
 def test_the_readme_shows_commands() -> None:
+    assert {c.page for c in COMMANDS} >= {"README.md", "docs/cli.md", "docs/diagnosis.md",
+                                          "docs/profiling.md", "docs/tracing.md",
+                                          "docs/calibration.md"}
     names = {shlex.split(c.command)[1] for c in COMMANDS}
     assert {"estimate", "plan", "diagnose", "profile", "trace", "calibrate", "models",
             "gpus"} <= names
@@ -105,7 +112,7 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-@pytest.mark.parametrize("shown", COMMANDS, ids=[f"L{c.line}" for c in COMMANDS])
+@pytest.mark.parametrize("shown", COMMANDS, ids=[f"{c.page}:L{c.line}" for c in COMMANDS])
 def test_readme_command_runs_as_shown(shown: Shown, workdir: Path) -> None:
     argv = shlex.split(shown.command)
     needs_cuda = bool(CUDA_COMMENT.search(shown.comment))
@@ -124,7 +131,7 @@ def test_readme_command_runs_as_shown(shown: Shown, workdir: Path) -> None:
     errors = [line for line in shown.output if line.startswith("memplan: error:")]
     assert proc.returncode == (2 if errors else 0), output
     missing = _missing(shown.output, output)
-    assert not missing, f"README line {shown.line}: not in the output: {missing}\n{output}"
+    assert not missing, f"{shown.page} line {shown.line}: not in the output: {missing}\n{output}"
 
 
 def test_setup_commands() -> None:
@@ -156,9 +163,9 @@ def test_the_comparison_reads_what_a_line_shows() -> None:
 
 
 def test_python_api_example_runs(workdir: Path) -> None:
-    """The README's Python API block runs as written, from the repository's files."""
-    text = README.read_text()
-    block = text.split("### Python API", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    """The Python API block of docs/cli.md runs as written, from the repository's files."""
+    text = (ROOT / "docs" / "cli.md").read_text()
+    block = text.split("## Python API", 1)[1].split("```python", 1)[1].split("```", 1)[0]
     proc = subprocess.run([sys.executable, "-c", block], cwd=workdir, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
