@@ -38,6 +38,14 @@ class AllocatorConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     max_split_size_bytes: int = NO_LIMIT
+    # AcceleratorAllocatorConfig::max_non_split_rounding_size (c10/core/AllocatorConfig.h of
+    # torch 2.13, option max_non_split_rounding_mb; "The default is 20 MiB"); older releases use
+    # kLargeBuffer in its place in get_free_block.
+    max_non_split_rounding_bytes: int = K_LARGE_BUFFER
+    # AcceleratorAllocatorConfig::large_segment_size_ (c10/core/AllocatorConfig.h of torch 2.13,
+    # option large_segment_size_mb, "20 MB by default"): the segment get_allocation_size gives a
+    # request between 1 and 10 MiB, kLargeBuffer in releases before the option existed.
+    large_segment_bytes: int = K_LARGE_BUFFER
     roundup_power2_divisions: int = 0
     expandable_segments: bool = False
     capacity_bytes: int | None = None  # cudaMalloc fails past it; None: never
@@ -51,6 +59,10 @@ def parse_alloc_conf(text: str, capacity_bytes: int | None = None) -> AllocatorC
         key, _, value = item.partition(":")
         if key == "max_split_size_mb":
             fields["max_split_size_bytes"] = int(value) * 1048576
+        elif key == "max_non_split_rounding_mb":
+            fields["max_non_split_rounding_bytes"] = int(value) * 1048576
+        elif key == "large_segment_size_mb":
+            fields["large_segment_bytes"] = int(value) * 1048576
         elif key == "roundup_power2_divisions":
             fields["roundup_power2_divisions"] = int(value)
         elif key == "expandable_segments":
@@ -81,12 +93,12 @@ def round_size(size: int, divisions: int = 0) -> int:
     return K_MIN_BLOCK_SIZE * ((size + K_MIN_BLOCK_SIZE - 1) // K_MIN_BLOCK_SIZE)
 
 
-def get_allocation_size(size: int) -> int:
+def get_allocation_size(size: int, large_segment: int = K_LARGE_BUFFER) -> int:
     """DeviceCachingAllocator::get_allocation_size: the cudaMalloc size for a rounded request."""
     if size <= K_SMALL_SIZE:
         return K_SMALL_BUFFER
     if size < K_MIN_LARGE_ALLOC:
-        return K_LARGE_BUFFER
+        return large_segment
     return K_ROUND_LARGE * ((size + K_ROUND_LARGE - 1) // K_ROUND_LARGE)
 
 
@@ -231,8 +243,8 @@ class CachingAllocator:
         limit = self.cfg.max_split_size_bytes
         if size < limit and block.size >= limit:
             return None  # do not return an oversized block for a smaller request
-        if size >= limit and block.size >= size + K_LARGE_BUFFER:
-            return None  # an oversize block may be rounded up by less than kLargeBuffer only
+        if size >= limit and block.size >= size + self.cfg.max_non_split_rounding_bytes:
+            return None  # an oversize block may be rounded up by less than this only
         return seg, block
 
     def alloc_block(self, size: int, stream: int, small: bool):
@@ -240,7 +252,7 @@ class CachingAllocator:
         with expandable segments map pages (try_allocate_expandable_block)."""
         if self.cfg.expandable_segments:
             return self.try_allocate_expandable_block(size, stream, small)
-        alloc_size = get_allocation_size(size)
+        alloc_size = get_allocation_size(size, self.cfg.large_segment_bytes)
         if not self._can_reserve(alloc_size):
             return None
         seg = self._new_segment(stream, small, expandable=False)

@@ -201,3 +201,17 @@ def test_max_split_size_keeps_oversize_blocks_whole() -> None:
     assert r.reserved_bytes == [40 * MiB, 40 * MiB, 60 * MiB, 106 * MiB]
     r = replay(ev[:3])
     assert r.reserved_bytes == [40 * MiB] * 3
+
+
+def test_oversize_block_rounding_limit() -> None:
+    """max_split_size_mb:32. a 40 MiB, freed. b 35 MiB >= max_split_size: the free 40 MiB block
+    fits and 40 < 35 + 20 (max_non_split_rounding, 20 MiB by default) -> b takes it whole
+    (should_split is false for size >= max_split_size): reserved stays 40 MiB, allocated 40 MiB.
+    With max_non_split_rounding_mb:4, 40 >= 35 + 4 -> refused -> a new segment of 35 MiB rounded
+    up to 2 MiB = 36 MiB: reserved 76 MiB."""
+    ev = [Alloc(1, 40 * MiB), Free(1), Alloc(2, 35 * MiB)]
+    r = replay(ev, parse_alloc_conf("max_split_size_mb:32"))
+    assert r.reserved_bytes == [40 * MiB] * 3
+    assert r.allocated_peak_bytes == 40 * MiB
+    r = replay(ev, parse_alloc_conf("max_split_size_mb:32,max_non_split_rounding_mb:4"))
+    assert r.reserved_bytes == [40 * MiB, 40 * MiB, 76 * MiB]
