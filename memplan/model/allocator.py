@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict
 
+from memplan.errors import MemplanError
+
 # c10/cuda/CUDACachingAllocator.cpp, file-level constants
 K_MIN_BLOCK_SIZE = 512  # kMinBlockSize: all sizes are rounded to at least 512 bytes
 K_SMALL_SIZE = 1048576  # kSmallSize: largest "small" allocation is 1 MiB
@@ -68,7 +70,7 @@ def parse_alloc_conf(text: str, capacity_bytes: int | None = None) -> AllocatorC
         elif key == "expandable_segments":
             fields["expandable_segments"] = value.strip() == "True"
         else:
-            raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF: {key!r} is not modelled")
+            raise MemplanError(f"PYTORCH_CUDA_ALLOC_CONF: {key!r} is not modelled")
     return AllocatorConfig(**fields)  # type: ignore[arg-type]
 
 
@@ -192,6 +194,8 @@ class CachingAllocator:
     def malloc(self, key: int, orig_size: int, stream: int = 0) -> bool:
         """DeviceCachingAllocator::malloc: best fit, else a new segment, else release the cache
         and retry. False when it would raise OutOfMemoryError."""
+        if key in self.live or orig_size <= 0:
+            raise MemplanError(f"Alloc {key}: already live, or size_bytes {orig_size} <= 0")
         size = round_size(orig_size, self.cfg.roundup_power2_divisions)
         small = size <= K_SMALL_SIZE  # get_pool
         found = self.get_free_block(size, stream, small)
@@ -338,6 +342,8 @@ class CachingAllocator:
     # --- free and release ---------------------------------------------------------------------
     def free(self, key: int) -> None:
         """DeviceCachingAllocator::free -> free_block: coalesce with free neighbours."""
+        if key not in self.live:
+            raise MemplanError(f"Free {key}: no live allocation has that id")
         seg, block = self.live.pop(key)
         block.state = "free"
         self.allocated -= block.size

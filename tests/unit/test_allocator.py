@@ -14,6 +14,9 @@ from the rules of ``c10/cuda/CUDACachingAllocator.cpp`` (torch 2.13), quoted in 
 
 from __future__ import annotations
 
+import pytest
+
+from memplan.errors import MemplanError
 from memplan.model.allocator import (
     Alloc,
     AllocatorConfig,
@@ -215,3 +218,13 @@ def test_oversize_block_rounding_limit() -> None:
     assert r.allocated_peak_bytes == 40 * MiB
     r = replay(ev, parse_alloc_conf("max_split_size_mb:32,max_non_split_rounding_mb:4"))
     assert r.reserved_bytes == [40 * MiB, 40 * MiB, 76 * MiB]
+
+
+def test_bad_sequences_are_refused() -> None:
+    """A free of an id that is not live, a second live allocation with the same id, a size of 0
+    (the allocator is not called for 0 bytes) and an option the model does not follow."""
+    for events in ([Free(1)], [Alloc(1, 512), Alloc(1, 512)], [Alloc(1, 0)]):
+        with pytest.raises(MemplanError):
+            replay(events)
+    with pytest.raises(MemplanError, match="garbage_collection_threshold"):
+        parse_alloc_conf("garbage_collection_threshold:0.6")
