@@ -29,6 +29,7 @@ class AllocationRecorder(MemoryTracker):
         super().__init__(timeline=timeline)
         self.events: list[Alloc | Free] = []
         self._event_id: dict[int, int] = {}  # id(storage) -> id of its live allocation
+        self._key_of: dict[int, int] = {}  # id(tracker entry) -> id(storage)
         self._next = 0
         self.marks: list[tuple[int, int, str]] = []  # (event index, step, phase)
 
@@ -47,18 +48,20 @@ class AllocationRecorder(MemoryTracker):
         known = id(st) in self._live
         super()._add(st, category)
         if not known and id(st) in self._live:
+            self._key_of[id(self._live[id(st)])] = id(st)
             self._alloc(id(st), self._live[id(st)][0])
 
     def _resize(self, entry: list[Any], nbytes: int) -> None:
         if nbytes != entry[0]:
-            key = next((k for k, e in self._live.items() if e is entry), None)
-            if key is not None:
+            key = self._key_of.get(id(entry))
+            if key is not None and self._live.get(key) is entry:
                 self._free(key)
                 self._alloc(key, nbytes)
         super()._resize(entry, nbytes)
 
     def _drop(self, key: int) -> None:
         if key in self._live:
+            self._key_of.pop(id(self._live[key]), None)
             self._free(key)
         super()._drop(key)
 
