@@ -1,0 +1,445 @@
+"""A model of PyTorch's CUDA caching allocator: replay allocations and frees, get reserved bytes.
+
+Every rule follows ``c10/cuda/CUDACachingAllocator.cpp`` of torch 2.13 (``DeviceCachingAllocator``);
+each constant and function below names the function it comes from. Torch-free and pure Python.
+
+A replay takes events in program order: ``Alloc(id, size_bytes, stream)`` and ``Free(id)``. It
+returns reserved bytes after each event (what ``torch.cuda.memory_reserved()`` reads), the reserved
+and allocated peaks, the fragmentation (reserved - allocated) at the reserved peak, the inactive
+split bytes, the number of segments, and whether an allocation ran out of memory for a given
+device capacity. Not modelled: CUDA graph private pools, ``record_stream`` events (a freed block
+is reusable at once), ``garbage_collection_threshold`` (it needs ``set_per_process_memory_fraction``
+and per-block reuse ages), the CUDA context and memory outside the allocator, and the addresses
+cudaMalloc returns (ties in best fit go to the segment created first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict
+
+from memplan.errors import MemplanError
+
+# c10/cuda/CUDACachingAllocator.cpp, file-level constants
+K_MIN_BLOCK_SIZE = 512  # kMinBlockSize: all sizes are rounded to at least 512 bytes
+K_SMALL_SIZE = 1048576  # kSmallSize: largest "small" allocation is 1 MiB
+K_SMALL_BUFFER = 2097152  # kSmallBuffer: "small" allocations are packed in 2 MiB blocks
+K_LARGE_BUFFER = 20971520  # kLargeBuffer: "large" allocations may be packed in 20 MiB blocks
+K_MIN_LARGE_ALLOC = 10485760  # kMinLargeAlloc: allocations between 1 and 10 MiB use kLargeBuffer
+K_ROUND_LARGE = 2097152  # kRoundLarge: round up large allocations to 2 MiB
+# ExpandableSegment's segment_size_: DeviceCachingAllocator::find_expandable_block passes
+# `pool->is_small ? kSmallBuffer : kLargeBuffer`, so pages are 2 MiB (small) and 20 MiB (large).
+# The address space reserved per expandable segment: `prop.totalGlobalMem + totalGlobalMem / 8`.
+NO_LIMIT = 1 << 62  # max_split_size's default, std::numeric_limits<size_t>::max() (CUDAAllocatorConfig)
+
+
+class AllocatorConfig(BaseModel):
+    """The PYTORCH_CUDA_ALLOC_CONF options the model follows, and the device's capacity."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_split_size_bytes: int = NO_LIMIT
+    # AcceleratorAllocatorConfig::max_non_split_rounding_size (c10/core/AllocatorConfig.h of
+    # torch 2.13, option max_non_split_rounding_mb; "The default is 20 MiB"); older releases use
+    # kLargeBuffer in its place in get_free_block.
+    max_non_split_rounding_bytes: int = K_LARGE_BUFFER
+    # AcceleratorAllocatorConfig::large_segment_size_ (c10/core/AllocatorConfig.h of torch 2.13,
+    # option large_segment_size_mb, "20 MB by default"): the segment get_allocation_size gives a
+    # request between 1 and 10 MiB, kLargeBuffer in releases before the option existed.
+    large_segment_bytes: int = K_LARGE_BUFFER
+    roundup_power2_divisions: int = 0
+    expandable_segments: bool = False
+    capacity_bytes: int | None = None  # cudaMalloc fails past it; None: never
+
+
+def parse_alloc_conf(text: str, capacity_bytes: int | None = None) -> AllocatorConfig:
+    """``PYTORCH_CUDA_ALLOC_CONF``'s ``key:value,key:value`` form (CUDAAllocatorConfig::parseArgs);
+    ``max_split_size_mb`` in MiB, ``roundup_power2_divisions`` as one number for every size."""
+    fields: dict[str, object] = {"capacity_bytes": capacity_bytes}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, _, value = item.partition(":")
+        if key == "max_split_size_mb":
+            fields["max_split_size_bytes"] = int(value) * 1048576
+        elif key == "max_non_split_rounding_mb":
+            fields["max_non_split_rounding_bytes"] = int(value) * 1048576
+        elif key == "large_segment_size_mb":
+            fields["large_segment_bytes"] = int(value) * 1048576
+        elif key == "roundup_power2_divisions":
+            fields["roundup_power2_divisions"] = int(value)
+        elif key == "expandable_segments":
+            fields["expandable_segments"] = value.strip() == "True"
+        else:
+            raise MemplanError(f"PYTORCH_CUDA_ALLOC_CONF: {key!r} is not modelled")
+    return AllocatorConfig(**fields)  # type: ignore[arg-type]
+
+
+def roundup_power2_next_division(size: int, divisions: int) -> int:
+    """DeviceCachingAllocator::roundup_power2_next_division."""
+    if size & (size - 1) == 0:
+        return size
+    power2_floor = 1 << (size.bit_length() - 1)
+    power2_division = power2_floor >> (divisions.bit_length() - 1)
+    if power2_division == 0:
+        return power2_floor << 1
+    floor = size & ~(power2_division - 1)
+    return size if floor == size else floor + power2_division
+
+
+def round_size(size: int, divisions: int = 0) -> int:
+    """DeviceCachingAllocator::round_size (one ``roundup_power2_divisions`` for every size)."""
+    if size < K_MIN_BLOCK_SIZE:
+        return K_MIN_BLOCK_SIZE
+    if divisions > 1 and size > K_MIN_BLOCK_SIZE * divisions:
+        return roundup_power2_next_division(size, divisions)
+    return K_MIN_BLOCK_SIZE * ((size + K_MIN_BLOCK_SIZE - 1) // K_MIN_BLOCK_SIZE)
+
+
+def get_allocation_size(size: int, large_segment: int = K_LARGE_BUFFER) -> int:
+    """DeviceCachingAllocator::get_allocation_size: the cudaMalloc size for a rounded request."""
+    if size <= K_SMALL_SIZE:
+        return K_SMALL_BUFFER
+    if size < K_MIN_LARGE_ALLOC:
+        return large_segment
+    return K_ROUND_LARGE * ((size + K_ROUND_LARGE - 1) // K_ROUND_LARGE)
+
+
+def should_split(block_size: int, size: int, small: bool, cfg: AllocatorConfig) -> bool:
+    """DeviceCachingAllocator::should_split."""
+    remaining = block_size - size
+    if small or cfg.expandable_segments:
+        return remaining >= K_MIN_BLOCK_SIZE
+    return size < cfg.max_split_size_bytes and remaining > K_SMALL_SIZE
+
+
+@dataclass(frozen=True)
+class Alloc:
+    id: int
+    size_bytes: int
+    stream: int = 0
+
+
+@dataclass(frozen=True)
+class Free:
+    id: int
+
+
+@dataclass(eq=False)
+class Block:
+    offset: int
+    size: int
+    state: str  # "alloc", "free" or "unmapped" (an expandable segment's unbacked address space)
+
+
+@dataclass(eq=False)
+class Segment:
+    order: int  # creation order: stands for the address in best-fit ties
+    stream: int
+    small: bool
+    expandable: bool
+    blocks: list[Block] = field(default_factory=list)
+
+    @property
+    def page(self) -> int:
+        return K_SMALL_BUFFER if self.small else K_LARGE_BUFFER
+
+    def mapped_bytes(self) -> int:
+        return sum(b.size for b in self.blocks if b.state != "unmapped")
+
+    def neighbours(self, block: Block) -> tuple[Block | None, Block | None]:
+        i = self.blocks.index(block)
+        prev = self.blocks[i - 1] if i > 0 else None
+        nxt = self.blocks[i + 1] if i + 1 < len(self.blocks) else None
+        return prev, nxt
+
+    def merge(self, block: Block) -> int:
+        """try_merge_blocks with both neighbours: absorb each one in the same state (free with
+        free, unmapped with unmapped). Returns the bytes subsumed."""
+        subsumed = 0
+        for other in self.neighbours(block):
+            if other is not None and other.state == block.state:
+                block.offset = min(block.offset, other.offset)
+                block.size += other.size
+                subsumed += other.size
+                self.blocks.remove(other)
+        return subsumed
+
+
+@dataclass
+class ReplayResult:
+    reserved_bytes: list[int]  # after each event
+    reserved_peak_bytes: int
+    allocated_peak_bytes: int
+    fragmentation_bytes: int  # reserved - allocated at the (first) reserved peak
+    inactive_split_bytes: int  # at the end
+    segments: int  # at the end
+    out_of_memory: bool
+    oom_event: int | None  # index of the event that ran out of memory
+    num_alloc_retries: int
+
+
+class CachingAllocator:
+    """DeviceCachingAllocator's state: segments, their blocks, and the stats it keeps."""
+
+    def __init__(self, cfg: AllocatorConfig | None = None) -> None:
+        self.cfg = cfg or AllocatorConfig()
+        self.segments: list[Segment] = []
+        self.live: dict[int, tuple[Segment, Block]] = {}
+        self.reserved = 0
+        self.allocated = 0
+        self.retries = 0
+        self._order = 0
+
+    # --- malloc -------------------------------------------------------------------------------
+    def malloc(self, key: int, orig_size: int, stream: int = 0) -> bool:
+        """DeviceCachingAllocator::malloc: best fit, else a new segment, else release the cache
+        and retry. False when it would raise OutOfMemoryError."""
+        if key in self.live or orig_size <= 0:
+            raise MemplanError(f"Alloc {key}: already live, or size_bytes {orig_size} <= 0")
+        size = round_size(orig_size, self.cfg.roundup_power2_divisions)
+        small = size <= K_SMALL_SIZE  # get_pool
+        found = self.get_free_block(size, stream, small)
+        if found is None:
+            found = self.alloc_block(size, stream, small)
+            if found is None and self.release_available_cached_blocks(size, stream, small):
+                found = self.alloc_block(size, stream, small)
+            if found is None:
+                self.release_cached_blocks()
+                self.retries += 1
+                found = self.alloc_block(size, stream, small)
+            if found is None:
+                return False
+        seg, block = found
+        self.alloc_found_block(key, seg, block, size)
+        return True
+
+    def _free_blocks(self, stream: int, small: bool) -> list[tuple[Segment, Block]]:
+        """The pool's free set, ordered as BlockComparatorSize orders it (size, then address)."""
+        out = [
+            (s, b)
+            for s in self.segments
+            if s.stream == stream and s.small == small
+            for b in s.blocks
+            if b.state == "free"
+        ]
+        return sorted(out, key=lambda sb: (sb[1].size, sb[0].order, sb[1].offset))
+
+    @staticmethod
+    def _expandable_size(seg: Segment, block: Block) -> int:
+        nxt = seg.neighbours(block)[1]
+        return block.size + (nxt.size if nxt is not None and nxt.state == "unmapped" else 0)
+
+    def get_free_block(self, size: int, stream: int, small: bool):
+        """DeviceCachingAllocator::get_free_block: the smallest free block of the pool and stream
+        that fits (lower_bound on size); the max_split_size rules for oversize blocks."""
+        fits = [sb for sb in self._free_blocks(stream, small) if sb[1].size >= size]
+        if not fits:
+            return None
+        i = 0
+        if fits[0][0].expandable:  # best fit by the size the block can grow to
+            while (
+                i + 1 < len(fits)
+                and fits[i][0].expandable
+                and self._expandable_size(*fits[i + 1]) < self._expandable_size(*fits[i])
+            ):
+                i += 1
+        seg, block = fits[i]
+        limit = self.cfg.max_split_size_bytes
+        if size < limit and block.size >= limit:
+            return None  # do not return an oversized block for a smaller request
+        if size >= limit and block.size >= size + self.cfg.max_non_split_rounding_bytes:
+            return None  # an oversize block may be rounded up by less than this only
+        return seg, block
+
+    def alloc_block(self, size: int, stream: int, small: bool):
+        """DeviceCachingAllocator::alloc_block: cudaMalloc get_allocation_size(size) bytes, or
+        with expandable segments map pages (try_allocate_expandable_block)."""
+        if self.cfg.expandable_segments:
+            return self.try_allocate_expandable_block(size, stream, small)
+        alloc_size = get_allocation_size(size, self.cfg.large_segment_bytes)
+        if not self._can_reserve(alloc_size):
+            return None
+        seg = self._new_segment(stream, small, expandable=False)
+        block = Block(0, alloc_size, "free")
+        seg.blocks.append(block)
+        self.reserved += alloc_size
+        return seg, block
+
+    def _can_reserve(self, nbytes: int) -> bool:
+        cap = self.cfg.capacity_bytes
+        return cap is None or self.reserved + nbytes <= cap
+
+    def _new_segment(self, stream: int, small: bool, expandable: bool) -> Segment:
+        seg = Segment(self._order, stream, small, expandable)
+        self._order += 1
+        self.segments.append(seg)
+        return seg
+
+    def alloc_found_block(self, key: int, seg: Segment, block: Block, size: int) -> None:
+        """DeviceCachingAllocator::alloc_found_block: split off the remainder if should_split."""
+        if should_split(block.size, size, seg.small, self.cfg):
+            rest = Block(block.offset + size, block.size - size, "free")
+            seg.blocks.insert(seg.blocks.index(block) + 1, rest)
+            block.size = size
+        block.state = "alloc"
+        self.allocated += block.size  # stats.allocated_bytes counts block->size
+        self.live[key] = (seg, block)
+
+    # --- expandable segments ------------------------------------------------------------------
+    def find_expandable_block(self, size: int, stream: int, small: bool):
+        """DeviceCachingAllocator::find_expandable_block: the lowest address where free and
+        unmapped blocks together hold ``size``, else a new segment of address space."""
+        for seg in self.segments:
+            if not (seg.expandable and seg.stream == stream and seg.small == small):
+                continue
+            for i, b in enumerate(seg.blocks):
+                if b.state != "unmapped":
+                    continue
+                start = i - 1 if i > 0 and seg.blocks[i - 1].state == "free" else i
+                room, j = 0, start
+                while room < size and j < len(seg.blocks) and seg.blocks[j].state != "alloc":
+                    room += seg.blocks[j].size
+                    j += 1
+                if room >= size:
+                    return seg, seg.blocks[start]
+        seg = self._new_segment(stream, small, expandable=True)
+        cap = self.cfg.capacity_bytes
+        space = NO_LIMIT if cap is None else cap + cap // 8
+        seg.blocks.append(Block(0, -(-space // seg.page) * seg.page, "unmapped"))
+        return seg, seg.blocks[0]
+
+    def map_block(self, seg: Segment, block: Block, size: int) -> Block | None:
+        """DeviceCachingAllocator::map_block / ExpandableSegment::map: back whole pages from the
+        block's start; the rest stays unmapped; merge with free neighbours."""
+        mapped = -(-size // seg.page) * seg.page
+        if not self._can_reserve(mapped):
+            return None
+        if mapped < block.size:
+            rest = Block(block.offset + mapped, block.size - mapped, "unmapped")
+            seg.blocks.insert(seg.blocks.index(block) + 1, rest)
+            block.size = mapped
+        block.state = "free"
+        self.reserved += mapped
+        seg.merge(block)
+        return block
+
+    def try_allocate_expandable_block(self, size: int, stream: int, small: bool):
+        """DeviceCachingAllocator::try_allocate_expandable_block."""
+        seg, cand = self.find_expandable_block(size, stream, small)
+        if cand.state == "unmapped":
+            cand = self.map_block(seg, cand, min(cand.size, size))
+            if cand is None:
+                return None
+        while cand.size < size:
+            nxt = seg.neighbours(cand)[1]
+            assert nxt is not None and nxt.state == "unmapped"
+            merged = self.map_block(seg, nxt, min(size - cand.size, nxt.size))
+            if merged is None:
+                return None
+            cand = merged
+        return seg, cand
+
+    # --- free and release ---------------------------------------------------------------------
+    def free(self, key: int) -> None:
+        """DeviceCachingAllocator::free -> free_block: coalesce with free neighbours."""
+        if key not in self.live:
+            raise MemplanError(f"Free {key}: no live allocation has that id")
+        seg, block = self.live.pop(key)
+        block.state = "free"
+        self.allocated -= block.size
+        seg.merge(block)
+
+    def release_available_cached_blocks(self, size: int, stream: int, small: bool) -> bool:
+        """DeviceCachingAllocator::release_available_cached_blocks: with max_split_size set, free
+        the smallest unsplit oversize block that covers the request, else the largest ones."""
+        limit = self.cfg.max_split_size_bytes
+        if limit == NO_LIMIT:
+            return False
+        target = max(size, limit)
+        whole = [(s, b) for s, b in self._free_blocks(stream, small) if len(s.blocks) == 1]
+        big = [sb for sb in whole if sb[1].size >= target]
+        if big:
+            self._release(big[0][0])
+            return True
+        released = 0
+        for seg, block in reversed([sb for sb in whole if sb[1].size >= limit]):
+            if released >= target:
+                break
+            released += block.size
+            self._release(seg)
+        return released >= target
+
+    def _release(self, seg: Segment) -> None:
+        self.reserved -= seg.mapped_bytes()
+        self.segments.remove(seg)
+
+    def release_cached_blocks(self) -> None:
+        """DeviceCachingAllocator::release_cached_blocks -> release_blocks: cudaFree every segment
+        that is one free block; in expandable segments unmap every whole free page (unmap_block)
+        and drop a segment left with no mapped page (release_expandable_segment)."""
+        for seg in list(self.segments):
+            if seg.expandable:
+                for block in [b for b in seg.blocks if b.state == "free"]:
+                    self.unmap_block(seg, block)
+                if all(b.state == "unmapped" for b in seg.blocks):
+                    self.segments.remove(seg)
+            elif len(seg.blocks) == 1 and seg.blocks[0].state == "free":
+                self._release(seg)
+
+    def unmap_block(self, seg: Segment, block: Block) -> None:
+        """DeviceCachingAllocator::unmap_block / ExpandableSegment::unmap: the whole pages inside
+        the block go back; the partial pages either side stay as free blocks."""
+        begin = -(-block.offset // seg.page) * seg.page
+        end = (block.offset + block.size) // seg.page * seg.page
+        if begin >= end:
+            return
+        i = seg.blocks.index(block)
+        parts = [
+            Block(block.offset, begin - block.offset, "free"),
+            Block(begin, end - begin, "unmapped"),
+            Block(end, block.offset + block.size - end, "free"),
+        ]
+        seg.blocks[i : i + 1] = [p for p in parts if p.size > 0]
+        self.reserved -= end - begin
+        seg.merge(parts[1])
+
+    def inactive_split_bytes(self) -> int:
+        """stats.inactive_split_bytes: free blocks of split segments (expandable ones excluded,
+        as free_block excludes them)."""
+        return sum(
+            b.size
+            for s in self.segments
+            if not s.expandable and len(s.blocks) > 1
+            for b in s.blocks
+            if b.state == "free"
+        )
+
+
+def replay(events: list[Alloc | Free], cfg: AllocatorConfig | None = None) -> ReplayResult:
+    """Replay events in order; stops at the first allocation that runs out of memory."""
+    alloc = CachingAllocator(cfg)
+    reserved: list[int] = []
+    peak_r = peak_a = frag = 0
+    oom: int | None = None
+    for i, ev in enumerate(events):
+        if isinstance(ev, Alloc):
+            if not alloc.malloc(ev.id, ev.size_bytes, ev.stream):
+                oom = i
+                break
+        else:
+            alloc.free(ev.id)
+        reserved.append(alloc.reserved)
+        peak_a = max(peak_a, alloc.allocated)
+        if alloc.reserved > peak_r:
+            peak_r, frag = alloc.reserved, alloc.reserved - alloc.allocated
+    return ReplayResult(
+        reserved_bytes=reserved,
+        reserved_peak_bytes=peak_r,
+        allocated_peak_bytes=peak_a,
+        fragmentation_bytes=frag,
+        inactive_split_bytes=alloc.inactive_split_bytes(),
+        segments=len(alloc.segments),
+        out_of_memory=oom is not None,
+        oom_event=oom,
+        num_alloc_retries=alloc.retries,
+    )

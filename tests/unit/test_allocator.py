@@ -1,0 +1,230 @@
+"""Allocation sequences replayed through the caching-allocator model, each layout derived by hand
+from the rules of ``c10/cuda/CUDACachingAllocator.cpp`` (torch 2.13), quoted in the docstrings:
+
+- round_size: sizes below 512 B become 512 B, others round up to a multiple of 512 B.
+- get_pool: rounded size <= 1 MiB goes to the small pool, else the large pool.
+- get_allocation_size: small -> a 2 MiB segment; large below 10 MiB -> a 20 MiB segment;
+  10 MiB and above -> the size rounded up to 2 MiB.
+- get_free_block: the smallest free block of the same pool and stream that fits.
+- should_split: small pool when the remainder is >= 512 B; large pool when it is > 1 MiB.
+- free_block: a freed block merges with free neighbours of its segment.
+- malloc: on a failed cudaMalloc, release_cached_blocks (cudaFree every segment that is one free
+  block) and retry once; if that fails, OutOfMemoryError.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from memplan.errors import MemplanError
+from memplan.model.allocator import (
+    Alloc,
+    AllocatorConfig,
+    Free,
+    parse_alloc_conf,
+    replay,
+    round_size,
+)
+
+MiB = 1048576
+
+
+def test_round_size() -> None:
+    """round_size: 100 < 512 -> 512; 1000 -> ceil(1000/512) = 2 -> 1024; 300000 -> 586 * 512 =
+    300032. With roundup_power2_divisions 4, 5 MiB + 1 lies between 4 and 8 MiB whose quarters
+    are 1 MiB apart: next division 6 MiB; without, 5 MiB + 512."""
+    assert round_size(100) == 512
+    assert round_size(1000) == 1024
+    assert round_size(300000) == 300032
+    assert round_size(5 * MiB + 1, 4) == 6 * MiB
+    assert round_size(5 * MiB + 1) == 5 * MiB + 512
+
+
+def test_small_allocations_share_one_2_mib_segment() -> None:
+    """1000 B -> 1024 B, small: no free block, cudaMalloc 2 MiB = 2097152; remainder 2096128 >= 512
+    -> split. 300000 B -> 300032: best fit is that 2096128 block -> split again. Reserved 2 MiB,
+    allocated 1024 + 300032 = 301056, one segment, inactive split 2097152 - 301056 = 1796096.
+    Freeing the first: its neighbour is allocated, no merge: inactive split + 1024 = 1797120."""
+    r = replay([Alloc(1, 1000), Alloc(2, 300000)])
+    assert r.reserved_peak_bytes == 2097152
+    assert r.allocated_peak_bytes == 301056
+    assert r.segments == 1
+    assert r.inactive_split_bytes == 1796096
+    r = replay([Alloc(1, 1000), Alloc(2, 300000), Free(1)])
+    assert r.inactive_split_bytes == 1797120
+    assert r.reserved_bytes == [2097152] * 3
+
+
+def test_5_mib_takes_a_20_mib_segment_and_a_second_splits_it() -> None:
+    """5 MiB: large, below 10 MiB -> a 20 MiB segment; remainder 15 MiB > 1 MiB -> split. The
+    second 5 MiB: best fit the 15 MiB block, remainder 10 MiB -> split. Reserved 20 MiB, one
+    segment, allocated 10 MiB, inactive split 10 MiB; the reserved peak comes at the first event,
+    when 5 MiB are allocated: fragmentation 15 MiB."""
+    r = replay([Alloc(1, 5 * MiB), Alloc(2, 5 * MiB)])
+    assert r.reserved_bytes == [20 * MiB, 20 * MiB]
+    assert r.segments == 1
+    assert r.allocated_peak_bytes == 10 * MiB
+    assert r.inactive_split_bytes == 10 * MiB
+    assert r.fragmentation_bytes == 15 * MiB
+
+
+def test_large_sizes_round_to_2_mib_segments() -> None:
+    """12 MiB >= 10 MiB -> a segment of 12 MiB (a multiple of 2 MiB), nothing left to split.
+    11 MiB + 1 B -> round_size 11 MiB + 512 -> segment 12 MiB; remainder 1 MiB - 512 is not
+    > 1 MiB, so no split: allocated counts the whole 12 MiB block (stats.allocated_bytes adds
+    block->size). 12.5 MiB -> a 14 MiB segment; remainder 1.5 MiB > 1 MiB -> split."""
+    r = replay([Alloc(1, 12 * MiB)])
+    assert (r.reserved_peak_bytes, r.allocated_peak_bytes) == (12 * MiB, 12 * MiB)
+    r = replay([Alloc(1, 11 * MiB + 1)])
+    assert (r.reserved_peak_bytes, r.allocated_peak_bytes) == (12 * MiB, 12 * MiB)
+    assert r.inactive_split_bytes == 0
+    r = replay([Alloc(1, 12 * MiB + MiB // 2)])
+    assert (r.reserved_peak_bytes, r.allocated_peak_bytes) == (14 * MiB, 12 * MiB + MiB // 2)
+    assert r.inactive_split_bytes == MiB + MiB // 2
+
+
+def test_free_merges_then_the_merged_block_is_reused() -> None:
+    """a, b 5 MiB -> [a 5][b 5][free 10] in one 20 MiB segment. Free a -> [free 5][b][free 10];
+    free b -> merges with both neighbours -> one free 20 MiB block. c 18 MiB: best fit that 20 MiB
+    block (remainder 2 MiB > 1 MiB -> split): no new segment, reserved stays 20 MiB."""
+    ev = [Alloc(1, 5 * MiB), Alloc(2, 5 * MiB), Free(1), Free(2), Alloc(3, 18 * MiB)]
+    r = replay(ev)
+    assert r.reserved_bytes == [20 * MiB] * 5
+    assert r.segments == 1
+    assert r.inactive_split_bytes == 2 * MiB
+
+
+def test_a_free_block_is_not_reused_by_another_stream() -> None:
+    """a 5 MiB on stream 0 -> a 20 MiB segment; freed, it merges back to one free 20 MiB block of
+    stream 0. b 5 MiB on stream 1: get_free_block looks only at stream 1's blocks -> a second
+    20 MiB segment. Reserved 40 MiB, two segments."""
+    r = replay([Alloc(1, 5 * MiB, stream=0), Free(1), Alloc(2, 5 * MiB, stream=1)])
+    assert r.reserved_bytes == [20 * MiB, 20 * MiB, 40 * MiB]
+    assert r.segments == 2
+
+
+FRAGMENTED = [
+    Alloc(1, 5 * MiB),
+    Alloc(2, 5 * MiB),
+    Alloc(3, 5 * MiB),
+    Alloc(4, 5 * MiB),
+    Free(1),
+    Free(3),
+    Alloc(5, 8 * MiB),
+]
+
+
+def test_free_blocks_sum_to_enough_but_none_fits() -> None:
+    """Four 5 MiB: one 20 MiB segment [a][b][c][d] (the last takes the 5 MiB remainder exactly).
+    Free a and c: two free 5 MiB blocks, not adjacent, 10 MiB in all. e 8 MiB: no free block
+    >= 8 MiB -> a new 20 MiB segment. Reserved 40 MiB, allocated 5 + 5 + 8 = 18 MiB at the peak:
+    fragmentation 22 MiB; inactive split 5 + 5 + 12 = 22 MiB."""
+    r = replay(FRAGMENTED)
+    assert r.reserved_bytes[-1] == 40 * MiB
+    assert r.reserved_peak_bytes == 40 * MiB
+    assert r.fragmentation_bytes == 22 * MiB
+    assert r.inactive_split_bytes == 22 * MiB
+    assert r.allocated_peak_bytes == 20 * MiB  # the four 5 MiB blocks before the frees
+
+
+def test_fragmented_sequence_runs_out_where_the_sum_would_fit() -> None:
+    """The same sequence with a 30 MiB device: e's new 20 MiB segment would make 40 > 30;
+    release_cached_blocks frees only segments that are one free block, and the 20 MiB segment
+    holds b and d: nothing is freed, the retry fails -> out of memory at event 6, though only
+    10 MiB are allocated."""
+    r = replay(FRAGMENTED, AllocatorConfig(capacity_bytes=30 * MiB))
+    assert r.out_of_memory
+    assert r.oom_event == 6
+    assert r.num_alloc_retries == 1
+
+
+def test_out_of_memory_releases_cached_blocks_and_retries() -> None:
+    """Device 40 MiB. a 12 MiB -> a 12 MiB segment; freed, it stays cached (reserved 12 MiB).
+    b 30 MiB: no free block fits, cudaMalloc 30 MiB -> 42 > 40 fails; release_cached_blocks
+    cudaFrees the unsplit 12 MiB segment -> reserved 0; the retry reserves 30 MiB. With a still
+    alive the retry fails too: out of memory at event 1."""
+    cfg = AllocatorConfig(capacity_bytes=40 * MiB)
+    r = replay([Alloc(1, 12 * MiB), Free(1), Alloc(2, 30 * MiB)], cfg)
+    assert not r.out_of_memory
+    assert r.reserved_bytes == [12 * MiB, 12 * MiB, 30 * MiB]
+    assert r.num_alloc_retries == 1
+    r = replay([Alloc(1, 12 * MiB), Alloc(2, 30 * MiB)], cfg)
+    assert r.out_of_memory and r.oom_event == 1
+
+
+GROWING = [Alloc(1, 12 * MiB), Free(1), Alloc(2, 14 * MiB)]
+
+
+def test_expandable_segments_reserve_less_when_sizes_grow() -> None:
+    """The Note [Expandable Segments] case. Without: a 12 MiB -> a 12 MiB segment; freed, cached;
+    b 14 MiB does not fit -> a 14 MiB segment: reserved 26 MiB. With expandable_segments:True
+    (large-pool pages are kLargeBuffer = 20 MiB): a maps one 20 MiB page and splits (remainder
+    8 MiB >= 512): [a 12][free 8][unmapped]. Free a merges: [free 20][unmapped]. b 14 MiB: best
+    fit is that 20 MiB block: reserved stays 20 MiB."""
+    assert replay(GROWING).reserved_bytes == [12 * MiB, 12 * MiB, 26 * MiB]
+    r = replay(GROWING, parse_alloc_conf("expandable_segments:True"))
+    assert r.reserved_bytes == [20 * MiB, 20 * MiB, 20 * MiB]
+    assert r.segments == 1
+    assert r.inactive_split_bytes == 0  # free_block excludes expandable segments
+
+
+def test_expandable_segments_in_the_fragmented_case() -> None:
+    """Expandable, the four 5 MiB: one 20 MiB page, [a][b][c][d][unmapped]. Free a, c. e 8 MiB:
+    no free block fits; find_expandable_block: the unmapped tail (its neighbour d is allocated)
+    -> map 8 MiB, rounded to one 20 MiB page: reserved 40 MiB, the same as without (the large
+    pool's pages are 20 MiB, so 5 MiB holes are not closed). With a 30 MiB device the page cannot
+    be mapped; release_cached_blocks unmaps whole pages inside free blocks, and the 5 MiB holes
+    hold none: out of memory as without."""
+    cfg = parse_alloc_conf("expandable_segments:True")
+    assert replay(FRAGMENTED, cfg).reserved_peak_bytes == 40 * MiB
+    cfg = parse_alloc_conf("expandable_segments:True", capacity_bytes=30 * MiB)
+    assert replay(FRAGMENTED, cfg).out_of_memory
+
+
+def test_expandable_release_unmaps_free_pages() -> None:
+    """Expandable, device 40 MiB. a 30 MiB maps two 20 MiB pages (40 MiB): [a 30][free 10].
+    Free a -> [free 40]. b 50 MiB: the free 40 MiB block does not fit; find_expandable_block
+    starts at it (the unmapped tail follows) and needs one more page: 60 > 40 fails.
+    release_cached_blocks unmaps both free pages and drops the segment (reserved 0); the retry
+    needs three pages, 60 > 40: out of memory. b 36 MiB instead fits the free 40 MiB block."""
+    cfg = parse_alloc_conf("expandable_segments:True", capacity_bytes=40 * MiB)
+    r = replay([Alloc(1, 30 * MiB), Free(1), Alloc(2, 50 * MiB)], cfg)
+    assert r.out_of_memory and r.reserved_bytes == [40 * MiB, 40 * MiB]
+    r = replay([Alloc(1, 30 * MiB), Free(1), Alloc(2, 36 * MiB)], cfg)
+    assert not r.out_of_memory and r.reserved_bytes[-1] == 40 * MiB
+
+
+def test_max_split_size_keeps_oversize_blocks_whole() -> None:
+    """max_split_size_mb:32. a 40 MiB -> a 40 MiB segment; freed. b 5 MiB < 32 MiB: get_free_block
+    will not hand a block >= max_split_size to a smaller request -> a new 20 MiB segment (reserved
+    60 MiB). c 45 MiB >= max_split_size: the free 40 MiB block is too small -> a 46 MiB segment
+    (106 MiB). Without the option b splits the 40 MiB block (remainder 35 MiB > 1 MiB)."""
+    ev = [Alloc(1, 40 * MiB), Free(1), Alloc(2, 5 * MiB), Alloc(3, 45 * MiB)]
+    r = replay(ev, parse_alloc_conf("max_split_size_mb:32"))
+    assert r.reserved_bytes == [40 * MiB, 40 * MiB, 60 * MiB, 106 * MiB]
+    r = replay(ev[:3])
+    assert r.reserved_bytes == [40 * MiB] * 3
+
+
+def test_oversize_block_rounding_limit() -> None:
+    """max_split_size_mb:32. a 40 MiB, freed. b 35 MiB >= max_split_size: the free 40 MiB block
+    fits and 40 < 35 + 20 (max_non_split_rounding, 20 MiB by default) -> b takes it whole
+    (should_split is false for size >= max_split_size): reserved stays 40 MiB, allocated 40 MiB.
+    With max_non_split_rounding_mb:4, 40 >= 35 + 4 -> refused -> a new segment of 35 MiB rounded
+    up to 2 MiB = 36 MiB: reserved 76 MiB."""
+    ev = [Alloc(1, 40 * MiB), Free(1), Alloc(2, 35 * MiB)]
+    r = replay(ev, parse_alloc_conf("max_split_size_mb:32"))
+    assert r.reserved_bytes == [40 * MiB] * 3
+    assert r.allocated_peak_bytes == 40 * MiB
+    r = replay(ev, parse_alloc_conf("max_split_size_mb:32,max_non_split_rounding_mb:4"))
+    assert r.reserved_bytes == [40 * MiB, 40 * MiB, 76 * MiB]
+
+
+def test_bad_sequences_are_refused() -> None:
+    """A free of an id that is not live, a second live allocation with the same id, a size of 0
+    (the allocator is not called for 0 bytes) and an option the model does not follow."""
+    for events in ([Free(1)], [Alloc(1, 512), Alloc(1, 512)], [Alloc(1, 0)]):
+        with pytest.raises(MemplanError):
+            replay(events)
+    with pytest.raises(MemplanError, match="garbage_collection_threshold"):
+        parse_alloc_conf("garbage_collection_threshold:0.6")
