@@ -53,6 +53,12 @@ not accept yet makes the row "not yet expressible: <option>" with no estimate (a
 without LoRA or quantization would describe another job), so the doc builds before and after
 those options exist and each row turns into an estimate as its options land.
 
+DeepSpeed runs: ``benchmarks/data/deepspeed_runs.json`` holds published DeepSpeed runs, held
+out and described like the held-out runs by ``trainer_settings`` (a ds_config given to
+``--deepspeed-config``, with the model, sequence and recompute as ``options``), estimated the
+same way through the CLI, in a section of their own; a refusal (ZeRO-3, ZeRO-Offload) is shown
+with memplan's message and the run's ``not_expressed``.
+
 ``python benchmarks/accuracy_table.py`` writes the doc; ``--check`` exits 1 if it would change.
 """
 
