@@ -111,3 +111,23 @@ def test_plan_keeps_the_bucket_with_the_lower_peak() -> None:
         peaks[bucket] = next(c.peak_bytes for c in fixed.candidates
                              if (c.micro_batch_size, c.recompute_layers) == (1, 24))
     assert top["peak_bytes"] == min(peaks.values()) == peaks[top["reduce_bucket_numel"]]
+
+
+def test_cli_diagnose_takes_a_deepspeed_config(tmp_path) -> None:
+    """`diagnose --deepspeed-config`: the config's stage 2 with overlap_comm (two buckets of
+    5e8 elements) on 8 V100 32GB proposes DeepSpeed's levers as ds_config keys: overlap_comm
+    false (one bucket: 5e8 x 2 B = 1e9 B off the backward peak, 1.05e9 B with the allocator's
+    assumed 5% of the tensor peak, as test_diagnose_proposes_deepspeeds_bucket_levers) and a
+    bucket of hidden^2 = 4096^2 = 16,777,216 elements."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 1,
+                                "zero_optimization": {"stage": 2, "overlap_comm": True}}))
+    result = CliRunner().invoke(app, ["diagnose", "-m", "llama-7b", "-n", "8", "--gpu",
+                                      "v100-sxm2-32gb", "--seq", "2048", "--json",
+                                      "--deepspeed-config", str(path)])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    fixes = {f["flags"]: f for f in out["fixes"]}
+    one = fixes["ds_config zero_optimization.overlap_comm = false"]
+    assert one["saved_bytes"] == 1_050_000_000
+    assert "ds_config zero_optimization.reduce_bucket_size = 16777216" in fixes
