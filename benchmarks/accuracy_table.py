@@ -53,6 +53,12 @@ not accept yet makes the row "not yet expressible: <option>" with no estimate (a
 without LoRA or quantization would describe another job), so the doc builds before and after
 those options exist and each row turns into an estimate as its options land.
 
+DeepSpeed runs: ``benchmarks/data/deepspeed_runs.json`` holds published DeepSpeed runs, held
+out and described like the held-out runs by ``trainer_settings`` (a ds_config given to
+``--deepspeed-config``, with the model, sequence and recompute as ``options``), estimated the
+same way through the CLI, in a section of their own; a refusal (ZeRO-3, ZeRO-Offload) is shown
+with memplan's message and the run's ``not_expressed``.
+
 ``python benchmarks/accuracy_table.py`` writes the doc; ``--check`` exits 1 if it would change.
 """
 
@@ -79,6 +85,7 @@ DATA = ROOT / "benchmarks" / "data" / "published_runs.json"
 OTHERS = ROOT / "benchmarks" / "data" / "other_estimators.json"
 HELDOUT = ROOT / "benchmarks" / "data" / "heldout_runs.json"
 FINETUNE = ROOT / "benchmarks" / "data" / "finetune_runs.json"
+DEEPSPEED = ROOT / "benchmarks" / "data" / "deepspeed_runs.json"
 DOC = ROOT / "docs" / "accuracy.md"
 GiB = 2**30
 
@@ -277,6 +284,8 @@ def settings_command(settings: dict) -> list[str]:
         args += ["--megatron-args", settings["megatron_args"]]
     if "torchtitan_config" in settings:
         args += ["--torchtitan-config", settings["torchtitan_config"]]
+    if "deepspeed_config" in settings:
+        args += ["--deepspeed-config", settings["deepspeed_config"]]
     return args + list(settings.get("options", []))
 
 
@@ -403,6 +412,43 @@ def render_heldout(held: list[HeldOut], excluded: dict[str, str]) -> list[str]:
                 "runs with gradient accumulation that were examined):", ""]
         out += [f"- `{case}`: {why}." for case, why in sorted(excluded.items())]
     return out
+
+
+def load_deepspeed(path: Path = DEEPSPEED) -> list[dict]:
+    """The published DeepSpeed runs (held out), each with its ds_config; none without the
+    file."""
+    if not path.is_file():
+        return []
+    return json.loads(path.read_text())["runs"]
+
+
+def render_deepspeed(held: list[HeldOut]) -> list[str]:
+    """The DeepSpeed section: each run estimated from its ds_config through the CLI, as the
+    held-out runs are; a run memplan cannot express (ZeRO-3, ZeRO-Offload) is refused by
+    memplan's own message and listed with what is not modelled."""
+    rows = [h.row for h in held]
+    expressed = [r.error_pct for r in rows if r.memplan_bytes is not None]
+    out = ["## DeepSpeed runs (held out)", ""]
+    out += _bullet(
+        "Published DeepSpeed runs with measured memory (`benchmarks/data/deepspeed_runs.json`), "
+        "each described only by a ds_config (committed under `benchmarks/data/deepspeed/`) and "
+        "the model, GPUs, sequence and recompute policy, given to `memplan estimate --json "
+        "--deepspeed-config FILE`; the most loaded rank's peak allocated (tensor peak + cuBLAS "
+        "workspace) against the measured one. Nothing in memplan was set from them; they do not "
+        "count in the summary above.")
+    out += ["", f"- {len(rows)} runs: {len(expressed)} estimated, "
+            f"{sum(r.refused is not None for r in rows)} not expressed (refused by memplan).",
+            f"- Estimated runs: {_stats(expressed)}.", "",
+            "| id | source | settings | measured | memplan | error | not expressed |",
+            "|---|---|---|---:|---:|---:|---|"]
+    for r in rows:
+        run = r.run
+        memplan_cell, err_cell = _memplan_cells(r)
+        settings = " ".join(settings_command(run["trainer_settings"])[2:])
+        out.append(f"| {_cell(run['id'])} | {_source_link(run)} | {_cell(settings)} | "
+                   f"{_gib(run['measured_bytes'])} | {memplan_cell} | {err_cell} | "
+                   f"{_cell(run.get('not_expressed', '-'))} |")
+    return out + [""]
 
 
 def build_finetune_rows(runs: list[dict] | None = None) -> list[Row]:
@@ -625,7 +671,7 @@ def render_finetune(rows: list[Row]) -> list[str]:
 
 def render(rows: list[Row], others: list[dict] | None = None,
            heldout: list[HeldOut] | None = None, excluded: dict[str, str] | None = None,
-           finetune: list[Row] | None = None) -> str:
+           finetune: list[Row] | None = None, deepspeed: list[HeldOut] | None = None) -> str:
     """``others``: the stored other-estimator results (default: the committed file), in the
     order of each row's ``others``; ``heldout``: the held-out runs' rows (default: the
     committed held-out runs, estimated); ``finetune``: the held-out fine-tuning rows (default:
@@ -634,6 +680,7 @@ def render(rows: list[Row], others: list[dict] | None = None,
     heldout = build_heldout() if heldout is None else heldout
     excluded = load_excluded() if excluded is None else excluded
     finetune = build_finetune_rows() if finetune is None else finetune
+    deepspeed = build_heldout(load_deepspeed()) if deepspeed is None else deepspeed
     ran = [e for e in others if "runs" in e]
     expressed = [r.error_pct for r in rows if r.expressed]
     approximated = [r.error_pct for r in rows if r.memplan_bytes is not None and not r.expressed]
@@ -661,6 +708,8 @@ def render(rows: list[Row], others: list[dict] | None = None,
         *(_other_summary(i, e, rows) for i, e in enumerate(ran)),
         *([f"- Held-out runs (section below): {_heldout_line(heldout)}."] if heldout else []),
         _finetune_headline(finetune),
+        *([f"- DeepSpeed runs (held out, section below): {_heldout_line(deepspeed)}."]
+          if deepspeed else []),
         "",
         "## Runs",
         "",
@@ -683,6 +732,8 @@ def render(rows: list[Row], others: list[dict] | None = None,
     if heldout:
         out += ["", *render_heldout(heldout, excluded)]
     out += [""] + render_finetune(finetune)
+    if deepspeed:
+        out += render_deepspeed(deepspeed)
     out += [
         "## Method",
         "",

@@ -316,6 +316,7 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
     ``top``: only the ``top`` fastest candidates are wanted, so recompute policies that cannot
     beat them are not searched (the first ``top`` are the same; without calibration)."""
     from memplan.planning.planner import DEFAULT_SAFETY
+    from memplan.planning.planner import merge
     from memplan.planning.planner import plan as run_plan
 
     spec = _spec(model)
@@ -354,11 +355,13 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
     filled = presets.apply(fw, spec, workload)
     for name in presets.LAYOUT_FIELDS:  # the planner searches Megatron-style layouts
         filled.pop(name, None)
-    result = run_plan(spec, gpu_spec, gpus, make_workload(spec, framework=fw, **filled),
-                      capacity_bytes=capacity, max_tp=max_tp, fixed=fixed,
-                      safety=safety, recompute=policies,
-                      # calibration re-times every candidate: the analytic order may change
-                      top=None if calibration else top)
+    result = merge([
+        run_plan(spec, gpu_spec, gpus, make_workload(spec, framework=fw, **{**filled, **bucket}),
+                 capacity_bytes=capacity, max_tp=max_tp, fixed=fixed,
+                 safety=safety, recompute=policies,
+                 # calibration re-times every candidate: the analytic order may change
+                 top=None if calibration else top)
+        for bucket in _bucket_choices(fw, spec, workload)])
     _check_found(result, gpus, fixed)
     if not calibration:
         return result
@@ -367,6 +370,21 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
 
     return calibrate_plan(result, spec, gpu_spec, load_profiles(_as_list(calibration), gpu_spec),
                           capacity_bytes=capacity, safety=safety)
+
+
+def _bucket_choices(fw: presets.Framework, spec: ModelSpec,
+                    given: dict[str, Any]) -> list[dict[str, int]]:
+    """The reduce bucket sizes a plan searches under DeepSpeed when none is given (a
+    ds_config's ``reduce_bucket_size`` or ``zero_bucket_numel``): DeepSpeedZeroConfig's
+    default, 5e8 elements (runtime/zero/config.py; the preset's default), and the transformers
+    Trainer's ``"auto"``, hidden x hidden (transformers/integrations/deepspeed.py
+    HfTrainerDeepSpeedConfig.trainer_config_finalize), largest first; one plan (no change)
+    otherwise."""
+    if fw is not presets.Framework.DEEPSPEED or given.get("zero_bucket_numel") is not None:
+        return [{}]
+    default = presets.apply(fw, spec, {})["zero_bucket_numel"]
+    return [{"zero_bucket_numel": n}
+            for n in sorted({default, spec.hidden_size ** 2}, reverse=True)]
 
 
 def _check_fixed(spec: ModelSpec, gpus: int, tp: int | None, pp: int | None,

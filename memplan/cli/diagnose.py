@@ -8,7 +8,15 @@ from typing import Annotated
 
 import typer
 
-from memplan.cli.options import ESTIMATE, Job, Json, uses
+from memplan.cli.options import (
+    ESTIMATE,
+    AccelerateConfig,
+    DeepspeedConfig,
+    Job,
+    Json,
+    defaults_of,
+    uses,
+)
 from memplan.report.versioned import dumps
 
 _INPUT = "Evidence"
@@ -40,6 +48,8 @@ def diagnose(
     snapshot: Snapshot = None,
     trust_pickle: TrustPickle = False,
     no_fixes: NoFixes = False,
+    deepspeed_config: DeepspeedConfig = None,
+    accelerate_config: AccelerateConfig = None,
     json_out: Json = False,
 ) -> None:
     """Explain an out-of-memory failure of a configuration and rank fixes that fit.
@@ -63,6 +73,8 @@ def diagnose(
       memplan diagnose -m llama-3-8b -n 8 --zero 1 --monitor runs/mem
 
       memplan diagnose -m llama-3-8b -n 8 --snapshot snap.pickle --trust-pickle --json
+
+      memplan diagnose -m llama-7b -n 8 --gpu v100-sxm2-32gb --deepspeed-config ds_z2.json
     """
     from memplan.diagnose import diagnose as run_diagnose
     from memplan.diagnose.oom import read_oom
@@ -78,8 +90,17 @@ def diagnose(
         report = snap if report is None else dataclasses.replace(
             report, largest_free_block_bytes=snap.largest_free_block_bytes,
             num_segments=snap.num_segments)
-    result = run_diagnose(job.model, oom=report, profile=profile, monitor=monitor or None,
-                          fixes=not no_fixes, **job.kwargs())
+    model, kwargs = job.model, job.kwargs()
+    if deepspeed_config is not None or accelerate_config is not None:
+        from memplan.config_import.apply import configure
+
+        model, kwargs, imported = configure(model, kwargs, defaults_of(job, diagnose),
+                                            deepspeed=deepspeed_config,
+                                            accelerate=accelerate_config)
+        if not json_out:
+            typer.echo("\n".join(imported.lines()))
+    result = run_diagnose(model, oom=report, profile=profile, monitor=monitor or None,
+                          fixes=not no_fixes, **kwargs)
     from memplan.cli import warn
 
     for note in result.monitor.partial if result.monitor is not None else ():

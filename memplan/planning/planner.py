@@ -109,6 +109,12 @@ class Candidate:
     def capacity_bytes(self) -> int:
         return self.estimate.capacity_bytes if self.inputs is None else self.inputs[3]
 
+    @property
+    def workload(self) -> Workload:
+        """The workload it was searched with (its micro-batch aside): a plan over several
+        workloads (``merge``, DeepSpeed's reduce bucket sizes) tells them apart by it."""
+        return self.estimate.workload if self.inputs is None else self.inputs[2]
+
 
 @dataclass
 class PlanResult:
@@ -324,6 +330,36 @@ def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
     result.evaluated = ctx.evaluated + sum(level.search.evaluated for level in levels)
     result.searched = sum(level.found.searched for level in levels)
     return result
+
+
+def merge(results: list[PlanResult]) -> PlanResult:
+    """Plans of one model, GPUs and global batch over different workloads (DeepSpeed's reduce
+    bucket sizes) as one: every candidate, fastest first and among equals the one with most
+    headroom (as ``_ranked``); rejections and evaluations summed (a layout counts once per
+    workload); the closest miss the smallest peak of theirs. Of candidates with the same
+    layout, micro-batch and recompute only the one with the smallest peak is kept (the first
+    workload's where they are equal)."""
+    if len(results) == 1:
+        return results[0]
+    best: dict[tuple, Candidate] = {}
+    for r in results:
+        for c in r.candidates:
+            key = (c.layout, c.micro_batch_size, c.recompute, c.recompute_layers)
+            if key not in best or c.peak_bytes < best[key].peak_bytes:
+                best[key] = c
+    out = PlanResult(candidates=sorted(best.values(),
+                                       key=lambda c: (c.time.step_s, c.peak_bytes)),
+                     global_batch_size=results[0].global_batch_size,
+                     budget_bytes=results[0].budget_bytes)
+    for r in results:
+        out.rejected.update(r.rejected)
+        out.evaluated += r.evaluated
+        out.searched += r.searched
+    misses = [r.closest_miss for r in results if r.closest_miss is not None]
+    if misses:
+        out.closest_miss = min(misses, key=lambda m: m.peak_bytes)
+        out.oom_excess_bytes = out.closest_miss.peak_bytes - out.budget_bytes
+    return out
 
 
 def _usable(spec: ModelSpec, par: ParallelConfig, wl: Workload, gbs: int,

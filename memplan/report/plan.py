@@ -25,6 +25,7 @@ def plan_json(result: PlanResult, top: int) -> dict[str, Any]:
             "peak_bytes": c.peak_bytes, "capacity_bytes": c.capacity_bytes,
             "step_time_s": c.time.step_s, "tokens_per_s_per_gpu": c.time.tokens_per_s_per_gpu,
             "mfu": c.time.mfu, "bound": c.time.bound.value, "fits": True,
+            **_bucket_json(c),
         } for c in result.candidates[:top]],
         "rejected": dict(result.rejected),
         "oom_excess_bytes": result.oom_excess_bytes,
@@ -46,6 +47,27 @@ def _layout_json(p: ParallelConfig) -> dict[str, Any]:
             "stage_layers": list(p.stage_layers) if p.stage_layers else None,
             "dp_shard": p.shard_group, "etp": p.expert_tp,
             **({"vpp_group": p.vpp_group} if p.vpp_group is not None else {})}
+
+
+def _bucket_json(c: Any) -> dict[str, Any]:
+    """DeepSpeed's reduce bucket of a candidate (elements, buffers), where it has one."""
+    wl = c.workload
+    if not wl.zero_bucket_buffers:
+        return {}
+    return {"reduce_bucket_numel": wl.zero_bucket_numel, "reduce_buckets": wl.zero_bucket_buffers}
+
+
+def _candidate_layout(c: Any) -> str:
+    """The layout, and DeepSpeed's reduce bucket size where the candidate has one."""
+    wl = c.workload
+    bucket = f" bucket {_elements(wl.zero_bucket_numel)}" if wl.zero_bucket_buffers else ""
+    return _layout(c.layout) + bucket
+
+
+def _elements(n: int) -> str:
+    """An element count as a ds_config writes it where it is d x 10^k (5e8), else whole."""
+    k = len(str(n)) - 1
+    return f"{n // 10**k}e{k}" if k > 2 and n % 10**k == 0 else f"{n:,}"
 
 
 def no_fit_reason(result: PlanResult) -> str:
@@ -92,7 +114,7 @@ def best_line(result: PlanResult, num_layers: int) -> str:
     """The fastest candidate in one line: its layout, micro-batch, recompute, peak against the
     budget, step time and MFU (``plan --quiet``); ``result`` has at least one candidate."""
     c = result.candidates[0]
-    return (f"FITS: {_layout(c.layout)}, mbs {c.micro_batch_size}, recompute "
+    return (f"FITS: {_candidate_layout(c)}, mbs {c.micro_batch_size}, recompute "
             f"{_recompute(c, num_layers)}; peak {format_gib(c.peak_bytes)} of "
             f"{format_gib(result.budget_bytes)} usable; step {c.time.step_s:.2f} s, MFU "
             f"{c.time.mfu:.2f} (fastest of {len(result.candidates)})")
@@ -124,7 +146,7 @@ def render_plan(result: PlanResult, model: str, num_layers: int, gpus: int, gpu:
     for col in ("mbs", "recompute", "GiB", "step s", "tok/s/GPU", "MFU", "bound"):
         table.add_column(col, justify="right", overflow="fold")
     for c in result.candidates[:top]:
-        table.add_row(_layout(c.layout), str(c.micro_batch_size), _recompute(c, num_layers),
+        table.add_row(_candidate_layout(c), str(c.micro_batch_size), _recompute(c, num_layers),
                       gib(c.peak_bytes, 1), f"{c.time.step_s:.2f}",
                       f"{c.time.tokens_per_s_per_gpu:,.0f}", f"{c.time.mfu:.2f}",
                       _BOUND[c.time.bound.value])
