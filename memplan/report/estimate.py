@@ -7,6 +7,7 @@ from typing import Any
 from memplan.errors import MemplanError
 from memplan.model.estimate import PHASES, Estimate, PhasePeaks, StageMemory
 from memplan.parallel import offload_names, virtual_stage_layers
+from memplan.report.explain import explanations
 from memplan.planning.timing import DEFAULT_MFU, StepTime, estimate_step_time
 from memplan.report.sizes import format_gib, gib
 
@@ -104,6 +105,8 @@ def estimate_json(est: Estimate) -> dict[str, Any]:
                         if est.calibration is not None else None),
         "assumptions": list(est.assumptions),
         "caveats": list(est.caveats),
+        # the large or surprising terms: why, and one setting that changes them, re-estimated
+        "explanations": [e.json() for e in explanations(est)],
     }
 
 
@@ -216,6 +219,9 @@ def render_estimate(est: Estimate) -> Any:
     parts = [summary, *([Text(_why_not(est))] if not est.fits else []), header, stages, table,
              *([Text(paged_line(est))] if worst.paged_bytes else []), phases,
              Text(_time_line(est))]
+    why = explanations(est)
+    if why:
+        parts.append(Text("why:\n" + "\n".join(f"  - {e.line()}" for e in why)))
     return Group(*parts, notes)
 
 
