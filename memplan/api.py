@@ -17,7 +17,7 @@ from memplan import arguments, presets
 from memplan.errors import MemplanError, validation_message
 from memplan.hardware import DEFAULT_GPU, GpuSpec, load_gpu
 from memplan.model.estimate import Estimate
-from memplan.model.estimate import estimate as _model_estimate
+from memplan.model.estimate import cached_estimate
 from memplan.model.pipeline import Schedule
 from memplan.overheads import Overheads
 from memplan.parallel import (
@@ -33,11 +33,8 @@ from memplan.units import parse_bytes
 from memplan.workload import DEFAULT_SEQ_LEN, Recompute, Workload
 
 
-# A configuration asked again (a sweep run twice, a notebook cell re-run, the same candidate in
-# several plans) is answered from this cache. The key is the typed inputs themselves, all frozen
-# (a model file is read again on every call, so an edited file is a new key), and an
-# ``Estimate`` is immutable: a hit is the model's result for exactly those inputs.
-_estimate = lru_cache(maxsize=1024)(_model_estimate)
+# the cache of repeated configurations (``memplan.model.estimate.cached_estimate``)
+_estimate = cached_estimate
 
 
 def default_seq(spec: ModelSpec) -> int:

@@ -20,6 +20,7 @@ separate lines on top of the tensor peak. One stage's walk through these phases 
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, NamedTuple
 
 from memplan import presets
@@ -57,7 +58,7 @@ from memplan.workload import Framework, Workload
 # PHASES, PhasePeaks and StageMemory are defined with the stage walk and re-exported here,
 # beside the Estimate that holds them.
 __all__ = ["PHASES", "Estimate", "PhasePeaks", "RankPeak", "StageMemory", "batch_regime",
-           "estimate", "most_loaded", "optimizer_floor_bytes"]
+           "cached_estimate", "estimate", "most_loaded", "optimizer_floor_bytes"]
 
 
 class Estimate(NamedTuple):
@@ -311,3 +312,11 @@ def _assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload, schedule: S
         f"allocator: {ovh.allocator_source}",
         "NCCL buffers are not included (outside PyTorch's allocator; measured by calibration)",
     )
+
+
+# A configuration asked again (a sweep run twice, a notebook cell re-run, the same candidate in
+# several plans, an explanation's re-estimate) is answered from this cache. The key is the
+# typed inputs themselves, all frozen (a model file is read again on every call, so an edited
+# file is a new key), and an ``Estimate`` is immutable: a hit is the model's result for exactly
+# those inputs. ``memplan.estimate`` and ``memplan.report.explain`` share it.
+cached_estimate = lru_cache(maxsize=1024)(estimate)

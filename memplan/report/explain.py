@@ -2,9 +2,9 @@
 
 Each explanation is one short line: the term, why it is there, and the one setting that would
 change it with the figure that setting gives, re-estimated through the same cached function
-``memplan.estimate`` calls (``memplan.api._estimate``: a repeated input costs nothing). Shown
-only when the term matters: a term of at least ``LARGE`` of the peak, an MFU below
-``GAP`` of the assumed one, a pipeline whose stages differ.
+``memplan.estimate`` calls (``memplan.model.estimate.cached_estimate``: a repeated input
+costs nothing). Shown only when the term matters: a term of at least ``LARGE`` of the peak,
+an MFU below ``GAP`` of the assumed one, a pipeline whose stages differ.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from memplan.errors import MemplanError
-from memplan.model.estimate import Estimate, StageMemory
+from memplan.model.estimate import Estimate, StageMemory, cached_estimate
 from memplan.planning.timing import DEFAULT_MFU, estimate_step_time
 from memplan.report.sizes import format_gib
 from memplan.workload import OptimizerImpl, Recompute, Workload
@@ -43,13 +43,11 @@ def again(est: Estimate, **workload: Any) -> Estimate | None:
     re-estimate would be analytic, not comparable)."""
     from pydantic import ValidationError
 
-    from memplan.api import _estimate
-
     if est.calibration is not None:
         return None
     try:
         wl = Workload.model_validate({**est.workload.model_dump(), **workload})
-        return _estimate(est.spec, est.gpu, est.parallel, wl, capacity_bytes=est.capacity_bytes,
+        return cached_estimate(est.spec, est.gpu, est.parallel, wl, capacity_bytes=est.capacity_bytes,
                          overheads=est.overheads, schedule=est.schedule)
     except (MemplanError, ValidationError, ValueError):
         return None
