@@ -79,14 +79,14 @@ def mfu_gap(est: Estimate) -> Explanation | None:
     costs = []
     if t.exposed_comm_s > 0:
         kind = max(t.comm_s, key=lambda k: t.comm_s[k])
-        costs.append(f"exposed communication {t.exposed_comm_s:.3g} s (largest before overlap: "
-                     f"{COMM_NAMES.get(kind, kind)} {t.comm_s[kind]:.3g} s)")
+        costs.append(f"exposed comm {t.exposed_comm_s:.3g} s (largest: "
+                     f"{COMM_NAMES.get(kind, kind)}, {t.comm_s[kind]:.3g} s before overlap)")
     if t.bubble_s > 0:
-        costs.append(f"pipeline bubble {t.bubble_s:.3g} s")
+        costs.append(f"bubble {t.bubble_s:.3g} s")
     if t.hardware_flops > t.model_flops * 1.05:
-        costs.append(f"recompute {t.hardware_flops / t.model_flops - 1:.0%} more FLOPs")
+        costs.append(f"recompute +{t.hardware_flops / t.model_flops - 1:.0%} FLOPs")
     why = (f"MFU {t.mfu:.2f}, not {assumed:.2f}: step {t.step_s:.3g} s = compute "
-           f"{t.compute_s:.3g} s" + "".join(f", {c}" for c in costs))
+           f"{t.compute_s:.3g} s" + "".join(f" + {c}" for c in costs))
     gbs = 2 * est.global_batch_size
     more = again(est, global_batch_size=gbs)
     if more is None or not (t.exposed_comm_s or t.bubble_s):

@@ -58,10 +58,9 @@ def test_mfu_gap_names_the_data_parallel_all_reduce() -> None:
     t = estimate_step_time(est)
     line = _by_term(est)["mfu"]
     assert line.why.startswith("MFU 0.14, not 0.40: step 0.62 s")
-    assert "largest before overlap: data-parallel gradient" in line.why
+    assert "(largest: data-parallel gradient," in line.why
     assert "bubble" not in line.why
-    assert f"compute {t.compute_s:.3g} s, exposed communication {t.exposed_comm_s:.3g} s" \
-        in line.why
+    assert f"compute {t.compute_s:.3g} s + exposed comm {t.exposed_comm_s:.3g} s" in line.why
     more = memplan.estimate("llama-7b", gpus=64, global_batch_size=128)
     assert line.change == f"--gbs 128: MFU {estimate_step_time(more).mfu:.2f}"
     assert estimate_step_time(more).mfu > t.mfu
@@ -84,7 +83,7 @@ def test_pipeline_bubble_and_most_loaded_stage() -> None:
     t = estimate_step_time(est)
     found = _by_term(est)
     assert t.bubble_s == pytest.approx(3 / 8 * (t.compute_s + t.exposed_comm_s))
-    assert f"pipeline bubble {t.bubble_s:.3g} s" in found["mfu"].why
+    assert f" + bubble {t.bubble_s:.3g} s" in found["mfu"].why
     stage = found["most_loaded_stage"]
     assert [s.microbatches_in_flight for s in est.stages] == [4, 3, 2, 1]
     assert stage.why.startswith("stage 0 (embedding) is the most loaded")
