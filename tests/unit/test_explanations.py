@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,7 @@ from memplan.planning.timing import estimate_step_time
 from memplan.report.explain import explanations
 
 GIB = 2**30
+PROFILE = Path(__file__).resolve().parents[2] / "calibration" / "profiles" / "cpu-example.json"
 PIPELINE = dict(gpus=64, pp=4, seq_len=4096, micro_batch_size=2, global_batch_size=256)
 
 
@@ -110,3 +112,12 @@ def test_explanations_import_no_torch() -> None:
             "explanations(memplan.estimate('llama-7b', gpus=64, pp=4)); "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_calibrated_estimate_is_not_re_estimated() -> None:
+    """A re-estimate would be analytic, not comparable with a calibrated peak: the line says
+    why (the same 50.21 GiB of foreach temporaries) and offers no changed figure."""
+    est = memplan.estimate("llama-7b", gpus=64, calibration=str(PROFILE))
+    line = _by_term(est)["optimizer_temp_bytes"]
+    assert line.why == "foreach adamw makes 50.21 GiB of temporaries at the step"
+    assert (line.change, line.peak_bytes_after) == (None, None)
