@@ -47,8 +47,9 @@ def again(est: Estimate, **workload: Any) -> Estimate | None:
         return None
     try:
         wl = Workload.model_validate({**est.workload.model_dump(), **workload})
-        return cached_estimate(est.spec, est.gpu, est.parallel, wl, capacity_bytes=est.capacity_bytes,
-                         overheads=est.overheads, schedule=est.schedule)
+        return cached_estimate(est.spec, est.gpu, est.parallel, wl,
+                               capacity_bytes=est.capacity_bytes, overheads=est.overheads,
+                               schedule=est.schedule)
     except (MemplanError, ValidationError, ValueError):
         return None
 
