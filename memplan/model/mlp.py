@@ -192,7 +192,10 @@ class Mlp:
         stream = dm.rows * spec.hidden_size * dm.e
         # its output before the residual add, then beside the add's output; compiled, the add
         # writes into the down projection's output (``compiled.MLP_OUTPUTS``)
-        moments = [Moment("mlp", saved, (compiled.MLP_OUTPUTS if wl.compile else 2) * stream)]
+        # as a Float8Linear, the down projection's float8 casts beside its output at the matmul
+        casts = linear.float8_forward_bytes(mlp_linears(spec, spec.ffn_hidden_size)[-1], dm)
+        moments = [Moment("mlp", saved, max(
+            (compiled.MLP_OUTPUTS if wl.compile else 2) * stream, stream + casts))]
         if dm.adapters is not None:
             moments += _frozen_forward(spec, dm, saved)
         if spec.mlp is MlpKind.RELU:
