@@ -23,9 +23,9 @@ from memplan.model.adapters import ADAPTER_BYTES, Adapters, torchao_dequant_byte
 from memplan.model.dims import MASK_BYTES, Dims, Term
 from memplan.workload import BaseQuant, Float8Recipe
 
-# torchao's float8 casts are one byte an element: ``e4m3_dtype`` (torch.float8_e4m3fn) for
-# every cast of both recipes (``torchao/float8/config.py``: ``CastConfig.__post_init__``
-# asserts ``target_dtype.itemsize == 1``; ``Float8LinearConfig.from_recipe_name``)
+# torchao's float8 casts are one byte an element, e4m3 or e5m2 (tensorwise's grad_output)
+# (``torchao/float8/config.py``: ``CastConfig.__post_init__`` asserts
+# ``target_dtype.itemsize == 1``; ``Float8LinearConfig.from_recipe_name``)
 FLOAT8_BYTES = 1
 # each scale is fp32 (``torchao/float8/float8_utils.py``: ``amax_to_scale``,
 # ``res.to(torch.float32)``)

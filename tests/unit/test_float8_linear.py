@@ -9,7 +9,7 @@ from torchao's code (torchao 0.18.0, ``torchao/float8/``):
   for the input gradient, then ``grad_output`` (axiswise_dim 0) and the input (axiswise_dim 0)
   for the weight gradient; the first two stay alive as locals at the second matmul.
 - ``config.py``, ``CastConfig.__post_init__`` and ``Float8LinearConfig.from_recipe_name``:
-  every cast is e4m3, one byte; tensorwise is ``ScalingGranularity.TENSORWISE`` (one scale),
+  every cast is one byte (e4m3; tensorwise's grad_output e5m2); tensorwise is ``ScalingGranularity.TENSORWISE`` (one scale),
   rowwise ``AXISWISE`` for input, weight and grad_output.
 - ``float8_utils.py``, ``tensor_to_amax`` (``amax(abs(x), dim=axiswise_dim, keepdim=True)``:
   one scale per slice along the other dim) and ``amax_to_scale`` (``res.to(torch.float32)``:
