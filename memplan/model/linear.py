@@ -115,10 +115,19 @@ def saved_terms(prefix: str, linears: Sequence[Linear], dm: Dims) -> list[Term]:
     locals of the forward, made again in backward."""
     if not dm.autocast and dm.adapters is None:  # (the planner's hot path: no sum to make)
         return []
-    elements = 0 if dm.float8 is not Float8Recipe.NONE else sum(
-        weight_elements(lin, dm.tp) for lin in linears)
+    elements = sum(weight_elements(lin, dm.tp) for lin in linears
+                   if not float8_converts(lin, dm))
     casts = weight_casts(prefix, elements, dm) if elements else []
     return casts + adapter_terms(prefix, linears, dm)
+
+
+def float8_converts(lin: Linear, dm: Dims) -> bool:
+    """Whether the projection runs as a ``Float8Linear``: float8 on and both widths multiples
+    of 16 (torchtitan's ``module_filter_fn``, ``torchtitan/components/quantization/utils.py``:
+    other linears stay plain). The output head is not a projection here: torchtitan's float8
+    configs filter it (``filter_fqns=["lm_head"]``, ``models/llama3/config_registry.py``)."""
+    return (dm.float8 is not Float8Recipe.NONE and lin.d_in % 16 == 0
+            and lin.d_out % 16 == 0)
 
 
 def _scales(rows: int, dm: Dims) -> int:
@@ -133,8 +142,8 @@ def float8_forward_bytes(lin: Linear, dm: Dims) -> int:
     (``matmul_with_hp_or_float8_args.forward``, ``torchao/float8/float8_linear.py``): the
     input's (tokens x d_in, one byte each, scales per token row: ``axiswise_dim`` -1) and the
     weight's (``weight_hp_t`` d_in x d_out, scales per output column: ``axiswise_dim`` 0),
-    both locals freed when the forward returns. 0 without float8."""
-    if dm.float8 is Float8Recipe.NONE:
+    both locals freed when the forward returns. 0 unconverted (``float8_converts``)."""
+    if not float8_converts(lin, dm):
         return 0
     d_in, d_out = local_widths(lin, dm.tp)
     return (dm.tokens * d_in * FLOAT8_BYTES + _scales(dm.tokens, dm)
@@ -147,8 +156,8 @@ def float8_backward_bytes(lin: Linear, dm: Dims) -> int:
     (``grad_output`` per token row, ``weight_hp_t`` per input row: ``axiswise_dim`` -1) stay
     alive as locals, beside the weight gradient's (``grad_output`` per output column and the
     saved input per input column: ``axiswise_dim`` 0); the high-precision results (grad input,
-    grad weight) not included. 0 without float8."""
-    if dm.float8 is Float8Recipe.NONE:
+    grad weight) not included. 0 unconverted (``float8_converts``)."""
+    if not float8_converts(lin, dm):
         return 0
     d_in, d_out = local_widths(lin, dm.tp)
     rows = dm.tokens

@@ -25,9 +25,10 @@ from memplan.errors import LayoutError
 from memplan.model import linear
 from memplan.model.dims import Dims
 from memplan.model.linear import Linear
+from memplan.model.mlp import Mlp
 from memplan.parallel import ParallelConfig, validate
-from memplan.spec import load_model
-from memplan.workload import Float8Recipe, Workload
+from memplan.spec import ModelSpec, load_model
+from memplan.workload import Float8Recipe, Recompute, Workload
 
 # 16 tokens of a bf16 micro-batch at TP 1; one projection 64 -> 96
 DM = Dims(b=2, s=8, s_kv=8, tokens=16, res_tokens_div=1, tp=1, e=2, vocab_shard=64, stream_e=2)
@@ -94,3 +95,41 @@ def test_float8_refuses_what_is_not_modelled(model: str, update: dict, par: dict
     wl = Workload.model_validate({"float8": "rowwise", **update})
     with pytest.raises(LayoutError, match=f"float8 rowwise with {why}: not modelled"):
         validate(load_model(model), ParallelConfig(**par), wl)
+
+
+def test_widths_not_multiples_of_16_stay_plain() -> None:
+    """torchtitan converts only linears whose widths are multiples of 16 (``module_filter_fn``,
+    ``torchtitan/components/quantization/utils.py``): 64 -> 40 stays plain, so under autocast
+    it saves its weight's bf16 cast, 64 * 40 * 2 = 5,120 bytes, and has no float8 casts."""
+    odd = Linear("odd", "mlp", 64, 40)
+    assert linear.saved_bytes([odd], AMP._replace(float8=Float8Recipe.ROWWISE)) == 5_120
+    assert linear.float8_forward_bytes(odd, RW) == 0
+    assert linear.float8_backward_bytes(odd, RW) == 0
+
+
+TINY = ModelSpec.model_validate({
+    "name": "float8-test", "hidden_size": 64, "num_layers": 1, "num_attention_heads": 4,
+    "num_kv_heads": 2, "ffn_hidden_size": 96, "vocab_size": 128, "mlp": "swiglu",
+    "norm": "rmsnorm", "position": "rope", "tied_embeddings": False, "max_seq_len": 64,
+    "head_dim": 16, "source": "hand-made for this test"})
+
+
+def test_mlp_moments_hold_the_down_projections_casts() -> None:
+    """SwiGLU h 64, ffn 96, 16 bf16 tokens. Forward, at the down projection (96 -> 64): its
+    output 16 * 64 * 2 = 2,048 bytes, plain then beside the residual add's output (4,096);
+    as a Float8Linear beside its casts: tensorwise 16 * 96 + 4 + 96 * 64 + 4 = 7,688, with the
+    output 9,736; rowwise 1,536 + 16 * 4 + 6,144 + 64 * 4 = 8,000, with the output 10,048.
+    Backward, at its weight-gradient matmul, its casts on top of the plain moment: tensorwise
+    (1,024 + 4 + 6,144 + 4) + (1,024 + 4 + 1,536 + 4) = 9,744; rowwise (1,024 + 64 + 6,144 +
+    96 * 4) + (1,024 + 64 * 4 + 1,536 + 96 * 4) = 7,616 + 3,200 = 10,816."""
+    mlp, wl = Mlp(), Workload()
+    forward = {recipe: mlp.forward_moments(TINY, wl, DM._replace(float8=recipe),
+                                           Recompute.NONE)[0].transient_bytes
+               for recipe in Float8Recipe}
+    assert forward == {Float8Recipe.NONE: 4_096, Float8Recipe.TENSORWISE: 9_736,
+                       Float8Recipe.ROWWISE: 10_048}
+    backward = {recipe: mlp.backward_moments(TINY, wl, DM._replace(float8=recipe),
+                                             Recompute.NONE)[0].transient_bytes
+                for recipe in Float8Recipe}
+    assert backward[Float8Recipe.TENSORWISE] - backward[Float8Recipe.NONE] == 9_744
+    assert backward[Float8Recipe.ROWWISE] - backward[Float8Recipe.NONE] == 10_816
