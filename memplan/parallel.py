@@ -472,6 +472,29 @@ def expert_rule(num_experts: int, expert_ffn: int, ep: int, etp: int,
     return None
 
 
+def float8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutError | None:
+    """What torchao's float8 linears are modelled for (``memplan.model.linear``): dense
+    layers, eager, no tensor parallelism (torchtitan's ``Float8ColwiseParallel`` casts inputs
+    before their all-gather), no LoRA, no selective recompute. The rest is refused."""
+    why = None
+    if spec.moe is not None:
+        why = "MoE layers"
+    elif wl.compile:
+        why = "compile"
+    elif par.tp > 1:
+        why = f"tp {par.tp}"
+    elif wl.lora_rank:
+        why = f"lora_rank {wl.lora_rank}"
+    elif wl.recompute is Recompute.SELECTIVE:
+        why = "recompute selective"
+    if why is None:
+        return None
+    return LayoutError(f"float8 is not modelled with {why}",
+                       f"float8 {wl.float8.value} with {why}: not modelled yet (float8 is "
+                       "modelled for dense layers, eager, tp 1, no LoRA, recompute none or "
+                       "full)")
+
+
 def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
     """What a compiled layer's saved set is derived for (``memplan.model.compiled``): a
     pre-norm dense layer with SDPA attention in one compute dtype, no recompute or a fully
@@ -547,6 +570,8 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
     if (err := offload_rule(spec, par, wl)) is not None:
         raise err
     if wl.compile and (err := compile_rule(spec, wl)) is not None:
+        raise err
+    if wl.float8.value != "none" and (err := float8_rule(spec, par, wl)) is not None:
         raise err
     if wl.base_quant.value == "nf4-torchao-0.1" and par.zero >= ZeroStage.PARAMETERS:
         # torchao 0.1's NF4Tensor implements no chunk/split/view ops for FSDP to shard it

@@ -417,6 +417,24 @@ class MoeImpl(str, enum.Enum):
     GROUPED = "grouped"
 
 
+class Float8Recipe(str, enum.Enum):
+    """torchao's float8 training of the decoder layers' linears, as torchtitan applies it
+    (``convert_to_float8_training`` with ``Float8LinearConfig.from_recipe_name``:
+    ``torchao/float8/config.py``; the output head is not converted).
+
+    none        plain linears
+    tensorwise  dynamic scaling, one fp32 scale per cast tensor (``ScalingGranularity.
+                TENSORWISE``, the ``CastConfig`` default)
+    rowwise     dynamic scaling, one fp32 scale per row of each cast (``ScalingGranularity.
+                AXISWISE``: ``tensor_to_amax``'s ``amax(abs(x), dim=axiswise_dim,
+                keepdim=True)``, ``torchao/float8/float8_utils.py``)
+    """
+
+    NONE = "none"
+    TENSORWISE = "tensorwise"
+    ROWWISE = "rowwise"
+
+
 class BaseQuant(str, enum.Enum):
     """How frozen base weights are stored under LoRA (``memplan.model.adapters``).
 
@@ -513,6 +531,9 @@ class Workload(BaseModel):
     compile: bool = Field(default=False, description=(
         "each decoder layer runs under torch.compile (Inductor): AOTAutograd's min-cut "
         "partitioner decides what its forward saves (memplan.model.compiled)"))
+    float8: Float8Recipe = Field(default=Float8Recipe.NONE, description=(
+        "the decoder layers' linears train as torchao's Float8Linear with this recipe "
+        "(memplan.model.linear: float8_forward_bytes)"))
     ddp_any_size: bool = Field(default=False, description=(
         "the model is wrapped in data-parallel buffers at any data-parallel size, one rank "
         "included (Megatron-LM's DDP): its gradient buffer exists from the wrap on"))

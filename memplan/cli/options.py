@@ -30,6 +30,7 @@ from memplan.workload import (
     Attention,
     BackwardPrefetch,
     BaseQuant,
+    Float8Recipe,
     Framework,
     GradSync,
     LossImpl,
@@ -178,6 +179,10 @@ CompileOpt = Annotated[Optional[bool], typer.Option(
     "AOTAutograd's min-cut partitioner saves matmul and attention outputs and recomputes the "
     "pointwise ops between them (torchtitan's compile.enable). Default: off.",
     rich_help_panel=_KERNELS)]
+Float8Opt = Annotated[Float8Recipe, typer.Option(
+    "--float8", help="The decoder layers' linears as torchao's Float8Linear "
+    "(torchtitan's float8 converter, the output head not converted): tensorwise or rowwise "
+    "dynamic scaling. Default: none.", rich_help_panel=_KERNELS)]
 UseCache = Annotated[Optional[bool], typer.Option(
     "--use-cache/--no-use-cache", help="The training forward fills a key/value cache "
     "(transformers' config use_cache, which Trainer leaves on: a DynamicCache holds each "
@@ -327,6 +332,7 @@ SHARED: dict[str, Shared] = {
     "keep_grads": Shared(KeepGrads, None),
     "use_cache": Shared(UseCache, None),
     "compile": Shared(CompileOpt, False),
+    "float8": Shared(Float8Opt, Float8Recipe.NONE, _value),
     "grad_sync": Shared(GradSyncOpt, None),
     "fsdp_version": Shared(FsdpVersion, None),
     "fsdp_backward_prefetch": Shared(FsdpBackwardPrefetch, None, _value),
@@ -348,13 +354,14 @@ LAYOUT = ("tp", "pp", "vpp", "vpp_group", "dp", "cp", "ep", "etp", "sp", "vocab_
 WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "recompute_every",
             "precision", "optimizer", "optimizer_impl", "attention", "norm", "logits_fp32",
             "loss_chunks", "framework", "keep_grads", "use_cache", "grad_sync", "compile",
+            "float8",
             "fsdp_version", "fsdp_backward_prefetch", "fsdp_use_orig_params",
             "fsdp_reshard_after_forward", "mtp_layers", "loss_impl",
             "lora_rank", "lora_targets", "lora_dropout", "base_quant")
 # what a framework's own loop decides, beyond memplan's reference model (which trace and
 # profile run)
 FRAMEWORK_ONLY = ("framework", "keep_grads", "use_cache", "loss_impl",
-                  "compile")  # the reference model runs eagerly
+                  "compile", "float8")  # the reference model runs eagerly, plain linears
 # everything ``memplan estimate`` takes: diagnose takes the same configuration
 ESTIMATE = ("model", "gpus", "gpu", "gpu_memory", *LAYOUT, *WORKLOAD, "schedule", "calibration")
 

@@ -21,7 +21,15 @@ from typing import NamedTuple
 
 from memplan.model.adapters import ADAPTER_BYTES, Adapters, torchao_dequant_bytes
 from memplan.model.dims import MASK_BYTES, Dims, Term
-from memplan.workload import BaseQuant
+from memplan.workload import BaseQuant, Float8Recipe
+
+# torchao's float8 casts are one byte an element, e4m3 or e5m2 (tensorwise's grad_output)
+# (``torchao/float8/config.py``: ``CastConfig.__post_init__`` asserts
+# ``target_dtype.itemsize == 1``; ``Float8LinearConfig.from_recipe_name``)
+FLOAT8_BYTES = 1
+# each scale is fp32 (``torchao/float8/float8_utils.py``: ``amax_to_scale``,
+# ``res.to(torch.float32)``)
+FLOAT8_SCALE_BYTES = 4
 
 
 class Split(str, enum.Enum):
@@ -99,11 +107,65 @@ def weight_casts(prefix: str, elements: int, dm: Dims) -> list[Term]:
 def saved_terms(prefix: str, linears: Sequence[Linear], dm: Dims) -> list[Term]:
     """What the projections save of their own for backward, beyond the activations the block
     counts (their inputs, ``saved_input``): under autocast the casts of their weights on this
-    rank (``weight_casts``, one term); with LoRA what the adapters save (``adapter_terms``)."""
+    rank (``weight_casts``, one term); with LoRA what the adapters save (``adapter_terms``).
+    As torchao's ``Float8Linear`` no weight cast: ``matmul_with_hp_or_float8_args.forward``
+    (``torchao/float8/float8_linear.py``) saves ``(input_hp, weight_hp_t)``, the
+    high-precision input and ``self.weight.t()``, a view of the parameter (autocast casts
+    nothing there: ``Float8Linear.forward`` calls no ``F.linear``); its float8 casts are
+    locals of the forward, made again in backward."""
     if not dm.autocast and dm.adapters is None:  # (the planner's hot path: no sum to make)
         return []
-    casts = weight_casts(prefix, sum(weight_elements(lin, dm.tp) for lin in linears), dm)
+    elements = sum(weight_elements(lin, dm.tp) for lin in linears
+                   if not float8_converts(lin, dm))
+    casts = weight_casts(prefix, elements, dm) if elements else []
     return casts + adapter_terms(prefix, linears, dm)
+
+
+def float8_converts(lin: Linear, dm: Dims) -> bool:
+    """Whether the projection runs as a ``Float8Linear``: float8 on and both widths multiples
+    of 16 (torchtitan's ``module_filter_fn``, ``torchtitan/components/quantization/utils.py``:
+    other linears stay plain). The output head is not a projection here: torchtitan's float8
+    configs filter it (``filter_fqns=["lm_head"]``, ``models/llama3/config_registry.py``)."""
+    return (dm.float8 is not Float8Recipe.NONE and lin.d_in % 16 == 0
+            and lin.d_out % 16 == 0)
+
+
+def _scales(rows: int, dm: Dims) -> int:
+    """Bytes of the scales of one float8 cast: one fp32 for the whole tensor (tensorwise),
+    or one per ``rows`` (rowwise: ``tensor_to_amax``'s ``amax(abs(x), dim=axiswise_dim,
+    keepdim=True)``, ``torchao/float8/float8_utils.py``, one per slice along the other dim)."""
+    return (rows if dm.float8 is Float8Recipe.ROWWISE else 1) * FLOAT8_SCALE_BYTES
+
+
+def float8_forward_bytes(lin: Linear, dm: Dims) -> int:
+    """The float8 casts alive at a ``Float8Linear``'s forward matmul, beside its output
+    (``matmul_with_hp_or_float8_args.forward``, ``torchao/float8/float8_linear.py``): the
+    input's (tokens x d_in, one byte each, scales per token row: ``axiswise_dim`` -1) and the
+    weight's (``weight_hp_t`` d_in x d_out, scales per output column: ``axiswise_dim`` 0),
+    both locals freed when the forward returns. 0 unconverted (``float8_converts``)."""
+    if not float8_converts(lin, dm):
+        return 0
+    d_in, d_out = local_widths(lin, dm.tp)
+    return (dm.tokens * d_in * FLOAT8_BYTES + _scales(dm.tokens, dm)
+            + weight_elements(lin, dm.tp) * FLOAT8_BYTES + _scales(d_out, dm))
+
+
+def float8_backward_bytes(lin: Linear, dm: Dims) -> int:
+    """The float8 casts alive at a ``Float8Linear``'s weight-gradient matmul, the last of its
+    backward (``matmul_with_hp_or_float8_args.backward``): the input-gradient matmul's casts
+    (``grad_output`` per token row, ``weight_hp_t`` per input row: ``axiswise_dim`` -1) stay
+    alive as locals, beside the weight gradient's (``grad_output`` per output column and the
+    saved input per input column: ``axiswise_dim`` 0); the high-precision results (grad input,
+    grad weight) not included. 0 unconverted (``float8_converts``)."""
+    if not float8_converts(lin, dm):
+        return 0
+    d_in, d_out = local_widths(lin, dm.tp)
+    rows = dm.tokens
+    grad_input_casts = (rows * d_out * FLOAT8_BYTES + _scales(rows, dm)
+                        + weight_elements(lin, dm.tp) * FLOAT8_BYTES + _scales(d_in, dm))
+    grad_weight_casts = (rows * d_out * FLOAT8_BYTES + _scales(d_out, dm)
+                         + rows * d_in * FLOAT8_BYTES + _scales(d_in, dm))
+    return grad_input_casts + grad_weight_casts
 
 
 def local_widths(lin: Linear, t: int) -> tuple[int, int]:

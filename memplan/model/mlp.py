@@ -132,7 +132,8 @@ def backward_moments(spec: ModelSpec, dm: Dims, *, saved: int, freed: int, run_t
     # (a new residual-sized tensor) while the incoming one stays for the skip path.
     dropout_grad = dm.rows * h * e if spec.dropout > 0 else 0
     # LoRA on the down projection: its adapter's backward before its base's
-    lora, base = 0, inner
+    # as a Float8Linear, the down projection's backward casts beside its input gradient
+    lora, base = 0, inner + linear.float8_backward_bytes(mlp_linears(spec, ffn)[-1], dm)
     if dm.adapters is not None:  # the adapter's backward, then the base's
         linears = mlp_linears(spec, ffn)
         lora = linear.adapter_backward_bytes(linears[-1], dm)
@@ -192,7 +193,10 @@ class Mlp:
         stream = dm.rows * spec.hidden_size * dm.e
         # its output before the residual add, then beside the add's output; compiled, the add
         # writes into the down projection's output (``compiled.MLP_OUTPUTS``)
-        moments = [Moment("mlp", saved, (compiled.MLP_OUTPUTS if wl.compile else 2) * stream)]
+        # as a Float8Linear, the down projection's float8 casts beside its output at the matmul
+        casts = linear.float8_forward_bytes(mlp_linears(spec, spec.ffn_hidden_size)[-1], dm)
+        moments = [Moment("mlp", saved, max(
+            (compiled.MLP_OUTPUTS if wl.compile else 2) * stream, stream + casts))]
         if dm.adapters is not None:
             moments += _frozen_forward(spec, dm, saved)
         if spec.mlp is MlpKind.RELU:

@@ -1,0 +1,135 @@
+"""torchao's float8 linears (``--float8``, ``memplan.model.linear``), with bytes derived by hand
+from torchao's code (torchao 0.18.0, ``torchao/float8/``):
+
+- ``float8_linear.py``, ``matmul_with_hp_or_float8_args.forward``: ``ctx.save_for_backward(
+  input_hp, weight_hp_t)``: the high-precision input and ``self.weight.t()`` (a view of the
+  parameter) are saved, not their float8 casts; the casts ``input_maybe_fp8`` and
+  ``weight_maybe_fp8_t`` are locals alive at ``torch.mm``.
+- ``...backward``: casts ``grad_output`` (axiswise_dim -1) and ``weight_hp_t`` (axiswise_dim -1)
+  for the input gradient, then ``grad_output`` (axiswise_dim 0) and the input (axiswise_dim 0)
+  for the weight gradient; the first two stay alive as locals at the second matmul.
+- ``config.py``, ``CastConfig.__post_init__`` and ``Float8LinearConfig.from_recipe_name``:
+  every cast is one byte (e4m3; tensorwise's grad_output e5m2); tensorwise is ``ScalingGranularity.TENSORWISE`` (one scale),
+  rowwise ``AXISWISE`` for input, weight and grad_output.
+- ``float8_utils.py``, ``tensor_to_amax`` (``amax(abs(x), dim=axiswise_dim, keepdim=True)``:
+  one scale per slice along the other dim) and ``amax_to_scale`` (``res.to(torch.float32)``:
+  4 bytes a scale).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from memplan import api
+from memplan.errors import LayoutError
+from memplan.model import linear
+from memplan.model.dims import Dims
+from memplan.model.linear import Linear
+from memplan.model.mlp import Mlp
+from memplan.parallel import ParallelConfig, validate
+from memplan.spec import ModelSpec, load_model
+from memplan.workload import Float8Recipe, Recompute, Workload
+
+# 16 tokens of a bf16 micro-batch at TP 1; one projection 64 -> 96
+DM = Dims(b=2, s=8, s_kv=8, tokens=16, res_tokens_div=1, tp=1, e=2, vocab_shard=64, stream_e=2)
+TW = DM._replace(float8=Float8Recipe.TENSORWISE)
+RW = DM._replace(float8=Float8Recipe.ROWWISE)
+AMP = DM._replace(stream_e=4, autocast=True)
+UP = Linear("up", "mlp", 64, 96)
+
+
+def test_float8_saves_no_weight_cast() -> None:
+    """Under bf16 autocast a plain linear saves autocast's bf16 cast of its fp32 weight:
+    64 * 96 = 6,144 elements * 2 = 12,288 bytes. As a Float8Linear it saves
+    ``self.weight.t()``, a view of the parameter: no bytes of its own; the input it saves is
+    the same high-precision tensor a plain linear saves (counted by the block)."""
+    assert linear.saved_bytes([UP], AMP) == 12_288
+    for recipe in (Float8Recipe.TENSORWISE, Float8Recipe.ROWWISE):
+        assert linear.saved_bytes([UP], AMP._replace(float8=recipe)) == 0
+        assert linear.saved_bytes([UP], DM._replace(float8=recipe)) == 0
+
+
+def test_forward_casts_per_recipe() -> None:
+    """At the forward matmul: the input cast 16 x 64 = 1,024 bytes and the weight cast
+    (weight_hp_t, 64 x 96) 6,144 bytes. Tensorwise: one fp32 scale each, + 8: 7,176.
+    Rowwise: the input's scales per token row (axiswise_dim -1), 16 * 4 = 64; the weight's
+    per output column (axiswise_dim 0 of the d_in x d_out transpose), 96 * 4 = 384: 7,616.
+    Without float8: 0."""
+    assert linear.float8_forward_bytes(UP, DM) == 0
+    assert linear.float8_forward_bytes(UP, TW) == 7_176
+    assert linear.float8_forward_bytes(UP, RW) == 7_616
+
+
+def test_backward_casts_per_recipe() -> None:
+    """At the weight-gradient matmul, four casts alive. grad_output dim0 16 x 96 = 1,536,
+    weight 6,144, grad_output dim1 1,536, input dim1 16 x 64 = 1,024: 10,240 bytes.
+    Tensorwise: + 4 scales * 4 = 10,256. Rowwise: grad_output dim0 per token, 16 * 4 = 64;
+    the weight per input row (axiswise_dim -1 of weight_hp_t), 64 * 4 = 256; grad_output dim1
+    per output column, 96 * 4 = 384; the input per input column, 64 * 4 = 256: 10,240 + 960 =
+    11,200."""
+    assert linear.float8_backward_bytes(UP, DM) == 0
+    assert linear.float8_backward_bytes(UP, TW) == 10_256
+    assert linear.float8_backward_bytes(UP, RW) == 11_200
+
+
+def test_float8_keeps_saved_activations_of_a_bf16_run() -> None:
+    """torchtitan's bf16 FSDP run (no autocast): a Float8Linear saves the same bf16 input a
+    plain linear saves and no weight cast, so the saved activations are those of the plain
+    run, byte for byte."""
+    kw = dict(gpus=8, zero=3, micro_batch_size=1, seq_len=1024, precision="fsdp-bf16")
+    plain = api.estimate("tiny", **kw)
+    for recipe in ("tensorwise", "rowwise"):
+        f8 = api.estimate("tiny", float8=recipe, **kw)
+        assert f8.stages[0].activations_bytes == plain.stages[0].activations_bytes
+
+
+@pytest.mark.parametrize(("model", "update", "par", "why"), [
+    ("mixtral-8x7b", {}, {}, "MoE layers"),
+    ("tiny", {"compile": True}, {}, "compile"),
+    ("tiny", {}, {"tp": 2}, "tp 2"),
+    ("tiny", {"lora_rank": 8}, {}, "lora_rank 8"),
+    ("tiny", {"recompute": "selective"}, {}, "recompute selective"),
+])
+def test_float8_refuses_what_is_not_modelled(model: str, update: dict, par: dict,
+                                            why: str) -> None:
+    wl = Workload.model_validate({"float8": "rowwise", **update})
+    with pytest.raises(LayoutError, match=f"float8 rowwise with {why}: not modelled"):
+        validate(load_model(model), ParallelConfig(**par), wl)
+
+
+def test_widths_not_multiples_of_16_stay_plain() -> None:
+    """torchtitan converts only linears whose widths are multiples of 16 (``module_filter_fn``,
+    ``torchtitan/components/quantization/utils.py``): 64 -> 40 stays plain, so under autocast
+    it saves its weight's bf16 cast, 64 * 40 * 2 = 5,120 bytes, and has no float8 casts."""
+    odd = Linear("odd", "mlp", 64, 40)
+    assert linear.saved_bytes([odd], AMP._replace(float8=Float8Recipe.ROWWISE)) == 5_120
+    assert linear.float8_forward_bytes(odd, RW) == 0
+    assert linear.float8_backward_bytes(odd, RW) == 0
+
+
+TINY = ModelSpec.model_validate({
+    "name": "float8-test", "hidden_size": 64, "num_layers": 1, "num_attention_heads": 4,
+    "num_kv_heads": 2, "ffn_hidden_size": 96, "vocab_size": 128, "mlp": "swiglu",
+    "norm": "rmsnorm", "position": "rope", "tied_embeddings": False, "max_seq_len": 64,
+    "head_dim": 16, "source": "hand-made for this test"})
+
+
+def test_mlp_moments_hold_the_down_projections_casts() -> None:
+    """SwiGLU h 64, ffn 96, 16 bf16 tokens. Forward, at the down projection (96 -> 64): its
+    output 16 * 64 * 2 = 2,048 bytes, plain then beside the residual add's output (4,096);
+    as a Float8Linear beside its casts: tensorwise 16 * 96 + 4 + 96 * 64 + 4 = 7,688, with the
+    output 9,736; rowwise 1,536 + 16 * 4 + 6,144 + 64 * 4 = 8,000, with the output 10,048.
+    Backward, at its weight-gradient matmul, its casts on top of the plain moment: tensorwise
+    (1,024 + 4 + 6,144 + 4) + (1,024 + 4 + 1,536 + 4) = 9,744; rowwise (1,024 + 64 + 6,144 +
+    96 * 4) + (1,024 + 64 * 4 + 1,536 + 96 * 4) = 7,616 + 3,200 = 10,816."""
+    mlp, wl = Mlp(), Workload()
+    forward = {recipe: mlp.forward_moments(TINY, wl, DM._replace(float8=recipe),
+                                           Recompute.NONE)[0].transient_bytes
+               for recipe in Float8Recipe}
+    assert forward == {Float8Recipe.NONE: 4_096, Float8Recipe.TENSORWISE: 9_736,
+                       Float8Recipe.ROWWISE: 10_048}
+    backward = {recipe: mlp.backward_moments(TINY, wl, DM._replace(float8=recipe),
+                                             Recompute.NONE)[0].transient_bytes
+                for recipe in Float8Recipe}
+    assert backward[Float8Recipe.TENSORWISE] - backward[Float8Recipe.NONE] == 9_744
+    assert backward[Float8Recipe.ROWWISE] - backward[Float8Recipe.NONE] == 10_816
