@@ -182,7 +182,8 @@ CompileOpt = Annotated[Optional[bool], typer.Option(
 Float8Opt = Annotated[Float8Recipe, typer.Option(
     "--float8", help="The decoder layers' linears as torchao's Float8Linear "
     "(torchtitan's float8 converter, the output head not converted): tensorwise or rowwise "
-    "dynamic scaling. Default: none.", rich_help_panel=_KERNELS)]
+    "dynamic scaling (torchtitan 0.3 offers rowwise; tensorwise is torchao's and earlier "
+    "torchtitan's). Default: none.", rich_help_panel=_KERNELS)]
 UseCache = Annotated[Optional[bool], typer.Option(
     "--use-cache/--no-use-cache", help="The training forward fills a key/value cache "
     "(transformers' config use_cache, which Trainer leaves on: a DynamicCache holds each "
