@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import mmap
 import subprocess
 import sys
 
@@ -30,12 +31,17 @@ def test_cpu_job_records_process_memory(tmp_path, monkeypatch):
 
 
 def test_rss_leak_of_a_real_loop(tmp_path):
-    """A loop that keeps 4 MiB of Python bytes a step (touched, so resident): the resident set
-    grows 4 MiB a step, 116 MiB over a 30-step window, and the leak is named in rss_bytes."""
+    """A loop that keeps 4 MiB a step, fresh anonymous pages each written (so resident): the
+    resident set grows 4 MiB a step, 116 MiB over a 30-step window, and the leak is named in
+    rss_bytes. (Pages of their own: a malloc'd buffer of that size may reuse heap pages that
+    earlier tests freed but left resident, once glibc's mmap threshold has risen, and the
+    resident set would not grow.)"""
     kept = []
     with MemoryMonitor(tmp_path, rank=0) as mon:
         for _ in range(40):
-            kept.append(bytearray(4 * MiB))
+            pages = mmap.mmap(-1, 4 * MiB)
+            pages.write(b"\x01" * (4 * MiB))
+            kept.append(pages)
             rec = mon.step()
     assert any(w.startswith("rss_bytes grew ") for w in rec["warnings"])
     trend = mon.summary["trends"]["rss_bytes"]
