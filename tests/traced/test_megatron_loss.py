@@ -72,8 +72,10 @@ def test_vocab_parallel_cross_entropy_matches_the_terms(megatron_group, b: int, 
         loss = losses.sum()
         forward = tracker.peak(1, "forward").total_bytes - inputs
         tracker.set_phase("backward")
-        # what the loss keeps, not what waits for the cycle collector: a tensor freed
-        # only by gc would count or not depending on when earlier tests let it run
+        # what the loss keeps, once gloo's worker has let go of the all-reduced
+        # per-token sums (its queued work holds them until it runs: a barrier waits
+        # for it) and no cyclic garbage waits for the collector
+        torch.distributed.barrier()
         gc.collect()
         saved = tracker.bytes_in("activations") - inputs
         start = tracker.total_bytes
@@ -133,8 +135,10 @@ def test_fused_cross_entropy_keeps_what_the_unfused_keeps(megatron_group, b: int
                 loss = loss_fn(logits, target).sum()
                 forward = tracker.peak(1, "forward").total_bytes - inputs
                 tracker.set_phase("backward")
-                # what the loss keeps, not what waits for the cycle collector: a tensor freed
-                # only by gc would count or not depending on when earlier tests let it run
+                # what the loss keeps, once gloo's worker has let go of the all-reduced
+                # per-token sums (its queued work holds them until it runs: a barrier waits
+                # for it) and no cyclic garbage waits for the collector
+                torch.distributed.barrier()
                 gc.collect()
                 saved = tracker.bytes_in("activations") - inputs
                 start = tracker.total_bytes
