@@ -17,7 +17,7 @@ from memplan.model.dims import Dims
 from memplan.model.dims import whole_bytes_each as _whole_bytes_each
 from memplan.model.layer import grad_group_params
 from memplan.model.layer import layer_kind as _layer_kind
-from memplan.model.model_states import StageParams, count_stage_params
+from memplan.model.model_states import StageParams, count_stage_params, stage_param_totals
 from memplan.model.pipeline import Schedule, chunks_in_flight
 from memplan.model.stage_parts import (
     LayerKey,
@@ -118,6 +118,22 @@ def _all_states(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> tuple[Sta
             seen[key] = states
         out.append(states)
     return tuple(out)
+
+
+def fewest_stage_params(spec: ModelSpec, par: ParallelConfig, mtp_layers: int = 0) -> int:
+    """The fewest parameters (before ZeRO sharding) any pipeline stage of ``par`` holds, as
+    its ``stage_parts`` count them, without building its states."""
+    return _fewest(spec, par.tp, par.experts, par.pp, par.vpp, par.stage_layers,
+                   par.vocab_divisor, mtp_layers)
+
+
+@lru_cache(maxsize=8192)
+def _fewest(spec: ModelSpec, tp: int, experts: int | ExpertSplit, pp: int, vpp: int,
+            split: tuple[int, ...] | None, vocab_div: int, mtp_layers: int) -> int:
+    return min(sum(stage_param_totals(spec, tp, experts, pp,
+                                      stage_layer_indices(spec, pp, vpp, stage, split),
+                                      stage == 0, stage == pp - 1, vocab_div, mtp_layers)[:2])
+               for stage in range(pp))
 
 
 @lru_cache(maxsize=8192)

@@ -12,6 +12,7 @@ parameters and the expert-data-parallel group for experts; the most loaded rank 
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Any, NamedTuple
 
 from memplan.model.adapters import ADAPTER_BYTES
@@ -87,29 +88,13 @@ def count_stage_params(spec: ModelSpec, t: int, ep: int | ExpertSplit, pp: int,
     h = spec.hidden_size
     vocab_rows = vocab_shard(spec.vocab_size, vocab_div) * h
     depths = mtp if last else 0
-    mtp_extra = (depths * mtp_depth_params(spec, t)
-                 + embedding_copy(spec, vocab_rows, counts.position_embedding, pp)
-                 if depths else 0)
-    dense = expert = 0
-    per_layer = []
-    for i in (*layers, *[mtp_layer_index(spec)] * depths):
-        lp = counts.layers[i]
-        layer_dense = ceil_div(lp.tp_sharded, t) + lp.replicated
-        layer_expert = lp.expert // (ep.ep * ep.etp if isinstance(ep, ExpertSplit)
-                                     else ep * t)
-        dense += layer_dense
-        expert += layer_expert
-        per_layer.append(layer_dense + layer_expert)
-    embed = vocab_rows + counts.position_embedding if first else 0
-    # Tied and p == 1: the head is the embedding itself, already counted.
-    head = (counts.final_norm + (vocab_rows if counts.head or pp > 1 else 0)
-            + mtp_extra) if last else 0
-    dense += embed + head
+    dense, expert, per_layer, embed, head = stage_param_totals(spec, t, ep, pp, layers, first,
+                                                               last, vocab_div, mtp)
     shapes: list[tuple[int, ...]] = []
     if first:
         shapes += EmbeddingBlock().tensor_shapes(spec, vocab_div, 1)
     embedding_tensors = len(shapes)
-    kinds = {moe: layer_tensor_shapes(spec, t, ep, moe)
+    kinds = {moe: _layer_shapes(spec, t, ep, moe)
              for moe in {spec.is_moe_layer(i) for i in layers}}
     for i in layers:
         shapes += kinds[spec.is_moe_layer(i)]
@@ -132,6 +117,41 @@ def count_stage_params(spec: ModelSpec, t: int, ep: int | ExpertSplit, pp: int,
                        largest_unit=max(0, embed, head, *per_layer), num_tensors=len(sizes),
                        embedding_tensors=embedding_tensors,
                        head_tensors=len(sizes) - before_head)
+
+
+@lru_cache(maxsize=1024)
+def _layer_shapes(spec: ModelSpec, t: int, ep: int | ExpertSplit,
+                  moe: bool) -> tuple[tuple[int, ...], ...]:
+    """``layer_tensor_shapes``, once per layer kind and layout (every stage repeats them)."""
+    return tuple(layer_tensor_shapes(spec, t, ep, moe))
+
+
+def stage_param_totals(spec: ModelSpec, t: int, ep: int | ExpertSplit, pp: int,
+                       layers: tuple[int, ...], first: bool, last: bool, vocab_div: int,
+                       mtp: int = 0) -> tuple[int, int, tuple[int, ...], int, int]:
+    """``count_stage_params``' counts without the tensors: (dense, expert, each layer's,
+    the embedding's, the head's), dense including the embedding's and the head's."""
+    counts = param_counts(spec)
+    vocab_rows = vocab_shard(spec.vocab_size, vocab_div) * spec.hidden_size
+    depths = mtp if last else 0
+    mtp_extra = (depths * mtp_depth_params(spec, t)
+                 + embedding_copy(spec, vocab_rows, counts.position_embedding, pp)
+                 if depths else 0)
+    expert_div = ep.ep * ep.etp if isinstance(ep, ExpertSplit) else ep * t
+    dense = expert = 0
+    per_layer = []
+    for i in (*layers, *[mtp_layer_index(spec)] * depths):
+        lp = counts.layers[i]
+        layer_dense = ceil_div(lp.tp_sharded, t) + lp.replicated
+        layer_expert = lp.expert // expert_div
+        dense += layer_dense
+        expert += layer_expert
+        per_layer.append(layer_dense + layer_expert)
+    embed = vocab_rows + counts.position_embedding if first else 0
+    # Tied and p == 1: the head is the embedding itself, already counted.
+    head = (counts.final_norm + (vocab_rows if counts.head or pp > 1 else 0)
+            + mtp_extra) if last else 0
+    return dense + embed + head, expert, tuple(per_layer), embed, head
 
 
 class StateBytes(NamedTuple):

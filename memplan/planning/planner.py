@@ -18,6 +18,7 @@ import numpy as np
 from memplan.errors import LayoutError, MemplanError
 from memplan.hardware import GpuSpec
 from memplan.model.estimate import Estimate, estimate
+from memplan.model.memo import fewest_stage_params
 from memplan.overheads import Overheads, default_overheads, with_library_workspaces
 from memplan.parallel import (
     INTERLEAVED_MICROBATCHES,
@@ -64,8 +65,8 @@ MIN_STAGE_LAYERS = 2
 LONG_SEQ = 16384
 RECOMPUTE_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
 SP_OFF_DOMINATED = "sp off: sp on needs no more memory and no more time at any micro-batch"
-SLOWER_THAN_TOP = ("out of memory with the cheaper recompute policies, and with the others "
-                   "slower at every micro-batch than the top {top} found")
+SLOWER_THAN_TOP = ("slower at every micro-batch than the top {top} found, with every recompute "
+                   "policy not found out of memory")
 # a bound beats a time only by more than float rounding could make up
 ROUNDING = 1e-9
 # Rejections the planner finds before ``validate``, keyed as ``LayoutError.rule`` is (no
@@ -463,57 +464,111 @@ def _search_levels(ctx: _Context, pars: list[ParallelConfig],
     """One search per recompute level, in order of extra compute. A policy with more recompute
     is kept only if it fits a larger micro-batch than the cheaper ones did (otherwise it costs
     compute for nothing), so each level searches above the largest fit before it, starting
-    from the bytes per sample the cheaper policy showed (at most what this one needs). With
-    ``top``, a layout's policy is searched only if it could beat the ``top``-th fastest fit
-    so far (``_fastest_possible``); returned beside the levels: the layouts a level skipped."""
+    from the bytes per sample the cheaper policy showed (at most what this one needs).
+
+    With ``top``, a layout's policy is searched only if it could beat the ``top``-th fastest
+    fit so far (``_fastest_possible``). The layouts are then searched in batches, each through
+    every level, those that could be fastest first (at their cheapest policy), so that the
+    fits of a few set a bound that rules out the others' policies without a walk; a batch's
+    search of a level is a ``_Level`` of its own. Returned beside the levels: the layouts
+    whose policies were skipped."""
     above, slope = [0] * len(pars), np.zeros(len(pars))
     sizes = [micro_batch_sizes(p, ctx.wl.global_batch_size) for p in pars]
     levels: list[_Level] = []
     fit_times: list[float] = []  # step seconds of every fit so far (with ``top``)
     pruned: set[int] = set()
-    for level in range(max((len(p) for p in policies), default=0)):
-        index = [i for i, p in enumerate(policies) if level < len(p) and sizes[i][-1] > above[i]]
-        if top is not None and len(fit_times) >= top and index:
+    everyone = list(range(len(pars)))
+    if top is None:
+        batches = [everyone]
+    else:  # in order of the fastest their cheapest policy could be
+        fastest = _fastest_possible(ctx, [(pars[i], policies[i][0], sizes[i])
+                                          for i in everyone if policies[i]], with_params=True)
+        order = sorted((t, i) for t, i in zip(fastest, (i for i in everyone if policies[i])))
+        batches = _batches([i for _, i in order], top)
+        first = dict(((i, t) for t, i in order))
+    for batch in batches:
+        if top is not None and len(fit_times) >= top:
             bound = sorted(fit_times)[top - 1] * (1 + ROUNDING)
-            fastest = _fastest_possible(ctx, [(pars[i], policies[i][level],
-                                               [b for b in sizes[i] if b > above[i]])
-                                              for i in index])
-            pruned.update(i for i, t in zip(index, fastest) if t > bound)
-            index = [i for i, t in zip(index, fastest) if t <= bound]
-        jobs = [Job(pars[i], ctx.workload(policies[i][level]), sizes[i], above[i])
-                for i in index]
-        # Layouts differing only in ZeRO stage (or shard group) hold the same activations: one
-        # leads its class.
-        classes = None if level else [(p.tp, p.pp, p.vpp, p.cp, p.ep, p.etp,
-                                       p.sequence_parallel, p.stage_layers)
-                                      for p in (pars[i] for i in index)]
-        search = Search(ctx.spec, jobs, ctx.budget, ctx.ovh, slopes=slope[index],
-                        classes=classes)
-        found = search.run()
-        for k, i in enumerate(index):
-            above[i], slope[i] = max(above[i], int(found.mbs[k])), found.slope[k]
-        levels.append(_Level(level, search, found, index))
-        if top is not None:
-            new = levels[-1].fits(pars, policies)
-            if new:
+            if first[batch[0]] > bound:  # this batch and every later one: none could beat it
+                pruned.update(i for rest in batches[batches.index(batch):] for i in rest)
+                break
+        for level in range(max((len(policies[i]) for i in batch), default=0)):
+            index = [i for i in batch if level < len(policies[i]) and sizes[i][-1] > above[i]]
+            if top is not None and len(fit_times) >= top and index:
+                bound = sorted(fit_times)[top - 1] * (1 + ROUNDING)
+                # with the fewest parameters any of their stages holds
+                tight = _fastest_possible(ctx, [(pars[i], policies[i][level],
+                                                 [b for b in sizes[i] if b > above[i]])
+                                                for i in index], with_params=True)
+                pruned.update(i for i, t in zip(index, tight) if t > bound)
+                index = [i for i, t in zip(index, tight) if t <= bound]
+            if not index:
+                continue
+            levels.append(_search_one(ctx, pars, policies, level, index, sizes, above, slope))
+            if top is not None and (new := levels[-1].fits(pars, policies)):
                 fit_times.extend(float(t) for t in _times(ctx, new).step_s)
     return levels, pruned
 
 
+# With ``top``, layouts are searched in batches: the first of FIRST_BATCH, each next one
+# GROWTH times the last (few searches, each vectorised over many layouts, the first small
+# enough to set a bound early).
+FIRST_BATCH = 16
+GROWTH = 1.5
+
+
+def _batches(index: list[int], top: int) -> list[list[int]]:
+    """``index`` cut into consecutive batches of growing size."""
+    out, at, size = [], 0, float(max(FIRST_BATCH, top))
+    while at < len(index):
+        out.append(index[at:at + int(size)])
+        at, size = at + int(size), size * GROWTH
+    return out
+
+
+def _search_one(ctx: _Context, pars: list[ParallelConfig],
+                policies: list[list[tuple[Recompute, int | None]]], level: int,
+                index: list[int], sizes: list[tuple[int, ...]], above: list[int],
+                slope: np.ndarray) -> _Level:
+    """The search of the ``level``-th policy of layouts ``index``; ``above`` and ``slope``
+    updated with what it found."""
+    jobs = [Job(pars[i], ctx.workload(policies[i][level]), sizes[i], above[i]) for i in index]
+    # Layouts differing only in ZeRO stage (or shard group) hold the same activations: one
+    # leads its class.
+    classes = None if level else [(p.tp, p.pp, p.vpp, p.cp, p.ep, p.etp,
+                                   p.sequence_parallel, p.stage_layers)
+                                  for p in (pars[i] for i in index)]
+    search = Search(ctx.spec, jobs, ctx.budget, ctx.ovh, slopes=slope[index], classes=classes)
+    found = search.run()
+    for k, i in enumerate(index):
+        above[i], slope[i] = max(above[i], int(found.mbs[k])), found.slope[k]
+    return _Level(level, search, found, index)
+
+
 def _fastest_possible(ctx: _Context, rows: list[tuple[ParallelConfig,
                                                       tuple[Recompute, int | None],
-                                                      list[int]]]) -> list[float]:
+                                                      list[int]]],
+                      with_params: bool = False) -> list[float]:
     """For each (layout, recompute policy, micro-batch sizes): the smallest step seconds the
-    step-time model gives it at any of the sizes, whatever the size it fits. The time is taken
-    with no parameters on the rank: every term of it grows with them (the data-parallel
-    reductions and gathers, the offloaded step), so none is faster than this."""
-    flat = [(par, policy, b, 0) for par, policy, bs in rows for b in bs]
+    step-time model gives it at any of the sizes, whatever the size it fits. Every term of the
+    time grows with the parameters of the most loaded rank (the data-parallel reductions and
+    gathers, the offloaded step), so none is faster than with no parameters on the rank, or,
+    ``with_params``, with the fewest any of its pipeline stages holds (which needs the
+    layout's ``stage_parts``, as its search does)."""
+    fewest = [_fewest_params(ctx, par, policy) if with_params else 0 for par, policy, _ in rows]
+    flat = [(par, policy, b, n) for (par, policy, bs), n in zip(rows, fewest) for b in bs]
     step = _row_times(ctx, flat).step_s
     out, at = [], 0
     for _, _, bs in rows:
         out.append(float(step[at:at + len(bs)].min()) if bs else float("inf"))
         at += len(bs)
     return out
+
+
+def _fewest_params(ctx: _Context, par: ParallelConfig,
+                   policy: tuple[Recompute, int | None]) -> int:
+    """The fewest parameters (before ZeRO sharding) a pipeline stage of ``par`` holds."""
+    return fewest_stage_params(ctx.spec, par, ctx.workload(policy).mtp_layers)
 
 
 def _times(ctx: _Context, fits: list[_Fit]) -> StepTimes:
@@ -557,13 +612,13 @@ def _closest_miss(ctx: _Context, levels: list[_Level]) -> Miss | None:
     searches' bytes for those are lower bounds (an evaluation stops at the first stage over
     the budget), so exact ones are computed in order of the bound until no bound can beat the
     best."""
-    misses = sorted((bound, level.index, job, b) for level in levels
+    misses = sorted((bound, at, job, b) for at, level in enumerate(levels)
                     for bound, job, b in level.found.misses)
     best: Miss | None = None
-    for bound, index, job, b in misses:
+    for bound, at, job, b in misses:
         if best is not None and bound >= best.peak_bytes:
             break
-        j = levels[index].search.jobs[job]
+        j = levels[at].search.jobs[job]
         peak = evaluate(ctx.spec, j.par, j.wl, b, ctx.ovh)
         ctx.evaluated += 1
         if best is None or peak.peak_bytes < best.peak_bytes:

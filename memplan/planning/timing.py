@@ -301,19 +301,13 @@ class Columns(NamedTuple):
            balance: list[float] | None = None) -> Columns:
         import numpy as np
 
-        def col(name: str) -> np.ndarray:
-            return np.array([int(getattr(p, name)) for p in layouts], dtype=np.int64)
-
-        return cls(tp=col("tp"), pp=col("pp"), vpp=col("vpp"), dp=col("dp"), cp=col("cp"),
-                   ep=col("ep"), zero=col("zero"),
-                   sp=np.array([p.sequence_parallel for p in layouts], dtype=bool),
+        rows = np.array([_layout_row(num_layers, p) for p in layouts],
+                        dtype=np.int64).reshape(len(layouts), 11)
+        tp, pp, vpp, dp, cp, ep, zero, sp, offload, layers, shard = rows.T
+        return cls(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=ep, zero=zero, sp=sp.astype(bool),
                    mbs=np.array(mbs, dtype=np.int64), m=np.array(m, dtype=np.int64),
                    params_on_rank=np.array(params_on_rank, dtype=np.int64),
-                   offload=np.array([optimizer_on_host(p) for p in layouts],
-                                    dtype=bool),
-                   layers=np.array([_busiest_layers(num_layers, p) for p in layouts],
-                                   dtype=np.int64),
-                   shard=col("shard_group"),
+                   offload=offload.astype(bool), layers=layers, shard=shard,
                    balance=np.ones(len(layouts)) if balance is None else np.array(balance))
 
     @classmethod
@@ -332,6 +326,14 @@ class Columns(NamedTuple):
 
 def _busiest_layers(num_layers: int, par: ParallelConfig) -> int:
     return max(rank_layers(num_layers, par))
+
+
+@lru_cache(maxsize=16384)
+def _layout_row(num_layers: int, par: ParallelConfig) -> tuple[int, ...]:
+    """A layout's columns (``Columns.of``, in its order), once per layout."""
+    return (par.tp, par.pp, par.vpp, par.dp, par.cp, par.ep, int(par.zero),
+            int(par.sequence_parallel), int(optimizer_on_host(par)),
+            _busiest_layers(num_layers, par), par.shard_group)
 
 
 def _bandwidth(gpu: GpuSpec, c: Columns, span: Any) -> Any:

@@ -214,7 +214,9 @@ def test_plan_json_counts_rejections_by_rule() -> None:
 
 TOP_CASES = [("llama-2-7b", 8, {"seq_len": 4096}), ("llama-2-13b", 16, {"seq_len": 4096}),
              ("mixtral-8x7b", 16, {"seq_len": 2048, "global_batch_size": 256}),
-             ("llama-3.1-70b", 64, {"seq_len": 8192, "global_batch_size": 128})]
+             ("llama-3.1-70b", 64, {"seq_len": 8192, "global_batch_size": 128}),
+             # mixtures of experts at the scale they train on: many expert splits per layout
+             ("mixtral-8x7b", 64, {}), ("qwen3-30b-a3b", 64, {}), ("deepseek-v3", 2048, {})]
 
 
 @pytest.mark.parametrize("model,gpus,fields", TOP_CASES)
@@ -238,13 +240,17 @@ def test_top_gives_the_full_search_first_candidates(model: str, gpus: int, field
         assert [key(c) for c in cut.candidates[:top]] == [key(c) for c in full.candidates[:top]]
         assert cut.evaluated < full.evaluated
         assert len(cut.candidates) < len(full.candidates)
-    # the bound is one: at the candidate's own micro-batch, with no parameters on the rank
+    # the bounds are ones: at the candidate's own micro-batch, with no parameters on the rank
+    # and with the fewest any of its stages holds (tighter: no larger than its own time)
     ctx = _Context(spec, gpu, _with_gbs(wl, full.global_batch_size), 0,
                    default_overheads(gpu), gpu.memory_bytes)
-    bounds = _fastest_possible(ctx, [(c.layout, (c.recompute, c.recompute_layers),
-                                      [c.micro_batch_size]) for c in full.candidates])
-    assert all(b <= c.time.step_s for b, c in zip(bounds, full.candidates))
-    assert any(b < c.time.step_s for b, c in zip(bounds, full.candidates))
+    rows = [(c.layout, (c.recompute, c.recompute_layers), [c.micro_batch_size])
+            for c in full.candidates]
+    loose = _fastest_possible(ctx, rows)
+    tight = _fastest_possible(ctx, rows, with_params=True)
+    assert all(a <= b <= c.time.step_s for a, b, c in zip(loose, tight, full.candidates))
+    assert any(a < b for a, b in zip(loose, tight))
+    assert any(b < c.time.step_s for b, c in zip(tight, full.candidates))
 
 
 def test_top_with_calibration_searches_everything(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -282,3 +288,20 @@ def test_cli_plan_counts_skipped_layouts() -> None:
     assert data["evaluated"] < full.evaluated
     assert [c["step_time_s"] for c in data["candidates"]] == pytest.approx(
         [c.time.step_s for c in full.candidates[:3]], rel=1e-12)
+
+
+def test_fewest_stage_params_by_hand() -> None:
+    """llama-2-7b (hidden 4096, MLP 11008, vocab 32000, untied): a layer holds 4 * 4096^2
+    attention + 3 * 4096 * 11008 MLP + 2 * 4096 norm weights = 202,383,360. With pp 2 each
+    stage has 16 layers; the first adds the embedding (32000 * 4096 = 131,072,000), the last
+    the head (the same) and the final norm (4,096): the first holds fewer. tp 2 halves the
+    projections and the vocabulary, not the norms. With one stage, everything: 6,738,415,616."""
+    from memplan.model.memo import fewest_stage_params
+    from memplan.parallel import ParallelConfig
+
+    spec = memplan.load_model("llama-2-7b")
+    assert fewest_stage_params(spec, ParallelConfig(pp=2)) == 16 * 202_383_360 + 131_072_000
+    assert fewest_stage_params(spec, ParallelConfig(pp=2, tp=2)) == (
+        16 * (202_383_360 - 2 * 4096) // 2 + 16 * 2 * 4096 + 131_072_000 // 2)
+    assert fewest_stage_params(spec, ParallelConfig(pp=1)) == (
+        32 * 202_383_360 + 2 * 131_072_000 + 4096)
