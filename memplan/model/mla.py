@@ -49,9 +49,14 @@ def _latent_norm(prefix: str, width: int, spec: ModelSpec, wl: Workload,
                  dm: Dims) -> list[Term]:
     """A low-rank norm's terms: the layer norm's over ``width`` elements per token, on every
     token (the down projections are not sequence-parallel)."""
-    narrow = spec.model_copy(update={"hidden_size": width, "norm_bias": False})
     whole = dm._replace(res_tokens_div=1, gathered_linear_input=False)
-    return norm_terms(prefix, narrow, wl, whole)
+    return norm_terms(prefix, _narrow(spec, width), wl, whole)
+
+
+@lru_cache(maxsize=64)
+def _narrow(spec: ModelSpec, width: int) -> ModelSpec:
+    """``spec`` as the low-rank norm of ``width`` elements sees it (one object per width)."""
+    return spec.model_copy(update={"hidden_size": width, "norm_bias": False})
 
 
 def _widths(spec: ModelSpec, t: int) -> tuple[int, int, int]:

@@ -271,6 +271,12 @@ def _layout(tp: int, pp: int, vpp: int, dp: int, cp: int, ep: int, zero: int,
                           vpp_group=group)
 
 
+@lru_cache(maxsize=4096)
+def _fewest_layers(num_layers: int, pp: int, vpp: int, split: tuple[int, ...] | None) -> int:
+    """The fewest decoder layers a pipeline rank holds (``rank_layers``)."""
+    return min(rank_layers(num_layers, ParallelConfig(pp=pp, vpp=vpp, stage_layers=split)))
+
+
 def _policies(allowed: list[Recompute], stage_layers: int) -> list[tuple[Recompute, int | None]]:
     """Recompute policies in order of extra compute: none, selective, full on a quarter, half
     and three quarters of each stage's layers, full on all."""
@@ -313,7 +319,8 @@ def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
                    with_library_workspaces(default_overheads(gpu), gpu, wl.te_grouped_gemm),
                    capacity)
     policies = [_policies(recompute or list(RECOMPUTE_ORDER),
-                          min(rank_layers(spec.num_layers, p))) for p in pars]
+                          _fewest_layers(spec.num_layers, p.pp, p.vpp, p.stage_layers))
+                for p in pars]
     levels, pruned = _search_levels(ctx, pars, policies, top)
     fits = [fit for level in levels for fit in level.fits(pars, policies)]
     fits.sort(key=lambda f: (f.layout, f.level))  # a layout's policies in order of compute
