@@ -226,6 +226,9 @@ ScheduleOpt = Annotated[Schedule, typer.Option(
     "--schedule", help="Pipeline schedule (1f1b is interleaved when --vpp > 1).",
     rich_help_panel=_KERNELS)]
 Json = Annotated[bool, typer.Option("--json", help="Machine output: one JSON object, int bytes.")]
+Html = Annotated[Optional[Path], typer.Option(
+    "--html", help="Also write the report as one self-contained HTML page (charts and tables "
+    "drawn from the --json object it carries; no network) to this .html file.")]
 Calibration = Annotated[Optional[list[str]], typer.Option(
     "--calibration", help="A profile from `memplan calibrate` (JSON file), a folder to search "
     "for the GPU's profile, or `auto` for the committed one; its correction is its own line. "
