@@ -142,6 +142,7 @@ def _run(spec, par, wl, gpu_spec, steps: int, device: str, fake: bool, perf: boo
     from memplan.measure.timeline import summary, write
 
     result = summary(tl, pred)
+    result["files"] = []  # none without --out (the JSON schema requires the list)
     if stage is not None:
         written = write(tl, stage, pred)
         from memplan.report.plot_timeline import plot_timeline
