@@ -118,6 +118,7 @@ def page(data: dict[str, Any], text: str = "") -> str:
         f"{html.escape(str(data.get('schema_version')))}: every number below is drawn from the "
         "JSON carried in this page (the command's --json output)</p></header>\n"
         "<pre id=\"errors\" hidden></pre>\n<main id=\"report\"></main>\n"
+        "<svg id=\"svg-namespace\" width=\"0\" height=\"0\" aria-hidden=\"true\"></svg>\n"
         "<details id=\"fallback\" open><summary>The text report</summary>"
         f"<pre>{fallback}</pre></details>\n"
         f"<script type=\"application/json\" id=\"memplan-data\">\n{_json_block(data)}\n"

@@ -3,7 +3,8 @@
 // object the command prints with --json; no number is typed into the page any other way.
 (function () {
   var GIB = 1073741824n, MIB = 1048576n;
-  var NS = "http://www.w3.org/2000/svg";
+  // the SVG namespace, read off an <svg> element the HTML parser made (no URL in the page)
+  var NS = document.getElementById("svg-namespace").namespaceURI;
   var errors = [];
 
   function fail(what) {
