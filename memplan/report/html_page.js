@@ -103,16 +103,17 @@
     function x(b) { return left + (W - left - right) * b / max; }
     var g = sv("svg", {id: id, "class": "chart", viewBox: "0 0 " + W + " " + H, width: W, height: H, role: "img"});
     rows.forEach(function (r, i) {
-      var y = top + i * rowH, at = 0;
-      g.appendChild(sv("text", {x: left - 8, y: y + rowH / 2 + 4, "text-anchor": "end", "class": "axis"}, r.label));
+      var y = top + i * rowH, at = 0, row = sv("g", {"class": "bar", "data-row": String(i)});
+      g.appendChild(row);
+      row.appendChild(sv("text", {x: left - 8, y: y + rowH / 2 + 4, "text-anchor": "end", "class": "axis"}, r.label));
       r.parts.forEach(function (p) {
         if (p[1] <= 0) return;
-        g.appendChild(sv("rect", {x: x(at), y: y + 4, width: Math.max(0.5, x(at + p[1]) - x(at)), height: rowH - 8,
+        row.appendChild(sv("rect", {x: x(at), y: y + 4, width: Math.max(0.5, x(at + p[1]) - x(at)), height: rowH - 8,
                                   fill: colours[p[0]] || "#999", "data-part": p[0], "data-bytes": String(p[1])},
                          sv("title", null, p[0] + ": " + size(p[1]))));
         at += p[1];
       });
-      g.appendChild(sv("text", {x: W - right + 10, y: y + rowH / 2 + 4, "class": "barlabel" + (capacity > 0 && r.total > capacity ? " over" : ""),
+      row.appendChild(sv("text", {x: W - right + 10, y: y + rowH / 2 + 4, "class": "barlabel" + (capacity > 0 && r.total > capacity ? " over" : ""),
                                 "data-bytes": String(r.total)}, size(r.total) + (r.note ? " " + r.note : "")));
     });
     (lines || [["capacity", capacity]]).forEach(function (ln, k) {
