@@ -97,7 +97,7 @@
   // --- horizontal stacked bars against a capacity line ------------------------------------
   // rows: [{label, parts: [[name, bytes]], total, note}], colours by part name
   function barChart(id, rows, capacity, colours, lines) {
-    var W = 900, left = 150, right = 170, rowH = 30, top = 26;
+    var W = 940, left = 190, right = 170, rowH = 30, top = 26;
     var H = top + rows.length * rowH + 30;
     var max = Math.max.apply(null, [capacity].concat(rows.map(function (r) { return r.total; }))) * 1.02;
     function x(b) { return left + (W - left - right) * b / max; }
@@ -242,7 +242,7 @@
     }
     if (showCap) {
       g.appendChild(sv("line", {x1: left, x2: W - right, y1: Y(cap), y2: Y(cap), "class": "capacity"}));
-      g.appendChild(sv("text", {x: W - right + 4, y: Y(cap) + 4, "class": "axis"}, "capacity " + gib(cap)));
+      g.appendChild(sv("text", {x: left + 4, y: Y(cap) - 4, "class": "axis"}, "capacity " + gib(cap)));
     }
     d.stages.forEach(function (t, j) {
       var colour = "hsl(" + Math.round(360 * j / Math.max(1, d.stages.length)) + ",60%,42%)";
@@ -337,16 +337,21 @@
     var comp = {};
     Object.keys(d.components_bytes).forEach(function (k, i) { comp[k] = ["#4c72b0", "#c44e52", "#55a868", "#dd8452", "#8172b3", "#937860", "#8c8c8c"][i % 7]; });
     s0.appendChild(el("h3", null, "The failing phase's tensors against capacity"));
+    // the named components, and the rest of the failing phase's tensors when a finding gives
+    // the phase's bytes
+    var parts = Object.keys(d.components_bytes).map(function (k) { return [k, d.components_bytes[k]]; });
+    var named = parts.reduce(function (a, p) { return a + p[1]; }, 0);
+    var phase = d.findings.map(function (f) { return f.sizes && f.sizes.phase_bytes; }).filter(Number.isInteger)[0];
+    if (phase > named) { parts.push(["other tensors", phase - named]); comp["other tensors"] = "#bcbcbc"; }
     s0.appendChild(barChart("component-bars", [{label: d.failing_phase + " (stage " + d.failing_stage + ")",
-      parts: Object.keys(d.components_bytes).map(function (k) { return [k, d.components_bytes[k]]; }),
-      total: Object.keys(d.components_bytes).reduce(function (a, k) { return a + d.components_bytes[k]; }, 0)}], d.capacity_bytes, comp));
+      parts: parts, total: Math.max(named, phase || 0)}], d.capacity_bytes, comp));
     s0.appendChild(legend(comp));
     if (d.oom) { var so = section("oom", "The out-of-memory error"); so.appendChild(keyValues(d.oom)); }
     if (d.monitor) { var sm = section("monitor", "Measured by the monitor"); sm.appendChild(keyValues(d.monitor)); }
     if (d.fixes && d.fixes.length) {
       var sf = section("fixes", "Fixes, re-estimated", "Each fix is the same configuration re-estimated with the change; its peak against the capacity.");
       sf.appendChild(barChart("fix-bars", d.fixes.map(function (f, i) {
-        var name = f.name.length > 22 ? f.name.slice(0, 21) + "\u2026" : f.name;
+        var name = f.name.length > 26 ? f.name.slice(0, 25) + "\u2026" : f.name;
         return {label: "#" + (i + 1) + " " + name, parts: [[f.fits ? "fits" : "does not fit", f.peak_bytes]], total: f.peak_bytes,
                 note: f.fits ? "fits" : "does not fit"};
       }), d.capacity_bytes, FITS));

@@ -252,6 +252,8 @@ def test_the_diagnose_page_shows_findings_fixes_and_the_estimate(
     assert [r[3].text() for r in rows] == [gib(f["peak_bytes"]) for f in data["fixes"]]
     parts = {r.attrs["data-part"]: int(r.attrs["data-bytes"])
              for r in dom.one(id="component-bars").all("rect")}
+    phase = next(f["sizes"]["phase_bytes"] for f in data["findings"] if f["kind"] == "dominant")
+    assert parts.pop("other tensors") == phase - sum(data["components_bytes"].values())
     assert parts == {k: v for k, v in data["components_bytes"].items() if v > 0}
     shown = dom.one("strong", class_="stage-peak", data_stage="0").text()
     assert shown == gib(data["estimate"]["stages"][0]["peak_bytes"])
