@@ -17,6 +17,8 @@ from memplan.cli.options import (
     Json,
     defaults_of,
     uses,
+    check_html,
+    write_html,
 )
 from memplan.report.versioned import dumps
 
@@ -80,9 +82,7 @@ def diagnose(
 
       memplan diagnose -m llama-2-7b -n 8 --zero 1 --mbs 4 --oom err.txt --html why.html
     """
-    from memplan.cli import html_output
-
-    html = html_output.check(html)
+    html = check_html(html)
     from memplan.diagnose import diagnose as run_diagnose
     from memplan.diagnose.oom import read_oom
     from memplan.diagnose.snapshot import load_snapshot, snapshot_report
@@ -115,7 +115,7 @@ def diagnose(
 
     if html is not None:
         out = {**to_json(result), "html": str(html)}
-        html_output.write(html, "diagnose", out, "\n".join(
+        write_html(html, "diagnose", out, "\n".join(
             [*(imported.lines() if imported is not None else ()), render_text(result)]))
     if json_out:
         typer.echo(dumps("diagnose", out if html is not None else to_json(result)))

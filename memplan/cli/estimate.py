@@ -19,6 +19,9 @@ from memplan.cli.options import (
     TorchtitanConfig,
     defaults_of,
     uses,
+    check_html,
+    rich_text,
+    write_html,
 )
 from memplan.report.versioned import dumps
 
@@ -66,9 +69,7 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
         from memplan.report.plot import check_path
 
         check_path(plot)
-    from memplan.cli import html_output
-
-    html = html_output.check(html)
+    html = check_html(html)
     from memplan.config_import.apply import configure
 
     model, kwargs, imported = configure(job.model, job.kwargs(), defaults_of(job, estimate),
@@ -93,7 +94,7 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
         if imported is not None:
             out["config"] = imported.as_json()
     if html is not None:
-        html_output.write(html, "estimate", out, html_output.rich_text(
+        write_html(html, "estimate", out, rich_text(
             *(imported.lines() if imported is not None else ()), render_estimate(est)))
     if json_out:
         typer.echo(dumps("estimate", out))

@@ -17,6 +17,9 @@ from memplan.cli.options import (
     TorchtitanConfig,
     defaults_of,
     uses,
+    check_html,
+    rich_text,
+    write_html,
 )
 from memplan.errors import MemplanError
 from memplan.report.versioned import dumps
@@ -78,9 +81,7 @@ def plan(
 
       memplan plan -m llama-2-7b -n 8 --top 5 --html plan.html
     """
-    from memplan.cli import html_output
-
-    html = html_output.check(html)
+    html = check_html(html)
     from memplan.api import plan as run_plan
     from memplan.config_import.apply import configure
 
@@ -116,7 +117,7 @@ def plan(
         if imported is not None:
             out["config"] = imported.as_json()
     if html is not None:
-        html_output.write(html, "plan", out, _text(result, model, job, top, imported, found))
+        write_html(html, "plan", out, _text(result, model, job, top, imported, found))
     if quiet and not json_out:
         if result.candidates:
             from memplan.report.plan import best_line
@@ -151,7 +152,6 @@ def plan(
 
 def _text(result, model, job: Job, top: int, imported, found) -> str:
     """The text ``plan`` prints, for the HTML page."""
-    from memplan.cli.html_output import rich_text
     from memplan.report.plan import no_fit_reason, render_plan, savers_text
     from memplan.spec import ModelSpec, load_model
 

@@ -12,7 +12,16 @@ import typer
 
 from memplan.api import resolve
 from memplan.cli import command_line
-from memplan.cli.options import FRAMEWORK_ONLY, WORKLOAD, Html, Job, Json, uses
+from memplan.cli.options import (
+    FRAMEWORK_ONLY,
+    WORKLOAD,
+    Html,
+    Job,
+    Json,
+    uses,
+    check_html,
+    write_html,
+)
 from memplan.errors import Interrupted, MemplanError, deferred_interrupts
 from memplan.outputs import check_out_dir, staged_dir, write_atomic
 from memplan.report.versioned import dumps
@@ -71,9 +80,7 @@ def profile(
         raise MemplanError(f"--device {device!r}: profile runs on cpu or cuda")
     if out is not None:  # where the results go is checked before anything runs
         out = check_out_dir(out)
-    from memplan.cli import html_output
-
-    html = html_output.check(html)
+    html = check_html(html)
 
     if plot_format not in ("png", "svg"):
         raise MemplanError(f"--plot-format ({plot_format!r}) must be png or svg")
@@ -114,7 +121,7 @@ def profile(
         _print(result, _console(text))
         if perf:
             _print_perf(result["perf"], _console(text))
-        html_output.write(html, "profile", result, text.getvalue())
+        write_html(html, "profile", result, text.getvalue())
     if json_out:
         typer.echo(dumps("profile", result))
         return
