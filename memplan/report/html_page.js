@@ -21,7 +21,7 @@
   // Bytes / unit with two decimals, rounded half to even on the exact integer quotient: the
   // digits Python's f"{num_bytes / unit:.2f}" prints for the same bytes.
   function fixed2(bytes, unit) {
-    var b = BigInt(bytes), neg = b < 0n;
+    var b = BigInt(Math.round(bytes)), neg = b < 0n;
     if (neg) b = -b;
     var scaled = b * 100n, q = scaled / unit, r = scaled % unit;
     if (2n * r > unit || (2n * r === unit && q % 2n === 1n)) q += 1n;
@@ -83,6 +83,7 @@
     return String(v);
   }
   function keyValues(obj) {
+    if (obj === null || typeof obj !== "object") return el("p", null, obj === null ? "n/a" : String(obj));
     if (Array.isArray(obj)) return el("ul", null, obj.map(function (v, i) { return el("li", null, value(String(i), v)); }));
     return el("dl", {"class": "kv"}, Object.keys(obj).map(function (k) {
       return [el("dt", null, k.replace(/_bytes$/, "").replace(/_/g, " ")), el("dd", null, value(k, obj[k]))];
