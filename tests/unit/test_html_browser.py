@@ -322,3 +322,22 @@ def test_the_page_renders_to_a_screenshot(tmp_path: Path) -> None:
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert struct.unpack(">II", png[16:24]) == (1280, 2000)
     assert len(png) > 60_000, len(png)
+
+
+def test_sizes_round_as_python_prints_them(tmp_path: Path) -> None:
+    """A size exactly halfway between two hundredths rounds to the even one, as Python's
+    ``f"{x:.2f}"`` does (JavaScript's ``toFixed`` would round it up): 1.125 GiB =
+    1,207,959,552 B shows as 1.12 GiB, 1.375 GiB = 1,476,395,008 B as 1.38 GiB, and
+    -0.625 GiB of headroom as -0.62 GiB."""
+    data = json.loads(json.dumps(versioned("estimate", estimate_json(memplan.estimate("tiny")))))
+    data["stages"][0]["params_bytes"] = 1_207_959_552
+    data["stages"][0]["grads_bytes"] = 1_476_395_008
+    data["headroom_bytes"] = -671_088_640
+    assert (gib(1_207_959_552), gib(1_476_395_008), gib(-671_088_640)) == (
+        "1.12 GiB", "1.38 GiB", "-0.62 GiB")
+    target = tmp_path / "ties.html"
+    target.write_text(page(data), encoding="utf-8")
+    dom = _open(target, tmp_path / "browser")
+    row = [r for r in dom.one(id="stage-table").all("tr") if r.all("td")][0].all("td")
+    assert (row[2].text(), row[3].text()) == ("1.12 GiB", "1.38 GiB")
+    assert "-0.62 GiB" in dom.one(id="summary").text()
