@@ -47,7 +47,8 @@ section{background:#fff;border:1px solid #e3e6ea;border-radius:6px;margin:18px 0
 h2{font-size:17px;margin:4px 0 8px}h2.part{max-width:1180px;margin:26px auto 0;font-size:19px}
 h3{font-size:14px;margin:14px 0 6px}.intro{color:#4a5560;margin:4px 0 10px}
 .cards{display:flex;flex-wrap:wrap;gap:10px}
-.card{border:1px solid #e3e6ea;border-radius:5px;padding:6px 10px;min-width:150px;background:#fcfcfd}
+.card{border:1px solid #e3e6ea;border-radius:5px;padding:6px 10px;min-width:150px;
+background:#fcfcfd}
 .card .label{font-size:11px;color:#66707a;text-transform:uppercase;letter-spacing:.03em}
 .card .val{font-size:15px}.card.good{border-color:#55a868}.card.bad{border-color:#c44e52}
 .card.good .val{color:#2d7a3e}.card.bad .val{color:#a8262b}

@@ -77,8 +77,9 @@ class Node:
         found = []
         for kid in self.kids:
             if isinstance(kid, Node):
+                names = {k.rstrip("_").replace("_", "-"): v for k, v in attrs.items()}
                 if (tag is None or kid.tag == tag) and all(
-                        kid.attrs.get(k.rstrip("_").replace("_", "-")) == v for k, v in attrs.items()):
+                        kid.attrs.get(k) == v for k, v in names.items()):
                     found.append(kid)
                 found += kid.all(tag, **attrs)
         return found
