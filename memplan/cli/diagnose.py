@@ -12,10 +12,13 @@ from memplan.cli.options import (
     ESTIMATE,
     AccelerateConfig,
     DeepspeedConfig,
+    Html,
     Job,
     Json,
     defaults_of,
     uses,
+    check_html,
+    write_html,
 )
 from memplan.report.versioned import dumps
 
@@ -51,6 +54,7 @@ def diagnose(
     deepspeed_config: DeepspeedConfig = None,
     accelerate_config: AccelerateConfig = None,
     json_out: Json = False,
+    html: Html = None,
 ) -> None:
     """Explain an out-of-memory failure of a configuration and rank fixes that fit.
 
@@ -75,7 +79,10 @@ def diagnose(
       memplan diagnose -m llama-3-8b -n 8 --snapshot snap.pickle --trust-pickle --json
 
       memplan diagnose -m llama-7b -n 8 --gpu v100-sxm2-32gb --deepspeed-config ds_z2.json
+
+      memplan diagnose -m llama-2-7b -n 8 --zero 1 --mbs 4 --oom err.txt --html why.html
     """
+    html = check_html(html)
     from memplan.diagnose import diagnose as run_diagnose
     from memplan.diagnose.oom import read_oom
     from memplan.diagnose.snapshot import load_snapshot, snapshot_report
@@ -90,7 +97,7 @@ def diagnose(
         report = snap if report is None else dataclasses.replace(
             report, largest_free_block_bytes=snap.largest_free_block_bytes,
             num_segments=snap.num_segments)
-    model, kwargs = job.model, job.kwargs()
+    model, kwargs, imported = job.model, job.kwargs(), None
     if deepspeed_config is not None or accelerate_config is not None:
         from memplan.config_import.apply import configure
 
@@ -106,7 +113,13 @@ def diagnose(
     for note in result.monitor.partial if result.monitor is not None else ():
         warn(f"partial monitor evidence: {note}")
 
+    if html is not None:
+        out = {**to_json(result), "html": str(html)}
+        write_html(html, "diagnose", out, "\n".join(
+            [*(imported.lines() if imported is not None else ()), render_text(result)]))
     if json_out:
-        typer.echo(dumps("diagnose", to_json(result)))
+        typer.echo(dumps("diagnose", out if html is not None else to_json(result)))
         return
     typer.echo(render_text(result))
+    if html is not None:
+        typer.echo(f"wrote {html}")

@@ -12,12 +12,16 @@ from memplan.cli.options import (
     AccelerateConfig,
     ESTIMATE,
     DeepspeedConfig,
+    Html,
     Job,
     Json,
     MegatronArgs,
     TorchtitanConfig,
     defaults_of,
     uses,
+    check_html,
+    rich_text,
+    write_html,
 )
 from memplan.report.versioned import dumps
 
@@ -34,7 +38,7 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
              megatron_args: MegatronArgs = None,
              deepspeed_config: DeepspeedConfig = None,
              accelerate_config: AccelerateConfig = None, json_out: Json = False,
-             quiet: Quiet = False) -> None:
+             quiet: Quiet = False, html: Html = None) -> None:
     """Per-GPU memory of every pipeline stage and the most loaded rank.
 
     Parameters, gradients, optimizer states, saved activations, transients and fixed
@@ -53,6 +57,8 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
 
       memplan estimate -m llama-7b -n 8 --tp 2 --pp 4 --plot stages.png
 
+      memplan estimate -m llama-7b -n 8 --tp 2 --pp 4 --html report.html
+
       memplan estimate -n 64 --torchtitan-config llama3_8b.toml
 
       memplan estimate -m llama-7b -n 8 --deepspeed-config ds_config_zero2.json
@@ -63,6 +69,7 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
         from memplan.report.plot import check_path
 
         check_path(plot)
+    html = check_html(html)
     from memplan.config_import.apply import configure
 
     model, kwargs, imported = configure(job.model, job.kwargs(), defaults_of(job, estimate),
@@ -78,12 +85,18 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
         from memplan.report.plot_estimate import plot_estimate
 
         drawn = plot_estimate(est, plot)
-    if json_out:
+    if json_out or html is not None:
         out = estimate_json(est)
         if plot is not None:
             out["plot"] = None if drawn is None else str(drawn)
+        if html is not None:
+            out["html"] = str(html)
         if imported is not None:
             out["config"] = imported.as_json()
+    if html is not None:
+        write_html(html, "estimate", out, rich_text(
+            *(imported.lines() if imported is not None else ()), render_estimate(est)))
+    if json_out:
         typer.echo(dumps("estimate", out))
         return
     if quiet:
@@ -98,3 +111,5 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
     Console().print(render_estimate(est))
     if drawn is not None:
         typer.echo(f"wrote {drawn}")
+    if html is not None:
+        typer.echo(f"wrote {html}")

@@ -226,6 +226,9 @@ ScheduleOpt = Annotated[Schedule, typer.Option(
     "--schedule", help="Pipeline schedule (1f1b is interleaved when --vpp > 1).",
     rich_help_panel=_KERNELS)]
 Json = Annotated[bool, typer.Option("--json", help="Machine output: one JSON object, int bytes.")]
+Html = Annotated[Optional[Path], typer.Option(
+    "--html", help="Also write the report as one self-contained HTML page (charts and tables "
+    "drawn from the --json object it carries; no network) to this .html file.")]
 Calibration = Annotated[Optional[list[str]], typer.Option(
     "--calibration", help="A profile from `memplan calibrate` (JSON file), a folder to search "
     "for the GPU's profile, or `auto` for the committed one; its correction is its own line. "
@@ -418,3 +421,38 @@ def uses(*names: str, **defaults: Any) -> Callable[[Callable[..., Any]], Callabl
         return command
 
     return wrap
+
+
+def check_html(path: Path | None) -> Path | None:
+    """``--html``'s page path checked (``memplan.report.html.check_path``: one line naming
+    ``--html``, exit 2) before the command reads or estimates anything."""
+    if path is None:
+        return None
+    from memplan.report.html import check_path
+
+    return check_path(path)
+
+
+def rich_text(*items: Any) -> str:
+    """What ``rich`` prints for ``items`` (strings as they are, or renderables), as plain
+    text: a command's text report, kept in its ``--html`` page."""
+    import io
+
+    from rich.console import Console
+    from rich.text import Text
+
+    console = Console(record=True, file=io.StringIO(), width=140, color_system=None)
+    for item in items:
+        console.print(Text(item) if isinstance(item, str) else item)
+    return console.export_text()
+
+
+def write_html(path: Path, command: str, out: dict[str, Any], text: str = "") -> Path:
+    """``--html``: the page of ``out`` exactly as ``command``'s ``--json`` prints it (the
+    ``versioned`` object), with ``text``, written to ``path`` whole."""
+    import json
+
+    from memplan.report.html import write_html as write_page
+    from memplan.report.versioned import dumps
+
+    return write_page(path, json.loads(dumps(command, out)), text)

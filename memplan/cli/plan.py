@@ -9,6 +9,7 @@ import typer
 from memplan.cli.options import (
     AccelerateConfig,
     DeepspeedConfig,
+    Html,
     Job,
     Json,
     MegatronArgs,
@@ -16,6 +17,9 @@ from memplan.cli.options import (
     TorchtitanConfig,
     defaults_of,
     uses,
+    check_html,
+    rich_text,
+    write_html,
 )
 from memplan.errors import MemplanError
 from memplan.report.versioned import dumps
@@ -57,6 +61,7 @@ def plan(
     accelerate_config: AccelerateConfig = None,
     json_out: Json = False,
     quiet: Quiet = False,
+    html: Html = None,
 ) -> None:
     """Find the layouts, micro-batch and recompute that fit, fastest first.
 
@@ -73,7 +78,10 @@ def plan(
       memplan plan -n 64 --torchtitan-config llama3_8b.toml
 
       memplan plan -m llama-7b -n 8 --deepspeed-config ds_config_zero2.json
+
+      memplan plan -m llama-2-7b -n 8 --top 5 --html plan.html
     """
+    html = check_html(html)
     from memplan.api import plan as run_plan
     from memplan.config_import.apply import configure
 
@@ -92,6 +100,24 @@ def plan(
                       recompute=None if policy is None else [policy], **kwargs)
     from memplan.report.plan import no_fit_reason, plan_json, render_plan, savers_json
 
+    found = None
+    if (not result.candidates and result.closest_miss is not None
+            and (json_out or html is not None or not quiet)):
+        from memplan.diagnose.fixes import savers
+
+        found = savers(model, kwargs, result.closest_miss, result.budget_bytes,
+                       result.global_batch_size)
+    out = None
+    if json_out or html is not None:
+        out = plan_json(result, top)
+        if found is not None:
+            out["savers"] = savers_json(found)
+        if html is not None:
+            out["html"] = str(html)
+        if imported is not None:
+            out["config"] = imported.as_json()
+    if html is not None:
+        write_html(html, "plan", out, _text(result, model, job, top, imported, found))
     if quiet and not json_out:
         if result.candidates:
             from memplan.report.plan import best_line
@@ -102,18 +128,7 @@ def plan(
             return
         typer.echo(f"memplan: {no_fit_reason(result)}", err=True)
         raise typer.Exit(1)
-    found = None
-    if not result.candidates and result.closest_miss is not None:
-        from memplan.diagnose.fixes import savers
-
-        found = savers(model, kwargs, result.closest_miss, result.budget_bytes,
-                       result.global_batch_size)
     if json_out:
-        out = plan_json(result, top)
-        if found is not None:
-            out["savers"] = savers_json(found)
-        if imported is not None:
-            out["config"] = imported.as_json()
         typer.echo(dumps("plan", out))
     else:
         from rich.console import Console
@@ -128,6 +143,20 @@ def plan(
             from memplan.report.plan import savers_text
 
             typer.echo(savers_text(found))
+        if html is not None:
+            typer.echo(f"wrote {html}")
     if not result.candidates:  # never an empty table with success
         typer.echo(f"memplan: {no_fit_reason(result)}", err=True)
         raise typer.Exit(1)
+
+
+def _text(result, model, job: Job, top: int, imported, found) -> str:
+    """The text ``plan`` prints, for the HTML page."""
+    from memplan.report.plan import no_fit_reason, render_plan, savers_text
+    from memplan.spec import ModelSpec, load_model
+
+    spec = model if isinstance(model, ModelSpec) else load_model(model)
+    return rich_text(*(imported.lines() if imported is not None else ()),
+                     render_plan(result, spec.name, spec.num_layers, job.gpus, job.gpu, top),
+                     *((savers_text(found),) if found is not None else ()),
+                     *(() if result.candidates else (f"memplan: {no_fit_reason(result)}",)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from contextlib import nullcontext
 from pathlib import Path
@@ -11,7 +12,16 @@ import typer
 
 from memplan.api import resolve
 from memplan.cli import command_line
-from memplan.cli.options import FRAMEWORK_ONLY, WORKLOAD, Job, Json, uses
+from memplan.cli.options import (
+    FRAMEWORK_ONLY,
+    WORKLOAD,
+    Html,
+    Job,
+    Json,
+    uses,
+    check_html,
+    write_html,
+)
 from memplan.errors import Interrupted, MemplanError, deferred_interrupts
 from memplan.outputs import check_out_dir, staged_dir, write_atomic
 from memplan.report.versioned import dumps
@@ -47,6 +57,7 @@ def profile(
     perf: Perf = False,
     plot_format: PlotFormat = "png",
     json_out: Json = False,
+    html: Html = None,
 ) -> None:
     """Run training steps of the reference model on one rank and record memory by phase.
 
@@ -62,11 +73,14 @@ def profile(
       memplan profile -m tiny --real --steps 4 --json
 
       memplan profile -m tiny --real --perf --out prof/
+
+      memplan profile -m tiny --real --html profile.html
     """
     if device not in ("cpu", "cuda"):
         raise MemplanError(f"--device {device!r}: profile runs on cpu or cuda")
     if out is not None:  # where the results go is checked before anything runs
         out = check_out_dir(out)
+    html = check_html(html)
 
     if plot_format not in ("png", "svg"):
         raise MemplanError(f"--plot-format ({plot_format!r}) must be png or svg")
@@ -101,12 +115,28 @@ def profile(
             result[key] = [str(out / Path(p).name) for p in result.get(key, [])]
         if perf and result["perf"].get("trace"):
             result["perf"]["trace"] = str(out / Path(result["perf"]["trace"]).name)
+    if html is not None:
+        result["html"] = str(html)
+        text = io.StringIO()
+        _print(result, _console(text))
+        if perf:
+            _print_perf(result["perf"], _console(text))
+        write_html(html, "profile", result, text.getvalue())
     if json_out:
         typer.echo(dumps("profile", result))
         return
     _print(result)
     if perf:
         _print_perf(result["perf"])
+    if html is not None:
+        typer.echo(f"wrote {html}")
+
+
+def _console(file=None):
+    """The terminal's console, or one writing plain text to ``file``."""
+    from rich.console import Console
+
+    return Console() if file is None else Console(file=file, width=140, color_system=None)
 
 
 def _run(spec, par, wl, gpu_spec, steps: int, device: str, fake: bool, perf: bool,
@@ -119,6 +149,7 @@ def _run(spec, par, wl, gpu_spec, steps: int, device: str, fake: bool, perf: boo
     from memplan.measure.timeline import summary, write
 
     result = summary(tl, pred)
+    result["files"] = []  # none without --out (the JSON schema requires the list)
     if stage is not None:
         written = write(tl, stage, pred)
         from memplan.report.plot_timeline import plot_timeline
@@ -152,11 +183,10 @@ def _perf(spec, wl, device: str, steps: int, out: Path | None, gpu_spec) -> dict
     return result
 
 
-def _print_perf(p: dict) -> None:
-    from rich.console import Console
+def _print_perf(p: dict, console=None) -> None:
     from rich.table import Table
 
-    console = Console()
+    console = console or _console()
     table = Table(title=f"top operators by self time ({p['device']}, {p['num_steps']} steps)")
     for col in ("operator", "calls", "self ms", "GFLOP"):
         table.add_column(col, justify="left" if col == "operator" else "right")
@@ -178,14 +208,13 @@ def _print_perf(p: dict) -> None:
         console.print(f"wrote {p['trace']} (open in ui.perfetto.dev)")
 
 
-def _print(result: dict) -> None:
-    from rich.console import Console
+def _print(result: dict, console=None) -> None:
     from rich.table import Table
 
     def fmt(num_bytes: int) -> str:
         return f"{num_bytes:,}"
 
-    console = Console()
+    console = console or _console()
     table = Table(title=f"{result.get('model', '')}: peak bytes per step and phase "
                   f"({result['device']})")
     for col in ("step", "phase", "peak", "predicted", "largest category"):

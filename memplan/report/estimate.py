@@ -83,6 +83,8 @@ def estimate_json(est: Estimate) -> dict[str, Any]:
             "norm_impl": wl.norm_impl.value, "logits_fp32": wl.logits_fp32,
             "loss_chunks": wl.loss_chunks, "logits_held": wl.logits_held.value,
             "softmax_fp32": wl.softmax_fp32, "kv_cache": wl.kv_cache,
+            # zero_grad(set_to_none=False): gradients alive in every phase from step 2 on
+            "keep_grads": wl.keep_grads,
             **({"lora_rank": wl.lora_rank, "lora_targets": wl.lora_targets,
                 "lora_dropout": wl.lora_dropout, "base_quant": wl.base_quant.value}
                if wl.lora_rank else {}),
