@@ -332,8 +332,9 @@ class DiedIn:
 
 
 def _show(f: Frame) -> str:
-    parts = f.path.split("/")
-    short = "/".join(parts[-3:]) if len(parts) > 3 else f.path
+    """The frame with its path from the installed package's root (after site-packages/)."""
+    cut = max(f.path.rfind("site-packages/"), f.path.rfind("dist-packages/"))
+    short = f.path[f.path.index("-packages/", cut) + len("-packages/"):] if cut >= 0 else f.path
     return f"{short}:{f.line} in {f.function}" if f.line is not None else \
         f"{short} in {f.function}"
 
