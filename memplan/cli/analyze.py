@@ -69,7 +69,8 @@ def analyze_trace(job: Job, paths: Paths = None, straggler_pct: StragglerPct = S
     from memplan.measure.profiler_traces import analyze_traces, load_all, trace_paths
 
     if not paths and snapshot is None:
-        raise MemplanError("analyze-trace: give trace files, a folder of them, or --snapshot")
+        raise MemplanError("analyze-trace: no paths given: give trace files, a folder of them, "
+                            "or --snapshot")
     if plot is not None:  # the plot's name is checked before the traces are read
         from memplan.report.plot import check_path
 
@@ -133,8 +134,8 @@ def _print_memory(console: Any, memory: list[dict[str, Any]]) -> None:
 
     for tl in memory:
         versus = {(r["step"], r["phase"]): r for r in tl.get("versus_estimate", [])}
-        table = Table(title=f"memory by phase: {tl['path']} ({tl['device']}; {tl['source']})",
-                      caption="; ".join(tl["notes"]) or None)
+        table = Table(title=f"memory by phase, {tl['device']}: {tl['path']}",
+                      caption="; ".join([tl["source"], *tl["notes"]]))
         for col in ("step", "phase", "events", "peak allocated", "peak reserved",
                     *(("estimate (tensors)", "diff") if "versus_estimate" in tl else ())):
             table.add_column(col, justify="left" if col == "phase" else "right")

@@ -62,6 +62,8 @@ class Fix:
     margin_bytes: int = 0
     # it shrinks what the phase the traceback names allocates (``addresses``)
     addresses_failure: bool = False
+    # what it saves in the step phase the traceback names (``_phase_peak``), 0 without one
+    phase_saved_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:
@@ -244,6 +246,22 @@ def addresses(phase: str | None, change: dict[str, Any]) -> bool:
     return bool(offload) and phase in _OFFLOADS and _OFFLOADS[phase] in str(offload)
 
 
+# the step phase of the estimate each phase a traceback names runs in
+# (memplan.diagnose.explain.STEP_PHASE)
+_STEP_PHASES = {"forward": "forward", "backward": "backward",
+                "gradient communication": "backward", "optimizer step": "optimizer"}
+
+
+def _phase_peak(est: Estimate, phase: str | None) -> int:
+    """The most loaded stage's tensor bytes in the step phase of ``phase`` (step 1's or the
+    steady state's, the larger); 0 when ``phase`` is none of a step's."""
+    name = _STEP_PHASES.get(phase or "")
+    if name is None:
+        return 0
+    s = est.worst
+    return max(getattr(s.first_step, name), getattr(s.steady, name))
+
+
 def suggest(model: Any, est: Estimate, given: dict[str, Any], *, capacity_bytes: int,
             with_plan: bool = True, margin_bytes: int = 0, phase: str | None = None) -> Fixes:
     """Every candidate change of ``est`` (made by ``memplan.estimate(model, **given)``),
@@ -272,12 +290,17 @@ def suggest(model: Any, est: Estimate, given: dict[str, Any], *, capacity_bytes:
     # the global batch is held fixed: say so in the flags, so each fix re-runs as estimated
     gbs = f" --gbs {est.global_batch_size}"
     fixes = [replace(f, margin_bytes=margin_bytes, addresses_failure=addresses(phase, f.change),
+                     phase_saved_bytes=_phase_peak(est, phase) - _phase_peak(f.estimate, phase),
                      flags=f.flags + gbs if f.flags.startswith("--") else f.flags)
              for f in fixes]
+    # a fix that lowers the phase the job died in is kept although the estimate's peak lies
+    # in another phase: the traceback says where the job really ran out
+    keep = [f for f in fixes if f.saved_bytes > 0 or (
+        f.addresses_failure and f.phase_saved_bytes > 0)]
     skipped += [(f.name, (f"lowers no peak: its peak_bytes {f.peak_bytes} is not below "
                           f"the baseline's {est.peak_bytes}"))
-                for f in fixes if f.saved_bytes <= 0]
-    fixes = [f for f in fixes if f.saved_bytes > 0]
+                for f in fixes if f not in keep]
+    fixes = keep
     fixes, dominated = _drop_dominated_zero(fixes, est.parallel.dp)
     skipped += dominated
     # fits first, those for the phase the job died in before the others; safe fits fastest

@@ -6,7 +6,8 @@ A profiler trace (``prof.export_chrome_trace``, the TensorBoard handler) holds o
 event per allocation and free, named "[memory]" (``torch/autograd/profiler_util.py``
 ``MEMORY_EVENT_NAME``; written by kineto from the profiler's memory reports), with args
 "Bytes" (negative for a free), "Total Allocated" and "Total Reserved" after it (the caching
-allocator's, on CUDA; "Total Reserved" is 0 on the CPU), "Device Type" (c10's DeviceType: 0
+allocator's, on CUDA; on the CPU only what was allocated while the profiler ran,
+``c10/core/CPUAllocator.cpp`` ``ProfiledCPUMemoryReporter::New``, and "Total Reserved" 0), "Device Type" (c10's DeviceType: 0
 CPU, 1 CUDA) and "Device Id". Its phases come from the ranges around each event's time:
 ``ProfilerStep#N`` (``prof.step()`` under a schedule), "Optimizer.step#<Class>.step" (torch's
 own ``record_function`` in ``torch/optim/optimizer.py`` ``profile_hook_step``) and the
