@@ -98,8 +98,35 @@ RULES: tuple[Rule, ...] = (
     _rule("torch/amp/grad_scaler.py", "step unscale_ _unscale_grads_ _maybe_opt_step", OPT,
           "the loss scaler's unscaling and step (GradScaler)",
           "torch/amp/grad_scaler.py GradScaler.step and unscale_"),
+    _rule("lightning/pytorch/core/optimizer.py", "step", OPT,
+          "the optimizer step (LightningOptimizer; its closure's forward and backward are "
+          "deeper frames)", "lightning/pytorch/core/optimizer.py LightningOptimizer.step "
+          "(lightning 2.6)"),
+    _rule("pytorch_lightning/core/optimizer.py", "step", OPT,
+          "the optimizer step (LightningOptimizer)", "pytorch_lightning/core/optimizer.py "
+          "LightningOptimizer.step (pytorch_lightning 2.6)"),
     _rule("accelerate/optimizer.py", "step", OPT, "the optimizer step (AcceleratedOptimizer)",
           "accelerate/optimizer.py AcceleratedOptimizer.step"),
+    _rule("accelerate/accelerator.py", "clip_grad_norm_", OPT,
+          "gradient clipping before the step (Accelerator.clip_grad_norm_)",
+          "accelerate/accelerator.py Accelerator.clip_grad_norm_"),
+    _rule("torch/cuda/amp/grad_scaler.py", "step unscale_ _unscale_grads_ _maybe_opt_step", OPT,
+          "the loss scaler's unscaling and step (GradScaler)",
+          "torch/cuda/amp/grad_scaler.py GradScaler.step (torch before 2.3)"),
+    _rule("torch/optim/sgd.py", "_multi_tensor_sgd _single_tensor_sgd _fused_sgd", OPT,
+          "the SGD update (its momentum buffers made on the first step)",
+          "torch/optim/sgd.py _multi_tensor_sgd"),
+    _rule("deepspeed/ops/adam/fused_adam.py", "step", OPT, "DeepSpeed's FusedAdam step",
+          "deepspeed/ops/adam/fused_adam.py FusedAdam.step"),
+    _rule("deepspeed/ops/adam/cpu_adam.py", "step step_subgroup", OPT,
+          "DeepSpeedCPUAdam's step (the gradients copied to the host, the weights back)",
+          "deepspeed/ops/adam/cpu_adam.py DeepSpeedCPUAdam.step"),
+    _rule("deepspeed/runtime/bf16_optimizer.py", "step", OPT,
+          "DeepSpeed's BF16_Optimizer step (its fp32 flat partition)",
+          "deepspeed/runtime/bf16_optimizer.py BF16_Optimizer.step"),
+    _rule("deepspeed/runtime/fp16/fused_optimizer.py", "step step_fused_adam", OPT,
+          "DeepSpeed's FP16_Optimizer step (its fp32 flat groups)",
+          "deepspeed/runtime/fp16/fused_optimizer.py FP16_Optimizer.step"),
     _rule("bitsandbytes/optim/optimizer.py", "step init_state update_step", OPT,
           "the bitsandbytes optimizer step (its states created on the first)",
           "bitsandbytes/optim/optimizer.py Optimizer8bit.step and init_state"),
@@ -215,6 +242,12 @@ RULES: tuple[Rule, ...] = (
           "save_fp16_model _zero3_consolidated_16bit_state_dict", SAVE,
           "DeepSpeed saving a checkpoint (save_16bit_model gathers ZeRO-3's weights)",
           "deepspeed/runtime/engine.py save_checkpoint and save_16bit_model"),
+    _rule("lightning/pytorch/strategies/strategy.py", "save_checkpoint", SAVE,
+          "Lightning saving a checkpoint", "lightning/pytorch/strategies/strategy.py "
+          "Strategy.save_checkpoint (lightning 2.6)"),
+    _rule("pytorch_lightning/strategies/strategy.py", "save_checkpoint", SAVE,
+          "Lightning saving a checkpoint", "pytorch_lightning/strategies/strategy.py "
+          "Strategy.save_checkpoint (pytorch_lightning 2.6)"),
     _rule("accelerate/accelerator.py", "save_state get_state_dict save_model", SAVE,
           "Accelerate saving a checkpoint", "accelerate/accelerator.py save_state"),
     _rule("safetensors/torch.py", "save_file save", SAVE, "safetensors' save",
@@ -282,6 +315,15 @@ RULES: tuple[Rule, ...] = (
     _rule("transformers/trainer.py", "evaluate evaluation_loop prediction_step", "evaluation",
           "the Trainer's evaluation loop", "transformers/trainer.py Trainer.evaluation_loop"),
     # --- backward -----------------------------------------------------------------------------
+    _rule("lightning/pytorch/loops/optimization/automatic.py", "backward_fn", "backward",
+          "the backward pass (Lightning's closure)",
+          "lightning/pytorch/loops/optimization/automatic.py backward_fn (lightning 2.6)"),
+    _rule("lightning/pytorch/strategies/strategy.py", "backward", "backward",
+          "the backward pass (Lightning)", "lightning/pytorch/strategies/strategy.py "
+          "Strategy.backward (lightning 2.6)"),
+    _rule("pytorch_lightning/strategies/strategy.py", "backward", "backward",
+          "the backward pass (Lightning)", "pytorch_lightning/strategies/strategy.py "
+          "Strategy.backward (pytorch_lightning 2.6)"),
     _rule("torch/utils/checkpoint.py", "unpack_hook recompute_fn backward", "backward",
           "recomputing a checkpointed forward (activation checkpointing)",
           "torch/utils/checkpoint.py unpack_hook (non-reentrant) and CheckpointFunction.backward"),
@@ -298,6 +340,12 @@ RULES: tuple[Rule, ...] = (
     _rule("megatron/core/pipeline_parallel/schedules.py", "backward_step", "backward",
           "the backward pass", "megatron/core/pipeline_parallel/schedules.py backward_step"),
     # --- forward ------------------------------------------------------------------------------
+    _rule("lightning/pytorch/strategies/strategy.py", "training_step", "forward",
+          "the training step's forward (Lightning)", "lightning/pytorch/strategies/strategy.py "
+          "Strategy.training_step (lightning 2.6)"),
+    _rule("pytorch_lightning/strategies/strategy.py", "training_step", "forward",
+          "the training step's forward (Lightning)", "pytorch_lightning/strategies/strategy.py "
+          "Strategy.training_step (pytorch_lightning 2.6)"),
     _rule("transformers/loss/loss_utils.py", "ForCausalLMLoss fixed_cross_entropy", "forward",
           "the loss: cross-entropy over the logits (fp32 upcast)",
           "transformers/loss/loss_utils.py ForCausalLMLoss"),
