@@ -422,9 +422,11 @@ _RECOMPUTE = Rule("", frozenset(), "backward",
 
 # Python: File "PATH", line N, in FUNC; IPython: File PATH:N, in Class.FUNC(args);
 # rich: PATH:N in FUNC (the function on the next line when the path is long)
-_PY = re.compile(r'File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<func>[\w.<>]+)')
-_IPY = re.compile(r"File (?P<path>[^\s\"]+\.py):(?P<line>\d+), in (?P<func>[\w.<>]+)")
-_RICH = re.compile(r"(?P<path>[^\s│]+\.py):(?P<line>\d+) in(?: (?P<func>[\w.<>]+))?")
+_PY = re.compile(r'File "(?P<path>[^"]+)", line (?P<line>\d{1,9}), in (?P<func>[\w.<>]+)')
+_IPY = re.compile(r"File (?P<path>[^\s\"]+\.py):(?P<line>\d{1,9}), in (?P<func>[\w.<>]+)")
+_RICH = re.compile(r"(?P<path>[^\s│]+\.py):(?P<line>\d{1,9}) in(?: (?P<func>[\w.<>]+))?")
+# a frame's line is short: longer lines (a progress bar, a dump) are not searched for one
+_MAX_LINE = 2000
 _PREFIX = re.compile(r"^\s*\[(?:default)?rank(\d+)\]:\s?|^\s*(\d+):\s")
 _NEW_BLOCK = re.compile(r"Traceback \(most recent call last\)|During handling of the above "
                         r"exception|The above exception was the direct cause")
@@ -455,6 +457,8 @@ def traceback_blocks(text: str) -> list[tuple[int | None, list[Frame]]]:
             func = line.strip(" │|").split()
             if func and re.fullmatch(r"[\w.<>]+", func[0]):
                 stack[-1].append(_frame(path, num, func[0]))
+            continue
+        if len(line) > _MAX_LINE or ".py" not in line:
             continue
         found = _PY.search(line) or _IPY.search(line) or _RICH.search(line)
         if found is None:

@@ -208,3 +208,34 @@ def test_the_optimizer_step_is_explained_and_its_fixes_ranked_first() -> None:
     assert flags == sorted(flags, reverse=True) and flags[0]  # the phase's fixes first
     assert any(f.change == {"optimizer_impl": f.change.get("optimizer_impl")} or
                "zero" in f.change for f in fitting if f.addresses_failure)
+
+
+def test_a_snapshot_oom_event_names_its_phase(tmp_path, capsys) -> None:
+    """A snapshot's "oom" trace entry carries the frames of the failed allocation (innermost
+    first, as _record_memory_history records them): here DeepSpeed ZeRO-1/2's average_tensor
+    under the autograd engine, so the job died in the gradient communication. The snapshot is
+    synthetic, with the keys torch.cuda.memory._snapshot returns (no segments left)."""
+    import json
+    import pickle
+
+    from memplan.cli import main
+
+    snap = {"segments": [], "device_traces": [[]], "allocator_settings": {},
+            "external_annotations": []}
+    site = "/usr/lib/python3.12/site-packages/"
+    snap["device_traces"][0].append({
+        "action": "oom", "device_free": 0, "size": 64 * 2**20, "stream": 0, "time_us": 99,
+        "frames": [{"filename": site + "torch/distributed/distributed_c10d.py", "line": 2800,
+                    "name": "all_reduce"},
+                   {"filename": site + "deepspeed/runtime/zero/stage_1_and_2.py",
+                    "line": 1100, "name": "average_tensor"},
+                   {"filename": site + "torch/autograd/graph.py", "line": 829,
+                    "name": "_engine_run_backward"}]})
+    path = tmp_path / "snap.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    assert main(["diagnose", "-m", "tiny", "--snapshot", str(path), "--trust-pickle",
+                 "--no-fixes", "--json"]) == 0
+    died = json.loads(capsys.readouterr().out)["died_in"]
+    assert (died["phase"], died["operation"], died["frame"]) == (
+        "gradient communication", "an all-reduce",
+        "torch/distributed/distributed_c10d.py:2800 in all_reduce")
