@@ -109,6 +109,19 @@ def _phase_at(t: float, step: tuple[int, float, float] | None, optim: list,
     return "backward" if t <= max(b[1] for b in inside) else "other"
 
 
+def _step_and_phase(t: float, steps: list, optim: list, backward: list) -> tuple[int, str]:
+    """The step of time ``t`` (ProfilerStep#N is step N + 1: ``prof.step()`` counts every
+    step since the profiler was made, those of its wait and warmup too) and its phase: before
+    the first profiled step "setup" (step 0), between steps "other" of the step before."""
+    if not steps:
+        return 1, _phase_at(t, None, optim, backward)
+    started = [s for s in steps if s[1] <= t]
+    if not started:
+        return 0, "setup"
+    last = started[-1]
+    return last[0] + 1, _phase_at(t, last, optim, backward) if t <= last[2] else "other"
+
+
 def profiler_timelines(path: str) -> list[MemoryTimeline]:
     """One timeline per device of the "[memory]" events in the trace at ``path``."""
     from memplan.measure.trace_files import read_trace
@@ -123,15 +136,10 @@ def profiler_timelines(path: str) -> list[MemoryTimeline]:
         device = kind if kind == "cpu" or dev is None or dev < 0 else f"{kind}:{dev}"
         tl = out.setdefault(device, MemoryTimeline(
             "torch.profiler trace (profile_memory=True)", str(path), device))
-        t = float(e["ts"])
-        step = next((s for s in steps if s[1] <= t <= s[2]), None)
-        number = 0 if steps and step is None and t < steps[0][1] else (
-            step[0] + 1 - steps[0][0] if step is not None else (len(steps) + 1 if steps else 1))
-        phase = ("setup" if number == 0 else
-                 _phase_at(t, step, optim, backward) if step is not None or not steps
-                 else "other")
+        number, phase = _step_and_phase(float(e["ts"]), steps, optim, backward)
         reserved = args.get("Total Reserved") if kind != "cpu" else None
-        tl.points.append(Point(t, int(args["Total Allocated"]), reserved, number, phase))
+        tl.points.append(Point(float(e["ts"]), int(args["Total Allocated"]), reserved, number,
+                               phase))
     if trace.partial:
         for tl in out.values():
             tl.notes.append(trace.partial)

@@ -171,3 +171,50 @@ def test_a_snapshot_needs_trust_and_a_history(tmp_path, capsys) -> None:
     assert main(["analyze-trace", "--snapshot", str(snap), "--trust-pickle"]) == 2
     assert "_record_memory_history" in capsys.readouterr().err
     assert main(["analyze-trace"]) == 2
+
+
+def _mem(t: float, total: int, reserved: int, dev_type: int = 1) -> dict:
+    return {"ph": "i", "cat": "cpu_instant_event", "s": "t", "name": "[memory]", "pid": 1,
+            "tid": 1, "ts": t, "args": {"Total Reserved": reserved, "Total Allocated": total,
+                                        "Bytes": 512, "Device Id": 0 if dev_type else -1,
+                                        "Device Type": dev_type, "Addr": 1}}
+
+
+def _x(name: str, cat: str, t: float, dur: float) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": 1, "ts": t, "dur": dur}
+
+
+def test_steps_phases_and_gaps_of_a_cuda_trace(tmp_path) -> None:
+    """A hand-made trace in the profiler's layout (the events' keys as the CPU trace above
+    has them), CUDA memory events (Device Type 1, Device Id 0): ProfilerStep#3 spans 0-100 us
+    (so it is the job's step 4: prof.step() counts from the profiler's start), an autograd
+    operator 40-60, Optimizer.step#AdamW.step 80-95; ProfilerStep#4 105-200. Memory at -5
+    (before any step: setup, step 0), 10 (forward), 50 (backward), 70 (after backward:
+    other), 90 (optimizer), 102 (between the steps: other of step 4), 110 (step 5's
+    forward). Reserved is read on CUDA."""
+    events = [_x("ProfilerStep#3", "user_annotation", 0, 100),
+              _x("autograd::engine::evaluate_function: MmBackward0", "cpu_op", 40, 20),
+              _x("Optimizer.step#AdamW.step", "user_annotation", 80, 15),
+              _x("ProfilerStep#4", "user_annotation", 105, 95)]
+    times = (-5, 10, 50, 70, 90, 102, 110)
+    events += [_mem(t, 1000 + i, 4096) for i, t in enumerate(times)]
+    path = tmp_path / "rank0.pt.trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    (tl,) = profiler_timelines(str(path))
+    assert tl.device == "cuda:0"
+    assert [(p.step, p.phase) for p in tl.points] == [
+        (0, "setup"), (4, "forward"), (4, "backward"), (4, "other"), (4, "optimizer step"),
+        (4, "other"), (5, "forward")]
+    assert [p.allocated_bytes for p in tl.points] == [1000, 1001, 1002, 1003, 1004, 1005, 1006]
+    assert {p.reserved_bytes for p in tl.points} == {4096}
+
+
+def test_a_bad_memory_event_is_one_line(tmp_path, capsys) -> None:
+    bad = _mem(1, 10, 0)
+    bad["args"]["Total Allocated"] = "10"
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": [_x("ProfilerStep#0", "user_annotation", 0, 5),
+                                                bad]}))
+    assert main(["analyze-trace", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "Total Allocated" in err and "'10'" in err and err.count("\n") == 1
