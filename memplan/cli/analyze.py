@@ -39,7 +39,7 @@ def analyze_trace(job: Job, paths: Paths = None, straggler_pct: StragglerPct = S
     step, and stragglers across ranks; memory over time by phase from traces made with
     profile_memory=True and from a memory snapshot. Offline: torch is not needed.
 
-    Memory: each "[memory]" event of a trace (allocated and reserved bytes after it) is given
+    Memory: each memory instant event of a trace (allocated and reserved bytes after it) is given
     its step (ProfilerStep#N) and phase (forward until the first autograd operator, backward
     to the last, the optimizer step inside "Optimizer.step#...", else other); a snapshot's
     allocator trace is phased by the frames of each action. With --model (and the layout
