@@ -21,7 +21,7 @@ import torch
 OUT = Path(__file__).with_name("cpu_step.pt.trace.json.gz")
 
 
-def main() -> None:
+def main(out: Path = OUT) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(),
                                 torch.nn.Linear(1024, 256))
@@ -37,13 +37,13 @@ def main() -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
             prof.step()
-    raw = OUT.with_suffix("")
+    raw = out.with_suffix("")
     prof.export_chrome_trace(str(raw))
     data = json.loads(raw.read_text())
     raw.unlink()
     # keep what the timeline reads: the memory events, the steps and the operators
     data["traceEvents"] = [e for e in data["traceEvents"] if e.get("ph") in ("i", "X")]
-    OUT.write_bytes(gzip.compress(json.dumps(data, separators=(",", ":")).encode(), mtime=0))
+    out.write_bytes(gzip.compress(json.dumps(data, separators=(",", ":")).encode(), mtime=0))
 
 
 if __name__ == "__main__":
