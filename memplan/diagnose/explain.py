@@ -147,9 +147,12 @@ def diagnose(est: Estimate, oom: OomReport | None = None,
             findings.append(term)
         findings += _comparison(est, s, oom, capacity)
     fails = oom is not None or s.peak_bytes > capacity
-    findings.append(_dominant(s, step, phase, parts, fails))
+    # a job that died outside a training step (loading, a checkpoint save): the step's own
+    # findings are context, not the cause
+    in_step = fails and (died is None or died.phase in STEP_PHASE)
+    findings.append(_dominant(s, step, phase, parts, in_step))
     for rule in (_first_step, _loss, _optimizer_temps, _imbalance):
-        found = rule(est, s, step, phase, parts, oom, capacity if fails else None)
+        found = rule(est, s, step, phase, parts, oom, capacity if in_step else None)
         if found is not None:
             findings.append(found)
     if oom is not None:
@@ -195,11 +198,17 @@ PHASE_ADVICE = {
 }
 
 
+_WHEN = {"loading": "while loading", "setup": "during setup (before the first step)",
+         "checkpoint save": "while saving a checkpoint", "evaluation": "in evaluation",
+         "generation": "in generation"}
+
+
 def died_finding(died: DiedIn) -> Finding:
     """The phase and operation the traceback names, and what shrinks it."""
     rank = "" if died.rank is None else f" (rank {died.rank})"
     advice = PHASE_ADVICE.get(died.phase)
-    return Finding("traceback", f"the traceback{rank} says the job died in the {died.phase}: "
+    when = _WHEN.get(died.phase, f"in the {died.phase}")
+    return Finding("traceback", f"the traceback{rank} says the job died {when}: "
                    f"{died.operation} ({died.frame}; read as {died.source})"
                    + (f"; {advice}" if advice else ""), {}, cause=True)
 

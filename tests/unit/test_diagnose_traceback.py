@@ -239,3 +239,18 @@ def test_a_snapshot_oom_event_names_its_phase(tmp_path, capsys) -> None:
     assert (died["phase"], died["operation"], died["frame"]) == (
         "gradient communication", "an all-reduce",
         "torch/distributed/distributed_c10d.py:2800 in all_reduce")
+
+
+def test_a_job_that_died_loading_is_explained_as_loading() -> None:
+    """LlamaFactory#7781 died in _load_state_dict_into_meta_model: the traceback is the cause;
+    the step's own findings (its peak phase) are context; the fixes that hold fewer weights
+    per GPU (ZeRO-3, TP, PP, quantised or frozen base weights) are the ones marked."""
+    r = diagnose("llama-3-8b", oom=LLAMAFACTORY_7781, gpus=4)
+    d = r.diagnosis
+    assert d.died_in.phase == "loading" and d.died_in.rank == 3
+    first = d.findings[0]
+    assert first.kind == "traceback" and first.cause and "died while loading" in first.text
+    assert not next(f for f in d.findings if f.kind == "dominant").cause
+    marked = {f.name for f in r.fixes.ranked if f.addresses_failure}
+    assert {"ZeRO stage 3", "TP 2", "PP 2"} <= marked
+    assert not any("recompute" in name for name in marked)
