@@ -62,6 +62,7 @@ class MemoryTimeline:
     device: str  # "cuda:0", "cpu"
     points: list[Point] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    rank: int | None = None  # the trace's distributedInfo.rank, when it has one
 
     def phase_peaks(self) -> list[dict[str, Any]]:
         """The largest allocated (and reserved) bytes of each (step, phase), in order."""
@@ -135,7 +136,8 @@ def profiler_timelines(path: str) -> list[MemoryTimeline]:
         dev = args.get("Device Id")
         device = kind if kind == "cpu" or dev is None or dev < 0 else f"{kind}:{dev}"
         tl = out.setdefault(device, MemoryTimeline(
-            "torch.profiler trace (profile_memory=True)", str(path), device))
+            "torch.profiler trace (profile_memory=True)", str(path), device,
+            rank=(trace.meta.get("distributedInfo") or {}).get("rank")))
         number, phase = _step_and_phase(float(e["ts"]), steps, optim, backward)
         reserved = args.get("Total Reserved") if kind != "cpu" else None
         tl.points.append(Point(float(e["ts"]), int(args["Total Allocated"]), reserved, number,
@@ -206,9 +208,10 @@ def snapshot_timelines(data: dict[str, Any], path: str) -> list[MemoryTimeline]:
 
 def versus_estimate(tl: MemoryTimeline, est: Any) -> list[dict[str, Any]]:
     """The measured peak of each (step, phase) next to the estimate's tensor bytes of that
-    phase for the most loaded stage: step 1 against its first step (no optimizer states
-    before its optimizer step), later steps against the steady state."""
-    s = est.worst
+    phase for the stage of the trace's rank (the most loaded stage without one): step 1
+    against its first step (no optimizer states before its optimizer step), later steps
+    against the steady state."""
+    s = est.stage_of_rank(tl.rank)
     out = []
     for row in tl.phase_peaks():
         name = ESTIMATED.get(row["phase"])
@@ -222,7 +225,7 @@ def versus_estimate(tl: MemoryTimeline, est: Any) -> list[dict[str, Any]]:
 
 
 def timeline_json(tl: MemoryTimeline, est: Any = None) -> dict[str, Any]:
-    out = {"source": tl.source, "path": tl.path, "device": tl.device,
+    out = {"source": tl.source, "path": tl.path, "device": tl.device, "rank": tl.rank,
            "num_events": len(tl.points), "phases": tl.phase_peaks(), "notes": tl.notes,
            "points": [{"time_us": p.time_us, "allocated_bytes": p.allocated_bytes,
                        "reserved_bytes": p.reserved_bytes, "step": p.step, "phase": p.phase}

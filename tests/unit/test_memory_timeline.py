@@ -218,3 +218,24 @@ def test_a_bad_memory_event_is_one_line(tmp_path, capsys) -> None:
     assert main(["analyze-trace", str(path)]) == 2
     err = capsys.readouterr().err
     assert "Total Allocated" in err and "'10'" in err and err.count("\n") == 1
+
+
+def test_a_ranks_trace_is_set_beside_its_own_stage(tmp_path, capsys) -> None:
+    """A trace of rank 7 (distributedInfo) of 8 GPUs in 2 pipeline stages: ranks are ordered
+    tp, cp, dp, pp, so rank 7 is in stage 1, whose first-step forward the estimate sets beside
+    step 1's forward (and not the most loaded stage's)."""
+    events = [_x("ProfilerStep#0", "user_annotation", 0, 100), _mem(10, 4096, 8192)]
+    path = tmp_path / "rank7.json"
+    path.write_text(json.dumps({"distributedInfo": {"rank": 7, "world_size": 8},
+                                "traceEvents": events}))
+    assert main(["analyze-trace", str(path), "-m", "tiny", "-n", "8", "--pp", "2",
+                 "--json"]) == 0
+    (tl,) = json.loads(capsys.readouterr().out)["memory"]
+    from memplan.api import estimate
+
+    est = estimate("tiny", gpus=8, pp=2)
+    assert tl["rank"] == 7 and len(est.stages) == 2
+    (row,) = tl["versus_estimate"]
+    assert (row["step"], row["phase"]) == (1, "forward")
+    assert row["estimated_bytes"] == est.stages[1].first_step.forward
+    assert row["diff_bytes"] == 4096 - est.stages[1].first_step.forward
