@@ -8,13 +8,18 @@ from typing import Annotated, Any
 
 import typer
 
-from memplan.cli.options import Json
+from memplan.cli.options import ESTIMATE, Job, Json, uses
 from memplan.measure.stragglers import STRAGGLER_PCT
 from memplan.report.versioned import dumps
 
-Paths = Annotated[list[Path], typer.Argument(
+Paths = Annotated[list[Path] | None, typer.Argument(
     help="One chrome trace per rank (.json or .json.gz from torch.profiler), or a folder of "
-    "them (as Holistic Trace Analysis takes).")]
+    "them (as Holistic Trace Analysis takes): every trace file in it.")]
+Snapshot = Annotated[Path | None, typer.Option(
+    "--snapshot", help="A torch.cuda.memory._dump_snapshot pickle recorded with "
+    "_record_memory_history: its memory timeline by phase (needs --trust-pickle).")]
+TrustPickle = Annotated[bool, typer.Option(
+    "--trust-pickle", help="Load --snapshot: a pickle can run code, so only for your own file.")]
 StragglerPct = Annotated[float, typer.Option(
     "--straggler-pct", min=0.0, max=100.0,
     help="Name a rank a straggler when, in at least three profiled steps of four, the other "
@@ -26,10 +31,20 @@ PlotPath = Annotated[Path | None, typer.Option(
     "stragglers marked, to this .png or .svg file (needs matplotlib).")]
 
 
-def analyze_trace(paths: Paths, straggler_pct: StragglerPct = STRAGGLER_PCT,
-                  plot: PlotPath = None, json_out: Json = False) -> None:
+@uses(*ESTIMATE, model=None)
+def analyze_trace(job: Job, paths: Paths = None, straggler_pct: StragglerPct = STRAGGLER_PCT,
+                  plot: PlotPath = None, snapshot: Snapshot = None,
+                  trust_pickle: TrustPickle = False, json_out: Json = False) -> None:
     """Communication time by collective, its overlap with compute, exposed communication per
-    step, and stragglers across ranks. Offline: torch is not needed.
+    step, and stragglers across ranks; memory over time by phase from traces made with
+    profile_memory=True and from a memory snapshot. Offline: torch is not needed.
+
+    Memory: each memory instant event of a trace (allocated and reserved bytes after it) is given
+    its step (ProfilerStep#N) and phase (forward until the first autograd operator, backward
+    to the last, the optimizer step inside "Optimizer.step#...", else other); a snapshot's
+    allocator trace is phased by the frames of each action. With --model (and the layout
+    options of `memplan estimate`) each phase's measured peak is shown beside the estimate's
+    tensor bytes for it.
 
     Time inside the profiled steps (ProfilerStep#N) splits into compute, exposed
     communication, exposed copies and idle, each a union of intervals (overlaps counted once).
@@ -45,16 +60,34 @@ def analyze_trace(paths: Paths, straggler_pct: StragglerPct = STRAGGLER_PCT,
       memplan analyze-trace run/traces/
 
       memplan analyze-trace traces/rank*.json.gz --plot traces.png
-    """
-    from memplan.measure.profiler_traces import analyze_traces, load_all
 
+      memplan analyze-trace prof/ -m llama-2-7b -n 8 --zero 1
+
+      memplan analyze-trace --snapshot snap.pickle --trust-pickle -m llama-2-7b -n 8
+    """
+    from memplan.errors import MemplanError
+    from memplan.measure.profiler_traces import analyze_traces, load_all, trace_paths
+
+    if not paths and snapshot is None:
+        raise MemplanError("analyze-trace: no paths given: give trace files, a folder of them, "
+                            "or --snapshot")
     if plot is not None:  # the plot's name is checked before the traces are read
         from memplan.report.plot import check_path
 
         check_path(plot)
-    traces = load_all(paths)
-    result = analyze_traces(traces, straggler_pct)
-    if plot is not None:
+    data = None
+    if snapshot is not None:  # refused before any work without --trust-pickle
+        from memplan.diagnose.snapshot import load_snapshot
+
+        data = load_snapshot(str(snapshot), trust_pickle=trust_pickle)
+    files = trace_paths(list(paths)) if paths else []
+    traces = load_all(files) if files else []
+    result = analyze_traces(traces, straggler_pct) if traces else {
+        "unit": "microseconds (chrome trace ts/dur)", "ranks": [], "partial": []}
+    memory = _memory(job, files, data, str(snapshot))
+    if memory:
+        result["memory"] = memory
+    if plot is not None and traces:
         from memplan.report.plot_trace import plot_traces
 
         drawn = plot_traces(traces, plot, across=result.get("across_ranks"))
@@ -70,8 +103,53 @@ def analyze_trace(paths: Paths, straggler_pct: StragglerPct = STRAGGLER_PCT,
     _print(result)
 
 
+def _memory(job: Job, files: list[Path], snapshot: Any, where: str) -> list[dict[str, Any]]:
+    """The memory timelines of the traces with "[memory]" events and of the snapshot, as
+    JSON, each beside the estimate when a model is given."""
+    from memplan.measure.memory_timeline import (
+        profiler_timelines,
+        snapshot_timelines,
+        timeline_json,
+    )
+
+    timelines = [tl for p in files for tl in profiler_timelines(str(p))]
+    if snapshot is not None:
+        timelines += snapshot_timelines(snapshot, where)
+    est = None
+    if timelines and job.model is not None:
+        from memplan.api import estimate
+
+        est = estimate(job.model, **job.kwargs())
+    return [timeline_json(tl, est) for tl in timelines]
+
+
 def _ms(us: float) -> str:
     return f"{us / 1000:.2f}"
+
+
+def _print_memory(console: Any, memory: list[dict[str, Any]]) -> None:
+    from rich.table import Table
+
+    from memplan.report.sizes import size
+
+    for tl in memory:
+        versus = {(r["step"], r["phase"]): r for r in tl.get("versus_estimate", [])}
+        table = Table(title=f"memory by phase, {tl['device']}: {tl['path']}",
+                      caption="; ".join([tl["source"], *tl["notes"]]))
+        for col in ("step", "phase", "events", "peak allocated", "peak reserved",
+                    *(("estimate (tensors)", "diff") if "versus_estimate" in tl else ())):
+            table.add_column(col, justify="left" if col == "phase" else "right")
+        for r in tl["phases"]:
+            row = [str(r["step"]), r["phase"], str(r["events"]),
+                   size(r["peak_allocated_bytes"]),
+                   "" if r["peak_reserved_bytes"] is None else
+                   size(r["peak_reserved_bytes"])]
+            if "versus_estimate" in tl:
+                v = versus.get((r["step"], r["phase"]))
+                row += ["", ""] if v is None else [size(v["estimated_bytes"]),
+                                                   size(v["diff_bytes"])]
+            table.add_row(*row)
+        console.print(table)
 
 
 def _print(result: dict[str, Any]) -> None:
@@ -79,6 +157,10 @@ def _print(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     console = Console()
+    if result.get("memory"):
+        _print_memory(console, result["memory"])
+    if not result["ranks"]:
+        return
     split = Table(title="time in profiled steps, ms (union of intervals)",
                   caption="comm*, copy*: exposed (not under compute); ovl: overlapped")
     for col in ("rank", "steps", "window", "compute", "comm*", "copy*", "idle", "comm",

@@ -59,8 +59,10 @@ def diagnose(
     """Explain an out-of-memory failure of a configuration and rank fixes that fit.
 
     Takes the configuration (the options of `memplan estimate`) and, optionally, the error
-    PyTorch printed (1.x to current formats), a `memplan profile` directory, MemoryMonitor
-    records or a memory snapshot. Names the failing phase and
+    PyTorch printed (1.x to current formats) with the traceback around it (the phase and
+    operation it died in: the optimizer step, the gradient reduction, loading, a checkpoint
+    save), a `memplan profile` directory, MemoryMonitor records or a memory snapshot (the
+    frames of its out-of-memory event). Names the failing phase and
     its largest component, fragmentation, memory outside PyTorch, first-step and loss spikes,
     pipeline imbalance; compares the estimate with the error's numbers; re-estimates each fix
     (recompute, ZeRO, TP/PP/CP, micro-batch, fused optimizer, expandable segments, the
@@ -84,16 +86,20 @@ def diagnose(
     """
     html = check_html(html)
     from memplan.diagnose import diagnose as run_diagnose
-    from memplan.diagnose.oom import read_oom
-    from memplan.diagnose.snapshot import load_snapshot, snapshot_report
+    from memplan.diagnose.oom import read_oom, read_oom_text
+    from memplan.diagnose.snapshot import load_snapshot, snapshot_died_in, snapshot_report
     from memplan.inputs import LOG_BYTES, read_stream
     from memplan.report.diagnose import render_text, to_json
 
     stdin = read_stream(sys.stdin, "--oom", LOG_BYTES) if oom == "-" else None
-    report = read_oom(oom, stdin) if oom else None
+    text = read_oom_text(oom, stdin) if oom else None
+    report = read_oom(oom, text=text) if oom else None
 
+    died = None
     if snapshot:
-        snap = snapshot_report(load_snapshot(snapshot, trust_pickle=trust_pickle))
+        data = load_snapshot(snapshot, trust_pickle=trust_pickle)
+        snap = snapshot_report(data)
+        died = snapshot_died_in(data)
         report = snap if report is None else dataclasses.replace(
             report, largest_free_block_bytes=snap.largest_free_block_bytes,
             num_segments=snap.num_segments)
@@ -107,7 +113,9 @@ def diagnose(
         if not json_out:
             typer.echo("\n".join(imported.lines()))
     result = run_diagnose(model, oom=report, profile=profile, monitor=monitor or None,
-                          fixes=not no_fixes, **kwargs)
+                          fixes=not no_fixes,
+                          traceback=text if text is not None and died is None else died,
+                          **kwargs)
     from memplan.cli import warn
 
     for note in result.monitor.partial if result.monitor is not None else ():

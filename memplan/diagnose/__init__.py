@@ -16,6 +16,7 @@ from typing import Any
 from memplan.diagnose.explain import Diagnosis, Finding
 from memplan.diagnose.fixes import Fix, Fixes
 from memplan.diagnose.oom import OOM_KINDS, OomReport, parse_oom
+from memplan.diagnose.traceback import DiedIn, died_in
 from memplan.diagnose.utilisation import Utilisation
 from memplan.errors import MemplanError
 
@@ -30,10 +31,16 @@ class DiagnoseResult:
 
 
 def diagnose(model: Any, *, oom: OomReport | str | None = None, profile: Any = None,
-             monitor: Any = None, fixes: bool = True, **estimate_kwargs: Any) -> DiagnoseResult:
+             monitor: Any = None, fixes: bool = True, traceback: str | DiedIn | None = None,
+             **estimate_kwargs: Any) -> DiagnoseResult:
     """Estimate ``model`` with ``memplan.estimate``'s keyword arguments and explain ``oom``,
     ``profile`` (a ``memplan profile`` directory, or its ``measured.Measured``) and ``monitor``
     (``MemoryMonitor`` JSONL files or directories of them, or ``monitored.Monitored``).
+
+    ``traceback``: the text around the error (a log), or where the job died already read
+    (``memplan.diagnose.traceback.DiedIn``); an ``oom`` given as text is read for it too. The
+    phase it names (the optimizer step, the gradient reduction, loading...) is explained, and
+    the fixes that shrink that phase come first.
 
     Without ``gpu_memory`` the capacity is the total the error reports (what the device gave
     PyTorch), else the device capacity the monitor recorded, else the GPU catalog's. Raises
@@ -48,6 +55,7 @@ def diagnose(model: Any, *, oom: OomReport | str | None = None, profile: Any = N
     from memplan.diagnose.utilisation import utilisation
 
     one_of("oom", oom, (str, OomReport, type(None)), what="an error message or an OomReport")
+    one_of("traceback", traceback, (str, DiedIn, type(None)), what="a log's text or a DiedIn")
     one_of("profile", profile, (str, os.PathLike, Measured, type(None)),
            what="a `memplan profile` folder or a Measured")
     if monitor is not None and not isinstance(monitor, Monitored):
@@ -65,6 +73,10 @@ def diagnose(model: Any, *, oom: OomReport | str | None = None, profile: Any = N
     if isinstance(profile, Measured):
         dataclass_fields("profile", profile)
     report = parse_oom(oom) if isinstance(oom, str) else oom
+    if traceback is None and isinstance(oom, str):
+        traceback = oom
+    died = (died_in(traceback, None if report is None else report.rank)
+            if isinstance(traceback, str) else traceback)
     watched = None
     if monitor is not None:
         from memplan.diagnose.monitored import read_monitor, revalidated
@@ -80,7 +92,7 @@ def diagnose(model: Any, *, oom: OomReport | str | None = None, profile: Any = N
         kwargs["gpu_memory"] = watched.capacity_bytes
         source = "the monitor's device capacity"
     est = estimate(model, **kwargs)
-    found = explain(est, report)
+    found = explain(est, report, died)
     if profile is not None:
         from memplan.diagnose.measured import profile_findings, read_profile
 
@@ -95,7 +107,8 @@ def diagnose(model: Any, *, oom: OomReport | str | None = None, profile: Any = N
         found = replace(found, findings=found.findings
                         + tuple(monitor_findings(est, found.capacity_bytes, watched)))
     ranked = suggest(model, est, kwargs, capacity_bytes=found.capacity_bytes,
-                     margin_bytes=unexplained_bytes(found)) if fixes else None
+                     margin_bytes=unexplained_bytes(found),
+                     phase=None if died is None else died.phase) if fixes else None
     from memplan.diagnose.fixes import time_of
 
     time = ranked.baseline_time if ranked is not None else time_of(est)
@@ -103,5 +116,5 @@ def diagnose(model: Any, *, oom: OomReport | str | None = None, profile: Any = N
     return DiagnoseResult(found, ranked, bound, source, watched)
 
 
-__all__ = ["DiagnoseResult", "Diagnosis", "Finding", "Fix", "Fixes", "OomReport", "Utilisation",
+__all__ = ["DiagnoseResult", "DiedIn", "Diagnosis", "Finding", "Fix", "Fixes", "OomReport", "Utilisation",
            "diagnose", "parse_oom"]

@@ -9,8 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memplan.diagnose.oom import OomReport, request_matches
+from memplan.diagnose.traceback import DiedIn
 from memplan.model.estimate import Estimate, StageMemory
 from memplan.overheads import ALLOCATOR_FRACTION
+from memplan.parallel import ZeroStage
+from memplan.units import FP32_BYTES, ceil_div
 from memplan.parallel import local_seq
 from memplan.workload import OptimizerImpl
 
@@ -47,6 +50,7 @@ class Diagnosis:
     components: dict[str, int]  # bytes of each component alive in the failing phase
     findings: tuple[Finding, ...]
     fails: bool  # an error was given, or the estimate does not fit: else "failing" is the peak
+    died_in: DiedIn | None = None  # where the error's traceback says the job died
 
     @property
     def dominant(self) -> tuple[str, int]:
@@ -98,43 +102,141 @@ def _phase_bytes(s: StageMemory, step: str, phase: str) -> int:
     return getattr(s.first_step if step == "first step" else s.steady, phase)
 
 
+# The step phase each phase a traceback names falls in: the gradient reduction runs in backward
+STEP_PHASE = {"forward": "forward", "backward": "backward", "gradient communication": "backward",
+              "optimizer step": "optimizer"}
+
+
 def failing_point(est: Estimate, s: StageMemory, oom: OomReport | None,
-                  capacity_bytes: int) -> tuple[str, str]:
+                  capacity_bytes: int, died: DiedIn | None = None) -> tuple[str, str]:
     """(step, phase) where the job fails: the first phase whose predicted tensors reach what
     the job held when it failed (allocated + requested), else the first whose rank bytes
-    exceed the capacity, else the predicted peak phase."""
+    exceed the capacity, else the predicted peak phase. A traceback that names a step's
+    phase (``died``) keeps the search to that phase (step 1's, else the steady state's)."""
+    timeline = TIMELINE
+    if died is not None and died.phase in STEP_PHASE:
+        timeline = tuple(w for w in TIMELINE if w[1] == STEP_PHASE[died.phase])
     if oom is not None and oom.allocated_bytes is not None and oom.requested_bytes is not None:
         demand = oom.allocated_bytes + oom.requested_bytes
-        for step, phase in TIMELINE:
+        for step, phase in timeline:
             if _phase_bytes(s, step, phase) >= demand:
                 return step, phase
-    for step, phase in TIMELINE:
+    for step, phase in timeline:
         if rank_bytes(est, s, _phase_bytes(s, step, phase)) > capacity_bytes:
             return step, phase
-    return max(TIMELINE, key=lambda when: (_phase_bytes(s, *when), when[0] == "steady"))
+    return max(timeline, key=lambda when: (_phase_bytes(s, *when), when[0] == "steady"))
 
 
-def diagnose(est: Estimate, oom: OomReport | None = None) -> Diagnosis:
+def diagnose(est: Estimate, oom: OomReport | None = None,
+             died: DiedIn | None = None) -> Diagnosis:
     """The estimate ``est`` of a configuration next to the error ``oom`` (either may be all
-    there is: without ``oom`` the estimate alone says where and why it would fail)."""
+    there is: without ``oom`` the estimate alone says where and why it would fail) and
+    where its traceback says the job died (``died``, ``memplan.diagnose.traceback``)."""
     capacity = est.capacity_bytes
     if oom is not None and oom.allowed_bytes is not None:
         capacity = min(capacity, oom.allowed_bytes)
     s = failed_stage(est, oom)
-    step, phase = failing_point(est, s, oom, capacity)
+    step, phase = failing_point(est, s, oom, capacity, died)
     parts = phase_components(est, s, step, phase)
     findings: list[Finding] = []
+    if died is not None:
+        findings.append(died_finding(died))
     if oom is not None:
+        term = request_term(est, s, oom)
+        if term is not None:
+            findings.append(term)
         findings += _comparison(est, s, oom, capacity)
     fails = oom is not None or s.peak_bytes > capacity
-    findings.append(_dominant(s, step, phase, parts, fails))
+    # a job that died outside a training step (loading, a checkpoint save): the step's own
+    # findings are context, not the cause
+    in_step = fails and (died is None or died.phase in STEP_PHASE)
+    findings.append(_dominant(s, step, phase, parts, in_step))
     for rule in (_first_step, _loss, _optimizer_temps, _imbalance):
-        found = rule(est, s, step, phase, parts, oom, capacity if fails else None)
+        found = rule(est, s, step, phase, parts, oom, capacity if in_step else None)
         if found is not None:
             findings.append(found)
     if oom is not None:
         findings += _allocator(est, oom)
-    return Diagnosis(est, oom, s, capacity, step, phase, parts, tuple(findings), fails)
+    return Diagnosis(est, oom, s, capacity, step, phase, parts, tuple(findings), fails, died)
+
+
+# What shrinks what each phase allocates, in words (the fixes ``memplan.diagnose.fixes``
+# re-estimates come first in the ranking when they do; these name what the estimate has no
+# option for). Loading: transformers' from_pretrained makes fp32 weights unless torch_dtype is
+# given (modeling_utils.py from_pretrained), low_cpu_mem_usage / device_map load shard by
+# shard through accelerate's set_module_tensor_to_device; a model built on the meta device
+# (torch.device("meta"), deepspeed.zero.Init) is sharded before its weights exist. Checkpoint
+# save: FSDP's full state dict unshards onto each GPU unless FullStateDictConfig(offload_to_cpu,
+# rank0_only) (torch/distributed/fsdp/_state_dict_utils.py _full_post_state_dict_hook);
+# torch.distributed.checkpoint saves the shards; DeepSpeed gathers ZeRO-3's 16-bit weights only
+# with stage3_gather_16bit_weights_on_model_save (engine.py save_16bit_model).
+PHASE_ADVICE = {
+    "optimizer step": "what shrinks it: a fused step (--optimizer-impl fused: no intermediate "
+                      "lists), ZeRO-1 (states and step sharded over the data-parallel ranks), "
+                      "8-bit states (bitsandbytes), the optimizer on the host",
+    "gradient communication": "what shrinks it: smaller reduce buckets (DeepSpeed "
+                              "reduce_bucket_size, overlap_comm off; DDP bucket_cap_mb), "
+                              "ZeRO-2 (each rank keeps only its gradient partition)",
+    "loading": "what shrinks it: load in the training dtype (torch_dtype=torch.bfloat16: "
+               "without it from_pretrained makes fp32 weights), low_cpu_mem_usage=True or a "
+               "device_map (weights placed shard by shard), or build the model on the meta "
+               "device and shard it before its weights exist (FSDP2 fully_shard, "
+               "deepspeed.zero.Init); then ZeRO-3, TP or PP hold fewer weights per GPU",
+    "setup": "what shrinks it: the optimizer's states and fp32 partitions are made at setup: "
+             "ZeRO stage, the optimizer on the host, 8-bit states",
+    "checkpoint save": "what shrinks it: save the shards (torch.distributed.checkpoint, "
+                       "SHARDED_STATE_DICT) or gather to the host "
+                       "(FullStateDictConfig(offload_to_cpu=True, rank0_only=True)); "
+                       "DeepSpeed: stage3_gather_16bit_weights_on_model_save false",
+    "generation": "generation's KV cache and logits are not in the training estimate: fewer "
+                  "or shorter generations per device, or a separate inference engine",
+    "evaluation": "evaluation's logits and outputs are kept across batches "
+                  "(eval_accumulation_steps moves them to the host)",
+    "forward": "what shrinks it: recomputation, a smaller micro-batch, a chunked loss",
+    "backward": "what shrinks it: recomputation, a smaller micro-batch, ZeRO-2 (gradients "
+                "sharded)",
+}
+
+
+_WHEN = {"loading": "while loading", "setup": "during setup (before the first step)",
+         "checkpoint save": "while saving a checkpoint", "evaluation": "in evaluation",
+         "generation": "in generation"}
+
+
+def died_finding(died: DiedIn) -> Finding:
+    """The phase and operation the traceback names, and what shrinks it."""
+    rank = "" if died.rank is None else f" (rank {died.rank})"
+    advice = PHASE_ADVICE.get(died.phase)
+    when = _WHEN.get(died.phase, f"in the {died.phase}")
+    return Finding("traceback", f"the traceback{rank} says the job died {when}: "
+                   f"{died.operation} ({died.frame}; read as {died.source})"
+                   + (f"; {advice}" if advice else ""), {}, cause=True)
+
+
+def request_term(est: Estimate, s: StageMemory, oom: OomReport) -> Finding | None:
+    """The failed request matched against one tensor of the estimate's terms: the foreach
+    step's intermediate over the rank's whole optimizer partition (one flat fp32 tensor where
+    the optimizer sees a flat group, as DeepSpeed ZeRO-1/2 gives it), and one fp32 copy of the
+    largest weight (vocabulary x hidden / TP: a foreach temporary or a state of it). The
+    logits are matched by the loss rule."""
+    wl, spec, par = est.workload, est.spec, est.parallel
+    terms = []
+    if s.optimizer_temp_bytes and wl.optimizer_impl is OptimizerImpl.FOREACH:
+        shards = par.dp if par.zero >= ZeroStage.OPTIMIZER else 1
+        terms.append(("one fp32 Adam temporary of the foreach step over the rank's whole "
+                      "optimizer partition (parameters / data-parallel ranks under ZeRO: one "
+                      "flat tensor where the optimizer sees a flat group, as DeepSpeed "
+                      "ZeRO-1/2 builds it)", FP32_BYTES * ceil_div(s.num_params, shards)))
+    largest = FP32_BYTES * est.parallel.vocab_shard(spec.vocab_size) * spec.hidden_size
+    terms.append(("one fp32 copy of the largest weight (vocabulary x hidden / TP: a foreach "
+                  "optimizer temporary, a state or an fp32 gradient of it)", largest))
+    for what, size in terms:
+        if request_matches(oom, size):
+            return Finding("request", "the failed request ({requested_bytes}) is " + what
+                           + " ({term_bytes} in the estimate)",
+                           {"requested_bytes": oom.requested_bytes, "term_bytes": size},
+                           cause=True)
+    return None
 
 
 def _comparison(est: Estimate, s: StageMemory, oom: OomReport,

@@ -60,6 +60,10 @@ class Fix:
     # what the job held beyond the estimate when it failed (``unexplained_bytes``), added to
     # the peak before deciding that a fix fits
     margin_bytes: int = 0
+    # it shrinks what the phase the traceback names allocates (``addresses``)
+    addresses_failure: bool = False
+    # what it saves in the step phase the traceback names (``_phase_peak``), 0 without one
+    phase_saved_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:
@@ -207,11 +211,64 @@ def loss_chunks_for(est: Estimate) -> int:
     return max(1, min(tokens, ceil_div(spec.vocab_size, spec.hidden_size)))
 
 
+# What each phase a traceback names allocates, and so which changes shrink it (the estimate
+# keyword a fix changes): the optimizer step's states and temporaries (fused step, ZeRO-1 and
+# up, 8-bit states, offloaded optimizer, no fp32 master copy); the gradient reduction's
+# buckets and gradients (DeepSpeed's reduce buckets, ZeRO-2 and up); the weights a loading or
+# a setup places (ZeRO-3, TP, PP, quantised or frozen base weights, offloaded weights); the
+# activations of a forward or backward (recomputation, micro-batch, chunked loss, CP, TP,
+# offloaded activations; ZeRO-2's gradients in backward).
+_PHASE_KEYS = {
+    "optimizer step": {"optimizer_impl", "optimizer", "precision"},
+    "gradient communication": {"zero_bucket_buffers", "zero_bucket_numel"},
+    "loading": {"tp", "pp", "base_quant", "lora_rank"},
+    "forward": {"recompute", "micro_batch_size", "loss_chunks", "cp", "tp"},
+}
+_PHASE_KEYS["setup"] = _PHASE_KEYS["loading"] | _PHASE_KEYS["optimizer step"]
+_PHASE_KEYS["backward"] = _PHASE_KEYS["forward"]
+_MIN_ZERO = {"optimizer step": 1, "setup": 1, "gradient communication": 2, "backward": 2,
+             "loading": 3}
+_OFFLOADS = {"optimizer step": "optimizer", "setup": "optimizer", "loading": "params",
+             "forward": "activations", "backward": "activations"}
+
+
+def addresses(phase: str | None, change: dict[str, Any]) -> bool:
+    """Whether ``change`` shrinks what ``phase`` (``memplan.diagnose.traceback.PHASES``)
+    allocates: see ``_PHASE_KEYS``."""
+    if phase is None:
+        return False
+    if set(change) & _PHASE_KEYS.get(phase, set()):
+        return True
+    zero = change.get("zero")
+    if zero is not None and phase in _MIN_ZERO and int(zero) >= _MIN_ZERO[phase]:
+        return True
+    offload = change.get("offload")
+    return bool(offload) and phase in _OFFLOADS and _OFFLOADS[phase] in str(offload)
+
+
+# the step phase of the estimate each phase a traceback names runs in
+# (memplan.diagnose.explain.STEP_PHASE)
+_STEP_PHASES = {"forward": "forward", "backward": "backward",
+                "gradient communication": "backward", "optimizer step": "optimizer"}
+
+
+def _phase_peak(est: Estimate, phase: str | None) -> int:
+    """The most loaded stage's tensor bytes in the step phase of ``phase`` (step 1's or the
+    steady state's, the larger); 0 when ``phase`` is none of a step's."""
+    name = _STEP_PHASES.get(phase or "")
+    if name is None:
+        return 0
+    s = est.worst
+    return max(getattr(s.first_step, name), getattr(s.steady, name))
+
+
 def suggest(model: Any, est: Estimate, given: dict[str, Any], *, capacity_bytes: int,
-            with_plan: bool = True, margin_bytes: int = 0) -> Fixes:
+            with_plan: bool = True, margin_bytes: int = 0, phase: str | None = None) -> Fixes:
     """Every candidate change of ``est`` (made by ``memplan.estimate(model, **given)``),
     re-estimated and timed, ranked. ``margin_bytes``: bytes the failed job held beyond the
-    estimate (``explain.unexplained_bytes``), assumed to stay with every fix."""
+    estimate (``explain.unexplained_bytes``), assumed to stay with every fix. ``phase``: where
+    the traceback says the job died; among the fixes that fit, those that shrink what that
+    phase allocates (``addresses``) come first."""
     from memplan.api import estimate
 
     base = baseline_kwargs(est, given)
@@ -232,17 +289,23 @@ def suggest(model: Any, est: Estimate, given: dict[str, Any], *, capacity_bytes:
             skipped.append(("layout from memplan plan", planned))
     # the global batch is held fixed: say so in the flags, so each fix re-runs as estimated
     gbs = f" --gbs {est.global_batch_size}"
-    fixes = [replace(f, margin_bytes=margin_bytes,
+    fixes = [replace(f, margin_bytes=margin_bytes, addresses_failure=addresses(phase, f.change),
+                     phase_saved_bytes=_phase_peak(est, phase) - _phase_peak(f.estimate, phase),
                      flags=f.flags + gbs if f.flags.startswith("--") else f.flags)
              for f in fixes]
+    # a fix that lowers the phase the job died in is kept although the estimate's peak lies
+    # in another phase: the traceback says where the job really ran out
+    keep = [f for f in fixes if f.saved_bytes > 0 or (
+        f.addresses_failure and f.phase_saved_bytes > 0)]
     skipped += [(f.name, (f"lowers no peak: its peak_bytes {f.peak_bytes} is not below "
                           f"the baseline's {est.peak_bytes}"))
-                for f in fixes if f.saved_bytes <= 0]
-    fixes = [f for f in fixes if f.saved_bytes > 0]
+                for f in fixes if f not in keep]
+    fixes = keep
     fixes, dominated = _drop_dominated_zero(fixes, est.parallel.dp)
     skipped += dominated
-    # safe fits fastest first, then fits inside the safety margin, then the rest by bytes saved
-    fixes.sort(key=lambda f: (not f.fits, not f.safe,
+    # fits first, those for the phase the job died in before the others; safe fits fastest
+    # first, then fits inside the safety margin; then the rest by bytes saved
+    fixes.sort(key=lambda f: (not f.fits, not f.addresses_failure, not f.safe,
                               f.time.step_s if f.fits else -f.saved_bytes, -f.saved_bytes))
     return Fixes(est, time_of(est), tuple(fixes), tuple(skipped))
 

@@ -404,12 +404,19 @@ def request_matches(oom: OomReport, tensor_bytes: int) -> bool:
     return abs(oom.requested_bytes - expected) <= oom.rounding_bytes
 
 
-def read_oom(path: str, stdin_text: str | None = None) -> OomReport:
-    """``parse_oom`` of a file's text, or of ``stdin_text`` when ``path`` is "-"."""
+def read_oom_text(path: str, stdin_text: str | None = None) -> str:
+    """The text of ``path`` (a log), or ``stdin_text`` when ``path`` is "-"."""
     # a log may hold any bytes (a progress bar's escapes, a cut multi-byte character): the
     # message's own lines are ASCII, so undecodable bytes are replaced, not refused
-    text = (stdin_text or "" if path == "-" else
+    return (stdin_text or "" if path == "-" else
             read_bytes(path, "--oom", LOG_BYTES).decode("utf-8", errors="replace"))
+
+
+def read_oom(path: str, stdin_text: str | None = None, text: str | None = None) -> OomReport:
+    """``parse_oom`` of a file's text, or of ``stdin_text`` when ``path`` is "-" (or of
+    ``text``, that file's text already read)."""
+    if text is None:
+        text = read_oom_text(path, stdin_text)
     try:
         return parse_oom(text)
     except MemplanError as err:

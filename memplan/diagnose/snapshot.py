@@ -188,3 +188,18 @@ def snapshot_report(data: dict[str, Any], device: int | None = None) -> OomRepor
                      requested_bytes=requested, free_bytes=device_free,
                      allocated_bytes=allocated, reserved_bytes=reserved,
                      largest_free_block_bytes=max(free, default=0), num_segments=count)
+
+
+def snapshot_died_in(data: dict[str, Any]) -> Any:
+    """Where the latest "oom" event's frames (recorded with ``_record_memory_history``'s
+    context) say the job died (``memplan.diagnose.traceback.DiedIn``), else None."""
+    from memplan.diagnose.traceback import frames_of, phase_of_frames
+
+    ooms = _oom_events(data)
+    if not ooms:
+        return None
+    _, _, last = max(ooms, key=lambda o: (o[2].get("time_us", 0)
+                                          if isinstance(o[2].get("time_us"), int) else 0, o[1]))
+    frames = last.get("frames")
+    return phase_of_frames(frames_of(frames)) if isinstance(frames, list) else None
+

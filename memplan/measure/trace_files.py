@@ -45,6 +45,9 @@ class TraceFile:
     meta: dict[str, Any]
     events: list[dict[str, Any]]
     partial: str | None = None
+    # the "[memory]" instant events of a trace made with profile_memory=True, checked
+    # (memplan.measure.memory_timeline)
+    instants: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -199,7 +202,34 @@ def read_trace(path: str | Path) -> TraceFile:
         data = {"traceEvents": data}
     if not isinstance(data, dict):
         raise MemplanError(f"{WHAT}: {p} holds {shown(data)}, not a chrome trace object")
-    return TraceFile(str(p), _meta(data, p), _complete(data.get("traceEvents", []), p), partial)
+    events = data.get("traceEvents", [])
+    return TraceFile(str(p), _meta(data, p), _complete(events, p), partial,
+                     _memory(events, p) if isinstance(events, list) else [])
+
+
+# the args of a "[memory]" event that are integers (bytes; c10's DeviceType and index)
+_MEMORY_INTS = ("Bytes", "Total Allocated", "Device Type")
+
+
+def _memory(events: list[Any], p: Path) -> list[dict[str, Any]]:
+    """The checked "[memory]" instant events among ``events`` (already checked objects)."""
+    out = []
+    for i, e in enumerate(events):
+        if e.get("name") != "[memory]" or e.get("ph") != "i":
+            continue
+        _number(e, "ts", i, p)
+        args = e.get("args")
+        if not isinstance(args, dict):
+            raise MemplanError(f"{WHAT}: {p}: memory event {i} has args {shown(args)}, not an "
+                               "object")
+        for key in (*_MEMORY_INTS, "Total Reserved", "Device Id"):
+            value = args.get(key)
+            if (key in _MEMORY_INTS or value is not None) and (
+                    isinstance(value, bool) or not isinstance(value, int) or too_large(value)):
+                raise MemplanError(f"{WHAT}: {p}: memory event {i} has {key} {shown(value)}, "
+                                   "not an integer")
+        out.append(e)
+    return out
 
 
 __all__ = ["RankTrace", "TraceFile", "read_trace"]

@@ -66,8 +66,12 @@ def _fix_row(f: Fix, base_step_s: float) -> str:
     cost = f.time.step_s / base_step_s - 1.0
     status = "fits" if f.safe else "tight" if f.fits else "over"
     return (f"  {status:5} {f.name}: peak {size(f.peak_bytes)} "
-            f"(saves {size(f.saved_bytes)}), step {f.time.step_s:.3g} s ({cost:+.1%})  "
-            f"[{f.flags}]" + (f"; {fix_note(f)}" if fix_note(f) else ""))
+            + (f"(saves {size(f.saved_bytes)})" if f.saved_bytes > 0 else
+               f"(saves {size(f.phase_saved_bytes)} in the phase the job died in, none at the "
+               "estimate's peak)")
+            + f", step {f.time.step_s:.3g} s ({cost:+.1%})  "
+            f"[{f.flags}]" + (f"; {fix_note(f)}" if fix_note(f) else "")
+            + ("; shrinks the phase the job died in" if f.addresses_failure else ""))
 
 
 def render_text(r: DiagnoseResult) -> str:
@@ -90,8 +94,11 @@ def render_text(r: DiagnoseResult) -> str:
     lines += [f"  {'*' if f.cause else '-'} {sentence(f)}" for f in d.findings]
     if r.fixes is not None:
         base = r.fixes.baseline_time.step_s
+        first = ("that shrink the phase the job died in first, each group "
+                 if d.died_in is not None else "")
         lines.append(f"fixes (re-estimated; step time from the step-time model, baseline "
-                     f"{base:.3g} s; fitting ones fastest first; tight: inside the 5% safety margin):")
+                     f"{base:.3g} s; fitting ones {first}fastest first; tight: inside the 5% "
+                     "safety margin):")
         margin = r.fixes.ranked[0].margin_bytes if r.fixes.ranked else 0
         if margin:
             lines.append(f"  (fit judged with {size(margin)} added to each peak: what the job "
@@ -134,6 +141,10 @@ def to_json(r: DiagnoseResult) -> dict[str, Any]:
     u = r.utilisation
     out: dict[str, Any] = {
         "oom": _oom_json(d.oom),
+        "died_in": None if d.died_in is None else {
+            "phase": d.died_in.phase, "operation": d.died_in.operation,
+            "frame": d.died_in.frame, "rule_source": d.died_in.source,
+            "innermost_frame": d.died_in.innermost, "rank": d.died_in.rank},
         "capacity_bytes": d.capacity_bytes,
         "capacity_source": r.capacity_source,
         "failing_stage": d.stage.stage,
@@ -162,6 +173,8 @@ def to_json(r: DiagnoseResult) -> dict[str, Any]:
                          "peak_bytes": f.peak_bytes, "saved_bytes": f.saved_bytes,
                          "capacity_bytes": f.capacity_bytes, "margin_bytes": f.margin_bytes,
                          "fits": f.fits, "within_safety_margin": f.safe,
+                         "addresses_failure": f.addresses_failure,
+                         "phase_saved_bytes": f.phase_saved_bytes,
                          "step_time_s": f.time.step_s, "mfu": f.time.mfu, "note": fix_note(f)}
                         for f in r.fixes.ranked]
         out["not_applicable"] = [{"name": n, "reason": why} for n, why in r.fixes.skipped]
