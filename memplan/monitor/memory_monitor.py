@@ -40,8 +40,9 @@ Arguments are checked when it is made (``MemplanError`` naming the argument, bef
 starts). After that it never raises into the training loop: a failing reader, clock, disk or
 sink is counted in ``errors`` and logged (rate-limited); a reader or clock that raises
 ``SystemExit``, ``KeyboardInterrupt`` or any other ``BaseException`` stops the monitor
-(``stopped`` says why, and a last record with ``monitor_stopped``) and the job goes on. Memory stays bounded: the
-monitor keeps a running summary (``summary``) and the trend windows, not its records.
+(``stopped`` says why, and a last record with ``monitor_stopped``) and the job goes on. Memory
+stays bounded: the monitor keeps a running summary (``summary``) and the trend windows, not its
+records.
 torch-free at import; nothing is read until the first step.
 """
 
