@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -15,9 +15,14 @@ Paths = Annotated[list[Path], typer.Argument(
 PlotPath = Annotated[Path | None, typer.Option(
     "--plot", help="Also draw memory and headroom per step, one line per rank, to this .png "
     "or .svg file (needs matplotlib).")]
+TensorBoardDir = Annotated[Path | None, typer.Option(
+    "--tensorboard", help="Also write every record's numbers as TensorBoard scalars "
+    "(memplan/<key>, in bytes) to this folder, one run per rank (memplan_rank<R>); needs "
+    "tensorboard.")]
 
 
-def monitor_summary(paths: Paths, plot: PlotPath = None, json_out: Json = False) -> None:
+def monitor_summary(paths: Paths, plot: PlotPath = None, tensorboard: TensorBoardDir = None,
+                    json_out: Json = False) -> None:
     """Summarise the per-step records a MemoryMonitor wrote on every rank.
 
     Per rank: largest peak, reserved and fragmentation, smallest headroom, allocation retries,
@@ -33,11 +38,18 @@ def monitor_summary(paths: Paths, plot: PlotPath = None, json_out: Json = False)
       memplan monitor-summary runs/mem/memory_rank3.jsonl --json
 
       memplan monitor-summary runs/mem --plot memory.png
+
+      memplan monitor-summary runs/mem --tensorboard runs/tb
     """
     if plot is not None:
         from memplan.report.plot import check_path
 
         check_path(plot)
+    sink = None
+    if tensorboard is not None:
+        from memplan.monitor.sinks import TensorBoardSink
+
+        sink = TensorBoardSink(tensorboard, "--tensorboard")
     from memplan.cli import warn
     from memplan.diagnose.monitored import read_monitor
 
@@ -52,6 +64,8 @@ def monitor_summary(paths: Paths, plot: PlotPath = None, json_out: Json = False)
 
         drawn = plot_monitor({k: list(v) for k, v in monitored.records.items()}, plot)
         result["plot"] = None if drawn is None else str(drawn)
+    if sink is not None:
+        result["tensorboard"] = _replay(sink, monitored.records)
     if json_out:
         typer.echo(dumps("monitor-summary", result))
         return
@@ -63,3 +77,20 @@ def monitor_summary(paths: Paths, plot: PlotPath = None, json_out: Json = False)
     typer.echo(f"worst rank: {result['worst_rank']} (by {result['worst_by']}; marked *)")
     if plot is not None:
         typer.echo(f"wrote {result['plot']}")
+    for folder in result.get("tensorboard", ()):
+        typer.echo(f"wrote TensorBoard scalars to {folder}")
+
+
+def _replay(sink: Any, records: dict[int, Any]) -> list[str]:
+    """Each rank's records as TensorBoard scalars (a stopped monitor's last record, which has no
+    counters, left out); the run folders written."""
+    from memplan.monitor.sinks import scalars
+
+    out = []
+    for rank, recs in records.items():
+        for rec in recs:
+            if "monitor_stopped" not in rec:
+                sink.write(rank, rec["step"], scalars(rec), rec["time"])
+        sink.close()
+        out.append(str(sink.run_dir(rank)))
+    return out
