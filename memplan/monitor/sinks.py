@@ -8,9 +8,11 @@ adds), as ``memplan/<key>``, plus ``memplan/num_warnings`` (the warnings of the 
 monitor adds ``memplan/predicted_peak_bytes`` when it was given the estimate. Units stay as in
 the record: bytes, seconds.
 
-- ``TensorBoardSink``: a folder (events written by TensorBoard's own writer,
-  ``tensorboard.summary.DirectoryOutput``, under ``<folder>/memplan_rank<R>``, one TensorBoard
-  run per rank, values as float64 so byte counts up to 2**53 stay exact; no torch), or a
+- ``TensorBoardSink``: a folder (an event file written by TensorBoard's own writer,
+  ``tensorboard.summary.writer.event_file_writer.EventFileWriter``, under
+  ``<folder>/memplan_rank<R>``, one TensorBoard run per rank; one event a step holding its
+  values as float64 scalar tensors of the scalar plugin, so byte counts up to 2**53 stay
+  exact; no torch), or a
   writer the job already has (anything with ``add_scalar(tag, value, step)``: torch's or
   tensorboardX's ``SummaryWriter``; torch's is asked for double precision);
 - ``WandbSink``: ``run.log`` on the run given, or on the active run (``wandb.run``) at each
@@ -57,6 +59,19 @@ def _need(module: str, who: str) -> Any:
                            f"'memplan[monitor]' ({err})") from err
 
 
+# seconds between flushes of the event file (torch's SummaryWriter waits 120); close() flushes
+FLUSH_S = 30
+
+
+def _double(value: float) -> Any:
+    """A float64 scalar tensor: what ``tensor_util.make_tensor_proto(np.float64(v))`` gives,
+    made directly."""
+    from tensorboard.compat.proto import tensor_pb2, tensor_shape_pb2, types_pb2
+
+    return tensor_pb2.TensorProto(dtype=types_pb2.DT_DOUBLE, double_val=[float(value)],
+                                  tensor_shape=tensor_shape_pb2.TensorShapeProto())
+
+
 class TensorBoardSink:
     """Scalars to TensorBoard: a folder (``<folder>/memplan_rank<R>``) or a writer with
     ``add_scalar``; see the module docstring."""
@@ -68,13 +83,14 @@ class TensorBoardSink:
                                    "add_scalar, not ''")
             self.folder: Path | None = Path(target)
             self.writer: Any = None
-            self._summary = _need("tensorboard.summary", who)
+            _need("tensorboard.summary.writer.event_file_writer", who)
         elif callable(getattr(target, "add_scalar", None)):
             self.folder, self.writer = None, target
         else:
             raise MemplanError(f"{who} must be a folder path or a writer with add_scalar "
                                f"(a SummaryWriter), not {target!r}")
         self._output: Any = None
+        self._described: set[str] = set()  # tags whose metadata the open file has
         self._exact = False
         if self.writer is not None:
             try:  # torch's SummaryWriter keeps float32 unless asked for a double
@@ -94,17 +110,32 @@ class TensorBoardSink:
             for tag, value in values.items():
                 self.writer.add_scalar(tag, value, step, **extra)
             return
-        if self._output is None:
-            self._output = self._summary.DirectoryOutput(str(self.run_dir(rank)))
-        import numpy as np  # tensorboard's own dependency
+        from tensorboard.compat.proto import event_pb2
 
+        if self._output is None:
+            from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+            self._output = EventFileWriter(str(self.run_dir(rank)), flush_secs=FLUSH_S)
+            self._described = set()
+        event = event_pb2.Event(wall_time=time.time() if wall_time is None else wall_time,
+                                step=step)
+        for tag, value in values.items():
+            event.summary.value.add(tag=tag, tensor=_double(value),
+                                    metadata=self._metadata(tag))
+        self._output.add_event(event)
+
+    def _metadata(self, tag: str) -> Any:
+        """The scalar plugin's metadata, with a tag's first value in each file (as TensorBoard's
+        own writers do: it keeps the first)."""
+        if tag in self._described:
+            return None
+        self._described.add(tag)
+        from tensorboard.compat.proto import summary_pb2
         from tensorboard.plugins.scalar import metadata
 
-        when = time.time() if wall_time is None else wall_time
-        for tag, value in values.items():
-            self._output.emit_scalar(plugin_name=metadata.PLUGIN_NAME, tag=tag,
-                                     data=np.float64(value), step=np.int64(step),
-                                     wall_time=when)
+        out = metadata.create_summary_metadata(display_name=tag, description="")
+        out.data_class = summary_pb2.DataClass.DATA_CLASS_SCALAR
+        return out
 
     def flush(self) -> None:
         target = self.writer if self.writer is not None else self._output

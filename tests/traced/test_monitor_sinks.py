@@ -252,8 +252,9 @@ def test_monitor_summary_replays_records_to_tensorboard(tmp_path, fixed_wall_tim
 def test_monitor_summary_tensorboard_without_the_library(tmp_path, monkeypatch, capsys):
     """Without tensorboard: one line naming the option and the extra, exit 2, before the
     files are read (here there are none)."""
-    monkeypatch.setitem(sys.modules, "tensorboard", None)
-    monkeypatch.setitem(sys.modules, "tensorboard.summary", None)
+    for name in ("tensorboard", "tensorboard.summary", "tensorboard.summary.writer",
+                 "tensorboard.summary.writer.event_file_writer"):
+        monkeypatch.setitem(sys.modules, name, None)
     code = main(["monitor-summary", str(tmp_path / "none.jsonl"), "--tensorboard",
                  str(tmp_path / "tb")])
     err = capsys.readouterr().err
