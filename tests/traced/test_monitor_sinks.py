@@ -22,10 +22,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import memplan.monitor.memory_monitor as memory_monitor
 from memplan.cli import app, main
 from memplan.errors import MemplanError
-from memplan.monitor import MemoryMonitor
+from memplan.monitor import MemoryMonitor, memory_monitor
 
 ROOT = Path(__file__).resolve().parents[2]
 GiB = 1 << 30
@@ -271,7 +270,7 @@ def wandb_history(root) -> list[dict]:
     a ``wandb_internal_pb2.Record``), read once the run's last record (``exit``) is there."""
     [path] = glob.glob(str(root / "wandb" / "offline-run-*" / "run-*.wandb"))
     for _ in range(300):  # wandb-core may still be writing after finish() returns
-        records = _records(open(path, "rb").read())
+        records = _records(Path(path).read_bytes())
         if records and records[-1].WhichOneof("record_type") == "exit":
             break
         time.sleep(0.1)
