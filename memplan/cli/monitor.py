@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from memplan.cli.options import Json
+from memplan.errors import MemplanError
 from memplan.report.versioned import dumps
 
 Paths = Annotated[list[Path], typer.Argument(
@@ -19,10 +20,14 @@ TensorBoardDir = Annotated[Path | None, typer.Option(
     "--tensorboard", help="Also write every record's numbers as TensorBoard scalars "
     "(memplan/<key>, in bytes) to this folder, one run per rank (memplan_rank<R>); needs "
     "tensorboard.")]
+WandbProject = Annotated[str | None, typer.Option(
+    "--wandb", help="Also log every record's numbers to Weights & Biases, one run per rank "
+    "(memplan_rank<R>) in this project; WANDB_MODE=offline keeps them local for `wandb sync`. "
+    "Needs wandb.")]
 
 
 def monitor_summary(paths: Paths, plot: PlotPath = None, tensorboard: TensorBoardDir = None,
-                    json_out: Json = False) -> None:
+                    wandb: WandbProject = None, json_out: Json = False) -> None:
     """Summarise the per-step records a MemoryMonitor wrote on every rank.
 
     Per rank: largest peak, reserved and fragmentation, smallest headroom, allocation retries,
@@ -40,6 +45,8 @@ def monitor_summary(paths: Paths, plot: PlotPath = None, tensorboard: TensorBoar
       memplan monitor-summary runs/mem --plot memory.png
 
       memplan monitor-summary runs/mem --tensorboard runs/tb
+
+      memplan monitor-summary runs/mem --wandb my-project
     """
     if plot is not None:
         from memplan.report.plot import check_path
@@ -50,6 +57,13 @@ def monitor_summary(paths: Paths, plot: PlotPath = None, tensorboard: TensorBoar
         from memplan.monitor.sinks import TensorBoardSink
 
         sink = TensorBoardSink(tensorboard, "--tensorboard")
+    wandb_module = None
+    if wandb is not None:
+        from memplan.monitor.sinks import need
+
+        if not wandb.strip():
+            raise MemplanError("--wandb must name a W&B project, not ''")
+        wandb_module = need("wandb", "--wandb")
     from memplan.cli import warn
     from memplan.diagnose.monitored import read_monitor
 
@@ -66,6 +80,8 @@ def monitor_summary(paths: Paths, plot: PlotPath = None, tensorboard: TensorBoar
         result["plot"] = None if drawn is None else str(drawn)
     if sink is not None:
         result["tensorboard"] = _replay(sink, monitored.records)
+    if wandb_module is not None:
+        result["wandb"] = _replay_wandb(wandb_module, str(wandb), monitored.records)
     if json_out:
         typer.echo(dumps("monitor-summary", result))
         return
@@ -79,6 +95,9 @@ def monitor_summary(paths: Paths, plot: PlotPath = None, tensorboard: TensorBoar
         typer.echo(f"wrote {result['plot']}")
     for folder in result.get("tensorboard", ()):
         typer.echo(f"wrote TensorBoard scalars to {folder}")
+    for run in result.get("wandb", ()):
+        typer.echo(f"logged rank {run['rank']} to W&B run {run['project']}/{run['id']} "
+                   f"({run['dir']})")
 
 
 def _replay(sink: Any, records: dict[int, Any]) -> list[str]:
@@ -93,4 +112,23 @@ def _replay(sink: Any, records: dict[int, Any]) -> list[str]:
                 sink.write(rank, rec["step"], scalars(rec), rec["time"])
         sink.close()
         out.append(str(sink.run_dir(rank)))
+    return out
+
+
+def _replay_wandb(wandb: Any, project: str, records: dict[int, Any]) -> list[dict[str, Any]]:
+    """Each rank's records logged to a W&B run of its own (memplan_rank<R>), finished."""
+    from memplan.monitor.sinks import WandbSink, scalars
+
+    out = []
+    for rank, recs in records.items():
+        run = wandb.init(project=project, name=f"memplan_rank{rank}", group="memplan",
+                         job_type="memory-monitor", settings=wandb.Settings(console="off"))
+        try:
+            sink = WandbSink(run, "--wandb")
+            for rec in recs:
+                if "monitor_stopped" not in rec:
+                    sink.write(rank, rec["step"], scalars(rec), rec["time"])
+        finally:
+            run.finish()
+        out.append({"rank": rank, "project": project, "id": str(run.id), "dir": str(run.dir)})
     return out

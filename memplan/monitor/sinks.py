@@ -51,7 +51,8 @@ def scalars(rec: dict[str, Any]) -> dict[str, int | float]:
     return out
 
 
-def _need(module: str, who: str) -> Any:
+def need(module: str, who: str) -> Any:
+    """``module`` imported, or one line naming ``who`` needs it and how to install it."""
     try:
         return importlib.import_module(module)
     except ImportError as err:
@@ -83,7 +84,7 @@ class TensorBoardSink:
                                    "add_scalar, not ''")
             self.folder: Path | None = Path(target)
             self.writer: Any = None
-            _need("tensorboard.summary.writer.event_file_writer", who)
+            need("tensorboard.summary.writer.event_file_writer", who)
         elif callable(getattr(target, "add_scalar", None)):
             self.folder, self.writer = None, target
         else:
@@ -157,7 +158,7 @@ class WandbSink:
 
     def __init__(self, run: Any = True, who: str = "wandb") -> None:
         if run is True:
-            self._wandb = _need("wandb", who)
+            self._wandb = need("wandb", who)
             self.run: Any = None
         elif callable(getattr(run, "log", None)) and not isinstance(run, bool):
             self._wandb, self.run = None, run
@@ -190,4 +191,4 @@ class WandbSink:
         return None
 
 
-__all__ = ["PREFIX", "TensorBoardSink", "WandbSink", "scalars"]
+__all__ = ["PREFIX", "TensorBoardSink", "WandbSink", "need", "scalars"]

@@ -248,27 +248,31 @@ def test_monitor_summary_replays_records_to_tensorboard(tmp_path, fixed_wall_tim
     assert (tmp_path / "mem" / "memory_rank0.jsonl").read_bytes() == plain
 
 
-def test_monitor_summary_tensorboard_without_the_library(tmp_path, monkeypatch, capsys):
-    """Without tensorboard: one line naming the option and the extra, exit 2, before the
+@pytest.mark.parametrize(("option", "value", "modules"), [
+    ("--tensorboard", "tb", ("tensorboard", "tensorboard.summary", "tensorboard.summary.writer",
+                             "tensorboard.summary.writer.event_file_writer")),
+    ("--wandb", "memplan-test", ("wandb",)),
+])
+def test_monitor_summary_sink_without_the_library(tmp_path, monkeypatch, capsys, option, value,
+                                                  modules):
+    """Without the library: one line naming the option and the extra, exit 2, before the
     files are read (here there are none)."""
-    for name in ("tensorboard", "tensorboard.summary", "tensorboard.summary.writer",
-                 "tensorboard.summary.writer.event_file_writer"):
+    for name in modules:
         monkeypatch.setitem(sys.modules, name, None)
-    code = main(["monitor-summary", str(tmp_path / "none.jsonl"), "--tensorboard",
-                 str(tmp_path / "tb")])
+    code = main(["monitor-summary", str(tmp_path / "none.jsonl"), option, value])
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1
-    assert "--tensorboard needs tensorboard: pip install 'memplan[monitor]'" in err
+    assert f"{option} needs {modules[0]}: pip install 'memplan[monitor]'" in err
 
 
 # --- Weights & Biases ----------------------------------------------------------------------
 
-def wandb_history(root) -> list[dict]:
+def wandb_history(root, run_id: str = "*") -> list[dict]:
     """The history rows of the offline run under ``root`` (its run-<id>.wandb file, the
     transaction log ``wandb sync`` uploads: W&B's 7-byte header, then LevelDB log records of
     32 KiB blocks, 7-byte headers (crc, length, type: 1 full, 2 first, 3 middle, 4 last), each
     a ``wandb_internal_pb2.Record``), read once the run's last record (``exit``) is there."""
-    [path] = glob.glob(str(root / "wandb" / "offline-run-*" / "run-*.wandb"))
+    [path] = glob.glob(str(root / "wandb" / "offline-run-*" / f"run-{run_id}.wandb"))
     for _ in range(300):  # wandb-core may still be writing after finish() returns
         records = _records(Path(path).read_bytes())
         if records and records[-1].WhichOneof("record_type") == "exit":
@@ -315,9 +319,11 @@ def wandb_offline(tmp_path, monkeypatch):
                        "WANDB_CACHE_DIR": str(tmp_path / "cache")}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    wandb.teardown()  # settings read from this test's environment, not an earlier test's
     yield wandb
     if wandb.run is not None:
         wandb.run.finish()
+    wandb.teardown()
 
 
 @pytest.mark.parametrize("given", ["active", "run"])
@@ -351,3 +357,28 @@ def test_wandb_without_a_run_skips_and_says_so(tmp_path, fixed_wall_time, wandb_
     assert with_wb == plain
     said = [r.getMessage() for r in caplog.records if "no wandb run" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("rank 0 step 1: ")
+
+
+def test_monitor_summary_replays_records_to_wandb(tmp_path, fixed_wall_time, wandb_offline):
+    """``memplan monitor-summary DIR --wandb PROJECT`` with WANDB_MODE=offline: two ranks'
+    records, each logged to an offline run of its own (memplan_rank<R>), whose history equals
+    the records (less predicted_peak_bytes, which the files do not carry); --json says which
+    run holds which rank."""
+    plain, _ = run(tmp_path / "mem")
+    rank3 = [{**json.loads(line), "rank": 3} for line in plain.splitlines()]
+    (tmp_path / "mem" / "memory_rank3.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rank3))
+    result = CliRunner().invoke(app, ["monitor-summary", str(tmp_path / "mem"), "--wandb",
+                                      "memplan-test", "--json"])
+    assert result.exit_code == 0, result.output
+    runs = json.loads(result.output)["wandb"]
+    assert [(r["rank"], r["project"]) for r in runs] == [(0, "memplan-test"),
+                                                          (3, "memplan-test")]
+    want = [{"memplan/step": s, **{f"memplan/{k}": v for k, v in hand_record(s).items()
+                                   if k != "predicted_peak_bytes"}}
+            for s in range(1, STEPS + 1)]
+    for r in runs:
+        rows = [{k: v for k, v in row.items() if k.startswith("memplan/")}
+                for row in wandb_history(tmp_path, r["id"])]
+        assert rows == want
+    assert wandb_offline.run is None  # each run finished
