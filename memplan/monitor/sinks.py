@@ -12,9 +12,9 @@ the record: bytes, seconds.
   ``tensorboard.summary.writer.event_file_writer.EventFileWriter``, under
   ``<folder>/memplan_rank<R>``, one TensorBoard run per rank; one event a step holding its
   values as float64 scalar tensors of the scalar plugin, so byte counts up to 2**53 stay
-  exact; no torch), or a
-  writer the job already has (anything with ``add_scalar(tag, value, step)``: torch's or
-  tensorboardX's ``SummaryWriter``; torch's is asked for double precision);
+  exact; no torch), or a writer the job already has (anything with ``add_scalar(tag, value,
+  step)``: torch's or tensorboardX's ``SummaryWriter``; torch's is asked for double
+  precision);
 - ``WandbSink``: ``run.log`` on the run given, or on the active run (``wandb.run``) at each
   step, skipped while there is none; ``memplan/step`` is logged with the values and declared
   their step metric (``define_metric``), so the job's own ``wandb.log`` steps are left alone.
