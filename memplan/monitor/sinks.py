@@ -84,6 +84,12 @@ class TensorBoardSink:
                                    "add_scalar, not ''")
             self.folder: Path | None = Path(target)
             self.writer: Any = None
+            for part in (self.folder, *self.folder.parents):  # the nearest existing: a folder
+                if part.exists():
+                    if not part.is_dir():
+                        raise MemplanError(f"{who} {self.folder}: {part} is a file, not a "
+                                           "folder")
+                    break
             need("tensorboard.summary.writer.event_file_writer", who)
         elif callable(getattr(target, "add_scalar", None)):
             self.folder, self.writer = None, target

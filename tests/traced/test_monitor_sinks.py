@@ -207,9 +207,13 @@ def test_a_failing_sink_is_counted_and_the_records_go_on(tmp_path, fixed_wall_ti
 @pytest.mark.parametrize(("kw", "says"), [
     ({"tensorboard": 42}, "tensorboard must be a folder path or a writer with add_scalar"),
     ({"tensorboard": ""}, "tensorboard must be a folder path"),
+    ({"tensorboard": "file/tb"}, "tensorboard file/tb: file is a file, not a folder"),
     ({"wandb": "yes"}, "wandb must be True (the active wandb run) or a wandb run"),
 ])
-def test_sink_arguments_checked_when_made(tmp_path, kw, says):
+def test_sink_arguments_checked_when_made(tmp_path, monkeypatch, kw, says):
+    """Said when the monitor is made, before training: one line naming the argument."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "file").write_text("")
     with pytest.raises(MemplanError, match=r"^MemoryMonitor: " + says.replace("(", r"\(")
                        .replace(")", r"\)")):
         MemoryMonitor(tmp_path, **kw)
