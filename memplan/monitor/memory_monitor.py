@@ -191,6 +191,7 @@ class MemoryMonitor(TrainerHooks):
         self._warned: dict[str, list[int]] = {}  # kind -> [step logged, steps since, total]
         self._max: dict[str, int] = {}
         self._min_headroom: int | None = None
+        self._no_run: set[str] = set()  # sinks that found no run to log to (said once)
 
     # --- lifecycle -------------------------------------------------------------------------
     def __enter__(self) -> Self:
@@ -291,10 +292,12 @@ class MemoryMonitor(TrainerHooks):
             values["memplan/predicted_peak_bytes"] = self.predicted_peak_bytes
         for name, sink in self.sinks.items():
             try:
-                if sink.write(rec["rank"], rec["step"], values, rec["time"]) is False:
-                    self._warn(f"{name}:none", f"memory monitor: no {name} run to log to "
-                               "(wandb.init not called on this rank); steps skipped",
-                               rec["step"])
+                if (sink.write(rec["rank"], rec["step"], values, rec["time"]) is False
+                        and name not in self._no_run):  # said once: W&B is often rank 0's
+                    self._no_run.add(name)
+                    log.warning("rank %s step %s: memory monitor: no %s run to log to (%s.init "
+                                "not called on this rank); its steps are skipped", self.rank,
+                                rec["step"], name, name)
             except Exception as err:  # noqa: BLE001 - never raise into the training loop
                 self._error(name, err)
 
