@@ -61,8 +61,7 @@ def monitor_summary(paths: Paths, plot: PlotPath = None, tensorboard: TensorBoar
     if wandb is not None:
         from memplan.monitor.sinks import need
 
-        if not wandb.strip():
-            raise MemplanError("--wandb must name a W&B project, not ''")
+        _check_project(wandb)
         wandb_module = need("wandb", "--wandb")
     from memplan.cli import warn
     from memplan.diagnose.monitored import read_monitor
@@ -78,10 +77,10 @@ def monitor_summary(paths: Paths, plot: PlotPath = None, tensorboard: TensorBoar
 
         drawn = plot_monitor({k: list(v) for k, v in monitored.records.items()}, plot)
         result["plot"] = None if drawn is None else str(drawn)
+    if wandb_module is not None:  # first: a run W&B refuses (not logged in) leaves no files
+        result["wandb"] = _replay_wandb(wandb_module, str(wandb), monitored.records)
     if sink is not None:
         result["tensorboard"] = _replay(sink, monitored.records)
-    if wandb_module is not None:
-        result["wandb"] = _replay_wandb(wandb_module, str(wandb), monitored.records)
     if json_out:
         typer.echo(dumps("monitor-summary", result))
         return
@@ -115,14 +114,33 @@ def _replay(sink: Any, records: dict[int, Any]) -> list[str]:
     return out
 
 
+# W&B's own limit on a project name: 128 characters, none of these (wandb_settings.py,
+# Settings.validate_project)
+_PROJECT_CHARS = frozenset("/\\#?%:")
+
+
+def _check_project(project: str) -> None:
+    bad = sorted(set(project) & _PROJECT_CHARS)
+    if not project.strip() or len(project) > 128 or bad or not project.isprintable():
+        raise MemplanError(f"--wandb must name a W&B project (1 to 128 printable characters, "
+                           f"none of / \\ # ? % :), not {project[:40]!r}"
+                           f"{'...' if len(project) > 40 else ''} ({len(project)} characters)")
+
+
 def _replay_wandb(wandb: Any, project: str, records: dict[int, Any]) -> list[dict[str, Any]]:
     """Each rank's records logged to a W&B run of its own (memplan_rank<R>), finished."""
     from memplan.monitor.sinks import WandbSink, scalars
 
     out = []
     for rank, recs in records.items():
-        run = wandb.init(project=project, name=f"memplan_rank{rank}", group="memplan",
-                         job_type="memory-monitor", settings=wandb.Settings(console="off"))
+        try:
+            run = wandb.init(project=project, name=f"memplan_rank{rank}", group="memplan",
+                             job_type="memory-monitor",  # memplan says what it logged
+                             settings=wandb.Settings(console="off", silent=True,
+                                                     disable_git=True))
+        except Exception as err:  # not logged in, no network, a setting W&B refuses
+            raise MemplanError(f"--wandb {project}: W&B could not start a run: "
+                               f"{' '.join(str(err).split())}") from err
         try:
             sink = WandbSink(run, "--wandb")
             for rec in recs:
