@@ -393,3 +393,33 @@ def test_monitor_summary_replays_records_to_wandb(tmp_path, fixed_wall_time, wan
                 for row in wandb_history(tmp_path, r["id"])]
         assert rows == want
     assert wandb_offline.run is None  # each run finished
+
+
+@pytest.mark.parametrize("project", ["team/memory", "a" * 129, " "])
+def test_monitor_summary_wandb_project_checked_first(tmp_path, capsys, project):
+    """A project name W&B would refuse (wandb_settings.py, Settings.validate_project: at most
+    128 characters, none of / \\ # ? % :): one line naming --wandb, exit 2, before the files
+    are read (here there are none)."""
+    code = main(["monitor-summary", str(tmp_path / "none.jsonl"), "--wandb", project])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("memplan: error: --wandb must name a W&B project")
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_monitor_summary_wandb_refused_is_one_line(tmp_path, fixed_wall_time, wandb_offline,
+                                                   monkeypatch, capsys):
+    """W&B refusing to start a run (here its own UsageError for a machine not logged in, raised
+    by a stand-in for wandb.init): one line, exit 2, and no TensorBoard files written either."""
+    run(tmp_path / "mem")
+
+    def refuse(**_):
+        raise wandb_offline.errors.UsageError("No API key configured. Use `wandb login` to "
+                                              "log in.")
+
+    monkeypatch.setattr(wandb_offline, "init", refuse)
+    code = main(["monitor-summary", str(tmp_path / "mem"), "--wandb", "memplan-test",
+                 "--tensorboard", str(tmp_path / "tb")])
+    err = capsys.readouterr().err
+    assert code == 2 and err == ("memplan: error: --wandb memplan-test: W&B could not start a "
+                                 "run: No API key configured. Use `wandb login` to log in.\n")
+    assert not (tmp_path / "tb").exists()
