@@ -423,3 +423,72 @@ def test_monitor_summary_wandb_refused_is_one_line(tmp_path, fixed_wall_time, wa
     assert code == 2 and err == ("memplan: error: --wandb memplan-test: W&B could not start a "
                                  "run: No API key configured. Use `wandb login` to log in.\n")
     assert not (tmp_path / "tb").exists()
+
+
+@pytest.mark.parametrize("logger", ["tensorboard", "wandb"])
+def test_lightning_trainer_with_its_own_logger(tmp_path, fixed_wall_time, monkeypatch, logger):
+    """Lightning's Trainer on CPU (4 optimizer steps of 8 batches, accumulating 2) logging its
+    loss through its own TensorBoardLogger or offline WandbLogger, the monitor as a callback
+    sending to the same writer or run (``tensorboard=logger.experiment``, ``wandb=True``):
+    memplan's scalars sit beside the trainer's, one value per optimizer step 1-4, equal to the
+    JSONL records."""
+    torch = pytest.importorskip("torch")
+    pl = pytest.importorskip("lightning.pytorch")
+    pytest.importorskip(logger, reason=f"needs {logger}: pip install 'memplan[monitor]'")
+    if logger == "wandb":
+        import wandb
+
+        for key, value in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path),
+                           "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true"}.items():
+            monkeypatch.setenv(key, value)
+        wandb.teardown()
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, _):
+            loss = self.layer(batch[0]).square().mean()
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 8)),
+                                       batch_size=1)
+    if logger == "tensorboard":
+        log = pl.loggers.TensorBoardLogger(str(tmp_path / "tb"), name="job", version=0)
+        sink = {"tensorboard": log.experiment}
+    else:
+        log = pl.loggers.WandbLogger(project="memplan-test", save_dir=str(tmp_path),
+                                     offline=True)
+        sink = {"wandb": True}
+    mon = MemoryMonitor(tmp_path / "mem", reader=lambda: {"allocated_bytes": 40 * GiB + 1},
+                        **sink)
+    trainer = pl.Trainer(max_steps=4, accumulate_grad_batches=2, callbacks=[mon], logger=log,
+                         log_every_n_steps=1, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         accelerator="cpu", default_root_dir=tmp_path)
+    trainer.fit(Tiny(), data)
+    recs = [json.loads(line) for line in (tmp_path / "mem" / "memory_rank0.jsonl").open()]
+    assert [r["step"] for r in recs] == [1, 2, 3, 4] and mon.errors == 0
+    if logger == "tensorboard":
+        got = tensorboard_values(tmp_path / "tb" / "job" / "version_0")
+        assert "train_loss" in got
+        assert got["memplan/allocated_bytes"] == {s: 40 * GiB + 1 for s in (1, 2, 3, 4)}
+        assert got["memplan/step_time_s"] == {r["step"]: r["step_time_s"] for r in recs}
+    else:
+        import wandb
+
+        wandb.finish()
+        rows = wandb_history(tmp_path)
+        assert any("train_loss" in row for row in rows)
+        mine = [{k: v for k, v in row.items() if k.startswith("memplan/")} for row in rows]
+        assert [m for m in mine if m] == [
+            {"memplan/step": r["step"], "memplan/allocated_bytes": 40 * GiB + 1,
+             "memplan/step_time_s": r["step_time_s"], "memplan/num_warnings": 0}
+            for r in recs]
+        wandb.teardown()
