@@ -27,6 +27,11 @@ if settings is not None:
     settings.register_profile("explore", derandomize=False, max_examples=500, **_UNTIMED)
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
 
+# Weights & Biases never logs online from the suite, whatever the machine's account: a test that
+# reaches wandb.init (monitor-summary --wandb, fuzzed) gets a disabled run. The sinks' own tests
+# (tests/traced/test_monitor_sinks.py) set an offline run under tmp_path.
+os.environ["WANDB_MODE"] = "disabled"
+
 
 # Every ``--json`` output any test produces is checked against the published schema
 # (docs/schema/output.schema.json): the commands' JSON and its documentation cannot drift.

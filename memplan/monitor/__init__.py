@@ -4,7 +4,7 @@
 happen), ``callbacks`` (transformers' and Lightning's callback protocols), ``readers`` (where a
 step's counters come from: CUDA's allocator or the host), ``window`` (the leak rule's rolling
 windows), ``trend`` (Theil-Sen growth with rising floors), ``records`` (a run's files read back
-and summarised).
+and summarised), ``sinks`` (the same numbers, opt-in, as TensorBoard scalars and W&B history).
 """
 
 from memplan.monitor.memory_monitor import (

@@ -31,12 +31,18 @@ planted at ``memory_rank<R>.jsonl`` in a shared folder is refused, with one line
 followed), and each record is appended whole or not at all (a write cut by a full disk is
 truncated back), so the file never ends in half a record.
 
+Opt-in, the same numbers also go where the job is watched (``memplan.monitor.sinks``), after
+the record's line is written and without changing it: ``tensorboard=`` a folder (scalars
+``memplan/<key>`` under ``<folder>/memplan_rank<R>``, TensorBoard's own writer, no torch) or
+the job's ``SummaryWriter``; ``wandb=True`` (``wandb.log`` on the active run) or a run.
+
 Arguments are checked when it is made (``MemplanError`` naming the argument, before training
-starts). After that it never raises into the training loop: a failing reader, clock or disk is
-counted in ``errors`` and logged (rate-limited); a reader or clock that raises ``SystemExit``,
-``KeyboardInterrupt`` or any other ``BaseException`` stops the monitor (``stopped`` says why,
-and a last record with ``monitor_stopped``) and the job goes on. Memory stays bounded: the
-monitor keeps a running summary (``summary``) and the trend windows, not its records.
+starts). After that it never raises into the training loop: a failing reader, clock, disk or
+sink is counted in ``errors`` and logged (rate-limited); a reader or clock that raises
+``SystemExit``, ``KeyboardInterrupt`` or any other ``BaseException`` stops the monitor
+(``stopped`` says why, and a last record with ``monitor_stopped``) and the job goes on. Memory
+stays bounded: the monitor keeps a running summary (``summary``) and the trend windows, not its
+records.
 torch-free at import; nothing is read until the first step.
 """
 
@@ -58,6 +64,7 @@ from memplan.errors import MemplanError
 from memplan.monitor.callbacks import TrainerHooks
 from memplan.monitor.readers import Reader, cuda_reader, default_reader, host_reader
 from memplan.monitor.records import read_records, run_trend, summarize
+from memplan.monitor.sinks import TensorBoardSink, WandbSink, scalars
 from memplan.monitor.trend import Trend
 from memplan.monitor.window import LEAK_BYTES, LEAK_WINDOW, LeakWindows
 from memplan.outputs import open_append, refuse_link
@@ -151,7 +158,8 @@ class MemoryMonitor(TrainerHooks):
                  deviation_pct: float = 10.0, min_headroom_pct: float = 5.0,
                  leak_window: int = LEAK_WINDOW, leak_bytes: int = LEAK_BYTES,
                  warn_every: int = WARN_EVERY,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 tensorboard: Any = None, wandb: Any = None) -> None:
         self.out_dir = _out_dir(out_dir)
         rank = _int("rank", rank, 0, allow_none=True)
         if reader is not None and not callable(reader):
@@ -165,6 +173,7 @@ class MemoryMonitor(TrainerHooks):
         leak_bytes = _int("leak_bytes", leak_bytes, 1)
         warn_every = _int("warn_every", warn_every, 1)
         self.clock = _clock(clock)
+        self.sinks = _sinks(tensorboard, wandb)
         if rank is not None:  # said before training starts; start() checks again
             refuse_link(self.out_dir / f"memory_rank{rank}.jsonl", "MemoryMonitor")
         self.rank, self.reader = rank, reader
@@ -182,6 +191,7 @@ class MemoryMonitor(TrainerHooks):
         self._warned: dict[str, list[int]] = {}  # kind -> [step logged, steps since, total]
         self._max: dict[str, int] = {}
         self._min_headroom: int | None = None
+        self._no_run: set[str] = set()  # sinks that found no run to log to (said once)
 
     # --- lifecycle -------------------------------------------------------------------------
     def __enter__(self) -> Self:
@@ -214,12 +224,18 @@ class MemoryMonitor(TrainerHooks):
             pass
 
     def close(self) -> None:
-        """Close the file (it reopens, appending, if ``step()`` is called again)."""
+        """Close the file and flush the sinks (both reopen, appending, if ``step()`` is
+        called again)."""
         try:
             if self._file is not None:
                 self._file.close()
         except Exception as err:  # noqa: BLE001
             self._error("close", err)
+        for name, sink in self.sinks.items():
+            try:
+                sink.close()
+            except Exception as err:  # noqa: BLE001
+                self._error(name, err)
         self._file = None
         self._started = False
 
@@ -263,7 +279,27 @@ class MemoryMonitor(TrainerHooks):
         self._keep(rec)
         self._write(rec)
         self.last_record = rec
+        self._send(rec)
         return rec
+
+    def _send(self, rec: dict[str, Any]) -> None:
+        """The record's scalars to each sink (TensorBoard, W&B) after its line is written; a
+        failing sink is counted in errors like a failing disk."""
+        if not self.sinks:
+            return
+        values = scalars(rec)
+        if self.predicted_peak_bytes is not None:
+            values["memplan/predicted_peak_bytes"] = self.predicted_peak_bytes
+        for name, sink in self.sinks.items():
+            try:
+                if (sink.write(rec["rank"], rec["step"], values, rec["time"]) is False
+                        and name not in self._no_run):  # said once: W&B is often rank 0's
+                    self._no_run.add(name)
+                    log.warning("rank %s step %s: memory monitor: no %s run to log to (%s.init "
+                                "not called on this rank); its steps are skipped", self.rank,
+                                rec["step"], name, name)
+            except Exception as err:  # noqa: BLE001 - never raise into the training loop
+                self._error(name, err)
 
     def _hook(self, what: str, fn: Callable[[], Any]) -> Any:
         """Call a user hook; a BaseException that is not an Exception stops the monitor."""
@@ -393,6 +429,16 @@ class MemoryMonitor(TrainerHooks):
         if self._min_headroom is not None:
             out["min_headroom_bytes"] = self._min_headroom
         return out
+
+
+def _sinks(tensorboard: Any, wandb: Any) -> dict[str, Any]:
+    """The sinks asked for (``memplan.monitor.sinks``); None or False: none."""
+    out: dict[str, Any] = {}
+    if tensorboard is not None and tensorboard is not False:
+        out["tensorboard"] = TensorBoardSink(tensorboard, "MemoryMonitor: tensorboard")
+    if wandb is not None and wandb is not False:
+        out["wandb"] = WandbSink(wandb, "MemoryMonitor: wandb")
+    return out
 
 
 def _counters(got: Any) -> tuple[dict[str, int], str | None]:
