@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 from memplan.model import linear
 from memplan.model.block import BackwardMoment, Moment
-from memplan.model.dims import FP32_BYTES, Dims, Term, total
+from memplan.model.dims import FP32_BYTES, MASK_BYTES, Dims, Term, total
 from memplan.model.linear import Linear, Split
 from memplan.spec import LinearAttentionSpec, ModelSpec
 from memplan.workload import Recompute, Workload
@@ -121,7 +121,11 @@ def _chunk_terms(z: Sizes) -> list[Term]:
     k_like = tp * hv * z.dk * f  # key, k_beta, exp(g) * k_beta, query, k_cumdecay
     v_like = tp * hv * z.dv * f  # value, v_beta
     cumdecay = k_like if z.n > 1 else 0  # the first chunk's state needs no gradient
+    # the two causal masks (c x c bools) masked_fill and masked_fill_ save, and the factor
+    # -exp(A_log) of g (exp saves its output, the product the negated copy): Hv fp32 each
+    masks = 2 * z.c * z.c * MASK_BYTES + 2 * hv * f
     return [Term(f"{_PREFIX}.rule_kv", 4 * k_like + 2 * v_like + cumdecay),
+            Term(f"{_PREFIX}.rule_masks", masks),
             Term(f"{_PREFIX}.rule_gates", 2 * tp * hv * f),  # beta, exp(g)
             Term(f"{_PREFIX}.rule_decay", 4 * z.chunk_matrices * f),  # exp, tril, kk^T, attn
             Term(f"{_PREFIX}.rule_substitution",
