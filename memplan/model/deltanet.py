@@ -23,8 +23,9 @@ sequence padded to S' (a multiple of c; N = S' / c chunks per sequence, Tp = b S
   product saves both clones, sum over i of i + i^2 elements per chunk and head); the
   solved ``attn``; exp(g), k_beta * exp(g), the scaled query and k_cumdecay; per chunk the
   q_i k_i^T product and its masked decayed copy, v_new, (q_i * exp(g)) (not the first chunk,
-  whose state needs no gradient), k_i * exp(g_last - g), three exps of g and the state
-  entering it (dk x dv per head);
+  whose state needs no gradient), k_i * exp(g_last - g) and two exps of g for the state
+  update (not the last chunk's, which backward never reaches), exp(g), and the state entering
+  it (dk x dv per head);
 - the gated RMSNorm (Qwen3NextRMSNormGated.forward): its fp32 input, rsqrt per row, the
   normalised tensor cast back, weight * it, the fp32 gate z and silu(z); out_proj's input.
 """
@@ -133,13 +134,17 @@ def _chunk_terms(z: Sizes) -> list[Term]:
 
 
 def _per_chunk_terms(z: Sizes) -> list[Term]:
-    """Saved by each chunk's step: q k^T and its decayed copy, v_new, k_i * exp(g_last - g)
-    and (but in the first chunk) q_i * exp(g), the exps of g, the state entering it."""
+    """Saved by each chunk's step: q k^T and its decayed copy, v_new, q_i * exp(g) (but in
+    the first chunk, whose state needs no gradient) and exp(g); the state update's k_i *
+    exp(g_last - g) and its two exps but in the last chunk, whose new state no loss reads
+    (the cache's final state, or None: its nodes and what they saved are freed with the
+    forward's output, before backward; traced), and the state entering each chunk."""
     f, hv, rows = FP32_BYTES, z.hv, z.b * z.hv * z.c
+    updates = z.n - 1  # the state updates backward reaches
     return [Term(f"{_PREFIX}.chunk_scores", 2 * z.chunk_matrices * f),
-            Term(f"{_PREFIX}.chunk_rows", (z.padded * hv * (z.dv + z.dk)
-                                           + (z.n - 1) * rows * z.dk) * f),
-            Term(f"{_PREFIX}.chunk_gates", z.n * z.b * hv * (2 * z.c + 1) * f),
+            Term(f"{_PREFIX}.chunk_rows", (z.padded * hv * z.dv + 2 * updates * rows * z.dk)
+                 * f),
+            Term(f"{_PREFIX}.chunk_gates", (z.n * rows + updates * (rows + z.b * hv)) * f),
             Term(f"{_PREFIX}.chunk_states", z.n * z.b * hv * z.dk * z.dv * f)]
 
 
@@ -181,7 +186,13 @@ def _rule_alive(z: Sizes, dm: Dims) -> int:
     la_out = z.tokens * (2 * z.hk * z.dk + 2 * z.hv * z.dv) * dm.e
     f = FP32_BYTES
     return (la_out + 2 * z.padded * z.hv * z.dv * f + z.padded * z.hv * f
-            + z.b * z.hv * z.dk * z.dv * f)
+            + z.b * z.hv * z.dk * z.dv * f + last_update_bytes(z))
+
+
+def last_update_bytes(z: Sizes) -> int:
+    """What the last chunk's state update saved, which no loss reads: k_i * exp(g_last - g),
+    that exp and exp(g_last), alive while its output is (the final state)."""
+    return z.b * z.hv * (z.c * z.dk + z.c + 1) * FP32_BYTES
 
 
 def _rule_grads(z: Sizes) -> int:
@@ -290,9 +301,9 @@ def cache_states_bytes(spec: ModelSpec, dm: Dims) -> int:
     """What the cache a training forward with use_cache fills keeps of a linear-attention
     layer until the forward's output is dropped (Qwen3NextGatedDeltaNet.forward with
     cache_params): the conv state, F.pad of the conv input to its last K positions (b C K,
-    the compute dtype), and the chunked rule's final state (output_final_state: b Hv dk dv,
-    fp32)."""
+    the compute dtype), the chunked rule's final state (output_final_state: b Hv dk dv,
+    fp32) and with it the graph that made it (``last_update_bytes``)."""
     assert spec.linear_attention is not None
     z = sizes(spec.linear_attention, dm)
     return (z.b * z.channels * z.taps * dm.e
-            + z.b * z.hv * z.dk * z.dv * FP32_BYTES)
+            + z.b * z.hv * z.dk * z.dv * FP32_BYTES + last_update_bytes(z))
