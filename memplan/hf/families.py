@@ -23,7 +23,7 @@ from memplan.hf.config import (
     llama_like,
 )
 from memplan.hf.fallback import fallback_fields
-from memplan.hf.families_hybrid import qwen3_next
+from memplan.hf.families_hybrid import QWEN3_NEXT_EXPERTS, qwen3_next
 from memplan.hf.families_moe import MOE_FAMILIES, moe_family_fields, refuse_not_modelled
 
 # llama, mistral, mixtral and qwen2 share Llama's field names (memplan.hf.config); gpt2 has
@@ -511,5 +511,8 @@ def _family_fields(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
     if model_type == "granite":
         return granite(cfg)
     if model_type == "qwen3_next":
-        return qwen3_next(cfg)
+        # Qwen2-MoE's rules for the sparse layers and the expert count (its readers here)
+        layers = cfg.get_int("num_hidden_layers")
+        return qwen3_next(cfg, _sparse_layers(cfg, layers),
+                          _num_experts(cfg, ("num_experts",), QWEN3_NEXT_EXPERTS))
     return llama_like(cfg, model_type)

@@ -16,6 +16,7 @@ from memplan.hf.families_moe import partial_rotary, rotary_dim
 LINEAR, FULL = "linear_attention", "full_attention"
 # configuration_qwen3_next.py Qwen3NextConfig.__init__ defaults
 _QWEN3_NEXT = {"vocab_size": 151936, "max_position_embeddings": 32768}
+QWEN3_NEXT_EXPERTS = 512
 
 
 def _interval(cfg: ConfigKeys, num_layers: int) -> int:
@@ -51,7 +52,7 @@ def _linear_attention(cfg: ConfigKeys, num_layers: int) -> dict[str, int]:
     }
 
 
-def qwen3_next(cfg: ConfigKeys) -> dict[str, Any]:
+def qwen3_next(cfg: ConfigKeys, sparse: tuple[int, int], experts: int) -> dict[str, Any]:
     """models/qwen3_next/modeling_qwen3_next.py: Qwen3NextDecoderLayer, pre-norm, its mixer
     Qwen3NextGatedDeltaNet on linear_attention layers and Qwen3NextAttention on the others:
     q_proj of 2 * heads * head_dim (the output gate), per-head q/k norms, RoPE on the first
@@ -62,15 +63,15 @@ def qwen3_next(cfg: ConfigKeys) -> dict[str, Any]:
     and those off decoder_sparse_step: stacked experts (Qwen3NextExperts) of
     moe_intermediate_size, a bias-free router (Qwen3NextTopKRouter), one shared expert of
     shared_expert_intermediate_size behind a sigmoid gate (shared_expert_gate: h -> 1).
-    Defaults (Qwen3NextConfig.__init__): head_dim 256, 512 experts, top-10, 512 wide."""
-    from memplan.hf.families import _num_experts, _sparse_layers  # families imports this
-
+    Defaults (Qwen3NextConfig.__init__): head_dim 256, 512 experts, top-10, 512 wide.
+    ``sparse``: (layer_freq, first dense layers) of decoder_sparse_step and mlp_only_layers,
+    and ``experts`` num_experts, read as Qwen2-MoE's (``memplan.hf.families``)."""
     fields = llama_fields(cfg, head_dim_default=256, tie_default=False, bias=True,
                           defaults=_QWEN3_NEXT)
     num_layers = fields["num_layers"]
-    freq, first_dense = _sparse_layers(cfg, num_layers)
+    freq, first_dense = sparse
     moe = {
-        "num_experts": _num_experts(cfg, ("num_experts",), 512),
+        "num_experts": experts,
         "top_k": cfg.get_int("num_experts_per_tok", 10),
         "expert_ffn_hidden_size": cfg.get_int("moe_intermediate_size", 512),
         "layer_freq": freq, "first_dense_layers": first_dense, "stacked_experts": True,
