@@ -153,10 +153,15 @@ def _norm_out_terms(z: Sizes, dm: Dims) -> list[Term]:
     normalised tensor in the input's dtype, weight * it, the fp32 gate and silu(gate); the
     output projection's input (the product cast back)."""
     e, f, rows = dm.e, FP32_BYTES, z.tokens * z.hv * z.dv
+    # z in fp32, which silu saves: a copy of z below fp32; in fp32 z itself, a copy made by
+    # ``z.reshape(-1, dv)`` when the value heads are grouped (Hv > Hk), else a view of the
+    # qkvz projection's output, which it keeps whole (traced)
+    gate = z.tokens * (2 * z.hk * z.dk + 2 * z.hv * z.dv) * e if (
+        e >= f and z.hv == z.hk) else rows * f
     return [Term(f"{_PREFIX}.norm_input_fp32", rows * f),
             Term(f"{_PREFIX}.norm_rsqrt", z.tokens * z.hv * f),
             Term(f"{_PREFIX}.norm_normed", 2 * rows * e),  # normalised, weight * normalised
-            Term(f"{_PREFIX}.norm_gate", 2 * rows * f),  # z in fp32, silu(z)
+            Term(f"{_PREFIX}.norm_gate", gate + rows * f),  # z in fp32, silu(z)
             Term(f"{_PREFIX}.out", rows * e)]
 
 
