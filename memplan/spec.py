@@ -183,6 +183,48 @@ class MlaSpec(BaseModel):
     v_head_dim: int = Field(gt=0, le=MAX_WIDTH)
 
 
+class LinearAttentionSpec(BaseModel):
+    """Gated DeltaNet linear attention in place of attention on most layers (Qwen3-Next:
+    models/qwen3_next/modeling_qwen3_next.py Qwen3NextGatedDeltaNet): in_proj_qkvz (h -> 2 *
+    key_dim + 2 * value_dim), in_proj_ba (h -> 2 * value heads), a depthwise causal conv1d of
+    conv_kernel taps over q, k and v, A_log and dt_bias per value head, a gated RMSNorm of
+    value_head_dim (Qwen3NextRMSNormGated), out_proj (value_dim -> h); the chunked gated delta
+    rule in chunks of chunk_size tokens (torch_chunk_gated_delta_rule's default 64).
+    key_dim = num_key_heads * key_head_dim, value_dim = num_value_heads * value_head_dim."""
+
+    model_config = _FROZEN
+
+    num_key_heads: int = Field(gt=0, le=MAX_WIDTH)
+    num_value_heads: int = Field(gt=0, le=MAX_WIDTH)
+    key_head_dim: int = Field(gt=0, le=MAX_WIDTH)
+    value_head_dim: int = Field(gt=0, le=MAX_WIDTH)
+    conv_kernel: int = Field(gt=0, le=MAX_WIDTH)
+    full_attention_interval: int = Field(gt=0, le=MAX_LAYERS, description=(
+        "every n-th layer (index % n == n - 1) is a full-attention layer, the others linear "
+        "(Qwen3NextConfig.__init__: full_attention_interval, default 4)"))
+    chunk_size: int = Field(default=64, gt=0, le=MAX_WIDTH)
+
+    @model_validator(mode="after")
+    def _check(self) -> LinearAttentionSpec:
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(f"num_key_heads ({self.num_key_heads}) must divide "
+                             f"num_value_heads ({self.num_value_heads})")
+        return self
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv1d: q, k and v (Qwen3NextGatedDeltaNet.conv_dim)."""
+        return 2 * self.key_dim + self.value_dim
+
+
 class ModelSpec(BaseModel):
     """A decoder-only transformer. Widths are element counts, not bytes."""
 
@@ -273,6 +315,13 @@ class ModelSpec(BaseModel):
         "a learned logit per query head that joins every row of the scores before the "
         "softmax and is dropped after it (GPT-OSS's sinks: models/gpt_oss/modeling_gpt_oss.py "
         "GptOssAttention.sinks, eager_attention_forward)"))
+    linear_attention: LinearAttentionSpec | None = Field(default=None, description=(
+        "gated DeltaNet layers in place of attention but on every full_attention_interval-th "
+        "layer (Qwen3-Next)"))
+    attn_output_gate: bool = Field(default=False, description=(
+        "the attention's q projection is twice as wide, its second half per head a gate whose "
+        "sigmoid scales the attention output before o_proj (Qwen3NextAttention.forward: "
+        "torch.chunk(q_proj(x).view(..., head_dim * 2), 2), attn_output * sigmoid(gate))"))
     approximate: str | None = Field(default=None, description=(
         "why this spec's blocks only approximate the model (a model type memplan has no reader "
         "for, read as its nearest known block: memplan.hf.fallback); None: the spec is the "
@@ -356,6 +405,12 @@ class ModelSpec(BaseModel):
         n = self.nope_layer_interval
         return n > 0 and index % n == n - 1
 
+    def is_linear_layer(self, index: int) -> bool:
+        """Whether layer ``index`` (0-based) is a gated DeltaNet layer (``linear_attention``)."""
+        la = self.linear_attention
+        return la is not None and index % la.full_attention_interval != \
+            la.full_attention_interval - 1
+
     def is_sliding_layer(self, index: int) -> bool:
         """Whether layer ``index`` (0-based) attends to a sliding window."""
         if self.sliding_window is None:
@@ -431,13 +486,27 @@ def attention_params(spec: ModelSpec) -> tuple[int, int]:
     if spec.mla is not None:
         return mla_params(spec)
     h = spec.hidden_size
-    weights = h * spec.q_size + 2 * h * spec.kv_size + spec.q_size * h
-    qkv_bias = (spec.q_size + 2 * spec.kv_size) if spec.qkv_bias else 0
+    q_out = spec.q_size * (2 if spec.attn_output_gate else 1)  # the gate's half of q_proj
+    weights = h * q_out + 2 * h * spec.kv_size + spec.q_size * h
+    qkv_bias = (q_out + 2 * spec.kv_size) if spec.qkv_bias else 0
     out_bias = h if spec.attn_out_bias else 0
     qk = qk_norm_params(spec)
     full = spec.qk_norm is QkNorm.FULL
     sinks = spec.num_attention_heads if spec.attn_sinks else 0  # replicated, as the norms
     return weights + qkv_bias + (qk if full else 0), out_bias + (0 if full else qk) + sinks
+
+
+def linear_attention_params(spec: ModelSpec) -> tuple[int, int]:
+    """(TP-sharded, replicated) parameters of one gated DeltaNet block
+    (Qwen3NextGatedDeltaNet.__init__): in_proj_qkvz h * (2 * key_dim + 2 * value_dim),
+    in_proj_ba h * 2 * Hv, conv1d weight conv_dim * conv_kernel (depthwise, no bias), dt_bias
+    and A_log of Hv each, out_proj value_dim * h: split with the heads; the gated norm's
+    weight of value_head_dim, replicated."""
+    la, h = spec.linear_attention, spec.hidden_size
+    assert la is not None
+    sharded = (h * (2 * la.key_dim + 2 * la.value_dim) + h * 2 * la.num_value_heads
+               + la.conv_dim * la.conv_kernel + 2 * la.num_value_heads + la.value_dim * h)
+    return sharded, la.value_head_dim
 
 
 def mla_params(spec: ModelSpec) -> tuple[int, int]:
@@ -478,7 +547,8 @@ def mlp_params(spec: ModelSpec, ffn: int) -> tuple[int, int]:
 
 
 def layer_params(spec: ModelSpec, index: int) -> LayerParams:
-    attn_sharded, attn_repl = attention_params(spec)
+    attn_sharded, attn_repl = (linear_attention_params(spec) if spec.is_linear_layer(index)
+                               else attention_params(spec))
     moe = spec.moe
     norms = (1 if spec.parallel_block else spec.norm_placement.norms_per_layer) * norm_params(spec)
     if moe is None or not spec.is_moe_layer(index):

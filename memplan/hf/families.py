@@ -23,6 +23,7 @@ from memplan.hf.config import (
     llama_like,
 )
 from memplan.hf.fallback import fallback_fields
+from memplan.hf.families_hybrid import QWEN3_NEXT_EXPERTS, qwen3_next
 from memplan.hf.families_moe import MOE_FAMILIES, moe_family_fields, refuse_not_modelled
 
 # llama, mistral, mixtral and qwen2 share Llama's field names (memplan.hf.config); gpt2 has
@@ -32,6 +33,7 @@ SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "gpt2", "qwen3", "qwen2_moe
              "gemma", "ministral", "smollm3",
              "olmo3", "cohere2", "ministral3", "mistral3")
 SUPPORTED += MOE_FAMILIES  # memplan.hf.families_moe
+SUPPORTED += ("qwen3_next",)  # memplan.hf.families_hybrid
 FULL, SLIDING = "full_attention", "sliding_attention"
 # configuration classes' defaults (configuration_<family>.py __init__)
 _QWEN = {"vocab_size": 151936, "max_position_embeddings": 32768}
@@ -508,4 +510,9 @@ def _family_fields(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
         return ministral3(cfg)
     if model_type == "granite":
         return granite(cfg)
+    if model_type == "qwen3_next":
+        # Qwen2-MoE's rules for the sparse layers and the expert count (its readers here)
+        layers = cfg.get_int("num_hidden_layers")
+        return qwen3_next(cfg, _sparse_layers(cfg, layers),
+                          _num_experts(cfg, ("num_experts",), QWEN3_NEXT_EXPERTS))
     return llama_like(cfg, model_type)

@@ -24,10 +24,6 @@ NOT_MODELLED = {
                    "(Llama4TextL2Norm) and its MoE that runs every token through every expert "
                    "(Llama4TextMoe.forward: hidden_states.repeat(num_experts, 1) scaled by "
                    "sigmoid scores, zero off the top-k) are not modelled",
-    "qwen3_next": "Qwen3-Next's gated DeltaNet linear-attention layers (modeling_qwen3_next.py "
-                  "Qwen3NextGatedDeltaNet: conv1d, chunked delta rule, gated RMSNorm) and its "
-                  "output-gated full attention (Qwen3NextAttention: q_proj of 2 * heads * "
-                  "head_dim) are not modelled",
 }
 # configuration_glm4.py Glm4Config.__init__ / configuration_glm4_moe.py Glm4MoeConfig.__init__
 _GLM = {"vocab_size": 151552, "max_position_embeddings": 131072}

@@ -63,7 +63,21 @@ def attention_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recomput
         else:
             terms += _eager_score_terms(spec, wl, dm, heads)
     casts = linear.saved_terms("attn", attention_linears(spec), dm)
-    return terms + qk_norm_terms(spec, wl, dm) + casts + residual_dropout_mask("attn", spec, dm)
+    return (terms + qk_norm_terms(spec, wl, dm) + casts + residual_dropout_mask("attn", spec, dm)
+            + output_gate_terms(spec, dm))
+
+
+def output_gate_terms(spec: ModelSpec, dm: Dims) -> list[Term]:
+    """The output gate (``ModelSpec.attn_output_gate``; Qwen3NextAttention.forward:
+    ``attn_output * torch.sigmoid(gate)``): the sigmoid's output and the attention output the
+    product saves, o_proj saving the product instead. In fp32 the q norm's ``x.float()`` is
+    q itself, a view of q_proj's output, which its saved input keeps whole: the gate's half
+    too (in a lower dtype the norm saves an fp32 copy)."""
+    if not spec.attn_output_gate:
+        return []
+    q = dm.tokens * spec.q_size // dm.tp * dm.e
+    pinned = q if dm.e >= FP32_BYTES and spec.qk_norm is not QkNorm.NONE else 0
+    return [Term("attn.gate", 2 * q), Term("attn.q_gate_pinned", pinned)]
 
 
 def _core_output(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> Term:
@@ -185,7 +199,8 @@ def attention_linears(spec: ModelSpec) -> tuple[Linear, ...]:
     out = Linear("o", "attn_out", q, h, spec.attn_out_bias, Split.ROW)
     if spec.fused_qkv:  # one q/k/v parameter (and one bias)
         return Linear("qkv", "attn", h, q + 2 * kv, bias), out
-    return (Linear("q", "attn", h, q, bias), Linear("k", "attn", h, kv, bias),
+    q_out = 2 * q if spec.attn_output_gate else q  # ModelSpec.attn_output_gate: the gate's half
+    return (Linear("q", "attn", h, q_out, bias), Linear("k", "attn", h, kv, bias),
             Linear("v", "attn", h, kv, bias), out)
 
 

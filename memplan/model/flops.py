@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 from memplan.model import linear
 from memplan.model.attention import Attention
+from memplan.model.deltanet import DeltaNet
 from memplan.model.head import head_linear
 from memplan.model.layer import layer_blocks
 from memplan.model.mla import Mla
@@ -36,15 +37,17 @@ class LayerFlops(NamedTuple):
 def layer_flops(spec: ModelSpec, seq_len: int) -> tuple[LayerFlops, ...]:
     """``LayerFlops`` of each layer of the model at ``seq_len`` tokens per sequence; layers of
     one kind (MoE or dense, sliding-window or full) computed once."""
-    kinds: dict[tuple[bool, bool], LayerFlops] = {}
+    kinds: dict[tuple[bool, str], LayerFlops] = {}
     out = []
     for i in range(spec.num_layers):
-        key = (spec.is_moe_layer(i), spec.is_sliding_layer(i))
+        variant = ("linear" if spec.is_linear_layer(i)
+                   else "window" if spec.is_sliding_layer(i) else "")
+        key = (spec.is_moe_layer(i), variant)
         if key not in kinds:
             blocks = layer_blocks(spec, *key)
             total = sum(block.flops_per_token(spec, seq_len) for block in blocks)
             core = sum(block.core_flops_per_token(spec, seq_len) for block in blocks
-                       if isinstance(block, (Attention, Mla)))
+                       if isinstance(block, (Attention, Mla, DeltaNet)))
             kinds[key] = LayerFlops(total - core, core)
         out.append(kinds[key])
     return tuple(out)

@@ -25,8 +25,10 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from memplan.model.attention import Attention, WindowAttention, attention_linears, windowed
-from memplan.model import compiled
+from memplan.model import compiled, linear
+from memplan.model.deltanet import cache_states_bytes
 from memplan.model.block import BackwardMoment, Block
+from memplan.model.deltanet import DeltaNet, deltanet_linears
 from memplan.model.dims import FP32_BYTES, MASK_BYTES, Dims, Term, total
 from memplan.model.linear import Linear, Split, shares_input
 from memplan.model.mla import Mla, mla_linears
@@ -39,10 +41,11 @@ from memplan.workload import Attention as Kernel
 from memplan.workload import NormImpl, Recompute, SelectiveImpl, Workload
 
 _ATTENTION, _WINDOW, _MLA, _MLP, _MOE = Attention(), WindowAttention(), Mla(), Mlp(), MoE()
+_DELTANET = DeltaNet()
 _PRE = {"attn": Norm("attn_norm"), "mlp": Norm("mlp_norm")}
 _INPUT = {"attn": StreamInput("attn_input"), "mlp": StreamInput("mlp_input")}
 _POST = {"attn": Norm("attn_post_norm"), "mlp": Norm("mlp_post_norm")}
-MIXERS = (Attention, Mla, Mlp, MoE)
+MIXERS = (Attention, Mla, Mlp, MoE, DeltaNet)
 
 
 def _sublayer(placement: NormPlacement, place: str, mixer: Block) -> tuple[Block, ...]:
@@ -50,7 +53,7 @@ def _sublayer(placement: NormPlacement, place: str, mixer: Block) -> tuple[Block
     return (pre, mixer, _POST[place]) if placement.post_norm else (pre, mixer)
 
 
-_ATTENTIONS = {"mla": _MLA, "window": _WINDOW, "full": _ATTENTION}
+_ATTENTIONS = {"mla": _MLA, "window": _WINDOW, "full": _ATTENTION, "linear": _DELTANET}
 _BLOCKS = {(placement, attention, moe): (_sublayer(placement, "attn", _ATTENTIONS[attention])
                                          + _sublayer(placement, "mlp", _MOE if moe else _MLP))
            for placement in NormPlacement for attention in _ATTENTIONS for moe in (False, True)}
@@ -63,12 +66,14 @@ _PARALLEL = {(attention, moe): (_PRE["attn"], _ATTENTIONS[attention], _MOE if mo
 ALL_BLOCKS = tuple({id(b): b for blocks in _BLOCKS.values() for b in blocks}.values())
 
 
-def layer_blocks(spec: ModelSpec, moe_layer: bool, sliding: bool = False) -> tuple[Block, ...]:
+def layer_blocks(spec: ModelSpec, moe_layer: bool, variant: str = "") -> tuple[Block, ...]:
     """The blocks of a layer in execution order: per sub-layer its norm (or, without one, the
     stream input the mixer reads), its mixer, and a norm on the mixer's output where the
-    placement has one (``NormPlacement``). ``sliding``: a sliding-window layer's attention
-    (``memplan.model.attention.WindowAttention``)."""
-    attention = "mla" if spec.mla is not None else "window" if sliding else "full"
+    placement has one (``NormPlacement``). ``variant``: "window", a sliding-window layer's
+    attention (``memplan.model.attention.WindowAttention``); "linear", a gated DeltaNet layer
+    (``memplan.model.deltanet.DeltaNet``); "" the model's attention."""
+    attention = ("linear" if variant == "linear" else "mla" if spec.mla is not None
+                 else "window" if variant == "window" else "full")
     if spec.parallel_block:
         return _PARALLEL[(attention, moe_layer)]
     return _BLOCKS[(spec.norm_placement, attention, moe_layer)]
@@ -121,20 +126,20 @@ class LayerMoment(NamedTuple):
 
 
 def layer_terms(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
-                recompute: Recompute, sliding: bool = False) -> list[Term]:
+                recompute: Recompute, variant: str = "") -> list[Term]:
     """Saved terms of one transformer layer under ``recompute`` (FULL keeps only its input)."""
     wl = compiled.layer_workload(wl)
     if recompute is Recompute.FULL:
         return [Term("layer.input", dm.rows * spec.hidden_size * dm.stream_e)]
-    return [term for block in layer_blocks(spec, moe_layer, sliding)
+    return [term for block in layer_blocks(spec, moe_layer, variant)
             for term in block.saved(spec, wl, dm, recompute)]
 
 
 def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
-                    recompute: Recompute, sliding: bool = False) -> list[ForwardMoment]:
+                    recompute: Recompute, variant: str = "") -> list[ForwardMoment]:
     """Local peaks of one layer's forward (see the module docstring)."""
     wl = compiled.layer_workload(wl)
-    blocks = layer_blocks(spec, moe_layer, sliding)
+    blocks = layer_blocks(spec, moe_layer, variant)
     stream = dm.stream(spec.hidden_size)
     out: list[ForwardMoment] = []
     if recompute is Recompute.FULL:
@@ -187,7 +192,7 @@ def cast_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, block: Block,
 
 
 def kv_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute,
-                   sliding: bool = False) -> int:
+                   variant: str = "") -> int:
     """A key/value cache the training forward fills (``Workload.kv_cache``: transformers with
     use_cache, which gradient checkpointing turns off): its copies of K and V replace the
     projections' outputs, except under autocast, where they are made in the fp32 key's dtype
@@ -198,11 +203,13 @@ def kv_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute
     sliding-window layer given a mask (``memplan.model.attention.windowed``)."""
     if not (wl.kv_cache and recompute is Recompute.NONE):
         return 0
+    if variant == "linear":
+        return cache_states_bytes(spec, dm)
     if dm.autocast:
         # RoPE that keeps the low dtype hands the cache low-precision K, which SDPA saves
         return (2 * dm.tokens * spec.kv_size // dm.tp * dm.stream_e
                 if spec.rope_fp32_under_autocast else 0)
-    repeated = wl.attention is Kernel.EAGER or (sliding and windowed(spec, wl))
+    repeated = wl.attention is Kernel.EAGER or (variant == "window" and windowed(spec, wl))
     if repeated and spec.num_kv_heads < spec.num_attention_heads:
         return 2 * dm.tokens * spec.kv_size // dm.tp * dm.e
     return 0
@@ -210,18 +217,20 @@ def kv_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute
 
 def last_weight(spec: ModelSpec, dm: Dims, mixer: Block) -> int:
     """Elements of a mixer's output projection weight on this rank (its last matmul)."""
+    if isinstance(mixer, DeltaNet):
+        return linear.weight_elements(deltanet_linears(spec)[-1], dm.tp)
     return spec.attn_out_size * spec.hidden_size // dm.tp if isinstance(mixer, (Attention, Mla)) \
         else spec.ffn_hidden_size * spec.hidden_size // dm.tp
 
 
 def layer_cast_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, moe_layer: bool,
-                           recompute: Recompute, sliding: bool = False) -> int:
+                           recompute: Recompute, variant: str = "") -> int:
     return sum(cast_cache_bytes(spec, wl, dm, b, recompute)
-               for b in layer_blocks(spec, moe_layer, sliding))
+               for b in layer_blocks(spec, moe_layer, variant))
 
 
 def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
-                     recompute: Recompute, sliding: bool = False,
+                     recompute: Recompute, variant: str = "",
                      host_saved: Callable[[Block, BackwardMoment], int] | None = None
                      ) -> list[LayerMoment]:
     """The local peaks of one layer's backward, in backward order (see the module docstring).
@@ -229,7 +238,7 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
     block's moment the blocks before it hold nothing on the GPU and the block holds what
     ``host_saved(block, moment)`` says its running node copied back."""
     wl = compiled.layer_workload(wl)
-    blocks = layer_blocks(spec, moe_layer, sliding)
+    blocks = layer_blocks(spec, moe_layer, variant)
     policy = Recompute.NONE if recompute is Recompute.FULL else recompute  # what is rebuilt
     stream = dm.stream(spec.hidden_size)
     mixer_out = dm.rows * spec.hidden_size * dm.e  # a mixer's output (the compute dtype)
@@ -280,14 +289,15 @@ class LayerKind(NamedTuple):
 
 
 def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
-               policy: Recompute, sliding: bool = False) -> LayerKind:
+               policy: Recompute, variant: str = "") -> LayerKind:
     """A layer's saved terms and moments (``memplan.model.memo`` caches it per kind);
-    ``sliding``: a sliding-window layer (``memplan.model.stage_parts.layer_keys``)."""
+    ``variant``: a sliding-window or linear-attention layer (``layer_blocks``,
+    ``memplan.model.stage_parts.layer_keys``)."""
     wl = compiled.layer_workload(wl)
     if policy is Recompute.SELECTIVE and wl.selective_impl is SelectiveImpl.OP:
         # per-op SAC: a fully recomputed layer that also keeps its save list's outputs,
         # which the rerun reuses (so its backward is the full recompute's)
-        full = layer_kind(spec, wl, dm, moe, Recompute.FULL, sliding)
+        full = layer_kind(spec, wl, dm, moe, Recompute.FULL, variant)
         kept = sac_terms(spec, dm, wl.fused_qkv or spec.fused_qkv)
         kept = tuple(compiled.sac_kept(kept) if wl.compile else kept)
         # the recomputed layer's forward peaks in the MLP, before the down projection, whose
@@ -296,19 +306,20 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
         return full._replace(terms=full.terms + kept,
                              saved_bytes=full.saved_bytes + total(kept),
                              forward_peak_bytes=full.forward_peak_bytes + total(kept) - late)
-    terms = tuple(layer_terms(spec, wl, dm, moe_layer=moe, recompute=policy, sliding=sliding))
-    moments = backward_moments(spec, wl, dm, moe_layer=moe, recompute=policy, sliding=sliding)
-    forward = forward_moments(spec, wl, dm, moe_layer=moe, recompute=policy, sliding=sliding)
+    terms = tuple(layer_terms(spec, wl, dm, moe_layer=moe, recompute=policy, variant=variant))
+    moments = backward_moments(spec, wl, dm, moe_layer=moe, recompute=policy, variant=variant)
+    forward = forward_moments(spec, wl, dm, moe_layer=moe, recompute=policy, variant=variant)
     return LayerKind(terms, total(terms), tuple(moments),
                      max(m.alive_bytes + m.transient_bytes for m in forward),
-                     layer_cast_cache_bytes(spec, wl, dm, moe, policy, sliding)
-                     + kv_cache_bytes(spec, wl, dm, policy, sliding))
+                     layer_cast_cache_bytes(spec, wl, dm, moe, policy, variant)
+                     + kv_cache_bytes(spec, wl, dm, policy, variant))
 
 
-def grad_group_params(spec: ModelSpec, t: int, ep: int, moe: bool) -> dict[str, int]:
+def grad_group_params(spec: ModelSpec, t: int, ep: int, moe: bool,
+                      variant: str = "") -> dict[str, int]:
     """Parameters on one rank of the groups whose gradients appear during a layer's backward."""
     groups: dict[str, int] = {}
-    for block in layer_blocks(spec, moe):
+    for block in layer_blocks(spec, moe, variant):
         groups.update(block.grad_groups(spec, t, ep))
     return groups
 
@@ -318,10 +329,12 @@ def moment_params(groups: dict[str, int], kind: LayerKind) -> tuple[int, ...]:
     return tuple(sum(groups[g] for g in m.grads_before) for m in kind.moments)
 
 
-def layer_linears(spec: ModelSpec, moe_layer: bool) -> tuple[Linear, ...]:
+def layer_linears(spec: ModelSpec, moe_layer: bool, variant: str = "") -> tuple[Linear, ...]:
     """A layer's projections that are ``nn.Linear`` modules (what LoRA adapts and bitsandbytes
-    quantizes): the attention's, and a dense layer's MLP (stacked experts are not)."""
-    attn = mla_linears(spec) if spec.mla is not None else attention_linears(spec)
+    quantizes): the attention's (or a linear-attention layer's), and a dense layer's MLP
+    (stacked experts are not)."""
+    attn = (deltanet_linears(spec) if variant == "linear" else mla_linears(spec)
+            if spec.mla is not None else attention_linears(spec))
     return attn + (() if moe_layer else mlp_linears(spec, spec.ffn_hidden_size))
 
 
@@ -346,17 +359,18 @@ def frozen_input_terms(spec: ModelSpec, dm: Dims, first_layer: tuple[Term, ...],
     return [Term(f"first_layer.{t.name}", -t.size_bytes) for t in unsaved if t.size_bytes]
 
 
-def layer_tensor_sizes(spec: ModelSpec, t: int, ep: int, moe_layer: bool) -> list[int]:
+def layer_tensor_sizes(spec: ModelSpec, t: int, ep: int, moe_layer: bool,
+                       variant: str = "") -> list[int]:
     """Elements of a layer's parameter tensors on one TP rank, in registration order (norm,
     q/k/v/o, norm, MLP up/gate/down; the router and experts for an MoE layer)."""
-    return [n for block in layer_blocks(spec, moe_layer)
+    return [n for block in layer_blocks(spec, moe_layer, variant)
             for n in block.tensor_sizes(spec, t, ep)]
 
 
-def layer_tensor_shapes(spec: ModelSpec, t: int, ep: int,
-                        moe_layer: bool) -> list[tuple[int, ...]]:
+def layer_tensor_shapes(spec: ModelSpec, t: int, ep: int, moe_layer: bool,
+                        variant: str = "") -> list[tuple[int, ...]]:
     """Shapes of ``layer_tensor_sizes``' tensors, in the same order."""
-    return [shape for block in layer_blocks(spec, moe_layer)
+    return [shape for block in layer_blocks(spec, moe_layer, variant)
             for shape in block.tensor_shapes(spec, t, ep)]
 
 

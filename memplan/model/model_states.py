@@ -94,10 +94,9 @@ def count_stage_params(spec: ModelSpec, t: int, ep: int | ExpertSplit, pp: int,
     if first:
         shapes += EmbeddingBlock().tensor_shapes(spec, vocab_div, 1)
     embedding_tensors = len(shapes)
-    kinds = {moe: _layer_shapes(spec, t, ep, moe)
-             for moe in {spec.is_moe_layer(i) for i in layers}}
+    kinds = {key: _layer_shapes(spec, t, ep, *key) for key in {_shape_key(spec, i) for i in layers}}
     for i in layers:
-        shapes += kinds[spec.is_moe_layer(i)]
+        shapes += kinds[_shape_key(spec, i)]
     if depths:
         shapes += layer_tensor_shapes(spec, t, ep, spec.is_moe_layer(mtp_layer_index(spec))
                                       ) * depths
@@ -119,11 +118,17 @@ def count_stage_params(spec: ModelSpec, t: int, ep: int | ExpertSplit, pp: int,
                        head_tensors=len(sizes) - before_head)
 
 
+def _shape_key(spec: ModelSpec, i: int) -> tuple[bool, str]:
+    """(MoE layer?, "linear" for a gated DeltaNet layer) of layer ``i``: what its tensors
+    depend on."""
+    return spec.is_moe_layer(i), "linear" if spec.is_linear_layer(i) else ""
+
+
 @lru_cache(maxsize=1024)
 def _layer_shapes(spec: ModelSpec, t: int, ep: int | ExpertSplit,
-                  moe: bool) -> tuple[tuple[int, ...], ...]:
+                  moe: bool, variant: str = "") -> tuple[tuple[int, ...], ...]:
     """``layer_tensor_shapes``, once per layer kind and layout (every stage repeats them)."""
-    return tuple(layer_tensor_shapes(spec, t, ep, moe))
+    return tuple(layer_tensor_shapes(spec, t, ep, moe, variant))
 
 
 def stage_param_totals(spec: ModelSpec, t: int, ep: int | ExpertSplit, pp: int,

@@ -138,13 +138,13 @@ def offload_assumptions(par: ParallelConfig) -> tuple[str, ...]:
 
 
 def kept_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute,
-                     sliding: bool) -> int:
+                     variant: str) -> int:
     """A layer's K and V that a KV cache keeps on the GPU while autograd's copies of them are on
     the host (``saved_on_host``): where the cache holds the tensors attention saves
     (``memplan.model.layer.kv_cache_bytes`` counts no copy of its own)."""
     if not (wl.kv_cache and recompute is Recompute.NONE):
         return 0
-    if kv_cache_bytes(spec, wl, dm, recompute, sliding):
+    if kv_cache_bytes(spec, wl, dm, recompute, variant):
         return 0
     return 2 * dm.tokens * spec.kv_size // dm.tp * dm.e
 

@@ -31,7 +31,7 @@ from memplan.model.layer import LayerKind, backward_moments, merge_terms
 from memplan.model.deepspeed_zero import weight_grads_at
 from memplan.model.moments import Segment, peak_of
 from memplan.model.pipeline import Schedule
-from memplan.model.stage_parts import LayerKey, StageKinds, StageStates
+from memplan.model.stage_parts import LayerKey, StageKinds, StageStates, key_variant
 from memplan.model.sharding import with_stream
 from memplan.model.stage_terms import StageTerms
 from memplan.model.walk import Walk, backward_peak, forward_peaks
@@ -203,11 +203,11 @@ def _entries(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTe
             kind = saved_on_host(kind, memo.layer_kind(spec, wl, shared.dm, key[0],
                                                        Recompute.FULL, *key[2:]),
                                  backward_moments(spec, wl, shared.dm, moe_layer=key[0],
-                                                  recompute=key[1], sliding=bool(key[2:]),
+                                                  recompute=key[1], variant=key_variant(key),
                                                   host_saved=None if key[1] is Recompute.FULL
                                                   else unpacked),
                                  shared.dm.stream(spec.hidden_size),
-                                 kept_cache_bytes(spec, wl, shared.dm, key[1], bool(key[2:])))
+                                 kept_cache_bytes(spec, wl, shared.dm, key[1], key_variant(key)))
         moment_grads = memo.whole_bytes_each(shared.moment_params[key], per_param)
         if fx.shard.bucket_bytes:
             # gradients copied into preallocated buckets at their hooks (DeepSpeed): at a

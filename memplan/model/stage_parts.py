@@ -37,9 +37,16 @@ from memplan.spec import ModelSpec
 from memplan.units import FP32_BYTES
 from memplan.workload import Precision, Recompute, Workload
 
-# (MoE layer?, recompute policy), and True third for a sliding-window layer whose attention
-# differs from the full layers' (memplan.model.attention.windowed)
-LayerKey = tuple[bool, Recompute] | tuple[bool, Recompute, bool]
+# (MoE layer?, recompute policy), and a third for a layer whose mixer differs from the model's
+# attention: "window", a sliding-window layer whose attention differs from the full layers'
+# (memplan.model.attention.windowed); "linear", a gated DeltaNet layer (memplan.model.deltanet)
+LayerKey = tuple[bool, Recompute] | tuple[bool, Recompute, str]
+
+
+def key_variant(key: LayerKey) -> str:
+    """The layer variant of ``key`` (``memplan.model.layer.layer_blocks``): "" for the
+    model's attention."""
+    return key[2] if len(key) > 2 else ""  # type: ignore[misc]
 
 
 def layer_recompute(wl: Workload, position: int) -> Recompute:
@@ -60,12 +67,15 @@ def layer_keys(spec: ModelSpec, wl: Workload, layers: list[int]) -> list[LayerKe
     """(MoE layer?, recompute policy) of each layer of a stage, in order (``LayerKey``)."""
     window = windowed(spec, wl)
     if (spec.moe is None and wl.recompute_layers is None and wl.recompute_every is None
-            and not window):
+            and not window and spec.linear_attention is None):
         return [(False, wl.recompute)] * len(layers)
     keys: list[LayerKey] = [(spec.is_moe_layer(i), layer_recompute(wl, pos))
                             for pos, i in enumerate(layers)]
     if window:
-        keys = [(*key, True) if spec.is_sliding_layer(i) else key
+        keys = [(*key, "window") if spec.is_sliding_layer(i) else key
+                for key, i in zip(keys, layers)]
+    if spec.linear_attention is not None:
+        keys = [(*key[:2], "linear") if spec.is_linear_layer(i) else key
                 for key, i in zip(keys, layers)]
     return keys
 

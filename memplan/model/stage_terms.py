@@ -80,7 +80,7 @@ def stage_terms(spec: ModelSpec, wl: Workload, dm: Dims, ep: int | ExpertSplit,
         head_block=_head_of(spec, wl, dm, list(head_terms)),
         loss_reduce=loss_in_call.last_chunk_bytes(spec, wl, dm, 0) if head.in_loss(wl) else 0,
         kinds=kinds,
-        moment_params={key: moment_params(groups_of(spec, dm.tp, ep, key[0]), kind)
+        moment_params={key: moment_params(groups_of(spec, dm.tp, ep, key[0], *key[2:]), kind)
                        for key, kind in kinds.items()})
 
 

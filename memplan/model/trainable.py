@@ -124,7 +124,8 @@ def lora_policy(spec: ModelSpec, wl: Workload, layers: Sequence[int], t: int,
     per_layer: list[tuple[int, int, int]] = []  # adapters, quantized, their data bytes
     less = state = largest = 0
     for i in layers:
-        linears = layer_linears(spec, spec.is_moe_layer(i))
+        linears = layer_linears(spec, spec.is_moe_layer(i),
+                                "linear" if spec.is_linear_layer(i) else "")
         own = adapter_sizes(linears, ad, t)
         sizes += own
         quantized = data = 0

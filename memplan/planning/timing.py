@@ -192,7 +192,9 @@ def _frozen_wgrad(spec: ModelSpec, wl: Workload, matmul: float) -> float:
         return 0.0
     added = sum(2 * ad.rank * (lin.d_in + lin.d_out)
                 for i in range(spec.num_layers)
-                for lin in layer_linears(spec, spec.is_moe_layer(i)) if ad.adapts(lin))
+                for lin in layer_linears(spec, spec.is_moe_layer(i),
+                                         "linear" if spec.is_linear_layer(i) else "")
+                if ad.adapts(lin))
     return matmul - 3.0 * added
 
 

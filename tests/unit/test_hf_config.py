@@ -39,6 +39,7 @@ PAIRS = {
     "Olmo-3-1025-7B": "olmo-3-7b",
     "Phi-4-mini-instruct": "phi-4-mini",
     "c4ai-command-r7b-12-2024": "command-r7b",
+    "Qwen3-Next-80B-A3B-Instruct": "qwen3-next-80b-a3b",
 }
 
 # Fields that must agree between a config.json and its catalog entry (name and source differ).
@@ -49,6 +50,7 @@ SHAPE_FIELDS = (
     "norm_placement", "final_logit_softcap", "attn_logit_softcap", "sliding_window",
     "sliding_window_pattern", "mla", "norm_scale_fp32", "rope_keeps_dtype",
     "nope_layer_interval", "rotary_dim", "parallel_block", "norm_centres_twice",
+    "linear_attention", "attn_output_gate",
 )
 
 

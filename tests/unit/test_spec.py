@@ -53,6 +53,9 @@ COUNTED_BY_TRANSFORMERS: set[str] = {"command-r7b", "phi-4-mini", "olmo-3-7b", "
 # 116.8B and 20.9B): their exact counts are checked against transformers' meta build
 # (tests/traced/test_hf_moe_families.py)
 MOE_FAMILY_FLAGSHIPS = {"glm-4-32b", "glm-4.5", "gpt-oss-120b", "gpt-oss-20b"}
+# Qwen3-Next-80B-A3B (its card: "80B total, 3B active"; counted by hand in
+# tests/unit/test_qwen3_next.py, against transformers in tests/traced/test_hf_qwen3_next.py)
+MOE_FAMILY_FLAGSHIPS |= {"qwen3-next-80b-a3b"}
 EXPECTED_CATALOG = {*PUBLISHED, *STATED_BILLIONS, *COUNTED_BY_TRANSFORMERS, *MOE_FAMILY_FLAGSHIPS,
                     "gpt3-175b", "tiny"}
 

@@ -1,0 +1,318 @@
+"""The gated DeltaNet block of Qwen3-Next's linear-attention layers, as transformers runs it
+without the fla and causal-conv1d kernels (the CPU path and every install without them):
+models/qwen3_next/modeling_qwen3_next.py Qwen3NextGatedDeltaNet.forward with the torch
+fallbacks, ``F.silu(self.conv1d(mixed_qkv)[:, :, :seq_len])`` for the causal conv and
+``torch_chunk_gated_delta_rule`` for the delta rule (transformers 5.3). Every size below is
+read off that code; the numbers are for that path (fla's fused ``chunk_gated_delta_rule``
+saves far less: its own autograd Function, not modelled).
+
+Per micro-batch on a rank, with T tokens (b sequences of s), Hk key heads and Hv value heads
+of dk and dv (split by t), C = 2 Hk dk + Hv dv conv channels, K taps, chunks of c tokens, the
+sequence padded to S' (a multiple of c; N = S' / c chunks per sequence, Tp = b S'):
+
+- the causal conv: its input (the cat of q, k, v: T C in the compute dtype) and, saved by
+  ``F.silu`` through the slice, the whole conv output of s + K - 1 positions;
+- q and k repeated to the Hv value heads (``repeat_interleave``, when Hv > Hk) saved by
+  ``l2norm`` with its rsqrt per row; without repetition q and k are views of the silu output,
+  which ``l2norm`` then keeps whole;
+- beta = sigmoid(b) (its output) and g = -exp(A_log) * softplus(a + dt_bias) (softplus's fp32
+  input and output);
+- in the chunked rule, all fp32: the padded value, key, beta; k_beta and v_beta; the decay
+  mask's exp and its tril; k_beta @ key^T; the 63 row and sub-block clones of the forward
+  substitution loop (``attn[..., i, :i] = row + (row.unsqueeze(-1) * sub).sum(-2)``: the
+  product saves both clones, sum over i of i + i^2 elements per chunk and head); the
+  solved ``attn``; exp(g), k_beta * exp(g), the scaled query and k_cumdecay; per chunk the
+  q_i k_i^T product and its masked decayed copy, v_new, (q_i * exp(g)) (not the first chunk,
+  whose state needs no gradient), k_i * exp(g_last - g) and two exps of g for the state
+  update (not the last chunk's, which backward never reaches), exp(g), and the state entering
+  it (dk x dv per head);
+- the gated RMSNorm (Qwen3NextRMSNormGated.forward): its fp32 input, rsqrt per row, the
+  normalised tensor cast back, weight * it, the fp32 gate z and silu(z); out_proj's input.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import NamedTuple
+
+from memplan.model import linear
+from memplan.model.block import BackwardMoment, Moment
+from memplan.model.dims import FP32_BYTES, MASK_BYTES, Dims, Term, total
+from memplan.model.linear import Linear, Split
+from memplan.spec import LinearAttentionSpec, ModelSpec
+from memplan.workload import Recompute, Workload
+
+_PREFIX = "linear_attn"
+
+
+class Sizes(NamedTuple):
+    """The block's element counts on one rank for one micro-batch (see the module
+    docstring)."""
+
+    b: int
+    s: int
+    hk: int
+    hv: int
+    dk: int
+    dv: int
+    taps: int
+    c: int  # chunk length
+    n: int  # chunks per sequence
+
+    @property
+    def tokens(self) -> int:
+        return self.b * self.s
+
+    @property
+    def padded(self) -> int:
+        """Tp: padded tokens of the micro-batch."""
+        return self.b * self.n * self.c
+
+    @property
+    def channels(self) -> int:
+        return 2 * self.hk * self.dk + self.hv * self.dv
+
+    @property
+    def chunk_matrices(self) -> int:
+        """Elements of one c x c matrix per chunk and head: b Hv N c^2."""
+        return self.b * self.hv * self.n * self.c * self.c
+
+
+def sizes(la: LinearAttentionSpec, dm: Dims) -> Sizes:
+    c = la.chunk_size
+    return Sizes(b=dm.b, s=dm.s, hk=la.num_key_heads // dm.tp, hv=la.num_value_heads // dm.tp,
+                 dk=la.key_head_dim, dv=la.value_head_dim, taps=la.conv_kernel, c=c,
+                 n=-(-dm.s // c))
+
+
+def substitution_elements(c: int) -> int:
+    """Elements the forward substitution loop saves per chunk and head: for i in 1..c-1 the
+    row clone (i) and the sub-block clone (i^2), sum_i i + i^2 = (c-1)c/2 + (c-1)c(2c-1)/6
+    (64: 2,016 + 85,344 = 87,360)."""
+    return (c - 1) * c // 2 + (c - 1) * c * (2 * c - 1) // 6
+
+
+@lru_cache(maxsize=64)
+def deltanet_linears(spec: ModelSpec) -> tuple[Linear, ...]:
+    """in_proj_qkvz (h -> 2 key_dim + 2 value_dim) and in_proj_ba (h -> 2 Hv), column-parallel
+    (the ``attn`` group), out_proj (value_dim -> h), row-parallel (``attn_out``)."""
+    la, h = spec.linear_attention, spec.hidden_size
+    assert la is not None
+    return (Linear("in_proj_qkvz", "attn", h, 2 * la.key_dim + 2 * la.value_dim),
+            Linear("in_proj_ba", "attn", h, 2 * la.num_value_heads),
+            Linear("out_proj", "attn_out", la.value_dim, h, split=Split.ROW))
+
+
+def _conv_terms(z: Sizes, dm: Dims) -> list[Term]:
+    """The conv's input and its output of s + K - 1 positions (the silu's input, a slice of
+    it); q and k into l2norm: repeated copies, or the silu output when Hv == Hk."""
+    e = dm.e
+    qk = (2 * z.tokens * z.hv * z.dk if z.hv > z.hk else z.tokens * z.channels) * e
+    return [Term(f"{_PREFIX}.conv_input", z.tokens * z.channels * e),
+            Term(f"{_PREFIX}.conv_output", z.b * z.channels * (z.s + z.taps - 1) * e),
+            Term(f"{_PREFIX}.qk", qk),
+            Term(f"{_PREFIX}.l2norm_rsqrt", 2 * z.tokens * z.hv * e),
+            Term(f"{_PREFIX}.beta", z.tokens * z.hv * e),
+            Term(f"{_PREFIX}.softplus", 2 * z.tokens * z.hv * FP32_BYTES)]
+
+
+def _chunk_terms(z: Sizes) -> list[Term]:
+    """The chunked rule's fp32 tensors saved once per micro-batch (the module docstring)."""
+    f, tp, hv = FP32_BYTES, z.padded, z.hv
+    k_like = tp * hv * z.dk * f  # key, k_beta, exp(g) * k_beta, query, k_cumdecay
+    v_like = tp * hv * z.dv * f  # value, v_beta
+    cumdecay = k_like if z.n > 1 else 0  # the first chunk's state needs no gradient
+    # the two causal masks (c x c bools) masked_fill and masked_fill_ save, and the factor
+    # -exp(A_log) of g (exp saves its output, the product the negated copy): Hv fp32 each
+    masks = 2 * z.c * z.c * MASK_BYTES + 2 * hv * f
+    return [Term(f"{_PREFIX}.rule_kv", 4 * k_like + 2 * v_like + cumdecay),
+            Term(f"{_PREFIX}.rule_masks", masks),
+            Term(f"{_PREFIX}.rule_gates", 2 * tp * hv * f),  # beta, exp(g)
+            Term(f"{_PREFIX}.rule_decay", 4 * z.chunk_matrices * f),  # exp, tril, kk^T, attn
+            Term(f"{_PREFIX}.rule_substitution",
+                 z.b * hv * z.n * substitution_elements(z.c) * f)]
+
+
+def _per_chunk_terms(z: Sizes) -> list[Term]:
+    """Saved by each chunk's step: q k^T and its decayed copy, v_new, q_i * exp(g) (but in
+    the first chunk, whose state needs no gradient) and exp(g); the state update's k_i *
+    exp(g_last - g) and its two exps but in the last chunk, whose new state no loss reads
+    (the cache's final state, or None: its nodes and what they saved are freed with the
+    forward's output, before backward; traced), and the state entering each chunk."""
+    f, hv, rows = FP32_BYTES, z.hv, z.b * z.hv * z.c
+    updates = z.n - 1  # the state updates backward reaches
+    return [Term(f"{_PREFIX}.chunk_scores", 2 * z.chunk_matrices * f),
+            Term(f"{_PREFIX}.chunk_rows", (z.padded * hv * z.dv + 2 * updates * rows * z.dk)
+                 * f),
+            Term(f"{_PREFIX}.chunk_gates", (z.n * rows + updates * (rows + z.b * hv)) * f),
+            Term(f"{_PREFIX}.chunk_states", z.n * z.b * hv * z.dk * z.dv * f)]
+
+
+def _norm_out_terms(z: Sizes, dm: Dims) -> list[Term]:
+    """Qwen3NextRMSNormGated.forward and out_proj: the fp32 input, rsqrt per row, the
+    normalised tensor in the input's dtype, weight * it, the fp32 gate and silu(gate); the
+    output projection's input (the product cast back)."""
+    e, f, rows = dm.e, FP32_BYTES, z.tokens * z.hv * z.dv
+    # z in fp32, which silu saves: a copy of z below fp32; in fp32 z itself, a copy made by
+    # ``z.reshape(-1, dv)`` when the value heads are grouped (Hv > Hk), else a view of the
+    # qkvz projection's output, which it keeps whole (traced)
+    gate = z.tokens * (2 * z.hk * z.dk + 2 * z.hv * z.dv) * e if (
+        e >= f and z.hv == z.hk) else rows * f
+    return [Term(f"{_PREFIX}.norm_input_fp32", rows * f),
+            Term(f"{_PREFIX}.norm_rsqrt", z.tokens * z.hv * f),
+            Term(f"{_PREFIX}.norm_normed", 2 * rows * e),  # normalised, weight * normalised
+            Term(f"{_PREFIX}.norm_gate", gate + rows * f),  # z in fp32, silu(z)
+            Term(f"{_PREFIX}.out", rows * e)]
+
+
+def deltanet_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
+    """The block's saved terms (the module docstring), its input norm apart."""
+    assert spec.linear_attention is not None
+    z = sizes(spec.linear_attention, dm)
+    casts = linear.saved_terms(_PREFIX, deltanet_linears(spec), dm)
+    return (_conv_terms(z, dm) + _chunk_terms(z) + _per_chunk_terms(z)
+            + _norm_out_terms(z, dm) + casts)
+
+
+def _small_sizes(spec: ModelSpec, t: int) -> tuple[list[int], list[tuple[int, ...]]]:
+    """dt_bias and A_log (Hv each), the depthwise conv1d weight (C, 1, K), registered before
+    the projections; the gated norm's weight (dv), between in_proj_ba and out_proj."""
+    la = spec.linear_attention
+    assert la is not None
+    hv, conv = la.num_value_heads // t, la.conv_dim // t
+    return ([hv, hv, conv * la.conv_kernel, la.value_head_dim],
+            [(hv,), (hv,), (conv, 1, la.conv_kernel), (la.value_head_dim,)])
+
+
+def _rule_alive(z: Sizes, dm: Dims) -> int:
+    """Beside the saved tensors at the chunk loop's end: the qkvz projection's output (z is a
+    view of it until the norm copies it), the solved values attn @ v_beta, the output
+    core_attn_out being filled (both Tp Hv dv fp32), the cumulated g and the last state."""
+    la_out = z.tokens * (2 * z.hk * z.dk + 2 * z.hv * z.dv) * dm.e
+    f = FP32_BYTES
+    return (la_out + 2 * z.padded * z.hv * z.dv * f + z.padded * z.hv * f
+            + z.b * z.hv * z.dk * z.dv * f + last_update_bytes(z))
+
+
+def last_update_bytes(z: Sizes) -> int:
+    """What the last chunk's state update saved, which no loss reads: k_i * exp(g_last - g),
+    that exp and exp(g_last), alive while its output is (the final state)."""
+    return z.b * z.hv * (z.c * z.dk + z.c + 1) * FP32_BYTES
+
+
+def _rule_grads(z: Sizes) -> int:
+    """In flight during the chunk loop's backward: the output's gradient (Tp Hv dv fp32), the
+    gradients accumulating over the chunks' slices of the scaled query, the key, k_cumdecay
+    and the solved values, of the decay mask, and the state's, with one slice's gradient made
+    whole (a full-size zeros tensor, SliceBackward) before it is added."""
+    f, tp, hv = FP32_BYTES, z.padded, z.hv
+    out = tp * hv * z.dv * f
+    accumulated = tp * hv * (3 * z.dk + z.dv) * f + z.chunk_matrices * f
+    return out + accumulated + 2 * z.b * hv * z.dk * z.dv * f + tp * hv * max(z.dk, z.dv) * f
+
+
+class DeltaNet:
+    """Qwen3NextGatedDeltaNet on transformers' torch path (the module docstring)."""
+
+    name = "attn"
+
+    def saved(self, spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
+        return deltanet_terms(spec, wl, dm, recompute)
+
+    def forward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
+                        recompute: Recompute) -> list[Moment]:
+        """The chunk loop's end (what it saved, beside ``_rule_alive``) and out_proj's output
+        before the residual add."""
+        assert spec.linear_attention is not None
+        z = sizes(spec.linear_attention, dm)
+        terms = deltanet_terms(spec, wl, dm, recompute)
+        rule = total(_conv_terms(z, dm) + _chunk_terms(z) + _per_chunk_terms(z))
+        stream = dm.rows * spec.hidden_size * dm.e
+        return [Moment("delta_rule", rule, _rule_alive(z, dm)),
+                Moment("linear_attention", total(terms), stream)]
+
+    def working_set(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
+        """In a checkpointed layer nothing is saved: at the chunk loop's end its own fp32
+        tensors (the padded q, k, v, k_beta, v_beta, the decay mask and attn) beside
+        ``_rule_alive``. Not exact: transformers' gradient checkpointing of the toy
+        (tests/traced/test_hf_qwen3_next.py's, fp32, 2 x 128) peaks 19.6% above this
+        estimate in forward and 3.8% in backward, inside the chunk loop, where the caller's
+        locals (the projections' outputs, the silu output, the repeated q and k) and the
+        rule's own (k_beta, v_beta, k_cumdecay, the output) are all alive at once."""
+        assert spec.linear_attention is not None
+        z = sizes(spec.linear_attention, dm)
+        f = FP32_BYTES
+        own = (z.padded * z.hv * (4 * z.dk + 2 * z.dv) * f + 2 * z.chunk_matrices * f)
+        return [Moment("delta_rule", 0, own + _rule_alive(z, dm))]
+
+    def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
+                         recompute: Recompute) -> list[BackwardMoment]:
+        """out_proj's backward (the norm's input gradient beside what the block saved), the
+        chunk loop's backward (the norm's terms freed; ``_rule_grads``), then the input
+        projections' (their weight gradients, the input's two gradients)."""
+        assert spec.linear_attention is not None
+        z = sizes(spec.linear_attention, dm)
+        terms = deltanet_terms(spec, wl, dm, recompute)
+        rule = total(_conv_terms(z, dm) + _chunk_terms(z) + _per_chunk_terms(z))
+        out_grad = z.tokens * z.hv * z.dv * dm.e
+        grad_inputs = 2 * dm.rows * spec.hidden_size * dm.e
+        qkvz = linear.weight_elements(deltanet_linears(spec)[0], dm.tp)
+        return [BackwardMoment("linear_attention.out", total(terms), out_grad, ("attn_out",)),
+                BackwardMoment("delta_rule", rule, _rule_grads(z), ("attn_out",)),
+                BackwardMoment("linear_attn_in", 0, grad_inputs, ("attn",), qkvz)]
+
+    def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
+        return []
+
+    def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:
+        """dt_bias, A_log, conv1d, in_proj_qkvz, in_proj_ba, the norm, out_proj (the module's
+        registration order)."""
+        small, _ = _small_sizes(spec, t)
+        qkvz, ba, out = (linear.all_tensor_sizes([lin], t) for lin in deltanet_linears(spec))
+        return small[:3] + qkvz + ba + small[3:] + out
+
+    def tensor_shapes(self, spec: ModelSpec, t: int, ep: int) -> list[tuple[int, ...]]:
+        _, small = _small_sizes(spec, t)
+        qkvz, ba, out = (linear.all_tensor_shapes([lin], t) for lin in deltanet_linears(spec))
+        return small[:3] + qkvz + ba + small[3:] + out
+
+    def grad_groups(self, spec: ModelSpec, t: int, ep: int) -> dict[str, int]:
+        """``attn_out``: out_proj and the gated norm's weight (its backward runs first);
+        ``attn``: all."""
+        small, _ = _small_sizes(spec, t)
+        return linear.grad_groups(deltanet_linears(spec), t, ("attn_out", "attn"),
+                                  {"attn_out": small[3], "attn": sum(small[:3])})
+
+    def flops_per_token(self, spec: ModelSpec, seq_len: int) -> float:
+        """2 per projection weight (``memplan.model.linear``), 2 per conv tap and channel,
+        and the chunked rule's matmuls (``core_flops_per_token``)."""
+        la = spec.linear_attention
+        assert la is not None
+        return (linear.flops_per_token(deltanet_linears(spec)) + 2.0 * la.conv_dim * la.conv_kernel
+                + self.core_flops_per_token(spec, seq_len))
+
+    def core_flops_per_token(self, spec: ModelSpec, seq_len: int) -> float:
+        """torch_chunk_gated_delta_rule's matmuls per token and value head (2 FLOPs per
+        multiply-add), chunk c: within its chunk k_beta k^T (2 c dk), attn @ v_beta (2 c dv),
+        attn @ k_beta exp(g) (2 c dk), q k^T (2 c dk) and attn @ v_new (2 c dv); against the
+        state k_cumdecay @ S (2 dk dv), q exp(g) @ S (2 dk dv) and k^T v_new into S (2 dk
+        dv); the forward substitution's row updates, sum_i i^2 / c per token (~2 c^2 / 3
+        multiply-adds)."""
+        la = spec.linear_attention
+        assert la is not None
+        c, dk, dv = la.chunk_size, la.key_head_dim, la.value_head_dim
+        per_head = (2 * c * (3 * dk + 2 * dv) + 6 * dk * dv
+                    + 2 * (c - 1) * c * (2 * c - 1) / (6 * c))
+        return per_head * la.num_value_heads
+
+
+def cache_states_bytes(spec: ModelSpec, dm: Dims) -> int:
+    """What the cache a training forward with use_cache fills keeps of a linear-attention
+    layer until the forward's output is dropped (Qwen3NextGatedDeltaNet.forward with
+    cache_params): the conv state, F.pad of the conv input to its last K positions (b C K,
+    the compute dtype), the chunked rule's final state (output_final_state: b Hv dk dv,
+    fp32) and with it the graph that made it (``last_update_bytes``)."""
+    assert spec.linear_attention is not None
+    z = sizes(spec.linear_attention, dm)
+    return (z.b * z.channels * z.taps * dm.e
+            + z.b * z.hv * z.dk * z.dv * FP32_BYTES + last_update_bytes(z))

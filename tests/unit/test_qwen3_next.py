@@ -1,0 +1,138 @@
+"""Qwen3-Next (memplan.hf.families_hybrid, memplan.model.deltanet): its parameter count, the
+gated DeltaNet block's saved bytes and FLOPs, by hand.
+
+The traced ground truth (transformers' own Qwen3NextForCausalLM stepped under the exact
+tracker, and its meta-device count) is tests/traced/test_hf_qwen3_next.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from memplan.errors import MemplanError
+from memplan.model.deltanet import DeltaNet, deltanet_terms, substitution_elements
+from memplan.model.dims import Dims, total
+from memplan.parallel import ParallelConfig
+from memplan.spec import load_model, spec_from_hf_dict
+from memplan.workload import Precision, Recompute, Workload
+
+CONFIG = json.loads((Path(__file__).parent.parent / "data" / "hf" /
+                     "Qwen3-Next-80B-A3B-Instruct" / "config.json").read_text())
+
+
+def test_80b_a3b_count_by_hand() -> None:
+    """Qwen/Qwen3-Next-80B-A3B-Instruct's config.json: h = 2048, 48 layers (every 4th full
+    attention: 12 full, 36 linear), V = 151,936 untied, 16 heads / 2 KV heads of 256, linear
+    attention 16 key / 32 value heads of 128, conv 4, 512 experts of 512, one shared expert of
+    512 (modeling_qwen3_next.py, transformers 5.3):
+
+    embedding and head     2 * 151,936 * 2,048                        =    622,329,856
+    gated DeltaNet layer (Qwen3NextGatedDeltaNet.__init__):
+      in_proj_qkvz         2,048 * (2 * 2,048 + 2 * 4,096)            =     25,165,824
+      in_proj_ba           2,048 * 2 * 32                             =        131,072
+      conv1d               (2 * 2,048 + 4,096) * 4                    =         32,768
+      dt_bias, A_log       2 * 32                                     =             64
+      norm                 128                                        =            128
+      out_proj             4,096 * 2,048                              =      8,388,608
+                                                                       =     33,718,464
+    gated attention layer (Qwen3NextAttention.__init__):
+      q_proj (with gate)   2,048 * 2 * 16 * 256                       =     16,777,216
+      k_proj, v_proj       2 * 2,048 * 2 * 256                        =      2,097,152
+      o_proj               16 * 256 * 2,048                           =      8,388,608
+      q_norm, k_norm       2 * 256                                    =            512
+                                                                       =     27,263,488
+    MoE (Qwen3NextSparseMoeBlock), every layer:
+      router               512 * 2,048                                =      1,048,576
+      experts              512 * 3 * 2,048 * 512                      =  1,610,612,736
+      shared expert        3 * 2,048 * 512                            =      3,145,728
+      shared_expert_gate   2,048                                      =          2,048
+                                                                       =  1,614,809,088
+    two norms per layer    2 * 2,048                                  =          4,096
+    36 linear layers       36 * (33,718,464 + 1,614,809,088 + 4,096)  = 59,347,139,328
+    12 full layers         12 * (27,263,488 + 1,614,809,088 + 4,096)  = 19,704,920,064
+    final norm             2,048                                      =          2,048
+    total                                                             = 79,674,391,296
+
+    Active per token: the top-10 of 512 experts, 502 * 3,145,728 * 48 = 75,799,461,888
+    fewer: 3,874,929,408 (the card's "3B active")."""
+    spec = spec_from_hf_dict(CONFIG, "config.json", "qwen3-next")
+    assert spec.num_params == 79_674_391_296
+    assert [spec.is_linear_layer(i) for i in range(8)] == [True, True, True, False] * 2
+    assert load_model("qwen3-next-80b-a3b").num_params == 79_674_391_296
+    expert = 3 * 2048 * 512
+    assert spec.num_params - 48 * (512 - 10) * expert == 3_874_929_408
+
+
+def test_other_layer_orders_are_refused() -> None:
+    """Only a full layer every n-th is modelled (Qwen3NextConfig's own rule)."""
+    data = dict(CONFIG, num_hidden_layers=4,
+                layer_types=["full_attention", "linear_attention", "linear_attention",
+                             "full_attention"])
+    with pytest.raises(MemplanError, match="layer_types"):
+        spec_from_hf_dict(data, "config.json", "q")
+    every = dict(CONFIG, num_hidden_layers=4, layer_types=["linear_attention",
+                                                            "full_attention"] * 2)
+    spec = spec_from_hf_dict(every, "config.json", "q")
+    assert spec.linear_attention is not None
+    assert spec.linear_attention.full_attention_interval == 2
+
+
+def test_substitution_loop_by_hand() -> None:
+    """torch_chunk_gated_delta_rule's forward substitution, for i in 1..63: row (i) and sub
+    (i x i) clones, both saved by their product: sum i = 2,016, sum i^2 = 63 * 64 * 127 / 6
+    = 85,344; 87,360 elements per chunk and value head."""
+    assert substitution_elements(64) == 2_016 + 85_344
+
+
+TOY = dict(CONFIG, num_hidden_layers=2, hidden_size=128, intermediate_size=256,
+           num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
+           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+           shared_expert_intermediate_size=64, linear_num_key_heads=2,
+           linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+           full_attention_interval=2)
+
+
+def test_deltanet_saved_bytes_by_hand() -> None:
+    """The toy's gated DeltaNet in fp32, b = 2, s = 128 (T = 256, two chunks of 64; Hk = 2,
+    Hv = 4, dk = dv = 32, C = 2 * 64 + 128 = 256 channels, K = 4), in bytes:
+
+    conv input T C 4 = 262,144; conv output 2 * 256 * 131 * 4 = 268,288; q and k repeated to
+    4 heads 2 * 256 * 128 * 4 = 262,144; their rsqrt 2 * 256 * 4 * 4 = 8,192; sigmoid(b)
+    4,096; softplus in and out 8,192                                      =   813,056
+    rule: key, k_beta, k_beta exp(g), scaled query, k_cumdecay 5 * 131,072 and value,
+    v_beta 2 * 131,072 = 917,504; masks 2 * 64 * 64 + 2 * 4 * 4 = 8,224; beta, exp(g)
+    8,192; exp, tril, k_beta k^T, attn 4 * (2 * 4 * 2 * 4,096 * 4) = 1,048,576;
+    substitution 2 * 4 * 2 * 87,360 * 4 = 5,591,040                       = 7,573,536
+    per chunk: q k^T and its decayed copy 524,288; v_new 131,072; q exp(g) (second chunk)
+    and the update's k exp(g_last - g) (first chunk) 2 * 2 * 4 * 64 * 32 * 4 = 131,072;
+    exps (2 * 512 + 512 + 8) * 4 = 6,176; two states 2 * 2 * 4 * 32 * 32 * 4 = 65,536
+                                                                          =   858,144
+    gated norm: fp32 input 131,072, rsqrt 4,096, normed and weight * normed 262,144, gate
+    and silu 262,144; out_proj's input 131,072                            =   790,528
+    total                                                                 = 10,035,264
+
+    ``torch.autograd.graph.saved_tensors_hooks`` counts 10,102,880 bytes saved by the
+    module's forward (unique storages, parameters apart): the same plus the last chunk's
+    state update (65,536 + 2,048 + 32 = 67,616), whose nodes no loss reaches and which are
+    freed with the forward's output (tests/traced/test_hf_qwen3_next.py measures the step)."""
+    spec = spec_from_hf_dict(TOY, "config.json", "toy")
+    wl = Workload(micro_batch_size=2, seq_len=128, precision=Precision.FP32)
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    parts = [262_144, 268_288, 262_144, 8_192, 4_096, 8_192,
+             917_504, 8_224, 8_192, 1_048_576, 5_591_040,
+             524_288, 131_072 + 131_072, 6_176, 65_536,
+             131_072, 4_096, 262_144, 262_144, 131_072]
+    assert total(deltanet_terms(spec, wl, dm, Recompute.NONE)) == sum(parts) == 10_035_264
+
+
+def test_deltanet_flops_by_hand() -> None:
+    """Per token of a gated DeltaNet layer of the 80B (c = 64, dk = dv = 128, 32 value
+    heads): projections 2 * (25,165,824 + 131,072 + 8,388,608) = 67,371,008; conv 2 * 8,192 *
+    4 = 65,536; the chunked rule per head 2 * 64 * (3 * 128 + 2 * 128) = 81,920 within the
+    chunk, 6 * 128 * 128 = 98,304 against the state, the substitution 2 * 85,344 / 64 =
+    2,667 (exactly 2,667.0), 182,891 per head, 5,852,512 for 32 heads; total 73,289,056."""
+    spec = load_model("qwen3-next-80b-a3b")
+    assert DeltaNet().flops_per_token(spec, 4096) == 67_371_008 + 65_536 + 32 * 182_891
