@@ -30,8 +30,9 @@ class PlainIntEnum(enum.IntEnum):
 
 class RankedEnum(PlainEnum):
     """A string choice ordered by its declaration (``NONE < SELECTIVE < FULL``), not
-    alphabetically: comparisons between members use their position; a member compared with
-    anything else (a plain string) is refused, as between unrelated types."""
+    alphabetically: a member compares by position with another member or with a member's
+    value (``Recompute.SELECTIVE < "full"``); any other string is refused (``TypeError``),
+    rather than compared as text."""
 
     @property
     def rank(self) -> int:
@@ -39,9 +40,16 @@ class RankedEnum(PlainEnum):
         return type(self)._member_names_.index(self._name_)
 
     def _ranks(self, other: object) -> tuple[int, int] | None:
-        if type(other) is not type(self):
+        kind = type(self)
+        if isinstance(other, str) and not isinstance(other, kind):
+            if other not in kind._value2member_map_:
+                raise TypeError(f"{kind.__name__} {self._value_!r} compares with "
+                                f"{', '.join(map(repr, kind._value2member_map_))}, "
+                                f"not {other!r}")
+            other = kind(other)
+        if not isinstance(other, kind):
             return None
-        return self.rank, other.rank  # type: ignore[attr-defined]
+        return self.rank, other.rank
 
     def __lt__(self, other: object) -> bool:
         pair = self._ranks(other)
