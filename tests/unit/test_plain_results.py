@@ -71,6 +71,9 @@ def test_choices_are_plain_values():
     assert (str(wl.recompute), repr(wl.recompute), str(par.zero), repr(par.zero)) == (
         "full", "'full'", "2", "2")
     assert json.dumps([wl.recompute, par.zero, wl.precision]) == '["full", 2, "fp16-mixed"]'
+    # the workload and layout a JSON output echoes (``trace --json``, timeline.json, records)
+    dumped = {**wl.model_dump(mode="json"), **par.model_dump(mode="json")}
+    assert (dumped["recompute"], dumped["zero"], dumped["precision"]) == ("full", 2, "fp16-mixed")
     # a dict keyed by the plain value finds the member, and the other way round
     assert {"full": 1}[wl.recompute] == 1 and {Recompute.FULL: 1}["full"] == 1
     # the name is still there for who wants it
