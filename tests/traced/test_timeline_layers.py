@@ -2,10 +2,11 @@
 moments from step 1's optimizer step, as the model's first-step peaks count them
 (``memplan.model.stage``: ``peaks(st.master_bytes + st.setup_bytes, ...)`` for step 1).
 
-The ``tiny`` spec holds 108,864 parameters: embedding 128 x 64 = 8,192, two layers of 46,208
-(attention q and o 64 x 64, k and v 64 x 32 (2 kv heads of 16) = 12,288; SwiGLU 3 x 64 x 176
-= 33,792; two norms of 64), the final norm's 64 and an untied head of 8,192. Under bf16-mixed the weights are 2 B each (217,728 bytes), the fp32 master copy
-4 B each (435,456 bytes), AdamW's two fp32 moments 8 B each (870,912 bytes).
+The ``tiny`` spec holds 108,864 parameters: embedding 128 x 64 = 8,192, two layers of
+46,208 (attention q and o 64 x 64, k and v 64 x 32 (2 kv heads of 16) = 12,288; SwiGLU
+3 x 64 x 176 = 33,792; two norms of 64), the final norm's 64 and an untied head of 8,192.
+Under bf16-mixed the weights are 2 B each (217,728 bytes), the fp32 master copy 4 B each
+(435,456 bytes), AdamW's two fp32 moments 8 B each (870,912 bytes).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ def _enum_classes() -> list[type[enum.Enum]]:
 
     found = []
     for info in pkgutil.walk_packages(memplan.__path__, "memplan."):
-        if info.name.startswith(("memplan.cli", "memplan.profile")) or info.name == "memplan.__main__":
+        if info.name.startswith(("memplan.cli", "memplan.profile", "memplan.__main__")):
             continue
         module = importlib.import_module(info.name)
         found += [v for v in vars(module).values() if isinstance(v, type)
