@@ -49,16 +49,17 @@ def make_workload(spec: ModelSpec, **fields: Any) -> Workload:
     arguments.model_fields(Workload, fields, arguments.LABELS)
     if fields.get("seq_len") is None:
         fields["seq_len"] = default_seq(spec)
-    items = tuple(sorted((k, v) for k, v in fields.items() if v is not None))
+    # each value's type in the key: True == 1 would otherwise be served 1's workload unchecked
+    items = tuple(sorted((k, type(v).__name__, v) for k, v in fields.items() if v is not None))
     try:
         return _cached_workload(items)
     except TypeError:  # an unhashable value: validate without the cache (and fail clearly)
-        return _validate(Workload, dict(items))
+        return _validate(Workload, {k: v for k, _, v in items})
 
 
 @lru_cache(maxsize=4096)
-def _cached_workload(items: tuple[tuple[str, Any], ...]) -> Workload:
-    return _validate(Workload, dict(items))
+def _cached_workload(items: tuple[tuple[str, str, Any], ...]) -> Workload:
+    return _validate(Workload, {k: v for k, _, v in items})
 
 
 def _cached(function):

@@ -9,11 +9,11 @@ without them, which a search counts its rejections by.
 
 from __future__ import annotations
 
-import enum
 from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from memplan.choices import PlainEnum, PlainIntEnum
 from memplan import presets
 from memplan.errors import LayoutError
 from memplan.spec import ModelSpec, PositionKind
@@ -32,7 +32,7 @@ from memplan.workload import (
 )
 
 
-class ZeroStage(enum.IntEnum):
+class ZeroStage(PlainIntEnum):
     """ZeRO stage (Rajbhandari et al. 2020). FSDP full sharding is stage 3."""
 
     NONE = 0
@@ -41,7 +41,7 @@ class ZeroStage(enum.IntEnum):
     PARAMETERS = 3
 
 
-class TpStyle(str, enum.Enum):
+class TpStyle(PlainEnum):
     """What a column-parallel linear saves under sequence parallelism.
 
     megatron  the sequence shard of its input, all-gathered again in backward (Megatron-LM;
@@ -54,7 +54,7 @@ class TpStyle(str, enum.Enum):
     DTENSOR = "dtensor"
 
 
-class GradBuffers(str, enum.Enum):
+class GradBuffers(PlainEnum):
     """Where data-parallel gradients live (ZeRO 0/1 with more than one replica).
 
     view  persistent communication buffers that the gradients are views of, allocated once:
@@ -67,7 +67,7 @@ class GradBuffers(str, enum.Enum):
     COPY = "copy"
 
 
-class Offload(str, enum.Enum):
+class Offload(PlainEnum):
     """What lives in host memory instead of on the GPU; a layout holds a set of them (empty:
     nothing). Each is a mechanism of its own in ``memplan.model.offload``.
 

@@ -9,7 +9,6 @@ no network, no code execution).
 
 from __future__ import annotations
 
-import enum
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -17,18 +16,19 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from memplan.choices import PlainEnum
 from memplan.arguments import file_fields
 from memplan.catalog import data_dir, suggest
 from memplan.errors import MemplanError, validation_message
 from memplan.inputs import MODEL_FILE_BYTES, read_json, read_toml, regular_file
 
 
-class NormKind(str, enum.Enum):
+class NormKind(PlainEnum):
     LAYERNORM = "layernorm"
     RMSNORM = "rmsnorm"
 
 
-class MlpKind(str, enum.Enum):
+class MlpKind(PlainEnum):
     """Gated kinds (swiglu, geglu) have three matrices; the others two."""
 
     GELU = "gelu"
@@ -41,7 +41,7 @@ class MlpKind(str, enum.Enum):
         return self in (MlpKind.SWIGLU, MlpKind.GEGLU)
 
 
-class ActivationImpl(str, enum.Enum):
+class ActivationImpl(PlainEnum):
     """How the MLP's activation runs.
 
     kernel    one aten op (F.gelu, exact or tanh-approximated; F.silu; F.relu), saving its
@@ -55,13 +55,13 @@ class ActivationImpl(str, enum.Enum):
     GELU_NEW = "gelu_new"
 
 
-class PositionKind(str, enum.Enum):
+class PositionKind(PlainEnum):
     ROPE = "rope"
     LEARNED = "learned"
     NONE = "none"
 
 
-class QkNorm(str, enum.Enum):
+class QkNorm(PlainEnum):
     """An RMSNorm on the query and key projections' outputs, before RoPE.
 
     head  one weight of head_dim each for q and k, shared by the heads (Qwen3's and Gemma 3's
@@ -75,7 +75,7 @@ class QkNorm(str, enum.Enum):
     FULL = "full"
 
 
-class NormPlacement(str, enum.Enum):
+class NormPlacement(PlainEnum):
     """Where a layer's norms sit around its two mixers (attention, feed-forward).
 
     pre       norm -> mixer -> residual add (Llama, GPT-2): two norms per layer

@@ -7,9 +7,9 @@ input such as "80GiB" (2**30-based) or "80GB" (10**9-based), which mean exactly 
 
 from __future__ import annotations
 
-import enum
 import re
 
+from memplan.choices import PlainEnum
 from memplan.errors import shown
 
 KiB = 1024
@@ -38,7 +38,7 @@ _SIZE_UNITS = {
 _SIZE_RE = re.compile(r"^\s*(-?[0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
-class DType(str, enum.Enum):
+class DType(PlainEnum):
     """Element types memplan counts, with their size in bytes (IEEE / OCP FP8 definitions)."""
 
     FP32 = "fp32"

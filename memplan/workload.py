@@ -6,18 +6,18 @@ memory, with the source of the convention.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from functools import cached_property
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from memplan.choices import PlainEnum, RankedEnum
 from memplan.errors import MemplanError
 from memplan.spec import MAX_LAYERS
 from memplan.units import DType
 
 
-class Precision(str, enum.Enum):
+class Precision(PlainEnum):
     """Precision recipes, each a policy of dtypes (``PrecisionPolicy``).
 
     bf16-mixed       bf16 weights and grads, fp32 master + optimizer states (ZeRO paper's 16 B/param)
@@ -106,7 +106,7 @@ _POLICIES = {
 }
 
 
-class Optimizer(str, enum.Enum):
+class Optimizer(PlainEnum):
     """The optimizer: its states and its step's temporaries are
     ``memplan.model.optimizer.POLICIES``.
 
@@ -129,7 +129,7 @@ class Optimizer(str, enum.Enum):
     MUON = "muon"
 
 
-class OptimizerImpl(str, enum.Enum):
+class OptimizerImpl(PlainEnum):
     """How torch.optim runs the update, which decides the step's temporaries.
 
     foreach  CUDA default: one intermediate the size of all parameters it updates
@@ -142,32 +142,36 @@ class OptimizerImpl(str, enum.Enum):
     FORLOOP = "forloop"
 
 
-class Recompute(enum.IntEnum):
-    """Activation recomputation, ordered by memory saved (and compute spent).
+class Recompute(RankedEnum):
+    """Activation recomputation, ordered by memory saved (and compute spent):
+    ``NONE < SELECTIVE < FULL``.
 
     SELECTIVE recomputes the attention core (Korthikanti et al. 2022, section 5); FULL keeps only
     each layer's input (for ``recompute_layers`` of the stage's layers, all when None).
     """
 
-    NONE = 0
-    SELECTIVE = 1
-    FULL = 2
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
 
     @classmethod
     def parse(cls, value: object) -> Recompute:
-        """A policy from its name (any case) or itself: the one place recompute is parsed."""
+        """A policy from its name (any case), itself, or its rank 0, 1, 2 (how records written
+        before the policies were strings hold it): the one place recompute is parsed."""
         if isinstance(value, Recompute):
             return value
         if isinstance(value, str) and value.upper() in cls.__members__:
             return cls[value.upper()]
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(cls):
+            return list(cls)[value]
         raise MemplanError(f"recompute must be none, selective or full, got {value!r}")
 
     @property
     def label(self) -> str:
-        return self.name.lower()
+        return self.value
 
 
-class Attention(str, enum.Enum):
+class Attention(PlainEnum):
     """flash: fused kernel saving output and logsumexp (SDPA flash / memory-efficient);
     eager: materialised scores, saving the softmax output (the s-squared term)."""
 
@@ -175,7 +179,7 @@ class Attention(str, enum.Enum):
     EAGER = "eager"
 
 
-class NormImpl(str, enum.Enum):
+class NormImpl(PlainEnum):
     """upcast: Hugging Face style, the norm runs in fp32 on an upcast copy of its input;
     fused: one kernel saving its input and per-token statistics (Apex / Transformer Engine);
     upcast-fp32: litgpt's RMSNorm (litgpt/model.py RMSNorm.forward), as upcast but the weight
@@ -192,7 +196,7 @@ class NormImpl(str, enum.Enum):
         return self is not NormImpl.FUSED
 
 
-class Framework(str, enum.Enum):
+class Framework(PlainEnum):
     """The training framework whose implementation defaults apply (``memplan.presets``)."""
 
     GENERIC = "generic"
@@ -203,7 +207,7 @@ class Framework(str, enum.Enum):
     DEEPSPEED = "deepspeed"
 
 
-class ChunkBackward(str, enum.Enum):
+class ChunkBackward(PlainEnum):
     """When a chunked loss (``Workload.loss_chunks`` > 1) runs each chunk's backward.
 
     rerun    in the model's backward: each chunk checkpointed (only its input kept), its head
@@ -217,7 +221,7 @@ class ChunkBackward(str, enum.Enum):
     IN_LOSS = "in-loss"
 
 
-class LogitsHeld(str, enum.Enum):
+class LogitsHeld(PlainEnum):
     """Who keeps the logits beyond what autograd saves.
 
     none  the loss's input is freed once the loss has its own copy (memplan's reference loop)
@@ -232,7 +236,7 @@ class LogitsHeld(str, enum.Enum):
     STEP = "step"
 
 
-class LossImpl(str, enum.Enum):
+class LossImpl(PlainEnum):
     """The cross-entropy implementation.
 
     generic   PyTorch's F.cross_entropy on fp32 logits: log_softmax saved, the loss's backward
@@ -264,7 +268,7 @@ class LossImpl(str, enum.Enum):
     TORCHTUNE_CHUNKED = "torchtune-chunked"
 
 
-class SelectiveImpl(str, enum.Enum):
+class SelectiveImpl(PlainEnum):
     """What ``--recompute selective`` recomputes.
 
     core  the attention core (Korthikanti et al. 2022, section 5; Megatron-LM's
@@ -277,7 +281,7 @@ class SelectiveImpl(str, enum.Enum):
     OP = "op"
 
 
-class FsdpUnits(str, enum.Enum):
+class FsdpUnits(PlainEnum):
     """How ZeRO-3 / FSDP2 groups the weights that are not in a block.
 
     root        every block a unit, one root unit with the embedding, final norm and head,
@@ -299,7 +303,7 @@ class FsdpUnits(str, enum.Enum):
     BUCKETS = "buckets"
 
 
-class BackwardPrefetch(str, enum.Enum):
+class BackwardPrefetch(PlainEnum):
     """FSDP1's ``backward_prefetch`` (``--fsdp-version 1``; torch/distributed/fsdp/
     _runtime_utils.py ``_get_handle_to_prefetch``): when a unit's backward all-gathers the unit
     that runs its backward next.
@@ -318,7 +322,7 @@ class BackwardPrefetch(str, enum.Enum):
     NONE = "none"
 
 
-class GradSync(str, enum.Enum):
+class GradSync(PlainEnum):
     """When a training loop that accumulates gradients over micro-batches reduces them across
     data-parallel ranks.
 
@@ -338,7 +342,7 @@ class GradSync(str, enum.Enum):
     LAST = "last"
 
 
-class RopeCache(str, enum.Enum):
+class RopeCache(PlainEnum):
     """Where the RoPE cos/sin tables live.
 
     forward  computed in every forward at the sequence's length and saved by the layers
@@ -355,7 +359,7 @@ class RopeCache(str, enum.Enum):
     LAYER = "layer"
 
 
-class AttentionImpl(str, enum.Enum):
+class AttentionImpl(PlainEnum):
     """How the attention module feeds its core.
 
     generic  q, k and v reach the core as their own tensors, the core's output is token-major
@@ -372,7 +376,7 @@ class AttentionImpl(str, enum.Enum):
     LITGPT = "litgpt"
 
 
-class PipelineSplit(str, enum.Enum):
+class PipelineSplit(PlainEnum):
     """How decoder layers are split over pipeline stages when no split is given.
 
     even      pp*vpp equal parts, refused where they do not divide the layers (Megatron-LM's
@@ -400,7 +404,7 @@ DEFAULT_SEQ_LEN = 4096
 MAX_LORA_RANK = 65_536
 
 
-class MoeImpl(str, enum.Enum):
+class MoeImpl(PlainEnum):
     """How an MoE feed-forward runs its routed experts.
 
     loop     one expert after another over its gathered rows, the weighted outputs combined
@@ -417,7 +421,7 @@ class MoeImpl(str, enum.Enum):
     GROUPED = "grouped"
 
 
-class Float8Recipe(str, enum.Enum):
+class Float8Recipe(PlainEnum):
     """torchao's float8 training of the decoder layers' linears, as torchtitan applies it
     (``convert_to_float8_training`` with ``Float8LinearConfig.from_recipe_name``:
     ``torchao/float8/config.py``; the output head is not converted).
@@ -435,7 +439,7 @@ class Float8Recipe(str, enum.Enum):
     ROWWISE = "rowwise"
 
 
-class BaseQuant(str, enum.Enum):
+class BaseQuant(PlainEnum):
     """How frozen base weights are stored under LoRA (``memplan.model.adapters``).
 
     none  in the weights' dtype (the precision recipe's)
@@ -599,7 +603,8 @@ class Workload(BaseModel):
     @field_validator("recompute", mode="before")
     @classmethod
     def _recompute_by_name(cls, value: object) -> object:
-        return Recompute.parse(value) if isinstance(value, str) else value
+        return (Recompute.parse(value) if isinstance(value, (str, int))
+                and not isinstance(value, bool) else value)
 
     @property
     def loss_checkpointed(self) -> bool:

@@ -15,10 +15,10 @@ bias replicated); a projection that is not split (MLA's down projections, Megatr
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from memplan.choices import PlainEnum
 from memplan.model.adapters import ADAPTER_BYTES, Adapters, torchao_dequant_bytes
 from memplan.model.dims import MASK_BYTES, Dims, Term
 from memplan.workload import BaseQuant, Float8Recipe
@@ -32,7 +32,7 @@ FLOAT8_BYTES = 1
 FLOAT8_SCALE_BYTES = 4
 
 
-class Split(str, enum.Enum):
+class Split(PlainEnum):
     """How tensor parallelism splits a projection (see the module docstring)."""
 
     COLUMN = "column"  # the output (and the bias) split by t

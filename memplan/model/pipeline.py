@@ -12,13 +12,13 @@ micro-batches of every stage.
 
 from __future__ import annotations
 
-import enum
 from itertools import accumulate
 
+from memplan.choices import PlainEnum
 from memplan.parallel import ParallelConfig, virtual_stage_layers
 
 
-class Schedule(str, enum.Enum):
+class Schedule(PlainEnum):
     ONE_F_ONE_B = "1f1b"  # interleaved when vpp > 1
     GPIPE = "gpipe"
 

@@ -15,10 +15,10 @@ layer, what a unit shards and gathers (``layer_adapters``, ``layer_quantized``,
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
+from memplan.choices import PlainEnum
 from memplan.spec import ModelSpec
 from memplan.workload import BaseQuant, Workload
 
@@ -37,7 +37,7 @@ class StageParams(Protocol):
     head_tensors: int
 
 
-class ParamGroup(str, enum.Enum):
+class ParamGroup(PlainEnum):
     """The parameter groups of a pipeline stage, in registration order."""
 
     EMBEDDING = "embedding"  # token (and position) embedding, first stage

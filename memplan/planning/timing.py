@@ -21,12 +21,12 @@ numbers (``Columns.one``), so that timing one estimate imports no numpy (about 7
 
 from __future__ import annotations
 
-import enum
 import math
 from functools import lru_cache
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from memplan.choices import PlainEnum
 from memplan.hardware import GpuSpec
 from memplan.model.flops import head_flops_per_token, layer_flops
 from memplan.model.mtp import mtp_flops_per_token, mtp_layer_index
@@ -61,7 +61,7 @@ OVERLAP = {"tp": 0.0, "dp": 0.8, "pp": 0.5, "cp": 0.5, "ep": 0.0, "host_grads": 
            "host_step": 0.0}
 
 
-class Bound(str, enum.Enum):
+class Bound(PlainEnum):
     COMPUTE = "compute"
     COMMUNICATION = "communication"
     BUBBLE = "pipeline bubble"

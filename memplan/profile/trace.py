@@ -128,7 +128,10 @@ class _Recipe:
         if self.precision.policy.master is None:  # the optimizer updates the weights
             return self.params
         if self.masters is None:  # created with the optimizer, as frameworks do at setup
-            self.masters = [p.detach().float().requires_grad_() for p in self.params]
+            self.masters = []
+            for p in self.params:  # each counted as optimizer bytes from the op that made it
+                self.masters.append(p.detach().float().requires_grad_())
+                self.tracker.relabel(self.masters[-1], "optimizer")
         return self.masters
 
     def forward(self):

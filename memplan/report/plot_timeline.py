@@ -2,7 +2,9 @@
 
 ``plot_timeline`` puts the samples of a ``memplan.measure.timeline.Timeline`` on a
 time axis in seconds. Under the exact CPU tracker the live bytes are stacked by category
-(parameters, gradients, optimizer states, activations, temporaries); on CUDA the allocated,
+(parameters, gradients, optimizer states, activations, temporaries), the optimizer's bytes
+split as the model splits them: those made at setup (an fp32 master copy) from setup on, its
+states (moments) from step 1's optimizer step on; on CUDA the allocated,
 reserved and device-used bytes are lines through the samples (one at each phase's end). Each
 phase's measured peak is a black line over the phase (on CUDA the allocator's peak in the
 phase, which the sample at its end reads though no sample sees it). Phases are shaded
@@ -103,12 +105,47 @@ def _predicted_values(predicted: dict[str, Any] | None) -> Iterator[int]:
         yield from (predicted or {}).get(label, {}).values()
 
 
+# The optimizer's bytes as the model splits them (memplan.model.stage, the first step's peaks):
+# what exists from optimizer setup (an fp32 master copy, bitsandbytes' quantization maps), then
+# the states its first step creates (moments; a GradScaler's state from step 1's loss).
+SETUP_LAYER = "master weights (made at setup)"
+STATES_LAYER = "optimizer states"
+SETUP_COLOUR = "#b5dfbf"
+
+
+def setup_optimizer_bytes(tl: Timeline) -> int:
+    """The optimizer-category bytes alive when step 1 starts (its first sample): what setup
+    made with the optimizer, before any step ran; 0 without a sample of step 1."""
+    first = next((s for s in tl.samples if s.step == 1), None)
+    return first.by_category.get("optimizer", 0) if first is not None else 0
+
+
+def stack_layers(tl: Timeline) -> dict[str, list[int]]:
+    """The bytes stacked under the CPU tracker, bottom up, per sample: each category, the
+    optimizer's split in two (``SETUP_LAYER``: up to ``setup_optimizer_bytes``, from setup on;
+    ``STATES_LAYER``: the rest, from where they are made, step 1's optimizer step for the
+    moments). The layers sum to the samples' categorised bytes."""
+    setup = setup_optimizer_bytes(tl)
+    layers: dict[str, list[int]] = {}
+    for c in CATEGORIES:
+        values = [s.by_category.get(c, 0) for s in tl.samples]
+        if c != "optimizer":
+            layers[c] = values
+            continue
+        layers[SETUP_LAYER] = [min(v, setup) for v in values]
+        layers[STATES_LAYER] = [v - min(v, setup) for v in values]
+    return layers
+
+
 def _stack(ax: Any, tl: Timeline, xs: list[float], unit: int) -> None:
-    """Live bytes stacked by category, drawn as steps (each value holds until the next op)."""
-    layers = [[s.by_category.get(c, 0) / unit for s in tl.samples] for c in CATEGORIES]
-    ax.stackplot(xs, layers, labels=[c if c != "optimizer" else "optimizer states"
-                                     for c in CATEGORIES], step="post", lw=0,
-                 colors=[CATEGORY_COLOURS[c] for c in CATEGORIES], alpha=0.85)
+    """Live bytes stacked by category, drawn as steps (each value holds until the next op);
+    a layer that is empty throughout (no master copy under bf16-pure) is left out."""
+    layers = {k: v for k, v in stack_layers(tl).items() if any(v) or k in CATEGORIES}
+    colours = {**CATEGORY_COLOURS, SETUP_LAYER: SETUP_COLOUR,
+               STATES_LAYER: CATEGORY_COLOURS["optimizer"]}
+    ax.stackplot(xs, [[v / unit for v in values] for values in layers.values()],
+                 labels=list(layers), step="post", lw=0,
+                 colors=[colours[k] for k in layers], alpha=0.85)
     ax.step(xs, [s.total_bytes / unit for s in tl.samples], where="post", color="black", lw=0.6,
             label="live tensors (total)")
 
@@ -179,4 +216,5 @@ def _markers(ax: Any, spans: list[tuple[float, float, int, str]],
         first = False
 
 
-__all__ = ["phase_spans", "plot_timeline"]
+__all__ = ["SETUP_LAYER", "STATES_LAYER", "phase_spans", "plot_timeline", "setup_optimizer_bytes",
+           "stack_layers"]

@@ -150,12 +150,18 @@ def test_monitor_plot(tmp_path):
 
 def test_monitor_plot_without_headroom_has_no_empty_panel(tmp_path):
     """Records without a capacity carry no headroom: the figure is the memory panel alone (one
-    axes, the step label under it), not a memory panel above an empty third."""
+    axes, the step label under it), not a memory panel above an empty third. Under a drawn
+    capacity line (30 GiB of 80 reaches a quarter) the headroom is a band in that panel; with
+    the capacity off the scale (1 GiB of a 64 GiB host) and the headroom moving, a panel of its
+    own below."""
     import xml.etree.ElementTree as ET
 
     recs = [{"rank": 0, "step": k, "time": 0.0, "allocated_bytes": 10 * GiB,
              "peak_bytes": 30 * GiB} for k in range(1, 6)]
     with_room = [{**r, "capacity_bytes": 80 * GiB, "headroom_bytes": 50 * GiB} for r in recs]
+    host = [{"rank": 0, "step": k, "time": 0.0, "rss_bytes": GiB + k * 100 * MiB,
+             "capacity_bytes": 64 * GiB, "headroom_bytes": 40 * GiB - k * 100 * MiB}
+            for k in range(1, 6)]
     ns = "{http://www.w3.org/2000/svg}"
 
     def axes(path):
@@ -163,7 +169,12 @@ def test_monitor_plot_without_headroom_has_no_empty_panel(tmp_path):
         return sum(1 for g in tree.iter(f"{ns}g") if g.get("id", "").startswith("axes_"))
 
     plot_monitor({0: recs}, tmp_path / "alone.svg")
-    plot_monitor({0: with_room}, tmp_path / "both.svg")
-    assert (axes(tmp_path / "alone.svg"), axes(tmp_path / "both.svg")) == (1, 2)
+    plot_monitor({0: with_room}, tmp_path / "band.svg")
+    plot_monitor({0: host}, tmp_path / "host.svg")
+    assert [axes(tmp_path / f"{n}.svg") for n in ("alone", "band", "host")] == [1, 1, 2]
     texts = _texts(tmp_path / "alone.svg")
     assert "training step" in texts and not any(t.startswith("headroom") for t in texts)
+    assert "headroom (least of the ranks)" in _texts(tmp_path / "band.svg")
+    # the least headroom: 40 GiB - 5 x 100 MiB = 40,460 MiB = 39.51 GiB, at step 5
+    host_texts = _texts(tmp_path / "host.svg")
+    assert "headroom (GiB)" in host_texts and "least: 39.51 GiB (step 5)" in host_texts
