@@ -215,14 +215,14 @@ def _llama4_attention(cfg: ConfigKeys, num_layers: int) -> dict[str, Any]:
     The NoPE layers' temperature tuning (attn_temperature_tuning: q times an fp32 scale per
     position, cast back) saves only that (b, s) scale: not counted."""
     interval = cfg.get_int("no_rope_layer_interval", 4)
-    default = [int((i + 1) % interval != 0) for i in range(num_layers)]
-    rope = _llama4_layers(cfg, "no_rope_layers", default)
-    if rope == [1] * num_layers:
-        interval = 0
-    elif rope != default:
-        raise cfg.error("no_rope_layers", f"only every layer with RoPE or every "
-                                          f"no_rope_layer_interval-th ({interval}) without it "
-                                          f"is modelled, got {rope!r}")
+    rope = _llama4_layers(cfg, "no_rope_layers",
+                          [int((i + 1) % interval != 0) for i in range(num_layers)])
+    # the class keeps the list, not the interval (to_dict has no no_rope_layer_interval)
+    interval = rope.index(0) + 1 if 0 in rope else 0
+    if len(rope) != num_layers or rope != [int(not interval or (i + 1) % interval != 0)
+                                           for i in range(num_layers)]:
+        raise cfg.error("no_rope_layers", f"only every layer with RoPE or every n-th layer "
+                                          f"without it is modelled, got {rope!r}")
     chunked = ["chunked_attention" if r else "full_attention" for r in rope]
     types = cfg.data.get("layer_types")
     if types is not None and types != chunked:

@@ -52,8 +52,61 @@ def test_glm4_moe_groups_must_divide_experts() -> None:
     assert "n_group" in message and "6" in message
 
 
+# Llama 4 text at hidden 16: 2 query heads and 1 key/value head of 8, experts of 8, dense
+# MLPs of 32, two layers, vocabulary 10
+LLAMA4_TINY = {"model_type": "llama4_text", "hidden_size": 16, "intermediate_size": 8,
+               "intermediate_size_mlp": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+               "num_key_value_heads": 1, "head_dim": 8, "vocab_size": 10,
+               "num_local_experts": 4, "interleave_moe_layer_step": 2,
+               "no_rope_layer_interval": 2, "attention_chunk_size": 32}
+
+
+def test_llama4_counts_by_hand() -> None:
+    """Llama4TextConfig: no biases, untied, moe_layers [1] (interleave_moe_layer_step 2),
+    no_rope_layers [1, 0]. Attention: q and o 16*16 each, k and v 16*8 each: 768; the L2 q/k
+    norm of layer 0 has no weights. Layer 0: dense gate, up, down 3*16*32 = 1,536. Layer 1:
+    router 16*4 = 64, 4 experts of gate_up 16*16 and down 8*16: 4*384 = 1,536, the shared
+    expert 3*16*8 = 384. Two norms of 16 per layer. Layers: (768 + 1,536 + 32) + (768 + 64 +
+    1,536 + 384 + 32) = 2,336 + 2,784 = 5,120; embedding and head 10*16 each, final norm 16:
+    5,456."""
+    spec = spec_from_hf_dict(LLAMA4_TINY, "cfg.json", "m")
+    assert spec.num_params == 5_456
+    assert spec.is_moe_layer(1) and not spec.is_moe_layer(0)
+    assert spec.qk_norm.value == "l2" and spec.is_nope_layer(1) and not spec.is_nope_layer(0)
+    assert spec.is_sliding_layer(0) and not spec.is_sliding_layer(1)
+    assert spec.sliding_window == 32 and spec.window_chunked and spec.moe.every_expert
+
+
+def test_llama4_published_lists_read_as_the_class_builds_them() -> None:
+    """moe_layers and no_rope_layers as a file lists them (the class's own rule) read alike;
+    no_rope_layers [] is the class's every no_rope_layer_interval-th."""
+    base = spec_from_hf_dict(LLAMA4_TINY, "cfg.json", "m")
+    listed = LLAMA4_TINY | {"moe_layers": [1], "no_rope_layers": [1, 0],
+                            "layer_types": ["chunked_attention", "full_attention"]}
+    assert spec_from_hf_dict(listed, "cfg.json", "m") == base
+    assert spec_from_hf_dict(LLAMA4_TINY | {"no_rope_layers": []}, "cfg.json", "m") == base
+
+
+@pytest.mark.parametrize(("key", "value"), [("moe_layers", [0]), ("no_rope_layers", [0, 1]),
+                                            ("layer_types", ["full_attention"] * 2)])
+def test_llama4_other_layouts_are_refused(key: str, value: list) -> None:
+    message = _error(LLAMA4_TINY | {key: value})
+    assert key in message and repr(value) in message
+
+
+def test_chunked_attention_flops_by_hand() -> None:
+    """A chunked layer's core at s = 96 tokens over chunks of 32: each chunk's queries attend
+    to 1..32 keys, 3 * 528 = 1,584 pairs, 16.5 per query; in the full layer's units (context
+    s/2 for (s+1)/2) 16 keys: 4 * 16 * q_size = 64 * 16 = 1,024 per token; the full layer's
+    4 * 48 * 16 = 3,072."""
+    from memplan.model.attention import Attention, WindowAttention
+
+    spec = spec_from_hf_dict(LLAMA4_TINY, "cfg.json", "m")
+    assert WindowAttention().core_flops_per_token(spec, 96) == 1_024
+    assert Attention().core_flops_per_token(spec, 96) == 3_072
+
+
 @pytest.mark.parametrize(("model_type", "missing"), [
-    ("llama4_text", "chunked local attention"),
     ("qwen3_next", "gated DeltaNet")])
 def test_unmodelled_family_is_refused_by_name(model_type: str, missing: str) -> None:
     message = _error({"model_type": model_type, "hidden_size": 16})
