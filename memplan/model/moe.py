@@ -174,11 +174,24 @@ def _every_extra(spec: ModelSpec, dm: Dims) -> int:
     return dm.tokens * moe.num_experts * e + rows * h * e + 2 * dm.tokens * h * e
 
 
+def _every_working(spec: ModelSpec, dm: Dims) -> int:
+    """Llama 4's MoE in a checkpointed forward (nothing saved): the router's logits and
+    scores, the scaled input over E*T rows (Llama4TextMoe.forward keeps it in routed_in),
+    and in Llama4TextExperts.forward its gate/up output and product alive while the down
+    bmm makes its output (the activation freed by then)."""
+    moe, h, e = _moe(spec), spec.hidden_size, dm.e
+    rows = moe.num_experts * dm.tokens
+    inner = rows * moe.expert_ffn_hidden_size // dm.experts().tp * e
+    return 2 * dm.tokens * moe.num_experts * e + 2 * rows * h * e + 3 * inner
+
+
 def _every_backward(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
-    """Llama 4's MoE backward: the shared expert's first (made last in the forward), its
-    terms freed; then the experts' bmm backward over E*T rows from the sum's gradient, which
-    the view before it copies whole (an expanded tensor's reshape); then the scaling's: the
-    input's gradient, the scaled copy's and their product for the scores' gradient."""
+    """Llama 4's MoE backward: the experts' sum was made last, its backward runs first: the
+    down bmm's backward over E*T rows from the sum's gradient, which the view before it
+    copies whole (an expanded tensor's reshape), with everything the block saved (the
+    shared expert's backward runs next, made after the experts' other nodes); then the
+    experts' other nodes, the shared expert's terms freed; then the scaling's: the input's
+    gradient, the scaled copy's and their product for the scores' gradient."""
     moe, h, e = _moe(spec), spec.hidden_size, dm.e
     rows = moe.num_experts * dm.tokens
     shared = total(mlp.mlp_terms("moe.shared", spec, dm, moe.num_shared_experts
@@ -189,7 +202,7 @@ def _every_backward(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMomen
         out_grad=rows * h * e, fused_in=True, in_saved=2 * rows * h * e + rows * e)
     scale = BackwardMoment("moe_scale", rows * h * e + rows * e,
                            3 * rows * h * e + dm.rows * h * e, ("mlp",))
-    return experts + [scale]
+    return [experts[0]._replace(own_bytes=saved)] + experts[1:] + [scale]
 
 
 class MoE:
@@ -216,6 +229,8 @@ class MoE:
         probabilities and the combined output accumulate for all tokens."""
         moe, h, e = _moe(spec), spec.hidden_size, dm.e
         stream = dm.rows * h * e
+        if wl.moe_impl is MoeImpl.EVERY:
+            return [Moment("mlp", 0, stream + _every_working(spec, dm))]
         rows_e = dm.tokens * moe.top_k // moe.num_experts
         inner = rows_e * moe.expert_ffn_hidden_size // dm.experts().tp * e
         expert = rows_e * h * e + max(rows_e * h * e + inner,
@@ -247,7 +262,15 @@ class MoE:
             ffn=moe.expert_ffn_hidden_size, grad_inputs=2 * dm.rows * h * e, fresh=0)
 
     def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
-        return []
+        """Llama 4's MoE rebuilt in backward: the rerun stops once the shared expert's last
+        saved tensor is packed, the experts' output over E*T rows and the router's logits
+        alive beside everything the block saved."""
+        if wl.moe_impl is not MoeImpl.EVERY:
+            return []
+        moe = _moe(spec)
+        rows = moe.num_experts * dm.tokens
+        return [Moment("moe_rebuild", total(every_expert_terms(spec, dm)),
+                       rows * spec.hidden_size * dm.e + dm.tokens * moe.num_experts * dm.e)]
 
     def tensor_sizes(self, spec: ModelSpec, t: int, ep: int | ExpertSplit) -> list[int]:
         """The router, this rank's experts, the shared experts and their gate
