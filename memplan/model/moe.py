@@ -264,13 +264,16 @@ class MoE:
     def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
         """Llama 4's MoE rebuilt in backward: the rerun stops once the shared expert's last
         saved tensor is packed, the experts' output over E*T rows and the router's logits
-        alive beside everything the block saved."""
+        alive beside everything the block saved, and beside the gradient of that output:
+        the sum's and the view's backward need no saved tensor, so they ran before the down
+        bmm's unpacking started the rerun, the view's copying the expanded gradient whole
+        (traced: an (E, T, h) clone before the rerun's first op)."""
         if wl.moe_impl is not MoeImpl.EVERY:
             return []
         moe = _moe(spec)
-        rows = moe.num_experts * dm.tokens
+        rows_h = moe.num_experts * dm.tokens * spec.hidden_size * dm.e
         return [Moment("moe_rebuild", total(every_expert_terms(spec, dm)),
-                       rows * spec.hidden_size * dm.e + dm.tokens * moe.num_experts * dm.e)]
+                       2 * rows_h + dm.tokens * moe.num_experts * dm.e)]
 
     def tensor_sizes(self, spec: ModelSpec, t: int, ep: int | ExpertSplit) -> list[int]:
         """The router, this rank's experts, the shared experts and their gate
