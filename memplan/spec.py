@@ -283,6 +283,12 @@ class ModelSpec(BaseModel):
         "the normalisation, each fp32 difference saved (Cohere2LayerNorm.forward: "
         "(x - mean).pow(2).mean() and (x - mean) * rsqrt(var + eps)); with norm_scale_fp32 "
         "its weight multiplies the fp32 normalised tensor"))
+    rope_complex: bool = Field(default=False, description=(
+        "RoPE's table is one complex64 tensor made in fp32 whatever the dtype, the rotation a "
+        "complex product that saves it (Llama 4: models/llama4/modeling_llama4.py "
+        "Llama4TextRotaryEmbedding.forward: torch.polar; apply_rotary_emb: "
+        "view_as_complex(xq.float()) * freqs_cis), where cos and sin tables are two real "
+        "ones in the activations' dtype"))
     window_chunked: bool = Field(default=False, description=(
         "the sliding window is fixed chunks of sliding_window tokens: a query attends to the "
         "keys of its own chunk up to itself (Llama 4's attention_chunk_size: masking_utils.py "

@@ -242,14 +242,16 @@ def llama4_text(cfg: ConfigKeys) -> dict[str, Any]:
     Llama4TextRMSNorm: weight * x.type_as) with bias-free q, k, v and o (Llama4TextConfig
     sets attention_bias false whatever the file says), head_dim 128 by default, an untied
     head (Llama4ForCausalLM); its eager attention softmaxes in the scores' dtype
-    (eager_attention_forward: "llama4 doesn't cast attn weights to fp32"); the attention
+    (eager_attention_forward: "llama4 doesn't cast attn weights to fp32"); RoPE through a
+    complex64 table (``rope_complex``: Llama4TextRotaryEmbedding, apply_rotary_emb); the attention
     (``_llama4_attention``) and the feed-forward (``_llama4_moe``) as read there."""
     cfg = ConfigKeys({**_LLAMA4, **{k: v for k, v in cfg.data.items() if v is not None}},
                      cfg.where)
     fields = llama_fields(cfg, head_dim_default=128, tie_default=False, bias=False)
     num_layers = fields["num_layers"]
     fields.update(ffn_hidden_size=cfg.get_int("intermediate_size_mlp"),
-                  eager_softmax_fp32=False, **_llama4_attention(cfg, num_layers),
+                  eager_softmax_fp32=False, rope_complex=True,
+                  **_llama4_attention(cfg, num_layers),
                   **_llama4_moe(cfg, num_layers))
     return fields
 

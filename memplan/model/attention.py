@@ -472,6 +472,16 @@ def window_mask_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     return dm.b * dm.s * dm.s_kv
 
 
+def window_mask_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
+    """The windowed layers' boolean mask (``window_mask_bytes``) is an input of every
+    checkpointed layer, so under full recompute it is saved until the backward, not freed
+    with the forward (traced: tests/traced/test_hf_moe_families.py llama4 recompute)."""
+    if wl.recompute is not Recompute.FULL:
+        return []
+    mask = window_mask_bytes(spec, wl, dm)
+    return [Term("attn.window_mask_input", mask)] if mask else []
+
+
 def rope_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
     """cos and sin tables, computed once per micro-batch per stage and saved by every layer,
     in the activations' dtype (fp32 under autocast, as Hugging Face casts them to the hidden
@@ -479,6 +489,8 @@ def rope_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
     (``rope_buffer_bytes``)."""
     if spec.position is not PositionKind.ROPE or wl.rope_cache is not RopeCache.FORWARD:
         return []
+    if spec.rope_complex:  # one complex64 table of rope_dim/2 pairs per position, any dtype
+        return [Term("rope.freqs_cis", dm.s * (spec.rope_dim // 2) * COMPLEX64_PAIR_BYTES)]
     return [Term("rope.cos_sin", 2 * dm.s * spec.rope_dim * dm.stream_e)]
 
 

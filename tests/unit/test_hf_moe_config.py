@@ -7,6 +7,7 @@ import pytest
 
 from memplan.errors import MemplanError
 from memplan.spec import spec_from_hf_dict
+from memplan.workload import Recompute
 
 # hidden 16, 2 query heads and 1 key/value head of 8, ffn 32, one layer, vocabulary 10
 GLM4_TINY = {"model_type": "glm4", "hidden_size": 16, "intermediate_size": 32,
@@ -111,3 +112,63 @@ def test_chunked_attention_flops_by_hand() -> None:
 def test_unmodelled_family_is_refused_by_name(model_type: str, missing: str) -> None:
     message = _error({"model_type": model_type, "hidden_size": 16})
     assert f"'{model_type}'" in message and missing in message
+
+
+def _llama4_dims(seq_len: int = 8, **workload):
+    from memplan import api
+    from memplan.model.dims import Dims
+
+    spec, par, wl = api.resolve(spec_from_hf_dict(LLAMA4_TINY, "cfg.json", "m"), gpus=1,
+                                framework="hf", precision="fp32", micro_batch_size=1,
+                                seq_len=seq_len, **workload)
+    return spec, wl, Dims.of(spec, par, wl)
+
+
+def test_llama4_every_expert_terms_by_hand() -> None:
+    """The hf preset runs Llama 4's own MoE (moe_impl every). T = 1 * 8 tokens, E = 4, h = 16,
+    f = 8, fp32: top-1 indices 8 * 8 = 64; the fp32 sigmoid scores 8 * 4 * 4 = 128; the
+    repeated input and the scaled one, E*T = 32 rows of 16: 2,048 each; the score column
+    32 * 4 = 128; the experts' gate, up, activation and product over 32 rows of 8: 4 * 1,024;
+    the shared expert's over 8 rows: 4 * 256. In all 9,536 B."""
+    from memplan.model.moe import MoE
+    from memplan.model.dims import total
+    from memplan.workload import MoeImpl, Recompute
+
+    spec, wl, dm = _llama4_dims()
+    assert wl.moe_impl is MoeImpl.EVERY
+    terms = {t.name: t.size_bytes for t in MoE().saved(spec, wl, dm, Recompute.NONE)}
+    assert terms["moe.repeated_in"] == terms["moe.dispatched"] == 2_048
+    assert total(MoE().saved(spec, wl, dm, Recompute.NONE)) == 9_536
+
+
+def test_llama4_l2_qk_norm_terms_by_hand() -> None:
+    """The weightless L2 norm saves its fp32 input and the per-row rsqrt, no weighted
+    product: q 8 tokens * 2 heads of 8: 512 + 16 * 4 = 64; k one head: 256 + 32. In all 864 B,
+    on the RoPE layer only (the NoPE layer's block has none)."""
+    from memplan.model.attention import qk_norm_terms
+    from memplan.model.dims import total
+    from memplan.model.layer import layer_blocks
+
+    spec, wl, dm = _llama4_dims()
+    assert total(qk_norm_terms(spec, wl, dm)) == 864
+    rope, nope = layer_blocks(spec, False, True)[1], layer_blocks(spec, True, False)[1]
+    assert not any(t.name.startswith("attn.q_norm") for t in nope.saved(spec, wl, dm,
+                                                                         Recompute.NONE))
+    assert any(t.name.startswith("attn.q_norm") for t in rope.saved(spec, wl, dm,
+                                                                    Recompute.NONE))
+
+
+def test_llama4_rope_table_and_window_mask_under_recompute() -> None:
+    """Llama 4's RoPE table: s * d/2 complex64 pairs, 8 * 4 * 8 = 256 B in any dtype. Under
+    full recompute the chunk mask (bool, b * s * s = 1,024 B at s 32 over chunks of 32;
+    none under 32 tokens, where transformers skips it) is every checkpointed layer's input:
+    saved."""
+    from memplan.model.attention import rope_terms, window_mask_terms
+
+    spec, wl, dm = _llama4_dims()
+    assert [(t.name, t.size_bytes) for t in rope_terms(spec, wl, dm)] == [("rope.freqs_cis",
+                                                                           256)]
+    assert window_mask_terms(spec, wl, dm) == []
+    assert window_mask_terms(*_llama4_dims(recompute="full")) == []  # 8 tokens: no mask
+    assert [t.size_bytes for t in window_mask_terms(*_llama4_dims(32, recompute="full"))] == [
+        1_024]
