@@ -174,6 +174,12 @@ def _every_extra(spec: ModelSpec, dm: Dims) -> int:
     return dm.tokens * moe.num_experts * e + rows * h * e + 2 * dm.tokens * h * e
 
 
+def _attention_out(spec: ModelSpec, dm: Dims) -> int:
+    """The attention's output, which Llama4TextDecoderLayer.forward keeps in
+    attention_states until it returns (``residual + attention_states`` binds a new name)."""
+    return dm.rows * spec.hidden_size * dm.e
+
+
 def _every_working(spec: ModelSpec, dm: Dims) -> int:
     """Llama 4's MoE in a checkpointed forward (nothing saved): the router's logits and
     scores, the scaled input over E*T rows (Llama4TextMoe.forward keeps it in routed_in),
@@ -264,7 +270,8 @@ class MoE:
     def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
         """Llama 4's MoE rebuilt in backward: the rerun stops once the shared expert's last
         saved tensor is packed, the experts' output over E*T rows and the router's logits
-        alive beside everything the block saved, and beside the gradient of that output:
+        alive beside everything the block saved, the attention's output
+        (``_attention_out``) and the residual, and beside the gradient of that output:
         the sum's and the view's backward need no saved tensor, so they ran before the down
         bmm's unpacking started the rerun, the view's copying the expanded gradient whole
         (traced: an (E, T, h) clone before the rerun's first op)."""
@@ -272,8 +279,13 @@ class MoE:
             return []
         moe = _moe(spec)
         rows_h = moe.num_experts * dm.tokens * spec.hidden_size * dm.e
+        # the post-attention residual (the layer's residual) where its norm saves an fp32
+        # copy of it, not the tensor itself
+        residual = (dm.stream(spec.hidden_size)
+                    if wl.norm_impl.upcast and dm.stream_e < FP32_BYTES else 0)
         return [Moment("moe_rebuild", total(every_expert_terms(spec, dm)),
-                       2 * rows_h + dm.tokens * moe.num_experts * dm.e)]
+                       2 * rows_h + dm.tokens * moe.num_experts * dm.e
+                       + _attention_out(spec, dm) + residual)]
 
     def tensor_sizes(self, spec: ModelSpec, t: int, ep: int | ExpertSplit) -> list[int]:
         """The router, this rank's experts, the shared experts and their gate

@@ -225,11 +225,16 @@ CASES = [
     FrameworkCase("transformers", "llama4-maverick-toy", LLAMA4_MAVERICK_TOY, "bf16-pure", 2,
                   64),
     # gradient checkpointing: the MoE's checkpointed forward over E*T rows, its rerun beside
-    # the sum's gradient copy, the chunked layers' mask kept as every layer's input
+    # the sum's gradient copy and the layer's attention output, the chunked layers' mask kept
+    # as every layer's input
     FrameworkCase("transformers", "llama4-scout-toy", LLAMA4_SCOUT_TOY, "fp32", 2, 64,
+                  options={"recompute": "full"}),
+    FrameworkCase("transformers", "llama4-scout-toy", LLAMA4_SCOUT_TOY, "bf16-pure", 2, 64,
                   options={"recompute": "full"}),
     FrameworkCase("transformers", "llama4-maverick-toy", LLAMA4_MAVERICK_TOY, "fp32", 2, 64,
                   options={"recompute": "full"}),
+    FrameworkCase("transformers", "llama4-maverick-toy", LLAMA4_MAVERICK_TOY, "bf16-pure", 2,
+                  64, options={"recompute": "full"}),
 ]
 
 
