@@ -172,3 +172,14 @@ def test_llama4_rope_table_and_window_mask_under_recompute() -> None:
     assert window_mask_terms(*_llama4_dims(recompute="full")) == []  # 8 tokens: no mask
     assert [t.size_bytes for t in window_mask_terms(*_llama4_dims(32, recompute="full"))] == [
         1_024]
+
+
+def test_llama4_moe_flops_by_hand() -> None:
+    """FLOPs per token of the MoE block: 2 per parameter every token passes, the router
+    16 * 4 = 64 and the shared expert 3 * 16 * 8 = 384, and 2 per parameter of the top-1
+    of 4 experts (4 * 384 / 4 = 384): 2 * 448 + 2 * 384 = 1,664 (the routed top-k's, though
+    transformers' own MoE runs every expert)."""
+    from memplan.model.moe import MoE
+
+    spec = spec_from_hf_dict(LLAMA4_TINY, "cfg.json", "m")
+    assert MoE().flops_per_token(spec, 32) == 1_664
