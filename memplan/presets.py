@@ -97,6 +97,12 @@ def _hf_softmax(spec: ModelSpec) -> bool:
     return spec.eager_softmax_fp32
 
 
+def _hf_moe(spec: ModelSpec) -> str:
+    # the experts' implementation transformers picks for stacked experts, unless the model's
+    # own MoE runs every token through every expert (MoESpec.every_expert: Llama 4)
+    return "every" if spec.moe is not None and spec.moe.every_expert else "grouped"
+
+
 def _hf_cache(spec: ModelSpec) -> bool:
     # the model's config.json decides (ModelSpec.use_cache); Trainer leaves it as it is
     return spec.use_cache
@@ -133,11 +139,12 @@ PRESETS: dict[Framework, tuple[Selection, ...]] = {
                     f"Gemma 2/3's, Phi-3's, OLMo 2's and DeepSeek-V3's; models/gpt2/"
                     f"modeling_gpt2.py softmax(attn_weights, dim=-1) in the scores' dtype "
                     f"({_TRANSFORMERS})"),
-            Default("moe_impl", "grouped",
+            Default("moe_impl", _hf_moe,
                     f"integrations/moe.py grouped_mm_experts_forward: the experts' default "
                     f"implementation (modeling_utils.py get_correct_experts_implementation) for "
-                    f"the stacked experts of Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 "
-                    f"({_TRANSFORMERS})"),
+                    f"the stacked experts of Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3; "
+                    f"models/llama4/modeling_llama4.py Llama4TextMoe.forward runs its own "
+                    f"bmm experts over every token ({_TRANSFORMERS})"),
             Default("window_mask", True,
                     f"masking_utils.py sdpa_mask: a sliding-window layer gets an explicit mask "
                     f"unless the sequence is shorter than the window (_ignore_causal_mask_sdpa); "

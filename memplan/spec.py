@@ -68,11 +68,17 @@ class QkNorm(PlainEnum):
           ``q_norm`` / ``k_norm``: models/qwen3/modeling_qwen3.py Qwen3Attention.__init__)
     full  over the whole projection: weights of heads*head_dim and kv_heads*head_dim
           (OLMo 2: models/olmo2/modeling_olmo2.py Olmo2Attention.__init__)
+    l2    per head, without weights, after RoPE and on the layers with RoPE only (Llama 4:
+          models/llama4/modeling_llama4.py Llama4TextL2Norm, x * rsqrt(mean(x^2) + eps) in
+          fp32; Llama4TextAttention.__init__ builds it when use_qk_norm and use_rope): its
+          terms are a per-head norm's without the weighted product; with NoPE layers
+          (``nope_layer_interval``) the layers without RoPE have none
     """
 
     NONE = "none"
     HEAD = "head"
     FULL = "full"
+    L2 = "l2"
 
 
 class NormPlacement(PlainEnum):
@@ -155,6 +161,14 @@ class MoESpec(BaseModel):
     router_topk_softmax: bool = Field(default=False, description=(
         "the router takes the top-k logits and softmaxes only them, in its own dtype (GPT-OSS: "
         "GptOssTopKRouter.forward), saving the k weights, not every expert's probability"))
+    every_expert: bool = Field(default=False, description=(
+        "the model's own code runs every token through every expert, its input scaled by the "
+        "router's sigmoid of the top-k logits (zero for the others), the outputs summed "
+        "(Llama 4: models/llama4/modeling_llama4.py Llama4Router.forward, Llama4TextMoe."
+        "forward: hidden_states.repeat(num_experts, 1) * scores; Llama4TextExperts.forward: "
+        "torch.bmm over gate_up_proj (E, h, 2f) and down_proj (E, f, h)). Read where the "
+        "framework runs the model's own code (transformers: the hf preset's moe_impl "
+        "every); the FLOPs counted are the routed top-k's"))
 
     @model_validator(mode="after")
     def _check(self) -> MoESpec:
@@ -311,6 +325,17 @@ class ModelSpec(BaseModel):
         "the normalisation, each fp32 difference saved (Cohere2LayerNorm.forward: "
         "(x - mean).pow(2).mean() and (x - mean) * rsqrt(var + eps)); with norm_scale_fp32 "
         "its weight multiplies the fp32 normalised tensor"))
+    rope_complex: bool = Field(default=False, description=(
+        "RoPE's table is one complex64 tensor made in fp32 whatever the dtype, the rotation a "
+        "complex product that saves it (Llama 4: models/llama4/modeling_llama4.py "
+        "Llama4TextRotaryEmbedding.forward: torch.polar; apply_rotary_emb: "
+        "view_as_complex(xq.float()) * freqs_cis), where cos and sin tables are two real "
+        "ones in the activations' dtype"))
+    window_chunked: bool = Field(default=False, description=(
+        "the sliding window is fixed chunks of sliding_window tokens: a query attends to the "
+        "keys of its own chunk up to itself (Llama 4's attention_chunk_size: masking_utils.py "
+        "chunked_overlay, create_chunked_causal_mask); its mask and kernels are a sliding "
+        "window's, its FLOPs the chunk's"))
     attn_sinks: bool = Field(default=False, description=(
         "a learned logit per query head that joins every row of the scores before the "
         "softmax and is dropped after it (GPT-OSS's sinks: models/gpt_oss/modeling_gpt_oss.py "
@@ -359,6 +384,14 @@ class ModelSpec(BaseModel):
                     f"num_attention_heads ({self.num_attention_heads})")
             if self.qk_norm is not QkNorm.NONE or self.fused_qkv:
                 raise ValueError("mla has its own low-rank norms: qk_norm and fused_qkv do not apply")
+        if (self.qk_norm is QkNorm.L2 and self.nope_layer_interval and self.sliding_window
+                and self.sliding_window_pattern != self.nope_layer_interval):
+            raise ValueError(f"an l2 qk_norm with NoPE layers and a window needs the windowed "
+                             f"layers to be those with RoPE: sliding_window_pattern "
+                             f"({self.sliding_window_pattern}) must be nope_layer_interval "
+                             f"({self.nope_layer_interval})")
+        if self.window_chunked and self.sliding_window is None:
+            raise ValueError("window_chunked needs a sliding_window (the chunk)")
         if self.moe is not None and self.moe.first_dense_layers >= self.num_layers:
             raise ValueError(f"moe.first_dense_layers ({self.moe.first_dense_layers}) must be "
                              f"below num_layers ({self.num_layers})")

@@ -415,10 +415,14 @@ class MoeImpl(PlainEnum):
              grouped_mm): the routed rows sorted by expert, one grouped matmul over all of
              them for gate/up and one for down, weighted, unsorted and summed per token (the
              sum saves nothing)
+    every    the model's own experts over every token (``MoESpec.every_expert``: Llama 4's
+             Llama4TextMoe.forward): the input repeated per expert and scaled by the router's
+             scores, two batched matmuls over all of it, the outputs summed per token
     """
 
     LOOP = "loop"
     GROUPED = "grouped"
+    EVERY = "every"
 
 
 class Float8Recipe(PlainEnum):

@@ -31,7 +31,7 @@ from memplan.hf.families_moe import MOE_FAMILIES, moe_family_fields, refuse_not_
 SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "gpt2", "qwen3", "qwen2_moe", "qwen3_moe",
              "gemma2", "gemma3_text", "gemma3", "phi3", "olmo2", "deepseek_v3", "granite",
              "gemma", "ministral", "smollm3",
-             "olmo3", "cohere2", "ministral3", "mistral3")
+             "olmo3", "cohere2", "ministral3", "mistral3", "llama4")
 SUPPORTED += MOE_FAMILIES  # memplan.hf.families_moe
 SUPPORTED += ("qwen3_next",)  # memplan.hf.families_hybrid
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -453,6 +453,15 @@ def spec_fields(data: dict[str, Any], where: str, name: str) -> dict[str, Any]:
             raise cfg.error("text_config", "a gemma3 config describes its language model in "
                                            "text_config (a JSON object)")
         cfg, model_type = ConfigKeys(text, f"{where}: text_config"), "gemma3_text"
+        source += ": its language model (text_config); the vision tower is not counted"
+    elif model_type == "llama4":
+        # Llama4ForConditionalGeneration: its language model is text_config's Llama4TextModel
+        # under Llama4ForCausalLM (models/llama4/modeling_llama4.py)
+        text = data.get("text_config")
+        if not isinstance(text, dict):
+            raise cfg.error("text_config", "a llama4 config describes its language model in "
+                                           "text_config (a JSON object)")
+        cfg, model_type = ConfigKeys(text, f"{where}: text_config"), "llama4_text"
         source += ": its language model (text_config); the vision tower is not counted"
     elif model_type == "mistral3":
         # Mistral3ForConditionalGeneration (Ministral 3, Mistral Small 3.1): its language model

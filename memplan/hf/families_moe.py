@@ -1,5 +1,6 @@
 """Translators of the MoE and hybrid families' ``config.json``: GLM-4 (its dense sibling
-first), GLM-4.5, GPT-OSS; Llama 4 text and Qwen3-Next refused by name (``NOT_MODELLED``).
+first), GLM-4.5, GPT-OSS, Llama 4 (text); Qwen3-Next in ``memplan.hf.families_hybrid``.
+``NOT_MODELLED`` names the families refused by name (none at present).
 
 Each reads a family's keys with the defaults of its transformers 5 configuration class (a key
 missing from the file takes the class's default, as ``AutoConfig`` does) and returns the
@@ -14,17 +15,10 @@ from typing import Any
 
 from memplan.hf.config import ConfigKeys, llama_fields
 
-MOE_FAMILIES = ("glm4", "glm4_moe", "gpt_oss")
+MOE_FAMILIES = ("glm4", "glm4_moe", "gpt_oss", "llama4_text")
 # families whose blocks memplan does not describe yet: what each lacks, read from its modeling
 # code (transformers 5.3), refused by name rather than estimated as something else
-NOT_MODELLED = {
-    "llama4_text": "Llama 4's chunked local attention interleaved with NoPE global layers "
-                   "(modeling_llama4.py Llama4TextAttention: attention_chunk_size, "
-                   "no_rope_layers, attn_temperature_tuning), its weightless L2 q/k norm "
-                   "(Llama4TextL2Norm) and its MoE that runs every token through every expert "
-                   "(Llama4TextMoe.forward: hidden_states.repeat(num_experts, 1) scaled by "
-                   "sigmoid scores, zero off the top-k) are not modelled",
-}
+NOT_MODELLED: dict[str, str] = {}
 # configuration_glm4.py Glm4Config.__init__ / configuration_glm4_moe.py Glm4MoeConfig.__init__
 _GLM = {"vocab_size": 151552, "max_position_embeddings": 131072}
 
@@ -166,8 +160,102 @@ def gpt_oss(cfg: ConfigKeys) -> dict[str, Any]:
     return fields
 
 
+# configuration_llama4.py Llama4TextConfig.__init__'s defaults of the keys that shape the model
+_LLAMA4 = {"vocab_size": 202048, "hidden_size": 5120, "intermediate_size": 8192,
+           "intermediate_size_mlp": 16384, "num_hidden_layers": 48, "num_attention_heads": 40,
+           "num_key_value_heads": 8, "max_position_embeddings": 131072}
+
+
+def _llama4_layers(cfg: ConfigKeys, key: str, default: list[int]) -> list[int]:
+    """A per-layer list as the file gives it (``[]`` or null: the class's rule, as
+    Llama4TextConfig.__init__ reads no_rope_layers), else ``default``."""
+    value = cfg.data.get(key)
+    if value is None or (value == [] and key == "no_rope_layers"):
+        return default
+    if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int)
+                                          for v in value):
+        raise cfg.error(key, f"expected a list of integers, got {value!r}")
+    return value
+
+
+def _llama4_moe(cfg: ConfigKeys, num_layers: int) -> dict[str, Any]:
+    """Llama4TextDecoderLayer: Llama4TextMoe on the layers of moe_layers (by default every
+    interleave_moe_layer_step-th: range(step - 1, layers, step)), Llama4TextMLP of
+    intermediate_size_mlp on the others; only that interleaving is modelled. The MoE: a
+    bias-free router (Llama4Router, an nn.Linear h -> E), num_local_experts stacked experts
+    of intermediate_size (Llama4TextExperts: gate_up_proj (E, h, 2f), down_proj (E, f, h)),
+    one shared expert of intermediate_size (Llama4TextMLP), every token through every expert
+    (``every_expert``)."""
+    step = cfg.get_int("interleave_moe_layer_step", 1)
+    default = list(range(step - 1, num_layers, step))
+    layers = _llama4_layers(cfg, "moe_layers", default)
+    if layers != default:
+        raise cfg.error("moe_layers", f"only every interleave_moe_layer_step-th ({step}) layer "
+                                      f"MoE is modelled, got {layers!r}")
+    if not layers:
+        return {}
+    ffn = cfg.get_int("intermediate_size")
+    return {"moe": {"num_experts": cfg.get_int("num_local_experts", 16),
+                    "top_k": cfg.get_int("num_experts_per_tok", 1),
+                    "expert_ffn_hidden_size": ffn, "num_shared_experts": 1,
+                    "shared_expert_ffn_hidden_size": ffn, "layer_freq": step,
+                    "stacked_experts": True, "every_expert": True}}
+
+
+def _llama4_attention(cfg: ConfigKeys, num_layers: int) -> dict[str, Any]:
+    """Llama4TextAttention: layer i rotates q and k when no_rope_layers[i] (by default every
+    no_rope_layer_interval-th layer, 4, is NoPE: ``nope_layer_interval``); layer_types makes
+    the RoPE layers chunked_attention over attention_chunk_size (8192) tokens and the NoPE
+    layers full_attention (Llama4TextConfig.__init__), read as a chunked window on every
+    layer but each n-th; the L2 q/k norm on the RoPE layers when use_qk_norm (default true).
+    The NoPE layers' temperature tuning (attn_temperature_tuning: q times an fp32 scale per
+    position, cast back) saves only that (b, s) scale: not counted."""
+    interval = cfg.get_int("no_rope_layer_interval", 4)
+    rope = _llama4_layers(cfg, "no_rope_layers",
+                          [int((i + 1) % interval != 0) for i in range(num_layers)])
+    # the class keeps the list, not the interval (to_dict has no no_rope_layer_interval)
+    interval = rope.index(0) + 1 if 0 in rope else 0
+    if len(rope) != num_layers or rope != [int(not interval or (i + 1) % interval != 0)
+                                           for i in range(num_layers)]:
+        raise cfg.error("no_rope_layers", f"only every layer with RoPE or every n-th layer "
+                                          f"without it is modelled, got {rope!r}")
+    chunked = ["chunked_attention" if r else "full_attention" for r in rope]
+    types = cfg.data.get("layer_types")
+    if types is not None and types != chunked:
+        raise cfg.error("layer_types", "only chunked attention on the RoPE layers and full "
+                                       f"attention on the others is modelled, got {types!r}")
+    fields: dict[str, Any] = {"nope_layer_interval": interval}
+    if any(rope):
+        fields.update(sliding_window=cfg.get_int("attention_chunk_size", 8192),
+                      sliding_window_pattern=interval, window_chunked=True)
+    if cfg.get_bool("use_qk_norm", True) and any(rope):
+        fields["qk_norm"] = "l2"
+    return fields
+
+
+def llama4_text(cfg: ConfigKeys) -> dict[str, Any]:
+    """models/llama4/modeling_llama4.py: Llama's pre-norm layer (Llama4TextDecoderLayer,
+    Llama4TextRMSNorm: weight * x.type_as) with bias-free q, k, v and o (Llama4TextConfig
+    sets attention_bias false whatever the file says), head_dim 128 by default, an untied
+    head (Llama4ForCausalLM); its eager attention softmaxes in the scores' dtype
+    (eager_attention_forward: "llama4 doesn't cast attn weights to fp32"); RoPE through a
+    complex64 table (``rope_complex``: Llama4TextRotaryEmbedding, apply_rotary_emb); the attention
+    (``_llama4_attention``) and the feed-forward (``_llama4_moe``) as read there."""
+    cfg = ConfigKeys({**_LLAMA4, **{k: v for k, v in cfg.data.items() if v is not None}},
+                     cfg.where)
+    fields = llama_fields(cfg, head_dim_default=128, tie_default=False, bias=False)
+    num_layers = fields["num_layers"]
+    fields.update(ffn_hidden_size=cfg.get_int("intermediate_size_mlp"),
+                  eager_softmax_fp32=False, rope_complex=True,
+                  **_llama4_attention(cfg, num_layers),
+                  **_llama4_moe(cfg, num_layers))
+    return fields
+
+
 def moe_family_fields(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
     """The ``ModelSpec`` fields of a ``MOE_FAMILIES`` config."""
+    if model_type == "llama4_text":
+        return llama4_text(cfg)
     if model_type == "glm4":
         return glm4(cfg)
     if model_type == "gpt_oss":

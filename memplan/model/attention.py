@@ -124,7 +124,9 @@ def qk_norm_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
     its width (``memplan.model.norm``) on its own input's dtype, the compute dtype (the
     projection's output): its fp32 copy, per-row statistics and the normalised tensor; its
     output goes to RoPE, which saves nothing of it. ``head``: rows of head_dim per token and
-    head; ``full``: one row of the rank's projection width per token."""
+    head; ``full``: one row of the rank's projection width per token; ``l2``: a head's rows
+    without the weighted product (Llama4TextL2Norm._norm: x * rsqrt(...) saves the fp32 x and
+    the statistics, the cast back is the output SDPA saves)."""
     if spec.qk_norm is QkNorm.NONE:
         return []
     low = dm._replace(res_tokens_div=1, gathered_linear_input=False, stream_e=dm.e,
@@ -132,13 +134,14 @@ def qk_norm_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
     out = []
     for name, heads in (("q_norm", spec.num_attention_heads), ("k_norm", spec.num_kv_heads)):
         local = heads // dm.tp
-        if spec.qk_norm is QkNorm.HEAD:
-            width, rows = spec.head_dim, dm.tokens * local
-        else:
+        if spec.qk_norm is QkNorm.FULL:
             width, rows = local * spec.head_dim, dm.tokens
+        else:
+            width, rows = spec.head_dim, dm.tokens * local
         narrow = spec.model_copy(update={"hidden_size": width, "norm_bias": False})
+        dropped = (".output", ".normed") if spec.qk_norm is QkNorm.L2 else (".output",)
         out += [t for t in norm_terms(f"attn.{name}", narrow, wl, low._replace(tokens=rows))
-                if not t.name.endswith(".output")]
+                if not t.name.endswith(dropped)]
     return out
 
 
@@ -430,7 +433,48 @@ class WindowAttention(Attention):
         w = spec.sliding_window
         if w is None or seq_len <= w:
             return super().core_flops_per_token(spec, seq_len)
+        if spec.window_chunked:
+            return chunked_core_flops_per_token(spec, seq_len)
         return 4.0 * (w - w * w / (2 * seq_len)) * spec.q_size
+
+
+def chunked_core_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
+    """QK^T and PV of a chunked layer (``ModelSpec.window_chunked``): the query at offset x of
+    its chunk attends to x + 1 keys, so a whole chunk of c attends to c(c + 1)/2 and the last,
+    partial one of r = s mod c to r(r + 1)/2; averaged over s, 2 * 2 * context * a * d (the
+    full layer's 4 * (s/2) * a * d in the same units, its context s/2 taken for (s + 1)/2)."""
+    c = spec.sliding_window
+    assert c is not None
+    whole, rest = divmod(seq_len, c)
+    pairs = whole * c * (c + 1) / 2 + rest * (rest + 1) / 2
+    return 4.0 * (pairs / seq_len - 0.5) * spec.q_size
+
+
+class NopeAttention(Attention):
+    """The attention block of a layer without RoPE in a model whose q/k norm runs on the RoPE
+    layers only (``QkNorm.L2``: Llama4TextAttention.__init__ builds its qk_norm when
+    use_qk_norm and use_rope): the generic block without the q/k norm."""
+
+    @staticmethod
+    def _plain(spec: ModelSpec) -> ModelSpec:
+        return spec.model_copy(update={"qk_norm": QkNorm.NONE})
+
+    def saved(self, spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
+        return super().saved(self._plain(spec), wl, dm, recompute)
+
+    def forward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
+                        recompute: Recompute) -> list[Moment]:
+        return super().forward_moments(self._plain(spec), wl, dm, recompute)
+
+    def working_set(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
+        return super().working_set(self._plain(spec), wl, dm)
+
+    def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
+                         recompute: Recompute) -> list[BackwardMoment]:
+        return super().backward_moments(self._plain(spec), wl, dm, recompute)
+
+    def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
+        return super().rebuild_moments(self._plain(spec), wl, dm)
 
 
 def window_mask_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
@@ -443,6 +487,16 @@ def window_mask_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     return dm.b * dm.s * dm.s_kv
 
 
+def window_mask_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
+    """The windowed layers' boolean mask (``window_mask_bytes``) is an input of every
+    checkpointed layer, so under full recompute it is saved until the backward, not freed
+    with the forward (traced: tests/traced/test_hf_moe_families.py llama4 recompute)."""
+    if wl.recompute is not Recompute.FULL:
+        return []
+    mask = window_mask_bytes(spec, wl, dm)
+    return [Term("attn.window_mask_input", mask)] if mask else []
+
+
 def rope_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
     """cos and sin tables, computed once per micro-batch per stage and saved by every layer,
     in the activations' dtype (fp32 under autocast, as Hugging Face casts them to the hidden
@@ -450,6 +504,8 @@ def rope_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
     (``rope_buffer_bytes``)."""
     if spec.position is not PositionKind.ROPE or wl.rope_cache is not RopeCache.FORWARD:
         return []
+    if spec.rope_complex:  # one complex64 table of rope_dim/2 pairs per position, any dtype
+        return [Term("rope.freqs_cis", dm.s * (spec.rope_dim // 2) * COMPLEX64_PAIR_BYTES)]
     return [Term("rope.cos_sin", 2 * dm.s * spec.rope_dim * dm.stream_e)]
 
 

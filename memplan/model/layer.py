@@ -24,7 +24,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-from memplan.model.attention import Attention, WindowAttention, attention_linears, windowed
+from memplan.model.attention import (
+    Attention,
+    NopeAttention,
+    WindowAttention,
+    attention_linears,
+    windowed,
+)
 from memplan.model import compiled, linear
 from memplan.model.deltanet import cache_states_bytes
 from memplan.model.block import BackwardMoment, Block
@@ -36,12 +42,13 @@ from memplan.model.mlp import Mlp, mlp_linears
 from memplan.model.moe import MoE
 from memplan.model.norm import Norm, StreamInput
 from memplan.model.sac import sac_terms
-from memplan.spec import ModelSpec, NormPlacement
+from memplan.spec import ModelSpec, NormPlacement, QkNorm
 from memplan.workload import Attention as Kernel
 from memplan.workload import NormImpl, Recompute, SelectiveImpl, Workload
 
 _ATTENTION, _WINDOW, _MLA, _MLP, _MOE = Attention(), WindowAttention(), Mla(), Mlp(), MoE()
 _DELTANET = DeltaNet()
+_NOPE = NopeAttention()
 _PRE = {"attn": Norm("attn_norm"), "mlp": Norm("mlp_norm")}
 _INPUT = {"attn": StreamInput("attn_input"), "mlp": StreamInput("mlp_input")}
 _POST = {"attn": Norm("attn_post_norm"), "mlp": Norm("mlp_post_norm")}
@@ -53,7 +60,8 @@ def _sublayer(placement: NormPlacement, place: str, mixer: Block) -> tuple[Block
     return (pre, mixer, _POST[place]) if placement.post_norm else (pre, mixer)
 
 
-_ATTENTIONS = {"mla": _MLA, "window": _WINDOW, "full": _ATTENTION, "linear": _DELTANET}
+_ATTENTIONS = {"mla": _MLA, "window": _WINDOW, "full": _ATTENTION, "linear": _DELTANET,
+               "nope": _NOPE}
 _BLOCKS = {(placement, attention, moe): (_sublayer(placement, "attn", _ATTENTIONS[attention])
                                          + _sublayer(placement, "mlp", _MOE if moe else _MLP))
            for placement in NormPlacement for attention in _ATTENTIONS for moe in (False, True)}
@@ -70,13 +78,23 @@ def layer_blocks(spec: ModelSpec, moe_layer: bool, variant: str = "") -> tuple[B
     """The blocks of a layer in execution order: per sub-layer its norm (or, without one, the
     stream input the mixer reads), its mixer, and a norm on the mixer's output where the
     placement has one (``NormPlacement``). ``variant``: "window", a sliding-window layer's
-    attention (``memplan.model.attention.WindowAttention``); "linear", a gated DeltaNet layer
+    attention (``memplan.model.attention.WindowAttention``), or a RoPE layer of a model whose
+    q/k norm runs on those alone (``rope_normed``; the others of such a model have none,
+    ``memplan.model.attention.NopeAttention``); "linear", a gated DeltaNet layer
     (``memplan.model.deltanet.DeltaNet``); "" the model's attention."""
     attention = ("linear" if variant == "linear" else "mla" if spec.mla is not None
                  else "window" if variant == "window" else "full")
+    if attention == "full" and rope_normed(spec):
+        attention = "nope"
     if spec.parallel_block:
         return _PARALLEL[(attention, moe_layer)]
     return _BLOCKS[(spec.norm_placement, attention, moe_layer)]
+
+
+def rope_normed(spec: ModelSpec) -> bool:
+    """Whether the q/k norm runs on the RoPE layers alone, the NoPE layers without it
+    (``QkNorm.L2`` with ``nope_layer_interval``): those layers are a kind of their own."""
+    return spec.qk_norm is QkNorm.L2 and spec.nope_layer_interval > 0
 
 
 def sublayers(blocks: tuple[Block, ...]) -> list[tuple[Block, ...]]:

@@ -32,9 +32,33 @@ def _moe(spec: ModelSpec) -> MoESpec:
     return spec.moe
 
 
+def every_expert_terms(spec: ModelSpec, dm: Dims) -> list[Term]:
+    """Llama 4's MoE as its own code runs it (``MoeImpl.EVERY``; models/llama4/
+    modeling_llama4.py): the router's top-k indices (Llama4Router.forward: topk, and the
+    scatter_ into a -inf tensor of every expert, which saves them too) and its fp32 sigmoid
+    (saved by sigmoid's backward); Llama4TextMoe.forward's input repeated per expert
+    (E*T rows) and the scores, transposed into one column per row (a copy), both saved by
+    their product; Llama4TextExperts.forward's bmm over gate_up_proj saving that product,
+    its gate/up output (silu saves the gate half, a view that keeps it whole), the activation
+    and the product the down bmm saves (a gated MLP's terms over E*T rows); the shared
+    expert, a dense MLP over the T tokens. The experts' output sum saves nothing."""
+    moe, h, e = _moe(spec), spec.hidden_size, dm.e
+    rows = moe.num_experts * dm.tokens
+    return [Term("moe.topk_indices", dm.tokens * moe.top_k * INDEX_BYTES),
+            Term("moe.router_scores", dm.tokens * moe.num_experts * FP32_BYTES),
+            Term("moe.repeated_in", rows * h * e), Term("moe.scores_column", rows * e),
+            Term("moe.dispatched", rows * h * e),
+            *mlp.mlp_terms("moe.expert", spec, dm.experts(), moe.expert_ffn_hidden_size, rows),
+            *mlp.mlp_terms("moe.shared", spec, dm,
+                           moe.num_shared_experts * moe.shared_expert_ffn_hidden_size,
+                           dm.tokens)]
+
+
 def moe_terms(spec: ModelSpec, dm: Dims, impl: MoeImpl = MoeImpl.LOOP) -> list[Term]:
     """An MoE feed-forward's saved terms, assuming balanced routing."""
     moe = _moe(spec)
+    if impl is MoeImpl.EVERY:
+        return every_expert_terms(spec, dm)
     routed = dm.tokens * moe.top_k
     h, e = spec.hidden_size, dm.e
     grouped = impl is MoeImpl.GROUPED
@@ -141,6 +165,52 @@ def _grouped_extra(spec: ModelSpec, dm: Dims) -> int:
     return 2 * weighted
 
 
+def _every_extra(spec: ModelSpec, dm: Dims) -> int:
+    """Llama 4's MoE beside its saved terms at the experts' sum (Llama4TextMoe.forward): the
+    router's logits (returned with the output), the experts' output over E*T rows, the
+    shared expert's output and the per-token sum added into it."""
+    moe, h, e = _moe(spec), spec.hidden_size, dm.e
+    rows = moe.num_experts * dm.tokens
+    return dm.tokens * moe.num_experts * e + rows * h * e + 2 * dm.tokens * h * e
+
+
+def _attention_out(spec: ModelSpec, dm: Dims) -> int:
+    """The attention's output, which Llama4TextDecoderLayer.forward keeps in
+    attention_states until it returns (``residual + attention_states`` binds a new name)."""
+    return dm.rows * spec.hidden_size * dm.e
+
+
+def _every_working(spec: ModelSpec, dm: Dims) -> int:
+    """Llama 4's MoE in a checkpointed forward (nothing saved): the router's logits and
+    scores, the scaled input over E*T rows (Llama4TextMoe.forward keeps it in routed_in),
+    and in Llama4TextExperts.forward its gate/up output and product alive while the down
+    bmm makes its output (the activation freed by then)."""
+    moe, h, e = _moe(spec), spec.hidden_size, dm.e
+    rows = moe.num_experts * dm.tokens
+    inner = rows * moe.expert_ffn_hidden_size // dm.experts().tp * e
+    return 2 * dm.tokens * moe.num_experts * e + 2 * rows * h * e + 3 * inner
+
+
+def _every_backward(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
+    """Llama 4's MoE backward: the experts' sum was made last, its backward runs first: the
+    down bmm's backward over E*T rows from the sum's gradient, which the view before it
+    copies whole (an expanded tensor's reshape), with everything the block saved (the
+    shared expert's backward runs next, made after the experts' other nodes); then the
+    experts' other nodes, the shared expert's terms freed; then the scaling's: the input's
+    gradient, the scaled copy's and their product for the scores' gradient."""
+    moe, h, e = _moe(spec), spec.hidden_size, dm.e
+    rows = moe.num_experts * dm.tokens
+    shared = total(mlp.mlp_terms("moe.shared", spec, dm, moe.num_shared_experts
+                                 * moe.shared_expert_ffn_hidden_size, dm.tokens))
+    experts = mlp.backward_moments(
+        spec, dm.experts(), saved=saved, freed=shared, run_tokens=rows,
+        ffn=moe.expert_ffn_hidden_size, grad_inputs=rows * h * e + dm.rows * h * e, fresh=0,
+        out_grad=rows * h * e, fused_in=True, in_saved=2 * rows * h * e + rows * e)
+    scale = BackwardMoment("moe_scale", rows * h * e + rows * e,
+                           3 * rows * h * e + dm.rows * h * e, ("mlp",))
+    return [experts[0]._replace(own_bytes=saved)] + experts[1:] + [scale]
+
+
 class MoE:
     """Routed experts (split by EP, each by TP) and optional shared experts."""
 
@@ -154,6 +224,8 @@ class MoE:
         stream = dm.rows * spec.hidden_size * dm.e
         saved = total(self.saved(spec, wl, dm, recompute))
         moments = [Moment("mlp", saved, stream)]
+        if wl.moe_impl is MoeImpl.EVERY:
+            moments.append(Moment("moe_combine", saved, _every_extra(spec, dm)))
         if wl.moe_impl is MoeImpl.GROUPED:
             moments.append(Moment("moe_combine", saved, _grouped_extra(spec, dm)))
         return moments
@@ -163,6 +235,8 @@ class MoE:
         probabilities and the combined output accumulate for all tokens."""
         moe, h, e = _moe(spec), spec.hidden_size, dm.e
         stream = dm.rows * h * e
+        if wl.moe_impl is MoeImpl.EVERY:
+            return [Moment("mlp", 0, stream + _every_working(spec, dm))]
         rows_e = dm.tokens * moe.top_k // moe.num_experts
         inner = rows_e * moe.expert_ffn_hidden_size // dm.experts().tp * e
         expert = rows_e * h * e + max(rows_e * h * e + inner,
@@ -179,6 +253,8 @@ class MoE:
         moe, h, e = _moe(spec), spec.hidden_size, dm.e
         routed = dm.tokens * moe.top_k * h * e
         saved = total(self.saved(spec, wl, dm, recompute))
+        if wl.moe_impl is MoeImpl.EVERY:
+            return _every_backward(spec, dm, saved)
         if wl.moe_impl is MoeImpl.GROUPED:
             return mlp.backward_moments(
                 spec, dm.experts(), saved=saved, freed=mlp.dropout_mask_bytes(spec, dm) + routed,
@@ -192,7 +268,24 @@ class MoE:
             ffn=moe.expert_ffn_hidden_size, grad_inputs=2 * dm.rows * h * e, fresh=0)
 
     def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
-        return []
+        """Llama 4's MoE rebuilt in backward: the rerun stops once the shared expert's last
+        saved tensor is packed, the experts' output over E*T rows and the router's logits
+        alive beside everything the block saved, the attention's output
+        (``_attention_out``) and the residual, and beside the gradient of that output:
+        the sum's and the view's backward need no saved tensor, so they ran before the down
+        bmm's unpacking started the rerun, the view's copying the expanded gradient whole
+        (traced: an (E, T, h) clone before the rerun's first op)."""
+        if wl.moe_impl is not MoeImpl.EVERY:
+            return []
+        moe = _moe(spec)
+        rows_h = moe.num_experts * dm.tokens * spec.hidden_size * dm.e
+        # the post-attention residual (the layer's residual) where its norm saves an fp32
+        # copy of it, not the tensor itself
+        residual = (dm.stream(spec.hidden_size)
+                    if wl.norm_impl.upcast and dm.stream_e < FP32_BYTES else 0)
+        return [Moment("moe_rebuild", total(every_expert_terms(spec, dm)),
+                       2 * rows_h + dm.tokens * moe.num_experts * dm.e
+                       + _attention_out(spec, dm) + residual)]
 
     def tensor_sizes(self, spec: ModelSpec, t: int, ep: int | ExpertSplit) -> list[int]:
         """The router, this rank's experts, the shared experts and their gate

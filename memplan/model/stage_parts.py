@@ -18,6 +18,7 @@ from memplan.model.attention import rope_buffer_bytes, windowed
 from memplan.model.dims import exact_ratio
 from memplan.model.fsdp1 import flat_units, fsdp1_buffers
 from memplan.model.grad_sync import accumulator_bytes
+from memplan.model.layer import rope_normed
 from memplan.model.model_states import (
     ShardingBuffers,
     StageParams,
@@ -39,7 +40,8 @@ from memplan.workload import Precision, Recompute, Workload
 
 # (MoE layer?, recompute policy), and a third for a layer whose mixer differs from the model's
 # attention: "window", a sliding-window layer whose attention differs from the full layers'
-# (memplan.model.attention.windowed); "linear", a gated DeltaNet layer (memplan.model.deltanet)
+# (memplan.model.attention.windowed), or a RoPE layer whose q/k norm the NoPE layers lack
+# (memplan.model.layer.rope_normed); "linear", a gated DeltaNet layer (memplan.model.deltanet)
 LayerKey = tuple[bool, Recompute] | tuple[bool, Recompute, str]
 
 
@@ -65,14 +67,17 @@ def layer_recompute(wl: Workload, position: int) -> Recompute:
 
 def layer_keys(spec: ModelSpec, wl: Workload, layers: list[int]) -> list[LayerKey]:
     """(MoE layer?, recompute policy) of each layer of a stage, in order (``LayerKey``)."""
-    window = windowed(spec, wl)
+    window, normed = windowed(spec, wl), rope_normed(spec)
     if (spec.moe is None and wl.recompute_layers is None and wl.recompute_every is None
-            and not window and spec.linear_attention is None):
+            and not window and not normed and spec.linear_attention is None):
         return [(False, wl.recompute)] * len(layers)
     keys: list[LayerKey] = [(spec.is_moe_layer(i), layer_recompute(wl, pos))
                             for pos, i in enumerate(layers)]
-    if window:
-        keys = [(*key, "window") if spec.is_sliding_layer(i) else key
+    if window or normed:
+        # a windowed layer, or a RoPE layer with its q/k norm (the windowed ones where both:
+        # ModelSpec._check)
+        keys = [(*key, "window") if (spec.is_sliding_layer(i) if window
+                                     else not spec.is_nope_layer(i)) else key
                 for key, i in zip(keys, layers)]
     if spec.linear_attention is not None:
         keys = [(*key[:2], "linear") if spec.is_linear_layer(i) else key

@@ -61,7 +61,8 @@ def stage_terms(spec: ModelSpec, wl: Workload, dm: Dims, ep: int | ExpertSplit,
     the expert-parallel degree their gradient groups are split by). ``kind_of`` and
     ``groups_of``: ``layer_kind`` and ``grad_group_params``, or cached versions of them."""
     saved_mask = attention.mask_terms(wl, dm)
-    rope = tuple(attention.rope_terms(spec, wl, dm) + saved_mask)
+    window_saved = attention.window_mask_terms(spec, wl, dm)
+    rope = tuple(attention.rope_terms(spec, wl, dm) + saved_mask + window_saved)
     embed, head_terms = tuple(embedding.embedding_terms(spec, dm)), tuple(head.head_terms(
         spec, wl, dm))
     batch = head.batch_terms(wl, dm)
@@ -75,7 +76,7 @@ def stage_terms(spec: ModelSpec, wl: Workload, dm: Dims, ep: int | ExpertSplit,
         targets_bytes=batch[0].size_bytes,
         # the causal mask lives through the forward; with recompute it is saved (a term)
         mask=((0 if saved_mask else attention.eager_mask_bytes(wl, dm))
-              + attention.window_mask_bytes(spec, wl, dm)),
+              + (0 if window_saved else attention.window_mask_bytes(spec, wl, dm))),
         embedding=embedding.EmbeddingBlock().fixed(spec, wl, dm),
         head_block=_head_of(spec, wl, dm, list(head_terms)),
         loss_reduce=loss_in_call.last_chunk_bytes(spec, wl, dm, 0) if head.in_loss(wl) else 0,

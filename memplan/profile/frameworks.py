@@ -346,10 +346,10 @@ def build_hf(case: FrameworkCase) -> Built:
         model.gradient_checkpointing_enable({"use_reentrant": False})
     host = HostSaved()
     def offloading() -> contextlib.AbstractContextManager:
+        if "activations" not in offload:
+            return contextlib.nullcontext()
         base = model.base_model  # the decoder layers: ``layers`` (Llama, Qwen, ...), ``h`` (GPT-2)
-        layers = getattr(base, "layers", None) or base.h
-        return (offload_layers(layers, host) if "activations" in offload
-                else contextlib.nullcontext())
+        return offload_layers(getattr(base, "layers", None) or base.h, host)
 
     def step(k: int, mark: Mark) -> None:
         ids = torch.randint(0, vocab, (b, s))

@@ -75,10 +75,50 @@ GLM45_AIR = dict(GLM45, hidden_size=4096, intermediate_size=10944, num_hidden_la
                  moe_intermediate_size=1408, n_routed_experts=128, first_k_dense_replace=1,
                  routed_scaling_factor=1.0, use_qk_norm=False)
 
+# meta-llama/Llama-4-Scout-17B-16E config.json, its text_config (109B total with the vision
+# tower, 17B active; moe_layers 0..47 and no_rope_layers [1, 1, 1, 0] x 12 as published)
+LLAMA4_SCOUT = {
+    "attention_bias": False, "attention_chunk_size": 8192, "attention_dropout": 0.0,
+    "attn_scale": 0.1, "attn_temperature_tuning": 4, "bos_token_id": 200000,
+    "eos_token_id": [200001, 200007, 200008], "floor_scale": 8192, "for_llm_compressor": False,
+    "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120, "initializer_range": 0.02,
+    "interleave_moe_layer_step": 1, "intermediate_size": 8192, "intermediate_size_mlp": 16384,
+    "max_position_embeddings": 262144, "model_type": "llama4_text",
+    "moe_layers": list(range(48)), "no_rope_layers": [1, 1, 1, 0] * 12,
+    "num_attention_heads": 40, "num_experts_per_tok": 1, "num_hidden_layers": 48,
+    "num_key_value_heads": 8, "num_local_experts": 16, "output_router_logits": False,
+    "pad_token_id": 200018, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0,
+    "torch_dtype": "bfloat16", "use_cache": True, "use_qk_norm": True, "vocab_size": 202048,
+}
+# meta-llama/Llama-4-Maverick-17B-128E config.json, its text_config (400B total, 17B active):
+# Scout's but 128 experts on every second layer (moe_layers 1, 3, ..., 47), dense MLPs of
+# intermediate_size_mlp between, no q/k norm, no_rope_layers [] (the class's every fourth)
+LLAMA4_MAVERICK = dict(LLAMA4_SCOUT, interleave_moe_layer_step=2,
+                       max_position_embeddings=1048576, moe_layers=list(range(1, 48, 2)),
+                       no_rope_layers=[], num_local_experts=128, use_qk_norm=False,
+                       rope_scaling=None)
+# the multimodal file's form: the language model in text_config
+LLAMA4_SCOUT_MULTIMODAL = {"architectures": ["Llama4ForConditionalGeneration"],
+                           "model_type": "llama4", "text_config": LLAMA4_SCOUT,
+                           "tie_word_embeddings": False}
+
 # published config -> catalog entry (None: counted, not in the catalog)
 PUBLISHED = {"GLM-4.5-Air": (GLM45_AIR, None), "GLM-4-32B-0414": (GLM4_32B, "glm-4-32b"), "GLM-4.5": (GLM45, "glm-4.5"),
              "gpt-oss-120b": (GPT_OSS_120B, "gpt-oss-120b"),
-             "gpt-oss-20b": (GPT_OSS_20B, "gpt-oss-20b")}
+             "gpt-oss-20b": (GPT_OSS_20B, "gpt-oss-20b"),
+             "Llama-4-Scout-17B-16E": (LLAMA4_SCOUT, "llama-4-scout"),
+             "Llama-4-Maverick-17B-128E": (LLAMA4_MAVERICK, "llama-4-maverick")}
+
+
+def test_llama4_multimodal_file_counts_its_language_model() -> None:
+    """A llama4 file (Llama4ForConditionalGeneration) counts its text_config's Llama4ForCausalLM
+    (the vision tower left out): Scout's 107,769,861,120 of the published 109,676,279,296."""
+    spec = spec_from_hf_dict(LLAMA4_SCOUT_MULTIMODAL, "cfg.json", "scout")
+    assert spec.num_params == 107_769_861_120 == spec_from_hf_dict(
+        LLAMA4_SCOUT, "cfg.json", "scout").num_params
 
 
 def _built(data: dict) -> torch.nn.Module:
@@ -125,7 +165,23 @@ GPT_OSS_TOY = _cut(GPT_OSS_120B, num_hidden_layers=2, hidden_size=128, intermedi
                    num_local_experts=4, num_experts_per_tok=2, sliding_window=32,
                    layer_types=["sliding_attention", "full_attention"])
 
+# Scout cut to four layers: every layer MoE (4 experts, top-1, a shared expert), layers 0-2
+# chunked over 32 tokens with RoPE and the L2 q/k norm, layer 3 full attention without RoPE
+LLAMA4_SCOUT_TOY = _cut(LLAMA4_SCOUT, bos_token_id=None, num_hidden_layers=4,
+                        hidden_size=128, intermediate_size=64, intermediate_size_mlp=256,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                        vocab_size=512, num_local_experts=4, moe_layers=None,
+                        no_rope_layers=None, attention_chunk_size=32, rope_scaling=None)
+# Maverick cut to two layers: a dense chunked RoPE layer, then an MoE NoPE layer
+LLAMA4_MAVERICK_TOY = _cut(LLAMA4_MAVERICK, bos_token_id=None, num_hidden_layers=2,
+                           hidden_size=128, intermediate_size=64, intermediate_size_mlp=256,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                           vocab_size=512, num_local_experts=4, moe_layers=None,
+                           no_rope_layer_interval=2, attention_chunk_size=32)
+
 TOY = {
+    "llama4-scout-toy": LLAMA4_SCOUT_TOY,
+    "llama4-maverick-toy": LLAMA4_MAVERICK_TOY,
     "glm4-toy": GLM4_TOY,
     "glm4_moe-toy": GLM45_TOY,
     "gpt_oss-toy": GPT_OSS_TOY,
@@ -159,6 +215,26 @@ CASES = [
                   options={"attn": "eager"}),
     FrameworkCase("transformers", "gpt_oss-toy", GPT_OSS_TOY, "bf16-pure", 2, 64,
                   options={"attn": "eager"}),
+    # every token through every expert (repeat, sigmoid-scaled, two bmm), a shared expert,
+    # chunked SDPA layers given their mask (64 tokens over chunks of 32) with the L2 q/k norm,
+    # a NoPE full layer with its temperature tuning
+    FrameworkCase("transformers", "llama4-scout-toy", LLAMA4_SCOUT_TOY, "fp32", 2, 64),
+    FrameworkCase("transformers", "llama4-scout-toy", LLAMA4_SCOUT_TOY, "bf16-pure", 2, 64),
+    # a dense layer of intermediate_size_mlp, then an MoE layer; no q/k norm
+    FrameworkCase("transformers", "llama4-maverick-toy", LLAMA4_MAVERICK_TOY, "fp32", 2, 64),
+    FrameworkCase("transformers", "llama4-maverick-toy", LLAMA4_MAVERICK_TOY, "bf16-pure", 2,
+                  64),
+    # gradient checkpointing: the MoE's checkpointed forward over E*T rows, its rerun beside
+    # the sum's gradient copy and the layer's attention output, the chunked layers' mask kept
+    # as every layer's input
+    FrameworkCase("transformers", "llama4-scout-toy", LLAMA4_SCOUT_TOY, "fp32", 2, 64,
+                  options={"recompute": "full"}),
+    FrameworkCase("transformers", "llama4-scout-toy", LLAMA4_SCOUT_TOY, "bf16-pure", 2, 64,
+                  options={"recompute": "full"}),
+    FrameworkCase("transformers", "llama4-maverick-toy", LLAMA4_MAVERICK_TOY, "fp32", 2, 64,
+                  options={"recompute": "full"}),
+    FrameworkCase("transformers", "llama4-maverick-toy", LLAMA4_MAVERICK_TOY, "bf16-pure", 2,
+                  64, options={"recompute": "full"}),
 ]
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from memplan.errors import MemplanError
 from memplan.spec import spec_from_hf_dict
+from memplan.workload import Recompute
 
 # hidden 16, 2 query heads and 1 key/value head of 8, ffn 32, one layer, vocabulary 10
 GLM4_TINY = {"model_type": "glm4", "hidden_size": 16, "intermediate_size": 32,
@@ -52,8 +53,136 @@ def test_glm4_moe_groups_must_divide_experts() -> None:
     assert "n_group" in message and "6" in message
 
 
-@pytest.mark.parametrize(("model_type", "missing"), [
-    ("llama4_text", "chunked local attention")])
-def test_unmodelled_family_is_refused_by_name(model_type: str, missing: str) -> None:
-    message = _error({"model_type": model_type, "hidden_size": 16})
-    assert f"'{model_type}'" in message and missing in message
+# Llama 4 text at hidden 16: 2 query heads and 1 key/value head of 8, experts of 8, dense
+# MLPs of 32, two layers, vocabulary 10
+LLAMA4_TINY = {"model_type": "llama4_text", "hidden_size": 16, "intermediate_size": 8,
+               "intermediate_size_mlp": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+               "num_key_value_heads": 1, "head_dim": 8, "vocab_size": 10,
+               "num_local_experts": 4, "interleave_moe_layer_step": 2,
+               "no_rope_layer_interval": 2, "attention_chunk_size": 32}
+
+
+def test_llama4_counts_by_hand() -> None:
+    """Llama4TextConfig: no biases, untied, moe_layers [1] (interleave_moe_layer_step 2),
+    no_rope_layers [1, 0]. Attention: q and o 16*16 each, k and v 16*8 each: 768; the L2 q/k
+    norm of layer 0 has no weights. Layer 0: dense gate, up, down 3*16*32 = 1,536. Layer 1:
+    router 16*4 = 64, 4 experts of gate_up 16*16 and down 8*16: 4*384 = 1,536, the shared
+    expert 3*16*8 = 384. Two norms of 16 per layer. Layers: (768 + 1,536 + 32) + (768 + 64 +
+    1,536 + 384 + 32) = 2,336 + 2,784 = 5,120; embedding and head 10*16 each, final norm 16:
+    5,456."""
+    spec = spec_from_hf_dict(LLAMA4_TINY, "cfg.json", "m")
+    assert spec.num_params == 5_456
+    assert spec.is_moe_layer(1) and not spec.is_moe_layer(0)
+    assert spec.qk_norm.value == "l2" and spec.is_nope_layer(1) and not spec.is_nope_layer(0)
+    assert spec.is_sliding_layer(0) and not spec.is_sliding_layer(1)
+    assert spec.sliding_window == 32 and spec.window_chunked and spec.moe.every_expert
+
+
+def test_llama4_published_lists_read_as_the_class_builds_them() -> None:
+    """moe_layers and no_rope_layers as a file lists them (the class's own rule) read alike;
+    no_rope_layers [] is the class's every no_rope_layer_interval-th."""
+    base = spec_from_hf_dict(LLAMA4_TINY, "cfg.json", "m")
+    listed = LLAMA4_TINY | {"moe_layers": [1], "no_rope_layers": [1, 0],
+                            "layer_types": ["chunked_attention", "full_attention"]}
+    assert spec_from_hf_dict(listed, "cfg.json", "m") == base
+    assert spec_from_hf_dict(LLAMA4_TINY | {"no_rope_layers": []}, "cfg.json", "m") == base
+
+
+@pytest.mark.parametrize(("key", "value"), [("moe_layers", [0]), ("no_rope_layers", [0, 1]),
+                                            ("layer_types", ["full_attention"] * 2)])
+def test_llama4_other_layouts_are_refused(key: str, value: list) -> None:
+    message = _error(LLAMA4_TINY | {key: value})
+    assert key in message and repr(value) in message
+
+
+def test_chunked_attention_flops_by_hand() -> None:
+    """A chunked layer's core at s = 96 tokens over chunks of 32: each chunk's queries attend
+    to 1..32 keys, 3 * 528 = 1,584 pairs, 16.5 per query; in the full layer's units (context
+    s/2 for (s+1)/2) 16 keys: 4 * 16 * q_size = 64 * 16 = 1,024 per token; the full layer's
+    4 * 48 * 16 = 3,072."""
+    from memplan.model.attention import Attention, WindowAttention
+
+    spec = spec_from_hf_dict(LLAMA4_TINY, "cfg.json", "m")
+    assert WindowAttention().core_flops_per_token(spec, 96) == 1_024
+    assert Attention().core_flops_per_token(spec, 96) == 3_072
+
+
+def test_unmodelled_family_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A family named in ``NOT_MODELLED`` (none at present: Llama 4 text and Qwen3-Next were
+    the last) is refused with one line naming the type and what it lacks."""
+    from memplan.hf import families_moe
+
+    monkeypatch.setitem(families_moe.NOT_MODELLED, "glm4_moe", "its router is not modelled")
+    message = _error({"model_type": "glm4_moe", "hidden_size": 16})
+    assert "'glm4_moe'" in message and "its router is not modelled" in message
+
+
+def _llama4_dims(seq_len: int = 8, **workload):
+    from memplan import api
+    from memplan.model.dims import Dims
+
+    spec, par, wl = api.resolve(spec_from_hf_dict(LLAMA4_TINY, "cfg.json", "m"), gpus=1,
+                                framework="hf", precision="fp32", micro_batch_size=1,
+                                seq_len=seq_len, **workload)
+    return spec, wl, Dims.of(spec, par, wl)
+
+
+def test_llama4_every_expert_terms_by_hand() -> None:
+    """The hf preset runs Llama 4's own MoE (moe_impl every). T = 1 * 8 tokens, E = 4, h = 16,
+    f = 8, fp32: top-1 indices 8 * 8 = 64; the fp32 sigmoid scores 8 * 4 * 4 = 128; the
+    repeated input and the scaled one, E*T = 32 rows of 16: 2,048 each; the score column
+    32 * 4 = 128; the experts' gate, up, activation and product over 32 rows of 8: 4 * 1,024;
+    the shared expert's over 8 rows: 4 * 256. In all 9,536 B."""
+    from memplan.model.moe import MoE
+    from memplan.model.dims import total
+    from memplan.workload import MoeImpl, Recompute
+
+    spec, wl, dm = _llama4_dims()
+    assert wl.moe_impl is MoeImpl.EVERY
+    terms = {t.name: t.size_bytes for t in MoE().saved(spec, wl, dm, Recompute.NONE)}
+    assert terms["moe.repeated_in"] == terms["moe.dispatched"] == 2_048
+    assert total(MoE().saved(spec, wl, dm, Recompute.NONE)) == 9_536
+
+
+def test_llama4_l2_qk_norm_terms_by_hand() -> None:
+    """The weightless L2 norm saves its fp32 input and the per-row rsqrt, no weighted
+    product: q 8 tokens * 2 heads of 8: 512 + 16 * 4 = 64; k one head: 256 + 32. In all 864 B,
+    on the RoPE layer only (the NoPE layer's block has none)."""
+    from memplan.model.attention import qk_norm_terms
+    from memplan.model.dims import total
+    from memplan.model.layer import layer_blocks
+
+    spec, wl, dm = _llama4_dims()
+    assert total(qk_norm_terms(spec, wl, dm)) == 864
+    rope, nope = layer_blocks(spec, False, "window")[1], layer_blocks(spec, True)[1]
+    assert not any(t.name.startswith("attn.q_norm") for t in nope.saved(spec, wl, dm,
+                                                                         Recompute.NONE))
+    assert any(t.name.startswith("attn.q_norm") for t in rope.saved(spec, wl, dm,
+                                                                    Recompute.NONE))
+
+
+def test_llama4_rope_table_and_window_mask_under_recompute() -> None:
+    """Llama 4's RoPE table: s * d/2 complex64 pairs, 8 * 4 * 8 = 256 B in any dtype. Under
+    full recompute the chunk mask (bool, b * s * s = 1,024 B at s 32 over chunks of 32;
+    none under 32 tokens, where transformers skips it) is every checkpointed layer's input:
+    saved."""
+    from memplan.model.attention import rope_terms, window_mask_terms
+
+    spec, wl, dm = _llama4_dims()
+    assert [(t.name, t.size_bytes) for t in rope_terms(spec, wl, dm)] == [("rope.freqs_cis",
+                                                                           256)]
+    assert window_mask_terms(spec, wl, dm) == []
+    assert window_mask_terms(*_llama4_dims(recompute="full")) == []  # 8 tokens: no mask
+    assert [t.size_bytes for t in window_mask_terms(*_llama4_dims(32, recompute="full"))] == [
+        1_024]
+
+
+def test_llama4_moe_flops_by_hand() -> None:
+    """FLOPs per token of the MoE block: 2 per parameter every token passes, the router
+    16 * 4 = 64 and the shared expert 3 * 16 * 8 = 384, and 2 per parameter of the top-1
+    of 4 experts (4 * 384 / 4 = 384): 2 * 448 + 2 * 384 = 1,664 (the routed top-k's, though
+    transformers' own MoE runs every expert)."""
+    from memplan.model.moe import MoE
+
+    spec = spec_from_hf_dict(LLAMA4_TINY, "cfg.json", "m")
+    assert MoE().flops_per_token(spec, 32) == 1_664

@@ -121,14 +121,16 @@ class _Tree(HTMLParser):
 def _chromium(target: Path, work: Path, *action: str) -> tuple[str, list[str]]:
     """Open ``target`` in headless Chromium doing ``action`` (--dump-dom, --screenshot=...):
     its stdout, and the URLs of the requests the page made (the network log's requests that
-    carry an origin as initiator)."""
+    carry an origin as initiator). ``--virtual-time-budget``: the page's queued tasks (the
+    policy's violation event among them) run before the DOM is dumped, whatever the load."""
     net = work / "net.json"
     run = subprocess.run(
         [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
          f"--user-data-dir={work / 'profile'}", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--disable-default-apps",
          "--host-resolver-rules=MAP * ~NOTFOUND", f"--log-net-log={net}",
-         "--hide-scrollbars", *action, target.resolve().as_uri()],
+         "--hide-scrollbars", "--virtual-time-budget=10000", *action,
+         target.resolve().as_uri()],
         capture_output=True, text=True, timeout=180, check=False)
     assert run.returncode == 0, run.stderr[-2000:]
     log = json.loads(net.read_text())

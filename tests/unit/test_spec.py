@@ -52,7 +52,8 @@ COUNTED_BY_TRANSFORMERS: set[str] = {"command-r7b", "phi-4-mini", "olmo-3-7b", "
 # "355B" counts its multi-token-prediction layer, which transformers does not build; gpt-oss's
 # 116.8B and 20.9B): their exact counts are checked against transformers' meta build
 # (tests/traced/test_hf_moe_families.py)
-MOE_FAMILY_FLAGSHIPS = {"glm-4-32b", "glm-4.5", "gpt-oss-120b", "gpt-oss-20b"}
+MOE_FAMILY_FLAGSHIPS = {"glm-4-32b", "glm-4.5", "gpt-oss-120b", "gpt-oss-20b",
+                        "llama-4-scout", "llama-4-maverick"}
 # Qwen3-Next-80B-A3B (its card: "80B total, 3B active"; counted by hand in
 # tests/unit/test_qwen3_next.py, against transformers in tests/traced/test_hf_qwen3_next.py)
 MOE_FAMILY_FLAGSHIPS |= {"qwen3-next-80b-a3b"}
@@ -103,6 +104,50 @@ def test_gpt3_175b_count() -> None:
     The paper (Brown et al. 2020, Table 2.1) rounds this to 175.0B.
     """
     assert param_counts(load_model("gpt3-175b")).total == 174_604_259_328
+
+
+def test_llama4_scout_count() -> None:
+    """Llama 4 Scout's text model by hand (models/llama4/modeling_llama4.py): h=5120, L=48,
+    40 query heads and 8 key/value heads of 128, V=202048, untied; every layer MoE.
+
+    token embedding     202048 * 5120                          =   1,034,485,760
+    one layer:
+      q and o           2 * 5120 * 5120                        =      52,428,800
+      k and v           2 * 5120 * 1024                        =      10,485,760
+      (the L2 q/k norm has no weights)
+      router            5120 * 16                              =          81,920
+      16 experts        16 * 3 * 5120 * 8192                   =   2,013,265,920
+      shared expert     3 * 5120 * 8192                        =     125,829,120
+      two RMSNorms      2 * 5120                               =          10,240
+      layer total                                              =   2,202,101,760
+    48 layers           48 * 2,202,101,760                     = 105,700,884,480
+    final norm                                                 =           5,120
+    head                202048 * 5120                          =   1,034,485,760
+    total                                                      = 107,769,861,120
+
+    The published 109,676,279,296 adds the vision tower and projector (1,906,418,176); the
+    17B active: attention 48 * 62,914,560, one expert and the shared one 48 * 251,658,240,
+    embedding and head: 17,168,465,920. transformers' meta build counts the same
+    (tests/traced/test_hf_moe_families.py)."""
+    assert param_counts(load_model("llama-4-scout")).total == 107_769_861_120
+
+
+def test_llama4_maverick_count() -> None:
+    """Llama 4 Maverick's text model by hand: Scout's widths, MoE on the 24 odd layers with
+    128 experts, dense MLPs of 16384 on the 24 even ones, no q/k norm.
+
+    attention and norms per layer   62,914,560 + 10,240          =      62,924,800
+    MoE layer: router 5120 * 128 = 655,360; 128 * 125,829,120 = 16,106,127,360;
+      shared 125,829,120; with attention and norms               =  16,295,536,640
+    dense layer: 3 * 5120 * 16384 = 251,658,240, with the rest   =     314,583,040
+    24 * 16,295,536,640 + 24 * 314,583,040                        = 398,642,872,320
+    embedding, head 2 * 1,034,485,760, final norm 5120            =   2,068,976,640
+    total                                                         = 400,711,848,960
+
+    The model card's 400B total; 17B active: attention 3,019,898,880, 24 MoE layers' router,
+    one expert and the shared one 24 * 252,313,600, 24 dense MLPs 24 * 251,658,240,
+    embedding and head: 17,184,194,560."""
+    assert param_counts(load_model("llama-4-maverick")).total == 400_711_848_960
 
 
 def test_tiny_count() -> None:
