@@ -531,6 +531,10 @@ class Workload(BaseModel):
     compile: bool = Field(default=False, description=(
         "each decoder layer runs under torch.compile (Inductor): AOTAutograd's min-cut "
         "partitioner decides what its forward saves (memplan.model.compiled)"))
+    optimizer_in_backward: bool = Field(default=False, description=(
+        "each parameter's optimizer step runs in backward, in a hook after its gradient is "
+        "accumulated, which then frees it (torchtune's optimizer_in_bwd; memplan.model."
+        "step_in_backward): gradients never accumulate and no step follows backward"))
     float8: Float8Recipe = Field(default=Float8Recipe.NONE, description=(
         "the decoder layers' linears train as torchao's Float8Linear with this recipe "
         "(memplan.model.linear: float8_forward_bytes)"))

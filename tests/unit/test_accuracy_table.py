@@ -439,10 +439,12 @@ FINETUNE_MIN_EXPRESSED = 8
 # full fine-tune -23%) and its QLoRA tutorial run (-18%: torchao 0.1's whole-tensor
 # quantization at load is counted, nf4-torchao-0.1; the caching allocator's segments left
 # from quantizing the smaller attention weights are not). The QLoRA run moved from -45.5% to
-# -18.4% without moving the median (it stays above it). A known deviation: the test fails
-# when the median moves by more than 0.05 percentage points (update it with the cause), and
-# passes once it is at the target.
-FINETUNE_MEDIAN_KNOWN_PCT = 14.90
+# -18.4% without moving the median (it stays above it). The optimizer stepped in backward
+# (--optimizer-in-backward) made torchtune's 7B low-memory run expressible (+3.8%; +96.5%
+# before, with every gradient held): 13 runs, the median from 14.90 to 13.72. A known
+# deviation: the test fails when the median moves by more than 0.05 percentage points (update
+# it with the cause), and passes once it is at the target.
+FINETUNE_MEDIAN_KNOWN_PCT = 13.72
 
 
 def test_finetune_median_error_target(table, finetune_runs):
@@ -474,6 +476,7 @@ FINETUNE_CEILING_PCT = {
     "torchtune/llama3.2-3b/readme-optimization-flags-full-activation-checkpointing":
         26.5,  # +25.30%
     "torchtune/llama3.2-3b/readme-optimization-flags-full-optimizer-in-backward": 36.5,  # +35.07%
+    "torchtune/llama2-7b/readme-full-low-memory-1x4090": 5.0,  # +3.77%
 }
 
 
