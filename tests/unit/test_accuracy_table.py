@@ -441,10 +441,12 @@ FINETUNE_MIN_EXPRESSED = 8
 # from quantizing the smaller attention weights are not). The QLoRA run moved from -45.5% to
 # -18.4% without moving the median (it stays above it). The optimizer stepped in backward
 # (--optimizer-in-backward) made torchtune's 7B low-memory run expressible (+3.8%; +96.5%
-# before, with every gradient held): 13 runs, the median from 14.90 to 13.72. A known
+# before, with every gradient held): 13 runs, the median from 14.90 to 13.72. --compile made
+# torchtune's packed, compiled 3B run expressible (+13.6% eager, -3.6% compiled; its recipe
+# discards compile_loss's wrapper, so the loss runs eagerly): 14 runs, median 13.44. A known
 # deviation: the test fails when the median moves by more than 0.05 percentage points (update
 # it with the cause), and passes once it is at the target.
-FINETUNE_MEDIAN_KNOWN_PCT = 13.72
+FINETUNE_MEDIAN_KNOWN_PCT = 13.44
 
 
 def test_finetune_median_error_target(table, finetune_runs):
@@ -470,7 +472,7 @@ FINETUNE_CEILING_PCT = {
     "torchtune/llama2-7b/readme-full-distributed-4x4090": 24.0,  # -22.74%
     "peft-metamathqa/full-finetuning--llama-3.2-3B-lr_0.00001": 5.5,  # -4.46%
     "torchtune/llama3.2-3b/readme-optimization-flags-full-packed": 4.5,  # -3.48%
-    "torchtune/llama3.2-3b/readme-optimization-flags-full-packed-compile": 15.0,  # +13.55%
+    "torchtune/llama3.2-3b/readme-optimization-flags-full-packed-compile": 5.0,  # -3.61%
     "torchtune/llama3.2-3b/readme-optimization-flags-full-packed-compile-chunked-ce":
         36.0,  # +34.99%
     "torchtune/llama3.2-3b/readme-optimization-flags-full-activation-checkpointing":
