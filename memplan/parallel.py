@@ -612,9 +612,19 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
             "Megatron-core refuses to defer the output layer's weight gradient without "
             f"pipeline parallelism), loss_chunks 1 (got {wl.loss_chunks}) and zero < 3 (got "
             f"{int(par.zero)}: the drain into sharded parameters' gradients is not modelled)")
+    if wl.logits_held is LogitsHeld.OUTPUT and (par.pp > 1 or wl.kv_cache and (
+            wl.precision.policy.autocast or spec.mla is not None
+            or wl.attention.value != "flash")):
+        # the held output's key/value cache is modelled as what SDPA saved, one stage
+        raise LayoutError(
+            "logits_held output is modelled on one stage, its cache as SDPA saves it",
+            f"logits_held output (the loop keeps the model's output and its key/value cache) "
+            f"is modelled with pp 1 (got {par.pp}) and, with kv_cache, SDPA attention without "
+            f"autocast or MLA (got precision {wl.precision.value}, attention "
+            f"{wl.attention.value}): the cache's own copies are not modelled")
     if wl.loss_impl is LossImpl.TORCHTUNE_CHUNKED and (
             wl.precision.policy.autocast or wl.loss_chunk_backward is ChunkBackward.IN_LOSS
-            or wl.logits_held is LogitsHeld.STEP or wl.mtp_layers):
+            or wl.logits_held in (LogitsHeld.STEP, LogitsHeld.OUTPUT) or wl.mtp_layers):
         # torchtune runs its models in one dtype, its recipe drops the logits after the loss
         raise LayoutError(
             "loss_impl torchtune-chunked runs without autocast, in-loss chunks, held logits "

@@ -225,11 +225,15 @@ class LogitsHeld(str, enum.Enum):
           log-softmaxes a copy; dropped with the output before backward (transformers)
     step  the training loop keeps the logits the loss read (fp32) through backward and the
           optimizer step, until the next forward returns (litgpt's pretrain loop variable)
+    output  as loss, and the training loop keeps the model's output (its compute-dtype logits)
+          through backward and the optimizer step, until the next model call returns, its
+          loss included (``outputs = model(**batch)``: peft's method_comparison run.py)
     """
 
     NONE = "none"
     LOSS = "loss"
     STEP = "step"
+    OUTPUT = "output"
 
 
 class LossImpl(str, enum.Enum):

@@ -351,7 +351,7 @@ def _optimizer_peaks(head: HeadBlock, fx: StageStates) -> tuple[int, int]:
     """The optimizer step's activation-free peak from step 2 on and in step 1 (where its
     order differs, ``StageStates.first_step``), the logits a training loop keeps from the loss
     alive beside it."""
-    logits = Segment((head.loop_logits(),))
+    logits = Segment((head.step_logits(),))
     steady = peak_of([logits, fx.step])
     return steady, steady if fx.first_step is None else peak_of([logits, fx.first_step])
 
