@@ -495,6 +495,35 @@ def float8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutErr
                        "full)")
 
 
+def optimizer_in_backward_rule(par: ParallelConfig, wl: Workload) -> LayoutError | None:
+    """What the optimizer stepped in backward is modelled for (``memplan.model.
+    step_in_backward``): one device, no pipeline, no weights or states on the host, no LoRA,
+    optimizers whose states are per element or per tensor, no master copy or grad scaler
+    (gradient accumulation, which torchtune refuses, is the batch split's: ``memplan.model.
+    estimate``)."""
+    policy = wl.precision.policy
+    why = None
+    if par.dp > 1 or par.zero:
+        why = f"dp {par.dp} (zero {int(par.zero)})"
+    elif par.pp > 1:
+        why = f"pp {par.pp}"
+    elif par.offload - {Offload.ACTIVATIONS}:  # saved activations on the host: orthogonal
+        why = "offload " + ",".join(sorted(o.value for o in par.offload))
+    elif wl.lora_rank:
+        why = f"lora_rank {wl.lora_rank}"
+    elif wl.optimizer.value in ("adafactor", "muon"):
+        why = f"optimizer {wl.optimizer.value}"
+    elif policy.master_bytes or policy.grad_scaler:
+        why = f"precision {wl.precision.value}"
+    if why is None:
+        return None
+    return LayoutError(f"optimizer_in_backward is not modelled with {why}",
+                       f"optimizer_in_backward with {why}: not modelled (it is modelled on one "
+                       "device, no pipeline, no host offload of weights or states, no LoRA, "
+                       "per-element or per-tensor optimizer states, no master copy or grad "
+                       "scaler)")
+
+
 def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
     """What a compiled layer's saved set is derived for (``memplan.model.compiled``): a
     pre-norm dense layer with SDPA attention in one compute dtype, no recompute or a fully
@@ -570,6 +599,8 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
     if (err := offload_rule(spec, par, wl)) is not None:
         raise err
     if wl.compile and (err := compile_rule(spec, wl)) is not None:
+        raise err
+    if wl.optimizer_in_backward and (err := optimizer_in_backward_rule(par, wl)) is not None:
         raise err
     if wl.float8.value != "none" and (err := float8_rule(spec, par, wl)) is not None:
         raise err

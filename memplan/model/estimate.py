@@ -138,8 +138,7 @@ def estimate(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, *
     par = resolve_split(spec, par, wl)
     validate(spec, par, wl)
     gbs, m = resolve_batch(par, wl)
-    if wl.optimizer_in_backward and (why := step_in_backward.refusal(
-            wl, par, m)) is not None:
+    if wl.optimizer_in_backward and (why := step_in_backward.refusal(m)) is not None:
         raise LayoutError(f"optimizer_in_backward does not combine with {why[0]}",
                           f"optimizer_in_backward with {why[0]}: {why[1]}")
     ovh = with_library_workspaces(overheads if overheads is not None

@@ -24,8 +24,8 @@ True``, torch/optim/optimizer.py ``Optimizer.zero_grad``). So:
 
 The recipe refuses ``gradient_accumulation_steps > 1`` and ``clip_grad_norm`` with it (both
 need every gradient at once); memplan also refuses what it does not model with it (data
-parallelism, pipeline stages, LoRA, shape-dependent optimizers, an optimizer on the host, a
-grad scaler or a master copy).
+parallelism, pipeline stages, LoRA, shape-dependent optimizers, weights or states on the
+host, a grad scaler or a master copy: ``memplan.parallel.optimizer_in_backward_rule``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from __future__ import annotations
 import math
 
 from memplan.model.optimizer import OptimizerPolicy, Shapes, States, optimizer_policy
-from memplan.parallel import Offload, ParallelConfig
 from memplan.workload import PrecisionPolicy, Workload
 
 
@@ -78,25 +77,10 @@ def states(optimizer: OptimizerPolicy, policy: PrecisionPolicy, num_params: int,
     return States(sum(p.device_bytes for p in parts), sum(p.paged_bytes for p in parts))
 
 
-def refusal(wl: Workload, par: ParallelConfig, micro_batches: int) -> tuple[str, str] | None:
-    """Why ``optimizer_in_backward`` is refused for this job (what, why), or None."""
-    policy = wl.precision.policy
+def refusal(micro_batches: int) -> tuple[str, str] | None:
+    """Why ``optimizer_in_backward`` is refused at ``micro_batches`` per step (what, why), or
+    None; the layout's and workload's rules: ``memplan.parallel.optimizer_in_backward_rule``."""
     if micro_batches > 1:
         return (f"{micro_batches} micro-batches per step", "gradient accumulation needs every "
                 "gradient at once (torchtune refuses gradient_accumulation_steps > 1)")
-    if par.dp > 1 or par.zero:
-        return f"dp {par.dp} (zero {int(par.zero)})", "data parallelism is not modelled with it"
-    if par.pp > 1:
-        return f"pp {par.pp}", "pipeline stages are not modelled with it"
-    if par.offload - {Offload.ACTIVATIONS}:  # saved activations on the host: orthogonal
-        return ("offload " + ",".join(sorted(o.value for o in par.offload)),
-                "weights or states on the host are not modelled with it")
-    if wl.lora_rank:
-        return f"lora_rank {wl.lora_rank}", "adapters are not modelled with it"
-    if wl.optimizer.value in ("adafactor", "muon"):
-        return (f"optimizer {wl.optimizer.value}", "states by matrix shape are not modelled "
-                "with it")
-    if policy.master_bytes or policy.grad_scaler:
-        return (f"precision {wl.precision.value}", "a master copy or a grad scaler is not "
-                "modelled with it")
     return None

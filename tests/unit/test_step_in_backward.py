@@ -78,3 +78,15 @@ def test_refused_where_not_modelled(kw: dict, says: str) -> None:
             "optimizer_in_backward": True, **kw}
     with pytest.raises(MemplanError, match=says):
         estimate(TINY, **args)
+
+
+def test_plan_searches_one_micro_batch_per_step() -> None:
+    """``plan`` with the step in backward on one GPU and a global batch of 4: only the layout
+    without ZeRO (dp 1, zero 1-3 refused) at micro-batch 4 (4 x 1 = 4: one micro-batch per
+    step; 1 and 2 would accumulate)."""
+    from memplan.api import plan
+
+    result = plan(TINY, gpus=1, seq_len=128, global_batch_size=4, precision="bf16-pure",
+                  optimizer_in_backward=True)
+    assert result.candidates
+    assert {(int(c.layout.zero), c.micro_batch_size) for c in result.candidates} == {(0, 4)}
