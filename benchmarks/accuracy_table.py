@@ -495,6 +495,10 @@ def _finetune_parts(a: dict) -> list[str]:
         parts.append(f"torchtune chunked CE x{a.get('loss_chunks', 1)}")
     if a.get("offload", "none") != "none":
         parts.append(f"offload {a['offload']}")
+    if a.get("optimizer_in_backward"):
+        parts.append("optimizer in backward")
+    if a.get("compile"):
+        parts.append("compiled layers")
     return parts
 
 

@@ -495,6 +495,35 @@ def float8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutErr
                        "full)")
 
 
+def optimizer_in_backward_rule(par: ParallelConfig, wl: Workload) -> LayoutError | None:
+    """What the optimizer stepped in backward is modelled for (``memplan.model.
+    step_in_backward``): one device, no pipeline, no weights or states on the host, no LoRA,
+    optimizers whose states are per element or per tensor, no master copy or grad scaler
+    (gradient accumulation, which torchtune refuses, is the batch split's: ``memplan.model.
+    estimate``)."""
+    policy = wl.precision.policy
+    why = None
+    if par.dp > 1 or par.zero:
+        why = f"dp {par.dp} (zero {int(par.zero)})"
+    elif par.pp > 1:
+        why = f"pp {par.pp}"
+    elif par.offload - {Offload.ACTIVATIONS}:  # saved activations on the host: orthogonal
+        why = "offload " + ",".join(sorted(o.value for o in par.offload))
+    elif wl.lora_rank:
+        why = f"lora_rank {wl.lora_rank}"
+    elif wl.optimizer.value in ("adafactor", "muon"):
+        why = f"optimizer {wl.optimizer.value}"
+    elif policy.master_bytes or policy.grad_scaler:
+        why = f"precision {wl.precision.value}"
+    if why is None:
+        return None
+    return LayoutError(f"optimizer_in_backward is not modelled with {why}",
+                       f"optimizer_in_backward with {why}: not modelled (it is modelled on one "
+                       "device, no pipeline, no host offload of weights or states, no LoRA, "
+                       "per-element or per-tensor optimizer states, no master copy or grad "
+                       "scaler)")
+
+
 def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
     """What a compiled layer's saved set is derived for (``memplan.model.compiled``): a
     pre-norm dense layer with SDPA attention in one compute dtype, no recompute or a fully
@@ -571,6 +600,8 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
         raise err
     if wl.compile and (err := compile_rule(spec, wl)) is not None:
         raise err
+    if wl.optimizer_in_backward and (err := optimizer_in_backward_rule(par, wl)) is not None:
+        raise err
     if wl.float8.value != "none" and (err := float8_rule(spec, par, wl)) is not None:
         raise err
     if wl.base_quant.value == "nf4-torchao-0.1" and par.zero >= ZeroStage.PARAMETERS:
@@ -612,9 +643,19 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
             "Megatron-core refuses to defer the output layer's weight gradient without "
             f"pipeline parallelism), loss_chunks 1 (got {wl.loss_chunks}) and zero < 3 (got "
             f"{int(par.zero)}: the drain into sharded parameters' gradients is not modelled)")
+    if wl.logits_held is LogitsHeld.OUTPUT and (par.pp > 1 or wl.kv_cache and (
+            wl.precision.policy.autocast or spec.mla is not None
+            or wl.attention.value != "flash")):
+        # the held output's key/value cache is modelled as what SDPA saved, one stage
+        raise LayoutError(
+            "logits_held output is modelled on one stage, its cache as SDPA saves it",
+            f"logits_held output (the loop keeps the model's output and its key/value cache) "
+            f"is modelled with pp 1 (got {par.pp}) and, with kv_cache, SDPA attention without "
+            f"autocast or MLA (got precision {wl.precision.value}, attention "
+            f"{wl.attention.value}): the cache's own copies are not modelled")
     if wl.loss_impl is LossImpl.TORCHTUNE_CHUNKED and (
             wl.precision.policy.autocast or wl.loss_chunk_backward is ChunkBackward.IN_LOSS
-            or wl.logits_held is LogitsHeld.STEP or wl.mtp_layers):
+            or wl.logits_held in (LogitsHeld.STEP, LogitsHeld.OUTPUT) or wl.mtp_layers):
         # torchtune runs its models in one dtype, its recipe drops the logits after the loss
         raise LayoutError(
             "loss_impl torchtune-chunked runs without autocast, in-loss chunks, held logits "

@@ -229,11 +229,15 @@ class LogitsHeld(PlainEnum):
           log-softmaxes a copy; dropped with the output before backward (transformers)
     step  the training loop keeps the logits the loss read (fp32) through backward and the
           optimizer step, until the next forward returns (litgpt's pretrain loop variable)
+    output  as loss, and the training loop keeps the model's output (its compute-dtype logits)
+          through backward and the optimizer step, until the next model call returns, its
+          loss included (``outputs = model(**batch)``: peft's method_comparison run.py)
     """
 
     NONE = "none"
     LOSS = "loss"
     STEP = "step"
+    OUTPUT = "output"
 
 
 class LossImpl(PlainEnum):
@@ -539,6 +543,10 @@ class Workload(BaseModel):
     compile: bool = Field(default=False, description=(
         "each decoder layer runs under torch.compile (Inductor): AOTAutograd's min-cut "
         "partitioner decides what its forward saves (memplan.model.compiled)"))
+    optimizer_in_backward: bool = Field(default=False, description=(
+        "each parameter's optimizer step runs in backward, in a hook after its gradient is "
+        "accumulated, which then frees it (torchtune's optimizer_in_bwd; memplan.model."
+        "step_in_backward): gradients never accumulate and no step follows backward"))
     float8: Float8Recipe = Field(default=Float8Recipe.NONE, description=(
         "the decoder layers' linears train as torchao's Float8Linear with this recipe "
         "(memplan.model.linear: float8_forward_bytes)"))

@@ -179,6 +179,11 @@ CompileOpt = Annotated[Optional[bool], typer.Option(
     "AOTAutograd's min-cut partitioner saves matmul and attention outputs and recomputes the "
     "pointwise ops between them (torchtitan's compile.enable). Default: off.",
     rich_help_panel=_KERNELS)]
+OptimizerInBackwardOpt = Annotated[Optional[bool], typer.Option(
+    "--optimizer-in-backward/--no-optimizer-in-backward", help="Each parameter's optimizer "
+    "step runs in backward, in a hook after its gradient is made, which it then frees "
+    "(torchtune's optimizer_in_bwd): gradients never accumulate, no step follows backward; "
+    "one device, no gradient accumulation. Default: off.", rich_help_panel=_KERNELS)]
 Float8Opt = Annotated[Float8Recipe, typer.Option(
     "--float8", help="The decoder layers' linears as torchao's Float8Linear "
     "(torchtitan's float8 converter, the output head not converted): tensorwise or rowwise "
@@ -336,6 +341,7 @@ SHARED: dict[str, Shared] = {
     "keep_grads": Shared(KeepGrads, None),
     "use_cache": Shared(UseCache, None),
     "compile": Shared(CompileOpt, False),
+    "optimizer_in_backward": Shared(OptimizerInBackwardOpt, False),
     "float8": Shared(Float8Opt, Float8Recipe.NONE, _value),
     "grad_sync": Shared(GradSyncOpt, None),
     "fsdp_version": Shared(FsdpVersion, None),
@@ -358,7 +364,7 @@ LAYOUT = ("tp", "pp", "vpp", "vpp_group", "dp", "cp", "ep", "etp", "sp", "vocab_
 WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "recompute_every",
             "precision", "optimizer", "optimizer_impl", "attention", "norm", "logits_fp32",
             "loss_chunks", "framework", "keep_grads", "use_cache", "grad_sync", "compile",
-            "float8",
+            "float8", "optimizer_in_backward",
             "fsdp_version", "fsdp_backward_prefetch", "fsdp_use_orig_params",
             "fsdp_reshard_after_forward", "mtp_layers", "loss_impl",
             "lora_rank", "lora_targets", "lora_dropout", "base_quant")

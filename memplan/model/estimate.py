@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 from memplan import presets
 from memplan.hardware import GpuSpec
-from memplan.model import adapters, fsdp1, memo
+from memplan.model import adapters, fsdp1, memo, step_in_backward
 from memplan.model.dims import Dims
 from memplan.model.head import in_loss
 from memplan.model.optimizer import optimizer_policy
@@ -44,6 +44,7 @@ from memplan.model.stage_parts import StageKinds, StageStates
 from memplan.overheads import Overheads, default_overheads, with_library_workspaces
 from memplan.parallel import (
     GradBuffers,
+    LayoutError,
     ParallelConfig,
     ZeroStage,
     pipeline_stage,
@@ -137,6 +138,9 @@ def estimate(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, *
     par = resolve_split(spec, par, wl)
     validate(spec, par, wl)
     gbs, m = resolve_batch(par, wl)
+    if wl.optimizer_in_backward and (why := step_in_backward.refusal(m)) is not None:
+        raise LayoutError(f"optimizer_in_backward does not combine with {why[0]}",
+                          f"optimizer_in_backward with {why[0]}: {why[1]}")
     ovh = with_library_workspaces(overheads if overheads is not None
                                   else default_overheads(gpu), gpu, wl.te_grouped_gemm)
     parts = memo.stage_parts(spec, par, wl)
@@ -298,7 +302,10 @@ def _assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload, schedule: S
         ("gradients whole through backward, reduced after it through DeepSpeed's bucket into "
          "the rank's partition, the others freed (stage_1_and_2.py reduce_gradients, "
          "_clear_param_grad_only)") if par.data_parallel_buffers else
-        "gradients freed after each optimizer step (zero_grad(set_to_none=True))",
+        ("each parameter's optimizer step in backward, in its post-accumulate-grad hook, which "
+         "frees its gradient: one gradient and its step's temporaries at a time"
+         if wl.optimizer_in_backward else
+         "gradients freed after each optimizer step (zero_grad(set_to_none=True))"),
         "MoE routing balanced across experts (no capacity drop, no imbalance)",
         *adapters.assumptions(wl),
         *fsdp1.assumptions(spec, par, wl),

@@ -145,7 +145,7 @@ def forward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     if (dm.autocast or dm.adapters is not None) and wl.logits_held is not LogitsHeld.STEP:
         held = (head_weight(spec, dm) * dm.e if wl.loss_checkpointed and dm.autocast
                 else dm.linear_rows * spec.hidden_size * dm.stream_e)
-    if (wl.logits_held is LogitsHeld.LOSS and not wl.loss_checkpointed
+    if (wl.logits_held in (LogitsHeld.LOSS, LogitsHeld.OUTPUT) and not wl.loss_checkpointed
             and (wl.logits_fp32 or dm.autocast) and dm.e < FP32_BYTES):
         # the model's output keeps the compute-dtype logits while the loss reads its fp32 copy
         # (in fp32 the upcast is the tensor itself)
@@ -185,11 +185,27 @@ def _fused_gradient_copy(wl: Workload, dm: Dims) -> int:
 
 
 def step_held_bytes(wl: Workload, dm: Dims) -> int:
-    """Logits a training loop keeps from its loss to the next forward's end (``LogitsHeld.
-    STEP``): the tensor the loss read, fp32 when upcast (Fabric converts the output)."""
+    """Logits a training loop keeps from its loss to the next forward's end: ``LogitsHeld.
+    STEP`` the tensor the loss read, fp32 when upcast (Fabric converts the output);
+    ``OUTPUT`` the model's output, the compute-dtype logits the loss upcast (transformers'
+    ``ForCausalLMLoss`` upcasts its own copy)."""
+    if wl.logits_held is LogitsHeld.OUTPUT:
+        return dm.tokens * dm.vocab_shard * dm.e
     if wl.logits_held is not LogitsHeld.STEP:
         return 0
     return dm.tokens * dm.vocab_shard * logit_bytes(wl, dm)
+
+
+def output_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    """The key/value cache a held model output keeps (``LogitsHeld.OUTPUT`` with transformers'
+    ``use_cache``, ``Workload.kv_cache``, which gradient checkpointing turns off): each
+    layer's K and V in the compute dtype (``DynamicLayer.update`` concatenates them into new
+    tensors, which attention then reads and SDPA saves): part of the saved activations until
+    backward frees them, held by the output from then to the next model call's return."""
+    if (wl.logits_held is not LogitsHeld.OUTPUT or not wl.kv_cache
+            or wl.recompute is not Recompute.NONE):
+        return 0
+    return spec.num_layers * 2 * dm.tokens * spec.kv_size // dm.tp * dm.e
 
 
 def upcast_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
@@ -344,6 +360,10 @@ class HeadBlock(NamedTuple):
     #                     reduces after its backward
     held_logits: int = 0  # logits the training loop keeps from the loss to the next step's
     #                       loss (``LogitsHeld.STEP``, ``step_held_bytes``)
+    held_past_loss: bool = False  # ... to the end of the next step's loss, which runs in the
+    #                               model call whose output replaces them (``LogitsHeld.OUTPUT``)
+    held_cache: int = 0  # ... and the output's key/value cache, which is what attention saved
+    #                      (``output_cache_bytes``): held beyond the graph once backward is done
 
     @classmethod
     def of(cls, spec: ModelSpec, wl: Workload, dm: Dims,
@@ -369,7 +389,9 @@ class HeadBlock(NamedTuple):
                    saved_bytes=saved - total(batch), loss=loss.transient_bytes,
                    linear=linear.transient_bytes, final_norm_saved=final_norm_bwd.own_bytes,
                    final_norm_bwd=final_norm_bwd.transient_bytes,
-                   final_norm_all=linear.own_bytes, held_logits=step_held_bytes(wl, dm))
+                   final_norm_all=linear.own_bytes, held_logits=step_held_bytes(wl, dm),
+                   held_past_loss=wl.logits_held is LogitsHeld.OUTPUT,
+                   held_cache=output_cache_bytes(spec, wl, dm))
 
     def on_stage(self, grads: int, vocab_grad: int, main_grads: bool,
                  tied_grad: int) -> HeadBlock:
@@ -472,16 +494,23 @@ class HeadBlock(NamedTuple):
         """The final norm, the logits a loop held from the previous step freed (``steady``:
         from step 2 on), then the loss, beside ``at`` gathered bytes; after it the loop keeps
         the loss's logits (``held_logits``)."""
+        released = Event("loop.logits_released", -self.previous_logits(steady), None)
         return Segment((Event("final_norm.forward", 0, self.final_norm_forward + at),
                         Event("loss.upcast", 0, self.upcast + at),
-                        Event("loop.logits_released", -self.previous_logits(steady), None),
+                        *(() if self.held_past_loss else (released,)),
                         Event("loss.forward", 0, self.forward_saved + self.loss_forward + at),
+                        *((released,) if self.held_past_loss else ()),
                         Event("loop.logits_kept", self.held_logits, None)))
 
     def previous_logits(self, steady: bool) -> int:
-        """The logits the loop still holds from the previous step when a forward starts: from
-        step 2 on (``steady``), until the loss replaces them."""
-        return self.held_logits if steady else 0
+        """The logits (and a held output's cache) the loop still holds from the previous step
+        when a forward starts: from step 2 on (``steady``), until the loss replaces them."""
+        return self.held_logits + self.held_cache if steady else 0
+
+    def step_logits(self) -> Event:
+        """What the loop keeps alive through the optimizer step: the logits, and a held
+        output's key/value cache, no longer saved by the graph."""
+        return Event("loop.logits", self.held_logits + self.held_cache, None)
 
     def loop_logits(self) -> Event:
         """The logits the loop keeps alive from the loss through the backward and the

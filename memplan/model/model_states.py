@@ -15,6 +15,7 @@ import math
 from functools import lru_cache
 from typing import Any, NamedTuple
 
+from memplan.model import step_in_backward
 from memplan.model.adapters import ADAPTER_BYTES
 from memplan.model.deepspeed_zero import (
     bucket_bytes,
@@ -212,7 +213,8 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
         policy = Precision.FP32.policy  # the adapters train in fp32
     # only a per-tensor optimizer reads the updated tensors' shapes
     shapes = _updated_shapes(_shapes(trained), par) if optimizer.shaped else ()
-    states = optimizer.states(policy, opt_params, shapes)
+    states = (step_in_backward.states(optimizer, policy, opt_params, shapes) if wl.optimizer_in_backward
+              else optimizer.states(policy, opt_params, shapes))
     # one flat partition per parameter group (DeepSpeed): one tensor's step count
     updated = 1 if wl.flat_partition else len(trained.tensor_sizes)
     steps = optimizer.step_counter_bytes(wl.optimizer_impl, updated, shapes)

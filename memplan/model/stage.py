@@ -13,7 +13,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
 
-from memplan.model import memo
+from memplan.model import memo, step_in_backward
 from memplan.model.deferred_wgrad import Deferred, deferred
 from memplan.model.dims import Term, exact_ratio, whole_bytes
 from memplan.model.embedding import EmbeddingBlock, made_vocab_grad
@@ -216,7 +216,13 @@ def _entries(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTe
             moment_grads = weight_grads_at(tuple(m.fresh_params for m in kind.moments),
                                            wl.zero_bucket_numel,
                                            wl.precision.policy.grad_bytes)
-        if fx.main_grads and par.zero < ZeroStage.GRADIENTS:
+        if wl.optimizer_in_backward:
+            # each gradient stepped and freed by its hook: the fresh one and its step's
+            # temporaries (``memplan.model.step_in_backward``), beside the states made so
+            # far where they grow (step 1: ``per_param`` is then the states')
+            fresh = step_in_backward.moment_grads(wl, tuple(m.fresh_params for m in kind.moments))
+            moment_grads = tuple(g + f for g, f in zip(moment_grads, fresh))
+        elif fx.main_grads and par.zero < ZeroStage.GRADIENTS:
             # the weight whose gradient was just made holds it in the compute dtype: its fp32
             # main gradient does not exist yet
             less = per_param - shared.dm.e
@@ -274,6 +280,7 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
         grads = accumulated_gradients(walk, st, fx.accum_bytes, reduce, wl.keep_grads)
     else:
         grads = _gradients(wl, fx, walk, m)
+    grads, last_step = _in_backward(spec, par, wl, shared, (fx, kinds), flight, grads, walk)
     forward = _forward(shared, fx, walk, dfr.before_forward - dfr.before_backward + host_rope)
     base = st.params_bytes + fx.buckets + fx.buffers
     optimizer, optimizer_first = _optimizer_peaks(walk.head, fx)
@@ -292,7 +299,7 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
         return PhasePeaks(
             forward=max(base + resident + opt_bytes + in_forward + forward(steady)
                         + shared.mask, init),
-            backward=max(base + resident + opt_bytes + from_loss + bwd, drain),
+            backward=max(base + resident + opt_bytes + from_loss + bwd, drain, last_step),
             optimizer=(optimizer if steady else optimizer_first) + resident)
 
     # Master weights (and bitsandbytes' quantization maps) exist from optimizer setup; a grad
@@ -301,6 +308,37 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
                   max(walk.head.loss_forward, walk.head.loss),
                   peaks(st.optimizer_bytes, 0, True),
                   peaks(st.master_bytes + st.setup_bytes, st.scaler_bytes, False))
+
+
+def _in_backward(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTerms,
+                 parts: tuple[StageStates, StageKinds], flight: tuple[int, ...],
+                 grads: tuple[int, int, int, int], walk: Walk
+                 ) -> tuple[tuple[int, int, int, int], int]:
+    """``grads`` and the last step's bytes in backward (0 where none) with the optimizer
+    stepped in backward (``memplan.model.step_in_backward``): step 1's backward with its
+    states growing, and the last gradient's step, every activation gone but the inputs,
+    every state made, beside the weights and buffers."""
+    if not wl.optimizer_in_backward:
+        return grads, 0
+    fx, kinds = parts
+    first = _first_step_in_backward(spec, par, wl, shared, fx, kinds, flight)
+    last = (fx.states.params_bytes + fx.buckets + fx.buffers + fx.states.optimizer_bytes
+            + walk.rest_saved + fx.opt_temp)
+    return (0, first, *grads[2:]), last
+
+
+def _first_step_in_backward(spec: ModelSpec, par: ParallelConfig, wl: Workload,
+                            shared: StageTerms, fx: StageStates, kinds: StageKinds,
+                            flight: tuple[int, ...]) -> int:
+    """Step 1's backward peak with the optimizer stepped in it (``memplan.model.
+    step_in_backward``): each parameter's states are made at its first step, in its hook, so
+    they grow through the backward as held gradients do elsewhere: the walk with the states
+    as its growing gradients (the fresh gradient and its step's temporaries beside them)."""
+    states = fx.states.optimizer_bytes
+    grown = fx._replace(grad_per_param=exact_ratio(states, max(fx.params.total, 1)))
+    entries = _entries(spec, par, wl, shared, grown, kinds)
+    walk = _walk(spec, par, wl, shared, grown, kinds, entries, flight)[0]
+    return backward_peak(walk, 0, states)
 
 
 def _reduce_after(fx: StageStates, beside: int) -> int:
@@ -313,7 +351,7 @@ def _optimizer_peaks(head: HeadBlock, fx: StageStates) -> tuple[int, int]:
     """The optimizer step's activation-free peak from step 2 on and in step 1 (where its
     order differs, ``StageStates.first_step``), the logits a training loop keeps from the loss
     alive beside it."""
-    logits = Segment((head.loop_logits(),))
+    logits = Segment((head.step_logits(),))
     steady = peak_of([logits, fx.step])
     return steady, steady if fx.first_step is None else peak_of([logits, fx.first_step])
 

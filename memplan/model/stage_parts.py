@@ -13,6 +13,7 @@ from functools import lru_cache
 from itertools import accumulate
 from typing import NamedTuple
 
+from memplan.model import step_in_backward
 from memplan.model.adapters import ADAPTER_BYTES
 from memplan.model.attention import rope_buffer_bytes, windowed
 from memplan.model.dims import exact_ratio
@@ -31,7 +32,7 @@ from memplan.model.moments import Event, Segment, peak_of
 from memplan.model.mtp import mtp_layer_index, mtp_recompute
 from memplan.model.pipeline import stage_layers
 from memplan.model.sharding import DataParallel, data_parallel
-from memplan.model.trainable import lora_policy
+from memplan.model.trainable import TrainablePolicy, lora_policy
 from memplan.model.walk import first_positions, runs_of
 from memplan.parallel import GradBuffers, ParallelConfig, ZeroStage, optimizer_on_host
 from memplan.spec import ModelSpec
@@ -200,7 +201,7 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
     trainable = lora_policy(spec, wl, stage_layer_indices(spec, par.pp, par.vpp, stage,
                                                           par.stage_layers),
                             par.tp, wl.precision.policy.param_bytes)
-    st = state_bytes(params, par, wl, trainable)
+    st, opt_temp = _states(params, par, wl, trainable)
     shard = (fsdp1_buffers(params, par, wl) if flat_units(spec, par, wl)
              else sharding_buffers(params, par, wl, trainable))
     e = wl.compute_dtype.itemsize
@@ -210,7 +211,6 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
     # gradient buffer from the wrap on, one rank included (DeepSpeed's ZeRO-1: its own bucket)
     ddp = ((par.data_parallel_buffers and not shard.reduce_after_bytes)
            or (wl.ddp_any_size and par.zero < ZeroStage.GRADIENTS))
-    opt_temp = optimizer_step_temp_bytes(params, st, par, wl, trainable)
     # the gradients the step sees (ZeRO-1 under DeepSpeed: the partition alone)
     at_step = st._replace(grads_bytes=shard.step_grads_bytes) if shard.step_grads_bytes else st
     buckets = st.grads_bytes if ddp and par.grad_buffers is GradBuffers.COPY else 0
@@ -223,7 +223,7 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
         # (gradients copied into preallocated buckets at their hooks, and a partition made
         # whole at once, ``ShardingBuffers.bucket_bytes``/``partition_bytes``: none grow)
         grad_per_param=(exact_ratio(wl.precision.policy.grad_bytes) if shard.kept_gathered
-                        else 0 if shard.bucket_bytes
+                        else 0 if shard.bucket_bytes or wl.optimizer_in_backward
                         else exact_ratio(st.grads_bytes, max(params.total, 1))),
         opt_temp=opt_temp,
         shard=shard,
@@ -238,12 +238,14 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
         # with LoRA only the adapters have gradients, fp32 (memplan.model.adapters)
         dp=(data_parallel(shard, sum(trainable.adapters), st.grads_bytes,
                           Precision.FP32.policy) if trainable.adapters
-            else data_parallel(shard, params.total, st.grads_bytes, wl.precision.policy)),
+            else data_parallel(shard, params.total, st.grads_bytes, wl.precision.policy)
+            ._replace(fresh_only=bool(shard.bucket_bytes) or wl.optimizer_in_backward)),
         # units as buckets: the weights outside the units stay gathered across steps
         # (Megatron-FSDP AllGatherPipeline.reset(preserve_non_fsdp_units=True) in
         # synchronize_param_gather), so they are alive at the step
-        step=optimizer_step(at_step, opt_temp, buckets + (shard.gathered_at_loss_bytes
-                                                     if shard.queued_whole else 0), buffers),
+        step=optimizer_step(at_step, 0 if wl.optimizer_in_backward else opt_temp,  # in bwd
+                            buckets + (shard.gathered_at_loss_bytes
+                                       if shard.queued_whole else 0), buffers),
         first_step=(flat_partition_step(at_step, opt_temp, st.num_optimizer_params * FP32_BYTES,
                                         buffers, True)
                     if wl.flat_partition and not optimizer_on_host(par) else None),
@@ -252,6 +254,18 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
                      else accumulator_bytes(params, wl, shard.flat_units)),
         load=load_bytes(st, buffers, trainable.quantize_bytes),
     )
+
+
+def _states(params: StageParams, par: ParallelConfig, wl: Workload,
+            trainable: TrainablePolicy) -> tuple[StateBytes, int]:
+    """The stage's states and its optimizer step's temporaries. Stepped in backward
+    (``memplan.model.step_in_backward``) each gradient is freed by its hook (none held) and
+    the temporaries are the largest one-parameter step's, its gradient included."""
+    st = state_bytes(params, par, wl, trainable)
+    if not wl.optimizer_in_backward:
+        return st, optimizer_step_temp_bytes(params, st, par, wl, trainable)
+    sizes = trainable.trained(params).tensor_sizes
+    return st._replace(grads_bytes=0), step_in_backward.last_step_bytes(wl, sizes)
 
 
 def load_bytes(st: StateBytes, buffers: int, quantize_bytes: int) -> int:

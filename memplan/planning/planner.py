@@ -34,7 +34,7 @@ from memplan.parallel import (
     validate,
     weighted_split,
 )
-from memplan.planning.batch_sizes import divisors, micro_batch_sizes
+from memplan.planning.batch_sizes import MAX_MBS, divisors, micro_batch_sizes
 from memplan.planning.search import Found, Job, Search, evaluate
 from memplan.planning.timing import (
     Columns,
@@ -370,6 +370,17 @@ def merge(results: list[PlanResult]) -> PlanResult:
     return out
 
 
+NO_SINGLE_MICRO_BATCH = (f"optimizer_in_backward needs one micro-batch per step: gbs = mbs x dp "
+                         f"with mbs at most {MAX_MBS} (give --gbs)")
+
+
+def _sizes(par: ParallelConfig, wl: Workload, gbs: int) -> tuple[int, ...]:
+    """The micro-batch sizes searched: ``micro_batch_sizes``; with the optimizer stepped in
+    backward the one that makes a single micro-batch per step (it refuses accumulation)."""
+    sizes = micro_batch_sizes(par, gbs)
+    return tuple(b for b in sizes if b * par.dp == gbs) if wl.optimizer_in_backward else sizes
+
+
 def _usable(spec: ModelSpec, par: ParallelConfig, wl: Workload, gbs: int,
             rejected: Counter) -> bool:
     """Whether ``estimate`` can evaluate ``par`` at some micro-batch; if not, its rule is
@@ -377,8 +388,9 @@ def _usable(spec: ModelSpec, par: ParallelConfig, wl: Workload, gbs: int,
     if (err := gbs_rule(gbs, par.dp)) is not None:
         rejected[err.rule] += 1
         return False
-    if not micro_batch_sizes(par, gbs):
-        rejected[NO_INTERLEAVED_SPLIT] += 1
+    if not _sizes(par, wl, gbs):
+        rejected[NO_SINGLE_MICRO_BATCH if micro_batch_sizes(par, gbs)
+                 else NO_INTERLEAVED_SPLIT] += 1
         return False
     try:
         validate(spec, par, wl)
@@ -480,7 +492,7 @@ def _search_levels(ctx: _Context, pars: list[ParallelConfig],
     search of a level is a ``_Level`` of its own. Returned beside the levels: the layouts
     whose policies were skipped."""
     above, slope = [0] * len(pars), np.zeros(len(pars))
-    sizes = [micro_batch_sizes(p, ctx.wl.global_batch_size) for p in pars]
+    sizes = [_sizes(p, ctx.wl, ctx.wl.global_batch_size) for p in pars]
     levels: list[_Level] = []
     fit_times: list[float] = []  # step seconds of every fit so far (with ``top``)
     pruned: set[int] = set()

@@ -34,14 +34,15 @@ same dequantize and linear); the backward's ``dequantize_4bit`` is a visible op 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from memplan import api
 
-from memplan.profile.frameworks import BUILDERS, Built, FrameworkCase, Mark, build_hf
+from memplan.profile.frameworks import BUILDERS, HELD, Built, FrameworkCase, Mark, build_hf
 
 LORA_NAMES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj",
               "up": "up_proj", "down": "down_proj"}
@@ -124,9 +125,27 @@ def build_peft(case: FrameworkCase) -> Built:
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
     b, s, vocab = case.micro_batch_size, case.seq_len, model.config.vocab_size
 
+    held: dict[str, Any] = {}
+    if opts.get("hold_outputs"):
+        if context is not None:
+            raise ValueError("hold_outputs is traced on one device")
+
+        @contextlib.contextmanager
+        def context(tracker: Any) -> Iterator[None]:
+            held["tracker"] = tracker
+            yield
+
     def step(k: int, mark: Mark) -> None:
         ids = torch.randint(0, vocab, (b, s))
-        loss = model(input_ids=ids, labels=ids).loss
+        outputs = model(input_ids=ids, labels=ids)
+        if opts.get("hold_outputs"):
+            # peft's method_comparison/MetaMathQA/run.py ``train``: ``outputs = model(**batch)``
+            # stays referenced through backward and the step, until the next call's returns;
+            # its logits are the loop's, not saved by the graph (its cache is what SDPA saved)
+            held["outputs"] = outputs
+            held["tracker"].relabel(outputs.logits, HELD)
+        loss = outputs.loss
+        del outputs
         mark("backward")
         loss.backward()
         del loss
@@ -140,6 +159,8 @@ def build_peft(case: FrameworkCase) -> Built:
                                     base_quant=quant)
     if opts.get("gc"):
         workload.update(recompute="full", kv_cache=False)
+    if opts.get("hold_outputs"):
+        workload.update(logits_held="output")
     frozen = [p for p in model.parameters() if not p.requires_grad] + extra
     layout = api.make_layout(case.dp, zero=3, offload=offload) if case.dp > 1 else built.layout
     return Built("peft", model, built.spec, layout, workload, step, opt, frozen=frozen,

@@ -89,6 +89,43 @@ def _optimizer(params: list[torch.Tensor], wl: Workload) -> torch.optim.Optimize
     return optimizer(params, lr=1e-4, **dict(policy.torch_kwargs), **flags)
 
 
+class _InBackward:
+    """torchtune's ``optimizer_in_bwd``: one optimizer per parameter (recipes/
+    full_finetune_single_device.py ``_setup_optimizer``), stepped and zeroed in the
+    parameter's post-accumulate-grad hook as torchtune/training/memory.py
+    ``register_optim_in_bwd_hooks`` registers it (after the recipe's own hook, which labels
+    the gradient); its states labelled as the optimizer's once made. ``step`` after backward
+    does nothing: there is no gradient left."""
+
+    def __init__(self, params: list[torch.Tensor], wl: Workload,
+                 tracker: MemoryTracker) -> None:
+        self.optim_dict = {p: _optimizer([p], wl) for p in params}
+        self.tracker = tracker
+        for opt in self.optim_dict.values():
+            # bitsandbytes' constructor makes its quantization maps on the host (the default
+            # device); ``init_state`` moves them to an 8-bit state's device, where a state
+            # refers to them (counted with the states then): on the CPU here, so uncounted
+            # until then
+            for qmap in getattr(opt, "name2qmap", {}).values():
+                tracker.forget(qmap)
+
+        def optim_step(param: torch.Tensor) -> None:
+            self.optim_dict[param].step()
+            self.optim_dict[param].zero_grad()
+            _label_states(self.optim_dict[param], wl, tracker)
+
+        for p in params:
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(optim_step)
+
+    @property
+    def state(self) -> dict:
+        return {p: st for opt in self.optim_dict.values() for p, st in opt.state.items()}
+
+    def step(self) -> None:
+        pass
+
+
 class _Recipe:
     """Weights the model computes with, the tensors the optimizer updates, and the glue."""
 
@@ -250,7 +287,8 @@ def run_steps(model: torch.nn.Module, spec: ModelSpec, wl: Workload, tracker: Me
     with tracker, rules:
         tracker.register(list(model.parameters()), "parameters")
         recipe = _Recipe(model, precision, tracker, keep_grads=wl.keep_grads)
-        opt = _optimizer(recipe.updated(), wl)
+        opt = (_InBackward(recipe.updated(), wl, tracker) if wl.optimizer_in_backward
+               else _optimizer(recipe.updated(), wl))
         tracker.register(recipe.masters or [], "optimizer")
         result = TraceResult(spec=spec, params_bytes=tracker.bytes_in("parameters"))
         for k in range(1, steps + 1):
@@ -300,6 +338,17 @@ def _step(model, opt, recipe: _Recipe, tracker: MemoryTracker, wl: Workload,
     recipe.step(opt)
     recipe.after_step()
     recipe.update()
+    _label_states(opt, wl, tracker)
+    tracker.set_phase("optimizer")
+    measure = StepMeasure(
+        step=k, phases={ph: tracker.peak(k, ph) for ph in PHASES},
+        saved_activations_bytes=saved, grads_bytes=grads,
+        optimizer_bytes=tracker.bytes_in("optimizer"))
+    return measure
+
+
+def _label_states(opt, wl: Workload, tracker: MemoryTracker) -> None:
+    """Count the optimizer's state tensors as ``optimizer``."""
     for state in opt.state.values():
         for name, value in state.items():
             if isinstance(value, torch.Tensor):
@@ -309,12 +358,6 @@ def _step(model, opt, recipe: _Recipe, tracker: MemoryTracker, wl: Workload,
                     tracker.forget(value)
                 else:
                     tracker.relabel(value, "optimizer")
-    tracker.set_phase("optimizer")
-    measure = StepMeasure(
-        step=k, phases={ph: tracker.peak(k, ph) for ph in PHASES},
-        saved_activations_bytes=saved, grads_bytes=grads,
-        optimizer_bytes=tracker.bytes_in("optimizer"))
-    return measure
 
 
 __all__ = ["CATEGORIES", "StepMeasure", "SyncContext", "TraceResult", "ref_options", "run_steps",

@@ -58,6 +58,11 @@ CASES = [
     case(LLAMA, "llama3-toy", "fp32", lora_rank=8, lora_targets="q,v,o"),
     # gradient checkpointing as transformers and peft enable it (enable_input_require_grads)
     case(LLAMA, "llama3-toy", "bf16-pure", lora_rank=8, gc=True),
+    # peft's method_comparison loop: the model's output (bf16 logits) held through backward
+    # and the step, replaced after the next model call (--logits-held output)
+    case(LLAMA, "llama3-toy", "bf16-pure", lora_rank=8, hold_outputs=True),
+    case(LLAMA, "llama3-toy", "bf16-pure", lora_rank=8, lora_targets="all-linear",
+         hold_outputs=True),
     # QLoRA: NF4 with double quantization on the CPU backend
     case(LLAMA, "llama3-toy", "bf16-pure", lora_rank=16, lora_targets="all-linear",
          base_quant="nf4"),

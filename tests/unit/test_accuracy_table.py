@@ -433,16 +433,23 @@ FINETUNE_MEDIAN_TARGET_PCT = 8.0
 FINETUNE_MIN_EXPRESSED = 8
 
 
-# Not met yet: the median |error| of the 12 fine-tuning runs memplan expresses, as measured
+# Not met yet: the median |error| of the fine-tuning runs memplan expresses, as measured
 # (docs/accuracy.md's fine-tuning section). The largest misses: peft's FSDP-QLoRA 70B runs
 # (-14% to -34%, causes not found yet), torchtune's FSDP1 runs (LoRA on 2 GPUs -30%, the 4-GPU
 # full fine-tune -23%) and its QLoRA tutorial run (-18%: torchao 0.1's whole-tensor
 # quantization at load is counted, nf4-torchao-0.1; the caching allocator's segments left
 # from quantizing the smaller attention weights are not). The QLoRA run moved from -45.5% to
-# -18.4% without moving the median (it stays above it). A known deviation: the test fails
-# when the median moves by more than 0.05 percentage points (update it with the cause), and
-# passes once it is at the target.
-FINETUNE_MEDIAN_KNOWN_PCT = 14.90
+# -18.4% without moving the median (it stays above it). The optimizer stepped in backward
+# (--optimizer-in-backward) made torchtune's 7B low-memory run expressible (+3.8%; +96.5%
+# before, with every gradient held): 13 runs, the median from 14.90 to 13.72. --compile made
+# torchtune's packed, compiled 3B run expressible (+13.6% eager, -3.6% compiled; its recipe
+# discards compile_loss's wrapper, so the loss runs eagerly): 14 runs, median 13.44.
+# logits_held output (the loop keeps the model's output, its bf16 logits and key/value cache,
+# to the next model call: peft's method_comparison run.py) made its four MetaMathQA runs
+# expressible (-0.3/-0.9/+1.9/-4.5% -> +3.4/+2.8/+5.3/-2.3%): 18 runs, median 8.14. A known
+# deviation: the test fails when the median moves by more than 0.05 percentage points (update
+# it with the cause), and passes once it is at the target.
+FINETUNE_MEDIAN_KNOWN_PCT = 8.14
 
 
 def test_finetune_median_error_target(table, finetune_runs):
@@ -466,14 +473,18 @@ def test_finetune_median_error_target(table, finetune_runs):
 # one it is shown in docs/accuracy.md and counted in the median target above.
 FINETUNE_CEILING_PCT = {
     "torchtune/llama2-7b/readme-full-distributed-4x4090": 24.0,  # -22.74%
-    "peft-metamathqa/full-finetuning--llama-3.2-3B-lr_0.00001": 5.5,  # -4.46%
+    "peft-metamathqa/full-finetuning--llama-3.2-3B-lr_0.00001": 3.5,  # -2.33%
+    "peft-metamathqa/lora--llama-3.2-3B-rank32": 4.5,  # +3.40%
+    "peft-metamathqa/lora--llama-3.2-3B-rank64": 4.0,  # +2.82%
+    "peft-metamathqa/lora--llama-3.2-3B-rank10-target-mlp": 6.5,  # +5.27%
     "torchtune/llama3.2-3b/readme-optimization-flags-full-packed": 4.5,  # -3.48%
-    "torchtune/llama3.2-3b/readme-optimization-flags-full-packed-compile": 15.0,  # +13.55%
+    "torchtune/llama3.2-3b/readme-optimization-flags-full-packed-compile": 5.0,  # -3.61%
     "torchtune/llama3.2-3b/readme-optimization-flags-full-packed-compile-chunked-ce":
         36.0,  # +34.99%
     "torchtune/llama3.2-3b/readme-optimization-flags-full-activation-checkpointing":
         26.5,  # +25.30%
     "torchtune/llama3.2-3b/readme-optimization-flags-full-optimizer-in-backward": 36.5,  # +35.07%
+    "torchtune/llama2-7b/readme-full-low-memory-1x4090": 5.0,  # +3.77%
 }
 
 
