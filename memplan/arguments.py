@@ -153,7 +153,9 @@ def _remember(model: BaseModel, checked: BaseModel) -> None:
     except TypeError:  # a list or dict field: it may change in place
         return
     key = id(model)
-    _CHECKED[key] = (weakref.ref(model, lambda _, key=key: _CHECKED.pop(key, None)),
+    # the callback holds the dict itself: at interpreter exit the module's globals may be
+    # cleared before the last models die
+    _CHECKED[key] = (weakref.ref(model, lambda _, key=key, table=_CHECKED: table.pop(key, None)),
                      fields_hash, checked)
 
 
