@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 from memplan.model.adapters import ADAPTER_BYTES
 from memplan.model.deepspeed_zero import (
+    zero3_gathers,
     bucket_bytes,
     first_reduce,
     stage1_reduce_bytes,
@@ -378,10 +379,13 @@ class ShardingBuffers(NamedTuple):
     #                              backward alive (DeepSpeed's ZeRO-1); 0: none
     step_grads_bytes: int = 0  # gradient bytes the optimizer step sees where they are not
     #                            the backward's (ZeRO-1's partition); 0: the same
+    bucket_resident: bool = False  # ``bucket_bytes`` held from the wrap on, forward and step
+    #                                included (DeepSpeed's ZeRO-3), not in the backward_* bytes
 
     @property
     def peak_bytes(self) -> int:
-        return self.gathered_bytes + self.grad_bytes + self.bucket_bytes
+        return self.gathered_bytes + self.grad_bytes + (
+            0 if self.bucket_resident else self.bucket_bytes)
 
     def forward_start(self, steady: bool, grads_bytes: int) -> int:
         """Bytes beside the weights and optimizer states at the forward's start, before any
@@ -439,6 +443,8 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload,
                                kept_gathered=True)
     # torchtitan shards even one rank (models/llama3/parallelize.py parallelize_llama:
     # apply_fsdp_to_decoder always runs), so its gathered copies exist at any degree
+    if wl.zero_bucket_buffers and par.zero >= ZeroStage.PARAMETERS:
+        return _coordinator_gathers(params, wl, policy.unsharded.itemsize, policy.grad_bytes)
     if par.zero >= ZeroStage.PARAMETERS and (par.dense_shard_degree > 1 or separate_units(wl)):
         # FSDP2 as torchtitan wraps it: each block is a unit, the root holds the embedding,
         # final norm and head. The root is not resharded after forward, so its weights stay
@@ -497,6 +503,22 @@ def _preallocated_buckets(params: StageParams, par: ParallelConfig, wl: Workload
                            backward_last_block_bytes=held, backward_end_bytes=held,
                            backward_head_prefetch_bytes=held, bucket_bytes=held,
                            partition_bytes=partition, partition_from=start)
+
+
+def _coordinator_gathers(params: StageParams, wl: Workload, e: int,
+                         grad_bytes: int) -> ShardingBuffers:
+    """DeepSpeed's ZeRO-3 (``memplan.model.deepspeed_zero.zero3_gathers``): each module's own
+    weights gathered while it runs, forward and backward (none at the loss: the head is
+    released after its forward), the head's from its backward's start (its pre-backward hook,
+    after the loss's backward); the reduce bucket (one, ``overlap_comm`` adds none:
+    stage3.py ``_setup_for_real_optimizer``) and the gradient partition held from the wrap on,
+    the hooks copying each gradient into the bucket."""
+    g = zero3_gathers(params.tensor_sizes, params.embedding_tensors, params.head_tensors, e)
+    held = bucket_bytes(wl.zero_bucket_numel, 1, grad_bytes)
+    return ShardingBuffers(g.in_layer, 0, 0, backward_head_bytes=g.head,
+                           backward_head_prefetch_bytes=g.head, backward_block_bytes=g.in_layer,
+                           backward_last_block_bytes=g.in_layer, backward_end_bytes=g.embedding,
+                           bucket_bytes=held, bucket_resident=True)
 
 
 def _reduce_after_backward(params: StageParams, par: ParallelConfig, wl: Workload,
