@@ -437,3 +437,27 @@ def test_stage1_config_reads_and_overlap_is_refused(tmp_path: Path) -> None:
     imp = deepspeed_config.read(path, 8, "llama-7b")
     with pytest.raises(MemplanError, match="--zero 1 with overlap_comm"):
         api.estimate("llama-7b", gpus=8, **imp.inputs)
+
+
+def test_zero3_plain_config_read_and_estimated() -> None:
+    """The ZeRO-3 example with the coordinator memplan models (tests/data/deepspeed/README.md):
+    stage 3 with zero3_plain_gathers, reduce_bucket_size "auto" = hidden^2 = 4096^2 =
+    16,777,216 elements in one bucket (overlap_comm true adds none at stage 3); the estimate
+    holds Llama-2-7B's bf16 partition, 2P/8 = 2 x 842,301,952 B (P = 6,738,415,616)."""
+    imp = deepspeed_config.read(DATA / "ds_config_zero3_plain.json", 8, "llama-2-7b")
+    assert imp.inputs["zero"] == 3 and imp.inputs["zero3_plain_gathers"] is True
+    assert imp.inputs["zero_bucket_numel"] == 16_777_216
+    assert imp.inputs["zero_bucket_buffers"] == 1
+    code = main(["estimate", "-m", "llama-2-7b", "--gpus", "8", "--deepspeed-config",
+                 str(DATA / "ds_config_zero3_plain.json"), "--json"])
+    assert code == 0
+
+
+def test_zero3_with_prefetch_refused_by_name() -> None:
+    """A stage 3 table leaving the coordinator's prefetch at its default is refused, saying
+    which settings are modelled."""
+    data = json.loads((DATA / "ds_config_zero3_plain.json").read_text())
+    del data["zero_optimization"]["stage3_prefetch_bucket_size"]
+    with pytest.raises(MemplanError, match="stage3_prefetch_bucket_size 0"):
+        deepspeed_config._zero(deepspeed_config.Imported(source="x", model=None),
+                               data["zero_optimization"], 4096)
