@@ -443,8 +443,8 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload,
                                kept_gathered=True)
     # torchtitan shards even one rank (models/llama3/parallelize.py parallelize_llama:
     # apply_fsdp_to_decoder always runs), so its gathered copies exist at any degree
-    if wl.zero_bucket_buffers and par.zero >= ZeroStage.PARAMETERS:
-        return _coordinator_gathers(params, wl, policy.unsharded.itemsize, policy.grad_bytes)
+    if wl.zero_bucket_buffers and par.zero >= ZeroStage.OPTIMIZER:  # DeepSpeed's
+        return _preallocated_buckets(params, par, wl, trainable, policy.grad_bytes)
     if par.zero >= ZeroStage.PARAMETERS and (par.dense_shard_degree > 1 or separate_units(wl)):
         # FSDP2 as torchtitan wraps it: each block is a unit, the root holds the embedding,
         # final norm and head. The root is not resharded after forward, so its weights stay
@@ -475,8 +475,6 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload,
                                # at the embedding's backward every block is resharded
                                backward_end_bytes=root_b,
                                forward_start_bytes=start, forward_first_start_bytes=first_start)
-    if wl.zero_bucket_buffers and par.zero in (ZeroStage.OPTIMIZER, ZeroStage.GRADIENTS):
-        return _preallocated_buckets(params, par, wl, trainable, policy.grad_bytes)
     if par.zero == ZeroStage.GRADIENTS and par.dense_shard_degree > 1:
         return ShardingBuffers(0, 0, _reduce_bucket(params, par, trainable, policy.grad_bytes))
     return ShardingBuffers(0, 0, 0)
@@ -491,7 +489,10 @@ def _preallocated_buckets(params: StageParams, par: ParallelConfig, wl: Workload
     backward moment but the loss's (the ``backward_head_prefetch_bytes`` share of the head's
     bytes). The rank's gradient partition is whole from the first bucket reduce on
     (``first_reduce``, the last rank's: the most loaded), not growing with the gradients
-    made. ZeRO-1's: ``_reduce_after_backward``."""
+    made. ZeRO-1's: ``_reduce_after_backward``; ZeRO-3's: ``_coordinator_gathers``."""
+    if par.zero >= ZeroStage.PARAMETERS:
+        return _coordinator_gathers(params, wl, wl.precision.policy.unsharded.itemsize,
+                                    grad_bytes)
     if par.zero == ZeroStage.OPTIMIZER:
         return _reduce_after_backward(params, par, wl, grad_bytes)
     held = bucket_bytes(wl.zero_bucket_numel, wl.zero_bucket_buffers, grad_bytes)
