@@ -69,7 +69,7 @@ SETTINGS: dict[Mechanism, frozenset[str]] = {
     Mechanism.LOOP: frozenset({"logits_held", "keep_grads", "grad_sync"}),
     Mechanism.DATA_PARALLEL: frozenset({"fsdp_units", "grad_buffers", "ddp_any_size",
                                         "zero_bucket_numel", "zero_bucket_buffers",
-                                        "fsdp_version", "backward_prefetch",
+                                        "zero3_plain_gathers", "fsdp_version", "backward_prefetch",
                                         "use_orig_params"}),
     Mechanism.LAYOUT: frozenset({"tp_style", "pipeline_split"}),
 }
@@ -453,13 +453,16 @@ REFUSALS: dict[Framework, tuple[Refusal, ...]] = {
     ),
     Framework.GENERIC: (),
     Framework.DEEPSPEED: (
-        Refusal(lambda par, wl: par is not None and int(par.zero) not in (1, 2), "--zero 0 or 3",
+        Refusal(lambda par, wl: par is not None and (
+                    int(par.zero) == 0 or int(par.zero) == 3 and not wl.zero3_plain_gathers),
+                "--zero 0 or 3 with the coordinator's prefetch, reuse or persistence",
                 "memplan models DeepSpeed's ZeRO stages 1 and 2 (runtime/zero/stage_1_and_2.py "
-                "DeepSpeedZeroOptimizer); stage 3's parameter coordinator "
-                "(partitioned_param_coordinator.py: prefetch bucket, max live parameters, "
-                "persistence threshold; its model states and step are in "
-                "memplan.model.deepspeed_zero) and stage 0's bf16 optimizer are not modelled "
-                "yet"),
+                "DeepSpeedZeroOptimizer) and stage 3 with each module gathered for its own "
+                "run only (zero3_plain_gathers: prefetch bucket, reuse distance and "
+                "persistence threshold 0, memplan.model.deepspeed_zero.zero3_gathers); stage "
+                "3's prefetch, reuse and persistent parameters "
+                "(partitioned_param_coordinator.py) and stage 0's bf16 optimizer are not "
+                "modelled yet"),
         Refusal(lambda par, wl: par is not None and int(par.zero) == 1 and (
                     wl.zero_bucket_buffers != 1
                     or (wl.global_batch_size or 0)

@@ -530,6 +530,12 @@ class Workload(BaseModel):
     zero_bucket_buffers: int = Field(default=0, ge=0, le=2, description=(
         "how many such buckets a backward allocates: 1, or 2 with overlap_comm; 0 without "
         "contiguous_gradients"))
+    zero3_plain_gathers: bool = Field(default=False, description=(
+        "DeepSpeed's ZeRO-3 with each module's own weights gathered while it runs, forward "
+        "and backward, and released after it: stage3_prefetch_bucket_size, "
+        "stage3_max_reuse_distance and stage3_param_persistence_threshold 0 "
+        "(partitioned_param_coordinator.py fetch_sub_module / release_sub_module); the only "
+        "ZeRO-3 coordinator memplan models"))
     flat_partition: bool = Field(default=False, description=(
         "the optimizer updates one flat fp32 partition per parameter group, whose gradient "
         "the step makes by flattening the rank's gradient partition (a copy in the "

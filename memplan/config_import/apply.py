@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 # Workload fields a config sets that no command-line option exposes
 _WORKLOAD_ONLY = frozenset({"fused_qkv", "rope_cache", "head_wgrad_deferral", "fsdp_units",
                             "loss_impl", "softmax_fp32", "te_grouped_gemm",
-                            "zero_bucket_numel", "zero_bucket_buffers", "forward_prefetch"})
+                            "zero_bucket_numel", "zero_bucket_buffers", "forward_prefetch",
+                            "zero3_plain_gathers"})
 
 
 def configure(model: str | None, given: dict[str, Any], defaults: dict[str, Any], *,

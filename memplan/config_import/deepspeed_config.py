@@ -140,11 +140,13 @@ def _zero(imp: Imported, zero: dict[str, Any], hidden: int | None) -> None:
     stage = zero.get("stage", 0)
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise imp.refuse("zero_optimization.stage", stage, "expected 0, 1, 2 or 3")
-    if stage not in (1, 2):
-        raise imp.refuse("zero_optimization.stage", stage,
-                         "memplan models DeepSpeed's ZeRO stages 1 and 2 only (stage 3's "
-                         "parameter coordinator and stage 0's bf16 optimizer are not modelled "
-                         "yet)")
+    if stage == 0 or stage == 3 and not _plain_coordinator(zero):
+        raise imp.refuse("zero_optimization.stage", stage, _STAGE3_PLAIN if stage == 3 else
+                         "memplan models DeepSpeed's ZeRO stages 1, 2 and 3 (stage 0's bf16 "
+                         "optimizer is not modelled yet)")
+    if stage == 3:
+        _stage3(imp, zero, hidden)
+        return
     imp.set("zero_optimization.stage", stage, "zero", stage,
             "runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer(partition_grads="
             + ("True): fp32 partition, states and gradient partition 1/N, bf16/fp16 weights "
@@ -169,6 +171,66 @@ def _zero(imp: Imported, zero: dict[str, Any], hidden: int | None) -> None:
                 "allgather_bucket_size"):
             raise imp.refuse(name, value, "not modelled by memplan's DeepSpeed preset")
     _buckets(imp, zero, hidden)
+
+
+# ZeRO-3's parameter coordinator memplan models: each module gathered for its own run only
+_PLAIN_KEYS = ("stage3_prefetch_bucket_size", "stage3_max_reuse_distance",
+               "stage3_param_persistence_threshold")
+_STAGE3_PLAIN = ("memplan models DeepSpeed's ZeRO-3 with " + ", ".join(
+    f"{k} 0" for k in _PLAIN_KEYS) + " and nothing offloaded (each module gathered for its own "
+    "run only); the parameter coordinator's prefetch, reuse and persistent parameters "
+    "(partitioned_param_coordinator.py) are not modelled yet")
+# stage 3 keys that hold nothing more with the plain coordinator (stage3.py / parameter_offload.py)
+_STAGE3_QUIET = ("stage3_max_live_parameters", "stage3_model_persistence_threshold",
+                 "stage3_allgather_sequential", "sub_group_size")
+
+
+def _plain_coordinator(zero: dict[str, Any]) -> bool:
+    """Whether a stage 3 table sets the coordinator memplan models (``_PLAIN_KEYS`` 0) with
+    nothing offloaded."""
+    return (all(type(zero.get(k)) is int and zero[k] == 0 for k in _PLAIN_KEYS)
+            and not _offloaded(zero.get("offload_param"))
+            and not _offloaded(zero.get("offload_optimizer")))
+
+
+def _offloaded(value: Any) -> bool:
+    device = value.get("device", "none") if isinstance(value, dict) else value
+    return device not in (None, "none")
+
+
+def _stage3(imp: Imported, zero: dict[str, Any], hidden: int | None) -> None:
+    """ZeRO-3 with the plain coordinator (``memplan.model.deepspeed_zero.zero3_gathers``)."""
+    imp.set("zero_optimization.stage", 3, "zero", 3,
+            "runtime/zero/stage3.py DeepSpeedZeroOptimizer_Stage3: bf16/fp16 weights, gradient "
+            "partition, fp32 partition and states 1/N; the reduce bucket and the gradient "
+            "partition held from the wrap on (_setup_for_real_optimizer)")
+    imp.set("zero_optimization." + "/".join(_PLAIN_KEYS), "0/0/0", "zero3_plain_gathers", True,
+            "partitioned_param_coordinator.py fetch_sub_module / release_sub_module: each "
+            "module's own weights gathered while it runs, forward and backward, released "
+            "after it; none prefetched, kept for reuse or persistent")
+    for key, value in zero.items():
+        name = f"zero_optimization.{key}"
+        if key in ZERO_REFUSED and _on(value):
+            raise imp.refuse(name, value, "not modelled by memplan's DeepSpeed preset")
+        if key in _STAGE3_QUIET:
+            imp.notes.append(f"{name} = {value}: " + (
+                "memplan steps the partition as one sub-group (stage3.py "
+                "_create_fp16_sub_groups; with more the step's peak is lower)"
+                if key == "sub_group_size" else "holds nothing more with nothing prefetched, "
+                "kept or persistent (partitioned_param_coordinator.py)"))
+        elif key == "zero_hpz_partition_size" and value not in (0, 1):
+            raise imp.refuse(name, value, "the secondary partition (ds_secondary_tensor) is "
+                             "not modelled")
+        elif key not in ZERO_QUIET and key not in ZERO_REFUSED and key not in (
+                "stage", "reduce_bucket_size", "contiguous_gradients", "overlap_comm",
+                "allgather_bucket_size", "offload_param", "offload_optimizer",
+                "zero_hpz_partition_size", *_PLAIN_KEYS):
+            raise imp.refuse(name, value, "not modelled by memplan's DeepSpeed preset")
+    if "overlap_comm" in zero:
+        imp.notes.append(f"zero_optimization.overlap_comm = {zero['overlap_comm']}: adds no "
+                         "bucket at stage 3 (stage3.py _setup_for_real_optimizer: one per "
+                         "communication dtype)")
+    _buckets(imp, {k: v for k, v in zero.items() if k != "overlap_comm"}, hidden)
 
 
 def _buckets(imp: Imported, zero: dict[str, Any], hidden: int | None) -> None:

@@ -20,7 +20,8 @@ _NOT_KEYWORDS = {"model": "--model", "fused_qkv": "(fused q/k/v)", "rope_cache":
                  "loss_impl": "(loss)", "softmax_fp32": "(fp32 softmax)",
                  "zero_bucket_numel": "(reduce bucket elements)",
                  "zero_bucket_buffers": "(reduce buckets)",
-                 "forward_prefetch": "(FSDP1 forward prefetch)"}
+                 "forward_prefetch": "(FSDP1 forward prefetch)",
+                 "zero3_plain_gathers": "(ZeRO-3 gathers, each module for its own run)"}
 
 
 def flag(target: str) -> str:

@@ -210,6 +210,32 @@ def zero3_states(partitions: tuple[int, ...], persistent_numel: int, bucket_nume
                        master=numel * 4, states=numel * 8)
 
 
+class Zero3Gathers(NamedTuple):
+    """Weights the parameter coordinator holds gathered (whole) beside the module running,
+    bytes, with no prefetch, no reuse and no persistent parameter."""
+
+    in_layer: int  # the largest module of a decoder layer (forward and backward)
+    head: int  # the output projection, at its forward and backward
+    embedding: int  # the embedding, at its forward and backward
+
+
+def zero3_gathers(tensor_sizes: tuple[int, ...], embedding_tensors: int, head_tensors: int,
+                  weight_bytes: int) -> Zero3Gathers:
+    """``Zero3Gathers`` of a model whose parameters are ``tensor_sizes`` (elements, in
+    registration order: the embedding's ``embedding_tensors`` first, the final norm's and the
+    head's ``head_tensors`` last). ``partitioned_param_coordinator.py fetch_sub_module``
+    gathers a module's own parameters (``parameters(recurse=False)``: each ``nn.Linear``,
+    norm and the embedding apart, one weight each in a Llama) before it runs, forward and
+    backward, and ``release_sub_module`` frees them after it (``stage3_max_reuse_distance``
+    0, ``stage3_prefetch_bucket_size`` 0, ``stage3_param_persistence_threshold`` 0; the
+    coordinator's behaviour on the first step, which records the module trace)."""
+    inner = tensor_sizes[embedding_tensors:len(tensor_sizes) - head_tensors]
+    head = tensor_sizes[-1] if head_tensors else 0
+    embedding = max(tensor_sizes[:embedding_tensors], default=0)
+    return Zero3Gathers(in_layer=max(inner, default=0) * weight_bytes,
+                        head=head * weight_bytes, embedding=embedding * weight_bytes)
+
+
 def zero3_step_bytes(groups: tuple[int, ...], grad_bytes: int, first: bool) -> int:
     """The Adam states and the step's temporaries at the step's peak, bytes (stage3.py
     ``step``, one sub-group at a time): ``_prepare_fp32_grad_for_sub_group`` makes

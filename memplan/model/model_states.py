@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 from memplan.model import step_in_backward
 from memplan.model.adapters import ADAPTER_BYTES
 from memplan.model.deepspeed_zero import (
+    zero3_gathers,
     bucket_bytes,
     first_reduce,
     stage1_reduce_bytes,
@@ -385,10 +386,13 @@ class ShardingBuffers(NamedTuple):
     #                              backward alive (DeepSpeed's ZeRO-1); 0: none
     step_grads_bytes: int = 0  # gradient bytes the optimizer step sees where they are not
     #                            the backward's (ZeRO-1's partition); 0: the same
+    bucket_resident: bool = False  # ``bucket_bytes`` held from the wrap on, forward and step
+    #                                included (DeepSpeed's ZeRO-3), not in the backward_* bytes
 
     @property
     def peak_bytes(self) -> int:
-        return self.gathered_bytes + self.grad_bytes + self.bucket_bytes
+        return self.gathered_bytes + self.grad_bytes + (
+            0 if self.bucket_resident else self.bucket_bytes)
 
     def forward_start(self, steady: bool, grads_bytes: int) -> int:
         """Bytes beside the weights and optimizer states at the forward's start, before any
@@ -446,6 +450,8 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload,
                                kept_gathered=True)
     # torchtitan shards even one rank (models/llama3/parallelize.py parallelize_llama:
     # apply_fsdp_to_decoder always runs), so its gathered copies exist at any degree
+    if wl.zero_bucket_buffers and par.zero >= ZeroStage.OPTIMIZER:  # DeepSpeed's
+        return _preallocated_buckets(params, par, wl, trainable, policy.grad_bytes)
     if par.zero >= ZeroStage.PARAMETERS and (par.dense_shard_degree > 1 or separate_units(wl)):
         # FSDP2 as torchtitan wraps it: each block is a unit, the root holds the embedding,
         # final norm and head. The root is not resharded after forward, so its weights stay
@@ -476,8 +482,6 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload,
                                # at the embedding's backward every block is resharded
                                backward_end_bytes=root_b,
                                forward_start_bytes=start, forward_first_start_bytes=first_start)
-    if wl.zero_bucket_buffers and par.zero in (ZeroStage.OPTIMIZER, ZeroStage.GRADIENTS):
-        return _preallocated_buckets(params, par, wl, trainable, policy.grad_bytes)
     if par.zero == ZeroStage.GRADIENTS and par.dense_shard_degree > 1:
         return ShardingBuffers(0, 0, _reduce_bucket(params, par, trainable, policy.grad_bytes))
     return ShardingBuffers(0, 0, 0)
@@ -492,7 +496,10 @@ def _preallocated_buckets(params: StageParams, par: ParallelConfig, wl: Workload
     backward moment but the loss's (the ``backward_head_prefetch_bytes`` share of the head's
     bytes). The rank's gradient partition is whole from the first bucket reduce on
     (``first_reduce``, the last rank's: the most loaded), not growing with the gradients
-    made. ZeRO-1's: ``_reduce_after_backward``."""
+    made. ZeRO-1's: ``_reduce_after_backward``; ZeRO-3's: ``_coordinator_gathers``."""
+    if par.zero >= ZeroStage.PARAMETERS:
+        return _coordinator_gathers(params, wl, wl.precision.policy.unsharded.itemsize,
+                                    grad_bytes)
     if par.zero == ZeroStage.OPTIMIZER:
         return _reduce_after_backward(params, par, wl, grad_bytes)
     held = bucket_bytes(wl.zero_bucket_numel, wl.zero_bucket_buffers, grad_bytes)
@@ -504,6 +511,22 @@ def _preallocated_buckets(params: StageParams, par: ParallelConfig, wl: Workload
                            backward_last_block_bytes=held, backward_end_bytes=held,
                            backward_head_prefetch_bytes=held, bucket_bytes=held,
                            partition_bytes=partition, partition_from=start)
+
+
+def _coordinator_gathers(params: StageParams, wl: Workload, e: int,
+                         grad_bytes: int) -> ShardingBuffers:
+    """DeepSpeed's ZeRO-3 (``memplan.model.deepspeed_zero.zero3_gathers``): each module's own
+    weights gathered while it runs, forward and backward (none at the loss: the head is
+    released after its forward), the head's from its backward's start (its pre-backward hook,
+    after the loss's backward); the reduce bucket (one, ``overlap_comm`` adds none:
+    stage3.py ``_setup_for_real_optimizer``) and the gradient partition held from the wrap on,
+    the hooks copying each gradient into the bucket."""
+    g = zero3_gathers(params.tensor_sizes, params.embedding_tensors, params.head_tensors, e)
+    held = bucket_bytes(wl.zero_bucket_numel, 1, grad_bytes)
+    return ShardingBuffers(g.in_layer, 0, 0, backward_head_bytes=g.head,
+                           backward_head_prefetch_bytes=g.head, backward_block_bytes=g.in_layer,
+                           backward_last_block_bytes=g.in_layer, backward_end_bytes=g.embedding,
+                           bucket_bytes=held, bucket_resident=True)
 
 
 def _reduce_after_backward(params: StageParams, par: ParallelConfig, wl: Workload,

@@ -141,19 +141,21 @@ def optimizer_step(st: StateBytes, temp: int, buckets: int, buffers: int) -> Seg
 
 
 def flat_partition_step(st: StateBytes, temp: int, upcast: int, buffers: int,
-                        first: bool) -> Segment:
+                        first: bool, kept: bool = False, buckets: int = 0) -> Segment:
     """DeepSpeed's ZeRO-2 step (``memplan.model.deepspeed_zero``) in its order: the gradient
     partition flattened and upcast beside it (``temp``: the flat copy and the fp32 gradient),
     then the partition freed, the optimizer's states made in step 1 (lazily, by the
     optimizer's first step), and the optimizer's update beside the fp32 gradient
-    (``upcast``)."""
+    (``upcast``). ZeRO-3 (``kept``: the gradient partition kept through the step, stage3.py
+    ``grad_partitions_flat_buffer``; ``buckets`` its reduce bucket): nothing freed."""
     states = st.optimizer_bytes - st.master_bytes if first else 0
     return Segment((Event("weights", st.params_bytes, None),
                     Event("gradients", st.grads_bytes, None),
                     Event("optimizer.states", st.optimizer_bytes - states, None),
                     Event("buffers", buffers, None),
+                    Event("data_parallel.buckets", buckets, None),
                     Event("optimizer.flatten", 0, temp),
-                    Event("gradients.freed", -st.grads_bytes, None),
+                    Event("gradients.freed", 0 if kept else -st.grads_bytes, None),
                     Event("optimizer.first_states", states, None),
                     Event("optimizer.step", 0, upcast)))
 
@@ -213,7 +215,8 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
            or (wl.ddp_any_size and par.zero < ZeroStage.GRADIENTS))
     # the gradients the step sees (ZeRO-1 under DeepSpeed: the partition alone)
     at_step = st._replace(grads_bytes=shard.step_grads_bytes) if shard.step_grads_bytes else st
-    buckets = st.grads_bytes if ddp and par.grad_buffers is GradBuffers.COPY else 0
+    buckets = ((st.grads_bytes if ddp and par.grad_buffers is GradBuffers.COPY else 0)
+               + (shard.bucket_bytes if shard.bucket_resident else 0))
     buffers = rope_buffer_bytes(spec, wl, len(stage_layer_indices(
         spec, par.pp, par.vpp, stage, par.stage_layers)))
     return StageStates(
@@ -233,7 +236,7 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
                     and not shard.queued_whole),
         # whole-bucket units: the gradient shard is a buffer made with the wrap
         buckets=buckets, persistent=(ddp and par.grad_buffers is GradBuffers.VIEW
-                                     or shard.queued_whole),
+                                     or shard.queued_whole or shard.bucket_resident),
         buffers=buffers,
         # with LoRA only the adapters have gradients, fp32 (memplan.model.adapters)
         dp=(data_parallel(shard, sum(trainable.adapters), st.grads_bytes,
@@ -247,7 +250,7 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
                             buckets + (shard.gathered_at_loss_bytes
                                        if shard.queued_whole else 0), buffers),
         first_step=(flat_partition_step(at_step, opt_temp, st.num_optimizer_params * FP32_BYTES,
-                                        buffers, True)
+                                        buffers, True, shard.bucket_resident, buckets)
                     if wl.flat_partition and not optimizer_on_host(par) else None),
         # frozen weights make no gradient: only the adapters accumulate, in fp32
         accum_bytes=(sum(trainable.adapters) * ADAPTER_BYTES if trainable.adapters

@@ -59,6 +59,11 @@ def _environment(dp: int, rank: int) -> None:
     os.environ.update(LOCAL_RANK="0", RANK=str(rank), WORLD_SIZE=str(dp))
 
 
+# the ZeRO-3 coordinator memplan models (Workload.zero3_plain_gathers): these settings 0
+_PLAIN_COORDINATOR = ("stage3_prefetch_bucket_size", "stage3_max_reuse_distance",
+                      "stage3_param_persistence_threshold")
+
+
 def _rank(case: FrameworkCase) -> int:
     """The traced rank: the last unless ``options["rank"]`` (stage 1's most loaded is the
     first, whose partition is made at the first reduce after backward)."""
@@ -165,7 +170,9 @@ def build_deepspeed(case: FrameworkCase) -> Built:
                     precision=case.recipe, attention="flash", optimizer_impl="fused",
                     **({"zero_bucket_numel": int(zero["reduce_bucket_size"])}
                        if "reduce_bucket_size" in zero else {}),
-                    **({"zero_bucket_buffers": 2} if zero.get("overlap_comm") else {}))
+                    **({"zero_bucket_buffers": 2} if zero.get("overlap_comm") else {}),
+                    **({"zero3_plain_gathers": True} if stage == 3 and all(
+                        zero.get(k) == 0 for k in _PLAIN_COORDINATOR) else {}))
     offload = "optimizer" if "offload_optimizer" in zero else "none"
     built = Built("deepspeed", model, spec, api.make_layout(case.dp, zero=stage, offload=offload),
                   workload, step, zero_opt.optimizer, context=registered)

@@ -133,10 +133,17 @@ _RESIDENT = 9_468_864
 # forward 11,260,304 B less its whole bf16 weights and fp32 partition, 2 x 4,434,432) with
 # the model's 128 B of buffers: at the loss no weight is gathered
 _FORWARD_REST = 2_391_440
-_REFUSED = ("memplan's deepspeed preset refuses ZeRO-3: the coordinator's per-module gathers "
-            "in backward (traced at the head's backward, 12,551,248 B at step 1 with _PLAIN: "
-            "the resident 9,468,864 and 3,082,384 of activations, buffers, the gathered "
-            "head weight and gradients) are not modelled")
+# What memplan's ZeRO-3 backward lacks, found at the traced peak (step 1 and 2: the last
+# layer's down projection backward, at its gradient hook): the bucket's reduce
+# (stage3.py __avg_scatter_grads -> runtime/comm/coalesced_collectives.py
+# reduce_scatter_coalesced) makes an interleaved flat copy of the gradients in the bucket
+# (torch.cat of their padded partitions; none for one tensor divisible by the ranks): the head's
+# and the final norm's, 256,256 elements = 512,512 B, beside the gathered down projection
+# (458,752 B), its fresh gradient (458,752 B) and the T x f and T x h gradients
+# (114,688 + 32,768 B). memplan's peak stays at the head's backward.
+_REDUCE_COPY = ("the reduce's interleaved flat copy of the bucket (reduce_scatter_coalesced: "
+                "512,512 B at the down projection's hook) is not modelled: step 1's backward "
+                "-146,312 B (-1.17%), the steady one -0.68%")
 
 
 @pytest.mark.parametrize(("sub_group_size", "first", "steady"), [
@@ -169,9 +176,42 @@ def test_zero3_states_and_step_traced(sub_group_size, first: int, steady: int) -
         assert abs(measured - expected) / expected <= 0.0001, (measured, expected)
 
 
-@pytest.mark.xfail(strict=True, raises=MemplanError, reason=_REFUSED)
-def test_zero3_estimate() -> None:
-    api.estimate("llama-7b", gpus=2, zero=3, framework="deepspeed")
+def _zero3_diff() -> dict:
+    case = dict(library="deepspeed", name="llama3", config=TOY, recipe="bf16-mixed",
+                micro_batch_size=1, seq_len=64, dp=2, options=_PLAIN)
+    out = subprocess.run([sys.executable, "-m", "memplan.profile.deepspeed_trace",
+                          json.dumps(case)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])["diff"]
+
+
+def test_zero3_phase_peaks_within_three_percent() -> None:
+    """memplan's estimate of ZeRO-3 with the plain coordinator (zero3_plain_gathers: each
+    module's own weights gathered for its run, memplan.model.deepspeed_zero.zero3_gathers)
+    against the trace of _PLAIN on the last of 2 fake ranks. Measured: forward -136 B
+    (-0.001%), optimizer -664 B (-0.003%), step 1's backward -146,312 B (-1.17%), the steady
+    backward -146,316 B (-0.68%): the reduce's flat copy (_REDUCE_COPY). Parameters and
+    optimizer states to the byte; the bucket (600,000 B) is counted as a bucket, which the
+    trace files under gradients."""
+    diff = _zero3_diff()
+    assert diff["params_bytes"]["bytes"] == 0
+    assert abs(diff["optimizer_bytes"]["bytes"]) <= 4  # the fused AdamW's step count
+    assert diff["grads_bytes"]["bytes"] == -600_000
+    for step in ("first_step", "steady"):
+        for phase in ("forward", "optimizer"):
+            assert abs(diff[f"{step}.{phase}_bytes"]["pct"]) <= 0.01, (step, phase, diff)
+        assert -3.0 <= diff[f"{step}.backward_bytes"]["pct"] < 0, (step, diff)
+
+
+@pytest.mark.xfail(strict=True, reason=_REDUCE_COPY)
+def test_zero3_backward_within_one_percent() -> None:
+    assert abs(_zero3_diff()["first_step.backward_bytes"]["pct"]) <= 1.0
+
+
+def test_zero3_prefetch_still_refused() -> None:
+    """The coordinator's default prefetch, reuse and persistence are not modelled."""
+    with pytest.raises(MemplanError, match="prefetch, reuse or persistence"):
+        api.estimate("llama-7b", gpus=2, zero=3, framework="deepspeed")
 
 
 # --- ZeRO stage 1 ------------------------------------------------------------------------------

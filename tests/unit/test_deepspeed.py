@@ -26,6 +26,7 @@ from memplan.model.deepspeed_zero import (
     stage1_reduce_bytes,
     sub_groups,
     weight_grads_at,
+    zero3_gathers,
     zero3_states,
     zero3_step_bytes,
 )
@@ -205,6 +206,32 @@ def test_zero3_step_by_hand() -> None:
     assert zero3_step_bytes((1_108_608,), 2, first=False) == 15_520_512
     assert zero3_step_bytes((553_984, 554_624), 2, first=True) == 11_087_360
     assert zero3_step_bytes((553_984, 554_624), 2, first=False) == 12_196_608
+
+
+def test_zero3_gathers_by_hand() -> None:
+    """The toy Llama (hidden 256, MLP 896, 8 heads of 32 with 2 key/value heads, vocabulary
+    1000, 2 layers), bf16, each module gathered for its own run: in a layer the largest
+    module is an MLP projection, 256 x 896 = 229,376 elements (q 65,536, k and v 16,384)
+    = 458,752 B; the head 1000 x 256 = 256,000 elements = 512,000 B, the embedding the
+    same. Registration order: embedding; per layer q, k, v, o, gate, up, down, two norms;
+    final norm, head."""
+    layer = (65_536, 16_384, 16_384, 65_536, 229_376, 229_376, 229_376, 256, 256)
+    sizes = (256_000, *layer, *layer, 256, 256_000)
+    assert tuple(zero3_gathers(sizes, 1, 2, 2)) == (458_752, 512_000, 512_000)
+    # no head on the stage: nothing gathered for it
+    assert zero3_gathers((256_000, *layer), 1, 0, 2).head == 0
+
+
+def test_zero3_plain_gathers_lift_the_refusal() -> None:
+    """--zero 3 under the deepspeed preset is refused by name unless the coordinator gathers
+    each module for its own run only (zero3_plain_gathers), the one modelled."""
+    with pytest.raises(MemplanError, match="prefetch, reuse or persistence"):
+        api.estimate("llama-2-7b", gpus=8, zero=3, framework="deepspeed")
+    est = api.estimate("llama-2-7b", gpus=8, zero=3, framework="deepspeed",
+                       zero3_plain_gathers=True)
+    # Llama-2-7B's states on 8 ranks: the bf16 partition and the kept gradient partition
+    # 2 x 2P/8, the fp32 partition and Adam 12P/8 (P / 8 = 842,301,952)
+    assert est.worst.params_bytes == 2 * 842_301_952
 
 
 def test_zero3_states_against_deepspeeds_estimator() -> None:
@@ -410,3 +437,27 @@ def test_stage1_config_reads_and_overlap_is_refused(tmp_path: Path) -> None:
     imp = deepspeed_config.read(path, 8, "llama-7b")
     with pytest.raises(MemplanError, match="--zero 1 with overlap_comm"):
         api.estimate("llama-7b", gpus=8, **imp.inputs)
+
+
+def test_zero3_plain_config_read_and_estimated() -> None:
+    """The ZeRO-3 example with the coordinator memplan models (tests/data/deepspeed/README.md):
+    stage 3 with zero3_plain_gathers, reduce_bucket_size "auto" = hidden^2 = 4096^2 =
+    16,777,216 elements in one bucket (overlap_comm true adds none at stage 3); the estimate
+    holds Llama-2-7B's bf16 partition, 2P/8 = 2 x 842,301,952 B (P = 6,738,415,616)."""
+    imp = deepspeed_config.read(DATA / "ds_config_zero3_plain.json", 8, "llama-2-7b")
+    assert imp.inputs["zero"] == 3 and imp.inputs["zero3_plain_gathers"] is True
+    assert imp.inputs["zero_bucket_numel"] == 16_777_216
+    assert imp.inputs["zero_bucket_buffers"] == 1
+    code = main(["estimate", "-m", "llama-2-7b", "--gpus", "8", "--deepspeed-config",
+                 str(DATA / "ds_config_zero3_plain.json"), "--json"])
+    assert code == 0
+
+
+def test_zero3_with_prefetch_refused_by_name() -> None:
+    """A stage 3 table leaving the coordinator's prefetch at its default is refused, saying
+    which settings are modelled."""
+    data = json.loads((DATA / "ds_config_zero3_plain.json").read_text())
+    del data["zero_optimization"]["stage3_prefetch_bucket_size"]
+    with pytest.raises(MemplanError, match="stage3_prefetch_bucket_size 0"):
+        deepspeed_config._zero(deepspeed_config.Imported(source="x", model=None),
+                               data["zero_optimization"], 4096)
