@@ -200,9 +200,8 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
                  params: StageParams, stage: int) -> StageStates:
     """``params``: the stage's ``stage_params`` (cached apart, per layout)."""
     first, last = stage == 0, stage == par.pp - 1
-    trainable = lora_policy(spec, wl, stage_layer_indices(spec, par.pp, par.vpp, stage,
-                                                          par.stage_layers),
-                            par.tp, wl.precision.policy.param_bytes)
+    layers = stage_layer_indices(spec, par.pp, par.vpp, stage, par.stage_layers)
+    trainable = lora_policy(spec, wl, layers, par.tp, wl.precision.policy.param_bytes)
     st, opt_temp = _states(params, par, wl, trainable)
     shard = (fsdp1_buffers(params, par, wl) if flat_units(spec, par, wl)
              else sharding_buffers(params, par, wl, trainable))
@@ -217,8 +216,7 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
     at_step = st._replace(grads_bytes=shard.step_grads_bytes) if shard.step_grads_bytes else st
     buckets = ((st.grads_bytes if ddp and par.grad_buffers is GradBuffers.COPY else 0)
                + (shard.bucket_bytes if shard.bucket_resident else 0))
-    buffers = rope_buffer_bytes(spec, wl, len(stage_layer_indices(
-        spec, par.pp, par.vpp, stage, par.stage_layers)))
+    buffers = rope_buffer_bytes(spec, wl, len(layers))
     return StageStates(
         first=first, last=last, params=params, states=st,
         # kept unsharded under PP (``ShardingBuffers.kept_gathered``): the walk's gradients
