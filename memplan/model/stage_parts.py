@@ -200,7 +200,7 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
     first, last = stage == 0, stage == par.pp - 1
     trainable = lora_policy(spec, wl, stage_layer_indices(spec, par.pp, par.vpp, stage,
                                                           par.stage_layers),
-                            par.tp, wl.precision.policy.param_bytes)
+                            par.tp, wl.precision.policy.param_bytes, last)
     st, opt_temp = _states(params, par, wl, trainable)
     shard = (fsdp1_buffers(params, par, wl) if flat_units(spec, par, wl)
              else sharding_buffers(params, par, wl, trainable))
