@@ -587,7 +587,8 @@ class Workload(BaseModel):
     # fine-tuning: LoRA adapters on frozen base weights (memplan.model.adapters)
     lora_rank: int = Field(default=0, ge=0, le=MAX_LORA_RANK, description="0: no adapters")
     lora_targets: tuple[str, ...] | None = Field(default=None, description=(
-        "projections q,k,v,o,gate,up,down or all-linear; None: peft's default per family"))
+        "projections q,k,v,o,gate,up,down, output (lm_head: the untied head) or all-linear; "
+        "None: peft's default per family"))
     lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     base_quant: BaseQuant = BaseQuant.NONE
 
