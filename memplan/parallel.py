@@ -596,6 +596,8 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
                           f"optimizer {wl.optimizer.value} with lora_rank {wl.lora_rank}: its "
                           "states follow each matrix's rows and columns, which memplan does "
                           "not track for the adapters (use adamw, sgd or the 8-bit ones)")
+    if wl.lora_rank and set(wl.lora_targets or ()) & {"output", "lm_head"}:
+        _validate_head_adapter(spec, wl)
     if (err := offload_rule(spec, par, wl)) is not None:
         raise err
     if wl.compile and (err := compile_rule(spec, wl)) is not None:
@@ -842,3 +844,18 @@ def _require_divides(name: str, value: int, target_name: str, target: int) -> No
 def _divides_error(name: str, value: int, target_name: str, target: int) -> LayoutError:
     return LayoutError(f"{name} must divide {target_name}",
                        f"{name} ({value}) must divide {target_name} ({target})")
+
+
+def _validate_head_adapter(spec: ModelSpec, wl: Workload) -> None:
+    """LoRA on the output projection (``--lora-targets output``) is modelled on an untied
+    head over an unquantized base: a tied head's adapter would sit on the embedding's shared
+    weight, and what torchtune's ``quantize_base`` output projection dequantizes is not
+    modelled."""
+    if spec.tied_embeddings:
+        raise LayoutError("lora target output needs an untied head",
+                          f"lora_targets output on {spec.name}: its head is tied to the "
+                          "embedding, which memplan does not model an adapter on")
+    if wl.base_quant.value != "none":
+        raise LayoutError("lora target output does not combine with base_quant",
+                          f"lora_targets output with base_quant {wl.base_quant.value}: a "
+                          "quantized output projection is not modelled")

@@ -472,6 +472,8 @@ class BaseQuant(PlainEnum):
 
 LORA_PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")  # --lora-targets' names
 ALL_LINEAR = "all-linear"  # peft's target_modules="all-linear": every projection but the head
+# the output projection: torchtune's apply_lora_to_output (output_proj), peft's "lm_head"
+LORA_HEAD = ("output", "lm_head")
 
 
 class Workload(BaseModel):
@@ -591,7 +593,8 @@ class Workload(BaseModel):
     # fine-tuning: LoRA adapters on frozen base weights (memplan.model.adapters)
     lora_rank: int = Field(default=0, ge=0, le=MAX_LORA_RANK, description="0: no adapters")
     lora_targets: tuple[str, ...] | None = Field(default=None, description=(
-        "projections q,k,v,o,gate,up,down or all-linear; None: peft's default per family"))
+        "projections q,k,v,o,gate,up,down, output (lm_head: the untied head) or all-linear; "
+        "None: peft's default per family"))
     lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     base_quant: BaseQuant = BaseQuant.NONE
 
@@ -601,9 +604,10 @@ class Workload(BaseModel):
         if isinstance(value, str):
             value = tuple(v.strip() for v in value.split(",") if v.strip())
         if isinstance(value, (tuple, list)):
-            if not value or any(v not in (*LORA_PROJECTIONS, ALL_LINEAR) for v in value):
-                raise ValueError(f"must name projections of {','.join(LORA_PROJECTIONS)} or "
-                                 f"{ALL_LINEAR}")
+            names = (*LORA_PROJECTIONS, *LORA_HEAD, ALL_LINEAR)
+            if not value or any(v not in names for v in value):
+                raise ValueError(f"must name projections of "
+                                 f"{','.join((*LORA_PROJECTIONS, *LORA_HEAD))} or {ALL_LINEAR}")
         return value
 
     @model_validator(mode="after")

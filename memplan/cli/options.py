@@ -217,8 +217,9 @@ LoraRank = Annotated[int, typer.Option(
     "fp32 adapters, the only parameters with gradients and optimizer states).",
     rich_help_panel=_FINETUNE)]
 LoraTargets = Annotated[Optional[str], typer.Option(
-    "--lora-targets", help="Projections to adapt, comma-separated: q,k,v,o,gate,up,down, or "
-    "all-linear (default: peft's for the family: q,v, or a fused qkv).",
+    "--lora-targets", help="Projections to adapt, comma-separated: q,k,v,o,gate,up,down, "
+    "output (the untied head; lm_head: the same), or all-linear (every one but the head) "
+    "(default: peft's for the family: q,v, or a fused qkv).",
     rich_help_panel=_FINETUNE)]
 LoraDropout = Annotated[float, typer.Option(
     "--lora-dropout", help="Dropout on the adapters' input (a mask and a copy saved per "

@@ -58,12 +58,13 @@ from __future__ import annotations
 from typing import NamedTuple, Protocol
 
 from memplan.units import FP32_BYTES, DType, ceil_div
-from memplan.workload import ALL_LINEAR, BaseQuant, Workload
+from memplan.workload import ALL_LINEAR, LORA_HEAD, BaseQuant, Workload
 
 # (the projections a fused one stands for: --lora-targets names the parts)
 PARTS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 DEFAULT_TARGETS = ("q", "v")  # peft's mapping for llama, mistral, qwen2, ... (module doc)
 ADAPTED_NAMES = ("q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up")
+HEAD = "head"  # memplan's name of the output projection (memplan.model.head.head_linear)
 ADAPTER_BYTES = FP32_BYTES  # autocast_adapter_dtype=True: fp32 adapters (module docstring)
 
 # bitsandbytes 4-bit (functional.py quantize_4bit, blocksize 64 as Params4bit's default and
@@ -126,8 +127,10 @@ def adapters_of(wl: Workload, fused_qkv: bool = False) -> Adapters | None:
         return None
     names = wl.lora_targets or (("qkv",) if fused_qkv else DEFAULT_TARGETS)
     if ALL_LINEAR in names:  # peft's "all-linear": every nn.Linear but the output layer
-        names = ADAPTED_NAMES
-    targets = set(names)
+        names = (*ADAPTED_NAMES, *(n for n in names if n in LORA_HEAD))
+    # the output projection (memplan.model.head.head_linear, named "head"): torchtune's
+    # apply_lora_to_output, peft's target "lm_head"
+    targets = {HEAD if n in LORA_HEAD else n for n in names}
     targets |= {fused for fused, parts in PARTS.items() if targets & set(parts)}
     return Adapters(wl.lora_rank, frozenset(targets), wl.lora_dropout, wl.base_quant)
 

@@ -54,8 +54,59 @@ def head_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
         # BackProp saves the summed input gradient, ``.to(hidden_states.dtype)``: its bytes
         final_norm = [Term("loss.input_grad", t.size_bytes) if t.name == "final_norm.output"
                       else t for t in final_norm]
-    return [*final_norm, *casts, *softcap_terms(spec, wl, dm), *loss, *batch_terms(wl, dm),
-            *(mtp * wl.mtp_layers)]
+    return [*final_norm, *casts, *lora_terms(spec, dm), *softcap_terms(spec, wl, dm), *loss,
+            *batch_terms(wl, dm), *(mtp * wl.mtp_layers)]
+
+
+def head_adapted(spec: ModelSpec, dm: Dims) -> bool:
+    """Whether the output projection carries a LoRA adapter (``--lora-targets output``)."""
+    return dm.adapters is not None and dm.adapters.adapts(head_linear(spec, dm.tp))
+
+
+def lora_terms(spec: ModelSpec, dm: Dims) -> list[Term]:
+    """What the output projection's adapter saves (``linear.adapter_terms``: ``lora_A``'s
+    input unless it is the final norm's output itself, the rank-r intermediate); none when
+    not adapted. peft's ``Linear.forward`` (``peft/tuners/lora/layer.py``) on ``lm_head``,
+    torchtune's ``LoRALinear.forward`` on ``output_proj`` (``apply_lora_to_output``)."""
+    if not head_adapted(spec, dm):
+        return []
+    return lin.adapter_terms("head", [head_linear(spec, dm.tp)], dm)
+
+
+def lora_forward_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    """At an adapted head's ``result + lora_B(lora_A(x)) * scaling``, beyond the head's saved
+    terms: the model's final hidden state (unless saved), the base logits in the compute
+    dtype and the adapter's two logits-sized tensors (``linear.adapter_forward_bytes``:
+    ``lora_B``'s output and its scaled copy, then the promoted sum beside the scaled copy).
+    With dropout, peft's ``x = self._cast_input_dtype(x, lora_A.weight.dtype)`` keeps the fp32
+    cast of a lower-precision input alive as a local beside the saved dropout output (traced:
+    tests/traced/test_finetune.py). 0 when not adapted."""
+    if not head_adapted(spec, dm):
+        return 0
+    head = head_linear(spec, dm.tp)
+    rows = dm.linear_rows * spec.hidden_size
+    hidden = 0 if norm.output_kept("final_norm", dm) else rows * dm.stream_e
+    cast = (rows * lin.ADAPTER_BYTES if dm.adapters.dropout > 0
+            and dm.stream_e < lin.ADAPTER_BYTES else 0)
+    return (hidden + cast + dm.tokens * dm.vocab_shard * dm.e
+            + lin.adapter_forward_bytes(head, dm))
+
+
+def lora_backward_bytes(spec: ModelSpec, dm: Dims) -> int:
+    """At an adapted head's backward, beyond the final norm's saved terms: its adapter's saved
+    terms (released with the loss's, alive until the adapter's backward) and the larger of
+    the adapter's backward (run first: made later in forward), at ``* scaling``'s backward:
+    the base's compute-dtype share of the logits' gradient, the promoted sum's gradient in the
+    adapters' dtype (``.to``'s backward) and its scaled copy; and the base's, its input
+    gradient beside the adapter's (waiting to be summed). 0 when not adapted."""
+    if not head_adapted(spec, dm):
+        return 0
+    low = lin.ADAPTER_BYTES if not dm.autocast else dm.e
+    logits = dm.tokens * dm.vocab_shard
+    grad_in = dm.rows * spec.hidden_size * dm.e
+    adapter = logits * (dm.e + 2 * low)
+    base = logits * dm.e + 2 * grad_in
+    return total(lora_terms(spec, dm)) + max(adapter, base)
 
 
 def in_loss(wl: Workload) -> bool:
@@ -337,6 +388,7 @@ class HeadBlock(NamedTuple):
     forward_saved: int = 0  # the final norm's and the loss's saved terms but the targets
     final_norm_forward: int = 0  # the final norm's forward: its saved terms and transient
     loss_forward: int = 0  # the loss's forward, beyond what is saved
+    lora_forward: int = 0  # an adapted head's adapter sum (``lora_forward_bytes``), all in
     upcast: int = 0  # the final norm's saved terms and new logits beside held ones
     #                  (``upcast_bytes``)
     saved_bytes: int = 0  # the final norm's and the loss's saved terms (batch excluded)
@@ -380,11 +432,13 @@ class HeadBlock(NamedTuple):
         final = norm.final_saved_bytes(spec, wl, dm)
         # a loss that runs its backward in the call counts its own (``loss_in_call``)
         extra = forward_extra_bytes(spec, wl, dm) if loss_extra is None else loss_extra
-        final_norm, loss_fwd = block._forward_moments(spec, wl, dm, saved, final, extra)
+        final_norm, *lora, loss_fwd = block._forward_moments(spec, wl, dm, saved, final,
+                                                             extra)
         loss, linear, final_norm_bwd = block._backward_moments(spec, wl, dm, saved, final)
         batch = batch_terms(wl, dm)
         return cls(forward_saved=saved - batch[0].size_bytes,
                    final_norm_forward=final_norm.own_bytes + final_norm.transient_bytes,
+                   lora_forward=sum(m.own_bytes + m.transient_bytes for m in lora),
                    loss_forward=loss_fwd.transient_bytes, upcast=upcast_bytes(spec, wl, dm),
                    saved_bytes=saved - total(batch), loss=loss.transient_bytes,
                    linear=linear.transient_bytes, final_norm_saved=final_norm_bwd.own_bytes,
@@ -431,8 +485,10 @@ class HeadBlock(NamedTuple):
                          final: tuple[int, int], loss_extra: int) -> list[Moment]:
         """``forward_moments`` from the head's saved bytes, ``norm.final_saved_bytes`` and the
         loss's bytes beyond what is saved."""
+        lora = ([Moment("head_lora", final[0] + total(lora_terms(spec, dm)),
+                        lora_forward_bytes(spec, wl, dm))] if head_adapted(spec, dm) else [])
         return [Moment("final_norm", final[0], norm.final_forward_transient(spec, wl, dm)),
-                Moment("loss", saved, loss_extra)]
+                *lora, Moment("loss", saved, loss_extra)]
 
     def working_set(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
         """None: the head is never inside a checkpointed layer (its chunked loss's reruns are
@@ -455,9 +511,12 @@ class HeadBlock(NamedTuple):
         fresh = head_weight(spec, dm)  # elements of the weight whose gradient is made
         grad = fresh * dm.e
         final_norm, norm_at_backward = final
+        # an adapted head's base weight is frozen: no gradient; its adapter's backward and the
+        # base's input gradient (``lora_backward_bytes``)
+        head_bwd = (lora_backward_bytes(spec, dm) if head_adapted(spec, dm)
+                    else linear_backward_bytes(spec, wl, dm, grad))
         return [BackwardMoment("loss", saved, loss_backward_bytes(spec, wl, dm, grad)),
-                BackwardMoment("head", final_norm, linear_backward_bytes(spec, wl, dm, grad),
-                               ("head",), fresh),
+                BackwardMoment("head", final_norm, head_bwd, ("head",), fresh),
                 BackwardMoment("final_norm", norm_at_backward,
                                norm.final_backward_bytes(spec, wl, dm), ("head", "final_norm"))]
 
@@ -496,6 +555,8 @@ class HeadBlock(NamedTuple):
         the loss's logits (``held_logits``)."""
         released = Event("loop.logits_released", -self.previous_logits(steady), None)
         return Segment((Event("final_norm.forward", 0, self.final_norm_forward + at),
+                        *((Event("head.lora_forward", 0, self.lora_forward + at),)
+                          if self.lora_forward else ()),
                         Event("loss.upcast", 0, self.upcast + at),
                         *(() if self.held_past_loss else (released,)),
                         Event("loss.forward", 0, self.forward_saved + self.loss_forward + at),

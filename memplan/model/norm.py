@@ -97,16 +97,17 @@ def _norm_terms(prefix: str, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Te
 
 
 # the projections that read each norm's output (memplan.model.linear's names)
-READERS = {"attn_norm": ("q", "k", "v", "qkv"), "mlp_norm": ("gate", "up", "gate_up")}
+READERS = {"attn_norm": ("q", "k", "v", "qkv"), "mlp_norm": ("gate", "up", "gate_up"),
+           "final_norm": ("head",)}
 
 
 def output_kept(prefix: str, dm: Dims) -> bool:
     """Whether the linears after the norm save its output: their weights train, or an
-    adapter of one of them saves the tensor itself (``memplan.model.linear.shares_input``);
-    the head is never adapted."""
+    adapter of one of them saves the tensor itself (``memplan.model.linear.shares_input``;
+    the final norm's reader is the head, adapted under ``--lora-targets output``)."""
     if dm.adapters is None:
         return True
-    if prefix in READERS and dm.adapters.quant is BaseQuant.INT8:  # (linear.keeps_input)
+    if prefix in READERS and prefix != "final_norm" and dm.adapters.quant is BaseQuant.INT8:  # (linear.keeps_input)
         return True
     return shares_input(dm) and bool(set(READERS.get(prefix, ())) & dm.adapters.targets)
 

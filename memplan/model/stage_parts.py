@@ -201,7 +201,7 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
     """``params``: the stage's ``stage_params`` (cached apart, per layout)."""
     first, last = stage == 0, stage == par.pp - 1
     layers = stage_layer_indices(spec, par.pp, par.vpp, stage, par.stage_layers)
-    trainable = lora_policy(spec, wl, layers, par.tp, wl.precision.policy.param_bytes)
+    trainable = lora_policy(spec, wl, layers, par.tp, wl.precision.policy.param_bytes, last)
     st, opt_temp = _states(params, par, wl, trainable)
     shard = (fsdp1_buffers(params, par, wl) if flat_units(spec, par, wl)
              else sharding_buffers(params, par, wl, trainable))

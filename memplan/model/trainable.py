@@ -108,10 +108,12 @@ ALL = TrainablePolicy()
 
 
 def lora_policy(spec: ModelSpec, wl: Workload, layers: Sequence[int], t: int,
-                param_bytes: int) -> TrainablePolicy:
+                param_bytes: int, last: bool = False) -> TrainablePolicy:
     """The trainable policy of a stage holding ``layers`` under LoRA (``ALL`` without): the
-    adapters of each layer's adapted projections on one TP rank, and what storing the base
-    linears quantized saves against ``param_bytes`` per weight element."""
+    adapters of each layer's adapted projections on one TP rank (and, on the ``last`` stage,
+    the output projection's, registered after the layers': ``--lora-targets output``), and
+    what storing the base linears quantized saves against ``param_bytes`` per weight
+    element."""
     from memplan.model.adapters import (adapters_of, base_weight_bytes, quant_data_bytes,
                                         torchao_quantize_bytes)
     from memplan.model.layer import layer_linears
@@ -141,6 +143,9 @@ def lora_policy(spec: ModelSpec, wl: Workload, layers: Sequence[int], t: int,
                 state += stored - quant_data_bytes(ad.quant, d_in, d_out)
                 largest = max(largest, d_in * d_out)
         per_layer.append((sum(own), quantized, data))
+    if last and not spec.tied_embeddings:
+        from memplan.model.head import head_linear
+        sizes += adapter_sizes([head_linear(spec, t)], ad, t)
     return TrainablePolicy(adapters=tuple(sizes), stored_less_bytes=less,
                            layer_adapters=tuple(a for a, _, _ in per_layer),
                            layer_quantized=tuple(q for _, q, _ in per_layer),

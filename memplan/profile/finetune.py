@@ -45,7 +45,7 @@ from memplan import api
 from memplan.profile.frameworks import BUILDERS, HELD, Built, FrameworkCase, Mark, build_hf
 
 LORA_NAMES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj",
-              "up": "up_proj", "down": "down_proj"}
+              "up": "up_proj", "down": "down_proj", "output": "lm_head", "lm_head": "lm_head"}
 
 
 def _quantize(model: torch.nn.Module, quant: str,

@@ -72,6 +72,18 @@ CASES = [
          base_quant="int8"),
     case(hf("Meta-Llama-3-8B", **LLAMA_WIDE), "llama-wide-mlp", "bf16-pure", lora_rank=8,
          lora_targets="all-linear"),
+    # LoRA on the output projection (peft's "lm_head", --lora-targets output): the frozen
+    # base head saves no input, lora_A its fp32 cast; the adapter's fp32 logits-sized sum in
+    # forward and its fp32 gradient and scaled copy in backward; a larger vocabulary makes
+    # them the peaks
+    case(LLAMA, "llama3-toy", "bf16-pure", lora_rank=8, lora_targets="q,v,output"),
+    case(hf("Meta-Llama-3-8B", **dict(LLAMA3_TOY, vocab_size=8000)), "llama3-toy-v8000",
+         "bf16-pure", lora_rank=8, lora_targets="q,v,output"),
+    # fp32 base: lora_A saves the final norm's output itself
+    case(LLAMA, "llama3-toy", "fp32", lora_rank=8, lora_targets="q,v,lm_head"),
+    # dropout: the mask and fp32 dropout output saved, the fp32 cast alive in forward
+    case(LLAMA, "llama3-toy", "bf16-pure", lora_rank=8,
+         lora_targets="q,k,v,o,gate,up,down,output", lora_dropout=0.1),
     # GPT-2: the one fused c_attn adapted (peft's default), Conv1D weights, LayerNorm
     case(GPT2, "gpt2-toy", "bf16-pure", lora_rank=8),
     case(GPT2, "gpt2-toy", "fp32", lora_rank=8, lora_dropout=0.05),

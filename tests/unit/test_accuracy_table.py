@@ -446,10 +446,12 @@ FINETUNE_MIN_EXPRESSED = 8
 # discards compile_loss's wrapper, so the loss runs eagerly): 14 runs, median 13.44.
 # logits_held output (the loop keeps the model's output, its bf16 logits and key/value cache,
 # to the next model call: peft's method_comparison run.py) made its four MetaMathQA runs
-# expressible (-0.3/-0.9/+1.9/-4.5% -> +3.4/+2.8/+5.3/-2.3%): 18 runs, median 8.14. A known
+# expressible (-0.3/-0.9/+1.9/-4.5% -> +3.4/+2.8/+5.3/-2.3%): 18 runs, median 8.14. LoRA on
+# the output projection (--lora-targets output) made torchtune's two all-layers runs
+# expressible (-4.7/+2.8% as the closest run -> -4.6/+3.1%): 20 runs, median 4.92. A known
 # deviation: the test fails when the median moves by more than 0.05 percentage points (update
 # it with the cause), and passes once it is at the target.
-FINETUNE_MEDIAN_KNOWN_PCT = 8.14
+FINETUNE_MEDIAN_KNOWN_PCT = 4.92
 
 
 def test_finetune_median_error_target(table, finetune_runs):
@@ -485,6 +487,8 @@ FINETUNE_CEILING_PCT = {
         26.5,  # +25.30%
     "torchtune/llama3.2-3b/readme-optimization-flags-full-optimizer-in-backward": 36.5,  # +35.07%
     "torchtune/llama2-7b/readme-full-low-memory-1x4090": 5.0,  # +3.77%
+    "torchtune/llama2-7b/lora-single-device-all-layers-r8": 6.0,  # -4.57%
+    "torchtune/llama2-7b/lora-single-device-all-layers-r64": 4.5,  # +3.06%
 }
 
 
