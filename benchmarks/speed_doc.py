@@ -7,8 +7,8 @@ Not a test: run it by hand on an idle machine, from the repository root::
 
 The prose of the doc is written by hand around the tables this script writes between
 ``<!-- table:NAME -->`` and ``<!-- end -->`` markers (wall times vary from run to run, so
-there is no ``--check``). What it measures, each in fresh interpreters where a start is part
-of the figure:
+there is no ``--check``). memplan's bytecode is compiled first, as an installed package has it.
+What it measures, each in fresh interpreters where a start is part of the figure:
 
 - ``cold``: the command ``memplan estimate --model llama-7b --gpus 64`` (table and ``--json``)
   against the bare import of its third-party dependencies (``import pydantic, typer, rich``),
@@ -27,6 +27,7 @@ of the figure:
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import re
 import statistics
@@ -157,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--print", action="store_true", help="print the tables, write nothing")
     args = parser.parse_args(argv)
+    # bytecode cached, as an installed package has it (with PYTHONDONTWRITEBYTECODE set every
+    # cold command would otherwise compile memplan's sources first)
+    compileall.compile_dir(str(ROOT / "memplan"), quiet=1)
     info = machine_info()
     tables = {
         "machine": [f"{info['python']} on {info['cpu']} ({info['cpus_usable']} usable of "
