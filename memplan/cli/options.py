@@ -33,6 +33,7 @@ from memplan.workload import (
     Float8Recipe,
     Framework,
     GradSync,
+    LogitsHeld,
     LossImpl,
     NormImpl,
     Optimizer,
@@ -207,6 +208,12 @@ LossImplOpt = Annotated[Optional[LossImpl], typer.Option(
     "--loss-impl", help="The cross-entropy implementation (default: the framework's); "
     "torchtune-chunked: torchtune's chunked output and CEWithChunkedOutputLoss on "
     "--loss-chunks chunks, none checkpointed.", rich_help_panel=_KERNELS)]
+LogitsHeldOpt = Annotated[Optional[LogitsHeld], typer.Option(
+    "--logits-held", help="Who keeps the logits beyond what autograd saves (default: the "
+    "framework's): none; loss (the model's output until backward, transformers); step (the "
+    "fp32 logits the loss read, through backward and the step, litgpt); output (the model's "
+    "output and its KV cache through backward and the step, peft's run.py).",
+    rich_help_panel=_KERNELS)]
 MtpLayers = Annotated[int, typer.Option(
     "--mtp-layers", help="Multi-token prediction depths on the last pipeline stage "
     "(Megatron-LM's --mtp-num-layers): per depth a layer, norms, a 2h -> h projection and "
@@ -355,6 +362,7 @@ SHARED: dict[str, Shared] = {
     "lora_dropout": Shared(LoraDropout, 0.0),
     "base_quant": Shared(BaseQuantOpt, BaseQuant.NONE, _value),
     "loss_impl": Shared(LossImplOpt, None),
+    "logits_held": Shared(LogitsHeldOpt, None, _value),
     "schedule": Shared(ScheduleOpt, Schedule.ONE_F_ONE_B, resolve=False),
     "calibration": Shared(Calibration, None, resolve=False),
 }
@@ -367,11 +375,11 @@ WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "recompute_eve
             "loss_chunks", "framework", "keep_grads", "use_cache", "grad_sync", "compile",
             "float8", "optimizer_in_backward",
             "fsdp_version", "fsdp_backward_prefetch", "fsdp_use_orig_params",
-            "fsdp_reshard_after_forward", "mtp_layers", "loss_impl",
+            "fsdp_reshard_after_forward", "mtp_layers", "loss_impl", "logits_held",
             "lora_rank", "lora_targets", "lora_dropout", "base_quant")
 # what a framework's own loop decides, beyond memplan's reference model (which trace and
 # profile run)
-FRAMEWORK_ONLY = ("framework", "keep_grads", "use_cache", "loss_impl",
+FRAMEWORK_ONLY = ("framework", "keep_grads", "use_cache", "loss_impl", "logits_held",
                   "compile", "float8")  # the reference model runs eagerly, plain linears
 # everything ``memplan estimate`` takes: diagnose takes the same configuration
 ESTIMATE = ("model", "gpus", "gpu", "gpu_memory", *LAYOUT, *WORKLOAD, "schedule", "calibration")

@@ -731,3 +731,17 @@ def test_help_shows_no_type_noise(command: str | None, capsys: pytest.CaptureFix
     assert "<bool>" not in out and "<str>" not in out, out
     if command == "plan":  # numbers and choices keep theirs
         assert "<int" in out and "<none|selective|full>" in out
+
+
+def test_logits_held_option_is_the_api_setting() -> None:
+    """``--logits-held output`` (peft's run.py keeping the model's output) gives the bytes the
+    API's ``logits_held="output"`` gives, and more than the hf preset's default (``loss``: the
+    output dropped before backward), which keeps nothing through the step."""
+    import memplan
+
+    args = ["estimate", "-m", "llama-3.2-3b", "--gpus", "1", "--framework", "hf", "--json"]
+    held = json.loads(CliRunner().invoke(app, [*args, "--logits-held", "output"]).stdout)
+    default = json.loads(CliRunner().invoke(app, args).stdout)
+    api = memplan.estimate("llama-3.2-3b", gpus=1, framework="hf", logits_held="output")
+    assert held["stages"][0]["peak_bytes"] == api.peak_bytes
+    assert held["stages"][0]["peak_bytes"] > default["stages"][0]["peak_bytes"]
