@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,9 +35,12 @@ def test_a_fresh_cpu_trace(tmp_path) -> None:
     """Step 1's optimizer step leaves AdamW's states (2 x 2,102,272 B) and four 4 B step
     counts behind; step 2's nothing; the forward of step 1 peaks at two 64 x 1024 fp32
     activations (524,288 B)."""
-    make = _load(ROOT / "tests" / "data" / "memory" / "make_profiler_trace.py", "make_trace")
     out = tmp_path / "fresh.pt.trace.json.gz"
-    make.main(out)
+    # in a fresh interpreter: the CPU profiler records every allocation of the process, and
+    # threads other tests leave behind (event writers, process groups) allocate too
+    subprocess.run([sys.executable, str(ROOT / "tests" / "data" / "memory" /
+                                        "make_profiler_trace.py"), str(out)],
+                   check=True, cwd=ROOT)
     (tl,) = profiler_timelines(str(out))
     peaks = {(r["step"], r["phase"]): r["peak_allocated_bytes"] for r in tl.phase_peaks()}
     assert peaks[(1, "forward")] == 524_288

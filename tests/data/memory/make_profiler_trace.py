@@ -47,4 +47,6 @@ def main(out: Path = OUT) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else OUT)
