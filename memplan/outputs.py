@@ -91,6 +91,21 @@ def check_file_name(path: Path, what: str) -> None:
                            f"is too long (this file system takes {longest})")
 
 
+def check_out_file(path: str | os.PathLike[str], what: str, suffixes: tuple[str, ...],
+                   kinds: str) -> Path:
+    """``path`` as a file to write, checked before any work: a name ending in one of
+    ``suffixes`` (``kinds`` says them, e.g. ".png or .svg"), not a folder, in a folder that
+    exists or can be made and that this user can write, a name the file system takes."""
+    p = Path(path).expanduser()
+    if p.suffix.lower() not in suffixes:
+        raise MemplanError(f"{what}: {p}: the name must end in {kinds}")
+    check_out_dir(p.parent, what)
+    check_file_name(p, what)
+    if p.is_dir():
+        raise MemplanError(f"{what}: {p} is a folder; give a file name ending in {kinds}")
+    return p
+
+
 def check_out_dir(path: str | os.PathLike[str], what: str = "--out") -> Path:
     """``path`` as a folder to write results into: an existing folder, or one that can be
     created. One line naming ``what`` and the problem otherwise (an existing file, a file in

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from memplan.errors import MemplanError
-from memplan.outputs import check_file_name, check_out_dir, write_atomic
+from memplan.outputs import check_out_file, write_atomic
 
 SUFFIXES = (".html", ".htm")
 _SCRIPT = Path(__file__).with_name("html_page.js")
@@ -76,14 +76,7 @@ def check_path(path: Path, what: str = "--html") -> Path:
     """``path`` as the page to write, checked before any work: a .html (or .htm) name, not a
     folder, in a folder that exists or can be made and that this user can write, a name the
     file system takes."""
-    path = Path(path).expanduser()
-    if path.suffix.lower() not in SUFFIXES:
-        raise MemplanError(f"{what}: {path}: the name must end in .html")
-    check_out_dir(path.parent, what)
-    check_file_name(path, what)
-    if path.is_dir():
-        raise MemplanError(f"{what}: {path} is a folder; give a file name ending in .html")
-    return path
+    return check_out_file(path, what, SUFFIXES, ".html")
 
 
 def _json_block(data: dict[str, Any]) -> str:

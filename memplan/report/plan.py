@@ -156,8 +156,10 @@ def render_plan(result: PlanResult, model: str, num_layers: int, gpus: int, gpu:
             f"{n} x {reason}" for reason, n in result.rejected.most_common())))
     if result.oom_excess_bytes is not None:
         # with --top, of the configurations searched (the others were not evaluated)
-        searched = any(r.startswith("slower at every micro-batch than the top")
-                       for r in result.rejected)
+        from memplan.planning.planner import SLOWER_THAN_TOP
+
+        pruned = SLOWER_THAN_TOP.split("{top}")[0]
+        searched = any(r.startswith(pruned) for r in result.rejected)
         parts.append(Text(f"closest configuration {'searched ' if searched else ''}that did not "
                           f"fit: {format_gib(result.oom_excess_bytes)} over the usable capacity"))
     return Group(*parts)

@@ -37,20 +37,12 @@ def check_path(path: Path, what: str = "--plot") -> Path:
     """``path`` as a plot file to write, checked before any work: matplotlib installed, a .png
     or .svg name, not a folder, in a folder that exists or can be made and that this user can
     write."""
-    from memplan.outputs import check_file_name, check_out_dir
+    from memplan.outputs import check_out_file
 
     if importlib.util.find_spec("matplotlib") is None:
         raise MemplanError(f"{what}: matplotlib is not installed (pip install matplotlib); "
                            "nothing was run")
-    path = Path(path).expanduser()
-    if path.suffix.lower() not in FORMATS:
-        raise MemplanError(f"{what}: {path}: the name must end in .png or .svg")
-    check_out_dir(path.parent, what)
-    check_file_name(path, what)
-    if path.is_dir():
-        raise MemplanError(f"{what}: {path} is a folder; give a file name ending in .png or "
-                           ".svg")
-    return path
+    return check_out_file(path, what, FORMATS, ".png or .svg")
 
 
 @contextmanager

@@ -25,24 +25,8 @@ from memplan.spec import load_model, spec_from_hf_config, spec_from_hf_dict  # n
 
 HF = Path(__file__).resolve().parents[1] / "data" / "hf"
 
-# fixture folder -> catalog entry
-PUBLISHED = {
-    "Qwen3-8B": "qwen3-8b",
-    "Qwen3-30B-A3B": "qwen3-30b-a3b",
-    "Qwen1.5-MoE-A2.7B": "qwen1.5-moe-a2.7b",
-    "gemma-2-9b": "gemma-2-9b",
-    "gemma-3-12b-pt": "gemma-3-12b",
-    "Phi-3-mini-4k-instruct": "phi-3-mini-4k",
-    "OLMo-2-1124-7B": "olmo-2-7b",
-    "DeepSeek-V3": "deepseek-v3",
-    "granite-3.3-8b-instruct": "granite-3.3-8b",
-    "gemma-7b": "gemma-7b",
-    "Ministral-8B-Instruct-2410": "ministral-8b",
-    "SmolLM3-3B": "smollm3-3b",
-    "Olmo-3-1025-7B": "olmo-3-7b",
-    "Phi-4-mini-instruct": "phi-4-mini",
-    "c4ai-command-r7b-12-2024": "command-r7b",
-}
+# fixture folder -> catalog entry (the same map tests/unit/test_hf_config.py reads)
+PUBLISHED: dict[str, str] = json.loads((HF / "catalog.json").read_text())
 
 TOY = {
     "qwen3-bias-window": dict(model_type="qwen3", hidden_size=256, intermediate_size=512,

@@ -17,30 +17,7 @@ from memplan.spec import load_model, spec_from_hf_config
 HF = Path(__file__).parent.parent / "data" / "hf"
 
 # fixture folder (named as the Hub repository) -> catalog name
-PAIRS = {
-    "Llama-2-7b-hf": "llama-2-7b",
-    "Meta-Llama-3-8B": "llama-3-8b",
-    "Mistral-7B-v0.1": "mistral-7b",
-    "Mixtral-8x7B-v0.1": "mixtral-8x7b",
-    "Qwen2.5-7B": "qwen2.5-7b",
-    "gpt2": "gpt2",
-    "Qwen3-8B": "qwen3-8b",
-    "Qwen3-30B-A3B": "qwen3-30b-a3b",
-    "Qwen1.5-MoE-A2.7B": "qwen1.5-moe-a2.7b",
-    "gemma-2-9b": "gemma-2-9b",
-    "gemma-3-12b-pt": "gemma-3-12b",
-    "Phi-3-mini-4k-instruct": "phi-3-mini-4k",
-    "OLMo-2-1124-7B": "olmo-2-7b",
-    "DeepSeek-V3": "deepseek-v3",
-    "granite-3.3-8b-instruct": "granite-3.3-8b",
-    "gemma-7b": "gemma-7b",
-    "Ministral-8B-Instruct-2410": "ministral-8b",
-    "SmolLM3-3B": "smollm3-3b",
-    "Olmo-3-1025-7B": "olmo-3-7b",
-    "Phi-4-mini-instruct": "phi-4-mini",
-    "c4ai-command-r7b-12-2024": "command-r7b",
-    "Qwen3-Next-80B-A3B-Instruct": "qwen3-next-80b-a3b",
-}
+PAIRS: dict[str, str] = json.loads((HF / "catalog.json").read_text())
 
 # Fields that must agree between a config.json and its catalog entry (name and source differ).
 SHAPE_FIELDS = (
