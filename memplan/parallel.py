@@ -495,6 +495,36 @@ def float8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutErr
                        "full)")
 
 
+def te_fp8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutError | None:
+    """What Transformer Engine's fp8 linears are modelled for (``memplan.model.te_fp8``):
+    dense decoder layers of attention and MLP projections with 16-bit weights, as Megatron-LM
+    builds them with TE's modules. Refused: MoE experts (TE's grouped GEMMs), multi-latent
+    attention and multi-token prediction layers (modules memplan's blocks do not declare as
+    TE's), torchao float8 or compile beside it, LoRA, fp32 or fp16 weights, and fp8
+    parameters under ZeRO-3 (sharded fp8 weights)."""
+    why = None
+    if spec.moe is not None:
+        why = "MoE layers"
+    elif spec.mla is not None:
+        why = "multi-latent attention"
+    elif wl.mtp_layers:
+        why = f"mtp_layers {wl.mtp_layers}"
+    elif wl.float8.value != "none" or wl.compile:
+        why = "float8" if wl.float8.value != "none" else "compile"
+    elif wl.lora_rank:
+        why = f"lora_rank {wl.lora_rank}"
+    elif wl.compute_dtype.itemsize != 2 or wl.precision.policy.autocast is not None:
+        why = f"precision {wl.precision.value}"
+    elif wl.te_fp8_param_gather and par.zero >= ZeroStage.PARAMETERS:
+        why = f"te_fp8_param_gather and zero {int(par.zero)}"
+    if why is None:
+        return None
+    return LayoutError(f"te_fp8 is not modelled with {why}",
+                       f"te_fp8 {wl.te_fp8.value} with {why}: not modelled yet (Transformer "
+                       "Engine fp8 is modelled for dense attention and MLP layers with bf16 "
+                       "weights, no LoRA)")
+
+
 def optimizer_in_backward_rule(par: ParallelConfig, wl: Workload) -> LayoutError | None:
     """What the optimizer stepped in backward is modelled for (``memplan.model.
     step_in_backward``): one device, no pipeline, no weights or states on the host, no LoRA,
@@ -606,6 +636,12 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
         raise err
     if wl.float8.value != "none" and (err := float8_rule(spec, par, wl)) is not None:
         raise err
+    if wl.te_fp8.value != "none" and (err := te_fp8_rule(spec, par, wl)) is not None:
+        raise err
+    if wl.te_fp8.value == "none" and wl.te_fp8_param_gather:
+        raise LayoutError("te_fp8_param_gather needs te_fp8",
+                          "te_fp8_param_gather with te_fp8 none: fp8 parameters need an fp8 "
+                          "recipe (Megatron-LM's --fp8-param-gather needs --fp8-format)")
     if wl.base_quant.value == "nf4-torchao-0.1" and par.zero >= ZeroStage.PARAMETERS:
         # torchao 0.1's NF4Tensor implements no chunk/split/view ops for FSDP to shard it
         # (added after 0.1: torchao commit ac53d7fb, "[FSDP2][NF4Tensor][2/n] implement

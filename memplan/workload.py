@@ -447,6 +447,30 @@ class Float8Recipe(PlainEnum):
     ROWWISE = "rowwise"
 
 
+class TeFp8Recipe(PlainEnum):
+    """Transformer Engine's fp8 training of the decoder layers' TE linears (Megatron-LM's
+    ``--fp8-recipe`` with ``--fp8-format``; megatron/core/fp8_utils.py ``get_fp8_recipe``),
+    what each holds read from TE v2.9's source (``memplan.model.te_fp8``). fp8 data is one
+    byte an element whatever the format (e4m3 or hybrid's e5m2 gradients).
+
+    none        TE's linears in the compute dtype
+    delayed     ``DelayedScaling``: ``Float8Quantizer``, one fp32 scale per tensor from an
+                amax history kept per module (``amax_history_len`` rows)
+    tensorwise  ``Float8CurrentScaling``: ``Float8CurrentScalingQuantizer``, one fp32 scale
+                per tensor from the tensor's own amax
+    mxfp8       ``MXFP8BlockScaling``: ``MXFP8Quantizer``, one E8M0 byte scale per 32
+                elements, rowwise and columnwise copies each with its own scales
+    blockwise   ``Float8BlockScaling``: ``Float8BlockQuantizer``, an fp32 scale per 1x128
+                block of activations and gradients and per 128x128 block of weights
+    """
+
+    NONE = "none"
+    DELAYED = "delayed"
+    TENSORWISE = "tensorwise"
+    MXFP8 = "mxfp8"
+    BLOCKWISE = "blockwise"
+
+
 class BaseQuant(PlainEnum):
     """How frozen base weights are stored under LoRA (``memplan.model.adapters``).
 
@@ -585,6 +609,17 @@ class Workload(BaseModel):
         "the routed experts run Transformer Engine's grouped GEMM (its GroupedLinear; "
         "Megatron-LM's --moe-grouped-gemm): one cuBLAS workspace per TE compute stream, "
         "made at the first grouped GEMM and kept (memplan.overheads.with_library_workspaces)"))
+    te_fp8: TeFp8Recipe = Field(default=TeFp8Recipe.NONE, description=(
+        "the decoder layers' Transformer Engine linears run fp8 GEMMs with this recipe: "
+        "fp8 copies of their inputs saved, fp8 weight caches kept (memplan.model.te_fp8; "
+        "Megatron-LM's --fp8-format with --fp8-recipe)"))
+    te_fp8_param_gather: bool = Field(default=False, description=(
+        "with te_fp8: the TE linears' weights are stored in fp8 (fp8_model_init), the "
+        "distributed optimizer's fp32 main copy beside them (Megatron-LM's "
+        "--fp8-param-gather)"))
+    te_fp8_amax_history_len: int = Field(default=1, ge=1, le=1 << 20, description=(
+        "with te_fp8 delayed: rows of each TE module's amax history (Megatron-LM's "
+        "--fp8-amax-history-len, default 1)"))
     mtp_layers: int = Field(default=0, ge=0, le=MAX_LAYERS, description=(
         "multi-token prediction depths D on the last pipeline stage (memplan.model.mtp; "
         "Megatron-LM's --mtp-num-layers): per depth a layer of the decoder's last kind, two "

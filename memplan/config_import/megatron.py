@@ -229,7 +229,6 @@ class _Reader:
     def _refusals(self) -> None:
         """Settings that change the bytes in ways memplan does not model."""
         refused = {
-            "--fp8-format": "fp8 training (Transformer Engine's fp8 casts) is not modelled",
             "--fp8": "fp8 training is not modelled",
             "--fp4-format": "fp4 training is not modelled",
             "--use-torch-fsdp2": "PyTorch FSDP2 under Megatron-LM is not modelled",
@@ -246,6 +245,7 @@ class _Reader:
         self._loss_fusion()
         self._router_dtype()
         megatron_flags.mtp(self)
+        megatron_flags.fp8(self)
         for flag in ("--exp-avg-dtype", "--exp-avg-sq-dtype"):
             if self.str(flag, "fp32") != "fp32":
                 raise self.refuse(flag, "optimizer states below fp32 are not modelled")

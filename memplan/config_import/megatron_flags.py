@@ -183,3 +183,66 @@ def deferred_wgrad(r: _Reader, pp: int) -> None:
               True if limit == 0 else limit, "head_wgrad_deferral", limit,
               f"the output layer's input and logits' gradient kept per micro-batch {which} to "
               "the step's end")
+
+
+# --fp8-recipe's values (megatron/core/transformer/transformer_config.py fp8_recipe) as
+# memplan's te_fp8 (megatron/core/fp8_utils.py get_fp8_recipe: TEDelayedScaling,
+# Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling); "custom" is refused
+_FP8_RECIPES = {"delayed": "delayed", "tensorwise": "tensorwise", "mxfp8": "mxfp8",
+                "blockwise": "blockwise"}
+# fp8 settings memplan does not model, each refused by name
+_FP8_REFUSED = {
+    "--no-fp8-wgrad": "the weight gradient in high precision (fp8_wgrad False: TE saves "
+                      "high-precision inputs) is not modelled",
+    "--first-last-layers-bf16": "layers kept in bf16 beside fp8 ones are not modelled",
+    "--fp8-dot-product-attention": "fp8 attention is not modelled",
+    "--fp8-multi-head-attention": "fp8 attention is not modelled",
+    "--disable-parameter-transpose-cache": "fp8 weights cast in every micro-batch (no "
+                                           "cached transpose) are not modelled",
+    "--fp8-output-proj": "an fp8 output layer is not modelled",
+}
+
+
+def fp8(r: _Reader) -> None:
+    """--fp8-format (e4m3 or hybrid: one byte an element either way) with --fp8-recipe
+    (Megatron's default delayed) as ``te_fp8``: the decoder layers' TE modules run fp8
+    GEMMs (``memplan.model.te_fp8``, read from Transformer Engine v2.9); --fp8-param-gather
+    as ``te_fp8_param_gather`` (fp8_model_init: the weights stored in fp8, the distributed
+    optimizer's fp32 main copy and the all-gather in fp8, in the DDP parameter buffer:
+    megatron/core/distributed/param_and_grad_buffer.py, ``param_dtype`` torch.uint8);
+    --fp8-amax-history-len as ``te_fp8_amax_history_len``. --fp8-margin,
+    --fp8-amax-compute-algo and --fp8-interval change how a scale is computed, not what is
+    held."""
+    fmt = r.str("--fp8-format", None)
+    recipe = r.str("--fp8-recipe", "delayed")
+    gather = r.flag("--fp8-param-gather")
+    history = r.int("--fp8-amax-history-len", 1)
+    for flag in ("--fp8-margin", "--fp8-interval"):
+        r.int(flag, 0)
+    r.str("--fp8-amax-compute-algo", "most_recent")
+    if fmt is None:
+        for flag in ("--fp8-param-gather", "--fp8-recipe", "--fp8-amax-history-len"):
+            if r.has(flag):
+                raise r.refuse(flag, "needs --fp8-format (fp8 training is off without it)")
+        return
+    if fmt not in ("e4m3", "hybrid"):
+        raise r.refuse("--fp8-format", "expected e4m3 or hybrid")
+    if recipe not in _FP8_RECIPES:
+        raise r.refuse("--fp8-recipe", f"modelled are {', '.join(_FP8_RECIPES)}")
+    if r.str("--transformer-impl", "transformer_engine") != "transformer_engine":
+        raise r.refuse("--fp8-format", "fp8 training runs Transformer Engine's layers "
+                                       "(--transformer-impl transformer_engine)")
+    if not 0 < history <= 1 << 20:
+        raise r.refuse("--fp8-amax-history-len", "expected 1 to 1048576 rows")
+    for flag, why in _FP8_REFUSED.items():
+        if r.flag(flag):
+            raise r.refuse(flag, why)
+    r.imp.set("--fp8-format/--fp8-recipe", f"{fmt}/{recipe}", "te_fp8", _FP8_RECIPES[recipe],
+              "Transformer Engine fp8 GEMMs: fp8 copies of the TE modules' inputs saved, "
+              "their weights' fp8 copies cached (memplan.model.te_fp8)")
+    if recipe == "delayed":
+        r.imp.set("--fp8-amax-history-len", history, "te_fp8_amax_history_len", history,
+                  "rows of each TE module's amax history")
+    if gather:
+        r.imp.set("--fp8-param-gather", True, "te_fp8_param_gather", True,
+                  "TE weights stored in fp8 (one byte an element), gathered in fp8")

@@ -19,7 +19,7 @@ from memplan.model.linear import Linear, Split
 from memplan.model.norm import norm_terms
 from memplan.spec import ModelSpec, PositionKind, QkNorm, qk_norm_params
 from memplan.workload import Attention as Kernel
-from memplan.workload import AttentionImpl, Recompute, RopeCache, Workload
+from memplan.workload import AttentionImpl, Recompute, RopeCache, TeFp8Recipe, Workload
 
 
 def attention_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
@@ -83,8 +83,13 @@ def output_gate_terms(spec: ModelSpec, dm: Dims) -> list[Term]:
 def _core_output(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> Term:
     """The attention output, saved by the output projection (its input) and, as one tensor,
     by a fused core that saves its output (SDPA's flash kernel: its backward reads ``out``),
-    which saves it when the projection's weight is frozen too."""
+    which saves it when the projection's weight is frozen too. Under Transformer Engine fp8
+    the projection saves its own fp8 copy (``linear.te_fp8_input_bytes``): the output stays
+    only where the fused core saves it."""
     out = attention_linears(spec)[-1]
+    if dm.te_fp8 is not TeFp8Recipe.NONE:
+        kept = wl.attention is Kernel.FLASH and recompute is Recompute.NONE
+        return Term("attn.out", dm.tokens * out.d_in // dm.tp * dm.e if kept else 0)
     if (dm.adapters is not None and wl.attention is Kernel.FLASH
             and recompute is Recompute.NONE):
         return Term("attn.out", dm.tokens * out.d_in // dm.tp * dm.e)

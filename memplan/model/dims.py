@@ -19,7 +19,7 @@ from memplan.parallel import ParallelConfig, TpStyle, local_seq
 from memplan.spec import ModelSpec
 from memplan.units import FP32_BYTES as FP32_BYTES  # the blocks read it here
 from memplan.units import DType
-from memplan.workload import Float8Recipe, Workload
+from memplan.workload import Float8Recipe, TeFp8Recipe, Workload
 
 INDEX_BYTES = DType.INT64.itemsize  # token ids and targets are int64 (torch.long)
 MASK_BYTES = 1  # torch's native_dropout returns a bool mask, one byte per element
@@ -53,6 +53,7 @@ class Dims(NamedTuple):
     etp: int = 0  # TP degree of the routed experts (ParallelConfig.etp); 0: tp
     adapters: Adapters | None = None  # LoRA on frozen base weights (memplan.model.adapters)
     float8: Float8Recipe = Float8Recipe.NONE  # torchao Float8Linear (memplan.model.linear)
+    te_fp8: TeFp8Recipe = TeFp8Recipe.NONE  # Transformer Engine fp8 (memplan.model.te_fp8)
 
     @classmethod
     def of(cls, spec: ModelSpec, par: ParallelConfig, wl: Workload) -> Dims:
@@ -67,7 +68,7 @@ class Dims(NamedTuple):
                    stream_e=policy.params.itemsize if policy.autocast else e,
                    autocast=policy.autocast is not None, etp=par.etp or 0,
                    adapters=adapters_of(wl, spec.fused_qkv or wl.fused_qkv),
-                   float8=wl.float8)
+                   float8=wl.float8, te_fp8=wl.te_fp8)
 
     def experts(self) -> Dims:
         """These dims for the routed experts' projections: their inner widths split by etp."""

@@ -20,8 +20,9 @@ from typing import NamedTuple
 
 from memplan.choices import PlainEnum
 from memplan.model.adapters import ADAPTER_BYTES, Adapters, torchao_dequant_bytes
+from memplan.model import te_fp8
 from memplan.model.dims import MASK_BYTES, Dims, Term
-from memplan.workload import BaseQuant, Float8Recipe
+from memplan.workload import BaseQuant, Float8Recipe, TeFp8Recipe
 
 # torchao's float8 casts are one byte an element, e4m3 or e5m2 (tensorwise's grad_output)
 # (``torchao/float8/config.py``: ``CastConfig.__post_init__`` asserts
@@ -113,12 +114,97 @@ def saved_terms(prefix: str, linears: Sequence[Linear], dm: Dims) -> list[Term]:
     high-precision input and ``self.weight.t()``, a view of the parameter (autocast casts
     nothing there: ``Float8Linear.forward`` calls no ``F.linear``); its float8 casts are
     locals of the forward, made again in backward."""
+    if dm.te_fp8 is not TeFp8Recipe.NONE:
+        return te_fp8_saved_terms(prefix, linears, dm)
     if not dm.autocast and dm.adapters is None:  # (the planner's hot path: no sum to make)
         return []
     elements = sum(weight_elements(lin, dm.tp) for lin in linears
                    if not float8_converts(lin, dm))
     casts = weight_casts(prefix, elements, dm) if elements else []
     return casts + adapter_terms(prefix, linears, dm)
+
+
+def te_modules(linears: Sequence[Linear]) -> list[Linear]:
+    """The projections as Transformer Engine modules: the projections of one gradient group
+    read one input and are one TE module (Megatron-LM's ``linear_qkv`` for q, k and v;
+    ``linear_fc1`` for gate and up), their outputs side by side."""
+    merged: dict[str, Linear] = {}
+    for lin in linears:
+        first = merged.get(lin.group)
+        merged[lin.group] = lin if first is None else first._replace(
+            d_out=first.d_out + lin.d_out, bias=first.bias or lin.bias)
+    return list(merged.values())
+
+
+def te_fp8_input_bytes(lin: Linear, dm: Dims) -> int:
+    """The fp8 copy of its input a TE module saves for its weight gradient, in place of the
+    compute-dtype input (``module/linear.py`` and ``module/layernorm_linear.py``
+    ``_Linear.forward`` / ``_LayerNormLinear.forward``: the input quantized, then
+    ``update_usage`` keeps one orientation: the rowwise data of the local shard where a
+    per-tensor recipe must all-gather it in backward (column-parallel under sequence
+    parallelism: ``supports_only_rowwise_all_gather``), else the columnwise copy; mxfp8 and
+    blockwise keep the columnwise copy). Its rows: the sequence shard of a column-parallel
+    module (saved before the all-gather), all tokens of a row-parallel one."""
+    if not lin.saves_input:
+        return 0
+    rows = dm.linear_rows if lin.split is Split.COLUMN else dm.tokens
+    d_in, _ = local_widths(lin, dm.tp)
+    rowwise = dm.te_fp8 in te_fp8.PER_TENSOR
+    return te_fp8.quantized_bytes(dm.te_fp8, rows, d_in, rowwise=rowwise,
+                                  columnwise=not rowwise)
+
+
+def te_fp8_saved_terms(prefix: str, linears: Sequence[Linear], dm: Dims) -> list[Term]:
+    """Under Transformer Engine fp8, what the modules of ``linears`` save for backward: the
+    fp8 copy of each module's input (``te_fp8_input_bytes``). The compute-dtype inputs are
+    then saved by nobody but a kernel that keeps its own (the blocks drop them:
+    ``memplan.model.norm.output_kept``, the attention output, the MLP's last activation).
+    Their weights' fp8 copies are kept across micro-batches, not per micro-batch
+    (``te_fp8_weight_bytes``)."""
+    return [Term(f"{prefix}.fp8_inputs", sum(te_fp8_input_bytes(mod, dm)
+                                             for mod in te_modules(linears)))]
+
+
+def te_fp8_weight_bytes(linears: Sequence[Linear], dm: Dims, amax_history_len: int,
+                        param_gather: bool) -> int:
+    """What the TE modules of ``linears`` keep on one TP rank across micro-batches and
+    steps under fp8, beyond their parameters: Megatron-LM passes ``is_first_microbatch``
+    (megatron/core/extensions/transformer_engine.py ``TELinear.forward``, unless
+    ``disable_parameter_transpose_cache``), so each module casts its weight once per step
+    into a cached workspace (``module/base.py`` ``get_weight_workspace`` with
+    ``cache_name="weight"``: ``self._fp8_workspaces``), rowwise for the forward and
+    columnwise for the input gradient, with their scales. With fp8 parameters
+    (``param_gather``: ``fp8_model_init``) the parameter is the fp8 tensor: its rowwise data
+    is the parameter (counted at one byte by the parameters), its columnwise copy and scales
+    are kept on it (Megatron-LM's ``post_all_gather_processing``). And each module's recipe
+    state (``te_fp8.module_state_bytes``)."""
+    out = 0
+    for mod in te_modules(linears):
+        d_in, d_out = local_widths(mod, dm.tp)
+        both = te_fp8.quantized_bytes(dm.te_fp8, d_out, d_in, rowwise=True, columnwise=True,
+                                      weight=True)
+        out += (both - (d_out * d_in * te_fp8.FP8_BYTES if param_gather else 0)
+                + te_fp8.module_state_bytes(dm.te_fp8, amax_history_len))
+    return out
+
+
+def te_fp8_forward_bytes(lin: Linear, dm: Dims) -> int:
+    """At a row-parallel TE module's forward GEMM, beside its output: the rowwise fp8 copy
+    of its input, made with the columnwise one it saves and dropped after the GEMM
+    (``_Linear.forward``: ``set_usage(rowwise=True, columnwise=backward_needs_input)``, then
+    ``update_usage(rowwise_usage=False)``)."""
+    d_in, _ = local_widths(lin, dm.tp)
+    return te_fp8.quantized_bytes(dm.te_fp8, dm.tokens, d_in, rowwise=True, columnwise=False)
+
+
+def te_fp8_backward_bytes(lin: Linear, dm: Dims) -> int:
+    """At a row-parallel TE module's weight-gradient GEMM: the incoming gradient (all
+    tokens: all-gathered under sequence parallelism) cast to fp8 rowwise for the input
+    gradient and columnwise for the weight gradient (``_Linear.backward``:
+    ``grad_output_preprocess`` with ``grad_output_quantizer.set_usage(rowwise=True,
+    columnwise=True)``)."""
+    _, d_out = local_widths(lin, dm.tp)
+    return te_fp8.quantized_bytes(dm.te_fp8, dm.tokens, d_out, rowwise=True, columnwise=True)
 
 
 def float8_converts(lin: Linear, dm: Dims) -> bool:
@@ -142,7 +228,10 @@ def float8_forward_bytes(lin: Linear, dm: Dims) -> int:
     (``matmul_with_hp_or_float8_args.forward``, ``torchao/float8/float8_linear.py``): the
     input's (tokens x d_in, one byte each, scales per token row: ``axiswise_dim`` -1) and the
     weight's (``weight_hp_t`` d_in x d_out, scales per output column: ``axiswise_dim`` 0),
-    both locals freed when the forward returns. 0 unconverted (``float8_converts``)."""
+    both locals freed when the forward returns. 0 unconverted (``float8_converts``). Under
+    Transformer Engine fp8: ``te_fp8_forward_bytes``."""
+    if dm.te_fp8 is not TeFp8Recipe.NONE:
+        return te_fp8_forward_bytes(lin, dm)
     if not float8_converts(lin, dm):
         return 0
     d_in, d_out = local_widths(lin, dm.tp)
@@ -156,7 +245,10 @@ def float8_backward_bytes(lin: Linear, dm: Dims) -> int:
     (``grad_output`` per token row, ``weight_hp_t`` per input row: ``axiswise_dim`` -1) stay
     alive as locals, beside the weight gradient's (``grad_output`` per output column and the
     saved input per input column: ``axiswise_dim`` 0); the high-precision results (grad input,
-    grad weight) not included. 0 unconverted (``float8_converts``)."""
+    grad weight) not included. 0 unconverted (``float8_converts``). Under Transformer Engine
+    fp8: ``te_fp8_backward_bytes``."""
+    if dm.te_fp8 is not TeFp8Recipe.NONE:
+        return te_fp8_backward_bytes(lin, dm)
     if not float8_converts(lin, dm):
         return 0
     d_in, d_out = local_widths(lin, dm.tp)

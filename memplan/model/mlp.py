@@ -15,7 +15,7 @@ from memplan.model.norm import output_kept
 from memplan.model.dims import FP32_BYTES, MASK_BYTES, Dims, Term, residual_dropout_mask, total
 from memplan.model.linear import Linear, Split, local_widths
 from memplan.spec import ActivationImpl, MlpKind, ModelSpec
-from memplan.workload import Recompute, Workload
+from memplan.workload import Recompute, TeFp8Recipe, Workload
 
 
 def mlp_terms(prefix: str, spec: ModelSpec, dm: Dims, ffn: int, tokens: int) -> list[Term]:
@@ -26,6 +26,12 @@ def mlp_terms(prefix: str, spec: ModelSpec, dm: Dims, ffn: int, tokens: int) -> 
         # last name (its input) is not saved (gated: prod; GELU: act), but ReLU's output
         last = ".prod" if spec.mlp.gated else ".act"
         return [Term(n, 0 if n.endswith(last) and spec.mlp is not MlpKind.RELU else size)
+                for n, size in _mlp_terms(prefix, spec, dm, ffn, tokens)]
+    if dm.te_fp8 is not TeFp8Recipe.NONE and spec.mlp is not MlpKind.RELU:
+        # the down projection saves an fp8 copy of its input (linear.te_fp8_input_bytes):
+        # the activation's output is saved by nobody else (gated: prod; GELU: act)
+        last = ".prod" if spec.mlp.gated else ".act"
+        return [Term(n, 0) if n.endswith(last) else Term(n, size)
                 for n, size in _mlp_terms(prefix, spec, dm, ffn, tokens)]
     return _mlp_terms(prefix, spec, dm, ffn, tokens)
 
@@ -125,7 +131,9 @@ def backward_moments(spec: ModelSpec, dm: Dims, *, saved: int, freed: int, run_t
     elements = run_tokens * ffn // dm.tp
     inner = elements * e
     grads = elements * act_grad_bytes(spec, dm)
-    if not linear.keeps_input(mlp_linears(spec, ffn)[-1:], dm) and spec.mlp is not MlpKind.RELU:
+    unsaved = (not linear.keeps_input(mlp_linears(spec, ffn)[-1:], dm)
+               or dm.te_fp8 is not TeFp8Recipe.NONE)  # TE fp8: its fp8 copy instead
+    if unsaved and spec.mlp is not MlpKind.RELU:
         # a frozen down projection saved no input to stand for its incoming gradient
         grads += inner
     # With dropout on the block output, the block's backward starts from dropout's gradient

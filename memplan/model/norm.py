@@ -20,7 +20,7 @@ from memplan.model.block import BackwardMoment, Moment
 from memplan.model.linear import input_copies, shares_input
 from memplan.model.dims import FP32_BYTES, Dims, Term, total
 from memplan.spec import ModelSpec, NormKind, norm_params
-from memplan.workload import BaseQuant, NormImpl, Recompute, Workload
+from memplan.workload import BaseQuant, NormImpl, Recompute, TeFp8Recipe, Workload
 
 
 def consumers(prefix: str, spec: ModelSpec, wl: Workload) -> int:
@@ -104,7 +104,11 @@ READERS = {"attn_norm": ("q", "k", "v", "qkv"), "mlp_norm": ("gate", "up", "gate
 def output_kept(prefix: str, dm: Dims) -> bool:
     """Whether the linears after the norm save its output: their weights train, or an
     adapter of one of them saves the tensor itself (``memplan.model.linear.shares_input``;
-    the final norm's reader is the head, adapted under ``--lora-targets output``)."""
+    the final norm's reader is the head, adapted under ``--lora-targets output``). Under
+    Transformer Engine fp8 a layer's norms feed TE modules that save an fp8 copy instead
+    (``memplan.model.linear.te_fp8_input_bytes``); the head is no TE module."""
+    if dm.te_fp8 is not TeFp8Recipe.NONE and prefix in ("attn_norm", "mlp_norm"):
+        return False
     if dm.adapters is None:
         return True
     if prefix in READERS and prefix != "final_norm" and dm.adapters.quant is BaseQuant.INT8:  # (linear.keeps_input)

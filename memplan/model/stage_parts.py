@@ -15,8 +15,9 @@ from typing import NamedTuple
 
 from memplan.model import step_in_backward
 from memplan.model.adapters import ADAPTER_BYTES
-from memplan.model.attention import rope_buffer_bytes, windowed
-from memplan.model.dims import exact_ratio
+from memplan.model import linear, te_fp8
+from memplan.model.attention import attention_linears, rope_buffer_bytes, windowed
+from memplan.model.dims import Dims, exact_ratio
 from memplan.model.fsdp1 import flat_units, fsdp1_buffers
 from memplan.model.grad_sync import accumulator_bytes
 from memplan.model.layer import rope_normed
@@ -28,6 +29,7 @@ from memplan.model.model_states import (
     sharding_buffers,
     state_bytes,
 )
+from memplan.model.mlp import mlp_linears
 from memplan.model.moments import Event, Segment, peak_of
 from memplan.model.mtp import mtp_layer_index, mtp_recompute
 from memplan.model.pipeline import stage_layers
@@ -37,7 +39,7 @@ from memplan.model.walk import first_positions, runs_of
 from memplan.parallel import GradBuffers, ParallelConfig, ZeroStage, optimizer_on_host
 from memplan.spec import ModelSpec
 from memplan.units import FP32_BYTES
-from memplan.workload import Precision, Recompute, Workload
+from memplan.workload import Precision, Recompute, TeFp8Recipe, Workload
 
 # (MoE layer?, recompute policy), and a third for a layer whose mixer differs from the model's
 # attention: "window", a sliding-window layer whose attention differs from the full layers'
@@ -203,6 +205,7 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
     layers = stage_layer_indices(spec, par.pp, par.vpp, stage, par.stage_layers)
     trainable = lora_policy(spec, wl, layers, par.tp, wl.precision.policy.param_bytes, last)
     st, opt_temp = _states(params, par, wl, trainable)
+    st, te_kept = te_fp8_states(st, spec, par, wl, len(layers))
     shard = (fsdp1_buffers(params, par, wl) if flat_units(spec, par, wl)
              else sharding_buffers(params, par, wl, trainable))
     e = wl.compute_dtype.itemsize
@@ -216,7 +219,7 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
     at_step = st._replace(grads_bytes=shard.step_grads_bytes) if shard.step_grads_bytes else st
     buckets = ((st.grads_bytes if ddp and par.grad_buffers is GradBuffers.COPY else 0)
                + (shard.bucket_bytes if shard.bucket_resident else 0))
-    buffers = rope_buffer_bytes(spec, wl, len(layers))
+    buffers = rope_buffer_bytes(spec, wl, len(layers)) + te_kept
     return StageStates(
         first=first, last=last, params=params, states=st,
         # kept unsharded under PP (``ShardingBuffers.kept_gathered``): the walk's gradients
@@ -255,6 +258,26 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
                      else accumulator_bytes(params, wl, shard.flat_units)),
         load=load_bytes(st, buffers, trainable.quantize_bytes),
     )
+
+
+def te_fp8_states(st: StateBytes, spec: ModelSpec, par: ParallelConfig, wl: Workload,
+                  num_layers: int) -> tuple[StateBytes, int]:
+    """Under Transformer Engine fp8 (``Workload.te_fp8``), a stage of ``num_layers`` decoder
+    layers on one TP rank: (its states ``st`` with the parameters' bytes less by what fp8
+    parameters save, each TE weight one byte an element in place of the weights' dtype
+    under ``te_fp8_param_gather``; what the TE modules keep beside the parameters, resident
+    like buffers: ``linear.te_fp8_weight_bytes``). (``st``, 0) without fp8."""
+    if wl.te_fp8 is TeFp8Recipe.NONE:
+        return st, 0
+    dm = Dims.of(spec, par, wl)
+    linears = (*attention_linears(spec), *mlp_linears(spec, spec.ffn_hidden_size))
+    kept = num_layers * linear.te_fp8_weight_bytes(linears, dm, wl.te_fp8_amax_history_len,
+                                                    wl.te_fp8_param_gather)
+    if not wl.te_fp8_param_gather:
+        return st, kept
+    elements = sum(linear.weight_elements(lin, par.tp) for lin in linears)
+    saved = num_layers * elements * (wl.precision.policy.param_bytes - te_fp8.FP8_BYTES)
+    return st._replace(params_bytes=st.params_bytes - saved), kept
 
 
 def _states(params: StageParams, par: ParallelConfig, wl: Workload,

@@ -106,7 +106,9 @@ def test_megatron_deepseek_v3_shape() -> None:
 
 
 @pytest.mark.parametrize(("extra", "flag"), [
-    ("--fp8-format hybrid", "--fp8-format"),
+    ("--fp8-format hybrid --fp8-recipe custom", "--fp8-recipe"),
+    ("--fp8-format hybrid --first-last-layers-bf16", "--first-last-layers-bf16"),
+    ("--fp8-param-gather", "--fp8-param-gather"),
     ("--mtp-num-layers 1 --pipeline-model-parallel-layout EttttL",
      "--pipeline-model-parallel-layout"),
     ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 2",

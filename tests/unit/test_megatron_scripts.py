@@ -90,14 +90,18 @@ def test_llama3_fp8_branch_taken() -> None:
     """train_llama3_8b_h100_fp8.sh sets DTYPE="fp8", so its `if [[ "$DTYPE" == "fp8" ]]`
     branch adds the fp8 flags (quoted "--fp8-format hybrid" items split by the unquoted
     expansion); TOKENIZER_ARG=${3:-"MOCK"} takes the mock-data branch, not the else; the
-    script's `if [ ! -f ... ]` (a file test) is skipped. fp8 is refused by name."""
+    script's `if [ ! -f ... ]` (a file test) is skipped. The fp8 flags read as Transformer
+    Engine's delayed scaling (Megatron's default --fp8-recipe) with fp8 parameters and an
+    amax history of 1024 rows."""
     words = _command("llama__train_llama3_8b_h100_fp8.sh")
     assert _after(words, "--fp8-format") == "hybrid"
     assert _after(words, "--vocab-size") == "128256" and "--mock-data" in words
     assert "--data-path" not in words
     assert _after(words, "--save") == "checkpoints/llama3_8b_fp8"
-    with pytest.raises(MemplanError, match="--fp8-format"):
-        megatron.read(str(EXAMPLES / "llama__train_llama3_8b_h100_fp8.sh"), 8)
+    imp = megatron.read(str(EXAMPLES / "llama__train_llama3_8b_h100_fp8.sh"), 8)
+    assert {k: imp.inputs[k] for k in ("te_fp8", "te_fp8_param_gather",
+                                       "te_fp8_amax_history_len")} == {
+        "te_fp8": "delayed", "te_fp8_param_gather": True, "te_fp8_amax_history_len": 1024}
 
 
 def test_gptoss_argument_loop_not_entered() -> None:
