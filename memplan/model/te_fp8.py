@@ -4,7 +4,12 @@ its recipe's state. Which tensors a projection saves and keeps is ``memplan.mode
 (``te_fp8_saved_terms``, ``te_fp8_weight_bytes``); this module is the tensors' layouts alone.
 
 Read from Transformer Engine v2.9 (tag v2.9, commit 70f536662ae10a62a54f4ed1ba92e3314c5cfd69),
-the release line megatron-core 0.16 runs with, ``transformer_engine/pytorch/``:
+``transformer_engine/pytorch/``, and checked against the commit Megatron-LM's functional tests
+ran with when their golden values were last recorded (uv.lock at Megatron-LM 4828d651:
+transformer-engine 2.16.0+4220403e, commit b9d690e042b1c4e455214e7dab65d6d3512c05d6), where
+the same layouts are made in C++ (``csrc/quantizer.cpp``, ``Float8Quantizer::create_tensor``:
+``uint8`` data, a ``uint8`` transpose unless ``nvte_is_non_tn_fp8_gemm_supported()``, an fp32
+``scale_inv`` of shape {1}) and ``get_scale_shape`` of the mxfp8 and blockwise quantizers:
 
 - delayed and tensorwise (``tensor/float8_tensor.py``, ``Float8Quantizer.make_empty`` and
   ``Float8CurrentScalingQuantizer.make_empty``): the data, ``torch.uint8`` in the tensor's
@@ -91,12 +96,9 @@ def module_state_bytes(recipe: TeFp8Recipe, amax_history_len: int) -> int:
     """What one TE module of one GEMM keeps of its recipe's state, on the device for the whole
     run. delayed (``quantization.py`` ``DelayedScalingRecipeState``): per direction an fp32
     ``scale`` per quantizer and an fp32 ``amax_history`` of ``amax_history_len`` rows per
-    quantizer. tensorwise (``tensor/float8_tensor.py`` ``Float8CurrentScalingQuantizer.
-    __init__``): an fp32 ``scale`` and ``amax`` of shape (1,) per quantizer. mxfp8 and
-    blockwise quantizers hold no tensor."""
-    quantizers = FORWARD_QUANTIZERS + BACKWARD_QUANTIZERS
+    quantizer. The other recipes' quantizers hold no tensor at b9d690e
+    (``Float8CurrentScalingQuantizer.__init__`` ignores ``scale`` and ``amax``; v2.9 still
+    kept an fp32 scale and amax of shape (1,) per quantizer, 40 B a module)."""
     if recipe is TeFp8Recipe.DELAYED:
-        return quantizers * (amax_history_len + 1) * FP32_BYTES
-    if recipe is TeFp8Recipe.TENSORWISE:
-        return quantizers * 2 * FP32_BYTES
+        return (FORWARD_QUANTIZERS + BACKWARD_QUANTIZERS) * (amax_history_len + 1) * FP32_BYTES
     return 0
