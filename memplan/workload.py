@@ -450,8 +450,8 @@ class Float8Recipe(PlainEnum):
 class TeFp8Recipe(PlainEnum):
     """Transformer Engine's fp8 training of the decoder layers' TE linears (Megatron-LM's
     ``--fp8-recipe`` with ``--fp8-format``; megatron/core/fp8_utils.py ``get_fp8_recipe``),
-    what each holds read from TE's source (v2.9 and b9d690e: ``memplan.model.te_fp8``). fp8 data is one
-    byte an element whatever the format (e4m3 or hybrid's e5m2 gradients).
+    what each holds read from TE's source (v2.9 and b9d690e: ``memplan.model.te_fp8``). fp8
+    data is one byte an element whatever the format (e4m3 or hybrid's e5m2 gradients).
 
     none        TE's linears in the compute dtype
     delayed     ``DelayedScaling``: ``Float8Quantizer``, one fp32 scale per tensor from an
