@@ -45,6 +45,9 @@ _CUBLAS_WORKSPACE_DEFAULT_BYTES = 4 * MiB
 _TE_WORKSPACE_HOPPER_BYTES = 32 * MiB + 1024
 _TE_WORKSPACE_DEFAULT_BYTES = 4 * MiB
 TE_COMPUTE_STREAMS = 4
+# Userbuffers' overlap streams, each with its slice of TE's Userbuffers workspace
+# (transformer_engine/pytorch/cpp_extensions/gemm.py _NUM_MAX_UB_STREAMS, TE 2.16 b9d690e)
+TE_UB_STREAMS = 3
 
 # Reserved-but-unallocated memory of the caching allocator (block rounding, split blocks,
 # fragmentation) as a fraction of the peak allocated bytes. Not derivable from first
@@ -99,18 +102,43 @@ def te_grouped_gemm_workspace_bytes(gpu: GpuSpec) -> int:
     return TE_COMPUTE_STREAMS * each
 
 
-def with_library_workspaces(ovh: Overheads, gpu: GpuSpec, te_grouped_gemm: bool) -> Overheads:
+def te_gemm_workspace_bytes(gpu: GpuSpec, ub: bool) -> int:
+    """Transformer Engine's workspace for its other GEMMs on ``gpu``: gemm.py general_gemm
+    takes get_cublas_workspace(device, ub is not None, False), one workspace of 32 MiB +
+    1,024 B from compute capability 9 for GEMMs without Userbuffers and, with ``ub``, one of
+    _NUM_MAX_UB_STREAMS (3) times that for those with them (Megatron-LM's --tp-comm-overlap:
+    the row-parallel modules' weight-gradient GEMMs take none, so both are made), each made
+    with torch.empty at its first GEMM and kept (functools.lru_cache). Userbuffers' own
+    communication buffers are allocated outside PyTorch's allocator
+    (common/comm_gemm_overlap/userbuffers register_user_buffer_collective: cudaMalloc)."""
+    major = int(gpu.compute_capability.split(".")[0])
+    each = _TE_WORKSPACE_HOPPER_BYTES if major >= 9 else _TE_WORKSPACE_DEFAULT_BYTES
+    return each * (1 + (TE_UB_STREAMS if ub else 0))
+
+
+def with_library_workspaces(ovh: Overheads, gpu: GpuSpec, te_grouped_gemm: bool,
+                            te_gemm: bool = False, te_ub: bool = False) -> Overheads:
     """``ovh`` with the workspaces a job's libraries keep beside PyTorch's cuBLAS one: Transformer
     Engine's grouped-GEMM workspaces when the experts run it (``Workload.te_grouped_gemm``),
-    allocated bytes on the workspace line (calibration measures PyTorch's own only)."""
-    if not te_grouped_gemm:
-        return ovh
-    extra = te_grouped_gemm_workspace_bytes(gpu)
-    return replace(ovh, workspace_bytes=ovh.workspace_bytes + extra,
-                   workspace_source=(f"{ovh.workspace_source}; Transformer Engine's grouped GEMM: "
-                                     f"{TE_COMPUTE_STREAMS} cuBLAS workspaces, {extra:,} B "
-                                     "(transformer_engine/pytorch/cpp_extensions/gemm.py "
-                                     "get_cublas_workspace)"))
+    its workspace for its other GEMMs (``te_gemm``; with Userbuffers ``te_ub``:
+    ``te_gemm_workspace_bytes``), allocated bytes on the workspace line (calibration measures
+    PyTorch's own only)."""
+    if te_grouped_gemm:
+        extra = te_grouped_gemm_workspace_bytes(gpu)
+        ovh = replace(ovh, workspace_bytes=ovh.workspace_bytes + extra,
+                      workspace_source=(f"{ovh.workspace_source}; Transformer Engine's grouped "
+                                        f"GEMM: {TE_COMPUTE_STREAMS} cuBLAS workspaces, "
+                                        f"{extra:,} B (transformer_engine/pytorch/"
+                                        "cpp_extensions/gemm.py get_cublas_workspace)"))
+    if te_gemm or te_ub:
+        extra = te_gemm_workspace_bytes(gpu, te_ub) - (0 if te_gemm else
+                                                       te_gemm_workspace_bytes(gpu, False))
+        ovh = replace(ovh, workspace_bytes=ovh.workspace_bytes + extra,
+                      workspace_source=(f"{ovh.workspace_source}; Transformer Engine's GEMM "
+                                        f"workspace{'s with Userbuffers' if te_ub else ''}, "
+                                        f"{extra:,} B (transformer_engine/pytorch/"
+                                        "cpp_extensions/gemm.py get_cublas_workspace)"))
+    return ovh
 
 
 def no_overheads() -> Overheads:

@@ -609,6 +609,13 @@ class Workload(BaseModel):
         "the routed experts run Transformer Engine's grouped GEMM (its GroupedLinear; "
         "Megatron-LM's --moe-grouped-gemm): one cuBLAS workspace per TE compute stream, "
         "made at the first grouped GEMM and kept (memplan.overheads.with_library_workspaces)"))
+    te_gemm_workspace: bool = Field(default=False, description=(
+        "Transformer Engine's modules run their GEMMs on TE's own cuBLAS workspace, made at "
+        "the first TE GEMM and kept beside PyTorch's (memplan.overheads."
+        "with_library_workspaces; Megatron-LM's --transformer-impl transformer_engine)"))
+    te_ub_workspace: bool = Field(default=False, description=(
+        "with Userbuffers' GEMM and communication overlap, TE keeps a second workspace for "
+        "those GEMMs, one per overlap stream (Megatron-LM's --tp-comm-overlap)"))
     te_fp8: TeFp8Recipe = Field(default=TeFp8Recipe.NONE, description=(
         "the decoder layers' Transformer Engine linears run fp8 GEMMs with this recipe: "
         "fp8 copies of their inputs saved, fp8 weight caches kept (memplan.model.te_fp8; "

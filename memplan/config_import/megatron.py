@@ -620,7 +620,25 @@ class _Reader:
             imp.notes.append("--transformer-impl local: Megatron's own (non-TE) layers; "
                              "memplan's megatron preset (fused norms) stands for them")
         self._grouped_gemm(impl == "local", spec)
+        self._te_workspaces(impl == "local")
         self._softmax_fp32(impl == "local", spec, mbs, seq)
+
+    def _te_workspaces(self, local: bool) -> None:
+        """Transformer Engine's layers (--transformer-impl transformer_engine, the default)
+        run their GEMMs on TE's own cuBLAS workspace, kept beside PyTorch's
+        (``te_gemm_workspace``; memplan.overheads.te_gemm_workspace_bytes); --tp-comm-overlap
+        (Userbuffers) adds TE's workspace for the overlapped GEMMs (``te_ub_workspace``).
+        Userbuffers' own buffers are outside PyTorch's allocator: not counted."""
+        if local:
+            return
+        self.imp.set("--transformer-impl", "transformer_engine", "te_gemm_workspace", True,
+                     "Transformer Engine's cuBLAS workspace, 32 MiB + 1,024 B on Hopper, kept")
+        if self.flag("--tp-comm-overlap"):
+            self.str("--tp-comm-overlap-cfg", None)  # which GEMMs overlap: not their memory
+            self.imp.set("--tp-comm-overlap", True, "te_ub_workspace", True,
+                         "TE's Userbuffers GEMM workspace, 3 x (32 MiB + 1,024 B) on Hopper "
+                         "(Userbuffers' communication buffers are outside PyTorch's "
+                         "allocator: not counted)")
 
     def _grouped_gemm(self, local: bool, spec: ModelSpec) -> None:
         """--moe-grouped-gemm with Transformer Engine's layers: the experts are TEGroupedMLP

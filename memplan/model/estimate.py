@@ -142,7 +142,8 @@ def estimate(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, *
         raise LayoutError(f"optimizer_in_backward does not combine with {why[0]}",
                           f"optimizer_in_backward with {why[0]}: {why[1]}")
     ovh = with_library_workspaces(overheads if overheads is not None
-                                  else default_overheads(gpu), gpu, wl.te_grouped_gemm)
+                                  else default_overheads(gpu), gpu, wl.te_grouped_gemm,
+                                  wl.te_gemm_workspace, wl.te_ub_workspace)
     parts = memo.stage_parts(spec, par, wl)
     shared = memo.shared_terms(spec, wl, Dims.of(spec, par, wl), par.experts, parts)
     stages = _stages(spec, par, wl, m, schedule, ovh, shared, parts)

@@ -316,7 +316,8 @@ def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
                                split_rule=wl.pipeline_split, node_size=gpu.gpus_per_node)
         if _usable(spec, par, wl, gbs, result.rejected)], result.rejected)
     ctx = _Context(spec, gpu, _with_gbs(wl, gbs), int(capacity * (1 - safety)),
-                   with_library_workspaces(default_overheads(gpu), gpu, wl.te_grouped_gemm),
+                   with_library_workspaces(default_overheads(gpu), gpu, wl.te_grouped_gemm,
+                                           wl.te_gemm_workspace, wl.te_ub_workspace),
                    capacity)
     policies = [_policies(recompute or list(RECOMPUTE_ORDER),
                           _fewest_layers(spec.num_layers, p.pp, p.vpp, p.stage_layers))

@@ -83,7 +83,7 @@ def test_megatron_launch_command() -> None:
         "framework": "megatron", "tp": 2, "sequence_parallel": True, "zero": 1,
         "micro_batch_size": 2, "global_batch_size": 256, "seq_len": 2048,
         "recompute": "full", "recompute_layers": 4, "precision": "bf16-fp32-grads",
-        "optimizer": "adamw", "attention": "flash"}
+        "optimizer": "adamw", "attention": "flash", "te_gemm_workspace": True}
     assert imp.unread == []  # --lr, --data-path: they hold no memory
 
 

@@ -174,3 +174,20 @@ def test_megatron_refuses_by_name(args: str, flag: str) -> None:
             "--max-position-embeddings 1024 --vocab-size 1024 --bf16 ")
     with pytest.raises(MemplanError, match=flag):
         megatron.read(base + args, 8)
+
+
+@pytest.mark.parametrize(("extra", "expected"), [
+    ("", 33_555_456), (" --tp-comm-overlap", 4 * 33_555_456),
+    (" --transformer-impl local", 0)])
+def test_te_gemm_workspaces(extra: str, expected: int) -> None:
+    """Transformer Engine's layers run their GEMMs on TE's own workspace (b9d690e
+    ``cpp_extensions/gemm.py`` ``get_cublas_workspace(device, ub, grouped_gemm)``, kept by
+    ``functools.lru_cache``): 32 MiB + 1,024 B = 33,555,456 B on an H100, beside PyTorch's
+    32 MiB; with --tp-comm-overlap also the Userbuffers GEMMs' one,
+    ``_NUM_MAX_UB_STREAMS`` (3) x 33,555,456; none with Megatron's own layers."""
+    base = ("--num-layers 2 --hidden-size 512 --num-attention-heads 8 --seq-length 1024 "
+            "--max-position-embeddings 1024 --vocab-size 1024 --bf16 "
+            "--tensor-model-parallel-size 2 --sequence-parallel")
+    imp = megatron.read(base + extra, 2)
+    stage = api.estimate(imp.model, gpus=2, gpu="h100", **imp.inputs).stages[0]
+    assert stage.workspace_bytes - 32 * 2**20 == expected
