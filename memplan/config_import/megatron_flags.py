@@ -234,6 +234,11 @@ def fp8(r: _Reader) -> None:
                                        "(--transformer-impl transformer_engine)")
     if not 0 < history <= 1 << 20:
         raise r.refuse("--fp8-amax-history-len", "expected 1 to 1048576 rows")
+    if gather and not (r.has("--use-distributed-optimizer") or r.has("--use-megatron-fsdp")
+                       or r.has("--use-torch-fsdp2")):
+        # megatron/training/arguments.py validate_args asserts it
+        raise r.refuse("--fp8-param-gather", "needs --use-distributed-optimizer (or Megatron "
+                                             "FSDP), as Megatron-LM asserts")
     for flag, why in _FP8_REFUSED.items():
         if r.flag(flag):
             raise r.refuse(flag, why)

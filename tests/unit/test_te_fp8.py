@@ -168,6 +168,7 @@ def test_megatron_reads_the_fp8_flags() -> None:
     ("--fp8-format hybrid --no-fp8-wgrad", "--no-fp8-wgrad"),
     ("--fp8-format hybrid --transformer-impl local", "--fp8-format"),
     ("--fp8-recipe delayed", "--fp8-recipe"),
+    ("--fp8-format e4m3 --fp8-param-gather", "--fp8-param-gather"),
 ])
 def test_megatron_refuses_by_name(args: str, flag: str) -> None:
     base = ("--num-layers 2 --hidden-size 512 --num-attention-heads 8 --seq-length 1024 "
