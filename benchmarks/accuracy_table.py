@@ -345,6 +345,9 @@ def _heldout_layout(estimate: dict | None) -> str:
         parts.append(f"gbs{wl['gbs']}")
     parts += [f"seq{wl['seq']}", wl["precision"], f"recompute {wl['recompute']}",
               f"{wl['attention']} attn"]
+    if wl.get("te_fp8"):
+        parts.append(f"TE fp8 {wl['te_fp8']}"
+                     + (" with fp8 weights" if wl.get("te_fp8_param_gather") else ""))
     return ", ".join(parts)
 
 

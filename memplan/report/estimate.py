@@ -88,6 +88,9 @@ def estimate_json(est: Estimate) -> dict[str, Any]:
             **({"lora_rank": wl.lora_rank, "lora_targets": wl.lora_targets,
                 "lora_dropout": wl.lora_dropout, "base_quant": wl.base_quant.value}
                if wl.lora_rank else {}),
+            # Transformer Engine fp8 (memplan.model.te_fp8), where on
+            **({"te_fp8": wl.te_fp8.value, "te_fp8_param_gather": wl.te_fp8_param_gather}
+               if wl.te_fp8.value != "none" else {}),
         },
         "most_loaded_stage": worst.stage,
         **{name: getattr(worst, name) for name in _COMPONENTS},
