@@ -624,6 +624,11 @@ class Workload(BaseModel):
         "with te_fp8: the TE linears' weights are stored in fp8 (fp8_model_init), the "
         "distributed optimizer's fp32 main copy beside them (Megatron-LM's "
         "--fp8-param-gather)"))
+    te_fp8_transposes: bool | None = Field(default=None, description=(
+        "with te_fp8 delayed or tensorwise: the columnwise copies are transposes of their own "
+        "(Hopper's GEMMs take only TN layouts; TE's nvte_is_non_tn_fp8_gemm_supported is "
+        "false below compute capability 10), else the rowwise data serves both; None: from "
+        "the GPU (memplan.model.te_fp8.for_gpu)"))
     te_fp8_amax_history_len: int = Field(default=1, ge=1, le=1 << 20, description=(
         "with te_fp8 delayed: rows of each TE module's amax history (Megatron-LM's "
         "--fp8-amax-history-len, default 1)"))

@@ -54,6 +54,7 @@ class Dims(NamedTuple):
     adapters: Adapters | None = None  # LoRA on frozen base weights (memplan.model.adapters)
     float8: Float8Recipe = Float8Recipe.NONE  # torchao Float8Linear (memplan.model.linear)
     te_fp8: TeFp8Recipe = TeFp8Recipe.NONE  # Transformer Engine fp8 (memplan.model.te_fp8)
+    te_fp8_transposes: bool = True  # per-tensor fp8 keeps transposed copies (Hopper)
 
     @classmethod
     def of(cls, spec: ModelSpec, par: ParallelConfig, wl: Workload) -> Dims:
@@ -68,7 +69,8 @@ class Dims(NamedTuple):
                    stream_e=policy.params.itemsize if policy.autocast else e,
                    autocast=policy.autocast is not None, etp=par.etp or 0,
                    adapters=adapters_of(wl, spec.fused_qkv or wl.fused_qkv),
-                   float8=wl.float8, te_fp8=wl.te_fp8)
+                   float8=wl.float8, te_fp8=wl.te_fp8,
+                   te_fp8_transposes=wl.te_fp8_transposes is not False)
 
     def experts(self) -> Dims:
         """These dims for the routed experts' projections: their inner widths split by etp."""

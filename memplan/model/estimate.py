@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 from memplan import presets
 from memplan.hardware import GpuSpec
-from memplan.model import adapters, fsdp1, memo, step_in_backward
+from memplan.model import adapters, fsdp1, memo, step_in_backward, te_fp8
 from memplan.model.dims import Dims
 from memplan.model.head import in_loss
 from memplan.model.optimizer import optimizer_policy
@@ -136,6 +136,7 @@ def estimate(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, *
     defaults for the GPU (``memplan.overheads``).
     """
     par = resolve_split(spec, par, wl)
+    wl = te_fp8.for_gpu(wl, gpu)
     validate(spec, par, wl)
     gbs, m = resolve_batch(par, wl)
     if wl.optimizer_in_backward and (why := step_in_backward.refusal(m)) is not None:

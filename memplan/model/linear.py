@@ -151,7 +151,7 @@ def te_fp8_input_bytes(lin: Linear, dm: Dims) -> int:
     d_in, _ = local_widths(lin, dm.tp)
     rowwise = dm.te_fp8 in te_fp8.PER_TENSOR
     return te_fp8.quantized_bytes(dm.te_fp8, rows, d_in, rowwise=rowwise,
-                                  columnwise=not rowwise)
+                                  columnwise=not rowwise, transposes=dm.te_fp8_transposes)
 
 
 def te_fp8_saved_terms(prefix: str, linears: Sequence[Linear], dm: Dims) -> list[Term]:
@@ -182,7 +182,7 @@ def te_fp8_weight_bytes(linears: Sequence[Linear], dm: Dims, amax_history_len: i
     for mod in te_modules(linears):
         d_in, d_out = local_widths(mod, dm.tp)
         both = te_fp8.quantized_bytes(dm.te_fp8, d_out, d_in, rowwise=True, columnwise=True,
-                                      weight=True)
+                                      weight=True, transposes=dm.te_fp8_transposes)
         out += (both - (d_out * d_in * te_fp8.FP8_BYTES if param_gather else 0)
                 + te_fp8.module_state_bytes(dm.te_fp8, amax_history_len))
     return out
@@ -194,6 +194,8 @@ def te_fp8_forward_bytes(lin: Linear, dm: Dims) -> int:
     (``_Linear.forward``: ``set_usage(rowwise=True, columnwise=backward_needs_input)``, then
     ``update_usage(rowwise_usage=False)``)."""
     d_in, _ = local_widths(lin, dm.tp)
+    if dm.te_fp8 in te_fp8.PER_TENSOR and not dm.te_fp8_transposes:
+        return 0  # one copy, the one it saves
     return te_fp8.quantized_bytes(dm.te_fp8, dm.tokens, d_in, rowwise=True, columnwise=False)
 
 
@@ -204,7 +206,8 @@ def te_fp8_backward_bytes(lin: Linear, dm: Dims) -> int:
     ``grad_output_preprocess`` with ``grad_output_quantizer.set_usage(rowwise=True,
     columnwise=True)``)."""
     _, d_out = local_widths(lin, dm.tp)
-    return te_fp8.quantized_bytes(dm.te_fp8, dm.tokens, d_out, rowwise=True, columnwise=True)
+    return te_fp8.quantized_bytes(dm.te_fp8, dm.tokens, d_out, rowwise=True, columnwise=True,
+                                  transposes=dm.te_fp8_transposes)
 
 
 def float8_converts(lin: Linear, dm: Dims) -> bool:

@@ -34,8 +34,9 @@ the same layouts are made in C++ (``csrc/quantizer.cpp``, ``Float8Quantizer::cre
 
 from __future__ import annotations
 
+from memplan.hardware import GpuSpec
 from memplan.units import FP32_BYTES
-from memplan.workload import TeFp8Recipe
+from memplan.workload import TeFp8Recipe, Workload
 
 FP8_BYTES = 1  # every fp8 cast is torch.uint8 data (make_empty of each quantizer)
 MXFP8_BLOCK = 32  # MXFP8_BLOCK_SCALING_SIZE (tensor/mxfp8_tensor.py)
@@ -47,6 +48,21 @@ PER_TENSOR = (TeFp8Recipe.DELAYED, TeFp8Recipe.TENSORWISE)
 # and grad_input in backward (module/base.py ``init_fp8_meta_tensors``: ``num_gemms * 3``
 # forward, ``num_gemms * 2`` backward)
 FORWARD_QUANTIZERS, BACKWARD_QUANTIZERS = 3, 2
+
+
+# the first compute capability whose fp8 GEMMs take non-TN layouts (TE's
+# ``nvte_is_non_tn_fp8_gemm_supported``, common/util: sm_100 and above): no transposes kept
+NON_TN_MAJOR = 10
+
+
+def for_gpu(wl: Workload, gpu: GpuSpec) -> Workload:
+    """``wl`` with ``te_fp8_transposes`` decided by ``gpu`` where left None: TE keeps
+    transposed columnwise copies of per-tensor fp8 tensors below compute capability 10
+    (Hopper), none from Blackwell on."""
+    if wl.te_fp8 is TeFp8Recipe.NONE or wl.te_fp8_transposes is not None:
+        return wl
+    major = int(gpu.compute_capability.split(".")[0])
+    return wl.model_copy(update={"te_fp8_transposes": major < NON_TN_MAJOR})
 
 
 def _up(n: int, m: int) -> int:
@@ -76,16 +92,18 @@ def scale_bytes(recipe: TeFp8Recipe, rows: int, cols: int, *, columnwise: bool,
 
 
 def quantized_bytes(recipe: TeFp8Recipe, rows: int, cols: int, *, rowwise: bool,
-                    columnwise: bool, weight: bool = False) -> int:
+                    columnwise: bool, weight: bool = False, transposes: bool = True) -> int:
     """Bytes of a rows x cols tensor cast to fp8 holding the copies asked for: one byte an
     element per copy, with its scales (``scale_bytes``; one fp32 ``scale_inv`` for a
-    per-tensor recipe)."""
+    per-tensor recipe, whose columnwise use needs a transposed copy only with
+    ``transposes``: else its data serves both, ``Float8TensorStorage.update_usage``)."""
     copies = int(rowwise) + int(columnwise)
     if copies == 0 or recipe is TeFp8Recipe.NONE:
         return 0
-    data = copies * rows * cols * FP8_BYTES
     if recipe in PER_TENSOR:
-        return data + FP32_BYTES
+        copies = copies if transposes else 1
+        return copies * rows * cols * FP8_BYTES + FP32_BYTES
+    data = copies * rows * cols * FP8_BYTES
     return (data + (scale_bytes(recipe, rows, cols, columnwise=False, weight=weight)
                     if rowwise else 0)
             + (scale_bytes(recipe, rows, cols, columnwise=True, weight=weight)

@@ -17,6 +17,7 @@ import numpy as np
 
 from memplan.errors import LayoutError, MemplanError
 from memplan.hardware import GpuSpec
+from memplan.model import te_fp8
 from memplan.model.estimate import Estimate, estimate
 from memplan.model.memo import fewest_stage_params
 from memplan.overheads import Overheads, default_overheads, with_library_workspaces
@@ -307,6 +308,7 @@ def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
         raise MemplanError(f"safety must be in [0, 1), got {safety}")
     if top is not None and top < 1:
         raise MemplanError(f"top must be at least 1, got {top}")
+    wl = te_fp8.for_gpu(wl, gpu)  # (the GPU decides TE fp8's transposes)
     capacity = capacity_bytes or gpu.memory_bytes
     gbs = wl.global_batch_size or max(1, DEFAULT_TOKENS_PER_STEP // wl.seq_len)
     result = PlanResult(candidates=[], global_batch_size=gbs)

@@ -192,3 +192,25 @@ def test_te_gemm_workspaces(extra: str, expected: int) -> None:
     imp = megatron.read(base + extra, 2)
     stage = api.estimate(imp.model, gpus=2, gpu="h100", **imp.inputs).stages[0]
     assert stage.workspace_bytes - 32 * 2**20 == expected
+
+
+def test_blackwell_keeps_no_transposes() -> None:
+    """From compute capability 10 TE's fp8 GEMMs take non-TN layouts
+    (``nvte_is_non_tn_fp8_gemm_supported``): a per-tensor fp8 tensor's rowwise data serves its
+    columnwise use too (``Float8TensorStorage.update_usage``, ``Float8Quantizer::
+    create_tensor``: no transpose). On a B200, ``test_stage_saved_kept_and_params``'s
+    tensorwise run keeps per layer one copy of each weight, 393,216 + 131,072 + 2 * 524,288
+    = 1,572,864 B plus four 4-byte scales, 3,145,760 B for two layers (half Hopper's
+    6,291,488 B less 16 B of scales); with fp8 parameters only the scales, 32 B; the saved
+    copies are the same bytes (one orientation either way)."""
+    h100 = api.estimate(SPEC, te_fp8="tensorwise", **KW).stages[0]
+    b200 = api.estimate(SPEC, te_fp8="tensorwise", **{**KW, "gpu": "b200"}).stages[0]
+    plain = api.estimate(SPEC, **{**KW, "gpu": "b200"}).stages[0]
+    gathered = api.estimate(SPEC, te_fp8="tensorwise", te_fp8_param_gather=True,
+                            **{**KW, "gpu": "b200"}).stages[0]
+    assert b200.buffers_bytes - plain.buffers_bytes == 3_145_760
+    assert gathered.buffers_bytes - plain.buffers_bytes == 32
+    assert b200.activations_bytes == h100.activations_bytes
+    forced = api.estimate(SPEC, te_fp8="tensorwise", te_fp8_transposes=True,
+                          **{**KW, "gpu": "b200"}).stages[0]
+    assert forced.buffers_bytes == h100.buffers_bytes
