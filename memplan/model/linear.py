@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from memplan.choices import PlainEnum
-from memplan.model.adapters import ADAPTER_BYTES, Adapters, torchao_dequant_bytes
 from memplan.model import te_fp8
+from memplan.model.adapters import ADAPTER_BYTES, Adapters, torchao_dequant_bytes
 from memplan.model.dims import MASK_BYTES, Dims, Term
 from memplan.workload import BaseQuant, Float8Recipe, TeFp8Recipe
 
