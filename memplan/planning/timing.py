@@ -36,7 +36,8 @@ from memplan.model.sac import recomputed
 from memplan.parallel import ParallelConfig, ZeroStage, local_seq, rank_layers, optimizer_on_host
 from memplan.spec import ModelSpec
 from memplan.units import FP32_BYTES
-from memplan.workload import Recompute, SelectiveImpl, Workload
+from memplan.planning.kernels import linear_time_factor
+from memplan.workload import Float8Recipe, Recompute, SelectiveImpl, Workload
 
 if TYPE_CHECKING:
     import numpy as np
@@ -530,7 +531,13 @@ def _step_fields(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int,
     matmul, attention, _ = forward_flops_per_token(spec, wl.seq_len)
     share = attention / (matmul + attention)
     slower = c.ops.per_value(lambda cp: _cp_attention_time(wl.seq_len, int(cp)), c.cp)
-    compute = compute * (1.0 - share + share * slower)
+    # the decoder's linears at the rate of their per-GPU GEMM shapes, float8 on FP8 tensor
+    # cores (``memplan.planning.kernels``)
+    linear = (matmul - head_flops_per_token(spec)) / (matmul + attention)
+    float8 = wl.float8 is not Float8Recipe.NONE
+    shaped = c.ops.per_value(lambda tp: linear_time_factor(spec, gpu, int(tp), float8, mfu),
+                               c.tp)
+    compute = compute * (1.0 - share - linear + share * slower + linear * shaped)
     comm = comm_columns(spec, gpu, wl, c)
     exposed = sum(seconds * (1.0 - OVERLAP[kind]) for kind, seconds in comm.items()
                   if kind not in WINDOWED)
