@@ -623,11 +623,23 @@ def _windowed(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns, comm: dic
           + exposed(gather, per_mb * (1 - backward_share)) + exposed(gathers, compute))
     matmul, attention, _ = forward_flops_per_token(spec, wl.seq_len)
     attention_share = attention / (matmul + attention)
-    cp_hidden = OVERLAP["cp"]
+    # the ring, step by step (PyTorch's context_parallel, torch/distributed/tensor/
+    # experimental/_attention.py _templated_ring_attention, and Megatron-LM/Transformer
+    # Engine's AttnFuncWithCPAndKVP2P: each of the cp steps sends the next K/V chunk while
+    # the current block's attention runs): a step's send is exposed by what it exceeds the
+    # block's attention, a 1/cp share of the layer's; backward passes K/V and their gradients
+    # beside twice the forward's compute, the same ratio
     cp = comm["cp"]
-    window = compute * attention_share
-    cp_exposed = where(cp * cp_hidden > window, cp - window, cp * (1.0 - cp_hidden))
-    return dp + cp_exposed
+    steps = where(c.cp > 1, 2 * (c.cp - 1) * c.layers * c.m, 1)
+    block = compute * attention_share / 3.0 / (c.layers * c.m * c.cp)
+    return dp + ring_exposed(cp, steps, block, where)
+
+
+def ring_exposed(seconds: Any, steps: Any, block: Any, where: Any) -> Any:
+    """Exposed seconds of a ring of ``steps`` sends taking ``seconds`` in all, each beside
+    ``block`` seconds of attention: a send is exposed by what it exceeds its block."""
+    send = seconds / steps
+    return where(send > block, seconds * (1.0 - block / where(send > 0, send, 1.0)), 0.0)
 
 
 def step_times(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int, c: Columns,

@@ -70,3 +70,17 @@ def test_tensor_parallel_shrinks_the_gemms():
     1 - 0.498984 + 0.498984 x 1.1392 = 1.06946."""
     assert linear_time_factor(_wide(), H100, 16, False, 0.40) == pytest.approx(1.0695,
                                                                                abs=2e-4)
+
+
+def _where(cond, a, b):
+    return a if cond else b
+
+
+def test_ring_exposed_per_step():
+    """A ring of 14 sends, 0.7 s in all (0.05 s each). Beside blocks of 0.08 s of attention
+    each send hides: 0. Beside blocks of 0.02 s each send shows 0.03 s: 14 x 0.03 = 0.42 s,
+    = 0.7 x (1 - 0.02 / 0.05)."""
+    from memplan.planning.timing import ring_exposed
+
+    assert ring_exposed(0.7, 14, 0.08, _where) == 0.0
+    assert ring_exposed(0.7, 14, 0.02, _where) == pytest.approx(0.42)
