@@ -76,6 +76,30 @@ def _where(cond, a, b):
     return a if cond else b
 
 
+def test_dp_exposed_first_unit_waits_and_compute_is_shared():
+    """ZeRO-3 over 34 units (32 layers, embedding, head): gathers of 3.4 s (0.1 s a unit) and
+    reduce-scatters of 1.7 s (0.05 s a unit) in every micro-batch. Beside 10 s of compute
+    only one unit of each waits: 0.1 + 0.05 = 0.15 s. Beside 4 s the rest, 3.3 + 1.65 =
+    4.95 s, shares the 4 s: 0.95 s more, 1.1 s in all (two transfers do not each hide behind
+    the same 4 s)."""
+    from memplan.planning.timing import dp_exposed
+
+    kw = dict(units=34, per_mb=1.0, backward_share=0.5, where=_where)
+    assert dp_exposed(0.0, 1.7, 0.0, 3.4, compute=10.0, **kw) == pytest.approx(0.15)
+    assert dp_exposed(0.0, 1.7, 0.0, 3.4, compute=4.0, **kw) == pytest.approx(1.1)
+
+
+def test_dp_exposed_once_per_step_reduction_hides_behind_the_last_backward():
+    """A once-per-step reduce-scatter of 3.4 s over 34 units with 2 s of compute per
+    micro-batch, two thirds of it backward (1.333 s): 0.1 s (its last unit) + what the other
+    3.3 s exceed the last backward by, 3.3 - 1.333 = 1.967 s: 2.067 s in all."""
+    from memplan.planning.timing import dp_exposed
+
+    out = dp_exposed(3.4, 0.0, 0.0, 0.0, units=34, compute=16.0, per_mb=2.0,
+                     backward_share=2 / 3, where=_where)
+    assert out == pytest.approx(0.1 + 3.3 - 4 / 3)
+
+
 def test_ring_exposed_per_step():
     """A ring of 14 sends, 0.7 s in all (0.05 s each). Beside blocks of 0.08 s of attention
     each send hides: 0. Beside blocks of 0.02 s each send shows 0.03 s: 14 x 0.03 = 0.42 s,
