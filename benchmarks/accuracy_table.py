@@ -783,6 +783,11 @@ def render(rows: list[Row], others: list[dict] | None = None,
     for estimator in others:
         out += _other_method(estimator)
     out.append("")
+    from benchmarks.throughput_table import render as render_throughput
+    from benchmarks.throughput_table import build_rows as throughput_rows
+    from benchmarks.throughput_table import load_runs as throughput_runs
+
+    out += render_throughput(throughput_rows(throughput_runs()))
     return "\n".join(out)
 
 

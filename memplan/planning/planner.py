@@ -58,6 +58,12 @@ DEFAULT_TOKENS_PER_STEP = 4 * 1024 * 1024
 # per-layer costs the time model does not have (kernel launches per ring step, the chunk
 # reordering) weigh more than the ring it models. Give --cp to search it anyway.
 MAX_VPP = 4
+# ... and, beyond those, every count up to 8 chunks per rank (Llama 3 405B ran 8, Dubey et al.
+# 2024, section 3.3.2) at which the layers split evenly, or evenly with the embedding and the
+# loss counted as a layer each (Megatron-LM's --account-for-embedding-in-pipeline-split and
+# --account-for-loss-in-pipeline-split: with one layer a chunk, the first chunk holds the
+# embedding alone and the last the output layer and loss alone, Llama 3's 0,1x126,0)
+MAX_SPLIT_VPP = 8
 # pipeline degrees searched beyond the layers' divisors: powers of two up to 16 (the largest
 # published dense runs use 16: Llama 3 405B, Dubey et al. 2024, section 3.3.2), and uneven
 # splits with at least two layers on every virtual stage
@@ -170,7 +176,19 @@ def pipeline_splits(num_layers: int, pp: int, vpp: int,
     # stage's imbalance; with chunks the split is searched where no even one exists
     if uneven and min(uneven) >= MIN_STAGE_LAYERS and (not even or vpp == 1):
         out.append(uneven)
+    elif not even and num_layers + 2 == parts:  # one layer a chunk: embedding- and head-only
+        out.append((0,) + (1,) * num_layers + (0,))
     return out
+
+
+def vpp_choices(num_layers: int, pp: int) -> list[int]:
+    """Model chunks per pipeline rank searched: 1 to ``MAX_VPP``, and up to ``MAX_SPLIT_VPP``
+    those at which the layers split evenly, or evenly with the embedding and the loss counted
+    as a layer each."""
+    if pp == 1:
+        return [1]
+    return [v for v in range(1, MAX_SPLIT_VPP + 1)
+            if v <= MAX_VPP or num_layers % (pp * v) == 0 or (num_layers + 2) % (pp * v) == 0]
 
 
 def layouts(spec: ModelSpec, num_gpus: int, seq_len: int, *, max_tp: int,
@@ -201,7 +219,7 @@ def layouts(spec: ModelSpec, num_gpus: int, seq_len: int, *, max_tp: int,
                 dp = num_gpus // (tp * pp * cp)
                 expert_splits = _expert_splits(spec, tp, dp * cp, fixed)  # any vpp and split
                 node_shard = node_size // (tp * cp) if node_size % (tp * cp) == 0 else 0
-                vpps = list(range(1, MAX_VPP + 1)) if pp > 1 else [1]
+                vpps = vpp_choices(spec.num_layers, pp)
                 given = fixed.get("stage_layers")
                 if given is not None:  # a given split says how many virtual stages
                     vpps = [len(given) // pp] if len(given) % pp == 0 else [1]
@@ -279,14 +297,15 @@ def _fewest_layers(num_layers: int, pp: int, vpp: int, split: tuple[int, ...] | 
 
 
 def _policies(allowed: list[Recompute], stage_layers: int) -> list[tuple[Recompute, int | None]]:
-    """Recompute policies in order of extra compute: none, selective, full on a quarter, half
-    and three quarters of each stage's layers, full on all."""
+    """Recompute policies in order of extra compute: none, selective, full on an eighth,
+    a quarter, ... seven eighths of each stage's layers (every k of a stage of 8 layers or
+    fewer: Llama 3's 405B layout recomputes k of 8), full on all."""
     out: list[tuple[Recompute, int | None]] = []
     for policy in RECOMPUTE_ORDER:
         if policy not in allowed:
             continue
         if policy is Recompute.FULL:
-            parts = sorted({stage_layers * q // 4 for q in (1, 2, 3)} - {0, stage_layers})
+            parts = sorted({stage_layers * q // 8 for q in range(1, 8)} - {0, stage_layers})
             out += [(policy, k) for k in parts]
             out.append((policy, None))
         else:

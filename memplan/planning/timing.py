@@ -36,7 +36,8 @@ from memplan.model.sac import recomputed
 from memplan.parallel import ParallelConfig, ZeroStage, local_seq, rank_layers, optimizer_on_host
 from memplan.spec import ModelSpec
 from memplan.units import FP32_BYTES
-from memplan.workload import Recompute, SelectiveImpl, Workload
+from memplan.planning.kernels import linear_time_factor
+from memplan.workload import Float8Recipe, Recompute, SelectiveImpl, Workload
 
 if TYPE_CHECKING:
     import numpy as np
@@ -50,9 +51,10 @@ MFU_SOURCE = "assumption: 40% of peak (Llama 3 paper, Table 4: 38-43% on H100) u
 
 # Fraction of each communication hidden behind compute, stated assumptions: tensor-parallel
 # collectives sit between dependent matmuls (exposed, Megatron-LM without TP comm overlap);
-# data-parallel gradient reduction and ZeRO gathers overlap backward and forward except the
-# last bucket; pipeline sends of one micro-batch overlap the next one's compute; context-
-# parallel ring KV exchange overlaps the attention blocks; expert all-to-all is exposed.
+# pipeline sends of one micro-batch overlap the next one's compute; expert all-to-all is
+# exposed. Data-parallel collectives and the context-parallel ring are timed against the
+# compute beside them instead (``_windowed``: ``dp_exposed``, ``ring_exposed``; their
+# entries here are not read).
 # An offloaded optimizer (ZeRO-Offload, Ren et al. 2021, section 4.1) copies each gradient
 # shard to the host during backward (overlapped as the data-parallel reduction is); its CPU
 # step and the copy of the updated weights back to the GPU sit between two steps (exposed,
@@ -530,7 +532,13 @@ def _step_fields(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int,
     matmul, attention, _ = forward_flops_per_token(spec, wl.seq_len)
     share = attention / (matmul + attention)
     slower = c.ops.per_value(lambda cp: _cp_attention_time(wl.seq_len, int(cp)), c.cp)
-    compute = compute * (1.0 - share + share * slower)
+    # the decoder's linears at the rate of their per-GPU GEMM shapes, float8 on FP8 tensor
+    # cores (``memplan.planning.kernels``)
+    linear = (matmul - head_flops_per_token(spec)) / (matmul + attention)
+    float8 = wl.float8 is not Float8Recipe.NONE
+    shaped = c.ops.per_value(lambda tp: linear_time_factor(spec, gpu, int(tp), float8, mfu),
+                               c.tp)
+    compute = compute * (1.0 - share - linear + share * slower + linear * shaped)
     comm = comm_columns(spec, gpu, wl, c)
     exposed = sum(seconds * (1.0 - OVERLAP[kind]) for kind, seconds in comm.items()
                   if kind not in WINDOWED)
@@ -587,8 +595,8 @@ WINDOWED = frozenset({"dp", "cp"})
 
 def _windowed(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns, comm: dict[str, Any],
               compute: Any, model_flops: Any, hardware_flops: Any) -> Any:
-    """Exposed seconds of data- and context-parallel communication: at most ``OVERLAP`` of
-    each is hidden, and never more than the compute it can run beside.
+    """Exposed seconds of data- and context-parallel communication, hidden at most by the
+    compute it can run beside (``dp_exposed``, ``ring_exposed``).
 
     - A reduction once per step starts when the last micro-batch's backward makes the
       gradients: with gradient accumulation only that micro-batch's backward can hide it (Megatron-LM
@@ -607,20 +615,56 @@ def _windowed(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns, comm: dic
     backward_share = 2.0 / 3.0 * model_flops / hardware_flops  # of the step's compute
     per_mb = compute / c.m
     reduce, reduce_each, gather, gathers = dp_parts(wl, gpu, c)
-    hidden = OVERLAP["dp"]
-
-    def exposed(seconds: Any, window: Any) -> Any:
-        return where(seconds * hidden > window, seconds - window, seconds * (1.0 - hidden))
-
-    dp = (exposed(reduce, per_mb * backward_share) + exposed(reduce_each, compute * backward_share)
-          + exposed(gather, per_mb * (1 - backward_share)) + exposed(gathers, compute))
+    units = c.layers + 2  # a collective per unit: each layer's, the embedding's, the head's
+    dp = dp_exposed(reduce, reduce_each, gather, gathers, units=units, compute=compute,
+                    per_mb=per_mb, backward_share=backward_share, where=where)
     matmul, attention, _ = forward_flops_per_token(spec, wl.seq_len)
     attention_share = attention / (matmul + attention)
-    cp_hidden = OVERLAP["cp"]
+    # the ring, step by step (PyTorch's context_parallel, torch/distributed/tensor/
+    # experimental/_attention.py _templated_ring_attention, and Megatron-LM/Transformer
+    # Engine's AttnFuncWithCPAndKVP2P: each of the cp steps sends the next K/V chunk while
+    # the current block's attention runs): a step's send is exposed by what it exceeds the
+    # block's attention, a 1/cp share of the layer's; backward passes K/V and their gradients
+    # beside twice the forward's compute, the same ratio
     cp = comm["cp"]
-    window = compute * attention_share
-    cp_exposed = where(cp * cp_hidden > window, cp - window, cp * (1.0 - cp_hidden))
-    return dp + cp_exposed
+    steps = where(c.cp > 1, 2 * (c.cp - 1) * c.layers * c.m, 1)
+    block = compute * attention_share / 3.0 / (c.layers * c.m * c.cp)
+    return dp + ring_exposed(cp, steps, block, where)
+
+
+def dp_exposed(reduce: Any, reduce_each: Any, gather: Any, gathers: Any, *, units: Any,
+               compute: Any, per_mb: Any, backward_share: Any, where: Any) -> Any:
+    """Exposed seconds of the data-parallel collectives (``dp_parts``) beside ``compute``
+    seconds of compute.
+
+    Each pass's collectives run one unit ahead of the compute (FSDP2 issues the next unit's
+    all-gather while the current one computes, and reduce-scatters each unit's gradients as
+    its backward ends: torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py
+    ``pre_forward``, ``post_backward``; Megatron-LM's overlapped buckets the same), so one
+    unit's share of each kind waits (the first gather, the last reduce-scatter). The rest
+    hides behind the compute beside it: a once-per-step reduction behind the last micro-
+    batch's backward, the gather after the optimizer step behind the first one's forward
+    (what exceeds those is exposed), and all of it together behind the step's compute, which
+    every collective shares (one compute cannot hide two transfers twice)."""
+    def edge(seconds: Any) -> Any:
+        return seconds / units
+
+    def over(seconds: Any, window: Any) -> Any:
+        return where(seconds > window, seconds - window, 0.0)
+
+    r, g = reduce - edge(reduce), gather - edge(gather)
+    r_over, g_over = over(r, per_mb * backward_share), over(g, per_mb * (1 - backward_share))
+    pooled = (r - r_over) + (g - g_over) + (reduce_each - edge(reduce_each)) + \
+        (gathers - edge(gathers))
+    return (edge(reduce) + edge(reduce_each) + edge(gather) + edge(gathers) + r_over + g_over
+            + over(pooled, compute))
+
+
+def ring_exposed(seconds: Any, steps: Any, block: Any, where: Any) -> Any:
+    """Exposed seconds of a ring of ``steps`` sends taking ``seconds`` in all, each beside
+    ``block`` seconds of attention: a send is exposed by what it exceeds its block."""
+    send = seconds / steps
+    return where(send > block, seconds * (1.0 - block / where(send > 0, send, 1.0)), 0.0)
 
 
 def step_times(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int, c: Columns,

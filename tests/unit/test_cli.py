@@ -165,10 +165,19 @@ def test_estimate_json_step_time_derived_by_hand() -> None:
     four times and the head three (435,200 + 49,152 = 484,352), 484,352 / 459,776 of the mean.
     The only communication is the pipeline's: 2 * (256 tokens * 64 * 2 B) * 4 micro-batches
     = 262,144 B over NVLink (450 GB/s), 8 sends of 3.4 us each (NCCL's NVLink step), half
-    exposed; the bubble (2 - 1) / 4 of compute and exposed communication."""
+    exposed; the bubble (2 - 1) / 4 of compute and exposed communication.
+    The decoder's linears (per token 2 * 92,416 of the 233,984 forward FLOPs less the head's
+    16,384: 184,832) run their GEMMs at the measured rate of their shape: every dimension of
+    tiny's is 256 or less, XLA's sm_90 table's smallest point, 206,488,812,307,692 FLOP/s
+    against 793,131,337,247,852 at its largest; the GEMMs take 0.4 * 989.4e12 /
+    793,131,337,247,852 of the linears' time at 40% (memplan.planning.kernels)."""
     out = estimate_cli(*TINY_PP2)
     assert out["flops_per_step"] == 470_810_624
-    compute = 470_810_624 / (989.4e12 * 0.4) * 484_352 / 459_776
+    share = 0.4 * 989.4e12 / 793_131_337_247_852
+    linears = 1 - share + share * 793_131_337_247_852 / 206_488_812_307_692
+    part = 184_832 / 233_984
+    compute = (470_810_624 / (989.4e12 * 0.4) * 484_352 / 459_776
+               * (1 - part + part * linears))
     exposed = (262_144 / 450e9 + 8 * 3.4e-6) * 0.5
     step = (compute + exposed) * (1 + 1 / 4)
     assert out["step_time_s"] == pytest.approx(step, rel=1e-12)

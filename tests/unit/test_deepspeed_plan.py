@@ -98,18 +98,18 @@ def test_plan_searches_stages_and_buckets() -> None:
 
 def test_plan_keeps_the_bucket_with_the_lower_peak() -> None:
     """On 8 A100 40GB with 64 sequences of 4096 per step, the fastest candidate (mbs 1, full
-    recompute of 24 of 32 layers) fits with either bucket; the plan keeps the one with the
+    recompute of 20 of 32 layers, five eighths: the plan searches k in eighths of a stage) fits with either bucket; the plan keeps the one with the
     lower peak, which is the smaller of the two plans with the bucket fixed (a ds_config's
     reduce_bucket_size), each reporting only its own bucket."""
     top = _plan("--gpu", "a100-40gb", "--gbs", "64")["candidates"][0]
-    assert (top["mbs"], top["recompute"], top["recompute_layers"]) == (1, "full", 24)
+    assert (top["mbs"], top["recompute"], top["recompute_layers"]) == (1, "full", 20)
     peaks = {}
     for bucket in (500_000_000, 16_777_216):
         fixed = api.plan("llama-7b", gpus=8, gpu="a100-40gb", seq_len=4096,
                          global_batch_size=64, framework="deepspeed", zero_bucket_numel=bucket)
         assert {c.workload.zero_bucket_numel for c in fixed.candidates} == {bucket}
         peaks[bucket] = next(c.peak_bytes for c in fixed.candidates
-                             if (c.micro_batch_size, c.recompute_layers) == (1, 24))
+                             if (c.micro_batch_size, c.recompute_layers) == (1, 20))
     assert top["peak_bytes"] == min(peaks.values()) == peaks[top["reduce_bucket_numel"]]
 
 

@@ -1,0 +1,210 @@
+"""memplan's step time against published training throughput: the Throughput section of
+``docs/accuracy.md``.
+
+Each run of ``benchmarks/data/throughput_runs.json`` is estimated as its source describes it
+(``memplan.estimate`` with the run's ``memplan_args``) and timed by memplan's step-time model
+(``memplan.planning.timing.estimate_step_time``), uncalibrated. A run is compared on what its
+source publishes: tokens/s/GPU where given, else MFU. Per group (one source's table, one job
+with a knob changed) the Spearman rank correlation of memplan's numbers with the published
+ones says whether memplan orders the runs as they ran.
+
+``python benchmarks/throughput_table.py`` prints the section; ``benchmarks/accuracy_table.py``
+writes it into ``docs/accuracy.md`` (and ``--check`` covers it).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import memplan  # noqa: E402
+from memplan.errors import MemplanError  # noqa: E402
+from memplan.hardware import load_gpu  # noqa: E402
+from memplan.planning.timing import estimate_step_time, step_time  # noqa: E402
+from memplan.workload import Float8Recipe  # noqa: E402
+
+RUNS = ROOT / "benchmarks" / "data" / "throughput_runs.json"
+# the targets of the step-time model (issue: a rank correlation of at least 0.8 in every group
+# of three runs or more; a median |error| of at most 15% before calibration)
+MIN_GROUP = 3
+
+
+def load_runs(path: Path = RUNS) -> list[dict[str, Any]]:
+    return json.loads(path.read_text())["runs"]
+
+
+def _args(run: dict[str, Any]) -> dict[str, Any]:
+    args = dict(run["memplan_args"])
+    if "/" in args["model"]:
+        args["model"] = str(ROOT / args["model"])
+    if "gpus_per_node" in run:  # a node of other size than the catalog GPU's
+        gpu = load_gpu(args.get("gpu", "h100-sxm"))
+        args["gpu"] = gpu.model_copy(update={"gpus_per_node": run["gpus_per_node"]})
+    return args
+
+
+# Mechanisms dropped, in this order, when memplan's memory model refuses a combination (float8
+# under torch.compile, float8 with TP): the run is then timed as the closest run memplan
+# expresses, and the row says what was dropped.
+FALLBACKS = (("compile", "torch.compile (memory estimated eager)"),
+             ("float8", "float8 (memory estimated in bf16)"))
+
+
+def _timed(est: Any, run: dict[str, Any]) -> Any:
+    """The step time of ``est`` with the run's own compile and float8 settings: a mechanism
+    the memory model refuses in this combination is dropped from the memory estimate only
+    (the step-time model reads it)."""
+    given = run["memplan_args"]
+    update = {}
+    if given.get("compile") and not est.workload.compile:
+        update["compile"] = True
+    if given.get("float8", "none") != "none" and est.workload.float8 is Float8Recipe.NONE:
+        update["float8"] = Float8Recipe(given["float8"])
+    if not update:
+        return estimate_step_time(est)
+    wl = est.workload.model_copy(update=update)
+    return step_time(est.spec, est.gpu, est.parallel, wl, est.global_batch_size,
+                     est.num_microbatches, est.worst.num_params)
+
+
+def predict(run: dict[str, Any]) -> tuple[str, float | None, float | None, str, list[str]]:
+    """(compared quantity, published, memplan's, refusal, mechanisms dropped) of one run.
+    MFU is compared where the source publishes it (it compares across models), else
+    tokens/s/GPU."""
+    pub = run["published"]
+    quantity = "mfu" if "mfu" in pub else "tokens_per_s_per_gpu"
+    args, dropped = _args(run), []
+    while True:
+        try:
+            est = memplan.estimate(**args)
+            return quantity, pub[quantity], getattr(_timed(est, run), quantity), "", dropped
+        except MemplanError as err:
+            left = [(k, what) for k, what in FALLBACKS if k in args]
+            if not left:
+                return quantity, pub[quantity], None, str(err), dropped
+            args.pop(left[0][0])
+            dropped.append(left[0][1])
+
+
+def ranks(values: list[float]) -> list[float]:
+    """1-based ranks, ties sharing the mean of their ranks."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(a: list[float], b: list[float]) -> float | None:
+    """Spearman's rank correlation (Pearson's on the ranks); None when either side is flat."""
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    va = sum((x - ma) ** 2 for x in ra)
+    vb = sum((y - mb) ** 2 for y in rb)
+    return None if va == 0 or vb == 0 else cov / (va * vb) ** 0.5
+
+
+def build_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for run in runs:
+        quantity, pub, est, refused, dropped = predict(run)
+        rows.append({"run": run, "quantity": quantity, "published": pub, "memplan": est,
+                     "refused": refused, "dropped": dropped,
+                     "error": None if est is None else est / pub - 1.0})
+    return rows
+
+
+def groups(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        out.setdefault(r["run"]["group"], []).append(r)
+    return out
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median |error| and each group's rank correlation (what the targets read)."""
+    errors = [abs(r["error"]) for r in rows if r["error"] is not None]
+    rho = {}
+    for name, members in groups(rows).items():
+        done = [r for r in members if r["memplan"] is not None]
+        # a flat prediction orders nothing: None, read as 0
+        rho[name] = (spearman([r["published"] for r in done], [r["memplan"] for r in done])
+                     if len(done) >= 2 else None)
+    return {"median_abs_error": statistics.median(errors) if errors else None,
+            "rho": rho, "runs": len(rows), "estimated": len(errors)}
+
+
+def _num(quantity: str, value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3f}" if quantity == "mfu" else f"{value:,.0f}"
+
+
+def _rho(value: float | None) -> str:
+    return "0 (flat)" if value is None else f"{value:+.2f}"
+
+
+def render(rows: list[dict[str, Any]]) -> list[str]:
+    s = summary(rows)
+    big = [n for n, m in groups(rows).items() if len(m) >= MIN_GROUP]
+    passing = sum(1 for n in big if s["rho"][n] is not None and s["rho"][n] >= 0.8)
+    out = [
+        "## Throughput",
+        "",
+        "memplan's step time (`memplan.planning.timing`, uncalibrated) against published",
+        f"training throughput: {s['runs']} runs in {len(groups(rows))} groups",
+        "(`benchmarks/data/throughput_runs.json`, each with its source, the numbers as printed",
+        "and the configuration memplan is given; `benchmarks/throughput_table.py`). A run is",
+        "compared on what its source publishes, tokens/s/GPU where given, else MFU (model FLOPs",
+        "over the GPU's dense BF16 peak). Error is memplan / published - 1. Within a group (one",
+        "job, one or two knobs changed) the Spearman rank correlation says whether memplan orders",
+        "the runs as they ran; a group's correlation is only meaningful from three runs.",
+        "",
+        f"- Median |error|: {s['median_abs_error']:.1%} over {s['estimated']} runs.",
+        f"- Groups of {MIN_GROUP} runs or more with a rank correlation of at least 0.8: "
+        f"{passing} of {len(big)}.",
+        "",
+        "| group | runs | rank correlation | median \\|error\\| |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, members in groups(rows).items():
+        errs = [abs(r["error"]) for r in members if r["error"] is not None]
+        med = f"{statistics.median(errs):.1%}" if errs else "-"
+        out.append(f"| {name} | {len(members)} | {_rho(s['rho'][name])} | {med} |")
+    out += ["", "| run | configuration (as published) | published | memplan | error | "
+            "not expressible |", "|---|---|---:|---:|---:|---|"]
+    for r in rows:
+        run = r["run"]
+        unit = " MFU" if r["quantity"] == "mfu" else ""
+        est = _num(r["quantity"], r["memplan"]) if not r["refused"] else f"refused: {r['refused']}"
+        err = "-" if r["error"] is None else f"{r['error']:+.1%}"
+        gaps = "; ".join(run["not_expressible"] + r["dropped"]) or "-"
+        quote = run["quote"].replace("|", "/")
+        link = run["source"].split(" ")[0]
+        out.append(f"| [{run['id']}]({link}) | {quote} | {_num(r['quantity'], r['published'])}"
+                   f"{unit} | {est} | {err} | {gaps} |")
+    out.append("")
+    return out
+
+
+def main() -> int:
+    print("\n".join(render(build_rows(load_runs()))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""GEMM rates by shape and float8 in the step-time model (``memplan.planning.kernels``).
+
+Expected values are read from XLA's sm_90 matmul table (openxla/xla
+``xla/service/gpu/model/matmul_interpolator_data.h``, b=4 m=4096 bf16 entries) and the
+H100 datasheet (989.4 TFLOP/s dense BF16), and worked by hand below."""
+
+import pytest
+
+from memplan.hardware import load_gpu
+from memplan.planning.kernels import (GEMM_SM90_BF16, gemm_rate, gemm_share,
+                                      linear_time_factor)
+from memplan.spec import ModelSpec
+
+H100 = load_gpu("h100-sxm")
+
+
+def _wide() -> ModelSpec:
+    """Every projection 4096 wide or more at tp 1 (MHA, 32 x 128 heads, ffn 16384)."""
+    return ModelSpec(name="wide", source="test", num_layers=2, hidden_size=4096, ffn_hidden_size=16384,
+                     num_attention_heads=32, num_kv_heads=32, head_dim=128, vocab_size=1024,
+                     max_seq_len=4096, norm="rmsnorm", mlp="swiglu", position="rope",
+                     tied_embeddings=False)
+
+
+def test_table_points_and_ends():
+    # n=4096 k=4096: "b: 4 m: 4096 n: 4096 k: 4096 ... 793131337247852"
+    assert gemm_rate(GEMM_SM90_BF16, 4096, 4096) == 793131337247852
+    # beyond the table: held at its last point
+    assert gemm_rate(GEMM_SM90_BF16, 53248, 16384) == 793131337247852
+    # n=256 k=4096: 622459028405797; n below 256 is held at 256
+    assert gemm_rate(GEMM_SM90_BF16, 128, 4096) == 622459028405797
+
+
+def test_between_points_is_linear_in_log2():
+    # n=4096, k=2^11.5 lies halfway between k=2048 (764575547036718) and k=4096
+    # (793131337247852): (764575547036718 + 793131337247852) / 2 = 778853442142285
+    assert gemm_rate(GEMM_SM90_BF16, 4096, 2 ** 11.5) == pytest.approx(778853442142285)
+
+
+def test_gemm_share():
+    # 0.40 x 989.4e12 / 793131337247852 = 395.76e12 / 793.131e12 = 0.498984
+    assert gemm_share(H100, 0.40) == pytest.approx(0.498984, abs=1e-6)
+    # no table for sm_80: every FLOP at the flat fraction
+    assert gemm_share(load_gpu("a100-80gb"), 0.40) == 1.0
+
+
+def test_float8_halves_the_gemm_share_only():
+    # all shapes at the table's plateau: shape factor 1; float8 halves the GEMMs' share:
+    # 1 - 0.498984 + 0.498984 / 2 = 0.750508
+    assert linear_time_factor(_wide(), H100, 1, False, 0.40) == pytest.approx(1.0)
+    assert linear_time_factor(_wide(), H100, 1, True, 0.40) == pytest.approx(0.750508,
+                                                                              abs=1e-6)
+
+
+def test_tensor_parallel_shrinks_the_gemms():
+    """tp 16 on the wide spec: q, k, v, gate, up 4096 -> 256 outputs; o's input 4096 -> 256;
+    down's input 16384 -> 1024. Per GEMM (n, k) and weight d_in x d_out:
+    q/k/v (256, 4096) fwd+wgrad, (4096, 256) dgrad, 4096 x 4096 each;
+    o (4096, 256) fwd+wgrad, (256, 4096) dgrad, 4096 x 4096;
+    gate/up (1024, 4096) fwd+wgrad, (4096, 1024) dgrad, 4096 x 16384 each;
+    down (4096, 1024) fwd+wgrad, (1024, 4096) dgrad, 16384 x 4096.
+    Rates: (256, 4096) 622459028405797, (4096, 256) 503874974234136,
+    (1024, 4096) 777585153532370, (4096, 1024) 725508891943538; best 793131337247852.
+    Slow FLOPs over FLOPs: attention 4 weights of 1 unit, MLP 3 of 4 units (16 units):
+    q/k/v: 3 x [2 x 793.13/622.46 + 793.13/503.87] = 3 x [2.548 + 1.574] = 12.367
+    o: 2 x 793.13/503.87 + 793.13/622.46 = 3.148 + 1.274 = 4.422
+    gate/up: 2 x 4 x [2 x 793.13/777.59 + 793.13/725.51] = 8 x [2.040 + 1.093] = 25.066
+    down: 4 x [2 x 793.13/725.51 + 793.13/777.59] = 4 x [2.186 + 1.020] = 12.825
+    sum 54.68 over 3 x 16 = 48 FLOP units: shape factor 1.1392; linear time
+    1 - 0.498984 + 0.498984 x 1.1392 = 1.06946."""
+    assert linear_time_factor(_wide(), H100, 16, False, 0.40) == pytest.approx(1.0695,
+                                                                               abs=2e-4)
+
+
+def _where(cond, a, b):
+    return a if cond else b
+
+
+def test_dp_exposed_first_unit_waits_and_compute_is_shared():
+    """ZeRO-3 over 34 units (32 layers, embedding, head): gathers of 3.4 s (0.1 s a unit) and
+    reduce-scatters of 1.7 s (0.05 s a unit) in every micro-batch. Beside 10 s of compute
+    only one unit of each waits: 0.1 + 0.05 = 0.15 s. Beside 4 s the rest, 3.3 + 1.65 =
+    4.95 s, shares the 4 s: 0.95 s more, 1.1 s in all (two transfers do not each hide behind
+    the same 4 s)."""
+    from memplan.planning.timing import dp_exposed
+
+    kw = dict(units=34, per_mb=1.0, backward_share=0.5, where=_where)
+    assert dp_exposed(0.0, 1.7, 0.0, 3.4, compute=10.0, **kw) == pytest.approx(0.15)
+    assert dp_exposed(0.0, 1.7, 0.0, 3.4, compute=4.0, **kw) == pytest.approx(1.1)
+
+
+def test_dp_exposed_once_per_step_reduction_hides_behind_the_last_backward():
+    """A once-per-step reduce-scatter of 3.4 s over 34 units with 2 s of compute per
+    micro-batch, two thirds of it backward (1.333 s): 0.1 s (its last unit) + what the other
+    3.3 s exceed the last backward by, 3.3 - 1.333 = 1.967 s: 2.067 s in all."""
+    from memplan.planning.timing import dp_exposed
+
+    out = dp_exposed(3.4, 0.0, 0.0, 0.0, units=34, compute=16.0, per_mb=2.0,
+                     backward_share=2 / 3, where=_where)
+    assert out == pytest.approx(0.1 + 3.3 - 4 / 3)
+
+
+def test_ring_exposed_per_step():
+    """A ring of 14 sends, 0.7 s in all (0.05 s each). Beside blocks of 0.08 s of attention
+    each send hides: 0. Beside blocks of 0.02 s each send shows 0.03 s: 14 x 0.03 = 0.42 s,
+    = 0.7 x (1 - 0.02 / 0.05)."""
+    from memplan.planning.timing import ring_exposed
+
+    assert ring_exposed(0.7, 14, 0.08, _where) == 0.0
+    assert ring_exposed(0.7, 14, 0.02, _where) == pytest.approx(0.42)

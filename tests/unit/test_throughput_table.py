@@ -1,0 +1,36 @@
+"""The throughput comparison's statistics and its data file (benchmarks/throughput_table.py,
+benchmarks/data/throughput_runs.json)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.throughput_table import load_runs, ranks, spearman  # noqa: E402
+
+
+def test_ranks_share_ties():
+    # 5 is the smallest (rank 1); the two 7s share ranks 2 and 3: 2.5 each; 9 is rank 4
+    assert ranks([7, 5, 9, 7]) == [2.5, 1.0, 4.0, 2.5]
+
+
+def test_spearman_by_hand():
+    """published 1, 2, 3 against predicted 10, 30, 20: rank differences 0, -1, 1, so
+    rho = 1 - 6 * 2 / (3 * (9 - 1)) = 0.5."""
+    assert spearman([1, 2, 3], [10, 30, 20]) == pytest.approx(0.5)
+    assert spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    # a flat prediction orders nothing
+    assert spearman([1, 2, 3], [5, 5, 5]) is None
+
+
+def test_every_run_names_its_source_and_what_it_published():
+    runs = load_runs()
+    assert len({r["id"] for r in runs}) == len(runs)
+    for r in runs:
+        assert r["source"].startswith("https://")
+        assert r["quote"] and r["group"]
+        assert set(r["published"]) & {"tokens_per_s_per_gpu", "mfu"}
+        assert {"model", "gpus"} <= set(r["memplan_args"])
