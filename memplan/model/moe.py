@@ -313,13 +313,17 @@ class MoE:
         rest = linear.grad_groups([lin for lin in linears if not _routed(lin)], t, order)
         return {g: routed[g] + rest[g] for g in order}
 
-    def flops_per_token(self, spec: ModelSpec, seq_len: int) -> float:
-        """The router and shared experts, and the top-k of the routed experts."""
+    def flops_per_token(self, spec: ModelSpec, seq_len: int, every: bool = False) -> float:
+        """The router and shared experts, and the top-k of the routed experts; with ``every``
+        (``MoeImpl.EVERY``: Llama 4's Llama4TextMoe.forward repeats each token E times and
+        Llama4TextExperts.forward runs both bmm over all of them, models/llama4/
+        modeling_llama4.py) all E experts, the zero-scored ones included."""
         moe = _moe(spec)
         router, gate = router_linears(spec)
-        every = linear.params(router + gate + _shared_linears(spec))
+        shared = linear.params(router + gate + _shared_linears(spec))
         experts = moe.num_experts * linear.params(mlp.mlp_linears(spec, moe.expert_ffn_hidden_size))
-        return 2.0 * every + 2.0 * (experts * moe.top_k // moe.num_experts)
+        routed = experts if every else experts * moe.top_k // moe.num_experts
+        return 2.0 * shared + 2.0 * routed
 
 
 def _split(ep: int | ExpertSplit, t: int) -> tuple[int, int]:
