@@ -136,3 +136,19 @@ def test_deltanet_flops_by_hand() -> None:
     2,667 (exactly 2,667.0), 182,891 per head, 5,852,512 for 32 heads; total 73,289,056."""
     spec = load_model("qwen3-next-80b-a3b")
     assert DeltaNet().flops_per_token(spec, 4096) == 67_371_008 + 65_536 + 32 * 182_891
+
+
+def test_checkpointed_rule_by_hand() -> None:
+    """torch_chunk_gated_delta_rule without saving, b = Hk = Hv = 1, dk = dv = 2, chunks of
+    c = 2, s = 4 (N = 2, Tp = 4), fp32: M = 1 * 2 * 2 * 2 * 4 = 32, one chunk's m = 16, its
+    rows r = rk = 16, the state S = 16; the last row and sub-block clones b N ((c-1)^2 + c-1)
+    = 2 * 2 * 4 = 16. Building attn: Tp (3 dk + 2 dv + 2) = 4 * 12 * 4 = 192 and 3 M = 96:
+    288; the substitution: 192 + 2 M + b N (2 + 2) 4 = 192 + 64 + 32 = 288; the loop's start
+    Tp (4 dk + 3 dv + 2) 4 = 256, 2 M, the clones and S: 352, its first product 2 m: 384;
+    after the solved attn is freed (320) the state update m + 3 r + max(2 S + rk, 3 S) = 112
+    is the largest of 3 m + 3 r = 96, m + 5 r = 96, m + 4 r + rk = 96: 432; the two c x c
+    bool masks 8: 440."""
+    from memplan.model.deltanet import Sizes, checkpointed_rule
+
+    z = Sizes(b=1, s=4, hk=1, hv=1, dk=2, dv=2, taps=4, c=2, n=2)
+    assert checkpointed_rule(z) == 440
