@@ -3,8 +3,8 @@ without the fla and causal-conv1d kernels (the CPU path and every install withou
 models/qwen3_next/modeling_qwen3_next.py Qwen3NextGatedDeltaNet.forward with the torch
 fallbacks, ``F.silu(self.conv1d(mixed_qkv)[:, :, :seq_len])`` for the causal conv and
 ``torch_chunk_gated_delta_rule`` for the delta rule (transformers 5.3). Every size below is
-read off that code; the numbers are for that path (fla's fused ``chunk_gated_delta_rule``
-saves far less: its own autograd Function, not modelled).
+read off that code; the numbers are for that path (``Workload.deltanet_kernel`` torch). The
+fused kernels' path (fla, causal-conv1d: the default) is ``memplan.model.deltanet_fla``.
 
 Per micro-batch on a rank, with T tokens (b sequences of s), Hk key heads and Hv value heads
 of dk and dv (split by t), C = 2 Hk dk + Hv dv conv channels, K taps, chunks of c tokens, the
@@ -40,7 +40,8 @@ from memplan.model.block import BackwardMoment, Moment
 from memplan.model.dims import FP32_BYTES, MASK_BYTES, Dims, Term, total
 from memplan.model.linear import Linear, Split
 from memplan.spec import LinearAttentionSpec, ModelSpec
-from memplan.workload import Recompute, Workload
+from memplan.model import deltanet_fla as fla
+from memplan.workload import DeltaNetKernel, Recompute, Workload
 
 _PREFIX = "linear_attn"
 
@@ -166,12 +167,28 @@ def _norm_out_terms(z: Sizes, dm: Dims) -> list[Term]:
 
 
 def deltanet_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
-    """The block's saved terms (the module docstring), its input norm apart."""
+    """The block's saved terms (the module docstring; on fla's kernels ``memplan.model.
+    deltanet_fla``), its input norm apart."""
     assert spec.linear_attention is not None
     z = sizes(spec.linear_attention, dm)
     casts = linear.saved_terms(_PREFIX, deltanet_linears(spec), dm)
-    return (_conv_terms(z, dm) + _chunk_terms(z) + _per_chunk_terms(z)
-            + _norm_out_terms(z, dm) + casts)
+    return rule_terms(z, wl, dm) + norm_out_terms(z, wl, dm) + casts
+
+
+def _fused(wl: Workload) -> bool:
+    return wl.deltanet_kernel is DeltaNetKernel.FLA
+
+
+def rule_terms(z: Sizes, wl: Workload, dm: Dims) -> list[Term]:
+    """What the conv, the gates and the chunked rule save."""
+    if _fused(wl):
+        return fla.fla_rule_terms(z, dm)
+    return _conv_terms(z, dm) + _chunk_terms(z) + _per_chunk_terms(z)
+
+
+def norm_out_terms(z: Sizes, wl: Workload, dm: Dims) -> list[Term]:
+    """What the gated norm and the output projection save of the rule's output."""
+    return fla.fla_norm_terms(z, dm) if _fused(wl) else _norm_out_terms(z, dm)
 
 
 def _small_sizes(spec: ModelSpec, t: int) -> tuple[list[int], list[tuple[int, ...]]]:
@@ -298,9 +315,12 @@ class DeltaNet:
         assert spec.linear_attention is not None
         z = sizes(spec.linear_attention, dm)
         terms = deltanet_terms(spec, wl, dm, recompute)
-        rule = total(_conv_terms(z, dm) + _chunk_terms(z) + _per_chunk_terms(z))
+        rule = total(rule_terms(z, wl, dm))
         stream = dm.rows * spec.hidden_size * dm.e
-        return [Moment("delta_rule", rule, _rule_alive(z, dm)),
+        # fla's rule makes the final state a cache asks for (use_cache, no checkpointing)
+        alive = (fla.fla_rule_alive(z, dm, wl.kv_cache and recompute is Recompute.NONE)
+                 if _fused(wl) else _rule_alive(z, dm))
+        return [Moment("delta_rule", rule, alive),
                 Moment("linear_attention", total(terms), stream)]
 
     def working_set(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
@@ -309,6 +329,9 @@ class DeltaNet:
         (``checkpointed_norm``), beside the caller's (``caller_locals``)."""
         assert spec.linear_attention is not None
         z = sizes(spec.linear_attention, dm)
+        if _fused(wl):
+            return [Moment("delta_rule", 0, fla.fla_checkpointed(z, dm)),
+                    Moment("gated_norm", 0, fla.fla_norm_working(z, dm))]
         caller = caller_locals(z, dm)
         return [Moment("delta_rule", 0, caller + checkpointed_rule(z)),
                 Moment("gated_norm", 0, caller + checkpointed_norm(z, dm))]
@@ -321,12 +344,13 @@ class DeltaNet:
         assert spec.linear_attention is not None
         z = sizes(spec.linear_attention, dm)
         terms = deltanet_terms(spec, wl, dm, recompute)
-        rule = total(_conv_terms(z, dm) + _chunk_terms(z) + _per_chunk_terms(z))
+        rule = total(rule_terms(z, wl, dm))
         out_grad = z.tokens * z.hv * z.dv * dm.e
         grad_inputs = 2 * dm.rows * spec.hidden_size * dm.e
         qkvz = linear.weight_elements(deltanet_linears(spec)[0], dm.tp)
         return [BackwardMoment("linear_attention.out", total(terms), out_grad, ("attn_out",)),
-                BackwardMoment("delta_rule", rule, _rule_grads(z), ("attn_out",)),
+                BackwardMoment("delta_rule", rule, fla.fla_rule_grads(z, dm) if _fused(wl)
+                               else _rule_grads(z), ("attn_out",)),
                 BackwardMoment("linear_attn_in", 0, grad_inputs, ("attn",), qkvz)]
 
     def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
@@ -335,7 +359,9 @@ class DeltaNet:
         everything the rule saves made by then."""
         assert spec.linear_attention is not None
         z = sizes(spec.linear_attention, dm)
-        rule = total(_conv_terms(z, dm) + _chunk_terms(z) + _per_chunk_terms(z))
+        rule = total(rule_terms(z, wl, dm))
+        if _fused(wl):  # the fused rule's forward, as in a forward that saves
+            return [Moment("delta_rule", rule, fla.fla_rule_alive(z, dm, False))]
         return [Moment("delta_rule", rule, _rule_alive(z, dm) + last_update_locals(z, dm))]
 
     def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:
@@ -380,7 +406,7 @@ class DeltaNet:
         return per_head * la.num_value_heads
 
 
-def cache_states_bytes(spec: ModelSpec, dm: Dims) -> int:
+def cache_states_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     """What the cache a training forward with use_cache fills keeps of a linear-attention
     layer until the forward's output is dropped (Qwen3NextGatedDeltaNet.forward with
     cache_params): the conv state, F.pad of the conv input to its last K positions (b C K,
@@ -388,5 +414,7 @@ def cache_states_bytes(spec: ModelSpec, dm: Dims) -> int:
     fp32) and with it the graph that made it (``last_update_bytes``)."""
     assert spec.linear_attention is not None
     z = sizes(spec.linear_attention, dm)
+    if _fused(wl):
+        return fla.fla_cache_bytes(z, dm)
     return (z.b * z.channels * z.taps * dm.e
             + z.b * z.hv * z.dk * z.dv * FP32_BYTES + last_update_bytes(z))
