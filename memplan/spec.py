@@ -168,7 +168,8 @@ class MoESpec(BaseModel):
         "forward: hidden_states.repeat(num_experts, 1) * scores; Llama4TextExperts.forward: "
         "torch.bmm over gate_up_proj (E, h, 2f) and down_proj (E, f, h)). Read where the "
         "framework runs the model's own code (transformers: the hf preset's moe_impl "
-        "every); the FLOPs counted are the routed top-k's"))
+        "every); the step's hardware FLOPs then count every expert, its model FLOPs the "
+        "routed top-k's (memplan.planning.timing.runs_every_expert)"))
 
     @model_validator(mode="after")
     def _check(self) -> MoESpec:

@@ -221,6 +221,21 @@ class ChunkBackward(PlainEnum):
     IN_LOSS = "in-loss"
 
 
+class DeltaNetKernel(PlainEnum):
+    """The kernels of Qwen3-Next's gated DeltaNet layers (Qwen3NextGatedDeltaNet: transformers
+    picks each one at import, models/qwen3_next/modeling_qwen3_next.py).
+
+    fla    flash-linear-attention's ``chunk_gated_delta_rule`` and ``FusedRMSNormGated`` with
+           causal-conv1d's ``causal_conv1d_fn`` (both packages installed: transformers'
+           ``is_fast_path_available``, what GPU training runs; memplan.model.deltanet_fla)
+    torch  transformers' torch fallbacks (``torch_chunk_gated_delta_rule``, ``nn.Conv1d``
+           and silu, Qwen3NextRMSNormGated): an install without them, every CPU run
+    """
+
+    FLA = "fla"
+    TORCH = "torch"
+
+
 class LogitsHeld(PlainEnum):
     """Who keeps the logits beyond what autograd saves.
 
@@ -548,6 +563,10 @@ class Workload(BaseModel):
         "zero_grad(set_to_none=False): from step 2 on the zeroed gradients stay allocated "
         "through forward, and backward accumulates into them"))
     logits_held: LogitsHeld = LogitsHeld.NONE
+    deltanet_kernel: DeltaNetKernel = Field(default=DeltaNetKernel.FLA, description=(
+        "the gated DeltaNet layers' kernels (DeltaNetKernel); the default assumes "
+        "flash-linear-attention and causal-conv1d are installed, as transformers then runs "
+        "them"))
     grad_sync: GradSync = GradSync.EVERY
     # DeepSpeed's ZeRO-1/2 gradient buckets and step (memplan.model.deepspeed_zero)
     zero_bucket_numel: int = Field(default=0, ge=0, le=10**12, description=(

@@ -30,6 +30,7 @@ from memplan.workload import (
     Attention,
     BackwardPrefetch,
     BaseQuant,
+    DeltaNetKernel,
     Float8Recipe,
     Framework,
     GradSync,
@@ -214,6 +215,10 @@ LogitsHeldOpt = Annotated[Optional[LogitsHeld], typer.Option(
     "fp32 logits the loss read, through backward and the step, litgpt); output (the model's "
     "output and its KV cache through backward and the step, peft's run.py).",
     rich_help_panel=_KERNELS)]
+DeltaNetKernelOpt = Annotated[Optional[DeltaNetKernel], typer.Option(
+    "--deltanet-kernel", help="Qwen3-Next's gated DeltaNet kernels: fla (default: "
+    "flash-linear-attention and causal-conv1d installed, as transformers then runs them) or "
+    "torch (transformers' torch fallbacks, without them).", rich_help_panel=_KERNELS)]
 MtpLayers = Annotated[int, typer.Option(
     "--mtp-layers", help="Multi-token prediction depths on the last pipeline stage "
     "(Megatron-LM's --mtp-num-layers): per depth a layer, norms, a 2h -> h projection and "
@@ -363,6 +368,7 @@ SHARED: dict[str, Shared] = {
     "base_quant": Shared(BaseQuantOpt, BaseQuant.NONE, _value),
     "loss_impl": Shared(LossImplOpt, None),
     "logits_held": Shared(LogitsHeldOpt, None, _value),
+    "deltanet_kernel": Shared(DeltaNetKernelOpt, None, _value),
     "schedule": Shared(ScheduleOpt, Schedule.ONE_F_ONE_B, resolve=False),
     "calibration": Shared(Calibration, None, resolve=False),
 }
@@ -376,7 +382,7 @@ WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "recompute_eve
             "float8", "optimizer_in_backward",
             "fsdp_version", "fsdp_backward_prefetch", "fsdp_use_orig_params",
             "fsdp_reshard_after_forward", "mtp_layers", "loss_impl", "logits_held",
-            "lora_rank", "lora_targets", "lora_dropout", "base_quant")
+            "lora_rank", "lora_targets", "lora_dropout", "base_quant", "deltanet_kernel")
 # what a framework's own loop decides, beyond memplan's reference model (which trace and
 # profile run)
 FRAMEWORK_ONLY = ("framework", "keep_grads", "use_cache", "loss_impl", "logits_held",

@@ -48,6 +48,7 @@ FixedRecompute = Annotated[RecomputeChoice | None, typer.Option(
       "fsdp_backward_prefetch", "fsdp_use_orig_params", "fsdp_reshard_after_forward",
       "mtp_layers", "compile", "optimizer_in_backward",
       "loss_impl", "logits_held", "calibration", "lora_rank", "lora_targets", "lora_dropout", "base_quant",
+      "deltanet_kernel",
       model=None, gpus=8, tp=None, pp=None, vpp=None, cp=None, ep=None, zero=None)
 def plan(
     job: Job,

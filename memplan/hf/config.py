@@ -80,6 +80,7 @@ def _head_dim(cfg: ConfigKeys, hidden: int, heads: int, heads_key: str) -> int:
 # F.gelu; GELUTanh: F.gelu(approximate="tanh"); SiLUActivation and nn.SiLU: F.silu)
 _KERNEL_GELU = ("gelu", "gelu_pytorch_tanh")
 _KERNEL_SILU = ("silu", "swish")
+KERNEL_ACTIVATIONS = _KERNEL_SILU + _KERNEL_GELU
 
 
 def gated_act(cfg: ConfigKeys, key: str, default: str) -> str:
@@ -210,3 +211,33 @@ def model_name(path: Path) -> str:
     if path.name == "config.json" and path.parent.name:
         return path.parent.name
     return path.stem
+
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+def _layer_types(cfg: ConfigKeys, num_layers: int, default: list[str]) -> list[str]:
+    """``layer_types`` as the file gives it (transformers 5 writes it), else the family's
+    rule (``default``)."""
+    types = cfg.data.get("layer_types")
+    if types is None:
+        return default
+    if (not isinstance(types, list) or len(types) != num_layers
+            or any(t not in (FULL, SLIDING) for t in types)):
+        raise cfg.error("layer_types", f"expected {num_layers} entries of {FULL!r} or "
+                                       f"{SLIDING!r}, got {types!r}")
+    return types
+
+
+def sliding_fields(cfg: ConfigKeys, types: list[str], window: int | None) -> dict[str, Any]:
+    """``sliding_window`` and ``sliding_window_pattern`` of a list of layer types: every layer
+    sliding (pattern 0) or every n-th full (pattern n); anything else is refused."""
+    if window is None or SLIDING not in types:
+        return {}
+    if FULL not in types:
+        return {"sliding_window": window, "sliding_window_pattern": 0}
+    n = types.index(FULL) + 1
+    if any((t == FULL) != (i % n == n - 1) for i, t in enumerate(types)):
+        raise cfg.error("layer_types", "only every layer sliding or every n-th layer full "
+                                       f"attention is modelled, got {types!r}")
+    return {"sliding_window": window, "sliding_window_pattern": n}

@@ -5,16 +5,19 @@ meta device (``memplan.profile.hf_meta``): its parameter count is exact and stat
 (``ModelSpec.exact_num_params``). The estimate itself reads the config as the nearest block
 memplan knows, Llama's pre-norm layer (grouped-query attention, a gated MLP; the keys every
 Llama-style config names alike: ``memplan.hf.config.llama_fields``), and says it is approximate
-(``ModelSpec.approximate``). A model whose decoder layers transformers builds without a
-self-attention module (state-space, recurrent and hybrid mixers) is near no known block and is
-refused. Without transformers, one line names the model type and how to count it.
+(``ModelSpec.approximate``). A hybrid whose decoder layers transformers builds in part
+without a self-attention module (state-space or convolution mixers: Granite 4.0-H, LFM2) is
+read so too, every layer as an attention layer, and its approximation says how many are not;
+an activation memplan has no kernel for (xIELU) is read as SiLU, and said so. A model without
+any self-attention layer (Mamba, RWKV) is near no known block and is refused. Without
+transformers, one line names the model type and how to count it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from memplan.hf.config import ConfigKeys, llama_fields
+from memplan.hf.config import KERNEL_ACTIVATIONS, ConfigKeys, llama_fields
 
 
 def _unsupported(model_type: str, supported: tuple[str, ...]) -> str:
@@ -33,26 +36,38 @@ def fallback_fields(cfg: ConfigKeys, model_type: str, supported: tuple[str, ...]
                         "transformers (pip install transformers) for its exact parameter "
                         "count from transformers' own config class, with an approximate "
                         "estimate") from None
-    except (ValueError, KeyError, TypeError) as err:
+    except Exception as err:  # noqa: BLE001 - the configuration class's own validators
+        # raise their own types (huggingface_hub's StrictDataclassClassValidationError)
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise cfg.error("model_type", _unsupported(model_type, supported)
                         + f"; transformers cannot build it either: {first}") from None
     num_layers = cfg.get_int("num_hidden_layers")
-    if built.attention_layers != num_layers:
-        raise cfg.error("model_type", _unsupported(model_type, supported) + f"; transformers "
-                        f"builds {built.attention_layers} of its {num_layers} layers with a "
-                        "self-attention module (layers.N.self_attn): no block memplan knows "
-                        f"is near it (transformers counts {built.num_params:,} parameters)")
     # the keys as the family's configuration class completes them (its head_dim, tied
     # embeddings, vocabulary defaults), errors naming the file
-    full = ConfigKeys({**built.config, **cfg.data}, cfg.where)
+    data = {**built.config, **cfg.data}
+    notes = []
+    if built.attention_layers == 0:
+        raise cfg.error("model_type", _unsupported(model_type, supported) + f"; transformers "
+                        f"builds none of its {num_layers} layers with a self-attention module "
+                        "(layers.N.self_attn): no block memplan knows is near it (transformers "
+                        f"counts {built.num_params:,} parameters)")
+    if built.attention_layers != num_layers:
+        notes.append(f"transformers builds {built.attention_layers} of its {num_layers} layers "
+                     "with a self-attention module (layers.N.self_attn), the others with "
+                     "another mixer (state-space, convolution), estimated as attention too")
+    act = str(data.get("hidden_act", "silu")).lower()
+    if act not in KERNEL_ACTIVATIONS:
+        data["hidden_act"] = "silu"
+        notes.append(f"its activation {act!r} is estimated as SiLU's")
+    full = ConfigKeys(data, cfg.where)
     fields = llama_fields(full, head_dim_default=None, tie_default=False)
     fields.update(
         use_cache=full.get_bool("use_cache", True), name=name,
         source=f"Hugging Face config.json ({model_type}) at {where}: approximate",
         exact_num_params=built.num_params,
         approximate=(f"memplan has no reader for {model_type!r}: its layers are estimated as "
-                     f"Llama's (attention, gated MLP) from the config's keys; the exact count, "
-                     f"{built.num_params:,} parameters, is transformers "
+                     f"Llama's (attention, gated MLP) from the config's keys"
+                     + "".join(f"; {note}" for note in notes)
+                     + f"; the exact count, {built.num_params:,} parameters, is transformers "
                      f"{built.transformers_version}'s own build on the meta device"))
     return fields

@@ -15,16 +15,21 @@ from __future__ import annotations
 from typing import Any
 
 from memplan.hf.config import (
+    FULL,
+    SLIDING,
     ConfigKeys,
+    _layer_types,
     gated_act,
     gated_mlp,
     gpt2,
     llama_fields,
     llama_like,
+    sliding_fields,
 )
 from memplan.hf.fallback import fallback_fields
 from memplan.hf.families_hybrid import QWEN3_NEXT_EXPERTS, qwen3_next
 from memplan.hf.families_moe import MOE_FAMILIES, moe_family_fields, refuse_not_modelled
+from memplan.hf.families_more import MORE_FAMILIES, more_family_fields
 
 # llama, mistral, mixtral and qwen2 share Llama's field names (memplan.hf.config); gpt2 has
 # its own; the others are read here
@@ -34,38 +39,11 @@ SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "gpt2", "qwen3", "qwen2_moe
              "olmo3", "cohere2", "ministral3", "mistral3", "llama4")
 SUPPORTED += MOE_FAMILIES  # memplan.hf.families_moe
 SUPPORTED += ("qwen3_next",)  # memplan.hf.families_hybrid
-FULL, SLIDING = "full_attention", "sliding_attention"
+SUPPORTED += MORE_FAMILIES  # memplan.hf.families_more
 # configuration classes' defaults (configuration_<family>.py __init__)
 _QWEN = {"vocab_size": 151936, "max_position_embeddings": 32768}
 _GEMMA2 = {"vocab_size": 256000, "max_position_embeddings": 8192}
 _GEMMA3 = {"vocab_size": 262208, "max_position_embeddings": 131072}
-
-
-def _layer_types(cfg: ConfigKeys, num_layers: int, default: list[str]) -> list[str]:
-    """``layer_types`` as the file gives it (transformers 5 writes it), else the family's
-    rule (``default``)."""
-    types = cfg.data.get("layer_types")
-    if types is None:
-        return default
-    if (not isinstance(types, list) or len(types) != num_layers
-            or any(t not in (FULL, SLIDING) for t in types)):
-        raise cfg.error("layer_types", f"expected {num_layers} entries of {FULL!r} or "
-                                       f"{SLIDING!r}, got {types!r}")
-    return types
-
-
-def sliding_fields(cfg: ConfigKeys, types: list[str], window: int | None) -> dict[str, Any]:
-    """``sliding_window`` and ``sliding_window_pattern`` of a list of layer types: every layer
-    sliding (pattern 0) or every n-th full (pattern n); anything else is refused."""
-    if window is None or SLIDING not in types:
-        return {}
-    if FULL not in types:
-        return {"sliding_window": window, "sliding_window_pattern": 0}
-    n = types.index(FULL) + 1
-    if any((t == FULL) != (i % n == n - 1) for i, t in enumerate(types)):
-        raise cfg.error("layer_types", "only every layer sliding or every n-th layer full "
-                                       f"attention is modelled, got {types!r}")
-    return {"sliding_window": window, "sliding_window_pattern": n}
 
 
 def _window(cfg: ConfigKeys, key: str = "sliding_window") -> int | None:
@@ -491,6 +469,8 @@ def spec_fields(data: dict[str, Any], where: str, name: str) -> dict[str, Any]:
 def _family_fields(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
     if model_type in MOE_FAMILIES:
         return moe_family_fields(cfg, model_type)
+    if model_type in MORE_FAMILIES:
+        return more_family_fields(cfg, model_type)
     if model_type == "gpt2":
         return gpt2(cfg)
     if model_type == "qwen3":

@@ -64,7 +64,7 @@ def glm4(cfg: ConfigKeys) -> dict[str, Any]:
     return fields
 
 
-def _first_dense(cfg: ConfigKeys, num_layers: int, default: int) -> int:
+def first_dense(cfg: ConfigKeys, num_layers: int, default: int) -> int:
     value = cfg.data.get("first_k_dense_replace", default)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < num_layers:
         raise cfg.error("first_k_dense_replace", f"expected 0 to {num_layers - 1}, "
@@ -96,7 +96,7 @@ def glm4_moe(cfg: ConfigKeys) -> dict[str, Any]:
     moe: dict[str, Any] = {
         "num_experts": experts, "top_k": cfg.get_int("num_experts_per_tok", 8),
         "expert_ffn_hidden_size": moe_ffn,
-        "first_dense_layers": _first_dense(cfg, fields["num_layers"], 1),
+        "first_dense_layers": first_dense(cfg, fields["num_layers"], 1),
         "stacked_experts": True, "router_fp32": True,
     }
     if shared:

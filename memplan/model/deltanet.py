@@ -3,8 +3,8 @@ without the fla and causal-conv1d kernels (the CPU path and every install withou
 models/qwen3_next/modeling_qwen3_next.py Qwen3NextGatedDeltaNet.forward with the torch
 fallbacks, ``F.silu(self.conv1d(mixed_qkv)[:, :, :seq_len])`` for the causal conv and
 ``torch_chunk_gated_delta_rule`` for the delta rule (transformers 5.3). Every size below is
-read off that code; the numbers are for that path (fla's fused ``chunk_gated_delta_rule``
-saves far less: its own autograd Function, not modelled).
+read off that code; the numbers are for that path (``Workload.deltanet_kernel`` torch). The
+fused kernels' path (fla, causal-conv1d: the default) is ``memplan.model.deltanet_fla``.
 
 Per micro-batch on a rank, with T tokens (b sequences of s), Hk key heads and Hv value heads
 of dk and dv (split by t), C = 2 Hk dk + Hv dv conv channels, K taps, chunks of c tokens, the
@@ -40,7 +40,8 @@ from memplan.model.block import BackwardMoment, Moment
 from memplan.model.dims import FP32_BYTES, MASK_BYTES, Dims, Term, total
 from memplan.model.linear import Linear, Split
 from memplan.spec import LinearAttentionSpec, ModelSpec
-from memplan.workload import Recompute, Workload
+from memplan.model import deltanet_fla as fla
+from memplan.workload import DeltaNetKernel, Recompute, Workload
 
 _PREFIX = "linear_attn"
 
@@ -166,12 +167,28 @@ def _norm_out_terms(z: Sizes, dm: Dims) -> list[Term]:
 
 
 def deltanet_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
-    """The block's saved terms (the module docstring), its input norm apart."""
+    """The block's saved terms (the module docstring; on fla's kernels ``memplan.model.
+    deltanet_fla``), its input norm apart."""
     assert spec.linear_attention is not None
     z = sizes(spec.linear_attention, dm)
     casts = linear.saved_terms(_PREFIX, deltanet_linears(spec), dm)
-    return (_conv_terms(z, dm) + _chunk_terms(z) + _per_chunk_terms(z)
-            + _norm_out_terms(z, dm) + casts)
+    return rule_terms(z, wl, dm) + norm_out_terms(z, wl, dm) + casts
+
+
+def _fused(wl: Workload) -> bool:
+    return wl.deltanet_kernel is DeltaNetKernel.FLA
+
+
+def rule_terms(z: Sizes, wl: Workload, dm: Dims) -> list[Term]:
+    """What the conv, the gates and the chunked rule save."""
+    if _fused(wl):
+        return fla.fla_rule_terms(z, dm)
+    return _conv_terms(z, dm) + _chunk_terms(z) + _per_chunk_terms(z)
+
+
+def norm_out_terms(z: Sizes, wl: Workload, dm: Dims) -> list[Term]:
+    """What the gated norm and the output projection save of the rule's output."""
+    return fla.fla_norm_terms(z, dm) if _fused(wl) else _norm_out_terms(z, dm)
 
 
 def _small_sizes(spec: ModelSpec, t: int) -> tuple[list[int], list[tuple[int, ...]]]:
@@ -211,6 +228,78 @@ def _rule_grads(z: Sizes) -> int:
     return out + accumulated + 2 * z.b * hv * z.dk * z.dv * f + tp * hv * max(z.dk, z.dv) * f
 
 
+def caller_locals(z: Sizes, dm: Dims) -> int:
+    """What Qwen3NextGatedDeltaNet.forward's locals hold while its chunked rule runs, nothing
+    saved (a checkpointed layer): the projections' outputs (projected_states_qkvz and _ba),
+    the silu output of the conv that q, k and v view, beta (the compute dtype) and g (fp32);
+    with grouped value heads (Hv > Hk) also the copies ``fix_query_key_value_ordering``'s
+    reshapes make of z, b and a and the repeated q and k (``repeat_interleave``); with Hv ==
+    Hk those are views."""
+    e, f, t, hv = dm.e, FP32_BYTES, z.tokens, z.hv
+    projections = t * (2 * z.hk * z.dk + 2 * hv * z.dv + 2 * hv) * e
+    grouped = t * hv * (z.dv + 2 + 2 * z.dk) * e if hv > z.hk else 0
+    return projections + grouped + t * z.channels * e + t * hv * e + t * hv * f
+
+
+def checkpointed_rule(z: Sizes) -> int:
+    """The most bytes ``torch_chunk_gated_delta_rule``'s own tensors reach without autograd
+    saving any (fp32; Tp padded tokens, M = b Hv N c^2 the chunk matrices, m = b Hv c^2 one
+    chunk's, r = b Hv c dv and rk = b Hv c dk one chunk's rows, S = b Hv dk dv the state):
+
+    - building attn: the scaled query, padded key and value, beta and cumulated g, k_beta,
+      v_beta (Tp Hv (3 dk + 2 dv + 2)), the decay mask, k_beta @ key^T and its product
+      (3 M);
+    - the forward substitution's last row (i = c - 1): attn, the decay mask, the row and the
+      sub-block clones, their product and its sum (2 M + b Hv N (2 (c-1)^2 + 2 (c-1)));
+    - the loop's start: the query, key, solved value, beta, g, v_beta, k_beta, k_cumdecay
+      and core_attn_out (Tp Hv (4 dk + 3 dv + 2)), the decay mask, the solved attn, the last
+      row and sub-block clones (locals until the function returns), the state; then in the
+      first chunk q_i k_i^T and its product (2 m) before ``attn`` is rebound (the solved one
+      freed); in a later chunk the previous chunk's attn, v_prime, v_new and attn_inter
+      beside the new product (3 m + 3 r), the state update (m + 3 r + max(2 S + rk, 3 S)),
+      the output's sum (m + 5 r) and attn_inter's product (m + 4 r + rk, one r fewer in the
+      first chunk)."""
+    f, hv, b, c, n = FP32_BYTES, z.hv, z.b, z.c, z.n
+    big = z.chunk_matrices * f  # M
+    m, r, rk = b * hv * c * c * f, b * hv * c * z.dv * f, b * hv * c * z.dk * f
+    state = b * hv * z.dk * z.dv * f
+    left = b * hv * n * ((c - 1) ** 2 + (c - 1)) * f  # the loop's last row and sub-block
+    before = z.padded * hv * (3 * z.dk + 2 * z.dv + 2) * f
+    build = before + 3 * big
+    substitution = before + 2 * big + b * hv * n * (2 * (c - 1) ** 2 + 2 * (c - 1)) * f
+    start = z.padded * hv * (4 * z.dk + 3 * z.dv + 2) * f + 2 * big + left + state
+    first = start + 2 * m
+    after = start - big  # the solved attn freed by the first chunk's rebinding
+    later = after + max(3 * m + 3 * r if n > 1 else 0,
+                        m + 3 * r + max(2 * state + rk, 3 * state), m + 5 * r,
+                        m + (4 if n > 1 else 3) * r + rk)
+    return max(build, substitution, first, later) + 2 * c * c * MASK_BYTES
+
+
+def checkpointed_norm(z: Sizes, dm: Dims) -> int:
+    """The gated RMSNorm on the rule's output without saving (Qwen3NextRMSNormGated.forward):
+    the output (Tv = T Hv dv in the compute dtype), weight * normalised, the fp32 gate (a copy
+    below fp32), its silu and their product; with Hv == Hk, ``z.reshape(-1, dv)`` copies the
+    non-contiguous z."""
+    e, f, rows = dm.e, FP32_BYTES, z.tokens * z.hv * z.dv
+    gate = rows * f if e < f else 0
+    z_copy = rows * e if z.hv == z.hk else 0
+    return rows * (2 * e + 2 * f) + gate + z_copy
+
+
+def last_update_locals(z: Sizes, dm: Dims) -> int:
+    """Beyond ``_rule_alive`` at the last chunk's state update in a forward that saves: the
+    chunk's v_prime and attn_inter (b Hv c dv each, which nothing saves), the decayed state
+    and k_i^T v_new (b Hv dk dv each: the add's inputs; its output is the last state, and the
+    state entering the chunk is saved), and the caller's
+    locals nothing saves: projected_states_ba and, with grouped value heads, the silu output
+    v views (the repeated q and k replace its q and k), the z copy and the b and a copies."""
+    e, f, t, hv = dm.e, FP32_BYTES, z.tokens, z.hv
+    loop = 2 * z.b * hv * z.c * z.dv * f + 2 * z.b * hv * z.dk * z.dv * f
+    grouped = t * (z.channels + hv * z.dv + 2 * hv) * e if hv > z.hk else 0
+    return loop + t * 2 * hv * e + grouped
+
+
 class DeltaNet:
     """Qwen3NextGatedDeltaNet on transformers' torch path (the module docstring)."""
 
@@ -226,24 +315,26 @@ class DeltaNet:
         assert spec.linear_attention is not None
         z = sizes(spec.linear_attention, dm)
         terms = deltanet_terms(spec, wl, dm, recompute)
-        rule = total(_conv_terms(z, dm) + _chunk_terms(z) + _per_chunk_terms(z))
+        rule = total(rule_terms(z, wl, dm))
         stream = dm.rows * spec.hidden_size * dm.e
-        return [Moment("delta_rule", rule, _rule_alive(z, dm)),
+        # fla's rule makes the final state a cache asks for (use_cache, no checkpointing)
+        alive = (fla.fla_rule_alive(z, dm, wl.kv_cache and recompute is Recompute.NONE)
+                 if _fused(wl) else _rule_alive(z, dm))
+        return [Moment("delta_rule", rule, alive),
                 Moment("linear_attention", total(terms), stream)]
 
     def working_set(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
-        """In a checkpointed layer nothing is saved: at the chunk loop's end its own fp32
-        tensors (the padded q, k, v, k_beta, v_beta, the decay mask and attn) beside
-        ``_rule_alive``. Not exact: transformers' gradient checkpointing of the toy
-        (tests/traced/test_hf_qwen3_next.py's, fp32, 2 x 128) peaks 19.6% above this
-        estimate in forward and 3.8% in backward, inside the chunk loop, where the caller's
-        locals (the projections' outputs, the silu output, the repeated q and k) and the
-        rule's own (k_beta, v_beta, k_cumdecay, the output) are all alive at once."""
+        """In a checkpointed layer nothing is saved: the forward's locals at the chunked
+        rule's peaks (``checkpointed_rule``) and in the gated norm after it
+        (``checkpointed_norm``), beside the caller's (``caller_locals``)."""
         assert spec.linear_attention is not None
         z = sizes(spec.linear_attention, dm)
-        f = FP32_BYTES
-        own = (z.padded * z.hv * (4 * z.dk + 2 * z.dv) * f + 2 * z.chunk_matrices * f)
-        return [Moment("delta_rule", 0, own + _rule_alive(z, dm))]
+        if _fused(wl):
+            return [Moment("delta_rule", 0, fla.fla_checkpointed(z, dm)),
+                    Moment("gated_norm", 0, fla.fla_norm_working(z, dm))]
+        caller = caller_locals(z, dm)
+        return [Moment("delta_rule", 0, caller + checkpointed_rule(z)),
+                Moment("gated_norm", 0, caller + checkpointed_norm(z, dm))]
 
     def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
                          recompute: Recompute) -> list[BackwardMoment]:
@@ -253,16 +344,25 @@ class DeltaNet:
         assert spec.linear_attention is not None
         z = sizes(spec.linear_attention, dm)
         terms = deltanet_terms(spec, wl, dm, recompute)
-        rule = total(_conv_terms(z, dm) + _chunk_terms(z) + _per_chunk_terms(z))
+        rule = total(rule_terms(z, wl, dm))
         out_grad = z.tokens * z.hv * z.dv * dm.e
         grad_inputs = 2 * dm.rows * spec.hidden_size * dm.e
         qkvz = linear.weight_elements(deltanet_linears(spec)[0], dm.tp)
         return [BackwardMoment("linear_attention.out", total(terms), out_grad, ("attn_out",)),
-                BackwardMoment("delta_rule", rule, _rule_grads(z), ("attn_out",)),
+                BackwardMoment("delta_rule", rule, fla.fla_rule_grads(z, dm) if _fused(wl)
+                               else _rule_grads(z), ("attn_out",)),
                 BackwardMoment("linear_attn_in", 0, grad_inputs, ("attn",), qkvz)]
 
     def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
-        return []
+        """Rerun with autograd recording in a fully recomputed layer's backward (beside the
+        layer's incoming gradient): the last chunk's state update (``last_update_locals``),
+        everything the rule saves made by then."""
+        assert spec.linear_attention is not None
+        z = sizes(spec.linear_attention, dm)
+        rule = total(rule_terms(z, wl, dm))
+        if _fused(wl):  # the fused rule's forward, as in a forward that saves
+            return [Moment("delta_rule", rule, fla.fla_rule_alive(z, dm, False))]
+        return [Moment("delta_rule", rule, _rule_alive(z, dm) + last_update_locals(z, dm))]
 
     def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:
         """dt_bias, A_log, conv1d, in_proj_qkvz, in_proj_ba, the norm, out_proj (the module's
@@ -306,7 +406,7 @@ class DeltaNet:
         return per_head * la.num_value_heads
 
 
-def cache_states_bytes(spec: ModelSpec, dm: Dims) -> int:
+def cache_states_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     """What the cache a training forward with use_cache fills keeps of a linear-attention
     layer until the forward's output is dropped (Qwen3NextGatedDeltaNet.forward with
     cache_params): the conv state, F.pad of the conv input to its last K positions (b C K,
@@ -314,5 +414,7 @@ def cache_states_bytes(spec: ModelSpec, dm: Dims) -> int:
     fp32) and with it the graph that made it (``last_update_bytes``)."""
     assert spec.linear_attention is not None
     z = sizes(spec.linear_attention, dm)
+    if _fused(wl):
+        return fla.fla_cache_bytes(z, dm)
     return (z.b * z.channels * z.taps * dm.e
             + z.b * z.hv * z.dk * z.dv * FP32_BYTES + last_update_bytes(z))

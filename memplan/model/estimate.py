@@ -54,7 +54,7 @@ from memplan.parallel import (
     zero_offload,
 )
 from memplan.spec import ModelSpec
-from memplan.workload import Framework, Recompute, Workload
+from memplan.workload import DeltaNetKernel, Framework, Workload
 
 # PHASES, PhasePeaks and StageMemory are defined with the stage walk and re-exported here,
 # beside the Estimate that holds them.
@@ -311,11 +311,13 @@ def _assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload, schedule: S
         "MoE routing balanced across experts (no capacity drop, no imbalance)",
         *adapters.assumptions(wl),
         *fsdp1.assumptions(spec, par, wl),
-        *(("gated DeltaNet layers under full recompute: the chunk loop's working set while a "
-           "layer is recomputed is counted in part (traced on a toy config: forward peak 19.6% "
-           "and backward peak 3.8% above the estimate; memplan.model.deltanet.DeltaNet."
-           "working_set)",)
-          if spec.linear_attention is not None and wl.recompute is Recompute.FULL else ()),
+        *((("gated DeltaNet layers on flash-linear-attention's chunk_gated_delta_rule and "
+            "FusedRMSNormGated with causal-conv1d's causal_conv1d_fn (the default: both "
+            "installed, as transformers then runs them; --deltanet-kernel torch for its torch "
+            "fallbacks)") if wl.deltanet_kernel is DeltaNetKernel.FLA else
+           "gated DeltaNet layers on transformers' torch fallbacks (torch_chunk_gated_delta_"
+           "rule, nn.Conv1d, Qwen3NextRMSNormGated)",)
+          if spec.linear_attention is not None else ()),
         *(("optimizer offloaded to host memory: fp32 master weights, states, an fp32 gradient "
            "copy and the step on the CPU (ZeRO-Offload); the GPU keeps weights and gradients",)
           if zero_offload(par) else ()),

@@ -2,7 +2,8 @@
 step-time model (``memplan.planning.timing``) computes with.
 
 A layer's FLOPs are its blocks' ``flops_per_token`` (2 per parameter the token passes, the
-top-k of the routed experts, and the attention core's), split into the attention core's
+top-k of the routed experts, or all of them where the code runs every expert, and the
+attention core's), split into the attention core's
 score matmuls (QK^T and PV: their kernel runs at its own rate, and selective recompute reruns
 them) and the rest. A sliding-window layer's core attends over its window
 (``memplan.model.attention.WindowAttention``). The head's projection: ``head_flops_per_token``.
@@ -19,6 +20,7 @@ from memplan.model.deltanet import DeltaNet
 from memplan.model.head import head_linear
 from memplan.model.layer import layer_blocks
 from memplan.model.mla import Mla
+from memplan.model.moe import MoE
 from memplan.spec import ModelSpec
 
 
@@ -34,9 +36,11 @@ class LayerFlops(NamedTuple):
 
 
 @lru_cache(maxsize=256)
-def layer_flops(spec: ModelSpec, seq_len: int) -> tuple[LayerFlops, ...]:
+def layer_flops(spec: ModelSpec, seq_len: int, every_expert: bool = False
+                ) -> tuple[LayerFlops, ...]:
     """``LayerFlops`` of each layer of the model at ``seq_len`` tokens per sequence; layers of
-    one kind (MoE or dense, sliding-window or full) computed once."""
+    one kind (MoE or dense, sliding-window or full) computed once. ``every_expert``: the MoE
+    layers run every token through every expert (``MoeImpl.EVERY``, ``MoE.flops_per_token``)."""
     kinds: dict[tuple[bool, str], LayerFlops] = {}
     out = []
     for i in range(spec.num_layers):
@@ -45,7 +49,9 @@ def layer_flops(spec: ModelSpec, seq_len: int) -> tuple[LayerFlops, ...]:
         key = (spec.is_moe_layer(i), variant)
         if key not in kinds:
             blocks = layer_blocks(spec, *key)
-            total = sum(block.flops_per_token(spec, seq_len) for block in blocks)
+            total = sum(block.flops_per_token(spec, seq_len, every_expert)
+                        if isinstance(block, MoE) else block.flops_per_token(spec, seq_len)
+                        for block in blocks)
             core = sum(block.core_flops_per_token(spec, seq_len) for block in blocks
                        if isinstance(block, (Attention, Mla, DeltaNet)))
             kinds[key] = LayerFlops(total - core, core)

@@ -222,7 +222,7 @@ def kv_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute
     if not (wl.kv_cache and recompute is Recompute.NONE):
         return 0
     if variant == "linear":
-        return cache_states_bytes(spec, dm)
+        return cache_states_bytes(spec, wl, dm)
     if dm.autocast:
         # RoPE that keeps the low dtype hands the cache low-precision K, which SDPA saves
         return (2 * dm.tokens * spec.kv_size // dm.tp * dm.stream_e

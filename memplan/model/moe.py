@@ -54,6 +54,35 @@ def every_expert_terms(spec: ModelSpec, dm: Dims) -> list[Term]:
                            dm.tokens)]
 
 
+def _grouped_working(spec: ModelSpec, dm: Dims) -> int:
+    """transformers' grouped_mm_experts_forward (integrations/moe.py) without saving, over the
+    R = T*k routed rows: the gathered rows and their sorted copy (2 R h) stay bound to the end;
+    at the gate its gate_up output (R 2f), the activation and the product (R f each); at the
+    unsort, the product (R f), the down projection's output, the weighted rows and their
+    unsorted copy (3 R h)."""
+    moe, h, e = _moe(spec), spec.hidden_size, dm.e
+    rows = dm.tokens * moe.top_k
+    inner = rows * moe.expert_ffn_hidden_size // dm.experts().tp * e
+    return 2 * rows * h * e + max(4 * inner, inner + 3 * rows * h * e)
+
+
+def _gated_shared_unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
+    """Grouped experts beside a gated shared expert that runs first (Qwen2MoeSparseMoeBlock
+    and Qwen3NextSparseMoeBlock.forward: shared_expert, then the router and the experts, then
+    the gate's sigmoid): the backward of the unsort (``weighted_out[inv_perm]``,
+    integrations/moe.py) makes zeros and an out-of-place index_put of the routed rows beside
+    their incoming gradient (R h each, the sum's expanded gradient copied), while the shared
+    output's gradient waits for the shared expert's backward (it runs last) beside the
+    block input's from the gate's linear; everything the block saved but the weighted rows
+    still alive."""
+    moe = _moe(spec)
+    if not (moe.shared_expert_gate and moe.num_shared_experts):
+        return []
+    rows_h = dm.tokens * moe.top_k * spec.hidden_size * dm.e
+    return [BackwardMoment("moe_unsort", saved - rows_h,
+                           3 * rows_h + 2 * dm.rows * spec.hidden_size * dm.e, ())]
+
+
 def moe_terms(spec: ModelSpec, dm: Dims, impl: MoeImpl = MoeImpl.LOOP) -> list[Term]:
     """An MoE feed-forward's saved terms, assuming balanced routing."""
     moe = _moe(spec)
@@ -237,6 +266,9 @@ class MoE:
         stream = dm.rows * h * e
         if wl.moe_impl is MoeImpl.EVERY:
             return [Moment("mlp", 0, stream + _every_working(spec, dm))]
+        if wl.moe_impl is MoeImpl.GROUPED:
+            return [Moment("mlp", 0, dm.tokens * moe.num_experts * FP32_BYTES + stream
+                           + _grouped_working(spec, dm))]
         rows_e = dm.tokens * moe.top_k // moe.num_experts
         inner = rows_e * moe.expert_ffn_hidden_size // dm.experts().tp * e
         expert = rows_e * h * e + max(rows_e * h * e + inner,
@@ -256,7 +288,7 @@ class MoE:
         if wl.moe_impl is MoeImpl.EVERY:
             return _every_backward(spec, dm, saved)
         if wl.moe_impl is MoeImpl.GROUPED:
-            return mlp.backward_moments(
+            return _gated_shared_unsort(spec, dm, saved) + mlp.backward_moments(
                 spec, dm.experts(), saved=saved, freed=mlp.dropout_mask_bytes(spec, dm) + routed,
                 run_tokens=dm.tokens * moe.top_k, ffn=moe.expert_ffn_hidden_size,
                 grad_inputs=2 * dm.rows * h * e, fresh=0, out_grad=routed,
@@ -313,13 +345,17 @@ class MoE:
         rest = linear.grad_groups([lin for lin in linears if not _routed(lin)], t, order)
         return {g: routed[g] + rest[g] for g in order}
 
-    def flops_per_token(self, spec: ModelSpec, seq_len: int) -> float:
-        """The router and shared experts, and the top-k of the routed experts."""
+    def flops_per_token(self, spec: ModelSpec, seq_len: int, every: bool = False) -> float:
+        """The router and shared experts, and the top-k of the routed experts; with ``every``
+        (``MoeImpl.EVERY``: Llama 4's Llama4TextMoe.forward repeats each token E times and
+        Llama4TextExperts.forward runs both bmm over all of them, models/llama4/
+        modeling_llama4.py) all E experts, the zero-scored ones included."""
         moe = _moe(spec)
         router, gate = router_linears(spec)
-        every = linear.params(router + gate + _shared_linears(spec))
+        shared = linear.params(router + gate + _shared_linears(spec))
         experts = moe.num_experts * linear.params(mlp.mlp_linears(spec, moe.expert_ffn_hidden_size))
-        return 2.0 * every + 2.0 * (experts * moe.top_k // moe.num_experts)
+        routed = experts if every else experts * moe.top_k // moe.num_experts
+        return 2.0 * shared + 2.0 * routed
 
 
 def _split(ep: int | ExpertSplit, t: int) -> tuple[int, int]:

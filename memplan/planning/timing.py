@@ -37,7 +37,7 @@ from memplan.parallel import ParallelConfig, ZeroStage, local_seq, rank_layers, 
 from memplan.spec import ModelSpec
 from memplan.units import FP32_BYTES
 from memplan.planning.kernels import linear_time_factor
-from memplan.workload import Float8Recipe, Recompute, SelectiveImpl, Workload
+from memplan.workload import Float8Recipe, MoeImpl, Recompute, SelectiveImpl, Workload
 
 if TYPE_CHECKING:
     import numpy as np
@@ -87,20 +87,30 @@ class StepTime(NamedTuple):
 
 
 @lru_cache(maxsize=256)
-def forward_flops_per_token(spec: ModelSpec, seq_len: int) -> tuple[float, float, float]:
+def forward_flops_per_token(spec: ModelSpec, seq_len: int, every_expert: bool = False
+                            ) -> tuple[float, float, float]:
     """(projection and head matmuls, attention score matmuls, the latter's mean per layer)
     FLOPs of one token's forward through the whole model: the layers' from their blocks
-    (``memplan.model.flops``), the head's 2 per weight."""
-    layers = layer_flops(spec, seq_len)
+    (``memplan.model.flops``; ``every_expert``: the MoE layers' every expert, as the code
+    runs them, ``runs_every_expert``), the head's 2 per weight."""
+    layers = layer_flops(spec, seq_len, every_expert)
     attention = sum(layer.attention for layer in layers)
     return (sum(layer.matmul for layer in layers) + head_flops_per_token(spec), attention,
             attention / spec.num_layers)
 
 
 @lru_cache(maxsize=256)
-def layer_forward_flops(spec: ModelSpec, seq_len: int) -> tuple[float, ...]:
+def layer_forward_flops(spec: ModelSpec, seq_len: int, every_expert: bool = False
+                        ) -> tuple[float, ...]:
     """Forward FLOPs of one token through each layer (``memplan.model.flops``)."""
-    return tuple(layer.total for layer in layer_flops(spec, seq_len))
+    return tuple(layer.total for layer in layer_flops(spec, seq_len, every_expert))
+
+
+def runs_every_expert(spec: ModelSpec, wl: Workload) -> bool:
+    """Whether the MoE layers run every token through every expert (``MoeImpl.EVERY``:
+    transformers' Llama4TextMoe.forward, a bmm over all experts with the unrouted scores
+    zero): the step's hardware FLOPs count them all, its model FLOPs the routed top-k."""
+    return spec.moe is not None and wl.moe_impl is MoeImpl.EVERY
 
 
 @lru_cache(maxsize=1024)
@@ -130,7 +140,7 @@ def stage_balance(spec: ModelSpec, wl: Workload, pp: int, vpp: int = 1,
     loss. 1.0 without pipeline parallelism."""
     if pp == 1:
         return 1.0
-    per_layer = layer_forward_flops(spec, wl.seq_len)
+    per_layer = layer_forward_flops(spec, wl.seq_len, runs_every_expert(spec, wl))
     par = ParallelConfig(pp=pp, vpp=vpp, stage_layers=split)
     rerun = set()
     if wl.recompute is Recompute.FULL:
@@ -159,6 +169,11 @@ def step_flops(spec: ModelSpec, wl: Workload, global_batch: int, *, pp: int,
     head = head_flops_per_token(spec)
     # a chunked loss reruns each chunk's head projection in its backward
     extra = head * tokens if wl.loss_checkpointed else 0.0
+    every = runs_every_expert(spec, wl)
+    if every:  # the unrouted experts' forward and backward: work, not model FLOPs
+        ran = forward_flops_per_token(spec, wl.seq_len, True)[0] - matmul
+        extra += (2.0 if _frozen_wgrad(spec, wl, matmul) else 3.0) * ran * tokens
+        forward += ran
     if wl.recompute is Recompute.FULL:
         k = wl.recompute_layers
         largest = max(rank_layers(spec.num_layers, ParallelConfig(pp=pp, vpp=vpp,
@@ -167,7 +182,7 @@ def step_flops(spec: ModelSpec, wl: Workload, global_batch: int, *, pp: int,
             per_layer = (forward - head) / spec.num_layers
             extra += per_layer * spec.num_layers * tokens
         else:
-            per_token = layer_forward_flops(spec, wl.seq_len)
+            per_token = layer_forward_flops(spec, wl.seq_len, every)
             rerun = sum(per_token[i] for i in recomputed_layers(spec.num_layers, k, pp, vpp,
                                                                          split, wl.recompute_every))
             extra += float(rerun * tokens)
@@ -529,7 +544,7 @@ def _step_fields(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int,
     # the pipeline runs at its busiest rank's pace (``stage_balance``); with context
     # parallelism the attention runs on seq / cp tokens, at that length's kernel rate
     compute = hardware_flops / world / (gpu.bf16_flops * mfu) * c.balance
-    matmul, attention, _ = forward_flops_per_token(spec, wl.seq_len)
+    matmul, attention, _ = forward_flops_per_token(spec, wl.seq_len, runs_every_expert(spec, wl))
     share = attention / (matmul + attention)
     slower = c.ops.per_value(lambda cp: _cp_attention_time(wl.seq_len, int(cp)), c.cp)
     # the decoder's linears at the rate of their per-GPU GEMM shapes, float8 on FP8 tensor
@@ -618,7 +633,7 @@ def _windowed(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns, comm: dic
     units = c.layers + 2  # a collective per unit: each layer's, the embedding's, the head's
     dp = dp_exposed(reduce, reduce_each, gather, gathers, units=units, compute=compute,
                     per_mb=per_mb, backward_share=backward_share, where=where)
-    matmul, attention, _ = forward_flops_per_token(spec, wl.seq_len)
+    matmul, attention, _ = forward_flops_per_token(spec, wl.seq_len, runs_every_expert(spec, wl))
     attention_share = attention / (matmul + attention)
     # the ring, step by step (PyTorch's context_parallel, torch/distributed/tensor/
     # experimental/_attention.py _templated_ring_attention, and Megatron-LM/Transformer

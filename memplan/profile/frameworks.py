@@ -375,7 +375,8 @@ def build_hf(case: FrameworkCase) -> Built:
     workload = dict(framework="hf", micro_batch_size=b, seq_len=s, precision=rec.name,
                     attention="flash" if attn == "sdpa" else "eager",
                     **({"recompute": recompute} if recompute != "none" else {}),
-                    **({"fsdp_version": 1, **fsdp1} if fsdp1 is not None else {}))
+                    **({"fsdp_version": 1, **fsdp1} if fsdp1 is not None else {}),
+                    **_deltanet_kernel(model))
     # the config's use_cache reaches the estimate through the spec (the hf preset's kv_cache)
     layout = (api.make_layout(case.dp, zero=3) if fsdp1 is not None
               else api.make_layout(1, offload=offload))
@@ -386,6 +387,18 @@ def build_hf(case: FrameworkCase) -> Built:
         context = follow_flat_storage
     return Built("transformers", model, spec, layout, workload, step, opt, host=host,
                  context=context)
+
+
+def _deltanet_kernel(model: torch.nn.Module) -> dict[str, str]:
+    """The kernels the model's gated DeltaNet layers run (Qwen3NextGatedDeltaNet.
+    chunk_gated_delta_rule: fla's when installed, else transformers' torch fallback, which
+    every CPU trace runs); nothing for a model without them."""
+    for module in model.modules():
+        rule = getattr(module, "chunk_gated_delta_rule", None)
+        if rule is not None:
+            torch_path = getattr(rule, "__name__", "") == "torch_chunk_gated_delta_rule"
+            return {"deltanet_kernel": "torch" if torch_path else "fla"}
+    return {}
 
 
 def _fsdp1_wrap(model, case: FrameworkCase, fields: dict[str, Any]) -> torch.nn.Module:

@@ -246,9 +246,9 @@ def test_library_matches_estimate(case: FrameworkCase) -> None:
 
 # --- a model type memplan has no reader for (memplan.hf.fallback) ----------------------------
 
-# EXAONE 4's type (transformers' exaone4: Llama's layer with post-norms and per-head q/k norms,
-# which memplan has no reader for), cut to two layers
-UNKNOWN_TOY = {"model_type": "exaone4", "hidden_size": 256, "intermediate_size": 768,
+# OLMo 1's type (transformers' olmo: Llama's layer with LayerNorms without weights, which
+# memplan has no reader for), cut to two layers
+UNKNOWN_TOY = {"model_type": "olmo", "hidden_size": 256, "intermediate_size": 768,
                "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
                "vocab_size": 1000, "pad_token_id": None, "bos_token_id": None,
                "eos_token_id": None}
@@ -256,14 +256,15 @@ UNKNOWN_TOY = {"model_type": "exaone4", "hidden_size": 256, "intermediate_size":
 
 def test_unknown_type_counts_as_transformers_builds_it() -> None:
     """The exact count is transformers' own build of the file, stated beside the approximate
-    spec (read as Llama's block); where the blocks count otherwise (here its q/k norms, 2 x
-    32 weights per layer) the line says which count the states follow."""
-    spec = spec_from_hf_dict(UNKNOWN_TOY, "cfg.json", "exaone")
+    spec (read as Llama's block); where the blocks count otherwise (here OlmoLayerNorm's
+    norms without weights, which Llama's blocks count: 2 x 256 per layer and the final 256)
+    the line says which count the states follow."""
+    spec = spec_from_hf_dict(UNKNOWN_TOY, "cfg.json", "olmo")
     exact = sum(p.numel() for p in _built(UNKNOWN_TOY).parameters())
     assert spec.exact_num_params == exact
-    assert spec.approximate and "'exaone4'" in spec.approximate and f"{exact:,}" in \
+    assert spec.approximate and "'olmo'" in spec.approximate and f"{exact:,}" in \
         spec.approximate
-    assert exact - spec.num_params == 2 * 2 * 32
+    assert spec.num_params - exact == 2 * 2 * 256 + 256
     assert f"{spec.num_params:,}" in spec.approximate and "states follow" in spec.approximate
 
 
@@ -275,5 +276,5 @@ def test_model_without_attention_layers_is_refused() -> None:
             "vocab_size": 100, "intermediate_size": 128, "num_attention_heads": 4}
     with pytest.raises(MemplanError) as err:
         spec_from_hf_dict(data, "cfg.json", "m")
-    assert "'mamba'" in str(err.value) and "0 of its 2 layers" in str(err.value)
+    assert "'mamba'" in str(err.value) and "none of its 2 layers" in str(err.value)
 

@@ -400,6 +400,7 @@ def test_flag_names_come_from_one_table() -> None:
      {"precision": "bf16-pure", "loss_impl": "torchtune-chunked", "loss_chunks": 8,
       "optimizer": "paged-adamw"}),
     (["--precision", "bf16-pure", "--compile"], {"precision": "bf16-pure", "compile": True}),
+    (["--deltanet-kernel", "torch"], {"deltanet_kernel": "torch"}),
 ])
 def test_every_shared_option_reaches_the_api(argv: list[str], kwargs: dict[str, Any]) -> None:
     """Each flag sets the API keyword the option table names: the CLI's JSON equals the API's."""
@@ -754,3 +755,18 @@ def test_logits_held_option_is_the_api_setting() -> None:
     api = memplan.estimate("llama-3.2-3b", gpus=1, framework="hf", logits_held="output")
     assert held["stages"][0]["peak_bytes"] == api.peak_bytes
     assert held["stages"][0]["peak_bytes"] > default["stages"][0]["peak_bytes"]
+
+
+def test_deltanet_kernel_option_is_the_api_setting() -> None:
+    """``--deltanet-kernel torch`` (transformers' torch fallbacks) gives the API's bytes, more
+    than the default fla kernels save (tests/unit/test_qwen3_next.py by hand), and the
+    assumption line names the kernels."""
+    args = ["--model", "qwen3-next-80b-a3b", "--gpus", "8", "--ep", "8", "--framework", "hf",
+            "--seq", "4096"]
+    fused = estimate_cli(*args)
+    torch_path = estimate_cli(*args, "--deltanet-kernel", "torch")
+    api = memplan.estimate("qwen3-next-80b-a3b", gpus=8, ep=8, framework="hf", seq_len=4096,
+                           deltanet_kernel="torch")
+    assert torch_path == json.loads(json.dumps(estimate_json(api)))
+    assert torch_path["peak_bytes"] > fused["peak_bytes"]
+    assert any("flash-linear-attention" in line for line in fused["assumptions"])

@@ -180,9 +180,29 @@ def test_llama4_rope_table_and_window_mask_under_recompute() -> None:
 def test_llama4_moe_flops_by_hand() -> None:
     """FLOPs per token of the MoE block: 2 per parameter every token passes, the router
     16 * 4 = 64 and the shared expert 3 * 16 * 8 = 384, and 2 per parameter of the top-1
-    of 4 experts (4 * 384 / 4 = 384): 2 * 448 + 2 * 384 = 1,664 (the routed top-k's, though
-    transformers' own MoE runs every expert)."""
+    of 4 experts (4 * 384 / 4 = 384): 2 * 448 + 2 * 384 = 1,664 (the routed top-k's; with every
+    expert, as transformers' own MoE runs them: the next test)."""
     from memplan.model.moe import MoE
 
     spec = spec_from_hf_dict(LLAMA4_TINY, "cfg.json", "m")
     assert MoE().flops_per_token(spec, 32) == 1_664
+
+
+def test_llama4_every_expert_flops_by_hand() -> None:
+    """transformers' Llama4TextMoe.forward runs every token through all 4 experts (the bmm of
+    Llama4TextExperts.forward over hidden_states.repeat(4, 1)): 2 * 448 + 2 * 1,536 = 3,968
+    per token through the MoE block. The step's model FLOPs stay the routed top-1's; its
+    hardware FLOPs add the other experts' forward and backward: 3 * (3,968 - 1,664) = 6,912
+    per token of the one MoE layer, 8 tokens: 55,296 (no recompute, pp 1)."""
+    from memplan.model.moe import MoE
+    from memplan.planning.timing import step_flops
+    from memplan.workload import MoeImpl
+
+    spec, wl, _ = _llama4_dims()
+    assert wl.moe_impl.value == "every"
+    assert MoE().flops_per_token(spec, 8, every=True) == 3_968
+    model, hardware = step_flops(spec, wl, 1, pp=1)
+    grouped, grouped_hw = step_flops(spec, wl.model_copy(update={"moe_impl": MoeImpl.GROUPED}), 1,
+                                     pp=1)
+    assert model == grouped == grouped_hw
+    assert hardware - model == 55_296

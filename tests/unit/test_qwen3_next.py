@@ -119,7 +119,8 @@ def test_deltanet_saved_bytes_by_hand() -> None:
     state update (65,536 + 2,048 + 32 = 67,616), whose nodes no loss reaches and which are
     freed with the forward's output (tests/traced/test_hf_qwen3_next.py measures the step)."""
     spec = spec_from_hf_dict(TOY, "config.json", "toy")
-    wl = Workload(micro_batch_size=2, seq_len=128, precision=Precision.FP32)
+    wl = Workload(micro_batch_size=2, seq_len=128, precision=Precision.FP32,
+                  deltanet_kernel="torch")
     dm = Dims.of(spec, ParallelConfig(), wl)
     parts = [262_144, 268_288, 262_144, 8_192, 4_096, 8_192,
              917_504, 8_224, 8_192, 1_048_576, 5_591_040,
@@ -136,3 +137,74 @@ def test_deltanet_flops_by_hand() -> None:
     2,667 (exactly 2,667.0), 182,891 per head, 5,852,512 for 32 heads; total 73,289,056."""
     spec = load_model("qwen3-next-80b-a3b")
     assert DeltaNet().flops_per_token(spec, 4096) == 67_371_008 + 65_536 + 32 * 182_891
+
+
+def test_checkpointed_rule_by_hand() -> None:
+    """torch_chunk_gated_delta_rule without saving, b = Hk = Hv = 1, dk = dv = 2, chunks of
+    c = 2, s = 4 (N = 2, Tp = 4), fp32: M = 1 * 2 * 2 * 2 * 4 = 32, one chunk's m = 16, its
+    rows r = rk = 16, the state S = 16; the last row and sub-block clones b N ((c-1)^2 + c-1)
+    = 2 * 2 * 4 = 16. Building attn: Tp (3 dk + 2 dv + 2) = 4 * 12 * 4 = 192 and 3 M = 96:
+    288; the substitution: 192 + 2 M + b N (2 + 2) 4 = 192 + 64 + 32 = 288; the loop's start
+    Tp (4 dk + 3 dv + 2) 4 = 256, 2 M, the clones and S: 352, its first product 2 m: 384;
+    after the solved attn is freed (320) the state update m + 3 r + max(2 S + rk, 3 S) = 112
+    is the largest of 3 m + 3 r = 96, m + 5 r = 96, m + 4 r + rk = 96: 432; the two c x c
+    bool masks 8: 440."""
+    from memplan.model.deltanet import Sizes, checkpointed_rule
+
+    z = Sizes(b=1, s=4, hk=1, hv=1, dk=2, dv=2, taps=4, c=2, n=2)
+    assert checkpointed_rule(z) == 440
+
+
+def _fla_dims(**workload):
+    spec = spec_from_hf_dict(TOY, "config.json", "toy")
+    wl = Workload(micro_batch_size=2, seq_len=128, precision=Precision.BF16_PURE, **workload)
+    return spec, wl, Dims.of(spec, ParallelConfig(), wl)
+
+
+def test_fla_saved_bytes_by_hand() -> None:
+    """The toy's gated DeltaNet on fla's kernels (the default), bf16, b = 2, s = 128: T = 256,
+    Hk = 2, Hv = 4, dk = dv = 32, C = 256, chunks of 64 (N = 2), in bytes:
+
+    causal_conv1d_fn's input x: T C 2 = 131,072; sigmoid(b) T Hv 2 = 2,048; softplus's fp32
+    input and output 2 T Hv 4 = 8,192                                      =   141,312
+    ChunkGatedDeltaRuleFunction.forward's saves: l2norm_fwd's q and k (the input's dtype)
+    2 T Hv dk 2 = 131,072 and their fp32 rstd 2 T Hv 4 = 8,192; v's contiguous copy
+    T Hv dv 2 = 65,536; g after chunk_local_cumsum (fp32) T Hv 4 = 4,096; A, zeros(B, T,
+    Hv, 64) in k's dtype: T Hv 64 2 = 131,072                             =   339,968
+    LayerNormGatedFunction: x (the rule's output) T Hv dv 2 = 65,536, the gate z 65,536,
+    rstd T Hv 4 = 4,096; out_proj's input 65,536                          =   200,704
+    total                                                                 =   681,984
+
+    (the torch path saves 10,035,264 bytes in fp32 here: ``test_deltanet_saved_bytes_by_hand``)
+    """
+    spec, wl, dm = _fla_dims()
+    assert wl.deltanet_kernel.value == "fla"
+    parts = [131_072, 2_048, 8_192, 131_072, 8_192, 65_536, 4_096, 131_072,
+             65_536, 65_536, 4_096, 65_536]
+    assert total(deltanet_terms(spec, wl, dm, Recompute.NONE)) == sum(parts) == 681_984
+
+
+def test_fla_moments_by_hand() -> None:
+    """The same toy's forward at chunk_fwd_o and backward at prepare_wy_repr_bwd's end, bf16:
+
+    beside the rule's saves (339,968 + 141,312 = 481,280): projected_states_qkvz
+    T (2 * 2 * 32 + 2 * 4 * 32) 2 = 196,608 and _ba T 8 2 = 4,096; the conv's output T C 2
+    = 131,072; z, b, a copies (Hv > Hk) T 4 (32 + 2) 2 = 69,632; g before the cumsum
+    T 4 4 = 4,096; the q and k given 2 T 4 32 2 = 131,072, w and u, v_new and o T 4 (32 +
+    3 * 32) 2 = 262,144 (with the q and k: T Hv (3 dk + 3 dv) 2 = 393,216); h b N Hv dk dv 2
+    = 2 * 2 * 4 * 1,024 * 2 = 32,768; use_cache's fp32 final state b Hv dk dv 4 = 32,768:
+    196,608 + 4,096 + 131,072 + 69,632 + 4,096 + 393,216 + 32,768 + 32,768 = 864,256.
+
+    backward: T Hv (5 dk + 5 dv + 1) 2 = 256 * 4 * 321 * 2 = 657,408, h and dh 65,536, two
+    fp32 gate gradients 2 T Hv 4 = 8,192: 731,136. Checkpointed: the rule's saves but the
+    conv input and softplus (339,968 + 2,048 = 342,016) beside the same locals without the
+    final state (831,488): 1,173,504."""
+    from memplan.model.deltanet import DeltaNet
+
+    spec, wl, dm = _fla_dims(kv_cache=True)  # the config's use_cache (the hf preset)
+    block = DeltaNet()
+    forward = block.forward_moments(spec, wl, dm, Recompute.NONE)[0]
+    assert (forward.own_bytes, forward.transient_bytes) == (481_280, 864_256)
+    backward = block.backward_moments(spec, wl, dm, Recompute.NONE)[1]
+    assert (backward.own_bytes, backward.transient_bytes) == (481_280, 731_136)
+    assert block.working_set(spec, wl, dm)[0].transient_bytes == 1_173_504

@@ -1,0 +1,157 @@
+"""Readers of the Llama-style families whose layers memplan's blocks describe as they are, each
+with its own keys and defaults: EXAONE 4, Seed-OSS, Hunyuan (dense and MoE), ERNIE 4.5 (dense)
+and dots.llm1.
+
+Each reads the keys with the defaults of its transformers 5 configuration class
+(``transformers/models/<family>/configuration_<family>.py``; a key the file leaves out takes
+the class's default) and returns the ``ModelSpec`` fields of the model
+``AutoModelForCausalLM.from_config`` builds (``modeling_<family>.py``, transformers 5.3 and
+5.25: the same parameters in both).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memplan.hf.config import FULL, SLIDING, ConfigKeys, llama_fields, sliding_fields
+from memplan.hf.config import _layer_types as _types
+from memplan.hf.families_moe import first_dense
+MORE_FAMILIES = ("exaone4", "seed_oss", "hunyuan_v1_dense", "hunyuan_v1_moe", "ernie4_5", "dots1")
+
+
+def _window(cfg: ConfigKeys, default: int) -> int | None:
+    """``sliding_window``: the file's (null: none), else the class's default."""
+    if "sliding_window" not in cfg.data:
+        return default
+    return None if cfg.data["sliding_window"] is None else cfg.get_int("sliding_window")
+
+
+def exaone4(cfg: ConfigKeys) -> dict[str, Any]:
+    """models/exaone4/modeling_exaone4.py: norms after the mixers, before the residual add,
+    none before them (Exaone4DecoderLayer: post_attention_layernorm, post_feedforward_
+    layernorm), Llama's RMSNorm (Exaone4RMSNorm: weight * x.to(input_dtype)), per-head q/k
+    RMSNorms before RoPE (Exaone4Attention.q_norm / k_norm of head_dim), no biases, and with a
+    sliding window the full layers attend without RoPE (``if self.sliding_window is None or
+    self.is_sliding``: the global NoPE of the hybrid attention). Exaone4Config fills
+    layer_types with every sliding_window_pattern-th layer full (default 4, sliding_window
+    4096); without a window every layer is full and rotates."""
+    fields = llama_fields(cfg, head_dim_default=None, tie_default=False, bias=False,
+                          defaults={"vocab_size": 102400, "max_position_embeddings": 2048})
+    num_layers = fields["num_layers"]
+    window = _window(cfg, 4096)
+    pattern = cfg.data.get("sliding_window_pattern", 4)
+    every = pattern if isinstance(pattern, int) and not isinstance(pattern, bool) else 4
+    default = ([SLIDING if (i + 1) % every else FULL for i in range(num_layers)]
+               if window is not None else [FULL] * num_layers)
+    types = _types(cfg, num_layers, default)
+    fields.update(qk_norm="head", norm_placement="post", **sliding_fields(cfg, types, window))
+    if window is not None and SLIDING in types:
+        # the full layers attend without RoPE: the every-n-th layers of sliding_fields' pattern
+        fields["nope_layer_interval"] = fields.get("sliding_window_pattern", 0)
+    return fields
+
+
+def seed_oss(cfg: ConfigKeys) -> dict[str, Any]:
+    """models/seed_oss/modeling_seed_oss.py: Llama's layer with q/k/v biases from
+    attention_bias (default true), o_proj's from attention_out_bias (default false), MLP biases
+    from mlp_bias, head_dim its own key (default 128), untied; dropout on the attention
+    probabilities (attention_dropout, 0.1) and on both mixers' outputs (residual_dropout, 0.1:
+    SeedOssAttention.forward, SeedOssMLP.forward), the larger rate standing for both."""
+    fields = llama_fields(cfg, head_dim_default=128, tie_default=False, bias=False,
+                          defaults={"vocab_size": 155136, "max_position_embeddings": 524288})
+    dropout = max(cfg.get_float("attention_dropout", 0.1), cfg.get_float("residual_dropout", 0.1))
+    fields.update(qkv_bias=cfg.get_bool("attention_bias", True),
+                  attn_out_bias=cfg.get_bool("attention_out_bias", False), dropout=dropout)
+    return fields
+
+
+def hunyuan_v1_dense(cfg: ConfigKeys) -> dict[str, Any]:
+    """models/hunyuan_v1_dense/modeling_hunyuan_v1_dense.py: Llama's layer (attention_bias on
+    q, k, v and o; no MLP biases) with per-head RMSNorms on q and k (HunYuanDenseV1Attention.
+    query_layernorm / key_layernorm of head_dim, built whatever use_qk_norm says). They run
+    after RoPE, not before it as Qwen3's do: memplan counts Qwen3's order, the same tensors'
+    sizes (the rotated q and k saved by the norms in place of the projections' outputs)."""
+    fields = llama_fields(cfg, head_dim_default=None, tie_default=False,
+                          defaults={"vocab_size": 290943, "max_position_embeddings": 2048})
+    fields.update(qk_norm="head", mlp_bias=False)
+    return fields
+
+
+def hunyuan_v1_moe(cfg: ConfigKeys) -> dict[str, Any]:
+    """models/hunyuan_v1_moe/modeling_hunyuan_v1_moe.py: Hunyuan's dense layer
+    (``hunyuan_v1_dense``) with HunYuanMoEV1Moe on every layer: num_experts stacked experts of
+    intermediate_size (HunYuanMoEV1Experts: gate_up_proj, down_proj), a bias-free router
+    (HunYuanMoEV1Gate.wg; its softmax in fp32, the top moe_topk renormalised) and one shared
+    MLP of intermediate_size without a gate (shared_mlp). A per-layer list of expert counts
+    or top-k is refused. The router's weight is built in fp32 whatever the model's dtype
+    (``nn.Linear(..., dtype=torch.float32)``) and its input cast to fp32 for it
+    (HunYuanMoEV1Gate.forward): read as ``router_fp32``, whose saved fp32 input is this one;
+    the weight's storage is counted in the model's dtype (E x h per layer: 0.01% of the
+    A13B's parameters' bytes)."""
+    fields = hunyuan_v1_dense(cfg)
+    for key in ("num_experts", "moe_topk"):
+        if isinstance(cfg.data.get(key), list):
+            raise cfg.error(key, "a per-layer list is not modelled (one value for every layer)")
+    ffn = fields["ffn_hidden_size"]
+    fields["moe"] = {"num_experts": cfg.get_int("num_experts", 1),
+                     "top_k": cfg.get_int("moe_topk", 1), "expert_ffn_hidden_size": ffn,
+                     "stacked_experts": True, "num_shared_experts": 1, "router_fp32": True,
+                     "shared_expert_ffn_hidden_size": ffn}
+    return fields
+
+
+def ernie4_5(cfg: ConfigKeys) -> dict[str, Any]:
+    """models/ernie4_5/modeling_ernie4_5.py: Llama's layer with use_bias (default false) on
+    q, k, v, o and the MLP's three projections (Ernie4_5Attention, Ernie4_5MLP), head_dim its
+    own key (default 128), tied by default. Its RoPE rotates interleaved pairs (its own
+    apply_rotary_pos_emb): the same tensors' sizes as Llama's."""
+    fields = llama_fields(cfg, head_dim_default=128, tie_default=True, bias=False,
+                          defaults={"vocab_size": 103424, "max_position_embeddings": 131072})
+    bias = cfg.get_bool("use_bias", False)
+    fields.update(qkv_bias=bias, attn_out_bias=bias, mlp_bias=bias)
+    return fields
+
+
+def dots1(cfg: ConfigKeys) -> dict[str, Any]:
+    """models/dots1/modeling_dots1.py: Qwen3's attention (Dots1Attention: per-head q/k norms,
+    attention_bias on q, k, v and o, default false) and DeepSeek-V3's MoE without its
+    attention: dense MLPs of intermediate_size in the first first_k_dense_replace layers
+    (default 0), then Dots1MoE: n_routed_experts stacked (Dots1Experts: gate_up_proj,
+    down_proj), a bias-free router whose fp32 weight runs on fp32 copies (Dots1TopkRouter;
+    e_score_correction_bias a buffer) and the n_shared_experts as one MLP of
+    moe_intermediate_size * n_shared_experts. Dots1Config slides the window on layers from
+    max_window_layers on (default 62) when sliding_window is set (default 4096)."""
+    fields = llama_fields(cfg, head_dim_default=None, tie_default=False,
+                          defaults={"vocab_size": 152064, "max_position_embeddings": 2048})
+    num_layers = fields["num_layers"]
+    key = "n_routed_experts" if cfg.data.get("n_routed_experts") is not None \
+        else "num_local_experts"
+    experts = cfg.get_int(key)
+    groups = cfg.get_int("n_group", 1)
+    if groups <= 0 or experts % groups:
+        raise cfg.error("n_group", f"{groups} groups do not divide {experts} routed experts")
+    moe_ffn = cfg.get_int("moe_intermediate_size", 1408)
+    moe: dict[str, Any] = {
+        "num_experts": experts, "top_k": cfg.get_int("num_experts_per_tok"),
+        "expert_ffn_hidden_size": moe_ffn,
+        "first_dense_layers": first_dense(cfg, num_layers, 0),
+        "stacked_experts": True, "router_fp32": True,
+    }
+    shared = cfg.data.get("n_shared_experts")
+    if shared:
+        shared = cfg.get_int("n_shared_experts")
+        moe.update(num_shared_experts=shared, shared_expert_ffn_hidden_size=moe_ffn)
+    window = _window(cfg, 4096)
+    first = cfg.get_int("max_window_layers", 62)
+    default = [SLIDING if window is not None and i >= first else FULL
+               for i in range(num_layers)]
+    fields.update(qk_norm="head", moe=moe,
+                  **sliding_fields(cfg, _types(cfg, num_layers, default), window))
+    return fields
+
+
+def more_family_fields(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
+    """The ``ModelSpec`` fields of a ``MORE_FAMILIES`` config."""
+    readers = {"exaone4": exaone4, "seed_oss": seed_oss, "hunyuan_v1_dense": hunyuan_v1_dense,
+               "hunyuan_v1_moe": hunyuan_v1_moe, "ernie4_5": ernie4_5, "dots1": dots1}
+    return readers[model_type](cfg)

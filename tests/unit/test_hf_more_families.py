@@ -1,0 +1,64 @@
+"""The readers of memplan.hf.families_more on the held-out published configs
+(tests/data/hf/heldout): each count is the one transformers builds on the meta device
+(tests/traced/test_hf_heldout.py checks them against transformers itself, tensor by tensor)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from memplan.spec import spec_from_hf_dict
+
+HELDOUT = Path(__file__).resolve().parents[1] / "data" / "hf" / "heldout"
+
+
+def _spec(name: str):
+    data = json.loads((HELDOUT / name / "config.json").read_text())
+    return spec_from_hf_dict(data, "config.json", name)
+
+
+def test_ernie_0_3b_by_hand() -> None:
+    """ERNIE-4.5-0.3B: 18 layers of h 1,024, 16 heads and 2 KV heads of 128, ffn 3,072, no
+    biases, tied. Attention q 1,024 x 2,048 and o 2,048 x 1,024 (2,097,152 each), k and v
+    1,024 x 256 (262,144 each): 4,718,592; MLP 3 x 1,024 x 3,072 = 9,437,184; two norms
+    2,048: 14,157,824 per layer, 254,840,832 in all; the embedding 103,424 x 1,024 =
+    105,906,176 and the final norm 1,024: 360,748,032."""
+    spec = _spec("ERNIE-4.5-0.3B-PT")
+    assert spec.num_params == 360_748_032 and spec.approximate is None
+
+
+@pytest.mark.parametrize(("name", "count"), [
+    ("EXAONE-4.0-32B", 32_003_216_384), ("EXAONE-4.0-1.2B", 1_279_391_488),
+    ("Seed-OSS-36B-Instruct", 36_151_104_512), ("Hunyuan-7B-Instruct", 7_504_568_320),
+    ("Hunyuan-A13B-Instruct", 80_393_183_232), ("dots.llm1.inst", 142_774_373_888),
+])
+def test_published_counts(name: str, count: int) -> None:
+    """transformers 5.3 and 5.25 build these counts from the same files."""
+    spec = _spec(name)
+    assert spec.num_params == count and spec.approximate is None
+
+
+def test_exaone4_layers() -> None:
+    """EXAONE-4.0-32B: LLLG, a 4,096 window; the full layers attend without RoPE; norms after
+    the mixers and per-head q/k norms."""
+    spec = _spec("EXAONE-4.0-32B")
+    assert spec.sliding_window == 4096 and spec.sliding_window_pattern == 4
+    assert spec.nope_layer_interval == 4 and spec.qk_norm.value == "head"
+    assert spec.norm_placement.value == "post"
+    small = _spec("EXAONE-4.0-1.2B")
+    assert small.sliding_window is None and small.nope_layer_interval == 0
+
+
+def test_seed_oss_biases_and_dropout() -> None:
+    spec = _spec("Seed-OSS-36B-Instruct")
+    assert spec.qkv_bias and not spec.attn_out_bias and spec.dropout == 0.1
+
+
+def test_dots1_moe() -> None:
+    spec = _spec("dots.llm1.inst")
+    moe = spec.moe
+    assert (moe.num_experts, moe.top_k, moe.first_dense_layers, moe.num_shared_experts) == (
+        128, 6, 1, 2)
+    assert spec.qk_norm.value == "head"
