@@ -150,6 +150,51 @@ def float8_forward_bytes(lin: Linear, dm: Dims) -> int:
             + weight_elements(lin, dm.tp) * FLOAT8_BYTES + _scales(d_out, dm))
 
 
+# ``hp_tensor_to_float8_dynamic`` run eagerly, per element of the tensor it casts: after the
+# amax, ``_ToFloat8ConstrFunc.forward`` (``torchao/float8/float8_training_tensor.py``) makes
+# ``tensor_scaled = tensor.to(torch.float32) * scale`` (fp32, a local alive to the return) and
+# ``to_fp8_saturated`` (``float8_utils.py``) its clamped fp32 copy, then the float8 bits from
+# it: 4 + 4 + 1 bytes at once (the fp32 upcast of a bf16 tensor is freed by then), whatever
+# the input's dtype (traced: tests/traced/test_torchao_float8.py)
+FLOAT8_CAST_WORK_BYTES = 2 * 4 + FLOAT8_BYTES
+
+
+def float8_forward_peak(lin: Linear, dm: Dims, out_bytes: int) -> int:
+    """Bytes a projection's forward holds at its peak beyond its input and weight, its
+    output (``out_bytes``) included: as an eager ``Float8Linear``
+    (``matmul_with_hp_or_float8_args.forward``) the largest of the input's cast working set,
+    the weight's beside the input's float8 cast, and both casts beside the output at the
+    matmul (``float8_forward_bytes``); unconverted, the output alone."""
+    if not float8_converts(lin, dm):
+        return out_bytes
+    d_in, d_out = local_widths(lin, dm.tp)
+    n, m = dm.tokens * d_in, weight_elements(lin, dm.tp)
+    x8 = n * FLOAT8_BYTES + _scales(dm.tokens, dm)
+    return max(n * FLOAT8_CAST_WORK_BYTES + _scales(dm.tokens, dm),
+               x8 + m * FLOAT8_CAST_WORK_BYTES + _scales(d_out, dm),
+               float8_forward_bytes(lin, dm) + out_bytes)
+
+
+def float8_backward_peak(lin: Linear, dm: Dims, grad_in_bytes: int) -> int:
+    """Bytes a projection's backward holds at its peak beyond its saved tensors and its
+    output's gradient, its input's gradient (``grad_in_bytes``) included: as an eager
+    ``Float8Linear`` (``matmul_with_hp_or_float8_args.backward``) the four casts made in
+    turn, each cast's working set (``FLOAT8_CAST_WORK_BYTES``) beside the casts made before
+    it (and after the input-gradient matmul, beside that gradient); unconverted, the input's
+    gradient alone. The weight gradient is the walk's (``fresh_params``)."""
+    if not float8_converts(lin, dm):
+        return grad_in_bytes
+    d_in, d_out = local_widths(lin, dm.tp)
+    rows, work = dm.tokens, FLOAT8_CAST_WORK_BYTES
+    p, n, m = rows * d_out, rows * d_in, weight_elements(lin, dm.tp)
+    go0 = p * FLOAT8_BYTES + _scales(rows, dm)
+    w0 = m * FLOAT8_BYTES + _scales(d_in, dm)
+    go1 = p * FLOAT8_BYTES + _scales(d_out, dm)
+    return max(p * work + _scales(rows, dm), go0 + m * work + _scales(d_in, dm),
+               go0 + w0 + grad_in_bytes + p * work + _scales(d_out, dm),
+               go0 + w0 + grad_in_bytes + go1 + n * work + _scales(d_in, dm))
+
+
 def float8_backward_bytes(lin: Linear, dm: Dims) -> int:
     """The float8 casts alive at a ``Float8Linear``'s weight-gradient matmul, the last of its
     backward (``matmul_with_hp_or_float8_args.backward``): the input-gradient matmul's casts
