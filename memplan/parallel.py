@@ -474,13 +474,14 @@ def expert_rule(num_experts: int, expert_ffn: int, ep: int, etp: int,
 
 def float8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutError | None:
     """What torchao's float8 linears are modelled for (``memplan.model.linear``): dense
-    layers, eager, no tensor parallelism (torchtitan's ``Float8ColwiseParallel`` casts inputs
+    layers, eager or compiled (a gated MLP: ``memplan.model.compiled.float8_recomputed``
+    traced), no tensor parallelism (torchtitan's ``Float8ColwiseParallel`` casts inputs
     before their all-gather), no LoRA, no selective recompute. The rest is refused."""
     why = None
     if spec.moe is not None:
         why = "MoE layers"
-    elif wl.compile:
-        why = "compile"
+    elif wl.compile and not spec.mlp.gated:
+        why = "compile and an ungated MLP"
     elif par.tp > 1:
         why = f"tp {par.tp}"
     elif wl.lora_rank:
@@ -491,8 +492,8 @@ def float8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutErr
         return None
     return LayoutError(f"float8 is not modelled with {why}",
                        f"float8 {wl.float8.value} with {why}: not modelled yet (float8 is "
-                       "modelled for dense layers, eager, tp 1, no LoRA, recompute none or "
-                       "full)")
+                       "modelled for dense layers, eager or compiled with a gated MLP, tp 1, no "
+                       "LoRA, recompute none or full)")
 
 
 def optimizer_in_backward_rule(par: ParallelConfig, wl: Workload) -> LayoutError | None:

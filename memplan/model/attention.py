@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from memplan.model import eager, linear
+from memplan.model import compiled, eager, linear
 from memplan.model.block import BackwardMoment, Moment
 from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term, residual_dropout_mask, total
 from memplan.model.linear import Linear, Split
@@ -314,7 +314,8 @@ class Attention:
     name = "attn"
 
     def saved(self, spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
-        return attention_terms(spec, wl, dm, recompute)
+        return (attention_terms(spec, wl, dm, recompute)
+                + compiled.float8_scales("attn", attention_linears(spec), dm))
 
     def forward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
                         recompute: Recompute) -> list[Moment]:

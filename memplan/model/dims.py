@@ -53,6 +53,7 @@ class Dims(NamedTuple):
     etp: int = 0  # TP degree of the routed experts (ParallelConfig.etp); 0: tp
     adapters: Adapters | None = None  # LoRA on frozen base weights (memplan.model.adapters)
     float8: Float8Recipe = Float8Recipe.NONE  # torchao Float8Linear (memplan.model.linear)
+    compiled: bool = False  # the layers under torch.compile (memplan.model.compiled)
 
     @classmethod
     def of(cls, spec: ModelSpec, par: ParallelConfig, wl: Workload) -> Dims:
@@ -67,7 +68,7 @@ class Dims(NamedTuple):
                    stream_e=policy.params.itemsize if policy.autocast else e,
                    autocast=policy.autocast is not None, etp=par.etp or 0,
                    adapters=adapters_of(wl, spec.fused_qkv or wl.fused_qkv),
-                   float8=wl.float8)
+                   float8=wl.float8, compiled=wl.compile)
 
     def experts(self) -> Dims:
         """These dims for the routed experts' projections: their inner widths split by etp."""

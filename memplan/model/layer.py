@@ -49,7 +49,19 @@ from memplan.workload import NormImpl, Recompute, SelectiveImpl, Workload
 _ATTENTION, _WINDOW, _MLA, _MLP, _MOE = Attention(), WindowAttention(), Mla(), Mlp(), MoE()
 _DELTANET = DeltaNet()
 _NOPE = NopeAttention()
-_PRE = {"attn": Norm("attn_norm"), "mlp": Norm("mlp_norm")}
+def _attention_inputs(spec: ModelSpec) -> tuple[Linear, ...]:
+    """The projections reading the attention norm's output: a plain attention's q/k/v (not
+    MLA's, nor a parallel layer's, whose MLP reads it too: those not known here, none)."""
+    if spec.mla is not None or spec.parallel_block:
+        return ()
+    return attention_linears(spec)[:-1]
+
+
+def _mlp_inputs(spec: ModelSpec) -> tuple[Linear, ...]:
+    return mlp_linears(spec, spec.ffn_hidden_size)[:-1] if spec.moe is None else ()
+
+
+_PRE = {"attn": Norm("attn_norm", _attention_inputs), "mlp": Norm("mlp_norm", _mlp_inputs)}
 _INPUT = {"attn": StreamInput("attn_input"), "mlp": StreamInput("mlp_input")}
 _POST = {"attn": Norm("attn_post_norm"), "mlp": Norm("mlp_post_norm")}
 MIXERS = (Attention, Mla, Mlp, MoE, DeltaNet)

@@ -159,6 +159,13 @@ def float8_forward_bytes(lin: Linear, dm: Dims) -> int:
 FLOAT8_CAST_WORK_BYTES = 2 * 4 + FLOAT8_BYTES
 
 
+def _work(dm: Dims) -> int:
+    """Bytes per element a float8 cast holds while it runs: eagerly its fp32 working set
+    (``FLOAT8_CAST_WORK_BYTES``); compiled, one Inductor kernel reads the high-precision
+    tensor and writes the float8 bits alone (``memplan.model.compiled``)."""
+    return FLOAT8_BYTES if dm.compiled else FLOAT8_CAST_WORK_BYTES
+
+
 def float8_forward_peak(lin: Linear, dm: Dims, out_bytes: int) -> int:
     """Bytes a projection's forward holds at its peak beyond its input and weight, its
     output (``out_bytes``) included: as an eager ``Float8Linear``
@@ -170,8 +177,8 @@ def float8_forward_peak(lin: Linear, dm: Dims, out_bytes: int) -> int:
     d_in, d_out = local_widths(lin, dm.tp)
     n, m = dm.tokens * d_in, weight_elements(lin, dm.tp)
     x8 = n * FLOAT8_BYTES + _scales(dm.tokens, dm)
-    return max(n * FLOAT8_CAST_WORK_BYTES + _scales(dm.tokens, dm),
-               x8 + m * FLOAT8_CAST_WORK_BYTES + _scales(d_out, dm),
+    return max(n * _work(dm) + _scales(dm.tokens, dm),
+               x8 + m * _work(dm) + _scales(d_out, dm),
                float8_forward_bytes(lin, dm) + out_bytes)
 
 
@@ -185,7 +192,7 @@ def float8_backward_peak(lin: Linear, dm: Dims, grad_in_bytes: int) -> int:
     if not float8_converts(lin, dm):
         return grad_in_bytes
     d_in, d_out = local_widths(lin, dm.tp)
-    rows, work = dm.tokens, FLOAT8_CAST_WORK_BYTES
+    rows, work = dm.tokens, _work(dm)
     p, n, m = rows * d_out, rows * d_in, weight_elements(lin, dm.tp)
     go0 = p * FLOAT8_BYTES + _scales(rows, dm)
     w0 = m * FLOAT8_BYTES + _scales(d_in, dm)

@@ -229,6 +229,10 @@ class Mlp:
         terms = mlp_terms("mlp", spec, dm, spec.ffn_hidden_size, dm.tokens)
         if wl.compile:
             terms = compiled.mlp_terms(terms, spec.mlp.gated)
+            if compiled.float8_recomputed(mlp_linears(spec, spec.ffn_hidden_size)[-1:], dm):
+                # the down projection's input, recomputed
+                terms = [t for t in terms if not t.name.endswith(".prod")]
+            terms += compiled.float8_scales("mlp", mlp_linears(spec, spec.ffn_hidden_size), dm)
         return (terms
                 + linear.saved_terms("mlp", mlp_linears(spec, spec.ffn_hidden_size), dm)
                 + residual_dropout_mask("mlp", spec, dm))

@@ -85,7 +85,6 @@ def test_float8_keeps_saved_activations_of_a_bf16_run() -> None:
 
 @pytest.mark.parametrize(("model", "update", "par", "why"), [
     ("mixtral-8x7b", {}, {}, "MoE layers"),
-    ("tiny", {"compile": True}, {}, "compile"),
     ("tiny", {}, {"tp": 2}, "tp 2"),
     ("tiny", {"lora_rank": 8}, {}, "lora_rank 8"),
     ("tiny", {"recompute": "selective"}, {}, "recompute selective"),
@@ -161,3 +160,14 @@ def test_mlp_input_projections_as_float8() -> None:
     bwd = {m.name: m for m in mlp.backward_moments(TINY, wl, TW, Recompute.NONE)}
     assert (bwd["mlp_f8_up"].own_bytes, bwd["mlp_f8_up"].transient_bytes) == (3_072, 62_984)
     assert (bwd["mlp_f8_gate"].own_bytes, bwd["mlp_f8_gate"].transient_bytes) == (0, 61_960)
+
+
+def test_compiled_float8_refuses_an_ungated_mlp() -> None:
+    """Compiled float8 is traced on torchtitan's gated MLP only: an ungated one is refused."""
+    from memplan.parallel import float8_rule
+    from memplan.spec import MlpKind
+
+    wl = Workload.model_validate({"float8": "rowwise", "compile": True})
+    assert float8_rule(TINY, ParallelConfig(), wl) is None
+    err = float8_rule(TINY.model_copy(update={"mlp": MlpKind.GELU}), ParallelConfig(), wl)
+    assert "float8 rowwise with compile and an ungated MLP: not modelled" in str(err)
