@@ -496,6 +496,21 @@ def float8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutErr
                        "LoRA, recompute none or full)")
 
 
+def float8_gather_rule(par: ParallelConfig, wl: Workload) -> LayoutError | None:
+    """FSDP2's float8 all-gather (torchao's ``enable_fsdp_float8_all_gather``) needs float8
+    linears with tensorwise scaling (``WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather``
+    casts each shard with one scale for the whole weight; torchtitan refuses it with a
+    rowwise recipe) and FSDP2 sharding the weights (zero 3)."""
+    if wl.float8.value != "tensorwise":
+        why = f"float8 {wl.float8.value} (it needs tensorwise)"
+    elif par.zero < ZeroStage.PARAMETERS or wl.fsdp_version == 1:
+        why = "no FSDP2 weight sharding (it needs zero 3, FSDP2)"
+    else:
+        return None
+    return LayoutError(f"float8_all_gather needs tensorwise float8 and FSDP2",
+                       f"float8_all_gather with {why}")
+
+
 def optimizer_in_backward_rule(par: ParallelConfig, wl: Workload) -> LayoutError | None:
     """What the optimizer stepped in backward is modelled for (``memplan.model.
     step_in_backward``): one device, no pipeline, no weights or states on the host, no LoRA,
@@ -606,6 +621,8 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
     if wl.optimizer_in_backward and (err := optimizer_in_backward_rule(par, wl)) is not None:
         raise err
     if wl.float8.value != "none" and (err := float8_rule(spec, par, wl)) is not None:
+        raise err
+    if wl.float8_all_gather and (err := float8_gather_rule(par, wl)) is not None:
         raise err
     if wl.base_quant.value == "nf4-torchao-0.1" and par.zero >= ZeroStage.PARAMETERS:
         # torchao 0.1's NF4Tensor implements no chunk/split/view ops for FSDP to shard it

@@ -54,6 +54,7 @@ class Dims(NamedTuple):
     adapters: Adapters | None = None  # LoRA on frozen base weights (memplan.model.adapters)
     float8: Float8Recipe = Float8Recipe.NONE  # torchao Float8Linear (memplan.model.linear)
     compiled: bool = False  # the layers under torch.compile (memplan.model.compiled)
+    float8_gathered: bool = False  # FSDP2 gathers converted weights in float8: no weight cast
 
     @classmethod
     def of(cls, spec: ModelSpec, par: ParallelConfig, wl: Workload) -> Dims:
@@ -68,7 +69,8 @@ class Dims(NamedTuple):
                    stream_e=policy.params.itemsize if policy.autocast else e,
                    autocast=policy.autocast is not None, etp=par.etp or 0,
                    adapters=adapters_of(wl, spec.fused_qkv or wl.fused_qkv),
-                   float8=wl.float8, compiled=wl.compile)
+                   float8=wl.float8, compiled=wl.compile,
+                   float8_gathered=wl.float8_all_gather and par.zero >= 3)
 
     def experts(self) -> Dims:
         """These dims for the routed experts' projections: their inner widths split by etp."""

@@ -359,6 +359,17 @@ def moment_params(groups: dict[str, int], kind: LayerKind) -> tuple[int, ...]:
     return tuple(sum(groups[g] for g in m.grads_before) for m in kind.moments)
 
 
+def float8_gather_saving(spec: ModelSpec, t: int, e: int) -> int:
+    """Bytes fewer FSDP2 gathers for a dense layer when its converted linears' weights are
+    all-gathered in float8 (torchao ``float8/fsdp_utils.py``:
+    ``WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`` casts the shard and returns its
+    float8 data, ``fsdp_post_all_gather`` wraps the gathered data as a ``Float8TrainingTensor``):
+    one byte an element instead of ``e``; the norms stay in ``e``. Each weight's fp32 scale
+    (one per tensor, the ``metadata`` beside the data, not gathered) is not counted."""
+    return sum(linear.weight_elements(lin, t) * (e - linear.FLOAT8_BYTES)
+               for lin in layer_linears(spec, False) if linear.convertible(lin))
+
+
 def layer_linears(spec: ModelSpec, moe_layer: bool, variant: str = "") -> tuple[Linear, ...]:
     """A layer's projections that are ``nn.Linear`` modules (what LoRA adapts and bitsandbytes
     quantizes): the attention's (or a linear-attention layer's), and a dense layer's MLP

@@ -126,8 +126,12 @@ def float8_converts(lin: Linear, dm: Dims) -> bool:
     of 16 (torchtitan's ``module_filter_fn``, ``torchtitan/components/quantization/utils.py``:
     other linears stay plain). The output head is not a projection here: torchtitan's float8
     configs filter it (``filter_fqns=["lm_head"]``, ``models/llama3/config_registry.py``)."""
-    return (dm.float8 is not Float8Recipe.NONE and lin.d_in % 16 == 0
-            and lin.d_out % 16 == 0)
+    return dm.float8 is not Float8Recipe.NONE and convertible(lin)
+
+
+def convertible(lin: Linear) -> bool:
+    """Both widths multiples of 16: what torchtitan's ``module_filter_fn`` converts."""
+    return lin.d_in % 16 == 0 and lin.d_out % 16 == 0
 
 
 def _scales(rows: int, dm: Dims) -> int:
@@ -145,9 +149,18 @@ def float8_forward_bytes(lin: Linear, dm: Dims) -> int:
     both locals freed when the forward returns. 0 unconverted (``float8_converts``)."""
     if not float8_converts(lin, dm):
         return 0
-    d_in, d_out = local_widths(lin, dm.tp)
-    return (dm.tokens * d_in * FLOAT8_BYTES + _scales(dm.tokens, dm)
-            + weight_elements(lin, dm.tp) * FLOAT8_BYTES + _scales(d_out, dm))
+    return dm.tokens * local_widths(lin, dm.tp)[0] * FLOAT8_BYTES + _scales(dm.tokens, dm) \
+        + _weight_cast(lin, dm, local_widths(lin, dm.tp)[1])
+
+
+def _weight_cast(lin: Linear, dm: Dims, scales: int) -> int:
+    """Bytes of a weight's float8 cast with ``scales`` scales: 0 where FSDP2 gathered it in
+    float8 (``WeightWithDynamicFloat8CastTensor.fsdp_post_all_gather`` hands the linear a
+    ``Float8TrainingTensor``: ``tensor_already_casted_to_fp8``, no cast; the gathered bytes
+    are the data-parallel mechanism's, ``memplan.model.model_states``)."""
+    if dm.float8_gathered:
+        return 0
+    return weight_elements(lin, dm.tp) * FLOAT8_BYTES + _scales(scales, dm)
 
 
 # ``hp_tensor_to_float8_dynamic`` run eagerly, per element of the tensor it casts: after the
@@ -175,10 +188,10 @@ def float8_forward_peak(lin: Linear, dm: Dims, out_bytes: int) -> int:
     if not float8_converts(lin, dm):
         return out_bytes
     d_in, d_out = local_widths(lin, dm.tp)
-    n, m = dm.tokens * d_in, weight_elements(lin, dm.tp)
+    n, m = dm.tokens * d_in, 0 if dm.float8_gathered else weight_elements(lin, dm.tp)
     x8 = n * FLOAT8_BYTES + _scales(dm.tokens, dm)
     return max(n * _work(dm) + _scales(dm.tokens, dm),
-               x8 + m * _work(dm) + _scales(d_out, dm),
+               x8 + (m * _work(dm) + _scales(d_out, dm) if m else 0),
                float8_forward_bytes(lin, dm) + out_bytes)
 
 
@@ -193,11 +206,11 @@ def float8_backward_peak(lin: Linear, dm: Dims, grad_in_bytes: int) -> int:
         return grad_in_bytes
     d_in, d_out = local_widths(lin, dm.tp)
     rows, work = dm.tokens, _work(dm)
-    p, n, m = rows * d_out, rows * d_in, weight_elements(lin, dm.tp)
+    p, n, m = rows * d_out, rows * d_in, 0 if dm.float8_gathered else weight_elements(lin, dm.tp)
     go0 = p * FLOAT8_BYTES + _scales(rows, dm)
-    w0 = m * FLOAT8_BYTES + _scales(d_in, dm)
+    w0 = _weight_cast(lin, dm, d_in)
     go1 = p * FLOAT8_BYTES + _scales(d_out, dm)
-    return max(p * work + _scales(rows, dm), go0 + m * work + _scales(d_in, dm),
+    return max(p * work + _scales(rows, dm), go0 + (m * work + _scales(d_in, dm) if m else 0),
                go0 + w0 + grad_in_bytes + p * work + _scales(d_out, dm),
                go0 + w0 + grad_in_bytes + go1 + n * work + _scales(d_in, dm))
 
@@ -214,7 +227,7 @@ def float8_backward_bytes(lin: Linear, dm: Dims) -> int:
     d_in, d_out = local_widths(lin, dm.tp)
     rows = dm.tokens
     grad_input_casts = (rows * d_out * FLOAT8_BYTES + _scales(rows, dm)
-                        + weight_elements(lin, dm.tp) * FLOAT8_BYTES + _scales(d_in, dm))
+                        + _weight_cast(lin, dm, d_in))
     grad_weight_casts = (rows * d_out * FLOAT8_BYTES + _scales(d_out, dm)
                          + rows * d_in * FLOAT8_BYTES + _scales(d_in, dm))
     return grad_input_casts + grad_weight_casts

@@ -361,6 +361,14 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
                    options={"float8": "tensorwise", "ac": "full"}), None),
     (FrameworkCase("torchtitan", "llama3-toy-qkv", TITAN_TOY | {"fuse_qkv": False},
                    "fsdp-bf16", 2, 512, dp=8, options={"float8": "rowwise"}), None),
+    # FSDP2's float8 all-gather (enable_fsdp_float8_all_gather): the blocks' converted weights
+    # gathered at one byte, no weight cast in the linears (each saved weight's fp32 scale,
+    # 40 B, not counted)
+    (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=2,
+                   options={"float8": "tensorwise", "float8_all_gather": True}), None),
+    (FrameworkCase("torchtitan", "llama3-toy-qkv", TITAN_TOY | {"fuse_qkv": False},
+                   "fsdp-bf16", 2, 512, dp=8,
+                   options={"float8": "tensorwise", "float8_all_gather": True}), None),
     # --- litgpt through Lightning Fabric, as litgpt/pretrain.py runs it ----------------------
     # (the lightning preset holds the loop's fp32 logits from the loss to the next forward)
     (FrameworkCase("litgpt", "Llama-2-7b-hf", LITGPT_TOY, "fp32", 2, 128), None),

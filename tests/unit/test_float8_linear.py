@@ -171,3 +171,38 @@ def test_compiled_float8_refuses_an_ungated_mlp() -> None:
     assert float8_rule(TINY, ParallelConfig(), wl) is None
     err = float8_rule(TINY.model_copy(update={"mlp": MlpKind.GELU}), ParallelConfig(), wl)
     assert "float8 rowwise with compile and an ungated MLP: not modelled" in str(err)
+
+
+def test_float8_all_gather_drops_the_weight_casts() -> None:
+    """With FSDP2's float8 all-gather the linear receives its weight already in float8
+    (``fsdp_post_all_gather``'s ``Float8TrainingTensor``): no weight cast. The up projection
+    64 -> 96 over 16 tokens, tensorwise: forward at the matmul the input's cast alone, 1,024 +
+    4 = 1,028 bytes (7,176 with the weight's); the forward peak the input cast's working set
+    9 * 1,024 + 4 = 9,220 beside nothing, or 1,028 with the output 3,072: 9,220. Backward,
+    before the weight gradient (grad input 16 x 64 x 2 = 2,048): grad_output's two casts and
+    the input's, max(9 * 1,536 + 4 = 13,828, 1,540 + 2,048 + 13,828 = 17,416, 1,540 + 2,048 +
+    1,540 + 9,216 + 4 = 14,348) = 17,416."""
+    gathered = TW._replace(float8_gathered=True)
+    assert linear.float8_forward_bytes(UP, gathered) == 1_028
+    assert linear.float8_forward_peak(UP, gathered, 3_072) == 9_220
+    assert linear.float8_backward_peak(UP, gathered, 2_048) == 17_416
+
+
+def test_float8_all_gather_gathers_one_byte_per_converted_weight() -> None:
+    """The gathered bytes of a block: TINY's converted weights (q 64 x 64, k and v 64 x 32
+    each, o 64 x 64, gate, up and down 64 x 96 each = 30,720 elements) at 1 byte instead of
+    bf16's 2: 30,720 bytes fewer per gathered block (its norms' 128 elements stay bf16)."""
+    from memplan.model.layer import float8_gather_saving
+
+    assert float8_gather_saving(TINY, 1, 2) == 30_720
+
+
+@pytest.mark.parametrize(("update", "par", "why"), [
+    ({"float8": "rowwise"}, {"zero": 3, "dp": 8}, "float8 rowwise (it needs tensorwise)"),
+    ({"float8": "tensorwise"}, {"zero": 1, "dp": 8},
+     "no FSDP2 weight sharding (it needs zero 3, FSDP2)"),
+])
+def test_float8_all_gather_refusals(update: dict, par: dict, why: str) -> None:
+    wl = Workload.model_validate({"float8_all_gather": True, **update})
+    with pytest.raises(LayoutError, match=f"float8_all_gather with {why.replace('(', '.').replace(')', '.')}"):
+        validate(TINY, ParallelConfig(**par), wl)
