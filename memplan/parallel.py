@@ -475,8 +475,14 @@ def expert_rule(num_experts: int, expert_ffn: int, ep: int, etp: int,
 def float8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutError | None:
     """What torchao's float8 linears are modelled for (``memplan.model.linear``): dense
     layers, eager or compiled (a gated MLP: ``memplan.model.compiled.float8_recomputed``
-    traced), no tensor parallelism (torchtitan's ``Float8ColwiseParallel`` casts inputs
-    before their all-gather), no LoRA, no selective recompute. The rest is refused."""
+    traced), recompute none, full or torchtitan's per-op SAC (its save list keeps the
+    Float8Linear's mm outputs and the casts' ``aten.max``: traced). Refused: tensor
+    parallelism (torchao ``float8/float8_tensor_parallel.py``: ``Float8ColwiseParallel`` and
+    ``Float8RowwiseParallel``, which torchtitan's TP plan uses with float8, cast the input to
+    float8 before its sequence all-gather, ``PrepareFloat8ModuleInput`` too: activations
+    gathered in float8, not modelled), MoE layers (the grouped experts take a converter of
+    their own, ``Float8GroupedExpertsConverter``: torchao's ``Float8TrainingOpConfig``), LoRA,
+    selective recompute other than per-op SAC."""
     why = None
     if spec.moe is not None:
         why = "MoE layers"
@@ -486,14 +492,14 @@ def float8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutErr
         why = f"tp {par.tp}"
     elif wl.lora_rank:
         why = f"lora_rank {wl.lora_rank}"
-    elif wl.recompute is Recompute.SELECTIVE:
+    elif wl.recompute is Recompute.SELECTIVE and wl.selective_impl.value != "op":
         why = "recompute selective"
     if why is None:
         return None
     return LayoutError(f"float8 is not modelled with {why}",
                        f"float8 {wl.float8.value} with {why}: not modelled yet (float8 is "
                        "modelled for dense layers, eager or compiled with a gated MLP, tp 1, no "
-                       "LoRA, recompute none or full)")
+                       "LoRA, recompute none, full or per-op SAC)")
 
 
 def float8_gather_rule(par: ParallelConfig, wl: Workload) -> LayoutError | None:

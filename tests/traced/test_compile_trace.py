@@ -137,3 +137,19 @@ def test_compiled_float8_layer_saves_what_the_partitioner_saves(fuse_qkv: bool, 
     dm = Dims.of(spec, ParallelConfig(), wl)
     modelled = layer_kind(spec, wl, dm, False, recompute).saved_bytes
     assert modelled == _traced_activations(config, "bfloat16", checkpoint)
+
+
+def test_compiled_float8_layer_under_per_op_sac() -> None:
+    """torchtitan's block (fused wqkv, bf16, tensorwise Float8Linears) inside its per-op SAC,
+    compiled: the tagged matmul outputs backward reads (qkv, w1), SDPA's output and logsumexp
+    and the input, as without float8 (430,080 B), and the save list's amaxes (``aten.max``,
+    7 bf16 scalars) with 4 fp32 scales: 430,110 B traced, memplan 30 B under."""
+    pytest.importorskip("torchao.float8")
+    config = {"torchtitan": dict(TITAN["torchtitan"], fuse_qkv=True, float8="tensorwise")}
+    spec = _spec("torchtitan", True)
+    wl = Workload(micro_batch_size=BATCH, seq_len=SEQ, precision="bf16-pure",
+                  recompute=Recompute.SELECTIVE, compile=True, rope_cache="layer",
+                  selective_impl="op", float8="tensorwise")
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    modelled = layer_kind(spec, wl, dm, False, Recompute.SELECTIVE).saved_bytes
+    assert _traced_activations(config, "bfloat16", "op") - modelled == 30

@@ -361,6 +361,10 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
                    options={"float8": "tensorwise", "ac": "full"}), None),
     (FrameworkCase("torchtitan", "llama3-toy-qkv", TITAN_TOY | {"fuse_qkv": False},
                    "fsdp-bf16", 2, 512, dp=8, options={"float8": "rowwise"}), None),
+    # per-op SAC: the save list's matmul outputs (the Float8Linear's mm) and its amaxes
+    # (aten.max: 40 B of bf16 scalars, not counted)
+    (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=2,
+                   options={"float8": "tensorwise", "ac": "selective"}), None),
     # FSDP2's float8 all-gather (enable_fsdp_float8_all_gather): the blocks' converted weights
     # gathered at one byte, no weight cast in the linears (each saved weight's fp32 scale,
     # 40 B, not counted)
