@@ -502,6 +502,9 @@ def _finetune_parts(a: dict) -> list[str]:
         parts.append("optimizer in backward")
     if a.get("compile"):
         parts.append("compiled layers")
+    if a.get("float8", "none") != "none":
+        parts.append(f"float8 {a['float8']}" + (" (float8 all-gather)"
+                                                 if a.get("float8_all_gather") else ""))
     return parts
 
 

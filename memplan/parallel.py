@@ -474,25 +474,47 @@ def expert_rule(num_experts: int, expert_ffn: int, ep: int, etp: int,
 
 def float8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutError | None:
     """What torchao's float8 linears are modelled for (``memplan.model.linear``): dense
-    layers, eager, no tensor parallelism (torchtitan's ``Float8ColwiseParallel`` casts inputs
-    before their all-gather), no LoRA, no selective recompute. The rest is refused."""
+    layers, eager or compiled (a gated MLP: ``memplan.model.compiled.float8_recomputed``
+    traced), recompute none, full or torchtitan's per-op SAC (its save list keeps the
+    Float8Linear's mm outputs and the casts' ``aten.max``: traced). Refused: tensor
+    parallelism (torchao ``float8/float8_tensor_parallel.py``: ``Float8ColwiseParallel`` and
+    ``Float8RowwiseParallel``, which torchtitan's TP plan uses with float8, cast the input to
+    float8 before its sequence all-gather, ``PrepareFloat8ModuleInput`` too: activations
+    gathered in float8, not modelled), MoE layers (the grouped experts take a converter of
+    their own, ``Float8GroupedExpertsConverter``: torchao's ``Float8TrainingOpConfig``), LoRA,
+    selective recompute other than per-op SAC."""
     why = None
     if spec.moe is not None:
         why = "MoE layers"
-    elif wl.compile:
-        why = "compile"
+    elif wl.compile and not spec.mlp.gated:
+        why = "compile and an ungated MLP"
     elif par.tp > 1:
         why = f"tp {par.tp}"
     elif wl.lora_rank:
         why = f"lora_rank {wl.lora_rank}"
-    elif wl.recompute is Recompute.SELECTIVE:
+    elif wl.recompute is Recompute.SELECTIVE and wl.selective_impl.value != "op":
         why = "recompute selective"
     if why is None:
         return None
     return LayoutError(f"float8 is not modelled with {why}",
                        f"float8 {wl.float8.value} with {why}: not modelled yet (float8 is "
-                       "modelled for dense layers, eager, tp 1, no LoRA, recompute none or "
-                       "full)")
+                       "modelled for dense layers, eager or compiled with a gated MLP, tp 1, no "
+                       "LoRA, recompute none, full or per-op SAC)")
+
+
+def float8_gather_rule(par: ParallelConfig, wl: Workload) -> LayoutError | None:
+    """FSDP2's float8 all-gather (torchao's ``enable_fsdp_float8_all_gather``) needs float8
+    linears with tensorwise scaling (``WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather``
+    casts each shard with one scale for the whole weight; torchtitan refuses it with a
+    rowwise recipe) and FSDP2 sharding the weights (zero 3)."""
+    if wl.float8.value != "tensorwise":
+        why = f"float8 {wl.float8.value} (it needs tensorwise)"
+    elif par.zero < ZeroStage.PARAMETERS or wl.fsdp_version == 1:
+        why = "no FSDP2 weight sharding (it needs zero 3, FSDP2)"
+    else:
+        return None
+    return LayoutError(f"float8_all_gather needs tensorwise float8 and FSDP2",
+                       f"float8_all_gather with {why}")
 
 
 def te_fp8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutError | None:
@@ -642,6 +664,8 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
         raise LayoutError("te_fp8_param_gather needs te_fp8",
                           "te_fp8_param_gather with te_fp8 none: fp8 parameters need an fp8 "
                           "recipe (Megatron-LM's --fp8-param-gather needs --fp8-format)")
+    if wl.float8_all_gather and (err := float8_gather_rule(par, wl)) is not None:
+        raise err
     if wl.base_quant.value == "nf4-torchao-0.1" and par.zero >= ZeroStage.PARAMETERS:
         # torchao 0.1's NF4Tensor implements no chunk/split/view ops for FSDP to shard it
         # (added after 0.1: torchao commit ac53d7fb, "[FSDP2][NF4Tensor][2/n] implement

@@ -601,6 +601,10 @@ class Workload(BaseModel):
     float8: Float8Recipe = Field(default=Float8Recipe.NONE, description=(
         "the decoder layers' linears train as torchao's Float8Linear with this recipe "
         "(memplan.model.linear: float8_forward_bytes)"))
+    float8_all_gather: bool = Field(default=False, description=(
+        "FSDP2 all-gathers the converted linears' weights in float8 (torchao's "
+        "enable_fsdp_float8_all_gather, WeightWithDynamicFloat8CastTensor: one byte an "
+        "element gathered, the Float8Linear casts no weight); tensorwise only"))
     ddp_any_size: bool = Field(default=False, description=(
         "the model is wrapped in data-parallel buffers at any data-parallel size, one rank "
         "included (Megatron-LM's DDP): its gradient buffer exists from the wrap on"))

@@ -191,6 +191,11 @@ Float8Opt = Annotated[Float8Recipe, typer.Option(
     "(torchtitan's float8 converter, the output head not converted): tensorwise or rowwise "
     "dynamic scaling (torchtitan 0.3 offers rowwise; tensorwise is torchao's and earlier "
     "torchtitan's). Default: none.", rich_help_panel=_KERNELS)]
+Float8AllGatherOpt = Annotated[Optional[bool], typer.Option(
+    "--float8-all-gather/--no-float8-all-gather", help="FSDP2 all-gathers the float8 "
+    "linears' weights in float8 (torchao's enable_fsdp_float8_all_gather): one byte an "
+    "element gathered, no weight cast in the linears; needs --float8 tensorwise and --zero 3. "
+    "Default: off.", rich_help_panel=_KERNELS)]
 UseCache = Annotated[Optional[bool], typer.Option(
     "--use-cache/--no-use-cache", help="The training forward fills a key/value cache "
     "(transformers' config use_cache, which Trainer leaves on: a DynamicCache holds each "
@@ -356,6 +361,7 @@ SHARED: dict[str, Shared] = {
     "compile": Shared(CompileOpt, False),
     "optimizer_in_backward": Shared(OptimizerInBackwardOpt, False),
     "float8": Shared(Float8Opt, Float8Recipe.NONE, _value),
+    "float8_all_gather": Shared(Float8AllGatherOpt, False),
     "grad_sync": Shared(GradSyncOpt, None),
     "fsdp_version": Shared(FsdpVersion, None),
     "fsdp_backward_prefetch": Shared(FsdpBackwardPrefetch, None, _value),
@@ -382,11 +388,13 @@ WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "recompute_eve
             "float8", "optimizer_in_backward",
             "fsdp_version", "fsdp_backward_prefetch", "fsdp_use_orig_params",
             "fsdp_reshard_after_forward", "mtp_layers", "loss_impl", "logits_held",
-            "lora_rank", "lora_targets", "lora_dropout", "base_quant", "deltanet_kernel")
+            "lora_rank", "lora_targets", "lora_dropout", "base_quant", "deltanet_kernel",
+            "float8_all_gather")
 # what a framework's own loop decides, beyond memplan's reference model (which trace and
 # profile run)
 FRAMEWORK_ONLY = ("framework", "keep_grads", "use_cache", "loss_impl", "logits_held",
-                  "compile", "float8")  # the reference model runs eagerly, plain linears
+                  "compile", "float8",
+                  "float8_all_gather")  # the reference model runs eagerly, plain linears
 # everything ``memplan estimate`` takes: diagnose takes the same configuration
 ESTIMATE = ("model", "gpus", "gpu", "gpu_memory", *LAYOUT, *WORKLOAD, "schedule", "calibration")
 

@@ -6,7 +6,7 @@ Each reader returns an ``Imported``: the model (a catalog name or a ``ModelSpec`
 ``memplan.api`` keyword arguments the config sets, and for every key it read the memplan input
 it became (``Mapped``), so the mapping can be shown. What a config sets that memplan cannot
 express is refused by name (``MemplanError``, one line); what memplan reads but does not model
-(float8, a compiled loss) is a note beside the estimate; keys it neither reads nor knows to hold
+(MX linears, a compiled loss) is a note beside the estimate; keys it neither reads nor knows to hold
 no memory are listed as not modelled, keys that hold none (learning rates, logging, data
 paths) are left out. torch-free.
 """

@@ -423,14 +423,56 @@ def _compile(toml: _Toml, imp: Imported) -> None:
         imp.notes.append("compile.components 'loss': the compiled loss is estimated as eager")
 
 
+def _float8_section(toml: _Toml) -> tuple[str, dict[str, Any]]:
+    """The float8 converter's settings: a job TOML's [quantize.linear.float8] (or the older
+    [float8]), or what a registry's ``Float8LinearConverter.Config(...)`` gave."""
+    registry = toml.section("model").get("float8_options")
+    if isinstance(registry, dict):
+        return "model_spec Float8LinearConverter.Config", registry
+    nested = toml.section("quantize").get("linear", {})
+    table = nested.get("float8") if isinstance(nested, dict) else None
+    if isinstance(table, dict):
+        return "quantize.linear.float8", table
+    return "float8", toml.section("float8")
+
+
+def _float8(toml: _Toml, imp: Imported, conv: str) -> None:
+    """The float8 converter (``components/quantization/float8.py``): every linear whose
+    widths are multiples of 16 but those ``filter_fqns`` names becomes torchao's
+    ``Float8Linear`` (``--float8``). Its recipe: ``recipe_name``, else the converter's
+    default: a job TOML's converter (before 0.3) builds ``Float8LinearConfig(
+    enable_fsdp_float8_all_gather=...)``, torchao's default tensorwise scaling; 0.3's
+    ``Float8LinearConverter.Config`` defaults to "rowwise". ``enable_fsdp_float8_all_gather``
+    is ``--float8-all-gather``; ``precompute_float8_dynamic_scale_for_fsdp`` makes the
+    weights' scales in one all-reduce after the step (torchao ``float8/fsdp_utils.py``
+    ``precompute_float8_dynamic_scale_for_fsdp``: one fp32 scalar per weight, nothing else
+    held). The output head must be filtered: a float8 head is not modelled."""
+    where, table = _float8_section(toml)
+    default = "rowwise" if where.startswith("model_spec") else "tensorwise"
+    recipe = table.get("recipe_name") or default
+    if recipe not in ("tensorwise", "rowwise"):
+        raise imp.refuse(f"{where}.recipe_name", recipe, "modelled are tensorwise and rowwise")
+    filters = table.get("filter_fqns", [])
+    if not any(name in ("output", "lm_head") for name in filters or []):
+        raise imp.refuse(f"{where}.filter_fqns", filters, "the output head converted to "
+                         "float8 is not modelled (filter 'output' or 'lm_head')")
+    imp.set(f"model.converters {conv!r}", recipe, "float8", recipe,
+            "components/quantization/float8.py: the layers' linears as Float8Linear")
+    if table.get("enable_fsdp_float8_all_gather", False):
+        imp.set(f"{where}.enable_fsdp_float8_all_gather", True, "float8_all_gather", True,
+                "torchao float8/fsdp_utils.py WeightWithDynamicFloat8CastTensor")
+
+
 def _notes(toml: _Toml, imp: Imported) -> None:
     converters = toml.section("model").get("converters", [])
     if isinstance(converters, str):
         converters = [converters]
     for conv in converters:
-        if conv in ("float8", "mx", "quantize.linear.float8", "quantize.linear.mx"):
-            imp.notes.append(f"model.converters {conv!r}: low-precision linears are not "
-                             "modelled; estimated with bf16 matmuls (and bf16 FSDP gathers)")
+        if conv in ("float8", "quantize.linear.float8"):
+            _float8(toml, imp, conv)
+        elif conv in ("mx", "quantize.linear.mx"):
+            imp.notes.append(f"model.converters {conv!r}: MX linears are not modelled; "
+                             "estimated with bf16 matmuls (and bf16 FSDP gathers)")
         else:
             raise imp.refuse("model.converters", conv, "not a converter memplan knows")
     if toml.get("compile", "enable", bool, False):

@@ -371,6 +371,10 @@ def _model(spec: Any, module: str, notes: list[str], refuse: Any) -> dict[str, A
                 raise refuse("model_spec converters", unknown[0],
                              f"known are {', '.join(_CONVERTERS)}")
             out["converters"] = [_CONVERTERS[n] for n in names]
+            for conv in value or []:  # its recipe and filter (float8 linears: --float8)
+                if isinstance(conv, Call) and conv.name == "Float8LinearConverter.Config":
+                    out["float8_options"] = {k: conv.kwargs[k] for k in (
+                        "recipe_name", "filter_fqns") if k in conv.kwargs}
         elif key == "attn_backend" and value in ("flex", "sdpa"):
             notes.append(f"model_spec attn_backend {value!r}: estimated as memplan's flash "
                          "attention (saves the output and the log-sum-exp per row)")

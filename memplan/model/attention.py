@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from memplan.model import eager, linear
+from memplan.model import compiled, eager, linear
 from memplan.model.block import BackwardMoment, Moment
 from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term, residual_dropout_mask, total
 from memplan.model.linear import Linear, Split
@@ -266,13 +266,61 @@ def _eager_backward(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recomput
             in eager.backward(c, rebuild=recompute is Recompute.SELECTIVE)]
 
 
+def _outputs(spec: ModelSpec, dm: Dims) -> list[int]:
+    """Bytes of each input projection's output (q, k, v or the fused qkv), in order."""
+    return [dm.tokens * linear.local_widths(lin, dm.tp)[1] * dm.e
+            for lin in attention_linears(spec)[:-1]]
+
+
+def _float8_forward(spec: ModelSpec, dm: Dims) -> list[Moment]:
+    """As ``Float8Linear``s (``linear.float8_forward_peak``), each input projection's cast
+    working set, beside the outputs of those run before it (q, then k, then v; or the fused
+    qkv). None unconverted."""
+    linears = attention_linears(spec)[:-1]
+    if not any(linear.float8_converts(lin, dm) for lin in linears):
+        return []
+    outs = _outputs(spec, dm)
+    return [Moment(f"attn_f8_{lin.name}", 0,
+                   sum(outs[:i]) + linear.float8_forward_peak(lin, dm, outs[i]))
+            for i, lin in enumerate(linears)]
+
+
+def _float8_out_backward(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
+    """As a ``Float8Linear``, the output projection's backward (``linear.
+    float8_backward_peak``) before the core's, every saved tensor of the block alive, the
+    core output's gradient its input gradient. None unconverted."""
+    out = attention_linears(spec)[-1]
+    if not linear.float8_converts(out, dm):
+        return []
+    return [BackwardMoment("attn_f8_o", saved, linear.float8_backward_peak(
+        out, dm, _q_bytes(spec, dm)), ())]
+
+
+def _float8_in_backward(spec: ModelSpec, dm: Dims) -> list[BackwardMoment]:
+    """As ``Float8Linear``s, the input projections' backward, the last made first (v, k,
+    q): each beside the gradients of the outputs not yet consumed, its own included, and the
+    input gradients made before it. None unconverted."""
+    linears = attention_linears(spec)[:-1]
+    if not any(linear.float8_converts(lin, dm) for lin in linears):
+        return []
+    outs = _outputs(spec, dm)
+    grad_in = dm.rows * spec.hidden_size * dm.e
+    n = len(linears)
+    return [BackwardMoment(f"attn_f8_{linears[i].name}_in", 0,
+                           sum(outs[:i + 1]) + (n - 1 - i) * grad_in
+                           + linear.float8_backward_peak(linears[i], dm, grad_in),
+                           ("attn_out",))
+            for i in reversed(range(n))]
+
+
 class Attention:
     """Multi-head attention with grouped K/V (MHA, GQA, MQA), RoPE or learned positions."""
 
     name = "attn"
 
     def saved(self, spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
-        return attention_terms(spec, wl, dm, recompute)
+        return (attention_terms(spec, wl, dm, recompute)
+                + compiled.float8_scales("attn", attention_linears(spec), dm))
 
     def forward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
                         recompute: Recompute) -> list[Moment]:
@@ -288,8 +336,11 @@ class Attention:
             core = eager.forward_saving(c) if saving else eager.forward_checkpointed(c)
             after_core = eager.output_projection(c, saving)
         stream = dm.rows * spec.hidden_size * dm.e
-        return [Moment("attention", saved, stream + after_core),
-                Moment("attention_core", _before_output(spec, dm, saved), core)]
+        # as a Float8Linear, the output projection's casts' working set before its output
+        out = linear.float8_forward_peak(attention_linears(spec)[-1], dm, stream)
+        return [Moment("attention", saved, out + after_core),
+                Moment("attention_core", _before_output(spec, dm, saved), core),
+                *_float8_forward(spec, dm)]
 
     def working_set(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
         """In a checkpointed layer: q, k and v with the core's working set and the output
@@ -307,7 +358,12 @@ class Attention:
             # projection's output (that output is the stream counted here)
             c = _core(spec, wl, dm)
             core = max(eager.forward_checkpointed(c) - stream, 2 * c.q)
-        moments = [Moment("attention", 0, stream + q_bytes + kv_bytes + core)]
+        moments = [Moment("attention", 0, stream + q_bytes + kv_bytes + core),
+                   *_float8_forward(spec, dm)]
+        if linear.float8_converts(attention_linears(spec)[-1], dm):
+            # the output projection's casts beside its input (the core's output) alone
+            moments.append(Moment("attn_f8_o", 0, _q_bytes(spec, dm) + linear.
+                                  float8_forward_peak(attention_linears(spec)[-1], dm, stream)))
         if spec.position is PositionKind.ROPE:
             # q, k and v stay alive while RoPE makes the rotated copies (the call rebinds both
             # only when k's is done); at k's, q's rotated copy and three k-sized tensors (k *
@@ -327,8 +383,10 @@ class Attention:
             spec, wl, dm, recompute, saved)
         grad_inputs = 2 * dm.rows * spec.hidden_size * dm.e
         return [
+            *_float8_out_backward(spec, dm, saved),
             *(BackwardMoment(f"attention.{i}", alive, transient, ("attn_out",))
               for i, (alive, transient) in enumerate(core)),
+            *_float8_in_backward(spec, dm),
             BackwardMoment("attn_in", 0, grad_inputs + _q_bytes(spec, dm), ("attn",),
                            spec.hidden_size * spec.q_size // dm.tp),
         ]

@@ -35,8 +35,11 @@ Under torchtitan's per-op SAC (``sac_kept``) the tagged outputs backward reads a
 
 from __future__ import annotations
 
-from memplan.model.dims import Term
-from memplan.workload import NormImpl, Workload
+from collections.abc import Sequence
+
+from memplan.model import linear
+from memplan.model.dims import Dims, Term
+from memplan.workload import Float8Recipe, NormImpl, Workload
 
 # Inductor's buffer reuse in the compiled forward: the residual add after the MLP is the last
 # reader of the down projection's output, of the same size and dtype, so it writes its result
@@ -78,3 +81,28 @@ def sac_kept(terms: list[Term]) -> list[Term]:
     policy caches for the rerun) feeds the residual add alone, whose backward reads nothing,
     so it is not saved (traced: torchtitan's block, fused and separate q/k/v)."""
     return [t for t in terms if t.name != "sac.mlp.w2"]
+
+
+def float8_recomputed(readers: Sequence[linear.Linear], dm: Dims) -> bool:
+    """Compiled with torchao's ``Float8Linear``s: whether a tensor that only ``readers`` read
+    (a norm's output before its mixer's input projections, the MLP's SiLU(gate) * up before
+    its down projection) is recomputed in backward rather than saved: every reader converts,
+    so no matmul of backward reads it (the weight gradient's ``_scaled_mm`` reads its float8
+    cast, a pointwise op of it), ``is_materialized_backwards`` no longer bans it, and the min
+    cut recomputes it from what is saved anyway (the norm's input and statistics; the gate
+    and up outputs), the cast from it (traced: tests/traced/test_compile_trace.py,
+    torchtitan's block, torchao 0.18.0, tensorwise and rowwise). A tensor a non-fusible op
+    also reads (SDPA's output, the output projection's input) stays saved."""
+    return (dm.compiled and dm.float8 is not Float8Recipe.NONE and bool(readers)
+            and all(linear.float8_converts(lin, dm) for lin in readers))
+
+
+def float8_scales(prefix: str, linears: tuple[linear.Linear, ...], dm: Dims) -> list[Term]:
+    """Compiled, tensorwise: per converted linear the amax of its weight (a full reduction of
+    a graph input, in the weight's dtype) and the fp32 scale from it, which the partitioner
+    saves (``ban_if_reduction``) for the backward's weight cast; rowwise saves none of its
+    scales (traced: tests/traced/test_compile_trace.py)."""
+    if not dm.compiled or dm.float8 is not Float8Recipe.TENSORWISE:
+        return []
+    n = sum(1 for lin in linears if linear.float8_converts(lin, dm))
+    return [Term(f"{prefix}.float8_scales", n * (dm.e + linear.FLOAT8_SCALE_BYTES))] if n else []

@@ -55,6 +55,8 @@ class Dims(NamedTuple):
     float8: Float8Recipe = Float8Recipe.NONE  # torchao Float8Linear (memplan.model.linear)
     te_fp8: TeFp8Recipe = TeFp8Recipe.NONE  # Transformer Engine fp8 (memplan.model.te_fp8)
     te_fp8_transposes: bool = True  # per-tensor fp8 keeps transposed copies (Hopper)
+    compiled: bool = False  # the layers under torch.compile (memplan.model.compiled)
+    float8_gathered: bool = False  # FSDP2 gathers converted weights in float8: no weight cast
 
     @classmethod
     def of(cls, spec: ModelSpec, par: ParallelConfig, wl: Workload) -> Dims:
@@ -70,7 +72,9 @@ class Dims(NamedTuple):
                    autocast=policy.autocast is not None, etp=par.etp or 0,
                    adapters=adapters_of(wl, spec.fused_qkv or wl.fused_qkv),
                    float8=wl.float8, te_fp8=wl.te_fp8,
-                   te_fp8_transposes=wl.te_fp8_transposes is not False)
+                   te_fp8_transposes=wl.te_fp8_transposes is not False,
+                   compiled=wl.compile,
+                   float8_gathered=wl.float8_all_gather and par.zero >= 3)
 
     def experts(self) -> Dims:
         """These dims for the routed experts' projections: their inner widths split by etp."""

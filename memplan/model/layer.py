@@ -49,7 +49,19 @@ from memplan.workload import NormImpl, Recompute, SelectiveImpl, Workload
 _ATTENTION, _WINDOW, _MLA, _MLP, _MOE = Attention(), WindowAttention(), Mla(), Mlp(), MoE()
 _DELTANET = DeltaNet()
 _NOPE = NopeAttention()
-_PRE = {"attn": Norm("attn_norm"), "mlp": Norm("mlp_norm")}
+def _attention_inputs(spec: ModelSpec) -> tuple[Linear, ...]:
+    """The projections reading the attention norm's output: a plain attention's q/k/v (not
+    MLA's, nor a parallel layer's, whose MLP reads it too: those not known here, none)."""
+    if spec.mla is not None or spec.parallel_block:
+        return ()
+    return attention_linears(spec)[:-1]
+
+
+def _mlp_inputs(spec: ModelSpec) -> tuple[Linear, ...]:
+    return mlp_linears(spec, spec.ffn_hidden_size)[:-1] if spec.moe is None else ()
+
+
+_PRE = {"attn": Norm("attn_norm", _attention_inputs), "mlp": Norm("mlp_norm", _mlp_inputs)}
 _INPUT = {"attn": StreamInput("attn_input"), "mlp": StreamInput("mlp_input")}
 _POST = {"attn": Norm("attn_post_norm"), "mlp": Norm("mlp_post_norm")}
 MIXERS = (Attention, Mla, Mlp, MoE, DeltaNet)
@@ -345,6 +357,17 @@ def grad_group_params(spec: ModelSpec, t: int, ep: int, moe: bool,
 def moment_params(groups: dict[str, int], kind: LayerKind) -> tuple[int, ...]:
     """Parameters whose gradients exist at each backward moment of a layer of ``kind``."""
     return tuple(sum(groups[g] for g in m.grads_before) for m in kind.moments)
+
+
+def float8_gather_saving(spec: ModelSpec, t: int, e: int) -> int:
+    """Bytes fewer FSDP2 gathers for a dense layer when its converted linears' weights are
+    all-gathered in float8 (torchao ``float8/fsdp_utils.py``:
+    ``WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`` casts the shard and returns its
+    float8 data, ``fsdp_post_all_gather`` wraps the gathered data as a ``Float8TrainingTensor``):
+    one byte an element instead of ``e``; the norms stay in ``e``. Each weight's fp32 scale
+    (one per tensor, the ``metadata`` beside the data, not gathered) is not counted."""
+    return sum(linear.weight_elements(lin, t) * (e - linear.FLOAT8_BYTES)
+               for lin in layer_linears(spec, False) if linear.convertible(lin))
 
 
 def layer_linears(spec: ModelSpec, moe_layer: bool, variant: str = "") -> tuple[Linear, ...]:

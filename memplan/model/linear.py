@@ -215,8 +215,12 @@ def float8_converts(lin: Linear, dm: Dims) -> bool:
     of 16 (torchtitan's ``module_filter_fn``, ``torchtitan/components/quantization/utils.py``:
     other linears stay plain). The output head is not a projection here: torchtitan's float8
     configs filter it (``filter_fqns=["lm_head"]``, ``models/llama3/config_registry.py``)."""
-    return (dm.float8 is not Float8Recipe.NONE and lin.d_in % 16 == 0
-            and lin.d_out % 16 == 0)
+    return dm.float8 is not Float8Recipe.NONE and convertible(lin)
+
+
+def convertible(lin: Linear) -> bool:
+    """Both widths multiples of 16: what torchtitan's ``module_filter_fn`` converts."""
+    return lin.d_in % 16 == 0 and lin.d_out % 16 == 0
 
 
 def _scales(rows: int, dm: Dims) -> int:
@@ -237,9 +241,70 @@ def float8_forward_bytes(lin: Linear, dm: Dims) -> int:
         return te_fp8_forward_bytes(lin, dm)
     if not float8_converts(lin, dm):
         return 0
+    return dm.tokens * local_widths(lin, dm.tp)[0] * FLOAT8_BYTES + _scales(dm.tokens, dm) \
+        + _weight_cast(lin, dm, local_widths(lin, dm.tp)[1])
+
+
+def _weight_cast(lin: Linear, dm: Dims, scales: int) -> int:
+    """Bytes of a weight's float8 cast with ``scales`` scales: 0 where FSDP2 gathered it in
+    float8 (``WeightWithDynamicFloat8CastTensor.fsdp_post_all_gather`` hands the linear a
+    ``Float8TrainingTensor``: ``tensor_already_casted_to_fp8``, no cast; the gathered bytes
+    are the data-parallel mechanism's, ``memplan.model.model_states``)."""
+    if dm.float8_gathered:
+        return 0
+    return weight_elements(lin, dm.tp) * FLOAT8_BYTES + _scales(scales, dm)
+
+
+# ``hp_tensor_to_float8_dynamic`` run eagerly, per element of the tensor it casts: after the
+# amax, ``_ToFloat8ConstrFunc.forward`` (``torchao/float8/float8_training_tensor.py``) makes
+# ``tensor_scaled = tensor.to(torch.float32) * scale`` (fp32, a local alive to the return) and
+# ``to_fp8_saturated`` (``float8_utils.py``) its clamped fp32 copy, then the float8 bits from
+# it: 4 + 4 + 1 bytes at once (the fp32 upcast of a bf16 tensor is freed by then), whatever
+# the input's dtype (traced: tests/traced/test_torchao_float8.py)
+FLOAT8_CAST_WORK_BYTES = 2 * 4 + FLOAT8_BYTES
+
+
+def _work(dm: Dims) -> int:
+    """Bytes per element a float8 cast holds while it runs: eagerly its fp32 working set
+    (``FLOAT8_CAST_WORK_BYTES``); compiled, one Inductor kernel reads the high-precision
+    tensor and writes the float8 bits alone (``memplan.model.compiled``)."""
+    return FLOAT8_BYTES if dm.compiled else FLOAT8_CAST_WORK_BYTES
+
+
+def float8_forward_peak(lin: Linear, dm: Dims, out_bytes: int) -> int:
+    """Bytes a projection's forward holds at its peak beyond its input and weight, its
+    output (``out_bytes``) included: as an eager ``Float8Linear``
+    (``matmul_with_hp_or_float8_args.forward``) the largest of the input's cast working set,
+    the weight's beside the input's float8 cast, and both casts beside the output at the
+    matmul (``float8_forward_bytes``); unconverted, the output alone."""
+    if not float8_converts(lin, dm):
+        return out_bytes
     d_in, d_out = local_widths(lin, dm.tp)
-    return (dm.tokens * d_in * FLOAT8_BYTES + _scales(dm.tokens, dm)
-            + weight_elements(lin, dm.tp) * FLOAT8_BYTES + _scales(d_out, dm))
+    n, m = dm.tokens * d_in, 0 if dm.float8_gathered else weight_elements(lin, dm.tp)
+    x8 = n * FLOAT8_BYTES + _scales(dm.tokens, dm)
+    return max(n * _work(dm) + _scales(dm.tokens, dm),
+               x8 + (m * _work(dm) + _scales(d_out, dm) if m else 0),
+               float8_forward_bytes(lin, dm) + out_bytes)
+
+
+def float8_backward_peak(lin: Linear, dm: Dims, grad_in_bytes: int) -> int:
+    """Bytes a projection's backward holds at its peak beyond its saved tensors and its
+    output's gradient, its input's gradient (``grad_in_bytes``) included: as an eager
+    ``Float8Linear`` (``matmul_with_hp_or_float8_args.backward``) the four casts made in
+    turn, each cast's working set (``FLOAT8_CAST_WORK_BYTES``) beside the casts made before
+    it (and after the input-gradient matmul, beside that gradient); unconverted, the input's
+    gradient alone. The weight gradient is the walk's (``fresh_params``)."""
+    if not float8_converts(lin, dm):
+        return grad_in_bytes
+    d_in, d_out = local_widths(lin, dm.tp)
+    rows, work = dm.tokens, _work(dm)
+    p, n, m = rows * d_out, rows * d_in, 0 if dm.float8_gathered else weight_elements(lin, dm.tp)
+    go0 = p * FLOAT8_BYTES + _scales(rows, dm)
+    w0 = _weight_cast(lin, dm, d_in)
+    go1 = p * FLOAT8_BYTES + _scales(d_out, dm)
+    return max(p * work + _scales(rows, dm), go0 + (m * work + _scales(d_in, dm) if m else 0),
+               go0 + w0 + grad_in_bytes + p * work + _scales(d_out, dm),
+               go0 + w0 + grad_in_bytes + go1 + n * work + _scales(d_in, dm))
 
 
 def float8_backward_bytes(lin: Linear, dm: Dims) -> int:
@@ -257,7 +322,7 @@ def float8_backward_bytes(lin: Linear, dm: Dims) -> int:
     d_in, d_out = local_widths(lin, dm.tp)
     rows = dm.tokens
     grad_input_casts = (rows * d_out * FLOAT8_BYTES + _scales(rows, dm)
-                        + weight_elements(lin, dm.tp) * FLOAT8_BYTES + _scales(d_in, dm))
+                        + _weight_cast(lin, dm, d_in))
     grad_weight_casts = (rows * d_out * FLOAT8_BYTES + _scales(d_out, dm)
                          + rows * d_in * FLOAT8_BYTES + _scales(d_in, dm))
     return grad_input_casts + grad_weight_casts

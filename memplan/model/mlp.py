@@ -141,12 +141,18 @@ def backward_moments(spec: ModelSpec, dm: Dims, *, saved: int, freed: int, run_t
     dropout_grad = dm.rows * h * e if spec.dropout > 0 else 0
     # LoRA on the down projection: its adapter's backward before its base's
     # as a Float8Linear, the down projection's backward casts beside its input gradient
-    lora, base = 0, inner + linear.float8_backward_bytes(mlp_linears(spec, ffn)[-1], dm)
+    down = mlp_linears(spec, ffn)[-1]
+    lora, base = 0, inner + linear.float8_backward_bytes(down, dm)
     if dm.adapters is not None:  # the adapter's backward, then the base's
         linears = mlp_linears(spec, ffn)
         lora = linear.adapter_backward_bytes(linears[-1], dm)
         base = linear.dequant_backward_bytes(linears[-1], dm, inner)
+    # as a Float8Linear, the down projection's casts before its weight's gradient exists
+    casts = ([BackwardMoment("mlp_f8_down", saved - freed, dropout_grad + out_grad
+                             + linear.float8_backward_peak(down, dm, inner))]
+             if linear.float8_converts(down, dm) else [])
     return [
+        *casts,
         BackwardMoment("mlp", saved - freed,
                        dropout_grad + out_grad + max(base, lora), ("mlp_out",), fresh),
         BackwardMoment("mlp_act", saved - freed - out_cast, grads, ("mlp_out",)),
@@ -182,6 +188,46 @@ def _frozen_forward(spec: ModelSpec, dm: Dims, saved: int) -> list[Moment]:
                    + linear.adapter_forward_bytes(down, dm))]
 
 
+def _float8_forward(spec: ModelSpec, dm: Dims, terms: list[Term]) -> list[Moment]:
+    """As ``Float8Linear``s (``linear.float8_forward_peak``), the input projections' moments,
+    in the order they run (gate, its activation, up; or the one fused or first linear): each
+    beside what the block saved before it. None unconverted."""
+    linears = mlp_linears(spec, spec.ffn_hidden_size)[:-1]
+    if not any(linear.float8_converts(lin, dm) for lin in linears):
+        return []
+    inner = dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
+    if len(linears) == 1:  # fused gate_up, or an ungated MLP's first linear
+        width = 2 if spec.fused_gate_up else 1
+        return [Moment("mlp_f8_in", 0, linear.float8_forward_peak(linears[0], dm,
+                                                                  width * inner))]
+    up, gate = linears
+    before_up = sum(t.size_bytes for t in terms if t.name.endswith((".gate", ".act")))
+    return [Moment("mlp_f8_gate", 0, linear.float8_forward_peak(gate, dm, inner)),
+            Moment("mlp_f8_up", before_up, linear.float8_forward_peak(up, dm, inner))]
+
+
+def _float8_backward(spec: ModelSpec, dm: Dims, terms: list[Term]) -> list[BackwardMoment]:
+    """As ``Float8Linear``s (``linear.float8_backward_peak``), the input projections'
+    backward moments after the down projection's: up's first (made later in forward), its
+    output's gradient beside the activation's, the gate's output still saved for the
+    activation's backward; then the gate's, beside up's input gradient. None unconverted."""
+    linears = mlp_linears(spec, spec.ffn_hidden_size)[:-1]
+    if not any(linear.float8_converts(lin, dm) for lin in linears):
+        return []
+    inner = dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
+    grad_in = dm.rows * spec.hidden_size * dm.e
+    if len(linears) == 1:
+        width = 2 if spec.fused_gate_up else 1
+        return [BackwardMoment("mlp_f8_in", 0, width * inner + linear.float8_backward_peak(
+            linears[0], dm, grad_in), ("mlp_out",))]
+    up, gate = linears
+    gate_saved = sum(t.size_bytes for t in terms if t.name.endswith(".gate"))
+    return [BackwardMoment("mlp_f8_up", gate_saved, 2 * inner
+                           + linear.float8_backward_peak(up, dm, grad_in), ("mlp_out",)),
+            BackwardMoment("mlp_f8_gate", 0, grad_in + inner
+                           + linear.float8_backward_peak(gate, dm, grad_in), ("mlp_out",))]
+
+
 class Mlp:
     """A dense feed-forward of ``spec.ffn_hidden_size``, TP-split."""
 
@@ -191,6 +237,10 @@ class Mlp:
         terms = mlp_terms("mlp", spec, dm, spec.ffn_hidden_size, dm.tokens)
         if wl.compile:
             terms = compiled.mlp_terms(terms, spec.mlp.gated)
+            if compiled.float8_recomputed(mlp_linears(spec, spec.ffn_hidden_size)[-1:], dm):
+                # the down projection's input, recomputed
+                terms = [t for t in terms if not t.name.endswith(".prod")]
+            terms += compiled.float8_scales("mlp", mlp_linears(spec, spec.ffn_hidden_size), dm)
         return (terms
                 + linear.saved_terms("mlp", mlp_linears(spec, spec.ffn_hidden_size), dm)
                 + residual_dropout_mask("mlp", spec, dm))
@@ -201,10 +251,12 @@ class Mlp:
         stream = dm.rows * spec.hidden_size * dm.e
         # its output before the residual add, then beside the add's output; compiled, the add
         # writes into the down projection's output (``compiled.MLP_OUTPUTS``)
-        # as a Float8Linear, the down projection's float8 casts beside its output at the matmul
-        casts = linear.float8_forward_bytes(mlp_linears(spec, spec.ffn_hidden_size)[-1], dm)
+        # as a Float8Linear, the down projection's float8 casts' working set before its output
+        down = linear.float8_forward_peak(mlp_linears(spec, spec.ffn_hidden_size)[-1], dm,
+                                          stream)
         moments = [Moment("mlp", saved, max(
-            (compiled.MLP_OUTPUTS if wl.compile else 2) * stream, stream + casts))]
+            (compiled.MLP_OUTPUTS if wl.compile else 2) * stream, down))]
+        moments += _float8_forward(spec, dm, self.saved(spec, wl, dm, recompute))
         if dm.adapters is not None:
             moments += _frozen_forward(spec, dm, saved)
         if spec.mlp is MlpKind.RELU:
@@ -219,7 +271,17 @@ class Mlp:
         or its output beside the intermediate (the second linear's)."""
         stream = dm.rows * spec.hidden_size * dm.e
         inner = dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
-        return [Moment("mlp", 0, max(stream + inner, (3 if spec.mlp.gated else 2) * inner))]
+        down = mlp_linears(spec, spec.ffn_hidden_size)[-1]
+        # as Float8Linears: the input projections' casts (nothing saved: before up only the
+        # activation's output alive, its input freed), the down projection's beside its input
+        f8 = [m._replace(own_bytes=0, transient_bytes=m.transient_bytes + (
+                  inner if m.name == "mlp_f8_up" else 0))
+              for m in _float8_forward(spec, dm, [])]
+        if linear.float8_converts(down, dm):
+            f8.append(Moment("mlp_f8_down", 0, inner + linear.float8_forward_peak(down, dm,
+                                                                                 stream)))
+        return [Moment("mlp", 0, max(stream + inner, (3 if spec.mlp.gated else 2) * inner)),
+                *f8]
 
     def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
                          recompute: Recompute) -> list[BackwardMoment]:
@@ -230,7 +292,8 @@ class Mlp:
             freed=dropout_mask_bytes(spec, dm), run_tokens=dm.tokens,
             ffn=spec.ffn_hidden_size, grad_inputs=(2 if spec.mlp.gated else 1) * rows_h_e,
             fresh=spec.hidden_size * spec.ffn_hidden_size // dm.tp,
-            out_cast=linear.saved_bytes(mlp_linears(spec, spec.ffn_hidden_size)[-1:], dm))
+            out_cast=linear.saved_bytes(mlp_linears(spec, spec.ffn_hidden_size)[-1:], dm)
+        ) + _float8_backward(spec, dm, self.saved(spec, wl, dm, recompute))
 
     def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
         return []

@@ -409,7 +409,7 @@ def separate_units(wl: Workload) -> bool:
 
 
 def unit_bytes(params: StageParams, trainable: TrainablePolicy, e: int,
-               grad_bytes: int) -> tuple[int, int]:
+               grad_bytes: int, float8_saving: int = 0) -> tuple[int, int]:
     """(gathered, unsharded gradient) bytes of the stage's largest decoder-layer unit under
     FSDP: its weights gathered at ``e`` bytes each and gradients of ``grad_bytes``. With LoRA
     (``trainable.adapters``) a unit gathers what its parameters store: the unquantized frozen
@@ -418,8 +418,8 @@ def unit_bytes(params: StageParams, trainable: TrainablePolicy, e: int,
     only the adapters have gradients (FSDP2's ``foreach_reduce`` reduces the parameters whose
     gradient is not None: frozen ones make none), in fp32."""
     if not trainable.adapters:
-        layer = max(params.layers, default=0)
-        return layer * e, params.largest_unit * grad_bytes
+        layer = max(params.layers, default=0)  # less what float8 all-gathers save
+        return layer * e - float8_saving, params.largest_unit * grad_bytes
     units = [(n - q) * e + data + a * ADAPTER_BYTES for n, q, data, a in zip(
         params.layers, trainable.layer_quantized, trainable.layer_quant_data_bytes,
         trainable.layer_adapters)]
@@ -427,10 +427,11 @@ def unit_bytes(params: StageParams, trainable: TrainablePolicy, e: int,
 
 
 def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload,
-                     trainable: TrainablePolicy = ALL) -> ShardingBuffers:
+                     trainable: TrainablePolicy = ALL, float8_saving: int = 0) -> ShardingBuffers:
     """ZeRO-3/FSDP: the root's weights and two blocks gathered in the compute dtype (with
     LoRA as ``unit_bytes`` counts them: decoder-layer units and a root), and in backward a
-    unit's unsharded gradient before its reduce-scatter. ZeRO-2: one reduce bucket."""
+    unit's unsharded gradient before its reduce-scatter. ZeRO-2: one reduce bucket. A block
+    gathers ``float8_saving`` bytes fewer (``layer.float8_gather_saving``)."""
     policy = wl.precision.policy
     if par.zero >= ZeroStage.GRADIENTS and wl.fsdp_units is FsdpUnits.BUCKETS:
         return _bucketed_units(params, par, wl)
@@ -459,20 +460,20 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload,
         # one is gathered (prefetch): two blocks at a time (traced,
         # tests/traced/test_parallel_trace).
         layer, e = max(params.layers, default=0), policy.unsharded.itemsize
-        layer_b, unit_grad = unit_bytes(params, trainable, e, policy.grad_bytes)
+        layer_b, unit_grad = unit_bytes(params, trainable, e, policy.grad_bytes, float8_saving)
         # At shard degree 1 there is no flat all-gather output: each parameter's unsharded
-        # storage is filled from its cast shard (torch/distributed/fsdp/_fully_shard/
-        # _fsdp_param_group.py FSDPParamGroup.wait_for_unshard, world_size == 1), so no
-        # previous unit's output is kept for overlap and one block is gathered at a time.
+        # storage is filled from its cast shard (torch/.../_fully_shard/_fsdp_param_group.py
+        # FSDPParamGroup.wait_for_unshard, world_size == 1): one block gathered at a time.
         one_rank = par.dense_shard_degree == 1
-        blocks = 2 * layer if len(params.layers) > 1 and not one_rank else layer
+        blocks = 2 if len(params.layers) > 1 and not one_rank else 1  # gathered at once
         root = params.embedding + params.head
         if separate_units(wl):
-            return _separate_units(params, one_rank, layer, blocks, e, policy.grad_bytes)
+            return _separate_units(params, one_rank, layer * e - float8_saving, blocks, e,
+                                   policy.grad_bytes)
         # a block's start in forward, as with torchtitan's units below: the previous unit's
         # all-gather output still held beside the block's own and its parameters (for the
         # first block the previous unit is the root, gathered itself); the root stays gathered
-        root_b, blocks_b = root * e, (2 * layer_b if blocks != layer else layer_b)
+        root_b, blocks_b = root * e, blocks * layer_b
         start, first_start = ((0, 0) if one_rank else
                               (root_b + 3 * layer_b, 2 * root_b + 2 * layer_b))
         return ShardingBuffers(root_b + blocks_b, root_b + layer_b, unit_grad,
@@ -557,10 +558,11 @@ def _reduce_bucket(params: StageParams, par: ParallelConfig, trainable: Trainabl
     return min(REDUCE_BUCKET_NUMEL, not_owned) * e
 
 
-def _separate_units(params: StageParams, one_rank: bool, layer: int, blocks: int, e: int,
+def _separate_units(params: StageParams, one_rank: bool, layer_b: int, blocks: int, e: int,
                     grad_bytes: int) -> ShardingBuffers:
-    """FSDP2 with torchtitan's units (``sharding_buffers``): ``layer`` and ``blocks`` the
-    elements of one and of the gathered blocks, ``e`` the weights' bytes per element."""
+    """FSDP2 with torchtitan's units (``sharding_buffers``): ``layer_b`` the gathered bytes of
+    one block, ``blocks`` how many are gathered at once, ``e`` the embedding's and head's
+    weights' bytes per element."""
     # torchtitan's units: the embedding resharded after its forward; [final norm,
     # head] gathered from its forward (prefetched during the last block) to its
     # backward. In backward a block runs beside the all-gather buffer of the unit its
@@ -582,13 +584,13 @@ def _separate_units(params: StageParams, one_rank: bool, layer: int, blocks: int
     # prev_all_gather_state until it returns, so the block's own all-gather output
     # and its unsharded parameters are made beside it: three units, the embedding's
     # output instead of a block's for the first (traced, torchtitan full AC cases).
-    start, first_start = (0, 0) if one_rank else (3 * layer * e, (emb + 2 * layer) * e)
-    return ShardingBuffers(max(blocks, layer + ahead * head) * e, head * e,
+    start, first_start = (0, 0) if one_rank else (3 * layer_b, emb * e + 2 * layer_b)
+    return ShardingBuffers(max(blocks * layer_b, layer_b + ahead * head * e), head * e,
                            params.largest_unit * grad_bytes,
-                           backward_head_bytes=(head + ahead * layer) * e,
-                           backward_head_prefetch_bytes=ahead * layer * e,
-                           backward_block_bytes=blocks * e,
-                           backward_last_block_bytes=(layer + ahead * emb) * e,
+                           backward_head_bytes=head * e + ahead * layer_b,
+                           backward_head_prefetch_bytes=ahead * layer_b,
+                           backward_block_bytes=blocks * layer_b,
+                           backward_last_block_bytes=layer_b + ahead * emb * e,
                            backward_end_bytes=emb * e, separate_units=True,
                            # at shard degree 1 a unit's reduce holds its input, its
                            # output (the new gradient) and the input divided by

@@ -16,8 +16,11 @@ projections, two for gate and up).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
+from memplan.model import compiled
 from memplan.model.block import BackwardMoment, Moment
-from memplan.model.linear import input_copies, shares_input
+from memplan.model.linear import Linear, input_copies, shares_input
 from memplan.model.dims import FP32_BYTES, Dims, Term, total
 from memplan.spec import ModelSpec, NormKind, norm_params
 from memplan.workload import BaseQuant, NormImpl, Recompute, TeFp8Recipe, Workload
@@ -191,13 +194,18 @@ class Norm:
     """A norm block of a layer, named by its place (``attn_norm``, ``mlp_norm`` before the
     mixers; ``attn_post_norm``, ``mlp_post_norm`` on their outputs)."""
 
-    __slots__ = ("name",)
+    __slots__ = ("name", "readers")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str,
+                 readers: Callable[[ModelSpec], Sequence[Linear]] | None = None) -> None:
         self.name = name
+        self.readers = readers  # the projections reading its output (compiled float8)
 
     def saved(self, spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
-        return norm_terms(self.name, spec, wl, dm)
+        terms = norm_terms(self.name, spec, wl, dm)
+        if self.readers is not None and compiled.float8_recomputed(self.readers(spec), dm):
+            return [t for t in terms if not t.name.endswith(".output")]  # recomputed
+        return terms
 
     def forward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
                         recompute: Recompute) -> list[Moment]:

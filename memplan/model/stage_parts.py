@@ -20,7 +20,7 @@ from memplan.model.attention import attention_linears, rope_buffer_bytes, window
 from memplan.model.dims import Dims, exact_ratio
 from memplan.model.fsdp1 import flat_units, fsdp1_buffers
 from memplan.model.grad_sync import accumulator_bytes
-from memplan.model.layer import rope_normed
+from memplan.model.layer import float8_gather_saving, rope_normed
 from memplan.model.model_states import (
     ShardingBuffers,
     StageParams,
@@ -198,6 +198,13 @@ def build_kinds(spec: ModelSpec, wl: Workload, pp: int, vpp: int, stage: int,
                       chunks=chunks)
 
 
+def _float8_saving(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> int:
+    """A block's bytes FSDP2 does not gather with its float8 all-gather (0 without)."""
+    if not wl.float8_all_gather:
+        return 0
+    return float8_gather_saving(spec, par.tp, wl.precision.policy.unsharded.itemsize)
+
+
 def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
                  params: StageParams, stage: int) -> StageStates:
     """``params``: the stage's ``stage_params`` (cached apart, per layout)."""
@@ -207,7 +214,7 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
     st, opt_temp = _states(params, par, wl, trainable)
     st, te_kept = te_fp8_states(st, spec, par, wl, len(layers))
     shard = (fsdp1_buffers(params, par, wl) if flat_units(spec, par, wl)
-             else sharding_buffers(params, par, wl, trainable))
+             else sharding_buffers(params, par, wl, trainable, _float8_saving(spec, par, wl)))
     e = wl.compute_dtype.itemsize
     # Gradients exist during forward when an earlier micro-batch made them, or when they live
     # in persistent data-parallel buffers; DDP's default copies them into separate buckets.

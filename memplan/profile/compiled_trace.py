@@ -72,19 +72,24 @@ def _layer(config: dict, dtype_name: str, batch: int, seq: int):
     config.json dict (its ``LlamaDecoderLayer``, SDPA attention, with RoPE tables made once
     outside the layer as ``LlamaModel`` makes them) or, with ``"torchtitan"`` set to the
     keywords of ``memplan.profile.frameworks.torchtitan_config``, torchtitan's Llama3 block
-    (its RoPE cache a buffer of the block, SDPA attention)."""
+    (its RoPE cache a buffer of the block, SDPA attention; with ``"float8"`` among them, a
+    recipe name, its linears converted as torchtitan's float8 converter converts them)."""
     import torch
 
     torch._dynamo.reset()
     torch.manual_seed(0)
     dtype = getattr(torch, dtype_name)
     if "torchtitan" in config:
-        from memplan.profile.frameworks import torchtitan_config
+        from memplan.profile.frameworks import _float8, torchtitan_config
 
-        cfg = torchtitan_config(**config["torchtitan"], seq_len=seq)
+        fields = dict(config["torchtitan"])
+        float8 = fields.pop("float8", "none")
+        cfg = torchtitan_config(**fields, seq_len=seq)
         layer = cfg.layers[0].build().to(dtype)
         for param in layer.parameters():  # its own init needs the model's; any values do
             torch.nn.init.normal_(param, std=0.02)
+        if float8 != "none":  # torchao's Float8Linear on its linears (torchtitan's converter)
+            _float8(layer, float8, False)
         x = torch.randn(batch, seq, cfg.dim, dtype=dtype, requires_grad=True)
         return layer, (lambda h: layer(h, None, None)), x
     from transformers import LlamaConfig

@@ -531,6 +531,9 @@ def build_torchtitan(case: FrameworkCase) -> Built:
     with torch.device("cpu"):
         model = cfg.build()
     model.init_states(buffer_device=torch.device("cpu"))
+    float8 = case.options.get("float8", "none")
+    if float8 != "none":
+        _float8(model, float8, case.options.get("float8_all_gather", False))
     ac = case.options.get("ac", "none")
     every = int(ac) if ac.isdigit() else None
     if every is not None:  # before parallelize_llama: its AC would come before FSDP too
@@ -590,6 +593,10 @@ def build_torchtitan(case: FrameworkCase) -> Built:
                     recompute="full" if every is not None else ac, keep_grads=not set_to_none)
     if every is not None:
         workload["recompute_every"] = every
+    if float8 != "none":
+        workload["float8"] = float8
+    if case.options.get("float8_all_gather", False):
+        workload["float8_all_gather"] = True
     if chunks > 1:
         workload["loss_chunks"] = chunks
     from memplan.profile.distributed import _follow_fsdp_storage
@@ -606,6 +613,25 @@ def build_torchtitan(case: FrameworkCase) -> Built:
     # mode sees; memplan's parallel tracer follows them (category "gathered")
     layout = api.make_layout(case.dp, zero=3)
     return Built("torchtitan", model, spec, layout, workload, step, opt, context=follow)
+
+
+def _float8(model, recipe_name: str, all_gather: bool) -> None:
+    """torchao's ``convert_to_float8_training`` on the model's linears as torchtitan's float8
+    converter selects them (``components/quantization/utils.py`` ``module_filter_fn``: both
+    widths multiples of 16, and not the output head, which its llama3 float8 configs filter:
+    ``filter_fqns=["lm_head"]``), with ``Float8LinearConfig.from_recipe_name``; the FSDP2
+    float8 all-gather (``enable_fsdp_float8_all_gather``, tensorwise only) when asked."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(recipe_name)
+    if all_gather:
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+
+    def keep(mod: torch.nn.Module, fqn: str) -> bool:
+        return (mod.in_features % 16 == 0 and mod.out_features % 16 == 0
+                and "lm_head" not in fqn and fqn != "output")
+
+    convert_to_float8_training(model, config=config, module_filter_fn=keep)
 
 
 def _relabel_held_reduce(model, tracker: MemoryTracker) -> None:

@@ -115,3 +115,41 @@ def test_compiled_layer_phase_peaks(dtype: str, precision: str, grad_bytes: int,
     assert kind.forward_peak_bytes - stream == traced_forward
     assert backward - stream - traced_backward == backward_over
     assert backward - stream == pytest.approx(traced_backward, rel=0.03)
+
+
+@pytest.mark.parametrize("fuse_qkv,recipe,checkpoint", [
+    (False, "tensorwise", "none"), (False, "rowwise", "none"), (True, "tensorwise", "none"),
+    (True, "rowwise", "full")])
+def test_compiled_float8_layer_saves_what_the_partitioner_saves(fuse_qkv: bool, recipe: str,
+                                                                checkpoint: str) -> None:
+    """torchtitan's block (bf16) with torchao's Float8Linear on its linears (torchtitan's
+    float8 converter), compiled: the backward's matmuls read float8 casts, so the norms'
+    outputs and SiLU(gate) * up, pointwise, are recomputed (``memplan.model.compiled.
+    float8_recomputed``): separate q/k/v 1,020,928 - 2 * 65,536 - 196,608 = 693,248 B traced
+    rowwise; tensorwise + 7 linears x (a bf16 amax + an fp32 scale) = 693,290 B. Inside full
+    checkpointing the layer's input alone, as without float8. torchao 0.18.0."""
+    pytest.importorskip("torchao.float8")
+    config = {"torchtitan": dict(TITAN["torchtitan"], fuse_qkv=fuse_qkv, float8=recipe)}
+    spec = _spec("torchtitan", fuse_qkv)
+    recompute = Recompute.FULL if checkpoint == "full" else Recompute.NONE
+    wl = Workload(micro_batch_size=BATCH, seq_len=SEQ, precision="bf16-pure",
+                  recompute=recompute, compile=True, rope_cache="layer", float8=recipe)
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    modelled = layer_kind(spec, wl, dm, False, recompute).saved_bytes
+    assert modelled == _traced_activations(config, "bfloat16", checkpoint)
+
+
+def test_compiled_float8_layer_under_per_op_sac() -> None:
+    """torchtitan's block (fused wqkv, bf16, tensorwise Float8Linears) inside its per-op SAC,
+    compiled: the tagged matmul outputs backward reads (qkv, w1), SDPA's output and logsumexp
+    and the input, as without float8 (430,080 B), and the save list's amaxes (``aten.max``,
+    7 bf16 scalars) with 4 fp32 scales: 430,110 B traced, memplan 30 B under."""
+    pytest.importorskip("torchao.float8")
+    config = {"torchtitan": dict(TITAN["torchtitan"], fuse_qkv=True, float8="tensorwise")}
+    spec = _spec("torchtitan", True)
+    wl = Workload(micro_batch_size=BATCH, seq_len=SEQ, precision="bf16-pure",
+                  recompute=Recompute.SELECTIVE, compile=True, rope_cache="layer",
+                  selective_impl="op", float8="tensorwise")
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    modelled = layer_kind(spec, wl, dm, False, Recompute.SELECTIVE).saved_bytes
+    assert _traced_activations(config, "bfloat16", "op") - modelled == 30

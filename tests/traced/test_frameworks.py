@@ -350,6 +350,29 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
     (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=1), None),
     (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=1,
                    options={"ac": "full"}), None),
+    # torchao's Float8Linear on every block linear (torchtitan's float8 converter: widths
+    # multiples of 16, the output head filtered), eager: the casts' fp32 working sets at each
+    # projection of forward and backward (torchao 0.18.0; skipped without torchao)
+    (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=2,
+                   options={"float8": "tensorwise"}), None),
+    (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=2,
+                   options={"float8": "rowwise"}), None),
+    (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=2,
+                   options={"float8": "tensorwise", "ac": "full"}), None),
+    (FrameworkCase("torchtitan", "llama3-toy-qkv", TITAN_TOY | {"fuse_qkv": False},
+                   "fsdp-bf16", 2, 512, dp=8, options={"float8": "rowwise"}), None),
+    # per-op SAC: the save list's matmul outputs (the Float8Linear's mm) and its amaxes
+    # (aten.max: 40 B of bf16 scalars, not counted)
+    (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=2,
+                   options={"float8": "tensorwise", "ac": "selective"}), None),
+    # FSDP2's float8 all-gather (enable_fsdp_float8_all_gather): the blocks' converted weights
+    # gathered at one byte, no weight cast in the linears (each saved weight's fp32 scale,
+    # 40 B, not counted)
+    (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=2,
+                   options={"float8": "tensorwise", "float8_all_gather": True}), None),
+    (FrameworkCase("torchtitan", "llama3-toy-qkv", TITAN_TOY | {"fuse_qkv": False},
+                   "fsdp-bf16", 2, 512, dp=8,
+                   options={"float8": "tensorwise", "float8_all_gather": True}), None),
     # --- litgpt through Lightning Fabric, as litgpt/pretrain.py runs it ----------------------
     # (the lightning preset holds the loop's fp32 logits from the loss to the next forward)
     (FrameworkCase("litgpt", "Llama-2-7b-hf", LITGPT_TOY, "fp32", 2, 128), None),
@@ -370,6 +393,8 @@ def _skip_without(library: str) -> None:
 @pytest.mark.parametrize(("case", "known"), [param(c, k) for c, k in CASES])
 def test_library_matches_estimate(case: FrameworkCase, known: Known | None) -> None:
     _skip_without(case.library)
+    if case.options.get("float8"):
+        pytest.importorskip("torchao.float8", reason="float8 case: torchao is not installed")
     result = compare_framework(case)
     check(result.rows, known)
 

@@ -205,13 +205,26 @@ def test_torchtitan_published_train_configs(toml: str, gpus: int, model: str,
 
 
 def test_torchtitan_notes_what_it_does_not_model() -> None:
-    """llama3_405b.toml converts its linears to float8 (noted, estimated without) and compiles
-    (compile.enable, components model and loss by default: the layers compiled, --compile;
-    the compiled loss noted as estimated eager)."""
+    """llama3_405b.toml converts its linears to float8 (model.converters "float8", its
+    [quantize.linear.float8] with no recipe_name: torchao's default tensorwise; FSDP float8
+    all-gather on; "output" filtered) and compiles (compile.enable, components model and loss
+    by default: the layers compiled, --compile; the compiled loss noted as estimated eager)."""
     imported = torchtitan.read(TITAN / "llama3_405b.toml", 128)
     notes = " ".join(imported.notes)
-    assert "float8" in notes and "compiled loss" in notes
+    assert "compiled loss" in notes and "float8" not in notes
     assert imported.inputs["compile"] is True
+    assert imported.inputs["float8"] == "tensorwise"
+    assert imported.inputs["float8_all_gather"] is True
+
+
+def test_torchtitan_float8_head_converted_is_refused(tmp_path: Path) -> None:
+    """A float8 converter that does not filter the output head would convert it: refused."""
+    text = (TITAN / "llama3_405b.toml").read_text().replace('filter_fqns = ["output"]',
+                                                             "filter_fqns = []")
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    with pytest.raises(MemplanError, match="filter_fqns"):
+        torchtitan.read(path, 128)
 
 
 def test_torchtitan_every_nth_layer_checkpointing() -> None:
@@ -268,13 +281,15 @@ def test_torchtitan_float8_run_of_the_accuracy_table(tmp_path: Path) -> None:
     text = text.replace('hf_assets_path = "./assets/hf/Llama-3.1-8B"',
                         'hf_assets_path = "./assets/hf/Llama-3.1-8B"\n'
                         'converters = ["quantize.linear.float8"]')
+    text = text.replace("enable_fsdp_float8_all_gather = false",
+                        "enable_fsdp_float8_all_gather = true")
     path = tmp_path / "job.toml"
     path.write_text(text)
     imp = torchtitan.read(path, run["memplan_args"]["gpus"])
     want = {k: v for k, v in run["memplan_args"].items() if k not in ("model", "gpus", "gpu")}
     assert {k: imp.inputs.get(k) for k in want} == want
     assert imp.model == run["memplan_args"]["model"]
-    assert len(imp.notes) == 2  # float8, compile
+    assert len(imp.notes) == 1  # the compiled loss
 
 
 @pytest.mark.parametrize(("edit", "key"), [
@@ -447,12 +462,14 @@ def test_torchtitan_registry_names_its_keys() -> None:
 
 
 def test_torchtitan_registry_notes() -> None:
-    """llama3_405b: float8 converter noted, compile mapped to --compile (its compiled loss
-    noted); flex attention noted."""
+    """llama3_405b: its Float8LinearConverter.Config(filter_fqns=["lm_head"]) mapped to
+    --float8 rowwise (0.3's recipe_name default), compile mapped to --compile (its compiled
+    loss noted); flex attention noted."""
     imported = torchtitan.read(f"{REG_030} --config llama3_405b", 128)
     notes = " ".join(imported.notes)
-    assert "float8" in notes and "compiled loss" in notes and "flex" in notes
+    assert "compiled loss" in notes and "flex" in notes
     assert imported.inputs["compile"] is True
+    assert imported.inputs["float8"] == "rowwise"
 
 
 def _registry(tmp_path: Path, body: str, top: str = "") -> str:

@@ -85,10 +85,9 @@ def test_float8_keeps_saved_activations_of_a_bf16_run() -> None:
 
 @pytest.mark.parametrize(("model", "update", "par", "why"), [
     ("mixtral-8x7b", {}, {}, "MoE layers"),
-    ("tiny", {"compile": True}, {}, "compile"),
     ("tiny", {}, {"tp": 2}, "tp 2"),
     ("tiny", {"lora_rank": 8}, {}, "lora_rank 8"),
-    ("tiny", {"recompute": "selective"}, {}, "recompute selective"),
+    ("tiny", {"recompute": "selective", "selective_impl": "core"}, {}, "recompute selective"),
 ])
 def test_float8_refuses_what_is_not_modelled(model: str, update: dict, par: dict,
                                             why: str) -> None:
@@ -115,21 +114,95 @@ TINY = ModelSpec.model_validate({
 
 
 def test_mlp_moments_hold_the_down_projections_casts() -> None:
-    """SwiGLU h 64, ffn 96, 16 bf16 tokens. Forward, at the down projection (96 -> 64): its
-    output 16 * 64 * 2 = 2,048 bytes, plain then beside the residual add's output (4,096);
-    as a Float8Linear beside its casts: tensorwise 16 * 96 + 4 + 96 * 64 + 4 = 7,688, with the
-    output 9,736; rowwise 1,536 + 16 * 4 + 6,144 + 64 * 4 = 8,000, with the output 10,048.
-    Backward, at its weight-gradient matmul, its casts on top of the plain moment: tensorwise
-    (1,024 + 4 + 6,144 + 4) + (1,024 + 4 + 1,536 + 4) = 9,744; rowwise (1,024 + 64 + 6,144 +
-    96 * 4) + (1,024 + 64 * 4 + 1,536 + 96 * 4) = 7,616 + 3,200 = 10,816."""
+    """SwiGLU h 64, ffn 96, 16 bf16 tokens. Forward, at the down projection (96 -> 64,
+    n = 16 * 96 = 1,536 input elements, m = 96 * 64 = 6,144 weight elements): plain, its
+    output 16 * 64 * 2 = 2,048 bytes then beside the residual add's output (4,096). As a
+    Float8Linear the largest of: the input's cast working set 9n (+ its scale), the weight's
+    beside the input's float8 cast, n + 9m, and both casts beside the output, n + m + 2,048.
+    Tensorwise (one 4-byte scale a cast) max(13,828, 1,540 + 55,300 = 56,840, 9,736) =
+    56,840; rowwise (the input's 16 scales, the weight's 64) max(13,888, 1,600 + 55,552 =
+    57,152, 10,048) = 57,152.
+    Backward, before its weight gradient: p = 16 * 64 = 1,024 grad_output elements, its input
+    gradient 16 * 96 * 2 = 3,072 bytes: max(9p, go0 + 9m, go0 + w0 + 3,072 + 9p, go0 + w0 +
+    3,072 + go1 + 9n) with scales; tensorwise max(9,220, 1,028 + 55,300 = 56,328, 19,468,
+    25,104) = 56,328; rowwise (go0 16 scales, the weight's 96, go1's 64, the input's 96)
+    max(9,280, 1,088 + 55,680 = 56,768, ...) = 56,768."""
     mlp, wl = Mlp(), Workload()
     forward = {recipe: mlp.forward_moments(TINY, wl, DM._replace(float8=recipe),
                                            Recompute.NONE)[0].transient_bytes
                for recipe in Float8Recipe}
-    assert forward == {Float8Recipe.NONE: 4_096, Float8Recipe.TENSORWISE: 9_736,
-                       Float8Recipe.ROWWISE: 10_048}
-    backward = {recipe: mlp.backward_moments(TINY, wl, DM._replace(float8=recipe),
-                                             Recompute.NONE)[0].transient_bytes
-                for recipe in Float8Recipe}
-    assert backward[Float8Recipe.TENSORWISE] - backward[Float8Recipe.NONE] == 9_744
-    assert backward[Float8Recipe.ROWWISE] - backward[Float8Recipe.NONE] == 10_816
+    assert forward == {Float8Recipe.NONE: 4_096, Float8Recipe.TENSORWISE: 56_840,
+                       Float8Recipe.ROWWISE: 57_152}
+    down = Linear("down", "mlp_out", 96, 64)
+    assert linear.float8_backward_peak(down, DM, 3_072) == 3_072
+    assert linear.float8_backward_peak(down, TW, 3_072) == 56_328
+    assert linear.float8_backward_peak(down, RW, 3_072) == 56_768
+    moments = {m.name: m for m in mlp.backward_moments(TINY, wl, TW, Recompute.NONE)}
+    assert moments["mlp_f8_down"].transient_bytes == 56_328
+    assert moments["mlp_f8_down"].grads == ()  # before its weight's gradient exists
+    plain = {m.name for m in mlp.backward_moments(TINY, wl, DM, Recompute.NONE)}
+    assert not any(name.startswith("mlp_f8") for name in plain)
+
+
+def test_mlp_input_projections_as_float8() -> None:
+    """The gate and up projections (64 -> 96: n = 16 * 64 = 1,024, m = 6,144, each output
+    16 * 96 * 2 = 3,072 bytes), tensorwise. Forward, the gate's peak alone:
+    max(9,220, 1,028 + 55,300 = 56,328, 1,028 + 6,148 + 3,072 = 10,248) = 56,328; up's the same
+    beside the saved gate output and its activation (2 * 3,072 = 6,144 own bytes).
+    Backward, up's: its output's gradient and the activation's (2 * 3,072) and its peak
+    (p = 1,536: max(13,828, 1,540 + 55,300 = 56,840, ...) with its input gradient 2,048)
+    = 6,144 + 56,840 = 62,984, the gate's output still saved (3,072); the gate's: up's input
+    gradient 2,048, its output's gradient 3,072 and the same peak: 61,960."""
+    mlp, wl = Mlp(), Workload()
+    fwd = {m.name: m for m in mlp.forward_moments(TINY, wl, TW, Recompute.NONE)}
+    assert (fwd["mlp_f8_gate"].own_bytes, fwd["mlp_f8_gate"].transient_bytes) == (0, 56_328)
+    assert (fwd["mlp_f8_up"].own_bytes, fwd["mlp_f8_up"].transient_bytes) == (6_144, 56_328)
+    bwd = {m.name: m for m in mlp.backward_moments(TINY, wl, TW, Recompute.NONE)}
+    assert (bwd["mlp_f8_up"].own_bytes, bwd["mlp_f8_up"].transient_bytes) == (3_072, 62_984)
+    assert (bwd["mlp_f8_gate"].own_bytes, bwd["mlp_f8_gate"].transient_bytes) == (0, 61_960)
+
+
+def test_compiled_float8_refuses_an_ungated_mlp() -> None:
+    """Compiled float8 is traced on torchtitan's gated MLP only: an ungated one is refused."""
+    from memplan.parallel import float8_rule
+    from memplan.spec import MlpKind
+
+    wl = Workload.model_validate({"float8": "rowwise", "compile": True})
+    assert float8_rule(TINY, ParallelConfig(), wl) is None
+    err = float8_rule(TINY.model_copy(update={"mlp": MlpKind.GELU}), ParallelConfig(), wl)
+    assert "float8 rowwise with compile and an ungated MLP: not modelled" in str(err)
+
+
+def test_float8_all_gather_drops_the_weight_casts() -> None:
+    """With FSDP2's float8 all-gather the linear receives its weight already in float8
+    (``fsdp_post_all_gather``'s ``Float8TrainingTensor``): no weight cast. The up projection
+    64 -> 96 over 16 tokens, tensorwise: forward at the matmul the input's cast alone, 1,024 +
+    4 = 1,028 bytes (7,176 with the weight's); the forward peak the input cast's working set
+    9 * 1,024 + 4 = 9,220 beside nothing, or 1,028 with the output 3,072: 9,220. Backward,
+    before the weight gradient (grad input 16 x 64 x 2 = 2,048): grad_output's two casts and
+    the input's, max(9 * 1,536 + 4 = 13,828, 1,540 + 2,048 + 13,828 = 17,416, 1,540 + 2,048 +
+    1,540 + 9,216 + 4 = 14,348) = 17,416."""
+    gathered = TW._replace(float8_gathered=True)
+    assert linear.float8_forward_bytes(UP, gathered) == 1_028
+    assert linear.float8_forward_peak(UP, gathered, 3_072) == 9_220
+    assert linear.float8_backward_peak(UP, gathered, 2_048) == 17_416
+
+
+def test_float8_all_gather_gathers_one_byte_per_converted_weight() -> None:
+    """The gathered bytes of a block: TINY's converted weights (q 64 x 64, k and v 64 x 32
+    each, o 64 x 64, gate, up and down 64 x 96 each = 30,720 elements) at 1 byte instead of
+    bf16's 2: 30,720 bytes fewer per gathered block (its norms' 128 elements stay bf16)."""
+    from memplan.model.layer import float8_gather_saving
+
+    assert float8_gather_saving(TINY, 1, 2) == 30_720
+
+
+@pytest.mark.parametrize(("update", "par", "why"), [
+    ({"float8": "rowwise"}, {"zero": 3, "dp": 8}, "float8 rowwise (it needs tensorwise)"),
+    ({"float8": "tensorwise"}, {"zero": 1, "dp": 8},
+     "no FSDP2 weight sharding (it needs zero 3, FSDP2)"),
+])
+def test_float8_all_gather_refusals(update: dict, par: dict, why: str) -> None:
+    wl = Workload.model_validate({"float8_all_gather": True, **update})
+    with pytest.raises(LayoutError, match=f"float8_all_gather with {why.replace('(', '.').replace(')', '.')}"):
+        validate(TINY, ParallelConfig(**par), wl)
