@@ -602,6 +602,14 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
         raise err
     if wl.compile and (err := compile_rule(spec, wl)) is not None:
         raise err
+    if wl.compile_loss and wl.loss_impl is not LossImpl.TORCHTUNE_CHUNKED:
+        # torchtune's compile_loss compiles the chunked loss's compute_cross_entropy in place;
+        # another loss it wraps in a new torch.compile that the recipe does not keep
+        # (recipes/full_finetune_single_device.py), so that loss runs eagerly
+        raise LayoutError("compile_loss needs loss_impl torchtune-chunked",
+                          f"compile_loss with loss_impl {wl.loss_impl.value}: a compiled loss "
+                          "is modelled for torchtune's chunked cross-entropy only "
+                          "(loss_impl torchtune-chunked)")
     if wl.optimizer_in_backward and (err := optimizer_in_backward_rule(par, wl)) is not None:
         raise err
     if wl.float8.value != "none" and (err := float8_rule(spec, par, wl)) is not None:

@@ -551,6 +551,11 @@ class Workload(BaseModel):
     compile: bool = Field(default=False, description=(
         "each decoder layer runs under torch.compile (Inductor): AOTAutograd's min-cut "
         "partitioner decides what its forward saves (memplan.model.compiled)"))
+    compile_loss: bool = Field(default=False, description=(
+        "torchtune's chunked cross-entropy runs compiled (training.compile_loss: each chunk's "
+        "upcast and cross-entropy under torch.compile, Inductor): each chunk saves its "
+        "logits and two fp32 per-row statistics, not an fp32 log-softmax "
+        "(memplan.model.chunked_output)"))
     optimizer_in_backward: bool = Field(default=False, description=(
         "each parameter's optimizer step runs in backward, in a hook after its gradient is "
         "accumulated, which then frees it (torchtune's optimizer_in_bwd; memplan.model."

@@ -180,6 +180,11 @@ CompileOpt = Annotated[Optional[bool], typer.Option(
     "AOTAutograd's min-cut partitioner saves matmul and attention outputs and recomputes the "
     "pointwise ops between them (torchtitan's compile.enable). Default: off.",
     rich_help_panel=_KERNELS)]
+CompileLossOpt = Annotated[Optional[bool], typer.Option(
+    "--compile-loss/--no-compile-loss", help="torchtune's chunked cross-entropy compiled "
+    "(training.compile_loss, with torchtune's compile=True; needs --loss-impl "
+    "torchtune-chunked): each chunk saves its logits and two fp32 numbers per token instead "
+    "of an fp32 log-softmax. Default: off.", rich_help_panel=_KERNELS)]
 OptimizerInBackwardOpt = Annotated[Optional[bool], typer.Option(
     "--optimizer-in-backward/--no-optimizer-in-backward", help="Each parameter's optimizer "
     "step runs in backward, in a hook after its gradient is made, which it then frees "
@@ -349,6 +354,7 @@ SHARED: dict[str, Shared] = {
     "keep_grads": Shared(KeepGrads, None),
     "use_cache": Shared(UseCache, None),
     "compile": Shared(CompileOpt, False),
+    "compile_loss": Shared(CompileLossOpt, False),
     "optimizer_in_backward": Shared(OptimizerInBackwardOpt, False),
     "float8": Shared(Float8Opt, Float8Recipe.NONE, _value),
     "grad_sync": Shared(GradSyncOpt, None),
@@ -376,11 +382,11 @@ WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "recompute_eve
             "float8", "optimizer_in_backward",
             "fsdp_version", "fsdp_backward_prefetch", "fsdp_use_orig_params",
             "fsdp_reshard_after_forward", "mtp_layers", "loss_impl", "logits_held",
-            "lora_rank", "lora_targets", "lora_dropout", "base_quant")
+            "lora_rank", "lora_targets", "lora_dropout", "base_quant", "compile_loss")
 # what a framework's own loop decides, beyond memplan's reference model (which trace and
 # profile run)
 FRAMEWORK_ONLY = ("framework", "keep_grads", "use_cache", "loss_impl", "logits_held",
-                  "compile", "float8")  # the reference model runs eagerly, plain linears
+                  "compile", "float8", "compile_loss")  # the reference model runs eagerly, plain linears
 # everything ``memplan estimate`` takes: diagnose takes the same configuration
 ESTIMATE = ("model", "gpus", "gpu", "gpu_memory", *LAYOUT, *WORKLOAD, "schedule", "calibration")
 
