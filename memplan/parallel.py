@@ -538,8 +538,8 @@ def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
         why = f"attention {wl.attention.value}"
     elif wl.precision.policy.autocast:
         why = f"precision {wl.precision.value}"
-    elif wl.lora_rank:
-        why = f"lora_rank {wl.lora_rank}"
+    elif wl.lora_rank and wl.base_quant.value != "none":
+        why = f"base_quant {wl.base_quant.value}"
     elif wl.recompute is Recompute.SELECTIVE and wl.selective_impl.value != "op":
         why = f"recompute selective ({wl.selective_impl.value})"
     if why is None:
@@ -547,7 +547,8 @@ def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
     return LayoutError(f"compile is not modelled with {why}",
                        f"compile with {why}: what the partitioner saves there is not "
                        "modelled yet (compile is modelled for dense pre-norm layers, SDPA "
-                       "attention, no autocast, no LoRA, recompute none, full or per-op SAC)")
+                       "attention, no autocast, LoRA on unquantized base weights, recompute "
+                       "none, full or per-op SAC)")
 
 
 def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
