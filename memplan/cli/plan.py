@@ -47,6 +47,7 @@ FixedRecompute = Annotated[RecomputeChoice | None, typer.Option(
       "loss_chunks", "framework", "keep_grads", "use_cache", "grad_sync", "fsdp_version",
       "fsdp_backward_prefetch", "fsdp_use_orig_params", "fsdp_reshard_after_forward",
       "mtp_layers", "compile", "optimizer_in_backward", "compile_loss",
+      "compile_in_checkpoint",
       "loss_impl", "logits_held", "calibration", "lora_rank", "lora_targets", "lora_dropout", "base_quant",
       model=None, gpus=8, tp=None, pp=None, vpp=None, cp=None, ep=None, zero=None)
 def plan(

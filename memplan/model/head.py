@@ -511,7 +511,9 @@ class HeadBlock(NamedTuple):
                           final: tuple[int, int]) -> list[BackwardMoment]:
         """``backward_moments`` from the head's saved bytes and ``norm.final_saved_bytes``."""
         fresh = head_weight(spec, dm)  # elements of the weight whose gradient is made
-        grad = fresh * dm.e
+        # a frozen head (LoRA's base) makes no weight gradient: autograd's mm backward makes
+        # only what requires grad (``derivatives.yaml``: mat2's gradient when it does)
+        grad = 0 if dm.adapters is not None else fresh * dm.e
         final_norm, norm_at_backward = final
         # an adapted head's base weight is frozen: no gradient; its adapter's backward and the
         # base's input gradient (``lora_backward_bytes``)

@@ -168,7 +168,8 @@ def build_peft(case: FrameworkCase) -> Built:
     if opts.get("gc"):
         workload.update(recompute="full", kv_cache=False)
     if opts.get("compile"):
-        workload.update(compile=True, kv_cache=False)
+        workload.update(compile=True, kv_cache=False,
+                        compile_in_checkpoint=bool(opts.get("gc")))
     if opts.get("hold_outputs"):
         workload.update(logits_held="output")
     frozen = [p for p in model.parameters() if not p.requires_grad] + extra

@@ -18,7 +18,11 @@ real partitioner on CPU.
    tensors under the exact tracker's compile-aware form (``CompiledLibraryTracker``): weights,
    gradients, optimizer states and saved activations to the byte, every phase peak within
    1% (all within 0.25%). bf16 base with fp32 adapters: the adapters reading one tensor share
-   one fp32 cast of it (AOTAutograd's CSE), which eager peft makes per projection.
+   one fp32 cast of it (AOTAutograd's CSE), which eager peft makes per projection. With
+   gradient checkpointing (the compiled layer inside the checkpoint, ``compile_in_checkpoint``)
+   on the attention's projections: within 2% (q,v 0.05%, q,k,v,o backward +1.7%); LoRA on
+   the MLP inside the checkpoint is refused (traced: forward -10%, backward -17%: the compiled
+   forward's fp32 sums of the adapted gate and up, alive together, are not modelled).
 
 Versions traced: torchtune 0.6.1, peft 0.21.2, transformers 5.3.0, torch 2.13.
 """
@@ -98,7 +102,12 @@ LLAMA = hf("Meta-Llama-3-8B", **LLAMA3_TOY)
 PEFT = [("bf16-pure", dict(lora_rank=8)),
         ("bf16-pure", dict(lora_rank=8, lora_targets="all-linear")),
         ("bf16-pure", dict(lora_rank=8, lora_targets="all-linear", lora_dropout=0.1)),
-        ("fp32", dict(lora_rank=8, lora_targets="q,v,o"))]
+        ("fp32", dict(lora_rank=8, lora_targets="q,v,o")),
+        # gradient checkpointing around each compiled layer (--compile-in-checkpoint): the
+        # forward's moments the uncheckpointed compiled layer's; traced q,v: every phase
+        # within 0.05%, q,k,v,o: backward +1.7% (memplan over)
+        ("bf16-pure", dict(lora_rank=8, gc=True)),
+        ("bf16-pure", dict(lora_rank=8, lora_targets="q,k,v,o", gc=True))]
 
 
 @pytest.mark.parametrize("recipe,options", PEFT)
@@ -111,8 +120,12 @@ def test_peft_compiled_matches_estimate(recipe: str, options: dict) -> None:
     case = FrameworkCase("peft", "llama3-toy", LLAMA, recipe, 2, 128,
                          options=dict(options, compile=True))
     result = compare_framework(case)
-    for name in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes"):
+    # with checkpointing the saved bytes are within 0.07% (one T x 4 B tensor of the
+    # embedding's input-grad hook, not the layers'); without, exact
+    exact = ("params_bytes", "grads_bytes", "optimizer_bytes",
+             *(() if options.get("gc") else ("activations_bytes",)))
+    for name in exact:
         row = result.row(name)
         assert row.estimated_bytes == row.measured_bytes, row
-    bad = [r for r in result.rows if abs(r.diff_pct) > 1.0]
+    bad = [r for r in result.rows if abs(r.diff_pct) > (2.0 if options.get("gc") else 1.0)]
     assert not bad, bad

@@ -86,6 +86,9 @@ def test_compiled_lora_layer_terms() -> None:
     ("tiny", {"precision": "amp-bf16"}, "precision amp-bf16"),
     ("tiny", {"attention": "eager"}, "attention eager"),
     ("tiny", {"lora_rank": 8, "base_quant": "nf4"}, "base_quant nf4"),
+    ("tiny", {"lora_rank": 8, "recompute": "full"}, "checkpoint inside the compiled graph"),
+    ("tiny", {"lora_rank": 8, "recompute": "full", "compile_in_checkpoint": True,
+              "lora_targets": ["q", "v", "gate"]}, "LoRA on the MLP inside"),
     ("tiny", {"recompute": "selective"}, r"recompute selective \(core\)"),
 ])
 def test_compile_refuses_what_is_not_modelled(model: str, update: dict, why: str) -> None:

@@ -122,3 +122,14 @@ def test_compiled_backward() -> None:
 def test_compile_loss_needs_the_torchtune_loss() -> None:
     with pytest.raises(MemplanError, match="compile_loss with loss_impl generic"):
         estimate("llama-3.1-8b", precision="bf16-pure", compile_loss=True)
+
+
+def test_frozen_head_makes_no_weight_gradient() -> None:
+    """With LoRA the output projection is frozen: its backward makes the chunks' input
+    gradients only, no weight gradient to sum (autograd's mm makes mat2's gradient only when
+    it requires grad). The loss's backward peaks at the first chunk's two fp32 gradients,
+    2L = 525,336,576; the projection's adds nothing beyond what is saved."""
+    est, dm = _setup(lora_rank=8, lora_targets="q,v")
+    block = head.HeadBlock.of(est.spec, est.workload, dm)
+    assert block.loss == 525_336_576
+    assert block.linear == 0
