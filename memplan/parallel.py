@@ -19,6 +19,7 @@ from memplan.errors import LayoutError
 from memplan.spec import ModelSpec, PositionKind
 from memplan.units import ceil_div
 from memplan.workload import (
+    ALL_LINEAR,
     Attention,
     ChunkBackward,
     Framework,
@@ -590,8 +591,15 @@ def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
         why = f"attention {wl.attention.value}"
     elif wl.precision.policy.autocast:
         why = f"precision {wl.precision.value}"
-    elif wl.lora_rank:
-        why = f"lora_rank {wl.lora_rank}"
+    elif wl.lora_rank and wl.base_quant.value != "none":
+        why = f"base_quant {wl.base_quant.value}"
+    elif wl.lora_rank and wl.recompute is Recompute.FULL and not wl.compile_in_checkpoint:
+        why = f"lora_rank {wl.lora_rank} and the checkpoint inside the compiled graph"
+    elif (wl.lora_rank and wl.recompute is Recompute.FULL
+          and set(wl.lora_targets or ()) & {"gate", "up", "down", "gate_up", ALL_LINEAR}):
+        # inside the checkpoint the compiled forward's own buffers peak in an adapted MLP
+        # (fp32 sums of gate and up beside their casts), which memplan does not schedule
+        why = "LoRA on the MLP inside the activation checkpoint"
     elif wl.recompute is Recompute.SELECTIVE and wl.selective_impl.value != "op":
         why = f"recompute selective ({wl.selective_impl.value})"
     if why is None:
@@ -599,7 +607,9 @@ def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
     return LayoutError(f"compile is not modelled with {why}",
                        f"compile with {why}: what the partitioner saves there is not "
                        "modelled yet (compile is modelled for dense pre-norm layers, SDPA "
-                       "attention, no autocast, no LoRA, recompute none, full or per-op SAC)")
+                       "attention, no autocast, LoRA on unquantized base weights (with full "
+                       "recompute: compile_in_checkpoint, the attention's projections), "
+                       "recompute none, full or per-op SAC)")
 
 
 def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
@@ -654,6 +664,14 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
         raise err
     if wl.compile and (err := compile_rule(spec, wl)) is not None:
         raise err
+    if wl.compile_loss and wl.loss_impl is not LossImpl.TORCHTUNE_CHUNKED:
+        # torchtune's compile_loss compiles the chunked loss's compute_cross_entropy in place;
+        # another loss it wraps in a new torch.compile that the recipe does not keep
+        # (recipes/full_finetune_single_device.py), so that loss runs eagerly
+        raise LayoutError("compile_loss needs loss_impl torchtune-chunked",
+                          f"compile_loss with loss_impl {wl.loss_impl.value}: a compiled loss "
+                          "is modelled for torchtune's chunked cross-entropy only "
+                          "(loss_impl torchtune-chunked)")
     if wl.optimizer_in_backward and (err := optimizer_in_backward_rule(par, wl)) is not None:
         raise err
     if wl.float8.value != "none" and (err := float8_rule(spec, par, wl)) is not None:

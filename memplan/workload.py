@@ -594,6 +594,17 @@ class Workload(BaseModel):
     compile: bool = Field(default=False, description=(
         "each decoder layer runs under torch.compile (Inductor): AOTAutograd's min-cut "
         "partitioner decides what its forward saves (memplan.model.compiled)"))
+    compile_in_checkpoint: bool = Field(default=False, description=(
+        "with compile and full recompute, each compiled layer runs inside its activation "
+        "checkpoint (torchtune's compile_model after set_activation_checkpointing, "
+        "transformers' gradient checkpointing): the compiled forward returns the layer's "
+        "whole saved set before the checkpoint drops it; off: the checkpoint inside the "
+        "compiled graph (torchtitan)"))
+    compile_loss: bool = Field(default=False, description=(
+        "torchtune's chunked cross-entropy runs compiled (training.compile_loss: each chunk's "
+        "upcast and cross-entropy under torch.compile, Inductor): each chunk saves its "
+        "logits and two fp32 per-row statistics, not an fp32 log-softmax "
+        "(memplan.model.chunked_output)"))
     optimizer_in_backward: bool = Field(default=False, description=(
         "each parameter's optimizer step runs in backward, in a hook after its gradient is "
         "accumulated, which then frees it (torchtune's optimizer_in_bwd; memplan.model."

@@ -181,6 +181,17 @@ CompileOpt = Annotated[Optional[bool], typer.Option(
     "AOTAutograd's min-cut partitioner saves matmul and attention outputs and recomputes the "
     "pointwise ops between them (torchtitan's compile.enable). Default: off.",
     rich_help_panel=_KERNELS)]
+CompileLossOpt = Annotated[Optional[bool], typer.Option(
+    "--compile-loss/--no-compile-loss", help="torchtune's chunked cross-entropy compiled "
+    "(training.compile_loss, with torchtune's compile=True; needs --loss-impl "
+    "torchtune-chunked): each chunk saves its logits and two fp32 numbers per token instead "
+    "of an fp32 log-softmax. Default: off.", rich_help_panel=_KERNELS)]
+CompileInCheckpointOpt = Annotated[Optional[bool], typer.Option(
+    "--compile-in-checkpoint/--no-compile-in-checkpoint", help="With --compile and --recompute "
+    "full: each compiled layer runs inside its activation checkpoint (torchtune's "
+    "compile_model, transformers' gradient checkpointing), its forward the uncheckpointed "
+    "compiled one; off: the checkpoint inside the compiled graph (torchtitan). Default: off.",
+    rich_help_panel=_KERNELS)]
 OptimizerInBackwardOpt = Annotated[Optional[bool], typer.Option(
     "--optimizer-in-backward/--no-optimizer-in-backward", help="Each parameter's optimizer "
     "step runs in backward, in a hook after its gradient is made, which it then frees "
@@ -359,6 +370,8 @@ SHARED: dict[str, Shared] = {
     "keep_grads": Shared(KeepGrads, None),
     "use_cache": Shared(UseCache, None),
     "compile": Shared(CompileOpt, False),
+    "compile_loss": Shared(CompileLossOpt, False),
+    "compile_in_checkpoint": Shared(CompileInCheckpointOpt, False),
     "optimizer_in_backward": Shared(OptimizerInBackwardOpt, False),
     "float8": Shared(Float8Opt, Float8Recipe.NONE, _value),
     "float8_all_gather": Shared(Float8AllGatherOpt, False),
@@ -389,12 +402,12 @@ WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "recompute_eve
             "fsdp_version", "fsdp_backward_prefetch", "fsdp_use_orig_params",
             "fsdp_reshard_after_forward", "mtp_layers", "loss_impl", "logits_held",
             "lora_rank", "lora_targets", "lora_dropout", "base_quant", "deltanet_kernel",
-            "float8_all_gather")
+            "float8_all_gather", "compile_loss", "compile_in_checkpoint")
 # what a framework's own loop decides, beyond memplan's reference model (which trace and
 # profile run)
 FRAMEWORK_ONLY = ("framework", "keep_grads", "use_cache", "loss_impl", "logits_held",
-                  "compile", "float8",
-                  "float8_all_gather")  # the reference model runs eagerly, plain linears
+                  "compile", "float8", "float8_all_gather", "compile_loss",
+                  "compile_in_checkpoint")  # the reference model runs eagerly, plain linears
 # everything ``memplan estimate`` takes: diagnose takes the same configuration
 ESTIMATE = ("model", "gpus", "gpu", "gpu_memory", *LAYOUT, *WORKLOAD, "schedule", "calibration")
 

@@ -46,7 +46,8 @@ FixedRecompute = Annotated[RecomputeChoice | None, typer.Option(
       "seq", "precision", "optimizer", "optimizer_impl", "attention", "norm", "logits_fp32",
       "loss_chunks", "framework", "keep_grads", "use_cache", "grad_sync", "fsdp_version",
       "fsdp_backward_prefetch", "fsdp_use_orig_params", "fsdp_reshard_after_forward",
-      "mtp_layers", "compile", "optimizer_in_backward",
+      "mtp_layers", "compile", "optimizer_in_backward", "compile_loss",
+      "compile_in_checkpoint",
       "loss_impl", "logits_held", "calibration", "lora_rank", "lora_targets", "lora_dropout", "base_quant",
       "deltanet_kernel",
       model=None, gpus=8, tp=None, pp=None, vpp=None, cp=None, ep=None, zero=None)

@@ -99,6 +99,9 @@ class Adapters(NamedTuple):
     targets: frozenset[str]
     dropout: float = 0.0
     quant: BaseQuant = BaseQuant.NONE
+    # compiled layers (``Workload.compile``): the projections reading one tensor share one
+    # fp32 cast of it (``linear.adapter_terms``)
+    shared_casts: bool = False
 
     def adapts(self, lin: Projection) -> bool:
         """Whether ``lin`` gets an adapter: a targeted projection, or a fused one of which a
@@ -132,7 +135,8 @@ def adapters_of(wl: Workload, fused_qkv: bool = False) -> Adapters | None:
     # apply_lora_to_output, peft's target "lm_head"
     targets = {HEAD if n in LORA_HEAD else n for n in names}
     targets |= {fused for fused, parts in PARTS.items() if targets & set(parts)}
-    return Adapters(wl.lora_rank, frozenset(targets), wl.lora_dropout, wl.base_quant)
+    return Adapters(wl.lora_rank, frozenset(targets), wl.lora_dropout, wl.base_quant,
+                    wl.compile)
 
 
 def nf4_bytes(elements: int) -> int:

@@ -14,6 +14,20 @@ so the matmul saves a copy of it, and the labels' chunks are copies too, which n
 saves). In all, the log-softmax output of every token in fp32: what an unchunked fp32 loss
 saves; the chunks change only what is alive beside it.
 
+Compiled (``Workload.compile_loss``: torchtune's ``training.compile_loss`` replaces
+``compute_cross_entropy`` with its ``torch.compile``, Inductor), each chunk's upcast and
+cross-entropy is one graph, which ``min_cut_rematerialization_partition``
+(torch/_functorch/partitioners.py, torch 2.13) splits: the fp32 upcast, the shifted logits and
+their exponentials are fusible pointwise ops (``get_default_op_list``), recomputed in backward
+from what is saved; the row max (``amax``) and the log of the sum of exponentials are
+reductions, each T/V the size of its input, which ``ban_if_reduction`` (in ``solve_min_cut``)
+saves rather than recompute; the chunk's logits, a graph input, are saved as they are
+(recomputing from them is the cheapest cut). So per chunk: its logits in the compute dtype and
+two fp32 numbers per token (traced: tests/traced/test_torchtune_compiled_loss.py, torchtune
+0.6.1's own loss). Inductor fuses each reduction with its pointwise producers: the forward
+makes no logits-sized buffer; the backward makes the chunk's logits gradient in one kernel
+(the compute dtype) and frees the saved logits with it.
+
 Per micro-batch on one rank, T = b s tokens in chunks of c = b ceil(s / n) tokens (``_chunk``),
 V the vocabulary rows, e the compute dtype's bytes, in bytes. Autocast is not modelled
 (torchtune runs its models in one dtype): ``parallel.validate`` refuses it.
@@ -21,7 +35,7 @@ V the vocabulary rows, e the compute dtype's bytes, in bytes. Autocast is not mo
 
 from __future__ import annotations
 
-from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term
+from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term, total
 from memplan.spec import ModelSpec
 from memplan.units import ceil_div
 from memplan.workload import LossImpl, Workload
@@ -32,6 +46,21 @@ _COUNT_BYTES = 8
 
 def torchtune_chunked(wl: Workload) -> bool:
     return wl.loss_impl is LossImpl.TORCHTUNE_CHUNKED
+
+
+def compiled(wl: Workload) -> bool:
+    """torchtune's chunked loss with its cross-entropy compiled (``Workload.compile_loss``)."""
+    return torchtune_chunked(wl) and wl.compile_loss
+
+
+def loss_terms(wl: Workload, dm: Dims) -> list[Term]:
+    """What every chunk's cross-entropy saves: eagerly its fp32 log-softmax output;
+    compiled, its logits in the compute dtype (the graph's input: in fp32 ``.float()`` is the
+    tensor itself) and the row max and log-sum of exponentials (fp32, one each per token)."""
+    if not compiled(wl):
+        return [Term("loss.log_softmax", dm.tokens * dm.vocab_shard * FP32_BYTES)]
+    return [Term("loss.logits", dm.tokens * dm.vocab_shard * dm.e),
+            Term("loss.row_stats", 2 * dm.tokens * FP32_BYTES)]
 
 
 def _chunk(wl: Workload, dm: Dims) -> tuple[int, int]:
@@ -58,16 +87,27 @@ def batch_terms(wl: Workload, dm: Dims) -> list[Term]:
     """The targets, their chunks' copies (saved by each nll_loss when ``_copied``), and the
     scalars: the loss, nll_loss's fp32 total weight per chunk and the int64 count of labels
     the sum is divided by (saved by the division)."""
-    chunks = _chunk(wl, dm)[1]
+    # compiled, the backward of a sum needs no total weight: the partitioner saves none
+    weights = 0 if compiled(wl) else _chunk(wl, dm)[1]
     copies = [Term("loss.label_chunks", dm.tokens * INDEX_BYTES)] if _copied(wl, dm) else []
     return [Term("loss.targets", dm.tokens * INDEX_BYTES), *copies,
-            Term("loss.scalars", (1 + chunks) * FP32_BYTES + _COUNT_BYTES)]
+            Term("loss.scalars", (1 + weights) * FP32_BYTES + _COUNT_BYTES)]
 
 
-def forward_extra_bytes(wl: Workload, dm: Dims) -> int:
+def forward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     """At the last chunk's log-softmax, beyond everything saved (all chunks' log-softmax
     outputs included): every chunk's logits in the compute dtype, held by the model's output,
-    and the last chunk's fp32 upcast (none in fp32: ``.float()`` returns the tensor itself)."""
+    and the last chunk's fp32 upcast (none in fp32: ``.float()`` returns the tensor itself).
+    Compiled, the logits are saved (``loss_terms``) and the chunk's kernels make only its fp32
+    loss beside them, before it is added to the total; the forward's worst is then the last
+    chunk's projection when the chunks' inputs are copies (``_copied``): the final norm's
+    output, which the model holds until it returns, beside every chunk's logits and input
+    copy, before the loss has made its per-row statistics, its labels' copies and scalars."""
+    if compiled(wl):
+        if not _copied(wl, dm):
+            return FP32_BYTES
+        not_yet = total(loss_terms(wl, dm)[1:] + batch_terms(wl, dm)[1:])
+        return max(FP32_BYTES, dm.tokens * spec.hidden_size * dm.e - not_yet)
     last = _chunk_tokens(wl, dm)[0]
     upcast = last * dm.vocab_shard * FP32_BYTES if dm.e < FP32_BYTES else 0
     return dm.tokens * dm.vocab_shard * dm.e + upcast
@@ -87,14 +127,20 @@ def loss_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims, vocab_grad_byte
     the buffer, the chunk's gradient and their sum (3 W) exist at once; the input gradients
     wait for the split's backward. With one sequence per micro-batch the chunks' inputs are
     views of the final norm's output, kept until the last is released; with copies each is
-    freed as its gradient is made."""
+    freed as its gradient is made.
+
+    Compiled, each chunk's backward is one kernel: it makes G from the saved logits and
+    statistics, and the saved logits (G's size) are freed as it returns: G alone beside
+    what is saved, and nothing freed net."""
     v, h, w = dm.vocab_shard, spec.hidden_size, vocab_grad_bytes
     grad_e = dm.e if dm.e < FP32_BYTES else FP32_BYTES  # G's bytes per element
-    worst, freed = 0, 0  # freed: log-softmax outputs released less the G made so far
+    saved_e = dm.e if compiled(wl) else FP32_BYTES  # a chunk's saved bytes per element
+    worst, freed = 0, 0  # freed: saved chunk tensors released less the G made so far
     for c in _chunk_tokens(wl, dm):
-        # its two fp32 gradients beside the earlier chunks' G, their outputs freed
-        worst = max(worst, 2 * c * v * FP32_BYTES - freed)
-        freed += c * v * (FP32_BYTES - grad_e)
+        # eagerly its two fp32 gradients, compiled its G, beside the earlier chunks' G
+        made = c * v * (grad_e if compiled(wl) else 2 * FP32_BYTES)
+        worst = max(worst, made - freed)
+        freed += c * v * (saved_e - grad_e)
     grads, summed = 0, 0  # input gradients made (less copies freed); weight grads summed
     for k, c in enumerate(_chunk_tokens(wl, dm)):
         grad_in = c * h * dm.e
@@ -115,5 +161,5 @@ def linear_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims, vocab_grad_by
     return (3 if chunks > 1 else 1) * vocab_grad_bytes
 
 
-__all__ = ["batch_terms", "forward_extra_bytes", "linear_backward_bytes",
-           "loss_backward_bytes", "torchtune_chunked"]
+__all__ = ["batch_terms", "compiled", "forward_extra_bytes", "linear_backward_bytes",
+           "loss_backward_bytes", "loss_terms", "torchtune_chunked"]

@@ -71,6 +71,20 @@ def mlp_terms(terms: list[Term], gated: bool) -> list[Term]:
     return [t for t in terms if t.name.rpartition(".")[2] in ("fc1", "act")]
 
 
+def in_checkpoint(wl: Workload) -> bool:
+    """A compiled layer inside its activation checkpoint (``Workload.compile_in_checkpoint``:
+    torchtune's ``training.compile_model`` compiles the layer inside the wrapper
+    ``set_activation_checkpointing`` put around it; transformers' gradient checkpointing
+    calls the compiled layer likewise). The checkpoint sees one autograd node, the compiled
+    graph, whose forward is the one compiled without checkpointing: it makes the
+    partitioner's whole saved set (the layer's input among it, the first norm's) and returns
+    it with the layer's output before the checkpoint's pack hooks drop it. So the layer's
+    forward moments are those of the layer not checkpointed; it then keeps its input alone
+    (traced: tests/traced/test_compile_lora.py, peft with gradient checkpointing). Off:
+    torchtitan's order, the checkpoint inside the compiled graph (every node recomputed)."""
+    return wl.compile and wl.compile_in_checkpoint
+
+
 def sac_kept(terms: list[Term]) -> list[Term]:
     """Per-op SAC (torchtitan's ``SelectiveAC``) checkpointed, then compiled: the policy tags
     its save list's outputs ``MUST_SAVE`` and the rest ``PREFER_RECOMPUTE``

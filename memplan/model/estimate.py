@@ -296,6 +296,8 @@ def _assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload, schedule: S
            else "")
         + (f", torchtune's chunked output and loss in {wl.loss_chunks} chunks (none "
            "checkpointed)" if wl.loss_impl.value == "torchtune-chunked" else "")
+        + (", its cross-entropy compiled (each chunk saves its logits and two fp32 row "
+           "statistics)" if wl.compile_loss else "")
         + f"; logits held: {wl.logits_held.value}",
         ("data-parallel gradients in persistent buffers they are views of (Megatron-LM, "
          "DDP gradient_as_bucket_view=True)" if par.grad_buffers is GradBuffers.VIEW else

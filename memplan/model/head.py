@@ -117,7 +117,9 @@ def in_loss(wl: Workload) -> bool:
 def _loss_terms(wl: Workload, dm: Dims) -> list[Term]:
     """The loss's saved terms: the log-softmax output (Megatron-LM's fp32 softmax) of the
     vocab-parallel loss, none when chunked; Megatron-LM's also saves the target mask and
-    the shard's target indices."""
+    the shard's target indices; torchtune's chunked one is ``chunked_output.loss_terms``."""
+    if tune.torchtune_chunked(wl):
+        return tune.loss_terms(wl, dm)
     loss = [] if wl.loss_checkpointed else [
         Term("loss.softmax" if _megatron_loss(wl) else "loss.log_softmax",
              dm.tokens * dm.vocab_shard * (FP32_BYTES if _megatron_loss(wl)
@@ -182,7 +184,7 @@ def forward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     # a loss that runs its backward in the call is memplan.model.loss_in_call's
     assert not in_loss(wl), "loss_in_call.forward_extra_bytes counts an in-loss chunked loss"
     if tune.torchtune_chunked(wl):
-        return tune.forward_extra_bytes(wl, dm)
+        return tune.forward_extra_bytes(spec, wl, dm)
     # under autocast the head saves a cast of the final norm's fp32 output, which the model
     # still holds (its last hidden state; all-gathered under DTensor sequence parallelism)
     # while the loss runs
@@ -509,7 +511,9 @@ class HeadBlock(NamedTuple):
                           final: tuple[int, int]) -> list[BackwardMoment]:
         """``backward_moments`` from the head's saved bytes and ``norm.final_saved_bytes``."""
         fresh = head_weight(spec, dm)  # elements of the weight whose gradient is made
-        grad = fresh * dm.e
+        # a frozen head (LoRA's base) makes no weight gradient: autograd's mm backward makes
+        # only what requires grad (``derivatives.yaml``: mat2's gradient when it does)
+        grad = 0 if dm.adapters is not None else fresh * dm.e
         final_norm, norm_at_backward = final
         # an adapted head's base weight is frozen: no gradient; its adapter's backward and the
         # base's input gradient (``lora_backward_bytes``)

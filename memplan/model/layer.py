@@ -172,6 +172,9 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
     blocks = layer_blocks(spec, moe_layer, variant)
     stream = dm.stream(spec.hidden_size)
     out: list[ForwardMoment] = []
+    if recompute is Recompute.FULL and compiled.in_checkpoint(wl):
+        return forward_moments(spec, wl, dm, moe_layer=moe_layer, recompute=Recompute.NONE,
+                               variant=variant)
     if recompute is Recompute.FULL:
         held = stream  # the checkpointed input
         for norm, mixer, *post in sublayers(blocks):

@@ -360,22 +360,32 @@ def adapter_terms(prefix: str, linears: Sequence[Linear], dm: Dims) -> list[Term
     """What the adapters of ``linears`` save for backward on this rank (``memplan.model.
     adapters``): per adapted projection ``lora_B``'s rank-r input, and ``lora_A``'s input
     unless it is the base's own input (``shares_input``: counted by the block): the fp32 cast
-    of it (under autocast the low-precision cast), or with dropout its bool mask and output."""
+    of it (under autocast the low-precision cast), or with dropout its bool mask and output.
+
+    Compiled (``Adapters.shared_casts``), the casts of one tensor are one node: AOTAutograd
+    merges identical nodes of the joint graph (``fx_graph_cse``, torch/_functorch/
+    compile_utils.py, on by torch/_functorch/config.py ``cse``), and the partitioner saves
+    that cast (read by every ``lora_A``'s weight gradient: ``is_materialized_backwards``):
+    one per input the adapted projections read (a row-parallel projection reads its own;
+    the others of the block, its input). Each dropout draws its own mask: no sharing."""
     ad = dm.adapters
     if ad is None:
         return []
     low = dm.e if dm.autocast else ADAPTER_BYTES  # autocast casts the fp32 adapters' matmuls
     rows = dm.tokens
     inputs = rank = 0
+    cast: set[str] = set()  # the inputs whose cast is counted, when shared
     for lin in linears:
         if not ad.adapts(lin):
             continue
         d_in, _ = local_widths(lin, dm.tp)
         rank += rows * ad.rank * low
+        source = lin.name if lin.split is Split.ROW else lin.group
         if ad.dropout > 0:
             inputs += rows * d_in * (MASK_BYTES + low)
-        elif not shares_input(dm):
+        elif not shares_input(dm) and not (ad.shared_casts and source in cast):
             inputs += rows * d_in * low
+            cast.add(source)
     return [Term(f"{prefix}.lora_input", inputs), Term(f"{prefix}.lora_rank", rank)]
 
 

@@ -109,6 +109,14 @@ def build_peft(case: FrameworkCase) -> Built:
     if opts.get("gc"):
         model.config.use_cache = False
         model.gradient_checkpointing_enable()
+    if opts.get("compile"):
+        # each decoder layer compiled on its own (torchtune's training.compile_model, and
+        # torchtitan's apply_compile), inside the checkpoint when gradient checkpointing is
+        # on; no key/value cache (neither library fills one in training; a compiled layer's
+        # DynamicCache.update outlives the step)
+        model.config.use_cache = False
+        for layer in model.model.layers:
+            layer.compile(backend="inductor")
     rank = opts["lora_rank"]
     targets = opts.get("lora_targets")
     modules: Any = None
@@ -159,6 +167,9 @@ def build_peft(case: FrameworkCase) -> Built:
                                     base_quant=quant)
     if opts.get("gc"):
         workload.update(recompute="full", kv_cache=False)
+    if opts.get("compile"):
+        workload.update(compile=True, kv_cache=False,
+                        compile_in_checkpoint=bool(opts.get("gc")))
     if opts.get("hold_outputs"):
         workload.update(logits_held="output")
     frozen = [p for p in model.parameters() if not p.requires_grad] + extra

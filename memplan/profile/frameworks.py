@@ -57,7 +57,7 @@ from memplan.profile.offload import HostSaved, offload_layers
 from memplan.profile.cuda_rules import autocast_rules, cuda_kernels
 from memplan.profile.step import relabel_states
 from memplan.profile.trace import StepMeasure, TraceResult
-from memplan.profile.tracker import HostCategories, MemoryTracker
+from memplan.profile.tracker import HostCategories, MemoryTracker, inductor_buffers_seen
 from memplan.spec import ModelSpec, spec_from_hf_dict
 from memplan.workload import Precision, Workload
 
@@ -161,6 +161,32 @@ class LibraryTracker(MemoryTracker):
         self.resync = ParallelTracker.resync.__get__(self)
 
 
+class CompiledLibraryTracker(LibraryTracker):
+    """``LibraryTracker`` for a library model with torch.compile'd modules (real tensors):
+    on while the compiled code runs, off while it compiles, as ``memplan.profile.tracker.
+    CompiledTracker``."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def _compiled_step(compiled: bool) -> Iterator[None]:
+    """A compiled case's trace: Dynamo's caches reset around it, no on-disk cache (whose hit
+    would skip the rerouting of Inductor's buffers), Inductor's buffers made through aten."""
+    if not compiled:
+        yield
+        return
+    torch._dynamo.reset()
+    try:
+        with torch._functorch.config.patch(enable_autograd_cache=False), \
+                torch._inductor.config.patch(fx_graph_cache=False), inductor_buffers_seen():
+            yield
+    finally:
+        torch._dynamo.reset()
+
+
 class HostLibraryTracker(HostCategories, LibraryTracker):
     """``LibraryTracker`` for FSDP2's ``CPUOffloadPolicy`` on a CPU-only build: the totals
     count the device alone, as ``memplan.profile.distributed.HostOffloadTracker`` does (the
@@ -237,13 +263,18 @@ def trace_case(case: FrameworkCase, *, fake: bool | None = None,
     group = (_process_group(case.dp) if case.dp > 1 or case.library == "torchtitan"
              else contextlib.nullcontext())
     rules = autocast_rules() if recipe(case.recipe).autocast else cuda_kernels()
-    with group, _fake_mode() if fake else contextlib.nullcontext(), rules:
+    compiled = bool(case.options.get("compile"))
+    if compiled and fake:
+        raise MemplanError(f"{case.id}: a compiled case runs Inductor's code on real tensors")
+    with group, _fake_mode() if fake else contextlib.nullcontext(), rules, \
+            _compiled_step(compiled):
         torch.manual_seed(0)
         built = builder(case)
         from memplan.parallel import Offload
 
         host = Offload.PARAMS in built.layout.offload
-        tracker = HostLibraryTracker() if host else LibraryTracker()
+        tracker = (HostLibraryTracker() if host else CompiledLibraryTracker() if compiled
+                   else LibraryTracker())
         return built, run_library_steps(built, tracker, steps=steps)
 
 

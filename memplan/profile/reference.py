@@ -37,6 +37,7 @@ class RefOptions:
     recompute_every: int | None = None  # with FULL: only every n-th layer (the n-th, 2n-th...)
     loss_chunks: int = 1  # > 1: head and loss per chunk of tokens, each checkpointed
     torchtune_chunks: bool = False  # loss_chunks as torchtune's chunked output and loss
+    compile_loss: bool = False  # torchtune's own chunked loss, its cross-entropy compiled
     norm_eps: float = 1e-5
 
 
@@ -264,6 +265,8 @@ class ReferenceModel(nn.Module):
         self.final_norm = Norm(spec, opts, device)
         self.head = (None if spec.tied_embeddings
                      else _linear(h, spec.vocab_size, False, opts, device))
+        if opts.compile_loss:
+            self._compiled_loss = _torchtune_compiled_loss(opts.loss_chunks)
 
     def _full_recompute(self, index: int) -> bool:
         if self.opts.recompute is not Recompute.FULL:
@@ -296,6 +299,8 @@ class ReferenceModel(nn.Module):
             # runs and dropped after it (``del logits``); the hidden state is not
             logits = self._chunked_output(x)
             del x
+            if opts.compile_loss:
+                return self._compiled_loss(logits, targets)
             return ce_with_chunked_output(logits, targets, opts.loss_chunks)
         if opts.loss_chunks == 1:
             return self._loss(x, targets, "mean")
@@ -323,6 +328,20 @@ class ReferenceModel(nn.Module):
             logits = logits.float()
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1),
                                reduction=reduction)
+
+
+def _torchtune_compiled_loss(chunks: int):
+    """torchtune's own ``CEWithChunkedOutputLoss`` after ``training.compile_loss``
+    (torchtune/training/_compile.py: its ``compute_cross_entropy`` replaced by its
+    ``torch.compile``, the Inductor backend)."""
+    try:
+        from torchtune.modules.loss import CEWithChunkedOutputLoss
+        from torchtune.training import compile_loss
+    except ImportError as exc:
+        from memplan.errors import MemplanError
+
+        raise MemplanError(f"compile_loss traces run torchtune's own loss: {exc}") from exc
+    return compile_loss(CEWithChunkedOutputLoss(chunks), verbose=False)
 
 
 def ce_with_chunked_output(logits: list[torch.Tensor], labels: torch.Tensor, chunks: int,

@@ -34,7 +34,8 @@ from memplan.model.optimizer import optimizer_policy
 from memplan.parallel import ParallelConfig
 from memplan.profile.cuda_rules import autocast_rules
 from memplan.profile.reference import ReferenceModel, RefOptions
-from memplan.profile.tracker import CATEGORIES, MemoryTracker, PhasePeak
+from memplan.profile.tracker import (CATEGORIES, CompiledTracker, MemoryTracker, PhasePeak,
+                                     inductor_buffers_seen)
 from memplan.spec import ModelSpec
 from memplan.units import PHASES
 from memplan.workload import LossImpl, OptimizerImpl, Precision, Workload
@@ -246,11 +247,33 @@ def trace(spec: ModelSpec, par: ParallelConfig, wl: Workload, *, steps: int = 2,
     if wl.mtp_layers:  # megatron-core's own MTP is traced (tests/traced/test_megatron_mtp.py)
         raise MemplanError(f"trace: mtp_layers ({wl.mtp_layers}): the reference model has no "
                            "multi-token prediction")
+    if wl.compile_loss:
+        return _compiled_loss_trace(spec, wl, steps, fake, timeline)
     mode = _fake_mode() if fake else contextlib.nullcontext()
     with mode:
         torch.manual_seed(0)
         model = ReferenceModel(spec, ref_options(wl))
         return run_steps(model, spec, wl, MemoryTracker(timeline=timeline), steps=steps)
+
+
+def _compiled_loss_trace(spec: ModelSpec, wl: Workload, steps: int, fake: bool,
+                         timeline: bool) -> TraceResult:
+    """The reference model with torchtune's compiled chunked loss, on real CPU tensors (a
+    fake mode would make Dynamo run the loss eagerly), counted by ``CompiledTracker``;
+    compiled afresh (no on-disk cache, whose hit would skip the allocator's rerouting)."""
+    if fake:
+        raise MemplanError("trace: compile_loss runs Inductor's code, which needs real tensors "
+                           "(--real)")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = ReferenceModel(spec, ref_options(wl))
+    no_cache = (torch._functorch.config.patch(enable_autograd_cache=False),
+                torch._inductor.config.patch(fx_graph_cache=False))
+    try:
+        with no_cache[0], no_cache[1], inductor_buffers_seen():
+            return run_steps(model, spec, wl, CompiledTracker(timeline=timeline), steps=steps)
+    finally:
+        torch._dynamo.reset()
 
 
 def ref_options(wl: Workload, dtype: torch.dtype | None = None) -> RefOptions:
@@ -263,7 +286,8 @@ def ref_options(wl: Workload, dtype: torch.dtype | None = None) -> RefOptions:
                       logits_fp32=wl.logits_fp32, recompute=wl.recompute,
                       recompute_layers=wl.recompute_layers,
                       recompute_every=wl.recompute_every, loss_chunks=wl.loss_chunks,
-                      torchtune_chunks=wl.loss_impl is LossImpl.TORCHTUNE_CHUNKED)
+                      torchtune_chunks=wl.loss_impl is LossImpl.TORCHTUNE_CHUNKED,
+                      compile_loss=wl.compile_loss)
 
 
 # A loop's gradient sync per micro-batch: called with whether the micro-batch is the step's

@@ -15,8 +15,10 @@ The bytes still alive at the end of forward that were born in forward are what a
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -228,3 +230,37 @@ class HostCategories:
     def _add(self, st: torch.UntypedStorage, category: str) -> None:
         category = "optimizer" if self.phase == "optimizer" else category
         super()._add(st, category)  # type: ignore[misc]
+
+
+class CompiledTracker(MemoryTracker):
+    """``MemoryTracker`` for steps that run torch.compile'd code (real tensors only).
+
+    A dispatch mode on the stack makes Dynamo run a compiled function eagerly
+    (torch/_dynamo/convert_frame.py: "non-infra torch dispatch mode present"), unless the mode
+    says it ignores compile internals: then it is off while Dynamo and Inductor compile and on
+    while the compiled code runs (``TorchDispatchMode.ignore_compile_internals``), so it sees
+    the aten ops Inductor's wrapper calls (extern matmuls, fallbacks). The buffers the wrapper
+    allocates for its own kernels bypass the dispatcher (``empty_strided_cpu``,
+    ``torch._C._dynamo.guards._empty_strided_cpu``); inside ``inductor_buffers_seen`` they
+    are made through ``torch.empty_strided`` instead, which the mode counts."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def inductor_buffers_seen() -> Iterator[None]:
+    """Inductor's CPU buffers made through aten (``CompiledTracker``) while inside; the
+    generated modules bind the allocator when they load, so compile inside this context."""
+    guards = torch._C._dynamo.guards
+    original = guards._empty_strided_cpu
+
+    def through_aten(size, stride, dtype):
+        return torch.empty_strided(size, stride, dtype=dtype, device="cpu")
+
+    guards._empty_strided_cpu = through_aten
+    try:
+        yield
+    finally:
+        guards._empty_strided_cpu = original

@@ -450,8 +450,11 @@ FINETUNE_MIN_EXPRESSED = 8
 # the output projection (--lora-targets output) made torchtune's two all-layers runs
 # expressible (-4.7/+2.8% as the closest run -> -4.6/+3.1%): 20 runs, median 4.92. A known
 # deviation: the test fails when the median moves by more than 0.05 percentage points (update
-# it with the cause), and passes once it is at the target.
-FINETUNE_MEDIAN_KNOWN_PCT = 4.92
+# it with the cause), and passes once it is at the target. torchtune's compiled chunked loss
+# (--compile-loss) and compile with LoRA (--compile-in-checkpoint, a frozen head making no
+# weight gradient) made nine compiled runs expressible or re-priced: 29 runs, median 9.51 (the
+# new runs are the llama3.1 README's, +11.1/+31.2/+11.2/+14.9%, above the old median).
+FINETUNE_MEDIAN_KNOWN_PCT = 9.51
 
 
 def test_finetune_median_error_target(table, finetune_runs):
@@ -482,10 +485,16 @@ FINETUNE_CEILING_PCT = {
     "torchtune/llama3.2-3b/readme-optimization-flags-full-packed": 4.5,  # -3.48%
     "torchtune/llama3.2-3b/readme-optimization-flags-full-packed-compile": 5.0,  # -3.61%
     "torchtune/llama3.2-3b/readme-optimization-flags-full-packed-compile-chunked-ce":
-        36.0,  # +34.99%
+        5.5,  # -4.22%
     "torchtune/llama3.2-3b/readme-optimization-flags-full-activation-checkpointing":
-        26.5,  # +25.30%
-    "torchtune/llama3.2-3b/readme-optimization-flags-full-optimizer-in-backward": 36.5,  # +35.07%
+        21.5,  # +20.18%
+    "torchtune/llama3.2-3b/readme-optimization-flags-full-optimizer-in-backward": 1.5,  # +0.12%
+    "torchtune/llama3.2-3b/readme-optimization-flags-full-activation-offloading": 1.5,  # +0.07%
+    "torchtune/llama3.2-3b/readme-optimization-flags-full-8bit-adamw": 11.0,  # -9.51%
+    "torchtune/llama3.1/readme-full-single-device-1x4090": 12.5,  # +11.06%
+    "torchtune/llama3.1/readme-full-distributed-8xa100-cpu-offload": 32.5,  # +31.19%
+    "torchtune/llama3.1/readme-lora-single-device-1x4090": 12.5,  # +11.25%
+    "torchtune/llama3.1/readme-lora-distributed-8xa100": 16.0,  # +14.88%
     "torchtune/llama2-7b/readme-full-low-memory-1x4090": 5.0,  # +3.77%
     "torchtune/llama2-7b/lora-single-device-all-layers-r8": 6.0,  # -4.57%
     "torchtune/llama2-7b/lora-single-device-all-layers-r64": 4.5,  # +3.06%

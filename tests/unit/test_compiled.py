@@ -59,11 +59,36 @@ def test_per_op_sac_compiled_drops_the_down_projections_output() -> None:
     assert layer_kind(TINY, eager, DM, False, Recompute.SELECTIVE).saved_bytes == 60_416
 
 
+def test_compiled_lora_layer_terms() -> None:
+    """LoRA r8 on q and v (frozen base weights, bf16, fp32 adapters), compiled: the attention
+    norm saves its input 8,192 and rsqrt 256, not its output (no trainable matmul reads it:
+    the adapters read their fp32 cast of it); q, k, v, SDPA's output and logsumexp as without
+    LoRA (25,600); the adapters one fp32 cast of the norm's output for both (AOTAutograd's
+    CSE: 64*64*4 = 16,384; eagerly one per adapter, 32,768) and their rank-8 outputs
+    2*64*8*4 = 4,096; the MLP norm its input and rsqrt (8,448); the frozen MLP gate and up
+    (45,056), not their product (the frozen down projection reads it, recomputed).
+    8,448 + 25,600 + 20,480 + 8,448 + 45,056 = 108,032 (eager: 163,328)."""
+    wl = WL.model_copy(update={"lora_rank": 8, "lora_targets": ("q", "v")})
+    dm = Dims.of(TINY, ParallelConfig(), wl)
+    terms = {t.name: t.size_bytes
+             for t in layer_terms(TINY, wl, dm, moe_layer=False, recompute=Recompute.NONE)
+             if t.size_bytes}
+    assert terms["attn.lora_input"] == 16_384 and terms["attn.lora_rank"] == 4_096
+    assert "attn_norm.output" not in terms and "mlp.prod" not in terms
+    assert sum(terms.values()) == 108_032
+    eager = wl.model_copy(update={"compile": False})
+    assert layer_kind(TINY, eager, Dims.of(TINY, ParallelConfig(), eager), False,
+                      Recompute.NONE).saved_bytes == 163_328
+
+
 @pytest.mark.parametrize(("model", "update", "why"), [
     ("mixtral-8x7b", {}, "MoE layers"),
     ("tiny", {"precision": "amp-bf16"}, "precision amp-bf16"),
     ("tiny", {"attention": "eager"}, "attention eager"),
-    ("tiny", {"lora_rank": 8}, "lora_rank 8"),
+    ("tiny", {"lora_rank": 8, "base_quant": "nf4"}, "base_quant nf4"),
+    ("tiny", {"lora_rank": 8, "recompute": "full"}, "checkpoint inside the compiled graph"),
+    ("tiny", {"lora_rank": 8, "recompute": "full", "compile_in_checkpoint": True,
+              "lora_targets": ["q", "v", "gate"]}, "LoRA on the MLP inside"),
     ("tiny", {"recompute": "selective"}, r"recompute selective \(core\)"),
 ])
 def test_compile_refuses_what_is_not_modelled(model: str, update: dict, why: str) -> None:

@@ -85,3 +85,51 @@ def test_checkpointed_chunks_unchanged() -> None:
     assert est.workload.loss_checkpointed
     assert "loss.log_softmax" not in {t.name for t in head.head_terms(est.spec, est.workload,
                                                                       dm)}
+
+
+def test_compiled_saved_terms() -> None:
+    """``compile_loss``: each chunk saves its bf16 logits and two fp32 numbers per token (the
+    row max and the log of the sum of exponentials): T V 2 = 1,050,673,152 and 2 x 4096 x 4
+    = 32,768, no log-softmax; scalars: the loss and the label count, 4 + 8 = 12 (no total
+    weight is saved)."""
+    est, dm = _setup(compile_loss=True)
+    terms = {t.name: t.size_bytes for t in head.head_terms(est.spec, est.workload, dm)}
+    assert "loss.log_softmax" not in terms
+    assert terms["loss.logits"] == ALL_BF16
+    assert terms["loss.row_stats"] == 32_768
+    assert terms["loss.label_chunks"] == 32_768
+    assert terms["loss.scalars"] == 12
+
+
+def test_compiled_forward_extra() -> None:
+    """Compiled, the forward's worst beyond all saved is the last chunk's projection: the
+    final norm's output (T h 2 = 33,554,432; the chunks' inputs are copies) less what the
+    loss has not made yet (statistics 32,768, labels' copies 32,768, scalars 12):
+    33,488,884."""
+    est, dm = _setup(compile_loss=True)
+    assert head.forward_extra_bytes(est.spec, est.workload, dm) == 33_488_884
+
+
+def test_compiled_backward() -> None:
+    """Compiled, each chunk's backward makes G and frees its saved bf16 logits (G's size):
+    G beside all saved, nothing freed net. Then the projections as eagerly: the second
+    chunk's weight gradient summed (3 W) once two G are freed: 3 W - 2 G = 3,152,019,456 -
+    262,668,288 = 2,889,351,168 (the first projection, I + W = 1,054,867,456, is less)."""
+    est, dm = _setup(compile_loss=True)
+    assert chunked_output.loss_backward_bytes(est.spec, est.workload, dm, W) == 2_889_351_168
+
+
+def test_compile_loss_needs_the_torchtune_loss() -> None:
+    with pytest.raises(MemplanError, match="compile_loss with loss_impl generic"):
+        estimate("llama-3.1-8b", precision="bf16-pure", compile_loss=True)
+
+
+def test_frozen_head_makes_no_weight_gradient() -> None:
+    """With LoRA the output projection is frozen: its backward makes the chunks' input
+    gradients only, no weight gradient to sum (autograd's mm makes mat2's gradient only when
+    it requires grad). The loss's backward peaks at the first chunk's two fp32 gradients,
+    2L = 525,336,576; the projection's adds nothing beyond what is saved."""
+    est, dm = _setup(lora_rank=8, lora_targets="q,v")
+    block = head.HeadBlock.of(est.spec, est.workload, dm)
+    assert block.loss == 525_336_576
+    assert block.linear == 0
