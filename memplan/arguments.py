@@ -40,7 +40,8 @@ CLI_OPTIONS: dict[str, str] = {
         "optimizer_impl", "attention", "logits_fp32", "framework", "keep_grads", "loss_chunks",
         "schedule", "calibration", "grad_sync", "compile", "float8", "optimizer_in_backward",
         "mtp_layers", "loss_impl", "logits_held", "fsdp_version",
-        "lora_rank", "lora_targets", "lora_dropout", "base_quant")},  # fine-tuning
+        "lora_rank", "lora_targets", "lora_dropout", "base_quant",  # fine-tuning
+        "recompute_save")},
     "sequence_parallel": "sp", "micro_batch_size": "mbs", "global_batch_size": "gbs",
     "seq_len": "seq", "norm_impl": "norm", "kv_cache": "use_cache",
     "backward_prefetch": "fsdp_backward_prefetch", "use_orig_params": "fsdp_use_orig_params",

@@ -47,6 +47,8 @@ class RecomputeChoice(str, enum.Enum):
     NONE = "none"
     SELECTIVE = "selective"
     FULL = "full"
+    OPS = "ops"
+    AUTO = "auto"
 
 
 class ZeroChoice(str, enum.Enum):
@@ -118,8 +120,14 @@ Seq = Annotated[Optional[int], typer.Option(
     "--seq", help=f"Sequence length (default: {DEFAULT_SEQ_LEN}, capped at the model's maximum).",
     rich_help_panel=_WORKLOAD)]
 RecomputeOpt = Annotated[RecomputeChoice, typer.Option(
-    "--recompute", help="none; selective (attention core); full (layer inputs only).",
+    "--recompute", help="none; selective (attention core); full (layer inputs only); ops "
+    "(each layer keeps its input and --recompute-save's ops); auto (ops, the save set of "
+    "least recompute that fits).",
     rich_help_panel=_WORKLOAD)]
+RecomputeSave = Annotated[Optional[str], typer.Option(
+    "--recompute-save", help="With --recompute ops: comma list of what each layer keeps "
+    "(saved-term names such as attn.q, mlp.gate, attn.o_proj, or groups attention, mlp, "
+    "norms); the rest is recomputed in backward.", rich_help_panel=_WORKLOAD)]
 RecomputeLayers = Annotated[Optional[int], typer.Option(
     "--recompute-layers", help="With --recompute full: recompute only this many layers per stage.",
     rich_help_panel=_WORKLOAD)]
@@ -338,6 +346,7 @@ SHARED: dict[str, Shared] = {
     "seq": Shared(Seq, None),
     "recompute": Shared(RecomputeOpt, RecomputeChoice.NONE, _value),
     "recompute_layers": Shared(RecomputeLayers, None),
+    "recompute_save": Shared(RecomputeSave, None),
     "recompute_every": Shared(RecomputeEvery, None),
     "precision": Shared(PrecisionOpt, _WL["precision"].default),
     "optimizer": Shared(OptimizerOpt, _WL["optimizer"].default),
@@ -376,7 +385,7 @@ WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "recompute_eve
             "float8", "optimizer_in_backward",
             "fsdp_version", "fsdp_backward_prefetch", "fsdp_use_orig_params",
             "fsdp_reshard_after_forward", "mtp_layers", "loss_impl", "logits_held",
-            "lora_rank", "lora_targets", "lora_dropout", "base_quant")
+            "lora_rank", "lora_targets", "lora_dropout", "base_quant", "recompute_save")
 # what a framework's own loop decides, beyond memplan's reference model (which trace and
 # profile run)
 FRAMEWORK_ONLY = ("framework", "keep_grads", "use_cache", "loss_impl", "logits_held",
