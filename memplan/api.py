@@ -366,15 +366,17 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
     arguments.model_fields(Workload, workload, arguments.LABELS)
     _check_fixed(spec, gpus, tp, pp, cp)
     policies = None
-    if recompute is not None:
-        policies = [Recompute.parse(r) for r in arguments.strings("recompute", recompute)]
+    if recompute is not None:  # auto: op-level checkpointing, the save set chosen per fit
+        policies = [Recompute.parse("ops" if r == AUTO else r)
+                    for r in arguments.strings("recompute", recompute)]
     fw = presets.parse(workload.pop("framework", None))
     refused = presets.refused_recompute(fw)
     if refused:  # search only what the framework offers; refuse what it does not, by name
         for policy in policies or []:
             if policy.label in refused:
                 presets.validate(None, make_workload(spec, framework=fw, recompute=policy))
-        policies = [p for p in (policies or list(Recompute)) if p.label not in refused]
+        policies = [p for p in (policies or [r for r in Recompute if r is not Recompute.OPS])
+                    if p.label not in refused]
     fixed = {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "etp": etp,
              "vpp_group": vpp_group, "zero": zero,
              "sp": sequence_parallel, "stage_layers": parse_stage_layers(stage_layers),

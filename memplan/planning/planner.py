@@ -10,7 +10,7 @@ step-time model, and ranks them. Every rejected layout keeps its reason.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 
 import numpy as np
@@ -64,6 +64,9 @@ MAX_PP = 16
 MIN_STAGE_LAYERS = 2
 LONG_SEQ = 16384
 RECOMPUTE_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
+# searched only when asked (``recompute=[ops]``): each layout's fit upgraded to the save set of
+# least recompute that fits at its micro-batch (``_with_save_set``)
+ASKED_ONLY = (Recompute.OPS,)
 SP_OFF_DOMINATED = "sp off: sp on needs no more memory and no more time at any micro-batch"
 SLOWER_THAN_TOP = ("slower at every micro-batch than the top {top} found, with every recompute "
                    "policy not found out of memory")
@@ -91,6 +94,8 @@ class Candidate:
     known_peak_bytes: int | None = None
     # (spec, gpu, workload of this recompute policy and global batch, capacity bytes)
     inputs: tuple | None = field(default=None, repr=False, compare=False)
+    # with recompute ops: what each layer keeps (``memplan.model.sac_ops``)
+    recompute_save: tuple[str, ...] = ()
 
     @cached_property
     def estimate(self) -> Estimate:
@@ -281,8 +286,11 @@ def _policies(allowed: list[Recompute], stage_layers: int) -> list[tuple[Recompu
     """Recompute policies in order of extra compute: none, selective, full on a quarter, half
     and three quarters of each stage's layers, full on all."""
     out: list[tuple[Recompute, int | None]] = []
-    for policy in RECOMPUTE_ORDER:
+    for policy in (*RECOMPUTE_ORDER[:2], *ASKED_ONLY, *RECOMPUTE_ORDER[2:]):
         if policy not in allowed:
+            continue
+        if policy is Recompute.OPS:  # keeping nothing first: the set is chosen per fit
+            out.append((policy, ()))  # type: ignore[arg-type]
             continue
         if policy is Recompute.FULL:
             parts = sorted({stage_layers * q // 4 for q in (1, 2, 3)} - {0, stage_layers})
@@ -322,7 +330,8 @@ def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
                           _fewest_layers(spec.num_layers, p.pp, p.vpp, p.stage_layers))
                 for p in pars]
     levels, pruned = _search_levels(ctx, pars, policies, top)
-    fits = [fit for level in levels for fit in level.fits(pars, policies)]
+    fits = [with_set for level in levels for fit in level.fits(pars, policies)
+            for with_set in _with_save_sets(ctx, fit)]
     fits.sort(key=lambda f: (f.layout, f.level))  # a layout's policies in order of compute
     without = set(range(len(pars))) - {f.layout for f in fits}
     if without - pruned:
@@ -443,8 +452,51 @@ def _with_gbs(wl: Workload, gbs: int) -> Workload:
 
 
 @lru_cache(maxsize=256)
-def _policy_workload(wl: Workload, policy: Recompute, layers: int | None) -> Workload:
+def _policy_workload(wl: Workload, policy: Recompute, layers: object) -> Workload:
+    if policy is Recompute.OPS:  # (OPS, the save set)
+        return wl.model_copy(update={"recompute": policy, "recompute_layers": None,
+                                     "recompute_save": tuple(sorted(layers))})  # type: ignore
     return wl.model_copy(update={"recompute": policy, "recompute_layers": layers})
+
+
+def _with_save_sets(ctx: _Context, fit: _Fit) -> list[_Fit]:
+    """A fit of op-level checkpointing (found keeping nothing at its largest micro-batch)
+    at that micro-batch and at each smaller one that splits the batch (halving it), each with
+    its save set of least recompute that fits (``_with_save_set``); ``_ranked`` keeps the
+    fastest of a layout's."""
+    if fit.policy[0] is not Recompute.OPS:
+        return [fit]
+    per_replica = ctx.wl.global_batch_size // fit.par.dp
+    sizes, mbs = [], fit.mbs
+    while mbs >= 1:
+        if per_replica % mbs == 0:
+            sizes.append(mbs)
+        mbs //= 2
+    return [_with_save_set(ctx, replace(fit, mbs=b)) for b in sizes]
+
+
+def _with_save_set(ctx: _Context, fit: _Fit) -> _Fit:
+    """A fit of op-level checkpointing (found keeping nothing) with the save set of least
+    recompute that fits its layout at its micro-batch (``memplan.planning.save_sets``): a
+    bisection of the layer's frontier, one evaluation per probe."""
+    from memplan.model.dims import Dims
+    from memplan.model.layer import ops_items
+    from memplan.planning.save_sets import choose, frontier
+
+    wl = ctx.workload(fit.policy).model_copy(update={"micro_batch_size": fit.mbs})
+    peaks: dict[tuple[str, ...], int] = {}
+
+    def fits(kept: tuple[str, ...]) -> bool:
+        peaks[kept] = evaluate(ctx.spec, fit.par, ctx.workload((Recompute.OPS, kept)),
+                               fit.mbs, ctx.ovh).peak_bytes
+        ctx.evaluated += 1
+        return peaks[kept] <= ctx.budget
+
+    choice, _ = choose(frontier(ops_items(ctx.spec, wl, Dims.of(ctx.spec, fit.par, wl))), fits)
+    if choice is None:
+        return fit
+    return replace(fit, policy=(Recompute.OPS, choice.kept),  # type: ignore[arg-type]
+                   peak_bytes=peaks[choice.kept])
 
 
 @dataclass(frozen=True)
@@ -622,11 +674,21 @@ def _ranked(ctx: _Context, fits: list[_Fit]) -> list[Candidate]:
     times = _times(ctx, fits)
     out = []
     for n, fit in enumerate(fits):
-        out.append(Candidate(fit.par, fit.mbs, fit.policy[0], fit.policy[1], None, times.at(n),
-                             fit.peak_bytes,
-                             (ctx.spec, ctx.gpu, ctx.workload(fit.policy), ctx.capacity)))
+        ops = fit.policy[0] is Recompute.OPS
+        out.append(Candidate(fit.par, fit.mbs, fit.policy[0], None if ops else fit.policy[1],
+                             None, times.at(n), fit.peak_bytes,
+                             (ctx.spec, ctx.gpu, ctx.workload(fit.policy), ctx.capacity),
+                             tuple(fit.policy[1]) if ops else ()))  # type: ignore[arg-type]
     out.sort(key=lambda c: (c.time.step_s, c.peak_bytes))
-    return out
+    seen: set[ParallelConfig] = set()  # op-level checkpointing: a layout's fastest micro-batch
+    kept = []
+    for c in out:
+        if c.recompute is Recompute.OPS:
+            if c.layout in seen:
+                continue
+            seen.add(c.layout)
+        kept.append(c)
+    return kept
 
 
 def _closest_miss(ctx: _Context, levels: list[_Level]) -> Miss | None:

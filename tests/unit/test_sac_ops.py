@@ -139,3 +139,19 @@ def test_cli_unknown_name_one_line_exit_2(capsys) -> None:
                  "attn.nope"])
     err = capsys.readouterr().err
     assert code == 2 and "unknown name 'attn.nope'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_plan_auto_ranks_save_sets_per_layout() -> None:
+    """plan --recompute auto: every candidate is op-level checkpointing with the save set
+    chosen at its micro-batch; its peak is the estimate's with that set, within the budget,
+    and a layout appears once (its fastest micro-batch)."""
+    from memplan.api import plan
+
+    result = plan("llama-2-7b", gpus=8, seq_len=4096, recompute=["auto"], top=3)
+    assert result.candidates
+    layouts = [c.layout for c in result.candidates]
+    assert len(layouts) == len(set(layouts))
+    for c in result.candidates[:3]:
+        assert c.recompute == "ops" and c.peak_bytes <= result.budget_bytes
+        assert c.estimate.peak_bytes == c.peak_bytes
+        assert c.estimate.workload.recompute_save == tuple(sorted(c.recompute_save))
