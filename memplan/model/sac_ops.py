@@ -99,7 +99,7 @@ def check_supported(spec: ModelSpec, wl: Workload) -> None:
                           "LoRA or compile")
 
 
-def _matmuls(spec: ModelSpec, t: int) -> list[tuple[str, int, int, int]]:
+def matmul_shapes(spec: ModelSpec, t: int) -> list[tuple[str, int, int, int]]:
     """A dense layer's projections in execution order as (item name, d_in, d_out on this
     rank, output width on this rank); the MLP's down projection last (never rerun)."""
     h, q, kv, f = spec.hidden_size, spec.q_size, spec.kv_size, spec.ffn_hidden_size
@@ -132,7 +132,7 @@ def layer_items(spec: ModelSpec, wl: Workload, dm: Dims,
 
     for norm in ("attn_norm",):
         out += _norm_items(norm, terms, spec)
-    mm = {m[0]: m for m in _matmuls(spec, t)}
+    mm = {m[0]: m for m in matmul_shapes(spec, t)}
     out += [matmul(*mm[n]) for n in ("attn.q", "attn.k", "attn.v")]
     core = AttentionBlock().core_flops_per_token(spec, dm.s_kv) / t
     out.append(Item("attn.out", ("attn.out", "attn.lse"), terms["attn.out"] + terms["attn.lse"],

@@ -155,3 +155,45 @@ def test_plan_auto_ranks_save_sets_per_layout() -> None:
         assert c.recompute == "ops" and c.peak_bytes <= result.budget_bytes
         assert c.estimate.peak_bytes == c.peak_bytes
         assert c.estimate.workload.recompute_save == tuple(sorted(c.recompute_save))
+
+
+def _emitted(target: str, save: str) -> str:
+    from memplan.report.sac_policy import emit_for
+
+    return emit_for(target, estimate("tiny", **TINY, recompute="ops", recompute_save=save))
+
+
+def test_torch_policy_names_ops_by_family_width_and_index() -> None:
+    """tiny's layer runs matmuls of width 64 (q, then the output projection: h = q = 64),
+    32 (k, v) and 176 (gate, up), one SDPA of width heads*d = 64, one silu and one product
+    of width 176: q is the 0th 64-wide matmul, the output projection the 1st, the gate the
+    0th 176-wide one."""
+    text = _emitted("torch", "attn.q,attn.o_proj,mlp.gate,mlp.prod")
+    space: dict = {}
+    code = compile(text, "policy.py", "exec")  # a valid module
+    names = code.co_names
+    assert "policy_fn" in names and "policy_fns" in names and "context_fn" in names
+    for line in ("SAVE = {('matmul', 64, 0), ('matmul', 64, 1), ('matmul', 176, 0), "
+                 "('mul', 176, 0)}",
+                 "PER_LAYER = {('matmul', 64): 2, ('matmul', 32): 2, ('sdpa', 64): 1, "
+                 "('matmul', 176): 2, ('act', 176): 1, ('mul', 176): 1}"):
+        assert line in text
+    assert space == {}
+
+
+def test_norms_are_said_to_be_inexpressible() -> None:
+    assert "Not expressible, recomputed instead: attn_norm.stats" in _emitted(
+        "torch", "attn_norm.stats")
+
+
+def test_torchtitan_and_megatron_say_what_they_keep() -> None:
+    """torchtitan with q and the gate kept: the other projections' shapes forced (k and v
+    share a shape, as do gate and up, so forcing up forces the gate too); its every-second
+    rule then keeps the 1st of the remaining matmuls (q, 64x64 shared with the output
+    projection: forced too, as o_proj is not kept)."""
+    titan = _emitted("torchtitan", "attn.q,mlp.gate")
+    assert "force_recompute_mm_shapes_by_fqns=['attention.wk', 'attention.wv', " \
+           "'attention.wo', 'feed_forward.w3']" in titan
+    assert "Not expressible: attn.q, mlp.gate" in titan
+    mega = _emitted("megatron", "attn.q,attn.k,attn.v,attn.o_proj")
+    assert "--recompute-granularity selective --recompute-modules core_attn mlp layernorm" in mega
