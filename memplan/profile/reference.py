@@ -14,13 +14,14 @@ would allocate a second copy) with a deterministic small init; nothing is downlo
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from memplan.spec import MlpKind, ModelSpec, NormKind, PositionKind
 from memplan.workload import Attention, NormImpl, Recompute
@@ -38,6 +39,9 @@ class RefOptions:
     loss_chunks: int = 1  # > 1: head and loss per chunk of tokens, each checkpointed
     torchtune_chunks: bool = False  # loss_chunks as torchtune's chunked output and loss
     norm_eps: float = 1e-5
+    # recompute ops: each layer's selective checkpointing policy (``memplan.profile.
+    # sac_policy``), one per layer index
+    policy_fns: tuple | None = None
 
 
 class FusedRMSNorm(torch.autograd.Function):
@@ -288,6 +292,10 @@ class ReferenceModel(nn.Module):
         for i, block in enumerate(self.blocks):
             if self._full_recompute(i):
                 x = checkpoint(block, x, rope, mask, use_reentrant=False)
+            elif opts.policy_fns is not None:
+                context = functools.partial(create_selective_checkpoint_contexts,
+                                            opts.policy_fns[i])
+                x = checkpoint(block, x, rope, mask, use_reentrant=False, context_fn=context)
             else:
                 x = block(x, rope, mask)
         x = self.final_norm(x)

@@ -53,8 +53,9 @@ def torch_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, ...
     """The module (see the module docstring)."""
     keyed = [i for i in items if i.op != NORM]
     per_layer: dict[tuple[str, int], int] = {}
-    for i in keyed:
-        per_layer[(i.op, i.width)] = per_layer.get((i.op, i.width), 0) + 1
+    # the down projection runs too (never kept: the rerun stops before it), and counts
+    for op, width in [(i.op, i.width) for i in keyed] + [(MATMUL, spec.hidden_size)]:
+        per_layer[(op, width)] = per_layer.get((op, width), 0) + 1
     save = sorted((i.op, i.width, i.nth) for i in kept if i.op != NORM)
     missing = _unexpressible(kept)
     note = ("# Not expressible, recomputed instead: " + ", ".join(missing) + " (a norm's saved "

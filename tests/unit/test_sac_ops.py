@@ -164,7 +164,7 @@ def _emitted(target: str, save: str) -> str:
 
 
 def test_torch_policy_names_ops_by_family_width_and_index() -> None:
-    """tiny's layer runs matmuls of width 64 (q, then the output projection: h = q = 64),
+    """tiny's layer runs matmuls of width 64 (q, the output projection and the down projection: h = q = 64),
     32 (k, v) and 176 (gate, up), one SDPA of width heads*d = 64, one silu and one product
     of width 176: q is the 0th 64-wide matmul, the output projection the 1st, the gate the
     0th 176-wide one."""
@@ -175,7 +175,7 @@ def test_torch_policy_names_ops_by_family_width_and_index() -> None:
     assert "policy_fn" in names and "policy_fns" in names and "context_fn" in names
     for line in ("SAVE = {('matmul', 64, 0), ('matmul', 64, 1), ('matmul', 176, 0), "
                  "('mul', 176, 0)}",
-                 "PER_LAYER = {('matmul', 64): 2, ('matmul', 32): 2, ('sdpa', 64): 1, "
+                 "PER_LAYER = {('matmul', 64): 3, ('matmul', 32): 2, ('sdpa', 64): 1, "
                  "('matmul', 176): 2, ('act', 176): 1, ('mul', 176): 1}"):
         assert line in text
     assert space == {}
