@@ -82,7 +82,7 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
         (wl.attention is not Kernel.FLASH, f"attention {wl.attention.value}"),
         (wl.precision.policy.autocast is not None, f"precision {wl.precision.value}"),
         (wl.lora_rank > 0, "LoRA adapters"), (wl.compile, "torch.compile"),
-        (wl.kv_cache, "a key/value cache"), (wl.float8.value != "none", "float8 linears"),
+        (wl.float8.value != "none", "float8 linears"),
         (wl.attention_impl.value != "generic", f"attention_impl {wl.attention_impl.value}"),
         (spec.mlp is MlpKind.RELU or spec.activation_impl.value == "gelu_new",
          f"the {spec.mlp.value} MLP's saved tensors"),

@@ -344,6 +344,9 @@ def build_hf(case: FrameworkCase) -> Built:
     recompute = case.options.get("recompute", "none")
     if recompute == "full":  # Trainer's gradient_checkpointing=True, non-reentrant
         model.gradient_checkpointing_enable({"use_reentrant": False})
+    save = case.options.get("recompute_save", "")
+    if recompute == "ops":  # the emitted torch policy, as gradient_checkpointing_kwargs
+        _emitted_checkpointing(model, spec, rec.name, b, s, save)
     host = HostSaved()
     def offloading() -> contextlib.AbstractContextManager:
         if "activations" not in offload:
@@ -375,6 +378,7 @@ def build_hf(case: FrameworkCase) -> Built:
     workload = dict(framework="hf", micro_batch_size=b, seq_len=s, precision=rec.name,
                     attention="flash" if attn == "sdpa" else "eager",
                     **({"recompute": recompute} if recompute != "none" else {}),
+                    **({"recompute_save": save} if recompute == "ops" else {}),
                     **({"fsdp_version": 1, **fsdp1} if fsdp1 is not None else {}))
     # the config's use_cache reaches the estimate through the spec (the hf preset's kv_cache)
     layout = (api.make_layout(case.dp, zero=3) if fsdp1 is not None
@@ -386,6 +390,23 @@ def build_hf(case: FrameworkCase) -> Built:
         context = follow_flat_storage
     return Built("transformers", model, spec, layout, workload, step, opt, host=host,
                  context=context)
+
+
+def _emitted_checkpointing(model, spec: ModelSpec, precision: str, b: int, s: int,
+                           save: str) -> None:
+    """``gradient_checkpointing_enable`` with the policy ``memplan estimate --emit-policy
+    torch`` prints for ``save`` (``memplan.profile.sac_policy``): each decoder layer's
+    checkpoint gets a fresh policy (``make_policy_fn``), its counters its own."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    from memplan.profile.sac_policy import emitted_module
+
+    wl = api.resolve(spec, framework="hf", micro_batch_size=b, seq_len=s, precision=precision,
+                     recompute="ops", recompute_save=save)[2]
+    make = emitted_module(spec, wl)["make_policy_fn"]
+    model.gradient_checkpointing_enable({
+        "use_reentrant": False,
+        "context_fn": lambda: create_selective_checkpoint_contexts(make())})
 
 
 def _fsdp1_wrap(model, case: FrameworkCase, fields: dict[str, Any]) -> torch.nn.Module:
