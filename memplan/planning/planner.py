@@ -330,8 +330,9 @@ def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
                           _fewest_layers(spec.num_layers, p.pp, p.vpp, p.stage_layers))
                 for p in pars]
     levels, pruned = _search_levels(ctx, pars, policies, top)
-    fits = [with_set for level in levels for fit in level.fits(pars, policies)
-            for with_set in _with_save_sets(ctx, fit)]
+    fits = _with_all_save_sets(ctx, [fit for level in levels
+                                     for fit in level.fits(pars, policies)], top,
+                               result.rejected)
     fits.sort(key=lambda f: (f.layout, f.level))  # a layout's policies in order of compute
     without = set(range(len(pars))) - {f.layout for f in fits}
     if without - pruned:
@@ -466,16 +467,69 @@ def _with_save_sets(ctx: _Context, fit: _Fit) -> list[_Fit]:
     fastest of a layout's."""
     if fit.policy[0] is not Recompute.OPS:
         return [fit]
+    sizes = _ops_sizes(ctx, fit)
+    out: list[_Fit] = []
+    known = 0  # a smaller micro-batch fits at least the larger one's set
+    for b in sizes:
+        out.append(_with_save_set(ctx, replace(fit, mbs=b), known))
+        known = max(known, _set_index(ctx, out[-1]))
+    return out
+
+
+def _ops_sizes(ctx: _Context, fit: _Fit) -> list[int]:
+    """The micro-batch sizes ``_with_save_sets`` tries for a fit."""
     per_replica = ctx.wl.global_batch_size // fit.par.dp
     sizes, mbs = [], fit.mbs
     while mbs >= 1:
         if per_replica % mbs == 0:
             sizes.append(mbs)
         mbs //= 2
-    return [_with_save_set(ctx, replace(fit, mbs=b)) for b in sizes]
+    return sizes
 
 
-def _with_save_set(ctx: _Context, fit: _Fit) -> _Fit:
+def _with_all_save_sets(ctx: _Context, fits: list[_Fit], top: int | None,
+                        rejected: Counter) -> list[_Fit]:
+    """``_with_save_sets`` for every fit of op-level checkpointing; with ``top``, in order of
+    the fastest each could be (every item kept, at its fastest micro-batch), stopping once
+    that bound is no faster than the ``top``-th fastest fit found (the first ``top`` are
+    those of the full search)."""
+    plain = [f for f in fits if f.policy[0] is not Recompute.OPS]
+    ops = [f for f in fits if f.policy[0] is Recompute.OPS]
+    if not ops or top is None:
+        return plain + [w for f in ops for w in _with_save_sets(ctx, f)]
+    rows = [(f.par, _fastest_policy(ctx, f.policy), b, f.num_params)
+            for f in ops for b in _ops_sizes(ctx, f)]
+    step = _row_times(ctx, rows).step_s
+    bounds, at = [], 0
+    for f in ops:
+        n = len(_ops_sizes(ctx, f))
+        bounds.append(float(step[at:at + n].min()))
+        at += n
+    best = sorted(float(t) for t in _times(ctx, plain).step_s) if plain else []
+    out = list(plain)
+    for n, (bound, f) in enumerate(sorted(zip(bounds, ops), key=lambda x: x[0])):
+        if len(best) >= top and bound >= best[top - 1]:
+            rejected[SLOWER_THAN_TOP.format(top=top)] += len(ops) - n
+            break
+        found = _with_save_sets(ctx, f)
+        out += found
+        best = sorted(best + [float(t) for t in _times(ctx, found).step_s])
+    return out
+
+
+def _set_index(ctx: _Context, fit: _Fit) -> int:
+    """The position of a fit's save set on its layer's frontier."""
+    from memplan.model.dims import Dims
+    from memplan.model.layer import ops_items
+    from memplan.planning.save_sets import frontier
+
+    wl = ctx.workload(fit.policy).model_copy(update={"micro_batch_size": fit.mbs})
+    sets = frontier(ops_items(ctx.spec, wl, Dims.of(ctx.spec, fit.par, wl)))
+    kept = set(fit.policy[1])  # type: ignore[arg-type]
+    return next((i for i, c in enumerate(sets) if set(c.kept) == kept), 0)
+
+
+def _with_save_set(ctx: _Context, fit: _Fit, known: int = 0) -> _Fit:
     """A fit of op-level checkpointing (found keeping nothing) with the save set of least
     recompute that fits its layout at its micro-batch (``memplan.planning.save_sets``): a
     bisection of the layer's frontier, one evaluation per probe."""
@@ -492,7 +546,8 @@ def _with_save_set(ctx: _Context, fit: _Fit) -> _Fit:
         ctx.evaluated += 1
         return peaks[kept] <= ctx.budget
 
-    choice, _ = choose(frontier(ops_items(ctx.spec, wl, Dims.of(ctx.spec, fit.par, wl))), fits)
+    choice, _ = choose(frontier(ops_items(ctx.spec, wl, Dims.of(ctx.spec, fit.par, wl))), fits,
+                       known)
     if choice is None:
         return fit
     return replace(fit, policy=(Recompute.OPS, choice.kept),  # type: ignore[arg-type]
@@ -630,13 +685,30 @@ def _fastest_possible(ctx: _Context, rows: list[tuple[ParallelConfig,
     ``with_params``, with the fewest any of its pipeline stages holds (which needs the
     layout's ``stage_parts``, as its search does)."""
     fewest = [_fewest_params(ctx, par, policy) if with_params else 0 for par, policy, _ in rows]
-    flat = [(par, policy, b, n) for (par, policy, bs), n in zip(rows, fewest) for b in bs]
+    flat = [(par, _fastest_policy(ctx, policy), b, n)
+            for (par, policy, bs), n in zip(rows, fewest) for b in bs]
     step = _row_times(ctx, flat).step_s
     out, at = [], 0
     for _, _, bs in rows:
         out.append(float(step[at:at + len(bs)].min()) if bs else float("inf"))
         at += len(bs)
     return out
+
+
+def _fastest_policy(ctx: _Context, policy: tuple[Recompute, int | None]
+                    ) -> tuple[Recompute, int | None]:
+    """Op-level checkpointing is searched keeping nothing, its slowest; its time is bounded
+    by keeping every item a save set may hold (the least rerun; the rerun's FLOPs do not
+    depend on the layout: ``memplan.planning.timing.ops_rerun_flops``)."""
+    if policy[0] is not Recompute.OPS:
+        return policy
+    from memplan.model.dims import Dims
+    from memplan.model.layer import ops_items
+    from memplan.planning.save_sets import frontier
+
+    wl = ctx.workload(policy)
+    sets = frontier(ops_items(ctx.spec, wl, Dims.of(ctx.spec, ParallelConfig(), wl)))
+    return (Recompute.OPS, sets[-1].kept)  # type: ignore[return-value]
 
 
 def _fewest_params(ctx: _Context, par: ParallelConfig,

@@ -77,10 +77,12 @@ def _greedy_chain(pool: tuple[Item, ...], total: float) -> tuple[Choice, ...]:
     return tuple(out)
 
 
-def choose(sets: tuple[Choice, ...], fits: Callable[[tuple[str, ...]], bool]
-           ) -> tuple[Choice | None, int]:
+def choose(sets: tuple[Choice, ...], fits: Callable[[tuple[str, ...]], bool],
+           known: int = 0) -> tuple[Choice | None, int]:
     """The set of ``sets`` (fewest bytes first) with the most bytes that ``fits``, and how
-    many times ``fits`` was asked; None when not even the empty set fits."""
+    many times ``fits`` was asked; None when not even the empty set fits. ``known``: the
+    index of a set known to fit (a larger micro-batch's choice). The largest set is asked
+    first: where it fits, one question answers."""
     asked = 0
 
     def ok(i: int) -> bool:
@@ -88,9 +90,13 @@ def choose(sets: tuple[Choice, ...], fits: Callable[[tuple[str, ...]], bool]
         asked += 1
         return fits(sets[i].kept)
 
-    if not sets or not ok(0):
+    if not sets:
         return None, asked
-    lo, hi = 0, len(sets) - 1  # sets[lo] fits
+    if len(sets) > 1 and ok(len(sets) - 1):
+        return sets[-1], asked
+    if known == 0 and not ok(0):
+        return None, asked
+    lo, hi = known, len(sets) - 2  # sets[lo] fits, the last does not
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if ok(mid):

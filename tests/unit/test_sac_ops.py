@@ -118,7 +118,7 @@ def test_choose_takes_the_most_bytes_that_fit() -> None:
     limit = sets[len(sets) // 2].kept_bytes
     chosen, asked = choose(sets, lambda kept: next(
         c.kept_bytes for c in sets if c.kept == kept) <= limit)
-    assert chosen == sets[len(sets) // 2] and asked <= 1 + len(sets).bit_length()
+    assert chosen == sets[len(sets) // 2] and asked <= 2 + len(sets).bit_length()
     assert choose(sets, lambda kept: False)[0] is None
 
 
@@ -197,3 +197,15 @@ def test_torchtitan_and_megatron_say_what_they_keep() -> None:
     assert "Not expressible: attn.q, mlp.gate" in titan
     mega = _emitted("megatron", "attn.q,attn.k,attn.v,attn.o_proj")
     assert "--recompute-granularity selective --recompute-modules core_attn mlp layernorm" in mega
+
+
+def test_plan_auto_top_is_the_full_search_first() -> None:
+    """With top, op-level fits are upgraded in order of the fastest they could be and the
+    rest skipped: the first top candidates are those of the search without top."""
+    from memplan.api import plan
+
+    kwargs = dict(gpus=8, seq_len=4096, recompute=["auto"])
+    full = plan("llama-2-7b", **kwargs).candidates[:3]
+    cut = plan("llama-2-7b", top=3, **kwargs).candidates[:3]
+    assert [(c.layout, c.micro_batch_size, c.recompute_save) for c in cut] == \
+        [(c.layout, c.micro_batch_size, c.recompute_save) for c in full]
