@@ -259,6 +259,12 @@ class ReferenceModel(nn.Module):
                  device: torch.device | str = "cpu") -> None:
         super().__init__()
         opts = opts or RefOptions()
+        if opts.recompute is Recompute.OPS and opts.policy_fns is None:
+            from memplan.errors import MemplanError
+
+            raise MemplanError("recompute ops: the reference model runs it only where its "
+                               "layers' policies are given (memplan trace; memplan.profile."
+                               "sac_policy), not here")
         self.spec, self.opts = spec, opts
         h = spec.hidden_size
         self.embed = nn.Embedding(spec.vocab_size, h, dtype=opts.dtype, device=device)
