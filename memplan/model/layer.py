@@ -355,8 +355,14 @@ def ops_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str) -
     owners = [b.name for b in layer_blocks(spec, moe, variant)
               for _ in b.working_set(spec, wl, dm)]
     assert len(owners) == len(moments)
+    # at the down projection: the MLP's first moment less its working set, with its output
+    mlp = next(b for b in layer_blocks(spec, moe, variant) if b.name == "mlp")
+    first = owners.index("mlp")
+    mlp_end = (moments[first].alive_bytes + moments[first].transient_bytes
+               - mlp.working_set(spec, wl, dm)[0].transient_bytes
+               + dm.rows * spec.hidden_size * dm.e)
     peak = sac_ops.forward_peak([(o, m.alive_bytes + m.transient_bytes)
-                                 for o, m in zip(owners, moments)], items, kept)
+                                 for o, m in zip(owners, moments)], items, kept, mlp_end)
     return full._replace(terms=full.terms + terms, saved_bytes=full.saved_bytes + total(terms),
                          forward_peak_bytes=peak)
 

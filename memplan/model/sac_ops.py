@@ -22,7 +22,9 @@ working_set``); where that working set already holds the tensor (v, the attentio
 MLP's activation, up projection and product) it is not added again (``Item.own_extra``).
 
 Modelled for dense pre-norm layers (attention with SDPA's fused kernel and an MLP), without
-autocast, LoRA, torch.compile or one fused q/k/v projection: ``ops_refusal`` names the rest.
+autocast, LoRA or torch.compile: ``ops_refusal`` names the rest. One fused q/k/v projection
+(torchtitan's ``wqkv``) is one item, ``attn.qkv``, which ``attn.q``, ``attn.k`` and ``attn.v``
+each name.
 """
 
 from __future__ import annotations
@@ -74,7 +76,6 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
         (not spec.norm_placement.pre_norm or spec.norm_placement.post_norm,
          f"{spec.norm_placement.value} norms"),
         (spec.parallel_block, "parallel attention and MLP blocks"),
-        (spec.fused_qkv or wl.fused_qkv, "one fused q/k/v projection"),
         (spec.fused_gate_up, "one fused gate/up projection"),
         (spec.qk_norm.value != "none", "q/k norms"),
         (spec.attn_output_gate, "an attention output gate"),
@@ -99,12 +100,16 @@ def check_supported(spec: ModelSpec, wl: Workload) -> None:
                           "LoRA or compile")
 
 
-def matmul_shapes(spec: ModelSpec, t: int) -> list[tuple[str, int, int, int]]:
+def matmul_shapes(spec: ModelSpec, t: int, fused_qkv: bool = False
+                  ) -> list[tuple[str, int, int, int]]:
     """A dense layer's projections in execution order as (item name, d_in, d_out on this
-    rank, output width on this rank); the MLP's down projection last (never rerun)."""
+    rank, output width on this rank); the MLP's down projection last (never rerun). With
+    ``fused_qkv`` one q/k/v projection (torchtitan's ``wqkv``), ``attn.qkv``."""
     h, q, kv, f = spec.hidden_size, spec.q_size, spec.kv_size, spec.ffn_hidden_size
-    attn = [("attn.q", h, q // t, q // t), ("attn.k", h, kv // t, kv // t),
-            ("attn.v", h, kv // t, kv // t), ("attn.o_proj", q // t, h, h)]
+    qkv = (q + 2 * kv) // t
+    attn = ([("attn.qkv", h, qkv, qkv)] if fused_qkv else
+            [("attn.q", h, q // t, q // t), ("attn.k", h, kv // t, kv // t),
+             ("attn.v", h, kv // t, kv // t)]) + [("attn.o_proj", q // t, h, h)]
     first = [("mlp.gate", h, f // t, f // t), ("mlp.up", h, f // t, f // t)] if spec.mlp.gated \
         else [("mlp.fc1", h, f // t, f // t)]
     return attn + first + [("mlp.down", f // t, h, h)]
@@ -124,16 +129,18 @@ def layer_items(spec: ModelSpec, wl: Workload, dm: Dims,
     def matmul(name: str, d_in: int, d_out: int, width: int) -> Item:
         nth = seen.get(width, 0)
         seen[width] = nth + 1
-        rope = name in ("attn.q", "attn.k") and spec.position is PositionKind.ROPE
+        rope = name in ("attn.q", "attn.k", "attn.qkv") and spec.position is PositionKind.ROPE
+        covers = ("attn.q", "attn.k", "attn.v") if name == "attn.qkv" else (name,)
         # (a row-parallel output is the full partial sum on each rank)
-        return Item(name, (name,) if name in terms else (), tokens * width * e,
+        return Item(name, tuple(c for c in covers if c in terms), tokens * width * e,
                     2.0 * d_in * d_out + (2.0 * d_out if _has_bias(spec, name) else 0.0),
                     MATMUL, width, nth, name.split(".")[0], rope or name == "mlp.gate")
 
     for norm in ("attn_norm",):
         out += _norm_items(norm, terms, spec)
-    mm = {m[0]: m for m in matmul_shapes(spec, t)}
-    out += [matmul(*mm[n]) for n in ("attn.q", "attn.k", "attn.v")]
+    fused = spec.fused_qkv or wl.fused_qkv
+    mm = {m[0]: m for m in matmul_shapes(spec, t, fused)}
+    out += [matmul(*mm[n]) for n in (("attn.qkv",) if fused else ("attn.q", "attn.k", "attn.v"))]
     core = AttentionBlock().core_flops_per_token(spec, dm.s_kv) / t
     out.append(Item("attn.out", ("attn.out", "attn.lse"), terms["attn.out"] + terms["attn.lse"],
                     core, ATTENTION_KERNEL, spec.q_size // t, 0, "attn", False))
@@ -204,13 +211,22 @@ def rerun_flops_per_token(items: tuple[Item, ...], kept: tuple[Item, ...]) -> fl
 
 
 def forward_peak(moment_blocks: list[tuple[str, int]], items: tuple[Item, ...],
-                 kept: tuple[Item, ...]) -> int:
+                 kept: tuple[Item, ...], mlp_end: int = 0) -> int:
     """The largest of a checkpointed layer's forward moments (``(block name, alive +
     transient bytes)``, ``memplan.model.layer.forward_moments`` under full recompute) with the
     kept outputs made by then: those of the blocks before its block, and its own block's
-    ``own_extra`` ones."""
+    ``own_extra`` ones. ``mlp_end``: what the layer holds at the MLP's down projection
+    beyond the MLP's own tensors (its input, the residual, the checkpointed input), where
+    every kept MLP output is alive with the down projection's input and output (traced:
+    torchtitan's block with the MLP kept, one residual-sized tensor above its working set)."""
     order = list(dict.fromkeys(i.block for i in items))
     best = 0
+    if mlp_end:
+        mlp_kept = sum(i.size_bytes for i in kept if i.block == "mlp")
+        last = next(i for i in reversed(items) if i.block == "mlp")  # the down projection's input
+        down_in = 0 if last in kept else last.size_bytes
+        before = sum(i.size_bytes for i in kept if i.block != "mlp")
+        best = mlp_end + before + mlp_kept + down_in
     for block, value in moment_blocks:
         at = order.index(block) if block in order else len(order)
         before = sum(i.size_bytes for i in kept if order.index(i.block) < at)

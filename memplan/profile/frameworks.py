@@ -543,7 +543,10 @@ def build_torchtitan(case: FrameworkCase) -> Built:
     every = int(ac) if ac.isdigit() else None
     if every is not None:  # before parallelize_llama: its AC would come before FSDP too
         _layer_sac(model, every)
-    ac_config = _torchtitan_ac("none" if every is not None else ac)
+    save = case.options.get("recompute_save", "")
+    if ac == "ops":  # the emitted torch policy on each block, before FSDP as torchtitan's AC
+        _emitted_block_sac(model, spec, rec.name, case.micro_batch_size, case.seq_len, save)
+    ac_config = _torchtitan_ac("none" if every is not None or ac == "ops" else ac)
     precision = "bfloat16" if rec.name == "fsdp-bf16" else "float32"
     training = TrainingConfig(local_batch_size=case.micro_batch_size, seq_len=case.seq_len,
                               mixed_precision_param=precision)
@@ -598,6 +601,8 @@ def build_torchtitan(case: FrameworkCase) -> Built:
                     recompute="full" if every is not None else ac, keep_grads=not set_to_none)
     if every is not None:
         workload["recompute_every"] = every
+    if ac == "ops":
+        workload["recompute_save"] = save
     if chunks > 1:
         workload["loss_chunks"] = chunks
     from memplan.profile.distributed import _follow_fsdp_storage
@@ -647,6 +652,27 @@ def _chunked_loss(model, chunks: int):
     loss.set_lm_head(model.lm_head)
     model._skip_lm_head = True
     return loss
+
+
+def _emitted_block_sac(model, spec: ModelSpec, precision: str, b: int, s: int,
+                       save: str) -> None:
+    """Each of torchtitan's blocks in ``checkpoint_wrapper`` with the policy ``memplan
+    estimate --emit-policy torch`` prints for ``save`` (a fresh one per checkpoint call),
+    with torch's default early stop."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper,
+    )
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    from memplan.profile.sac_policy import emitted_module
+
+    wl = api.resolve(spec, framework="torchtitan", micro_batch_size=b, seq_len=s,
+                     precision=precision, recompute="ops", recompute_save=save)[2]
+    make = emitted_module(spec, wl)["make_policy_fn"]
+    layers = model.get_submodule("layers")
+    for layer_id, block in list(layers.named_children()):
+        layers.register_module(layer_id, checkpoint_wrapper(
+            block, context_fn=lambda: create_selective_checkpoint_contexts(make())))
 
 
 def _layer_sac(model, every: int) -> None:

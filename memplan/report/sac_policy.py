@@ -29,7 +29,7 @@ from memplan.spec import ModelSpec
 TARGETS = ("torch", "torchtitan", "megatron")
 # torchtitan's Llama module names of each projection (models/common/attention.py,
 # feed_forward.py)
-_TITAN_FQNS = {"attn.q": "attention.wq", "attn.k": "attention.wk", "attn.v": "attention.wv",
+_TITAN_FQNS = {"attn.qkv": "attention.wqkv", "attn.q": "attention.wq", "attn.k": "attention.wk", "attn.v": "attention.wv",
                "attn.o_proj": "attention.wo", "mlp.gate": "feed_forward.w1",
                "mlp.up": "feed_forward.w3", "mlp.down": "feed_forward.w2"}
 
@@ -159,7 +159,8 @@ def torchtitan_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item
                 spec.hidden_size, 0, "mlp", False)
     # weight shapes (in, out) as torchtitan matches them (whole weights: one TP rank's
     # shard has the same shape on every rank of its group)
-    shapes = {name: (d_in, d_out) for name, d_in, d_out, _ in matmul_shapes(spec, 1)}
+    fused = any(i.name == "attn.qkv" for i in items)
+    shapes = {name: (d_in, d_out) for name, d_in, d_out, _ in matmul_shapes(spec, 1, fused)}
     forced = {shapes[i.name] for i in matmuls if i.name not in names}
     fqns = [_TITAN_FQNS[i.name] for i in matmuls if i.name not in names]
     result = _titan_kept(items + (down,), forced, shapes)

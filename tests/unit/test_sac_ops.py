@@ -209,3 +209,12 @@ def test_plan_auto_top_is_the_full_search_first() -> None:
     cut = plan("llama-2-7b", top=3, **kwargs).candidates[:3]
     assert [(c.layout, c.micro_batch_size, c.recompute_save) for c in cut] == \
         [(c.layout, c.micro_batch_size, c.recompute_save) for c in full]
+
+
+def test_fused_qkv_is_one_item() -> None:
+    """One q/k/v projection (torchtitan's wqkv): its output T x (q + 2 kv) x e = 256 x 128 x 2
+    = 65,536 bytes per layer, kept whichever of attn.q, attn.k, attn.v is named."""
+    full = _stage(recompute="full", fused_qkv=True).activations_bytes
+    for name in ("attn.q", "attn.k", "attn.qkv"):
+        kept = _stage(recompute="ops", recompute_save=name, fused_qkv=True).activations_bytes
+        assert kept - full == 2 * 65_536
