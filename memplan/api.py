@@ -212,6 +212,9 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
     arguments.one_of("overheads", overheads, (Overheads, type(None)), what="an Overheads")
     schedule = arguments.choice("schedule", schedule, Schedule)
     calibration = arguments.strings("calibration", calibration)
+    auto = workload.get("recompute") == AUTO
+    if auto:  # the save set is chosen below, once the layout and its budget are known
+        workload = {**workload, "recompute": "ops"}
     # the arguments are plain already: resolve's own wrapper would check them a second time
     spec, par, wl = resolve.__wrapped__(
         model, gpus=gpus, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp, zero=zero,
@@ -219,6 +222,8 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
         grad_buffers=grad_buffers, offload=offload, framework=framework,
         stage_layers=stage_layers, dp_shard=dp_shard, etp=etp, vpp_group=vpp_group,
         **workload)
+    if auto:
+        wl = _auto_save(spec, gpu_spec, par, wl, capacity, overheads, schedule)
     est = _estimate(spec, gpu_spec, par, wl, capacity_bytes=capacity,
                     overheads=overheads,
                     schedule=schedule)
@@ -228,6 +233,31 @@ def estimate(model: str | ModelSpec, *, gpus: int = 1, gpu: str | GpuSpec = DEFA
     from memplan.calibrate.apply import resolve as load_profiles
 
     return calibrate(est, load_profiles(_as_list(calibration), gpu_spec))
+
+
+# ``recompute="auto"``: op-level checkpointing with the save set chosen to fit
+AUTO = "auto"
+
+
+def _auto_save(spec: ModelSpec, gpu: GpuSpec, par: Any, wl: Workload, capacity: int | None,
+               overheads: Overheads | None, schedule: Schedule) -> Workload:
+    """``wl`` (recompute ops) with the save set of least recompute that fits the GPU
+    (``memplan.planning.save_sets``); the empty set when none does (the estimate then says
+    it does not fit)."""
+    from memplan.model.dims import Dims
+    from memplan.model.estimate import resolve_split
+    from memplan.model.layer import ops_items
+    from memplan.planning.save_sets import choose, frontier
+
+    items = ops_items(spec, wl, Dims.of(spec, resolve_split(spec, par, wl), wl))
+
+    def fits(kept: tuple[str, ...]) -> bool:
+        return _estimate(spec, gpu, par, wl.model_copy(update={"recompute_save": tuple(sorted(kept))}),
+                         capacity_bytes=capacity, overheads=overheads,
+                         schedule=schedule).fits
+
+    choice, _ = choose(frontier(items), fits)
+    return wl if choice is None else wl.model_copy(update={"recompute_save": tuple(sorted(choice.kept))})
 
 
 def _as_list(value: str | list[str]) -> list[str]:
@@ -336,15 +366,17 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
     arguments.model_fields(Workload, workload, arguments.LABELS)
     _check_fixed(spec, gpus, tp, pp, cp)
     policies = None
-    if recompute is not None:
-        policies = [Recompute.parse(r) for r in arguments.strings("recompute", recompute)]
+    if recompute is not None:  # auto: op-level checkpointing, the save set chosen per fit
+        policies = [Recompute.parse("ops" if r == AUTO else r)
+                    for r in arguments.strings("recompute", recompute)]
     fw = presets.parse(workload.pop("framework", None))
     refused = presets.refused_recompute(fw)
     if refused:  # search only what the framework offers; refuse what it does not, by name
         for policy in policies or []:
             if policy.label in refused:
                 presets.validate(None, make_workload(spec, framework=fw, recompute=policy))
-        policies = [p for p in (policies or list(Recompute)) if p.label not in refused]
+        policies = [p for p in (policies or [r for r in Recompute if r is not Recompute.OPS])
+                    if p.label not in refused]
     fixed = {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "etp": etp,
              "vpp_group": vpp_group, "zero": zero,
              "sp": sequence_parallel, "stage_layers": parse_stage_layers(stage_layers),

@@ -147,11 +147,15 @@ class Recompute(RankedEnum):
     ``NONE < SELECTIVE < FULL``.
 
     SELECTIVE recomputes the attention core (Korthikanti et al. 2022, section 5); FULL keeps only
-    each layer's input (for ``recompute_layers`` of the stage's layers, all when None).
+    each layer's input (for ``recompute_layers`` of the stage's layers, all when None). OPS
+    checkpoints each layer op by op (PyTorch's selective activation checkpointing): it keeps
+    its input and the outputs of the ops ``Workload.recompute_save`` names, and recomputes the
+    rest in backward (``memplan.model.sac_ops``); it sits between SELECTIVE and FULL.
     """
 
     NONE = "none"
     SELECTIVE = "selective"
+    OPS = "ops"
     FULL = "full"
 
     @classmethod
@@ -162,9 +166,10 @@ class Recompute(RankedEnum):
             return value
         if isinstance(value, str) and value.upper() in cls.__members__:
             return cls[value.upper()]
-        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(cls):
-            return list(cls)[value]
-        raise MemplanError(f"recompute must be none, selective or full, got {value!r}")
+        old_ranks = (cls.NONE, cls.SELECTIVE, cls.FULL)  # the levels before OPS existed
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 3:
+            return old_ranks[value]
+        raise MemplanError(f"recompute must be none, selective, ops or full, got {value!r}")
 
     @property
     def label(self) -> str:
@@ -531,6 +536,10 @@ class Workload(BaseModel):
     recompute: Recompute = Recompute.NONE
     # layers to recompute: at most as many as a model may have (spec.MAX_LAYERS)
     recompute_layers: int | None = Field(default=None, ge=0, le=MAX_LAYERS)
+    recompute_save: tuple[str, ...] = Field(default=(), max_length=64, description=(
+        "with recompute ops: the saved terms (attn.q, mlp.gate, ...) or groups (attention, "
+        "mlp, norms) each layer keeps; everything else in it is recomputed in backward "
+        "(memplan.model.sac_ops); empty: only the layer's input is kept"))
     recompute_every: int | None = Field(default=None, ge=1, le=MAX_LAYERS, description=(
         "with recompute full: only every n-th layer of a pipeline rank is recomputed (its "
         "n-th, 2n-th, ... layer, its model chunks in order: torchtitan's "
@@ -701,6 +710,24 @@ class Workload(BaseModel):
                     shown_value = ",".join(value) if isinstance(value, tuple) else value
                     raise ValueError(f"{name} ({shown_value}) needs lora_rank > 0 (frozen "
                                      "base weights train through adapters), got lora_rank 0")
+        return self
+
+    @field_validator("recompute_save", mode="before")
+    @classmethod
+    def _save_by_name(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = tuple(v.strip() for v in value.split(",") if v.strip())
+        if isinstance(value, list):
+            value = tuple(value)
+        if isinstance(value, tuple):  # one order, so equal sets make one cache key
+            value = tuple(sorted(set(value)))
+        return value
+
+    @model_validator(mode="after")
+    def _save_needs_ops(self) -> Workload:
+        if self.recompute_save and self.recompute is not Recompute.OPS:
+            raise ValueError(f"recompute_save ({','.join(self.recompute_save)}) needs "
+                             f"recompute ops, got recompute {self.recompute.value}")
         return self
 
     @field_validator("recompute", mode="before")

@@ -28,6 +28,10 @@ from memplan.report.versioned import dumps
 Quiet = Annotated[bool, typer.Option(
     "--quiet", "-q", help="Print only the verdict line (fits or not, peak, stage, headroom); "
     "the exit code is 0 either way, as without it.")]
+EmitPolicy = Annotated[str | None, typer.Option(
+    "--emit-policy", help="With --recompute ops or auto: print the save set as torch (a "
+    "policy_fn module for create_selective_checkpoint_contexts), torchtitan (its per-op SAC "
+    "config) or megatron (--recompute-modules), with what the framework cannot express.")]
 PlotPath = Annotated[Path | None, typer.Option(
     "--plot", help="Also draw each pipeline stage's peak as a stacked bar against the GPU's "
     "capacity, to this .png or .svg file (needs matplotlib).")]
@@ -38,7 +42,8 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
              megatron_args: MegatronArgs = None,
              deepspeed_config: DeepspeedConfig = None,
              accelerate_config: AccelerateConfig = None, json_out: Json = False,
-             quiet: Quiet = False, html: Html = None) -> None:
+             quiet: Quiet = False, html: Html = None,
+             emit_policy: EmitPolicy = None) -> None:
     """Per-GPU memory of every pipeline stage and the most loaded rank.
 
     Parameters, gradients, optimizer states, saved activations, transients and fixed
@@ -64,6 +69,8 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
       memplan estimate -m llama-7b -n 8 --deepspeed-config ds_config_zero2.json
 
       memplan estimate -n 8 --megatron-args "--num-layers 32 --hidden-size 4096 ..."
+
+      memplan estimate -m llama-3-8b -n 8 --zero 3 --recompute auto --emit-policy torch
     """
     if plot is not None:
         from memplan.report.plot import check_path
@@ -78,6 +85,11 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
                                         deepspeed=deepspeed_config,
                                         accelerate=accelerate_config)
     est = run_estimate(model, **kwargs)
+    if emit_policy is not None:
+        from memplan.report.sac_policy import emit_for
+
+        typer.echo(emit_for(emit_policy, est), nl=False)
+        return
     from memplan.report import estimate_json, render_estimate
 
     drawn = None

@@ -48,6 +48,8 @@ class RecomputeChoice(str, enum.Enum):
     NONE = "none"
     SELECTIVE = "selective"
     FULL = "full"
+    OPS = "ops"
+    AUTO = "auto"
 
 
 class ZeroChoice(str, enum.Enum):
@@ -119,8 +121,14 @@ Seq = Annotated[Optional[int], typer.Option(
     "--seq", help=f"Sequence length (default: {DEFAULT_SEQ_LEN}, capped at the model's maximum).",
     rich_help_panel=_WORKLOAD)]
 RecomputeOpt = Annotated[RecomputeChoice, typer.Option(
-    "--recompute", help="none; selective (attention core); full (layer inputs only).",
+    "--recompute", help="none; selective (attention core); full (layer inputs only); ops "
+    "(each layer keeps its input and --recompute-save's ops); auto (ops, the save set of "
+    "least recompute that fits).",
     rich_help_panel=_WORKLOAD)]
+RecomputeSave = Annotated[Optional[str], typer.Option(
+    "--recompute-save", help="With --recompute ops: comma list of what each layer keeps "
+    "(saved-term names such as attn.q, mlp.gate, attn.o_proj, or groups attention, mlp, "
+    "norms); the rest is recomputed in backward.", rich_help_panel=_WORKLOAD)]
 RecomputeLayers = Annotated[Optional[int], typer.Option(
     "--recompute-layers", help="With --recompute full: recompute only this many layers per stage.",
     rich_help_panel=_WORKLOAD)]
@@ -359,6 +367,7 @@ SHARED: dict[str, Shared] = {
     "seq": Shared(Seq, None),
     "recompute": Shared(RecomputeOpt, RecomputeChoice.NONE, _value),
     "recompute_layers": Shared(RecomputeLayers, None),
+    "recompute_save": Shared(RecomputeSave, None),
     "recompute_every": Shared(RecomputeEvery, None),
     "precision": Shared(PrecisionOpt, _WL["precision"].default),
     "optimizer": Shared(OptimizerOpt, _WL["optimizer"].default),
@@ -402,7 +411,8 @@ WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "recompute_eve
             "fsdp_version", "fsdp_backward_prefetch", "fsdp_use_orig_params",
             "fsdp_reshard_after_forward", "mtp_layers", "loss_impl", "logits_held",
             "lora_rank", "lora_targets", "lora_dropout", "base_quant", "deltanet_kernel",
-            "float8_all_gather", "compile_loss", "compile_in_checkpoint")
+            "float8_all_gather", "compile_loss", "compile_in_checkpoint",
+            "recompute_save")
 # what a framework's own loop decides, beyond memplan's reference model (which trace and
 # profile run)
 FRAMEWORK_ONLY = ("framework", "keep_grads", "use_cache", "loss_impl", "logits_held",

@@ -25,9 +25,10 @@ from typing import Any, NamedTuple
 
 from memplan import presets
 from memplan.hardware import GpuSpec
-from memplan.model import adapters, fsdp1, memo, step_in_backward, te_fp8
+from memplan.model import adapters, fsdp1, memo, sac_ops, step_in_backward, te_fp8
 from memplan.model.dims import Dims
 from memplan.model.head import in_loss
+from memplan.model.layer import ops_items
 from memplan.model.optimizer import optimizer_policy
 from memplan.model.pipeline import Schedule, chunks_in_flight
 from memplan.model.stage_terms import StageTerms
@@ -320,6 +321,8 @@ def _assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload, schedule: S
            "gated DeltaNet layers on transformers' torch fallbacks (torch_chunk_gated_delta_"
            "rule, nn.Conv1d, Qwen3NextRMSNormGated)",)
           if spec.linear_attention is not None else ()),
+        *((sac_ops.assumption(spec, wl, ops_items(spec, wl, Dims.of(spec, par, wl))),)
+          if wl.recompute is Recompute.OPS else ()),
         *(("optimizer offloaded to host memory: fp32 master weights, states, an fp32 gradient "
            "copy and the step on the CPU (ZeRO-Offload); the GPU keeps weights and gradients",)
           if zero_offload(par) else ()),

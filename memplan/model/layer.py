@@ -31,7 +31,7 @@ from memplan.model.attention import (
     attention_linears,
     windowed,
 )
-from memplan.model import compiled, linear
+from memplan.model import compiled, linear, sac_ops
 from memplan.model.deltanet import cache_states_bytes
 from memplan.model.block import BackwardMoment, Block
 from memplan.model.deltanet import DeltaNet, deltanet_linears
@@ -327,6 +327,8 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
     ``variant``: a sliding-window or linear-attention layer (``layer_blocks``,
     ``memplan.model.stage_parts.layer_keys``)."""
     wl = compiled.layer_workload(wl)
+    if policy is Recompute.OPS:
+        return ops_kind(spec, wl, dm, moe, variant)
     if policy is Recompute.SELECTIVE and wl.selective_impl is SelectiveImpl.OP:
         # per-op SAC: a fully recomputed layer that also keeps its save list's outputs,
         # which the rerun reuses (so its backward is the full recompute's)
@@ -346,6 +348,38 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
                      max(m.alive_bytes + m.transient_bytes for m in forward),
                      layer_cast_cache_bytes(spec, wl, dm, moe, policy, variant)
                      + kv_cache_bytes(spec, wl, dm, policy, variant))
+
+
+def ops_items(spec: ModelSpec, wl: Workload, dm: Dims) -> tuple[sac_ops.Item, ...]:
+    """What a dense layer under ``Recompute.OPS`` can keep (``memplan.model.sac_ops``)."""
+    sac_ops.check_supported(spec, wl)
+    return sac_ops.layer_items(spec, wl, dm, tuple(layer_terms(
+        spec, wl, dm, moe_layer=False, recompute=Recompute.NONE)))
+
+
+def ops_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str) -> LayerKind:
+    """Op-level checkpointing (``memplan.model.sac_ops``): the fully recomputed layer, which
+    also keeps the outputs its save list names; the rerun serves them from the cache, so its
+    backward is the full recompute's."""
+    full = layer_kind(spec, wl, dm, moe, Recompute.FULL, variant)
+    items = ops_items(spec, wl, dm)
+    kept = sac_ops.resolve(items, wl.recompute_save, spec)
+    terms = sac_ops.kept_terms(kept)
+    moments = forward_moments(spec, wl, dm, moe_layer=moe, recompute=Recompute.FULL,
+                              variant=variant)
+    owners = [b.name for b in layer_blocks(spec, moe, variant)
+              for _ in b.working_set(spec, wl, dm)]
+    assert len(owners) == len(moments)
+    # at the down projection: the MLP's first moment less its working set, with its output
+    mlp = next(b for b in layer_blocks(spec, moe, variant) if b.name == "mlp")
+    first = owners.index("mlp")
+    mlp_end = (moments[first].alive_bytes + moments[first].transient_bytes
+               - mlp.working_set(spec, wl, dm)[0].transient_bytes
+               + dm.rows * spec.hidden_size * dm.e)
+    peak = sac_ops.forward_peak([(o, m.alive_bytes + m.transient_bytes)
+                                 for o, m in zip(owners, moments)], items, kept, mlp_end)
+    return full._replace(terms=full.terms + terms, saved_bytes=full.saved_bytes + total(terms),
+                         forward_peak_bytes=peak)
 
 
 def grad_group_params(spec: ModelSpec, t: int, ep: int, moe: bool,

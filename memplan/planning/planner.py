@@ -10,7 +10,7 @@ step-time model, and ranks them. Every rejected layout keeps its reason.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 
 import numpy as np
@@ -71,6 +71,9 @@ MAX_PP = 16
 MIN_STAGE_LAYERS = 2
 LONG_SEQ = 16384
 RECOMPUTE_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
+# searched only when asked (``recompute=[ops]``): each layout's fit upgraded to the save set of
+# least recompute that fits at its micro-batch (``_with_save_set``)
+ASKED_ONLY = (Recompute.OPS,)
 SP_OFF_DOMINATED = "sp off: sp on needs no more memory and no more time at any micro-batch"
 SLOWER_THAN_TOP = ("slower at every micro-batch than the top {top} found, with every recompute "
                    "policy not found out of memory")
@@ -98,6 +101,8 @@ class Candidate:
     known_peak_bytes: int | None = None
     # (spec, gpu, workload of this recompute policy and global batch, capacity bytes)
     inputs: tuple | None = field(default=None, repr=False, compare=False)
+    # with recompute ops: what each layer keeps (``memplan.model.sac_ops``)
+    recompute_save: tuple[str, ...] = ()
 
     @cached_property
     def estimate(self) -> Estimate:
@@ -301,8 +306,11 @@ def _policies(allowed: list[Recompute], stage_layers: int) -> list[tuple[Recompu
     a quarter, ... seven eighths of each stage's layers (every k of a stage of 8 layers or
     fewer: Llama 3's 405B layout recomputes k of 8), full on all."""
     out: list[tuple[Recompute, int | None]] = []
-    for policy in RECOMPUTE_ORDER:
+    for policy in (*RECOMPUTE_ORDER[:2], *ASKED_ONLY, *RECOMPUTE_ORDER[2:]):
         if policy not in allowed:
+            continue
+        if policy is Recompute.OPS:  # keeping nothing first: the set is chosen per fit
+            out.append((policy, ()))  # type: ignore[arg-type]
             continue
         if policy is Recompute.FULL:
             parts = sorted({stage_layers * q // 8 for q in range(1, 8)} - {0, stage_layers})
@@ -344,7 +352,9 @@ def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
                           _fewest_layers(spec.num_layers, p.pp, p.vpp, p.stage_layers))
                 for p in pars]
     levels, pruned = _search_levels(ctx, pars, policies, top)
-    fits = [fit for level in levels for fit in level.fits(pars, policies)]
+    fits = _with_all_save_sets(ctx, [fit for level in levels
+                                     for fit in level.fits(pars, policies)], top,
+                               result.rejected)
     fits.sort(key=lambda f: (f.layout, f.level))  # a layout's policies in order of compute
     without = set(range(len(pars))) - {f.layout for f in fits}
     if without - pruned:
@@ -465,8 +475,105 @@ def _with_gbs(wl: Workload, gbs: int) -> Workload:
 
 
 @lru_cache(maxsize=256)
-def _policy_workload(wl: Workload, policy: Recompute, layers: int | None) -> Workload:
+def _policy_workload(wl: Workload, policy: Recompute, layers: object) -> Workload:
+    if policy is Recompute.OPS:  # (OPS, the save set)
+        return wl.model_copy(update={"recompute": policy, "recompute_layers": None,
+                                     "recompute_save": tuple(sorted(layers))})  # type: ignore
     return wl.model_copy(update={"recompute": policy, "recompute_layers": layers})
+
+
+def _with_save_sets(ctx: _Context, fit: _Fit) -> list[_Fit]:
+    """A fit of op-level checkpointing (found keeping nothing at its largest micro-batch)
+    at that micro-batch and at each smaller one that splits the batch (halving it), each with
+    its save set of least recompute that fits (``_with_save_set``); ``_ranked`` keeps the
+    fastest of a layout's."""
+    if fit.policy[0] is not Recompute.OPS:
+        return [fit]
+    sizes = _ops_sizes(ctx, fit)
+    out: list[_Fit] = []
+    known = 0  # a smaller micro-batch fits at least the larger one's set
+    for b in sizes:
+        out.append(_with_save_set(ctx, replace(fit, mbs=b), known))
+        known = max(known, _set_index(ctx, out[-1]))
+    return out
+
+
+def _ops_sizes(ctx: _Context, fit: _Fit) -> list[int]:
+    """The micro-batch sizes ``_with_save_sets`` tries for a fit."""
+    per_replica = ctx.wl.global_batch_size // fit.par.dp
+    sizes, mbs = [], fit.mbs
+    while mbs >= 1:
+        if per_replica % mbs == 0:
+            sizes.append(mbs)
+        mbs //= 2
+    return sizes
+
+
+def _with_all_save_sets(ctx: _Context, fits: list[_Fit], top: int | None,
+                        rejected: Counter) -> list[_Fit]:
+    """``_with_save_sets`` for every fit of op-level checkpointing; with ``top``, in order of
+    the fastest each could be (every item kept, at its fastest micro-batch), stopping once
+    that bound is no faster than the ``top``-th fastest fit found (the first ``top`` are
+    those of the full search)."""
+    plain = [f for f in fits if f.policy[0] is not Recompute.OPS]
+    ops = [f for f in fits if f.policy[0] is Recompute.OPS]
+    if not ops or top is None:
+        return plain + [w for f in ops for w in _with_save_sets(ctx, f)]
+    rows = [(f.par, _fastest_policy(ctx, f.policy), b, f.num_params)
+            for f in ops for b in _ops_sizes(ctx, f)]
+    step = _row_times(ctx, rows).step_s
+    bounds, at = [], 0
+    for f in ops:
+        n = len(_ops_sizes(ctx, f))
+        bounds.append(float(step[at:at + n].min()))
+        at += n
+    best = sorted(float(t) for t in _times(ctx, plain).step_s) if plain else []
+    out = list(plain)
+    for n, (bound, f) in enumerate(sorted(zip(bounds, ops), key=lambda x: x[0])):
+        if len(best) >= top and bound >= best[top - 1]:
+            rejected[SLOWER_THAN_TOP.format(top=top)] += len(ops) - n
+            break
+        found = _with_save_sets(ctx, f)
+        out += found
+        best = sorted(best + [float(t) for t in _times(ctx, found).step_s])
+    return out
+
+
+def _set_index(ctx: _Context, fit: _Fit) -> int:
+    """The position of a fit's save set on its layer's frontier."""
+    from memplan.model.dims import Dims
+    from memplan.model.layer import ops_items
+    from memplan.planning.save_sets import frontier
+
+    wl = ctx.workload(fit.policy).model_copy(update={"micro_batch_size": fit.mbs})
+    sets = frontier(ops_items(ctx.spec, wl, Dims.of(ctx.spec, fit.par, wl)))
+    kept = set(fit.policy[1])  # type: ignore[arg-type]
+    return next((i for i, c in enumerate(sets) if set(c.kept) == kept), 0)
+
+
+def _with_save_set(ctx: _Context, fit: _Fit, known: int = 0) -> _Fit:
+    """A fit of op-level checkpointing (found keeping nothing) with the save set of least
+    recompute that fits its layout at its micro-batch (``memplan.planning.save_sets``): a
+    bisection of the layer's frontier, one evaluation per probe."""
+    from memplan.model.dims import Dims
+    from memplan.model.layer import ops_items
+    from memplan.planning.save_sets import choose, frontier
+
+    wl = ctx.workload(fit.policy).model_copy(update={"micro_batch_size": fit.mbs})
+    peaks: dict[tuple[str, ...], int] = {}
+
+    def fits(kept: tuple[str, ...]) -> bool:
+        peaks[kept] = evaluate(ctx.spec, fit.par, ctx.workload((Recompute.OPS, kept)),
+                               fit.mbs, ctx.ovh).peak_bytes
+        ctx.evaluated += 1
+        return peaks[kept] <= ctx.budget
+
+    choice, _ = choose(frontier(ops_items(ctx.spec, wl, Dims.of(ctx.spec, fit.par, wl))), fits,
+                       known)
+    if choice is None:
+        return fit
+    return replace(fit, policy=(Recompute.OPS, choice.kept),  # type: ignore[arg-type]
+                   peak_bytes=peaks[choice.kept])
 
 
 @dataclass(frozen=True)
@@ -600,13 +707,30 @@ def _fastest_possible(ctx: _Context, rows: list[tuple[ParallelConfig,
     ``with_params``, with the fewest any of its pipeline stages holds (which needs the
     layout's ``stage_parts``, as its search does)."""
     fewest = [_fewest_params(ctx, par, policy) if with_params else 0 for par, policy, _ in rows]
-    flat = [(par, policy, b, n) for (par, policy, bs), n in zip(rows, fewest) for b in bs]
+    flat = [(par, _fastest_policy(ctx, policy), b, n)
+            for (par, policy, bs), n in zip(rows, fewest) for b in bs]
     step = _row_times(ctx, flat).step_s
     out, at = [], 0
     for _, _, bs in rows:
         out.append(float(step[at:at + len(bs)].min()) if bs else float("inf"))
         at += len(bs)
     return out
+
+
+def _fastest_policy(ctx: _Context, policy: tuple[Recompute, int | None]
+                    ) -> tuple[Recompute, int | None]:
+    """Op-level checkpointing is searched keeping nothing, its slowest; its time is bounded
+    by keeping every item a save set may hold (the least rerun; the rerun's FLOPs do not
+    depend on the layout: ``memplan.planning.timing.ops_rerun_flops``)."""
+    if policy[0] is not Recompute.OPS:
+        return policy
+    from memplan.model.dims import Dims
+    from memplan.model.layer import ops_items
+    from memplan.planning.save_sets import frontier
+
+    wl = ctx.workload(policy)
+    sets = frontier(ops_items(ctx.spec, wl, Dims.of(ctx.spec, ParallelConfig(), wl)))
+    return (Recompute.OPS, sets[-1].kept)  # type: ignore[return-value]
 
 
 def _fewest_params(ctx: _Context, par: ParallelConfig,
@@ -644,11 +768,21 @@ def _ranked(ctx: _Context, fits: list[_Fit]) -> list[Candidate]:
     times = _times(ctx, fits)
     out = []
     for n, fit in enumerate(fits):
-        out.append(Candidate(fit.par, fit.mbs, fit.policy[0], fit.policy[1], None, times.at(n),
-                             fit.peak_bytes,
-                             (ctx.spec, ctx.gpu, ctx.workload(fit.policy), ctx.capacity)))
+        ops = fit.policy[0] is Recompute.OPS
+        out.append(Candidate(fit.par, fit.mbs, fit.policy[0], None if ops else fit.policy[1],
+                             None, times.at(n), fit.peak_bytes,
+                             (ctx.spec, ctx.gpu, ctx.workload(fit.policy), ctx.capacity),
+                             tuple(fit.policy[1]) if ops else ()))  # type: ignore[arg-type]
     out.sort(key=lambda c: (c.time.step_s, c.peak_bytes))
-    return out
+    seen: set[ParallelConfig] = set()  # op-level checkpointing: a layout's fastest micro-batch
+    kept = []
+    for c in out:
+        if c.recompute is Recompute.OPS:
+            if c.layout in seen:
+                continue
+            seen.add(c.layout)
+        kept.append(c)
+    return kept
 
 
 def _closest_miss(ctx: _Context, levels: list[_Level]) -> Miss | None:

@@ -186,6 +186,9 @@ def step_flops(spec: ModelSpec, wl: Workload, global_batch: int, *, pp: int,
             rerun = sum(per_token[i] for i in recomputed_layers(spec.num_layers, k, pp, vpp,
                                                                          split, wl.recompute_every))
             extra += float(rerun * tokens)
+    elif wl.recompute is Recompute.OPS:
+        # op-level checkpointing reruns the ops its save list does not keep
+        extra += ops_rerun_flops(spec, wl) * spec.num_layers * tokens
     elif wl.recompute is Recompute.SELECTIVE and wl.selective_impl is SelectiveImpl.OP:
         # per-op SAC reruns the matmuls it does not keep (every second one; memplan.model.sac)
         # and not the attention kernel, whose output it keeps
@@ -223,6 +226,18 @@ def _mtp_flops(spec: ModelSpec, wl: Workload) -> float:
         return 0.0
     layer = layer_forward_flops(spec, wl.seq_len)[mtp_layer_index(spec)]
     return wl.mtp_layers * mtp_flops_per_token(spec, layer, head_flops_per_token(spec))
+
+
+def ops_rerun_flops(spec: ModelSpec, wl: Workload) -> float:
+    """Forward FLOPs per token that one layer's rerun spends under ``Recompute.OPS``: the
+    ops its save list does not keep (``memplan.model.sac_ops``), for the whole layer (one
+    rank's, tensor parallelism aside)."""
+    from memplan.model import sac_ops
+    from memplan.model.dims import Dims
+    from memplan.model.layer import ops_items
+
+    items = ops_items(spec, wl, Dims.of(spec, ParallelConfig(), wl))
+    return sac_ops.rerun_flops_per_token(items, sac_ops.resolve(items, wl.recompute_save, spec))
 
 
 def _sac_rerun_flops(spec: ModelSpec, wl: Workload) -> float:

@@ -375,6 +375,9 @@ def build_hf(case: FrameworkCase) -> Built:
     recompute = case.options.get("recompute", "none")
     if recompute == "full":  # Trainer's gradient_checkpointing=True, non-reentrant
         model.gradient_checkpointing_enable({"use_reentrant": False})
+    save = case.options.get("recompute_save", "")
+    if recompute == "ops":  # the emitted torch policy, as gradient_checkpointing_kwargs
+        _emitted_checkpointing(model, spec, rec.name, b, s, save)
     host = HostSaved()
     def offloading() -> contextlib.AbstractContextManager:
         if "activations" not in offload:
@@ -406,6 +409,7 @@ def build_hf(case: FrameworkCase) -> Built:
     workload = dict(framework="hf", micro_batch_size=b, seq_len=s, precision=rec.name,
                     attention="flash" if attn == "sdpa" else "eager",
                     **({"recompute": recompute} if recompute != "none" else {}),
+                    **({"recompute_save": save} if recompute == "ops" else {}),
                     **({"fsdp_version": 1, **fsdp1} if fsdp1 is not None else {}),
                     **_deltanet_kernel(model))
     # the config's use_cache reaches the estimate through the spec (the hf preset's kv_cache)
@@ -430,6 +434,23 @@ def _deltanet_kernel(model: torch.nn.Module) -> dict[str, str]:
             torch_path = getattr(rule, "__name__", "") == "torch_chunk_gated_delta_rule"
             return {"deltanet_kernel": "torch" if torch_path else "fla"}
     return {}
+
+
+def _emitted_checkpointing(model, spec: ModelSpec, precision: str, b: int, s: int,
+                           save: str) -> None:
+    """``gradient_checkpointing_enable`` with the policy ``memplan estimate --emit-policy
+    torch`` prints for ``save`` (``memplan.profile.sac_policy``): each decoder layer's
+    checkpoint gets a fresh policy (``make_policy_fn``), its counters its own."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    from memplan.profile.sac_policy import emitted_module
+
+    wl = api.resolve(spec, framework="hf", micro_batch_size=b, seq_len=s, precision=precision,
+                     recompute="ops", recompute_save=save)[2]
+    make = emitted_module(spec, wl)["make_policy_fn"]
+    model.gradient_checkpointing_enable({
+        "use_reentrant": False,
+        "context_fn": lambda: create_selective_checkpoint_contexts(make())})
 
 
 def _fsdp1_wrap(model, case: FrameworkCase, fields: dict[str, Any]) -> torch.nn.Module:
@@ -569,7 +590,10 @@ def build_torchtitan(case: FrameworkCase) -> Built:
     every = int(ac) if ac.isdigit() else None
     if every is not None:  # before parallelize_llama: its AC would come before FSDP too
         _layer_sac(model, every)
-    ac_config = _torchtitan_ac("none" if every is not None else ac)
+    save = case.options.get("recompute_save", "")
+    if ac == "ops":  # the emitted torch policy on each block, before FSDP as torchtitan's AC
+        _emitted_block_sac(model, spec, rec.name, case.micro_batch_size, case.seq_len, save)
+    ac_config = _torchtitan_ac("none" if every is not None or ac == "ops" else ac)
     precision = "bfloat16" if rec.name == "fsdp-bf16" else "float32"
     training = TrainingConfig(local_batch_size=case.micro_batch_size, seq_len=case.seq_len,
                               mixed_precision_param=precision)
@@ -628,6 +652,8 @@ def build_torchtitan(case: FrameworkCase) -> Built:
         workload["float8"] = float8
     if case.options.get("float8_all_gather", False):
         workload["float8_all_gather"] = True
+    if ac == "ops":
+        workload["recompute_save"] = save
     if chunks > 1:
         workload["loss_chunks"] = chunks
     from memplan.profile.distributed import _follow_fsdp_storage
@@ -696,6 +722,27 @@ def _chunked_loss(model, chunks: int):
     loss.set_lm_head(model.lm_head)
     model._skip_lm_head = True
     return loss
+
+
+def _emitted_block_sac(model, spec: ModelSpec, precision: str, b: int, s: int,
+                       save: str) -> None:
+    """Each of torchtitan's blocks in ``checkpoint_wrapper`` with the policy ``memplan
+    estimate --emit-policy torch`` prints for ``save`` (a fresh one per checkpoint call),
+    with torch's default early stop."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper,
+    )
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    from memplan.profile.sac_policy import emitted_module
+
+    wl = api.resolve(spec, framework="torchtitan", micro_batch_size=b, seq_len=s,
+                     precision=precision, recompute="ops", recompute_save=save)[2]
+    make = emitted_module(spec, wl)["make_policy_fn"]
+    layers = model.get_submodule("layers")
+    for layer_id, block in list(layers.named_children()):
+        layers.register_module(layer_id, checkpoint_wrapper(
+            block, context_fn=lambda: create_selective_checkpoint_contexts(make())))
 
 
 def _layer_sac(model, every: int) -> None:

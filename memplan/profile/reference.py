@@ -14,13 +14,14 @@ would allocate a second copy) with a deterministic small init; nothing is downlo
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from memplan.spec import MlpKind, ModelSpec, NormKind, PositionKind
 from memplan.workload import Attention, NormImpl, Recompute
@@ -39,6 +40,9 @@ class RefOptions:
     torchtune_chunks: bool = False  # loss_chunks as torchtune's chunked output and loss
     compile_loss: bool = False  # torchtune's own chunked loss, its cross-entropy compiled
     norm_eps: float = 1e-5
+    # recompute ops: each layer's selective checkpointing policy (``memplan.profile.
+    # sac_policy``), one per layer index
+    policy_fns: tuple | None = None
 
 
 class FusedRMSNorm(torch.autograd.Function):
@@ -256,6 +260,12 @@ class ReferenceModel(nn.Module):
                  device: torch.device | str = "cpu") -> None:
         super().__init__()
         opts = opts or RefOptions()
+        if opts.recompute is Recompute.OPS and opts.policy_fns is None:
+            from memplan.errors import MemplanError
+
+            raise MemplanError("recompute ops: the reference model runs it only where its "
+                               "layers' policies are given (memplan trace; memplan.profile."
+                               "sac_policy), not here")
         self.spec, self.opts = spec, opts
         h = spec.hidden_size
         self.embed = nn.Embedding(spec.vocab_size, h, dtype=opts.dtype, device=device)
@@ -291,6 +301,10 @@ class ReferenceModel(nn.Module):
         for i, block in enumerate(self.blocks):
             if self._full_recompute(i):
                 x = checkpoint(block, x, rope, mask, use_reentrant=False)
+            elif opts.policy_fns is not None:
+                context = functools.partial(create_selective_checkpoint_contexts,
+                                            opts.policy_fns[i])
+                x = checkpoint(block, x, rope, mask, use_reentrant=False, context_fn=context)
             else:
                 x = block(x, rope, mask)
         x = self.final_norm(x)

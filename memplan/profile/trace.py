@@ -24,6 +24,7 @@ Precision recipes are implemented as the frameworks do:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -38,7 +39,7 @@ from memplan.profile.tracker import (CATEGORIES, CompiledTracker, MemoryTracker,
                                      inductor_buffers_seen)
 from memplan.spec import ModelSpec
 from memplan.units import PHASES
-from memplan.workload import LossImpl, OptimizerImpl, Precision, Workload
+from memplan.workload import LossImpl, OptimizerImpl, Precision, Recompute, Workload
 
 _TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -252,7 +253,12 @@ def trace(spec: ModelSpec, par: ParallelConfig, wl: Workload, *, steps: int = 2,
     mode = _fake_mode() if fake else contextlib.nullcontext()
     with mode:
         torch.manual_seed(0)
-        model = ReferenceModel(spec, ref_options(wl))
+        opts = ref_options(wl)
+        if wl.recompute is Recompute.OPS:  # the policy --emit-policy torch prints
+            from memplan.profile.sac_policy import emitted_policy_fns
+
+            opts = dataclasses.replace(opts, policy_fns=emitted_policy_fns(spec, wl))
+        model = ReferenceModel(spec, opts)
         return run_steps(model, spec, wl, MemoryTracker(timeline=timeline), steps=steps)
 
 

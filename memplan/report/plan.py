@@ -22,6 +22,7 @@ def plan_json(result: PlanResult, top: int) -> dict[str, Any]:
             "layout": _layout_json(c.layout),
             "mbs": c.micro_batch_size, "recompute": c.recompute.label,
             "recompute_layers": c.recompute_layers,
+            **({"recompute_save": list(c.recompute_save)} if c.recompute.label == "ops" else {}),
             "peak_bytes": c.peak_bytes, "capacity_bytes": c.capacity_bytes,
             "step_time_s": c.time.step_s, "tokens_per_s_per_gpu": c.time.tokens_per_s_per_gpu,
             "mfu": c.time.mfu, "bound": c.time.bound.value, "fits": True,
@@ -123,6 +124,8 @@ def best_line(result: PlanResult, num_layers: int) -> str:
 def _recompute(c: Any, num_layers: int) -> str:
     """A candidate's recompute policy; full recompute of k of a stage's layers: "full 2 of
     8"."""
+    if c.recompute.label == "ops":  # what each layer keeps
+        return "ops: " + (",".join(c.recompute_save) or "input only")
     return c.recompute.label + (f" {c.recompute_layers} of "
                                 f"{max(rank_layers(num_layers, c.layout))}"
                                 if c.recompute_layers else "")

@@ -740,7 +740,7 @@ def test_help_shows_no_type_noise(command: str | None, capsys: pytest.CaptureFix
     assert "--help" in out
     assert "<bool>" not in out and "<str>" not in out, out
     if command == "plan":  # numbers and choices keep theirs
-        assert "<int" in out and "<none|selective|full>" in out
+        assert "<int" in out and "<none|selective|full|ops|auto>" in out
 
 
 def test_logits_held_option_is_the_api_setting() -> None:

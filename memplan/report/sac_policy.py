@@ -1,0 +1,237 @@
+"""An op-level save set (``Recompute.OPS``) in each framework's own terms (``--emit-policy``).
+
+- ``torch``: a Python module defining ``policy_fn(ctx, op, *args, **kwargs)`` for
+  ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` (torch/utils/checkpoint.py),
+  ``policy_fns`` (one per layer, each with its own counters) and ``context_fn(layer)``. An
+  item is recognised by its op family (``mm``/``addmm`` for a projection; SDPA's kernels;
+  ``silu``/``gelu``; ``mul``), its output's last dimension and its index among the layer's
+  ops of that family and width (``memplan.model.sac_ops.Item``); the policy counts them per
+  layer. Norms' saved tensors come from elementwise ops that differ by implementation: a
+  save list naming them is not expressible and is said so.
+- ``torchtitan``: its per-op SAC (0.3.0 ``distributed/activation_checkpoint.py``
+  ``SelectiveAC``) saves its op list's outputs (SDPA, ``aten.mm``/``linear``) but every second
+  matmul counted in execution order, and recomputes matmuls whose weight shape is in
+  ``force_recompute_mm_shapes_by_fqns``, uncounted; it runs with ``early_stop=False``. The
+  emitted config forces the shapes of the projections not kept; what it then keeps is worked
+  out by the same rule and shown as a memplan save list.
+- ``megatron``: ``--recompute-granularity selective --recompute-modules`` (Megatron-LM
+  ``transformer_config.py`` ``recompute_modules``: core_attn, mlp, layernorm, moe, moe_act,
+  shared_experts, mla_up_proj) recomputes whole submodules: the closest setting, and what it
+  keeps instead.
+"""
+
+from __future__ import annotations
+
+from memplan.errors import MemplanError
+from memplan.model.sac_ops import ATTENTION_KERNEL, MATMUL, NORM, Item, matmul_shapes
+from memplan.spec import ModelSpec
+
+TARGETS = ("torch", "torchtitan", "megatron")
+# torchtitan's Llama module names of each projection (models/common/attention.py,
+# feed_forward.py)
+_TITAN_FQNS = {"attn.qkv": "attention.wqkv", "attn.q": "attention.wq", "attn.k": "attention.wk", "attn.v": "attention.wv",
+               "attn.o_proj": "attention.wo", "mlp.gate": "feed_forward.w1",
+               "mlp.up": "feed_forward.w3", "mlp.down": "feed_forward.w2"}
+
+
+def emit(target: str, spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, ...],
+         command: str) -> str:
+    """``kept`` of ``items`` as ``target`` expresses it; ``command``: the memplan command line
+    it came from (quoted in the output)."""
+    if target not in TARGETS:
+        raise MemplanError(f"emit-policy must be one of {', '.join(TARGETS)}, got {target!r}")
+    return {"torch": torch_policy, "torchtitan": torchtitan_policy,
+            "megatron": megatron_policy}[target](spec, items, kept, command)
+
+
+def _unexpressible(kept: tuple[Item, ...]) -> list[str]:
+    return [i.name for i in kept if i.op == NORM]
+
+
+def torch_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, ...],
+                 command: str) -> str:
+    """The module (see the module docstring)."""
+    keyed = [i for i in items if i.op != NORM]
+    per_layer: dict[tuple[str, int], int] = {}
+    # the down projection runs too (never kept: the rerun stops before it), and counts
+    for op, width in [(i.op, i.width) for i in keyed] + [(MATMUL, spec.hidden_size)]:
+        per_layer[(op, width)] = per_layer.get((op, width), 0) + 1
+    save = sorted((i.op, i.width, i.nth) for i in kept if i.op != NORM)
+    missing = _unexpressible(kept)
+    note = ("# Not expressible, recomputed instead: " + ", ".join(missing) + " (a norm's saved "
+            "tensors come from elementwise ops that differ by implementation).\n"
+            if missing else "")
+    names = ", ".join(i.name for i in kept if i.op != NORM) or "nothing but the layer input"
+    return f'''"""Selective activation checkpointing for {spec.name}: each decoder layer keeps {names}.
+
+Made by: {command}
+Wrap each decoder layer with
+    torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False,
+                                      context_fn=context_fn(layer_index))
+Ops are recognised by family, output width and their index in the layer (per TP rank);
+everything else is recomputed in backward.
+"""
+{note}import functools
+from collections import Counter
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+NUM_LAYERS = {spec.num_layers}
+# (family, output width, index among the layer's ops of that family and width)
+SAVE = {"{" + ", ".join(map(repr, save)) + "}" if save else "set()"}
+# how many ops of each (family, width) one layer runs
+PER_LAYER = {per_layer}
+_aten = torch.ops.aten
+_SDPA = tuple(getattr(_aten, name).default for name in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    if hasattr(_aten, name))
+
+
+def _key(op, args):
+    """(family, width) of an op call, or None."""
+    if op in (_aten.mm.default, _aten.addmm.default):
+        return "{MATMUL}", args[-1].shape[-1]
+    if op in _SDPA:
+        return "{ATTENTION_KERNEL}", args[0].shape[1] * args[0].shape[-1]
+    if op in (_aten.silu.default, _aten.gelu.default):
+        return "act", args[0].shape[-1]
+    if op is _aten.mul.Tensor and all(isinstance(a, torch.Tensor) for a in args[:2]):
+        return "mul", max(args[0].shape[-1], args[1].shape[-1])
+    return None
+
+
+def make_policy_fn():
+    """A policy with its own counters (one per checkpointed layer)."""
+    seen = Counter()
+
+    def policy_fn(ctx, op, *args, **kwargs):
+        key = _key(op, args)
+        if key is None or key not in PER_LAYER:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        slot = (getattr(ctx, "is_recompute", False), key)
+        nth = seen[slot] % PER_LAYER[key]
+        seen[slot] += 1
+        if (*key, nth) in SAVE:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy_fn
+
+
+policy_fn = make_policy_fn()
+# every layer keeps the same ops; one policy each, so that their counters stay apart
+policy_fns = [make_policy_fn() for _ in range(NUM_LAYERS)]
+
+
+def context_fn(layer_index):
+    return functools.partial(create_selective_checkpoint_contexts, policy_fns[layer_index])
+'''
+
+
+def _titan_kept(items: tuple[Item, ...], forced: set[tuple[int, int]],
+                shapes: dict[str, tuple[int, int]]) -> list[str]:
+    """What torchtitan's rule keeps: SDPA's outputs, and of the matmuls not forced (in
+    execution order, the down projection included) the 1st, 3rd, ... (``meta[mm_count_key]
+    % 2 == 0`` recomputes the even ones)."""
+    out, count = [], 0
+    for i in items:
+        if i.op == ATTENTION_KERNEL:
+            out.append(i.name)
+        if i.op != MATMUL:
+            continue
+        if shapes[i.name] in forced:
+            continue
+        count += 1
+        if count % 2 == 1:
+            out.append(i.name)
+    return out
+
+
+def torchtitan_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, ...],
+                      command: str) -> str:
+    names = {i.name for i in kept}
+    matmuls = [i for i in items if i.op == MATMUL]
+    # the down projection's output: never read by backward, reruns under torchtitan's
+    # early_stop=False unless kept; memplan's items leave it out (early stop)
+    down = Item("mlp.down", (), 0, 2.0 * spec.ffn_hidden_size * spec.hidden_size, MATMUL,
+                spec.hidden_size, 0, "mlp", False)
+    # weight shapes (in, out) as torchtitan matches them (whole weights: one TP rank's
+    # shard has the same shape on every rank of its group)
+    fused = any(i.name == "attn.qkv" for i in items)
+    shapes = {name: (d_in, d_out) for name, d_in, d_out, _ in matmul_shapes(spec, 1, fused)}
+    forced = {shapes[i.name] for i in matmuls if i.name not in names}
+    fqns = [_TITAN_FQNS[i.name] for i in matmuls if i.name not in names]
+    result = _titan_kept(items + (down,), forced, shapes)
+    lost = sorted(names - set(result) - {i.name for i in kept if i.op == NORM})
+    plain = [f"# {line}" for line in (
+        f"Wanted: {', '.join(sorted(names)) or 'the layer input only'}.",
+        f"torchtitan keeps: {', '.join(result) or 'the layer input only'} "
+        "(its rule: every second remaining matmul recomputed; a forced shape forces every "
+        "matmul of that weight shape).",
+        *([f"Not expressible: {', '.join(lost)} (recomputed instead)."] if lost else []),
+        *([f"Not expressible: {', '.join(_unexpressible(kept))} (not in its op list)."]
+          if _unexpressible(kept) else []),
+        "Its checkpoint runs with early_stop=False: the rerun goes through the down projection"
+        + (" (whose output it keeps here: one more residual-sized tensor per layer, beyond "
+           "the save list below)." if "mlp.down" in result else "."),
+        "memplan's estimate of what it keeps: --recompute ops --recompute-save "
+        + (",".join(r for r in result if r != "mlp.down") or '""'),
+    )]
+    return "\n".join([f"# torchtitan 0.3.0 per-op SAC for {spec.name}. Made by: {command}",
+                      *plain,
+                      "from torchtitan.distributed.activation_checkpoint import SelectiveAC",
+                      "",
+                      "activation_checkpoint = SelectiveAC.Config(",
+                      f"    force_recompute_mm_shapes_by_fqns={fqns!r},",
+                      ")", ""])
+
+
+def megatron_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, ...],
+                    command: str) -> str:
+    names = {i.name for i in kept}
+    modules = []
+    if "attn.out" not in names:
+        modules.append("core_attn")
+    if not names & {"mlp.gate", "mlp.up", "mlp.act", "mlp.prod", "mlp.fc1"}:
+        modules.append("mlp")
+    if not any(i.op == NORM for i in kept):
+        modules.append("layernorm")
+    unlike = []
+    if modules and "mlp" not in modules and not {i.name for i in items
+                                                  if i.block == "mlp"} <= names:
+        unlike.append("an MLP partly kept: Megatron keeps or recomputes the MLP whole (kept)")
+    proj = {"attn.q", "attn.k", "attn.v", "attn.o_proj"}
+    if names & proj != proj:
+        unlike.append("the q/k/v and output projections are never recomputed by "
+                      "--recompute-modules (kept)")
+    setting = ("--recompute-granularity selective --recompute-modules " + " ".join(modules)
+               if modules else "no recompute (every item kept)")
+    return "\n".join([f"# Megatron-LM for {spec.name}. Made by: {command}", setting,
+                      *(f"# Not expressible: {u}." for u in unlike), ""])
+
+
+def emit_for(target: str, est: object) -> str:
+    """``emit`` for an estimate made with ``Recompute.OPS`` (``--recompute ops`` or
+    ``auto``)."""
+    from memplan.model.dims import Dims
+    from memplan.model.layer import ops_items
+    from memplan.model.sac_ops import resolve
+    from memplan.model.estimate import Estimate
+    from memplan.workload import Recompute
+
+    assert isinstance(est, Estimate)
+    spec, wl = est.spec, est.workload
+    if target not in TARGETS:
+        raise MemplanError(f"emit-policy must be one of {', '.join(TARGETS)}, got {target!r}")
+    if wl.recompute is not Recompute.OPS:
+        raise MemplanError(f"emit-policy needs recompute ops or auto, got recompute "
+                           f"{wl.recompute.value}")
+    items = ops_items(spec, wl, Dims.of(spec, est.parallel, wl))
+    kept = resolve(items, wl.recompute_save, spec)
+    save = ",".join(i.name for i in kept) or '""'
+    command = (f"memplan estimate -m {spec.name} -n {est.parallel.world_size} "
+               f"--mbs {wl.micro_batch_size} --seq {wl.seq_len} --recompute ops "
+               f"--recompute-save {save}")
+    return emit(target, spec, items, kept, command)

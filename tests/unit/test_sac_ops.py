@@ -1,0 +1,220 @@
+"""Op-level checkpointing (``--recompute ops``, ``--recompute-save``) and its search
+(``--recompute auto``): bytes derived by hand for the tiny spec.
+
+tiny: 2 layers, h 64, 4 heads / 2 KV heads of d 16 (q 64, kv 32), SwiGLU f 176, V 128. At
+seq 128 and micro-batch 2 in bf16 (bf16-mixed: compute in bf16, e = 2) a layer's tokens are
+T = 256, so per layer: its input T*h*e = 32,768; q T*q*e = 32,768; k and v T*kv*e = 16,384
+each; the attention kernel's output T*q*e = 32,768 with its fp32 logsumexp b*heads*s*4 =
+2*4*128*4 = 4,096 (36,864 together); the output projection's output T*h*e = 32,768; gate,
+act, up and product T*f*e = 256*176*2 = 90,112 each.
+"""
+
+from __future__ import annotations
+
+from itertools import combinations
+
+import pytest
+from memplan.api import estimate, make_layout, make_workload
+from memplan.cli import main
+from memplan.errors import MemplanError
+from memplan.model import sac_ops
+from memplan.model.dims import Dims
+from memplan.model.layer import ops_items
+from memplan.planning.save_sets import choose, frontier, searchable
+from memplan.spec import load_model
+
+TINY = dict(seq_len=128, micro_batch_size=2)
+
+
+def _stage(**fields):
+    return estimate("tiny", **TINY, **fields).stages[0]
+
+
+def test_keeping_nothing_is_full_recompute() -> None:
+    """An empty save list keeps each layer's input alone: the fully recomputed layer."""
+    ops, full = _stage(recompute="ops"), _stage(recompute="full")
+    assert ops.activations_bytes == full.activations_bytes
+    assert ops.steady == full.steady and ops.first_step == full.first_step
+
+
+def test_kept_outputs_add_their_bytes_per_layer() -> None:
+    """q (32,768) and the gate projection (90,112) kept in each of the 2 layers: 245,760
+    bytes beyond full recompute's saved activations, and on the backward's peak."""
+    kept, full = _stage(recompute="ops", recompute_save="attn.q,mlp.gate"), _stage(
+        recompute="full")
+    assert kept.activations_bytes - full.activations_bytes == 2 * (32_768 + 90_112)
+
+
+def test_groups_and_term_names() -> None:
+    """``attention``: q, k, v, the kernel's output and logsumexp, the output projection's
+    output: 32,768 + 2*16,384 + 36,864 + 32,768 = 135,168 per layer; naming the logsumexp
+    keeps the kernel's output with it (one op makes both)."""
+    full = _stage(recompute="full").activations_bytes
+    assert _stage(recompute="ops", recompute_save="attention").activations_bytes - full \
+        == 2 * 135_168
+    assert _stage(recompute="ops", recompute_save="attn.lse").activations_bytes - full \
+        == 2 * 36_864
+    mlp = _stage(recompute="ops", recompute_save="mlp").activations_bytes - full
+    assert mlp == 2 * 4 * 90_112
+
+
+def test_keeping_everything_holds_what_no_recompute_saves_and_more() -> None:
+    """Every item kept: what a layer without recompute saves, plus its checkpointed input
+    and the output projection's output (32,768 + 32,768 per layer)."""
+    every = _stage(recompute="ops", recompute_save="attention,mlp,norms")
+    none = _stage(recompute="none")
+    assert every.activations_bytes - none.activations_bytes == 2 * (32_768 + 32_768)
+
+
+def test_unknown_name_is_refused_with_the_valid_names() -> None:
+    with pytest.raises(MemplanError, match=r"unknown name 'attn\.x'.*valid: .*attn\.q.*"
+                                           r"attention, mlp, norms"):
+        _stage(recompute="ops", recompute_save="attn.x")
+
+
+def test_save_list_needs_ops() -> None:
+    with pytest.raises(MemplanError, match="needs recompute ops"):
+        _stage(recompute="full", recompute_save="attn.q")
+
+
+def test_refused_where_not_modelled() -> None:
+    with pytest.raises(MemplanError, match="recompute ops with precision amp-bf16"):
+        _stage(recompute="ops", precision="amp-bf16")
+
+
+def test_rerun_flops_by_hand() -> None:
+    """Per token, nothing kept: q 2*64*64 = 8,192, k and v 2*64*32 = 4,096 each, the core
+    2*s*q = 2*128*64 = 16,384, the output projection 8,192, gate and up 2*64*176 = 22,528
+    each, the activation and product 176 each, each norm's 4 saved tensors 64 each (2*256):
+    86,880. Keeping q and the gate projection: 86,880 - 8,192 - 22,528 = 56,160."""
+    spec = load_model("tiny")
+    wl = make_workload(spec, **TINY, recompute="ops")
+    items = ops_items(spec, wl, Dims.of(spec, make_layout(1), wl))
+    assert sac_ops.rerun_flops_per_token(items, ()) == 86_880
+    kept = sac_ops.resolve(items, ("attn.q", "mlp.gate"), spec)
+    assert sac_ops.rerun_flops_per_token(items, kept) == 56_160
+
+
+def test_frontier_is_the_knapsack_optimum_at_every_budget() -> None:
+    """Every subset of the searchable items, by brute force: at each subset's bytes the
+    frontier's best set keeps at least its FLOPs."""
+    spec = load_model("tiny")
+    wl = make_workload(spec, **TINY, recompute="ops")
+    items = ops_items(spec, wl, Dims.of(spec, make_layout(1), wl))
+    pool = searchable(items)
+    sets = frontier(items)
+    total = sum(i.flops_per_token for i in pool)
+    for n in range(len(pool) + 1):
+        for subset in combinations(pool, n):
+            size = sum(i.size_bytes for i in subset)
+            best = min(c.rerun_flops for c in sets if c.kept_bytes <= size)
+            assert best <= total - sum(i.flops_per_token for i in subset)
+
+
+def test_choose_takes_the_most_bytes_that_fit() -> None:
+    spec = load_model("tiny")
+    wl = make_workload(spec, **TINY, recompute="ops")
+    sets = frontier(ops_items(spec, wl, Dims.of(spec, make_layout(1), wl)))
+    limit = sets[len(sets) // 2].kept_bytes
+    chosen, asked = choose(sets, lambda kept: next(
+        c.kept_bytes for c in sets if c.kept == kept) <= limit)
+    assert chosen == sets[len(sets) // 2] and asked <= 2 + len(sets).bit_length()
+    assert choose(sets, lambda kept: False)[0] is None
+
+
+def test_auto_fits_and_keeps_the_most_it_can() -> None:
+    """On a 7B layer at 4,096 tokens the auto choice fits each budget, and a larger budget
+    never reruns more."""
+    reruns = []
+    for memory in ("24GiB", "30GiB", "40GiB"):
+        est = estimate("llama-2-7b", gpus=8, zero=3, seq_len=4096, gpu_memory=memory,
+                       recompute="auto")
+        assert est.fits and est.workload.recompute == "ops"
+        reruns.append(len(est.workload.recompute_save))
+    assert reruns == sorted(reruns) and reruns[0] < reruns[-1]
+
+
+def test_cli_unknown_name_one_line_exit_2(capsys) -> None:
+    code = main(["estimate", "-m", "tiny", "--recompute", "ops", "--recompute-save",
+                 "attn.nope"])
+    err = capsys.readouterr().err
+    assert code == 2 and "unknown name 'attn.nope'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_plan_auto_ranks_save_sets_per_layout() -> None:
+    """plan --recompute auto: every candidate is op-level checkpointing with the save set
+    chosen at its micro-batch; its peak is the estimate's with that set, within the budget,
+    and a layout appears once (its fastest micro-batch)."""
+    from memplan.api import plan
+
+    result = plan("llama-2-7b", gpus=8, seq_len=4096, recompute=["auto"], top=3)
+    assert result.candidates
+    layouts = [c.layout for c in result.candidates]
+    assert len(layouts) == len(set(layouts))
+    for c in result.candidates[:3]:
+        assert c.recompute == "ops" and c.peak_bytes <= result.budget_bytes
+        assert c.estimate.peak_bytes == c.peak_bytes
+        assert c.estimate.workload.recompute_save == tuple(sorted(c.recompute_save))
+
+
+def _emitted(target: str, save: str) -> str:
+    from memplan.report.sac_policy import emit_for
+
+    return emit_for(target, estimate("tiny", **TINY, recompute="ops", recompute_save=save))
+
+
+def test_torch_policy_names_ops_by_family_width_and_index() -> None:
+    """tiny's layer runs matmuls of width 64 (q, the output projection and the down projection: h = q = 64),
+    32 (k, v) and 176 (gate, up), one SDPA of width heads*d = 64, one silu and one product
+    of width 176: q is the 0th 64-wide matmul, the output projection the 1st, the gate the
+    0th 176-wide one."""
+    text = _emitted("torch", "attn.q,attn.o_proj,mlp.gate,mlp.prod")
+    space: dict = {}
+    code = compile(text, "policy.py", "exec")  # a valid module
+    names = code.co_names
+    assert "policy_fn" in names and "policy_fns" in names and "context_fn" in names
+    for line in ("SAVE = {('matmul', 64, 0), ('matmul', 64, 1), ('matmul', 176, 0), "
+                 "('mul', 176, 0)}",
+                 "PER_LAYER = {('matmul', 64): 3, ('matmul', 32): 2, ('sdpa', 64): 1, "
+                 "('matmul', 176): 2, ('act', 176): 1, ('mul', 176): 1}"):
+        assert line in text
+    assert space == {}
+
+
+def test_norms_are_said_to_be_inexpressible() -> None:
+    assert "Not expressible, recomputed instead: attn_norm.stats" in _emitted(
+        "torch", "attn_norm.stats")
+
+
+def test_torchtitan_and_megatron_say_what_they_keep() -> None:
+    """torchtitan with q and the gate kept: the other projections' shapes forced (k and v
+    share a shape, as do gate and up, so forcing up forces the gate too); its every-second
+    rule then keeps the 1st of the remaining matmuls (q, 64x64 shared with the output
+    projection: forced too, as o_proj is not kept)."""
+    titan = _emitted("torchtitan", "attn.q,mlp.gate")
+    assert "force_recompute_mm_shapes_by_fqns=['attention.wk', 'attention.wv', " \
+           "'attention.wo', 'feed_forward.w3']" in titan
+    assert "Not expressible: attn.q, mlp.gate" in titan
+    mega = _emitted("megatron", "attn.q,attn.k,attn.v,attn.o_proj")
+    assert "--recompute-granularity selective --recompute-modules core_attn mlp layernorm" in mega
+
+
+def test_plan_auto_top_is_the_full_search_first() -> None:
+    """With top, op-level fits are upgraded in order of the fastest they could be and the
+    rest skipped: the first top candidates are those of the search without top."""
+    from memplan.api import plan
+
+    kwargs = dict(gpus=8, seq_len=4096, recompute=["auto"])
+    full = plan("llama-2-7b", **kwargs).candidates[:3]
+    cut = plan("llama-2-7b", top=3, **kwargs).candidates[:3]
+    assert [(c.layout, c.micro_batch_size, c.recompute_save) for c in cut] == \
+        [(c.layout, c.micro_batch_size, c.recompute_save) for c in full]
+
+
+def test_fused_qkv_is_one_item() -> None:
+    """One q/k/v projection (torchtitan's wqkv): its output T x (q + 2 kv) x e = 256 x 128 x 2
+    = 65,536 bytes per layer, kept whichever of attn.q, attn.k, attn.v is named."""
+    full = _stage(recompute="full", fused_qkv=True).activations_bytes
+    for name in ("attn.q", "attn.k", "attn.qkv"):
+        kept = _stage(recompute="ops", recompute_save=name, fused_qkv=True).activations_bytes
+        assert kept - full == 2 * 65_536
