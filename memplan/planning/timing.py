@@ -657,8 +657,10 @@ def _windowed(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns, comm: dic
     # block's attention, a 1/cp share of the layer's; backward passes K/V and their gradients
     # beside twice the forward's compute, the same ratio
     cp = comm["cp"]
+    blocks = c.layers * c.m * c.cp  # attention blocks of the busiest rank in a step
     steps = where(c.cp > 1, 2 * (c.cp - 1) * c.layers * c.m, 1)
-    block = compute * attention_share / 3.0 / (c.layers * c.m * c.cp)
+    steps = where(steps > 0, steps, 1)  # a rank without layers sends nothing
+    block = compute * attention_share / 3.0 / where(blocks > 0, blocks, 1)
     return dp + ring_exposed(cp, steps, block, where)
 
 
