@@ -55,7 +55,7 @@ from memplan.parallel import (
     zero_offload,
 )
 from memplan.spec import ModelSpec
-from memplan.workload import DeltaNetKernel, Framework, Workload
+from memplan.workload import DeltaNetKernel, Framework, Recompute, Workload
 
 # PHASES, PhasePeaks and StageMemory are defined with the stage walk and re-exported here,
 # beside the Estimate that holds them.
