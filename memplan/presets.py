@@ -70,7 +70,9 @@ SETTINGS: dict[Mechanism, frozenset[str]] = {
     Mechanism.DATA_PARALLEL: frozenset({"fsdp_units", "grad_buffers", "ddp_any_size",
                                         "zero_bucket_numel", "zero_bucket_buffers",
                                         "zero3_plain_gathers", "fsdp_version", "backward_prefetch",
-                                        "use_orig_params"}),
+                                        "use_orig_params", "zero3_prefetch_numel",
+                                        "zero3_max_live_numel", "zero3_reuse_distance_numel",
+                                        "zero3_persistence_numel"}),
     Mechanism.LAYOUT: frozenset({"tp_style", "pipeline_split"}),
 }
 
@@ -453,15 +455,11 @@ REFUSALS: dict[Framework, tuple[Refusal, ...]] = {
     ),
     Framework.GENERIC: (),
     Framework.DEEPSPEED: (
-        Refusal(lambda par, wl: par is not None and (
-                    int(par.zero) == 0 or int(par.zero) == 3 and not wl.zero3_plain_gathers),
-                "--zero 0 or 3 with the coordinator's prefetch, reuse or persistence",
-                "memplan models DeepSpeed's ZeRO stages 1 and 2 (runtime/zero/stage_1_and_2.py "
-                "DeepSpeedZeroOptimizer) and stage 3 with each module gathered for its own "
-                "run only (zero3_plain_gathers: prefetch bucket, reuse distance and "
-                "persistence threshold 0, memplan.model.deepspeed_zero.zero3_gathers); stage "
-                "3's prefetch, reuse and persistent parameters "
-                "(partitioned_param_coordinator.py) and stage 0's bf16 optimizer are not "
+        Refusal(lambda par, wl: par is not None and int(par.zero) == 0,
+                "--zero 0",
+                "memplan models DeepSpeed's ZeRO stages 1, 2 (runtime/zero/stage_1_and_2.py "
+                "DeepSpeedZeroOptimizer) and 3 (stage3.py, the parameter coordinator "
+                "memplan.model.deepspeed_coordinator); stage 0's bf16 optimizer is not "
                 "modelled yet"),
         Refusal(lambda par, wl: par is not None and int(par.zero) == 1 and (
                     wl.zero_bucket_buffers != 1

@@ -24,6 +24,7 @@ from memplan.model.deepspeed_zero import (
     stage1_reduce_bytes,
     step_flat_copy_bytes,
 )
+from memplan.model.deepspeed_coordinator import coordinator_positions, zero3_coordinator
 from memplan.model.embedding import EmbeddingBlock
 from memplan.model.fsdp_buckets import gathered_units, queued_units
 from memplan.model.head import HeadBlock
@@ -46,7 +47,7 @@ from memplan.parallel import (
 )
 from memplan.spec import ModelSpec, param_counts
 from memplan.units import FP32_BYTES, ceil_div
-from memplan.workload import FsdpUnits, Precision, Workload
+from memplan.workload import FsdpUnits, Precision, Recompute, Workload
 
 
 class StageParams(NamedTuple):
@@ -388,6 +389,8 @@ class ShardingBuffers(NamedTuple):
     #                            the backward's (ZeRO-1's partition); 0: the same
     bucket_resident: bool = False  # ``bucket_bytes`` held from the wrap on, forward and step
     #                                included (DeepSpeed's ZeRO-3), not in the backward_* bytes
+    first_step: Any = None  # the ShardingBuffers of step 1 where they differ (DeepSpeed's
+    #                         ZeRO-3 coordinator records its module trace then); None: these
 
     @property
     def peak_bytes(self) -> int:
@@ -499,7 +502,7 @@ def _preallocated_buckets(params: StageParams, par: ParallelConfig, wl: Workload
     made. ZeRO-1's: ``_reduce_after_backward``; ZeRO-3's: ``_coordinator_gathers``."""
     if par.zero >= ZeroStage.PARAMETERS:
         return _coordinator_gathers(params, wl, wl.precision.policy.unsharded.itemsize,
-                                    grad_bytes)
+                                    grad_bytes, par.dense_shard_degree)
     if par.zero == ZeroStage.OPTIMIZER:
         return _reduce_after_backward(params, par, wl, grad_bytes)
     held = bucket_bytes(wl.zero_bucket_numel, wl.zero_bucket_buffers, grad_bytes)
@@ -513,8 +516,8 @@ def _preallocated_buckets(params: StageParams, par: ParallelConfig, wl: Workload
                            partition_bytes=partition, partition_from=start)
 
 
-def _coordinator_gathers(params: StageParams, wl: Workload, e: int,
-                         grad_bytes: int) -> ShardingBuffers:
+def _coordinator_gathers(params: StageParams, wl: Workload, e: int, grad_bytes: int,
+                         dp: int) -> ShardingBuffers:
     """DeepSpeed's ZeRO-3 (``memplan.model.deepspeed_zero.zero3_gathers``): each module's own
     weights gathered while it runs, forward and backward (none at the loss: the head is
     released after its forward), the head's from its backward's start (its pre-backward hook,
@@ -523,10 +526,37 @@ def _coordinator_gathers(params: StageParams, wl: Workload, e: int,
     the hooks copying each gradient into the bucket."""
     g = zero3_gathers(params.tensor_sizes, params.embedding_tensors, params.head_tensors, e)
     held = bucket_bytes(wl.zero_bucket_numel, 1, grad_bytes)
-    return ShardingBuffers(g.in_layer, 0, 0, backward_head_bytes=g.head,
-                           backward_head_prefetch_bytes=g.head, backward_block_bytes=g.in_layer,
-                           backward_last_block_bytes=g.in_layer, backward_end_bytes=g.embedding,
-                           bucket_bytes=held, bucket_resident=True)
+    plain = ShardingBuffers(g.in_layer, 0, 0, backward_head_bytes=g.head,
+                            backward_head_prefetch_bytes=g.head,
+                            backward_block_bytes=g.in_layer,
+                            backward_last_block_bytes=g.in_layer,
+                            backward_end_bytes=g.embedding, bucket_bytes=held,
+                            bucket_resident=True)
+    c = zero3_coordinator(wl)
+    plain_c = wl.zero3_plain_gathers or c.plain
+    recomputed = wl.recompute is Recompute.FULL
+    if plain_c and not recomputed:
+        return plain
+    # step 1 records the module trace (each module for its own run: ``plain``, or with
+    # recomputation the replay's, which holds the weights a recomputation saved); from step
+    # 2 on the coordinator prefetches, keeps and persists by it
+    if recomputed:
+        plain = _replayed(coordinator_positions(params, wl, c, dp, e, False), held)
+    if plain_c:
+        return plain
+    return _replayed(coordinator_positions(params, wl, c, dp, e), held)._replace(
+        first_step=plain)
+
+
+def _replayed(at: Any, held: int) -> ShardingBuffers:
+    """ZeRO-3's buffers from the coordinator's gathered bytes at the walk's positions
+    (``memplan.model.deepspeed_coordinator.Positions``) and the resident reduce bucket."""
+    return ShardingBuffers(at.in_layer, at.at_loss, 0, backward_head_bytes=at.head,
+                           backward_head_prefetch_bytes=at.head - at.loss_backward,
+                           backward_block_bytes=at.in_block,
+                           backward_last_block_bytes=at.in_first_block,
+                           backward_end_bytes=at.embedding, bucket_bytes=held,
+                           bucket_resident=True)
 
 
 def _reduce_after_backward(params: StageParams, par: ParallelConfig, wl: Workload,

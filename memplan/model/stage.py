@@ -31,7 +31,13 @@ from memplan.model.layer import LayerKind, backward_moments, merge_terms
 from memplan.model.deepspeed_zero import weight_grads_at
 from memplan.model.moments import Segment, peak_of
 from memplan.model.pipeline import Schedule
-from memplan.model.stage_parts import LayerKey, StageKinds, StageStates, key_variant
+from memplan.model.stage_parts import (
+    LayerKey,
+    StageKinds,
+    StageStates,
+    first_step_states,
+    key_variant,
+)
 from memplan.model.sharding import with_stream
 from memplan.model.stage_terms import StageTerms
 from memplan.model.walk import Walk, backward_peak, forward_peaks
@@ -282,13 +288,20 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
         grads = _gradients(wl, fx, walk, m)
     grads, last_step = _in_backward(spec, par, wl, shared, (fx, kinds), flight, grads, walk)
     forward = _forward(shared, fx, walk, dfr.before_forward - dfr.before_backward + host_rope)
+    grads1, forward1 = grads, forward
+    if fx.shard.first_step is not None and not accumulating:
+        # step 1's mechanism differs (ZeRO-3's coordinator records its trace): its own walk
+        fx1 = first_step_states(fx, wl)
+        walk1 = _walk(spec, par, wl, shared, fx1, kinds, entries, flight)[0]
+        grads1 = _gradients(wl, fx1, walk1, m)
+        forward1 = _forward(shared, fx1, walk1, host_rope)
     base = st.params_bytes + fx.buckets + fx.buffers
     optimizer, optimizer_first = _optimizer_peaks(walk.head, fx)
 
     held = walk.head.held_logits  # logits the loop holds from the loss on (its drain's too)
 
     def peaks(opt_bytes: int, from_loss: int, steady: bool) -> PhasePeaks:
-        in_forward, bwd = grads[2:] if steady else grads[:2]
+        in_forward, bwd = grads[2:] if steady else grads1[:2]
         # the drain's gathered buffers stay from the first step's drain on
         resident = dfr.resident if steady else 0
         # the drain of deferred weight gradients after the last backward, beside the
@@ -297,7 +310,8 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
                     if dfr.pair else 0, _reduce_after(fx, base + opt_bytes + from_loss))
         init = base + opt_bytes + fx.shard.forward_start(steady, st.grads_bytes)
         return PhasePeaks(
-            forward=max(base + resident + opt_bytes + in_forward + forward(steady)
+            forward=max(base + resident + opt_bytes + in_forward
+                        + (forward if steady else forward1)(steady)
                         + shared.mask, init),
             backward=max(base + resident + opt_bytes + from_loss + bwd, drain, last_step),
             optimizer=(optimizer if steady else optimizer_first) + resident)

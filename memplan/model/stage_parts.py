@@ -257,6 +257,14 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
     )
 
 
+def first_step_states(fx: StageStates, wl: Workload) -> StageStates:
+    """``fx`` with step 1's sharding buffers (``ShardingBuffers.first_step``: DeepSpeed's
+    ZeRO-3 coordinator gathers each module for its own run while it records the trace)."""
+    shard = fx.shard.first_step
+    dp = data_parallel(shard, fx.params.total, fx.states.grads_bytes, wl.precision.policy)
+    return fx._replace(shard=shard, dp=dp._replace(fresh_only=bool(shard.bucket_bytes)))
+
+
 def _states(params: StageParams, par: ParallelConfig, wl: Workload,
             trainable: TrainablePolicy) -> tuple[StateBytes, int]:
     """The stage's states and its optimizer step's temporaries. Stepped in backward
