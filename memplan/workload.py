@@ -536,8 +536,8 @@ class Workload(BaseModel):
         "DeepSpeed's ZeRO-3 with each module's own weights gathered while it runs, forward "
         "and backward, and released after it: stage3_prefetch_bucket_size, "
         "stage3_max_reuse_distance and stage3_param_persistence_threshold 0 "
-        "(partitioned_param_coordinator.py fetch_sub_module / release_sub_module); the only "
-        "ZeRO-3 coordinator memplan models"))
+        "(partitioned_param_coordinator.py fetch_sub_module / release_sub_module), whatever "
+        "the zero3_*_numel fields say"))
     # DeepSpeed's ZeRO-3 parameter coordinator (memplan.model.deepspeed_coordinator), in
     # elements; DeepSpeedZeroConfig's defaults (runtime/zero/config.py, 0.19.8)
     zero3_prefetch_numel: int = Field(default=50_000_000, ge=0, le=10**13, description=(
