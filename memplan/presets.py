@@ -487,10 +487,13 @@ REFUSALS: dict[Framework, tuple[Refusal, ...]] = {
                 "DeepSpeed's ZeRO-2 is traced with AdamW on every weight; adapters (fp32 "
                 "gradients in the partition) and bitsandbytes' states on its flat partition "
                 "are not"),
-        Refusal(lambda par, wl: par is not None and bool(par.offload), "--offload",
-                "ZeRO-Offload's device side (stage_1_and_2.py temp_grad_buffer_for_gpu_offload, "
-                "the largest parameter's size, and at each reduce an fp64 copy of a gradient "
-                "for its norm, set_norm_for_param_grad_in_gpu) is not modelled yet"),
+        Refusal(lambda par, wl: par is not None and bool(par.offload) and not (
+                    int(par.zero) == 2 and {o.value for o in par.offload} == {"optimizer"}),
+                "--offload other than the optimizer at stage 2",
+                "DeepSpeed's ZeRO-Offload is modelled at stage 2 (stage_1_and_2.py with "
+                "cpu_offload, traced); at stage 1 (not traced), at stage 3 (stage3.py "
+                "offload_optimizer, parameter_offload.py offload_param) and for activations "
+                "it is not"),
     ),
 }
 REFUSALS[Framework.TORCHTITAN] += (

@@ -158,7 +158,7 @@ def _zero(imp: Imported, zero: dict[str, Any], hidden: int | None) -> None:
         if key in ZERO_REFUSED and _on(value):
             raise imp.refuse(name, value, "not modelled by memplan's DeepSpeed preset")
         if key == "offload_optimizer":
-            _offload(imp, name, value)
+            _offload(imp, name, value, stage)
         elif key in STAGE3_ONLY:
             shown_value = value
             if value == "auto" and key in ("stage3_prefetch_bucket_size",
@@ -304,12 +304,19 @@ def _buckets(imp: Imported, zero: dict[str, Any], hidden: int | None) -> None:
                          "all_gather_into_tensor where the backend has it, as NCCL does)")
 
 
-def _offload(imp: Imported, key: str, value: Any) -> None:
+def _offload(imp: Imported, key: str, value: Any, stage: int = 2) -> None:
     device = value.get("device", "none") if isinstance(value, dict) else value
     if device in (None, "none"):
         return
-    raise imp.refuse(key, value, "ZeRO-Offload's device buffers (stage_1_and_2.py "
-                     "temp_grad_buffer_for_gpu_offload) are not modelled yet")
+    if device != "cpu" or stage != 2:
+        raise imp.refuse(key, value, "ZeRO-Offload is modelled at stage 2 to the CPU "
+                         "(stage_1_and_2.py cpu_offload, traced); not at stage 1 or to NVMe")
+    imp.set(key, device, "offload", "optimizer",
+            "stage_1_and_2.py cpu_offload: the fp32 partition, its gradient, a bf16/fp16 copy "
+            "and the states on the host (pinned unless pin_memory is false), the step there "
+            "(DeepSpeedCPUAdam); on the GPU the weights, the reduce bucket, "
+            "temp_grad_buffer_for_gpu_offload (the largest parameter) and per reduce an fp64 "
+            "copy of a gradient slice (set_norm_for_param_grad_in_gpu)")
 
 
 def _precision(imp: Imported, key: str, table: dict[str, Any]) -> None:

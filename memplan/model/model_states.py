@@ -237,6 +237,12 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
         return StateBytes(params_bytes=params_bytes, grads_bytes=grads_bytes,
                           optimizer_bytes=device + scaler, master_bytes=0,
                           num_optimizer_params=opt_params, host_bytes=host, scaler_bytes=scaler)
+    if zero_offload(par) and wl.flat_partition:  # DeepSpeed's ZeRO-Offload (stage 1/2)
+        return StateBytes(params_bytes=params_bytes, grads_bytes=0, optimizer_bytes=0,
+                          master_bytes=0, num_optimizer_params=opt_params,
+                          host_bytes=deepspeed_offload_host_bytes(
+                              opt_params, max(trained.tensor_sizes, default=0),
+                              policy.grad_bytes, optimizer))
     if zero_offload(par):
         return StateBytes(params_bytes=params_bytes, grads_bytes=grads_bytes, optimizer_bytes=0,
                           master_bytes=0, num_optimizer_params=opt_params,
@@ -252,6 +258,18 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
         setup_bytes=states.setup_bytes,
         paged_bytes=states.paged_bytes,
     )
+
+
+def deepspeed_offload_host_bytes(opt_params: int, largest: int, grad_bytes: int,
+                                 optimizer: Any) -> int:
+    """Host bytes of DeepSpeed's ZeRO-Offload at stage 1/2 (stage_1_and_2.py ``__init__`` with
+    ``cpu_offload``): the fp32 partition, its fp32 gradient (``async_inplace_copy_grad_to_
+    fp32_buffer_from_gpu`` copies each reduced slice into it) and the states (the CPU step's),
+    as ``_zero_offload_host_bytes``; a bit16 copy of the partition
+    (``param_buffer_of_bit16_for_cpu_offload_groups``) and a buffer of the largest
+    parameter's size in the gradients' dtype (``temp_grad_buffer_for_cpu_offload``)."""
+    return (_zero_offload_host_bytes(opt_params, optimizer) + opt_params * grad_bytes
+            + largest * grad_bytes)
 
 
 def _zero_offload_host_bytes(opt_params: int, optimizer: Any) -> int:
@@ -389,6 +407,8 @@ class ShardingBuffers(NamedTuple):
     #                            the backward's (ZeRO-1's partition); 0: the same
     bucket_resident: bool = False  # ``bucket_bytes`` held from the wrap on, forward and step
     #                                included (DeepSpeed's ZeRO-3), not in the backward_* bytes
+    resident_bytes: int = 0  # a device buffer held from the wrap on, every phase (DeepSpeed's
+    #                          ZeRO-Offload temp_grad_buffer_for_gpu_offload)
     first_step: Any = None  # the ShardingBuffers of step 1 where they differ (DeepSpeed's
     #                         ZeRO-3 coordinator records its module trace then); None: these
 
@@ -510,10 +530,41 @@ def _preallocated_buckets(params: StageParams, par: ParallelConfig, wl: Workload
     partition = (_shard(trained.dense, par.dense_shard_degree, True)
                  + _shard(trained.expert, par.expert_shard_degree, True)) * grad_bytes
     start = first_reduce(params.head, params.layers, params.embedding, wl.zero_bucket_numel)
+    resident = 0
+    if zero_offload(par):
+        # ZeRO-Offload (stage_1_and_2.py): no device partition; each reduce copies the rank's
+        # slices to the host through an fp64 copy for the norm (set_norm_for_param_grad_in_
+        # gpu) and an fp32 one (async_inplace_copy_grad_to_fp32_buffer_from_gpu), one slice at
+        # a time: the largest's 8 B per element, counted from the first reduce on (traced at
+        # it); a device buffer of the largest parameter (temp_grad_buffer_for_gpu_offload)
+        # from the wrap on
+        partition = NORM_COPY_BYTES * largest_slice(params.tensor_sizes,
+                                                    par.dense_shard_degree)
+        resident = max(trained.tensor_sizes, default=0) * grad_bytes
     return ShardingBuffers(0, 0, 0, backward_head_bytes=held, backward_block_bytes=held,
                            backward_last_block_bytes=held, backward_end_bytes=held,
                            backward_head_prefetch_bytes=held, bucket_bytes=held,
-                           partition_bytes=partition, partition_from=start)
+                           partition_bytes=partition, partition_from=start,
+                           resident_bytes=resident)
+
+
+# an fp64 copy of a gradient slice for its norm (runtime/zero/utils.py get_norm_dtype: fp64
+# where the device has it, as CUDA does)
+NORM_COPY_BYTES = 8
+
+
+def largest_slice(tensor_sizes: tuple[int, ...], dp: int) -> int:
+    """Elements of the largest slice of a parameter in the last rank's partition of the flat
+    buffer (the parameters in order, padded to 2 x ``dp`` elements: stage_1_and_2.py
+    ``flatten_dense_tensors_aligned``); the last rank's holds the head and the last layers,
+    whose gradients are reduced first."""
+    total = sum(tensor_sizes)
+    size = -(-total // (2 * dp)) * 2
+    lo, hi, start, most = (dp - 1) * size, dp * size, 0, 0
+    for n in tensor_sizes:
+        most = max(most, min(start + n, hi) - max(start, lo))
+        start += n
+    return most
 
 
 def _coordinator_gathers(params: StageParams, wl: Workload, e: int, grad_bytes: int,

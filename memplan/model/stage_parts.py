@@ -215,7 +215,7 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
     # the gradients the step sees (ZeRO-1 under DeepSpeed: the partition alone)
     at_step = st._replace(grads_bytes=shard.step_grads_bytes) if shard.step_grads_bytes else st
     buckets = ((st.grads_bytes if ddp and par.grad_buffers is GradBuffers.COPY else 0)
-               + (shard.bucket_bytes if shard.bucket_resident else 0))
+               + (shard.bucket_bytes if shard.bucket_resident else 0) + shard.resident_bytes)
     buffers = rope_buffer_bytes(spec, wl, len(layers))
     return StageStates(
         first=first, last=last, params=params, states=st,

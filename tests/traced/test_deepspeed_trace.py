@@ -299,6 +299,37 @@ def test_zero3_coordinator_recompute_within_one_percent(name: str) -> None:
             assert abs(diff[f"{step}.{phase}_bytes"]["pct"]) <= 1.0, (step, phase, diff)
 
 
+# --- ZeRO-Offload (stage 2, offload_optimizer cpu) ----------------------------------------------
+
+_OFFLOAD = dict(reduce_bucket_size=300_000, offload_optimizer={"device": "cpu"})
+# memplan counts the fp64 copy of the head's slice (2,048,000 B, set_norm_for_param_grad_in_gpu)
+# from the start of the last layer's backward, where the first reduce falls; the trace has it at
+# the down projection's gradient hook, beside that gradient, where a few activations are gone
+_OFFLOAD_COPY = ("ZeRO-Offload's fp64 norm copy at the first reduce is counted from the start "
+                 "of the layer where the reduce falls: step 1 and steady backward +1.19% "
+                 "(115,056 B)")
+
+
+def test_zero_offload_phase_peaks_within_three_percent() -> None:
+    """DeepSpeed's ZeRO-Offload at stage 2 on the last of 2 fake ranks (the host's tensors
+    counted apart, OffloadTracker): the device holds the bf16 weights (4,434,432 B), a buffer of
+    the largest parameter (512,000 B), the activations, in backward the bucket and the fp64
+    copy of a gradient slice; no partition, no state. Measured: forward -136 B, optimizer -728
+    B (both steps), backward +115,056 B (+1.19%, _OFFLOAD_COPY). The host side (20,466,952 B
+    traced) is tests/unit/test_deepspeed.py test_zero_offload_by_hand."""
+    diff = _trace(**_OFFLOAD)["diff"]
+    assert diff["params_bytes"]["bytes"] == 0 and diff["grads_bytes"]["bytes"] == 0
+    for step in ("first_step", "steady"):
+        for phase in ("forward", "optimizer"):
+            assert abs(diff[f"{step}.{phase}_bytes"]["pct"]) <= 0.02, (step, phase, diff)
+        assert 0 < diff[f"{step}.backward_bytes"]["pct"] <= 3.0, (step, diff)
+
+
+@pytest.mark.xfail(strict=True, reason=_OFFLOAD_COPY)
+def test_zero_offload_backward_within_one_percent() -> None:
+    assert abs(_trace(**_OFFLOAD)["diff"]["first_step.backward_bytes"]["pct"]) <= 1.0
+
+
 # --- ZeRO stage 1 ------------------------------------------------------------------------------
 
 def test_stage1_reduce_after_backward_traced() -> None:

@@ -152,7 +152,8 @@ def test_deepspeed_refuses_what_it_does_not_model() -> None:
                          (dict(zero=1, zero_bucket_buffers=2), "--zero 1 with overlap_comm"),
                          (dict(zero=1, global_batch_size=16), "--zero 1 with overlap_comm"),
                          (dict(zero=2, precision="fp32"), "precision"),
-                         (dict(zero=2, offload="optimizer"), "--offload"),
+                         (dict(zero=1, offload="optimizer"), "--offload"),
+                         (dict(zero=2, offload="activations"), "--offload"),
                          (dict(zero=2, tp=2), "--tp, --pp"), (dict(zero=2, pp=2), "--tp, --pp")):
         with pytest.raises(MemplanError, match=name):
             api.estimate("llama-7b", gpus=8, framework="deepspeed", **kwargs)
@@ -332,9 +333,37 @@ def test_zero3_auto_coordinator_values_resolved() -> None:
         "zero3_reuse_distance_numel": 1_000_000_000, "zero3_persistence_numel": 40_960}
 
 
-def test_documented_offload_example_refused_by_name() -> None:
+def test_documented_offload_example_read() -> None:
+    """The Trainer's ZeRO-2 offload example: offload_optimizer cpu is --offload optimizer
+    (DeepSpeed's ZeRO-Offload); at stage 1 it is refused by name (not traced)."""
+    imp = deepspeed_config.read(DATA / "ds_config_zero2_offload_hf.json", 8, "llama-7b")
+    assert imp.inputs["offload"] == "optimizer" and imp.inputs["zero"] == 2
+    api.estimate("llama-7b", gpus=8, **imp.inputs)
+    data = json.loads((DATA / "ds_config_zero2_offload_hf.json").read_text())
+    data["zero_optimization"]["stage"] = 1
     with pytest.raises(MemplanError, match=r"zero_optimization.offload_optimizer"):
-        deepspeed_config.read(DATA / "ds_config_zero2_offload_hf.json", 8, "llama-7b")
+        deepspeed_config._zero(deepspeed_config.Imported(source="x", model=None),
+                               data["zero_optimization"], 4096)
+
+
+def test_zero_offload_by_hand() -> None:
+    """DeepSpeed's ZeRO-Offload on the traced toy (tests/traced/hf_configs.LLAMA3_TOY, 2 ranks,
+    bf16; tensors embedding 256,000, per layer q/o 65,536, k/v 16,384, MLP 3 x 229,376, norms
+    256, final norm 256, head 256,000: 2,217,216 elements). The last rank's partition is the
+    flat buffer's second half, 1,108,608 elements, holding the whole head: its largest slice
+    256,000 elements, an fp64 copy of 2,048,000 B at a reduce (traced). Host: fp32 partition,
+    fp32 gradient, Adam (16 B) and a bf16 copy (2 B) of 1,108,608 elements, and a bf16 buffer of
+    the largest parameter (512,000 B): 20,466,944 B (traced 20,466,952: the AdamW step count)."""
+    from memplan.model.deepspeed_zero import estimate_zero2  # noqa: F401 (the module loads)
+    from memplan.model.model_states import deepspeed_offload_host_bytes, largest_slice
+    from memplan.model.optimizer import optimizer_policy
+    from memplan.workload import Optimizer
+
+    layer = (256, 65_536, 16_384, 16_384, 65_536, 256, 229_376, 229_376, 229_376)
+    sizes = (256_000, *layer, *layer, 256, 256_000)
+    assert largest_slice(sizes, 2) == 256_000
+    assert deepspeed_offload_host_bytes(1_108_608, 256_000, 2,
+                                        optimizer_policy(Optimizer.ADAMW)) == 20_466_944
 
 
 @pytest.mark.parametrize(("config", "key"), [
