@@ -113,84 +113,106 @@ def replay(sizes: tuple[int, ...], trace: tuple[Use, ...], c: Coordinator, dp: i
     recomputation saved after their release (False: the parameters' own storage only, what
     the coordinator sees)."""
     keep = persistent(sizes, c) if complete else frozenset()
-    data = {i: n * itemsize for i, n in enumerate(sizes) if i in keep}  # gathered copies
-    # a checkpoint's recomputation saves each weight it reads for its backward as an alias
-    # of the gathered copy (torch/utils/checkpoint.py _recomputation_hook: x.detach()): a
-    # release then frees the parameter's data but not the alias, alive to the weight's own
-    # backward; a gather meanwhile makes a second copy
-    saved: set[int] = set()
-    aliases: dict[int, int] = {}
-    registry: dict[int, _Group] = {}
+    rank = _Rank(sizes, dp, itemsize, keep, with_aliases)
     fetches = tuple(u for u in trace if u.fetch)  # the recorded trace: one step per fetch
     order = (deque((u.param, step) for step, u in enumerate(fetches) if u.param >= 0)
              if complete else deque())
     fetched_for: dict[int, int] = {}
-    active = [0]  # elements gathered (``__n_available_params``), persistent ones not counted
     out, after = [], []
-
-    def held() -> int:
-        return (sum(data.values()) + (sum(aliases.values()) if with_aliases else 0)
-                + sum(g.flat_bytes for g in set(registry.values())))
-
-    def gather(params: list[int]) -> None:
-        todo = sorted(p for p in params if p not in data and p not in registry)
-        if not todo:
-            return
-        active[0] += sum(sizes[p] for p in todo)
-        padded = sum(-(-sizes[p] // dp) for p in todo) * dp * itemsize
-        group = _Group(todo, padded if len(todo) > 1 else 0)
-        if len(todo) == 1:  # _all_gather_sequential: the parameter keeps its padded buffer
-            data[todo[0]] = padded
-        for p in todo:
-            registry[p] = group
-
-    def wait(p: int) -> None:
-        group = registry.pop(p)
-        if not group.waited:
-            group.waited = True
-            for q in group.params:
-                if group.flat_bytes:
-                    data[q] = sizes[q] * itemsize  # AllGatherCoalescedHandle.wait: torch.cat
-
     step = -1
     for use in trace:
         p = use.param
         if use.recompute and p >= 0:
-            saved.add(p)
+            rank.saved.add(p)
         if use.fetch:
             step += 1
-            _fetch(p, step, complete, (gather, wait, registry, order, fetched_for, data), c,
-                   sizes, active[0])
-        out.append(held())
+            _fetch(rank, p, step, complete, order, fetched_for, c)
+        out.append(rank.held())
         if p >= 0 and use.release and _released(p, step + 1, fetches, sizes, c, keep,
                                                 fetched_for, complete):
-            if p in data and p not in registry:
-                if p in saved and p not in aliases:
-                    aliases[p] = data[p]
-                del data[p]
-                active[0] -= sizes[p]
-        if p >= 0 and not use.forward and p in saved:
-            saved.discard(p)
-            aliases.pop(p, None)
-        after.append(held())
+            rank.release(p)
+        if p >= 0 and not use.forward:
+            rank.backward_done(p)
+        after.append(rank.held())
     return Replayed(tuple(out), tuple(after))
 
 
-def _fetch(p: int, step: int, complete: bool, state: tuple, c: Coordinator,
-           sizes: tuple[int, ...], available: int) -> None:
+class _Rank:
+    """What one rank holds gathered: each parameter's whole copy (``data``), the registry of
+    in-flight gathers (parameter -> its group), the elements gathered (``active``:
+    ``__n_available_params``, persistent ones not counted). A checkpoint's recomputation
+    saves each weight it reads for its backward as an alias of the gathered copy
+    (torch/utils/checkpoint.py _recomputation_hook: ``x.detach()``): a release then frees the
+    parameter's data but not the alias (``aliases``), alive to the weight's own backward; a
+    gather meanwhile makes a second copy."""
+
+    def __init__(self, sizes: tuple[int, ...], dp: int, itemsize: int, keep: frozenset[int],
+                 with_aliases: bool) -> None:
+        self.sizes, self.dp, self.itemsize, self.with_aliases = sizes, dp, itemsize, with_aliases
+        self.data = {i: n * itemsize for i, n in enumerate(sizes) if i in keep}
+        self.registry: dict[int, _Group] = {}
+        self.saved: set[int] = set()
+        self.aliases: dict[int, int] = {}
+        self.active = 0
+
+    def held(self) -> int:
+        return (sum(self.data.values()) + (sum(self.aliases.values()) if self.with_aliases
+                                           else 0)
+                + sum(g.flat_bytes for g in set(self.registry.values())))
+
+    def gathered(self, p: int) -> bool:
+        return p in self.data or p in self.registry
+
+    def gather(self, params: list[int]) -> None:
+        """``__all_gather_params``: one gather of those not gathered."""
+        todo = sorted(p for p in params if not self.gathered(p))
+        if not todo:
+            return
+        self.active += sum(self.sizes[p] for p in todo)
+        padded = sum(-(-self.sizes[p] // self.dp) for p in todo) * self.dp * self.itemsize
+        group = _Group(todo, padded if len(todo) > 1 else 0)
+        if len(todo) == 1:  # _all_gather_sequential: the parameter keeps its padded buffer
+            self.data[todo[0]] = padded
+        for p in todo:
+            self.registry[p] = group
+
+    def wait(self, p: int) -> None:
+        """``__inflight_param_registry.pop(param).wait()``."""
+        group = self.registry.pop(p)
+        if not group.waited:
+            group.waited = True
+            for q in group.params:
+                if group.flat_bytes:  # AllGatherCoalescedHandle.wait: torch.cat
+                    self.data[q] = self.sizes[q] * self.itemsize
+
+    def release(self, p: int) -> None:
+        """``__release_param``."""
+        if p in self.data and p not in self.registry:
+            if p in self.saved and p not in self.aliases:
+                self.aliases[p] = self.data[p]
+            del self.data[p]
+            self.active -= self.sizes[p]
+
+    def backward_done(self, p: int) -> None:
+        if p in self.saved:
+            self.saved.discard(p)
+            self.aliases.pop(p, None)
+
+
+def _fetch(rank: _Rank, p: int, step: int, complete: bool, order: deque,
+           fetched_for: dict[int, int], c: Coordinator) -> None:
     """``fetch_sub_module`` of the module of parameter ``p`` (-1: none) at ``step``."""
-    gather, wait, registry, order, fetched_for, data = state
     if p >= 0:
-        gather([p])
-        if p in registry:
-            wait(p)
+        rank.gather([p])
+        if p in rank.registry:
+            rank.wait(p)
     if not complete:
         return
     if p >= 0 and fetched_for.get(p, -10**10) < step:
         entry, used = order.popleft()
         fetched_for[entry] = used
     if c.prefetch_bucket > 0:
-        _prefetch(order, fetched_for, sizes, data, registry, c, available, gather)
+        _prefetch(rank, order, fetched_for, c)
 
 
 class _Group:
@@ -200,21 +222,19 @@ class _Group:
         self.params, self.flat_bytes, self.waited = params, flat_bytes, False
 
 
-def _prefetch(order: deque, fetched_for: dict[int, int], sizes: tuple[int, ...],
-              data: dict[int, int], registry: dict, c: Coordinator, available: int,
-              gather) -> None:
+def _prefetch(rank: _Rank, order: deque, fetched_for: dict[int, int], c: Coordinator) -> None:
     """``fetch_sub_module``'s prefetch: pop the parameter queue until the elements taken reach
     min(max live - available, prefetch bucket); gather the popped parameters not gathered."""
-    limit = min(c.max_live - available, c.prefetch_bucket)
+    limit = min(c.max_live - rank.active, c.prefetch_bucket)
     taken: list[int] = []
     numel = 0
     while order and numel < limit:
         p, used = order.popleft()
         fetched_for[p] = max(fetched_for.get(p, -10**10), used)
-        if p not in data and p not in registry and p not in taken:
+        if not rank.gathered(p) and p not in taken:
             taken.append(p)
-            numel += sizes[p]
-    gather(taken)
+            numel += rank.sizes[p]
+    rank.gather(taken)
 
 
 def _released(p: int, step: int, trace: tuple[Use, ...], sizes: tuple[int, ...],

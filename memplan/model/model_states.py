@@ -237,16 +237,9 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
         return StateBytes(params_bytes=params_bytes, grads_bytes=grads_bytes,
                           optimizer_bytes=device + scaler, master_bytes=0,
                           num_optimizer_params=opt_params, host_bytes=host, scaler_bytes=scaler)
-    if zero_offload(par) and wl.flat_partition:  # DeepSpeed's ZeRO-Offload (stage 1/2)
-        return StateBytes(params_bytes=params_bytes, grads_bytes=0, optimizer_bytes=0,
-                          master_bytes=0, num_optimizer_params=opt_params,
-                          host_bytes=deepspeed_offload_host_bytes(
-                              opt_params, max(trained.tensor_sizes, default=0),
-                              policy.grad_bytes, optimizer))
     if zero_offload(par):
-        return StateBytes(params_bytes=params_bytes, grads_bytes=grads_bytes, optimizer_bytes=0,
-                          master_bytes=0, num_optimizer_params=opt_params,
-                          host_bytes=_zero_offload_host_bytes(opt_params, optimizer))
+        return _zero_offload_states(params_bytes, grads_bytes, opt_params, wl, optimizer,
+                                    max(trained.tensor_sizes, default=0))
     scaler = GRAD_SCALER_STATE_BYTES if policy.grad_scaler else 0
     return StateBytes(
         params_bytes=params_bytes,
@@ -258,6 +251,21 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
         setup_bytes=states.setup_bytes,
         paged_bytes=states.paged_bytes,
     )
+
+
+def _zero_offload_states(params_bytes: int, grads_bytes: int, opt_params: int, wl: Workload,
+                         optimizer: Any, largest: int) -> StateBytes:
+    """ZeRO-Offload's device states: the weights, and the gradient shard except under
+    DeepSpeed (``wl.flat_partition``: its reduce copies each slice to the host, no device
+    partition); the rest on the host."""
+    if wl.flat_partition:
+        return StateBytes(params_bytes=params_bytes, grads_bytes=0, optimizer_bytes=0,
+                          master_bytes=0, num_optimizer_params=opt_params,
+                          host_bytes=deepspeed_offload_host_bytes(
+                              opt_params, largest, wl.precision.policy.grad_bytes, optimizer))
+    return StateBytes(params_bytes=params_bytes, grads_bytes=grads_bytes, optimizer_bytes=0,
+                      master_bytes=0, num_optimizer_params=opt_params,
+                      host_bytes=_zero_offload_host_bytes(opt_params, optimizer))
 
 
 def deepspeed_offload_host_bytes(opt_params: int, largest: int, grad_bytes: int,
