@@ -395,13 +395,26 @@ def coordinator_positions(params: Any, wl: Any, c: Coordinator, dp: int, itemsiz
     layer's forward run again before its backward under full recompute (a checkpointed
     layer)."""
     counts = layer_tensor_counts(params.tensor_sizes, params.embedding_tensors, params.layers)
-    recomputed = (wl.recompute is Recompute.FULL,) * len(counts)
+    recomputed = _recomputed(wl, len(counts))
     # tied embeddings: the stage's last tensor is the final norm's (one dimension)
     tied = (len(params.tensor_shapes[-1]) == 1 if params.tensor_shapes
             else params.head_tensors < 2)
     trace = _cached_trace(len(params.tensor_sizes), params.embedding_tensors, counts,
                           params.head_tensors, recomputed, tied)
     return _cached_positions(params.tensor_sizes, trace, c, dp, itemsize, complete)
+
+
+def _recomputed(wl: Any, n: int) -> tuple[bool, ...]:
+    """Which of a stage's ``n`` layers full recompute checkpoints: all, the first
+    ``recompute_layers``, or every ``recompute_every``-th (as ``memplan.model.stage_parts.
+    layer_recompute`` reads them)."""
+    if wl.recompute is not Recompute.FULL:
+        return (False,) * n
+    if wl.recompute_layers is not None:
+        return tuple(i < wl.recompute_layers for i in range(n))
+    if wl.recompute_every is not None:
+        return tuple((i + 1) % wl.recompute_every == 0 for i in range(n))
+    return (True,) * n
 
 
 @lru_cache(maxsize=64)
