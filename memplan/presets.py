@@ -70,7 +70,9 @@ SETTINGS: dict[Mechanism, frozenset[str]] = {
     Mechanism.DATA_PARALLEL: frozenset({"fsdp_units", "grad_buffers", "ddp_any_size",
                                         "zero_bucket_numel", "zero_bucket_buffers",
                                         "zero3_plain_gathers", "fsdp_version", "backward_prefetch",
-                                        "use_orig_params"}),
+                                        "use_orig_params", "zero3_prefetch_numel",
+                                        "zero3_max_live_numel", "zero3_reuse_distance_numel",
+                                        "zero3_persistence_numel"}),
     Mechanism.LAYOUT: frozenset({"tp_style", "pipeline_split"}),
 }
 
@@ -453,15 +455,11 @@ REFUSALS: dict[Framework, tuple[Refusal, ...]] = {
     ),
     Framework.GENERIC: (),
     Framework.DEEPSPEED: (
-        Refusal(lambda par, wl: par is not None and (
-                    int(par.zero) == 0 or int(par.zero) == 3 and not wl.zero3_plain_gathers),
-                "--zero 0 or 3 with the coordinator's prefetch, reuse or persistence",
-                "memplan models DeepSpeed's ZeRO stages 1 and 2 (runtime/zero/stage_1_and_2.py "
-                "DeepSpeedZeroOptimizer) and stage 3 with each module gathered for its own "
-                "run only (zero3_plain_gathers: prefetch bucket, reuse distance and "
-                "persistence threshold 0, memplan.model.deepspeed_zero.zero3_gathers); stage "
-                "3's prefetch, reuse and persistent parameters "
-                "(partitioned_param_coordinator.py) and stage 0's bf16 optimizer are not "
+        Refusal(lambda par, wl: par is not None and int(par.zero) == 0,
+                "--zero 0",
+                "memplan models DeepSpeed's ZeRO stages 1, 2 (runtime/zero/stage_1_and_2.py "
+                "DeepSpeedZeroOptimizer) and 3 (stage3.py, the parameter coordinator "
+                "memplan.model.deepspeed_coordinator); stage 0's bf16 optimizer is not "
                 "modelled yet"),
         Refusal(lambda par, wl: par is not None and int(par.zero) == 1 and (
                     wl.zero_bucket_buffers != 1
@@ -489,10 +487,13 @@ REFUSALS: dict[Framework, tuple[Refusal, ...]] = {
                 "DeepSpeed's ZeRO-2 is traced with AdamW on every weight; adapters (fp32 "
                 "gradients in the partition) and bitsandbytes' states on its flat partition "
                 "are not"),
-        Refusal(lambda par, wl: par is not None and bool(par.offload), "--offload",
-                "ZeRO-Offload's device side (stage_1_and_2.py temp_grad_buffer_for_gpu_offload, "
-                "the largest parameter's size, and at each reduce an fp64 copy of a gradient "
-                "for its norm, set_norm_for_param_grad_in_gpu) is not modelled yet"),
+        Refusal(lambda par, wl: par is not None and bool(par.offload) and not (
+                    int(par.zero) == 2 and {o.value for o in par.offload} == {"optimizer"}),
+                "--offload other than the optimizer at stage 2",
+                "DeepSpeed's ZeRO-Offload is modelled at stage 2 (stage_1_and_2.py with "
+                "cpu_offload, traced); at stage 1 (not traced), at stage 3 (stage3.py "
+                "offload_optimizer, parameter_offload.py offload_param) and for activations "
+                "it is not"),
     ),
 }
 REFUSALS[Framework.TORCHTITAN] += (

@@ -588,8 +588,22 @@ class Workload(BaseModel):
         "DeepSpeed's ZeRO-3 with each module's own weights gathered while it runs, forward "
         "and backward, and released after it: stage3_prefetch_bucket_size, "
         "stage3_max_reuse_distance and stage3_param_persistence_threshold 0 "
-        "(partitioned_param_coordinator.py fetch_sub_module / release_sub_module); the only "
-        "ZeRO-3 coordinator memplan models"))
+        "(partitioned_param_coordinator.py fetch_sub_module / release_sub_module), whatever "
+        "the zero3_*_numel fields say"))
+    # DeepSpeed's ZeRO-3 parameter coordinator (memplan.model.deepspeed_coordinator), in
+    # elements; DeepSpeedZeroConfig's defaults (runtime/zero/config.py, 0.19.8)
+    zero3_prefetch_numel: int = Field(default=50_000_000, ge=0, le=10**13, description=(
+        "stage3_prefetch_bucket_size: elements of the parameters the coordinator gathers ahead "
+        "of the module trace at each module's fetch (fetch_sub_module)"))
+    zero3_max_live_numel: int = Field(default=1_000_000_000, ge=0, le=10**13, description=(
+        "stage3_max_live_parameters: no prefetch beyond this many gathered elements"))
+    zero3_reuse_distance_numel: int = Field(default=1_000_000_000, ge=0, le=10**13,
+                                            description=(
+        "stage3_max_reuse_distance: a module's parameters stay gathered after its run when "
+        "used again within this many elements of the trace (__params_to_release)"))
+    zero3_persistence_numel: int = Field(default=100_000, ge=0, le=10**13, description=(
+        "stage3_param_persistence_threshold: parameters of at most this many elements stay "
+        "gathered from the first step's end on (mark_persistent_parameters)"))
     flat_partition: bool = Field(default=False, description=(
         "the optimizer updates one flat fp32 partition per parameter group, whose gradient "
         "the step makes by flattening the rank's gradient partition (a copy in the "

@@ -16,9 +16,11 @@ if TYPE_CHECKING:
 _WORKLOAD_ONLY = frozenset({"fused_qkv", "rope_cache", "head_wgrad_deferral", "fsdp_units",
                             "loss_impl", "softmax_fp32", "te_grouped_gemm",
                             "zero_bucket_numel", "zero_bucket_buffers", "forward_prefetch",
-                            "zero3_plain_gathers", "te_fp8", "te_fp8_param_gather",
-                            "te_fp8_amax_history_len", "te_gemm_workspace",
-                            "te_ub_workspace"})
+                             "zero3_plain_gathers", "te_fp8", "te_fp8_param_gather",
+                             "te_fp8_amax_history_len", "te_gemm_workspace",
+                             "te_ub_workspace", "zero3_prefetch_numel",
+                             "zero3_max_live_numel", "zero3_reuse_distance_numel",
+                             "zero3_persistence_numel"})
 
 
 def configure(model: str | None, given: dict[str, Any], defaults: dict[str, Any], *,

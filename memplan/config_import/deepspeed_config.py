@@ -140,8 +140,8 @@ def _zero(imp: Imported, zero: dict[str, Any], hidden: int | None) -> None:
     stage = zero.get("stage", 0)
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise imp.refuse("zero_optimization.stage", stage, "expected 0, 1, 2 or 3")
-    if stage == 0 or stage == 3 and not _plain_coordinator(zero):
-        raise imp.refuse("zero_optimization.stage", stage, _STAGE3_PLAIN if stage == 3 else
+    if stage == 0:
+        raise imp.refuse("zero_optimization.stage", stage,
                          "memplan models DeepSpeed's ZeRO stages 1, 2 and 3 (stage 0's bf16 "
                          "optimizer is not modelled yet)")
     if stage == 3:
@@ -158,7 +158,7 @@ def _zero(imp: Imported, zero: dict[str, Any], hidden: int | None) -> None:
         if key in ZERO_REFUSED and _on(value):
             raise imp.refuse(name, value, "not modelled by memplan's DeepSpeed preset")
         if key == "offload_optimizer":
-            _offload(imp, name, value)
+            _offload(imp, name, value, stage)
         elif key in STAGE3_ONLY:
             shown_value = value
             if value == "auto" and key in ("stage3_prefetch_bucket_size",
@@ -173,24 +173,26 @@ def _zero(imp: Imported, zero: dict[str, Any], hidden: int | None) -> None:
     _buckets(imp, zero, hidden)
 
 
-# ZeRO-3's parameter coordinator memplan models: each module gathered for its own run only
+# ZeRO-3's parameter coordinator (memplan.model.deepspeed_coordinator): the ds_config's keys,
+# the workload fields memplan reads them into, DeepSpeedZeroConfig's defaults
+# (runtime/zero/config.py, 0.19.8) and the Trainer's "auto" (hidden x hidden x factor; 10 x
+# hidden for the persistence threshold: integrations/deepspeed.py trainer_config_finalize)
+_COORDINATOR = {
+    "stage3_prefetch_bucket_size": ("zero3_prefetch_numel", 50_000_000, 0.9,
+                                    "fetch_sub_module: parameters gathered ahead of the trace"),
+    "stage3_max_live_parameters": ("zero3_max_live_numel", 1_000_000_000, None,
+                                   "fetch_sub_module: no prefetch beyond this many gathered"),
+    "stage3_max_reuse_distance": ("zero3_reuse_distance_numel", 1_000_000_000, None,
+                                  "__params_to_release: kept gathered when used again within "
+                                  "this many elements of the trace"),
+    "stage3_param_persistence_threshold": ("zero3_persistence_numel", 100_000, 10,
+                                           "mark_persistent_parameters: parameters this small "
+                                           "stay gathered"),
+}
 _PLAIN_KEYS = ("stage3_prefetch_bucket_size", "stage3_max_reuse_distance",
                "stage3_param_persistence_threshold")
-_STAGE3_PLAIN = ("memplan models DeepSpeed's ZeRO-3 with " + ", ".join(
-    f"{k} 0" for k in _PLAIN_KEYS) + " and nothing offloaded (each module gathered for its own "
-    "run only); the parameter coordinator's prefetch, reuse and persistent parameters "
-    "(partitioned_param_coordinator.py) are not modelled yet")
-# stage 3 keys that hold nothing more with the plain coordinator (stage3.py / parameter_offload.py)
-_STAGE3_QUIET = ("stage3_max_live_parameters", "stage3_model_persistence_threshold",
-                 "stage3_allgather_sequential", "sub_group_size")
-
-
-def _plain_coordinator(zero: dict[str, Any]) -> bool:
-    """Whether a stage 3 table sets the coordinator memplan models (``_PLAIN_KEYS`` 0) with
-    nothing offloaded."""
-    return (all(type(zero.get(k)) is int and zero[k] == 0 for k in _PLAIN_KEYS)
-            and not _offloaded(zero.get("offload_param"))
-            and not _offloaded(zero.get("offload_optimizer")))
+# stage 3 keys that hold nothing memplan counts apart
+_STAGE3_QUIET = ("stage3_allgather_sequential", "sub_group_size")
 
 
 def _offloaded(value: Any) -> bool:
@@ -199,15 +201,18 @@ def _offloaded(value: Any) -> bool:
 
 
 def _stage3(imp: Imported, zero: dict[str, Any], hidden: int | None) -> None:
-    """ZeRO-3 with the plain coordinator (``memplan.model.deepspeed_zero.zero3_gathers``)."""
+    """ZeRO-3 (``memplan.model.deepspeed_zero.zero3_states``) and its parameter coordinator
+    (``memplan.model.deepspeed_coordinator``)."""
     imp.set("zero_optimization.stage", 3, "zero", 3,
             "runtime/zero/stage3.py DeepSpeedZeroOptimizer_Stage3: bf16/fp16 weights, gradient "
             "partition, fp32 partition and states 1/N; the reduce bucket and the gradient "
             "partition held from the wrap on (_setup_for_real_optimizer)")
-    imp.set("zero_optimization." + "/".join(_PLAIN_KEYS), "0/0/0", "zero3_plain_gathers", True,
-            "partitioned_param_coordinator.py fetch_sub_module / release_sub_module: each "
-            "module's own weights gathered while it runs, forward and backward, released "
-            "after it; none prefetched, kept for reuse or persistent")
+    for key in ("offload_param", "offload_optimizer"):
+        if _offloaded(zero.get(key)):
+            raise imp.refuse(f"zero_optimization.{key}", zero[key],
+                             "ZeRO-3's offload (stage3.py offload_optimizer / "
+                             "parameter_offload.py offload_param) is not modelled yet")
+    _coordinator(imp, zero, hidden)
     for key, value in zero.items():
         name = f"zero_optimization.{key}"
         if key in ZERO_REFUSED and _on(value):
@@ -216,21 +221,52 @@ def _stage3(imp: Imported, zero: dict[str, Any], hidden: int | None) -> None:
             imp.notes.append(f"{name} = {value}: " + (
                 "memplan steps the partition as one sub-group (stage3.py "
                 "_create_fp16_sub_groups; with more the step's peak is lower)"
-                if key == "sub_group_size" else "holds nothing more with nothing prefetched, "
-                "kept or persistent (partitioned_param_coordinator.py)"))
+                if key == "sub_group_size" else "each parameter of a prefetch gathered into "
+                "its own buffer: not modelled apart (memplan counts a coalesced gather's "
+                "flat buffer)"))
+        elif key == "stage3_model_persistence_threshold":
+            raise imp.refuse(name, value, "a cap on the persistent parameters in all is not "
+                             "read (memplan.model.deepspeed_coordinator.persistent takes it; "
+                             "the workload does not carry it)")
         elif key == "zero_hpz_partition_size" and value not in (0, 1):
             raise imp.refuse(name, value, "the secondary partition (ds_secondary_tensor) is "
                              "not modelled")
         elif key not in ZERO_QUIET and key not in ZERO_REFUSED and key not in (
                 "stage", "reduce_bucket_size", "contiguous_gradients", "overlap_comm",
                 "allgather_bucket_size", "offload_param", "offload_optimizer",
-                "zero_hpz_partition_size", *_PLAIN_KEYS):
+                "zero_hpz_partition_size", *_COORDINATOR):
             raise imp.refuse(name, value, "not modelled by memplan's DeepSpeed preset")
     if "overlap_comm" in zero:
         imp.notes.append(f"zero_optimization.overlap_comm = {zero['overlap_comm']}: adds no "
                          "bucket at stage 3 (stage3.py _setup_for_real_optimizer: one per "
                          "communication dtype)")
     _buckets(imp, {k: v for k, v in zero.items() if k != "overlap_comm"}, hidden)
+
+
+def _coordinator(imp: Imported, zero: dict[str, Any], hidden: int | None) -> None:
+    """The coordinator's four settings, each as written, "auto" as the Trainer fills it, or
+    DeepSpeed's default; all of prefetch, reuse and persistence 0 is the plain coordinator
+    (``zero3_plain_gathers``: each module gathered for its own run)."""
+    values = {}
+    for key, (field, default, auto, what) in _COORDINATOR.items():
+        name = f"zero_optimization.{key}"
+        value, how = zero.get(key, default), what
+        if key not in zero:
+            how = f"absent: DeepSpeedZeroConfig's default {default:.0e}; {what}"
+        elif value == "auto" and auto is not None:
+            value = _auto_hidden(imp, name, hidden, auto)
+            how = (f"auto: {'10 x hidden' if auto == 10 else '0.9 x hidden x hidden'} = "
+                   f"{value} ({_HF}.trainer_config_finalize); {what}")
+        value = _count(imp, name, value)
+        values[key] = value
+        imp.set(name, zero.get(key, f"{default:.0e}"), field, value,
+                f"partitioned_param_coordinator.py {how}")
+    if all(values[k] == 0 for k in _PLAIN_KEYS):
+        imp.set("zero_optimization." + "/".join(_PLAIN_KEYS), "0/0/0", "zero3_plain_gathers",
+                True, "partitioned_param_coordinator.py fetch_sub_module / "
+                "release_sub_module: each module's own weights gathered while it runs, "
+                "forward and backward, released after it; none prefetched, kept for reuse or "
+                "persistent")
 
 
 def _buckets(imp: Imported, zero: dict[str, Any], hidden: int | None) -> None:
@@ -268,12 +304,19 @@ def _buckets(imp: Imported, zero: dict[str, Any], hidden: int | None) -> None:
                          "all_gather_into_tensor where the backend has it, as NCCL does)")
 
 
-def _offload(imp: Imported, key: str, value: Any) -> None:
+def _offload(imp: Imported, key: str, value: Any, stage: int = 2) -> None:
     device = value.get("device", "none") if isinstance(value, dict) else value
     if device in (None, "none"):
         return
-    raise imp.refuse(key, value, "ZeRO-Offload's device buffers (stage_1_and_2.py "
-                     "temp_grad_buffer_for_gpu_offload) are not modelled yet")
+    if device != "cpu" or stage != 2:
+        raise imp.refuse(key, value, "ZeRO-Offload is modelled at stage 2 to the CPU "
+                         "(stage_1_and_2.py cpu_offload, traced); not at stage 1 or to NVMe")
+    imp.set(key, device, "offload", "optimizer",
+            "stage_1_and_2.py cpu_offload: the fp32 partition, its gradient, a bf16/fp16 copy "
+            "and the states on the host (pinned unless pin_memory is false), the step there "
+            "(DeepSpeedCPUAdam); on the GPU the weights, the reduce bucket, "
+            "temp_grad_buffer_for_gpu_offload (the largest parameter) and per reduce an fp64 "
+            "copy of a gradient slice (set_norm_for_param_grad_in_gpu)")
 
 
 def _precision(imp: Imported, key: str, table: dict[str, Any]) -> None:

@@ -21,7 +21,11 @@ _NOT_KEYWORDS = {"model": "--model", "fused_qkv": "(fused q/k/v)", "rope_cache":
                  "zero_bucket_numel": "(reduce bucket elements)",
                  "zero_bucket_buffers": "(reduce buckets)",
                  "forward_prefetch": "(FSDP1 forward prefetch)",
-                 "zero3_plain_gathers": "(ZeRO-3 gathers, each module for its own run)"}
+                 "zero3_plain_gathers": "(ZeRO-3 gathers, each module for its own run)",
+                 "zero3_prefetch_numel": "(ZeRO-3 prefetch elements)",
+                 "zero3_max_live_numel": "(ZeRO-3 live elements)",
+                 "zero3_reuse_distance_numel": "(ZeRO-3 reuse distance)",
+                 "zero3_persistence_numel": "(ZeRO-3 persistence threshold)"}
 
 
 def flag(target: str) -> str:

@@ -168,6 +168,34 @@ def _bucket_candidates(est: Estimate) -> list[tuple[str, str, dict[str, Any]]]:
         out.append((f"a reduce bucket of hidden^2 = {h * h:,} elements (DeepSpeed)",
                     f"ds_config zero_optimization.reduce_bucket_size = {h * h}",
                     {"zero_bucket_numel": h * h}))
+    return out + _coordinator_candidates(est)
+
+
+def _coordinator_candidates(est: Estimate) -> list[tuple[str, str, dict[str, Any]]]:
+    """DeepSpeed's ZeRO-3 parameter coordinator (``memplan.model.deepspeed_coordinator``): no
+    weight kept gathered for its reuse (stage3_max_reuse_distance 0), a tenth of the live
+    parameters (stage3_max_live_parameters, which bounds the prefetch), and the Trainer's
+    "auto" prefetch bucket (0.9 x hidden^2) where the bucket is larger. Each a ds_config key,
+    re-estimated."""
+    par, wl, h = est.parallel, est.workload, est.spec.hidden_size
+    if (wl.framework != "deepspeed" or par.zero != ZeroStage.PARAMETERS
+            or wl.zero3_plain_gathers):
+        return []
+    out = []
+    if wl.zero3_reuse_distance_numel:
+        out.append(("no weights kept gathered for reuse (DeepSpeed ZeRO-3)",
+                    "ds_config zero_optimization.stage3_max_reuse_distance = 0",
+                    {"zero3_reuse_distance_numel": 0}))
+    if wl.zero3_prefetch_numel and wl.zero3_max_live_numel >= 10:
+        live = wl.zero3_max_live_numel // 10
+        out.append((f"stage3_max_live_parameters {live:,} (a tenth; DeepSpeed ZeRO-3)",
+                    f"ds_config zero_optimization.stage3_max_live_parameters = {live}",
+                    {"zero3_max_live_numel": live}))
+    auto = int(0.9 * h * h)
+    if wl.zero3_prefetch_numel > auto:
+        out.append((f"a prefetch bucket of 0.9 x hidden^2 = {auto:,} elements (DeepSpeed "
+                    "ZeRO-3)", f"ds_config zero_optimization.stage3_prefetch_bucket_size = "
+                    f"{auto}", {"zero3_prefetch_numel": auto}))
     return out
 
 
@@ -222,7 +250,8 @@ _PHASE_KEYS = {
     "optimizer step": {"optimizer_impl", "optimizer", "precision"},
     "gradient communication": {"zero_bucket_buffers", "zero_bucket_numel"},
     "loading": {"tp", "pp", "base_quant", "lora_rank"},
-    "forward": {"recompute", "micro_batch_size", "loss_chunks", "cp", "tp"},
+    "forward": {"recompute", "micro_batch_size", "loss_chunks", "cp", "tp",
+                "zero3_reuse_distance_numel", "zero3_max_live_numel", "zero3_prefetch_numel"},
 }
 _PHASE_KEYS["setup"] = _PHASE_KEYS["loading"] | _PHASE_KEYS["optimizer step"]
 _PHASE_KEYS["backward"] = _PHASE_KEYS["forward"]

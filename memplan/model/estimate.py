@@ -325,7 +325,13 @@ def _assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload, schedule: S
           if wl.recompute is Recompute.OPS else ()),
         *(("optimizer offloaded to host memory: fp32 master weights, states, an fp32 gradient "
            "copy and the step on the CPU (ZeRO-Offload); the GPU keeps weights and gradients",)
-          if zero_offload(par) else ()),
+          if zero_offload(par) and not wl.flat_partition else ()),
+        *(("optimizer offloaded to host memory (DeepSpeed ZeRO-Offload, stage_1_and_2.py "
+           "cpu_offload): the fp32 partition, its fp32 gradient, a bf16/fp16 copy and the "
+           "states on the CPU, stepped there; the GPU keeps the weights, the reduce bucket, a "
+           "buffer of the largest parameter and at each reduce an fp64 copy of a gradient "
+           "slice for its norm, no gradient partition",)
+          if zero_offload(par) and wl.flat_partition else ()),
         *offload_assumptions(par),
         *((note,) if (note := optimizer_policy(wl.optimizer).note) else ()),
         f"cuda context: {ovh.cuda_context_source}",

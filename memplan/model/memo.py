@@ -59,7 +59,9 @@ def _one(wl: Workload) -> Workload:
 def _without(wl: Workload, recompute: bool) -> Workload:
     """``wl`` with its batch sizes (and the recompute policy) at fixed values: the cache key of
     what does not depend on them."""
-    if recompute:
+    # DeepSpeed's ZeRO-3 coordinator replays the module trace, which a checkpoint's
+    # recomputation changes (memplan.model.deepspeed_coordinator): its states keep the policy
+    if recompute and not (wl.framework == "deepspeed" and wl.recompute is Recompute.FULL):
         return canonical(wl, micro_batch_size=1, global_batch_size=None,
                          recompute=Recompute.NONE, recompute_layers=None,
                          recompute_every=None)

@@ -24,6 +24,7 @@ from memplan.model.deepspeed_zero import (
     stage1_reduce_bytes,
     step_flat_copy_bytes,
 )
+from memplan.model.deepspeed_coordinator import coordinator_positions, zero3_coordinator
 from memplan.model.embedding import EmbeddingBlock
 from memplan.model.fsdp_buckets import gathered_units, queued_units
 from memplan.model.head import HeadBlock
@@ -46,7 +47,7 @@ from memplan.parallel import (
 )
 from memplan.spec import ModelSpec, param_counts
 from memplan.units import FP32_BYTES, ceil_div
-from memplan.workload import FsdpUnits, Precision, Workload
+from memplan.workload import FsdpUnits, Precision, Recompute, Workload
 
 
 class StageParams(NamedTuple):
@@ -237,9 +238,8 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
                           optimizer_bytes=device + scaler, master_bytes=0,
                           num_optimizer_params=opt_params, host_bytes=host, scaler_bytes=scaler)
     if zero_offload(par):
-        return StateBytes(params_bytes=params_bytes, grads_bytes=grads_bytes, optimizer_bytes=0,
-                          master_bytes=0, num_optimizer_params=opt_params,
-                          host_bytes=_zero_offload_host_bytes(opt_params, optimizer))
+        return _zero_offload_states(params_bytes, grads_bytes, opt_params, wl, optimizer,
+                                    max(trained.tensor_sizes, default=0))
     scaler = GRAD_SCALER_STATE_BYTES if policy.grad_scaler else 0
     return StateBytes(
         params_bytes=params_bytes,
@@ -251,6 +251,33 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
         setup_bytes=states.setup_bytes,
         paged_bytes=states.paged_bytes,
     )
+
+
+def _zero_offload_states(params_bytes: int, grads_bytes: int, opt_params: int, wl: Workload,
+                         optimizer: Any, largest: int) -> StateBytes:
+    """ZeRO-Offload's device states: the weights, and the gradient shard except under
+    DeepSpeed (``wl.flat_partition``: its reduce copies each slice to the host, no device
+    partition); the rest on the host."""
+    if wl.flat_partition:
+        return StateBytes(params_bytes=params_bytes, grads_bytes=0, optimizer_bytes=0,
+                          master_bytes=0, num_optimizer_params=opt_params,
+                          host_bytes=deepspeed_offload_host_bytes(
+                              opt_params, largest, wl.precision.policy.grad_bytes, optimizer))
+    return StateBytes(params_bytes=params_bytes, grads_bytes=grads_bytes, optimizer_bytes=0,
+                      master_bytes=0, num_optimizer_params=opt_params,
+                      host_bytes=_zero_offload_host_bytes(opt_params, optimizer))
+
+
+def deepspeed_offload_host_bytes(opt_params: int, largest: int, grad_bytes: int,
+                                 optimizer: Any) -> int:
+    """Host bytes of DeepSpeed's ZeRO-Offload at stage 1/2 (stage_1_and_2.py ``__init__`` with
+    ``cpu_offload``): the fp32 partition, its fp32 gradient (``async_inplace_copy_grad_to_
+    fp32_buffer_from_gpu`` copies each reduced slice into it) and the states (the CPU step's),
+    as ``_zero_offload_host_bytes``; a bit16 copy of the partition
+    (``param_buffer_of_bit16_for_cpu_offload_groups``) and a buffer of the largest
+    parameter's size in the gradients' dtype (``temp_grad_buffer_for_cpu_offload``)."""
+    return (_zero_offload_host_bytes(opt_params, optimizer) + opt_params * grad_bytes
+            + largest * grad_bytes)
 
 
 def _zero_offload_host_bytes(opt_params: int, optimizer: Any) -> int:
@@ -388,6 +415,10 @@ class ShardingBuffers(NamedTuple):
     #                            the backward's (ZeRO-1's partition); 0: the same
     bucket_resident: bool = False  # ``bucket_bytes`` held from the wrap on, forward and step
     #                                included (DeepSpeed's ZeRO-3), not in the backward_* bytes
+    resident_bytes: int = 0  # a device buffer held from the wrap on, every phase (DeepSpeed's
+    #                          ZeRO-Offload temp_grad_buffer_for_gpu_offload)
+    first_step: Any = None  # the ShardingBuffers of step 1 where they differ (DeepSpeed's
+    #                         ZeRO-3 coordinator records its module trace then); None: these
 
     @property
     def peak_bytes(self) -> int:
@@ -500,7 +531,7 @@ def _preallocated_buckets(params: StageParams, par: ParallelConfig, wl: Workload
     made. ZeRO-1's: ``_reduce_after_backward``; ZeRO-3's: ``_coordinator_gathers``."""
     if par.zero >= ZeroStage.PARAMETERS:
         return _coordinator_gathers(params, wl, wl.precision.policy.unsharded.itemsize,
-                                    grad_bytes)
+                                    grad_bytes, par.dense_shard_degree)
     if par.zero == ZeroStage.OPTIMIZER:
         return _reduce_after_backward(params, par, wl, grad_bytes)
     held = bucket_bytes(wl.zero_bucket_numel, wl.zero_bucket_buffers, grad_bytes)
@@ -508,14 +539,45 @@ def _preallocated_buckets(params: StageParams, par: ParallelConfig, wl: Workload
     partition = (_shard(trained.dense, par.dense_shard_degree, True)
                  + _shard(trained.expert, par.expert_shard_degree, True)) * grad_bytes
     start = first_reduce(params.head, params.layers, params.embedding, wl.zero_bucket_numel)
+    resident = 0
+    if zero_offload(par):
+        # ZeRO-Offload (stage_1_and_2.py): no device partition; each reduce copies the rank's
+        # slices to the host through an fp64 copy for the norm (set_norm_for_param_grad_in_
+        # gpu) and an fp32 one (async_inplace_copy_grad_to_fp32_buffer_from_gpu), one slice at
+        # a time: the largest's 8 B per element, counted from the first reduce on (traced at
+        # it); a device buffer of the largest parameter (temp_grad_buffer_for_gpu_offload)
+        # from the wrap on
+        partition = NORM_COPY_BYTES * largest_slice(params.tensor_sizes,
+                                                    par.dense_shard_degree)
+        resident = max(trained.tensor_sizes, default=0) * grad_bytes
     return ShardingBuffers(0, 0, 0, backward_head_bytes=held, backward_block_bytes=held,
                            backward_last_block_bytes=held, backward_end_bytes=held,
                            backward_head_prefetch_bytes=held, bucket_bytes=held,
-                           partition_bytes=partition, partition_from=start)
+                           partition_bytes=partition, partition_from=start,
+                           resident_bytes=resident)
 
 
-def _coordinator_gathers(params: StageParams, wl: Workload, e: int,
-                         grad_bytes: int) -> ShardingBuffers:
+# an fp64 copy of a gradient slice for its norm (runtime/zero/utils.py get_norm_dtype: fp64
+# where the device has it, as CUDA does)
+NORM_COPY_BYTES = 8
+
+
+def largest_slice(tensor_sizes: tuple[int, ...], dp: int) -> int:
+    """Elements of the largest slice of a parameter in the last rank's partition of the flat
+    buffer (the parameters in order, padded to 2 x ``dp`` elements: stage_1_and_2.py
+    ``flatten_dense_tensors_aligned``); the last rank's holds the head and the last layers,
+    whose gradients are reduced first."""
+    total = sum(tensor_sizes)
+    size = -(-total // (2 * dp)) * 2
+    lo, hi, start, most = (dp - 1) * size, dp * size, 0, 0
+    for n in tensor_sizes:
+        most = max(most, min(start + n, hi) - max(start, lo))
+        start += n
+    return most
+
+
+def _coordinator_gathers(params: StageParams, wl: Workload, e: int, grad_bytes: int,
+                         dp: int) -> ShardingBuffers:
     """DeepSpeed's ZeRO-3 (``memplan.model.deepspeed_zero.zero3_gathers``): each module's own
     weights gathered while it runs, forward and backward (none at the loss: the head is
     released after its forward), the head's from its backward's start (its pre-backward hook,
@@ -524,10 +586,37 @@ def _coordinator_gathers(params: StageParams, wl: Workload, e: int,
     the hooks copying each gradient into the bucket."""
     g = zero3_gathers(params.tensor_sizes, params.embedding_tensors, params.head_tensors, e)
     held = bucket_bytes(wl.zero_bucket_numel, 1, grad_bytes)
-    return ShardingBuffers(g.in_layer, 0, 0, backward_head_bytes=g.head,
-                           backward_head_prefetch_bytes=g.head, backward_block_bytes=g.in_layer,
-                           backward_last_block_bytes=g.in_layer, backward_end_bytes=g.embedding,
-                           bucket_bytes=held, bucket_resident=True)
+    plain = ShardingBuffers(g.in_layer, 0, 0, backward_head_bytes=g.head,
+                            backward_head_prefetch_bytes=g.head,
+                            backward_block_bytes=g.in_layer,
+                            backward_last_block_bytes=g.in_layer,
+                            backward_end_bytes=g.embedding, bucket_bytes=held,
+                            bucket_resident=True)
+    c = zero3_coordinator(wl)
+    plain_c = wl.zero3_plain_gathers or c.plain
+    recomputed = wl.recompute is Recompute.FULL
+    if plain_c and not recomputed:
+        return plain
+    # step 1 records the module trace (each module for its own run: ``plain``, or with
+    # recomputation the replay's, which holds the weights a recomputation saved); from step
+    # 2 on the coordinator prefetches, keeps and persists by it
+    if recomputed:
+        plain = _replayed(coordinator_positions(params, wl, c, dp, e, False), held)
+    if plain_c:
+        return plain
+    return _replayed(coordinator_positions(params, wl, c, dp, e), held)._replace(
+        first_step=plain)
+
+
+def _replayed(at: Any, held: int) -> ShardingBuffers:
+    """ZeRO-3's buffers from the coordinator's gathered bytes at the walk's positions
+    (``memplan.model.deepspeed_coordinator.Positions``) and the resident reduce bucket."""
+    return ShardingBuffers(at.in_layer, at.at_loss, 0, backward_head_bytes=at.head,
+                           backward_head_prefetch_bytes=at.head - at.loss_backward,
+                           backward_block_bytes=at.in_block,
+                           backward_last_block_bytes=at.in_first_block,
+                           backward_end_bytes=at.embedding, bucket_bytes=held,
+                           bucket_resident=True)
 
 
 def _reduce_after_backward(params: StageParams, par: ParallelConfig, wl: Workload,

@@ -31,7 +31,13 @@ from memplan.model.layer import LayerKind, backward_moments, merge_terms
 from memplan.model.deepspeed_zero import weight_grads_at
 from memplan.model.moments import Segment, peak_of
 from memplan.model.pipeline import Schedule
-from memplan.model.stage_parts import LayerKey, StageKinds, StageStates, key_variant
+from memplan.model.stage_parts import (
+    LayerKey,
+    StageKinds,
+    StageStates,
+    first_step_states,
+    key_variant,
+)
 from memplan.model.sharding import with_stream
 from memplan.model.stage_terms import StageTerms
 from memplan.model.walk import Walk, backward_peak, forward_peaks
@@ -263,11 +269,7 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
         fx = fx._replace(grad_per_param=exact_ratio(fx.accum_bytes, max(fx.params.total, 1)),
                          dp=unsynced(fx.dp, root_new))
     st = fx.states
-    # rope tables only the decoder layers save: with their saved tensors on the host they are
-    # alive through the forward alone (``memplan.model.offload.saved_on_host``), unless a
-    # checkpointed layer keeps them (its inputs, held by the checkpoint itself)
-    host_rope = (shared.rope_bytes * par.vpp if Offload.ACTIVATIONS in par.offload
-                 and all(key[1] is not Recompute.FULL for key in kinds.keys) else 0)
+    host_rope = _host_rope(shared, par, kinds)
     shared = shared._replace(rope_bytes=0) if host_rope else shared
     flight = memo.in_flight(par.pp, par.vpp, m, stage, schedule, par.vpp_group)
     entries = _entries(spec, par, wl, shared, fx, kinds)
@@ -282,13 +284,17 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
         grads = _gradients(wl, fx, walk, m)
     grads, last_step = _in_backward(spec, par, wl, shared, (fx, kinds), flight, grads, walk)
     forward = _forward(shared, fx, walk, dfr.before_forward - dfr.before_backward + host_rope)
+    grads1, forward1 = (_first_step_walk(spec, par, wl, shared, (fx, kinds, entries), flight,
+                                         m, host_rope)
+                        if fx.shard.first_step is not None and not accumulating
+                        else (grads, forward))
     base = st.params_bytes + fx.buckets + fx.buffers
     optimizer, optimizer_first = _optimizer_peaks(walk.head, fx)
 
     held = walk.head.held_logits  # logits the loop holds from the loss on (its drain's too)
 
     def peaks(opt_bytes: int, from_loss: int, steady: bool) -> PhasePeaks:
-        in_forward, bwd = grads[2:] if steady else grads[:2]
+        in_forward, bwd = grads[2:] if steady else grads1[:2]
         # the drain's gathered buffers stay from the first step's drain on
         resident = dfr.resident if steady else 0
         # the drain of deferred weight gradients after the last backward, beside the
@@ -297,8 +303,8 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
                     if dfr.pair else 0, _reduce_after(fx, base + opt_bytes + from_loss))
         init = base + opt_bytes + fx.shard.forward_start(steady, st.grads_bytes)
         return PhasePeaks(
-            forward=max(base + resident + opt_bytes + in_forward + forward(steady)
-                        + shared.mask, init),
+            forward=max(base + resident + opt_bytes + in_forward + shared.mask
+                        + (forward if steady else forward1)(steady), init),
             backward=max(base + resident + opt_bytes + from_loss + bwd, drain, last_step),
             optimizer=(optimizer if steady else optimizer_first) + resident)
 
@@ -308,6 +314,26 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
                   max(walk.head.loss_forward, walk.head.loss),
                   peaks(st.optimizer_bytes, 0, True),
                   peaks(st.master_bytes + st.setup_bytes, st.scaler_bytes, False))
+
+
+def _host_rope(shared: StageTerms, par: ParallelConfig, kinds: StageKinds) -> int:
+    """Rope tables only the decoder layers save: with their saved tensors on the host they
+    are alive through the forward alone (``memplan.model.offload.saved_on_host``), unless a
+    checkpointed layer keeps them (its inputs, held by the checkpoint itself); 0 otherwise."""
+    return (shared.rope_bytes * par.vpp if Offload.ACTIVATIONS in par.offload
+            and all(key[1] is not Recompute.FULL for key in kinds.keys) else 0)
+
+
+def _first_step_walk(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTerms,
+                     parts: tuple[StageStates, StageKinds, Entries], flight: tuple[int, ...],
+                     m: int, host_rope: int) -> tuple[tuple[int, int, int, int],
+                                                      Callable[[bool], int]]:
+    """Step 1's gradients and forward where its mechanism differs (``ShardingBuffers.
+    first_step``: ZeRO-3's coordinator records its trace then): a walk of its own."""
+    fx, kinds, entries = parts
+    fx1 = first_step_states(fx, wl)
+    walk1 = _walk(spec, par, wl, shared, fx1, kinds, entries, flight)[0]
+    return _gradients(wl, fx1, walk1, m), _forward(shared, fx1, walk1, host_rope)
 
 
 def _in_backward(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTerms,

@@ -225,7 +225,7 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
     # the gradients the step sees (ZeRO-1 under DeepSpeed: the partition alone)
     at_step = st._replace(grads_bytes=shard.step_grads_bytes) if shard.step_grads_bytes else st
     buckets = ((st.grads_bytes if ddp and par.grad_buffers is GradBuffers.COPY else 0)
-               + (shard.bucket_bytes if shard.bucket_resident else 0))
+               + (shard.bucket_bytes if shard.bucket_resident else 0) + shard.resident_bytes)
     buffers = rope_buffer_bytes(spec, wl, len(layers)) + te_kept
     return StageStates(
         first=first, last=last, params=params, states=st,
@@ -285,6 +285,14 @@ def te_fp8_states(st: StateBytes, spec: ModelSpec, par: ParallelConfig, wl: Work
     elements = sum(linear.weight_elements(lin, par.tp) for lin in linears)
     saved = num_layers * elements * (wl.precision.policy.param_bytes - te_fp8.FP8_BYTES)
     return st._replace(params_bytes=st.params_bytes - saved), kept
+
+
+def first_step_states(fx: StageStates, wl: Workload) -> StageStates:
+    """``fx`` with step 1's sharding buffers (``ShardingBuffers.first_step``: DeepSpeed's
+    ZeRO-3 coordinator gathers each module for its own run while it records the trace)."""
+    shard = fx.shard.first_step
+    dp = data_parallel(shard, fx.params.total, fx.states.grads_bytes, wl.precision.policy)
+    return fx._replace(shard=shard, dp=dp._replace(fresh_only=bool(shard.bucket_bytes)))
 
 
 def _states(params: StageParams, par: ParallelConfig, wl: Workload,

@@ -64,6 +64,13 @@ _PLAIN_COORDINATOR = ("stage3_prefetch_bucket_size", "stage3_max_reuse_distance"
                       "stage3_param_persistence_threshold")
 
 
+# the ds_config's coordinator keys and the workload fields memplan reads them into
+_COORDINATOR_FIELDS = {"stage3_prefetch_bucket_size": "zero3_prefetch_numel",
+                       "stage3_max_live_parameters": "zero3_max_live_numel",
+                       "stage3_max_reuse_distance": "zero3_reuse_distance_numel",
+                       "stage3_param_persistence_threshold": "zero3_persistence_numel"}
+
+
 def _rank(case: FrameworkCase) -> int:
     """The traced rank: the last unless ``options["rank"]`` (stage 1's most loaded is the
     first, whose partition is made at the first reduce after backward)."""
@@ -101,6 +108,9 @@ def build_deepspeed(case: FrameworkCase) -> Built:
     config = AutoConfig.for_model(**case.config)
     model = AutoModelForCausalLM.from_config(config, dtype=PRECISIONS[case.recipe],
                                              attn_implementation="sdpa")
+    recompute = case.options.get("recompute", "none")
+    if recompute == "full":  # the Trainer's gradient_checkpointing=True, non-reentrant
+        model.gradient_checkpointing_enable({"use_reentrant": False})
     spec = hf_spec(model.config, case.name)
     client = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     cfg = ds_config(case)
@@ -172,7 +182,10 @@ def build_deepspeed(case: FrameworkCase) -> Built:
                        if "reduce_bucket_size" in zero else {}),
                     **({"zero_bucket_buffers": 2} if zero.get("overlap_comm") else {}),
                     **({"zero3_plain_gathers": True} if stage == 3 and all(
-                        zero.get(k) == 0 for k in _PLAIN_COORDINATOR) else {}))
+                        zero.get(k) == 0 for k in _PLAIN_COORDINATOR) else {}),
+                    **{field: int(zero[key]) for key, field in _COORDINATOR_FIELDS.items()
+                       if key in zero},
+                    **({"recompute": "full"} if recompute == "full" else {}))
     offload = "optimizer" if "offload_optimizer" in zero else "none"
     built = Built("deepspeed", model, spec, api.make_layout(case.dp, zero=stage, offload=offload),
                   workload, step, zero_opt.optimizer, context=registered)
@@ -239,6 +252,52 @@ def trace_deepspeed(case: FrameworkCase, steps: int = 2) -> tuple[Built, TraceRe
         return built, run_library_steps(built, tracker, steps=steps)
 
 
+def trace_gathers(case: FrameworkCase, steps: int = 3) -> list[list[int]]:
+    """Bytes the ZeRO-3 coordinator holds gathered at each fetch of a module with parameters of
+    its own, per step: every parameter's storage (whole copies and the buffers of parameters
+    gathered alone) and the flat buffers of the coalesced all-gathers its registry still holds
+    (``AllGatherCoalescedHandle.partitions``), each storage once; read right after
+    ``fetch_sub_module`` returns (the module's own fetch and its prefetch done)."""
+    from deepspeed.runtime.zero.partitioned_param_coordinator import (
+        PartitionedParameterCoordinator as Coordinator)
+
+    out: list[list[int]] = []
+    with _last_rank(case.dp, _rank(case)), cuda_kernels():
+        torch.manual_seed(0)
+        built = build_deepspeed(case)
+        params = list(built.model.parameters())
+        fetch = Coordinator.fetch_sub_module
+
+        def held(coordinator: Any) -> int:
+            seen: set[int] = set()
+            registry = coordinator._PartitionedParameterCoordinator__inflight_param_registry
+            storages = [p.data.untyped_storage() for p in params]
+            for handle in set(registry.values()):
+                for h in getattr(handle, "handles", [handle]):
+                    if getattr(h, "partitions", None):
+                        storages.append(h.partitions[0].untyped_storage())
+            total = 0
+            for s in storages:
+                if s.nbytes() and s.data_ptr() not in seen:
+                    seen.add(s.data_ptr())
+                    total += s.nbytes()
+            return total
+
+        def recorded(coordinator: Any, module: Any, forward: bool) -> None:
+            fetch(coordinator, module, forward)
+            if any(True for _ in module.parameters(recurse=False)):
+                out[-1].append(held(coordinator))
+
+        Coordinator.fetch_sub_module = recorded
+        try:
+            for k in range(steps):
+                out.append([])
+                built.step(k, lambda phase: None)
+        finally:
+            Coordinator.fetch_sub_module = fetch
+    return out
+
+
 def trace_json(built: Built, result: TraceResult) -> dict[str, Any]:
     """Each step's phase peaks (total and by category) and the bytes of what the ZeRO
     optimizer registered, as JSON: ``{"steps": [{"forward": {"total": n, "parameters": ...},
@@ -266,6 +325,9 @@ def main(argv: list[str] | None = None) -> None:
 
     args = argv if argv is not None else sys.argv[1:]
     fields = json.loads(args[0])
+    if "--gathers" in args:  # the coordinator's gathered bytes at each module's fetch
+        print(json.dumps(trace_gathers(FrameworkCase(**fields))))
+        return
     if "--trace" in args:  # the trace alone, for what memplan's preset does not model yet
         print(json.dumps(trace_json(*trace_deepspeed(FrameworkCase(**fields)))))
         return

@@ -25,8 +25,6 @@ pytest.importorskip("transformers")
 
 from hf_configs import LLAMA3_TOY, hf  # tests/traced/hf_configs.py
 
-from memplan import api
-from memplan.errors import MemplanError
 from memplan.model.deepspeed_zero import estimate_zero2, estimate_zero3
 
 TOY = hf("Meta-Llama-3-8B", **LLAMA3_TOY)
@@ -208,10 +206,128 @@ def test_zero3_backward_within_one_percent() -> None:
     assert abs(_zero3_diff()["first_step.backward_bytes"]["pct"]) <= 1.0
 
 
-def test_zero3_prefetch_still_refused() -> None:
-    """The coordinator's default prefetch, reuse and persistence are not modelled."""
-    with pytest.raises(MemplanError, match="prefetch, reuse or persistence"):
-        api.estimate("llama-7b", gpus=2, zero=3, framework="deepspeed")
+# DeepSpeed's ZeRO-3 coordinator as configured (memplan.model.deepspeed_coordinator): the
+# defaults, and settings that bite on the toy (a prefetch bucket, live parameters and a reuse
+# distance smaller than its MLP weights and layers; persistence of the k/v projections only)
+_COORDINATOR_CASES = {
+    "defaults": dict(stage=3, reduce_bucket_size=300_000),
+    "small": dict(stage=3, reduce_bucket_size=300_000, stage3_prefetch_bucket_size=100_000,
+                  stage3_max_reuse_distance=300_000, stage3_param_persistence_threshold=20_000,
+                  stage3_max_live_parameters=500_000),
+    "prefetch-only": dict(stage=3, reduce_bucket_size=300_000,
+                          stage3_prefetch_bucket_size=300_000, stage3_max_reuse_distance=0,
+                          stage3_param_persistence_threshold=0),
+}
+_SETTINGS = {"stage3_prefetch_bucket_size": "prefetch_bucket",
+             "stage3_max_live_parameters": "max_live",
+             "stage3_max_reuse_distance": "reuse_distance",
+             "stage3_param_persistence_threshold": "persistence_threshold"}
+# the toy's parameter tensors in forward order: embedding, per layer the norm, q, k, v, o, the
+# norm, gate, up, down, then the final norm and the head
+_LAYER = (256, 65_536, 16_384, 16_384, 65_536, 256, 229_376, 229_376, 229_376)
+_SIZES = (256_000, *_LAYER, *_LAYER, 256, 256_000)
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["", "recompute"])
+@pytest.mark.parametrize("name", list(_COORDINATOR_CASES))
+def test_zero3_coordinator_replayed_exactly(name: str, recompute: bool) -> None:
+    """DeepSpeed's own coordinator on the last of 2 fake ranks, three steps: the bytes it holds
+    gathered at each fetch of a module with parameters (memplan.profile.deepspeed_trace.
+    trace_gathers: every parameter's storage and the flat buffers of its registry's coalesced
+    gathers) equal memplan.model.deepspeed_coordinator.replay's, to the byte: step 1 the
+    recording step's, steps 2 and 3 the recorded trace's. With the Trainer's non-reentrant
+    checkpointing too (the recomputation inside each layer's backward; the weights it saves
+    as aliases are not the parameters' storage, so not counted here)."""
+    from memplan.model.deepspeed_coordinator import Coordinator, llama_trace, replay
+
+    options = dict(_COORDINATOR_CASES[name], **({"recompute": "full"} if recompute else {}))
+    case = dict(library="deepspeed", name="llama3", config=TOY, recipe="bf16-mixed",
+                micro_batch_size=1, seq_len=64, dp=2, options=options)
+    out = subprocess.run([sys.executable, "-m", "memplan.profile.deepspeed_trace",
+                          json.dumps(case), "--gathers"], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = json.loads(out.stdout.strip().splitlines()[-1])
+    c = Coordinator(**{v: options[k] for k, v in _SETTINGS.items() if k in options})
+    trace = llama_trace(len(_SIZES), 1, (9, 9), 2, (recompute,) * 2).uses
+    fetched = [i for i, u in enumerate(trace) if u.param >= 0 and u.fetch]
+    for k, measured in enumerate(steps):
+        at = replay(_SIZES, trace, c, 2, 2, complete=k > 0, with_aliases=False).at
+        assert measured == [at[i] for i in fetched], k
+
+
+def _coordinator_diff(**options) -> dict:
+    case = dict(library="deepspeed", name="llama3", config=TOY, recipe="bf16-mixed",
+                micro_batch_size=1, seq_len=64, dp=2, options=options)
+    out = subprocess.run([sys.executable, "-m", "memplan.profile.deepspeed_trace",
+                          json.dumps(case)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])["diff"]
+
+
+@pytest.mark.parametrize("name", list(_COORDINATOR_CASES))
+def test_zero3_coordinator_phase_peaks_within_one_percent(name: str) -> None:
+    """memplan's estimate with the coordinator as configured against the trace: from step 2
+    every phase peak within 1%, step 1's forward and optimizer too (step 1 is the plain
+    coordinator's, its backward the known -1.17%, test_zero3_backward_within_one_percent).
+    Measured, steady forward / backward / optimizer: defaults -0.58% / +0.0015% / -0.003%
+    (the forward peak is the last layer's MLP with the prefetch's flat buffer alive, where
+    memplan's MLP moment is 164,484 B short), small -0.0006% / -0.23% / -0.003%,
+    prefetch-only -0.0005% / +0.0014% / -0.003%."""
+    diff = _coordinator_diff(**_COORDINATOR_CASES[name])
+    assert diff["params_bytes"]["bytes"] == 0
+    for phase in ("forward", "backward", "optimizer"):
+        assert abs(diff[f"steady.{phase}_bytes"]["pct"]) <= 1.0, (phase, diff)
+    for phase in ("forward", "optimizer"):
+        assert abs(diff[f"first_step.{phase}_bytes"]["pct"]) <= 1.0, (phase, diff)
+    assert abs(diff["first_step.backward_bytes"]["pct"]) <= 3.0
+
+
+_RECOMPUTE = ("full recompute under ZeRO-3: the coordinator's gathers and the recomputation's "
+              "saved weight aliases are replayed exactly (test_zero3_coordinator_replayed_"
+              "exactly), but memplan's recomputed layer backward is short: measured step 1 "
+              "backward -5.68% (742,024 B), steady backward -1.65% (defaults), -2.72% "
+              "(small), -3.38% (plain coordinator); steady forward +1.19% (small)")
+
+
+@pytest.mark.xfail(strict=True, reason=_RECOMPUTE)
+@pytest.mark.parametrize("name", ["defaults", "small"])
+def test_zero3_coordinator_recompute_within_one_percent(name: str) -> None:
+    diff = _coordinator_diff(**_COORDINATOR_CASES[name], recompute="full")
+    for step in ("first_step", "steady"):
+        for phase in ("forward", "backward", "optimizer"):
+            assert abs(diff[f"{step}.{phase}_bytes"]["pct"]) <= 1.0, (step, phase, diff)
+
+
+# --- ZeRO-Offload (stage 2, offload_optimizer cpu) ----------------------------------------------
+
+_OFFLOAD = dict(reduce_bucket_size=300_000, offload_optimizer={"device": "cpu"})
+# memplan counts the fp64 copy of the head's slice (2,048,000 B, set_norm_for_param_grad_in_gpu)
+# from the start of the last layer's backward, where the first reduce falls; the trace has it at
+# the down projection's gradient hook, beside that gradient, where a few activations are gone
+_OFFLOAD_COPY = ("ZeRO-Offload's fp64 norm copy at the first reduce is counted from the start "
+                 "of the layer where the reduce falls: step 1 and steady backward +1.19% "
+                 "(115,056 B)")
+
+
+def test_zero_offload_phase_peaks_within_three_percent() -> None:
+    """DeepSpeed's ZeRO-Offload at stage 2 on the last of 2 fake ranks (the host's tensors
+    counted apart, OffloadTracker): the device holds the bf16 weights (4,434,432 B), a buffer of
+    the largest parameter (512,000 B), the activations, in backward the bucket and the fp64
+    copy of a gradient slice; no partition, no state. Measured: forward -136 B, optimizer -728
+    B (both steps), backward +115,056 B (+1.19%, _OFFLOAD_COPY). The host side (20,466,952 B
+    traced) is tests/unit/test_deepspeed.py test_zero_offload_by_hand."""
+    diff = _trace(**_OFFLOAD)["diff"]
+    assert diff["params_bytes"]["bytes"] == 0 and diff["grads_bytes"]["bytes"] == 0
+    for step in ("first_step", "steady"):
+        for phase in ("forward", "optimizer"):
+            assert abs(diff[f"{step}.{phase}_bytes"]["pct"]) <= 0.02, (step, phase, diff)
+        assert 0 < diff[f"{step}.backward_bytes"]["pct"] <= 3.0, (step, diff)
+
+
+@pytest.mark.xfail(strict=True, reason=_OFFLOAD_COPY)
+def test_zero_offload_backward_within_one_percent() -> None:
+    assert abs(_trace(**_OFFLOAD)["diff"]["first_step.backward_bytes"]["pct"]) <= 1.0
 
 
 # --- ZeRO stage 1 ------------------------------------------------------------------------------

@@ -79,12 +79,12 @@ def _plan(*args: str) -> dict:
 
 def test_plan_searches_stages_and_buckets() -> None:
     """Llama-7B on 8 A100 80GB, 8 sequences of 4096 per step (one micro-batch per rank, no
-    accumulation, so stage 1 is offered: the preset refuses it with accumulation): stage 1
-    and stage 2 candidates, each naming its reduce bucket (one buffer, overlap_comm off by
-    default below stage 3), and each candidate's peak is the estimate of the same
-    configuration with that bucket."""
+    accumulation, so stage 1 is offered: the preset refuses it with accumulation): stage 1,
+    2 and 3 candidates (stage 3 with DeepSpeed's default coordinator), each naming its reduce
+    bucket (one buffer: overlap_comm off by default below stage 3, adding none at stage 3),
+    and each candidate's peak is the estimate of the same configuration with that bucket."""
     out = _plan("--gpu", "a100-80gb", "--gbs", "8")
-    assert {c["layout"]["zero"] for c in out["candidates"]} == {1, 2}
+    assert {c["layout"]["zero"] for c in out["candidates"]} == {1, 2, 3}
     assert not any(k.startswith("out of memory") for k in out["rejected"])
     for c in out["candidates"]:
         assert c["reduce_bucket_numel"] in (500_000_000, 16_777_216) and c["reduce_buckets"] == 1
@@ -97,16 +97,18 @@ def test_plan_searches_stages_and_buckets() -> None:
 
 
 def test_plan_keeps_the_bucket_with_the_lower_peak() -> None:
-    """On 8 A100 40GB with 64 sequences of 4096 per step, the fastest candidate (mbs 1, full
-    recompute of 20 of 32 layers, five eighths: the plan searches k in eighths of a stage) fits with either bucket; the plan keeps the one with the
-    lower peak, which is the smaller of the two plans with the bucket fixed (a ds_config's
-    reduce_bucket_size), each reporting only its own bucket."""
-    top = _plan("--gpu", "a100-40gb", "--gbs", "64")["candidates"][0]
+    """On 8 A100 40GB with 64 sequences of 4096 per step at ZeRO-2, the fastest candidate (mbs
+    1, full recompute of 20 of 32 layers, five eighths: the plan searches k in eighths of a
+    stage) fits with either bucket; the plan keeps the one with the lower peak, which is the
+    smaller of the two plans with the bucket fixed (a ds_config's reduce_bucket_size), each
+    reporting only its own bucket."""
+    top = _plan("--gpu", "a100-40gb", "--gbs", "64", "--zero", "2")["candidates"][0]
     assert (top["mbs"], top["recompute"], top["recompute_layers"]) == (1, "full", 20)
     peaks = {}
     for bucket in (500_000_000, 16_777_216):
         fixed = api.plan("llama-7b", gpus=8, gpu="a100-40gb", seq_len=4096,
-                         global_batch_size=64, framework="deepspeed", zero_bucket_numel=bucket)
+                         global_batch_size=64, framework="deepspeed", zero_bucket_numel=bucket,
+                         zero=2)
         assert {c.workload.zero_bucket_numel for c in fixed.candidates} == {bucket}
         peaks[bucket] = next(c.peak_bytes for c in fixed.candidates
                              if (c.micro_batch_size, c.recompute_layers) == (1, 20))

@@ -1,0 +1,428 @@
+"""DeepSpeed's ZeRO-3 parameter coordinator, replayed on a model's module trace: which weights
+are gathered, and which all-gather buffers are alive, at each module's run in forward and
+backward, in bytes, on one rank.
+
+Read in DeepSpeed 0.19.8, ``deepspeed/runtime/zero/partitioned_param_coordinator.py``
+``PartitionedParameterCoordinator`` and ``partition_parameters.py``; each step below names the
+function it follows. The coordinator records the module trace in the first step
+(``reset_step``: INVALID -> RECORD at the first forward's start, RECORD -> COMPLETE at the
+second's), so step 1 gathers each module for its own run only and every later step prefetches
+and keeps weights by the recorded trace (``replay``'s ``complete``).
+
+- ``fetch_sub_module`` gathers the module's own parameters not yet gathered (one coalesced
+  all-gather), waits for each (``__inflight_param_registry.pop(param).wait()``), drops the
+  module's entries from the parameter queue and, with ``stage3_prefetch_bucket_size`` > 0,
+  pops the queue until ``min(max_live - available, prefetch_bucket)`` elements of parameters
+  not gathered are taken, gathering them in one coalesced all-gather (``__all_gather_params``;
+  every popped entry, gathered or not, marks its parameter as fetched for that entry's use:
+  ``__most_recent_step_id_param_fetched_for``).
+- A coalesced all-gather of more than one parameter (``partition_parameters.py
+  _all_gather_dtype``) makes one flat buffer of the partitions x ranks; its handle's ``wait``
+  gives every parameter of the group a whole copy (``torch.cat`` of its slices); the flat
+  buffer lives while the registry holds the handle for any parameter of the group (each is
+  popped at its module's fetch). One parameter alone is gathered into its own buffer
+  (``_all_gather_sequential``), padded to a multiple of the ranks, which the parameter keeps.
+- ``release_sub_module`` -> ``__params_to_release``: a module's parameters are released after
+  its run unless persistent (``ds_persist``), prefetched for a later use
+  (``__most_recent_step_id_param_fetched_for[param] > step_id``), or used again within the next
+  ``stage3_max_reuse_distance`` elements of the trace (the parameters of the modules after it,
+  counted once per use); ``__release_param`` frees the whole copy.
+- Persistent parameters (``parameter_offload.py mark_persistent_parameters``: at most
+  ``stage3_param_persistence_threshold`` elements each, ``stage3_model_persistence_threshold``
+  in all) are released like the others in the recording step, gathered again after each
+  optimizer step (``stage3.py _post_step``) and never released after that.
+
+A module here holds one parameter tensor (a Llama's every ``nn.Linear``, norm and the
+embedding: ``parameters(recurse=False)``); modules without parameters (a decoder layer, its
+attention and MLP, the activation) change nothing and are left out.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from functools import lru_cache
+from typing import Any, NamedTuple
+
+from memplan.workload import Recompute
+
+# DeepSpeedZeroConfig defaults (runtime/zero/config.py, 0.19.8): stage3_prefetch_bucket_size
+# 5e7, stage3_max_live_parameters 1e9, stage3_max_reuse_distance 1e9,
+# stage3_param_persistence_threshold 1e5, stage3_model_persistence_threshold sys.maxsize
+PREFETCH_BUCKET_SIZE = 50_000_000
+MAX_LIVE_PARAMETERS = 1_000_000_000
+MAX_REUSE_DISTANCE = 1_000_000_000
+PARAM_PERSISTENCE_THRESHOLD = 100_000
+MODEL_PERSISTENCE_THRESHOLD = 2**63 - 1
+
+
+class Coordinator(NamedTuple):
+    """The coordinator's settings, in elements (the ds_config's ``stage3_*`` keys)."""
+
+    prefetch_bucket: int = PREFETCH_BUCKET_SIZE
+    max_live: int = MAX_LIVE_PARAMETERS
+    reuse_distance: int = MAX_REUSE_DISTANCE
+    persistence_threshold: int = PARAM_PERSISTENCE_THRESHOLD
+    model_persistence_threshold: int = MODEL_PERSISTENCE_THRESHOLD
+
+    @property
+    def plain(self) -> bool:
+        """Each module gathered for its own run only, in every step."""
+        return not (self.prefetch_bucket or self.reuse_distance or self.persistence_threshold)
+
+
+class Use(NamedTuple):
+    """One module's run in the trace: its parameter (an index of the model's tensors; -1 for
+    a module without parameters of its own, which still prefetches), whether it is a
+    forward run, and whether that forward is a checkpoint's recomputation."""
+
+    param: int
+    forward: bool
+    recompute: bool = False
+    fetch: bool = True  # False: the module's release alone (its fetch came earlier)
+    release: bool = True  # False: its fetch alone (released by a later use)
+
+
+def persistent(sizes: tuple[int, ...], c: Coordinator) -> frozenset[int]:
+    """The persistent parameters (``mark_persistent_parameters``: in registration order, each
+    of at most the threshold, while the total stays within the model threshold)."""
+    out, total = set(), 0
+    for i, n in enumerate(sizes):
+        if n + total > c.model_persistence_threshold:
+            continue
+        if n <= c.persistence_threshold:
+            out.add(i)
+            total += n
+    return frozenset(out)
+
+
+class Replayed(NamedTuple):
+    """``replay``'s bytes per run of the trace: ``at`` after the module's fetch (its prefetch
+    included), where it computes; ``after`` after its release."""
+
+    at: tuple[int, ...]
+    after: tuple[int, ...]
+
+
+def replay(sizes: tuple[int, ...], trace: tuple[Use, ...], c: Coordinator, dp: int,
+           itemsize: int, complete: bool = True, with_aliases: bool = True) -> Replayed:
+    """Bytes gathered on one rank (whole parameters and live all-gather buffers) at each run
+    of ``trace``, the step's module runs in order (forward, then backward), for the model
+    whose parameter tensors have ``sizes`` elements. ``complete``: the trace is recorded
+    (step 2 on); else the recording step's behaviour (each module for its own run).
+    ``itemsize``: bytes of a gathered element. ``with_aliases``: count the weights a
+    recomputation saved after their release (False: the parameters' own storage only, what
+    the coordinator sees)."""
+    keep = persistent(sizes, c) if complete else frozenset()
+    rank = _Rank(sizes, dp, itemsize, keep, with_aliases)
+    fetches = tuple(u for u in trace if u.fetch)  # the recorded trace: one step per fetch
+    order = (deque((u.param, step) for step, u in enumerate(fetches) if u.param >= 0)
+             if complete else deque())
+    fetched_for: dict[int, int] = {}
+    out, after = [], []
+    step = -1
+    for use in trace:
+        p = use.param
+        if use.recompute and p >= 0:
+            rank.saved.add(p)
+        if use.fetch:
+            step += 1
+            _fetch(rank, p, step, complete, order, fetched_for, c)
+        out.append(rank.held())
+        if p >= 0 and use.release and _released(p, step + 1, fetches, sizes, c, keep,
+                                                fetched_for, complete):
+            rank.release(p)
+        if p >= 0 and not use.forward:
+            rank.backward_done(p)
+        after.append(rank.held())
+    return Replayed(tuple(out), tuple(after))
+
+
+class _Rank:
+    """What one rank holds gathered: each parameter's whole copy (``data``), the registry of
+    in-flight gathers (parameter -> its group), the elements gathered (``active``:
+    ``__n_available_params``, persistent ones not counted). A checkpoint's recomputation
+    saves each weight it reads for its backward as an alias of the gathered copy
+    (torch/utils/checkpoint.py _recomputation_hook: ``x.detach()``): a release then frees the
+    parameter's data but not the alias (``aliases``), alive to the weight's own backward; a
+    gather meanwhile makes a second copy."""
+
+    def __init__(self, sizes: tuple[int, ...], dp: int, itemsize: int, keep: frozenset[int],
+                 with_aliases: bool) -> None:
+        self.sizes, self.dp, self.itemsize, self.with_aliases = sizes, dp, itemsize, with_aliases
+        self.data = {i: n * itemsize for i, n in enumerate(sizes) if i in keep}
+        self.registry: dict[int, _Group] = {}
+        self.saved: set[int] = set()
+        self.aliases: dict[int, int] = {}
+        self.active = 0
+
+    def held(self) -> int:
+        return (sum(self.data.values()) + (sum(self.aliases.values()) if self.with_aliases
+                                           else 0)
+                + sum(g.flat_bytes for g in set(self.registry.values())))
+
+    def gathered(self, p: int) -> bool:
+        return p in self.data or p in self.registry
+
+    def gather(self, params: list[int]) -> None:
+        """``__all_gather_params``: one gather of those not gathered."""
+        todo = sorted(p for p in params if not self.gathered(p))
+        if not todo:
+            return
+        self.active += sum(self.sizes[p] for p in todo)
+        padded = sum(-(-self.sizes[p] // self.dp) for p in todo) * self.dp * self.itemsize
+        group = _Group(todo, padded if len(todo) > 1 else 0)
+        if len(todo) == 1:  # _all_gather_sequential: the parameter keeps its padded buffer
+            self.data[todo[0]] = padded
+        for p in todo:
+            self.registry[p] = group
+
+    def wait(self, p: int) -> None:
+        """``__inflight_param_registry.pop(param).wait()``."""
+        group = self.registry.pop(p)
+        if not group.waited:
+            group.waited = True
+            for q in group.params:
+                if group.flat_bytes:  # AllGatherCoalescedHandle.wait: torch.cat
+                    self.data[q] = self.sizes[q] * self.itemsize
+
+    def release(self, p: int) -> None:
+        """``__release_param``."""
+        if p in self.data and p not in self.registry:
+            if p in self.saved and p not in self.aliases:
+                self.aliases[p] = self.data[p]
+            del self.data[p]
+            self.active -= self.sizes[p]
+
+    def backward_done(self, p: int) -> None:
+        if p in self.saved:
+            self.saved.discard(p)
+            self.aliases.pop(p, None)
+
+
+def _fetch(rank: _Rank, p: int, step: int, complete: bool, order: deque,
+           fetched_for: dict[int, int], c: Coordinator) -> None:
+    """``fetch_sub_module`` of the module of parameter ``p`` (-1: none) at ``step``."""
+    if p >= 0:
+        rank.gather([p])
+        if p in rank.registry:
+            rank.wait(p)
+    if not complete:
+        return
+    if p >= 0 and fetched_for.get(p, -10**10) < step:
+        entry, used = order.popleft()
+        fetched_for[entry] = used
+    if c.prefetch_bucket > 0:
+        _prefetch(rank, order, fetched_for, c)
+
+
+class _Group:
+    """One all-gather: its parameters and its flat buffer's bytes (0 for one parameter)."""
+
+    def __init__(self, params: list[int], flat_bytes: int) -> None:
+        self.params, self.flat_bytes, self.waited = params, flat_bytes, False
+
+
+def _prefetch(rank: _Rank, order: deque, fetched_for: dict[int, int], c: Coordinator) -> None:
+    """``fetch_sub_module``'s prefetch: pop the parameter queue until the elements taken reach
+    min(max live - available, prefetch bucket); gather the popped parameters not gathered."""
+    limit = min(c.max_live - rank.active, c.prefetch_bucket)
+    taken: list[int] = []
+    numel = 0
+    while order and numel < limit:
+        p, used = order.popleft()
+        fetched_for[p] = max(fetched_for.get(p, -10**10), used)
+        if not rank.gathered(p) and p not in taken:
+            taken.append(p)
+            numel += rank.sizes[p]
+    rank.gather(taken)
+
+
+def _released(p: int, step: int, trace: tuple[Use, ...], sizes: tuple[int, ...],
+              c: Coordinator, keep: frozenset[int], fetched_for: dict[int, int],
+              complete: bool) -> bool:
+    """``__params_to_release`` for the module of parameter ``p`` released at ``step`` (the
+    coordinator's step counter after the module's fetch)."""
+    if not complete:
+        return True
+    if p in keep or fetched_for.get(p, -10**10) > step:
+        return False
+    traversed = 0
+    for use in trace[step:]:
+        if traversed >= c.reuse_distance:
+            break
+        if use.param == p:
+            return False
+        traversed += sizes[use.param] if use.param >= 0 else 0
+    return True
+
+
+# a transformers Llama decoder layer's modules in forward order (traced: the coordinator's
+# recorded trace), as indices of its 9 tensors (norm, q, k, v, o, norm, gate, up, down); -1
+# the modules without parameters: the layer, its attention, its MLP, the activation
+_LLAMA_LAYER = (-1, 0, -1, 1, 2, 3, 4, 5, -1, 6, -1, 7, 8)
+# ... and in backward (each module's pre-backward hook, when its output's gradient is made)
+_LLAMA_LAYER_BACKWARD = (-1, -1, 8, 7, -1, 6, 5, -1, 4, 3, 2, 1, 0)
+
+
+class Trace(NamedTuple):
+    """A step's module runs (``uses``) and where each falls (``where``): "forward",
+    "layer" (a layer's forward), "head" (the final norm's and the head's forward), "loss"
+    (the root's backward hook, before the loss's backward), "head_backward", the index of
+    the layer whose backward (or recomputation) it is, "embedding_backward"."""
+
+    uses: tuple[Use, ...]
+    where: tuple[str | int, ...]
+
+
+def llama_trace(num_tensors: int, embedding_tensors: int, layer_tensors: tuple[int, ...],
+                head_tensors: int, recomputed: tuple[bool, ...] = (),
+                tied: bool = False) -> Trace:
+    """The module runs of one training step of a decoder-only model as DeepSpeed records them
+    (traced, a transformers Llama ``LlamaForCausalLM``: forward the root, the model, the
+    embedding, the rotary embedding, each layer's modules (``_LLAMA_LAYER``), the final norm,
+    the head; backward the root, the head, the model, the final norm, each layer's
+    (``_LLAMA_LAYER_BACKWARD``) last to first, the embedding). ``num_tensors`` parameter
+    tensors in forward order: the embedding's, each layer's (``layer_tensors`` of each), the
+    final norm's and the head's (``head_tensors``; with ``tied`` embeddings the head module
+    uses the embedding's weight). A layer of other than 9 tensors is its container and its
+    tensors in order, each its own module. A layer whose activations are recomputed
+    (``recomputed``, per layer) runs its forward again inside its backward."""
+    spans, start = [], embedding_tensors
+    for n in layer_tensors:
+        spans.append(list(range(start, start + n)))
+        start += n
+    norm = list(range(start, num_tensors))  # the final norm's (and the head's, untied)
+    proj = norm.pop() if not tied else 0
+    uses: list[Use] = []
+    where: list[str | int] = []
+
+    def add(items: list[Use], at: str | int) -> None:
+        uses.extend(items)
+        where.extend([at] * len(items))
+
+    def layer(span: list[int], forward: bool) -> list[Use]:
+        if len(span) != 9:
+            ids = span if forward else span[::-1]
+            return [Use(-1, forward)] + [Use(i, forward) for i in ids]
+        order = _LLAMA_LAYER if forward else _LLAMA_LAYER_BACKWARD
+        return [Use(span[k] if k >= 0 else -1, forward) for k in order]
+
+    add([Use(-1, True), Use(-1, True)] + [Use(i, True) for i in range(embedding_tensors)]
+        + [Use(-1, True)], "forward")  # the root, the model, the embedding, rotary
+    for span in spans:
+        add(layer(span, True), "layer")
+    add([Use(i, True) for i in norm] + [Use(proj, True)], "head")
+    add([Use(-1, False)], "loss")
+    add([Use(proj, False), Use(-1, False)] + [Use(i, False) for i in norm[::-1]],
+        "head_backward")
+    for index in reversed(range(len(spans))):
+        back = layer(spans[index], False)
+        if index < len(recomputed) and recomputed[index]:
+            # non-reentrant checkpointing (the Trainer's): the recomputation runs when the
+            # layer's first backward node unpacks what it saved, after the pre-backward hooks
+            # of the layer (and, for a Llama layer, its MLP and the down projection, whose
+            # release follows the recomputation: traced)
+            again = [u._replace(recompute=True) for u in layer(spans[index], True)]
+            cut = 3 if len(spans[index]) == 9 else 1
+            first = back[cut - 1]
+            back = (back[:cut - 1] + [first._replace(release=False)] + again
+                    + [first._replace(fetch=False)] + back[cut:])
+        add(back, index)
+    add([Use(i, False) for i in reversed(range(embedding_tensors))], "embedding_backward")
+    return Trace(tuple(uses), tuple(where))
+
+
+class Positions(NamedTuple):
+    """Bytes gathered at the walk's positions in one step (``steady_positions``)."""
+
+    in_layer: int  # the most beside a layer's forward
+    at_loss: int  # at the loss (the head released, the backward not started)
+    loss_backward: int  # at the loss's backward (the root's backward hook has prefetched)
+    head: int  # at the head's backward (and the final norm's)
+    in_block: int  # the most beside a layer's backward (its recomputation included), the
+    #                stage's first layer's left out
+    in_first_block: int  # ... the first layer's
+    embedding: int  # at the embedding's backward
+    persistent: int  # the persistent parameters (gathered from the first step's end on)
+
+
+def positions(sizes: tuple[int, ...], trace: Trace, c: Coordinator, dp: int,
+              itemsize: int, complete: bool = True) -> Positions:
+    """``replay`` of ``trace`` read at the walk's positions."""
+    r = replay(sizes, trace.uses, c, dp, itemsize, complete)
+
+    def most(pick) -> int:
+        return max((v for v, w in zip(r.at, trace.where) if pick(w)), default=0)
+
+    head_end = max(i for i, w in enumerate(trace.where) if w == "head")
+    keep = persistent(sizes, c) if complete else frozenset()
+    return Positions(
+        in_layer=most(lambda w: w == "layer"), at_loss=r.after[head_end],
+        loss_backward=most(lambda w: w == "loss"), head=most(lambda w: w == "head_backward"),
+        in_block=most(lambda w: isinstance(w, int) and w > 0),
+        in_first_block=most(lambda w: w == 0),
+        embedding=most(lambda w: w == "embedding_backward"),
+        persistent=sum(sizes[i] for i in keep) * itemsize)
+
+
+def zero3_coordinator(wl: Any) -> Coordinator:
+    """The coordinator a workload sets (``Workload.zero3_*_numel``)."""
+    return Coordinator(prefetch_bucket=wl.zero3_prefetch_numel,
+                       max_live=wl.zero3_max_live_numel,
+                       reuse_distance=wl.zero3_reuse_distance_numel,
+                       persistence_threshold=wl.zero3_persistence_numel)
+
+
+def layer_tensor_counts(tensor_sizes: tuple[int, ...], first: int,
+                        layers: tuple[int, ...]) -> tuple[int, ...]:
+    """How many of ``tensor_sizes`` (from index ``first``) make each layer of ``layers``
+    elements."""
+    counts, i = [], first
+    for numel in layers:
+        n, total = 0, 0
+        while total < numel and i + n < len(tensor_sizes):
+            total += tensor_sizes[i + n]
+            n += 1
+        counts.append(n)
+        i += n
+    return tuple(counts)
+
+
+def coordinator_positions(params: Any, wl: Any, c: Coordinator, dp: int, itemsize: int,
+                          complete: bool = True) -> Positions:
+    """``positions`` of a stage's parameters (``memplan.model.model_states.StageParams``) under
+    the coordinator ``c`` from step 2 on (``complete``; else in step 1): the Llama module trace (``llama_trace``), every
+    layer's forward run again before its backward under full recompute (a checkpointed
+    layer)."""
+    counts = layer_tensor_counts(params.tensor_sizes, params.embedding_tensors, params.layers)
+    recomputed = _recomputed(wl, len(counts))
+    # tied embeddings: the stage's last tensor is the final norm's (one dimension)
+    tied = (len(params.tensor_shapes[-1]) == 1 if params.tensor_shapes
+            else params.head_tensors < 2)
+    trace = _cached_trace(len(params.tensor_sizes), params.embedding_tensors, counts,
+                          params.head_tensors, recomputed, tied)
+    return _cached_positions(params.tensor_sizes, trace, c, dp, itemsize, complete)
+
+
+def _recomputed(wl: Any, n: int) -> tuple[bool, ...]:
+    """Which of a stage's ``n`` layers full recompute checkpoints: all, the first
+    ``recompute_layers``, or every ``recompute_every``-th (as ``memplan.model.stage_parts.
+    layer_recompute`` reads them)."""
+    if wl.recompute is not Recompute.FULL:
+        return (False,) * n
+    if wl.recompute_layers is not None:
+        return tuple(i < wl.recompute_layers for i in range(n))
+    if wl.recompute_every is not None:
+        return tuple((i + 1) % wl.recompute_every == 0 for i in range(n))
+    return (True,) * n
+
+
+@lru_cache(maxsize=64)
+def _cached_trace(*args: Any) -> Trace:
+    return llama_trace(*args)
+
+
+@lru_cache(maxsize=64)
+def _cached_positions(sizes: tuple[int, ...], trace: Trace, c: Coordinator, dp: int,
+                      itemsize: int, complete: bool) -> Positions:
+    return positions(sizes, trace, c, dp, itemsize, complete)

@@ -1,0 +1,120 @@
+"""DeepSpeed's ZeRO-3 parameter coordinator replayed (memplan.model.deepspeed_coordinator): bytes
+derived by hand on tiny traces, 2 ranks, 2 B per element. A parameter of n elements gathered
+alone keeps a buffer of ceil(n / 2) x 2 elements; a coalesced gather of several makes a flat
+buffer of the sum of their partitions x 2 and, at its first wait, a whole copy of each. The
+replay against DeepSpeed's own coordinator, fetch by fetch: tests/traced/test_deepspeed_trace.py."""
+
+from __future__ import annotations
+
+from memplan import api
+from memplan.model.deepspeed_coordinator import (
+    Coordinator,
+    Use,
+    layer_tensor_counts,
+    llama_trace,
+    persistent,
+    positions,
+    replay,
+)
+
+F, B = True, False
+
+
+def test_persistent_parameters() -> None:
+    """mark_persistent_parameters: each parameter of at most the threshold, in order, while the
+    total stays within the model threshold: (10, 200, 5) with threshold 10 keeps 0 and 2; with
+    a model threshold of 12 only 0 (10 + 5 > 12)."""
+    assert persistent((10, 200, 5), Coordinator(persistence_threshold=10)) == {0, 2}
+    assert persistent((10, 200, 5), Coordinator(persistence_threshold=10,
+                                                model_persistence_threshold=12)) == {0}
+
+
+def test_prefetch_one_coalesced_gather() -> None:
+    """Parameters of 4, 6 and 2 elements used in turn after a module without parameters;
+    prefetch bucket 100, nothing kept. The first module prefetches all three in one gather:
+    flat buffer (2 + 3 + 1) x 2 x 2 B = 24 B. The first use waits: whole copies of all three,
+    24 B, beside the flat buffer (the registry still holds it for the other two): 48 B; its
+    release leaves 40. The second use pops the second entry (40), release -> 28; the third
+    pops the last (the flat buffer freed): its copy alone, 4 B, then 0."""
+    r = replay((4, 6, 2), (Use(-1, F), Use(0, F), Use(1, F), Use(2, F)),
+               Coordinator(100, 1000, 0, 0), 2, 2)
+    assert r.at == (24, 48, 40, 4) and r.after == (24, 40, 28, 0)
+
+
+def test_prefetch_stops_at_max_live() -> None:
+    """The same with stage3_max_live_parameters 7: the first prefetch takes 4 then 6 (10 >= 7
+    stops it): flat (2 + 3) x 2 x 2 = 20 B; at the first use both copies (20 B) and the flat
+    buffer: 40, no prefetch (10 live > 7), release -> 32; the second use frees the flat buffer
+    (12 B) and, 6 live, prefetches 1 more element's worth: the third alone, padded 2 x 2 B =
+    4 B: 16; release -> 4; the third: 4, then 0."""
+    r = replay((4, 6, 2), (Use(-1, F), Use(0, F), Use(1, F), Use(2, F)),
+               Coordinator(100, 7, 0, 0), 2, 2)
+    assert r.at == (20, 40, 16, 4) and r.after == (20, 32, 4, 0)
+
+
+def test_reuse_distance_keeps_what_is_used_again() -> None:
+    """Forward 0 (4 elements, 8 B gathered), 1 (6 elements, 12 B), backward 1, 0. Reuse
+    distance 100: each is kept while its next use is within 100 elements of the trace: 0
+    stays (8), 1 stays (20), 1 released after its backward (no use after), 0 too. Distance 5:
+    0 is released (the next module's 6 elements reach 5 first), 1 kept (used next); in the
+    recording step (not complete) every module is released after its run."""
+    trace = (Use(0, F), Use(1, F), Use(1, B), Use(0, B))
+    far = replay((4, 6), trace, Coordinator(0, 1000, 100, 0), 2, 2)
+    assert far.at == (8, 20, 20, 8) and far.after == (8, 20, 8, 0)
+    near = replay((4, 6), trace, Coordinator(0, 1000, 5, 0), 2, 2)
+    assert near.at == (8, 12, 12, 8) and near.after == (0, 12, 0, 0)
+    first = replay((4, 6), trace, Coordinator(0, 1000, 5, 0), 2, 2, complete=False)
+    assert first.after == (0, 0, 0, 0)
+
+
+def test_recomputation_keeps_the_weights_it_saved() -> None:
+    """Recording step, a checkpointed pair: forward 0, 1 (each released: 0); backward 1 is
+    fetched (12 B) and the recomputation runs 0 (gathered, 8 B: 20) and 1 (already there),
+    each released after its forward run but alive as the recomputation's saved alias (20
+    throughout); 1's backward ends (its alias dropped: 8); 0's backward gathers a second copy
+    beside its alias (16), both gone after it."""
+    trace = (Use(0, F), Use(1, F), Use(1, B, release=False), Use(0, F, True), Use(1, F, True),
+             Use(1, B, fetch=False), Use(0, B))
+    r = replay((4, 6), trace, Coordinator(0, 0, 0, 0), 2, 2, complete=False)
+    assert r.at == (8, 12, 12, 20, 20, 20, 16)
+    assert r.after == (0, 0, 12, 20, 20, 8, 0)
+    assert replay((4, 6), trace, Coordinator(0, 0, 0, 0), 2, 2, complete=False,
+                  with_aliases=False).after == (0, 0, 12, 12, 0, 0, 0)
+
+
+def test_llama_trace_shape() -> None:
+    """One Llama layer (9 tensors) between the embedding and the final norm and head: forward
+    root, model, embedding, rotary (4), the layer's 13 modules, norm and head (2); backward
+    root (the loss), head, model, norm (4), the layer's 13, the embedding: 37 runs. With the
+    layer recomputed its 13 forward runs and the down projection's release join its backward."""
+    t = llama_trace(12, 1, (9,), 2)
+    assert len(t.uses) == 37
+    assert t.where.count("layer") == 13 and t.where.count(0) == 13
+    r = llama_trace(12, 1, (9,), 2, (True,))
+    assert len(r.uses) == 37 + 14 and sum(u.recompute for u in r.uses) == 13
+    assert layer_tensor_counts((5, 1, 2, 3, 1, 2, 3, 7), 1, (6, 6)) == (3, 3)
+
+
+def test_toy_positions_by_hand() -> None:
+    """The traced toy (tests/traced/hf_configs.LLAMA3_TOY) on 2 ranks with DeepSpeed's defaults:
+    the first module's prefetch gathers every non-persistent parameter (embedding 256,000,
+    the MLPs 6 x 229,376, the head 256,000: 1,888,256 elements) in one flat buffer,
+    3,776,512 B, and the first wait copies them out: with the persistent ones (norms and the
+    q/k/v/o, 328,960 elements) every weight whole, 4,434,432 B, plus the buffer: 8,210,944 B
+    beside each layer; the head's fetch frees the buffer: 4,434,432 at the loss. Persistent:
+    657,920 B."""
+    layer = (256, 65_536, 16_384, 16_384, 65_536, 256, 229_376, 229_376, 229_376)
+    sizes = (256_000, *layer, *layer, 256, 256_000)
+    at = positions(sizes, llama_trace(len(sizes), 1, (9, 9), 2), Coordinator(), 2, 2)
+    assert (at.in_layer, at.at_loss, at.persistent) == (8_210_944, 4_434_432, 657_920)
+
+
+def test_default_coordinator_estimated() -> None:
+    """--zero 3 under the deepspeed preset is estimated with DeepSpeed's default coordinator;
+    step 1 (the recording step) is the plain coordinator's, lower."""
+    est = api.estimate("llama-2-7b", gpus=8, zero=3, framework="deepspeed")
+    plain = api.estimate("llama-2-7b", gpus=8, zero=3, framework="deepspeed",
+                         zero3_plain_gathers=True)
+    assert est.worst.params_bytes == plain.worst.params_bytes == 2 * 842_301_952
+    assert est.worst.first_step.forward == plain.worst.first_step.forward
+    assert est.worst.steady.forward > plain.worst.steady.forward
