@@ -15,6 +15,7 @@ cudaMalloc returns (ties in best fit go to the segment created first).
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict
@@ -189,6 +190,30 @@ class CachingAllocator:
         self.allocated = 0
         self.retries = 0
         self._order = 0
+        # each pool's free blocks in BlockComparatorSize's order (size, then address), kept
+        # as blocks change, so best fit is a binary search
+        self._free: dict[tuple[int, bool], list[tuple[int, int, int, Block, Segment]]] = {}
+
+    def _key(self, seg: Segment, block: Block) -> tuple[int, int, int, Block, Segment]:
+        return (block.size, seg.order, block.offset, block, seg)
+
+    def _add_free(self, seg: Segment, block: Block) -> None:
+        insort(self._free.setdefault((seg.stream, seg.small), []), self._key(seg, block))
+
+    def _drop_free(self, seg: Segment, block: Block) -> None:
+        pool = self._free[(seg.stream, seg.small)]
+        i = bisect_left(pool, self._key(seg, block)[:3])
+        assert pool[i][3] is block
+        del pool[i]
+
+    def _merge_free(self, seg: Segment, block: Block) -> None:
+        """``block`` becomes free and absorbs its free neighbours (try_merge_blocks)."""
+        for other in seg.neighbours(block):
+            if other is not None and other.state == "free":
+                self._drop_free(seg, other)
+        block.state = "free"
+        seg.merge(block)
+        self._add_free(seg, block)
 
     # --- malloc -------------------------------------------------------------------------------
     def malloc(self, key: int, orig_size: int, stream: int = 0) -> bool:
@@ -215,14 +240,7 @@ class CachingAllocator:
 
     def _free_blocks(self, stream: int, small: bool) -> list[tuple[Segment, Block]]:
         """The pool's free set, ordered as BlockComparatorSize orders it (size, then address)."""
-        out = [
-            (s, b)
-            for s in self.segments
-            if s.stream == stream and s.small == small
-            for b in s.blocks
-            if b.state == "free"
-        ]
-        return sorted(out, key=lambda sb: (sb[1].size, sb[0].order, sb[1].offset))
+        return [(k[4], k[3]) for k in self._free.get((stream, small), [])]
 
     @staticmethod
     def _expandable_size(seg: Segment, block: Block) -> int:
@@ -232,18 +250,19 @@ class CachingAllocator:
     def get_free_block(self, size: int, stream: int, small: bool):
         """DeviceCachingAllocator::get_free_block: the smallest free block of the pool and stream
         that fits (lower_bound on size); the max_split_size rules for oversize blocks."""
-        fits = [sb for sb in self._free_blocks(stream, small) if sb[1].size >= size]
-        if not fits:
+        pool = self._free.get((stream, small), [])
+        i = bisect_left(pool, (size,))
+        if i == len(pool):
             return None
-        i = 0
-        if fits[0][0].expandable:  # best fit by the size the block can grow to
+        if pool[i][4].expandable:  # best fit by the size the block can grow to
             while (
-                i + 1 < len(fits)
-                and fits[i][0].expandable
-                and self._expandable_size(*fits[i + 1]) < self._expandable_size(*fits[i])
+                i + 1 < len(pool)
+                and pool[i][4].expandable
+                and self._expandable_size(pool[i + 1][4], pool[i + 1][3])
+                < self._expandable_size(pool[i][4], pool[i][3])
             ):
                 i += 1
-        seg, block = fits[i]
+        seg, block = pool[i][4], pool[i][3]
         limit = self.cfg.max_split_size_bytes
         if size < limit and block.size >= limit:
             return None  # do not return an oversized block for a smaller request
@@ -262,6 +281,7 @@ class CachingAllocator:
         seg = self._new_segment(stream, small, expandable=False)
         block = Block(0, alloc_size, "free")
         seg.blocks.append(block)
+        self._add_free(seg, block)
         self.reserved += alloc_size
         return seg, block
 
@@ -277,10 +297,12 @@ class CachingAllocator:
 
     def alloc_found_block(self, key: int, seg: Segment, block: Block, size: int) -> None:
         """DeviceCachingAllocator::alloc_found_block: split off the remainder if should_split."""
+        self._drop_free(seg, block)
         if should_split(block.size, size, seg.small, self.cfg):
             rest = Block(block.offset + size, block.size - size, "free")
             seg.blocks.insert(seg.blocks.index(block) + 1, rest)
             block.size = size
+            self._add_free(seg, rest)
         block.state = "alloc"
         self.allocated += block.size  # stats.allocated_bytes counts block->size
         self.live[key] = (seg, block)
@@ -318,9 +340,8 @@ class CachingAllocator:
             rest = Block(block.offset + mapped, block.size - mapped, "unmapped")
             seg.blocks.insert(seg.blocks.index(block) + 1, rest)
             block.size = mapped
-        block.state = "free"
         self.reserved += mapped
-        seg.merge(block)
+        self._merge_free(seg, block)
         return block
 
     def try_allocate_expandable_block(self, size: int, stream: int, small: bool):
@@ -345,9 +366,8 @@ class CachingAllocator:
         if key not in self.live:
             raise MemplanError(f"Free {key}: no live allocation has that id")
         seg, block = self.live.pop(key)
-        block.state = "free"
         self.allocated -= block.size
-        seg.merge(block)
+        self._merge_free(seg, block)
 
     def release_available_cached_blocks(self, size: int, stream: int, small: bool) -> bool:
         """DeviceCachingAllocator::release_available_cached_blocks: with max_split_size set, free
@@ -370,6 +390,9 @@ class CachingAllocator:
         return released >= target
 
     def _release(self, seg: Segment) -> None:
+        for block in seg.blocks:
+            if block.state == "free":
+                self._drop_free(seg, block)
         self.reserved -= seg.mapped_bytes()
         self.segments.remove(seg)
 
@@ -393,6 +416,7 @@ class CachingAllocator:
         end = (block.offset + block.size) // seg.page * seg.page
         if begin >= end:
             return
+        self._drop_free(seg, block)
         i = seg.blocks.index(block)
         parts = [
             Block(block.offset, begin - block.offset, "free"),
@@ -400,6 +424,9 @@ class CachingAllocator:
             Block(end, block.offset + block.size - end, "free"),
         ]
         seg.blocks[i : i + 1] = [p for p in parts if p.size > 0]
+        for part in (parts[0], parts[2]):
+            if part.size > 0:
+                self._add_free(seg, part)
         self.reserved -= end - begin
         seg.merge(parts[1])
 

@@ -310,6 +310,14 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
                   peaks(st.master_bytes + st.setup_bytes, st.scaler_bytes, False))
 
 
+def walk_of(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTerms,
+            walked: Walked) -> Walk:
+    """The walk's inputs of a walked stage (its runs, head, embedding, mechanism), for readers
+    that replay it tensor by tensor (``memplan.model.alloc_sequence``)."""
+    return _walk(spec, par, wl, shared, walked.states, walked.kinds, walked.entries,
+                 walked.in_flight)[0]
+
+
 def _in_backward(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTerms,
                  parts: tuple[StageStates, StageKinds], flight: tuple[int, ...],
                  grads: tuple[int, int, int, int], walk: Walk
