@@ -17,16 +17,16 @@ from typing import NamedTuple
 from memplan.model.alloc_sequence import (
     LayerTensors,
     StageInputs,
-    StageReplay,
     first_vs_second,
     replay_stage,
 )
 from memplan.model.allocator import AllocatorConfig, parse_alloc_conf
 from memplan.model.optimizer import optimizer_policy
-from memplan.model.stage import Walked, walk_of
+from memplan.model.dims import Dims
+from memplan.model.stage import Walked, walk_of, walk_stage
 from memplan.model import memo
 from memplan.model.head import logit_bytes
-from memplan.model.stage_parts import StageKinds, StageStates, key_variant
+from memplan.model.stage_parts import StageStates, key_variant
 from memplan.model.stage_terms import StageTerms
 from memplan.parallel import ParallelConfig
 from memplan.spec import ModelSpec
@@ -119,8 +119,31 @@ def stage_reserved(inputs: StageInputs, tensor_peak_bytes: int,
                     r.reserved_by_step, first_vs_second(r))
 
 
-def replayed(inputs: StageInputs, cfg: AllocatorConfig) -> StageReplay:
-    return replay_stage(inputs, cfg)
 
 
-__all__ = ["Reserved", "StageKinds", "config_of", "stage_inputs", "stage_reserved"]
+def estimate_reserved(est, alloc_conf: str = "") -> tuple[Reserved, ...]:
+    """Every stage's ``Reserved`` for an ``memplan.model.estimate.Estimate`` under
+    ``alloc_conf`` (``PYTORCH_CUDA_ALLOC_CONF``'s form; the device's capacity as cudaMalloc's
+    limit is not applied: the replay reports what the job would reserve). A stage that follows
+    from an interior template (``estimate._follows``: the same layers, other micro-batches in
+    flight) takes the template's allocator bytes beyond its own tensor peak."""
+    from memplan.model.estimate import _follows, _template  # the estimate's own stage rules
+
+    spec, par, wl, m = est.spec, est.parallel, est.workload, est.num_microbatches
+    parts = memo.stage_parts(spec, par, wl)
+    shared = memo.shared_terms(spec, wl, Dims.of(spec, par, wl), par.experts, parts)
+    cfg = config_of(alloc_conf, None)
+    template = _template(par, parts)
+    out: list[Reserved] = []
+    for i, stage in enumerate(est.stages):
+        if _follows(par, parts, template, i) and template is not None and template < len(out):
+            t = out[template]
+            shift = stage.tensor_peak_bytes - est.stages[template].tensor_peak_bytes
+            out.append(t._replace(
+                reserved_peak_bytes=t.reserved_peak_bytes + shift,
+                expandable_reserved_peak_bytes=t.expandable_reserved_peak_bytes + shift))
+            continue
+        walked = walk_stage(spec, par, wl, m, i, est.schedule, shared, parts[i])
+        inputs = stage_inputs(spec, par, wl, m, walked, shared)
+        out.append(stage_reserved(inputs, stage.tensor_peak_bytes, cfg))
+    return tuple(out)
