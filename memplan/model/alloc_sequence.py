@@ -437,10 +437,12 @@ FOLD_START = 8
 MAX_PERIOD = 4
 
 
-def replay_stage(s: StageInputs, cfg: AllocatorConfig, fold_above: int = FOLD_ABOVE,
+def replay_stage(s: StageInputs, cfg: AllocatorConfig, fold_above: int | None = None,
                  fold_start: int = FOLD_START) -> StageReplay:
-    """The stage's sequence through the allocator model, its long runs folded (see
-    ``FOLD_ABOVE``; ``fold_above`` None: never)."""
+    """The stage's sequence through the allocator model, whole; with ``fold_above`` (e.g.
+    ``FOLD_ABOVE``) runs longer than that many layers are folded (see ``FOLD_ABOVE``). The
+    estimate replays whole: a catalog model's deepest stage (126 layers) replays in about
+    0.3 s of CPU, and the fold's check cannot see a regime change past its samples."""
     runs = [n for _, _, _, n in s.walk.runs]
     if fold_above is not None and max(runs, default=0) > fold_above:
         for period in range(1, MAX_PERIOD + 1):

@@ -130,6 +130,9 @@ class Block:
     offset: int
     size: int
     state: str  # "alloc", "free" or "unmapped" (an expandable segment's unbacked address space)
+    # the segment's blocks in address order, linked as Block's prev and next in the source
+    prev: Block | None = field(default=None, repr=False)
+    next: Block | None = field(default=None, repr=False)
 
 
 @dataclass(eq=False)
@@ -138,7 +141,20 @@ class Segment:
     stream: int
     small: bool
     expandable: bool
-    blocks: list[Block] = field(default_factory=list)
+    head: Block | None = None
+
+    @property
+    def blocks(self) -> list[Block]:
+        """The segment's blocks in address order."""
+        out, b = [], self.head
+        while b is not None:
+            out.append(b)
+            b = b.next
+        return out
+
+    def single(self) -> bool:
+        """Whether the segment is one block (not split)."""
+        return self.head is not None and self.head.next is None
 
     @property
     def page(self) -> int:
@@ -148,21 +164,38 @@ class Segment:
         return sum(b.size for b in self.blocks if b.state != "unmapped")
 
     def neighbours(self, block: Block) -> tuple[Block | None, Block | None]:
-        i = self.blocks.index(block)
-        prev = self.blocks[i - 1] if i > 0 else None
-        nxt = self.blocks[i + 1] if i + 1 < len(self.blocks) else None
-        return prev, nxt
+        return block.prev, block.next
+
+    def insert_after(self, block: Block | None, new: Block) -> None:
+        """Link ``new`` after ``block`` (None: as the segment's first block)."""
+        nxt = self.head if block is None else block.next
+        new.prev, new.next = block, nxt
+        if nxt is not None:
+            nxt.prev = new
+        if block is None:
+            self.head = new
+        else:
+            block.next = new
+
+    def unlink(self, block: Block) -> None:
+        if block.prev is None:
+            self.head = block.next
+        else:
+            block.prev.next = block.next
+        if block.next is not None:
+            block.next.prev = block.prev
+        block.prev = block.next = None
 
     def merge(self, block: Block) -> int:
         """try_merge_blocks with both neighbours: absorb each one in the same state (free with
         free, unmapped with unmapped). Returns the bytes subsumed."""
         subsumed = 0
-        for other in self.neighbours(block):
+        for other in (block.prev, block.next):
             if other is not None and other.state == block.state:
                 block.offset = min(block.offset, other.offset)
                 block.size += other.size
                 subsumed += other.size
-                self.blocks.remove(other)
+                self.unlink(other)
         return subsumed
 
 
@@ -280,7 +313,7 @@ class CachingAllocator:
             return None
         seg = self._new_segment(stream, small, expandable=False)
         block = Block(0, alloc_size, "free")
-        seg.blocks.append(block)
+        seg.insert_after(None, block)
         self._add_free(seg, block)
         self.reserved += alloc_size
         return seg, block
@@ -300,7 +333,7 @@ class CachingAllocator:
         self._drop_free(seg, block)
         if should_split(block.size, size, seg.small, self.cfg):
             rest = Block(block.offset + size, block.size - size, "free")
-            seg.blocks.insert(seg.blocks.index(block) + 1, rest)
+            seg.insert_after(block, rest)
             block.size = size
             self._add_free(seg, rest)
         block.state = "alloc"
@@ -314,21 +347,21 @@ class CachingAllocator:
         for seg in self.segments:
             if not (seg.expandable and seg.stream == stream and seg.small == small):
                 continue
-            for i, b in enumerate(seg.blocks):
+            for b in seg.blocks:
                 if b.state != "unmapped":
                     continue
-                start = i - 1 if i > 0 and seg.blocks[i - 1].state == "free" else i
+                start = b.prev if b.prev is not None and b.prev.state == "free" else b
                 room, j = 0, start
-                while room < size and j < len(seg.blocks) and seg.blocks[j].state != "alloc":
-                    room += seg.blocks[j].size
-                    j += 1
+                while room < size and j is not None and j.state != "alloc":
+                    room += j.size
+                    j = j.next
                 if room >= size:
-                    return seg, seg.blocks[start]
+                    return seg, start
         seg = self._new_segment(stream, small, expandable=True)
         cap = self.cfg.capacity_bytes
         space = NO_LIMIT if cap is None else cap + cap // 8
-        seg.blocks.append(Block(0, -(-space // seg.page) * seg.page, "unmapped"))
-        return seg, seg.blocks[0]
+        seg.insert_after(None, Block(0, -(-space // seg.page) * seg.page, "unmapped"))
+        return seg, seg.head
 
     def map_block(self, seg: Segment, block: Block, size: int) -> Block | None:
         """DeviceCachingAllocator::map_block / ExpandableSegment::map: back whole pages from the
@@ -338,7 +371,7 @@ class CachingAllocator:
             return None
         if mapped < block.size:
             rest = Block(block.offset + mapped, block.size - mapped, "unmapped")
-            seg.blocks.insert(seg.blocks.index(block) + 1, rest)
+            seg.insert_after(block, rest)
             block.size = mapped
         self.reserved += mapped
         self._merge_free(seg, block)
@@ -376,7 +409,7 @@ class CachingAllocator:
         if limit == NO_LIMIT:
             return False
         target = max(size, limit)
-        whole = [(s, b) for s, b in self._free_blocks(stream, small) if len(s.blocks) == 1]
+        whole = [(s, b) for s, b in self._free_blocks(stream, small) if s.single()]
         big = [sb for sb in whole if sb[1].size >= target]
         if big:
             self._release(big[0][0])
@@ -406,7 +439,7 @@ class CachingAllocator:
                     self.unmap_block(seg, block)
                 if all(b.state == "unmapped" for b in seg.blocks):
                     self.segments.remove(seg)
-            elif len(seg.blocks) == 1 and seg.blocks[0].state == "free":
+            elif seg.single() and seg.head.state == "free":
                 self._release(seg)
 
     def unmap_block(self, seg: Segment, block: Block) -> None:
@@ -417,13 +450,17 @@ class CachingAllocator:
         if begin >= end:
             return
         self._drop_free(seg, block)
-        i = seg.blocks.index(block)
         parts = [
             Block(block.offset, begin - block.offset, "free"),
             Block(begin, end - begin, "unmapped"),
             Block(end, block.offset + block.size - end, "free"),
         ]
-        seg.blocks[i : i + 1] = [p for p in parts if p.size > 0]
+        at = block.prev
+        seg.unlink(block)
+        for part in parts:
+            if part.size > 0:
+                seg.insert_after(at, part)
+                at = part
         for part in (parts[0], parts[2]):
             if part.size > 0:
                 self._add_free(seg, part)
@@ -436,7 +473,7 @@ class CachingAllocator:
         return sum(
             b.size
             for s in self.segments
-            if not s.expandable and len(s.blocks) > 1
+            if not s.expandable and not s.single()
             for b in s.blocks
             if b.state == "free"
         )
