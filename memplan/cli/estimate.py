@@ -28,6 +28,11 @@ from memplan.report.versioned import dumps
 Quiet = Annotated[bool, typer.Option(
     "--quiet", "-q", help="Print only the verdict line (fits or not, peak, stage, headroom); "
     "the exit code is 0 either way, as without it.")]
+AllocConf = Annotated[str, typer.Option(
+    "--alloc-conf", help="PYTORCH_CUDA_ALLOC_CONF as the job sets it (e.g. "
+    "'expandable_segments:True' or 'max_split_size_mb:512'): the caching allocator's options "
+    "the reserved-memory replay follows (max_split_size_mb, max_non_split_rounding_mb, "
+    "large_segment_size_mb, roundup_power2_divisions, expandable_segments).")]
 PlotPath = Annotated[Path | None, typer.Option(
     "--plot", help="Also draw each pipeline stage's peak as a stacked bar against the GPU's "
     "capacity, to this .png or .svg file (needs matplotlib).")]
@@ -38,7 +43,7 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
              megatron_args: MegatronArgs = None,
              deepspeed_config: DeepspeedConfig = None,
              accelerate_config: AccelerateConfig = None, json_out: Json = False,
-             quiet: Quiet = False, html: Html = None) -> None:
+             quiet: Quiet = False, html: Html = None, alloc_conf: AllocConf = "") -> None:
     """Per-GPU memory of every pipeline stage and the most loaded rank.
 
     Parameters, gradients, optimizer states, saved activations, transients and fixed
@@ -64,6 +69,8 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
       memplan estimate -m llama-7b -n 8 --deepspeed-config ds_config_zero2.json
 
       memplan estimate -n 8 --megatron-args "--num-layers 32 --hidden-size 4096 ..."
+
+      memplan estimate -m llama-3-8b -n 8 --zero 3 --alloc-conf expandable_segments:True
     """
     if plot is not None:
         from memplan.report.plot import check_path
@@ -77,6 +84,9 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
                                         megatron=megatron_args,
                                         deepspeed=deepspeed_config,
                                         accelerate=accelerate_config)
+    from memplan.model.reserved import config_of, estimate_reserved
+
+    config_of(alloc_conf, None)  # an option the model does not follow: refused before the work
     est = run_estimate(model, **kwargs)
     from memplan.report import estimate_json, render_estimate
 
@@ -86,7 +96,7 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
 
         drawn = plot_estimate(est, plot)
     if json_out or html is not None:
-        out = estimate_json(est)
+        out = estimate_json(est, estimate_reserved(est, alloc_conf), alloc_conf)
         if plot is not None:
             out["plot"] = None if drawn is None else str(drawn)
         if html is not None:
@@ -95,7 +105,8 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
             out["config"] = imported.as_json()
     if html is not None:
         write_html(html, "estimate", out, rich_text(
-            *(imported.lines() if imported is not None else ()), render_estimate(est)))
+            *(imported.lines() if imported is not None else ()),
+            render_estimate(est, estimate_reserved(est, alloc_conf), alloc_conf)))
     if json_out:
         typer.echo(dumps("estimate", out))
         return
@@ -108,7 +119,7 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
 
     if imported is not None:
         typer.echo("\n".join(imported.lines()))
-    Console().print(render_estimate(est))
+    Console().print(render_estimate(est, estimate_reserved(est, alloc_conf), alloc_conf))
     if drawn is not None:
         typer.echo(f"wrote {drawn}")
     if html is not None:

@@ -113,10 +113,13 @@ def stage_reserved(inputs: StageInputs, tensor_peak_bytes: int,
     """Replay ``inputs`` under ``cfg`` and with expandable segments."""
     r = replay_stage(inputs, cfg)
     e = r if cfg.expandable_segments else replay_stage(inputs, expandable(cfg))
+    # the steps' reserved bytes on the walk's tensor peak, as the peak is (setup as replayed)
+    shift = tensor_peak_bytes - r.tensor_peak_bytes
+    setup, *steps = r.reserved_by_step
     return Reserved(tensor_peak_bytes + max(0, r.fragmentation_bytes),
                     max(0, r.fragmentation_bytes),
                     tensor_peak_bytes + max(0, e.fragmentation_bytes),
-                    r.reserved_by_step, first_vs_second(r))
+                    (setup, *(max(setup, s + shift) for s in steps)), first_vs_second(r))
 
 
 
