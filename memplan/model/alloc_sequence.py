@@ -434,7 +434,7 @@ def _replay_caps(s: StageInputs, cfg: AllocatorConfig, caps: tuple[int, ...] | N
 # replay by one 20 MiB segment to 12.6 GB): below FOLD_ABOVE layers a stage replays whole.
 FOLD_ABOVE = 32
 FOLD_START = 8
-MAX_PERIOD = 4
+MAX_PERIOD = 10  # 20 MiB segments or pages hold up to ten 2 MiB blocks
 
 
 def replay_stage(s: StageInputs, cfg: AllocatorConfig, fold_above: int | None = None,
