@@ -175,3 +175,78 @@ def test_alloc_conf_option_refuses_what_is_not_modelled(capsys) -> None:
     assert capsys.readouterr().err.strip().splitlines() == [
         "memplan: error: PYTORCH_CUDA_ALLOC_CONF: 'garbage_collection_threshold' is not "
         "modelled"]
+
+
+def _synthetic_snapshot() -> dict:
+    """A synthetic ``torch.cuda.memory._snapshot()`` (made by hand, not by a GPU): one device,
+    a trace of A (8 MiB), B (8 MiB), A freed, C (4 MiB), then an out-of-memory event for a
+    12 MiB request with 6 MiB free on the device. The real allocator's choices, by its rules:
+    A opens a 20 MiB segment (split, 12 left), B takes 8 of those (4 left at 16-20), C's best
+    fit is that 4 MiB tail (smaller than A's freed 8). The segment at the failure: A's 8 MiB
+    inactive, B and C allocated: reserved 20, allocated 12."""
+    mib = MiB
+    trace = [
+        {"action": "segment_alloc", "addr": 0, "size": 20 * mib, "stream": 0},
+        {"action": "alloc", "addr": 0, "size": 8 * mib, "stream": 0},
+        {"action": "alloc", "addr": 8 * mib, "size": 8 * mib, "stream": 0},
+        {"action": "free_requested", "addr": 0, "size": 8 * mib, "stream": 0},
+        {"action": "free_completed", "addr": 0, "size": 8 * mib, "stream": 0},
+        {"action": "alloc", "addr": 16 * mib, "size": 4 * mib, "stream": 0},
+        {"action": "oom", "addr": 0, "size": 12 * mib, "device_free": 6 * mib, "stream": 0},
+    ]
+    blocks = [{"address": 0, "size": 8 * mib, "requested_size": 8 * mib, "state": "inactive"},
+              {"address": 8 * mib, "size": 8 * mib, "requested_size": 8 * mib,
+               "state": "active_allocated"},
+              {"address": 16 * mib, "size": 4 * mib, "requested_size": 4 * mib,
+               "state": "active_allocated"}]
+    segment = {"device": 0, "address": 0, "total_size": 20 * mib, "allocated_size": 12 * mib,
+               "active_size": 12 * mib, "requested_size": 12 * mib, "stream": 0,
+               "segment_type": "large", "segment_pool_id": (0, 0), "is_expandable": False,
+               "frames": [], "blocks": blocks}
+    return {"segments": [segment], "device_traces": [trace]}
+
+
+def test_diagnose_snapshot_fragmentation() -> None:
+    """The synthetic snapshot: reserved 20 MiB, allocated 12: 8 MiB reserved but unallocated.
+    The request lacked 12 - 6 = 6 MiB, which the unallocated 8 MiB would have covered in one
+    piece: all of the failure is fragmentation. Its trace replayed by the allocator model
+    makes the same choices (one 20 MiB segment: 20 MiB reserved, as recorded); with
+    expandable segments one 20 MiB page (C then takes A's freed block, which cannot grow,
+    over the tail, which can): 20 MiB."""
+    from memplan.diagnose import diagnose
+    from memplan.diagnose.snapshot import snapshot_report
+
+    data = _synthetic_snapshot()
+    result = diagnose("tiny", oom=snapshot_report(data), snapshot=data, fixes=False)
+    f = result.fragmentation
+    assert (f.requested_bytes, f.device_free_bytes, f.unallocated_bytes) == (
+        12 * MiB, 6 * MiB, 8 * MiB)
+    assert f.share == 1.0
+    assert f.replay is not None and f.replay.num_events == 4
+    assert (f.replay.recorded_reserved_bytes, f.replay.replayed_reserved_bytes,
+            f.replay.expandable_reserved_bytes) == (20 * MiB, 20 * MiB, 20 * MiB)
+
+
+def test_diagnose_oom_message_against_the_model() -> None:
+    """An allocator message (2.1+ format): 2.00 GiB requested, 1.50 GiB free, 70.00 GiB
+    allocated and 6.50 GiB reserved but unallocated: the request lacked 0.50 GiB, which the
+    unallocated reserve holds 13 times over: all of the failure is fragmentation. Beside it,
+    the model's reserved memory of the configuration diagnosed (its own stage's, from
+    ``estimate_reserved``)."""
+    from memplan.diagnose import diagnose
+    from memplan.model.reserved import estimate_reserved
+
+    text = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 "
+            "has a total capacity of 79.15 GiB of which 1.50 GiB is free. Including "
+            "non-PyTorch memory, this process has 77.64 GiB memory in use. Of the allocated "
+            "memory 70.00 GiB is allocated by PyTorch, and 6.50 GiB is reserved by PyTorch "
+            "but unallocated.")
+    result = diagnose("llama-3-8b", oom=text, gpus=8, zero=3, micro_batch_size=4,
+                      fixes=False)
+    f = result.fragmentation
+    assert f.unallocated_bytes == round(6.5 * 2**30)
+    assert f.share == 1.0
+    est = result.diagnosis.estimate
+    r = estimate_reserved(est)[est.stages.index(result.diagnosis.stage)]
+    assert f.model_fragmentation_bytes == r.fragmentation_bytes
+    assert f.replay is None
