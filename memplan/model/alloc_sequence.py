@@ -478,15 +478,18 @@ def _fold(s: StageInputs, cfg: AllocatorConfig, runs: list[int], period: int,
                        sum(n for _, _, n in samples), True)
 
 
-def first_vs_second(r: StageReplay) -> str:
+def first_vs_second(r: StageReplay, lazy_states: bool = True) -> str:
     """Which step reserves more, and why (the allocator never gives segments back
     unprompted, so a step reserves more when it needs a segment the steps before left
-    none of)."""
+    none of). ``lazy_states``: step 1's optimizer makes states (``StageInputs.states_bytes``)."""
     _, first, second, third = r.reserved_by_step
-    if second > first:
+    if second > first and lazy_states:
         return (f"step 2 reserves {second - first:,} B more than step 1: the optimizer "
                 "states step 1 made lazily took cached blocks its activations had used, so "
                 "step 2's activations need new segments")
+    if second > first:
+        return (f"step 2 reserves {second - first:,} B more than step 1: step 1 left its "
+                "cached blocks split where step 2's requests come in another order")
     if third > second:
         return f"step 3 reserves {third - second:,} B more than step 2"
     return "step 1 reserves as much as the steps after it"

@@ -119,7 +119,8 @@ def stage_reserved(inputs: StageInputs, tensor_peak_bytes: int,
     return Reserved(tensor_peak_bytes + max(0, r.fragmentation_bytes),
                     max(0, r.fragmentation_bytes),
                     tensor_peak_bytes + max(0, e.fragmentation_bytes),
-                    (setup, *(max(setup, s + shift) for s in steps)), first_vs_second(r))
+                    (setup, *(max(setup, s + shift) for s in steps)),
+                    first_vs_second(r, inputs.states_bytes > 0 and inputs.num_states > 0))
 
 
 
