@@ -410,6 +410,9 @@ class StageReplay(NamedTuple):
     tensor_peak_bytes: int
     num_events: int  # replayed (folded runs: fewer than the whole sequence)
     folded: bool
+    # with a capacity (``AllocatorConfig.capacity_bytes``): the step (0: setup) whose
+    # allocation failed even after the cache was released; None: none failed
+    oom_step: int | None = None
 
     @property
     def fragmentation_bytes(self) -> int:
@@ -417,11 +420,16 @@ class StageReplay(NamedTuple):
 
 
 def _replay_caps(s: StageInputs, cfg: AllocatorConfig, caps: tuple[int, ...] | None
-                 ) -> tuple[tuple[int, ...], int, int]:
+                 ) -> tuple[tuple[int, ...], int, int, int | None, int]:
+    """(reserved at setup's and each step's end, the sequence's tensor peak, its events, the
+    step whose allocation failed, the reserved peak)."""
     b = stage_sequence(s, caps)
     res = replay(b.events, cfg)
-    by_step = tuple(res.reserved_bytes[m - 1] if m else 0 for m in b.marks)
-    return by_step, b.peak, len(b.events)
+    got = res.reserved_bytes
+    by_step = tuple(got[min(m, len(got)) - 1] if m and got else 0 for m in b.marks)
+    oom = (None if res.oom_event is None else
+           next(k for k, m in enumerate(b.marks) if res.oom_event < m))
+    return by_step, b.peak, len(b.events), oom, res.reserved_peak_bytes
 
 
 # Folding: a stage whose longest run has more than FOLD_ABOVE layers is replayed with its long
@@ -449,8 +457,8 @@ def replay_stage(s: StageInputs, cfg: AllocatorConfig, fold_above: int | None = 
             found = _fold(s, cfg, runs, period, fold_start)
             if found is not None:
                 return found
-    by, peak, num = _replay_caps(s, cfg, None)
-    return StageReplay(by, max(by), peak, num, False)
+    by, peak, num, oom, top = _replay_caps(s, cfg, None)
+    return StageReplay(by, top, peak, num, False, oom)
 
 
 def _fold(s: StageInputs, cfg: AllocatorConfig, runs: list[int], period: int,
@@ -466,7 +474,7 @@ def _fold(s: StageInputs, cfg: AllocatorConfig, runs: list[int], period: int,
     steps = {(n - c) // period for n, c, is_long in zip(runs, caps(0), long) if is_long}
     if len(steps) != 1:  # long runs of different lengths: no common extrapolation
         return None
-    samples = [_replay_caps(s, cfg, caps(k)) for k in range(4)]
+    samples = [_replay_caps(s, cfg, caps(k))[:3] for k in range(4)]
     d_by = [y - x for x, y in zip(samples[0][0], samples[1][0])]
     d_peak = samples[1][1] - samples[0][1]
     for a, b in zip(samples[1:], samples[2:]):
@@ -482,6 +490,11 @@ def first_vs_second(r: StageReplay, lazy_states: bool = True) -> str:
     """Which step reserves more, and why (the allocator never gives segments back
     unprompted, so a step reserves more when it needs a segment the steps before left
     none of). ``lazy_states``: step 1's optimizer makes states (``StageInputs.states_bytes``)."""
+    if r.oom_step is not None:
+        step = "set-up" if r.oom_step == 0 else f"step {r.oom_step}"
+        return (f"the allocator runs out of memory in {step} although the tensor peak fits: "
+                "no cached block holds the request and releasing the cached segments that "
+                "are wholly free does not make room (fragmentation)")
     _, first, second, third = r.reserved_by_step
     if second > first and lazy_states:
         return (f"step 2 reserves {second - first:,} B more than step 1: the optimizer "

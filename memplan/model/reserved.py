@@ -41,6 +41,9 @@ class Reserved(NamedTuple):
     expandable_reserved_peak_bytes: int  # the same with expandable_segments:True
     reserved_by_step: tuple[int, ...]  # the replay's reserved at setup's end and each step's
     step_note: str  # which step reserves more, and why
+    # the step (0: set-up) where the allocator runs out of memory though the tensors fit the
+    # capacity it may take (the replay under that capacity); None: it does not
+    oom_step: int | None = None
 
 
 def layer_tensors(states: StageStates) -> tuple[tuple[int, ...], tuple[LayerTensors, ...],
@@ -108,29 +111,41 @@ def config_of(alloc_conf: str, capacity_bytes: int | None) -> AllocatorConfig:
     return parse_alloc_conf(alloc_conf, capacity_bytes)
 
 
-def stage_reserved(inputs: StageInputs, tensor_peak_bytes: int,
-                   cfg: AllocatorConfig) -> Reserved:
-    """Replay ``inputs`` under ``cfg`` and with expandable segments."""
+def stage_reserved(inputs: StageInputs, tensor_peak_bytes: int, cfg: AllocatorConfig,
+                   capacity_bytes: int | None = None) -> Reserved:
+    """Replay ``inputs`` under ``cfg`` and with expandable segments. ``capacity_bytes``: what
+    cudaMalloc may take; where the tensors fit it but the unlimited replay reserves more, the
+    replay runs again under it (the allocator releases its wholly free cached segments and
+    retries before it raises, ``DeviceCachingAllocator::malloc``)."""
     r = replay_stage(inputs, cfg)
     e = r if cfg.expandable_segments else replay_stage(inputs, expandable(cfg))
     # the steps' reserved bytes on the walk's tensor peak, as the peak is (setup as replayed)
     shift = tensor_peak_bytes - r.tensor_peak_bytes
+    if (capacity_bytes is not None and tensor_peak_bytes <= capacity_bytes
+            < tensor_peak_bytes + r.fragmentation_bytes):
+        r = replay_stage(inputs, cfg.model_copy(update={"capacity_bytes":
+                                                         capacity_bytes - shift}))
+        if r.oom_step is not None:  # all of the capacity reserved, and not enough
+            r = r._replace(reserved_peak_bytes=capacity_bytes - shift)
     setup, *steps = r.reserved_by_step
     return Reserved(tensor_peak_bytes + max(0, r.fragmentation_bytes),
                     max(0, r.fragmentation_bytes),
                     tensor_peak_bytes + max(0, e.fragmentation_bytes),
                     (setup, *(max(setup, s + shift) for s in steps)),
-                    first_vs_second(r, inputs.states_bytes > 0 and inputs.num_states > 0))
+                    first_vs_second(r, inputs.states_bytes > 0 and inputs.num_states > 0),
+                    r.oom_step)
 
 
 
 
-def estimate_reserved(est, alloc_conf: str = "") -> tuple[Reserved, ...]:
+def estimate_reserved(est, alloc_conf: str = "", limited: bool = True) -> tuple[Reserved, ...]:
     """Every stage's ``Reserved`` for an ``memplan.model.estimate.Estimate`` under
     ``alloc_conf`` (``PYTORCH_CUDA_ALLOC_CONF``'s form; the device's capacity as cudaMalloc's
     limit is not applied: the replay reports what the job would reserve). A stage that follows
     from an interior template (``estimate._follows``: the same layers, other micro-batches in
-    flight) takes the template's allocator bytes beyond its own tensor peak."""
+    flight) takes the template's allocator bytes beyond its own tensor peak. ``limited``:
+    replay under the capacity the allocator may take (False: what a job that completed on a
+    larger device would reserve)."""
     from memplan.model.estimate import _follows, _template  # the estimate's own stage rules
 
     spec, par, wl, m = est.spec, est.parallel, est.workload, est.num_microbatches
@@ -149,5 +164,9 @@ def estimate_reserved(est, alloc_conf: str = "") -> tuple[Reserved, ...]:
             continue
         walked = walk_stage(spec, par, wl, m, i, est.schedule, shared, parts[i])
         inputs = stage_inputs(spec, par, wl, m, walked, shared)
-        out.append(stage_reserved(inputs, stage.tensor_peak_bytes, cfg))
+        # what the allocator may take: the device's capacity less the CUDA context and the
+        # cuBLAS workspace (an allocation of its own the sequence leaves out)
+        room = est.capacity_bytes - stage.cuda_context_bytes - stage.workspace_bytes
+        out.append(stage_reserved(inputs, stage.tensor_peak_bytes, cfg,
+                                  room if limited else None))
     return tuple(out)

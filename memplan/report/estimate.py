@@ -25,7 +25,8 @@ def reserved_stage_json(r: Reserved) -> dict[str, Any]:
             "fragmentation_bytes": r.fragmentation_bytes,
             "expandable_reserved_peak_bytes": r.expandable_reserved_peak_bytes,
             "reserved_by_step": dict(zip(("setup_bytes", "step_1_bytes", "step_2_bytes",
-                                          "step_3_bytes"), r.reserved_by_step))}
+                                          "step_3_bytes"), r.reserved_by_step)),
+            "allocator_oom_step": r.oom_step}
 
 
 def reserved_json(est: Estimate, reserved: tuple[Reserved, ...],

@@ -250,3 +250,19 @@ def test_diagnose_oom_message_against_the_model() -> None:
     r = estimate_reserved(est)[est.stages.index(result.diagnosis.stage)]
     assert f.model_fragmentation_bytes == r.fragmentation_bytes
     assert f.replay is None
+
+
+def test_allocator_runs_out_of_memory_although_the_tensors_fit() -> None:
+    """The two-layer stage (``test_two_layer_stage_segment_layout_by_hand``: tensor peak
+    46 MiB, 56 MiB reserved without a limit) with 50 MiB that cudaMalloc may take: step 2's
+    T1 opens C (32 + 12 = 44 MiB), T2's 12 MiB would make 56: cudaMalloc fails; no cached
+    segment is wholly free (A holds the weights and three states, B the fourth), so releasing
+    them frees nothing and the retry fails: out of memory in step 2 with 46 MiB of tensors
+    and 50 MiB reserved. With 56 MiB it fits, as without a limit."""
+    from memplan.model.reserved import stage_reserved
+
+    tight = stage_reserved(_stage(2), 46 * MiB, AllocatorConfig(), 50 * MiB)
+    assert tight.oom_step == 2 and tight.reserved_peak_bytes == 50 * MiB
+    assert tight.step_note.startswith("the allocator runs out of memory in step 2")
+    room = stage_reserved(_stage(2), 46 * MiB, AllocatorConfig(), 56 * MiB)
+    assert room.oom_step is None and room.reserved_peak_bytes == 56 * MiB
