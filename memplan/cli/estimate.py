@@ -90,13 +90,17 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
     est = run_estimate(model, **kwargs)
     from memplan.report import estimate_json, render_estimate
 
+    # the caching allocator's reserved memory (memplan.model.reserved): every output but
+    # --quiet's shows it
+    reserved = () if quiet and not (json_out or html) else estimate_reserved(est, alloc_conf)
+
     drawn = None
     if plot is not None:
         from memplan.report.plot_estimate import plot_estimate
 
         drawn = plot_estimate(est, plot)
     if json_out or html is not None:
-        out = estimate_json(est, estimate_reserved(est, alloc_conf), alloc_conf)
+        out = estimate_json(est, reserved, alloc_conf)
         if plot is not None:
             out["plot"] = None if drawn is None else str(drawn)
         if html is not None:
@@ -106,7 +110,7 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
     if html is not None:
         write_html(html, "estimate", out, rich_text(
             *(imported.lines() if imported is not None else ()),
-            render_estimate(est, estimate_reserved(est, alloc_conf), alloc_conf)))
+            render_estimate(est, reserved, alloc_conf)))
     if json_out:
         typer.echo(dumps("estimate", out))
         return
@@ -119,7 +123,7 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
 
     if imported is not None:
         typer.echo("\n".join(imported.lines()))
-    Console().print(render_estimate(est, estimate_reserved(est, alloc_conf), alloc_conf))
+    Console().print(render_estimate(est, reserved, alloc_conf))
     if drawn is not None:
         typer.echo(f"wrote {drawn}")
     if html is not None:
