@@ -173,6 +173,10 @@ class Row:
     others: tuple[Other, ...] = field(default=())
     # options of the run memplan does not accept yet ("--lora-rank 16"): no estimate
     pending: tuple[str, ...] = ()
+    # a max_reserved run: the caching-allocator model's reserved peak + workspace, and the
+    # same with expandable_segments:True (memplan.model.reserved), in place of the flat reserve
+    reserved_bytes: int | None = None
+    expandable_bytes: int | None = None
 
     @property
     def error_pct(self) -> float | None:
@@ -248,7 +252,24 @@ def evaluate(run: dict, others: list[dict] | None = None) -> Row:
         value = quantity_bytes(est.stages[-1], quantity)
     else:
         value = max(quantity_bytes(s, quantity) for s in est.stages)
-    return Row(run, value, others=extra)
+    if quantity != "max_reserved":
+        return Row(run, value, others=extra)
+    reserved, expandable = reserved_bytes(est, run["rank"])
+    return Row(run, value, others=extra, reserved_bytes=reserved, expandable_bytes=expandable)
+
+
+def reserved_bytes(est, rank: str) -> tuple[int, int]:
+    """The allocator model's peak reserved (``memplan.model.reserved``: each stage's reserved
+    peak + cuBLAS workspace), with the allocator's defaults and with expandable segments, on
+    the last stage or the most loaded one. Replayed without the catalog GPU's capacity as a
+    limit: the measured jobs completed, and some ran on devices larger than the catalog GPU
+    that stands for them (torchtitan's H100 96GB as h100-sxm)."""
+    from memplan.model.reserved import estimate_reserved
+
+    pairs = [(r.reserved_peak_bytes + s.workspace_bytes,
+              r.expandable_reserved_peak_bytes + s.workspace_bytes)
+             for s, r in zip(est.stages, estimate_reserved(est, limited=False))]
+    return pairs[-1] if rank == "last" else max(pairs)
 
 
 def build_rows(runs: list[dict], others: list[dict] | None = None) -> list[Row]:
@@ -679,6 +700,59 @@ def render_finetune(rows: list[Row]) -> list[str]:
     return out
 
 
+def _reserved_stats(errors: list[float]) -> str:
+    if not errors:
+        return "none"
+    return (f"median |error| {statistics.median(abs(e) for e in errors):.1f}%, worst "
+            f"under-prediction {min(min(errors), 0.0):+.1f}% over {len(errors)} runs")
+
+
+def _reserved_summary(rows: list[Row]) -> list[str]:
+    """Before (tensor peak + workspace + the flat 5% reserve) and after (the allocator model),
+    over the runs memplan expresses and over all that report reserved memory."""
+    out = []
+    for label, pick in (("runs memplan expresses", lambda r: r.expressed),
+                        ("all runs reporting it", lambda r: r.memplan_bytes is not None)):
+        have = [r for r in rows if r.reserved_bytes is not None and pick(r)]
+        before = [r.error_pct for r in have]
+        after = [error_pct(r.reserved_bytes, r.run["measured_bytes"]) for r in have]
+        out.append(f"- {label.capitalize()}: flat 5% reserve {_reserved_stats(before)}; "
+                   f"allocator model {_reserved_stats(after)}.")
+    return out
+
+
+def render_reserved(rows: list[Row]) -> list[str]:
+    """The runs that report reserved memory (main and fine-tuning) with the allocator model's
+    reserved peak beside the flat reserve's."""
+    have = [r for r in rows if r.reserved_bytes is not None]
+    out = ["## Reserved memory: the caching-allocator model", ""]
+    out += _bullet(
+        "The runs above that report peak reserved memory (torchtitan's max_reserved, "
+        "torchtune's and peft's reserved peaks), with memplan's reserved peak from the "
+        "caching-allocator model (`memplan estimate --json`: each stage's "
+        "`reserved_peak_bytes`; the stage's allocation sequence derived from the model and "
+        "replayed through PyTorch's allocator rules, docs/allocator.md) + cuBLAS workspace, "
+        "beside the flat reserve the peak per GPU still counts (tensor peak + workspace + 5%). "
+        "With `expandable_segments:True`: the same replay with expandable segments (none of "
+        "these runs set it). Replayed without the GPU's capacity as a limit (the jobs "
+        "completed; torchtitan's ran on H100 96GB, which the catalog's h100-sxm stands for).")
+    out += [""] + _reserved_summary(rows) + [
+        "",
+        "| id | measured | flat 5% reserve | error | allocator model | error | "
+        "expandable segments | not expressible |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in have:
+        measured = r.run["measured_bytes"]
+        gaps = "; ".join(r.run.get("not_expressible") or []) or "-"
+        out.append(
+            f"| {_cell(r.run['id'])} | {_gib(measured)} | {_gib(r.memplan_bytes)} | "
+            f"{r.error_pct:+.1f}% | {_gib(r.reserved_bytes)} | "
+            f"{error_pct(r.reserved_bytes, measured):+.1f}% | {_gib(r.expandable_bytes)} | "
+            f"{_cell(gaps)} |")
+    return out + [""]
+
+
 def render(rows: list[Row], others: list[dict] | None = None,
            heldout: list[HeldOut] | None = None, excluded: dict[str, str] | None = None,
            finetune: list[Row] | None = None, deepspeed: list[HeldOut] | None = None) -> str:
@@ -720,6 +794,8 @@ def render(rows: list[Row], others: list[dict] | None = None,
         _finetune_headline(finetune),
         *([f"- DeepSpeed runs (held out, section below): {_heldout_line(deepspeed)}."]
           if deepspeed else []),
+        *(f"- Peak reserved (section below), {line[2].lower()}{line[3:]}"
+          for line in _reserved_summary(rows + finetune)),
         "",
         "## Runs",
         "",
@@ -744,6 +820,7 @@ def render(rows: list[Row], others: list[dict] | None = None,
     out += [""] + render_finetune(finetune)
     if deepspeed:
         out += render_deepspeed(deepspeed)
+    out += render_reserved(rows + finetune)
     out += [
         "## Method",
         "",

@@ -115,7 +115,7 @@ def diagnose(
     result = run_diagnose(model, oom=report, profile=profile, monitor=monitor or None,
                           fixes=not no_fixes,
                           traceback=text if text is not None and died is None else died,
-                          **kwargs)
+                          snapshot=data if snapshot else None, **kwargs)
     from memplan.cli import warn
 
     for note in result.monitor.partial if result.monitor is not None else ():

@@ -32,6 +32,11 @@ EmitPolicy = Annotated[str | None, typer.Option(
     "--emit-policy", help="With --recompute ops or auto: print the save set as torch (a "
     "policy_fn module for create_selective_checkpoint_contexts), torchtitan (its per-op SAC "
     "config) or megatron (--recompute-modules), with what the framework cannot express.")]
+AllocConf = Annotated[str, typer.Option(
+    "--alloc-conf", help="PYTORCH_CUDA_ALLOC_CONF as the job sets it (e.g. "
+    "'expandable_segments:True' or 'max_split_size_mb:512'): the caching allocator's options "
+    "the reserved-memory replay follows (max_split_size_mb, max_non_split_rounding_mb, "
+    "large_segment_size_mb, roundup_power2_divisions, expandable_segments).")]
 PlotPath = Annotated[Path | None, typer.Option(
     "--plot", help="Also draw each pipeline stage's peak as a stacked bar against the GPU's "
     "capacity, to this .png or .svg file (needs matplotlib).")]
@@ -43,7 +48,7 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
              deepspeed_config: DeepspeedConfig = None,
              accelerate_config: AccelerateConfig = None, json_out: Json = False,
              quiet: Quiet = False, html: Html = None,
-             emit_policy: EmitPolicy = None) -> None:
+             emit_policy: EmitPolicy = None, alloc_conf: AllocConf = "") -> None:
     """Per-GPU memory of every pipeline stage and the most loaded rank.
 
     Parameters, gradients, optimizer states, saved activations, transients and fixed
@@ -71,6 +76,8 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
       memplan estimate -n 8 --megatron-args "--num-layers 32 --hidden-size 4096 ..."
 
       memplan estimate -m llama-3-8b -n 8 --zero 3 --recompute auto --emit-policy torch
+
+      memplan estimate -m llama-3-8b -n 8 --zero 3 --alloc-conf expandable_segments:True
     """
     if plot is not None:
         from memplan.report.plot import check_path
@@ -84,6 +91,9 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
                                         megatron=megatron_args,
                                         deepspeed=deepspeed_config,
                                         accelerate=accelerate_config)
+    from memplan.model.reserved import config_of, estimate_reserved
+
+    config_of(alloc_conf, None)  # an option the model does not follow: refused before the work
     est = run_estimate(model, **kwargs)
     if emit_policy is not None:
         from memplan.report.sac_policy import emit_for
@@ -92,13 +102,17 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
         return
     from memplan.report import estimate_json, render_estimate
 
+    # the caching allocator's reserved memory (memplan.model.reserved): every output but
+    # --quiet's shows it
+    reserved = () if quiet and not (json_out or html) else estimate_reserved(est, alloc_conf)
+
     drawn = None
     if plot is not None:
         from memplan.report.plot_estimate import plot_estimate
 
         drawn = plot_estimate(est, plot)
     if json_out or html is not None:
-        out = estimate_json(est)
+        out = estimate_json(est, reserved, alloc_conf)
         if plot is not None:
             out["plot"] = None if drawn is None else str(drawn)
         if html is not None:
@@ -107,7 +121,8 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
             out["config"] = imported.as_json()
     if html is not None:
         write_html(html, "estimate", out, rich_text(
-            *(imported.lines() if imported is not None else ()), render_estimate(est)))
+            *(imported.lines() if imported is not None else ()),
+            render_estimate(est, reserved, alloc_conf)))
     if json_out:
         typer.echo(dumps("estimate", out))
         return
@@ -120,7 +135,7 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
 
     if imported is not None:
         typer.echo("\n".join(imported.lines()))
-    Console().print(render_estimate(est))
+    Console().print(render_estimate(est, reserved, alloc_conf))
     if drawn is not None:
         typer.echo(f"wrote {drawn}")
     if html is not None:

@@ -28,10 +28,14 @@ class DiagnoseResult:
     utilisation: Utilisation
     capacity_source: str  # where the capacity compared against came from
     monitor: Any = None  # memplan.diagnose.monitored.Monitored when monitor files were given
+    # the failure's unallocated reserve beside the allocator model's (an allocator message or
+    # a snapshot: memplan.diagnose.fragmentation.Fragmentation)
+    fragmentation: Any = None
 
 
 def diagnose(model: Any, *, oom: OomReport | str | None = None, profile: Any = None,
              monitor: Any = None, fixes: bool = True, traceback: str | DiedIn | None = None,
+             snapshot: dict[str, Any] | None = None,
              **estimate_kwargs: Any) -> DiagnoseResult:
     """Estimate ``model`` with ``memplan.estimate``'s keyword arguments and explain ``oom``,
     ``profile`` (a ``memplan profile`` directory, or its ``measured.Measured``) and ``monitor``
@@ -40,7 +44,9 @@ def diagnose(model: Any, *, oom: OomReport | str | None = None, profile: Any = N
     ``traceback``: the text around the error (a log), or where the job died already read
     (``memplan.diagnose.traceback.DiedIn``); an ``oom`` given as text is read for it too. The
     phase it names (the optimizer step, the gradient reduction, loading...) is explained, and
-    the fixes that shrink that phase come first.
+    the fixes that shrink that phase come first. ``snapshot``: a loaded memory snapshot
+    (``memplan.diagnose.snapshot.load_snapshot``), whose trace is replayed through the
+    allocator model.
 
     Without ``gpu_memory`` the capacity is the total the error reports (what the device gave
     PyTorch), else the device capacity the monitor recorded, else the GPU catalog's. Raises
@@ -113,7 +119,12 @@ def diagnose(model: Any, *, oom: OomReport | str | None = None, profile: Any = N
 
     time = ranked.baseline_time if ranked is not None else time_of(est)
     bound = utilisation(est, time, capacity_bytes=found.capacity_bytes, failed=found.fails)
-    return DiagnoseResult(found, ranked, bound, source, watched)
+    frag = None
+    if report is not None and (report.reserved_bytes is not None or snapshot is not None):
+        from memplan.diagnose.fragmentation import fragmentation
+
+        frag = fragmentation(est, est.stages.index(found.stage), report, snapshot)
+    return DiagnoseResult(found, ranked, bound, source, watched, frag)
 
 
 __all__ = ["DiagnoseResult", "DiedIn", "Diagnosis", "Finding", "Fix", "Fixes", "OomReport", "Utilisation",

@@ -15,6 +15,7 @@ cudaMalloc returns (ties in best fit go to the segment created first).
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict
@@ -129,6 +130,9 @@ class Block:
     offset: int
     size: int
     state: str  # "alloc", "free" or "unmapped" (an expandable segment's unbacked address space)
+    # the segment's blocks in address order, linked as Block's prev and next in the source
+    prev: Block | None = field(default=None, repr=False)
+    next: Block | None = field(default=None, repr=False)
 
 
 @dataclass(eq=False)
@@ -137,7 +141,20 @@ class Segment:
     stream: int
     small: bool
     expandable: bool
-    blocks: list[Block] = field(default_factory=list)
+    head: Block | None = None
+
+    @property
+    def blocks(self) -> list[Block]:
+        """The segment's blocks in address order."""
+        out, b = [], self.head
+        while b is not None:
+            out.append(b)
+            b = b.next
+        return out
+
+    def single(self) -> bool:
+        """Whether the segment is one block (not split)."""
+        return self.head is not None and self.head.next is None
 
     @property
     def page(self) -> int:
@@ -147,21 +164,38 @@ class Segment:
         return sum(b.size for b in self.blocks if b.state != "unmapped")
 
     def neighbours(self, block: Block) -> tuple[Block | None, Block | None]:
-        i = self.blocks.index(block)
-        prev = self.blocks[i - 1] if i > 0 else None
-        nxt = self.blocks[i + 1] if i + 1 < len(self.blocks) else None
-        return prev, nxt
+        return block.prev, block.next
+
+    def insert_after(self, block: Block | None, new: Block) -> None:
+        """Link ``new`` after ``block`` (None: as the segment's first block)."""
+        nxt = self.head if block is None else block.next
+        new.prev, new.next = block, nxt
+        if nxt is not None:
+            nxt.prev = new
+        if block is None:
+            self.head = new
+        else:
+            block.next = new
+
+    def unlink(self, block: Block) -> None:
+        if block.prev is None:
+            self.head = block.next
+        else:
+            block.prev.next = block.next
+        if block.next is not None:
+            block.next.prev = block.prev
+        block.prev = block.next = None
 
     def merge(self, block: Block) -> int:
         """try_merge_blocks with both neighbours: absorb each one in the same state (free with
         free, unmapped with unmapped). Returns the bytes subsumed."""
         subsumed = 0
-        for other in self.neighbours(block):
+        for other in (block.prev, block.next):
             if other is not None and other.state == block.state:
                 block.offset = min(block.offset, other.offset)
                 block.size += other.size
                 subsumed += other.size
-                self.blocks.remove(other)
+                self.unlink(other)
         return subsumed
 
 
@@ -189,6 +223,30 @@ class CachingAllocator:
         self.allocated = 0
         self.retries = 0
         self._order = 0
+        # each pool's free blocks in BlockComparatorSize's order (size, then address), kept
+        # as blocks change, so best fit is a binary search
+        self._free: dict[tuple[int, bool], list[tuple[int, int, int, Block, Segment]]] = {}
+
+    def _key(self, seg: Segment, block: Block) -> tuple[int, int, int, Block, Segment]:
+        return (block.size, seg.order, block.offset, block, seg)
+
+    def _add_free(self, seg: Segment, block: Block) -> None:
+        insort(self._free.setdefault((seg.stream, seg.small), []), self._key(seg, block))
+
+    def _drop_free(self, seg: Segment, block: Block) -> None:
+        pool = self._free[(seg.stream, seg.small)]
+        i = bisect_left(pool, self._key(seg, block)[:3])
+        assert pool[i][3] is block
+        del pool[i]
+
+    def _merge_free(self, seg: Segment, block: Block) -> None:
+        """``block`` becomes free and absorbs its free neighbours (try_merge_blocks)."""
+        for other in seg.neighbours(block):
+            if other is not None and other.state == "free":
+                self._drop_free(seg, other)
+        block.state = "free"
+        seg.merge(block)
+        self._add_free(seg, block)
 
     # --- malloc -------------------------------------------------------------------------------
     def malloc(self, key: int, orig_size: int, stream: int = 0) -> bool:
@@ -215,14 +273,7 @@ class CachingAllocator:
 
     def _free_blocks(self, stream: int, small: bool) -> list[tuple[Segment, Block]]:
         """The pool's free set, ordered as BlockComparatorSize orders it (size, then address)."""
-        out = [
-            (s, b)
-            for s in self.segments
-            if s.stream == stream and s.small == small
-            for b in s.blocks
-            if b.state == "free"
-        ]
-        return sorted(out, key=lambda sb: (sb[1].size, sb[0].order, sb[1].offset))
+        return [(k[4], k[3]) for k in self._free.get((stream, small), [])]
 
     @staticmethod
     def _expandable_size(seg: Segment, block: Block) -> int:
@@ -232,18 +283,19 @@ class CachingAllocator:
     def get_free_block(self, size: int, stream: int, small: bool):
         """DeviceCachingAllocator::get_free_block: the smallest free block of the pool and stream
         that fits (lower_bound on size); the max_split_size rules for oversize blocks."""
-        fits = [sb for sb in self._free_blocks(stream, small) if sb[1].size >= size]
-        if not fits:
+        pool = self._free.get((stream, small), [])
+        i = bisect_left(pool, (size,))
+        if i == len(pool):
             return None
-        i = 0
-        if fits[0][0].expandable:  # best fit by the size the block can grow to
+        if pool[i][4].expandable:  # best fit by the size the block can grow to
             while (
-                i + 1 < len(fits)
-                and fits[i][0].expandable
-                and self._expandable_size(*fits[i + 1]) < self._expandable_size(*fits[i])
+                i + 1 < len(pool)
+                and pool[i][4].expandable
+                and self._expandable_size(pool[i + 1][4], pool[i + 1][3])
+                < self._expandable_size(pool[i][4], pool[i][3])
             ):
                 i += 1
-        seg, block = fits[i]
+        seg, block = pool[i][4], pool[i][3]
         limit = self.cfg.max_split_size_bytes
         if size < limit and block.size >= limit:
             return None  # do not return an oversized block for a smaller request
@@ -261,7 +313,8 @@ class CachingAllocator:
             return None
         seg = self._new_segment(stream, small, expandable=False)
         block = Block(0, alloc_size, "free")
-        seg.blocks.append(block)
+        seg.insert_after(None, block)
+        self._add_free(seg, block)
         self.reserved += alloc_size
         return seg, block
 
@@ -277,10 +330,12 @@ class CachingAllocator:
 
     def alloc_found_block(self, key: int, seg: Segment, block: Block, size: int) -> None:
         """DeviceCachingAllocator::alloc_found_block: split off the remainder if should_split."""
+        self._drop_free(seg, block)
         if should_split(block.size, size, seg.small, self.cfg):
             rest = Block(block.offset + size, block.size - size, "free")
-            seg.blocks.insert(seg.blocks.index(block) + 1, rest)
+            seg.insert_after(block, rest)
             block.size = size
+            self._add_free(seg, rest)
         block.state = "alloc"
         self.allocated += block.size  # stats.allocated_bytes counts block->size
         self.live[key] = (seg, block)
@@ -292,21 +347,21 @@ class CachingAllocator:
         for seg in self.segments:
             if not (seg.expandable and seg.stream == stream and seg.small == small):
                 continue
-            for i, b in enumerate(seg.blocks):
+            for b in seg.blocks:
                 if b.state != "unmapped":
                     continue
-                start = i - 1 if i > 0 and seg.blocks[i - 1].state == "free" else i
+                start = b.prev if b.prev is not None and b.prev.state == "free" else b
                 room, j = 0, start
-                while room < size and j < len(seg.blocks) and seg.blocks[j].state != "alloc":
-                    room += seg.blocks[j].size
-                    j += 1
+                while room < size and j is not None and j.state != "alloc":
+                    room += j.size
+                    j = j.next
                 if room >= size:
-                    return seg, seg.blocks[start]
+                    return seg, start
         seg = self._new_segment(stream, small, expandable=True)
         cap = self.cfg.capacity_bytes
         space = NO_LIMIT if cap is None else cap + cap // 8
-        seg.blocks.append(Block(0, -(-space // seg.page) * seg.page, "unmapped"))
-        return seg, seg.blocks[0]
+        seg.insert_after(None, Block(0, -(-space // seg.page) * seg.page, "unmapped"))
+        return seg, seg.head
 
     def map_block(self, seg: Segment, block: Block, size: int) -> Block | None:
         """DeviceCachingAllocator::map_block / ExpandableSegment::map: back whole pages from the
@@ -316,11 +371,10 @@ class CachingAllocator:
             return None
         if mapped < block.size:
             rest = Block(block.offset + mapped, block.size - mapped, "unmapped")
-            seg.blocks.insert(seg.blocks.index(block) + 1, rest)
+            seg.insert_after(block, rest)
             block.size = mapped
-        block.state = "free"
         self.reserved += mapped
-        seg.merge(block)
+        self._merge_free(seg, block)
         return block
 
     def try_allocate_expandable_block(self, size: int, stream: int, small: bool):
@@ -345,9 +399,8 @@ class CachingAllocator:
         if key not in self.live:
             raise MemplanError(f"Free {key}: no live allocation has that id")
         seg, block = self.live.pop(key)
-        block.state = "free"
         self.allocated -= block.size
-        seg.merge(block)
+        self._merge_free(seg, block)
 
     def release_available_cached_blocks(self, size: int, stream: int, small: bool) -> bool:
         """DeviceCachingAllocator::release_available_cached_blocks: with max_split_size set, free
@@ -356,7 +409,7 @@ class CachingAllocator:
         if limit == NO_LIMIT:
             return False
         target = max(size, limit)
-        whole = [(s, b) for s, b in self._free_blocks(stream, small) if len(s.blocks) == 1]
+        whole = [(s, b) for s, b in self._free_blocks(stream, small) if s.single()]
         big = [sb for sb in whole if sb[1].size >= target]
         if big:
             self._release(big[0][0])
@@ -370,6 +423,9 @@ class CachingAllocator:
         return released >= target
 
     def _release(self, seg: Segment) -> None:
+        for block in seg.blocks:
+            if block.state == "free":
+                self._drop_free(seg, block)
         self.reserved -= seg.mapped_bytes()
         self.segments.remove(seg)
 
@@ -383,7 +439,7 @@ class CachingAllocator:
                     self.unmap_block(seg, block)
                 if all(b.state == "unmapped" for b in seg.blocks):
                     self.segments.remove(seg)
-            elif len(seg.blocks) == 1 and seg.blocks[0].state == "free":
+            elif seg.single() and seg.head.state == "free":
                 self._release(seg)
 
     def unmap_block(self, seg: Segment, block: Block) -> None:
@@ -393,13 +449,21 @@ class CachingAllocator:
         end = (block.offset + block.size) // seg.page * seg.page
         if begin >= end:
             return
-        i = seg.blocks.index(block)
+        self._drop_free(seg, block)
         parts = [
             Block(block.offset, begin - block.offset, "free"),
             Block(begin, end - begin, "unmapped"),
             Block(end, block.offset + block.size - end, "free"),
         ]
-        seg.blocks[i : i + 1] = [p for p in parts if p.size > 0]
+        at = block.prev
+        seg.unlink(block)
+        for part in parts:
+            if part.size > 0:
+                seg.insert_after(at, part)
+                at = part
+        for part in (parts[0], parts[2]):
+            if part.size > 0:
+                self._add_free(seg, part)
         self.reserved -= end - begin
         seg.merge(parts[1])
 
@@ -409,7 +473,7 @@ class CachingAllocator:
         return sum(
             b.size
             for s in self.segments
-            if not s.expandable and len(s.blocks) > 1
+            if not s.expandable and not s.single()
             for b in s.blocks
             if b.state == "free"
         )

@@ -336,6 +336,14 @@ def _first_step_walk(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared:
     return _gradients(wl, fx1, walk1, m), _forward(shared, fx1, walk1, host_rope)
 
 
+def walk_of(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTerms,
+            walked: Walked) -> Walk:
+    """The walk's inputs of a walked stage (its runs, head, embedding, mechanism), for readers
+    that replay it tensor by tensor (``memplan.model.alloc_sequence``)."""
+    return _walk(spec, par, wl, shared, walked.states, walked.kinds, walked.entries,
+                 walked.in_flight)[0]
+
+
 def _in_backward(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTerms,
                  parts: tuple[StageStates, StageKinds], flight: tuple[int, ...],
                  grads: tuple[int, int, int, int], walk: Walk

@@ -88,6 +88,10 @@ def render_text(r: DiagnoseResult) -> str:
     lines = [config, peak]
     if d.oom is not None:
         lines.append(_oom_line(d.oom))
+    if r.fragmentation is not None:
+        from memplan.diagnose.fragmentation import lines as fragmentation_lines
+
+        lines += fragmentation_lines(r.fragmentation, size)
     if r.monitor is not None:
         lines.append(_monitor_line(r.monitor))
     lines.append("why:")
@@ -161,6 +165,10 @@ def to_json(r: DiagnoseResult) -> dict[str, Any]:
                         "recompute_share": u.recompute_share, "advice": list(u.advice)},
         "estimate": estimate_json(d.estimate),
     }
+    if r.fragmentation is not None:
+        from memplan.diagnose.fragmentation import as_json
+
+        out["fragmentation"] = as_json(r.fragmentation)
     if r.monitor is not None:
         m = r.monitor
         out["monitor"] = {"files": list(m.files), "worst_rank": m.worst_rank,

@@ -6,6 +6,7 @@ from typing import Any
 
 from memplan.errors import MemplanError
 from memplan.model.estimate import PHASES, Estimate, PhasePeaks, StageMemory
+from memplan.model.reserved import Reserved
 from memplan.parallel import offload_names, virtual_stage_layers
 from memplan.report.explain import explanations
 from memplan.planning.timing import DEFAULT_MFU, StepTime, estimate_step_time
@@ -18,7 +19,27 @@ def _phases(p: PhasePeaks) -> dict[str, int]:
     return {f"{name}_bytes": getattr(p, name) for name in PHASES}
 
 
-def stage_json(s: StageMemory) -> dict[str, Any]:
+def reserved_stage_json(r: Reserved) -> dict[str, Any]:
+    """A stage's reserved memory from the caching-allocator model (``memplan.model.reserved``)."""
+    return {"reserved_peak_bytes": r.reserved_peak_bytes,
+            "fragmentation_bytes": r.fragmentation_bytes,
+            "expandable_reserved_peak_bytes": r.expandable_reserved_peak_bytes,
+            "reserved_by_step": dict(zip(("setup_bytes", "step_1_bytes", "step_2_bytes",
+                                          "step_3_bytes"), r.reserved_by_step)),
+            "allocator_oom_step": r.oom_step}
+
+
+def reserved_json(est: Estimate, reserved: tuple[Reserved, ...],
+                  alloc_conf: str) -> dict[str, Any]:
+    """The most loaded rank's reserved memory (the stage whose reserved peak is largest)."""
+    i = max(range(len(reserved)), key=lambda k: reserved[k].reserved_peak_bytes)
+    r = reserved[i]
+    return {"alloc_conf": alloc_conf, "stage": est.stages[i].stage,
+            **reserved_stage_json(r), "step_note": r.step_note,
+            "counted_in_peak": False}
+
+
+def stage_json(s: StageMemory, reserved: Reserved | None = None) -> dict[str, Any]:
     return {
         "stage": s.stage,
         "num_layers": s.num_layers,
@@ -48,11 +69,15 @@ def stage_json(s: StageMemory) -> dict[str, Any]:
                             {"steady": _phases(s.analytic_phases[0]),
                              "first_step": _phases(s.analytic_phases[1])}),
         "activation_terms_per_microbatch": {t.name: t.size_bytes for t in s.activation_terms},
+        **(reserved_stage_json(reserved) if reserved is not None else {}),
     }
 
 
-def estimate_json(est: Estimate) -> dict[str, Any]:
-    """One JSON object; top-level byte fields describe the most loaded rank."""
+def estimate_json(est: Estimate, reserved: tuple[Reserved, ...] | None = None,
+                  alloc_conf: str = "") -> dict[str, Any]:
+    """One JSON object; top-level byte fields describe the most loaded rank. ``reserved``:
+    every stage's reserved memory (``memplan.model.reserved.estimate_reserved``), shown per
+    stage and, for the stage that reserves most, under ``reserved``."""
     worst = est.worst
     par, wl = est.parallel, est.workload
     return {
@@ -104,7 +129,9 @@ def estimate_json(est: Estimate) -> dict[str, Any]:
         "fits": est.fits,
         "peak_phase": worst.peak_phase,
         **time_json(estimate_step_time(est), par.world_size),
-        "stages": [stage_json(s) for s in est.stages],
+        "stages": [stage_json(s, None if reserved is None else reserved[i])
+                   for i, s in enumerate(est.stages)],
+        **({"reserved": reserved_json(est, reserved, alloc_conf)} if reserved else {}),
         # the calibrated figures next to the analytic ones above (None: no profile applied)
         "calibration": (est.calibration.json(est.stages.index(worst))
                         if est.calibration is not None else None),
@@ -132,8 +159,26 @@ def _time_line(est: Estimate) -> str:
             f"MFU {t['mfu']:.2f} (step-time model; compute at {rate})")
 
 
-def render_estimate(est: Estimate) -> Any:
-    """A rich renderable: components by stage, phases, capacity, verdict, assumptions."""
+def reserved_line(est: Estimate, reserved: tuple[Reserved, ...], alloc_conf: str) -> str:
+    """What the caching allocator would reserve on the rank that reserves most: its reserved
+    peak and what of it is not tensors, step 1 against step 2, and with expandable segments."""
+    i = max(range(len(reserved)), key=lambda k: reserved[k].reserved_peak_bytes)
+    r, s = reserved[i], est.stages[i]
+    _, first, second, _ = r.reserved_by_step
+    conf = f"PYTORCH_CUDA_ALLOC_CONF={alloc_conf}" if alloc_conf else "the allocator's defaults"
+    return (f"reserved by PyTorch's caching allocator (model; {conf}), stage {s.stage}: "
+            f"{format_gib(r.reserved_peak_bytes)} at its peak, "
+            f"{format_gib(r.fragmentation_bytes)} of it beyond the tensor peak (rounding, "
+            f"split blocks, cached free blocks); replayed reserve after step 1 "
+            f"{format_gib(first)}, after step 2 {format_gib(second)}: {r.step_note}; with "
+            f"expandable_segments:True {format_gib(r.expandable_reserved_peak_bytes)}. The "
+            "peak per GPU above still counts the flat allocator reserve, not this")
+
+
+def render_estimate(est: Estimate, reserved: tuple[Reserved, ...] | None = None,
+                    alloc_conf: str = "") -> Any:
+    """A rich renderable: components by stage, phases, capacity, verdict, assumptions; with
+    ``reserved`` (``memplan.model.reserved.estimate_reserved``), the reserved line."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -223,6 +268,7 @@ def render_estimate(est: Estimate) -> Any:
     # the verdict first, then what it is made of
     parts = [summary, *([Text(_why_not(est))] if not est.fits else []), header, stages, table,
              *([Text(paged_line(est))] if worst.paged_bytes else []), phases,
+             *([Text(reserved_line(est, reserved, alloc_conf))] if reserved else []),
              Text(_time_line(est))]
     why = explanations(est)
     if why:

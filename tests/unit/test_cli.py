@@ -123,6 +123,14 @@ def test_pipeline_stages_and_most_loaded_stage() -> None:
     assert out["layout"]["pp"] == 4 and out["layout"]["dp"] == 16
 
 
+def _api_json(est: Any) -> dict[str, Any]:
+    """What ``estimate --json`` prints for ``est``: the estimate with every stage's reserved
+    memory (``memplan.model.reserved.estimate_reserved``, the allocator's defaults)."""
+    from memplan.model.reserved import estimate_reserved
+
+    return estimate_json(est, estimate_reserved(est), "")
+
+
 @pytest.mark.parametrize(("argv", "kwargs"), [
     ([], {}),
     (["--pp", "4"], {"pp": 4}),
@@ -139,7 +147,7 @@ def test_pipeline_stages_and_most_loaded_stage() -> None:
 ])
 def test_cli_json_equals_api(argv: list[str], kwargs: dict[str, Any]) -> None:
     cli = estimate_cli("--model", "llama-7b", "--gpus", "64", *argv)
-    api = estimate_json(memplan.estimate("llama-7b", gpus=64, **kwargs))
+    api = _api_json(memplan.estimate("llama-7b", gpus=64, **kwargs))
     assert cli == json.loads(json.dumps(api))
 
 
@@ -405,7 +413,7 @@ def test_flag_names_come_from_one_table() -> None:
 def test_every_shared_option_reaches_the_api(argv: list[str], kwargs: dict[str, Any]) -> None:
     """Each flag sets the API keyword the option table names: the CLI's JSON equals the API's."""
     cli = estimate_cli("--model", "llama-7b", "--gpus", "8", *argv)
-    api = estimate_json(memplan.estimate("llama-7b", gpus=8, **kwargs))
+    api = _api_json(memplan.estimate("llama-7b", gpus=8, **kwargs))
     assert cli == json.loads(json.dumps(api))
 
 
@@ -660,7 +668,7 @@ def test_use_cache_sets_the_kv_cache(flag: str, kv_cache: bool) -> None:
     cli = estimate_cli(*args, flag)
     api = memplan.estimate("llama-3-8b", framework="hf", precision="amp-bf16",
                            kv_cache=kv_cache)
-    assert cli == json.loads(json.dumps(estimate_json(api)))
+    assert cli == json.loads(json.dumps(_api_json(api)))
     assert cli["workload"]["kv_cache"] is kv_cache
     other = estimate_cli(*args, "--no-use-cache" if kv_cache else "--use-cache")
     assert (cli["peak_bytes"] > other["peak_bytes"]) is kv_cache

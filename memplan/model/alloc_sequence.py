@@ -1,0 +1,509 @@
+"""A stage's allocations and frees, tensor by tensor, in execution order, from the model's moments.
+
+The caching-allocator model (``memplan.model.allocator``) replays a sequence of allocations and
+frees; this module derives one for any configuration from what the analytic model already knows
+of a pipeline stage (``memplan.model.stage.walk_stage``), without running anything:
+
+- setup: each parameter tensor (the rank's bytes of it, in registration order), the registered
+  buffers, the master copy per tensor and what the optimizer makes at construction, DDP's
+  gradient buckets, persistent gradient buffers;
+- steps 1, 2 and 3, each micro-batch (two at most: a third repeats the second): the forward
+  (the stage's inputs, each layer's saved terms as tensors, its local peak beyond them as one
+  tensor made and freed, autocast's cached casts until the forward's end, the head's events),
+  the backward (the head's and the embedding's events, each layer's backward moments as tensors
+  made and freed, its saved terms freed last-saved first, its gradients made per parameter
+  tensor as its moments need them), the optimizer step (step 1 makes the states per tensor,
+  lazily, as torch.optim's ``_init_group`` does; the step's temporaries per tensor, as a
+  foreach implementation's lists; ``zero_grad(set_to_none=True)`` frees the gradients).
+
+What the sequence approximates (said with the estimate's assumptions): a layer's transient peak
+is one tensor, made after its saved terms; a moment's gradients in flight one tensor; the
+data-parallel mechanism's instants one tensor each on the compute stream; tensors of a
+parameter group take the group's bytes in proportion to their elements. Its own tensor peak is
+returned beside the replay, so the allocator's bytes beyond live tensors (rounding, split
+remainders, cached free blocks) are read from the replay and the tensor peak from the walk.
+
+Runs of identical layers fold: the allocator reaches a periodic state after a few layers, so a
+stage is replayed with a few layers per run and the reserved bytes extrapolated
+(``replay_stage``; the period is checked, and a stage replays whole where it is not found).
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import NamedTuple
+
+from memplan.model.allocator import Alloc, AllocatorConfig, Free, replay
+from memplan.model.sharding import Held, end_moments, forward_positions, head_moments, run_positions
+from memplan.units import MiB
+
+NUM_STEPS = 3
+# torch/nn/parallel/distributed.py: bucket_cap_mb defaults to 25 (the first bucket is 1 MiB,
+# kDefaultFirstBucketBytes in reducer.hpp)
+DDP_BUCKET_BYTES = 25 * MiB
+DDP_FIRST_BUCKET_BYTES = 1 * MiB
+
+
+class Builder:
+    """Allocation events with the bytes alive (unrounded) after each, and their running peak."""
+
+    def __init__(self) -> None:
+        self.events: list[Alloc | Free] = []
+        self.sizes: dict[int, int] = {}
+        self.alive = 0
+        self.peak = 0
+        self.marks: list[int] = []  # event count at each step's end
+        self._next = 0
+
+    def alloc(self, size: int, stream: int = 0) -> int | None:
+        if size <= 0:
+            return None
+        key = self._next
+        self._next += 1
+        self.events.append(Alloc(key, size, stream))
+        self.sizes[key] = size
+        self.alive += size
+        self.peak = max(self.peak, self.alive)
+        return key
+
+    def free(self, key: int | None) -> None:
+        if key is None or key not in self.sizes:
+            return
+        self.events.append(Free(key))
+        self.alive -= self.sizes.pop(key)
+
+    def blip(self, size: int, piece: int = 0, stream: int = 0) -> None:
+        """Tensors of ``size`` bytes in all made and freed at one instant: pieces of ``piece``
+        bytes (a working set of activation-sized tensors), the rest one tensor (0: all one)."""
+        keys = []
+        if piece > 0:
+            while size > piece:
+                keys.append(self.alloc(piece, stream))
+                size -= piece
+        keys.append(self.alloc(size, stream))
+        for key in keys:
+            self.free(key)
+
+    def mark(self) -> None:
+        self.marks.append(len(self.events))
+
+
+class Stack:
+    """Tensors freed last-made first by byte counts: a free of fewer bytes than the top
+    tensor waits until the bytes owed cover it."""
+
+    def __init__(self, b: Builder) -> None:
+        self.b, self.items, self.debt = b, [], 0
+
+    def push(self, size: int) -> None:
+        key = self.b.alloc(size)
+        if key is not None:
+            self.items.append((key, size))
+
+    def release(self, nbytes: int) -> None:
+        self.debt += max(0, nbytes)
+        while self.items and self.items[-1][1] <= self.debt:
+            key, size = self.items.pop()
+            self.debt -= size
+            self.b.free(key)
+
+    def clear(self) -> None:
+        while self.items:
+            self.b.free(self.items.pop()[0])
+        self.debt = 0
+
+
+def split_bytes(total_bytes: int, elements: list[int]) -> list[int]:
+    """``total_bytes`` over tensors of ``elements`` each, in proportion (the remainder on the
+    last), so the parts sum to the total."""
+    n = sum(elements)
+    if n <= 0 or total_bytes <= 0:
+        return [0] * len(elements)
+    parts = [e * total_bytes // n for e in elements]
+    if parts:
+        parts[-1] += total_bytes - sum(parts)
+    return parts
+
+
+def chunks(total_bytes: int, first: int, each: int) -> list[int]:
+    """``total_bytes`` as buckets of ``first``, then ``each`` bytes (the last one smaller)."""
+    out, left = [], total_bytes
+    size = first
+    while left > 0:
+        out.append(min(size, left))
+        left -= size
+        size = each
+    return out
+
+
+class LayerTensors(NamedTuple):
+    """One layer's parameter tensors on the rank: elements each, in registration order."""
+
+    elements: tuple[int, ...]
+
+
+class StageInputs(NamedTuple):
+    """What the sequence reads of one stage's walk (``memplan.model.stage``), bytes per rank."""
+
+    walk: object  # memplan.model.walk.Walk
+    layers: tuple[LayerTensors, ...]  # per layer, in order
+    embed_elements: tuple[int, ...]
+    head_elements: tuple[int, ...]
+    params_bytes: int
+    grad_per_param: int | Fraction
+    master_bytes: int
+    setup_bytes: int
+    states_bytes: int  # optimizer states beyond the master copy and the setup's
+    num_states: int  # state tensors per parameter tensor
+    opt_temp: int
+    first_step_states_late: bool  # step 1 makes the states after the temporaries
+    buffers: int
+    buckets: int
+    persistent_grads: int  # bytes of persistent gradient buffers (0: gradients per tensor)
+    microbatches: int
+    keep_grads: bool
+    piece: int = 0  # bytes of a transient tensor: the residual stream of one micro-batch
+    logits_piece: int = 0  # ... at the loss: the logits of one micro-batch
+    gather_stream: int = 0  # the stream the data-parallel mechanism's gathers allocate on
+    rebuild: tuple[tuple[int, ...], ...] = ()  # per run, the tensors its layers' backward
+    #                                           rebuilds first (full recompute), else ()
+
+
+def _grad_bytes(elements: tuple[int, ...] | list[int], per_param: int | Fraction) -> list[int]:
+    return [int(e * per_param) for e in elements]
+
+
+class _Run:
+    """One replayed step sequence's state: the builder and what outlives a micro-batch."""
+
+    def __init__(self, s: StageInputs, caps: tuple[int, ...]) -> None:
+        self.s, self.b = s, Builder()
+        self.caps = caps  # layers replayed per run
+        self.grads: list[int | None] = []
+        self.logits: list[int | None] = []
+        self.states_made = False
+
+
+def _setup(r: _Run) -> None:
+    """Weights, buffers, master copy, the optimizer's set-up, buckets, persistent gradients."""
+    s, b = r.s, r.b
+    every = [*s.embed_elements, *(e for lt in _layers(r) for e in lt.elements),
+             *s.head_elements]
+    total = sum(s.embed_elements) + sum(sum(lt.elements) for lt in s.layers) + sum(s.head_elements)
+    per = Fraction(s.params_bytes, total) if total else Fraction(0)
+    for e in every:
+        b.alloc(int(e * per))
+    b.alloc(s.buffers)
+    for e in every:
+        b.alloc(int(e * Fraction(s.master_bytes, total)) if total else 0)
+    b.alloc(s.setup_bytes)
+    scale = _scale(r)
+    for size in chunks(int(s.buckets * scale), DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES):
+        b.alloc(size)
+    b.alloc(int(s.persistent_grads * scale))
+    b.mark()
+
+
+def _layers(r: _Run) -> list[LayerTensors]:
+    """The replayed layers: each run cut to its cap (the walk's runs give the counts)."""
+    out: list[LayerTensors] = []
+    pos = 0
+    for (kind, _, _, n), cap in zip(r.s.walk.runs, r.caps):
+        out += r.s.layers[pos:pos + min(n, cap)]
+        pos += n
+    return out
+
+
+def _forward(r: _Run, steady: bool, acts: Stack, cached: list[int | None]) -> None:
+    """One micro-batch's forward (``memplan.model.walk.forward_segments`` and the head's
+    ``forward_segment``), tensor by tensor."""
+    w, b = r.s.walk, r.b
+    dp = w.sharding
+    acts.push(w.other_bytes)
+    acts.push(w.rest_saved)
+    for index, ((kind, _, _, n), cap) in enumerate(zip(w.runs, r.caps)):
+        count = min(n, cap)
+        for p in forward_positions(dp, count, index == 0, index == len(w.runs) - 1):
+            for _ in range(p.repeat):
+                if p.before is not None and p.before.transient:
+                    b.blip(p.before.transient, stream=r.s.gather_stream)
+                # one gathered buffer beside the layer
+                gathered = b.alloc(p.beside, r.s.gather_stream)
+                for term in kind.terms:
+                    acts.push(term.size_bytes)
+                cached.append(b.alloc(kind.cached_bytes))
+                b.blip(kind.forward_peak_bytes - kind.saved_bytes - kind.cached_bytes,
+                       r.s.piece)
+                b.free(gathered)
+    if w.head.forward_saved > 0:
+        gathered = b.alloc(dp.at_loss_forward, r.s.gather_stream)
+        _head_forward(r, steady, acts)
+        b.free(gathered)
+
+
+def _head_forward(r: _Run, steady: bool, acts: Stack) -> None:
+    b, h, dp = r.b, r.s.walk.head, r.s.walk.sharding
+    acts.push(h.saved_bytes)
+    for ev in h.forward_segment(0, steady).events:
+        if ev.name == "loop.logits_released":
+            while r.logits:
+                b.free(r.logits.pop())
+        elif ev.name == "loop.logits_kept":
+            r.logits.append(b.alloc(ev.delta))
+        elif ev.transient:
+            b.blip(ev.transient - h.saved_bytes, r.s.logits_piece)
+
+
+def _layer_grads(r: _Run, elements: tuple[int, ...], total: int) -> list[int]:
+    return split_bytes(total, list(elements))
+
+
+def _backward(r: _Run, acts: Stack, growing: bool) -> None:
+    """One micro-batch's backward (``memplan.model.walk.backward_segments``)."""
+    w, b, s = r.s.walk, r.b, r.s
+    h, emb, dp = w.head, w.embedding, w.sharding
+    _head_backward(r, acts, growing)
+    _, _, held = head_moments(dp, h.grads - h.loss_made)
+    layers = _layers(r)
+    pos = len(layers)
+    for index, ((kind, layer_grads, moment_grads, n), cap) in enumerate(
+            zip(reversed(w.runs), reversed(r.caps))):
+        count = min(n, cap)
+        positions, held = run_positions(dp, held, layer_grads, max(moment_grads), count,
+                                        growing, index == len(w.runs) - 1)
+        rebuild = s.rebuild[len(w.runs) - 1 - index] if s.rebuild else ()
+        for p in positions:
+            for _ in range(p.repeat):
+                pos -= 1
+                _layer_backward(r, acts, kind, layers[pos], (layer_grads, moment_grads),
+                                (p, rebuild), growing)
+    beside, _ = end_moments(dp, held, h.grads, emb.grads, growing)
+    acts.release(emb.freed_before)
+    if growing:
+        for size in _layer_grads(r, s.embed_elements, emb.grads):
+            r.grads.append(b.alloc(size))
+    b.blip(emb.extra + beside)
+
+
+def _head_backward(r: _Run, acts: Stack, growing: bool) -> None:
+    b, h, s = r.b, r.s.walk.head, r.s
+    dp = s.walk.sharding
+    piece = s.logits_piece
+    if not any(h):
+        b.blip(dp.at_loss, stream=s.gather_stream)
+        return
+    gathered = b.alloc(max(dp.at_loss, dp.at_head), s.gather_stream)
+    b.blip(h.loss, piece)
+    acts.release(h.saved_bytes)
+    b.blip(h.final_norm_all + h.linear, piece)
+    if growing:
+        for size in _layer_grads(r, s.head_elements, h.grads + h.tied_grad):
+            r.grads.append(b.alloc(size))
+    b.blip(h.main_grads, piece)
+    if h.final_norm_bwd:
+        b.blip(h.final_norm_saved + h.final_norm_bwd, s.piece)
+    b.free(gathered)
+
+
+def _layer_backward(r: _Run, acts: Stack, kind, layer: LayerTensors,
+                    grad_bytes: tuple[int, tuple[int, ...]], where: tuple,
+                    growing: bool) -> None:
+    """A layer's backward moments: a fully recomputed layer's rebuilt tensors first; at each
+    moment the bytes beyond the saved (or rebuilt) tensors still alive (gradients in flight)
+    as stream-sized tensors; the saved tensors freed, last saved first, as the moments' alive
+    bytes fall; its gradients made (last tensor first) as the moments need them."""
+    b = r.b
+    layer_grads, moment_grads = grad_bytes
+    p, rebuild = where
+    if p.before is not None and p.before.transient:
+        b.blip(p.before.transient, stream=r.s.gather_stream)
+    grads = _layer_grads(r, layer.elements, layer_grads) if growing else []
+    gathered = b.alloc(p.beside, r.s.gather_stream)
+    made = 0
+    alive = kind.saved_bytes
+    for size in rebuild:
+        acts.push(size)
+        alive += size
+    for j, moment in enumerate(kind.moments):
+        while growing and grads and made < moment_grads[j]:
+            size = grads.pop()
+            r.grads.append(b.alloc(size))
+            made += size
+        b.blip(max(0, moment.alive_bytes - alive) + moment.transient_bytes, r.s.piece)
+        nxt = kind.moments[j + 1].alive_bytes if j + 1 < len(kind.moments) else 0
+        if nxt < alive:
+            acts.release(alive - max(nxt, 0))
+            alive = max(nxt, 0)
+    acts.release(alive)
+    while grads:
+        r.grads.append(b.alloc(grads.pop()))
+    b.free(gathered)
+    if p.after is not None and p.after.transient:
+        b.blip(p.after.transient, stream=r.s.gather_stream)
+
+
+def _optimizer(r: _Run, first: bool) -> None:
+    """The optimizer step: step 1 makes the states (before or after the temporaries), the
+    temporaries per tensor, then ``zero_grad(set_to_none=True)``."""
+    s, b = r.s, r.b
+    every = [*s.embed_elements, *(e for lt in _layers(r) for e in lt.elements),
+             *s.head_elements]
+    scale = _scale(r)
+    states = (split_bytes(int(s.states_bytes * scale), every) if s.num_states else [])
+    make = first and not r.states_made
+
+    def states_once() -> None:
+        for size in states:
+            for part in split_bytes(size, [1] * s.num_states):
+                b.alloc(part)
+
+    if make and not s.first_step_states_late:
+        states_once()
+    temps = [b.alloc(t) for t in split_bytes(int(s.opt_temp * scale), every)]
+    for key in temps:
+        b.free(key)
+    if make and s.first_step_states_late:
+        states_once()
+    r.states_made = r.states_made or make
+    if not s.keep_grads:
+        while r.grads:
+            b.free(r.grads.pop())
+
+
+def _scale(r: _Run) -> Fraction:
+    """The share of the stage's parameters replayed (runs cut to their caps)."""
+    full = sum(sum(lt.elements) for lt in r.s.layers)
+    cut = sum(sum(lt.elements) for lt in _layers(r))
+    other = sum(r.s.embed_elements) + sum(r.s.head_elements)
+    return Fraction(cut + other, full + other) if full + other else Fraction(1)
+
+
+def stage_sequence(s: StageInputs, caps: tuple[int, ...] | None = None) -> Builder:
+    """The stage's allocation events over setup and ``NUM_STEPS`` steps (``caps``: layers
+    replayed per run; None: all). ``Builder.marks``: the event count at setup's end and at
+    each step's end."""
+    caps = caps or tuple(n for _, _, _, n in s.walk.runs)
+    r = _Run(s, caps)
+    _setup(r)
+    for step in range(1, NUM_STEPS + 1):
+        for mb in range(min(s.microbatches, 2)):
+            acts = Stack(r.b)
+            cached: list[int | None] = []
+            _forward(r, step > 1, acts, cached)
+            for key in cached:
+                r.b.free(key)
+            growing = mb == 0 and not s.persistent_grads and not (s.keep_grads and step > 1)
+            _backward(r, acts, growing)
+            acts.clear()
+        _optimizer(r, step == 1)
+        r.b.mark()
+    return r.b
+
+
+class StageReplay(NamedTuple):
+    """A stage's sequence replayed: reserved bytes at setup's end and each step's end, the
+    reserved peak, the sequence's own tensor peak (unrounded), and the allocator's bytes beyond
+    it at the reserved peak."""
+
+    reserved_by_step: tuple[int, ...]  # setup, step 1, step 2, step 3
+    reserved_peak_bytes: int
+    tensor_peak_bytes: int
+    num_events: int  # replayed (folded runs: fewer than the whole sequence)
+    folded: bool
+    # with a capacity (``AllocatorConfig.capacity_bytes``): the step (0: setup) whose
+    # allocation failed even after the cache was released; None: none failed
+    oom_step: int | None = None
+
+    @property
+    def fragmentation_bytes(self) -> int:
+        return self.reserved_peak_bytes - self.tensor_peak_bytes
+
+
+def _replay_caps(s: StageInputs, cfg: AllocatorConfig, caps: tuple[int, ...] | None
+                 ) -> tuple[tuple[int, ...], int, int, int | None, int]:
+    """(reserved at setup's and each step's end, the sequence's tensor peak, its events, the
+    step whose allocation failed, the reserved peak)."""
+    b = stage_sequence(s, caps)
+    res = replay(b.events, cfg)
+    got = res.reserved_bytes
+    by_step = tuple(got[min(m, len(got)) - 1] if m and got else 0 for m in b.marks)
+    oom = (None if res.oom_event is None else
+           next(k for k, m in enumerate(b.marks) if res.oom_event < m))
+    return by_step, b.peak, len(b.events), oom, res.reserved_peak_bytes
+
+
+# Folding: a stage whose longest run has more than FOLD_ABOVE layers is replayed with its long
+# runs cut to c, c + P, c + 2P and c + 3P layers (c >= FOLD_START, of the run's residue modulo
+# the period P <= MAX_PERIOD); where the reserved bytes at every step's end and the tensor peak
+# grow by the same amount three times over, the whole run follows by that amount per period.
+# The check is over those samples only: the allocator's cross-step reuse (step 1's lazily made
+# optimizer states in blocks its activations left) can change regime past them (replays of
+# GPT-2 and Llama 3.1 8B layouts cut at 3 to 8 layers were periodic there and missed the full
+# replay by one 20 MiB segment to 12.6 GB): below FOLD_ABOVE layers a stage replays whole.
+FOLD_ABOVE = 32
+FOLD_START = 8
+MAX_PERIOD = 10  # 20 MiB segments or pages hold up to ten 2 MiB blocks
+
+
+def replay_stage(s: StageInputs, cfg: AllocatorConfig, fold_above: int | None = None,
+                 fold_start: int = FOLD_START) -> StageReplay:
+    """The stage's sequence through the allocator model, whole; with ``fold_above`` (e.g.
+    ``FOLD_ABOVE``) runs longer than that many layers are folded (see ``FOLD_ABOVE``). The
+    estimate replays whole: a catalog model's deepest stage (126 layers) replays in about
+    0.3 s of CPU, and the fold's check cannot see a regime change past its samples."""
+    runs = [n for _, _, _, n in s.walk.runs]
+    if fold_above is not None and max(runs, default=0) > fold_above:
+        for period in range(1, MAX_PERIOD + 1):
+            found = _fold(s, cfg, runs, period, fold_start)
+            if found is not None:
+                return found
+    by, peak, num, oom, top = _replay_caps(s, cfg, None)
+    return StageReplay(by, top, peak, num, False, oom)
+
+
+def _fold(s: StageInputs, cfg: AllocatorConfig, runs: list[int], period: int,
+          start: int) -> StageReplay | None:
+    long = [n >= start + 4 * period for n in runs]
+    if not any(long):
+        return None
+
+    def caps(k: int) -> tuple[int, ...]:
+        return tuple(start + (n - start) % period + k * period if is_long else n
+                     for n, is_long in zip(runs, long))
+
+    steps = {(n - c) // period for n, c, is_long in zip(runs, caps(0), long) if is_long}
+    if len(steps) != 1:  # long runs of different lengths: no common extrapolation
+        return None
+    samples = [_replay_caps(s, cfg, caps(k))[:3] for k in range(4)]
+    d_by = [y - x for x, y in zip(samples[0][0], samples[1][0])]
+    d_peak = samples[1][1] - samples[0][1]
+    for a, b in zip(samples[1:], samples[2:]):
+        if [y - x for x, y in zip(a[0], b[0])] != d_by or b[1] - a[1] != d_peak:
+            return None
+    k = steps.pop()
+    by = tuple(x + k * d for x, d in zip(samples[0][0], d_by))
+    return StageReplay(by, max(by), samples[0][1] + k * d_peak,
+                       sum(n for _, _, n in samples), True)
+
+
+def first_vs_second(r: StageReplay, lazy_states: bool = True) -> str:
+    """Which step reserves more, and why (the allocator never gives segments back
+    unprompted, so a step reserves more when it needs a segment the steps before left
+    none of). ``lazy_states``: step 1's optimizer makes states (``StageInputs.states_bytes``)."""
+    if r.oom_step is not None:
+        step = "set-up" if r.oom_step == 0 else f"step {r.oom_step}"
+        return (f"the allocator runs out of memory in {step} although the tensor peak fits: "
+                "no cached block holds the request and releasing the cached segments that "
+                "are wholly free does not make room (fragmentation)")
+    _, first, second, third = r.reserved_by_step
+    if second > first and lazy_states:
+        return (f"step 2 reserves {second - first:,} B more than step 1: the optimizer "
+                "states step 1 made lazily took cached blocks its activations had used, so "
+                "step 2's activations need new segments")
+    if second > first:
+        return (f"step 2 reserves {second - first:,} B more than step 1: step 1 left its "
+                "cached blocks split where step 2's requests come in another order")
+    if third > second:
+        return f"step 3 reserves {third - second:,} B more than step 2"
+    return "step 1 reserves as much as the steps after it"
+

@@ -1,0 +1,172 @@
+"""Reserved memory of a stage: its model-derived allocation sequence replayed through the
+caching-allocator model, with the allocator's defaults and with ``expandable_segments:True``.
+
+``stage_inputs`` reads what ``memplan.model.alloc_sequence`` needs of a stage's walk
+(``memplan.model.stage``); ``stage_reserved`` replays it (folded) under a given
+``PYTORCH_CUDA_ALLOC_CONF`` and under the same with expandable segments. The reserved peak the
+estimate reports is the walk's tensor peak plus the allocator's bytes beyond the sequence's own
+tensor peak at the replay's reserved peak (``StageReplay.fragmentation_bytes``), so the tensor
+answer stays the walk's exact one.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import NamedTuple
+
+from memplan.model.alloc_sequence import (
+    LayerTensors,
+    StageInputs,
+    first_vs_second,
+    replay_stage,
+)
+from memplan.model.allocator import AllocatorConfig, parse_alloc_conf
+from memplan.model.optimizer import optimizer_policy
+from memplan.model.dims import Dims
+from memplan.model.stage import Walked, walk_of, walk_stage
+from memplan.model import memo
+from memplan.model.head import logit_bytes
+from memplan.model.stage_parts import StageStates, key_variant
+from memplan.model.stage_terms import StageTerms
+from memplan.parallel import ParallelConfig
+from memplan.spec import ModelSpec
+from memplan.workload import Recompute, Workload
+
+
+class Reserved(NamedTuple):
+    """A stage's reserved bytes, one rank (``memplan.model.stage.StageMemory`` carries them)."""
+
+    reserved_peak_bytes: int
+    fragmentation_bytes: int  # reserved beyond the tensor peak (rounding, splits, cache)
+    expandable_reserved_peak_bytes: int  # the same with expandable_segments:True
+    reserved_by_step: tuple[int, ...]  # the replay's reserved at setup's end and each step's
+    step_note: str  # which step reserves more, and why
+    # the step (0: set-up) where the allocator runs out of memory though the tensors fit the
+    # capacity it may take (the replay under that capacity); None: it does not
+    oom_step: int | None = None
+
+
+def layer_tensors(states: StageStates) -> tuple[tuple[int, ...], tuple[LayerTensors, ...],
+                                                 tuple[int, ...]]:
+    """(the embedding's, each layer's, the head's parameter tensors) of the stage, elements
+    each, from ``StageParams.tensor_sizes`` cut at each layer's parameter count."""
+    p = states.params
+    sizes = p.tensor_sizes
+    embed = sizes[:p.embedding_tensors]
+    head = sizes[len(sizes) - p.head_tensors:] if p.head_tensors else ()
+    inner = list(sizes[p.embedding_tensors:len(sizes) - p.head_tensors])
+    layers: list[LayerTensors] = []
+    i = 0
+    for count in p.layers:
+        got: list[int] = []
+        while i < len(inner) and sum(got) < count:
+            got.append(inner[i])
+            i += 1
+        layers.append(LayerTensors(tuple(got)))
+    return tuple(embed), tuple(layers), tuple(head)
+
+
+def stage_inputs(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int,
+                 walked: Walked, shared: StageTerms) -> StageInputs:
+    """What the sequence reads of a walked stage."""
+    fx = walked.states
+    st = fx.states
+    walk = walk_of(spec, par, wl, shared, walked)
+    embed, layers, head = layer_tensors(fx)
+    extra = st.optimizer_bytes - st.master_bytes - st.setup_bytes - st.scaler_bytes
+    return StageInputs(
+        walk=walk, layers=layers, embed_elements=embed, head_elements=head,
+        params_bytes=st.params_bytes, grad_per_param=fx.grad_per_param,
+        master_bytes=st.master_bytes, setup_bytes=st.setup_bytes,
+        states_bytes=max(0, extra), num_states=optimizer_policy(wl.optimizer).num_states,
+        opt_temp=fx.opt_temp, first_step_states_late=fx.first_step is not None,
+        buffers=fx.buffers, buckets=fx.buckets,
+        persistent_grads=st.grads_bytes if fx.persistent else 0,
+        microbatches=m, keep_grads=wl.keep_grads,
+        piece=shared.dm.stream(spec.hidden_size),
+        logits_piece=shared.dm.tokens * shared.dm.vocab_shard * logit_bytes(wl, shared.dm),
+        # FSDP2 allocates its all-gather outputs on its all-gather stream
+        # (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, FSDPCommContext:
+        # all_gather_stream), a pool of its own (get_free_block matches the stream)
+        gather_stream=1 if walk.sharding.per_unit else 0,
+        rebuild=tuple(_rebuilt(spec, wl, shared, key) for key, _ in walked.kinds.runs))
+
+
+def _rebuilt(spec: ModelSpec, wl: Workload, shared: StageTerms, key) -> tuple[int, ...]:
+    """The tensors a fully recomputed layer's backward rebuilds: what the layer saves without
+    recompute (``memplan.model.layer.layer_terms``)."""
+    if key[1] is not Recompute.FULL:
+        return ()
+    kind = memo.layer_kind(spec, memo._per_kind(wl), shared.dm, key[0], Recompute.NONE,
+                           key_variant(key))
+    return tuple(t.size_bytes for t in kind.terms if t.size_bytes > 0)
+
+
+def expandable(cfg: AllocatorConfig) -> AllocatorConfig:
+    return cfg.model_copy(update={"expandable_segments": True})
+
+
+@lru_cache(maxsize=256)
+def config_of(alloc_conf: str, capacity_bytes: int | None) -> AllocatorConfig:
+    return parse_alloc_conf(alloc_conf, capacity_bytes)
+
+
+def stage_reserved(inputs: StageInputs, tensor_peak_bytes: int, cfg: AllocatorConfig,
+                   capacity_bytes: int | None = None) -> Reserved:
+    """Replay ``inputs`` under ``cfg`` and with expandable segments. ``capacity_bytes``: what
+    cudaMalloc may take; where the tensors fit it but the unlimited replay reserves more, the
+    replay runs again under it (the allocator releases its wholly free cached segments and
+    retries before it raises, ``DeviceCachingAllocator::malloc``)."""
+    r = replay_stage(inputs, cfg)
+    e = r if cfg.expandable_segments else replay_stage(inputs, expandable(cfg))
+    # the steps' reserved bytes on the walk's tensor peak, as the peak is (setup as replayed)
+    shift = tensor_peak_bytes - r.tensor_peak_bytes
+    if (capacity_bytes is not None and tensor_peak_bytes <= capacity_bytes
+            < tensor_peak_bytes + r.fragmentation_bytes):
+        r = replay_stage(inputs, cfg.model_copy(update={"capacity_bytes":
+                                                         capacity_bytes - shift}))
+        if r.oom_step is not None:  # all of the capacity reserved, and not enough
+            r = r._replace(reserved_peak_bytes=capacity_bytes - shift)
+    setup, *steps = r.reserved_by_step
+    return Reserved(tensor_peak_bytes + max(0, r.fragmentation_bytes),
+                    max(0, r.fragmentation_bytes),
+                    tensor_peak_bytes + max(0, e.fragmentation_bytes),
+                    (setup, *(max(setup, s + shift) for s in steps)),
+                    first_vs_second(r, inputs.states_bytes > 0 and inputs.num_states > 0),
+                    r.oom_step)
+
+
+
+
+def estimate_reserved(est, alloc_conf: str = "", limited: bool = True) -> tuple[Reserved, ...]:
+    """Every stage's ``Reserved`` for an ``memplan.model.estimate.Estimate`` under
+    ``alloc_conf`` (``PYTORCH_CUDA_ALLOC_CONF``'s form; the device's capacity as cudaMalloc's
+    limit is not applied: the replay reports what the job would reserve). A stage that follows
+    from an interior template (``estimate._follows``: the same layers, other micro-batches in
+    flight) takes the template's allocator bytes beyond its own tensor peak. ``limited``:
+    replay under the capacity the allocator may take (False: what a job that completed on a
+    larger device would reserve)."""
+    from memplan.model.estimate import _follows, _template  # the estimate's own stage rules
+
+    spec, par, wl, m = est.spec, est.parallel, est.workload, est.num_microbatches
+    parts = memo.stage_parts(spec, par, wl)
+    shared = memo.shared_terms(spec, wl, Dims.of(spec, par, wl), par.experts, parts)
+    cfg = config_of(alloc_conf, None)
+    template = _template(par, parts)
+    out: list[Reserved] = []
+    for i, stage in enumerate(est.stages):
+        if _follows(par, parts, template, i) and template is not None and template < len(out):
+            t = out[template]
+            shift = stage.tensor_peak_bytes - est.stages[template].tensor_peak_bytes
+            out.append(t._replace(
+                reserved_peak_bytes=t.reserved_peak_bytes + shift,
+                expandable_reserved_peak_bytes=t.expandable_reserved_peak_bytes + shift))
+            continue
+        walked = walk_stage(spec, par, wl, m, i, est.schedule, shared, parts[i])
+        inputs = stage_inputs(spec, par, wl, m, walked, shared)
+        # what the allocator may take: the device's capacity less the CUDA context and the
+        # cuBLAS workspace (an allocation of its own the sequence leaves out)
+        room = est.capacity_bytes - stage.cuda_context_bytes - stage.workspace_bytes
+        out.append(stage_reserved(inputs, stage.tensor_peak_bytes, cfg,
+                                  room if limited else None))
+    return tuple(out)
