@@ -32,6 +32,11 @@ EmitPolicy = Annotated[str | None, typer.Option(
     "--emit-policy", help="With --recompute ops or auto: print the save set as torch (a "
     "policy_fn module for create_selective_checkpoint_contexts), torchtitan (its per-op SAC "
     "config) or megatron (--recompute-modules), with what the framework cannot express.")]
+ReservedOpt = Annotated[bool, typer.Option(
+    "--reserved", help="Also replay each stage's allocations through PyTorch's caching "
+    "allocator (memplan/model/reserved.py) and say what it would reserve: a line after the "
+    "table, and reserved_peak_bytes, fragmentation_bytes, reserved_by_step in --json. "
+    "Costs 0.1-1 s of CPU; on with --alloc-conf.")]
 AllocConf = Annotated[str, typer.Option(
     "--alloc-conf", help="PYTORCH_CUDA_ALLOC_CONF as the job sets it (e.g. "
     "'expandable_segments:True' or 'max_split_size_mb:512'): the caching allocator's options "
@@ -48,7 +53,8 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
              deepspeed_config: DeepspeedConfig = None,
              accelerate_config: AccelerateConfig = None, json_out: Json = False,
              quiet: Quiet = False, html: Html = None,
-             emit_policy: EmitPolicy = None, alloc_conf: AllocConf = "") -> None:
+             emit_policy: EmitPolicy = None, alloc_conf: AllocConf = "",
+             reserved_opt: ReservedOpt = False) -> None:
     """Per-GPU memory of every pipeline stage and the most loaded rank.
 
     Parameters, gradients, optimizer states, saved activations, transients and fixed
@@ -77,7 +83,7 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
 
       memplan estimate -m llama-3-8b -n 8 --zero 3 --recompute auto --emit-policy torch
 
-      memplan estimate -m llama-3-8b -n 8 --zero 3 --alloc-conf expandable_segments:True
+      memplan estimate -m llama-3-8b -n 8 --zero 3 --reserved --alloc-conf expandable_segments:True
     """
     if plot is not None:
         from memplan.report.plot import check_path
@@ -102,9 +108,12 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
         return
     from memplan.report import estimate_json, render_estimate
 
-    # the caching allocator's reserved memory (memplan.model.reserved): every output but
-    # --quiet's shows it
-    reserved = () if quiet and not (json_out or html) else estimate_reserved(est, alloc_conf)
+    # the caching allocator's reserved memory (memplan.model.reserved), asked for with
+    # --reserved or --alloc-conf: its replay costs 0.1-1 s of CPU, more than the estimate, and
+    # the peak per GPU does not count it yet
+    wanted = reserved_opt or bool(alloc_conf)
+    reserved = (estimate_reserved(est, alloc_conf)
+                if wanted and not (quiet and not (json_out or html)) else ())
 
     drawn = None
     if plot is not None:

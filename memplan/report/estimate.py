@@ -129,7 +129,7 @@ def estimate_json(est: Estimate, reserved: tuple[Reserved, ...] | None = None,
         "fits": est.fits,
         "peak_phase": worst.peak_phase,
         **time_json(estimate_step_time(est), par.world_size),
-        "stages": [stage_json(s, None if reserved is None else reserved[i])
+        "stages": [stage_json(s, reserved[i] if reserved else None)
                    for i, s in enumerate(est.stages)],
         **({"reserved": reserved_json(est, reserved, alloc_conf)} if reserved else {}),
         # the calibrated figures next to the analytic ones above (None: no profile applied)

@@ -124,11 +124,9 @@ def test_pipeline_stages_and_most_loaded_stage() -> None:
 
 
 def _api_json(est: Any) -> dict[str, Any]:
-    """What ``estimate --json`` prints for ``est``: the estimate with every stage's reserved
-    memory (``memplan.model.reserved.estimate_reserved``, the allocator's defaults)."""
-    from memplan.model.reserved import estimate_reserved
-
-    return estimate_json(est, estimate_reserved(est), "")
+    """What ``estimate --json`` prints for ``est`` (no reserved-memory replay without
+    ``--reserved`` or ``--alloc-conf``)."""
+    return estimate_json(est)
 
 
 @pytest.mark.parametrize(("argv", "kwargs"), [
