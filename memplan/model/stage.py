@@ -110,7 +110,8 @@ class StageMemory(NamedTuple):
     # (their largest is tensor_peak + calibration) and these the analytic ones: (steady,
     # first step); None for an analytic estimate
     analytic_phases: tuple[PhasePeaks, PhasePeaks] | None = None
-    buffers_bytes: int = 0  # registered buffers (RoPE tables): resident in every phase
+    buffers_bytes: int = 0  # registered buffers (RoPE tables), TE fp8's kept weight copies:
+    #                         resident in every phase
     paged_bytes: int = 0  # optimizer states in unified memory (not in peak_bytes beyond the
     #                       pages the step uses): ``StateBytes.paged_bytes``
     load_bytes: int = 0  # tensor bytes at the model's load, before step 1, where they exceed

@@ -114,7 +114,8 @@ class StageStates(NamedTuple):
     main_grads: bool  # fp32 main gradients beside the compute-dtype ones
     buckets: int  # DDP's persistent copy of the gradients
     persistent: bool  # gradients live in persistent data-parallel buffers
-    buffers: int = 0  # registered buffers (RoPE tables), resident like the weights
+    buffers: int = 0  # registered buffers (RoPE tables) and TE fp8's kept weight copies,
+    #                   resident like the weights
     dp: DataParallel = DataParallel()  # the data-parallel mechanism
     step: Segment = Segment(())  # the optimizer step (``optimizer_step``)
     accum_bytes: int = 0  # FSDP2's unsharded gradient accumulators without a sync

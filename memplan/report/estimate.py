@@ -226,8 +226,9 @@ def render_estimate(est: Estimate, reserved: tuple[Reserved, ...] | None = None,
         ("loss logits (transient)", "loss_bytes"),
         ("ZeRO / DDP gradient and gather buffers", "sharding_buffers_bytes"),
         ("optimizer step temporaries", "optimizer_temp_bytes"),
-        *([("registered buffers (RoPE tables)", "buffers_bytes")] if worst.buffers_bytes
-          else []),
+        *([("registered buffers (RoPE tables)" if est.workload.te_fp8.value == "none" else
+            "kept buffers (RoPE tables, TE fp8 weights)", "buffers_bytes")]
+          if worst.buffers_bytes else []),
         ("tensor peak", "tensor_peak_bytes"),
         *([("calibration correction", "calibration_bytes")] if est.calibration else []),
         ("CUDA context", "cuda_context_bytes"),
