@@ -1,6 +1,6 @@
-"""Published ``config.json`` files of other checkpoints of the families memplan reads, and of
-other current model types (tests/data/hf/heldout), against the models transformers builds on
-the meta device.
+"""``config.json`` files of other checkpoints of the families memplan reads, and of other
+current model types (tests/data/hf/heldout, written from the published values: see its
+README.md), against the models transformers builds on the meta device.
 
 Each is accepted: by a family's reader, whose count must be transformers' to the parameter
 and laid out in the same tensors, or by the fallback (``memplan.hf.fallback``), which states
