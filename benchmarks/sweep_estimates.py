@@ -183,8 +183,10 @@ def invariants(rec: dict[str, Any]) -> list[str]:
          times ``PRECISION_BYTES``, each sharded (ceil) over dp_shard x cp from its ZeRO stage
          on (3, 2, 1), optimizer = master + states (2 AdamW, 1 SGD) in the updated dtype, plus
          the grad scaler; fused AdamW adds fp32 step counters (at least one); with the
-         optimizer offloaded, none on the GPU and master + states + an fp32 gradient copy on
-         the host.
+         optimizer offloaded under ZeRO, none on the GPU and master + states + an fp32
+         gradient copy on the host; offloaded without ZeRO (torchao's CPUOffloadOptimizer), a
+         host copy, a host gradient and the states in the weights' dtype, within the bounds
+         its 4,096-element threshold leaves.
     Per record:
       9. the most loaded stage is the one with the largest peak (the first at a tie), and the
          top-level lines, peak, phase, headroom (capacity - peak) and fit are its;
@@ -251,7 +253,18 @@ def invariants(rec: dict[str, Any]) -> list[str]:
             need(st["grads_bytes"] == held_from(2) * grad_b, s + "gradients by ZeRO stage")
             opt = held_from(1) * (master_b + states * updated_b) + GRAD_SCALER_BYTES.get(
                 precision, 0)
-            if lay["offload"] == "optimizer":
+            if lay["offload"] == "optimizer" and lay["zero"] == 0:
+                # torchao's CPUOffloadOptimizer (torchao/optim/cpu_offload.py): each tensor of
+                # at least 4,096 elements gets a host copy, a host gradient and its states in
+                # the weights' dtype, and an fp32 step count with AdamW (at most one per 4,096
+                # elements); smaller ones stay with an on-device optimizer (norm weights: well
+                # under 1% of the weights)
+                whole = n * (2 + states) * param_b
+                steps = n // 4096 * 4 if cfg["optimizer"] == "adamw" else 0
+                low = 0.99 * whole if spec.hidden_size >= 4096 else 0  # tiny: most stay
+                need(low <= st["host_bytes"] <= whole + steps,
+                     s + "offloaded optimizer (torchao's host copy, gradient and states)")
+            elif lay["offload"] == "optimizer":
                 need(st["optimizer_bytes"] == 0 and st["host_bytes"] == held_from(1) * (
                     4 + states * 4 + 4), s + "offloaded optimizer")
             elif cfg["optimizer"] == "adamw" and cfg["optimizer_impl"] == "fused":
