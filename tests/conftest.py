@@ -39,6 +39,18 @@ _SCHEMA = Path(__file__).resolve().parent.parent / "docs" / "schema" / "output.s
 
 
 @pytest.fixture(autouse=True)
+def _recursion_limit_restored() -> Any:
+    """Each test leaves the interpreter's recursion limit as it found it: torch.compile's
+    Inductor raises it while it compiles and leaves it raised (to 2000), which would let a
+    later test's too-deep input parse in the same process or not, by test order."""
+    import sys
+
+    limit = sys.getrecursionlimit()
+    yield
+    sys.setrecursionlimit(limit)
+
+
+@pytest.fixture(autouse=True)
 def _json_outputs_follow_the_schema(monkeypatch: pytest.MonkeyPatch) -> None:
     import jsonschema
 

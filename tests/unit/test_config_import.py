@@ -524,9 +524,16 @@ def test_torchtitan_registry_refuses_by_name(tmp_path: Path, body: str, match: s
 def test_torchtitan_registry_too_deep_is_one_line(tmp_path: Path, terms: int) -> None:
     """An expression nested past Python's recursion limit: one line naming the file, whether
     the parser or the reader's walk of the tree gives up."""
+    import sys
+
     command = _registry(tmp_path, "    n = " + " + ".join(["1"] * terms) + "\n    return base()")
-    with pytest.raises(MemplanError, match="config_registry.py") as err:
-        torchtitan.read(command, 8)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)  # CPython's default, whatever an earlier compile left
+    try:
+        with pytest.raises(MemplanError, match="config_registry.py") as err:
+            torchtitan.read(command, 8)
+    finally:
+        sys.setrecursionlimit(limit)
     assert "\n" not in str(err.value)
 
 
