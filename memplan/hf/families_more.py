@@ -16,7 +16,8 @@ from typing import Any
 from memplan.hf.config import FULL, SLIDING, ConfigKeys, llama_fields, sliding_fields
 from memplan.hf.config import _layer_types as _types
 from memplan.hf.families_moe import first_dense
-MORE_FAMILIES = ("exaone4", "seed_oss", "hunyuan_v1_dense", "hunyuan_v1_moe", "ernie4_5", "dots1")
+MORE_FAMILIES = ("exaone4", "seed_oss", "hunyuan_v1_dense", "hunyuan_v1_moe", "ernie4_5", "dots1",
+                 "ernie4_5_moe")
 
 
 def _window(cfg: ConfigKeys, default: int) -> int | None:
@@ -150,8 +151,50 @@ def dots1(cfg: ConfigKeys) -> dict[str, Any]:
     return fields
 
 
+def ernie4_5_moe(cfg: ConfigKeys) -> dict[str, Any]:
+    """models/ernie4_5_moe/modeling_ernie4_5_moe.py: ERNIE 4.5's dense layer (``ernie4_5``)
+    whose MLP is Ernie4_5_MoeSparseMoeBlock on the layers Ernie4_5_MoeDecoderLayer picks:
+    (i + 1) % moe_layer_interval == 0 and moe_layer_start_index <= i <= moe_layer_end_index
+    (defaults 1, 1 and the last layer: Ernie4_5_MoeConfig.__post_init__). The block: moe_k of
+    moe_num_experts stacked experts of moe_intermediate_size (Ernie4_5_MoeExperts:
+    gate_up_proj, down_proj), a bias-free fp32 router (Ernie4_5_MoeTopKRouter: its weight
+    built in fp32, F.linear on hidden_states.float()) and the moe_num_shared_experts as one
+    MLP of moe_intermediate_size * moe_num_shared_experts (shared_experts). The router's
+    Ernie4_5_MoeStatics keeps e_score_correction_bias, an fp32 (1, E) nn.Parameter with
+    requires_grad=False: counted as the router's bias (E elements a layer, as transformers
+    counts them), whose gradient and optimizer states memplan then counts too (E floats a
+    layer: 64 x 27 for the 21B). Only a run of MoE layers from the start index to the last
+    layer is modelled; another interval or end is refused by name."""
+    fields = ernie4_5(cfg)
+    num_layers = fields["num_layers"]
+    interval = cfg.get_int("moe_layer_interval", 1)
+    if interval != 1:
+        raise cfg.error("moe_layer_interval", f"{interval}: MoE on every layer from "
+                        "moe_layer_start_index on is modelled (interval 1)")
+    start = cfg.get_int("moe_layer_start_index", 1)
+    end = cfg.data.get("moe_layer_end_index", -1)
+    if end not in (-1, num_layers - 1):
+        raise cfg.error("moe_layer_end_index", f"{end}: MoE layers up to the last layer "
+                        f"({num_layers - 1} or -1) are modelled")
+    if not 0 <= start < num_layers:
+        raise cfg.error("moe_layer_start_index", f"{start}: must be a layer index below "
+                        f"num_hidden_layers ({num_layers})")
+    moe_ffn = cfg.get_int("moe_intermediate_size", 1536)
+    moe: dict[str, Any] = {
+        "num_experts": cfg.get_int("moe_num_experts", 64), "top_k": cfg.get_int("moe_k", 6),
+        "expert_ffn_hidden_size": moe_ffn, "first_dense_layers": start,
+        "stacked_experts": True, "router_fp32": True, "router_bias": True,
+    }
+    shared = cfg.get_int("moe_num_shared_experts", 2)
+    if shared:
+        moe.update(num_shared_experts=shared, shared_expert_ffn_hidden_size=moe_ffn)
+    fields.update(moe=moe)
+    return fields
+
+
 def more_family_fields(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
     """The ``ModelSpec`` fields of a ``MORE_FAMILIES`` config."""
     readers = {"exaone4": exaone4, "seed_oss": seed_oss, "hunyuan_v1_dense": hunyuan_v1_dense,
-               "hunyuan_v1_moe": hunyuan_v1_moe, "ernie4_5": ernie4_5, "dots1": dots1}
+               "hunyuan_v1_moe": hunyuan_v1_moe, "ernie4_5": ernie4_5, "dots1": dots1,
+               "ernie4_5_moe": ernie4_5_moe}
     return readers[model_type](cfg)

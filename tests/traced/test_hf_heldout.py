@@ -21,6 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from known import Known, param  # noqa: E402  (tests/traced/known.py)
 from memplan.errors import MemplanError  # noqa: E402
 from memplan.model.model_states import count_stage_params  # noqa: E402
 from memplan.spec import spec_from_hf_dict  # noqa: E402
@@ -29,7 +30,7 @@ HELDOUT = Path(__file__).resolve().parents[1] / "data" / "hf" / "heldout"
 NAMES = sorted(p.name for p in HELDOUT.iterdir() if (p / "config.json").is_file())
 
 # read by the fallback: approximate blocks, transformers' exact count stated
-FALLBACK = {"ERNIE-4.5-21B-A3B-PT", "Apertus-8B-2509", "LFM2-1.2B", "Falcon-H1-1.5B-Instruct",
+FALLBACK = {"Apertus-8B-2509", "LFM2-1.2B", "Falcon-H1-1.5B-Instruct",
             "granite-4.0-h-tiny", "granite-4.0-micro"}
 # transformers has no configuration class for it (remote code)
 UNKNOWN_TO_TRANSFORMERS = {"Phi-4-mini-flash-reasoning"}
@@ -116,21 +117,41 @@ TRACED = {
                      residual_dropout=0.0, **_TOY),
     "hunyuan_v1_moe": _cut("Hunyuan-A13B-Instruct", num_hidden_layers=2, num_experts=4,
                            moe_topk=2, **_TOY),
+    # a dense first layer, then 4 experts (2 routed a token) with 2 shared
+    "ernie4_5_moe": _cut("ERNIE-4.5-21B-A3B-PT", num_hidden_layers=2, moe_num_experts=4,
+                         moe_k=2, moe_intermediate_size=64, moe_num_shared_experts=2, **_TOY),
 }
+
+
+# ERNIE 4.5 MoE in bf16: the saved activations under by 22,560 B (the toy's one MoE layer,
+# 128 tokens: about 176 B a token), not attributed yet; the fp32 router path is the likely
+# place (Ernie4_5_MoeTopKRouter.forward under autocast disabled: softmax, Ernie4_5_MoeStatics's
+# biased copy, gather and the clamped renormalisation in fp32, then the cast to bf16)
+ERNIE_BF16 = Known(("activations_bytes",), (
+    "ERNIE 4.5 MoE bf16: saved activations -1.19% (22,560 B under on the toy's MoE layer); "
+    "not attributed yet (the fp32 router path is the likely place)"),
+    {"activations_bytes": (-22_560, -1.1941)})
+ERNIE_BF16_FULL = Known(("activations_bytes", "first_step.backward_bytes"), (
+    "ERNIE 4.5 MoE bf16 under full recompute: saved activations -1.82% (8,720 B), step 1's "
+    "backward -1.15% (26,240 B); not attributed yet"),
+    {"activations_bytes": (-8_720, -1.8234), "first_step.backward_bytes": (-26_240, -1.155)})
 
 
 def _cases():
     from memplan.profile.frameworks import FrameworkCase
 
     for name, data in sorted(TRACED.items()):
-        yield FrameworkCase("transformers", name, data, "fp32", 2, 64)
-        yield FrameworkCase("transformers", name, data, "bf16-pure", 2, 64)
-        yield FrameworkCase("transformers", name, data, "bf16-pure", 2, 64,
-                            options={"recompute": "full"})
+        ernie = name == "ernie4_5_moe"
+        yield param(FrameworkCase("transformers", name, data, "fp32", 2, 64), None)
+        yield param(FrameworkCase("transformers", name, data, "bf16-pure", 2, 64),
+                    ERNIE_BF16 if ernie else None)
+        yield param(FrameworkCase("transformers", name, data, "bf16-pure", 2, 64,
+                                  options={"recompute": "full"}),
+                    ERNIE_BF16_FULL if ernie else None)
 
 
-@pytest.mark.parametrize("case", list(_cases()), ids=lambda c: c.id)
-def test_library_matches_estimate(case) -> None:
+@pytest.mark.parametrize(("case", "known"), list(_cases()))
+def test_library_matches_estimate(case, known) -> None:
     """Every phase peak, saved activations and states within 1% of transformers' own step
     (Hunyuan's fp32 router weight, counted in bf16 under bf16-pure: 0.09% of the toy's
     parameters)."""
@@ -141,4 +162,8 @@ def test_library_matches_estimate(case) -> None:
         pytest.skip(f"transformers {transformers.__version__} has no {case.config['model_type']!r}")
     # HunYuanMoEV1Gate.wg is built in fp32 in a bf16 model: the states are exact in fp32 only
     fp32_router = case.name == "hunyuan_v1_moe" and case.recipe != "fp32"
-    check(compare_framework(case).rows, None, exact=() if fp32_router else EXACT)
+    # ERNIE's frozen e_score_correction_bias (E fp32 values a MoE layer) is read as the
+    # router's trained bias: 16 B of weights, gradients and states more on the toy
+    frozen_bias = case.name == "ernie4_5_moe"
+    check(compare_framework(case).rows, known,
+          exact=() if fp32_router or frozen_bias else EXACT)

@@ -29,6 +29,30 @@ def test_ernie_0_3b_by_hand() -> None:
     assert spec.num_params == 360_748_032 and spec.approximate is None
 
 
+def test_ernie_moe_21b_by_hand() -> None:
+    """ERNIE-4.5-21B-A3B: 28 layers of h 2,560, 20 heads and 4 KV heads of 128, tied, no
+    biases. Attention q and o 2,560 x 2,560 (6,553,600 each), k and v 2,560 x 512 (1,310,720
+    each): 15,728,640; two norms 5,120. Layer 0 dense (moe_layer_start_index 1): 3 x 2,560 x
+    12,288 = 94,371,840. Layers 1-27 MoE: 64 experts x 3 x 2,560 x 1,536 = 754,974,720, the
+    router 64 x 2,560 = 163,840 and its e_score_correction_bias 64, two shared experts as one
+    MLP of 3,072: 3 x 2,560 x 3,072 = 23,592,960: 778,731,584. The embedding 103,424 x 2,560
+    = 264,765,440, the final norm 2,560: 264,765,440 + 28 x 15,733,760 + 94,371,840 + 27 x
+    778,731,584 + 2,560 = 21,825,437,888 (transformers' meta build too)."""
+    spec = _spec("ERNIE-4.5-21B-A3B-PT")
+    assert spec.num_params == 21_825_437_888 and spec.approximate is None
+    assert (spec.moe.num_experts, spec.moe.top_k, spec.moe.first_dense_layers) == (64, 6, 1)
+
+
+def test_ernie_moe_other_layouts_refused() -> None:
+    data = json.loads((HELDOUT / "ERNIE-4.5-21B-A3B-PT" / "config.json").read_text())
+    from memplan.errors import MemplanError
+
+    with pytest.raises(MemplanError, match="moe_layer_interval"):
+        spec_from_hf_dict({**data, "moe_layer_interval": 2}, "config.json", "m")
+    with pytest.raises(MemplanError, match="moe_layer_end_index"):
+        spec_from_hf_dict({**data, "moe_layer_end_index": 10}, "config.json", "m")
+
+
 @pytest.mark.parametrize(("name", "count"), [
     ("EXAONE-4.0-32B", 32_003_216_384), ("EXAONE-4.0-1.2B", 1_279_391_488),
     ("Seed-OSS-36B-Instruct", 36_151_104_512), ("Hunyuan-7B-Instruct", 7_504_568_320),
