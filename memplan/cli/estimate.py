@@ -97,9 +97,14 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
                                         megatron=megatron_args,
                                         deepspeed=deepspeed_config,
                                         accelerate=accelerate_config)
-    from memplan.model.reserved import config_of, estimate_reserved
+    # the caching allocator's reserved memory (memplan.model.reserved), asked for with
+    # --reserved or --alloc-conf: its replay costs 0.1-1 s of CPU, more than the estimate, and
+    # the peak per GPU does not count it yet; its module loads only then
+    wanted = reserved_opt or bool(alloc_conf)
+    if wanted:
+        from memplan.model.reserved import config_of, estimate_reserved
 
-    config_of(alloc_conf, None)  # an option the model does not follow: refused before the work
+        config_of(alloc_conf, None)  # an option the model does not follow: refused first
     est = run_estimate(model, **kwargs)
     if emit_policy is not None:
         from memplan.report.sac_policy import emit_for
@@ -108,10 +113,6 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
         return
     from memplan.report import estimate_json, render_estimate
 
-    # the caching allocator's reserved memory (memplan.model.reserved), asked for with
-    # --reserved or --alloc-conf: its replay costs 0.1-1 s of CPU, more than the estimate, and
-    # the peak per GPU does not count it yet
-    wanted = reserved_opt or bool(alloc_conf)
     reserved = (estimate_reserved(est, alloc_conf)
                 if wanted and not (quiet and not (json_out or html)) else ())
 

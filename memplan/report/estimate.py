@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memplan.errors import MemplanError
 from memplan.model.estimate import PHASES, Estimate, PhasePeaks, StageMemory
-from memplan.model.reserved import Reserved
 from memplan.parallel import offload_names, virtual_stage_layers
 from memplan.report.explain import explanations
 from memplan.planning.timing import DEFAULT_MFU, StepTime, estimate_step_time
 from memplan.report.sizes import format_gib, gib
+
+if TYPE_CHECKING:  # the replay loads only with --reserved (memplan.cli.estimate)
+    from memplan.model.reserved import Reserved
 
 _COMPONENTS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes")
 
