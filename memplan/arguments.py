@@ -263,17 +263,32 @@ def model_fields(model: Any, values: Mapping[str, Any], names: Mapping[str, str]
     pydantic model in lax mode would take ``"2"`` for 2 and ``True`` for 1); unknown names
     and the other fields are left to the model's own validation. ``names``: how the message
     names a field (``LABELS``: the CLI's flag names)."""
-    fields = model.model_fields
+    kinds = _field_kinds(model)
     for key, value in values.items():
-        if key not in fields or value is None:
+        kind = kinds.get(key)
+        if kind is None or value is None:
             continue
-        allowed = _base(fields[key].annotation)
         label = names.get(key, key)
-        if bool in allowed and int not in allowed:
+        if kind is bool:
             boolean(label, value)
-        elif int in allowed and not is_int(value):
+        elif not is_int(value):
             raise MemplanError(f"{label} must be an integer, got {shown(value)} "
                                f"({_kind(value)})")
+
+
+@functools.lru_cache(maxsize=None)
+def _field_kinds(model: Any) -> dict[str, type]:
+    """The fields of a pydantic ``model`` class ``model_fields`` checks, each with what it
+    checks: ``bool`` (a bool field) or ``int`` (an int field, or one that allows both): the
+    annotations read once per class, not at every call."""
+    kinds: dict[str, type] = {}
+    for key, field in model.model_fields.items():
+        allowed = _base(field.annotation)
+        if bool in allowed and int not in allowed:
+            kinds[key] = bool
+        elif int in allowed:
+            kinds[key] = int
+    return kinds
 
 
 def dataclass_fields(name: str, obj: Any) -> None:
