@@ -25,6 +25,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from memplan.choices import field_hash
 from memplan.errors import MemplanError, shown, validation_message
 from memplan.units import MAX_INT64
 
@@ -140,7 +141,7 @@ def _known(model: BaseModel) -> BaseModel | None:
     if seen is None or seen[0]() is not model:
         return None
     try:
-        same = hash(model) == seen[1]
+        same = field_hash(model) == seen[1]
     except TypeError:  # a field set in place to a list or dict since
         return None
     return seen[2] if same else None
@@ -151,7 +152,7 @@ def _remember(model: BaseModel, checked: BaseModel) -> None:
     if not type(model).model_config.get("frozen"):
         return
     try:
-        fields_hash = hash(model)
+        fields_hash = field_hash(model)
     except TypeError:  # a list or dict field: it may change in place
         return
     key = id(model)

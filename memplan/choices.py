@@ -1,4 +1,5 @@
-"""Enums that read as their plain values: what a user sees of memplan's choices.
+"""What the typed inputs share: enums that read as their plain values (what a user sees of
+memplan's choices), and a frozen model's hash kept per object (``cached_hash``).
 
 Every choice memplan returns (a precision, a recompute policy, a ZeRO stage) is an enum member
 that is also a ``str`` or an ``int``: it compares equal to its value (``Precision.FP32 ==
@@ -11,6 +12,9 @@ rather than ``<Recompute.NONE: 'none'>``. The member's name stays available as `
 from __future__ import annotations
 
 import enum
+import operator
+import weakref
+from typing import Any
 
 
 class PlainEnum(enum.StrEnum):
@@ -67,3 +71,45 @@ class RankedEnum(PlainEnum):
         pair = self._ranks(other)
         return NotImplemented if pair is None else pair[0] >= pair[1]
 
+
+# The analytic model's caches (``memplan.model.memo``, the result cache) are keyed by the frozen
+# configuration objects, so one ``ModelSpec`` or ``Workload`` is hashed dozens of times per
+# estimate (a plan hashes tens of thousands). pydantic hashes a frozen model from its field
+# values on every call (``pydantic._internal._model_construction.make_hash_func``), nested models
+# included. ``cached_hash`` gives the same value (the hash of the field values in field order, so
+# equal objects still hash equal) and keeps it per object, by ``id``, for as long as the object
+# lives: a weak reference's callback drops it when the object is freed, before its ``id`` can be
+# reused. A frozen model's fields cannot be set, and ``model_copy`` makes a new object, so a kept
+# hash cannot go stale.
+_HASHES: dict[int, tuple[int, weakref.ref]] = {}
+_GETTERS: dict[type, Any] = {}
+
+
+def cached_hash(self: Any) -> int:
+    """``hash(self)`` for a frozen pydantic model (use as its class's ``__hash__``)."""
+    key = id(self)
+    kept = _HASHES.get(key)
+    if kept is not None:
+        return kept[0]
+    value = field_hash(self)
+    # the reference is kept beside the value: its callback runs only while it lives
+    _HASHES[key] = (value, weakref.ref(self, lambda _, key=key, table=_HASHES:
+                                       table.pop(key, None)))
+    return value
+
+
+def field_hash(model: Any) -> int:
+    """The hash of a pydantic ``model``'s field values as they are now (``cached_hash``'s
+    value, computed anew): what tells a field set in place past ``frozen``
+    (``object.__setattr__``) from the value checked before (``memplan.arguments.revalidated``).
+    TypeError for an unhashable field, as pydantic's own hash."""
+    cls = type(model)
+    getter = _GETTERS.get(cls)
+    if getter is None:
+        names = tuple(cls.model_fields)
+        getter = _GETTERS[cls] = (operator.itemgetter(*names) if len(names) > 1
+                                  else (lambda d, n=names: tuple(d[k] for k in n)))
+    try:
+        return hash(getter(model.__dict__))
+    except KeyError:  # a field missing from __dict__ (as pydantic's hash allows for)
+        return hash(tuple(model.__dict__.get(name) for name in cls.model_fields))

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from memplan.choices import cached_hash
 from memplan.choices import PlainEnum, PlainIntEnum
 from memplan import presets
 from memplan.errors import LayoutError
@@ -223,6 +224,7 @@ class ParallelConfig(BaseModel):
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+    __hash__ = cached_hash  # (memplan.choices: computed once per object)
 
     tp: int = Field(default=1, gt=0)
     pp: int = Field(default=1, gt=0)

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from memplan.choices import cached_hash
 from memplan.choices import PlainEnum
 from memplan.arguments import file_fields
 from memplan.catalog import data_dir, suggest
@@ -244,6 +245,7 @@ class ModelSpec(BaseModel):
     """A decoder-only transformer. Widths are element counts, not bytes."""
 
     model_config = _FROZEN
+    __hash__ = cached_hash  # (memplan.choices: computed once per object)
 
     name: str
     source: str = Field(description="where the numbers come from")

@@ -11,6 +11,7 @@ from functools import cached_property
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from memplan.choices import cached_hash
 from memplan.choices import PlainEnum, RankedEnum
 from memplan.errors import MemplanError
 from memplan.spec import MAX_LAYERS
@@ -524,6 +525,7 @@ class Workload(BaseModel):
     """One training step. Token counts are per micro-batch, per data-parallel replica."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+    __hash__ = cached_hash  # (memplan.choices: computed once per object)
 
     micro_batch_size: int = Field(default=1, gt=0, le=MAX_SEQUENCES)
     global_batch_size: int | None = Field(default=None, gt=0, le=MAX_SEQUENCES,

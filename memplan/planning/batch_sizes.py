@@ -28,8 +28,14 @@ def micro_batch_sizes(par: ParallelConfig, global_batch_size: int) -> tuple[int,
     (``global_batch_size // dp``); with interleaving (vpp > 1) the micro-batch count must also
     split into the schedule's groups (``interleaved_rule``: divide by pp with Megatron-LM's
     default group of pp)."""
-    per_replica = global_batch_size // par.dp
+    # what the sizes read of the layout: its replica count and its interleaving
+    return _sizes(global_batch_size // par.dp, par.pp, par.vpp, par.vpp_group)
+
+
+@lru_cache(maxsize=4096)
+def _sizes(per_replica: int, pp: int, vpp: int, group: int | None) -> tuple[int, ...]:
     # only sizes up to MAX_MBS are searched: try those, not every divisor of a large batch
+    par = ParallelConfig(pp=pp, vpp=vpp, vpp_group=group)
     return tuple(b for b in range(1, min(MAX_MBS, per_replica) + 1) if per_replica % b == 0
                  and interleaved_rule(par, per_replica // b) is None)
 

@@ -114,3 +114,28 @@ def test_every_result_enum_is_plain():
     kinds = {k for k in _enum_classes() if k.__name__ != "Mechanism"}
     assert {Precision, Recompute, ZeroStage, Offload} <= kinds
     assert not [k.__name__ for k in kinds if not issubclass(k, (PlainEnum, PlainIntEnum))]
+
+
+def test_frozen_inputs_hash_by_their_fields_once_per_object() -> None:
+    """``ModelSpec``, ``Workload`` and ``ParallelConfig`` hash as pydantic hashes a frozen model
+    (the tuple of their field values, in field order: written out here with the fields' own
+    names), so equal objects hash equal and a copy with one field changed is another key; the
+    value is kept per object and dropped when the object is freed."""
+    import gc
+
+    from memplan.choices import _HASHES
+
+    spec = memplan.load_model("tiny")
+    wl = memplan.make_workload(spec, micro_batch_size=3)
+    par = memplan.make_layout(8, tp=2)
+    for obj in (spec, wl, par):
+        by_hand = hash(tuple(getattr(obj, name) for name in type(obj).model_fields))
+        assert hash(obj) == by_hand
+        assert hash(obj.model_copy()) == by_hand
+    other = wl.model_copy(update={"micro_batch_size": 4})
+    assert hash(other) != hash(wl) and other != wl
+    key = id(other)
+    assert key in _HASHES
+    del other
+    gc.collect()
+    assert key not in _HASHES
