@@ -11,7 +11,8 @@ stops once the last tensor backward needs is rebuilt (non-reentrant checkpoint's
 so the MLP's down projection never reruns. The save list is a set of *items*: an op whose
 output a layer can keep, named after the saved term it makes (``attn.q`` is the q
 projection's output; ``attn.out`` the attention kernel's, with its logsumexp ``attn.lse``;
-``attn.o_proj`` the output projection's, which no backward reads but whose rerun it skips).
+``attn.o_proj`` the output projection's, which no backward reads but whose rerun it skips;
+a norm's saved tensors, which a policy names by op only for an upcast RMSNorm: ``_norm_items``).
 
 So a layer under OPS holds its checkpointed input and the kept outputs (``kept_terms``); its
 backward is the fully recomputed layer's (the rerun rebuilds what a layer without recompute
@@ -35,14 +36,18 @@ from typing import NamedTuple
 from memplan.errors import LayoutError, MemplanError
 from memplan.model.attention import Attention as AttentionBlock
 from memplan.model.dims import Dims, Term
-from memplan.spec import MlpKind, ModelSpec, PositionKind
+from memplan.spec import MlpKind, ModelSpec, NormKind, PositionKind
+from memplan.units import FP32_BYTES
 from memplan.workload import Attention as Kernel
+from memplan.workload import NormImpl
 from memplan.workload import Workload
 
 # the groups a save list may name, and the blocks whose items each stands for
 GROUPS = {"attention": ("attn",), "mlp": ("mlp",), "norms": ("attn_norm", "mlp_norm")}
 # the ops an item's output comes from, as a policy finds them (``memplan.report.sac_policy``)
 MATMUL, ATTENTION_KERNEL, ACTIVATION, PRODUCT, NORM = "matmul", "sdpa", "act", "mul", "norm"
+# an upcast RMSNorm's ops a policy can name: its dtype casts (``aten._to_copy``) and ``rsqrt``
+COPY, RSQRT = "copy", "rsqrt"
 
 
 class Item(NamedTuple):
@@ -136,8 +141,8 @@ def layer_items(spec: ModelSpec, wl: Workload, dm: Dims,
                     2.0 * d_in * d_out + (2.0 * d_out if _has_bias(spec, name) else 0.0),
                     MATMUL, width, nth, name.split(".")[0], rope or name == "mlp.gate")
 
-    for norm in ("attn_norm",):
-        out += _norm_items(norm, terms, spec)
+    named = _norms_nameable(spec, wl, dm, terms)
+    out += _norm_items("attn_norm", terms, spec, named)
     fused = spec.fused_qkv or wl.fused_qkv
     mm = {m[0]: m for m in matmul_shapes(spec, t, fused)}
     out += [matmul(*mm[n]) for n in (("attn.qkv",) if fused else ("attn.q", "attn.k", "attn.v"))]
@@ -145,7 +150,7 @@ def layer_items(spec: ModelSpec, wl: Workload, dm: Dims,
     out.append(Item("attn.out", ("attn.out", "attn.lse"), terms["attn.out"] + terms["attn.lse"],
                     core, ATTENTION_KERNEL, spec.q_size // t, 0, "attn", False))
     out.append(matmul(*mm["attn.o_proj"]))
-    out += _norm_items("mlp_norm", terms, spec)
+    out += _norm_items("mlp_norm", terms, spec, named)
     f = spec.ffn_hidden_size // t
     if spec.mlp.gated:
         out.append(matmul(*mm["mlp.gate"]))
@@ -167,12 +172,44 @@ def _has_bias(spec: ModelSpec, name: str) -> bool:
     return spec.attn_out_bias if name == "attn.o_proj" else spec.qkv_bias
 
 
-def _norm_items(norm: str, terms: dict[str, int], spec: ModelSpec) -> list[Item]:
+def _norm_items(norm: str, terms: dict[str, int], spec: ModelSpec,
+                named: bool) -> list[Item]:
     """A norm's saved terms, each an item of its own: elementwise, one FLOP per element of the
-    hidden width (its ops differ by implementation: no policy names them, ``NORM``)."""
-    return [Item(name, (name,), size, float(spec.hidden_size), NORM, spec.hidden_size, 0,
-                 norm, False)
-            for name, size in terms.items() if name.startswith(norm + ".")]
+    hidden width. Unless ``named`` (``_norms_nameable``) its ops differ by implementation and
+    no policy names them (``NORM``). Named, they are an upcast RMSNorm's ops in execution
+    order (Hugging Face's ``LlamaRMSNorm.forward``, the reference model's ``RMSNorm``):
+    ``x.to(float32)`` (``input_fp32``), ``rsqrt`` of the mean square (``stats``),
+    ``x * rstd`` (fp32, saved by no one), ``.to(dtype)`` (``normed``), ``weight * normed``
+    (``output``); per layer the k-th norm's casts are the (2k)-th and (2k+1)-th ``_to_copy``
+    of width h and its products the (2k)-th and (2k+1)-th ``mul`` of width h."""
+    if not named:
+        return [Item(name, (name,), size, float(spec.hidden_size), NORM, spec.hidden_size, 0,
+                     norm, False)
+                for name, size in terms.items() if name.startswith(norm + ".")]
+    k, h = ("attn_norm", "mlp_norm").index(norm), spec.hidden_size
+    ops = (("input_fp32", COPY, h, 2 * k), ("stats", RSQRT, 1, k),
+           ("normed", COPY, h, 2 * k + 1), ("output", PRODUCT, h, 2 * k + 1))
+    return [Item(f"{norm}.{name}", (f"{norm}.{name}",), terms[f"{norm}.{name}"], float(h), op,
+                 width, nth, norm, False) for name, op, width, nth in ops]
+
+
+def _norms_nameable(spec: ModelSpec, wl: Workload, dm: Dims, terms: dict[str, int]) -> bool:
+    """Whether a policy can name the norms' ops (``_norm_items``): an upcast RMSNorm in a
+    16-bit dtype (in fp32 the casts are no ops), each saved term the bytes of the op output
+    it names (not so under sequence parallelism, where the next linear saves the gathered
+    output), and no other op of the layer a ``mul`` of width h (RoPE's run on head_dim wide
+    rows, the gated product on f wide ones)."""
+    if spec.norm is not NormKind.RMSNORM or wl.norm_impl is not NormImpl.UPCAST \
+            or dm.e >= FP32_BYTES or dm.stream_e != dm.e:
+        return False
+    h, rows = spec.hidden_size, dm.rows
+    want = {"input_fp32": rows * h * FP32_BYTES, "stats": rows * FP32_BYTES,
+            "normed": rows * h * dm.e, "output": rows * h * dm.e}
+    if any(terms.get(f"{n}.{t}") != b for n in ("attn_norm", "mlp_norm")
+           for t, b in want.items()):
+        return False
+    rope_wide = spec.position is PositionKind.ROPE and spec.head_dim == h
+    return not rope_wide and spec.ffn_hidden_size // dm.tp != h
 
 
 def valid_names(items: tuple[Item, ...]) -> list[str]:

@@ -6,8 +6,9 @@
   item is recognised by its op family (``mm``/``addmm`` for a projection; SDPA's kernels;
   ``silu``/``gelu``; ``mul``), its output's last dimension and its index among the layer's
   ops of that family and width (``memplan.model.sac_ops.Item``); the policy counts them per
-  layer. Norms' saved tensors come from elementwise ops that differ by implementation: a
-  save list naming them is not expressible and is said so.
+  layer. An upcast RMSNorm's tensors are named by its casts (``_to_copy``), ``rsqrt`` and
+  products (``mul``); other norms' saved tensors come from ops that differ by
+  implementation: a save list naming them is not expressible and is said so.
 - ``torchtitan``: its per-op SAC (0.3.0 ``distributed/activation_checkpoint.py``
   ``SelectiveAC``) saves its op list's outputs (SDPA, ``aten.mm``/``linear``) but every second
   matmul counted in execution order, and recomputes matmuls whose weight shape is in
@@ -23,7 +24,8 @@
 from __future__ import annotations
 
 from memplan.errors import MemplanError
-from memplan.model.sac_ops import ATTENTION_KERNEL, MATMUL, NORM, Item, matmul_shapes
+from memplan.model.sac_ops import (ATTENTION_KERNEL, MATMUL, NORM, PRODUCT, RSQRT, Item,
+                                   matmul_shapes)
 from memplan.spec import ModelSpec
 
 TARGETS = ("torch", "torchtitan", "megatron")
@@ -48,13 +50,22 @@ def _unexpressible(kept: tuple[Item, ...]) -> list[str]:
     return [i.name for i in kept if i.op == NORM]
 
 
+def _norms(kept: tuple[Item, ...]) -> list[str]:
+    """The kept norm tensors, named by a torch policy or not: torchtitan's op list and
+    Megatron's modules treat a norm whole."""
+    return [i.name for i in kept if i.block in ("attn_norm", "mlp_norm")]
+
+
 def torch_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, ...],
                  command: str) -> str:
     """The module (see the module docstring)."""
     keyed = [i for i in items if i.op != NORM]
     per_layer: dict[tuple[str, int], int] = {}
-    # the down projection runs too (never kept: the rerun stops before it), and counts
-    for op, width in [(i.op, i.width) for i in keyed] + [(MATMUL, spec.hidden_size)]:
+    # the down projection runs too (never kept: the rerun stops before it), and counts, as
+    # does each named norm's fp32 product x * rstd (saved by no one)
+    extra = [(MATMUL, spec.hidden_size)] + [(PRODUCT, spec.hidden_size)
+                                           for i in keyed if i.op == RSQRT]
+    for op, width in [(i.op, i.width) for i in keyed] + extra:
         per_layer[(op, width)] = per_layer.get((op, width), 0) + 1
     save = sorted((i.op, i.width, i.nth) for i in kept if i.op != NORM)
     missing = _unexpressible(kept)
@@ -97,6 +108,8 @@ def _key(op, args):
         return "{ATTENTION_KERNEL}", args[0].shape[1] * args[0].shape[-1]
     if op in (_aten.silu.default, _aten.gelu.default):
         return "act", args[0].shape[-1]
+    if op in (_aten._to_copy.default, _aten.rsqrt.default):
+        return ("copy" if op is _aten._to_copy.default else "rsqrt"), args[0].shape[-1]
     if op is _aten.mul.Tensor and all(isinstance(a, torch.Tensor) for a in args[:2]):
         return "mul", max(args[0].shape[-1], args[1].shape[-1])
     return None
@@ -164,15 +177,15 @@ def torchtitan_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item
     forced = {shapes[i.name] for i in matmuls if i.name not in names}
     fqns = [_TITAN_FQNS[i.name] for i in matmuls if i.name not in names]
     result = _titan_kept(items + (down,), forced, shapes)
-    lost = sorted(names - set(result) - {i.name for i in kept if i.op == NORM})
+    lost = sorted(names - set(result) - set(_norms(kept)))
     plain = [f"# {line}" for line in (
         f"Wanted: {', '.join(sorted(names)) or 'the layer input only'}.",
         f"torchtitan keeps: {', '.join(result) or 'the layer input only'} "
         "(its rule: every second remaining matmul recomputed; a forced shape forces every "
         "matmul of that weight shape).",
         *([f"Not expressible: {', '.join(lost)} (recomputed instead)."] if lost else []),
-        *([f"Not expressible: {', '.join(_unexpressible(kept))} (not in its op list)."]
-          if _unexpressible(kept) else []),
+        *([f"Not expressible: {', '.join(_norms(kept))} (not in its op list)."]
+          if _norms(kept) else []),
         "Its checkpoint runs with early_stop=False: the rerun goes through the down projection"
         + (" (whose output it keeps here: one more residual-sized tensor per layer, beyond "
            "the save list below)." if "mlp.down" in result else "."),
@@ -196,9 +209,13 @@ def megatron_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, 
         modules.append("core_attn")
     if not names & {"mlp.gate", "mlp.up", "mlp.act", "mlp.prod", "mlp.fc1"}:
         modules.append("mlp")
-    if not any(i.op == NORM for i in kept):
-        modules.append("layernorm")
+    norms = {i.name for i in items if i.block in ("attn_norm", "mlp_norm")}
     unlike = []
+    if not norms <= set(_norms(kept)):
+        modules.append("layernorm")
+        if _norms(kept):
+            unlike.append("a norm partly kept: Megatron keeps or recomputes a norm whole "
+                          "(recomputed)")
     if modules and "mlp" not in modules and not {i.name for i in items
                                                   if i.block == "mlp"} <= names:
         unlike.append("an MLP partly kept: Megatron keeps or recomputes the MLP whole (kept)")

@@ -4,8 +4,10 @@ model's layers (``RefOptions.policy_fns``: ``torch.utils.checkpoint.checkpoint``
 the exact tracker for two steps: saved activations and every phase peak within 1% of the
 ``--recompute ops`` estimate of the same save list (measured: all within 0.01%).
 
-Not in the grid: a save list naming a norm's tensors (the policy cannot name them: it
-recomputes them, so the trace keeps less than the estimate).
+An upcast RMSNorm's tensors are named by its ops (``norms``, ``attn_norm.stats``, ...: the
+casts, ``rsqrt`` and products, ``memplan.model.sac_ops._norm_items``); not in the grid: a
+save list naming the tensors of another norm (the policy cannot name them: it recomputes
+them, so the trace keeps less than the estimate).
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ GRID = [(TINY, {}, save) for save in SAVES] + [
     # a fused norm: the MLP's end (every MLP output kept, with the down projection's output)
     # sets the forward's peak
     (SMALL_VOCAB, {"norm_impl": "fused"}, "mlp"), (SMALL_VOCAB, {"norm_impl": "fused"}, "attention,mlp"),
+    # the norms kept (an upcast RMSNorm: its ops named), whole and in part
+    (TINY, {}, "norms"), (TINY, {}, "norms,attention,mlp"),
+    (TINY, {}, "attn_norm.stats,attn_norm.output,attn.q,mlp_norm.normed,mlp_norm.input_fp32"),
+    (WIDE_GQA, {"seq_len": 256}, "norms,mlp.gate"),
 ]
 
 
@@ -67,7 +73,7 @@ def test_emitted_policy_matches_estimate(spec: ModelSpec, fields: dict, save: st
 # on fake tensors: measured within 0.024% (saved activations 17,416 B over the estimate, as
 # with its full recompute), every phase within 0.01%
 HF_GRID = [("fp32", "attn.q,mlp.gate"), ("bf16-pure", "attention"),
-           ("bf16-pure", "attn.k,attn.o_proj,mlp.up")]
+           ("bf16-pure", "attn.k,attn.o_proj,mlp.up"), ("bf16-pure", "norms,attn.q")]
 
 
 @pytest.mark.parametrize(("precision", "save"), HF_GRID,
