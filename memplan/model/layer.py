@@ -363,7 +363,7 @@ def ops_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str) -
     backward is the full recompute's."""
     full = layer_kind(spec, wl, dm, moe, Recompute.FULL, variant)
     items = ops_items(spec, wl, dm)
-    kept = sac_ops.resolve(items, wl.recompute_save, spec)
+    kept = sac_ops.resolve(items, wl.recompute_save, spec, "moe" if moe else "dense")
     terms = sac_ops.kept_terms(kept)
     moments = forward_moments(spec, wl, dm, moe_layer=moe, recompute=Recompute.FULL,
                               variant=variant)

@@ -219,11 +219,78 @@ def valid_names(items: tuple[Item, ...]) -> list[str]:
     return names + list(GROUPS)
 
 
-def resolve(items: tuple[Item, ...], save: tuple[str, ...], spec: ModelSpec) -> tuple[Item, ...]:
-    """The items a save list keeps, in execution order; an unknown name is refused with the
-    names it could be."""
-    chosen: set[str] = set()
+# a save list's name may be scoped ``SCOPE:name`` (scopes may nest: ``stage1:dense:attn.q``):
+# a layer kind (``KINDS``: dense and MoE layers) or a pipeline stage (``stage0``, ``stage1``,
+# ...); a layer keeps the unscoped names and those scoped to its kind and its stage
+KINDS = ("dense", "moe")
+STAGE = "stage"
+
+
+def _split(name: str) -> tuple[list[str], str]:
+    *scopes, base = name.split(":")
+    return scopes, base
+
+
+def _stage_of(scope: str) -> int | None:
+    rest = scope[len(STAGE):]
+    return int(rest) if scope.startswith(STAGE) and rest.isdigit() else None
+
+
+def stage_scoped(save: tuple[str, ...]) -> bool:
+    """Whether ``save`` names a pipeline stage (a list per stage)."""
+    return any(_stage_of(s) is not None for name in save for s in _split(name)[0])
+
+
+def for_stage(save: tuple[str, ...], stage: int) -> tuple[str, ...]:
+    """The names of ``save`` that apply on pipeline stage ``stage``, its stage scope removed
+    (kind scopes kept), sorted: the list of a stage's layers."""
+    out = set()
     for name in save:
+        scopes, base = _split(name)
+        stages = {_stage_of(s) for s in scopes} - {None}
+        if stages and stages != {stage}:
+            continue
+        out.add(":".join([s for s in scopes if _stage_of(s) is None] + [base]))
+    return tuple(sorted(out))
+
+
+def scoped_stages(save: tuple[str, ...]) -> list[int]:
+    """The stages ``save`` names, in order."""
+    return sorted({n for name in save for n in map(_stage_of, _split(name)[0])
+                   if n is not None})
+
+
+def check_scopes(save: tuple[str, ...], spec: ModelSpec, pp: int) -> None:
+    """Refuses a scope that is neither a layer kind of ``spec`` nor one of its ``pp``
+    stages, by name."""
+    kinds = {"dense"} if spec.moe is None else {"moe", "dense"} if any(
+        not spec.is_moe_layer(i) for i in range(spec.num_layers)) else {"moe"}
+    for name in save:
+        for scope in _split(name)[0]:
+            stage = _stage_of(scope)
+            if stage is not None and stage >= pp:
+                raise MemplanError(f"recompute_save: {name!r} names stage {stage}; with pp "
+                                   f"{pp} the stages are stage0..stage{pp - 1}")
+            if stage is None and scope not in kinds:
+                raise MemplanError(
+                    f"recompute_save: unknown scope {scope!r} in {name!r}; a scope is a "
+                    f"layer kind of {spec.name} ({', '.join(sorted(kinds))}) or a pipeline "
+                    f"stage (stage0, stage1, ...)")
+
+
+def resolve(items: tuple[Item, ...], save: tuple[str, ...], spec: ModelSpec,
+            kind: str = "dense") -> tuple[Item, ...]:
+    """The items a save list keeps in a layer of ``kind`` (``KINDS``), in execution order; an
+    unknown name is refused with the names it could be. Stage scopes must have been resolved
+    (``for_stage``)."""
+    chosen: set[str] = set()
+    for scoped_name in save:
+        scopes, name = _split(scoped_name)
+        if any(_stage_of(s) is not None for s in scopes):
+            raise MemplanError(f"recompute_save: {scoped_name!r} is a stage's name, which "
+                               "this result does not resolve per stage")
+        if any(s != kind for s in scopes):
+            continue
         if name in GROUPS:
             chosen |= {i.name for i in items if i.block in GROUPS[name]}
             continue
@@ -233,6 +300,21 @@ def resolve(items: tuple[Item, ...], save: tuple[str, ...], spec: ModelSpec) -> 
                                f"layers; valid: {', '.join(valid_names(items))}")
         chosen |= hits
     return tuple(i for i in items if i.name in chosen)
+
+
+def per_stage(save: tuple[str, ...], pp: int) -> dict[int, tuple[str, ...]] | None:
+    """With a list per stage, each of the ``pp`` stages' lists, else None."""
+    if not stage_scoped(save):
+        return None
+    return {s: for_stage(save, s) for s in range(max(pp, *[n + 1 for n in scoped_stages(save)]))}
+
+
+def stage_lists(kept: list[tuple[str, ...]]) -> tuple[str, ...]:
+    """One save list from a list per stage (stage i keeps ``kept[i]``): the names every stage
+    keeps unscoped, the others scoped ``stageN:``."""
+    common = set.intersection(*(set(k) for k in kept)) if kept else set()
+    return tuple(sorted(common | {f"{STAGE}{i}:{n}" for i, k in enumerate(kept)
+                                  for n in k if n not in common}))
 
 
 def kept_terms(kept: tuple[Item, ...]) -> tuple[Term, ...]:
@@ -272,14 +354,23 @@ def forward_peak(moment_blocks: list[tuple[str, int]], items: tuple[Item, ...],
     return best
 
 
-def assumption(spec: ModelSpec, wl: Workload, items: tuple[Item, ...]) -> str:
+def assumption(spec: ModelSpec, wl: Workload, items: tuple[Item, ...], pp: int = 1) -> str:
     """The assumptions' line for ``Recompute.OPS``: what each layer keeps and what its rerun
-    costs."""
-    kept = resolve(items, wl.recompute_save, spec)
-    rerun = rerun_flops_per_token(items, kept)
+    costs (per stage where the list differs by stage)."""
     every = sum(i.flops_per_token for i in items)
-    names = ", ".join(i.name for i in kept) or "nothing"
-    return (f"recompute ops (PyTorch selective activation checkpointing per layer): each "
-            f"layer keeps its input and {names}; its backward reruns the rest, "
-            f"{rerun / every:.0%} of the keepable ops' FLOPs (the down projection never "
-            "reruns: early stop)")
+
+    def keeps(save: tuple[str, ...]) -> str:
+        kept = resolve(items, save, spec)
+        rerun = rerun_flops_per_token(items, kept)
+        names = ", ".join(i.name for i in kept) or "nothing"
+        return f"{names}; its backward reruns the rest, {rerun / every:.0%} of the keepable " \
+               "ops' FLOPs"
+
+    stages = per_stage(wl.recompute_save, pp)
+    if stages is None:
+        what = "each layer keeps its input and " + keeps(wl.recompute_save)
+    else:
+        what = "each layer keeps its input and, " + "; ".join(
+            f"on stage {n}, {keeps(save)}" for n, save in stages.items())
+    return (f"recompute ops (PyTorch selective activation checkpointing per layer): {what} "
+            "(the down projection never reruns: early stop)")

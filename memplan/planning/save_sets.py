@@ -121,3 +121,24 @@ def choose(sets: tuple[Choice, ...], fits: Callable[[tuple[str, ...]], bool],
         else:
             hi = mid - 1
     return sets[lo], asked
+
+
+def choose_per_stage(sets: tuple[Choice, ...],
+                     peaks: Callable[[tuple[str, ...]], tuple[int, ...]], budget: int,
+                     known: int = 0) -> tuple[list[Choice | None], int]:
+    """``choose`` for each pipeline stage: a stage's memory is its own (the first stages
+    hold more micro-batches in flight, so they keep less), so each stage takes the set of
+    ``sets`` with the most bytes whose peak on that stage (``peaks``: every stage's
+    peak_bytes with one set on every stage) is within ``budget``. The stages' bisections
+    share their probes; returns the choices and how many sets were probed."""
+    seen: dict[tuple[str, ...], tuple[int, ...]] = {}
+
+    def at(kept: tuple[str, ...]) -> tuple[int, ...]:
+        if kept not in seen:
+            seen[kept] = peaks(kept)
+        return seen[kept]
+
+    first = at(sets[-1].kept) if sets else ()
+    out = [choose(sets, lambda kept, i=i: at(kept)[i] <= budget, known)[0]
+           for i in range(len(first))]
+    return out, len(seen)
