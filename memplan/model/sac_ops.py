@@ -25,7 +25,8 @@ MLP's activation, up projection and product) it is not added again (``Item.own_e
 Modelled for dense pre-norm layers (attention with SDPA's fused kernel and an MLP), without
 autocast, LoRA or torch.compile: ``ops_refusal`` names the rest. One fused q/k/v projection
 (torchtitan's ``wqkv``) is one item, ``attn.qkv``, which ``attn.q``, ``attn.k`` and ``attn.v``
-each name.
+each name. A name scoped ``SCOPE:name`` applies to the layers of a kind or one pipeline stage
+(``resolve``, ``for_stage``).
 """
 
 from __future__ import annotations
