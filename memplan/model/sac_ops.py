@@ -288,8 +288,9 @@ def resolve(items: tuple[Item, ...], save: tuple[str, ...], spec: ModelSpec,
     for scoped_name in save:
         scopes, name = _split(scoped_name)
         if any(_stage_of(s) is not None for s in scopes):
-            raise MemplanError(f"recompute_save: {scoped_name!r} is a stage's name, which "
-                               "this result does not resolve per stage")
+            raise MemplanError(f"recompute_save: {scoped_name!r} names a stage, and this "
+                               "result is not made per stage (estimate, plan, --reserved "
+                               "and --emit-policy are)")
         if any(s != kind for s in scopes):
             continue
         if name in GROUPS:

@@ -126,3 +126,21 @@ def test_plan_auto_per_stage_fits() -> None:
     for c in result.candidates:
         assert c.recompute == "ops" and c.peak_bytes <= result.budget_bytes
         assert c.estimate.peak_bytes == c.peak_bytes
+
+
+def test_reserved_replay_per_stage() -> None:
+    """The caching-allocator replay walks each stage with its own list: stage 0 of
+    ``attn.q,stage1:mlp.gate`` replays as ``attn.q`` everywhere, stage 1 as
+    ``attn.q,mlp.gate`` everywhere."""
+    from memplan.model.reserved import estimate_reserved
+
+    kw = dict(gpus=8, pp=2, tp=4, seq_len=1024, global_batch_size=8, recompute="ops")
+
+    def reserved(save: str) -> list[int]:
+        est = estimate("llama-2-7b", **kw, recompute_save=save)
+        return [r.reserved_peak_bytes for r in estimate_reserved(est)]
+
+    staged = reserved("attn.q,stage1:mlp.gate")
+    assert staged[0] == reserved("attn.q")[0]
+    assert staged[1] == reserved("attn.q,mlp.gate")[1]
+    assert reserved("attn.q")[1] < staged[1]
