@@ -249,12 +249,27 @@ def _auto_save(spec: ModelSpec, gpu: GpuSpec, par: Any, wl: Workload, capacity: 
     from memplan.model.layer import ops_items
     from memplan.planning.save_sets import choose, frontier
 
-    items = ops_items(spec, wl, Dims.of(spec, resolve_split(spec, par, wl), wl))
+    resolved = resolve_split(spec, par, wl)
+    items = ops_items(spec, wl, Dims.of(spec, resolved, wl))
+
+    def with_save(kept: tuple[str, ...]) -> Workload:
+        return wl.model_copy(update={"recompute_save": tuple(sorted(kept))})
+
+    def run(kept: tuple[str, ...]) -> Any:
+        return _estimate(spec, gpu, par, with_save(kept), capacity_bytes=capacity,
+                         overheads=overheads, schedule=schedule)
+
+    if resolved.pp > 1:  # a set per stage: the first stages hold more micro-batches
+        from memplan.model.sac_ops import stage_lists
+        from memplan.planning.save_sets import choose_per_stage
+
+        budget = run(()).capacity_bytes
+        chosen, _ = choose_per_stage(frontier(items), lambda kept: tuple(
+            s.peak_bytes for s in run(kept).stages), budget)
+        return with_save(stage_lists([c.kept if c else () for c in chosen]))
 
     def fits(kept: tuple[str, ...]) -> bool:
-        return _estimate(spec, gpu, par, wl.model_copy(update={"recompute_save": tuple(sorted(kept))}),
-                         capacity_bytes=capacity, overheads=overheads,
-                         schedule=schedule).fits
+        return run(kept).fits
 
     choice, _ = choose(frontier(items), fits)
     return wl if choice is None else wl.model_copy(update={"recompute_save": tuple(sorted(choice.kept))})

@@ -538,10 +538,12 @@ class Workload(BaseModel):
     recompute: Recompute = Recompute.NONE
     # layers to recompute: at most as many as a model may have (spec.MAX_LAYERS)
     recompute_layers: int | None = Field(default=None, ge=0, le=MAX_LAYERS)
-    recompute_save: tuple[str, ...] = Field(default=(), max_length=64, description=(
+    recompute_save: tuple[str, ...] = Field(default=(), max_length=1024, description=(
         "with recompute ops: the saved terms (attn.q, mlp.gate, ...) or groups (attention, "
         "mlp, norms) each layer keeps; everything else in it is recomputed in backward "
-        "(memplan.model.sac_ops); empty: only the layer's input is kept"))
+        "(memplan.model.sac_ops); empty: only the layer's input is kept. SCOPE:name keeps "
+        "name only in layers of a kind (dense:, moe:) or on a pipeline stage (stage0:, "
+        "stage1:, ...)"))
     recompute_every: int | None = Field(default=None, ge=1, le=MAX_LAYERS, description=(
         "with recompute full: only every n-th layer of a pipeline rank is recomputed (its "
         "n-th, 2n-th, ... layer, its model chunks in order: torchtitan's "

@@ -128,7 +128,9 @@ RecomputeOpt = Annotated[RecomputeChoice, typer.Option(
 RecomputeSave = Annotated[Optional[str], typer.Option(
     "--recompute-save", help="With --recompute ops: comma list of what each layer keeps "
     "(saved-term names such as attn.q, mlp.gate, attn.o_proj, or groups attention, mlp, "
-    "norms); the rest is recomputed in backward.", rich_help_panel=_WORKLOAD)]
+    "norms); the rest is recomputed in backward. SCOPE:name keeps name only in layers of a "
+    "kind (dense:, moe:) or on a pipeline stage (stage0:, stage1:, ...).",
+    rich_help_panel=_WORKLOAD)]
 RecomputeLayers = Annotated[Optional[int], typer.Option(
     "--recompute-layers", help="With --recompute full: recompute only this many layers per stage.",
     rich_help_panel=_WORKLOAD)]

@@ -146,8 +146,11 @@ def estimate(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, *
     ovh = with_library_workspaces(overheads if overheads is not None
                                   else default_overheads(gpu), gpu, wl.te_grouped_gemm,
                                   wl.te_gemm_workspace, wl.te_ub_workspace)
+    if wl.recompute_save:
+        sac_ops.check_scopes(wl.recompute_save, spec, par.pp)
     parts = memo.stage_parts(spec, par, wl)
-    shared = memo.shared_terms(spec, wl, Dims.of(spec, par, wl), par.experts, parts)
+    # (a list per stage: each stage's terms are built with its own list)
+    shared = None if staged(wl) else _shared(spec, par, wl, parts)
     stages = _stages(spec, par, wl, m, schedule, ovh, shared, parts)
     return Estimate(
         spec=spec, gpu=gpu, parallel=par, workload=wl, num_microbatches=m,
@@ -158,22 +161,43 @@ def estimate(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, *
 
 
 def _stages(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, schedule: Schedule,
-            ovh: Overheads, shared: StageTerms,
+            ovh: Overheads, shared: StageTerms | None,
             parts: tuple[tuple[StageStates, StageKinds], ...]) -> tuple[StageMemory, ...]:
     """Every stage. Interior stages with the same layer kinds differ only in micro-batches in
     flight, which shift their forward and backward peaks by whole micro-batches (chunks,
     when interleaved): one is computed, the others follow from it."""
     out: list[StageMemory] = []
-    template = _template(par, parts)
+    template = None if staged(wl) else _template(par, parts)
     for i in range(par.pp):
-        if _follows(par, parts, template, i):
+        if staged(wl):
+            swl = stage_workload(wl, i)
+            out.append(stage_record(spec, par, swl, m, i, schedule, ovh,
+                                    _shared(spec, par, swl, parts), parts[i]))
+        elif _follows(par, parts, template, i):
             flight = memo.in_flight(par.pp, par.vpp, m, i, schedule, par.vpp_group)
             out.append(_shifted(out[template], i, flight, par.vpp,
                                 memo.in_flight(par.pp, par.vpp, m, template, schedule,
                                                par.vpp_group), ovh))
         else:
+            assert shared is not None
             out.append(stage_record(spec, par, wl, m, i, schedule, ovh, shared, parts[i]))
     return tuple(out)
+
+
+def staged(wl: Workload) -> bool:
+    """Whether ``wl``'s op-level save list differs by pipeline stage (``sac_ops.for_stage``):
+    each stage is then walked with its own list."""
+    return bool(wl.recompute_save) and sac_ops.stage_scoped(wl.recompute_save)
+
+
+def stage_workload(wl: Workload, stage: int) -> Workload:
+    """``wl`` with the save list of pipeline stage ``stage``."""
+    return memo.canonical(wl, recompute_save=sac_ops.for_stage(wl.recompute_save, stage))
+
+
+def _shared(spec: ModelSpec, par: ParallelConfig, wl: Workload,
+            parts: tuple[tuple[StageStates, StageKinds], ...]) -> StageTerms:
+    return memo.shared_terms(spec, wl, Dims.of(spec, par, wl), par.experts, parts)
 
 
 def _template(par: ParallelConfig,
@@ -215,15 +239,17 @@ def most_loaded(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, ovh:
     (the configuration does not fit; another stage may peak higher). ``parts``: the layout's
     ``stage_parts``, the same at every micro-batch size (looked up when not given)."""
     parts = parts or memo.stage_parts(spec, par, wl)
-    shared = memo.shared_terms(spec, wl, Dims.of(spec, par, wl), par.experts, parts)
-    template = _template(par, parts)
+    shared = None if staged(wl) else _shared(spec, par, wl, parts)
+    template = None if staged(wl) else _template(par, parts)
     worst: RankPeak | None = None
     for i in range(par.pp):
         if _follows(par, parts, template, i) and (
                 sum(memo.in_flight(par.pp, par.vpp, m, i, schedule, par.vpp_group))
                 <= sum(memo.in_flight(par.pp, par.vpp, m, template, schedule, par.vpp_group))):
             continue
-        tensor = walk_stage(spec, par, wl, m, i, schedule, shared, parts[i]).tensor_peak
+        swl = stage_workload(wl, i) if staged(wl) else wl
+        tensor = walk_stage(spec, par, swl, m, i, schedule,
+                            shared or _shared(spec, par, swl, parts), parts[i]).tensor_peak
         peak = rank_peak_bytes(tensor, ovh)
         if worst is None or peak > worst.peak_bytes:
             worst = RankPeak(i, peak, parts[i][0].params.total)
@@ -231,6 +257,33 @@ def most_loaded(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, ovh:
                 break
     assert worst is not None
     return worst
+
+
+def stage_peaks(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, ovh: Overheads, *,
+                schedule: Schedule = Schedule.ONE_F_ONE_B,
+                parts: tuple[tuple[StageStates, StageKinds], ...] | None = None
+                ) -> tuple[int, ...]:
+    """Every stage's peak_bytes (``estimate(...).stages``' without their records), for a
+    search per stage; an interior stage that follows from another is shifted from it by its
+    micro-batches in flight (``_shifted``)."""
+    parts = parts or memo.stage_parts(spec, par, wl)
+    shared = None if staged(wl) else _shared(spec, par, wl, parts)
+    template = None if staged(wl) else _template(par, parts)
+    walked: dict[int, Any] = {}
+    out = []
+    for i in range(par.pp):
+        flight = memo.in_flight(par.pp, par.vpp, m, i, schedule, par.vpp_group)
+        if _follows(par, parts, template, i) and template in walked:
+            t = walked[template]
+            delta = (sum(flight) - sum(t.in_flight)) * t.one_mb // par.vpp
+            tensor = max(t.steady.peak + delta, t.first_step.peak + delta, t.states.load)
+        else:
+            swl = stage_workload(wl, i) if staged(wl) else wl
+            w = walk_stage(spec, par, swl, m, i, schedule,
+                           shared or _shared(spec, par, swl, parts), parts[i])
+            walked[i], tensor = w, w.tensor_peak
+        out.append(rank_peak_bytes(tensor, ovh))
+    return tuple(out)
 
 
 def optimizer_floor_bytes(spec: ModelSpec, par: ParallelConfig, wl: Workload,
@@ -321,7 +374,7 @@ def _assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload, schedule: S
            "gated DeltaNet layers on transformers' torch fallbacks (torch_chunk_gated_delta_"
            "rule, nn.Conv1d, Qwen3NextRMSNormGated)",)
           if spec.linear_attention is not None else ()),
-        *((sac_ops.assumption(spec, wl, ops_items(spec, wl, Dims.of(spec, par, wl))),)
+        *((sac_ops.assumption(spec, wl, ops_items(spec, wl, Dims.of(spec, par, wl)), par.pp),)
           if wl.recompute is Recompute.OPS else ()),
         *(("optimizer offloaded to host memory: fp32 master weights, states, an fp32 gradient "
            "copy and the step on the CPU (ZeRO-Offload); the GPU keeps weights and gradients",)

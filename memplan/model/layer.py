@@ -22,6 +22,7 @@ Every moment was read off traces of the reference model with the exact tracker
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import lru_cache
 from typing import NamedTuple
 
 from memplan.model.attention import (
@@ -350,8 +351,10 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
                      + kv_cache_bytes(spec, wl, dm, policy, variant))
 
 
+@lru_cache(maxsize=1024)
 def ops_items(spec: ModelSpec, wl: Workload, dm: Dims) -> tuple[sac_ops.Item, ...]:
-    """What a dense layer under ``Recompute.OPS`` can keep (``memplan.model.sac_ops``)."""
+    """What a dense layer under ``Recompute.OPS`` can keep (``memplan.model.sac_ops``);
+    cached: a plan asks per fit and probe."""
     sac_ops.check_supported(spec, wl)
     return sac_ops.layer_items(spec, wl, dm, tuple(layer_terms(
         spec, wl, dm, moe_layer=False, recompute=Recompute.NONE)))
@@ -363,7 +366,7 @@ def ops_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str) -
     backward is the full recompute's."""
     full = layer_kind(spec, wl, dm, moe, Recompute.FULL, variant)
     items = ops_items(spec, wl, dm)
-    kept = sac_ops.resolve(items, wl.recompute_save, spec)
+    kept = sac_ops.resolve(items, wl.recompute_save, spec, "moe" if moe else "dense")
     terms = sac_ops.kept_terms(kept)
     moments = forward_moments(spec, wl, dm, moe_layer=moe, recompute=Recompute.FULL,
                               variant=variant)

@@ -146,13 +146,14 @@ def estimate_reserved(est, alloc_conf: str = "", limited: bool = True) -> tuple[
     flight) takes the template's allocator bytes beyond its own tensor peak. ``limited``:
     replay under the capacity the allocator may take (False: what a job that completed on a
     larger device would reserve)."""
-    from memplan.model.estimate import _follows, _template  # the estimate's own stage rules
+    # the estimate's own stage rules
+    from memplan.model.estimate import _follows, _template, stage_workload, staged
 
     spec, par, wl, m = est.spec, est.parallel, est.workload, est.num_microbatches
     parts = memo.stage_parts(spec, par, wl)
-    shared = memo.shared_terms(spec, wl, Dims.of(spec, par, wl), par.experts, parts)
     cfg = config_of(alloc_conf, None)
-    template = _template(par, parts)
+    # a save list per stage (recompute ops): each stage replays with its own
+    template = None if staged(wl) else _template(par, parts)
     out: list[Reserved] = []
     for i, stage in enumerate(est.stages):
         if _follows(par, parts, template, i) and template is not None and template < len(out):
@@ -162,8 +163,10 @@ def estimate_reserved(est, alloc_conf: str = "", limited: bool = True) -> tuple[
                 reserved_peak_bytes=t.reserved_peak_bytes + shift,
                 expandable_reserved_peak_bytes=t.expandable_reserved_peak_bytes + shift))
             continue
-        walked = walk_stage(spec, par, wl, m, i, est.schedule, shared, parts[i])
-        inputs = stage_inputs(spec, par, wl, m, walked, shared)
+        swl = stage_workload(wl, i) if staged(wl) else wl
+        shared = memo.shared_terms(spec, swl, Dims.of(spec, par, swl), par.experts, parts)
+        walked = walk_stage(spec, par, swl, m, i, est.schedule, shared, parts[i])
+        inputs = stage_inputs(spec, par, swl, m, walked, shared)
         # what the allocator may take: the device's capacity less the CUDA context and the
         # cuBLAS workspace (an allocation of its own the sequence leaves out)
         room = est.capacity_bytes - stage.cuda_context_bytes - stage.workspace_bytes

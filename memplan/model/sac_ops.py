@@ -11,7 +11,8 @@ stops once the last tensor backward needs is rebuilt (non-reentrant checkpoint's
 so the MLP's down projection never reruns. The save list is a set of *items*: an op whose
 output a layer can keep, named after the saved term it makes (``attn.q`` is the q
 projection's output; ``attn.out`` the attention kernel's, with its logsumexp ``attn.lse``;
-``attn.o_proj`` the output projection's, which no backward reads but whose rerun it skips).
+``attn.o_proj`` the output projection's, which no backward reads but whose rerun it skips;
+a norm's saved tensors, which a policy names by op only for an upcast RMSNorm: ``_norm_items``).
 
 So a layer under OPS holds its checkpointed input and the kept outputs (``kept_terms``); its
 backward is the fully recomputed layer's (the rerun rebuilds what a layer without recompute
@@ -24,7 +25,8 @@ MLP's activation, up projection and product) it is not added again (``Item.own_e
 Modelled for dense pre-norm layers (attention with SDPA's fused kernel and an MLP), without
 autocast, LoRA or torch.compile: ``ops_refusal`` names the rest. One fused q/k/v projection
 (torchtitan's ``wqkv``) is one item, ``attn.qkv``, which ``attn.q``, ``attn.k`` and ``attn.v``
-each name.
+each name. A name scoped ``SCOPE:name`` applies to the layers of a kind or one pipeline stage
+(``resolve``, ``for_stage``).
 """
 
 from __future__ import annotations
@@ -35,14 +37,18 @@ from typing import NamedTuple
 from memplan.errors import LayoutError, MemplanError
 from memplan.model.attention import Attention as AttentionBlock
 from memplan.model.dims import Dims, Term
-from memplan.spec import MlpKind, ModelSpec, PositionKind
+from memplan.spec import MlpKind, ModelSpec, NormKind, PositionKind
+from memplan.units import FP32_BYTES
 from memplan.workload import Attention as Kernel
+from memplan.workload import NormImpl
 from memplan.workload import Workload
 
 # the groups a save list may name, and the blocks whose items each stands for
 GROUPS = {"attention": ("attn",), "mlp": ("mlp",), "norms": ("attn_norm", "mlp_norm")}
 # the ops an item's output comes from, as a policy finds them (``memplan.report.sac_policy``)
 MATMUL, ATTENTION_KERNEL, ACTIVATION, PRODUCT, NORM = "matmul", "sdpa", "act", "mul", "norm"
+# an upcast RMSNorm's ops a policy can name: its dtype casts (``aten._to_copy``) and ``rsqrt``
+COPY, RSQRT = "copy", "rsqrt"
 
 
 class Item(NamedTuple):
@@ -136,8 +142,8 @@ def layer_items(spec: ModelSpec, wl: Workload, dm: Dims,
                     2.0 * d_in * d_out + (2.0 * d_out if _has_bias(spec, name) else 0.0),
                     MATMUL, width, nth, name.split(".")[0], rope or name == "mlp.gate")
 
-    for norm in ("attn_norm",):
-        out += _norm_items(norm, terms, spec)
+    named = _norms_nameable(spec, wl, dm, terms)
+    out += _norm_items("attn_norm", terms, spec, named)
     fused = spec.fused_qkv or wl.fused_qkv
     mm = {m[0]: m for m in matmul_shapes(spec, t, fused)}
     out += [matmul(*mm[n]) for n in (("attn.qkv",) if fused else ("attn.q", "attn.k", "attn.v"))]
@@ -145,7 +151,7 @@ def layer_items(spec: ModelSpec, wl: Workload, dm: Dims,
     out.append(Item("attn.out", ("attn.out", "attn.lse"), terms["attn.out"] + terms["attn.lse"],
                     core, ATTENTION_KERNEL, spec.q_size // t, 0, "attn", False))
     out.append(matmul(*mm["attn.o_proj"]))
-    out += _norm_items("mlp_norm", terms, spec)
+    out += _norm_items("mlp_norm", terms, spec, named)
     f = spec.ffn_hidden_size // t
     if spec.mlp.gated:
         out.append(matmul(*mm["mlp.gate"]))
@@ -167,12 +173,44 @@ def _has_bias(spec: ModelSpec, name: str) -> bool:
     return spec.attn_out_bias if name == "attn.o_proj" else spec.qkv_bias
 
 
-def _norm_items(norm: str, terms: dict[str, int], spec: ModelSpec) -> list[Item]:
+def _norm_items(norm: str, terms: dict[str, int], spec: ModelSpec,
+                named: bool) -> list[Item]:
     """A norm's saved terms, each an item of its own: elementwise, one FLOP per element of the
-    hidden width (its ops differ by implementation: no policy names them, ``NORM``)."""
-    return [Item(name, (name,), size, float(spec.hidden_size), NORM, spec.hidden_size, 0,
-                 norm, False)
-            for name, size in terms.items() if name.startswith(norm + ".")]
+    hidden width. Unless ``named`` (``_norms_nameable``) its ops differ by implementation and
+    no policy names them (``NORM``). Named, they are an upcast RMSNorm's ops in execution
+    order (Hugging Face's ``LlamaRMSNorm.forward``, the reference model's ``RMSNorm``):
+    ``x.to(float32)`` (``input_fp32``), ``rsqrt`` of the mean square (``stats``),
+    ``x * rstd`` (fp32, saved by no one), ``.to(dtype)`` (``normed``), ``weight * normed``
+    (``output``); per layer the k-th norm's casts are the (2k)-th and (2k+1)-th ``_to_copy``
+    of width h and its products the (2k)-th and (2k+1)-th ``mul`` of width h."""
+    if not named:
+        return [Item(name, (name,), size, float(spec.hidden_size), NORM, spec.hidden_size, 0,
+                     norm, False)
+                for name, size in terms.items() if name.startswith(norm + ".")]
+    k, h = ("attn_norm", "mlp_norm").index(norm), spec.hidden_size
+    ops = (("input_fp32", COPY, h, 2 * k), ("stats", RSQRT, 1, k),
+           ("normed", COPY, h, 2 * k + 1), ("output", PRODUCT, h, 2 * k + 1))
+    return [Item(f"{norm}.{name}", (f"{norm}.{name}",), terms[f"{norm}.{name}"], float(h), op,
+                 width, nth, norm, False) for name, op, width, nth in ops]
+
+
+def _norms_nameable(spec: ModelSpec, wl: Workload, dm: Dims, terms: dict[str, int]) -> bool:
+    """Whether a policy can name the norms' ops (``_norm_items``): an upcast RMSNorm in a
+    16-bit dtype (in fp32 the casts are no ops), each saved term the bytes of the op output
+    it names (not so under sequence parallelism, where the next linear saves the gathered
+    output), and no other op of the layer a ``mul`` of width h (RoPE's run on head_dim wide
+    rows, the gated product on f wide ones)."""
+    if spec.norm is not NormKind.RMSNORM or wl.norm_impl is not NormImpl.UPCAST \
+            or dm.e >= FP32_BYTES or dm.stream_e != dm.e:
+        return False
+    h, rows = spec.hidden_size, dm.rows
+    want = {"input_fp32": rows * h * FP32_BYTES, "stats": rows * FP32_BYTES,
+            "normed": rows * h * dm.e, "output": rows * h * dm.e}
+    if any(terms.get(f"{n}.{t}") != b for n in ("attn_norm", "mlp_norm")
+           for t, b in want.items()):
+        return False
+    rope_wide = spec.position is PositionKind.ROPE and spec.head_dim == h
+    return not rope_wide and spec.ffn_hidden_size // dm.tp != h
 
 
 def valid_names(items: tuple[Item, ...]) -> list[str]:
@@ -182,11 +220,79 @@ def valid_names(items: tuple[Item, ...]) -> list[str]:
     return names + list(GROUPS)
 
 
-def resolve(items: tuple[Item, ...], save: tuple[str, ...], spec: ModelSpec) -> tuple[Item, ...]:
-    """The items a save list keeps, in execution order; an unknown name is refused with the
-    names it could be."""
-    chosen: set[str] = set()
+# a save list's name may be scoped ``SCOPE:name`` (scopes may nest: ``stage1:dense:attn.q``):
+# a layer kind (``KINDS``: dense and MoE layers) or a pipeline stage (``stage0``, ``stage1``,
+# ...); a layer keeps the unscoped names and those scoped to its kind and its stage
+KINDS = ("dense", "moe")
+STAGE = "stage"
+
+
+def _split(name: str) -> tuple[list[str], str]:
+    *scopes, base = name.split(":")
+    return scopes, base
+
+
+def _stage_of(scope: str) -> int | None:
+    rest = scope[len(STAGE):]
+    return int(rest) if scope.startswith(STAGE) and rest.isdigit() else None
+
+
+def stage_scoped(save: tuple[str, ...]) -> bool:
+    """Whether ``save`` names a pipeline stage (a list per stage)."""
+    return any(_stage_of(s) is not None for name in save for s in _split(name)[0])
+
+
+def for_stage(save: tuple[str, ...], stage: int) -> tuple[str, ...]:
+    """The names of ``save`` that apply on pipeline stage ``stage``, its stage scope removed
+    (kind scopes kept), sorted: the list of a stage's layers."""
+    out = set()
     for name in save:
+        scopes, base = _split(name)
+        stages = {_stage_of(s) for s in scopes} - {None}
+        if stages and stages != {stage}:
+            continue
+        out.add(":".join([s for s in scopes if _stage_of(s) is None] + [base]))
+    return tuple(sorted(out))
+
+
+def scoped_stages(save: tuple[str, ...]) -> list[int]:
+    """The stages ``save`` names, in order."""
+    return sorted({n for name in save for n in map(_stage_of, _split(name)[0])
+                   if n is not None})
+
+
+def check_scopes(save: tuple[str, ...], spec: ModelSpec, pp: int) -> None:
+    """Refuses a scope that is neither a layer kind of ``spec`` nor one of its ``pp``
+    stages, by name."""
+    kinds = {"dense"} if spec.moe is None else {"moe", "dense"} if any(
+        not spec.is_moe_layer(i) for i in range(spec.num_layers)) else {"moe"}
+    for name in save:
+        for scope in _split(name)[0]:
+            stage = _stage_of(scope)
+            if stage is not None and stage >= pp:
+                raise MemplanError(f"recompute_save: {name!r} names stage {stage}; with pp "
+                                   f"{pp} the stages are stage0..stage{pp - 1}")
+            if stage is None and scope not in kinds:
+                raise MemplanError(
+                    f"recompute_save: unknown scope {scope!r} in {name!r}; a scope is a "
+                    f"layer kind of {spec.name} ({', '.join(sorted(kinds))}) or a pipeline "
+                    f"stage (stage0, stage1, ...)")
+
+
+def resolve(items: tuple[Item, ...], save: tuple[str, ...], spec: ModelSpec,
+            kind: str = "dense") -> tuple[Item, ...]:
+    """The items a save list keeps in a layer of ``kind`` (``KINDS``), in execution order; an
+    unknown name is refused with the names it could be. Stage scopes must have been resolved
+    (``for_stage``)."""
+    chosen: set[str] = set()
+    for scoped_name in save:
+        scopes, name = _split(scoped_name)
+        if any(_stage_of(s) is not None for s in scopes):
+            raise MemplanError(f"recompute_save: {scoped_name!r} names a stage, and this "
+                               "result is not made per stage (estimate, plan, --reserved "
+                               "and --emit-policy are)")
+        if any(s != kind for s in scopes):
+            continue
         if name in GROUPS:
             chosen |= {i.name for i in items if i.block in GROUPS[name]}
             continue
@@ -196,6 +302,21 @@ def resolve(items: tuple[Item, ...], save: tuple[str, ...], spec: ModelSpec) -> 
                                f"layers; valid: {', '.join(valid_names(items))}")
         chosen |= hits
     return tuple(i for i in items if i.name in chosen)
+
+
+def per_stage(save: tuple[str, ...], pp: int) -> dict[int, tuple[str, ...]] | None:
+    """With a list per stage, each of the ``pp`` stages' lists, else None."""
+    if not stage_scoped(save):
+        return None
+    return {s: for_stage(save, s) for s in range(max(pp, *[n + 1 for n in scoped_stages(save)]))}
+
+
+def stage_lists(kept: list[tuple[str, ...]]) -> tuple[str, ...]:
+    """One save list from a list per stage (stage i keeps ``kept[i]``): the names every stage
+    keeps unscoped, the others scoped ``stageN:``."""
+    common = set.intersection(*(set(k) for k in kept)) if kept else set()
+    return tuple(sorted(common | {f"{STAGE}{i}:{n}" for i, k in enumerate(kept)
+                                  for n in k if n not in common}))
 
 
 def kept_terms(kept: tuple[Item, ...]) -> tuple[Term, ...]:
@@ -235,14 +356,23 @@ def forward_peak(moment_blocks: list[tuple[str, int]], items: tuple[Item, ...],
     return best
 
 
-def assumption(spec: ModelSpec, wl: Workload, items: tuple[Item, ...]) -> str:
+def assumption(spec: ModelSpec, wl: Workload, items: tuple[Item, ...], pp: int = 1) -> str:
     """The assumptions' line for ``Recompute.OPS``: what each layer keeps and what its rerun
-    costs."""
-    kept = resolve(items, wl.recompute_save, spec)
-    rerun = rerun_flops_per_token(items, kept)
+    costs (per stage where the list differs by stage)."""
     every = sum(i.flops_per_token for i in items)
-    names = ", ".join(i.name for i in kept) or "nothing"
-    return (f"recompute ops (PyTorch selective activation checkpointing per layer): each "
-            f"layer keeps its input and {names}; its backward reruns the rest, "
-            f"{rerun / every:.0%} of the keepable ops' FLOPs (the down projection never "
-            "reruns: early stop)")
+
+    def keeps(save: tuple[str, ...]) -> str:
+        kept = resolve(items, save, spec)
+        rerun = rerun_flops_per_token(items, kept)
+        names = ", ".join(i.name for i in kept) or "nothing"
+        return f"{names}; its backward reruns the rest, {rerun / every:.0%} of the keepable " \
+               "ops' FLOPs"
+
+    stages = per_stage(wl.recompute_save, pp)
+    if stages is None:
+        what = "each layer keeps its input and " + keeps(wl.recompute_save)
+    else:
+        what = "each layer keeps its input and, " + "; ".join(
+            f"on stage {n}, {keeps(save)}" for n, save in stages.items())
+    return (f"recompute ops (PyTorch selective activation checkpointing per layer): {what} "
+            "(the down projection never reruns: early stop)")

@@ -545,10 +545,14 @@ def _set_index(ctx: _Context, fit: _Fit) -> int:
     from memplan.model.layer import ops_items
     from memplan.planning.save_sets import frontier
 
+    from memplan.model.sac_ops import for_stage
+
     wl = ctx.workload(fit.policy).model_copy(update={"micro_batch_size": fit.mbs})
     sets = frontier(ops_items(ctx.spec, wl, Dims.of(ctx.spec, fit.par, wl)))
-    kept = set(fit.policy[1])  # type: ignore[arg-type]
-    return next((i for i, c in enumerate(sets) if set(c.kept) == kept), 0)
+    lists = [set(for_stage(fit.policy[1], s)) for s in range(fit.par.pp)]  # type: ignore
+    # (a list per stage: every stage fits at least the smallest stage's set)
+    return min(next((i for i, c in enumerate(sets) if set(c.kept) == kept), 0)
+               for kept in lists)
 
 
 def _with_save_set(ctx: _Context, fit: _Fit, known: int = 0) -> _Fit:
@@ -568,12 +572,40 @@ def _with_save_set(ctx: _Context, fit: _Fit, known: int = 0) -> _Fit:
         ctx.evaluated += 1
         return peaks[kept] <= ctx.budget
 
-    choice, _ = choose(frontier(ops_items(ctx.spec, wl, Dims.of(ctx.spec, fit.par, wl))), fits,
-                       known)
+    sets = frontier(ops_items(ctx.spec, wl, Dims.of(ctx.spec, fit.par, wl)))
+    if fit.par.pp > 1:
+        return _with_stage_sets(ctx, fit, sets, known)
+    choice, _ = choose(sets, fits, known)
     if choice is None:
         return fit
     return replace(fit, policy=(Recompute.OPS, choice.kept),  # type: ignore[arg-type]
                    peak_bytes=peaks[choice.kept])
+
+
+def _with_stage_sets(ctx: _Context, fit: _Fit, sets: tuple, known: int) -> _Fit:
+    """``_with_save_set`` under pipeline parallelism: each stage's own set
+    (``save_sets.choose_per_stage``), one evaluation of every stage per probe."""
+    from memplan.model.estimate import stage_peaks
+    from memplan.model.sac_ops import stage_lists
+    from memplan.planning.save_sets import choose_per_stage
+
+    m = ctx.wl.global_batch_size // (fit.mbs * fit.par.dp)
+    peaks: dict[tuple[str, ...], tuple[int, ...]] = {}
+
+    def at(kept: tuple[str, ...]) -> tuple[int, ...]:
+        wl = ctx.workload((Recompute.OPS, kept)).model_copy(  # type: ignore[arg-type]
+            update={"micro_batch_size": fit.mbs})
+        peaks[kept] = stage_peaks(ctx.spec, fit.par, wl, m, ctx.ovh)
+        return peaks[kept]
+
+    chosen, asked = choose_per_stage(sets, at, ctx.budget, known)
+    ctx.evaluated += asked
+    if any(c is None for c in chosen):
+        return fit
+    kept = stage_lists([c.kept for c in chosen])  # type: ignore[union-attr]
+    return replace(fit, policy=(Recompute.OPS, kept),  # type: ignore[arg-type]
+                   peak_bytes=max(peaks[c.kept][i]  # type: ignore[union-attr]
+                                  for i, c in enumerate(chosen)))
 
 
 @dataclass(frozen=True)

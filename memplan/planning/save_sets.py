@@ -2,34 +2,35 @@
 
 Each item a layer can keep (``memplan.model.sac_ops.Item``) costs its bytes while kept and
 its FLOPs when rerun; a save set costs the sum of both. Keeping the most FLOPs within a
-number of bytes is a 0/1 knapsack. Up to ``EXACT_ITEMS`` items every subset is enumerated
-and the Pareto frontier kept (no other subset keeps more FLOPs in no more bytes): the
-optimum for any byte budget is on it. Beyond that the frontier is the greedy chain (items
-by FLOPs per byte, each set the one before it plus the next item), whose sets are optimal
-at their own bytes (a fractional knapsack's optimum there is integral): at a budget between
-two of them the chosen one reruns at most the next item's FLOPs more than the optimum
-(``Choice.gap_flops``).
+number of bytes is a 0/1 knapsack. Its Pareto frontier (no other subset keeps more FLOPs in
+no more bytes; the optimum for any byte budget is on it) is built exactly, item by item
+(``_exact``), unless it grows past ``MAX_FRONTIER`` sets; then the frontier is the greedy
+chain (items by FLOPs per byte, each set the one before it plus the next item), whose sets
+are optimal at their own bytes (a fractional knapsack's optimum there is integral): at a
+budget between two of them the chosen one reruns at most the next item's FLOPs more than the
+optimum (``Choice.gap_flops``).
 
 A layer's peak grows with what it keeps, so the frontier, ordered by bytes, is searched by
 bisection for the last set that fits (the ``fits`` the caller gives: an estimate's peak
 against its budget), each probe one estimate; the choice is then checked, and if a later
 moment makes it overshoot the sets before it are tried in order. Only the items a policy can
-name are searched (``POLICY_OPS``: the projections, the attention kernel, the activation and
-the gated product; a norm's saved tensors come from ops that differ by implementation).
+name are searched (``POLICY_OPS``: the projections, the attention kernel, the activation,
+the gated product, and an upcast RMSNorm's casts, rsqrt and output; other norms' saved
+tensors come from ops that differ by implementation).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from functools import lru_cache
-from itertools import combinations
 from typing import NamedTuple
 
 from memplan.model.sac_ops import NORM, Item
 
-# subsets enumerated exactly up to this many items (2^16 = 65536 sets, once per layer kind)
-EXACT_ITEMS = 16
-POLICY_OPS = frozenset({"matmul", "sdpa", "act", "mul"})
+# the exact frontier's largest size before the greedy chain stands in (a dense layer's 17
+# items make a few hundred: their bytes take few distinct values)
+MAX_FRONTIER = 4096
+POLICY_OPS = frozenset({"matmul", "sdpa", "act", "mul", "copy", "rsqrt"})
 
 
 class Choice(NamedTuple):
@@ -49,21 +50,37 @@ def searchable(items: tuple[Item, ...]) -> tuple[Item, ...]:
 
 @lru_cache(maxsize=256)
 def frontier(items: tuple[Item, ...]) -> tuple[Choice, ...]:
-    """The Pareto frontier of save sets over ``searchable(items)``, fewest bytes first."""
+    """The Pareto frontier of save sets over ``searchable(items)``, fewest bytes first: exact
+    (``_exact``) unless it grows past ``MAX_FRONTIER`` sets, then the greedy chain."""
     pool = searchable(items)
     total = sum(i.flops_per_token for i in pool)
-    if len(pool) > EXACT_ITEMS:
+    exact = _exact(pool)
+    if exact is None:
         return _greedy_chain(pool, total)
-    sets = [(sum(i.size_bytes for i in s), sum(i.flops_per_token for i in s), s)
-            for n in range(len(pool) + 1) for s in combinations(pool, n)]
-    sets.sort(key=lambda x: (x[0], -x[1], len(x[2])))
-    out: list[Choice] = []
-    best = -1.0
-    for size, kept, chosen in sets:
-        if kept > best:
-            best = kept
-            out.append(Choice(tuple(i.name for i in chosen), size, total - kept))
-    return tuple(out)
+    return tuple(Choice(tuple(pool[i].name for i in idx), size, total - kept)
+                 for size, kept, idx in exact)
+
+
+def _exact(pool: tuple[Item, ...]) -> list[tuple[int, float, tuple[int, ...]]] | None:
+    """Every save set no other beats (more FLOPs kept in no more bytes), as (bytes, FLOPs
+    kept, item indices), fewest bytes first; None past ``MAX_FRONTIER`` sets. Built item by
+    item (Nemhauser and Ullmann, Operations Research 17(3), 1969): a set on the frontier of
+    the first n + 1 items is one on the frontier of the first n, with or without item n + 1,
+    so pruning the dominated after each item loses no optimum. Of sets alike in bytes and
+    FLOPs the one with fewer items, then the earliest items, is kept."""
+    front: list[tuple[int, float, tuple[int, ...]]] = [(0, 0.0, ())]
+    for n, item in enumerate(pool):
+        grown = front + [(size + item.size_bytes, kept + item.flops_per_token, idx + (n,))
+                         for size, kept, idx in front]
+        grown.sort(key=lambda x: (x[0], -x[1], len(x[2]), x[2]))
+        front, best = [], -1.0
+        for entry in grown:
+            if entry[1] > best:
+                best = entry[1]
+                front.append(entry)
+        if len(front) > MAX_FRONTIER:
+            return None
+    return front
 
 
 def _greedy_chain(pool: tuple[Item, ...], total: float) -> tuple[Choice, ...]:
@@ -104,3 +121,24 @@ def choose(sets: tuple[Choice, ...], fits: Callable[[tuple[str, ...]], bool],
         else:
             hi = mid - 1
     return sets[lo], asked
+
+
+def choose_per_stage(sets: tuple[Choice, ...],
+                     peaks: Callable[[tuple[str, ...]], tuple[int, ...]], budget: int,
+                     known: int = 0) -> tuple[list[Choice | None], int]:
+    """``choose`` for each pipeline stage: a stage's memory is its own (the first stages
+    hold more micro-batches in flight, so they keep less), so each stage takes the set of
+    ``sets`` with the most bytes whose peak on that stage (``peaks``: every stage's
+    peak_bytes with one set on every stage) is within ``budget``. The stages' bisections
+    share their probes; returns the choices and how many sets were probed."""
+    seen: dict[tuple[str, ...], tuple[int, ...]] = {}
+
+    def at(kept: tuple[str, ...]) -> tuple[int, ...]:
+        if kept not in seen:
+            seen[kept] = peaks(kept)
+        return seen[kept]
+
+    first = at(sets[-1].kept) if sets else ()
+    out = [choose(sets, lambda kept, i=i: at(kept)[i] <= budget, known)[0]
+           for i in range(len(first))]
+    return out, len(seen)

@@ -33,6 +33,7 @@ from memplan.model.mtp import mtp_flops_per_token, mtp_layer_index
 from memplan.model.optimizer import optimizer_policy
 from memplan.model.pipeline import stage_layers
 from memplan.model.sac import recomputed
+from memplan.model import sac_ops
 from memplan.parallel import ParallelConfig, ZeroStage, local_seq, rank_layers, optimizer_on_host
 from memplan.spec import ModelSpec
 from memplan.units import FP32_BYTES
@@ -150,10 +151,13 @@ def stage_balance(spec: ModelSpec, wl: Workload, pp: int, vpp: int = 1,
                                        wl.recompute_every)))
     head = (head_flops_per_token(spec) * (4 if wl.loss_checkpointed else 3)
             + 3 * _mtp_flops(spec, wl))
+    # op-level checkpointing with a list per stage: each rank reruns its own list's ops
+    ops = (ops_stage_rerun(spec, wl, pp) if wl.recompute is Recompute.OPS
+           and sac_ops.stage_scoped(wl.recompute_save) else [0.0] * pp)
     ranks = []
     for stage in range(pp):
         layers = [i for chunk in stage_layers(spec.num_layers, par, stage) for i in chunk]
-        ranks.append(sum(per_layer[i] * (4 if i in rerun else 3) for i in layers)
+        ranks.append(sum(per_layer[i] * (4 if i in rerun else 3) + ops[stage] for i in layers)
                      + (head if stage == pp - 1 else 0.0))
     return max(ranks) * pp / sum(ranks)
 
@@ -187,8 +191,11 @@ def step_flops(spec: ModelSpec, wl: Workload, global_batch: int, *, pp: int,
                                                                          split, wl.recompute_every))
             extra += float(rerun * tokens)
     elif wl.recompute is Recompute.OPS:
-        # op-level checkpointing reruns the ops its save list does not keep
-        extra += ops_rerun_flops(spec, wl) * spec.num_layers * tokens
+        # op-level checkpointing reruns the ops its save list does not keep (each stage's)
+        par = ParallelConfig(pp=pp, vpp=vpp, stage_layers=split)
+        per_stage = ops_stage_rerun(spec, wl, pp)
+        extra += sum(per_stage[s] * rank_layers(spec.num_layers, par)[s]
+                     for s in range(pp)) * tokens
     elif wl.recompute is Recompute.SELECTIVE and wl.selective_impl is SelectiveImpl.OP:
         # per-op SAC reruns the matmuls it does not keep (every second one; memplan.model.sac)
         # and not the attention kernel, whose output it keeps
@@ -231,13 +238,24 @@ def _mtp_flops(spec: ModelSpec, wl: Workload) -> float:
 def ops_rerun_flops(spec: ModelSpec, wl: Workload) -> float:
     """Forward FLOPs per token that one layer's rerun spends under ``Recompute.OPS``: the
     ops its save list does not keep (``memplan.model.sac_ops``), for the whole layer (one
-    rank's, tensor parallelism aside)."""
+    rank's, tensor parallelism aside). A list without stage scopes."""
     from memplan.model import sac_ops
     from memplan.model.dims import Dims
     from memplan.model.layer import ops_items
 
     items = ops_items(spec, wl, Dims.of(spec, ParallelConfig(), wl))
     return sac_ops.rerun_flops_per_token(items, sac_ops.resolve(items, wl.recompute_save, spec))
+
+
+@lru_cache(maxsize=4096)
+def ops_stage_rerun(spec: ModelSpec, wl: Workload, pp: int) -> list[float]:
+    """``ops_rerun_flops`` of each of ``pp`` stages' layers (``sac_ops.for_stage``)."""
+    from memplan.model import sac_ops
+
+    if not sac_ops.stage_scoped(wl.recompute_save):
+        return [ops_rerun_flops(spec, wl)] * pp
+    return [ops_rerun_flops(spec, wl.model_copy(update={
+        "recompute_save": sac_ops.for_stage(wl.recompute_save, s)})) for s in range(pp)]
 
 
 def _sac_rerun_flops(spec: ModelSpec, wl: Workload) -> float:

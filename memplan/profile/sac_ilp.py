@@ -121,13 +121,22 @@ def policy_fns(saved: frozenset[tuple[str, int]], counts: Counter, num_layers: i
 def memplan_ops(stats, kept_names: tuple[str, ...], spec: ModelSpec, tokens: int,
                 e: int) -> set[int]:
     """The estimator's op indices of memplan's kept items: the projections by their order
-    among the layer's matmuls, the attention kernel, the activation, and the gated product
-    (the one ``mul`` of T x f elements)."""
+    among the layer's matmuls, the attention kernel, the activation, the gated product (the
+    one ``mul`` of T x f elements), and the k-th norm's ops (``memplan.model.sac_ops.
+    _norm_items``): its casts the (2k)-th and (2k+1)-th ``_to_copy``, its ``rsqrt`` the k-th,
+    its output the ``mul`` after its second cast."""
     matmuls = [i for i, n in enumerate(stats.func_names) if n in ("mm", "addmm")]
+    copies = [i for i, n in enumerate(stats.func_names) if n == "_to_copy"]
+    rsqrts = [i for i, n in enumerate(stats.func_names) if n == "rsqrt"]
     order = ["attn.q", "attn.k", "attn.v", "attn.o_proj", "mlp.gate", "mlp.up"]
+    norm_ops = {"input_fp32": lambda k: copies[2 * k], "stats": lambda k: rsqrts[k],
+                "normed": lambda k: copies[2 * k + 1], "output": lambda k: copies[2 * k + 1] + 1}
     out = set()
     for name in kept_names:
-        if name in order:
+        norm, _, part = name.partition(".")
+        if norm in ("attn_norm", "mlp_norm"):
+            out.add(norm_ops[part](("attn_norm", "mlp_norm").index(norm)))
+        elif name in order:
             out.add(matmuls[order.index(name)])
         elif name == "attn.out":
             out.add(next(i for i, n in enumerate(stats.func_names) if "scaled_dot" in n))

@@ -6,8 +6,9 @@
   item is recognised by its op family (``mm``/``addmm`` for a projection; SDPA's kernels;
   ``silu``/``gelu``; ``mul``), its output's last dimension and its index among the layer's
   ops of that family and width (``memplan.model.sac_ops.Item``); the policy counts them per
-  layer. Norms' saved tensors come from elementwise ops that differ by implementation: a
-  save list naming them is not expressible and is said so.
+  layer. An upcast RMSNorm's tensors are named by its casts (``_to_copy``), ``rsqrt`` and
+  products (``mul``); other norms' saved tensors come from ops that differ by
+  implementation: a save list naming them is not expressible and is said so.
 - ``torchtitan``: its per-op SAC (0.3.0 ``distributed/activation_checkpoint.py``
   ``SelectiveAC``) saves its op list's outputs (SDPA, ``aten.mm``/``linear``) but every second
   matmul counted in execution order, and recomputes matmuls whose weight shape is in
@@ -23,7 +24,8 @@
 from __future__ import annotations
 
 from memplan.errors import MemplanError
-from memplan.model.sac_ops import ATTENTION_KERNEL, MATMUL, NORM, Item, matmul_shapes
+from memplan.model.sac_ops import (ATTENTION_KERNEL, MATMUL, NORM, PRODUCT, RSQRT, Item,
+                                   matmul_shapes)
 from memplan.spec import ModelSpec
 
 TARGETS = ("torch", "torchtitan", "megatron")
@@ -35,33 +37,64 @@ _TITAN_FQNS = {"attn.qkv": "attention.wqkv", "attn.q": "attention.wq", "attn.k":
 
 
 def emit(target: str, spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, ...],
-         command: str) -> str:
+         command: str, layers: list[tuple[Item, ...]] | None = None) -> str:
     """``kept`` of ``items`` as ``target`` expresses it; ``command``: the memplan command line
-    it came from (quoted in the output)."""
+    it came from (quoted in the output). ``layers``: what each layer keeps, where layers
+    differ (a list per pipeline stage); ``kept`` is then what every layer keeps. torch
+    expresses it, one policy per layer index; torchtitan and Megatron-LM set one policy for
+    every layer: theirs keeps what every layer keeps, and says so."""
     if target not in TARGETS:
         raise MemplanError(f"emit-policy must be one of {', '.join(TARGETS)}, got {target!r}")
-    return {"torch": torch_policy, "torchtitan": torchtitan_policy,
-            "megatron": megatron_policy}[target](spec, items, kept, command)
+    if target == "torch":
+        return torch_policy(spec, items, kept, command, layers)
+    text = {"torchtitan": torchtitan_policy, "megatron": megatron_policy}[target](
+        spec, items, kept, command)
+    if layers is None:
+        return text
+    return (f"# Not expressible: a save list per layer ({target} applies one to every "
+            "layer); this keeps what every layer keeps, so each stage fits, recomputing "
+            "more.\n" + text)
 
 
 def _unexpressible(kept: tuple[Item, ...]) -> list[str]:
     return [i.name for i in kept if i.op == NORM]
 
 
+def _norms(kept: tuple[Item, ...]) -> list[str]:
+    """The kept norm tensors, named by a torch policy or not: torchtitan's op list and
+    Megatron's modules treat a norm whole."""
+    return [i.name for i in kept if i.block in ("attn_norm", "mlp_norm")]
+
+
+def _save_set(kept: tuple[Item, ...]) -> str:
+    save = sorted((i.op, i.width, i.nth) for i in kept if i.op != NORM)
+    return "{" + ", ".join(map(repr, save)) + "}" if save else "set()"
+
+
 def torch_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, ...],
-                 command: str) -> str:
-    """The module (see the module docstring)."""
+                 command: str, layers: list[tuple[Item, ...]] | None = None) -> str:
+    """The module (see the module docstring); with ``layers`` (what each layer keeps) the
+    layers whose set differs from ``SAVE`` get their own in ``LAYER_SAVE``, by index."""
     keyed = [i for i in items if i.op != NORM]
     per_layer: dict[tuple[str, int], int] = {}
-    # the down projection runs too (never kept: the rerun stops before it), and counts
-    for op, width in [(i.op, i.width) for i in keyed] + [(MATMUL, spec.hidden_size)]:
+    # the down projection runs too (never kept: the rerun stops before it), and counts, as
+    # does each named norm's fp32 product x * rstd (saved by no one)
+    extra = [(MATMUL, spec.hidden_size)] + [(PRODUCT, spec.hidden_size)
+                                           for i in keyed if i.op == RSQRT]
+    for op, width in [(i.op, i.width) for i in keyed] + extra:
         per_layer[(op, width)] = per_layer.get((op, width), 0) + 1
-    save = sorted((i.op, i.width, i.nth) for i in kept if i.op != NORM)
-    missing = _unexpressible(kept)
+    every = [kept] if layers is None else layers
+    missing = list(dict.fromkeys(n for k in every for n in _unexpressible(k)))
+    differ = {} if layers is None else {i: _save_set(k) for i, k in enumerate(layers)
+                                        if _save_set(k) != _save_set(kept)}
     note = ("# Not expressible, recomputed instead: " + ", ".join(missing) + " (a norm's saved "
             "tensors come from elementwise ops that differ by implementation).\n"
             if missing else "")
     names = ", ".join(i.name for i in kept if i.op != NORM) or "nothing but the layer input"
+    if differ:
+        names += f" (layers {', '.join(map(str, differ))} their own: LAYER_SAVE)"
+    layer_save = ("{" + ", ".join(f"{i}: {v}" for i, v in differ.items()) + "}"
+                  if differ else "{}")
     return f'''"""Selective activation checkpointing for {spec.name}: each decoder layer keeps {names}.
 
 Made by: {command}
@@ -79,7 +112,9 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 NUM_LAYERS = {spec.num_layers}
 # (family, output width, index among the layer's ops of that family and width)
-SAVE = {"{" + ", ".join(map(repr, save)) + "}" if save else "set()"}
+SAVE = {_save_set(kept)}
+# the layers (by index) that keep another set
+LAYER_SAVE = {layer_save}
 # how many ops of each (family, width) one layer runs
 PER_LAYER = {per_layer}
 _aten = torch.ops.aten
@@ -97,13 +132,15 @@ def _key(op, args):
         return "{ATTENTION_KERNEL}", args[0].shape[1] * args[0].shape[-1]
     if op in (_aten.silu.default, _aten.gelu.default):
         return "act", args[0].shape[-1]
+    if op in (_aten._to_copy.default, _aten.rsqrt.default):
+        return ("copy" if op is _aten._to_copy.default else "rsqrt"), args[0].shape[-1]
     if op is _aten.mul.Tensor and all(isinstance(a, torch.Tensor) for a in args[:2]):
         return "mul", max(args[0].shape[-1], args[1].shape[-1])
     return None
 
 
-def make_policy_fn():
-    """A policy with its own counters (one per checkpointed layer)."""
+def make_policy_fn(save=SAVE):
+    """A policy with its own counters (one per checkpointed layer), keeping ``save``."""
     seen = Counter()
 
     def policy_fn(ctx, op, *args, **kwargs):
@@ -113,7 +150,7 @@ def make_policy_fn():
         slot = (getattr(ctx, "is_recompute", False), key)
         nth = seen[slot] % PER_LAYER[key]
         seen[slot] += 1
-        if (*key, nth) in SAVE:
+        if (*key, nth) in save:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -121,8 +158,8 @@ def make_policy_fn():
 
 
 policy_fn = make_policy_fn()
-# every layer keeps the same ops; one policy each, so that their counters stay apart
-policy_fns = [make_policy_fn() for _ in range(NUM_LAYERS)]
+# one policy per layer, so that their counters stay apart
+policy_fns = [make_policy_fn(LAYER_SAVE.get(i, SAVE)) for i in range(NUM_LAYERS)]
 
 
 def context_fn(layer_index):
@@ -164,15 +201,15 @@ def torchtitan_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item
     forced = {shapes[i.name] for i in matmuls if i.name not in names}
     fqns = [_TITAN_FQNS[i.name] for i in matmuls if i.name not in names]
     result = _titan_kept(items + (down,), forced, shapes)
-    lost = sorted(names - set(result) - {i.name for i in kept if i.op == NORM})
+    lost = sorted(names - set(result) - set(_norms(kept)))
     plain = [f"# {line}" for line in (
         f"Wanted: {', '.join(sorted(names)) or 'the layer input only'}.",
         f"torchtitan keeps: {', '.join(result) or 'the layer input only'} "
         "(its rule: every second remaining matmul recomputed; a forced shape forces every "
         "matmul of that weight shape).",
         *([f"Not expressible: {', '.join(lost)} (recomputed instead)."] if lost else []),
-        *([f"Not expressible: {', '.join(_unexpressible(kept))} (not in its op list)."]
-          if _unexpressible(kept) else []),
+        *([f"Not expressible: {', '.join(_norms(kept))} (not in its op list)."]
+          if _norms(kept) else []),
         "Its checkpoint runs with early_stop=False: the rerun goes through the down projection"
         + (" (whose output it keeps here: one more residual-sized tensor per layer, beyond "
            "the save list below)." if "mlp.down" in result else "."),
@@ -196,9 +233,13 @@ def megatron_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, 
         modules.append("core_attn")
     if not names & {"mlp.gate", "mlp.up", "mlp.act", "mlp.prod", "mlp.fc1"}:
         modules.append("mlp")
-    if not any(i.op == NORM for i in kept):
-        modules.append("layernorm")
+    norms = {i.name for i in items if i.block in ("attn_norm", "mlp_norm")}
     unlike = []
+    if not norms <= set(_norms(kept)):
+        modules.append("layernorm")
+        if _norms(kept):
+            unlike.append("a norm partly kept: Megatron keeps or recomputes a norm whole "
+                          "(recomputed)")
     if modules and "mlp" not in modules and not {i.name for i in items
                                                   if i.block == "mlp"} <= names:
         unlike.append("an MLP partly kept: Megatron keeps or recomputes the MLP whole (kept)")
@@ -228,10 +269,26 @@ def emit_for(target: str, est: object) -> str:
     if wl.recompute is not Recompute.OPS:
         raise MemplanError(f"emit-policy needs recompute ops or auto, got recompute "
                            f"{wl.recompute.value}")
-    items = ops_items(spec, wl, Dims.of(spec, est.parallel, wl))
-    kept = resolve(items, wl.recompute_save, spec)
-    save = ",".join(i.name for i in kept) or '""'
-    command = (f"memplan estimate -m {spec.name} -n {est.parallel.world_size} "
+    from memplan.model.sac_ops import per_stage
+    from memplan.model.stage_parts import stage_layer_indices
+
+    par = est.parallel
+    items = ops_items(spec, wl, Dims.of(spec, par, wl))
+    stages = per_stage(wl.recompute_save, par.pp)
+    layers = None
+    if stages is None:
+        kept = resolve(items, wl.recompute_save, spec)
+        save = ",".join(i.name for i in kept) or '""'
+    else:
+        by_stage = {s: resolve(items, names, spec) for s, names in stages.items()}
+        common = set.intersection(*(set(k) for k in by_stage.values()))
+        kept = tuple(i for i in items if i in common)
+        layers = [()] * spec.num_layers
+        for s, k in by_stage.items():
+            for i in stage_layer_indices(spec, par.pp, par.vpp, s, par.stage_layers):
+                layers[i] = k
+        save = ",".join(wl.recompute_save)
+    command = (f"memplan estimate -m {spec.name} -n {par.world_size} "
                f"--mbs {wl.micro_batch_size} --seq {wl.seq_len} --recompute ops "
-               f"--recompute-save {save}")
-    return emit(target, spec, items, kept, command)
+               f"--recompute-save {save}" + (f" --pp {par.pp}" if layers is not None else ""))
+    return emit(target, spec, items, kept, command, layers)

@@ -4,8 +4,10 @@ model's layers (``RefOptions.policy_fns``: ``torch.utils.checkpoint.checkpoint``
 the exact tracker for two steps: saved activations and every phase peak within 1% of the
 ``--recompute ops`` estimate of the same save list (measured: all within 0.01%).
 
-Not in the grid: a save list naming a norm's tensors (the policy cannot name them: it
-recomputes them, so the trace keeps less than the estimate).
+An upcast RMSNorm's tensors are named by its ops (``norms``, ``attn_norm.stats``, ...: the
+casts, ``rsqrt`` and products, ``memplan.model.sac_ops._norm_items``); not in the grid: a
+save list naming the tensors of another norm (the policy cannot name them: it recomputes
+them, so the trace keeps less than the estimate).
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ GRID = [(TINY, {}, save) for save in SAVES] + [
     # a fused norm: the MLP's end (every MLP output kept, with the down projection's output)
     # sets the forward's peak
     (SMALL_VOCAB, {"norm_impl": "fused"}, "mlp"), (SMALL_VOCAB, {"norm_impl": "fused"}, "attention,mlp"),
+    # the norms kept (an upcast RMSNorm: its ops named), whole and in part
+    (TINY, {}, "norms"), (TINY, {}, "norms,attention,mlp"),
+    (TINY, {}, "attn_norm.stats,attn_norm.output,attn.q,mlp_norm.normed,mlp_norm.input_fp32"),
+    (WIDE_GQA, {"seq_len": 256}, "norms,mlp.gate"),
 ]
 
 
@@ -67,7 +73,7 @@ def test_emitted_policy_matches_estimate(spec: ModelSpec, fields: dict, save: st
 # on fake tensors: measured within 0.024% (saved activations 17,416 B over the estimate, as
 # with its full recompute), every phase within 0.01%
 HF_GRID = [("fp32", "attn.q,mlp.gate"), ("bf16-pure", "attention"),
-           ("bf16-pure", "attn.k,attn.o_proj,mlp.up")]
+           ("bf16-pure", "attn.k,attn.o_proj,mlp.up"), ("bf16-pure", "norms,attn.q")]
 
 
 @pytest.mark.parametrize(("precision", "save"), HF_GRID,
@@ -102,3 +108,32 @@ def test_emitted_policy_on_torchtitan_llama3(precision: str, save: str) -> None:
     bad = [r for r in result.rows if abs(r.diff_pct) > TOLERANCE_PCT]
     assert not bad, "\n".join(f"{r.name}: measured {r.measured_bytes:,} estimated "
                               f"{r.estimated_bytes:,} ({r.diff_pct:+.3f}%)" for r in bad)
+
+
+def test_policy_per_layer_index_on_the_reference_model() -> None:
+    """A list per stage (tiny on pp 2: layer 0 on stage 0, layer 1 on stage 1) keeps q
+    everywhere and the gate on stage 1: the emitted ``policy_fns`` applied to the reference
+    model's two layers (one process) save, beyond q kept in both, the gate's output in layer
+    1 alone: T x f x e = 256 x 176 x 2 = 90,112 B."""
+    import dataclasses
+
+    from memplan.api import estimate
+    from memplan.profile.reference import ReferenceModel
+    from memplan.profile.trace import _fake_mode, ref_options, run_steps
+    from memplan.profile.tracker import MemoryTracker
+    from memplan.report.sac_policy import emit_for
+
+    def saved(save: str, pp: int) -> int:
+        est = estimate(TINY, gpus=pp, pp=pp, seq_len=128, micro_batch_size=2,
+                       global_batch_size=8, recompute="ops", recompute_save=save)
+        space: dict = {"__name__": "emitted"}
+        exec(compile(emit_for("torch", est), "<policy>", "exec"), space)  # noqa: S102
+        wl = make_workload(TINY, seq_len=128, micro_batch_size=2, recompute="ops")
+        with _fake_mode():
+            torch.manual_seed(0)
+            model = ReferenceModel(TINY, dataclasses.replace(
+                ref_options(wl), policy_fns=tuple(space["policy_fns"])))
+            return run_steps(model, TINY, wl, MemoryTracker(), steps=2).steady \
+                .saved_activations_bytes
+
+    assert saved("attn.q,stage1:mlp.gate", 2) - saved("attn.q", 1) == 90_112

@@ -167,7 +167,9 @@ def test_torch_policy_names_ops_by_family_width_and_index() -> None:
     """tiny's layer runs matmuls of width 64 (q, the output projection and the down projection: h = q = 64),
     32 (k, v) and 176 (gate, up), one SDPA of width heads*d = 64, one silu and one product
     of width 176: q is the 0th 64-wide matmul, the output projection the 1st, the gate the
-    0th 176-wide one."""
+    0th 176-wide one. Each upcast RMSNorm runs two casts of width 64 (to fp32, back to bf16),
+    one rsqrt of width 1 and two products of width 64 (x * rstd, weight * normed): 4, 2 and
+    4 per layer."""
     text = _emitted("torch", "attn.q,attn.o_proj,mlp.gate,mlp.prod")
     space: dict = {}
     code = compile(text, "policy.py", "exec")  # a valid module
@@ -175,15 +177,32 @@ def test_torch_policy_names_ops_by_family_width_and_index() -> None:
     assert "policy_fn" in names and "policy_fns" in names and "context_fn" in names
     for line in ("SAVE = {('matmul', 64, 0), ('matmul', 64, 1), ('matmul', 176, 0), "
                  "('mul', 176, 0)}",
-                 "PER_LAYER = {('matmul', 64): 3, ('matmul', 32): 2, ('sdpa', 64): 1, "
+                 "PER_LAYER = {('copy', 64): 4, ('rsqrt', 1): 2, ('mul', 64): 4, "
+                 "('matmul', 64): 3, ('matmul', 32): 2, ('sdpa', 64): 1, "
                  "('matmul', 176): 2, ('act', 176): 1, ('mul', 176): 1}"):
         assert line in text
     assert space == {}
 
 
-def test_norms_are_said_to_be_inexpressible() -> None:
-    assert "Not expressible, recomputed instead: attn_norm.stats" in _emitted(
-        "torch", "attn_norm.stats")
+def test_upcast_norms_are_named_by_their_ops() -> None:
+    """tiny's norms (RMSNorm, upcast, bf16): the attention norm's rsqrt is the layer's 0th of
+    width 1, its cast back to bf16 the 1st 64-wide ``_to_copy`` (after the cast to fp32),
+    its output weight * normed the 1st 64-wide ``mul`` (after x * rstd); the MLP norm's
+    input cast the 2nd 64-wide ``_to_copy``."""
+    text = _emitted("torch", "attn_norm.stats,attn_norm.normed,attn_norm.output,"
+                    "mlp_norm.input_fp32")
+    assert "SAVE = {('copy', 64, 1), ('copy', 64, 2), ('mul', 64, 1), ('rsqrt', 1, 0)}" in text
+    assert "Not expressible" not in text
+
+
+@pytest.mark.parametrize("fields", [{"norm_impl": "fused"}, {"precision": "fp32"},
+                                    {"norm_impl": "upcast-fp32"}])
+def test_other_norms_are_said_to_be_inexpressible(fields: dict) -> None:
+    """A fused kernel, litgpt's fp32 product, or fp32 (whose casts are no ops): not named."""
+    from memplan.report.sac_policy import emit_for
+
+    est = estimate("tiny", **TINY, **fields, recompute="ops", recompute_save="attn_norm.stats")
+    assert "Not expressible, recomputed instead: attn_norm.stats" in emit_for("torch", est)
 
 
 def test_torchtitan_and_megatron_say_what_they_keep() -> None:
