@@ -108,3 +108,45 @@ def linear_time_factor(spec: ModelSpec, gpu: GpuSpec, tp: int, float8: bool,
     shape = slow / work if work else 1.0
     share = gemm_share(gpu, mfu)
     return 1.0 - share + share * shape / fp8
+
+
+# FlashAttention-2 (the kernel PyTorch's SDPA flash backend runs) on an H100 SXM5, head dim
+# 128, TFLOP/s by sequence length at 16k tokens a batch: the forward with the causal mask and
+# the backward (published without it). Shah et al. 2024, FlashAttention-3, arXiv 2407.08608,
+# Figure 4 (forward, causal, head dim 128) and Figure 5 (backward, head dim 128), the
+# FlashAttention-2 bars. The backward's FLOPs are 2.5 times the forward's, its five matmuls to
+# the forward's two (Dao 2023, FlashAttention-2, arXiv 2307.08691, section 4.1: how both
+# papers count the backward's TFLOP/s).
+ATTENTION_SEQS = (512, 1024, 2048, 4096, 8192, 16384)
+FA2_SM90_FORWARD_CAUSAL = (191e12, 260e12, 298e12, 319e12, 333e12, 335e12)
+FA2_SM90_BACKWARD = (214e12, 260e12, 291e12, 310e12, 318e12, 322e12)
+FA_BACKWARD_FLOPS = 2.5
+ATTENTION_KERNEL_SOURCE = ("FlashAttention-2 on H100 SXM5, head dim 128: Shah et al. 2024 "
+                           "(arXiv 2407.08608), Figures 4-5")
+ATTENTION_TABLES = {"9.0": (FA2_SM90_FORWARD_CAUSAL, FA2_SM90_BACKWARD)}
+
+
+def _by_seq(rates: tuple[float, ...], seq_len: int) -> float:
+    """``rates`` at ``seq_len`` tokens: linear in log2 of the length between the measured
+    lengths, held at the ends beyond them."""
+    x = min(max(math.log2(max(seq_len, 1)), math.log2(ATTENTION_SEQS[0])),
+            math.log2(ATTENTION_SEQS[-1])) - math.log2(ATTENTION_SEQS[0])
+    i = min(int(x), len(rates) - 2)
+    f = x - i
+    return (1 - f) * rates[i] + f * rates[i + 1]
+
+
+@lru_cache(maxsize=1024)
+def attention_time_factor(gpu: GpuSpec, seq_len: int, mfu: float) -> float | None:
+    """The fused attention kernel's time for its FLOPs over their time at the flat fraction
+    ``mfu`` of peak, on ``seq_len`` tokens a sequence (what one rank's kernel runs: seq / cp
+    under context parallelism). The step counts the attention's backward as twice its forward
+    (3 F for a forward of F FLOPs); the kernels run F at the forward's measured rate and
+    2.5 F at the backward's (``FA_BACKWARD_FLOPS``): factor = mfu * peak * (1 / forward +
+    2.5 / backward) / 3. None on a GPU without a measured table (the caller keeps its
+    length-relative rate)."""
+    table = ATTENTION_TABLES.get(gpu.compute_capability)
+    if table is None:
+        return None
+    forward, backward = (_by_seq(rates, seq_len) for rates in table)
+    return mfu * gpu.bf16_flops * (1.0 / forward + FA_BACKWARD_FLOPS / backward) / 3.0

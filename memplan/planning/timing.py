@@ -36,8 +36,8 @@ from memplan.model.sac import recomputed
 from memplan.parallel import ParallelConfig, ZeroStage, local_seq, rank_layers, optimizer_on_host
 from memplan.spec import ModelSpec
 from memplan.units import FP32_BYTES
-from memplan.planning.kernels import linear_time_factor
-from memplan.workload import Float8Recipe, MoeImpl, Recompute, SelectiveImpl, Workload
+from memplan.planning.kernels import attention_time_factor, linear_time_factor
+from memplan.workload import Attention, Float8Recipe, MoeImpl, Recompute, SelectiveImpl, Workload
 
 if TYPE_CHECKING:
     import numpy as np
@@ -561,7 +561,7 @@ def _step_fields(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int,
     compute = hardware_flops / world / (gpu.bf16_flops * mfu) * c.balance
     matmul, attention, _ = forward_flops_per_token(spec, wl.seq_len, runs_every_expert(spec, wl))
     share = attention / (matmul + attention)
-    slower = c.ops.per_value(lambda cp: _cp_attention_time(wl.seq_len, int(cp)), c.cp)
+    slower = c.ops.per_value(lambda cp: _attention_time(gpu, wl, int(cp), mfu), c.cp)
     # the decoder's linears at the rate of their per-GPU GEMM shapes, float8 on FP8 tensor
     # cores (``memplan.planning.kernels``)
     linear = (matmul - head_flops_per_token(spec)) / (matmul + attention)
@@ -611,6 +611,19 @@ def attention_rate(seq_len: int) -> float:
             f = (math.log2(seq_len) - math.log2(s0)) / (math.log2(s1) - math.log2(s0))
             return (r0 + f * (r1 - r0)) / top
     return 1.0
+
+
+def _attention_time(gpu: GpuSpec, wl: Workload, cp: int, mfu: float) -> float:
+    """The attention's time over its time at the flat fraction ``mfu`` of peak: the fused
+    kernel's measured forward and backward rates on the rank's seq / cp tokens where the GPU
+    has them (``memplan.planning.kernels.attention_time_factor``), else the flat rate scaled
+    by the kernel's rate at seq / cp tokens over its rate at seq (``_cp_attention_time``).
+    Eager attention (materialised scores) keeps the latter."""
+    if wl.attention is Attention.FLASH:
+        factor = attention_time_factor(gpu, max(1, wl.seq_len // cp), mfu)
+        if factor is not None:
+            return factor
+    return _cp_attention_time(wl.seq_len, cp)
 
 
 def _cp_attention_time(seq_len: int, cp: int) -> float:

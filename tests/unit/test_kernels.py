@@ -108,3 +108,21 @@ def test_ring_exposed_per_step():
 
     assert ring_exposed(0.7, 14, 0.08, _where) == 0.0
     assert ring_exposed(0.7, 14, 0.02, _where) == pytest.approx(0.42)
+
+
+def test_attention_runs_at_flash_attention_2s_measured_rates():
+    """H100 (989.4e12 dense BF16), flat fraction 0.40: 395.76e12 FLOP/s. At 8192 tokens the
+    FlashAttention-2 forward (causal) runs at 333e12 and the backward at 318e12 (FA3 paper,
+    Figures 4-5); a forward of F FLOPs and its backward of 2.5 F take
+    F / 333e12 + 2.5 F / 318e12 = F x (3.003003e-15 + 7.861635e-15) = F x 10.864638e-15 s,
+    where the flat rate takes 3 F / 395.76e12: factor 395.76e12 x 10.864638e-15 / 3 = 1.433263.
+    At 2^12.5 tokens, halfway (in log2) between 4096 and 8192: forward (319 + 333) / 2 = 326,
+    backward (310 + 318) / 2 = 314: 395.76 x (3.067485e-3 + 7.961783e-3) / 3 = 1.454981.
+    Beyond 16384 tokens the 16k rates hold (335, 322): 395.76 x (1/335 + 2.5/322) / 3
+    = 395.76 x (2.985075e-3 + 7.763975e-3) / 3 = 1.418015. No table for sm_80: None."""
+    from memplan.planning.kernels import attention_time_factor
+
+    assert attention_time_factor(H100, 8192, 0.40) == pytest.approx(1.433263, abs=1e-6)
+    assert attention_time_factor(H100, 2 ** 12.5, 0.40) == pytest.approx(1.454981, abs=1e-6)
+    assert attention_time_factor(H100, 262144, 0.40) == pytest.approx(1.418015, abs=1e-6)
+    assert attention_time_factor(load_gpu("a100-80gb"), 8192, 0.40) is None
