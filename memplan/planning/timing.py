@@ -571,7 +571,16 @@ def _step_fields(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int,
     compute = compute * (1.0 - share - linear + share * slower + linear * shaped)
     comm = comm_columns(spec, gpu, wl, c)
     exposed = sum(seconds * (1.0 - OVERLAP[kind]) for kind, seconds in comm.items()
-                  if kind not in WINDOWED)
+                  if kind not in WINDOWED and kind != "tp")
+    if wl.async_tp:
+        # the forward's and the input gradients' matmuls, two of a linear's three GEMMs
+        beside = compute * (linear * shaped) / (1.0 - share - linear + share * slower
+                                                + linear * shaped) * 2.0 / 3.0
+        exposed = exposed + c.ops.where(c.sp, async_tp_exposed(comm["tp"], beside, c.tp,
+                                                               c.ops.where),
+                                        comm["tp"])
+    else:
+        exposed = exposed + comm["tp"] * (1.0 - OVERLAP["tp"])
     exposed = exposed + _windowed(spec, gpu, wl, c, comm, compute, model_flops, hardware_flops)
     # (p - 1) / (v * m) of the ideal time (Narayanan et al. 2021, eq. 1-2)
     bubble = c.ops.where(c.pp > 1, (c.pp - 1) / (c.vpp * c.m) * (compute + exposed), 0.0)
@@ -703,6 +712,23 @@ def dp_exposed(reduce: Any, reduce_each: Any, gather: Any, gathers: Any, *, unit
         (gathers - edge(gathers))
     return (edge(reduce) + edge(reduce_each) + edge(gather) + edge(gathers) + r_over + g_over
             + over(pooled, compute))
+
+
+def async_tp_exposed(seconds: Any, beside: Any, tp: Any, where: Any) -> Any:
+    """Exposed seconds of tensor parallelism's collectives, ``seconds`` in all, when each is
+    micro-pipelined with the matmul it feeds or follows, ``beside`` seconds of matmuls in all
+    (torchtitan's async TP: Inductor's _micro_pipeline_tp pass replaces an all-gather and
+    its matmul with ``fused_all_gather_matmul``, a matmul and its reduce-scatter with
+    ``fused_matmul_reduce_scatter``, torch/distributed/_symmetric_memory/__init__.py).
+    The collective is cut into ``tp`` shards: the all-gather's matmul starts on the local
+    shard while the next one arrives and each shard's matmul runs while the next is copied;
+    the reduce-scatter sends each shard's partial product while the next is computed. One
+    shard of each transfer has no matmul beside it (the last one reduced; a shard gathered
+    ahead of the local matmul's end is the mirror case): ``seconds / tp`` waits. The other
+    tp - 1 shards hide behind tp - 1 shards of the matmuls, what exceeds them is exposed."""
+    rest = seconds * (tp - 1) / tp
+    window = beside * (tp - 1) / tp
+    return seconds / tp + where(rest > window, rest - window, 0.0)
 
 
 def ring_exposed(seconds: Any, steps: Any, block: Any, where: Any) -> Any:

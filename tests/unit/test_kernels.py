@@ -126,3 +126,32 @@ def test_attention_runs_at_flash_attention_2s_measured_rates():
     assert attention_time_factor(H100, 2 ** 12.5, 0.40) == pytest.approx(1.454981, abs=1e-6)
     assert attention_time_factor(H100, 262144, 0.40) == pytest.approx(1.418015, abs=1e-6)
     assert attention_time_factor(load_gpu("a100-80gb"), 8192, 0.40) is None
+
+
+def test_async_tp_exposes_one_shard_and_what_exceeds_the_matmuls():
+    """TP collectives of 0.8 s in all at tp 8, cut into 8 shards of 0.1 s: one shard waits
+    (0.1 s); the other 0.7 s hide behind 7/8 of the matmuls beside them. Beside 1.0 s of
+    matmuls (0.875 s window) nothing more shows: 0.1 s. Beside 0.4 s (0.35 s window) the rest
+    exceeds it by 0.35 s: 0.45 s."""
+    from memplan.planning.timing import async_tp_exposed
+
+    assert async_tp_exposed(0.8, 1.0, 8, _where) == pytest.approx(0.1)
+    assert async_tp_exposed(0.8, 0.4, 8, _where) == pytest.approx(0.45)
+
+
+def test_async_tp_needs_compile_and_hides_tp_collectives():
+    """torchtitan refuses async TP without torch.compile; with it, the same job's TP
+    collectives hide behind the matmuls (fewer exposed seconds, same compute)."""
+    import memplan
+    from memplan.errors import MemplanError
+    from memplan.planning.timing import estimate_step_time
+
+    job = dict(gpus=16, tp=8, zero=3, global_batch_size=16, micro_batch_size=2, seq_len=4096,
+               framework="torchtitan", precision="fsdp-bf16", gpu="h100-sxm")
+    with pytest.raises(MemplanError, match="async_tp without compile"):
+        memplan.estimate("llama-3.1-8b", async_tp=True, **job)
+    plain = estimate_step_time(memplan.estimate("llama-3.1-8b", compile=True, **job))
+    fused = estimate_step_time(memplan.estimate("llama-3.1-8b", compile=True, async_tp=True,
+                                                **job))
+    assert fused.compute_s == plain.compute_s
+    assert fused.exposed_comm_s < plain.exposed_comm_s
