@@ -110,6 +110,60 @@ def linear_time_factor(spec: ModelSpec, gpu: GpuSpec, tp: int, float8: bool,
     return 1.0 - share + share * shape / fp8
 
 
+# torchao's float8 casts are memory-bound kernels: the bytes each moves per element of the
+# tensor it casts, from torchao's own roofline model of them (pytorch/ao
+# torchao/testing/float8/roofline_utils.py, get_tensor_memory_traffic_ovhd_s; bf16 in,
+# float8 out). An activation (a linear's input or its output's gradient): tensorwise reads it
+# for its amax (2 B, fused into the op before it when compiled) and writes it twice in float8,
+# row- and column-major (2 + 2 x 1 B): 6, compiled 4; rowwise writes a float8 copy and a
+# transposed bf16 copy (2 + 1 + 2 B, the first read fused when compiled) and casts the latter
+# (2 + 1 B): 8, compiled 6. A weight: tensorwise amax (2) and two casts (3 + 3): 8; rowwise a
+# cast (3), a transposed copy (4) and its cast (3): 10. The kernels run at 92% of the HBM's
+# peak (the same file: "pct_achievable_mem_bw", measured on pointwise Triton kernels).
+CAST_BYTES = {"tensorwise": {"activation": 6, "compiled": 4, "weight": 8},
+              "rowwise": {"activation": 8, "compiled": 6, "weight": 10}}
+ACHIEVABLE_HBM = 0.92
+CAST_SOURCE = "pytorch/ao torchao/testing/float8/roofline_utils.py (bytes per cast, 92% of HBM)"
+
+
+@lru_cache(maxsize=1024)
+def float8_cast_seconds(spec: ModelSpec, gpu: GpuSpec, tp: int, recipe: str, compiled: bool,
+                        sp: bool) -> tuple[float, float]:
+    """(seconds per token, seconds per micro-batch) of torchao's float8 casts in the decoder
+    layers of one rank, summed over all layers; (0, 0) where float8 runs at the flat fraction
+    (no GEMM table or no FP8 tensor cores).
+
+    Per token (of the rows the rank's GEMMs run) each linear casts its output's gradient
+    (d_out / tp of a column-parallel projection, d_out of a row-parallel one) and its input: a
+    row-parallel projection its d_in / tp, a column-parallel one its d_in, once per input its
+    projections share when compiled (AOTAutograd merges identical nodes, ``fx_graph_cse``),
+    else once each. Tensorwise under sequence parallelism casts the shared input on the
+    rank's 1/tp of the tokens before the all-gather (torchao ``PrepareFloat8ModuleInput``,
+    ``Float8ColwiseParallel``, which torchtitan's TP plan uses for tensorwise only; rowwise
+    gathers in bf16). Per micro-batch each linear casts its weight shard, d_in x d_out / tp."""
+    table = GEMM_TABLES.get(gpu.compute_capability)
+    if table is None or not fp8_capable(gpu):
+        return 0.0, 0.0
+    b = CAST_BYTES[recipe]
+    act = b["compiled" if compiled else "activation"]
+    gathered = recipe == "tensorwise" and tp > 1 and sp
+    per_token = per_mb = 0.0
+    for i in range(spec.num_layers):
+        kind = "linear" if spec.is_linear_layer(i) else ""
+        shared: set[str] = set()
+        for lin in layer_linears(spec, spec.is_moe_layer(i), kind):
+            row = lin.split is Split.ROW
+            per_token += act * (lin.d_out if row else lin.d_out // tp)
+            per_mb += b["weight"] * lin.d_in * lin.d_out / tp
+            if row:
+                per_token += act * lin.d_in // tp
+            elif not ((compiled or gathered) and lin.group in shared):
+                per_token += act * lin.d_in / (tp if gathered else 1)
+                shared.add(lin.group)
+    rate = gpu.hbm_bytes_per_s * ACHIEVABLE_HBM
+    return per_token / rate, per_mb / rate
+
+
 # FlashAttention-2 (the kernel PyTorch's SDPA flash backend runs) on an H100 SXM5, head dim
 # 128, TFLOP/s by sequence length at 16k tokens a batch: the forward with the causal mask and
 # the backward (published without it). Shah et al. 2024, FlashAttention-3, arXiv 2407.08608,

@@ -36,7 +36,8 @@ from memplan.model.sac import recomputed
 from memplan.parallel import ParallelConfig, ZeroStage, local_seq, rank_layers, optimizer_on_host
 from memplan.spec import ModelSpec
 from memplan.units import FP32_BYTES
-from memplan.planning.kernels import attention_time_factor, linear_time_factor
+from memplan.planning.kernels import (attention_time_factor, float8_cast_seconds,
+                                      linear_time_factor)
 from memplan.workload import Attention, Float8Recipe, MoeImpl, Recompute, SelectiveImpl, Workload
 
 if TYPE_CHECKING:
@@ -477,6 +478,10 @@ def comm_columns(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns) -> dic
     # TP: two all-reduces per layer forward and two backward (or all-gather + reduce-scatter
     # with SP, the same volume): 2 * ring factor per all-reduce.
     tp_bytes = 4 * 2 * _ring(c.tp) * act_bytes * layers * m
+    if wl.float8 is Float8Recipe.TENSORWISE:
+        # the forward's two sequence all-gathers move float8 (torchao Float8ColwiseParallel
+        # casts before the gather), one byte an element: 2 of the 8 collectives at half
+        tp_bytes = tp_bytes * where(c.sp, 1.0 - 2 * (1 - 1 / e) / 8, 1.0)
     # ... each a collective of its own: 8 ring passes per layer and micro-batch
     tp_latency = 8 * layers * m * _ring_latency(gpu, c.tp, c.tp)
     out["tp"] = tp_bytes / _bandwidth(gpu, c, c.tp) + tp_latency
@@ -569,6 +574,8 @@ def _step_fields(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int,
     shaped = c.ops.per_value(lambda tp: linear_time_factor(spec, gpu, int(tp), float8, mfu),
                                c.tp)
     compute = compute * (1.0 - share - linear + share * slower + linear * shaped)
+    if float8:
+        compute = compute + _float8_casts(spec, gpu, wl, c)
     comm = comm_columns(spec, gpu, wl, c)
     exposed = sum(seconds * (1.0 - OVERLAP[kind]) for kind, seconds in comm.items()
                   if kind not in WINDOWED and kind != "tp")
@@ -595,6 +602,24 @@ def _step_fields(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int,
         "mfu": model_flops / total / world / gpu.bf16_flops,
         "bound": c.ops.first_max(compute, exposed, bubble),
     }
+
+
+def _float8_casts(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns) -> Any:
+    """Seconds of torchao's float8 casts in one step of the busiest rank
+    (``memplan.planning.kernels.float8_cast_seconds``): per token of each micro-batch's
+    mbs x seq / cp rows and per micro-batch, for its share of the layers. The weights' casts
+    are not there when FSDP2 gathers them in float8 (``float8_all_gather``: cast on the shard
+    before the gather). The forward's casts rerun under recompute are not counted."""
+    recipe = wl.float8.value
+
+    def casts(key: int) -> tuple[float, float]:  # key: 2 tp + sp
+        return float8_cast_seconds(spec, gpu, key // 2, recipe, wl.compile, bool(key % 2))
+
+    key = 2 * c.tp + c.ops.where(c.sp, 1, 0)
+    per_token = c.ops.per_value(lambda k: casts(int(k))[0], key)
+    per_mb = 0.0 if wl.float8_all_gather else c.ops.per_value(lambda k: casts(int(k))[1], key)
+    rows = c.mbs * local_seq(wl.seq_len, c.cp)
+    return (per_token * rows + per_mb) * c.m * c.layers / spec.num_layers
 
 
 # Measured attention kernel throughput by sequence length (FlashAttention-3 forward on an H100,

@@ -155,3 +155,37 @@ def test_async_tp_needs_compile_and_hides_tp_collectives():
                                                 **job))
     assert fused.compute_s == plain.compute_s
     assert fused.exposed_comm_s < plain.exposed_comm_s
+
+
+def test_float8_cast_bytes_by_recipe_and_layout():
+    """torchao's cast kernels (roofline_utils.py) on the wide spec (2 layers; q, k, v, o
+    4096 x 4096; gate, up 4096 -> 16384; down 16384 -> 4096), at 0.92 x 3.35e12 B/s.
+    Per token and layer, tp 1, tensorwise, compiled (4 B an activation element):
+    output gradients 3 x 4096 + 4096 + 2 x 16384 + 4096 = 53,248; inputs, once per shared
+    input: 4096 (q/k/v) + 4096 (o) + 4096 (gate/up) + 16384 (down) = 28,672;
+    4 x 81,920 = 327,680 B, 655,360 for the 2 layers.
+    Eager (6 B, each projection its own input): inputs 3 x 4096 + 4096 + 2 x 4096 + 16384
+    = 40,960; 6 x (53,248 + 40,960) x 2 = 1,130,496 B.
+    tp 8, tensorwise, sequence parallel: the shared inputs cast on 1/8 of the tokens:
+    gradients 3 x 512 + 4096 + 2 x 2048 + 4096 = 13,824; inputs 512 + 512 + 512 + 2048 =
+    3,584; 4 x 17,408 x 2 = 139,264 B.
+    tp 8, rowwise, compiled (6 B; bf16 gather, the full input cast once per shared input):
+    inputs 4096 + 512 + 4096 + 2048 = 10,752; 6 x (13,824 + 10,752) x 2 = 294,912 B.
+    Weights per micro-batch, tp 1, tensorwise (8 B): (4 x 4096^2 + 3 x 4096 x 16384) x 8 x 2
+    = 4,294,967,296 B; rowwise (10 B) at tp 8: 268,435,456 / 8 x 10 x 2 = 671,088,640 B."""
+    from memplan.planning.kernels import float8_cast_seconds
+
+    rate = 0.92 * 3.35e12
+    spec = _wide()
+    tw = float8_cast_seconds(spec, H100, 1, "tensorwise", True, True)
+    assert tw[0] == pytest.approx(655_360 / rate)
+    assert tw[1] == pytest.approx(4_294_967_296 / rate)
+    eager = float8_cast_seconds(spec, H100, 1, "tensorwise", False, True)
+    assert eager[0] == pytest.approx(1_130_496 / rate)
+    assert float8_cast_seconds(spec, H100, 8, "tensorwise", True, True)[0] == pytest.approx(
+        139_264 / rate)
+    rw = float8_cast_seconds(spec, H100, 8, "rowwise", True, True)
+    assert rw[0] == pytest.approx(294_912 / rate)
+    assert rw[1] == pytest.approx(671_088_640 / rate)
+    # no FP8 tensor cores or no GEMM table: float8 runs at the flat fraction, no casts
+    assert float8_cast_seconds(spec, load_gpu("a100-80gb"), 1, "rowwise", True, True) == (0, 0)
