@@ -124,6 +124,17 @@ CAST_BYTES = {"tensorwise": {"activation": 6, "compiled": 4, "weight": 8},
               "rowwise": {"activation": 8, "compiled": 6, "weight": 10}}
 ACHIEVABLE_HBM = 0.92
 CAST_SOURCE = "pytorch/ao torchao/testing/float8/roofline_utils.py (bytes per cast, 92% of HBM)"
+# Rowwise scales in the backward's GEMMs: torchao runs the input- and weight-gradient GEMMs
+# without fast accumulation (Float8LinearConfig's gemm_config_grad_input and
+# gemm_config_grad_weight default to use_fast_accum=False), and for rowwise scales without it
+# runs the tensorwise cuBLAS kernel with unit scales and multiplies the output by the outer
+# product of the two scale vectors afterwards (torchao/float8/float8_python_api.py
+# addmm_float8_unwrapped: "The rowwise CUTLASS-based kernel is so slow without fast-accum").
+# That multiply is one more memory-bound pass over each gradient GEMM's output: compiled, read
+# and write it in bf16 (2 + 2 B, the scales broadcast in the fused kernel); eager, the outer
+# product written and read in fp32 (4 + 4 B) and the bf16 output read (2 B) into an fp32
+# product (4 B, bf16 times fp32 promotes): 14 B.
+POST_SCALE_BYTES = {"compiled": 4, "eager": 14}
 
 
 @lru_cache(maxsize=1024)
@@ -140,13 +151,16 @@ def float8_cast_seconds(spec: ModelSpec, gpu: GpuSpec, tp: int, recipe: str, com
     else once each. Tensorwise under sequence parallelism casts the shared input on the
     rank's 1/tp of the tokens before the all-gather (torchao ``PrepareFloat8ModuleInput``,
     ``Float8ColwiseParallel``, which torchtitan's TP plan uses for tensorwise only; rowwise
-    gathers in bf16). Per micro-batch each linear casts its weight shard, d_in x d_out / tp."""
+    gathers in bf16). Per micro-batch each linear casts its weight shard, d_in x d_out / tp.
+    Rowwise adds the rescale of each gradient GEMM's output (``POST_SCALE_BYTES``): per token
+    the input gradient's local width, per micro-batch the weight gradient's shard."""
     table = GEMM_TABLES.get(gpu.compute_capability)
     if table is None or not fp8_capable(gpu):
         return 0.0, 0.0
     b = CAST_BYTES[recipe]
     act = b["compiled" if compiled else "activation"]
     gathered = recipe == "tensorwise" and tp > 1 and sp
+    post = POST_SCALE_BYTES["compiled" if compiled else "eager"] if recipe == "rowwise" else 0
     per_token = per_mb = 0.0
     for i in range(spec.num_layers):
         kind = "linear" if spec.is_linear_layer(i) else ""
@@ -155,6 +169,9 @@ def float8_cast_seconds(spec: ModelSpec, gpu: GpuSpec, tp: int, recipe: str, com
             row = lin.split is Split.ROW
             per_token += act * (lin.d_out if row else lin.d_out // tp)
             per_mb += b["weight"] * lin.d_in * lin.d_out / tp
+            # rowwise: the input gradient (d_in local) and weight gradient outputs rescaled
+            per_token += post * (lin.d_in // tp if row else lin.d_in)
+            per_mb += post * lin.d_in * lin.d_out / tp
             if row:
                 per_token += act * lin.d_in // tp
             elif not ((compiled or gathered) and lin.group in shared):

@@ -583,9 +583,10 @@ def _step_fields(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int,
         # the forward's and the input gradients' matmuls, two of a linear's three GEMMs
         beside = compute * (linear * shaped) / (1.0 - share - linear + share * slower
                                                 + linear * shaped) * 2.0 / 3.0
-        exposed = exposed + c.ops.where(c.sp, async_tp_exposed(comm["tp"], beside, c.tp,
-                                                               c.ops.where),
-                                        comm["tp"])
+        fused = comm["tp"] * async_tp_fused_share(wl)
+        exposed = exposed + c.ops.where(c.sp, async_tp_exposed(fused, beside, c.tp,
+                                                               c.ops.where)
+                                        + comm["tp"] - fused, comm["tp"])
     else:
         exposed = exposed + comm["tp"] * (1.0 - OVERLAP["tp"])
     exposed = exposed + _windowed(spec, gpu, wl, c, comm, compute, model_flops, hardware_flops)
@@ -737,6 +738,26 @@ def dp_exposed(reduce: Any, reduce_each: Any, gather: Any, gathers: Any, *, unit
         (gathers - edge(gathers))
     return (edge(reduce) + edge(reduce_each) + edge(gather) + edge(gathers) + r_over + g_over
             + over(pooled, compute))
+
+
+def async_tp_fused_share(wl: Workload) -> float:
+    """The share of tensor parallelism's collective bytes (``comm_columns``: per layer four
+    sequence all-gathers and four reduce-scatters, forward and backward) that async TP fuses
+    with a matmul. Inductor's micro-pipeline pass (torch/_inductor/fx_passes/
+    micro_pipeline_tp.py) fuses an all-gather whose users are matmuls (``_find_consumer_
+    matmuls``: ``mm`` or ``_scaled_mm``, through a reshape) and a reduce-scatter whose input a
+    matmul makes (``_find_producer_matmul``). In bf16 all eight are. With torchao's float8:
+    the backward's all-gathers of the output gradient feed its float8 cast, not a matmul;
+    tensorwise gathers the forward's inputs already in float8 (half the bytes, straight into
+    ``_scaled_mm``) and its gradient GEMMs feed their reduce-scatters, so 5 of 7 byte units
+    fuse; rowwise gathers the forward's inputs in bf16 into its cast, and its gradient GEMMs'
+    outputs are rescaled before the reduce-scatter (``POST_SCALE_BYTES``), so only the
+    forward's two reduce-scatters fuse, 2 of 8."""
+    if wl.float8 is Float8Recipe.TENSORWISE:
+        return 5.0 / 7.0
+    if wl.float8 is Float8Recipe.ROWWISE:
+        return 2.0 / 8.0
+    return 1.0
 
 
 def async_tp_exposed(seconds: Any, beside: Any, tp: Any, where: Any) -> Any:

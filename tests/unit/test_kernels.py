@@ -170,9 +170,12 @@ def test_float8_cast_bytes_by_recipe_and_layout():
     gradients 3 x 512 + 4096 + 2 x 2048 + 4096 = 13,824; inputs 512 + 512 + 512 + 2048 =
     3,584; 4 x 17,408 x 2 = 139,264 B.
     tp 8, rowwise, compiled (6 B; bf16 gather, the full input cast once per shared input):
-    inputs 4096 + 512 + 4096 + 2048 = 10,752; 6 x (13,824 + 10,752) x 2 = 294,912 B.
+    inputs 4096 + 512 + 4096 + 2048 = 10,752; 6 x (13,824 + 10,752) x 2 = 294,912 B; and
+    the input gradients' rescale (4 B): 3 x 4096 + 512 + 2 x 4096 + 2048 = 23,040 x 4 x 2
+    = 184,320 B; 479,232 in all.
     Weights per micro-batch, tp 1, tensorwise (8 B): (4 x 4096^2 + 3 x 4096 x 16384) x 8 x 2
-    = 4,294,967,296 B; rowwise (10 B) at tp 8: 268,435,456 / 8 x 10 x 2 = 671,088,640 B."""
+    = 4,294,967,296 B; rowwise at tp 8, cast (10 B) and the weight gradient's rescale (4 B):
+    268,435,456 / 8 x 14 x 2 = 939,524,096 B."""
     from memplan.planning.kernels import float8_cast_seconds
 
     rate = 0.92 * 3.35e12
@@ -185,7 +188,39 @@ def test_float8_cast_bytes_by_recipe_and_layout():
     assert float8_cast_seconds(spec, H100, 8, "tensorwise", True, True)[0] == pytest.approx(
         139_264 / rate)
     rw = float8_cast_seconds(spec, H100, 8, "rowwise", True, True)
-    assert rw[0] == pytest.approx(294_912 / rate)
-    assert rw[1] == pytest.approx(671_088_640 / rate)
+    assert rw[0] == pytest.approx(479_232 / rate)
+    assert rw[1] == pytest.approx(939_524_096 / rate)
     # no FP8 tensor cores or no GEMM table: float8 runs at the flat fraction, no casts
     assert float8_cast_seconds(spec, load_gpu("a100-80gb"), 1, "rowwise", True, True) == (0, 0)
+
+
+def test_async_tp_fuses_only_collectives_beside_a_matmul():
+    """Inductor's micro-pipeline pass fuses an all-gather feeding a matmul and a
+    reduce-scatter fed by one. bf16: all 8 of a layer's collectives. Tensorwise float8: the
+    forward's 2 all-gathers move float8 (half: 1 unit), its 2 reduce-scatters and the
+    backward's 2 (4 units) fuse; the backward's 2 all-gathers feed a cast: 5 of 7 units.
+    Rowwise: only the forward's 2 reduce-scatters: 2 of 8."""
+    import memplan
+    from memplan.planning.timing import async_tp_fused_share
+
+    spec = memplan.load_model("llama-3.1-8b")
+    assert async_tp_fused_share(memplan.make_workload(spec)) == 1.0
+    assert async_tp_fused_share(memplan.make_workload(spec, float8="tensorwise")) == 5 / 7
+    assert async_tp_fused_share(memplan.make_workload(spec, float8="rowwise")) == 2 / 8
+
+
+def test_tensorwise_float8_gathers_the_forward_inputs_in_one_byte():
+    """llama-3.1-8b at tp 8 with sequence parallelism, one micro-batch of 4096 tokens: TP
+    moves 8 collectives x 7/8 (ring) x 4096 x 4096 x 2 B x 32 layers = 7,516,192,768 B over
+    NVLink (450e9 B/s). Tensorwise float8 gathers the forward's two inputs in float8: one
+    eighth of that less, 939,524,096 B, 2.087831e-3 s (latency unchanged)."""
+    import memplan
+    from memplan.planning.timing import comm_seconds
+
+    spec = memplan.load_model("llama-3.1-8b")
+    par = memplan.make_layout(8, tp=8, sequence_parallel=True)
+    plain = memplan.make_workload(spec, seq_len=4096)
+    fp8 = memplan.make_workload(spec, seq_len=4096, float8="tensorwise")
+    bf16 = comm_seconds(spec, H100, par, plain, 1, spec.num_params)["tp"]
+    tw = comm_seconds(spec, H100, par, fp8, 1, spec.num_params)["tp"]
+    assert bf16 - tw == pytest.approx(939_524_096 / 450e9)
