@@ -14,6 +14,10 @@ FLOP/s per (b, m, n, k). The slice kept here is b = 4, m = 4096 (16,384 rows: a 
 micro-batch's tokens are of that order, and the table's largest rows), for n and k from 256
 to 4096. Other GPUs have no measured table: their GEMMs run at the flat fraction (a factor 1,
 the stated fallback).
+
+The fused attention kernel runs at FlashAttention-2's measured forward and backward rates on
+Hopper (``attention_time_factor``), and torchao's float8 casts take their bytes over the HBM's
+bandwidth (``float8_cast_seconds``): memory-bound kernels the FLOP count does not see.
 """
 
 from __future__ import annotations
