@@ -65,6 +65,8 @@ def _timed(est: Any, run: dict[str, Any]) -> Any:
     update = {}
     if given.get("compile") and not est.workload.compile:
         update["compile"] = True
+    if given.get("async_tp") and not est.workload.async_tp:
+        update["async_tp"] = True
     if given.get("float8", "none") != "none" and est.workload.float8 is Float8Recipe.NONE:
         update["float8"] = Float8Recipe(given["float8"])
     if not update:
@@ -90,6 +92,8 @@ def predict(run: dict[str, Any]) -> tuple[str, float | None, float | None, str, 
             if not left:
                 return quantity, pub[quantity], None, str(err), dropped
             args.pop(left[0][0])
+            if left[0][0] == "compile":  # async TP needs compile: timed, not estimated, too
+                args.pop("async_tp", None)
             dropped.append(left[0][1])
 
 

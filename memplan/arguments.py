@@ -43,7 +43,7 @@ CLI_OPTIONS: dict[str, str] = {
         "mtp_layers", "loss_impl", "logits_held", "fsdp_version", "deltanet_kernel",
         "compile_loss", "compile_in_checkpoint",
         "lora_rank", "lora_targets", "lora_dropout", "base_quant",  # fine-tuning
-        "float8_all_gather", "recompute_save")},
+        "float8_all_gather", "recompute_save", "async_tp")},
     "sequence_parallel": "sp", "micro_batch_size": "mbs", "global_batch_size": "gbs",
     "seq_len": "seq", "norm_impl": "norm", "kv_cache": "use_cache",
     "backward_prefetch": "fsdp_backward_prefetch", "use_orig_params": "fsdp_use_orig_params",

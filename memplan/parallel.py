@@ -686,6 +686,12 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
                           "recipe (Megatron-LM's --fp8-param-gather needs --fp8-format)")
     if wl.float8_all_gather and (err := float8_gather_rule(par, wl)) is not None:
         raise err
+    if wl.async_tp and not wl.compile:
+        # torchtitan parallelize_llama: "Async TP requires torch.compile" (the micro-pipelining
+        # is an Inductor pass)
+        raise LayoutError("async_tp needs compile",
+                          "async_tp without compile: torchtitan's async tensor parallelism is "
+                          "an Inductor pass and refuses to run eagerly")
     if wl.base_quant.value == "nf4-torchao-0.1" and par.zero >= ZeroStage.PARAMETERS:
         # torchao 0.1's NF4Tensor implements no chunk/split/view ops for FSDP to shard it
         # (added after 0.1: torchao commit ac53d7fb, "[FSDP2][NF4Tensor][2/n] implement

@@ -643,6 +643,12 @@ class Workload(BaseModel):
         "FSDP2 all-gathers the converted linears' weights in float8 (torchao's "
         "enable_fsdp_float8_all_gather, WeightWithDynamicFloat8CastTensor: one byte an "
         "element gathered, the Float8Linear casts no weight); tensorwise only"))
+    async_tp: bool = Field(default=False, description=(
+        "tensor parallelism's sequence all-gathers and reduce-scatters run micro-pipelined "
+        "with the matmuls beside them (torchtitan's enable_async_tensor_parallel: Inductor's "
+        "_micro_pipeline_tp pass, torch/distributed/_symmetric_memory fused_all_gather_matmul "
+        "and fused_matmul_reduce_scatter); needs compile. Step time only: memory is read as "
+        "plain tensor parallelism (the gathered input is the same size)"))
     ddp_any_size: bool = Field(default=False, description=(
         "the model is wrapped in data-parallel buffers at any data-parallel size, one rank "
         "included (Megatron-LM's DDP): its gradient buffer exists from the wrap on"))

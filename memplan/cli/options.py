@@ -217,6 +217,11 @@ Float8AllGatherOpt = Annotated[Optional[bool], typer.Option(
     "linears' weights in float8 (torchao's enable_fsdp_float8_all_gather): one byte an "
     "element gathered, no weight cast in the linears; needs --float8 tensorwise and --zero 3. "
     "Default: off.", rich_help_panel=_KERNELS)]
+AsyncTpOpt = Annotated[Optional[bool], typer.Option(
+    "--async-tp/--no-async-tp", help="Tensor parallelism's sequence all-gathers and "
+    "reduce-scatters micro-pipelined with their matmuls (torchtitan's "
+    "enable_async_tensor_parallel); step time only; needs --compile. Default: off.",
+    rich_help_panel=_KERNELS)]
 UseCache = Annotated[Optional[bool], typer.Option(
     "--use-cache/--no-use-cache", help="The training forward fills a key/value cache "
     "(transformers' config use_cache, which Trainer leaves on: a DynamicCache holds each "
@@ -386,6 +391,7 @@ SHARED: dict[str, Shared] = {
     "optimizer_in_backward": Shared(OptimizerInBackwardOpt, False),
     "float8": Shared(Float8Opt, Float8Recipe.NONE, _value),
     "float8_all_gather": Shared(Float8AllGatherOpt, False),
+    "async_tp": Shared(AsyncTpOpt, False),
     "grad_sync": Shared(GradSyncOpt, None),
     "fsdp_version": Shared(FsdpVersion, None),
     "fsdp_backward_prefetch": Shared(FsdpBackwardPrefetch, None, _value),
@@ -414,12 +420,12 @@ WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "recompute_eve
             "fsdp_reshard_after_forward", "mtp_layers", "loss_impl", "logits_held",
             "lora_rank", "lora_targets", "lora_dropout", "base_quant", "deltanet_kernel",
             "float8_all_gather", "compile_loss", "compile_in_checkpoint",
-            "recompute_save")
+            "recompute_save", "async_tp")
 # what a framework's own loop decides, beyond memplan's reference model (which trace and
 # profile run)
 FRAMEWORK_ONLY = ("framework", "keep_grads", "use_cache", "loss_impl", "logits_held",
                   "compile", "float8", "float8_all_gather", "compile_loss",
-                  "compile_in_checkpoint")  # the reference model runs eagerly, plain linears
+                  "compile_in_checkpoint", "async_tp")  # the reference model runs eagerly, plain linears
 # everything ``memplan estimate`` takes: diagnose takes the same configuration
 ESTIMATE = ("model", "gpus", "gpu", "gpu_memory", *LAYOUT, *WORKLOAD, "schedule", "calibration")
 

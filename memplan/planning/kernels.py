@@ -14,6 +14,10 @@ FLOP/s per (b, m, n, k). The slice kept here is b = 4, m = 4096 (16,384 rows: a 
 micro-batch's tokens are of that order, and the table's largest rows), for n and k from 256
 to 4096. Other GPUs have no measured table: their GEMMs run at the flat fraction (a factor 1,
 the stated fallback).
+
+The fused attention kernel runs at FlashAttention-2's measured forward and backward rates on
+Hopper (``attention_time_factor``), and torchao's float8 casts take their bytes over the HBM's
+bandwidth (``float8_cast_seconds``): memory-bound kernels the FLOP count does not see.
 """
 
 from __future__ import annotations
@@ -108,3 +112,116 @@ def linear_time_factor(spec: ModelSpec, gpu: GpuSpec, tp: int, float8: bool,
     shape = slow / work if work else 1.0
     share = gemm_share(gpu, mfu)
     return 1.0 - share + share * shape / fp8
+
+
+# torchao's float8 casts are memory-bound kernels: the bytes each moves per element of the
+# tensor it casts, from torchao's own roofline model of them (pytorch/ao
+# torchao/testing/float8/roofline_utils.py, get_tensor_memory_traffic_ovhd_s; bf16 in,
+# float8 out). An activation (a linear's input or its output's gradient): tensorwise reads it
+# for its amax (2 B, fused into the op before it when compiled) and writes it twice in float8,
+# row- and column-major (2 + 2 x 1 B): 6, compiled 4; rowwise writes a float8 copy and a
+# transposed bf16 copy (2 + 1 + 2 B, the first read fused when compiled) and casts the latter
+# (2 + 1 B): 8, compiled 6. A weight: tensorwise amax (2) and two casts (3 + 3): 8; rowwise a
+# cast (3), a transposed copy (4) and its cast (3): 10. The kernels run at 92% of the HBM's
+# peak (the same file: "pct_achievable_mem_bw", measured on pointwise Triton kernels).
+CAST_BYTES = {"tensorwise": {"activation": 6, "compiled": 4, "weight": 8},
+              "rowwise": {"activation": 8, "compiled": 6, "weight": 10}}
+ACHIEVABLE_HBM = 0.92
+CAST_SOURCE = "pytorch/ao torchao/testing/float8/roofline_utils.py (bytes per cast, 92% of HBM)"
+# Rowwise scales in the backward's GEMMs: torchao runs the input- and weight-gradient GEMMs
+# without fast accumulation (Float8LinearConfig's gemm_config_grad_input and
+# gemm_config_grad_weight default to use_fast_accum=False), and for rowwise scales without it
+# runs the tensorwise cuBLAS kernel with unit scales and multiplies the output by the outer
+# product of the two scale vectors afterwards (torchao/float8/float8_python_api.py
+# addmm_float8_unwrapped: "The rowwise CUTLASS-based kernel is so slow without fast-accum").
+# That multiply is one more memory-bound pass over each gradient GEMM's output: compiled, read
+# and write it in bf16 (2 + 2 B, the scales broadcast in the fused kernel); eager, the outer
+# product written and read in fp32 (4 + 4 B) and the bf16 output read (2 B) into an fp32
+# product (4 B, bf16 times fp32 promotes): 14 B.
+POST_SCALE_BYTES = {"compiled": 4, "eager": 14}
+
+
+@lru_cache(maxsize=1024)
+def float8_cast_seconds(spec: ModelSpec, gpu: GpuSpec, tp: int, recipe: str, compiled: bool,
+                        sp: bool) -> tuple[float, float]:
+    """(seconds per token, seconds per micro-batch) of torchao's float8 casts in the decoder
+    layers of one rank, summed over all layers; (0, 0) where float8 runs at the flat fraction
+    (no GEMM table or no FP8 tensor cores).
+
+    Per token (of the rows the rank's GEMMs run) each linear casts its output's gradient
+    (d_out / tp of a column-parallel projection, d_out of a row-parallel one) and its input: a
+    row-parallel projection its d_in / tp, a column-parallel one its d_in, once per input its
+    projections share when compiled (AOTAutograd merges identical nodes, ``fx_graph_cse``),
+    else once each. Tensorwise under sequence parallelism casts the shared input on the
+    rank's 1/tp of the tokens before the all-gather (torchao ``PrepareFloat8ModuleInput``,
+    ``Float8ColwiseParallel``, which torchtitan's TP plan uses for tensorwise only; rowwise
+    gathers in bf16). Per micro-batch each linear casts its weight shard, d_in x d_out / tp.
+    Rowwise adds the rescale of each gradient GEMM's output (``POST_SCALE_BYTES``): per token
+    the input gradient's local width, per micro-batch the weight gradient's shard."""
+    table = GEMM_TABLES.get(gpu.compute_capability)
+    if table is None or not fp8_capable(gpu):
+        return 0.0, 0.0
+    b = CAST_BYTES[recipe]
+    act = b["compiled" if compiled else "activation"]
+    gathered = recipe == "tensorwise" and tp > 1 and sp
+    post = POST_SCALE_BYTES["compiled" if compiled else "eager"] if recipe == "rowwise" else 0
+    per_token = per_mb = 0.0
+    for i in range(spec.num_layers):
+        kind = "linear" if spec.is_linear_layer(i) else ""
+        shared: set[str] = set()
+        for lin in layer_linears(spec, spec.is_moe_layer(i), kind):
+            row = lin.split is Split.ROW
+            per_token += act * (lin.d_out if row else lin.d_out // tp)
+            per_mb += b["weight"] * lin.d_in * lin.d_out / tp
+            # rowwise: the input gradient (d_in local) and weight gradient outputs rescaled
+            per_token += post * (lin.d_in // tp if row else lin.d_in)
+            per_mb += post * lin.d_in * lin.d_out / tp
+            if row:
+                per_token += act * lin.d_in // tp
+            elif not ((compiled or gathered) and lin.group in shared):
+                per_token += act * lin.d_in / (tp if gathered else 1)
+                shared.add(lin.group)
+    rate = gpu.hbm_bytes_per_s * ACHIEVABLE_HBM
+    return per_token / rate, per_mb / rate
+
+
+# FlashAttention-2 (the kernel PyTorch's SDPA flash backend runs) on an H100 SXM5, head dim
+# 128, TFLOP/s by sequence length at 16k tokens a batch: the forward with the causal mask and
+# the backward (published without it). Shah et al. 2024, FlashAttention-3, arXiv 2407.08608,
+# Figure 4 (forward, causal, head dim 128) and Figure 5 (backward, head dim 128), the
+# FlashAttention-2 bars. The backward's FLOPs are 2.5 times the forward's, its five matmuls to
+# the forward's two (Dao 2023, FlashAttention-2, arXiv 2307.08691, section 4.1: how both
+# papers count the backward's TFLOP/s).
+ATTENTION_SEQS = (512, 1024, 2048, 4096, 8192, 16384)
+FA2_SM90_FORWARD_CAUSAL = (191e12, 260e12, 298e12, 319e12, 333e12, 335e12)
+FA2_SM90_BACKWARD = (214e12, 260e12, 291e12, 310e12, 318e12, 322e12)
+FA_BACKWARD_FLOPS = 2.5
+ATTENTION_KERNEL_SOURCE = ("FlashAttention-2 on H100 SXM5, head dim 128: Shah et al. 2024 "
+                           "(arXiv 2407.08608), Figures 4-5")
+ATTENTION_TABLES = {"9.0": (FA2_SM90_FORWARD_CAUSAL, FA2_SM90_BACKWARD)}
+
+
+def _by_seq(rates: tuple[float, ...], seq_len: int) -> float:
+    """``rates`` at ``seq_len`` tokens: linear in log2 of the length between the measured
+    lengths, held at the ends beyond them."""
+    x = min(max(math.log2(max(seq_len, 1)), math.log2(ATTENTION_SEQS[0])),
+            math.log2(ATTENTION_SEQS[-1])) - math.log2(ATTENTION_SEQS[0])
+    i = min(int(x), len(rates) - 2)
+    f = x - i
+    return (1 - f) * rates[i] + f * rates[i + 1]
+
+
+@lru_cache(maxsize=1024)
+def attention_time_factor(gpu: GpuSpec, seq_len: int, mfu: float) -> float | None:
+    """The fused attention kernel's time for its FLOPs over their time at the flat fraction
+    ``mfu`` of peak, on ``seq_len`` tokens a sequence (what one rank's kernel runs: seq / cp
+    under context parallelism). The step counts the attention's backward as twice its forward
+    (3 F for a forward of F FLOPs); the kernels run F at the forward's measured rate and
+    2.5 F at the backward's (``FA_BACKWARD_FLOPS``): factor = mfu * peak * (1 / forward +
+    2.5 / backward) / 3. None on a GPU without a measured table (the caller keeps its
+    length-relative rate)."""
+    table = ATTENTION_TABLES.get(gpu.compute_capability)
+    if table is None:
+        return None
+    forward, backward = (_by_seq(rates, seq_len) for rates in table)
+    return mfu * gpu.bf16_flops * (1.0 / forward + FA_BACKWARD_FLOPS / backward) / 3.0

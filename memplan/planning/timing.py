@@ -37,8 +37,9 @@ from memplan.model import sac_ops
 from memplan.parallel import ParallelConfig, ZeroStage, local_seq, rank_layers, optimizer_on_host
 from memplan.spec import ModelSpec
 from memplan.units import FP32_BYTES
-from memplan.planning.kernels import linear_time_factor
-from memplan.workload import Float8Recipe, MoeImpl, Recompute, SelectiveImpl, Workload
+from memplan.planning.kernels import (attention_time_factor, float8_cast_seconds,
+                                      linear_time_factor)
+from memplan.workload import Attention, Float8Recipe, MoeImpl, Recompute, SelectiveImpl, Workload
 
 if TYPE_CHECKING:
     import numpy as np
@@ -495,6 +496,10 @@ def comm_columns(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns) -> dic
     # TP: two all-reduces per layer forward and two backward (or all-gather + reduce-scatter
     # with SP, the same volume): 2 * ring factor per all-reduce.
     tp_bytes = 4 * 2 * _ring(c.tp) * act_bytes * layers * m
+    if wl.float8 is Float8Recipe.TENSORWISE:
+        # the forward's two sequence all-gathers move float8 (torchao Float8ColwiseParallel
+        # casts before the gather), one byte an element: 2 of the 8 collectives at half
+        tp_bytes = tp_bytes * where(c.sp, 1.0 - 2 * (1 - 1 / e) / 8, 1.0)
     # ... each a collective of its own: 8 ring passes per layer and micro-batch
     tp_latency = 8 * layers * m * _ring_latency(gpu, c.tp, c.tp)
     out["tp"] = tp_bytes / _bandwidth(gpu, c, c.tp) + tp_latency
@@ -579,7 +584,7 @@ def _step_fields(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int,
     compute = hardware_flops / world / (gpu.bf16_flops * mfu) * c.balance
     matmul, attention, _ = forward_flops_per_token(spec, wl.seq_len, runs_every_expert(spec, wl))
     share = attention / (matmul + attention)
-    slower = c.ops.per_value(lambda cp: _cp_attention_time(wl.seq_len, int(cp)), c.cp)
+    slower = c.ops.per_value(lambda cp: _attention_time(gpu, wl, int(cp), mfu), c.cp)
     # the decoder's linears at the rate of their per-GPU GEMM shapes, float8 on FP8 tensor
     # cores (``memplan.planning.kernels``)
     linear = (matmul - head_flops_per_token(spec)) / (matmul + attention)
@@ -587,9 +592,21 @@ def _step_fields(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int,
     shaped = c.ops.per_value(lambda tp: linear_time_factor(spec, gpu, int(tp), float8, mfu),
                                c.tp)
     compute = compute * (1.0 - share - linear + share * slower + linear * shaped)
+    if float8:
+        compute = compute + _float8_casts(spec, gpu, wl, c)
     comm = comm_columns(spec, gpu, wl, c)
     exposed = sum(seconds * (1.0 - OVERLAP[kind]) for kind, seconds in comm.items()
-                  if kind not in WINDOWED)
+                  if kind not in WINDOWED and kind != "tp")
+    if wl.async_tp:
+        # the forward's and the input gradients' matmuls, two of a linear's three GEMMs
+        beside = compute * (linear * shaped) / (1.0 - share - linear + share * slower
+                                                + linear * shaped) * 2.0 / 3.0
+        fused = comm["tp"] * async_tp_fused_share(wl)
+        exposed = exposed + c.ops.where(c.sp, async_tp_exposed(fused, beside, c.tp,
+                                                               c.ops.where)
+                                        + comm["tp"] - fused, comm["tp"])
+    else:
+        exposed = exposed + comm["tp"] * (1.0 - OVERLAP["tp"])
     exposed = exposed + _windowed(spec, gpu, wl, c, comm, compute, model_flops, hardware_flops)
     # (p - 1) / (v * m) of the ideal time (Narayanan et al. 2021, eq. 1-2)
     bubble = c.ops.where(c.pp > 1, (c.pp - 1) / (c.vpp * c.m) * (compute + exposed), 0.0)
@@ -604,6 +621,24 @@ def _step_fields(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int,
         "mfu": model_flops / total / world / gpu.bf16_flops,
         "bound": c.ops.first_max(compute, exposed, bubble),
     }
+
+
+def _float8_casts(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns) -> Any:
+    """Seconds of torchao's float8 casts in one step of the busiest rank
+    (``memplan.planning.kernels.float8_cast_seconds``): per token of each micro-batch's
+    mbs x seq / cp rows and per micro-batch, for its share of the layers. The weights' casts
+    are not there when FSDP2 gathers them in float8 (``float8_all_gather``: cast on the shard
+    before the gather). The forward's casts rerun under recompute are not counted."""
+    recipe = wl.float8.value
+
+    def casts(key: int) -> tuple[float, float]:  # key: 2 tp + sp
+        return float8_cast_seconds(spec, gpu, key // 2, recipe, wl.compile, bool(key % 2))
+
+    key = 2 * c.tp + c.ops.where(c.sp, 1, 0)
+    per_token = c.ops.per_value(lambda k: casts(int(k))[0], key)
+    per_mb = 0.0 if wl.float8_all_gather else c.ops.per_value(lambda k: casts(int(k))[1], key)
+    rows = c.mbs * local_seq(wl.seq_len, c.cp)
+    return (per_token * rows + per_mb) * c.m * c.layers / spec.num_layers
 
 
 # Measured attention kernel throughput by sequence length (FlashAttention-3 forward on an H100,
@@ -629,6 +664,19 @@ def attention_rate(seq_len: int) -> float:
             f = (math.log2(seq_len) - math.log2(s0)) / (math.log2(s1) - math.log2(s0))
             return (r0 + f * (r1 - r0)) / top
     return 1.0
+
+
+def _attention_time(gpu: GpuSpec, wl: Workload, cp: int, mfu: float) -> float:
+    """The attention's time over its time at the flat fraction ``mfu`` of peak: the fused
+    kernel's measured forward and backward rates on the rank's seq / cp tokens where the GPU
+    has them (``memplan.planning.kernels.attention_time_factor``), else the flat rate scaled
+    by the kernel's rate at seq / cp tokens over its rate at seq (``_cp_attention_time``).
+    Eager attention (materialised scores) keeps the latter."""
+    if wl.attention is Attention.FLASH:
+        factor = attention_time_factor(gpu, max(1, wl.seq_len // cp), mfu)
+        if factor is not None:
+            return factor
+    return _cp_attention_time(wl.seq_len, cp)
 
 
 def _cp_attention_time(seq_len: int, cp: int) -> float:
@@ -708,6 +756,43 @@ def dp_exposed(reduce: Any, reduce_each: Any, gather: Any, gathers: Any, *, unit
         (gathers - edge(gathers))
     return (edge(reduce) + edge(reduce_each) + edge(gather) + edge(gathers) + r_over + g_over
             + over(pooled, compute))
+
+
+def async_tp_fused_share(wl: Workload) -> float:
+    """The share of tensor parallelism's collective bytes (``comm_columns``: per layer four
+    sequence all-gathers and four reduce-scatters, forward and backward) that async TP fuses
+    with a matmul. Inductor's micro-pipeline pass (torch/_inductor/fx_passes/
+    micro_pipeline_tp.py) fuses an all-gather whose users are matmuls (``_find_consumer_
+    matmuls``: ``mm`` or ``_scaled_mm``, through a reshape) and a reduce-scatter whose input a
+    matmul makes (``_find_producer_matmul``). In bf16 all eight are. With torchao's float8:
+    the backward's all-gathers of the output gradient feed its float8 cast, not a matmul;
+    tensorwise gathers the forward's inputs already in float8 (half the bytes, straight into
+    ``_scaled_mm``) and its gradient GEMMs feed their reduce-scatters, so 5 of 7 byte units
+    fuse; rowwise gathers the forward's inputs in bf16 into its cast, and its gradient GEMMs'
+    outputs are rescaled before the reduce-scatter (``POST_SCALE_BYTES``), so only the
+    forward's two reduce-scatters fuse, 2 of 8."""
+    if wl.float8 is Float8Recipe.TENSORWISE:
+        return 5.0 / 7.0
+    if wl.float8 is Float8Recipe.ROWWISE:
+        return 2.0 / 8.0
+    return 1.0
+
+
+def async_tp_exposed(seconds: Any, beside: Any, tp: Any, where: Any) -> Any:
+    """Exposed seconds of tensor parallelism's collectives, ``seconds`` in all, when each is
+    micro-pipelined with the matmul it feeds or follows, ``beside`` seconds of matmuls in all
+    (torchtitan's async TP: Inductor's _micro_pipeline_tp pass replaces an all-gather and
+    its matmul with ``fused_all_gather_matmul``, a matmul and its reduce-scatter with
+    ``fused_matmul_reduce_scatter``, torch/distributed/_symmetric_memory/__init__.py).
+    The collective is cut into ``tp`` shards: the all-gather's matmul starts on the local
+    shard while the next one arrives and each shard's matmul runs while the next is copied;
+    the reduce-scatter sends each shard's partial product while the next is computed. One
+    shard of each transfer has no matmul beside it (the last one reduced; a shard gathered
+    ahead of the local matmul's end is the mirror case): ``seconds / tp`` waits. The other
+    tp - 1 shards hide behind tp - 1 shards of the matmuls, what exceeds them is exposed."""
+    rest = seconds * (tp - 1) / tp
+    window = beside * (tp - 1) / tp
+    return seconds / tp + where(rest > window, rest - window, 0.0)
 
 
 def ring_exposed(seconds: Any, steps: Any, block: Any, where: Any) -> Any:

@@ -59,7 +59,7 @@ def test_mfu_gap_names_the_data_parallel_all_reduce() -> None:
     est = memplan.estimate("llama-7b", gpus=64)
     t = estimate_step_time(est)
     line = _by_term(est)["mfu"]
-    assert line.why.startswith("MFU 0.14, not 0.40: step 0.62 s")
+    assert line.why.startswith("MFU 0.14, not 0.40: step 0.622 s")
     assert "(largest: data-parallel gradient," in line.why
     assert "bubble" not in line.why
     assert f"compute {t.compute_s:.3g} s + exposed comm {t.exposed_comm_s:.3g} s" in line.why
@@ -69,9 +69,13 @@ def test_mfu_gap_names_the_data_parallel_all_reduce() -> None:
 
 
 def test_no_mfu_line_on_one_gpu() -> None:
-    """One GPU: no communication, no pipeline, no recompute: MFU is the assumed 0.40."""
+    """One GPU: no communication, no pipeline, no recompute: MFU is the assumed 0.40 less only
+    what the kernels' measured rates cost (the attention at FlashAttention-2's rate at 2,048
+    tokens, 298e12 forward and 291e12 backward on the H100, 0.4 * 989.4e12 * (1 / 298e12 +
+    2.5 / 291e12) / 3 = 1.5760 of its time at 40%, on about 1/10 of llama-7b's FLOPs at this
+    length): within the line's threshold, 0.9 of the assumed."""
     est = memplan.estimate("llama-7b", gpus=1)
-    assert estimate_step_time(est).mfu == pytest.approx(0.40)
+    assert 0.9 * 0.40 < estimate_step_time(est).mfu < 0.40
     assert "mfu" not in _by_term(est)
 
 

@@ -108,3 +108,119 @@ def test_ring_exposed_per_step():
 
     assert ring_exposed(0.7, 14, 0.08, _where) == 0.0
     assert ring_exposed(0.7, 14, 0.02, _where) == pytest.approx(0.42)
+
+
+def test_attention_runs_at_flash_attention_2s_measured_rates():
+    """H100 (989.4e12 dense BF16), flat fraction 0.40: 395.76e12 FLOP/s. At 8192 tokens the
+    FlashAttention-2 forward (causal) runs at 333e12 and the backward at 318e12 (FA3 paper,
+    Figures 4-5); a forward of F FLOPs and its backward of 2.5 F take
+    F / 333e12 + 2.5 F / 318e12 = F x (3.003003e-15 + 7.861635e-15) = F x 10.864638e-15 s,
+    where the flat rate takes 3 F / 395.76e12: factor 395.76e12 x 10.864638e-15 / 3 = 1.433263.
+    At 2^12.5 tokens, halfway (in log2) between 4096 and 8192: forward (319 + 333) / 2 = 326,
+    backward (310 + 318) / 2 = 314: 395.76 x (3.067485e-3 + 7.961783e-3) / 3 = 1.454981.
+    Beyond 16384 tokens the 16k rates hold (335, 322): 395.76 x (1/335 + 2.5/322) / 3
+    = 395.76 x (2.985075e-3 + 7.763975e-3) / 3 = 1.418015. No table for sm_80: None."""
+    from memplan.planning.kernels import attention_time_factor
+
+    assert attention_time_factor(H100, 8192, 0.40) == pytest.approx(1.433263, abs=1e-6)
+    assert attention_time_factor(H100, 2 ** 12.5, 0.40) == pytest.approx(1.454981, abs=1e-6)
+    assert attention_time_factor(H100, 262144, 0.40) == pytest.approx(1.418015, abs=1e-6)
+    assert attention_time_factor(load_gpu("a100-80gb"), 8192, 0.40) is None
+
+
+def test_async_tp_exposes_one_shard_and_what_exceeds_the_matmuls():
+    """TP collectives of 0.8 s in all at tp 8, cut into 8 shards of 0.1 s: one shard waits
+    (0.1 s); the other 0.7 s hide behind 7/8 of the matmuls beside them. Beside 1.0 s of
+    matmuls (0.875 s window) nothing more shows: 0.1 s. Beside 0.4 s (0.35 s window) the rest
+    exceeds it by 0.35 s: 0.45 s."""
+    from memplan.planning.timing import async_tp_exposed
+
+    assert async_tp_exposed(0.8, 1.0, 8, _where) == pytest.approx(0.1)
+    assert async_tp_exposed(0.8, 0.4, 8, _where) == pytest.approx(0.45)
+
+
+def test_async_tp_needs_compile_and_hides_tp_collectives():
+    """torchtitan refuses async TP without torch.compile; with it, the same job's TP
+    collectives hide behind the matmuls (fewer exposed seconds, same compute)."""
+    import memplan
+    from memplan.errors import MemplanError
+    from memplan.planning.timing import estimate_step_time
+
+    job = dict(gpus=16, tp=8, zero=3, global_batch_size=16, micro_batch_size=2, seq_len=4096,
+               framework="torchtitan", precision="fsdp-bf16", gpu="h100-sxm")
+    with pytest.raises(MemplanError, match="async_tp without compile"):
+        memplan.estimate("llama-3.1-8b", async_tp=True, **job)
+    plain = estimate_step_time(memplan.estimate("llama-3.1-8b", compile=True, **job))
+    fused = estimate_step_time(memplan.estimate("llama-3.1-8b", compile=True, async_tp=True,
+                                                **job))
+    assert fused.compute_s == plain.compute_s
+    assert fused.exposed_comm_s < plain.exposed_comm_s
+
+
+def test_float8_cast_bytes_by_recipe_and_layout():
+    """torchao's cast kernels (roofline_utils.py) on the wide spec (2 layers; q, k, v, o
+    4096 x 4096; gate, up 4096 -> 16384; down 16384 -> 4096), at 0.92 x 3.35e12 B/s.
+    Per token and layer, tp 1, tensorwise, compiled (4 B an activation element):
+    output gradients 3 x 4096 + 4096 + 2 x 16384 + 4096 = 53,248; inputs, once per shared
+    input: 4096 (q/k/v) + 4096 (o) + 4096 (gate/up) + 16384 (down) = 28,672;
+    4 x 81,920 = 327,680 B, 655,360 for the 2 layers.
+    Eager (6 B, each projection its own input): inputs 3 x 4096 + 4096 + 2 x 4096 + 16384
+    = 40,960; 6 x (53,248 + 40,960) x 2 = 1,130,496 B.
+    tp 8, tensorwise, sequence parallel: the shared inputs cast on 1/8 of the tokens:
+    gradients 3 x 512 + 4096 + 2 x 2048 + 4096 = 13,824; inputs 512 + 512 + 512 + 2048 =
+    3,584; 4 x 17,408 x 2 = 139,264 B.
+    tp 8, rowwise, compiled (6 B; bf16 gather, the full input cast once per shared input):
+    inputs 4096 + 512 + 4096 + 2048 = 10,752; 6 x (13,824 + 10,752) x 2 = 294,912 B; and
+    the input gradients' rescale (4 B): 3 x 4096 + 512 + 2 x 4096 + 2048 = 23,040 x 4 x 2
+    = 184,320 B; 479,232 in all.
+    Weights per micro-batch, tp 1, tensorwise (8 B): (4 x 4096^2 + 3 x 4096 x 16384) x 8 x 2
+    = 4,294,967,296 B; rowwise at tp 8, cast (10 B) and the weight gradient's rescale (4 B):
+    268,435,456 / 8 x 14 x 2 = 939,524,096 B."""
+    from memplan.planning.kernels import float8_cast_seconds
+
+    rate = 0.92 * 3.35e12
+    spec = _wide()
+    tw = float8_cast_seconds(spec, H100, 1, "tensorwise", True, True)
+    assert tw[0] == pytest.approx(655_360 / rate)
+    assert tw[1] == pytest.approx(4_294_967_296 / rate)
+    eager = float8_cast_seconds(spec, H100, 1, "tensorwise", False, True)
+    assert eager[0] == pytest.approx(1_130_496 / rate)
+    assert float8_cast_seconds(spec, H100, 8, "tensorwise", True, True)[0] == pytest.approx(
+        139_264 / rate)
+    rw = float8_cast_seconds(spec, H100, 8, "rowwise", True, True)
+    assert rw[0] == pytest.approx(479_232 / rate)
+    assert rw[1] == pytest.approx(939_524_096 / rate)
+    # no FP8 tensor cores or no GEMM table: float8 runs at the flat fraction, no casts
+    assert float8_cast_seconds(spec, load_gpu("a100-80gb"), 1, "rowwise", True, True) == (0, 0)
+
+
+def test_async_tp_fuses_only_collectives_beside_a_matmul():
+    """Inductor's micro-pipeline pass fuses an all-gather feeding a matmul and a
+    reduce-scatter fed by one. bf16: all 8 of a layer's collectives. Tensorwise float8: the
+    forward's 2 all-gathers move float8 (half: 1 unit), its 2 reduce-scatters and the
+    backward's 2 (4 units) fuse; the backward's 2 all-gathers feed a cast: 5 of 7 units.
+    Rowwise: only the forward's 2 reduce-scatters: 2 of 8."""
+    import memplan
+    from memplan.planning.timing import async_tp_fused_share
+
+    spec = memplan.load_model("llama-3.1-8b")
+    assert async_tp_fused_share(memplan.make_workload(spec)) == 1.0
+    assert async_tp_fused_share(memplan.make_workload(spec, float8="tensorwise")) == 5 / 7
+    assert async_tp_fused_share(memplan.make_workload(spec, float8="rowwise")) == 2 / 8
+
+
+def test_tensorwise_float8_gathers_the_forward_inputs_in_one_byte():
+    """llama-3.1-8b at tp 8 with sequence parallelism, one micro-batch of 4096 tokens: TP
+    moves 8 collectives x 7/8 (ring) x 4096 x 4096 x 2 B x 32 layers = 7,516,192,768 B over
+    NVLink (450e9 B/s). Tensorwise float8 gathers the forward's two inputs in float8: one
+    eighth of that less, 939,524,096 B, 2.087831e-3 s (latency unchanged)."""
+    import memplan
+    from memplan.planning.timing import comm_seconds
+
+    spec = memplan.load_model("llama-3.1-8b")
+    par = memplan.make_layout(8, tp=8, sequence_parallel=True)
+    plain = memplan.make_workload(spec, seq_len=4096)
+    fp8 = memplan.make_workload(spec, seq_len=4096, float8="tensorwise")
+    bf16 = comm_seconds(spec, H100, par, plain, 1, spec.num_params)["tp"]
+    tw = comm_seconds(spec, H100, par, fp8, 1, spec.num_params)["tp"]
+    assert bf16 - tw == pytest.approx(939_524_096 / 450e9)

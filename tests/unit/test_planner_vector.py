@@ -299,3 +299,31 @@ def test_a_recompute_policy_is_kept_only_when_it_fits_more() -> None:
     for cs in by_layout.values():  # more recompute, strictly larger micro-batch
         cs.sort(key=lambda c: order[(c.recompute, c.recompute_layers)])
         assert [c.micro_batch_size for c in cs] == sorted({c.micro_batch_size for c in cs})
+
+
+def test_step_times_with_float8_and_async_tp_equal_step_time() -> None:
+    """The vectorised pass and the one-layout pass agree with float8's casts (per TP degree
+    and sequence parallelism) and async TP's fused share (per sequence parallelism)."""
+    rng = random.Random(2)
+    spec = memplan.load_model("llama-2-7b")
+    for float8 in ("tensorwise", "rowwise", "none"):
+        wl = memplan.make_workload(spec, seq_len=2048, compile=True, async_tp=True,
+                                   float8=float8)
+        rows = []
+        for _ in range(60):
+            tp, pp = rng.choice((1, 2, 8)), rng.choice((1, 2))
+            par = memplan.ParallelConfig(tp=tp, pp=pp, cp=rng.choice((1, 2)),
+                                         dp=rng.choice((1, 4)), zero=rng.choice((0, 3)),
+                                         sequence_parallel=rng.random() < 0.5)
+            rows.append((par, wl.model_copy(update={"micro_batch_size": rng.choice((1, 4))}),
+                         rng.choice((1, 8)), rng.randrange(1, 10**10)))
+        flops = [step_flops(spec, w, 512, pp=par.pp) for par, w, _, _ in rows]
+        cols = Columns.of([r[0] for r in rows], [r[1].micro_batch_size for r in rows],
+                          [r[2] for r in rows], [r[3] for r in rows],
+                          num_layers=spec.num_layers,
+                          balance=[stage_balance(spec, w, par.pp) for par, w, _, _ in rows])
+        times = step_times(spec, GPU, wl, 512, cols, np.array([f[0] for f in flops]),
+                           np.array([f[1] for f in flops]))
+        for i, (par, w, m, params) in enumerate(rows):
+            one = step_time(spec, GPU, par, w, 512, m, params)
+            assert times.at(i).step_s == pytest.approx(one.step_s, rel=1e-12), (float8, i)
