@@ -477,20 +477,26 @@ def float8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutErr
     """What torchao's float8 linears are modelled for (``memplan.model.linear``): dense
     layers, eager or compiled (a gated MLP: ``memplan.model.compiled.float8_recomputed``
     traced), recompute none, full or torchtitan's per-op SAC (its save list keeps the
-    Float8Linear's mm outputs and the casts' ``aten.max``: traced). Refused: tensor
-    parallelism (torchao ``float8/float8_tensor_parallel.py``: ``Float8ColwiseParallel`` and
-    ``Float8RowwiseParallel``, which torchtitan's TP plan uses with float8, cast the input to
-    float8 before its sequence all-gather, ``PrepareFloat8ModuleInput`` too: activations
-    gathered in float8, not modelled), MoE layers (the grouped experts take a converter of
-    their own, ``Float8GroupedExpertsConverter``: torchao's ``Float8TrainingOpConfig``), LoRA,
+    Float8Linear's mm outputs and the casts' ``aten.max``: traced). Tensor parallelism with
+    tensorwise scaling as torchtitan's llama3 ``apply_tp`` runs it (torchao
+    ``float8/float8_tensor_parallel.py``: ``PrepareFloat8ModuleInput`` casts a block's input
+    to float8 before its all-gather, ``Float8ColwiseParallel`` / ``Float8RowwiseParallel``:
+    ``memplan.model.linear.float8_tp_input_bytes``; traced at tp 2 and 4, with and without
+    sequence parallelism), eager, DTensor style, every block linear converted (those styles
+    refuse a plain linear). Refused: rowwise scaling with tp > 1 (torchtitan runs plain TP
+    there, the Float8Linear casting DTensor inputs; its backward is not modelled yet), tp
+    with compile unless under full recompute (each block then saves its input alone; the
+    recomputed block's casts are taken as traced eagerly: compiled TP was not traced), MoE
+    layers (the grouped experts take a converter of their own,
+    ``Float8GroupedExpertsConverter``: torchao's ``Float8TrainingOpConfig``), LoRA,
     selective recompute other than per-op SAC."""
     why = None
     if spec.moe is not None:
         why = "MoE layers"
     elif wl.compile and not spec.mlp.gated:
         why = "compile and an ungated MLP"
-    elif par.tp > 1:
-        why = f"tp {par.tp}"
+    elif par.tp > 1 and (reason := _float8_tp_refusal(spec, par, wl)) is not None:
+        why = reason
     elif wl.lora_rank:
         why = f"lora_rank {wl.lora_rank}"
     elif wl.recompute is Recompute.SELECTIVE and wl.selective_impl.value != "op":
@@ -499,8 +505,28 @@ def float8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutErr
         return None
     return LayoutError(f"float8 is not modelled with {why}",
                        f"float8 {wl.float8.value} with {why}: not modelled yet (float8 is "
-                       "modelled for dense layers, eager or compiled with a gated MLP, tp 1, no "
-                       "LoRA, recompute none, full or per-op SAC)")
+                       "modelled for dense layers, eager or compiled with a gated MLP, tp 1 "
+                       "or eager tensorwise DTensor TP, no LoRA, recompute none, full or "
+                       "per-op SAC)")
+
+
+def _float8_tp_refusal(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> str | None:
+    """Why float8 with tp > 1 is not modelled for this run, or None (``float8_rule``)."""
+    from memplan.model.attention import attention_linears
+    from memplan.model.linear import convertible
+    from memplan.model.mlp import mlp_linears
+
+    if wl.float8.value != "tensorwise":
+        return f"tp {par.tp} and {wl.float8.value} scaling"
+    if wl.compile and wl.recompute is not Recompute.FULL:
+        # under full recompute a compiled block saves its input alone, as an eager one does
+        return f"tp {par.tp}, compile and recompute {wl.recompute.value}"
+    if par.tp_style is not TpStyle.DTENSOR:
+        return f"tp {par.tp} in the {par.tp_style.value} style"
+    linears = attention_linears(spec) + mlp_linears(spec, spec.ffn_hidden_size)
+    if not all(convertible(lin) for lin in linears):
+        return f"tp {par.tp} and a block linear whose widths are not multiples of 16"
+    return None
 
 
 def float8_gather_rule(par: ParallelConfig, wl: Workload) -> LayoutError | None:

@@ -33,7 +33,21 @@ def mlp_terms(prefix: str, spec: ModelSpec, dm: Dims, ffn: int, tokens: int) -> 
         last = ".prod" if spec.mlp.gated else ".act"
         return [Term(n, 0) if n.endswith(last) else Term(n, size)
                 for n, size in _mlp_terms(prefix, spec, dm, ffn, tokens)]
+    if dm.float8_tp:
+        return _float8_tp_terms(prefix, spec, dm, ffn, tokens)
     return _mlp_terms(prefix, spec, dm, ffn, tokens)
+
+
+def _float8_tp_terms(prefix: str, spec: ModelSpec, dm: Dims, ffn: int,
+                     tokens: int) -> list[Term]:
+    """Under torchao's float8 tensor-parallel styles the down projection saves the float8
+    cast of its input (``Float8RowwiseParallel``: ``linear.float8_tp_input_bytes``): the
+    activation's output is saved by nobody else (gated: prod; GELU: act), ReLU's by its own
+    backward."""
+    last = f"{prefix}.prod" if spec.mlp.gated else f"{prefix}.act"
+    cast = Term(f"{prefix}.down_float8", linear.float8_tp_input_bytes(tokens, ffn // dm.tp))
+    return [Term(n, 0) if n == last and spec.mlp is not MlpKind.RELU else Term(n, size)
+            for n, size in _mlp_terms(prefix, spec, dm, ffn, tokens)] + [cast]
 
 
 def _mlp_terms(prefix: str, spec: ModelSpec, dm: Dims, ffn: int, tokens: int) -> list[Term]:
