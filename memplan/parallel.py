@@ -512,10 +512,6 @@ def float8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutErr
 
 def _float8_tp_refusal(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> str | None:
     """Why float8 with tp > 1 is not modelled for this run, or None (``float8_rule``)."""
-    from memplan.model.attention import attention_linears
-    from memplan.model.linear import convertible
-    from memplan.model.mlp import mlp_linears
-
     if wl.float8.value != "tensorwise":
         return f"tp {par.tp} and {wl.float8.value} scaling"
     if wl.compile and wl.recompute is not Recompute.FULL:
@@ -523,8 +519,9 @@ def _float8_tp_refusal(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> st
         return f"tp {par.tp}, compile and recompute {wl.recompute.value}"
     if par.tp_style is not TpStyle.DTENSOR:
         return f"tp {par.tp} in the {par.tp_style.value} style"
-    linears = attention_linears(spec) + mlp_linears(spec, spec.ffn_hidden_size)
-    if not all(convertible(lin) for lin in linears):
+    # the block linears' widths (memplan.model.linear.convertible: multiples of 16)
+    widths = (spec.hidden_size, spec.q_size, spec.kv_size, spec.ffn_hidden_size)
+    if any(w % 16 for w in widths):
         return f"tp {par.tp} and a block linear whose widths are not multiples of 16"
     return None
 
