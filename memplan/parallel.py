@@ -477,15 +477,16 @@ def float8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutErr
     """What torchao's float8 linears are modelled for (``memplan.model.linear``): dense
     layers, eager or compiled (a gated MLP: ``memplan.model.compiled.float8_recomputed``
     traced), recompute none, full or torchtitan's per-op SAC (its save list keeps the
-    Float8Linear's mm outputs and the casts' ``aten.max``: traced). Tensor parallelism with
-    tensorwise scaling as torchtitan's llama3 ``apply_tp`` runs it (torchao
-    ``float8/float8_tensor_parallel.py``: ``PrepareFloat8ModuleInput`` casts a block's input
+    Float8Linear's mm outputs and the casts' ``aten.max``: traced). Tensor parallelism as
+    torchtitan runs it (DTensor style, every block linear converted): with tensorwise
+    scaling its llama3 ``apply_tp`` takes torchao's float8 styles
+    (``float8/float8_tensor_parallel.py``: ``PrepareFloat8ModuleInput`` casts a block's input
     to float8 before its all-gather, ``Float8ColwiseParallel`` / ``Float8RowwiseParallel``:
-    ``memplan.model.linear.float8_tp_input_bytes``; traced at tp 2 and 4, with and without
-    sequence parallelism), eager, DTensor style, every block linear converted (those styles
-    refuse a plain linear). Refused: rowwise scaling with tp > 1 (torchtitan runs plain TP
-    there, the Float8Linear casting DTensor inputs; its backward is not modelled yet), tp
-    with compile unless under full recompute (each block then saves its input alone; the
+    ``memplan.model.linear.float8_tp_input_bytes``), which refuse a plain linear; with
+    rowwise plain TP (0.3.0's sharding configs, dtype-agnostic), the Float8Linear casting
+    the gathered bf16 input itself (``linear._gathered_grad``); both traced at tp 2 and 4,
+    with and without sequence parallelism. Refused: tp with compile unless under full
+    recompute (each block then saves its input alone; the
     recomputed block's casts are taken as traced eagerly: compiled TP was not traced), MoE
     layers (the grouped experts take a converter of their own,
     ``Float8GroupedExpertsConverter``: torchao's ``Float8TrainingOpConfig``), LoRA,
@@ -506,14 +507,11 @@ def float8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutErr
     return LayoutError(f"float8 is not modelled with {why}",
                        f"float8 {wl.float8.value} with {why}: not modelled yet (float8 is "
                        "modelled for dense layers, eager or compiled with a gated MLP, tp 1 "
-                       "or eager tensorwise DTensor TP, no LoRA, recompute none, full or "
-                       "per-op SAC)")
+                       "or eager DTensor TP, no LoRA, recompute none, full or per-op SAC)")
 
 
 def _float8_tp_refusal(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> str | None:
     """Why float8 with tp > 1 is not modelled for this run, or None (``float8_rule``)."""
-    if wl.float8.value != "tensorwise":
-        return f"tp {par.tp} and {wl.float8.value} scaling"
     if wl.compile and wl.recompute is not Recompute.FULL:
         # under full recompute a compiled block saves its input alone, as an eager one does
         return f"tp {par.tp}, compile and recompute {wl.recompute.value}"

@@ -318,7 +318,9 @@ def _float8_in_backward(spec: ModelSpec, dm: Dims) -> list[BackwardMoment]:
     if not any(linear.float8_converts(lin, dm) for lin in linears):
         return []
     outs = _outputs(spec, dm)
-    grad_in = dm.rows * spec.hidden_size * dm.e
+    # the input's gradient as the matmul makes it: all tokens under DTensor sequence
+    # parallelism (reduce-scattered after, by the input's redistribute)
+    grad_in = dm.linear_rows * spec.hidden_size * dm.e
     n = len(linears)
     return [BackwardMoment(f"attn_f8_{linears[i].name}_in", 0,
                            sum(outs[:i + 1]) + (n - 1 - i) * grad_in

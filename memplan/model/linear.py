@@ -322,9 +322,22 @@ def float8_backward_peak(lin: Linear, dm: Dims, grad_in_bytes: int) -> int:
     go0 = p * FLOAT8_BYTES + _scales(rows, dm)
     w0 = _weight_cast(lin, dm, d_in)
     go1 = p * FLOAT8_BYTES + _scales(d_out, dm)
-    return max(p * work + _scales(rows, dm), go0 + (m * work + _scales(d_in, dm) if m else 0),
-               go0 + w0 + grad_in_bytes + p * work + _scales(d_out, dm),
-               go0 + w0 + grad_in_bytes + go1 + n * work + _scales(d_in, dm))
+    return _gathered_grad(lin, dm) + max(
+        p * work + _scales(rows, dm), go0 + (m * work + _scales(d_in, dm) if m else 0),
+        go0 + w0 + grad_in_bytes + p * work + _scales(d_out, dm),
+        go0 + w0 + grad_in_bytes + go1 + n * work + _scales(d_in, dm))
+
+
+def _gathered_grad(lin: Linear, dm: Dims) -> int:
+    """Under DTensor sequence parallelism, a row-parallel Float8Linear's output gradient as
+    its backward reads it: the sequence shard all-gathered (the backward of its output's
+    reduce-scatter, torch's ``RowwiseParallel`` to ``Shard(1)``), all tokens in the compute
+    dtype, alive through the linear's backward beside the shard the block counts (traced:
+    tests/traced/test_float8_tp.py, torchtitan 0.3.0's TP with rowwise float8). 0
+    otherwise."""
+    if lin.split is not Split.ROW or not dm.gathered_linear_input:
+        return 0
+    return dm.tokens * local_widths(lin, dm.tp)[1] * dm.e
 
 
 def _float8_tp_backward_peak(lin: Linear, dm: Dims, grad_in_bytes: int) -> int:

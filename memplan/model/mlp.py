@@ -229,7 +229,9 @@ def _float8_backward(spec: ModelSpec, dm: Dims, terms: list[Term]) -> list[Backw
     if not any(linear.float8_converts(lin, dm) for lin in linears):
         return []
     inner = dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
-    grad_in = dm.rows * spec.hidden_size * dm.e
+    # the input's gradient as the matmul makes it: all tokens under DTensor sequence
+    # parallelism (reduce-scattered after, by the input's redistribute)
+    grad_in = dm.linear_rows * spec.hidden_size * dm.e
     if len(linears) == 1:
         width = 2 if spec.fused_gate_up else 1
         return [BackwardMoment("mlp_f8_in", 0, width * inner + linear.float8_backward_peak(

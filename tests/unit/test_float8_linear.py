@@ -85,7 +85,7 @@ def test_float8_keeps_saved_activations_of_a_bf16_run() -> None:
 
 @pytest.mark.parametrize(("model", "update", "par", "why"), [
     ("mixtral-8x7b", {}, {}, "MoE layers"),
-    ("tiny", {}, {"tp": 2}, "tp 2 and rowwise scaling"),
+    ("tiny", {}, {"tp": 2, "tp_style": "megatron"}, "tp 2 in the megatron style"),
     ("tiny", {"lora_rank": 8}, {}, "lora_rank 8"),
     ("tiny", {"recompute": "selective", "selective_impl": "core"}, {}, "recompute selective"),
 ])
@@ -231,7 +231,7 @@ def test_float8_tp_saves_float8_inputs() -> None:
 
 
 def test_float8_tp_casts_by_hand() -> None:
-    """At tp 2 the up projection (64 -> 48 on this rank) finds its input cast: forward, the
+    """At tp 2 (tensorwise) the up projection (64 -> 48 on this rank) finds its input cast: forward, the
     weight's cast alone, 3,072 elements: its working set 9 * 3,072 + 4 = 27,652 beside
     nothing, or 3,076 beside the output 1,536: 27,652. Backward, its gradient arrives cast
     (16 x 48 + 4 = 772): max(the gradient's cast working set 9 * 768 + 4 = 6,916, 772 +
@@ -245,10 +245,12 @@ def test_float8_tp_casts_by_hand() -> None:
 
 
 def test_float8_tp_accepted_and_refused() -> None:
-    """Tensorwise with DTensor TP is modelled; the Megatron style, rowwise scaling and
-    compile without full recompute are refused by name."""
+    """Tensorwise and rowwise with DTensor TP are modelled; the Megatron style and compile
+    without full recompute are refused by name."""
     tw = Workload.model_validate({"float8": "tensorwise"})
     validate(TINY, ParallelConfig(tp=2, tp_style="dtensor"), tw)
+    validate(TINY, ParallelConfig(tp=2, tp_style="dtensor"),
+             Workload.model_validate({"float8": "rowwise"}))
     with pytest.raises(LayoutError, match="tp 2 in the megatron style: not modelled"):
         validate(TINY, ParallelConfig(tp=2, tp_style="megatron"), tw)
     compiled = Workload.model_validate({"float8": "tensorwise", "compile": True})
@@ -257,3 +259,18 @@ def test_float8_tp_accepted_and_refused() -> None:
     full = Workload.model_validate({"float8": "tensorwise", "compile": True,
                                     "recompute": "full"})
     validate(TINY, ParallelConfig(tp=2, tp_style="dtensor"), full)
+
+
+def test_float8_rowwise_tp_gathered_gradient() -> None:
+    """Rowwise under DTensor TP with SP (plain RowwiseParallel): the down projection's
+    backward reads its output gradient all-gathered in bf16, 16 tokens x 64 x 2 = 2,048
+    bytes, alive through its backward: its peak is the tp 1 formula's plus 2,048. The tp 1
+    formula for 48 -> 64 on this rank, 16 rows, rowwise: the gradient's first cast (1,024 B
+    + 16 * 4 scales = 1,088) beside the weight's cast working set (48 x 64 = 3,072 elements
+    * 9 + 48 * 4 = 27,840): 28,928, above the gradient's cast working set (9,280) and the
+    later casts beside the input gradient (15,360; 14,272); + 2,048 = 30,976. The up
+    projection (column-parallel) holds no gathered gradient: the tp 1 formula alone."""
+    rw = RW._replace(tp=2, res_tokens_div=2, gathered_linear_input=True)
+    assert linear.float8_backward_peak(DOWN, rw, 1_536) == 30_976
+    assert (linear.float8_backward_peak(UP, rw, 2_048)
+            == linear.float8_backward_peak(UP, rw._replace(gathered_linear_input=False), 2_048))
