@@ -13,7 +13,9 @@ sequence-shard copy of the embedding's output, the same bytes in both runs, so t
 difference of the differences is float8's alone: saved activations and the forward peak to
 the byte (the float8 all-gathered block inputs, the row-parallel inputs' casts and their
 scales), the backward peak within 1% of the float8 run's (tensorwise at tp 4: the float8
-backward peak is 131,076 B, 2.3%, above the estimate: not attributed yet, a strict xfail).
+backward peak is 131,076 B, 2.3%, above the estimate, a strict xfail: the trace peaks at the
+down projection's weight-gradient matmul, where storages first seen at a ``view`` and a
+``t`` of the float8 DTensor operands, 131,072 B each, are alive; not attributed yet).
 Rowwise at tp 4 is exact in every row; at tp 2 its backward peak is 65,536 B (0.6%) under,
 without SP 28,672 B (0.25%).
 
