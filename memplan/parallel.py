@@ -479,20 +479,27 @@ def float8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutErr
     """What torchao's float8 linears are modelled for (``memplan.model.linear``): dense
     layers, eager or compiled (a gated MLP: ``memplan.model.compiled.float8_recomputed``
     traced), recompute none, full or torchtitan's per-op SAC (its save list keeps the
-    Float8Linear's mm outputs and the casts' ``aten.max``: traced). Refused: tensor
-    parallelism (torchao ``float8/float8_tensor_parallel.py``: ``Float8ColwiseParallel`` and
-    ``Float8RowwiseParallel``, which torchtitan's TP plan uses with float8, cast the input to
-    float8 before its sequence all-gather, ``PrepareFloat8ModuleInput`` too: activations
-    gathered in float8, not modelled), MoE layers (the grouped experts take a converter of
-    their own, ``Float8GroupedExpertsConverter``: torchao's ``Float8TrainingOpConfig``), LoRA,
+    Float8Linear's mm outputs and the casts' ``aten.max``: traced). Tensor parallelism as
+    torchtitan runs it (DTensor style, every block linear converted): with tensorwise
+    scaling its llama3 ``apply_tp`` takes torchao's float8 styles
+    (``float8/float8_tensor_parallel.py``: ``PrepareFloat8ModuleInput`` casts a block's input
+    to float8 before its all-gather, ``Float8ColwiseParallel`` / ``Float8RowwiseParallel``:
+    ``memplan.model.linear.float8_tp_input_bytes``), which refuse a plain linear; with
+    rowwise plain TP (0.3.0's sharding configs, dtype-agnostic), the Float8Linear casting
+    the gathered bf16 input itself (``linear._gathered_grad``); both traced at tp 2 and 4,
+    with and without sequence parallelism. Refused: tp with compile unless under full
+    recompute (each block then saves its input alone; the
+    recomputed block's casts are taken as traced eagerly: compiled TP was not traced), MoE
+    layers (the grouped experts take a converter of their own,
+    ``Float8GroupedExpertsConverter``: torchao's ``Float8TrainingOpConfig``), LoRA,
     selective recompute other than per-op SAC."""
     why = None
     if spec.moe is not None:
         why = "MoE layers"
     elif wl.compile and not spec.mlp.gated:
         why = "compile and an ungated MLP"
-    elif par.tp > 1:
-        why = f"tp {par.tp}"
+    elif par.tp > 1 and (reason := _float8_tp_refusal(spec, par, wl)) is not None:
+        why = reason
     elif wl.lora_rank:
         why = f"lora_rank {wl.lora_rank}"
     elif wl.recompute is Recompute.SELECTIVE and wl.selective_impl.value != "op":
@@ -501,8 +508,22 @@ def float8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutErr
         return None
     return LayoutError(f"float8 is not modelled with {why}",
                        f"float8 {wl.float8.value} with {why}: not modelled yet (float8 is "
-                       "modelled for dense layers, eager or compiled with a gated MLP, tp 1, no "
-                       "LoRA, recompute none, full or per-op SAC)")
+                       "modelled for dense layers, eager or compiled with a gated MLP, tp 1 "
+                       "or eager DTensor TP, no LoRA, recompute none, full or per-op SAC)")
+
+
+def _float8_tp_refusal(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> str | None:
+    """Why float8 with tp > 1 is not modelled for this run, or None (``float8_rule``)."""
+    if wl.compile and wl.recompute is not Recompute.FULL:
+        # under full recompute a compiled block saves its input alone, as an eager one does
+        return f"tp {par.tp}, compile and recompute {wl.recompute.value}"
+    if par.tp_style is not TpStyle.DTENSOR:
+        return f"tp {par.tp} in the {par.tp_style.value} style"
+    # the block linears' widths (memplan.model.linear.convertible: multiples of 16)
+    widths = (spec.hidden_size, spec.q_size, spec.kv_size, spec.ffn_hidden_size)
+    if any(w % 16 for w in widths):
+        return f"tp {par.tp} and a block linear whose widths are not multiples of 16"
+    return None
 
 
 def float8_gather_rule(par: ParallelConfig, wl: Workload) -> LayoutError | None:

@@ -44,6 +44,7 @@ def attention_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recomput
         Term("attn.k", dm.tokens * kv_width // t * qk_e),
         Term("attn.v", dm.tokens * kv_width // t * e),
         _core_output(spec, wl, dm, recompute),
+        *_float8_tp_out_input(spec, dm),
     ]
     if litgpt:
         terms += _litgpt_terms(spec, dm, grouped)
@@ -93,7 +94,20 @@ def _core_output(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) 
     if (dm.adapters is not None and wl.attention is Kernel.FLASH
             and recompute is Recompute.NONE):
         return Term("attn.out", dm.tokens * out.d_in // dm.tp * dm.e)
+    if dm.float8_tp:  # the projection saves its float8 cast (_float8_tp_out_input)
+        kept = wl.attention is Kernel.FLASH and recompute is Recompute.NONE
+        return Term("attn.out", dm.tokens * out.d_in // dm.tp * dm.e if kept else 0)
     return linear.saved_input("attn.out", out, dm.tokens, dm)
+
+
+def _float8_tp_out_input(spec: ModelSpec, dm: Dims) -> list[Term]:
+    """Under torchao's float8 tensor-parallel styles, the float8 cast of the output
+    projection's input that it saves (``Float8RowwiseParallel``: ``linear.
+    float8_tp_input_bytes``), beside the attention output a fused core saves."""
+    if not dm.float8_tp:
+        return []
+    out = attention_linears(spec)[-1]
+    return [Term("attn.out_float8", linear.float8_tp_input_bytes(dm.tokens, out.d_in // dm.tp))]
 
 
 def _eager_score_terms(spec: ModelSpec, wl: Workload, dm: Dims, heads: int) -> list[Term]:
@@ -304,7 +318,9 @@ def _float8_in_backward(spec: ModelSpec, dm: Dims) -> list[BackwardMoment]:
     if not any(linear.float8_converts(lin, dm) for lin in linears):
         return []
     outs = _outputs(spec, dm)
-    grad_in = dm.rows * spec.hidden_size * dm.e
+    # the input's gradient as the matmul makes it: all tokens under DTensor sequence
+    # parallelism (reduce-scattered after, by the input's redistribute)
+    grad_in = dm.linear_rows * spec.hidden_size * dm.e
     n = len(linears)
     return [BackwardMoment(f"attn_f8_{linears[i].name}_in", 0,
                            sum(outs[:i + 1]) + (n - 1 - i) * grad_in

@@ -57,6 +57,7 @@ class Dims(NamedTuple):
     te_fp8_transposes: bool = True  # per-tensor fp8 keeps transposed copies (Hopper)
     compiled: bool = False  # the layers under torch.compile (memplan.model.compiled)
     float8_gathered: bool = False  # FSDP2 gathers converted weights in float8: no weight cast
+    float8_tp: bool = False  # torchao's float8 TP styles: linear inputs cast before them
 
     @classmethod
     def of(cls, spec: ModelSpec, par: ParallelConfig, wl: Workload) -> Dims:
@@ -74,7 +75,8 @@ class Dims(NamedTuple):
                    float8=wl.float8, te_fp8=wl.te_fp8,
                    te_fp8_transposes=wl.te_fp8_transposes is not False,
                    compiled=wl.compile,
-                   float8_gathered=wl.float8_all_gather and par.zero >= 3)
+                   float8_gathered=wl.float8_all_gather and par.zero >= 3,
+                   float8_tp=wl.float8 is Float8Recipe.TENSORWISE and par.tp > 1)
 
     def experts(self) -> Dims:
         """These dims for the routed experts' projections: their inner widths split by etp."""

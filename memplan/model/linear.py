@@ -218,6 +218,20 @@ def float8_converts(lin: Linear, dm: Dims) -> bool:
     return dm.float8 is not Float8Recipe.NONE and convertible(lin)
 
 
+def float8_tp_input_bytes(rows: int, width: int) -> int:
+    """A linear input torchao's float8 tensor-parallel styles cast before the linear, as it
+    saves it: ``rows`` x ``width`` float8 elements and one fp32 scale (tensorwise, the only
+    recipe they take: ``float8_tensor_parallel.py``, "assumes tensorwise scaling";
+    torchtitan's llama3 ``apply_tp`` uses them with float8 unless the recipe is rowwise).
+    ``PrepareFloat8ModuleInput`` casts a block's input (the norm's output) to float8 on its
+    sequence shard and all-gathers that (``_prepare_input_arg``: the cast, then
+    ``redistribute``), ``Float8RowwiseParallel._prepare_input_fn`` casts the row-parallel
+    linear's input; the Float8Linear finds it already cast (``matmul_with_hp_or_float8_args.
+    forward``: ``tensor_already_casted_to_fp8``) and saves the float8 tensor as its
+    ``input_hp`` (traced: tests/traced/test_float8_tp.py)."""
+    return rows * width * FLOAT8_BYTES + FLOAT8_SCALE_BYTES
+
+
 def convertible(lin: Linear) -> bool:
     """Both widths multiples of 16: what torchtitan's ``module_filter_fn`` converts."""
     return lin.d_in % 16 == 0 and lin.d_out % 16 == 0
@@ -280,6 +294,10 @@ def float8_forward_peak(lin: Linear, dm: Dims, out_bytes: int) -> int:
     if not float8_converts(lin, dm):
         return out_bytes
     d_in, d_out = local_widths(lin, dm.tp)
+    if dm.float8_tp:  # the input arrives cast (float8_tp_input_bytes): the weight's cast alone
+        w = _weight_cast(lin, dm, d_out)
+        m = 0 if dm.float8_gathered else weight_elements(lin, dm.tp)
+        return max(m * _work(dm) + _scales(d_out, dm) if m else 0, w + out_bytes)
     n, m = dm.tokens * d_in, 0 if dm.float8_gathered else weight_elements(lin, dm.tp)
     x8 = n * FLOAT8_BYTES + _scales(dm.tokens, dm)
     return max(n * _work(dm) + _scales(dm.tokens, dm),
@@ -296,15 +314,50 @@ def float8_backward_peak(lin: Linear, dm: Dims, grad_in_bytes: int) -> int:
     gradient alone. The weight gradient is the walk's (``fresh_params``)."""
     if not float8_converts(lin, dm):
         return grad_in_bytes
+    if dm.float8_tp:
+        return _float8_tp_backward_peak(lin, dm, grad_in_bytes)
     d_in, d_out = local_widths(lin, dm.tp)
     rows, work = dm.tokens, _work(dm)
     p, n, m = rows * d_out, rows * d_in, 0 if dm.float8_gathered else weight_elements(lin, dm.tp)
     go0 = p * FLOAT8_BYTES + _scales(rows, dm)
     w0 = _weight_cast(lin, dm, d_in)
     go1 = p * FLOAT8_BYTES + _scales(d_out, dm)
-    return max(p * work + _scales(rows, dm), go0 + (m * work + _scales(d_in, dm) if m else 0),
-               go0 + w0 + grad_in_bytes + p * work + _scales(d_out, dm),
-               go0 + w0 + grad_in_bytes + go1 + n * work + _scales(d_in, dm))
+    return _gathered_grad(lin, dm) + max(
+        p * work + _scales(rows, dm), go0 + (m * work + _scales(d_in, dm) if m else 0),
+        go0 + w0 + grad_in_bytes + p * work + _scales(d_out, dm),
+        go0 + w0 + grad_in_bytes + go1 + n * work + _scales(d_in, dm))
+
+
+def _gathered_grad(lin: Linear, dm: Dims) -> int:
+    """Under DTensor sequence parallelism, a row-parallel Float8Linear's output gradient as
+    its backward reads it: the sequence shard all-gathered (the backward of its output's
+    reduce-scatter, torch's ``RowwiseParallel`` to ``Shard(1)``), all tokens in the compute
+    dtype, alive through the linear's backward beside the shard the block counts (traced:
+    tests/traced/test_float8_tp.py, torchtitan 0.3.0's TP with rowwise float8). 0
+    otherwise."""
+    if lin.split is not Split.ROW or not dm.gathered_linear_input:
+        return 0
+    return dm.tokens * local_widths(lin, dm.tp)[1] * dm.e
+
+
+def _float8_tp_backward_peak(lin: Linear, dm: Dims, grad_in_bytes: int) -> int:
+    """``float8_backward_peak`` under torchao's float8 tensor-parallel styles: the output's
+    gradient reaches the linear already cast (``Float8ColwiseParallel`` /
+    ``Float8RowwiseParallel._prepare_output_fn`` put ``NoopFwToFloat8BwDynamic`` after the
+    output: its backward casts the gradient, on a row-parallel linear's sequence shard before
+    the all-gather its redistribute runs backward, in float8), and its saved input is float8:
+    ``matmul_with_hp_or_float8_args.backward`` casts the weight alone (for the input's
+    gradient) and runs both matmuls on float8 arguments. The largest of: the gradient's cast
+    working set (on the rows it is cast on), the weight's cast working set beside the float8
+    gradient, and the weight's cast beside the gradient and the input's gradient."""
+    d_in, d_out = local_widths(lin, dm.tp)
+    work = _work(dm)
+    cast_rows = dm.rows if lin.split is Split.ROW else dm.tokens
+    go8 = dm.tokens * d_out * FLOAT8_BYTES + FLOAT8_SCALE_BYTES
+    m = 0 if dm.float8_gathered else weight_elements(lin, dm.tp)
+    return max(cast_rows * d_out * work + FLOAT8_SCALE_BYTES,
+               go8 + (m * work + FLOAT8_SCALE_BYTES if m else 0),
+               go8 + _weight_cast(lin, dm, d_in) + grad_in_bytes)
 
 
 def float8_backward_bytes(lin: Linear, dm: Dims) -> int:

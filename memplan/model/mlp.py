@@ -33,7 +33,21 @@ def mlp_terms(prefix: str, spec: ModelSpec, dm: Dims, ffn: int, tokens: int) -> 
         last = ".prod" if spec.mlp.gated else ".act"
         return [Term(n, 0) if n.endswith(last) else Term(n, size)
                 for n, size in _mlp_terms(prefix, spec, dm, ffn, tokens)]
+    if dm.float8_tp:
+        return _float8_tp_terms(prefix, spec, dm, ffn, tokens)
     return _mlp_terms(prefix, spec, dm, ffn, tokens)
+
+
+def _float8_tp_terms(prefix: str, spec: ModelSpec, dm: Dims, ffn: int,
+                     tokens: int) -> list[Term]:
+    """Under torchao's float8 tensor-parallel styles the down projection saves the float8
+    cast of its input (``Float8RowwiseParallel``: ``linear.float8_tp_input_bytes``): the
+    activation's output is saved by nobody else (gated: prod; GELU: act), ReLU's by its own
+    backward."""
+    last = f"{prefix}.prod" if spec.mlp.gated else f"{prefix}.act"
+    cast = Term(f"{prefix}.down_float8", linear.float8_tp_input_bytes(tokens, ffn // dm.tp))
+    return [Term(n, 0) if n == last and spec.mlp is not MlpKind.RELU else Term(n, size)
+            for n, size in _mlp_terms(prefix, spec, dm, ffn, tokens)] + [cast]
 
 
 def _mlp_terms(prefix: str, spec: ModelSpec, dm: Dims, ffn: int, tokens: int) -> list[Term]:
@@ -215,7 +229,9 @@ def _float8_backward(spec: ModelSpec, dm: Dims, terms: list[Term]) -> list[Backw
     if not any(linear.float8_converts(lin, dm) for lin in linears):
         return []
     inner = dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
-    grad_in = dm.rows * spec.hidden_size * dm.e
+    # the input's gradient as the matmul makes it: all tokens under DTensor sequence
+    # parallelism (reduce-scattered after, by the input's redistribute)
+    grad_in = dm.linear_rows * spec.hidden_size * dm.e
     if len(linears) == 1:
         width = 2 if spec.fused_gate_up else 1
         return [BackwardMoment("mlp_f8_in", 0, width * inner + linear.float8_backward_peak(

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 from memplan.model import compiled
 from memplan.model.block import BackwardMoment, Moment
-from memplan.model.linear import Linear, input_copies, shares_input
+from memplan.model.linear import Linear, float8_tp_input_bytes, input_copies, shares_input
 from memplan.model.dims import FP32_BYTES, Dims, Term, total
 from memplan.spec import ModelSpec, NormKind, norm_params
 from memplan.workload import BaseQuant, NormImpl, Recompute, TeFp8Recipe, Workload
@@ -74,8 +74,13 @@ def _norm_terms(prefix: str, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Te
         copies, out_e = 1, dm.stream_e
     if not output_kept(prefix, dm):
         copies = 0
-    out = [Term(f"{prefix}.output", copies * dm.linear_rows * h * out_e),
-           Term(f"{prefix}.stats", stats)]
+    saved = copies * dm.linear_rows * h * out_e
+    if dm.float8_tp and copies and prefix in ("attn_norm", "mlp_norm"):
+        # torchao's PrepareFloat8ModuleInput casts the block's input to float8 before its
+        # all-gather: the gathered float8 tensor is what its linears save, the norm's output
+        # is freed (linear.float8_tp_input_bytes)
+        saved = float8_tp_input_bytes(dm.linear_rows, h)
+    out = [Term(f"{prefix}.output", saved), Term(f"{prefix}.stats", stats)]
     if wl.norm_impl is NormImpl.FUSED:
         return [Term(f"{prefix}.input", rows * h * dm.stream_e), *out]
     # normalise in fp32, cast back to the input's dtype, then weight * normed saves it;

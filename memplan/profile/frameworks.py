@@ -137,6 +137,7 @@ class FrameworkCase:
     fake: bool = False
     dp: int = 1
     options: dict[str, Any] = field(default_factory=dict)
+    tp: int = 1
 
     @property
     def id(self) -> str:
@@ -260,8 +261,8 @@ def trace_case(case: FrameworkCase, *, fake: bool | None = None,
     trace ``steps`` training steps."""
     fake = case.fake if fake is None else fake
     builder = BUILDERS[case.library]
-    group = (_process_group(case.dp) if case.dp > 1 or case.library == "torchtitan"
-             else contextlib.nullcontext())
+    group = (_process_group(case.dp * case.tp)
+             if case.dp > 1 or case.library == "torchtitan" else contextlib.nullcontext())
     rules = autocast_rules() if recipe(case.recipe).autocast else cuda_kernels()
     compiled = bool(case.options.get("compile"))
     if compiled and fake:
@@ -580,12 +581,27 @@ def build_torchtitan(case: FrameworkCase) -> Built:
         raise MemplanError("torchtitan: recipe fp32 or fsdp-bf16 (fp32 shards, its default)")
     cfg = torchtitan_config(**case.config, seq_len=case.seq_len)
     spec = torchtitan_spec(cfg, case.name)
+    sp = case.options.get("sp", True)
+    float8 = case.options.get("float8", "none")
+    if case.tp > 1 and float8 == "rowwise":
+        _float8_configs(cfg, float8)
+    if case.tp > 1 and float8 == "tensorwise":  # the root's configs only (_float8_tp_plan)
+        from torchtitan.models.common.decoder_sharding import set_decoder_sharding_config
+
+        set_decoder_sharding_config(cfg, enable_sp=sp)
+    elif case.tp > 1:  # Llama3Model.Config.update_from_config, as the Trainer calls it
+        from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+        set_llama3_sharding_config(cfg, enable_sp=sp)
+    if case.tp > 1:  # the Trainer's: the loss reads it for the vocabulary-parallel logits
+        dist_utils.set_spmd_backend("partial_dtensor")
     with torch.device("cpu"):
         model = cfg.build()
     model.init_states(buffer_device=torch.device("cpu"))
-    float8 = case.options.get("float8", "none")
-    if float8 != "none":
+    if float8 != "none" and not (case.tp > 1 and float8 == "rowwise"):
         _float8(model, float8, case.options.get("float8_all_gather", False))
+    if case.tp > 1 and float8 == "tensorwise":
+        _float8_tp_plan(model, sp)
     ac = case.options.get("ac", "none")
     every = int(ac) if ac.isdigit() else None
     if every is not None:  # before parallelize_llama: its AC would come before FSDP too
@@ -600,11 +616,13 @@ def build_torchtitan(case: FrameworkCase) -> Built:
     # "partial_dtensor": DTensor for model-parallel axes only, FSDP2 on plain modules (the
     # default "spmd_types" path expects the Trainer to have distributed every module first)
     parallelism = ParallelismConfig(data_parallel_shard_degree=case.dp,
+                                    tensor_parallel_degree=case.tp,
+                                    enable_sequence_parallel=sp,
                                     spmd_backend="partial_dtensor")
     device_type = pd.device_type
     pd.device_type = "cpu"  # torchtitan falls back to "cuda" when no accelerator is found
     try:
-        dims = ParallelDims.from_config(parallelism, world_size=case.dp)
+        dims = ParallelDims.from_config(parallelism, world_size=case.dp * case.tp)
         dims.build_mesh()
         sac = _sac_saves_cpu_flash() if ac == "selective" else contextlib.nullcontext()
         with sac:
@@ -668,8 +686,93 @@ def build_torchtitan(case: FrameworkCase) -> Built:
 
     # FSDP2 frees and re-allocates its unsharded buffers with storage resizes no dispatch
     # mode sees; memplan's parallel tracer follows them (category "gathered")
-    layout = api.make_layout(case.dp, zero=3)
+    layout = api.make_layout(case.dp * case.tp, tp=case.tp, dp=case.dp, zero=3,
+                             sequence_parallel=sp if case.tp > 1 else None,
+                             tp_style="dtensor" if case.tp > 1 else None)
     return Built("torchtitan", model, spec, layout, workload, step, opt, context=follow)
+
+
+def _float8_configs(cfg, recipe_name: str) -> None:
+    """torchtitan 0.3.0's ``Float8LinearConverter.convert`` (components/quantization/
+    float8.py) on the model config, before its sharding config is set (the registry's
+    converters run when the model spec is made, ``update_from_config`` later): every block
+    ``Linear.Config`` whose widths are multiples of 16 becomes a ``Float8Linear.Config``
+    with ``Float8LinearConfig.from_recipe_name``, the head filtered (its llama3 float8
+    configs' ``filter_fqns``). Its constructor refuses a CPU without ``emulate``, which would
+    replace the recipe: the conversion is made here as it makes it."""
+    from torchao.float8 import Float8LinearConfig
+    from torchtitan.components.quantization.float8 import Float8Linear
+    from torchtitan.models.common.linear import Linear
+
+    config = Float8LinearConfig.from_recipe_name(recipe_name)
+    for fqn, lin, parent, attr in list(cfg.traverse(Linear.Config)):
+        if (lin.in_features % 16 or lin.out_features % 16 or "lm_head" in fqn
+                or fqn == "output"):
+            continue
+        new = Float8Linear.Config(in_features=lin.in_features, out_features=lin.out_features,
+                                  bias=lin.bias, param_init=lin.param_init,
+                                  _torchao_config=config)
+        if isinstance(parent, list):
+            parent[attr] = new
+        else:
+            setattr(parent, attr, new)
+
+
+def _float8_tp_plan(model, sp: bool) -> None:
+    """torchtitan's tensor parallelism with float8 tensorwise linears, as its llama3
+    ``apply_tp`` made it before 0.3.0 moved to dtype-agnostic sharding configs (commit
+    bd6aec6, torchtitan/models/llama3/parallelize.py ``apply_tp`` with
+    ``enable_float8_tensorwise_tp``; the December 2024 runs used the same styles with
+    sequence parallelism always on, torchtitan/parallelisms/parallelize_llama.py): in each
+    block torchao's ``PrepareFloat8ModuleInput`` on attention and feed-forward (the input
+    cast to float8 before its all-gather), ``Float8ColwiseParallel`` on wq, wk, wv, w1, w3
+    and ``Float8RowwiseParallel`` to the sequence layout on wo and w2 (torchao
+    float8/float8_tensor_parallel.py); the norms ``SequenceParallel`` (``NoParallel``
+    without SP). The colwise outputs are local tensors as in December 2024 (0.3.0's RoPE
+    reads its cache as a plain tensor), the rowwise outputs DTensors as in bd6aec6 (the
+    residual stream is one, from 0.3.0's embedding): a DTensor holds no storage of its own,
+    so the bytes are the same either way. The embedding, final norm and
+    head take 0.3.0's own sharding configs (``set_decoder_sharding_config``: the same
+    layouts as that ``apply_tp``'s). It runs in place of the blocks' sharding configs, when
+    ``parallelize_llama`` calls the model's ``parallelize``."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+    from torchtitan.distributed.tensor_parallel import NoParallel
+
+    layout = Shard(1) if sp else Replicate()
+    own = model.parallelize
+
+    def norm():
+        return SequenceParallel(use_local_output=False) if sp else NoParallel()
+
+    def parallelize(parallel_dims) -> None:
+        mesh = parallel_dims.get_mesh("tp")
+        for block in model.layers.values():
+            parallelize_module(block, mesh, {
+                "attention_norm": norm(),
+                "attention": PrepareFloat8ModuleInput(
+                    input_layouts=(layout, None, None),
+                    desired_input_layouts=(Replicate(), None, None)),
+                "attention.qkv_linear.wq": Float8ColwiseParallel(),
+                "attention.qkv_linear.wk": Float8ColwiseParallel(),
+                "attention.qkv_linear.wv": Float8ColwiseParallel(),
+                "attention.wo": Float8RowwiseParallel(output_layouts=layout,
+                                                      use_local_output=False),
+                "ffn_norm": norm(),
+                "feed_forward": PrepareFloat8ModuleInput(
+                    input_layouts=(layout,), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": Float8ColwiseParallel(),
+                "feed_forward.w2": Float8RowwiseParallel(output_layouts=layout,
+                                                         use_local_output=False),
+                "feed_forward.w3": Float8ColwiseParallel()})
+        own(parallel_dims)  # the root's configs; the blocks have none
+
+    model.parallelize = parallelize
 
 
 def _float8(model, recipe_name: str, all_gather: bool) -> None:

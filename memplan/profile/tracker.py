@@ -55,10 +55,23 @@ def _storages(obj: Any) -> list[torch.UntypedStorage]:
     out = []
     for leaf in tree_flatten(obj)[0]:
         if isinstance(leaf, torch.Tensor):
-            local = _local(leaf)
-            if local is not None:
-                out.append(local.untyped_storage())
+            out += [t.untyped_storage() for t in _held(leaf)]
     return out
+
+
+def _held(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors holding ``t``'s memory: ``_local`` of it, or of a DTensor's local shard
+    that is torchao's ``Float8TrainingTensor`` its float8 data and scale (an op on one, such
+    as tensor parallelism's float8 all-gather, ``float8_ops.allgather_fp8``, runs on
+    ``_data`` below this mode and returns a new wrapper around the result)."""
+    local = _local(t)
+    if local is not None:
+        return [local]
+    inner = getattr(t, "_local_tensor", t)
+    data, scale = getattr(inner, "_data", None), getattr(inner, "_scale", None)
+    if isinstance(data, torch.Tensor) and isinstance(scale, torch.Tensor):
+        return [x for part in (data, scale) for x in _held(part)]
+    return []
 
 
 def _local(t: torch.Tensor) -> torch.Tensor | None:

@@ -209,8 +209,10 @@ CEILING_PCT = {
     "torchtitan/llama3.1-8b/8gpu-fsdp2-cp4-seq131072": 9.0,  # -7.70%
     "torchtitan/llama3.1-8b/8gpu-fsdp1-cp8-seq262144": 7.0,  # -5.76%
     "torchtitan/llama3.1-70b/256gpu-fsdp32-tp8": 16.0,  # -14.63%
-    "torchtitan/llama3.1-405b/512gpu-fsdp8-tp8-pp8-1f1b": 16.5,  # -15.30%
-    "torchtitan/llama3.1-405b/512gpu-fsdp8-tp8-pp8-cp1-seq32768": 8.0,  # -6.94%
+    # expressed with float8 tensorwise under TP (torchao's float8 TP styles): the float8
+    # block inputs and casts save less than the bf16 approximation did
+    "torchtitan/llama3.1-405b/512gpu-fsdp8-tp8-pp8-1f1b": 18.0,  # -17.40%
+    "torchtitan/llama3.1-405b/512gpu-fsdp8-tp8-pp8-cp1-seq32768": 10.0,  # -9.24%
     "torchtitan/llama3.1-8b/h200-32gpu-fsdp-sac-float8": 25.5,  # +24.07%
 }
 

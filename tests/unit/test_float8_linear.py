@@ -85,7 +85,7 @@ def test_float8_keeps_saved_activations_of_a_bf16_run() -> None:
 
 @pytest.mark.parametrize(("model", "update", "par", "why"), [
     ("mixtral-8x7b", {}, {}, "MoE layers"),
-    ("tiny", {}, {"tp": 2}, "tp 2"),
+    ("tiny", {}, {"tp": 2, "tp_style": "megatron"}, "tp 2 in the megatron style"),
     ("tiny", {"lora_rank": 8}, {}, "lora_rank 8"),
     ("tiny", {"recompute": "selective", "selective_impl": "core"}, {}, "recompute selective"),
 ])
@@ -206,3 +206,71 @@ def test_float8_all_gather_refusals(update: dict, par: dict, why: str) -> None:
     wl = Workload.model_validate({"float8_all_gather": True, **update})
     with pytest.raises(LayoutError, match=f"float8_all_gather with {why.replace('(', '.').replace(')', '.')}"):
         validate(TINY, ParallelConfig(**par), wl)
+
+
+# torchao's float8 TP styles (float8_tensor_parallel.py), as torchtitan's llama3 apply_tp uses
+# them with tensorwise float8: tp 2 with DTensor sequence parallelism, 16 tokens, 8 a shard
+TP2 = TW._replace(tp=2, res_tokens_div=2, gathered_linear_input=True, float8_tp=True)
+DOWN = Linear("down", "mlp_out", 96, 64, split=linear.Split.ROW)
+
+
+def test_float8_tp_saves_float8_inputs() -> None:
+    """PrepareFloat8ModuleInput casts a block's input on its sequence shard and all-gathers
+    the float8 tensor, which its linears save: 16 tokens x 64 x 1 byte + one fp32 scale =
+    1,028 bytes (bf16 gathered: 2,048); the down projection saves its input's float8 cast,
+    16 x 48 + 4 = 772 bytes, and the bf16 product (16 x 48 x 2 = 1,536) is saved by no one."""
+    from memplan.model.mlp import mlp_terms
+    from memplan.model.norm import norm_terms
+
+    wl = Workload.model_validate({"framework": "torchtitan", "norm_impl": "fused"})
+    assert linear.float8_tp_input_bytes(16, 64) == 1_028
+    terms = dict(norm_terms("mlp_norm", TINY, wl, TP2))
+    assert terms["mlp_norm.output"] == 1_028
+    mlp = dict(mlp_terms("mlp", TINY, TP2, 96, 16))
+    assert (mlp["mlp.prod"], mlp["mlp.down_float8"]) == (0, 772)
+
+
+def test_float8_tp_casts_by_hand() -> None:
+    """At tp 2 (tensorwise) the up projection (64 -> 48 on this rank) finds its input cast: forward, the
+    weight's cast alone, 3,072 elements: its working set 9 * 3,072 + 4 = 27,652 beside
+    nothing, or 3,076 beside the output 1,536: 27,652. Backward, its gradient arrives cast
+    (16 x 48 + 4 = 772): max(the gradient's cast working set 9 * 768 + 4 = 6,916, 772 +
+    27,652 = 28,424, 772 + 3,076 + grad input 2,048 = 5,896) = 28,424. The down projection
+    (row-parallel, 48 -> 64) casts its gradient on the 8-token shard (9 * 512 + 4 = 4,612),
+    then gathers it in float8 (16 x 64 + 4 = 1,028): max(4,612, 1,028 + 27,652 = 28,680,
+    1,028 + 3,076 + 1,536 = 5,640) = 28,680."""
+    assert linear.float8_forward_peak(UP, TP2, 1_536) == 27_652
+    assert linear.float8_backward_peak(UP, TP2, 2_048) == 28_424
+    assert linear.float8_backward_peak(DOWN, TP2, 1_536) == 28_680
+
+
+def test_float8_tp_accepted_and_refused() -> None:
+    """Tensorwise and rowwise with DTensor TP are modelled; the Megatron style and compile
+    without full recompute are refused by name."""
+    tw = Workload.model_validate({"float8": "tensorwise"})
+    validate(TINY, ParallelConfig(tp=2, tp_style="dtensor"), tw)
+    validate(TINY, ParallelConfig(tp=2, tp_style="dtensor"),
+             Workload.model_validate({"float8": "rowwise"}))
+    with pytest.raises(LayoutError, match="tp 2 in the megatron style: not modelled"):
+        validate(TINY, ParallelConfig(tp=2, tp_style="megatron"), tw)
+    compiled = Workload.model_validate({"float8": "tensorwise", "compile": True})
+    with pytest.raises(LayoutError, match="tp 2, compile and recompute none: not modelled"):
+        validate(TINY, ParallelConfig(tp=2, tp_style="dtensor"), compiled)
+    full = Workload.model_validate({"float8": "tensorwise", "compile": True,
+                                    "recompute": "full"})
+    validate(TINY, ParallelConfig(tp=2, tp_style="dtensor"), full)
+
+
+def test_float8_rowwise_tp_gathered_gradient() -> None:
+    """Rowwise under DTensor TP with SP (plain RowwiseParallel): the down projection's
+    backward reads its output gradient all-gathered in bf16, 16 tokens x 64 x 2 = 2,048
+    bytes, alive through its backward: its peak is the tp 1 formula's plus 2,048. The tp 1
+    formula for 48 -> 64 on this rank, 16 rows, rowwise: the gradient's first cast (1,024 B
+    + 16 * 4 scales = 1,088) beside the weight's cast working set (48 x 64 = 3,072 elements
+    * 9 + 48 * 4 = 27,840): 28,928, above the gradient's cast working set (9,280) and the
+    later casts beside the input gradient (15,360; 14,272); + 2,048 = 30,976. The up
+    projection (column-parallel) holds no gathered gradient: the tp 1 formula alone."""
+    rw = RW._replace(tp=2, res_tokens_div=2, gathered_linear_input=True)
+    assert linear.float8_backward_peak(DOWN, rw, 1_536) == 30_976
+    assert (linear.float8_backward_peak(UP, rw, 2_048)
+            == linear.float8_backward_peak(UP, rw._replace(gathered_linear_input=False), 2_048))
