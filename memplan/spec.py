@@ -21,6 +21,7 @@ from memplan.arguments import file_fields
 from memplan.catalog import data_dir, suggest
 from memplan.errors import MemplanError, validation_message
 from memplan.inputs import MODEL_FILE_BYTES, read_json, read_toml, regular_file
+from memplan.hf.param_table import ParamTable
 
 
 class NormKind(PlainEnum):
@@ -355,9 +356,16 @@ class ModelSpec(BaseModel):
     exact_num_params: int | None = Field(default=None, gt=0, description=(
         "the model's exact parameter count where the spec is approximate: transformers' own "
         "build of its config on the meta device (memplan.hf.fallback)"))
+    param_table: ParamTable | None = Field(default=None, description=(
+        "the model's parameter tensors as transformers builds them on the meta device, by "
+        "layer (memplan.hf.param_table): where given, the weights, gradients and optimizer "
+        "states follow them instead of the blocks' own tensors (memplan.hf.fallback)"))
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
+        if self.param_table is not None and len(self.param_table.layer_rows) != self.num_layers:
+            raise ValueError(f"param_table lists {len(self.param_table.layer_rows)} layers, "
+                             f"num_layers is {self.num_layers}")
         if self.num_attention_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_kv_heads ({self.num_kv_heads}) must divide "
@@ -606,6 +614,13 @@ def layer_params(spec: ModelSpec, index: int) -> LayerParams:
 def param_counts(spec: ModelSpec) -> ParamCounts:
     """Exact parameter counts by part (embedding, each layer, final norm, head)."""
     h = spec.hidden_size
+    if spec.param_table is not None:  # the tensors transformers builds (memplan.hf.param_table)
+        table = spec.param_table
+        return ParamCounts(
+            embedding=spec.vocab_size * h, position_embedding=0,
+            layers=tuple(LayerParams(*table.layer_split(i)) for i in range(spec.num_layers)),
+            final_norm=table.final_elements(),
+            head=0 if spec.tied_embeddings else spec.vocab_size * h)
     return ParamCounts(
         embedding=spec.vocab_size * h,
         position_embedding=spec.max_seq_len * h if spec.position is PositionKind.LEARNED else 0,

@@ -4,7 +4,8 @@ README.md), against the models transformers builds on the meta device.
 
 Each is accepted: by a family's reader, whose count must be transformers' to the parameter
 and laid out in the same tensors, or by the fallback (``memplan.hf.fallback``), which states
-transformers' exact count beside its approximate blocks. A model type transformers itself
+transformers' exact count beside its approximate blocks and holds transformers' own tensors
+as its weights (``ModelSpec.param_table``): the same count, the same tensors. A model type transformers itself
 does not know (Phi-4-mini-flash's ``phi4flash``, remote code only) is refused in one line.
 A model type the installed transformers lacks is skipped.
 
@@ -29,7 +30,7 @@ from memplan.spec import spec_from_hf_dict  # noqa: E402
 HELDOUT = Path(__file__).resolve().parents[1] / "data" / "hf" / "heldout"
 NAMES = sorted(p.name for p in HELDOUT.iterdir() if (p / "config.json").is_file())
 
-# read by the fallback: approximate blocks, transformers' exact count stated
+# read by the fallback: approximate blocks, transformers' tensors as the weights
 FALLBACK = {"Apertus-8B-2509", "LFM2-1.2B", "Falcon-H1-1.5B-Instruct",
             "granite-4.0-h-tiny", "granite-4.0-micro"}
 # transformers has no configuration class for it (remote code)
@@ -76,9 +77,11 @@ def test_counts_as_transformers_builds_it(name: str) -> None:
     exact = sum(p.numel() for p in params)
     spec = spec_from_hf_dict(data, "config.json", name)
     if name in FALLBACK:
-        assert spec.approximate and spec.exact_num_params == exact
-        return
-    assert spec.approximate is None and spec.num_params == exact
+        # approximate blocks; the weights, gradients and states follow transformers' tensors
+        assert spec.approximate and spec.exact_num_params == exact == spec.num_params
+        assert spec.param_table is not None
+    else:
+        assert spec.approximate is None and spec.num_params == exact
     layers = tuple(range(spec.num_layers))
     stage = count_stage_params(spec, 1, 1, 1, layers, True, True, 1)
     assert sorted(stage.tensor_sizes) == sorted(p.numel() for p in params)
