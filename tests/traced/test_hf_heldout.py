@@ -87,6 +87,26 @@ def test_counts_as_transformers_builds_it(name: str) -> None:
     assert sorted(stage.tensor_sizes) == sorted(p.numel() for p in params)
 
 
+@pytest.mark.parametrize("name", sorted(FALLBACK))
+def test_fallback_weights_are_transformers_tensors(name: str) -> None:
+    """A model type read by the fallback: each decoder layer holds the parameters transformers
+    builds in ``model.layers[i]``, and an fp32 estimate on one GPU holds 4 bytes of weights
+    and 4 of gradients per parameter transformers counts, to the byte."""
+    from memplan.api import estimate
+
+    data = _config(name)
+    if not _known(data["model_type"]):
+        pytest.skip(f"transformers {transformers.__version__} has no {data['model_type']!r}")
+    model = _built(data)
+    exact = sum(p.numel() for p in model.parameters())
+    spec = spec_from_hf_dict(data, "config.json", name)
+    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+    stage = count_stage_params(spec, 1, 1, 1, tuple(range(spec.num_layers)), True, True, 1)
+    assert list(stage.layers) == per_layer
+    est = estimate(spec, seq_len=64, precision="fp32")
+    assert (est.stages[0].params_bytes, est.stages[0].grads_bytes) == (4 * exact, 4 * exact)
+
+
 def test_remote_code_type_is_refused_in_one_line() -> None:
     with pytest.raises(MemplanError) as err:
         spec_from_hf_dict(_config("Phi-4-mini-flash-reasoning"), "config.json", "m")
