@@ -50,10 +50,15 @@ class ActivationImpl(PlainEnum):
     gelu_new  transformers' NewGELUActivation (activations.py: ACT2FN["gelu_new"], GPT-2's
               default), the Python formula 0.5*x*(1+tanh(sqrt(2/pi)*(x+0.044715*x^3))):
               autograd saves its tanh output, 0.5*x and 1+tanh beside the input
+    xielu     transformers' XIELUActivation (activations.py ``_xielu_python``, Apertus's
+              hidden_act; the fused CUDA kernel is a separate package): torch.where over two
+              branches with two learned scalars (alpha_p, alpha_n), parameters of the MLP
+              (``memplan.model.mlp.xielu_saved``)
     """
 
     KERNEL = "kernel"
     GELU_NEW = "gelu_new"
+    XIELU = "xielu"
 
 
 class PositionKind(PlainEnum):
@@ -373,6 +378,9 @@ class ModelSpec(BaseModel):
             )
         if self.norm_bias and self.norm is NormKind.RMSNORM:
             raise ValueError("norm_bias is only meaningful for layernorm")
+        if self.activation_impl is ActivationImpl.XIELU and (self.mlp is not MlpKind.GELU
+                                                             or self.moe is not None):
+            raise ValueError("activation_impl xielu is a plain dense MLP's (mlp gelu, no moe)")
         if self.fused_gate_up and not self.mlp.gated:
             raise ValueError(f"fused_gate_up needs a gated mlp (swiglu, geglu), got {self.mlp.value}")
         if self.norm_centres_twice and self.norm is not NormKind.LAYERNORM:
@@ -588,6 +596,12 @@ def mlp_params(spec: ModelSpec, ffn: int) -> tuple[int, int]:
     return weights + in_bias, out_bias
 
 
+def activation_params(spec: ModelSpec) -> int:
+    """A dense MLP's activation's own parameters: xIELU's alpha_p and alpha_n, one element
+    each (activations.py XIELUActivation.__init__), held whole by every TP rank."""
+    return 2 if spec.activation_impl is ActivationImpl.XIELU else 0
+
+
 def layer_params(spec: ModelSpec, index: int) -> LayerParams:
     attn_sharded, attn_repl = (linear_attention_params(spec) if spec.is_linear_layer(index)
                                else attention_params(spec))
@@ -595,7 +609,8 @@ def layer_params(spec: ModelSpec, index: int) -> LayerParams:
     norms = (1 if spec.parallel_block else spec.norm_placement.norms_per_layer) * norm_params(spec)
     if moe is None or not spec.is_moe_layer(index):
         mlp_sharded, mlp_repl = mlp_params(spec, spec.ffn_hidden_size)
-        return LayerParams(attn_sharded + mlp_sharded, attn_repl + mlp_repl + norms)
+        return LayerParams(attn_sharded + mlp_sharded,
+                           attn_repl + mlp_repl + norms + activation_params(spec))
     expert_sharded, expert_repl = mlp_params(spec, moe.expert_ffn_hidden_size)
     router = (spec.hidden_size * moe.num_experts + (moe.num_experts if moe.router_bias else 0)
               + (spec.hidden_size if moe.shared_expert_gate else 0))

@@ -14,10 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 from memplan.hf.config import FULL, SLIDING, ConfigKeys, llama_fields, sliding_fields
+from memplan.hf.config import _KERNEL_GELU
 from memplan.hf.config import _layer_types as _types
 from memplan.hf.families_moe import first_dense
 MORE_FAMILIES = ("exaone4", "seed_oss", "hunyuan_v1_dense", "hunyuan_v1_moe", "ernie4_5", "dots1",
-                 "ernie4_5_moe")
+                 "ernie4_5_moe", "apertus")
 
 
 def _window(cfg: ConfigKeys, default: int) -> int | None:
@@ -192,9 +193,36 @@ def ernie4_5_moe(cfg: ConfigKeys) -> dict[str, Any]:
     return fields
 
 
+def apertus(cfg: ConfigKeys) -> dict[str, Any]:
+    """models/apertus/modeling_apertus.py: Llama's attention (attention_bias on q, k, v and o)
+    with per-head RMSNorms on q and k before RoPE (ApertusAttention.q_norm / k_norm of
+    head_dim, built whatever the config says), pre-norms (ApertusDecoderLayer.
+    attention_layernorm, feedforward_layernorm), and a plain MLP, down(act(up(x))) without
+    biases (ApertusMLP: nn.Linear(..., bias=False), mlp_bias not read), whose activation is
+    xIELU by default (ACT2CLS["xielu"]: two learned one-element parameters per layer,
+    made in config.dtype) or one of ACT2FN's GELU kernels. ApertusConfig's defaults: vocab
+    131072, 65536 positions, untied."""
+    act = cfg.get_str("hidden_act", "xielu").lower()
+    if act == "xielu":
+        mlp, impl = "gelu", "xielu"
+    elif act in _KERNEL_GELU:
+        mlp, impl = "gelu", "kernel"
+    elif act == "relu":
+        mlp, impl = "relu", "kernel"
+    else:
+        raise cfg.error("hidden_act", f"unsupported activation {act!r} for Apertus's plain MLP: "
+                        f"modelled are xielu, {', '.join(_KERNEL_GELU)} and relu")
+    # llama_fields reads hidden_act as a gated MLP's: read it as SiLU's there, then set it
+    plain = ConfigKeys({**cfg.data, "hidden_act": "silu"}, cfg.where)
+    fields = llama_fields(plain, head_dim_default=None, tie_default=False,
+                          defaults={"vocab_size": 131072, "max_position_embeddings": 65536})
+    fields.update(qk_norm="head", mlp=mlp, activation_impl=impl, mlp_bias=False)
+    return fields
+
+
 def more_family_fields(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
     """The ``ModelSpec`` fields of a ``MORE_FAMILIES`` config."""
     readers = {"exaone4": exaone4, "seed_oss": seed_oss, "hunyuan_v1_dense": hunyuan_v1_dense,
                "hunyuan_v1_moe": hunyuan_v1_moe, "ernie4_5": ernie4_5, "dots1": dots1,
-               "ernie4_5_moe": ernie4_5_moe}
+               "ernie4_5_moe": ernie4_5_moe, "apertus": apertus}
     return readers[model_type](cfg)

@@ -31,7 +31,7 @@ HELDOUT = Path(__file__).resolve().parents[1] / "data" / "hf" / "heldout"
 NAMES = sorted(p.name for p in HELDOUT.iterdir() if (p / "config.json").is_file())
 
 # read by the fallback: approximate blocks, transformers' tensors as the weights
-FALLBACK = {"Apertus-8B-2509", "LFM2-1.2B", "Falcon-H1-1.5B-Instruct",
+FALLBACK = {"LFM2-1.2B", "Falcon-H1-1.5B-Instruct",
             "granite-4.0-h-tiny", "granite-4.0-micro"}
 # transformers has no configuration class for it (remote code)
 UNKNOWN_TO_TRANSFORMERS = {"Phi-4-mini-flash-reasoning"}
@@ -143,6 +143,8 @@ TRACED = {
     # a dense first layer, then 4 experts (2 routed a token) with 2 shared
     "ernie4_5_moe": _cut("ERNIE-4.5-21B-A3B-PT", num_hidden_layers=2, moe_num_experts=4,
                          moe_k=2, moe_intermediate_size=64, moe_num_shared_experts=2, **_TOY),
+    # a plain MLP with transformers' xIELU formula, per-head q/k norms
+    "apertus": _cut("Apertus-8B-2509", num_hidden_layers=2, **_TOY),
 }
 
 

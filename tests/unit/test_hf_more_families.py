@@ -86,3 +86,43 @@ def test_dots1_moe() -> None:
     assert (moe.num_experts, moe.top_k, moe.first_dense_layers, moe.num_shared_experts) == (
         128, 6, 1, 2)
     assert spec.qk_norm.value == "head"
+
+
+def test_apertus_8b_by_hand() -> None:
+    """Apertus-8B-2509: 32 layers of h 4,096, 32 heads and 8 KV heads of 128, a plain MLP of
+    21,504 with xIELU, untied, no biases. Attention q and o 4,096 x 4,096 (16,777,216 each),
+    k and v 4,096 x 1,024 (4,194,304 each): 41,943,040; the per-head q and k norms 2 x 128 =
+    256; up and down 2 x 4,096 x 21,504 = 176,160,768; xIELU's alpha_p and alpha_n 2; two norms
+    8,192: 218,112,258 per layer, 6,979,592,256 in all; the embedding and the head 2 x
+    131,072 x 4,096 = 1,073,741,824, the final norm 4,096: 8,053,338,176 (transformers' meta
+    build too, tests/traced/test_hf_heldout.py)."""
+    spec = _spec("Apertus-8B-2509")
+    assert spec.num_params == 8_053_338_176 and spec.approximate is None
+    assert (spec.mlp.value, spec.activation_impl.value, spec.qk_norm.value) == (
+        "gelu", "xielu", "head")
+
+
+def test_apertus_other_activation_refused() -> None:
+    """Apertus's MLP is plain: a gated activation name (silu) has no block memplan models."""
+    from memplan.errors import MemplanError
+
+    data = json.loads((HELDOUT / "Apertus-8B-2509" / "config.json").read_text())
+    with pytest.raises(MemplanError, match="hidden_act"):
+        spec_from_hf_dict({**data, "hidden_act": "silu"}, "config.json", "m")
+    assert _spec_of({**data, "hidden_act": "gelu"}).activation_impl.value == "kernel"
+
+
+def _spec_of(data: dict):
+    return spec_from_hf_dict(data, "config.json", "m")
+
+
+def test_apertus_compiled_or_op_level_recompute_refused() -> None:
+    """What Inductor or per-op SAC keeps of the xIELU formula is not modelled: refused."""
+    from memplan.api import estimate
+    from memplan.errors import MemplanError
+
+    spec = _spec("Apertus-8B-2509")
+    with pytest.raises(MemplanError, match="xIELU"):
+        estimate(spec, gpus=8, zero=3, compile=True)
+    with pytest.raises(MemplanError, match="recompute ops"):
+        estimate(spec, gpus=8, zero=3, recompute="ops")
