@@ -60,6 +60,10 @@ def fallback_fields(cfg: ConfigKeys, model_type: str, supported: tuple[str, ...]
         notes.append(f"transformers builds {built.attention_layers} of its {num_layers} layers "
                      "with a self-attention module (layers.N.self_attn), the others with "
                      "another mixer (state-space, convolution), estimated as attention too")
+    other = _other_mixers(built.tensors)
+    if other and built.attention_layers == num_layers:
+        notes.append(f"its layers hold {', '.join(sorted(other))} beside the self-attention, "
+                     "whose activations are not estimated")
     act = str(data.get("hidden_act", "silu")).lower()
     if act not in KERNEL_ACTIVATIONS:
         data["hidden_act"] = "silu"
@@ -71,7 +75,8 @@ def fallback_fields(cfg: ConfigKeys, model_type: str, supported: tuple[str, ...]
         # the tensors decide: a head transformers ties is tied whatever the key says
         fields["tied_embeddings"] = not any(n.startswith("lm_head.") for n, _ in built.tensors)
         states = ("; its weights, gradients and optimizer states follow those tensors, layer "
-                  f"by layer ({RULES}); its activations are the approximate blocks'")
+                  f"by layer ({RULES}); its activations, and what acts per projection (LoRA's "
+                  "adapters, float8 casts), are the approximate blocks'")
         if table.fp32_elements:
             states += (f"; {table.fp32_elements:,} of its parameters transformers makes in fp32 "
                        "whatever the model's dtype are counted in the weights' dtype")
@@ -88,6 +93,23 @@ def fallback_fields(cfg: ConfigKeys, model_type: str, supported: tuple[str, ...]
                      + f"; the exact count, {built.num_params:,} parameters, is transformers "
                      f"{built.transformers_version}'s own build on the meta device" + states))
     return fields
+
+
+# a decoder layer's modules that Llama's blocks stand for: the attention, the MLP (dense,
+# experts, shared), the norms
+_LLAMA_PARTS = ("self_attn", "mlp", "feed_forward", "block_sparse_moe", "shared_mlp")
+
+
+def _other_mixers(tensors: tuple[tuple[str, tuple[int, ...]], ...]) -> set[str]:
+    """The names of a layer's modules no approximate block stands for (Falcon-H1's mamba
+    beside its attention), from transformers' tensor names (``layers.N.<module>.``)."""
+    out = set()
+    for name, _ in tensors:
+        head, sep, rest = name.partition(".layers.")
+        module = rest.split(".")[1] if sep and rest.count(".") >= 2 else ""
+        if module and module not in _LLAMA_PARTS and "norm" not in module:
+            out.add(module)
+    return out
 
 
 def _table(built: Any, fields: dict[str, Any]) -> ParamTable | str:

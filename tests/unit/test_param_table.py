@@ -138,3 +138,16 @@ def test_tensors_that_do_not_fit_the_config_are_a_reason() -> None:
     untied = [*TENSORS, ("lm_head.weight", (12, 4))]
     assert "output projection" in build_table(untied, 2, 10, 4, tied=False)
     assert "beyond" in build_table(TENSORS, 1, 10, 4, tied=True)
+
+
+def test_modules_no_approximate_block_stands_for() -> None:
+    """Falcon-H1's layers hold a mamba mixer beside self_attn and feed_forward: named, so the
+    approximate line says its activations are not estimated; norms and Llama's parts are not."""
+    from memplan.hf.fallback import _other_mixers
+
+    names = [("model.layers.0.mamba.in_proj.weight", (12, 4)),
+             ("model.layers.0.self_attn.q_proj.weight", (8, 4)),
+             ("model.layers.0.feed_forward.w1.weight", (8, 4)),
+             ("model.layers.0.pre_ff_layernorm.weight", (4,)),
+             ("model.final_layernorm.weight", (4,))]
+    assert _other_mixers(tuple(names)) == {"mamba"}
