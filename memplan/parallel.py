@@ -625,6 +625,8 @@ def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
         why = "LoRA on the MLP inside the activation checkpoint"
     elif wl.recompute is Recompute.SELECTIVE and wl.selective_impl.value != "op":
         why = f"recompute selective ({wl.selective_impl.value})"
+    elif spec.activation_impl.value == "xielu":  # its formula's saved set is eager's only
+        why = "the xIELU activation"
     if why is None:
         return None
     return LayoutError(f"compile is not modelled with {why}",

@@ -22,6 +22,7 @@ from memplan.arguments import file_fields
 from memplan.catalog import data_dir, suggest
 from memplan.errors import MemplanError, validation_message
 from memplan.inputs import MODEL_FILE_BYTES, read_json, read_toml, regular_file
+from memplan.hf.param_table import ParamTable
 
 
 class NormKind(PlainEnum):
@@ -50,10 +51,15 @@ class ActivationImpl(PlainEnum):
     gelu_new  transformers' NewGELUActivation (activations.py: ACT2FN["gelu_new"], GPT-2's
               default), the Python formula 0.5*x*(1+tanh(sqrt(2/pi)*(x+0.044715*x^3))):
               autograd saves its tanh output, 0.5*x and 1+tanh beside the input
+    xielu     transformers' XIELUActivation (activations.py ``_xielu_python``, Apertus's
+              hidden_act; the fused CUDA kernel is a separate package): torch.where over two
+              branches with two learned scalars (alpha_p, alpha_n), parameters of the MLP
+              (``memplan.model.mlp.xielu_saved``)
     """
 
     KERNEL = "kernel"
     GELU_NEW = "gelu_new"
+    XIELU = "xielu"
 
 
 class PositionKind(PlainEnum):
@@ -357,9 +363,16 @@ class ModelSpec(BaseModel):
     exact_num_params: int | None = Field(default=None, gt=0, description=(
         "the model's exact parameter count where the spec is approximate: transformers' own "
         "build of its config on the meta device (memplan.hf.fallback)"))
+    param_table: ParamTable | None = Field(default=None, description=(
+        "the model's parameter tensors as transformers builds them on the meta device, by "
+        "layer (memplan.hf.param_table): where given, the weights, gradients and optimizer "
+        "states follow them instead of the blocks' own tensors (memplan.hf.fallback)"))
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
+        if self.param_table is not None and len(self.param_table.layer_rows) != self.num_layers:
+            raise ValueError(f"param_table lists {len(self.param_table.layer_rows)} layers, "
+                             f"num_layers is {self.num_layers}")
         if self.num_attention_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_kv_heads ({self.num_kv_heads}) must divide "
@@ -367,6 +380,9 @@ class ModelSpec(BaseModel):
             )
         if self.norm_bias and self.norm is NormKind.RMSNORM:
             raise ValueError("norm_bias is only meaningful for layernorm")
+        if self.activation_impl is ActivationImpl.XIELU and (self.mlp is not MlpKind.GELU
+                                                             or self.moe is not None):
+            raise ValueError("activation_impl xielu is a plain dense MLP's (mlp gelu, no moe)")
         if self.fused_gate_up and not self.mlp.gated:
             raise ValueError(f"fused_gate_up needs a gated mlp (swiglu, geglu), got {self.mlp.value}")
         if self.norm_centres_twice and self.norm is not NormKind.LAYERNORM:
@@ -582,6 +598,12 @@ def mlp_params(spec: ModelSpec, ffn: int) -> tuple[int, int]:
     return weights + in_bias, out_bias
 
 
+def activation_params(spec: ModelSpec) -> int:
+    """A dense MLP's activation's own parameters: xIELU's alpha_p and alpha_n, one element
+    each (activations.py XIELUActivation.__init__), held whole by every TP rank."""
+    return 2 if spec.activation_impl is ActivationImpl.XIELU else 0
+
+
 def layer_params(spec: ModelSpec, index: int) -> LayerParams:
     attn_sharded, attn_repl = (linear_attention_params(spec) if spec.is_linear_layer(index)
                                else attention_params(spec))
@@ -589,7 +611,8 @@ def layer_params(spec: ModelSpec, index: int) -> LayerParams:
     norms = (1 if spec.parallel_block else spec.norm_placement.norms_per_layer) * norm_params(spec)
     if moe is None or not spec.is_moe_layer(index):
         mlp_sharded, mlp_repl = mlp_params(spec, spec.ffn_hidden_size)
-        return LayerParams(attn_sharded + mlp_sharded, attn_repl + mlp_repl + norms)
+        return LayerParams(attn_sharded + mlp_sharded,
+                           attn_repl + mlp_repl + norms + activation_params(spec))
     expert_sharded, expert_repl = mlp_params(spec, moe.expert_ffn_hidden_size)
     router = (spec.hidden_size * moe.num_experts + (moe.num_experts if moe.router_bias else 0)
               + (spec.hidden_size if moe.shared_expert_gate else 0))
@@ -608,6 +631,13 @@ def layer_params(spec: ModelSpec, index: int) -> LayerParams:
 def param_counts(spec: ModelSpec) -> ParamCounts:
     """Exact parameter counts by part (embedding, each layer, final norm, head)."""
     h = spec.hidden_size
+    if spec.param_table is not None:  # the tensors transformers builds (memplan.hf.param_table)
+        table = spec.param_table
+        return ParamCounts(
+            embedding=spec.vocab_size * h, position_embedding=0,
+            layers=tuple(LayerParams(*table.layer_split(i)) for i in range(spec.num_layers)),
+            final_norm=table.final_elements(),
+            head=0 if spec.tied_embeddings else spec.vocab_size * h)
     return ParamCounts(
         embedding=spec.vocab_size * h,
         position_embedding=spec.max_seq_len * h if spec.position is PositionKind.LEARNED else 0,

@@ -29,7 +29,7 @@ from memplan.hf.config import (
 from memplan.hf.fallback import fallback_fields
 from memplan.hf.families_hybrid import QWEN3_NEXT_EXPERTS, qwen3_next
 from memplan.hf.families_moe import MOE_FAMILIES, moe_family_fields, refuse_not_modelled
-from memplan.hf.families_more import MORE_FAMILIES, more_family_fields
+from memplan.hf.families_more import MORE_FAMILIES, granite_hybrid_dense, more_family_fields
 
 # llama, mistral, mixtral and qwen2 share Llama's field names (memplan.hf.config); gpt2 has
 # its own; the others are read here
@@ -421,7 +421,10 @@ def spec_fields(data: dict[str, Any], where: str, name: str) -> dict[str, Any]:
     cfg = outer = ConfigKeys(data, where)
     model_type = cfg.get_str("model_type")
     refuse_not_modelled(cfg, model_type)
-    if model_type not in SUPPORTED:  # transformers' exact count, an approximate estimate
+    if model_type not in SUPPORTED or (model_type == "granitemoehybrid"
+                                       and not granite_hybrid_dense(cfg)):
+        # transformers' exact count and tensors, an approximate estimate (Granite 4.0-H's
+        # Mamba layers and experts: memplan has no Mamba block)
         return fallback_fields(cfg, model_type, SUPPORTED, name, where)
     source = f"Hugging Face config.json ({model_type}) at {where}"
     if model_type == "gemma3":

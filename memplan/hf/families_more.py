@@ -14,10 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 from memplan.hf.config import FULL, SLIDING, ConfigKeys, llama_fields, sliding_fields
+from memplan.hf.config import _KERNEL_GELU
 from memplan.hf.config import _layer_types as _types
 from memplan.hf.families_moe import first_dense
 MORE_FAMILIES = ("exaone4", "seed_oss", "hunyuan_v1_dense", "hunyuan_v1_moe", "ernie4_5", "dots1",
-                 "ernie4_5_moe")
+                 "ernie4_5_moe", "apertus", "granitemoehybrid")
 
 
 def _window(cfg: ConfigKeys, default: int) -> int | None:
@@ -192,9 +193,73 @@ def ernie4_5_moe(cfg: ConfigKeys) -> dict[str, Any]:
     return fields
 
 
+def apertus(cfg: ConfigKeys) -> dict[str, Any]:
+    """models/apertus/modeling_apertus.py: Llama's attention (attention_bias on q, k, v and o)
+    with per-head RMSNorms on q and k before RoPE (ApertusAttention.q_norm / k_norm of
+    head_dim, built whatever the config says), pre-norms (ApertusDecoderLayer.
+    attention_layernorm, feedforward_layernorm), and a plain MLP, down(act(up(x))) without
+    biases (ApertusMLP: nn.Linear(..., bias=False), mlp_bias not read), whose activation is
+    xIELU by default (ACT2CLS["xielu"]: two learned one-element parameters per layer,
+    made in config.dtype) or one of ACT2FN's GELU kernels. ApertusConfig's defaults: vocab
+    131072, 65536 positions, untied."""
+    act = cfg.get_str("hidden_act", "xielu").lower()
+    if act == "xielu":
+        mlp, impl = "gelu", "xielu"
+    elif act in _KERNEL_GELU:
+        mlp, impl = "gelu", "kernel"
+    elif act == "relu":
+        mlp, impl = "relu", "kernel"
+    else:
+        raise cfg.error("hidden_act", f"unsupported activation {act!r} for Apertus's plain MLP: "
+                        f"modelled are xielu, {', '.join(_KERNEL_GELU)} and relu")
+    # llama_fields reads hidden_act as a gated MLP's: read it as SiLU's there, then set it
+    plain = ConfigKeys({**cfg.data, "hidden_act": "silu"}, cfg.where)
+    fields = llama_fields(plain, head_dim_default=None, tie_default=False,
+                          defaults={"vocab_size": 131072, "max_position_embeddings": 65536})
+    fields.update(qk_norm="head", mlp=mlp, activation_impl=impl, mlp_bias=False)
+    return fields
+
+
+def granite_hybrid_dense(cfg: ConfigKeys) -> bool:
+    """Whether a granitemoehybrid config builds only attention layers without experts: every
+    layer_types entry "attention" (GraniteMoeHybridDecoderLayer builds a Mamba mixer for the
+    others, and GraniteMoeHybridConfig's default is every layer Mamba) and num_local_experts
+    0 (default 8: GraniteMoeHybridMoE beside the shared MLP). The rest is read by the
+    fallback (memplan.hf.fallback): memplan has no Mamba block."""
+    types = cfg.data.get("layer_types")
+    experts = cfg.data.get("num_local_experts", 8)
+    # the file's "attention"; transformers 5.25's configuration class writes "full_attention"
+    # (and "linear_attention" for "mamba") in its to_dict()
+    return (isinstance(types, list) and bool(types)
+            and all(t in ("attention", "full_attention") for t in types) and experts == 0)
+
+
+def granitemoehybrid(cfg: ConfigKeys) -> dict[str, Any]:
+    """models/granitemoehybrid/modeling_granitemoehybrid.py with attention layers only and no
+    experts (``granite_hybrid_dense``; Granite 4.0 micro): Granite's layer
+    (GraniteMoeHybridDecoderLayer.forward: residual + out * residual_multiplier, the embedding
+    times embedding_multiplier, logits / logits_scaling, attention_multiplier as the softmax
+    scale: scalars, no parameter, nothing saved) whose MLP is GraniteMoeHybridMLP, one
+    input_linear of 2 x shared_intermediate_size chunked into gate and up, act(gate) * up,
+    then output_linear, no biases (memplan's fused_gate_up, as Phi-3's); q/k/v/o biases from
+    attention_bias; RoPE only where position_embedding_type is "rope"
+    (GraniteMoeHybridModel.rotary_emb, else None: no position encoding).
+    GraniteMoeHybridConfig's defaults: vocab 32000, 2048 positions, untied,
+    shared_intermediate_size 1024, position_embedding_type None."""
+    if not granite_hybrid_dense(cfg):
+        raise cfg.error("layer_types", "Mamba layers or experts are read by the fallback")
+    fields = llama_fields(cfg, head_dim_default=None, tie_default=False,
+                          defaults={"vocab_size": 32000, "max_position_embeddings": 2048})
+    rope = cfg.data.get("position_embedding_type") == "rope"
+    fields.update(ffn_hidden_size=cfg.get_int("shared_intermediate_size", 1024),
+                  fused_gate_up=True, mlp_bias=False, position="rope" if rope else "none")
+    return fields
+
+
 def more_family_fields(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
     """The ``ModelSpec`` fields of a ``MORE_FAMILIES`` config."""
     readers = {"exaone4": exaone4, "seed_oss": seed_oss, "hunyuan_v1_dense": hunyuan_v1_dense,
                "hunyuan_v1_moe": hunyuan_v1_moe, "ernie4_5": ernie4_5, "dots1": dots1,
-               "ernie4_5_moe": ernie4_5_moe}
+               "ernie4_5_moe": ernie4_5_moe, "apertus": apertus,
+               "granitemoehybrid": granitemoehybrid}
     return readers[model_type](cfg)

@@ -14,7 +14,7 @@ from memplan.model.block import BackwardMoment, Moment
 from memplan.model.norm import output_kept
 from memplan.model.dims import FP32_BYTES, MASK_BYTES, Dims, Term, residual_dropout_mask, total
 from memplan.model.linear import Linear, Split, local_widths
-from memplan.spec import ActivationImpl, MlpKind, ModelSpec
+from memplan.spec import ActivationImpl, MlpKind, ModelSpec, activation_params
 from memplan.workload import Recompute, TeFp8Recipe, Workload
 
 
@@ -59,6 +59,8 @@ def _mlp_terms(prefix: str, spec: ModelSpec, dm: Dims, ffn: int, tokens: int) ->
     elif spec.activation_impl is ActivationImpl.GELU_NEW:
         return [Term(f"{prefix}.{n}", elements * size)
                 for n, size in gelu_new_saved(dm).items()]
+    elif spec.activation_impl is ActivationImpl.XIELU:
+        return [Term(f"{prefix}.{n}", elements * size) for n, size in xielu_saved(dm).items()]
     else:
         names = ("fc1", "act")
     return [Term(f"{prefix}.{n}", elements * dm.e) for n in names]
@@ -77,6 +79,32 @@ def gelu_new_saved(dm: Dims) -> dict[str, int]:
     e, wide = dm.e, (FP32_BYTES if dm.autocast else dm.e)
     return {"fc1": wide, "gelu_tanh": wide, "gelu_half_x": e, "gelu_one_plus_tanh": wide,
             "act": e}
+
+
+def xielu_saved(dm: Dims) -> dict[str, int]:
+    """Bytes per element of what transformers' xIELU formula leaves saved (activations.py
+    XIELUActivation._xielu_python: where(x > 0, alpha_p * x * x + beta * x,
+    (expm1(min(x, eps)) - x) * alpha_n + beta * x), alpha_p and alpha_n the softplus of its
+    two learned one-element parameters), with the down projection's saved input (``act``).
+    Its autograd: alpha_p * x saves x (for alpha_p's gradient) and, times x again, its output;
+    minimum saves x; expm1 its output; (expm1 - x) * alpha_n that difference; where its bool
+    condition; beta is a buffer (no gradient), so beta * x saves no tensor of x's size. The
+    alphas are one-element tensors, not 0-dim, so they take part in type promotion: under
+    autocast (fp32 alphas, a low-precision x) alpha_p * x, both products with alpha_n, their
+    sums and the output are fp32, which the down projection casts back and saves; expm1 is an
+    fp32 op of CUDA's autocast (aten/src/ATen/autocast_mode.h AT_FORALL_FP32), so its output
+    and the difference are fp32 too."""
+    e, wide = dm.e, (FP32_BYTES if dm.autocast else dm.e)
+    return {"fc1": e, "xielu_px": wide, "xielu_expm1": wide, "xielu_diff": wide,
+            "xielu_mask": MASK_BYTES, "act": e}
+
+
+def xielu_forward_bytes(dm: Dims) -> int:
+    """Bytes per element alive beyond the saved at xIELU's forward peak: the negative branch's
+    sum made (its product with alpha_n and beta * x beside it) while the positive branch's
+    sum waits for the where (traced: tests/traced/test_hf_heldout.py apertus)."""
+    wide = FP32_BYTES if dm.autocast else dm.e
+    return 3 * wide + dm.e
 
 
 @lru_cache(maxsize=256)
@@ -110,6 +138,8 @@ def act_grad_bytes(spec: ModelSpec, dm: Dims) -> int:
         return 2 * dm.e
     if spec.activation_impl is ActivationImpl.GELU_NEW:
         return gelu_new_grad_bytes(dm)
+    if spec.activation_impl is ActivationImpl.XIELU:
+        return xielu_grad_bytes(dm)
     return dm.e
 
 
@@ -123,6 +153,20 @@ def gelu_new_grad_bytes(dm: Dims) -> int:
     wide = FP32_BYTES if dm.autocast else dm.e
     cast = dm.e if dm.autocast else 0
     return 3 * wide + cast - dm.e
+
+
+def xielu_grad_bytes(dm: Dims) -> int:
+    """xIELU's backward at its peak, the product with alpha_n's (autograd runs its nodes
+    latest first: the where, the negative branch's sum, beta * x, then that product): the
+    gradients of the where's two branches, x's gradient so far (beta * x's), the difference's
+    gradient and the product summed into alpha_n's gradient; the down projection's saved
+    input (counted among the saved) and the where's bool condition (released when its node
+    ran) freed: 5 - 1 intermediates less the condition's byte (traced: tests/traced/
+    test_hf_heldout.py apertus, bf16 under full recompute, where this is the peak). Under
+    autocast the where's gradients, the difference's and the product are fp32 and x's is
+    cast to x's dtype: 4 + 4 + 2 + 4 + 4 - 2 - 1 = 15 bytes, 4 fp32 less the condition's."""
+    wide = FP32_BYTES if dm.autocast else dm.e
+    return 4 * wide - MASK_BYTES
 
 
 def backward_moments(spec: ModelSpec, dm: Dims, *, saved: int, freed: int, run_tokens: int,
@@ -275,6 +319,13 @@ class Mlp:
         moments += _float8_forward(spec, dm, self.saved(spec, wl, dm, recompute))
         if dm.adapters is not None:
             moments += _frozen_forward(spec, dm, saved)
+        if spec.activation_impl is ActivationImpl.XIELU:
+            # its formula's temporaries before the down projection's input (and, under
+            # autocast, its weight's cast) exists
+            inner = dm.tokens * spec.ffn_hidden_size // dm.tp
+            down = linear.saved_bytes(mlp_linears(spec, spec.ffn_hidden_size)[-1:], dm)
+            moments.append(Moment("mlp_act", saved - inner * dm.e - down
+                                  - dropout_mask_bytes(spec, dm), inner * xielu_forward_bytes(dm)))
         if spec.mlp is MlpKind.RELU:
             # ReLU saves its output, not its input: the first linear's output lives beside it
             # until the activation returns, before the block's output dropout mask (traced)
@@ -315,14 +366,19 @@ class Mlp:
         return []
 
     def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:
-        return mlp_tensor_sizes(spec, spec.ffn_hidden_size, t)
+        """The projections', then the activation's own (xIELU's alpha_p and alpha_n)."""
+        return (mlp_tensor_sizes(spec, spec.ffn_hidden_size, t)
+                + [1] * activation_params(spec))
 
     def tensor_shapes(self, spec: ModelSpec, t: int, ep: int) -> list[tuple[int, ...]]:
-        return linear.all_tensor_shapes(mlp_linears(spec, spec.ffn_hidden_size), t)
+        return (linear.all_tensor_shapes(mlp_linears(spec, spec.ffn_hidden_size), t)
+                + [(1,)] * activation_params(spec))
 
     def grad_groups(self, spec: ModelSpec, t: int, ep: int) -> dict[str, int]:
-        """``mlp_out``: the down projection (its backward runs first); ``mlp``: all."""
-        return linear.grad_groups(mlp_linears(spec, spec.ffn_hidden_size), t, ("mlp_out", "mlp"))
+        """``mlp_out``: the down projection (its backward runs first); ``mlp``: all (the
+        activation's own parameters among them)."""
+        return linear.grad_groups(mlp_linears(spec, spec.ffn_hidden_size), t, ("mlp_out", "mlp"),
+                                  {"mlp": activation_params(spec)})
 
     def flops_per_token(self, spec: ModelSpec, seq_len: int) -> float:
         return linear.flops_per_token(mlp_linears(spec, spec.ffn_hidden_size))

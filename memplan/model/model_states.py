@@ -97,15 +97,25 @@ def count_stage_params(spec: ModelSpec, t: int, ep: int | ExpertSplit, pp: int,
     if first:
         shapes += EmbeddingBlock().tensor_shapes(spec, vocab_div, 1)
     embedding_tensors = len(shapes)
-    kinds = {key: _layer_shapes(spec, t, ep, *key) for key in {_shape_key(spec, i) for i in layers}}
-    for i in layers:
-        shapes += kinds[_shape_key(spec, i)]
+    if spec.param_table is not None:  # the tensors transformers builds (memplan.hf.param_table)
+        ep_div, etp = (ep.ep, ep.etp) if isinstance(ep, ExpertSplit) else (ep, t)
+        for i in layers:
+            shapes += spec.param_table.layer_shapes(i, t, ep_div, etp)
+    else:
+        kinds = {key: _layer_shapes(spec, t, ep, *key)
+                 for key in {_shape_key(spec, i) for i in layers}}
+        for i in layers:
+            shapes += kinds[_shape_key(spec, i)]
     if depths:
         shapes += layer_tensor_shapes(spec, t, ep, spec.is_moe_layer(mtp_layer_index(spec))
                                       ) * depths
     before_head = len(shapes)
     if last:
-        shapes += HeadBlock().tensor_shapes(spec, vocab_div, 1)
+        head_shapes = HeadBlock().tensor_shapes(spec, vocab_div, 1)
+        if spec.param_table is not None:  # its final tensors for the final norm's
+            head_shapes = [*spec.param_table.final_shapes(),
+                           *head_shapes[2 if spec.norm_bias else 1:]]
+        shapes += head_shapes
         # tied under pipeline parallelism the last stage holds its own copy of the embedding
         shapes += [(vocab_rows // h, h)] if spec.tied_embeddings and pp > 1 else []
         shapes += mtp_depth_tensor_shapes(spec, t) * depths

@@ -402,7 +402,7 @@ def _walk(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTerms
     activations, one_mb = _saved(par, kinds, entries, flight, rope_bytes, embed_bytes,
                                  head_bytes)
     walk = Walk(
-        runs=[(*entries[k], n) for k, n in kinds.runs],
+        runs=_runs(kinds, entries, fx),
         other_bytes=max(0, activations - one_mb),
         rest_saved=rope_bytes * par.vpp + embed_bytes + batch,
         head=_head_block(spec, shared, fx),
@@ -410,6 +410,21 @@ def _walk(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTerms
         sharding=with_stream(fx.dp, shared.dm.stream(spec.hidden_size)),
     )
     return walk, activations, one_mb
+
+
+def _runs(kinds: StageKinds, entries: Entries, fx: StageStates
+          ) -> list[tuple[LayerKind, int, tuple[int, ...], int]]:
+    """The walk's runs: each kind's saved bytes, moments and gradients; where the layers'
+    own tensors differ within a kind (``StageKinds.run_starts``), each run's gradients are its
+    own layers' and none of its moments holds more."""
+    if not kinds.run_starts:
+        return [(*entries[k], n) for k, n in kinds.runs]
+    out = []
+    for (key, n), pos in zip(kinds.runs, kinds.run_starts):
+        kind, _, moment_grads = entries[key]
+        grads = whole_bytes(fx.params.layers[pos], fx.grad_per_param)
+        out.append((kind, grads, tuple(min(g, grads) for g in moment_grads), n))
+    return out
 
 
 def _with_deferred(walk: Walk, dfr: Deferred, main_grads: bool) -> Walk:

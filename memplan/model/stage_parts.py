@@ -96,6 +96,9 @@ class StageKinds(NamedTuple):
     counts: dict[LayerKey, int]  # layers of each kind
     runs: list[tuple[LayerKey, int]]  # runs of identical layers, in order
     chunks: list[dict[LayerKey, int]]  # layers of each kind per model chunk
+    run_starts: tuple[int, ...] = ()  # where the layers' own tensors differ within a kind
+    #                       (``ModelSpec.param_table``): each run's first layer on the stage,
+    #                       whose parameters its gradients follow; () where a kind's first does
 
 
 class StageStates(NamedTuple):
@@ -195,8 +198,17 @@ def build_kinds(spec: ModelSpec, wl: Workload, pp: int, vpp: int, stage: int,
     counts = Counter(keys) if len(positions) > 1 else {keys[0]: len(keys)}
     ends = [0, *accumulate(len(chunk) for chunk in chunk_layers)]
     chunks = [Counter(keys[ends[c]:ends[c + 1]]) for c in range(vpp)]
-    return StageKinds(keys=keys, positions=positions, counts=counts, runs=runs_of(keys),
-                      chunks=chunks)
+    if spec.param_table is None:
+        return StageKinds(keys=keys, positions=positions, counts=counts, runs=runs_of(keys),
+                          chunks=chunks)
+    # runs of layers of one kind and the same tensors (memplan.hf.param_table): a hybrid's
+    # layers read as one kind hold different parameters
+    rows = spec.param_table.layer_rows
+    layers = [i for chunk in chunk_layers for i in chunk]
+    runs = [(key, n) for (key, _), n in runs_of([(k, rows[i]) for k, i in zip(keys, layers)])]
+    starts = tuple(accumulate((n for _, n in runs[:-1]), initial=0))
+    return StageKinds(keys=keys, positions=positions, counts=counts, runs=runs, chunks=chunks,
+                      run_starts=starts)
 
 
 def _float8_saving(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> int:

@@ -1,11 +1,14 @@
 """The model transformers builds from a ``config.json`` dict, on the meta device (no memory,
-every parameter's shape): its exact parameter count and whether every decoder layer has a
-self-attention module (``memplan.hf.fallback``). torch and transformers are imported here
-only, when called."""
+every parameter's shape): its exact parameter count, every parameter tensor's name and shape,
+and whether every decoder layer has a self-attention module (``memplan.hf.fallback``). torch
+and transformers are imported here only, when called; a config is built once per process
+(the same dict read again, by a plan's many estimates, reuses it)."""
 
 from __future__ import annotations
 
+import json
 import re
+from functools import lru_cache
 from typing import Any, NamedTuple
 
 # a decoder layer's self-attention module, as transformers names it (LlamaDecoderLayer.
@@ -18,20 +21,39 @@ class MetaBuild(NamedTuple):
     attention_layers: int  # decoder layers holding a self_attn module
     transformers_version: str
     config: dict[str, Any]  # the configuration class's to_dict(): every default written out
+    tensors: tuple[tuple[str, tuple[int, ...]], ...] = ()  # named_parameters(): each tensor
+    #                                 once (a tied one under its first name), in order
+    fp32_elements: int = 0  # elements of tensors built in fp32 in a model built in bf16
 
 
 def meta_build(data: dict[str, Any]) -> MetaBuild:
     """``AutoConfig.for_model(**data)`` built by ``AutoModelForCausalLM.from_config`` on the
-    meta device; tied weights counted once (``parameters()``). Raises ImportError without
+    meta device, in bf16 (a module that makes its parameter in fp32 whatever the model's dtype
+    shows so); tied weights counted once (``parameters()``). Raises ImportError without
     torch or transformers, ValueError for a model type transformers does not know."""
+    try:
+        key = json.dumps(data, sort_keys=True)
+    except TypeError:  # a to_dict() holding objects JSON cannot write: built uncached
+        return _build(data)
+    return _cached(key)
+
+
+@lru_cache(maxsize=16)
+def _cached(text: str) -> MetaBuild:
+    return _build(json.loads(text))
+
+
+def _build(data: dict[str, Any]) -> MetaBuild:
     import torch
     import transformers
 
     keep = {k: v for k, v in data.items() if k not in ("quantization_config", "auto_map")}
     config = transformers.AutoConfig.for_model(**keep)
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    layers = {m.group(1) for name, _ in model.named_parameters()
-              if (m := _SELF_ATTN.search(name))}
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    named = list(model.named_parameters())
+    layers = {m.group(1) for name, _ in named if (m := _SELF_ATTN.search(name))}
+    fp32 = sum(p.numel() for _, p in named if p.dtype == torch.float32)
     return MetaBuild(sum(p.numel() for p in model.parameters()), len(layers),
-                     transformers.__version__, config.to_dict())
+                     transformers.__version__, config.to_dict(),
+                     tuple((name, tuple(p.shape)) for name, p in named), fp32)

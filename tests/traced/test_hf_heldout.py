@@ -4,7 +4,8 @@ README.md), against the models transformers builds on the meta device.
 
 Each is accepted: by a family's reader, whose count must be transformers' to the parameter
 and laid out in the same tensors, or by the fallback (``memplan.hf.fallback``), which states
-transformers' exact count beside its approximate blocks. A model type transformers itself
+transformers' exact count beside its approximate blocks and holds transformers' own tensors
+as its weights (``ModelSpec.param_table``): the same count, the same tensors. A model type transformers itself
 does not know (Phi-4-mini-flash's ``phi4flash``, remote code only) is refused in one line.
 A model type the installed transformers lacks is skipped.
 
@@ -29,9 +30,8 @@ from memplan.spec import spec_from_hf_dict  # noqa: E402
 HELDOUT = Path(__file__).resolve().parents[1] / "data" / "hf" / "heldout"
 NAMES = sorted(p.name for p in HELDOUT.iterdir() if (p / "config.json").is_file())
 
-# read by the fallback: approximate blocks, transformers' exact count stated
-FALLBACK = {"Apertus-8B-2509", "LFM2-1.2B", "Falcon-H1-1.5B-Instruct",
-            "granite-4.0-h-tiny", "granite-4.0-micro"}
+# read by the fallback: approximate blocks, transformers' tensors as the weights
+FALLBACK = {"LFM2-1.2B", "Falcon-H1-1.5B-Instruct", "granite-4.0-h-tiny"}
 # transformers has no configuration class for it (remote code)
 UNKNOWN_TO_TRANSFORMERS = {"Phi-4-mini-flash-reasoning"}
 
@@ -76,12 +76,34 @@ def test_counts_as_transformers_builds_it(name: str) -> None:
     exact = sum(p.numel() for p in params)
     spec = spec_from_hf_dict(data, "config.json", name)
     if name in FALLBACK:
-        assert spec.approximate and spec.exact_num_params == exact
-        return
-    assert spec.approximate is None and spec.num_params == exact
+        # approximate blocks; the weights, gradients and states follow transformers' tensors
+        assert spec.approximate and spec.exact_num_params == exact == spec.num_params
+        assert spec.param_table is not None
+    else:
+        assert spec.approximate is None and spec.num_params == exact
     layers = tuple(range(spec.num_layers))
     stage = count_stage_params(spec, 1, 1, 1, layers, True, True, 1)
     assert sorted(stage.tensor_sizes) == sorted(p.numel() for p in params)
+
+
+@pytest.mark.parametrize("name", sorted(FALLBACK))
+def test_fallback_weights_are_transformers_tensors(name: str) -> None:
+    """A model type read by the fallback: each decoder layer holds the parameters transformers
+    builds in ``model.layers[i]``, and an fp32 estimate on one GPU holds 4 bytes of weights
+    and 4 of gradients per parameter transformers counts, to the byte."""
+    from memplan.api import estimate
+
+    data = _config(name)
+    if not _known(data["model_type"]):
+        pytest.skip(f"transformers {transformers.__version__} has no {data['model_type']!r}")
+    model = _built(data)
+    exact = sum(p.numel() for p in model.parameters())
+    spec = spec_from_hf_dict(data, "config.json", name)
+    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+    stage = count_stage_params(spec, 1, 1, 1, tuple(range(spec.num_layers)), True, True, 1)
+    assert list(stage.layers) == per_layer
+    est = estimate(spec, seq_len=64, precision="fp32")
+    assert (est.stages[0].params_bytes, est.stages[0].grads_bytes) == (4 * exact, 4 * exact)
 
 
 def test_remote_code_type_is_refused_in_one_line() -> None:
@@ -120,6 +142,12 @@ TRACED = {
     # a dense first layer, then 4 experts (2 routed a token) with 2 shared
     "ernie4_5_moe": _cut("ERNIE-4.5-21B-A3B-PT", num_hidden_layers=2, moe_num_experts=4,
                          moe_k=2, moe_intermediate_size=64, moe_num_shared_experts=2, **_TOY),
+    # a plain MLP with transformers' xIELU formula, per-head q/k norms
+    "apertus": _cut("Apertus-8B-2509", num_hidden_layers=2, **_TOY),
+    # Granite 4.0 micro: attention layers only, no experts; the shared MLP's fused input
+    "granitemoehybrid": _cut("granite-4.0-micro", num_hidden_layers=2,
+                             layer_types=["attention"] * 2, shared_intermediate_size=256,
+                             mamba_n_heads=4, mamba_d_head=64, **_TOY),  # (unused, validated)
 }
 
 
@@ -165,5 +193,6 @@ def test_library_matches_estimate(case, known) -> None:
     # ERNIE's frozen e_score_correction_bias (E fp32 values a MoE layer) is read as the
     # router's trained bias: 16 B of weights, gradients and states more on the toy
     frozen_bias = case.name == "ernie4_5_moe"
-    check(compare_framework(case).rows, known,
-          exact=() if fp32_router or frozen_bias else EXACT)
+    comparison = compare_framework(case)
+    assert comparison.spec.approximate is None  # read by its family's reader, not the fallback
+    check(comparison.rows, known, exact=() if fp32_router or frozen_bias else EXACT)

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 from known import check  # noqa: E402  (tests/traced/known.py)
 from memplan.model.model_states import count_stage_params  # noqa: E402
 from memplan.profile.frameworks import FrameworkCase, compare_framework  # noqa: E402
-from memplan.spec import load_model, spec_from_hf_dict  # noqa: E402
+from memplan.spec import load_model, param_counts, spec_from_hf_dict  # noqa: E402
 
 # zai-org/GLM-4-32B-0414 config.json
 GLM4_32B = {
@@ -256,16 +256,19 @@ UNKNOWN_TOY = {"model_type": "olmo", "hidden_size": 256, "intermediate_size": 76
 
 def test_unknown_type_counts_as_transformers_builds_it() -> None:
     """The exact count is transformers' own build of the file, stated beside the approximate
-    spec (read as Llama's block); where the blocks count otherwise (here OlmoLayerNorm's
-    norms without weights, which Llama's blocks count: 2 x 256 per layer and the final 256)
-    the line says which count the states follow."""
+    spec (read as Llama's block); the weights, gradients and states follow transformers'
+    tensors, not the blocks' (OlmoLayerNorm's norms have no weights, which Llama's blocks
+    would count: 2 x 256 per layer and the final 256): the spec counts what transformers
+    builds, layer by layer."""
     spec = spec_from_hf_dict(UNKNOWN_TOY, "cfg.json", "olmo")
-    exact = sum(p.numel() for p in _built(UNKNOWN_TOY).parameters())
-    assert spec.exact_num_params == exact
+    model = _built(UNKNOWN_TOY)
+    exact = sum(p.numel() for p in model.parameters())
+    assert spec.exact_num_params == exact == spec.num_params
     assert spec.approximate and "'olmo'" in spec.approximate and f"{exact:,}" in \
-        spec.approximate
-    assert spec.num_params - exact == 2 * 2 * 256 + 256
-    assert f"{spec.num_params:,}" in spec.approximate and "states follow" in spec.approximate
+        spec.approximate and "follow those tensors" in spec.approximate
+    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+    assert [lp.total for lp in param_counts(spec).layers] == per_layer
+    assert param_counts(spec).final_norm == 0  # OLMo's final norm has no weight either
 
 
 def test_model_without_attention_layers_is_refused() -> None:

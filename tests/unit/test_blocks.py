@@ -343,3 +343,36 @@ def test_gelu_new_backward_holds_fp32_gradients_under_autocast() -> None:
                 stream_e=2)
     assert gelu_new_grad_bytes(bf16) == 4
     assert gelu_new_grad_bytes(bf16._replace(stream_e=4, autocast=True)) == 12
+
+
+def test_xielu_saved_and_backward_bytes() -> None:
+    """transformers' xIELU formula (activations.py _xielu_python) per intermediate element.
+    Saved: x, alpha_p * x, expm1's output, the difference, the where's bool condition and the
+    down projection's input: bf16 2 + 2 + 2 + 2 + 1 + 2 = 11 B; under autocast alpha_p * x,
+    expm1 (an fp32 op of CUDA's autocast) and the difference are fp32, the down projection's
+    input a bf16 cast: 2 + 4 + 4 + 4 + 1 + 2 = 17 B. Forward peak beyond the saved: the
+    positive branch's sum, the product with alpha_n, beta * x and their sum: bf16 4 x 2 = 8 B,
+    autocast 4 + 4 + 2 + 4 = 14 B. Backward peak beyond the saved (the product with
+    alpha_n's): the where's two gradients, x's so far, the difference's and the product
+    summed for alpha_n, less the down projection's input and the condition: bf16
+    5 x 2 - 2 - 1 = 7 B; autocast 4 + 4 + 2 + 4 + 4 - 2 - 1 = 15 B."""
+    from memplan.model.mlp import xielu_forward_bytes, xielu_grad_bytes, xielu_saved
+
+    bf16 = Dims(b=1, s=1, s_kv=1, tokens=1, res_tokens_div=1, tp=1, e=2, vocab_shard=1,
+                stream_e=2)
+    amp = bf16._replace(stream_e=4, autocast=True)
+    assert sum(xielu_saved(bf16).values()) == 11 and sum(xielu_saved(amp).values()) == 17
+    assert (xielu_forward_bytes(bf16), xielu_forward_bytes(amp)) == (8, 14)
+    assert (xielu_grad_bytes(bf16), xielu_grad_bytes(amp)) == (7, 15)
+
+
+def test_xielu_parameters_are_the_mlps() -> None:
+    """alpha_p and alpha_n, one element each, after the MLP's projections; in its last
+    gradient group."""
+    from memplan.model.mlp import Mlp
+
+    spec = ModelSpec.model_validate({**TINY.model_dump(), "name": "tiny-xielu", "mlp": "gelu",
+                                     "activation_impl": "xielu"})
+    sizes = Mlp().tensor_sizes(spec, 1, 1)
+    assert sizes[-2:] == [1, 1] and sum(sizes) == 2 * 64 * 176 + 2
+    assert Mlp().grad_groups(spec, 1, 1)["mlp"] == 2 * 64 * 176 + 2

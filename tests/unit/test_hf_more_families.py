@@ -86,3 +86,83 @@ def test_dots1_moe() -> None:
     assert (moe.num_experts, moe.top_k, moe.first_dense_layers, moe.num_shared_experts) == (
         128, 6, 1, 2)
     assert spec.qk_norm.value == "head"
+
+
+def test_apertus_8b_by_hand() -> None:
+    """Apertus-8B-2509: 32 layers of h 4,096, 32 heads and 8 KV heads of 128, a plain MLP of
+    21,504 with xIELU, untied, no biases. Attention q and o 4,096 x 4,096 (16,777,216 each),
+    k and v 4,096 x 1,024 (4,194,304 each): 41,943,040; the per-head q and k norms 2 x 128 =
+    256; up and down 2 x 4,096 x 21,504 = 176,160,768; xIELU's alpha_p and alpha_n 2; two norms
+    8,192: 218,112,258 per layer, 6,979,592,256 in all; the embedding and the head 2 x
+    131,072 x 4,096 = 1,073,741,824, the final norm 4,096: 8,053,338,176 (transformers' meta
+    build too, tests/traced/test_hf_heldout.py)."""
+    spec = _spec("Apertus-8B-2509")
+    assert spec.num_params == 8_053_338_176 and spec.approximate is None
+    assert (spec.mlp.value, spec.activation_impl.value, spec.qk_norm.value) == (
+        "gelu", "xielu", "head")
+
+
+def test_apertus_other_activation_refused() -> None:
+    """Apertus's MLP is plain: a gated activation name (silu) has no block memplan models."""
+    from memplan.errors import MemplanError
+
+    data = json.loads((HELDOUT / "Apertus-8B-2509" / "config.json").read_text())
+    with pytest.raises(MemplanError, match="hidden_act"):
+        spec_from_hf_dict({**data, "hidden_act": "silu"}, "config.json", "m")
+    assert _spec_of({**data, "hidden_act": "gelu"}).activation_impl.value == "kernel"
+
+
+def _spec_of(data: dict):
+    return spec_from_hf_dict(data, "config.json", "m")
+
+
+def test_apertus_compiled_or_op_level_recompute_refused() -> None:
+    """What Inductor or per-op SAC keeps of the xIELU formula is not modelled: refused."""
+    from memplan.api import estimate
+    from memplan.errors import MemplanError
+
+    spec = _spec("Apertus-8B-2509")
+    with pytest.raises(MemplanError, match="xIELU"):
+        estimate(spec, gpus=8, zero=3, compile=True)
+    with pytest.raises(MemplanError, match="recompute ops"):
+        estimate(spec, gpus=8, zero=3, recompute="ops")
+
+
+def test_granite_4_micro_by_hand() -> None:
+    """granite-4.0-micro (granitemoehybrid, every layer attention, no experts): 40 layers of h
+    2,560, 40 heads of 64 and 8 KV heads, tied, no biases. Attention q and o 2,560 x 2,560
+    (6,553,600 each), k and v 2,560 x 512 (1,310,720 each): 15,728,640; the shared MLP's
+    input_linear 2,560 x 16,384 = 41,943,040 and output_linear 8,192 x 2,560 = 20,971,520;
+    two norms 5,120: 78,648,320 per layer, 3,145,932,800 in all; the embedding 100,352 x
+    2,560 = 256,901,120 and the final norm 2,560: 3,402,836,480 (transformers' meta build
+    too)."""
+    spec = _spec("granite-4.0-micro")
+    assert spec.num_params == 3_402_836_480 and spec.approximate is None
+    assert (spec.fused_gate_up, spec.ffn_hidden_size, spec.position.value) == (True, 8192,
+                                                                                "rope")
+
+
+def test_granite_hybrid_with_mamba_or_experts_is_the_fallbacks() -> None:
+    """A Mamba layer, or experts (num_local_experts > 0, its default 8): no Mamba block in
+    memplan, so the fallback reads it (here without transformers: its one-line refusal);
+    transformers 5.25's to_dict() spelling of attention layers (full_attention) is read as
+    the file's."""
+    from memplan.errors import MemplanError
+    from memplan.hf.config import ConfigKeys
+    from memplan.hf.families_more import granite_hybrid_dense
+    import memplan.profile.hf_meta as hf_meta
+
+    data = json.loads((HELDOUT / "granite-4.0-micro" / "config.json").read_text())
+    assert granite_hybrid_dense(ConfigKeys({**data, "layer_types": ["full_attention"] * 40},
+                                           "c"))
+    assert not granite_hybrid_dense(ConfigKeys({**data, "num_local_experts": 8}, "c"))
+    mamba = {**data, "layer_types": ["mamba"] + ["attention"] * 39}
+    assert not granite_hybrid_dense(ConfigKeys(mamba, "c"))
+
+    def missing(data):
+        raise ImportError("No module named 'transformers'")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf_meta, "meta_build", missing)
+        with pytest.raises(MemplanError, match="pip install transformers"):
+            _spec_of(mamba)
