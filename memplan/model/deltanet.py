@@ -41,6 +41,7 @@ from memplan.model.dims import FP32_BYTES, MASK_BYTES, Dims, Term, total
 from memplan.model.linear import Linear, Split
 from memplan.spec import LinearAttentionSpec, ModelSpec
 from memplan.model import deltanet_fla as fla
+from memplan.model import deltanet_solve as solve
 from memplan.workload import DeltaNetKernel, Recompute, Workload
 
 _PREFIX = "linear_attn"
@@ -179,10 +180,16 @@ def _fused(wl: Workload) -> bool:
     return wl.deltanet_kernel is DeltaNetKernel.FLA
 
 
+def _solved(wl: Workload) -> bool:
+    return wl.deltanet_kernel is DeltaNetKernel.TORCH_SOLVE
+
+
 def rule_terms(z: Sizes, wl: Workload, dm: Dims) -> list[Term]:
     """What the conv, the gates and the chunked rule save."""
     if _fused(wl):
         return fla.fla_rule_terms(z, dm)
+    if _solved(wl):
+        return solve.solve_rule_terms(z, dm)
     return _conv_terms(z, dm) + _chunk_terms(z) + _per_chunk_terms(z)
 
 

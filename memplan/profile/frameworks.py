@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -427,13 +429,33 @@ def build_hf(case: FrameworkCase) -> Built:
 def _deltanet_kernel(model: torch.nn.Module) -> dict[str, str]:
     """The kernels the model's gated DeltaNet layers run (Qwen3NextGatedDeltaNet.
     chunk_gated_delta_rule: fla's when installed, else transformers' torch fallback, which
-    every CPU trace runs); nothing for a model without them."""
+    every CPU trace runs); nothing for a model without them. transformers' torch fallback
+    is "torch" as written up to 5.16 (a forward substitution loop), "torch-solve" as
+    rewritten from 5.17 on (``torch.linalg.solve_triangular``), told apart by its source."""
     for module in model.modules():
         rule = getattr(module, "chunk_gated_delta_rule", None)
         if rule is not None:
             torch_path = getattr(rule, "__name__", "") == "torch_chunk_gated_delta_rule"
-            return {"deltanet_kernel": "torch" if torch_path else "fla"}
+            return {"deltanet_kernel": _torch_rule(rule) if torch_path else "fla"}
+        if type(module).__name__.endswith("GatedDeltaNet"):
+            # from 5.15 on the layer calls the module-level ``torch_chunk_gated_delta_rule``,
+            # which ``use_kernel_func_from_hub_with_fallback`` swaps for fla's kernel only
+            # where fla supports the tensors' device: on CPU (every trace) the torch path runs
+            on_cpu = all(p.device.type in ("cpu", "meta") for p in module.parameters())
+            rule = getattr(sys.modules[type(module).__module__],
+                           "torch_chunk_gated_delta_rule", None)
+            return {"deltanet_kernel": _torch_rule(rule) if on_cpu else "fla"}
     return {}
+
+
+def _torch_rule(rule: Any) -> str:
+    """"torch-solve" where transformers' ``torch_chunk_gated_delta_rule`` solves the chunks'
+    triangular systems with ``torch.linalg.solve_triangular`` (5.17 on), else "torch"."""
+    try:
+        source = inspect.getsource(inspect.unwrap(rule))
+    except (TypeError, OSError):
+        return "torch"
+    return "torch-solve" if "solve_triangular" in source else "torch"
 
 
 def _emitted_checkpointing(model, spec: ModelSpec, precision: str, b: int, s: int,
