@@ -326,7 +326,8 @@ class DeltaNet:
         stream = dm.rows * spec.hidden_size * dm.e
         # fla's rule makes the final state a cache asks for (use_cache, no checkpointing)
         alive = (fla.fla_rule_alive(z, dm, wl.kv_cache and recompute is Recompute.NONE)
-                 if _fused(wl) else _rule_alive(z, dm))
+                 if _fused(wl) else solve.solve_rule_alive(z, dm) if _solved(wl)
+                 else _rule_alive(z, dm))
         return [Moment("delta_rule", rule, alive),
                 Moment("linear_attention", total(terms), stream)]
 
@@ -340,7 +341,11 @@ class DeltaNet:
             return [Moment("delta_rule", 0, fla.fla_checkpointed(z, dm)),
                     Moment("gated_norm", 0, fla.fla_norm_working(z, dm))]
         caller = caller_locals(z, dm)
-        return [Moment("delta_rule", 0, caller + checkpointed_rule(z)),
+        rule = checkpointed_rule(z)
+        if _solved(wl):
+            caller += solve.solve_caller_locals(z, dm)
+            rule = solve.solve_checkpointed_rule(z, dm)
+        return [Moment("delta_rule", 0, caller + rule),
                 Moment("gated_norm", 0, caller + checkpointed_norm(z, dm))]
 
     def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
@@ -369,6 +374,9 @@ class DeltaNet:
         rule = total(rule_terms(z, wl, dm))
         if _fused(wl):  # the fused rule's forward, as in a forward that saves
             return [Moment("delta_rule", rule, fla.fla_rule_alive(z, dm, False))]
+        if _solved(wl):
+            return [Moment("delta_rule", rule, solve.solve_rule_alive(z, dm)
+                           + solve.solve_update_locals(z, dm))]
         return [Moment("delta_rule", rule, _rule_alive(z, dm) + last_update_locals(z, dm))]
 
     def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:

@@ -100,3 +100,72 @@ def solve_per_chunk_terms(z) -> list[Term]:
 
 def solve_rule_terms(z, dm: Dims) -> list[Term]:
     return solve_conv_terms(z, dm) + solve_chunk_terms(z, dm) + solve_per_chunk_terms(z)
+
+
+def solve_checkpointed_rule(z, dm: Dims) -> int:
+    """The most bytes ``torch_chunk_gated_delta_rule``'s own tensors reach without autograd
+    saving any (fp32; K = Tp Hv dk, V = Tp Hv dv, G = Tp Hv, M the chunk matrices, r and rk
+    one chunk's rows of dv and dk, S the state):
+
+    - at the chunk scan's start: the decayed query and key, k_beta, decayed_k_beta and
+      k_cumdecay (5 K), the padded value, v_beta, new_values and core_attn_out (4 V), the
+      padded beta and decay and cum_decay (3 G),
+      pairwise_decay, ut_system and intra_chunk_attn (3 M), the state, the mask and
+      chunk_decay;
+    - then per chunk the most of: v_new, inter_chunk_attn, intra @ v_new and their sum (4 r);
+      v_new and inter_chunk_attn (locals until the next chunk rebinds them) with the state's
+      decayed copy, a copy of the chunk's decayed key (``slice_copies``) and k^T @ v_new
+      (2 r + 2 S + rk), or with the three S-sized tensors of the update (2 r + 3 S);
+    - before it, building the chunk matrices: the padded query, key and value, k_beta,
+      v_beta (3 K + 2 V), the gates (3 G) and the mask, pairwise_decay and a product with
+      its operand (3 M), with the operands' copies (``chunk_copies``: 2 K)."""
+    f, hv, b, c = FP32_BYTES, z.hv, z.b, z.c
+    k_like, v_like, g_like = (z.padded * hv * d * f for d in (z.dk, z.dv, 1))
+    big = z.chunk_matrices * f
+    r, rk, state = b * hv * c * z.dv * f, b * hv * c * z.dk * f, b * hv * z.dk * z.dv * f
+    mask = c * c * MASK_BYTES
+    start = (5 * k_like + 4 * v_like + 3 * g_like + 3 * big + state + mask
+             + b * hv * z.n * f)
+    copy = rk if slice_copies(z, dm) else 0
+    scan = start + max(4 * r, 2 * r + 2 * state + copy, 2 * r + 3 * state)
+    build = (3 * k_like + 2 * v_like + 3 * g_like + mask + 3 * big
+             + (2 * k_like if chunk_copies(z, dm) else 0))
+    return max(scan, build)
+
+
+def solve_caller_locals(z, dm: Dims) -> int:
+    """``memplan.model.deltanet.caller_locals`` but the repeated q and k, which the rule makes
+    and drops itself (5.25; 5.17-5.24 repeat them in the caller)."""
+    return 0 if z.hv == z.hk else -2 * z.tokens * z.hv * z.dk * dm.e
+
+
+def solve_last_update(z) -> int:
+    """What the last chunk's state update adds that only the final state's graph keeps: a copy
+    of the chunk's decayed key (``slice_copies``) or, with one chunk, the decayed key, its exp
+    and chunk_decay, which only that update saves."""
+    f, hv = FP32_BYTES, z.hv
+    if z.n == 1:
+        return z.padded * hv * (z.dk + 1) * f + z.b * hv * f
+    return 0
+
+
+def solve_rule_alive(z, dm: Dims) -> int:
+    """Beside the saved tensors at the chunk scan's end: the qkvz projection's output (z views
+    it), v_beta and core_attn_out (V each), decayed_k_beta (K), the padded decay and cum_decay
+    (G each), the final state and what only its update saved (``solve_last_update``; a copy
+    of the chunk's decayed key with ``slice_copies``)."""
+    f, hv = FP32_BYTES, z.hv
+    la_out = z.tokens * (2 * z.hk * z.dk + 2 * hv * z.dv) * dm.e
+    copy = z.b * hv * z.c * z.dk * f if slice_copies(z, dm) else 0
+    return (la_out + z.padded * hv * (2 * z.dv + z.dk + 2) * f + z.b * hv * z.dk * z.dv * f
+            + solve_last_update(z) + copy)
+
+
+def solve_update_locals(z, dm: Dims) -> int:
+    """Beyond ``solve_rule_alive`` at the last chunk's state update in a forward that saves:
+    the decayed state and k^T @ v_new (S each, the add's inputs), and the caller's locals
+    nothing saves (``memplan.model.deltanet.last_update_locals``: projected_states_ba and,
+    with grouped value heads, the silu output, the z copy and the b and a copies)."""
+    e, t, hv = dm.e, z.tokens, z.hv
+    grouped = t * (z.channels + hv * z.dv + 2 * hv) * e if hv > z.hk else 0
+    return 2 * z.b * hv * z.dk * z.dv * FP32_BYTES + t * 2 * hv * e + grouped
