@@ -360,11 +360,13 @@ def build_hf(case: FrameworkCase) -> Built:
     ``recompute`` (``"full"``: ``gradient_checkpointing_enable``, non-reentrant), ``fsdp1``
     (with ``dp`` > 1: ``FullyShardedDataParallel`` as Accelerate's FSDP1 plugin wraps it,
     ``_fsdp1_wrap``; the dict's keys are workload fields, e.g. ``backward_prefetch``)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from memplan.profile.hf_meta import config_for_model
 
     rec = recipe(case.recipe)
     attn = case.options.get("attn", "sdpa")
-    config = AutoConfig.for_model(**case.config)
+    config = config_for_model(case.config)
     model = AutoModelForCausalLM.from_config(config, dtype=rec.weights, attn_implementation=attn)
     spec = hf_spec(model.config, case.name)
     fsdp1 = case.options.get("fsdp1")

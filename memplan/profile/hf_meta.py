@@ -28,10 +28,30 @@ def meta_build(data: dict[str, Any]) -> MetaBuild:
     import transformers
 
     keep = {k: v for k, v in data.items() if k not in ("quantization_config", "auto_map")}
-    config = transformers.AutoConfig.for_model(**keep)
+    config = config_for_model(keep)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     layers = {m.group(1) for name, _ in model.named_parameters()
               if (m := _SELF_ATTN.search(name))}
     return MetaBuild(sum(p.numel() for p in model.parameters()), len(layers),
                      transformers.__version__, config.to_dict())
+
+
+def config_for_model(data: dict[str, Any]) -> Any:
+    """``transformers.AutoConfig.for_model(**data)``, an int given for a field the
+    configuration class declares bool read as its truth value: transformers 5.24 on validate
+    the fields' types (huggingface_hub's strict dataclasses), and published configs carry
+    such ints (Llama 4's ``attn_temperature_tuning: 4``) that earlier releases, and the
+    modeling code (``if self.attn_temperature_tuning``), read as true."""
+    import dataclasses
+
+    import transformers
+
+    try:
+        cls = transformers.CONFIG_MAPPING[data.get("model_type", "")]
+    except KeyError:  # for_model names the unknown type
+        cls = None
+    if cls is not None and dataclasses.is_dataclass(cls):
+        bools = {f.name for f in dataclasses.fields(cls) if f.type in (bool, "bool")}
+        data = {k: bool(v) if k in bools and type(v) is int else v for k, v in data.items()}
+    return transformers.AutoConfig.for_model(**data)
