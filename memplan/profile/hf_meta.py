@@ -39,7 +39,7 @@ def meta_build(data: dict[str, Any]) -> MetaBuild:
 
 def config_for_model(data: dict[str, Any]) -> Any:
     """``transformers.AutoConfig.for_model(**data)``, an int given for a field the
-    configuration class declares bool read as its truth value: transformers 5.24 on validate
+    configuration class declares bool read as its truth value: transformers 5.4 on validate
     the fields' types (huggingface_hub's strict dataclasses), and published configs carry
     such ints (Llama 4's ``attn_temperature_tuning: 4``) that earlier releases, and the
     modeling code (``if self.attn_temperature_tuning``), read as true."""
