@@ -365,8 +365,8 @@ def build_hf(case: FrameworkCase) -> Built:
     from memplan.profile.hf_meta import config_for_model
 
     rec = recipe(case.recipe)
-    attn = case.options.get("attn", "sdpa")
     config = config_for_model(case.config)
+    attn = case.options.get("attn", _default_attention(AutoModelForCausalLM, config))
     model = AutoModelForCausalLM.from_config(config, dtype=rec.weights, attn_implementation=attn)
     spec = hf_spec(model.config, case.name)
     fsdp1 = case.options.get("fsdp1")
@@ -426,6 +426,14 @@ def build_hf(case: FrameworkCase) -> Built:
         context = follow_flat_storage
     return Built("transformers", model, spec, layout, workload, step, opt, host=host,
                  context=context)
+
+
+def _default_attention(auto: Any, config: Any) -> str:
+    """SDPA, but eager for a model class that declares it does not support SDPA
+    (``_supports_sdpa = False``: transformers 5.25's Gemma2PreTrainedModel, for its attention
+    soft-capping), which transformers then refuses; 5.3 ran Gemma 2 on SDPA."""
+    cls = auto._model_mapping.get(type(config), None)
+    return "sdpa" if getattr(cls, "_supports_sdpa", True) else "eager"
 
 
 def _deltanet_kernel(model: torch.nn.Module) -> dict[str, str]:
