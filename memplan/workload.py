@@ -235,11 +235,17 @@ class DeltaNetKernel(PlainEnum):
            causal-conv1d's ``causal_conv1d_fn`` (both packages installed: transformers'
            ``is_fast_path_available``, what GPU training runs; memplan.model.deltanet_fla)
     torch  transformers' torch fallbacks (``torch_chunk_gated_delta_rule``, ``nn.Conv1d``
-           and silu, Qwen3NextRMSNormGated): an install without them, every CPU run
+           and silu, Qwen3NextRMSNormGated): an install without them, every CPU run, as
+           transformers up to 5.16 writes the rule (a forward substitution loop;
+           memplan.model.deltanet)
+    torch-solve  the same fallbacks as transformers 5.17 on writes the rule
+           (``torch.linalg.solve_triangular``, decays applied once before the chunk scan;
+           memplan.model.deltanet_solve)
     """
 
     FLA = "fla"
     TORCH = "torch"
+    TORCH_SOLVE = "torch-solve"
 
 
 class LogitsHeld(PlainEnum):

@@ -248,8 +248,9 @@ LogitsHeldOpt = Annotated[Optional[LogitsHeld], typer.Option(
     rich_help_panel=_KERNELS)]
 DeltaNetKernelOpt = Annotated[Optional[DeltaNetKernel], typer.Option(
     "--deltanet-kernel", help="Qwen3-Next's gated DeltaNet kernels: fla (default: "
-    "flash-linear-attention and causal-conv1d installed, as transformers then runs them) or "
-    "torch (transformers' torch fallbacks, without them).", rich_help_panel=_KERNELS)]
+    "flash-linear-attention and causal-conv1d installed, as transformers then runs them), "
+    "torch (transformers' torch fallbacks, without them, as written up to transformers 5.16) "
+    "or torch-solve (the same, as written from 5.17 on: torch.linalg.solve_triangular).", rich_help_panel=_KERNELS)]
 MtpLayers = Annotated[int, typer.Option(
     "--mtp-layers", help="Multi-token prediction depths on the last pipeline stage "
     "(Megatron-LM's --mtp-num-layers): per depth a layer, norms, a 2h -> h projection and "

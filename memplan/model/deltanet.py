@@ -41,6 +41,7 @@ from memplan.model.dims import FP32_BYTES, MASK_BYTES, Dims, Term, total
 from memplan.model.linear import Linear, Split
 from memplan.spec import LinearAttentionSpec, ModelSpec
 from memplan.model import deltanet_fla as fla
+from memplan.model import deltanet_solve as solve
 from memplan.workload import DeltaNetKernel, Recompute, Workload
 
 _PREFIX = "linear_attn"
@@ -179,10 +180,16 @@ def _fused(wl: Workload) -> bool:
     return wl.deltanet_kernel is DeltaNetKernel.FLA
 
 
+def _solved(wl: Workload) -> bool:
+    return wl.deltanet_kernel is DeltaNetKernel.TORCH_SOLVE
+
+
 def rule_terms(z: Sizes, wl: Workload, dm: Dims) -> list[Term]:
     """What the conv, the gates and the chunked rule save."""
     if _fused(wl):
         return fla.fla_rule_terms(z, dm)
+    if _solved(wl):
+        return solve.solve_rule_terms(z, dm)
     return _conv_terms(z, dm) + _chunk_terms(z) + _per_chunk_terms(z)
 
 
@@ -319,7 +326,8 @@ class DeltaNet:
         stream = dm.rows * spec.hidden_size * dm.e
         # fla's rule makes the final state a cache asks for (use_cache, no checkpointing)
         alive = (fla.fla_rule_alive(z, dm, wl.kv_cache and recompute is Recompute.NONE)
-                 if _fused(wl) else _rule_alive(z, dm))
+                 if _fused(wl) else solve.solve_rule_alive(z, dm) if _solved(wl)
+                 else _rule_alive(z, dm))
         return [Moment("delta_rule", rule, alive),
                 Moment("linear_attention", total(terms), stream)]
 
@@ -333,7 +341,11 @@ class DeltaNet:
             return [Moment("delta_rule", 0, fla.fla_checkpointed(z, dm)),
                     Moment("gated_norm", 0, fla.fla_norm_working(z, dm))]
         caller = caller_locals(z, dm)
-        return [Moment("delta_rule", 0, caller + checkpointed_rule(z)),
+        rule = checkpointed_rule(z)
+        if _solved(wl):
+            caller += solve.solve_caller_locals(z, dm)
+            rule = solve.solve_checkpointed_rule(z, dm)
+        return [Moment("delta_rule", 0, caller + rule),
                 Moment("gated_norm", 0, caller + checkpointed_norm(z, dm))]
 
     def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
@@ -362,6 +374,9 @@ class DeltaNet:
         rule = total(rule_terms(z, wl, dm))
         if _fused(wl):  # the fused rule's forward, as in a forward that saves
             return [Moment("delta_rule", rule, fla.fla_rule_alive(z, dm, False))]
+        if _solved(wl):
+            return [Moment("delta_rule", rule, solve.solve_rule_alive(z, dm)
+                           + solve.solve_update_locals(z, dm))]
         return [Moment("delta_rule", rule, _rule_alive(z, dm) + last_update_locals(z, dm))]
 
     def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:

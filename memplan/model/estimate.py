@@ -370,9 +370,12 @@ def _assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload, schedule: S
         *((("gated DeltaNet layers on flash-linear-attention's chunk_gated_delta_rule and "
             "FusedRMSNormGated with causal-conv1d's causal_conv1d_fn (the default: both "
             "installed, as transformers then runs them; --deltanet-kernel torch for its torch "
-            "fallbacks)") if wl.deltanet_kernel is DeltaNetKernel.FLA else
+            "fallbacks as transformers up to 5.16 writes them, torch-solve from 5.17 on)") if wl.deltanet_kernel is DeltaNetKernel.FLA else
            "gated DeltaNet layers on transformers' torch fallbacks (torch_chunk_gated_delta_"
-           "rule, nn.Conv1d, Qwen3NextRMSNormGated)",)
+           "rule, nn.Conv1d, Qwen3NextRMSNormGated)" + (
+               " as transformers 5.17 on writes the rule (torch.linalg.solve_triangular)"
+               if wl.deltanet_kernel is DeltaNetKernel.TORCH_SOLVE else
+               " as transformers up to 5.16 writes the rule (forward substitution)"),)
           if spec.linear_attention is not None else ()),
         *((sac_ops.assumption(spec, wl, ops_items(spec, wl, Dims.of(spec, par, wl)), par.pp),)
           if wl.recompute is Recompute.OPS else ()),

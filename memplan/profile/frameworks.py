@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -359,11 +361,13 @@ def build_hf(case: FrameworkCase) -> Built:
     ``recompute`` (``"full"``: ``gradient_checkpointing_enable``, non-reentrant), ``fsdp1``
     (with ``dp`` > 1: ``FullyShardedDataParallel`` as Accelerate's FSDP1 plugin wraps it,
     ``_fsdp1_wrap``; the dict's keys are workload fields, e.g. ``backward_prefetch``)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from memplan.profile.hf_meta import config_for_model
 
     rec = recipe(case.recipe)
-    attn = case.options.get("attn", "sdpa")
-    config = AutoConfig.for_model(**case.config)
+    config = config_for_model(case.config)
+    attn = case.options.get("attn", _default_attention(AutoModelForCausalLM, config))
     model = AutoModelForCausalLM.from_config(config, dtype=rec.weights, attn_implementation=attn)
     spec = hf_spec(model.config, case.name)
     fsdp1 = case.options.get("fsdp1")
@@ -425,16 +429,44 @@ def build_hf(case: FrameworkCase) -> Built:
                  context=context)
 
 
+def _default_attention(auto: Any, config: Any) -> str:
+    """SDPA, but eager for a model class that declares it does not support SDPA
+    (``_supports_sdpa = False``: transformers 5.25's Gemma2PreTrainedModel, for its attention
+    soft-capping), which transformers then refuses; 5.3 ran Gemma 2 on SDPA."""
+    cls = auto._model_mapping.get(type(config), None)
+    return "sdpa" if getattr(cls, "_supports_sdpa", True) else "eager"
+
+
 def _deltanet_kernel(model: torch.nn.Module) -> dict[str, str]:
     """The kernels the model's gated DeltaNet layers run (Qwen3NextGatedDeltaNet.
     chunk_gated_delta_rule: fla's when installed, else transformers' torch fallback, which
-    every CPU trace runs); nothing for a model without them."""
+    every CPU trace runs); nothing for a model without them. transformers' torch fallback
+    is "torch" as written up to 5.16 (a forward substitution loop), "torch-solve" as
+    rewritten from 5.17 on (``torch.linalg.solve_triangular``), told apart by its source."""
     for module in model.modules():
         rule = getattr(module, "chunk_gated_delta_rule", None)
         if rule is not None:
             torch_path = getattr(rule, "__name__", "") == "torch_chunk_gated_delta_rule"
-            return {"deltanet_kernel": "torch" if torch_path else "fla"}
+            return {"deltanet_kernel": _torch_rule(rule) if torch_path else "fla"}
+        if type(module).__name__.endswith("GatedDeltaNet"):
+            # from 5.15 on the layer calls the module-level ``torch_chunk_gated_delta_rule``,
+            # which ``use_kernel_func_from_hub_with_fallback`` swaps for fla's kernel only
+            # where fla supports the tensors' device: on CPU (every trace) the torch path runs
+            on_cpu = all(p.device.type in ("cpu", "meta") for p in module.parameters())
+            rule = getattr(sys.modules[type(module).__module__],
+                           "torch_chunk_gated_delta_rule", None)
+            return {"deltanet_kernel": _torch_rule(rule) if on_cpu else "fla"}
     return {}
+
+
+def _torch_rule(rule: Any) -> str:
+    """"torch-solve" where transformers' ``torch_chunk_gated_delta_rule`` solves the chunks'
+    triangular systems with ``torch.linalg.solve_triangular`` (5.17 on), else "torch"."""
+    try:
+        source = inspect.getsource(inspect.unwrap(rule))
+    except (TypeError, OSError):
+        return "torch"
+    return "torch-solve" if "solve_triangular" in source else "torch"
 
 
 def _emitted_checkpointing(model, spec: ModelSpec, precision: str, b: int, s: int,

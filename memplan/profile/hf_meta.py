@@ -48,7 +48,7 @@ def _build(data: dict[str, Any]) -> MetaBuild:
     import transformers
 
     keep = {k: v for k, v in data.items() if k not in ("quantization_config", "auto_map")}
-    config = transformers.AutoConfig.for_model(**keep)
+    config = config_for_model(keep)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     named = list(model.named_parameters())
@@ -57,3 +57,23 @@ def _build(data: dict[str, Any]) -> MetaBuild:
     return MetaBuild(sum(p.numel() for p in model.parameters()), len(layers),
                      transformers.__version__, config.to_dict(),
                      tuple((name, tuple(p.shape)) for name, p in named), fp32)
+
+
+def config_for_model(data: dict[str, Any]) -> Any:
+    """``transformers.AutoConfig.for_model(**data)``, an int given for a field the
+    configuration class declares bool read as its truth value: transformers 5.4 on validate
+    the fields' types (huggingface_hub's strict dataclasses), and published configs carry
+    such ints (Llama 4's ``attn_temperature_tuning: 4``) that earlier releases, and the
+    modeling code (``if self.attn_temperature_tuning``), read as true."""
+    import dataclasses
+
+    import transformers
+
+    try:
+        cls = transformers.CONFIG_MAPPING[data.get("model_type", "")]
+    except KeyError:  # for_model names the unknown type
+        cls = None
+    if cls is not None and dataclasses.is_dataclass(cls):
+        bools = {f.name for f in dataclasses.fields(cls) if f.type in (bool, "bool")}
+        data = {k: bool(v) if k in bools and type(v) is int else v for k, v in data.items()}
+    return transformers.AutoConfig.for_model(**data)

@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 from known import check  # noqa: E402  (tests/traced/known.py)
 from memplan.model.model_states import count_stage_params  # noqa: E402
 from memplan.profile.frameworks import FrameworkCase, compare_framework  # noqa: E402
+from memplan.profile.hf_meta import config_for_model  # noqa: E402
 from memplan.spec import load_model, param_counts, spec_from_hf_dict  # noqa: E402
 
 # zai-org/GLM-4-32B-0414 config.json
@@ -122,7 +123,7 @@ def test_llama4_multimodal_file_counts_its_language_model() -> None:
 
 
 def _built(data: dict) -> torch.nn.Module:
-    config = transformers.AutoConfig.for_model(**data)
+    config = config_for_model(data)
     with torch.device("meta"):
         return transformers.AutoModelForCausalLM.from_config(config)
 

@@ -4,9 +4,11 @@ cut to two layers (a gated DeltaNet layer, then a gated full-attention layer), t
 the exact tracker.
 
 transformers runs the DeltaNet on its torch fallbacks here (no fla, no causal-conv1d: the
-conv through ``nn.Conv1d``, ``torch_chunk_gated_delta_rule``), the path memplan models.
+conv through ``nn.Conv1d``, ``torch_chunk_gated_delta_rule``), the path memplan models: up to
+transformers 5.16 the forward substitution loop (deltanet_kernel torch), from 5.17 on
+``torch.linalg.solve_triangular`` (torch-solve); the harness reads which from the rule's source.
 
-Versions: transformers 5.3.0, torch 2.13.
+Versions: transformers 5.3.0 and 5.25.0, torch 2.13.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ from known import Known, check, param  # noqa: E402  (tests/traced/known.py)
 from memplan.model.model_states import count_stage_params  # noqa: E402
 from memplan.profile.frameworks import FrameworkCase, compare_framework  # noqa: E402
 from memplan.spec import load_model, spec_from_hf_dict  # noqa: E402
+from memplan.profile.frameworks import _torch_rule  # noqa: E402
+
+# which torch rule the installed transformers runs (memplan.model.deltanet_solve)
+_qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+SOLVE = _torch_rule(_qwen3_next.torch_chunk_gated_delta_rule) == "torch-solve"
 
 # Qwen/Qwen3-Next-80B-A3B-Instruct config.json (tests/data/hf)
 QWEN3_NEXT_80B = json.loads((Path(__file__).parent.parent / "data" / "hf" /
@@ -93,18 +100,28 @@ FULL = {"recompute": "full"}  # gradient_checkpointing_enable, non-reentrant
 # the MoE layer's backward in bf16: the grouped experts' unsort backward beside the gated
 # shared expert (memplan.model.moe._gated_shared_unsort), short in bf16 (fp32 within 0.8%)
 MOE_BF16 = "gated shared expert's grouped MoE backward under recompute, bf16: not attributed yet"
+# the torch-solve rule's backward under recompute (solve_triangular's backward beside the
+# scan's gradients): memplan.model.deltanet._rule_grads is the loop's, not attributed yet
+SOLVE_BACKWARD = ("torch-solve rule's backward under recompute (transformers 5.17+): "
+                  "not attributed yet")
 RECOMPUTE = [
-    (FrameworkCase("transformers", "qwen3_next-toy", TOY, "fp32", 2, 128, options=FULL), None),
+    (FrameworkCase("transformers", "qwen3_next-toy", TOY, "fp32", 2, 128, options=FULL),
+     None, Known(("first_step.backward_bytes",), SOLVE_BACKWARD,
+                 {"first_step.backward_bytes": (-130_608, -1.1918)})),
+    # (under 5.25 the MoE backward agrees: its deviation is 5.3's grouped experts' code)
     (FrameworkCase("transformers", "qwen3_next-toy", TOY, "bf16-pure", 2, 100, options=FULL),
      Known(("first_step.backward_bytes", "steady.backward_bytes"), MOE_BF16,
            {"first_step.backward_bytes": (-357_504, -2.8322),
-            "steady.backward_bytes": (-357_504, -2.4368)})),
+            "steady.backward_bytes": (-357_504, -2.4368)}), None),
     (FrameworkCase("transformers", "qwen3_next-same-heads", TOY_SAME_HEADS, "fp32", 1, 128,
-                   options=FULL), None),
+                   options=FULL), None, None),
     (FrameworkCase("transformers", "qwen3_next-wide", TOY_WIDE, "fp32", 1, 128, options=FULL),
-     None),
+     None, None),
     (FrameworkCase("transformers", "qwen3_next-wide", TOY_WIDE, "bf16-pure", 1, 192,
-                   options=FULL), None),
+                   options=FULL), None,
+     Known(("first_step.backward_bytes", "steady.backward_bytes"), SOLVE_BACKWARD,
+           {"first_step.backward_bytes": (-342_560, -2.6542),
+            "steady.backward_bytes": (-342_560, -2.1885)})),
 ]
 
 
@@ -114,7 +131,8 @@ def test_library_matches_estimate(case: FrameworkCase) -> None:
     check(compare_framework(case).rows, None)
 
 
-@pytest.mark.parametrize(("case", "known"), [param(c, k) for c, k in RECOMPUTE])
+@pytest.mark.parametrize(("case", "known"),
+                         [param(c, k_solve if SOLVE else k) for c, k, k_solve in RECOMPUTE])
 def test_recompute_matches_estimate(case: FrameworkCase, known: Known | None) -> None:
     """Under full recompute: the checkpointed forward's chunk loop (memplan.model.deltanet.
     checkpointed_rule) and the rerun's last state update (last_update_locals) within 1%."""

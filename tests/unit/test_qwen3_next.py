@@ -208,3 +208,70 @@ def test_fla_moments_by_hand() -> None:
     backward = block.backward_moments(spec, wl, dm, Recompute.NONE)[1]
     assert (backward.own_bytes, backward.transient_bytes) == (481_280, 731_136)
     assert block.working_set(spec, wl, dm)[0].transient_bytes == 1_173_504
+
+
+def test_solve_rule_saved_bytes_by_hand() -> None:
+    """The toy's gated DeltaNet on transformers 5.17+'s rewritten torch rule (torch-solve,
+    memplan.model.deltanet_solve) in fp32, b = 2, s = 128 (T = Tp = 256, N = 2 chunks of 64;
+    Hk = 2, Hv = 4, dk = dv = 32; K = V = T Hv 32 * 4 = 131,072, G = T Hv 4 = 4,096, M =
+    2 * 4 * 2 * 64 * 64 * 4 = 262,144), in bytes:
+
+    conv input, conv output, q and k repeated (l2norm's x: the fp32 model's .to() aliases),
+    their rsqrt, sigmoid(b), softplus: as the torch path                    =   813,056
+    rule: padded query, key, value, k_beta, new_values, k_cumdecay 6 * 131,072 = 786,432;
+    the scan's copies of a chunk of the decayed query (chunk 1) and key (chunk 0)
+    2 * 2 * 4 * 64 * 32 * 4 = 131,072 (the layout copies: fp32, s a multiple of 64), the
+    key's exp G and chunk_decay 2 * 4 * 2 * 4 = 64; the two chunk matmuls' operand copies
+    4 K = 524,288                                                          = 1,445,952
+    the mask 64 * 64 and -exp(A_log) 2 * 4 * 4                              =     4,128
+    padded beta and exp(cum_decay) twice 3 G                                =    12,288
+    pairwise_decay, k_beta k^T, ut_system, q k^T, intra_chunk_attn 5 M      = 1,310,720
+    v_new of both chunks V and the two states 2 * 2 * 4 * 32 * 32 * 4      =   196,608
+    gated norm and out_proj's input: as the torch path                      =   790,528
+    total                                                                   = 4,573,280
+
+    autograd's graph of ``torch_chunk_gated_delta_rule`` (transformers 5.25.0, this shape,
+    unique storages of every node's saved tensors reachable from the output) holds
+    3,240,008 bytes: the rule's part here (1,445,952 + 4,096 + 12,288 + 1,310,720 +
+    196,608 = 2,969,664), l2norm's q and k and their rsqrt (262,144 + 8,192) and the 8-byte
+    scaling scalar."""
+    spec = spec_from_hf_dict(TOY, "config.json", "toy")
+    wl = Workload(micro_batch_size=2, seq_len=128, precision=Precision.FP32,
+                  deltanet_kernel="torch-solve")
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    parts = [813_056, 1_445_952, 4_128, 12_288, 1_310_720, 196_608, 790_528]
+    assert total(deltanet_terms(spec, wl, dm, Recompute.NONE)) == sum(parts) == 4_573_280
+
+
+def test_solve_rule_bf16_has_no_layout_copies() -> None:
+    """bf16, same toy: q and k are real fp32 copies (contiguous), so no operand copies and the
+    decayed query and key are kept whole. Rule: 6 * 131,072 + 2 * 131,072 + 4,096 + 64 =
+    1,052,736; mask 4,128; gates 12,288; 5 M 1,310,720; v_new and states 196,608: 2,576,480
+    (autograd's graph: 2,846,792 = that - 32 + 262,144 + 8,192 + 8)."""
+    from memplan.model import deltanet_solve as solve
+    from memplan.model.deltanet import Sizes
+
+    z = Sizes(b=2, s=128, hk=2, hv=4, dk=32, dv=32, taps=4, c=64, n=2)
+    spec = spec_from_hf_dict(TOY, "config.json", "toy")
+    wl = Workload(micro_batch_size=2, seq_len=128, precision=Precision.BF16_PURE,
+                  deltanet_kernel="torch-solve")
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    assert not solve.chunk_copies(z, dm) and not solve.slice_copies(z, dm)
+    assert total(solve.solve_chunk_terms(z, dm) + solve.solve_per_chunk_terms(z)) == 2_576_480
+
+
+def test_solve_checkpointed_rule_by_hand() -> None:
+    """The torch-solve rule without saving, b = Hk = Hv = 1, dk = dv = 2, chunks of c = 2,
+    s = 4 (N = 2, Tp = 4), fp32 (one head: no layout copies): K = V = 4 * 2 * 4 = 32,
+    G = 16, M = 2 * 2 * 2 * 4 = 32, S = 16, r = rk = 16, the mask 4, chunk_decay 8. The scan's
+    start 5 K + 4 V + 3 G + 3 M + S + 4 + 8 = 160 + 128 + 48 + 96 + 28 = 460; the most a
+    chunk adds: 2 r + 3 S = 80 (over 4 r = 64 and 2 r + 2 S = 64): 540; building the chunk
+    matrices 3 K + 2 V + 3 G + 4 + 3 M = 308."""
+    from memplan.model.deltanet import Sizes
+    from memplan.model.deltanet_solve import solve_checkpointed_rule
+
+    class _Dims:
+        e = 4
+
+    z = Sizes(b=1, s=4, hk=1, hv=1, dk=2, dv=2, taps=4, c=2, n=2)
+    assert solve_checkpointed_rule(z, _Dims()) == 540
