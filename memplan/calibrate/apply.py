@@ -307,7 +307,8 @@ def calibrate_plan(result: Any, spec: ModelSpec, gpu: GpuSpec, loaded: list[Load
         _, m = resolve_batch(best.parallel, best.workload)
         mfu = best.calibration.mfu if best.calibration and best.calibration.mfu else None
         time = step_time(spec, gpu, best.parallel, best.workload, result.global_batch_size, m,
-                         best.worst.num_params, **({"mfu": mfu} if mfu else {}))
+                         best.worst.num_params,
+                         **({"mfu": mfu, "measured": True} if mfu else {}))
         kept.append(_with_estimate(c, best, time))
     kept.sort(key=lambda c: (c.time.step_s, c.peak_bytes))
     result.candidates = kept

@@ -576,15 +576,19 @@ class StepTimes(NamedTuple):
 
 
 def _step_fields(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int, c: Columns,
-                 model_flops: Any, hardware_flops: Any, mfu: float) -> dict[str, Any]:
-    """``StepTimes``' fields for the candidates of ``c`` (arrays, or numbers for one)."""
+                 model_flops: Any, hardware_flops: Any, mfu: float,
+                 measured: bool = False) -> dict[str, Any]:
+    """``StepTimes``' fields for the candidates of ``c`` (arrays, or numbers for one);
+    ``measured``: ``mfu`` was measured on the device (a calibration profile's), so it stands
+    for the attention kernel too, not the published kernel tables."""
     world = c.world_size
     # the pipeline runs at its busiest rank's pace (``stage_balance``); with context
     # parallelism the attention runs on seq / cp tokens, at that length's kernel rate
     compute = hardware_flops / world / (gpu.bf16_flops * mfu) * c.balance
     matmul, attention, _ = forward_flops_per_token(spec, wl.seq_len, runs_every_expert(spec, wl))
     share = attention / (matmul + attention)
-    slower = c.ops.per_value(lambda cp: _attention_time(gpu, wl, int(cp), mfu), c.cp)
+    slower = c.ops.per_value(lambda cp: _attention_time(gpu, wl, int(cp), mfu, measured),
+                             c.cp)
     # the decoder's linears at the rate of their per-GPU GEMM shapes, float8 on FP8 tensor
     # cores (``memplan.planning.kernels``)
     linear = (matmul - head_flops_per_token(spec)) / (matmul + attention)
@@ -666,13 +670,15 @@ def attention_rate(seq_len: int) -> float:
     return 1.0
 
 
-def _attention_time(gpu: GpuSpec, wl: Workload, cp: int, mfu: float) -> float:
+def _attention_time(gpu: GpuSpec, wl: Workload, cp: int, mfu: float,
+                    measured: bool = False) -> float:
     """The attention's time over its time at the flat fraction ``mfu`` of peak: the fused
     kernel's measured forward and backward rates on the rank's seq / cp tokens where the GPU
     has them (``memplan.planning.kernels.attention_time_factor``), else the flat rate scaled
     by the kernel's rate at seq / cp tokens over its rate at seq (``_cp_attention_time``).
-    Eager attention (materialised scores) keeps the latter."""
-    if wl.attention is Attention.FLASH:
+    Eager attention (materialised scores) keeps the latter, as does an ``mfu`` measured on
+    the device (``measured``: the calibrated rate covers every kernel it timed)."""
+    if wl.attention is Attention.FLASH and not measured:
         factor = attention_time_factor(gpu, max(1, wl.seq_len // cp), mfu)
         if factor is not None:
             return factor
@@ -822,7 +828,7 @@ def comm_seconds(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workloa
 
 def step_time(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload,
               global_batch: int, num_microbatches: int, params_on_rank: int, *,
-              mfu: float = DEFAULT_MFU) -> StepTime:
+              mfu: float = DEFAULT_MFU, measured: bool = False) -> StepTime:
     """Estimated seconds of one step of one layout and what bounds it (``step_times`` on
     plain numbers: the same floats, without numpy)."""
     model, hardware = step_flops(spec, wl, global_batch, pp=par.pp, vpp=par.vpp,
@@ -830,7 +836,7 @@ def step_time(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload,
     c = Columns.one(par, wl.micro_batch_size, num_microbatches, params_on_rank,
                     num_layers=spec.num_layers,
                     balance=stage_balance(spec, wl, par.pp, par.vpp, par.stage_layers))
-    f = _step_fields(spec, gpu, wl, global_batch, c, model, hardware, mfu)
+    f = _step_fields(spec, gpu, wl, global_batch, c, model, hardware, mfu, measured)
     return StepTime(
         model_flops=float(f["model_flops"]), hardware_flops=float(f["hardware_flops"]),
         compute_s=float(f["compute_s"]),
@@ -847,4 +853,4 @@ def estimate_step_time(est: Estimate) -> StepTime:
     measured = est.calibration.mfu if est.calibration is not None else None
     return step_time(est.spec, est.gpu, est.parallel, est.workload, est.global_batch_size,
                      est.num_microbatches, est.worst.num_params,
-                     mfu=measured or DEFAULT_MFU)
+                     mfu=measured or DEFAULT_MFU, measured=measured is not None)

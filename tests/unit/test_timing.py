@@ -228,3 +228,17 @@ def test_moe_recompute_reruns_the_layers_of_each_stage() -> None:
     wl = memplan.make_workload(spec, seq_len=128, recompute="full", recompute_layers=1)
     model, hardware = step_flops(spec, wl, 4, pp=2, vpp=2)
     assert hardware - model == 2 * per_token[0] * 4 * 128
+
+
+def test_a_measured_mfu_stands_for_the_attention_kernel_too() -> None:
+    """A calibration's measured MFU times every kernel it timed: the fused attention then runs
+    at that rate (its time over the flat rate's is 1 without context parallelism), where the
+    uncalibrated model takes FlashAttention-2's published H100 rates (a factor other than 1:
+    0.4 x 989.4 TFLOP/s against 298-335 TFLOP/s forward, 291-322 backward at 4k tokens)."""
+    from memplan.planning.timing import _attention_time
+
+    spec = memplan.load_model("llama-7b")
+    wl = memplan.make_workload(spec, seq_len=4096, attention="flash")
+    h100 = memplan.load_gpu("h100-sxm")
+    assert _attention_time(h100, wl, 1, 0.4, measured=True) == 1.0
+    assert _attention_time(h100, wl, 1, 0.4) != pytest.approx(1.0, rel=0.05)
