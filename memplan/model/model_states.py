@@ -19,12 +19,18 @@ from memplan.model import step_in_backward
 from memplan.model.adapters import ADAPTER_BYTES
 from memplan.model.deepspeed_zero import (
     zero3_gathers,
+    zero3_offload,
+    zero3_reduce_bytes,
     bucket_bytes,
     first_reduce,
     stage1_reduce_bytes,
     step_flat_copy_bytes,
 )
-from memplan.model.deepspeed_coordinator import coordinator_positions, zero3_coordinator
+from memplan.model.deepspeed_coordinator import (
+    coordinator_positions,
+    persistent,
+    zero3_coordinator,
+)
 from memplan.model.embedding import EmbeddingBlock
 from memplan.model.fsdp_buckets import gathered_units, queued_units
 from memplan.model.head import HeadBlock
@@ -222,6 +228,15 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
     steps = optimizer.step_counter_bytes(wl.optimizer_impl, updated, shapes)
     grads_bytes = held(trained.dense, trained.expert, ZeroStage.GRADIENTS) * policy.grad_bytes
     num_tensors = len(trained.tensor_sizes)
+    if wl.flat_partition and z >= ZeroStage.PARAMETERS and optimizer_on_host(par):
+        # DeepSpeed's ZeRO-3 with offload_optimizer (and offload_param): memplan.model.
+        # deepspeed_zero.zero3_offload
+        moved = zero3_offload(held(params.dense, params.expert, ZeroStage.PARAMETERS),
+                              Offload.PARAMS in par.offload, policy.param_bytes,
+                              policy.grad_bytes, optimizer.host_state_bytes_per_param())
+        return StateBytes(params_bytes=moved.device_weights, grads_bytes=0, optimizer_bytes=0,
+                          master_bytes=0, num_optimizer_params=opt_params,
+                          host_bytes=moved.host)
     if Offload.PARAMS in par.offload:  # FSDP2's CPUOffloadPolicy (memplan.model.offload)
         # the weights move in their own dtypes (with adapters: the sharded bytes computed
         # above); a quantization state is no parameter and stays on the device
@@ -417,6 +432,9 @@ class ShardingBuffers(NamedTuple):
     #                                included (DeepSpeed's ZeRO-3), not in the backward_* bytes
     resident_bytes: int = 0  # a device buffer held from the wrap on, every phase (DeepSpeed's
     #                          ZeRO-Offload temp_grad_buffer_for_gpu_offload)
+    post_step_bytes: int = 0  # gathered at the optimizer step's end, no temporary of it
+    #                           alive (DeepSpeed's ZeRO-3: the persistent parameters,
+    #                           stage3.py _post_step)
     first_step: Any = None  # the ShardingBuffers of step 1 where they differ (DeepSpeed's
     #                         ZeRO-3 coordinator records its module trace then); None: these
 
@@ -530,8 +548,8 @@ def _preallocated_buckets(params: StageParams, par: ParallelConfig, wl: Workload
     (``first_reduce``, the last rank's: the most loaded), not growing with the gradients
     made. ZeRO-1's: ``_reduce_after_backward``; ZeRO-3's: ``_coordinator_gathers``."""
     if par.zero >= ZeroStage.PARAMETERS:
-        return _coordinator_gathers(params, wl, wl.precision.policy.unsharded.itemsize,
-                                    grad_bytes, par.dense_shard_degree)
+        return _coordinator_gathers(params, par, wl, wl.precision.policy.unsharded.itemsize,
+                                    grad_bytes)
     if par.zero == ZeroStage.OPTIMIZER:
         return _reduce_after_backward(params, par, wl, grad_bytes)
     held = bucket_bytes(wl.zero_bucket_numel, wl.zero_bucket_buffers, grad_bytes)
@@ -576,8 +594,8 @@ def largest_slice(tensor_sizes: tuple[int, ...], dp: int) -> int:
     return most
 
 
-def _coordinator_gathers(params: StageParams, wl: Workload, e: int, grad_bytes: int,
-                         dp: int) -> ShardingBuffers:
+def _coordinator_gathers(params: StageParams, par: ParallelConfig, wl: Workload, e: int,
+                         grad_bytes: int) -> ShardingBuffers:
     """DeepSpeed's ZeRO-3 (``memplan.model.deepspeed_zero.zero3_gathers``): each module's own
     weights gathered while it runs, forward and backward (none at the loss: the head is
     released after its forward), the head's from its backward's start (its pre-backward hook,
@@ -586,14 +604,19 @@ def _coordinator_gathers(params: StageParams, wl: Workload, e: int, grad_bytes: 
     the hooks copying each gradient into the bucket."""
     g = zero3_gathers(params.tensor_sizes, params.embedding_tensors, params.head_tensors, e)
     held = bucket_bytes(wl.zero_bucket_numel, 1, grad_bytes)
-    plain = ShardingBuffers(g.in_layer, 0, 0, backward_head_bytes=g.head,
+    dp = par.dense_shard_degree
+    offload = _zero3_reduce(params, par, wl, grad_bytes, dp)
+    c = zero3_coordinator(wl)
+    plain_c = wl.zero3_plain_gathers or c.plain
+    if not plain_c:  # stage3.py _post_step: the persistent parameters gathered after each step
+        kept = persistent(params.tensor_sizes, c)
+        offload["post_step_bytes"] = sum(params.tensor_sizes[i] for i in kept) * e
+    plain = ShardingBuffers(g.in_layer, 0, 0, backward_head_bytes=g.head, **offload,
                             backward_head_prefetch_bytes=g.head,
                             backward_block_bytes=g.in_layer,
                             backward_last_block_bytes=g.in_layer,
                             backward_end_bytes=g.embedding, bucket_bytes=held,
                             bucket_resident=True)
-    c = zero3_coordinator(wl)
-    plain_c = wl.zero3_plain_gathers or c.plain
     recomputed = wl.recompute is Recompute.FULL
     if plain_c and not recomputed:
         return plain
@@ -601,11 +624,30 @@ def _coordinator_gathers(params: StageParams, wl: Workload, e: int, grad_bytes: 
     # recomputation the replay's, which holds the weights a recomputation saved); from step
     # 2 on the coordinator prefetches, keeps and persists by it
     if recomputed:
-        plain = _replayed(coordinator_positions(params, wl, c, dp, e, False), held)
+        plain = _replayed(coordinator_positions(params, wl, c, dp, e, False), held)._replace(
+            **offload)
     if plain_c:
         return plain
     return _replayed(coordinator_positions(params, wl, c, dp, e), held)._replace(
-        first_step=plain)
+        first_step=plain, **offload)
+
+
+def _zero3_reduce(params: StageParams, par: ParallelConfig, wl: Workload,
+                  grad_bytes: int, dp: int) -> dict[str, int]:
+    """ZeRO-3's bucket reduces (``memplan.model.deepspeed_zero.zero3_reduce_bytes``): the
+    reduce-scatter's interleaved flat copy of the bucket and, with offload_optimizer, the
+    device copies of a gradient partition on its way to the host; the most of any reduce,
+    counted from the first reduce on (``first_reduce``, the block where it falls counted
+    with it), as ZeRO-2's partition. Hooks in backward order: the parameters' registration
+    order reversed (the head, the final norm, each layer's from its down projection to its
+    first norm, the embedding)."""
+    most = zero3_reduce_bytes(tuple(reversed(params.tensor_sizes)), wl.zero_bucket_numel, dp,
+                              grad_bytes, optimizer_on_host(par))
+    if not most:
+        return {}
+    return dict(partition_bytes=most,
+                partition_from=first_reduce(params.head, params.layers, params.embedding,
+                                            wl.zero_bucket_numel))
 
 
 def _replayed(at: Any, held: int) -> ShardingBuffers:

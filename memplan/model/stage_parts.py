@@ -255,7 +255,10 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
         # units as buckets: the weights outside the units stay gathered across steps
         # (Megatron-FSDP AllGatherPipeline.reset(preserve_non_fsdp_units=True) in
         # synchronize_param_gather), so they are alive at the step
-        step=optimizer_step(at_step, 0 if wl.optimizer_in_backward else opt_temp,  # in bwd
+        # (DeepSpeed's ZeRO-3: the persistent parameters' gather at the step's end, after
+        # its temporaries are freed, ``ShardingBuffers.post_step_bytes``)
+        step=optimizer_step(at_step, max(shard.post_step_bytes,
+                                         0 if wl.optimizer_in_backward else opt_temp),
                             buckets + (shard.gathered_at_loss_bytes
                                        if shard.queued_whole else 0), buffers),
         first_step=(flat_partition_step(at_step, opt_temp, st.num_optimizer_params * FP32_BYTES,

@@ -313,11 +313,66 @@ def test_published_deberta_config_reads_as_written() -> None:
     assert any("allgather_bucket_size" in n and "holds nothing" in n for n in imp.notes)
 
 
-def test_zero3_hf_example_refused_by_its_offload() -> None:
-    """The Trainer's documented ZeRO-3 example offloads the optimizer and the parameters:
-    refused by name at stage 3 (not modelled yet)."""
-    with pytest.raises(MemplanError, match=r"zero_optimization.offload_param"):
-        deepspeed_config.read(DATA / "ds_config_zero3_hf.json", 8, "llama-7b")
+def test_zero3_hf_example_read_with_its_offload() -> None:
+    """The Trainer's documented ZeRO-3 example offloads the optimizer and the parameters to the
+    CPU: --offload optimizer,params at zero 3 (memplan.model.deepspeed_zero.zero3_offload);
+    no optimizer state, gradient partition or bf16 partition on the device."""
+    imp = deepspeed_config.read(DATA / "ds_config_zero3_hf.json", 8, "llama-7b")
+    assert imp.inputs["offload"] == "optimizer,params" and imp.inputs["zero"] == 3
+    est = api.estimate("llama-7b", gpus=8, **imp.inputs)
+    s = est.stages[0]
+    assert (s.params_bytes, s.grads_bytes, s.optimizer_bytes) == (0, 0, 0)
+    # S = 6,738,415,616 / 8 = 842,301,952 (every tensor of Llama-7B divides by 8):
+    # 18 B (fp32 partition 4, its gradient 4, Adam 8, bf16 gradient partition 2) + 2 B (the
+    # bf16 partition) = 16,846,039,040 B on the host
+    assert s.host_bytes == 842_301_952 * 20 == 16_846_039_040
+
+
+@pytest.mark.parametrize(("offload", "why"), [
+    ({"offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}, "NVMe"),
+    ({"offload_param": {"device": "cpu"}}, "without offload_optimizer"),
+])
+def test_zero3_offload_refused_where_not_traced(offload: dict, why: str) -> None:
+    zero = {"stage": 3, **offload}
+    with pytest.raises(MemplanError, match=why):
+        deepspeed_config._zero(deepspeed_config.Imported(source="x", model=None), zero, 4096)
+
+
+def test_zero3_offload_by_hand() -> None:
+    """ZeRO-3 with offload_optimizer on the traced toy (2 ranks, bf16, S = 1,108,608 elements
+    per rank: every tensor's ceil(numel / 2), all even): host 4 (fp32 partition) + 4 (its
+    fp32 gradient, subgroup_gradient_buffer) + 8 (Adam) + 2 (grad_partitions_flat_buffer)
+    = 18 B x S = 19,954,944 B (traced 19,954,948: AdamW's step count); the bf16 partition
+    2,217,216 B on the device, or with offload_param on the host: 22,172,160 B (traced
+    22,172,164)."""
+    from memplan.model.deepspeed_zero import zero3_offload
+
+    assert zero3_offload(1_108_608, False, 2, 2, 8) == (2_217_216, 19_954_944)
+    assert zero3_offload(1_108_608, True, 2, 2, 8) == (0, 22_172_160)
+
+
+# the toy's tensors in the order their gradient hooks run (the registration order reversed):
+# head, final norm, per layer down, up, gate, norm, o, v, k, q, norm, then the embedding
+_TOY_LAYER_BACKWARD = (229_376, 229_376, 229_376, 256, 65_536, 16_384, 16_384, 65_536, 256)
+_TOY_HOOKS = (256_000, 256, *_TOY_LAYER_BACKWARD, *_TOY_LAYER_BACKWARD, 256_000)
+
+
+def test_zero3_reduce_by_hand() -> None:
+    """The bucket reduces of the toy at reduce_bucket_size 3e5, 2 ranks, bf16: [head, final
+    norm] (256,256 elements; the down projection's 229,376 would pass 3e5), [down], [up],
+    [gate, norm, o] (295,168), [v, k, q, norm, down of layer 0]... and [embedding] at the
+    epilogue. The flat copy (reduce_scatter_coalesced) of [head, norm] is 2 x (128,000 + 128)
+    x 2 B = 512,512 B (traced at the down projection's hook), of [gate, norm, o] 590,336 B,
+    none for one tensor divisible by 2 ([down], [embedding]). With offload_optimizer each
+    reduce adds its largest partition's device copy and fp64 copy, 10 B per element: the
+    first reduce 512,512 + 128,000 x 10 = 1,792,512 B, the most of any."""
+    from memplan.model.deepspeed_zero import zero3_reduce_bytes
+
+    assert zero3_reduce_bytes(_TOY_HOOKS, 300_000, 2, 2, offload=False) == 590_336
+    assert zero3_reduce_bytes(_TOY_HOOKS, 300_000, 2, 2, offload=True) == 1_792_512
+    # one tensor alone, divisible: reduced in place; odd: padded and copied
+    assert zero3_reduce_bytes((1_000,), 300_000, 2, 2, offload=False) == 0
+    assert zero3_reduce_bytes((1_001,), 300_000, 2, 2, offload=False) == 1_002 * 2
 
 
 def test_zero3_auto_coordinator_values_resolved() -> None:
@@ -399,9 +454,9 @@ def test_cli_prints_the_mapping_then_the_estimate() -> None:
 
 def test_cli_refusal_is_one_line_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["estimate", "-m", "llama-7b", "-n", "8", "--deepspeed-config",
-                 str(DATA / "ds_config_zero3_hf.json")])
+                 str(DATA / "ds_config_zero2_offload_nvme.json")])
     err = capsys.readouterr().err
-    assert code == 2 and "zero_optimization.offload_param" in err and err.count("\n") == 1
+    assert code == 2 and "zero_optimization.offload_optimizer" in err and err.count("\n") == 1
 
 
 def test_cli_plan_takes_a_deepspeed_config() -> None:
