@@ -334,13 +334,22 @@ def zero3_offload(partition_numel: int, params_offloaded: bool, weight_bytes: in
 ZERO3_OFFLOAD_NORM_BYTES = 8
 
 
+class Zero3Reduces(NamedTuple):
+    """Device bytes of ZeRO-3's bucket reduces beyond the bucket and the gradients
+    (``zero3_reduce_bytes``): the first reduce's, and the most of any later one's."""
+
+    first: int
+    later: int
+
+
 def zero3_reduce_bytes(hook_numels: tuple[int, ...], bucket_numel: int, dp: int,
-                       grad_bytes: int, offload: bool) -> int:
-    """The most device bytes one ZeRO-3 bucket reduce makes beyond the bucket and the
-    gradients (stage3.py ``reduce_independent_p_g_buckets_and_remove_grads``: a gradient
-    whose elements would pass ``reduce_bucket_size`` reduces the bucket first, in its own
-    hook; the epilogue reduces what is left). ``hook_numels``: the parameters' elements in
-    the order their gradient hooks run (backward order). Each reduce:
+                       grad_bytes: int, offload: bool) -> Zero3Reduces:
+    """The device bytes each ZeRO-3 bucket reduce makes beyond the bucket and the gradients
+    (stage3.py ``reduce_independent_p_g_buckets_and_remove_grads``: a gradient whose elements
+    would pass ``reduce_bucket_size`` reduces the bucket first, in its own hook; the epilogue
+    reduces what is left): the first reduce's and the most of a later one's.
+    ``hook_numels``: the parameters' elements in the order their gradient hooks run
+    (backward order). Each reduce:
 
     - ``__avg_scatter_grads`` -> ``runtime/comm/coalesced_collectives.py
       reduce_scatter_coalesced``: ``torch.cat`` of every gradient's ``dp`` chunks, each padded
@@ -351,15 +360,15 @@ def zero3_reduce_bytes(hook_numels: tuple[int, ...], bucket_numel: int, dp: int,
       time: a device copy of its host slice (``grad_buffer.to(grad_partition.device)``, the
       gradients' dtype) and the norm's fp64 copy (``ZERO3_OFFLOAD_NORM_BYTES``), the largest
       partition of the bucket's."""
-    most, bucket = 0, []
+    made, bucket = [], []
     for numel in (*hook_numels, None):  # None: the epilogue's reduce
         if bucket and (numel is None or sum(bucket) + numel > bucket_numel):
             divisible = len(bucket) == 1 and bucket[0] % dp == 0
             flat = 0 if divisible else sum(dp * partition_numel(n, dp) for n in bucket)
             copies = (partition_numel(max(bucket), dp) * (grad_bytes + ZERO3_OFFLOAD_NORM_BYTES)
                       if offload else 0)
-            most = max(most, flat * grad_bytes + copies)
+            made.append(flat * grad_bytes + copies)
             bucket = []
         if numel is not None:
             bucket.append(numel)
-    return most
+    return Zero3Reduces(made[0] if made else 0, max(made[1:], default=0))

@@ -432,6 +432,9 @@ class ShardingBuffers(NamedTuple):
     #                                included (DeepSpeed's ZeRO-3), not in the backward_* bytes
     resident_bytes: int = 0  # a device buffer held from the wrap on, every phase (DeepSpeed's
     #                          ZeRO-Offload temp_grad_buffer_for_gpu_offload)
+    reduce_first_bytes: int = 0  # DeepSpeed's ZeRO-3: the first bucket reduce's bytes, at a
+    #                              gradient hook of block ``partition_from``
+    reduce_later_bytes: int = 0  # ... the most of a later reduce's
     post_step_bytes: int = 0  # gathered at the optimizer step's end, no temporary of it
     #                           alive (DeepSpeed's ZeRO-3: the persistent parameters,
     #                           stage3.py _post_step)
@@ -636,16 +639,15 @@ def _zero3_reduce(params: StageParams, par: ParallelConfig, wl: Workload,
                   grad_bytes: int, dp: int) -> dict[str, int]:
     """ZeRO-3's bucket reduces (``memplan.model.deepspeed_zero.zero3_reduce_bytes``): the
     reduce-scatter's interleaved flat copy of the bucket and, with offload_optimizer, the
-    device copies of a gradient partition on its way to the host; the most of any reduce,
-    counted from the first reduce on (``first_reduce``, the block where it falls counted
-    with it), as ZeRO-2's partition. Hooks in backward order: the parameters' registration
-    order reversed (the head, the final norm, each layer's from its down projection to its
-    first norm, the embedding)."""
-    most = zero3_reduce_bytes(tuple(reversed(params.tensor_sizes)), wl.zero_bucket_numel, dp,
-                              grad_bytes, optimizer_on_host(par))
-    if not most:
-        return {}
-    return dict(partition_bytes=most,
+    device copies of a gradient partition on its way to the host; the first reduce's in the
+    block where it falls (``first_reduce``), the most of a later one's in the blocks after
+    and at the embedding, each at a weight's gradient hook (``memplan.model.sharding.
+    DataParallel.block_peak``). Hooks in backward order: the parameters' registration order
+    reversed (the head, the final norm, each layer's from its down projection to its first
+    norm, the embedding)."""
+    reduces = zero3_reduce_bytes(tuple(reversed(params.tensor_sizes)), wl.zero_bucket_numel,
+                                 dp, grad_bytes, optimizer_on_host(par))
+    return dict(reduce_first_bytes=reduces.first, reduce_later_bytes=reduces.later,
                 partition_from=first_reduce(params.head, params.layers, params.embedding,
                                             wl.zero_bucket_numel))
 

@@ -91,6 +91,12 @@ class DataParallel(NamedTuple):
     partition_from: int = 0  # ... that point: -1 the head's backward (after the loss's), i
     #                          the i-th block in backward; beyond the blocks it is the end's
     #                          gradients (the walk's grads_total)
+    zero3_hooks: bool = False  # DeepSpeed's ZeRO-3: each weight's fresh gradient alive until
+    #                            its hook copies it into the bucket; a bucket reduce runs in
+    #                            a hook, its bytes beside the hook's moment (``block_peak``)
+    reduce_first: int = 0  # ... the first reduce's bytes, in block ``partition_from``
+    reduce_later: int = 0  # ... the most of a later reduce's, in the blocks after it and
+    #                        beside the embedding (the epilogue's)
 
     # Bytes are made from bytes in integer arithmetic on the ratios' numerators and
     # denominators (gradient bytes are never negative): exact, and no Fraction is built.
@@ -130,11 +136,21 @@ class DataParallel(NamedTuple):
         return self.reduce_copies * self.unsharded(unit) + self.boundary_grad
 
     def block_peak(self, moments: tuple[LayerMoment, ...], grads: tuple[int, ...],
-                   growing: bool) -> int:
+                   growing: bool, reduce: int = 0) -> int:
         """A layer's largest moment in backward: its alive and transient bytes at each, with
         its own gradients made by then (``grads``, held bytes) as the mechanism holds them:
         FSDP2's unsharded in the weights' dtype (capped at a unit), else as held where they
-        are new this backward (accumulated into existing ones otherwise)."""
+        are new this backward (accumulated into existing ones otherwise). DeepSpeed's ZeRO-3
+        (``zero3_hooks``): the fresh weight gradient at each moment, and a bucket reduce's
+        ``reduce`` bytes at a weight's gradient hook, its node's saved input freed
+        (``LayerMoment.hook_freed``)."""
+        if self.zero3_hooks:
+            most = max(m.alive_bytes + m.transient_bytes + g for m, g in zip(moments, grads))
+            if not reduce:
+                return most
+            return max(most, max((m.alive_bytes - m.hook_freed + m.transient_bytes + g
+                                  for m, g in zip(moments, grads) if m.fresh_params),
+                                 default=0) + reduce)
         if self.per_unit:
             r, d = self.unsharded_ratio, self.unsharded_dtype
             # min(cap, g x r) x d, whole bytes: the cap and g x r over r's denominator
@@ -187,6 +203,8 @@ def data_parallel(shard: ShardingBuffers, params: int, grads_bytes: int,
         first_block_start=shard.forward_first_start_bytes,
         window_units=shard.window_units, window_unit=shard.window_unit,
         partition=shard.partition_bytes, partition_from=shard.partition_from,
+        zero3_hooks=shard.bucket_resident, reduce_first=shard.reduce_first_bytes,
+        reduce_later=shard.reduce_later_bytes,
         fresh_only=bool(shard.bucket_bytes),
         flat=shard.flat_units, at_reduce=shard.backward_reduce_bytes,
         kept_layer=shard.kept_layer_bytes, kept_layers=shard.kept_layers_bytes)
@@ -257,6 +275,7 @@ class Position(NamedTuple):
     beside: int  # bytes it holds at every moment of the block's backward
     after: Event | None  # its instant after the block's backward, before the block's
     #                      gradients are counted as held
+    reduce: int = 0  # a bucket reduce's bytes at a weight's hook in the block (zero3_hooks)
 
 
 class Held(NamedTuple):
@@ -273,6 +292,7 @@ def head_moments(dp: DataParallel, head_grads: int) -> tuple[int, tuple[Event, .
     is carried to the blocks). ``head_grads``: the head's (and final norm's) held gradients."""
     beside = dp.root(head_grads) if dp.per_unit else dp.buffer(head_grads)
     beside += dp.partition if dp.partition_from < 0 else 0
+    beside += dp.reduce_first if dp.zero3_hooks and dp.partition_from < 0 else 0
     events: tuple[Event, ...] = ()
     if dp.reduce_copies and dp.separate_units:  # the head's own unit at its reduce
         events = (Event("head.reduce", 0, dp.reduced(head_grads) - head_grads),)
@@ -322,6 +342,8 @@ def _partition_positions(dp: DataParallel, start: int, n: int,
     ``partition_from`` on (the block where it is made counted with it), beside what the
     mechanism holds at every block (``in_block``; ``in_first_block`` at the stage's first)."""
     without = min(n, max(0, dp.partition_from - start))
+    if dp.zero3_hooks:  # the reduces' bytes at a hook: the first's, then the most of a later
+        return _hook_positions(dp, start, n, without, stage_first)
     spans = [(without, 0), (n - without, dp.partition)]
     out = []
     for count, extra in (span for span in spans if span[0]):
@@ -332,6 +354,23 @@ def _partition_positions(dp: DataParallel, start: int, n: int,
         if last.repeat > 1:
             out.append(last._replace(repeat=last.repeat - 1))
         out.append(Position(1, None, dp.in_first_block + extra, None))
+    return out
+
+
+def _hook_positions(dp: DataParallel, start: int, n: int, without: int,
+                    stage_first: bool) -> list[Position]:
+    """``_partition_positions`` under DeepSpeed's ZeRO-3 (``zero3_hooks``): no reduce in the
+    blocks before ``partition_from``, the first reduce's bytes in that block, the most of a
+    later one's in the blocks after it, each at a hook (``Position.reduce``)."""
+    first = 1 if start + without == dp.partition_from and without < n else 0
+    spans = [(without, 0), (first, dp.reduce_first), (n - without - first, dp.reduce_later)]
+    out = [Position(count, None, dp.in_block, None, reduce)
+           for count, reduce in spans if count]
+    if stage_first and dp.in_first_block != dp.in_block:
+        last = out.pop()
+        if last.repeat > 1:
+            out.append(last._replace(repeat=last.repeat - 1))
+        out.append(last._replace(repeat=1, beside=dp.in_first_block))
     return out
 
 
@@ -463,7 +502,8 @@ def end_moments(dp: DataParallel, held: Held, head_grads: int, embedding_grads: 
     elif dp.reduce_copies and dp.separate_units and growing:  # the embedding's unit
         events = (Event("embedding.reduce", 0,
                         dp.reduced(embedding_grads) - embedding_grads - dp.boundary_grad),)
-    return beside + dp.at_embedding, events
+    # DeepSpeed's ZeRO-3: the epilogue's reduce (the embedding's gradient) after its backward
+    return beside + dp.at_embedding + (dp.reduce_later if dp.zero3_hooks else 0), events
 
 
 def step_end_moments(dp: DataParallel, in_flight: int, inputs_freed: int) -> tuple[Event, ...]:

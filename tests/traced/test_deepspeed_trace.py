@@ -363,3 +363,58 @@ def test_stage1_phase_peaks_within_one_percent() -> None:
     for step in ("first_step", "steady"):
         for phase in ("forward", "backward", "optimizer"):
             assert abs(diff[f"{step}.{phase}_bytes"]["pct"]) <= 1.0, (step, phase, diff)
+
+
+# --- ZeRO-3 with offload_optimizer / offload_param (cpu) ---------------------------------------
+
+# What the CPU trace cannot show: partition_grads copies each host gradient slice back to the
+# device (stage3.py: grad_buffer.to(grad_partition.device)), which on the CPU is the slice
+# itself; memplan counts it (2 B x the largest partition, the head's 128,000 elements, at the
+# first reduce), so the backward is compared less it
+_DEVICE_COPY = 256_000
+_ZERO3_OFFLOAD = {
+    "plain": dict(_PLAIN, offload_optimizer={"device": "cpu"}),
+    "plain-params": dict(_PLAIN, offload_optimizer={"device": "cpu"},
+                         offload_param={"device": "cpu"}),
+    "defaults": dict(stage=3, reduce_bucket_size=300_000, offload_optimizer={"device": "cpu"}),
+}
+# tests/unit/test_deepspeed.py test_zero3_offload_by_hand, + AdamW's 4 B step count
+_ZERO3_HOST = {"plain": 19_954_948, "plain-params": 22_172_164, "defaults": 19_954_948}
+_ZERO3_BLOCK = ("ZeRO-3's backward peak is the bucket reduce at the last layer's down "
+                "projection hook, where memplan's layer moment is 228,860 B short of the trace "
+                "(resident + activations + the gathered weight + its gradient + the T x f and "
+                "T x h gradients; hidden without offload behind the head's moment): measured, "
+                "the device copy excluded, -3.3% (plain) and -2.2% (defaults)")
+
+
+@pytest.mark.parametrize("name", list(_ZERO3_OFFLOAD))
+def test_zero3_offload_phase_peaks(name: str) -> None:
+    """DeepSpeed's ZeRO-3 with offload_optimizer (and offload_param) on the last of 2 fake
+    ranks, the host's tensors counted apart (memplan.profile.deepspeed_trace.
+    Zero3OffloadTracker: the fp32 partitions, their gradient, the gradient partitions, the
+    states, the bf16 partitions with offload_param, and what the step makes on the host, but
+    the persistent parameters' gather after it). Host equal to the hand count; forward and
+    optimizer within 0.05% (defaults' steady forward: the prefetch case's known MLP moment,
+    164,480 B, -1.27% here); the backward, the device copy memplan counts and the CPU cannot
+    show set aside, within 3.5% (_ZERO3_BLOCK). Measured: forward -136 B, optimizer -640 to
+    -808 B (the fused AdamW's and the norm's scalars), backward -229,016 B."""
+    c = _trace(**_ZERO3_OFFLOAD[name])
+    diff, measured, estimated = c["diff"], c["measured"], c["estimated"]
+    assert diff["params_bytes"]["bytes"] == 0
+    assert measured["optimizer_bytes"] == _ZERO3_HOST[name]
+    assert estimated["optimizer_bytes"] == estimated["grads_bytes"] == 0
+    for step in ("first_step", "steady"):
+        for phase in ("forward", "optimizer"):
+            bound = 1.5 if (name, step, phase) == ("defaults", "steady", "forward") else 0.05
+            assert abs(diff[f"{step}.{phase}_bytes"]["pct"]) <= bound, (step, phase, diff)
+        traced = measured["phases"][step]["backward_bytes"]
+        modelled = estimated["phases"][step]["backward_bytes"] - _DEVICE_COPY
+        assert -3.5 <= 100 * (modelled - traced) / traced < 0, (step, modelled, traced)
+
+
+@pytest.mark.xfail(strict=True, reason=_ZERO3_BLOCK)
+def test_zero3_offload_backward_within_one_percent() -> None:
+    c = _trace(**_ZERO3_OFFLOAD["plain"])
+    traced = c["measured"]["phases"]["steady"]["backward_bytes"]
+    modelled = c["estimated"]["phases"]["steady"]["backward_bytes"] - _DEVICE_COPY
+    assert abs(modelled - traced) / traced <= 0.01

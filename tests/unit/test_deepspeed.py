@@ -365,14 +365,16 @@ def test_zero3_reduce_by_hand() -> None:
     x 2 B = 512,512 B (traced at the down projection's hook), of [gate, norm, o] 590,336 B,
     none for one tensor divisible by 2 ([down], [embedding]). With offload_optimizer each
     reduce adds its largest partition's device copy and fp64 copy, 10 B per element: the
-    first reduce 512,512 + 128,000 x 10 = 1,792,512 B, the most of any."""
+    first reduce 512,512 + 128,000 x 10 = 1,792,512 B; of the later ones [gate, norm, o]
+    590,336 + 114,688 x 10 = 1,737,216 B the most ([embedding] 1,280,000)."""
     from memplan.model.deepspeed_zero import zero3_reduce_bytes
 
-    assert zero3_reduce_bytes(_TOY_HOOKS, 300_000, 2, 2, offload=False) == 590_336
-    assert zero3_reduce_bytes(_TOY_HOOKS, 300_000, 2, 2, offload=True) == 1_792_512
+    assert zero3_reduce_bytes(_TOY_HOOKS, 300_000, 2, 2, offload=False) == (512_512, 590_336)
+    assert zero3_reduce_bytes(_TOY_HOOKS, 300_000, 2, 2, offload=True) == (1_792_512,
+                                                                            1_737_216)
     # one tensor alone, divisible: reduced in place; odd: padded and copied
-    assert zero3_reduce_bytes((1_000,), 300_000, 2, 2, offload=False) == 0
-    assert zero3_reduce_bytes((1_001,), 300_000, 2, 2, offload=False) == 1_002 * 2
+    assert zero3_reduce_bytes((1_000,), 300_000, 2, 2, offload=False) == (0, 0)
+    assert zero3_reduce_bytes((1_001,), 300_000, 2, 2, offload=False) == (1_002 * 2, 0)
 
 
 def test_zero3_auto_coordinator_values_resolved() -> None:
