@@ -342,6 +342,56 @@ class Zero3Reduces(NamedTuple):
     later: int
 
 
+class Zero3ReducesAt(NamedTuple):
+    """``zero3_reduces_at``: where the first reduce falls and its bytes; the most a later
+    reduce makes at each hook of a layer; at the epilogue (and the head, before the layers)."""
+
+    first_layer: int  # -1 the head's hooks, i the i-th layer in backward, len(layers) the end
+    first_hook: int  # ... the hook in that layer (its tensors in backward order)
+    first: int
+    later: tuple[int, ...]  # by hook index within a layer, over the layers after the first's
+    end: int  # the epilogue's (the embedding's gradient) and any other outside the layers
+
+
+def _reduced(bucket: list[int], dp: int, grad_bytes: int, offload: bool) -> int:
+    """One reduce's bytes (``zero3_reduce_bytes``)."""
+    divisible = len(bucket) == 1 and bucket[0] % dp == 0
+    flat = 0 if divisible else sum(dp * partition_numel(n, dp) for n in bucket)
+    copies = (partition_numel(max(bucket), dp) * (grad_bytes + ZERO3_OFFLOAD_NORM_BYTES)
+              if offload else 0)
+    return flat * grad_bytes + copies
+
+
+def zero3_reduces_at(head: tuple[int, ...], layers: tuple[tuple[int, ...], ...],
+                     end: tuple[int, ...], bucket_numel: int, dp: int, grad_bytes: int,
+                     offload: bool) -> Zero3ReducesAt:
+    """``zero3_reduce_bytes`` with where each reduce falls: the hooks in backward order, the
+    head's tensors (``head``: the output projection, the final norm), each layer's (``layers``,
+    last layer first, each in backward order), then ``end`` (the embedding), whose epilogue
+    reduces what is left. A reduce runs in the hook of the gradient that would pass
+    ``bucket_numel`` (stage3.py ``reduce_independent_p_g_buckets_and_remove_grads``)."""
+    hooks = [(-1, 0, n) for n in head]
+    hooks += [(i, j, n) for i, layer in enumerate(layers) for j, n in enumerate(layer)]
+    hooks += [(len(layers), 0, n) for n in end]
+    width = max((len(layer) for layer in layers), default=0)
+    first, later, outside, bucket = None, [0] * width, 0, []
+    for at in (*hooks, None):  # None: the epilogue's reduce
+        if bucket and (at is None or sum(bucket) + at[2] > bucket_numel):
+            made = _reduced(bucket, dp, grad_bytes, offload)
+            where = (len(layers), 0) if at is None else at[:2]
+            if first is None:
+                first = (*where, made)
+            elif 0 <= where[0] < len(layers):
+                later[where[1]] = max(later[where[1]], made)
+            else:
+                outside = max(outside, made)
+            bucket = []
+        if at is not None:
+            bucket.append(at[2])
+    first = first or (len(layers), 0, 0)
+    return Zero3ReducesAt(first[0], first[1], first[2], tuple(later), outside)
+
+
 def zero3_reduce_bytes(hook_numels: tuple[int, ...], bucket_numel: int, dp: int,
                        grad_bytes: int, offload: bool) -> Zero3Reduces:
     """The device bytes each ZeRO-3 bucket reduce makes beyond the bucket and the gradients
@@ -360,15 +410,5 @@ def zero3_reduce_bytes(hook_numels: tuple[int, ...], bucket_numel: int, dp: int,
       time: a device copy of its host slice (``grad_buffer.to(grad_partition.device)``, the
       gradients' dtype) and the norm's fp64 copy (``ZERO3_OFFLOAD_NORM_BYTES``), the largest
       partition of the bucket's."""
-    made, bucket = [], []
-    for numel in (*hook_numels, None):  # None: the epilogue's reduce
-        if bucket and (numel is None or sum(bucket) + numel > bucket_numel):
-            divisible = len(bucket) == 1 and bucket[0] % dp == 0
-            flat = 0 if divisible else sum(dp * partition_numel(n, dp) for n in bucket)
-            copies = (partition_numel(max(bucket), dp) * (grad_bytes + ZERO3_OFFLOAD_NORM_BYTES)
-                      if offload else 0)
-            made.append(flat * grad_bytes + copies)
-            bucket = []
-        if numel is not None:
-            bucket.append(numel)
-    return Zero3Reduces(made[0] if made else 0, max(made[1:], default=0))
+    at = zero3_reduces_at(hook_numels, (), (), bucket_numel, dp, grad_bytes, offload)
+    return Zero3Reduces(at.first, at.end)

@@ -20,7 +20,7 @@ from memplan.model.adapters import ADAPTER_BYTES
 from memplan.model.deepspeed_zero import (
     zero3_gathers,
     zero3_offload,
-    zero3_reduce_bytes,
+    zero3_reduces_at,
     bucket_bytes,
     first_reduce,
     stage1_reduce_bytes,
@@ -28,6 +28,7 @@ from memplan.model.deepspeed_zero import (
 )
 from memplan.model.deepspeed_coordinator import (
     coordinator_positions,
+    layer_tensor_counts,
     persistent,
     zero3_coordinator,
 )
@@ -432,9 +433,9 @@ class ShardingBuffers(NamedTuple):
     #                                included (DeepSpeed's ZeRO-3), not in the backward_* bytes
     resident_bytes: int = 0  # a device buffer held from the wrap on, every phase (DeepSpeed's
     #                          ZeRO-Offload temp_grad_buffer_for_gpu_offload)
-    reduce_first_bytes: int = 0  # DeepSpeed's ZeRO-3: the first bucket reduce's bytes, at a
-    #                              gradient hook of block ``partition_from``
-    reduce_later_bytes: int = 0  # ... the most of a later reduce's
+    zero3_reduces: Any = None  # DeepSpeed's ZeRO-3: its bucket reduces, where each falls
+    #                            (memplan.model.deepspeed_zero.Zero3ReducesAt)
+    layer_hooks: tuple[int, ...] = ()  # ... a layer's tensors in the order of their hooks
     post_step_bytes: int = 0  # gathered at the optimizer step's end, no temporary of it
     #                           alive (DeepSpeed's ZeRO-3: the persistent parameters,
     #                           stage3.py _post_step)
@@ -636,20 +637,26 @@ def _coordinator_gathers(params: StageParams, par: ParallelConfig, wl: Workload,
 
 
 def _zero3_reduce(params: StageParams, par: ParallelConfig, wl: Workload,
-                  grad_bytes: int, dp: int) -> dict[str, int]:
+                  grad_bytes: int, dp: int) -> dict[str, Any]:
     """ZeRO-3's bucket reduces (``memplan.model.deepspeed_zero.zero3_reduce_bytes``): the
     reduce-scatter's interleaved flat copy of the bucket and, with offload_optimizer, the
-    device copies of a gradient partition on its way to the host; the first reduce's in the
-    block where it falls (``first_reduce``), the most of a later one's in the blocks after
-    and at the embedding, each at a weight's gradient hook (``memplan.model.sharding.
-    DataParallel.block_peak``). Hooks in backward order: the parameters' registration order
-    reversed (the head, the final norm, each layer's from its down projection to its first
-    norm, the embedding)."""
-    reduces = zero3_reduce_bytes(tuple(reversed(params.tensor_sizes)), wl.zero_bucket_numel,
-                                 dp, grad_bytes, optimizer_on_host(par))
-    return dict(reduce_first_bytes=reduces.first, reduce_later_bytes=reduces.later,
-                partition_from=first_reduce(params.head, params.layers, params.embedding,
-                                            wl.zero_bucket_numel))
+    device copies of a gradient partition on its way to the host; the first reduce's at the
+    hook where it falls, the most a later one makes at each hook of a layer in the blocks
+    after, the epilogue's at the embedding (``memplan.model.deepspeed_zero.
+    zero3_reduces_at``, placed by ``memplan.model.sharding.DataParallel.block_peak``). Hooks
+    in backward order: the parameters' registration order reversed (the head, the final
+    norm, each layer's from its down projection to its first norm, the embedding)."""
+    sizes = params.tensor_sizes
+    counts = layer_tensor_counts(sizes, params.embedding_tensors, params.layers)
+    layers, start = [], params.embedding_tensors
+    for count in counts:
+        layers.append(tuple(reversed(sizes[start:start + count])))
+        start += count
+    at = zero3_reduces_at(tuple(reversed(sizes[start:])), tuple(reversed(layers)),
+                          tuple(reversed(sizes[:params.embedding_tensors])),
+                          wl.zero_bucket_numel, dp, grad_bytes, optimizer_on_host(par))
+    return dict(zero3_reduces=at, partition_from=at.first_layer,
+                layer_hooks=layers[-1] if layers else ())
 
 
 def _replayed(at: Any, held: int) -> ShardingBuffers:
