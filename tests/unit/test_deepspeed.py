@@ -561,3 +561,39 @@ def test_zero3_absent_coordinator_keys_read_as_defaults() -> None:
     deepspeed_config._zero(imp, data["zero_optimization"], 4096)
     assert imp.inputs["zero3_prefetch_numel"] == 50_000_000
     assert "zero3_plain_gathers" not in imp.inputs
+
+
+def test_zero3_reduces_placed_by_hook() -> None:
+    """Where the toy's reduces fall (bucket 3e5, 2 ranks, bf16), each layer's hooks in
+    backward order (down, up, gate, norm, o, v, k, q, norm): [head, norm] at the last layer's
+    down projection (512,512 B, the first); [down] at up and [up] at gate (one divisible
+    tensor: none); [gate, norm, o] at v (295,168 elements: 590,336 B); [v, k, q, norm] at the
+    next layer's down (98,560: 197,120 B) and at the embedding's hook after the first layer
+    (the end), [embedding] at the epilogue (none). With offload_optimizer + 10 B x each
+    bucket's largest partition: 128,000 (head), 114,688 (an MLP weight), 32,768 (q)."""
+    from memplan.model.deepspeed_zero import zero3_reduces_at
+
+    layer = _TOY_LAYER_BACKWARD
+    at = zero3_reduces_at((256_000, 256), (layer, layer), (256_000,), 300_000, 2, 2, False)
+    assert at == (0, 0, 512_512, (197_120, 0, 0, 0, 0, 590_336, 0, 0, 0), 197_120)
+    at = zero3_reduces_at((256_000, 256), (layer, layer), (256_000,), 300_000, 2, 2, True)
+    assert at == (0, 0, 1_792_512,
+                  (524_800, 1_146_880, 1_146_880, 0, 0, 1_737_216, 0, 0, 0), 1_280_000)
+
+
+def test_hook_moments_of_a_llama_layer() -> None:
+    """A Llama layer's backward moments (memplan.model.mlp / attention: the down projection's,
+    the activation's, the gate and up projections', the norm's, attention's, the q/k/v/o
+    projections', the norm's; fresh gradients at the three projection moments): the down
+    projection's hook runs at its moment; up's at the input projections' (its weight, 229,376
+    elements, is that moment's fresh one), gate's and the norm's there too; o's at the
+    attention projections' (65,536), v, k, q and the norm's there too."""
+    from memplan.model.layer import LayerMoment
+    from memplan.model.sharding import hook_moments
+
+    moments = tuple(LayerMoment(name, 0, 0, (), fresh) for name, fresh in (
+        ("mlp", 229_376), ("mlp_act", 0), ("mlp_in", 229_376), ("mlp_norm", 0),
+        ("attention.0", 0), ("attn_in", 65_536), ("attn_norm", 0)))
+    assert hook_moments(moments, _TOY_LAYER_BACKWARD) == (0, 2, 2, 2, 5, 5, 5, 5, 5)
+    # a layer whose weights match no moment: every hook at the first with a fresh gradient
+    assert hook_moments(moments, (7, 7)) == (0, 0)
