@@ -229,16 +229,7 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
     steps = optimizer.step_counter_bytes(wl.optimizer_impl, updated, shapes)
     grads_bytes = held(trained.dense, trained.expert, ZeroStage.GRADIENTS) * policy.grad_bytes
     num_tensors = len(trained.tensor_sizes)
-    if wl.flat_partition and z >= ZeroStage.PARAMETERS and optimizer_on_host(par):
-        # DeepSpeed's ZeRO-3 with offload_optimizer (and offload_param): memplan.model.
-        # deepspeed_zero.zero3_offload
-        moved = zero3_offload(held(params.dense, params.expert, ZeroStage.PARAMETERS),
-                              Offload.PARAMS in par.offload, policy.param_bytes,
-                              policy.grad_bytes, optimizer.host_state_bytes_per_param())
-        return StateBytes(params_bytes=moved.device_weights, grads_bytes=0, optimizer_bytes=0,
-                          master_bytes=0, num_optimizer_params=opt_params,
-                          host_bytes=moved.host)
-    if Offload.PARAMS in par.offload:  # FSDP2's CPUOffloadPolicy (memplan.model.offload)
+    if Offload.PARAMS in par.offload and not wl.flat_partition:  # FSDP2's CPUOffloadPolicy
         # the weights move in their own dtypes (with adapters: the sharded bytes computed
         # above); a quantization state is no parameter and stays on the device
         moved = cpu_offload_policy(params_bytes - device_only, opt_params, num_tensors,
@@ -253,9 +244,9 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
         return StateBytes(params_bytes=params_bytes, grads_bytes=grads_bytes,
                           optimizer_bytes=device + scaler, master_bytes=0,
                           num_optimizer_params=opt_params, host_bytes=host, scaler_bytes=scaler)
-    if zero_offload(par):
+    if zero_offload(par) or (wl.flat_partition and optimizer_on_host(par)):  # (+ offload_param)
         return _zero_offload_states(params_bytes, grads_bytes, opt_params, wl, optimizer,
-                                    max(trained.tensor_sizes, default=0))
+                                    max(trained.tensor_sizes, default=0), par)
     scaler = GRAD_SCALER_STATE_BYTES if policy.grad_scaler else 0
     return StateBytes(
         params_bytes=params_bytes,
@@ -269,11 +260,27 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
     )
 
 
+def _zero3_offload_states(partition_numel: int, opt_params: int, par: ParallelConfig,
+                          wl: Workload) -> StateBytes:
+    """DeepSpeed's ZeRO-3 with offload_optimizer (and offload_param) for a rank whose bit16
+    partitions hold ``partition_numel`` elements (``memplan.model.deepspeed_zero.
+    zero3_offload``): on the device the partitions alone, or nothing with offload_param."""
+    policy = wl.precision.policy
+    moved = zero3_offload(partition_numel, Offload.PARAMS in par.offload, policy.param_bytes,
+                          policy.grad_bytes,
+                          optimizer_policy(wl.optimizer).host_state_bytes_per_param())
+    return StateBytes(params_bytes=moved.device_weights, grads_bytes=0, optimizer_bytes=0,
+                      master_bytes=0, num_optimizer_params=opt_params, host_bytes=moved.host)
+
+
 def _zero_offload_states(params_bytes: int, grads_bytes: int, opt_params: int, wl: Workload,
-                         optimizer: Any, largest: int) -> StateBytes:
+                         optimizer: Any, largest: int, par: ParallelConfig) -> StateBytes:
     """ZeRO-Offload's device states: the weights, and the gradient shard except under
     DeepSpeed (``wl.flat_partition``: its reduce copies each slice to the host, no device
-    partition); the rest on the host."""
+    partition); the rest on the host. DeepSpeed's ZeRO-3: ``_zero3_offload_states``."""
+    if wl.flat_partition and par.zero >= ZeroStage.PARAMETERS:
+        return _zero3_offload_states(params_bytes // wl.precision.policy.param_bytes,
+                                     opt_params, par, wl)
     if wl.flat_partition:
         return StateBytes(params_bytes=params_bytes, grads_bytes=0, optimizer_bytes=0,
                           master_bytes=0, num_optimizer_params=opt_params,
