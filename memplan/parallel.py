@@ -160,6 +160,14 @@ def offload_rule(spec: ModelSpec, par: "ParallelConfig", wl: Workload) -> Layout
     precision = wl.precision.value
     if Offload.ACTIVATIONS in par.offload and (err := _activations_rule(spec, wl)) is not None:
         return err
+    if Offload.PARAMS in par.offload and wl.flat_partition:  # DeepSpeed's offload_param
+        if par.zero < ZeroStage.PARAMETERS or Offload.OPTIMIZER not in par.offload:
+            return LayoutError("offload params under DeepSpeed needs zero 3 and offload "
+                               "optimizer", "offload params with DeepSpeed (offload_param) is "
+                               "modelled at zero 3 with the optimizer offloaded too "
+                               f"(ZeRO-Infinity on the CPU), got zero {int(par.zero)}, offload "
+                               f"{offload_names(par.offload)}")
+        return None
     if Offload.PARAMS in par.offload:
         if par.zero < ZeroStage.PARAMETERS:
             return LayoutError("offload params needs zero 3", "offload params needs zero 3 "

@@ -207,11 +207,7 @@ def _stage3(imp: Imported, zero: dict[str, Any], hidden: int | None) -> None:
             "runtime/zero/stage3.py DeepSpeedZeroOptimizer_Stage3: bf16/fp16 weights, gradient "
             "partition, fp32 partition and states 1/N; the reduce bucket and the gradient "
             "partition held from the wrap on (_setup_for_real_optimizer)")
-    for key in ("offload_param", "offload_optimizer"):
-        if _offloaded(zero.get(key)):
-            raise imp.refuse(f"zero_optimization.{key}", zero[key],
-                             "ZeRO-3's offload (stage3.py offload_optimizer / "
-                             "parameter_offload.py offload_param) is not modelled yet")
+    _stage3_offload(imp, zero)
     _coordinator(imp, zero, hidden)
     for key, value in zero.items():
         name = f"zero_optimization.{key}"
@@ -241,6 +237,35 @@ def _stage3(imp: Imported, zero: dict[str, Any], hidden: int | None) -> None:
                          "bucket at stage 3 (stage3.py _setup_for_real_optimizer: one per "
                          "communication dtype)")
     _buckets(imp, {k: v for k, v in zero.items() if k != "overlap_comm"}, hidden)
+
+
+def _stage3_offload(imp: Imported, zero: dict[str, Any]) -> None:
+    """ZeRO-3's offload to the CPU (``memplan.model.deepspeed_zero.zero3_offload``):
+    ``offload_optimizer`` alone, or with ``offload_param``; NVMe and ``offload_param`` alone
+    are refused by name (not traced)."""
+    on = {key: zero[key] for key in ("offload_optimizer", "offload_param")
+          if _offloaded(zero.get(key))}
+    for key, value in on.items():
+        device = value.get("device") if isinstance(value, dict) else value
+        if device != "cpu":
+            raise imp.refuse(f"zero_optimization.{key}", value, "ZeRO-3's offload is modelled "
+                             "to the CPU (stage3.py offload_optimizer, parameter_offload.py "
+                             "offload_param, traced); not to NVMe (the swappers' buffers)")
+    if "offload_param" in on and "offload_optimizer" not in on:
+        raise imp.refuse("zero_optimization.offload_param", on["offload_param"],
+                         "offload_param without offload_optimizer is not modelled (traced "
+                         "with both offloaded, ZeRO-Infinity on the CPU)")
+    if not on:
+        return
+    imp.set("zero_optimization." + "/".join(on), "cpu", "offload",
+            "optimizer,params" if "offload_param" in on else "optimizer",
+            "stage3.py offload_optimizer: the fp32 partitions, their fp32 gradient, the "
+            "gradient partitions (grad_partitions_flat_buffer) and the states on the host, "
+            "the step there; on the GPU the reduce bucket and, at each reduce, a device copy "
+            "and an fp64 norm copy of a gradient partition (partition_grads)"
+            + ("; offload_param: the bf16/fp16 partitions on the host too "
+               "(_create_param_groups_fp16_flat_cpu_memory), only gathered weights on the GPU"
+               if "offload_param" in on else ""))
 
 
 def _coordinator(imp: Imported, zero: dict[str, Any], hidden: int | None) -> None:

@@ -226,7 +226,9 @@ def _saver_candidates(par: Any, wl: Any) -> list[tuple[str, str, dict[str, Any]]
         out.append(("saved activations offloaded to the host (save_on_cpu)", flags, change))
     if par.zero == ZeroStage.PARAMETERS and Offload.PARAMS not in par.offload:
         flags, change = _offloading(par, Offload.PARAMS)
-        out.append(("sharded weights offloaded to the host (FSDP2 CPUOffloadPolicy)", flags,
+        out.append(("the bf16/fp16 partitions offloaded to the host (DeepSpeed offload_param)"
+                    if wl.flat_partition else
+                    "sharded weights offloaded to the host (FSDP2 CPUOffloadPolicy)", flags,
                     change))
     return out
 

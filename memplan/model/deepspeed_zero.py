@@ -284,3 +284,131 @@ def stage1_reduce_bytes(numels: tuple[int, ...], bucket_numel: int, dp: int, ran
         bucket.append((s, n))
         moved += n
     return (total - moved + bucket_numel + part) * grad_bytes
+
+
+# --- ZeRO stage 3 with offload_optimizer / offload_param (cpu) --------------------------------
+
+class Zero3Offload(NamedTuple):
+    """Where a ZeRO-3 rank's states live with ``offload_optimizer`` cpu (and ``offload_param``
+    cpu), int bytes."""
+
+    device_weights: int  # the bit16 partitions on the device (0 with offload_param)
+    host: int  # everything the host holds for the rank
+
+
+def zero3_offload(partition_numel: int, params_offloaded: bool, weight_bytes: int,
+                  grad_bytes: int, state_bytes_per_param: int) -> Zero3Offload:
+    """ZeRO-3 with ``offload_optimizer: {device: cpu}`` (DeepSpeed 0.19.8, runtime/zero/
+    stage3.py ``DeepSpeedZeroOptimizer_Stage3``, ``self.device`` the CPU once
+    ``_configure_offloading`` sets ``offload_optimizer``), for a rank whose partitions hold
+    ``partition_numel`` elements (S):
+
+    - host: the fp32 partitions (``_create_fp32_partitions``: ``fp16_partitioned_groups_flat
+      [i].to('cpu', fp32)``), 4S; their fp32 gradient (``initialize_optimizer_states``:
+      ``subgroup_gradient_buffer``, ``torch.zeros(num_elements, fp32, device=self.device)``,
+      kept as ``.grad``), 4S; the optimizer's states on them (made at its first step, on the
+      host); the gradient partitions (``_setup_for_real_optimizer``:
+      ``grad_partitions_flat_buffer``, ``device=self.device``), S x ``grad_bytes``;
+    - device: the bit16 partitions (``lp_param_buffer``), S x ``weight_bytes``; with
+      ``offload_param`` they are host memory instead (``_create_fp16_partitions_with_
+      defragmentation``: ``_create_param_groups_fp16_flat_cpu_memory``, one flat CPU buffer
+      per group, pinned unless ``pin_memory`` is false), and only gathered copies reach the
+      device. Nothing of the optimizer, no gradient partition, no step temporary: the step
+      runs on the host (``_prepare_sub_group`` skips ``_prepare_fp32_grad_for_sub_group``,
+      ``_release_sub_group`` keeps the host gradient), and ``_reassign_or_swap_out_
+      partitioned_parameters`` copies the fp32 partition into the bit16 one in place (a
+      host-to-device copy converts on the host side)."""
+    s = partition_numel
+    host = s * (4 + 4 + state_bytes_per_param + grad_bytes)
+    if params_offloaded:
+        return Zero3Offload(device_weights=0, host=host + s * weight_bytes)
+    return Zero3Offload(device_weights=s * weight_bytes, host=host)
+
+
+# per element of a gradient slice at a ZeRO-3 offload reduce, on the device:
+# stage3.py partition_grads -> grad_buffer.to(grad_partition.device) (a device copy of the
+# host partition's slice, the gradients' dtype) and, at the accumulation boundary,
+# _offload_grad_partition_at_boundary -> _constant_buffered_norm2 (part.to(fp64), runtime/zero/
+# utils.py get_norm_dtype) beside it; the fp32 copy for the host (4 B) comes after the fp64
+# one is freed
+ZERO3_OFFLOAD_NORM_BYTES = 8
+
+
+class Zero3Reduces(NamedTuple):
+    """Device bytes of ZeRO-3's bucket reduces beyond the bucket and the gradients
+    (``zero3_reduce_bytes``): the first reduce's, and the most of any later one's."""
+
+    first: int
+    later: int
+
+
+class Zero3ReducesAt(NamedTuple):
+    """``zero3_reduces_at``: where the first reduce falls and its bytes; the most a later
+    reduce makes at each hook of a layer; at the epilogue (and the head, before the layers)."""
+
+    first_layer: int  # -1 the head's hooks, i the i-th layer in backward, len(layers) the end
+    first_hook: int  # ... the hook in that layer (its tensors in backward order)
+    first: int
+    later: tuple[int, ...]  # by hook index within a layer, over the layers after the first's
+    end: int  # the epilogue's (the embedding's gradient) and any other outside the layers
+
+
+def _reduced(bucket: list[int], dp: int, grad_bytes: int, offload: bool) -> int:
+    """One reduce's bytes (``zero3_reduce_bytes``)."""
+    divisible = len(bucket) == 1 and bucket[0] % dp == 0
+    flat = 0 if divisible else sum(dp * partition_numel(n, dp) for n in bucket)
+    copies = (partition_numel(max(bucket), dp) * (grad_bytes + ZERO3_OFFLOAD_NORM_BYTES)
+              if offload else 0)
+    return flat * grad_bytes + copies
+
+
+def zero3_reduces_at(head: tuple[int, ...], layers: tuple[tuple[int, ...], ...],
+                     end: tuple[int, ...], bucket_numel: int, dp: int, grad_bytes: int,
+                     offload: bool) -> Zero3ReducesAt:
+    """``zero3_reduce_bytes`` with where each reduce falls: the hooks in backward order, the
+    head's tensors (``head``: the output projection, the final norm), each layer's (``layers``,
+    last layer first, each in backward order), then ``end`` (the embedding), whose epilogue
+    reduces what is left. A reduce runs in the hook of the gradient that would pass
+    ``bucket_numel`` (stage3.py ``reduce_independent_p_g_buckets_and_remove_grads``)."""
+    hooks = [(-1, 0, n) for n in head]
+    hooks += [(i, j, n) for i, layer in enumerate(layers) for j, n in enumerate(layer)]
+    hooks += [(len(layers), 0, n) for n in end]
+    width = max((len(layer) for layer in layers), default=0)
+    first, later, outside, bucket = None, [0] * width, 0, []
+    for at in (*hooks, None):  # None: the epilogue's reduce
+        if bucket and (at is None or sum(bucket) + at[2] > bucket_numel):
+            made = _reduced(bucket, dp, grad_bytes, offload)
+            where = (len(layers), 0) if at is None else at[:2]
+            if first is None:
+                first = (*where, made)
+            elif 0 <= where[0] < len(layers):
+                later[where[1]] = max(later[where[1]], made)
+            else:
+                outside = max(outside, made)
+            bucket = []
+        if at is not None:
+            bucket.append(at[2])
+    first = first or (len(layers), 0, 0)
+    return Zero3ReducesAt(first[0], first[1], first[2], tuple(later), outside)
+
+
+def zero3_reduce_bytes(hook_numels: tuple[int, ...], bucket_numel: int, dp: int,
+                       grad_bytes: int, offload: bool) -> Zero3Reduces:
+    """The device bytes each ZeRO-3 bucket reduce makes beyond the bucket and the gradients
+    (stage3.py ``reduce_independent_p_g_buckets_and_remove_grads``: a gradient whose elements
+    would pass ``reduce_bucket_size`` reduces the bucket first, in its own hook; the epilogue
+    reduces what is left): the first reduce's and the most of a later one's.
+    ``hook_numels``: the parameters' elements in the order their gradient hooks run
+    (backward order). Each reduce:
+
+    - ``__avg_scatter_grads`` -> ``runtime/comm/coalesced_collectives.py
+      reduce_scatter_coalesced``: ``torch.cat`` of every gradient's ``dp`` chunks, each padded
+      to ceil(numel / dp), interleaved rank by rank, in the communication dtype (none for one
+      tensor divisible by ``dp``: it is reduced in place); the rank's partitions are views of
+      it, alive through ``partition_grads``;
+    - with ``offload`` (offload_optimizer), in ``partition_grads`` one gradient partition at a
+      time: a device copy of its host slice (``grad_buffer.to(grad_partition.device)``, the
+      gradients' dtype) and the norm's fp64 copy (``ZERO3_OFFLOAD_NORM_BYTES``), the largest
+      partition of the bucket's."""
+    at = zero3_reduces_at(hook_numels, (), (), bucket_numel, dp, grad_bytes, offload)
+    return Zero3Reduces(at.first, at.end)

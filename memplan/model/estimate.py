@@ -46,8 +46,10 @@ from memplan.overheads import Overheads, default_overheads, with_library_workspa
 from memplan.parallel import (
     GradBuffers,
     LayoutError,
+    Offload,
     ParallelConfig,
     ZeroStage,
+    optimizer_on_host,
     pipeline_stage,
     resolve_batch,
     resolve_split,
@@ -337,6 +339,19 @@ IN_LOSS_CAVEAT = (
     "outweighs the logits it saves (compare --loss-chunks 1)")
 
 
+def _zero3_offload_lines(par: ParallelConfig, wl: Workload) -> tuple[str, ...]:
+    """The line of DeepSpeed's ZeRO-3 with offload_optimizer (and offload_param)."""
+    if not (optimizer_on_host(par) and wl.flat_partition and par.zero >= ZeroStage.PARAMETERS):
+        return ()
+    return ("optimizer offloaded to host memory (DeepSpeed ZeRO-3, stage3.py offload_optimizer): "
+            "the fp32 partitions, their fp32 gradient, the gradient partitions and the states on "
+            "the CPU, stepped there; the GPU keeps the bf16/fp16 partitions"
+            + (" (offload_param: those on the host too)" if Offload.PARAMS in par.offload
+               else "")
+            + ", the gathered weights, the reduce bucket and at each reduce a device and an fp64 "
+            "copy of a gradient partition",)
+
+
 def _assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload, schedule: Schedule,
 
                  ovh: Overheads) -> tuple[str, ...]:
@@ -387,8 +402,12 @@ def _assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload, schedule: S
            "states on the CPU, stepped there; the GPU keeps the weights, the reduce bucket, a "
            "buffer of the largest parameter and at each reduce an fp64 copy of a gradient "
            "slice for its norm, no gradient partition",)
-          if zero_offload(par) and wl.flat_partition else ()),
-        *offload_assumptions(par),
+          if zero_offload(par) and wl.flat_partition and par.zero < ZeroStage.PARAMETERS
+          else ()),
+        *_zero3_offload_lines(par, wl),
+        # DeepSpeed's offload_param has its own line above
+        *offload_assumptions(par if not wl.flat_partition else par.model_copy(
+            update={"offload": par.offload - {Offload.PARAMS}})),
         *((note,) if (note := optimizer_policy(wl.optimizer).note) else ()),
         f"cuda context: {ovh.cuda_context_source}",
         f"workspace: {ovh.workspace_source}",

@@ -154,6 +154,7 @@ class LayerMoment(NamedTuple):
     transient_bytes: int
     grads_before: tuple[str, ...]
     fresh_params: int = 0
+    hook_freed: int = 0  # freed before the fresh gradient's hook runs (BackwardMoment's)
 
 
 def layer_terms(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
@@ -306,7 +307,8 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
     for block, before in reversed(list(zip(blocks, prior))):
         out += [LayerMoment(m.name, extra + (host_saved(block, m) if host_saved
                                              else before + m.own_bytes),
-                            incoming + m.transient_bytes, later + m.grads, m.fresh_params)
+                            incoming + m.transient_bytes, later + m.grads, m.fresh_params,
+                            0 if host_saved else m.hook_freed)
                 for m in block.backward_moments(spec, wl, dm, policy)]
         later += (block.name,)
     return out

@@ -211,8 +211,11 @@ def backward_moments(spec: ModelSpec, dm: Dims, *, saved: int, freed: int, run_t
              if linear.float8_converts(down, dm) else [])
     return [
         *casts,
+        # the down projection's input (the product) is freed by its node before its weight's
+        # gradient hook (a ZeRO-3 bucket reduce runs there: memplan.model.sharding)
         BackwardMoment("mlp", saved - freed,
-                       dropout_grad + out_grad + max(base, lora), ("mlp_out",), fresh),
+                       dropout_grad + out_grad + max(base, lora), ("mlp_out",), fresh,
+                       inner if not unsaved and not lora and not casts else 0),
         BackwardMoment("mlp_act", saved - freed - out_cast, grads, ("mlp_out",)),
         BackwardMoment("mlp_in", in_saved, grad_inputs + inner * (2 if fused_in else 1),
                        ("mlp",), fresh),

@@ -19,12 +19,19 @@ from memplan.model import step_in_backward
 from memplan.model.adapters import ADAPTER_BYTES
 from memplan.model.deepspeed_zero import (
     zero3_gathers,
+    zero3_offload,
+    zero3_reduces_at,
     bucket_bytes,
     first_reduce,
     stage1_reduce_bytes,
     step_flat_copy_bytes,
 )
-from memplan.model.deepspeed_coordinator import coordinator_positions, zero3_coordinator
+from memplan.model.deepspeed_coordinator import (
+    coordinator_positions,
+    layer_tensor_counts,
+    persistent,
+    zero3_coordinator,
+)
 from memplan.model.embedding import EmbeddingBlock
 from memplan.model.fsdp_buckets import gathered_units, queued_units
 from memplan.model.head import HeadBlock
@@ -232,7 +239,7 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
     steps = optimizer.step_counter_bytes(wl.optimizer_impl, updated, shapes)
     grads_bytes = held(trained.dense, trained.expert, ZeroStage.GRADIENTS) * policy.grad_bytes
     num_tensors = len(trained.tensor_sizes)
-    if Offload.PARAMS in par.offload:  # FSDP2's CPUOffloadPolicy (memplan.model.offload)
+    if Offload.PARAMS in par.offload and not wl.flat_partition:  # FSDP2's CPUOffloadPolicy
         # the weights move in their own dtypes (with adapters: the sharded bytes computed
         # above); a quantization state is no parameter and stays on the device
         moved = cpu_offload_policy(params_bytes - device_only, opt_params, num_tensors,
@@ -247,9 +254,9 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
         return StateBytes(params_bytes=params_bytes, grads_bytes=grads_bytes,
                           optimizer_bytes=device + scaler, master_bytes=0,
                           num_optimizer_params=opt_params, host_bytes=host, scaler_bytes=scaler)
-    if zero_offload(par):
+    if zero_offload(par) or (wl.flat_partition and optimizer_on_host(par)):  # (+ offload_param)
         return _zero_offload_states(params_bytes, grads_bytes, opt_params, wl, optimizer,
-                                    max(trained.tensor_sizes, default=0))
+                                    max(trained.tensor_sizes, default=0), par)
     scaler = GRAD_SCALER_STATE_BYTES if policy.grad_scaler else 0
     return StateBytes(
         params_bytes=params_bytes,
@@ -263,11 +270,27 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
     )
 
 
+def _zero3_offload_states(partition_numel: int, opt_params: int, par: ParallelConfig,
+                          wl: Workload) -> StateBytes:
+    """DeepSpeed's ZeRO-3 with offload_optimizer (and offload_param) for a rank whose bit16
+    partitions hold ``partition_numel`` elements (``memplan.model.deepspeed_zero.
+    zero3_offload``): on the device the partitions alone, or nothing with offload_param."""
+    policy = wl.precision.policy
+    moved = zero3_offload(partition_numel, Offload.PARAMS in par.offload, policy.param_bytes,
+                          policy.grad_bytes,
+                          optimizer_policy(wl.optimizer).host_state_bytes_per_param())
+    return StateBytes(params_bytes=moved.device_weights, grads_bytes=0, optimizer_bytes=0,
+                      master_bytes=0, num_optimizer_params=opt_params, host_bytes=moved.host)
+
+
 def _zero_offload_states(params_bytes: int, grads_bytes: int, opt_params: int, wl: Workload,
-                         optimizer: Any, largest: int) -> StateBytes:
+                         optimizer: Any, largest: int, par: ParallelConfig) -> StateBytes:
     """ZeRO-Offload's device states: the weights, and the gradient shard except under
     DeepSpeed (``wl.flat_partition``: its reduce copies each slice to the host, no device
-    partition); the rest on the host."""
+    partition); the rest on the host. DeepSpeed's ZeRO-3: ``_zero3_offload_states``."""
+    if wl.flat_partition and par.zero >= ZeroStage.PARAMETERS:
+        return _zero3_offload_states(params_bytes // wl.precision.policy.param_bytes,
+                                     opt_params, par, wl)
     if wl.flat_partition:
         return StateBytes(params_bytes=params_bytes, grads_bytes=0, optimizer_bytes=0,
                           master_bytes=0, num_optimizer_params=opt_params,
@@ -427,6 +450,12 @@ class ShardingBuffers(NamedTuple):
     #                                included (DeepSpeed's ZeRO-3), not in the backward_* bytes
     resident_bytes: int = 0  # a device buffer held from the wrap on, every phase (DeepSpeed's
     #                          ZeRO-Offload temp_grad_buffer_for_gpu_offload)
+    zero3_reduces: Any = None  # DeepSpeed's ZeRO-3: its bucket reduces, where each falls
+    #                            (memplan.model.deepspeed_zero.Zero3ReducesAt)
+    layer_hooks: tuple[int, ...] = ()  # ... a layer's tensors in the order of their hooks
+    post_step_bytes: int = 0  # gathered at the optimizer step's end, no temporary of it
+    #                           alive (DeepSpeed's ZeRO-3: the persistent parameters,
+    #                           stage3.py _post_step)
     first_step: Any = None  # the ShardingBuffers of step 1 where they differ (DeepSpeed's
     #                         ZeRO-3 coordinator records its module trace then); None: these
 
@@ -540,8 +569,8 @@ def _preallocated_buckets(params: StageParams, par: ParallelConfig, wl: Workload
     (``first_reduce``, the last rank's: the most loaded), not growing with the gradients
     made. ZeRO-1's: ``_reduce_after_backward``; ZeRO-3's: ``_coordinator_gathers``."""
     if par.zero >= ZeroStage.PARAMETERS:
-        return _coordinator_gathers(params, wl, wl.precision.policy.unsharded.itemsize,
-                                    grad_bytes, par.dense_shard_degree)
+        return _coordinator_gathers(params, par, wl, wl.precision.policy.unsharded.itemsize,
+                                    grad_bytes)
     if par.zero == ZeroStage.OPTIMIZER:
         return _reduce_after_backward(params, par, wl, grad_bytes)
     held = bucket_bytes(wl.zero_bucket_numel, wl.zero_bucket_buffers, grad_bytes)
@@ -586,8 +615,8 @@ def largest_slice(tensor_sizes: tuple[int, ...], dp: int) -> int:
     return most
 
 
-def _coordinator_gathers(params: StageParams, wl: Workload, e: int, grad_bytes: int,
-                         dp: int) -> ShardingBuffers:
+def _coordinator_gathers(params: StageParams, par: ParallelConfig, wl: Workload, e: int,
+                         grad_bytes: int) -> ShardingBuffers:
     """DeepSpeed's ZeRO-3 (``memplan.model.deepspeed_zero.zero3_gathers``): each module's own
     weights gathered while it runs, forward and backward (none at the loss: the head is
     released after its forward), the head's from its backward's start (its pre-backward hook,
@@ -596,14 +625,19 @@ def _coordinator_gathers(params: StageParams, wl: Workload, e: int, grad_bytes: 
     the hooks copying each gradient into the bucket."""
     g = zero3_gathers(params.tensor_sizes, params.embedding_tensors, params.head_tensors, e)
     held = bucket_bytes(wl.zero_bucket_numel, 1, grad_bytes)
-    plain = ShardingBuffers(g.in_layer, 0, 0, backward_head_bytes=g.head,
+    dp = par.dense_shard_degree
+    offload = _zero3_reduce(params, par, wl, grad_bytes, dp)
+    c = zero3_coordinator(wl)
+    plain_c = wl.zero3_plain_gathers or c.plain
+    if not plain_c:  # stage3.py _post_step: the persistent parameters gathered after each step
+        kept = persistent(params.tensor_sizes, c)
+        offload["post_step_bytes"] = sum(params.tensor_sizes[i] for i in kept) * e
+    plain = ShardingBuffers(g.in_layer, 0, 0, backward_head_bytes=g.head, **offload,
                             backward_head_prefetch_bytes=g.head,
                             backward_block_bytes=g.in_layer,
                             backward_last_block_bytes=g.in_layer,
                             backward_end_bytes=g.embedding, bucket_bytes=held,
                             bucket_resident=True)
-    c = zero3_coordinator(wl)
-    plain_c = wl.zero3_plain_gathers or c.plain
     recomputed = wl.recompute is Recompute.FULL
     if plain_c and not recomputed:
         return plain
@@ -611,11 +645,35 @@ def _coordinator_gathers(params: StageParams, wl: Workload, e: int, grad_bytes: 
     # recomputation the replay's, which holds the weights a recomputation saved); from step
     # 2 on the coordinator prefetches, keeps and persists by it
     if recomputed:
-        plain = _replayed(coordinator_positions(params, wl, c, dp, e, False), held)
+        plain = _replayed(coordinator_positions(params, wl, c, dp, e, False), held)._replace(
+            **offload)
     if plain_c:
         return plain
     return _replayed(coordinator_positions(params, wl, c, dp, e), held)._replace(
-        first_step=plain)
+        first_step=plain, **offload)
+
+
+def _zero3_reduce(params: StageParams, par: ParallelConfig, wl: Workload,
+                  grad_bytes: int, dp: int) -> dict[str, Any]:
+    """ZeRO-3's bucket reduces (``memplan.model.deepspeed_zero.zero3_reduce_bytes``): the
+    reduce-scatter's interleaved flat copy of the bucket and, with offload_optimizer, the
+    device copies of a gradient partition on its way to the host; the first reduce's at the
+    hook where it falls, the most a later one makes at each hook of a layer in the blocks
+    after, the epilogue's at the embedding (``memplan.model.deepspeed_zero.
+    zero3_reduces_at``, placed by ``memplan.model.sharding.DataParallel.block_peak``). Hooks
+    in backward order: the parameters' registration order reversed (the head, the final
+    norm, each layer's from its down projection to its first norm, the embedding)."""
+    sizes = params.tensor_sizes
+    counts = layer_tensor_counts(sizes, params.embedding_tensors, params.layers)
+    layers, start = [], params.embedding_tensors
+    for count in counts:
+        layers.append(tuple(reversed(sizes[start:start + count])))
+        start += count
+    at = zero3_reduces_at(tuple(reversed(sizes[start:])), tuple(reversed(layers)),
+                          tuple(reversed(sizes[:params.embedding_tensors])),
+                          wl.zero_bucket_numel, dp, grad_bytes, optimizer_on_host(par))
+    return dict(zero3_reduces=at, partition_from=at.first_layer,
+                layer_hooks=layers[-1] if layers else ())
 
 
 def _replayed(at: Any, held: int) -> ShardingBuffers:

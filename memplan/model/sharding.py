@@ -32,7 +32,7 @@ bytes rounded down.
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from memplan.model.dims import exact_ratio
 from memplan.model.layer import LayerMoment
@@ -91,6 +91,12 @@ class DataParallel(NamedTuple):
     partition_from: int = 0  # ... that point: -1 the head's backward (after the loss's), i
     #                          the i-th block in backward; beyond the blocks it is the end's
     #                          gradients (the walk's grads_total)
+    zero3_hooks: bool = False  # DeepSpeed's ZeRO-3: each weight's fresh gradient alive until
+    #                            its hook copies it into the bucket; a bucket reduce runs in
+    #                            a hook, its bytes beside the hook's moment (``block_peak``)
+    reduces: Any = None  # ... the reduces (deepspeed_zero.Zero3ReducesAt): the first at a
+    #                      hook of block ``partition_from``, the later ones' by hook
+    layer_hooks: tuple[int, ...] = ()  # ... a layer's tensors in the order of their hooks
 
     # Bytes are made from bytes in integer arithmetic on the ratios' numerators and
     # denominators (gradient bytes are never negative): exact, and no Fraction is built.
@@ -130,11 +136,23 @@ class DataParallel(NamedTuple):
         return self.reduce_copies * self.unsharded(unit) + self.boundary_grad
 
     def block_peak(self, moments: tuple[LayerMoment, ...], grads: tuple[int, ...],
-                   growing: bool) -> int:
+                   growing: bool, reduce: tuple[int, ...] = ()) -> int:
         """A layer's largest moment in backward: its alive and transient bytes at each, with
         its own gradients made by then (``grads``, held bytes) as the mechanism holds them:
         FSDP2's unsharded in the weights' dtype (capped at a unit), else as held where they
-        are new this backward (accumulated into existing ones otherwise)."""
+        are new this backward (accumulated into existing ones otherwise). DeepSpeed's ZeRO-3
+        (``zero3_hooks``): the fresh weight gradient at each moment, and a bucket reduce's
+        bytes at the moment of the hook it runs in (``reduce``: by hook, the layer's tensors
+        in backward order, ``hook_moments``), the node that made the gradient having freed
+        its saved input (``LayerMoment.hook_freed``)."""
+        if self.zero3_hooks:
+            most = max(m.alive_bytes + m.transient_bytes + g for m, g in zip(moments, grads))
+            extra = dict.fromkeys(range(len(moments)), 0)
+            for k, made in zip(hook_moments(moments, self.layer_hooks), reduce):
+                if k is not None:
+                    extra[k] = max(extra[k], made)
+            return max([most, *(m.alive_bytes - m.hook_freed + m.transient_bytes + g + extra[k]
+                                for k, (m, g) in enumerate(zip(moments, grads)) if extra[k])])
         if self.per_unit:
             r, d = self.unsharded_ratio, self.unsharded_dtype
             # min(cap, g x r) x d, whole bytes: the cap and g x r over r's denominator
@@ -157,6 +175,25 @@ class DataParallel(NamedTuple):
     def reduce_at_block(self) -> bool:
         """FSDP2's root-unit reduce-scatter moments of every block (not at shard degree 1)."""
         return self.per_unit and not self.reduce_copies and not self.separate_units
+
+
+def hook_moments(moments: tuple[LayerMoment, ...], hooks: tuple[int, ...]
+                 ) -> tuple[int | None, ...]:
+    """The moment (index into ``moments``) where each of a layer's gradient hooks runs
+    (``hooks``: its tensors' elements in backward order): a hook whose tensor is the weight of
+    the next moment with a fresh gradient (``fresh_params``, the same elements) runs there;
+    the others (norms, and weights whose moment is not modelled) at the last such moment
+    matched, or the first with a fresh gradient before any: the most loaded of those that
+    can hold it."""
+    fresh = [k for k, m in enumerate(moments) if m.fresh_params]
+    if not fresh:
+        return (None,) * len(hooks)
+    out, at, nxt = [], fresh[0], 0
+    for numel in hooks:
+        if nxt < len(fresh) and moments[fresh[nxt]].fresh_params == numel:
+            at, nxt = fresh[nxt], nxt + 1
+        out.append(at)
+    return tuple(out)
 
 
 def data_parallel(shard: ShardingBuffers, params: int, grads_bytes: int,
@@ -187,6 +224,8 @@ def data_parallel(shard: ShardingBuffers, params: int, grads_bytes: int,
         first_block_start=shard.forward_first_start_bytes,
         window_units=shard.window_units, window_unit=shard.window_unit,
         partition=shard.partition_bytes, partition_from=shard.partition_from,
+        zero3_hooks=shard.bucket_resident, reduces=shard.zero3_reduces,
+        layer_hooks=shard.layer_hooks,
         fresh_only=bool(shard.bucket_bytes),
         flat=shard.flat_units, at_reduce=shard.backward_reduce_bytes,
         kept_layer=shard.kept_layer_bytes, kept_layers=shard.kept_layers_bytes)
@@ -257,6 +296,8 @@ class Position(NamedTuple):
     beside: int  # bytes it holds at every moment of the block's backward
     after: Event | None  # its instant after the block's backward, before the block's
     #                      gradients are counted as held
+    reduce: tuple[int, ...] = ()  # bucket reduces' bytes at each of the block's gradient hooks
+    #                               (zero3_hooks)
 
 
 class Held(NamedTuple):
@@ -273,6 +314,7 @@ def head_moments(dp: DataParallel, head_grads: int) -> tuple[int, tuple[Event, .
     is carried to the blocks). ``head_grads``: the head's (and final norm's) held gradients."""
     beside = dp.root(head_grads) if dp.per_unit else dp.buffer(head_grads)
     beside += dp.partition if dp.partition_from < 0 else 0
+    beside += dp.reduces.first if dp.zero3_hooks and dp.partition_from < 0 else 0
     events: tuple[Event, ...] = ()
     if dp.reduce_copies and dp.separate_units:  # the head's own unit at its reduce
         events = (Event("head.reduce", 0, dp.reduced(head_grads) - head_grads),)
@@ -322,6 +364,8 @@ def _partition_positions(dp: DataParallel, start: int, n: int,
     ``partition_from`` on (the block where it is made counted with it), beside what the
     mechanism holds at every block (``in_block``; ``in_first_block`` at the stage's first)."""
     without = min(n, max(0, dp.partition_from - start))
+    if dp.zero3_hooks:  # the reduces' bytes at a hook: the first's, then the most of a later
+        return _hook_positions(dp, start, n, without, stage_first)
     spans = [(without, 0), (n - without, dp.partition)]
     out = []
     for count, extra in (span for span in spans if span[0]):
@@ -332,6 +376,25 @@ def _partition_positions(dp: DataParallel, start: int, n: int,
         if last.repeat > 1:
             out.append(last._replace(repeat=last.repeat - 1))
         out.append(Position(1, None, dp.in_first_block + extra, None))
+    return out
+
+
+def _hook_positions(dp: DataParallel, start: int, n: int, without: int,
+                    stage_first: bool) -> list[Position]:
+    """``_partition_positions`` under DeepSpeed's ZeRO-3 (``zero3_hooks``): no reduce in the
+    blocks before ``partition_from``, the first reduce's bytes in that block, the most of a
+    later one's in the blocks after it, each at a hook (``Position.reduce``)."""
+    r = dp.reduces
+    first = 1 if start + without == dp.partition_from and without < n else 0
+    at_first = tuple(r.first if j == r.first_hook else 0 for j in range(len(r.later)))
+    spans = [(without, ()), (first, at_first), (n - without - first, r.later)]
+    out = [Position(count, None, dp.in_block, None, reduce)
+           for count, reduce in spans if count]
+    if stage_first and dp.in_first_block != dp.in_block:
+        last = out.pop()
+        if last.repeat > 1:
+            out.append(last._replace(repeat=last.repeat - 1))
+        out.append(last._replace(repeat=1, beside=dp.in_first_block))
     return out
 
 
@@ -463,7 +526,8 @@ def end_moments(dp: DataParallel, held: Held, head_grads: int, embedding_grads: 
     elif dp.reduce_copies and dp.separate_units and growing:  # the embedding's unit
         events = (Event("embedding.reduce", 0,
                         dp.reduced(embedding_grads) - embedding_grads - dp.boundary_grad),)
-    return beside + dp.at_embedding, events
+    # DeepSpeed's ZeRO-3: the epilogue's reduce (the embedding's gradient) after its backward
+    return beside + dp.at_embedding + (dp.reduces.end if dp.zero3_hooks else 0), events
 
 
 def step_end_moments(dp: DataParallel, in_flight: int, inputs_freed: int) -> tuple[Event, ...]:

@@ -134,16 +134,19 @@ class StageStates(NamedTuple):
         return peak_of([self.step])
 
 
-def optimizer_step(st: StateBytes, temp: int, buckets: int, buffers: int) -> Segment:
+def optimizer_step(st: StateBytes, temp: int, buckets: int, buffers: int,
+                   after: int = 0) -> Segment:
     """The optimizer step on one rank, where no activation is alive: the weights, gradients,
     master copy and optimizer states, DDP's bucket copy of the gradients and the registered
-    buffers, with the step's temporaries (``optimizer_step_temp_bytes``) on top."""
+    buffers, with the step's temporaries (``optimizer_step_temp_bytes``) on top, or what is
+    made at its end once they are freed (``after``: DeepSpeed's ZeRO-3 persistent parameters'
+    gather, ``ShardingBuffers.post_step_bytes``)."""
     return Segment((Event("weights", st.params_bytes, None),
                     Event("gradients", st.grads_bytes, None),
                     Event("optimizer.states", st.optimizer_bytes, None),
                     Event("data_parallel.buckets", buckets, None),
                     Event("buffers", buffers, None),
-                    Event("optimizer.step", 0, temp)))
+                    Event("optimizer.step", 0, max(temp, after))))
 
 
 def flat_partition_step(st: StateBytes, temp: int, upcast: int, buffers: int,
@@ -268,8 +271,8 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
         # (Megatron-FSDP AllGatherPipeline.reset(preserve_non_fsdp_units=True) in
         # synchronize_param_gather), so they are alive at the step
         step=optimizer_step(at_step, 0 if wl.optimizer_in_backward else opt_temp,  # in bwd
-                            buckets + (shard.gathered_at_loss_bytes
-                                       if shard.queued_whole else 0), buffers),
+                            buckets + (shard.gathered_at_loss_bytes if shard.queued_whole else 0),
+                            buffers, shard.post_step_bytes),
         first_step=(flat_partition_step(at_step, opt_temp, st.num_optimizer_params * FP32_BYTES,
                                         buffers, True, shard.bucket_resident, buckets)
                     if wl.flat_partition and not optimizer_on_host(par) else None),

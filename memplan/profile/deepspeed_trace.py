@@ -82,7 +82,7 @@ def ds_config(case: FrameworkCase) -> dict[str, Any]:
     ``reduce_bucket_size``, ``overlap_comm``, ``contiguous_gradients``)."""
     zero = {"stage": 2, **{k: v for k, v in case.options.items()
                            if k in ("stage", "reduce_bucket_size", "overlap_comm",
-                                    "contiguous_gradients", "offload_optimizer")
+                                    "contiguous_gradients", "offload_optimizer", "offload_param")
                            or k.startswith("stage3_") or k == "sub_group_size"}}
     # fp16 with a static loss scale (runtime/fp16/loss_scaler.py LossScaler): a dynamic one
     # skips the steps whose scaled gradients overflow, which a random toy's first steps do
@@ -150,12 +150,22 @@ def build_deepspeed(case: FrameworkCase) -> Built:
     def registered(tracker: LibraryTracker) -> Iterator[None]:
         tracker_of[0] = tracker
         if stage == 3:  # stage3.py: the bit16 and fp32 partitions, per sub-group
-            tracker.register(list(zero_opt.fp16_partitioned_groups_flat), "parameters")
+            # with offload_param the bit16 partitions are host memory
+            # (_create_param_groups_fp16_flat_cpu_memory), with offload_optimizer the fp32
+            # partitions, their gradient (initialize_optimizer_states:
+            # subgroup_gradient_buffer) and the gradient partitions (_setup_for_real_optimizer:
+            # device=self.device, the CPU): OffloadTracker counts "optimizer" as the host
+            tracker.register(list(zero_opt.fp16_partitioned_groups_flat),
+                             "optimizer" if zero_opt.offload_param else "parameters")
             tracker.register(list(zero_opt.fp32_partitioned_groups_flat), "optimizer")
+            if zero_opt.offload_optimizer:
+                tracker.register([t.grad for t in zero_opt.fp32_partitioned_groups_flat],
+                                 "optimizer")
             # _setup_for_real_optimizer: the reduce bucket and the gradient partitions, made
             # at __init__ and kept
             tracker.register([b.buffer for b in zero_opt.ipg_buckets.values()], "buckets")
-            tracker.register(zero_opt.grad_partitions_flat_buffer, "gradients")
+            tracker.register(zero_opt.grad_partitions_flat_buffer,
+                             "optimizer" if zero_opt.offload_optimizer else "gradients")
             sizes.update(
                 weights=_nbytes(zero_opt.fp16_partitioned_groups_flat),
                 master=_nbytes(zero_opt.fp32_partitioned_groups_flat),
@@ -186,7 +196,9 @@ def build_deepspeed(case: FrameworkCase) -> Built:
                     **{field: int(zero[key]) for key, field in _COORDINATOR_FIELDS.items()
                        if key in zero},
                     **({"recompute": "full"} if recompute == "full" else {}))
-    offload = "optimizer" if "offload_optimizer" in zero else "none"
+    offload = ",".join(kind for kind, key in (("optimizer", "offload_optimizer"),
+                                               ("params", "offload_param")) if key in zero
+                       ) or "none"
     built = Built("deepspeed", model, spec, api.make_layout(case.dp, zero=stage, offload=offload),
                   workload, step, zero_opt.optimizer, context=registered)
     built.registered = sizes  # type: ignore[attr-defined]
@@ -242,12 +254,52 @@ class OffloadTracker(HostCategories, LibraryTracker):
     HOST = ("optimizer",)
 
 
+class Zero3OffloadTracker(OffloadTracker):
+    """``OffloadTracker`` for ZeRO-3 with offload_optimizer: what the step makes is the host's,
+    except the persistent parameters' gather after it (stage3.py ``_post_step`` ->
+    ``all_gather``), device memory kept into the next forward, counted apart while
+    ``device_side`` is set."""
+
+    device_side = False
+
+    def _add(self, st: torch.UntypedStorage, category: str) -> None:
+        if self.device_side:
+            LibraryTracker._add(self, st, "gathered")
+            return
+        super()._add(st, category)
+
+
+@contextlib.contextmanager
+def _post_step_on_device(tracker: Zero3OffloadTracker) -> Iterator[None]:
+    """Mark what ``_post_step`` allocates (the persistent parameters' gather) as the device's."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+
+    post = Stage3._post_step
+
+    def marked(self: Any, timer_names: Any) -> None:
+        tracker.device_side = True
+        try:
+            post(self, timer_names)
+        finally:
+            tracker.device_side = False
+
+    Stage3._post_step = marked
+    try:
+        yield
+    finally:
+        Stage3._post_step = post
+
+
 def trace_deepspeed(case: FrameworkCase, steps: int = 2) -> tuple[Built, TraceResult]:
     """Build and trace ``case`` on the last of ``case.dp`` fake ranks, CUDA's kernels."""
     with _last_rank(case.dp, _rank(case)), cuda_kernels():
         torch.manual_seed(0)
         built = build_deepspeed(case)
-        offload = "offload_optimizer" in case.options
+        offload = "offload_optimizer" in case.options or "offload_param" in case.options
+        if offload and int(case.options.get("stage", 2)) == 3:
+            tracker = Zero3OffloadTracker()
+            with _post_step_on_device(tracker):
+                return built, run_library_steps(built, tracker, steps=steps)
         tracker = OffloadTracker() if offload else LibraryTracker()
         return built, run_library_steps(built, tracker, steps=steps)
 

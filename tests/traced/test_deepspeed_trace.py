@@ -131,17 +131,14 @@ _RESIDENT = 9_468_864
 # forward 11,260,304 B less its whole bf16 weights and fp32 partition, 2 x 4,434,432) with
 # the model's 128 B of buffers: at the loss no weight is gathered
 _FORWARD_REST = 2_391_440
-# What memplan's ZeRO-3 backward lacks, found at the traced peak (step 1 and 2: the last
-# layer's down projection backward, at its gradient hook): the bucket's reduce
-# (stage3.py __avg_scatter_grads -> runtime/comm/coalesced_collectives.py
-# reduce_scatter_coalesced) makes an interleaved flat copy of the gradients in the bucket
-# (torch.cat of their padded partitions; none for one tensor divisible by the ranks): the head's
-# and the final norm's, 256,256 elements = 512,512 B, beside the gathered down projection
-# (458,752 B), its fresh gradient (458,752 B) and the T x f and T x h gradients
-# (114,688 + 32,768 B). memplan's peak stays at the head's backward.
-_REDUCE_COPY = ("the reduce's interleaved flat copy of the bucket (reduce_scatter_coalesced: "
-                "512,512 B at the down projection's hook) is not modelled: step 1's backward "
-                "-146,312 B (-1.17%), the steady one -0.68%")
+# The traced backward peak (step 1 and 2): the last layer's down projection's gradient hook,
+# where the bucket's first reduce runs (stage3.py __avg_scatter_grads ->
+# runtime/comm/coalesced_collectives.py reduce_scatter_coalesced: an interleaved flat copy of
+# the head's and the final norm's gradients, 256,256 elements = 512,512 B) beside the gathered
+# down projection (458,752 B), its fresh gradient (458,752 B) and the T x f and T x h
+# gradients (114,688 + 32,768 B), the down projection's saved input freed by its node:
+# memplan.model.sharding.DataParallel.block_peak with memplan.model.deepspeed_zero.
+# zero3_reduces_at (step 1 and steady +376 B).
 
 
 @pytest.mark.parametrize(("sub_group_size", "first", "steady"), [
@@ -183,27 +180,20 @@ def _zero3_diff() -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])["diff"]
 
 
-def test_zero3_phase_peaks_within_three_percent() -> None:
+def test_zero3_phase_peaks_within_one_percent() -> None:
     """memplan's estimate of ZeRO-3 with the plain coordinator (zero3_plain_gathers: each
     module's own weights gathered for its run, memplan.model.deepspeed_zero.zero3_gathers)
     against the trace of _PLAIN on the last of 2 fake ranks. Measured: forward -136 B
-    (-0.001%), optimizer -664 B (-0.003%), step 1's backward -146,312 B (-1.17%), the steady
-    backward -146,316 B (-0.68%): the reduce's flat copy (_REDUCE_COPY). Parameters and
-    optimizer states to the byte; the bucket (600,000 B) is counted as a bucket, which the
-    trace files under gradients."""
+    (-0.001%), optimizer -664 B (-0.003%), backward +376 B (the first reduce at the down
+    projection's hook, above). Parameters and optimizer states to the byte; the bucket
+    (600,000 B) is counted as a bucket, which the trace files under gradients."""
     diff = _zero3_diff()
     assert diff["params_bytes"]["bytes"] == 0
     assert abs(diff["optimizer_bytes"]["bytes"]) <= 4  # the fused AdamW's step count
     assert diff["grads_bytes"]["bytes"] == -600_000
     for step in ("first_step", "steady"):
-        for phase in ("forward", "optimizer"):
+        for phase in ("forward", "backward", "optimizer"):
             assert abs(diff[f"{step}.{phase}_bytes"]["pct"]) <= 0.01, (step, phase, diff)
-        assert -3.0 <= diff[f"{step}.backward_bytes"]["pct"] < 0, (step, diff)
-
-
-@pytest.mark.xfail(strict=True, reason=_REDUCE_COPY)
-def test_zero3_backward_within_one_percent() -> None:
-    assert abs(_zero3_diff()["first_step.backward_bytes"]["pct"]) <= 1.0
 
 
 # DeepSpeed's ZeRO-3 coordinator as configured (memplan.model.deepspeed_coordinator): the
@@ -265,38 +255,62 @@ def _coordinator_diff(**options) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])["diff"]
 
 
+# A later reduce's bytes are counted at the moment of its hook beside the most the replay holds
+# gathered in that layer's backward (memplan.model.deepspeed_coordinator.Positions.in_block:
+# one value per layer, not per moment): with the small settings the [gate, norm, o] reduce
+# (590,336 B of flat copy, at the v projection's hook) lands beside the layer's prefetched
+# weights, which the trace has released by then
+_LATER_REDUCE = ("small settings: a later reduce's flat copy (590,336 B) counted beside the "
+                 "layer's most gathered weights, not those gathered at its hook: steady "
+                 "backward +2.63%")
+
+
 @pytest.mark.parametrize("name", list(_COORDINATOR_CASES))
 def test_zero3_coordinator_phase_peaks_within_one_percent(name: str) -> None:
-    """memplan's estimate with the coordinator as configured against the trace: from step 2
-    every phase peak within 1%, step 1's forward and optimizer too (step 1 is the plain
-    coordinator's, its backward the known -1.17%, test_zero3_backward_within_one_percent).
-    Measured, steady forward / backward / optimizer: defaults -0.58% / +0.0015% / -0.003%
-    (the forward peak is the last layer's MLP with the prefetch's flat buffer alive, where
-    memplan's MLP moment is 164,484 B short), small -0.0006% / -0.23% / -0.003%,
-    prefetch-only -0.0005% / +0.0014% / -0.003%."""
+    """memplan's estimate with the coordinator as configured against the trace: every phase
+    peak within 1% (step 1 is the plain coordinator's), but the small settings' steady
+    backward (_LATER_REDUCE, within 3%). Measured, steady forward / backward / optimizer:
+    defaults -0.58% / +0.002% / -0.003% (the forward peak is the last layer's MLP with the
+    prefetch's flat buffer alive, where memplan's MLP moment is 164,484 B short), small
+    -0.0006% / +2.63% / -0.003%, prefetch-only -0.0007% / +0.002% / -0.003%; step 1's
+    backward +376 B."""
     diff = _coordinator_diff(**_COORDINATOR_CASES[name])
     assert diff["params_bytes"]["bytes"] == 0
-    for phase in ("forward", "backward", "optimizer"):
-        assert abs(diff[f"steady.{phase}_bytes"]["pct"]) <= 1.0, (phase, diff)
-    for phase in ("forward", "optimizer"):
-        assert abs(diff[f"first_step.{phase}_bytes"]["pct"]) <= 1.0, (phase, diff)
-    assert abs(diff["first_step.backward_bytes"]["pct"]) <= 3.0
+    for step in ("first_step", "steady"):
+        for phase in ("forward", "backward", "optimizer"):
+            bound = 3.0 if (name, step, phase) == ("small", "steady", "backward") else 1.0
+            assert abs(diff[f"{step}.{phase}_bytes"]["pct"]) <= bound, (step, phase, diff)
 
 
-_RECOMPUTE = ("full recompute under ZeRO-3: the coordinator's gathers and the recomputation's "
-              "saved weight aliases are replayed exactly (test_zero3_coordinator_replayed_"
-              "exactly), but memplan's recomputed layer backward is short: measured step 1 "
-              "backward -5.68% (742,024 B), steady backward -1.65% (defaults), -2.72% "
-              "(small), -3.38% (plain coordinator); steady forward +1.19% (small)")
+@pytest.mark.xfail(strict=True, reason=_LATER_REDUCE)
+def test_zero3_coordinator_small_backward_within_one_percent() -> None:
+    diff = _coordinator_diff(**_COORDINATOR_CASES["small"])
+    assert abs(diff["steady.backward_bytes"]["pct"]) <= 1.0
+
+
+_RECOMPUTE = ("full recompute under ZeRO-3 with the small settings: the steady forward is "
+              "+1.19% (245,116 B)")
+
+
+@pytest.mark.parametrize("name", ["plain", "defaults", "small"])
+def test_zero3_coordinator_recompute_phase_peaks(name: str) -> None:
+    """Full recompute (the Trainer's non-reentrant checkpointing) under ZeRO-3: every phase
+    peak within 1%, but the small settings' steady forward (_RECOMPUTE, within 1.5%).
+    Measured: backward -136 B (step 1) and -140 B (plain, defaults), +0.58% (small, steady);
+    step 1's forward +96,368 B (+0.93%). The backward was short by 0.4 to 0.7 MB before each
+    weight's fresh gradient and the bucket's reduce were counted at its hook."""
+    options = _PLAIN if name == "plain" else _COORDINATOR_CASES[name]
+    diff = _coordinator_diff(**options, recompute="full")
+    for step in ("first_step", "steady"):
+        for phase in ("forward", "backward", "optimizer"):
+            bound = 1.5 if (name, step, phase) == ("small", "steady", "forward") else 1.0
+            assert abs(diff[f"{step}.{phase}_bytes"]["pct"]) <= bound, (step, phase, diff)
 
 
 @pytest.mark.xfail(strict=True, reason=_RECOMPUTE)
-@pytest.mark.parametrize("name", ["defaults", "small"])
-def test_zero3_coordinator_recompute_within_one_percent(name: str) -> None:
-    diff = _coordinator_diff(**_COORDINATOR_CASES[name], recompute="full")
-    for step in ("first_step", "steady"):
-        for phase in ("forward", "backward", "optimizer"):
-            assert abs(diff[f"{step}.{phase}_bytes"]["pct"]) <= 1.0, (step, phase, diff)
+def test_zero3_coordinator_recompute_small_forward_within_one_percent() -> None:
+    diff = _coordinator_diff(**_COORDINATOR_CASES["small"], recompute="full")
+    assert abs(diff["steady.forward_bytes"]["pct"]) <= 1.0
 
 
 # --- ZeRO-Offload (stage 2, offload_optimizer cpu) ----------------------------------------------
@@ -363,3 +377,53 @@ def test_stage1_phase_peaks_within_one_percent() -> None:
     for step in ("first_step", "steady"):
         for phase in ("forward", "backward", "optimizer"):
             assert abs(diff[f"{step}.{phase}_bytes"]["pct"]) <= 1.0, (step, phase, diff)
+
+
+# --- ZeRO-3 with offload_optimizer / offload_param (cpu) ---------------------------------------
+
+# What the CPU trace cannot show: partition_grads copies each host gradient slice back to the
+# device (stage3.py: grad_buffer.to(grad_partition.device)), which on the CPU is the slice
+# itself; memplan counts it (2 B x the largest partition of the first reduce's bucket, the
+# head's 128,000 elements, at the down projection's hook), so the backward is compared less it
+_DEVICE_COPY = 256_000
+_ZERO3_OFFLOAD = {
+    "plain": dict(_PLAIN, offload_optimizer={"device": "cpu"}),
+    "plain-params": dict(_PLAIN, offload_optimizer={"device": "cpu"},
+                         offload_param={"device": "cpu"}),
+    "defaults": dict(stage=3, reduce_bucket_size=300_000, offload_optimizer={"device": "cpu"}),
+    "defaults-recompute": dict(stage=3, reduce_bucket_size=300_000,
+                               offload_optimizer={"device": "cpu"}, recompute="full"),
+}
+# tests/unit/test_deepspeed.py test_zero3_offload_by_hand, + AdamW's 4 B step count
+_ZERO3_HOST = {"plain": 19_954_948, "plain-params": 22_172_164, "defaults": 19_954_948,
+               "defaults-recompute": 19_954_948}
+# known deviations, not the offload's: the prefetch case's MLP moment (164,480 B short, as
+# without offload) and step 1's forward under full recompute (96,368 B over, as without)
+_ZERO3_OFFLOAD_BOUNDS = {("defaults", "steady", "forward"): 1.5,
+                         ("defaults-recompute", "first_step", "forward"): 3.0}
+
+
+@pytest.mark.parametrize("name", list(_ZERO3_OFFLOAD))
+def test_zero3_offload_phase_peaks(name: str) -> None:
+    """DeepSpeed's ZeRO-3 with offload_optimizer (and offload_param) on the last of 2 fake
+    ranks, the host's tensors counted apart (memplan.profile.deepspeed_trace.
+    Zero3OffloadTracker: the fp32 partitions, their gradient, the gradient partitions, the
+    states, the bf16 partitions with offload_param, and what the step makes on the host, but
+    the persistent parameters' gather after it). Host equal to the hand count; every phase
+    within 1% (the known deviations _ZERO3_OFFLOAD_BOUNDS apart), the backward within 0.01%
+    once the device copy the CPU cannot show is set aside (_DEVICE_COPY). Measured: forward
+    -136 B, optimizer -640 to -808 B (the fused AdamW's and the norm's scalars), backward
+    +360 B (the first reduce: its flat copy 512,512 B and the head slice's fp64 copy
+    1,024,000 B at the down projection's hook), +-0 with recompute."""
+    c = _trace(**_ZERO3_OFFLOAD[name])
+    diff, measured, estimated = c["diff"], c["measured"], c["estimated"]
+    assert diff["params_bytes"]["bytes"] == 0
+    assert measured["optimizer_bytes"] == _ZERO3_HOST[name]
+    assert estimated["optimizer_bytes"] == estimated["grads_bytes"] == 0
+    for step in ("first_step", "steady"):
+        for phase in ("forward", "optimizer"):
+            bound = _ZERO3_OFFLOAD_BOUNDS.get((name, step, phase), 1.0)
+            assert abs(diff[f"{step}.{phase}_bytes"]["pct"]) <= bound, (step, phase, diff)
+        traced = measured["phases"][step]["backward_bytes"]
+        modelled = estimated["phases"][step]["backward_bytes"] - _DEVICE_COPY
+        assert abs(modelled - traced) / traced <= 0.0001, (step, modelled, traced)

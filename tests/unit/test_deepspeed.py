@@ -313,11 +313,68 @@ def test_published_deberta_config_reads_as_written() -> None:
     assert any("allgather_bucket_size" in n and "holds nothing" in n for n in imp.notes)
 
 
-def test_zero3_hf_example_refused_by_its_offload() -> None:
-    """The Trainer's documented ZeRO-3 example offloads the optimizer and the parameters:
-    refused by name at stage 3 (not modelled yet)."""
-    with pytest.raises(MemplanError, match=r"zero_optimization.offload_param"):
-        deepspeed_config.read(DATA / "ds_config_zero3_hf.json", 8, "llama-7b")
+def test_zero3_hf_example_read_with_its_offload() -> None:
+    """The Trainer's documented ZeRO-3 example offloads the optimizer and the parameters to the
+    CPU: --offload optimizer,params at zero 3 (memplan.model.deepspeed_zero.zero3_offload);
+    no optimizer state, gradient partition or bf16 partition on the device."""
+    imp = deepspeed_config.read(DATA / "ds_config_zero3_hf.json", 8, "llama-7b")
+    assert imp.inputs["offload"] == "optimizer,params" and imp.inputs["zero"] == 3
+    est = api.estimate("llama-7b", gpus=8, **imp.inputs)
+    s = est.stages[0]
+    assert (s.params_bytes, s.grads_bytes, s.optimizer_bytes) == (0, 0, 0)
+    # S = 6,738,415,616 / 8 = 842,301,952 (every tensor of Llama-7B divides by 8):
+    # 18 B (fp32 partition 4, its gradient 4, Adam 8, bf16 gradient partition 2) + 2 B (the
+    # bf16 partition) = 16,846,039,040 B on the host
+    assert s.host_bytes == 842_301_952 * 20 == 16_846_039_040
+
+
+@pytest.mark.parametrize(("offload", "why"), [
+    ({"offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}, "NVMe"),
+    ({"offload_param": {"device": "cpu"}}, "without offload_optimizer"),
+])
+def test_zero3_offload_refused_where_not_traced(offload: dict, why: str) -> None:
+    zero = {"stage": 3, **offload}
+    with pytest.raises(MemplanError, match=why):
+        deepspeed_config._zero(deepspeed_config.Imported(source="x", model=None), zero, 4096)
+
+
+def test_zero3_offload_by_hand() -> None:
+    """ZeRO-3 with offload_optimizer on the traced toy (2 ranks, bf16, S = 1,108,608 elements
+    per rank: every tensor's ceil(numel / 2), all even): host 4 (fp32 partition) + 4 (its
+    fp32 gradient, subgroup_gradient_buffer) + 8 (Adam) + 2 (grad_partitions_flat_buffer)
+    = 18 B x S = 19,954,944 B (traced 19,954,948: AdamW's step count); the bf16 partition
+    2,217,216 B on the device, or with offload_param on the host: 22,172,160 B (traced
+    22,172,164)."""
+    from memplan.model.deepspeed_zero import zero3_offload
+
+    assert zero3_offload(1_108_608, False, 2, 2, 8) == (2_217_216, 19_954_944)
+    assert zero3_offload(1_108_608, True, 2, 2, 8) == (0, 22_172_160)
+
+
+# the toy's tensors in the order their gradient hooks run (the registration order reversed):
+# head, final norm, per layer down, up, gate, norm, o, v, k, q, norm, then the embedding
+_TOY_LAYER_BACKWARD = (229_376, 229_376, 229_376, 256, 65_536, 16_384, 16_384, 65_536, 256)
+_TOY_HOOKS = (256_000, 256, *_TOY_LAYER_BACKWARD, *_TOY_LAYER_BACKWARD, 256_000)
+
+
+def test_zero3_reduce_by_hand() -> None:
+    """The bucket reduces of the toy at reduce_bucket_size 3e5, 2 ranks, bf16: [head, final
+    norm] (256,256 elements; the down projection's 229,376 would pass 3e5), [down], [up],
+    [gate, norm, o] (295,168), [v, k, q, norm, down of layer 0]... and [embedding] at the
+    epilogue. The flat copy (reduce_scatter_coalesced) of [head, norm] is 2 x (128,000 + 128)
+    x 2 B = 512,512 B (traced at the down projection's hook), of [gate, norm, o] 590,336 B,
+    none for one tensor divisible by 2 ([down], [embedding]). With offload_optimizer each
+    reduce adds its largest partition's device copy and fp64 copy, 10 B per element: the
+    first reduce 512,512 + 128,000 x 10 = 1,792,512 B; of the later ones [gate, norm, o]
+    590,336 + 114,688 x 10 = 1,737,216 B the most ([embedding] 1,280,000)."""
+    from memplan.model.deepspeed_zero import zero3_reduce_bytes
+
+    assert zero3_reduce_bytes(_TOY_HOOKS, 300_000, 2, 2, offload=False) == (512_512, 590_336)
+    assert zero3_reduce_bytes(_TOY_HOOKS, 300_000, 2, 2, offload=True) == (1_792_512,
+                                                                            1_737_216)
+    # one tensor alone, divisible: reduced in place; odd: padded and copied
+    assert zero3_reduce_bytes((1_000,), 300_000, 2, 2, offload=False) == (0, 0)
+    assert zero3_reduce_bytes((1_001,), 300_000, 2, 2, offload=False) == (1_002 * 2, 0)
 
 
 def test_zero3_auto_coordinator_values_resolved() -> None:
@@ -399,9 +456,9 @@ def test_cli_prints_the_mapping_then_the_estimate() -> None:
 
 def test_cli_refusal_is_one_line_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["estimate", "-m", "llama-7b", "-n", "8", "--deepspeed-config",
-                 str(DATA / "ds_config_zero3_hf.json")])
+                 str(DATA / "ds_config_zero2_offload_nvme.json")])
     err = capsys.readouterr().err
-    assert code == 2 and "zero_optimization.offload_param" in err and err.count("\n") == 1
+    assert code == 2 and "zero_optimization.offload_optimizer" in err and err.count("\n") == 1
 
 
 def test_cli_plan_takes_a_deepspeed_config() -> None:
@@ -504,3 +561,39 @@ def test_zero3_absent_coordinator_keys_read_as_defaults() -> None:
     deepspeed_config._zero(imp, data["zero_optimization"], 4096)
     assert imp.inputs["zero3_prefetch_numel"] == 50_000_000
     assert "zero3_plain_gathers" not in imp.inputs
+
+
+def test_zero3_reduces_placed_by_hook() -> None:
+    """Where the toy's reduces fall (bucket 3e5, 2 ranks, bf16), each layer's hooks in
+    backward order (down, up, gate, norm, o, v, k, q, norm): [head, norm] at the last layer's
+    down projection (512,512 B, the first); [down] at up and [up] at gate (one divisible
+    tensor: none); [gate, norm, o] at v (295,168 elements: 590,336 B); [v, k, q, norm] at the
+    next layer's down (98,560: 197,120 B) and at the embedding's hook after the first layer
+    (the end), [embedding] at the epilogue (none). With offload_optimizer + 10 B x each
+    bucket's largest partition: 128,000 (head), 114,688 (an MLP weight), 32,768 (q)."""
+    from memplan.model.deepspeed_zero import zero3_reduces_at
+
+    layer = _TOY_LAYER_BACKWARD
+    at = zero3_reduces_at((256_000, 256), (layer, layer), (256_000,), 300_000, 2, 2, False)
+    assert at == (0, 0, 512_512, (197_120, 0, 0, 0, 0, 590_336, 0, 0, 0), 197_120)
+    at = zero3_reduces_at((256_000, 256), (layer, layer), (256_000,), 300_000, 2, 2, True)
+    assert at == (0, 0, 1_792_512,
+                  (524_800, 1_146_880, 1_146_880, 0, 0, 1_737_216, 0, 0, 0), 1_280_000)
+
+
+def test_hook_moments_of_a_llama_layer() -> None:
+    """A Llama layer's backward moments (memplan.model.mlp / attention: the down projection's,
+    the activation's, the gate and up projections', the norm's, attention's, the q/k/v/o
+    projections', the norm's; fresh gradients at the three projection moments): the down
+    projection's hook runs at its moment; up's at the input projections' (its weight, 229,376
+    elements, is that moment's fresh one), gate's and the norm's there too; o's at the
+    attention projections' (65,536), v, k, q and the norm's there too."""
+    from memplan.model.layer import LayerMoment
+    from memplan.model.sharding import hook_moments
+
+    moments = tuple(LayerMoment(name, 0, 0, (), fresh) for name, fresh in (
+        ("mlp", 229_376), ("mlp_act", 0), ("mlp_in", 229_376), ("mlp_norm", 0),
+        ("attention.0", 0), ("attn_in", 65_536), ("attn_norm", 0)))
+    assert hook_moments(moments, _TOY_LAYER_BACKWARD) == (0, 2, 2, 2, 5, 5, 5, 5, 5)
+    # a layer whose weights match no moment: every hook at the first with a fresh gradient
+    assert hook_moments(moments, (7, 7)) == (0, 0)
