@@ -352,6 +352,21 @@ def _zero3_offload_lines(par: ParallelConfig, wl: Workload) -> tuple[str, ...]:
             "copy of a gradient partition",)
 
 
+def _deltanet_line(wl: Workload) -> str:
+    """The assumption line of a model with gated DeltaNet layers: which kernels they run."""
+    if wl.deltanet_kernel is DeltaNetKernel.FLA:
+        return ("gated DeltaNet layers on flash-linear-attention's chunk_gated_delta_rule and "
+                "FusedRMSNormGated with causal-conv1d's causal_conv1d_fn (the default: both "
+                "installed, as transformers then runs them; --deltanet-kernel torch for its "
+                "torch fallbacks as transformers up to 5.16 writes them, torch-solve from 5.17 "
+                "on)")
+    return ("gated DeltaNet layers on transformers' torch fallbacks (torch_chunk_gated_delta_"
+            "rule, nn.Conv1d, Qwen3NextRMSNormGated)" + (
+                " as transformers 5.17 on writes the rule (torch.linalg.solve_triangular)"
+                if wl.deltanet_kernel is DeltaNetKernel.TORCH_SOLVE else
+                " as transformers up to 5.16 writes the rule (forward substitution)"))
+
+
 def _assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload, schedule: Schedule,
 
                  ovh: Overheads) -> tuple[str, ...]:
@@ -382,16 +397,7 @@ def _assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload, schedule: S
         "MoE routing balanced across experts (no capacity drop, no imbalance)",
         *adapters.assumptions(wl),
         *fsdp1.assumptions(spec, par, wl),
-        *((("gated DeltaNet layers on flash-linear-attention's chunk_gated_delta_rule and "
-            "FusedRMSNormGated with causal-conv1d's causal_conv1d_fn (the default: both "
-            "installed, as transformers then runs them; --deltanet-kernel torch for its torch "
-            "fallbacks as transformers up to 5.16 writes them, torch-solve from 5.17 on)") if wl.deltanet_kernel is DeltaNetKernel.FLA else
-           "gated DeltaNet layers on transformers' torch fallbacks (torch_chunk_gated_delta_"
-           "rule, nn.Conv1d, Qwen3NextRMSNormGated)" + (
-               " as transformers 5.17 on writes the rule (torch.linalg.solve_triangular)"
-               if wl.deltanet_kernel is DeltaNetKernel.TORCH_SOLVE else
-               " as transformers up to 5.16 writes the rule (forward substitution)"),)
-          if spec.linear_attention is not None else ()),
+        *((_deltanet_line(wl),) if spec.linear_attention is not None else ()),
         *((sac_ops.assumption(spec, wl, ops_items(spec, wl, Dims.of(spec, par, wl)), par.pp),)
           if wl.recompute is Recompute.OPS else ()),
         *(("optimizer offloaded to host memory: fp32 master weights, states, an fp32 gradient "
