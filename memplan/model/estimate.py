@@ -36,6 +36,7 @@ from memplan.model.stage import (
     PHASES,
     PhasePeaks,
     StageMemory,
+    backward_floor,
     rank_peak_bytes,
     stage_record,
     walk_stage,
@@ -226,8 +227,9 @@ class RankPeak(NamedTuple):
     """The most loaded rank: its stage, peak_bytes and parameters (before ZeRO sharding)."""
 
     stage: int
-    peak_bytes: int
+    peak_bytes: int  # a lower bound when not ``walked``
     num_params: int
+    walked: bool = True  # False: found over the limit by ``stage.backward_floor``, unwalked
 
 
 def most_loaded(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, ovh: Overheads, *,
@@ -238,20 +240,28 @@ def most_loaded(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, ovh:
     the stages' records: for searches that evaluate many configurations. An interior stage
     that follows from another (``_stages``) is walked only if it holds more micro-batches in
     flight. With ``limit_bytes`` it returns the first stage whose peak_bytes exceed the limit
-    (the configuration does not fit; another stage may peak higher). ``parts``: the layout's
+    (the configuration does not fit; another stage may peak higher), or, unwalked, the first
+    whose floor (``stage.backward_floor``, a lower bound) does. ``parts``: the layout's
     ``stage_parts``, the same at every micro-batch size (looked up when not given)."""
     parts = parts or memo.stage_parts(spec, par, wl)
     shared = None if staged(wl) else _shared(spec, par, wl, parts)
     template = None if staged(wl) else _template(par, parts)
+    stages = [i for i in range(par.pp) if not (_follows(par, parts, template, i) and (
+        sum(memo.in_flight(par.pp, par.vpp, m, i, schedule, par.vpp_group))
+        <= sum(memo.in_flight(par.pp, par.vpp, m, template, schedule, par.vpp_group))))]
+    each = [(i, stage_workload(wl, i) if staged(wl) else wl) for i in stages]
+    terms = [(i, swl, shared or _shared(spec, par, swl, parts)) for i, swl in each]
+    if limit_bytes is not None:
+        # a stage whose floor is over the limit decides it without a walk of any stage (the
+        # floor, a prefix of the walk's fold, costs a small part of it)
+        for i, swl, sh in terms:
+            floor = rank_peak_bytes(backward_floor(spec, par, swl, m, i, schedule, sh,
+                                                   parts[i]), ovh)
+            if floor > limit_bytes:
+                return RankPeak(i, floor, parts[i][0].params.total, walked=False)
     worst: RankPeak | None = None
-    for i in range(par.pp):
-        if _follows(par, parts, template, i) and (
-                sum(memo.in_flight(par.pp, par.vpp, m, i, schedule, par.vpp_group))
-                <= sum(memo.in_flight(par.pp, par.vpp, m, template, schedule, par.vpp_group))):
-            continue
-        swl = stage_workload(wl, i) if staged(wl) else wl
-        tensor = walk_stage(spec, par, swl, m, i, schedule,
-                            shared or _shared(spec, par, swl, parts), parts[i]).tensor_peak
+    for i, swl, sh in terms:
+        tensor = walk_stage(spec, par, swl, m, i, schedule, sh, parts[i]).tensor_peak
         peak = rank_peak_bytes(tensor, ovh)
         if worst is None or peak > worst.peak_bytes:
             worst = RankPeak(i, peak, parts[i][0].params.total)

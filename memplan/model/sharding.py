@@ -334,7 +334,7 @@ def run_positions(dp: DataParallel, held: Held, layer_grads: int, early: int, n:
     (``early``: the most of them made at one of a block's moments), in backward order;
     ``stage_first``: the run ends with the stage's first block. Returns its positions and
     what is carried on."""
-    after = Held(held.made + n * layer_grads, held.prev_input, held.root_held, held.blocks + n)
+    after = held_after(dp, held, layer_grads, n)
     if dp.fresh_only:
         return _partition_positions(dp, held.blocks, n, stage_first), after
     if dp.flat and not dp.per_unit:  # FSDP1 without a sync: the walk's grads are accumulators
@@ -353,9 +353,32 @@ def run_positions(dp: DataParallel, held: Held, layer_grads: int, early: int, n:
         return [Position(1, None, first + gathered, None),
                 Position(n - 2, None, first + gathered, None),
                 Position(1, None, last + end_gathered, None)], after
-    held_input = 0 if dp.flat else dp.unsharded(layer_grads)
-    return _unit_positions(dp, held, layer_grads, n, growing, stage_first), \
-        Held(after.made, held_input, after.root_held, after.blocks)
+    return _unit_positions(dp, held, layer_grads, n, growing, stage_first), after
+
+
+def held_after(dp: DataParallel, held: Held, layer_grads: int, n: int) -> Held:
+    """What ``run_positions`` carries on after a run of ``n`` blocks of ``layer_grads`` held
+    gradient bytes each: FSDP2's last reduce-scatter input is the run's own."""
+    prev_input = held.prev_input
+    if dp.per_unit and not dp.fresh_only:
+        prev_input = 0 if dp.flat else dp.unsharded(layer_grads)
+    return Held(held.made + n * layer_grads, prev_input, held.root_held, held.blocks + n)
+
+
+def positions_key(dp: DataParallel, held: Held, n: int) -> object:
+    """All that ``run_positions`` reads of ``held`` for a run of ``n`` blocks: two runs of the
+    same blocks, ends and mechanism with equal keys get equal positions (a hybrid's repeating
+    pattern of layer kinds is then walked once per distinct key). Under a partition held from
+    block ``partition_from``: where the run starts against it (before by more than the run,
+    by d <= n blocks, at it, past it); under a bucket cap: the gradients made, until the
+    buffer is full; FSDP: the previous unit's reduce-scatter input and the root's gradients."""
+    if dp.fresh_only:
+        return max(-1, min(dp.partition_from - held.blocks, n + 1))
+    if not dp.per_unit:
+        if dp.flat or not dp.grad_cap:
+            return 0
+        return held.made if dp.unsharded(held.made) < dp.grad_cap else -1
+    return held.root_held if dp.flat else (held.prev_input, held.root_held)
 
 
 def _partition_positions(dp: DataParallel, start: int, n: int,

@@ -40,7 +40,7 @@ from memplan.model.stage_parts import (
 )
 from memplan.model.sharding import with_stream
 from memplan.model.stage_terms import StageTerms
-from memplan.model.walk import Walk, backward_peak, forward_peaks
+from memplan.model.walk import Walk, backward_head_peak, backward_peak, forward_peaks
 from memplan.overheads import Overheads
 from memplan.model.offload import (
     host_activation_bytes,
@@ -527,3 +527,31 @@ def _embedding_block(spec: ModelSpec, wl: Workload, shared: StageTerms,
         vocab_grad=fx.vocab_grad, main_grads=fx.main_grads,
         tied=spec.tied_embeddings and fx.last, rope_bytes=shared.rope_bytes,
         fixed=shared.embedding)
+
+
+def backward_floor(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: int,
+                   schedule: Schedule, shared: StageTerms,
+                   parts: tuple[StageStates, StageKinds]) -> int:
+    """A lower bound of ``walk_stage(...).tensor_peak`` without walking the layers: the steady
+    backward's peak over its first segment alone (the loss and the head, every activation of
+    the micro-batches in flight alive), a prefix of the fold ``backward_peak`` makes, so never
+    above it. 0 where the stage's mechanisms change the walk's gradients or its head
+    (gradients accumulated unsharded, FSDP2's kept accumulators, a deferred weight gradient,
+    the optimizer stepped in backward)."""
+    fx, kinds = parts
+    if (wl.optimizer_in_backward or fx.shard.kept_gathered
+            or accumulates_unsharded(wl, fx.dp, fx.shard.kept_gathered, m)):
+        return 0
+    if fx.last and wl.head_wgrad_deferral is not None:
+        return 0
+    st = fx.states
+    host_rope = _host_rope(shared, par, kinds)
+    shared = shared._replace(rope_bytes=0) if host_rope else shared
+    flight = memo.in_flight(par.pp, par.vpp, m, stage, schedule, par.vpp_group)
+    entries = _entries(spec, par, wl, shared, fx, kinds)
+    walk = _walk(spec, par, wl, shared, fx, kinds, entries, flight)[0]
+    in_forward = st.grads_bytes if m > 1 or fx.persistent else 0
+    # the steady state's gradients before a backward, as ``_gradients`` has them
+    prior = st.grads_bytes if wl.keep_grads and not in_forward else in_forward
+    base = st.params_bytes + fx.buckets + fx.buffers
+    return base + st.optimizer_bytes + backward_head_peak(walk, prior)

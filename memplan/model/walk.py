@@ -22,10 +22,13 @@ from memplan.model.layer import LayerKind
 from memplan.model.moments import Event, Segment, peak_of
 from memplan.model.sharding import (
     DataParallel,
+    Held,
     Position,
     end_moments,
     forward_positions,
     head_moments,
+    held_after,
+    positions_key,
     run_positions,
     step_end_moments,
 )
@@ -95,13 +98,20 @@ def forward_segments(runs: list[tuple[LayerKind, int, tuple[int, ...], int]],
 def _layer_forward_segments(runs: list[tuple[LayerKind, int, tuple[int, ...], int]],
                             dp: DataParallel) -> list[Segment]:
     """``forward_segments`` after its start: each run of identical layers."""
-    segments = []
+    segments: list[Segment] = []
+    last = len(runs) - 1
+    built: dict[tuple, list[Segment]] = {}  # a hybrid's repeating kinds built once each
     for index, (kind, _, _, n) in enumerate(runs):
-        # autocast's cached casts of the layers before stay until the forward ends
-        held_bytes, peak = kind.saved_bytes + kind.cached_bytes, kind.forward_peak_bytes
-        for p in forward_positions(dp, n, index == 0, index == len(runs) - 1):
-            compute = Event("layer.forward", held_bytes, peak + p.beside)
-            segments.append(Segment((p.before, compute) if p.before else (compute,), p.repeat))
+        key = (id(kind), n, index == 0, index == last)
+        run = built.get(key)
+        if run is None:
+            # autocast's cached casts of the layers before stay until the forward ends
+            held_bytes, peak = kind.saved_bytes + kind.cached_bytes, kind.forward_peak_bytes
+            run = built[key] = []
+            for p in forward_positions(dp, n, index == 0, index == last):
+                compute = Event("layer.forward", held_bytes, peak + p.beside)
+                run.append(Segment((p.before, compute) if p.before else (compute,), p.repeat))
+        segments += run
     return segments
 
 
@@ -146,25 +156,48 @@ def _backward_moments(w: Walk, grads_prior: int, grads_total: int) -> list[Segme
     """``backward_segments`` after its start."""
     h, emb, dp = w.head, w.embedding, w.sharding
     growing = grads_prior == 0
-    # the gradients the loss call made are reduced there: the head's unit reduces the rest
-    beside, after, held = head_moments(dp, h.grads - h.loss_made)
-    segments = [Segment((*h.backward_events(dp.at_loss, dp.at_head, beside, growing), *after))]
+    first, held = _head_segment(w, growing)
+    segments = [first]
     made = grads_prior + (h.grads if growing else 0)  # gradients held
+    step = 1 if growing else 0
+    last = len(w.runs) - 1
+    # a run's segments, by what decides them: a hybrid's repeating kinds are built once each
+    built: dict[tuple, list[Segment]] = {}
     for index, (kind, layer_grads, moment_grads, n) in enumerate(reversed(w.runs)):
-        positions, held = run_positions(dp, held, layer_grads, max(moment_grads), n, growing,
-                                        index == len(w.runs) - 1)
-        local = {reduce: dp.block_peak(kind.moments, moment_grads, growing, reduce)
-                 for reduce in {p.reduce for p in positions}}
-        step = layer_grads if growing else 0
-        segments += [_layer_segment(p, kind.saved_bytes, local[p.reduce], step)
-                     for p in positions]
-        made += n * step
+        key = (id(kind), layer_grads, moment_grads, n, index == last,
+               positions_key(dp, held, n))
+        runs = built.get(key)
+        if runs is None:
+            positions, _ = run_positions(dp, held, layer_grads, max(moment_grads), n, growing,
+                                         index == last)
+            local = {reduce: dp.block_peak(kind.moments, moment_grads, growing, reduce)
+                     for reduce in {p.reduce for p in positions}}
+            runs = built[key] = [_layer_segment(p, kind.saved_bytes, local[p.reduce],
+                                                step * layer_grads) for p in positions]
+        segments += runs
+        held = held_after(dp, held, layer_grads, n)
+        made += n * step * layer_grads
     beside, after = end_moments(dp, held, h.grads, emb.grads, growing)
     # the tied head's pending gradient is summed into the embedding's
     segments.append(Segment((*emb.backward_events(made + h.tied_grad, grads_total, beside),
                              *after)))
     end = step_end_moments(dp, w.other_bytes, emb.freed_before)
     return [*segments, Segment(end)] if end else segments
+
+
+def _head_segment(w: Walk, growing: bool) -> tuple[Segment, Held]:
+    """The backward's first segment (the loss, the head, the mechanism's instants there) and
+    what the mechanism carries on to the blocks."""
+    h, dp = w.head, w.sharding
+    # the gradients the loss call made are reduced there: the head's unit reduces the rest
+    beside, after, held = head_moments(dp, h.grads - h.loss_made)
+    return Segment((*h.backward_events(dp.at_loss, dp.at_head, beside, growing), *after)), held
+
+
+def backward_head_peak(w: Walk, grads_prior: int) -> int:
+    """``backward_peak``'s fold over its first segment alone (the loss and the head, every
+    byte the micro-batch saved still alive): a prefix of the same fold, so never above it."""
+    return peak_of([_head_segment(w, grads_prior == 0)[0]], sum(_start_bytes(w, grads_prior)))
 
 
 def _layer_segment(position: Position, saved: int, local: int, step: int) -> Segment:

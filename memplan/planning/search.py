@@ -151,7 +151,7 @@ class Search:
             self.parts[i] = stage_parts(self.spec, job.par, job.wl)
         worst = evaluate(self.spec, job.par, job.wl, b, self.ovh, schedule=self.schedule,
                          limit_bytes=self.budget, parts=self.parts[i])
-        self.evaluated += 1
+        self.evaluated += worst.walked  # (a floor over the budget is not an exact evaluation)
         self.status[i, col] = FITS if worst.peak_bytes <= self.budget else OVER
         self.peak[i, col], self.params[i, col] = worst.peak_bytes, worst.num_params
         # the line through the floor and this point predicts the job's other sizes

@@ -167,7 +167,8 @@ def test_the_answer_fits_and_the_next_size_was_evaluated_not_to(monkeypatch) -> 
 
     def table(spec, par, wl, mbs, ovh, **_):
         evaluated.append(mbs)
-        return SimpleNamespace(peak_bytes=budget + (1 if mbs not in fits else -1), num_params=7)
+        return SimpleNamespace(peak_bytes=budget + (1 if mbs not in fits else -1), num_params=7,
+                               walked=True)
 
     monkeypatch.setattr(search, "evaluate", table)
     for fits, answer in (({1, 2, 4}, 4), ({1}, 1), (set(), 0), ({1, 2, 4, 8, 16}, 16),
