@@ -57,7 +57,11 @@ DeepSpeed runs: ``benchmarks/data/deepspeed_runs.json`` holds published DeepSpee
 out and described like the held-out runs by ``trainer_settings`` (a ds_config given to
 ``--deepspeed-config``, with the model, sequence and recompute as ``options``), estimated the
 same way through the CLI, in a section of their own; a refusal (ZeRO-3, ZeRO-Offload) is shown
-with memplan's message and the run's ``not_expressed``.
+with memplan's message and the run's ``not_expressed``. A record's ``measured_phases`` (e.g.
+``["first_step.forward", "first_step.backward"]``: the run stopped before its first optimizer
+step) compares the most of those phases of the estimate (``phases`` of its JSON) instead of the
+tensor peak, and says so in the row; ``inconsistent`` names a row that the source's own numbers
+contradict, listed under the table (still counted).
 
 ``python benchmarks/accuracy_table.py`` writes the doc; ``--check`` exits 1 if it would change.
 """
@@ -340,12 +344,23 @@ def evaluate_heldout(run: dict) -> HeldOut:
         return HeldOut(Row(run, None, refused=result.output.strip().splitlines()[-1]))
     out = json.loads(result.output)
     stages = [SimpleNamespace(**s) for s in out["stages"]]
+    if run.get("measured_phases"):
+        stages = [_within_phases(s, run["measured_phases"]) for s in stages]
     quantity = run["quantity"]
     if run["rank"] == "last":
         value = quantity_bytes(stages[-1], quantity)
     else:
         value = max(quantity_bytes(s, quantity) for s in stages)
     return HeldOut(Row(run, value), out)
+
+
+def _within_phases(stage: SimpleNamespace, phases: list[str]) -> SimpleNamespace:
+    """``stage`` with its tensor peak the most of the named phases (``"first_step.forward"``,
+    ...: the estimate's ``phases``), for a run whose measurement covers only those (a record's
+    ``measured_phases``, with its evidence in the record's notes)."""
+    peak = max(stage.phases[step][f"{phase}_bytes"]
+               for step, phase in (name.split(".") for name in phases))
+    return SimpleNamespace(**{**vars(stage), "tensor_peak_bytes": peak})
 
 
 def build_heldout(runs: list[dict] | None = None) -> list[HeldOut]:
@@ -469,9 +484,23 @@ def render_deepspeed(held: list[HeldOut]) -> list[str]:
         run = r.run
         memplan_cell, err_cell = _memplan_cells(r)
         settings = " ".join(settings_command(run["trainer_settings"])[2:])
+        if run.get("measured_phases"):
+            settings += f" (compared over {', '.join(run['measured_phases'])})"
         out.append(f"| {_cell(run['id'])} | {_source_link(run)} | {_cell(settings)} | "
                    f"{_gib(run['measured_bytes'])} | {memplan_cell} | {err_cell} | "
                    f"{_cell(run.get('not_expressed', '-'))} |")
+    phased = [r.run for r in rows if r.run.get("measured_phases")]
+    if phased:
+        out += ["", "Compared over some phases only (`measured_phases`; the evidence is in each "
+                "record's notes): " + ", ".join(f"`{run['id']}`" for run in phased) + ". A run "
+                "that stops before its first optimizer step holds no optimizer state and makes "
+                "no step (DeepSpeed steps at the accumulation boundary, the states are made at "
+                "the first step)."]
+    odd = [r.run for r in rows if r.run.get("inconsistent")]
+    if odd:
+        out += ["", "Rows the source's own numbers contradict (kept in the statistics as "
+                "measured; the computation is in each record's notes):", ""]
+        out += [f"- `{run['id']}`: {run['inconsistent']}." for run in odd]
     return out + [""]
 
 

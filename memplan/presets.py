@@ -488,15 +488,16 @@ REFUSALS: dict[Framework, tuple[Refusal, ...]] = {
                 "gradients in the partition) and bitsandbytes' states on its flat partition "
                 "are not"),
         Refusal(lambda par, wl: par is not None and bool(par.offload) and not (
-                    (int(par.zero) in (2, 3) and {o.value for o in par.offload} == {"optimizer"})
+                    (int(par.zero) in (1, 2, 3)
+                     and {o.value for o in par.offload} == {"optimizer"})
                     or (int(par.zero) == 3
                         and {o.value for o in par.offload} == {"optimizer", "params"})),
-                "--offload other than the optimizer at stage 2 or 3, or the optimizer and "
+                "--offload other than the optimizer at stage 1, 2 or 3, or the optimizer and "
                 "params at stage 3",
-                "DeepSpeed's ZeRO-Offload is modelled at stage 2 (stage_1_and_2.py with "
+                "DeepSpeed's ZeRO-Offload is modelled at stages 1 and 2 (stage_1_and_2.py with "
                 "cpu_offload) and 3 (stage3.py offload_optimizer), and the parameters' offload "
-                "with it at stage 3 (offload_param), each traced; at stage 1, offload_param "
-                "alone and for activations it is not"),
+                "with it at stage 3 (offload_param), each traced; offload_param alone and for "
+                "activations it is not"),
     ),
 }
 REFUSALS[Framework.TORCHTITAN] += (

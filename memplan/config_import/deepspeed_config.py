@@ -333,9 +333,9 @@ def _offload(imp: Imported, key: str, value: Any, stage: int = 2) -> None:
     device = value.get("device", "none") if isinstance(value, dict) else value
     if device in (None, "none"):
         return
-    if device != "cpu" or stage != 2:
-        raise imp.refuse(key, value, "ZeRO-Offload is modelled at stage 2 to the CPU "
-                         "(stage_1_and_2.py cpu_offload, traced); not at stage 1 or to NVMe")
+    if device != "cpu" or stage not in (1, 2):
+        raise imp.refuse(key, value, "ZeRO-Offload is modelled at stages 1 and 2 to the CPU "
+                         "(stage_1_and_2.py cpu_offload, traced); not to NVMe")
     imp.set(key, device, "offload", "optimizer",
             "stage_1_and_2.py cpu_offload: the fp32 partition, its gradient, a bf16/fp16 copy "
             "and the states on the host (pinned unless pin_memory is false), the step there "

@@ -286,6 +286,73 @@ def stage1_reduce_bytes(numels: tuple[int, ...], bucket_numel: int, dp: int, ran
     return (total - moved + bucket_numel + part) * grad_bytes
 
 
+# per element of the rank's slice of a gradient at a ZeRO-Offload reduce (stage_1_and_2.py
+# copy_grads_in_partition with cpu_offload): set_norm_for_param_grad_in_gpu's fp64 copy
+# (runtime/zero/utils.py get_norm_dtype: fp64 where the device has it), freed after its norm;
+# async_inplace_copy_grad_to_fp32_buffer_from_gpu's fp32 copy (4 B) comes after it
+OFFLOAD_NORM_COPY_BYTES = 8
+
+
+def stage1_offload_reduce_bytes(numels: tuple[int, ...], bucket_numel: int, dp: int,
+                                rank: int, grad_bytes: int) -> int:
+    """Device bytes (whole gradients, the bucket, the reduce's copies) at the most loaded
+    moment of ZeRO-1's reduce after backward with ``offload_optimizer`` cpu, for ``rank``
+    (stage_1_and_2.py, DeepSpeed 0.19.8). ``reduce_gradients`` walks the parameters in
+    forward order (``numels``, the flat buffer's order) as ``stage1_reduce_bytes`` does, but
+    no partition is made on the device: ``reduce_ipg_grads`` -> ``copy_grads_in_partition``
+    takes the ``cpu_offload`` path for each of the bucket's parameters overlapping the
+    rank's partition, one at a time: an fp64 copy of its slice for the norm
+    (``set_norm_for_param_grad_in_gpu``), then an fp32 one copied to the host
+    (``async_inplace_copy_grad_to_fp32_buffer_from_gpu``), which then drops the gradient
+    (``clear_grad_attribute``). At each reduce: the gradients not yet moved into the bucket,
+    the bucket, and ``OFFLOAD_NORM_COPY_BYTES`` per element of the largest such slice.
+
+    A gradient larger than the bucket is not copied into it
+    (``reduce_independent_p_g_buckets_and_remove_grads``): with offload it is first cloned
+    (``_offload_gradient_safety_enabled``: ``grad_reduc.detach().clone()``, both alive at
+    that moment), reduced alone at the next parameter's call, and freed there if the rank
+    owns part of it (``clear_grad_attribute``), else kept to the epilogue
+    (``_clear_param_grad_only``). The reduce's own flattened copies
+    (``allreduce_no_retain`` -> ``allreduce_bucket``: one contiguous run per destination
+    rank, a view) are not counted."""
+    total = sum(numels)
+    size = -(-total // (2 * dp)) * 2  # the padded flat buffer's 1/dp
+    lo, hi = rank * size, (rank + 1) * size
+    alive = total  # whole gradients not yet moved (or freed)
+    most = 0
+    bucket: list[tuple[int, int]] = []  # (start, numel) of the bucket's parameters
+    elements, start = 0, 0
+
+    def own(s: int, n: int) -> int:
+        return max(0, min(s + n, hi) - max(s, lo))
+
+    def reduce() -> int:
+        """The reduce of ``bucket``: its moment's bytes; frees an owned oversized gradient."""
+        nonlocal alive
+        slice_ = max((own(s, n) for s, n in bucket), default=0)
+        moment = (alive + bucket_numel) * grad_bytes + OFFLOAD_NORM_COPY_BYTES * slice_
+        for s, n in bucket:
+            if n > bucket_numel and own(s, n):
+                alive -= n
+        return moment
+
+    for n in (*numels, None):  # None: the epilogue's reduce of what is left
+        if n is None or (elements + n > bucket_numel):
+            if bucket:
+                most = max(most, reduce())
+            bucket, elements = [], 0
+        if n is None:
+            break
+        if n > bucket_numel:  # the clone beside the gradient, then kept out of the bucket
+            most = max(most, (alive + n + bucket_numel) * grad_bytes)
+        else:
+            alive -= n  # copied into the bucket, its own storage freed
+        bucket.append((start, n))
+        elements += n
+        start += n
+    return most
+
+
 # --- ZeRO stage 3 with offload_optimizer / offload_param (cpu) --------------------------------
 
 class Zero3Offload(NamedTuple):

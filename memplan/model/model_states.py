@@ -23,6 +23,7 @@ from memplan.model.deepspeed_zero import (
     zero3_reduces_at,
     bucket_bytes,
     first_reduce,
+    stage1_offload_reduce_bytes,
     stage1_reduce_bytes,
     step_flat_copy_bytes,
 )
@@ -292,7 +293,12 @@ def _zero_offload_states(params_bytes: int, grads_bytes: int, opt_params: int, w
         return _zero3_offload_states(params_bytes // wl.precision.policy.param_bytes,
                                      opt_params, par, wl)
     if wl.flat_partition:
-        return StateBytes(params_bytes=params_bytes, grads_bytes=0, optimizer_bytes=0,
+        # ZeRO-1 keeps the whole gradients through backward (``grads_bytes``, unsharded
+        # below stage 2) and reduces them after it (``memplan.model.deepspeed_zero.
+        # stage1_offload_reduce_bytes``); ZeRO-2 copies each slice to the host in its hook
+        return StateBytes(params_bytes=params_bytes,
+                          grads_bytes=grads_bytes if par.zero < ZeroStage.GRADIENTS else 0,
+                          optimizer_bytes=0,
                           master_bytes=0, num_optimizer_params=opt_params,
                           host_bytes=deepspeed_offload_host_bytes(
                               opt_params, largest, wl.precision.policy.grad_bytes, optimizer))
@@ -444,8 +450,9 @@ class ShardingBuffers(NamedTuple):
     #                           padded unsharded flat parameters, ``memplan.model.fsdp1``)
     reduce_after_bytes: int = 0  # gradient bytes at a reduce after backward, nothing else of
     #                              backward alive (DeepSpeed's ZeRO-1); 0: none
-    step_grads_bytes: int = 0  # gradient bytes the optimizer step sees where they are not
-    #                            the backward's (ZeRO-1's partition); 0: the same
+    step_grads_bytes: int | None = None  # gradient bytes the optimizer step sees where they
+    #                                      are not the backward's (ZeRO-1's partition; 0 with
+    #                                      ZeRO-Offload); None: the same
     bucket_resident: bool = False  # ``bucket_bytes`` held from the wrap on, forward and step
     #                                included (DeepSpeed's ZeRO-3), not in the backward_* bytes
     resident_bytes: int = 0  # a device buffer held from the wrap on, every phase (DeepSpeed's
@@ -697,11 +704,21 @@ def _reduce_after_backward(params: StageParams, par: ParallelConfig, wl: Workloa
     held = bucket_bytes(wl.zero_bucket_numel, wl.zero_bucket_buffers, grad_bytes)
     d = par.dense_shard_degree
     partition = _shard(params.dense, d, True) * grad_bytes
-    reduce = stage1_reduce_bytes(params.tensor_sizes, wl.zero_bucket_numel, d, 0, grad_bytes)
+    resident = 0
+    if zero_offload(par):
+        # ZeRO-Offload at stage 1: no device partition, each owned slice copied to the host
+        # at its reduce (stage1_offload_reduce_bytes), nothing of the gradients at the step
+        # (it runs on the host); temp_grad_buffer_for_gpu_offload from the wrap on
+        reduce = stage1_offload_reduce_bytes(params.tensor_sizes, wl.zero_bucket_numel, d, 0,
+                                             grad_bytes)
+        partition, resident = 0, max(params.tensor_sizes, default=0) * grad_bytes
+    else:
+        reduce = stage1_reduce_bytes(params.tensor_sizes, wl.zero_bucket_numel, d, 0,
+                                     grad_bytes)
     return ShardingBuffers(0, 0, 0, backward_head_bytes=held, backward_block_bytes=held,
                            backward_last_block_bytes=held, backward_end_bytes=held,
                            backward_head_prefetch_bytes=held, reduce_after_bytes=reduce,
-                           step_grads_bytes=partition)
+                           step_grads_bytes=partition, resident_bytes=resident)
 
 
 def _reduce_bucket(params: StageParams, par: ParallelConfig, trainable: TrainablePolicy,

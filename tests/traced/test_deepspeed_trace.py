@@ -382,6 +382,26 @@ def test_stage1_phase_peaks_within_one_percent() -> None:
             assert abs(diff[f"{step}.{phase}_bytes"]["pct"]) <= 1.0, (step, phase, diff)
 
 
+@pytest.mark.parametrize("bucket", [300_000, 100_000, 65_536])
+def test_stage1_offload_phase_peaks_within_one_percent(bucket: int) -> None:
+    """ZeRO-1 with offload_optimizer cpu on rank 0 of 2 (the most loaded: its reduces come
+    first), the host's tensors counted apart (OffloadTracker): the device holds the bf16
+    weights, the largest parameter's buffer (temp_grad_buffer_for_gpu_offload, 512,000 B), the
+    whole gradients through backward and, after it, the reduce in forward order with each
+    owned slice's fp64 norm copy (memplan.model.deepspeed_zero.stage1_offload_reduce_bytes:
+    6,570,432 / 6,682,432 / 6,613,504 B, tests/unit/test_deepspeed.py
+    test_stage1_offload_reduce_by_hand); at 1e5 and 65,536 elements the embedding is larger
+    than the bucket (cloned, reduced alone). Measured: forward -136 B, backward -1,172 /
+    -660 / -660 B, optimizer -728 B; the host 20,466,952 B (stage 2's, the same partition)."""
+    c = _trace(stage=1, reduce_bucket_size=bucket, rank=0, offload_optimizer={"device": "cpu"})
+    diff = c["diff"]
+    assert diff["params_bytes"]["bytes"] == 0
+    assert c["measured"]["optimizer_bytes"] == 20_466_952
+    for step in ("first_step", "steady"):
+        for phase in ("forward", "backward", "optimizer"):
+            assert abs(diff[f"{step}.{phase}_bytes"]["pct"]) <= 0.02, (step, phase, diff)
+
+
 # --- ZeRO-3 with offload_optimizer / offload_param (cpu) ---------------------------------------
 
 # What the CPU trace cannot show: partition_grads copies each host gradient slice back to the

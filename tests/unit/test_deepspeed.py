@@ -23,6 +23,7 @@ from memplan.model.deepspeed_zero import (
     estimate_zero3,
     first_reduce,
     partition_numel,
+    stage1_offload_reduce_bytes,
     stage1_reduce_bytes,
     sub_groups,
     weight_grads_at,
@@ -152,7 +153,7 @@ def test_deepspeed_refuses_what_it_does_not_model() -> None:
                          (dict(zero=1, zero_bucket_buffers=2), "--zero 1 with overlap_comm"),
                          (dict(zero=1, global_batch_size=16), "--zero 1 with overlap_comm"),
                          (dict(zero=2, precision="fp32"), "precision"),
-                         (dict(zero=1, offload="optimizer"), "--offload"),
+                         (dict(zero=1, offload="activations"), "--offload"),
                          (dict(zero=2, offload="activations"), "--offload"),
                          (dict(zero=2, tp=2), "--tp, --pp"), (dict(zero=2, pp=2), "--tp, --pp")):
         with pytest.raises(MemplanError, match=name):
@@ -264,6 +265,39 @@ def test_stage1_reduce_by_hand() -> None:
     numels = (256_000, *layer, *layer, 256, 256_000)
     assert stage1_reduce_bytes(numels, 300_000, 2, 0, 2) == 6_870_464
     assert stage1_reduce_bytes(numels, 300_000, 2, 1, 2) == 4_903_872
+
+
+def test_stage1_offload_reduce_by_hand() -> None:
+    """ZeRO-1 with offload_optimizer, the toy on 2 ranks, rank 0, bf16, in the engine's order
+    (per layer q, k, v, o, gate, up, down, then the two norms: transformers' registration).
+    Bucket 3e5: the first reduce (q does not fit beside the embedding's 256,000) holds the
+    embedding, all rank 0's: (2,217,216 - 256,000) whole gradients + the bucket 300,000 =
+    2,261,216 elements, 4,522,432 B, and the embedding slice's fp64 copy 256,000 x 8 =
+    2,048,000 B: 6,570,432 B (traced: 11,517,524 B with the weights 4,434,432, the host
+    buffer's device twin 512,000 and 660 B of the loss and buffers). Bucket 1e5: the
+    embedding is larger than the bucket: cloned (2,217,216 + 256,000 + 100,000 elements,
+    5,146,432 B), then reduced alone at q with every gradient alive: (2,217,216 + 100,000) x 2
+    + 2,048,000 = 6,682,432 B. Bucket 65,536: q still does not fit: (2,217,216 + 65,536) x 2
+    + 2,048,000 = 6,613,504 B (traced 112,000 and 43,072 B above the 3e5 case)."""
+    layer = (65_536, 16_384, 16_384, 65_536, 229_376, 229_376, 229_376, 256, 256)
+    numels = (256_000, *layer, *layer, 256, 256_000)
+    assert stage1_offload_reduce_bytes(numels, 300_000, 2, 0, 2) == 6_570_432
+    assert stage1_offload_reduce_bytes(numels, 100_000, 2, 0, 2) == 6_682_432
+    assert stage1_offload_reduce_bytes(numels, 65_536, 2, 0, 2) == 6_613_504
+
+
+def test_stage1_offload_estimate() -> None:
+    """ZeRO-1 with offload_optimizer on the device: the whole gradients through backward
+    (P x 2 B, as without offload), no fp32 partition, state or gradient at the step (the host
+    steps), the weights and the largest parameter's buffer (temp_grad_buffer_for_gpu_offload,
+    the embedding's 131,072,000 x 2 B) in every phase; the host: stage 2's ZeRO-Offload
+    host bytes for the same 1/8 partition."""
+    kw = dict(gpus=8, framework="deepspeed", micro_batch_size=1, seq_len=2048)
+    one = api.estimate("llama-7b", zero=1, offload="optimizer", **kw).stages[0]
+    two = api.estimate("llama-7b", zero=2, offload="optimizer", **kw).stages[0]
+    assert one.steady.optimizer == two.steady.optimizer
+    assert one.host_bytes == two.host_bytes
+    assert one.steady.backward > two.steady.backward
 
 
 def test_stage1_estimate_by_hand() -> None:
@@ -392,15 +426,20 @@ def test_zero3_auto_coordinator_values_resolved() -> None:
 
 def test_documented_offload_example_read() -> None:
     """The Trainer's ZeRO-2 offload example: offload_optimizer cpu is --offload optimizer
-    (DeepSpeed's ZeRO-Offload); at stage 1 it is refused by name (not traced)."""
+    (DeepSpeed's ZeRO-Offload); the same at stage 1 (traced, stage1_offload_reduce_bytes);
+    to NVMe it is refused by name (not traced)."""
     imp = deepspeed_config.read(DATA / "ds_config_zero2_offload_hf.json", 8, "llama-7b")
     assert imp.inputs["offload"] == "optimizer" and imp.inputs["zero"] == 2
     api.estimate("llama-7b", gpus=8, **imp.inputs)
     data = json.loads((DATA / "ds_config_zero2_offload_hf.json").read_text())
-    data["zero_optimization"]["stage"] = 1
+    zero = data["zero_optimization"]
+    one = deepspeed_config.Imported(source="x", model=None)
+    deepspeed_config._zero(one, {**zero, "stage": 1}, 4096)
+    assert one.inputs["offload"] == "optimizer" and one.inputs["zero"] == 1
     with pytest.raises(MemplanError, match=r"zero_optimization.offload_optimizer"):
         deepspeed_config._zero(deepspeed_config.Imported(source="x", model=None),
-                               data["zero_optimization"], 4096)
+                               {**zero, "stage": 1, "offload_optimizer": {"device": "nvme"}},
+                               4096)
 
 
 def test_zero_offload_by_hand() -> None:
