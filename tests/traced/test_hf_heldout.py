@@ -148,6 +148,9 @@ TRACED = {
     # short convolutions on layers 0 and 2, attention on 1; the MLP's block_ff_dim 384 -> 256
     "lfm2": _cut("LFM2-1.2B", num_hidden_layers=3, full_attn_idxs=[1], block_ff_dim=384,
                  **_TOY),
+    # three short-convolution layers first (the backward's last layers), attention last
+    "lfm2-conv": _cut("LFM2-1.2B", num_hidden_layers=4, full_attn_idxs=[3], block_ff_dim=384,
+                      **_TOY),
     "granitemoehybrid": _cut("granite-4.0-micro", num_hidden_layers=2,
                              layer_types=["attention"] * 2, shared_intermediate_size=256,
                              mamba_n_heads=4, mamba_d_head=64, **_TOY),  # (unused, validated)
@@ -179,7 +182,7 @@ def _cases():
         yield param(FrameworkCase("transformers", name, data, "bf16-pure", 2, 64,
                                   options={"recompute": "full"}),
                     ERNIE_BF16_FULL if ernie else None)
-        if name == "lfm2":  # the convolution's weight cast under autocast
+        if name.startswith("lfm2"):  # the convolution's weight cast under autocast
             yield param(FrameworkCase("transformers", name, data, "amp-bf16", 2, 64), None)
 
 
