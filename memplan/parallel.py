@@ -635,6 +635,8 @@ def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
         why = f"recompute selective ({wl.selective_impl.value})"
     elif spec.activation_impl.value == "xielu":  # its formula's saved set is eager's only
         why = "the xIELU activation"
+    elif spec.short_conv is not None:  # (memplan.model.short_conv: eager's saved set)
+        why = "short-convolution layers"
     if why is None:
         return None
     return LayoutError(f"compile is not modelled with {why}",

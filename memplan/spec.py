@@ -247,6 +247,22 @@ class LinearAttentionSpec(BaseModel):
         return 2 * self.key_dim + self.value_dim
 
 
+class ShortConvSpec(BaseModel):
+    """LFM2's gated short convolution in place of attention on every layer but
+    ``attention_layers`` (models/lfm2/modeling_lfm2.py Lfm2ShortConv, transformers 5.3):
+    in_proj (h -> 3 h, chunked into the gates B and C and the input x), a depthwise conv1d of
+    conv_kernel taps (conv_L_cache) over B * x, C * conv, out_proj (h -> h); conv_bias on the
+    three."""
+
+    model_config = _FROZEN
+
+    conv_kernel: int = Field(gt=0, le=MAX_WIDTH)
+    conv_bias: bool = False
+    attention_layers: tuple[int, ...] = Field(description=(
+        "the 0-based indices of the full-attention layers (Lfm2Config.layer_types: "
+        "full_attention; the others conv)"))
+
+
 class ModelSpec(BaseModel):
     """A decoder-only transformer. Widths are element counts, not bytes."""
 
@@ -352,6 +368,9 @@ class ModelSpec(BaseModel):
     linear_attention: LinearAttentionSpec | None = Field(default=None, description=(
         "gated DeltaNet layers in place of attention but on every full_attention_interval-th "
         "layer (Qwen3-Next)"))
+    short_conv: ShortConvSpec | None = Field(default=None, description=(
+        "LFM2's gated short-convolution layers in place of attention but on "
+        "short_conv.attention_layers"))
     attn_output_gate: bool = Field(default=False, description=(
         "the attention's q projection is twice as wide, its second half per head a gate whose "
         "sigmoid scales the attention output before o_proj (Qwen3NextAttention.forward: "
@@ -411,6 +430,10 @@ class ModelSpec(BaseModel):
                              f"({self.nope_layer_interval})")
         if self.window_chunked and self.sliding_window is None:
             raise ValueError("window_chunked needs a sliding_window (the chunk)")
+        if self.short_conv is not None and (self.linear_attention is not None or any(
+                not 0 <= i < self.num_layers for i in self.short_conv.attention_layers)):
+            raise ValueError(f"short_conv.attention_layers must be layer indices below "
+                             f"num_layers ({self.num_layers}), without linear_attention")
         if self.moe is not None and self.moe.first_dense_layers >= self.num_layers:
             raise ValueError(f"moe.first_dense_layers ({self.moe.first_dense_layers}) must be "
                              f"below num_layers ({self.num_layers})")
@@ -458,7 +481,10 @@ class ModelSpec(BaseModel):
         return n > 0 and index % n == n - 1
 
     def is_linear_layer(self, index: int) -> bool:
-        """Whether layer ``index`` (0-based) is a gated DeltaNet layer (``linear_attention``)."""
+        """Whether layer ``index`` (0-based) mixes tokens without attention: a gated DeltaNet
+        layer (``linear_attention``) or a short-convolution layer (``short_conv``)."""
+        if self.short_conv is not None:
+            return index not in self.short_conv.attention_layers
         la = self.linear_attention
         return la is not None and index % la.full_attention_interval != \
             la.full_attention_interval - 1
@@ -469,6 +495,11 @@ class ModelSpec(BaseModel):
             return False
         n = self.sliding_window_pattern
         return n == 0 or index % n != n - 1
+
+    @property
+    def has_linear_layers(self) -> bool:
+        """Whether some layers mix tokens without attention (``is_linear_layer``)."""
+        return self.linear_attention is not None or self.short_conv is not None
 
     @property
     def num_moe_layers(self) -> int:
@@ -561,6 +592,16 @@ def linear_attention_params(spec: ModelSpec) -> tuple[int, int]:
     return sharded, la.value_head_dim
 
 
+def short_conv_params(spec: ModelSpec) -> tuple[int, int]:
+    """(TP-sharded, replicated) parameters of one short-convolution block (Lfm2ShortConv.
+    __init__): in_proj h * 3h, the depthwise conv1d h * K, out_proj h * h, with conv_bias a
+    bias on each (3h, h, h): split with the channels but out_proj's bias, replicated."""
+    sc, h = spec.short_conv, spec.hidden_size
+    assert sc is not None
+    bias = 1 if sc.conv_bias else 0
+    return 3 * h * h + h * sc.conv_kernel + h * h + bias * 4 * h, bias * h
+
+
 def mla_params(spec: ModelSpec) -> tuple[int, int]:
     """(TP-sharded, replicated) parameters of one MLA block (``MlaSpec``): the down
     projections (h -> q_lora_rank, h -> kv_lora_rank + rope) and their norms replicated, as
@@ -605,8 +646,10 @@ def activation_params(spec: ModelSpec) -> int:
 
 
 def layer_params(spec: ModelSpec, index: int) -> LayerParams:
-    attn_sharded, attn_repl = (linear_attention_params(spec) if spec.is_linear_layer(index)
-                               else attention_params(spec))
+    attn_sharded, attn_repl = (
+        attention_params(spec) if not spec.is_linear_layer(index)
+        else short_conv_params(spec) if spec.short_conv is not None
+        else linear_attention_params(spec))
     moe = spec.moe
     norms = (1 if spec.parallel_block else spec.norm_placement.norms_per_layer) * norm_params(spec)
     if moe is None or not spec.is_moe_layer(index):

@@ -10,7 +10,7 @@ transformers builds, layer by layer (``ModelSpec.param_table``, ``memplan.hf.par
 per layer, per pipeline stage, and per TP shard under the split rules stated there); the
 blocks' own tensors are used only where those tensors do not fit the config's embedding and
 head, and the line says so. A hybrid whose decoder layers transformers builds in part
-without a self-attention module (state-space or convolution mixers: Granite 4.0-H, LFM2) is
+without a self-attention module (state-space mixers: Granite 4.0-H) is
 read so too, every layer as an attention layer, and its approximation says how many are not;
 an activation memplan has no kernel for (xIELU) is read as SiLU, and said so. A model without
 any self-attention layer (Mamba, RWKV) is near no known block and is refused. Without

@@ -30,6 +30,7 @@ from memplan.hf.fallback import fallback_fields
 from memplan.hf.families_hybrid import QWEN3_NEXT_EXPERTS, qwen3_next
 from memplan.hf.families_moe import MOE_FAMILIES, moe_family_fields, refuse_not_modelled
 from memplan.hf.families_more import MORE_FAMILIES, granite_hybrid_dense, more_family_fields
+from memplan.hf.families_conv import CONV_FAMILIES, conv_family_fields
 
 # llama, mistral, mixtral and qwen2 share Llama's field names (memplan.hf.config); gpt2 has
 # its own; the others are read here
@@ -40,6 +41,7 @@ SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "gpt2", "qwen3", "qwen2_moe
 SUPPORTED += MOE_FAMILIES  # memplan.hf.families_moe
 SUPPORTED += ("qwen3_next",)  # memplan.hf.families_hybrid
 SUPPORTED += MORE_FAMILIES  # memplan.hf.families_more
+SUPPORTED += CONV_FAMILIES  # memplan.hf.families_conv
 # configuration classes' defaults (configuration_<family>.py __init__)
 _QWEN = {"vocab_size": 151936, "max_position_embeddings": 32768}
 _GEMMA2 = {"vocab_size": 256000, "max_position_embeddings": 8192}
@@ -474,6 +476,8 @@ def _family_fields(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
         return moe_family_fields(cfg, model_type)
     if model_type in MORE_FAMILIES:
         return more_family_fields(cfg, model_type)
+    if model_type in CONV_FAMILIES:
+        return conv_family_fields(cfg, model_type)
     if model_type == "gpt2":
         return gpt2(cfg)
     if model_type == "qwen3":

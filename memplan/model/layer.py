@@ -41,6 +41,7 @@ from memplan.model.linear import Linear, Split, shares_input
 from memplan.model.mla import Mla, mla_linears
 from memplan.model.mlp import Mlp, mlp_linears
 from memplan.model.moe import MoE
+from memplan.model.short_conv import ShortConv, conv_cache_bytes, short_conv_linears
 from memplan.model.norm import Norm, StreamInput
 from memplan.model.sac import sac_terms
 from memplan.spec import ModelSpec, NormPlacement, QkNorm
@@ -49,6 +50,7 @@ from memplan.workload import NormImpl, Recompute, SelectiveImpl, Workload
 
 _ATTENTION, _WINDOW, _MLA, _MLP, _MOE = Attention(), WindowAttention(), Mla(), Mlp(), MoE()
 _DELTANET = DeltaNet()
+_SHORT_CONV = ShortConv()
 _NOPE = NopeAttention()
 def _attention_inputs(spec: ModelSpec) -> tuple[Linear, ...]:
     """The projections reading the attention norm's output: a plain attention's q/k/v (not
@@ -65,7 +67,7 @@ def _mlp_inputs(spec: ModelSpec) -> tuple[Linear, ...]:
 _PRE = {"attn": Norm("attn_norm", _attention_inputs), "mlp": Norm("mlp_norm", _mlp_inputs)}
 _INPUT = {"attn": StreamInput("attn_input"), "mlp": StreamInput("mlp_input")}
 _POST = {"attn": Norm("attn_post_norm"), "mlp": Norm("mlp_post_norm")}
-MIXERS = (Attention, Mla, Mlp, MoE, DeltaNet)
+MIXERS = (Attention, Mla, Mlp, MoE, DeltaNet, ShortConv)
 
 
 def _sublayer(placement: NormPlacement, place: str, mixer: Block) -> tuple[Block, ...]:
@@ -74,10 +76,15 @@ def _sublayer(placement: NormPlacement, place: str, mixer: Block) -> tuple[Block
 
 
 _ATTENTIONS = {"mla": _MLA, "window": _WINDOW, "full": _ATTENTION, "linear": _DELTANET,
-               "nope": _NOPE}
+               "nope": _NOPE, "conv": _SHORT_CONV}
 _BLOCKS = {(placement, attention, moe): (_sublayer(placement, "attn", _ATTENTIONS[attention])
                                          + _sublayer(placement, "mlp", _MOE if moe else _MLP))
            for placement in NormPlacement for attention in _ATTENTIONS for moe in (False, True)}
+# a short-convolution layer's norm feeds in_proj alone (Lfm2DecoderLayer.operator_norm)
+_CONV_NORM = Norm("attn_norm", lambda spec: short_conv_linears(spec)[:1], copies=1)
+for _key, _blocks in list(_BLOCKS.items()):
+    if _key[1] == "conv" and _key[0].pre_norm:
+        _BLOCKS[_key] = (_CONV_NORM, *_blocks[1:])
 # a parallel layer (``ModelSpec.parallel_block``): one norm, then both mixers reading its output
 _PARALLEL = {(attention, moe): (_PRE["attn"], _ATTENTIONS[attention], _MOE if moe else _MLP)
              for attention in _ATTENTIONS for moe in (False, True)}
@@ -93,9 +100,11 @@ def layer_blocks(spec: ModelSpec, moe_layer: bool, variant: str = "") -> tuple[B
     placement has one (``NormPlacement``). ``variant``: "window", a sliding-window layer's
     attention (``memplan.model.attention.WindowAttention``), or a RoPE layer of a model whose
     q/k norm runs on those alone (``rope_normed``; the others of such a model have none,
-    ``memplan.model.attention.NopeAttention``); "linear", a gated DeltaNet layer
-    (``memplan.model.deltanet.DeltaNet``); "" the model's attention."""
-    attention = ("linear" if variant == "linear" else "mla" if spec.mla is not None
+    ``memplan.model.attention.NopeAttention``); "linear", a layer without attention: gated
+    DeltaNet (``memplan.model.deltanet.DeltaNet``) or, with ``short_conv``, LFM2's short
+    convolution (``memplan.model.short_conv.ShortConv``); "" the model's attention."""
+    linear_mixer = "conv" if spec.short_conv is not None else "linear"
+    attention = (linear_mixer if variant == "linear" else "mla" if spec.mla is not None
                  else "window" if variant == "window" else "full")
     if attention == "full" and rope_normed(spec):
         attention = "nope"
@@ -238,8 +247,17 @@ def kv_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute
     sliding-window layer given a mask (``memplan.model.attention.windowed``)."""
     if not (wl.kv_cache and recompute is Recompute.NONE):
         return 0
+    if spec.short_conv is not None:  # every layer's conv state, and attention's own
+        conv = conv_cache_bytes(spec, dm)
+        return conv if variant == "linear" else conv + _attention_cache_bytes(spec, wl, dm,
+                                                                              variant)
     if variant == "linear":
         return cache_states_bytes(spec, wl, dm)
+    return _attention_cache_bytes(spec, wl, dm, variant)
+
+
+def _attention_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, variant: str) -> int:
+    """``kv_cache_bytes`` of an attention layer."""
     if dm.autocast:
         # RoPE that keeps the low dtype hands the cache low-precision K, which SDPA saves
         return (2 * dm.tokens * spec.kv_size // dm.tp * dm.stream_e
@@ -254,6 +272,8 @@ def last_weight(spec: ModelSpec, dm: Dims, mixer: Block) -> int:
     """Elements of a mixer's output projection weight on this rank (its last matmul)."""
     if isinstance(mixer, DeltaNet):
         return linear.weight_elements(deltanet_linears(spec)[-1], dm.tp)
+    if isinstance(mixer, ShortConv):
+        return linear.weight_elements(short_conv_linears(spec)[-1], dm.tp)
     return spec.attn_out_size * spec.hidden_size // dm.tp if isinstance(mixer, (Attention, Mla)) \
         else spec.ffn_hidden_size * spec.hidden_size // dm.tp
 
@@ -416,7 +436,8 @@ def layer_linears(spec: ModelSpec, moe_layer: bool, variant: str = "") -> tuple[
     """A layer's projections that are ``nn.Linear`` modules (what LoRA adapts and bitsandbytes
     quantizes): the attention's (or a linear-attention layer's), and a dense layer's MLP
     (stacked experts are not)."""
-    attn = (deltanet_linears(spec) if variant == "linear" else mla_linears(spec)
+    linear_mixer = short_conv_linears if spec.short_conv is not None else deltanet_linears
+    attn = (linear_mixer(spec) if variant == "linear" else mla_linears(spec)
             if spec.mla is not None else attention_linears(spec))
     return attn + (() if moe_layer else mlp_linears(spec, spec.ffn_hidden_size))
 

@@ -140,7 +140,7 @@ def count_stage_params(spec: ModelSpec, t: int, ep: int | ExpertSplit, pp: int,
 
 
 def _shape_key(spec: ModelSpec, i: int) -> tuple[bool, str]:
-    """(MoE layer?, "linear" for a gated DeltaNet layer) of layer ``i``: what its tensors
+    """(MoE layer?, "linear" for a layer without attention) of layer ``i``: what its tensors
     depend on."""
     return spec.is_moe_layer(i), "linear" if spec.is_linear_layer(i) else ""
 

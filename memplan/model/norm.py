@@ -51,16 +51,20 @@ def is_post(prefix: str) -> bool:
     return prefix.endswith("_post_norm")
 
 
-def norm_terms(prefix: str, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
+def norm_terms(prefix: str, spec: ModelSpec, wl: Workload, dm: Dims,
+               readers: int | None = None) -> list[Term]:
     """A norm in the residual stream, its output included (saved by the following linear).
     A post norm (``is_post``) normalises a mixer's output for the residual add, which saves
-    nothing: its output is not saved."""
+    nothing: its output is not saved. ``readers``: the linears reading its output where they
+    are not the prefix's (``consumers``)."""
     if is_post(prefix):
-        return [t for t in _norm_terms(prefix, spec, wl, dm) if not t.name.endswith(".output")]
-    return _norm_terms(prefix, spec, wl, dm)
+        return [t for t in _norm_terms(prefix, spec, wl, dm, readers)
+                if not t.name.endswith(".output")]
+    return _norm_terms(prefix, spec, wl, dm, readers)
 
 
-def _norm_terms(prefix: str, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
+def _norm_terms(prefix: str, spec: ModelSpec, wl: Workload, dm: Dims,
+                readers: int | None = None) -> list[Term]:
     rows, h = dm.rows, spec.hidden_size
     # a LayerNorm centring twice saves rsqrt's output alone (its mean is saved by no one)
     two = spec.norm is NormKind.LAYERNORM and not spec.norm_centres_twice
@@ -68,7 +72,7 @@ def _norm_terms(prefix: str, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Te
     # the output is saved by the next (column-parallel) linear: as its sequence shard, or
     # all-gathered to the full sequence (DTensor sequence parallelism); under autocast each
     # linear saves its own cast of it
-    copies = input_copies(consumers(prefix, spec, wl), dm)
+    copies = input_copies(consumers(prefix, spec, wl) if readers is None else readers, dm)
     out_e = dm.e
     if dm.autocast and output_saved_fp32(prefix, wl):
         copies, out_e = 1, dm.stream_e
@@ -199,22 +203,26 @@ class Norm:
     """A norm block of a layer, named by its place (``attn_norm``, ``mlp_norm`` before the
     mixers; ``attn_post_norm``, ``mlp_post_norm`` on their outputs)."""
 
-    __slots__ = ("name", "readers")
+    __slots__ = ("name", "readers", "copies")
 
     def __init__(self, name: str,
-                 readers: Callable[[ModelSpec], Sequence[Linear]] | None = None) -> None:
+                 readers: Callable[[ModelSpec], Sequence[Linear]] | None = None,
+                 copies: int | None = None) -> None:
         self.name = name
         self.readers = readers  # the projections reading its output (compiled float8)
+        # the linears reading its output where not the prefix's (``consumers``): a mixer
+        # other than attention (LFM2's short convolution: in_proj alone)
+        self.copies = copies
 
     def saved(self, spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
-        terms = norm_terms(self.name, spec, wl, dm)
+        terms = norm_terms(self.name, spec, wl, dm, self.copies)
         if self.readers is not None and compiled.float8_recomputed(self.readers(spec), dm):
             return [t for t in terms if not t.name.endswith(".output")]  # recomputed
         return terms
 
     def forward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
                         recompute: Recompute) -> list[Moment]:
-        own = total(norm_terms(self.name, spec, wl, dm))
+        own = total(norm_terms(self.name, spec, wl, dm, self.copies))
         if is_post(self.name):
             # the mixer's output it reads, then its own output beside that input before the
             # residual add frees both
@@ -231,7 +239,8 @@ class Norm:
 
     def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
                          recompute: Recompute) -> list[BackwardMoment]:
-        return [BackwardMoment(self.name, saved_at_backward(norm_terms(self.name, spec, wl, dm)),
+        return [BackwardMoment(self.name, saved_at_backward(norm_terms(self.name, spec, wl, dm,
+                                                                       self.copies)),
                                backward_bytes(spec, wl, dm))]
 
     def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:

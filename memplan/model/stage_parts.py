@@ -44,7 +44,8 @@ from memplan.workload import Precision, Recompute, TeFp8Recipe, Workload
 # (MoE layer?, recompute policy), and a third for a layer whose mixer differs from the model's
 # attention: "window", a sliding-window layer whose attention differs from the full layers'
 # (memplan.model.attention.windowed), or a RoPE layer whose q/k norm the NoPE layers lack
-# (memplan.model.layer.rope_normed); "linear", a gated DeltaNet layer (memplan.model.deltanet)
+# (memplan.model.layer.rope_normed); "linear", a layer without attention: gated DeltaNet
+# (memplan.model.deltanet) or LFM2's short convolution (memplan.model.short_conv)
 LayerKey = tuple[bool, Recompute] | tuple[bool, Recompute, str]
 
 
@@ -72,7 +73,7 @@ def layer_keys(spec: ModelSpec, wl: Workload, layers: list[int]) -> list[LayerKe
     """(MoE layer?, recompute policy) of each layer of a stage, in order (``LayerKey``)."""
     window, normed = windowed(spec, wl), rope_normed(spec)
     if (spec.moe is None and wl.recompute_layers is None and wl.recompute_every is None
-            and not window and not normed and spec.linear_attention is None):
+            and not window and not normed and not spec.has_linear_layers):
         return [(False, wl.recompute)] * len(layers)
     keys: list[LayerKey] = [(spec.is_moe_layer(i), layer_recompute(wl, pos))
                             for pos, i in enumerate(layers)]
@@ -82,7 +83,7 @@ def layer_keys(spec: ModelSpec, wl: Workload, layers: list[int]) -> list[LayerKe
         keys = [(*key, "window") if (spec.is_sliding_layer(i) if window
                                      else not spec.is_nope_layer(i)) else key
                 for key, i in zip(keys, layers)]
-    if spec.linear_attention is not None:
+    if spec.has_linear_layers:
         keys = [(*key[:2], "linear") if spec.is_linear_layer(i) else key
                 for key, i in zip(keys, layers)]
     return keys

@@ -31,7 +31,7 @@ HELDOUT = Path(__file__).resolve().parents[1] / "data" / "hf" / "heldout"
 NAMES = sorted(p.name for p in HELDOUT.iterdir() if (p / "config.json").is_file())
 
 # read by the fallback: approximate blocks, transformers' tensors as the weights
-FALLBACK = {"LFM2-1.2B", "Falcon-H1-1.5B-Instruct", "granite-4.0-h-tiny"}
+FALLBACK = {"Falcon-H1-1.5B-Instruct", "granite-4.0-h-tiny"}
 # transformers has no configuration class for it (remote code)
 UNKNOWN_TO_TRANSFORMERS = {"Phi-4-mini-flash-reasoning"}
 
@@ -145,6 +145,12 @@ TRACED = {
     # a plain MLP with transformers' xIELU formula, per-head q/k norms
     "apertus": _cut("Apertus-8B-2509", num_hidden_layers=2, **_TOY),
     # Granite 4.0 micro: attention layers only, no experts; the shared MLP's fused input
+    # short convolutions on layers 0 and 2, attention on 1; the MLP's block_ff_dim 384 -> 256
+    "lfm2": _cut("LFM2-1.2B", num_hidden_layers=3, full_attn_idxs=[1], block_ff_dim=384,
+                 **_TOY),
+    # three short-convolution layers first (the backward's last layers), attention last
+    "lfm2-conv": _cut("LFM2-1.2B", num_hidden_layers=4, full_attn_idxs=[3], block_ff_dim=384,
+                      **_TOY),
     "granitemoehybrid": _cut("granite-4.0-micro", num_hidden_layers=2,
                              layer_types=["attention"] * 2, shared_intermediate_size=256,
                              mamba_n_heads=4, mamba_d_head=64, **_TOY),  # (unused, validated)
@@ -176,6 +182,8 @@ def _cases():
         yield param(FrameworkCase("transformers", name, data, "bf16-pure", 2, 64,
                                   options={"recompute": "full"}),
                     ERNIE_BF16_FULL if ernie else None)
+        if name.startswith("lfm2"):  # the convolution's weight cast under autocast
+            yield param(FrameworkCase("transformers", name, data, "amp-bf16", 2, 64), None)
 
 
 @pytest.mark.parametrize(("case", "known"), list(_cases()))

@@ -35,6 +35,9 @@ PUBLISHED = {
     "qwen2.5-72b": 72_706_203_648,
     "gpt2": 124_439_808,
     "gpt2-xl": 1_557_611_200,
+    # the LiquidAI/LFM2 model cards' parameter table (counted by hand in
+    # tests/unit/test_short_conv.py)
+    "lfm2-1.2b": 1_170_340_608,
 }
 
 # The newer families: their totals as their model cards state them (billions, to the digits
