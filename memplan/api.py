@@ -249,6 +249,9 @@ def _auto_save(spec: ModelSpec, gpu: GpuSpec, par: Any, wl: Workload, capacity: 
     from memplan.model.layer import ops_items
     from memplan.planning.save_sets import choose, frontier
 
+    from memplan.model.sac_ops import check_searchable
+
+    check_searchable(spec)
     resolved = resolve_split(spec, par, wl)
     items = ops_items(spec, wl, Dims.of(spec, resolved, wl))
 

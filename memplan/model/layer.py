@@ -354,12 +354,15 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
 
 
 @lru_cache(maxsize=1024)
-def ops_items(spec: ModelSpec, wl: Workload, dm: Dims) -> tuple[sac_ops.Item, ...]:
-    """What a dense layer under ``Recompute.OPS`` can keep (``memplan.model.sac_ops``);
-    cached: a plan asks per fit and probe."""
+def ops_items(spec: ModelSpec, wl: Workload, dm: Dims,
+              moe: bool | None = None) -> tuple[sac_ops.Item, ...]:
+    """What a layer under ``Recompute.OPS`` can keep (``memplan.model.sac_ops``): a dense
+    layer's, or with ``moe`` an MoE layer's; by default the model's searched kind
+    (``searched_moe``). Cached: a plan asks per fit and probe."""
     sac_ops.check_supported(spec, wl)
+    moe = sac_ops.searched_moe(spec) if moe is None else moe
     return sac_ops.layer_items(spec, wl, dm, tuple(layer_terms(
-        spec, wl, dm, moe_layer=False, recompute=Recompute.NONE)))
+        spec, wl, dm, moe_layer=moe, recompute=Recompute.NONE)), moe)
 
 
 def ops_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str) -> LayerKind:
@@ -367,7 +370,7 @@ def ops_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str) -
     also keeps the outputs its save list names; the rerun serves them from the cache, so its
     backward is the full recompute's."""
     full = layer_kind(spec, wl, dm, moe, Recompute.FULL, variant)
-    items = ops_items(spec, wl, dm)
+    items = ops_items(spec, wl, dm, moe)
     kept = sac_ops.resolve(items, wl.recompute_save, spec, "moe" if moe else "dense")
     terms = sac_ops.kept_terms(kept)
     moments = forward_moments(spec, wl, dm, moe_layer=moe, recompute=Recompute.FULL,
@@ -381,8 +384,17 @@ def ops_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str) -
     mlp_end = (moments[first].alive_bytes + moments[first].transient_bytes
                - mlp.working_set(spec, wl, dm)[0].transient_bytes
                + dm.rows * spec.hidden_size * dm.e)
-    peak = sac_ops.forward_peak([(o, m.alive_bytes + m.transient_bytes)
-                                 for o, m in zip(owners, moments)], items, kept, mlp_end)
+    pairs = [(o, m.alive_bytes + m.transient_bytes) for o, m in zip(owners, moments)]
+    if moe:  # the grouped experts' two moments, each with what it holds of the kept items
+        from memplan.model.moe import grouped_kept_moments
+
+        base = pairs[first][1] - mlp.working_set(spec, wl, dm)[0].transient_bytes
+        before = sum(i.size_bytes for i in kept if i.block != "mlp")
+        peak = max([sac_ops.forward_peak([p for p in pairs if p[0] != "mlp"], items, kept)]
+                   + [base + value + before + sum(i.size_bytes for i in kept if i.name in adds)
+                      for value, adds in grouped_kept_moments(spec, dm)])
+    else:
+        peak = sac_ops.forward_peak(pairs, items, kept, mlp_end)
     return full._replace(terms=full.terms + terms, saved_bytes=full.saved_bytes + total(terms),
                          forward_peak_bytes=peak)
 

@@ -760,6 +760,9 @@ def _fastest_policy(ctx: _Context, policy: tuple[Recompute, int | None]
     from memplan.model.layer import ops_items
     from memplan.planning.save_sets import frontier
 
+    from memplan.model.sac_ops import check_searchable
+
+    check_searchable(ctx.spec)
     wl = ctx.workload(policy)
     sets = frontier(ops_items(ctx.spec, wl, Dims.of(ctx.spec, ParallelConfig(), wl)))
     return (Recompute.OPS, sets[-1].kept)  # type: ignore[return-value]
