@@ -246,11 +246,15 @@ def _auto_save(spec: ModelSpec, gpu: GpuSpec, par: Any, wl: Workload, capacity: 
     it does not fit)."""
     from memplan.model.dims import Dims
     from memplan.model.estimate import resolve_split
-    from memplan.model.layer import ops_items
+    from memplan.model.layer import ops_forward_peaks, ops_items
+    from memplan.model.sac_ops import check_searchable
     from memplan.planning.save_sets import choose, frontier
 
+    check_searchable(spec)
     resolved = resolve_split(spec, par, wl)
-    items = ops_items(spec, wl, Dims.of(spec, resolved, wl))
+    dm = Dims.of(spec, resolved, wl)
+    sets = frontier(ops_items(spec, wl, dm))
+    forward = ops_forward_peaks(spec, wl, dm, tuple(c.kept for c in sets))
 
     def with_save(kept: tuple[str, ...]) -> Workload:
         return wl.model_copy(update={"recompute_save": tuple(sorted(kept))})
@@ -264,14 +268,14 @@ def _auto_save(spec: ModelSpec, gpu: GpuSpec, par: Any, wl: Workload, capacity: 
         from memplan.planning.save_sets import choose_per_stage
 
         budget = run(()).capacity_bytes
-        chosen, _ = choose_per_stage(frontier(items), lambda kept: tuple(
-            s.peak_bytes for s in run(kept).stages), budget)
+        chosen, _ = choose_per_stage(sets, lambda kept: tuple(
+            s.peak_bytes for s in run(kept).stages), budget, forward=forward)
         return with_save(stage_lists([c.kept if c else () for c in chosen]))
 
     def fits(kept: tuple[str, ...]) -> bool:
         return run(kept).fits
 
-    choice, _ = choose(frontier(items), fits)
+    choice, _ = choose(sets, fits, forward=forward)
     return wl if choice is None else wl.model_copy(update={"recompute_save": tuple(sorted(choice.kept))})
 
 

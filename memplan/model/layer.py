@@ -374,12 +374,15 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
 
 
 @lru_cache(maxsize=1024)
-def ops_items(spec: ModelSpec, wl: Workload, dm: Dims) -> tuple[sac_ops.Item, ...]:
-    """What a dense layer under ``Recompute.OPS`` can keep (``memplan.model.sac_ops``);
-    cached: a plan asks per fit and probe."""
+def ops_items(spec: ModelSpec, wl: Workload, dm: Dims,
+              moe: bool | None = None) -> tuple[sac_ops.Item, ...]:
+    """What a layer under ``Recompute.OPS`` can keep (``memplan.model.sac_ops``): a dense
+    layer's, or with ``moe`` an MoE layer's; by default the model's searched kind
+    (``searched_moe``). Cached: a plan asks per fit and probe."""
     sac_ops.check_supported(spec, wl)
+    moe = sac_ops.searched_moe(spec) if moe is None else moe
     return sac_ops.layer_items(spec, wl, dm, tuple(layer_terms(
-        spec, wl, dm, moe_layer=False, recompute=Recompute.NONE)))
+        spec, wl, dm, moe_layer=moe, recompute=Recompute.NONE)), moe)
 
 
 def ops_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str) -> LayerKind:
@@ -387,24 +390,76 @@ def ops_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str) -
     also keeps the outputs its save list names; the rerun serves them from the cache, so its
     backward is the full recompute's."""
     full = layer_kind(spec, wl, dm, moe, Recompute.FULL, variant)
-    items = ops_items(spec, wl, dm)
+    items = ops_items(spec, wl, dm, moe)
     kept = sac_ops.resolve(items, wl.recompute_save, spec, "moe" if moe else "dense")
     terms = sac_ops.kept_terms(kept)
+    peak = ops_forward_peak(_ops_forward(spec, _unsaved(wl), dm, moe,
+                                         variant), items, kept)
+    return full._replace(terms=full.terms + terms, saved_bytes=full.saved_bytes + total(terms),
+                         forward_peak_bytes=peak)
+
+
+@lru_cache(maxsize=1024)
+def _unsaved(wl: Workload) -> Workload:
+    """``wl`` without its save list: one object per workload for ``_ops_forward``'s cache."""
+    return wl.model_copy(update={"recompute_save": ()}) if wl.recompute_save else wl
+
+
+class _OpsForward(NamedTuple):
+    """A checkpointed layer's forward moments, whatever it keeps (``ops_forward_peak``):
+    ``(block, alive + transient)`` of its blocks' working sets but a grouped MoE block's,
+    what the layer holds at a dense MLP's down projection beside the MLP's tensors
+    (``sac_ops.forward_peak``'s ``mlp_end``), and an MoE block's two moments (its base
+    added) with the kept items each holds (``moe.grouped_kept_moments``)."""
+
+    pairs: tuple[tuple[str, int], ...]
+    mlp_end: int
+    moe: tuple[tuple[int, frozenset[str]], ...]
+
+
+@lru_cache(maxsize=1024)
+def _ops_forward(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
+                 variant: str) -> _OpsForward:
     moments = forward_moments(spec, wl, dm, moe_layer=moe, recompute=Recompute.FULL,
                               variant=variant)
     owners = [b.name for b in layer_blocks(spec, moe, variant)
               for _ in b.working_set(spec, wl, dm)]
     assert len(owners) == len(moments)
+    pairs = tuple((o, m.alive_bytes + m.transient_bytes) for o, m in zip(owners, moments))
     # at the down projection: the MLP's first moment less its working set, with its output
     mlp = next(b for b in layer_blocks(spec, moe, variant) if b.name == "mlp")
-    first = owners.index("mlp")
-    mlp_end = (moments[first].alive_bytes + moments[first].transient_bytes
-               - mlp.working_set(spec, wl, dm)[0].transient_bytes
-               + dm.rows * spec.hidden_size * dm.e)
-    peak = sac_ops.forward_peak([(o, m.alive_bytes + m.transient_bytes)
-                                 for o, m in zip(owners, moments)], items, kept, mlp_end)
-    return full._replace(terms=full.terms + terms, saved_bytes=full.saved_bytes + total(terms),
-                         forward_peak_bytes=peak)
+    base = pairs[owners.index("mlp")][1] - mlp.working_set(spec, wl, dm)[0].transient_bytes
+    if not moe:
+        return _OpsForward(pairs, base + dm.rows * spec.hidden_size * dm.e, ())
+    from memplan.model.moe import grouped_kept_moments
+
+    return _OpsForward(tuple(p for p in pairs if p[0] != "mlp"), 0,
+                       tuple((base + value, adds) for value, adds in grouped_kept_moments(spec, dm)))
+
+
+def ops_forward_peak(fw: _OpsForward, items: tuple[sac_ops.Item, ...],
+                     kept: tuple[sac_ops.Item, ...]) -> int:
+    """The forward peak of a checkpointed layer keeping ``kept`` (``LayerKind.
+    forward_peak_bytes`` under ``Recompute.OPS``): ``sac_ops.forward_peak``, and an MoE
+    block's moments each with the kept items it holds, beside those of the blocks before."""
+    peak = sac_ops.forward_peak(list(fw.pairs), items, kept, fw.mlp_end)
+    if fw.moe:
+        before = sum(i.size_bytes for i in kept if i.block != "mlp")
+        peak = max([peak] + [value + before + sum(i.size_bytes for i in kept if i.name in adds)
+                             for value, adds in fw.moe])
+    return peak
+
+
+def ops_forward_peaks(spec: ModelSpec, wl: Workload, dm: Dims,
+                      sets: tuple[tuple[str, ...], ...]) -> tuple[int, ...]:
+    """Each save set's layer forward peak (``ops_forward_peak``) for the model's searched
+    kind (``sac_ops.searched_moe``): what ``memplan.planning.save_sets.choose`` orders sets
+    by beside their bytes, without an estimate."""
+    moe = sac_ops.searched_moe(spec)
+    items = ops_items(spec, wl, dm, moe)
+    fw = _ops_forward(spec, _unsaved(wl), dm, moe, "")
+    by_name = {i.name: i for i in items}
+    return tuple(ops_forward_peak(fw, items, tuple(by_name[n] for n in kept)) for kept in sets)
 
 
 def grad_group_params(spec: ModelSpec, t: int, ep: int, moe: bool,

@@ -66,6 +66,23 @@ def _grouped_working(spec: ModelSpec, dm: Dims) -> int:
     return 2 * rows * h * e + max(4 * inner, inner + 3 * rows * h * e)
 
 
+def grouped_kept_moments(spec: ModelSpec, dm: Dims) -> list[tuple[int, frozenset[str]]]:
+    """The grouped block's working set (``MoE.working_set``) as its two moments under
+    op-level checkpointing (``memplan.model.sac_ops.moe_items``), each with the kept items
+    alive then beyond it: at the gate (the gate/up output, the activation and the product)
+    the router's projection, kept; at the unsort (the product, the down output, the
+    weighted rows and their unsorted copy) also the gate/up output and the activation, which
+    the checkpointed forward had freed. The router's probabilities, the gathered rows and
+    the product are in both anyway."""
+    moe, h, e = _moe(spec), spec.hidden_size, dm.e
+    rows = dm.tokens * moe.top_k
+    inner = rows * moe.expert_ffn_hidden_size // dm.experts().tp * e
+    common = dm.tokens * moe.num_experts * FP32_BYTES + dm.rows * h * e + 2 * rows * h * e
+    return [(common + 4 * inner, frozenset({"moe.router"})),
+            (common + inner + 3 * rows * h * e,
+             frozenset({"moe.router", "moe.expert.gate_up", "moe.expert.act"}))]
+
+
 def _gated_shared_unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
     """Grouped experts beside a gated shared expert that runs first (Qwen2MoeSparseMoeBlock
     and Qwen3NextSparseMoeBlock.forward: shared_expert, then the router and the experts, then

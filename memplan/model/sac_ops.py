@@ -22,8 +22,9 @@ from the op that makes it on, beside the checkpointed layer's working set (``Blo
 working_set``); where that working set already holds the tensor (v, the attention output, the
 MLP's activation, up projection and product) it is not added again (``Item.own_extra``).
 
-Modelled for dense pre-norm layers (attention with SDPA's fused kernel and an MLP), without
-autocast, LoRA or torch.compile: ``ops_refusal`` names the rest. One fused q/k/v projection
+Modelled for pre-norm layers (attention with SDPA's fused kernel and an MLP, or an MoE block as
+transformers' grouped experts run it: ``moe_items``), without autocast, LoRA or
+torch.compile: ``ops_refusal`` names the rest. One fused q/k/v projection
 (torchtitan's ``wqkv``) is one item, ``attn.qkv``, which ``attn.q``, ``attn.k`` and ``attn.v``
 each name. A name scoped ``SCOPE:name`` applies to the layers of a kind or one pipeline stage
 (``resolve``, ``for_stage``).
@@ -40,7 +41,7 @@ from memplan.model.dims import Dims, Term
 from memplan.spec import MlpKind, ModelSpec, NormKind, PositionKind
 from memplan.units import FP32_BYTES
 from memplan.workload import Attention as Kernel
-from memplan.workload import NormImpl
+from memplan.workload import MoeImpl, NormImpl
 from memplan.workload import Workload
 
 # the groups a save list may name, and the blocks whose items each stands for
@@ -49,6 +50,9 @@ GROUPS = {"attention": ("attn",), "mlp": ("mlp",), "norms": ("attn_norm", "mlp_n
 MATMUL, ATTENTION_KERNEL, ACTIVATION, PRODUCT, NORM = "matmul", "sdpa", "act", "mul", "norm"
 # an upcast RMSNorm's ops a policy can name: its dtype casts (``aten._to_copy``) and ``rsqrt``
 COPY, RSQRT = "copy", "rsqrt"
+# an MoE layer's router softmax, its rows' gathers (``aten.index``) and its experts'
+# grouped matmuls (``aten._grouped_mm``)
+SOFTMAX, INDEX, GROUPED_MM = "softmax", "index", "grouped_mm"
 
 
 class Item(NamedTuple):
@@ -75,8 +79,9 @@ class Item(NamedTuple):
 
 def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     """Why op-level checkpointing is not modelled for ``spec`` and ``wl``, or None."""
+    moe_why = moe_refusal(spec, wl) if spec.moe is not None else None
     checks = (
-        (spec.moe is not None, "MoE layers"), (spec.mla is not None, "MLA attention"),
+        (moe_why is not None, moe_why or ""), (spec.mla is not None, "MLA attention"),
         (spec.linear_attention is not None, "linear-attention layers"),
         (spec.short_conv is not None, "short-convolution layers"),
         (spec.sliding_window is not None, "sliding-window layers"),
@@ -98,13 +103,34 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     return next((why for cond, why in checks if cond), None)
 
 
+def moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
+    """Why an MoE layer's ops cannot be kept or named one by one, or None: modelled for
+    transformers' grouped experts (``MoeImpl.GROUPED``, integrations/moe.py
+    ``grouped_mm_experts_forward``: a fixed count of ops per layer whatever the routing) of
+    gated, stacked, bias-free experts behind a softmax router (Mixtral's)."""
+    moe = spec.moe
+    assert moe is not None
+    checks = (
+        (wl.moe_impl is not MoeImpl.GROUPED,
+         f"moe_impl {wl.moe_impl.value} (its op counts follow the routing; modelled for "
+         "transformers' grouped experts, moe_impl grouped)"),
+        (moe.num_shared_experts > 0, "shared experts"),
+        (moe.router_fp32, "an fp32 router"), (moe.router_topk_softmax, "a top-k softmax router"),
+        (moe.clamped_swiglu or spec.mlp_bias, "expert biases"),
+        (not spec.mlp.gated, "ungated experts"),
+        (moe.expert_ffn_hidden_size in (spec.hidden_size, spec.head_dim),
+         "experts as wide as the hidden size or a head (their products share its width)"),
+    )
+    return next((f"MoE layers with {why}" for cond, why in checks if cond), None)
+
+
 def check_supported(spec: ModelSpec, wl: Workload) -> None:
     why = ops_refusal(spec, wl)
     if why is not None:
         raise LayoutError("recompute ops is not modelled with this layer",
                           f"recompute ops with {why}: op-level checkpointing is modelled for "
-                          "dense pre-norm layers with SDPA attention, without autocast, "
-                          "LoRA or compile")
+                          "pre-norm layers with SDPA attention and a dense MLP or "
+                          "transformers' grouped experts, without autocast, LoRA or compile")
 
 
 def matmul_shapes(spec: ModelSpec, t: int, fused_qkv: bool = False
@@ -124,9 +150,10 @@ def matmul_shapes(spec: ModelSpec, t: int, fused_qkv: bool = False
 
 @lru_cache(maxsize=512)
 def layer_items(spec: ModelSpec, wl: Workload, dm: Dims,
-                saved: tuple[Term, ...]) -> tuple[Item, ...]:
-    """The items of one dense layer on this rank, in execution order (``Item``); ``saved``:
-    what the layer saves without recompute (``memplan.model.layer.ops_items`` gives it)."""
+                saved: tuple[Term, ...], moe: bool = False) -> tuple[Item, ...]:
+    """The items of one layer on this rank, in execution order (``Item``); ``saved``:
+    what the layer saves without recompute (``memplan.model.layer.ops_items`` gives it);
+    ``moe``: an MoE layer (its feed-forward's items: ``moe_items``)."""
     check_supported(spec, wl)
     terms = {t.name: t.size_bytes for t in saved}
     tokens, e, t = dm.tokens, dm.e, dm.tp
@@ -153,6 +180,8 @@ def layer_items(spec: ModelSpec, wl: Workload, dm: Dims,
                     core, ATTENTION_KERNEL, spec.q_size // t, 0, "attn", False))
     out.append(matmul(*mm["attn.o_proj"]))
     out += _norm_items("mlp_norm", terms, spec, named)
+    if moe:
+        return tuple(out) + moe_items(spec, dm, terms, _keys_before(out, spec, dm))
     f = spec.ffn_hidden_size // t
     if spec.mlp.gated:
         out.append(matmul(*mm["mlp.gate"]))
@@ -166,6 +195,91 @@ def layer_items(spec: ModelSpec, wl: Workload, dm: Dims,
         out.append(Item("mlp.act", ("mlp.act",), terms["mlp.act"], float(f), ACTIVATION, f, 0,
                         "mlp", False))
     return tuple(out)
+
+
+def _keys_before(items: list[Item], spec: ModelSpec, dm: Dims) -> dict[tuple[str, int], int]:
+    """How many ops of each (family, width) a policy counts before the feed-forward: the
+    attention's and norms' items, and a named RMSNorm's unsaved product (``_norm_items``)."""
+    seen: dict[tuple[str, int], int] = {}
+    for key in [(i.op, i.width) for i in items if i.op != NORM] + [
+            (PRODUCT, spec.hidden_size) for i in items if i.op == RSQRT]:
+        seen[key] = seen.get(key, 0) + 1
+    return seen
+
+
+def moe_items(spec: ModelSpec, dm: Dims, terms: dict[str, int],
+              seen: dict[tuple[str, int], int]) -> tuple[Item, ...]:
+    """An MoE feed-forward's items as transformers runs it (``moe_refusal``: Mixtral's
+    ``MixtralTopKRouter.forward`` and integrations/moe.py ``grouped_mm_experts_forward``), in
+    execution order, each op's index counted after ``seen`` (``_keys_before``) and after
+    the block's own ops a policy also counts (``moe_policy_ops``): the router's projection
+    (saved by no one: kept, it skips its rerun), its fp32 softmax (``moe.router_probs``),
+    the routed rows sorted by expert (the second gather of width h, ``moe.dispatched``), the
+    experts' grouped gate/up projection (``moe.expert.gate``, ``.up``: one tensor), their
+    SiLU and product, and their grouped down projection (``moe.expert_out``, which the
+    routing weights' product saves: the rerun reaches it, unlike a dense MLP's). FLOPs per
+    token of the layer: each token's k routed rows."""
+    seen = dict(seen)
+    out: list[Item] = []
+    for name, op, width, covers, size, flops, own in _moe_ops(spec, dm, terms):
+        nth = seen.get((op, width), 0)
+        seen[(op, width)] = nth + 1
+        if name:
+            out.append(Item(name, covers, size, flops, op, width, nth, "mlp", own))
+    return tuple(out)
+
+
+def _moe_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]
+             ) -> list[tuple[str, str, int, tuple[str, ...], int, float, bool]]:
+    """The grouped MoE block's ops a policy counts, in execution order, as (item name or ""
+    for an op no item keeps, family, width, terms, bytes, FLOPs per token, own_extra)."""
+    moe = spec.moe
+    assert moe is not None
+    h, e, E, k = spec.hidden_size, dm.e, moe.num_experts, moe.top_k
+    f = moe.expert_ffn_hidden_size // dm.experts().tp
+    rows = dm.tokens * k
+    low = e < FP32_BYTES
+
+    def term(*names: str) -> int:
+        return sum(terms[n] for n in names)
+
+    ops = [("moe.router", MATMUL, E, (), dm.tokens * E * e, 2.0 * h * E, True)]
+    if low:  # router_logits.float()
+        ops.append(("", COPY, E, (), 0, 0.0, False))
+    ops += [("moe.router_probs", SOFTMAX, E, ("moe.router_probs",), term("moe.router_probs"),
+             float(E), False),
+            ("", INDEX, h, (), 0, 0.0, False),  # hidden_states[token_idx]
+            ("", INDEX, rows, (), 0, 0.0, False), ("", INDEX, rows, (), 0, 0.0, False),
+            ("moe.dispatched", INDEX, h, ("moe.dispatched",), term("moe.dispatched"), 0.0,
+             False),
+            ("", COPY, rows, (), 0, 0.0, False),  # expert_ids_g.float() (.int() on CUDA)
+            ("moe.expert.gate_up", GROUPED_MM, 2 * f, ("moe.expert.gate", "moe.expert.up"),
+             term("moe.expert.gate", "moe.expert.up"), k * 4.0 * h * f, True),
+            ("moe.expert.act", ACTIVATION, f, ("moe.expert.act",), term("moe.expert.act"),
+             float(k * f), True),
+            ("moe.expert.prod", PRODUCT, f, ("moe.expert.prod",), term("moe.expert.prod"),
+             float(k * f), False),
+            ("moe.expert.down", GROUPED_MM, h, ("moe.expert_out",), term("moe.expert_out"),
+             k * 2.0 * h * f, False),
+            ("", PRODUCT, h, (), 0, 0.0, False),  # down_proj_out * sample_weights_g
+            ("", INDEX, h, (), 0, 0.0, False)]  # weighted_out[inv_perm]
+    if low:  # final_hidden_states.to(hidden_states.dtype) (fp32 by type promotion)
+        ops.append(("", COPY, h, (), 0, 0.0, False))
+    return ops
+
+
+def moe_policy_ops(spec: ModelSpec, dm: Dims) -> list[tuple[str, int]]:
+    """The (family, width) of the MoE block's ops no item keeps that a policy counts
+    (``_moe_ops``)."""
+    return [(op, width) for name, op, width, *_ in _moe_ops(spec, dm, _ZERO) if not name]
+
+
+class _Zero(dict):
+    def __missing__(self, key: str) -> int:
+        return 0
+
+
+_ZERO = _Zero()
 
 
 def _has_bias(spec: ModelSpec, name: str) -> bool:
@@ -280,11 +394,29 @@ def check_scopes(save: tuple[str, ...], spec: ModelSpec, pp: int) -> None:
                     f"stage (stage0, stage1, ...)")
 
 
+def searched_moe(spec: ModelSpec) -> bool:
+    """Whether a model's layers are all MoE layers (a save set is then searched and emitted
+    for them); a model of dense and MoE layers takes a save list per kind (``moe:`` and
+    ``dense:`` scopes)."""
+    return spec.moe is not None and all(spec.is_moe_layer(i) for i in range(spec.num_layers))
+
+
+def check_searchable(spec: ModelSpec) -> None:
+    """Refuses ``--recompute auto`` for a model of dense and MoE layers, by name: one save
+    set is searched for one layer kind."""
+    if spec.moe is not None and not searched_moe(spec):
+        raise MemplanError(f"recompute auto: {spec.name} has dense and MoE layers; a save "
+                           "set is searched for models whose layers are all of one kind "
+                           "(give each kind its own list: --recompute ops --recompute-save "
+                           "dense:NAME,moe:NAME)")
+
+
 def resolve(items: tuple[Item, ...], save: tuple[str, ...], spec: ModelSpec,
-            kind: str = "dense") -> tuple[Item, ...]:
-    """The items a save list keeps in a layer of ``kind`` (``KINDS``), in execution order; an
-    unknown name is refused with the names it could be. Stage scopes must have been resolved
-    (``for_stage``)."""
+            kind: str | None = None) -> tuple[Item, ...]:
+    """The items a save list keeps in a layer of ``kind`` (``KINDS``; by default the kind
+    ``searched_moe`` names), in execution order; an unknown name is refused with the names
+    it could be. Stage scopes must have been resolved (``for_stage``)."""
+    kind = kind or ("moe" if searched_moe(spec) else "dense")
     chosen: set[str] = set()
     for scoped_name in save:
         scopes, name = _split(scoped_name)
@@ -375,5 +507,6 @@ def assumption(spec: ModelSpec, wl: Workload, items: tuple[Item, ...], pp: int =
     else:
         what = "each layer keeps its input and, " + "; ".join(
             f"on stage {n}, {keeps(save)}" for n, save in stages.items())
-    return (f"recompute ops (PyTorch selective activation checkpointing per layer): {what} "
-            "(the down projection never reruns: early stop)")
+    stop = ("the experts' down projection reruns: the routing weights' product saves its "
+            "output" if searched_moe(spec) else "the down projection never reruns: early stop")
+    return f"recompute ops (PyTorch selective activation checkpointing per layer): {what} ({stop})"

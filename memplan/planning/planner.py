@@ -560,7 +560,7 @@ def _with_save_set(ctx: _Context, fit: _Fit, known: int = 0) -> _Fit:
     recompute that fits its layout at its micro-batch (``memplan.planning.save_sets``): a
     bisection of the layer's frontier, one evaluation per probe."""
     from memplan.model.dims import Dims
-    from memplan.model.layer import ops_items
+    from memplan.model.layer import ops_forward_peaks, ops_items
     from memplan.planning.save_sets import choose, frontier
 
     wl = ctx.workload(fit.policy).model_copy(update={"micro_batch_size": fit.mbs})
@@ -572,17 +572,20 @@ def _with_save_set(ctx: _Context, fit: _Fit, known: int = 0) -> _Fit:
         ctx.evaluated += 1
         return peaks[kept] <= ctx.budget
 
-    sets = frontier(ops_items(ctx.spec, wl, Dims.of(ctx.spec, fit.par, wl)))
+    dm = Dims.of(ctx.spec, fit.par, wl)
+    sets = frontier(ops_items(ctx.spec, wl, dm))
+    forward = ops_forward_peaks(ctx.spec, wl, dm, tuple(c.kept for c in sets))
     if fit.par.pp > 1:
-        return _with_stage_sets(ctx, fit, sets, known)
-    choice, _ = choose(sets, fits, known)
+        return _with_stage_sets(ctx, fit, sets, known, forward)
+    choice, _ = choose(sets, fits, known, forward)
     if choice is None:
         return fit
     return replace(fit, policy=(Recompute.OPS, choice.kept),  # type: ignore[arg-type]
                    peak_bytes=peaks[choice.kept])
 
 
-def _with_stage_sets(ctx: _Context, fit: _Fit, sets: tuple, known: int) -> _Fit:
+def _with_stage_sets(ctx: _Context, fit: _Fit, sets: tuple, known: int,
+                     forward: tuple[int, ...]) -> _Fit:
     """``_with_save_set`` under pipeline parallelism: each stage's own set
     (``save_sets.choose_per_stage``), one evaluation of every stage per probe."""
     from memplan.model.estimate import stage_peaks
@@ -598,7 +601,7 @@ def _with_stage_sets(ctx: _Context, fit: _Fit, sets: tuple, known: int) -> _Fit:
         peaks[kept] = stage_peaks(ctx.spec, fit.par, wl, m, ctx.ovh)
         return peaks[kept]
 
-    chosen, asked = choose_per_stage(sets, at, ctx.budget, known)
+    chosen, asked = choose_per_stage(sets, at, ctx.budget, known, forward)
     ctx.evaluated += asked
     if any(c is None for c in chosen):
         return fit
@@ -760,6 +763,9 @@ def _fastest_policy(ctx: _Context, policy: tuple[Recompute, int | None]
     from memplan.model.layer import ops_items
     from memplan.planning.save_sets import frontier
 
+    from memplan.model.sac_ops import check_searchable
+
+    check_searchable(ctx.spec)
     wl = ctx.workload(policy)
     sets = frontier(ops_items(ctx.spec, wl, Dims.of(ctx.spec, ParallelConfig(), wl)))
     return (Recompute.OPS, sets[-1].kept)  # type: ignore[return-value]

@@ -10,10 +10,11 @@ are optimal at their own bytes (a fractional knapsack's optimum there is integra
 budget between two of them the chosen one reruns at most the next item's FLOPs more than the
 optimum (``Choice.gap_flops``).
 
-A layer's peak grows with what it keeps, so the frontier, ordered by bytes, is searched by
-bisection for the last set that fits (the ``fits`` the caller gives: an estimate's peak
-against its budget), each probe one estimate; the choice is then checked, and if a later
-moment makes it overshoot the sets before it are tried in order. Only the items a policy can
+A stage's peak grows with a set's bytes and its layer's forward peak together, not with its
+bytes alone (``choose``), so the frontier, ordered by bytes, is searched for the last set
+that fits (the ``fits`` the caller gives: an estimate's peak against its budget), each probe
+one estimate: a set that does not fit rules out the later sets whose forward peak is no
+lower; where the forward peaks rise with the bytes this is a bisection. Only the items a policy can
 name are searched (``POLICY_OPS``: the projections, the attention kernel, the activation,
 the gated product, and an upcast RMSNorm's casts, rsqrt and output; other norms' saved
 tensors come from ops that differ by implementation).
@@ -95,11 +96,21 @@ def _greedy_chain(pool: tuple[Item, ...], total: float) -> tuple[Choice, ...]:
 
 
 def choose(sets: tuple[Choice, ...], fits: Callable[[tuple[str, ...]], bool],
-           known: int = 0) -> tuple[Choice | None, int]:
+           known: int = 0, forward: tuple[int, ...] | None = None
+           ) -> tuple[Choice | None, int]:
     """The set of ``sets`` (fewest bytes first) with the most bytes that ``fits``, and how
     many times ``fits`` was asked; None when not even the empty set fits. ``known``: the
     index of a set known to fit (a larger micro-batch's choice). The largest set is asked
-    first: where it fits, one question answers."""
+    first: where it fits, one question answers.
+
+    ``forward``: each set's layer forward peak (``memplan.model.layer.ops_forward_peaks``).
+    A stage's peak is nondecreasing in a set's bytes and its forward peak together (the
+    set enters the estimate only through them: ``dominated``), not in its bytes alone: a
+    set of fewer bytes made early in the layer can hold more at the forward's peak than one
+    of more bytes made late. So a set that does not fit rules out only the later sets whose
+    forward peak is no lower, and the search goes on among the rest (a bisection where the
+    forward peaks rise with the bytes). Without ``forward``, sets are taken to rise in
+    both."""
     asked = 0
 
     def ok(i: int) -> bool:
@@ -111,21 +122,38 @@ def choose(sets: tuple[Choice, ...], fits: Callable[[tuple[str, ...]], bool],
         return None, asked
     if len(sets) > 1 and ok(len(sets) - 1):
         return sets[-1], asked
-    if known == 0 and not ok(0):
+    if known == 0 and not ok(0):  # the empty set: fewest bytes, the lowest forward peak
         return None, asked
-    lo, hi = known, len(sets) - 2  # sets[lo] fits, the last does not
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
+    lo = known
+    open_ = [i for i in range(known + 1, len(sets) - 1)
+             if not dominated(sets, forward, len(sets) - 1, i)]
+    while open_:
+        mid = open_[len(open_) // 2]
         if ok(mid):
             lo = mid
+            open_ = [i for i in open_ if i > mid]
         else:
-            hi = mid - 1
+            open_ = [i for i in open_ if i != mid and not dominated(sets, forward, mid, i)]
     return sets[lo], asked
+
+
+def dominated(sets: tuple[Choice, ...], forward: tuple[int, ...] | None, failed: int,
+              i: int) -> bool:
+    """Whether set ``i`` cannot fit where set ``failed`` does not: it keeps no fewer bytes
+    and its layer's forward peak is no lower. A layer kind under op-level checkpointing
+    differs by its set only in its saved bytes and its forward peak (``memplan.model.
+    layer.ops_kind``), and every moment of a stage's walk adds each layer's saved bytes and
+    forward peak with a nonnegative count, so its peak cannot fall as both grow
+    (tests/unit/test_save_set_order.py checks it over many configurations)."""
+    if sets[i].kept_bytes < sets[failed].kept_bytes:
+        return False
+    return forward is None or forward[i] >= forward[failed]
 
 
 def choose_per_stage(sets: tuple[Choice, ...],
                      peaks: Callable[[tuple[str, ...]], tuple[int, ...]], budget: int,
-                     known: int = 0) -> tuple[list[Choice | None], int]:
+                     known: int = 0, forward: tuple[int, ...] | None = None
+                     ) -> tuple[list[Choice | None], int]:
     """``choose`` for each pipeline stage: a stage's memory is its own (the first stages
     hold more micro-batches in flight, so they keep less), so each stage takes the set of
     ``sets`` with the most bytes whose peak on that stage (``peaks``: every stage's
@@ -139,6 +167,6 @@ def choose_per_stage(sets: tuple[Choice, ...],
         return seen[kept]
 
     first = at(sets[-1].kept) if sets else ()
-    out = [choose(sets, lambda kept, i=i: at(kept)[i] <= budget, known)[0]
+    out = [choose(sets, lambda kept, i=i: at(kept)[i] <= budget, known, forward)[0]
            for i in range(len(first))]
     return out, len(seen)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from memplan.model.dims import Dims
 from memplan.model.layer import ops_items
-from memplan.model.sac_ops import resolve
+from memplan.model.sac_ops import moe_policy_ops, resolve
 from memplan.parallel import ParallelConfig
 from memplan.report.sac_policy import torch_policy
 from memplan.spec import ModelSpec
@@ -17,8 +17,11 @@ def emitted_module(spec: ModelSpec, wl: Workload, par: ParallelConfig | None = N
     """The namespace of the emitted torch policy module for ``wl``'s save set (on one rank
     of ``par``: one process by default)."""
     par = par or ParallelConfig()
-    items = ops_items(spec, wl, Dims.of(spec, par, wl))
-    text = torch_policy(spec, items, resolve(items, wl.recompute_save, spec), "trace")
+    dm = Dims.of(spec, par, wl)
+    items = ops_items(spec, wl, dm)
+    moe_ops = moe_policy_ops(spec, dm) if spec.moe is not None else None
+    text = torch_policy(spec, items, resolve(items, wl.recompute_save, spec), "trace",
+                        moe_ops=moe_ops)
     namespace: dict = {"__name__": "memplan_emitted_policy"}
     exec(compile(text, "<emitted policy>", "exec"), namespace)  # noqa: S102 (our own text)
     return namespace

@@ -37,7 +37,8 @@ _TITAN_FQNS = {"attn.qkv": "attention.wqkv", "attn.q": "attention.wq", "attn.k":
 
 
 def emit(target: str, spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, ...],
-         command: str, layers: list[tuple[Item, ...]] | None = None) -> str:
+         command: str, layers: list[tuple[Item, ...]] | None = None,
+         moe_ops: list[tuple[str, int]] | None = None) -> str:
     """``kept`` of ``items`` as ``target`` expresses it; ``command``: the memplan command line
     it came from (quoted in the output). ``layers``: what each layer keeps, where layers
     differ (a list per pipeline stage); ``kept`` is then what every layer keeps. torch
@@ -46,7 +47,7 @@ def emit(target: str, spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item
     if target not in TARGETS:
         raise MemplanError(f"emit-policy must be one of {', '.join(TARGETS)}, got {target!r}")
     if target == "torch":
-        return torch_policy(spec, items, kept, command, layers)
+        return torch_policy(spec, items, kept, command, layers, moe_ops)
     text = {"torchtitan": torchtitan_policy, "megatron": megatron_policy}[target](
         spec, items, kept, command)
     if layers is None:
@@ -72,15 +73,18 @@ def _save_set(kept: tuple[Item, ...]) -> str:
 
 
 def torch_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, ...],
-                 command: str, layers: list[tuple[Item, ...]] | None = None) -> str:
+                 command: str, layers: list[tuple[Item, ...]] | None = None,
+                 moe_ops: list[tuple[str, int]] | None = None) -> str:
     """The module (see the module docstring); with ``layers`` (what each layer keeps) the
-    layers whose set differs from ``SAVE`` get their own in ``LAYER_SAVE``, by index."""
+    layers whose set differs from ``SAVE`` get their own in ``LAYER_SAVE``, by index.
+    ``moe_ops``: an MoE layer's ops no item keeps that the policy counts
+    (``memplan.model.sac_ops.moe_policy_ops``)."""
     keyed = [i for i in items if i.op != NORM]
     per_layer: dict[tuple[str, int], int] = {}
-    # the down projection runs too (never kept: the rerun stops before it), and counts, as
-    # does each named norm's fp32 product x * rstd (saved by no one)
-    extra = [(MATMUL, spec.hidden_size)] + [(PRODUCT, spec.hidden_size)
-                                           for i in keyed if i.op == RSQRT]
+    # a dense layer's down projection runs too (never kept: the rerun stops before it), and
+    # counts, as does each named norm's fp32 product x * rstd (saved by no one)
+    extra = ([(MATMUL, spec.hidden_size)] if moe_ops is None else moe_ops) + [
+        (PRODUCT, spec.hidden_size) for i in keyed if i.op == RSQRT]
     for op, width in [(i.op, i.width) for i in keyed] + extra:
         per_layer[(op, width)] = per_layer.get((op, width), 0) + 1
     every = [kept] if layers is None else layers
@@ -134,6 +138,12 @@ def _key(op, args):
         return "act", args[0].shape[-1]
     if op in (_aten._to_copy.default, _aten.rsqrt.default):
         return ("copy" if op is _aten._to_copy.default else "rsqrt"), args[0].shape[-1]
+    if op is _aten._softmax.default:
+        return "softmax", args[0].shape[-1]
+    if op is _aten.index.Tensor:
+        return "index", args[0].shape[-1]
+    if "grouped_mm" in str(op):  # aten._grouped_mm, or transformers' fallback op
+        return "grouped_mm", args[1].shape[-1]
     if op is _aten.mul.Tensor and all(isinstance(a, torch.Tensor) for a in args[:2]):
         return "mul", max(args[0].shape[-1], args[1].shape[-1])
     return None
@@ -273,7 +283,16 @@ def emit_for(target: str, est: object) -> str:
     from memplan.model.stage_parts import stage_layer_indices
 
     par = est.parallel
-    items = ops_items(spec, wl, Dims.of(spec, par, wl))
+    dm = Dims.of(spec, par, wl)
+    items = ops_items(spec, wl, dm)
+    moe_ops = None
+    if spec.moe is not None:
+        from memplan.model.sac_ops import moe_policy_ops, searched_moe
+
+        if not searched_moe(spec):
+            raise MemplanError(f"emit-policy: {spec.name} has dense and MoE layers; a policy "
+                               "is emitted for models whose layers are all of one kind")
+        moe_ops = moe_policy_ops(spec, dm)
     stages = per_stage(wl.recompute_save, par.pp)
     layers = None
     if stages is None:
@@ -291,4 +310,4 @@ def emit_for(target: str, est: object) -> str:
     command = (f"memplan estimate -m {spec.name} -n {par.world_size} "
                f"--mbs {wl.micro_batch_size} --seq {wl.seq_len} --recompute ops "
                f"--recompute-save {save}" + (f" --pp {par.pp}" if layers is not None else ""))
-    return emit(target, spec, items, kept, command, layers)
+    return emit(target, spec, items, kept, command, layers, moe_ops)

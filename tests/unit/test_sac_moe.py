@@ -1,0 +1,116 @@
+"""Op-level checkpointing of MoE layers (``memplan.model.sac_ops.moe_items``): transformers'
+grouped experts (``moe_impl grouped``), bytes derived by hand.
+
+tiny-moe: tiny (h 64, 4 heads / 2 KV heads, 2 layers) with every feed-forward an MoE of 4
+stacked SwiGLU experts of f 96, top-2. At seq 128 and micro-batch 2 in bf16 (e = 2) a layer's
+tokens are T = 256 and its routed rows R = T*k = 512: the router's logits T*E*e = 2,048
+bytes, its fp32 softmax T*E*4 = 4,096; the sorted gathered rows R*h*e = 65,536; the experts'
+gate/up output R*2f*e = 196,608, their SiLU and product R*f*e = 98,304 each; their down
+projection's output R*h*e = 65,536.
+"""
+
+from __future__ import annotations
+
+import pytest
+from memplan.api import estimate, make_layout, make_workload
+from memplan.errors import MemplanError
+from memplan.model import sac_ops
+from memplan.model.dims import Dims
+from memplan.model.layer import ops_items
+from memplan.spec import ModelSpec, MoESpec, load_model
+
+TINY_MOE = ModelSpec.model_validate({**load_model("tiny").model_dump(), "name": "tiny-moe",
+                                     "moe": MoESpec(num_experts=4, top_k=2,
+                                                    expert_ffn_hidden_size=96,
+                                                    stacked_experts=True).model_dump()})
+FIELDS = dict(seq_len=128, micro_batch_size=2, moe_impl="grouped")
+
+
+def _stage(**fields):
+    return estimate(TINY_MOE, **FIELDS, **fields).stages[0]
+
+
+def _items():
+    wl = make_workload(TINY_MOE, **FIELDS, recompute="ops")
+    return ops_items(TINY_MOE, wl, Dims.of(TINY_MOE, make_layout(1), wl))
+
+
+def test_moe_items_by_hand() -> None:
+    """The MoE block's items, their bytes (above) and FLOPs per token of the layer: the
+    router 2*h*E = 512, its softmax E = 4, the gathered rows none, gate/up k*2*h*2f =
+    49,152, SiLU and product k*f = 192 each, down k*2*f*h = 24,576."""
+    moe = {i.name: (i.size_bytes, i.flops_per_token, i.op, i.width, i.nth)
+           for i in _items() if i.block == "mlp"}
+    assert moe == {
+        "moe.router": (2_048, 512.0, "matmul", 4, 0),
+        "moe.router_probs": (4_096, 4.0, "softmax", 4, 0),
+        # the second gather of width h: hidden_states[token_idx], then its sorted copy
+        "moe.dispatched": (65_536, 0.0, "index", 64, 1),
+        "moe.expert.gate_up": (196_608, 49_152.0, "grouped_mm", 192, 0),
+        "moe.expert.act": (98_304, 192.0, "act", 96, 0),
+        "moe.expert.prod": (98_304, 192.0, "mul", 96, 0),
+        "moe.expert.down": (65_536, 24_576.0, "grouped_mm", 64, 0)}
+
+
+def test_moe_save_list_adds_its_bytes_per_layer() -> None:
+    """The experts' gate/up output and the router's logits kept in each of the 2 layers:
+    2 * (196,608 + 2,048) bytes beyond full recompute's saved activations; the group
+    ``mlp`` keeps the whole MoE block: 2 * 530,432."""
+    full = _stage(recompute="full").activations_bytes
+    kept = _stage(recompute="ops", recompute_save="moe.expert.gate_up,moe.router")
+    assert kept.activations_bytes - full == 2 * (196_608 + 2_048)
+    whole = _stage(recompute="ops", recompute_save="mlp").activations_bytes - full
+    assert whole == 2 * (2_048 + 4_096 + 65_536 + 196_608 + 2 * 98_304 + 65_536)
+
+
+def test_moe_term_names_and_scope() -> None:
+    """A saved term's name keeps the item that makes it (``moe.expert.up``: the gate/up
+    output; ``moe.expert_out``: the down projection's); ``moe:`` scopes the MoE layers."""
+    full = _stage(recompute="full").activations_bytes
+    assert _stage(recompute="ops", recompute_save="moe.expert.up").activations_bytes - full \
+        == 2 * 196_608
+    assert _stage(recompute="ops", recompute_save="moe:moe.expert_out").activations_bytes \
+        - full == 2 * 65_536
+
+
+def test_moe_forward_peak_at_the_unsort() -> None:
+    """The checkpointed MoE block's two moments: at the gate the gate/up output, SiLU and
+    product (4 * R*f*e = 393,216), at the unsort the product, the down output, the weighted
+    rows and their unsorted copy (98,304 + 3 * 65,536 = 294,912), beside what both hold.
+    Keeping the gate/up output adds it at the unsort alone (the rerun had freed it there):
+    294,912 + 196,608 = 491,520, now the larger, 98,304 above the gate's."""
+    from memplan.model.layer import layer_kind
+    from memplan.workload import Recompute
+
+    def peak(save: str) -> int:
+        wl = make_workload(TINY_MOE, **FIELDS, recompute="ops", recompute_save=save)
+        dm = Dims.of(TINY_MOE, make_layout(1), wl)
+        return layer_kind(TINY_MOE, wl, dm, True, Recompute.OPS).forward_peak_bytes
+
+    assert peak("moe.expert.gate_up") - peak("") == 98_304
+    assert peak("moe.expert.prod") == peak("")  # alive at both moments anyway
+
+
+def test_moe_rerun_flops_by_hand() -> None:
+    """Keeping nothing, an MoE layer reruns its attention and norms (8,192 + 2*4,096 +
+    16,384 + 8,192 + 8*64 = 41,472, as a dense tiny layer) and the MoE block's 512 + 4 +
+    49,152 + 2*192 + 24,576 = 74,628: the experts' down projection reruns (the routing
+    weights' product saves its output)."""
+    items = _items()
+    assert sac_ops.rerun_flops_per_token(items, ()) == 41_472 + 74_628
+
+
+@pytest.mark.parametrize(("fields", "why"), [
+    (dict(moe_impl="loop"), "moe_impl loop"),
+    (dict(), "moe_impl loop"),
+])
+def test_moe_refused_where_not_modelled(fields: dict, why: str) -> None:
+    with pytest.raises(MemplanError, match=why):
+        estimate(TINY_MOE, seq_len=128, micro_batch_size=2, recompute="ops", **fields)
+
+
+def test_shared_experts_refused_by_name() -> None:
+    spec = TINY_MOE.model_copy(update={"moe": TINY_MOE.moe.model_copy(update={
+        "num_shared_experts": 1, "shared_expert_ffn_hidden_size": 96})})
+    with pytest.raises(MemplanError, match="MoE layers with shared experts"):
+        estimate(spec, **FIELDS, recompute="ops")
