@@ -497,13 +497,17 @@ def float8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutErr
     the gathered bf16 input itself (``linear._gathered_grad``); both traced at tp 2 and 4,
     with and without sequence parallelism. Refused: tp with compile unless under full
     recompute (each block then saves its input alone; the
-    recomputed block's casts are taken as traced eagerly: compiled TP was not traced), MoE
-    layers (the grouped experts take a converter of their own,
-    ``Float8GroupedExpertsConverter``: torchao's ``Float8TrainingOpConfig``), LoRA,
-    selective recompute other than per-op SAC."""
-    why = None
-    if spec.moe is not None:
-        why = "MoE layers"
+    recomputed block's casts are taken as traced eagerly: compiled TP was not traced), LoRA,
+    selective recompute other than per-op SAC. MoE layers with grouped experts
+    (``moe_impl grouped``): torchtitan's ``Float8GroupedExpertsConverter`` runs their grouped
+    matmuls as torchao's float8 grouped GEMM, rowwise whatever the linears' recipe
+    (``memplan.model.float8_grouped``); refused there: a loop of expert linears or
+    every-token bmm experts (torchao's ``Float8TrainingWeightWrapperTensor`` converts
+    ``_grouped_mm`` with offsets alone), tp > 1, and FSDP2's float8 all-gather (the experts
+    gather in the parameters' dtype, which the float8 all-gather saving does not separate)."""
+    why = _float8_moe_refusal(par, wl) if spec.moe is not None else None
+    if why is not None:
+        pass
     elif wl.compile and not spec.mlp.gated:
         why = "compile and an ungated MLP"
     elif par.tp > 1 and (reason := _float8_tp_refusal(spec, par, wl)) is not None:
@@ -517,7 +521,19 @@ def float8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutErr
     return LayoutError(f"float8 is not modelled with {why}",
                        f"float8 {wl.float8.value} with {why}: not modelled yet (float8 is "
                        "modelled for dense layers, eager or compiled with a gated MLP, tp 1 "
-                       "or eager DTensor TP, no LoRA, recompute none, full or per-op SAC)")
+                       "or eager DTensor TP, and grouped MoE experts at tp 1; no LoRA, "
+                       "recompute none, full or per-op SAC)")
+
+
+def _float8_moe_refusal(par: ParallelConfig, wl: Workload) -> str | None:
+    """Why float8 with MoE layers is not modelled for this run, or None (``float8_rule``)."""
+    if wl.moe_impl.value != "grouped":
+        return f"MoE layers and moe_impl {wl.moe_impl.value} (it needs grouped experts)"
+    if par.tp > 1:
+        return f"MoE layers and tp {par.tp}"
+    if wl.float8_all_gather:
+        return "MoE layers and float8_all_gather"
+    return None
 
 
 def _float8_tp_refusal(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> str | None:

@@ -84,7 +84,10 @@ def test_float8_keeps_saved_activations_of_a_bf16_run() -> None:
 
 
 @pytest.mark.parametrize(("model", "update", "par", "why"), [
-    ("mixtral-8x7b", {}, {}, "MoE layers"),
+    ("mixtral-8x7b", {}, {}, r"MoE layers and moe_impl loop \(it needs grouped experts\)"),
+    ("mixtral-8x7b", {"moe_impl": "every"}, {},
+     r"MoE layers and moe_impl every \(it needs grouped experts\)"),
+    ("mixtral-8x7b", {"moe_impl": "grouped"}, {"tp": 2}, "MoE layers and tp 2"),
     ("tiny", {}, {"tp": 2, "tp_style": "megatron"}, "tp 2 in the megatron style"),
     ("tiny", {"lora_rank": 8}, {}, "lora_rank 8"),
     ("tiny", {"recompute": "selective", "selective_impl": "core"}, {}, "recompute selective"),
