@@ -41,8 +41,9 @@ The MoE block (``memplan.model.moe``, grouped experts) reads ``forward_moments``
 num_experts / ep experts. Not counted: the shared experts' and a router's ``Float8Linear``
 casts (torchtitan converts the linears of an MoE layer too, unless ``filter_fqns`` names
 them: its DeepSeek-V3 float8 config filters ``router.gate``), transients of a few bytes a
-token beside the experts'; torchtitan's token padding to multiples of 16 per expert
-(``swap_token_dispatcher``: at most 15 rows an expert).
+token beside the experts'; under EP, the padding of each expert's rows to a multiple of 16
+(``components/quantization/utils.py`` ``swap_token_dispatcher``: ``TorchAOTokenDispatcher``
+with ``pad_multiple`` 16, at most 15 rows an expert).
 """
 
 from __future__ import annotations
@@ -123,7 +124,8 @@ def forward_moments(spec: ModelSpec, dm: Dims, terms: list[Term]) -> list[Moment
 
 def working_bytes(spec: ModelSpec, dm: Dims) -> int:
     """The grouped experts' checkpointed forward (``memplan.model.moe._grouped_working``,
-    nothing saved) at the float8 grouped GEMMs: the gathered rows and their sorted copy, and at the input projections' matmul its casts and output (the
+    nothing saved) at the float8 grouped GEMMs: the gathered rows and their sorted copy,
+    and at the input projections' matmul its casts and output (the
     gate's output and activation beside it where gate and up are two), at the down
     projection's its input (the product), casts and output. 0 without float8."""
     if dm.float8 is Float8Recipe.NONE:

@@ -270,7 +270,8 @@ class MoE:
             return [Moment("mlp", 0, stream + _every_working(spec, dm))]
         if wl.moe_impl is MoeImpl.GROUPED:
             return [Moment("mlp", 0, dm.tokens * moe.num_experts * FP32_BYTES + stream
-                           + max(_grouped_working(spec, dm), float8_grouped.working_bytes(spec, dm)))]
+                           + max(_grouped_working(spec, dm),
+                                 float8_grouped.working_bytes(spec, dm)))]
         rows_e = dm.tokens * moe.top_k // moe.num_experts
         inner = rows_e * moe.expert_ffn_hidden_size // dm.experts().tp * e
         expert = rows_e * h * e + max(rows_e * h * e + inner,
@@ -290,11 +291,12 @@ class MoE:
         if wl.moe_impl is MoeImpl.EVERY:
             return _every_backward(spec, dm, saved)
         if wl.moe_impl is MoeImpl.GROUPED:
-            return _gated_shared_unsort(spec, dm, saved) + float8_grouped.backward_moments(spec, dm, mlp.backward_moments(
+            grouped = float8_grouped.backward_moments(spec, dm, mlp.backward_moments(
                 spec, dm.experts(), saved=saved, freed=mlp.dropout_mask_bytes(spec, dm) + routed,
                 run_tokens=dm.tokens * moe.top_k, ffn=moe.expert_ffn_hidden_size,
                 grad_inputs=2 * dm.rows * h * e, fresh=0, out_grad=routed,
                 fused_in=moe.stacked_experts and spec.mlp.gated, in_saved=routed))
+            return _gated_shared_unsort(spec, dm, saved) + grouped
         return mlp.backward_moments(
             spec, dm.experts(), saved=saved,
             freed=mlp.dropout_mask_bytes(spec, dm) + routed + routed // moe.num_experts,
