@@ -95,3 +95,63 @@ def test_float8_grouped_mm_matches_trace(kernels, rows, d_in, d_out, experts) ->
     backward = tracker.peak(0, "backward").total_bytes
     held = weight + 2 * out + inp + inp + weight
     assert backward - held == float8_grouped.backward_bytes(rows, d_in, d_out, experts)
+
+
+def _titan_experts(float8: bool, dim: int, hidden: int, experts: int, rows: int):
+    """torchtitan 0.3.0's ``GroupedExperts`` (``models/common/moe.py``: w1 and w3 each a
+    grouped matmul over the routed rows, silu(x w1) * (x w3), then w2), bf16 weights, as
+    ``Float8GroupedExpertsConverter`` converts it (``quantize_(experts,
+    Float8TrainingOpConfig())``) or plain; one forward and backward under fake tensors: the
+    bytes alive at each grouped matmul, and the storages saved for backward. The weights
+    are counted from the start in both runs (the converted ones by the tensor each wraps)."""
+    from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+    from torchao.quantization.quant_api import quantize_
+    from torchtitan.models.common.moe import GroupedExperts
+
+    with FakeTensorMode():
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            m = GroupedExperts(GroupedExperts.Config(dim=dim, hidden_dim=hidden,
+                                                     num_experts=experts))
+        finally:
+            torch.set_default_dtype(torch.float32)
+        if float8:
+            quantize_(m, config=Float8TrainingOpConfig(),
+                      filter_fn=lambda mod, _fqn: isinstance(mod, GroupedExperts))
+        x = torch.randn(rows, dim, dtype=torch.bfloat16, requires_grad=True)
+        counts = torch.full((experts,), rows // experts, dtype=torch.int64)
+        tracker = MemoryTracker(timeline=True)
+        tracker.register([getattr(p, "_data", p) for p in m.parameters()], "parameters")
+        saved: dict[int, int] = {}
+
+        def pack(t):
+            st = t.untyped_storage()
+            saved[id(st)] = st.nbytes()
+            return t
+
+        with tracker:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                y = m(x, counts)
+            tracker.set_phase("backward")
+            y.backward(torch.ones_like(y))
+    calls = [(p.phase, p.total_bytes) for p in tracker.timeline if "grouped_mm" in p.op]
+    return calls, sum(saved.values())
+
+
+def test_torchtitan_grouped_experts_match_trace(kernels) -> None:
+    """torchtitan's experts in float8 against the same experts in bf16: the same bytes saved
+    for backward; at each forward grouped matmul (w1, w3: d -> f; w2: f -> d) the float8
+    casts (``float8_grouped.forward_bytes``) more; at each weight-gradient matmul of backward
+    (w2's first, then w3's, then w1's) the backward's (``float8_grouped.backward_bytes``)."""
+    pytest.importorskip("torchtitan.models.common.moe")
+    dim, hidden, experts, rows = 128, 256, 4, 512
+    plain, plain_saved = _titan_experts(False, dim, hidden, experts, rows)
+    f8, f8_saved = _titan_experts(True, dim, hidden, experts, rows)
+    assert f8_saved == plain_saved
+    assert [p for p, _ in f8] == [p for p, _ in plain] == ["forward"] * 3 + ["backward"] * 6
+    mms = [(dim, hidden), (dim, hidden), (hidden, dim)]  # w1, w3, w2 in forward order
+    for (_, a), (_, b), (d_in, d_out) in zip(f8[:3], plain[:3], mms):
+        assert a - b == float8_grouped.forward_bytes(rows, d_in, d_out, experts)
+    grad_weights = [f8[i][1] - plain[i][1] for i in (4, 6, 8)]
+    assert grad_weights == [float8_grouped.backward_bytes(rows, d_in, d_out, experts)
+                            for d_in, d_out in reversed(mms)]
