@@ -513,7 +513,15 @@ def float8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutErr
     elif par.tp > 1 and (reason := _float8_tp_refusal(spec, par, wl)) is not None:
         why = reason
     elif wl.lora_rank:
-        why = f"lora_rank {wl.lora_rank}"
+        # torchtitan 0.3.0 composes them (components/lora.py _get_lora_cls: LoRAConverter
+        # after Float8LinearConverter makes a LoRAFloat8Linear); torchao's
+        # matmul_with_hp_or_float8_args saves the input and computes grad_weight whether or not
+        # the weight trains (traced: tests/traced/test_torchao_float8.py), and the adapters
+        # are plain Linears in the compute dtype, not the fp32 adapters peft builds, which is
+        # the LoRA memplan models (memplan.model.adapters)
+        why = (f"lora_rank {wl.lora_rank} (a frozen Float8Linear saves its input and makes a "
+               "weight gradient it drops; torchtitan's adapters run in the compute dtype, "
+               "memplan's LoRA is peft's fp32 adapters)")
     elif wl.recompute is Recompute.SELECTIVE and wl.selective_impl.value != "op":
         why = "recompute selective"
     if why is None:
