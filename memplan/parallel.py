@@ -573,6 +573,35 @@ def float8_gather_rule(par: ParallelConfig, wl: Workload) -> LayoutError | None:
                        f"float8_all_gather with {why}")
 
 
+def compile_loss_rule(spec: ModelSpec, par: ParallelConfig,
+                      wl: Workload) -> LayoutError | None:
+    """What a compiled loss is modelled for: torchtune's chunked cross-entropy
+    (``memplan.model.chunked_output``), and torchtitan's unchunked ``cross_entropy_loss``
+    compiled whole (``memplan.model.head``: ``build_cross_entropy_loss`` wraps it in
+    ``torch.compile`` when the job compiles; 0.3's ``compile.components`` "loss") on logits
+    no TP rank splits, without autocast. torchtune's ``compile_loss`` compiles the chunked
+    loss's ``compute_cross_entropy`` in place; another loss it wraps in a new
+    ``torch.compile`` that the recipe does not keep (recipes/full_finetune_single_device.py),
+    so that loss runs eagerly."""
+    if wl.loss_impl is LossImpl.TORCHTUNE_CHUNKED:
+        return None
+    why = None
+    if wl.loss_impl is not LossImpl.TORCHTITAN:
+        why = f"loss_impl {wl.loss_impl.value}"
+    elif wl.loss_checkpointed:
+        why = f"loss_chunks {wl.loss_chunks}"
+    elif par.vocab_shard(spec.vocab_size) < spec.vocab_size:
+        why = f"logits split over the vocabulary by tp {par.tp}"
+    elif wl.precision.policy.autocast:
+        why = f"precision {wl.precision.value}"
+    if why is None:
+        return None
+    return LayoutError(f"compile_loss is not modelled with {why}",
+                       f"compile_loss with {why}: a compiled loss is modelled for torchtune's "
+                       "chunked cross-entropy (loss_impl torchtune-chunked) and torchtitan's "
+                       "unchunked one on logits whole on each rank, without autocast")
+
+
 def te_fp8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutError | None:
     """What Transformer Engine's fp8 linears are modelled for (``memplan.model.te_fp8``):
     dense decoder layers of attention and MLP projections with 16-bit weights, as Megatron-LM
@@ -721,14 +750,8 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
         raise err
     if wl.compile and (err := compile_rule(spec, wl)) is not None:
         raise err
-    if wl.compile_loss and wl.loss_impl is not LossImpl.TORCHTUNE_CHUNKED:
-        # torchtune's compile_loss compiles the chunked loss's compute_cross_entropy in place;
-        # another loss it wraps in a new torch.compile that the recipe does not keep
-        # (recipes/full_finetune_single_device.py), so that loss runs eagerly
-        raise LayoutError("compile_loss needs loss_impl torchtune-chunked",
-                          f"compile_loss with loss_impl {wl.loss_impl.value}: a compiled loss "
-                          "is modelled for torchtune's chunked cross-entropy only "
-                          "(loss_impl torchtune-chunked)")
+    if wl.compile_loss and (err := compile_loss_rule(spec, par, wl)) is not None:
+        raise err
     if wl.optimizer_in_backward and (err := optimizer_in_backward_rule(par, wl)) is not None:
         raise err
     if wl.float8.value != "none" and (err := float8_rule(spec, par, wl)) is not None:
