@@ -497,19 +497,31 @@ def float8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutErr
     the gathered bf16 input itself (``linear._gathered_grad``); both traced at tp 2 and 4,
     with and without sequence parallelism. Refused: tp with compile unless under full
     recompute (each block then saves its input alone; the
-    recomputed block's casts are taken as traced eagerly: compiled TP was not traced), MoE
-    layers (the grouped experts take a converter of their own,
-    ``Float8GroupedExpertsConverter``: torchao's ``Float8TrainingOpConfig``), LoRA,
-    selective recompute other than per-op SAC."""
-    why = None
-    if spec.moe is not None:
-        why = "MoE layers"
+    recomputed block's casts are taken as traced eagerly: compiled TP was not traced), LoRA,
+    selective recompute other than per-op SAC. MoE layers with grouped experts
+    (``moe_impl grouped``): torchtitan's ``Float8GroupedExpertsConverter`` runs their grouped
+    matmuls as torchao's float8 grouped GEMM, rowwise whatever the linears' recipe
+    (``memplan.model.float8_grouped``); refused there: a loop of expert linears or
+    every-token bmm experts (torchao's ``Float8TrainingWeightWrapperTensor`` converts
+    ``_grouped_mm`` with offsets alone), tp > 1, and FSDP2's float8 all-gather (the experts
+    gather in the parameters' dtype, which the float8 all-gather saving does not separate)."""
+    why = _float8_moe_refusal(par, wl) if spec.moe is not None else None
+    if why is not None:
+        pass
     elif wl.compile and not spec.mlp.gated:
         why = "compile and an ungated MLP"
     elif par.tp > 1 and (reason := _float8_tp_refusal(spec, par, wl)) is not None:
         why = reason
     elif wl.lora_rank:
-        why = f"lora_rank {wl.lora_rank}"
+        # torchtitan 0.3.0 composes them (components/lora.py _get_lora_cls: LoRAConverter
+        # after Float8LinearConverter makes a LoRAFloat8Linear); torchao's
+        # matmul_with_hp_or_float8_args saves the input and computes grad_weight whether or not
+        # the weight trains (traced: tests/traced/test_torchao_float8.py), and the adapters
+        # are plain Linears in the compute dtype, not the fp32 adapters peft builds, which is
+        # the LoRA memplan models (memplan.model.adapters)
+        why = (f"lora_rank {wl.lora_rank} (a frozen Float8Linear saves its input and makes a "
+               "weight gradient it drops; torchtitan's adapters run in the compute dtype, "
+               "memplan's LoRA is peft's fp32 adapters)")
     elif wl.recompute is Recompute.SELECTIVE and wl.selective_impl.value != "op":
         why = "recompute selective"
     if why is None:
@@ -517,7 +529,19 @@ def float8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutErr
     return LayoutError(f"float8 is not modelled with {why}",
                        f"float8 {wl.float8.value} with {why}: not modelled yet (float8 is "
                        "modelled for dense layers, eager or compiled with a gated MLP, tp 1 "
-                       "or eager DTensor TP, no LoRA, recompute none, full or per-op SAC)")
+                       "or eager DTensor TP, and grouped MoE experts at tp 1; no LoRA, "
+                       "recompute none, full or per-op SAC)")
+
+
+def _float8_moe_refusal(par: ParallelConfig, wl: Workload) -> str | None:
+    """Why float8 with MoE layers is not modelled for this run, or None (``float8_rule``)."""
+    if wl.moe_impl.value != "grouped":
+        return f"MoE layers and moe_impl {wl.moe_impl.value} (it needs grouped experts)"
+    if par.tp > 1:
+        return f"MoE layers and tp {par.tp}"
+    if wl.float8_all_gather:
+        return "MoE layers and float8_all_gather"
+    return None
 
 
 def _float8_tp_refusal(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> str | None:
@@ -547,6 +571,35 @@ def float8_gather_rule(par: ParallelConfig, wl: Workload) -> LayoutError | None:
         return None
     return LayoutError(f"float8_all_gather needs tensorwise float8 and FSDP2",
                        f"float8_all_gather with {why}")
+
+
+def compile_loss_rule(spec: ModelSpec, par: ParallelConfig,
+                      wl: Workload) -> LayoutError | None:
+    """What a compiled loss is modelled for: torchtune's chunked cross-entropy
+    (``memplan.model.chunked_output``), and torchtitan's unchunked ``cross_entropy_loss``
+    compiled whole (``memplan.model.head``: ``build_cross_entropy_loss`` wraps it in
+    ``torch.compile`` when the job compiles; 0.3's ``compile.components`` "loss") on logits
+    no TP rank splits, without autocast. torchtune's ``compile_loss`` compiles the chunked
+    loss's ``compute_cross_entropy`` in place; another loss it wraps in a new
+    ``torch.compile`` that the recipe does not keep (recipes/full_finetune_single_device.py),
+    so that loss runs eagerly."""
+    if wl.loss_impl is LossImpl.TORCHTUNE_CHUNKED:
+        return None
+    why = None
+    if wl.loss_impl is not LossImpl.TORCHTITAN:
+        why = f"loss_impl {wl.loss_impl.value}"
+    elif wl.loss_checkpointed:
+        why = f"loss_chunks {wl.loss_chunks}"
+    elif par.vocab_shard(spec.vocab_size) < spec.vocab_size:
+        why = f"logits split over the vocabulary by tp {par.tp}"
+    elif wl.precision.policy.autocast:
+        why = f"precision {wl.precision.value}"
+    if why is None:
+        return None
+    return LayoutError(f"compile_loss is not modelled with {why}",
+                       f"compile_loss with {why}: a compiled loss is modelled for torchtune's "
+                       "chunked cross-entropy (loss_impl torchtune-chunked) and torchtitan's "
+                       "unchunked one on logits whole on each rank, without autocast")
 
 
 def te_fp8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutError | None:
@@ -699,14 +752,8 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
         raise err
     if wl.compile and (err := compile_rule(spec, wl)) is not None:
         raise err
-    if wl.compile_loss and wl.loss_impl is not LossImpl.TORCHTUNE_CHUNKED:
-        # torchtune's compile_loss compiles the chunked loss's compute_cross_entropy in place;
-        # another loss it wraps in a new torch.compile that the recipe does not keep
-        # (recipes/full_finetune_single_device.py), so that loss runs eagerly
-        raise LayoutError("compile_loss needs loss_impl torchtune-chunked",
-                          f"compile_loss with loss_impl {wl.loss_impl.value}: a compiled loss "
-                          "is modelled for torchtune's chunked cross-entropy only "
-                          "(loss_impl torchtune-chunked)")
+    if wl.compile_loss and (err := compile_loss_rule(spec, par, wl)) is not None:
+        raise err
     if wl.optimizer_in_backward and (err := optimizer_in_backward_rule(par, wl)) is not None:
         raise err
     if wl.float8.value != "none" and (err := float8_rule(spec, par, wl)) is not None:

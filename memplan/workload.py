@@ -637,7 +637,8 @@ class Workload(BaseModel):
         "torchtune's chunked cross-entropy runs compiled (training.compile_loss: each chunk's "
         "upcast and cross-entropy under torch.compile, Inductor): each chunk saves its "
         "logits and two fp32 per-row statistics, not an fp32 log-softmax "
-        "(memplan.model.chunked_output)"))
+        "(memplan.model.chunked_output); with loss_impl torchtitan its unchunked loss "
+        "compiled whole, the same saved set (memplan.model.head)"))
     optimizer_in_backward: bool = Field(default=False, description=(
         "each parameter's optimizer step runs in backward, in a hook after its gradient is "
         "accumulated, which then frees it (torchtune's optimizer_in_bwd; memplan.model."

@@ -58,6 +58,7 @@ class Dims(NamedTuple):
     compiled: bool = False  # the layers under torch.compile (memplan.model.compiled)
     float8_gathered: bool = False  # FSDP2 gathers converted weights in float8: no weight cast
     float8_tp: bool = False  # torchao's float8 TP styles: linear inputs cast before them
+    ep: int = 1  # expert-parallel degree: this rank holds num_experts / ep routed experts
 
     @classmethod
     def of(cls, spec: ModelSpec, par: ParallelConfig, wl: Workload) -> Dims:
@@ -76,11 +77,17 @@ class Dims(NamedTuple):
                    te_fp8_transposes=wl.te_fp8_transposes is not False,
                    compiled=wl.compile,
                    float8_gathered=wl.float8_all_gather and par.zero >= 3,
-                   float8_tp=wl.float8 is Float8Recipe.TENSORWISE and par.tp > 1)
+                   float8_tp=wl.float8 is Float8Recipe.TENSORWISE and par.tp > 1,
+                   ep=par.ep)
 
     def experts(self) -> Dims:
-        """These dims for the routed experts' projections: their inner widths split by etp."""
-        return self._replace(tp=self.etp) if self.etp else self
+        """These dims for the routed experts' projections: their inner widths split by etp.
+        Under float8 they are no ``Float8Linear``s: their grouped matmuls' casts are
+        ``memplan.model.float8_grouped``'s, read by the MoE block itself."""
+        dm = self._replace(tp=self.etp) if self.etp else self
+        if dm.float8 is Float8Recipe.NONE:
+            return dm
+        return dm._replace(float8=Float8Recipe.NONE, float8_tp=False, float8_gathered=False)
 
     def stream(self, hidden: int) -> int:
         """Bytes of one residual-stream tensor of width ``hidden`` on this rank."""

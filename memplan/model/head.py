@@ -10,6 +10,18 @@ torchtitan 0.3's ``ChunkedLossWrapper.__call__`` in components/loss.py) saves th
 gradient it summed over the chunks instead (``accumulated_grad``, cast to the final norm's
 output dtype: the output's bytes); the head's weight gradient exists when the loss returns, and
 the model's backward starts at the final norm (``memplan.model.loss_in_call``).
+
+torchtitan's loss compiled whole (``compile_loss`` with ``LossImpl.TORCHTITAN``:
+``components/loss.py build_cross_entropy_loss`` wraps ``cross_entropy_loss``,
+``F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))``, in ``torch.compile``
+when the job compiles, at e7c0cae; 0.3's ``compile.components`` "loss") is partitioned as
+torchtune's compiled chunk (``memplan.model.chunked_output``, one chunk): the upcast, the
+shifted logits and their exponentials are fusible pointwise ops, recomputed; the row max and
+the log-sum-exp are reductions, saved; the logits, the graph's input, saved as they are (the
+model's output: the loop's ``del pred`` frees nothing). So it saves the compute-dtype logits
+and two fp32 per token, makes no logits-sized buffer in forward, and in backward one kernel
+makes the logits' gradient in the compute dtype (traced: tests/traced/
+test_torchtitan_compiled_loss.py, Inductor on CPU).
 """
 
 from __future__ import annotations
@@ -109,6 +121,12 @@ def lora_backward_bytes(spec: ModelSpec, dm: Dims) -> int:
     return total(lora_terms(spec, dm)) + max(adapter, base)
 
 
+def titan_compiled(wl: Workload) -> bool:
+    """torchtitan's unchunked cross-entropy compiled whole (module docstring;
+    ``parallel.compile_loss_rule`` admits it only unchunked, on whole logits, no autocast)."""
+    return wl.compile_loss and wl.loss_impl is LossImpl.TORCHTITAN
+
+
 def in_loss(wl: Workload) -> bool:
     """A chunked loss that runs each chunk's backward inside the loss call."""
     return wl.loss_checkpointed and wl.loss_chunk_backward is ChunkBackward.IN_LOSS
@@ -120,6 +138,9 @@ def _loss_terms(wl: Workload, dm: Dims) -> list[Term]:
     the shard's target indices; torchtune's chunked one is ``chunked_output.loss_terms``."""
     if tune.torchtune_chunked(wl):
         return tune.loss_terms(wl, dm)
+    if titan_compiled(wl):  # the logits (the graph's input) and the row max and log-sum-exp
+        return [Term("loss.logits", dm.tokens * dm.vocab_shard * dm.e),
+                Term("loss.row_stats", 2 * dm.tokens * FP32_BYTES)]
     loss = [] if wl.loss_checkpointed else [
         Term("loss.softmax" if _megatron_loss(wl) else "loss.log_softmax",
              dm.tokens * dm.vocab_shard * (FP32_BYTES if _megatron_loss(wl)
@@ -169,6 +190,10 @@ def batch_terms(wl: Workload, dm: Dims) -> list[Term]:
     torchtune's chunked one is ``chunked_output.batch_terms``."""
     if tune.torchtune_chunked(wl):
         return tune.batch_terms(wl, dm)
+    if titan_compiled(wl):  # the fp32 loss, and the count of labels the mean divides by
+        # (saved by the partition as ``sum(labels != -100)`` converted to fp32)
+        return [Term("loss.targets", dm.tokens * INDEX_BYTES),
+                Term("loss.scalars", 2 * FP32_BYTES)]
     count = 1 if wl.loss_checkpointed else 2
     return [Term("loss.targets", dm.tokens * INDEX_BYTES),
             Term("loss.scalars", count * logit_bytes(wl, dm))]
@@ -185,6 +210,8 @@ def forward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     assert not in_loss(wl), "loss_in_call.forward_extra_bytes counts an in-loss chunked loss"
     if tune.torchtune_chunked(wl):
         return tune.forward_extra_bytes(spec, wl, dm)
+    if titan_compiled(wl):  # the kernels make the fp32 loss alone beside what is saved
+        return FP32_BYTES
     # under autocast the head saves a cast of the final norm's fp32 output, which the model
     # still holds (its last hidden state; all-gathered under DTensor sequence parallelism)
     # while the loss runs
@@ -342,6 +369,8 @@ def loss_backward_bytes(spec: ModelSpec, wl: Workload, dm: Dims, vocab_grad_byte
         return 0
     if tune.torchtune_chunked(wl):
         return tune.loss_backward_bytes(spec, wl, dm, vocab_grad_bytes)
+    if titan_compiled(wl):  # one kernel makes the logits' gradient in the compute dtype
+        return dm.tokens * dm.vocab_shard * dm.e
     chunk, chunks = loss_chunk_tokens(wl, dm)
     if _megatron_loss(wl):
         # the gradient is the softmax buffer updated in place; its cast to the compute dtype

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from memplan.model import linear, mlp
+from memplan.model import float8_grouped, linear, mlp
 from memplan.model.block import BackwardMoment, Moment
 from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term, residual_dropout_mask, total
 from memplan.model.linear import Linear, Split
@@ -257,6 +257,7 @@ def _every_backward(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMomen
     return [experts[0]._replace(own_bytes=saved)] + experts[1:] + [scale]
 
 
+
 class MoE:
     """Routed experts (split by EP, each by TP) and optional shared experts."""
 
@@ -273,6 +274,7 @@ class MoE:
         if wl.moe_impl is MoeImpl.EVERY:
             moments.append(Moment("moe_combine", saved, _every_extra(spec, dm)))
         if wl.moe_impl is MoeImpl.GROUPED:
+            moments += float8_grouped.forward_moments(spec, dm, self.saved(spec, wl, dm, recompute))
             moments.append(Moment("moe_combine", saved, _grouped_extra(spec, dm)))
         return moments
 
@@ -285,7 +287,8 @@ class MoE:
             return [Moment("mlp", 0, stream + _every_working(spec, dm))]
         if wl.moe_impl is MoeImpl.GROUPED:
             return [Moment("mlp", 0, dm.tokens * moe.num_experts * FP32_BYTES + stream
-                           + _grouped_working(spec, dm))]
+                           + max(_grouped_working(spec, dm),
+                                 float8_grouped.working_bytes(spec, dm)))]
         rows_e = dm.tokens * moe.top_k // moe.num_experts
         inner = rows_e * moe.expert_ffn_hidden_size // dm.experts().tp * e
         expert = rows_e * h * e + max(rows_e * h * e + inner,
@@ -305,11 +308,12 @@ class MoE:
         if wl.moe_impl is MoeImpl.EVERY:
             return _every_backward(spec, dm, saved)
         if wl.moe_impl is MoeImpl.GROUPED:
-            return _gated_shared_unsort(spec, dm, saved) + mlp.backward_moments(
+            grouped = float8_grouped.backward_moments(spec, dm, mlp.backward_moments(
                 spec, dm.experts(), saved=saved, freed=mlp.dropout_mask_bytes(spec, dm) + routed,
                 run_tokens=dm.tokens * moe.top_k, ffn=moe.expert_ffn_hidden_size,
                 grad_inputs=2 * dm.rows * h * e, fresh=0, out_grad=routed,
-                fused_in=moe.stacked_experts and spec.mlp.gated, in_saved=routed)
+                fused_in=moe.stacked_experts and spec.mlp.gated, in_saved=routed))
+            return _gated_shared_unsort(spec, dm, saved) + grouped
         return mlp.backward_moments(
             spec, dm.experts(), saved=saved,
             freed=mlp.dropout_mask_bytes(spec, dm) + routed + routed // moe.num_experts,

@@ -38,7 +38,8 @@ class RefOptions:
     recompute_every: int | None = None  # with FULL: only every n-th layer (the n-th, 2n-th...)
     loss_chunks: int = 1  # > 1: head and loss per chunk of tokens, each checkpointed
     torchtune_chunks: bool = False  # loss_chunks as torchtune's chunked output and loss
-    compile_loss: bool = False  # torchtune's own chunked loss, its cross-entropy compiled
+    compile_loss: bool = False  # torchtune's own chunked loss, its cross-entropy compiled;
+    #                             without torchtune_chunks torchtitan's loss compiled whole
     norm_eps: float = 1e-5
     # recompute ops: each layer's selective checkpointing policy (``memplan.profile.
     # sac_policy``), one per layer index
@@ -276,7 +277,9 @@ class ReferenceModel(nn.Module):
         self.head = (None if spec.tied_embeddings
                      else _linear(h, spec.vocab_size, False, opts, device))
         if opts.compile_loss:
-            self._compiled_loss = _torchtune_compiled_loss(opts.loss_chunks)
+            self._compiled_loss = (_torchtune_compiled_loss(opts.loss_chunks)
+                                   if opts.torchtune_chunks
+                                   else torch.compile(titan_cross_entropy_loss))
 
     def _full_recompute(self, index: int) -> bool:
         if self.opts.recompute is not Recompute.FULL:
@@ -316,6 +319,8 @@ class ReferenceModel(nn.Module):
             if opts.compile_loss:
                 return self._compiled_loss(logits, targets)
             return ce_with_chunked_output(logits, targets, opts.loss_chunks)
+        if opts.compile_loss:  # torchtitan's loop: ``pred = model(inputs)``, then the loss
+            return self._compiled_loss(self._logits(x), targets)
         if opts.loss_chunks == 1:
             return self._loss(x, targets, "mean")
         # Chunked cross-entropy: each chunk's logits exist only inside its checkpointed region
@@ -334,14 +339,23 @@ class ReferenceModel(nn.Module):
                 else self.head)
         return [head(chunk) for chunk in h.chunk(self.opts.loss_chunks, dim=1)]
 
-    def _loss(self, x: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
         # The head is called as a module (not F.linear on its weight) so that tensor-parallel
         # styles, which are module hooks, apply to it.
-        logits = F.linear(x, self.embed.weight) if self.head is None else self.head(x)
+        return F.linear(x, self.embed.weight) if self.head is None else self.head(x)
+
+    def _loss(self, x: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
+        logits = self._logits(x)
         if self.opts.logits_fp32:
             logits = logits.float()
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1),
                                reduction=reduction)
+
+
+def titan_cross_entropy_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """torchtitan's ``cross_entropy_loss`` (torchtitan/components/loss.py at e7c0cae),
+    statement for statement; ``build_cross_entropy_loss`` compiles it when the job compiles."""
+    return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
 def _torchtune_compiled_loss(chunks: int):

@@ -90,3 +90,25 @@ def test_float8_linear_matches_trace(recipe: str) -> None:
     assert all(mode.alive)
     assert (_bytes(mode.calls[1]) + _bytes(mode.calls[2])
             == linear.float8_backward_bytes(lin, dm))
+
+
+def test_frozen_float8_linear_saves_its_input_and_makes_a_weight_gradient() -> None:
+    """What float8 with LoRA would hold (refused: ``memplan.parallel.float8_rule``): a
+    ``Float8Linear`` whose weight is frozen, as torchtitan's ``LoRAFloat8Linear`` freezes it
+    (``components/lora.py``), still saves its bf16 input and runs the weight-gradient matmul
+    (``matmul_with_hp_or_float8_args.backward`` computes ``grad_weight`` unconditionally;
+    autograd drops it), unlike a plain frozen linear, which saves no input."""
+    m = torch.nn.Sequential(torch.nn.Linear(D_IN, D_OUT, bias=False)).to(torch.bfloat16)
+    convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name("rowwise"))
+    m[0].weight.requires_grad_(False)
+    x = torch.randn(TOKENS, D_IN, dtype=torch.bfloat16, requires_grad=True)
+    saved: list = []
+    mode = _MmCasts()
+    with mode:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t,
+                                                      lambda t: t):
+            y = m(x)
+        y.sum().backward()
+    assert saved[0] is x
+    assert len(mode.calls) == 3  # the output's, the input gradient's and the weight's mm
+    assert m[0].weight.grad is None

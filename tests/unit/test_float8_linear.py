@@ -84,9 +84,14 @@ def test_float8_keeps_saved_activations_of_a_bf16_run() -> None:
 
 
 @pytest.mark.parametrize(("model", "update", "par", "why"), [
-    ("mixtral-8x7b", {}, {}, "MoE layers"),
+    ("mixtral-8x7b", {}, {}, r"MoE layers and moe_impl loop \(it needs grouped experts\)"),
+    ("mixtral-8x7b", {"moe_impl": "every"}, {},
+     r"MoE layers and moe_impl every \(it needs grouped experts\)"),
+    ("mixtral-8x7b", {"moe_impl": "grouped"}, {"tp": 2}, "MoE layers and tp 2"),
     ("tiny", {}, {"tp": 2, "tp_style": "megatron"}, "tp 2 in the megatron style"),
-    ("tiny", {"lora_rank": 8}, {}, "lora_rank 8"),
+    ("tiny", {"lora_rank": 8}, {}, r"lora_rank 8 \(a frozen Float8Linear saves its input "
+     r"and makes a weight gradient it drops; torchtitan's adapters run in the compute dtype, "
+     r"memplan's LoRA is peft's fp32 adapters\)"),
     ("tiny", {"recompute": "selective", "selective_impl": "core"}, {}, "recompute selective"),
 ])
 def test_float8_refuses_what_is_not_modelled(model: str, update: dict, par: dict,

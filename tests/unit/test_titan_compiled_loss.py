@@ -1,0 +1,64 @@
+"""torchtitan's cross-entropy compiled whole (``compile_loss`` with ``loss_impl torchtitan``,
+``memplan.model.head``), by hand.
+
+llama-3.1-8b (h 4096, V 128,256, untied), bf16-pure, one GPU, micro-batch 2 x 2048
+(T 4096): the logits in bf16 T V 2 = 1,050,673,152, in fp32 2,101,346,304.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from memplan.api import estimate
+from memplan.errors import MemplanError
+from memplan.model import head
+from memplan.model.dims import Dims
+
+ALL_BF16 = 1_050_673_152
+
+
+def _setup(**kw):
+    est = estimate("llama-3.1-8b", precision="bf16-pure", micro_batch_size=2, seq_len=2048,
+                   loss_impl="torchtitan", **kw)
+    return est, Dims.of(est.spec, est.parallel, est.workload)
+
+
+def test_compiled_saved_terms() -> None:
+    """Saved: the bf16 logits (the graph's input, T V 2) and two fp32 per token, the row max
+    and the log-sum-exp (2 x 4096 x 4 = 32,768), no fp32 log-softmax (eagerly T V 4); the
+    targets (T x 8 = 32,768) and two fp32 scalars (the loss and the label count the mean
+    divides by: 8)."""
+    est, dm = _setup(compile_loss=True)
+    terms = {t.name: t.size_bytes for t in head.head_terms(est.spec, est.workload, dm)}
+    assert "loss.log_softmax" not in terms
+    assert terms["loss.logits"] == ALL_BF16
+    assert terms["loss.row_stats"] == 32_768
+    assert terms["loss.targets"] == 32_768
+    assert terms["loss.scalars"] == 8
+    eager, dm = _setup()
+    eager_terms = {t.name: t.size_bytes for t in head.head_terms(eager.spec, eager.workload, dm)}
+    assert eager_terms["loss.log_softmax"] == 2 * ALL_BF16
+
+
+def test_compiled_forward_and_backward() -> None:
+    """Forward: the kernels make the fp32 loss (4 bytes) beside what is saved, where the eager
+    loss holds the fp32 logits (T V 4) and the model's bf16 output (T V 2) beside its saved
+    log-softmax. Backward: one kernel makes the logits' gradient in bf16 (T V 2), where the
+    eager loss holds two fp32 logits-sized gradients (2 T V 4)."""
+    est, dm = _setup(compile_loss=True)
+    assert head.forward_extra_bytes(est.spec, est.workload, dm) == 4
+    assert head.loss_backward_bytes(est.spec, est.workload, dm, 0) == ALL_BF16
+    eager, dm = _setup()
+    assert head.loss_backward_bytes(eager.spec, eager.workload, dm, 0) == 4 * ALL_BF16
+
+
+@pytest.mark.parametrize(("kw", "why"), [
+    (dict(loss_chunks=8), "loss_chunks 8"),
+    (dict(gpus=2, tp=2), "logits split over the vocabulary by tp 2"),
+    (dict(precision="amp-bf16"), "precision amp-bf16"),
+])
+def test_compiled_loss_refuses_what_is_not_modelled(kw: dict, why: str) -> None:
+    args = dict(precision="bf16-pure", micro_batch_size=1, seq_len=1024, loss_impl="torchtitan",
+                compile_loss=True) | kw
+    with pytest.raises(MemplanError, match=f"compile_loss with {why}: a compiled loss"):
+        estimate("llama-3.1-8b", **args)
