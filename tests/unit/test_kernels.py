@@ -110,22 +110,23 @@ def test_ring_exposed_per_step():
     assert ring_exposed(0.7, 14, 0.02, _where) == pytest.approx(0.42)
 
 
-def test_attention_runs_at_flash_attention_2s_measured_rates():
-    """H100 (989.4e12 dense BF16), flat fraction 0.40: 395.76e12 FLOP/s. At 8192 tokens the
-    FlashAttention-2 forward (causal) runs at 333e12 and the backward at 318e12 (FA3 paper,
-    Figures 4-5); a forward of F FLOPs and its backward of 2.5 F take
-    F / 333e12 + 2.5 F / 318e12 = F x (3.003003e-15 + 7.861635e-15) = F x 10.864638e-15 s,
-    where the flat rate takes 3 F / 395.76e12: factor 395.76e12 x 10.864638e-15 / 3 = 1.433263.
-    At 2^12.5 tokens, halfway (in log2) between 4096 and 8192: forward (319 + 333) / 2 = 326,
-    backward (310 + 318) / 2 = 314: 395.76 x (3.067485e-3 + 7.961783e-3) / 3 = 1.454981.
-    Beyond 16384 tokens the 16k rates hold (335, 322): 395.76 x (1/335 + 2.5/322) / 3
-    = 395.76 x (2.985075e-3 + 7.763975e-3) / 3 = 1.418015. No table for sm_80: None."""
+def test_attention_runs_at_flash_attention_2s_measured_causal_rates():
+    """H100 (989.4e12 dense BF16), flat fraction 0.40: 395.76e12 FLOP/s. The step counts a
+    forward of F FLOPs and a backward of 2 F; the kernel runs 3.5 F (its backward 2.5 F) at
+    FlashAttention-2's measured causal forward-and-backward rate (Dao-AILab/flash-attention
+    assets/flash2_h100_fwd_bwd_benchmark.png, causal, head dim 128). At 8192 tokens: 308e12,
+    factor 395.76e12 x 3.5 / (3 x 308e12) = 1385.16 / 924 = 1.499091. At 2^12.5 tokens,
+    halfway (in log2) between 4096 (294e12) and 8192: 301e12, 1385.16 / 903 = 1.533953.
+    Beyond 16384 tokens the 16k rate holds (328e12): 1385.16 / 984 = 1.407683. An A100
+    (312e12 dense BF16, 124.8e12 at 0.40) at 8192 tokens: 182e12 (the A100 figure),
+    124.8 x 3.5 / (3 x 182) = 436.8 / 546 = 0.8. No table for sm_89 (L40S): None."""
     from memplan.planning.kernels import attention_time_factor
 
-    assert attention_time_factor(H100, 8192, 0.40) == pytest.approx(1.433263, abs=1e-6)
-    assert attention_time_factor(H100, 2 ** 12.5, 0.40) == pytest.approx(1.454981, abs=1e-6)
-    assert attention_time_factor(H100, 262144, 0.40) == pytest.approx(1.418015, abs=1e-6)
-    assert attention_time_factor(load_gpu("a100-80gb"), 8192, 0.40) is None
+    assert attention_time_factor(H100, 8192, 0.40) == pytest.approx(1.499091, abs=1e-6)
+    assert attention_time_factor(H100, 2 ** 12.5, 0.40) == pytest.approx(1.533953, abs=1e-6)
+    assert attention_time_factor(H100, 262144, 0.40) == pytest.approx(1.407683, abs=1e-6)
+    assert attention_time_factor(load_gpu("a100-80gb"), 8192, 0.40) == pytest.approx(0.8)
+    assert attention_time_factor(load_gpu("l40s"), 8192, 0.40) is None
 
 
 def test_async_tp_exposes_one_shard_and_what_exceeds_the_matmuls():
