@@ -225,3 +225,47 @@ def test_tensorwise_float8_gathers_the_forward_inputs_in_one_byte():
     bf16 = comm_seconds(spec, H100, par, plain, 1, spec.num_params)["tp"]
     tw = comm_seconds(spec, H100, par, fp8, 1, spec.num_params)["tp"]
     assert bf16 - tw == pytest.approx(939_524_096 / 450e9)
+
+
+def test_cp_all_gather_hides_behind_the_first_block_only():
+    """PyTorch's context_parallel with rotate method allgather (``CpExchange.ALLGATHER``):
+    2 attention calls at cp 4, each all-gathering for 0.4 s (forward 0.8 s in all) and, in
+    backward, again 0.4 s plus 4 fp32 gradient sends of 0.1 s (backward 0.8 + 0.8 = 1.6 s).
+    Blocks of 0.3 s forward (0.6 s backward): the forward gather shows 0.4 - 0.3 = 0.1, the
+    backward's hides behind 0.6; three gradient sends hide behind the next block's backward,
+    the last (0.1) waits after the loop: (0.1 + 0.1) x 2 calls = 0.4 s. Blocks of 0.05 s:
+    forward 0.35, backward 0.4 - 0.1 = 0.3, sends 3 x max(0, 0.1 - 0.1) + 0.1: 0.75 x 2 =
+    1.5 s. At cp 1 nothing is exchanged: 0."""
+    from memplan.planning.timing import gather_exposed
+
+    assert gather_exposed(0.8, 1.6, calls=2, cp=4, block=0.3, where=_where) == \
+        pytest.approx(0.4)
+    assert gather_exposed(0.8, 1.6, calls=2, cp=4, block=0.05, where=_where) == \
+        pytest.approx(1.5)
+    assert gather_exposed(0.0, 0.0, calls=2, cp=1, block=0.3, where=_where) == 0.0
+
+
+def test_cp_exchange_seconds_by_schedule():
+    """Llama 3.1 8B (8 KV heads of 128: 1,024 K or V values a token) at cp 4, tp 1, one
+    micro-batch of 131,072 tokens: each rank holds 32,768, its K and V chunk
+    2 x 32,768 x 1,024 x 2 B = 134,217,728 B; 32 layers; the 4 ranks share a node (NVLink
+    450e9 B/s, NCCL's ring step 3.4 us, its base latency 8.4 us).
+    ring: 3 sends each way per layer: 96 x (134,217,728 / 450e9 + 3.4e-6) forward, the same
+    backward. allgather: per layer 3 chunks arrive in one ring all-gather,
+    3 x 134,217,728 / 450e9 + 8.4e-6 + 3 x 3.4e-6 forward; backward the same plus 4 fp32
+    gradient sends of 2 x 134,217,728 B, each 268,435,456 / 450e9 + 3.4e-6."""
+    import memplan
+    from memplan.parallel import ParallelConfig
+    from memplan.planning.timing import Columns, cp_parts
+    from memplan.workload import CpExchange
+
+    est = memplan.estimate("llama-3.1-8b", gpus=4, cp=4, seq_len=131072,
+                           global_batch_size=1, micro_batch_size=1)
+    c = Columns.one(ParallelConfig(cp=4, dp=1), 1, 1, 0, num_layers=32)
+    kv = 134_217_728
+    ring = 96 * (kv / 450e9 + 3.4e-6)
+    assert cp_parts(est.spec, H100, est.workload, c) == pytest.approx((ring, ring))
+    wl = est.workload.model_copy(update={"cp_exchange": CpExchange.ALLGATHER})
+    gather = 32 * (3 * kv / 450e9 + 8.4e-6 + 3 * 3.4e-6)
+    grads = 32 * 4 * (2 * kv / 450e9 + 3.4e-6)
+    assert cp_parts(est.spec, H100, wl, c) == pytest.approx((gather, gather + grads))
