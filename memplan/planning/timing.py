@@ -630,6 +630,7 @@ def _step_fields(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int,
         exposed = exposed + c.ops.where(c.sp, async_tp_exposed(fused, beside, c.tp,
                                                                c.ops.where)
                                         + comm["tp"] - fused, comm["tp"])
+        compute = compute + c.ops.where(c.sp, async_tp_copy_seconds(spec, gpu, wl, c), 0.0)
     else:
         exposed = exposed + comm["tp"] * (1.0 - OVERLAP["tp"])
     exposed = exposed + _windowed(spec, gpu, wl, c, comm, compute, model_flops, hardware_flops)
@@ -830,6 +831,34 @@ def async_tp_fused_share(wl: Workload) -> float:
     if wl.float8 is Float8Recipe.ROWWISE:
         return 2.0 / 8.0
     return 1.0
+
+
+# The collectives async TP fuses per layer and micro-batch, by recipe (``async_tp_fused_share``):
+# (reduce-scatters, all-gathers, bytes per element of the gathered input over the compute
+# dtype's). bf16: all four of each; tensorwise float8: the four reduce-scatters and the
+# forward's two all-gathers, in float8; rowwise: the forward's two reduce-scatters.
+ASYNC_TP_FUSED = {Float8Recipe.NONE: (4, 4, 1.0), Float8Recipe.TENSORWISE: (4, 2, 0.5),
+                  Float8Recipe.ROWWISE: (2, 0, 0.0)}
+
+
+def async_tp_copy_seconds(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns) -> Any:
+    """Seconds of the memory-bound kernels async TP's fused ops run on the compute stream in
+    one step of the busiest rank (torch/distributed/_symmetric_memory/__init__.py, which
+    Inductor's micro-pipeline pass calls). ``fused_matmul_reduce_scatter`` writes the tp
+    partial products of the whole micro-batch (M rows, the full sequence, x hidden) into a
+    stacked buffer that peers pull by copy engine, then sums it on the GPU's SMs
+    (``_fused_matmul_reduce_scatter_impl``: ``torch.sum`` over the tp chunks): M x h read,
+    M / tp x h written, in the output's dtype, a reduction vanilla TP leaves inside NCCL's
+    reduce-scatter. ``fused_all_gather_matmul`` copies the local shard twice, into the
+    gathered output and into its symmetric-memory buffer (``_pipelined_all_gather_and_
+    consume``; the remote shards arrive by copy engine): 2 x (read + write) of M / tp x h.
+    At torchao's achievable 92% of the HBM's bandwidth (``memplan.planning.kernels``)."""
+    from memplan.planning.kernels import ACHIEVABLE_HBM
+
+    rs, ag, ag_itemsize = ASYNC_TP_FUSED[wl.float8]
+    act = c.mbs * local_seq(wl.seq_len, c.cp) * spec.hidden_size * wl.compute_dtype.itemsize
+    per_layer = rs * act * (1 + 1 / c.tp) + ag * act * ag_itemsize * 4 / c.tp
+    return per_layer * c.layers * c.m / (gpu.hbm_bytes_per_s * ACHIEVABLE_HBM)
 
 
 def async_tp_exposed(seconds: Any, beside: Any, tp: Any, where: Any) -> Any:
