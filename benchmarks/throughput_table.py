@@ -3,8 +3,9 @@
 
 Each run of ``benchmarks/data/throughput_runs.json`` is estimated as its source describes it
 (``memplan.estimate`` with the run's ``memplan_args``) and timed by memplan's step-time model
-(``memplan.planning.timing.estimate_step_time``), uncalibrated. A run is compared on what its
-source publishes: tokens/s/GPU where given, else MFU. Per group (one source's table, one job
+(``memplan.planning.timing.estimate_step_time``), uncalibrated. A run is compared on MFU
+where its source publishes it (counted with the source's own FLOPs where it gives the speed
+beside it: ``_value``), else on tokens/s/GPU. Per group (one source's table, one job
 with a knob changed) the Spearman rank correlation of memplan's numbers with the published
 ones says whether memplan orders the runs as they ran.
 
@@ -76,6 +77,20 @@ def _timed(est: Any, run: dict[str, Any]) -> Any:
                      est.num_microbatches, est.worst.num_params)
 
 
+def _value(st: Any, pub: dict[str, float], quantity: str) -> float:
+    """memplan's ``quantity`` for a run published as ``pub``. An MFU published beside the
+    speed it was computed from (tokens/s/GPU or seconds per iteration) counts the source's
+    own FLOPs (KempnerForge's metrics/mfu.py: 6 P + 12 L D S, attention without the causal
+    half; Korthikanti et al. 2022: 72 B s l h^2 (1 + s / 6h + V / 12 l h), the same): memplan's MFU is then the published
+    one times memplan's speed over the published speed, so that the two MFUs count the same
+    FLOPs and the error is the step time's alone. Otherwise memplan's own FLOP count."""
+    if quantity == "mfu" and "tokens_per_s_per_gpu" in pub:
+        return pub["mfu"] * st.tokens_per_s_per_gpu / pub["tokens_per_s_per_gpu"]
+    if quantity == "mfu" and "iteration_s" in pub:
+        return pub["mfu"] * pub["iteration_s"] / st.step_s
+    return float(getattr(st, quantity))
+
+
 def predict(run: dict[str, Any]) -> tuple[str, float | None, float | None, str, list[str]]:
     """(compared quantity, published, memplan's, refusal, mechanisms dropped) of one run.
     MFU is compared where the source publishes it (it compares across models), else
@@ -86,7 +101,7 @@ def predict(run: dict[str, Any]) -> tuple[str, float | None, float | None, str, 
     while True:
         try:
             est = memplan.estimate(**args)
-            return quantity, pub[quantity], getattr(_timed(est, run), quantity), "", dropped
+            return quantity, pub[quantity], _value(_timed(est, run), pub, quantity), "", dropped
         except MemplanError as err:
             left = [(k, what) for k, what in FALLBACKS if k in args]
             if not left:
@@ -173,8 +188,12 @@ def render(rows: list[dict[str, Any]]) -> list[str]:
         f"training throughput: {s['runs']} runs in {len(groups(rows))} groups",
         "(`benchmarks/data/throughput_runs.json`, each with its source, the numbers as printed",
         "and the configuration memplan is given; `benchmarks/throughput_table.py`). A run is",
-        "compared on what its source publishes, tokens/s/GPU where given, else MFU (model FLOPs",
-        "over the GPU's dense BF16 peak). Error is memplan / published - 1. Within a group (one",
+        "compared on MFU (model FLOPs over the GPU's dense BF16 peak) where its source publishes",
+        "it, else on tokens/s/GPU. An MFU published beside the speed it was computed from",
+        "(tokens/s or seconds per iteration) counts the source's own FLOPs, so memplan's is",
+        "taken the same way: the published MFU times memplan's speed over the published one;",
+        "without a speed, memplan counts its own FLOPs (causal attention at half the full",
+        "product). Error is memplan / published - 1. Within a group (one",
         "job, one or two knobs changed) the Spearman rank correlation says whether memplan orders",
         "the runs as they ran; a group's correlation is only meaningful from three runs.",
         "",

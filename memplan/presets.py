@@ -62,7 +62,8 @@ class Mechanism(Enum):
 SETTINGS: dict[Mechanism, frozenset[str]] = {
     Mechanism.OPTIMIZER: frozenset({"optimizer_impl", "flat_partition"}),
     Mechanism.KERNELS: frozenset({"norm_impl", "softmax_fp32", "moe_impl", "window_mask",
-                                  "kv_cache", "fused_qkv", "rope_cache", "attention_impl"}),
+                                  "kv_cache", "fused_qkv", "rope_cache", "attention_impl",
+                                  "cp_exchange"}),
     Mechanism.RECOMPUTE: frozenset({"selective_impl"}),
     Mechanism.LOSS: frozenset({"logits_fp32", "loss_impl", "loss_split",
                                 "loss_chunk_backward"}),
@@ -211,6 +212,11 @@ PRESETS: dict[Framework, tuple[Selection, ...]] = {
                     f"every attention layer, complex64 (max_seq_len, head_dim/2), cut to "
                     f"training.seq_len by models/common/decoder.py Decoder.Config."
                     f"update_from_config ({_TITAN})"),
+            Default("cp_exchange", "allgather",
+                    "config/job_config.py Parallelism.context_parallel_rotate_method = "
+                    "'allgather', set by distributed/utils.py create_context_parallel_ctx "
+                    "through torch's set_rotate_method (torchtitan 0.2.2; the Dec 2024 "
+                    "benchmarks' 9dec370 the same)"),
         )),
         Selection(Mechanism.RECOMPUTE, (
             Default("selective_impl", "op",

@@ -407,6 +407,25 @@ class AttentionImpl(PlainEnum):
     LITGPT = "litgpt"
 
 
+class CpExchange(PlainEnum):
+    """How context parallelism's ranks exchange K and V around the attention kernel (step
+    time only: ``memplan.planning.timing``).
+
+    ring       each of the cp steps sends the next K/V chunk while the current block's
+               attention runs, forward and backward (Megatron-LM / Transformer Engine's
+               AttnFuncWithCPAndKVP2P; PyTorch's context_parallel with rotate method alltoall)
+    allgather  PyTorch's context_parallel with rotate method allgather: K and V all-gathered
+               once per call, waited for at the second block (only the first block's attention
+               hides it), again in backward; there the fp32 K/V gradients travel the ring step by
+               step, each beside the next block's backward, the last one after the loop
+               (torch/distributed/tensor/experimental/_attention.py _AllGatherRotater,
+               _templated_ring_attention_backward)
+    """
+
+    RING = "ring"
+    ALLGATHER = "allgather"
+
+
 class PipelineSplit(PlainEnum):
     """How decoder layers are split over pipeline stages when no split is given.
 
@@ -664,6 +683,7 @@ class Workload(BaseModel):
         "chunked_cross_entropy: logits.split(128)); 0: one piece"))
     rope_cache: RopeCache = RopeCache.FORWARD
     attention_impl: AttentionImpl = AttentionImpl.GENERIC
+    cp_exchange: CpExchange = CpExchange.RING
     moe_impl: MoeImpl = MoeImpl.LOOP
     window_mask: bool = Field(default=False, description=(
         "sliding-window layers attend through an explicit mask once the sequence reaches the "

@@ -15,8 +15,8 @@ micro-batch's tokens are of that order, and the table's largest rows), for n and
 to 4096. Other GPUs have no measured table: their GEMMs run at the flat fraction (a factor 1,
 the stated fallback).
 
-The fused attention kernel runs at FlashAttention-2's measured forward and backward rates on
-Hopper (``attention_time_factor``), and torchao's float8 casts take their bytes over the HBM's
+The fused attention kernel runs at FlashAttention-2's measured causal forward-and-backward rate
+on Hopper and Ampere (``attention_time_factor``), and torchao's float8 casts take their bytes over the HBM's
 bandwidth (``float8_cast_seconds``): memory-bound kernels the FLOP count does not see.
 """
 
@@ -185,20 +185,23 @@ def float8_cast_seconds(spec: ModelSpec, gpu: GpuSpec, tp: int, recipe: str, com
     return per_token / rate, per_mb / rate
 
 
-# FlashAttention-2 (the kernel PyTorch's SDPA flash backend runs) on an H100 SXM5, head dim
-# 128, TFLOP/s by sequence length at 16k tokens a batch: the forward with the causal mask and
-# the backward (published without it). Shah et al. 2024, FlashAttention-3, arXiv 2407.08608,
-# Figure 4 (forward, causal, head dim 128) and Figure 5 (backward, head dim 128), the
-# FlashAttention-2 bars. The backward's FLOPs are 2.5 times the forward's, its five matmuls to
-# the forward's two (Dao 2023, FlashAttention-2, arXiv 2307.08691, section 4.1: how both
-# papers count the backward's TFLOP/s).
+# FlashAttention-2 (the kernel PyTorch's SDPA flash backend runs), causal, head dim 128, the
+# forward and backward together, TFLOP/s by sequence length at 16k tokens a batch (hidden 2048):
+# Dao-AILab/flash-attention assets/flash2_h100_fwd_bwd_benchmark.png (H100 80GB SXM5) and
+# flash2_a100_fwd_bwd_benchmark.png (A100 80GB SXM4), the causal head-dim-128 panels, measured
+# by the repository's benchmarks/benchmark_flash_attention.py, which counts the backward as 2.5
+# forwards (five matmuls to two; Dao 2023, FlashAttention-2, arXiv 2307.08691, section 4.1):
+# a step of 3.5 forwards. The FlashAttention-3 paper (Shah et al. 2024, arXiv 2407.08608)
+# publishes FlashAttention-2's causal forward on the H100 (its forward-speed figure, panel (d):
+# 191, 260, 298, 319, 333, 335 from 512 to 16k) but its backward without the causal mask only,
+# which at short sequences is faster than the causal one the training step runs.
 ATTENTION_SEQS = (512, 1024, 2048, 4096, 8192, 16384)
-FA2_SM90_FORWARD_CAUSAL = (191e12, 260e12, 298e12, 319e12, 333e12, 335e12)
-FA2_SM90_BACKWARD = (214e12, 260e12, 291e12, 310e12, 318e12, 322e12)
-FA_BACKWARD_FLOPS = 2.5
-ATTENTION_KERNEL_SOURCE = ("FlashAttention-2 on H100 SXM5, head dim 128: Shah et al. 2024 "
-                           "(arXiv 2407.08608), Figures 4-5")
-ATTENTION_TABLES = {"9.0": (FA2_SM90_FORWARD_CAUSAL, FA2_SM90_BACKWARD)}
+FA2_SM90_CAUSAL = (163e12, 221e12, 265e12, 294e12, 308e12, 328e12)
+FA2_SM80_CAUSAL = (99e12, 133e12, 155e12, 173e12, 182e12, 189e12)
+FA_STEP_FLOPS = 3.5  # forward and backward, in forwards (benchmark_flash_attention.py flops)
+ATTENTION_KERNEL_SOURCE = ("FlashAttention-2, causal, head dim 128, forward + backward: "
+                           "Dao-AILab/flash-attention assets/flash2_{h100,a100}_fwd_bwd_benchmark.png")
+ATTENTION_TABLES = {"9.0": FA2_SM90_CAUSAL, "8.0": FA2_SM80_CAUSAL}
 
 
 def _by_seq(rates: tuple[float, ...], seq_len: int) -> float:
@@ -216,12 +219,10 @@ def attention_time_factor(gpu: GpuSpec, seq_len: int, mfu: float) -> float | Non
     """The fused attention kernel's time for its FLOPs over their time at the flat fraction
     ``mfu`` of peak, on ``seq_len`` tokens a sequence (what one rank's kernel runs: seq / cp
     under context parallelism). The step counts the attention's backward as twice its forward
-    (3 F for a forward of F FLOPs); the kernels run F at the forward's measured rate and
-    2.5 F at the backward's (``FA_BACKWARD_FLOPS``): factor = mfu * peak * (1 / forward +
-    2.5 / backward) / 3. None on a GPU without a measured table (the caller keeps its
-    length-relative rate)."""
+    (3 F for a forward of F FLOPs); the kernels run 3.5 F (``FA_STEP_FLOPS``) at the measured
+    forward-and-backward rate R: factor = mfu * peak * 3.5 / (3 R). None on a GPU without a
+    measured table (the caller keeps its length-relative rate)."""
     table = ATTENTION_TABLES.get(gpu.compute_capability)
     if table is None:
         return None
-    forward, backward = (_by_seq(rates, seq_len) for rates in table)
-    return mfu * gpu.bf16_flops * (1.0 / forward + FA_BACKWARD_FLOPS / backward) / 3.0
+    return mfu * gpu.bf16_flops * FA_STEP_FLOPS / (3.0 * _by_seq(table, seq_len))

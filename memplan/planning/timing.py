@@ -39,7 +39,8 @@ from memplan.spec import ModelSpec
 from memplan.units import FP32_BYTES
 from memplan.planning.kernels import (attention_time_factor, float8_cast_seconds,
                                       linear_time_factor)
-from memplan.workload import Attention, Float8Recipe, MoeImpl, Recompute, SelectiveImpl, Workload
+from memplan.workload import (Attention, CpExchange, Float8Recipe, MoeImpl, Recompute,
+                              SelectiveImpl, Workload)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -481,6 +482,31 @@ def dp_parts(wl: Workload, gpu: GpuSpec, c: Columns) -> tuple[Any, Any, Any, Any
     return reduce, reduce_each, gather, gathers
 
 
+def cp_parts(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns) -> tuple[Any, Any]:
+    """Seconds of context parallelism's K/V exchange in one step: (the exchange beside the
+    forward's attention, the exchange beside the backward's), each summed over the busiest
+    rank's layers and micro-batches (``Workload.cp_exchange``).
+
+    ring: each of the cp - 1 steps sends the rank's K/V chunk (mbs x seq / cp tokens, K and V
+    of the rank's kv heads) to the next rank, forward and backward.
+    allgather: the chunk all-gathered once, forward and again backward ((cp - 1) chunks
+    arriving, a ring collective); the backward's K/V gradients, accumulated in fp32
+    (``convert_to_f32``, its default), sent to the next rank after each of the cp blocks."""
+    e = wl.compute_dtype.itemsize
+    tokens = c.mbs * local_seq(wl.seq_len, c.cp)
+    kv = 2 * tokens * spec.kv_size // c.tp * e
+    span = c.tp * c.cp
+    calls = c.layers * c.m
+    bw = _bandwidth(gpu, c, span)
+    if wl.cp_exchange is CpExchange.ALLGATHER:
+        gather = ((c.cp - 1) * kv / bw + _ring_latency(gpu, c.cp, span)) * calls
+        grads = c.cp * (kv * FP32_BYTES / e / bw + _step_latency(gpu, span)) * calls
+        return gather, gather + c.ops.where(c.cp > 1, grads, 0.0)
+    steps = (c.cp - 1) * calls
+    one = steps * kv / bw + steps * _step_latency(gpu, span)
+    return one, one
+
+
 def comm_columns(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns) -> dict[str, Any]:
     """Seconds each dimension spends communicating in one step of one GPU, before overlap, per
     candidate (``wl`` gives the sequence and precision; ``c`` the rest).
@@ -511,12 +537,7 @@ def comm_columns(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns) -> dic
     sends = where(c.pp > 1, 2 * m * c.vpp, 0)
     out["pp"] = pp_bytes / _bandwidth(gpu, c, c.world_size) + sends * _step_latency(
         gpu, c.world_size)
-    # CP: a ring passes every other rank's K and V chunk through, forward and backward, one
-    # send per step of cp - 1 per layer and micro-batch each way
-    kv = 2 * tokens * spec.kv_size // c.tp * e
-    cp_steps = 2 * (c.cp - 1) * layers * m
-    out["cp"] = (cp_steps * kv / _bandwidth(gpu, c, c.tp * c.cp)
-                 + cp_steps * _step_latency(gpu, c.tp * c.cp))
+    out["cp"] = sum(cp_parts(spec, gpu, wl, c))
     # EP: dispatch and combine all-to-alls of the routed tokens, forward and backward.
     ep_bytes: Any = 0.0
     if spec.moe is not None:
@@ -609,6 +630,7 @@ def _step_fields(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int,
         exposed = exposed + c.ops.where(c.sp, async_tp_exposed(fused, beside, c.tp,
                                                                c.ops.where)
                                         + comm["tp"] - fused, comm["tp"])
+        compute = compute + c.ops.where(c.sp, async_tp_copy_seconds(spec, gpu, wl, c), 0.0)
     else:
         exposed = exposed + comm["tp"] * (1.0 - OVERLAP["tp"])
     exposed = exposed + _windowed(spec, gpu, wl, c, comm, compute, model_flops, hardware_flops)
@@ -730,10 +752,37 @@ def _windowed(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns, comm: dic
     # beside twice the forward's compute, the same ratio
     cp = comm["cp"]
     blocks = c.layers * c.m * c.cp  # attention blocks of the busiest rank in a step
+    block = compute * attention_share / 3.0 / where(blocks > 0, blocks, 1)
+    if wl.cp_exchange is CpExchange.ALLGATHER:
+        return dp + gather_exposed(*cp_parts(spec, gpu, wl, c), calls=c.layers * c.m,
+                                   cp=c.cp, block=block, where=where)
     steps = where(c.cp > 1, 2 * (c.cp - 1) * c.layers * c.m, 1)
     steps = where(steps > 0, steps, 1)  # a rank without layers sends nothing
-    block = compute * attention_share / 3.0 / where(blocks > 0, blocks, 1)
     return dp + ring_exposed(cp, steps, block, where)
+
+
+def gather_exposed(forward: Any, backward: Any, *, calls: Any, cp: Any, block: Any,
+                   where: Any) -> Any:
+    """Exposed seconds of context parallelism's all-gather exchange (``CpExchange.ALLGATHER``;
+    ``cp_parts``: ``forward`` seconds of gathers, ``backward`` seconds of gathers and K/V
+    gradient sends, over ``calls`` attention calls of ``cp`` blocks, each block ``block``
+    seconds of forward attention and twice that of backward).
+
+    PyTorch's _templated_ring_attention starts the all-gather before the first block and
+    waits for it before the second: one block hides it, what exceeds that is exposed, forward
+    and backward (beside a backward block, twice a forward one). In backward each block's K/V
+    gradients go to the next rank while the next block runs (``ring_exposed`` of cp - 1 sends)
+    and the last block's are waited for after the loop, with nothing beside them."""
+    safe = where(calls > 0, calls, 1)
+    gather = forward / safe  # one call's all-gather
+    grads = (backward - forward) / safe / where(cp > 0, cp, 1)  # one gradient send
+
+    def over(seconds: Any, window: Any) -> Any:
+        return where(seconds > window, seconds - window, 0.0)
+
+    per_call = (over(gather, block) + over(gather, 2.0 * block)
+                + (cp - 1) * over(grads, 2.0 * block) + grads)
+    return where(cp > 1, per_call * calls, 0.0)
 
 
 def dp_exposed(reduce: Any, reduce_each: Any, gather: Any, gathers: Any, *, units: Any,
@@ -782,6 +831,34 @@ def async_tp_fused_share(wl: Workload) -> float:
     if wl.float8 is Float8Recipe.ROWWISE:
         return 2.0 / 8.0
     return 1.0
+
+
+# The collectives async TP fuses per layer and micro-batch, by recipe (``async_tp_fused_share``):
+# (reduce-scatters, all-gathers, bytes per element of the gathered input over the compute
+# dtype's). bf16: all four of each; tensorwise float8: the four reduce-scatters and the
+# forward's two all-gathers, in float8; rowwise: the forward's two reduce-scatters.
+ASYNC_TP_FUSED = {Float8Recipe.NONE: (4, 4, 1.0), Float8Recipe.TENSORWISE: (4, 2, 0.5),
+                  Float8Recipe.ROWWISE: (2, 0, 0.0)}
+
+
+def async_tp_copy_seconds(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns) -> Any:
+    """Seconds of the memory-bound kernels async TP's fused ops run on the compute stream in
+    one step of the busiest rank (torch/distributed/_symmetric_memory/__init__.py, which
+    Inductor's micro-pipeline pass calls). ``fused_matmul_reduce_scatter`` writes the tp
+    partial products of the whole micro-batch (M rows, the full sequence, x hidden) into a
+    stacked buffer that peers pull by copy engine, then sums it on the GPU's SMs
+    (``_fused_matmul_reduce_scatter_impl``: ``torch.sum`` over the tp chunks): M x h read,
+    M / tp x h written, in the output's dtype, a reduction vanilla TP leaves inside NCCL's
+    reduce-scatter. ``fused_all_gather_matmul`` copies the local shard twice, into the
+    gathered output and into its symmetric-memory buffer (``_pipelined_all_gather_and_
+    consume``; the remote shards arrive by copy engine): 2 x (read + write) of M / tp x h.
+    At torchao's achievable 92% of the HBM's bandwidth (``memplan.planning.kernels``)."""
+    from memplan.planning.kernels import ACHIEVABLE_HBM
+
+    rs, ag, ag_itemsize = ASYNC_TP_FUSED[wl.float8]
+    act = c.mbs * local_seq(wl.seq_len, c.cp) * spec.hidden_size * wl.compute_dtype.itemsize
+    per_layer = rs * act * (1 + 1 / c.tp) + ag * act * ag_itemsize * 4 / c.tp
+    return per_layer * c.layers * c.m / (gpu.hbm_bytes_per_s * ACHIEVABLE_HBM)
 
 
 def async_tp_exposed(seconds: Any, beside: Any, tp: Any, where: Any) -> Any:

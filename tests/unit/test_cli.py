@@ -177,16 +177,16 @@ def test_estimate_json_step_time_derived_by_hand() -> None:
     tiny's is 256 or less, XLA's sm_90 table's smallest point, 206,488,812,307,692 FLOP/s
     against 793,131,337,247,852 at its largest; the GEMMs take 0.4 * 989.4e12 /
     793,131,337,247,852 of the linears' time at 40% (memplan.planning.kernels). The attention
-    (2 * 16,384 of the 233,984) runs at FlashAttention-2's measured H100 rates, held at their
-    shortest point (512 tokens: forward 191e12, backward 214e12 FLOP/s at 2.5x the forward's
-    FLOPs): 0.4 * 989.4e12 * (1 / 191e12 + 2.5 / 214e12) / 3 of its time at 40%."""
+    (2 * 16,384 of the 233,984) runs at FlashAttention-2's measured causal H100 rate, held at
+    its shortest point (512 tokens: forward and backward 163e12 FLOP/s over 3.5 forwards of
+    FLOPs): 0.4 * 989.4e12 * 3.5 / (3 * 163e12) of its time at 40%."""
     out = estimate_cli(*TINY_PP2)
     assert out["flops_per_step"] == 470_810_624
     share = 0.4 * 989.4e12 / 793_131_337_247_852
     linears = 1 - share + share * 793_131_337_247_852 / 206_488_812_307_692
     part = 184_832 / 233_984
     attention = 32_768 / 233_984
-    kernel = 0.4 * 989.4e12 * (1 / 191e12 + 2.5 / 214e12) / 3
+    kernel = 0.4 * 989.4e12 * 3.5 / (3 * 163e12)
     compute = (470_810_624 / (989.4e12 * 0.4) * 484_352 / 459_776
                * (1 - part - attention + part * linears + attention * kernel))
     exposed = (262_144 / 450e9 + 8 * 3.4e-6) * 0.5

@@ -110,22 +110,23 @@ def test_ring_exposed_per_step():
     assert ring_exposed(0.7, 14, 0.02, _where) == pytest.approx(0.42)
 
 
-def test_attention_runs_at_flash_attention_2s_measured_rates():
-    """H100 (989.4e12 dense BF16), flat fraction 0.40: 395.76e12 FLOP/s. At 8192 tokens the
-    FlashAttention-2 forward (causal) runs at 333e12 and the backward at 318e12 (FA3 paper,
-    Figures 4-5); a forward of F FLOPs and its backward of 2.5 F take
-    F / 333e12 + 2.5 F / 318e12 = F x (3.003003e-15 + 7.861635e-15) = F x 10.864638e-15 s,
-    where the flat rate takes 3 F / 395.76e12: factor 395.76e12 x 10.864638e-15 / 3 = 1.433263.
-    At 2^12.5 tokens, halfway (in log2) between 4096 and 8192: forward (319 + 333) / 2 = 326,
-    backward (310 + 318) / 2 = 314: 395.76 x (3.067485e-3 + 7.961783e-3) / 3 = 1.454981.
-    Beyond 16384 tokens the 16k rates hold (335, 322): 395.76 x (1/335 + 2.5/322) / 3
-    = 395.76 x (2.985075e-3 + 7.763975e-3) / 3 = 1.418015. No table for sm_80: None."""
+def test_attention_runs_at_flash_attention_2s_measured_causal_rates():
+    """H100 (989.4e12 dense BF16), flat fraction 0.40: 395.76e12 FLOP/s. The step counts a
+    forward of F FLOPs and a backward of 2 F; the kernel runs 3.5 F (its backward 2.5 F) at
+    FlashAttention-2's measured causal forward-and-backward rate (Dao-AILab/flash-attention
+    assets/flash2_h100_fwd_bwd_benchmark.png, causal, head dim 128). At 8192 tokens: 308e12,
+    factor 395.76e12 x 3.5 / (3 x 308e12) = 1385.16 / 924 = 1.499091. At 2^12.5 tokens,
+    halfway (in log2) between 4096 (294e12) and 8192: 301e12, 1385.16 / 903 = 1.533953.
+    Beyond 16384 tokens the 16k rate holds (328e12): 1385.16 / 984 = 1.407683. An A100
+    (312e12 dense BF16, 124.8e12 at 0.40) at 8192 tokens: 182e12 (the A100 figure),
+    124.8 x 3.5 / (3 x 182) = 436.8 / 546 = 0.8. No table for sm_89 (L40S): None."""
     from memplan.planning.kernels import attention_time_factor
 
-    assert attention_time_factor(H100, 8192, 0.40) == pytest.approx(1.433263, abs=1e-6)
-    assert attention_time_factor(H100, 2 ** 12.5, 0.40) == pytest.approx(1.454981, abs=1e-6)
-    assert attention_time_factor(H100, 262144, 0.40) == pytest.approx(1.418015, abs=1e-6)
-    assert attention_time_factor(load_gpu("a100-80gb"), 8192, 0.40) is None
+    assert attention_time_factor(H100, 8192, 0.40) == pytest.approx(1.499091, abs=1e-6)
+    assert attention_time_factor(H100, 2 ** 12.5, 0.40) == pytest.approx(1.533953, abs=1e-6)
+    assert attention_time_factor(H100, 262144, 0.40) == pytest.approx(1.407683, abs=1e-6)
+    assert attention_time_factor(load_gpu("a100-80gb"), 8192, 0.40) == pytest.approx(0.8)
+    assert attention_time_factor(load_gpu("l40s"), 8192, 0.40) is None
 
 
 def test_async_tp_exposes_one_shard_and_what_exceeds_the_matmuls():
@@ -141,7 +142,8 @@ def test_async_tp_exposes_one_shard_and_what_exceeds_the_matmuls():
 
 def test_async_tp_needs_compile_and_hides_tp_collectives():
     """torchtitan refuses async TP without torch.compile; with it, the same job's TP
-    collectives hide behind the matmuls (fewer exposed seconds, same compute)."""
+    collectives hide behind the matmuls (fewer exposed seconds), and its compute gains the
+    fused ops' reductions and shard copies (``async_tp_copy_seconds``)."""
     import memplan
     from memplan.errors import MemplanError
     from memplan.planning.timing import estimate_step_time
@@ -153,8 +155,9 @@ def test_async_tp_needs_compile_and_hides_tp_collectives():
     plain = estimate_step_time(memplan.estimate("llama-3.1-8b", compile=True, **job))
     fused = estimate_step_time(memplan.estimate("llama-3.1-8b", compile=True, async_tp=True,
                                                 **job))
-    assert fused.compute_s == plain.compute_s
+    assert fused.compute_s > plain.compute_s
     assert fused.exposed_comm_s < plain.exposed_comm_s
+    assert fused.step_s < plain.step_s
 
 
 def test_float8_cast_bytes_by_recipe_and_layout():
@@ -224,3 +227,72 @@ def test_tensorwise_float8_gathers_the_forward_inputs_in_one_byte():
     bf16 = comm_seconds(spec, H100, par, plain, 1, spec.num_params)["tp"]
     tw = comm_seconds(spec, H100, par, fp8, 1, spec.num_params)["tp"]
     assert bf16 - tw == pytest.approx(939_524_096 / 450e9)
+
+
+def test_cp_all_gather_hides_behind_the_first_block_only():
+    """PyTorch's context_parallel with rotate method allgather (``CpExchange.ALLGATHER``):
+    2 attention calls at cp 4, each all-gathering for 0.4 s (forward 0.8 s in all) and, in
+    backward, again 0.4 s plus 4 fp32 gradient sends of 0.1 s (backward 0.8 + 0.8 = 1.6 s).
+    Blocks of 0.3 s forward (0.6 s backward): the forward gather shows 0.4 - 0.3 = 0.1, the
+    backward's hides behind 0.6; three gradient sends hide behind the next block's backward,
+    the last (0.1) waits after the loop: (0.1 + 0.1) x 2 calls = 0.4 s. Blocks of 0.05 s:
+    forward 0.35, backward 0.4 - 0.1 = 0.3, sends 3 x max(0, 0.1 - 0.1) + 0.1: 0.75 x 2 =
+    1.5 s. At cp 1 nothing is exchanged: 0."""
+    from memplan.planning.timing import gather_exposed
+
+    assert gather_exposed(0.8, 1.6, calls=2, cp=4, block=0.3, where=_where) == \
+        pytest.approx(0.4)
+    assert gather_exposed(0.8, 1.6, calls=2, cp=4, block=0.05, where=_where) == \
+        pytest.approx(1.5)
+    assert gather_exposed(0.0, 0.0, calls=2, cp=1, block=0.3, where=_where) == 0.0
+
+
+def test_cp_exchange_seconds_by_schedule():
+    """Llama 3.1 8B (8 KV heads of 128: 1,024 K or V values a token) at cp 4, tp 1, one
+    micro-batch of 131,072 tokens: each rank holds 32,768, its K and V chunk
+    2 x 32,768 x 1,024 x 2 B = 134,217,728 B; 32 layers; the 4 ranks share a node (NVLink
+    450e9 B/s, NCCL's ring step 3.4 us, its base latency 8.4 us).
+    ring: 3 sends each way per layer: 96 x (134,217,728 / 450e9 + 3.4e-6) forward, the same
+    backward. allgather: per layer 3 chunks arrive in one ring all-gather,
+    3 x 134,217,728 / 450e9 + 8.4e-6 + 3 x 3.4e-6 forward; backward the same plus 4 fp32
+    gradient sends of 2 x 134,217,728 B, each 268,435,456 / 450e9 + 3.4e-6."""
+    import memplan
+    from memplan.parallel import ParallelConfig
+    from memplan.planning.timing import Columns, cp_parts
+    from memplan.workload import CpExchange
+
+    est = memplan.estimate("llama-3.1-8b", gpus=4, cp=4, seq_len=131072,
+                           global_batch_size=1, micro_batch_size=1)
+    c = Columns.one(ParallelConfig(cp=4, dp=1), 1, 1, 0, num_layers=32)
+    kv = 134_217_728
+    ring = 96 * (kv / 450e9 + 3.4e-6)
+    assert cp_parts(est.spec, H100, est.workload, c) == pytest.approx((ring, ring))
+    wl = est.workload.model_copy(update={"cp_exchange": CpExchange.ALLGATHER})
+    gather = 32 * (3 * kv / 450e9 + 8.4e-6 + 3 * 3.4e-6)
+    grads = 32 * 4 * (2 * kv / 450e9 + 3.4e-6)
+    assert cp_parts(est.spec, H100, wl, c) == pytest.approx((gather, gather + grads))
+
+
+def test_async_tp_adds_its_reductions_and_shard_copies():
+    """Llama 3.1 8B (hidden 4,096) at tp 8 with sequence parallelism, one micro-batch of
+    12 x 8,192 tokens in bf16: each collective's full activation is
+    98,304 x 4,096 x 2 B = 805,306,368 B (``act``). Each of the 4 fused reduce-scatters per
+    layer sums the stacked partials: act read, act / 8 written, 1.125 act; each of the 4
+    fused all-gathers copies the local shard twice (read and write): 4 / 8 act. Per layer
+    4 x 1.125 + 4 x 0.5 = 6.5 act; 32 layers: 208 act = 167,503,724,544 B at 92% of the
+    H100's 3.35e12 B/s. Rowwise float8 fuses only the forward's two reduce-scatters:
+    2 x 1.125 x 32 = 72 act."""
+    import memplan
+    from memplan.parallel import ParallelConfig
+    from memplan.planning.timing import Columns, async_tp_copy_seconds
+    from memplan.workload import Float8Recipe
+
+    spec = memplan.load_model("llama-3.1-8b")
+    wl = memplan.make_workload(spec, seq_len=8192, micro_batch_size=12)
+    c = Columns.one(ParallelConfig(tp=8, dp=1, sequence_parallel=True), 12, 1, 0,
+                    num_layers=32)
+    act = 805_306_368
+    rate = 3.35e12 * 0.92
+    assert async_tp_copy_seconds(spec, H100, wl, c) == pytest.approx(208 * act / rate)
+    rowwise = wl.model_copy(update={"float8": Float8Recipe.ROWWISE})
+    assert async_tp_copy_seconds(spec, H100, rowwise, c) == pytest.approx(72 * act / rate)

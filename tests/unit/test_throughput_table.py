@@ -34,3 +34,20 @@ def test_every_run_names_its_source_and_what_it_published():
         assert r["quote"] and r["group"]
         assert set(r["published"]) & {"tokens_per_s_per_gpu", "mfu"}
         assert {"model", "gpus"} <= set(r["memplan_args"])
+
+
+def test_a_published_mfu_beside_its_speed_counts_the_sources_flops():
+    """KempnerForge #1 publishes 10,471 tok/s and MFU 0.578 (its own FLOPs, 6 P + 12 L D S):
+    a step time giving 5,235.5 tok/s is half the speed, so MFU 0.289 in the same count.
+    Korthikanti et al.'s 22B selective run: 1.1 s per iteration at MFU 0.415; a step of 2.2 s
+    is MFU 0.2075. Without a speed beside it (the Llama 3 paper), memplan's own MFU."""
+    from types import SimpleNamespace
+
+    from benchmarks.throughput_table import _value
+
+    st = SimpleNamespace(tokens_per_s_per_gpu=5235.5, step_s=2.2, mfu=0.3)
+    assert _value(st, {"tokens_per_s_per_gpu": 10471.0, "mfu": 0.578}, "mfu") == \
+        pytest.approx(0.289)
+    assert _value(st, {"iteration_s": 1.1, "mfu": 0.415}, "mfu") == pytest.approx(0.2075)
+    assert _value(st, {"mfu": 0.41, "tflops_per_gpu": 400}, "mfu") == 0.3
+    assert _value(st, {"tokens_per_s_per_gpu": 4000.0}, "tokens_per_s_per_gpu") == 5235.5

@@ -66,10 +66,10 @@ def test_moe_counts_only_the_experts_a_token_visits() -> None:
 
 
 def test_single_gpu_runs_at_the_assumed_mfu() -> None:
-    """On a GPU without measured kernel tables (A100: no sm_80 GEMM or attention table) every
+    """On a GPU without measured kernel tables (L40S: no sm_89 GEMM or attention table) every
     FLOP runs at the assumed fraction of peak."""
     spec = memplan.load_model("llama-2-7b")
-    gpu = memplan.load_gpu("a100-80gb")
+    gpu = memplan.load_gpu("l40s")
     wl = memplan.make_workload(spec, seq_len=4096)
     t = step_time(spec, gpu, memplan.make_layout(1), wl, global_batch=1, num_microbatches=1,
                   params_on_rank=spec.num_params)
