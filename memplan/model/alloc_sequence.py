@@ -34,6 +34,8 @@ from fractions import Fraction
 from typing import NamedTuple
 
 from memplan.model.allocator import Alloc, AllocatorConfig, Free, replay
+from memplan.model.nf4_init import qlora_setup
+from memplan.model.nf4_init import stored_bytes as nf4_stored_bytes
 from memplan.model.sharding import Held, end_moments, forward_positions, head_moments, run_positions
 from memplan.units import MiB
 
@@ -167,6 +169,8 @@ class StageInputs(NamedTuple):
     gather_stream: int = 0  # the stream the data-parallel mechanism's gathers allocate on
     rebuild: tuple[tuple[int, ...], ...] = ()  # per run, the tensors its layers' backward
     #                                           rebuilds first (full recompute), else ()
+    nf4_weights: tuple[tuple[int, ...], ...] = ()  # per layer, torchao 0.1 NF4 weights'
+    #          elements: the set-up is torchtune's QLoRA one (``memplan.model.nf4_init``)
 
 
 def _grad_bytes(elements: tuple[int, ...] | list[int], per_param: int | Fraction) -> list[int]:
@@ -191,8 +195,11 @@ def _setup(r: _Run) -> None:
              *s.head_elements]
     total = sum(s.embed_elements) + sum(sum(lt.elements) for lt in s.layers) + sum(s.head_elements)
     per = Fraction(s.params_bytes, total) if total else Fraction(0)
-    for e in every:
-        b.alloc(int(e * per))
+    if s.nf4_weights:
+        _nf4_setup(r)
+    else:
+        for e in every:
+            b.alloc(int(e * per))
     b.alloc(s.buffers)
     for e in every:
         b.alloc(int(e * Fraction(s.master_bytes, total)) if total else 0)
@@ -202,6 +209,19 @@ def _setup(r: _Run) -> None:
         b.alloc(size)
     b.alloc(int(s.persistent_grads * scale))
     b.mark()
+
+
+def _nf4_setup(r: _Run) -> None:
+    """The parameters as torchtune's QLoRA set-up makes them (``nf4_init.qlora_setup``): the
+    NF4 weights through ``to_nf4`` (and the clones' ``get_original_weight``), every other
+    tensor (embedding, head, each layer's adapters and norms) its share of the rest."""
+    s = r.s
+    layers = _layers(r)
+    quant = s.nf4_weights[:len(layers)]
+    plain = [*s.embed_elements, *s.head_elements,
+             *(sum(lt.elements) - sum(q) for lt, q in zip(layers, quant))]
+    rest = int(s.params_bytes * _scale(r)) - sum(nf4_stored_bytes(n) for q in quant for n in q)
+    qlora_setup(r.b, tuple(quant), split_bytes(max(0, rest), plain))
 
 
 def _layers(r: _Run) -> list[LayerTensors]:

@@ -128,6 +128,8 @@ class StageStates(NamedTuple):
     #                a base weight on the device holds more than the weights (0: not modelled)
     first_step: Segment | None = None  # step 1's optimizer step where its order differs
     #                                    (states made after the temporaries); None: ``step``
+    nf4_weights: tuple[tuple[int, ...], ...] = ()  # ``TrainablePolicy.nf4_weights``: the
+    #                                                 set-up ``memplan.model.nf4_init`` replays
 
     @property
     def optimizer_phase(self) -> int:
@@ -282,6 +284,7 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
         accum_bytes=(sum(trainable.adapters) * ADAPTER_BYTES if trainable.adapters
                      else accumulator_bytes(params, wl, shard.flat_units)),
         load=load_bytes(st, buffers, trainable.quantize_bytes),
+        nf4_weights=trainable.nf4_weights if trainable.quantize_bytes else (),
     )
 
 

@@ -70,6 +70,9 @@ class TrainablePolicy(NamedTuple):
     # the most bytes quantizing one base weight holds at the model's load, on the device
     # (``adapters.torchao_quantize_bytes``; 0 where the load is not modelled)
     quantize_bytes: int = 0
+    # per layer of the stage, the elements of each base weight torchao 0.1's ``to_nf4``
+    # quantizes, in registration order, where the set-up is modelled (``memplan.model.nf4_init``)
+    nf4_weights: tuple[tuple[int, ...], ...] = ()
 
     @property
     def quantized(self) -> int:
@@ -124,6 +127,7 @@ def lora_policy(spec: ModelSpec, wl: Workload, layers: Sequence[int], t: int,
         return ALL
     sizes: list[int] = []
     per_layer: list[tuple[int, int, int]] = []  # adapters, quantized, their data bytes
+    nf4: list[tuple[int, ...]] = []  # torchao 0.1's NF4 weights per layer (elements each)
     less = state = largest = 0
     for i in layers:
         linears = layer_linears(spec, spec.is_moe_layer(i),
@@ -131,6 +135,7 @@ def lora_policy(spec: ModelSpec, wl: Workload, layers: Sequence[int], t: int,
         own = adapter_sizes(linears, ad, t)
         sizes += own
         quantized = data = 0
+        weights: list[int] = []
         for lin in linears:
             d_in, d_out = local_widths(lin, t)
             if not ad.quantizes(lin):
@@ -142,7 +147,9 @@ def lora_policy(spec: ModelSpec, wl: Workload, layers: Sequence[int], t: int,
                 data += quant_data_bytes(ad.quant, d_in, d_out)
                 state += stored - quant_data_bytes(ad.quant, d_in, d_out)
                 largest = max(largest, d_in * d_out)
+                weights.append(d_in * d_out)
         per_layer.append((sum(own), quantized, data))
+        nf4.append(tuple(weights))
     if last and not spec.tied_embeddings:
         from memplan.model.head import head_linear
         sizes += adapter_sizes([head_linear(spec, t)], ad, t)
@@ -152,4 +159,6 @@ def lora_policy(spec: ModelSpec, wl: Workload, layers: Sequence[int], t: int,
                            layer_quant_data_bytes=tuple(d for _, _, d in per_layer),
                            quant_state_bytes=state,
                            quantize_bytes=(torchao_quantize_bytes(largest)
-                                           if ad.quant is BaseQuant.NF4_TORCHAO_01 else 0))
+                                           if ad.quant is BaseQuant.NF4_TORCHAO_01 else 0),
+                           nf4_weights=(tuple(nf4) if ad.quant is BaseQuant.NF4_TORCHAO_01
+                                        else ()))
