@@ -254,7 +254,7 @@ def _auto_save(spec: ModelSpec, gpu: GpuSpec, par: Any, wl: Workload, capacity: 
     resolved = resolve_split(spec, par, wl)
     dm = Dims.of(spec, resolved, wl)
     sets = frontier(ops_items(spec, wl, dm))
-    forward = ops_forward_peaks(spec, wl, dm, tuple(c.kept for c in sets))
+    forward = ops_forward_peaks(spec, wl, dm, sets)
 
     def with_save(kept: tuple[str, ...]) -> Workload:
         return wl.model_copy(update={"recompute_save": tuple(sorted(kept))})

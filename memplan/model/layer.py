@@ -442,24 +442,36 @@ def ops_forward_peak(fw: _OpsForward, items: tuple[sac_ops.Item, ...],
     """The forward peak of a checkpointed layer keeping ``kept`` (``LayerKind.
     forward_peak_bytes`` under ``Recompute.OPS``): ``sac_ops.forward_peak``, and an MoE
     block's moments each with the kept items it holds, beside those of the blocks before."""
-    peak = sac_ops.forward_peak(list(fw.pairs), items, kept, fw.mlp_end)
-    if fw.moe:
-        before = sum(i.size_bytes for i in kept if i.block != "mlp")
-        peak = max([peak] + [value + before + sum(i.size_bytes for i in kept if i.name in adds)
-                             for value, adds in fw.moe])
+    peak = sac_ops.forward_peak(fw.pairs, items, kept, fw.mlp_end)
+    if not fw.moe:
+        return peak
+    before = 0
+    for i in kept:
+        if i.block != "mlp":
+            before += i.size_bytes
+    for value, adds in fw.moe:
+        at = value + before
+        for i in kept:
+            if i.name in adds:
+                at += i.size_bytes
+        peak = max(peak, at)
     return peak
 
 
+@lru_cache(maxsize=256)
 def ops_forward_peaks(spec: ModelSpec, wl: Workload, dm: Dims,
-                      sets: tuple[tuple[str, ...], ...]) -> tuple[int, ...]:
+                      sets: tuple) -> tuple[int, ...]:
     """Each save set's layer forward peak (``ops_forward_peak``) for the model's searched
     kind (``sac_ops.searched_moe``): what ``memplan.planning.save_sets.choose`` orders sets
-    by beside their bytes, without an estimate."""
+    by beside their bytes, without an estimate. ``sets``: the frontier
+    (``memplan.planning.save_sets.Choice``, each with its ``kept`` names). Cached: a plan
+    asks per fit."""
     moe = sac_ops.searched_moe(spec)
     items = ops_items(spec, wl, dm, moe)
     fw = _ops_forward(spec, _unsaved(wl), dm, moe, "")
     by_name = {i.name: i for i in items}
-    return tuple(ops_forward_peak(fw, items, tuple(by_name[n] for n in kept)) for kept in sets)
+    return tuple([ops_forward_peak(fw, items, tuple([by_name[n] for n in c.kept]))
+                  for c in sets])
 
 
 def grad_group_params(spec: ModelSpec, t: int, ep: int, moe: bool,

@@ -352,11 +352,13 @@ def _stage_of(scope: str) -> int | None:
     return int(rest) if scope.startswith(STAGE) and rest.isdigit() else None
 
 
+@lru_cache(maxsize=1024)  # (every estimate of a plan asks it of its list)
 def stage_scoped(save: tuple[str, ...]) -> bool:
     """Whether ``save`` names a pipeline stage (a list per stage)."""
     return any(_stage_of(s) is not None for name in save for s in _split(name)[0])
 
 
+@lru_cache(maxsize=1024)
 def for_stage(save: tuple[str, ...], stage: int) -> tuple[str, ...]:
     """The names of ``save`` that apply on pipeline stage ``stage``, its stage scope removed
     (kind scopes kept), sorted: the list of a stage's layers."""
@@ -473,19 +475,30 @@ def forward_peak(moment_blocks: list[tuple[str, int]], items: tuple[Item, ...],
     beyond the MLP's own tensors (its input, the residual, the checkpointed input), where
     every kept MLP output is alive with the down projection's input and output (traced:
     torchtitan's block with the MLP kept, one residual-sized tensor above its working set)."""
-    order = list(dict.fromkeys(i.block for i in items))
+    # (plain loops: a plan asks this of every frontier set of every layout it upgrades)
+    order: dict[str, int] = {}
+    for i in items:
+        if i.block not in order:
+            order[i.block] = len(order)
+    made = [0] * (len(order) + 1)  # kept bytes made in each block, in block order
+    own = [0] * (len(order) + 1)  # of them, those adding to their own block's working set
+    for i in kept:
+        made[order[i.block]] += i.size_bytes
+        if i.own_extra:
+            own[order[i.block]] += i.size_bytes
+    before = [0] * (len(order) + 1)  # kept bytes made in the blocks before each
+    for k in range(len(order)):
+        before[k + 1] = before[k] + made[k]
     best = 0
     if mlp_end:
-        mlp_kept = sum(i.size_bytes for i in kept if i.block == "mlp")
-        last = next(i for i in reversed(items) if i.block == "mlp")  # the down projection's input
-        down_in = 0 if last in kept else last.size_bytes
-        before = sum(i.size_bytes for i in kept if i.block != "mlp")
-        best = mlp_end + before + mlp_kept + down_in
+        down_in = 0
+        for i in items:  # the down projection's input: the MLP's last item
+            if i.block == "mlp":
+                down_in = 0 if i in kept else i.size_bytes
+        best = mlp_end + before[len(order)] + down_in
     for block, value in moment_blocks:
-        at = order.index(block) if block in order else len(order)
-        before = sum(i.size_bytes for i in kept if order.index(i.block) < at)
-        own = sum(i.size_bytes for i in kept if i.block == block and i.own_extra)
-        best = max(best, value + before + own)
+        at = order.get(block, len(order))
+        best = max(best, value + before[at] + own[at])
     return best
 
 

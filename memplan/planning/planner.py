@@ -566,15 +566,15 @@ def _with_save_set(ctx: _Context, fit: _Fit, known: int = 0) -> _Fit:
     wl = ctx.workload(fit.policy).model_copy(update={"micro_batch_size": fit.mbs})
     peaks: dict[tuple[str, ...], int] = {}
 
-    def fits(kept: tuple[str, ...]) -> bool:
+    def fits(kept: tuple[str, ...]) -> int:
         peaks[kept] = evaluate(ctx.spec, fit.par, ctx.workload((Recompute.OPS, kept)),
                                fit.mbs, ctx.ovh).peak_bytes
         ctx.evaluated += 1
-        return peaks[kept] <= ctx.budget
+        return ctx.budget - peaks[kept]  # (how far from the budget: choose guesses with it)
 
     dm = Dims.of(ctx.spec, fit.par, wl)
     sets = frontier(ops_items(ctx.spec, wl, dm))
-    forward = ops_forward_peaks(ctx.spec, wl, dm, tuple(c.kept for c in sets))
+    forward = ops_forward_peaks(ctx.spec, wl, dm, sets)
     if fit.par.pp > 1:
         return _with_stage_sets(ctx, fit, sets, known, forward)
     choice, _ = choose(sets, fits, known, forward)
@@ -763,9 +763,10 @@ def _fastest_policy(ctx: _Context, policy: tuple[Recompute, int | None]
     from memplan.model.layer import ops_items
     from memplan.planning.save_sets import frontier
 
-    from memplan.model.sac_ops import check_searchable
+    if ctx.spec.moe is not None:  # (asked per row: a dense model skips the call)
+        from memplan.model.sac_ops import check_searchable
 
-    check_searchable(ctx.spec)
+        check_searchable(ctx.spec)
     wl = ctx.workload(policy)
     sets = frontier(ops_items(ctx.spec, wl, Dims.of(ctx.spec, ParallelConfig(), wl)))
     return (Recompute.OPS, sets[-1].kept)  # type: ignore[return-value]

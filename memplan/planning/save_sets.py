@@ -95,7 +95,7 @@ def _greedy_chain(pool: tuple[Item, ...], total: float) -> tuple[Choice, ...]:
     return tuple(out)
 
 
-def choose(sets: tuple[Choice, ...], fits: Callable[[tuple[str, ...]], bool],
+def choose(sets: tuple[Choice, ...], fits: Callable[[tuple[str, ...]], bool | int],
            known: int = 0, forward: tuple[int, ...] | None = None
            ) -> tuple[Choice | None, int]:
     """The set of ``sets`` (fewest bytes first) with the most bytes that ``fits``, and how
@@ -104,19 +104,32 @@ def choose(sets: tuple[Choice, ...], fits: Callable[[tuple[str, ...]], bool],
     first: where it fits, one question answers.
 
     ``forward``: each set's layer forward peak (``memplan.model.layer.ops_forward_peaks``).
-    A stage's peak is nondecreasing in a set's bytes and its forward peak together (the
-    set enters the estimate only through them: ``dominated``), not in its bytes alone: a
-    set of fewer bytes made early in the layer can hold more at the forward's peak than one
-    of more bytes made late. So a set that does not fit rules out only the later sets whose
-    forward peak is no lower, and the search goes on among the rest (a bisection where the
-    forward peaks rise with the bytes). Without ``forward``, sets are taken to rise in
-    both."""
+    A stage's peak rises with a set's bytes and its forward peak together, not with its
+    bytes alone: a set of fewer bytes made early in the layer can hold more at the forward's
+    peak than one of more bytes made late. A layer kind under op-level checkpointing differs
+    by its set only in its saved bytes and its forward peak (``memplan.model.layer.
+    ops_kind``), and every moment of a stage's walk adds each layer's saved bytes and
+    forward peak with a nonnegative count (tests/unit/test_save_set_order.py checks it over
+    many configurations). So a set that does not fit rules out only the later sets whose
+    forward peak is no lower, and the search goes on among the rest. Without ``forward``,
+    every later set is ruled out (sets taken to rise in both).
+
+    ``fits`` may return the budget less the peak (an int, fitting when >= 0) instead of a
+    bool: the next set asked is then where the line through the nearest set that fits and
+    the nearest above it that does not meets the budget (the peak is close to linear in the
+    kept bytes), a bisection step following any such guess that did not halve the sets still
+    open. Which sets are asked changes, not the answer."""
     asked = 0
+    slack: dict[int, int] = {}
 
     def ok(i: int) -> bool:
         nonlocal asked
         asked += 1
-        return fits(sets[i].kept)
+        answer = fits(sets[i].kept)
+        if type(answer) is bool:
+            return answer
+        slack[i] = answer
+        return answer >= 0
 
     if not sets:
         return None, asked
@@ -124,30 +137,43 @@ def choose(sets: tuple[Choice, ...], fits: Callable[[tuple[str, ...]], bool],
         return sets[-1], asked
     if known == 0 and not ok(0):  # the empty set: fewest bytes, the lowest forward peak
         return None, asked
-    lo = known
-    open_ = [i for i in range(known + 1, len(sets) - 1)
-             if not dominated(sets, forward, len(sets) - 1, i)]
+    lo, hi = known, len(sets) - 1  # a set that fits; the nearest above it known not to
+    if forward is None:  # (every later set ruled out by one that does not fit)
+        forward = (0,) * len(sets)
+    # the sets still open: not known to fit, not ruled out by one that does not (the largest
+    # was asked: no set before it keeps as many bytes)
+    open_ = list(range(known + 1, hi))
+    guess = True
     while open_:
         mid = open_[len(open_) // 2]
+        if guess and lo in slack and hi in slack:
+            mid = _secant(sets, open_, lo, hi, slack)
+        before = len(open_)
         if ok(mid):
             lo = mid
             open_ = [i for i in open_ if i > mid]
-        else:
-            open_ = [i for i in open_ if i != mid and not dominated(sets, forward, mid, i)]
+        else:  # what ``mid`` rules out (a plan asks this of every set of every probe)
+            hi = min(hi, mid) if mid > lo else hi
+            size, peak = sets[mid].kept_bytes, forward[mid]
+            open_ = [i for i in open_ if i != mid and (
+                i < mid or sets[i].kept_bytes < size or forward[i] < peak)]
+        guess = 2 * len(open_) <= before
     return sets[lo], asked
 
 
-def dominated(sets: tuple[Choice, ...], forward: tuple[int, ...] | None, failed: int,
-              i: int) -> bool:
-    """Whether set ``i`` cannot fit where set ``failed`` does not: it keeps no fewer bytes
-    and its layer's forward peak is no lower. A layer kind under op-level checkpointing
-    differs by its set only in its saved bytes and its forward peak (``memplan.model.
-    layer.ops_kind``), and every moment of a stage's walk adds each layer's saved bytes and
-    forward peak with a nonnegative count, so its peak cannot fall as both grow
-    (tests/unit/test_save_set_order.py checks it over many configurations)."""
-    if sets[i].kept_bytes < sets[failed].kept_bytes:
-        return False
-    return forward is None or forward[i] >= forward[failed]
+def _secant(sets: tuple[Choice, ...], open_: list[int], lo: int, hi: int,
+            slack: dict[int, int]) -> int:
+    """The open set of most bytes at or below where the line through ``lo`` (fits, by
+    ``slack[lo]`` bytes) and ``hi`` (over by ``-slack[hi]``) meets the budget; the first
+    open set if none is."""
+    b_lo, b_hi = sets[lo].kept_bytes, sets[hi].kept_bytes
+    target = b_lo + (b_hi - b_lo) * slack[lo] / (slack[lo] - slack[hi])
+    best = open_[0]
+    for i in open_:
+        if sets[i].kept_bytes > target:
+            break
+        best = i
+    return best
 
 
 def choose_per_stage(sets: tuple[Choice, ...],
@@ -167,6 +193,6 @@ def choose_per_stage(sets: tuple[Choice, ...],
         return seen[kept]
 
     first = at(sets[-1].kept) if sets else ()
-    out = [choose(sets, lambda kept, i=i: at(kept)[i] <= budget, known, forward)[0]
+    out = [choose(sets, lambda kept, i=i: budget - at(kept)[i], known, forward)[0]
            for i in range(len(first))]
     return out, len(seen)

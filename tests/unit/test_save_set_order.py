@@ -44,7 +44,7 @@ def _frontier(spec: ModelSpec, **fields):
     par = resolve_split(spec, par, wl)
     dm = Dims.of(spec, par, wl)
     sets = frontier(ops_items(spec, wl, dm))
-    return sets, ops_forward_peaks(spec, wl, dm, tuple(c.kept for c in sets)), (spec, wl, dm)
+    return sets, ops_forward_peaks(spec, wl, dm, sets), (spec, wl, dm)
 
 
 def _peaks(spec: ModelSpec, sets, **fields) -> list[tuple[int, ...]]:
@@ -74,6 +74,8 @@ def test_choose_is_exact_at_every_budget() -> None:
             return peaks[kept] <= budget
 
         got, _ = choose(sets, fits, forward=forward)
+        assert (None if got is None else sets.index(got)) == want, budget
+        got, _ = choose(sets, lambda kept: budget - peaks[kept], forward=forward)
         assert (None if got is None else sets.index(got)) == want, budget
         old, _ = choose(sets, fits)
         wrong += (None if old is None else sets.index(old)) != want
@@ -115,7 +117,7 @@ def test_peak_rises_with_bytes_and_forward_peak(spec: ModelSpec, fields: dict) -
 def test_choose_against_brute_force_on_random_orders() -> None:
     """Random frontiers (bytes rising, forward peaks in any order) and a peak that rises
     with both: ``choose`` finds the last set that fits at every budget, asking no more
-    than once per set."""
+    than once per set, whether ``fits`` answers yes or no or how far from the budget."""
     rng = random.Random(7)
     for _ in range(300):
         n = rng.randint(1, 24)
@@ -128,5 +130,9 @@ def test_choose_against_brute_force_on_random_orders() -> None:
         for budget in rng.sample(range(0, 30_000), 6):
             want = max((i for i, c in enumerate(sets) if peak[c.kept] <= budget), default=None)
             got, asked = choose(sets, lambda kept: peak[kept] <= budget, forward=forward)
+            assert (None if got is None else sets.index(got)) == want
+            assert asked <= n
+            # told how far each set is from the budget, it guesses its probes: same answer
+            got, asked = choose(sets, lambda kept: budget - peak[kept], forward=forward)
             assert (None if got is None else sets.index(got)) == want
             assert asked <= n
