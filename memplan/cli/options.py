@@ -193,9 +193,10 @@ CompileOpt = Annotated[Optional[bool], typer.Option(
     rich_help_panel=_KERNELS)]
 CompileLossOpt = Annotated[Optional[bool], typer.Option(
     "--compile-loss/--no-compile-loss", help="torchtune's chunked cross-entropy compiled "
-    "(training.compile_loss, with torchtune's compile=True; needs --loss-impl "
-    "torchtune-chunked): each chunk saves its logits and two fp32 numbers per token instead "
-    "of an fp32 log-softmax. Default: off.", rich_help_panel=_KERNELS)]
+    "(training.compile_loss, with torchtune's compile=True; --loss-impl torchtune-chunked), "
+    "or torchtitan's unchunked loss compiled whole (--loss-impl torchtitan): each chunk "
+    "saves its logits and two fp32 numbers per token instead of an fp32 log-softmax. "
+    "Default: off.", rich_help_panel=_KERNELS)]
 CompileInCheckpointOpt = Annotated[Optional[bool], typer.Option(
     "--compile-in-checkpoint/--no-compile-in-checkpoint", help="With --compile and --recompute "
     "full: each compiled layer runs inside its activation checkpoint (torchtune's "
