@@ -427,3 +427,19 @@ def test_torchtitan_chunked_loss_runs_its_backward_in_the_loss_by_hand() -> None
     from memplan.model.estimate import IN_LOSS_CAVEAT, LOSS_CHUNKS_CAVEAT
 
     assert IN_LOSS_CAVEAT in est.caveats and LOSS_CHUNKS_CAVEAT not in est.caveats
+
+
+def test_torchtitan_exchanges_cp_by_all_gather() -> None:
+    """torchtitan hands PyTorch's context_parallel its rotate method, 'allgather' by default
+    (job_config.py ``context_parallel_rotate_method``); Megatron-LM's (Transformer Engine's
+    p2p ring) and the reference model's is the ring. An explicit choice wins."""
+    from memplan.workload import CpExchange
+
+    def exchange(**kw: object) -> CpExchange:
+        return memplan.estimate("llama-3.1-8b", gpus=8, cp=2, seq_len=8192, **kw).workload \
+            .cp_exchange
+
+    assert exchange(framework="torchtitan") is CpExchange.ALLGATHER
+    assert exchange(framework="megatron") is CpExchange.RING
+    assert exchange() is CpExchange.RING
+    assert exchange(framework="torchtitan", cp_exchange="ring") is CpExchange.RING
