@@ -224,6 +224,17 @@ def _float8_saving(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> int:
     return float8_gather_saving(spec, par.tp, wl.precision.policy.unsharded.itemsize)
 
 
+def _data_parallel(shard: ShardingBuffers, params: StageParams, st: StateBytes, wl: Workload,
+                   trainable: TrainablePolicy) -> DataParallel:
+    """The stage's data-parallel mechanism as its backward walk sees it: with LoRA only the
+    adapters have gradients, fp32 (``memplan.model.adapters``)."""
+    if trainable.adapters:
+        return data_parallel(shard, sum(trainable.adapters), st.grads_bytes,
+                             Precision.FP32.policy)
+    return data_parallel(shard, params.total, st.grads_bytes, wl.precision.policy)._replace(
+        fresh_only=bool(shard.bucket_bytes) or wl.optimizer_in_backward)
+
+
 def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
                  params: StageParams, stage: int) -> StageStates:
     """``params``: the stage's ``stage_params`` (cached apart, per layout)."""
@@ -266,11 +277,7 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
         buckets=buckets, persistent=(ddp and par.grad_buffers is GradBuffers.VIEW
                                      or shard.queued_whole or shard.bucket_resident),
         buffers=buffers,
-        # with LoRA only the adapters have gradients, fp32 (memplan.model.adapters)
-        dp=(data_parallel(shard, sum(trainable.adapters), st.grads_bytes,
-                          Precision.FP32.policy) if trainable.adapters
-            else data_parallel(shard, params.total, st.grads_bytes, wl.precision.policy)
-            ._replace(fresh_only=bool(shard.bucket_bytes) or wl.optimizer_in_backward)),
+        dp=_data_parallel(shard, params, st, wl, trainable),
         # units as buckets: the weights outside the units stay gathered across steps
         # (Megatron-FSDP AllGatherPipeline.reset(preserve_non_fsdp_units=True) in
         # synchronize_param_gather), so they are alive at the step
