@@ -103,7 +103,7 @@ def _layer_forward_segments(runs: list[tuple[LayerKind, int, tuple[int, ...], in
     built: dict[tuple, list[Segment]] = {}  # a hybrid's repeating kinds built once each
     for index, (kind, _, _, n) in enumerate(runs):
         key = (id(kind), n, index == 0, index == last)
-        run = built.get(key)
+        run = built.get(key) if last > 1 else None
         if run is None:
             # autocast's cached casts of the layers before stay until the forward ends
             held_bytes, peak = kind.saved_bytes + kind.cached_bytes, kind.forward_peak_bytes
@@ -162,20 +162,27 @@ def _backward_moments(w: Walk, grads_prior: int, grads_total: int) -> list[Segme
     step = 1 if growing else 0
     last = len(w.runs) - 1
     # a run's segments, by what decides them: a hybrid's repeating kinds are built once each
-    built: dict[tuple, list[Segment]] = {}
+    # (a kind can recur only among three runs or more)
+    built: dict[tuple, list[Segment]] | None = {} if len(w.runs) > 2 else None
     for index, (kind, layer_grads, moment_grads, n) in enumerate(reversed(w.runs)):
-        key = (id(kind), layer_grads, moment_grads, n, index == last,
-               positions_key(dp, held, n))
-        runs = built.get(key)
+        key = runs = None
+        if built is not None:
+            key = (id(kind), layer_grads, moment_grads, n, index == last,
+                   positions_key(dp, held, n))
+            runs = built.get(key)
         if runs is None:
-            positions, _ = run_positions(dp, held, layer_grads, max(moment_grads), n, growing,
-                                         index == last)
+            positions, after = run_positions(dp, held, layer_grads, max(moment_grads), n,
+                                             growing, index == last)
             local = {reduce: dp.block_peak(kind.moments, moment_grads, growing, reduce)
                      for reduce in {p.reduce for p in positions}}
-            runs = built[key] = [_layer_segment(p, kind.saved_bytes, local[p.reduce],
-                                                step * layer_grads) for p in positions]
+            runs = [_layer_segment(p, kind.saved_bytes, local[p.reduce], step * layer_grads)
+                    for p in positions]
+            if built is not None:
+                built[key] = runs
+        else:
+            after = held_after(dp, held, layer_grads, n)
         segments += runs
-        held = held_after(dp, held, layer_grads, n)
+        held = after
         made += n * step * layer_grads
     beside, after = end_moments(dp, held, h.grads, emb.grads, growing)
     # the tied head's pending gradient is summed into the embedding's
