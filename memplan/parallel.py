@@ -435,6 +435,8 @@ def tp_rule(spec: ModelSpec, tp: int) -> LayoutError | None:
         return _divides_error("tp", tp, "ffn_hidden_size", spec.ffn_hidden_size)
     if spec.moe is not None and spec.moe.expert_ffn_hidden_size % tp:
         return _divides_error("tp", tp, "expert_ffn_hidden_size", spec.moe.expert_ffn_hidden_size)
+    if spec.mamba is not None and spec.mamba.num_heads % tp:
+        return _divides_error("tp", tp, "mamba.num_heads", spec.mamba.num_heads)
     return None
 
 
@@ -690,6 +692,8 @@ def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
         why = "the xIELU activation"
     elif spec.short_conv is not None:  # (memplan.model.short_conv: eager's saved set)
         why = "short-convolution layers"
+    elif spec.mamba is not None:  # (memplan.model.mamba: eager's saved set)
+        why = "Mamba layers"
     if why is None:
         return None
     return LayoutError(f"compile is not modelled with {why}",

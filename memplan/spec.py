@@ -263,6 +263,46 @@ class ShortConvSpec(BaseModel):
         "full_attention; the others conv)"))
 
 
+class MambaSpec(BaseModel):
+    """A Mamba2 mixer in place of attention on every layer but ``attention_layers``
+    (Granite 4.0-H: models/granitemoehybrid/modeling_granitemoehybrid.py
+    GraniteMoeHybridMambaLayer, transformers 5.3): in_proj (h -> 2 d + 2 G n + H, d = H P the
+    inner width), a depthwise conv1d of conv_kernel taps over x, B and C (d + 2 G n
+    channels), dt_bias, A_log and D per head, a gated RMSNorm of d, out_proj (d -> h); the
+    chunked SSD scan in chunks of chunk_size tokens."""
+
+    model_config = _FROZEN
+
+    num_heads: int = Field(gt=0, le=MAX_WIDTH)
+    head_dim: int = Field(gt=0, le=MAX_WIDTH)
+    state_size: int = Field(gt=0, le=MAX_WIDTH)
+    num_groups: int = Field(gt=0, le=MAX_WIDTH)
+    conv_kernel: int = Field(gt=0, le=MAX_WIDTH)
+    chunk_size: int = Field(gt=0, le=MAX_WIDTH)
+    conv_bias: bool = True
+    proj_bias: bool = False
+    attention_layers: tuple[int, ...] = Field(description=(
+        "the 0-based indices of the attention layers (layer_types: attention; the others "
+        "mamba)"))
+
+    @model_validator(mode="after")
+    def _check(self) -> MambaSpec:
+        if self.num_heads % self.num_groups:
+            raise ValueError(f"num_groups ({self.num_groups}) must divide num_heads "
+                             f"({self.num_heads})")
+        return self
+
+    @property
+    def inner(self) -> int:
+        """d = H P, the scan's width (GraniteMoeHybridMambaLayer.intermediate_size)."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv1d: x, B and C (d + 2 G n)."""
+        return self.inner + 2 * self.num_groups * self.state_size
+
+
 class ModelSpec(BaseModel):
     """A decoder-only transformer. Widths are element counts, not bytes."""
 
@@ -371,6 +411,8 @@ class ModelSpec(BaseModel):
     short_conv: ShortConvSpec | None = Field(default=None, description=(
         "LFM2's gated short-convolution layers in place of attention but on "
         "short_conv.attention_layers"))
+    mamba: MambaSpec | None = Field(default=None, description=(
+        "Mamba2 mixers in place of attention but on mamba.attention_layers (Granite 4.0-H)"))
     attn_output_gate: bool = Field(default=False, description=(
         "the attention's q projection is twice as wide, its second half per head a gate whose "
         "sigmoid scales the attention output before o_proj (Qwen3NextAttention.forward: "
@@ -430,10 +472,12 @@ class ModelSpec(BaseModel):
                              f"({self.nope_layer_interval})")
         if self.window_chunked and self.sliding_window is None:
             raise ValueError("window_chunked needs a sliding_window (the chunk)")
-        if self.short_conv is not None and (self.linear_attention is not None or any(
-                not 0 <= i < self.num_layers for i in self.short_conv.attention_layers)):
-            raise ValueError(f"short_conv.attention_layers must be layer indices below "
-                             f"num_layers ({self.num_layers}), without linear_attention")
+        mixers = [m for m in (self.short_conv, self.mamba) if m is not None]
+        if mixers and (self.linear_attention is not None or len(mixers) > 1 or any(
+                not 0 <= i < self.num_layers for i in mixers[0].attention_layers)):
+            raise ValueError(f"short_conv or mamba attention_layers must be layer indices "
+                             f"below num_layers ({self.num_layers}), with one such mixer and "
+                             "without linear_attention")
         if self.moe is not None and self.moe.first_dense_layers >= self.num_layers:
             raise ValueError(f"moe.first_dense_layers ({self.moe.first_dense_layers}) must be "
                              f"below num_layers ({self.num_layers})")
@@ -482,9 +526,12 @@ class ModelSpec(BaseModel):
 
     def is_linear_layer(self, index: int) -> bool:
         """Whether layer ``index`` (0-based) mixes tokens without attention: a gated DeltaNet
-        layer (``linear_attention``) or a short-convolution layer (``short_conv``)."""
+        layer (``linear_attention``), a short-convolution layer (``short_conv``) or a Mamba2
+        layer (``mamba``)."""
         if self.short_conv is not None:
             return index not in self.short_conv.attention_layers
+        if self.mamba is not None:
+            return index not in self.mamba.attention_layers
         la = self.linear_attention
         return la is not None and index % la.full_attention_interval != \
             la.full_attention_interval - 1
@@ -499,7 +546,8 @@ class ModelSpec(BaseModel):
     @property
     def has_linear_layers(self) -> bool:
         """Whether some layers mix tokens without attention (``is_linear_layer``)."""
-        return self.linear_attention is not None or self.short_conv is not None
+        return (self.linear_attention is not None or self.short_conv is not None
+                or self.mamba is not None)
 
     @property
     def num_moe_layers(self) -> int:
@@ -602,6 +650,19 @@ def short_conv_params(spec: ModelSpec) -> tuple[int, int]:
     return 3 * h * h + h * sc.conv_kernel + h * h + bias * 4 * h, bias * h
 
 
+def mamba_params(spec: ModelSpec) -> tuple[int, int]:
+    """(TP-sharded, replicated) parameters of one Mamba2 block (GraniteMoeHybridMambaLayer.
+    __init__): the conv1d (d + 2 G n) * K and, with conv_bias, its bias; in_proj h * (2 d +
+    2 G n + H) (with proj_bias its bias); dt_bias, A_log and D of H each; the gated norm's
+    weight of d; out_proj d * h (its bias replicated): split with the heads."""
+    m, h = spec.mamba, spec.hidden_size
+    assert m is not None
+    conv = m.conv_dim * m.conv_kernel + (m.conv_dim if m.conv_bias else 0)
+    width = m.inner + m.conv_dim + m.num_heads
+    in_proj = h * width + (width if m.proj_bias else 0)
+    return conv + in_proj + 3 * m.num_heads + m.inner + m.inner * h, h if m.proj_bias else 0
+
+
 def mla_params(spec: ModelSpec) -> tuple[int, int]:
     """(TP-sharded, replicated) parameters of one MLA block (``MlaSpec``): the down
     projections (h -> q_lora_rank, h -> kv_lora_rank + rope) and their norms replicated, as
@@ -649,6 +710,7 @@ def layer_params(spec: ModelSpec, index: int) -> LayerParams:
     attn_sharded, attn_repl = (
         attention_params(spec) if not spec.is_linear_layer(index)
         else short_conv_params(spec) if spec.short_conv is not None
+        else mamba_params(spec) if spec.mamba is not None
         else linear_attention_params(spec))
     moe = spec.moe
     norms = (1 if spec.parallel_block else spec.norm_placement.norms_per_layer) * norm_params(spec)

@@ -220,18 +220,47 @@ def apertus(cfg: ConfigKeys) -> dict[str, Any]:
     return fields
 
 
+# layer_types as the file writes them ("attention", "mamba") and as transformers 5.25's
+# configuration class writes them in its to_dict() ("full_attention", "linear_attention")
+_GRANITE_ATTENTION, _GRANITE_MAMBA = ("attention", "full_attention"), ("mamba", "linear_attention")
+
+
 def granite_hybrid_dense(cfg: ConfigKeys) -> bool:
-    """Whether a granitemoehybrid config builds only attention layers without experts: every
-    layer_types entry "attention" (GraniteMoeHybridDecoderLayer builds a Mamba mixer for the
-    others, and GraniteMoeHybridConfig's default is every layer Mamba) and num_local_experts
-    0 (default 8: GraniteMoeHybridMoE beside the shared MLP). The rest is read by the
-    fallback (memplan.hf.fallback): memplan has no Mamba block."""
+    """Whether a granitemoehybrid config builds no experts: num_local_experts 0 (default 8:
+    GraniteMoeHybridMoE beside the shared MLP, which the fallback reads, memplan.hf.fallback),
+    its layer_types (default: every layer Mamba, GraniteMoeHybridConfig.layers_block_type)
+    attention or Mamba layers."""
     types = cfg.data.get("layer_types")
     experts = cfg.data.get("num_local_experts", 8)
-    # the file's "attention"; transformers 5.25's configuration class writes "full_attention"
-    # (and "linear_attention" for "mamba") in its to_dict()
-    return (isinstance(types, list) and bool(types)
-            and all(t in ("attention", "full_attention") for t in types) and experts == 0)
+    known = _GRANITE_ATTENTION + _GRANITE_MAMBA
+    return (types is None or (isinstance(types, list) and bool(types)
+                              and all(t in known for t in types))) and experts == 0
+
+
+def _granite_mamba(cfg: ConfigKeys, hidden: int, num_layers: int) -> dict[str, Any] | None:
+    """GraniteMoeHybridMambaLayer's widths (GraniteMoeHybridConfig.__init__ defaults: 128
+    heads, mamba_d_head "auto" = mamba_expand (2) * h / heads, 1 group, state 256, conv 4,
+    chunks of 256, conv bias, no projection bias), or None without Mamba layers."""
+    types = cfg.data.get("layer_types") or ["mamba"] * num_layers
+    if len(types) != num_layers:
+        raise cfg.error("layer_types", f"expected {num_layers} entries, got {len(types)}")
+    attention = tuple(i for i, t in enumerate(types) if t in _GRANITE_ATTENTION)
+    if len(attention) == num_layers:
+        return None
+    heads = cfg.get_int("mamba_n_heads", 128)
+    inner = cfg.get_int("mamba_expand", 2) * hidden
+    head = cfg.data.get("mamba_d_head", "auto")
+    head_dim = inner // heads if head == "auto" else cfg.get_int("mamba_d_head")
+    if heads * head_dim != inner:
+        raise cfg.error("mamba_d_head", f"mamba_n_heads ({heads}) * mamba_d_head ({head_dim}) "
+                                        f"must be mamba_expand * hidden_size ({inner})")
+    return {"num_heads": heads, "head_dim": head_dim,
+            "state_size": cfg.get_int("mamba_d_state", 256),
+            "num_groups": cfg.get_int("mamba_n_groups", 1),
+            "conv_kernel": cfg.get_int("mamba_d_conv", 4),
+            "chunk_size": cfg.get_int("mamba_chunk_size", 256),
+            "conv_bias": cfg.get_bool("mamba_conv_bias", True),
+            "proj_bias": cfg.get_bool("mamba_proj_bias", False), "attention_layers": attention}
 
 
 def granitemoehybrid(cfg: ConfigKeys) -> dict[str, Any]:
@@ -245,14 +274,18 @@ def granitemoehybrid(cfg: ConfigKeys) -> dict[str, Any]:
     attention_bias; RoPE only where position_embedding_type is "rope"
     (GraniteMoeHybridModel.rotary_emb, else None: no position encoding).
     GraniteMoeHybridConfig's defaults: vocab 32000, 2048 positions, untied,
-    shared_intermediate_size 1024, position_embedding_type None."""
+    shared_intermediate_size 1024, position_embedding_type None. Its Mamba layers (Granite
+    4.0-H) are ``_granite_mamba``'s (memplan.model.mamba)."""
     if not granite_hybrid_dense(cfg):
-        raise cfg.error("layer_types", "Mamba layers or experts are read by the fallback")
+        raise cfg.error("num_local_experts", "experts are read by the fallback")
     fields = llama_fields(cfg, head_dim_default=None, tie_default=False,
                           defaults={"vocab_size": 32000, "max_position_embeddings": 2048})
     rope = cfg.data.get("position_embedding_type") == "rope"
     fields.update(ffn_hidden_size=cfg.get_int("shared_intermediate_size", 1024),
                   fused_gate_up=True, mlp_bias=False, position="rope" if rope else "none")
+    mamba = _granite_mamba(cfg, fields["hidden_size"], fields["num_layers"])
+    if mamba is not None:
+        fields["mamba"] = mamba
     return fields
 
 

@@ -377,6 +377,13 @@ def _deltanet_line(wl: Workload) -> str:
                 " as transformers up to 5.16 writes the rule (forward substitution)"))
 
 
+# memplan.model.mamba
+MAMBA_LINE = ("Mamba2 layers on transformers' torch path as 5.3 writes it (GraniteMoeHybridMamba"
+              "Layer.torch_forward: the chunked scan's fp32 products saved and held); "
+              "mamba_ssm's fused kernel on CUDA (mamba_split_conv1d_scan_combined) saves far "
+              "less and is not modelled, nor the einsum scan later transformers versions write")
+
+
 def _assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload, schedule: Schedule,
 
                  ovh: Overheads) -> tuple[str, ...]:
@@ -408,6 +415,7 @@ def _assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload, schedule: S
         *adapters.assumptions(wl),
         *fsdp1.assumptions(spec, par, wl),
         *((_deltanet_line(wl),) if spec.linear_attention is not None else ()),
+        *((MAMBA_LINE,) if spec.mamba is not None else ()),
         *((sac_ops.assumption(spec, wl, ops_items(spec, wl, Dims.of(spec, par, wl)), par.pp),)
           if wl.recompute is Recompute.OPS else ()),
         *(("optimizer offloaded to host memory: fp32 master weights, states, an fp32 gradient "

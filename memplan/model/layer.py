@@ -42,6 +42,7 @@ from memplan.model.mla import Mla, mla_linears
 from memplan.model.mlp import Mlp, mlp_linears
 from memplan.model.moe import MoE
 from memplan.model.short_conv import ShortConv, conv_cache_bytes, short_conv_linears
+from memplan.model.mamba import Mamba, mamba_linears
 from memplan.model.norm import Norm, StreamInput
 from memplan.model.sac import sac_terms
 from memplan.spec import ModelSpec, NormPlacement, QkNorm
@@ -51,6 +52,7 @@ from memplan.workload import NormImpl, Recompute, SelectiveImpl, Workload
 _ATTENTION, _WINDOW, _MLA, _MLP, _MOE = Attention(), WindowAttention(), Mla(), Mlp(), MoE()
 _DELTANET = DeltaNet()
 _SHORT_CONV = ShortConv()
+_MAMBA = Mamba()
 _NOPE = NopeAttention()
 def _attention_inputs(spec: ModelSpec) -> tuple[Linear, ...]:
     """The projections reading the attention norm's output: a plain attention's q/k/v (not
@@ -67,7 +69,7 @@ def _mlp_inputs(spec: ModelSpec) -> tuple[Linear, ...]:
 _PRE = {"attn": Norm("attn_norm", _attention_inputs), "mlp": Norm("mlp_norm", _mlp_inputs)}
 _INPUT = {"attn": StreamInput("attn_input"), "mlp": StreamInput("mlp_input")}
 _POST = {"attn": Norm("attn_post_norm"), "mlp": Norm("mlp_post_norm")}
-MIXERS = (Attention, Mla, Mlp, MoE, DeltaNet, ShortConv)
+MIXERS = (Attention, Mla, Mlp, MoE, DeltaNet, ShortConv, Mamba)
 
 
 def _sublayer(placement: NormPlacement, place: str, mixer: Block) -> tuple[Block, ...]:
@@ -76,15 +78,17 @@ def _sublayer(placement: NormPlacement, place: str, mixer: Block) -> tuple[Block
 
 
 _ATTENTIONS = {"mla": _MLA, "window": _WINDOW, "full": _ATTENTION, "linear": _DELTANET,
-               "nope": _NOPE, "conv": _SHORT_CONV}
+               "nope": _NOPE, "conv": _SHORT_CONV, "mamba": _MAMBA}
 _BLOCKS = {(placement, attention, moe): (_sublayer(placement, "attn", _ATTENTIONS[attention])
                                          + _sublayer(placement, "mlp", _MOE if moe else _MLP))
            for placement in NormPlacement for attention in _ATTENTIONS for moe in (False, True)}
-# a short-convolution layer's norm feeds in_proj alone (Lfm2DecoderLayer.operator_norm)
-_CONV_NORM = Norm("attn_norm", lambda spec: short_conv_linears(spec)[:1], copies=1)
+# a short-convolution or Mamba layer's norm feeds in_proj alone (Lfm2DecoderLayer.
+# operator_norm, GraniteMoeHybridDecoderLayer.input_layernorm)
+_IN_NORMS = {"conv": Norm("attn_norm", lambda spec: short_conv_linears(spec)[:1], copies=1),
+             "mamba": Norm("attn_norm", lambda spec: mamba_linears(spec)[:1], copies=1)}
 for _key, _blocks in list(_BLOCKS.items()):
-    if _key[1] == "conv" and _key[0].pre_norm:
-        _BLOCKS[_key] = (_CONV_NORM, *_blocks[1:])
+    if _key[1] in _IN_NORMS and _key[0].pre_norm:
+        _BLOCKS[_key] = (_IN_NORMS[_key[1]], *_blocks[1:])
 # a parallel layer (``ModelSpec.parallel_block``): one norm, then both mixers reading its output
 _PARALLEL = {(attention, moe): (_PRE["attn"], _ATTENTIONS[attention], _MOE if moe else _MLP)
              for attention in _ATTENTIONS for moe in (False, True)}
@@ -103,7 +107,8 @@ def layer_blocks(spec: ModelSpec, moe_layer: bool, variant: str = "") -> tuple[B
     ``memplan.model.attention.NopeAttention``); "linear", a layer without attention: gated
     DeltaNet (``memplan.model.deltanet.DeltaNet``) or, with ``short_conv``, LFM2's short
     convolution (``memplan.model.short_conv.ShortConv``); "" the model's attention."""
-    linear_mixer = "conv" if spec.short_conv is not None else "linear"
+    linear_mixer = ("conv" if spec.short_conv is not None else "mamba" if spec.mamba is not None
+                    else "linear")
     attention = (linear_mixer if variant == "linear" else "mla" if spec.mla is not None
                  else "window" if variant == "window" else "full")
     if attention == "full" and rope_normed(spec):
@@ -251,6 +256,10 @@ def kv_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute
         conv = conv_cache_bytes(spec, dm)
         return conv if variant == "linear" else conv + _attention_cache_bytes(spec, wl, dm,
                                                                               variant)
+    if variant == "linear" and spec.mamba is not None:
+        # GraniteMoeHybridModel.forward makes no cache when none is passed: its Mamba layers
+        # get cache_params None
+        return 0
     if variant == "linear":
         return cache_states_bytes(spec, wl, dm)
     return _attention_cache_bytes(spec, wl, dm, variant)
@@ -274,6 +283,8 @@ def last_weight(spec: ModelSpec, dm: Dims, mixer: Block) -> int:
         return linear.weight_elements(deltanet_linears(spec)[-1], dm.tp)
     if isinstance(mixer, ShortConv):
         return linear.weight_elements(short_conv_linears(spec)[-1], dm.tp)
+    if isinstance(mixer, Mamba):
+        return linear.weight_elements(mamba_linears(spec)[-1], dm.tp)
     return spec.attn_out_size * spec.hidden_size // dm.tp if isinstance(mixer, (Attention, Mla)) \
         else spec.ffn_hidden_size * spec.hidden_size // dm.tp
 
@@ -503,7 +514,8 @@ def layer_linears(spec: ModelSpec, moe_layer: bool, variant: str = "") -> tuple[
     """A layer's projections that are ``nn.Linear`` modules (what LoRA adapts and bitsandbytes
     quantizes): the attention's (or a linear-attention layer's), and a dense layer's MLP
     (stacked experts are not)."""
-    linear_mixer = short_conv_linears if spec.short_conv is not None else deltanet_linears
+    linear_mixer = (short_conv_linears if spec.short_conv is not None
+                    else mamba_linears if spec.mamba is not None else deltanet_linears)
     attn = (linear_mixer(spec) if variant == "linear" else mla_linears(spec)
             if spec.mla is not None else attention_linears(spec))
     return attn + (() if moe_layer else mlp_linears(spec, spec.ffn_hidden_size))

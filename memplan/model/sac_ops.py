@@ -84,6 +84,7 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
         (moe_why is not None, moe_why or ""), (spec.mla is not None, "MLA attention"),
         (spec.linear_attention is not None, "linear-attention layers"),
         (spec.short_conv is not None, "short-convolution layers"),
+        (spec.mamba is not None, "Mamba layers"),
         (spec.sliding_window is not None, "sliding-window layers"),
         (not spec.norm_placement.pre_norm or spec.norm_placement.post_norm,
          f"{spec.norm_placement.value} norms"),

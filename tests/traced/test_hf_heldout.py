@@ -106,6 +106,21 @@ def test_fallback_weights_are_transformers_tensors(name: str) -> None:
     assert (est.stages[0].params_bytes, est.stages[0].grads_bytes) == (4 * exact, 4 * exact)
 
 
+def test_granite_4_h_without_experts_is_read_as_built() -> None:
+    """granite-4.0-h-tiny without its experts (num_local_experts 0): Mamba2 and attention
+    layers with the shared MLP, read by the reader (memplan.model.mamba), the count and every
+    layer's tensors transformers' (895,307,328: tests/unit/test_mamba.py by hand)."""
+    data = {**_config("granite-4.0-h-tiny"), "num_local_experts": 0}
+    model = _built(data)
+    spec = spec_from_hf_dict(data, "config.json", "granite-4.0-h")
+    assert spec.approximate is None and spec.mamba is not None
+    assert spec.num_params == sum(p.numel() for p in model.parameters()) == 895_307_328
+    stage = count_stage_params(spec, 1, 1, 1, tuple(range(spec.num_layers)), True, True, 1)
+    assert list(stage.layers) == [sum(p.numel() for p in layer.parameters())
+                                  for layer in model.model.layers]
+    assert sorted(stage.tensor_sizes) == sorted(p.numel() for p in model.parameters())
+
+
 def test_remote_code_type_is_refused_in_one_line() -> None:
     with pytest.raises(MemplanError) as err:
         spec_from_hf_dict(_config("Phi-4-mini-flash-reasoning"), "config.json", "m")
@@ -151,6 +166,12 @@ TRACED = {
     # three short-convolution layers first (the backward's last layers), attention last
     "lfm2-conv": _cut("LFM2-1.2B", num_hidden_layers=4, full_attn_idxs=[3], block_ff_dim=384,
                       **_TOY),
+    # Granite 4.0-H without experts: Mamba2, attention, Mamba2 on transformers' torch path,
+    # chunks of 48 over 64 tokens (two chunks, the second padded)
+    "granitemoehybrid-h": _cut("granite-4.0-h-tiny", num_hidden_layers=3,
+                               layer_types=["mamba", "attention", "mamba"], num_local_experts=0,
+                               shared_intermediate_size=256, mamba_n_heads=4, mamba_d_head=64,
+                               mamba_d_state=32, mamba_chunk_size=48, **_TOY),
     "granitemoehybrid": _cut("granite-4.0-micro", num_hidden_layers=2,
                              layer_types=["attention"] * 2, shared_intermediate_size=256,
                              mamba_n_heads=4, mamba_d_head=64, **_TOY),  # (unused, validated)
@@ -169,6 +190,18 @@ ERNIE_BF16_FULL = Known(("activations_bytes", "first_step.backward_bytes"), (
     "ERNIE 4.5 MoE bf16 under full recompute: saved activations -1.82% (8,720 B), step 1's "
     "backward -1.15% (26,240 B); not attributed yet"),
     {"activations_bytes": (-8_720, -1.8234), "first_step.backward_bytes": (-26_240, -1.155)})
+
+
+def _naive_mamba() -> bool:
+    """Whether the installed GraniteMoeHybridMambaLayer runs transformers 5.3's naive chunked
+    scan on CPU (torch_forward's G_intermediate products), the path memplan.model.mamba
+    models; later versions write the scan with einsums (mamba2_chunk_scan)."""
+    import inspect
+
+    from transformers.models.granitemoehybrid import modeling_granitemoehybrid as m
+
+    forward = getattr(m.GraniteMoeHybridMambaLayer, "torch_forward", None)
+    return forward is not None and "G_intermediate" in inspect.getsource(forward)
 
 
 def _cases():
@@ -196,6 +229,9 @@ def test_library_matches_estimate(case, known) -> None:
 
     if not _known(case.config["model_type"]):
         pytest.skip(f"transformers {transformers.__version__} has no {case.config['model_type']!r}")
+    if case.name == "granitemoehybrid-h" and not _naive_mamba():
+        pytest.skip(f"transformers {transformers.__version__}'s Mamba2 torch path is not 5.3's "
+                    "naive scan (memplan.model.mamba)")
     # HunYuanMoEV1Gate.wg is built in fp32 in a bf16 model: the states are exact in fp32 only
     fp32_router = case.name == "hunyuan_v1_moe" and case.recipe != "fp32"
     # ERNIE's frozen e_score_correction_bias (E fp32 values a MoE layer) is read as the

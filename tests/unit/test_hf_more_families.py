@@ -142,11 +142,11 @@ def test_granite_4_micro_by_hand() -> None:
                                                                                 "rope")
 
 
-def test_granite_hybrid_with_mamba_or_experts_is_the_fallbacks() -> None:
-    """A Mamba layer, or experts (num_local_experts > 0, its default 8): no Mamba block in
+def test_granite_hybrid_with_experts_is_the_fallbacks() -> None:
+    """Experts (num_local_experts > 0, its default 8): no GraniteMoeHybridMoE block in
     memplan, so the fallback reads it (here without transformers: its one-line refusal);
-    transformers 5.25's to_dict() spelling of attention layers (full_attention) is read as
-    the file's."""
+    Mamba layers are read (memplan.model.mamba); transformers 5.25's to_dict() spellings of
+    attention and Mamba layers (full_attention, linear_attention) are read as the file's."""
     from memplan.errors import MemplanError
     from memplan.hf.config import ConfigKeys
     from memplan.hf.families_more import granite_hybrid_dense
@@ -155,9 +155,13 @@ def test_granite_hybrid_with_mamba_or_experts_is_the_fallbacks() -> None:
     data = json.loads((HELDOUT / "granite-4.0-micro" / "config.json").read_text())
     assert granite_hybrid_dense(ConfigKeys({**data, "layer_types": ["full_attention"] * 40},
                                            "c"))
-    assert not granite_hybrid_dense(ConfigKeys({**data, "num_local_experts": 8}, "c"))
+    experts = {**data, "num_local_experts": 8}
+    assert not granite_hybrid_dense(ConfigKeys(experts, "c"))
     mamba = {**data, "layer_types": ["mamba"] + ["attention"] * 39}
-    assert not granite_hybrid_dense(ConfigKeys(mamba, "c"))
+    assert granite_hybrid_dense(ConfigKeys(mamba, "c"))
+    assert _spec_of(mamba).is_linear_layer(0) and not _spec_of(mamba).is_linear_layer(1)
+    spelled = {**data, "layer_types": ["linear_attention"] + ["full_attention"] * 39}
+    assert _spec_of(spelled) == _spec_of(mamba)
 
     def missing(data):
         raise ImportError("No module named 'transformers'")
@@ -165,4 +169,4 @@ def test_granite_hybrid_with_mamba_or_experts_is_the_fallbacks() -> None:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(hf_meta, "meta_build", missing)
         with pytest.raises(MemplanError, match="pip install transformers"):
-            _spec_of(mamba)
+            _spec_of(experts)
