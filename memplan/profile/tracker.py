@@ -74,7 +74,7 @@ def _held(t: torch.Tensor) -> list[torch.Tensor]:
     data, scale = getattr(inner, "_data", None), getattr(inner, "_scale", None)
     if isinstance(data, torch.Tensor) and isinstance(scale, torch.Tensor):
         return [x for part in (data, scale) for x in _held(part)]
-    return []
+    return [local] if local is not None else []
 
 
 def _local(t: torch.Tensor) -> torch.Tensor | None:
