@@ -65,13 +65,16 @@ def _held(t: torch.Tensor) -> list[torch.Tensor]:
     as tensor parallelism's float8 all-gather, ``float8_ops.allgather_fp8``, runs on
     ``_data`` below this mode and returns a new wrapper around the result)."""
     local = _local(t)
-    if local is not None:
+    if local is not None and not _is_wrapper(local):
         return [local]
-    inner = getattr(t, "_local_tensor", t)
+    # a DTensor whose local shard is itself a wrapper (torchao's float8 tensor under its TP
+    # styles): the wrapper's own storage is empty metadata of the high-precision size, so
+    # the memory is its data and scale's
+    inner = local if local is not None else t
     data, scale = getattr(inner, "_data", None), getattr(inner, "_scale", None)
     if isinstance(data, torch.Tensor) and isinstance(scale, torch.Tensor):
         return [x for part in (data, scale) for x in _held(part)]
-    return []
+    return [local] if local is not None else []
 
 
 def _local(t: torch.Tensor) -> torch.Tensor | None:
