@@ -84,7 +84,7 @@ def _routing_bytes(spec: ModelSpec, dm: Dims) -> int:
 
 def grouped_kept_moments(spec: ModelSpec, dm: Dims) -> list[tuple[int, frozenset[str]]]:
     """The grouped block's working set (``_grouped_moments``) as its two moments under
-    op-level checkpointing (``memplan.model.sac_ops.moe_items``), each with the kept items
+    op-level checkpointing (``memplan.model.sac_moe.moe_items``), each with the kept items
     alive then beyond it: at the gate the router's projection, kept; at the unsort also
     the gate/up output and the activation, which the checkpointed forward had freed. The
     router's probabilities, the gathered rows and the product are in both anyway."""

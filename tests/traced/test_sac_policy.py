@@ -143,7 +143,7 @@ def test_policy_per_layer_index_on_the_reference_model() -> None:
 # grouped_mm_experts_forward), the emitted policy as gradient_checkpointing_kwargs' context_fn,
 # on small real CPU tensors (routing reads values): the router's projection and softmax, the
 # sorted gathered rows and the experts' grouped gate/up, SiLU, product and down projection named
-# by their ops (memplan.model.sac_ops.moe_items). At 1,024 tokens with a 64-token vocabulary the
+# by their ops (memplan.model.sac_moe.moe_items). At 1,024 tokens with a 64-token vocabulary the
 # MoE block sets the forward's peak (the gate's or the unsort's moment, memplan.model.moe.
 # _grouped_moments) and its rerun the backward's (the unsort's backward, moe._unsort); full
 # recompute, which the backward shares, beside them. Measured: saved activations within 0.22%,

@@ -1,4 +1,4 @@
-"""Op-level checkpointing of MoE layers (``memplan.model.sac_ops.moe_items``): transformers'
+"""Op-level checkpointing of MoE layers (``memplan.model.sac_moe.moe_items``): transformers'
 grouped experts (``moe_impl grouped``), bytes derived by hand.
 
 tiny-moe: tiny (h 64, 4 heads / 2 KV heads, 2 layers) with every feed-forward an MoE of 4
