@@ -32,7 +32,7 @@ from memplan.model.attention import (
     attention_linears,
     windowed,
 )
-from memplan.model import compiled, linear, sac_ops
+from memplan.model import compiled, linear, sac_moe, sac_ops
 from memplan.model.deltanet import cache_states_bytes
 from memplan.model.block import BackwardMoment, Block
 from memplan.model.deltanet import DeltaNet, deltanet_linears
@@ -392,8 +392,12 @@ def ops_items(spec: ModelSpec, wl: Workload, dm: Dims,
     (``searched_moe``). Cached: a plan asks per fit and probe."""
     sac_ops.check_supported(spec, wl)
     moe = sac_ops.searched_moe(spec) if moe is None else moe
-    return sac_ops.layer_items(spec, wl, dm, tuple(layer_terms(
-        spec, wl, dm, moe_layer=moe, recompute=Recompute.NONE)), moe)
+    saved = tuple(layer_terms(spec, wl, dm, moe_layer=moe, recompute=Recompute.NONE))
+    items = sac_ops.layer_items(spec, wl, dm, saved, moe)
+    if not moe:
+        return items
+    return items + sac_moe.moe_items(spec, dm, {t.name: t.size_bytes for t in saved},
+                                     sac_moe.keys_before(list(items), spec, dm))
 
 
 def ops_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str) -> LayerKind:

@@ -54,33 +54,43 @@ def every_expert_terms(spec: ModelSpec, dm: Dims) -> list[Term]:
                            dm.tokens)]
 
 
-def _grouped_working(spec: ModelSpec, dm: Dims) -> int:
+def _grouped_moments(spec: ModelSpec, dm: Dims) -> tuple[int, int]:
     """transformers' grouped_mm_experts_forward (integrations/moe.py) without saving, over the
-    R = T*k routed rows: the gathered rows and their sorted copy (2 R h) stay bound to the end;
-    at the gate its gate_up output (R 2f), the activation and the product (R f each); at the
-    unsort, the product (R f), the down projection's output, the weighted rows and their
-    unsorted copy (3 R h)."""
+    R = T*k routed rows: what is alive at the gate (its gate/up output, R 2f, the activation
+    and the product, R f each) and at the unsort (the product, the down projection's output,
+    R h, the weighted rows and their unsorted copy, R h each in the routing weights' fp32 by
+    type promotion), beside what stays bound to the end: the router's fp32 probabilities,
+    the routing's indices and weights (``_routing_bytes``), and the gathered rows and their
+    sorted copy (2 R h), and a shared expert's output where it ran first. The block's
+    output does not exist yet (traced: transformers' Mixtral, fp32 and bf16)."""
     moe, h, e = _moe(spec), spec.hidden_size, dm.e
     rows = dm.tokens * moe.top_k
     inner = rows * moe.expert_ffn_hidden_size // dm.experts().tp * e
-    return 2 * rows * h * e + max(4 * inner, inner + 3 * rows * h * e)
+    weighted = rows * h * max(e, e if moe.router_topk_softmax else FP32_BYTES)
+    common = _routing_bytes(spec, dm) + 2 * rows * h * e
+    if moe.num_shared_experts:  # the shared expert ran first: its output waits (Qwen2-MoE's)
+        common += dm.rows * h * e
+    return common + 4 * inner, common + inner + rows * h * e + 2 * weighted
+
+
+def _routing_bytes(spec: ModelSpec, dm: Dims) -> int:
+    """The grouped block's routing tensors: its saved terms but the rows and the experts'
+    (the router's probabilities, the top-k indices and weights, the token, sort and unsort
+    indices, the routing weights)."""
+    rows_terms = ("moe.dispatched", "moe.expert_out")
+    return sum(t.size_bytes for t in moe_terms(spec, dm, MoeImpl.GROUPED)
+               if t.name not in rows_terms and not t.name.startswith("moe.expert."))
 
 
 def grouped_kept_moments(spec: ModelSpec, dm: Dims) -> list[tuple[int, frozenset[str]]]:
-    """The grouped block's working set (``MoE.working_set``) as its two moments under
-    op-level checkpointing (``memplan.model.sac_ops.moe_items``), each with the kept items
-    alive then beyond it: at the gate (the gate/up output, the activation and the product)
-    the router's projection, kept; at the unsort (the product, the down output, the
-    weighted rows and their unsorted copy) also the gate/up output and the activation, which
-    the checkpointed forward had freed. The router's probabilities, the gathered rows and
-    the product are in both anyway."""
-    moe, h, e = _moe(spec), spec.hidden_size, dm.e
-    rows = dm.tokens * moe.top_k
-    inner = rows * moe.expert_ffn_hidden_size // dm.experts().tp * e
-    common = dm.tokens * moe.num_experts * FP32_BYTES + dm.rows * h * e + 2 * rows * h * e
-    return [(common + 4 * inner, frozenset({"moe.router"})),
-            (common + inner + 3 * rows * h * e,
-             frozenset({"moe.router", "moe.expert.gate_up", "moe.expert.act"}))]
+    """The grouped block's working set (``_grouped_moments``) as its two moments under
+    op-level checkpointing (``memplan.model.sac_moe.moe_items``), each with the kept items
+    alive then beyond it: at the gate the router's projection, kept; at the unsort also
+    the gate/up output and the activation, which the checkpointed forward had freed. The
+    router's probabilities, the gathered rows and the product are in both anyway."""
+    gate, unsort = _grouped_moments(spec, dm)
+    return [(gate, frozenset({"moe.router"})),
+            (unsort, frozenset({"moe.router", "moe.expert.gate_up", "moe.expert.act"}))]
 
 
 def _gated_shared_unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
@@ -94,10 +104,24 @@ def _gated_shared_unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[Backward
     still alive."""
     moe = _moe(spec)
     if not (moe.shared_expert_gate and moe.num_shared_experts):
-        return []
+        return _unsort(spec, dm, saved) if not moe.num_shared_experts else []
     rows_h = dm.tokens * moe.top_k * spec.hidden_size * dm.e
     return [BackwardMoment("moe_unsort", saved - rows_h,
                            3 * rows_h + 2 * dm.rows * spec.hidden_size * dm.e, ())]
+
+
+def _unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
+    """Grouped experts alone (Mixtral's block): the block's backward starts at the per-token
+    sum of the weighted rows (integrations/moe.py ``grouped_mm_experts_forward``), in the
+    routing weights' fp32 by type promotion: the view's backward copies the sum's expanded
+    gradient (R h; the output cast's gradient before it is freed by then), and the unsort's
+    (``weighted_out[inv_perm]``) makes zeros and an out-of-place index_put of the rows (R h
+    each), beside everything the block saved (traced: transformers' Mixtral; under full
+    recompute the rerun runs from the unsort's backward, which needs the permutation, and
+    this moment follows it)."""
+    moe, h = _moe(spec), spec.hidden_size
+    width = max(dm.e, dm.e if moe.router_topk_softmax else FP32_BYTES)
+    return [BackwardMoment("moe_unsort", saved, 3 * dm.tokens * moe.top_k * h * width, ())]
 
 
 def moe_terms(spec: ModelSpec, dm: Dims, impl: MoeImpl = MoeImpl.LOOP) -> list[Term]:
@@ -286,9 +310,13 @@ class MoE:
         if wl.moe_impl is MoeImpl.EVERY:
             return [Moment("mlp", 0, stream + _every_working(spec, dm))]
         if wl.moe_impl is MoeImpl.GROUPED:
-            return [Moment("mlp", 0, dm.tokens * moe.num_experts * FP32_BYTES + stream
-                           + max(_grouped_working(spec, dm),
-                                 float8_grouped.working_bytes(spec, dm)))]
+            # the bf16 working set (``_grouped_moments``, traced on transformers' Mixtral);
+            # with torchao's float8 grouped GEMMs their casts at the matmuls (traced on
+            # torchtitan's GroupedExperts; 0 without float8)
+            f8 = float8_grouped.working_bytes(spec, dm)
+            return [Moment("mlp", 0, max(*_grouped_moments(spec, dm),
+                                         dm.tokens * moe.num_experts * FP32_BYTES + stream + f8
+                                         if f8 else 0))]
         rows_e = dm.tokens * moe.top_k // moe.num_experts
         inner = rows_e * moe.expert_ffn_hidden_size // dm.experts().tp * e
         expert = rows_e * h * e + max(rows_e * h * e + inner,

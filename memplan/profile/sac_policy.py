@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from memplan.model.dims import Dims
 from memplan.model.layer import ops_items
-from memplan.model.sac_ops import moe_policy_ops, resolve
+from memplan.model.sac_moe import moe_policy_ops
+from memplan.model.sac_ops import resolve
 from memplan.parallel import ParallelConfig
 from memplan.report.sac_policy import torch_policy
 from memplan.spec import ModelSpec

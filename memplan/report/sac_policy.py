@@ -78,7 +78,7 @@ def torch_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, ...
     """The module (see the module docstring); with ``layers`` (what each layer keeps) the
     layers whose set differs from ``SAVE`` get their own in ``LAYER_SAVE``, by index.
     ``moe_ops``: an MoE layer's ops no item keeps that the policy counts
-    (``memplan.model.sac_ops.moe_policy_ops``)."""
+    (``memplan.model.sac_moe.moe_policy_ops``)."""
     keyed = [i for i in items if i.op != NORM]
     per_layer: dict[tuple[str, int], int] = {}
     # a dense layer's down projection runs too (never kept: the rerun stops before it), and
@@ -287,7 +287,8 @@ def emit_for(target: str, est: object) -> str:
     items = ops_items(spec, wl, dm)
     moe_ops = None
     if spec.moe is not None:
-        from memplan.model.sac_ops import moe_policy_ops, searched_moe
+        from memplan.model.sac_moe import moe_policy_ops
+        from memplan.model.sac_ops import searched_moe
 
         if not searched_moe(spec):
             raise MemplanError(f"emit-policy: {spec.name} has dense and MoE layers; a policy "

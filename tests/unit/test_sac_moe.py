@@ -1,4 +1,4 @@
-"""Op-level checkpointing of MoE layers (``memplan.model.sac_ops.moe_items``): transformers'
+"""Op-level checkpointing of MoE layers (``memplan.model.sac_moe.moe_items``): transformers'
 grouped experts (``moe_impl grouped``), bytes derived by hand.
 
 tiny-moe: tiny (h 64, 4 heads / 2 KV heads, 2 layers) with every feed-forward an MoE of 4
@@ -74,21 +74,29 @@ def test_moe_term_names_and_scope() -> None:
 
 
 def test_moe_forward_peak_at_the_unsort() -> None:
-    """The checkpointed MoE block's two moments: at the gate the gate/up output, SiLU and
-    product (4 * R*f*e = 393,216), at the unsort the product, the down output, the weighted
-    rows and their unsorted copy (98,304 + 3 * 65,536 = 294,912), beside what both hold.
-    Keeping the gate/up output adds it at the unsort alone (the rerun had freed it there):
-    294,912 + 196,608 = 491,520, now the larger, 98,304 above the gate's."""
+    """The checkpointed MoE block's two moments, beside the routing tensors bound to the end
+    (probabilities T*E*4 = 4,096, top-k indices R*8 = 4,096 and weights R*4 + T*4 = 3,072,
+    token, sort and unsort indices 4,096 each, routing weights R*4 = 2,048: 25,600) and the
+    gathered rows with their sorted copy (2 * 65,536): at the gate the gate/up output, SiLU
+    and product (4 * R*f*e = 393,216): 549,888; at the unsort the product (98,304), the down
+    output (65,536), the weighted rows and their unsorted copy in fp32 (2 * R*h*4 = 262,144):
+    582,656, the larger. Keeping the gate/up output adds it at the unsort (the rerun had
+    freed it there): 196,608 above keeping nothing; the product, alive at both, adds
+    nothing."""
     from memplan.model.layer import layer_kind
+    from memplan.model.moe import grouped_kept_moments
     from memplan.workload import Recompute
 
-    def peak(save: str) -> int:
-        wl = make_workload(TINY_MOE, **FIELDS, recompute="ops", recompute_save=save)
-        dm = Dims.of(TINY_MOE, make_layout(1), wl)
-        return layer_kind(TINY_MOE, wl, dm, True, Recompute.OPS).forward_peak_bytes
+    wl = make_workload(TINY_MOE, **FIELDS, recompute="ops")
+    dm = Dims.of(TINY_MOE, make_layout(1), wl)
+    assert [value for value, _ in grouped_kept_moments(TINY_MOE, dm)] == [549_888, 582_656]
 
-    assert peak("moe.expert.gate_up") - peak("") == 98_304
-    assert peak("moe.expert.prod") == peak("")  # alive at both moments anyway
+    def peak(save: str) -> int:
+        swl = wl.model_copy(update={"recompute_save": tuple(save.split(",")) if save else ()})
+        return layer_kind(TINY_MOE, swl, dm, True, Recompute.OPS).forward_peak_bytes
+
+    assert peak("moe.expert.gate_up") - peak("") == 196_608
+    assert peak("moe.expert.prod") == peak("")
 
 
 def test_moe_rerun_flops_by_hand() -> None:
