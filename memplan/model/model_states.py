@@ -460,6 +460,10 @@ class ShardingBuffers(NamedTuple):
     zero3_reduces: Any = None  # DeepSpeed's ZeRO-3: its bucket reduces, where each falls
     #                            (memplan.model.deepspeed_zero.Zero3ReducesAt)
     layer_hooks: tuple[int, ...] = ()  # ... a layer's tensors in the order of their hooks
+    hook_gathers: Any = None  # ... the coordinator's gathered bytes through a layer's backward
+    #                           by hook (memplan.model.deepspeed_coordinator.HookGathers), the
+    #                           layers of backward_block_bytes; None: those bytes throughout
+    first_hook_gathers: Any = None  # ... the stage's first layer's (backward_last_block_bytes)
     post_step_bytes: int = 0  # gathered at the optimizer step's end, no temporary of it
     #                           alive (DeepSpeed's ZeRO-3: the persistent parameters,
     #                           stage3.py _post_step)
@@ -691,7 +695,8 @@ def _replayed(at: Any, held: int) -> ShardingBuffers:
                            backward_block_bytes=at.in_block,
                            backward_last_block_bytes=at.in_first_block,
                            backward_end_bytes=at.embedding, bucket_bytes=held,
-                           bucket_resident=True)
+                           bucket_resident=True, hook_gathers=at.block_hooks,
+                           first_hook_gathers=at.first_block_hooks)
 
 
 def _reduce_after_backward(params: StageParams, par: ParallelConfig, wl: Workload,

@@ -153,11 +153,11 @@ def _backward_moments(w: Walk, grads_prior: int, grads_total: int) -> list[Segme
     for index, (kind, layer_grads, moment_grads, n) in enumerate(reversed(w.runs)):
         positions, held = run_positions(dp, held, layer_grads, max(moment_grads), n, growing,
                                         index == len(w.runs) - 1)
-        local = {reduce: dp.block_peak(kind.moments, moment_grads, growing, reduce)
-                 for reduce in {p.reduce for p in positions}}
+        local = {key: dp.block_peak(kind.moments, moment_grads, growing, *key)
+                 for key in {(p.reduce, p.gathers, p.beside) for p in positions}}
         step = layer_grads if growing else 0
-        segments += [_layer_segment(p, kind.saved_bytes, local[p.reduce], step)
-                     for p in positions]
+        segments += [_layer_segment(p, kind.saved_bytes, local[p.reduce, p.gathers, p.beside],
+                                    step) for p in positions]
         made += n * step
     beside, after = end_moments(dp, held, h.grads, emb.grads, growing)
     # the tied head's pending gradient is summed into the embedding's
