@@ -21,6 +21,7 @@ from memplan.model.deepspeed_zero import (
     zero3_gathers,
     zero3_offload,
     zero3_reduces_at,
+    zero2_offload_reduces_at,
     bucket_bytes,
     first_reduce,
     stage1_offload_reduce_bytes,
@@ -589,20 +590,28 @@ def _preallocated_buckets(params: StageParams, par: ParallelConfig, wl: Workload
     partition = (_shard(trained.dense, par.dense_shard_degree, True)
                  + _shard(trained.expert, par.expert_shard_degree, True)) * grad_bytes
     start = first_reduce(params.head, params.layers, params.embedding, wl.zero_bucket_numel)
-    resident = 0
+    resident, hooks = 0, {}
     if zero_offload(par):
         # ZeRO-Offload (stage_1_and_2.py): no device partition; each reduce copies the rank's
         # slices to the host through an fp64 copy for the norm (set_norm_for_param_grad_in_
         # gpu) and an fp32 one (async_inplace_copy_grad_to_fp32_buffer_from_gpu), one slice at
-        # a time: the largest's 8 B per element, counted from the first reduce on (traced at
-        # it); a device buffer of the largest parameter (temp_grad_buffer_for_gpu_offload)
-        # from the wrap on
-        partition = NORM_COPY_BYTES * largest_slice(params.tensor_sizes,
-                                                    par.dense_shard_degree)
+        # a time, at the hook where the reduce runs (zero2_offload_reduces_at, placed as
+        # ZeRO-3's are); a device buffer of the largest parameter
+        # (temp_grad_buffer_for_gpu_offload) from the wrap on
         resident = max(trained.tensor_sizes, default=0) * grad_bytes
+        if max(params.tensor_sizes, default=0) <= wl.zero_bucket_numel:
+            partition, hooks = 0, _zero2_offload_hooks(params, par, wl)
+            start = hooks.pop("partition_from")
+        else:
+            # a gradient larger than the bucket is cloned in its hook and reduced alone at
+            # the next: not placed by hook; the largest slice's copy from the start of the
+            # unit where the first reduce falls (traced: +1.17% at a bucket of 1e5 elements on
+            # the toy, where the hook placement is -1.6%)
+            partition = NORM_COPY_BYTES * largest_slice(params.tensor_sizes,
+                                                        par.dense_shard_degree)
     return ShardingBuffers(0, 0, 0, backward_head_bytes=held, backward_block_bytes=held,
                            backward_last_block_bytes=held, backward_end_bytes=held,
-                           backward_head_prefetch_bytes=held, bucket_bytes=held,
+                           backward_head_prefetch_bytes=held, bucket_bytes=held, **hooks,
                            partition_bytes=partition, partition_from=start,
                            resident_bytes=resident)
 
@@ -685,6 +694,33 @@ def _zero3_reduce(params: StageParams, par: ParallelConfig, wl: Workload,
                           wl.zero_bucket_numel, dp, grad_bytes, optimizer_on_host(par))
     return dict(zero3_reduces=at, partition_from=at.first_layer,
                 layer_hooks=layers[-1] if layers else ())
+
+
+def _zero2_offload_hooks(params: StageParams, par: ParallelConfig,
+                         wl: Workload) -> dict[str, Any]:
+    """ZeRO-Offload's reduces at stage 2 (``memplan.model.deepspeed_zero.
+    zero2_offload_reduces_at``) for the last rank (its partition, the flat buffer's tail,
+    holds the head and the last layers, whose gradients are reduced first), hooks in backward
+    order as ZeRO-3's (``_zero3_reduce``), each with its start in the flat buffer (the
+    parameters in order, padded to 2 x dp elements: ``flatten_dense_tensors_aligned``)."""
+    sizes, dp = params.tensor_sizes, par.dense_shard_degree
+    starts = [0]
+    for n in sizes[:-1]:
+        starts.append(starts[-1] + n)
+    items = tuple(zip(starts, sizes))
+    size = -(-sum(sizes) // (2 * dp)) * 2
+    counts = layer_tensor_counts(sizes, params.embedding_tensors, params.layers)
+    layers, first = [], params.embedding_tensors
+    for count in counts:
+        layers.append(tuple(reversed(items[first:first + count])))
+        first += count
+    at = zero2_offload_reduces_at(tuple(reversed(items[first:])), tuple(reversed(layers)),
+                                  tuple(reversed(items[:params.embedding_tensors])),
+                                  wl.zero_bucket_numel, (dp - 1) * size, dp * size)
+    if at.first_layer == len(layers):  # everything in one bucket: reduced at the epilogue,
+        at = at._replace(end=max(at.end, at.first))  # beside the embedding's backward
+    return dict(zero3_reduces=at, partition_from=at.first_layer,
+                layer_hooks=tuple(n for _, n in layers[-1]) if layers else ())
 
 
 def _replayed(at: Any, held: int) -> ShardingBuffers:
