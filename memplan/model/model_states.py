@@ -476,6 +476,13 @@ class ShardingBuffers(NamedTuple):
         return self.gathered_bytes + self.grad_bytes + (
             0 if self.bucket_resident else self.bucket_bytes)
 
+    def at_step(self, states: Any) -> Any:
+        """``states`` (``StateBytes``) with the gradients the optimizer step sees
+        (``step_grads_bytes``) where they differ from the backward's."""
+        if self.step_grads_bytes is None:
+            return states
+        return states._replace(grads_bytes=self.step_grads_bytes)
+
     def forward_start(self, steady: bool, grads_bytes: int) -> int:
         """Bytes beside the weights and optimizer states at the forward's start, before any
         activation: step 1's lazy init (``lazy_init_bytes``), later steps' gradients that
