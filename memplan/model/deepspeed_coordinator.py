@@ -344,6 +344,20 @@ class Positions(NamedTuple):
     in_first_block: int  # ... the first layer's
     embedding: int  # at the embedding's backward
     persistent: int  # the persistent parameters (gathered from the first step's end on)
+    block_hooks: Any = None  # ``HookGathers`` of a layer's backward, the most over the layers
+    #                          of ``in_block``; None where a layer is recomputed
+    first_block_hooks: Any = None  # ... of the stage's first layer
+
+
+class HookGathers(NamedTuple):
+    """Bytes gathered through a layer's backward by its gradient hooks (its tensors in
+    reverse registration order, the order the hooks run): ``at`` each hook (its module's
+    backward, after the module's fetch), and ``between`` (one more) the most from the
+    layer's backward start to the first hook's module, between two hooks' modules, and from
+    the last one to the layer's end (``_hook_gathers``)."""
+
+    at: tuple[int, ...]
+    between: tuple[int, ...]
 
 
 def positions(sizes: tuple[int, ...], trace: Trace, c: Coordinator, dp: int,
@@ -356,13 +370,58 @@ def positions(sizes: tuple[int, ...], trace: Trace, c: Coordinator, dp: int,
 
     head_end = max(i for i, w in enumerate(trace.where) if w == "head")
     keep = persistent(sizes, c) if complete else frozenset()
+    hooks = _hook_gathers(trace, r.at)
     return Positions(
         in_layer=most(lambda w: w == "layer"), at_loss=r.after[head_end],
         loss_backward=most(lambda w: w == "loss"), head=most(lambda w: w == "head_backward"),
         in_block=most(lambda w: isinstance(w, int) and w > 0),
         in_first_block=most(lambda w: w == 0),
         embedding=most(lambda w: w == "embedding_backward"),
-        persistent=sum(sizes[i] for i in keep) * itemsize)
+        persistent=sum(sizes[i] for i in keep) * itemsize,
+        block_hooks=_most_of([v for w, v in hooks.items() if w > 0]),
+        first_block_hooks=hooks.get(0))
+
+
+def _hook_gathers(trace: Trace, at: tuple[int, ...]) -> dict[int, HookGathers | None]:
+    """Per layer (its index), ``HookGathers`` of its backward from the replay's bytes ``at``
+    each run: a weight's gradient hook (stage3.py ``reduce_independent_p_g_buckets_and_
+    remove_grads``, from its ``AccumulateGrad``) runs inside its module's backward, after the
+    module's fetch (``fetch_sub_module``, its pre-backward hook) and before its release (its
+    post-backward hook). None for a recomputed layer (its recomputation's gathers are not
+    placed among the hooks)."""
+    runs: dict[int, list[tuple[Use, int]]] = {}
+    for use, w, held in zip(trace.uses, trace.where, at):
+        if isinstance(w, int) and not use.forward:
+            runs.setdefault(w, []).append((use, held))
+    recomputed = {w for use, w in zip(trace.uses, trace.where)
+                  if isinstance(w, int) and use.recompute}
+    out: dict[int, HookGathers | None] = {}
+    for w, seq in runs.items():
+        if w in recomputed:
+            out[w] = None
+            continue
+        marks = sorted(((use.param, k) for k, (use, _) in enumerate(seq) if use.param >= 0),
+                       reverse=True)  # the hooks' order: reverse registration order
+        points = [k for _, k in marks]
+        if points != sorted(points):  # modules not in the hooks' order: no profile
+            out[w] = None
+            continue
+        held = [h for _, h in seq]
+        edges = [-1, *points, len(seq)]
+        between = tuple(max(held[a + 1:b], default=0) for a, b in zip(edges, edges[1:]))
+        out[w] = HookGathers(tuple(held[k] for k in points), between)
+    return out
+
+
+def _most_of(layers: list[HookGathers | None]) -> HookGathers | None:
+    """Elementwise the most of the layers' ``HookGathers`` (None if any is None or they
+    differ in length)."""
+    if not layers or any(v is None for v in layers) or len({len(v.at) for v in layers}) > 1:
+        return None
+    return HookGathers(tuple(map(max, *(v.at for v in layers))) if len(layers) > 1
+                       else layers[0].at,
+                       tuple(map(max, *(v.between for v in layers))) if len(layers) > 1
+                       else layers[0].between)
 
 
 def zero3_coordinator(wl: Any) -> Coordinator:

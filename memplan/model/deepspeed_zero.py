@@ -24,7 +24,7 @@ count and what they leave out is their own (no buckets, no activations, no step 
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 # DeepSpeedZeroConfig defaults (deepspeed/runtime/zero/config.py, 0.19.8): reduce_bucket_size
 # and allgather_bucket_size 5e8 elements, contiguous_gradients True, overlap_comm None ->
@@ -437,14 +437,47 @@ def zero3_reduces_at(head: tuple[int, ...], layers: tuple[tuple[int, ...], ...],
     last layer first, each in backward order), then ``end`` (the embedding), whose epilogue
     reduces what is left. A reduce runs in the hook of the gradient that would pass
     ``bucket_numel`` (stage3.py ``reduce_independent_p_g_buckets_and_remove_grads``)."""
+    return _reduces_at(head, layers, end, bucket_numel, lambda n: n,
+                       lambda bucket: _reduced(bucket, dp, grad_bytes, offload))
+
+
+def zero2_offload_reduces_at(head: tuple[tuple[int, int], ...],
+                             layers: tuple[tuple[tuple[int, int], ...], ...],
+                             end: tuple[tuple[int, int], ...], bucket_numel: int,
+                             lo: int, hi: int) -> Zero3ReducesAt:
+    """ZeRO-2 with ``offload_optimizer`` (stage_1_and_2.py ``cpu_offload``): where each bucket
+    reduce falls in backward (as ``zero3_reduces_at``: in the hook of the gradient that would
+    pass ``bucket_numel``, ``reduce_independent_p_g_buckets_and_remove_grads``; the epilogue
+    reduces what is left) and its device bytes: ``copy_grads_in_partition`` sends each of the
+    bucket's parameters overlapping the rank's partition ([``lo``, ``hi``) of the flat buffer)
+    to the host one at a time, through an fp64 copy of its slice for the norm
+    (``set_norm_for_param_grad_in_gpu``) and then an fp32 one
+    (``async_inplace_copy_grad_to_fp32_buffer_from_gpu``): ``OFFLOAD_NORM_COPY_BYTES`` per
+    element of the largest owned slice. Hooks as (start in the flat buffer, elements); each
+    no larger than the bucket (a larger one is cloned in its hook and reduced alone at the
+    next, ``_offload_gradient_safety_enabled``: not placed here)."""
+    def owned(bucket: list[tuple[int, int]]) -> int:
+        return OFFLOAD_NORM_COPY_BYTES * max(
+            (max(0, min(s + n, hi) - max(s, lo)) for s, n in bucket), default=0)
+
+    return _reduces_at(head, layers, end, bucket_numel, lambda h: h[1], owned)
+
+
+def _reduces_at(head: tuple[Any, ...], layers: tuple[tuple[Any, ...], ...],
+                end: tuple[Any, ...], bucket_numel: int, numel: Any, made_of: Any
+                ) -> Zero3ReducesAt:
+    """``Zero3ReducesAt`` of hooks whose elements ``numel`` gives, each reduce's bytes
+    ``made_of`` its bucket's hooks."""
     hooks = [(-1, 0, n) for n in head]
     hooks += [(i, j, n) for i, layer in enumerate(layers) for j, n in enumerate(layer)]
     hooks += [(len(layers), 0, n) for n in end]
     width = max((len(layer) for layer in layers), default=0)
     first, later, outside, bucket = None, [0] * width, 0, []
     for at in (*hooks, None):  # None: the epilogue's reduce
-        if bucket and (at is None or sum(bucket) + at[2] > bucket_numel):
-            made = _reduced(bucket, dp, grad_bytes, offload)
+        if bucket and (at is None or sum(numel(h) for h in bucket) + numel(at[2])
+                       > bucket_numel):
+            made = made_of(bucket)
+            bucket = []
             where = (len(layers), 0) if at is None else at[:2]
             if first is None:
                 first = (*where, made)
@@ -452,7 +485,6 @@ def zero3_reduces_at(head: tuple[int, ...], layers: tuple[tuple[int, ...], ...],
                 later[where[1]] = max(later[where[1]], made)
             else:
                 outside = max(outside, made)
-            bucket = []
         if at is not None:
             bucket.append(at[2])
     first = first or (len(layers), 0, 0)

@@ -21,6 +21,7 @@ from memplan.model.deepspeed_zero import (
     zero3_gathers,
     zero3_offload,
     zero3_reduces_at,
+    zero2_offload_reduces_at,
     bucket_bytes,
     first_reduce,
     stage1_offload_reduce_bytes,
@@ -460,6 +461,10 @@ class ShardingBuffers(NamedTuple):
     zero3_reduces: Any = None  # DeepSpeed's ZeRO-3: its bucket reduces, where each falls
     #                            (memplan.model.deepspeed_zero.Zero3ReducesAt)
     layer_hooks: tuple[int, ...] = ()  # ... a layer's tensors in the order of their hooks
+    hook_gathers: Any = None  # ... the coordinator's gathered bytes through a layer's backward
+    #                           by hook (memplan.model.deepspeed_coordinator.HookGathers), the
+    #                           layers of backward_block_bytes; None: those bytes throughout
+    first_hook_gathers: Any = None  # ... the stage's first layer's (backward_last_block_bytes)
     post_step_bytes: int = 0  # gathered at the optimizer step's end, no temporary of it
     #                           alive (DeepSpeed's ZeRO-3: the persistent parameters,
     #                           stage3.py _post_step)
@@ -470,6 +475,13 @@ class ShardingBuffers(NamedTuple):
     def peak_bytes(self) -> int:
         return self.gathered_bytes + self.grad_bytes + (
             0 if self.bucket_resident else self.bucket_bytes)
+
+    def at_step(self, states: Any) -> Any:
+        """``states`` (``StateBytes``) with the gradients the optimizer step sees
+        (``step_grads_bytes``) where they differ from the backward's."""
+        if self.step_grads_bytes is None:
+            return states
+        return states._replace(grads_bytes=self.step_grads_bytes)
 
     def forward_start(self, steady: bool, grads_bytes: int) -> int:
         """Bytes beside the weights and optimizer states at the forward's start, before any
@@ -585,20 +597,28 @@ def _preallocated_buckets(params: StageParams, par: ParallelConfig, wl: Workload
     partition = (_shard(trained.dense, par.dense_shard_degree, True)
                  + _shard(trained.expert, par.expert_shard_degree, True)) * grad_bytes
     start = first_reduce(params.head, params.layers, params.embedding, wl.zero_bucket_numel)
-    resident = 0
+    resident, hooks = 0, {}
     if zero_offload(par):
         # ZeRO-Offload (stage_1_and_2.py): no device partition; each reduce copies the rank's
         # slices to the host through an fp64 copy for the norm (set_norm_for_param_grad_in_
         # gpu) and an fp32 one (async_inplace_copy_grad_to_fp32_buffer_from_gpu), one slice at
-        # a time: the largest's 8 B per element, counted from the first reduce on (traced at
-        # it); a device buffer of the largest parameter (temp_grad_buffer_for_gpu_offload)
-        # from the wrap on
-        partition = NORM_COPY_BYTES * largest_slice(params.tensor_sizes,
-                                                    par.dense_shard_degree)
+        # a time, at the hook where the reduce runs (zero2_offload_reduces_at, placed as
+        # ZeRO-3's are); a device buffer of the largest parameter
+        # (temp_grad_buffer_for_gpu_offload) from the wrap on
         resident = max(trained.tensor_sizes, default=0) * grad_bytes
+        if max(params.tensor_sizes, default=0) <= wl.zero_bucket_numel:
+            partition, hooks = 0, _zero2_offload_hooks(params, par, wl)
+            start = hooks.pop("partition_from")
+        else:
+            # a gradient larger than the bucket is cloned in its hook and reduced alone at
+            # the next: not placed by hook; the largest slice's copy from the start of the
+            # unit where the first reduce falls (traced: +1.17% at a bucket of 1e5 elements on
+            # the toy, where the hook placement is -1.6%)
+            partition = NORM_COPY_BYTES * largest_slice(params.tensor_sizes,
+                                                        par.dense_shard_degree)
     return ShardingBuffers(0, 0, 0, backward_head_bytes=held, backward_block_bytes=held,
                            backward_last_block_bytes=held, backward_end_bytes=held,
-                           backward_head_prefetch_bytes=held, bucket_bytes=held,
+                           backward_head_prefetch_bytes=held, bucket_bytes=held, **hooks,
                            partition_bytes=partition, partition_from=start,
                            resident_bytes=resident)
 
@@ -683,6 +703,33 @@ def _zero3_reduce(params: StageParams, par: ParallelConfig, wl: Workload,
                 layer_hooks=layers[-1] if layers else ())
 
 
+def _zero2_offload_hooks(params: StageParams, par: ParallelConfig,
+                         wl: Workload) -> dict[str, Any]:
+    """ZeRO-Offload's reduces at stage 2 (``memplan.model.deepspeed_zero.
+    zero2_offload_reduces_at``) for the last rank (its partition, the flat buffer's tail,
+    holds the head and the last layers, whose gradients are reduced first), hooks in backward
+    order as ZeRO-3's (``_zero3_reduce``), each with its start in the flat buffer (the
+    parameters in order, padded to 2 x dp elements: ``flatten_dense_tensors_aligned``)."""
+    sizes, dp = params.tensor_sizes, par.dense_shard_degree
+    starts = [0]
+    for n in sizes[:-1]:
+        starts.append(starts[-1] + n)
+    items = tuple(zip(starts, sizes))
+    size = -(-sum(sizes) // (2 * dp)) * 2
+    counts = layer_tensor_counts(sizes, params.embedding_tensors, params.layers)
+    layers, first = [], params.embedding_tensors
+    for count in counts:
+        layers.append(tuple(reversed(items[first:first + count])))
+        first += count
+    at = zero2_offload_reduces_at(tuple(reversed(items[first:])), tuple(reversed(layers)),
+                                  tuple(reversed(items[:params.embedding_tensors])),
+                                  wl.zero_bucket_numel, (dp - 1) * size, dp * size)
+    if at.first_layer == len(layers):  # everything in one bucket: reduced at the epilogue,
+        at = at._replace(end=max(at.end, at.first))  # beside the embedding's backward
+    return dict(zero3_reduces=at, partition_from=at.first_layer,
+                layer_hooks=tuple(n for _, n in layers[-1]) if layers else ())
+
+
 def _replayed(at: Any, held: int) -> ShardingBuffers:
     """ZeRO-3's buffers from the coordinator's gathered bytes at the walk's positions
     (``memplan.model.deepspeed_coordinator.Positions``) and the resident reduce bucket."""
@@ -691,7 +738,8 @@ def _replayed(at: Any, held: int) -> ShardingBuffers:
                            backward_block_bytes=at.in_block,
                            backward_last_block_bytes=at.in_first_block,
                            backward_end_bytes=at.embedding, bucket_bytes=held,
-                           bucket_resident=True)
+                           bucket_resident=True, hook_gathers=at.block_hooks,
+                           first_hook_gathers=at.first_block_hooks)
 
 
 def _reduce_after_backward(params: StageParams, par: ParallelConfig, wl: Workload,

@@ -97,6 +97,9 @@ class DataParallel(NamedTuple):
     reduces: Any = None  # ... the reduces (deepspeed_zero.Zero3ReducesAt): the first at a
     #                      hook of block ``partition_from``, the later ones' by hook
     layer_hooks: tuple[int, ...] = ()  # ... a layer's tensors in the order of their hooks
+    hook_gathers: Any = None  # ... what the coordinator holds gathered at and between them
+    #                           (deepspeed_coordinator.HookGathers; in_block's layers)
+    first_hook_gathers: Any = None  # ... the stage's first layer's (in_first_block's)
 
     # Bytes are made from bytes in integer arithmetic on the ratios' numerators and
     # denominators (gradient bytes are never negative): exact, and no Fraction is built.
@@ -136,7 +139,8 @@ class DataParallel(NamedTuple):
         return self.reduce_copies * self.unsharded(unit) + self.boundary_grad
 
     def block_peak(self, moments: tuple[LayerMoment, ...], grads: tuple[int, ...],
-                   growing: bool, reduce: tuple[int, ...] = ()) -> int:
+                   growing: bool, reduce: tuple[int, ...] = (), gathers: Any = None,
+                   beside: int = 0) -> int:
         """A layer's largest moment in backward: its alive and transient bytes at each, with
         its own gradients made by then (``grads``, held bytes) as the mechanism holds them:
         FSDP2's unsharded in the weights' dtype (capped at a unit), else as held where they
@@ -144,14 +148,22 @@ class DataParallel(NamedTuple):
         (``zero3_hooks``): the fresh weight gradient at each moment, and a bucket reduce's
         bytes at the moment of the hook it runs in (``reduce``: by hook, the layer's tensors
         in backward order, ``hook_moments``), the node that made the gradient having freed
-        its saved input (``LayerMoment.hook_freed``)."""
+        its saved input (``LayerMoment.hook_freed``). With ``gathers`` (the coordinator's
+        ``HookGathers`` of the block) each moment holds what is gathered at it
+        (``moment_gathers``) where the block is counted with ``beside``: the difference is
+        taken off."""
         if self.zero3_hooks:
-            most = max(m.alive_bytes + m.transient_bytes + g for m, g in zip(moments, grads))
+            ks = hook_moments(moments, self.layer_hooks)
+            less = tuple(max(0, beside - held)
+                         for held in moment_gathers(ks, len(moments), gathers, beside))
+            most = max(m.alive_bytes + m.transient_bytes + g - off
+                       for m, g, off in zip(moments, grads, less))
             extra = dict.fromkeys(range(len(moments)), 0)
-            for k, made in zip(hook_moments(moments, self.layer_hooks), reduce):
+            for k, made in zip(ks, reduce):
                 if k is not None:
                     extra[k] = max(extra[k], made)
             return max([most, *(m.alive_bytes - m.hook_freed + m.transient_bytes + g + extra[k]
+                                - less[k]
                                 for k, (m, g) in enumerate(zip(moments, grads)) if extra[k])])
         if self.per_unit:
             r, d = self.unsharded_ratio, self.unsharded_dtype
@@ -196,6 +208,32 @@ def hook_moments(moments: tuple[LayerMoment, ...], hooks: tuple[int, ...]
     return tuple(out)
 
 
+def moment_gathers(ks: tuple[int | None, ...], n: int, gathers: Any,
+                   beside: int) -> tuple[int, ...]:
+    """Bytes gathered at each of a block's ``n`` backward moments, its hooks at moments
+    ``ks`` (``hook_moments``): at a moment with hooks, the most at those hooks and between
+    them (``HookGathers``); at one without, the most from the hook before it to the hook
+    after it. ``beside`` at every moment without ``gathers`` or where the hooks are not all
+    placed."""
+    if gathers is None or len(gathers.at) != len(ks) or None in ks or not ks:
+        return (beside,) * n
+    at, between = gathers.at, gathers.between
+    out = []
+    for k in range(n):
+        mine = [j for j, m in enumerate(ks) if m == k]
+        if mine:
+            lo, hi = mine[0], mine[-1]
+            out.append(max([*at[lo:hi + 1], *between[lo + 1:hi + 1]]))
+            continue
+        before = [j for j, m in enumerate(ks) if m < k]
+        after = [j for j, m in enumerate(ks) if m > k]
+        span = [between[before[-1] + 1 if before else 0]]
+        span += [at[before[-1]]] if before else []
+        span += [at[after[0]]] if after else []
+        out.append(max(span))
+    return tuple(out)
+
+
 def data_parallel(shard: ShardingBuffers, params: int, grads_bytes: int,
                   policy: PrecisionPolicy) -> DataParallel:
     """A stage's mechanism from its sharding buffers, its ``params`` and its held gradient
@@ -224,8 +262,10 @@ def data_parallel(shard: ShardingBuffers, params: int, grads_bytes: int,
         first_block_start=shard.forward_first_start_bytes,
         window_units=shard.window_units, window_unit=shard.window_unit,
         partition=shard.partition_bytes, partition_from=shard.partition_from,
-        zero3_hooks=shard.bucket_resident, reduces=shard.zero3_reduces,
-        layer_hooks=shard.layer_hooks,
+        zero3_hooks=shard.bucket_resident or shard.zero3_reduces is not None,
+        reduces=shard.zero3_reduces,
+        layer_hooks=shard.layer_hooks, hook_gathers=shard.hook_gathers,
+        first_hook_gathers=shard.first_hook_gathers,
         fresh_only=bool(shard.bucket_bytes),
         flat=shard.flat_units, at_reduce=shard.backward_reduce_bytes,
         kept_layer=shard.kept_layer_bytes, kept_layers=shard.kept_layers_bytes)
@@ -298,6 +338,9 @@ class Position(NamedTuple):
     #                      gradients are counted as held
     reduce: tuple[int, ...] = ()  # bucket reduces' bytes at each of the block's gradient hooks
     #                               (zero3_hooks)
+    gathers: Any = None  # what is gathered through the block's backward, by hook
+    #                      (zero3_hooks: DataParallel.hook_gathers), of which ``beside`` is
+    #                      the most
 
 
 class Held(NamedTuple):
@@ -411,13 +454,15 @@ def _hook_positions(dp: DataParallel, start: int, n: int, without: int,
     first = 1 if start + without == dp.partition_from and without < n else 0
     at_first = tuple(r.first if j == r.first_hook else 0 for j in range(len(r.later)))
     spans = [(without, ()), (first, at_first), (n - without - first, r.later)]
-    out = [Position(count, None, dp.in_block, None, reduce)
+    out = [Position(count, None, dp.in_block, None, reduce, dp.hook_gathers)
            for count, reduce in spans if count]
-    if stage_first and dp.in_first_block != dp.in_block:
+    if stage_first and (dp.in_first_block != dp.in_block
+                        or dp.first_hook_gathers != dp.hook_gathers):
         last = out.pop()
         if last.repeat > 1:
             out.append(last._replace(repeat=last.repeat - 1))
-        out.append(last._replace(repeat=1, beside=dp.in_first_block))
+        out.append(last._replace(repeat=1, beside=dp.in_first_block,
+                                 gathers=dp.first_hook_gathers))
     return out
 
 

@@ -253,8 +253,7 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
     ddp = ((par.data_parallel_buffers and not shard.reduce_after_bytes)
            or (wl.ddp_any_size and par.zero < ZeroStage.GRADIENTS))
     # the gradients the step sees (ZeRO-1 under DeepSpeed: the partition alone)
-    at_step = (st if shard.step_grads_bytes is None
-               else st._replace(grads_bytes=shard.step_grads_bytes))
+    at_step = shard.at_step(st)
     buckets = ((st.grads_bytes if ddp and par.grad_buffers is GradBuffers.COPY else 0)
                + (shard.bucket_bytes if shard.bucket_resident else 0) + shard.resident_bytes)
     buffers = rope_buffer_bytes(spec, wl, len(layers)) + te_kept

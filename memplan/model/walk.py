@@ -173,10 +173,10 @@ def _backward_moments(w: Walk, grads_prior: int, grads_total: int) -> list[Segme
         if runs is None:
             positions, after = run_positions(dp, held, layer_grads, max(moment_grads), n,
                                              growing, index == last)
-            local = {reduce: dp.block_peak(kind.moments, moment_grads, growing, reduce)
-                     for reduce in {p.reduce for p in positions}}
-            runs = [_layer_segment(p, kind.saved_bytes, local[p.reduce], step * layer_grads)
-                    for p in positions]
+            local = {k: dp.block_peak(kind.moments, moment_grads, growing, *k)
+                     for k in {(p.reduce, p.gathers, p.beside) for p in positions}}
+            runs = [_layer_segment(p, kind.saved_bytes, local[p.reduce, p.gathers, p.beside],
+                                   step * layer_grads) for p in positions]
             if built is not None:
                 built[key] = runs
         else:

@@ -577,7 +577,7 @@ DEEPSPEED_CEILING_PCT = {
     "gist-chenyaofo/llama-7b/zero2-mbs1": 2.0,  # +0.71%
     "gist-chenyaofo/llama-7b/zero2-ckpt-mbs1": 2.5,  # -1.11%
     "gist-chenyaofo/llama-7b/zero2-ckpt-mbs4": 7.0,  # -5.70%
-    "gist-chenyaofo/llama-7b/zero2-ckpt-offload-mbs1": 6.5,  # +5.40%
+    "gist-chenyaofo/llama-7b/zero2-ckpt-offload-mbs1": 2.5,  # +1.40%
     "gist-chenyaofo/llama-7b/zero3-mbs2": 10.0,  # -9.05%
     "gist-chenyaofo/llama-7b/zero3-ckpt-mbs2": 9.0,  # +8.09%
     "gist-chenyaofo/llama-7b/zero3-ckpt-mbs8": 2.0,  # -0.93%

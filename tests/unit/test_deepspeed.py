@@ -636,3 +636,27 @@ def test_hook_moments_of_a_llama_layer() -> None:
     assert hook_moments(moments, _TOY_LAYER_BACKWARD) == (0, 2, 2, 2, 5, 5, 5, 5, 5)
     # a layer whose weights match no moment: every hook at the first with a fresh gradient
     assert hook_moments(moments, (7, 7)) == (0, 0)
+
+
+def test_zero2_offload_reduces_by_hand() -> None:
+    """ZeRO-Offload at stage 2 on the toy, 2 ranks, bucket 3e5, memplan's order (per layer
+    norm, q, k, v, o, norm, gate, up, down: 852,480 elements; layer 0 from 256,000, layer 1 from
+    1,108,480, the final norm at 1,960,960, the head at 1,961,216); the last rank owns
+    [1,108,608, 2,217,216). Hooks in backward order: [head, final norm] (256,256) is reduced at
+    layer 1's down projection's hook (hook 0 of the first layer in backward): the head's
+    256,000-element slice, 8 B each, 2,048,000 B. Later: [down] at the up projection's hook
+    and [up] at the gate's, 229,376 x 8 = 1,835,008 B each; [gate, norm, o] at v's (hook 5),
+    the gate's 1,835,008; [v, k, q, norm] at layer 0's down hook (hook 0), q's 65,536 x 8 =
+    524,288 B; layer 0 and the embedding are rank 0's (nothing owned), so 0 at the end."""
+    from memplan.model.deepspeed_zero import zero2_offload_reduces_at
+
+    layer = (256, 65_536, 16_384, 16_384, 65_536, 256, 229_376, 229_376, 229_376)
+    sizes = (256_000, *layer, *layer, 256, 256_000)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    items = tuple(zip(starts, sizes))
+    layers = (tuple(reversed(items[10:19])), tuple(reversed(items[1:10])))
+    at = zero2_offload_reduces_at(tuple(reversed(items[19:])), layers, (items[0],), 300_000,
+                                  1_108_608, 2_217_216)
+    assert (at.first_layer, at.first_hook, at.first) == (0, 0, 2_048_000)
+    assert at.later == (524_288, 1_835_008, 1_835_008, 0, 0, 1_835_008, 0, 0, 0)
+    assert at.end == 0

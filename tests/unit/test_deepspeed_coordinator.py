@@ -118,3 +118,23 @@ def test_default_coordinator_estimated() -> None:
     assert est.worst.params_bytes == plain.worst.params_bytes == 2 * 842_301_952
     assert est.worst.first_step.forward == plain.worst.first_step.forward
     assert est.worst.steady.forward > plain.worst.steady.forward
+
+
+def test_moment_gathers_by_hand() -> None:
+    """A layer of 9 tensors whose hooks (down, up, gate, norm, o, v, k, q, norm) fall at the
+    backward moments 0, 2, 2, 2, 5, 5, 5, 5, 5 of 7 (memplan.model.sharding.hook_moments),
+    the coordinator holding at them 10, 20, 30, 40, 50, 60, 70, 80, 90 and between them
+    (before the first, ..., after the last) 5, 0, 25, 0, 0, 0, 0, 0, 0, 95: moment 0 holds the
+    down projection's 10; moment 1 (no hook) the most from the down's hook to the up's, 20;
+    moment 2 the most at up, gate and norm and between them, 40; moments 3 and 4 from the
+    norm's hook to the o's, 50; moment 5 the most at o to the last norm, 90; moment 6, after
+    every hook, 95. Without the coordinator's bytes (or hooks not all placed) every moment
+    holds the layer's most, ``beside``."""
+    from memplan.model.deepspeed_coordinator import HookGathers
+    from memplan.model.sharding import moment_gathers
+
+    ks = (0, 2, 2, 2, 5, 5, 5, 5, 5)
+    g = HookGathers((10, 20, 30, 40, 50, 60, 70, 80, 90), (5, 0, 25, 0, 0, 0, 0, 0, 0, 95))
+    assert moment_gathers(ks, 7, g, 100) == (10, 20, 40, 50, 50, 90, 95)
+    assert moment_gathers(ks, 7, None, 100) == (100,) * 7
+    assert moment_gathers((0, None), 2, HookGathers((1, 2), (0, 0, 0)), 7) == (7, 7)
