@@ -128,7 +128,7 @@ def quantity_bytes(stage, quantity: str) -> int:
         return stage.tensor_peak_bytes + stage.workspace_bytes
     if quantity == "allocated_current":
         return stage.params_bytes + stage.grads_bytes + stage.optimizer_bytes
-    if quantity == "max_reserved":
+    if quantity == "max_reserved":  # the lower bound; ``evaluate`` replays the allocator
         return stage.tensor_peak_bytes + stage.workspace_bytes + stage.allocator_bytes
     if quantity == "device_used":
         return stage.peak_bytes
@@ -177,10 +177,12 @@ class Row:
     others: tuple[Other, ...] = field(default=())
     # options of the run memplan does not accept yet ("--lora-rank 16"): no estimate
     pending: tuple[str, ...] = ()
-    # a max_reserved run: the caching-allocator model's reserved peak + workspace, and the
-    # same with expandable_segments:True (memplan.model.reserved), in place of the flat reserve
+    # a max_reserved run: the caching-allocator model's reserved peak + workspace (also its
+    # memplan_bytes), the same with expandable_segments:True (memplan.model.reserved), and the
+    # tensor peak + workspace alone (what reserved memory holds at least)
     reserved_bytes: int | None = None
     expandable_bytes: int | None = None
+    tensor_bytes: int | None = None
 
     @property
     def error_pct(self) -> float | None:
@@ -259,7 +261,8 @@ def evaluate(run: dict, others: list[dict] | None = None) -> Row:
     if quantity != "max_reserved":
         return Row(run, value, others=extra)
     reserved, expandable = reserved_bytes(est, run["rank"])
-    return Row(run, value, others=extra, reserved_bytes=reserved, expandable_bytes=expandable)
+    return Row(run, reserved, others=extra, reserved_bytes=reserved, expandable_bytes=expandable,
+               tensor_bytes=value)
 
 
 def reserved_bytes(est, rank: str) -> tuple[int, int]:
@@ -737,22 +740,22 @@ def _reserved_stats(errors: list[float]) -> str:
 
 
 def _reserved_summary(rows: list[Row]) -> list[str]:
-    """Before (tensor peak + workspace + the flat 5% reserve) and after (the allocator model),
-    over the runs memplan expresses and over all that report reserved memory."""
+    """The tensor peak + workspace alone and the allocator model, over the runs memplan
+    expresses and over all that report reserved memory."""
     out = []
     for label, pick in (("runs memplan expresses", lambda r: r.expressed),
                         ("all runs reporting it", lambda r: r.memplan_bytes is not None)):
         have = [r for r in rows if r.reserved_bytes is not None and pick(r)]
-        before = [r.error_pct for r in have]
+        before = [error_pct(r.tensor_bytes, r.run["measured_bytes"]) for r in have]
         after = [error_pct(r.reserved_bytes, r.run["measured_bytes"]) for r in have]
-        out.append(f"- {label.capitalize()}: flat 5% reserve {_reserved_stats(before)}; "
-                   f"allocator model {_reserved_stats(after)}.")
+        out.append(f"- {label.capitalize()}: allocator model {_reserved_stats(after)}; "
+                   f"tensor peak + workspace alone {_reserved_stats(before)}.")
     return out
 
 
 def render_reserved(rows: list[Row]) -> list[str]:
     """The runs that report reserved memory (main and fine-tuning) with the allocator model's
-    reserved peak beside the flat reserve's."""
+    reserved peak beside the tensor peak it holds."""
     have = [r for r in rows if r.reserved_bytes is not None]
     out = ["## Reserved memory: the caching-allocator model", ""]
     out += _bullet(
@@ -761,13 +764,14 @@ def render_reserved(rows: list[Row]) -> list[str]:
         "caching-allocator model (`memplan estimate --json`: each stage's "
         "`reserved_peak_bytes`; the stage's allocation sequence derived from the model and "
         "replayed through PyTorch's allocator rules, docs/allocator.md) + cuBLAS workspace, "
-        "beside the flat reserve the peak per GPU still counts (tensor peak + workspace + 5%). "
+        "the number the runs above show and `plan` fits, beside the tensor peak + workspace "
+        "it holds (no allocator bytes). "
         "With `expandable_segments:True`: the same replay with expandable segments (none of "
         "these runs set it). Replayed without the GPU's capacity as a limit (the jobs "
         "completed; torchtitan's ran on H100 96GB, which the catalog's h100-sxm stands for).")
     out += [""] + _reserved_summary(rows) + [
         "",
-        "| id | measured | flat 5% reserve | error | allocator model | error | "
+        "| id | measured | tensor peak + workspace | error | allocator model | error | "
         "expandable segments | not expressible |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
@@ -775,8 +779,8 @@ def render_reserved(rows: list[Row]) -> list[str]:
         measured = r.run["measured_bytes"]
         gaps = "; ".join(r.run.get("not_expressible") or []) or "-"
         out.append(
-            f"| {_cell(r.run['id'])} | {_gib(measured)} | {_gib(r.memplan_bytes)} | "
-            f"{r.error_pct:+.1f}% | {_gib(r.reserved_bytes)} | "
+            f"| {_cell(r.run['id'])} | {_gib(measured)} | {_gib(r.tensor_bytes)} | "
+            f"{error_pct(r.tensor_bytes, measured):+.1f}% | {_gib(r.reserved_bytes)} | "
             f"{error_pct(r.reserved_bytes, measured):+.1f}% | {_gib(r.expandable_bytes)} | "
             f"{_cell(gaps)} |")
     return out + [""]
@@ -855,13 +859,14 @@ def render(rows: list[Row], others: list[dict] | None = None,
         "",
         "- Each source's measured number is compared with the memplan number that corresponds to",
         "  what it measured: peak allocated = tensor peak + cuBLAS workspace; allocated between steps",
-        "  = parameters + gradients + optimizer states; peak reserved = tensor peak + workspace +",
-        "  allocator reserve; device used = memplan's per-GPU peak (CUDA context included).",
+        "  = parameters + gradients + optimizer states; peak reserved = the caching-allocator",
+        "  model's reserved peak + workspace; device used = memplan's per-GPU peak (CUDA context",
+        "  included).",
         "- Megatron-LM CI golden values come from rank world_size - 1, the last pipeline stage, so",
         "  memplan's last stage is compared; torchtitan reports the maximum over GPUs, so memplan's",
         "  most loaded stage (for the compared quantity) is.",
-        "- memplan runs uncalibrated: its stated defaults (CUDA context, workspace, a 5% allocator",
-        "  reserve) and no calibration profile. No term was fitted to these numbers.",
+        "- memplan runs uncalibrated: its stated defaults (CUDA context, workspace) and no",
+        "  calibration profile. No term was fitted to these numbers.",
         "- Error is (memplan - measured) / measured. The headline statistics count only the runs",
         "  memplan expresses; runs with float8, torch.compile, uneven pipeline stages and similar",
         "  gaps are estimated as the closest expressible run and reported on their own line.",
@@ -887,8 +892,8 @@ def render(rows: list[Row], others: list[dict] | None = None,
         "Each is given what it has inputs for and compared with the same measurement as "
         "memplan, with the same error definition; its summary line puts memplan's statistics "
         "on the same runs next to it. None of them models the CUDA context, the cuBLAS "
-        "workspace or the allocator, so against a peak reserved they miss the allocator "
-        "reserve too.")
+        "workspace or the allocator, so against a peak reserved they miss the allocator's "
+        "bytes too.")
     for estimator in others:
         out += _other_method(estimator)
     out.append("")

@@ -355,13 +355,20 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
          cp: int | None = None, ep: int | None = None, zero: int | None = None,
          sequence_parallel: bool | None = None, calibration: str | list[str] | None = None,
          stage_layers: Any = None, dp_shard: int | None = None, top: int | None = None,
-         etp: int | None = None, vpp_group: int | None = None, **workload: Any):
+         etp: int | None = None, vpp_group: int | None = None, reserved: bool | None = None,
+         **workload: Any):
     """Layouts, recompute policies and micro-batch sizes that fit ``gpus`` GPUs, fastest first
     (``memplan.planning.planner.PlanResult``). Layout arguments given are fixed; the rest are
     searched. ``workload`` takes Workload fields (seq_len, global_batch_size, precision, ...).
     ``calibration`` as for ``estimate``: candidates are re-checked and re-timed with it.
     ``top``: only the ``top`` fastest candidates are wanted, so recompute policies that cannot
-    beat them are not searched (the first ``top`` are the same; without calibration)."""
+    beat them are not searched (the first ``top`` are the same; without calibration).
+    ``reserved``: each candidate is fitted against the caching allocator's reserved peak
+    (``memplan.model.reserved``, one replay per configuration checked, cached), its
+    micro-batch lowered until that fits, fastest first until ``top`` fit. False: the search's
+    tensor peak and fixed overheads alone (a lower bound of what the device holds). None
+    (the default): with ``top`` (the CLI's ``--top``, 10 unless given), not without it, where
+    every candidate would be replayed (hundreds of replays)."""
     from memplan.planning.planner import DEFAULT_SAFETY
     from memplan.planning.planner import merge
     from memplan.planning.planner import plan as run_plan
@@ -377,6 +384,9 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
                         ("etp", etp)):
         arguments.integer(name, value, maximum=arguments.MAX_GPUS, optional=True)
     arguments.integer("vpp_group", vpp_group, optional=True)
+    arguments.boolean("reserved", reserved, optional=True)
+    if reserved is None:
+        reserved = top is not None
 
     if zero is not None and (not arguments.is_int(zero) or zero not in (0, 1, 2, 3)):
         raise MemplanError(f"zero must be 0, 1, 2 or 3, got {arguments.shown(zero)}")
@@ -409,7 +419,10 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
                  capacity_bytes=capacity, max_tp=max_tp, fixed=fixed,
                  safety=safety, recompute=policies,
                  # calibration re-times every candidate: the analytic order may change
-                 top=None if calibration else top)
+                 top=None if calibration else top,
+                 # fitted against the caching allocator's reserved peak (calibration
+                 # re-checks its candidates with its own correction)
+                 reserved=reserved and not calibration)
         for bucket in _bucket_choices(fw, spec, workload)])
     _check_found(result, gpus, fixed)
     if not calibration:

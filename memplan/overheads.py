@@ -49,11 +49,17 @@ TE_COMPUTE_STREAMS = 4
 # (transformer_engine/pytorch/cpp_extensions/gemm.py _NUM_MAX_UB_STREAMS, TE 2.16 b9d690e)
 TE_UB_STREAMS = 3
 
-# Reserved-but-unallocated memory of the caching allocator (block rounding, split blocks,
-# fragmentation) as a fraction of the peak allocated bytes. Not derivable from first
-# principles: an explicit assumption until `memplan calibrate` fits reserved/allocated.
-ALLOCATOR_FRACTION = 0.05
-ALLOCATOR_SOURCE = "assumption: 5% of the tensor peak until calibrated (memplan calibrate)"
+# The caching allocator's reserved-but-unallocated bytes (rounding, split blocks, cached free
+# segments) are no flat share of the tensor peak: the caching-allocator model replays each
+# stage's allocation sequence (memplan.model.reserved) and plan fits against what it reserves.
+# The analytic peak counts none (allocator_fraction 0); a calibration may add what it measured
+# beyond the model (the residual, memplan.calibrate.apply).
+ALLOCATOR_FRACTION = 0.0
+ALLOCATOR_SOURCE = ("caching-allocator model: reserved beyond the tensor peak replayed per stage "
+                    "(estimate --reserved; plan fits against it), not in this peak")
+# A diagnosis names measured reserved-but-unallocated bytes above this share of the reserved
+# bytes (a threshold for what is worth a line, no term of the estimate).
+NOTABLE_CACHE_FRACTION = 0.05
 
 
 @dataclass(frozen=True)

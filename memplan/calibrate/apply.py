@@ -162,10 +162,11 @@ def _stage(st: StageMemory, est: Estimate, device: Loaded | None, model: Loaded 
 
 def _allocator(device: Loaded | None, ovh: Overheads, tensor: int) -> int:
     terms = device.profile.device if device is not None else None
-    if terms is None or terms.reserved_ratio is None:
+    if terms is None or terms.allocator_residual_bytes is None:
         return ovh.allocator_bytes(tensor)
-    return max(0, round((terms.reserved_ratio - 1.0) * tensor
-                        + (terms.reserved_rounding_bytes or 0)))
+    # what the allocator model misses, measured; one below 0 (the model reserves more than
+    # measured) adds nothing
+    return max(0, terms.allocator_residual_bytes)
 
 
 def _overheads(device: Loaded, default: Overheads) -> tuple[Overheads, list[str]]:
@@ -184,8 +185,9 @@ def _overheads(device: Loaded, default: Overheads) -> tuple[Overheads, list[str]
     workspace = ("measured: inside the calibrated tensor peak (cuBLAS allocates its workspace "
                  "through the caching allocator" + (f"; probe {terms.probes['cublas']:,} bytes)"
                                                      if "cublas" in terms.probes else ")"))
-    allocator = (f"measured: max reserved = {terms.reserved_ratio:.4f} x max allocated "
-                 f"{terms.reserved_rounding_bytes:+,} bytes ({where})")
+    allocator = ("caching-allocator model (memplan.model.reserved), and measured beyond it: "
+                 f"{terms.allocator_residual_bytes or 0:+,} bytes of max reserved less max "
+                 f"allocated the model misses ({where})")
     if nccl and terms.nccl_bytes_per_rank is not None:
         notes.append(f"NCCL buffers: measured {terms.nccl_bytes_per_rank:,} bytes per rank "
                      f"on {terms.world_size} ranks, inside the CUDA context line")

@@ -66,9 +66,14 @@ class DeviceTerms(BaseModel):
     model_config = _FROZEN
 
     coefficients: dict[str, float]
-    reserved_ratio: float | None = Field(default=None, description="max reserved / max "
-                                         "allocated slope (CUDA caching allocator)")
+    # profiles fitted before the caching-allocator model: read, not applied
+    reserved_ratio: float | None = Field(default=None, description="not fitted (profiles "
+                                         "before the caching-allocator model)")
     reserved_rounding_bytes: int | None = None
+    allocator_residual_bytes: int | None = Field(
+        default=None, description="max reserved - max allocated, less the caching-allocator "
+        "model's bytes beyond the tensor peak for the same configuration (memplan.model."
+        "reserved); mean over records")
     outside_allocator_bytes: int | None = Field(default=None, description="device used minus "
                                                 "reserved: CUDA context, kernels, NCCL")
     nccl_bytes_per_rank: int | None = None

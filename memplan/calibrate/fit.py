@@ -4,9 +4,11 @@ Each finished record contributes six rows (first step and steady state x forward
 optimizer). A row's target is the measured peak allocated minus the analytic phase peak; its
 features are ``memplan.calibrate.features``; rows are weighted by 1 / analytic peak, so the fit
 minimises relative error. Columns no record exercises (e.g. ``eager_scores`` without eager
-runs) are left out and their coefficient is 0. The allocator is fitted on the same rows
-(max reserved = ratio * max allocated + rounding), the memory outside it as the mean of device
-used minus reserved, and the time model as one achieved FLOP/s (least squares on relative step
+runs) are left out and their coefficient is 0. The caching allocator is the model's
+(``memplan.model.reserved``: each record's configuration replayed); a record measures only what
+it misses, the residual: max reserved less max allocated, less the model's bytes beyond the
+tensor peak for that configuration, averaged over the records. The memory outside the allocator
+is the mean of device used minus reserved, and the time model as one achieved FLOP/s (least squares on relative step
 time). Every figure has a leave-one-record-out error next to the analytic model's own error.
 """
 
@@ -53,6 +55,9 @@ class Point:
     rows: tuple[Row, ...]
     time_s: float
     flops: float
+    # the caching-allocator model's bytes beyond the tensor peak for the record's configuration
+    # (``memplan.model.reserved``, stage 0, the allocator's defaults, no capacity limit)
+    model_gap: int = 0
 
 
 def sig(x: float, digits: int = SIGNIFICANT) -> float:
@@ -80,9 +85,19 @@ def points_of(records: list[Record]) -> list[Point]:
                                 _max_or_none([m.reserved_bytes for m in ms]),
                                 _max_or_none([m.device_used_bytes for m in ms])))
         steady = rec.ranks[0].steps[-1]
+        gap = (allocator_gap(rec) if any(r.reserved is not None for r in rows) else 0)
         out.append(Point(i, rec.key, rec.role, tuple(rows), steady.time_s,
-                         steady.hardware_flops))
+                         steady.hardware_flops, gap))
     return out
+
+
+def allocator_gap(rec: Record) -> int:
+    """The caching-allocator model's reserved bytes beyond the tensor peak (stage 0) for the
+    configuration a record ran (``memplan.model.reserved.estimate_reserved``)."""
+    from memplan.model.reserved import estimate_reserved
+
+    est = analytic(rec.spec, rec.layout, rec.workload)
+    return estimate_reserved(est, limited=False, with_expandable=False)[0].fragmentation_bytes
 
 
 def solve(rows: list[Row], names: tuple[str, ...] = FEATURES) -> dict[str, float]:
@@ -102,17 +117,17 @@ def solve(rows: list[Row], names: tuple[str, ...] = FEATURES) -> dict[str, float
     return coef
 
 
-def solve_reserved(rows: list[Row]) -> tuple[float, float] | None:
-    """(ratio, rounding bytes) with max reserved = ratio * max allocated + rounding."""
-    have = [r for r in rows if r.reserved is not None]
-    if len({r.allocated for r in have}) < 2:
-        return None
-    alloc = np.array([r.allocated for r in have], dtype=np.float64)
-    res = np.array([r.reserved for r in have], dtype=np.float64)
-    w = 1.0 / res
-    a = np.stack([alloc * w, w], axis=1)
-    ratio, rounding = scipy.linalg.lstsq(a, res * w, lapack_driver="gelsd")[0]
-    return float(ratio), float(rounding)
+def solve_residual(points: list[Point]) -> float | None:
+    """What the caching-allocator model misses, bytes: per record, its max reserved less its
+    max allocated (over phases and ranks) less the model's bytes beyond the tensor peak
+    (``Point.model_gap``); the mean over the records that measured reserved memory."""
+    gaps = []
+    for p in points:
+        have = [r for r in p.rows if r.reserved is not None]
+        if have:
+            gaps.append(max(r.reserved for r in have) - max(r.allocated for r in have)
+                        - p.model_gap)
+    return float(np.mean(gaps)) if gaps else None
 
 
 def outside_allocator(rows: list[Row]) -> float | None:
@@ -161,19 +176,19 @@ def _figure(quantity: str, method: str, pairs: list[tuple[float, float]]) -> Err
 @dataclass(frozen=True)
 class _Fit:
     coef: dict[str, float]
-    reserved: tuple[float, float] | None
+    reserved: float | None  # the allocator residual (``solve_residual``)
     outside: float | None
     rate: tuple[float, float] | None
 
 
 def _fit(points: list[Point]) -> _Fit:
     rows = [r for p in points for r in p.rows]
-    return _Fit(solve(rows), solve_reserved(rows), outside_allocator(rows), solve_rate(points))
+    return _Fit(solve(rows), solve_residual(points), outside_allocator(rows), solve_rate(points))
 
 
 def _predictions(point: Point, fit: _Fit) -> dict[str, float | None]:
     alloc = peak(point, fit.coef)
-    reserved = None if fit.reserved is None else fit.reserved[0] * alloc + fit.reserved[1]
+    reserved = None if fit.reserved is None else alloc + point.model_gap + fit.reserved
     used = None if reserved is None or fit.outside is None else reserved + fit.outside
     time = point.flops / fit.rate[0] + fit.rate[1] if fit.rate else None
     return {"allocated": alloc, "reserved": reserved, "used": used, "time": time}
@@ -233,8 +248,7 @@ def _terms(records: list[Record], fit: _Fit, probes: ProbeRecord | None) -> Devi
     return DeviceTerms(
         coefficients={k: (round(v) if k.endswith("fixed_bytes") else sig(v))
                       for k, v in fit.coef.items()},
-        reserved_ratio=None if fit.reserved is None else sig(fit.reserved[0]),
-        reserved_rounding_bytes=None if fit.reserved is None else round(fit.reserved[1]),
+        allocator_residual_bytes=None if fit.reserved is None else round(fit.reserved),
         outside_allocator_bytes=None if fit.outside is None else round(fit.outside),
         nccl_bytes_per_rank=round(float(np.mean(nccl))) if nccl else None,
         probes=dict(probes.probes) if probes else {},

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from memplan.diagnose.oom import OomReport, request_matches
 from memplan.diagnose.traceback import DiedIn
 from memplan.model.estimate import Estimate, StageMemory
-from memplan.overheads import ALLOCATOR_FRACTION
+from memplan.overheads import NOTABLE_CACHE_FRACTION
 from memplan.parallel import ZeroStage
 from memplan.units import FP32_BYTES, ceil_div
 from memplan.parallel import local_seq
@@ -432,11 +432,11 @@ def _allocator(est: Estimate, oom: OomReport) -> list[Finding]:
                                f"asked for, yet split across segments that hold live tensors"
                                f"{largest}; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
                                "lets segments grow instead", sizes, cause=True))
-        elif unallocated > ALLOCATOR_FRACTION * oom.reserved_bytes:
+        elif unallocated > NOTABLE_CACHE_FRACTION * oom.reserved_bytes:
             out.append(Finding("fragmentation", "fragmentation adds to it: {unallocated_bytes} "
                                "of the {reserved_bytes} reserved is unallocated, above the "
-                               f"{ALLOCATOR_FRACTION:.0%} the estimate assumes "
-                               "(memplan.overheads); expandable_segments:True reduces it",
+                               f"{NOTABLE_CACHE_FRACTION:.0%} of the reserved bytes; "
+                               "expandable_segments:True reduces it",
                                sizes))
     outside = oom.non_pytorch_bytes
     if outside is not None:

@@ -15,7 +15,7 @@ from memplan.diagnose.explain import Finding
 from memplan.errors import MemplanError, shown
 from memplan.inputs import SUMMARY_BYTES, read_json
 from memplan.model.estimate import StageMemory
-from memplan.overheads import ALLOCATOR_FRACTION
+from memplan.overheads import NOTABLE_CACHE_FRACTION
 
 
 @dataclass(frozen=True)
@@ -125,11 +125,11 @@ def profile_findings(s: StageMemory, m: Measured) -> list[Finding]:
     out.append(Finding("profile", text, sizes, cause=False))
     if peak.reserved_bytes is not None:
         cache = peak.reserved_bytes - peak.peak_bytes
-        if cache > ALLOCATOR_FRACTION * peak.reserved_bytes:
+        if cache > NOTABLE_CACHE_FRACTION * peak.reserved_bytes:
             out.append(Finding("fragmentation", "measured: {cache_bytes} reserved but unallocated "
                                "at the peak, above the "
-                               f"{ALLOCATOR_FRACTION:.0%} the estimate assumes "
-                               "(memplan.overheads); expandable_segments:True reduces it",
+                               f"{NOTABLE_CACHE_FRACTION:.0%} of the reserved bytes; "
+                               "expandable_segments:True reduces it",
                                {"cache_bytes": cache}, cause=True))
     out += [Finding("profile_warning", w.replace("{", "{{").replace("}", "}}"))
             for w in m.warnings]

@@ -27,7 +27,7 @@ from memplan.inputs import MONITOR_BYTES, UTF8_BOM, regular_file, size_text, too
 from memplan.model.estimate import Estimate
 from memplan.monitor.memory_monitor import MemoryMonitor
 from memplan.monitor.records import summarize
-from memplan.overheads import ALLOCATOR_FRACTION
+from memplan.overheads import NOTABLE_CACHE_FRACTION
 
 # The file name MemoryMonitor.start writes, as memplan.monitor.read_records globs it.
 RECORD_GLOB = "memory_rank*.jsonl"
@@ -299,8 +299,8 @@ def _cache(rec: dict[str, Any]) -> int:
 
 
 def _fragmentation(m: Monitored) -> Finding | None:
-    """The worst rank's step with the most unused cache or free split blocks, against the
-    allocator's share the estimate assumes (memplan.overheads), as ``explain`` judges an OOM
+    """The worst rank's step with the most unused cache or free split blocks, against a share
+    of its reserved bytes (``overheads.NOTABLE_CACHE_FRACTION``), as ``explain`` judges an OOM
     message. Reserved less allocated at step end (the monitor's ``fragmentation_bytes``) is
     shown but not judged: it includes the step's activations, freed and cached for the next."""
     rows = [r for r in m.records[m.worst_rank] if "reserved_bytes" in r]
@@ -309,7 +309,7 @@ def _fragmentation(m: Monitored) -> Finding | None:
     rec = max(rows, key=lambda r: (max(_cache(r), r.get("inactive_split_bytes", 0)), r["step"]))
     reserved, cache = rec["reserved_bytes"], _cache(rec)
     split = rec.get("inactive_split_bytes", 0)
-    if max(cache, split) <= ALLOCATOR_FRACTION * reserved:
+    if max(cache, split) <= NOTABLE_CACHE_FRACTION * reserved:
         return None
     sizes = {"reserved_bytes": reserved, "cache_bytes": cache, "split_bytes": split,
              "unallocated_bytes": rec.get("fragmentation_bytes", reserved
@@ -319,7 +319,7 @@ def _fragmentation(m: Monitored) -> Finding | None:
                    "{cache_bytes} of the {reserved_bytes} reserved was never allocated in that "
                    f"step (reserved less {less}), and {{split_bytes}} sits in free pieces of split blocks (reserved less "
                    "allocated at step end: {unallocated_bytes}), above the "
-                   f"{ALLOCATOR_FRACTION:.0%} the estimate assumes (memplan.overheads); "
+                   f"{NOTABLE_CACHE_FRACTION:.0%} of the reserved bytes; "
                    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces it",
                    sizes, cause=True)
 

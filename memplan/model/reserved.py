@@ -113,13 +113,15 @@ def config_of(alloc_conf: str, capacity_bytes: int | None) -> AllocatorConfig:
 
 
 def stage_reserved(inputs: StageInputs, tensor_peak_bytes: int, cfg: AllocatorConfig,
-                   capacity_bytes: int | None = None) -> Reserved:
-    """Replay ``inputs`` under ``cfg`` and with expandable segments. ``capacity_bytes``: what
+                   capacity_bytes: int | None = None, with_expandable: bool = True) -> Reserved:
+    """Replay ``inputs`` under ``cfg`` and with expandable segments (``with_expandable``
+    False: not; the expandable figure is then the default one). ``capacity_bytes``: what
     cudaMalloc may take; where the tensors fit it but the unlimited replay reserves more, the
     replay runs again under it (the allocator releases its wholly free cached segments and
     retries before it raises, ``DeviceCachingAllocator::malloc``)."""
     r = replay_stage(inputs, cfg)
-    e = r if cfg.expandable_segments else replay_stage(inputs, expandable(cfg))
+    e = (r if cfg.expandable_segments or not with_expandable
+         else replay_stage(inputs, expandable(cfg)))
     # the steps' reserved bytes on the walk's tensor peak, as the peak is (setup as replayed)
     shift = tensor_peak_bytes - r.tensor_peak_bytes
     if (capacity_bytes is not None and tensor_peak_bytes <= capacity_bytes
@@ -139,7 +141,8 @@ def stage_reserved(inputs: StageInputs, tensor_peak_bytes: int, cfg: AllocatorCo
 
 
 
-def estimate_reserved(est, alloc_conf: str = "", limited: bool = True) -> tuple[Reserved, ...]:
+def estimate_reserved(est, alloc_conf: str = "", limited: bool = True,
+                      with_expandable: bool = True) -> tuple[Reserved, ...]:
     """Every stage's ``Reserved`` for an ``memplan.model.estimate.Estimate`` under
     ``alloc_conf`` (``PYTORCH_CUDA_ALLOC_CONF``'s form; the device's capacity as cudaMalloc's
     limit is not applied: the replay reports what the job would reserve). A stage that follows
@@ -172,5 +175,28 @@ def estimate_reserved(est, alloc_conf: str = "", limited: bool = True) -> tuple[
         # cuBLAS workspace (an allocation of its own the sequence leaves out)
         room = est.capacity_bytes - stage.cuda_context_bytes - stage.workspace_bytes
         out.append(stage_reserved(inputs, stage.tensor_peak_bytes, cfg,
-                                  room if limited else None))
+                                  room if limited else None, with_expandable))
     return tuple(out)
+
+
+class RankReserved(NamedTuple):
+    """The rank that needs the most device memory once the caching allocator is replayed."""
+
+    peak_bytes: int  # its reserved peak + calibration + CUDA context + workspace
+    stage: int
+    oom_step: int | None  # the allocator runs out of memory although the tensors fit
+
+
+def reserved_rank(est) -> RankReserved:
+    """``estimate_reserved`` of ``est`` under the allocator's defaults and the device's
+    capacity, read as the per-GPU peak ``plan`` fits: each stage's reserved peak with its
+    calibration correction, fixed overheads and a calibration's measured allocator residual
+    (``StageMemory.allocator_bytes``; 0 uncalibrated). The defaults alone: no expandable
+    replay."""
+    got = estimate_reserved(est, with_expandable=False)
+    rows = [(r.reserved_peak_bytes + s.calibration_bytes + s.cuda_context_bytes
+             + s.workspace_bytes + s.allocator_bytes, s.stage, r.oom_step)
+            for s, r in zip(est.stages, got)]
+    peak, stage, _ = max(rows, key=lambda x: x[0])
+    oom = next((o for _, _, o in rows if o is not None), None)
+    return RankReserved(peak, stage, oom)

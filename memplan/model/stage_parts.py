@@ -290,8 +290,7 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
         accum_bytes=(sum(trainable.adapters) * ADAPTER_BYTES if trainable.adapters
                      else accumulator_bytes(params, wl, shard.flat_units)),
         load=load_bytes(st, buffers, trainable.quantize_bytes),
-        nf4_weights=trainable.nf4_weights if trainable.quantize_bytes else (),
-    )
+        nf4_weights=trainable.nf4_weights if trainable.quantize_bytes else ())
 
 
 def te_fp8_states(st: StateBytes, spec: ModelSpec, par: ParallelConfig, wl: Workload,

@@ -103,6 +103,8 @@ class Candidate:
     inputs: tuple | None = field(default=None, repr=False, compare=False)
     # with recompute ops: what each layer keeps (``memplan.model.sac_ops``)
     recompute_save: tuple[str, ...] = ()
+    # parameters of the most loaded rank before ZeRO sharding (the step-time model's input)
+    num_params: int = field(default=0, repr=False, compare=False)
 
     @cached_property
     def estimate(self) -> Estimate:
@@ -134,6 +136,7 @@ class PlanResult:
     candidates: list[Candidate]
     rejected: Counter = field(default_factory=Counter)
     evaluated: int = 0  # exact memory evaluations of the most loaded rank
+    replayed: int = 0  # configurations replayed through the caching-allocator model
     searched: int = 0  # (layout, recompute, micro-batch) candidates the search covered
     global_batch_size: int = 0
     oom_excess_bytes: int | None = None  # smallest overshoot of a configuration that did not fit
@@ -324,8 +327,14 @@ def _policies(allowed: list[Recompute], stage_layers: int) -> list[tuple[Recompu
 def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
          capacity_bytes: int | None = None, safety: float = DEFAULT_SAFETY,
          max_tp: int | None = None, fixed: dict[str, object] | None = None,
-         recompute: list[Recompute] | None = None, top: int | None = None) -> PlanResult:
+         recompute: list[Recompute] | None = None, top: int | None = None,
+         reserved: bool = False) -> PlanResult:
     """Feasible candidates ranked by step time (fastest first), and rejections by reason.
+
+    The search fits each layout's tensor peak and fixed overheads (a lower bound of what the
+    device holds); with ``reserved`` each candidate, fastest first, is then checked against
+    the caching allocator's reserved peak (``_fit_reserved``), its micro-batch lowered until
+    that fits, and its peak is that reserved one.
 
     With ``top`` only the ``top`` fastest are sure to be among the candidates: a recompute
     policy of a layout is not searched when no micro-batch it could fit would be faster than
@@ -362,9 +371,10 @@ def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
             += len(without - pruned)
     if without & pruned:
         result.rejected[SLOWER_THAN_TOP.format(top=top)] += len(without & pruned)
-    result.candidates = _ranked(ctx, fits)
     result.budget_bytes = ctx.budget
     result.closest_miss = _closest_miss(ctx, levels)
+    result.candidates = (_fit_reserved(ctx, _ranked(ctx, fits), top, result) if reserved
+                         else _ranked(ctx, fits))
     if result.closest_miss is not None:
         result.oom_excess_bytes = result.closest_miss.peak_bytes - ctx.budget
     result.evaluated = ctx.evaluated + sum(level.search.evaluated for level in levels)
@@ -811,7 +821,8 @@ def _ranked(ctx: _Context, fits: list[_Fit]) -> list[Candidate]:
         out.append(Candidate(fit.par, fit.mbs, fit.policy[0], None if ops else fit.policy[1],
                              None, times.at(n), fit.peak_bytes,
                              (ctx.spec, ctx.gpu, ctx.workload(fit.policy), ctx.capacity),
-                             tuple(fit.policy[1]) if ops else ()))  # type: ignore[arg-type]
+                             tuple(fit.policy[1]) if ops else (),  # type: ignore[arg-type]
+                             fit.num_params))
     out.sort(key=lambda c: (c.time.step_s, c.peak_bytes))
     seen: set[ParallelConfig] = set()  # op-level checkpointing: a layout's fastest micro-batch
     kept = []
@@ -822,6 +833,67 @@ def _ranked(ctx: _Context, fits: list[_Fit]) -> list[Candidate]:
             seen.add(c.layout)
         kept.append(c)
     return kept
+
+
+OUT_OF_RESERVED = ("out of memory once the caching allocator's reserved memory is replayed, at "
+                   "every micro-batch whose tensors fit")
+
+
+@lru_cache(maxsize=4096)
+def _reserved_peak(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload,
+                   capacity: int) -> tuple[int, int, bool]:
+    """(the per-GPU peak with the allocator's reserved memory replayed, its stage, whether
+    the allocator runs out of memory although the tensors fit) of one configuration
+    (``memplan.model.reserved.reserved_rank``). Cached: a configuration replays once per
+    process, whatever plan asks for it."""
+    from memplan.model.reserved import reserved_rank
+
+    got = reserved_rank(estimate(spec, gpu, par, wl, capacity_bytes=capacity))
+    return got.peak_bytes, got.stage, got.oom_step is not None
+
+
+def _fit_reserved(ctx: _Context, ranked: list[Candidate], top: int | None,
+                  result: PlanResult) -> list[Candidate]:
+    """The candidates whose reserved peak fits the budget, fastest first: each, in order of
+    its step time, is replayed (``_reserved_peak``); one that does not fit is tried again at
+    its next smaller micro-batch (re-timed, back in the order), down to the smallest. With
+    ``top`` only until ``top`` fit (the rest would not be shown). The search's peaks are
+    lower bounds of the reserved ones (reserved memory holds the live tensors), so no
+    configuration the search ruled out could fit here."""
+    import heapq
+
+    heap = [(c.time.step_s, c.peak_bytes, n, c) for n, c in enumerate(ranked)]
+    heapq.heapify(heap)
+    out: list[Candidate] = []
+    count = len(heap)
+    while heap and (top is None or len(out) < top):
+        _, _, _, c = heapq.heappop(heap)
+        wl = ctx.workload((c.recompute, c.recompute_layers) if c.recompute is not Recompute.OPS
+                          else (c.recompute, c.recompute_save))
+        before = _reserved_peak.cache_info().misses
+        peak, stage, oom = _reserved_peak(
+            ctx.spec, ctx.gpu, c.layout, wl.model_copy(update={"micro_batch_size":
+                                                               c.micro_batch_size}),
+            ctx.capacity)
+        result.replayed += _reserved_peak.cache_info().misses - before
+        if peak <= ctx.budget and not oom:
+            out.append(replace(c, known_peak_bytes=peak))
+            continue
+        smaller = [b for b in _sizes(c.layout, ctx.wl, ctx.wl.global_batch_size)
+                   if b < c.micro_batch_size]
+        if (result.closest_miss is None or peak < result.closest_miss.peak_bytes):
+            result.closest_miss = Miss(c.layout, c.micro_batch_size, c.recompute,
+                                       c.recompute_layers, peak, stage)
+        if not smaller:
+            result.rejected[OUT_OF_RESERVED] += 1
+            continue
+        policy = (c.recompute, c.recompute_layers if c.recompute is not Recompute.OPS
+                  else c.recompute_save)
+        t = _row_times(ctx, [(c.layout, policy, smaller[-1], c.num_params)]).at(0)
+        down = replace(c, micro_batch_size=smaller[-1], time=t, known_peak_bytes=None)
+        heapq.heappush(heap, (t.step_s, c.peak_bytes, count, down))
+        count += 1
+    return sorted(out, key=lambda c: (c.time.step_s, c.peak_bytes))
 
 
 def _closest_miss(ctx: _Context, levels: list[_Level]) -> Miss | None:

@@ -25,8 +25,8 @@ def render_profile(profile: Any, path: str) -> Any:
         for name, value in d.coefficients.items():
             terms.add_row(name, f"{int(value):,} B" if name.endswith("fixed_bytes")
                           else f"{value:+.4%}")
-        extra = [("reserved / allocated", d.reserved_ratio and f"{d.reserved_ratio:.4f}"),
-                 ("reserved rounding", _bytes(d.reserved_rounding_bytes)),
+        extra = [("allocator residual (beyond the model)",
+                  _bytes(d.allocator_residual_bytes)),
                  ("outside the allocator", _bytes(d.outside_allocator_bytes)),
                  ("NCCL per rank", _bytes(d.nccl_bytes_per_rank)),
                  *((f"probe: {k}", _bytes(v)) for k, v in d.probes.items()),

@@ -168,13 +168,17 @@ def reserved_line(est: Estimate, reserved: tuple[Reserved, ...], alloc_conf: str
     r, s = reserved[i], est.stages[i]
     _, first, second, _ = r.reserved_by_step
     conf = f"PYTORCH_CUDA_ALLOC_CONF={alloc_conf}" if alloc_conf else "the allocator's defaults"
+    per_gpu = (r.reserved_peak_bytes + s.calibration_bytes + s.cuda_context_bytes
+               + s.workspace_bytes + s.allocator_bytes)
     return (f"reserved by PyTorch's caching allocator (model; {conf}), stage {s.stage}: "
             f"{format_gib(r.reserved_peak_bytes)} at its peak, "
             f"{format_gib(r.fragmentation_bytes)} of it beyond the tensor peak (rounding, "
             f"split blocks, cached free blocks); replayed reserve after step 1 "
             f"{format_gib(first)}, after step 2 {format_gib(second)}: {r.step_note}; with "
-            f"expandable_segments:True {format_gib(r.expandable_reserved_peak_bytes)}. The "
-            "peak per GPU above still counts the flat allocator reserve, not this")
+            f"expandable_segments:True {format_gib(r.expandable_reserved_peak_bytes)}. With "
+            "the calibration, CUDA context and workspace: "
+            f"{format_gib(per_gpu)} per GPU, what plan fits (the peak per GPU above counts no "
+            "allocator bytes)")
 
 
 def render_estimate(est: Estimate, reserved: tuple[Reserved, ...] | None = None,
@@ -234,7 +238,10 @@ def render_estimate(est: Estimate, reserved: tuple[Reserved, ...] | None = None,
         ("tensor peak", "tensor_peak_bytes"),
         *([("calibration correction", "calibration_bytes")] if est.calibration else []),
         ("CUDA context", "cuda_context_bytes"),
-        ("cuBLAS workspace", "workspace_bytes"), ("allocator reserve", "allocator_bytes"),
+        ("cuBLAS workspace", "workspace_bytes"),
+        # a calibration's measured residual beyond the allocator model (none uncalibrated)
+        *([("allocator residual (calibrated)", "allocator_bytes")] if worst.allocator_bytes
+          else []),
         ("peak per GPU", "peak_bytes"),
         *([("host memory (offloaded)", "host_bytes")] if worst.host_bytes else []),
         *([("... of it, saved activations", "host_activations_bytes")]

@@ -93,25 +93,26 @@ def test_plan_searches_stages_and_buckets() -> None:
                            micro_batch_size=c["mbs"], recompute=c["recompute"],
                            recompute_layers=c["recompute_layers"],
                            zero_bucket_numel=c["reduce_bucket_numel"])
-        assert est.peak_bytes == c["peak_bytes"]
+        # the plan's peak is the caching allocator's reserved one, which holds the estimate's
+        assert est.peak_bytes <= c["peak_bytes"]
 
 
 def test_plan_keeps_the_bucket_with_the_lower_peak() -> None:
     """On 8 A100 40GB with 64 sequences of 4096 per step at ZeRO-2, the fastest candidate (mbs
-    1, full recompute of 20 of 32 layers, five eighths: the plan searches k in eighths of a
-    stage) fits with either bucket; the plan keeps the one with the lower peak, which is the
+    1, full recompute of 28 of 32 layers, seven eighths: the plan searches k in eighths of a
+    stage, and fits the allocator's reserved peak) fits with either bucket; the plan keeps the one with the lower peak, which is the
     smaller of the two plans with the bucket fixed (a ds_config's reduce_bucket_size), each
     reporting only its own bucket."""
     top = _plan("--gpu", "a100-40gb", "--gbs", "64", "--zero", "2")["candidates"][0]
-    assert (top["mbs"], top["recompute"], top["recompute_layers"]) == (1, "full", 20)
+    assert (top["mbs"], top["recompute"], top["recompute_layers"]) == (1, "full", 28)
     peaks = {}
     for bucket in (500_000_000, 16_777_216):
         fixed = api.plan("llama-7b", gpus=8, gpu="a100-40gb", seq_len=4096,
                          global_batch_size=64, framework="deepspeed", zero_bucket_numel=bucket,
-                         zero=2)
+                         zero=2, top=3)
         assert {c.workload.zero_bucket_numel for c in fixed.candidates} == {bucket}
         peaks[bucket] = next(c.peak_bytes for c in fixed.candidates
-                             if (c.micro_batch_size, c.recompute_layers) == (1, 20))
+                             if (c.micro_batch_size, c.recompute_layers) == (1, 28))
     assert top["peak_bytes"] == min(peaks.values()) == peaks[top["reduce_bucket_numel"]]
 
 
@@ -131,5 +132,5 @@ def test_cli_diagnose_takes_a_deepspeed_config(tmp_path) -> None:
     out = json.loads(result.output)
     fixes = {f["flags"]: f for f in out["fixes"]}
     one = fixes["ds_config zero_optimization.overlap_comm = false"]
-    assert one["saved_bytes"] == 1_050_000_000
+    assert one["saved_bytes"] == 1_000_000_000
     assert "ds_config zero_optimization.reduce_bucket_size = 16777216" in fixes

@@ -147,7 +147,9 @@ def test_plan_auto_ranks_save_sets_per_layout() -> None:
     and a layout appears once (its fastest micro-batch)."""
     from memplan.api import plan
 
-    result = plan("llama-2-7b", gpus=8, seq_len=4096, recompute=["auto"], top=3)
+    # the search's save sets (reserved=False: not re-fitted to the allocator's reserved peak)
+    result = plan("llama-2-7b", gpus=8, seq_len=4096, recompute=["auto"], top=3,
+                  reserved=False)
     assert result.candidates
     layouts = [c.layout for c in result.candidates]
     assert len(layouts) == len(set(layouts))
@@ -225,7 +227,7 @@ def test_plan_auto_top_is_the_full_search_first() -> None:
 
     kwargs = dict(gpus=8, seq_len=4096, recompute=["auto"])
     full = plan("llama-2-7b", **kwargs).candidates[:3]
-    cut = plan("llama-2-7b", top=3, **kwargs).candidates[:3]
+    cut = plan("llama-2-7b", top=3, reserved=False, **kwargs).candidates[:3]
     assert [(c.layout, c.micro_batch_size, c.recompute_save) for c in cut] == \
         [(c.layout, c.micro_batch_size, c.recompute_save) for c in full]
 
