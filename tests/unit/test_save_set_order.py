@@ -53,11 +53,12 @@ def _peaks(spec: ModelSpec, sets, **fields) -> list[tuple[int, ...]]:
 
 
 def test_the_peak_can_fall_as_kept_bytes_grow() -> None:
-    """The bytes-only order fails on ``WIDE_Q``: adjacent frontier sets whose peaks fall."""
+    """The bytes-only order fails on ``WIDE_Q``: adjacent frontier sets whose peaks fall (by
+    2,113,536 B: 2,219,213 B when the peak carried a flat 5% allocator share)."""
     sets, _, _ = _frontier(WIDE_Q, **WIDE_Q_RUN)
     peaks = [p[0] for p in _peaks(WIDE_Q, sets, **WIDE_Q_RUN)]
     falls = [peaks[i] - peaks[i + 1] for i in range(len(sets) - 1) if peaks[i] > peaks[i + 1]]
-    assert 2_219_213 in falls
+    assert 2_113_536 in falls
 
 
 def test_choose_is_exact_at_every_budget() -> None:
