@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from itertools import accumulate
 from typing import Any, NamedTuple
 
 from memplan.model import step_in_backward
@@ -690,17 +691,24 @@ def _zero3_reduce(params: StageParams, par: ParallelConfig, wl: Workload,
     zero3_reduces_at``, placed by ``memplan.model.sharding.DataParallel.block_peak``). Hooks
     in backward order: the parameters' registration order reversed (the head, the final
     norm, each layer's from its down projection to its first norm, the embedding)."""
-    sizes = params.tensor_sizes
-    counts = layer_tensor_counts(sizes, params.embedding_tensors, params.layers)
+    head, layers, embedding = _in_hook_order(params, params.tensor_sizes)
+    at = zero3_reduces_at(head, layers, embedding, wl.zero_bucket_numel, dp, grad_bytes,
+                          optimizer_on_host(par))
+    return dict(zero3_reduces=at, partition_from=at.first_layer,
+                layer_hooks=layers[0] if layers else ())
+
+
+def _in_hook_order(params: StageParams, items: tuple) -> tuple[tuple, tuple, tuple]:
+    """``items`` (one per tensor, in the parameters' order) grouped as DeepSpeed's gradient
+    hooks run: the head's (and final norm's), each layer's last to first, the embedding's,
+    each group in backward order (registration order reversed)."""
+    counts = layer_tensor_counts(params.tensor_sizes, params.embedding_tensors, params.layers)
     layers, start = [], params.embedding_tensors
     for count in counts:
-        layers.append(tuple(reversed(sizes[start:start + count])))
+        layers.append(tuple(reversed(items[start:start + count])))
         start += count
-    at = zero3_reduces_at(tuple(reversed(sizes[start:])), tuple(reversed(layers)),
-                          tuple(reversed(sizes[:params.embedding_tensors])),
-                          wl.zero_bucket_numel, dp, grad_bytes, optimizer_on_host(par))
-    return dict(zero3_reduces=at, partition_from=at.first_layer,
-                layer_hooks=layers[-1] if layers else ())
+    return (tuple(reversed(items[start:])), tuple(reversed(layers)),
+            tuple(reversed(items[:params.embedding_tensors])))
 
 
 def _zero2_offload_hooks(params: StageParams, par: ParallelConfig,
@@ -711,23 +719,15 @@ def _zero2_offload_hooks(params: StageParams, par: ParallelConfig,
     order as ZeRO-3's (``_zero3_reduce``), each with its start in the flat buffer (the
     parameters in order, padded to 2 x dp elements: ``flatten_dense_tensors_aligned``)."""
     sizes, dp = params.tensor_sizes, par.dense_shard_degree
-    starts = [0]
-    for n in sizes[:-1]:
-        starts.append(starts[-1] + n)
-    items = tuple(zip(starts, sizes))
-    size = -(-sum(sizes) // (2 * dp)) * 2
-    counts = layer_tensor_counts(sizes, params.embedding_tensors, params.layers)
-    layers, first = [], params.embedding_tensors
-    for count in counts:
-        layers.append(tuple(reversed(items[first:first + count])))
-        first += count
-    at = zero2_offload_reduces_at(tuple(reversed(items[first:])), tuple(reversed(layers)),
-                                  tuple(reversed(items[:params.embedding_tensors])),
-                                  wl.zero_bucket_numel, (dp - 1) * size, dp * size)
+    items = tuple(zip((0, *accumulate(sizes[:-1])), sizes))
+    size = ceil_div(sum(sizes), 2 * dp) * 2
+    head, layers, embedding = _in_hook_order(params, items)
+    at = zero2_offload_reduces_at(head, layers, embedding, wl.zero_bucket_numel,
+                                  (dp - 1) * size, dp * size)
     if at.first_layer == len(layers):  # everything in one bucket: reduced at the epilogue,
         at = at._replace(end=max(at.end, at.first))  # beside the embedding's backward
     return dict(zero3_reduces=at, partition_from=at.first_layer,
-                layer_hooks=tuple(n for _, n in layers[-1]) if layers else ())
+                layer_hooks=tuple(n for _, n in layers[0]) if layers else ())
 
 
 def _replayed(at: Any, held: int) -> ShardingBuffers:
