@@ -33,7 +33,7 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import NamedTuple
 
-from memplan.model.allocator import Alloc, AllocatorConfig, Free, replay
+from memplan.model.allocator import Alloc, AllocatorConfig, Blip, Free, replay
 from memplan.model.nf4_init import qlora_setup
 from memplan.model.nf4_init import stored_bytes as nf4_stored_bytes
 from memplan.model.sharding import Held, end_moments, forward_positions, head_moments, run_positions
@@ -50,7 +50,7 @@ class Builder:
     """Allocation events with the bytes alive (unrounded) after each, and their running peak."""
 
     def __init__(self) -> None:
-        self.events: list[Alloc | Free] = []
+        self.events: list[Alloc | Free | Blip] = []
         self.sizes: dict[int, int] = {}
         self.alive = 0
         self.peak = 0
@@ -76,15 +76,25 @@ class Builder:
 
     def blip(self, size: int, piece: int = 0, stream: int = 0) -> None:
         """Tensors of ``size`` bytes in all made and freed at one instant: pieces of ``piece``
-        bytes (a working set of activation-sized tensors), the rest one tensor (0: all one)."""
-        keys = []
+        bytes (a working set of activation-sized tensors), the rest one tensor (0: all one).
+        One ``Blip`` event (the allocator model replays it as those allocations and frees)."""
+        if size <= 0:
+            return
+        sizes = []
         if piece > 0:
             while size > piece:
-                keys.append(self.alloc(piece, stream))
+                sizes.append(piece)
                 size -= piece
-        keys.append(self.alloc(size, stream))
-        for key in keys:
-            self.free(key)
+        sizes.append(size)
+        self.made_and_freed(sizes, stream)
+
+    def made_and_freed(self, sizes: list[int], stream: int = 0) -> None:
+        """Tensors of ``sizes`` made in order, then all freed in the same order (none made
+        or freed between): one ``Blip`` event; sizes of 0 make nothing."""
+        sizes = [n for n in sizes if n > 0]
+        if sizes:
+            self.events.append(Blip(tuple(sizes), stream))
+            self.peak = max(self.peak, self.alive + sum(sizes))
 
     def mark(self) -> None:
         self.marks.append(len(self.events))
@@ -379,9 +389,7 @@ def _optimizer(r: _Run, first: bool) -> None:
 
     if make and not s.first_step_states_late:
         states_once()
-    temps = [b.alloc(t) for t in split_bytes(int(s.opt_temp * scale), every)]
-    for key in temps:
-        b.free(key)
+    b.made_and_freed(split_bytes(int(s.opt_temp * scale), every))
     if make and s.first_step_states_late:
         states_once()
     r.states_made = r.states_made or make

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
@@ -113,29 +114,38 @@ def should_split(block_size: int, size: int, small: bool, cfg: AllocatorConfig) 
     return size < cfg.max_split_size_bytes and remaining > K_SMALL_SIZE
 
 
-@dataclass(frozen=True)
-class Alloc:
+class Alloc(NamedTuple):
     id: int
     size_bytes: int
     stream: int = 0
 
 
-@dataclass(frozen=True)
-class Free:
+class Free(NamedTuple):
     id: int
 
 
-@dataclass(eq=False)
+class Blip(NamedTuple):
+    """Tensors of ``sizes_bytes`` made one after another on ``stream``, then all freed, with
+    nothing else made or freed between: one event. Replayed exactly as the allocations and
+    frees it stands for (``CachingAllocator.blip``)."""
+
+    sizes_bytes: tuple[int, ...]
+    stream: int = 0
+
+
+@dataclass(eq=False, slots=True)
 class Block:
     offset: int
     size: int
     state: str  # "alloc", "free" or "unmapped" (an expandable segment's unbacked address space)
+    # its key in its pool's free set while it is free (``CachingAllocator._add_free``)
+    entry: tuple | None = field(default=None, repr=False)
     # the segment's blocks in address order, linked as Block's prev and next in the source
     prev: Block | None = field(default=None, repr=False)
     next: Block | None = field(default=None, repr=False)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Segment:
     order: int  # creation order: stands for the address in best-fit ties
     stream: int
@@ -227,15 +237,19 @@ class CachingAllocator:
         # as blocks change, so best fit is a binary search
         self._free: dict[tuple[int, bool], list[tuple[int, int, int, Block, Segment]]] = {}
 
-    def _key(self, seg: Segment, block: Block) -> tuple[int, int, int, Block, Segment]:
-        return (block.size, seg.order, block.offset, block, seg)
-
     def _add_free(self, seg: Segment, block: Block) -> None:
-        insort(self._free.setdefault((seg.stream, seg.small), []), self._key(seg, block))
+        block.entry = entry = (block.size, seg.order, block.offset, block, seg)
+        pool = self._free.get((seg.stream, seg.small))
+        if pool is None:
+            self._free[(seg.stream, seg.small)] = [entry]
+        else:
+            insort(pool, entry)
 
     def _drop_free(self, seg: Segment, block: Block) -> None:
+        """Take ``block`` out of its pool's free set (by the key it went in with: a block's
+        size and offset change only once it is out)."""
         pool = self._free[(seg.stream, seg.small)]
-        i = bisect_left(pool, self._key(seg, block)[:3])
+        i = bisect_left(pool, block.entry)
         assert pool[i][3] is block
         del pool[i]
 
@@ -254,7 +268,10 @@ class CachingAllocator:
         and retry. False when it would raise OutOfMemoryError."""
         if key in self.live or orig_size <= 0:
             raise MemplanError(f"Alloc {key}: already live, or size_bytes {orig_size} <= 0")
-        size = round_size(orig_size, self.cfg.roundup_power2_divisions)
+        cfg = self.cfg
+        size = (round_size(orig_size, cfg.roundup_power2_divisions)
+                if cfg.roundup_power2_divisions > 1 or orig_size < K_MIN_BLOCK_SIZE
+                else -(-orig_size // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE)
         small = size <= K_SMALL_SIZE  # get_pool
         found = self.get_free_block(size, stream, small)
         if found is None:
@@ -393,6 +410,82 @@ class CachingAllocator:
             cand = merged
         return seg, cand
 
+    # --- a blip: tensors made, then all freed -------------------------------------------------
+    def blip(self, sizes: tuple[int, ...], stream: int = 0
+             ) -> tuple[list[tuple[int, int]], int] | None:
+        """Make tensors of ``sizes`` in order on ``stream``, then free them all. Returns the
+        (reserved, allocated) bytes after each allocation that created a segment, and the
+        allocated bytes once all are made; None, with nothing changed, where an allocation
+        would need more than the capacity (``replay`` then makes them one by one).
+
+        Freeing every block a blip split coalesces each back with the free remainders it was
+        cut from (``free_block`` -> ``try_merge_blocks``), so the blocks return to what they
+        were, and each segment the blip created becomes one free block: the blip's only lasting
+        effect is those segments. Within it, best fit (``get_free_block``) and ``should_split``
+        read block sizes only, so it is simulated on sizes: the pool's free blocks less those
+        taken, and the remainders and new segments the blip itself made. Without expandable
+        segments only (mapping pages changes the blocks a blip leaves)."""
+        if self.cfg.expandable_segments:
+            return None
+        cfg = self.cfg
+        limit, rounding = cfg.max_split_size_bytes, cfg.max_non_split_rounding_bytes
+        taken: dict[bool, set[int]] = {False: set(), True: set()}
+        extra: dict[bool, list[int]] = {False: [], True: []}
+        made: list[tuple[bool, int]] = []
+        grew: list[tuple[int, int]] = []
+        reserved, allocated = self.reserved, self.allocated
+        last = -1
+        for orig in sizes:
+            if orig != last:  # a blip's tensors are mostly of one size
+                last = orig
+                size = round_size(orig, cfg.roundup_power2_divisions)
+                small = size <= K_SMALL_SIZE
+                pool = self._free.get((stream, small), [])
+                skip, mine = taken[small], extra[small]
+                first = bisect_left(pool, (size,))
+                # should_split's remainder threshold (small pool: kMinBlockSize; large: more
+                # than kSmallSize, and only below max_split_size)
+                least = K_MIN_BLOCK_SIZE if small else (K_SMALL_SIZE + 1 if size < limit
+                                                        else NO_LIMIT)
+            i = first
+            while i in skip:
+                i += 1
+            j = bisect_left(mine, size)
+            a = pool[i][0] if i < len(pool) else None
+            b = mine[j] if j < len(mine) else None
+            from_pool = a is not None and (b is None or a <= b)
+            found = a if from_pool else b
+            if found is not None and (size < limit <= found
+                                      or (size >= limit and found >= size + rounding)):
+                found = None  # get_free_block's oversize rules: a new segment
+            if found is None:
+                found = get_allocation_size(size, cfg.large_segment_bytes)  # alloc_block
+                if not self._can_reserve(found + reserved - self.reserved):
+                    return None
+                made.append((small, found))
+                reserved += found
+                grew_now = True
+            else:
+                grew_now = False
+                if from_pool:
+                    skip.add(i)
+                else:
+                    del mine[j]
+            if found - size >= least:  # should_split
+                insort(mine, found - size)
+                allocated += size
+            else:
+                allocated += found
+            if grew_now:
+                grew.append((reserved, allocated))
+        for small, seg_bytes in made:
+            seg = self._new_segment(stream, small, expandable=False)
+            block = Block(0, seg_bytes, "free")
+            seg.insert_after(None, block)
+            self._add_free(seg, block)
+            self.reserved += seg_bytes
+        return grew, allocated
+
     # --- free and release ---------------------------------------------------------------------
     def free(self, key: int) -> None:
         """DeviceCachingAllocator::free -> free_block: coalesce with free neighbours."""
@@ -479,19 +572,37 @@ class CachingAllocator:
         )
 
 
-def replay(events: list[Alloc | Free], cfg: AllocatorConfig | None = None) -> ReplayResult:
-    """Replay events in order; stops at the first allocation that runs out of memory."""
+def replay(events: list[Alloc | Free | Blip], cfg: AllocatorConfig | None = None
+           ) -> ReplayResult:
+    """Replay events in order; stops at the first allocation that runs out of memory (a
+    ``Blip`` is one event: its reserved bytes are those after its frees)."""
     alloc = CachingAllocator(cfg)
     reserved: list[int] = []
     peak_r = peak_a = frag = 0
     oom: int | None = None
     for i, ev in enumerate(events):
-        if isinstance(ev, Alloc):
-            if not alloc.malloc(ev.id, ev.size_bytes, ev.stream):
+        if type(ev) is Free:
+            alloc.free(ev.id)
+            reserved.append(alloc.reserved)
+            continue
+        if type(ev) is Blip:
+            got = alloc.blip(ev.sizes_bytes, ev.stream)
+            ok = True
+            if got is None:  # near the capacity: tensor by tensor, as malloc would
+                got, ok = _blip_one_by_one(alloc, ev)
+            grew, top = got
+            for r, a in grew:
+                if r > peak_r:
+                    peak_r, frag = r, r - a
+            peak_a = max(peak_a, top)
+            if not ok:  # reserved as the last allocation before the one that failed left it
+                if grew:
+                    reserved.append(grew[-1][0])
                 oom = i
                 break
-        else:
-            alloc.free(ev.id)
+        elif not alloc.malloc(ev.id, ev.size_bytes, ev.stream):
+            oom = i
+            break
         reserved.append(alloc.reserved)
         peak_a = max(peak_a, alloc.allocated)
         if alloc.reserved > peak_r:
@@ -507,3 +618,21 @@ def replay(events: list[Alloc | Free], cfg: AllocatorConfig | None = None) -> Re
         oom_event=oom,
         num_alloc_retries=alloc.retries,
     )
+
+
+def _blip_one_by_one(alloc: CachingAllocator, ev: Blip
+                     ) -> tuple[tuple[list[tuple[int, int]], int], bool]:
+    """A blip through ``malloc`` and ``free`` (ids below any a sequence uses): the
+    (reserved, allocated) after each allocation made and the allocated peak; False where an
+    allocation ran out of memory (those made stay, as the replay stops there)."""
+    keys, seen, top = [], [], alloc.allocated
+    for n, size in enumerate(ev.sizes_bytes):
+        key = -1 - n
+        if not alloc.malloc(key, size, ev.stream):
+            return (seen, top), False
+        keys.append(key)
+        seen.append((alloc.reserved, alloc.allocated))
+        top = max(top, alloc.allocated)
+    for key in keys:
+        alloc.free(key)
+    return (seen, top), True

@@ -228,3 +228,88 @@ def test_bad_sequences_are_refused() -> None:
             replay(events)
     with pytest.raises(MemplanError, match="garbage_collection_threshold"):
         parse_alloc_conf("garbage_collection_threshold:0.6")
+
+
+def test_a_blip_reuses_split_remainders_and_leaves_only_its_new_segment() -> None:
+    """Blip(5, 5, 12 MiB) after W (5 MiB, kept): W opened segment A (20 MiB) [W | 15 free].
+    5 MiB: best fit A's 15 -> split [W 5 | 10 free]; 5 MiB: A's 10 -> split [W 5 5 | 5 free];
+    12 MiB: nothing of 12 free -> segment B of 12 MiB, exact: reserved 32 MiB, allocated
+    5 + 5 + 5 + 12 = 27 MiB at that moment, the peak. The frees coalesce A back to [W | 15 free]
+    and leave B one free 12 MiB block: a later 12 MiB request takes B, reserving nothing."""
+    from memplan.model.allocator import Blip
+
+    r = replay([Alloc(1, 5 * MiB), Blip((5 * MiB, 5 * MiB, 12 * MiB)), Alloc(2, 12 * MiB)])
+    assert r.reserved_bytes == [20 * MiB, 32 * MiB, 32 * MiB]
+    assert r.reserved_peak_bytes == 32 * MiB
+    assert r.fragmentation_bytes == 32 * MiB - 27 * MiB
+    assert r.allocated_peak_bytes == 27 * MiB
+    assert r.inactive_split_bytes == 15 * MiB  # A: W's segment, split, 15 MiB free
+    assert r.segments == 2
+
+
+def _expanded(events):
+    """Every Blip as its allocations then its frees (ids above the sequence's)."""
+    from memplan.model.allocator import Blip
+
+    out, next_id = [], 10_000
+    for ev in events:
+        if isinstance(ev, Blip):
+            ids = list(range(next_id, next_id + len(ev.sizes_bytes)))
+            next_id += len(ids)
+            out += [Alloc(k, n, ev.stream) for k, n in zip(ids, ev.sizes_bytes)]
+            out += [Free(k) for k in ids]
+        else:
+            out.append(ev)
+    return out
+
+
+@pytest.mark.parametrize("conf", ["", "max_split_size_mb:40", "roundup_power2_divisions:4",
+                                  "expandable_segments:True", "capacity"])
+def test_blips_replay_as_their_allocations_and_frees(conf: str) -> None:
+    """A property over seeded random sequences: a Blip replays exactly as its allocations and
+    frees do (the same reserved bytes after it, peaks, fragmentation at the reserved peak,
+    inactive split bytes, segments, out of memory at the same place), under the default
+    rules, max_split_size, power-of-two rounding, expandable segments and a capacity small
+    enough to release cached blocks and run out."""
+    import random
+
+    from memplan.model.allocator import Blip
+
+    cap = 400 * MiB if conf == "capacity" else None
+    cfg = parse_alloc_conf("" if conf == "capacity" else conf, cap)
+    rng = random.Random(20261203)
+    sizes = [300, 70_000, 900 * 1024, 3 * MiB, 5 * MiB + 7, 11 * MiB, 24 * MiB, 64 * MiB]
+    checked = ran_out = 0
+    for _ in range(60):
+        events, live, key = [], [], 0
+        for _ in range(rng.randint(20, 80)):
+            roll = rng.random()
+            if roll < 0.4:
+                events.append(Alloc(key, rng.choice(sizes), rng.choice([0, 0, 1])))
+                live.append(key)
+                key += 1
+            elif roll < 0.7 and live:
+                events.append(Free(live.pop(rng.randrange(len(live)))))
+            else:
+                piece = rng.choice(sizes)
+                events.append(Blip(tuple([piece] * rng.randint(1, 6) + [rng.choice(sizes)]),
+                                   rng.choice([0, 0, 1])))
+        flat = _expanded(events)
+        a, b = replay(events, cfg), replay(flat, cfg)
+        ends, at = [], 0
+        for ev in events:  # the flat sequence's index after each event
+            at += 2 * len(ev.sizes_bytes) if isinstance(ev, Blip) else 1
+            ends.append(at)
+        assert a.out_of_memory == b.out_of_memory
+        if a.out_of_memory:  # the same event: b's index within a's event
+            assert (ends[a.oom_event - 1] if a.oom_event else 0) <= b.oom_event < ends[a.oom_event]
+            ran_out += 1
+        else:
+            assert a.reserved_bytes == [b.reserved_bytes[e - 1] for e in ends]
+            assert a.inactive_split_bytes == b.inactive_split_bytes
+            assert a.segments == b.segments
+            checked += 1
+        assert (a.reserved_peak_bytes, a.fragmentation_bytes, a.allocated_peak_bytes) == (
+            b.reserved_peak_bytes, b.fragmentation_bytes, b.allocated_peak_bytes)
+    assert checked >= 20
+    assert ran_out > 0 if conf == "capacity" else ran_out == 0
