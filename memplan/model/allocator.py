@@ -255,11 +255,17 @@ class CachingAllocator:
 
     def _merge_free(self, seg: Segment, block: Block) -> None:
         """``block`` becomes free and absorbs its free neighbours (try_merge_blocks)."""
-        for other in seg.neighbours(block):
-            if other is not None and other.state == "free":
-                self._drop_free(seg, other)
+        prev, nxt = block.prev, block.next
+        if prev is not None and prev.state == "free":
+            self._drop_free(seg, prev)
+            block.offset = prev.offset
+            block.size += prev.size
+            seg.unlink(prev)
+        if nxt is not None and nxt.state == "free":
+            self._drop_free(seg, nxt)
+            block.size += nxt.size
+            seg.unlink(nxt)
         block.state = "free"
-        seg.merge(block)
         self._add_free(seg, block)
 
     # --- malloc -------------------------------------------------------------------------------
@@ -349,8 +355,10 @@ class CachingAllocator:
         """DeviceCachingAllocator::alloc_found_block: split off the remainder if should_split."""
         self._drop_free(seg, block)
         if should_split(block.size, size, seg.small, self.cfg):
-            rest = Block(block.offset + size, block.size - size, "free")
-            seg.insert_after(block, rest)
+            rest = Block(block.offset + size, block.size - size, "free", None, block, block.next)
+            if block.next is not None:
+                block.next.prev = rest
+            block.next = rest
             block.size = size
             self._add_free(seg, rest)
         block.state = "alloc"
@@ -580,13 +588,15 @@ def replay(events: list[Alloc | Free | Blip], cfg: AllocatorConfig | None = None
     reserved: list[int] = []
     peak_r = peak_a = frag = 0
     oom: int | None = None
+    malloc, free, blip, note = alloc.malloc, alloc.free, alloc.blip, reserved.append
     for i, ev in enumerate(events):
-        if type(ev) is Free:
-            alloc.free(ev.id)
-            reserved.append(alloc.reserved)
+        kind = type(ev)
+        if kind is Free:
+            free(ev.id)
+            note(alloc.reserved)
             continue
-        if type(ev) is Blip:
-            got = alloc.blip(ev.sizes_bytes, ev.stream)
+        if kind is Blip:
+            got = blip(ev.sizes_bytes, ev.stream)
             ok = True
             if got is None:  # near the capacity: tensor by tensor, as malloc would
                 got, ok = _blip_one_by_one(alloc, ev)
@@ -594,17 +604,19 @@ def replay(events: list[Alloc | Free | Blip], cfg: AllocatorConfig | None = None
             for r, a in grew:
                 if r > peak_r:
                     peak_r, frag = r, r - a
-            peak_a = max(peak_a, top)
+            if top > peak_a:
+                peak_a = top
             if not ok:  # reserved as the last allocation before the one that failed left it
                 if grew:
-                    reserved.append(grew[-1][0])
+                    note(grew[-1][0])
                 oom = i
                 break
-        elif not alloc.malloc(ev.id, ev.size_bytes, ev.stream):
+        elif not malloc(ev.id, ev.size_bytes, ev.stream):
             oom = i
             break
-        reserved.append(alloc.reserved)
-        peak_a = max(peak_a, alloc.allocated)
+        note(alloc.reserved)
+        if alloc.allocated > peak_a:
+            peak_a = alloc.allocated
         if alloc.reserved > peak_r:
             peak_r, frag = alloc.reserved, alloc.reserved - alloc.allocated
     return ReplayResult(
