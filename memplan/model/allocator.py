@@ -419,20 +419,21 @@ class CachingAllocator:
         return seg, cand
 
     # --- a blip: tensors made, then all freed -------------------------------------------------
+    # Freeing every block a blip split coalesces each back with the free remainders it was cut
+    # from (``free_block`` -> ``try_merge_blocks``), so the blocks return to what they were,
+    # and each segment the blip created becomes one free block: the blip's only lasting effect
+    # is those segments. Within it, best fit (``get_free_block``) and ``should_split`` read
+    # block sizes only, so it is simulated on sizes: the pool's free blocks less those taken,
+    # and the remainders and new segments the blip itself made (of two blocks of one size,
+    # either leaves the same sizes behind). Without expandable segments only (mapping pages
+    # changes the blocks a blip leaves).
     def blip(self, sizes: tuple[int, ...], stream: int = 0
              ) -> tuple[list[tuple[int, int]], int] | None:
-        """Make tensors of ``sizes`` in order on ``stream``, then free them all. Returns the
-        (reserved, allocated) bytes after each allocation that created a segment, and the
-        allocated bytes once all are made; None, with nothing changed, where an allocation
-        would need more than the capacity (``replay`` then makes them one by one).
-
-        Freeing every block a blip split coalesces each back with the free remainders it was
-        cut from (``free_block`` -> ``try_merge_blocks``), so the blocks return to what they
-        were, and each segment the blip created becomes one free block: the blip's only lasting
-        effect is those segments. Within it, best fit (``get_free_block``) and ``should_split``
-        read block sizes only, so it is simulated on sizes: the pool's free blocks less those
-        taken, and the remainders and new segments the blip itself made. Without expandable
-        segments only (mapping pages changes the blocks a blip leaves)."""
+        """Make tensors of ``sizes`` in order on ``stream``, then free them all (the comment
+        above). Returns the (reserved, allocated) bytes after each allocation that created a
+        segment, and the allocated bytes once all are made; None, with nothing changed, where
+        an allocation would need more than the capacity (``replay`` then makes them one by
+        one)."""
         if self.cfg.expandable_segments:
             return None
         cfg = self.cfg
@@ -466,33 +467,35 @@ class CachingAllocator:
             if found is not None and (size < limit <= found
                                       or (size >= limit and found >= size + rounding)):
                 found = None  # get_free_block's oversize rules: a new segment
-            if found is None:
+            new = found is None
+            if new:
                 found = get_allocation_size(size, cfg.large_segment_bytes)  # alloc_block
                 if not self._can_reserve(found + reserved - self.reserved):
                     return None
                 made.append((small, found))
                 reserved += found
-                grew_now = True
+            elif from_pool:
+                skip.add(i)
             else:
-                grew_now = False
-                if from_pool:
-                    skip.add(i)
-                else:
-                    del mine[j]
+                del mine[j]
             if found - size >= least:  # should_split
                 insort(mine, found - size)
                 allocated += size
             else:
                 allocated += found
-            if grew_now:
+            if new:
                 grew.append((reserved, allocated))
+        self._free_segments(stream, made)
+        return grew, allocated
+
+    def _free_segments(self, stream: int, made: list[tuple[bool, int]]) -> None:
+        """Segments of (small pool, bytes) ``made`` on ``stream``, each one free block."""
         for small, seg_bytes in made:
             seg = self._new_segment(stream, small, expandable=False)
             block = Block(0, seg_bytes, "free")
             seg.insert_after(None, block)
             self._add_free(seg, block)
             self.reserved += seg_bytes
-        return grew, allocated
 
     # --- free and release ---------------------------------------------------------------------
     def free(self, key: int) -> None:
