@@ -12,7 +12,7 @@ answer stays the walk's exact one.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from memplan.model.alloc_sequence import (
     LayerTensors,
@@ -142,14 +142,17 @@ def stage_reserved(inputs: StageInputs, tensor_peak_bytes: int, cfg: AllocatorCo
 
 
 def estimate_reserved(est, alloc_conf: str = "", limited: bool = True,
-                      with_expandable: bool = True) -> tuple[Reserved, ...]:
+                      with_expandable: bool = True,
+                      stop: Callable[[int, Reserved], bool] | None = None
+                      ) -> tuple[Reserved, ...]:
     """Every stage's ``Reserved`` for an ``memplan.model.estimate.Estimate`` under
     ``alloc_conf`` (``PYTORCH_CUDA_ALLOC_CONF``'s form; the device's capacity as cudaMalloc's
     limit is not applied: the replay reports what the job would reserve). A stage that follows
     from an interior template (``estimate._follows``: the same layers, other micro-batches in
     flight) takes the template's allocator bytes beyond its own tensor peak. ``limited``:
     replay under the capacity the allocator may take (False: what a job that completed on a
-    larger device would reserve)."""
+    larger device would reserve). ``stop``: called with each stage's index and figures once
+    replayed; True ends the replay there (that stage and those before are returned)."""
     # the estimate's own stage rules
     from memplan.model.estimate import _follows, _template, stage_workload, staged
 
@@ -176,6 +179,8 @@ def estimate_reserved(est, alloc_conf: str = "", limited: bool = True,
         room = est.capacity_bytes - stage.cuda_context_bytes - stage.workspace_bytes
         out.append(stage_reserved(inputs, stage.tensor_peak_bytes, cfg,
                                   room if limited else None, with_expandable))
+        if stop is not None and stop(i, out[-1]):
+            break
     return tuple(out)
 
 
@@ -185,18 +190,28 @@ class RankReserved(NamedTuple):
     peak_bytes: int  # its reserved peak + calibration + CUDA context + workspace
     stage: int
     oom_step: int | None  # the allocator runs out of memory although the tensors fit
+    # every stage replayed (False: stopped at the first over ``reserved_rank``'s ``above``,
+    # whose ``peak_bytes`` is then a lower bound of the rank's)
+    exact: bool = True
 
 
-def reserved_rank(est) -> RankReserved:
+def reserved_rank(est, above: int | None = None) -> RankReserved:
     """``estimate_reserved`` of ``est`` under the allocator's defaults and the device's
     capacity, read as the per-GPU peak ``plan`` fits: each stage's reserved peak with its
     calibration correction, fixed overheads and a calibration's measured allocator residual
     (``StageMemory.allocator_bytes``; 0 uncalibrated). The defaults alone: no expandable
-    replay."""
-    got = estimate_reserved(est, with_expandable=False)
-    rows = [(r.reserved_peak_bytes + s.calibration_bytes + s.cuda_context_bytes
-             + s.workspace_bytes + s.allocator_bytes, s.stage, r.oom_step)
-            for s, r in zip(est.stages, got)]
+    replay. With ``above`` the replay stops at the first stage that peaks above it or runs
+    out of memory (all a search that asks whether it fits needs)."""
+    def row(i: int, r: Reserved) -> int:
+        s = est.stages[i]
+        return (r.reserved_peak_bytes + s.calibration_bytes + s.cuda_context_bytes
+                + s.workspace_bytes + s.allocator_bytes)
+
+    def over(i: int, r: Reserved) -> bool:
+        return above is not None and (r.oom_step is not None or row(i, r) > above)
+
+    got = estimate_reserved(est, with_expandable=False, stop=over)
+    rows = [(row(i, r), est.stages[i].stage, r.oom_step) for i, r in enumerate(got)]
     peak, stage, _ = max(rows, key=lambda x: x[0])
     oom = next((o for _, _, o in rows if o is not None), None)
-    return RankReserved(peak, stage, oom)
+    return RankReserved(peak, stage, oom, len(got) == len(est.stages))

@@ -841,15 +841,16 @@ OUT_OF_RESERVED = ("out of memory once the caching allocator's reserved memory i
 
 @lru_cache(maxsize=4096)
 def _reserved_peak(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload,
-                   capacity: int) -> tuple[int, int, bool]:
+                   capacity: int, above: int | None = None) -> tuple[int, int, bool, bool]:
     """(the per-GPU peak with the allocator's reserved memory replayed, its stage, whether
-    the allocator runs out of memory although the tensors fit) of one configuration
-    (``memplan.model.reserved.reserved_rank``). Cached: a configuration replays once per
-    process, whatever plan asks for it."""
+    the allocator runs out of memory although the tensors fit, whether every stage was
+    replayed) of one configuration (``memplan.model.reserved.reserved_rank``; with
+    ``above``, its stages replayed only up to the first over it: the peak then a lower
+    bound). Cached: a configuration replays once per process, whatever plan asks for it."""
     from memplan.model.reserved import reserved_rank
 
-    got = reserved_rank(estimate(spec, gpu, par, wl, capacity_bytes=capacity))
-    return got.peak_bytes, got.stage, got.oom_step is not None
+    got = reserved_rank(estimate(spec, gpu, par, wl, capacity_bytes=capacity), above)
+    return got.peak_bytes, got.stage, got.oom_step is not None, got.exact
 
 
 def _fit_reserved(ctx: _Context, ranked: list[Candidate], top: int | None,
@@ -859,31 +860,26 @@ def _fit_reserved(ctx: _Context, ranked: list[Candidate], top: int | None,
     its next smaller micro-batch (re-timed, back in the order), down to the smallest. With
     ``top`` only until ``top`` fit (the rest would not be shown). The search's peaks are
     lower bounds of the reserved ones (reserved memory holds the live tensors), so no
-    configuration the search ruled out could fit here."""
+    configuration the search ruled out could fit here. A configuration's stages are replayed
+    until one is over the budget; the closest miss is then made exact (``_reserved_miss``)."""
     import heapq
 
     heap = [(c.time.step_s, c.peak_bytes, n, c) for n, c in enumerate(ranked)]
     heapq.heapify(heap)
     out: list[Candidate] = []
+    misses: list[tuple[int, int, Candidate]] = []  # (lower bound, order, configuration)
     count = len(heap)
     while heap and (top is None or len(out) < top):
         _, _, _, c = heapq.heappop(heap)
-        wl = ctx.workload((c.recompute, c.recompute_layers) if c.recompute is not Recompute.OPS
-                          else (c.recompute, c.recompute_save))
         before = _reserved_peak.cache_info().misses
-        peak, stage, oom = _reserved_peak(
-            ctx.spec, ctx.gpu, c.layout, wl.model_copy(update={"micro_batch_size":
-                                                               c.micro_batch_size}),
-            ctx.capacity)
+        peak, _, oom, _ = _reserved_peak(*_replayed(ctx, c), ctx.budget)
         result.replayed += _reserved_peak.cache_info().misses - before
         if peak <= ctx.budget and not oom:
             out.append(replace(c, known_peak_bytes=peak))
             continue
+        misses.append((peak, len(misses), c))
         smaller = [b for b in _sizes(c.layout, ctx.wl, ctx.wl.global_batch_size)
                    if b < c.micro_batch_size]
-        if (result.closest_miss is None or peak < result.closest_miss.peak_bytes):
-            result.closest_miss = Miss(c.layout, c.micro_batch_size, c.recompute,
-                                       c.recompute_layers, peak, stage)
         if not smaller:
             result.rejected[OUT_OF_RESERVED] += 1
             continue
@@ -893,7 +889,36 @@ def _fit_reserved(ctx: _Context, ranked: list[Candidate], top: int | None,
         down = replace(c, micro_batch_size=smaller[-1], time=t, known_peak_bytes=None)
         heapq.heappush(heap, (t.step_s, c.peak_bytes, count, down))
         count += 1
+    _reserved_miss(ctx, misses, result)
     return sorted(out, key=lambda c: (c.time.step_s, c.peak_bytes))
+
+
+def _replayed(ctx: _Context, c: Candidate) -> tuple[ModelSpec, GpuSpec, ParallelConfig,
+                                                     Workload, int]:
+    """``_reserved_peak``'s configuration of a candidate (its workload at its micro-batch)."""
+    wl = ctx.workload((c.recompute, c.recompute_layers) if c.recompute is not Recompute.OPS
+                      else (c.recompute, c.recompute_save))
+    return (ctx.spec, ctx.gpu, c.layout,
+            wl.model_copy(update={"micro_batch_size": c.micro_batch_size}), ctx.capacity)
+
+
+def _reserved_miss(ctx: _Context, misses: list[tuple[int, int, Candidate]],
+                   result: PlanResult) -> None:
+    """The closest miss among the configurations the reserved check turned down: each one's
+    peak is a lower bound of its own (its stages replayed up to the first over the budget),
+    so exact peaks are replayed in order of the bound until no bound can beat the best (the
+    search's closest miss, when closer, stays)."""
+    best = result.closest_miss
+    for bound, _, c in sorted(misses, key=lambda m: m[:2]):
+        if best is not None and bound >= best.peak_bytes:
+            break
+        before = _reserved_peak.cache_info().misses
+        peak, stage, _, _ = _reserved_peak(*_replayed(ctx, c))
+        result.replayed += _reserved_peak.cache_info().misses - before
+        if best is None or peak < best.peak_bytes:
+            best = Miss(c.layout, c.micro_batch_size, c.recompute, c.recompute_layers, peak,
+                        stage)
+    result.closest_miss = best
 
 
 def _closest_miss(ctx: _Context, levels: list[_Level]) -> Miss | None:

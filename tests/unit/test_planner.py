@@ -367,3 +367,94 @@ def test_plan_searches_the_llama3_405b_layout() -> None:
     assert (best.layout.tp, best.layout.pp, best.layout.vpp, best.layout.dp) == (8, 16, 8, 128)
     assert best.layout.stage_layers == (0,) + (1,) * 126 + (0,)
     assert (best.recompute, best.recompute_layers) == ("full", 2)
+
+
+def test_reserved_rank_stops_at_the_first_stage_over() -> None:
+    """With ``above`` the replay ends at the first stage whose reserved peak (with its fixed
+    overheads) is over it: that stage's figure, marked inexact; above every stage, the whole
+    replay. Each stage's figure is its own replay's reserved peak plus its CUDA context and
+    workspace (uncalibrated: no correction, no residual)."""
+    from memplan.model.reserved import estimate_reserved, reserved_rank
+
+    est = memplan.estimate("llama-2-7b", gpus=8, pp=2, seq_len=2048, global_batch_size=64)
+    rows = [r.reserved_peak_bytes + s.cuda_context_bytes + s.workspace_bytes
+            for s, r in zip(est.stages, estimate_reserved(est, with_expandable=False))]
+    assert len(rows) == 2 and all(s.calibration_bytes == s.allocator_bytes == 0
+                                  for s in est.stages)
+    whole = reserved_rank(est)
+    assert whole.exact and whole.peak_bytes == max(rows)
+    first = reserved_rank(est, above=rows[0] - 1)
+    assert (first.peak_bytes, first.stage, first.exact) == (rows[0], 0, False)
+    assert reserved_rank(est, above=max(rows)) == whole
+
+
+def test_reserved_check_closest_miss_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Llama 2 7B on 8 GPUs at pp 2 with 22 GiB: every configuration the search fits is
+    turned down by the reserved check. Replaying each only up to its first stage over the
+    budget gives the same plan, closest miss and rejections as replaying every stage, with
+    fewer stage replays."""
+    import memplan.model.reserved as reserved
+    import memplan.planning.planner as planner
+
+    def plan() -> tuple:
+        planner._reserved_peak.cache_clear()
+        r = memplan.plan("llama-2-7b", gpus=8, pp=2, top=3, gpu_memory="22GiB",
+                         seq_len=2048, global_batch_size=64)
+        return r.candidates, r.closest_miss, dict(r.rejected), r.oom_excess_bytes
+
+    calls: list[bool] = []
+    rank = reserved.reserved_rank
+
+    def counted(est, above=None):
+        got = rank(est, above)
+        calls.append(got.exact)
+        return got
+
+    monkeypatch.setattr(reserved, "reserved_rank", counted)
+    stopped = plan()
+    assert stopped[2][planner.OUT_OF_RESERVED] > 0 and not stopped[0]
+    assert False in calls  # some replays ended at their first stage
+    monkeypatch.setattr(reserved, "reserved_rank", lambda est, above=None: counted(est))
+    assert plan() == stopped
+
+
+def test_reserved_miss_replays_in_order_of_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three turned-down configurations with lower bounds 10, 12, 15 and exact peaks 20, 13,
+    16: the exact peaks are replayed in order of the bound until the bound reaches the best
+    (a, then b; c's bound 15 cannot beat 13), so b is the closest miss at 13. A closer miss
+    from the search (11) stays, and only a is replayed (b's bound 12 is not below 11)."""
+    from functools import lru_cache
+
+    import memplan.planning.planner as planner
+    from memplan.planning.planner import Miss, PlanResult
+
+    exact = {"a": (20, 0), "b": (13, 1), "c": (16, 0)}
+    asked: list[str] = []
+
+    bounds = {"a": 10, "b": 12, "c": 15}
+
+    @lru_cache(maxsize=None)
+    def peak(name: str, above=None) -> tuple[int, int, bool, bool]:
+        if above is not None:  # stopped at a first stage over: the bound, inexact
+            return bounds[name], 0, False, False
+        asked.append(name)
+        return (*exact[name], False, True)
+
+    class Fake:  # what _reserved_miss reads of a candidate
+        def __init__(self, name: str) -> None:
+            self.name, self.layout, self.micro_batch_size = name, name, 1
+            self.recompute, self.recompute_layers = Recompute.NONE, None
+
+    monkeypatch.setattr(planner, "_reserved_peak", peak)
+    monkeypatch.setattr(planner, "_replayed", lambda ctx, c: (c.name,))
+    misses = [(12, 0, Fake("b")), (10, 1, Fake("a")), (15, 2, Fake("c"))]
+    result = PlanResult(candidates=[])
+    planner._reserved_miss(None, misses, result)
+    assert (result.closest_miss.layout, result.closest_miss.peak_bytes) == ("b", 13)
+    assert asked == ["a", "b"] and result.replayed == 2
+    asked.clear()
+    peak.cache_clear()
+    search = Miss("s", 1, Recompute.NONE, None, 11, 0)
+    result = PlanResult(candidates=[], closest_miss=search)
+    planner._reserved_miss(None, misses, result)
+    assert result.closest_miss is search and asked == ["a"]
