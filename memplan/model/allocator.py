@@ -254,19 +254,32 @@ class CachingAllocator:
         del pool[i]
 
     def _merge_free(self, seg: Segment, block: Block) -> None:
-        """``block`` becomes free and absorbs its free neighbours (try_merge_blocks)."""
+        """``block`` becomes free and absorbs its free neighbours (try_merge_blocks); each
+        neighbour leaves its pool's free set by the key it went in with (``_drop_free``)."""
+        pool = self._free.setdefault((seg.stream, seg.small), [])
         prev, nxt = block.prev, block.next
         if prev is not None and prev.state == "free":
-            self._drop_free(seg, prev)
+            i = bisect_left(pool, prev.entry)
+            assert pool[i][3] is prev
+            del pool[i]
             block.offset = prev.offset
             block.size += prev.size
-            seg.unlink(prev)
+            block.prev = before = prev.prev
+            if before is None:
+                seg.head = block
+            else:
+                before.next = block
         if nxt is not None and nxt.state == "free":
-            self._drop_free(seg, nxt)
+            i = bisect_left(pool, nxt.entry)
+            assert pool[i][3] is nxt
+            del pool[i]
             block.size += nxt.size
-            seg.unlink(nxt)
+            block.next = after = nxt.next
+            if after is not None:
+                after.prev = block
         block.state = "free"
-        self._add_free(seg, block)
+        block.entry = entry = (block.size, seg.order, block.offset, block, seg)
+        insort(pool, entry)
 
     # --- malloc -------------------------------------------------------------------------------
     def malloc(self, key: int, orig_size: int, stream: int = 0) -> bool:
@@ -279,6 +292,8 @@ class CachingAllocator:
                 if cfg.roundup_power2_divisions > 1 or orig_size < K_MIN_BLOCK_SIZE
                 else -(-orig_size // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE)
         small = size <= K_SMALL_SIZE  # get_pool
+        if not cfg.expandable_segments and self._fit(key, size, stream, small):
+            return True
         found = self.get_free_block(size, stream, small)
         if found is None:
             found = self.alloc_block(size, stream, small)
@@ -292,6 +307,36 @@ class CachingAllocator:
                 return False
         seg, block = found
         self.alloc_found_block(key, seg, block, size)
+        return True
+
+    def _fit(self, key: int, size: int, stream: int, small: bool) -> bool:
+        """``get_free_block`` then ``alloc_found_block`` in one pass over the pool's free set,
+        without expandable segments (the same rules, the block's key taken from where best
+        fit found it); False, nothing changed, where no cached block fits."""
+        pool = self._free.get((stream, small))
+        if not pool:
+            return False
+        i = bisect_left(pool, (size,))
+        if i == len(pool):
+            return False
+        found, _, offset, block, seg = pool[i]
+        limit = self.cfg.max_split_size_bytes
+        if (size < limit <= found
+                or (size >= limit and found >= size + self.cfg.max_non_split_rounding_bytes)):
+            return False  # get_free_block's oversize rules
+        del pool[i]
+        remaining = found - size
+        if remaining >= K_MIN_BLOCK_SIZE if small else size < limit and remaining > K_SMALL_SIZE:
+            rest = Block(offset + size, remaining, "free", None, block, block.next)  # should_split
+            if block.next is not None:
+                block.next.prev = rest
+            block.next = rest
+            block.size = size
+            rest.entry = entry = (remaining, seg.order, offset + size, rest, seg)
+            insort(pool, entry)
+        block.state = "alloc"
+        self.allocated += block.size
+        self.live[key] = (seg, block)
         return True
 
     def _free_blocks(self, stream: int, small: bool) -> list[tuple[Segment, Block]]:
