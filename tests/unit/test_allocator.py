@@ -313,3 +313,50 @@ def test_blips_replay_as_their_allocations_and_frees(conf: str) -> None:
             b.reserved_peak_bytes, b.fragmentation_bytes, b.allocated_peak_bytes)
     assert checked >= 20
     assert ran_out > 0 if conf == "capacity" else ran_out == 0
+
+
+@pytest.mark.parametrize("conf", ["", "max_split_size_mb:40", "roundup_power2_divisions:4",
+                                  "capacity"])
+def test_one_pass_best_fit_equals_the_rules_step_by_step(
+        conf: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A property over seeded random allocations and frees on two streams: malloc's one-pass
+    best fit and split (``CachingAllocator._fit``) gives every figure the rules give step by
+    step (``get_free_block``, then ``alloc_found_block``), under the default rules,
+    max_split_size, power-of-two rounding and a capacity small enough to run out."""
+    import random
+
+    from memplan.model.allocator import CachingAllocator
+
+    cap = 300 * MiB if conf == "capacity" else None
+    cfg = parse_alloc_conf("" if conf == "capacity" else conf, cap)
+    rng = random.Random(20261204)
+    sizes = [300, 70_000, 900 * 1024, 3 * MiB, 5 * MiB + 7, 11 * MiB, 24 * MiB, 64 * MiB,
+             70 * MiB, 84 * MiB]
+    fast, found = [], 0
+    sequences = []
+    for _ in range(40):
+        events, live, key = [], [], 0
+        for _ in range(rng.randint(30, 90)):
+            if rng.random() < 0.55 or not live:
+                events.append(Alloc(key, rng.choice(sizes), rng.choice([0, 0, 1])))
+                live.append(key)
+                key += 1
+            else:
+                events.append(Free(live.pop(rng.randrange(len(live)))))
+        sequences.append(events)
+        fast.append(replay(events, cfg))
+    fit = CachingAllocator._fit
+
+    def counted(self, *args):
+        nonlocal found
+        got = fit(self, *args)
+        found += got
+        return got
+
+    monkeypatch.setattr(CachingAllocator, "_fit", counted)
+    for events in sequences:
+        replay(events, cfg)
+    assert found > 200  # the one-pass path ran
+    monkeypatch.setattr(CachingAllocator, "_fit", lambda self, *args: False)
+    assert [replay(events, cfg) for events in sequences] == fast
+    assert any(r.out_of_memory for r in fast) == (conf == "capacity")
