@@ -471,7 +471,8 @@ class CachingAllocator:
     # block sizes only, so it is simulated on sizes: the pool's free blocks less those taken,
     # and the remainders and new segments the blip itself made (of two blocks of one size,
     # either leaves the same sizes behind). Without expandable segments only (mapping pages
-    # changes the blocks a blip leaves).
+    # changes the blocks a blip leaves). ``least``: should_split's smallest remainder (small
+    # pool: kMinBlockSize; large: more than kSmallSize, and only below max_split_size).
     def blip(self, sizes: tuple[int, ...], stream: int = 0
              ) -> tuple[list[tuple[int, int]], int] | None:
         """Make tensors of ``sizes`` in order on ``stream``, then free them all (the comment
@@ -479,14 +480,14 @@ class CachingAllocator:
         segment, and the allocated bytes once all are made; None, with nothing changed, where
         an allocation would need more than the capacity (``replay`` then makes them one by
         one)."""
-        if self.cfg.expandable_segments:
-            return None
         cfg = self.cfg
-        limit, rounding = cfg.max_split_size_bytes, cfg.max_non_split_rounding_bytes
-        taken: dict[bool, set[int]] = {False: set(), True: set()}
-        extra: dict[bool, list[int]] = {False: [], True: []}
-        made: list[tuple[bool, int]] = []
-        grew: list[tuple[int, int]] = []
+        if cfg.expandable_segments:
+            return None
+        limit, rounding, cap = (cfg.max_split_size_bytes, cfg.max_non_split_rounding_bytes,
+                                cfg.capacity_bytes)
+        # by pool: the free set's indices taken, the blip's own remainders (sorted)
+        taken, extra = {False: set(), True: set()}, {False: [], True: []}
+        made, grew = [], []  # (small pool, bytes) of each segment made; (reserved, allocated)
         reserved, allocated = self.reserved, self.allocated
         last = -1
         for orig in sizes:
@@ -494,18 +495,17 @@ class CachingAllocator:
                 last = orig
                 size = round_size(orig, cfg.roundup_power2_divisions)
                 small = size <= K_SMALL_SIZE
-                pool = self._free.get((stream, small), [])
+                pool = self._free.get((stream, small), ())
+                n = len(pool)
                 skip, mine = taken[small], extra[small]
                 first = bisect_left(pool, (size,))
-                # should_split's remainder threshold (small pool: kMinBlockSize; large: more
-                # than kSmallSize, and only below max_split_size)
                 least = K_MIN_BLOCK_SIZE if small else (K_SMALL_SIZE + 1 if size < limit
                                                         else NO_LIMIT)
             i = first
             while i in skip:
                 i += 1
-            j = bisect_left(mine, size)
-            a = pool[i][0] if i < len(pool) else None
+            a = pool[i][0] if i < n else None
+            j = bisect_left(mine, size) if mine else 0
             b = mine[j] if j < len(mine) else None
             from_pool = a is not None and (b is None or a <= b)
             found = a if from_pool else b
@@ -515,12 +515,13 @@ class CachingAllocator:
             new = found is None
             if new:
                 found = get_allocation_size(size, cfg.large_segment_bytes)  # alloc_block
-                if not self._can_reserve(found + reserved - self.reserved):
+                if cap is not None and reserved + found > cap:
                     return None
                 made.append((small, found))
                 reserved += found
             elif from_pool:
                 skip.add(i)
+                first = i + 1  # those before are smaller or taken
             else:
                 del mine[j]
             if found - size >= least:  # should_split
