@@ -383,11 +383,18 @@ class RopeCache(PlainEnum):
              ``GPT.cos`` / ``GPT.sin``)
     layer    a registered buffer in every attention layer, complex64 for the training
              sequence's positions (torchtitan's ``RoPE.cache``)
+    model-complex
+             one complex64 buffer on the model for the training sequence's positions, handed
+             to each layer (torchtitan before 0.3: ``Transformer.freqs_cis``,
+             torchtitan/models/llama/model.py at 9dec370, torchtitan/models/llama3/model.py
+             at e7c0cae, models/llama3/model/model.py at v0.2.2; max_seq_len =
+             training.seq_len)
     """
 
     FORWARD = "forward"
     MODEL = "model"
     LAYER = "layer"
+    MODEL_COMPLEX = "model-complex"
 
 
 class AttentionImpl(PlainEnum):
