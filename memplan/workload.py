@@ -327,11 +327,22 @@ class FsdpUnits(PlainEnum):
                 the main-gradient dtype, held after its reduce-scatter while the queue of
                 reduced buckets is under its capacity (Megatron-FSDP:
                 ``memplan.model.fsdp_buckets``)
+    root-resharded
+                every block a unit (the last not resharded after forward), one root unit
+                with the embedding, final norm and head resharded after the model's forward
+                and gathered again in its pre-backward, a hook on the logits that fires once
+                the loss's backward has made their gradient: the loss runs beside the last
+                block alone (torchtitan before 0.3: ``apply_fsdp``'s
+                ``fully_shard(model, reshard_after_forward=not pp_enabled)``,
+                torchtitan/parallelisms/parallelize_llama.py at 9dec370,
+                torchtitan/models/llama3/parallelize_llama.py at e7c0cae); under pipeline
+                parallelism kept gathered as ``torchtitan``'s
     """
 
     ROOT = "root"
     TORCHTITAN = "torchtitan"
     BUCKETS = "buckets"
+    ROOT_RESHARDED = "root-resharded"
 
 
 class BackwardPrefetch(PlainEnum):

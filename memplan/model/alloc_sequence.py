@@ -312,8 +312,13 @@ def _head_backward(r: _Run, acts: Stack, growing: bool) -> None:
     if not any(h):
         b.blip(dp.at_loss, stream=s.gather_stream)
         return
-    gathered = b.alloc(max(dp.at_loss, dp.at_head), s.gather_stream)
+    # the head's unit gathers its share (``DataParallel.head_prefetch``) in its pre-backward,
+    # once the loss's backward has made the logits' gradient
+    gathered = b.alloc(dp.at_loss, s.gather_stream)
     b.blip(h.loss, piece)
+    if dp.at_head > dp.at_loss:
+        b.free(gathered)
+        gathered = b.alloc(dp.at_head, s.gather_stream)
     acts.release(h.saved_bytes)
     b.blip(h.final_norm_all + h.linear, piece)
     if growing:
