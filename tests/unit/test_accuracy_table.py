@@ -219,6 +219,22 @@ CEILING_PCT = {
 }
 
 
+def test_inconsistent_published_runs_are_listed_under_the_runs(table):
+    """A published run with ``inconsistent`` is listed, with that text, under the runs' table
+    (before the held-out section); runs without it are not."""
+    def run(run_id, **extra):
+        return {"id": run_id, "measured_bytes": 100, "quantity": "max_allocated", **extra}
+
+    lines = table._inconsistent([run("a", inconsistent="7 GiB above b at equal tensors"),
+                                 run("b")])
+    assert lines[-1] == "- `a`: 7 GiB above b at equal tensors."
+    assert sum(line.startswith("- `") for line in lines) == 1
+    assert table._inconsistent([run("b")]) == []
+    doc = (ROOT / "docs" / "accuracy.md").read_text()
+    runs_part = doc[doc.index("## Runs"):doc.index("## Held-out runs")]
+    assert "- `torchtitan/llama3.1-405b/512gpu-fsdp8-tp8-pp8-1f1b`: Table 5's 1F1B" in runs_part
+
+
 def test_every_run_stays_within_its_error_ceiling(table, runs):
     """Every published run has a ceiling, every ceiling a run, and memplan's |error| on each
     (estimated, not refused) is at most its ceiling."""
