@@ -302,7 +302,24 @@ def _backward(r: _Run, acts: Stack, growing: bool) -> None:
     if growing:
         for size in _layer_grads(r, s.embed_elements, emb.grads):
             r.grads.append(b.alloc(size))
-    b.blip(emb.extra + beside)
+    if not dp.per_unit:
+        b.blip(emb.extra + beside)
+        return
+    # FSDP2: the gathered weights on the all-gather stream as elsewhere, the held gradients
+    # and the previous unit's reduce-scatter input their own tensors beside the embedding's
+    gathered = b.alloc(dp.at_embedding, s.gather_stream)
+    kept = b.alloc(beside - dp.at_embedding)
+    b.blip(emb.extra)
+    b.free(kept)
+    b.free(gathered)
+    if dp.reduce_at_block:  # the root's reduce-scatter (sharding.end_moments's instants)
+        units = h.grads + emb.grads
+        unsharded = b.alloc(dp.unit_grads(units) - (units if growing else 0))
+        rs_input = b.alloc(dp.unsharded(units))
+        b.free(unsharded)  # unsharded_grads.clear() once copied in
+        if not growing:  # the output shard, added into the gradient it joins
+            b.blip(units)
+        b.free(rs_input)
 
 
 def _head_backward(r: _Run, acts: Stack, growing: bool) -> None:

@@ -513,10 +513,11 @@ FINETUNE_CEILING_PCT = {
     "torchtune/llama3.2-3b/readme-optimization-flags-full-8bit-adamw": 11.0,  # -9.51%
     "torchtune/llama3.1/readme-full-single-device-1x4090": 12.5,  # +11.06%
     # the allocator model's reserved peak (max_reserved): its FSDP2 gathers' instants are
-    # one tensor each on the gather stream (docs/allocator.md, not modelled)
-    "torchtune/llama3.1/readme-full-distributed-8xa100-cpu-offload": 130.5,  # +129.53%
+    # one tensor each on the gather stream (docs/allocator.md, not modelled); lowered when the
+    # root unit's end of backward was replayed as its tensors
+    "torchtune/llama3.1/readme-full-distributed-8xa100-cpu-offload": 102.5,  # +101.35%
     "torchtune/llama3.1/readme-lora-single-device-1x4090": 12.5,  # +11.25%
-    "torchtune/llama3.1/readme-lora-distributed-8xa100": 45.0,  # +43.99%
+    "torchtune/llama3.1/readme-lora-distributed-8xa100": 31.0,  # +29.55%
     "torchtune/llama2-7b/readme-full-low-memory-1x4090": 5.0,  # +3.77%
     "torchtune/llama2-7b/lora-single-device-all-layers-r8": 6.0,  # -4.57%
     "torchtune/llama2-7b/lora-single-device-all-layers-r64": 4.5,  # +3.06%
