@@ -302,3 +302,42 @@ def test_fsdp2_root_unit_end_of_backward_as_its_tensors() -> None:
                                                        ("Alloc", 201_280, 0)]
     assert tail[-4:] == [("Alloc", 16_448, 0), ("Alloc", 65_792, 0), ("Free", 16_448, None),
                          ("Free", 65_792, None)]
+
+
+def test_fsdp2_sharded_gradients_one_tensor_per_unit_on_the_reduce_scatter_stream() -> None:
+    """FSDP2 (torch 2.6 ``foreach_reduce``): a unit's sharded gradients are views of its
+    ``reduce_output``, made on the reduce-scatter stream. tiny (2 blocks of 46,208 elements,
+    head 128 x 64 = 8,192, final norm 64, embedding 8,192) on 4 ranks, fsdp-bf16 (fp32
+    shards): each block one tensor of 46,208 x 4 / 4 = 46,208 B on stream 2 (not its seven
+    parameter tensors on the compute stream); the head 8,192 B and the norm 64 B, the
+    embedding 8,192 B; all freed by ``zero_grad`` at the step's end. With two micro-batches
+    the second's output is added into the gradient and freed: a 46,208 B blip per block and
+    16,448 B for the root unit."""
+    import memplan
+    from memplan.model import memo
+    from memplan.model.dims import Dims
+    from memplan.model.reserved import stage_inputs
+    from memplan.model.stage import walk_stage
+    from memplan.overheads import no_overheads
+
+    def step_one(**kw) -> list:
+        est = memplan.estimate("tiny", gpus=4, zero=3, precision="fsdp-bf16", seq_len=128,
+                               micro_batch_size=2, overheads=no_overheads(), **kw)
+        spec, par, wl = est.spec, est.parallel, est.workload
+        m = est.num_microbatches
+        parts = memo.stage_parts(spec, par, wl)
+        shared = memo.shared_terms(spec, wl, Dims.of(spec, par, wl), par.experts, parts)
+        walked = walk_stage(spec, par, wl, m, 0, est.schedule, shared, parts[0])
+        b = stage_sequence(stage_inputs(spec, par, wl, m, walked, shared))
+        return b.events[b.marks[0]:b.marks[1]]
+
+    events = step_one()
+    made = {e.id: e.size_bytes for e in events if isinstance(e, Alloc) and e.stream == 2}
+    assert sorted(made.values()) == [64, 8_192, 8_192, 46_208, 46_208]
+    freed = [e.id for e in events if isinstance(e, Free) and e.id in made]
+    assert sorted(freed) == sorted(made) and events[-1] == Free(freed[-1])
+    events = step_one(global_batch_size=16)  # 2 micro-batches of 2 on each of 4 ranks
+    sizes = {e.id: e.size_bytes for e in events if isinstance(e, Alloc) and e.stream == 2}
+    blips = [sizes[e.id] for e in events if isinstance(e, Free) and e.id in sizes]
+    # the root's (head, norm, embedding: 16,448 B) too, at its reduce-scatter
+    assert sorted(blips) == [64, 8_192, 8_192, 16_448, 46_208, 46_208, 46_208, 46_208]
