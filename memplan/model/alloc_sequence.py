@@ -396,8 +396,9 @@ def _unit_gradients(r: _Run, shard_bytes: int, growing: bool) -> None:
     ``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`` ``foreach_reduce`` (torch
     2.6) makes ``reduce_output`` inside ``device_handle.stream(reduce_scatter_stream)`` and
     sets each parameter's gradient to a view of it (``torch.as_strided``), so the unit's
-    shard is one tensor; a later micro-batch's output is added into the gradient
-    (``grad._local_tensor += new_sharded_grad``) and freed."""
+    shard is one tensor (traced: tests/traced/test_fsdp2_grad_storage.py); a later
+    micro-batch's output is added into the gradient (``grad._local_tensor +=
+    new_sharded_grad``) and freed."""
     if growing:
         r.grads.append(r.b.alloc(shard_bytes, r.s.reduce_stream))
     else:
