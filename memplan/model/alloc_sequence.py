@@ -398,7 +398,10 @@ def _unit_gradients(r: _Run, shard_bytes: int, growing: bool) -> None:
     sets each parameter's gradient to a view of it (``torch.as_strided``), so the unit's
     shard is one tensor (traced: tests/traced/test_fsdp2_grad_storage.py); a later
     micro-batch's output is added into the gradient (``grad._local_tensor +=
-    new_sharded_grad``) and freed."""
+    new_sharded_grad``) and freed. A root unit's shard (head, final norm, embedding) is one
+    such tensor made at its reduce-scatter after the embedding's backward; the replay makes
+    the head's and the embedding's parts on that stream where the walk counts them, at their
+    own backward (the same bytes in that pool)."""
     if growing:
         r.grads.append(r.b.alloc(shard_bytes, r.s.reduce_stream))
     else:
