@@ -61,7 +61,8 @@ with memplan's message and the run's ``not_expressed``. A record's ``measured_ph
 ``["first_step.forward", "first_step.backward"]``: the run stopped before its first optimizer
 step) compares the most of those phases of the estimate (``phases`` of its JSON) instead of the
 tensor peak, and says so in the row; ``inconsistent`` names a row that the source's own numbers
-contradict, listed under the table (still counted).
+contradict, listed under the table (still counted); a published run's ``inconsistent``
+likewise, under the runs' table.
 
 ``python benchmarks/accuracy_table.py`` writes the doc; ``--check`` exits 1 if it would change.
 """
@@ -499,12 +500,17 @@ def render_deepspeed(held: list[HeldOut]) -> list[str]:
                 "that stops before its first optimizer step holds no optimizer state and makes "
                 "no step (DeepSpeed steps at the accumulation boundary, the states are made at "
                 "the first step)."]
-    odd = [r.run for r in rows if r.run.get("inconsistent")]
-    if odd:
-        out += ["", "Rows the source's own numbers contradict (kept in the statistics as "
-                "measured; the computation is in each record's notes):", ""]
-        out += [f"- `{run['id']}`: {run['inconsistent']}." for run in odd]
-    return out + [""]
+    return out + _inconsistent(r.run for r in rows) + [""]
+
+
+def _inconsistent(runs) -> list[str]:
+    """The runs whose ``inconsistent`` says how the source's own numbers contradict them."""
+    odd = [run for run in runs if run.get("inconsistent")]
+    if not odd:
+        return []
+    return (["", "Rows the source's own numbers contradict (kept in the statistics as "
+             "measured; the computation is in each record's notes):", ""]
+            + [f"- `{run['id']}`: {run['inconsistent']}." for run in odd])
 
 
 def build_finetune_rows(runs: list[dict] | None = None) -> list[Row]:
@@ -848,6 +854,7 @@ def render(rows: list[Row], others: list[dict] | None = None,
             f"{_cell(_layout(run))}; {run['quantity']} ({run['rank']} rank) | "
             f"{_gib(run['measured_bytes'])} | {memplan_cell} | {err_cell} | {_cell(gaps)} |"
             + extra)
+    out += _inconsistent(r.run for r in rows)
     if heldout:
         out += ["", *render_heldout(heldout, excluded)]
     out += [""] + render_finetune(finetune)

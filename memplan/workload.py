@@ -327,11 +327,22 @@ class FsdpUnits(PlainEnum):
                 the main-gradient dtype, held after its reduce-scatter while the queue of
                 reduced buckets is under its capacity (Megatron-FSDP:
                 ``memplan.model.fsdp_buckets``)
+    root-resharded
+                every block a unit (the last not resharded after forward), one root unit
+                with the embedding, final norm and head resharded after the model's forward
+                and gathered again in its pre-backward, a hook on the logits that fires once
+                the loss's backward has made their gradient: the loss runs beside the last
+                block alone (torchtitan before 0.3: ``apply_fsdp``'s
+                ``fully_shard(model, reshard_after_forward=not pp_enabled)``,
+                torchtitan/parallelisms/parallelize_llama.py at 9dec370,
+                torchtitan/models/llama3/parallelize_llama.py at e7c0cae); under pipeline
+                parallelism kept gathered as ``torchtitan``'s
     """
 
     ROOT = "root"
     TORCHTITAN = "torchtitan"
     BUCKETS = "buckets"
+    ROOT_RESHARDED = "root-resharded"
 
 
 class BackwardPrefetch(PlainEnum):
@@ -383,11 +394,18 @@ class RopeCache(PlainEnum):
              ``GPT.cos`` / ``GPT.sin``)
     layer    a registered buffer in every attention layer, complex64 for the training
              sequence's positions (torchtitan's ``RoPE.cache``)
+    model-complex
+             one complex64 buffer on the model for the training sequence's positions, handed
+             to each layer (torchtitan before 0.3: ``Transformer.freqs_cis``,
+             torchtitan/models/llama/model.py at 9dec370, torchtitan/models/llama3/model.py
+             at e7c0cae, models/llama3/model/model.py at v0.2.2; max_seq_len =
+             training.seq_len)
     """
 
     FORWARD = "forward"
     MODEL = "model"
     LAYER = "layer"
+    MODEL_COMPLEX = "model-complex"
 
 
 class AttentionImpl(PlainEnum):

@@ -88,9 +88,9 @@ def read(path: str | Path, gpus: int, model: str | None = None) -> Imported:
             f"{_SRC} train.py train_step: zero_grad() sets gradients to None")
     imp.set("(model code)", "wq, wk, wv", "fused_qkv", False,
             f"{_SRC} models/llama3/model/model.py Attention: three projections")
-    imp.set("(model code)", "freqs_cis", "rope_cache", "model",
+    imp.set("(model code)", "freqs_cis", "rope_cache", "model-complex",
             f"{_SRC} models/llama3/model/model.py Transformer: one RoPE buffer on the model "
-            f"(complex64, counted as memplan's model-wide tables)")
+            f"(complex64)")
     for name in data:
         if name not in _READ and name not in QUIET:
             imp.unread.append(f"[{name}]")

@@ -177,6 +177,7 @@ class StageInputs(NamedTuple):
     piece: int = 0  # bytes of a transient tensor: the residual stream of one micro-batch
     logits_piece: int = 0  # ... at the loss: the logits of one micro-batch
     gather_stream: int = 0  # the stream the data-parallel mechanism's gathers allocate on
+    reduce_stream: int = 0  # the stream its sharded gradients are allocated on
     rebuild: tuple[tuple[int, ...], ...] = ()  # per run, the tensors its layers' backward
     #                                           rebuilds first (full recompute), else ()
     nf4_weights: tuple[tuple[int, ...], ...] = ()  # per layer, torchao 0.1 NF4 weights'
@@ -311,8 +312,25 @@ def _backward(r: _Run, acts: Stack, growing: bool) -> None:
     acts.release(emb.freed_before)
     if growing:
         for size in _layer_grads(r, s.embed_elements, emb.grads):
-            r.grads.append(b.alloc(size))
-    b.blip(emb.extra + beside)
+            r.grads.append(b.alloc(size, s.reduce_stream))
+    if not dp.per_unit:
+        b.blip(emb.extra + beside)
+        return
+    # FSDP2: the gathered weights on the all-gather stream as elsewhere, the held gradients
+    # and the previous unit's reduce-scatter input their own tensors beside the embedding's
+    gathered = b.alloc(dp.at_embedding, s.gather_stream)
+    kept = b.alloc(beside - dp.at_embedding)
+    b.blip(emb.extra)
+    b.free(kept)
+    b.free(gathered)
+    if dp.reduce_at_block:  # the root's reduce-scatter (sharding.end_moments's instants)
+        units = h.grads + emb.grads
+        unsharded = b.alloc(dp.unit_grads(units) - (units if growing else 0))
+        rs_input = b.alloc(dp.unsharded(units))
+        b.free(unsharded)  # unsharded_grads.clear() once copied in
+        if not growing:  # the output shard, added into the gradient it joins
+            b.blip(units, stream=s.reduce_stream)
+        b.free(rs_input)
 
 
 def _head_backward(r: _Run, acts: Stack, growing: bool) -> None:
@@ -322,13 +340,18 @@ def _head_backward(r: _Run, acts: Stack, growing: bool) -> None:
     if not any(h):
         b.blip(dp.at_loss, stream=s.gather_stream)
         return
-    gathered = b.alloc(max(dp.at_loss, dp.at_head), s.gather_stream)
+    # the head's unit gathers its share (``DataParallel.head_prefetch``) in its pre-backward,
+    # once the loss's backward has made the logits' gradient
+    gathered = b.alloc(dp.at_loss, s.gather_stream)
     b.blip(h.loss, piece)
+    if dp.at_head > dp.at_loss:
+        b.free(gathered)
+        gathered = b.alloc(dp.at_head, s.gather_stream)
     acts.release(h.saved_bytes)
     b.blip(h.final_norm_all + h.linear, piece)
     if growing:
         for size in _layer_grads(r, s.head_elements, h.grads + h.tied_grad):
-            r.grads.append(b.alloc(size))
+            r.grads.append(b.alloc(size, s.reduce_stream))
     b.blip(h.main_grads, piece)
     if h.final_norm_bwd:
         b.blip(h.final_norm_saved + h.final_norm_bwd, s.piece)
@@ -347,7 +370,10 @@ def _layer_backward(r: _Run, acts: Stack, kind, layer: LayerTensors,
     p, rebuild = where
     if p.before is not None and p.before.transient:
         b.blip(p.before.transient, stream=r.s.gather_stream)
-    grads = _layer_grads(r, layer.elements, layer_grads) if growing else []
+    # FSDP2: the unit's sharded gradients are views of its reduce-scatter output, one tensor
+    # made after the unit's backward on the reduce-scatter stream (_unit_gradients)
+    unit = r.s.reduce_stream > 0
+    grads = _layer_grads(r, layer.elements, layer_grads) if growing and not unit else []
     gathered = b.alloc(p.beside, r.s.gather_stream)
     made = 0
     alive = kind.saved_bytes
@@ -368,8 +394,28 @@ def _layer_backward(r: _Run, acts: Stack, kind, layer: LayerTensors,
     while grads:
         r.grads.append(b.alloc(grads.pop()))
     b.free(gathered)
+    if unit:
+        _unit_gradients(r, layer_grads, growing)
     if p.after is not None and p.after.transient:
         b.blip(p.after.transient, stream=r.s.gather_stream)
+
+
+def _unit_gradients(r: _Run, shard_bytes: int, growing: bool) -> None:
+    """FSDP2's reduce-scatter output, on the reduce-scatter stream (a pool of its own: blocks
+    freed by ``zero_grad`` go back to it, not to the compute stream's):
+    ``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`` ``foreach_reduce`` (torch
+    2.6) makes ``reduce_output`` inside ``device_handle.stream(reduce_scatter_stream)`` and
+    sets each parameter's gradient to a view of it (``torch.as_strided``), so the unit's
+    shard is one tensor (traced: tests/traced/test_fsdp2_grad_storage.py); a later
+    micro-batch's output is added into the gradient (``grad._local_tensor +=
+    new_sharded_grad``) and freed. A root unit's shard (head, final norm, embedding) is one
+    such tensor made at its reduce-scatter after the embedding's backward; the replay makes
+    the head's and the embedding's parts on that stream where the walk counts them, at their
+    own backward (the same bytes in that pool)."""
+    if growing:
+        r.grads.append(r.b.alloc(shard_bytes, r.s.reduce_stream))
+    else:
+        r.b.blip(shard_bytes, stream=r.s.reduce_stream)
 
 
 def _optimizer(r: _Run, first: bool) -> None:

@@ -597,13 +597,14 @@ def rope_buffer_bytes(spec: ModelSpec, wl: Workload, num_layers: int) -> int:
     """RoPE tables held as registered buffers by one pipeline stage with ``num_layers``
     decoder layers, for the training sequence's positions (``Workload.rope_cache``): litgpt's
     model-wide cos and sin in the weights' dtype (Fabric converts floating buffers with the
-    module), torchtitan's complex cache in every attention layer. Not sharded by TP or CP:
-    each rank keeps every position."""
+    module), torchtitan's complex cache in every attention layer, or (before 0.3) one on the
+    model. Not sharded by TP or CP: each rank keeps every position."""
     if spec.position is not PositionKind.ROPE or wl.rope_cache is RopeCache.FORWARD:
         return 0
     if wl.rope_cache is RopeCache.MODEL:
         return 2 * wl.seq_len * spec.rope_dim * wl.precision.policy.params.itemsize
-    return num_layers * wl.seq_len * (spec.rope_dim // 2) * COMPLEX64_PAIR_BYTES
+    table = wl.seq_len * (spec.rope_dim // 2) * COMPLEX64_PAIR_BYTES
+    return table if wl.rope_cache is RopeCache.MODEL_COMPLEX else num_layers * table
 
 
 def eager_mask_bytes(wl: Workload, dm: Dims) -> int:

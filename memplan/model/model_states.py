@@ -525,7 +525,8 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload,
     policy = wl.precision.policy
     if par.zero >= ZeroStage.GRADIENTS and wl.fsdp_units is FsdpUnits.BUCKETS:
         return _bucketed_units(params, par, wl)
-    if par.zero >= ZeroStage.PARAMETERS and separate_units(wl) and par.pp > 1:
+    if (par.zero >= ZeroStage.PARAMETERS and par.pp > 1
+            and wl.fsdp_units in (FsdpUnits.TORCHTITAN, FsdpUnits.ROOT_RESHARDED)):
         # torchtitan under PP: reshard_after_forward = not pp_enabled (distributed/fsdp.py
         # get_fsdp_reshard_after_forward_policy, "default"), and torch's pipeline stage runs
         # every micro-batch's backward with set_reshard_after_backward(False) and
@@ -566,8 +567,12 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload,
         root_b, blocks_b = root * e, blocks * layer_b
         start, first_start = ((0, 0) if one_rank else
                               (root_b + 3 * layer_b, 2 * root_b + 2 * layer_b))
-        return ShardingBuffers(root_b + blocks_b, root_b + layer_b, unit_grad,
+        # a root resharded after forward: the loss's forward and backward beside the last
+        # block alone (FsdpUnits.ROOT_RESHARDED), the root gathered again for the head
+        resharded = root_b if wl.fsdp_units is FsdpUnits.ROOT_RESHARDED else 0
+        return ShardingBuffers(root_b + blocks_b, root_b + layer_b - resharded, unit_grad,
                                backward_head_bytes=root_b + layer_b,
+                               backward_head_prefetch_bytes=resharded,
                                backward_block_bytes=root_b + blocks_b,
                                backward_last_block_bytes=root_b + layer_b,
                                # at the embedding's backward every block is resharded

@@ -89,6 +89,9 @@ def stage_inputs(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int,
         # (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, FSDPCommContext:
         # all_gather_stream), a pool of its own (get_free_block matches the stream)
         gather_stream=1 if walk.sharding.per_unit else 0,
+        # and its sharded gradients on its reduce-scatter stream (FSDPCommContext:
+        # reduce_scatter_stream; alloc_sequence._unit_gradients)
+        reduce_stream=2 if walk.sharding.per_unit else 0,
         nf4_weights=fx.nf4_weights,
         rebuild=tuple(_rebuilt(spec, wl, shared, key) for key, _ in walked.kinds.runs))
 

@@ -266,3 +266,89 @@ def test_allocator_runs_out_of_memory_although_the_tensors_fit() -> None:
     assert tight.step_note.startswith("the allocator runs out of memory in step 2")
     room = stage_reserved(_stage(2), 46 * MiB, AllocatorConfig(), 56 * MiB)
     assert room.oom_step is None and room.reserved_peak_bytes == 56 * MiB
+
+
+def test_fsdp2_root_unit_end_of_backward_as_its_tensors() -> None:
+    """FSDP2 with root units (``fsdp_units`` root), tiny (hidden 64, vocabulary 128, untied;
+    blocks of 4,096 x 3 + 64 x 32 x 2 + 3 x 64 x 176 + 2 x 64 = 46,208 elements) on 4 ranks,
+    fsdp-bf16 (bf16 gathered, fp32 reduce). The root: 2 x 128 x 64 + 64 = 16,448 elements.
+    At the embedding's backward: the gathered root, 16,448 x 2 = 32,896 B, on the all-gather
+    stream; the root's unsharded bf16 gradients beyond their fp32 shard, 32,896 - 16,448 x 4 /
+    4 = 16,448 B, with the last block's fp32 reduce-scatter input, 46,208 x 4 = 184,832 B, as
+    one held tensor of 201,280 B on the compute stream; then the root's reduce-scatter: the
+    16,448 B beyond the shard and its fp32 input, 16,448 x 4 = 65,792 B, the gradients freed
+    first (foreach_reduce's unsharded_grads.clear())."""
+    import memplan
+    from memplan.model import memo
+    from memplan.model.dims import Dims
+    from memplan.model.reserved import stage_inputs
+    from memplan.model.stage import walk_stage
+    from memplan.overheads import no_overheads
+
+    est = memplan.estimate("tiny", gpus=4, zero=3, precision="fsdp-bf16", seq_len=128,
+                           micro_batch_size=2, overheads=no_overheads())
+    spec, par, wl = est.spec, est.parallel, est.workload
+    parts = memo.stage_parts(spec, par, wl)
+    shared = memo.shared_terms(spec, wl, Dims.of(spec, par, wl), par.experts, parts)
+    walked = walk_stage(spec, par, wl, est.num_microbatches, 0, est.schedule, shared, parts[0])
+    events = stage_sequence(stage_inputs(spec, par, wl, 1, walked, shared)).events
+    sizes = {e.id: e.size_bytes for e in events if isinstance(e, Alloc)}
+    at = next(i for i, e in enumerate(events) if isinstance(e, Alloc) and e.stream == 1
+              and e.size_bytes == 32_896 and isinstance(events[i + 1], Alloc)
+              and events[i + 1].size_bytes == 201_280)
+    tail = [(type(e).__name__, sizes[e.id], getattr(e, "stream", None))
+            for e in events[at:at + 10]]
+    assert [t for t in tail if t[0] == "Alloc"][:2] == [("Alloc", 32_896, 1),
+                                                       ("Alloc", 201_280, 0)]
+    assert tail[-4:] == [("Alloc", 16_448, 0), ("Alloc", 65_792, 0), ("Free", 16_448, None),
+                         ("Free", 65_792, None)]
+
+
+def test_fsdp2_sharded_gradients_one_tensor_per_unit_on_the_reduce_scatter_stream() -> None:
+    """FSDP2 (torch 2.6 ``foreach_reduce``): a unit's sharded gradients are views of its
+    ``reduce_output``, made on the reduce-scatter stream. tiny (2 blocks of 46,208 elements,
+    head 128 x 64 = 8,192, final norm 64, embedding 8,192) on 4 ranks, fsdp-bf16 (fp32
+    shards): each block one tensor of 46,208 x 4 / 4 = 46,208 B on stream 2 (not its seven
+    parameter tensors on the compute stream); the head 8,192 B and the norm 64 B, the
+    embedding 8,192 B; all freed by ``zero_grad`` at the step's end. With two micro-batches
+    the second's output is added into the gradient and freed: a 46,208 B blip per block and
+    16,448 B for the root unit."""
+    import memplan
+    from memplan.model import memo
+    from memplan.model.dims import Dims
+    from memplan.model.reserved import stage_inputs
+    from memplan.model.stage import walk_stage
+    from memplan.overheads import no_overheads
+
+    def step_one(**kw) -> list:
+        est = memplan.estimate("tiny", gpus=4, zero=3, precision="fsdp-bf16", seq_len=128,
+                               micro_batch_size=2, overheads=no_overheads(), **kw)
+        spec, par, wl = est.spec, est.parallel, est.workload
+        m = est.num_microbatches
+        parts = memo.stage_parts(spec, par, wl)
+        shared = memo.shared_terms(spec, wl, Dims.of(spec, par, wl), par.experts, parts)
+        walked = walk_stage(spec, par, wl, m, 0, est.schedule, shared, parts[0])
+        b = stage_sequence(stage_inputs(spec, par, wl, m, walked, shared))
+        return b.events[b.marks[0]:b.marks[1]]
+
+    def on_stream_2(events: list) -> tuple[list[int], list[int]]:
+        """(sizes made on stream 2, those of them still alive at the step's end); a tensor
+        made and freed at one instant may be one ``Blip`` event of several sizes."""
+        made, alive = [], {}
+        for e in events:
+            if isinstance(e, Alloc) and e.stream == 2:
+                made.append(e.size_bytes)
+                alive[e.id] = e.size_bytes
+            elif isinstance(e, Free):
+                alive.pop(e.id, None)
+            elif getattr(e, "stream", None) == 2 and hasattr(e, "sizes_bytes"):
+                made.extend(e.sizes_bytes)
+        return sorted(made), sorted(alive.values())
+
+    events = step_one()
+    assert on_stream_2(events) == ([64, 8_192, 8_192, 46_208, 46_208], [])
+    assert isinstance(events[-1], Free)  # zero_grad at the step's end frees them
+    events = step_one(global_batch_size=16)  # 2 micro-batches of 2 on each of 4 ranks
+    # the root's (head, norm, embedding: 16,448 B) too, at its reduce-scatter
+    assert on_stream_2(events) == ([64, 8_192, 8_192, 16_448, 46_208, 46_208, 46_208, 46_208],
+                                   [])

@@ -275,7 +275,9 @@ def test_torchtitan_layer_option_not_a_number(tmp_path: Path) -> None:
 def test_torchtitan_float8_run_of_the_accuracy_table(tmp_path: Path) -> None:
     """The published H200 float8 run (llama3_8b.toml with --training.local_batch_size=2, its
     float8 converter, compile, which compiles the loss too; 4 nodes of 8 GPUs) gives the
-    accuracy table's inputs."""
+    accuracy table's inputs, but for its FSDP units: the run's commit (e7c0cae) wraps the
+    embedding, final norm and head in the root unit (``fsdp_units`` root-resharded), v0.2.2's
+    apply_fsdp, which the reader follows, gives them units of their own."""
     run = next(r for r in RUNS if r["id"] == "torchtitan/llama3.1-8b/h200-32gpu-fsdp-sac-float8")
     text = (TITAN / "llama3_8b.toml").read_text()
     text = text.replace("local_batch_size = 1", "local_batch_size = 2")
@@ -288,8 +290,11 @@ def test_torchtitan_float8_run_of_the_accuracy_table(tmp_path: Path) -> None:
     path = tmp_path / "job.toml"
     path.write_text(text)
     imp = torchtitan.read(path, run["memplan_args"]["gpus"])
-    want = {k: v for k, v in run["memplan_args"].items() if k not in ("model", "gpus", "gpu")}
+    want = {k: v for k, v in run["memplan_args"].items()
+            if k not in ("model", "gpus", "gpu", "fsdp_units")}
     assert {k: imp.inputs.get(k) for k in want} == want
+    assert run["memplan_args"]["fsdp_units"] == "root-resharded"
+    assert "fsdp_units" not in imp.inputs  # the preset's: torchtitan
     assert imp.model == run["memplan_args"]["model"]
     assert imp.notes == []  # the compiled loss is --compile-loss (tp 1)
 

@@ -269,6 +269,19 @@ def test_rope_tables_as_registered_buffers() -> None:
     assert fp32.buffers_bytes == 2 * 128 * 16 * 4
 
 
+def test_rope_table_one_complex_buffer_on_the_model() -> None:
+    """torchtitan before 0.3 (``Transformer.freqs_cis`` at 9dec370, e7c0cae, v0.2.2): one
+    complex64 table on the model for every position, s * d/2 * 8 B = 128 * 8 * 8 = 8,192
+    whatever the layer count (the per-layer cache of 0.3 is 2 * 8,192 on tiny's 2 layers) and
+    the weights' dtype; resident in every phase like the others."""
+    one = _est(precision="fsdp-bf16", framework="torchtitan", rope_cache="model-complex").worst
+    per_layer = _est(precision="fsdp-bf16", framework="torchtitan").worst
+    assert (one.buffers_bytes, per_layer.buffers_bytes) == (8_192, 16_384)
+    fp32 = _est(precision="fp32", framework="torchtitan", rope_cache="model-complex").worst
+    assert fp32.buffers_bytes == 8_192
+    assert per_layer.steady.optimizer - one.steady.optimizer == 8_192
+
+
 def test_litgpt_attention_terms() -> None:
     """litgpt's CausalSelfAttention: with grouped K/V (tiny: 2 of 4 heads) k and v are saved
     repeated to the query width (T * 64 * 2 = 32,768 each, not 16,384); the core's head-major

@@ -205,6 +205,38 @@ def test_torchtitan_units_gather_the_head_alone_at_the_loss_of_llama_3_8b() -> N
     assert dp.at_loss == 1_050_681_344  # 525,340,672 x 2
 
 
+def test_root_resharded_units_leave_the_loss_beside_the_last_block_of_llama_3_8b() -> None:
+    """torchtitan before 0.3 (``fully_shard`` on each block, the last not resharded after
+    forward, then on the model, resharded after forward): Llama-3-8B on 8 ranks, bf16 gathered
+    weights. The root: 128,256 x 4096 x 2 (embedding, output) + 4096 (final norm) =
+    1,050,677,248 elements, 2,101,354,496 B; a block 218,112,000 elements, 436,224,000 B. At
+    the loss's forward and backward only the last block is gathered (436,224,000 B); the root is
+    gathered again for the head's backward beside it, 2,537,578,496 B, as memplan's root units
+    hold them at the loss too; in forward the root and two blocks, 2,973,802,496 B; under
+    pipeline parallelism every unit kept gathered, as torchtitan's units are."""
+    spec, par, wl = resolve("llama-3-8b", gpus=8, zero=3, framework="torchtitan",
+                            fsdp_units="root-resharded")
+    layers = list(range(spec.num_layers))
+    params = stage_params(spec, par, layers, first=True, last=True)
+    shard = sharding_buffers(params, par, wl)
+    assert shard.gathered_at_loss_bytes == 436_224_000
+    assert shard.backward_head_bytes == 2_537_578_496
+    assert shard.backward_head_prefetch_bytes == 2_101_354_496
+    assert shard.gathered_bytes == 2_973_802_496
+    dp = data_parallel(shard, 1, 1, wl.precision.policy)
+    assert dp.at_loss == dp.at_loss_forward == 436_224_000
+    _, _, root_wl = resolve("llama-3-8b", gpus=8, zero=3, framework="torchtitan",
+                            fsdp_units="root")
+    root = sharding_buffers(params, par, root_wl)
+    assert root.gathered_at_loss_bytes == root.backward_head_bytes == 2_537_578_496
+    assert root.backward_head_prefetch_bytes == 0
+    spec, pp, wl = resolve("llama-3-8b", gpus=16, pp=2, zero=3, framework="torchtitan",
+                           fsdp_units="root-resharded")
+    kept = sharding_buffers(stage_params(spec, pp, list(range(16)), first=True, last=False),
+                            pp, wl)
+    assert kept.kept_gathered
+
+
 def test_shard_of_unsharded_gradients() -> None:
     """At shard degree 2 (``FSDP2``) a rank holds half of the unsharded bytes, whole bytes
     rounded down: 1,000 -> 500, 1,001 -> 500. ZeRO-2's reduce bucket of 1,000 B at degree 4
