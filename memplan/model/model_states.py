@@ -516,6 +516,24 @@ def unit_bytes(params: StageParams, trainable: TrainablePolicy, e: int,
     return max(units, default=0), max(trainable.layer_adapters, default=0) * ADAPTER_BYTES
 
 
+def _kept_gathered_under_pp(params: StageParams, par: ParallelConfig,
+                            wl: Workload) -> ShardingBuffers:
+    """torchtitan's FSDP2 under PP: reshard_after_forward = not pp_enabled
+    (distributed/fsdp.py get_fsdp_reshard_after_forward_policy, "default"), and torch's
+    pipeline stage runs every micro-batch's backward with set_reshard_after_backward(False)
+    and set_requires_gradient_sync(False) (torch/distributed/pipelining/stage.py
+    backward_maybe_with_nosync), so the stage's weights stay gathered in the compute dtype
+    and its gradients accumulate unsharded in the reduce dtype (_fsdp_param.py
+    to_accumulated_grad_if_needed) until perform_reduce_grad runs post_backward once after
+    the last micro-batch: there a unit's reduce-scatter input and its output shard exist
+    beside them."""
+    policy = wl.precision.policy
+    gathered = params.total * policy.unsharded.itemsize
+    unit = params.largest_unit * policy.grad_bytes
+    return ShardingBuffers(gathered, gathered, unit + ceil_div(unit, par.dense_shard_degree),
+                           kept_gathered=True)
+
+
 def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload,
                      trainable: TrainablePolicy = ALL, float8_saving: int = 0) -> ShardingBuffers:
     """ZeRO-3/FSDP: the root's weights and two blocks gathered in the compute dtype (with
@@ -527,19 +545,7 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload,
         return _bucketed_units(params, par, wl)
     if (par.zero >= ZeroStage.PARAMETERS and par.pp > 1
             and wl.fsdp_units in (FsdpUnits.TORCHTITAN, FsdpUnits.ROOT_RESHARDED)):
-        # torchtitan under PP: reshard_after_forward = not pp_enabled (distributed/fsdp.py
-        # get_fsdp_reshard_after_forward_policy, "default"), and torch's pipeline stage runs
-        # every micro-batch's backward with set_reshard_after_backward(False) and
-        # set_requires_gradient_sync(False) (torch/distributed/pipelining/stage.py
-        # backward_maybe_with_nosync), so the stage's weights stay gathered in the compute
-        # dtype and its gradients accumulate unsharded in the reduce dtype
-        # (_fsdp_param.py to_accumulated_grad_if_needed) until perform_reduce_grad runs
-        # post_backward once after the last micro-batch: there a unit's reduce-scatter input
-        # and its output shard exist beside them.
-        gathered = params.total * policy.unsharded.itemsize
-        unit = params.largest_unit * policy.grad_bytes
-        return ShardingBuffers(gathered, gathered, unit + ceil_div(unit, par.dense_shard_degree),
-                               kept_gathered=True)
+        return _kept_gathered_under_pp(params, par, wl)
     # torchtitan shards even one rank (models/llama3/parallelize.py parallelize_llama:
     # apply_fsdp_to_decoder always runs), so its gathered copies exist at any degree
     if wl.zero_bucket_buffers and par.zero >= ZeroStage.OPTIMIZER:  # DeepSpeed's
