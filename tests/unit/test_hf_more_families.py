@@ -149,16 +149,16 @@ def test_granite_hybrid_with_experts_is_the_fallbacks() -> None:
     attention and Mamba layers (full_attention, linear_attention) are read as the file's."""
     from memplan.errors import MemplanError
     from memplan.hf.config import ConfigKeys
-    from memplan.hf.families_more import granite_hybrid_dense
+    from memplan.hf.families_more import granite_hybrid_layers
     import memplan.profile.hf_meta as hf_meta
 
     data = json.loads((HELDOUT / "granite-4.0-micro" / "config.json").read_text())
-    assert granite_hybrid_dense(ConfigKeys({**data, "layer_types": ["full_attention"] * 40},
+    assert granite_hybrid_layers(ConfigKeys({**data, "layer_types": ["full_attention"] * 40},
                                            "c"))
     experts = {**data, "num_local_experts": 8}
-    assert not granite_hybrid_dense(ConfigKeys(experts, "c"))
+    assert not granite_hybrid_layers(ConfigKeys(experts, "c"))
     mamba = {**data, "layer_types": ["mamba"] + ["attention"] * 39}
-    assert granite_hybrid_dense(ConfigKeys(mamba, "c"))
+    assert granite_hybrid_layers(ConfigKeys(mamba, "c"))
     assert _spec_of(mamba).is_linear_layer(0) and not _spec_of(mamba).is_linear_layer(1)
     spelled = {**data, "layer_types": ["linear_attention"] + ["full_attention"] * 39}
     assert _spec_of(spelled) == _spec_of(mamba)
