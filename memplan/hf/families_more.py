@@ -285,7 +285,7 @@ def granitemoehybrid(cfg: ConfigKeys) -> dict[str, Any]:
     rope = cfg.data.get("position_embedding_type") == "rope"
     fields.update(ffn_hidden_size=cfg.get_int("shared_intermediate_size", 1024),
                   fused_gate_up=True, mlp_bias=False, position="rope" if rope else "none")
-    if cfg.get_int("num_local_experts", 8):
+    if cfg.data.get("num_local_experts", 8) != 0:
         # GraniteMoeHybridMoE beside the shared MLP (memplan.hf.families_granite)
         fields["moe"] = granite_moe(cfg, 1024)
     mamba = _granite_mamba(cfg, fields["hidden_size"], fields["num_layers"])
