@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from memplan.spec import spec_from_hf_dict
+from memplan.spec import load_model, spec_from_hf_dict
 
 HELDOUT = Path(__file__).resolve().parents[1] / "data" / "hf" / "heldout"
 
@@ -168,6 +168,8 @@ def test_granite_4_h_tiny_by_hand() -> None:
     (64 x 1,536 = 98,304): 151,093,248 a layer, 6,043,729,920 in all: 6,939,037,248."""
     spec = _spec("granite-4.0-h-tiny")
     assert spec.approximate is None and spec.num_params == 6_939_037_248
+    catalog = load_model("granite-4.0-h-tiny")
+    assert catalog.model_copy(update={"name": spec.name, "source": spec.source}) == spec
     moe = spec.moe
     assert moe is not None and moe.parallel_experts and moe.stacked_experts
     assert (moe.num_experts, moe.top_k, moe.expert_ffn_hidden_size) == (64, 6, 512)
@@ -183,6 +185,8 @@ def test_granite_3_1_moe_1b_by_hand() -> None:
     49,155 x 1,024 = 50,334,720 and the final norm 1,024: 1,334,628,352."""
     spec = _spec("granite-3.1-1b-a400m-instruct")
     assert spec.approximate is None and spec.num_params == 1_334_628_352
+    catalog = load_model("granite-3.1-1b-a400m")
+    assert catalog.model_copy(update={"name": spec.name, "source": spec.source}) == spec
     moe = spec.moe
     assert moe is not None and moe.parallel_experts and not moe.num_shared_experts
     assert (moe.num_experts, moe.top_k, moe.expert_ffn_hidden_size) == (32, 8, 512)
