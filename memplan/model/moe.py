@@ -5,7 +5,8 @@ What it saves (``Workload.moe_impl``): router probabilities (fp32), top-k indice
 renormalised weights, the gathered rows and their index, the MLP terms over them, the experts'
 outputs and the routing weights; the reference's loop (``loop``) also the weighted outputs its
 out-of-place combine keeps; transformers' grouped experts (``grouped``) the sort permutation
-and its inverse instead (the per-token sum saves nothing). Shared experts are a dense MLP over
+and its inverse instead (the per-token sum saves nothing); Granite's own experts
+(``parallel``): ``memplan.model.moe_parallel``. Shared experts are a dense MLP over
 all tokens, behind a sigmoid gate that saves their output where the model has one; a router
 on fp32 copies (``router_fp32``) saves them.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from memplan.model import float8_grouped, linear, mlp
+from memplan.model import float8_grouped, linear, mlp, moe_parallel
 from memplan.model.block import BackwardMoment, Moment
 from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term, residual_dropout_mask, total
 from memplan.model.linear import Linear, Split
@@ -130,7 +131,7 @@ def moe_terms(spec: ModelSpec, dm: Dims, impl: MoeImpl = MoeImpl.LOOP) -> list[T
     if impl is MoeImpl.EVERY:
         return every_expert_terms(spec, dm)
     if impl is MoeImpl.PARALLEL:
-        return parallel_terms(spec, dm)
+        return moe_parallel.parallel_terms(spec, dm)
     routed = dm.tokens * moe.top_k
     h, e = spec.hidden_size, dm.e
     grouped = impl is MoeImpl.GROUPED
@@ -164,110 +165,6 @@ def moe_terms(spec: ModelSpec, dm: Dims, impl: MoeImpl = MoeImpl.LOOP) -> list[T
             terms += [Term("moe.shared_gate", dm.tokens * e),
                       Term("moe.shared_out", dm.tokens * h * e)]
     return terms
-
-
-def parallel_terms(spec: ModelSpec, dm: Dims) -> list[Term]:
-    """Granite's MoE as its own code runs it (``MoeImpl.PARALLEL``; models/granitemoe/
-    modeling_granitemoe.py): GraniteMoeTopKGating.forward's top-k of the fp32 logits (topk
-    saves its indices), their softmax in fp32 (saved by softmax), the gates gathered in
-    expert order (the index saves the sort permutation); GraniteMoeMoE.forward's rows
-    gathered by token (the index saves batch_index, which index_add saves too), the
-    gathered rows (saved by each expert's F.linear over its split of them), the gate/up
-    output (silu and the product save views of it), the activation and the product (the
-    down projection's input), the experts' output and the gates (their product saves both)
-    and the weighted rows (index_add's source); the shared MLP over the T tokens."""
-    moe, h, e = _moe(spec), spec.hidden_size, dm.e
-    routed = dm.tokens * moe.top_k
-    terms = [Term("moe.topk_indices", routed * INDEX_BYTES),
-             Term("moe.topk_weights", routed * FP32_BYTES),
-             Term("moe.sort_index", routed * INDEX_BYTES),
-             Term("moe.token_index", routed * INDEX_BYTES),
-             Term("moe.dispatched", routed * h * e),
-             *_expert_terms(spec, dm, routed),
-             Term("moe.expert_out", routed * h * e),
-             Term("moe.routing_weights", routed * e),
-             Term("moe.combine_in", routed * h * e)]
-    if moe.num_shared_experts:
-        ffn = moe.num_shared_experts * moe.shared_expert_ffn_hidden_size
-        terms += mlp.mlp_terms("moe.shared", spec, dm, ffn, dm.tokens)
-    return terms
-
-
-def _select_grads(spec: ModelSpec, dm: Dims) -> tuple[int, int]:
-    """What GraniteMoeParallelExperts' weight gradients hold beyond the gradient itself while
-    they are made (input_linear's, output_linear's): each expert's F.linear takes its weight
-    through ``self.weight[i]``, whose backward (select_backward) makes a zero tensor of the
-    whole (E, out, in) weight with that expert's slice filled; the engine sums them into the
-    weight's input buffer out of place (the buffer, the new one and their sum alive), so with
-    two or more experts on the rank two weight-sized tensors beside the one that becomes the
-    gradient (traced: transformers' GraniteMoeMoE, fp32 and bf16). In the weight's dtype:
-    fp32 under autocast (the cast's backward comes first). None for frozen experts."""
-    moe, h, ex = _moe(spec), spec.hidden_size, dm.experts()
-    local = moe.num_experts // dm.ep
-    if local < 2 or dm.adapters is not None:
-        return 0, 0
-    width = FP32_BYTES if dm.autocast else dm.e
-    weight = local * moe.expert_ffn_hidden_size // ex.tp * h * width
-    return 2 * 2 * weight, 2 * weight
-
-
-def _parallel_forward(spec: ModelSpec, dm: Dims, saved: int) -> list[Moment]:
-    """Granite's MoE forward (GraniteMoeMoE.forward) beside its saved terms: at each
-    GraniteMoeParallelExperts' torch.cat the experts' outputs with the concatenation (gate/up:
-    R 2f, made after the routing and the gathered rows; down: R h, the gate/up output, the
-    activation and the product made); at the combine index_add's zeros and its output (T h
-    each) beside everything the routed experts saved; with a shared MLP (run after the
-    experts) its output and the sum beside the experts' output (T h each)."""
-    moe, h, e = _moe(spec), spec.hidden_size, dm.e
-    rows = dm.tokens * moe.top_k
-    inner = rows * moe.expert_ffn_hidden_size // dm.experts().tp * e
-    routing = rows * (3 * INDEX_BYTES + FP32_BYTES)
-    gate_up = routing + rows * h * e + 2 * inner
-    stream = dm.rows * h * e
-    shared = saved - total(parallel_terms(spec, dm)) if moe.num_shared_experts else 0
-    routed = saved - shared
-    return [Moment("moe_gate_up", gate_up, 2 * inner),
-            Moment("moe_down", gate_up + 2 * inner + rows * h * e, rows * h * e),
-            Moment("moe_combine", routed, 2 * stream),
-            Moment("mlp", saved, 3 * stream if moe.num_shared_experts else stream)]
-
-
-def _parallel_working(spec: ModelSpec, dm: Dims) -> int:
-    """Granite's MoE in a checkpointed forward (nothing saved), its locals alive to its
-    return (GraniteMoeMoE.forward: expert_inputs, chunked_hidden_states, hidden_states): the
-    token index and the gates, the gathered rows (R h) with, at the gate/up concatenation,
-    the experts' outputs and the concatenation (R 2f each); at the down concatenation the
-    gate/up output, the product, the experts' outputs and their concatenation (R h each); at
-    the combine, the weighted rows, zeros and the output (T h each). A shared MLP after it:
-    its gate/up output, activation and product beside the experts' output, then the sum."""
-    moe, h, e = _moe(spec), spec.hidden_size, dm.e
-    rows = dm.tokens * moe.top_k
-    f = rows * moe.expert_ffn_hidden_size // dm.experts().tp
-    stream = dm.rows * h * e
-    routed = rows * (INDEX_BYTES + e) + rows * h * e + max(
-        4 * f * e, 3 * f * e + 2 * rows * h * e, 3 * f * e + rows * h * e + 2 * stream)
-    if not moe.num_shared_experts:
-        return routed
-    fs = dm.tokens * moe.num_shared_experts * moe.shared_expert_ffn_hidden_size // dm.tp * e
-    return max(routed, stream + 4 * fs, stream + 3 * fs + stream, 3 * stream)
-
-
-def _parallel_backward(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
-    """Granite's MoE backward (``MoeImpl.PARALLEL``): index_add's backward gathers the rows'
-    gradient and frees the weighted rows, the weighting's frees the experts' output and the
-    gates; then one MLP backward over all routed rows (each expert's F.linear backward in
-    turn, their input gradients concatenated by the split's backward), its down and input
-    projections' moments with their weights' select_backward sums (``_select_grads``)."""
-    moe, h, e = _moe(spec), spec.hidden_size, dm.e
-    routed = dm.tokens * moe.top_k * h * e
-    moments = mlp.backward_moments(
-        spec, dm.experts(), saved=saved, freed=mlp.dropout_mask_bytes(spec, dm) + routed,
-        run_tokens=dm.tokens * moe.top_k, ffn=moe.expert_ffn_hidden_size,
-        grad_inputs=2 * dm.rows * h * e, fresh=0, out_grad=routed, fused_in=True,
-        in_saved=routed)
-    extra = dict(zip(("mlp_in", "mlp"), _select_grads(spec, dm)))
-    return [m._replace(transient_bytes=m.transient_bytes + extra.get(m.name, 0))
-            for m in moments]
 
 
 def _router_terms(moe: MoESpec, dm: Dims, routed: int) -> list[Term]:
@@ -402,7 +299,7 @@ class MoE:
         saved = total(self.saved(spec, wl, dm, recompute))
         moments = [Moment("mlp", saved, stream)]
         if wl.moe_impl is MoeImpl.PARALLEL:
-            return _parallel_forward(spec, dm, saved)
+            return moe_parallel.forward_moments(spec, dm, saved)
         if wl.moe_impl is MoeImpl.EVERY:
             moments.append(Moment("moe_combine", saved, _every_extra(spec, dm)))
         if wl.moe_impl is MoeImpl.GROUPED:
@@ -418,7 +315,7 @@ class MoE:
         if wl.moe_impl is MoeImpl.EVERY:
             return [Moment("mlp", 0, stream + _every_working(spec, dm))]
         if wl.moe_impl is MoeImpl.PARALLEL:
-            return [Moment("mlp", 0, _parallel_working(spec, dm))]
+            return [Moment("mlp", 0, moe_parallel.working_bytes(spec, dm))]
         if wl.moe_impl is MoeImpl.GROUPED:
             # the bf16 working set (``_grouped_moments``, traced on transformers' Mixtral);
             # with torchao's float8 grouped GEMMs their casts at the matmuls (traced on
@@ -446,7 +343,7 @@ class MoE:
         if wl.moe_impl is MoeImpl.EVERY:
             return _every_backward(spec, dm, saved)
         if wl.moe_impl is MoeImpl.PARALLEL:
-            return _parallel_backward(spec, dm, saved)
+            return moe_parallel.backward_moments(spec, dm, saved)
         if wl.moe_impl is MoeImpl.GROUPED:
             grouped = float8_grouped.backward_moments(spec, dm, mlp.backward_moments(
                 spec, dm.experts(), saved=saved, freed=mlp.dropout_mask_bytes(spec, dm) + routed,

@@ -204,7 +204,7 @@ def test_granite_moe_shared_by_hand() -> None:
 
 def test_granite_moe_runs_its_own_experts() -> None:
     """transformers runs Granite's MoE as its own code (the hf preset's moe_impl parallel);
-    its estimate's saved bytes per MoE layer are GraniteMoeMoE's (memplan.model.moe.
+    its estimate's saved bytes per MoE layer are GraniteMoeMoE's (memplan.model.moe_parallel.
     parallel_terms): 2 sequences of 64 tokens (T 128), top 8 of 32 (R 1,024 rows), h 1,024,
     f 512, bf16: the top-k indices, the sort and token indices (8 B each a row) and the fp32
     top-k softmax (4 B): 28 KiB; the gathered rows, the experts' output and the weighted
@@ -212,7 +212,7 @@ def test_granite_moe_runs_its_own_experts() -> None:
     (R x 2 B): 2 KiB: 10,516,480 B."""
     from memplan import presets
     from memplan.model.dims import Dims
-    from memplan.model.moe import parallel_terms
+    from memplan.model.moe_parallel import parallel_terms
     from memplan.parallel import ParallelConfig
     from memplan.workload import Workload
 
