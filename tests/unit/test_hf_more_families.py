@@ -192,6 +192,36 @@ def test_granite_3_1_moe_1b_by_hand() -> None:
     assert (moe.num_experts, moe.top_k, moe.expert_ffn_hidden_size) == (32, 8, 512)
 
 
+def test_granite_3_1_moe_3b_by_hand() -> None:
+    """granite-3.1-3b-a800m-instruct (granitemoe): 32 layers of h 1,536, 24 heads and 8 KV
+    heads of 64, no biases, tied. Attention q and o 1,536 x 1,536 (2,359,296 each), k and v
+    1,536 x 512 (786,432 each): 6,291,456; the router 40 x 1,536 = 61,440, input_linear
+    (40, 1,024, 1,536) = 62,914,560, output_linear (40, 1,536, 512) = 31,457,280; two norms
+    3,072: 100,727,808 a layer, 3,223,289,856 in all; the embedding 49,155 x 1,536 =
+    75,502,080 and the final norm 1,536: 3,298,793,472."""
+    spec = _spec("granite-3.1-3b-a800m-instruct")
+    assert spec.approximate is None and spec.num_params == 3_298_793_472
+    catalog = load_model("granite-3.1-3b-a800m")
+    assert catalog.model_copy(update={"name": spec.name, "source": spec.source}) == spec
+
+
+def test_granite_4_h_small_by_hand() -> None:
+    """granite-4.0-h-small: h 4,096, 40 layers, tied. The embedding 100,352 x 4,096 =
+    411,041,792 and the final norm 4,096. 4 attention layers (32 heads and 8 KV heads of
+    128): q and o 16,777,216 each, k and v 4,194,304 each: 41,943,040. 36 Mamba2 layers (128
+    heads of 64, d 8,192, 1 group of state 128): in_proj 4,096 x (2 x 8,192 + 2 x 128 + 128)
+    = 68,681,728, the conv1d over 8,448 channels (4 taps and a bias) 42,240, dt_bias, A_log
+    and D 384, the gated norm 8,192, out_proj 8,192 x 4,096 = 33,554,432: 102,286,976. Every
+    layer: the router 72 x 4,096 = 294,912, input_linear (72, 1,536, 4,096) = 452,984,832,
+    output_linear (72, 4,096, 768) = 226,492,416, the shared MLP 4,096 x 3,072 + 1,536 x
+    4,096 = 18,874,368 and two norms 8,192: 698,654,720. 411,045,888 + 4 x 41,943,040 + 36 x
+    102,286,976 + 40 x 698,654,720 = 32,207,337,984 (the "32.2B" stated for it)."""
+    spec = _spec("granite-4.0-h-small")
+    assert spec.approximate is None and spec.num_params == 32_207_337_984
+    catalog = load_model("granite-4.0-h-small")
+    assert catalog.model_copy(update={"name": spec.name, "source": spec.source}) == spec
+
+
 def test_granite_moe_shared_by_hand() -> None:
     """granitemoeshared: the same config with a shared MLP of 1,024 (GraniteMoeSharedMLP:
     input_linear 1,024 -> 2,048, output_linear 1,024 -> 1,024: 3,145,728 a layer) adds
