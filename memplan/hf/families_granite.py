@@ -30,9 +30,11 @@ def granite_moe(cfg: ConfigKeys, shared_default: int | None) -> dict[str, Any]:
     intermediate_size, num_experts_per_tok (default 2) routed a token, and the shared MLP
     (GraniteMoeSharedMLP / GraniteMoeHybridMLP: input_linear h -> 2 x shared_intermediate_size
     chunked into gate and up, output_linear back; no biases) when shared_intermediate_size
-    is not 0 (``shared_default``: the class's default; None: the family has none), run after the experts and added to
-    their output (GraniteMoeSharedDecoderLayer.forward: moe_hidden_states +
-    self.shared_mlp(hidden_states))."""
+    is not 0 (``shared_default``: the class's default; None: the family has none), run after
+    the experts and added to their output (GraniteMoeSharedDecoderLayer.forward:
+    moe_hidden_states + self.shared_mlp(hidden_states)). The router's logits feed the
+    load-balancing loss only with output_router_logits (default false, as the published
+    files set it): not read."""
     moe: dict[str, Any] = {
         "num_experts": cfg.get_int("num_local_experts", 8),
         "top_k": cfg.get_int("num_experts_per_tok", 2),
