@@ -55,7 +55,8 @@ def select_grads(spec: ModelSpec, dm: Dims) -> tuple[int, int]:
     two or more experts on the rank two weight-sized tensors beside the one that becomes the
     gradient (traced: transformers' GraniteMoeMoE, fp32 and bf16). In the weights' compute
     dtype (autocast is refused with MoE layers: memplan.parallel.validate). None for frozen
-    experts (adapters on them)."""
+    experts (adapters on them). Not modelled: a micro-batch accumulating into gradients that
+    already exist holds the buffer beside them too, one weight more (traced standalone)."""
     moe, h, ex = _moe(spec), spec.hidden_size, dm.experts()
     local = moe.num_experts // dm.ep
     if local < 2 or dm.adapters is not None:
