@@ -150,9 +150,10 @@ PRESETS: dict[Framework, tuple[Selection, ...]] = {
                     f"implementation (modeling_utils.py get_correct_experts_implementation) for "
                     f"the stacked experts of Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3; "
                     f"models/llama4/modeling_llama4.py Llama4TextMoe.forward runs its own "
-                    f"bmm experts over every token; models/granitemoe/modeling_granitemoe.py "
-                    f"GraniteMoeMoE.forward its own GraniteMoeParallelExperts "
-                    f"({_TRANSFORMERS})"),
+                    f"bmm experts over every token ({_TRANSFORMERS}); models/granitemoe/"
+                    f"modeling_granitemoe.py GraniteMoeMoE.forward its own "
+                    f"GraniteMoeParallelExperts (transformers 5.3; later versions its "
+                    f"GraniteMoeExperts under use_experts_implementation)"),
             Default("window_mask", True,
                     f"masking_utils.py sdpa_mask: a sliding-window layer gets an explicit mask "
                     f"unless the sequence is shorter than the window (_ignore_causal_mask_sdpa); "

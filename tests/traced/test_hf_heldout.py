@@ -243,6 +243,15 @@ def _naive_mamba() -> bool:
     return forward is not None and "G_intermediate" in inspect.getsource(forward)
 
 
+def _parallel_experts() -> bool:
+    """Whether the installed transformers runs Granite's MoE through its own
+    GraniteMoeParallelExperts (5.3: memplan.model.moe_parallel); later versions (5.25) run it
+    through the experts interface (use_experts_implementation: GraniteMoeExperts)."""
+    from transformers.models.granitemoe import modeling_granitemoe as m
+
+    return hasattr(m, "GraniteMoeParallelExperts")
+
+
 def _cases():
     from memplan.profile.frameworks import FrameworkCase
 
@@ -269,6 +278,11 @@ def test_library_matches_estimate(case, known) -> None:
 
     if not _known(case.config["model_type"]):
         pytest.skip(f"transformers {transformers.__version__} has no {case.config['model_type']!r}")
+    granite_moe = case.name in ("granitemoe", "granitemoeshared", "granitemoehybrid-h-moe")
+    if granite_moe and not _parallel_experts():
+        pytest.skip(f"transformers {transformers.__version__} runs Granite's MoE through its "
+                    "experts interface, not 5.3's GraniteMoeParallelExperts "
+                    "(memplan.model.moe_parallel)")
     if case.name.startswith("granitemoehybrid-h") and not _naive_mamba():
         pytest.skip(f"transformers {transformers.__version__}'s Mamba2 torch path is not 5.3's "
                     "naive scan (memplan.model.mamba)")
