@@ -111,13 +111,16 @@ def backward_moments(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMome
     gradient and frees the weighted rows, the weighting's frees the experts' output and the
     gates; then one MLP backward over all routed rows (each expert's F.linear backward in
     turn, their input gradients concatenated by the split's backward), its down and input
-    projections' moments with their weights' select_backward sums (``select_grads``)."""
+    projections' moments with their weights' select_backward sums (``select_grads``). A
+    shared MLP ran last, so its backward ran first: its input's gradient (T h) waits to be
+    summed with the experts' (traced: granitemoeshared)."""
     moe, h, e = _moe(spec), spec.hidden_size, dm.e
     routed = dm.tokens * moe.top_k * h * e
     moments = mlp.backward_moments(
         spec, dm.experts(), saved=saved, freed=mlp.dropout_mask_bytes(spec, dm) + routed,
         run_tokens=dm.tokens * moe.top_k, ffn=moe.expert_ffn_hidden_size,
-        grad_inputs=2 * dm.rows * h * e, fresh=0, out_grad=routed, fused_in=True,
+        grad_inputs=(3 if moe.num_shared_experts else 2) * dm.rows * h * e, fresh=0,
+        out_grad=routed, fused_in=True,
         in_saved=routed)
     extra = dict(zip(("mlp_in", "mlp"), select_grads(spec, dm)))
     return [m._replace(transient_bytes=m.transient_bytes + extra.get(m.name, 0))
