@@ -3,6 +3,13 @@
 same code under granitemoeshared's and granitemoehybrid's prefixes): GraniteMoeTopKGating,
 GraniteMoeParallelExperts and GraniteMoeMoE.forward. Routing is taken as balanced: the rank's
 experts see T*k rows. Read by ``memplan.model.moe.MoE``.
+
+Why its own mechanism: the reference loop (``loop``) saves the same rows but the router's
+(every expert's fp32 probability and the renormalised weights' sum where Granite saves the
+fp32 softmax of the k logits and the sort permutation) and runs one expert at a time; the
+grouped experts (``grouped``) save the unsort index and fp32 routing weights and make no
+per-expert weight slices. Granite's forward concatenates each projection's per-expert
+outputs, and its backward sums a weight-sized select_backward per expert (``select_grads``).
 """
 
 from __future__ import annotations
