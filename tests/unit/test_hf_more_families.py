@@ -252,3 +252,23 @@ def test_granite_moe_runs_its_own_experts() -> None:
     wl = Workload(seq_len=64, micro_batch_size=2, precision="bf16-pure", moe_impl="parallel")
     dm = Dims.of(spec, ParallelConfig(), wl)
     assert sum(t.size_bytes for t in parallel_terms(spec, dm)) == 10_516_480
+
+
+def test_granite_select_backward_sums_by_hand() -> None:
+    """granite-4.0-h-small in bf16 on one rank: each expert's weight slice (self.weight[i])
+    gets a zero tensor of the whole weight in backward, summed out of place into the
+    weight's buffer: two weight-sized tensors beside the gradient. input_linear (72, 1,536,
+    4,096) x 2 B = 905,969,664 B, twice: 1,811,939,328; output_linear (72, 4,096, 768) x 2 B
+    = 452,984,832, twice: 905,969,664. Eight experts a rank (ep 9) a ninth of it; one
+    expert a rank (ep 72): its slice's gradient is the weight's, nothing beside it."""
+    from memplan.model.dims import Dims
+    from memplan.model.moe_parallel import select_grads
+    from memplan.parallel import ParallelConfig
+    from memplan.workload import Workload
+
+    spec = load_model("granite-4.0-h-small")
+    wl = Workload(seq_len=4096, precision="bf16-pure", moe_impl="parallel")
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    assert select_grads(spec, dm) == (1_811_939_328, 905_969_664)
+    assert select_grads(spec, dm._replace(ep=9)) == (1_811_939_328 // 9, 905_969_664 // 9)
+    assert select_grads(spec, dm._replace(ep=72)) == (0, 0)
