@@ -168,6 +168,14 @@ class MoESpec(BaseModel):
     router_topk_softmax: bool = Field(default=False, description=(
         "the router takes the top-k logits and softmaxes only them, in its own dtype (GPT-OSS: "
         "GptOssTopKRouter.forward), saving the k weights, not every expert's probability"))
+    parallel_experts: bool = Field(default=False, description=(
+        "the model's own experts run as one F.linear per expert over its split of the rows "
+        "sorted by expert, concatenated (IBM Granite's MoE: models/granitemoe/"
+        "modeling_granitemoe.py GraniteMoeParallelExperts.forward, weights (E, 2f, h) and "
+        "(E, h, f)), routed by the softmax of the top-k fp32 logits (GraniteMoeTopKGating."
+        "forward) and combined by index_add into zeros (GraniteMoeMoE.forward), as "
+        "transformers 5.3 writes it. Read where the framework runs the model's own code "
+        "(transformers: the hf preset's moe_impl parallel)"))
     every_expert: bool = Field(default=False, description=(
         "the model's own code runs every token through every expert, its input scaled by the "
         "router's sigmoid of the top-k logits (zero for the others), the outputs summed "

@@ -381,6 +381,7 @@ class GradSync(PlainEnum):
     """
 
     EVERY = "every"
+    PARALLEL = "parallel"
     LAST = "last"
 
 
@@ -483,6 +484,10 @@ class MoeImpl(PlainEnum):
              grouped_mm): the routed rows sorted by expert, one grouped matmul over all of
              them for gate/up and one for down, weighted, unsorted and summed per token (the
              sum saves nothing)
+    parallel the model's own experts as Granite's MoE runs them (``MoESpec.parallel_experts``:
+             models/granitemoe/modeling_granitemoe.py GraniteMoeMoE.forward): the rows
+             gathered in expert order, one F.linear per expert over its split (torch.cat of
+             the outputs) for gate/up and for down, weighted, index_add into zeros
     every    the model's own experts over every token (``MoESpec.every_expert``: Llama 4's
              Llama4TextMoe.forward): the input repeated per expert and scaled by the router's
              scores, two batched matmuls over all of it, the outputs summed per token
@@ -491,6 +496,7 @@ class MoeImpl(PlainEnum):
     LOOP = "loop"
     GROUPED = "grouped"
     EVERY = "every"
+    PARALLEL = "parallel"
 
 
 class Float8Recipe(PlainEnum):

@@ -29,8 +29,9 @@ from memplan.hf.config import (
 from memplan.hf.fallback import fallback_fields
 from memplan.hf.families_hybrid import QWEN3_NEXT_EXPERTS, qwen3_next
 from memplan.hf.families_moe import MOE_FAMILIES, moe_family_fields, refuse_not_modelled
-from memplan.hf.families_more import MORE_FAMILIES, granite_hybrid_dense, more_family_fields
+from memplan.hf.families_more import MORE_FAMILIES, granite_hybrid_layers, more_family_fields
 from memplan.hf.families_conv import CONV_FAMILIES, conv_family_fields
+from memplan.hf.families_granite import GRANITE_MOE_FAMILIES, granite_family_fields
 
 # llama, mistral, mixtral and qwen2 share Llama's field names (memplan.hf.config); gpt2 has
 # its own; the others are read here
@@ -42,6 +43,7 @@ SUPPORTED += MOE_FAMILIES  # memplan.hf.families_moe
 SUPPORTED += ("qwen3_next",)  # memplan.hf.families_hybrid
 SUPPORTED += MORE_FAMILIES  # memplan.hf.families_more
 SUPPORTED += CONV_FAMILIES  # memplan.hf.families_conv
+SUPPORTED += GRANITE_MOE_FAMILIES  # memplan.hf.families_granite
 # configuration classes' defaults (configuration_<family>.py __init__)
 _QWEN = {"vocab_size": 151936, "max_position_embeddings": 32768}
 _GEMMA2 = {"vocab_size": 256000, "max_position_embeddings": 8192}
@@ -424,9 +426,9 @@ def spec_fields(data: dict[str, Any], where: str, name: str) -> dict[str, Any]:
     model_type = cfg.get_str("model_type")
     refuse_not_modelled(cfg, model_type)
     if model_type not in SUPPORTED or (model_type == "granitemoehybrid"
-                                       and not granite_hybrid_dense(cfg)):
+                                       and not granite_hybrid_layers(cfg)):
         # transformers' exact count and tensors, an approximate estimate (Granite 4.0-H's
-        # Mamba layers and experts: memplan has no Mamba block)
+        # layer kinds other than Mamba and attention)
         return fallback_fields(cfg, model_type, SUPPORTED, name, where)
     source = f"Hugging Face config.json ({model_type}) at {where}"
     if model_type == "gemma3":
@@ -478,6 +480,8 @@ def _family_fields(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
         return more_family_fields(cfg, model_type)
     if model_type in CONV_FAMILIES:
         return conv_family_fields(cfg, model_type)
+    if model_type in GRANITE_MOE_FAMILIES:
+        return granite_family_fields(cfg, model_type)
     if model_type == "gpt2":
         return gpt2(cfg)
     if model_type == "qwen3":

@@ -16,6 +16,7 @@ from typing import Any
 from memplan.hf.config import FULL, SLIDING, ConfigKeys, llama_fields, sliding_fields
 from memplan.hf.config import _KERNEL_GELU
 from memplan.hf.config import _layer_types as _types
+from memplan.hf.families_granite import granite_moe
 from memplan.hf.families_moe import first_dense
 MORE_FAMILIES = ("exaone4", "seed_oss", "hunyuan_v1_dense", "hunyuan_v1_moe", "ernie4_5", "dots1",
                  "ernie4_5_moe", "apertus", "granitemoehybrid")
@@ -225,16 +226,15 @@ def apertus(cfg: ConfigKeys) -> dict[str, Any]:
 _GRANITE_ATTENTION, _GRANITE_MAMBA = ("attention", "full_attention"), ("mamba", "linear_attention")
 
 
-def granite_hybrid_dense(cfg: ConfigKeys) -> bool:
-    """Whether a granitemoehybrid config builds no experts: num_local_experts 0 (default 8:
-    GraniteMoeHybridMoE beside the shared MLP, which the fallback reads, memplan.hf.fallback),
-    its layer_types (default: every layer Mamba, GraniteMoeHybridConfig.layers_block_type)
-    attention or Mamba layers."""
+def granite_hybrid_layers(cfg: ConfigKeys) -> bool:
+    """Whether a granitemoehybrid config's layer_types (default: every layer Mamba,
+    GraniteMoeHybridConfig.layers_block_type) are attention or Mamba layers, the kinds
+    memplan reads (with or without experts: GraniteMoeHybridDecoderLayer builds
+    GraniteMoeHybridMoE when num_local_experts > 0, ``granite_moe``)."""
     types = cfg.data.get("layer_types")
-    experts = cfg.data.get("num_local_experts", 8)
     known = _GRANITE_ATTENTION + _GRANITE_MAMBA
-    return (types is None or (isinstance(types, list) and bool(types)
-                              and all(t in known for t in types))) and experts == 0
+    return types is None or (isinstance(types, list) and bool(types)
+                             and all(t in known for t in types))
 
 
 def _granite_mamba(cfg: ConfigKeys, hidden: int, num_layers: int) -> dict[str, Any] | None:
@@ -264,8 +264,8 @@ def _granite_mamba(cfg: ConfigKeys, hidden: int, num_layers: int) -> dict[str, A
 
 
 def granitemoehybrid(cfg: ConfigKeys) -> dict[str, Any]:
-    """models/granitemoehybrid/modeling_granitemoehybrid.py with attention layers only and no
-    experts (``granite_hybrid_dense``; Granite 4.0 micro): Granite's layer
+    """models/granitemoehybrid/modeling_granitemoehybrid.py, its attention and Mamba layers
+    (``granite_hybrid_layers``; Granite 4.0 micro: attention only, no experts): Granite's layer
     (GraniteMoeHybridDecoderLayer.forward: residual + out * residual_multiplier, the embedding
     times embedding_multiplier, logits / logits_scaling, attention_multiplier as the softmax
     scale: scalars, no parameter, nothing saved) whose MLP is GraniteMoeHybridMLP, one
@@ -275,14 +275,19 @@ def granitemoehybrid(cfg: ConfigKeys) -> dict[str, Any]:
     (GraniteMoeHybridModel.rotary_emb, else None: no position encoding).
     GraniteMoeHybridConfig's defaults: vocab 32000, 2048 positions, untied,
     shared_intermediate_size 1024, position_embedding_type None. Its Mamba layers (Granite
-    4.0-H) are ``_granite_mamba``'s (memplan.model.mamba)."""
-    if not granite_hybrid_dense(cfg):
-        raise cfg.error("num_local_experts", "experts are read by the fallback")
+    4.0-H) are ``_granite_mamba``'s (memplan.model.mamba); with num_local_experts > 0 (the
+    class's default 8; Granite 4.0-H Tiny and Small) every layer's MLP is GraniteMoeHybridMoE
+    with the shared MLP after it (``granite_moe``: GraniteMoeHybridDecoderLayer.forward)."""
+    if not granite_hybrid_layers(cfg):
+        raise cfg.error("layer_types", "only attention and mamba layers are modelled")
     fields = llama_fields(cfg, head_dim_default=None, tie_default=False,
                           defaults={"vocab_size": 32000, "max_position_embeddings": 2048})
     rope = cfg.data.get("position_embedding_type") == "rope"
     fields.update(ffn_hidden_size=cfg.get_int("shared_intermediate_size", 1024),
                   fused_gate_up=True, mlp_bias=False, position="rope" if rope else "none")
+    if cfg.data.get("num_local_experts", 8) != 0:
+        # GraniteMoeHybridMoE beside the shared MLP (memplan.hf.families_granite)
+        fields["moe"] = granite_moe(cfg, 1024)
     mamba = _granite_mamba(cfg, fields["hidden_size"], fields["num_layers"])
     if mamba is not None:
         fields["mamba"] = mamba

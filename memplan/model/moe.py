@@ -5,7 +5,8 @@ What it saves (``Workload.moe_impl``): router probabilities (fp32), top-k indice
 renormalised weights, the gathered rows and their index, the MLP terms over them, the experts'
 outputs and the routing weights; the reference's loop (``loop``) also the weighted outputs its
 out-of-place combine keeps; transformers' grouped experts (``grouped``) the sort permutation
-and its inverse instead (the per-token sum saves nothing). Shared experts are a dense MLP over
+and its inverse instead (the per-token sum saves nothing); Granite's own experts
+(``parallel``): ``memplan.model.moe_parallel``. Shared experts are a dense MLP over
 all tokens, behind a sigmoid gate that saves their output where the model has one; a router
 on fp32 copies (``router_fp32``) saves them.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from memplan.model import float8_grouped, linear, mlp
+from memplan.model import float8_grouped, linear, mlp, moe_parallel
 from memplan.model.block import BackwardMoment, Moment
 from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term, residual_dropout_mask, total
 from memplan.model.linear import Linear, Split
@@ -129,6 +130,8 @@ def moe_terms(spec: ModelSpec, dm: Dims, impl: MoeImpl = MoeImpl.LOOP) -> list[T
     moe = _moe(spec)
     if impl is MoeImpl.EVERY:
         return every_expert_terms(spec, dm)
+    if impl is MoeImpl.PARALLEL:
+        return moe_parallel.parallel_terms(spec, dm)
     routed = dm.tokens * moe.top_k
     h, e = spec.hidden_size, dm.e
     grouped = impl is MoeImpl.GROUPED
@@ -295,6 +298,8 @@ class MoE:
         stream = dm.rows * spec.hidden_size * dm.e
         saved = total(self.saved(spec, wl, dm, recompute))
         moments = [Moment("mlp", saved, stream)]
+        if wl.moe_impl is MoeImpl.PARALLEL:
+            return moe_parallel.forward_moments(spec, dm, saved)
         if wl.moe_impl is MoeImpl.EVERY:
             moments.append(Moment("moe_combine", saved, _every_extra(spec, dm)))
         if wl.moe_impl is MoeImpl.GROUPED:
@@ -309,6 +314,8 @@ class MoE:
         stream = dm.rows * h * e
         if wl.moe_impl is MoeImpl.EVERY:
             return [Moment("mlp", 0, stream + _every_working(spec, dm))]
+        if wl.moe_impl is MoeImpl.PARALLEL:
+            return [Moment("mlp", 0, moe_parallel.working_bytes(spec, dm))]
         if wl.moe_impl is MoeImpl.GROUPED:
             # the bf16 working set (``_grouped_moments``, traced on transformers' Mixtral);
             # with torchao's float8 grouped GEMMs their casts at the matmuls (traced on
@@ -335,6 +342,8 @@ class MoE:
         saved = total(self.saved(spec, wl, dm, recompute))
         if wl.moe_impl is MoeImpl.EVERY:
             return _every_backward(spec, dm, saved)
+        if wl.moe_impl is MoeImpl.PARALLEL:
+            return moe_parallel.backward_moments(spec, dm, saved)
         if wl.moe_impl is MoeImpl.GROUPED:
             grouped = float8_grouped.backward_moments(spec, dm, mlp.backward_moments(
                 spec, dm.experts(), saved=saved, freed=mlp.dropout_mask_bytes(spec, dm) + routed,

@@ -31,7 +31,7 @@ HELDOUT = Path(__file__).resolve().parents[1] / "data" / "hf" / "heldout"
 NAMES = sorted(p.name for p in HELDOUT.iterdir() if (p / "config.json").is_file())
 
 # read by the fallback: approximate blocks, transformers' tensors as the weights
-FALLBACK = {"Falcon-H1-1.5B-Instruct", "granite-4.0-h-tiny"}
+FALLBACK = {"Falcon-H1-1.5B-Instruct"}
 # transformers has no configuration class for it (remote code)
 UNKNOWN_TO_TRANSFORMERS = {"Phi-4-mini-flash-reasoning"}
 
@@ -121,6 +121,21 @@ def test_granite_4_h_without_experts_is_read_as_built() -> None:
     assert sorted(stage.tensor_sizes) == sorted(p.numel() for p in model.parameters())
 
 
+def test_granite_4_h_tiny_with_experts_is_read_as_built() -> None:
+    """granite-4.0-h-tiny as published (64 experts of 512, 6 routed a token, the shared MLP
+    of 1,024 on every layer): read by the reader, not the fallback, the count and every
+    layer's tensors transformers' (6,939,037,248: tests/unit/test_hf_more_families.py by
+    hand)."""
+    data = _config("granite-4.0-h-tiny")
+    model = _built(data)
+    spec = spec_from_hf_dict(data, "config.json", "granite-4.0-h-tiny")
+    assert spec.approximate is None and spec.moe is not None and spec.moe.parallel_experts
+    assert spec.num_params == sum(p.numel() for p in model.parameters()) == 6_939_037_248
+    stage = count_stage_params(spec, 1, 1, 1, tuple(range(spec.num_layers)), True, True, 1)
+    assert list(stage.layers) == [sum(p.numel() for p in layer.parameters())
+                                  for layer in model.model.layers]
+
+
 def test_remote_code_type_is_refused_in_one_line() -> None:
     with pytest.raises(MemplanError) as err:
         spec_from_hf_dict(_config("Phi-4-mini-flash-reasoning"), "config.json", "m")
@@ -172,6 +187,23 @@ TRACED = {
                                layer_types=["mamba", "attention", "mamba"], num_local_experts=0,
                                shared_intermediate_size=256, mamba_n_heads=4, mamba_d_head=64,
                                mamba_d_state=32, mamba_chunk_size=48, **_TOY),
+    # Granite 3.x MoE: 4 experts of 256 (2 routed a token), its ParallelExperts' weight
+    # gradients (select_backward's sums) the backward's peak
+    "granitemoe": _cut("granite-3.1-1b-a400m-instruct", num_hidden_layers=2,
+                       num_local_experts=4, num_experts_per_tok=2, **_TOY),
+    # the same with the shared MLP after the experts (granitemoeshared)
+    "granitemoeshared": _cut("granite-3.1-1b-a400m-instruct", model_type="granitemoeshared",
+                             architectures=["GraniteMoeSharedForCausalLM"],
+                             shared_intermediate_size=256, num_hidden_layers=2,
+                             num_local_experts=4, num_experts_per_tok=2, **_TOY),
+    # Granite 4.0-H Tiny with its experts: Mamba2, attention, Mamba2, each with 4 experts of
+    # 256 (2 routed a token) and the shared MLP
+    "granitemoehybrid-h-moe": _cut("granite-4.0-h-tiny", num_hidden_layers=3,
+                                   layer_types=["mamba", "attention", "mamba"],
+                                   num_local_experts=4, num_experts_per_tok=2,
+                                   shared_intermediate_size=256, mamba_n_heads=4,
+                                   mamba_d_head=64, mamba_d_state=32, mamba_chunk_size=48,
+                                   **_TOY),
     "granitemoehybrid": _cut("granite-4.0-micro", num_hidden_layers=2,
                              layer_types=["attention"] * 2, shared_intermediate_size=256,
                              mamba_n_heads=4, mamba_d_head=64, **_TOY),  # (unused, validated)
@@ -211,6 +243,15 @@ def _naive_mamba() -> bool:
     return forward is not None and "G_intermediate" in inspect.getsource(forward)
 
 
+def _parallel_experts() -> bool:
+    """Whether the installed transformers runs Granite's MoE through its own
+    GraniteMoeParallelExperts (5.3: memplan.model.moe_parallel); later versions (5.25) run it
+    through the experts interface (use_experts_implementation: GraniteMoeExperts)."""
+    from transformers.models.granitemoe import modeling_granitemoe as m
+
+    return hasattr(m, "GraniteMoeParallelExperts")
+
+
 def _cases():
     from memplan.profile.frameworks import FrameworkCase
 
@@ -237,7 +278,12 @@ def test_library_matches_estimate(case, known) -> None:
 
     if not _known(case.config["model_type"]):
         pytest.skip(f"transformers {transformers.__version__} has no {case.config['model_type']!r}")
-    if case.name == "granitemoehybrid-h" and not _naive_mamba():
+    granite_moe = case.name in ("granitemoe", "granitemoeshared", "granitemoehybrid-h-moe")
+    if granite_moe and not _parallel_experts():
+        pytest.skip(f"transformers {transformers.__version__} runs Granite's MoE through its "
+                    "experts interface, not 5.3's GraniteMoeParallelExperts "
+                    "(memplan.model.moe_parallel)")
+    if case.name.startswith("granitemoehybrid-h") and not _naive_mamba():
         pytest.skip(f"transformers {transformers.__version__}'s Mamba2 torch path is not 5.3's "
                     "naive scan (memplan.model.mamba)")
     # HunYuanMoEV1Gate.wg is built in fp32 in a bf16 model: the states are exact in fp32 only

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from memplan.spec import spec_from_hf_dict
+from memplan.spec import load_model, spec_from_hf_dict
 
 HELDOUT = Path(__file__).resolve().parents[1] / "data" / "hf" / "heldout"
 
@@ -142,31 +142,133 @@ def test_granite_4_micro_by_hand() -> None:
                                                                                 "rope")
 
 
-def test_granite_hybrid_with_experts_is_the_fallbacks() -> None:
-    """Experts (num_local_experts > 0, its default 8): no GraniteMoeHybridMoE block in
-    memplan, so the fallback reads it (here without transformers: its one-line refusal);
-    Mamba layers are read (memplan.model.mamba); transformers 5.25's to_dict() spellings of
-    attention and Mamba layers (full_attention, linear_attention) are read as the file's."""
-    from memplan.errors import MemplanError
+def test_granite_hybrid_layer_kinds() -> None:
+    """Attention and Mamba layers, with or without experts, are read; transformers 5.25's
+    to_dict() spellings of attention and Mamba layers (full_attention, linear_attention) are
+    read as the file's."""
     from memplan.hf.config import ConfigKeys
-    from memplan.hf.families_more import granite_hybrid_dense
-    import memplan.profile.hf_meta as hf_meta
+    from memplan.hf.families_more import granite_hybrid_layers
 
     data = json.loads((HELDOUT / "granite-4.0-micro" / "config.json").read_text())
-    assert granite_hybrid_dense(ConfigKeys({**data, "layer_types": ["full_attention"] * 40},
-                                           "c"))
-    experts = {**data, "num_local_experts": 8}
-    assert not granite_hybrid_dense(ConfigKeys(experts, "c"))
+    assert granite_hybrid_layers(ConfigKeys({**data, "layer_types": ["full_attention"] * 40},
+                                            "c"))
+    assert granite_hybrid_layers(ConfigKeys({**data, "num_local_experts": 8}, "c"))
     mamba = {**data, "layer_types": ["mamba"] + ["attention"] * 39}
-    assert granite_hybrid_dense(ConfigKeys(mamba, "c"))
+    assert granite_hybrid_layers(ConfigKeys(mamba, "c"))
     assert _spec_of(mamba).is_linear_layer(0) and not _spec_of(mamba).is_linear_layer(1)
     spelled = {**data, "layer_types": ["linear_attention"] + ["full_attention"] * 39}
     assert _spec_of(spelled) == _spec_of(mamba)
 
-    def missing(data):
-        raise ImportError("No module named 'transformers'")
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(hf_meta, "meta_build", missing)
-        with pytest.raises(MemplanError, match="pip install transformers"):
-            _spec_of(experts)
+def test_granite_4_h_tiny_by_hand() -> None:
+    """granite-4.0-h-tiny as published: without its experts 895,307,328 parameters
+    (tests/unit/test_mamba.py by hand); each of the 40 layers adds GraniteMoeHybridMoE's 64
+    experts of 512 (modeling_granitemoehybrid.py: input_linear (64, 1,024, 1,536) =
+    100,663,296, output_linear (64, 1,536, 512) = 50,331,648) and its bias-free router
+    (64 x 1,536 = 98,304): 151,093,248 a layer, 6,043,729,920 in all: 6,939,037,248."""
+    spec = _spec("granite-4.0-h-tiny")
+    assert spec.approximate is None and spec.num_params == 6_939_037_248
+    catalog = load_model("granite-4.0-h-tiny")
+    assert catalog.model_copy(update={"name": spec.name, "source": spec.source}) == spec
+    moe = spec.moe
+    assert moe is not None and moe.parallel_experts and moe.stacked_experts
+    assert (moe.num_experts, moe.top_k, moe.expert_ffn_hidden_size) == (64, 6, 512)
+    assert (moe.num_shared_experts, moe.shared_expert_ffn_hidden_size) == (1, 1024)
+
+
+def test_granite_3_1_moe_1b_by_hand() -> None:
+    """granite-3.1-1b-a400m-instruct (granitemoe): 24 layers of h 1,024, 16 heads and 8 KV
+    heads of 64, no biases, tied. Attention q and o 1,024 x 1,024 (1,048,576 each), k and v
+    1,024 x 512 (524,288 each): 3,145,728; GraniteMoeMoE: the router 32 x 1,024 = 32,768,
+    input_linear (32, 1,024, 1,024) = 33,554,432, output_linear (32, 1,024, 512) =
+    16,777,216; two norms 2,048: 53,512,192 a layer, 1,284,292,608 in all; the embedding
+    49,155 x 1,024 = 50,334,720 and the final norm 1,024: 1,334,628,352."""
+    spec = _spec("granite-3.1-1b-a400m-instruct")
+    assert spec.approximate is None and spec.num_params == 1_334_628_352
+    catalog = load_model("granite-3.1-1b-a400m")
+    assert catalog.model_copy(update={"name": spec.name, "source": spec.source}) == spec
+    moe = spec.moe
+    assert moe is not None and moe.parallel_experts and not moe.num_shared_experts
+    assert (moe.num_experts, moe.top_k, moe.expert_ffn_hidden_size) == (32, 8, 512)
+
+
+def test_granite_3_1_moe_3b_by_hand() -> None:
+    """granite-3.1-3b-a800m-instruct (granitemoe): 32 layers of h 1,536, 24 heads and 8 KV
+    heads of 64, no biases, tied. Attention q and o 1,536 x 1,536 (2,359,296 each), k and v
+    1,536 x 512 (786,432 each): 6,291,456; the router 40 x 1,536 = 61,440, input_linear
+    (40, 1,024, 1,536) = 62,914,560, output_linear (40, 1,536, 512) = 31,457,280; two norms
+    3,072: 100,727,808 a layer, 3,223,289,856 in all; the embedding 49,155 x 1,536 =
+    75,502,080 and the final norm 1,536: 3,298,793,472."""
+    spec = _spec("granite-3.1-3b-a800m-instruct")
+    assert spec.approximate is None and spec.num_params == 3_298_793_472
+    catalog = load_model("granite-3.1-3b-a800m")
+    assert catalog.model_copy(update={"name": spec.name, "source": spec.source}) == spec
+
+
+def test_granite_4_h_small_by_hand() -> None:
+    """granite-4.0-h-small: h 4,096, 40 layers, tied. The embedding 100,352 x 4,096 =
+    411,041,792 and the final norm 4,096. 4 attention layers (32 heads and 8 KV heads of
+    128): q and o 16,777,216 each, k and v 4,194,304 each: 41,943,040. 36 Mamba2 layers (128
+    heads of 64, d 8,192, 1 group of state 128): in_proj 4,096 x (2 x 8,192 + 2 x 128 + 128)
+    = 68,681,728, the conv1d over 8,448 channels (4 taps and a bias) 42,240, dt_bias, A_log
+    and D 384, the gated norm 8,192, out_proj 8,192 x 4,096 = 33,554,432: 102,286,976. Every
+    layer: the router 72 x 4,096 = 294,912, input_linear (72, 1,536, 4,096) = 452,984,832,
+    output_linear (72, 4,096, 768) = 226,492,416, the shared MLP 4,096 x 3,072 + 1,536 x
+    4,096 = 18,874,368 and two norms 8,192: 698,654,720. 411,045,888 + 4 x 41,943,040 + 36 x
+    102,286,976 + 40 x 698,654,720 = 32,207,337,984 (the "32.2B" stated for it)."""
+    spec = _spec("granite-4.0-h-small")
+    assert spec.approximate is None and spec.num_params == 32_207_337_984
+    catalog = load_model("granite-4.0-h-small")
+    assert catalog.model_copy(update={"name": spec.name, "source": spec.source}) == spec
+
+
+def test_granite_moe_shared_by_hand() -> None:
+    """granitemoeshared: the same config with a shared MLP of 1,024 (GraniteMoeSharedMLP:
+    input_linear 1,024 -> 2,048, output_linear 1,024 -> 1,024: 3,145,728 a layer) adds
+    75,497,472: 1,410,125,824; shared_intermediate_size 0 (the class's default) builds none."""
+    data = json.loads((HELDOUT / "granite-3.1-1b-a400m-instruct" / "config.json").read_text())
+    shared = {**data, "model_type": "granitemoeshared", "shared_intermediate_size": 1024}
+    assert _spec_of(shared).num_params == 1_410_125_824
+    assert _spec_of({**shared, "shared_intermediate_size": 0}).num_params == 1_334_628_352
+
+
+def test_granite_moe_runs_its_own_experts() -> None:
+    """transformers runs Granite's MoE as its own code (the hf preset's moe_impl parallel);
+    its estimate's saved bytes per MoE layer are GraniteMoeMoE's (memplan.model.moe_parallel.
+    parallel_terms): 2 sequences of 64 tokens (T 128), top 8 of 32 (R 1,024 rows), h 1,024,
+    f 512, bf16: the top-k indices, the sort and token indices (8 B each a row) and the fp32
+    top-k softmax (4 B): 28 KiB; the gathered rows, the experts' output and the weighted
+    rows (R h, 2 B): 6 MiB; gate/up (R 2f), activation and product (R f): 4 MiB; the gates
+    (R x 2 B): 2 KiB: 10,516,480 B."""
+    from memplan import presets
+    from memplan.model.dims import Dims
+    from memplan.model.moe_parallel import parallel_terms
+    from memplan.parallel import ParallelConfig
+    from memplan.workload import Workload
+
+    spec = _spec("granite-3.1-1b-a400m-instruct")
+    kwargs = presets.apply(presets.parse("hf"), spec, {})
+    assert kwargs["moe_impl"] == "parallel"
+    wl = Workload(seq_len=64, micro_batch_size=2, precision="bf16-pure", moe_impl="parallel")
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    assert sum(t.size_bytes for t in parallel_terms(spec, dm)) == 10_516_480
+
+
+def test_granite_select_backward_sums_by_hand() -> None:
+    """granite-4.0-h-small in bf16 on one rank: each expert's weight slice (self.weight[i])
+    gets a zero tensor of the whole weight in backward, summed out of place into the
+    weight's buffer: two weight-sized tensors beside the gradient. input_linear (72, 1,536,
+    4,096) x 2 B = 905,969,664 B, twice: 1,811,939,328; output_linear (72, 4,096, 768) x 2 B
+    = 452,984,832, twice: 905,969,664. Eight experts a rank (ep 9) a ninth of it; one
+    expert a rank (ep 72): its slice's gradient is the weight's, nothing beside it."""
+    from memplan.model.dims import Dims
+    from memplan.model.moe_parallel import select_grads
+    from memplan.parallel import ParallelConfig
+    from memplan.workload import Workload
+
+    spec = load_model("granite-4.0-h-small")
+    wl = Workload(seq_len=4096, precision="bf16-pure", moe_impl="parallel")
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    assert select_grads(spec, dm) == (1_811_939_328, 905_969_664)
+    assert select_grads(spec, dm._replace(ep=9)) == (1_811_939_328 // 9, 905_969_664 // 9)
+    assert select_grads(spec, dm._replace(ep=72)) == (0, 0)

@@ -38,6 +38,13 @@ PUBLISHED = {
     # the LiquidAI/LFM2 model cards' parameter table (counted by hand in
     # tests/unit/test_short_conv.py)
     "lfm2-1.2b": 1_170_340_608,
+    # read from their config.json files (tests/data/hf/heldout), counted by hand in
+    # tests/unit/test_hf_more_families.py and against transformers' meta build in
+    # tests/traced/test_hf_heldout.py
+    "granite-4.0-h-tiny": 6_939_037_248,
+    "granite-3.1-1b-a400m": 1_334_628_352,
+    "granite-3.1-3b-a800m": 3_298_793_472,
+    "granite-4.0-h-small": 32_207_337_984,
 }
 
 # The newer families: their totals as their model cards state them (billions, to the digits
