@@ -357,7 +357,6 @@ def head_moments(dp: DataParallel, head_grads: int) -> tuple[int, tuple[Event, .
     is carried to the blocks). ``head_grads``: the head's (and final norm's) held gradients."""
     beside = dp.root(head_grads) if dp.per_unit else dp.buffer(head_grads)
     beside += dp.partition if dp.partition_from < 0 else 0
-    beside += dp.reduces.first if dp.zero3_hooks and dp.partition_from < 0 else 0
     events: tuple[Event, ...] = ()
     if dp.reduce_copies and dp.separate_units:  # the head's own unit at its reduce
         events = (Event("head.reduce", 0, dp.reduced(head_grads) - head_grads),)
@@ -369,6 +368,16 @@ def head_moments(dp: DataParallel, head_grads: int) -> tuple[int, tuple[Event, .
         #                 counted beside the loss and the head, alive from here on
         events += (Event("units.kept", dp.kept_layers, None),)
     return beside, events, Held(head_grads, previous, root_held, 0)
+
+
+def head_hook(dp: DataParallel) -> int:
+    """Bytes beside the final norm's weight gradient hook (DeepSpeed's ``zero3_hooks``): a
+    bucket reduce among the head's hooks runs there (the head projection's hook runs first,
+    into an empty bucket), with the gradient it reads outside the bucket
+    (``Zero3ReducesAt.kept``); 0 where none runs there."""
+    if not dp.zero3_hooks or dp.reduces is None or dp.partition_from >= 0:
+        return 0
+    return dp.reduces.first + dp.reduces.kept
 
 
 def run_positions(dp: DataParallel, held: Held, layer_grads: int, early: int, n: int,
