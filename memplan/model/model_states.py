@@ -466,6 +466,9 @@ class ShardingBuffers(NamedTuple):
     #                           by hook (memplan.model.deepspeed_coordinator.HookGathers), the
     #                           layers of backward_block_bytes; None: those bytes throughout
     first_hook_gathers: Any = None  # ... the stage's first layer's (backward_last_block_bytes)
+    forward_block_gathers: tuple[tuple[str, int], ...] = ()  # ... gathered beside each block
+    #                           of a layer's forward (deepspeed_coordinator.Positions.
+    #                           layer_blocks), at most gathered_bytes; (): that throughout
     post_step_bytes: int = 0  # gathered at the optimizer step's end, no temporary of it
     #                           alive (DeepSpeed's ZeRO-3: the persistent parameters,
     #                           stage3.py _post_step)
@@ -713,7 +716,8 @@ def _replayed(at: Any, held: int) -> ShardingBuffers:
                            backward_last_block_bytes=at.in_first_block,
                            backward_end_bytes=at.embedding, bucket_bytes=held,
                            bucket_resident=True, hook_gathers=at.block_hooks,
-                           first_hook_gathers=at.first_block_hooks)
+                           first_hook_gathers=at.first_block_hooks,
+                           forward_block_gathers=at.layer_blocks)
 
 
 def _reduce_after_backward(params: StageParams, par: ParallelConfig, wl: Workload,

@@ -116,7 +116,8 @@ def saved_on_host(kind: LayerKind, checkpointed: LayerKind, moments: list[LayerM
     own_cache = max(0, kind.cached_bytes - checkpointed.cached_bytes) + cache
     return kind._replace(saved_bytes=0, moments=tuple(moments),
                          cached_bytes=kind.cached_bytes + cache,
-                         forward_peak_bytes=checkpointed.forward_peak_bytes + own_cache + stream)
+                         forward_peak_bytes=checkpointed.forward_peak_bytes + own_cache + stream,
+                         forward_blocks=())
 
 
 def offload_assumptions(par: ParallelConfig) -> tuple[str, ...]:

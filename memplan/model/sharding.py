@@ -100,6 +100,9 @@ class DataParallel(NamedTuple):
     hook_gathers: Any = None  # ... what the coordinator holds gathered at and between them
     #                           (deepspeed_coordinator.HookGathers; in_block's layers)
     first_hook_gathers: Any = None  # ... the stage's first layer's (in_first_block's)
+    forward_blocks: tuple[tuple[str, int], ...] = ()  # ... gathered beside each block of a
+    #                                                   layer's forward (of which
+    #                                                   in_block_forward is the most)
 
     # Bytes are made from bytes in integer arithmetic on the ratios' numerators and
     # denominators (gradient bytes are never negative): exact, and no Fraction is built.
@@ -177,6 +180,18 @@ class DataParallel(NamedTuple):
         if growing or self.fresh_only:
             return max(m.alive_bytes + m.transient_bytes + g for m, g in zip(moments, grads))
         return max(m.alive_bytes + m.transient_bytes for m in moments)
+
+    def layer_forward(self, blocks: tuple[tuple[str, int], ...], peak: int,
+                      beside: int) -> int:
+        """A layer's forward peak (``peak``, its blocks' ``blocks``: ``LayerKind.
+        forward_blocks``) beside ``beside`` gathered bytes: with what is gathered at each of
+        its blocks (``forward_blocks``, DeepSpeed's ZeRO-3 coordinator, where ``beside`` is
+        the most of them) each block's peak beside its own; else ``peak`` beside
+        ``beside``."""
+        if (not self.forward_blocks or beside != self.in_block_forward
+                or [b for b, _ in blocks] != [b for b, _ in self.forward_blocks]):
+            return peak + beside
+        return max(p + g for (_, p), (_, g) in zip(blocks, self.forward_blocks))
 
     @property
     def at_loss(self) -> int:
@@ -266,6 +281,7 @@ def data_parallel(shard: ShardingBuffers, params: int, grads_bytes: int,
         reduces=shard.zero3_reduces,
         layer_hooks=shard.layer_hooks, hook_gathers=shard.hook_gathers,
         first_hook_gathers=shard.first_hook_gathers,
+        forward_blocks=shard.forward_block_gathers,
         fresh_only=bool(shard.bucket_bytes),
         flat=shard.flat_units, at_reduce=shard.backward_reduce_bytes,
         kept_layer=shard.kept_layer_bytes, kept_layers=shard.kept_layers_bytes)

@@ -110,7 +110,8 @@ def _layer_forward_segments(runs: list[tuple[LayerKind, int, tuple[int, ...], in
             held_bytes, peak = kind.saved_bytes + kind.cached_bytes, kind.forward_peak_bytes
             run = built[key] = []
             for p in forward_positions(dp, n, index == 0, index == last):
-                compute = Event("layer.forward", held_bytes, peak + p.beside)
+                compute = Event("layer.forward", held_bytes,
+                                dp.layer_forward(kind.forward_blocks, peak, p.beside))
                 run.append(Segment((p.before, compute) if p.before else (compute,), p.repeat))
         segments += run
     return segments
