@@ -222,6 +222,34 @@ def backward_moments(spec: ModelSpec, dm: Dims, *, saved: int, freed: int, run_t
     ]
 
 
+def up_backward(grad_input: int, inner: int, fresh: int) -> BackwardMoment:
+    """The up projection's backward in a gated MLP written act(gate(x)) * up(x)
+    (transformers' LlamaMLP.forward: down_proj(act_fn(gate_proj(x)) * up_proj(x))). The
+    product's backward makes both factors' gradients; of the two nodes then ready autograd
+    runs the one made last in forward, the up projection's (the engine's ready queue takes
+    the highest sequence number first, torch/csrc/autograd/engine.cpp CompareNodeTaskTime),
+    so the activation's backward waits: its saved input (the gate's output, ``inner``) and its
+    incoming gradient stay beside the up projection's output gradient, its input's gradient
+    (``grad_input``, made first) and its weight's (``fresh``); the output gradient, the
+    node's input, is released before the weight's hook (``hook_freed``). Never the peak
+    where every gradient is held (``mlp_in`` or ``mlp_act`` is larger) or only the fresh
+    ones (the down projection's ``mlp``); it is where a gradient is kept to the next hook
+    (DeepSpeed's extra_large_param_to_reduce, traced: tests/traced/test_deepspeed_trace.py
+    test_zero2_bucket_smaller_than_a_weight)."""
+    return BackwardMoment("mlp_up", inner, grad_input + 2 * inner, ("mlp_out",), fresh, inner)
+
+
+def up_first(spec: ModelSpec, wl: Workload, dm: Dims) -> bool:
+    """Whether ``up_backward`` is modelled: a gated MLP with its own gate and up projections
+    in eager autograd, as plain linears (compiled, fused, adapters and float8 casts have
+    moments of their own)."""
+    linears = mlp_linears(spec, spec.ffn_hidden_size)
+    return (spec.mlp.gated and not spec.fused_gate_up and not wl.compile
+            and dm.adapters is None and dm.te_fp8 is TeFp8Recipe.NONE
+            and not any(linear.float8_converts(lin, dm) for lin in linears)
+            and linear.keeps_input(linears[-1:], dm))
+
+
 def dropout_mask_bytes(spec: ModelSpec, dm: Dims) -> int:
     """The block output's dropout mask: freed when the MLP's backward starts."""
     return dm.rows * spec.hidden_size * MASK_BYTES if spec.dropout > 0 else 0
@@ -356,14 +384,18 @@ class Mlp:
     def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
                          recompute: Recompute) -> list[BackwardMoment]:
         rows_h_e = dm.rows * spec.hidden_size * dm.e
+        fresh = spec.hidden_size * spec.ffn_hidden_size // dm.tp
         # a plain MLP has one input projection: nothing to sum
-        return backward_moments(
+        moments = backward_moments(
             spec, dm, saved=total(self.saved(spec, wl, dm, recompute)),
             freed=dropout_mask_bytes(spec, dm), run_tokens=dm.tokens,
             ffn=spec.ffn_hidden_size, grad_inputs=(2 if spec.mlp.gated else 1) * rows_h_e,
-            fresh=spec.hidden_size * spec.ffn_hidden_size // dm.tp,
-            out_cast=linear.saved_bytes(mlp_linears(spec, spec.ffn_hidden_size)[-1:], dm)
-        ) + _float8_backward(spec, dm, self.saved(spec, wl, dm, recompute))
+            fresh=fresh,
+            out_cast=linear.saved_bytes(mlp_linears(spec, spec.ffn_hidden_size)[-1:], dm))
+        if up_first(spec, wl, dm):  # before the input projections' moment
+            up = up_backward(rows_h_e, dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e, fresh)
+            moments.insert(len(moments) - 1, up)
+        return moments + _float8_backward(spec, dm, self.saved(spec, wl, dm, recompute))
 
     def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
         return []
