@@ -15,7 +15,7 @@ from memplan.model.norm import output_kept
 from memplan.model.dims import FP32_BYTES, MASK_BYTES, Dims, Term, residual_dropout_mask, total
 from memplan.model.linear import Linear, Split, local_widths
 from memplan.spec import ActivationImpl, MlpKind, ModelSpec, activation_params
-from memplan.workload import Recompute, TeFp8Recipe, Workload
+from memplan.workload import MlpImpl, Recompute, TeFp8Recipe, Workload
 
 
 def mlp_terms(prefix: str, spec: ModelSpec, dm: Dims, ffn: int, tokens: int) -> list[Term]:
@@ -222,21 +222,25 @@ def backward_moments(spec: ModelSpec, dm: Dims, *, saved: int, freed: int, run_t
     ]
 
 
-def up_backward(grad_input: int, inner: int, fresh: int) -> BackwardMoment:
-    """The up projection's backward in a gated MLP written act(gate(x)) * up(x)
-    (transformers' LlamaMLP.forward: down_proj(act_fn(gate_proj(x)) * up_proj(x))). The
-    product's backward makes both factors' gradients; of the two nodes then ready autograd
-    runs the one made last in forward, the up projection's (the engine's ready queue takes
-    the highest sequence number first, torch/csrc/autograd/engine.cpp CompareNodeTaskTime),
-    so the activation's backward waits: its saved input (the gate's output, ``inner``) and its
-    incoming gradient stay beside the up projection's output gradient, its input's gradient
-    (``grad_input``, made first) and its weight's (``fresh``); the output gradient, the
-    node's input, is released before the weight's hook (``hook_freed``). Never the peak
-    where every gradient is held (``mlp_in`` or ``mlp_act`` is larger) or only the fresh
-    ones (the down projection's ``mlp``); it is where a gradient is kept to the next hook
-    (DeepSpeed's extra_large_param_to_reduce, traced: tests/traced/test_deepspeed_trace.py
-    test_zero2_bucket_smaller_than_a_weight)."""
-    return BackwardMoment("mlp_up", inner, grad_input + 2 * inner, ("mlp_out",), fresh, inner)
+def up_backward(grad_input: int, inner: int, fresh: int, impl: MlpImpl) -> BackwardMoment:
+    """The up projection's backward in a gated MLP with separate gate and up projections.
+    The product's backward makes both factors' gradients; of the nodes then ready autograd
+    runs the one made last in forward first (the engine's ready queue takes the highest
+    sequence number, torch/csrc/autograd/engine.cpp CompareNodeTaskTime). Written
+    act(gate(x)) * up(x) (``MlpImpl.GENERIC``: transformers' LlamaMLP.forward
+    down_proj(act_fn(gate_proj(x)) * up_proj(x))) that is the up projection's, so the
+    activation's backward waits: its saved input (the gate's output, ``inner``) and its
+    incoming gradient stay; litgpt's (``MlpImpl.LITGPT``: the activation after both
+    projections) runs the activation's first, which frees its input and leaves the gate
+    output's gradient instead. Either way beside the up projection's output gradient, its
+    input's gradient (``grad_input``, made first) and its weight's (``fresh``); the output
+    gradient, the node's input, is released before the weight's hook (``hook_freed``).
+    Never the peak where every gradient is held (``mlp_in`` or ``mlp_act`` is larger) or
+    only the fresh ones (the down projection's ``mlp``); it is where a gradient is kept to
+    the next hook (DeepSpeed's extra_large_param_to_reduce, traced: tests/traced/
+    test_deepspeed_trace.py test_zero2_bucket_smaller_than_a_weight)."""
+    waiting = inner if impl is MlpImpl.GENERIC else 0
+    return BackwardMoment("mlp_up", waiting, grad_input + 2 * inner, ("mlp_out",), fresh, inner)
 
 
 def up_first(spec: ModelSpec, wl: Workload, dm: Dims) -> bool:
@@ -393,7 +397,8 @@ class Mlp:
             fresh=fresh,
             out_cast=linear.saved_bytes(mlp_linears(spec, spec.ffn_hidden_size)[-1:], dm))
         if up_first(spec, wl, dm):  # before the input projections' moment
-            up = up_backward(rows_h_e, dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e, fresh)
+            up = up_backward(rows_h_e, dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e, fresh,
+                             wl.mlp_impl)
             moments.insert(len(moments) - 1, up)
         return moments + _float8_backward(spec, dm, self.saved(spec, wl, dm, recompute))
 

@@ -129,6 +129,12 @@ def test_swiglu_mlp() -> None:
         ("mlp_up", 22_528, 8_192 + 2 * 22_528, ("mlp_out",), 11_264),
         ("mlp_in", 0, 38_912, ("mlp",), 11_264)]
     assert back[2].hook_freed == 22_528
+    # litgpt's order (the activation after both projections): the activation's backward ran
+    # first, its saved input freed, the gate output's gradient in its incoming one's place
+    litgpt = Workload(micro_batch_size=2, seq_len=32, mlp_impl="litgpt")
+    lit = mlp.backward_moments(TINY, litgpt, DM, Recompute.NONE)
+    assert (lit[2].name, lit[2].own_bytes, lit[2].transient_bytes) == (
+        "mlp_up", 0, 8_192 + 2 * 22_528)
     assert mlp.grad_groups(TINY, 1, 1) == {"mlp_out": 11_264, "mlp": 33_792}
 
 
