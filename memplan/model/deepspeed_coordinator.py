@@ -268,6 +268,12 @@ _LLAMA_LAYER_BACKWARD = (-1, -1, 8, 7, -1, 6, 5, -1, 4, 3, 2, 1, 0)
 # the layer's own the first block's
 LLAMA_BLOCKS = ("attn_norm", "attn", "mlp_norm", "mlp")
 _LLAMA_LAYER_BLOCK = (0, 0, 0, 1, 1, 1, 1, 2, 2, 3, 3, 3, 3)
+# the MLP's steps (memplan.model.mlp.working_steps) at its modules' runs: the gate
+# projection, the activation, the up projection, the down projection at their own (the
+# replay's ``at``); the product after the up projection's release (``after``), before the
+# down projection's fetch
+_LLAMA_MLP_STEPS = (("gate", 9, True), ("act", 10, True), ("up", 11, True),
+                    ("prod", 11, False), ("down", 12, True))
 
 
 class Trace(NamedTuple):
@@ -393,18 +399,24 @@ def positions(sizes: tuple[int, ...], trace: Trace, c: Coordinator, dp: int,
         embedding=most(lambda w: w == "embedding_backward"),
         persistent=sum(sizes[i] for i in keep) * itemsize,
         block_hooks=_most_of([v for w, v in hooks.items() if w > 0]),
-        first_block_hooks=hooks.get(0), layer_blocks=_layer_blocks(trace, r.at))
+        first_block_hooks=hooks.get(0), layer_blocks=_layer_blocks(trace, r))
 
 
-def _layer_blocks(trace: Trace, at: tuple[int, ...]) -> tuple[tuple[str, int], ...]:
-    """``Positions.layer_blocks`` from the replay's bytes ``at`` each run: a block's tensors
-    exist from its first module's run (its fetch done, its prefetch included) to the next
-    block's, what is gathered then at most the most at those runs."""
-    in_layers = [(b, v) for b, w, v in zip(trace.block, trace.where, at) if w == "layer"]
-    if not in_layers or any(b < 0 for b, _ in in_layers):
+def _layer_blocks(trace: Trace, r: Replayed) -> tuple[tuple[str, int], ...]:
+    """``Positions.layer_blocks`` from the replay's bytes each run: a block's tensors exist
+    from its first module's run (its fetch done, its prefetch included) to the next block's,
+    what is gathered then at most the most at those runs; the MLP's steps
+    (``mlp.<step>``, ``_LLAMA_MLP_STEPS``) each at its own run, the most over the layers."""
+    runs = [k for k, w in enumerate(trace.where) if w == "layer"]
+    if not runs or any(trace.block[k] < 0 for k in runs):
         return ()
-    return tuple((name, max(v for b, v in in_layers if b == i))
-                 for i, name in enumerate(LLAMA_BLOCKS))
+    blocks = [(name, max(r.at[k] for k in runs if trace.block[k] == i))
+              for i, name in enumerate(LLAMA_BLOCKS)]
+    size = len(_LLAMA_LAYER_BLOCK)
+    layers = [runs[a:a + size] for a in range(0, len(runs), size)]
+    steps = [(f"mlp.{name}", max((r.at if at else r.after)[layer[k]] for layer in layers))
+             for name, k, at in _LLAMA_MLP_STEPS]
+    return tuple(blocks + steps)
 
 
 def _hook_gathers(trace: Trace, at: tuple[int, ...]) -> dict[int, HookGathers | None]:

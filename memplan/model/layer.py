@@ -389,15 +389,33 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
                      max(m.alive_bytes + m.transient_bytes for m in forward),
                      layer_cast_cache_bytes(spec, wl, dm, moe, policy, variant)
                      + kv_cache_bytes(spec, wl, dm, policy, variant),
-                     by_block(forward))
+                     by_block(forward, mlp_steps(spec, wl, dm, moe, policy)))
 
 
-def by_block(moments: list[ForwardMoment]) -> tuple[tuple[str, int], ...]:
+def mlp_steps(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
+              policy: Recompute) -> tuple[tuple[str, int], ...]:
+    """A checkpointed dense layer's MLP working set module by module (``mlp.
+    working_steps``); () otherwise."""
+    if policy is not Recompute.FULL or moe or compiled.in_checkpoint(wl):
+        return ()
+    from memplan.model.mlp import working_steps
+
+    return working_steps(spec, wl, dm)
+
+
+def by_block(moments: list[ForwardMoment],
+             steps: tuple[tuple[str, int], ...] = ()) -> tuple[tuple[str, int], ...]:
     """Each block's largest alive + transient among ``moments``, the blocks in the order they
     run (what a per-module mechanism pairs with its bytes at that block: ZeRO-3's gathered
-    weights, ``memplan.model.sharding.DataParallel.layer_forward``)."""
+    weights, ``memplan.model.sharding.DataParallel.layer_forward``). With ``steps`` (the
+    checkpointed MLP's working set by module, ``mlp_steps``) the MLP's one moment is given
+    as those, each ``mlp.<step>``: its alive bytes beside each step's transient."""
     out: dict[str, int] = {}
     for m in moments:
+        if steps and m.block == "mlp":
+            base = m.alive_bytes + m.transient_bytes - max(t for _, t in steps)
+            out.update((f"mlp.{name}", base + t) for name, t in steps)
+            continue
         out[m.block] = max(out.get(m.block, 0), m.alive_bytes + m.transient_bytes)
     return tuple(out.items())
 

@@ -254,6 +254,23 @@ def up_first(spec: ModelSpec, wl: Workload, dm: Dims) -> bool:
             and linear.keeps_input(linears[-1:], dm))
 
 
+def working_steps(spec: ModelSpec, wl: Workload, dm: Dims) -> tuple[tuple[str, int], ...]:
+    """A gated MLP's checkpointed forward (nothing saved) module by module, the transient
+    bytes of each: transformers' LlamaMLP.forward down_proj(act_fn(gate_proj(x)) *
+    up_proj(x)) frees each temporary once the next op has read it, so the gate projection
+    makes its output (``gate``), the activation its own beside it (``act``), the up projection
+    its output beside the activation's (``up``), the product both factors' product between
+    the up projection's run and the down projection's (``prod``), the down projection its
+    output beside the product (``down``). Their most is ``Mlp.working_set``'s. () where the
+    order is not that one (``up_first``, ``MlpImpl.GENERIC``)."""
+    if not up_first(spec, wl, dm) or wl.mlp_impl is not MlpImpl.GENERIC:
+        return ()
+    stream = dm.rows * spec.hidden_size * dm.e
+    inner = dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
+    return (("gate", inner), ("act", 2 * inner), ("up", 2 * inner), ("prod", 3 * inner),
+            ("down", inner + stream))
+
+
 def dropout_mask_bytes(spec: ModelSpec, dm: Dims) -> int:
     """The block output's dropout mask: freed when the MLP's backward starts."""
     return dm.rows * spec.hidden_size * MASK_BYTES if spec.dropout > 0 else 0

@@ -186,12 +186,13 @@ class DataParallel(NamedTuple):
         """A layer's forward peak (``peak``, its blocks' ``blocks``: ``LayerKind.
         forward_blocks``) beside ``beside`` gathered bytes: with what is gathered at each of
         its blocks (``forward_blocks``, DeepSpeed's ZeRO-3 coordinator, where ``beside`` is
-        the most of them) each block's peak beside its own; else ``peak`` beside
-        ``beside``."""
-        if (not self.forward_blocks or beside != self.in_block_forward
-                or [b for b, _ in blocks] != [b for b, _ in self.forward_blocks]):
+        the most of them) each block's peak beside its own, a block's step (``mlp.prod``)
+        beside the step's where given, else its block's; else ``peak`` beside ``beside``."""
+        gathered = dict(self.forward_blocks)
+        if (not gathered or beside != self.in_block_forward
+                or _block_names(k for k, _ in blocks) != _block_names(gathered)):
             return peak + beside
-        return max(p + g for (_, p), (_, g) in zip(blocks, self.forward_blocks))
+        return max(p + gathered.get(k, gathered[k.split(".")[0]]) for k, p in blocks)
 
     @property
     def at_loss(self) -> int:
@@ -202,6 +203,11 @@ class DataParallel(NamedTuple):
     def reduce_at_block(self) -> bool:
         """FSDP2's root-unit reduce-scatter moments of every block (not at shard degree 1)."""
         return self.per_unit and not self.reduce_copies and not self.separate_units
+
+
+def _block_names(keys: Any) -> list[str]:
+    """The blocks of ``forward_blocks`` keys (a block, or ``block.step``), in order."""
+    return list(dict.fromkeys(k.split(".")[0] for k in keys))
 
 
 def hook_moments(moments: tuple[LayerMoment, ...], hooks: tuple[int, ...]

@@ -138,6 +138,23 @@ def test_swiglu_mlp() -> None:
     assert mlp.grad_groups(TINY, 1, 1) == {"mlp_out": 11_264, "mlp": 33_792}
 
 
+def test_swiglu_checkpointed_forward_by_module() -> None:
+    """Under a checkpoint (nothing saved) transformers' LlamaMLP holds, module by module: the
+    gate's output (22,528); it and the activation's (2 x); the activation's and up's (2 x);
+    both and their product (3 x 22,528 = 67,584, the working set's); the product and the
+    output (22,528 + 8,192). litgpt's order (both projections, then the activation) is not
+    given by module."""
+    from memplan.model.mlp import working_steps
+
+    assert working_steps(TINY, WL, DM) == (
+        ("gate", 22_528), ("act", 45_056), ("up", 45_056), ("prod", 67_584),
+        ("down", 22_528 + STREAM))
+    assert max(t for _, t in working_steps(TINY, WL, DM)) == Mlp().working_set(
+        TINY, WL, DM)[0].transient_bytes
+    assert working_steps(TINY, Workload(micro_batch_size=2, seq_len=32, mlp_impl="litgpt"),
+                         DM) == ()
+
+
 def test_layer_forward_is_a_running_sum() -> None:
     """Each moment: the saved bytes of the blocks before it (0, 33,024, 58,624, 91,648) plus
     its own, beside the unsaved residual input (8,192; an upcast norm saves an fp32 copy); at

@@ -144,16 +144,20 @@ def test_layer_blocks_by_hand() -> None:
     """A Llama layer's 13 forward runs (the layer, its norm, the attention, q, k, v, o, the
     norm, the MLP, gate, the activation, up, down) fall in its blocks attn_norm (the first
     three), attn (q to o), mlp_norm (the norm and the MLP module) and mlp (gate to down); the
-    coordinator holding 1, 2, ..., 13 at them, each block holds its most: 3, 7, 9, 13. A run
-    outside a Llama layer's blocks (-1) leaves nothing to read by block."""
-    from memplan.model.deepspeed_coordinator import Trace, _layer_blocks
+    coordinator holding 1, 2, ..., 13 at them and 101, ..., 113 after their releases, each
+    block holds its most: 3, 7, 9, 13; the MLP's steps their module's: gate 10, act 11, up
+    12, down 13, the product after up's release, 112. A run outside a Llama layer's blocks
+    (-1) leaves nothing to read by block."""
+    from memplan.model.deepspeed_coordinator import Replayed, Trace, _layer_blocks
 
     uses = tuple(Use(-1, F) for _ in range(13))
     blocks = (0, 0, 0, 1, 1, 1, 1, 2, 2, 3, 3, 3, 3)
     trace = Trace(uses, ("layer",) * 13, blocks)
-    assert _layer_blocks(trace, tuple(range(1, 14))) == (
-        ("attn_norm", 3), ("attn", 7), ("mlp_norm", 9), ("mlp", 13))
-    assert _layer_blocks(trace._replace(block=(-1,) * 13), tuple(range(1, 14))) == ()
+    r = Replayed(tuple(range(1, 14)), tuple(range(101, 114)))
+    assert _layer_blocks(trace, r) == (
+        ("attn_norm", 3), ("attn", 7), ("mlp_norm", 9), ("mlp", 13), ("mlp.gate", 10),
+        ("mlp.act", 11), ("mlp.up", 12), ("mlp.prod", 112), ("mlp.down", 13))
+    assert _layer_blocks(trace._replace(block=(-1,) * 13), r) == ()
     toy = llama_trace(12, 1, (9,), 2)
     assert [b for b, w in zip(toy.block, toy.where) if w == "layer"] == list(blocks)
 
@@ -172,3 +176,8 @@ def test_layer_forward_by_block() -> None:
     assert dp.layer_forward(layer[:3], 300, 50) == 350
     assert dp.layer_forward(layer, 300, 10) == 310
     assert DataParallel(in_block_forward=50).layer_forward(layer, 300, 50) == 350
+    # the MLP by step: the product (300) where 0 is gathered, the down projection (250)
+    # beside its 20; a step the coordinator does not give (gate) beside the block's 20
+    steps = dp._replace(forward_blocks=dp.forward_blocks + (("mlp.prod", 0), ("mlp.down", 20)))
+    by_step = (*layer[:3], ("mlp.gate", 150), ("mlp.prod", 300), ("mlp.down", 250))
+    assert steps.layer_forward(by_step, 300, 50) == max(250, 170, 300, 270)
