@@ -286,7 +286,12 @@ def test_zero3_coordinator_recompute_phase_peaks(name: str) -> None:
     MLP's working set by module (memplan.model.mlp.working_steps): its product, the largest,
     made after the up projection's release, beside what is gathered then. Counted beside the
     layer's most gathered the small steady forward was +1.19% (245,116 B); by block but the
-    MLP as one, step 1's forward +96,368 B (+0.93%) and the plain steady +96,364 B (+0.50%)."""
+    MLP as one, step 1's forward +96,368 B (+0.93%) and the plain steady +96,364 B (+0.50%).
+    The small steady forward's peak is the second layer's MLP norm beside the MLP's
+    prefetched weights (2,099,712 B gathered, as replayed); what remains over is that norm's
+    checkpointed working set (memplan.model.norm.working_set: both fp32 copies beside the
+    cast and the output, 196,864 B, where transformers' LlamaRMSNorm rebinds hidden_states
+    and frees the upcast copy first: 131,584 B traced under torch.utils.checkpoint)."""
     options = _PLAIN if name == "plain" else _COORDINATOR_CASES[name]
     diff = _coordinator_diff(**options, recompute="full")
     _within(diff, 1.0, "steady.forward")
