@@ -63,7 +63,7 @@ SETTINGS: dict[Mechanism, frozenset[str]] = {
     Mechanism.OPTIMIZER: frozenset({"optimizer_impl", "flat_partition"}),
     Mechanism.KERNELS: frozenset({"norm_impl", "softmax_fp32", "moe_impl", "window_mask",
                                   "kv_cache", "fused_qkv", "rope_cache", "attention_impl",
-                                  "cp_exchange"}),
+                                  "mlp_impl", "cp_exchange"}),
     Mechanism.RECOMPUTE: frozenset({"selective_impl"}),
     Mechanism.LOSS: frozenset({"logits_fp32", "loss_impl", "loss_split",
                                 "loss_chunk_backward"}),
@@ -293,6 +293,9 @@ PRESETS: dict[Framework, tuple[Selection, ...]] = {
                     f"litgpt/model.py CausalSelfAttention.forward: qkv.split views, RoPE through "
                     f"torch.cat, k/v repeat_interleave for grouped queries, y.reshape after "
                     f"SDPA ({_LITGPT})"),
+            Default("mlp_impl", "litgpt",
+                    f"litgpt/model.py LLaMAMLP.forward: x_fc_1 = self.fc_1(x); x_fc_2 = "
+                    f"self.fc_2(x); F.silu(x_fc_1) * x_fc_2 ({_LITGPT})"),
         )),
         Selection(Mechanism.LOSS, (
             Default("logits_fp32", True,

@@ -426,6 +426,21 @@ class AttentionImpl(PlainEnum):
     LITGPT = "litgpt"
 
 
+class MlpImpl(PlainEnum):
+    """The order of a gated MLP's operations in forward, which sets its backward's order
+    (autograd runs the ready node made last first).
+
+    generic  act(gate(x)) * up(x): the activation before the up projection, so the up
+             projection's backward runs while the activation's waits with its saved input
+             (transformers' LlamaMLP, torchtitan's FeedForward; memplan's reference model)
+    litgpt   litgpt's ``LLaMAMLP``: both projections, then the activation
+             (``F.silu(x_fc_1) * x_fc_2``), whose backward runs first and frees its input
+    """
+
+    GENERIC = "generic"
+    LITGPT = "litgpt"
+
+
 class CpExchange(PlainEnum):
     """How context parallelism's ranks exchange K and V around the attention kernel (step
     time only: ``memplan.planning.timing``).
@@ -707,6 +722,7 @@ class Workload(BaseModel):
         "chunked_cross_entropy: logits.split(128)); 0: one piece"))
     rope_cache: RopeCache = RopeCache.FORWARD
     attention_impl: AttentionImpl = AttentionImpl.GENERIC
+    mlp_impl: MlpImpl = MlpImpl.GENERIC
     cp_exchange: CpExchange = CpExchange.RING
     moe_impl: MoeImpl = MoeImpl.LOOP
     window_mask: bool = Field(default=False, description=(

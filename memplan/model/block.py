@@ -49,10 +49,11 @@ class BackwardMoment(NamedTuple):
     transient_bytes: int
     grads: tuple[str, ...] = ()
     fresh_params: int = 0
-    hook_freed: int = 0  # of ``own_bytes``, what the node that made the fresh gradient frees
-    #                      before that weight's gradient hook runs (its saved input: the
-    #                      engine releases a node's saved tensors once it has run,
-    #                      torch/csrc/autograd/engine.cpp call_function, before the weight's
+    hook_freed: int = 0  # what the node that made the fresh gradient frees before that
+    #                      weight's gradient hook runs: its saved input, of ``own_bytes``, or
+    #                      its incoming gradient, of ``transient_bytes`` (the engine releases
+    #                      a node's saved tensors and inputs once it has run, torch/csrc/
+    #                      autograd/engine.cpp call_function, before the weight's
     #                      AccumulateGrad); 0 where not modelled
 
 

@@ -262,16 +262,31 @@ def _released(p: int, step: int, trace: tuple[Use, ...], sizes: tuple[int, ...],
 _LLAMA_LAYER = (-1, 0, -1, 1, 2, 3, 4, 5, -1, 6, -1, 7, 8)
 # ... and in backward (each module's pre-backward hook, when its output's gradient is made)
 _LLAMA_LAYER_BACKWARD = (-1, -1, 8, 7, -1, 6, 5, -1, 4, 3, 2, 1, 0)
+# the blocks of a Llama layer (memplan.model.layer.layer_blocks: its norm, attention, norm,
+# MLP), each from the run of its first module with parameters to the next one's; a module
+# without parameters before it (the layer, the attention, the MLP) is the block before's,
+# the layer's own the first block's
+LLAMA_BLOCKS = ("attn_norm", "attn", "mlp_norm", "mlp")
+_LLAMA_LAYER_BLOCK = (0, 0, 0, 1, 1, 1, 1, 2, 2, 3, 3, 3, 3)
+# the MLP's steps (memplan.model.mlp.working_steps) at its modules' runs: the gate
+# projection, the activation, the up projection, the down projection at their own (the
+# replay's ``at``); the product after the up projection's release (``after``), before the
+# down projection's fetch
+_LLAMA_MLP_STEPS = (("gate", 9, True), ("act", 10, True), ("up", 11, True),
+                    ("prod", 11, False), ("down", 12, True))
 
 
 class Trace(NamedTuple):
     """A step's module runs (``uses``) and where each falls (``where``): "forward",
     "layer" (a layer's forward), "head" (the final norm's and the head's forward), "loss"
     (the root's backward hook, before the loss's backward), "head_backward", the index of
-    the layer whose backward (or recomputation) it is, "embedding_backward"."""
+    the layer whose backward (or recomputation) it is, "embedding_backward"; in a Llama
+    layer's forward the block each runs in (``block``: an index of ``LLAMA_BLOCKS``, -1
+    elsewhere)."""
 
     uses: tuple[Use, ...]
     where: tuple[str | int, ...]
+    block: tuple[int, ...] = ()
 
 
 def llama_trace(num_tensors: int, embedding_tensors: int, layer_tensors: tuple[int, ...],
@@ -295,10 +310,12 @@ def llama_trace(num_tensors: int, embedding_tensors: int, layer_tensors: tuple[i
     proj = norm.pop() if not tied else 0
     uses: list[Use] = []
     where: list[str | int] = []
+    block: list[int] = []
 
-    def add(items: list[Use], at: str | int) -> None:
+    def add(items: list[Use], at: str | int, blocks: tuple[int, ...] = ()) -> None:
         uses.extend(items)
         where.extend([at] * len(items))
+        block.extend(blocks or [-1] * len(items))
 
     def layer(span: list[int], forward: bool) -> list[Use]:
         if len(span) != 9:
@@ -310,7 +327,7 @@ def llama_trace(num_tensors: int, embedding_tensors: int, layer_tensors: tuple[i
     add([Use(-1, True), Use(-1, True)] + [Use(i, True) for i in range(embedding_tensors)]
         + [Use(-1, True)], "forward")  # the root, the model, the embedding, rotary
     for span in spans:
-        add(layer(span, True), "layer")
+        add(layer(span, True), "layer", _LLAMA_LAYER_BLOCK if len(span) == 9 else ())
     add([Use(i, True) for i in norm] + [Use(proj, True)], "head")
     add([Use(-1, False)], "loss")
     add([Use(proj, False), Use(-1, False)] + [Use(i, False) for i in norm[::-1]],
@@ -329,7 +346,7 @@ def llama_trace(num_tensors: int, embedding_tensors: int, layer_tensors: tuple[i
                     + [first._replace(fetch=False)] + back[cut:])
         add(back, index)
     add([Use(i, False) for i in reversed(range(embedding_tensors))], "embedding_backward")
-    return Trace(tuple(uses), tuple(where))
+    return Trace(tuple(uses), tuple(where), tuple(block))
 
 
 class Positions(NamedTuple):
@@ -347,6 +364,9 @@ class Positions(NamedTuple):
     block_hooks: Any = None  # ``HookGathers`` of a layer's backward, the most over the layers
     #                          of ``in_block``; None where a layer is recomputed
     first_block_hooks: Any = None  # ... of the stage's first layer
+    layer_blocks: tuple[tuple[str, int], ...] = ()  # the most beside each block of a layer's
+    #                                                 forward, over the layers (``LLAMA_BLOCKS``
+    #                                                 order); () where a layer is not Llama's
 
 
 class HookGathers(NamedTuple):
@@ -379,7 +399,24 @@ def positions(sizes: tuple[int, ...], trace: Trace, c: Coordinator, dp: int,
         embedding=most(lambda w: w == "embedding_backward"),
         persistent=sum(sizes[i] for i in keep) * itemsize,
         block_hooks=_most_of([v for w, v in hooks.items() if w > 0]),
-        first_block_hooks=hooks.get(0))
+        first_block_hooks=hooks.get(0), layer_blocks=_layer_blocks(trace, r))
+
+
+def _layer_blocks(trace: Trace, r: Replayed) -> tuple[tuple[str, int], ...]:
+    """``Positions.layer_blocks`` from the replay's bytes each run: a block's tensors exist
+    from its first module's run (its fetch done, its prefetch included) to the next block's,
+    what is gathered then at most the most at those runs; the MLP's steps
+    (``mlp.<step>``, ``_LLAMA_MLP_STEPS``) each at its own run, the most over the layers."""
+    runs = [k for k, w in enumerate(trace.where) if w == "layer"]
+    if not runs or any(trace.block[k] < 0 for k in runs):
+        return ()
+    blocks = [(name, max(r.at[k] for k in runs if trace.block[k] == i))
+              for i, name in enumerate(LLAMA_BLOCKS)]
+    size = len(_LLAMA_LAYER_BLOCK)
+    layers = [runs[a:a + size] for a in range(0, len(runs), size)]
+    steps = [(f"mlp.{name}", max((r.at if at else r.after)[layer[k]] for layer in layers))
+             for name, k, at in _LLAMA_MLP_STEPS]
+    return tuple(blocks + steps)
 
 
 def _hook_gathers(trace: Trace, at: tuple[int, ...]) -> dict[int, HookGathers | None]:

@@ -418,6 +418,10 @@ class Zero3ReducesAt(NamedTuple):
     first: int
     later: tuple[int, ...]  # by hook index within a layer, over the layers after the first's
     end: int  # the epilogue's (the embedding's gradient) and any other outside the layers
+    kept: int = 0  # where the first reduce falls among the head's hooks: the gradient it reads
+    #                outside the bucket, bytes (one larger than the bucket, kept from its own
+    #                hook to the next, where it is reduced alone; a layer's is counted by
+    #                ``weight_grads_at``)
 
 
 def _reduced(bucket: list[int], dp: int, grad_bytes: int, offload: bool) -> int:
@@ -438,13 +442,13 @@ def zero3_reduces_at(head: tuple[int, ...], layers: tuple[tuple[int, ...], ...],
     reduces what is left. A reduce runs in the hook of the gradient that would pass
     ``bucket_numel`` (stage3.py ``reduce_independent_p_g_buckets_and_remove_grads``)."""
     return _reduces_at(head, layers, end, bucket_numel, lambda n: n,
-                       lambda bucket: _reduced(bucket, dp, grad_bytes, offload))
+                       lambda bucket: _reduced(bucket, dp, grad_bytes, offload), grad_bytes)
 
 
 def zero2_offload_reduces_at(head: tuple[tuple[int, int], ...],
                              layers: tuple[tuple[tuple[int, int], ...], ...],
                              end: tuple[tuple[int, int], ...], bucket_numel: int,
-                             lo: int, hi: int) -> Zero3ReducesAt:
+                             lo: int, hi: int, grad_bytes: int) -> Zero3ReducesAt:
     """ZeRO-2 with ``offload_optimizer`` (stage_1_and_2.py ``cpu_offload``): where each bucket
     reduce falls in backward (as ``zero3_reduces_at``: in the hook of the gradient that would
     pass ``bucket_numel``, ``reduce_independent_p_g_buckets_and_remove_grads``; the epilogue
@@ -453,42 +457,49 @@ def zero2_offload_reduces_at(head: tuple[tuple[int, int], ...],
     to the host one at a time, through an fp64 copy of its slice for the norm
     (``set_norm_for_param_grad_in_gpu``) and then an fp32 one
     (``async_inplace_copy_grad_to_fp32_buffer_from_gpu``): ``OFFLOAD_NORM_COPY_BYTES`` per
-    element of the largest owned slice. Hooks as (start in the flat buffer, elements); each
-    no larger than the bucket (a larger one is cloned in its hook and reduced alone at the
-    next, ``_offload_gradient_safety_enabled``: not placed here)."""
+    element of the largest owned slice. Hooks as (start in the flat buffer, elements). A
+    gradient larger than the bucket is not copied into it: it is cloned in its hook
+    (``_offload_gradient_safety_enabled``: ``grad_reduc.detach().clone()``, the original
+    freed), counted in the bucket's elements, so the next hook reduces it alone
+    (``reduce_ipg_grads``: ``extra_large_param_to_reduce``), the clone alive until its slice
+    is copied to the host (``clear_grad_attribute``); placed as any other reduce, the clone
+    among the head's hooks as ``kept`` (``grad_bytes`` each element)."""
     def owned(bucket: list[tuple[int, int]]) -> int:
         return OFFLOAD_NORM_COPY_BYTES * max(
             (max(0, min(s + n, hi) - max(s, lo)) for s, n in bucket), default=0)
 
-    return _reduces_at(head, layers, end, bucket_numel, lambda h: h[1], owned)
+    return _reduces_at(head, layers, end, bucket_numel, lambda h: h[1], owned, grad_bytes)
 
 
 def _reduces_at(head: tuple[Any, ...], layers: tuple[tuple[Any, ...], ...],
-                end: tuple[Any, ...], bucket_numel: int, numel: Any, made_of: Any
-                ) -> Zero3ReducesAt:
+                end: tuple[Any, ...], bucket_numel: int, numel: Any, made_of: Any,
+                grad_bytes: int) -> Zero3ReducesAt:
     """``Zero3ReducesAt`` of hooks whose elements ``numel`` gives, each reduce's bytes
-    ``made_of`` its bucket's hooks."""
+    ``made_of`` its bucket's hooks; a first reduce among the head's hooks of one gradient
+    larger than the bucket reads it outside the bucket (``kept``, ``grad_bytes`` each)."""
     hooks = [(-1, 0, n) for n in head]
     hooks += [(i, j, n) for i, layer in enumerate(layers) for j, n in enumerate(layer)]
     hooks += [(len(layers), 0, n) for n in end]
     width = max((len(layer) for layer in layers), default=0)
-    first, later, outside, bucket = None, [0] * width, 0, []
+    first, later, outside, bucket, kept = None, [0] * width, 0, [], 0
     for at in (*hooks, None):  # None: the epilogue's reduce
         if bucket and (at is None or sum(numel(h) for h in bucket) + numel(at[2])
                        > bucket_numel):
             made = made_of(bucket)
-            bucket = []
             where = (len(layers), 0) if at is None else at[:2]
             if first is None:
                 first = (*where, made)
+                if where[0] < 0 and len(bucket) == 1 and numel(bucket[0]) > bucket_numel:
+                    kept = numel(bucket[0]) * grad_bytes
             elif 0 <= where[0] < len(layers):
                 later[where[1]] = max(later[where[1]], made)
             else:
                 outside = max(outside, made)
+            bucket = []
         if at is not None:
             bucket.append(at[2])
     first = first or (len(layers), 0, 0)
-    return Zero3ReducesAt(first[0], first[1], first[2], tuple(later), outside)
+    return Zero3ReducesAt(first[0], first[1], first[2], tuple(later), outside, kept)
 
 
 def zero3_reduce_bytes(hook_numels: tuple[int, ...], bucket_numel: int, dp: int,

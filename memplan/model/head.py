@@ -405,6 +405,19 @@ def _rerun_casts(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     return (head_weight(spec, dm) + loss_chunk_tokens(wl, dm)[0] * spec.hidden_size) * dm.e
 
 
+def final_norm_hook(spec: ModelSpec, dm: Dims, saved_at_backward: int) -> int:
+    """Bytes of the final norm at its weight's gradient hook: transformers' RMSNorm ends in
+    ``weight * hidden.to(input_dtype)``, whose backward node runs first and makes the
+    gradient of the normalised input (rows x h) and the weight's (one per weight element),
+    both in the input's dtype (the weight's too: bf16 weights, or fp32 under autocast); the
+    weight's ``AccumulateGrad`` (and the hooks on it) runs next, the node's incoming gradient
+    and its saved normalised input freed, what the rest of the norm's backward reads
+    (``saved_at_backward``) still saved (traced under DeepSpeed ZeRO-2, tests/traced/
+    test_deepspeed_trace.py)."""
+    return (saved_at_backward + dm.rows * spec.hidden_size * dm.stream_e
+            + norm_params(spec) * dm.stream_e)
+
+
 def _chunk_input_grads(spec: ModelSpec, dm: Dims) -> int:
     """The chunks' input gradients of a chunked loss together: each chunk's projection takes
     rows of the final norm's output as the head sees it (all-gathered under DTensor sequence
@@ -433,6 +446,8 @@ class HeadBlock(NamedTuple):
     final_norm_saved: int = 0  # what of the final norm is saved when its backward runs
     final_norm_bwd: int = 0  # gradients in flight inside the final norm's backward
     final_norm_all: int = 0  # all the final norm saves (alive at the head's backward)
+    final_norm_hook: int = 0  # at its weight's gradient hook: what it still saves, its
+    #                           input-side gradient and its weight's (``final_norm_hook``)
     tied_grad: int = 0  # a tied head's weight gradient, held until the embedding's backward
     deferred: int = 0  # the input and logits' gradient kept for a deferred weight gradient
     #                    from the head's backward to the step's end (``memplan.model.
@@ -474,7 +489,9 @@ class HeadBlock(NamedTuple):
                    saved_bytes=saved - total(batch), loss=loss.transient_bytes,
                    linear=linear.transient_bytes, final_norm_saved=final_norm_bwd.own_bytes,
                    final_norm_bwd=final_norm_bwd.transient_bytes,
-                   final_norm_all=linear.own_bytes, held_logits=step_held_bytes(wl, dm),
+                   final_norm_all=linear.own_bytes,
+                   final_norm_hook=final_norm_hook(spec, dm, final_norm_bwd.own_bytes),
+                   held_logits=step_held_bytes(wl, dm),
                    held_past_loss=wl.logits_held is LogitsHeld.OUTPUT,
                    held_cache=output_cache_bytes(spec, wl, dm))
 
@@ -612,11 +629,11 @@ class HeadBlock(NamedTuple):
         return Event("loop.logits", self.held_logits, None)
 
     def backward_events(self, at_loss: int, at: int, beside: int,
-                        growing: bool) -> tuple[Event, ...]:
+                        growing: bool, at_hook: int = 0) -> tuple[Event, ...]:
         """The loss beside ``at_loss`` gathered bytes, then the head projection, its fp32
         main gradient and the final norm beside ``at`` (and ``beside`` at the final norm's
-        backward); ``growing``: its gradients are new (else accumulated into existing
-        ones)."""
+        backward, ``at_hook`` at its weight's gradient hook: ``final_norm_hook``);
+        ``growing``: its gradients are new (else accumulated into existing ones)."""
         if not any(self):  # no head on this stage: only what is gathered at its loss
             return (Event("loss.backward", 0, at),)
         # gradients the loss call made (new ones held from it on) and what its reduce holds
@@ -633,7 +650,10 @@ class HeadBlock(NamedTuple):
         released = (Event("loss.released", -self.loss_held, None),) if self.loss_held else ()
         if not self.final_norm_bwd:
             return (*events, *released)
-        # the final norm's own gradient comes after the head's
-        return (*events, Event("final_norm.backward", 0,
-                               self.final_norm_saved + self.final_norm_bwd + beside + at),
+        # the final norm's own gradient comes after the head's; its weight's hook runs
+        # after the first node of its backward, before the rest of it
+        hook = ((Event("final_norm.hook", 0, self.final_norm_hook + at_hook + at),)
+                if at_hook else ())
+        return (*events, *hook, Event("final_norm.backward", 0,
+                                      self.final_norm_saved + self.final_norm_bwd + beside + at),
                 *released)

@@ -151,6 +151,7 @@ class ForwardMoment(NamedTuple):
     name: str
     alive_bytes: int
     transient_bytes: int
+    block: str = ""  # the block it runs in (``Block.name``)
 
 
 class LayerMoment(NamedTuple):
@@ -194,15 +195,16 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
     if recompute is Recompute.FULL:
         held = stream  # the checkpointed input
         for norm, mixer, *post in sublayers(blocks):
-            out += [ForwardMoment(m.name, held + m.transient_bytes, 0)
+            out += [ForwardMoment(m.name, held + m.transient_bytes, 0, norm.name)
                     for m in norm.working_set(spec, wl, dm)]
             # the casts of the mixer's weights join the cache as its linears run: at its
             # working set's peaks all but the output projection's (``last_weight``)
             casts = cast_cache_bytes(spec, wl, dm, mixer, recompute)
             late = last_weight(spec, dm, mixer) * dm.e if casts else 0
-            out += [ForwardMoment(m.name, held + casts - late + stream + m.transient_bytes, 0)
+            out += [ForwardMoment(m.name, held + casts - late + stream + m.transient_bytes, 0,
+                                  mixer.name)
                     for m in mixer.working_set(spec, wl, dm)]
-            out += [ForwardMoment(m.name, held + casts + m.transient_bytes, 0)
+            out += [ForwardMoment(m.name, held + casts + m.transient_bytes, 0, b.name)
                     for b in post for m in b.working_set(spec, wl, dm)]
             held += casts + stream  # the sub-layer's residual sum joins the input
         return out
@@ -217,7 +219,8 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
     for block in blocks:
         prior += cast_cache_bytes(spec, wl, dm, block, recompute)
         beside = unsaved_input + (norm_out if isinstance(block, MIXERS) else 0)
-        out += [ForwardMoment(m.name, prior + m.own_bytes, beside + m.transient_bytes)
+        out += [ForwardMoment(m.name, prior + m.own_bytes, beside + m.transient_bytes,
+                              block.name)
                 for m in block.forward_moments(spec, wl, dm, recompute)]
         prior += total(block.saved(spec, wl, dm, recompute))
     return out
@@ -353,6 +356,9 @@ class LayerKind(NamedTuple):
     moments: tuple[LayerMoment, ...]
     forward_peak_bytes: int  # largest alive + transient inside its forward
     cached_bytes: int = 0  # autocast's casts held from its forward to the forward's end
+    forward_blocks: tuple[tuple[str, int], ...] = ()  # (block, its largest alive +
+    #                                                   transient) in forward order; () where
+    #                                                   not resolved by block
 
 
 def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
@@ -374,14 +380,44 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
         late = sum(t.size_bytes for t in kept if t.name == "sac.mlp.w2")
         return full._replace(terms=full.terms + kept,
                              saved_bytes=full.saved_bytes + total(kept),
-                             forward_peak_bytes=full.forward_peak_bytes + total(kept) - late)
+                             forward_peak_bytes=full.forward_peak_bytes + total(kept) - late,
+                             forward_blocks=())
     terms = tuple(layer_terms(spec, wl, dm, moe_layer=moe, recompute=policy, variant=variant))
     moments = backward_moments(spec, wl, dm, moe_layer=moe, recompute=policy, variant=variant)
     forward = forward_moments(spec, wl, dm, moe_layer=moe, recompute=policy, variant=variant)
     return LayerKind(terms, total(terms), tuple(moments),
                      max(m.alive_bytes + m.transient_bytes for m in forward),
                      layer_cast_cache_bytes(spec, wl, dm, moe, policy, variant)
-                     + kv_cache_bytes(spec, wl, dm, policy, variant))
+                     + kv_cache_bytes(spec, wl, dm, policy, variant),
+                     by_block(forward, mlp_steps(spec, wl, dm, moe, policy)))
+
+
+def mlp_steps(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
+              policy: Recompute) -> tuple[tuple[str, int], ...]:
+    """A checkpointed dense layer's MLP working set module by module (``mlp.
+    working_steps``); () otherwise."""
+    if policy is not Recompute.FULL or moe or compiled.in_checkpoint(wl):
+        return ()
+    from memplan.model.mlp import working_steps
+
+    return working_steps(spec, wl, dm)
+
+
+def by_block(moments: list[ForwardMoment],
+             steps: tuple[tuple[str, int], ...] = ()) -> tuple[tuple[str, int], ...]:
+    """Each block's largest alive + transient among ``moments``, the blocks in the order they
+    run (what a per-module mechanism pairs with its bytes at that block: ZeRO-3's gathered
+    weights, ``memplan.model.sharding.DataParallel.layer_forward``). With ``steps`` (the
+    checkpointed MLP's working set by module, ``mlp_steps``) the MLP's one moment is given
+    as those, each ``mlp.<step>``: its alive bytes beside each step's transient."""
+    out: dict[str, int] = {}
+    for m in moments:
+        if steps and m.block == "mlp":
+            base = m.alive_bytes + m.transient_bytes - max(t for _, t in steps)
+            out.update((f"mlp.{name}", base + t) for name, t in steps)
+            continue
+        out[m.block] = max(out.get(m.block, 0), m.alive_bytes + m.transient_bytes)
+    return tuple(out.items())
 
 
 @lru_cache(maxsize=1024)
@@ -411,7 +447,7 @@ def ops_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str) -
     peak = ops_forward_peak(_ops_forward(spec, _unsaved(wl), dm, moe,
                                          variant), items, kept)
     return full._replace(terms=full.terms + terms, saved_bytes=full.saved_bytes + total(terms),
-                         forward_peak_bytes=peak)
+                         forward_peak_bytes=peak, forward_blocks=())
 
 
 @lru_cache(maxsize=1024)

@@ -15,7 +15,7 @@ from memplan.model.norm import output_kept
 from memplan.model.dims import FP32_BYTES, MASK_BYTES, Dims, Term, residual_dropout_mask, total
 from memplan.model.linear import Linear, Split, local_widths
 from memplan.spec import ActivationImpl, MlpKind, ModelSpec, activation_params
-from memplan.workload import Recompute, TeFp8Recipe, Workload
+from memplan.workload import MlpImpl, Recompute, TeFp8Recipe, Workload
 
 
 def mlp_terms(prefix: str, spec: ModelSpec, dm: Dims, ffn: int, tokens: int) -> list[Term]:
@@ -222,6 +222,55 @@ def backward_moments(spec: ModelSpec, dm: Dims, *, saved: int, freed: int, run_t
     ]
 
 
+def up_backward(grad_input: int, inner: int, fresh: int, impl: MlpImpl) -> BackwardMoment:
+    """The up projection's backward in a gated MLP with separate gate and up projections.
+    The product's backward makes both factors' gradients; of the nodes then ready autograd
+    runs the one made last in forward first (the engine's ready queue takes the highest
+    sequence number, torch/csrc/autograd/engine.cpp CompareNodeTaskTime). Written
+    act(gate(x)) * up(x) (``MlpImpl.GENERIC``: transformers' LlamaMLP.forward
+    down_proj(act_fn(gate_proj(x)) * up_proj(x))) that is the up projection's, so the
+    activation's backward waits: its saved input (the gate's output, ``inner``) and its
+    incoming gradient stay; litgpt's (``MlpImpl.LITGPT``: the activation after both
+    projections) runs the activation's first, which frees its input and leaves the gate
+    output's gradient instead. Either way beside the up projection's output gradient, its
+    input's gradient (``grad_input``, made first) and its weight's (``fresh``); the output
+    gradient, the node's input, is released before the weight's hook (``hook_freed``).
+    Never the peak where every gradient is held (``mlp_in`` or ``mlp_act`` is larger) or
+    only the fresh ones (the down projection's ``mlp``); it is where a gradient is kept to
+    the next hook (DeepSpeed's extra_large_param_to_reduce, traced: tests/traced/
+    test_deepspeed_trace.py test_zero2_bucket_smaller_than_a_weight)."""
+    waiting = inner if impl is MlpImpl.GENERIC else 0
+    return BackwardMoment("mlp_up", waiting, grad_input + 2 * inner, ("mlp_out",), fresh, inner)
+
+
+def up_first(spec: ModelSpec, wl: Workload, dm: Dims) -> bool:
+    """Whether ``up_backward`` is modelled: a gated MLP with its own gate and up projections
+    in eager autograd, as plain linears (compiled, fused, adapters and float8 casts have
+    moments of their own)."""
+    linears = mlp_linears(spec, spec.ffn_hidden_size)
+    return (spec.mlp.gated and not spec.fused_gate_up and not wl.compile
+            and dm.adapters is None and dm.te_fp8 is TeFp8Recipe.NONE
+            and not any(linear.float8_converts(lin, dm) for lin in linears)
+            and linear.keeps_input(linears[-1:], dm))
+
+
+def working_steps(spec: ModelSpec, wl: Workload, dm: Dims) -> tuple[tuple[str, int], ...]:
+    """A gated MLP's checkpointed forward (nothing saved) module by module, the transient
+    bytes of each: transformers' LlamaMLP.forward down_proj(act_fn(gate_proj(x)) *
+    up_proj(x)) frees each temporary once the next op has read it, so the gate projection
+    makes its output (``gate``), the activation its own beside it (``act``), the up projection
+    its output beside the activation's (``up``), the product both factors' product between
+    the up projection's run and the down projection's (``prod``), the down projection its
+    output beside the product (``down``). Their most is ``Mlp.working_set``'s. () where the
+    order is not that one (``up_first``, ``MlpImpl.GENERIC``)."""
+    if not up_first(spec, wl, dm) or wl.mlp_impl is not MlpImpl.GENERIC:
+        return ()
+    stream = dm.rows * spec.hidden_size * dm.e
+    inner = dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
+    return (("gate", inner), ("act", 2 * inner), ("up", 2 * inner), ("prod", 3 * inner),
+            ("down", inner + stream))
+
+
 def dropout_mask_bytes(spec: ModelSpec, dm: Dims) -> int:
     """The block output's dropout mask: freed when the MLP's backward starts."""
     return dm.rows * spec.hidden_size * MASK_BYTES if spec.dropout > 0 else 0
@@ -356,14 +405,19 @@ class Mlp:
     def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
                          recompute: Recompute) -> list[BackwardMoment]:
         rows_h_e = dm.rows * spec.hidden_size * dm.e
+        fresh = spec.hidden_size * spec.ffn_hidden_size // dm.tp
         # a plain MLP has one input projection: nothing to sum
-        return backward_moments(
+        moments = backward_moments(
             spec, dm, saved=total(self.saved(spec, wl, dm, recompute)),
             freed=dropout_mask_bytes(spec, dm), run_tokens=dm.tokens,
             ffn=spec.ffn_hidden_size, grad_inputs=(2 if spec.mlp.gated else 1) * rows_h_e,
-            fresh=spec.hidden_size * spec.ffn_hidden_size // dm.tp,
-            out_cast=linear.saved_bytes(mlp_linears(spec, spec.ffn_hidden_size)[-1:], dm)
-        ) + _float8_backward(spec, dm, self.saved(spec, wl, dm, recompute))
+            fresh=fresh,
+            out_cast=linear.saved_bytes(mlp_linears(spec, spec.ffn_hidden_size)[-1:], dm))
+        if up_first(spec, wl, dm):  # before the input projections' moment
+            up = up_backward(rows_h_e, dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e, fresh,
+                             wl.mlp_impl)
+            moments.insert(len(moments) - 1, up)
+        return moments + _float8_backward(spec, dm, self.saved(spec, wl, dm, recompute))
 
     def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
         return []

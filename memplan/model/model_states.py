@@ -466,6 +466,9 @@ class ShardingBuffers(NamedTuple):
     #                           by hook (memplan.model.deepspeed_coordinator.HookGathers), the
     #                           layers of backward_block_bytes; None: those bytes throughout
     first_hook_gathers: Any = None  # ... the stage's first layer's (backward_last_block_bytes)
+    forward_block_gathers: tuple[tuple[str, int], ...] = ()  # ... gathered beside each block
+    #                           of a layer's forward (deepspeed_coordinator.Positions.
+    #                           layer_blocks), at most gathered_bytes; (): that throughout
     post_step_bytes: int = 0  # gathered at the optimizer step's end, no temporary of it
     #                           alive (DeepSpeed's ZeRO-3: the persistent parameters,
     #                           stage3.py _post_step)
@@ -616,42 +619,16 @@ def _preallocated_buckets(params: StageParams, par: ParallelConfig, wl: Workload
         # gpu) and an fp32 one (async_inplace_copy_grad_to_fp32_buffer_from_gpu), one slice at
         # a time, at the hook where the reduce runs (zero2_offload_reduces_at, placed as
         # ZeRO-3's are); a device buffer of the largest parameter
-        # (temp_grad_buffer_for_gpu_offload) from the wrap on
+        # (temp_grad_buffer_for_gpu_offload) from the wrap on; a gradient larger than the
+        # bucket is cloned in its hook and reduced alone at the next, placed the same way
         resident = max(trained.tensor_sizes, default=0) * grad_bytes
-        if max(params.tensor_sizes, default=0) <= wl.zero_bucket_numel:
-            partition, hooks = 0, _zero2_offload_hooks(params, par, wl)
-            start = hooks.pop("partition_from")
-        else:
-            # a gradient larger than the bucket is cloned in its hook and reduced alone at
-            # the next: not placed by hook; the largest slice's copy from the start of the
-            # unit where the first reduce falls (traced: +1.17% at a bucket of 1e5 elements on
-            # the toy, where the hook placement is -1.6%)
-            partition = NORM_COPY_BYTES * largest_slice(params.tensor_sizes,
-                                                        par.dense_shard_degree)
+        partition, hooks = 0, _zero2_offload_hooks(params, par, wl, grad_bytes)
+        start = hooks.pop("partition_from")
     return ShardingBuffers(0, 0, 0, backward_head_bytes=held, backward_block_bytes=held,
                            backward_last_block_bytes=held, backward_end_bytes=held,
                            backward_head_prefetch_bytes=held, bucket_bytes=held, **hooks,
                            partition_bytes=partition, partition_from=start,
                            resident_bytes=resident)
-
-
-# an fp64 copy of a gradient slice for its norm (runtime/zero/utils.py get_norm_dtype: fp64
-# where the device has it, as CUDA does)
-NORM_COPY_BYTES = 8
-
-
-def largest_slice(tensor_sizes: tuple[int, ...], dp: int) -> int:
-    """Elements of the largest slice of a parameter in the last rank's partition of the flat
-    buffer (the parameters in order, padded to 2 x ``dp`` elements: stage_1_and_2.py
-    ``flatten_dense_tensors_aligned``); the last rank's holds the head and the last layers,
-    whose gradients are reduced first."""
-    total = sum(tensor_sizes)
-    size = -(-total // (2 * dp)) * 2
-    lo, hi, start, most = (dp - 1) * size, dp * size, 0, 0
-    for n in tensor_sizes:
-        most = max(most, min(start + n, hi) - max(start, lo))
-        start += n
-    return most
 
 
 def _coordinator_gathers(params: StageParams, par: ParallelConfig, wl: Workload, e: int,
@@ -722,8 +699,8 @@ def _in_hook_order(params: StageParams, items: tuple) -> tuple[tuple, tuple, tup
             tuple(reversed(items[:params.embedding_tensors])))
 
 
-def _zero2_offload_hooks(params: StageParams, par: ParallelConfig,
-                         wl: Workload) -> dict[str, Any]:
+def _zero2_offload_hooks(params: StageParams, par: ParallelConfig, wl: Workload,
+                         grad_bytes: int) -> dict[str, Any]:
     """ZeRO-Offload's reduces at stage 2 (``memplan.model.deepspeed_zero.
     zero2_offload_reduces_at``) for the last rank (its partition, the flat buffer's tail,
     holds the head and the last layers, whose gradients are reduced first), hooks in backward
@@ -734,7 +711,7 @@ def _zero2_offload_hooks(params: StageParams, par: ParallelConfig,
     size = ceil_div(sum(sizes), 2 * dp) * 2
     head, layers, embedding = _in_hook_order(params, items)
     at = zero2_offload_reduces_at(head, layers, embedding, wl.zero_bucket_numel,
-                                  (dp - 1) * size, dp * size)
+                                  (dp - 1) * size, dp * size, grad_bytes)
     if at.first_layer == len(layers):  # everything in one bucket: reduced at the epilogue,
         at = at._replace(end=max(at.end, at.first))  # beside the embedding's backward
     return dict(zero3_reduces=at, partition_from=at.first_layer,
@@ -750,7 +727,8 @@ def _replayed(at: Any, held: int) -> ShardingBuffers:
                            backward_last_block_bytes=at.in_first_block,
                            backward_end_bytes=at.embedding, bucket_bytes=held,
                            bucket_resident=True, hook_gathers=at.block_hooks,
-                           first_hook_gathers=at.first_block_hooks)
+                           first_hook_gathers=at.first_block_hooks,
+                           forward_block_gathers=at.layer_blocks)
 
 
 def _reduce_after_backward(params: StageParams, par: ParallelConfig, wl: Workload,

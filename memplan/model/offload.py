@@ -116,7 +116,8 @@ def saved_on_host(kind: LayerKind, checkpointed: LayerKind, moments: list[LayerM
     own_cache = max(0, kind.cached_bytes - checkpointed.cached_bytes) + cache
     return kind._replace(saved_bytes=0, moments=tuple(moments),
                          cached_bytes=kind.cached_bytes + cache,
-                         forward_peak_bytes=checkpointed.forward_peak_bytes + own_cache + stream)
+                         forward_peak_bytes=checkpointed.forward_peak_bytes + own_cache + stream,
+                         forward_blocks=())
 
 
 def offload_assumptions(par: ParallelConfig) -> tuple[str, ...]:
@@ -155,7 +156,9 @@ def unpacked_bytes(spec: ModelSpec, dm: Dims, block: Block, moment: BackwardMome
     tensors it saved, alive while it runs. A linear's backward reads its input and its weight
     (``save_on_cpu`` packs parameters too: the copy is a second weight on the GPU, the
     block's largest): the MLP's output projection reads the product (gated) or the
-    activation; the input projections read the block's input. The gated product's backward
+    activation; the input projections read the block's input (the up projection's too: the
+    gate's output it runs beside, saved for the activation, is still packed). The gated
+    product's backward
     reads its two factors. Other moments (norms, the attention core) read what the block
     still holds at them (``moment.own_bytes``)."""
     weight = max(block.tensor_sizes(spec, dm.tp, 1), default=0) * dm.e
@@ -166,7 +169,7 @@ def unpacked_bytes(spec: ModelSpec, dm: Dims, block: Block, moment: BackwardMome
         # the product's two factors, beside its incoming gradient (which the moment's own
         # bytes count where the product was saved)
         return (3 if spec.mlp.gated else 2) * inner
-    if moment.name in ("mlp_in", "attn_in"):
+    if moment.name in ("mlp_in", "mlp_up", "attn_in"):
         return dm.linear_rows * spec.hidden_size * dm.e + weight
     return moment.own_bytes
 

@@ -100,6 +100,9 @@ class DataParallel(NamedTuple):
     hook_gathers: Any = None  # ... what the coordinator holds gathered at and between them
     #                           (deepspeed_coordinator.HookGathers; in_block's layers)
     first_hook_gathers: Any = None  # ... the stage's first layer's (in_first_block's)
+    forward_blocks: tuple[tuple[str, int], ...] = ()  # ... gathered beside each block of a
+    #                                                   layer's forward (of which
+    #                                                   in_block_forward is the most)
 
     # Bytes are made from bytes in integer arithmetic on the ratios' numerators and
     # denominators (gradient bytes are never negative): exact, and no Fraction is built.
@@ -178,6 +181,19 @@ class DataParallel(NamedTuple):
             return max(m.alive_bytes + m.transient_bytes + g for m, g in zip(moments, grads))
         return max(m.alive_bytes + m.transient_bytes for m in moments)
 
+    def layer_forward(self, blocks: tuple[tuple[str, int], ...], peak: int,
+                      beside: int) -> int:
+        """A layer's forward peak (``peak``, its blocks' ``blocks``: ``LayerKind.
+        forward_blocks``) beside ``beside`` gathered bytes: with what is gathered at each of
+        its blocks (``forward_blocks``, DeepSpeed's ZeRO-3 coordinator, where ``beside`` is
+        the most of them) each block's peak beside its own, a block's step (``mlp.prod``)
+        beside the step's where given, else its block's; else ``peak`` beside ``beside``."""
+        gathered = dict(self.forward_blocks)
+        if (not gathered or beside != self.in_block_forward
+                or _block_names(k for k, _ in blocks) != _block_names(gathered)):
+            return peak + beside
+        return max(p + gathered.get(k, gathered[k.split(".")[0]]) for k, p in blocks)
+
     @property
     def at_loss(self) -> int:
         """Weights gathered at the loss's backward: the head's, before its unit prefetches."""
@@ -187,6 +203,11 @@ class DataParallel(NamedTuple):
     def reduce_at_block(self) -> bool:
         """FSDP2's root-unit reduce-scatter moments of every block (not at shard degree 1)."""
         return self.per_unit and not self.reduce_copies and not self.separate_units
+
+
+def _block_names(keys: Any) -> list[str]:
+    """The blocks of ``forward_blocks`` keys (a block, or ``block.step``), in order."""
+    return list(dict.fromkeys(k.split(".")[0] for k in keys))
 
 
 def hook_moments(moments: tuple[LayerMoment, ...], hooks: tuple[int, ...]
@@ -266,6 +287,7 @@ def data_parallel(shard: ShardingBuffers, params: int, grads_bytes: int,
         reduces=shard.zero3_reduces,
         layer_hooks=shard.layer_hooks, hook_gathers=shard.hook_gathers,
         first_hook_gathers=shard.first_hook_gathers,
+        forward_blocks=shard.forward_block_gathers,
         fresh_only=bool(shard.bucket_bytes),
         flat=shard.flat_units, at_reduce=shard.backward_reduce_bytes,
         kept_layer=shard.kept_layer_bytes, kept_layers=shard.kept_layers_bytes)
@@ -357,7 +379,6 @@ def head_moments(dp: DataParallel, head_grads: int) -> tuple[int, tuple[Event, .
     is carried to the blocks). ``head_grads``: the head's (and final norm's) held gradients."""
     beside = dp.root(head_grads) if dp.per_unit else dp.buffer(head_grads)
     beside += dp.partition if dp.partition_from < 0 else 0
-    beside += dp.reduces.first if dp.zero3_hooks and dp.partition_from < 0 else 0
     events: tuple[Event, ...] = ()
     if dp.reduce_copies and dp.separate_units:  # the head's own unit at its reduce
         events = (Event("head.reduce", 0, dp.reduced(head_grads) - head_grads),)
@@ -369,6 +390,16 @@ def head_moments(dp: DataParallel, head_grads: int) -> tuple[int, tuple[Event, .
         #                 counted beside the loss and the head, alive from here on
         events += (Event("units.kept", dp.kept_layers, None),)
     return beside, events, Held(head_grads, previous, root_held, 0)
+
+
+def head_hook(dp: DataParallel) -> int:
+    """Bytes beside the final norm's weight gradient hook (DeepSpeed's ``zero3_hooks``): a
+    bucket reduce among the head's hooks runs there (the head projection's hook runs first,
+    into an empty bucket), with the gradient it reads outside the bucket
+    (``Zero3ReducesAt.kept``); 0 where none runs there."""
+    if not dp.zero3_hooks or dp.reduces is None or dp.partition_from >= 0:
+        return 0
+    return dp.reduces.first + dp.reduces.kept
 
 
 def run_positions(dp: DataParallel, held: Held, layer_grads: int, early: int, n: int,

@@ -26,6 +26,7 @@ from memplan.model.sharding import (
     Position,
     end_moments,
     forward_positions,
+    head_hook,
     head_moments,
     held_after,
     positions_key,
@@ -109,7 +110,8 @@ def _layer_forward_segments(runs: list[tuple[LayerKind, int, tuple[int, ...], in
             held_bytes, peak = kind.saved_bytes + kind.cached_bytes, kind.forward_peak_bytes
             run = built[key] = []
             for p in forward_positions(dp, n, index == 0, index == last):
-                compute = Event("layer.forward", held_bytes, peak + p.beside)
+                compute = Event("layer.forward", held_bytes,
+                                dp.layer_forward(kind.forward_blocks, peak, p.beside))
                 run.append(Segment((p.before, compute) if p.before else (compute,), p.repeat))
         segments += run
     return segments
@@ -198,7 +200,8 @@ def _head_segment(w: Walk, growing: bool) -> tuple[Segment, Held]:
     h, dp = w.head, w.sharding
     # the gradients the loss call made are reduced there: the head's unit reduces the rest
     beside, after, held = head_moments(dp, h.grads - h.loss_made)
-    return Segment((*h.backward_events(dp.at_loss, dp.at_head, beside, growing), *after)), held
+    return Segment((*h.backward_events(dp.at_loss, dp.at_head, beside, growing, head_hook(dp)),
+                    *after)), held
 
 
 def backward_head_peak(w: Walk, grads_prior: int) -> int:

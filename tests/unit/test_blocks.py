@@ -112,8 +112,11 @@ def test_attention_in_a_checkpointed_layer() -> None:
 def test_swiglu_mlp() -> None:
     """gate, act, up, prod: T*f*e = 22,528 each; its output beside the residual add's (2 x
     8,192). Backward: the down projection's gradient
-    (22,528) with its weight (64*176) fresh, two intermediate gradients at the activation,
-    then the input projections: two input gradients and one output gradient (38,912)."""
+    (22,528) with its weight (64*176) fresh, two intermediate gradients at the activation;
+    the up projection's backward (run first: made last in forward) beside the gate's saved
+    output (22,528) and the activation's waiting gradient: its output gradient (22,528, freed
+    before its hook), its input gradient (8,192) and its weight's fresh; then the gate's,
+    the last input projection: two input gradients and one output gradient (38,912)."""
     mlp = Mlp()
     assert total(mlp.saved(TINY, WL, DM, Recompute.NONE)) == 4 * 22_528
     assert _moments(mlp.forward_moments(TINY, WL, DM, Recompute.NONE)) == [
@@ -123,8 +126,33 @@ def test_swiglu_mlp() -> None:
     assert [(m.name, m.own_bytes, m.transient_bytes, m.grads, m.fresh_params) for m in back] == [
         ("mlp", 90_112, 22_528, ("mlp_out",), 11_264),
         ("mlp_act", 90_112, 45_056, ("mlp_out",), 0),
+        ("mlp_up", 22_528, 8_192 + 2 * 22_528, ("mlp_out",), 11_264),
         ("mlp_in", 0, 38_912, ("mlp",), 11_264)]
+    assert back[2].hook_freed == 22_528
+    # litgpt's order (the activation after both projections): the activation's backward ran
+    # first, its saved input freed, the gate output's gradient in its incoming one's place
+    litgpt = Workload(micro_batch_size=2, seq_len=32, mlp_impl="litgpt")
+    lit = mlp.backward_moments(TINY, litgpt, DM, Recompute.NONE)
+    assert (lit[2].name, lit[2].own_bytes, lit[2].transient_bytes) == (
+        "mlp_up", 0, 8_192 + 2 * 22_528)
     assert mlp.grad_groups(TINY, 1, 1) == {"mlp_out": 11_264, "mlp": 33_792}
+
+
+def test_swiglu_checkpointed_forward_by_module() -> None:
+    """Under a checkpoint (nothing saved) transformers' LlamaMLP holds, module by module: the
+    gate's output (22,528); it and the activation's (2 x); the activation's and up's (2 x);
+    both and their product (3 x 22,528 = 67,584, the working set's); the product and the
+    output (22,528 + 8,192). litgpt's order (both projections, then the activation) is not
+    given by module."""
+    from memplan.model.mlp import working_steps
+
+    assert working_steps(TINY, WL, DM) == (
+        ("gate", 22_528), ("act", 45_056), ("up", 45_056), ("prod", 67_584),
+        ("down", 22_528 + STREAM))
+    assert max(t for _, t in working_steps(TINY, WL, DM)) == Mlp().working_set(
+        TINY, WL, DM)[0].transient_bytes
+    assert working_steps(TINY, Workload(micro_batch_size=2, seq_len=32, mlp_impl="litgpt"),
+                         DM) == ()
 
 
 def test_layer_forward_is_a_running_sum() -> None:
@@ -142,11 +170,13 @@ def test_layer_forward_is_a_running_sum() -> None:
 
 def test_layer_backward_is_a_running_sum() -> None:
     """Backward, last block first: the blocks before each one still saved, the incoming
-    gradient (8,192) beside, and the groups of the blocks after it with gradients."""
+    gradient (8,192) beside, and the groups of the blocks after it with gradients; at the
+    up projection's backward the gate's saved output (22,528) beside the blocks before."""
     moments = backward_moments(TINY, WL, DM, moe_layer=False, recompute=Recompute.NONE)
     assert [(m.name, m.alive_bytes, m.transient_bytes, m.grads_before) for m in moments] == [
         ("mlp", 181_760, 30_720, ("mlp_out",)),
         ("mlp_act", 181_760, 53_248, ("mlp_out",)),
+        ("mlp_up", 91_648 + 22_528, 8_192 + 53_248, ("mlp_out",)),
         ("mlp_in", 91_648, 47_104, ("mlp",)),
         ("mlp_norm", 75_264, 90_112, ("mlp",)),
         ("attention.0", 58_624, 32_768, ("mlp", "mlp_norm", "attn_out")),

@@ -451,13 +451,10 @@ def test_zero_offload_by_hand() -> None:
     fp32 gradient, Adam (16 B) and a bf16 copy (2 B) of 1,108,608 elements, and a bf16 buffer of
     the largest parameter (512,000 B): 20,466,944 B (traced 20,466,952: the AdamW step count)."""
     from memplan.model.deepspeed_zero import estimate_zero2  # noqa: F401 (the module loads)
-    from memplan.model.model_states import deepspeed_offload_host_bytes, largest_slice
+    from memplan.model.model_states import deepspeed_offload_host_bytes
     from memplan.model.optimizer import optimizer_policy
     from memplan.workload import Optimizer
 
-    layer = (256, 65_536, 16_384, 16_384, 65_536, 256, 229_376, 229_376, 229_376)
-    sizes = (256_000, *layer, *layer, 256, 256_000)
-    assert largest_slice(sizes, 2) == 256_000
     assert deepspeed_offload_host_bytes(1_108_608, 256_000, 2,
                                         optimizer_policy(Optimizer.ADAMW)) == 20_466_944
 
@@ -614,10 +611,10 @@ def test_zero3_reduces_placed_by_hook() -> None:
 
     layer = _TOY_LAYER_BACKWARD
     at = zero3_reduces_at((256_000, 256), (layer, layer), (256_000,), 300_000, 2, 2, False)
-    assert at == (0, 0, 512_512, (197_120, 0, 0, 0, 0, 590_336, 0, 0, 0), 197_120)
+    assert at == (0, 0, 512_512, (197_120, 0, 0, 0, 0, 590_336, 0, 0, 0), 197_120, 0)
     at = zero3_reduces_at((256_000, 256), (layer, layer), (256_000,), 300_000, 2, 2, True)
     assert at == (0, 0, 1_792_512,
-                  (524_800, 1_146_880, 1_146_880, 0, 0, 1_737_216, 0, 0, 0), 1_280_000)
+                  (524_800, 1_146_880, 1_146_880, 0, 0, 1_737_216, 0, 0, 0), 1_280_000, 0)
 
 
 def test_hook_moments_of_a_llama_layer() -> None:
@@ -656,7 +653,52 @@ def test_zero2_offload_reduces_by_hand() -> None:
     items = tuple(zip(starts, sizes))
     layers = (tuple(reversed(items[10:19])), tuple(reversed(items[1:10])))
     at = zero2_offload_reduces_at(tuple(reversed(items[19:])), layers, (items[0],), 300_000,
-                                  1_108_608, 2_217_216)
-    assert (at.first_layer, at.first_hook, at.first) == (0, 0, 2_048_000)
+                                  1_108_608, 2_217_216, 2)
+    assert (at.first_layer, at.first_hook, at.first, at.kept) == (0, 0, 2_048_000, 0)
     assert at.later == (524_288, 1_835_008, 1_835_008, 0, 0, 1_835_008, 0, 0, 0)
     assert at.end == 0
+
+
+def test_zero2_offload_reduces_bucket_smaller_than_a_weight() -> None:
+    """The same toy and rank with a bucket of 1e5 elements, smaller than the head (256,000)
+    and the MLP weights (229,376): each is cloned in its hook, counted in the bucket's
+    elements, and reduced alone at the next hook (stage_1_and_2.py reduce_independent_p_g_
+    buckets_and_remove_grads -> reduce_ipg_grads: extra_large_param_to_reduce). [head] at the
+    final norm's hook (the head's hooks: first_layer -1), its owned slice 256,000 x 8 B =
+    2,048,000 B, its clone (kept) 256,000 x 2 B = 512,000 B beside it; in the last layer
+    [final norm] at down's hook (256 x 8 = 2,048), [down] at up's, [up] at gate's, [gate] at
+    the norm's (1,835,008 each), [norm, o, v, k] (98,560 elements) at q's (o's 65,536 x 8 =
+    524,288); in layer 0 [q, norm] at down's (q's: 524,288), the larger of hook 0; nothing of
+    layer 0 or the embedding owned (traced: tests/traced/test_deepspeed_trace.py, every
+    reduce's fp64 copy at these hooks)."""
+    from memplan.model.deepspeed_zero import zero2_offload_reduces_at
+
+    layer = (256, 65_536, 16_384, 16_384, 65_536, 256, 229_376, 229_376, 229_376)
+    sizes = (256_000, *layer, *layer, 256, 256_000)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    items = tuple(zip(starts, sizes))
+    layers = (tuple(reversed(items[10:19])), tuple(reversed(items[1:10])))
+    at = zero2_offload_reduces_at(tuple(reversed(items[19:])), layers, (items[0],), 100_000,
+                                  1_108_608, 2_217_216, 2)
+    assert (at.first_layer, at.first_hook, at.first, at.kept) == (-1, 0, 2_048_000, 512_000)
+    assert at.later == (524_288, 1_835_008, 1_835_008, 1_835_008, 0, 0, 0, 524_288, 0)
+    assert at.end == 0
+
+
+def test_final_norm_hook_by_hand() -> None:
+    """The toy's final norm (transformers' RMSNorm, bf16, 64 rows, h 256) at its weight's
+    gradient hook: its fp32 input (64 x 256 x 4 = 65,536 B) and rstd (64 x 4 = 256 B) still
+    saved, the gradient of its normalised input (64 x 256 x 2 = 32,768 B) and its weight's
+    (256 x 2 = 512 B): 99,072 B (traced at that hook under ZeRO-Offload: 98,704 B beside
+    what the layers saved, 368 B less)."""
+    from memplan.model.dims import Dims
+    from memplan.model.head import final_norm_hook
+    from memplan.spec import ModelSpec
+
+    spec = ModelSpec(name="toy", source="test", num_layers=2, hidden_size=256,
+                     ffn_hidden_size=896, num_attention_heads=4, num_kv_heads=1, head_dim=64,
+                     vocab_size=1000, max_seq_len=64, norm="rmsnorm", mlp="swiglu",
+                     position="rope", tied_embeddings=False)
+    dm = Dims(b=1, s=64, s_kv=64, tokens=64, res_tokens_div=1, tp=1, e=2, vocab_shard=1000,
+              stream_e=2)
+    assert final_norm_hook(spec, dm, 65_792) == 99_072

@@ -138,3 +138,46 @@ def test_moment_gathers_by_hand() -> None:
     assert moment_gathers(ks, 7, g, 100) == (10, 20, 40, 50, 50, 90, 95)
     assert moment_gathers(ks, 7, None, 100) == (100,) * 7
     assert moment_gathers((0, None), 2, HookGathers((1, 2), (0, 0, 0)), 7) == (7, 7)
+
+
+def test_layer_blocks_by_hand() -> None:
+    """A Llama layer's 13 forward runs (the layer, its norm, the attention, q, k, v, o, the
+    norm, the MLP, gate, the activation, up, down) fall in its blocks attn_norm (the first
+    three), attn (q to o), mlp_norm (the norm and the MLP module) and mlp (gate to down); the
+    coordinator holding 1, 2, ..., 13 at them and 101, ..., 113 after their releases, each
+    block holds its most: 3, 7, 9, 13; the MLP's steps their module's: gate 10, act 11, up
+    12, down 13, the product after up's release, 112. A run outside a Llama layer's blocks
+    (-1) leaves nothing to read by block."""
+    from memplan.model.deepspeed_coordinator import Replayed, Trace, _layer_blocks
+
+    uses = tuple(Use(-1, F) for _ in range(13))
+    blocks = (0, 0, 0, 1, 1, 1, 1, 2, 2, 3, 3, 3, 3)
+    trace = Trace(uses, ("layer",) * 13, blocks)
+    r = Replayed(tuple(range(1, 14)), tuple(range(101, 114)))
+    assert _layer_blocks(trace, r) == (
+        ("attn_norm", 3), ("attn", 7), ("mlp_norm", 9), ("mlp", 13), ("mlp.gate", 10),
+        ("mlp.act", 11), ("mlp.up", 12), ("mlp.prod", 112), ("mlp.down", 13))
+    assert _layer_blocks(trace._replace(block=(-1,) * 13), r) == ()
+    toy = llama_trace(12, 1, (9,), 2)
+    assert [b for b, w in zip(toy.block, toy.where) if w == "layer"] == list(blocks)
+
+
+def test_layer_forward_by_block() -> None:
+    """A layer whose blocks peak at 100, 200, 100 and 300 B, the coordinator holding 10, 50,
+    10 and 20 B at them (the most, 50, beside the layer): the MLP's 300 + 20 = 320 B, not
+    300 + 50; blocks that do not match the coordinator's, or a position holding other than
+    the most, count the layer's peak beside it (350, 310)."""
+    from memplan.model.sharding import DataParallel
+
+    dp = DataParallel(in_block_forward=50, forward_blocks=(
+        ("attn_norm", 10), ("attn", 50), ("mlp_norm", 10), ("mlp", 20)))
+    layer = (("attn_norm", 100), ("attn", 200), ("mlp_norm", 100), ("mlp", 300))
+    assert dp.layer_forward(layer, 300, 50) == 320
+    assert dp.layer_forward(layer[:3], 300, 50) == 350
+    assert dp.layer_forward(layer, 300, 10) == 310
+    assert DataParallel(in_block_forward=50).layer_forward(layer, 300, 50) == 350
+    # the MLP by step: the product (300) where 0 is gathered, the down projection (250)
+    # beside its 20; a step the coordinator does not give (gate) beside the block's 20
+    steps = dp._replace(forward_blocks=dp.forward_blocks + (("mlp.prod", 0), ("mlp.down", 20)))
+    by_step = (*layer[:3], ("mlp.gate", 150), ("mlp.prod", 300), ("mlp.down", 250))
+    assert steps.layer_forward(by_step, 300, 50) == max(250, 170, 300, 270)
