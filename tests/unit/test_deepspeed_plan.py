@@ -98,22 +98,30 @@ def test_plan_searches_stages_and_buckets() -> None:
 
 
 def test_plan_keeps_the_bucket_with_the_lower_peak() -> None:
-    """On 8 A100 40GB with 64 sequences of 4096 per step at ZeRO-2, the fastest candidate (mbs
-    1, full recompute of 28 of 32 layers, seven eighths: the plan searches k in eighths of a
-    stage, and fits the allocator's reserved peak) fits with either bucket; the plan keeps the one with the lower peak, which is the
-    smaller of the two plans with the bucket fixed (a ds_config's reduce_bucket_size), each
-    reporting only its own bucket."""
-    top = _plan("--gpu", "a100-40gb", "--gbs", "64", "--zero", "2")["candidates"][0]
-    assert (top["mbs"], top["recompute"], top["recompute_layers"]) == (1, "full", 28)
-    peaks = {}
+    """On 8 A100 40GB with 64 sequences of 4096 per step at ZeRO-2 (the plan searches full
+    recompute of k in eighths of a stage and fits the allocator's reserved peak): the two
+    plans with the bucket fixed (a ds_config's reduce_bucket_size), each reporting only its
+    own bucket, and the plan that searches both. Its fastest candidate (mbs 1, 20 of 32
+    layers recomputed) fits only with DeepSpeed's default bucket of 5e8 elements; the next
+    (mbs 1, 28 layers) fits with either, and the plan keeps the bucket with the lower peak,
+    the smaller of the two plans' peaks for it."""
+    out = _plan("--gpu", "a100-40gb", "--gbs", "64", "--zero", "2")["candidates"]
+    peaks: dict[int, dict[tuple, int]] = {}
     for bucket in (500_000_000, 16_777_216):
         fixed = api.plan("llama-7b", gpus=8, gpu="a100-40gb", seq_len=4096,
                          global_batch_size=64, framework="deepspeed", zero_bucket_numel=bucket,
                          zero=2, top=3)
         assert {c.workload.zero_bucket_numel for c in fixed.candidates} == {bucket}
-        peaks[bucket] = next(c.peak_bytes for c in fixed.candidates
-                             if (c.micro_batch_size, c.recompute_layers) == (1, 28))
-    assert top["peak_bytes"] == min(peaks.values()) == peaks[top["reduce_bucket_numel"]]
+        peaks[bucket] = {(c.micro_batch_size, c.recompute.label, c.recompute_layers):
+                         c.peak_bytes for c in fixed.candidates}
+    first, second = ((c["mbs"], c["recompute"], c["recompute_layers"]) for c in out[:2])
+    assert first == (1, "full", 20) and second == (1, "full", 28)
+    assert first in peaks[500_000_000] and first not in peaks[16_777_216]
+    assert (out[0]["reduce_bucket_numel"], out[0]["peak_bytes"]) == (
+        500_000_000, peaks[500_000_000][first])
+    both = {bucket: got[second] for bucket, got in peaks.items()}
+    assert len(set(both.values())) == 2  # the buckets' peaks differ
+    assert out[1]["peak_bytes"] == min(both.values()) == both[out[1]["reduce_bucket_numel"]]
 
 
 def test_cli_diagnose_takes_a_deepspeed_config(tmp_path) -> None:
