@@ -356,7 +356,7 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
          sequence_parallel: bool | None = None, calibration: str | list[str] | None = None,
          stage_layers: Any = None, dp_shard: int | None = None, top: int | None = None,
          etp: int | None = None, vpp_group: int | None = None, reserved: bool | None = None,
-         **workload: Any):
+         offload: Any = None, **workload: Any):
     """Layouts, recompute policies and micro-batch sizes that fit ``gpus`` GPUs, fastest first
     (``memplan.planning.planner.PlanResult``). Layout arguments given are fixed; the rest are
     searched. ``workload`` takes Workload fields (seq_len, global_batch_size, precision, ...).
@@ -368,7 +368,9 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
     micro-batch lowered until that fits, fastest first until ``top`` fit. False: the search's
     tensor peak and fixed overheads alone (a lower bound of what the device holds). None
     (the default): with ``top`` (the CLI's ``--top``, 10 unless given), not without it, where
-    every candidate would be replayed (hundreds of replays)."""
+    every candidate would be replayed (hundreds of replays). ``offload``: what lives in host
+    memory, as ``estimate`` takes it, fixed for every candidate; None: nothing, except under
+    DeepSpeed, whose offload the plan searches (``_offload_choices``)."""
     from memplan.planning.planner import DEFAULT_SAFETY
     from memplan.planning.planner import merge
     from memplan.planning.planner import plan as run_plan
@@ -416,14 +418,15 @@ def plan(model: str | ModelSpec, *, gpus: int, gpu: str | GpuSpec = DEFAULT_GPU,
         filled.pop(name, None)
     result = merge([
         run_plan(spec, gpu_spec, gpus, make_workload(spec, framework=fw, **{**filled, **bucket}),
-                 capacity_bytes=capacity, max_tp=max_tp, fixed=fixed,
+                 capacity_bytes=capacity, max_tp=max_tp, fixed={**fixed, "offload": targets},
                  safety=safety, recompute=policies,
                  # calibration re-times every candidate: the analytic order may change
                  top=None if calibration else top,
                  # fitted against the caching allocator's reserved peak (calibration
                  # re-checks its candidates with its own correction)
                  reserved=reserved and not calibration)
-        for bucket in _bucket_choices(fw, spec, workload)])
+        for bucket in _bucket_choices(fw, spec, workload)
+        for targets in _offload_choices(fw, offload)])
     _check_found(result, gpus, fixed)
     if not calibration:
         return result
@@ -447,6 +450,20 @@ def _bucket_choices(fw: presets.Framework, spec: ModelSpec,
     default = presets.apply(fw, spec, {})["zero_bucket_numel"]
     return [{"zero_bucket_numel": n}
             for n in sorted({default, spec.hidden_size ** 2}, reverse=True)]
+
+
+def _offload_choices(fw: presets.Framework, given: Any) -> list[frozenset[Offload]]:
+    """What a plan keeps in host memory: a given ``offload`` (``parse_offload``) fixed; else
+    nothing, and under DeepSpeed also its optimizer offload (``offload_optimizer: {device:
+    cpu}``) and that with the parameters' (``offload_param``, stage 3), each a plan of its
+    own merged into one (the stages a choice is not offered at are refused by the preset,
+    ``presets.REFUSALS``)."""
+    if given is not None:
+        return [parse_offload(given)]
+    if fw is not presets.Framework.DEEPSPEED:
+        return [frozenset()]
+    return [frozenset(), frozenset({Offload.OPTIMIZER}),
+            frozenset({Offload.OPTIMIZER, Offload.PARAMS})]
 
 
 def _check_fixed(spec: ModelSpec, gpus: int, tp: int | None, pp: int | None,

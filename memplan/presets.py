@@ -532,6 +532,19 @@ def validate(par: Any, wl: Any) -> None:
                               f"{refusal.why}")
 
 
+def accumulation_refused(par: Any, wl: Any) -> str | None:
+    """The option ``wl``'s framework refuses for ``par`` only with gradient accumulation
+    (more than one micro-batch per step: DeepSpeed's stage 1, ``REFUSALS``), or None: a plan
+    then searches only the micro-batch that makes one per step."""
+    dp = par.data_parallel_degree
+    one = wl.model_copy(update={"global_batch_size": wl.micro_batch_size * dp})
+    many = wl.model_copy(update={"global_batch_size": 2 * wl.micro_batch_size * dp})
+    for refusal in REFUSALS[wl.framework]:
+        if refusal.applies(par, many) and not refusal.applies(par, one):
+            return f"framework {wl.framework.value} does not offer {refusal.option}"
+    return None
+
+
 def refused_recompute(framework: Framework) -> set[str]:
     """The recompute policies (labels) ``framework`` refuses (``REFUSALS``)."""
     out = set()

@@ -320,10 +320,11 @@ def _value(choice: enum.Enum | None) -> Any:
     return None if choice is None else choice.value
 
 
-def _offload(value: str) -> str:
-    """``--offload``'s comma list, its names checked here so the error names the flag."""
+def _offload(value: str | None) -> str | None:
+    """``--offload``'s comma list, its names checked here so the error names the flag (None,
+    plan's default: searched)."""
     names = {kind.value for kind in Offload}
-    if value != "none" and not set(value.split(",")) <= names:
+    if value is not None and value != "none" and not set(value.split(",")) <= names:
         raise MemplanError("--offload must be none or a comma list of optimizer, activations, "
                            f"params, got {value!r}")
     return value

@@ -42,7 +42,7 @@ FixedRecompute = Annotated[RecomputeChoice | None, typer.Option(
 
 # Layout options given are fixed, the others searched: no layout default but the GPU count.
 @uses("model", "gpus", "gpu", "gpu_memory", "tp", "pp", "vpp", "cp", "ep", "sp", "zero",
-      "stage_layers", "dp_shard", "etp", "vpp_group", "gbs",
+      "stage_layers", "dp_shard", "etp", "vpp_group", "gbs", "offload",
       "seq", "precision", "optimizer", "optimizer_impl", "attention", "norm", "logits_fp32",
       "loss_chunks", "framework", "keep_grads", "use_cache", "grad_sync", "fsdp_version",
       "fsdp_backward_prefetch", "fsdp_use_orig_params", "fsdp_reshard_after_forward",
@@ -50,7 +50,8 @@ FixedRecompute = Annotated[RecomputeChoice | None, typer.Option(
       "compile_in_checkpoint",
       "loss_impl", "logits_held", "calibration", "lora_rank", "lora_targets", "lora_dropout", "base_quant",
       "deltanet_kernel", "async_tp",
-      model=None, gpus=8, tp=None, pp=None, vpp=None, cp=None, ep=None, zero=None)
+      model=None, gpus=8, tp=None, pp=None, vpp=None, cp=None, ep=None, zero=None,
+      offload=None)
 def plan(
     job: Job,
     recompute: FixedRecompute = None,

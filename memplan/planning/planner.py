@@ -36,6 +36,7 @@ from memplan.parallel import (
     weighted_split,
 )
 from memplan.planning.batch_sizes import MAX_MBS, divisors, micro_batch_sizes
+from memplan.presets import accumulation_refused
 from memplan.planning.search import Found, Job, Search, evaluate
 from memplan.planning.timing import (
     Columns,
@@ -246,7 +247,8 @@ def layouts(spec: ModelSpec, num_gpus: int, seq_len: int, *, max_tp: int,
                                                                  etp)):
                             out.append(_layout(tp, pp, vpp, dp, cp, ep, zero, bool(sp), split,
                                                shard, etp,
-                                               fixed.get("vpp_group") if vpp > 1 else None))
+                                               fixed.get("vpp_group") if vpp > 1 else None,
+                                               fixed.get("offload") or frozenset()))
     return out
 
 
@@ -291,11 +293,11 @@ def _shards(dp: int, zero: int, ep: int, node_shard: int,
 def _layout(tp: int, pp: int, vpp: int, dp: int, cp: int, ep: int, zero: int,
             sp: bool, split: tuple[int, ...] | None = None,
             shard: int | None = None, etp: int | None = None,
-            group: int | None = None) -> ParallelConfig:
+            group: int | None = None, offload: frozenset = frozenset()) -> ParallelConfig:
     """One object per layout, so caches keyed by it hit by identity across plans."""
     return ParallelConfig(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=ep, zero=ZeroStage(zero),
                           sequence_parallel=sp, stage_layers=split, dp_shard=shard, etp=etp,
-                          vpp_group=group)
+                          vpp_group=group, offload=offload)
 
 
 @lru_cache(maxsize=4096)
@@ -418,9 +420,16 @@ NO_SINGLE_MICRO_BATCH = (f"optimizer_in_backward needs one micro-batch per step:
 
 def _sizes(par: ParallelConfig, wl: Workload, gbs: int) -> tuple[int, ...]:
     """The micro-batch sizes searched: ``micro_batch_sizes``; with the optimizer stepped in
-    backward the one that makes a single micro-batch per step (it refuses accumulation)."""
+    backward, or a layout the framework offers without accumulation only
+    (``presets.accumulation_refused``), the one that makes a single micro-batch per step."""
     sizes = micro_batch_sizes(par, gbs)
-    return tuple(b for b in sizes if b * par.dp == gbs) if wl.optimizer_in_backward else sizes
+    single = wl.optimizer_in_backward or _accumulation_refused(par, wl) is not None
+    return tuple(b for b in sizes if b * par.dp == gbs) if single else sizes
+
+
+@lru_cache(maxsize=4096)
+def _accumulation_refused(par: ParallelConfig, wl: Workload) -> str | None:
+    return accumulation_refused(par, wl)
 
 
 def _usable(spec: ModelSpec, par: ParallelConfig, wl: Workload, gbs: int,
@@ -430,12 +439,16 @@ def _usable(spec: ModelSpec, par: ParallelConfig, wl: Workload, gbs: int,
     if (err := gbs_rule(gbs, par.dp)) is not None:
         rejected[err.rule] += 1
         return False
-    if not _sizes(par, wl, gbs):
-        rejected[NO_SINGLE_MICRO_BATCH if micro_batch_sizes(par, gbs)
-                 else NO_INTERLEAVED_SPLIT] += 1
+    sizes = _sizes(par, wl, gbs)
+    refused = _accumulation_refused(par, wl)
+    if not sizes:
+        rejected[NO_INTERLEAVED_SPLIT if not micro_batch_sizes(par, gbs) else
+                 NO_SINGLE_MICRO_BATCH if wl.optimizer_in_backward else
+                 f"{refused} at any micro-batch: gbs = mbs x dp with mbs at most {MAX_MBS}"] += 1
         return False
-    try:
-        validate(spec, par, wl)
+    try:  # (at the one micro-batch searched where the framework refuses accumulation)
+        validate(spec, par, wl if refused is None else wl.model_copy(
+            update={"micro_batch_size": sizes[0], "global_batch_size": gbs}))
     except LayoutError as err:
         rejected[err.rule] += 1
         return False
@@ -458,7 +471,7 @@ def _sp_on_where_possible(pars: list[ParallelConfig], rejected: Counter) -> list
     for par in pars:
         if par.tp > 1 and not par.sequence_parallel and _layout(
                 par.tp, par.pp, par.vpp, par.dp, par.cp, par.ep, int(par.zero), True,
-                par.stage_layers, par.dp_shard, par.etp, par.vpp_group) in usable:
+                par.stage_layers, par.dp_shard, par.etp, par.vpp_group, par.offload) in usable:
             rejected[SP_OFF_DOMINATED] += 1
         else:
             out.append(par)

@@ -34,7 +34,8 @@ from memplan.model.optimizer import optimizer_policy
 from memplan.model.pipeline import stage_layers
 from memplan.model.sac import recomputed
 from memplan.model import sac_ops
-from memplan.parallel import ParallelConfig, ZeroStage, local_seq, rank_layers, optimizer_on_host
+from memplan.parallel import (Offload, ParallelConfig, ZeroStage, local_seq, optimizer_on_host,
+                             rank_layers)
 from memplan.spec import ModelSpec
 from memplan.units import FP32_BYTES
 from memplan.planning.kernels import (attention_time_factor, float8_cast_seconds,
@@ -61,9 +62,11 @@ MFU_SOURCE = "assumption: 40% of peak (Llama 3 paper, Table 4: 38-43% on H100) u
 # An offloaded optimizer (ZeRO-Offload, Ren et al. 2021, section 4.1) copies each gradient
 # shard to the host during backward (overlapped as the data-parallel reduction is); its CPU
 # step and the copy of the updated weights back to the GPU sit between two steps (exposed,
-# without the one-step delayed update).
+# without the one-step delayed update). Weights kept on the host (DeepSpeed's offload_param)
+# are copied to the GPU before each gather (partitioned_param_swapper's swap-in ahead of the
+# all-gather): taken as exposed, an upper bound where the coordinator's prefetch hides some.
 OVERLAP = {"tp": 0.0, "dp": 0.8, "pp": 0.5, "cp": 0.5, "ep": 0.0, "host_grads": 0.8,
-           "host_step": 0.0}
+           "host_step": 0.0, "host_params": 0.0}
 
 
 class Bound(PlainEnum):
@@ -343,7 +346,7 @@ class Columns(NamedTuple):
     mbs: Any
     m: Any  # micro-batches per step
     params_on_rank: Any  # parameters of the most loaded rank, before ZeRO sharding
-    offload: Any  # optimizer offloaded to the host (boolean)
+    offload: Any  # 0: nothing on the host; 1: the optimizer; 2: the weights too
     layers: Any  # decoder layers of the busiest pipeline rank
     shard: Any  # data-parallel ranks of one ZeRO shard group (dp without HSDP)
     balance: Any  # the busiest rank's FLOPs over the mean rank's (``stage_balance``)
@@ -361,7 +364,7 @@ class Columns(NamedTuple):
         return cls(tp=tp, pp=pp, vpp=vpp, dp=dp, cp=cp, ep=ep, zero=zero, sp=sp.astype(bool),
                    mbs=np.array(mbs, dtype=np.int64), m=np.array(m, dtype=np.int64),
                    params_on_rank=np.array(params_on_rank, dtype=np.int64),
-                   offload=offload.astype(bool), layers=layers, shard=shard,
+                   offload=offload, layers=layers, shard=shard,
                    balance=np.ones(len(layouts)) if balance is None else np.array(balance))
 
     @classmethod
@@ -369,7 +372,7 @@ class Columns(NamedTuple):
             num_layers: int, balance: float = 1.0) -> Columns:
         return cls(tp=par.tp, pp=par.pp, vpp=par.vpp, dp=par.dp, cp=par.cp, ep=par.ep,
                    zero=int(par.zero), sp=par.sequence_parallel, mbs=mbs, m=m,
-                   params_on_rank=params_on_rank, offload=optimizer_on_host(par),
+                   params_on_rank=params_on_rank, offload=_on_host(par),
                    layers=_busiest_layers(num_layers, par), shard=par.shard_group,
                    balance=balance, ops=_Numbers)
 
@@ -386,8 +389,13 @@ def _busiest_layers(num_layers: int, par: ParallelConfig) -> int:
 def _layout_row(num_layers: int, par: ParallelConfig) -> tuple[int, ...]:
     """A layout's columns (``Columns.of``, in its order), once per layout."""
     return (par.tp, par.pp, par.vpp, par.dp, par.cp, par.ep, int(par.zero),
-            int(par.sequence_parallel), int(optimizer_on_host(par)),
+            int(par.sequence_parallel), _on_host(par),
             _busiest_layers(num_layers, par), par.shard_group)
+
+
+def _on_host(par: ParallelConfig) -> int:
+    """``Columns.offload``: 0, 1 with the optimizer on the host, 2 with the weights too."""
+    return int(optimizer_on_host(par)) + int(Offload.PARAMS in par.offload)
 
 
 def _bandwidth(gpu: GpuSpec, c: Columns, span: Any) -> Any:
@@ -546,6 +554,7 @@ def comm_columns(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns) -> dic
         ep_bytes = where(c.ep > 1, 4 * _ring(c.ep) * routed * moe_layers * m, 0.0)
     out["ep"] = ep_bytes / _bandwidth(gpu, c, c.tp * c.cp * c.ep)
     out["host_grads"], out["host_step"] = _host_seconds(gpu, wl, c)
+    out["host_params"] = _host_params_seconds(gpu, wl, c)
     return out
 
 
@@ -566,6 +575,16 @@ def _host_seconds(gpu: GpuSpec, wl: Workload, c: Columns) -> tuple[Any, Any]:
     streamed = shard * (2 * (FP32_BYTES + states) + FP32_BYTES + e)
     cpu = streamed / (gpu.host_memory_bytes_per_s / gpu.gpus_per_node)
     return c.ops.where(c.offload, down, 0.0), c.ops.where(c.offload, up + cpu, 0.0)
+
+
+def _host_params_seconds(gpu: GpuSpec, wl: Workload, c: Columns) -> Any:
+    """Weights kept on the host (``Offload.PARAMS``): each rank's shard copied to the GPU
+    before every gather of it, in each micro-batch's forward, backward and, under full
+    recompute, the forward rerun."""
+    shard = c.params_on_rank / c.ops.where(c.zero >= 1, c.dp * c.cp, 1)
+    gathers = c.m * (3 if wl.recompute is Recompute.FULL else 2)
+    seconds = gathers * shard * wl.compute_dtype.itemsize / gpu.host_link_bytes_per_s
+    return c.ops.where(c.offload == 2, seconds, 0.0)
 
 
 _BOUNDS = (Bound.COMPUTE, Bound.COMMUNICATION, Bound.BUBBLE)

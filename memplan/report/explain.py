@@ -21,7 +21,8 @@ LARGE = 0.10  # a term of at least this share of the peak is worth a line
 GAP = 0.9  # a modelled MFU below this share of the assumed one is a real gap
 COMM_NAMES = {"tp": "tensor-parallel", "dp": "data-parallel gradient", "pp": "pipeline send",
               "cp": "context-parallel", "ep": "expert all-to-all",
-              "host_grads": "gradient copies to host", "host_step": "host optimizer step"}
+              "host_grads": "gradient copies to host", "host_step": "host optimizer step",
+              "host_params": "weight copies from host"}
 
 
 class Explanation(NamedTuple):

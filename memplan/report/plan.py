@@ -5,7 +5,7 @@ from __future__ import annotations
 from itertools import groupby
 from typing import TYPE_CHECKING, Any
 
-from memplan.parallel import ParallelConfig, rank_layers
+from memplan.parallel import ParallelConfig, offload_names, rank_layers
 from memplan.report.sizes import format_gib, gib
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ def _layout_json(p: ParallelConfig) -> dict[str, Any]:
     return {"tp": p.tp, "pp": p.pp, "vpp": p.vpp, "dp": p.dp, "cp": p.cp, "ep": p.ep,
             "zero": int(p.zero), "sp": p.sequence_parallel,
             "stage_layers": list(p.stage_layers) if p.stage_layers else None,
-            "dp_shard": p.shard_group, "etp": p.expert_tp,
+            "dp_shard": p.shard_group, "etp": p.expert_tp, "offload": offload_names(p.offload),
             **({"vpp_group": p.vpp_group} if p.vpp_group is not None else {})}
 
 
@@ -99,7 +99,8 @@ def _layout(p: ParallelConfig) -> str:
     parts += [f"ep{p.ep}"] if p.ep > 1 else []
     parts += [f"etp{p.etp}"] if p.etp is not None and p.etp != p.tp else []
     dp = f"dp{p.dp}" + (f"/{p.shard_group}" if p.replicas > 1 else "")
-    return " ".join([*parts, dp, f"z{int(p.zero)}"])
+    host = [f"offload {offload_names(p.offload)}"] if p.offload else []
+    return " ".join([*parts, dp, f"z{int(p.zero)}", *host])
 
 
 def split_label(split: tuple[int, ...]) -> str:

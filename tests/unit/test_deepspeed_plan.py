@@ -1,5 +1,6 @@
-"""``plan --framework deepspeed``: the ZeRO stages the preset offers (1 and 2) and the reduce
-bucket sizes DeepSpeed users run with, searched and reported in the candidates.
+"""``plan --framework deepspeed``: the ZeRO stages the preset offers, the reduce bucket sizes
+DeepSpeed users run with and its offload (optimizer, and the weights at stage 3), searched and
+reported in the candidates.
 
 The bucket sizes (``memplan.api._bucket_choices``): DeepSpeedZeroConfig's default
 ``reduce_bucket_size`` = 5e8 elements (deepspeed/runtime/zero/config.py, 0.19.8) and the
@@ -83,7 +84,7 @@ def test_plan_searches_stages_and_buckets() -> None:
     2 and 3 candidates (stage 3 with DeepSpeed's default coordinator), each naming its reduce
     bucket (one buffer: overlap_comm off by default below stage 3, adding none at stage 3),
     and each candidate's peak is the estimate of the same configuration with that bucket."""
-    out = _plan("--gpu", "a100-80gb", "--gbs", "8")
+    out = _plan("--gpu", "a100-80gb", "--gbs", "8", "--offload", "none")
     assert {c["layout"]["zero"] for c in out["candidates"]} == {1, 2, 3}
     assert not any(k.startswith("out of memory") for k in out["rejected"])
     for c in out["candidates"]:
@@ -105,12 +106,13 @@ def test_plan_keeps_the_bucket_with_the_lower_peak() -> None:
     layers recomputed) fits only with DeepSpeed's default bucket of 5e8 elements; the next
     (mbs 1, 28 layers) fits with either, and the plan keeps the bucket with the lower peak,
     the smaller of the two plans' peaks for it."""
-    out = _plan("--gpu", "a100-40gb", "--gbs", "64", "--zero", "2")["candidates"]
+    out = _plan("--gpu", "a100-40gb", "--gbs", "64", "--zero", "2",
+                "--offload", "none")["candidates"]
     peaks: dict[int, dict[tuple, int]] = {}
     for bucket in (500_000_000, 16_777_216):
         fixed = api.plan("llama-7b", gpus=8, gpu="a100-40gb", seq_len=4096,
                          global_batch_size=64, framework="deepspeed", zero_bucket_numel=bucket,
-                         zero=2, top=3)
+                         zero=2, top=3, offload="none")
         assert {c.workload.zero_bucket_numel for c in fixed.candidates} == {bucket}
         peaks[bucket] = {(c.micro_batch_size, c.recompute.label, c.recompute_layers):
                          c.peak_bytes for c in fixed.candidates}
@@ -142,3 +144,49 @@ def test_cli_diagnose_takes_a_deepspeed_config(tmp_path) -> None:
     one = fixes["ds_config zero_optimization.overlap_comm = false"]
     assert one["saved_bytes"] == 1_000_000_000
     assert "ds_config zero_optimization.reduce_bucket_size = 16777216" in fixes
+
+
+def test_plan_searches_deepspeeds_offload() -> None:
+    """Llama-7B full fine-tuning on one A100 80GB: without offload no stage fits (its fp32
+    partition and Adam states alone are 6.74e9 x 12 B = 80.9 GB, more than the device), and
+    the plan's candidates keep the optimizer on the host (stage 2 or 3, ZeRO-Offload), and at
+    stage 3 the weights too, each named in the layout; a given --offload is kept. Weights on
+    the host are copied to the GPU at each of a micro-batch's gathers, so of two candidates
+    alike but for them, the one that keeps them on the GPU is faster."""
+    none = CliRunner().invoke(app, ["plan", "-m", "llama-7b", "-n", "1", "--seq", "2048",
+                                    "--framework", "deepspeed", "--json", "--gpu", "a100-80gb",
+                                    "--gbs", "64", "--offload", "none"])
+    assert not json.JSONDecoder().raw_decode(none.output)[0]["candidates"]  # then "nothing fits"
+    out = _plan("-n", "1", "--gpu", "a100-80gb", "--seq", "2048", "--gbs", "64", "--top", "10")
+    seen = {(c["layout"]["zero"], c["layout"]["offload"]) for c in out["candidates"]}
+    assert seen <= {(2, "optimizer"), (3, "optimizer"), (3, "optimizer,params")}
+    assert (2, "optimizer") in seen and (3, "optimizer,params") in seen
+    times = {}
+    for c in out["candidates"]:
+        key = (c["layout"]["zero"], c["mbs"], c["recompute"], c["recompute_layers"],
+               c["reduce_bucket_numel"])
+        times.setdefault(key, {})[c["layout"]["offload"]] = c["step_time_s"]
+    pairs = [t for t in times.values() if len(t) == 2]
+    assert pairs and all(t["optimizer"] < t["optimizer,params"] for t in pairs)
+    fixed = _plan("-n", "1", "--gpu", "a100-80gb", "--seq", "2048", "--gbs", "64",
+                  "--offload", "optimizer")
+    assert {c["layout"]["offload"] for c in fixed["candidates"]} == {"optimizer"}
+
+
+def test_stage_1_is_searched_without_accumulation_only() -> None:
+    """DeepSpeed's stage 1 is modelled with one micro-batch per step (the preset refuses it
+    with accumulation, ``presets.accumulation_refused``): with 2,048 sequences on one GPU no
+    micro-batch up to 64 makes one per step, so stage 1 is a rejection of the plan, counted
+    by its rule, not an error of the command (the closest miss and its savers never name a
+    refused configuration); with 16 sequences on 8 GPUs it is searched at micro-batch 2
+    alone (not refused for its accumulation at micro-batch 1)."""
+    many = _plan("-n", "1", "--gpu", "a100-80gb", "--seq", "2048", "--gbs", "2048",
+                 "--top", "3")
+    rule = ("framework deepspeed does not offer --zero 1 with overlap_comm, without "
+            "contiguous_gradients or with gradient accumulation at any micro-batch: gbs = mbs "
+            "x dp with mbs at most 64")
+    assert many["rejected"][rule] > 0
+    assert all(c["layout"]["zero"] != 1 for c in many["candidates"])
+    few = _plan("--gpu", "a100-80gb", "--seq", "1024", "--gbs", "16", "--zero", "1",
+                "--offload", "none", "--top", "3")
+    assert [(c["layout"]["dp"], c["mbs"]) for c in few["candidates"]] == [(8, 2)]

@@ -95,7 +95,8 @@ def test_plan_cli_json_contract() -> None:
     assert 0 < len(data["candidates"]) <= 3
     first = data["candidates"][0]
     assert set(first["layout"]) == {"tp", "pp", "vpp", "dp", "cp", "ep", "etp", "zero", "sp",
-                                    "stage_layers", "dp_shard"}
+                                    "stage_layers", "dp_shard", "offload"}
+    assert first["layout"]["offload"] == "none"  # searched under DeepSpeed only
     assert first["layout"]["tp"] == 2
     for key in ("mbs", "recompute", "peak_bytes", "step_time_s", "tokens_per_s_per_gpu", "fits"):
         assert key in first
