@@ -123,8 +123,10 @@ def make_layout(num_gpus: int, *, tp: int = 1, pp: int = 1, vpp: int = 1, cp: in
 
 
 def parse_offload(value: Any) -> frozenset[Offload]:
-    """What is offloaded (``Offload``) from "none", "optimizer,activations", an ``Offload``,
-    or a collection of names."""
+    """What is offloaded (``Offload``) from "none" (or None), "optimizer,activations", an
+    ``Offload``, or a collection of names."""
+    if value is None:
+        return frozenset()
     names = (value.split(",") if isinstance(value, str)
              else [value] if isinstance(value, Offload)
              else list(value) if isinstance(value, (list, tuple, set, frozenset)) else None)
