@@ -59,10 +59,10 @@ def _grouped_moments(spec: ModelSpec, dm: Dims) -> tuple[int, int]:
     R = T*k routed rows: what is alive at the gate (its gate/up output, R 2f, the activation
     and the product, R f each) and at the unsort (the product, the down projection's output,
     R h, the weighted rows and their unsorted copy, R h each in the routing weights' fp32 by
-    type promotion), beside what stays bound to the end: the router's fp32 probabilities,
-    the routing's indices and weights (``_routing_bytes``), and the gathered rows and their
-    sorted copy (2 R h), and a shared expert's output where it ran first. The block's
-    output does not exist yet (traced: transformers' Mixtral, fp32 and bf16)."""
+    type promotion), beside what stays bound to the end: the routing's tensors
+    (``_routing_bytes``), the gathered rows and their sorted copy (2 R h), and a shared
+    expert's output where it ran first. The block's output does not exist yet (traced:
+    transformers' Mixtral, fp32 and bf16; Hunyuan's block in bf16)."""
     moe, h, e = _moe(spec), spec.hidden_size, dm.e
     rows = dm.tokens * moe.top_k
     inner = rows * moe.expert_ffn_hidden_size // dm.experts().tp * e
@@ -73,13 +73,23 @@ def _grouped_moments(spec: ModelSpec, dm: Dims) -> tuple[int, int]:
     return common + 4 * inner, common + inner + rows * h * e + 2 * weighted
 
 
+# the grouped block's saved terms still bound when its experts run without saving
+_ROUTING = frozenset({"moe.router_probs", "moe.topk_indices", "moe.topk_weights",
+                      "moe.token_index", "moe.sort_index", "moe.unsort_index",
+                      "moe.routing_weights"})
+
+
 def _routing_bytes(spec: ModelSpec, dm: Dims) -> int:
-    """The grouped block's routing tensors: its saved terms but the rows and the experts'
-    (the router's probabilities, the top-k indices and weights, the token, sort and unsort
-    indices, the routing weights)."""
-    rows_terms = ("moe.dispatched", "moe.expert_out")
-    return sum(t.size_bytes for t in moe_terms(spec, dm, MoeImpl.GROUPED)
-               if t.name not in rows_terms and not t.name.startswith("moe.expert."))
+    """The grouped block's routing tensors, bound to the end of its forward: the router's
+    probabilities (Mixtral's softmax; Hunyuan's fp32 logits, the same size), the top-k
+    indices and weights, the token, sort and unsort indices and the sorted routing weights.
+    Not the terms only a saving forward keeps: the fp32 copies an fp32 router's linear
+    reads (HunYuanMoEV1Gate.forward's ``hidden_states.float()``, DeepseekV3TopkRouter's
+    ``.type(torch.float32)`` of input and weight), freed once its logits exist, nor a
+    shared expert's MLP terms, freed when its down projection returns (traced: transformers'
+    Hunyuan MoE, bf16, under gradient checkpointing: its float input freed after the
+    router's mm, its gate/up/product before the router runs)."""
+    return sum(t.size_bytes for t in moe_terms(spec, dm, MoeImpl.GROUPED) if t.name in _ROUTING)
 
 
 def grouped_kept_moments(spec: ModelSpec, dm: Dims) -> list[tuple[int, frozenset[str]]]:

@@ -191,14 +191,6 @@ ERNIE_BF16_FULL = Known(("activations_bytes", "first_step.backward_bytes"), (
     "backward -1.15% (26,240 B); not attributed yet"),
     {"activations_bytes": (-8_720, -1.8234), "first_step.backward_bytes": (-26_240, -1.155)})
 
-HUNYUAN_BF16_FULL = Known(("first_step.forward_bytes", "steady.forward_bytes"), (
-    "Hunyuan MoE bf16 under full recompute: forward +9.66% in step 1 (305,512 B over), +3.88% "
-    "from step 2 (301,416 B); the grouped experts' recompute working set traced on Mixtral "
-    "(memplan.model.moe._grouped_moments) counts more than Hunyuan's block holds at its "
-    "gate; not attributed yet"),
-    {"first_step.forward_bytes": (305_512, 9.656), "steady.forward_bytes": (301_416, 3.883)})
-
-
 def _naive_mamba() -> bool:
     """Whether the installed GraniteMoeHybridMambaLayer runs transformers 5.3's naive chunked
     scan on CPU (torch_forward's G_intermediate products), the path memplan.model.mamba
@@ -221,8 +213,7 @@ def _cases():
                     ERNIE_BF16 if ernie else None)
         yield param(FrameworkCase("transformers", name, data, "bf16-pure", 2, 64,
                                   options={"recompute": "full"}),
-                    ERNIE_BF16_FULL if ernie else
-                    HUNYUAN_BF16_FULL if name == "hunyuan_v1_moe" else None)
+                    ERNIE_BF16_FULL if ernie else None)
         if name.startswith("lfm2"):  # the convolution's weight cast under autocast
             yield param(FrameworkCase("transformers", name, data, "amp-bf16", 2, 64), None)
 
