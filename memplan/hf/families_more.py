@@ -142,7 +142,9 @@ def dots1(cfg: ConfigKeys) -> dict[str, Any]:
     shared = cfg.data.get("n_shared_experts")
     if shared:
         shared = cfg.get_int("n_shared_experts")
-        moe.update(num_shared_experts=shared, shared_expert_ffn_hidden_size=moe_ffn)
+        # Dots1MoE.forward runs them after the routed experts
+        moe.update(num_shared_experts=shared, shared_expert_ffn_hidden_size=moe_ffn,
+                   shared_experts_last=True)
     window = _window(cfg, 4096)
     first = cfg.get_int("max_window_layers", 62)
     default = [SLIDING if window is not None and i >= first else FULL

@@ -68,8 +68,8 @@ def _grouped_moments(spec: ModelSpec, dm: Dims) -> tuple[int, int]:
     inner = rows * moe.expert_ffn_hidden_size // dm.experts().tp * e
     weighted = rows * h * max(e, e if moe.router_topk_softmax else FP32_BYTES)
     common = _routing_bytes(spec, dm) + 2 * rows * h * e
-    if moe.num_shared_experts:  # the shared expert ran first: its output waits (Qwen2-MoE's)
-        common += dm.rows * h * e
+    if moe.num_shared_experts and not moe.shared_experts_last:
+        common += dm.rows * h * e  # the shared expert ran first: its output waits
     return common + 4 * inner, common + inner + rows * h * e + 2 * weighted
 
 
