@@ -174,6 +174,11 @@ class MoESpec(BaseModel):
     router_topk_softmax: bool = Field(default=False, description=(
         "the router takes the top-k logits and softmaxes only them, in its own dtype (GPT-OSS: "
         "GptOssTopKRouter.forward), saving the k weights, not every expert's probability"))
+    router_weights_cast: bool = Field(default=False, description=(
+        "the router casts its renormalised fp32 top-k weights to the block input's dtype "
+        "(ERNIE 4.5: models/ernie4_5_moe/modeling_ernie4_5_moe.py Ernie4_5_MoeTopKRouter."
+        "forward, routing_weights.to(hidden_states.dtype)), so the experts' weighted rows "
+        "stay in the compute dtype"))
     every_expert: bool = Field(default=False, description=(
         "the model's own code runs every token through every expert, its input scaled by the "
         "router's sigmoid of the top-k logits (zero for the others), the outputs summed "

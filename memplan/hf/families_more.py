@@ -187,6 +187,8 @@ def ernie4_5_moe(cfg: ConfigKeys) -> dict[str, Any]:
         "num_experts": cfg.get_int("moe_num_experts", 64), "top_k": cfg.get_int("moe_k", 6),
         "expert_ffn_hidden_size": moe_ffn, "first_dense_layers": start,
         "stacked_experts": True, "router_fp32": True, "router_bias": True,
+        # Ernie4_5_MoeTopKRouter.forward: routing_weights.to(hidden_states.dtype)
+        "router_weights_cast": True,
     }
     shared = cfg.get_int("moe_num_shared_experts", 2)
     if shared:

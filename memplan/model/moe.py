@@ -66,7 +66,7 @@ def _grouped_moments(spec: ModelSpec, dm: Dims) -> tuple[int, int]:
     moe, h, e = _moe(spec), spec.hidden_size, dm.e
     rows = dm.tokens * moe.top_k
     inner = rows * moe.expert_ffn_hidden_size // dm.experts().tp * e
-    weighted = rows * h * max(e, e if moe.router_topk_softmax else FP32_BYTES)
+    weighted = rows * h * max(e, weights_width(moe, dm))
     common = _routing_bytes(spec, dm) + 2 * rows * h * e
     if moe.num_shared_experts and not moe.shared_experts_last:
         common += dm.rows * h * e  # the shared expert ran first: its output waits
@@ -130,7 +130,7 @@ def _unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
     recompute the rerun runs from the unsort's backward, which needs the permutation, and
     this moment follows it)."""
     moe, h = _moe(spec), spec.hidden_size
-    width = max(dm.e, dm.e if moe.router_topk_softmax else FP32_BYTES)
+    width = max(dm.e, weights_width(moe, dm))
     return [BackwardMoment("moe_unsort", saved, 3 * dm.tokens * moe.top_k * h * width, ())]
 
 
@@ -157,10 +157,8 @@ def moe_terms(spec: ModelSpec, dm: Dims, impl: MoeImpl = MoeImpl.LOOP) -> list[T
         Term("moe.dispatched", routed * h * e),
         *_expert_terms(spec, dm, routed),
         Term("moe.expert_out", routed * h * e),
-        # grouped: the routing weights in the router's dtype (fp32, but GPT-OSS's softmax of
-        # the top-k logits) the outputs are scaled by
-        Term("moe.routing_weights", routed * (FP32_BYTES if grouped and not
-                                              moe.router_topk_softmax else e)),
+        # grouped: the sorted routing weights the outputs are scaled by (``weights_width``)
+        Term("moe.routing_weights", routed * (weights_width(moe, dm) if grouped else e)),
     ]
     if not grouped:
         terms.append(Term("moe.combine_in", routed * h * e))  # weighted outputs, index_add's
@@ -172,6 +170,15 @@ def moe_terms(spec: ModelSpec, dm: Dims, impl: MoeImpl = MoeImpl.LOOP) -> list[T
             terms += [Term("moe.shared_gate", dm.tokens * e),
                       Term("moe.shared_out", dm.tokens * h * e)]
     return terms
+
+
+def weights_width(moe: MoESpec, dm: Dims) -> int:
+    """Bytes per element of the routing weights the grouped experts scale their rows by: the
+    router's fp32 (Mixtral's and Qwen2-MoE's renormalised softmax; Hunyuan's, cast to its
+    fp32 logits' dtype), but the compute dtype where the router softmaxes its top-k logits
+    in its own dtype (GPT-OSS, ``router_topk_softmax``) or casts the weights to the block's
+    (ERNIE 4.5, ``router_weights_cast``)."""
+    return dm.e if moe.router_topk_softmax or moe.router_weights_cast else FP32_BYTES
 
 
 def _router_terms(moe: MoESpec, dm: Dims, routed: int) -> list[Term]:
@@ -241,7 +248,7 @@ def _grouped_extra(spec: ModelSpec, dm: Dims) -> int:
     unsorted (a copy) and the per-token sum of it."""
     moe = _moe(spec)
     routed, h = dm.tokens * moe.top_k, spec.hidden_size
-    weighted = routed * h * max(dm.e, FP32_BYTES)
+    weighted = routed * h * max(dm.e, weights_width(moe, dm))
     return 2 * weighted
 
 
