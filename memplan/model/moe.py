@@ -113,11 +113,29 @@ def _gated_shared_unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[Backward
     block input's from the gate's linear; everything the block saved but the weighted rows
     still alive."""
     moe = _moe(spec)
+    if moe.num_shared_experts and moe.shared_experts_last:
+        return _shared_last_unsort(spec, dm, saved)
     if not (moe.shared_expert_gate and moe.num_shared_experts):
-        return _unsort(spec, dm, saved) if not moe.num_shared_experts else []
+        # alone, or an ungated shared MLP that ran first (HunYuanMoEV1Moe.forward,
+        # Ernie4_5_MoeSparseMoeBlock.forward): the output sum's backward hands both
+        # branches the one incoming gradient, and the shared MLP's backward runs last
+        return _unsort(spec, dm, saved)
     rows_h = dm.tokens * moe.top_k * spec.hidden_size * dm.e
     return [BackwardMoment("moe_unsort", saved - rows_h,
                            3 * rows_h + 2 * dm.rows * spec.hidden_size * dm.e, ())]
+
+
+def _shared_last_unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
+    """Grouped experts before their shared experts (DeepseekV3MoE.forward, Glm4MoeMoE,
+    Dots1MoE: ``hidden_states + self.shared_experts(residuals)``): the shared MLP was made
+    last, so its backward runs first; at the unsort's backward (``_unsort``) its saved terms
+    are freed and its input's gradient (T h) waits to be summed with the routed branch's."""
+    moe = _moe(spec)
+    shared = total(mlp.mlp_terms("moe.shared", spec, dm, moe.num_shared_experts
+                                 * moe.shared_expert_ffn_hidden_size, dm.tokens))
+    (unsort,) = _unsort(spec, dm, saved - shared)
+    return [unsort._replace(transient_bytes=unsort.transient_bytes
+                            + dm.rows * spec.hidden_size * dm.e)]
 
 
 def _unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
