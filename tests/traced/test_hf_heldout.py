@@ -239,3 +239,50 @@ def test_library_matches_estimate(case, known) -> None:
     comparison = compare_framework(case)
     assert comparison.spec.approximate is None  # read by its family's reader, not the fallback
     check(comparison.rows, known, exact=() if fp32_router or frozen_bias else EXACT)
+
+
+# The MoE block the layer's peak: 2 x 256 tokens over a 64-token vocabulary (the loss's
+# logits small), bf16 under full recompute: the checkpointed block's working set
+# (memplan.model.moe._grouped_moments: Hunyuan's shared MLP first, dots1's last) and the
+# rerun's unsort backward (moe._unsort, moe._shared_last_unsort), which the toys' 2 x 64
+# tokens above never reach (their peaks are the loss's)
+MOE_PEAK = ("hunyuan_v1_moe", "dots1", "ernie4_5_moe")
+
+
+# ERNIE 4.5 at that shape: the saved activations' deficit above grows with the tokens
+# (34,832 B at 512 tokens), the MoE block's own moment within 8,240 B (its routing's index
+# copies), the rerun's backward 382 KB short, not attributed yet
+ERNIE_MOE_PEAK = Known(
+    ("activations_bytes", "first_step.forward_bytes", "first_step.backward_bytes",
+     "steady.backward_bytes"),
+    "ERNIE 4.5 MoE bf16, full recompute, 2 x 256 tokens: saved activations -3.50% "
+    "(34,832 B), step 1's forward -1.37% (40,104 B), backward -6.74% (382,120 B) and -5.42% "
+    "from step 2; not attributed yet",
+    {"activations_bytes": (-34_832, -3.4994), "first_step.forward_bytes": (-40_104, -1.3668),
+     "first_step.backward_bytes": (-382_120, -6.7435),
+     "steady.backward_bytes": (-384_148, -5.4240)})
+
+
+def _peak_param(name: str):
+    from known import KnownDeviation  # tests/traced/known.py
+
+    known = ERNIE_MOE_PEAK if name == "ernie4_5_moe" else None
+    marks = [pytest.mark.xfail(strict=True, raises=KnownDeviation, reason=known.cause)
+             ] if known else []
+    return pytest.param(name, known, id=name, marks=marks)
+
+
+@pytest.mark.parametrize(("name", "known"), [_peak_param(name) for name in MOE_PEAK])
+def test_moe_block_peaks_match_estimate(name: str, known: Known | None) -> None:
+    """Every phase peak within 1% where the MoE block sets it (Hunyuan's fp32 router weight:
+    its states within 0.09%, as above)."""
+    from known import EXACT, check  # tests/traced/known.py
+    from memplan.profile.frameworks import FrameworkCase, compare_framework
+
+    if not _known(TRACED[name]["model_type"]):
+        pytest.skip(f"transformers {transformers.__version__} has no {name!r}")
+    case = FrameworkCase("transformers", name, {**TRACED[name], "vocab_size": 64},
+                         "bf16-pure", 2, 256, options={"recompute": "full"})
+    # Hunyuan's fp32 router weight and ERNIE's frozen bias: their states not exact (above)
+    exact = () if name in ("hunyuan_v1_moe", "ernie4_5_moe") else EXACT
+    check(compare_framework(case).rows, known, exact=exact)
