@@ -60,14 +60,14 @@ def _grouped_moments(spec: ModelSpec, dm: Dims) -> tuple[int, int]:
     and the product, R f each) and at the unsort (the product, the down projection's output,
     R h, the weighted rows and their unsorted copy, R h each in the routing weights' fp32 by
     type promotion), beside what stays bound to the end: the routing's tensors
-    (``_routing_bytes``), the gathered rows and their sorted copy (2 R h), and a shared
-    expert's output where it ran first. The block's output does not exist yet (traced:
+    (``_routing_bytes``) and the function's index locals (``_grouped_locals``), the gathered
+    rows and their sorted copy (2 R h), and a shared expert's output where it ran first. The block's output does not exist yet (traced:
     transformers' Mixtral, fp32 and bf16; Hunyuan's block in bf16)."""
     moe, h, e = _moe(spec), spec.hidden_size, dm.e
     rows = dm.tokens * moe.top_k
     inner = rows * moe.expert_ffn_hidden_size // dm.experts().tp * e
     weighted = rows * h * max(e, weights_width(moe, dm))
-    common = _routing_bytes(spec, dm) + 2 * rows * h * e
+    common = _routing_bytes(spec, dm) + _grouped_locals(spec, dm) + 2 * rows * h * e
     if moe.num_shared_experts and not moe.shared_experts_last:
         common += dm.rows * h * e  # the shared expert ran first: its output waits
     return common + 4 * inner, common + inner + rows * h * e + 2 * weighted
@@ -90,6 +90,14 @@ def _routing_bytes(spec: ModelSpec, dm: Dims) -> int:
     Hunyuan MoE, bf16, under gradient checkpointing: its float input freed after the
     router's mm, its gate/up/product before the router runs)."""
     return sum(t.size_bytes for t in moe_terms(spec, dm, MoeImpl.GROUPED) if t.name in _ROUTING)
+
+
+def _grouped_locals(spec: ModelSpec, dm: Dims) -> int:
+    """grouped_mm_experts_forward's locals no backward saves, bound until it returns: the
+    sorted expert ids (``expert_ids[perm]``, R int64) and their copy for histc (R, float on
+    CPU, int32 on CUDA: 4 bytes either way)."""
+    rows = dm.tokens * _moe(spec).top_k
+    return rows * (INDEX_BYTES + FP32_BYTES)
 
 
 def grouped_kept_moments(spec: ModelSpec, dm: Dims) -> list[tuple[int, frozenset[str]]]:
@@ -261,13 +269,16 @@ def moe_linears(spec: ModelSpec, ep: int) -> tuple[Linear, ...]:
 
 
 def _grouped_extra(spec: ModelSpec, dm: Dims) -> int:
-    """Grouped experts' transients beside their saved terms once the down projection has run:
-    its output scaled by the fp32 routing weights (fp32 by type promotion), that product
-    unsorted (a copy) and the per-token sum of it."""
+    """Grouped experts' transients beside their saved terms at the unsort: the down
+    projection's output scaled by the routing weights (fp32 by type promotion but where
+    ``weights_width`` says otherwise) and that product unsorted (a copy), beside the
+    function's locals no backward saves: the gathered rows before their sort
+    (``selected_hidden_states``, R h; the sorted copy is saved) and the index locals
+    (``_grouped_locals``). Traced: transformers' Mixtral, bf16, 2 x 256 tokens."""
     moe = _moe(spec)
     routed, h = dm.tokens * moe.top_k, spec.hidden_size
     weighted = routed * h * max(dm.e, weights_width(moe, dm))
-    return 2 * weighted
+    return 2 * weighted + routed * h * dm.e + _grouped_locals(spec, dm)
 
 
 def _every_extra(spec: ModelSpec, dm: Dims) -> int:
