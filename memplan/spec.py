@@ -155,6 +155,12 @@ class MoESpec(BaseModel):
         "a bias-free h -> 1 linear whose sigmoid scales the shared experts' output (Qwen2-MoE's "
         "shared_expert_gate: models/qwen2_moe/modeling_qwen2_moe.py "
         "Qwen2MoeSparseMoeBlock.forward)"))
+    shared_experts_last: bool = Field(default=False, description=(
+        "the shared experts run after the routed experts, on the block's input kept aside "
+        "(DeepSeek-V3: models/deepseek_v3/modeling_deepseek_v3.py DeepseekV3MoE.forward, "
+        "hidden_states + self.shared_experts(residuals); Glm4MoeMoE, Dots1MoE), where "
+        "Qwen2-MoE, Hunyuan and ERNIE 4.5 run them first; under recompute the shared output "
+        "is then not yet alive while the routed experts run"))
     stacked_experts: bool = Field(default=False, description=(
         "the routed experts' weights as two 3-D tensors per layer, gate_up_proj (E, 2f, h) and "
         "down_proj (E, h, f) (transformers 5: MixtralExperts, Qwen2MoeExperts, "
@@ -176,6 +182,11 @@ class MoESpec(BaseModel):
         "forward) and combined by index_add into zeros (GraniteMoeMoE.forward), as "
         "transformers 5.3 writes it. Read where the framework runs the model's own code "
         "(transformers: the hf preset's moe_impl parallel)"))
+    router_weights_cast: bool = Field(default=False, description=(
+        "the router casts its renormalised fp32 top-k weights to the block input's dtype "
+        "(ERNIE 4.5: models/ernie4_5_moe/modeling_ernie4_5_moe.py Ernie4_5_MoeTopKRouter."
+        "forward, routing_weights.to(hidden_states.dtype)), so the experts' weighted rows "
+        "stay in the compute dtype"))
     every_expert: bool = Field(default=False, description=(
         "the model's own code runs every token through every expert, its input scaled by the "
         "router's sigmoid of the top-k logits (zero for the others), the outputs summed "

@@ -400,9 +400,9 @@ def deepseek_v3(cfg: ConfigKeys) -> dict[str, Any]:
         "expert_ffn_hidden_size": moe_ffn, "first_dense_layers": first_dense,
         "stacked_experts": True, "router_fp32": True,
     }
-    if shared:
+    if shared:  # DeepseekV3MoE.forward runs them after the routed experts
         moe.update(num_shared_experts=cfg.get_int("n_shared_experts", 1),
-                   shared_expert_ffn_hidden_size=moe_ffn)
+                   shared_expert_ffn_hidden_size=moe_ffn, shared_experts_last=True)
     return {
         "num_layers": num_layers, "hidden_size": hidden,
         "ffn_hidden_size": cfg.get_int("intermediate_size", 18432),

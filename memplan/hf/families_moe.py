@@ -99,8 +99,9 @@ def glm4_moe(cfg: ConfigKeys) -> dict[str, Any]:
         "first_dense_layers": first_dense(cfg, fields["num_layers"], 1),
         "stacked_experts": True, "router_fp32": True,
     }
-    if shared:
-        moe.update(num_shared_experts=shared, shared_expert_ffn_hidden_size=moe_ffn)
+    if shared:  # Glm4MoeMoE.forward runs them after the routed experts
+        moe.update(num_shared_experts=shared, shared_expert_ffn_hidden_size=moe_ffn,
+                   shared_experts_last=True)
     fields.update(qkv_bias=bias, attn_out_bias=False, moe=moe,
                   **rotary_dim(fields["head_dim"], partial_rotary(cfg, 0.5)))
     if cfg.get_bool("use_qk_norm", False):

@@ -143,7 +143,9 @@ def dots1(cfg: ConfigKeys) -> dict[str, Any]:
     shared = cfg.data.get("n_shared_experts")
     if shared:
         shared = cfg.get_int("n_shared_experts")
-        moe.update(num_shared_experts=shared, shared_expert_ffn_hidden_size=moe_ffn)
+        # Dots1MoE.forward runs them after the routed experts
+        moe.update(num_shared_experts=shared, shared_expert_ffn_hidden_size=moe_ffn,
+                   shared_experts_last=True)
     window = _window(cfg, 4096)
     first = cfg.get_int("max_window_layers", 62)
     default = [SLIDING if window is not None and i >= first else FULL
@@ -186,6 +188,8 @@ def ernie4_5_moe(cfg: ConfigKeys) -> dict[str, Any]:
         "num_experts": cfg.get_int("moe_num_experts", 64), "top_k": cfg.get_int("moe_k", 6),
         "expert_ffn_hidden_size": moe_ffn, "first_dense_layers": start,
         "stacked_experts": True, "router_fp32": True, "router_bias": True,
+        # Ernie4_5_MoeTopKRouter.forward: routing_weights.to(hidden_states.dtype)
+        "router_weights_cast": True,
     }
     shared = cfg.get_int("moe_num_shared_experts", 2)
     if shared:

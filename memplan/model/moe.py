@@ -60,27 +60,45 @@ def _grouped_moments(spec: ModelSpec, dm: Dims) -> tuple[int, int]:
     R = T*k routed rows: what is alive at the gate (its gate/up output, R 2f, the activation
     and the product, R f each) and at the unsort (the product, the down projection's output,
     R h, the weighted rows and their unsorted copy, R h each in the routing weights' fp32 by
-    type promotion), beside what stays bound to the end: the router's fp32 probabilities,
-    the routing's indices and weights (``_routing_bytes``), and the gathered rows and their
-    sorted copy (2 R h), and a shared expert's output where it ran first. The block's
-    output does not exist yet (traced: transformers' Mixtral, fp32 and bf16)."""
+    type promotion), beside what stays bound to the end: the routing's tensors
+    (``_routing_bytes``) and the function's index locals (``_grouped_locals``), the gathered
+    rows and their sorted copy (2 R h), and a shared expert's output where it ran first. The block's output does not exist yet (traced:
+    transformers' Mixtral, fp32 and bf16; Hunyuan's block in bf16)."""
     moe, h, e = _moe(spec), spec.hidden_size, dm.e
     rows = dm.tokens * moe.top_k
     inner = rows * moe.expert_ffn_hidden_size // dm.experts().tp * e
-    weighted = rows * h * max(e, e if moe.router_topk_softmax else FP32_BYTES)
-    common = _routing_bytes(spec, dm) + 2 * rows * h * e
-    if moe.num_shared_experts:  # the shared expert ran first: its output waits (Qwen2-MoE's)
-        common += dm.rows * h * e
+    weighted = rows * h * max(e, weights_width(moe, dm))
+    common = _routing_bytes(spec, dm) + _grouped_locals(spec, dm) + 2 * rows * h * e
+    if moe.num_shared_experts and not moe.shared_experts_last:
+        common += dm.rows * h * e  # the shared expert ran first: its output waits
     return common + 4 * inner, common + inner + rows * h * e + 2 * weighted
 
 
+# the grouped block's saved terms still bound when its experts run without saving
+_ROUTING = frozenset({"moe.router_probs", "moe.topk_indices", "moe.topk_weights",
+                      "moe.token_index", "moe.sort_index", "moe.unsort_index",
+                      "moe.routing_weights"})
+
+
 def _routing_bytes(spec: ModelSpec, dm: Dims) -> int:
-    """The grouped block's routing tensors: its saved terms but the rows and the experts'
-    (the router's probabilities, the top-k indices and weights, the token, sort and unsort
-    indices, the routing weights)."""
-    rows_terms = ("moe.dispatched", "moe.expert_out")
-    return sum(t.size_bytes for t in moe_terms(spec, dm, MoeImpl.GROUPED)
-               if t.name not in rows_terms and not t.name.startswith("moe.expert."))
+    """The grouped block's routing tensors, bound to the end of its forward: the router's
+    probabilities (Mixtral's softmax; Hunyuan's fp32 logits, the same size), the top-k
+    indices and weights, the token, sort and unsort indices and the sorted routing weights.
+    Not the terms only a saving forward keeps: the fp32 copies an fp32 router's linear
+    reads (HunYuanMoEV1Gate.forward's ``hidden_states.float()``, DeepseekV3TopkRouter's
+    ``.type(torch.float32)`` of input and weight), freed once its logits exist, nor a
+    shared expert's MLP terms, freed when its down projection returns (traced: transformers'
+    Hunyuan MoE, bf16, under gradient checkpointing: its float input freed after the
+    router's mm, its gate/up/product before the router runs)."""
+    return sum(t.size_bytes for t in moe_terms(spec, dm, MoeImpl.GROUPED) if t.name in _ROUTING)
+
+
+def _grouped_locals(spec: ModelSpec, dm: Dims) -> int:
+    """grouped_mm_experts_forward's locals no backward saves, bound until it returns: the
+    sorted expert ids (``expert_ids[perm]``, R int64) and their copy for histc (R, float on
+    CPU, int32 on CUDA: 4 bytes either way)."""
+    rows = dm.tokens * _moe(spec).top_k
+    return rows * (INDEX_BYTES + FP32_BYTES)
 
 
 def grouped_kept_moments(spec: ModelSpec, dm: Dims) -> list[tuple[int, frozenset[str]]]:
@@ -104,11 +122,29 @@ def _gated_shared_unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[Backward
     block input's from the gate's linear; everything the block saved but the weighted rows
     still alive."""
     moe = _moe(spec)
+    if moe.num_shared_experts and moe.shared_experts_last:
+        return _shared_last_unsort(spec, dm, saved)
     if not (moe.shared_expert_gate and moe.num_shared_experts):
-        return _unsort(spec, dm, saved) if not moe.num_shared_experts else []
+        # alone, or an ungated shared MLP that ran first (HunYuanMoEV1Moe.forward,
+        # Ernie4_5_MoeSparseMoeBlock.forward): the output sum's backward hands both
+        # branches the one incoming gradient, and the shared MLP's backward runs last
+        return _unsort(spec, dm, saved)
     rows_h = dm.tokens * moe.top_k * spec.hidden_size * dm.e
     return [BackwardMoment("moe_unsort", saved - rows_h,
                            3 * rows_h + 2 * dm.rows * spec.hidden_size * dm.e, ())]
+
+
+def _shared_last_unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
+    """Grouped experts before their shared experts (DeepseekV3MoE.forward, Glm4MoeMoE,
+    Dots1MoE: ``hidden_states + self.shared_experts(residuals)``): the shared MLP was made
+    last, so its backward runs first; at the unsort's backward (``_unsort``) its saved terms
+    are freed and its input's gradient (T h) waits to be summed with the routed branch's."""
+    moe = _moe(spec)
+    shared = total(mlp.mlp_terms("moe.shared", spec, dm, moe.num_shared_experts
+                                 * moe.shared_expert_ffn_hidden_size, dm.tokens))
+    (unsort,) = _unsort(spec, dm, saved - shared)
+    return [unsort._replace(transient_bytes=unsort.transient_bytes
+                            + dm.rows * spec.hidden_size * dm.e)]
 
 
 def _unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
@@ -121,7 +157,7 @@ def _unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
     recompute the rerun runs from the unsort's backward, which needs the permutation, and
     this moment follows it)."""
     moe, h = _moe(spec), spec.hidden_size
-    width = max(dm.e, dm.e if moe.router_topk_softmax else FP32_BYTES)
+    width = max(dm.e, weights_width(moe, dm))
     return [BackwardMoment("moe_unsort", saved, 3 * dm.tokens * moe.top_k * h * width, ())]
 
 
@@ -150,10 +186,8 @@ def moe_terms(spec: ModelSpec, dm: Dims, impl: MoeImpl = MoeImpl.LOOP) -> list[T
         Term("moe.dispatched", routed * h * e),
         *_expert_terms(spec, dm, routed),
         Term("moe.expert_out", routed * h * e),
-        # grouped: the routing weights in the router's dtype (fp32, but GPT-OSS's softmax of
-        # the top-k logits) the outputs are scaled by
-        Term("moe.routing_weights", routed * (FP32_BYTES if grouped and not
-                                              moe.router_topk_softmax else e)),
+        # grouped: the sorted routing weights the outputs are scaled by (``weights_width``)
+        Term("moe.routing_weights", routed * (weights_width(moe, dm) if grouped else e)),
     ]
     if not grouped:
         terms.append(Term("moe.combine_in", routed * h * e))  # weighted outputs, index_add's
@@ -165,6 +199,15 @@ def moe_terms(spec: ModelSpec, dm: Dims, impl: MoeImpl = MoeImpl.LOOP) -> list[T
             terms += [Term("moe.shared_gate", dm.tokens * e),
                       Term("moe.shared_out", dm.tokens * h * e)]
     return terms
+
+
+def weights_width(moe: MoESpec, dm: Dims) -> int:
+    """Bytes per element of the routing weights the grouped experts scale their rows by: the
+    router's fp32 (Mixtral's and Qwen2-MoE's renormalised softmax; Hunyuan's, cast to its
+    fp32 logits' dtype), but the compute dtype where the router softmaxes its top-k logits
+    in its own dtype (GPT-OSS, ``router_topk_softmax``) or casts the weights to the block's
+    (ERNIE 4.5, ``router_weights_cast``)."""
+    return dm.e if moe.router_topk_softmax or moe.router_weights_cast else FP32_BYTES
 
 
 def _router_terms(moe: MoESpec, dm: Dims, routed: int) -> list[Term]:
@@ -229,13 +272,16 @@ def moe_linears(spec: ModelSpec, ep: int) -> tuple[Linear, ...]:
 
 
 def _grouped_extra(spec: ModelSpec, dm: Dims) -> int:
-    """Grouped experts' transients beside their saved terms once the down projection has run:
-    its output scaled by the fp32 routing weights (fp32 by type promotion), that product
-    unsorted (a copy) and the per-token sum of it."""
+    """Grouped experts' transients beside their saved terms at the unsort: the down
+    projection's output scaled by the routing weights (fp32 by type promotion but where
+    ``weights_width`` says otherwise) and that product unsorted (a copy), beside the
+    function's locals no backward saves: the gathered rows before their sort
+    (``selected_hidden_states``, R h; the sorted copy is saved) and the index locals
+    (``_grouped_locals``). Traced: transformers' Mixtral, bf16, 2 x 256 tokens."""
     moe = _moe(spec)
     routed, h = dm.tokens * moe.top_k, spec.hidden_size
-    weighted = routed * h * max(dm.e, FP32_BYTES)
-    return 2 * weighted
+    weighted = routed * h * max(dm.e, weights_width(moe, dm))
+    return 2 * weighted + routed * h * dm.e + _grouped_locals(spec, dm)
 
 
 def _every_extra(spec: ModelSpec, dm: Dims) -> int:

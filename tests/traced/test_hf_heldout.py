@@ -210,26 +210,18 @@ TRACED = {
 }
 
 
-# ERNIE 4.5 MoE in bf16: the saved activations under by 22,560 B (the toy's one MoE layer,
-# 128 tokens: about 176 B a token), not attributed yet; the fp32 router path is the likely
+# ERNIE 4.5 MoE in bf16: the saved activations under by 23,072 B (the toy's one MoE layer,
+# 128 tokens: about 180 B a token), not attributed yet; the fp32 router path is the likely
 # place (Ernie4_5_MoeTopKRouter.forward under autocast disabled: softmax, Ernie4_5_MoeStatics's
 # biased copy, gather and the clamped renormalisation in fp32, then the cast to bf16)
 ERNIE_BF16 = Known(("activations_bytes",), (
-    "ERNIE 4.5 MoE bf16: saved activations -1.19% (22,560 B under on the toy's MoE layer); "
+    "ERNIE 4.5 MoE bf16: saved activations -1.22% (23,072 B under on the toy's MoE layer); "
     "not attributed yet (the fp32 router path is the likely place)"),
-    {"activations_bytes": (-22_560, -1.1941)})
+    {"activations_bytes": (-23_072, -1.2212)})
 ERNIE_BF16_FULL = Known(("activations_bytes", "first_step.backward_bytes"), (
     "ERNIE 4.5 MoE bf16 under full recompute: saved activations -1.82% (8,720 B), step 1's "
     "backward -1.15% (26,240 B); not attributed yet"),
     {"activations_bytes": (-8_720, -1.8234), "first_step.backward_bytes": (-26_240, -1.155)})
-
-HUNYUAN_BF16_FULL = Known(("first_step.forward_bytes", "steady.forward_bytes"), (
-    "Hunyuan MoE bf16 under full recompute: forward +9.66% in step 1 (305,512 B over), +3.88% "
-    "from step 2 (301,416 B); the grouped experts' recompute working set traced on Mixtral "
-    "(memplan.model.moe._grouped_moments) counts more than Hunyuan's block holds at its "
-    "gate; not attributed yet"),
-    {"first_step.forward_bytes": (305_512, 9.656), "steady.forward_bytes": (301_416, 3.883)})
-
 
 def _naive_mamba() -> bool:
     """Whether the installed GraniteMoeHybridMambaLayer runs transformers 5.3's naive chunked
@@ -262,8 +254,7 @@ def _cases():
                     ERNIE_BF16 if ernie else None)
         yield param(FrameworkCase("transformers", name, data, "bf16-pure", 2, 64,
                                   options={"recompute": "full"}),
-                    ERNIE_BF16_FULL if ernie else
-                    HUNYUAN_BF16_FULL if name == "hunyuan_v1_moe" else None)
+                    ERNIE_BF16_FULL if ernie else None)
         if name.startswith("lfm2"):  # the convolution's weight cast under autocast
             yield param(FrameworkCase("transformers", name, data, "amp-bf16", 2, 64), None)
 
@@ -294,3 +285,48 @@ def test_library_matches_estimate(case, known) -> None:
     comparison = compare_framework(case)
     assert comparison.spec.approximate is None  # read by its family's reader, not the fallback
     check(comparison.rows, known, exact=() if fp32_router or frozen_bias else EXACT)
+
+
+# The MoE block the layer's peak: 2 x 256 tokens over a 64-token vocabulary (the loss's
+# logits small), bf16 under full recompute: the checkpointed block's working set
+# (memplan.model.moe._grouped_moments: Hunyuan's shared MLP first, dots1's last) and the
+# rerun's unsort backward (moe._unsort, moe._shared_last_unsort), which the toys' 2 x 64
+# tokens above never reach (their peaks are the loss's)
+MOE_PEAK = ("hunyuan_v1_moe", "dots1", "ernie4_5_moe")
+
+
+# ERNIE 4.5 at that shape: the saved activations' deficit above grows with the tokens
+# (34,832 B at 512 tokens), the rerun's backward 382 KB short, not attributed yet (the MoE
+# block's own forward moment within 27,816 B, -0.95%, most of it that deficit)
+ERNIE_MOE_PEAK = Known(
+    ("activations_bytes", "first_step.backward_bytes", "steady.backward_bytes"),
+    "ERNIE 4.5 MoE bf16, full recompute, 2 x 256 tokens: saved activations -3.50% "
+    "(34,832 B), step 1's backward -6.74% (382,120 B) and -5.42% from step 2; not "
+    "attributed yet",
+    {"activations_bytes": (-34_832, -3.4994), "first_step.backward_bytes": (-382_120, -6.7435),
+     "steady.backward_bytes": (-384_148, -5.4240)})
+
+
+def _peak_param(name: str):
+    from known import KnownDeviation  # tests/traced/known.py
+
+    known = ERNIE_MOE_PEAK if name == "ernie4_5_moe" else None
+    marks = [pytest.mark.xfail(strict=True, raises=KnownDeviation, reason=known.cause)
+             ] if known else []
+    return pytest.param(name, known, id=name, marks=marks)
+
+
+@pytest.mark.parametrize(("name", "known"), [_peak_param(name) for name in MOE_PEAK])
+def test_moe_block_peaks_match_estimate(name: str, known: Known | None) -> None:
+    """Every phase peak within 1% where the MoE block sets it (Hunyuan's fp32 router weight:
+    its states within 0.09%, as above)."""
+    from known import EXACT, check  # tests/traced/known.py
+    from memplan.profile.frameworks import FrameworkCase, compare_framework
+
+    if not _known(TRACED[name]["model_type"]):
+        pytest.skip(f"transformers {transformers.__version__} has no {name!r}")
+    case = FrameworkCase("transformers", name, {**TRACED[name], "vocab_size": 64},
+                         "bf16-pure", 2, 256, options={"recompute": "full"})
+    # Hunyuan's fp32 router weight and ERNIE's frozen bias: their states not exact (above)
+    exact = () if name in ("hunyuan_v1_moe", "ernie4_5_moe") else EXACT
+    check(compare_framework(case).rows, known, exact=exact)

@@ -1,0 +1,65 @@
+"""The grouped MoE block's working set in a checkpointed forward (``memplan.model.moe.MoE.
+working_set``, transformers' integrations/moe.py ``grouped_mm_experts_forward`` run without
+saving), bytes derived by hand.
+
+tiny-moe (tests/unit/test_sac_moe.py): h 64, 4 stacked SwiGLU experts of f 96, top-2; seq 128
+and micro-batch 2 in bf16 (e = 2): T = 256 tokens, R = T*k = 512 routed rows. Bound to the end
+of the block: the routing tensors (probabilities T*E*4 = 4,096, top-k indices R*8 = 4,096 and
+weights R*4 + T*4 = 3,072, token, sort and unsort indices 4,096 each, sorted routing weights
+R*4 = 2,048: 25,600), the function's index locals (the sorted expert ids R*8 = 4,096 and
+their histc copy R*4 = 2,048: 6,144) and the gathered rows with their sorted copy (2 R*h*e =
+131,072). At the gate the gate/up output, SiLU and product (4 R*f*e = 393,216): 556,032; at
+the unsort the product (98,304), the down output (65,536) and the weighted rows with their
+unsorted copy in the weights' fp32 (2 R*h*4 = 262,144): 588,800, the larger (Mixtral's
+block).
+"""
+
+from __future__ import annotations
+
+from memplan.api import make_layout, make_workload
+from memplan.model.dims import Dims
+from memplan.model.moe import MoE
+from memplan.spec import ModelSpec, MoESpec, load_model
+
+MIXTRAL_LIKE = dict(num_experts=4, top_k=2, expert_ffn_hidden_size=96, stacked_experts=True)
+# one shared MLP of f 96 and a router on fp32 copies (Hunyuan's HunYuanMoEV1Moe)
+SHARED_FP32 = dict(MIXTRAL_LIKE, num_shared_experts=1, shared_expert_ffn_hidden_size=96,
+                   router_fp32=True)
+
+
+def _working_set(**moe) -> int:
+    spec = ModelSpec.model_validate({**load_model("tiny").model_dump(), "name": "tiny-moe",
+                                     "moe": MoESpec(**moe).model_dump()})
+    wl = make_workload(spec, seq_len=128, micro_batch_size=2, moe_impl="grouped",
+                       precision="bf16-pure", recompute="full")
+    dm = Dims.of(spec, make_layout(1), wl)
+    (moment,) = MoE().working_set(spec, wl, dm)
+    return moment.transient_bytes
+
+
+def test_routed_experts_alone() -> None:
+    assert _working_set(**MIXTRAL_LIKE) == 588_800
+
+
+def test_shared_expert_first_adds_its_output_only() -> None:
+    """The shared MLP ran first (HunYuanMoEV1Moe.forward, Qwen2MoeSparseMoeBlock.forward):
+    its output T*h*e = 32,768 waits; its gate/up/product were freed when its down projection
+    returned, and the fp32 copies of the router's input (T*h*4 = 65,536) and weight were
+    freed once the logits existed: neither is in the working set. 588,800 + 32,768."""
+    assert _working_set(**SHARED_FP32) == 621_568
+
+
+def test_shared_expert_last_adds_nothing() -> None:
+    """DeepseekV3MoE.forward runs the shared experts after the routed ones
+    (``shared_experts_last``): no shared output exists yet."""
+    assert _working_set(**SHARED_FP32, shared_experts_last=True) == 588_800
+
+
+def test_routing_weights_cast_to_the_compute_dtype() -> None:
+    """ERNIE 4.5's router returns routing_weights.to(hidden_states.dtype)
+    (``router_weights_cast``): the sorted weights R*2 = 1,024 (routing 24,576), the weighted
+    rows and their unsorted copy bf16 (2 R*h*2 = 131,072). With the index locals (6,144) and
+    the shared output waiting: the unsort 24,576 + 6,144 + 131,072 + 32,768 + 98,304 +
+    65,536 + 131,072 = 489,472, under the gate's 24,576 + 6,144 + 131,072 + 32,768 + 393,216
+    = 587,776."""
+    assert _working_set(**SHARED_FP32, router_weights_cast=True) == 587_776
