@@ -381,7 +381,6 @@ class GradSync(PlainEnum):
     """
 
     EVERY = "every"
-    PARALLEL = "parallel"
     LAST = "last"
 
 

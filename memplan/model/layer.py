@@ -39,7 +39,7 @@ from memplan.model.deltanet import DeltaNet, deltanet_linears
 from memplan.model.dims import FP32_BYTES, MASK_BYTES, Dims, Term, total
 from memplan.model.linear import Linear, Split, shares_input
 from memplan.model.mla import Mla, mla_linears
-from memplan.model.mlp import Mlp, mlp_linears
+from memplan.model.mlp import Mlp, mlp_linears, working_steps
 from memplan.model.moe import MoE
 from memplan.model.short_conv import ShortConv, conv_cache_bytes, short_conv_linears
 from memplan.model.mamba import Mamba, mamba_linears
@@ -398,8 +398,6 @@ def mlp_steps(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
     working_steps``); () otherwise."""
     if policy is not Recompute.FULL or moe or compiled.in_checkpoint(wl):
         return ()
-    from memplan.model.mlp import working_steps
-
     return working_steps(spec, wl, dm)
 
 

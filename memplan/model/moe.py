@@ -62,8 +62,9 @@ def _grouped_moments(spec: ModelSpec, dm: Dims) -> tuple[int, int]:
     R h, the weighted rows and their unsorted copy, R h each in the routing weights' fp32 by
     type promotion), beside what stays bound to the end: the routing's tensors
     (``_routing_bytes``) and the function's index locals (``_grouped_locals``), the gathered
-    rows and their sorted copy (2 R h), and a shared expert's output where it ran first. The block's output does not exist yet (traced:
-    transformers' Mixtral, fp32 and bf16; Hunyuan's block in bf16)."""
+    rows and their sorted copy (2 R h), and a shared expert's output where it ran first. The
+    block's output does not exist yet (traced: transformers' Mixtral, fp32 and bf16;
+    Hunyuan's block in bf16)."""
     moe, h, e = _moe(spec), spec.hidden_size, dm.e
     rows = dm.tokens * moe.top_k
     inner = rows * moe.expert_ffn_hidden_size // dm.experts().tp * e

@@ -158,9 +158,8 @@ def unpacked_bytes(spec: ModelSpec, dm: Dims, block: Block, moment: BackwardMome
     block's largest): the MLP's output projection reads the product (gated) or the
     activation; the input projections read the block's input (the up projection's too: the
     gate's output it runs beside, saved for the activation, is still packed). The gated
-    product's backward
-    reads its two factors. Other moments (norms, the attention core) read what the block
-    still holds at them (``moment.own_bytes``)."""
+    product's backward reads its two factors. Other moments (norms, the attention core) read
+    what the block still holds at them (``moment.own_bytes``)."""
     weight = max(block.tensor_sizes(spec, dm.tp, 1), default=0) * dm.e
     inner = dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
     if moment.name == "mlp":
