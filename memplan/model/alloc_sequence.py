@@ -80,13 +80,9 @@ class Builder:
         One ``Blip`` event (the allocator model replays it as those allocations and frees)."""
         if size <= 0:
             return
-        sizes = []
-        if piece > 0:
-            while size > piece:
-                sizes.append(piece)
-                size -= piece
-        sizes.append(size)
-        self.made_and_freed(sizes, stream)
+        whole = (size - 1) // piece if piece > 0 else 0  # pieces before the last, smaller one
+        self.events.append(Blip((piece,) * whole + (size - whole * piece,), stream))
+        self.peak = max(self.peak, self.alive + size)
 
     def made_and_freed(self, sizes: list[int], stream: int = 0) -> None:
         """Tensors of ``sizes`` made in order, then all freed in the same order (none made

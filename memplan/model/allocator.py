@@ -16,6 +16,7 @@ cudaMalloc returns (ties in best fit go to the segment created first).
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from itertools import groupby
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -476,63 +477,112 @@ class CachingAllocator:
     def blip(self, sizes: tuple[int, ...], stream: int = 0
              ) -> tuple[list[tuple[int, int]], int] | None:
         """Make tensors of ``sizes`` in order on ``stream``, then free them all (the comment
-        above). Returns the (reserved, allocated) bytes after each allocation that created a
-        segment, and the allocated bytes once all are made; None, with nothing changed, where
-        an allocation would need more than the capacity (``replay`` then makes them one by
-        one)."""
-        cfg = self.cfg
-        if cfg.expandable_segments:
+        above). Returns the (reserved, allocated) bytes after the last allocation that created
+        a segment (reserved only grows within a blip: that is its reserved peak; empty where
+        none did), and the allocated bytes once all are made; None, with nothing changed,
+        where an allocation would need more than the capacity (``replay`` then makes them one
+        by one)."""
+        if self.cfg.expandable_segments:
             return None
-        limit, rounding, cap = (cfg.max_split_size_bytes, cfg.max_non_split_rounding_bytes,
-                                cfg.capacity_bytes)
         # by pool: the free set's indices taken, the blip's own remainders (sorted)
         taken, extra = {False: set(), True: set()}, {False: [], True: []}
-        made, grew = [], []  # (small pool, bytes) of each segment made; (reserved, allocated)
-        reserved, allocated = self.reserved, self.allocated
-        last = -1
-        for orig in sizes:
-            if orig != last:  # a blip's tensors are mostly of one size
-                last = orig
-                size = round_size(orig, cfg.roundup_power2_divisions)
-                small = size <= K_SMALL_SIZE
-                pool = self._free.get((stream, small), ())
-                n = len(pool)
-                skip, mine = taken[small], extra[small]
-                first = bisect_left(pool, (size,))
-                least = K_MIN_BLOCK_SIZE if small else (K_SMALL_SIZE + 1 if size < limit
-                                                        else NO_LIMIT)
+        made: list[tuple[bool, int]] = []  # (small pool, bytes) of each segment made
+        acc = [self.reserved, self.allocated, None, False]  # (``_blip_run``)
+        divisions = self.cfg.roundup_power2_divisions
+        for orig, run in groupby(sizes):  # a blip's tensors are mostly of one size
+            size = round_size(orig, divisions)
+            small = size <= K_SMALL_SIZE
+            if not self._blip_run(size, sum(1 for _ in run), small, stream, taken[small],
+                                  extra[small], made, acc):
+                return None
+        self._free_segments(stream, made)
+        return ([acc[2]] if acc[2] is not None else []), acc[1]
+
+    def _blip_run(self, size: int, count: int, small: bool, stream: int, skip: set[int],
+                  mine: list[int], made: list[tuple[bool, int]], acc: list) -> bool:
+        """``count`` tensors of rounded ``size`` of a blip, each by best fit over the pool's
+        free blocks less those ``skip`` names and the blip's own remainders ``mine``, or a
+        new segment; ``acc``: reserved, allocated, the last growth; False where a segment
+        would pass the capacity. Where no remainder is at least ``size`` and the next blocks
+        leave remainders below it (a block under twice the size, or a new segment under
+        twice it), no later tensor of the run can take a remainder: those tensors take the
+        next blocks in order, or a segment each, in one step (the same blocks as one by one;
+        without max_split_size, whose oversize rules read each block)."""
+        cfg = self.cfg
+        pool = self._free.get((stream, small), ())
+        n, first = len(pool), bisect_left(pool, (size,))
+        limit = cfg.max_split_size_bytes
+        least = K_MIN_BLOCK_SIZE if small else (K_SMALL_SIZE + 1 if size < limit else NO_LIMIT)
+        segment = get_allocation_size(size, cfg.large_segment_bytes)
+        below: list[int] = []  # remainders under ``size``: into ``mine`` once the run is done
+        while count:
             i = first
             while i in skip:
                 i += 1
             a = pool[i][0] if i < n else None
             j = bisect_left(mine, size) if mine else 0
             b = mine[j] if j < len(mine) else None
-            from_pool = a is not None and (b is None or a <= b)
-            found = a if from_pool else b
-            if found is not None and (size < limit <= found
-                                      or (size >= limit and found >= size + rounding)):
-                found = None  # get_free_block's oversize rules: a new segment
-            new = found is None
-            if new:
-                found = get_allocation_size(size, cfg.large_segment_bytes)  # alloc_block
-                if cap is not None and reserved + found > cap:
-                    return None
-                made.append((small, found))
-                reserved += found
-            elif from_pool:
+            if b is None and limit == NO_LIMIT:
+                if a is not None and a < 2 * size:
+                    m = min(count, bisect_left(pool, (2 * size,), i) - i)
+                    if skip.isdisjoint(range(i, i + m)):
+                        found = [e[0] for e in pool[i:i + m]]
+                        skip.update(range(i, i + m))
+                        first, count = i + m, count - m
+                        acc[1] += sum(size if f - size >= least else f for f in found)
+                        below += [f - size for f in found if f - size >= least]
+                        continue
+                elif a is None and segment < 2 * size:
+                    cap = cfg.capacity_bytes
+                    if cap is not None and acc[0] + count * segment > cap:
+                        return False
+                    made += [(small, segment)] * count
+                    acc[0] += count * segment
+                    acc[1] += count * (size if segment - size >= least else segment)
+                    below += [segment - size] * (count if segment - size >= least else 0)
+                    acc[2] = (acc[0], acc[1])
+                    break
+            if not self._blip_one(size, small, a, b, j, mine, made, segment, least, acc):
+                return False
+            if acc[3]:
                 skip.add(i)
                 first = i + 1  # those before are smaller or taken
-            else:
-                del mine[j]
-            if found - size >= least:  # should_split
-                insort(mine, found - size)
-                allocated += size
-            else:
-                allocated += found
-            if new:
-                grew.append((reserved, allocated))
-        self._free_segments(stream, made)
-        return grew, allocated
+            count -= 1
+        if below:
+            mine += below
+            mine.sort()
+        return True
+
+    def _blip_one(self, size: int, small: bool, a: int | None, b: int | None, j: int,
+                  mine: list[int], made: list[tuple[bool, int]], segment: int, least: int,
+                  acc: list) -> bool:
+        """One tensor of a blip: the smaller of the pool's next block ``a`` and the blip's
+        next remainder ``b`` (``mine[j]``; the pool's on a tie), unless the oversize rules
+        refuse it, else a new ``segment``; ``acc[3]``: whether the pool's block was taken.
+        False where the segment would pass the capacity."""
+        cfg = self.cfg
+        limit = cfg.max_split_size_bytes
+        from_pool = a is not None and (b is None or a <= b)
+        found = a if from_pool else b
+        if found is not None and (size < limit <= found or (
+                size >= limit and found >= size + cfg.max_non_split_rounding_bytes)):
+            found = None  # get_free_block's oversize rules: a new segment
+        new = found is None
+        if new:
+            found = segment  # alloc_block
+            if cfg.capacity_bytes is not None and acc[0] + found > cfg.capacity_bytes:
+                return False
+            made.append((small, found))
+            acc[0] += found
+        elif not from_pool:
+            del mine[j]
+        acc[3] = from_pool and not new
+        if found - size >= least:  # should_split
+            insort(mine, found - size)
+        acc[1] += size if found - size >= least else found
+        if new:
+            acc[2] = (acc[0], acc[1])
+        return True
 
     def _free_segments(self, stream: int, made: list[tuple[bool, int]]) -> None:
         """Segments of (small pool, bytes) ``made`` on ``stream``, each one free block."""

@@ -14,6 +14,8 @@ from the rules of ``c10/cuda/CUDACachingAllocator.cpp`` (torch 2.13), quoted in 
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import pytest
 
 from memplan.errors import MemplanError
@@ -312,6 +314,55 @@ def test_blips_replay_as_their_allocations_and_frees(conf: str) -> None:
         assert (a.reserved_peak_bytes, a.fragmentation_bytes, a.allocated_peak_bytes) == (
             b.reserved_peak_bytes, b.fragmentation_bytes, b.allocated_peak_bytes)
     assert checked >= 20
+    assert ran_out > 0 if conf == "capacity" else ran_out == 0
+
+
+@pytest.mark.parametrize("conf", ["", "max_split_size_mb:40", "roundup_power2_divisions:4",
+                                  "capacity"])
+def test_long_blips_of_one_size_replay_as_their_allocations_and_frees(conf: str) -> None:
+    """The same property for blips as a working set is replayed: runs of up to 40 tensors of
+    one size (a residual-stream piece, 12 MiB + 5 KiB, whose 14 MiB segment leaves a
+    remainder a 1.5 MiB tensor then takes; 6 MiB, two to a 20 MiB segment; 400 KiB in 2 MiB
+    ones), the same blip again and again (its second time takes the segments the first made,
+    in a row), beside tensors kept and freed; a capacity that a long run passes part way."""
+    import random
+
+    from memplan.model.allocator import Blip
+
+    cap = 900 * MiB if conf == "capacity" else None
+    cfg = parse_alloc_conf("" if conf == "capacity" else conf, cap)
+    rng = random.Random(20261204)
+    pieces = [12 * MiB + 5 * 1024, 6 * MiB, 400 * 1024, 30 * MiB, 1536 * 1024]
+    checked = ran_out = 0
+    for _ in range(40):
+        events, live, key = [], [], 0
+        blip = Blip((rng.choice(pieces),) * rng.randint(2, 40) + (rng.choice(pieces),))
+        for _ in range(rng.randint(10, 40)):
+            roll = rng.random()
+            if roll < 0.25:
+                events.append(Alloc(key, rng.choice(pieces) + rng.choice([0, 512, 3 * MiB])))
+                live.append(key)
+                key += 1
+            elif roll < 0.45 and live:
+                events.append(Free(live.pop(rng.randrange(len(live)))))
+            elif roll < 0.6:
+                blip = Blip((rng.choice(pieces),) * rng.randint(2, 40) + (rng.choice(pieces),))
+                events.append(blip)
+            else:
+                events.append(blip)
+        a, b = replay(events, cfg), replay(_expanded(events), cfg)
+        assert a.out_of_memory == b.out_of_memory
+        if a.out_of_memory:
+            ran_out += 1
+        else:
+            ends = list(accumulate(2 * len(ev.sizes_bytes) if isinstance(ev, Blip) else 1
+                                   for ev in events))
+            assert a.reserved_bytes == [b.reserved_bytes[e - 1] for e in ends]
+            assert (a.inactive_split_bytes, a.segments) == (b.inactive_split_bytes, b.segments)
+            checked += 1
+        assert (a.reserved_peak_bytes, a.fragmentation_bytes, a.allocated_peak_bytes) == (
+            b.reserved_peak_bytes, b.fragmentation_bytes, b.allocated_peak_bytes)
+    assert checked >= 10
     assert ran_out > 0 if conf == "capacity" else ran_out == 0
 
 
