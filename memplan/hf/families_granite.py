@@ -40,11 +40,15 @@ def granite_moe(cfg: ConfigKeys, shared_default: int | None) -> dict[str, Any]:
         "top_k": cfg.get_int("num_experts_per_tok", 2),
         "expert_ffn_hidden_size": cfg.get_int("intermediate_size", 11008),
         "stacked_experts": True, "parallel_experts": True,
+        # GraniteMoeTopKRouter.forward (transformers 5.23): the top-k of the fp32 logits,
+        # softmaxed in fp32, cast to the input's dtype
+        "router_topk_softmax": True, "router_logits_fp32": True, "router_weights_cast": True,
     }
     value = cfg.data.get("shared_intermediate_size", shared_default)
     if shared_default is not None and value:
         shared = cfg.get_int("shared_intermediate_size", shared_default)
-        moe.update(num_shared_experts=1, shared_expert_ffn_hidden_size=shared)
+        moe.update(num_shared_experts=1, shared_expert_ffn_hidden_size=shared,
+                   shared_experts_last=True)
     return moe
 
 
