@@ -97,9 +97,13 @@ def _routing_bytes(spec: ModelSpec, dm: Dims) -> int:
 def _grouped_locals(spec: ModelSpec, dm: Dims) -> int:
     """grouped_mm_experts_forward's locals no backward saves, bound until it returns: the
     sorted expert ids (``expert_ids[perm]``, R int64) and their copy for histc (R, float on
-    CPU, int32 on CUDA: 4 bytes either way)."""
-    rows = dm.tokens * _moe(spec).top_k
-    return rows * (INDEX_BYTES + FP32_BYTES)
+    CPU, int32 on CUDA: 4 bytes either way); and the router's fp32 logits where it returns
+    them to the block, which keeps them to its end (``router_logits_fp32``: GraniteMoeMoE.
+    forward's ``_, top_k_weights, top_k_index = self.router(hidden_states)``, T E x 4 B)."""
+    moe = _moe(spec)
+    rows = dm.tokens * moe.top_k
+    logits = dm.tokens * moe.num_experts * FP32_BYTES if moe.router_logits_fp32 else 0
+    return rows * (INDEX_BYTES + FP32_BYTES) + logits
 
 
 def grouped_kept_moments(spec: ModelSpec, dm: Dims) -> list[tuple[int, frozenset[str]]]:

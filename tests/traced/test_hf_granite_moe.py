@@ -23,7 +23,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from known import EXACT, check  # noqa: E402  (tests/traced/known.py)
+from known import EXACT, Known, KnownDeviation, check  # noqa: E402  (tests/traced/known.py)
 from memplan.profile.frameworks import FrameworkCase, compare_framework  # noqa: E402
 from test_hf_heldout import _TOY, TRACED, _cut  # noqa: E402
 
@@ -71,3 +71,53 @@ def test_library_matches_estimate(case: FrameworkCase) -> None:
     assert comparison.spec.approximate is None  # read by its family's reader
     assert comparison.workload.moe_impl.value == "grouped"
     check(comparison.rows, None, exact=EXACT)
+
+
+# The MoE block the layer's peak (as test_hf_heldout.py's MOE_PEAK): 2 x 256 tokens over a
+# 64-token vocabulary, bf16 under full recompute. Two deviations remain there:
+# - the checkpointed forward's working set is over by 282,464 B: memplan's grouped working
+#   set (memplan.model.moe._grouped_moments) is transformers 5.3's grouped_mm_experts_forward,
+#   which gathers the rows by token, copies them sorted and binds the token and unsort
+#   indices before the experts run; 5.23's gathers them once, already sorted
+#   (hidden_states[perm // num_top_k], its index a temporary) and makes the unsort index
+#   after the down projection: the copy (R h, 262,144 B) and the two indices (R x 8 B each,
+#   16,384 B); the fp32 top-k softmax, counted as bound where only its bf16 cast is (2,048
+#   B); 1,888 B not attributed. Every grouped family shows it under 5.23 (Hunyuan's, dots1's
+#   and ERNIE's MOE_PEAK cases in test_hf_heldout.py +5.3%, +13.9%, +14.8% in forward),
+#   while the test environment traces 5.3's: not Granite's to change here;
+# - granitemoeshared's rerun backward is under by 194,704 B (the shared MLP's backward, run
+#   first beside everything the rerun rebuilt; memplan.model.moe._shared_last_backward),
+#   not attributed yet: about one T h tensor (131,072 B) and a third of another
+def _full_forward(pct_first: float, pct_steady: float) -> dict[str, tuple[int, float]]:
+    return {"first_step.forward_bytes": (282_464, pct_first),
+            "steady.forward_bytes": (282_464, pct_steady)}
+
+
+GROUPED_GATHER = ("transformers 5.23's grouped_mm_experts_forward gathers the routed rows "
+                  "once (hidden_states[perm // num_top_k]); memplan's grouped working set is "
+                  "5.3's gather, sorted copy and indices: the checkpointed forward 282,464 B "
+                  "over")
+MOE_PEAK_KNOWN = {
+    "granitemoe": Known(("first_step.forward_bytes", "steady.forward_bytes"), GROUPED_GATHER,
+                        _full_forward(5.9431, 3.3904)),
+    "granitemoeshared": Known(
+        ("first_step.forward_bytes", "steady.forward_bytes", "first_step.backward_bytes",
+         "steady.backward_bytes"),
+        GROUPED_GATHER + "; the shared MLP's rerun backward 194,704 B under, not attributed",
+        {**_full_forward(5.4890, 2.9699), "first_step.backward_bytes": (-194_704, -2.0567),
+         "steady.backward_bytes": (-194_704, -1.4076)}),
+}
+
+
+def _peak_param(name: str):
+    known = MOE_PEAK_KNOWN[name]
+    return pytest.param(name, known, id=name, marks=[
+        pytest.mark.xfail(strict=True, raises=KnownDeviation, reason=known.cause)])
+
+
+@pytest.mark.parametrize(("name", "known"), [_peak_param(n) for n in sorted(MOE_PEAK_KNOWN)])
+def test_moe_block_peaks_match_estimate(name: str, known: Known) -> None:
+    """Every phase peak within 1% where the MoE block sets it, but the known rows above."""
+    case = FrameworkCase("transformers", name, {**GRANITE[name], "vocab_size": 64},
+                         "bf16-pure", 2, 256, options={"recompute": "full"})
+    check(compare_framework(case).rows, known, exact=EXACT)
