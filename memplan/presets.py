@@ -101,12 +101,10 @@ def _hf_softmax(spec: ModelSpec) -> bool:
 
 
 def _hf_moe(spec: ModelSpec) -> str:
-    # the experts' implementation transformers picks for stacked experts, unless the model's
-    # own MoE runs every token through every expert (MoESpec.every_expert: Llama 4) or its own
-    # per-expert linears (MoESpec.parallel_experts: Granite's MoE)
-    if spec.moe is not None and spec.moe.every_expert:
-        return "every"
-    return "parallel" if spec.moe is not None and spec.moe.parallel_experts else "grouped"
+    # the experts' implementation transformers picks for stacked experts (Granite's MoE
+    # too: GraniteMoeExperts under use_experts_implementation), unless the model's own MoE
+    # runs every token through every expert (MoESpec.every_expert: Llama 4)
+    return "every" if spec.moe is not None and spec.moe.every_expert else "grouped"
 
 
 def _hf_cache(spec: ModelSpec) -> bool:
@@ -150,10 +148,12 @@ PRESETS: dict[Framework, tuple[Selection, ...]] = {
                     f"implementation (modeling_utils.py get_correct_experts_implementation) for "
                     f"the stacked experts of Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3; "
                     f"models/llama4/modeling_llama4.py Llama4TextMoe.forward runs its own "
-                    f"bmm experts over every token ({_TRANSFORMERS}); models/granitemoe/"
-                    f"modeling_granitemoe.py GraniteMoeMoE.forward its own "
-                    f"GraniteMoeParallelExperts (transformers 5.3; later versions its "
-                    f"GraniteMoeExperts under use_experts_implementation)"),
+                    f"bmm experts over every token ({_TRANSFORMERS}); Granite's MoE "
+                    f"(models/granitemoe/modeling_granitemoe.py GraniteMoeExperts under "
+                    f"use_experts_implementation, routed by GraniteMoeTopKRouter) grouped as "
+                    f"well (transformers 5.23 and 5.24); transformers 5.3 ran its own "
+                    f"GraniteMoeParallelExperts per expert (GraniteMoeMoE.forward): moe_impl "
+                    f"parallel"),
             Default("window_mask", True,
                     f"masking_utils.py sdpa_mask: a sliding-window layer gets an explicit mask "
                     f"unless the sequence is shorter than the window (_ignore_causal_mask_sdpa); "

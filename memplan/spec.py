@@ -175,18 +175,27 @@ class MoESpec(BaseModel):
         "the router takes the top-k logits and softmaxes only them, in its own dtype (GPT-OSS: "
         "GptOssTopKRouter.forward), saving the k weights, not every expert's probability"))
     parallel_experts: bool = Field(default=False, description=(
-        "the model's own experts run as one F.linear per expert over its split of the rows "
-        "sorted by expert, concatenated (IBM Granite's MoE: models/granitemoe/"
+        "the model's own experts can run as one F.linear per expert over its split of the "
+        "rows sorted by expert, concatenated (IBM Granite's MoE: models/granitemoe/"
         "modeling_granitemoe.py GraniteMoeParallelExperts.forward, weights (E, 2f, h) and "
         "(E, h, f)), routed by the softmax of the top-k fp32 logits (GraniteMoeTopKGating."
         "forward) and combined by index_add into zeros (GraniteMoeMoE.forward), as "
-        "transformers 5.3 writes it. Read where the framework runs the model's own code "
-        "(transformers: the hf preset's moe_impl parallel)"))
+        "transformers 5.3 writes it. Read where a workload asks for that code (moe_impl "
+        "parallel); transformers 5.23 runs the same weights as GraniteMoeExperts through "
+        "its experts interface (moe_impl grouped, the hf preset's default)"))
+    router_logits_fp32: bool = Field(default=False, description=(
+        "the router casts its logits to fp32 after its linear in the compute dtype (IBM "
+        "Granite's MoE, transformers 5.23: models/granitemoe/modeling_granitemoe.py "
+        "GraniteMoeTopKRouter.forward, F.linear(x, w).float()), so the softmax of its top-k "
+        "(router_topk_softmax) runs, and saves its output, in fp32; the fp32 logits are "
+        "returned and stay bound to the block's end (GraniteMoeMoE.forward's ``_``), saved by "
+        "nothing (topk's backward keeps its indices only)"))
     router_weights_cast: bool = Field(default=False, description=(
         "the router casts its renormalised fp32 top-k weights to the block input's dtype "
         "(ERNIE 4.5: models/ernie4_5_moe/modeling_ernie4_5_moe.py Ernie4_5_MoeTopKRouter."
-        "forward, routing_weights.to(hidden_states.dtype)), so the experts' weighted rows "
-        "stay in the compute dtype"))
+        "forward, routing_weights.to(hidden_states.dtype); Granite's GraniteMoeTopKRouter."
+        "forward, .type_as(hidden_states) of its fp32 top-k softmax), so the experts' "
+        "weighted rows stay in the compute dtype"))
     every_expert: bool = Field(default=False, description=(
         "the model's own code runs every token through every expert, its input scaled by the "
         "router's sigmoid of the top-k logits (zero for the others), the outputs summed "

@@ -498,8 +498,9 @@ class MoeImpl(PlainEnum):
              grouped_mm): the routed rows sorted by expert, one grouped matmul over all of
              them for gate/up and one for down, weighted, unsorted and summed per token (the
              sum saves nothing)
-    parallel the model's own experts as Granite's MoE runs them (``MoESpec.parallel_experts``:
-             models/granitemoe/modeling_granitemoe.py GraniteMoeMoE.forward): the rows
+    parallel the model's own experts as transformers 5.3's Granite MoE runs them
+             (``MoESpec.parallel_experts``: models/granitemoe/modeling_granitemoe.py
+             GraniteMoeMoE.forward; 5.23 runs them grouped): the rows
              gathered in expert order, one F.linear per expert over its split (torch.cat of
              the outputs) for gate/up and for down, weighted, index_add into zeros
     every    the model's own experts over every token (``MoESpec.every_expert``: Llama 4's

@@ -36,6 +36,7 @@ from memplan.workload import (
     GradSync,
     LogitsHeld,
     LossImpl,
+    MoeImpl,
     NormImpl,
     Optimizer,
     OptimizerImpl,
@@ -241,6 +242,11 @@ LossImplOpt = Annotated[Optional[LossImpl], typer.Option(
     "--loss-impl", help="The cross-entropy implementation (default: the framework's); "
     "torchtune-chunked: torchtune's chunked output and CEWithChunkedOutputLoss on "
     "--loss-chunks chunks, none checkpointed.", rich_help_panel=_KERNELS)]
+MoeImplOpt = Annotated[Optional[MoeImpl], typer.Option(
+    "--moe-impl", help="How an MoE model's routed experts run (default: the framework's; hf: "
+    "grouped, transformers' experts interface, as 5.23 runs Granite's MoE too): loop (one "
+    "expert at a time), grouped, every (every token through every expert, Llama 4), "
+    "parallel (transformers 5.3's GraniteMoeParallelExperts).", rich_help_panel=_KERNELS)]
 LogitsHeldOpt = Annotated[Optional[LogitsHeld], typer.Option(
     "--logits-held", help="Who keeps the logits beyond what autograd saves (default: the "
     "framework's): none; loss (the model's output until backward, transformers); step (the "
@@ -406,6 +412,7 @@ SHARED: dict[str, Shared] = {
     "lora_dropout": Shared(LoraDropout, 0.0),
     "base_quant": Shared(BaseQuantOpt, BaseQuant.NONE, _value),
     "loss_impl": Shared(LossImplOpt, None),
+    "moe_impl": Shared(MoeImplOpt, None, _value),
     "logits_held": Shared(LogitsHeldOpt, None, _value),
     "deltanet_kernel": Shared(DeltaNetKernelOpt, None, _value),
     "schedule": Shared(ScheduleOpt, Schedule.ONE_F_ONE_B, resolve=False),
@@ -420,14 +427,15 @@ WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "recompute_eve
             "loss_chunks", "framework", "keep_grads", "use_cache", "grad_sync", "compile",
             "float8", "optimizer_in_backward",
             "fsdp_version", "fsdp_backward_prefetch", "fsdp_use_orig_params",
-            "fsdp_reshard_after_forward", "mtp_layers", "loss_impl", "logits_held",
-            "lora_rank", "lora_targets", "lora_dropout", "base_quant", "deltanet_kernel",
+            "fsdp_reshard_after_forward", "mtp_layers", "loss_impl", "moe_impl",
+            "logits_held", "lora_rank", "lora_targets", "lora_dropout", "base_quant",
+            "deltanet_kernel",
             "float8_all_gather", "compile_loss", "compile_in_checkpoint",
             "recompute_save", "async_tp")
 # what a framework's own loop decides, beyond memplan's reference model (which trace and
 # profile run)
-FRAMEWORK_ONLY = ("framework", "keep_grads", "use_cache", "loss_impl", "logits_held",
-                  "compile", "float8", "float8_all_gather", "compile_loss",
+FRAMEWORK_ONLY = ("framework", "keep_grads", "use_cache", "loss_impl", "moe_impl",
+                  "logits_held", "compile", "float8", "float8_all_gather", "compile_loss",
                   "compile_in_checkpoint", "async_tp")  # the reference model runs eagerly, plain linears
 # everything ``memplan estimate`` takes: diagnose takes the same configuration
 ESTIMATE = ("model", "gpus", "gpu", "gpu_memory", *LAYOUT, *WORKLOAD, "schedule", "calibration")

@@ -48,7 +48,7 @@ FixedRecompute = Annotated[RecomputeChoice | None, typer.Option(
       "fsdp_backward_prefetch", "fsdp_use_orig_params", "fsdp_reshard_after_forward",
       "mtp_layers", "compile", "optimizer_in_backward", "compile_loss",
       "compile_in_checkpoint",
-      "loss_impl", "logits_held", "calibration", "lora_rank", "lora_targets", "lora_dropout", "base_quant",
+      "loss_impl", "moe_impl", "logits_held", "calibration", "lora_rank", "lora_targets", "lora_dropout", "base_quant",
       "deltanet_kernel", "async_tp",
       model=None, gpus=8, tp=None, pp=None, vpp=None, cp=None, ep=None, zero=None,
       offload=None)

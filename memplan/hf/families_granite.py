@@ -4,13 +4,18 @@ with num_local_experts > 0; without them ``memplan.hf.families_more.granitemoehy
 
 Each reads the keys with the defaults of its transformers 5 configuration class
 (``transformers/models/<family>/configuration_<family>.py``) and returns the ``ModelSpec``
-fields of the model ``AutoModelForCausalLM.from_config`` builds (``modeling_<family>.py``,
-transformers 5.3). The three share one MoE block, GraniteMoeMoE (the same code under each
-family's prefix): a bias-free router GraniteMoeTopKGating (``layer``: h -> E), and two
-GraniteMoeParallelExperts, ``input_linear`` (weight (E, 2f, h): gate and up) and
-``output_linear`` (weight (E, h, f)), each run as one F.linear per expert over its split of the
-sorted rows (``MoESpec.parallel_experts``). Granite's four multipliers are scalars
-(``memplan.hf.families.granite``): nothing saved, no parameter.
+fields of the model ``AutoModelForCausalLM.from_config`` builds (``modeling_<family>.py``).
+The three share one MoE block, GraniteMoeMoE (the same code under each family's prefix). As
+transformers 5.23 writes it: a bias-free router, GraniteMoeTopKRouter (``weight`` (E, h):
+the top-k of its fp32 logits softmaxed in fp32 and cast to the input's dtype:
+``MoESpec.router_logits_fp32``, ``router_topk_softmax``, ``router_weights_cast``), and
+GraniteMoeExperts (``gate_up_proj`` (E, 2f, h), ``down_proj`` (E, h, f)) run by the experts
+interface (the hf preset's moe_impl grouped). As transformers 5.3 wrote it: the router
+GraniteMoeTopKGating (``layer``: h -> E) and two GraniteMoeParallelExperts, ``input_linear``
+(E, 2f, h) and ``output_linear`` (E, h, f), each run as one F.linear per expert over its split
+of the sorted rows (``MoESpec.parallel_experts``, moe_impl parallel). The same tensors, the
+same counts. Granite's four multipliers are scalars (``memplan.hf.families.granite``):
+nothing saved, no parameter.
 """
 
 from __future__ import annotations
@@ -31,20 +36,24 @@ def granite_moe(cfg: ConfigKeys, shared_default: int | None) -> dict[str, Any]:
     (GraniteMoeSharedMLP / GraniteMoeHybridMLP: input_linear h -> 2 x shared_intermediate_size
     chunked into gate and up, output_linear back; no biases) when shared_intermediate_size
     is not 0 (``shared_default``: the class's default; None: the family has none), run after
-    the experts and added to their output (GraniteMoeSharedDecoderLayer.forward:
-    moe_hidden_states + self.shared_mlp(hidden_states)). The router's logits feed the
-    load-balancing loss only with output_router_logits (default false, as the published
-    files set it): not read."""
+    the experts and added to their output (``shared_experts_last``:
+    GraniteMoeSharedDecoderLayer.forward: moe_hidden_states + self.shared_mlp(hidden_states)).
+    The router's logits feed the load-balancing loss only with output_router_logits (default
+    false, as the published files set it): not read."""
     moe: dict[str, Any] = {
         "num_experts": cfg.get_int("num_local_experts", 8),
         "top_k": cfg.get_int("num_experts_per_tok", 2),
         "expert_ffn_hidden_size": cfg.get_int("intermediate_size", 11008),
         "stacked_experts": True, "parallel_experts": True,
+        # GraniteMoeTopKRouter.forward (transformers 5.23): the top-k of the fp32 logits,
+        # softmaxed in fp32, cast to the input's dtype
+        "router_topk_softmax": True, "router_logits_fp32": True, "router_weights_cast": True,
     }
     value = cfg.data.get("shared_intermediate_size", shared_default)
     if shared_default is not None and value:
         shared = cfg.get_int("shared_intermediate_size", shared_default)
-        moe.update(num_shared_experts=1, shared_expert_ffn_hidden_size=shared)
+        moe.update(num_shared_experts=1, shared_expert_ffn_hidden_size=shared,
+                   shared_experts_last=True)
     return moe
 
 

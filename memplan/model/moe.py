@@ -97,9 +97,13 @@ def _routing_bytes(spec: ModelSpec, dm: Dims) -> int:
 def _grouped_locals(spec: ModelSpec, dm: Dims) -> int:
     """grouped_mm_experts_forward's locals no backward saves, bound until it returns: the
     sorted expert ids (``expert_ids[perm]``, R int64) and their copy for histc (R, float on
-    CPU, int32 on CUDA: 4 bytes either way)."""
-    rows = dm.tokens * _moe(spec).top_k
-    return rows * (INDEX_BYTES + FP32_BYTES)
+    CPU, int32 on CUDA: 4 bytes either way); and the router's fp32 logits where it returns
+    them to the block, which keeps them to its end (``router_logits_fp32``: GraniteMoeMoE.
+    forward's ``_, top_k_weights, top_k_index = self.router(hidden_states)``, T E x 4 B)."""
+    moe = _moe(spec)
+    rows = dm.tokens * moe.top_k
+    logits = dm.tokens * moe.num_experts * FP32_BYTES if moe.router_logits_fp32 else 0
+    return rows * (INDEX_BYTES + FP32_BYTES) + logits
 
 
 def grouped_kept_moments(spec: ModelSpec, dm: Dims) -> list[tuple[int, frozenset[str]]]:
@@ -135,6 +139,27 @@ def _gated_shared_unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[Backward
                            3 * rows_h + 2 * dm.rows * spec.hidden_size * dm.e, ())]
 
 
+def _shared_last_backward(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
+    """The shared experts' MLP backward where they ran after the routed experts
+    (``shared_experts_last``), so before the routed experts' backward: an MLP backward over
+    the T tokens (its down projection's, its activation's, its input projection's) beside
+    everything the block saved, the routed experts' terms all alive (traced: transformers
+    5.23's granitemoeshared under full recompute, where the rerun rebuilt them all: the
+    shared MLP's product backward the step's backward peak). Its weights' gradients are not
+    counted in these moments (the block's groups name the routed experts' too)."""
+    moe, h, e = _moe(spec), spec.hidden_size, dm.e
+    if not (moe.num_shared_experts and moe.shared_experts_last):
+        return []
+    ffn = moe.num_shared_experts * moe.shared_expert_ffn_hidden_size
+    shared, _ = _shared_ran_first(spec, dm)
+    moments = mlp.backward_moments(
+        spec, dm, saved=saved, freed=mlp.dropout_mask_bytes(spec, dm), run_tokens=dm.tokens,
+        ffn=ffn, grad_inputs=dm.rows * h * e, fresh=0, fused_in=spec.fused_gate_up,
+        in_saved=saved - shared)
+    return [m._replace(name=f"moe_shared{m.name[3:]}", grads=(), fresh_params=0, hook_freed=0)
+            for m in moments]
+
+
 def _shared_last_unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
     """Grouped experts before their shared experts (DeepseekV3MoE.forward, Glm4MoeMoE,
     Dots1MoE: ``hidden_states + self.shared_experts(residuals)``): the shared MLP was made
@@ -146,6 +171,21 @@ def _shared_last_unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardM
     (unsort,) = _unsort(spec, dm, saved - shared)
     return [unsort._replace(transient_bytes=unsort.transient_bytes
                             + dm.rows * spec.hidden_size * dm.e)]
+
+
+def _shared_ran_first(spec: ModelSpec, dm: Dims) -> tuple[int, int]:
+    """(the shared experts' saved terms, their input's gradient) where they ran after the
+    routed experts (``shared_experts_last``: DeepseekV3MoE.forward, GraniteMoeSharedDecoder
+    Layer.forward's moe_hidden_states + self.shared_mlp(hidden_states)), so their backward
+    ran before the routed experts': by the experts' MLP backward their terms are freed and
+    their input's gradient (T h) waits to be summed with the experts' (traced: transformers
+    5.23's granitemoeshared, its experts grouped); (0, 0) otherwise."""
+    moe = _moe(spec)
+    if not (moe.num_shared_experts and moe.shared_experts_last):
+        return 0, 0
+    shared = total(mlp.mlp_terms("moe.shared", spec, dm, moe.num_shared_experts
+                                 * moe.shared_expert_ffn_hidden_size, dm.tokens))
+    return shared, dm.rows * spec.hidden_size * dm.e
 
 
 def _unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
@@ -213,11 +253,15 @@ def weights_width(moe: MoESpec, dm: Dims) -> int:
 
 def _router_terms(moe: MoESpec, dm: Dims, routed: int) -> list[Term]:
     """The router's saved outputs: the top-k indices, and the fp32 probabilities of every
-    expert with the renormalised top-k weights and their per-token sum; or GPT-OSS's softmax
-    of the top-k logits in the router's dtype (``router_topk_softmax``)."""
+    expert with the renormalised top-k weights and their per-token sum; or the softmax of
+    the top-k logits (``router_topk_softmax``), which saves its output: in the router's
+    dtype (GPT-OSS's GptOssTopKRouter.forward), in fp32 where the logits were cast to it
+    (``router_logits_fp32``: Granite's GraniteMoeTopKRouter.forward, whose fp32 logits and
+    top-k values nothing saves: topk's backward keeps the indices, the casts nothing)."""
     indices = Term("moe.topk_indices", routed * INDEX_BYTES)
     if moe.router_topk_softmax:
-        return [indices, Term("moe.topk_weights", routed * dm.e)]
+        width = FP32_BYTES if moe.router_logits_fp32 else dm.e
+        return [indices, Term("moe.topk_weights", routed * width)]
     return [Term("moe.router_probs", dm.tokens * moe.num_experts * FP32_BYTES), indices,
             Term("moe.topk_weights", routed * FP32_BYTES + dm.tokens * FP32_BYTES)]
 
@@ -392,12 +436,17 @@ class MoE:
         if wl.moe_impl is MoeImpl.PARALLEL:
             return moe_parallel.backward_moments(spec, dm, saved)
         if wl.moe_impl is MoeImpl.GROUPED:
+            shared, waiting = _shared_ran_first(spec, dm)
             grouped = float8_grouped.backward_moments(spec, dm, mlp.backward_moments(
-                spec, dm.experts(), saved=saved, freed=mlp.dropout_mask_bytes(spec, dm) + routed,
+                spec, dm.experts(), saved=saved,
+                freed=mlp.dropout_mask_bytes(spec, dm) + routed + shared,
                 run_tokens=dm.tokens * moe.top_k, ffn=moe.expert_ffn_hidden_size,
-                grad_inputs=2 * dm.rows * h * e, fresh=0, out_grad=routed,
+                grad_inputs=2 * dm.rows * h * e + waiting, fresh=0, out_grad=routed,
                 fused_in=moe.stacked_experts and spec.mlp.gated, in_saved=routed))
-            return _gated_shared_unsort(spec, dm, saved) + grouped
+            grouped = [m._replace(transient_bytes=m.transient_bytes + waiting)
+                       if m.name in ("mlp", "mlp_act") else m for m in grouped]
+            return (_shared_last_backward(spec, dm, saved) + _gated_shared_unsort(spec, dm, saved)
+                    + grouped)
         return mlp.backward_moments(
             spec, dm.experts(), saved=saved,
             freed=mlp.dropout_mask_bytes(spec, dm) + routed + routed // moe.num_experts,

@@ -360,7 +360,10 @@ def build_hf(case: FrameworkCase) -> Built:
     ``save_on_cpu`` does, ``memplan.profile.offload``; estimated with ``offload``),
     ``recompute`` (``"full"``: ``gradient_checkpointing_enable``, non-reentrant), ``fsdp1``
     (with ``dp`` > 1: ``FullyShardedDataParallel`` as Accelerate's FSDP1 plugin wraps it,
-    ``_fsdp1_wrap``; the dict's keys are workload fields, e.g. ``backward_prefetch``)."""
+    ``_fsdp1_wrap``; the dict's keys are workload fields, e.g. ``backward_prefetch``),
+    ``moe_impl`` (a ``Workload.moe_impl`` the estimate takes in place of the preset's default:
+    the experts' implementation the installed transformers runs where it is not the
+    current one's, e.g. ``"parallel"`` for transformers 5.3's Granite MoE)."""
     from transformers import AutoModelForCausalLM
 
     from memplan.profile.hf_meta import config_for_model
@@ -416,6 +419,8 @@ def build_hf(case: FrameworkCase) -> Built:
                     **({"recompute": recompute} if recompute != "none" else {}),
                     **({"recompute_save": save} if recompute == "ops" else {}),
                     **({"fsdp_version": 1, **fsdp1} if fsdp1 is not None else {}),
+                    **({"moe_impl": case.options["moe_impl"]} if "moe_impl" in case.options
+                       else {}),
                     **_deltanet_kernel(model))
     # the config's use_cache reaches the estimate through the spec (the hf preset's kv_cache)
     layout = (api.make_layout(case.dp, zero=3) if fsdp1 is not None

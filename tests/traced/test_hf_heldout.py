@@ -237,11 +237,17 @@ def _naive_mamba() -> bool:
 
 def _parallel_experts() -> bool:
     """Whether the installed transformers runs Granite's MoE through its own
-    GraniteMoeParallelExperts (5.3: memplan.model.moe_parallel); later versions (5.25) run it
-    through the experts interface (use_experts_implementation: GraniteMoeExperts)."""
+    GraniteMoeParallelExperts (5.3: memplan.model.moe_parallel, moe_impl parallel); later
+    versions (5.23, 5.25) run it through the experts interface (use_experts_implementation:
+    GraniteMoeExperts, moe_impl grouped, the hf preset's default: test_hf_granite_moe.py)."""
     from transformers.models.granitemoe import modeling_granitemoe as m
 
     return hasattr(m, "GraniteMoeParallelExperts")
+
+
+# Granite's MoE as transformers 5.3 runs it, not the hf preset's default (transformers 5.23's
+# grouped experts): the estimate told so
+GRANITE_MOE = ("granitemoe", "granitemoeshared", "granitemoehybrid-h-moe")
 
 
 def _cases():
@@ -249,11 +255,13 @@ def _cases():
 
     for name, data in sorted(TRACED.items()):
         ernie = name == "ernie4_5_moe"
-        yield param(FrameworkCase("transformers", name, data, "fp32", 2, 64), None)
-        yield param(FrameworkCase("transformers", name, data, "bf16-pure", 2, 64),
+        own = {"moe_impl": "parallel"} if name in GRANITE_MOE else {}
+        yield param(FrameworkCase("transformers", name, data, "fp32", 2, 64, options=own),
+                    None)
+        yield param(FrameworkCase("transformers", name, data, "bf16-pure", 2, 64, options=own),
                     ERNIE_BF16 if ernie else None)
         yield param(FrameworkCase("transformers", name, data, "bf16-pure", 2, 64,
-                                  options={"recompute": "full"}),
+                                  options={"recompute": "full", **own}),
                     ERNIE_BF16_FULL if ernie else None)
         if name.startswith("lfm2"):  # the convolution's weight cast under autocast
             yield param(FrameworkCase("transformers", name, data, "amp-bf16", 2, 64), None)
@@ -269,8 +277,7 @@ def test_library_matches_estimate(case, known) -> None:
 
     if not _known(case.config["model_type"]):
         pytest.skip(f"transformers {transformers.__version__} has no {case.config['model_type']!r}")
-    granite_moe = case.name in ("granitemoe", "granitemoeshared", "granitemoehybrid-h-moe")
-    if granite_moe and not _parallel_experts():
+    if case.name in GRANITE_MOE and not _parallel_experts():
         pytest.skip(f"transformers {transformers.__version__} runs Granite's MoE through its "
                     "experts interface, not 5.3's GraniteMoeParallelExperts "
                     "(memplan.model.moe_parallel)")

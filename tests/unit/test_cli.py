@@ -782,3 +782,15 @@ def test_deltanet_kernel_option_is_the_api_setting() -> None:
     assert torch_path == json.loads(json.dumps(estimate_json(api)))
     assert torch_path["peak_bytes"] > fused["peak_bytes"]
     assert any("flash-linear-attention" in line for line in fused["assumptions"])
+
+
+def test_moe_impl_selects_the_experts_implementation() -> None:
+    """``--moe-impl`` is the API's ``moe_impl``: Granite 3.1 1B-A400M under the hf preset runs
+    its experts grouped (transformers 5.23's GraniteMoeExperts) unless told ``parallel``
+    (transformers 5.3's GraniteMoeParallelExperts, whose per-expert weight slices make
+    weight-sized zero gradients in backward: the higher peak)."""
+    args = ("--model", "granite-3.1-1b-a400m", "--framework", "hf")
+    cli = estimate_cli(*args, "--moe-impl", "parallel")
+    api = memplan.estimate("granite-3.1-1b-a400m", framework="hf", moe_impl="parallel")
+    assert cli == json.loads(json.dumps(_api_json(api)))
+    assert estimate_cli(*args)["peak_bytes"] < cli["peak_bytes"]

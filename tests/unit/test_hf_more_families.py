@@ -172,6 +172,8 @@ def test_granite_4_h_tiny_by_hand() -> None:
     assert catalog.model_copy(update={"name": spec.name, "source": spec.source}) == spec
     moe = spec.moe
     assert moe is not None and moe.parallel_experts and moe.stacked_experts
+    assert moe.router_logits_fp32 and moe.router_topk_softmax and moe.router_weights_cast
+    assert moe.shared_experts_last
     assert (moe.num_experts, moe.top_k, moe.expert_ffn_hidden_size) == (64, 6, 512)
     assert (moe.num_shared_experts, moe.shared_expert_ffn_hidden_size) == (1, 1024)
 
@@ -232,26 +234,60 @@ def test_granite_moe_shared_by_hand() -> None:
     assert _spec_of({**shared, "shared_intermediate_size": 0}).num_params == 1_334_628_352
 
 
-def test_granite_moe_runs_its_own_experts() -> None:
-    """transformers runs Granite's MoE as its own code (the hf preset's moe_impl parallel);
-    its estimate's saved bytes per MoE layer are GraniteMoeMoE's (memplan.model.moe_parallel.
-    parallel_terms): 2 sequences of 64 tokens (T 128), top 8 of 32 (R 1,024 rows), h 1,024,
-    f 512, bf16: the top-k indices, the sort and token indices (8 B each a row) and the fp32
-    top-k softmax (4 B): 28 KiB; the gathered rows, the experts' output and the weighted
-    rows (R h, 2 B): 6 MiB; gate/up (R 2f), activation and product (R f): 4 MiB; the gates
-    (R x 2 B): 2 KiB: 10,516,480 B."""
+def test_granite_moe_runs_grouped_experts_by_default() -> None:
+    """transformers 5.23 runs Granite's MoE through its experts interface (GraniteMoeExperts,
+    grouped_mm_experts_forward: the hf preset's moe_impl grouped) behind GraniteMoeTopKRouter;
+    the saved bytes per MoE layer: 2 sequences of 64 tokens (T 128), top 8 of 32 (R 1,024
+    rows), h 1,024, f 512, bf16. The router: topk's indices (R x 8 B) and the fp32 softmax
+    of the top-k logits (R x 4 B), no probability of every expert (the fp32 logits and the
+    top-k values are saved by nothing): 12 KiB; the token, sort and unsort indices (R x 8 B
+    each): 24 KiB; the gathered rows and the experts' output (R h, 2 B): 4 MiB; gate/up
+    (R 2f), activation and product (R f): 4 MiB; the routing weights cast to bf16 (R x 2 B):
+    2 KiB: 8,427,520 B. Mixtral's router would save every expert's fp32 probability (T E x
+    4 B), the weights' per-token sum (T x 4 B) and fp32 routing weights: 18,944 B more."""
     from memplan import presets
+    from memplan.model.dims import Dims
+    from memplan.model.moe import moe_terms
+    from memplan.parallel import ParallelConfig
+    from memplan.workload import MoeImpl, Workload
+
+    spec = _spec("granite-3.1-1b-a400m-instruct")
+    kwargs = presets.apply(presets.parse("hf"), spec, {})
+    assert kwargs["moe_impl"] == "grouped"
+    wl = Workload(seq_len=64, micro_batch_size=2, precision="bf16-pure", moe_impl="grouped")
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    assert sum(t.size_bytes for t in moe_terms(spec, dm, MoeImpl.GROUPED)) == 8_427_520
+    assert spec.moe is not None
+    plain = spec.model_copy(update={"moe": spec.moe.model_copy(update={
+        "router_topk_softmax": False, "router_logits_fp32": False,
+        "router_weights_cast": False})})
+    assert sum(t.size_bytes for t in moe_terms(plain, dm, MoeImpl.GROUPED)) == 8_446_464
+
+
+def test_granite_moe_own_experts_on_request() -> None:
+    """transformers 5.3's GraniteMoeParallelExperts, asked for (moe_impl parallel, which
+    estimate accepts); its saved bytes per MoE layer are GraniteMoeMoE's (memplan.model.
+    moe_parallel.parallel_terms), the same T, R, h, f, bf16: the top-k indices, the sort and
+    token indices (8 B each a row) and the fp32 top-k softmax (4 B): 28 KiB; the gathered
+    rows, the experts' output and the weighted rows (R h, 2 B): 6 MiB; gate/up (R 2f),
+    activation and product (R f): 4 MiB; the gates (R x 2 B): 2 KiB: 10,516,480 B."""
+    from memplan import api
     from memplan.model.dims import Dims
     from memplan.model.moe_parallel import parallel_terms
     from memplan.parallel import ParallelConfig
     from memplan.workload import Workload
 
     spec = _spec("granite-3.1-1b-a400m-instruct")
-    kwargs = presets.apply(presets.parse("hf"), spec, {})
-    assert kwargs["moe_impl"] == "parallel"
     wl = Workload(seq_len=64, micro_batch_size=2, precision="bf16-pure", moe_impl="parallel")
     dm = Dims.of(spec, ParallelConfig(), wl)
     assert sum(t.size_bytes for t in parallel_terms(spec, dm)) == 10_516_480
+    own = api.estimate(spec, framework="hf", seq_len=64, micro_batch_size=2,
+                       precision="bf16-pure", moe_impl="parallel")
+    grouped = api.estimate(spec, framework="hf", seq_len=64, micro_batch_size=2,
+                           precision="bf16-pure")
+    assert own.workload.moe_impl.value == "parallel"
+    assert grouped.workload.moe_impl.value == "grouped"
+    assert own.stages[0].activations_bytes > grouped.stages[0].activations_bytes
 
 
 def test_granite_select_backward_sums_by_hand() -> None:

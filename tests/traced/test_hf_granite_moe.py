@@ -1,0 +1,125 @@
+"""IBM Granite's MoE families as current transformers runs them, against the hf preset's
+default (``moe_impl`` grouped): transformers 5.23 rewrote GraniteMoeMoE as a router,
+GraniteMoeTopKRouter (models/granitemoe/modeling_granitemoe.py: the top-k of the fp32
+logits, their softmax in fp32, cast to the input's dtype; ``MoESpec.router_logits_fp32``,
+``router_topk_softmax``, ``router_weights_cast``), and stacked GraniteMoeExperts run by the
+experts interface (``use_experts_implementation``: integrations/moe.py
+grouped_mm_experts_forward), the same code under granitemoeshared's and granitemoehybrid's
+prefixes; the shared MLP still runs after the experts (``MoESpec.shared_experts_last``).
+
+transformers 5.3's GraniteMoeParallelExperts (``moe_impl`` parallel) is traced in
+test_hf_heldout.py; this file skips where it is installed. Granite 4.0-H's Mamba2 layers
+are left out here: 5.23 writes their torch path as einsum chunks (mamba2_chunk_scan), which
+memplan does not model (memplan.model.mamba is 5.3's naive scan); the hybrid's experts are
+traced on its attention layers.
+
+Versions: transformers 5.23.0, torch 2.13.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from known import EXACT, Known, KnownDeviation, check  # noqa: E402  (tests/traced/known.py)
+from memplan.profile.frameworks import FrameworkCase, compare_framework  # noqa: E402
+from test_hf_heldout import _TOY, TRACED, _cut  # noqa: E402
+
+
+def _experts_interface() -> bool:
+    """Whether the installed transformers runs Granite's MoE as GraniteMoeExperts through
+    the experts interface (5.23 on), not 5.3's GraniteMoeParallelExperts."""
+    from transformers.models.granitemoe import modeling_granitemoe as m
+
+    return hasattr(m, "GraniteMoeExperts") and not hasattr(m, "GraniteMoeParallelExperts")
+
+
+pytestmark = pytest.mark.skipif(
+    not _experts_interface(),
+    reason=f"transformers {transformers.__version__} runs Granite's MoE through 5.3's "
+           "GraniteMoeParallelExperts (moe_impl parallel: test_hf_heldout.py)")
+
+GRANITE = {
+    # Granite 3.x MoE: 4 experts of 256, 2 routed a token
+    "granitemoe": TRACED["granitemoe"],
+    # the same with the shared MLP of 256 after the experts
+    "granitemoeshared": TRACED["granitemoeshared"],
+    # Granite 4.0's hybrid with experts, two attention layers (no Mamba2: above), each with
+    # 4 experts of 256 (2 routed a token) and the shared MLP
+    "granitemoehybrid-moe": _cut("granite-4.0-micro", num_hidden_layers=2,
+                                 layer_types=["attention"] * 2, num_local_experts=4,
+                                 num_experts_per_tok=2, shared_intermediate_size=256,
+                                 mamba_n_heads=4, mamba_d_head=64, **_TOY),
+}
+
+
+def _cases():
+    for name, data in sorted(GRANITE.items()):
+        yield FrameworkCase("transformers", name, data, "fp32", 2, 64)
+        yield FrameworkCase("transformers", name, data, "bf16-pure", 2, 64)
+        yield FrameworkCase("transformers", name, data, "bf16-pure", 2, 64,
+                            options={"recompute": "full"})
+
+
+@pytest.mark.parametrize("case", list(_cases()), ids=lambda c: c.id)
+def test_library_matches_estimate(case: FrameworkCase) -> None:
+    """Every phase peak, saved activations and states within 1% of transformers' own step,
+    the estimate on the hf preset's default (grouped experts, Granite's router)."""
+    comparison = compare_framework(case)
+    assert comparison.spec.approximate is None  # read by its family's reader
+    assert comparison.workload.moe_impl.value == "grouped"
+    check(comparison.rows, None, exact=EXACT)
+
+
+# The MoE block the layer's peak (as test_hf_heldout.py's MOE_PEAK): 2 x 256 tokens over a
+# 64-token vocabulary, bf16 under full recompute. Two deviations remain there:
+# - the checkpointed forward's working set is over by 282,464 B: memplan's grouped working
+#   set (memplan.model.moe._grouped_moments) is transformers 5.3's grouped_mm_experts_forward,
+#   which gathers the rows by token, copies them sorted and binds the token and unsort
+#   indices before the experts run; 5.23's gathers them once, already sorted
+#   (hidden_states[perm // num_top_k], its index a temporary) and makes the unsort index
+#   after the down projection: the copy (R h, 262,144 B) and the two indices (R x 8 B each,
+#   16,384 B); the fp32 top-k softmax, counted as bound where only its bf16 cast is (2,048
+#   B); 1,888 B not attributed. Every grouped family shows it under 5.23 (Hunyuan's, dots1's
+#   and ERNIE's MOE_PEAK cases in test_hf_heldout.py +5.3%, +13.9%, +14.8% in forward),
+#   while the test environment traces 5.3's: not Granite's to change here;
+# - granitemoeshared's rerun backward is under by 194,704 B at the shared MLP's backward
+#   (run first beside everything the rerun rebuilt; memplan.model.moe._shared_last_backward):
+#   the layer's own bytes there agree within 16,404 B; the shared output_linear's weight
+#   gradient (s h e = 65,536 B) is not counted (the moment's parameter groups cannot name it
+#   apart from the experts'); about 112,764 B beyond the layer not attributed yet
+def _full_forward(pct_first: float, pct_steady: float) -> dict[str, tuple[int, float]]:
+    return {"first_step.forward_bytes": (282_464, pct_first),
+            "steady.forward_bytes": (282_464, pct_steady)}
+
+
+GROUPED_GATHER = ("transformers 5.23's grouped_mm_experts_forward gathers the routed rows "
+                  "once (hidden_states[perm // num_top_k]); memplan's grouped working set is "
+                  "5.3's gather, sorted copy and indices: the checkpointed forward 282,464 B "
+                  "over")
+MOE_PEAK_KNOWN = {
+    "granitemoe": Known(("first_step.forward_bytes", "steady.forward_bytes"), GROUPED_GATHER,
+                        _full_forward(5.9431, 3.3904)),
+    "granitemoeshared": Known(
+        ("first_step.forward_bytes", "steady.forward_bytes", "first_step.backward_bytes",
+         "steady.backward_bytes"),
+        GROUPED_GATHER + "; the shared MLP's rerun backward 194,704 B under, not attributed",
+        {**_full_forward(5.4890, 2.9699), "first_step.backward_bytes": (-194_704, -2.0567),
+         "steady.backward_bytes": (-194_704, -1.4076)}),
+}
+
+
+def _peak_param(name: str):
+    known = MOE_PEAK_KNOWN[name]
+    return pytest.param(name, known, id=name, marks=[
+        pytest.mark.xfail(strict=True, raises=KnownDeviation, reason=known.cause)])
+
+
+@pytest.mark.parametrize(("name", "known"), [_peak_param(n) for n in sorted(MOE_PEAK_KNOWN)])
+def test_moe_block_peaks_match_estimate(name: str, known: Known) -> None:
+    """Every phase peak within 1% where the MoE block sets it, but the known rows above."""
+    case = FrameworkCase("transformers", name, {**GRANITE[name], "vocab_size": 64},
+                         "bf16-pure", 2, 256, options={"recompute": "full"})
+    check(compare_framework(case).rows, known, exact=EXACT)

@@ -1,0 +1,78 @@
+"""Granite's MoE as transformers 5.23 runs it (the hf preset's moe_impl grouped): its router,
+GraniteMoeTopKRouter.forward (models/granitemoe/modeling_granitemoe.py: F.linear(x, w).float(),
+topk, softmax of the top-k in fp32, .type_as(x); ``MoESpec.router_logits_fp32``,
+``router_topk_softmax``, ``router_weights_cast``), and a shared MLP run after the experts
+(``shared_experts_last``: GraniteMoeSharedDecoderLayer.forward), bytes derived by hand.
+
+tiny-moe (tests/unit/test_moe_recompute.py): h 64, 4 stacked SwiGLU experts of f 96, top-2;
+seq 128 and micro-batch 2 in bf16 (e = 2): T = 256 tokens, R = T*k = 512 routed rows; with
+Granite's shared MLP of 96 (fused gate/up, as GraniteMoeSharedMLP's input_linear).
+"""
+
+from __future__ import annotations
+
+from memplan.api import make_layout, make_workload
+from memplan.model.dims import Dims
+from memplan.model.moe import MoE
+from memplan.spec import ModelSpec, MoESpec, load_model
+
+GRANITE = dict(num_experts=4, top_k=2, expert_ffn_hidden_size=96, stacked_experts=True,
+               router_topk_softmax=True, router_logits_fp32=True, router_weights_cast=True)
+SHARED = dict(GRANITE, num_shared_experts=1, shared_expert_ffn_hidden_size=96,
+              shared_experts_last=True)
+
+
+def _setup(recompute: str | None = None, **moe):
+    spec = ModelSpec.model_validate({**load_model("tiny").model_dump(), "name": "tiny-moe",
+                                     "fused_gate_up": True,
+                                     "moe": MoESpec(**moe).model_dump()})
+    extra = {"recompute": recompute} if recompute else {}
+    wl = make_workload(spec, seq_len=128, micro_batch_size=2, moe_impl="grouped",
+                       precision="bf16-pure", **extra)
+    return spec, wl, Dims.of(spec, make_layout(1), wl)
+
+
+def test_router_saves_the_fp32_top_k_softmax_only() -> None:
+    """Saved by the routed block: topk's indices R*8 = 4,096 and the fp32 softmax of the
+    top-k logits R*4 = 2,048 (no probability of every expert: the fp32 logits and the top-k
+    values are saved by nothing); the token, sort and unsort indices 3 x 4,096; the gathered
+    rows and the experts' output (R h e = 65,536 each); gate/up (R 2f e = 196,608), the
+    activation and the product (R f e = 98,304 each); the routing weights cast to bf16 (R*2
+    = 1,024): 543,744."""
+    spec, wl, dm = _setup(**GRANITE)
+    saved = {t.name: t.size_bytes for t in MoE().saved(spec, wl, dm, wl.recompute)}
+    assert (saved["moe.topk_indices"], saved["moe.topk_weights"]) == (4_096, 2_048)
+    assert "moe.router_probs" not in saved and saved["moe.routing_weights"] == 1_024
+    assert sum(saved.values()) == 543_744
+
+
+def test_checkpointed_block_holds_the_fp32_logits() -> None:
+    """Under full recompute (nothing saved): the routing tensors (19,456: the terms above
+    less the rows and the MLP's), the index locals (R*12 = 6,144) and the router's fp32
+    logits GraniteMoeMoE.forward keeps to its end (T E x 4 = 4,096), the gathered rows and
+    their sorted copy (131,072), at the gate the gate/up output, SiLU and product (4 R f e =
+    393,216): 553,984, above the unsort's 160,768 + 98,304 + 65,536 + 2 x 65,536 (the
+    weighted rows and their unsorted copy, bf16: the weights were cast) = 455,680."""
+    spec, wl, dm = _setup("full", **GRANITE)
+    (moment,) = MoE().working_set(spec, wl, dm)
+    assert moment.transient_bytes == 553_984
+
+
+def test_shared_mlp_after_the_experts_runs_its_backward_first() -> None:
+    """The shared MLP (T f e: gate/up 98,304, activation and product 49,152 each: 196,608
+    saved) ran last, so its backward runs first, beside everything the block saved (543,744
+    + 196,608 = 740,352): its down projection's, its activation's and its input
+    projection's moments own all of it but its own terms at the last (543,744). By the
+    experts' down projection its terms are freed, and so are the experts' output and the
+    gathered rows' gradient source (R h e = 65,536): 740,352 - 196,608 - 65,536 = 478,208,
+    its input's gradient (T h e = 32,768) waiting beside the experts' moments."""
+    spec, wl, dm = _setup(**SHARED)
+    moments = {m.name: m for m in MoE().backward_moments(spec, wl, dm, wl.recompute)}
+    assert [n for n in moments][:3] == ["moe_shared", "moe_shared_act", "moe_shared_in"]
+    assert moments["moe_shared"].own_bytes == moments["moe_shared_act"].own_bytes == 740_352
+    assert moments["moe_shared_in"].own_bytes == 543_744
+    assert moments["mlp"].own_bytes == moments["mlp_act"].own_bytes == 478_208
+    spec0, wl0, dm0 = _setup(**GRANITE)
+    alone = {m.name: m for m in MoE().backward_moments(spec0, wl0, dm0, wl0.recompute)}
+    for name in ("mlp", "mlp_act", "mlp_in"):
+        assert moments[name].transient_bytes - alone[name].transient_bytes == 32_768
