@@ -63,7 +63,7 @@ GEMM_SM100_F8 = (
 GEMM_TABLES = {"9.0": GEMM_SM90_BF16, "10.0": GEMM_SM100_BF16}
 # The same file's sm_90 f8e4m3fn x f8e4m3fn -> bf16 entries are not used: 17 of the slice's 25
 # exceed the H100's dense FP8 peak (1,979 TFLOP/s; b=4 m=4096 n=k=4096: 2,593 TFLOP/s), so they
-# cannot be rates of the FLOPs memplan counts. sm_90 keeps the datasheet's ratio below.
+# cannot be rates of the FLOPs memplan counts. sm_90 takes the measured ratio below.
 GEMM_F8_TABLES = {"10.0": GEMM_SM100_F8}
 
 # FP8 tensor cores (compute capability 8.9 and later: Ada, Hopper, Blackwell) run dense FP8 at
@@ -72,6 +72,13 @@ GEMM_F8_TABLES = {"10.0": GEMM_SM100_F8}
 # fallback where no measured float8 table exists (``GEMM_F8_TABLES``).
 FP8_SPEEDUP = 2.0
 FP8_MIN_CAPABILITY = (8, 9)
+# Measured instead where no float8 table exists: the largest float8_e4m3fn matmul rate over the
+# largest bf16 one, H100 SXM 1,402.6 / 794.5 TFLOP/s = 1.765 ("Maximum Achievable Matmul FLOPS
+# comparison table", stas00/ml-engineering compute/accelerator/README.md at
+# 744d01e18b79512572f64a6bbd8b5f4a725203a7: BF16 794.5 at 2048x2048x13312, "H200 is the same";
+# FP8 1,402.6 at 1024x9216x14336, torch 2.7.0+cu126). The bf16 row's 794.5 agrees with XLA's
+# sm_90 table (788.7 at n=k=4096) where XLA's float8 entries exceed the FP8 peak.
+FP8_MEASURED_SPEEDUP = {"9.0": 1402.6 / 794.5}
 
 
 def gemm_rate(table: tuple[tuple[int, ...], ...], n: int, k: int) -> float:
@@ -116,14 +123,16 @@ def linear_time_factor(spec: ModelSpec, gpu: GpuSpec, tp: int, float8: bool,
     gradient and weight-gradient GEMM at the measured rate of its per-GPU shape (a column-
     parallel projection's output split by ``tp``, a row-parallel one's input), relative to the
     table's largest GEMM, weighted by FLOPs; under float8 on FP8 tensor cores at the shape's
-    measured float8 rate (``GEMM_F8_TABLES``), else twice its bf16 one (``FP8_SPEEDUP``); the
-    rest is unchanged. 1.0 on a GPU without a table."""
+    measured float8 rate (``GEMM_F8_TABLES``), else its bf16 rate times the measured ratio of
+    the largest float8 and bf16 matmuls (``FP8_MEASURED_SPEEDUP``), else the datasheet's 2
+    (``FP8_SPEEDUP``); the rest is unchanged. 1.0 on a GPU without a table."""
     table = GEMM_TABLES.get(gpu.compute_capability)
     if table is None:
         return 1.0
     fp8 = float8 and fp8_capable(gpu)
     f8_table = GEMM_F8_TABLES.get(gpu.compute_capability) if fp8 else None
-    speedup = FP8_SPEEDUP if fp8 and f8_table is None else 1.0
+    speedup = (FP8_MEASURED_SPEEDUP.get(gpu.compute_capability, FP8_SPEEDUP)
+               if fp8 and f8_table is None else 1.0)
     rates = f8_table or table
     best = table[-1][-1]  # the largest GEMM, which the flat fraction of peak stands for
     work = slow = 0.0
