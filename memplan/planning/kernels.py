@@ -4,16 +4,18 @@ to its largest ones.
 The step-time model runs compute at a stated fraction of peak (``timing.DEFAULT_MFU``) until
 calibration measures it. That fraction stands for the large GEMMs; a GEMM whose per-GPU
 dimensions are small (a projection split by tensor parallelism, a short micro-batch) runs its
-tensor cores below that rate, and a float8 GEMM on tensor cores with an FP8 mode runs at twice
-the BF16 peak. This module gives both as time multipliers on the decoder layers' linears.
+tensor cores below that rate, and a float8 GEMM on tensor cores with an FP8 mode runs faster
+(at its measured float8 rate, else twice the BF16 one). This module gives both as time multipliers on the decoder layers' linears.
 
-GEMM rates by shape are measured numbers: XLA's default matmul performance table for sm_90
-(Hopper: H100, H200), ``kDefaultMatmulPTable`` in
-openxla/xla ``xla/service/gpu/model/matmul_interpolator_data.h`` (2025), bf16 x bf16 -> bf16,
-FLOP/s per (b, m, n, k). The slice kept here is b = 4, m = 4096 (16,384 rows: a training
-micro-batch's tokens are of that order, and the table's largest rows), for n and k from 256
-to 4096. Other GPUs have no measured table: their GEMMs run at the flat fraction (a factor 1,
-the stated fallback).
+GEMM rates by shape are measured numbers: XLA's default matmul performance table,
+``kDefaultMatmulPTable`` in openxla/xla ``xla/backends/gpu/cost_model/matmul_interpolator_data.h``
+(2025, the version with sm_100 entries; its sm_90 slice below is also that of
+``third_party/xla/xla/service/gpu/model/matmul_interpolator_data.h`` in a tensorflow/tensorflow
+mirror, punittiwari50/tensorflow-tensorflow at 7cc7ba5522621a48fb6ca2a0e0ffa7804aa695d1), FLOP/s per (b, m, n, k) for sm_100 (Blackwell: B200) and sm_90 (Hopper: H100, H200), bf16 x
+bf16 -> bf16 and, on sm_100, f8e4m3fn x f8e4m3fn -> bf16. The slice kept here is b = 4,
+m = 4096 (16,384 rows: a training micro-batch's tokens are of that order, and the table's
+largest rows), for n and k from 256 to 4096. Other GPUs have no measured table: their GEMMs
+run at the flat fraction (a factor 1, the stated fallback).
 
 The fused attention kernel runs at FlashAttention-2's measured causal forward-and-backward rate
 on Hopper and Ampere (``attention_time_factor``), and torchao's float8 casts take their bytes over the HBM's
@@ -30,24 +32,53 @@ from memplan.model.layer import layer_linears
 from memplan.model.linear import Split
 from memplan.spec import ModelSpec
 
-GEMM_TABLE_SOURCE = ("openxla/xla xla/service/gpu/model/matmul_interpolator_data.h "
-                     "kDefaultMatmulPTable, sm_90, bf16, b=4 m=4096")
+GEMM_TABLE_SOURCE = ("openxla/xla xla/backends/gpu/cost_model/matmul_interpolator_data.h "
+                     "kDefaultMatmulPTable, sm_90 bf16 and sm_100 bf16 / f8e4m3fn, b=4 m=4096")
 GEMM_DIMS = (256, 512, 1024, 2048, 4096)
-# FLOP/s of a b=4, m=4096 GEMM on sm_90 by (n, k): rows n = 256 .. 4096, columns k = 256 .. 4096
+# FLOP/s of a b=4, m=4096 GEMM by (n, k): rows n = 256 .. 4096, columns k = 256 .. 4096.
+# sm_90, bf16 x bf16 -> bf16
 GEMM_SM90_BF16 = (
-    (206488812307692, 335125413233458, 477643160142348, 588674245614035, 622459028405797),
-    (298593388209121, 441505684210526, 588997160724081, 703631601572739, 728585722240481),
-    (393312023443223, 542037204101593, 673839272969739, 720518760010484, 777585153532370),
-    (458472170794193, 607491838189533, 687861993493688, 759301869386266, 808699906572796),
-    (503874974234136, 619859436746254, 725508891943538, 764575547036718, 793131337247852),
+    (210702869701726, 341520936386768, 489399190519598, 576970351423965, 611296227725590),
+    (304003913929784, 451152026890756, 596192017767906, 710146708994709, 720624539759440),
+    (396507320531757, 547548099949005, 677653407384032, 716544427093760, 773519549031967),
+    (463419000431592, 612680557907312, 690176329101719, 758158392939099, 804715405124361),
+    (505171406257351, 620391058211757, 722328842246888, 759530558969895, 788699393418751),
 )
-GEMM_TABLES = {"9.0": GEMM_SM90_BF16}
+# sm_100, bf16 x bf16 -> bf16
+GEMM_SM100_BF16 = (
+    (265777679207920, 455602768218945, 683041872773536, 945767640187173, 1152431271775951),
+    (402451958020989, 632263697335492, 903775537061392, 1145324612266666, 1322749398213735),
+    (536736727818045, 801187762160145, 1060485752098765, 1265225848510513, 1411903819196038),
+    (790642421832574, 913239909844779, 1163061297046627, 1345751933573554, 1465710635889068),
+    (791826754730025, 1090646850177755, 1350485933693623, 1539854612058775, 1670467342710337),
+)
+# sm_100, f8e4m3fn x f8e4m3fn -> bf16
+GEMM_SM100_F8 = (
+    (289808859379217, 504459395818651, 936743139803707, 1343857101376721, 1804608107563025),
+    (463619094991364, 798840750674230, 1338830204488778, 1777442365526874, 2274424992917190),
+    (670198532573925, 1046340774955843, 1868697360526459, 2422343992950051, 2662049496833175),
+    (840666920336660, 1534876189046725, 2400764279485746, 2884888089502739, 3133333032521344),
+    (1012754984761399, 1712208215672106, 2651214380246913, 3122477132679026, 3279676742061148),
+)
+GEMM_TABLES = {"9.0": GEMM_SM90_BF16, "10.0": GEMM_SM100_BF16}
+# The same file's sm_90 f8e4m3fn x f8e4m3fn -> bf16 entries are not used: 17 of the slice's 25
+# exceed the H100's dense FP8 peak (1,979 TFLOP/s; b=4 m=4096 n=k=4096: 2,593 TFLOP/s), so they
+# cannot be rates of the FLOPs memplan counts. sm_90 takes the measured ratio below.
+GEMM_F8_TABLES = {"10.0": GEMM_SM100_F8}
 
 # FP8 tensor cores (compute capability 8.9 and later: Ada, Hopper, Blackwell) run dense FP8 at
 # twice their dense BF16 rate: NVIDIA H100 datasheet, SXM 1,979 TFLOPS FP8 vs 989.4 BF16
-# (dense); L40S 733 vs 362; B200 4.5 PFLOPS vs 2.25. Earlier GPUs have no FP8 mode.
+# (dense); L40S 733 vs 362; B200 4.5 PFLOPS vs 2.25. Earlier GPUs have no FP8 mode. The
+# fallback where no measured float8 table exists (``GEMM_F8_TABLES``).
 FP8_SPEEDUP = 2.0
 FP8_MIN_CAPABILITY = (8, 9)
+# Measured instead where no float8 table exists: the largest float8_e4m3fn matmul rate over the
+# largest bf16 one, H100 SXM 1,402.6 / 794.5 TFLOP/s = 1.765 ("Maximum Achievable Matmul FLOPS
+# comparison table", stas00/ml-engineering compute/accelerator/README.md at
+# 744d01e18b79512572f64a6bbd8b5f4a725203a7: BF16 794.5 at 2048x2048x13312, "H200 is the same";
+# FP8 1,402.6 at 1024x9216x14336, torch 2.7.0+cu126). The bf16 row's 794.5 agrees with XLA's
+# sm_90 table (788.7 at n=k=4096) where XLA's float8 entries exceed the FP8 peak.
+FP8_MEASURED_SPEEDUP = {"9.0": 1402.6 / 794.5}
 
 
 def gemm_rate(table: tuple[tuple[int, ...], ...], n: int, k: int) -> float:
@@ -74,9 +105,10 @@ def fp8_capable(gpu: GpuSpec) -> bool:
 
 def gemm_share(gpu: GpuSpec, mfu: float) -> float:
     """Of a step's time per FLOP at ``mfu`` of peak, the share its GEMMs take when they run at
-    the measured rate of the table's largest GEMM (sm_90: 793 TFLOP/s, 0.80 of the H100's
-    989.4); the rest is the time of what is not a GEMM (norms, activations, casts, launches).
-    1.0 without a table (every FLOP at the flat fraction)."""
+    the measured rate of the table's largest GEMM (sm_90: 789 TFLOP/s, 0.80 of the H100's
+    989.4; sm_100: 1,670, 0.74 of the B200's 2,250); the rest is the time of what is not a
+    GEMM (norms, activations, casts, launches). 1.0 without a table (every FLOP at the flat
+    fraction)."""
     table = GEMM_TABLES.get(gpu.compute_capability)
     if table is None:
         return 1.0
@@ -90,12 +122,18 @@ def linear_time_factor(spec: ModelSpec, gpu: GpuSpec, tp: int, float8: bool,
     Of that time the GEMMs' share (``gemm_share``) runs each projection's forward, input-
     gradient and weight-gradient GEMM at the measured rate of its per-GPU shape (a column-
     parallel projection's output split by ``tp``, a row-parallel one's input), relative to the
-    table's largest GEMM, weighted by FLOPs, and twice as fast under float8 on FP8 tensor
-    cores; the rest is unchanged. 1.0 on a GPU without a table."""
+    table's largest GEMM, weighted by FLOPs; under float8 on FP8 tensor cores at the shape's
+    measured float8 rate (``GEMM_F8_TABLES``), else its bf16 rate times the measured ratio of
+    the largest float8 and bf16 matmuls (``FP8_MEASURED_SPEEDUP``), else the datasheet's 2
+    (``FP8_SPEEDUP``); the rest is unchanged. 1.0 on a GPU without a table."""
     table = GEMM_TABLES.get(gpu.compute_capability)
     if table is None:
         return 1.0
-    fp8 = FP8_SPEEDUP if float8 and fp8_capable(gpu) else 1.0
+    fp8 = float8 and fp8_capable(gpu)
+    f8_table = GEMM_F8_TABLES.get(gpu.compute_capability) if fp8 else None
+    speedup = (FP8_MEASURED_SPEEDUP.get(gpu.compute_capability, FP8_SPEEDUP)
+               if fp8 and f8_table is None else 1.0)
+    rates = f8_table or table
     best = table[-1][-1]  # the largest GEMM, which the flat fraction of peak stands for
     work = slow = 0.0
     for i in range(spec.num_layers):
@@ -108,10 +146,10 @@ def linear_time_factor(spec: ModelSpec, gpu: GpuSpec, tp: int, float8: bool,
             # (an in x out result over the tokens: taken as its two small dimensions)
             for n, k in ((d_out, d_in), (d_in, d_out), (d_out, d_in)):
                 work += flops
-                slow += flops * best / gemm_rate(table, n, k)
+                slow += flops * best / gemm_rate(rates, n, k)
     shape = slow / work if work else 1.0
     share = gemm_share(gpu, mfu)
-    return 1.0 - share + share * shape / fp8
+    return 1.0 - share + share * shape / speedup
 
 
 # torchao's float8 casts are memory-bound kernels: the bytes each moves per element of the

@@ -42,6 +42,7 @@ from memplan.planning.timing import (
     Columns,
     StepTime,
     StepTimes,
+    recomputed_share,
     stage_balance,
     step_flops,
     step_times,
@@ -817,9 +818,14 @@ def _row_times(ctx: _Context, rows: list[tuple[ParallelConfig, tuple[Recompute, 
                              split=key[3]) for key in set(keys)}
     balance = {key: stage_balance(ctx.spec, ctx.workload(key[0]), key[1], key[2], key[3])
                for key in set(keys)}
+    shares = {(r[1], r[0]): 0.0 for r in rows}  # once per policy and layout
+    for policy, par in shares:
+        shares[policy, par] = recomputed_share(ctx.workload(policy), ctx.spec.num_layers, par)
+    rerun = [shares[r[1], r[0]] for r in rows]
     cols = Columns.of([r[0] for r in rows], [r[2] for r in rows],
                       [gbs // (r[2] * r[0].dp) for r in rows], [r[3] for r in rows],
-                      num_layers=ctx.spec.num_layers, balance=[balance[key] for key in keys])
+                      num_layers=ctx.spec.num_layers, balance=[balance[key] for key in keys],
+                      rerun=rerun)
     model = np.array([flops[key][0] for key in keys])
     hardware = np.array([flops[key][1] for key in keys])
     return step_times(ctx.spec, ctx.gpu, ctx.wl, gbs, cols, model, hardware)

@@ -350,12 +350,14 @@ class Columns(NamedTuple):
     layers: Any  # decoder layers of the busiest pipeline rank
     shard: Any  # data-parallel ranks of one ZeRO shard group (dp without HSDP)
     balance: Any  # the busiest rank's FLOPs over the mean rank's (``stage_balance``)
+    rerun: Any = 0.0  # the busiest rank's share of layers full recompute reruns
     ops: Any = _Arrays
 
     @classmethod
     def of(cls, layouts: list[ParallelConfig], mbs: list[int], m: list[int],
            params_on_rank: list[int], *, num_layers: int,
-           balance: list[float] | None = None) -> Columns:
+           balance: list[float] | None = None,
+           rerun: list[float] | None = None) -> Columns:
         import numpy as np
 
         rows = np.array([_layout_row(num_layers, p) for p in layouts],
@@ -365,16 +367,17 @@ class Columns(NamedTuple):
                    mbs=np.array(mbs, dtype=np.int64), m=np.array(m, dtype=np.int64),
                    params_on_rank=np.array(params_on_rank, dtype=np.int64),
                    offload=offload, layers=layers, shard=shard,
-                   balance=np.ones(len(layouts)) if balance is None else np.array(balance))
+                   balance=np.ones(len(layouts)) if balance is None else np.array(balance),
+                   rerun=np.zeros(len(layouts)) if rerun is None else np.array(rerun))
 
     @classmethod
     def one(cls, par: ParallelConfig, mbs: int, m: int, params_on_rank: int, *,
-            num_layers: int, balance: float = 1.0) -> Columns:
+            num_layers: int, balance: float = 1.0, rerun: float = 0.0) -> Columns:
         return cls(tp=par.tp, pp=par.pp, vpp=par.vpp, dp=par.dp, cp=par.cp, ep=par.ep,
                    zero=int(par.zero), sp=par.sequence_parallel, mbs=mbs, m=m,
                    params_on_rank=params_on_rank, offload=_on_host(par),
                    layers=_busiest_layers(num_layers, par), shard=par.shard_group,
-                   balance=balance, ops=_Numbers)
+                   balance=balance, rerun=rerun, ops=_Numbers)
 
     @property
     def world_size(self) -> Any:
@@ -536,7 +539,11 @@ def comm_columns(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns) -> dic
         tp_bytes = tp_bytes * where(c.sp, 1.0 - 2 * (1 - 1 / e) / 8, 1.0)
     # ... each a collective of its own: 8 ring passes per layer and micro-batch
     tp_latency = 8 * layers * m * _ring_latency(gpu, c.tp, c.tp)
-    out["tp"] = tp_bytes / _bandwidth(gpu, c, c.tp) + tp_latency
+    # full recompute reruns each recomputed layer's forward with its two collectives
+    # (torch.utils.checkpoint and Megatron-LM's CheckpointFunction re-execute the module's
+    # forward, its tensor-parallel all-reduces or sequence all-gathers and reduce-scatters
+    # included): 8 -> 10 collective units per recomputed layer
+    out["tp"] = (tp_bytes / _bandwidth(gpu, c, c.tp) + tp_latency) * (1.0 + 2.0 / 8.0 * c.rerun)
     out["dp"] = sum(dp_parts(wl, gpu, c))
     # PP: each micro-batch's activations cross each boundary forward and their gradients back,
     # once per model chunk: interleaving multiplies the sends by vpp (Narayanan et al. 2021,
@@ -556,6 +563,20 @@ def comm_columns(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns) -> dic
     out["host_grads"], out["host_step"] = _host_seconds(gpu, wl, c)
     out["host_params"] = _host_params_seconds(gpu, wl, c)
     return out
+
+
+def recomputed_share(wl: Workload, num_layers: int, par: ParallelConfig) -> float:
+    """Of the busiest pipeline rank's layers, the share full recompute reruns (``Columns.rerun``):
+    all of them, the first ``recompute_layers`` of them, or every ``recompute_every``-th; 0
+    without full recompute."""
+    layers = _busiest_layers(num_layers, par)
+    if wl.recompute is not Recompute.FULL or layers == 0:
+        return 0.0
+    if wl.recompute_every is not None:
+        return (layers // wl.recompute_every) / layers
+    if wl.recompute_layers is not None:
+        return min(wl.recompute_layers, layers) / layers
+    return 1.0
 
 
 def _host_seconds(gpu: GpuSpec, wl: Workload, c: Columns) -> tuple[Any, Any]:
@@ -918,7 +939,8 @@ def comm_seconds(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workloa
                  num_microbatches: int, params_on_rank: int) -> dict[str, float]:
     """``comm_columns`` of one layout."""
     c = Columns.one(par, wl.micro_batch_size, num_microbatches, params_on_rank,
-                    num_layers=spec.num_layers)
+                    num_layers=spec.num_layers,
+                    rerun=recomputed_share(wl, spec.num_layers, par))
     return {kind: float(v) for kind, v in comm_columns(spec, gpu, wl, c).items()}
 
 
@@ -931,7 +953,8 @@ def step_time(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload,
                                  split=par.stage_layers)
     c = Columns.one(par, wl.micro_batch_size, num_microbatches, params_on_rank,
                     num_layers=spec.num_layers,
-                    balance=stage_balance(spec, wl, par.pp, par.vpp, par.stage_layers))
+                    balance=stage_balance(spec, wl, par.pp, par.vpp, par.stage_layers),
+                    rerun=recomputed_share(wl, spec.num_layers, par))
     f = _step_fields(spec, gpu, wl, global_batch, c, model, hardware, mfu, measured)
     return StepTime(
         model_flops=float(f["model_flops"]), hardware_flops=float(f["hardware_flops"]),

@@ -174,16 +174,16 @@ def test_estimate_json_step_time_derived_by_hand() -> None:
     exposed; the bubble (2 - 1) / 4 of compute and exposed communication.
     The decoder's linears (per token 2 * 92,416 of the 233,984 forward FLOPs less the head's
     16,384: 184,832) run their GEMMs at the measured rate of their shape: every dimension of
-    tiny's is 256 or less, XLA's sm_90 table's smallest point, 206,488,812,307,692 FLOP/s
-    against 793,131,337,247,852 at its largest; the GEMMs take 0.4 * 989.4e12 /
-    793,131,337,247,852 of the linears' time at 40% (memplan.planning.kernels). The attention
+    tiny's is 256 or less, XLA's sm_90 table's smallest point, 210,702,869,701,726 FLOP/s
+    against 788,699,393,418,751 at its largest; the GEMMs take 0.4 * 989.4e12 /
+    788,699,393,418,751 of the linears' time at 40% (memplan.planning.kernels). The attention
     (2 * 16,384 of the 233,984) runs at FlashAttention-2's measured causal H100 rate, held at
     its shortest point (512 tokens: forward and backward 163e12 FLOP/s over 3.5 forwards of
     FLOPs): 0.4 * 989.4e12 * 3.5 / (3 * 163e12) of its time at 40%."""
     out = estimate_cli(*TINY_PP2)
     assert out["flops_per_step"] == 470_810_624
-    share = 0.4 * 989.4e12 / 793_131_337_247_852
-    linears = 1 - share + share * 793_131_337_247_852 / 206_488_812_307_692
+    share = 0.4 * 989.4e12 / 788_699_393_418_751
+    linears = 1 - share + share * 788_699_393_418_751 / 210_702_869_701_726
     part = 184_832 / 233_984
     attention = 32_768 / 233_984
     kernel = 0.4 * 989.4e12 * 3.5 / (3 * 163e12)

@@ -1,8 +1,9 @@
 """GEMM rates by shape and float8 in the step-time model (``memplan.planning.kernels``).
 
-Expected values are read from XLA's sm_90 matmul table (openxla/xla
-``xla/service/gpu/model/matmul_interpolator_data.h``, b=4 m=4096 bf16 entries) and the
-H100 datasheet (989.4 TFLOP/s dense BF16), and worked by hand below."""
+Expected values are read from XLA's matmul table (openxla/xla
+``xla/backends/gpu/cost_model/matmul_interpolator_data.h``, b=4 m=4096 entries: sm_90 bf16,
+sm_100 bf16 and f8e4m3fn) and the H100 and B200 datasheets (989.4 and 2,250 TFLOP/s dense
+BF16), and worked by hand below."""
 
 import pytest
 
@@ -23,32 +24,48 @@ def _wide() -> ModelSpec:
 
 
 def test_table_points_and_ends():
-    # n=4096 k=4096: "b: 4 m: 4096 n: 4096 k: 4096 ... 793131337247852"
-    assert gemm_rate(GEMM_SM90_BF16, 4096, 4096) == 793131337247852
+    # n=4096 k=4096: "b: 4 m: 4096 n: 4096 k: 4096 ... bf16xbf16->bf16 788699393418751"
+    assert gemm_rate(GEMM_SM90_BF16, 4096, 4096) == 788699393418751
     # beyond the table: held at its last point
-    assert gemm_rate(GEMM_SM90_BF16, 53248, 16384) == 793131337247852
-    # n=256 k=4096: 622459028405797; n below 256 is held at 256
-    assert gemm_rate(GEMM_SM90_BF16, 128, 4096) == 622459028405797
+    assert gemm_rate(GEMM_SM90_BF16, 53248, 16384) == 788699393418751
+    # n=256 k=4096: 611296227725590; n below 256 is held at 256
+    assert gemm_rate(GEMM_SM90_BF16, 128, 4096) == 611296227725590
 
 
 def test_between_points_is_linear_in_log2():
-    # n=4096, k=2^11.5 lies halfway between k=2048 (764575547036718) and k=4096
-    # (793131337247852): (764575547036718 + 793131337247852) / 2 = 778853442142285
-    assert gemm_rate(GEMM_SM90_BF16, 4096, 2 ** 11.5) == pytest.approx(778853442142285)
+    # n=4096, k=2^11.5 lies halfway between k=2048 (759530558969895) and k=4096
+    # (788699393418751): (759530558969895 + 788699393418751) / 2 = 774114976194323
+    assert gemm_rate(GEMM_SM90_BF16, 4096, 2 ** 11.5) == pytest.approx(774114976194323)
 
 
 def test_gemm_share():
-    # 0.40 x 989.4e12 / 793131337247852 = 395.76e12 / 793.131e12 = 0.498984
-    assert gemm_share(H100, 0.40) == pytest.approx(0.498984, abs=1e-6)
+    # 0.40 x 989.4e12 / 788699393418751 = 395.76e12 / 788.699e12 = 0.501788
+    assert gemm_share(H100, 0.40) == pytest.approx(0.501788, abs=1e-6)
     # no table for sm_80: every FLOP at the flat fraction
     assert gemm_share(load_gpu("a100-80gb"), 0.40) == 1.0
 
 
-def test_float8_halves_the_gemm_share_only():
-    # all shapes at the table's plateau: shape factor 1; float8 halves the GEMMs' share:
-    # 1 - 0.498984 + 0.498984 / 2 = 0.750508
+def test_float8_speeds_up_the_gemm_share_only():
+    # all shapes at the table's plateau: shape factor 1; float8 divides the GEMMs' share by
+    # the H100's measured largest float8 over bf16 matmul rate, 1402.6 / 794.5 = 1.765387
+    # (MAMF table): 1 - 0.501788 + 0.501788 / 1.765387 = 0.782449
     assert linear_time_factor(_wide(), H100, 1, False, 0.40) == pytest.approx(1.0)
-    assert linear_time_factor(_wide(), H100, 1, True, 0.40) == pytest.approx(0.750508,
+    assert linear_time_factor(_wide(), H100, 1, True, 0.40) == pytest.approx(0.782449,
+                                                                              abs=1e-6)
+    # an FP8 GPU without a measured table or ratio keeps the datasheet's 2 (L40S: no GEMM
+    # table either, so a factor 1 at the flat fraction)
+    assert linear_time_factor(_wide(), load_gpu("l40s"), 1, True, 0.40) == 1.0
+
+
+def test_float8_on_sm100_runs_at_its_measured_rate():
+    """B200 (2.25e15 dense BF16): the GEMMs' share 0.40 x 2.25e15 / 1670467342710337
+    (sm_100 bf16, n=k=4096) = 0.538771. float8 at the plateau runs at the table's
+    f8e4m3fn x f8e4m3fn -> bf16 rate, 3279676742061148: shape factor 1670467342710337 /
+    3279676742061148 = 0.509339 (not the datasheet's 1/2); 1 - 0.538771 + 0.538771 x 0.509339
+    = 0.735646."""
+    b200 = load_gpu("b200")
+    assert linear_time_factor(_wide(), b200, 1, False, 0.40) == pytest.approx(1.0)
+    assert linear_time_factor(_wide(), b200, 1, True, 0.40) == pytest.approx(0.735646,
                                                                               abs=1e-6)
 
 
@@ -59,16 +76,16 @@ def test_tensor_parallel_shrinks_the_gemms():
     o (4096, 256) fwd+wgrad, (256, 4096) dgrad, 4096 x 4096;
     gate/up (1024, 4096) fwd+wgrad, (4096, 1024) dgrad, 4096 x 16384 each;
     down (4096, 1024) fwd+wgrad, (1024, 4096) dgrad, 16384 x 4096.
-    Rates: (256, 4096) 622459028405797, (4096, 256) 503874974234136,
-    (1024, 4096) 777585153532370, (4096, 1024) 725508891943538; best 793131337247852.
+    Rates: (256, 4096) 611296227725590, (4096, 256) 505171406257351,
+    (1024, 4096) 773519549031967, (4096, 1024) 722328842246888; best 788699393418751.
     Slow FLOPs over FLOPs: attention 4 weights of 1 unit, MLP 3 of 4 units (16 units):
-    q/k/v: 3 x [2 x 793.13/622.46 + 793.13/503.87] = 3 x [2.548 + 1.574] = 12.367
-    o: 2 x 793.13/503.87 + 793.13/622.46 = 3.148 + 1.274 = 4.422
-    gate/up: 2 x 4 x [2 x 793.13/777.59 + 793.13/725.51] = 8 x [2.040 + 1.093] = 25.066
-    down: 4 x [2 x 793.13/725.51 + 793.13/777.59] = 4 x [2.186 + 1.020] = 12.825
-    sum 54.68 over 3 x 16 = 48 FLOP units: shape factor 1.1392; linear time
-    1 - 0.498984 + 0.498984 x 1.1392 = 1.06946."""
-    assert linear_time_factor(_wide(), H100, 16, False, 0.40) == pytest.approx(1.0695,
+    q/k/v: 3 x [2 x 788.70/611.30 + 788.70/505.17] = 3 x [2.580 + 1.561] = 12.425
+    o: 2 x 788.70/505.17 + 788.70/611.30 = 3.122 + 1.290 = 4.413
+    gate/up: 2 x 4 x [2 x 788.70/773.52 + 788.70/722.33] = 8 x [2.039 + 1.092] = 25.049
+    down: 4 x [2 x 788.70/722.33 + 788.70/773.52] = 4 x [2.184 + 1.020] = 12.814
+    sum 54.70 over 3 x 16 = 48 FLOP units: shape factor 1.1396; linear time
+    1 - 0.501788 + 0.501788 x 1.1396 = 1.07004."""
+    assert linear_time_factor(_wide(), H100, 16, False, 0.40) == pytest.approx(1.0700,
                                                                                abs=2e-4)
 
 

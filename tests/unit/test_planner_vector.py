@@ -27,7 +27,8 @@ from memplan.planning.planner import (
     plan,
 )
 from memplan.planning.search import Job, Search
-from memplan.planning.timing import Columns, stage_balance, step_flops, step_time, step_times
+from memplan.planning.timing import (Columns, recomputed_share, stage_balance, step_flops,
+                                     step_time, step_times)
 from memplan.spec import ModelSpec, MoESpec
 
 GPU = memplan.load_gpu("h100")
@@ -206,7 +207,9 @@ def test_step_times_of_many_candidates_equal_step_time() -> None:
                           [r[2] for r in rows], [r[3] for r in rows],
                           num_layers=spec.num_layers,
                           balance=[stage_balance(spec, wl, par.pp, par.vpp) for par, wl, _, _
-                                   in rows])
+                                   in rows],
+                          rerun=[recomputed_share(wl, spec.num_layers, par)
+                                 for par, wl, _, _ in rows])
         times = step_times(spec, GPU, rows[0][1].model_copy(update={"micro_batch_size": 1}),
                            gbs, cols, np.array([f[0] for f in flops]),
                            np.array([f[1] for f in flops]))

@@ -242,3 +242,28 @@ def test_a_measured_mfu_stands_for_the_attention_kernel_too() -> None:
     h100 = memplan.load_gpu("h100-sxm")
     assert _attention_time(h100, wl, 1, 0.4, measured=True) == 1.0
     assert _attention_time(h100, wl, 1, 0.4) != pytest.approx(1.0, rel=0.05)
+
+
+def test_full_recompute_reruns_the_forwards_tensor_parallel_collectives():
+    """A layer's tensor-parallel traffic is 8 collective units (two forward, two backward, each
+    an all-reduce or an all-gather + reduce-scatter pair); full recompute reruns the forward's
+    two: 10 units, 1.25 x the bytes and the latency. Recomputing the first 16 of the rank's 32
+    layers: 1 + 0.25 x 16 / 32 = 1.125. Selective recompute reruns the attention core, between
+    the column- and row-parallel projections, with no collective: 1.0."""
+    import memplan
+    from memplan.hardware import load_gpu
+    from memplan.planning.timing import comm_seconds
+
+    H100 = load_gpu("h100-sxm")
+    spec = memplan.load_model("llama-3.1-8b")
+    par = memplan.make_layout(8, tp=8, sequence_parallel=True)
+    base = comm_seconds(spec, H100, par, memplan.make_workload(spec, seq_len=4096), 1,
+                        spec.num_params)["tp"]
+
+    def tp(**kw):
+        wl = memplan.make_workload(spec, seq_len=4096, **kw)
+        return comm_seconds(spec, H100, par, wl, 1, spec.num_params)["tp"]
+
+    assert tp(recompute="full") == pytest.approx(1.25 * base)
+    assert tp(recompute="full", recompute_layers=16) == pytest.approx(1.125 * base)
+    assert tp(recompute="selective") == pytest.approx(base)
