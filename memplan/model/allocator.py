@@ -16,7 +16,7 @@ cudaMalloc returns (ties in best fit go to the segment created first).
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from itertools import groupby
+from itertools import accumulate, groupby
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -502,12 +502,12 @@ class CachingAllocator:
                   mine: list[int], made: list[tuple[bool, int]], acc: list) -> bool:
         """``count`` tensors of rounded ``size`` of a blip, each by best fit over the pool's
         free blocks less those ``skip`` names and the blip's own remainders ``mine``, or a
-        new segment; ``acc``: reserved, allocated, the last growth; False where a segment
-        would pass the capacity. Where no remainder is at least ``size`` and the next blocks
-        leave remainders below it (a block under twice the size, or a new segment under
-        twice it), no later tensor of the run can take a remainder: those tensors take the
-        next blocks in order, or a segment each, in one step (the same blocks as one by one;
-        without max_split_size, whose oversize rules read each block)."""
+        new segment; ``acc``: reserved, allocated, the last growth, whether the last block
+        taken was the pool's; False where a segment would pass the capacity. Without
+        max_split_size (whose oversize rules read each block) runs of tensors are taken in
+        one step where best fit takes them in a known order: cut from a block of at least
+        twice the size (``_blip_carve``), the next blocks under twice it while no remainder
+        fits (``_blip_row``), or a new segment each (``_blip_segments``)."""
         cfg = self.cfg
         pool = self._free.get((stream, small), ())
         n, first = len(pool), bisect_left(pool, (size,))
@@ -515,6 +515,7 @@ class CachingAllocator:
         least = K_MIN_BLOCK_SIZE if small else (K_SMALL_SIZE + 1 if size < limit else NO_LIMIT)
         segment = get_allocation_size(size, cfg.large_segment_bytes)
         below: list[int] = []  # remainders under ``size``: into ``mine`` once the run is done
+        fast = limit == NO_LIMIT
         while count:
             i = first
             while i in skip:
@@ -522,35 +523,104 @@ class CachingAllocator:
             a = pool[i][0] if i < n else None
             j = bisect_left(mine, size) if mine else 0
             b = mine[j] if j < len(mine) else None
-            if b is None and limit == NO_LIMIT:
-                if a is not None and a < 2 * size:
-                    m = min(count, bisect_left(pool, (2 * size,), i) - i)
-                    if skip.isdisjoint(range(i, i + m)):
-                        found = [e[0] for e in pool[i:i + m]]
-                        skip.update(range(i, i + m))
-                        first, count = i + m, count - m
-                        acc[1] += sum(size if f - size >= least else f for f in found)
-                        below += [f - size for f in found if f - size >= least]
-                        continue
-                elif a is None and segment < 2 * size:
-                    cap = cfg.capacity_bytes
-                    if cap is not None and acc[0] + count * segment > cap:
-                        return False
-                    made += [(small, segment)] * count
-                    acc[0] += count * segment
-                    acc[1] += count * (size if segment - size >= least else segment)
-                    below += [segment - size] * (count if segment - size >= least else 0)
-                    acc[2] = (acc[0], acc[1])
-                    break
+            from_pool = a is not None and (b is None or a <= b)
+            found = a if from_pool else b
+            if fast and b is None and a is not None:
+                made_now = self._blip_row(size, count, pool, i, skip, mine, below, least, acc)
+                if made_now:
+                    count -= made_now
+                    first = i + 1
+                    continue
+            if fast and found is not None and found >= 2 * size:
+                count = self._blip_carve(size, count, found, from_pool, j, mine, below,
+                                         least, acc)
+                if from_pool:
+                    skip.add(i)
+                    first = i + 1
+                continue
+            if fast and found is None and segment < 2 * size:
+                return self._blip_segments(size, count, small, segment, made, below, least,
+                                           acc) and self._blip_done(mine, below)
             if not self._blip_one(size, small, a, b, j, mine, made, segment, least, acc):
                 return False
             if acc[3]:
                 skip.add(i)
                 first = i + 1  # those before are smaller or taken
             count -= 1
+        return self._blip_done(mine, below)
+
+    @staticmethod
+    def _blip_done(mine: list[int], below: list[int]) -> bool:
+        """A run's remainders under its size join the blip's sorted remainders."""
         if below:
             mine += below
             mine.sort()
+        return True
+
+    @staticmethod
+    def _blip_carve(size: int, count: int, found: int, from_pool: bool, j: int,
+                    mine: list[int], below: list[int], least: int, acc: list) -> int:
+        """Tensors of a run cut from ``found``, the smallest block that fits (the pool's, or
+        ``mine[j]``), at least twice ``size``: what is left of it stays the smallest block
+        that fits (smaller than the one before, which was the smallest) until it is under
+        ``size``, so the next tensors take it piece by piece, each split off (the rest at
+        least ``size``, above should_split's ``least``). Returns the tensors left; once all
+        are cut, a rest of at least ``size`` joins ``mine``, one under it ``below``, and one
+        under ``least`` stays with the last tensor (not split off)."""
+        if not from_pool:
+            del mine[j]
+        t = min(count, found // size)
+        rest = found - t * size
+        acc[1] += t * size
+        if rest >= size:
+            insort(mine, rest)
+        elif rest >= least:
+            below.append(rest)
+        else:
+            acc[1] += rest
+        return count - t
+
+    @staticmethod
+    def _blip_row(size: int, count: int, pool: list, i: int, skip: set[int], mine: list[int],
+                  below: list[int], least: int, acc: list) -> int:
+        """With no remainder of the blip's that fits: the pool's blocks from ``i`` on, in
+        order, each cut into as many tensors as it holds (``_blip_carve``: what is left of a
+        block is under ``size`` and fits no later tensor of the run, so the next block is
+        the smallest that fits), until ``count`` are made. Returns how many were made (0
+        where the next block was taken before: the caller goes one by one)."""
+        end = min(len(pool), i + count)  # each block holds at least one
+        end = min((k for k in skip if i <= k < end), default=end)
+        if end == i:
+            return 0
+        found = [e[0] for e in pool[i:end]]
+        cuts = list(accumulate(c // size for c in found))
+        m = min(bisect_left(cuts, count) + 1, len(found))
+        made = min(cuts[m - 1], count)
+        last = found[m - 1] if cuts[m - 1] > count else 0  # cut short: its rest fits
+        whole = found[:m - 1] if last else found[:m]
+        acc[1] += sum(c if c % size < least else c - c % size for c in whole)
+        below += [c % size for c in whole if c % size >= least]
+        if last:
+            t = last // size - (cuts[m - 1] - count)
+            acc[1] += t * size
+            insort(mine, last - t * size)
+        skip.update(range(i, i + m))
+        return made
+
+    def _blip_segments(self, size: int, count: int, small: bool, segment: int,
+                       made: list[tuple[bool, int]], below: list[int], least: int,
+                       acc: list) -> bool:
+        """With no block that fits: a new ``segment`` (under twice ``size``) for each of the
+        ``count`` tensors left; False where they would pass the capacity."""
+        cap = self.cfg.capacity_bytes
+        if cap is not None and acc[0] + count * segment > cap:
+            return False
+        made += [(small, segment)] * count
+        acc[0] += count * segment
+        split = segment - size >= least
+        acc[1] += count * (size if split else segment)
+        below += [segment - size] * (count if split else 0)
+        acc[2] = (acc[0], acc[1])
         return True
 
     def _blip_one(self, size: int, small: bool, a: int | None, b: int | None, j: int,
