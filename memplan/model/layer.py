@@ -494,7 +494,7 @@ def ops_forward_peak(fw: _OpsForward, items: tuple[sac_ops.Item, ...],
     peak = sac_ops.forward_peak(fw.pairs, items, kept, fw.mlp_end)
     if not fw.moe:
         return peak
-    before = 0
+    before = -sac_ops.input_held(kept, "mlp")
     for i in kept:
         if i.block != "mlp":
             before += i.size_bytes

@@ -391,7 +391,9 @@ def forward_peak(moment_blocks: list[tuple[str, int]], items: tuple[Item, ...],
     ``own_extra`` ones. ``mlp_end``: what the layer holds at the MLP's down projection
     beyond the MLP's own tensors (its input, the residual, the checkpointed input), where
     every kept MLP output is alive with the down projection's input and output (traced:
-    torchtitan's block with the MLP kept, one residual-sized tensor above its working set)."""
+    torchtitan's block with the MLP kept, one residual-sized tensor above its working set).
+    A kept norm output is its reader's input, which that block's moments hold anyway
+    (``input_held``)."""
     # (plain loops: a plan asks this of every frontier set of every layout it upgrades)
     order: dict[str, int] = {}
     for i in items:
@@ -412,11 +414,27 @@ def forward_peak(moment_blocks: list[tuple[str, int]], items: tuple[Item, ...],
         for i in items:  # the down projection's input: the MLP's last item
             if i.block == "mlp":
                 down_in = 0 if i in kept else i.size_bytes
-        best = mlp_end + before[len(order)] + down_in
+        best = mlp_end + before[len(order)] + down_in - input_held(kept, "mlp")
     for block, value in moment_blocks:
         at = order.get(block, len(order))
-        best = max(best, value + before[at] + own[at])
+        best = max(best, value + before[at] + own[at] - input_held(kept, block))
     return best
+
+
+# the block that reads each norm's output as its input
+READER = {"attn_norm": "attn", "mlp_norm": "mlp"}
+
+
+def input_held(kept: tuple[Item, ...], block: str) -> int:
+    """Bytes of ``kept`` that ``block``'s forward moments hold anyway: the output of the norm
+    before it, its input (``memplan.model.layer.forward_moments``: a checkpointed mixer's
+    moments hold its input, the decoder layer's ``hidden_states`` while the mixer runs;
+    traced: Llama and Qwen3 keeping ``mlp_norm.output``, no more than keeping nothing)."""
+    held = 0
+    for i in kept:
+        if READER.get(i.block) == block and i.name == f"{i.block}.output":
+            held += i.size_bytes
+    return held
 
 
 def assumption(spec: ModelSpec, wl: Workload, items: tuple[Item, ...], pp: int = 1) -> str:
