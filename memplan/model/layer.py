@@ -427,11 +427,27 @@ def ops_items(spec: ModelSpec, wl: Workload, dm: Dims,
     sac_ops.check_supported(spec, wl)
     moe = sac_ops.searched_moe(spec) if moe is None else moe
     saved = tuple(layer_terms(spec, wl, dm, moe_layer=moe, recompute=Recompute.NONE))
-    items = sac_ops.layer_items(spec, wl, dm, saved, moe)
+    ops = sac_ops.layer_ops(spec, wl, dm, saved, moe)
+    items = tuple(i for i in ops if i.name)
     if not moe:
         return items
     return items + sac_moe.moe_items(spec, dm, {t.name: t.size_bytes for t in saved},
-                                     sac_moe.keys_before(list(items), spec, dm))
+                                     sac_ops.counts(ops))
+
+
+@lru_cache(maxsize=256)
+def ops_unkept(spec: ModelSpec, wl: Workload, dm: Dims,
+               moe: bool | None = None) -> tuple[tuple[str, int], ...]:
+    """The (family, width) of a layer's ops that no item keeps and a policy counts, so that
+    the items' indices hold (``memplan.report.sac_policy.torch_policy``): ``sac_ops.
+    layer_ops``' unnamed ops of an item's family and width, and an MoE block's
+    (``sac_moe.moe_policy_ops``)."""
+    moe = sac_ops.searched_moe(spec) if moe is None else moe
+    saved = tuple(layer_terms(spec, wl, dm, moe_layer=moe, recompute=Recompute.NONE))
+    block = sac_moe.moe_policy_ops(spec, dm) if moe else []
+    keys = {(i.op, i.width) for i in ops_items(spec, wl, dm, moe)} | set(block)
+    return tuple([(i.op, i.width) for i in sac_ops.layer_ops(spec, wl, dm, saved, moe)
+                  if not i.name and (i.op, i.width) in keys] + block)
 
 
 def ops_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str) -> LayerKind:

@@ -7,28 +7,19 @@ blocks are modelled.
 from __future__ import annotations
 
 from memplan.model.dims import Dims
-from memplan.model.sac_ops import (ACTIVATION, COPY, GROUPED_MM, INDEX, MATMUL, NORM, PRODUCT,
-                                   RSQRT, SOFTMAX, Item)
+from memplan.model.sac_ops import (ACTIVATION, COPY, GROUPED_MM, INDEX, MATMUL, PRODUCT,
+                                   SOFTMAX, Item)
 from memplan.spec import ModelSpec
 from memplan.units import FP32_BYTES
-
-
-def keys_before(items: list[Item], spec: ModelSpec, dm: Dims) -> dict[tuple[str, int], int]:
-    """How many ops of each (family, width) a policy counts before the feed-forward: the
-    attention's and norms' items, and a named RMSNorm's unsaved product (``sac_ops._norm_items``)."""
-    seen: dict[tuple[str, int], int] = {}
-    for key in [(i.op, i.width) for i in items if i.op != NORM] + [
-            (PRODUCT, spec.hidden_size) for i in items if i.op == RSQRT]:
-        seen[key] = seen.get(key, 0) + 1
-    return seen
 
 
 def moe_items(spec: ModelSpec, dm: Dims, terms: dict[str, int],
               seen: dict[tuple[str, int], int]) -> tuple[Item, ...]:
     """An MoE feed-forward's items as transformers runs it (``sac_ops.moe_refusal``: Mixtral's
     ``MixtralTopKRouter.forward`` and integrations/moe.py ``grouped_mm_experts_forward``), in
-    execution order, each op's index counted after ``seen`` (``keys_before``) and after
-    the block's own ops a policy also counts (``moe_policy_ops``): the router's projection
+    execution order, each op's index counted after ``seen`` (``sac_ops.counts`` of the
+    layer's ops before it) and after the block's own ops a policy also counts
+    (``moe_policy_ops``): the router's projection
     (saved by no one: kept, it skips its rerun), its fp32 softmax (``moe.router_probs``),
     the routed rows sorted by expert (the second gather of width h, ``moe.dispatched``), the
     experts' grouped gate/up projection (``moe.expert.gate``, ``.up``: one tensor), their

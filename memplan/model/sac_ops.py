@@ -12,7 +12,8 @@ so the MLP's down projection never reruns. The save list is a set of *items*: an
 output a layer can keep, named after the saved term it makes (``attn.q`` is the q
 projection's output; ``attn.out`` the attention kernel's, with its logsumexp ``attn.lse``;
 ``attn.o_proj`` the output projection's, which no backward reads but whose rerun it skips;
-a norm's saved tensors, which a policy names by op only for an upcast RMSNorm: ``_norm_items``).
+a norm's saved tensors, which a policy names by op only for an upcast RMSNorm: ``_norm_ops``;
+the q/k norms' (Qwen3's, per head) among the attention's).
 
 So a layer under OPS holds its checkpointed input and the kept outputs (``kept_terms``); its
 backward is the fully recomputed layer's (the rerun rebuilds what a layer without recompute
@@ -38,7 +39,7 @@ from typing import NamedTuple
 from memplan.errors import LayoutError, MemplanError
 from memplan.model.attention import Attention as AttentionBlock
 from memplan.model.dims import Dims, Term
-from memplan.spec import MlpKind, ModelSpec, NormKind, PositionKind
+from memplan.spec import MlpKind, ModelSpec, NormKind, PositionKind, QkNorm
 from memplan.units import FP32_BYTES
 from memplan.workload import Attention as Kernel
 from memplan.workload import MoeImpl, NormImpl
@@ -90,7 +91,9 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
          f"{spec.norm_placement.value} norms"),
         (spec.parallel_block, "parallel attention and MLP blocks"),
         (spec.fused_gate_up, "one fused gate/up projection"),
-        (spec.qk_norm.value != "none", "q/k norms"),
+        (spec.qk_norm not in (QkNorm.NONE, QkNorm.HEAD), f"{spec.qk_norm.value} q/k norms"),
+        (spec.qk_norm is QkNorm.HEAD and (spec.fused_qkv or wl.fused_qkv),
+         "q/k norms on one fused q/k/v projection"),
         (spec.attn_output_gate, "an attention output gate"),
         (spec.dropout > 0, "dropout"),
         (wl.attention is not Kernel.FLASH, f"attention {wl.attention.value}"),
@@ -150,53 +153,95 @@ def matmul_shapes(spec: ModelSpec, t: int, fused_qkv: bool = False
 
 
 @lru_cache(maxsize=512)
-def layer_items(spec: ModelSpec, wl: Workload, dm: Dims,
-                saved: tuple[Term, ...], moe: bool = False) -> tuple[Item, ...]:
-    """The items of one layer on this rank, in execution order (``Item``); ``saved``:
-    what the layer saves without recompute (``memplan.model.layer.ops_items`` gives it);
-    ``moe``: an MoE layer (its attention's and norms' items; ``memplan.model.layer.ops_items``
-    adds its feed-forward's, ``memplan.model.sac_moe.moe_items``)."""
+def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
+              saved: tuple[Term, ...], moe: bool = False) -> tuple[Item, ...]:
+    """The ops of one layer on this rank a policy counts, in execution order (``nth``
+    numbered along them per family and width): the items (``layer_items``), and the ops no
+    item keeps (named ""): a named norm's fp32 product ``x * rstd`` and a q/k norm's output
+    (``_norm_ops``), RoPE's four products of width ``rope_dim`` (transformers'
+    ``apply_rotary_pos_emb``: ``q * cos + rotate_half(q) * sin``, then k's; the reference
+    model's ``apply_rope``), and a dense MLP's down projection (never rerun: early stop).
+    ``saved``: what the layer saves without recompute (``memplan.model.layer.ops_items``
+    gives it); ``moe``: an MoE layer, whose feed-forward's ops follow
+    (``memplan.model.sac_moe.moe_items``)."""
     check_supported(spec, wl)
     terms = {t.name: t.size_bytes for t in saved}
     tokens, e, t = dm.tokens, dm.e, dm.tp
-    seen: dict[int, int] = {}
-    out: list[Item] = []
+    named = _norms_nameable(spec, wl, dm, terms)
 
     def matmul(name: str, d_in: int, d_out: int, width: int) -> Item:
-        nth = seen.get(width, 0)
-        seen[width] = nth + 1
         rope = name in ("attn.q", "attn.k", "attn.qkv") and spec.position is PositionKind.ROPE
         covers = ("attn.q", "attn.k", "attn.v") if name == "attn.qkv" else (name,)
         # (a row-parallel output is the full partial sum on each rank)
         return Item(name, tuple(c for c in covers if c in terms), tokens * width * e,
                     2.0 * d_in * d_out + (2.0 * d_out if _has_bias(spec, name) else 0.0),
-                    MATMUL, width, nth, name.split(".")[0], rope or name == "mlp.gate")
+                    MATMUL, width, 0, name.split(".")[0], rope or name == "mlp.gate")
 
-    named = _norms_nameable(spec, wl, dm, terms)
-    out += _norm_items("attn_norm", terms, spec, named)
+    h = spec.hidden_size
+    out = _norm_ops("attn_norm", terms, h, h, named)
     fused = spec.fused_qkv or wl.fused_qkv
     mm = {m[0]: m for m in matmul_shapes(spec, t, fused)}
-    out += [matmul(*mm[n]) for n in (("attn.qkv",) if fused else ("attn.q", "attn.k", "attn.v"))]
+    for name in ("attn.qkv",) if fused else ("attn.q", "attn.k", "attn.v"):
+        out.append(matmul(*mm[name]))
+        if name in ("attn.q", "attn.k") and spec.qk_norm is QkNorm.HEAD:
+            # Qwen3Attention.forward: q_norm(q_proj(x).view(..., head_dim)), then k's
+            local = mm[name][2]  # the rank's q (or k) width: its heads' rows of head_dim
+            out += _norm_ops(f"attn.{name[-1]}_norm", terms, spec.head_dim, local, named,
+                             "attn")
+    if spec.position is PositionKind.ROPE:
+        out += [_unkept(PRODUCT, spec.rope_dim, "attn")] * 4
     core = AttentionBlock().core_flops_per_token(spec, dm.s_kv) / t
     out.append(Item("attn.out", ("attn.out", "attn.lse"), terms["attn.out"] + terms["attn.lse"],
                     core, ATTENTION_KERNEL, spec.q_size // t, 0, "attn", False))
     out.append(matmul(*mm["attn.o_proj"]))
-    out += _norm_items("mlp_norm", terms, spec, named)
-    if moe:  # the MoE block's items follow (``memplan.model.sac_moe.moe_items``)
-        return tuple(out)
-    f = spec.ffn_hidden_size // t
-    if spec.mlp.gated:
-        out.append(matmul(*mm["mlp.gate"]))
-        out.append(Item("mlp.act", ("mlp.act",), terms["mlp.act"], float(f), ACTIVATION, f, 0,
-                        "mlp", False))
-        out.append(matmul(*mm["mlp.up"]))
-        out.append(Item("mlp.prod", ("mlp.prod",), terms["mlp.prod"], float(f), PRODUCT, f, 0,
-                        "mlp", False))
-    else:
-        out.append(matmul(*mm["mlp.fc1"]))
-        out.append(Item("mlp.act", ("mlp.act",), terms["mlp.act"], float(f), ACTIVATION, f, 0,
-                        "mlp", False))
+    out += _norm_ops("mlp_norm", terms, h, h, named)
+    if not moe:  # (an MoE block's items follow: ``memplan.model.sac_moe.moe_items``)
+        f = spec.ffn_hidden_size // t
+        first = ("mlp.gate",) if spec.mlp.gated else ("mlp.fc1",)
+        out.append(matmul(*mm[first[0]]))
+        out.append(Item("mlp.act", ("mlp.act",), terms["mlp.act"], float(f), ACTIVATION, f,
+                        0, "mlp", False))
+        if spec.mlp.gated:
+            out.append(matmul(*mm["mlp.up"]))
+            out.append(Item("mlp.prod", ("mlp.prod",), terms["mlp.prod"], float(f), PRODUCT,
+                            f, 0, "mlp", False))
+        out.append(_unkept(MATMUL, mm["mlp.down"][3], "mlp"))
+    return numbered(out)
+
+
+def layer_items(spec: ModelSpec, wl: Workload, dm: Dims,
+                saved: tuple[Term, ...], moe: bool = False) -> tuple[Item, ...]:
+    """The items of one layer on this rank, in execution order (``Item``; ``layer_ops``)."""
+    return tuple(i for i in layer_ops(spec, wl, dm, saved, moe) if i.name)
+
+
+def _unkept(op: str, width: int, block: str) -> Item:
+    """An op a policy counts that no item keeps."""
+    return Item("", (), 0, 0.0, op, width, 0, block, False)
+
+
+def numbered(ops: list[Item], seen: dict[tuple[str, int], int] | None = None
+             ) -> tuple[Item, ...]:
+    """``ops`` with each one's index among the ops of its family and width before it (after
+    ``seen``'s counts); an unnamed norm's tensors (``NORM``) are not counted."""
+    seen = dict(seen or {})
+    out = []
+    for i in ops:
+        if i.op != NORM:
+            nth = seen.get((i.op, i.width), 0)
+            seen[(i.op, i.width)] = nth + 1
+            i = i._replace(nth=nth)
+        out.append(i)
     return tuple(out)
+
+
+def counts(ops: tuple[Item, ...]) -> dict[tuple[str, int], int]:
+    """How many of ``ops`` a policy counts per (family, width)."""
+    seen: dict[tuple[str, int], int] = {}
+    for i in ops:
+        if i.op != NORM:
+            seen[(i.op, i.width)] = seen.get((i.op, i.width), 0) + 1
+    return seen
 
 
 def _has_bias(spec: ModelSpec, name: str) -> bool:
@@ -205,33 +250,43 @@ def _has_bias(spec: ModelSpec, name: str) -> bool:
     return spec.attn_out_bias if name == "attn.o_proj" else spec.qkv_bias
 
 
-def _norm_items(norm: str, terms: dict[str, int], spec: ModelSpec,
-                named: bool) -> list[Item]:
-    """A norm's saved terms, each an item of its own: elementwise, one FLOP per element of the
-    hidden width. Unless ``named`` (``_norms_nameable``) its ops differ by implementation and
-    no policy names them (``NORM``). Named, they are an upcast RMSNorm's ops in execution
-    order (Hugging Face's ``LlamaRMSNorm.forward``, the reference model's ``RMSNorm``):
-    ``x.to(float32)`` (``input_fp32``), ``rsqrt`` of the mean square (``stats``),
-    ``x * rstd`` (fp32, saved by no one), ``.to(dtype)`` (``normed``), ``weight * normed``
-    (``output``); per layer the k-th norm's casts are the (2k)-th and (2k+1)-th ``_to_copy``
-    of width h and its products the (2k)-th and (2k+1)-th ``mul`` of width h."""
+def _norm_ops(norm: str, terms: dict[str, int], width: int, per_token: int, named: bool,
+              block: str = "") -> list[Item]:
+    """A norm's saved terms, each an item of its own: elementwise, one FLOP per element
+    (``per_token`` elements per token: a q/k norm's rows are the rank's heads). Unless ``named``
+    (``_norms_nameable``) its ops differ by implementation and no policy names them
+    (``NORM``). Named, they are an upcast RMSNorm's ops in execution order (Hugging Face's
+    ``LlamaRMSNorm.forward`` and ``Qwen3RMSNorm.forward``, the reference model's
+    ``RMSNorm``): ``x.to(float32)`` (``input_fp32``), ``rsqrt`` of the mean square
+    (``stats``, of width 1), ``x * rstd`` (fp32, saved by no one), ``.to(dtype)``
+    (``normed``), ``weight * normed`` (``output``: a q/k norm's goes to RoPE, which saves
+    nothing of it). ``block``: the block that runs it (the norm's own by default; a q/k
+    norm's, the attention)."""
+    block = block or norm
+    mine = {name: size for name, size in terms.items() if name.startswith(norm + ".")}
+    own = block != norm  # a q/k norm's tensors add to the attention's working set
     if not named:
-        return [Item(name, (name,), size, float(spec.hidden_size), NORM, spec.hidden_size, 0,
-                     norm, False)
-                for name, size in terms.items() if name.startswith(norm + ".")]
-    k, h = ("attn_norm", "mlp_norm").index(norm), spec.hidden_size
-    ops = (("input_fp32", COPY, h, 2 * k), ("stats", RSQRT, 1, k),
-           ("normed", COPY, h, 2 * k + 1), ("output", PRODUCT, h, 2 * k + 1))
-    return [Item(f"{norm}.{name}", (f"{norm}.{name}",), terms[f"{norm}.{name}"], float(h), op,
-                 width, nth, norm, False) for name, op, width, nth in ops]
+        return [Item(name, (name,), size, float(per_token), NORM, width, 0, block, own)
+                for name, size in mine.items()]
+
+    def item(name: str, op: str, w: int) -> Item:
+        full = f"{norm}.{name}"
+        if full not in mine:
+            return _unkept(op, w, block)
+        return Item(full, (full,), mine[full], float(per_token), op, w, 0, block, own)
+
+    return [item("input_fp32", COPY, width), item("stats", RSQRT, 1),
+            _unkept(PRODUCT, width, block), item("normed", COPY, width),
+            item("output", PRODUCT, width)]
 
 
 def _norms_nameable(spec: ModelSpec, wl: Workload, dm: Dims, terms: dict[str, int]) -> bool:
-    """Whether a policy can name the norms' ops (``_norm_items``): an upcast RMSNorm in a
+    """Whether a policy can name the norms' ops (``_norm_ops``): an upcast RMSNorm in a
     16-bit dtype (in fp32 the casts are no ops), each saved term the bytes of the op output
     it names (not so under sequence parallelism, where the next linear saves the gathered
-    output), and no other op of the layer a ``mul`` of width h (RoPE's run on head_dim wide
-    rows, the gated product on f wide ones)."""
+    output), the q/k norms' too. Ops of another block sharing a norm op's family and width
+    (RoPE's products where head_dim is h, the gated product where f is) are counted with
+    them (``layer_ops``)."""
     if spec.norm is not NormKind.RMSNORM or wl.norm_impl is not NormImpl.UPCAST \
             or dm.e >= FP32_BYTES or dm.stream_e != dm.e:
         return False
@@ -241,8 +296,16 @@ def _norms_nameable(spec: ModelSpec, wl: Workload, dm: Dims, terms: dict[str, in
     if any(terms.get(f"{n}.{t}") != b for n in ("attn_norm", "mlp_norm")
            for t, b in want.items()):
         return False
-    rope_wide = spec.position is PositionKind.ROPE and spec.head_dim == h
-    return not rope_wide and spec.ffn_hidden_size // dm.tp != h
+    if spec.qk_norm is not QkNorm.HEAD:
+        return True
+    # the q and k norms (Qwen3RMSNorm on rows of head_dim, one per head on this rank)
+    for norm, width in (("attn.q_norm", spec.q_size), ("attn.k_norm", spec.kv_size)):
+        heads = dm.tokens * width // dm.tp // spec.head_dim
+        want = {"input_fp32": heads * spec.head_dim * FP32_BYTES, "stats": heads * FP32_BYTES,
+                "normed": heads * spec.head_dim * dm.e}
+        if any(terms.get(f"{norm}.{t}") != b for t, b in want.items()):
+            return False
+    return True
 
 
 def valid_names(items: tuple[Item, ...]) -> list[str]:

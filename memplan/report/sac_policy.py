@@ -24,7 +24,7 @@
 from __future__ import annotations
 
 from memplan.errors import MemplanError
-from memplan.model.sac_ops import (ATTENTION_KERNEL, MATMUL, NORM, PRODUCT, RSQRT, Item,
+from memplan.model.sac_ops import (ATTENTION_KERNEL, MATMUL, NORM, Item,
                                    matmul_shapes)
 from memplan.spec import ModelSpec
 
@@ -38,7 +38,7 @@ _TITAN_FQNS = {"attn.qkv": "attention.wqkv", "attn.q": "attention.wq", "attn.k":
 
 def emit(target: str, spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, ...],
          command: str, layers: list[tuple[Item, ...]] | None = None,
-         moe_ops: list[tuple[str, int]] | None = None) -> str:
+         unkept: tuple[tuple[str, int], ...] = ()) -> str:
     """``kept`` of ``items`` as ``target`` expresses it; ``command``: the memplan command line
     it came from (quoted in the output). ``layers``: what each layer keeps, where layers
     differ (a list per pipeline stage); ``kept`` is then what every layer keeps. torch
@@ -47,7 +47,7 @@ def emit(target: str, spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item
     if target not in TARGETS:
         raise MemplanError(f"emit-policy must be one of {', '.join(TARGETS)}, got {target!r}")
     if target == "torch":
-        return torch_policy(spec, items, kept, command, layers, moe_ops)
+        return torch_policy(spec, items, kept, command, layers, unkept)
     text = {"torchtitan": torchtitan_policy, "megatron": megatron_policy}[target](
         spec, items, kept, command)
     if layers is None:
@@ -74,18 +74,15 @@ def _save_set(kept: tuple[Item, ...]) -> str:
 
 def torch_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, ...],
                  command: str, layers: list[tuple[Item, ...]] | None = None,
-                 moe_ops: list[tuple[str, int]] | None = None) -> str:
+                 unkept: tuple[tuple[str, int], ...] = ()) -> str:
     """The module (see the module docstring); with ``layers`` (what each layer keeps) the
     layers whose set differs from ``SAVE`` get their own in ``LAYER_SAVE``, by index.
-    ``moe_ops``: an MoE layer's ops no item keeps that the policy counts
-    (``memplan.model.sac_moe.moe_policy_ops``)."""
+    ``unkept``: the layer's ops no item keeps that the policy counts (``memplan.model.layer.
+    ops_unkept``: a dense layer's down projection, each named norm's fp32 product x * rstd,
+    RoPE's products where they share a norm op's width, an MoE block's own)."""
     keyed = [i for i in items if i.op != NORM]
     per_layer: dict[tuple[str, int], int] = {}
-    # a dense layer's down projection runs too (never kept: the rerun stops before it), and
-    # counts, as does each named norm's fp32 product x * rstd (saved by no one)
-    extra = ([(MATMUL, spec.hidden_size)] if moe_ops is None else moe_ops) + [
-        (PRODUCT, spec.hidden_size) for i in keyed if i.op == RSQRT]
-    for op, width in [(i.op, i.width) for i in keyed] + extra:
+    for op, width in [(i.op, i.width) for i in keyed] + list(unkept):
         per_layer[(op, width)] = per_layer.get((op, width), 0) + 1
     every = [kept] if layers is None else layers
     missing = list(dict.fromkeys(n for k in every for n in _unexpressible(k)))
@@ -285,15 +282,15 @@ def emit_for(target: str, est: object) -> str:
     par = est.parallel
     dm = Dims.of(spec, par, wl)
     items = ops_items(spec, wl, dm)
-    moe_ops = None
     if spec.moe is not None:
-        from memplan.model.sac_moe import moe_policy_ops
         from memplan.model.sac_ops import searched_moe
 
         if not searched_moe(spec):
             raise MemplanError(f"emit-policy: {spec.name} has dense and MoE layers; a policy "
                                "is emitted for models whose layers are all of one kind")
-        moe_ops = moe_policy_ops(spec, dm)
+    from memplan.model.layer import ops_unkept
+
+    unkept = ops_unkept(spec, wl, dm)
     stages = per_stage(wl.recompute_save, par.pp)
     layers = None
     if stages is None:
@@ -311,4 +308,4 @@ def emit_for(target: str, est: object) -> str:
     command = (f"memplan estimate -m {spec.name} -n {par.world_size} "
                f"--mbs {wl.micro_batch_size} --seq {wl.seq_len} --recompute ops "
                f"--recompute-save {save}" + (f" --pp {par.pp}" if layers is not None else ""))
-    return emit(target, spec, items, kept, command, layers, moe_ops)
+    return emit(target, spec, items, kept, command, layers, unkept)

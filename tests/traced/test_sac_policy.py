@@ -5,7 +5,7 @@ the exact tracker for two steps: saved activations and every phase peak within 1
 ``--recompute ops`` estimate of the same save list (measured: all within 0.01%).
 
 An upcast RMSNorm's tensors are named by its ops (``norms``, ``attn_norm.stats``, ...: the
-casts, ``rsqrt`` and products, ``memplan.model.sac_ops._norm_items``); not in the grid: a
+casts, ``rsqrt`` and products, ``memplan.model.sac_ops._norm_ops``); not in the grid: a
 save list naming the tensors of another norm (the policy cannot name them: it recomputes
 them, so the trace keeps less than the estimate).
 """
@@ -96,20 +96,43 @@ def test_emitted_policy_on_transformers_llama(precision: str, save: str) -> None
 # tensors (fake ones make SDPA's causal mask a tensor: 2 MiB more). A kept norm output is
 # the next block's input, which its moments already hold (memplan.model.sac_ops.input_held):
 # before, mlp_norm.output kept put the forward 3.9% over (1,056,640 B), norms 2.5%.
-# Measured: every row within 0.12% (the optimizer step's 16 KiB)
+# Measured: every row within 0.12% (the optimizer step's 16 KiB).
+# Qwen3's per-head q/k norms (Qwen3Attention.forward: q_norm, k_norm on the projections'
+# outputs, before RoPE) named by their casts and rsqrt among the layer's (memplan.model.
+# sac_ops.layer_ops), on Qwen3-8B narrowed alike (bf16 and fp32, where they are kept by none)
+# and Qwen3-30B-A3B narrowed to 4 experts of 96, top-2, at 2 x 512 tokens (its grouped
+# experts: memplan.model.sac_moe), the q/k norms kept with the norms and the MoE block's items:
+# before, both refused ("recompute ops with q/k norms"); measured: Qwen3-8B every row within
+# 0.12% (saved activations 8,192 B under, as with its full recompute), Qwen3-30B-A3B within
+# 0.26% (full recompute's 0.21% under on saved activations, 4,096 B)
 HF_TOY = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=896,
               num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=64)
+QWEN3_MOE_TOY = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256,
+                     moe_intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=32, num_experts=4, num_experts_per_tok=2, vocab_size=64)
+TOYS = {"Meta-Llama-3-8B": (HF_TOY, 1024), "Qwen3-8B": (HF_TOY, 1024),
+        "Qwen3-30B-A3B": (QWEN3_MOE_TOY, 512)}
 HF_TOY_GRID = [("Meta-Llama-3-8B", "bf16-pure", "mlp_norm.output"),
                ("Meta-Llama-3-8B", "bf16-pure", "attn_norm.output"),
-               ("Meta-Llama-3-8B", "bf16-pure", "norms,mlp.up")]
+               ("Meta-Llama-3-8B", "bf16-pure", "norms,mlp.up"),
+               ("Qwen3-8B", "bf16-pure", "attention"),
+               ("Qwen3-8B", "bf16-pure",
+                "attn.q_norm.input_fp32,attn.k_norm.stats,attn.q_norm.normed,mlp.gate"),
+               ("Qwen3-8B", "bf16-pure", "norms,attn.k_norm.input_fp32,attn.q_norm.stats"),
+               ("Qwen3-8B", "fp32", "attn.q,mlp.gate"),
+               ("Qwen3-30B-A3B", "bf16-pure", "attention,moe.expert.act"),
+               ("Qwen3-30B-A3B", "bf16-pure",
+                "attn.q_norm.stats,attn.k_norm.normed,norms,moe.router_probs"),
+               ("Qwen3-30B-A3B", "fp32", "attn.q,moe.expert.gate_up")]
 
 
 @pytest.mark.parametrize(("model", "precision", "save"), HF_TOY_GRID,
                          ids=[f"{m}-{p}-{s}" for m, p, s in HF_TOY_GRID])
 def test_emitted_policy_on_transformers_toys(model: str, precision: str, save: str) -> None:
     pytest.importorskip("transformers")
-    case = FrameworkCase("transformers", f"{model}-toy", hf(model, **HF_TOY), precision, 2,
-                         1024, options={"recompute": "ops", "recompute_save": save})
+    overrides, seq = TOYS[model]
+    case = FrameworkCase("transformers", f"{model}-toy", hf(model, **overrides), precision, 2,
+                         seq, options={"recompute": "ops", "recompute_save": save})
     result = compare_framework(case)
     bad = [r for r in result.rows if abs(r.diff_pct) > TOLERANCE_PCT]
     assert not bad, "\n".join(f"{r.name}: measured {r.measured_bytes:,} estimated "
