@@ -6,6 +6,8 @@ blocks are modelled.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from memplan.model.dims import Dims
 from memplan.model.sac_ops import (ACTIVATION, COPY, GROUPED_MM, INDEX, MATMUL, PRODUCT,
                                    SOFTMAX, Item)
@@ -72,7 +74,52 @@ def _moe_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]
             ("", INDEX, h, (), 0, 0.0, False)]  # weighted_out[inv_perm]
     if low:  # final_hidden_states.to(hidden_states.dtype) (fp32 by type promotion)
         ops.append(("", COPY, h, (), 0, 0.0, False))
-    return ops
+    if not moe.num_shared_experts:
+        return ops
+    shared = _shared_ops(spec, dm, term)
+    return ops + shared if moe.shared_experts_last else shared + ops + _gate_ops(spec, dm, term)
+
+
+def _shared_ops(spec: ModelSpec, dm: Dims, term: Callable[..., int]
+                ) -> list[tuple[str, str, int, tuple[str, ...], int, float, bool]]:
+    """The shared experts' MLP (``_moe_ops``' tuples), as a dense gated MLP runs
+    (Qwen2MoeMLP.forward, DeepseekV3MLP.forward: ``down_proj(act_fn(gate_proj(x)) *
+    up_proj(x))``) over every token, TP-split: its gate, SiLU, up and product
+    (``moe.shared.*``), kept beside the routed experts' working set when they ran first;
+    its down projection's output is saved by the shared gate's product (``moe.shared_out``:
+    the rerun reaches it, an item), else by no one and, running last, never rerun (early
+    stop, as a dense MLP's)."""
+    moe = spec.moe
+    assert moe is not None
+    h = spec.hidden_size
+    f = moe.num_shared_experts * moe.shared_expert_ffn_hidden_size // dm.tp
+    ops = [("moe.shared.gate", MATMUL, f, ("moe.shared.gate",), term("moe.shared.gate"),
+            2.0 * h * f, True),
+           ("moe.shared.act", ACTIVATION, f, ("moe.shared.act",), term("moe.shared.act"),
+            float(f), True),
+           ("moe.shared.up", MATMUL, f, ("moe.shared.up",), term("moe.shared.up"),
+            2.0 * h * f, True),
+           ("moe.shared.prod", PRODUCT, f, ("moe.shared.prod",), term("moe.shared.prod"),
+            float(f), True)]
+    if moe.shared_expert_gate:
+        return ops + [("moe.shared.down", MATMUL, h, ("moe.shared_out",),
+                       term("moe.shared_out"), 2.0 * h * f, False)]
+    return ops + [("", MATMUL, h, (), 0, 0.0, False)]
+
+
+def _gate_ops(spec: ModelSpec, dm: Dims, term: Callable[..., int]
+              ) -> list[tuple[str, str, int, tuple[str, ...], int, float, bool]]:
+    """The shared experts' gate after the routed experts (Qwen2MoeSparseMoeBlock.forward:
+    ``F.sigmoid(self.shared_expert_gate(hidden_states)) * shared_expert_output``): its h -> 1
+    projection (saved by no one: kept, it skips its rerun), its sigmoid (``moe.shared_gate``)
+    and the product, which no item keeps."""
+    if not spec.moe or not spec.moe.shared_expert_gate:
+        return []
+    h = spec.hidden_size
+    return [("moe.shared_gate_proj", MATMUL, 1, (), dm.tokens * dm.e, 2.0 * h, False),
+            ("moe.shared_gate", ACTIVATION, 1, ("moe.shared_gate",), term("moe.shared_gate"),
+             1.0, False),
+            ("", PRODUCT, h, (), 0, 0.0, False)]
 
 
 def moe_policy_ops(spec: ModelSpec, dm: Dims) -> list[tuple[str, int]]:

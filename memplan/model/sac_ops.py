@@ -118,7 +118,6 @@ def moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
         (wl.moe_impl is not MoeImpl.GROUPED,
          f"moe_impl {wl.moe_impl.value} (its op counts follow the routing; modelled for "
          "transformers' grouped experts, moe_impl grouped)"),
-        (moe.num_shared_experts > 0, "shared experts"),
         (moe.router_fp32, "an fp32 router"), (moe.router_topk_softmax, "a top-k softmax router"),
         (moe.clamped_swiglu or spec.mlp_bias, "expert biases"),
         (not spec.mlp.gated, "ungated experts"),
@@ -178,7 +177,9 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
                     MATMUL, width, 0, name.split(".")[0], rope or name == "mlp.gate")
 
     h = spec.hidden_size
-    out = _norm_ops("attn_norm", terms, h, h, named)
+    fp32 = (spec.norm is NormKind.RMSNORM and wl.norm_impl is NormImpl.UPCAST
+            and dm.e >= FP32_BYTES)
+    out = _norm_ops("attn_norm", terms, h, h, named, fp32_ops=fp32)
     fused = spec.fused_qkv or wl.fused_qkv
     mm = {m[0]: m for m in matmul_shapes(spec, t, fused)}
     for name in ("attn.qkv",) if fused else ("attn.q", "attn.k", "attn.v"):
@@ -187,14 +188,14 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
             # Qwen3Attention.forward: q_norm(q_proj(x).view(..., head_dim)), then k's
             local = mm[name][2]  # the rank's q (or k) width: its heads' rows of head_dim
             out += _norm_ops(f"attn.{name[-1]}_norm", terms, spec.head_dim, local, named,
-                             "attn")
+                             "attn", fp32)
     if spec.position is PositionKind.ROPE:
         out += [_unkept(PRODUCT, spec.rope_dim, "attn")] * 4
     core = AttentionBlock().core_flops_per_token(spec, dm.s_kv) / t
     out.append(Item("attn.out", ("attn.out", "attn.lse"), terms["attn.out"] + terms["attn.lse"],
                     core, ATTENTION_KERNEL, spec.q_size // t, 0, "attn", False))
     out.append(matmul(*mm["attn.o_proj"]))
-    out += _norm_ops("mlp_norm", terms, h, h, named)
+    out += _norm_ops("mlp_norm", terms, h, h, named, fp32_ops=fp32)
     if not moe:  # (an MoE block's items follow: ``memplan.model.sac_moe.moe_items``)
         f = spec.ffn_hidden_size // t
         first = ("mlp.gate",) if spec.mlp.gated else ("mlp.fc1",)
@@ -251,7 +252,7 @@ def _has_bias(spec: ModelSpec, name: str) -> bool:
 
 
 def _norm_ops(norm: str, terms: dict[str, int], width: int, per_token: int, named: bool,
-              block: str = "") -> list[Item]:
+              block: str = "", fp32_ops: bool = False) -> list[Item]:
     """A norm's saved terms, each an item of its own: elementwise, one FLOP per element
     (``per_token`` elements per token: a q/k norm's rows are the rank's heads). Unless ``named``
     (``_norms_nameable``) its ops differ by implementation and no policy names them
@@ -261,13 +262,16 @@ def _norm_ops(norm: str, terms: dict[str, int], width: int, per_token: int, name
     (``stats``, of width 1), ``x * rstd`` (fp32, saved by no one), ``.to(dtype)``
     (``normed``), ``weight * normed`` (``output``: a q/k norm's goes to RoPE, which saves
     nothing of it). ``block``: the block that runs it (the norm's own by default; a q/k
-    norm's, the attention)."""
+    norm's, the attention). ``fp32_ops``: unnamed, an upcast RMSNorm in fp32, whose casts
+    are no ops but whose rsqrt and two products a policy counts all the same."""
     block = block or norm
     mine = {name: size for name, size in terms.items() if name.startswith(norm + ".")}
     own = block != norm  # a q/k norm's tensors add to the attention's working set
     if not named:
+        counted = ([_unkept(RSQRT, 1, block)] + [_unkept(PRODUCT, width, block)] * 2
+                   if fp32_ops else [])
         return [Item(name, (name,), size, float(per_token), NORM, width, 0, block, own)
-                for name, size in mine.items()]
+                for name, size in mine.items()] + counted
 
     def item(name: str, op: str, w: int) -> Item:
         full = f"{norm}.{name}"

@@ -131,7 +131,7 @@ def _key(op, args):
         return "{MATMUL}", args[-1].shape[-1]
     if op in _SDPA:
         return "{ATTENTION_KERNEL}", args[0].shape[1] * args[0].shape[-1]
-    if op in (_aten.silu.default, _aten.gelu.default):
+    if op in (_aten.silu.default, _aten.gelu.default, _aten.sigmoid.default):
         return "act", args[0].shape[-1]
     if op in (_aten._to_copy.default, _aten.rsqrt.default):
         return ("copy" if op is _aten._to_copy.default else "rsqrt"), args[0].shape[-1]
