@@ -387,16 +387,6 @@ def searched_moe(spec: ModelSpec) -> bool:
     return spec.moe is not None and all(spec.is_moe_layer(i) for i in range(spec.num_layers))
 
 
-def check_searchable(spec: ModelSpec) -> None:
-    """Refuses ``--recompute auto`` for a model of dense and MoE layers, by name: one save
-    set is searched for one layer kind."""
-    if spec.moe is not None and not searched_moe(spec):
-        raise MemplanError(f"recompute auto: {spec.name} has dense and MoE layers; a save "
-                           "set is searched for models whose layers are all of one kind "
-                           "(give each kind its own list: --recompute ops --recompute-save "
-                           "dense:NAME,moe:NAME)")
-
-
 def resolve(items: tuple[Item, ...], save: tuple[str, ...], spec: ModelSpec,
             kind: str | None = None) -> tuple[Item, ...]:
     """The items a save list keeps in a layer of ``kind`` (``KINDS``; by default the kind
@@ -504,17 +494,22 @@ def input_held(kept: tuple[Item, ...], block: str) -> int:
     return held
 
 
-def assumption(spec: ModelSpec, wl: Workload, items: tuple[Item, ...], pp: int = 1) -> str:
+def assumption(spec: ModelSpec, wl: Workload, kinds: dict[str, tuple[Item, ...]],
+               pp: int = 1) -> str:
     """The assumptions' line for ``Recompute.OPS``: what each layer keeps and what its rerun
-    costs (per stage where the list differs by stage)."""
-    every = sum(i.flops_per_token for i in items)
-
+    costs (per stage where the list differs by stage; per layer kind, ``kinds``' items each,
+    where dense and MoE layers differ)."""
     def keeps(save: tuple[str, ...]) -> str:
-        kept = resolve(items, save, spec)
-        rerun = rerun_flops_per_token(items, kept)
-        names = ", ".join(i.name for i in kept) or "nothing"
-        return f"{names}; its backward reruns the rest, {rerun / every:.0%} of the keepable " \
-               "ops' FLOPs"
+        out = []
+        for kind, items in kinds.items():
+            kept = resolve(items, save, spec, kind)
+            every = sum(i.flops_per_token for i in items)
+            rerun = rerun_flops_per_token(items, kept)
+            names = ", ".join(i.name for i in kept) or "nothing"
+            out.append((f"{kind} layers: " if len(kinds) > 1 else "")
+                       + f"{names}; its backward reruns the rest, {rerun / every:.0%} of the "
+                       "keepable ops' FLOPs")
+        return "; ".join(out)
 
     stages = per_stage(wl.recompute_save, pp)
     if stages is None:
@@ -523,5 +518,7 @@ def assumption(spec: ModelSpec, wl: Workload, items: tuple[Item, ...], pp: int =
         what = "each layer keeps its input and, " + "; ".join(
             f"on stage {n}, {keeps(save)}" for n, save in stages.items())
     stop = ("the experts' down projection reruns: the routing weights' product saves its "
-            "output" if searched_moe(spec) else "the down projection never reruns: early stop")
+            "output" if "moe" in kinds else "")
+    stop = "; ".join(s for s in (stop, "a dense MLP's down projection never reruns: early "
+                                 "stop" if "dense" in kinds else "") if s)
     return f"recompute ops (PyTorch selective activation checkpointing per layer): {what} ({stop})"

@@ -267,3 +267,46 @@ def test_emitted_policy_on_transformers_qwen2_moe(precision: str, save: str) -> 
         TOLERANCE_PCT, abs(_FULL[precision][name].diff_pct) if "backward" in name else 0.0)]
     assert not bad, "\n".join(f"{r.name}: measured {r.measured_bytes:,} estimated "
                               f"{r.estimated_bytes:,} ({r.diff_pct:+.3f}%)" for r in bad)
+
+
+# A model of dense and MoE layers: Qwen3-30B-A3B narrowed as above to 3 layers, layer 0 dense
+# (mlp_only_layers [0], as DeepSeek-V3's first_k_dense_replace), each kind its own list
+# (dense:, moe:) and the list --recompute auto chooses midway between full recompute's peak
+# and no recompute's (memplan.model.layer.ops_search_items: both kinds' items in one search),
+# the emitted module's layer_policy_fn(i) per decoder layer (memplan.profile.frameworks.
+# _emitted_checkpointing). Before, auto and --emit-policy refused ("has dense and MoE layers").
+# Measured: every row within 0.19% (full recompute's own 0.19% on saved activations)
+MIXED_TOY = dict(QWEN3_MOE_TOY, num_hidden_layers=3, mlp_only_layers=[0])
+MIXED_GRID = [("bf16-pure", "dense:mlp,moe:moe.expert.act,attention"),
+              ("bf16-pure", "dense:mlp.gate,dense:attn.q_norm.stats,moe:moe.router_probs,"
+                            "moe:attn.k"),
+              ("fp32", "dense:mlp.up,moe:moe.expert.gate_up"), ("bf16-pure", "auto")]
+
+
+def _auto_list(precision: str) -> str:
+    """The list ``--recompute auto`` chooses for MIXED_TOY at 2 x 512 tokens on a budget
+    midway between full recompute's peak and no recompute's."""
+    from memplan.api import estimate
+    from memplan.spec import spec_from_hf_dict
+
+    spec = spec_from_hf_dict(hf("Qwen3-30B-A3B", **MIXED_TOY), "config.json", "mixed-toy")
+    kw = dict(framework="hf", precision=precision, micro_batch_size=2, seq_len=512)
+    full = estimate(spec, recompute="full", **kw).peak_bytes
+    none = estimate(spec, recompute="none", **kw).peak_bytes
+    est = estimate(spec, recompute="auto", gpu_memory=(full + none) // 2, **kw)
+    assert est.fits and {n.split(":")[0] for n in est.workload.recompute_save} == \
+        {"dense", "moe"}
+    return ",".join(est.workload.recompute_save)
+
+
+@pytest.mark.parametrize(("precision", "save"), MIXED_GRID,
+                         ids=[f"{p}-{s}" for p, s in MIXED_GRID])
+def test_emitted_policy_on_dense_and_moe_layers(precision: str, save: str) -> None:
+    pytest.importorskip("transformers")
+    save = _auto_list(precision) if save == "auto" else save
+    case = FrameworkCase("transformers", "qwen3-moe-mixed-toy", hf("Qwen3-30B-A3B", **MIXED_TOY),
+                         precision, 2, 512, options={"recompute": "ops", "recompute_save": save})
+    result = compare_framework(case)
+    bad = [r for r in result.rows if abs(r.diff_pct) > TOLERANCE_PCT]
+    assert not bad, "\n".join(f"{r.name}: measured {r.measured_bytes:,} estimated "
+                              f"{r.estimated_bytes:,} ({r.diff_pct:+.3f}%)" for r in bad)

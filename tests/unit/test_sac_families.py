@@ -96,3 +96,111 @@ def test_qwen3_auto_fits() -> None:
                        framework="hf", recompute="auto")
         assert est.fits and est.workload.recompute == "ops" and est.workload.recompute_save, \
             name
+
+
+# a model of dense and MoE layers (DeepSeek-V3's first_k_dense_replace, Qwen3-MoE's
+# mlp_only_layers): tiny with 3 layers, the first dense, the others MoE of 4 stacked experts of
+# f 96, top-2, run as transformers' grouped experts
+MIXED = ModelSpec.model_validate({**load_model("tiny").model_dump(), "name": "tiny-moe-mixed",
+                                  "num_layers": 3, "moe": {
+                                      "num_experts": 4, "top_k": 2, "expert_ffn_hidden_size": 96,
+                                      "stacked_experts": True, "first_dense_layers": 1}})
+MIXED_FIELDS = dict(seq_len=128, micro_batch_size=2, moe_impl="grouped")
+
+
+def _mixed_search():
+    from memplan.api import resolve
+    from memplan.model.layer import ops_forward_peaks, ops_search_items
+    from memplan.planning.save_sets import frontier
+
+    spec, par, wl = resolve(MIXED, recompute="ops", **MIXED_FIELDS)
+    dm = Dims.of(spec, par, wl)
+    items = ops_search_items(spec, wl, dm)
+    sets = frontier(items)
+    return items, sets, ops_forward_peaks(spec, wl, dm, sets)
+
+
+def test_mixed_search_items_are_scoped_and_weighted() -> None:
+    """The search's items are each kind's, scoped: the dense layer's q (T*q*e = 32,768 B,
+    one layer) and the MoE layers' (two layers: 65,536 B), the MoE gate/up output (196,608 B
+    per layer, test_sac_moe: 393,216 B); FLOPs alike (q 8,192 per token per layer)."""
+    items, sets, forward = _mixed_search()
+    by = {i.name: (i.size_bytes, i.flops_per_token) for i in items}
+    assert by["dense:attn.q"] == (32_768, 8_192.0)
+    assert by["moe:attn.q"] == (65_536, 16_384.0)
+    assert by["moe:moe.expert.gate_up"] == (393_216, 98_304.0)
+    assert "dense:mlp.gate" in by and "moe:mlp.gate" not in by
+    # every set's forward: (dense bytes, MoE bytes, dense forward peak, MoE forward peak),
+    # each kind's bytes per layer
+    last = forward[-1]
+    assert last[0] == sum(b for n, (b, _) in by.items() if n.startswith("dense:")
+                          and n in sets[-1].kept)
+    assert 2 * last[1] == sum(b for n, (b, _) in by.items() if n.startswith("moe:")
+                              and n in sets[-1].kept)
+
+
+def test_mixed_auto_is_exact_at_every_budget() -> None:
+    """``--recompute auto`` on a model of dense and MoE layers: at each frontier set's own
+    peak as the budget, ``choose`` given each set's per-kind bytes and forward peaks returns
+    the set of most bytes whose peak fits (brute force over the frontier's sets)."""
+    from memplan.planning.save_sets import choose
+
+    _, sets, forward = _mixed_search()
+    peaks = {c.kept: estimate(MIXED, **MIXED_FIELDS, recompute="ops",
+                              recompute_save=list(c.kept)).peak_bytes for c in sets}
+    budgets = sorted(set(peaks.values()))
+    for budget in budgets[:: max(1, len(budgets) // 40)] + budgets[-1:]:
+        want = max(i for i, c in enumerate(sets) if peaks[c.kept] <= budget)
+        got, _ = choose(sets, lambda kept: peaks[kept] <= budget, forward=forward)
+        assert got is not None and sets.index(got) == want, budget
+
+
+def test_mixed_auto_keeps_a_list_per_kind() -> None:
+    """Between full recompute's peak and no recompute's, auto fits and keeps a list scoped
+    per kind (``dense:``, ``moe:``), which ``--recompute ops`` estimates alike."""
+    full = estimate(MIXED, **MIXED_FIELDS, recompute="full").peak_bytes
+    none = estimate(MIXED, **MIXED_FIELDS, recompute="none").peak_bytes
+    est = estimate(MIXED, **MIXED_FIELDS, recompute="auto", gpu_memory=(full + none) // 2)
+    save = est.workload.recompute_save
+    assert est.fits and save and all(n.split(":")[0] in ("dense", "moe") for n in save)
+    again = estimate(MIXED, **MIXED_FIELDS, recompute="ops", recompute_save=list(save))
+    assert again.peak_bytes == est.peak_bytes <= (full + none) // 2
+
+
+def test_mixed_torch_policy_per_layer_index() -> None:
+    """Layer 0 (dense) keeps its MLP's gate (the 0th 176-wide matmul), layers 1 and 2 (MoE)
+    the experts' SiLU (the 0th act of width 96): SAVE and PER_LAYER are the MoE layers',
+    layer 0 its own set and op counts (LAYER_SAVE, LAYER_COUNTS); torchtitan and Megatron-LM
+    say what they cannot express."""
+    est = estimate(MIXED, **MIXED_FIELDS, recompute="ops",
+                   recompute_save="dense:mlp.gate,moe:moe.expert.act")
+    import ast
+
+    text = emit_for("torch", est)
+    tree = ast.parse(text)  # (a valid module; not run: the unit suite is torch-free)
+    space = {node.targets[0].id: ast.literal_eval(node.value) for node in tree.body
+             if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+             and node.targets[0].id in ("SAVE", "LAYER_SAVE", "PER_LAYER", "LAYER_COUNTS")}
+    assert space["SAVE"] == {("act", 96, 0)}
+    assert space["LAYER_SAVE"] == {0: {("matmul", 176, 0)}}
+    assert set(space["LAYER_COUNTS"]) == {0}
+    assert space["LAYER_COUNTS"][0][("matmul", 176)] == 2
+    assert ("grouped_mm", 192) in space["PER_LAYER"]
+    assert ("grouped_mm", 192) not in space["LAYER_COUNTS"][0]
+    for target in ("torchtitan", "megatron"):
+        assert "Not expressible: a save list per layer kind" in emit_for(target, est)
+
+
+def test_mixed_plan_auto() -> None:
+    """plan --recompute auto on the model of dense and MoE layers (2 GPUs, 1,024 tokens,
+    490 MB): each candidate keeps a list per kind, its estimate with that list fits and peaks
+    where the plan says."""
+    from memplan.api import plan
+
+    result = plan(MIXED, gpus=2, seq_len=1024, recompute=["auto"], top=3, reserved=False,
+                  gpu_memory="490MB", moe_impl="grouped", global_batch_size=16)
+    assert result.candidates
+    for c in result.candidates:
+        assert c.recompute == "ops" and c.peak_bytes <= result.budget_bytes
+        assert c.estimate.peak_bytes == c.peak_bytes
+        assert {n.split(":")[-2] for n in c.recompute_save} <= {"dense", "moe"}
