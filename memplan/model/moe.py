@@ -114,8 +114,10 @@ def grouped_kept_moments(spec: ModelSpec, dm: Dims) -> list[tuple[int, frozenset
     # output is alive at both moments anyway (``_grouped_moments``)
     shared = ({"moe.shared.gate", "moe.shared.act", "moe.shared.up", "moe.shared.prod"}
               if moe.num_shared_experts and not moe.shared_experts_last else set())
-    return [(gate, frozenset({"moe.router"} | shared)),
-            (unsort, frozenset({"moe.router", "moe.expert.gate_up", "moe.expert.act"} | shared))]
+    # an fp32 router's input and weight copies, freed once its logits exist (_routing_bytes)
+    router = {"moe.router", "moe.router_input_fp32", "moe.router_weight_fp32"}
+    return [(gate, frozenset(router | shared)),
+            (unsort, frozenset(router | {"moe.expert.gate_up", "moe.expert.act"} | shared))]
 
 
 def _gated_shared_unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:

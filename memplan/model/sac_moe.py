@@ -11,7 +11,7 @@ from collections.abc import Callable
 from memplan.model.dims import Dims
 from memplan.model.sac_ops import (ACTIVATION, COPY, GROUPED_MM, INDEX, MATMUL, PRODUCT,
                                    SOFTMAX, Item)
-from memplan.spec import ModelSpec
+from memplan.spec import ModelSpec, MoESpec
 from memplan.units import FP32_BYTES
 
 
@@ -52,11 +52,7 @@ def _moe_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]
     def term(*names: str) -> int:
         return sum(terms[n] for n in names)
 
-    ops = [("moe.router", MATMUL, E, (), dm.tokens * E * e, 2.0 * h * E, True)]
-    if low:  # router_logits.float()
-        ops.append(("", COPY, E, (), 0, 0.0, False))
-    ops += [("moe.router_probs", SOFTMAX, E, ("moe.router_probs",), term("moe.router_probs"),
-             float(E), False),
+    ops = _router_ops(spec, dm, term) + [
             ("", INDEX, h, (), 0, 0.0, False),  # hidden_states[token_idx]
             ("", INDEX, rows, (), 0, 0.0, False), ("", INDEX, rows, (), 0, 0.0, False),
             ("moe.dispatched", INDEX, h, ("moe.dispatched",), term("moe.dispatched"), 0.0,
@@ -78,6 +74,43 @@ def _moe_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]
         return ops
     shared = _shared_ops(spec, dm, term)
     return ops + shared if moe.shared_experts_last else shared + ops + _gate_ops(spec, dm, term)
+
+
+def _router_ops(spec: ModelSpec, dm: Dims, term: Callable[..., int]
+                ) -> list[tuple[str, str, int, tuple[str, ...], int, float, bool]]:
+    """The router's ops (``_moe_ops``' tuples). Mixtral's (MixtralTopKRouter.forward, Qwen2-
+    and Qwen3-MoE's alike): its projection (saved by no one: kept, it skips its rerun),
+    ``.float()`` of its logits and their softmax (``moe.router_probs``). DeepSeek-V3's
+    (``sigmoid_router``: DeepseekV3TopkRouter.forward, Glm4MoeTopkRouter.forward, then
+    ``route_tokens_to_experts``): ``F.linear`` on fp32 copies of the input and the weight
+    (``moe.router_input_fp32``, ``moe.router_weight_fp32``, saved by it; casts of width h,
+    no ops in fp32), its fp32 logits (``moe.router``) and their sigmoid
+    (``moe.router_probs``); the group-limited top-k after it runs no op a policy counts."""
+    moe = spec.moe
+    assert moe is not None
+    h, e, E = spec.hidden_size, dm.e, moe.num_experts
+    low = e < FP32_BYTES
+    if not sigmoid_router(moe):
+        return ([("moe.router", MATMUL, E, (), dm.tokens * E * e, 2.0 * h * E, True)]
+                + [("", COPY, E, (), 0, 0.0, False)] * low  # router_logits.float()
+                + [("moe.router_probs", SOFTMAX, E, ("moe.router_probs",),
+                    term("moe.router_probs"), float(E), False)])
+    casts = [("moe.router_input_fp32", COPY, h, ("moe.router_input_fp32",),
+              term("moe.router_input_fp32"), float(h), True),
+             ("moe.router_weight_fp32", COPY, h, ("moe.router_weight_fp32",),
+              term("moe.router_weight_fp32"), float(E * h) / dm.tokens, True)] if low else []
+    return casts + [
+        ("moe.router", MATMUL, E, (), dm.tokens * E * FP32_BYTES, 2.0 * h * E, True),
+        ("moe.router_probs", ACTIVATION, E, ("moe.router_probs",), term("moe.router_probs"),
+         float(E), False)]
+
+
+def sigmoid_router(moe: MoESpec) -> bool:
+    """DeepSeek-V3's router: an fp32 linear whose logits' sigmoid chooses the experts by
+    group (DeepseekV3TopkRouter, Glm4MoeTopkRouter, Dots1TopkRouter with their blocks'
+    ``route_tokens_to_experts``), in transformers the families whose shared experts run last
+    (``MoESpec.shared_experts_last``)."""
+    return moe.router_fp32 and moe.shared_experts_last
 
 
 def _shared_ops(spec: ModelSpec, dm: Dims, term: Callable[..., int]

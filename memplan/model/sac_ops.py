@@ -118,7 +118,9 @@ def moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
         (wl.moe_impl is not MoeImpl.GROUPED,
          f"moe_impl {wl.moe_impl.value} (its op counts follow the routing; modelled for "
          "transformers' grouped experts, moe_impl grouped)"),
-        (moe.router_fp32, "an fp32 router"), (moe.router_topk_softmax, "a top-k softmax router"),
+        (moe.router_fp32 and not moe.shared_experts_last,
+         "an fp32 softmax router (Hunyuan's; DeepSeek-V3's sigmoid router is modelled)"),
+        (moe.router_topk_softmax, "a top-k softmax router"),
         (moe.clamped_swiglu or spec.mlp_bias, "expert biases"),
         (not spec.mlp.gated, "ungated experts"),
         (moe.expert_ffn_hidden_size in (spec.hidden_size, spec.head_dim),

@@ -197,3 +197,26 @@ def test_shared_gate_policy_names_sigmoid() -> None:
     text = emit_for("torch", est)
     compile(text, "policy.py", "exec")
     assert "SAVE = {('act', 1, 0)}" in text and "_aten.sigmoid.default" in text
+
+
+def test_sigmoid_router_items_by_hand() -> None:
+    """DeepSeek-V3's router (GLM-4.5's: an fp32 router with shared experts last,
+    ``sac_moe.sigmoid_router``): ``F.linear`` on fp32 copies of the input (T*h*4 = 65,536 B)
+    and the weight (E*h*4 = 1,024 B), its fp32 logits (T*E*4 = 4,096 B) and their sigmoid
+    (4,096 B). FLOPs per token: the input cast 64, the weight's E*h/T = 1, the projection
+    2*h*E = 512, the sigmoid 4. The casts are the layer's 4th and 5th 64-wide ``_to_copy``
+    (after the two norms' two each); a softmax router's fp32 copy refused by name."""
+    spec = SHARED.model_copy(update={"moe": SHARED.moe.model_copy(update={
+        "shared_expert_gate": False, "shared_experts_last": True, "router_fp32": True})})
+    wl = make_workload(spec, **FIELDS, recompute="ops")
+    items = {i.name: (i.size_bytes, i.flops_per_token, i.op, i.width, i.nth)
+             for i in ops_items(spec, wl, Dims.of(spec, make_layout(1), wl))
+             if i.name.startswith("moe.router")}
+    assert items == {"moe.router_input_fp32": (65_536, 64.0, "copy", 64, 4),
+                     "moe.router_weight_fp32": (1_024, 1.0, "copy", 64, 5),
+                     "moe.router": (4_096, 512.0, "matmul", 4, 0),
+                     "moe.router_probs": (4_096, 4.0, "act", 4, 0)}
+    first = spec.model_copy(update={"moe": spec.moe.model_copy(update={
+        "shared_experts_last": False})})
+    with pytest.raises(MemplanError, match="an fp32 softmax router"):
+        estimate(first, **FIELDS, recompute="ops")
