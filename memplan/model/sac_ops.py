@@ -38,6 +38,7 @@ from typing import NamedTuple
 
 from memplan.errors import LayoutError, MemplanError
 from memplan.model.attention import Attention as AttentionBlock
+from memplan.model.attention import windowed
 from memplan.model.dims import Dims, Term
 from memplan.spec import MlpKind, ModelSpec, NormKind, PositionKind, QkNorm
 from memplan.units import FP32_BYTES
@@ -86,7 +87,9 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
         (spec.linear_attention is not None, "linear-attention layers"),
         (spec.short_conv is not None, "short-convolution layers"),
         (spec.mamba is not None, "Mamba layers"),
-        (spec.sliding_window is not None, "sliding-window layers"),
+        (spec.sliding_window is not None and spec.window_chunked, "chunked attention layers"),
+        (windowed(spec, wl), f"sliding-window layers at seq {wl.seq_len} >= their window "
+         f"{spec.sliding_window} (an explicit mask; modelled below it)"),
         (not spec.norm_placement.pre_norm or spec.norm_placement.post_norm,
          f"{spec.norm_placement.value} norms"),
         (spec.parallel_block, "parallel attention and MLP blocks"),

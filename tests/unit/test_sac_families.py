@@ -12,7 +12,9 @@ half of each (32,768, 2,048, 16,384 B). Its output goes to RoPE, which saves not
 
 from __future__ import annotations
 
+import pytest
 from memplan.api import estimate, make_layout, make_workload
+from memplan.errors import MemplanError
 from memplan.model import sac_ops
 from memplan.model.dims import Dims
 from memplan.model.layer import ops_items
@@ -204,3 +206,19 @@ def test_mixed_plan_auto() -> None:
         assert c.recompute == "ops" and c.peak_bytes <= result.budget_bytes
         assert c.estimate.peak_bytes == c.peak_bytes
         assert {n.split(":")[-2] for n in c.recompute_save} <= {"dense", "moe"}
+
+
+def test_sliding_window_below_its_length_is_the_generic_layer() -> None:
+    """A sliding window longer than the sequence masks nothing (transformers' SDPA path gets
+    no mask: masking_utils.py ``_ignore_causal_mask_sdpa``): the layer's items are those of
+    the same model without a window, and it keeps the same bytes. At a sequence as long as
+    the window (an explicit mask) op-level checkpointing is refused by name."""
+    tiny = load_model("tiny")
+    window = ModelSpec.model_validate({**tiny.model_dump(), "name": "tiny-window",
+                                       "sliding_window": 256})
+    assert _items(window) == _items(tiny)
+    kept = dict(**FIELDS, recompute="ops", recompute_save="attn.k,mlp.up")
+    assert estimate(window, **kept).stages[0].activations_bytes == \
+        estimate(tiny, **kept).stages[0].activations_bytes
+    with pytest.raises(MemplanError, match="sliding-window layers at seq 256 >= their window 256"):
+        estimate(window, seq_len=256, micro_batch_size=2, framework="hf", recompute="ops")
