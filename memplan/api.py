@@ -248,14 +248,12 @@ def _auto_save(spec: ModelSpec, gpu: GpuSpec, par: Any, wl: Workload, capacity: 
     it does not fit)."""
     from memplan.model.dims import Dims
     from memplan.model.estimate import resolve_split
-    from memplan.model.layer import ops_forward_peaks, ops_items
-    from memplan.model.sac_ops import check_searchable
+    from memplan.model.layer import ops_forward_peaks, ops_search_items
     from memplan.planning.save_sets import choose, frontier
 
-    check_searchable(spec)
     resolved = resolve_split(spec, par, wl)
     dm = Dims.of(spec, resolved, wl)
-    sets = frontier(ops_items(spec, wl, dm))
+    sets = frontier(ops_search_items(spec, wl, dm))
     forward = ops_forward_peaks(spec, wl, dm, sets)
 
     def with_save(kept: tuple[str, ...]) -> Workload:

@@ -28,7 +28,7 @@ from memplan.hardware import GpuSpec
 from memplan.model import adapters, fsdp1, memo, sac_ops, step_in_backward, te_fp8
 from memplan.model.dims import Dims
 from memplan.model.head import in_loss
-from memplan.model.layer import ops_items
+from memplan.model.layer import ops_items, ops_kinds
 from memplan.model.optimizer import optimizer_policy
 from memplan.model.pipeline import Schedule, chunks_in_flight
 from memplan.model.stage_terms import StageTerms
@@ -362,6 +362,14 @@ def _zero3_offload_lines(par: ParallelConfig, wl: Workload) -> tuple[str, ...]:
             "copy of a gradient partition",)
 
 
+def _ops_line(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> str:
+    """``sac_ops.assumption`` with each layer kind's items (``memplan.model.layer.
+    ops_kinds``)."""
+    dm = Dims.of(spec, par, wl)
+    return sac_ops.assumption(spec, wl, {kind: ops_items(spec, wl, dm, moe)
+                                         for kind, moe, _ in ops_kinds(spec)}, par.pp)
+
+
 def _deltanet_line(wl: Workload) -> str:
     """The assumption line of a model with gated DeltaNet layers: which kernels they run."""
     if wl.deltanet_kernel is DeltaNetKernel.FLA:
@@ -416,8 +424,7 @@ def _assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload, schedule: S
         *fsdp1.assumptions(spec, par, wl),
         *((_deltanet_line(wl),) if spec.linear_attention is not None else ()),
         *((MAMBA_LINE,) if spec.mamba is not None else ()),
-        *((sac_ops.assumption(spec, wl, ops_items(spec, wl, Dims.of(spec, par, wl)), par.pp),)
-          if wl.recompute is Recompute.OPS else ()),
+        *((_ops_line(spec, par, wl),) if wl.recompute is Recompute.OPS else ()),
         *(("optimizer offloaded to host memory: fp32 master weights, states, an fp32 gradient "
            "copy and the step on the CPU (ZeRO-Offload); the GPU keeps weights and gradients",)
           if zero_offload(par) and not wl.flat_partition else ()),

@@ -427,11 +427,52 @@ def ops_items(spec: ModelSpec, wl: Workload, dm: Dims,
     sac_ops.check_supported(spec, wl)
     moe = sac_ops.searched_moe(spec) if moe is None else moe
     saved = tuple(layer_terms(spec, wl, dm, moe_layer=moe, recompute=Recompute.NONE))
-    items = sac_ops.layer_items(spec, wl, dm, saved, moe)
+    ops = sac_ops.layer_ops(spec, wl, dm, saved, moe)
+    items = tuple(i for i in ops if i.name)
     if not moe:
         return items
     return items + sac_moe.moe_items(spec, dm, {t.name: t.size_bytes for t in saved},
-                                     sac_moe.keys_before(list(items), spec, dm))
+                                     sac_ops.counts(ops))
+
+
+def ops_kinds(spec: ModelSpec) -> tuple[tuple[str, bool, int], ...]:
+    """The layer kinds of ``spec`` a save list scopes (``sac_ops.KINDS``), as (kind, MoE
+    layer, how many layers): one where its layers are all alike."""
+    if spec.moe is None or sac_ops.searched_moe(spec):
+        return (("moe" if spec.moe is not None else "dense", spec.moe is not None,
+                 spec.num_layers),)
+    n_moe = sum(spec.is_moe_layer(i) for i in range(spec.num_layers))
+    return (("dense", False, spec.num_layers - n_moe), ("moe", True, n_moe))
+
+
+@lru_cache(maxsize=256)
+def ops_search_items(spec: ModelSpec, wl: Workload, dm: Dims) -> tuple[sac_ops.Item, ...]:
+    """The items ``--recompute auto`` searches (``memplan.planning.save_sets.frontier``):
+    one layer's (``ops_items``) where the layers are all of one kind; for a model of dense
+    and MoE layers each kind's, named ``KIND:name`` (a save list per kind, ``sac_ops.
+    resolve``), their bytes and FLOPs times the kind's layer count (what keeping one costs
+    and saves over the model, so that one knapsack weighs the kinds)."""
+    kinds = ops_kinds(spec)
+    if len(kinds) == 1:
+        return ops_items(spec, wl, dm)
+    return tuple(i._replace(name=f"{kind}:{i.name}", size_bytes=i.size_bytes * n,
+                            flops_per_token=i.flops_per_token * n)
+                 for kind, moe, n in kinds for i in ops_items(spec, wl, dm, moe))
+
+
+@lru_cache(maxsize=256)
+def ops_unkept(spec: ModelSpec, wl: Workload, dm: Dims,
+               moe: bool | None = None) -> tuple[tuple[str, int], ...]:
+    """The (family, width) of a layer's ops that no item keeps and a policy counts, so that
+    the items' indices hold (``memplan.report.sac_policy.torch_policy``): ``sac_ops.
+    layer_ops``' unnamed ops of an item's family and width, and an MoE block's
+    (``sac_moe.moe_policy_ops``)."""
+    moe = sac_ops.searched_moe(spec) if moe is None else moe
+    saved = tuple(layer_terms(spec, wl, dm, moe_layer=moe, recompute=Recompute.NONE))
+    block = sac_moe.moe_policy_ops(spec, dm) if moe else []
+    keys = {(i.op, i.width) for i in ops_items(spec, wl, dm, moe)} | set(block)
+    return tuple([(i.op, i.width) for i in sac_ops.layer_ops(spec, wl, dm, saved, moe)
+                  if not i.name and (i.op, i.width) in keys] + block)
 
 
 def ops_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str) -> LayerKind:
@@ -494,7 +535,7 @@ def ops_forward_peak(fw: _OpsForward, items: tuple[sac_ops.Item, ...],
     peak = sac_ops.forward_peak(fw.pairs, items, kept, fw.mlp_end)
     if not fw.moe:
         return peak
-    before = 0
+    before = -sac_ops.input_held(kept, "mlp")
     for i in kept:
         if i.block != "mlp":
             before += i.size_bytes
@@ -509,18 +550,32 @@ def ops_forward_peak(fw: _OpsForward, items: tuple[sac_ops.Item, ...],
 
 @lru_cache(maxsize=256)
 def ops_forward_peaks(spec: ModelSpec, wl: Workload, dm: Dims,
-                      sets: tuple) -> tuple[int, ...]:
+                      sets: tuple) -> tuple:
     """Each save set's layer forward peak (``ops_forward_peak``) for the model's searched
     kind (``sac_ops.searched_moe``): what ``memplan.planning.save_sets.choose`` orders sets
     by beside their bytes, without an estimate. ``sets``: the frontier
-    (``memplan.planning.save_sets.Choice``, each with its ``kept`` names). Cached: a plan
-    asks per fit."""
-    moe = sac_ops.searched_moe(spec)
-    items = ops_items(spec, wl, dm, moe)
-    fw = _ops_forward(spec, _unsaved(wl), dm, moe, "")
-    by_name = {i.name: i for i in items}
-    return tuple([ops_forward_peak(fw, items, tuple([by_name[n] for n in c.kept]))
-                  for c in sets])
+    (``memplan.planning.save_sets.Choice``, each with its ``kept`` names). For a model of
+    dense and MoE layers (``ops_search_items``), each set's (dense bytes, MoE bytes, dense
+    forward peak, MoE forward peak) per layer: a stage's peak rises with each. Cached: a
+    plan asks per fit."""
+    kinds = ops_kinds(spec)
+    if len(kinds) == 1:
+        moe = kinds[0][1]
+        items = ops_items(spec, wl, dm, moe)
+        fw = _ops_forward(spec, _unsaved(wl), dm, moe, "")
+        by_name = {i.name: i for i in items}
+        return tuple([ops_forward_peak(fw, items, tuple([by_name[n] for n in c.kept]))
+                      for c in sets])
+    per_kind = []
+    for kind, moe, _ in kinds:
+        items = ops_items(spec, wl, dm, moe)
+        fw = _ops_forward(spec, _unsaved(wl), dm, moe, "")
+        by_name = {f"{kind}:{i.name}": i for i in items}
+        kept = [tuple(by_name[n] for n in c.kept if n in by_name) for c in sets]
+        per_kind.append(([sum(i.size_bytes for i in k) for k in kept],
+                         [ops_forward_peak(fw, items, k) for k in kept]))
+    (dense_b, dense_f), (moe_b, moe_f) = per_kind
+    return tuple(zip(dense_b, moe_b, dense_f, moe_f))
 
 
 def grad_group_params(spec: ModelSpec, t: int, ep: int, moe: bool,

@@ -113,8 +113,15 @@ def grouped_kept_moments(spec: ModelSpec, dm: Dims) -> list[tuple[int, frozenset
     the gate/up output and the activation, which the checkpointed forward had freed. The
     router's probabilities, the gathered rows and the product are in both anyway."""
     gate, unsort = _grouped_moments(spec, dm)
-    return [(gate, frozenset({"moe.router"})),
-            (unsort, frozenset({"moe.router", "moe.expert.gate_up", "moe.expert.act"}))]
+    moe = _moe(spec)
+    # a shared MLP that ran first freed its tensors when its down projection returned; its
+    # output is alive at both moments anyway (``_grouped_moments``)
+    shared = ({"moe.shared.gate", "moe.shared.act", "moe.shared.up", "moe.shared.prod"}
+              if moe.num_shared_experts and not moe.shared_experts_last else set())
+    # an fp32 router's input and weight copies, freed once its logits exist (_routing_bytes)
+    router = {"moe.router", "moe.router_input_fp32", "moe.router_weight_fp32"}
+    return [(gate, frozenset(router | shared)),
+            (unsort, frozenset(router | {"moe.expert.gate_up", "moe.expert.act"} | shared))]
 
 
 def _gated_shared_unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:

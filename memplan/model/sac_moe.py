@@ -6,29 +6,22 @@ blocks are modelled.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from memplan.model.dims import Dims
-from memplan.model.sac_ops import (ACTIVATION, COPY, GROUPED_MM, INDEX, MATMUL, NORM, PRODUCT,
-                                   RSQRT, SOFTMAX, Item)
-from memplan.spec import ModelSpec
+from memplan.model.sac_ops import (ACTIVATION, COPY, GROUPED_MM, INDEX, MATMUL, PRODUCT,
+                                   SOFTMAX, Item)
+from memplan.spec import ModelSpec, MoESpec
 from memplan.units import FP32_BYTES
-
-
-def keys_before(items: list[Item], spec: ModelSpec, dm: Dims) -> dict[tuple[str, int], int]:
-    """How many ops of each (family, width) a policy counts before the feed-forward: the
-    attention's and norms' items, and a named RMSNorm's unsaved product (``sac_ops._norm_items``)."""
-    seen: dict[tuple[str, int], int] = {}
-    for key in [(i.op, i.width) for i in items if i.op != NORM] + [
-            (PRODUCT, spec.hidden_size) for i in items if i.op == RSQRT]:
-        seen[key] = seen.get(key, 0) + 1
-    return seen
 
 
 def moe_items(spec: ModelSpec, dm: Dims, terms: dict[str, int],
               seen: dict[tuple[str, int], int]) -> tuple[Item, ...]:
     """An MoE feed-forward's items as transformers runs it (``sac_ops.moe_refusal``: Mixtral's
     ``MixtralTopKRouter.forward`` and integrations/moe.py ``grouped_mm_experts_forward``), in
-    execution order, each op's index counted after ``seen`` (``keys_before``) and after
-    the block's own ops a policy also counts (``moe_policy_ops``): the router's projection
+    execution order, each op's index counted after ``seen`` (``sac_ops.counts`` of the
+    layer's ops before it) and after the block's own ops a policy also counts
+    (``moe_policy_ops``): the router's projection
     (saved by no one: kept, it skips its rerun), its fp32 softmax (``moe.router_probs``),
     the routed rows sorted by expert (the second gather of width h, ``moe.dispatched``), the
     experts' grouped gate/up projection (``moe.expert.gate``, ``.up``: one tensor), their
@@ -59,11 +52,7 @@ def _moe_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]
     def term(*names: str) -> int:
         return sum(terms[n] for n in names)
 
-    ops = [("moe.router", MATMUL, E, (), dm.tokens * E * e, 2.0 * h * E, True)]
-    if low:  # router_logits.float()
-        ops.append(("", COPY, E, (), 0, 0.0, False))
-    ops += [("moe.router_probs", SOFTMAX, E, ("moe.router_probs",), term("moe.router_probs"),
-             float(E), False),
+    ops = _router_ops(spec, dm, term) + [
             ("", INDEX, h, (), 0, 0.0, False),  # hidden_states[token_idx]
             ("", INDEX, rows, (), 0, 0.0, False), ("", INDEX, rows, (), 0, 0.0, False),
             ("moe.dispatched", INDEX, h, ("moe.dispatched",), term("moe.dispatched"), 0.0,
@@ -81,7 +70,89 @@ def _moe_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]
             ("", INDEX, h, (), 0, 0.0, False)]  # weighted_out[inv_perm]
     if low:  # final_hidden_states.to(hidden_states.dtype) (fp32 by type promotion)
         ops.append(("", COPY, h, (), 0, 0.0, False))
-    return ops
+    if not moe.num_shared_experts:
+        return ops
+    shared = _shared_ops(spec, dm, term)
+    return ops + shared if moe.shared_experts_last else shared + ops + _gate_ops(spec, dm, term)
+
+
+def _router_ops(spec: ModelSpec, dm: Dims, term: Callable[..., int]
+                ) -> list[tuple[str, str, int, tuple[str, ...], int, float, bool]]:
+    """The router's ops (``_moe_ops``' tuples). Mixtral's (MixtralTopKRouter.forward, Qwen2-
+    and Qwen3-MoE's alike): its projection (saved by no one: kept, it skips its rerun),
+    ``.float()`` of its logits and their softmax (``moe.router_probs``). DeepSeek-V3's
+    (``sigmoid_router``: DeepseekV3TopkRouter.forward, Glm4MoeTopkRouter.forward, then
+    ``route_tokens_to_experts``): ``F.linear`` on fp32 copies of the input and the weight
+    (``moe.router_input_fp32``, ``moe.router_weight_fp32``, saved by it; casts of width h,
+    no ops in fp32), its fp32 logits (``moe.router``) and their sigmoid
+    (``moe.router_probs``); the group-limited top-k after it runs no op a policy counts."""
+    moe = spec.moe
+    assert moe is not None
+    h, e, E = spec.hidden_size, dm.e, moe.num_experts
+    low = e < FP32_BYTES
+    if not sigmoid_router(moe):
+        return ([("moe.router", MATMUL, E, (), dm.tokens * E * e, 2.0 * h * E, True)]
+                + [("", COPY, E, (), 0, 0.0, False)] * low  # router_logits.float()
+                + [("moe.router_probs", SOFTMAX, E, ("moe.router_probs",),
+                    term("moe.router_probs"), float(E), False)])
+    casts = [("moe.router_input_fp32", COPY, h, ("moe.router_input_fp32",),
+              term("moe.router_input_fp32"), float(h), True),
+             ("moe.router_weight_fp32", COPY, h, ("moe.router_weight_fp32",),
+              term("moe.router_weight_fp32"), float(E * h) / dm.tokens, True)] if low else []
+    return casts + [
+        ("moe.router", MATMUL, E, (), dm.tokens * E * FP32_BYTES, 2.0 * h * E, True),
+        ("moe.router_probs", ACTIVATION, E, ("moe.router_probs",), term("moe.router_probs"),
+         float(E), False)]
+
+
+def sigmoid_router(moe: MoESpec) -> bool:
+    """DeepSeek-V3's router: an fp32 linear whose logits' sigmoid chooses the experts by
+    group (DeepseekV3TopkRouter, Glm4MoeTopkRouter, Dots1TopkRouter with their blocks'
+    ``route_tokens_to_experts``), in transformers the families whose shared experts run last
+    (``MoESpec.shared_experts_last``)."""
+    return moe.router_fp32 and moe.shared_experts_last
+
+
+def _shared_ops(spec: ModelSpec, dm: Dims, term: Callable[..., int]
+                ) -> list[tuple[str, str, int, tuple[str, ...], int, float, bool]]:
+    """The shared experts' MLP (``_moe_ops``' tuples), as a dense gated MLP runs
+    (Qwen2MoeMLP.forward, DeepseekV3MLP.forward: ``down_proj(act_fn(gate_proj(x)) *
+    up_proj(x))``) over every token, TP-split: its gate, SiLU, up and product
+    (``moe.shared.*``), kept beside the routed experts' working set when they ran first;
+    its down projection's output is saved by the shared gate's product (``moe.shared_out``:
+    the rerun reaches it, an item), else by no one and, running last, never rerun (early
+    stop, as a dense MLP's)."""
+    moe = spec.moe
+    assert moe is not None
+    h = spec.hidden_size
+    f = moe.num_shared_experts * moe.shared_expert_ffn_hidden_size // dm.tp
+    ops = [("moe.shared.gate", MATMUL, f, ("moe.shared.gate",), term("moe.shared.gate"),
+            2.0 * h * f, True),
+           ("moe.shared.act", ACTIVATION, f, ("moe.shared.act",), term("moe.shared.act"),
+            float(f), True),
+           ("moe.shared.up", MATMUL, f, ("moe.shared.up",), term("moe.shared.up"),
+            2.0 * h * f, True),
+           ("moe.shared.prod", PRODUCT, f, ("moe.shared.prod",), term("moe.shared.prod"),
+            float(f), True)]
+    if moe.shared_expert_gate:
+        return ops + [("moe.shared.down", MATMUL, h, ("moe.shared_out",),
+                       term("moe.shared_out"), 2.0 * h * f, False)]
+    return ops + [("", MATMUL, h, (), 0, 0.0, False)]
+
+
+def _gate_ops(spec: ModelSpec, dm: Dims, term: Callable[..., int]
+              ) -> list[tuple[str, str, int, tuple[str, ...], int, float, bool]]:
+    """The shared experts' gate after the routed experts (Qwen2MoeSparseMoeBlock.forward:
+    ``F.sigmoid(self.shared_expert_gate(hidden_states)) * shared_expert_output``): its h -> 1
+    projection (saved by no one: kept, it skips its rerun), its sigmoid (``moe.shared_gate``)
+    and the product, which no item keeps."""
+    if not spec.moe or not spec.moe.shared_expert_gate:
+        return []
+    h = spec.hidden_size
+    return [("moe.shared_gate_proj", MATMUL, 1, (), dm.tokens * dm.e, 2.0 * h, False),
+            ("moe.shared_gate", ACTIVATION, 1, ("moe.shared_gate",), term("moe.shared_gate"),
+             1.0, False),
+            ("", PRODUCT, h, (), 0, 0.0, False)]
 
 
 def moe_policy_ops(spec: ModelSpec, dm: Dims) -> list[tuple[str, int]]:

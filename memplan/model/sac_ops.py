@@ -12,7 +12,8 @@ so the MLP's down projection never reruns. The save list is a set of *items*: an
 output a layer can keep, named after the saved term it makes (``attn.q`` is the q
 projection's output; ``attn.out`` the attention kernel's, with its logsumexp ``attn.lse``;
 ``attn.o_proj`` the output projection's, which no backward reads but whose rerun it skips;
-a norm's saved tensors, which a policy names by op only for an upcast RMSNorm: ``_norm_items``).
+a norm's saved tensors, which a policy names by op only for an upcast RMSNorm: ``_norm_ops``;
+the q/k norms' (Qwen3's, per head) among the attention's).
 
 So a layer under OPS holds its checkpointed input and the kept outputs (``kept_terms``); its
 backward is the fully recomputed layer's (the rerun rebuilds what a layer without recompute
@@ -37,8 +38,9 @@ from typing import NamedTuple
 
 from memplan.errors import LayoutError, MemplanError
 from memplan.model.attention import Attention as AttentionBlock
+from memplan.model.attention import windowed
 from memplan.model.dims import Dims, Term
-from memplan.spec import MlpKind, ModelSpec, NormKind, PositionKind
+from memplan.spec import MlpKind, ModelSpec, NormKind, PositionKind, QkNorm
 from memplan.units import FP32_BYTES
 from memplan.workload import Attention as Kernel
 from memplan.workload import MoeImpl, NormImpl
@@ -85,12 +87,16 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
         (spec.linear_attention is not None, "linear-attention layers"),
         (spec.short_conv is not None, "short-convolution layers"),
         (spec.mamba is not None, "Mamba layers"),
-        (spec.sliding_window is not None, "sliding-window layers"),
+        (spec.sliding_window is not None and spec.window_chunked, "chunked attention layers"),
+        (windowed(spec, wl), f"sliding-window layers at seq {wl.seq_len} >= their window "
+         f"{spec.sliding_window} (an explicit mask; modelled below it)"),
         (not spec.norm_placement.pre_norm or spec.norm_placement.post_norm,
          f"{spec.norm_placement.value} norms"),
         (spec.parallel_block, "parallel attention and MLP blocks"),
         (spec.fused_gate_up, "one fused gate/up projection"),
-        (spec.qk_norm.value != "none", "q/k norms"),
+        (spec.qk_norm not in (QkNorm.NONE, QkNorm.HEAD), f"{spec.qk_norm.value} q/k norms"),
+        (spec.qk_norm is QkNorm.HEAD and (spec.fused_qkv or wl.fused_qkv),
+         "q/k norms on one fused q/k/v projection"),
         (spec.attn_output_gate, "an attention output gate"),
         (spec.dropout > 0, "dropout"),
         (wl.attention is not Kernel.FLASH, f"attention {wl.attention.value}"),
@@ -115,8 +121,9 @@ def moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
         (wl.moe_impl is not MoeImpl.GROUPED,
          f"moe_impl {wl.moe_impl.value} (its op counts follow the routing; modelled for "
          "transformers' grouped experts, moe_impl grouped)"),
-        (moe.num_shared_experts > 0, "shared experts"),
-        (moe.router_fp32, "an fp32 router"), (moe.router_topk_softmax, "a top-k softmax router"),
+        (moe.router_fp32 and not moe.shared_experts_last,
+         "an fp32 softmax router (Hunyuan's; DeepSeek-V3's sigmoid router is modelled)"),
+        (moe.router_topk_softmax, "a top-k softmax router"),
         (moe.clamped_swiglu or spec.mlp_bias, "expert biases"),
         (not spec.mlp.gated, "ungated experts"),
         (moe.expert_ffn_hidden_size in (spec.hidden_size, spec.head_dim),
@@ -150,53 +157,97 @@ def matmul_shapes(spec: ModelSpec, t: int, fused_qkv: bool = False
 
 
 @lru_cache(maxsize=512)
-def layer_items(spec: ModelSpec, wl: Workload, dm: Dims,
-                saved: tuple[Term, ...], moe: bool = False) -> tuple[Item, ...]:
-    """The items of one layer on this rank, in execution order (``Item``); ``saved``:
-    what the layer saves without recompute (``memplan.model.layer.ops_items`` gives it);
-    ``moe``: an MoE layer (its attention's and norms' items; ``memplan.model.layer.ops_items``
-    adds its feed-forward's, ``memplan.model.sac_moe.moe_items``)."""
+def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
+              saved: tuple[Term, ...], moe: bool = False) -> tuple[Item, ...]:
+    """The ops of one layer on this rank a policy counts, in execution order (``nth``
+    numbered along them per family and width): the items (``layer_items``), and the ops no
+    item keeps (named ""): a named norm's fp32 product ``x * rstd`` and a q/k norm's output
+    (``_norm_ops``), RoPE's four products of width ``rope_dim`` (transformers'
+    ``apply_rotary_pos_emb``: ``q * cos + rotate_half(q) * sin``, then k's; the reference
+    model's ``apply_rope``), and a dense MLP's down projection (never rerun: early stop).
+    ``saved``: what the layer saves without recompute (``memplan.model.layer.ops_items``
+    gives it); ``moe``: an MoE layer, whose feed-forward's ops follow
+    (``memplan.model.sac_moe.moe_items``)."""
     check_supported(spec, wl)
     terms = {t.name: t.size_bytes for t in saved}
     tokens, e, t = dm.tokens, dm.e, dm.tp
-    seen: dict[int, int] = {}
-    out: list[Item] = []
+    named = _norms_nameable(spec, wl, dm, terms)
 
     def matmul(name: str, d_in: int, d_out: int, width: int) -> Item:
-        nth = seen.get(width, 0)
-        seen[width] = nth + 1
         rope = name in ("attn.q", "attn.k", "attn.qkv") and spec.position is PositionKind.ROPE
         covers = ("attn.q", "attn.k", "attn.v") if name == "attn.qkv" else (name,)
         # (a row-parallel output is the full partial sum on each rank)
         return Item(name, tuple(c for c in covers if c in terms), tokens * width * e,
                     2.0 * d_in * d_out + (2.0 * d_out if _has_bias(spec, name) else 0.0),
-                    MATMUL, width, nth, name.split(".")[0], rope or name == "mlp.gate")
+                    MATMUL, width, 0, name.split(".")[0], rope or name == "mlp.gate")
 
-    named = _norms_nameable(spec, wl, dm, terms)
-    out += _norm_items("attn_norm", terms, spec, named)
+    h = spec.hidden_size
+    fp32 = (spec.norm is NormKind.RMSNORM and wl.norm_impl is NormImpl.UPCAST
+            and dm.e >= FP32_BYTES)
+    out = _norm_ops("attn_norm", terms, h, h, named, fp32_ops=fp32)
     fused = spec.fused_qkv or wl.fused_qkv
     mm = {m[0]: m for m in matmul_shapes(spec, t, fused)}
-    out += [matmul(*mm[n]) for n in (("attn.qkv",) if fused else ("attn.q", "attn.k", "attn.v"))]
+    for name in ("attn.qkv",) if fused else ("attn.q", "attn.k", "attn.v"):
+        out.append(matmul(*mm[name]))
+        if name in ("attn.q", "attn.k") and spec.qk_norm is QkNorm.HEAD:
+            # Qwen3Attention.forward: q_norm(q_proj(x).view(..., head_dim)), then k's
+            local = mm[name][2]  # the rank's q (or k) width: its heads' rows of head_dim
+            out += _norm_ops(f"attn.{name[-1]}_norm", terms, spec.head_dim, local, named,
+                             "attn", fp32)
+    if spec.position is PositionKind.ROPE:
+        out += [_unkept(PRODUCT, spec.rope_dim, "attn")] * 4
     core = AttentionBlock().core_flops_per_token(spec, dm.s_kv) / t
     out.append(Item("attn.out", ("attn.out", "attn.lse"), terms["attn.out"] + terms["attn.lse"],
                     core, ATTENTION_KERNEL, spec.q_size // t, 0, "attn", False))
     out.append(matmul(*mm["attn.o_proj"]))
-    out += _norm_items("mlp_norm", terms, spec, named)
-    if moe:  # the MoE block's items follow (``memplan.model.sac_moe.moe_items``)
-        return tuple(out)
-    f = spec.ffn_hidden_size // t
-    if spec.mlp.gated:
-        out.append(matmul(*mm["mlp.gate"]))
-        out.append(Item("mlp.act", ("mlp.act",), terms["mlp.act"], float(f), ACTIVATION, f, 0,
-                        "mlp", False))
-        out.append(matmul(*mm["mlp.up"]))
-        out.append(Item("mlp.prod", ("mlp.prod",), terms["mlp.prod"], float(f), PRODUCT, f, 0,
-                        "mlp", False))
-    else:
-        out.append(matmul(*mm["mlp.fc1"]))
-        out.append(Item("mlp.act", ("mlp.act",), terms["mlp.act"], float(f), ACTIVATION, f, 0,
-                        "mlp", False))
+    out += _norm_ops("mlp_norm", terms, h, h, named, fp32_ops=fp32)
+    if not moe:  # (an MoE block's items follow: ``memplan.model.sac_moe.moe_items``)
+        f = spec.ffn_hidden_size // t
+        first = ("mlp.gate",) if spec.mlp.gated else ("mlp.fc1",)
+        out.append(matmul(*mm[first[0]]))
+        out.append(Item("mlp.act", ("mlp.act",), terms["mlp.act"], float(f), ACTIVATION, f,
+                        0, "mlp", False))
+        if spec.mlp.gated:
+            out.append(matmul(*mm["mlp.up"]))
+            out.append(Item("mlp.prod", ("mlp.prod",), terms["mlp.prod"], float(f), PRODUCT,
+                            f, 0, "mlp", False))
+        out.append(_unkept(MATMUL, mm["mlp.down"][3], "mlp"))
+    return numbered(out)
+
+
+def layer_items(spec: ModelSpec, wl: Workload, dm: Dims,
+                saved: tuple[Term, ...], moe: bool = False) -> tuple[Item, ...]:
+    """The items of one layer on this rank, in execution order (``Item``; ``layer_ops``)."""
+    return tuple(i for i in layer_ops(spec, wl, dm, saved, moe) if i.name)
+
+
+def _unkept(op: str, width: int, block: str) -> Item:
+    """An op a policy counts that no item keeps."""
+    return Item("", (), 0, 0.0, op, width, 0, block, False)
+
+
+def numbered(ops: list[Item], seen: dict[tuple[str, int], int] | None = None
+             ) -> tuple[Item, ...]:
+    """``ops`` with each one's index among the ops of its family and width before it (after
+    ``seen``'s counts); an unnamed norm's tensors (``NORM``) are not counted."""
+    seen = dict(seen or {})
+    out = []
+    for i in ops:
+        if i.op != NORM:
+            nth = seen.get((i.op, i.width), 0)
+            seen[(i.op, i.width)] = nth + 1
+            i = i._replace(nth=nth)
+        out.append(i)
     return tuple(out)
+
+
+def counts(ops: tuple[Item, ...]) -> dict[tuple[str, int], int]:
+    """How many of ``ops`` a policy counts per (family, width)."""
+    seen: dict[tuple[str, int], int] = {}
+    for i in ops:
+        if i.op != NORM:
+            seen[(i.op, i.width)] = seen.get((i.op, i.width), 0) + 1
+    return seen
 
 
 def _has_bias(spec: ModelSpec, name: str) -> bool:
@@ -205,33 +256,46 @@ def _has_bias(spec: ModelSpec, name: str) -> bool:
     return spec.attn_out_bias if name == "attn.o_proj" else spec.qkv_bias
 
 
-def _norm_items(norm: str, terms: dict[str, int], spec: ModelSpec,
-                named: bool) -> list[Item]:
-    """A norm's saved terms, each an item of its own: elementwise, one FLOP per element of the
-    hidden width. Unless ``named`` (``_norms_nameable``) its ops differ by implementation and
-    no policy names them (``NORM``). Named, they are an upcast RMSNorm's ops in execution
-    order (Hugging Face's ``LlamaRMSNorm.forward``, the reference model's ``RMSNorm``):
-    ``x.to(float32)`` (``input_fp32``), ``rsqrt`` of the mean square (``stats``),
-    ``x * rstd`` (fp32, saved by no one), ``.to(dtype)`` (``normed``), ``weight * normed``
-    (``output``); per layer the k-th norm's casts are the (2k)-th and (2k+1)-th ``_to_copy``
-    of width h and its products the (2k)-th and (2k+1)-th ``mul`` of width h."""
+def _norm_ops(norm: str, terms: dict[str, int], width: int, per_token: int, named: bool,
+              block: str = "", fp32_ops: bool = False) -> list[Item]:
+    """A norm's saved terms, each an item of its own: elementwise, one FLOP per element
+    (``per_token`` elements per token: a q/k norm's rows are the rank's heads). Unless ``named``
+    (``_norms_nameable``) its ops differ by implementation and no policy names them
+    (``NORM``). Named, they are an upcast RMSNorm's ops in execution order (Hugging Face's
+    ``LlamaRMSNorm.forward`` and ``Qwen3RMSNorm.forward``, the reference model's
+    ``RMSNorm``): ``x.to(float32)`` (``input_fp32``), ``rsqrt`` of the mean square
+    (``stats``, of width 1), ``x * rstd`` (fp32, saved by no one), ``.to(dtype)``
+    (``normed``), ``weight * normed`` (``output``: a q/k norm's goes to RoPE, which saves
+    nothing of it). ``block``: the block that runs it (the norm's own by default; a q/k
+    norm's, the attention). ``fp32_ops``: unnamed, an upcast RMSNorm in fp32, whose casts
+    are no ops but whose rsqrt and two products a policy counts all the same."""
+    block = block or norm
+    mine = {name: size for name, size in terms.items() if name.startswith(norm + ".")}
+    own = block != norm  # a q/k norm's tensors add to the attention's working set
     if not named:
-        return [Item(name, (name,), size, float(spec.hidden_size), NORM, spec.hidden_size, 0,
-                     norm, False)
-                for name, size in terms.items() if name.startswith(norm + ".")]
-    k, h = ("attn_norm", "mlp_norm").index(norm), spec.hidden_size
-    ops = (("input_fp32", COPY, h, 2 * k), ("stats", RSQRT, 1, k),
-           ("normed", COPY, h, 2 * k + 1), ("output", PRODUCT, h, 2 * k + 1))
-    return [Item(f"{norm}.{name}", (f"{norm}.{name}",), terms[f"{norm}.{name}"], float(h), op,
-                 width, nth, norm, False) for name, op, width, nth in ops]
+        counted = ([_unkept(RSQRT, 1, block)] + [_unkept(PRODUCT, width, block)] * 2
+                   if fp32_ops else [])
+        return [Item(name, (name,), size, float(per_token), NORM, width, 0, block, own)
+                for name, size in mine.items()] + counted
+
+    def item(name: str, op: str, w: int) -> Item:
+        full = f"{norm}.{name}"
+        if full not in mine:
+            return _unkept(op, w, block)
+        return Item(full, (full,), mine[full], float(per_token), op, w, 0, block, own)
+
+    return [item("input_fp32", COPY, width), item("stats", RSQRT, 1),
+            _unkept(PRODUCT, width, block), item("normed", COPY, width),
+            item("output", PRODUCT, width)]
 
 
 def _norms_nameable(spec: ModelSpec, wl: Workload, dm: Dims, terms: dict[str, int]) -> bool:
-    """Whether a policy can name the norms' ops (``_norm_items``): an upcast RMSNorm in a
+    """Whether a policy can name the norms' ops (``_norm_ops``): an upcast RMSNorm in a
     16-bit dtype (in fp32 the casts are no ops), each saved term the bytes of the op output
     it names (not so under sequence parallelism, where the next linear saves the gathered
-    output), and no other op of the layer a ``mul`` of width h (RoPE's run on head_dim wide
-    rows, the gated product on f wide ones)."""
+    output), the q/k norms' too. Ops of another block sharing a norm op's family and width
+    (RoPE's products where head_dim is h, the gated product where f is) are counted with
+    them (``layer_ops``)."""
     if spec.norm is not NormKind.RMSNORM or wl.norm_impl is not NormImpl.UPCAST \
             or dm.e >= FP32_BYTES or dm.stream_e != dm.e:
         return False
@@ -241,8 +305,16 @@ def _norms_nameable(spec: ModelSpec, wl: Workload, dm: Dims, terms: dict[str, in
     if any(terms.get(f"{n}.{t}") != b for n in ("attn_norm", "mlp_norm")
            for t, b in want.items()):
         return False
-    rope_wide = spec.position is PositionKind.ROPE and spec.head_dim == h
-    return not rope_wide and spec.ffn_hidden_size // dm.tp != h
+    if spec.qk_norm is not QkNorm.HEAD:
+        return True
+    # the q and k norms (Qwen3RMSNorm on rows of head_dim, one per head on this rank)
+    for norm, width in (("attn.q_norm", spec.q_size), ("attn.k_norm", spec.kv_size)):
+        heads = dm.tokens * width // dm.tp // spec.head_dim
+        want = {"input_fp32": heads * spec.head_dim * FP32_BYTES, "stats": heads * FP32_BYTES,
+                "normed": heads * spec.head_dim * dm.e}
+        if any(terms.get(f"{norm}.{t}") != b for t, b in want.items()):
+            return False
+    return True
 
 
 def valid_names(items: tuple[Item, ...]) -> list[str]:
@@ -320,16 +392,6 @@ def searched_moe(spec: ModelSpec) -> bool:
     return spec.moe is not None and all(spec.is_moe_layer(i) for i in range(spec.num_layers))
 
 
-def check_searchable(spec: ModelSpec) -> None:
-    """Refuses ``--recompute auto`` for a model of dense and MoE layers, by name: one save
-    set is searched for one layer kind."""
-    if spec.moe is not None and not searched_moe(spec):
-        raise MemplanError(f"recompute auto: {spec.name} has dense and MoE layers; a save "
-                           "set is searched for models whose layers are all of one kind "
-                           "(give each kind its own list: --recompute ops --recompute-save "
-                           "dense:NAME,moe:NAME)")
-
-
 def resolve(items: tuple[Item, ...], save: tuple[str, ...], spec: ModelSpec,
             kind: str | None = None) -> tuple[Item, ...]:
     """The items a save list keeps in a layer of ``kind`` (``KINDS``; by default the kind
@@ -391,7 +453,9 @@ def forward_peak(moment_blocks: list[tuple[str, int]], items: tuple[Item, ...],
     ``own_extra`` ones. ``mlp_end``: what the layer holds at the MLP's down projection
     beyond the MLP's own tensors (its input, the residual, the checkpointed input), where
     every kept MLP output is alive with the down projection's input and output (traced:
-    torchtitan's block with the MLP kept, one residual-sized tensor above its working set)."""
+    torchtitan's block with the MLP kept, one residual-sized tensor above its working set).
+    A kept norm output is its reader's input, which that block's moments hold anyway
+    (``input_held``)."""
     # (plain loops: a plan asks this of every frontier set of every layout it upgrades)
     order: dict[str, int] = {}
     for i in items:
@@ -412,24 +476,45 @@ def forward_peak(moment_blocks: list[tuple[str, int]], items: tuple[Item, ...],
         for i in items:  # the down projection's input: the MLP's last item
             if i.block == "mlp":
                 down_in = 0 if i in kept else i.size_bytes
-        best = mlp_end + before[len(order)] + down_in
+        best = mlp_end + before[len(order)] + down_in - input_held(kept, "mlp")
     for block, value in moment_blocks:
         at = order.get(block, len(order))
-        best = max(best, value + before[at] + own[at])
+        best = max(best, value + before[at] + own[at] - input_held(kept, block))
     return best
 
 
-def assumption(spec: ModelSpec, wl: Workload, items: tuple[Item, ...], pp: int = 1) -> str:
-    """The assumptions' line for ``Recompute.OPS``: what each layer keeps and what its rerun
-    costs (per stage where the list differs by stage)."""
-    every = sum(i.flops_per_token for i in items)
+# the block that reads each norm's output as its input
+READER = {"attn_norm": "attn", "mlp_norm": "mlp"}
 
+
+def input_held(kept: tuple[Item, ...], block: str) -> int:
+    """Bytes of ``kept`` that ``block``'s forward moments hold anyway: the output of the norm
+    before it, its input (``memplan.model.layer.forward_moments``: a checkpointed mixer's
+    moments hold its input, the decoder layer's ``hidden_states`` while the mixer runs;
+    traced: Llama and Qwen3 keeping ``mlp_norm.output``, no more than keeping nothing)."""
+    held = 0
+    for i in kept:
+        if READER.get(i.block) == block and i.name == f"{i.block}.output":
+            held += i.size_bytes
+    return held
+
+
+def assumption(spec: ModelSpec, wl: Workload, kinds: dict[str, tuple[Item, ...]],
+               pp: int = 1) -> str:
+    """The assumptions' line for ``Recompute.OPS``: what each layer keeps and what its rerun
+    costs (per stage where the list differs by stage; per layer kind, ``kinds``' items each,
+    where dense and MoE layers differ)."""
     def keeps(save: tuple[str, ...]) -> str:
-        kept = resolve(items, save, spec)
-        rerun = rerun_flops_per_token(items, kept)
-        names = ", ".join(i.name for i in kept) or "nothing"
-        return f"{names}; its backward reruns the rest, {rerun / every:.0%} of the keepable " \
-               "ops' FLOPs"
+        out = []
+        for kind, items in kinds.items():
+            kept = resolve(items, save, spec, kind)
+            every = sum(i.flops_per_token for i in items)
+            rerun = rerun_flops_per_token(items, kept)
+            names = ", ".join(i.name for i in kept) or "nothing"
+            out.append((f"{kind} layers: " if len(kinds) > 1 else "")
+                       + f"{names}; its backward reruns the rest, {rerun / every:.0%} of the "
+                       "keepable ops' FLOPs")
+        return "; ".join(out)
 
     stages = per_stage(wl.recompute_save, pp)
     if stages is None:
@@ -438,5 +523,7 @@ def assumption(spec: ModelSpec, wl: Workload, items: tuple[Item, ...], pp: int =
         what = "each layer keeps its input and, " + "; ".join(
             f"on stage {n}, {keeps(save)}" for n, save in stages.items())
     stop = ("the experts' down projection reruns: the routing weights' product saves its "
-            "output" if searched_moe(spec) else "the down projection never reruns: early stop")
+            "output" if "moe" in kinds else "")
+    stop = "; ".join(s for s in (stop, "a dense MLP's down projection never reruns: early "
+                                 "stop" if "dense" in kinds else "") if s)
     return f"recompute ops (PyTorch selective activation checkpointing per layer): {what} ({stop})"

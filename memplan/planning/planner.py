@@ -566,13 +566,13 @@ def _with_all_save_sets(ctx: _Context, fits: list[_Fit], top: int | None,
 def _set_index(ctx: _Context, fit: _Fit) -> int:
     """The position of a fit's save set on its layer's frontier."""
     from memplan.model.dims import Dims
-    from memplan.model.layer import ops_items
+    from memplan.model.layer import ops_search_items
     from memplan.planning.save_sets import frontier
 
     from memplan.model.sac_ops import for_stage
 
     wl = ctx.workload(fit.policy).model_copy(update={"micro_batch_size": fit.mbs})
-    sets = frontier(ops_items(ctx.spec, wl, Dims.of(ctx.spec, fit.par, wl)))
+    sets = frontier(ops_search_items(ctx.spec, wl, Dims.of(ctx.spec, fit.par, wl)))
     lists = [set(for_stage(fit.policy[1], s)) for s in range(fit.par.pp)]  # type: ignore
     # (a list per stage: every stage fits at least the smallest stage's set)
     return min(next((i for i, c in enumerate(sets) if set(c.kept) == kept), 0)
@@ -584,7 +584,7 @@ def _with_save_set(ctx: _Context, fit: _Fit, known: int = 0) -> _Fit:
     recompute that fits its layout at its micro-batch (``memplan.planning.save_sets``): a
     bisection of the layer's frontier, one evaluation per probe."""
     from memplan.model.dims import Dims
-    from memplan.model.layer import ops_forward_peaks, ops_items
+    from memplan.model.layer import ops_forward_peaks, ops_search_items
     from memplan.planning.save_sets import choose, frontier
 
     wl = ctx.workload(fit.policy).model_copy(update={"micro_batch_size": fit.mbs})
@@ -597,7 +597,7 @@ def _with_save_set(ctx: _Context, fit: _Fit, known: int = 0) -> _Fit:
         return ctx.budget - peaks[kept]  # (how far from the budget: choose guesses with it)
 
     dm = Dims.of(ctx.spec, fit.par, wl)
-    sets = frontier(ops_items(ctx.spec, wl, dm))
+    sets = frontier(ops_search_items(ctx.spec, wl, dm))
     forward = ops_forward_peaks(ctx.spec, wl, dm, sets)
     if fit.par.pp > 1:
         return _with_stage_sets(ctx, fit, sets, known, forward)
@@ -784,15 +784,11 @@ def _fastest_policy(ctx: _Context, policy: tuple[Recompute, int | None]
     if policy[0] is not Recompute.OPS:
         return policy
     from memplan.model.dims import Dims
-    from memplan.model.layer import ops_items
+    from memplan.model.layer import ops_search_items
     from memplan.planning.save_sets import frontier
 
-    if ctx.spec.moe is not None:  # (asked per row: a dense model skips the call)
-        from memplan.model.sac_ops import check_searchable
-
-        check_searchable(ctx.spec)
     wl = ctx.workload(policy)
-    sets = frontier(ops_items(ctx.spec, wl, Dims.of(ctx.spec, ParallelConfig(), wl)))
+    sets = frontier(ops_search_items(ctx.spec, wl, Dims.of(ctx.spec, ParallelConfig(), wl)))
     return (Recompute.OPS, sets[-1].kept)  # type: ignore[return-value]
 
 

@@ -103,7 +103,9 @@ def choose(sets: tuple[Choice, ...], fits: Callable[[tuple[str, ...]], bool | in
     index of a set known to fit (a larger micro-batch's choice). The largest set is asked
     first: where it fits, one question answers.
 
-    ``forward``: each set's layer forward peak (``memplan.model.layer.ops_forward_peaks``).
+    ``forward``: each set's layer forward peak (``memplan.model.layer.ops_forward_peaks``;
+    for a model of dense and MoE layers a tuple per set, each kind's bytes and forward peak,
+    and a set is ruled out only by one it is no lower than in every one of them).
     A stage's peak rises with a set's bytes and its forward peak together, not with its
     bytes alone: a set of fewer bytes made early in the layer can hold more at the forward's
     peak than one of more bytes made late. A layer kind under op-level checkpointing differs
@@ -155,8 +157,12 @@ def choose(sets: tuple[Choice, ...], fits: Callable[[tuple[str, ...]], bool | in
         else:  # what ``mid`` rules out (a plan asks this of every set of every probe)
             hi = min(hi, mid) if mid > lo else hi
             size, peak = sets[mid].kept_bytes, forward[mid]
-            open_ = [i for i in open_ if i != mid and (
-                i < mid or sets[i].kept_bytes < size or forward[i] < peak)]
+            if type(peak) is tuple:  # per kind: ruled out where no lower in any
+                open_ = [i for i in open_ if i != mid and (
+                    i < mid or any(a < b for a, b in zip(forward[i], peak)))]
+            else:
+                open_ = [i for i in open_ if i != mid and (
+                    i < mid or sets[i].kept_bytes < size or forward[i] < peak)]
         guess = 2 * len(open_) <= before
     return sets[lo], asked
 

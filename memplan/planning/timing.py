@@ -243,13 +243,19 @@ def _mtp_flops(spec: ModelSpec, wl: Workload) -> float:
 def ops_rerun_flops(spec: ModelSpec, wl: Workload) -> float:
     """Forward FLOPs per token that one layer's rerun spends under ``Recompute.OPS``: the
     ops its save list does not keep (``memplan.model.sac_ops``), for the whole layer (one
-    rank's, tensor parallelism aside). A list without stage scopes."""
+    rank's, tensor parallelism aside); where dense and MoE layers differ, their mean over
+    the model's layers. A list without stage scopes."""
     from memplan.model import sac_ops
     from memplan.model.dims import Dims
-    from memplan.model.layer import ops_items
+    from memplan.model.layer import ops_items, ops_kinds
 
-    items = ops_items(spec, wl, Dims.of(spec, ParallelConfig(), wl))
-    return sac_ops.rerun_flops_per_token(items, sac_ops.resolve(items, wl.recompute_save, spec))
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    total = 0.0
+    for kind, moe, n in ops_kinds(spec):
+        items = ops_items(spec, wl, dm, moe)
+        total += n * sac_ops.rerun_flops_per_token(
+            items, sac_ops.resolve(items, wl.recompute_save, spec, kind))
+    return total / spec.num_layers
 
 
 @lru_cache(maxsize=4096)

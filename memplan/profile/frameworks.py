@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import sys
 from collections.abc import Callable, Iterator
@@ -485,10 +486,20 @@ def _emitted_checkpointing(model, spec: ModelSpec, precision: str, b: int, s: in
 
     wl = api.resolve(spec, framework="hf", micro_batch_size=b, seq_len=s, precision=precision,
                      recompute="ops", recompute_save=save)[2]
-    make = emitted_module(spec, wl)["make_policy_fn"]
+    module = emitted_module(spec, wl)
+    make = module["make_policy_fn"]
     model.gradient_checkpointing_enable({
         "use_reentrant": False,
         "context_fn": lambda: create_selective_checkpoint_contexts(make())})
+    if module["LAYER_COUNTS"] or module["LAYER_SAVE"]:
+        # layers that differ (dense and MoE layers): each decoder layer its own policy,
+        # by index (the emitted layer_policy_fn), for its checkpoint function
+        from torch.utils.checkpoint import checkpoint
+
+        for i, layer in enumerate(model.base_model.layers):
+            layer._gradient_checkpointing_func = functools.partial(
+                checkpoint, use_reentrant=False, context_fn=lambda i=i: (
+                    create_selective_checkpoint_contexts(module["layer_policy_fn"](i))))
 
 
 def _fsdp1_wrap(model, case: FrameworkCase, fields: dict[str, Any]) -> torch.nn.Module:

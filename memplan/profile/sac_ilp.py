@@ -123,8 +123,8 @@ def memplan_ops(stats, kept_names: tuple[str, ...], spec: ModelSpec, tokens: int
     """The estimator's op indices of memplan's kept items: the projections by their order
     among the layer's matmuls, the attention kernel, the activation, the gated product (the
     one ``mul`` of T x f elements), and the k-th norm's ops (``memplan.model.sac_ops.
-    _norm_items``): its casts the (2k)-th and (2k+1)-th ``_to_copy``, its ``rsqrt`` the k-th,
-    its output the ``mul`` after its second cast."""
+    _norm_ops``; the reference model has no q/k norms): its casts the (2k)-th and (2k+1)-th
+    ``_to_copy``, its ``rsqrt`` the k-th, its output the ``mul`` after its second cast."""
     matmuls = [i for i, n in enumerate(stats.func_names) if n in ("mm", "addmm")]
     copies = [i for i, n in enumerate(stats.func_names) if n == "_to_copy"]
     rsqrts = [i for i, n in enumerate(stats.func_names) if n == "rsqrt"]

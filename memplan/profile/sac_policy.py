@@ -5,11 +5,10 @@ as a module for the reference model (``RefOptions.policy_fns``) or any other mod
 from __future__ import annotations
 
 from memplan.model.dims import Dims
-from memplan.model.layer import ops_items
-from memplan.model.sac_moe import moe_policy_ops
+from memplan.model.layer import ops_items, ops_kinds, ops_unkept
 from memplan.model.sac_ops import resolve
 from memplan.parallel import ParallelConfig
-from memplan.report.sac_policy import torch_policy
+from memplan.report.sac_policy import _emit_mixed, torch_policy
 from memplan.spec import ModelSpec
 from memplan.workload import Workload
 
@@ -19,10 +18,12 @@ def emitted_module(spec: ModelSpec, wl: Workload, par: ParallelConfig | None = N
     of ``par``: one process by default)."""
     par = par or ParallelConfig()
     dm = Dims.of(spec, par, wl)
-    items = ops_items(spec, wl, dm)
-    moe_ops = moe_policy_ops(spec, dm) if spec.moe is not None else None
-    text = torch_policy(spec, items, resolve(items, wl.recompute_save, spec), "trace",
-                        moe_ops=moe_ops)
+    if len(ops_kinds(spec)) > 1:  # dense and MoE layers: a set and op counts per layer
+        text = _emit_mixed("torch", spec, par, wl, dm)
+    else:
+        items = ops_items(spec, wl, dm)
+        text = torch_policy(spec, items, resolve(items, wl.recompute_save, spec), "trace",
+                            unkept=ops_unkept(spec, wl, dm))
     namespace: dict = {"__name__": "memplan_emitted_policy"}
     exec(compile(text, "<emitted policy>", "exec"), namespace)  # noqa: S102 (our own text)
     return namespace

@@ -24,7 +24,7 @@
 from __future__ import annotations
 
 from memplan.errors import MemplanError
-from memplan.model.sac_ops import (ATTENTION_KERNEL, MATMUL, NORM, PRODUCT, RSQRT, Item,
+from memplan.model.sac_ops import (ATTENTION_KERNEL, MATMUL, NORM, Item,
                                    matmul_shapes)
 from memplan.spec import ModelSpec
 
@@ -38,7 +38,9 @@ _TITAN_FQNS = {"attn.qkv": "attention.wqkv", "attn.q": "attention.wq", "attn.k":
 
 def emit(target: str, spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, ...],
          command: str, layers: list[tuple[Item, ...]] | None = None,
-         moe_ops: list[tuple[str, int]] | None = None) -> str:
+         unkept: tuple[tuple[str, int], ...] = (),
+         other: dict[int, tuple[tuple[Item, ...], tuple[tuple[str, int], ...]]]
+         | None = None) -> str:
     """``kept`` of ``items`` as ``target`` expresses it; ``command``: the memplan command line
     it came from (quoted in the output). ``layers``: what each layer keeps, where layers
     differ (a list per pipeline stage); ``kept`` is then what every layer keeps. torch
@@ -47,9 +49,13 @@ def emit(target: str, spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item
     if target not in TARGETS:
         raise MemplanError(f"emit-policy must be one of {', '.join(TARGETS)}, got {target!r}")
     if target == "torch":
-        return torch_policy(spec, items, kept, command, layers, moe_ops)
+        return torch_policy(spec, items, kept, command, layers, unkept, other)
     text = {"torchtitan": torchtitan_policy, "megatron": megatron_policy}[target](
         spec, items, kept, command)
+    if other:
+        return (f"# Not expressible: a save list per layer kind ({target} applies one policy "
+                f"to every layer, and {spec.name}'s dense and MoE layers run different ops); "
+                "this is the dense layers' list, the MoE layers' is not expressed.\n" + text)
     if layers is None:
         return text
     return (f"# Not expressible: a save list per layer ({target} applies one to every "
@@ -72,21 +78,29 @@ def _save_set(kept: tuple[Item, ...]) -> str:
     return "{" + ", ".join(map(repr, save)) + "}" if save else "set()"
 
 
+def _counts(items: tuple[Item, ...], unkept: tuple[tuple[str, int], ...]
+            ) -> dict[tuple[str, int], int]:
+    """How many ops of each (family, width) one layer runs that the policy counts."""
+    out: dict[tuple[str, int], int] = {}
+    for op, width in [(i.op, i.width) for i in items if i.op != NORM] + list(unkept):
+        out[(op, width)] = out.get((op, width), 0) + 1
+    return out
+
+
 def torch_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, ...],
                  command: str, layers: list[tuple[Item, ...]] | None = None,
-                 moe_ops: list[tuple[str, int]] | None = None) -> str:
+                 unkept: tuple[tuple[str, int], ...] = (),
+                 other: dict[int, tuple[tuple[Item, ...], tuple[tuple[str, int], ...]]]
+                 | None = None) -> str:
     """The module (see the module docstring); with ``layers`` (what each layer keeps) the
     layers whose set differs from ``SAVE`` get their own in ``LAYER_SAVE``, by index.
-    ``moe_ops``: an MoE layer's ops no item keeps that the policy counts
-    (``memplan.model.sac_moe.moe_policy_ops``)."""
-    keyed = [i for i in items if i.op != NORM]
-    per_layer: dict[tuple[str, int], int] = {}
-    # a dense layer's down projection runs too (never kept: the rerun stops before it), and
-    # counts, as does each named norm's fp32 product x * rstd (saved by no one)
-    extra = ([(MATMUL, spec.hidden_size)] if moe_ops is None else moe_ops) + [
-        (PRODUCT, spec.hidden_size) for i in keyed if i.op == RSQRT]
-    for op, width in [(i.op, i.width) for i in keyed] + extra:
-        per_layer[(op, width)] = per_layer.get((op, width), 0) + 1
+    ``unkept``: the layer's ops no item keeps that the policy counts (``memplan.model.layer.
+    ops_unkept``: a dense layer's down projection, each named norm's fp32 product x * rstd,
+    RoPE's products where they share a norm op's width, an MoE block's own). ``other``:
+    the layers of another kind (a model of dense and MoE layers), by index, with their items
+    and unkept ops: their op counts are their own (``LAYER_COUNTS``)."""
+    per_layer = _counts(items, unkept)
+    layer_counts = {i: _counts(*pair) for i, pair in (other or {}).items()}
     every = [kept] if layers is None else layers
     missing = list(dict.fromkeys(n for k in every for n in _unexpressible(k)))
     differ = {} if layers is None else {i: _save_set(k) for i, k in enumerate(layers)
@@ -121,6 +135,8 @@ SAVE = {_save_set(kept)}
 LAYER_SAVE = {layer_save}
 # how many ops of each (family, width) one layer runs
 PER_LAYER = {per_layer}
+# the layers (by index) of another kind, with their own counts
+LAYER_COUNTS = {layer_counts}
 _aten = torch.ops.aten
 _SDPA = tuple(getattr(_aten, name).default for name in (
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
@@ -134,7 +150,7 @@ def _key(op, args):
         return "{MATMUL}", args[-1].shape[-1]
     if op in _SDPA:
         return "{ATTENTION_KERNEL}", args[0].shape[1] * args[0].shape[-1]
-    if op in (_aten.silu.default, _aten.gelu.default):
+    if op in (_aten.silu.default, _aten.gelu.default, _aten.sigmoid.default):
         return "act", args[0].shape[-1]
     if op in (_aten._to_copy.default, _aten.rsqrt.default):
         return ("copy" if op is _aten._to_copy.default else "rsqrt"), args[0].shape[-1]
@@ -149,16 +165,17 @@ def _key(op, args):
     return None
 
 
-def make_policy_fn(save=SAVE):
-    """A policy with its own counters (one per checkpointed layer), keeping ``save``."""
+def make_policy_fn(save=SAVE, per_layer=PER_LAYER):
+    """A policy with its own counters (one per checkpointed layer), keeping ``save`` of a
+    layer running ``per_layer`` ops."""
     seen = Counter()
 
     def policy_fn(ctx, op, *args, **kwargs):
         key = _key(op, args)
-        if key is None or key not in PER_LAYER:
+        if key is None or key not in per_layer:
             return CheckpointPolicy.PREFER_RECOMPUTE
         slot = (getattr(ctx, "is_recompute", False), key)
-        nth = seen[slot] % PER_LAYER[key]
+        nth = seen[slot] % per_layer[key]
         seen[slot] += 1
         if (*key, nth) in save:
             return CheckpointPolicy.MUST_SAVE
@@ -167,9 +184,15 @@ def make_policy_fn(save=SAVE):
     return policy_fn
 
 
+def layer_policy_fn(layer_index):
+    """A fresh policy for layer ``layer_index``: its own set and op counts."""
+    return make_policy_fn(LAYER_SAVE.get(layer_index, SAVE),
+                          LAYER_COUNTS.get(layer_index, PER_LAYER))
+
+
 policy_fn = make_policy_fn()
 # one policy per layer, so that their counters stay apart
-policy_fns = [make_policy_fn(LAYER_SAVE.get(i, SAVE)) for i in range(NUM_LAYERS)]
+policy_fns = [layer_policy_fn(i) for i in range(NUM_LAYERS)]
 
 
 def context_fn(layer_index):
@@ -279,21 +302,17 @@ def emit_for(target: str, est: object) -> str:
     if wl.recompute is not Recompute.OPS:
         raise MemplanError(f"emit-policy needs recompute ops or auto, got recompute "
                            f"{wl.recompute.value}")
+    from memplan.model.layer import ops_kinds, ops_unkept
     from memplan.model.sac_ops import per_stage
     from memplan.model.stage_parts import stage_layer_indices
 
     par = est.parallel
     dm = Dims.of(spec, par, wl)
+    kinds = ops_kinds(spec)
+    if len(kinds) > 1:
+        return _emit_mixed(target, spec, par, wl, dm)
     items = ops_items(spec, wl, dm)
-    moe_ops = None
-    if spec.moe is not None:
-        from memplan.model.sac_moe import moe_policy_ops
-        from memplan.model.sac_ops import searched_moe
-
-        if not searched_moe(spec):
-            raise MemplanError(f"emit-policy: {spec.name} has dense and MoE layers; a policy "
-                               "is emitted for models whose layers are all of one kind")
-        moe_ops = moe_policy_ops(spec, dm)
+    unkept = ops_unkept(spec, wl, dm)
     stages = per_stage(wl.recompute_save, par.pp)
     layers = None
     if stages is None:
@@ -308,7 +327,39 @@ def emit_for(target: str, est: object) -> str:
             for i in stage_layer_indices(spec, par.pp, par.vpp, s, par.stage_layers):
                 layers[i] = k
         save = ",".join(wl.recompute_save)
-    command = (f"memplan estimate -m {spec.name} -n {par.world_size} "
-               f"--mbs {wl.micro_batch_size} --seq {wl.seq_len} --recompute ops "
-               f"--recompute-save {save}" + (f" --pp {par.pp}" if layers is not None else ""))
-    return emit(target, spec, items, kept, command, layers, moe_ops)
+    return emit(target, spec, items, kept, _command(spec, par, wl, save, layers is not None),
+                layers, unkept)
+
+
+def _command(spec: ModelSpec, par, wl, save: str, staged: bool) -> str:
+    return (f"memplan estimate -m {spec.name} -n {par.world_size} "
+            f"--mbs {wl.micro_batch_size} --seq {wl.seq_len} --recompute ops "
+            f"--recompute-save {save}" + (f" --pp {par.pp}" if staged else ""))
+
+
+def _emit_mixed(target: str, spec: ModelSpec, par, wl, dm) -> str:
+    """``emit_for`` a model of dense and MoE layers: each layer keeps its kind's list (and
+    its stage's): ``SAVE`` and ``PER_LAYER`` are the MoE layers', the dense layers' sets and
+    op counts their own by index (``LAYER_SAVE``, ``LAYER_COUNTS``)."""
+    from memplan.model.layer import ops_items, ops_unkept
+    from memplan.model.sac_ops import for_stage, resolve
+    from memplan.model.stage_parts import stage_layer_indices
+
+    stage_of = {i: s for s in range(par.pp)
+                for i in stage_layer_indices(spec, par.pp, par.vpp, s, par.stage_layers)}
+    kind_items = {moe: ops_items(spec, wl, dm, moe) for moe in (False, True)}
+    unkept = {moe: ops_unkept(spec, wl, dm, moe) for moe in (False, True)}
+    layers = []
+    for i in range(spec.num_layers):
+        moe = spec.is_moe_layer(i)
+        save = for_stage(wl.recompute_save, stage_of[i])
+        layers.append(resolve(kind_items[moe], save, spec, "moe" if moe else "dense"))
+    first_moe = next(i for i in range(spec.num_layers) if spec.is_moe_layer(i))
+    other = {i: (kind_items[False], unkept[False]) for i in range(spec.num_layers)
+             if not spec.is_moe_layer(i)}
+    command = _command(spec, par, wl, ",".join(wl.recompute_save) or '""', par.pp > 1)
+    if target != "torch":
+        dense = next(k for i, k in enumerate(layers) if not spec.is_moe_layer(i))
+        return emit(target, spec, kind_items[False], dense, command, None, (), other)
+    return emit(target, spec, kind_items[True], layers[first_moe], command, layers,
+                unkept[True], other)

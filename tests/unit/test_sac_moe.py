@@ -118,8 +118,105 @@ def test_moe_refused_where_not_modelled(fields: dict, why: str) -> None:
         estimate(TINY_MOE, seq_len=128, micro_batch_size=2, recompute="ops", **fields)
 
 
-def test_shared_experts_refused_by_name() -> None:
-    spec = TINY_MOE.model_copy(update={"moe": TINY_MOE.moe.model_copy(update={
-        "num_shared_experts": 1, "shared_expert_ffn_hidden_size": 96})})
-    with pytest.raises(MemplanError, match="MoE layers with shared experts"):
-        estimate(spec, **FIELDS, recompute="ops")
+SHARED = TINY_MOE.model_copy(update={"name": "tiny-moe-shared", "moe": TINY_MOE.moe.model_copy(
+    update={"num_shared_experts": 1, "shared_expert_ffn_hidden_size": 128,
+            "shared_expert_gate": True})})
+
+
+def _shared_items(spec: ModelSpec) -> dict:
+    wl = make_workload(spec, **FIELDS, recompute="ops")
+    items = ops_items(spec, wl, Dims.of(spec, make_layout(1), wl))
+    return {i.name: (i.size_bytes, i.flops_per_token, i.op, i.width, i.nth)
+            for i in items if "shared" in i.name}
+
+
+def test_shared_expert_items_by_hand() -> None:
+    """Qwen2-MoE's shared expert (Qwen2MoeSparseMoeBlock.forward: the shared MLP first, the
+    router and experts, then ``sigmoid(shared_expert_gate(x)) * shared_out``), f_s 128 over
+    T = 256 tokens: gate, SiLU, up and product T*f_s*e = 65,536 B each; the down
+    projection's output T*h*e = 32,768 B (``moe.shared_out``, which the gate's product
+    saves); the gate's h -> 1 projection T*e = 512 B, its sigmoid 512 B. FLOPs per token:
+    gate, up, down 2*64*128 = 16,384; SiLU and product 128; the gate projection 2*64 = 128,
+    the sigmoid 1. Indices: the shared down is the layer's 3rd 64-wide matmul (after q and
+    the output projection)."""
+    assert _shared_items(SHARED) == {
+        "moe.shared.gate": (65_536, 16_384.0, "matmul", 128, 0),
+        "moe.shared.act": (65_536, 128.0, "act", 128, 0),
+        "moe.shared.up": (65_536, 16_384.0, "matmul", 128, 1),
+        "moe.shared.prod": (65_536, 128.0, "mul", 128, 0),
+        "moe.shared.down": (32_768, 16_384.0, "matmul", 64, 2),
+        "moe.shared_gate_proj": (512, 128.0, "matmul", 1, 0),
+        "moe.shared_gate": (512, 1.0, "act", 1, 0)}
+
+
+def test_shared_experts_last_run_after_the_routed_ones() -> None:
+    """DeepSeek-V3's order (``shared_experts_last``: ``hidden_states +
+    self.shared_experts(residuals)`` after the experts), ungated: the shared MLP's four items
+    follow the routed experts', and its down projection, last and saved by no one, never reruns
+    (early stop): no item."""
+    last = SHARED.model_copy(update={"moe": SHARED.moe.model_copy(update={
+        "shared_expert_gate": False, "shared_experts_last": True})})
+    wl = make_workload(last, **FIELDS, recompute="ops")
+    names = [i.name for i in ops_items(last, wl, Dims.of(last, make_layout(1), wl))
+             if i.block == "mlp"]
+    assert names.index("moe.expert.down") < names.index("moe.shared.gate")
+    assert names[-4:] == ["moe.shared.gate", "moe.shared.act", "moe.shared.up",
+                          "moe.shared.prod"]
+
+
+def test_shared_items_add_their_bytes_and_forward() -> None:
+    """The shared gate projection and the shared SiLU kept in each of the 2 layers:
+    2 x (65,536 + 512) B beyond full recompute. Kept, the SiLU (made before the router)
+    adds to both of the MoE block's moments: the forward peak 65,536 B higher; the shared
+    down projection's output is there anyway (it waits for the gate: nothing added)."""
+    from memplan.model.layer import layer_kind
+    from memplan.workload import Recompute
+
+    def stage(**fields):
+        return estimate(SHARED, **FIELDS, **fields).stages[0]
+
+    full = stage(recompute="full").activations_bytes
+    kept = stage(recompute="ops", recompute_save="moe.shared_gate_proj,moe.shared.act")
+    assert kept.activations_bytes - full == 2 * (65_536 + 512)
+    wl = make_workload(SHARED, **FIELDS, recompute="ops")
+    dm = Dims.of(SHARED, make_layout(1), wl)
+
+    def peak(save: str) -> int:
+        swl = wl.model_copy(update={"recompute_save": tuple(save.split(",")) if save else ()})
+        return layer_kind(SHARED, swl, dm, True, Recompute.OPS).forward_peak_bytes
+
+    assert peak("moe.shared.act") - peak("") == 65_536
+    assert peak("moe.shared.down") == peak("")
+
+
+def test_shared_gate_policy_names_sigmoid() -> None:
+    """The torch policy names the shared gate's sigmoid as an activation of width 1."""
+    from memplan.report.sac_policy import emit_for
+
+    est = estimate(SHARED, **FIELDS, recompute="ops", recompute_save="moe.shared_gate")
+    text = emit_for("torch", est)
+    compile(text, "policy.py", "exec")
+    assert "SAVE = {('act', 1, 0)}" in text and "_aten.sigmoid.default" in text
+
+
+def test_sigmoid_router_items_by_hand() -> None:
+    """DeepSeek-V3's router (GLM-4.5's: an fp32 router with shared experts last,
+    ``sac_moe.sigmoid_router``): ``F.linear`` on fp32 copies of the input (T*h*4 = 65,536 B)
+    and the weight (E*h*4 = 1,024 B), its fp32 logits (T*E*4 = 4,096 B) and their sigmoid
+    (4,096 B). FLOPs per token: the input cast 64, the weight's E*h/T = 1, the projection
+    2*h*E = 512, the sigmoid 4. The casts are the layer's 4th and 5th 64-wide ``_to_copy``
+    (after the two norms' two each); a softmax router's fp32 copy refused by name."""
+    spec = SHARED.model_copy(update={"moe": SHARED.moe.model_copy(update={
+        "shared_expert_gate": False, "shared_experts_last": True, "router_fp32": True})})
+    wl = make_workload(spec, **FIELDS, recompute="ops")
+    items = {i.name: (i.size_bytes, i.flops_per_token, i.op, i.width, i.nth)
+             for i in ops_items(spec, wl, Dims.of(spec, make_layout(1), wl))
+             if i.name.startswith("moe.router")}
+    assert items == {"moe.router_input_fp32": (65_536, 64.0, "copy", 64, 4),
+                     "moe.router_weight_fp32": (1_024, 1.0, "copy", 64, 5),
+                     "moe.router": (4_096, 512.0, "matmul", 4, 0),
+                     "moe.router_probs": (4_096, 4.0, "act", 4, 0)}
+    first = spec.model_copy(update={"moe": spec.moe.model_copy(update={
+        "shared_experts_last": False})})
+    with pytest.raises(MemplanError, match="an fp32 softmax router"):
+        estimate(first, **FIELDS, recompute="ops")

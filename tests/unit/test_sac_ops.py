@@ -239,3 +239,24 @@ def test_fused_qkv_is_one_item() -> None:
     for name in ("attn.q", "attn.k", "attn.qkv"):
         kept = _stage(recompute="ops", recompute_save=name, fused_qkv=True).activations_bytes
         assert kept - full == 2 * 65_536
+
+
+def test_a_kept_norm_output_is_its_readers_input() -> None:
+    """The MLP norm's output is the MLP's input, which the checkpointed layer holds while the
+    MLP runs (its moments count it: ``forward_moments``' ``stream``): kept, it adds nothing
+    to the layer's forward peak; the attention norm's output, kept, adds its T*h*e = 256 x
+    64 x 2 = 32,768 B at the MLP's moments, after the attention has let it go (here the
+    forward's peak)."""
+    from memplan.model.layer import layer_kind
+    from memplan.workload import Recompute
+
+    spec = load_model("tiny")
+    wl = make_workload(spec, **TINY, recompute="ops")
+    dm = Dims.of(spec, make_layout(1), wl)
+
+    def peak(save: str) -> int:
+        swl = wl.model_copy(update={"recompute_save": tuple(save.split(",")) if save else ()})
+        return layer_kind(spec, swl, dm, False, Recompute.OPS).forward_peak_bytes
+
+    assert peak("mlp_norm.output") == peak("")
+    assert peak("attn_norm.output") - peak("") == 32_768
