@@ -497,9 +497,10 @@ def float8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutErr
     ``memplan.model.linear.float8_tp_input_bytes``), which refuse a plain linear; with
     rowwise plain TP (0.3.0's sharding configs, dtype-agnostic), the Float8Linear casting
     the gathered bf16 input itself (``linear._gathered_grad``); both traced at tp 2 and 4,
-    with and without sequence parallelism. Refused: tp with compile unless under full
-    recompute (each block then saves its input alone; the
-    recomputed block's casts are taken as traced eagerly: compiled TP was not traced), LoRA,
+    with and without sequence parallelism. Compiled with tp: under full recompute (each
+    block saves its input alone; the recomputed block's casts are taken as traced eagerly) or
+    torchtitan's per-op SAC (``memplan.model.compiled.sac_tp_terms``, traced); refused: tp
+    with compile and no recompute, LoRA,
     selective recompute other than per-op SAC. MoE layers with grouped experts
     (``moe_impl grouped``): torchtitan's ``Float8GroupedExpertsConverter`` runs their grouped
     matmuls as torchao's float8 grouped GEMM, rowwise whatever the linears' recipe
@@ -531,8 +532,8 @@ def float8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutErr
     return LayoutError(f"float8 is not modelled with {why}",
                        f"float8 {wl.float8.value} with {why}: not modelled yet (float8 is "
                        "modelled for dense layers, eager or compiled with a gated MLP, tp 1 "
-                       "or eager DTensor TP, and grouped MoE experts at tp 1; no LoRA, "
-                       "recompute none, full or per-op SAC)")
+                       "or DTensor TP (compiled: full recompute or per-op SAC), and grouped "
+                       "MoE experts at tp 1; no LoRA, recompute none, full or per-op SAC)")
 
 
 def _float8_moe_refusal(par: ParallelConfig, wl: Workload) -> str | None:
@@ -548,9 +549,13 @@ def _float8_moe_refusal(par: ParallelConfig, wl: Workload) -> str | None:
 
 def _float8_tp_refusal(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> str | None:
     """Why float8 with tp > 1 is not modelled for this run, or None (``float8_rule``)."""
-    if wl.compile and wl.recompute is not Recompute.FULL:
-        # under full recompute a compiled block saves its input alone, as an eager one does
-        return f"tp {par.tp}, compile and recompute {wl.recompute.value}"
+    if wl.compile and wl.recompute is Recompute.NONE:
+        # under full recompute a compiled block saves its input alone, as an eager one does;
+        # under per-op SAC its tags decide (memplan.model.compiled.sac_tp_terms). Without
+        # recompute the partitioner saves float8 casts of the TP-sharded weights whose scales
+        # an all-reduce makes (traced, torchao 0.18.0: not modelled)
+        return (f"tp {par.tp}, compile and recompute none (the partitioner saves the float8 "
+                "casts of sharded weights whose scales need an all-reduce)")
     if par.tp_style is not TpStyle.DTENSOR:
         return f"tp {par.tp} in the {par.tp_style.value} style"
     # the block linears' widths (memplan.model.linear.convertible: multiples of 16)

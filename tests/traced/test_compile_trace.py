@@ -153,3 +153,53 @@ def test_compiled_float8_layer_under_per_op_sac() -> None:
     dm = Dims.of(spec, ParallelConfig(), wl)
     modelled = layer_kind(spec, wl, dm, False, Recompute.SELECTIVE).saved_bytes
     assert _traced_activations(config, "bfloat16", "op") - modelled == 30
+
+
+def _traced_tp_activations(config: dict, checkpoint: str, rows: int) -> int:
+    """The saved bytes of a compiled TP block on its rank: what the forward made (not the
+    views of the sharded weights, their transposes for backward) and the layer's input."""
+    saved = compiled_layer_saved(config, "bfloat16", BATCH, SEQ, checkpoint=checkpoint)
+    stream = (BATCH, rows, 256)
+    return sum(t.size_bytes for t in saved
+               if not t.input_view and (not t.graph_input or t.shape == stream))
+
+
+@pytest.mark.parametrize("tp,sp,recipe,fuse_qkv,over", [
+    (2, True, "rowwise", False, 0), (2, False, "rowwise", False, 0),
+    (4, True, "rowwise", False, 0), (2, True, "rowwise", True, 0),
+    (2, True, "tensorwise", False, 50), (2, False, "tensorwise", False, 50),
+    (2, True, "none", False, 0)])
+def test_compiled_tp_layer_under_per_op_sac(tp: int, sp: bool, recipe: str, fuse_qkv: bool,
+                                            over: int) -> None:
+    """torchtitan's block (bf16) on rank 0 of a TP mesh of the fake process
+    group, inside its per-op SAC, compiled (``memplan.model.compiled.sac_tp_terms``; torchao
+    0.18.0, rowwise: 0.3.0's sharding configs with Float8Linear, tensorwise: torchao's float8
+    TP styles). At tp 2 with SP (T = 128, h 256, 4 local heads of 32, 1 KV head, ffn 384 a
+    rank, bf16): the input shard 64 x 256 x 2 = 32,768, the odd matmuls' outputs q
+    128 x 128 x 2 = 32,768, v 8,192 and w1 128 x 384 x 2 = 98,304, SDPA's output 32,768 and
+    logsumexp 2 x 4 x 64 x 4 = 2,048, the output projection's reduce-scattered output
+    32,768: 239,616 B traced in bf16. Rowwise adds per norm the gathered input's row scales
+    (128 x 4) and per column-parallel linear (q, k, v, w1, w3) its weight's backward scales
+    (256 x 4): 239,616 + 1,024 + 5,120 = 245,760 B traced. Without SP the input is
+    65,536, no reduce-scatter, and the down projection's output 128 x 256 x 2 = 65,536 is
+    saved: 305,152 B (rowwise 311,296 traced). Tensorwise: the bf16 set and 11 bf16 amaxes
+    and 7 fp32 scalars, 50 B memplan leaves out. At tp 4 (4 KV heads) rowwise: 130,048 B.
+    Fused wqkv (0.3.0's default) at tp 2 with SP: qkv 128 x 192 x 2 = 49,152 kept in place
+    of q and v, so no rerun reads the attention input's cast: 247,808 + 512 + 3 x 1,024 =
+    251,392 B traced."""
+    pytest.importorskip("torchao.float8")
+    pytest.importorskip("torchtitan")
+    kv = 4 if tp == 4 else 2
+    fields = dict(TITAN["torchtitan"], n_kv_heads=kv, fuse_qkv=fuse_qkv)
+    config = {"torchtitan": dict(fields, tp=tp, sp=sp, float8=recipe)}
+    from memplan.profile.frameworks import torchtitan_config, torchtitan_spec
+
+    spec = torchtitan_spec(torchtitan_config(**fields, seq_len=SEQ), "llama3-toy")
+    wl = Workload(micro_batch_size=BATCH, seq_len=SEQ, precision="bf16-pure",
+                  recompute=Recompute.SELECTIVE, compile=True, rope_cache="layer",
+                  selective_impl="op", float8=recipe)
+    par = ParallelConfig(tp=tp, sequence_parallel=sp, tp_style="dtensor")
+    dm = Dims.of(spec, par, wl)
+    modelled = layer_kind(spec, wl, dm, False, Recompute.SELECTIVE).saved_bytes
+    traced = _traced_tp_activations(config, "op", SEQ // tp if sp else SEQ)
+    assert traced - modelled == over

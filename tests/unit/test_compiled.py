@@ -15,7 +15,7 @@ from memplan.model.dims import Dims, total
 from memplan.model.layer import layer_kind, layer_terms
 from memplan.parallel import ParallelConfig, validate
 from memplan.spec import load_model
-from memplan.workload import Recompute, SelectiveImpl, Workload
+from memplan.workload import Float8Recipe, Recompute, SelectiveImpl, Workload
 
 TINY = load_model("tiny")
 WL = Workload(micro_batch_size=2, seq_len=32, compile=True)
@@ -57,6 +57,34 @@ def test_per_op_sac_compiled_drops_the_down_projections_output() -> None:
     assert layer_kind(TINY, wl, DM, False, Recompute.SELECTIVE).saved_bytes == 52_224
     eager = wl.model_copy(update={"compile": False})
     assert layer_kind(TINY, eager, DM, False, Recompute.SELECTIVE).saved_bytes == 60_416
+
+
+@pytest.mark.parametrize("sp,recipe,fused,saved", [
+    (True, "none", False, 30_208), (True, "tensorwise", False, 30_208),
+    (True, "rowwise", False, 32_000), (False, "none", False, 38_400),
+    (False, "rowwise", False, 40_192), (True, "none", True, 32_256),
+    (True, "rowwise", True, 33_280)])
+def test_per_op_sac_compiled_under_tp(sp: bool, recipe: str, fused: bool, saved: int) -> None:
+    """torchtitan's per-op SAC, compiled, at tp 2 in the DTensor style
+    (``memplan.model.compiled.sac_tp_terms``, traced in tests/traced/test_compile_trace.py).
+    With SP the input is its 32-token shard, 32*64*2 = 4,096; the odd matmuls' outputs on this
+    rank q 64*32*2 = 4,096, v 64*16*2 = 2,048, w1 64*88*2 = 11,264; SDPA's output 4,096 and
+    logsumexp 2*2*32*4 = 512; the output projection's reduce-scattered output 4,096 (in the
+    save list, read by backward): 30,208, tensorwise the same (its scalars not counted).
+    Rowwise adds per norm one of whose linears is rerun (k; up, the 6th matmul) its input's
+    row scales, 64*4 = 256 twice, and per column-parallel linear (q, k, v, gate, up) its
+    weight's 64 fp32 backward scales, 5*256 = 1,280: 32,000. Without SP the input is
+    64*64*2 = 8,192, no reduce-scatter, and the down projection's output 64*64*2 = 8,192 is
+    saved (its all-reduce rerun in backward reads it): 38,400, rowwise 40,192. A fused qkv
+    (1st, kept: 64*64*2 = 8,192 in place of q and v; w1 3rd, w2 5th): 32,256; rowwise the
+    MLP's row scales alone (qkv is not rerun), 256, and 3*256 weight scales: 33,280."""
+    wl = WL.model_copy(update={"recompute": Recompute.SELECTIVE,
+                               "float8": Float8Recipe(recipe), "fused_qkv": fused,
+                               "selective_impl": SelectiveImpl.OP})
+    par = ParallelConfig(tp=2, sequence_parallel=sp, tp_style="dtensor")
+    validate(TINY, par, wl)
+    dm = Dims.of(TINY, par, wl)
+    assert layer_kind(TINY, wl, dm, False, Recompute.SELECTIVE).saved_bytes == saved
 
 
 def test_compiled_lora_layer_terms() -> None:
