@@ -27,6 +27,7 @@ from memplan.workload import (
     GradSync,
     LogitsHeld,
     LossImpl,
+    MoeImpl,
     PipelineSplit,
     Precision,
     Recompute,
@@ -542,6 +543,8 @@ def _float8_moe_refusal(par: ParallelConfig, wl: Workload) -> str | None:
         return f"MoE layers and moe_impl {wl.moe_impl.value} (it needs grouped experts)"
     if par.tp > 1:
         return f"MoE layers and tp {par.tp}"
+    if wl.compile:  # (the compiled MoE block is traced for transformers' bf16 experts only)
+        return "MoE layers and compile"
     if wl.float8_all_gather:
         return "MoE layers and float8_all_gather"
     return None
@@ -668,14 +671,44 @@ def optimizer_in_backward_rule(par: ParallelConfig, wl: Workload) -> LayoutError
                        "scaler)")
 
 
+def _compile_moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
+    """Why a compiled MoE layer is not modelled, or None: transformers' grouped experts
+    (``memplan.model.compiled.moe_terms``), traced on Qwen3-MoE's and Mixtral's layers in
+    bf16, routed experts alone behind a softmax router in the block's dtype."""
+    moe = spec.moe
+    assert moe is not None
+    if wl.framework is Framework.TORCHTITAN or wl.moe_impl is not MoeImpl.GROUPED:
+        return (f"MoE layers under {wl.framework.value}, moe_impl {wl.moe_impl.value} "
+                "(traced: transformers' grouped experts)")
+    if wl.compute_dtype.value != "bf16":
+        # integrations/moe.py _can_use_grouped_mm: compiled, a weight not in bf16 takes the
+        # grouped_mm_fallback custom op, whose backward loops over the offsets' values
+        # (``if start == end``): Inductor fails on that data-dependent guard (traced, fp32,
+        # torch 2.13, transformers 5.3)
+        return (f"MoE layers in {wl.precision.value} (transformers' grouped experts compile "
+                "in bf16 only: their fallback's backward does not)")
+    if wl.recompute is Recompute.SELECTIVE:
+        return "MoE layers and recompute selective"
+    if moe.num_shared_experts:
+        return "MoE layers with shared experts"
+    if moe.router_fp32 or moe.router_topk_softmax or moe.router_weights_cast:
+        return "MoE layers whose router is not a softmax over every expert in the block's dtype"
+    if moe.clamped_swiglu:
+        return "MoE layers with the clamped SwiGLU experts"
+    return None
+
+
 def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
     """What a compiled layer's saved set is derived for (``memplan.model.compiled``): a
-    pre-norm dense layer with SDPA attention in one compute dtype, no recompute or a fully
-    checkpointed layer, or torchtitan's per-op SAC. The rest is not modelled yet: a refusal,
-    not an eager estimate."""
+    pre-norm layer (dense, or MoE with transformers' grouped experts in bf16:
+    ``_compile_moe_refusal``) with SDPA attention in one compute dtype, no recompute or a
+    fully checkpointed layer, or torchtitan's per-op SAC. The rest is not modelled yet: a
+    refusal, not an eager estimate."""
     why = None
     if spec.moe is not None:
-        why = "MoE layers"
+        why = _compile_moe_refusal(spec, wl)
+    if why is not None:
+        pass
     elif spec.norm_placement.value != "pre":
         why = f"{spec.norm_placement.value} norms"
     elif wl.attention.value != "flash":
@@ -703,7 +736,8 @@ def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
         return None
     return LayoutError(f"compile is not modelled with {why}",
                        f"compile with {why}: what the partitioner saves there is not "
-                       "modelled yet (compile is modelled for dense pre-norm layers, SDPA "
+                       "modelled yet (compile is modelled for pre-norm layers, dense or "
+                       "with transformers' bf16 grouped experts, SDPA "
                        "attention, no autocast, LoRA on unquantized base weights (with full "
                        "recompute: compile_in_checkpoint, the attention's projections), "
                        "recompute none, full or per-op SAC)")

@@ -38,8 +38,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from memplan.model import linear
-from memplan.model.dims import Dims, Term
-from memplan.spec import ModelSpec
+from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term
+from memplan.spec import ModelSpec, MoESpec
 from memplan.workload import Float8Recipe, NormImpl, Workload
 
 # Inductor's buffer reuse in the compiled forward: the residual add after the MLP is the last
@@ -153,6 +153,47 @@ def sac_tp_terms(spec: ModelSpec, dm: Dims, fused_qkv: bool) -> list[Term]:
                           norms * dm.linear_rows * linear.FLOAT8_SCALE_BYTES))
         terms.append(Term("sac.float8_weight_scales", weights * linear.FLOAT8_SCALE_BYTES))
     return terms
+# the grouped MoE block's eager terms the compiled block does not save (``moe_terms``)
+_MOE_RECOMPUTED = ("moe.router_probs", "moe.token_index", "moe.expert.act")
+
+
+def moe_terms(terms: list[Term], moe: MoESpec, dm: Dims) -> list[Term]:
+    """A grouped MoE block's saved terms compiled (transformers' ``grouped_mm_experts_forward``,
+    integrations/moe.py, bf16: its grouped matmuls are ``aten._grouped_mm``), from its eager
+    ones (``memplan.model.moe.moe_terms``), by the partitioner's rules
+    (``memplan.model.compiled``'s docstring):
+
+    - the router saves its logits, T x E in the block's dtype (a matmul's output, never
+      recomputed), not the fp32 softmax of every expert (pointwise and a reduction of the
+      logits, recomputed), and of the renormalised top-k weights the top-k values alone (fp32,
+      T x k; their per-token sum is recomputed);
+    - the token index (``torch.arange(...).expand``) is recomputed; the top-k indices and
+      their flattened copy (``top_k_index.reshape(-1)``, a buffer of its own in the compiled
+      forward), the sort and its inverse (``argsort``: not in the recomputable list), the
+      gathered sorted rows (the gate/up grouped matmul's input), its output, the activated
+      product (the down grouped matmul's input), the down output and the sorted fp32 weights
+      are saved; SiLU(gate) is recomputed, as in a dense MLP (``mlp_terms``);
+    - the offsets (``cumsum`` of the ``histc`` counts, E int32) are saved: the grouped
+      matmuls' backward reads them.
+
+    Traced: tests/traced/test_compile_trace.py (torch 2.13, transformers 5.3)."""
+    kept = [t for t in terms if t.name not in _MOE_RECOMPUTED]
+    routed = dm.tokens * moe.top_k
+    out = []
+    for t in kept:
+        if t.name == "moe.topk_weights":
+            t = Term(t.name, routed * FP32_BYTES)
+        out.append(t)
+    return [Term("moe.router_logits", dm.tokens * moe.num_experts * dm.e), *out,
+            Term("moe.expert_ids", routed * INDEX_BYTES),
+            Term("moe.offsets", moe.num_experts * OFFSET_BYTES)]
+
+
+# the grouped matmuls' offsets: ``torch.cumsum(..., dtype=torch.int32)``
+# (transformers integrations/moe.py ``grouped_mm_experts_forward``)
+OFFSET_BYTES = 4
+
+
 def float8_recomputed(readers: Sequence[linear.Linear], dm: Dims) -> bool:
     """Compiled with torchao's ``Float8Linear``s: whether a tensor that only ``readers`` read
     (a norm's output before its mixer's input projections, the MLP's SiLU(gate) * up before

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from memplan.model import float8_grouped, linear, mlp, moe_parallel
+from memplan.model import compiled, float8_grouped, linear, mlp, moe_parallel
 from memplan.model.block import BackwardMoment, Moment
 from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term, residual_dropout_mask, total
 from memplan.model.linear import Linear, Split
@@ -338,7 +338,10 @@ class MoE:
     name = "mlp"  # the feed-forward's place in the layer, whichever kind it is
 
     def saved(self, spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
-        return moe_terms(spec, dm, wl.moe_impl) + residual_dropout_mask("mlp", spec, dm)
+        terms = moe_terms(spec, dm, wl.moe_impl)
+        if dm.compiled:  # (compile_rule: grouped experts only)
+            terms = compiled.moe_terms(terms, _moe(spec), dm)
+        return terms + residual_dropout_mask("mlp", spec, dm)
 
     def forward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
                         recompute: Recompute) -> list[Moment]:

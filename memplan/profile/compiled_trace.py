@@ -116,6 +116,8 @@ def _layer(config: dict, dtype_name: str, batch: int, seq: int):
             _float8(layer, float8, False)
         x = torch.randn(batch, seq, cfg.dim, dtype=dtype, requires_grad=True)
         return layer, (lambda h: layer(h, None, None)), x
+    if config.get("model_type", "llama") != "llama":
+        return _hf_layer(config, dtype, batch, seq)
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
@@ -193,6 +195,57 @@ def _tp_block(fields: dict, dtype, batch: int, seq: int):
     return layer, (lambda h: layer(h, None, None)), x
 
 
+def _hf_layer(config: dict, dtype, batch: int, seq: int):
+    """A transformers decoder layer of ``config``'s family (its ``model_type``: the
+    ``*DecoderLayer`` and ``*RotaryEmbedding`` of ``models/<type>/modeling_<type>.py``), SDPA
+    attention and, for stacked experts, the ``grouped_mm`` experts implementation (the
+    default ``get_correct_experts_implementation`` picks), its parameters drawn at std 0.02."""
+    import importlib
+
+    import torch
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(**config)
+    cfg._attn_implementation = "sdpa"
+    cfg._experts_implementation = "grouped_mm"
+    kind = config["model_type"]
+    module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
+    names = dir(module)
+    layer_cls = getattr(module, next(n for n in names if n.endswith("DecoderLayer")))
+    rope_cls = getattr(module, next(n for n in names if n.endswith("RotaryEmbedding")))
+    layer = layer_cls(cfg, 0).to(dtype)
+    for param in layer.parameters():
+        torch.nn.init.normal_(param, std=0.02)
+    x = torch.randn(batch, seq, cfg.hidden_size, dtype=dtype, requires_grad=True)
+    positions = torch.arange(seq)[None].expand(batch, seq)
+    cos, sin = rope_cls(cfg)(x, positions)
+
+    def run(h):
+        out = layer(h, attention_mask=None, position_embeddings=(cos, sin))
+        return out[0] if isinstance(out, tuple) else out
+
+    return layer, run, x
+
+
+@contextlib.contextmanager
+def _transformers_logging_ignored() -> Iterator[None]:
+    """transformers 5.3's grouped experts ask ``is_grouped_mm_available()`` on every call
+    (integrations/moe.py ``_can_use_grouped_mm``); Dynamo traces through its ``lru_cache``
+    into ``_is_package_available``'s ``logger.debug``, a graph break, which ``fullgraph``
+    refuses. The logger ignored, the layer is one graph; what it saves is what the broken
+    graphs save (the same 525,328 B on the Qwen3-MoE toy, measured either way by
+    saved-tensor hooks on the real storages)."""
+    import torch
+
+    try:
+        from transformers.utils import import_utils
+    except ImportError:
+        yield
+        return
+    with torch._dynamo.config.patch(ignore_logging_functions={import_utils.logger.debug}):
+        yield
+
+
 def compiled_layer_saved(config: dict, dtype_name: str, batch: int, seq: int,
                          checkpoint: str = "none") -> list[SavedTensor]:
     """The saved set of one compiled decoder layer of ``config`` (``_layer``) in
@@ -239,7 +292,7 @@ def _saved(config: dict, dtype_name: str, batch: int, seq: int,
     no_cache = (torch._functorch.config.patch(enable_autograd_cache=False),
                 torch._inductor.config.patch(fx_graph_cache=False))
     try:
-        with no_cache[0], no_cache[1]:
+        with no_cache[0], no_cache[1], _transformers_logging_ignored():
             out = torch.compile(step, backend="inductor", fullgraph=True)(x)
             # a tensor-parallel block's output is a DTensor: its rank's shard
             (out.to_local() if hasattr(out, "to_local") else out).sum().backward()
@@ -283,7 +336,7 @@ def _peaks(config: dict, dtype_name: str, batch: int, seq: int) -> tuple[int, in
         with record_function("memplan.backward"):
             pass
 
-    with no_cache[0], no_cache[1]:
+    with no_cache[0], no_cache[1], _transformers_logging_ignored():
         step(lambda: None)
     layer.zero_grad(set_to_none=True)
     x.grad = None

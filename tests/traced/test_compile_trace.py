@@ -39,9 +39,9 @@ TITAN = {"torchtitan": dict(dim=256, n_layers=1, n_heads=8, n_kv_heads=2, vocab_
 BATCH, SEQ = 2, 64
 
 
-def _traced_activations(config: dict, dtype: str, checkpoint: str) -> int:
+def _traced_activations(config: dict, dtype: str, checkpoint: str, width: int = 256) -> int:
     saved = compiled_layer_saved(config, dtype, BATCH, SEQ, checkpoint=checkpoint)
-    stream = (BATCH, SEQ, 256)
+    stream = (BATCH, SEQ, width)
     return sum(t.size_bytes for t in saved if not t.graph_input or t.shape == stream)
 
 
@@ -203,3 +203,41 @@ def test_compiled_tp_layer_under_per_op_sac(tp: int, sp: bool, recipe: str, fuse
     modelled = layer_kind(spec, wl, dm, False, Recompute.SELECTIVE).saved_bytes
     traced = _traced_tp_activations(config, "op", SEQ // tp if sp else SEQ)
     assert traced - modelled == over
+
+
+# transformers' MoE layers cut to one layer of toy widths (tests/traced/test_frameworks.py's)
+QWEN3_MOE = hf("Qwen3-30B-A3B", num_hidden_layers=1, hidden_size=128, intermediate_size=256,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
+               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+MIXTRAL = hf("Mixtral-8x7B-v0.1", num_hidden_layers=1, hidden_size=128, intermediate_size=256,
+             num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+             vocab_size=512)
+
+
+@pytest.mark.parametrize("config,traced", [(QWEN3_MOE, 525_328), (MIXTRAL, 768_016)],
+                         ids=["qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("checkpoint", ["none", "full"])
+def test_compiled_moe_layer_saves_what_the_partitioner_saves(config: dict, traced: int,
+                                                             checkpoint: str) -> None:
+    """transformers' grouped experts (``grouped_mm_experts_forward``: ``aten._grouped_mm`` on
+    CPU in bf16) compiled in a Qwen3-MoE and a Mixtral layer (``memplan.model.compiled.
+    moe_terms``): T = 128 tokens, k = 2 (S = 256 routed rows), E = 4, h = 128. The MoE block
+    saves the router's bf16 logits 128 x 4 x 2 = 1,024, the fp32 top-k values 128 x 2 x 4 =
+    1,024, the top-k indices and their flattened copy, the sort and its inverse (int64,
+    256 x 8 = 2,048 each), the sorted gathered rows 256 x 128 x 2 = 65,536, gate/up
+    256 x 2f x 2, SiLU(gate) * up 256 x f x 2, the down output 65,536, the sorted fp32
+    weights 1,024 and the offsets (4 int32, 16): with Qwen3-MoE's f = 64 238,608 + 2,048 =
+    240,656 of its 525,328 B (its attention and norms as a dense layer's, the q/k norms
+    among them); Mixtral's f = 256 768,016 B. Inside full checkpointing the layer's input."""
+    wl = Workload(micro_batch_size=BATCH, seq_len=SEQ, precision="bf16-pure", compile=True,
+                  moe_impl="grouped",
+                  recompute=Recompute.FULL if checkpoint == "full" else Recompute.NONE)
+    spec = spec_from_hf_dict(config, "moe-toy", "moe-toy")
+    from memplan.parallel import validate
+
+    validate(spec, ParallelConfig(), wl)
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    modelled = layer_kind(spec, wl, dm, True, wl.recompute).saved_bytes
+    assert modelled == _traced_activations(config, "bfloat16", checkpoint, width=128)
+    if checkpoint == "none":
+        assert modelled == traced

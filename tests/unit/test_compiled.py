@@ -123,3 +123,44 @@ def test_compile_refuses_what_is_not_modelled(model: str, update: dict, why: str
     wl = Workload.model_validate({**WL.model_dump(), **update})
     with pytest.raises(LayoutError, match=why):
         validate(load_model(model), ParallelConfig(), wl)
+
+
+TINY_MOE = TINY.model_validate({**TINY.model_dump(), "name": "tiny-moe",
+                                "moe": {"num_experts": 4, "top_k": 2,
+                                        "expert_ffn_hidden_size": 96,
+                                        "stacked_experts": True}})
+
+
+def test_compiled_grouped_moe_terms() -> None:
+    """transformers' grouped experts compiled (``memplan.model.compiled.moe_terms``): T = 64
+    tokens, k = 2 (S = 128 routed rows), E = 4, expert ffn 96, bf16. The router's logits
+    64*4*2 = 512 (not the fp32 probabilities), the top-k indices, their flattened copy, the
+    sort and its inverse 128*8 = 1,024 each, the top-k fp32 values 128*4 = 512 (not their
+    per-token sum), the sorted gathered rows 128*64*2 = 16,384, gate, up and their product
+    128*96*2 = 24,576 each (not SiLU(gate)), the down output 16,384, the sorted fp32 weights
+    512, the int32 offsets 4*4 = 16: 112,144 (no token index)."""
+    wl = Workload.model_validate({**WL.model_dump(), "moe_impl": "grouped"})
+    validate(TINY_MOE, ParallelConfig(), wl)
+    dm = Dims.of(TINY_MOE, ParallelConfig(), wl)
+    terms = {t.name: t.size_bytes
+             for t in layer_terms(TINY_MOE, wl, dm, moe_layer=True, recompute=Recompute.NONE)
+             if t.name.startswith("moe.") and t.size_bytes}
+    assert terms == {
+        "moe.router_logits": 512, "moe.topk_indices": 1_024, "moe.topk_weights": 512,
+        "moe.sort_index": 1_024, "moe.unsort_index": 1_024, "moe.dispatched": 16_384,
+        "moe.expert.gate": 24_576, "moe.expert.up": 24_576, "moe.expert.prod": 24_576,
+        "moe.expert_out": 16_384, "moe.routing_weights": 512, "moe.expert_ids": 1_024,
+        "moe.offsets": 16}
+    assert sum(terms.values()) == 112_144
+
+
+@pytest.mark.parametrize("update,why", [
+    ({"moe_impl": "loop"}, "MoE layers under generic, moe_impl loop"),
+    ({"precision": "fp32"}, r"MoE layers in fp32 \(transformers' grouped experts compile"),
+    ({"recompute": "selective", "selective_impl": "op"}, "MoE layers and recompute selective"),
+])
+def test_compiled_moe_refusals(update: dict, why: str) -> None:
+    """What a compiled MoE layer is not derived for is refused by name."""
+    wl = Workload.model_validate({**WL.model_dump(), "moe_impl": "grouped", **update})
+    with pytest.raises(LayoutError, match=why):
+        validate(TINY_MOE, ParallelConfig(), wl)

@@ -88,6 +88,7 @@ def test_float8_keeps_saved_activations_of_a_bf16_run() -> None:
     ("mixtral-8x7b", {"moe_impl": "every"}, {},
      r"MoE layers and moe_impl every \(it needs grouped experts\)"),
     ("mixtral-8x7b", {"moe_impl": "grouped"}, {"tp": 2}, "MoE layers and tp 2"),
+    ("mixtral-8x7b", {"moe_impl": "grouped", "compile": True}, {}, "MoE layers and compile"),
     ("tiny", {}, {"tp": 2, "tp_style": "megatron"}, "tp 2 in the megatron style"),
     ("tiny", {"lora_rank": 8}, {}, r"lora_rank 8 \(a frozen Float8Linear saves its input "
      r"and makes a weight gradient it drops; torchtitan's adapters run in the compute dtype, "
