@@ -148,6 +148,19 @@ def _shared_last_unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardM
                             + dm.rows * spec.hidden_size * dm.e)]
 
 
+def _compiled_unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
+    """The compiled block's backward start (``memplan.model.compiled.moe_terms``): Inductor's
+    backward graph turns the output's gradient into the unsorted rows' gradient by an
+    ``index_put`` into fp32 zeros (R h in the routing weights' width), and from it the
+    routing weights' gradient and the down output's in the block's dtype (R h), beside
+    everything saved; the expanded copy of the incoming gradient is fused away (traced:
+    transformers' Qwen3-MoE layer, its backward graph and the CPU allocator's events)."""
+    moe, h = _moe(spec), spec.hidden_size
+    rows = dm.tokens * moe.top_k
+    width = max(dm.e, weights_width(moe, dm))
+    return [BackwardMoment("moe_unsort", saved, rows * h * (width + dm.e), ())]
+
+
 def _unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
     """Grouped experts alone (Mixtral's block): the block's backward starts at the per-token
     sum of the weighted rows (integrations/moe.py ``grouped_mm_experts_forward``), in the
@@ -348,6 +361,11 @@ class MoE:
         stream = dm.rows * spec.hidden_size * dm.e
         saved = total(self.saved(spec, wl, dm, recompute))
         moments = [Moment("mlp", saved, stream)]
+        if dm.compiled:
+            # Inductor's kernels make the block's output beside what it saves, no eager
+            # working set (traced: tests/traced/test_compile_trace.py, the layer's forward
+            # peak its saved set and its output)
+            return moments
         if wl.moe_impl is MoeImpl.PARALLEL:
             return moe_parallel.forward_moments(spec, dm, saved)
         if wl.moe_impl is MoeImpl.EVERY:
@@ -400,7 +418,9 @@ class MoE:
                 run_tokens=dm.tokens * moe.top_k, ffn=moe.expert_ffn_hidden_size,
                 grad_inputs=2 * dm.rows * h * e, fresh=0, out_grad=routed,
                 fused_in=moe.stacked_experts and spec.mlp.gated, in_saved=routed))
-            return _gated_shared_unsort(spec, dm, saved) + grouped
+            first = (_compiled_unsort(spec, dm, saved) if dm.compiled
+                     else _gated_shared_unsort(spec, dm, saved))
+            return first + grouped
         return mlp.backward_moments(
             spec, dm.experts(), saved=saved,
             freed=mlp.dropout_mask_bytes(spec, dm) + routed + routed // moe.num_experts,

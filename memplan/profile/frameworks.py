@@ -360,7 +360,9 @@ def build_hf(case: FrameworkCase) -> Built:
     ``save_on_cpu`` does, ``memplan.profile.offload``; estimated with ``offload``),
     ``recompute`` (``"full"``: ``gradient_checkpointing_enable``, non-reentrant), ``fsdp1``
     (with ``dp`` > 1: ``FullyShardedDataParallel`` as Accelerate's FSDP1 plugin wraps it,
-    ``_fsdp1_wrap``; the dict's keys are workload fields, e.g. ``backward_prefetch``)."""
+    ``_fsdp1_wrap``; the dict's keys are workload fields, e.g. ``backward_prefetch``),
+    ``compile`` (True: each decoder layer compiled on its own with Inductor, as
+    ``memplan.profile.finetune`` compiles them; no key/value cache)."""
     from transformers import AutoModelForCausalLM
 
     from memplan.profile.hf_meta import config_for_model
@@ -380,6 +382,11 @@ def build_hf(case: FrameworkCase) -> Built:
     recompute = case.options.get("recompute", "none")
     if recompute == "full":  # Trainer's gradient_checkpointing=True, non-reentrant
         model.gradient_checkpointing_enable({"use_reentrant": False})
+    compiled = bool(case.options.get("compile"))
+    if compiled:  # each layer on its own (torchtitan's apply_compile; finetune.build_peft)
+        model.config.use_cache = False
+        for layer in model.model.layers:
+            layer.compile(backend="inductor")
     save = case.options.get("recompute_save", "")
     if recompute == "ops":  # the emitted torch policy, as gradient_checkpointing_kwargs
         _emitted_checkpointing(model, spec, rec.name, b, s, save)
@@ -416,6 +423,7 @@ def build_hf(case: FrameworkCase) -> Built:
                     **({"recompute": recompute} if recompute != "none" else {}),
                     **({"recompute_save": save} if recompute == "ops" else {}),
                     **({"fsdp_version": 1, **fsdp1} if fsdp1 is not None else {}),
+                    **({"compile": True, "kv_cache": False} if compiled else {}),
                     **_deltanet_kernel(model))
     # the config's use_cache reaches the estimate through the spec (the hf preset's kv_cache)
     layout = (api.make_layout(case.dp, zero=3) if fsdp1 is not None
