@@ -153,6 +153,8 @@ def sac_tp_terms(spec: ModelSpec, dm: Dims, fused_qkv: bool) -> list[Term]:
                           norms * dm.linear_rows * linear.FLOAT8_SCALE_BYTES))
         terms.append(Term("sac.float8_weight_scales", weights * linear.FLOAT8_SCALE_BYTES))
     return terms
+
+
 # the grouped MoE block's eager terms the compiled block does not save (``moe_terms``)
 _MOE_RECOMPUTED = ("moe.router_probs", "moe.token_index", "moe.expert.act")
 
@@ -177,14 +179,10 @@ def moe_terms(terms: list[Term], moe: MoESpec, dm: Dims) -> list[Term]:
       matmuls' backward reads them.
 
     Traced: tests/traced/test_compile_trace.py (torch 2.13, transformers 5.3)."""
-    kept = [t for t in terms if t.name not in _MOE_RECOMPUTED]
     routed = dm.tokens * moe.top_k
-    out = []
-    for t in kept:
-        if t.name == "moe.topk_weights":
-            t = Term(t.name, routed * FP32_BYTES)
-        out.append(t)
-    return [Term("moe.router_logits", dm.tokens * moe.num_experts * dm.e), *out,
+    kept = [Term(t.name, routed * FP32_BYTES) if t.name == "moe.topk_weights" else t
+            for t in terms if t.name not in _MOE_RECOMPUTED]
+    return [Term("moe.router_logits", dm.tokens * moe.num_experts * dm.e), *kept,
             Term("moe.expert_ids", routed * INDEX_BYTES),
             Term("moe.offsets", moe.num_experts * OFFSET_BYTES)]
 
