@@ -27,6 +27,7 @@ from memplan.workload import (
     GradSync,
     LogitsHeld,
     LossImpl,
+    MoeImpl,
     PipelineSplit,
     Precision,
     Recompute,
@@ -497,9 +498,10 @@ def float8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutErr
     ``memplan.model.linear.float8_tp_input_bytes``), which refuse a plain linear; with
     rowwise plain TP (0.3.0's sharding configs, dtype-agnostic), the Float8Linear casting
     the gathered bf16 input itself (``linear._gathered_grad``); both traced at tp 2 and 4,
-    with and without sequence parallelism. Refused: tp with compile unless under full
-    recompute (each block then saves its input alone; the
-    recomputed block's casts are taken as traced eagerly: compiled TP was not traced), LoRA,
+    with and without sequence parallelism. Compiled with tp: under full recompute (each
+    block saves its input alone; the recomputed block's casts are taken as traced eagerly) or
+    torchtitan's per-op SAC (``memplan.model.compiled.sac_tp_terms``, traced); refused: tp
+    with compile and no recompute, LoRA,
     selective recompute other than per-op SAC. MoE layers with grouped experts
     (``moe_impl grouped``): torchtitan's ``Float8GroupedExpertsConverter`` runs their grouped
     matmuls as torchao's float8 grouped GEMM, rowwise whatever the linears' recipe
@@ -531,8 +533,8 @@ def float8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutErr
     return LayoutError(f"float8 is not modelled with {why}",
                        f"float8 {wl.float8.value} with {why}: not modelled yet (float8 is "
                        "modelled for dense layers, eager or compiled with a gated MLP, tp 1 "
-                       "or eager DTensor TP, and grouped MoE experts at tp 1; no LoRA, "
-                       "recompute none, full or per-op SAC)")
+                       "or DTensor TP (compiled: full recompute or per-op SAC), and grouped "
+                       "MoE experts at tp 1; no LoRA, recompute none, full or per-op SAC)")
 
 
 def _float8_moe_refusal(par: ParallelConfig, wl: Workload) -> str | None:
@@ -541,6 +543,8 @@ def _float8_moe_refusal(par: ParallelConfig, wl: Workload) -> str | None:
         return f"MoE layers and moe_impl {wl.moe_impl.value} (it needs grouped experts)"
     if par.tp > 1:
         return f"MoE layers and tp {par.tp}"
+    if wl.compile:  # (the compiled MoE block is traced for transformers' bf16 experts only)
+        return "MoE layers and compile"
     if wl.float8_all_gather:
         return "MoE layers and float8_all_gather"
     return None
@@ -548,9 +552,13 @@ def _float8_moe_refusal(par: ParallelConfig, wl: Workload) -> str | None:
 
 def _float8_tp_refusal(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> str | None:
     """Why float8 with tp > 1 is not modelled for this run, or None (``float8_rule``)."""
-    if wl.compile and wl.recompute is not Recompute.FULL:
-        # under full recompute a compiled block saves its input alone, as an eager one does
-        return f"tp {par.tp}, compile and recompute {wl.recompute.value}"
+    if wl.compile and wl.recompute is Recompute.NONE:
+        # under full recompute a compiled block saves its input alone, as an eager one does;
+        # under per-op SAC its tags decide (memplan.model.compiled.sac_tp_terms). Without
+        # recompute the partitioner saves float8 casts of the TP-sharded weights whose scales
+        # an all-reduce makes (traced, torchao 0.18.0: not modelled)
+        return (f"tp {par.tp}, compile and recompute none (the partitioner saves the float8 "
+                "casts of sharded weights whose scales need an all-reduce)")
     if par.tp_style is not TpStyle.DTENSOR:
         return f"tp {par.tp} in the {par.tp_style.value} style"
     # the block linears' widths (memplan.model.linear.convertible: multiples of 16)
@@ -663,14 +671,44 @@ def optimizer_in_backward_rule(par: ParallelConfig, wl: Workload) -> LayoutError
                        "scaler)")
 
 
+def _compile_moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
+    """Why a compiled MoE layer is not modelled, or None: transformers' grouped experts
+    (``memplan.model.compiled.moe_terms``), traced on Qwen3-MoE's and Mixtral's layers in
+    bf16, routed experts alone behind a softmax router in the block's dtype."""
+    moe = spec.moe
+    assert moe is not None
+    if wl.framework is Framework.TORCHTITAN or wl.moe_impl is not MoeImpl.GROUPED:
+        return (f"MoE layers under {wl.framework.value}, moe_impl {wl.moe_impl.value} "
+                "(traced: transformers' grouped experts)")
+    if wl.compute_dtype.value != "bf16":
+        # integrations/moe.py _can_use_grouped_mm: compiled, a weight not in bf16 takes the
+        # grouped_mm_fallback custom op, whose backward loops over the offsets' values
+        # (``if start == end``): Inductor fails on that data-dependent guard (traced, fp32,
+        # torch 2.13, transformers 5.3)
+        return (f"MoE layers in {wl.precision.value} (transformers' grouped experts compile "
+                "in bf16 only: their fallback's backward does not)")
+    if wl.recompute is Recompute.SELECTIVE:
+        return "MoE layers and recompute selective"
+    if moe.num_shared_experts:
+        return "MoE layers with shared experts"
+    if moe.router_fp32 or moe.router_topk_softmax or moe.router_weights_cast:
+        return "MoE layers whose router is not a softmax over every expert in the block's dtype"
+    if moe.clamped_swiglu:
+        return "MoE layers with the clamped SwiGLU experts"
+    return None
+
+
 def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
     """What a compiled layer's saved set is derived for (``memplan.model.compiled``): a
-    pre-norm dense layer with SDPA attention in one compute dtype, no recompute or a fully
-    checkpointed layer, or torchtitan's per-op SAC. The rest is not modelled yet: a refusal,
-    not an eager estimate."""
+    pre-norm layer (dense, or MoE with transformers' grouped experts in bf16:
+    ``_compile_moe_refusal``) with SDPA attention in one compute dtype, no recompute or a
+    fully checkpointed layer, or torchtitan's per-op SAC. The rest is not modelled yet: a
+    refusal, not an eager estimate."""
     why = None
     if spec.moe is not None:
-        why = "MoE layers"
+        why = _compile_moe_refusal(spec, wl)
+    if why is not None:
+        pass
     elif spec.norm_placement.value != "pre":
         why = f"{spec.norm_placement.value} norms"
     elif wl.attention.value != "flash":
@@ -698,7 +736,8 @@ def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
         return None
     return LayoutError(f"compile is not modelled with {why}",
                        f"compile with {why}: what the partitioner saves there is not "
-                       "modelled yet (compile is modelled for dense pre-norm layers, SDPA "
+                       "modelled yet (compile is modelled for pre-norm layers, dense or "
+                       "with transformers' bf16 grouped experts, SDPA "
                        "attention, no autocast, LoRA on unquantized base weights (with full "
                        "recompute: compile_in_checkpoint, the attention's projections), "
                        "recompute none, full or per-op SAC)")

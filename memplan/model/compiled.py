@@ -38,7 +38,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from memplan.model import linear
-from memplan.model.dims import Dims, Term
+from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term
+from memplan.spec import ModelSpec, MoESpec
 from memplan.workload import Float8Recipe, NormImpl, Workload
 
 # Inductor's buffer reuse in the compiled forward: the residual add after the MLP is the last
@@ -85,7 +86,7 @@ def in_checkpoint(wl: Workload) -> bool:
     return wl.compile and wl.compile_in_checkpoint
 
 
-def sac_kept(terms: list[Term]) -> list[Term]:
+def sac_kept(terms: list[Term], spec: ModelSpec, dm: Dims, fused_qkv: bool) -> list[Term]:
     """Per-op SAC (torchtitan's ``SelectiveAC``) checkpointed, then compiled: the policy tags
     its save list's outputs ``MUST_SAVE`` and the rest ``PREFER_RECOMPUTE``
     (torch/utils/checkpoint.py ``CheckpointPolicy``), which the partitioner reads as a ban on
@@ -93,8 +94,102 @@ def sac_kept(terms: list[Term]) -> list[Term]:
     forced recompute of the others (``must_recompute``). The min cut still saves only what
     backward reads: the down projection's output (``sac.mlp.w2``, an odd matmul the eager
     policy caches for the rerun) feeds the residual add alone, whose backward reads nothing,
-    so it is not saved (traced: torchtitan's block, fused and separate q/k/v)."""
-    return [t for t in terms if t.name != "sac.mlp.w2"]
+    so it is not saved (traced: torchtitan's block, fused and separate q/k/v). Under DTensor
+    tensor parallelism the rank's shards, and what ``sac_tp_terms`` adds."""
+    return ([t for t in terms if t.name != "sac.mlp.w2"]
+            + sac_tp_terms(spec, dm, fused_qkv))
+
+
+# the matmuls reading each norm's output (memplan.model.sac.matmuls' names)
+_NORM_READERS = {"attn": ("attn.qkv", "attn.q_proj", "attn.k_proj", "attn.v_proj"),
+                 "mlp": ("mlp.w1", "mlp.w3")}
+
+
+def sac_tp_terms(spec: ModelSpec, dm: Dims, fused_qkv: bool) -> list[Term]:
+    """What per-op SAC, compiled, keeps beyond the matmul outputs under DTensor tensor
+    parallelism (traced: tests/traced/test_compile_trace.py, torchtitan's block on a TP mesh
+    of the fake process group, fused and separate q/k/v):
+
+    - with sequence parallelism, the output projection's reduce-scattered output (rows / t
+      of the residual stream): torchtitan's save list names
+      ``_c10d_functional.reduce_scatter_tensor`` (``_get_default_save_ops``, "comm_ops") and
+      backward reads it (the MLP norm's input, the residual sum, is recomputed from it and the
+      layer's input). The down projection's is tagged too but, as its matmul's output,
+      feeds the residual add alone: not saved;
+    - without, the down projection's output (its full partial sum), which ``sac_kept``
+      drops on one rank: its all-reduce, tagged to recompute, is rerun in backward, where the
+      partitioner's dead-code pass keeps collectives (``is_not_collective``,
+      torch/_functorch/partitioners.py), so the input it reads is saved;
+    - with rowwise float8 (``Float8Linear`` under torchtitan's dtype-agnostic TP): per
+      column-parallel converted linear the fp32 power-of-two scales of its weight's backward
+      cast (``matmul_with_hp_or_float8_args.backward``: ``weight_hp_t`` scaled along its last
+      dim, the output dim the rank holds a shard of, so its amax needs an all-reduce, a
+      collective the partitioner never recomputes), ``d_in`` of them; and per norm one fp32
+      scale per row of the (gathered) input its linears cast (``hp_tensor_to_float8_dynamic``
+      along the last dim) when one of them is a matmul the policy reruns (an even one: k,
+      or the MLP's up projection w3; a fused qkv is kept, its input's scales are not).
+      Tensorwise saves the amaxes (``aten.max``, in the save list) and fp32 scalars alone:
+      tens of bytes, not counted (as without TP:
+      ``test_compiled_float8_layer_under_per_op_sac``)."""
+    from memplan.model import sac
+
+    if dm.tp == 1:
+        return []
+    terms = []
+    if dm.gathered_linear_input:
+        terms.append(Term("sac.attn.o_proj_scattered", dm.rows * spec.hidden_size * dm.e))
+    elif dm.res_tokens_div == 1:
+        terms.append(Term("sac.mlp.w2", dm.tokens * spec.hidden_size * dm.e))
+    if dm.float8 is Float8Recipe.ROWWISE:
+        columns = {name: linear.float8_converts(linear.Linear(name, "", d_in, d_out), dm)
+                   for name, d_in, d_out, column in sac.matmuls(spec, fused_qkv) if column}
+        weights = sum(d_in for name, d_in, _, column in sac.matmuls(spec, fused_qkv)
+                      if column and columns[name])
+        rerun = {m[0] for m in sac.recomputed(spec, fused_qkv)}
+        norms = sum(1 for readers in _NORM_READERS.values()
+                    if (mine := [n for n in readers if n in columns])
+                    and all(columns[n] for n in mine) and rerun & set(mine))
+        terms.append(Term("sac.float8_row_scales",
+                          norms * dm.linear_rows * linear.FLOAT8_SCALE_BYTES))
+        terms.append(Term("sac.float8_weight_scales", weights * linear.FLOAT8_SCALE_BYTES))
+    return terms
+
+
+# the grouped MoE block's eager terms the compiled block does not save (``moe_terms``)
+_MOE_RECOMPUTED = ("moe.router_probs", "moe.token_index", "moe.expert.act")
+
+
+def moe_terms(terms: list[Term], moe: MoESpec, dm: Dims) -> list[Term]:
+    """A grouped MoE block's saved terms compiled (transformers' ``grouped_mm_experts_forward``,
+    integrations/moe.py, bf16: its grouped matmuls are ``aten._grouped_mm``), from its eager
+    ones (``memplan.model.moe.moe_terms``), by the partitioner's rules
+    (``memplan.model.compiled``'s docstring):
+
+    - the router saves its logits, T x E in the block's dtype (a matmul's output, never
+      recomputed), not the fp32 softmax of every expert (pointwise and a reduction of the
+      logits, recomputed), and of the renormalised top-k weights the top-k values alone (fp32,
+      T x k; their per-token sum is recomputed);
+    - the token index (``torch.arange(...).expand``) is recomputed; the top-k indices and
+      their flattened copy (``top_k_index.reshape(-1)``, a buffer of its own in the compiled
+      forward), the sort and its inverse (``argsort``: not in the recomputable list), the
+      gathered sorted rows (the gate/up grouped matmul's input), its output, the activated
+      product (the down grouped matmul's input), the down output and the sorted fp32 weights
+      are saved; SiLU(gate) is recomputed, as in a dense MLP (``mlp_terms``);
+    - the offsets (``cumsum`` of the ``histc`` counts, E int32) are saved: the grouped
+      matmuls' backward reads them.
+
+    Traced: tests/traced/test_compile_trace.py (torch 2.13, transformers 5.3)."""
+    routed = dm.tokens * moe.top_k
+    kept = [Term(t.name, routed * FP32_BYTES) if t.name == "moe.topk_weights" else t
+            for t in terms if t.name not in _MOE_RECOMPUTED]
+    return [Term("moe.router_logits", dm.tokens * moe.num_experts * dm.e), *kept,
+            Term("moe.expert_ids", routed * INDEX_BYTES),
+            Term("moe.offsets", moe.num_experts * OFFSET_BYTES)]
+
+
+# the grouped matmuls' offsets: ``torch.cumsum(..., dtype=torch.int32)``
+# (transformers integrations/moe.py ``grouped_mm_experts_forward``)
+OFFSET_BYTES = 4
 
 
 def float8_recomputed(readers: Sequence[linear.Linear], dm: Dims) -> bool:

@@ -373,8 +373,9 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
         # per-op SAC: a fully recomputed layer that also keeps its save list's outputs,
         # which the rerun reuses (so its backward is the full recompute's)
         full = layer_kind(spec, wl, dm, moe, Recompute.FULL, variant)
-        kept = sac_terms(spec, dm, wl.fused_qkv or spec.fused_qkv)
-        kept = tuple(compiled.sac_kept(kept) if wl.compile else kept)
+        fused = wl.fused_qkv or spec.fused_qkv
+        kept = sac_terms(spec, dm, fused)
+        kept = tuple(compiled.sac_kept(kept, spec, dm, fused) if wl.compile else kept)
         # the recomputed layer's forward peaks in the MLP, before the down projection, whose
         # output (kept) does not exist yet
         late = sum(t.size_bytes for t in kept if t.name == "sac.mlp.w2")

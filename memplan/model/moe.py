@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from memplan.model import float8_grouped, linear, mlp, moe_parallel
+from memplan.model import compiled, float8_grouped, linear, mlp, moe_parallel
 from memplan.model.block import BackwardMoment, Moment
 from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term, residual_dropout_mask, total
 from memplan.model.linear import Linear, Split
@@ -193,6 +193,19 @@ def _shared_ran_first(spec: ModelSpec, dm: Dims) -> tuple[int, int]:
     shared = total(mlp.mlp_terms("moe.shared", spec, dm, moe.num_shared_experts
                                  * moe.shared_expert_ffn_hidden_size, dm.tokens))
     return shared, dm.rows * spec.hidden_size * dm.e
+
+
+def _compiled_unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
+    """The compiled block's backward start (``memplan.model.compiled.moe_terms``): Inductor's
+    backward graph turns the output's gradient into the unsorted rows' gradient by an
+    ``index_put`` into fp32 zeros (R h in the routing weights' width), and from it the
+    routing weights' gradient and the down output's in the block's dtype (R h), beside
+    everything saved; the expanded copy of the incoming gradient is fused away (traced:
+    transformers' Qwen3-MoE layer, its backward graph and the CPU allocator's events)."""
+    moe, h = _moe(spec), spec.hidden_size
+    rows = dm.tokens * moe.top_k
+    width = max(dm.e, weights_width(moe, dm))
+    return [BackwardMoment("moe_unsort", saved, rows * h * (width + dm.e), ())]
 
 
 def _unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
@@ -389,13 +402,21 @@ class MoE:
     name = "mlp"  # the feed-forward's place in the layer, whichever kind it is
 
     def saved(self, spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
-        return moe_terms(spec, dm, wl.moe_impl) + residual_dropout_mask("mlp", spec, dm)
+        terms = moe_terms(spec, dm, wl.moe_impl)
+        if dm.compiled:  # (compile_rule: grouped experts only)
+            terms = compiled.moe_terms(terms, _moe(spec), dm)
+        return terms + residual_dropout_mask("mlp", spec, dm)
 
     def forward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
                         recompute: Recompute) -> list[Moment]:
         stream = dm.rows * spec.hidden_size * dm.e
         saved = total(self.saved(spec, wl, dm, recompute))
         moments = [Moment("mlp", saved, stream)]
+        if dm.compiled:
+            # Inductor's kernels make the block's output beside what it saves, no eager
+            # working set (traced: tests/traced/test_compile_trace.py, the layer's forward
+            # peak its saved set and its output)
+            return moments
         if wl.moe_impl is MoeImpl.PARALLEL:
             return moe_parallel.forward_moments(spec, dm, saved)
         if wl.moe_impl is MoeImpl.EVERY:
@@ -452,8 +473,9 @@ class MoE:
                 fused_in=moe.stacked_experts and spec.mlp.gated, in_saved=routed))
             grouped = [m._replace(transient_bytes=m.transient_bytes + waiting)
                        if m.name in ("mlp", "mlp_act") else m for m in grouped]
-            return (_shared_last_backward(spec, dm, saved) + _gated_shared_unsort(spec, dm, saved)
-                    + grouped)
+            first = (_compiled_unsort(spec, dm, saved) if dm.compiled
+                     else _gated_shared_unsort(spec, dm, saved))
+            return _shared_last_backward(spec, dm, saved) + first + grouped
         return mlp.backward_moments(
             spec, dm.experts(), saved=saved,
             freed=mlp.dropout_mask_bytes(spec, dm) + routed + routed // moe.num_experts,

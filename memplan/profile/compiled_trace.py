@@ -20,7 +20,8 @@ from typing import Any, NamedTuple
 class SavedTensor(NamedTuple):
     """One tensor the compiled forward saves: its node, op, shape, dtype and bytes;
     ``graph_input``: a graph input (the layer's input, a weight, the RoPE tables) rather than
-    a tensor the forward made."""
+    a tensor the forward made; ``input_view``: a view of a graph input (a tensor-parallel
+    weight's local shard transposed for backward), no storage of its own."""
 
     name: str
     op: str
@@ -28,6 +29,26 @@ class SavedTensor(NamedTuple):
     dtype: str
     size_bytes: int
     graph_input: bool
+    input_view: bool = False
+
+
+# aten ops whose output aliases their first argument's storage
+_VIEW_OPS = frozenset(("aten.view.default", "aten.permute.default", "aten.t.default",
+                       "aten.transpose.int", "aten.expand.default", "aten.alias.default",
+                       "aten.unsqueeze.default", "aten.squeeze.dim", "aten.slice.Tensor",
+                       "aten.select.int", "aten._unsafe_view.default"))
+
+
+def _view_base(node: Any) -> Any:
+    """The node at the end of ``node``'s chain of views (``_VIEW_OPS``): itself if none."""
+    while node.op == "call_function" and str(node.target) in _VIEW_OPS:
+        node = node.args[0]
+    return node
+
+
+def _views_input(node: Any) -> bool:
+    """Whether ``node`` is a chain of views of a graph input."""
+    return _view_base(node).op == "placeholder"
 
 
 @contextlib.contextmanager
@@ -59,7 +80,8 @@ def _record(rows: list[list[SavedTensor]]):
             numel = int(value.numel()) if all(isinstance(d, int) for d in value.shape) else 0
             saved.append(SavedTensor(node.name, str(node.target), tuple(value.shape),
                                      str(value.dtype).removeprefix("torch."),
-                                     numel * value.element_size(), node.op == "placeholder"))
+                                     numel * value.element_size(), node.op == "placeholder",
+                                     node.op != "placeholder" and _views_input(node)))
         rows.append(saved)
         return fw, bw
 
@@ -79,6 +101,8 @@ def _layer(config: dict, dtype_name: str, batch: int, seq: int):
     torch._dynamo.reset()
     torch.manual_seed(0)
     dtype = getattr(torch, dtype_name)
+    if "torchtitan" in config and config["torchtitan"].get("tp", 1) > 1:
+        return _tp_block(config["torchtitan"], dtype, batch, seq)
     if "torchtitan" in config:
         from memplan.profile.frameworks import _float8, torchtitan_config
 
@@ -92,6 +116,8 @@ def _layer(config: dict, dtype_name: str, batch: int, seq: int):
             _float8(layer, float8, False)
         x = torch.randn(batch, seq, cfg.dim, dtype=dtype, requires_grad=True)
         return layer, (lambda h: layer(h, None, None)), x
+    if config.get("model_type", "llama") != "llama":
+        return _hf_layer(config, dtype, batch, seq)
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
@@ -109,15 +135,133 @@ def _layer(config: dict, dtype_name: str, batch: int, seq: int):
     return layer, run, x
 
 
+def _tp_block(fields: dict, dtype, batch: int, seq: int):
+    """torchtitan's Llama3 block on rank 0 of a ``tp``-rank mesh of the fake process group
+    (``fields``: ``torchtitan_config``'s keywords with ``tp``, ``sp`` (default True) and
+    ``float8``), parallelised as ``build_torchtitan`` parallelises it: 0.3.0's own sharding
+    configs (rowwise float8: its converter's ``Float8Linear`` configs,
+    ``frameworks._float8_configs``), or torchao's float8 TP styles with tensorwise
+    (``frameworks._float8_tp_plan``), applied by ``model.parallelize`` on the TP mesh alone
+    (``parallelize_llama`` without FSDP). Its input is the residual stream's DTensor:
+    sequence-sharded under SP, replicated without."""
+    import torch
+    import torchtitan.distributed.parallel_dims as pd
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed import ParallelDims
+
+    from memplan.profile.frameworks import (
+        _float8,
+        _float8_configs,
+        _float8_tp_plan,
+        torchtitan_config,
+    )
+
+    fields = dict(fields)
+    tp, sp, float8 = fields.pop("tp"), fields.pop("sp", True), fields.pop("float8", "none")
+    cfg = torchtitan_config(**fields, seq_len=seq)
+    if float8 == "rowwise":
+        _float8_configs(cfg, float8)
+    if float8 == "tensorwise":
+        from torchtitan.models.common.decoder_sharding import set_decoder_sharding_config
+
+        set_decoder_sharding_config(cfg, enable_sp=sp)
+    else:
+        from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+        set_llama3_sharding_config(cfg, enable_sp=sp)
+    with torch.device("cpu"):
+        model = cfg.build()
+    model.init_states(buffer_device=torch.device("cpu"))
+    model = model.to(dtype)
+    if float8 == "tensorwise":
+        _float8(model, float8, False)
+        _float8_tp_plan(model, sp)
+    parallelism = ParallelismConfig(tensor_parallel_degree=tp, enable_sequence_parallel=sp,
+                                    spmd_backend="partial_dtensor")
+    device_type = pd.device_type
+    pd.device_type = "cpu"  # torchtitan falls back to "cuda" when no accelerator is found
+    try:
+        dims = ParallelDims.from_config(parallelism, world_size=tp)
+        dims.build_mesh()
+        model.parallelize(dims)
+    finally:
+        pd.device_type = device_type
+    layer = model.layers["0"]
+    local = torch.randn(batch, seq // tp if sp else seq, cfg.dim, dtype=dtype,
+                        requires_grad=True)
+    x = DTensor.from_local(local, dims.get_mesh("tp"), (Shard(1) if sp else Replicate(),),
+                           run_check=False)
+    return layer, (lambda h: layer(h, None, None)), x
+
+
+def _hf_layer(config: dict, dtype, batch: int, seq: int):
+    """A transformers decoder layer of ``config``'s family (its ``model_type``: the
+    ``*DecoderLayer`` and ``*RotaryEmbedding`` of ``models/<type>/modeling_<type>.py``), SDPA
+    attention and, for stacked experts, the ``grouped_mm`` experts implementation (the
+    default ``get_correct_experts_implementation`` picks), its parameters drawn at std 0.02."""
+    import importlib
+
+    import torch
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(**config)
+    cfg._attn_implementation = "sdpa"
+    cfg._experts_implementation = "grouped_mm"
+    kind = config["model_type"]
+    module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
+    names = dir(module)
+    layer_cls = getattr(module, next(n for n in names if n.endswith("DecoderLayer")))
+    rope_cls = getattr(module, next(n for n in names if n.endswith("RotaryEmbedding")))
+    layer = layer_cls(cfg, 0).to(dtype)
+    for param in layer.parameters():
+        torch.nn.init.normal_(param, std=0.02)
+    x = torch.randn(batch, seq, cfg.hidden_size, dtype=dtype, requires_grad=True)
+    positions = torch.arange(seq)[None].expand(batch, seq)
+    cos, sin = rope_cls(cfg)(x, positions)
+
+    def run(h):
+        out = layer(h, attention_mask=None, position_embeddings=(cos, sin))
+        return out[0] if isinstance(out, tuple) else out
+
+    return layer, run, x
+
+
+@contextlib.contextmanager
+def _transformers_logging_ignored() -> Iterator[None]:
+    """transformers 5.3's grouped experts ask ``is_grouped_mm_available()`` on every call
+    (integrations/moe.py ``_can_use_grouped_mm``); Dynamo traces through its ``lru_cache``
+    into ``_is_package_available``'s ``logger.debug``, a graph break, which ``fullgraph``
+    refuses. The logger ignored, the layer is one graph; what it saves is what the broken
+    graphs save (the same 525,328 B on the Qwen3-MoE toy, measured either way by
+    saved-tensor hooks on the real storages)."""
+    import torch
+
+    try:
+        from transformers.utils import import_utils
+    except ImportError:
+        yield
+        return
+    with torch._dynamo.config.patch(ignore_logging_functions={import_utils.logger.debug}):
+        yield
+
+
 def compiled_layer_saved(config: dict, dtype_name: str, batch: int, seq: int,
                          checkpoint: str = "none") -> list[SavedTensor]:
     """The saved set of one compiled decoder layer of ``config`` (``_layer``) in
-    ``dtype_name`` for ``batch`` sequences of ``seq`` tokens; ``checkpoint``: "full", inside
-    non-reentrant activation checkpointing, or "op", inside torchtitan's per-op SAC
+    ``dtype_name`` for ``batch`` sequences of ``seq`` tokens (a torchtitan block with ``tp``
+    > 1 among its keywords: on rank 0 of that TP mesh, ``_tp_block``); ``checkpoint``:
+    "full", inside non-reentrant activation checkpointing, or "op", inside torchtitan's per-op SAC
     (``SelectiveAC._wrap_block``, its save list with CPU's SDPA kernel:
     ``frameworks._sac_saves_cpu_flash``), compiled around it, as torchtitan checkpoints, then
     compiles."""
-    with _recursion_limit_kept():
+    tp = config.get("torchtitan", {}).get("tp", 1)
+    if tp == 1:
+        with _recursion_limit_kept():
+            return _saved(config, dtype_name, batch, seq, checkpoint)
+    from memplan.profile.frameworks import _process_group
+
+    with _recursion_limit_kept(), _process_group(tp):
         return _saved(config, dtype_name, batch, seq, checkpoint)
 
 
@@ -148,8 +292,10 @@ def _saved(config: dict, dtype_name: str, batch: int, seq: int,
     no_cache = (torch._functorch.config.patch(enable_autograd_cache=False),
                 torch._inductor.config.patch(fx_graph_cache=False))
     try:
-        with no_cache[0], no_cache[1]:
-            torch.compile(step, backend="inductor", fullgraph=True)(x).sum().backward()
+        with no_cache[0], no_cache[1], _transformers_logging_ignored():
+            out = torch.compile(step, backend="inductor", fullgraph=True)(x)
+            # a tensor-parallel block's output is a DTensor: its rank's shard
+            (out.to_local() if hasattr(out, "to_local") else out).sum().backward()
     finally:
         module.min_cut_rematerialization_partition = original
         torch._dynamo.reset()
@@ -190,7 +336,7 @@ def _peaks(config: dict, dtype_name: str, batch: int, seq: int) -> tuple[int, in
         with record_function("memplan.backward"):
             pass
 
-    with no_cache[0], no_cache[1]:
+    with no_cache[0], no_cache[1], _transformers_logging_ignored():
         step(lambda: None)
     layer.zero_grad(set_to_none=True)
     x.grad = None

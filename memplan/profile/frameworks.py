@@ -364,7 +364,9 @@ def build_hf(case: FrameworkCase) -> Built:
     ``_fsdp1_wrap``; the dict's keys are workload fields, e.g. ``backward_prefetch``),
     ``moe_impl`` (a ``Workload.moe_impl`` the estimate takes in place of the preset's default:
     the experts' implementation the installed transformers runs where it is not the
-    current one's, e.g. ``"parallel"`` for transformers 5.3's Granite MoE)."""
+    current one's, e.g. ``"parallel"`` for transformers 5.3's Granite MoE),
+    ``compile`` (True: each decoder layer compiled on its own with Inductor, as
+    ``memplan.profile.finetune`` compiles them; no key/value cache)."""
     from transformers import AutoModelForCausalLM
 
     from memplan.profile.hf_meta import config_for_model
@@ -384,6 +386,11 @@ def build_hf(case: FrameworkCase) -> Built:
     recompute = case.options.get("recompute", "none")
     if recompute == "full":  # Trainer's gradient_checkpointing=True, non-reentrant
         model.gradient_checkpointing_enable({"use_reentrant": False})
+    compiled = bool(case.options.get("compile"))
+    if compiled:  # each layer on its own (torchtitan's apply_compile; finetune.build_peft)
+        model.config.use_cache = False
+        for layer in model.model.layers:
+            layer.compile(backend="inductor")
     save = case.options.get("recompute_save", "")
     if recompute == "ops":  # the emitted torch policy, as gradient_checkpointing_kwargs
         _emitted_checkpointing(model, spec, rec.name, b, s, save)
@@ -422,6 +429,7 @@ def build_hf(case: FrameworkCase) -> Built:
                     **({"fsdp_version": 1, **fsdp1} if fsdp1 is not None else {}),
                     **({"moe_impl": case.options["moe_impl"]} if "moe_impl" in case.options
                        else {}),
+                    **({"compile": True, "kv_cache": False} if compiled else {}),
                     **_deltanet_kernel(model))
     # the config's use_cache reaches the estimate through the spec (the hf preset's kv_cache)
     layout = (api.make_layout(case.dp, zero=3) if fsdp1 is not None

@@ -39,9 +39,9 @@ TITAN = {"torchtitan": dict(dim=256, n_layers=1, n_heads=8, n_kv_heads=2, vocab_
 BATCH, SEQ = 2, 64
 
 
-def _traced_activations(config: dict, dtype: str, checkpoint: str) -> int:
+def _traced_activations(config: dict, dtype: str, checkpoint: str, width: int = 256) -> int:
     saved = compiled_layer_saved(config, dtype, BATCH, SEQ, checkpoint=checkpoint)
-    stream = (BATCH, SEQ, 256)
+    stream = (BATCH, SEQ, width)
     return sum(t.size_bytes for t in saved if not t.graph_input or t.shape == stream)
 
 
@@ -153,3 +153,147 @@ def test_compiled_float8_layer_under_per_op_sac() -> None:
     dm = Dims.of(spec, ParallelConfig(), wl)
     modelled = layer_kind(spec, wl, dm, False, Recompute.SELECTIVE).saved_bytes
     assert _traced_activations(config, "bfloat16", "op") - modelled == 30
+
+
+def _traced_tp_activations(config: dict, checkpoint: str, rows: int) -> int:
+    """The saved bytes of a compiled TP block on its rank: what the forward made (not the
+    views of the sharded weights, their transposes for backward) and the layer's input."""
+    saved = compiled_layer_saved(config, "bfloat16", BATCH, SEQ, checkpoint=checkpoint)
+    stream = (BATCH, rows, 256)
+    return sum(t.size_bytes for t in saved
+               if not t.input_view and (not t.graph_input or t.shape == stream))
+
+
+@pytest.mark.parametrize("tp,sp,recipe,fuse_qkv,over", [
+    (2, True, "rowwise", False, 0), (2, False, "rowwise", False, 0),
+    (4, True, "rowwise", False, 0), (2, True, "rowwise", True, 0),
+    (2, True, "tensorwise", False, 50), (2, False, "tensorwise", False, 50),
+    (2, True, "none", False, 0)])
+def test_compiled_tp_layer_under_per_op_sac(tp: int, sp: bool, recipe: str, fuse_qkv: bool,
+                                            over: int) -> None:
+    """torchtitan's block (bf16) on rank 0 of a TP mesh of the fake process
+    group, inside its per-op SAC, compiled (``memplan.model.compiled.sac_tp_terms``; torchao
+    0.18.0, rowwise: 0.3.0's sharding configs with Float8Linear, tensorwise: torchao's float8
+    TP styles). At tp 2 with SP (T = 128, h 256, 4 local heads of 32, 1 KV head, ffn 384 a
+    rank, bf16): the input shard 64 x 256 x 2 = 32,768, the odd matmuls' outputs q
+    128 x 128 x 2 = 32,768, v 8,192 and w1 128 x 384 x 2 = 98,304, SDPA's output 32,768 and
+    logsumexp 2 x 4 x 64 x 4 = 2,048, the output projection's reduce-scattered output
+    32,768: 239,616 B traced in bf16. Rowwise adds per norm the gathered input's row scales
+    (128 x 4) and per column-parallel linear (q, k, v, w1, w3) its weight's backward scales
+    (256 x 4): 239,616 + 1,024 + 5,120 = 245,760 B traced. Without SP the input is
+    65,536, no reduce-scatter, and the down projection's output 128 x 256 x 2 = 65,536 is
+    saved: 305,152 B (rowwise 311,296 traced). Tensorwise: the bf16 set and 11 bf16 amaxes
+    and 7 fp32 scalars, 50 B memplan leaves out. At tp 4 (4 KV heads) rowwise: 130,048 B.
+    Fused wqkv (0.3.0's default) at tp 2 with SP: qkv 128 x 192 x 2 = 49,152 kept in place
+    of q and v, so no rerun reads the attention input's cast: 247,808 + 512 + 3 x 1,024 =
+    251,392 B traced."""
+    pytest.importorskip("torchao.float8")
+    pytest.importorskip("torchtitan")
+    kv = 4 if tp == 4 else 2
+    fields = dict(TITAN["torchtitan"], n_kv_heads=kv, fuse_qkv=fuse_qkv)
+    config = {"torchtitan": dict(fields, tp=tp, sp=sp, float8=recipe)}
+    from memplan.profile.frameworks import torchtitan_config, torchtitan_spec
+
+    spec = torchtitan_spec(torchtitan_config(**fields, seq_len=SEQ), "llama3-toy")
+    wl = Workload(micro_batch_size=BATCH, seq_len=SEQ, precision="bf16-pure",
+                  recompute=Recompute.SELECTIVE, compile=True, rope_cache="layer",
+                  selective_impl="op", float8=recipe)
+    par = ParallelConfig(tp=tp, sequence_parallel=sp, tp_style="dtensor")
+    dm = Dims.of(spec, par, wl)
+    modelled = layer_kind(spec, wl, dm, False, Recompute.SELECTIVE).saved_bytes
+    traced = _traced_tp_activations(config, "op", SEQ // tp if sp else SEQ)
+    assert traced - modelled == over
+
+
+# transformers' MoE layers cut to one layer of toy widths (tests/traced/test_frameworks.py's)
+QWEN3_MOE = hf("Qwen3-30B-A3B", num_hidden_layers=1, hidden_size=128, intermediate_size=256,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
+               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+MIXTRAL = hf("Mixtral-8x7B-v0.1", num_hidden_layers=1, hidden_size=128, intermediate_size=256,
+             num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+             vocab_size=512)
+
+
+@pytest.mark.parametrize("config,traced", [(QWEN3_MOE, 525_328), (MIXTRAL, 768_016)],
+                         ids=["qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("checkpoint", ["none", "full"])
+def test_compiled_moe_layer_saves_what_the_partitioner_saves(config: dict, traced: int,
+                                                             checkpoint: str) -> None:
+    """transformers' grouped experts (``grouped_mm_experts_forward``: ``aten._grouped_mm`` on
+    CPU in bf16) compiled in a Qwen3-MoE and a Mixtral layer (``memplan.model.compiled.
+    moe_terms``): T = 128 tokens, k = 2 (S = 256 routed rows), E = 4, h = 128. The MoE block
+    saves the router's bf16 logits 128 x 4 x 2 = 1,024, the fp32 top-k values 128 x 2 x 4 =
+    1,024, the top-k indices and their flattened copy, the sort and its inverse (int64,
+    256 x 8 = 2,048 each), the sorted gathered rows 256 x 128 x 2 = 65,536, gate/up
+    256 x 2f x 2, SiLU(gate) * up 256 x f x 2, the down output 65,536, the sorted fp32
+    weights 1,024 and the offsets (4 int32, 16): with Qwen3-MoE's f = 64 238,608 + 2,048 =
+    240,656 of its 525,328 B (its attention and norms as a dense layer's, the q/k norms
+    among them); Mixtral's f = 256 768,016 B. Inside full checkpointing the layer's input."""
+    wl = Workload(micro_batch_size=BATCH, seq_len=SEQ, precision="bf16-pure", compile=True,
+                  moe_impl="grouped",
+                  recompute=Recompute.FULL if checkpoint == "full" else Recompute.NONE)
+    spec = spec_from_hf_dict(config, "moe-toy", "moe-toy")
+    from memplan.parallel import validate
+
+    validate(spec, ParallelConfig(), wl)
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    modelled = layer_kind(spec, wl, dm, True, wl.recompute).saved_bytes
+    assert modelled == _traced_activations(config, "bfloat16", checkpoint, width=128)
+    if checkpoint == "none":
+        assert modelled == traced
+
+
+@pytest.mark.parametrize("name,model", [("qwen3-moe-toy", "Qwen3-30B-A3B"),
+                                        ("mixtral-toy", "Mixtral-8x7B-v0.1")])
+def test_compiled_moe_model_step_matches_trace(name: str, model: str) -> None:
+    """A whole transformers MoE model (2 layers, the toy widths above) in bf16, each decoder
+    layer compiled on its own as torchtune and torchtitan compile them (``build_hf``'s
+    ``compile``; Dynamo breaks each MoE block's graph at transformers'
+    ``is_grouped_mm_available`` logger, as a real run does), two training steps traced on
+    real tensors: states and saved activations exact, every phase within 1% (Qwen3-MoE
+    within 0.04%)."""
+    from memplan.profile.frameworks import FrameworkCase, compare_framework
+
+    widths = {"Qwen3-30B-A3B": {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 64},
+              "Mixtral-8x7B-v0.1": {"num_local_experts": 4}}[model]
+    config = hf(model, num_hidden_layers=2, hidden_size=128, intermediate_size=256,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=512, **widths)
+    rows = compare_framework(FrameworkCase("transformers", name, config, "bf16-pure", 2, 64,
+                                           options={"compile": True})).rows
+    shown = "\n".join(f"{r.name}: measured {r.measured_bytes:,} estimated "
+                      f"{r.estimated_bytes:,}" for r in rows)
+    for row in rows:
+        if row.name in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes"):
+            assert row.estimated_bytes == row.measured_bytes, shown
+        else:
+            assert row.estimated_bytes == pytest.approx(row.measured_bytes, rel=0.01), shown
+
+
+@pytest.mark.parametrize("config,backward_over", [(QWEN3_MOE, -2_048), (MIXTRAL, 57_328)],
+                         ids=["qwen3-moe", "mixtral"])
+def test_compiled_moe_layer_phase_peaks(config: dict, backward_over: int) -> None:
+    """The compiled MoE layer's forward and backward peaks (``compiled_layer_peaks``, as
+    ``test_compiled_layer_phase_peaks``) against memplan's layer moments. Forward: the saved
+    set and the block's output, no eager working set (``MoEBlock.forward_moments``
+    compiled): traced 525,328 B (Qwen3-MoE) and 768,016 B (Mixtral), exact. Backward, from
+    the unsort's compiled start (fp32 R h of the index_put and the bf16 down output's
+    gradient beside the saved set, ``_compiled_unsort``) and the eager grouped MLP's
+    buffers: Qwen3-MoE traced 723,984 B, memplan 2,048 under (-0.28%); Mixtral (expert ffn
+    256) 1,355,792 B, memplan 57,328 over (+4.23%) at the gate/up weight gradient, whose
+    buffers are the eager model's, not Inductor's schedule."""
+    from memplan.model.layer import grad_group_params
+    from memplan.profile.compiled_trace import compiled_layer_peaks
+
+    spec = spec_from_hf_dict(config, "moe-toy", "moe-toy")
+    wl = Workload(micro_batch_size=BATCH, seq_len=SEQ, precision="bf16-pure", compile=True,
+                  moe_impl="grouped")
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    kind = layer_kind(spec, wl, dm, True, Recompute.NONE)
+    groups = grad_group_params(spec, 1, 1, True)
+    stream = BATCH * SEQ * config["hidden_size"] * 2
+    backward = max(m.alive_bytes + m.transient_bytes
+                   + 2 * sum(groups[g] for g in m.grads_before) for m in kind.moments)
+    traced_forward, traced_backward = compiled_layer_peaks(config, "bfloat16", BATCH, SEQ)
+    assert kind.forward_peak_bytes - stream == traced_forward
+    assert backward - stream - traced_backward == backward_over

@@ -15,7 +15,7 @@ from memplan.model.dims import Dims, total
 from memplan.model.layer import layer_kind, layer_terms
 from memplan.parallel import ParallelConfig, validate
 from memplan.spec import load_model
-from memplan.workload import Recompute, SelectiveImpl, Workload
+from memplan.workload import Float8Recipe, Recompute, SelectiveImpl, Workload
 
 TINY = load_model("tiny")
 WL = Workload(micro_batch_size=2, seq_len=32, compile=True)
@@ -59,6 +59,34 @@ def test_per_op_sac_compiled_drops_the_down_projections_output() -> None:
     assert layer_kind(TINY, eager, DM, False, Recompute.SELECTIVE).saved_bytes == 60_416
 
 
+@pytest.mark.parametrize("sp,recipe,fused,saved", [
+    (True, "none", False, 30_208), (True, "tensorwise", False, 30_208),
+    (True, "rowwise", False, 32_000), (False, "none", False, 38_400),
+    (False, "rowwise", False, 40_192), (True, "none", True, 32_256),
+    (True, "rowwise", True, 33_280)])
+def test_per_op_sac_compiled_under_tp(sp: bool, recipe: str, fused: bool, saved: int) -> None:
+    """torchtitan's per-op SAC, compiled, at tp 2 in the DTensor style
+    (``memplan.model.compiled.sac_tp_terms``, traced in tests/traced/test_compile_trace.py).
+    With SP the input is its 32-token shard, 32*64*2 = 4,096; the odd matmuls' outputs on this
+    rank q 64*32*2 = 4,096, v 64*16*2 = 2,048, w1 64*88*2 = 11,264; SDPA's output 4,096 and
+    logsumexp 2*2*32*4 = 512; the output projection's reduce-scattered output 4,096 (in the
+    save list, read by backward): 30,208, tensorwise the same (its scalars not counted).
+    Rowwise adds per norm one of whose linears is rerun (k; up, the 6th matmul) its input's
+    row scales, 64*4 = 256 twice, and per column-parallel linear (q, k, v, gate, up) its
+    weight's 64 fp32 backward scales, 5*256 = 1,280: 32,000. Without SP the input is
+    64*64*2 = 8,192, no reduce-scatter, and the down projection's output 64*64*2 = 8,192 is
+    saved (its all-reduce rerun in backward reads it): 38,400, rowwise 40,192. A fused qkv
+    (1st, kept: 64*64*2 = 8,192 in place of q and v; w1 3rd, w2 5th): 32,256; rowwise the
+    MLP's row scales alone (qkv is not rerun), 256, and 3*256 weight scales: 33,280."""
+    wl = WL.model_copy(update={"recompute": Recompute.SELECTIVE,
+                               "float8": Float8Recipe(recipe), "fused_qkv": fused,
+                               "selective_impl": SelectiveImpl.OP})
+    par = ParallelConfig(tp=2, sequence_parallel=sp, tp_style="dtensor")
+    validate(TINY, par, wl)
+    dm = Dims.of(TINY, par, wl)
+    assert layer_kind(TINY, wl, dm, False, Recompute.SELECTIVE).saved_bytes == saved
+
+
 def test_compiled_lora_layer_terms() -> None:
     """LoRA r8 on q and v (frozen base weights, bf16, fp32 adapters), compiled: the attention
     norm saves its input 8,192 and rsqrt 256, not its output (no trainable matmul reads it:
@@ -95,3 +123,44 @@ def test_compile_refuses_what_is_not_modelled(model: str, update: dict, why: str
     wl = Workload.model_validate({**WL.model_dump(), **update})
     with pytest.raises(LayoutError, match=why):
         validate(load_model(model), ParallelConfig(), wl)
+
+
+TINY_MOE = TINY.model_validate({**TINY.model_dump(), "name": "tiny-moe",
+                                "moe": {"num_experts": 4, "top_k": 2,
+                                        "expert_ffn_hidden_size": 96,
+                                        "stacked_experts": True}})
+
+
+def test_compiled_grouped_moe_terms() -> None:
+    """transformers' grouped experts compiled (``memplan.model.compiled.moe_terms``): T = 64
+    tokens, k = 2 (S = 128 routed rows), E = 4, expert ffn 96, bf16. The router's logits
+    64*4*2 = 512 (not the fp32 probabilities), the top-k indices, their flattened copy, the
+    sort and its inverse 128*8 = 1,024 each, the top-k fp32 values 128*4 = 512 (not their
+    per-token sum), the sorted gathered rows 128*64*2 = 16,384, gate, up and their product
+    128*96*2 = 24,576 each (not SiLU(gate)), the down output 16,384, the sorted fp32 weights
+    512, the int32 offsets 4*4 = 16: 112,144 (no token index)."""
+    wl = Workload.model_validate({**WL.model_dump(), "moe_impl": "grouped"})
+    validate(TINY_MOE, ParallelConfig(), wl)
+    dm = Dims.of(TINY_MOE, ParallelConfig(), wl)
+    terms = {t.name: t.size_bytes
+             for t in layer_terms(TINY_MOE, wl, dm, moe_layer=True, recompute=Recompute.NONE)
+             if t.name.startswith("moe.") and t.size_bytes}
+    assert terms == {
+        "moe.router_logits": 512, "moe.topk_indices": 1_024, "moe.topk_weights": 512,
+        "moe.sort_index": 1_024, "moe.unsort_index": 1_024, "moe.dispatched": 16_384,
+        "moe.expert.gate": 24_576, "moe.expert.up": 24_576, "moe.expert.prod": 24_576,
+        "moe.expert_out": 16_384, "moe.routing_weights": 512, "moe.expert_ids": 1_024,
+        "moe.offsets": 16}
+    assert sum(terms.values()) == 112_144
+
+
+@pytest.mark.parametrize("update,why", [
+    ({"moe_impl": "loop"}, "MoE layers under generic, moe_impl loop"),
+    ({"precision": "fp32"}, r"MoE layers in fp32 \(transformers' grouped experts compile"),
+    ({"recompute": "selective", "selective_impl": "op"}, "MoE layers and recompute selective"),
+])
+def test_compiled_moe_refusals(update: dict, why: str) -> None:
+    """What a compiled MoE layer is not derived for is refused by name."""
+    wl = Workload.model_validate({**WL.model_dump(), "moe_impl": "grouped", **update})
+    with pytest.raises(LayoutError, match=why):
+        validate(TINY_MOE, ParallelConfig(), wl)

@@ -88,6 +88,7 @@ def test_float8_keeps_saved_activations_of_a_bf16_run() -> None:
     ("mixtral-8x7b", {"moe_impl": "every"}, {},
      r"MoE layers and moe_impl every \(it needs grouped experts\)"),
     ("mixtral-8x7b", {"moe_impl": "grouped"}, {"tp": 2}, "MoE layers and tp 2"),
+    ("mixtral-8x7b", {"moe_impl": "grouped", "compile": True}, {}, "MoE layers and compile"),
     ("tiny", {}, {"tp": 2, "tp_style": "megatron"}, "tp 2 in the megatron style"),
     ("tiny", {"lora_rank": 8}, {}, r"lora_rank 8 \(a frozen Float8Linear saves its input "
      r"and makes a weight gradient it drops; torchtitan's adapters run in the compute dtype, "
@@ -250,8 +251,9 @@ def test_float8_tp_casts_by_hand() -> None:
 
 
 def test_float8_tp_accepted_and_refused() -> None:
-    """Tensorwise and rowwise with DTensor TP are modelled; the Megatron style and compile
-    without full recompute are refused by name."""
+    """Tensorwise and rowwise with DTensor TP are modelled, compiled too under full
+    recompute or per-op SAC; the Megatron style and compile without recompute are refused by
+    name."""
     tw = Workload.model_validate({"float8": "tensorwise"})
     validate(TINY, ParallelConfig(tp=2, tp_style="dtensor"), tw)
     validate(TINY, ParallelConfig(tp=2, tp_style="dtensor"),
@@ -259,8 +261,13 @@ def test_float8_tp_accepted_and_refused() -> None:
     with pytest.raises(LayoutError, match="tp 2 in the megatron style: not modelled"):
         validate(TINY, ParallelConfig(tp=2, tp_style="megatron"), tw)
     compiled = Workload.model_validate({"float8": "tensorwise", "compile": True})
-    with pytest.raises(LayoutError, match="tp 2, compile and recompute none: not modelled"):
+    with pytest.raises(LayoutError, match=r"tp 2, compile and recompute none \(the "
+                       "partitioner saves the float8 casts of sharded weights"):
         validate(TINY, ParallelConfig(tp=2, tp_style="dtensor"), compiled)
+    for recipe in ("tensorwise", "rowwise"):
+        sac = Workload.model_validate({"float8": recipe, "compile": True,
+                                       "recompute": "selective", "selective_impl": "op"})
+        validate(TINY, ParallelConfig(tp=2, tp_style="dtensor", sequence_parallel=True), sac)
     full = Workload.model_validate({"float8": "tensorwise", "compile": True,
                                     "recompute": "full"})
     validate(TINY, ParallelConfig(tp=2, tp_style="dtensor"), full)
