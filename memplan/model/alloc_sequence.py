@@ -81,7 +81,9 @@ class Builder:
         if size <= 0:
             return
         whole = (size - 1) // piece if piece > 0 else 0  # pieces before the last, smaller one
-        self.events.append(Blip((piece,) * whole + (size - whole * piece,), stream))
+        last = size - whole * piece
+        self.events.append(Blip((last,), stream) if not whole else
+                           Blip((piece, last), stream, (whole, 1)))
         self.peak = max(self.peak, self.alive + size)
 
     def made_and_freed(self, sizes: list[int], stream: int = 0) -> None:

@@ -16,7 +16,7 @@ cudaMalloc returns (ties in best fit go to the segment created first).
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from itertools import accumulate, groupby
+from itertools import groupby
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -128,10 +128,24 @@ class Free(NamedTuple):
 class Blip(NamedTuple):
     """Tensors of ``sizes_bytes`` made one after another on ``stream``, then all freed, with
     nothing else made or freed between: one event. Replayed exactly as the allocations and
-    frees it stands for (``CachingAllocator.blip``)."""
+    frees it stands for (``CachingAllocator.blip``). ``counts``: how many tensors of each
+    size, in a row (a working set of many pieces of one size); empty: one each."""
 
     sizes_bytes: tuple[int, ...]
     stream: int = 0
+    counts: tuple[int, ...] = ()
+
+    def runs(self) -> list[tuple[int, int]]:
+        """(size, how many in a row), in order."""
+        if self.counts:
+            return list(zip(self.sizes_bytes, self.counts))
+        return [(size, len(list(run))) for size, run in groupby(self.sizes_bytes)]
+
+    def tensors(self) -> tuple[int, ...]:
+        """Every tensor's size, in order."""
+        if not self.counts:
+            return self.sizes_bytes
+        return tuple(size for size, n in zip(self.sizes_bytes, self.counts) for _ in range(n))
 
 
 @dataclass(eq=False, slots=True)
@@ -474,9 +488,10 @@ class CachingAllocator:
     # either leaves the same sizes behind). Without expandable segments only (mapping pages
     # changes the blocks a blip leaves). ``least``: should_split's smallest remainder (small
     # pool: kMinBlockSize; large: more than kSmallSize, and only below max_split_size).
-    def blip(self, sizes: tuple[int, ...], stream: int = 0
+    def blip(self, runs: list[tuple[int, int]], stream: int = 0
              ) -> tuple[list[tuple[int, int]], int] | None:
-        """Make tensors of ``sizes`` in order on ``stream``, then free them all (the comment
+        """Make tensors of ``runs`` ((size, how many in a row), ``Blip.runs``) in order on
+        ``stream``, then free them all (the comment
         above). Returns the (reserved, allocated) bytes after the last allocation that created
         a segment (reserved only grows within a blip: that is its reserved peak; empty where
         none did), and the allocated bytes once all are made; None, with nothing changed,
@@ -489,11 +504,11 @@ class CachingAllocator:
         made: list[tuple[bool, int]] = []  # (small pool, bytes) of each segment made
         acc = [self.reserved, self.allocated, None, False]  # (``_blip_run``)
         divisions = self.cfg.roundup_power2_divisions
-        for orig, run in groupby(sizes):  # a blip's tensors are mostly of one size
+        for orig, count in runs:  # a blip's tensors are mostly of one size
             size = round_size(orig, divisions)
             small = size <= K_SMALL_SIZE
-            if not self._blip_run(size, sum(1 for _ in run), small, stream, taken[small],
-                                  extra[small], made, acc):
+            if not self._blip_run(size, count, small, stream, taken[small], extra[small],
+                                  made, acc):
                 return None
         self._free_segments(stream, made)
         return ([acc[2]] if acc[2] is not None else []), acc[1]
@@ -586,25 +601,27 @@ class CachingAllocator:
         """With no remainder of the blip's that fits: the pool's blocks from ``i`` on, in
         order, each cut into as many tensors as it holds (``_blip_carve``: what is left of a
         block is under ``size`` and fits no later tensor of the run, so the next block is
-        the smallest that fits), until ``count`` are made. Returns how many were made (0
-        where the next block was taken before: the caller goes one by one)."""
+        the smallest that fits), until ``count`` are made; blocks of one size a group at a
+        time. Returns how many were made (0 where the next block was taken before: the
+        caller goes one by one)."""
         end = min(len(pool), i + count)  # each block holds at least one
         end = min((k for k in skip if i <= k < end), default=end)
-        if end == i:
-            return 0
-        found = [e[0] for e in pool[i:end]]
-        cuts = list(accumulate(c // size for c in found))
-        m = min(bisect_left(cuts, count) + 1, len(found))
-        made = min(cuts[m - 1], count)
-        last = found[m - 1] if cuts[m - 1] > count else 0  # cut short: its rest fits
-        whole = found[:m - 1] if last else found[:m]
-        acc[1] += sum(c if c % size < least else c - c % size for c in whole)
-        below += [c % size for c in whole if c % size >= least]
-        if last:
-            t = last // size - (cuts[m - 1] - count)
-            acc[1] += t * size
-            insort(mine, last - t * size)
-        skip.update(range(i, i + m))
+        made, k = 0, i
+        while k < end and made < count:
+            c = pool[k][0]
+            group = min(bisect_left(pool, (c + 1,), k), end) - k  # blocks of c bytes
+            each, rest = divmod(c, size)
+            full = min(group, (count - made) // each)
+            made += full * each
+            acc[1] += full * (c if rest < least else c - rest)
+            below += [rest] * (full if rest >= least else 0)
+            k += full
+            if full < group and made < count:  # one block cut short: its rest fits
+                t = count - made
+                acc[1] += t * size
+                insort(mine, c - t * size)
+                made, k = count, k + 1
+        skip.update(range(i, k))
         return made
 
     def _blip_segments(self, size: int, count: int, small: bool, segment: int,
@@ -765,7 +782,7 @@ def replay(events: list[Alloc | Free | Blip], cfg: AllocatorConfig | None = None
             note(alloc.reserved)
             continue
         if kind is Blip:
-            got = blip(ev.sizes_bytes, ev.stream)
+            got = blip(ev.runs(), ev.stream)
             ok = True
             if got is None:  # near the capacity: tensor by tensor, as malloc would
                 got, ok = _blip_one_by_one(alloc, ev)
@@ -807,7 +824,7 @@ def _blip_one_by_one(alloc: CachingAllocator, ev: Blip
     (reserved, allocated) after each allocation made and the allocated peak; False where an
     allocation ran out of memory (those made stay, as the replay stops there)."""
     keys, seen, top = [], [], alloc.allocated
-    for n, size in enumerate(ev.sizes_bytes):
+    for n, size in enumerate(ev.tensors()):
         key = -1 - n
         if not alloc.malloc(key, size, ev.stream):
             return (seen, top), False

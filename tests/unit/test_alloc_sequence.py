@@ -296,8 +296,8 @@ def test_fsdp2_root_unit_end_of_backward_as_its_tensors() -> None:
     flat: list[tuple[str, int, int | None]] = []  # tensor by tensor, a Blip's written out
     for e in events:
         if isinstance(e, Blip):
-            flat += [("Alloc", n, e.stream) for n in e.sizes_bytes]
-            flat += [("Free", n, None) for n in e.sizes_bytes]
+            flat += [("Alloc", n, e.stream) for n in e.tensors()]
+            flat += [("Free", n, None) for n in e.tensors()]
         else:
             flat.append((type(e).__name__, sizes[e.id], getattr(e, "stream", None)))
     at = next(i for i, e in enumerate(flat) if e == ("Alloc", 32_896, 1)
@@ -347,7 +347,7 @@ def test_fsdp2_sharded_gradients_one_tensor_per_unit_on_the_reduce_scatter_strea
             elif isinstance(e, Free):
                 alive.pop(e.id, None)
             elif getattr(e, "stream", None) == 2 and hasattr(e, "sizes_bytes"):
-                made.extend(e.sizes_bytes)
+                made.extend(e.tensors())
         return sorted(made), sorted(alive.values())
 
     events = step_one()

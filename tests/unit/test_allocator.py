@@ -256,9 +256,9 @@ def _expanded(events):
     out, next_id = [], 10_000
     for ev in events:
         if isinstance(ev, Blip):
-            ids = list(range(next_id, next_id + len(ev.sizes_bytes)))
+            ids = list(range(next_id, next_id + len(ev.tensors())))
             next_id += len(ids)
-            out += [Alloc(k, n, ev.stream) for k, n in zip(ids, ev.sizes_bytes)]
+            out += [Alloc(k, n, ev.stream) for k, n in zip(ids, ev.tensors())]
             out += [Free(k) for k in ids]
         else:
             out.append(ev)
@@ -300,7 +300,7 @@ def test_blips_replay_as_their_allocations_and_frees(conf: str) -> None:
         a, b = replay(events, cfg), replay(flat, cfg)
         ends, at = [], 0
         for ev in events:  # the flat sequence's index after each event
-            at += 2 * len(ev.sizes_bytes) if isinstance(ev, Blip) else 1
+            at += 2 * len(ev.tensors()) if isinstance(ev, Blip) else 1
             ends.append(at)
         assert a.out_of_memory == b.out_of_memory
         if a.out_of_memory:  # the same event: b's index within a's event
@@ -320,11 +320,12 @@ def test_blips_replay_as_their_allocations_and_frees(conf: str) -> None:
 @pytest.mark.parametrize("conf", ["", "max_split_size_mb:40", "roundup_power2_divisions:4",
                                   "capacity"])
 def test_long_blips_of_one_size_replay_as_their_allocations_and_frees(conf: str) -> None:
-    """The same property for blips as a working set is replayed: runs of up to 40 tensors of
-    one size (a residual-stream piece, 12 MiB + 5 KiB, whose 14 MiB segment leaves a
-    remainder a 1.5 MiB tensor then takes; 6 MiB, two to a 20 MiB segment; 400 KiB in 2 MiB
-    ones), the same blip again and again (its second time takes the segments the first made,
-    in a row), beside tensors kept and freed; a capacity that a long run passes part way."""
+    """The same property for blips as a working set is replayed (a run's count given, as
+    ``Builder.blip`` writes it): runs of up to 40 tensors of one size (a residual-stream
+    piece, 12 MiB + 5 KiB, whose 14 MiB segment leaves a remainder a 1.5 MiB tensor then
+    takes; 6 MiB, two to a 20 MiB segment; 400 KiB in 2 MiB ones), the same blip again and
+    again (its second time takes the segments the first made, in a row), beside tensors kept
+    and freed; a capacity that a long run passes part way."""
     import random
 
     from memplan.model.allocator import Blip
@@ -336,7 +337,7 @@ def test_long_blips_of_one_size_replay_as_their_allocations_and_frees(conf: str)
     checked = ran_out = 0
     for _ in range(40):
         events, live, key = [], [], 0
-        blip = Blip((rng.choice(pieces),) * rng.randint(2, 40) + (rng.choice(pieces),))
+        blip = Blip((rng.choice(pieces), rng.choice(pieces)), 0, (rng.randint(2, 40), 1))
         for _ in range(rng.randint(10, 40)):
             roll = rng.random()
             if roll < 0.25:
@@ -346,7 +347,7 @@ def test_long_blips_of_one_size_replay_as_their_allocations_and_frees(conf: str)
             elif roll < 0.45 and live:
                 events.append(Free(live.pop(rng.randrange(len(live)))))
             elif roll < 0.6:
-                blip = Blip((rng.choice(pieces),) * rng.randint(2, 40) + (rng.choice(pieces),))
+                blip = Blip((rng.choice(pieces), rng.choice(pieces)), 0, (rng.randint(2, 40), 1))
                 events.append(blip)
             else:
                 events.append(blip)
@@ -355,7 +356,7 @@ def test_long_blips_of_one_size_replay_as_their_allocations_and_frees(conf: str)
         if a.out_of_memory:
             ran_out += 1
         else:
-            ends = list(accumulate(2 * len(ev.sizes_bytes) if isinstance(ev, Blip) else 1
+            ends = list(accumulate(2 * len(ev.tensors()) if isinstance(ev, Blip) else 1
                                    for ev in events))
             assert a.reserved_bytes == [b.reserved_bytes[e - 1] for e in ends]
             assert (a.inactive_split_bytes, a.segments) == (b.inactive_split_bytes, b.segments)
