@@ -55,6 +55,11 @@ class BackwardMoment(NamedTuple):
     #                      a node's saved tensors and inputs once it has run, torch/csrc/
     #                      autograd/engine.cpp call_function, before the weight's
     #                      AccumulateGrad); 0 where not modelled
+    rerun_freed: int = 0  # of ``own_bytes``, what a fully recomputed layer has freed by
+    #                       then: the rerun's tensors a node unpacked, which the checkpoint
+    #                       drops then (torch/utils/checkpoint.py _checkpoint_hook's
+    #                       unpack_hook), where the saving forward keeps them to the end of
+    #                       the node; 0 where not modelled
 
 
 class Block(Protocol):

@@ -338,9 +338,10 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
                                    incoming + m.transient_bytes, ())
                     for m in block.rebuild_moments(spec, wl, dm)]
     later: tuple[str, ...] = ()  # the blocks whose backward has run: all their gradients
+    rerun = recompute is Recompute.FULL  # the rerun's tensors, dropped as they are unpacked
     for block, before in reversed(list(zip(blocks, prior))):
         out += [LayerMoment(m.name, extra + (host_saved(block, m) if host_saved
-                                             else before + m.own_bytes),
+                                             else before + m.own_bytes - rerun * m.rerun_freed),
                             incoming + m.transient_bytes, later + m.grads, m.fresh_params,
                             0 if host_saved else m.hook_freed)
                 for m in block.backward_moments(spec, wl, dm, policy)]

@@ -127,12 +127,13 @@ def grouped_kept_moments(spec: ModelSpec, dm: Dims) -> list[tuple[int, frozenset
 def _gated_shared_unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
     """Grouped experts beside a gated shared expert that runs first (Qwen2MoeSparseMoeBlock
     and Qwen3NextSparseMoeBlock.forward: shared_expert, then the router and the experts, then
-    the gate's sigmoid): the backward of the unsort (``weighted_out[inv_perm]``,
-    integrations/moe.py) makes zeros and an out-of-place index_put of the routed rows beside
-    their incoming gradient (R h each, the sum's expanded gradient copied), while the shared
-    output's gradient waits for the shared expert's backward (it runs last) beside the
-    block input's from the gate's linear; everything the block saved but the weighted rows
-    still alive."""
+    ``sigmoid(shared_expert_gate(x)) * shared_expert_output`` and the sum): the gate's
+    product was made last, so its backward runs first and frees what it saved (the shared
+    output and the sigmoid), leaving the shared output's gradient to wait for the shared
+    expert's backward (made first, it runs last) beside the block input's from the gate's
+    linear (T h each); then the routed branch from the unsort (``_unsort``) and the
+    weighting (``_weighting``), in the routing weights' width (traced: transformers' Qwen2-
+    MoE, 2 x 256 tokens, bf16 and fp32, the unsort's index_put the backward's peak)."""
     moe = _moe(spec)
     if moe.num_shared_experts and moe.shared_experts_last:
         return _shared_last_unsort(spec, dm, saved)
@@ -141,9 +142,10 @@ def _gated_shared_unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[Backward
         # Ernie4_5_MoeSparseMoeBlock.forward): the output sum's backward hands both
         # branches the one incoming gradient, and the shared MLP's backward runs last
         return _unsort(spec, dm, saved)
-    rows_h = dm.tokens * moe.top_k * spec.hidden_size * dm.e
-    return [BackwardMoment("moe_unsort", saved - rows_h,
-                           3 * rows_h + 2 * dm.rows * spec.hidden_size * dm.e, ())]
+    gated = dm.tokens * spec.hidden_size * dm.e + dm.tokens * dm.e  # shared_out, shared_gate
+    waiting = 2 * dm.rows * spec.hidden_size * dm.e
+    return [m._replace(transient_bytes=m.transient_bytes + waiting)
+            for m in _unsort(spec, dm, saved - gated)]
 
 
 def _shared_last_backward(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
@@ -175,9 +177,9 @@ def _shared_last_unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardM
     moe = _moe(spec)
     shared = total(mlp.mlp_terms("moe.shared", spec, dm, moe.num_shared_experts
                                  * moe.shared_expert_ffn_hidden_size, dm.tokens))
-    (unsort,) = _unsort(spec, dm, saved - shared)
-    return [unsort._replace(transient_bytes=unsort.transient_bytes
-                            + dm.rows * spec.hidden_size * dm.e)]
+    waiting = dm.rows * spec.hidden_size * dm.e
+    return [m._replace(transient_bytes=m.transient_bytes + waiting)
+            for m in _unsort(spec, dm, saved - shared)]
 
 
 def _shared_ran_first(spec: ModelSpec, dm: Dims) -> tuple[int, int]:
@@ -216,10 +218,31 @@ def _unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
     (``weighted_out[inv_perm]``) makes zeros and an out-of-place index_put of the rows (R h
     each), beside everything the block saved (traced: transformers' Mixtral; under full
     recompute the rerun runs from the unsort's backward, which needs the permutation, and
-    this moment follows it)."""
+    this moment follows it); then the weighting's (``_weighting``)."""
     moe, h = _moe(spec), spec.hidden_size
     width = max(dm.e, weights_width(moe, dm))
-    return [BackwardMoment("moe_unsort", saved, 3 * dm.tokens * moe.top_k * h * width, ())]
+    return [BackwardMoment("moe_unsort", saved, 3 * dm.tokens * moe.top_k * h * width, ()),
+            _weighting(spec, dm, saved)]
+
+
+def _weighting(spec: ModelSpec, dm: Dims, saved: int) -> BackwardMoment:
+    """The weighting's backward (``proj_out * sample_weights``, integrations/moe.py
+    grouped_mm_experts_forward), after the unsort's, whose node freed its index: the
+    unsorted rows' gradient (its input), the down output's and the product's for the
+    weights' (R h each, the routing weights' width), then the engine casts the down
+    output's to its dtype (torch/csrc/autograd/engine.cpp validate_outputs; R h where the
+    weights are wider), the node's saved tensors still alive. Under full recompute the
+    checkpoint dropped the down output and the weights as the node unpacked them
+    (``rerun_freed``) before the cast (traced: transformers' Qwen2-MoE, bf16, 2 x 256
+    tokens: without recompute the cast is the backward's peak, 253,952 B above the unsort's;
+    Mixtral's at that shape was -2.07% for want of it)."""
+    moe, h = _moe(spec), spec.hidden_size
+    rows = dm.tokens * moe.top_k
+    width = max(dm.e, weights_width(moe, dm))
+    cast = rows * h * dm.e if dm.e < width else 0
+    return BackwardMoment("moe_weighting", saved - rows * INDEX_BYTES,
+                          3 * rows * h * width + cast, (),
+                          rerun_freed=rows * h * dm.e + rows * weights_width(moe, dm))
 
 
 def moe_terms(spec: ModelSpec, dm: Dims, impl: MoeImpl = MoeImpl.LOOP) -> list[Term]:

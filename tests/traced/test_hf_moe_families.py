@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from known import check  # noqa: E402  (tests/traced/known.py)
+from known import Known, KnownDeviation, check  # noqa: E402  (tests/traced/known.py)
 from memplan.model.model_states import count_stage_params  # noqa: E402
 from memplan.profile.frameworks import FrameworkCase, compare_framework  # noqa: E402
 from memplan.profile.hf_meta import config_for_model  # noqa: E402
@@ -282,3 +282,84 @@ def test_model_without_attention_layers_is_refused() -> None:
         spec_from_hf_dict(data, "cfg.json", "m")
     assert "'mamba'" in str(err.value) and "none of its 2 layers" in str(err.value)
 
+
+
+# --- Qwen2-MoE with its MoE block the layer's peak ---------------------------------------------
+
+# tests/traced/test_frameworks.py's qwen2-moe-toy (4 experts of 64, top-2, a shared expert of
+# 128 behind its sigmoid gate) over a 64-token vocabulary at 2 x 256 tokens: the backward peaks
+# at the routed branch's unsort (full recompute) or the weighting's cast (without), after the
+# gate's product backward freed the shared output (memplan.model.moe._gated_shared_unsort,
+# _weighting; were -5.30% and -14.10% in bf16, -1.58% and -2.41% in fp32)
+QWEN2_MOE_PEAK = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                      shared_expert_intermediate_size=128)
+# the forward's peak, the routed rows' unsort: the MoE block's own tensors within 3 KB of the
+# trace's; beside them the trace holds more than memplan's walk, not attributed yet (alive
+# there: the embedding's output, Qwen2MoeModel.forward's inputs_embeds, the SDPA mask and
+# the layer's input beside the post-attention residual; under full recompute the mask and
+# the norm's output the block reads, one gathered-rows copy where memplan counts two)
+_FWD = "the forward's peak at the routed rows' unsort, not attributed yet"
+QWEN2_MOE_KNOWN = {
+    ("bf16-pure", "none"): Known(
+        ("first_step.forward_bytes", "steady.forward_bytes"),
+        f"Qwen2-MoE bf16, 2 x 256 tokens: {_FWD}: -3.50% (316,592 B)",
+        {"first_step.forward_bytes": (-316_592, -3.4959),
+         "steady.forward_bytes": (-316_592, -2.9576)}),
+    ("bf16-pure", "full"): Known(
+        ("first_step.forward_bytes", "steady.forward_bytes"),
+        f"Qwen2-MoE bf16, full recompute, 2 x 256 tokens: {_FWD}: -1.71% (61,600 B)",
+        {"first_step.forward_bytes": (-61_600, -1.7056),
+         "steady.forward_bytes": (-61_600, -1.1711)}),
+    ("fp32", "full"): Known(
+        ("first_step.forward_bytes",),
+        f"Qwen2-MoE fp32, full recompute, 2 x 256 tokens: {_FWD}: -1.02% (61,600 B)",
+        {"first_step.forward_bytes": (-61_600, -1.0197)}),
+}
+
+
+def _qwen2_param(precision: str, recompute: str):
+    known = QWEN2_MOE_KNOWN.get((precision, recompute))
+    marks = [pytest.mark.xfail(strict=True, raises=KnownDeviation, reason=known.cause)
+             ] if known else []
+    return pytest.param(precision, recompute, known, id=f"{precision}-{recompute}",
+                        marks=marks)
+
+
+@pytest.mark.parametrize(("precision", "recompute", "known"),
+                         [_qwen2_param(p, r) for p in ("bf16-pure", "fp32")
+                          for r in ("none", "full")])
+def test_qwen2_moe_block_peaks_match_estimate(precision: str, recompute: str, known) -> None:
+    """Every phase peak within 1% where Qwen2-MoE's block sets it, the backward's included."""
+    from hf_configs import hf  # tests/traced/hf_configs.py
+
+    options = {} if recompute == "none" else {"recompute": recompute}
+    case = FrameworkCase("transformers", "qwen2-moe-peak",
+                         hf("Qwen1.5-MoE-A2.7B", **QWEN2_MOE_PEAK), precision, 2, 256,
+                         options=options)
+    check(compare_framework(case).rows, known)
+
+
+# Mixtral's grouped experts (test_frameworks.py's mixtral-toy) over a 64-token vocabulary at
+# 2 x 256 tokens in bf16 without recompute: the backward peaks at the weighting's cast
+# (memplan.model.moe._weighting; was -2.07%); the forward's peak, the routed rows' unsort,
+# as Qwen2-MoE's above (the block's own tensors match; what the walk holds beside them not)
+MIXTRAL_MOE_PEAK = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                        vocab_size=64)
+MIXTRAL_KNOWN = Known(
+    ("first_step.forward_bytes", "steady.forward_bytes"),
+    f"Mixtral bf16, 2 x 256 tokens: {_FWD}: -2.24% (264,368 B)",
+    {"first_step.forward_bytes": (-264_368, -2.2369),
+     "steady.forward_bytes": (-264_368, -1.7134)})
+
+
+@pytest.mark.xfail(strict=True, raises=KnownDeviation, reason=MIXTRAL_KNOWN.cause)
+def test_mixtral_block_peaks_match_estimate() -> None:
+    """The backward's peak within 1% where Mixtral's grouped block sets it."""
+    from hf_configs import hf  # tests/traced/hf_configs.py
+
+    case = FrameworkCase("transformers", "mixtral-moe-peak",
+                         hf("Mixtral-8x7B-v0.1", **MIXTRAL_MOE_PEAK), "bf16-pure", 2, 256)
+    check(compare_framework(case).rows, MIXTRAL_KNOWN)
