@@ -87,6 +87,11 @@ DEEPSEEK_TOY = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256,
                     topk_group=1, rope_scaling=None)
 MINISTRAL_TOY = dict(LLAMA3_TOY, head_dim=32, sliding_window=32,
                      layer_types=["sliding_attention", "full_attention"])
+# Mistral's layer with a 64-token vocabulary (the layers set the peaks) and a 256-token window
+# on every layer: at 256 and 1,024 tokens transformers builds the explicit mask
+MISTRAL_WINDOW = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=896,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=64,
+                      sliding_window=256)
 # four layers, the fourth without RoPE (no_rope_layers refilled from no_rope_layer_interval)
 SMOLLM3_TOY = dict(LLAMA3_TOY, num_hidden_layers=4, no_rope_layers=None, layer_types=None,
                    **NO_IDS)
@@ -257,6 +262,21 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
     (FrameworkCase("transformers", "ministral-window", hf("Ministral-8B-Instruct-2410",
                                                           **MINISTRAL_TOY), "bf16-pure", 2,
                    128), None),
+    # Mistral at and beyond its window (config.sliding_window, read since memplan.hf.config.
+    # mistral_window): the mask MistralModel.forward builds once (s x s bytes, expanded to the
+    # batch), each checkpointed layer's input under full recompute; SDPA's copy in the query's
+    # dtype and K/V repeated to every query head. Before the window was read: full recompute
+    # 13.1% under on saved activations and 14.2% on the first backward at 1,024 tokens (bf16)
+    (FrameworkCase("transformers", "mistral-window", hf("Mistral-7B-v0.1", **MISTRAL_WINDOW),
+                   "bf16-pure", 2, 1024, options={"recompute": "full"}), None),
+    (FrameworkCase("transformers", "mistral-window", hf("Mistral-7B-v0.1", **MISTRAL_WINDOW),
+                   "fp32", 2, 1024, options={"recompute": "full"}), None),
+    (FrameworkCase("transformers", "mistral-window", hf("Mistral-7B-v0.1", **MISTRAL_WINDOW),
+                   "bf16-pure", 2, 256, options={"recompute": "full"}), None),
+    (FrameworkCase("transformers", "mistral-window", hf("Mistral-7B-v0.1", **MISTRAL_WINDOW),
+                   "fp32", 2, 1024), None),
+    (FrameworkCase("transformers", "mistral-window", hf("Mistral-7B-v0.1", **MISTRAL_WINDOW),
+                   "fp32", 2, 256), None),
     # SmolLM3: every fourth layer without RoPE (its q and k never rotated by the fp32 tables:
     # under autocast the estimate's forward peak counts the fp32 rotated copies there too,
     # +0.31% here)

@@ -406,3 +406,56 @@ def test_use_cache_is_the_configs(tmp_path: Path) -> None:
         assert memplan.estimate(spec, framework="hf").workload.kv_cache is expected
     assert memplan.estimate(spec_from_hf_config(HF / "Meta-Llama-3-8B" / "config.json"),
                             framework="hf", kv_cache=False).workload.kv_cache is False
+
+
+def test_mistral_and_mixtral_sliding_window(tmp_path: Path) -> None:
+    """Every Mistral / Mixtral layer attends within config.sliding_window
+    (MistralAttention.forward passes it on); absent, the configuration class's default
+    (MistralConfig 4096, MixtralConfig None); null: none."""
+    mistral = _base("Mistral-7B-v0.1")
+    spec = spec_from_hf_config(HF / "Mistral-7B-v0.1" / "config.json")
+    assert spec.sliding_window == 4096 and spec.is_sliding_layer(0) and spec.is_sliding_layer(31)
+    absent = {k: v for k, v in mistral.items() if k != "sliding_window"}
+    assert spec_from_hf_config(_write(tmp_path, absent)).sliding_window == 4096
+    assert spec_from_hf_config(_write(tmp_path, mistral | {"sliding_window": None})) \
+        .sliding_window is None
+    assert spec_from_hf_config(HF / "Mixtral-8x7B-v0.1" / "config.json").sliding_window is None
+    mixtral = {k: v for k, v in _base("Mixtral-8x7B-v0.1").items() if k != "sliding_window"}
+    assert spec_from_hf_config(_write(tmp_path, mixtral)).sliding_window is None
+    assert spec_from_hf_config(_write(tmp_path, mixtral | {"sliding_window": 512})) \
+        .sliding_window == 512
+
+
+# Mistral-7B-v0.1 narrowed as tests/traced/test_frameworks.py's mistral-window cases trace it
+MISTRAL_TOY = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=896,
+                   num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=64)
+
+
+def _mistral_saved(window: int, recompute: str) -> int:
+    from memplan.api import estimate
+    from memplan.spec import spec_from_hf_dict
+
+    spec = spec_from_hf_dict(_base("Mistral-7B-v0.1") | MISTRAL_TOY | {"sliding_window": window},
+                             "toy", "mistral-toy")
+    est = estimate(spec, framework="hf", micro_batch_size=2, seq_len=1024,
+                   precision="bf16-pure", attention="flash", recompute=recompute)
+    return est.stages[0].activations_bytes
+
+
+def test_mistral_window_mask_bytes_by_hand() -> None:
+    """2 sequences of s = 1,024 tokens in bf16, 8 query heads / 2 key-value heads of 32, 2
+    layers; a 256-token window (an explicit mask: s >= window) against a 2,048-token one
+    (masking_utils.py _ignore_causal_mask_sdpa: no mask, the generic layer).
+
+    Full recompute: each checkpointed layer's inputs are kept, among them the boolean mask
+    MistralModel.forward builds once (create_sliding_window_causal_mask -> sdpa_mask: the
+    window's function on (1, 1, s, 1) and (1, 1, 1, s) positions, expanded to the batch):
+    s * s = 1,048,576 B, once for both layers.
+
+    No recompute, per layer: SDPA's copy of the mask in the query's dtype
+    (convert_boolean_attn_mask: the expanded (b, 1, s, s)) b * s * s * 2 = 4,194,304 B, and
+    K and V saved at the query width (integrations/sdpa_attention.py repeat_kv: no enable_gqa
+    with a mask), 2 * b * s * (8 - 2) * 32 * 2 = 1,572,864 B more; 5,767,168 B a layer,
+    11,534,336 B for two (traced: 67,969,032 - 56,434,696 B, the same difference)."""
+    assert _mistral_saved(256, "full") - _mistral_saved(2048, "full") == 1_048_576
+    assert _mistral_saved(256, "none") - _mistral_saved(2048, "none") == 11_534_336
