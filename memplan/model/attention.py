@@ -589,7 +589,16 @@ def rope_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
         return []
     if spec.rope_complex:  # one complex64 table of rope_dim/2 pairs per position, any dtype
         return [Term("rope.freqs_cis", dm.s * (spec.rope_dim // 2) * COMPLEX64_PAIR_BYTES)]
-    return [Term("rope.cos_sin", 2 * dm.s * spec.rope_dim * dm.stream_e)]
+    return [Term("rope.cos_sin", rope_tables(spec) * 2 * dm.s * spec.rope_dim * dm.stream_e)]
+
+
+def rope_tables(spec: ModelSpec) -> int:
+    """Pairs of cos and sin tables a forward keeps: one per layer type where each type has its
+    own (``ModelSpec.rope_per_layer_type``: Gemma3TextModel.forward computes them for every
+    entry of config.layer_types into a dict by type, the last of each type kept), else one."""
+    n = spec.sliding_window_pattern  # every n-th layer full, the others sliding
+    both = spec.sliding_window is not None and 2 <= n <= spec.num_layers
+    return 2 if spec.rope_per_layer_type and both else 1
 
 
 # torchtitan's RoPE.cache: complex64, one (real, imaginary) fp32 pair per two rotated dims

@@ -25,7 +25,7 @@ SHAPE_FIELDS = (
     "max_seq_len", "norm", "mlp", "position", "tied_embeddings", "qkv_bias", "attn_out_bias",
     "mlp_bias", "norm_bias", "dropout", "moe", "fused_gate_up", "qk_norm",
     "norm_placement", "final_logit_softcap", "attn_logit_softcap", "sliding_window",
-    "sliding_window_pattern", "mla", "norm_scale_fp32", "rope_keeps_dtype",
+    "sliding_window_pattern", "mla", "norm_scale_fp32", "rope_keeps_dtype", "rope_per_layer_type",
     "nope_layer_interval", "rotary_dim", "parallel_block", "norm_centres_twice",
     "linear_attention", "attn_output_gate",
 )
@@ -459,3 +459,28 @@ def test_mistral_window_mask_bytes_by_hand() -> None:
     11,534,336 B for two (traced: 67,969,032 - 56,434,696 B, the same difference)."""
     assert _mistral_saved(256, "full") - _mistral_saved(2048, "full") == 1_048_576
     assert _mistral_saved(256, "none") - _mistral_saved(2048, "none") == 11_534_336
+
+
+def test_gemma3_rope_tables_per_layer_type() -> None:
+    """Gemma3TextModel.forward keeps one pair of cos/sin tables per layer type (sliding,
+    full): at 128 tokens, head_dim 96, bf16: 2 pairs x 2 tables x 128 x 96 x 2 B = 98,304 B;
+    Gemma 2 (one rotary embedding) and a Gemma 3 without full layers (pattern 0) one pair."""
+    from memplan.api import make_layout, make_workload
+    from memplan.model.attention import rope_terms
+    from memplan.model.dims import Dims
+    from memplan.spec import spec_from_hf_dict
+
+    toy = {"num_hidden_layers": 3, "hidden_size": 256, "intermediate_size": 768,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 96,
+           "vocab_size": 1000, "sliding_window": 64, "sliding_window_pattern": 3,
+           "rope_scaling": None}
+
+    def rope(folder: str, **update) -> int:
+        spec = spec_from_hf_dict(_base(folder).get("text_config", _base(folder)) | toy | update,
+                                 "toy", "toy")
+        wl = make_workload(spec, seq_len=128, micro_batch_size=2, precision="bf16-pure")
+        return sum(t.size_bytes for t in rope_terms(spec, wl, Dims.of(spec, make_layout(1), wl)))
+
+    assert rope("gemma-3-12b-pt") == 98_304
+    assert rope("gemma-3-12b-pt", layer_types=["sliding_attention"] * 3) == 49_152
+    assert rope("gemma-2-9b") == 49_152
