@@ -247,6 +247,11 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
     (FrameworkCase("transformers", "phi3-window", hf("Phi-3-mini-4k-instruct",
                                                      **PHI3_TOY | {"sliding_window": 64}),
                    "bf16-pure", 2, 128), None),  # every layer a window
+    # full recompute: the fused gate_up output alive through Phi3MLP.forward (4 x T x f in its
+    # checkpointed forward, memplan.model.mlp._working_bytes); before, the forward 6.4% under
+    (FrameworkCase("transformers", "phi3-window", hf("Phi-3-mini-4k-instruct",
+                                                     **PHI3_TOY | {"sliding_window": 64}),
+                   "fp32", 2, 128, options={"recompute": "full"}), None),
     # norms after the mixers, q/k norms over the whole projection
     (FrameworkCase("transformers", "olmo2-toy", hf("OLMo-2-1124-7B", **OLMO2_TOY), "fp32", 2,
                    128), None),
