@@ -365,6 +365,10 @@ class ModelSpec(BaseModel):
         "RoPE casts the rotated q and k back to their own dtype (OLMo 2's apply_rotary_pos_emb: "
         "q_embed.to(q.dtype)), so under autocast they stay in the low dtype where other "
         "models' come out fp32 from the fp32 tables"))
+    rope_per_layer_type: bool = Field(default=False, description=(
+        "one pair of RoPE tables per layer type (sliding, full), each kept by that type's "
+        "layers (Gemma 3: models/gemma3/modeling_gemma3.py Gemma3TextModel.forward fills "
+        "position_embeddings[layer_type], the local layers' base frequency their own)"))
     norm_scale_fp32: bool = Field(default=False, description=(
         "the model's RMSNorm multiplies its fp32 normalised tensor by the weight before the cast "
         "back (Gemma's x * (1 + w): Gemma2RMSNorm.forward; OLMo 2's w * x: Olmo2RMSNorm."

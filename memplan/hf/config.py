@@ -154,6 +154,24 @@ def llama_fields(cfg: ConfigKeys, *, head_dim_default: int | None, tie_default: 
     }
 
 
+# the configuration classes' sliding_window default (transformers 5.3:
+# models/mistral/configuration_mistral.py MistralConfig.__init__ 4096,
+# models/mixtral/configuration_mixtral.py MixtralConfig.__init__ None)
+MISTRAL_WINDOW: dict[str, int | None] = {"mistral": 4096, "mixtral": None}
+
+
+def mistral_window(cfg: ConfigKeys, default: int | None) -> dict[str, Any]:
+    """Mistral's and Mixtral's sliding window: every layer's (MistralAttention.forward passes
+    ``sliding_window=config.sliding_window`` to the attention; MistralModel.forward builds
+    create_sliding_window_causal_mask when it is set); null: none, absent: the class's
+    default."""
+    if "sliding_window" not in cfg.data:
+        window = default
+    else:
+        window = None if cfg.data["sliding_window"] is None else cfg.get_int("sliding_window")
+    return {} if window is None else {"sliding_window": window, "sliding_window_pattern": 0}
+
+
 def llama_like(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
     # Llama's attention_bias covers q, k, v and o. Qwen2's q/k/v bias is hard-wired in its
     # modeling code (no config field) and its o_proj never has one.
@@ -161,6 +179,8 @@ def llama_like(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
     fields = llama_fields(cfg, head_dim_default=None, tie_default=False)
     if model_type == "qwen2":
         fields.update(qkv_bias=True, attn_out_bias=False)
+    if model_type in MISTRAL_WINDOW:
+        fields.update(mistral_window(cfg, MISTRAL_WINDOW[model_type]))
     if model_type == "mixtral":
         # Mixtral's intermediate_size is the expert width; every layer is MoE and the router
         # (gate) is a bias-free linear layer; transformers 5 stacks the experts' weights

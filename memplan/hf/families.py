@@ -173,6 +173,7 @@ def gemma(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
             fields[field] = cfg.get_float(key, cap)
     if not gemma2:
         fields["qk_norm"] = "head"
+        fields["rope_per_layer_type"] = True
     return fields
 
 

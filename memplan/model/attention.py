@@ -558,12 +558,16 @@ class NopeAttention(Attention):
 
 def window_mask_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     """The boolean sliding-window mask transformers builds once per forward for its windowed
-    layers (``windowed``; masking_utils.py create_sliding_window_causal_mask: (b, 1, s,
-    s_kv)), alive until the model's forward returns."""
+    layers (``windowed``), alive until the model's forward returns. masking_utils.py
+    sdpa_mask evaluates the mask function on (b, 1, 1, 1), (1, 1, s, 1) and (1, 1, 1, s_kv)
+    indices (_non_vmap_expansion_sdpa) and expands the result to (b, 1, s, s_kv): a window's
+    function reads the positions alone (sliding_window_causal_mask_function), so one byte per
+    (query, key) pair; a chunked one indexes left_padding by batch (chunked_overlay), so b of
+    them."""
     if not windowed(spec, wl) or not any(spec.is_sliding_layer(i)
                                              for i in range(spec.num_layers)):
         return 0
-    return dm.b * dm.s * dm.s_kv
+    return (dm.b if spec.window_chunked else 1) * dm.s * dm.s_kv
 
 
 def window_mask_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
@@ -585,7 +589,16 @@ def rope_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
         return []
     if spec.rope_complex:  # one complex64 table of rope_dim/2 pairs per position, any dtype
         return [Term("rope.freqs_cis", dm.s * (spec.rope_dim // 2) * COMPLEX64_PAIR_BYTES)]
-    return [Term("rope.cos_sin", 2 * dm.s * spec.rope_dim * dm.stream_e)]
+    return [Term("rope.cos_sin", rope_tables(spec) * 2 * dm.s * spec.rope_dim * dm.stream_e)]
+
+
+def rope_tables(spec: ModelSpec) -> int:
+    """Pairs of cos and sin tables a forward keeps: one per layer type where each type has its
+    own (``ModelSpec.rope_per_layer_type``: Gemma3TextModel.forward computes them for every
+    entry of config.layer_types into a dict by type, the last of each type kept), else one."""
+    n = spec.sliding_window_pattern  # every n-th layer full, the others sliding
+    both = spec.sliding_window is not None and 2 <= n <= spec.num_layers
+    return 2 if spec.rope_per_layer_type and both else 1
 
 
 # torchtitan's RoPE.cache: complex64, one (real, imaginary) fp32 pair per two rotated dims

@@ -271,6 +271,17 @@ def working_steps(spec: ModelSpec, wl: Workload, dm: Dims) -> tuple[tuple[str, i
             ("down", inner + stream))
 
 
+def _working_bytes(spec: ModelSpec, stream: int, inner: int) -> int:
+    """The most a checkpointed MLP holds at once (nothing saved). One fused gate/up
+    projection (Phi3MLP.forward: ``gate, up_states = gate_up_proj(x).chunk(2)``, then
+    ``up_states * act(gate)`` and down_proj) keeps its 2 x inner output alive through the
+    function, ``gate`` a view of it: beside it the activation and the product (4 x inner),
+    then the product and the down projection's output (3 x inner + stream)."""
+    if spec.mlp.gated and spec.fused_gate_up:
+        return max(4 * inner, 3 * inner + stream)
+    return max(stream + inner, (3 if spec.mlp.gated else 2) * inner)
+
+
 def dropout_mask_bytes(spec: ModelSpec, dm: Dims) -> int:
     """The block output's dropout mask: freed when the MLP's backward starts."""
     return dm.rows * spec.hidden_size * MASK_BYTES if spec.dropout > 0 else 0
@@ -399,8 +410,7 @@ class Mlp:
         if linear.float8_converts(down, dm):
             f8.append(Moment("mlp_f8_down", 0, inner + linear.float8_forward_peak(down, dm,
                                                                                  stream)))
-        return [Moment("mlp", 0, max(stream + inner, (3 if spec.mlp.gated else 2) * inner)),
-                *f8]
+        return [Moment("mlp", 0, _working_bytes(spec, stream, inner)), *f8]
 
     def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
                          recompute: Recompute) -> list[BackwardMoment]:

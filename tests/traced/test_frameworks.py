@@ -87,6 +87,11 @@ DEEPSEEK_TOY = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256,
                     topk_group=1, rope_scaling=None)
 MINISTRAL_TOY = dict(LLAMA3_TOY, head_dim=32, sliding_window=32,
                      layer_types=["sliding_attention", "full_attention"])
+# Mistral's layer with a 64-token vocabulary (the layers set the peaks) and a 256-token window
+# on every layer: at 256 and 1,024 tokens transformers builds the explicit mask
+MISTRAL_WINDOW = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=896,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=64,
+                      sliding_window=256)
 # four layers, the fourth without RoPE (no_rope_layers refilled from no_rope_layer_interval)
 SMOLLM3_TOY = dict(LLAMA3_TOY, num_hidden_layers=4, no_rope_layers=None, layer_types=None,
                    **NO_IDS)
@@ -104,6 +109,19 @@ MINISTRAL3_TOY = dict(LLAMA3_TOY, model_type="ministral3", head_dim=32, pad_toke
 LITGPT_TOY = dict(n_layer=2, n_embd=256, n_head=4, intermediate_size=688, vocab_size=1000,
                   padded_vocab_size=1000, block_size=256)
 LITGPT_GQA = dict(LITGPT_TOY, n_head=8, n_query_groups=2)
+
+# the embedding's output held by a local through the decoder layers, in a low dtype only
+EMBEDS_HELD = Known(
+    ("first_step.forward_bytes", "steady.forward_bytes"),
+    "MistralModel.forward (as LlamaModel.forward) keeps inputs_embeds, the embedding's output, "
+    "in a local through every decoder layer and the final norm (freed when it returns, before "
+    "lm_head): b x s x h x 2 = 1,048,576 B at 2 x 1,024 tokens in bf16, which no layer saves "
+    "(the upcast norm's _to_copy keeps nothing of its input). Not modelled: the forward peak "
+    "(the final norm) 1,048,720 B under, the same with a 2,048-token window (no mask), so not "
+    "the window's. In fp32 the norm's .to is the tensor itself, which pow saves; under full "
+    "recompute it is the first checkpointed layer's input: both counted.",
+    {"first_step.forward_bytes": (-1_048_720, -1.3582),
+     "steady.forward_bytes": (-1_048_720, -1.2460)})
 
 CASES: list[tuple[FrameworkCase, Known | None]] = [
     # --- Hugging Face transformers, SDPA ---------------------------------------------------
@@ -214,6 +232,13 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
                    "bf16-pure", 2, 128), None),  # the window layer: its mask, repeated K/V
     (FrameworkCase("transformers", "gemma3-toy", hf("gemma-3-12b-pt", **GEMMA3_TOY),
                    "fp32", 2, 128), None),  # q/k norms, window and full layers
+    # full recompute: both layer types' RoPE tables kept (ModelSpec.rope_per_layer_type);
+    # before, saved activations 2.3% (bf16) and 3.6% (fp32) under, one pair of tables counted;
+    # the backward 0.3% over (the full layers' pair is freed with the last of them)
+    (FrameworkCase("transformers", "gemma3-toy", hf("gemma-3-12b-pt", **GEMMA3_TOY),
+                   "bf16-pure", 2, 128, options={"recompute": "full"}), None),
+    (FrameworkCase("transformers", "gemma3-toy", hf("gemma-3-12b-pt", **GEMMA3_TOY),
+                   "fp32", 2, 128, options={"recompute": "full"}), None),
     # fused qkv_proj and gate_up_proj
     (FrameworkCase("transformers", "phi3-toy", hf("Phi-3-mini-4k-instruct", **PHI3_TOY),
                    "fp32", 2, 128), None),
@@ -222,6 +247,11 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
     (FrameworkCase("transformers", "phi3-window", hf("Phi-3-mini-4k-instruct",
                                                      **PHI3_TOY | {"sliding_window": 64}),
                    "bf16-pure", 2, 128), None),  # every layer a window
+    # full recompute: the fused gate_up output alive through Phi3MLP.forward (4 x T x f in its
+    # checkpointed forward, memplan.model.mlp._working_bytes); before, the forward 6.4% under
+    (FrameworkCase("transformers", "phi3-window", hf("Phi-3-mini-4k-instruct",
+                                                     **PHI3_TOY | {"sliding_window": 64}),
+                   "fp32", 2, 128, options={"recompute": "full"}), None),
     # norms after the mixers, q/k norms over the whole projection
     (FrameworkCase("transformers", "olmo2-toy", hf("OLMo-2-1124-7B", **OLMO2_TOY), "fp32", 2,
                    128), None),
@@ -257,6 +287,23 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
     (FrameworkCase("transformers", "ministral-window", hf("Ministral-8B-Instruct-2410",
                                                           **MINISTRAL_TOY), "bf16-pure", 2,
                    128), None),
+    # Mistral at and beyond its window (config.sliding_window, read since memplan.hf.config.
+    # mistral_window): the mask MistralModel.forward builds once (s x s bytes, expanded to the
+    # batch), each checkpointed layer's input under full recompute; SDPA's copy in the query's
+    # dtype and K/V repeated to every query head. Before the window was read: full recompute
+    # 13.1% under on saved activations and 14.2% on the first backward at 1,024 tokens (bf16)
+    (FrameworkCase("transformers", "mistral-window", hf("Mistral-7B-v0.1", **MISTRAL_WINDOW),
+                   "bf16-pure", 2, 1024, options={"recompute": "full"}), None),
+    (FrameworkCase("transformers", "mistral-window", hf("Mistral-7B-v0.1", **MISTRAL_WINDOW),
+                   "fp32", 2, 1024, options={"recompute": "full"}), None),
+    (FrameworkCase("transformers", "mistral-window", hf("Mistral-7B-v0.1", **MISTRAL_WINDOW),
+                   "bf16-pure", 2, 256, options={"recompute": "full"}), None),
+    (FrameworkCase("transformers", "mistral-window", hf("Mistral-7B-v0.1", **MISTRAL_WINDOW),
+                   "fp32", 2, 1024), None),
+    (FrameworkCase("transformers", "mistral-window", hf("Mistral-7B-v0.1", **MISTRAL_WINDOW),
+                   "bf16-pure", 2, 1024), EMBEDS_HELD),
+    (FrameworkCase("transformers", "mistral-window", hf("Mistral-7B-v0.1", **MISTRAL_WINDOW),
+                   "fp32", 2, 256), None),
     # SmolLM3: every fourth layer without RoPE (its q and k never rotated by the fp32 tables:
     # under autocast the estimate's forward peak counts the fp32 rotated copies there too,
     # +0.31% here)

@@ -113,8 +113,9 @@ QWEN3_MOE_TOY = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256
 # Mistral's sliding window (2,048) longer than the sequence: transformers' SDPA path skips the
 # mask (masking_utils.py _ignore_causal_mask_sdpa), the layer is the generic one; before,
 # refused ("sliding-window layers"); measured every row within 0.12%. At a sequence as long
-# as the window (an explicit mask) full recompute itself is 13% under the trace on saved
-# activations (1,056,768 B at 2 x 1,024 tokens, window 256): refused for ops there
+# as the window (an explicit mask) refused for ops; full recompute there is traced in
+# tests/traced/test_frameworks.py mistral-window (within 0.12%; 13% under on saved activations
+# while memplan.hf.config dropped Mistral's sliding_window)
 TOYS = {"Meta-Llama-3-8B": (HF_TOY, 1024), "Qwen3-8B": (HF_TOY, 1024),
         "Qwen3-30B-A3B": (QWEN3_MOE_TOY, 512),
         "Mistral-7B-v0.1": (dict(HF_TOY, sliding_window=2048), 1024)}

@@ -25,7 +25,7 @@ SHAPE_FIELDS = (
     "max_seq_len", "norm", "mlp", "position", "tied_embeddings", "qkv_bias", "attn_out_bias",
     "mlp_bias", "norm_bias", "dropout", "moe", "fused_gate_up", "qk_norm",
     "norm_placement", "final_logit_softcap", "attn_logit_softcap", "sliding_window",
-    "sliding_window_pattern", "mla", "norm_scale_fp32", "rope_keeps_dtype",
+    "sliding_window_pattern", "mla", "norm_scale_fp32", "rope_keeps_dtype", "rope_per_layer_type",
     "nope_layer_interval", "rotary_dim", "parallel_block", "norm_centres_twice",
     "linear_attention", "attn_output_gate",
 )
@@ -406,3 +406,103 @@ def test_use_cache_is_the_configs(tmp_path: Path) -> None:
         assert memplan.estimate(spec, framework="hf").workload.kv_cache is expected
     assert memplan.estimate(spec_from_hf_config(HF / "Meta-Llama-3-8B" / "config.json"),
                             framework="hf", kv_cache=False).workload.kv_cache is False
+
+
+def test_mistral_and_mixtral_sliding_window(tmp_path: Path) -> None:
+    """Every Mistral / Mixtral layer attends within config.sliding_window
+    (MistralAttention.forward passes it on); absent, the configuration class's default
+    (MistralConfig 4096, MixtralConfig None); null: none."""
+    mistral = _base("Mistral-7B-v0.1")
+    spec = spec_from_hf_config(HF / "Mistral-7B-v0.1" / "config.json")
+    assert spec.sliding_window == 4096 and spec.is_sliding_layer(0) and spec.is_sliding_layer(31)
+    absent = {k: v for k, v in mistral.items() if k != "sliding_window"}
+    assert spec_from_hf_config(_write(tmp_path, absent)).sliding_window == 4096
+    assert spec_from_hf_config(_write(tmp_path, mistral | {"sliding_window": None})) \
+        .sliding_window is None
+    assert spec_from_hf_config(HF / "Mixtral-8x7B-v0.1" / "config.json").sliding_window is None
+    mixtral = {k: v for k, v in _base("Mixtral-8x7B-v0.1").items() if k != "sliding_window"}
+    assert spec_from_hf_config(_write(tmp_path, mixtral)).sliding_window is None
+    assert spec_from_hf_config(_write(tmp_path, mixtral | {"sliding_window": 512})) \
+        .sliding_window == 512
+
+
+# Mistral-7B-v0.1 narrowed as tests/traced/test_frameworks.py's mistral-window cases trace it
+MISTRAL_TOY = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=896,
+                   num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=64)
+
+
+def _mistral_saved(window: int, recompute: str) -> int:
+    from memplan.api import estimate
+    from memplan.spec import spec_from_hf_dict
+
+    spec = spec_from_hf_dict(_base("Mistral-7B-v0.1") | MISTRAL_TOY | {"sliding_window": window},
+                             "toy", "mistral-toy")
+    est = estimate(spec, framework="hf", micro_batch_size=2, seq_len=1024,
+                   precision="bf16-pure", attention="flash", recompute=recompute)
+    return est.stages[0].activations_bytes
+
+
+def test_mistral_window_mask_bytes_by_hand() -> None:
+    """2 sequences of s = 1,024 tokens in bf16, 8 query heads / 2 key-value heads of 32, 2
+    layers; a 256-token window (an explicit mask: s >= window) against a 2,048-token one
+    (masking_utils.py _ignore_causal_mask_sdpa: no mask, the generic layer).
+
+    Full recompute: each checkpointed layer's inputs are kept, among them the boolean mask
+    MistralModel.forward builds once (create_sliding_window_causal_mask -> sdpa_mask: the
+    window's function on (1, 1, s, 1) and (1, 1, 1, s) positions, expanded to the batch):
+    s * s = 1,048,576 B, once for both layers.
+
+    No recompute, per layer: SDPA's copy of the mask in the query's dtype
+    (convert_boolean_attn_mask: the expanded (b, 1, s, s)) b * s * s * 2 = 4,194,304 B, and
+    K and V saved at the query width (integrations/sdpa_attention.py repeat_kv: no enable_gqa
+    with a mask), 2 * b * s * (8 - 2) * 32 * 2 = 1,572,864 B more; 5,767,168 B a layer,
+    11,534,336 B for two (traced: 67,969,032 - 56,434,696 B, the same difference)."""
+    assert _mistral_saved(256, "full") - _mistral_saved(2048, "full") == 1_048_576
+    assert _mistral_saved(256, "none") - _mistral_saved(2048, "none") == 11_534_336
+
+
+def test_gemma3_rope_tables_per_layer_type() -> None:
+    """Gemma3TextModel.forward keeps one pair of cos/sin tables per layer type (sliding,
+    full): at 128 tokens, head_dim 96, bf16: 2 pairs x 2 tables x 128 x 96 x 2 B = 98,304 B;
+    Gemma 2 (one rotary embedding) and a Gemma 3 without full layers (pattern 0) one pair."""
+    from memplan.api import make_layout, make_workload
+    from memplan.model.attention import rope_terms
+    from memplan.model.dims import Dims
+    from memplan.spec import spec_from_hf_dict
+
+    toy = {"num_hidden_layers": 3, "hidden_size": 256, "intermediate_size": 768,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 96,
+           "vocab_size": 1000, "sliding_window": 64, "sliding_window_pattern": 3,
+           "rope_scaling": None}
+
+    def rope(folder: str, **update) -> int:
+        spec = spec_from_hf_dict(_base(folder).get("text_config", _base(folder)) | toy | update,
+                                 "toy", "toy")
+        wl = make_workload(spec, seq_len=128, micro_batch_size=2, precision="bf16-pure")
+        return sum(t.size_bytes for t in rope_terms(spec, wl, Dims.of(spec, make_layout(1), wl)))
+
+    assert rope("gemma-3-12b-pt") == 98_304
+    assert rope("gemma-3-12b-pt", layer_types=["sliding_attention"] * 3) == 49_152
+    assert rope("gemma-2-9b") == 49_152
+
+
+def test_fused_gate_up_checkpointed_working_set_by_hand() -> None:
+    """Phi3MLP.forward under full recompute (nothing saved): gate_up_proj's output (T x 2f)
+    stays alive through the function (``gate`` a view of it) beside the activation and the
+    product: 4 x T x f x e. Phi-3 narrowed (h 256, f 768), 2 x 128 tokens, fp32: inner =
+    256 x 768 x 4 = 786,432 B, so 3,145,728 B (3 x inner + the down projection's 262,144 B
+    output is less); traced: the first forward 785,536 B under with 3 x inner (-6.4%),
+    within 0.01% with 4."""
+    from memplan.api import make_layout, make_workload
+    from memplan.model.dims import Dims
+    from memplan.model.mlp import Mlp
+    from memplan.spec import spec_from_hf_dict
+
+    toy = {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 768,
+           "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 1000}
+    spec = spec_from_hf_dict(_base("Phi-3-mini-4k-instruct") | toy, "toy", "phi3-toy")
+    assert spec.fused_gate_up
+    wl = make_workload(spec, seq_len=128, micro_batch_size=2, precision="fp32",
+                       recompute="full")
+    moments = Mlp().working_set(spec, wl, Dims.of(spec, make_layout(1), wl))
+    assert [(m.name, m.transient_bytes) for m in moments] == [("mlp", 3_145_728)]
