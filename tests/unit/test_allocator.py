@@ -265,6 +265,27 @@ def _expanded(events):
     return out
 
 
+def _replays_as_expanded(events, cfg) -> bool:
+    """Asserts ``events`` replay as their blips written out (``_expanded``) do: the same
+    reserved bytes after each event, inactive split bytes and segments, or out of memory at
+    the same event; the same peaks and fragmentation either way. Returns whether it ran out."""
+    from memplan.model.allocator import Blip
+
+    a, b = replay(events, cfg), replay(_expanded(events), cfg)
+    # the flat sequence's index after each event
+    ends = list(accumulate(2 * len(ev.tensors()) if isinstance(ev, Blip) else 1
+                           for ev in events))
+    assert a.out_of_memory == b.out_of_memory
+    if a.out_of_memory:  # the same event: b's index within a's event
+        assert (ends[a.oom_event - 1] if a.oom_event else 0) <= b.oom_event < ends[a.oom_event]
+    else:
+        assert a.reserved_bytes == [b.reserved_bytes[e - 1] for e in ends]
+        assert (a.inactive_split_bytes, a.segments) == (b.inactive_split_bytes, b.segments)
+    assert (a.reserved_peak_bytes, a.fragmentation_bytes, a.allocated_peak_bytes) == (
+        b.reserved_peak_bytes, b.fragmentation_bytes, b.allocated_peak_bytes)
+    return a.out_of_memory
+
+
 @pytest.mark.parametrize("conf", ["", "max_split_size_mb:40", "roundup_power2_divisions:4",
                                   "expandable_segments:True", "capacity"])
 def test_blips_replay_as_their_allocations_and_frees(conf: str) -> None:
@@ -296,23 +317,10 @@ def test_blips_replay_as_their_allocations_and_frees(conf: str) -> None:
                 piece = rng.choice(sizes)
                 events.append(Blip(tuple([piece] * rng.randint(1, 6) + [rng.choice(sizes)]),
                                    rng.choice([0, 0, 1])))
-        flat = _expanded(events)
-        a, b = replay(events, cfg), replay(flat, cfg)
-        ends, at = [], 0
-        for ev in events:  # the flat sequence's index after each event
-            at += 2 * len(ev.tensors()) if isinstance(ev, Blip) else 1
-            ends.append(at)
-        assert a.out_of_memory == b.out_of_memory
-        if a.out_of_memory:  # the same event: b's index within a's event
-            assert (ends[a.oom_event - 1] if a.oom_event else 0) <= b.oom_event < ends[a.oom_event]
+        if _replays_as_expanded(events, cfg):
             ran_out += 1
         else:
-            assert a.reserved_bytes == [b.reserved_bytes[e - 1] for e in ends]
-            assert a.inactive_split_bytes == b.inactive_split_bytes
-            assert a.segments == b.segments
             checked += 1
-        assert (a.reserved_peak_bytes, a.fragmentation_bytes, a.allocated_peak_bytes) == (
-            b.reserved_peak_bytes, b.fragmentation_bytes, b.allocated_peak_bytes)
     assert checked >= 20
     assert ran_out > 0 if conf == "capacity" else ran_out == 0
 
@@ -351,18 +359,10 @@ def test_long_blips_of_one_size_replay_as_their_allocations_and_frees(conf: str)
                 events.append(blip)
             else:
                 events.append(blip)
-        a, b = replay(events, cfg), replay(_expanded(events), cfg)
-        assert a.out_of_memory == b.out_of_memory
-        if a.out_of_memory:
+        if _replays_as_expanded(events, cfg):
             ran_out += 1
         else:
-            ends = list(accumulate(2 * len(ev.tensors()) if isinstance(ev, Blip) else 1
-                                   for ev in events))
-            assert a.reserved_bytes == [b.reserved_bytes[e - 1] for e in ends]
-            assert (a.inactive_split_bytes, a.segments) == (b.inactive_split_bytes, b.segments)
             checked += 1
-        assert (a.reserved_peak_bytes, a.fragmentation_bytes, a.allocated_peak_bytes) == (
-            b.reserved_peak_bytes, b.fragmentation_bytes, b.allocated_peak_bytes)
     assert checked >= 10
     assert ran_out > 0 if conf == "capacity" else ran_out == 0
 
