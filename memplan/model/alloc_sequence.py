@@ -491,11 +491,14 @@ class StageReplay(NamedTuple):
         return self.reserved_peak_bytes - self.tensor_peak_bytes
 
 
-def _replay_caps(s: StageInputs, cfg: AllocatorConfig, caps: tuple[int, ...] | None
+def _replay_caps(s: StageInputs, cfg: AllocatorConfig, caps: tuple[int, ...] | None,
+                 limit: tuple[int, int] | None = None
                  ) -> tuple[tuple[int, ...], int, int, int | None, int]:
     """(reserved at setup's and each step's end, the sequence's tensor peak, its events, the
-    step whose allocation failed, the reserved peak)."""
+    step whose allocation failed, the reserved peak); ``limit``: ``replay_stage``'s."""
     b = stage_sequence(s, caps)
+    if limit is not None:
+        cfg = cfg.model_copy(update={"capacity_bytes": limit[1] - (limit[0] - b.peak)})
     res = replay(b.events, cfg)
     got = res.reserved_bytes
     by_step = tuple(got[min(m, len(got)) - 1] if m and got else 0 for m in b.marks)
@@ -518,12 +521,21 @@ MAX_PERIOD = 10  # 20 MiB segments or pages hold up to ten 2 MiB blocks
 
 
 def replay_stage(s: StageInputs, cfg: AllocatorConfig, fold_above: int | None = None,
-                 fold_start: int = FOLD_START) -> StageReplay:
+                 fold_start: int = FOLD_START, limit: tuple[int, int] | None = None
+                 ) -> StageReplay:
     """The stage's sequence through the allocator model, whole; with ``fold_above`` (e.g.
     ``FOLD_ABOVE``) runs longer than that many layers are folded (see ``FOLD_ABOVE``). The
     estimate replays whole: a catalog model's deepest stage (126 layers) replays in about
-    0.3 s of CPU, and the fold's check cannot see a regime change past its samples."""
+    0.3 s of CPU, and the fold's check cannot see a regime change past its samples.
+
+    ``limit`` (a tensor peak, a capacity at least that): replayed with cudaMalloc limited to
+    the capacity less what the tensor peak holds beyond the sequence's own (``cfg``'s
+    capacity replaced; known once the sequence is built, so it is built once). Not with
+    ``fold_above``."""
     runs = [n for _, _, _, n in s.walk.runs]
+    if limit is not None:
+        by, peak, num, oom, top = _replay_caps(s, cfg, None, limit)
+        return StageReplay(by, top, peak, num, False, oom)
     if fold_above is not None and max(runs, default=0) > fold_above:
         for period in range(1, MAX_PERIOD + 1):
             found = _fold(s, cfg, runs, period, fold_start)

@@ -119,20 +119,26 @@ def stage_reserved(inputs: StageInputs, tensor_peak_bytes: int, cfg: AllocatorCo
                    capacity_bytes: int | None = None, with_expandable: bool = True) -> Reserved:
     """Replay ``inputs`` under ``cfg`` and with expandable segments (``with_expandable``
     False: not; the expandable figure is then the default one). ``capacity_bytes``: what
-    cudaMalloc may take; where the tensors fit it but the unlimited replay reserves more, the
-    replay runs again under it (the allocator releases its wholly free cached segments and
-    retries before it raises, ``DeviceCachingAllocator::malloc``)."""
-    r = replay_stage(inputs, cfg)
-    e = (r if cfg.expandable_segments or not with_expandable
-         else replay_stage(inputs, expandable(cfg)))
+    cudaMalloc may take; where the tensors fit it, the replay runs under it (the allocator
+    releases its wholly free cached segments and retries before it raises,
+    ``DeviceCachingAllocator::malloc``), which is the unlimited replay where that reserves no
+    more than the capacity."""
+    # Replayed once: under the capacity where the tensors fit it. Up to the first segment
+    # the capacity refuses, that replay is the unlimited one, event for event; where none is
+    # refused it is the unlimited one throughout (what an unlimited replay, then a limited
+    # one where its reserved peak passes the capacity, would give)
+    limited = capacity_bytes is not None and tensor_peak_bytes <= capacity_bytes
+    r = replay_stage(inputs, cfg, limit=(tensor_peak_bytes, capacity_bytes) if limited
+                     else None)
+    if not with_expandable:  # the expandable figure is the default one
+        e = r
+    else:  # without a limit, as reported
+        e = (replay_stage(inputs, expandable(cfg)) if not cfg.expandable_segments
+             else replay_stage(inputs, cfg) if limited else r)
     # the steps' reserved bytes on the walk's tensor peak, as the peak is (setup as replayed)
     shift = tensor_peak_bytes - r.tensor_peak_bytes
-    if (capacity_bytes is not None and tensor_peak_bytes <= capacity_bytes
-            < tensor_peak_bytes + r.fragmentation_bytes):
-        r = replay_stage(inputs, cfg.model_copy(update={"capacity_bytes":
-                                                         capacity_bytes - shift}))
-        if r.oom_step is not None:  # all of the capacity reserved, and not enough
-            r = r._replace(reserved_peak_bytes=capacity_bytes - shift)
+    if limited and r.oom_step is not None:  # all of the capacity reserved, and not enough
+        r = r._replace(reserved_peak_bytes=capacity_bytes - shift)
     setup, *steps = r.reserved_by_step
     return Reserved(tensor_peak_bytes + max(0, r.fragmentation_bytes),
                     max(0, r.fragmentation_bytes),
