@@ -46,6 +46,9 @@ DDP_BUCKET_BYTES = 25 * MiB
 DDP_FIRST_BUCKET_BYTES = 1 * MiB
 
 
+_new = tuple.__new__  # a NamedTuple event made without its keyword-checking __new__
+
+
 class Builder:
     """Allocation events with the bytes alive (unrounded) after each, and their running peak."""
 
@@ -61,18 +64,20 @@ class Builder:
         if size <= 0:
             return None
         key = self._next
-        self._next += 1
-        self.events.append(Alloc(key, size, stream))
+        self._next = key + 1
+        self.events.append(_new(Alloc, (key, size, stream)))
         self.sizes[key] = size
-        self.alive += size
-        self.peak = max(self.peak, self.alive)
+        alive = self.alive = self.alive + size
+        if alive > self.peak:
+            self.peak = alive
         return key
 
     def free(self, key: int | None) -> None:
-        if key is None or key not in self.sizes:
+        size = self.sizes.pop(key, None)
+        if size is None:
             return
-        self.events.append(Free(key))
-        self.alive -= self.sizes.pop(key)
+        self.events.append(_new(Free, (key,)))
+        self.alive -= size
 
     def blip(self, size: int, piece: int = 0, stream: int = 0) -> None:
         """Tensors of ``size`` bytes in all made and freed at one instant: pieces of ``piece``
@@ -111,11 +116,13 @@ class Stack:
             self.items.append((key, size))
 
     def release(self, nbytes: int) -> None:
-        self.debt += max(0, nbytes)
-        while self.items and self.items[-1][1] <= self.debt:
-            key, size = self.items.pop()
-            self.debt -= size
-            self.b.free(key)
+        debt = self.debt + nbytes if nbytes > 0 else self.debt
+        items, free = self.items, self.b.free
+        while items and items[-1][1] <= debt:
+            key, size = items.pop()
+            debt -= size
+            free(key)
+        self.debt = debt
 
     def clear(self) -> None:
         while self.items:
@@ -203,15 +210,16 @@ def _setup(r: _Run) -> None:
     every = [*s.embed_elements, *(e for lt in _layers(r) for e in lt.elements),
              *s.head_elements]
     total = sum(s.embed_elements) + sum(sum(lt.elements) for lt in s.layers) + sum(s.head_elements)
-    per = Fraction(s.params_bytes, total) if total else Fraction(0)
+    # each tensor's share of the bytes, rounded down (the elements are not negative)
     if s.nf4_weights:
         _nf4_setup(r)
-    else:
+    elif total:
         for e in every:
-            b.alloc(int(e * per))
+            b.alloc(e * s.params_bytes // total)
     b.alloc(s.buffers)
-    for e in every:
-        b.alloc(int(e * Fraction(s.master_bytes, total)) if total else 0)
+    if total:
+        for e in every:
+            b.alloc(e * s.master_bytes // total)
     b.alloc(s.setup_bytes)
     scale = _scale(r)
     for size in chunks(int(s.buckets * scale), DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES):
