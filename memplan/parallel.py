@@ -500,8 +500,9 @@ def float8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutErr
     the gathered bf16 input itself (``linear._gathered_grad``); both traced at tp 2 and 4,
     with and without sequence parallelism. Compiled with tp: under full recompute (each
     block saves its input alone; the recomputed block's casts are taken as traced eagerly) or
-    torchtitan's per-op SAC (``memplan.model.compiled.sac_tp_terms``, traced); refused: tp
-    with compile and no recompute, LoRA,
+    torchtitan's per-op SAC (``memplan.model.compiled.sac_tp_terms``, traced) or, tensorwise
+    with separate q/k/v, no recompute (``memplan.model.compiled.float8_tp_weights``, traced);
+    refused: tp with compile and no recompute otherwise, LoRA,
     selective recompute other than per-op SAC. MoE layers with grouped experts
     (``moe_impl grouped``): torchtitan's ``Float8GroupedExpertsConverter`` runs their grouped
     matmuls as torchao's float8 grouped GEMM, rowwise whatever the linears' recipe
@@ -533,7 +534,8 @@ def float8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutErr
     return LayoutError(f"float8 is not modelled with {why}",
                        f"float8 {wl.float8.value} with {why}: not modelled yet (float8 is "
                        "modelled for dense layers, eager or compiled with a gated MLP, tp 1 "
-                       "or DTensor TP (compiled: full recompute or per-op SAC), and grouped "
+                       "or DTensor TP (compiled: full recompute, per-op SAC, or tensorwise without "
+                       "recompute), and grouped "
                        "MoE experts at tp 1; no LoRA, recompute none, full or per-op SAC)")
 
 
@@ -552,13 +554,21 @@ def _float8_moe_refusal(par: ParallelConfig, wl: Workload) -> str | None:
 
 def _float8_tp_refusal(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> str | None:
     """Why float8 with tp > 1 is not modelled for this run, or None (``float8_rule``)."""
-    if wl.compile and wl.recompute is Recompute.NONE:
+    if wl.compile and wl.recompute is Recompute.NONE and (
+            wl.float8.value != "tensorwise" or wl.fused_qkv or spec.fused_qkv):
         # under full recompute a compiled block saves its input alone, as an eager one does;
-        # under per-op SAC its tags decide (memplan.model.compiled.sac_tp_terms). Without
-        # recompute the partitioner saves float8 casts of the TP-sharded weights whose scales
-        # an all-reduce makes (traced, torchao 0.18.0: not modelled)
-        return (f"tp {par.tp}, compile and recompute none (the partitioner saves the float8 "
-                "casts of sharded weights whose scales need an all-reduce)")
+        # under per-op SAC its tags decide (memplan.model.compiled.sac_tp_terms); without
+        # recompute, tensorwise, the float8 casts of the weight shards and of the gathered
+        # inputs (compiled.float8_tp_weights, traced). Rowwise: the partitioner saves the
+        # float8 casts of some sharded weights (w1, w2, w3, wo, wq in the traced block) and
+        # only the scales of others (wk, wv), by its min cut: traced, not modelled. A fused
+        # wqkv under torchao's tensorwise TP styles is not traced
+        if wl.float8.value == "tensorwise":
+            return (f"tp {par.tp}, compile, recompute none and a fused wqkv (torchao's float8 "
+                    "TP styles have no plan entry for it: not traced)")
+        return (f"tp {par.tp}, compile, recompute none and {wl.float8.value} scaling (the "
+                "partitioner saves the float8 casts of some sharded weights and only the "
+                "scales of others)")
     if par.tp_style is not TpStyle.DTENSOR:
         return f"tp {par.tp} in the {par.tp_style.value} style"
     # the block linears' widths (memplan.model.linear.convertible: multiples of 16)

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from memplan.model import linear
 from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term
 from memplan.spec import ModelSpec, MoESpec
-from memplan.workload import Float8Recipe, NormImpl, Workload
+from memplan.workload import Float8Recipe, NormImpl, Recompute, Workload
 
 # Inductor's buffer reuse in the compiled forward: the residual add after the MLP is the last
 # reader of the down projection's output, of the same size and dtype, so it writes its result
@@ -204,6 +204,37 @@ def float8_recomputed(readers: Sequence[linear.Linear], dm: Dims) -> bool:
     also reads (SDPA's output, the output projection's input) stays saved."""
     return (dm.compiled and dm.float8 is not Float8Recipe.NONE and bool(readers)
             and all(linear.float8_converts(lin, dm) for lin in readers))
+
+
+def float8_tp_weights(prefix: str, linears: Sequence[linear.Linear], dm: Dims,
+                      recompute: Recompute) -> list[Term]:
+    """Compiled without recompute under torchao's float8 tensor-parallel styles (tensorwise,
+    ``Dims.float8_tp``): per converted linear the float8 cast of its weight's shard on this
+    rank, 1 B per element, which the partitioner saves for the backward's grad-input matmul.
+    Without TP the cast is recomputed from the weight (a graph input) and its saved amax; a
+    shard's tensorwise scale needs the amax of the whole weight, an all-reduce over the TP
+    group (``float8_utils.tensor_to_amax`` on a DTensor), and the partitioner never
+    recomputes a collective (``is_not_collective``, torch/_functorch/partitioners.py), so the
+    cast made from it is saved (traced: tests/traced/test_compile_trace.py, torchtitan's
+    block on a TP mesh of the fake process group, tp 2 and 4, with and without sequence
+    parallelism, torchao 0.18.0). Per-op SAC forces the cast's recompute (``must_recompute``:
+    not saved there, ``sac_tp_terms``). Not in a full recompute's rerun (``Dims.rerun``):
+    the traced set is what a forward saves, not what a compiled backward rebuilds."""
+    if not (dm.compiled and dm.float8_tp and recompute is Recompute.NONE and not dm.rerun):
+        return []
+    n = sum(linear.weight_elements(lin, dm.tp) for lin in linears
+            if linear.float8_converts(lin, dm))
+    return [Term(f"{prefix}.float8_weights", n * linear.FLOAT8_BYTES)] if n else []
+
+
+def float8_tp_gathered_kept(dm: Dims, recompute: Recompute) -> bool:
+    """Compiled without recompute under torchao's float8 TP styles with sequence parallelism:
+    the all-gathered float8 cast of a norm's output (``PrepareFloat8ModuleInput``: cast on the
+    sequence shard, then all-gathered) is saved, not recomputed, as the all-gather is a
+    collective (``float8_tp_weights``; traced there). Without SP the cast of the replicated
+    output is recomputed from the norm's saved input and statistics."""
+    return (dm.compiled and dm.float8_tp and dm.gathered_linear_input
+            and recompute is Recompute.NONE and not dm.rerun)
 
 
 def float8_scales(prefix: str, linears: tuple[linear.Linear, ...], dm: Dims) -> list[Term]:

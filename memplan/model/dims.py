@@ -59,6 +59,10 @@ class Dims(NamedTuple):
     float8_gathered: bool = False  # FSDP2 gathers converted weights in float8: no weight cast
     float8_tp: bool = False  # torchao's float8 TP styles: linear inputs cast before them
     ep: int = 1  # expert-parallel degree: this rank holds num_experts / ep routed experts
+    # a fully recomputed layer's forward as its backward reruns it (``layer.backward_moments``):
+    # what it rebuilds, not what a compiled layer without recompute saves from its forward
+    # (``memplan.model.compiled.float8_tp_weights``)
+    rerun: bool = False
 
     @classmethod
     def of(cls, spec: ModelSpec, par: ParallelConfig, wl: Workload) -> Dims:

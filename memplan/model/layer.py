@@ -309,6 +309,8 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
     wl = compiled.layer_workload(wl)
     blocks = layer_blocks(spec, moe_layer, variant)
     policy = Recompute.NONE if recompute is Recompute.FULL else recompute  # what is rebuilt
+    if recompute is Recompute.FULL and dm.compiled:
+        dm = dm._replace(rerun=True)
     stream = dm.stream(spec.hidden_size)
     mixer_out = dm.rows * spec.hidden_size * dm.e  # a mixer's output (the compute dtype)
     incoming = stream  # the residual-stream gradient, alive through the layer

@@ -364,6 +364,8 @@ class Mlp:
                 # the down projection's input, recomputed
                 terms = [t for t in terms if not t.name.endswith(".prod")]
             terms += compiled.float8_scales("mlp", mlp_linears(spec, spec.ffn_hidden_size), dm)
+            terms += compiled.float8_tp_weights("mlp", mlp_linears(spec, spec.ffn_hidden_size),
+                                                dm, recompute)
         return (terms
                 + linear.saved_terms("mlp", mlp_linears(spec, spec.ffn_hidden_size), dm)
                 + residual_dropout_mask("mlp", spec, dm))

@@ -216,7 +216,8 @@ class Norm:
 
     def saved(self, spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
         terms = norm_terms(self.name, spec, wl, dm, self.copies)
-        if self.readers is not None and compiled.float8_recomputed(self.readers(spec), dm):
+        if (self.readers is not None and compiled.float8_recomputed(self.readers(spec), dm)
+                and not compiled.float8_tp_gathered_kept(dm, recompute)):
             return [t for t in terms if not t.name.endswith(".output")]  # recomputed
         return terms
 

@@ -101,7 +101,8 @@ def _rebuilt(spec: ModelSpec, wl: Workload, shared: StageTerms, key) -> tuple[in
     recompute (``memplan.model.layer.layer_terms``)."""
     if key[1] is not Recompute.FULL:
         return ()
-    kind = memo.layer_kind(spec, memo._per_kind(wl), shared.dm, key[0], Recompute.NONE,
+    dm = shared.dm._replace(rerun=True) if shared.dm.compiled else shared.dm
+    kind = memo.layer_kind(spec, memo._per_kind(wl), dm, key[0], Recompute.NONE,
                            key_variant(key))
     return tuple(t.size_bytes for t in kind.terms if t.size_bytes > 0)
 

@@ -205,6 +205,46 @@ def test_compiled_tp_layer_under_per_op_sac(tp: int, sp: bool, recipe: str, fuse
     assert traced - modelled == over
 
 
+@pytest.mark.parametrize("tp,sp,kv,under", [(2, True, 2, 14), (2, False, 2, 2),
+                                             (4, True, 4, 14)])
+def test_compiled_float8_tp_layer_without_recompute(tp: int, sp: bool, kv: int,
+                                                    under: int) -> None:
+    """torchtitan's block (bf16, separate q/k/v) with torchao's tensorwise float8 TP styles on
+    rank 0 of a TP mesh of the fake process group, compiled, no recompute
+    (``memplan.model.compiled.float8_tp_weights``, ``float8_tp_gathered_kept``; torchao
+    0.18.0). At tp 2 with SP (T = 128, h 256, 4 local heads of 32, 1 KV head, ffn 384 a
+    rank): the compiled float8 set at tp 1 on the rank's shards (the input shard 64 x 256 x 2
+    = 32,768, q 32,768, k and v 8,192 each, SDPA's output 32,768 and logsumexp 2,048, the
+    reduce-scattered output projection 32,768, the gate and up outputs 98,304 each, two norms'
+    statistics 256 each, the float8 inputs of the output and down projections 128 x 128 and
+    128 x 384: 16,384 + 49,152), and beyond it the float8 casts of the seven weight shards,
+    (128 + 32 + 32) x 256 + 256 x 128 + 2 x 384 x 256 + 256 x 384 = 376,832 B, and of the
+    two norms' all-gathered outputs, 2 x 128 x 256 = 65,536 B: 854,572 B traced with the fp32
+    scalars. memplan counts 14 B of scalars more (one fp32 scale per float8 cast, the bf16
+    amaxes); without SP the norms' casts are recomputed (2 B); at tp 4 (4 KV heads) the
+    shards are half as wide."""
+    pytest.importorskip("torchao.float8")
+    pytest.importorskip("torchtitan")
+    fields = dict(TITAN["torchtitan"], n_kv_heads=kv, fuse_qkv=False)
+    config = {"torchtitan": dict(fields, tp=tp, sp=sp, float8="tensorwise")}
+    from memplan.profile.frameworks import torchtitan_config, torchtitan_spec
+
+    spec = torchtitan_spec(torchtitan_config(**fields, seq_len=SEQ), "llama3-toy")
+    wl = Workload(micro_batch_size=BATCH, seq_len=SEQ, precision="bf16-pure",
+                  recompute=Recompute.NONE, compile=True, rope_cache="layer",
+                  float8="tensorwise")
+    par = ParallelConfig(tp=tp, sequence_parallel=sp, tp_style="dtensor")
+    from memplan.parallel import validate
+
+    validate(spec, par, wl)  # no longer refused
+    dm = Dims.of(spec, par, wl)
+    modelled = layer_kind(spec, wl, dm, False, Recompute.NONE).saved_bytes
+    traced = _traced_tp_activations(config, "none", SEQ // tp if sp else SEQ)
+    assert modelled - traced == under
+    if (tp, sp) == (2, True):
+        assert traced == 854_572
+
+
 # transformers' MoE layers cut to one layer of toy widths (tests/traced/test_frameworks.py's)
 QWEN3_MOE = hf("Qwen3-30B-A3B", num_hidden_layers=1, hidden_size=128, intermediate_size=256,
                num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,

@@ -87,6 +87,38 @@ def test_per_op_sac_compiled_under_tp(sp: bool, recipe: str, fused: bool, saved:
     assert layer_kind(TINY, wl, dm, False, Recompute.SELECTIVE).saved_bytes == saved
 
 
+@pytest.mark.parametrize("sp,saved", [(True, 82_746), (False, 82_994)])
+def test_compiled_float8_tp_layer_without_recompute(sp: bool, saved: int) -> None:
+    """torchao's tensorwise float8 TP styles at tp 2, compiled, no recompute
+    (``memplan.model.compiled.float8_tp_weights``, ``float8_tp_gathered_kept``; traced in
+    tests/traced/test_compile_trace.py). Beyond the compiled float8 layer on the rank's
+    shards, the float8 casts of the weight shards, 1 B each: q 64*64/2 = 2,048, k and v
+    64*32/2 = 1,024 each, o 2,048 (6,144); gate, up and down 64*176/2 = 5,632 each (16,896).
+    With SP each norm's all-gathered float8 output is saved too, 64*64*1 + its fp32 scale
+    = 4,100. So with SP: the norms' input shards 32*64*2 = 4,096 and rsqrt 32*4 = 128 twice
+    (8,448) and their gathered casts (8,200); q 64*32*2 = 4,096, k and v 64*16*2 = 2,048
+    each, SDPA's output 4,096 and logsumexp 2*2*32*4 = 512, the output projection's float8
+    input 64*32 + 4 = 2,052, four amaxes and scales 4*6 = 24 (14,876); gate and up 64*88*2 =
+    11,264 each, the down projection's float8 input 64*88 + 4 = 5,636, three amaxes and
+    scales 18 (28,182); the weights 23,040: 82,746. Without SP the norms' inputs are
+    64*64*2 = 8,192, their rsqrt 64*4 = 256 (16,896), no gathered cast: 82,994."""
+    wl = WL.model_copy(update={"float8": Float8Recipe.TENSORWISE})
+    par = ParallelConfig(tp=2, sequence_parallel=sp, tp_style="dtensor")
+    validate(TINY, par, wl)
+    dm = Dims.of(TINY, par, wl)
+    terms = {t.name: t.size_bytes
+             for t in layer_terms(TINY, wl, dm, moe_layer=False, recompute=Recompute.NONE)}
+    assert terms["attn.float8_weights"] == 6_144 and terms["mlp.float8_weights"] == 16_896
+    assert terms.get("attn_norm.output", 0) == (4_100 if sp else 0)
+    assert sum(terms.values()) == saved
+    # per-op SAC recomputes the casts: neither the weights' nor the gathered inputs'
+    sac = wl.model_copy(update={"recompute": Recompute.SELECTIVE,
+                                "selective_impl": SelectiveImpl.OP})
+    kept = {t.name for t in layer_terms(TINY, sac, dm, moe_layer=False,
+                                        recompute=Recompute.SELECTIVE)}
+    assert not {"attn.float8_weights", "mlp.float8_weights"} & kept
+
+
 def test_compiled_lora_layer_terms() -> None:
     """LoRA r8 on q and v (frozen base weights, bf16, fp32 adapters), compiled: the attention
     norm saves its input 8,192 and rsqrt 256, not its output (no trainable matmul reads it:

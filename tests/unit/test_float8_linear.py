@@ -252,8 +252,8 @@ def test_float8_tp_casts_by_hand() -> None:
 
 def test_float8_tp_accepted_and_refused() -> None:
     """Tensorwise and rowwise with DTensor TP are modelled, compiled too under full
-    recompute or per-op SAC; the Megatron style and compile without recompute are refused by
-    name."""
+    recompute or per-op SAC, and tensorwise with separate q/k/v without recompute; the
+    Megatron style, rowwise or a fused qkv compiled without recompute are refused by name."""
     tw = Workload.model_validate({"float8": "tensorwise"})
     validate(TINY, ParallelConfig(tp=2, tp_style="dtensor"), tw)
     validate(TINY, ParallelConfig(tp=2, tp_style="dtensor"),
@@ -261,9 +261,16 @@ def test_float8_tp_accepted_and_refused() -> None:
     with pytest.raises(LayoutError, match="tp 2 in the megatron style: not modelled"):
         validate(TINY, ParallelConfig(tp=2, tp_style="megatron"), tw)
     compiled = Workload.model_validate({"float8": "tensorwise", "compile": True})
-    with pytest.raises(LayoutError, match=r"tp 2, compile and recompute none \(the "
-                       "partitioner saves the float8 casts of sharded weights"):
-        validate(TINY, ParallelConfig(tp=2, tp_style="dtensor"), compiled)
+    validate(TINY, ParallelConfig(tp=2, tp_style="dtensor"), compiled)
+    with pytest.raises(LayoutError, match=r"tp 2, compile, recompute none and a fused wqkv "
+                       r"\(torchao's float8 TP styles have no plan entry for it"):
+        validate(TINY, ParallelConfig(tp=2, tp_style="dtensor"),
+                 compiled.model_copy(update={"fused_qkv": True}))
+    with pytest.raises(LayoutError, match=r"tp 2, compile, recompute none and rowwise "
+                       r"scaling \(the partitioner saves the float8 casts of some sharded "
+                       "weights and only the scales of others"):
+        validate(TINY, ParallelConfig(tp=2, tp_style="dtensor"),
+                 compiled.model_copy(update={"float8": Float8Recipe.ROWWISE}))
     for recipe in ("tensorwise", "rowwise"):
         sac = Workload.model_validate({"float8": recipe, "compile": True,
                                        "recompute": "selective", "selective_impl": "op"})
