@@ -241,7 +241,11 @@ class CachingAllocator:
     """DeviceCachingAllocator's state: segments, their blocks, and the stats it keeps."""
 
     def __init__(self, cfg: AllocatorConfig | None = None) -> None:
-        self.cfg = cfg or AllocatorConfig()
+        self.cfg = cfg = cfg or AllocatorConfig()
+        # the options best fit reads at every allocation, as plain attributes (cfg is frozen)
+        self._limit = cfg.max_split_size_bytes
+        self._non_split = cfg.max_non_split_rounding_bytes
+        self._fast_round = cfg.roundup_power2_divisions <= 1 and not cfg.expandable_segments
         self.segments: list[Segment] = []
         self.live: dict[int, tuple[Segment, Block]] = {}
         self.reserved = 0
@@ -302,13 +306,16 @@ class CachingAllocator:
         and retry. False when it would raise OutOfMemoryError."""
         if key in self.live or orig_size <= 0:
             raise MemplanError(f"Alloc {key}: already live, or size_bytes {orig_size} <= 0")
-        cfg = self.cfg
-        size = (round_size(orig_size, cfg.roundup_power2_divisions)
-                if cfg.roundup_power2_divisions > 1 or orig_size < K_MIN_BLOCK_SIZE
-                else -(-orig_size // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE)
-        small = size <= K_SMALL_SIZE  # get_pool
-        if not cfg.expandable_segments and self._fit(key, size, stream, small):
-            return True
+        if self._fast_round and orig_size >= K_MIN_BLOCK_SIZE:  # round_size without divisions
+            size = -(-orig_size // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE
+            small = size <= K_SMALL_SIZE  # get_pool
+            if self._fit(key, size, stream, small):
+                return True
+        else:
+            size = round_size(orig_size, self.cfg.roundup_power2_divisions)
+            small = size <= K_SMALL_SIZE
+            if not self.cfg.expandable_segments and self._fit(key, size, stream, small):
+                return True
         found = self.get_free_block(size, stream, small)
         if found is None:
             found = self.alloc_block(size, stream, small)
@@ -335,9 +342,9 @@ class CachingAllocator:
         if i == len(pool):
             return False
         found, _, offset, block, seg = pool[i]
-        limit = self.cfg.max_split_size_bytes
+        limit = self._limit
         if (size < limit <= found
-                or (size >= limit and found >= size + self.cfg.max_non_split_rounding_bytes)):
+                or (size >= limit and found >= size + self._non_split)):
             return False  # get_free_block's oversize rules
         del pool[i]
         remaining = found - size
@@ -604,14 +611,18 @@ class CachingAllocator:
         the smallest that fits), until ``count`` are made; blocks of one size a group at a
         time. Returns how many were made (0 where the next block was taken before: the
         caller goes one by one)."""
-        end = min(len(pool), i + count)  # each block holds at least one
-        end = min((k for k in skip if i <= k < end), default=end)
+        end = i + count if i + count < len(pool) else len(pool)  # each block holds one
+        if skip:  # the first block taken before, from whichever side is shorter to scan
+            end = (next((k for k in range(i, end) if k in skip), end) if end - i < len(skip)
+                   else min((k for k in skip if i <= k < end), default=end))
         made, k = 0, i
         while k < end and made < count:
             c = pool[k][0]
-            group = min(bisect_left(pool, (c + 1,), k), end) - k  # blocks of c bytes
+            group = bisect_left(pool, (c + 1,), k, end) - k  # blocks of c bytes
             each, rest = divmod(c, size)
-            full = min(group, (count - made) // each)
+            full = (count - made) // each
+            if group < full:
+                full = group
             made += full * each
             acc[1] += full * (c if rest < least else c - rest)
             below += [rest] * (full if rest >= least else 0)
