@@ -50,8 +50,8 @@ class Mechanism(Enum):
                "fused projections, RoPE tables, masks, a KV cache (model/ blocks)")
     RECOMPUTE = "how selective recompute picks what to save (model/sac.py)"
     LOSS = "the loss and its logits: dtype, implementation, split (model/head.py)"
-    LOOP = ("the training loop: the logits it holds, gradients zeroed or freed "
-            "(model/head.py, model/stage.py)")
+    LOOP = ("the training loop: the logits it holds, the embedding output the model's "
+            "forward keeps, gradients zeroed or freed (model/head.py, model/stage.py)")
     DATA_PARALLEL = ("the data-parallel policy: FSDP units, DDP gradient buffers "
                      "(model/model_states.py, model/sharding.py)")
     LAYOUT = "tensor-parallel style and pipeline split (parallel.py, model/pipeline.py)"
@@ -67,7 +67,7 @@ SETTINGS: dict[Mechanism, frozenset[str]] = {
     Mechanism.RECOMPUTE: frozenset({"selective_impl"}),
     Mechanism.LOSS: frozenset({"logits_fp32", "loss_impl", "loss_split",
                                 "loss_chunk_backward"}),
-    Mechanism.LOOP: frozenset({"logits_held", "keep_grads", "grad_sync"}),
+    Mechanism.LOOP: frozenset({"logits_held", "embeds_held", "keep_grads", "grad_sync"}),
     Mechanism.DATA_PARALLEL: frozenset({"fsdp_units", "grad_buffers", "ddp_any_size",
                                         "zero_bucket_numel", "zero_bucket_buffers",
                                         "zero3_plain_gathers", "fsdp_version", "backward_prefetch",
@@ -174,6 +174,13 @@ PRESETS: dict[Framework, tuple[Selection, ...]] = {
                     f"models/llama/modeling_llama.py LlamaForCausalLM.forward keeps `logits` for "
                     f"its CausalLMOutputWithPast while the loss upcasts a copy; Trainer."
                     f"compute_loss drops the output before backward ({_TRANSFORMERS})"),
+            Default("embeds_held", True,
+                    f"models/llama/modeling_llama.py LlamaModel.forward: inputs_embeds = "
+                    f"self.embed_tokens(input_ids), hidden_states = inputs_embeds, then the "
+                    f"decoder layers and the final norm rebind hidden_states while the local "
+                    f"inputs_embeds keeps the embedding's output until the model returns, "
+                    f"before lm_head; the other families' XModel.forward alike "
+                    f"({_TRANSFORMERS})"),
             # DDP (--zero 0) and FSDP2 (--zero 3) only: under DeepSpeed (--zero 1/2) Trainer
             # syncs every micro-batch, which is what "last" holds there (memplan.parallel)
             Default("grad_sync", "last",

@@ -640,6 +640,10 @@ class Workload(BaseModel):
         "zero_grad(set_to_none=False): from step 2 on the zeroed gradients stay allocated "
         "through forward, and backward accumulates into them"))
     logits_held: LogitsHeld = LogitsHeld.NONE
+    embeds_held: bool = Field(default=False, description=(
+        "the model's forward keeps the embedding's output in a local until it returns, after "
+        "the final norm (transformers' XModel.forward: inputs_embeds), beside the layers "
+        "where no layer saves it (memplan.model.stage.embeds_held_bytes)"))
     deltanet_kernel: DeltaNetKernel = Field(default=DeltaNetKernel.FLA, description=(
         "the gated DeltaNet layers' kernels (DeltaNetKernel); the default assumes "
         "flash-linear-attention and causal-conv1d are installed, as transformers then runs "

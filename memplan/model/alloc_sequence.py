@@ -201,6 +201,7 @@ class _Run:
         self.caps = caps  # layers replayed per run
         self.grads: list[int | None] = []
         self.logits: list[int | None] = []
+        self.embeds: int | None = None  # the model's forward's inputs_embeds (HeadBlock's)
         self.states_made = False
 
 
@@ -258,6 +259,7 @@ def _forward(r: _Run, steady: bool, acts: Stack, cached: list[int | None]) -> No
     dp = w.sharding
     acts.push(w.other_bytes)
     acts.push(w.rest_saved)
+    embeds = w.head.embeds_held  # kept from the first layer on (walk._embeds_kept)
     for index, ((kind, _, _, n), cap) in enumerate(zip(w.runs, r.caps)):
         count = min(n, cap)
         for p in forward_positions(dp, count, index == 0, index == len(w.runs) - 1):
@@ -272,17 +274,24 @@ def _forward(r: _Run, steady: bool, acts: Stack, cached: list[int | None]) -> No
                 b.blip(kind.forward_peak_bytes - kind.saved_bytes - kind.cached_bytes,
                        r.s.piece)
                 b.free(gathered)
+                if embeds:
+                    r.embeds = b.alloc(embeds)
+                    embeds = 0
     if w.head.forward_saved > 0:
         gathered = b.alloc(dp.at_loss_forward, r.s.gather_stream)
         _head_forward(r, steady, acts)
         b.free(gathered)
+    b.free(r.embeds)  # (freed after the final norm where the stage has one)
+    r.embeds = None
 
 
 def _head_forward(r: _Run, steady: bool, acts: Stack) -> None:
     b, h, dp = r.b, r.s.walk.head, r.s.walk.sharding
     acts.push(h.saved_bytes)
     for ev in h.forward_segment(0, steady).events:
-        if ev.name == "loop.logits_released":
+        if ev.name == "loop.inputs_embeds_released":
+            b.free(r.embeds)
+        elif ev.name == "loop.logits_released":
             while r.logits:
                 b.free(r.logits.pop())
         elif ev.name == "loop.logits_kept":

@@ -462,6 +462,8 @@ class HeadBlock(NamedTuple):
     #                               model call whose output replaces them (``LogitsHeld.OUTPUT``)
     held_cache: int = 0  # ... and the output's key/value cache, which is what attention saved
     #                      (``output_cache_bytes``): held beyond the graph once backward is done
+    embeds_held: int = 0  # the embedding's output the model's forward keeps until it returns,
+    #                       after the final norm (``memplan.model.stage.embeds_held_bytes``)
 
     @classmethod
     def of(cls, spec: ModelSpec, wl: Workload, dm: Dims,
@@ -605,6 +607,8 @@ class HeadBlock(NamedTuple):
         the loss's logits (``held_logits``)."""
         released = Event("loop.logits_released", -self.previous_logits(steady), None)
         return Segment((Event("final_norm.forward", 0, self.final_norm_forward + at),
+                        *((Event("loop.inputs_embeds_released", -self.embeds_held, None),)
+                          if self.embeds_held else ()),
                         *((Event("head.lora_forward", 0, self.lora_forward + at),)
                           if self.lora_forward else ()),
                         Event("loss.upcast", 0, self.upcast + at),

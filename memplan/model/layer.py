@@ -216,9 +216,13 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
     norm_out = (dm.linear_rows * spec.hidden_size * dm.stream_e
                 if dm.autocast and spec.norm_placement.pre_norm else 0)
     prior = 0
+    # past the first sub-layer's add the layer's input is still alive (its caller's loop
+    # variable, the forward's argument) beside the residual sum the next add reads
+    later = {id(b) for part in sublayers(blocks)[1:] for b in part}
     for block in blocks:
         prior += cast_cache_bytes(spec, wl, dm, block, recompute)
-        beside = unsaved_input + (norm_out if isinstance(block, MIXERS) else 0)
+        beside = (unsaved_input * (2 if id(block) in later else 1)
+                  + (norm_out if isinstance(block, MIXERS) else 0))
         out += [ForwardMoment(m.name, prior + m.own_bytes, beside + m.transient_bytes,
                               block.name)
                 for m in block.forward_moments(spec, wl, dm, recompute)]

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from memplan.model import memo, step_in_backward
 from memplan.model.deferred_wgrad import Deferred, deferred
-from memplan.model.dims import Term, exact_ratio, whole_bytes
+from memplan.model.dims import Dims, Term, exact_ratio, whole_bytes
 from memplan.model.embedding import EmbeddingBlock, made_vocab_grad
 from memplan.model.fsdp1 import last_reduce
 from memplan.model.grad_sync import (
@@ -27,7 +27,8 @@ from memplan.model.grad_sync import (
     with_new_grads,
 )
 from memplan.model.head import HeadBlock
-from memplan.model.layer import LayerKind, backward_moments, merge_terms
+from memplan.model.compiled import layer_workload as compiled_layer_workload
+from memplan.model.layer import LayerKind, backward_moments, merge_terms, unsaved_stream
 from memplan.model.deepspeed_zero import weight_grads_at
 from memplan.model.moments import Segment, peak_of
 from memplan.model.pipeline import Schedule
@@ -405,11 +406,28 @@ def _walk(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTerms
         runs=_runs(kinds, entries, fx),
         other_bytes=max(0, activations - one_mb),
         rest_saved=rope_bytes * par.vpp + embed_bytes + batch,
-        head=_head_block(spec, shared, fx),
+        head=_head_block(spec, shared, fx)._replace(
+            embeds_held=embeds_held_bytes(spec, wl, shared.dm, fx, kinds)),
         embedding=_embedding_block(spec, wl, shared, fx),
         sharding=with_stream(fx.dp, shared.dm.stream(spec.hidden_size)),
     )
     return walk, activations, one_mb
+
+
+def embeds_held_bytes(spec: ModelSpec, wl: Workload, dm: Dims, fx: StageStates,
+                      kinds: StageKinds) -> int:
+    """The embedding's output the model's forward keeps in a local through its layers and
+    final norm (``Workload.embeds_held``: transformers' ``XModel.forward`` holds
+    ``inputs_embeds``), where the first layer does not save it: run without recompute (a
+    checkpointed layer keeps its input) and a norm that saves an fp32 copy of it, not the
+    tensor (``layer.unsaved_stream``; fp32 runs and autocast's fp32 stream save the tensor
+    itself). On a stage with the embedding and the head (a model's forward is not split).
+    Traced: tests/traced/test_frameworks.py, Mistral bf16 (b x s x h x 2 = 1,048,576 B at
+    2 x 1,024 tokens, hidden 256), and the MoE families of tests/traced/test_hf_moe_families.py."""
+    if not (wl.embeds_held and fx.first and fx.last and kinds.keys
+            and kinds.keys[0][1] is Recompute.NONE):
+        return 0
+    return unsaved_stream(spec, compiled_layer_workload(wl), dm)
 
 
 def _runs(kinds: StageKinds, entries: Entries, fx: StageStates

@@ -65,7 +65,7 @@ def forward_peaks(runs: list[tuple[LayerKind, int, tuple[int, ...], int]], dp: D
     """``forward_peak`` as a function of ``steady``: the fold of ``forward_segments`` (from
     ``in_flight``, ``inputs`` and the logits the loop holds from the previous step), then the
     head's segment where the stage has one; the layers' segments are built once."""
-    layers = _layer_forward_segments(runs, dp)
+    layers = _layer_forward_segments(runs, dp, head.embeds_held)
     tail = head.forward_saved > 0  # a final norm and a loss on this stage
 
     def peak(steady: bool) -> int:
@@ -88,17 +88,21 @@ def forward_start(in_flight: int, inputs: int, held: int = 0) -> Segment:
 
 def forward_segments(runs: list[tuple[LayerKind, int, tuple[int, ...], int]],
                      dp: DataParallel, in_flight: int, inputs: int,
-                     held: int = 0) -> list[Segment]:
+                     held: int = 0, embeds: int = 0) -> list[Segment]:
     """One micro-batch's forward on a stage up to its last layer, in execution order: what
     is alive at its start (``forward_start``), then each run of identical layers: the
     mechanism's instant before a layer (a gather), the layer's compute beside what the
-    mechanism holds, after which its saved and cached bytes stay."""
-    return [forward_start(in_flight, inputs, held), *_layer_forward_segments(runs, dp)]
+    mechanism holds, after which its saved and cached bytes stay. ``embeds``: the
+    embedding's output the model's forward keeps from its first layer on
+    (``HeadBlock.embeds_held``: the first layer's input, counted in it, stays alive after
+    it)."""
+    return [forward_start(in_flight, inputs, held), *_layer_forward_segments(runs, dp, embeds)]
 
 
 def _layer_forward_segments(runs: list[tuple[LayerKind, int, tuple[int, ...], int]],
-                            dp: DataParallel) -> list[Segment]:
-    """``forward_segments`` after its start: each run of identical layers."""
+                            dp: DataParallel, embeds: int = 0) -> list[Segment]:
+    """``forward_segments`` after its start: each run of identical layers (``embeds``:
+    ``forward_segments``')."""
     segments: list[Segment] = []
     last = len(runs) - 1
     built: dict[tuple, list[Segment]] = {}  # a hybrid's repeating kinds built once each
@@ -113,8 +117,17 @@ def _layer_forward_segments(runs: list[tuple[LayerKind, int, tuple[int, ...], in
                 compute = Event("layer.forward", held_bytes,
                                 dp.layer_forward(kind.forward_blocks, peak, p.beside))
                 run.append(Segment((p.before, compute) if p.before else (compute,), p.repeat))
+            if embeds and index == 0:
+                run[:1] = _embeds_kept(run[0], embeds)
         segments += run
     return segments
+
+
+def _embeds_kept(first: Segment, embeds: int) -> list[Segment]:
+    """The stage's first position with the embedding's output kept after its first layer."""
+    events, repeat = first
+    kept = Segment((*events, Event("loop.inputs_embeds", embeds, None)))
+    return [kept, Segment(events, repeat - 1)] if repeat > 1 else [kept]
 
 
 def backward_peak(w: Walk, grads_prior: int, grads_total: int) -> int:

@@ -78,6 +78,49 @@ def test_logits_held_by_the_loop() -> None:
     assert backward_peak(_walk(head=head), 0, 100) == 765
 
 
+def test_embeds_held_by_the_model_forward() -> None:
+    """The model's forward keeps the embedding's output, 15 B, from its first layer on
+    (``HeadBlock.embeds_held``); the first layer already counts it as its input (the 5 B
+    before the stage here), so nothing more there: 5 + 120 = 125. The second layer peaks at
+    5 + 100 + 15 + 120 = 240 (225 without), the final norm at 5 + 200 + 15 + 30 = 250 (235),
+    then the model returns: the loss at 205 + 40 + 10 = 255 either way. With three layers
+    in the run the third peaks at 5 + 200 + 15 + 120 = 340 (325 without)."""
+    head = HeadBlock(forward_saved=40, final_norm_forward=30, loss_forward=10)
+    held = head._replace(embeds_held=15)
+    runs = _walk().runs
+    assert forward_peak(runs, 5, held, DataParallel()) == 255
+    norm_only = HeadBlock(forward_saved=1, final_norm_forward=30)
+    assert forward_peak(runs, 5, norm_only, DataParallel()) == 235
+    assert forward_peak(runs, 5, norm_only._replace(embeds_held=15), DataParallel()) == 250
+    assert forward_peak([(KIND, 50, (0,), 1)], 5, HeadBlock(embeds_held=15),
+                        DataParallel()) == 125
+    three = [(KIND, 50, (0,), 3)]
+    assert forward_peak(three, 5, HeadBlock(), DataParallel()) == 325
+    assert forward_peak(three, 5, HeadBlock(embeds_held=15), DataParallel()) == 340
+
+
+@pytest.mark.parametrize("kw,held", [
+    ({}, 2 * 32 * 64 * 2),  # bf16, no recompute: b x s x h x 2
+    ({"recompute": "full"}, 0),  # the checkpoint keeps the first layer's input
+    ({"precision": "fp32"}, 0),  # the norm saves the fp32 tensor itself
+    ({"precision": "amp-bf16"}, 0),  # autocast's fp32 stream: the norm saves it too
+    ({"framework": "generic"}, 0),  # a loop that rebinds the embedding's output
+    ({"pp": 2, "gpus": 2}, 0)])  # the embedding and the head on different stages
+def test_embeds_held_bytes(kw: dict, held: int) -> None:
+    """transformers' ``XModel.forward`` keeps ``inputs_embeds`` (the hf preset's
+    ``embeds_held``): tiny (h 64) at 2 x 32 tokens in bf16 holds 8,192 B beside its layers
+    where no layer saves the embedding's output (``memplan.model.stage.embeds_held_bytes``)."""
+    from memplan.model import memo
+    from memplan.model.dims import Dims
+    from memplan.model.stage import embeds_held_bytes
+
+    args = dict(framework="hf", precision="bf16-pure", micro_batch_size=2, seq_len=32) | kw
+    est = memplan.estimate("tiny", **args)
+    spec, par, wl = est.spec, est.parallel, est.workload
+    fx, kinds = memo.stage_parts(spec, par, wl)[0]
+    assert embeds_held_bytes(spec, wl, Dims.of(spec, par, wl), fx, kinds) == held
+
+
 def test_zero2_buffer_holds_unsharded_gradients() -> None:
     """ZeRO-2 with a shard degree of 2 (unsharded / held = 2) and a 1,000 B bucket. At the
     first layer walked the other layer's 50 B made wait unsharded (100 B, 50 beyond their
