@@ -281,7 +281,7 @@ def _forward(r: _Run, steady: bool, acts: Stack, cached: list[int | None]) -> No
         gathered = b.alloc(dp.at_loss_forward, r.s.gather_stream)
         _head_forward(r, steady, acts)
         b.free(gathered)
-    b.free(r.embeds)  # (freed after the final norm where the stage has one)
+    b.free(r.embeds)  # a stage without a final norm: freed when the forward ends
     r.embeds = None
 
 
@@ -291,6 +291,7 @@ def _head_forward(r: _Run, steady: bool, acts: Stack) -> None:
     for ev in h.forward_segment(0, steady).events:
         if ev.name == "loop.inputs_embeds_released":
             b.free(r.embeds)
+            r.embeds = None
         elif ev.name == "loop.logits_released":
             while r.logits:
                 b.free(r.logits.pop())

@@ -245,7 +245,8 @@ class CachingAllocator:
         # the options best fit reads at every allocation, as plain attributes (cfg is frozen)
         self._limit = cfg.max_split_size_bytes
         self._non_split = cfg.max_non_split_rounding_bytes
-        self._fast_round = cfg.roundup_power2_divisions <= 1 and not cfg.expandable_segments
+        self._plain_round = cfg.roundup_power2_divisions <= 1
+        self._expandable = cfg.expandable_segments
         self.segments: list[Segment] = []
         self.live: dict[int, tuple[Segment, Block]] = {}
         self.reserved = 0
@@ -306,16 +307,12 @@ class CachingAllocator:
         and retry. False when it would raise OutOfMemoryError."""
         if key in self.live or orig_size <= 0:
             raise MemplanError(f"Alloc {key}: already live, or size_bytes {orig_size} <= 0")
-        if self._fast_round and orig_size >= K_MIN_BLOCK_SIZE:  # round_size without divisions
-            size = -(-orig_size // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE
-            small = size <= K_SMALL_SIZE  # get_pool
-            if self._fit(key, size, stream, small):
-                return True
-        else:
-            size = round_size(orig_size, self.cfg.roundup_power2_divisions)
-            small = size <= K_SMALL_SIZE
-            if not self.cfg.expandable_segments and self._fit(key, size, stream, small):
-                return True
+        size = (-(-orig_size // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE  # round_size, plainly
+                if self._plain_round and orig_size >= K_MIN_BLOCK_SIZE
+                else round_size(orig_size, self.cfg.roundup_power2_divisions))
+        small = size <= K_SMALL_SIZE  # get_pool
+        if not self._expandable and self._fit(key, size, stream, small):
+            return True
         found = self.get_free_block(size, stream, small)
         if found is None:
             found = self.alloc_block(size, stream, small)

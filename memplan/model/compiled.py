@@ -220,7 +220,7 @@ def float8_tp_weights(prefix: str, linears: Sequence[linear.Linear], dm: Dims,
     parallelism, torchao 0.18.0). Per-op SAC forces the cast's recompute (``must_recompute``:
     not saved there, ``sac_tp_terms``). Not in a full recompute's rerun (``Dims.rerun``):
     the traced set is what a forward saves, not what a compiled backward rebuilds."""
-    if not (dm.compiled and dm.float8_tp and recompute is Recompute.NONE and not dm.rerun):
+    if not _float8_tp_forward(dm, recompute):
         return []
     n = sum(linear.weight_elements(lin, dm.tp) for lin in linears
             if linear.float8_converts(lin, dm))
@@ -233,8 +233,19 @@ def float8_tp_gathered_kept(dm: Dims, recompute: Recompute) -> bool:
     sequence shard, then all-gathered) is saved, not recomputed, as the all-gather is a
     collective (``float8_tp_weights``; traced there). Without SP the cast of the replicated
     output is recomputed from the norm's saved input and statistics."""
-    return (dm.compiled and dm.float8_tp and dm.gathered_linear_input
-            and recompute is Recompute.NONE and not dm.rerun)
+    return dm.gathered_linear_input and _float8_tp_forward(dm, recompute)
+
+
+def _float8_tp_forward(dm: Dims, recompute: Recompute) -> bool:
+    """A compiled layer's own forward without recompute under torchao's float8 TP styles
+    (not a full recompute's rerun: ``rerun_dims``)."""
+    return dm.compiled and dm.float8_tp and recompute is Recompute.NONE and not dm.rerun
+
+
+def rerun_dims(dm: Dims) -> Dims:
+    """``dm`` for the forward a full recompute reruns in a compiled layer's backward
+    (``Dims.rerun``): what it rebuilds, not the saved set ``float8_tp_weights`` traces."""
+    return dm._replace(rerun=True) if dm.compiled else dm
 
 
 def float8_scales(prefix: str, linears: tuple[linear.Linear, ...], dm: Dims) -> list[Term]:

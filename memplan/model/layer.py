@@ -216,8 +216,12 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
     norm_out = (dm.linear_rows * spec.hidden_size * dm.stream_e
                 if dm.autocast and spec.norm_placement.pre_norm else 0)
     prior = 0
-    # past the first sub-layer's add the layer's input is still alive (its caller's loop
-    # variable, the forward's argument) beside the residual sum the next add reads
+    # past the first sub-layer's add the layer's input is still alive beside the residual
+    # sum the next add reads: its caller's loop variable holds it until the layer returns
+    # (transformers models/llama/modeling_llama.py LlamaModel.forward: hidden_states =
+    # decoder_layer(hidden_states, ...); torchtitan models/llama3/model.py
+    # TransformerBlock.forward keeps its argument x). Traced: tests/traced/
+    # test_hf_moe_families.py (Mixtral, Qwen2-MoE) and test_finetune.py (peft, FSDP2)
     later = {id(b) for part in sublayers(blocks)[1:] for b in part}
     for block in blocks:
         prior += cast_cache_bytes(spec, wl, dm, block, recompute)
@@ -313,8 +317,8 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
     wl = compiled.layer_workload(wl)
     blocks = layer_blocks(spec, moe_layer, variant)
     policy = Recompute.NONE if recompute is Recompute.FULL else recompute  # what is rebuilt
-    if recompute is Recompute.FULL and dm.compiled:
-        dm = dm._replace(rerun=True)
+    if recompute is Recompute.FULL:
+        dm = compiled.rerun_dims(dm)
     stream = dm.stream(spec.hidden_size)
     mixer_out = dm.rows * spec.hidden_size * dm.e  # a mixer's output (the compute dtype)
     incoming = stream  # the residual-stream gradient, alive through the layer

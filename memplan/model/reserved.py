@@ -21,6 +21,7 @@ from memplan.model.alloc_sequence import (
     replay_stage,
 )
 from memplan.model.allocator import AllocatorConfig, parse_alloc_conf
+from memplan.model.compiled import rerun_dims
 from memplan.model.optimizer import optimizer_policy
 from memplan.model.dims import Dims
 from memplan.model.stage import Walked, walk_of, walk_stage
@@ -101,9 +102,8 @@ def _rebuilt(spec: ModelSpec, wl: Workload, shared: StageTerms, key) -> tuple[in
     recompute (``memplan.model.layer.layer_terms``)."""
     if key[1] is not Recompute.FULL:
         return ()
-    dm = shared.dm._replace(rerun=True) if shared.dm.compiled else shared.dm
-    kind = memo.layer_kind(spec, memo._per_kind(wl), dm, key[0], Recompute.NONE,
-                           key_variant(key))
+    kind = memo.layer_kind(spec, memo._per_kind(wl), rerun_dims(shared.dm), key[0],
+                           Recompute.NONE, key_variant(key))
     return tuple(t.size_bytes for t in kind.terms if t.size_bytes > 0)
 
 

@@ -402,12 +402,14 @@ def _walk(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTerms
     batch = shared.batch_bytes if fx.last else 0  # held by the training loop, not the graph
     activations, one_mb = _saved(par, kinds, entries, flight, rope_bytes, embed_bytes,
                                  head_bytes)
+    head = _head_block(spec, shared, fx)
+    if held := embeds_held_bytes(spec, wl, shared.dm, fx, kinds):
+        head = head._replace(embeds_held=held)
     walk = Walk(
         runs=_runs(kinds, entries, fx),
         other_bytes=max(0, activations - one_mb),
         rest_saved=rope_bytes * par.vpp + embed_bytes + batch,
-        head=_head_block(spec, shared, fx)._replace(
-            embeds_held=embeds_held_bytes(spec, wl, shared.dm, fx, kinds)),
+        head=head,
         embedding=_embedding_block(spec, wl, shared, fx),
         sharding=with_stream(fx.dp, shared.dm.stream(spec.hidden_size)),
     )
