@@ -55,6 +55,9 @@ def _leaky_rank(rank: int, world: int, out: str, port: int) -> None:
                 kept.append(out)  # the bug: a float of it was meant
             monitor.step()
     dist.destroy_process_group()
+    from memplan.profile.distributed import leave_rank
+
+    leave_rank()  # the monitor's files are closed: no teardown for gloo's threads to race
 
 
 def monitor_run(out: Path) -> None:

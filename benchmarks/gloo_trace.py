@@ -108,6 +108,9 @@ def worker(rank: int, world: int, out: str, steps: int, runs: list[tuple[int, fl
         _run(rank, where, steps, lag_rank, lag_ms, buckets, idle_ms)
         dist.barrier()
     dist.destroy_process_group()
+    from memplan.profile.distributed import leave_rank
+
+    leave_rank()  # everything is written: no teardown for gloo's threads to race
 
 
 def run_name(index: int, lag_rank: int, lag_ms: float) -> str:

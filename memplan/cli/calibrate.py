@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from collections import deque
 from pathlib import Path
 from typing import Annotated
 
@@ -292,20 +293,47 @@ def _run_dist(device: str, nproc: int, quick: bool, resume: bool, gpu: str | Non
         # stderr pipe would block both processes once that pipe's buffer is full.
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert proc.stdout is not None
-        other: list[str] = []
+        other: deque[str] = deque(maxlen=400)  # the lines that are not records, last ones
         try:
             for line in proc.stdout:
                 if line.startswith("{"):
                     bar.advance(task)
                 elif line.strip():
-                    other = [line.strip()]  # the last line that is not a record
+                    other.append(line.strip())
         except BaseException:  # Ctrl-C: the ranks stop too (each record is written whole)
             _stop(proc)
             raise
         if proc.wait() != 0:
-            last = other or ["no output"]
             raise MemplanError(f"torchrun with {nproc} ranks failed (exit {proc.returncode}): "
-                               f"{last[0]}")
+                               f"{failure_line(list(other))}")
+
+
+_EXCEPTION = re.compile(r"^(\[rank\d+\]:\s*)?[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*:")
+_FATAL = ("terminate called", "Fatal Python error")
+
+
+def failure_line(lines: list[str]) -> str:
+    """The line of torchrun's output that says why a rank failed.
+
+    torchrun ends a failed run with its own ``ChildFailedError`` traceback and a table framed by
+    ``=`` and ``-`` lines, so the last line says nothing. In order of preference: the last
+    exception a rank raised (``ValueError: ...``, not torchrun's ``ChildFailedError``), a C++ or
+    interpreter abort (``terminate called ...``, ``Fatal Python error: ...``), the root cause's
+    ``traceback :`` entry (the signal that ended the rank), else the last line that is not a
+    frame. ``lines`` are stripped and non-empty."""
+    raised = [ln for ln in lines if _EXCEPTION.match(ln) and "ChildFailedError" not in ln]
+    if raised:
+        return raised[-1]
+    fatal = [ln for ln in lines if ln.startswith(_FATAL)]
+    if fatal:
+        return fatal[0]
+    if "Root Cause (first observed failure):" in lines:
+        cause = lines[lines.index("Root Cause (first observed failure):"):]
+        signal = [ln for ln in cause if ln.startswith("traceback :")]
+        if signal:
+            return signal[0].removeprefix("traceback :").strip()
+    text = [ln for ln in lines if set(ln) - set("=-")]
+    return text[-1] if text else "no output"
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -114,3 +114,6 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    from memplan.profile.distributed import leave_rank
+
+    leave_rank()  # past the last record: no interpreter teardown for gloo's threads to race

@@ -257,6 +257,29 @@ def _check_precision(kind: str, wl: Workload) -> None:
 
 # --- real gloo against the fake group ------------------------------------------------------
 
+def leave_rank() -> None:
+    """End a gloo rank whose work is done and written: flush the standard streams and leave
+    without the interpreter's finalization.
+
+    A gloo process group's worker threads can still hold a finished collective's work (and its
+    tensors) after ``destroy_process_group``: the device mesh and FSDP2's state keep the group
+    object alive, and the workers drop tensors after waking the main thread (see
+    ``gloo_late_bytes``). When the interpreter is torn down first, a worker that then drops such
+    a tensor takes the GIL of a finalized interpreter and the process aborts ("terminate called
+    without an active exception", SIGABRT or SIGSEGV) after its results were written. Measured
+    here: 3 of 84 two-rank ``memplan calibrate --device cpu --quick --nproc 2`` runs on a loaded
+    2-core machine, always after the last record. The same teardown race is described in
+    pytorch/pytorch#179291 (an atexit ``destroy_process_group``, which does not help where the
+    group outlives it). ``os._exit`` skips that teardown; everything the rank writes is written
+    whole before it (records atomically, JSON lines flushed)."""
+    import os
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def gloo_late_bytes(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> int:
     """Bytes a rank traced on a real gloo group may count, at any moment, beyond the fake-group
     trace of the same layout (which is deterministic and never larger).

@@ -150,7 +150,7 @@ def _gloo_rank(rank: int, folder: str) -> None:
 
     import torch.distributed as dist
 
-    from memplan.profile.distributed import trace_rank
+    from memplan.profile.distributed import leave_rank, trace_rank
 
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank,
                             world_size=2)
@@ -161,6 +161,7 @@ def _gloo_rank(rank: int, folder: str) -> None:
     finally:
         dist.destroy_process_group()
     (Path(folder) / f"rank{rank}.json").write_text(json.dumps(out))
+    leave_rank()  # gloo's threads must not race the interpreter's teardown (see leave_rank)
 
 
 def _summary(r) -> dict:

@@ -30,6 +30,7 @@ from memplan.profile.distributed import (  # noqa: E402
     GATHERED,
     ParallelTracker,
     gloo_late_bytes,
+    leave_rank,
     trace_parallel,
     trace_rank,
 )
@@ -214,6 +215,7 @@ def _gloo_rank(rank: int, folder: str) -> None:
     finally:
         dist.destroy_process_group()
     (Path(folder) / f"rank{rank}.json").write_text(json.dumps(out))
+    leave_rank()  # gloo's threads must not race the interpreter's teardown (see leave_rank)
 
 
 @pytest.fixture(scope="module")
