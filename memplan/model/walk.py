@@ -67,11 +67,17 @@ def forward_peaks(runs: list[tuple[LayerKind, int, tuple[int, ...], int]], dp: D
     head's segment where the stage has one; the layers' segments are built once."""
     layers = _layer_forward_segments(runs, dp, head.embeds_held)
     tail = head.forward_saved > 0  # a final norm and a loss on this stage
+    # ``steady`` changes the segments only through the logits held from the previous step
+    differs = head.previous_logits(True) != head.previous_logits(False)
+    folded: dict[bool, int] = {}
 
     def peak(steady: bool) -> int:
-        start = forward_start(in_flight, inputs, head.previous_logits(steady))
-        end = [head.forward_segment(dp.at_loss_forward, steady)] if tail else []
-        return peak_of([start, *layers, *end])
+        steady = steady and differs
+        if steady not in folded:
+            start = forward_start(in_flight, inputs, head.previous_logits(steady))
+            end = [head.forward_segment(dp.at_loss_forward, steady)] if tail else []
+            folded[steady] = peak_of([start, *layers, *end])
+        return folded[steady]
 
     return peak
 
