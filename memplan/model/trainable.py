@@ -117,14 +117,14 @@ def lora_policy(spec: ModelSpec, wl: Workload, layers: Sequence[int], t: int,
     the output projection's, registered after the layers': ``--lora-targets output``), and
     what storing the base linears quantized saves against ``param_bytes`` per weight
     element."""
-    from memplan.model.adapters import (adapters_of, base_weight_bytes, quant_data_bytes,
-                                        torchao_quantize_bytes)
-    from memplan.model.layer import layer_linears
-    from memplan.model.linear import adapter_sizes, local_widths
+    from memplan.model.adapters import adapters_of
 
     ad = adapters_of(wl, spec.fused_qkv or wl.fused_qkv)
-    if ad is None:
+    if ad is None:  # every parameter trains (the common case: no further import)
         return ALL
+    from memplan.model.adapters import base_weight_bytes, quant_data_bytes, torchao_quantize_bytes
+    from memplan.model.layer import layer_linears
+    from memplan.model.linear import adapter_sizes, local_widths
     sizes: list[int] = []
     per_layer: list[tuple[int, int, int]] = []  # adapters, quantized, their data bytes
     nf4: list[tuple[int, ...]] = []  # torchao 0.1's NF4 weights per layer (elements each)
