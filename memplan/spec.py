@@ -433,6 +433,12 @@ class ModelSpec(BaseModel):
         "keys of its own chunk up to itself (Llama 4's attention_chunk_size: masking_utils.py "
         "chunked_overlay, create_chunked_causal_mask); its mask and kernels are a sliding "
         "window's, its FLOPs the chunk's"))
+    window_mask_always: bool = Field(default=False, description=(
+        "the model's forward builds the sliding-window mask on every call, whether or not a "
+        "layer slides (transformers' Qwen2MoeModel.forward fills causal_mask_mapping with "
+        "create_sliding_window_causal_mask; with use_sliding_window off its config's window "
+        "is 0, so masking_utils.py _ignore_causal_mask_sdpa never skips it): a mask no layer "
+        "reads, alive until the forward returns"))
     attn_sinks: bool = Field(default=False, description=(
         "a learned logit per query head that joins every row of the scores before the "
         "softmax and is dropped after it (GPT-OSS's sinks: models/gpt_oss/modeling_gpt_oss.py "

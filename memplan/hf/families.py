@@ -124,6 +124,8 @@ def qwen_moe(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
                    shared_expert_ffn_hidden_size=cfg.get_int("shared_expert_intermediate_size",
                                                              5632))
         fields["qkv_bias"] = cfg.get_bool("qkv_bias", True)
+        # Qwen2MoeModel.forward builds the sliding-window mask whatever the layers
+        fields["window_mask_always"] = True
     else:
         bias = cfg.get_bool("attention_bias", False)
         fields.update(qkv_bias=bias, attn_out_bias=bias, qk_norm="head")

@@ -571,6 +571,27 @@ def window_mask_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     return (dm.b if spec.window_chunked else 1) * dm.s * dm.s_kv
 
 
+def unused_window_mask_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    """The sliding-window mask a model's forward builds where no layer slides
+    (``ModelSpec.window_mask_always``, transformers' masks: ``Workload.window_mask``): no layer
+    reads it, so no checkpoint saves it; it lives in the forward's ``causal_mask_mapping``
+    until the model's forward returns. With no window (Qwen2-MoE's ``use_sliding_window``
+    off: a window of 0) masking_utils.py ``_ignore_causal_mask_sdpa`` never skips it; with
+    one, from the window on (``windowed``). SDPA's is ``window_mask_bytes``' boolean
+    (1, 1, s, s_kv) (``sliding_window_causal_mask_function`` reads positions alone); eager
+    attention's is ``eager_mask``'s additive one in the embedding's dtype, the size of
+    ``eager_mask_bytes``. Traced: tests/traced/test_hf_moe_families.py, Qwen2-MoE at
+    2 x 256 tokens: 65,536 B."""
+    if not (spec.window_mask_always and wl.window_mask) or any(
+            spec.is_sliding_layer(i) for i in range(spec.num_layers)):
+        return 0  # no mask built, or the windowed layers' own (``window_mask_bytes``)
+    if spec.sliding_window is not None and wl.seq_len < spec.sliding_window:
+        return 0
+    if wl.attention is Kernel.EAGER:
+        return eager_mask_bytes(wl, dm)
+    return dm.s * dm.s_kv
+
+
 def window_mask_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
     """The windowed layers' boolean mask (``window_mask_bytes``) is an input of every
     checkpointed layer, so under full recompute it is saved until the backward, not freed

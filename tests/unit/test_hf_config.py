@@ -506,3 +506,38 @@ def test_fused_gate_up_checkpointed_working_set_by_hand() -> None:
                        recompute="full")
     moments = Mlp().working_set(spec, wl, Dims.of(spec, make_layout(1), wl))
     assert [(m.name, m.transient_bytes) for m in moments] == [("mlp", 3_145_728)]
+
+
+def test_qwen2_moe_builds_a_window_mask_no_layer_reads() -> None:
+    """Qwen2MoeModel.forward fills causal_mask_mapping with create_sliding_window_causal_mask
+    on every call; with use_sliding_window off its config's window is 0, so
+    _ignore_causal_mask_sdpa never skips it and no layer reads it. At 2 x s = 1,024 tokens:
+    SDPA's boolean mask (1, 1, s, s) = 1,048,576 B. Alive through the forward until the model's forward returns: the
+    forward peak grows by it, the saved activations do not (no checkpoint keeps it), and a
+    framework that builds no mask (torchtitan) has none."""
+    from memplan.api import estimate
+    from memplan.spec import spec_from_hf_dict
+
+    toy = _base("Qwen1.5-MoE-A2.7B") | {"num_hidden_layers": 2, "hidden_size": 128,
+                                         "intermediate_size": 256, "num_attention_heads": 4,
+                                         "num_key_value_heads": 2, "num_experts": 4,
+                                         "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                                         "shared_expert_intermediate_size": 128,
+                                         "vocab_size": 64}
+    spec = spec_from_hf_dict(toy, "toy", "qwen2-moe-toy")
+    assert spec.window_mask_always and spec.sliding_window is None
+    plain = spec.model_copy(update={"window_mask_always": False})
+
+    def stage(s, framework: str, attention: str, recompute: str):
+        return estimate(s, framework=framework, micro_batch_size=2, seq_len=1024,
+                        precision="bf16-pure", attention=attention,
+                        recompute=recompute).stages[0]
+
+    for recompute in ("none", "full"):
+        for attention, mask in (("flash", 1_048_576),):
+            with_mask, without = (stage(s, "hf", attention, recompute) for s in (spec, plain))
+            assert with_mask.steady.forward - without.steady.forward == mask
+            assert with_mask.first_step.forward - without.first_step.forward == mask
+            assert with_mask.activations_bytes == without.activations_bytes
+    titan = stage(spec, "torchtitan", "flash", "none"), stage(plain, "torchtitan", "flash", "none")
+    assert titan[0].steady.forward == titan[1].steady.forward
