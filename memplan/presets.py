@@ -62,6 +62,7 @@ class Mechanism(Enum):
 SETTINGS: dict[Mechanism, frozenset[str]] = {
     Mechanism.OPTIMIZER: frozenset({"optimizer_impl", "flat_partition"}),
     Mechanism.KERNELS: frozenset({"norm_impl", "softmax_fp32", "moe_impl", "window_mask",
+                                  "attn_weights_held", "mask_per_sequence",
                                   "kv_cache", "fused_qkv", "rope_cache", "attention_impl",
                                   "mlp_impl", "cp_exchange"}),
     Mechanism.RECOMPUTE: frozenset({"selective_impl"}),
@@ -159,6 +160,14 @@ PRESETS: dict[Framework, tuple[Selection, ...]] = {
                     f"unless the sequence is shorter than the window (_ignore_causal_mask_sdpa); "
                     f"integrations/sdpa_attention.py repeats K and V for it (use_gqa_in_sdpa "
                     f"needs no mask) ({_TRANSFORMERS})"),
+            Default("attn_weights_held", True,
+                    f"models/llama/modeling_llama.py LlamaDecoderLayer.forward: hidden_states, "
+                    f"_ = self.self_attn(...) keeps eager_attention_forward's attn_weights "
+                    f"until the layer returns; the other families' decoder layers alike "
+                    f"({_TRANSFORMERS})"),
+            Default("mask_per_sequence", True,
+                    f"masking_utils.py eager_mask: torch.where(mask, 0.0, min_dtype) over "
+                    f"sdpa_mask's boolean mask expanded to (batch, 1, q, kv) ({_TRANSFORMERS})"),
             Default("kv_cache", _hf_cache,
                     f"models/llama/modeling_llama.py LlamaModel.forward builds a DynamicCache "
                     f"when the config's use_cache (every configuration class's default), also in "

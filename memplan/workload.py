@@ -644,6 +644,15 @@ class Workload(BaseModel):
         "the model's forward keeps the embedding's output in a local until it returns, after "
         "the final norm (transformers' XModel.forward: inputs_embeds), beside the layers "
         "where no layer saves it (memplan.model.stage.embeds_held_bytes)"))
+    attn_weights_held: bool = Field(default=False, description=(
+        "the decoder layer keeps what its attention returns beside the output in a local "
+        "until it returns (transformers: hidden_states, _ = self.self_attn(...)); eager "
+        "attention returns its probabilities, which then outlive the attention through the "
+        "rest of a checkpointed layer's forward (memplan.model.attention.held_weights_bytes)"))
+    mask_per_sequence: bool = Field(default=False, description=(
+        "eager attention's additive mask is one per sequence, (b, 1, s, s_kv) (transformers' "
+        "masking_utils.py eager_mask: torch.where over sdpa_mask's boolean, expanded to the "
+        "batch), where it is one (s, s_kv) table (memplan.model.attention.eager_mask_bytes)"))
     deltanet_kernel: DeltaNetKernel = Field(default=DeltaNetKernel.FLA, description=(
         "the gated DeltaNet layers' kernels (DeltaNetKernel); the default assumes "
         "flash-linear-attention and causal-conv1d are installed, as transformers then runs "

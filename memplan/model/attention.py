@@ -644,8 +644,30 @@ def rope_buffer_bytes(spec: ModelSpec, wl: Workload, num_layers: int) -> int:
 
 def eager_mask_bytes(wl: Workload, dm: Dims) -> int:
     """Eager attention's additive causal mask, built once per forward and freed after it (in
-    the weights' dtype: fp32 under autocast)."""
-    return dm.s * dm.s_kv * dm.stream_e if wl.attention is Kernel.EAGER else 0
+    the weights' dtype: fp32 under autocast): one (s, s_kv) table, or one per sequence
+    (``Workload.mask_per_sequence``: transformers' ``eager_mask`` is ``torch.where`` over the
+    boolean mask expanded to (b, 1, s, s_kv); traced: tests/traced/test_frameworks.py,
+    Llama eager under full recompute, 2 x 128 x 128 x 4 = 131,072 B saved)."""
+    if wl.attention is not Kernel.EAGER:
+        return 0
+    return (dm.b if wl.mask_per_sequence else 1) * dm.s * dm.s_kv * dm.stream_e
+
+
+def held_weights_bytes(spec: ModelSpec, wl: Workload, dm: Dims, block: object) -> int:
+    """What a decoder layer keeps of its attention ``block``'s return beside the output
+    (``Workload.attn_weights_held``): eager attention returns its probabilities
+    (transformers' ``eager_attention_forward`` returns ``attn_output, attn_weights``, the
+    value matmul's input after dropout, in the compute dtype; GPT-OSS's a view of the
+    probabilities with the sink column), bound to ``_`` until the layer returns
+    (``LlamaDecoderLayer.forward``); SDPA returns None. Without recompute the value matmul
+    saves the same tensor; in a checkpointed forward, which saves nothing, they outlive the
+    attention through the rest of the layer (traced: tests/traced/test_frameworks.py, Llama
+    eager under full recompute, 2 x 8 x 128 x 128 x 4 = 1,048,576 B beside the MLP)."""
+    if not (wl.attn_weights_held and wl.attention is Kernel.EAGER
+            and isinstance(block, Attention)):
+        return 0
+    heads = spec.num_attention_heads // dm.tp
+    return dm.b * heads * dm.s * (dm.s_kv + (1 if spec.attn_sinks else 0)) * dm.e
 
 
 def mask_terms(wl: Workload, dm: Dims) -> list[Term]:

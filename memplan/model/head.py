@@ -464,6 +464,8 @@ class HeadBlock(NamedTuple):
     #                      (``output_cache_bytes``): held beyond the graph once backward is done
     embeds_held: int = 0  # the embedding's output the model's forward keeps until it returns,
     #                       after the final norm (``memplan.model.stage.embeds_held_bytes``)
+    mask_released: int = 0  # the attention masks, the model's forward's locals too: alive
+    #                         from the stage's start, freed when it returns (``stage._walk``)
 
     @classmethod
     def of(cls, spec: ModelSpec, wl: Workload, dm: Dims,
@@ -609,6 +611,8 @@ class HeadBlock(NamedTuple):
         return Segment((Event("final_norm.forward", 0, self.final_norm_forward + at),
                         *((Event("loop.inputs_embeds_released", -self.embeds_held, None),)
                           if self.embeds_held else ()),
+                        *((Event("loop.mask_released", -self.mask_released, None),)
+                          if self.mask_released else ()),
                         *((Event("head.lora_forward", 0, self.lora_forward + at),)
                           if self.lora_forward else ()),
                         Event("loss.upcast", 0, self.upcast + at),

@@ -30,6 +30,7 @@ from memplan.model.attention import (
     NopeAttention,
     WindowAttention,
     attention_linears,
+    held_weights_bytes,
     windowed,
 )
 from memplan.model import compiled, linear, sac_moe, sac_ops
@@ -204,9 +205,12 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
             out += [ForwardMoment(m.name, held + casts - late + stream + m.transient_bytes, 0,
                                   mixer.name)
                     for m in mixer.working_set(spec, wl, dm)]
-            out += [ForwardMoment(m.name, held + casts + m.transient_bytes, 0, b.name)
+            # what the layer keeps of the mixer's return beside its output: eager
+            # attention's probabilities, to the layer's end (``held_weights_bytes``)
+            kept = held_weights_bytes(spec, wl, dm, mixer)
+            out += [ForwardMoment(m.name, held + casts + kept + m.transient_bytes, 0, b.name)
                     for b in post for m in b.working_set(spec, wl, dm)]
-            held += casts + stream  # the sub-layer's residual sum joins the input
+            held += casts + stream + kept  # the sub-layer's residual sum joins the input
         return out
     unsaved_input = unsaved_stream(spec, wl, dm)
     # Under autocast no linear saves a norm's (fp32) output, the casts of it instead; the

@@ -305,7 +305,7 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
                     if dfr.pair else 0, _reduce_after(fx, base + opt_bytes + from_loss))
         init = base + opt_bytes + fx.shard.forward_start(steady, st.grads_bytes)
         return PhasePeaks(
-            forward=max(base + resident + opt_bytes + in_forward + shared.mask
+            forward=max(base + resident + opt_bytes + in_forward + _outside_walk(shared, walk)
                         + (forward if steady else forward1)(steady), init),
             backward=max(base + resident + opt_bytes + from_loss + bwd, drain, last_step),
             optimizer=(optimizer if steady else optimizer_first) + resident)
@@ -316,6 +316,12 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
                   max(walk.head.loss_forward, walk.head.loss),
                   peaks(st.optimizer_bytes, 0, True),
                   peaks(st.master_bytes + st.setup_bytes, st.scaler_bytes, False))
+
+
+def _outside_walk(shared: StageTerms, walk: Walk) -> int:
+    """The masks alive through a stage's whole forward, beside its walk: those the walk frees
+    with the model's forward's other locals (``HeadBlock.mask_released``) are in it."""
+    return shared.mask - walk.head.mask_released
 
 
 def _host_rope(shared: StageTerms, par: ParallelConfig, kinds: StageKinds) -> int:
@@ -405,6 +411,11 @@ def _walk(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTerms
     head = _head_block(spec, shared, fx)
     if held := embeds_held_bytes(spec, wl, shared.dm, fx, kinds):
         head = head._replace(embeds_held=held)
+    if shared.mask and wl.embeds_held and fx.first and fx.last:
+        # the masks are locals of the model's forward as inputs_embeds is (causal_mask_mapping
+        # in transformers' XModel.forward): freed when it returns, before the head's logits
+        # and the loss (traced: Llama eager, tests/traced/test_frameworks.py)
+        head = head._replace(mask_released=shared.mask)
     walk = Walk(
         runs=_runs(kinds, entries, fx),
         other_bytes=max(0, activations - one_mb),
@@ -494,7 +505,7 @@ def _forward(shared: StageTerms, fx: StageStates, walk: Walk,
     backward, and rope tables saved on the host."""
     # The targets exist from the step's start (the ids the loop holds are no input of the
     # graph); the loss scalars from the loss on.
-    inputs = (walk.rest_saved + forward_extra
+    inputs = (walk.rest_saved + forward_extra + walk.head.mask_released
               - (shared.batch_bytes - shared.targets_bytes if fx.last else 0))
     return forward_peaks(walk.runs, walk.sharding, walk.other_bytes, inputs, walk.head)
 

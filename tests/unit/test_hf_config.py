@@ -512,7 +512,9 @@ def test_qwen2_moe_builds_a_window_mask_no_layer_reads() -> None:
     """Qwen2MoeModel.forward fills causal_mask_mapping with create_sliding_window_causal_mask
     on every call; with use_sliding_window off its config's window is 0, so
     _ignore_causal_mask_sdpa never skips it and no layer reads it. At 2 x s = 1,024 tokens:
-    SDPA's boolean mask (1, 1, s, s) = 1,048,576 B. Alive through the forward until the model's forward returns: the
+    SDPA's boolean mask (1, 1, s, s) = 1,048,576 B; eager attention's additive one, one per
+    sequence (eager_mask: torch.where over the expanded boolean) in bf16, 2 x s x s x 2 =
+    4,194,304 B. Alive through the forward until the model's forward returns: the
     forward peak grows by it, the saved activations do not (no checkpoint keeps it), and a
     framework that builds no mask (torchtitan) has none."""
     from memplan.api import estimate
@@ -534,10 +536,60 @@ def test_qwen2_moe_builds_a_window_mask_no_layer_reads() -> None:
                         recompute=recompute).stages[0]
 
     for recompute in ("none", "full"):
-        for attention, mask in (("flash", 1_048_576),):
+        for attention, mask in (("flash", 1_048_576), ("eager", 4_194_304)):
             with_mask, without = (stage(s, "hf", attention, recompute) for s in (spec, plain))
             assert with_mask.steady.forward - without.steady.forward == mask
             assert with_mask.first_step.forward - without.first_step.forward == mask
             assert with_mask.activations_bytes == without.activations_bytes
     titan = stage(spec, "torchtitan", "flash", "none"), stage(plain, "torchtitan", "flash", "none")
     assert titan[0].steady.forward == titan[1].steady.forward
+
+
+def _eager_llama(**fields):
+    from memplan.api import resolve
+    from memplan.model.dims import Dims
+    from memplan.spec import spec_from_hf_dict
+
+    spec = spec_from_hf_dict(_base("Meta-Llama-3-8B") | {
+        "num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 896,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 1000},
+        "toy", "llama-toy")
+    fields = {"attention": "eager", **fields}
+    _, par, wl = resolve(spec, gpus=1, framework="hf", micro_batch_size=2, seq_len=1024,
+                         precision="bf16-pure", **fields)
+    return spec, wl, Dims.of(spec, par, wl)
+
+
+def test_transformers_eager_mask_is_one_per_sequence() -> None:
+    """masking_utils.py eager_mask: torch.where over sdpa_mask's boolean mask expanded to
+    (b, 1, s, s), so the additive mask is b x s x s in the embedding's dtype: 2 x 1,024 x
+    1,024 x 2 = 4,194,304 B in bf16, where one (s, s) table is 2,097,152 B. Under full
+    recompute every checkpointed layer takes it as an input: saved once."""
+    from memplan.model.attention import eager_mask_bytes, mask_terms
+
+    _, wl, dm = _eager_llama(recompute="full")
+    assert wl.mask_per_sequence and eager_mask_bytes(wl, dm) == 4_194_304
+    assert [t.size_bytes for t in mask_terms(wl, dm)] == [4_194_304]
+    plain = wl.model_copy(update={"mask_per_sequence": False})
+    assert eager_mask_bytes(plain, dm) == 2_097_152
+
+
+def test_eager_weights_outlive_the_attention_in_a_checkpointed_layer() -> None:
+    """LlamaDecoderLayer.forward: hidden_states, _ = self.self_attn(...) keeps what
+    eager_attention_forward returns beside the output, its probabilities (2 x 8 heads x
+    1,024 x 1,024 x 2 B = 33,554,432 B in bf16), until the layer returns: under full recompute
+    every moment after the attention (the MLP's norm and the MLP) holds them, the attention's
+    own do not. SDPA returns none."""
+    from memplan.model.layer import forward_moments
+    from memplan.workload import Recompute
+
+    def moments(**fields):
+        spec, wl, dm = _eager_llama(recompute="full", **fields)
+        return [(m.block, m.alive_bytes + m.transient_bytes) for m in
+                forward_moments(spec, wl, dm, moe_layer=False, recompute=Recompute.FULL)]
+
+    held, plain = moments(), moments(attn_weights_held=False)
+    diff = {(block, a - b) for (block, a), (_, b) in zip(held, plain, strict=True)}
+    assert diff == {("attn_norm", 0), ("attn", 0), ("mlp_norm", 33_554_432),
+                    ("mlp", 33_554_432)}
+    assert moments(attention="flash") == moments(attention="flash", attn_weights_held=False)
