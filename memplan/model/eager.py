@@ -136,7 +136,10 @@ def _checkpointed_autocast(c: Core) -> int:
     reps = k_rep + c.v_extra if c.grouped else 0
     casts = 2 * c.q + c.q_copy + (c.k_extra if c.q_copy else 0)  # the first matmul's inputs
     first = reps + casts + c.scores
-    scores = reps + max(2 * c.scores, c.scores + c.masked, c.masked + c.sm)
+    # a softmax in a wider dtype than its input (softmax(dtype=float32) on bf16 masked
+    # scores, no autocast) copies the input to that dtype first (traced: Llama bf16 eager)
+    upcast = c.sm if c.masked < c.sm else 0
+    scores = reps + max(2 * c.scores, c.scores + c.masked, c.masked + upcast + c.sm)
     probs = c.sm
     dropout = 0
     if c.mask:

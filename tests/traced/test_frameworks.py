@@ -159,11 +159,8 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
                    "fp32", 2, 128, options={"attn": "eager", "recompute": "full"}), None),
     (FrameworkCase("transformers", "llama3-toy", hf("Meta-Llama-3-8B", **LLAMA3_TOY),
                    "bf16-pure", 2, 128, options={"attn": "eager", "recompute": "full"}),
-     Known(("first_step.forward_bytes",),
-           "the checkpointed eager core's fp32 softmax in bf16 (softmax(dtype=float32): the "
-           "scores' fp32 copy beside the fp32 output and the masked bf16 scores) at step 1's "
-           "forward peak, not attributed yet: -1.56% (125,048 B)",
-           {"first_step.forward_bytes": (-125_048, -1.5645)})),
+     None),  # softmax(dtype=float32) on the bf16 masked scores copies them to fp32 first
+    #          (memplan.model.eager._checkpointed_autocast; was -1.56%, 125,048 B)
     # Qwen2-MoE's unused sliding-window mask, eager's additive one per sequence (was -12.9%
     # forward under full recompute, +1.23% without)
     (FrameworkCase("transformers", "qwen2-moe-toy", hf("Qwen1.5-MoE-A2.7B", **QWEN2_MOE_TOY),

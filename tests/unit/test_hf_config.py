@@ -593,3 +593,18 @@ def test_eager_weights_outlive_the_attention_in_a_checkpointed_layer() -> None:
     assert diff == {("attn_norm", 0), ("attn", 0), ("mlp_norm", 33_554_432),
                     ("mlp", 33_554_432)}
     assert moments(attention="flash") == moments(attention="flash", attn_weights_held=False)
+
+
+def test_fp32_softmax_on_bf16_scores_copies_them_first() -> None:
+    """A checkpointed eager core in bf16 with transformers' softmax(dtype=float32): at the
+    softmax the masked bf16 scores, their fp32 copy (softmax converts its input first) and
+    the fp32 output. 2 x 8 heads x 1,024 x 1,024 = 16,777,216 scores: 33,554,432 B in bf16,
+    67,108,864 B in fp32; beside K and V repeated to the 8 query heads (2 x 1,048,576 B):
+    2,097,152 + 33,554,432 + 2 x 67,108,864 = 169,869,312 B, above the first matmul's
+    (39,845,888 B) and the value matmul's (137,363,456 B) moments."""
+    from memplan.model import eager
+
+    spec, wl, dm = _eager_llama(recompute="full")
+    c = eager.core(spec, dm, wl.softmax_fp32)
+    assert (c.scores, c.masked, c.sm) == (33_554_432, 33_554_432, 67_108_864)
+    assert eager.forward_checkpointed(c) == 169_869_312
