@@ -565,8 +565,13 @@ def window_mask_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     function reads the positions alone (sliding_window_causal_mask_function), so one byte per
     (query, key) pair; a chunked one indexes left_padding by batch (chunked_overlay), so b of
     them."""
-    if not windowed(spec, wl) or not any(spec.is_sliding_layer(i)
-                                             for i in range(spec.num_layers)):
+    if not any(spec.is_sliding_layer(i) for i in range(spec.num_layers)):
+        return 0
+    if wl.attention is Kernel.EAGER and wl.window_mask:
+        # eager_mask: never skipped (allow_is_causal_skip off), additive, one per sequence
+        # (traced: GPT-OSS eager, tests/traced/test_hf_moe_families.py)
+        return eager_mask_bytes(wl, dm)
+    if not windowed(spec, wl):
         return 0
     return (dm.b if spec.window_chunked else 1) * dm.s * dm.s_kv
 

@@ -72,7 +72,16 @@ def _grouped_moments(spec: ModelSpec, dm: Dims) -> tuple[int, int]:
     common = _routing_bytes(spec, dm) + _grouped_locals(spec, dm) + 2 * rows * h * e
     if moe.num_shared_experts and not moe.shared_experts_last:
         common += dm.rows * h * e  # the shared expert ran first: its output waits
-    return common + 4 * inner, common + inner + rows * h * e + 2 * weighted
+    gate, down_bias = 4 * inner, 0
+    if moe.clamped_swiglu:
+        # GPT-OSS (GptOssExperts._apply_gate): the gate/up output beside the clamped gate,
+        # the clamped up, glu, up + 1 and their product (gate * alpha and its sigmoid freed
+        # by then); the biases gathered per row (selected_biases, R 2f, then R h for the
+        # down projection) are bound until the next selection (traced: GPT-OSS fp32 under
+        # full recompute, 9 R f at the gate)
+        gate = 7 * inner + (2 * inner if spec.mlp_bias else 0)
+        down_bias = rows * h * e if spec.mlp_bias else 0
+    return common + gate, common + inner + rows * h * e + 2 * weighted + down_bias
 
 
 # the grouped block's saved terms still bound when its experts run without saving

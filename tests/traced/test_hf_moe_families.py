@@ -245,6 +245,40 @@ def test_library_matches_estimate(case: FrameworkCase) -> None:
     check(compare_framework(case).rows, None)
 
 
+# --- GPT-OSS under gradient checkpointing (its attention is eager only) -----------------------
+
+# The checkpointed forward: the decoder layer keeps the returned probabilities (with the sink
+# column) beside the MoE block (Workload.attn_weights_held); both eager masks, causal and
+# sliding, one per sequence, saved by the checkpoints (attention.window_mask_bytes); the
+# clamped SwiGLU's gate moment, 9 R f with the gathered biases (moe._grouped_moments). Step 1's
+# forward read -15.35% (fp32) and -2.61% (bf16); now +0.15%. Left, not attributed yet: step
+# 1's backward under (the rerun's backward beside the gathered biases, likely) and 7,680 B of
+# saved activations over in fp32
+GPT_OSS_FULL_KNOWN = {
+    "fp32": Known(("activations_bytes", "first_step.backward_bytes"),
+                  "GPT-OSS fp32 eager under full recompute, 2 x 64 tokens: saved activations "
+                  "+1.15% (7,680 B), step 1's backward -1.45% (92,832 B); not attributed yet",
+                  {"activations_bytes": (7_680, 1.1521),
+                   "first_step.backward_bytes": (-92_832, -1.4528)}),
+    "bf16-pure": Known(("first_step.backward_bytes", "steady.backward_bytes"),
+                       "GPT-OSS bf16 eager under full recompute, 2 x 64 tokens: the backward "
+                       "-2.34% (79,520 B) at step 1, -1.34% from step 2; not attributed yet",
+                       {"first_step.backward_bytes": (-79_520, -2.3384),
+                        "steady.backward_bytes": (-79_520, -1.3448)}),
+}
+
+
+@pytest.mark.parametrize("precision", [
+    pytest.param(p, marks=pytest.mark.xfail(strict=True, raises=KnownDeviation,
+                                            reason=k.cause))
+    for p, k in GPT_OSS_FULL_KNOWN.items()])
+def test_gpt_oss_under_full_recompute(precision: str) -> None:
+    """Every row within 1% but the known ones (above)."""
+    case = FrameworkCase("transformers", "gpt_oss-toy", GPT_OSS_TOY, precision, 2, 64,
+                         options={"attn": "eager", "recompute": "full"})
+    check(compare_framework(case).rows, GPT_OSS_FULL_KNOWN[precision])
+
+
 # --- a model type memplan has no reader for (memplan.hf.fallback) ----------------------------
 
 # OLMo 1's type (transformers' olmo: Llama's layer with LayerNorms without weights, which

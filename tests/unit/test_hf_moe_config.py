@@ -206,3 +206,24 @@ def test_llama4_every_expert_flops_by_hand() -> None:
                                      pp=1)
     assert model == grouped == grouped_hw
     assert hardware - model == 55_296
+
+
+def test_gpt_oss_checkpointed_gate_holds_its_clamped_swiglu_and_gathered_biases() -> None:
+    """GPT-OSS's grouped experts without saving (grouped_mm_experts_forward, GptOssExperts.
+    _apply_gate): at the gate the biased gate/up output (R x 2f), the gate/up biases gathered
+    per row (selected_biases, R x 2f) and the clamped gate, clamped up, glu, up + 1 and their
+    product (R x f each): 9 R f where a plain SwiGLU holds 4; at the unsort the down
+    projection's gathered biases (R x h) beside the rest. GPT-OSS 20B at 128 tokens in bf16:
+    R = 128 x 4 = 512 rows, f = h = 2,880: R f e = R h e = 2,949,120 B, so 5 x 2,949,120 =
+    14,745,600 B more at the gate and 2,949,120 B more at the unsort."""
+    from memplan.api import make_layout, make_workload
+    from memplan.model.dims import Dims
+    from memplan.model.moe import _grouped_moments
+    from memplan.spec import load_model
+
+    spec = load_model("gpt-oss-20b")
+    wl = make_workload(spec, micro_batch_size=1, seq_len=128, precision="bf16-pure")
+    dm = Dims.of(spec, make_layout(1), wl)
+    plain = spec.model_copy(update={"moe": spec.moe.model_copy(update={"clamped_swiglu": False})})
+    (gate, unsort), (gate0, unsort0) = _grouped_moments(spec, dm), _grouped_moments(plain, dm)
+    assert spec.mlp_bias and (gate - gate0, unsort - unsort0) == (14_745_600, 2_949_120)
