@@ -643,7 +643,9 @@ class Workload(BaseModel):
     embeds_held: bool = Field(default=False, description=(
         "the model's forward keeps the embedding's output in a local until it returns, after "
         "the final norm (transformers' XModel.forward: inputs_embeds), beside the layers "
-        "where no layer saves it (memplan.model.stage.embeds_held_bytes)"))
+        "where no layer saves it (memplan.model.stage.embeds_held_bytes); its attention "
+        "masks (causal_mask_mapping) are such locals too, freed when it returns, before the "
+        "head and the loss (HeadBlock.mask_released)"))
     attn_weights_held: bool = Field(default=False, description=(
         "the decoder layer keeps what its attention returns beside the output in a local "
         "until it returns (transformers: hidden_states, _ = self.self_attn(...)); eager "

@@ -557,44 +557,46 @@ class NopeAttention(Attention):
         return super().rebuild_moments(self._plain(spec), wl, dm)
 
 
-def window_mask_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
-    """The boolean sliding-window mask transformers builds once per forward for its windowed
-    layers (``windowed``), alive until the model's forward returns. masking_utils.py
-    sdpa_mask evaluates the mask function on (b, 1, 1, 1), (1, 1, s, 1) and (1, 1, 1, s_kv)
+def _built_window_mask(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    """The sliding-window mask transformers' model forward builds once per forward
+    (``Workload.window_mask``), whichever layers read it, alive until the forward returns.
+
+    SDPA: masking_utils.py ``_ignore_causal_mask_sdpa`` skips it while the keys are fewer than
+    the window (never with no window: Qwen2-MoE's 0 with ``use_sliding_window`` off);
+    ``sdpa_mask`` evaluates the mask function on (b, 1, 1, 1), (1, 1, s, 1) and (1, 1, 1, s_kv)
     indices (_non_vmap_expansion_sdpa) and expands the result to (b, 1, s, s_kv): a window's
     function reads the positions alone (sliding_window_causal_mask_function), so one byte per
     (query, key) pair; a chunked one indexes left_padding by batch (chunked_overlay), so b of
-    them."""
-    if not any(spec.is_sliding_layer(i) for i in range(spec.num_layers)):
+    them. Eager: ``eager_mask`` never skips it (allow_is_causal_skip off) and makes it additive,
+    the size of ``eager_mask_bytes`` (traced: GPT-OSS eager,
+    tests/traced/test_hf_moe_families.py)."""
+    if not wl.window_mask:
         return 0
-    if wl.attention is Kernel.EAGER and wl.window_mask:
-        # eager_mask: never skipped (allow_is_causal_skip off), additive, one per sequence
-        # (traced: GPT-OSS eager, tests/traced/test_hf_moe_families.py)
+    if wl.attention is Kernel.EAGER:
         return eager_mask_bytes(wl, dm)
-    if not windowed(spec, wl):
+    if spec.sliding_window is not None and wl.seq_len < spec.sliding_window:
         return 0
     return (dm.b if spec.window_chunked else 1) * dm.s * dm.s_kv
 
 
+def _slides(spec: ModelSpec) -> bool:
+    """Whether any layer attends through a sliding window."""
+    return any(spec.is_sliding_layer(i) for i in range(spec.num_layers))
+
+
+def window_mask_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    """The sliding-window mask built for the windowed layers (``_built_window_mask``)."""
+    return _built_window_mask(spec, wl, dm) if _slides(spec) else 0
+
+
 def unused_window_mask_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     """The sliding-window mask a model's forward builds where no layer slides
-    (``ModelSpec.window_mask_always``, transformers' masks: ``Workload.window_mask``): no layer
-    reads it, so no checkpoint saves it; it lives in the forward's ``causal_mask_mapping``
-    until the model's forward returns. With no window (Qwen2-MoE's ``use_sliding_window``
-    off: a window of 0) masking_utils.py ``_ignore_causal_mask_sdpa`` never skips it; with
-    one, from the window on (``windowed``). SDPA's is ``window_mask_bytes``' boolean
-    (1, 1, s, s_kv) (``sliding_window_causal_mask_function`` reads positions alone); eager
-    attention's is ``eager_mask``'s additive one in the embedding's dtype, the size of
-    ``eager_mask_bytes``. Traced: tests/traced/test_hf_moe_families.py, Qwen2-MoE at
-    2 x 256 tokens: 65,536 B."""
-    if not (spec.window_mask_always and wl.window_mask) or any(
-            spec.is_sliding_layer(i) for i in range(spec.num_layers)):
-        return 0  # no mask built, or the windowed layers' own (``window_mask_bytes``)
-    if spec.sliding_window is not None and wl.seq_len < spec.sliding_window:
-        return 0
-    if wl.attention is Kernel.EAGER:
-        return eager_mask_bytes(wl, dm)
-    return dm.s * dm.s_kv
+    (``ModelSpec.window_mask_always``; ``_built_window_mask``): no layer reads it, so no
+    checkpoint saves it; it lives in the forward's ``causal_mask_mapping`` until the model's
+    forward returns. Traced: tests/traced/test_hf_moe_families.py, Qwen2-MoE at 2 x 256
+    tokens: 65,536 B."""
+    return (_built_window_mask(spec, wl, dm) if spec.window_mask_always and not _slides(spec)
+            else 0)
 
 
 def window_mask_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:

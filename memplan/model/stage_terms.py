@@ -74,7 +74,8 @@ def stage_terms(spec: ModelSpec, wl: Workload, dm: Dims, ep: int | ExpertSplit,
         dm=dm, rope=rope, embed=embed, head=head_terms, rope_bytes=total(rope),
         embed_bytes=total(embed), head_bytes=total(head_terms), batch_bytes=total(batch),
         targets_bytes=batch[0].size_bytes,
-        # the causal mask lives through the forward; with recompute it is saved (a term)
+        # the masks live through the forward (the model's forward's, to its return:
+        # HeadBlock.mask_released); with recompute the layers' are saved (a term)
         mask=((0 if saved_mask else attention.eager_mask_bytes(wl, dm))
               + (0 if window_saved else attention.window_mask_bytes(spec, wl, dm))
               # a window mask no layer reads: never saved
