@@ -673,8 +673,8 @@ def held_weights_bytes(spec: ModelSpec, wl: Workload, dm: Dims, block: object) -
     if not (wl.attn_weights_held and wl.attention is Kernel.EAGER
             and isinstance(block, Attention)):
         return 0
-    heads = spec.num_attention_heads // dm.tp
-    return dm.b * heads * dm.s * (dm.s_kv + (1 if spec.attn_sinks else 0)) * dm.e
+    scores = _core(spec, wl, dm).scores  # b x heads x s x s_kv in the compute dtype
+    return scores + (scores // dm.s_kv if spec.attn_sinks else 0)  # the sink column
 
 
 def mask_terms(wl: Workload, dm: Dims) -> list[Term]:
