@@ -248,6 +248,22 @@ class DeltaNetKernel(PlainEnum):
     TORCH_SOLVE = "torch-solve"
 
 
+class MambaKernel(PlainEnum):
+    """How Granite 4.0-H's Mamba2 layers run (GraniteMoeHybridMambaLayer, models/
+    granitemoehybrid/modeling_granitemoehybrid.py), without mamba_ssm and causal-conv1d (an
+    install without them, every CPU run): mamba_ssm's fused kernel is not modelled.
+
+    torch         ``torch_forward`` as transformers 5.3 writes it: the naive chunked scan,
+                  its broadcasting products summed after (memplan.model.mamba)
+    torch-einsum  ``forward`` as transformers 5.23 writes it: ``causal_conv1d_fn``'s torch
+                  fallback and ``mamba2_chunk_scan``, the chunked scan as einsums
+                  (memplan.model.mamba_einsum)
+    """
+
+    TORCH = "torch"
+    TORCH_EINSUM = "torch-einsum"
+
+
 class LogitsHeld(PlainEnum):
     """Who keeps the logits beyond what autograd saves.
 
@@ -659,6 +675,10 @@ class Workload(BaseModel):
         "the gated DeltaNet layers' kernels (DeltaNetKernel); the default assumes "
         "flash-linear-attention and causal-conv1d are installed, as transformers then runs "
         "them"))
+    mamba_kernel: MambaKernel = Field(default=MambaKernel.TORCH_EINSUM, description=(
+        "how the Mamba2 layers run (MambaKernel); the default is transformers' torch path as "
+        "5.23 writes it (torch-einsum), what an install without mamba_ssm runs; torch: as 5.3 "
+        "wrote it"))
     grad_sync: GradSync = GradSync.EVERY
     # DeepSpeed's ZeRO-1/2 gradient buckets and step (memplan.model.deepspeed_zero)
     zero_bucket_numel: int = Field(default=0, ge=0, le=10**12, description=(

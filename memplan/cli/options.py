@@ -31,6 +31,7 @@ from memplan.workload import (
     BackwardPrefetch,
     BaseQuant,
     DeltaNetKernel,
+    MambaKernel,
     Float8Recipe,
     Framework,
     GradSync,
@@ -258,6 +259,11 @@ DeltaNetKernelOpt = Annotated[Optional[DeltaNetKernel], typer.Option(
     "flash-linear-attention and causal-conv1d installed, as transformers then runs them), "
     "torch (transformers' torch fallbacks, without them, as written up to transformers 5.16) "
     "or torch-solve (the same, as written from 5.17 on: torch.linalg.solve_triangular).", rich_help_panel=_KERNELS)]
+MambaKernelOpt = Annotated[Optional[MambaKernel], typer.Option(
+    "--mamba-kernel", help="Granite 4.0-H's Mamba2 layers on transformers' torch path (no "
+    "mamba_ssm, no causal-conv1d): torch-einsum (default: as transformers 5.23 writes it, "
+    "mamba2_chunk_scan's einsums) or torch (as transformers 5.3 wrote it: the naive chunked "
+    "scan).", rich_help_panel=_KERNELS)]
 MtpLayers = Annotated[int, typer.Option(
     "--mtp-layers", help="Multi-token prediction depths on the last pipeline stage "
     "(Megatron-LM's --mtp-num-layers): per depth a layer, norms, a 2h -> h projection and "
@@ -415,6 +421,7 @@ SHARED: dict[str, Shared] = {
     "moe_impl": Shared(MoeImplOpt, None, _value),
     "logits_held": Shared(LogitsHeldOpt, None, _value),
     "deltanet_kernel": Shared(DeltaNetKernelOpt, None, _value),
+    "mamba_kernel": Shared(MambaKernelOpt, None, _value),
     "schedule": Shared(ScheduleOpt, Schedule.ONE_F_ONE_B, resolve=False),
     "calibration": Shared(Calibration, None, resolve=False),
 }
@@ -429,7 +436,7 @@ WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "recompute_eve
             "fsdp_version", "fsdp_backward_prefetch", "fsdp_use_orig_params",
             "fsdp_reshard_after_forward", "mtp_layers", "loss_impl", "moe_impl",
             "logits_held", "lora_rank", "lora_targets", "lora_dropout", "base_quant",
-            "deltanet_kernel",
+            "deltanet_kernel", "mamba_kernel",
             "float8_all_gather", "compile_loss", "compile_in_checkpoint",
             "recompute_save", "async_tp")
 # what a framework's own loop decides, beyond memplan's reference model (which trace and

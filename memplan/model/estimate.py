@@ -58,7 +58,7 @@ from memplan.parallel import (
     zero_offload,
 )
 from memplan.spec import ModelSpec
-from memplan.workload import DeltaNetKernel, Framework, Recompute, Workload
+from memplan.workload import DeltaNetKernel, Framework, MambaKernel, Recompute, Workload
 
 # PHASES, PhasePeaks and StageMemory are defined with the stage walk and re-exported here,
 # beside the Estimate that holds them.
@@ -385,11 +385,16 @@ def _deltanet_line(wl: Workload) -> str:
                 " as transformers up to 5.16 writes the rule (forward substitution)"))
 
 
-# memplan.model.mamba
-MAMBA_LINE = ("Mamba2 layers on transformers' torch path as 5.3 writes it (GraniteMoeHybridMamba"
-              "Layer.torch_forward: the chunked scan's fp32 products saved and held); "
-              "mamba_ssm's fused kernel on CUDA (mamba_split_conv1d_scan_combined) saves far "
-              "less and is not modelled, nor the einsum scan later transformers versions write")
+def _mamba_line(wl: Workload) -> str:
+    """The assumption line of a model with Mamba2 layers (memplan.model.mamba): which code
+    runs them."""
+    path = ("as transformers 5.23 writes it (causal_conv1d_fn's torch fallback, "
+            "mamba2_chunk_scan's einsums in fp32; --mamba-kernel torch: as 5.3 wrote it)"
+            if wl.mamba_kernel is MambaKernel.TORCH_EINSUM else
+            "as transformers 5.3 wrote it (GraniteMoeHybridMambaLayer.torch_forward: the naive "
+            "chunked scan's fp32 products saved and held)")
+    return (f"Mamba2 layers on transformers' torch path {path}; mamba_ssm's fused kernel on "
+            "CUDA (mamba_split_conv1d_scan_combined) saves far less and is not modelled")
 
 
 def _assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload, schedule: Schedule,
@@ -423,7 +428,7 @@ def _assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload, schedule: S
         *adapters.assumptions(wl),
         *fsdp1.assumptions(spec, par, wl),
         *((_deltanet_line(wl),) if spec.linear_attention is not None else ()),
-        *((MAMBA_LINE,) if spec.mamba is not None else ()),
+        *((_mamba_line(wl),) if spec.mamba is not None else ()),
         *((_ops_line(spec, par, wl),) if wl.recompute is Recompute.OPS else ()),
         *(("optimizer offloaded to host memory: fp32 master weights, states, an fp32 gradient "
            "copy and the step on the CPU (ZeRO-Offload); the GPU keeps weights and gradients",)

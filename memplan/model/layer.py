@@ -43,7 +43,7 @@ from memplan.model.mla import Mla, mla_linears
 from memplan.model.mlp import Mlp, mlp_linears, working_steps
 from memplan.model.moe import MoE
 from memplan.model.short_conv import ShortConv, conv_cache_bytes, short_conv_linears
-from memplan.model.mamba import Mamba, mamba_linears
+from memplan.model.mamba import Mamba, mamba_cache_bytes, mamba_linears
 from memplan.model.norm import Norm, StreamInput
 from memplan.model.sac import sac_terms
 from memplan.spec import ModelSpec, NormPlacement, QkNorm
@@ -272,9 +272,9 @@ def kv_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute
         return conv if variant == "linear" else conv + _attention_cache_bytes(spec, wl, dm,
                                                                               variant)
     if variant == "linear" and spec.mamba is not None:
-        # GraniteMoeHybridModel.forward makes no cache when none is passed: its Mamba layers
-        # get cache_params None
-        return 0
+        # transformers 5.3's GraniteMoeHybridModel.forward makes no cache when none is passed:
+        # its Mamba layers get cache_params None; 5.23's makes one (mamba_einsum.cache_bytes)
+        return mamba_cache_bytes(spec, wl, dm)
     if variant == "linear":
         return cache_states_bytes(spec, wl, dm)
     return _attention_cache_bytes(spec, wl, dm, variant)

@@ -45,7 +45,7 @@ from memplan.model.block import BackwardMoment, Moment
 from memplan.model.dims import FP32_BYTES, Dims, Term, total
 from memplan.model.linear import Linear, Split
 from memplan.spec import MambaSpec, ModelSpec
-from memplan.workload import Recompute, Workload
+from memplan.workload import MambaKernel, Recompute, Workload
 
 _PREFIX = "mamba"
 
@@ -142,12 +142,30 @@ def _norm_terms(z: Sizes, dm: Dims) -> list[Term]:
             Term(f"{_PREFIX}.out", t * z.d * dm.e)]
 
 
-def mamba_terms(spec: ModelSpec, dm: Dims) -> list[Term]:
-    """The block's saved terms, its input norm apart."""
+def mamba_terms(spec: ModelSpec, dm: Dims, kernel: MambaKernel) -> list[Term]:
+    """The block's saved terms, its input norm apart, as ``kernel`` runs it (transformers
+    5.3's naive scan; 5.23's einsums: ``memplan.model.mamba_einsum``)."""
     assert spec.mamba is not None
     z = sizes(spec.mamba, dm)
-    return (_scan_terms(z, dm) + _norm_terms(z, dm)
-            + linear.saved_terms(_PREFIX, mamba_linears(spec), dm))
+    if kernel is MambaKernel.TORCH_EINSUM:
+        from memplan.model import mamba_einsum as es
+
+        scan = es.scan_terms(z, dm) + es.norm_terms(z, dm)
+    else:
+        scan = _scan_terms(z, dm) + _norm_terms(z, dm)
+    return scan + linear.saved_terms(_PREFIX, mamba_linears(spec), dm)
+
+
+def mamba_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    """What a training forward's cache keeps of a Mamba layer (``Workload.kv_cache``):
+    nothing on transformers 5.3, whose GraniteMoeHybridModel.forward makes no cache when none
+    is passed; 5.23's (``memplan.model.mamba_einsum.cache_bytes``)."""
+    assert spec.mamba is not None
+    if wl.mamba_kernel is not MambaKernel.TORCH_EINSUM:
+        return 0
+    from memplan.model import mamba_einsum as es
+
+    return es.cache_bytes(sizes(spec.mamba, dm), dm)
 
 
 def _locals(z: Sizes, dm: Dims) -> int:
@@ -176,13 +194,13 @@ class Mamba:
     name = "attn"
 
     def saved(self, spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
-        return mamba_terms(spec, dm)
+        return mamba_terms(spec, dm, wl.mamba_kernel)
 
     def _moments(self, spec: ModelSpec, dm: Dims) -> list[Moment]:
         assert spec.mamba is not None
         z = sizes(spec.mamba, dm)
         f = FP32_BYTES
-        terms = mamba_terms(spec, dm)
+        terms = mamba_terms(spec, dm, MambaKernel.TORCH)
         saved = total(terms)
         late = total(_norm_terms(z, dm)) + total(terms[len(_scan_terms(z, dm)) + 3:])
         y_off = z.padded * z.d * f
@@ -200,8 +218,19 @@ class Mamba:
     def forward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
                         recompute: Recompute) -> list[Moment]:
         """Y_diag's product (everything up to M saved), C_times_states beside Y_diag, and
-        out_proj's output, with torch_forward's locals (``_locals``) all along."""
+        out_proj's output, with torch_forward's locals (``_locals``) all along; the einsum
+        scan's (``memplan.model.mamba_einsum.forward_moments``)."""
+        if wl.mamba_kernel is MambaKernel.TORCH_EINSUM:
+            return self._einsum_moments(spec, dm, wl.kv_cache and recompute is Recompute.NONE)
         return self._moments(spec, dm)
+
+    def _einsum_moments(self, spec: ModelSpec, dm: Dims, cached: bool) -> list[Moment]:
+        from memplan.model import mamba_einsum as es
+
+        assert spec.mamba is not None
+        saved = total(mamba_terms(spec, dm, MambaKernel.TORCH_EINSUM))
+        return es.forward_moments(sizes(spec.mamba, dm), dm, saved,
+                                  dm.rows * spec.hidden_size * dm.e, cached)
 
     def working_set(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
         """In a checkpointed layer the forward's locals hold the same tensors but those no
@@ -209,6 +238,10 @@ class Mamba:
         (freed when it returns)."""
         assert spec.mamba is not None
         z = sizes(spec.mamba, dm)
+        if wl.mamba_kernel is MambaKernel.TORCH_EINSUM:
+            from memplan.model import mamba_einsum as es
+
+            return es.working_set(z, dm)
         freed = _unnamed(z, dm)
         norm = (3 * z.d + 1) * z.tokens * FP32_BYTES + z.padded * z.d * FP32_BYTES
         diag, states, end = self._moments(spec, dm)
@@ -226,8 +259,16 @@ class Mamba:
         once (2 Tp d n, 2 M P, 2 M n)."""
         assert spec.mamba is not None
         z = sizes(spec.mamba, dm)
+        grad_in = dm.rows * spec.hidden_size * dm.e
+        in_proj = linear.weight_elements(mamba_linears(spec)[0], dm.tp)
+        if wl.mamba_kernel is MambaKernel.TORCH_EINSUM:
+            from memplan.model import mamba_einsum as es
+
+            saved = total(mamba_terms(spec, dm, MambaKernel.TORCH_EINSUM))
+            return es.backward_moments(z, dm, saved, grad_in, in_proj)
         f, e, tp = FP32_BYTES, dm.e, z.padded
-        terms = {t.name.partition(".")[2]: t.size_bytes for t in mamba_terms(spec, dm)}
+        terms = {t.name.partition(".")[2]: t.size_bytes
+                 for t in mamba_terms(spec, dm, MambaKernel.TORCH)}
         saved = sum(terms.values())
         out = terms["out"]
         norm = terms["norm"] + terms["y"]
@@ -241,8 +282,6 @@ class Mamba:
         gates = diag - z.mats * 2 * f - tp * z.d * f
         accumulated = (grad_y + 2 * tp * z.h * z.n * f + tp * z.d * f + tp * z.h * f
                        + grad_gate)
-        grad_in = dm.rows * spec.hidden_size * e
-        in_proj = linear.weight_elements(mamba_linears(spec)[0], dm.tp)
         attn_out = ("attn_out",)
         return [BackwardMoment("mamba.out", saved, z.tokens * z.d * e, attn_out),
                 BackwardMoment("mamba.norm", saved - out, 5 * z.tokens * z.d * f, attn_out),
@@ -259,7 +298,9 @@ class Mamba:
 
     def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
         """Rerun with autograd recording in a fully recomputed layer's backward: as the
-        forward's."""
+        forward's (no cache: gradient checkpointing turns use_cache off)."""
+        if wl.mamba_kernel is MambaKernel.TORCH_EINSUM:
+            return self._einsum_moments(spec, dm, False)
         return self._moments(spec, dm)
 
     def _small(self, spec: ModelSpec, t: int) -> tuple[list[tuple[int, ...]],

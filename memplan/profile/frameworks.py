@@ -430,7 +430,7 @@ def build_hf(case: FrameworkCase) -> Built:
                     **({"moe_impl": case.options["moe_impl"]} if "moe_impl" in case.options
                        else {}),
                     **({"compile": True, "kv_cache": False} if compiled else {}),
-                    **_deltanet_kernel(model))
+                    **_deltanet_kernel(model), **_mamba_kernel(model))
     # the config's use_cache reaches the estimate through the spec (the hf preset's kv_cache)
     layout = (api.make_layout(case.dp, zero=3) if fsdp1 is not None
               else api.make_layout(1, offload=offload))
@@ -470,6 +470,18 @@ def _deltanet_kernel(model: torch.nn.Module) -> dict[str, str]:
             rule = getattr(sys.modules[type(module).__module__],
                            "torch_chunk_gated_delta_rule", None)
             return {"deltanet_kernel": _torch_rule(rule) if on_cpu else "fla"}
+    return {}
+
+
+def _mamba_kernel(model: torch.nn.Module) -> dict[str, str]:
+    """How the model's Mamba2 layers run without mamba_ssm (every CPU trace): "torch" where
+    the layer's ``torch_forward`` is transformers 5.3's naive scan, "torch-einsum" where its
+    module scans through ``mamba2_chunk_scan`` (5.23); nothing for a model without them."""
+    for module in model.modules():
+        if type(module).__name__.endswith("MambaLayer"):
+            source = sys.modules[type(module).__module__]
+            return {"mamba_kernel": "torch-einsum" if hasattr(source, "mamba2_chunk_scan")
+                    else "torch"}
     return {}
 
 

@@ -8,10 +8,10 @@ grouped_mm_experts_forward), the same code under granitemoeshared's and granitem
 prefixes; the shared MLP still runs after the experts (``MoESpec.shared_experts_last``).
 
 transformers 5.3's GraniteMoeParallelExperts (``moe_impl`` parallel) is traced in
-test_hf_heldout.py; this file skips where it is installed. Granite 4.0-H's Mamba2 layers
-are left out here: 5.23 writes their torch path as einsum chunks (mamba2_chunk_scan), which
-memplan does not model (memplan.model.mamba is 5.3's naive scan); the hybrid's experts are
-traced on its attention layers.
+test_hf_heldout.py; this file skips where it is installed. Granite 4.0-H Tiny as published
+(Mamba2 and attention layers, each with experts) runs its Mamba2 layers as 5.23 writes their
+torch path (``mamba2_chunk_scan``'s einsums: ``mamba_kernel`` torch-einsum, memplan.model.
+mamba_einsum); Granite 4.0 Micro's hybrid has attention layers alone.
 
 Versions: transformers 5.23.0, torch 2.13.
 """
@@ -46,8 +46,11 @@ GRANITE = {
     "granitemoe": TRACED["granitemoe"],
     # the same with the shared MLP of 256 after the experts
     "granitemoeshared": TRACED["granitemoeshared"],
-    # Granite 4.0's hybrid with experts, two attention layers (no Mamba2: above), each with
+    # Granite 4.0's hybrid with experts, two attention layers, each with
     # 4 experts of 256 (2 routed a token) and the shared MLP
+    # Granite 4.0-H Tiny with its experts: Mamba2, attention, Mamba2 (test_hf_heldout.py's
+    # granitemoehybrid-h-moe), each with 4 experts of 256 (2 routed a token) and the shared MLP
+    "granitemoehybrid-h-moe": TRACED["granitemoehybrid-h-moe"],
     "granitemoehybrid-moe": _cut("granite-4.0-micro", num_hidden_layers=2,
                                  layer_types=["attention"] * 2, num_local_experts=4,
                                  num_experts_per_tok=2, shared_intermediate_size=256,
@@ -70,6 +73,8 @@ def test_library_matches_estimate(case: FrameworkCase) -> None:
     comparison = compare_framework(case)
     assert comparison.spec.approximate is None  # read by its family's reader
     assert comparison.workload.moe_impl.value == "grouped"
+    if case.name == "granitemoehybrid-h-moe":
+        assert comparison.workload.mamba_kernel.value == "torch-einsum"
     check(comparison.rows, None, exact=EXACT)
 
 

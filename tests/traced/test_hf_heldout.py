@@ -9,7 +9,8 @@ as its weights (``ModelSpec.param_table``): the same count, the same tensors. A 
 does not know (Phi-4-mini-flash's ``phi4flash``, remote code only) is refused in one line.
 A model type the installed transformers lacks is skipped.
 
-Versions: transformers 5.3.0 and 5.25.0, torch 2.13.
+Versions: transformers 5.3.0, 5.23.0 (Granite 4.0-H's Mamba2 layers on the einsum scan) and
+5.25.0, torch 2.13.
 """
 
 from __future__ import annotations
@@ -223,18 +224,6 @@ ERNIE_BF16_FULL = Known(("activations_bytes", "first_step.backward_bytes"), (
     "backward -1.15% (26,240 B); not attributed yet"),
     {"activations_bytes": (-8_720, -1.8234), "first_step.backward_bytes": (-26_240, -1.155)})
 
-def _naive_mamba() -> bool:
-    """Whether the installed GraniteMoeHybridMambaLayer runs transformers 5.3's naive chunked
-    scan on CPU (torch_forward's G_intermediate products), the path memplan.model.mamba
-    models; later versions write the scan with einsums (mamba2_chunk_scan)."""
-    import inspect
-
-    from transformers.models.granitemoehybrid import modeling_granitemoehybrid as m
-
-    forward = getattr(m.GraniteMoeHybridMambaLayer, "torch_forward", None)
-    return forward is not None and "G_intermediate" in inspect.getsource(forward)
-
-
 def _parallel_experts() -> bool:
     """Whether the installed transformers runs Granite's MoE through its own
     GraniteMoeParallelExperts (5.3: memplan.model.moe_parallel, moe_impl parallel); later
@@ -281,9 +270,8 @@ def test_library_matches_estimate(case, known) -> None:
         pytest.skip(f"transformers {transformers.__version__} runs Granite's MoE through its "
                     "experts interface, not 5.3's GraniteMoeParallelExperts "
                     "(memplan.model.moe_parallel)")
-    if case.name.startswith("granitemoehybrid-h") and not _naive_mamba():
-        pytest.skip(f"transformers {transformers.__version__}'s Mamba2 torch path is not 5.3's "
-                    "naive scan (memplan.model.mamba)")
+    # Granite 4.0-H's Mamba2 layers run as the installed transformers writes them: 5.3's naive
+    # scan, 5.23's einsums (mamba_kernel, which compare_framework reads off the model)
     # HunYuanMoEV1Gate.wg is built in fp32 in a bf16 model: the states are exact in fp32 only
     fp32_router = case.name == "hunyuan_v1_moe" and case.recipe != "fp32"
     # ERNIE's frozen e_score_correction_bias (E fp32 values a MoE layer) is read as the

@@ -1,5 +1,6 @@
 """Granite 4.0-H's Mamba2 layers (memplan.hf.families_more.granitemoehybrid, memplan.model.
-mamba): the count of a config without experts and the block's saved bytes, by hand.
+mamba, memplan.model.mamba_einsum): the count of a config without experts and the block's
+saved bytes on both torch paths, by hand.
 
 The traced ground truth (transformers' own GraniteMoeHybridForCausalLM cut to toy layers on its
 torch path, stepped under the exact tracker, and its meta-device count) is
@@ -14,10 +15,9 @@ from pathlib import Path
 from memplan.model.dims import Dims, total
 from memplan.model.layer import layer_blocks
 from memplan.model.mamba import Mamba, mamba_terms
-from memplan.model.estimate import MAMBA_LINE
 from memplan.parallel import ParallelConfig
 from memplan.spec import ModelSpec, spec_from_hf_dict
-from memplan.workload import Workload
+from memplan.workload import MambaKernel, Workload
 
 TINY_H = json.loads((Path(__file__).parent.parent / "data" / "hf" / "heldout" /
                      "granite-4.0-h-tiny" / "config.json").read_text())
@@ -65,7 +65,7 @@ def _toy() -> ModelSpec:
 
 
 def test_mamba_saved_bytes_by_hand() -> None:
-    """b = 2, s = 24 (T = 48; padded to N = 2 chunks of 16: S' = 32, Tp = 64), H = 4, P = 16,
+    """Transformers 5.3's naive scan (``mamba_kernel`` torch). b = 2, s = 24 (T = 48; padded to N = 2 chunks of 16: S' = 32, Tp = 64), H = 4, P = 16,
     d = 64, n = 8, G = 1, C = 64 + 16 = 80 channels, K = 4; M = b N c^2 H = 2 * 2 * 256 * 4
     = 4,096; passed states b (N + 1) d n = 2 * 3 * 64 * 8 = 3,072. In fp32 (e = 4):
 
@@ -94,17 +94,56 @@ def test_mamba_saved_bytes_by_hand() -> None:
     spec = _toy()
     wl = Workload(micro_batch_size=2, seq_len=24, precision="fp32")
     dm = Dims.of(spec, ParallelConfig(), wl)
-    assert total(mamba_terms(spec, dm)) == 279_442
+    torch = MambaKernel.TORCH
+    assert total(mamba_terms(spec, dm, torch)) == 279_442
     bf16 = Workload(micro_batch_size=2, seq_len=24, precision="bf16-pure")
-    assert total(mamba_terms(spec, Dims.of(spec, ParallelConfig(), bf16))) == 258_514
+    assert total(mamba_terms(spec, Dims.of(spec, ParallelConfig(), bf16), torch)) == 258_514
     block = layer_blocks(spec, False, "linear")[1]
     assert isinstance(block, Mamba)
     # dt_bias, A_log, D; conv weight and bias; in_proj; the norm; out_proj
     assert block.tensor_sizes(spec, 1, 1) == [4, 4, 4, 320, 80, 64 * 148, 64, 64 * 64]
 
 
+def test_einsum_scan_saved_bytes_by_hand() -> None:
+    """Transformers 5.23's ``mamba2_chunk_scan`` (``mamba_kernel`` torch-einsum, the default),
+    the toy and shapes above (Tp = 64, M = 4,096; S3 = b (N + 1) d n = 3,072, S2 = b N d n =
+    2,048 elements). In fp32:
+
+    in_proj's output, conv's, x (silu's output), dt (three), A  as above  =  63,392
+    the padded x D multiplies   Tp d 4 = 64 * 64 * 4                    =  16,384
+    masks                       2 c^2 + 2 (N + 1)^2                     =     530
+    L, G, M                     3 M 4                                   =  49,152
+    G's C and B, B, B_decay's and C_times_states' C copies
+                                5 Tp H n 4 = 5 * 64 * 4 * 8 * 4         =  40,960
+    x * dt, Y_diag's and the states' copies  2 Tp d 4                   =  32,768
+    two decays                  2 Tp H 4                                =   2,048
+    chunks' decay               b (N + 1)^2 H 4                         =     288
+    the passed states' einsum's S3, C_times_states' S2   (3,072 + 2,048) * 4 = 20,480
+    C_times_states              Tp d 4                                  =  16,384
+    padded y                    Tp d 4                                  =  16,384
+    the norm's                  (3 d + G) T 4 = 193 * 48 * 4            =  37,056
+    out_proj's input            T d 4                                   =  12,288
+    total                                                               = 308,114
+
+    In bf16: in_proj's output 14,208, the conv's 8,640 and out_proj's input 6,144 (half of
+    fp32's), x's fp32 copy T d 4 = 12,288 in place of silu's output (15,360) and the gate's
+    fp32 copy (12,288); dt: the sum and softplus's output in bf16 (2 T H 2 = 768) and two fp32
+    copies of the clamped dt (2 T H 4 = 1,536), 2,304 as in fp32: 308,114 - 14,208 - 8,640
+    - 6,144 - 3,072 + 12,288 = 288,338."""
+    spec = _toy()
+    dm = Dims.of(spec, ParallelConfig(), Workload(micro_batch_size=2, seq_len=24,
+                                                  precision="fp32"))
+    assert total(mamba_terms(spec, dm, MambaKernel.TORCH_EINSUM)) == 308_114
+    bf16 = Workload(micro_batch_size=2, seq_len=24, precision="bf16-pure")
+    assert bf16.mamba_kernel is MambaKernel.TORCH_EINSUM
+    assert total(mamba_terms(spec, Dims.of(spec, ParallelConfig(), bf16),
+                             bf16.mamba_kernel)) == 288_338
+
+
 def test_the_estimate_names_the_torch_path() -> None:
     from memplan.api import estimate
 
     est = estimate(_toy(), seq_len=32, micro_batch_size=1)
-    assert MAMBA_LINE in est.assumptions
+    assert any("mamba2_chunk_scan" in line and "5.23" in line for line in est.assumptions)
+    old = estimate(_toy(), seq_len=32, micro_batch_size=1, mamba_kernel="torch")
+    assert any("torch_forward" in line and "5.3" in line for line in old.assumptions)

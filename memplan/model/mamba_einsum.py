@@ -1,0 +1,218 @@
+"""The Mamba2 mixer of Granite 4.0-H as transformers 5.23 runs it without mamba_ssm and
+causal-conv1d (``Workload.mamba_kernel`` torch-einsum): models/granitemoehybrid/
+modeling_granitemoehybrid.py ``GraniteMoeHybridMambaLayer.forward``, which falls back from
+``mamba2_split_conv1d_scan_combined`` (None without the kernel) to ``causal_conv1d_fn``'s
+torch fallback (``F.conv1d``, the slice, silu) and ``mamba2_chunk_scan``, the chunked SSD scan
+written as einsums, then ``GraniteMoeHybridRMSNormGated`` and out_proj. Every size below is
+read off that code and checked against autograd's saved tensors and the allocations of its
+forward and backward (tests/traced/test_hf_heldout.py, tests/data/mamba_einsum_traces.json).
+
+The sizes of ``memplan.model.mamba`` (T tokens, H heads of P, d = H P, state n, G groups, C
+conv channels, K taps, chunks of c, N chunks, Tp = b N c padded tokens, M = b N c^2 H) and, in
+fp32 (f bytes) unless said: D = Tp d, BC = Tp H n (B or C repeated to the heads, in chunks),
+S3 = b (N + 1) d n (the passed states with the first chunk's zeros), S2 = b N d n. Autograd
+saves, beside ``memplan.model.mamba``'s in_proj output, padded conv output, dt tensors, A,
+masks and norm:
+
+- x in fp32 (a view of silu's output T C in fp32 runs, its fp32 copy T d below fp32), and the
+  dt tensors as ``x * dt.float()`` and ``A * dt.float()`` read them (below fp32 two fp32
+  copies of the clamped dt, which itself is then saved by nothing);
+- the padded x that D multiplies (D);
+- each einsum's bmm saves its operands, as contiguous copies where the einsum permutes them:
+  G = C B^T saves C's and B's (2 BC), Y_diag = M x saves M itself and x * dt's (D), the chunk
+  states B_decay x saves B_decay's and x * dt's (BC + D), the passed states' einsum their
+  concatenation (S3), C_times_states C's and the states' (BC + S2); L, G and M (3 M);
+- B in chunks (which B * decay saves, BC), the two decays (2 Tp H), the chunks' decay,
+  C_times_states (D, which Y_off's product saves) and the padded scan output (D, a view of
+  which the gated norm saves).
+
+The forward's locals stay until the scan returns: D's residual, x * dt in chunks, B and C in
+chunks, A in chunks and its cumsum, B_decay, the zero first state, the passed states; below
+fp32 silu's output and the clamped dt until the layer returns. Its peaks are segment_sum's
+three M-sized tensors (before L), and ``(Y_diag + Y_off).contiguous()`` (six D-sized tensors).
+In backward each bmm makes its operands' gradients, each broadcasting product both inputs'
+gradients at the product's size before the engine sums them (validate_outputs: sum_to), and
+segment_sum's cumsum runs as flip, cumsum, flip over M: four M-sized tensors at once.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+from memplan.model.block import BackwardMoment, Moment
+from memplan.model.dims import FP32_BYTES, Dims, Term, total
+
+if TYPE_CHECKING:  # memplan.model.mamba calls this module with its sizes
+    from memplan.model.mamba import Sizes
+
+_PREFIX = "mamba"
+
+
+class Units(NamedTuple):
+    """The block's recurring tensor sizes in bytes (the module docstring)."""
+
+    d: int  # D: Tp d fp32
+    bc: int  # BC: Tp H n fp32
+    m: int  # M fp32
+    s3: int  # b (N + 1) d n fp32
+    s2: int  # b N d n fp32
+    s1: int  # b d n fp32: the zero first state
+    tph: int  # Tp H fp32
+    tdf: int  # T d fp32
+    tde: int  # T d in the compute dtype
+    low: int  # below fp32: silu's output (T C) and the clamped dt (T H), the forward's locals
+
+
+def units(z: Sizes, dm: Dims) -> Units:
+    f, e, t = FP32_BYTES, dm.e, z.tokens
+    state = z.b * z.d * z.n * f
+    return Units(d=z.padded * z.d * f, bc=z.padded * z.h * z.n * f, m=z.mats * f,
+                 s3=(z.chunks + 1) * state, s2=z.chunks * state, s1=state,
+                 tph=z.padded * z.h * f, tdf=t * z.d * f, tde=t * z.d * e,
+                 low=(t * z.conv + t * z.h) * e if e < f else 0)
+
+
+def scan_terms(z: Sizes, dm: Dims) -> list[Term]:
+    """in_proj's output to the scan's output (the module docstring)."""
+    e, f, t = dm.e, FP32_BYTES, z.tokens
+    u = units(z, dm)
+    low = e < f
+    n1 = z.chunks + 1
+    return [Term(f"{_PREFIX}.in_proj_out", t * z.width * e),
+            Term(f"{_PREFIX}.gate_fp32", t * z.d * f if low else 0),
+            Term(f"{_PREFIX}.conv_out", z.b * z.conv * (z.s + z.taps - 1) * e),
+            Term(f"{_PREFIX}.x_fp32", t * z.d * f if low else t * z.conv * f),
+            # dt + dt_bias, softplus's output; the clamped dt in fp32 (two copies below fp32)
+            Term(f"{_PREFIX}.dt", 2 * t * z.h * e + (2 if low else 1) * t * z.h * f),
+            Term(f"{_PREFIX}.a", 2 * z.h * f),
+            Term(f"{_PREFIX}.x_pad", u.d),
+            Term(f"{_PREFIX}.masks", 2 * z.c * z.c + 2 * n1 * n1),
+            Term(f"{_PREFIX}.chunk_mats", 3 * u.m),  # L, G, M
+            Term(f"{_PREFIX}.bc", 5 * u.bc),  # G's C and B, B, B_decay's copy, C's copy
+            Term(f"{_PREFIX}.x_dt", 2 * u.d),  # Y_diag's and the states' copies of x * dt
+            Term(f"{_PREFIX}.decays", 2 * u.tph),
+            Term(f"{_PREFIX}.decay_chunk", z.b * n1 * n1 * z.h * f),
+            Term(f"{_PREFIX}.states", u.s3 + u.s2),
+            Term(f"{_PREFIX}.y_off", u.d)]
+
+
+def norm_terms(z: Sizes, dm: Dims) -> list[Term]:
+    """The padded scan output (a view of it), GraniteMoeHybridRMSNormGated's saved tensors
+    (silu(gate), y * silu(gate), its rsqrt per group, the normalised tensor) and out_proj's
+    input."""
+    f, t = FP32_BYTES, z.tokens
+    return [Term(f"{_PREFIX}.y", z.padded * z.d * f),
+            Term(f"{_PREFIX}.norm", (3 * z.d + z.g) * t * f),
+            Term(f"{_PREFIX}.out", t * z.d * dm.e)]
+
+
+def cache_bytes(z: Sizes, dm: Dims) -> int:
+    """What the cache a training forward with use_cache makes keeps of a Mamba layer until the
+    forward's output is dropped (5.23's GraniteMoeHybridModel.forward makes a DynamicCache;
+    cache_utils.py LinearAttentionLayer.lazy_initialization and update_conv_state /
+    update_recurrent_state copy into zeros): the conv state, the conv input's last K
+    positions (b C K, the compute dtype), and the scan's final state (b H P n, fp32)."""
+    return z.b * z.conv * z.taps * dm.e + z.b * z.d * z.n * FP32_BYTES
+
+
+def forward_moments(z: Sizes, dm: Dims, saved: int, stream: int,
+                    cached: bool) -> list[Moment]:
+    """segment_sum of A (its three M-sized tensors), the passed states' einsum, the scan's
+    output (``(Y_diag + Y_off).contiguous()``), the gated norm's variance and out_proj's
+    output (``stream``), beside the locals (the module docstring); ``saved``: the block's
+    saved bytes (``memplan.model.mamba.mamba_terms``). ``cached``: with a cache the scan
+    returns its final state, a view of the passed states, which ``forward`` holds in a local
+    (``final_state``) until it returns."""
+    u = units(z, dm)
+    f, t = FP32_BYTES, z.tokens
+    terms = scan_terms(z, dm)
+    first = total(terms[:7]) - terms[1].size_bytes + 2 * z.c * z.c  # up to the first masks
+    late = total(norm_terms(z, dm)) + terms[1].size_bytes  # the norm's, made after the scan
+    scan = saved - late
+    states = scan - u.d - u.s2 - u.bc - u.tph  # before C_times_states
+    rows = t * z.g * f
+    final = u.s3 if cached else 0
+    return [Moment("mamba.segsum", first,
+                   3 * u.m + 2 * u.d + 2 * u.bc + 2 * u.tph + z.c * z.c + u.low),
+            Moment("mamba.states", states,
+                   3 * u.d + 2 * u.bc + 2 * u.s3 + u.s1 + 2 * u.tph + u.low),
+            Moment("mamba.scan_out", scan,
+                   6 * u.d + 2 * u.bc + u.s3 + u.s1 + 2 * u.tph + u.low),
+            Moment("mamba.norm", saved - u.tde - u.tdf - rows,
+                   u.tdf + rows + final + (t * z.conv * dm.e if dm.e < f else 0)),
+            Moment("mamba", saved,
+                   stream + final + (u.tdf + t * z.conv * dm.e if dm.e < f else 0))]
+
+
+def working_set(z: Sizes, dm: Dims) -> list[Moment]:
+    """In a checkpointed layer (nothing saved): the passed states' einsum and the scan's
+    output, with what the locals hold then: in_proj's output (``projected_states``), silu's
+    (x, B and C are its views), L, G and M, the clamped dt, the decays and A, beside the
+    tensors of ``forward_moments`` (the module docstring)."""
+    u = units(z, dm)
+    f, e, t = FP32_BYTES, dm.e, z.tokens
+    held = (t * z.width * e + 3 * u.m + t * z.conv * e + 3 * u.bc + u.s1 + t * z.h * e
+            + z.b * (z.chunks + 1) ** 2 * z.h * f + z.h * f)
+    return [Moment("mamba.states", 0, held + 3 * u.d + 3 * u.s3 + 3 * u.tph),
+            Moment("mamba.scan_out", 0, held + 7 * u.d + u.s3 + 4 * u.tph)]
+
+
+def backward_moments(z: Sizes, dm: Dims, saved: int, grad_in: int,
+                     in_proj: int) -> list[BackwardMoment]:
+    """In backward order: out_proj's, the gated norm's (its weight's product, then five fp32
+    T d tensors), Y_off's product, C_times_states' bmm, the passed states' einsum, the chunk
+    states' bmm, B * decay's product, Y_diag's bmm, M = G L's product, G's bmm, segment_sum's
+    flipped cumsum over M, the pads and x * dt's product, D's residual, silu's and the
+    conv's, in_proj's output gradient and in_proj (its input's gradient ``grad_in``, its
+    weight's ``in_proj`` elements fresh); the gate's gradient waits from the norm to the
+    split's backward (the module docstring)."""
+    u = units(z, dm)
+    f, e, t = FP32_BYTES, dm.e, z.tokens
+    terms = {term.name.partition(".")[2]: term.size_bytes
+             for term in scan_terms(z, dm) + norm_terms(z, dm)}
+    low = e < f
+    rows, th = t * z.g * f, t * z.h
+    gate = u.tde  # the gate's gradient (in the compute dtype), from the norm on
+    scan = saved - terms["y"] - terms["norm"] - terms["out"] - terms["gate_fp32"]
+    cts = scan - u.d  # Y_off's product ran: C_times_states freed
+    passed = cts - u.s2 - u.bc - u.tph  # C_times_states' bmm and the state decay freed
+    chunk = passed - u.s3 - z.b * (z.chunks + 1) ** 2 * z.h * f - 2 * (z.chunks + 1) ** 2
+    b_decay = chunk - u.bc - u.d  # the chunk states' bmm ran
+    diag = b_decay - u.bc - u.tph  # B * decay ran: B in chunks and the decay freed
+    gates = diag - u.m - u.d  # Y_diag's bmm ran: M and its x * dt freed
+    g_bmm = gates - u.m  # M = G L ran: G freed (L stays for exp's backward)
+    segsum = g_bmm - 2 * u.bc - u.m - z.c * z.c  # G's bmm and exp ran; one mask freed
+    pads = segsum - z.c * z.c - z.h * f - (th * f if low else 0)
+    residual = pads - terms["x_fp32"] - th * f  # x * dt's product ran
+    conv = terms["in_proj_out"] + terms["conv_out"] + z.h * f
+    conv_in = t * z.conv * e
+    out = ("attn_out",)
+    return [BackwardMoment("mamba.out", saved, u.tde, out),
+            BackwardMoment("mamba.norm_weight", saved - terms["out"], 3 * u.tdf, out),
+            BackwardMoment("mamba.norm", saved - terms["out"] - u.tdf - rows, 5 * u.tdf, out),
+            BackwardMoment("mamba.y_off", scan, 3 * u.d + gate + u.tph, out),
+            BackwardMoment("mamba.c_states", cts, 2 * u.d + gate + u.bc + u.s2 + u.tph, out),
+            BackwardMoment("mamba.passed", passed,
+                           u.d + gate + u.bc + 2 * u.s3 + u.tph
+                           + z.b * (z.chunks + 1) ** 2 * z.h * f, out),
+            BackwardMoment("mamba.chunk_states", chunk,
+                           2 * u.d + gate + 2 * u.bc + u.s2 + u.tph, out),
+            BackwardMoment("mamba.b_decay", b_decay, 2 * u.d + gate + 4 * u.bc + 2 * u.tph,
+                           out),
+            BackwardMoment("mamba.diag", diag, u.m + 4 * u.d + gate + 2 * u.bc + u.tph, out),
+            BackwardMoment("mamba.gates", gates, 3 * u.m + 2 * u.d + gate + 2 * u.bc + u.tph,
+                           out),
+            BackwardMoment("mamba.g_bmm", g_bmm, 2 * u.m + 2 * u.d + gate + 4 * u.bc + u.tph,
+                           out),
+            BackwardMoment("mamba.segsum", segsum,
+                           4 * u.m + 2 * u.d + gate + 2 * u.bc + u.tph, out),
+            BackwardMoment("mamba.pads", pads,
+                           u.d + 3 * u.tdf + gate + 2 * th * z.n * f + th * (f + e), out),
+            BackwardMoment("mamba.residual", residual,
+                           3 * u.d + u.tdf + gate + 2 * th * z.n * f + th * e, out),
+            BackwardMoment("mamba.conv_act", conv, 2 * conv_in + gate + th * e, out),
+            BackwardMoment("mamba.conv", conv - terms["conv_out"],
+                           terms["conv_out"] + conv_in + gate + th * e, out),
+            BackwardMoment("mamba.proj_grad", z.h * f,
+                           t * z.width * e + conv_in + gate + th * e, out),
+            BackwardMoment("mamba_in", 0, t * z.width * e + grad_in, ("attn",), in_proj)]
