@@ -541,7 +541,7 @@ def float8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutErr
 
 def _float8_moe_refusal(par: ParallelConfig, wl: Workload) -> str | None:
     """Why float8 with MoE layers is not modelled for this run, or None (``float8_rule``)."""
-    if wl.moe_impl.value != "grouped":
+    if not wl.moe_impl.grouped:
         return f"MoE layers and moe_impl {wl.moe_impl.value} (it needs grouped experts)"
     if par.tp > 1:
         return f"MoE layers and tp {par.tp}"
@@ -687,7 +687,7 @@ def _compile_moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     bf16, routed experts alone behind a softmax router in the block's dtype."""
     moe = spec.moe
     assert moe is not None
-    if wl.framework is Framework.TORCHTITAN or wl.moe_impl is not MoeImpl.GROUPED:
+    if wl.framework is Framework.TORCHTITAN or not wl.moe_impl.grouped:
         return (f"MoE layers under {wl.framework.value}, moe_impl {wl.moe_impl.value} "
                 "(traced: transformers' grouped experts)")
     if wl.compute_dtype.value != "bf16":

@@ -154,7 +154,9 @@ PRESETS: dict[Framework, tuple[Selection, ...]] = {
                     f"use_experts_implementation, routed by GraniteMoeTopKRouter) grouped as "
                     f"well (transformers 5.23 and 5.24); transformers 5.3 ran its own "
                     f"GraniteMoeParallelExperts per expert (GraniteMoeMoE.forward): moe_impl "
-                    f"parallel"),
+                    f"parallel. grouped_mm_experts_forward as 5.23 writes it (the routed pairs "
+                    f"sorted, the rows gathered once); as 5.3 wrote it (gathered by token, "
+                    f"then copied sorted): moe_impl grouped-token"),
             Default("window_mask", True,
                     f"masking_utils.py sdpa_mask: a sliding-window layer gets an explicit mask "
                     f"unless the sequence is shorter than the window (_ignore_causal_mask_sdpa); "

@@ -513,7 +513,12 @@ class MoeImpl(PlainEnum):
              ``grouped_mm_experts_forward``; ``get_correct_experts_implementation`` picks
              grouped_mm): the routed rows sorted by expert, one grouped matmul over all of
              them for gate/up and one for down, weighted, unsorted and summed per token (the
-             sum saves nothing)
+             sum saves nothing); as transformers 5.23 writes it, the pairs sorted first and
+             the rows gathered once in that order (``hidden_states[perm // num_top_k]``),
+             the unsort index made after the down projection
+    grouped-token  the same as transformers 5.3 wrote it: the rows gathered by token
+             (``hidden_states[token_idx]``), then a sorted copy, both indices made first (a
+             checkpointed forward holds one more gathered copy and two more indices)
     parallel the model's own experts as transformers 5.3's Granite MoE runs them
              (``MoESpec.parallel_experts``: models/granitemoe/modeling_granitemoe.py
              GraniteMoeMoE.forward; 5.23 runs them grouped): the rows
@@ -526,8 +531,14 @@ class MoeImpl(PlainEnum):
 
     LOOP = "loop"
     GROUPED = "grouped"
+    GROUPED_TOKEN = "grouped-token"
     EVERY = "every"
     PARALLEL = "parallel"
+
+    @property
+    def grouped(self) -> bool:
+        """transformers' grouped experts, as either version writes them."""
+        return self in (MoeImpl.GROUPED, MoeImpl.GROUPED_TOKEN)
 
 
 class Float8Recipe(PlainEnum):

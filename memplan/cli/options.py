@@ -245,9 +245,11 @@ LossImplOpt = Annotated[Optional[LossImpl], typer.Option(
     "--loss-chunks chunks, none checkpointed.", rich_help_panel=_KERNELS)]
 MoeImplOpt = Annotated[Optional[MoeImpl], typer.Option(
     "--moe-impl", help="How an MoE model's routed experts run (default: the framework's; hf: "
-    "grouped, transformers' experts interface, as 5.23 runs Granite's MoE too): loop (one "
-    "expert at a time), grouped, every (every token through every expert, Llama 4), "
-    "parallel (transformers 5.3's GraniteMoeParallelExperts).", rich_help_panel=_KERNELS)]
+    "grouped, transformers' experts interface as 5.23 writes it, which runs Granite's MoE "
+    "too): loop (one expert at a time), grouped, grouped-token (the same as transformers 5.3 "
+    "wrote it: rows gathered by token, then a sorted copy), every (every token through every "
+    "expert, Llama 4), parallel (transformers 5.3's GraniteMoeParallelExperts).",
+    rich_help_panel=_KERNELS)]
 LogitsHeldOpt = Annotated[Optional[LogitsHeld], typer.Option(
     "--logits-held", help="Who keeps the logits beyond what autograd saves (default: the "
     "framework's): none; loss (the model's output until backward, transformers); step (the "

@@ -540,7 +540,8 @@ def _ops_forward(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
     from memplan.model.moe import grouped_kept_moments
 
     return _OpsForward(tuple(p for p in pairs if p[0] != "mlp"), 0,
-                       tuple((base + value, adds) for value, adds in grouped_kept_moments(spec, dm)))
+                       tuple((base + value, adds)
+                             for value, adds in grouped_kept_moments(spec, dm, wl.moe_impl)))
 
 
 def ops_forward_peak(fw: _OpsForward, items: tuple[sac_ops.Item, ...],

@@ -55,21 +55,32 @@ def every_expert_terms(spec: ModelSpec, dm: Dims) -> list[Term]:
                            dm.tokens)]
 
 
-def _grouped_moments(spec: ModelSpec, dm: Dims) -> tuple[int, int]:
+def _grouped_moments(spec: ModelSpec, dm: Dims,
+                     impl: MoeImpl = MoeImpl.GROUPED) -> tuple[int, int]:
     """transformers' grouped_mm_experts_forward (integrations/moe.py) without saving, over the
     R = T*k routed rows: what is alive at the gate (its gate/up output, R 2f, the activation
     and the product, R f each) and at the unsort (the product, the down projection's output,
     R h, the weighted rows and their unsorted copy, R h each in the routing weights' fp32 by
     type promotion), beside what stays bound to the end: the routing's tensors
     (``_routing_bytes``) and the function's index locals (``_grouped_locals``), the gathered
-    rows and their sorted copy (2 R h), and a shared expert's output where it ran first. The
-    block's output does not exist yet (traced: transformers' Mixtral, fp32 and bf16;
-    Hunyuan's block in bf16)."""
+    rows and a shared expert's output where it ran first. The block's output does not exist
+    yet. As transformers 5.3 wrote it (``impl`` grouped-token) the rows are gathered by token
+    and then copied sorted (2 R h), the token and unsort indices made first (traced on 5.3:
+    transformers' Mixtral, fp32 and bf16; Hunyuan's block in bf16); as 5.23 writes it
+    (grouped) the pairs are sorted first and the rows gathered once in that order
+    (``hidden_states[perm // num_top_k]``, its index a temporary), the unsort index made
+    after the down projection (``inv_perm[perm] = arange``): R h and an R-long int64 index
+    fewer at the unsort, another at the gate (traced on 5.23: tests/traced/
+    test_hf_granite_moe.py, Hunyuan's, dots1's and ERNIE's blocks in test_hf_heldout.py)."""
     moe, h, e = _moe(spec), spec.hidden_size, dm.e
     rows = dm.tokens * moe.top_k
     inner = rows * moe.expert_ffn_hidden_size // dm.experts().tp * e
     weighted = rows * h * max(e, weights_width(moe, dm))
     common = _routing_bytes(spec, dm) + _grouped_locals(spec, dm) + 2 * rows * h * e
+    late = 0  # bound at the unsort, not yet at the gate
+    if impl is MoeImpl.GROUPED:
+        common -= rows * h * e + 2 * rows * INDEX_BYTES
+        late = rows * INDEX_BYTES
     if moe.num_shared_experts and not moe.shared_experts_last:
         common += dm.rows * h * e  # the shared expert ran first: its output waits
     gate, down_bias = 4 * inner, 0
@@ -81,7 +92,7 @@ def _grouped_moments(spec: ModelSpec, dm: Dims) -> tuple[int, int]:
         # full recompute, 9 R f at the gate)
         gate = 7 * inner + (2 * inner if spec.mlp_bias else 0)
         down_bias = rows * h * e if spec.mlp_bias else 0
-    return common + gate, common + inner + rows * h * e + 2 * weighted + down_bias
+    return common + gate, common + late + inner + rows * h * e + 2 * weighted + down_bias
 
 
 # the grouped block's saved terms still bound when its experts run without saving
@@ -115,13 +126,14 @@ def _grouped_locals(spec: ModelSpec, dm: Dims) -> int:
     return rows * (INDEX_BYTES + FP32_BYTES) + logits
 
 
-def grouped_kept_moments(spec: ModelSpec, dm: Dims) -> list[tuple[int, frozenset[str]]]:
+def grouped_kept_moments(spec: ModelSpec, dm: Dims,
+                         impl: MoeImpl = MoeImpl.GROUPED) -> list[tuple[int, frozenset[str]]]:
     """The grouped block's working set (``_grouped_moments``) as its two moments under
     op-level checkpointing (``memplan.model.sac_moe.moe_items``), each with the kept items
     alive then beyond it: at the gate the router's projection, kept; at the unsort also
     the gate/up output and the activation, which the checkpointed forward had freed. The
     router's probabilities, the gathered rows and the product are in both anyway."""
-    gate, unsort = _grouped_moments(spec, dm)
+    gate, unsort = _grouped_moments(spec, dm, impl)
     moe = _moe(spec)
     # a shared MLP that ran first freed its tensors when its down projection returned; its
     # output is alive at both moments anyway (``_grouped_moments``)
@@ -263,7 +275,7 @@ def moe_terms(spec: ModelSpec, dm: Dims, impl: MoeImpl = MoeImpl.LOOP) -> list[T
         return moe_parallel.parallel_terms(spec, dm)
     routed = dm.tokens * moe.top_k
     h, e = spec.hidden_size, dm.e
-    grouped = impl is MoeImpl.GROUPED
+    grouped = impl.grouped
     terms = []
     if moe.router_fp32 and e < FP32_BYTES:
         # DeepseekV3TopkRouter: F.linear(x.type(float32), weight.type(float32))
@@ -453,7 +465,7 @@ class MoE:
             return moe_parallel.forward_moments(spec, dm, saved)
         if wl.moe_impl is MoeImpl.EVERY:
             moments.append(Moment("moe_combine", saved, _every_extra(spec, dm)))
-        if wl.moe_impl is MoeImpl.GROUPED:
+        if wl.moe_impl.grouped:
             moments += float8_grouped.forward_moments(spec, dm, self.saved(spec, wl, dm, recompute))
             moments.append(Moment("moe_combine", saved, _grouped_extra(spec, dm)))
         return moments
@@ -467,12 +479,12 @@ class MoE:
             return [Moment("mlp", 0, stream + _every_working(spec, dm))]
         if wl.moe_impl is MoeImpl.PARALLEL:
             return [Moment("mlp", 0, moe_parallel.working_bytes(spec, dm))]
-        if wl.moe_impl is MoeImpl.GROUPED:
+        if wl.moe_impl.grouped:
             # the bf16 working set (``_grouped_moments``, traced on transformers' Mixtral);
             # with torchao's float8 grouped GEMMs their casts at the matmuls (traced on
             # torchtitan's GroupedExperts; 0 without float8)
             f8 = float8_grouped.working_bytes(spec, dm)
-            return [Moment("mlp", 0, max(*_grouped_moments(spec, dm),
+            return [Moment("mlp", 0, max(*_grouped_moments(spec, dm, wl.moe_impl),
                                          dm.tokens * moe.num_experts * FP32_BYTES + stream + f8
                                          if f8 else 0))]
         rows_e = dm.tokens * moe.top_k // moe.num_experts
@@ -495,7 +507,7 @@ class MoE:
             return _every_backward(spec, dm, saved)
         if wl.moe_impl is MoeImpl.PARALLEL:
             return moe_parallel.backward_moments(spec, dm, saved)
-        if wl.moe_impl is MoeImpl.GROUPED:
+        if wl.moe_impl.grouped:
             shared, waiting = _shared_ran_first(spec, dm)
             grouped = float8_grouped.backward_moments(spec, dm, mlp.backward_moments(
                 spec, dm.experts(), saved=saved,

@@ -118,7 +118,7 @@ def moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     moe = spec.moe
     assert moe is not None
     checks = (
-        (wl.moe_impl is not MoeImpl.GROUPED,
+        (not wl.moe_impl.grouped,
          f"moe_impl {wl.moe_impl.value} (its op counts follow the routing; modelled for "
          "transformers' grouped experts, moe_impl grouped)"),
         (moe.router_fp32 and not moe.shared_experts_last,

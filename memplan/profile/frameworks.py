@@ -428,7 +428,7 @@ def build_hf(case: FrameworkCase) -> Built:
                     **({"recompute_save": save} if recompute == "ops" else {}),
                     **({"fsdp_version": 1, **fsdp1} if fsdp1 is not None else {}),
                     **({"moe_impl": case.options["moe_impl"]} if "moe_impl" in case.options
-                       else {}),
+                       else _grouped_gather(spec)),
                     **({"compile": True, "kv_cache": False} if compiled else {}),
                     **_deltanet_kernel(model), **_mamba_kernel(model))
     # the config's use_cache reaches the estimate through the spec (the hf preset's kv_cache)
@@ -471,6 +471,21 @@ def _deltanet_kernel(model: torch.nn.Module) -> dict[str, str]:
                            "torch_chunk_gated_delta_rule", None)
             return {"deltanet_kernel": _torch_rule(rule) if on_cpu else "fla"}
     return {}
+
+
+def _grouped_gather(spec: ModelSpec) -> dict[str, str]:
+    """How the installed transformers' grouped experts gather the routed rows, for a model
+    the hf preset runs on them (``presets``: all MoE but Llama 4's every-expert block):
+    "grouped-token" where ``grouped_mm_experts_forward`` gathers by token and then copies
+    the rows sorted (transformers 5.3), nothing where it sorts first and gathers once (5.23,
+    the preset's ``grouped``)."""
+    if spec.moe is None or spec.moe.every_expert:
+        return {}
+    from transformers.integrations import moe
+
+    forward = getattr(moe, "grouped_mm_experts_forward", None)
+    source = inspect.getsource(forward) if forward is not None else ""
+    return {"moe_impl": "grouped-token"} if "token_idx" in source else {}
 
 
 def _mamba_kernel(model: torch.nn.Module) -> dict[str, str]:

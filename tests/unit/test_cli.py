@@ -413,6 +413,7 @@ def test_flag_names_come_from_one_table() -> None:
     (["--precision", "bf16-pure", "--compile"], {"precision": "bf16-pure", "compile": True}),
     (["--deltanet-kernel", "torch"], {"deltanet_kernel": "torch"}),
     (["--deltanet-kernel", "torch-solve"], {"deltanet_kernel": "torch-solve"}),
+    (["--mamba-kernel", "torch"], {"mamba_kernel": "torch"}),
 ])
 def test_every_shared_option_reaches_the_api(argv: list[str], kwargs: dict[str, Any]) -> None:
     """Each flag sets the API keyword the option table names: the CLI's JSON equals the API's."""
@@ -794,3 +795,14 @@ def test_moe_impl_selects_the_experts_implementation() -> None:
     api = memplan.estimate("granite-3.1-1b-a400m", framework="hf", moe_impl="parallel")
     assert cli == json.loads(json.dumps(_api_json(api)))
     assert estimate_cli(*args)["peak_bytes"] < cli["peak_bytes"]
+
+
+def test_grouped_token_is_transformers_5_3s_gather() -> None:
+    """``--moe-impl grouped-token`` is the API's: the grouped experts as transformers 5.3
+    wrote them (the working sets by hand: tests/unit/test_moe_recompute.py)."""
+    args = ("--model", "mixtral-8x7b", "--gpus", "64", "--framework", "hf",
+            "--recompute", "full")
+    cli = estimate_cli(*args, "--moe-impl", "grouped-token")
+    api = memplan.estimate("mixtral-8x7b", gpus=64, framework="hf", recompute="full",
+                           moe_impl="grouped-token")
+    assert cli == json.loads(json.dumps(_api_json(api)))

@@ -15,6 +15,7 @@ from memplan.api import make_layout, make_workload
 from memplan.model.dims import Dims
 from memplan.model.moe import MoE
 from memplan.spec import ModelSpec, MoESpec, load_model
+from memplan.workload import MoeImpl
 
 GRANITE = dict(num_experts=4, top_k=2, expert_ffn_hidden_size=96, stacked_experts=True,
                router_topk_softmax=True, router_logits_fp32=True, router_weights_cast=True)
@@ -47,14 +48,20 @@ def test_router_saves_the_fp32_top_k_softmax_only() -> None:
 
 
 def test_checkpointed_block_holds_the_fp32_logits() -> None:
-    """Under full recompute (nothing saved): the routing tensors (19,456: the terms above
-    less the rows and the MLP's), the index locals (R*12 = 6,144) and the router's fp32
-    logits GraniteMoeMoE.forward keeps to its end (T E x 4 = 4,096), the gathered rows and
-    their sorted copy (131,072), at the gate the gate/up output, SiLU and product (4 R f e =
+    """Under full recompute (nothing saved), as transformers 5.3 wrote the grouped experts
+    (``moe_impl`` grouped-token): the routing tensors (19,456: the terms above less the rows
+    and the MLP's), the index locals (R*12 = 6,144) and the router's fp32 logits
+    GraniteMoeMoE.forward keeps to its end (T E x 4 = 4,096), the gathered rows and their
+    sorted copy (131,072), at the gate the gate/up output, SiLU and product (4 R f e =
     393,216): 553,984, above the unsort's 160,768 + 98,304 + 65,536 + 2 x 65,536 (the
-    weighted rows and their unsorted copy, bf16: the weights were cast) = 455,680."""
+    weighted rows and their unsorted copy, bf16: the weights were cast) = 455,680. As 5.23
+    writes them (grouped, the default), the rows gathered once, no token index bound and the
+    unsort index not yet made at the gate: 553,984 - 65,536 - 2 x 4,096 = 480,256."""
     spec, wl, dm = _setup("full", **GRANITE)
     (moment,) = MoE().working_set(spec, wl, dm)
+    assert wl.moe_impl.value == "grouped" and moment.transient_bytes == 480_256
+    token = wl.model_copy(update={"moe_impl": MoeImpl.GROUPED_TOKEN})
+    (moment,) = MoE().working_set(spec, token, dm)
     assert moment.transient_bytes == 553_984
 
 

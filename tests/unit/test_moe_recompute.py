@@ -1,6 +1,7 @@
 """The grouped MoE block's working set in a checkpointed forward (``memplan.model.moe.MoE.
 working_set``, transformers' integrations/moe.py ``grouped_mm_experts_forward`` run without
-saving), bytes derived by hand.
+saving), bytes derived by hand, as transformers 5.3 wrote it (``moe_impl`` grouped-token) and
+as 5.23 writes it (grouped, the hf preset's default).
 
 tiny-moe (tests/unit/test_sac_moe.py): h 64, 4 stacked SwiGLU experts of f 96, top-2; seq 128
 and micro-batch 2 in bf16 (e = 2): T = 256 tokens, R = T*k = 512 routed rows. Bound to the end
@@ -12,6 +13,12 @@ their histc copy R*4 = 2,048: 6,144) and the gathered rows with their sorted cop
 the unsort the product (98,304), the down output (65,536) and the weighted rows with their
 unsorted copy in the weights' fp32 (2 R*h*4 = 262,144): 588,800, the larger (Mixtral's
 block).
+
+5.23 sorts the pairs first and gathers the rows once (``hidden_states[perm // num_top_k]``,
+its index a temporary: no token index bound, one gathered copy R*h*e = 65,536) and makes the
+unsort index after the down projection (not bound at the gate): at the gate 25,600 - 2 * 4,096
++ 6,144 + 65,536 + 393,216 = 482,304; at the unsort 25,600 - 4,096 + 6,144 + 65,536 + 98,304
++ 65,536 + 262,144 = 519,168, the larger.
 """
 
 from __future__ import annotations
@@ -27,10 +34,10 @@ SHARED_FP32 = dict(MIXTRAL_LIKE, num_shared_experts=1, shared_expert_ffn_hidden_
                    router_fp32=True)
 
 
-def _working_set(**moe) -> int:
+def _working_set(impl: str = "grouped-token", **moe) -> int:
     spec = ModelSpec.model_validate({**load_model("tiny").model_dump(), "name": "tiny-moe",
                                      "moe": MoESpec(**moe).model_dump()})
-    wl = make_workload(spec, seq_len=128, micro_batch_size=2, moe_impl="grouped",
+    wl = make_workload(spec, seq_len=128, micro_batch_size=2, moe_impl=impl,
                        precision="bf16-pure", recompute="full")
     dm = Dims.of(spec, make_layout(1), wl)
     (moment,) = MoE().working_set(spec, wl, dm)
@@ -63,3 +70,19 @@ def test_routing_weights_cast_to_the_compute_dtype() -> None:
     65,536 + 131,072 = 489,472, under the gate's 24,576 + 6,144 + 131,072 + 32,768 + 393,216
     = 587,776."""
     assert _working_set(**SHARED_FP32, router_weights_cast=True) == 587_776
+
+
+def test_5_23_gathers_once() -> None:
+    """transformers 5.23's grouped_mm_experts_forward (module docstring): 519,168, R*h*e +
+    R*8 = 69,632 under 5.3's; with a shared MLP run first its output T*h*e = 32,768 more;
+    run last, nothing more."""
+    assert _working_set("grouped", **MIXTRAL_LIKE) == 519_168
+    assert _working_set("grouped", **SHARED_FP32) == 551_936
+    assert _working_set("grouped", **SHARED_FP32, shared_experts_last=True) == 519_168
+
+
+def test_5_23_routing_weights_cast() -> None:
+    """ERNIE-like (above) on 5.23: the unsort 24,576 - 4,096 + 6,144 + 65,536 + 32,768 +
+    98,304 + 65,536 + 131,072 = 419,840, under the gate's 24,576 - 8,192 + 6,144 + 65,536 +
+    32,768 + 393,216 = 514,048."""
+    assert _working_set("grouped", **SHARED_FP32, router_weights_cast=True) == 514_048

@@ -12,12 +12,14 @@ projection's output R*h*e = 65,536.
 from __future__ import annotations
 
 import pytest
+
 from memplan.api import estimate, make_layout, make_workload
 from memplan.errors import MemplanError
 from memplan.model import sac_ops
 from memplan.model.dims import Dims
 from memplan.model.layer import ops_items
 from memplan.spec import ModelSpec, MoESpec, load_model
+from memplan.workload import MoeImpl
 
 TINY_MOE = ModelSpec.model_validate({**load_model("tiny").model_dump(), "name": "tiny-moe",
                                      "moe": MoESpec(num_experts=4, top_k=2,
@@ -74,23 +76,27 @@ def test_moe_term_names_and_scope() -> None:
 
 
 def test_moe_forward_peak_at_the_unsort() -> None:
-    """The checkpointed MoE block's two moments, beside the routing tensors bound to the end
-    (probabilities T*E*4 = 4,096, top-k indices R*8 = 4,096 and weights R*4 + T*4 = 3,072,
-    token, sort and unsort indices 4,096 each, routing weights R*4 = 2,048: 25,600), the
-    function's index locals (the sorted expert ids R*8 = 4,096 and their histc copy R*4 =
-    2,048) and the gathered rows with their sorted copy (2 * 65,536): at the gate the gate/up
-    output, SiLU and product (4 * R*f*e = 393,216): 556,032; at the unsort the product
+    """The checkpointed MoE block's two moments as transformers 5.23 writes the grouped
+    experts, beside the routing tensors bound to the end (probabilities T*E*4 = 4,096, top-k
+    indices R*8 = 4,096 and weights R*4 + T*4 = 3,072, the sort index 4,096, the unsort index
+    4,096 from the down projection on, routing weights R*4 = 2,048: 17,408 at the gate, 21,504
+    at the unsort), the function's index locals (the sorted expert ids R*8 = 4,096 and their
+    histc copy R*4 = 2,048) and the rows gathered once (65,536): at the gate the gate/up
+    output, SiLU and product (4 * R*f*e = 393,216): 482,304; at the unsort the product
     (98,304), the down output (65,536), the weighted rows and their unsorted copy in fp32
-    (2 * R*h*4 = 262,144): 588,800, the larger. Keeping the gate/up output adds it at the unsort (the rerun had
-    freed it there): 196,608 above keeping nothing; the product, alive at both, adds
-    nothing."""
+    (2 * R*h*4 = 262,144): 519,168, the larger. Keeping the gate/up output adds it at the
+    unsort (the rerun had freed it there): 196,608 above keeping nothing; the product, alive
+    at both, adds nothing. As 5.3 wrote them (grouped-token: a token index bound, the rows
+    gathered by token and copied sorted) 556,032 and 588,800."""
     from memplan.model.layer import layer_kind
     from memplan.model.moe import grouped_kept_moments
     from memplan.workload import Recompute
 
     wl = make_workload(TINY_MOE, **FIELDS, recompute="ops")
     dm = Dims.of(TINY_MOE, make_layout(1), wl)
-    assert [value for value, _ in grouped_kept_moments(TINY_MOE, dm)] == [556_032, 588_800]
+    assert [value for value, _ in grouped_kept_moments(TINY_MOE, dm)] == [482_304, 519_168]
+    assert [value for value, _ in grouped_kept_moments(TINY_MOE, dm, MoeImpl.GROUPED_TOKEN)
+            ] == [556_032, 588_800]
 
     def peak(save: str) -> int:
         swl = wl.model_copy(update={"recompute_save": tuple(save.split(",")) if save else ()})
