@@ -439,6 +439,12 @@ class ModelSpec(BaseModel):
         "create_sliding_window_causal_mask; with use_sliding_window off its config's window "
         "is 0, so masking_utils.py _ignore_causal_mask_sdpa never skips it): a mask no layer "
         "reads, alive until the forward returns"))
+    scaled_residual: bool = Field(default=False, description=(
+        "each sub-layer's output is scaled by a multiplier before the residual add "
+        "(Granite's residual_multiplier: GraniteDecoderLayer.forward, residual + out * m): "
+        "nothing saved, but in backward the multiplication makes a scaled copy of the "
+        "residual stream's gradient for the sub-layer, beside the stream's own; a fully "
+        "recomputed layer's rerun runs with both alive"))
     attn_sinks: bool = Field(default=False, description=(
         "a learned logit per query head that joins every row of the scores before the "
         "softmax and is dropped after it (GPT-OSS's sinks: models/gpt_oss/modeling_gpt_oss.py "

@@ -31,7 +31,11 @@ from memplan.hf.families_hybrid import QWEN3_NEXT_EXPERTS, qwen3_next
 from memplan.hf.families_moe import MOE_FAMILIES, moe_family_fields, refuse_not_modelled
 from memplan.hf.families_more import MORE_FAMILIES, granite_hybrid_layers, more_family_fields
 from memplan.hf.families_conv import CONV_FAMILIES, conv_family_fields
-from memplan.hf.families_granite import GRANITE_MOE_FAMILIES, granite_family_fields
+from memplan.hf.families_granite import (
+    GRANITE_MOE_FAMILIES,
+    granite_family_fields,
+    granite_residual,
+)
 
 # llama, mistral, mixtral and qwen2 share Llama's field names (memplan.hf.config); gpt2 has
 # its own; the others are read here
@@ -321,8 +325,9 @@ def granite(cfg: ConfigKeys) -> dict[str, Any]:
     residual_multiplier (GraniteDecoderLayer.forward: residual + out * m) and logits_scaling
     (GraniteForCausalLM.forward: logits / s). Multiplying by a Python scalar saves nothing for
     the backward (autograd's mul/div by a scalar keep only the scalar)."""
-    return llama_fields(cfg, head_dim_default=None, tie_default=False,
-                        defaults={"vocab_size": 32000, "max_position_embeddings": 2048})
+    fields = llama_fields(cfg, head_dim_default=None, tie_default=False,
+                          defaults={"vocab_size": 32000, "max_position_embeddings": 2048})
+    return {**fields, **granite_residual(cfg)}
 
 
 def olmo3(cfg: ConfigKeys) -> dict[str, Any]:

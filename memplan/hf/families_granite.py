@@ -57,6 +57,12 @@ def granite_moe(cfg: ConfigKeys, shared_default: int | None) -> dict[str, Any]:
     return moe
 
 
+def granite_residual(cfg: ConfigKeys) -> dict[str, Any]:
+    """``ModelSpec.scaled_residual`` where the config's residual_multiplier is not 1 (the
+    Granite configs' default is 1.0)."""
+    return {"scaled_residual": True} if cfg.get_float("residual_multiplier", 1.0) != 1.0 else {}
+
+
 def granitemoe(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
     """models/granitemoe/modeling_granitemoe.py (GraniteMoeDecoderLayer) and
     models/granitemoeshared/modeling_granitemoeshared.py: Granite's attention (q/k/v/o biases
@@ -65,7 +71,8 @@ def granitemoe(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
     0: none). The expert width is intermediate_size (default 11008)."""
     fields = llama_fields(cfg, head_dim_default=None, tie_default=False, defaults=_DEFAULTS)
     shared = 0 if model_type == "granitemoeshared" else None
-    fields.update(fused_gate_up=True, mlp_bias=False, moe=granite_moe(cfg, shared))
+    fields.update(fused_gate_up=True, mlp_bias=False, moe=granite_moe(cfg, shared),
+                  **granite_residual(cfg))
     return fields
 
 

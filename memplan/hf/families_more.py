@@ -16,7 +16,7 @@ from typing import Any
 from memplan.hf.config import FULL, SLIDING, ConfigKeys, llama_fields, sliding_fields
 from memplan.hf.config import _KERNEL_GELU
 from memplan.hf.config import _layer_types as _types
-from memplan.hf.families_granite import granite_moe
+from memplan.hf.families_granite import granite_moe, granite_residual
 from memplan.hf.families_moe import first_dense
 MORE_FAMILIES = ("exaone4", "seed_oss", "hunyuan_v1_dense", "hunyuan_v1_moe", "ernie4_5", "dots1",
                  "ernie4_5_moe", "apertus", "granitemoehybrid")
@@ -295,6 +295,7 @@ def granitemoehybrid(cfg: ConfigKeys) -> dict[str, Any]:
     mamba = _granite_mamba(cfg, fields["hidden_size"], fields["num_layers"])
     if mamba is not None:
         fields["mamba"] = mamba
+    fields.update(granite_residual(cfg))
     return fields
 
 

@@ -335,6 +335,11 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
     extra = stream if recompute is Recompute.FULL and not input_is_saved else 0
     out: list[LayerMoment] = []
     if recompute is Recompute.FULL:
+        # the sub-layer's scaled output (``ModelSpec.scaled_residual``): its scalar product's
+        # backward ran before the node that reruns the layer, its gradient copy waits beside
+        # the stream's (traced: Granite 4.0-H on transformers 5.23, tests/unit/
+        # test_mamba_einsum.py)
+        rerun_in = incoming + (stream if spec.scaled_residual else 0)
         # The rerun stops once the last saved tensor is packed: after the MLP's output
         # dropout (its mask), or its second linear, whose output is alive then (and
         # dropout's), with everything the layer saves and the post-attention residual when
@@ -346,10 +351,10 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
             # MLP's argument, all-gathered under DTensor sequence parallelism) still does
             # (traced)
             rerun_out = dm.linear_rows * spec.hidden_size * dm.stream_e
-        out.append(LayerMoment("rebuild_out", extra + sum(saved), incoming + rerun_out, ()))
+        out.append(LayerMoment("rebuild_out", extra + sum(saved), rerun_in + rerun_out, ()))
         for block, before in zip(blocks, prior):
             out += [LayerMoment(m.name, extra + before + m.own_bytes,
-                                   incoming + m.transient_bytes, ())
+                                   rerun_in + m.transient_bytes, ())
                     for m in block.rebuild_moments(spec, wl, dm)]
     later: tuple[str, ...] = ()  # the blocks whose backward has run: all their gradients
     rerun = recompute is Recompute.FULL  # the rerun's tensors, dropped as they are unpacked

@@ -308,3 +308,30 @@ def test_granite_select_backward_sums_by_hand() -> None:
     assert select_grads(spec, dm) == (1_811_939_328, 905_969_664)
     assert select_grads(spec, dm._replace(ep=9)) == (1_811_939_328 // 9, 905_969_664 // 9)
     assert select_grads(spec, dm._replace(ep=72)) == (0, 0)
+
+
+def test_granite_residual_multiplier_holds_a_gradient_copy_through_the_rerun() -> None:
+    """Every Granite config here sets residual_multiplier 0.22 (``scaled_residual``; the
+    catalog's entries too). Under full recompute the rerun of a layer runs beside the scaled
+    copy of the stream's gradient (``residual + out * m``: the product's backward ran first):
+    T h e = 2 * 1,024 * 4,096 * 2 = 16,777,216 B more at every rerun moment of granite-3.3-8b
+    in bf16, nothing more once the layer's own backward runs."""
+    from memplan.api import make_layout, make_workload
+    from memplan.model.dims import Dims
+    from memplan.model.layer import backward_moments
+    from memplan.workload import Recompute
+
+    for name in ("granite-3.3-8b", "granite-3.1-1b-a400m", "granite-4.0-h-tiny"):
+        assert load_model(name).scaled_residual
+    tiny = json.loads((HELDOUT / "granite-4.0-h-tiny" / "config.json").read_text())
+    assert spec_from_hf_dict(tiny, "config.json", "g").scaled_residual
+    spec = load_model("granite-3.3-8b")
+    plain = spec.model_copy(update={"scaled_residual": False})
+    wl = make_workload(spec, framework="hf", seq_len=1024, micro_batch_size=2,
+                       precision="bf16-pure", recompute="full")
+    dm = Dims.of(spec, make_layout(1), wl)
+    with_copy, without = (backward_moments(s, wl, dm, moe_layer=False,
+                                           recompute=Recompute.FULL) for s in (spec, plain))
+    diffs = [a.transient_bytes - b.transient_bytes for a, b in zip(with_copy, without)]
+    assert diffs[0] == 16_777_216 and diffs[-1] == 0
+    assert set(diffs) == {0, 16_777_216}
