@@ -69,18 +69,21 @@ def _grouped_moments(spec: ModelSpec, dm: Dims,
     transformers' Mixtral, fp32 and bf16; Hunyuan's block in bf16); as 5.23 writes it
     (grouped) the pairs are sorted first and the rows gathered once in that order
     (``hidden_states[perm // num_top_k]``, its index a temporary), the unsort index made
-    after the down projection (``inv_perm[perm] = arange``): R h and an R-long int64 index
-    fewer at the unsort, another at the gate (traced on 5.23: tests/traced/
-    test_hf_granite_moe.py, Hunyuan's, dots1's and ERNIE's blocks in test_hf_heldout.py)."""
+    after the down projection (``inv_perm[perm] = arange``) and the product freed there
+    (``proj_out`` rebound to the down projection's output): R h and an R-long int64 index
+    fewer at the gate, R h, the product and an index fewer at the unsort (traced on 5.23:
+    tests/traced/test_hf_granite_moe.py, Hunyuan's, dots1's and ERNIE's blocks in
+    test_hf_heldout.py)."""
     moe, h, e = _moe(spec), spec.hidden_size, dm.e
     rows = dm.tokens * moe.top_k
     inner = rows * moe.expert_ffn_hidden_size // dm.experts().tp * e
     weighted = rows * h * max(e, weights_width(moe, dm))
     common = _routing_bytes(spec, dm) + _grouped_locals(spec, dm) + 2 * rows * h * e
-    late = 0  # bound at the unsort, not yet at the gate
+    late, product = 0, inner  # the unsort index from the down projection on; the product
     if impl is MoeImpl.GROUPED:
         common -= rows * h * e + 2 * rows * INDEX_BYTES
-        late = rows * INDEX_BYTES
+        # 5.23 rebinds proj_out to the down projection's output: the product is freed
+        late, product = rows * INDEX_BYTES, 0
     if moe.num_shared_experts and not moe.shared_experts_last:
         common += dm.rows * h * e  # the shared expert ran first: its output waits
     gate, down_bias = 4 * inner, 0
@@ -92,7 +95,7 @@ def _grouped_moments(spec: ModelSpec, dm: Dims,
         # full recompute, 9 R f at the gate)
         gate = 7 * inner + (2 * inner if spec.mlp_bias else 0)
         down_bias = rows * h * e if spec.mlp_bias else 0
-    return common + gate, common + late + inner + rows * h * e + 2 * weighted + down_bias
+    return common + gate, common + late + product + rows * h * e + 2 * weighted + down_bias
 
 
 # the grouped block's saved terms still bound when its experts run without saving
@@ -131,8 +134,9 @@ def grouped_kept_moments(spec: ModelSpec, dm: Dims,
     """The grouped block's working set (``_grouped_moments``) as its two moments under
     op-level checkpointing (``memplan.model.sac_moe.moe_items``), each with the kept items
     alive then beyond it: at the gate the router's projection, kept; at the unsort also
-    the gate/up output and the activation, which the checkpointed forward had freed. The
-    router's probabilities, the gathered rows and the product are in both anyway."""
+    the gate/up output and the activation, which the checkpointed forward had freed, and as
+    transformers 5.23 writes the experts (``impl`` grouped) the product too. The router's
+    probabilities and the gathered rows are in both anyway."""
     gate, unsort = _grouped_moments(spec, dm, impl)
     moe = _moe(spec)
     # a shared MLP that ran first freed its tensors when its down projection returned; its
@@ -141,8 +145,9 @@ def grouped_kept_moments(spec: ModelSpec, dm: Dims,
               if moe.num_shared_experts and not moe.shared_experts_last else set())
     # an fp32 router's input and weight copies, freed once its logits exist (_routing_bytes)
     router = {"moe.router", "moe.router_input_fp32", "moe.router_weight_fp32"}
-    return [(gate, frozenset(router | shared)),
-            (unsort, frozenset(router | {"moe.expert.gate_up", "moe.expert.act"} | shared))]
+    freed = {"moe.expert.gate_up", "moe.expert.act"} | (
+        {"moe.expert.prod"} if impl is MoeImpl.GROUPED else set())
+    return [(gate, frozenset(router | shared)), (unsort, frozenset(router | freed | shared))]
 
 
 def _gated_shared_unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:

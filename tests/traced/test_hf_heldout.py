@@ -302,10 +302,36 @@ ERNIE_MOE_PEAK = Known(
      "steady.backward_bytes": (-384_148, -5.4240)})
 
 
+# The same on transformers 5.23, whose grouped experts gather the rows once (moe_impl
+# grouped): the saved activations' deficit as on 5.3, the rerun's backward 128,168 B short
+# and the checkpointed forward 27,816 B short, not attributed yet
+ERNIE_MOE_PEAK_5_23 = Known(
+    ("activations_bytes", "first_step.forward_bytes", "first_step.backward_bytes",
+     "steady.backward_bytes"),
+    "ERNIE 4.5 MoE bf16, full recompute, 2 x 256 tokens, transformers 5.23: saved "
+    "activations -3.50% (34,832 B), step 1's forward -1.10% (27,816 B), its backward -2.37% "
+    "(128,168 B) and -1.91% from step 2; not attributed yet",
+    {"activations_bytes": (-34_832, -3.4994), "first_step.forward_bytes": (-27_816, -1.0982),
+     "first_step.backward_bytes": (-128_168, -2.3680),
+     "steady.backward_bytes": (-130_196, -1.9067)})
+
+
+def _gathers_by_token() -> bool:
+    """Whether the installed transformers' grouped experts gather the routed rows by token
+    before a sorted copy (5.3: moe_impl grouped-token), not once in sorted order (5.23)."""
+    import inspect
+
+    from transformers.integrations import moe
+
+    forward = getattr(moe, "grouped_mm_experts_forward", None)
+    return forward is not None and "token_idx" in inspect.getsource(forward)
+
+
 def _peak_param(name: str):
     from known import KnownDeviation  # tests/traced/known.py
 
-    known = ERNIE_MOE_PEAK if name == "ernie4_5_moe" else None
+    ernie = ERNIE_MOE_PEAK if _gathers_by_token() else ERNIE_MOE_PEAK_5_23
+    known = ernie if name == "ernie4_5_moe" else None
     marks = [pytest.mark.xfail(strict=True, raises=KnownDeviation, reason=known.cause)
              ] if known else []
     return pytest.param(name, known, id=name, marks=marks)

@@ -15,10 +15,10 @@ unsorted copy in the weights' fp32 (2 R*h*4 = 262,144): 588,800, the larger (Mix
 block).
 
 5.23 sorts the pairs first and gathers the rows once (``hidden_states[perm // num_top_k]``,
-its index a temporary: no token index bound, one gathered copy R*h*e = 65,536) and makes the
-unsort index after the down projection (not bound at the gate): at the gate 25,600 - 2 * 4,096
-+ 6,144 + 65,536 + 393,216 = 482,304; at the unsort 25,600 - 4,096 + 6,144 + 65,536 + 98,304
-+ 65,536 + 262,144 = 519,168, the larger.
+its index a temporary: no token index bound, one gathered copy R*h*e = 65,536), makes the
+unsort index after the down projection (not bound at the gate) and frees the product there
+(``proj_out`` rebound): at the gate 25,600 - 2 * 4,096 + 6,144 + 65,536 + 393,216 = 482,304,
+the larger; at the unsort 25,600 - 4,096 + 6,144 + 65,536 + 65,536 + 262,144 = 420,864.
 """
 
 from __future__ import annotations
@@ -73,16 +73,16 @@ def test_routing_weights_cast_to_the_compute_dtype() -> None:
 
 
 def test_5_23_gathers_once() -> None:
-    """transformers 5.23's grouped_mm_experts_forward (module docstring): 519,168, R*h*e +
-    R*8 = 69,632 under 5.3's; with a shared MLP run first its output T*h*e = 32,768 more;
+    """transformers 5.23's grouped_mm_experts_forward (module docstring): the gate's 482,304;
+    with a shared MLP run first its output T*h*e = 32,768 more at both moments (515,072);
     run last, nothing more."""
-    assert _working_set("grouped", **MIXTRAL_LIKE) == 519_168
-    assert _working_set("grouped", **SHARED_FP32) == 551_936
-    assert _working_set("grouped", **SHARED_FP32, shared_experts_last=True) == 519_168
+    assert _working_set("grouped", **MIXTRAL_LIKE) == 482_304
+    assert _working_set("grouped", **SHARED_FP32) == 515_072
+    assert _working_set("grouped", **SHARED_FP32, shared_experts_last=True) == 482_304
 
 
 def test_5_23_routing_weights_cast() -> None:
     """ERNIE-like (above) on 5.23: the unsort 24,576 - 4,096 + 6,144 + 65,536 + 32,768 +
-    98,304 + 65,536 + 131,072 = 419,840, under the gate's 24,576 - 8,192 + 6,144 + 65,536 +
-    32,768 + 393,216 = 514,048."""
+    65,536 + 131,072 = 321,536 (no product), under the gate's 24,576 - 8,192 + 6,144 +
+    65,536 + 32,768 + 393,216 = 514,048."""
     assert _working_set("grouped", **SHARED_FP32, router_weights_cast=True) == 514_048
