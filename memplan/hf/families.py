@@ -122,6 +122,9 @@ def qwen_moe(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
         "top_k": cfg.get_int("num_experts_per_tok", 4 if qwen2 else 8),
         "expert_ffn_hidden_size": cfg.get_int("moe_intermediate_size", 1408 if qwen2 else 768),
         "layer_freq": freq, "first_dense_layers": first_dense, "stacked_experts": True,
+        # the top-k weights in the compute dtype (``router_weights_cast``): transformers 5.23's
+        # router casts them to the linear's output dtype (5.3's stayed fp32)
+        "router_weights_cast": True,
     }
     if qwen2:
         moe.update(num_shared_experts=1, shared_expert_gate=True,

@@ -77,6 +77,7 @@ def qwen3_next(cfg: ConfigKeys, sparse: tuple[int, int], experts: int) -> dict[s
         "layer_freq": freq, "first_dense_layers": first_dense, "stacked_experts": True,
         "num_shared_experts": 1, "shared_expert_gate": True,
         "shared_expert_ffn_hidden_size": cfg.get_int("shared_expert_intermediate_size", 512),
+        "router_weights_cast": True,  # as Qwen2-MoE's router in transformers 5.23
     }
     fields.update(qk_norm="head", norm_scale_fp32=True, attn_output_gate=True, moe=moe,
                   linear_attention=_linear_attention(cfg, num_layers),

@@ -385,17 +385,19 @@ def moe_linears(spec: ModelSpec, ep: int) -> tuple[Linear, ...]:
     return router + experts + _shared_linears(spec) + gate
 
 
-def _grouped_extra(spec: ModelSpec, dm: Dims) -> int:
+def _grouped_extra(spec: ModelSpec, dm: Dims, impl: MoeImpl = MoeImpl.GROUPED) -> int:
     """Grouped experts' transients beside their saved terms at the unsort: the down
     projection's output scaled by the routing weights (fp32 by type promotion but where
     ``weights_width`` says otherwise) and that product unsorted (a copy), beside the
-    function's locals no backward saves: the gathered rows before their sort
-    (``selected_hidden_states``, R h; the sorted copy is saved) and the index locals
-    (``_grouped_locals``). Traced: transformers' Mixtral, bf16, 2 x 256 tokens."""
+    function's locals no backward saves: the index locals (``_grouped_locals``) and, as
+    transformers 5.3 wrote it (``impl`` grouped-token), the rows gathered by token before
+    their sort (``selected_hidden_states``, R h; the sorted copy is saved), which 5.23's
+    single gather never makes. Traced: transformers' Mixtral, bf16, 2 x 256 tokens."""
     moe = _moe(spec)
     routed, h = dm.tokens * moe.top_k, spec.hidden_size
     weighted = routed * h * max(dm.e, weights_width(moe, dm))
-    return 2 * weighted + routed * h * dm.e + _grouped_locals(spec, dm)
+    by_token = routed * h * dm.e if impl is MoeImpl.GROUPED_TOKEN else 0
+    return 2 * weighted + by_token + _grouped_locals(spec, dm)
 
 
 def _every_extra(spec: ModelSpec, dm: Dims) -> int:
@@ -472,7 +474,8 @@ class MoE:
             moments.append(Moment("moe_combine", saved, _every_extra(spec, dm)))
         if wl.moe_impl.grouped:
             moments += float8_grouped.forward_moments(spec, dm, self.saved(spec, wl, dm, recompute))
-            moments.append(Moment("moe_combine", saved, _grouped_extra(spec, dm)))
+            moments.append(Moment("moe_combine", saved,
+                                  _grouped_extra(spec, dm, wl.moe_impl)))
         return moments
 
     def working_set(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:

@@ -375,7 +375,7 @@ def build_hf(case: FrameworkCase) -> Built:
     config = config_for_model(case.config)
     attn = case.options.get("attn", _default_attention(AutoModelForCausalLM, config))
     model = AutoModelForCausalLM.from_config(config, dtype=rec.weights, attn_implementation=attn)
-    spec = hf_spec(model.config, case.name)
+    spec = _router_dtype(model, hf_spec(model.config, case.name))
     fsdp1 = case.options.get("fsdp1")
     if fsdp1 is not None:
         model = _fsdp1_wrap(model, case, fsdp1)
@@ -486,6 +486,24 @@ def _grouped_gather(spec: ModelSpec) -> dict[str, str]:
     forward = getattr(moe, "grouped_mm_experts_forward", None)
     source = inspect.getsource(forward) if forward is not None else ""
     return {"moe_impl": "grouped-token"} if "token_idx" in source else {}
+
+
+def _router_dtype(model: torch.nn.Module, spec: ModelSpec) -> ModelSpec:
+    """``spec`` with the installed router's top-k weight dtype: transformers 5.23's Qwen-style
+    TopKRouter casts them to ``router_logits.dtype``, the linear's output (the readers'
+    ``router_weights_cast``), where 5.3's rebound ``router_logits`` to the fp32 softmax
+    first, leaving them fp32."""
+    if spec.moe is None or not spec.moe.router_weights_cast:
+        return spec
+    for module in model.modules():
+        if type(module).__name__.endswith("TopKRouter"):
+            source = inspect.getsource(type(module).forward)
+            if ("router_top_value.to(router_logits.dtype)" in source
+                    and "router_logits = torch.nn.functional.softmax" in source):
+                moe = spec.moe.model_copy(update={"router_weights_cast": False})
+                return spec.model_copy(update={"moe": moe})
+            break
+    return spec
 
 
 def _mamba_kernel(model: torch.nn.Module) -> dict[str, str]:

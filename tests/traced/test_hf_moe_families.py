@@ -268,15 +268,37 @@ GPT_OSS_FULL_KNOWN = {
 }
 
 
-@pytest.mark.parametrize("precision", [
-    pytest.param(p, marks=pytest.mark.xfail(strict=True, raises=KnownDeviation,
-                                            reason=k.cause))
-    for p, k in GPT_OSS_FULL_KNOWN.items()])
+# On transformers 5.23 (grouped experts that gather once and free the product: moe_impl
+# grouped) the backward is within 0.6% in both; the fp32 saved activations' 7,680 B stay
+GPT_OSS_FULL_KNOWN_5_23 = {
+    "fp32": Known(("activations_bytes",),
+                  "GPT-OSS fp32 eager under full recompute, 2 x 64 tokens, transformers 5.23: "
+                  "saved activations +1.15% (7,680 B); not attributed yet",
+                  {"activations_bytes": (7_680, 1.1521)}),
+    "bf16-pure": None,
+}
+
+
+def _gpt_oss_known(precision: str) -> Known | None:
+    from test_hf_heldout import _gathers_by_token
+
+    table = GPT_OSS_FULL_KNOWN if _gathers_by_token() else GPT_OSS_FULL_KNOWN_5_23
+    return table[precision]
+
+
+def _gpt_oss_param(precision: str):
+    known = _gpt_oss_known(precision)
+    marks = [pytest.mark.xfail(strict=True, raises=KnownDeviation, reason=known.cause)
+             ] if known else []
+    return pytest.param(precision, marks=marks)
+
+
+@pytest.mark.parametrize("precision", [_gpt_oss_param(p) for p in GPT_OSS_FULL_KNOWN])
 def test_gpt_oss_under_full_recompute(precision: str) -> None:
-    """Every row within 1% but the known ones (above)."""
+    """Every row within 1% but the known ones (above, for the installed version)."""
     case = FrameworkCase("transformers", "gpt_oss-toy", GPT_OSS_TOY, precision, 2, 64,
                          options={"attn": "eager", "recompute": "full"})
-    check(compare_framework(case).rows, GPT_OSS_FULL_KNOWN[precision])
+    check(compare_framework(case).rows, _gpt_oss_known(precision))
 
 
 # --- a model type memplan has no reader for (memplan.hf.fallback) ----------------------------

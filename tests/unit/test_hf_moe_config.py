@@ -3,6 +3,9 @@ family's configuration class defaults, and the families refused by name."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from memplan.errors import MemplanError
@@ -227,3 +230,37 @@ def test_gpt_oss_checkpointed_gate_holds_its_clamped_swiglu_and_gathered_biases(
     plain = spec.model_copy(update={"moe": spec.moe.model_copy(update={"clamped_swiglu": False})})
     (gate, unsort), (gate0, unsort0) = _grouped_moments(spec, dm), _grouped_moments(plain, dm)
     assert spec.mlp_bias and (gate - gate0, unsort - unsort0) == (14_745_600, 2_949_120)
+
+
+def test_qwen_routers_cast_the_top_k_weights_to_the_compute_dtype() -> None:
+    """transformers 5.23's Qwen2MoeTopKRouter.forward (Qwen3-MoE's and Qwen3-Next's the same)
+    casts the top-k weights to router_logits.dtype, the linear's bf16 output: the readers and
+    the catalog set ``router_weights_cast``, so the grouped experts' saved routing weights
+    are R * 2 bytes in bf16. qwen1.5-moe-a2.7b, one sequence of 1,024 tokens, top-4: R =
+    4,096 routed rows, 8,192 B (fp32 weights, as 5.3 kept them: 16,384 B)."""
+    from memplan.api import make_layout, make_workload
+    from memplan.model.dims import Dims
+    from memplan.model.moe import moe_terms
+    from memplan.spec import load_model
+    from memplan.workload import MoeImpl
+
+    for name in ("qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "qwen3-next-80b-a3b"):
+        moe = load_model(name).moe
+        assert moe is not None and moe.router_weights_cast
+    hf = Path(__file__).resolve().parents[1] / "data" / "hf"
+    for name in ("Qwen1.5-MoE-A2.7B", "Qwen3-30B-A3B", "Qwen3-Next-80B-A3B-Instruct"):
+        data = json.loads((hf / name / "config.json").read_text())
+        spec = spec_from_hf_dict(data, "config.json", name)
+        assert spec.moe is not None and spec.moe.router_weights_cast
+    spec = load_model("qwen1.5-moe-a2.7b")
+    wl = make_workload(spec, framework="hf", seq_len=1024, micro_batch_size=1,
+                       precision="bf16-mixed")
+    dm = Dims.of(spec, make_layout(1), wl)
+
+    def weights(s) -> int:
+        return next(t.size_bytes for t in moe_terms(s, dm, MoeImpl.GROUPED)
+                    if t.name == "moe.routing_weights")
+
+    fp32 = spec.model_copy(update={"moe": spec.moe.model_copy(
+        update={"router_weights_cast": False})})
+    assert (weights(spec), weights(fp32)) == (8_192, 16_384)
