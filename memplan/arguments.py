@@ -41,7 +41,7 @@ CLI_OPTIONS: dict[str, str] = {
         "optimizer_impl", "attention", "logits_fp32", "framework", "keep_grads", "loss_chunks",
         "schedule", "calibration", "grad_sync", "compile", "float8", "optimizer_in_backward",
         "mtp_layers", "loss_impl", "moe_impl", "logits_held", "fsdp_version",
-        "deltanet_kernel", "mamba_kernel",
+        "deltanet_kernel", "mamba_kernel", "mla_cache",
         "compile_loss", "compile_in_checkpoint",
         "lora_rank", "lora_targets", "lora_dropout", "base_quant",  # fine-tuning
         "float8_all_gather", "recompute_save", "async_tp")},

@@ -264,6 +264,21 @@ class MambaKernel(PlainEnum):
     TORCH_EINSUM = "torch-einsum"
 
 
+class MlaCache(PlainEnum):
+    """What a training forward's key/value cache (``Workload.kv_cache``) holds of a DeepSeek
+    multi-head latent attention layer (DeepseekV3Attention.forward).
+
+    latent    the compressed latents (kv_nope after kv_a_layernorm, the rotated k_rot), the
+              key and value then rebuilt from them (``expand_kv``): the core's value is a
+              view of kv_b_proj's output, which it keeps whole (transformers 5.23)
+    expanded  the expanded key and value (DynamicLayer.update's copies), which the core
+              saves instead of kv_b_proj's output (transformers 5.3)
+    """
+
+    LATENT = "latent"
+    EXPANDED = "expanded"
+
+
 class LogitsHeld(PlainEnum):
     """Who keeps the logits beyond what autograd saves.
 
@@ -690,6 +705,10 @@ class Workload(BaseModel):
         "how the Mamba2 layers run (MambaKernel); the default is transformers' torch path as "
         "5.23 writes it (torch-einsum), what an install without mamba_ssm runs; torch: as 5.3 "
         "wrote it"))
+    mla_cache: MlaCache = Field(default=MlaCache.LATENT, description=(
+        "what a training forward's cache holds of a latent-attention layer (MlaCache): the "
+        "latents, as transformers 5.23's DeepseekV3Attention caches them, or the expanded "
+        "key and value (5.3)"))
     grad_sync: GradSync = GradSync.EVERY
     # DeepSpeed's ZeRO-1/2 gradient buckets and step (memplan.model.deepspeed_zero)
     zero_bucket_numel: int = Field(default=0, ge=0, le=10**12, description=(

@@ -32,6 +32,7 @@ from memplan.workload import (
     BaseQuant,
     DeltaNetKernel,
     MambaKernel,
+    MlaCache,
     Float8Recipe,
     Framework,
     GradSync,
@@ -266,6 +267,11 @@ MambaKernelOpt = Annotated[Optional[MambaKernel], typer.Option(
     "mamba_ssm, no causal-conv1d): torch-einsum (default: as transformers 5.23 writes it, "
     "mamba2_chunk_scan's einsums) or torch (as transformers 5.3 wrote it: the naive chunked "
     "scan).", rich_help_panel=_KERNELS)]
+MlaCacheOpt = Annotated[Optional[MlaCache], typer.Option(
+    "--mla-cache", help="What a training forward's key/value cache holds of DeepSeek's "
+    "latent attention (with --use-cache): latent (default: the latents, as transformers "
+    "5.23 caches them, the value then a view of kv_b_proj's whole output) or expanded (the "
+    "expanded key and value, as transformers 5.3 did).", rich_help_panel=_KERNELS)]
 MtpLayers = Annotated[int, typer.Option(
     "--mtp-layers", help="Multi-token prediction depths on the last pipeline stage "
     "(Megatron-LM's --mtp-num-layers): per depth a layer, norms, a 2h -> h projection and "
@@ -424,6 +430,7 @@ SHARED: dict[str, Shared] = {
     "logits_held": Shared(LogitsHeldOpt, None, _value),
     "deltanet_kernel": Shared(DeltaNetKernelOpt, None, _value),
     "mamba_kernel": Shared(MambaKernelOpt, None, _value),
+    "mla_cache": Shared(MlaCacheOpt, None, _value),
     "schedule": Shared(ScheduleOpt, Schedule.ONE_F_ONE_B, resolve=False),
     "calibration": Shared(Calibration, None, resolve=False),
 }
@@ -438,7 +445,7 @@ WORKLOAD = ("mbs", "gbs", "seq", "recompute", "recompute_layers", "recompute_eve
             "fsdp_version", "fsdp_backward_prefetch", "fsdp_use_orig_params",
             "fsdp_reshard_after_forward", "mtp_layers", "loss_impl", "moe_impl",
             "logits_held", "lora_rank", "lora_targets", "lora_dropout", "base_quant",
-            "deltanet_kernel", "mamba_kernel",
+            "deltanet_kernel", "mamba_kernel", "mla_cache",
             "float8_all_gather", "compile_loss", "compile_in_checkpoint",
             "recompute_save", "async_tp")
 # what a framework's own loop decides, beyond memplan's reference model (which trace and

@@ -49,7 +49,7 @@ FixedRecompute = Annotated[RecomputeChoice | None, typer.Option(
       "mtp_layers", "compile", "optimizer_in_backward", "compile_loss",
       "compile_in_checkpoint",
       "loss_impl", "moe_impl", "logits_held", "calibration", "lora_rank", "lora_targets", "lora_dropout", "base_quant",
-      "deltanet_kernel", "mamba_kernel", "async_tp",
+      "deltanet_kernel", "mamba_kernel", "mla_cache", "async_tp",
       model=None, gpus=8, tp=None, pp=None, vpp=None, cp=None, ep=None, zero=None,
       offload=None)
 def plan(

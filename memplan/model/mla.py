@@ -12,7 +12,8 @@ As transformers runs it (``models/deepseek_v3/modeling_deepseek_v3.py``
   the rope part rotated once and expanded to every head. The key is a concatenation (a new
   tensor); the value a view of the kv_b output, so the core's saved value keeps that whole
   output alive (``mla.kv_up``), unless a key/value cache filled by the training forward
-  (``Workload.kv_cache``) hands the core its copies of k and v.
+  (``Workload.kv_cache``) hands the core its copies of k and v (5.3; 5.23 caches the latents
+  and rebuilds k and v from them, the value still a view: ``Workload.mla_cache``).
 - the core: with the value head narrower than the query/key head, CUDA's SDPA runs its
   memory-efficient kernel (flash needs equal head dims), which saves q, k, v, its output and
   an fp32 logsumexp per query and head; its output is the one the output projection saves
@@ -37,7 +38,7 @@ from memplan.model.linear import Linear, Split
 from memplan.model.norm import norm_terms
 from memplan.spec import MlaSpec, ModelSpec
 from memplan.workload import Attention as Kernel
-from memplan.workload import Recompute, Workload
+from memplan.workload import MlaCache, Recompute, Workload
 
 
 def _mla(spec: ModelSpec) -> MlaSpec:
@@ -82,9 +83,10 @@ def mla_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> 
                    for t in kv_norm]
     terms += kv_norm
     terms += [Term("mla.q", dm.tokens * qk * e), Term("mla.k", dm.tokens * qk * e)]
-    if wl.kv_cache and recompute is Recompute.NONE:
+    if wl.kv_cache and recompute is Recompute.NONE and wl.mla_cache is MlaCache.EXPANDED:
         # a key/value cache filled by the training forward hands the core its copies of k and
-        # v (transformers' DynamicLayer.update): the kv_b output is not kept
+        # v (transformers 5.3's DynamicLayer.update): the kv_b output is not kept; 5.23
+        # caches the latents and rebuilds v as a view of it (``Workload.mla_cache``)
         terms.append(Term("mla.v", dm.tokens * out * e))
     else:
         terms.append(Term("mla.kv_up", dm.tokens * kv_up * e))

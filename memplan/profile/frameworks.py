@@ -430,7 +430,7 @@ def build_hf(case: FrameworkCase) -> Built:
                     **({"moe_impl": case.options["moe_impl"]} if "moe_impl" in case.options
                        else _grouped_gather(spec)),
                     **({"compile": True, "kv_cache": False} if compiled else {}),
-                    **_deltanet_kernel(model), **_mamba_kernel(model))
+                    **_deltanet_kernel(model), **_mamba_kernel(model), **_mla_cache(model))
     # the config's use_cache reaches the estimate through the spec (the hf preset's kv_cache)
     layout = (api.make_layout(case.dp, zero=3) if fsdp1 is not None
               else api.make_layout(1, offload=offload))
@@ -504,6 +504,17 @@ def _router_dtype(model: torch.nn.Module, spec: ModelSpec) -> ModelSpec:
                 return spec.model_copy(update={"moe": moe})
             break
     return spec
+
+
+def _mla_cache(model: torch.nn.Module) -> dict[str, str]:
+    """What the model's latent attention caches in a training forward: "expanded" where
+    DeepseekV3Attention hands the cache its expanded key and value (transformers 5.3),
+    nothing (the default, "latent") where it caches the latents and rebuilds them
+    (``expand_kv``, 5.23); nothing for a model without it."""
+    for module in model.modules():
+        if type(module).__name__ == "DeepseekV3Attention":
+            return {} if hasattr(module, "expand_kv") else {"mla_cache": "expanded"}
+    return {}
 
 
 def _mamba_kernel(model: torch.nn.Module) -> dict[str, str]:

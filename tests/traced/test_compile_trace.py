@@ -254,6 +254,22 @@ MIXTRAL = hf("Mixtral-8x7B-v0.1", num_hidden_layers=1, hidden_size=128, intermed
              vocab_size=512)
 
 
+def _moe_spec(config: dict):
+    """The MoE toy's spec with the installed transformers' router dtype (``frameworks.
+    _router_dtype``: 5.23's Qwen-style router casts its top-k weights, 5.3's kept them
+    fp32), read off the model built on the meta device."""
+    import torch
+    import transformers
+
+    from memplan.profile.frameworks import _router_dtype
+
+    keep = {k: v for k, v in config.items() if k not in ("quantization_config", "auto_map")}
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(**keep))
+    return _router_dtype(model, spec_from_hf_dict(config, "moe-toy", "moe-toy"))
+
+
 @pytest.mark.parametrize("config,traced", [(QWEN3_MOE, 525_328), (MIXTRAL, 768_016)],
                          ids=["qwen3-moe", "mixtral"])
 @pytest.mark.parametrize("checkpoint", ["none", "full"])
@@ -272,7 +288,7 @@ def test_compiled_moe_layer_saves_what_the_partitioner_saves(config: dict, trace
     wl = Workload(micro_batch_size=BATCH, seq_len=SEQ, precision="bf16-pure", compile=True,
                   moe_impl="grouped",
                   recompute=Recompute.FULL if checkpoint == "full" else Recompute.NONE)
-    spec = spec_from_hf_dict(config, "moe-toy", "moe-toy")
+    spec = _moe_spec(config)
     from memplan.parallel import validate
 
     validate(spec, ParallelConfig(), wl)
@@ -325,7 +341,7 @@ def test_compiled_moe_layer_phase_peaks(config: dict, backward_over: int) -> Non
     from memplan.model.layer import grad_group_params
     from memplan.profile.compiled_trace import compiled_layer_peaks
 
-    spec = spec_from_hf_dict(config, "moe-toy", "moe-toy")
+    spec = _moe_spec(config)
     wl = Workload(micro_batch_size=BATCH, seq_len=SEQ, precision="bf16-pure", compile=True,
                   moe_impl="grouped")
     dm = Dims.of(spec, ParallelConfig(), wl)

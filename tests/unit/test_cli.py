@@ -414,6 +414,7 @@ def test_flag_names_come_from_one_table() -> None:
     (["--deltanet-kernel", "torch"], {"deltanet_kernel": "torch"}),
     (["--deltanet-kernel", "torch-solve"], {"deltanet_kernel": "torch-solve"}),
     (["--mamba-kernel", "torch"], {"mamba_kernel": "torch"}),
+    (["--mla-cache", "expanded"], {"mla_cache": "expanded"}),
 ])
 def test_every_shared_option_reaches_the_api(argv: list[str], kwargs: dict[str, Any]) -> None:
     """Each flag sets the API keyword the option table names: the CLI's JSON equals the API's."""
