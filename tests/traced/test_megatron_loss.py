@@ -68,16 +68,26 @@ def test_vocab_parallel_cross_entropy_matches_the_terms(megatron_group, b: int, 
         logits = torch.randn(s, b, vocab, dtype=torch.bfloat16, requires_grad=True)
         target = torch.randint(0, vocab, (s, b))
         inputs = tracker.bytes_in("activations")  # the logits and the targets
-        losses = vocab_parallel_cross_entropy(logits, target)
+        packed: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            packed[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            losses = vocab_parallel_cross_entropy(logits, target)
         loss = losses.sum()
         forward = tracker.peak(1, "forward").total_bytes - inputs
         tracker.set_phase("backward")
-        # what the loss keeps, once gloo's worker has let go of the all-reduced
-        # per-token sums (its queued work holds them until it runs: a barrier waits
-        # for it) and no cyclic garbage waits for the collector
-        torch.distributed.barrier()
-        gc.collect()
-        saved = tracker.bytes_in("activations") - inputs
+        # what the loss keeps: the storages autograd saved (not the inputs) and the losses
+        # the step holds. Counted from the graph, not from the bytes alive: gloo's worker
+        # thread lets go of the all-reduced per-token sums whenever it gets to run (a
+        # barrier does not wait for that), which made the count depend on the machine's load
+        for t in (logits, target):
+            packed.pop(t.untyped_storage().data_ptr(), None)
+        for t in (losses, loss):
+            packed[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        saved = sum(packed.values())
         start = tracker.total_bytes
         loss.backward()
         backward = tracker.peak(1, "backward").total_bytes - start
