@@ -40,7 +40,7 @@ import math
 from functools import lru_cache
 from typing import NamedTuple
 
-from memplan.model import linear
+from memplan.model import linear, mamba_einsum as es
 from memplan.model.block import BackwardMoment, Moment
 from memplan.model.dims import FP32_BYTES, Dims, Term, total
 from memplan.model.linear import Linear, Split
@@ -148,12 +148,15 @@ def mamba_terms(spec: ModelSpec, dm: Dims, kernel: MambaKernel) -> list[Term]:
     assert spec.mamba is not None
     z = sizes(spec.mamba, dm)
     if kernel is MambaKernel.TORCH_EINSUM:
-        from memplan.model import mamba_einsum as es
-
         scan = es.scan_terms(z, dm) + es.norm_terms(z, dm)
     else:
         scan = _scan_terms(z, dm) + _norm_terms(z, dm)
     return scan + linear.saved_terms(_PREFIX, mamba_linears(spec), dm)
+
+
+def _einsum_saved(spec: ModelSpec, dm: Dims) -> int:
+    """The block's saved bytes as transformers 5.23's einsum scan keeps them (``mamba_terms``)."""
+    return total(mamba_terms(spec, dm, MambaKernel.TORCH_EINSUM))
 
 
 def mamba_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
@@ -163,8 +166,6 @@ def mamba_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     assert spec.mamba is not None
     if wl.mamba_kernel is not MambaKernel.TORCH_EINSUM:
         return 0
-    from memplan.model import mamba_einsum as es
-
     return es.cache_bytes(sizes(spec.mamba, dm), dm)
 
 
@@ -225,11 +226,7 @@ class Mamba:
         return self._moments(spec, dm)
 
     def _einsum_moments(self, spec: ModelSpec, dm: Dims, cached: bool) -> list[Moment]:
-        from memplan.model import mamba_einsum as es
-
-        assert spec.mamba is not None
-        saved = total(mamba_terms(spec, dm, MambaKernel.TORCH_EINSUM))
-        return es.forward_moments(sizes(spec.mamba, dm), dm, saved,
+        return es.forward_moments(sizes(spec.mamba, dm), dm, _einsum_saved(spec, dm),
                                   dm.rows * spec.hidden_size * dm.e, cached)
 
     def working_set(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
@@ -239,8 +236,6 @@ class Mamba:
         assert spec.mamba is not None
         z = sizes(spec.mamba, dm)
         if wl.mamba_kernel is MambaKernel.TORCH_EINSUM:
-            from memplan.model import mamba_einsum as es
-
             return es.working_set(z, dm)
         freed = _unnamed(z, dm)
         norm = (3 * z.d + 1) * z.tokens * FP32_BYTES + z.padded * z.d * FP32_BYTES
@@ -262,10 +257,7 @@ class Mamba:
         grad_in = dm.rows * spec.hidden_size * dm.e
         in_proj = linear.weight_elements(mamba_linears(spec)[0], dm.tp)
         if wl.mamba_kernel is MambaKernel.TORCH_EINSUM:
-            from memplan.model import mamba_einsum as es
-
-            saved = total(mamba_terms(spec, dm, MambaKernel.TORCH_EINSUM))
-            return es.backward_moments(z, dm, saved, grad_in, in_proj)
+            return es.backward_moments(z, dm, _einsum_saved(spec, dm), grad_in, in_proj)
         f, e, tp = FP32_BYTES, dm.e, z.padded
         terms = {t.name.partition(".")[2]: t.size_bytes
                  for t in mamba_terms(spec, dm, MambaKernel.TORCH)}

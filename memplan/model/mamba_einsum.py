@@ -125,9 +125,11 @@ def forward_moments(z: Sizes, dm: Dims, saved: int, stream: int,
     (``final_state``) until it returns."""
     u = units(z, dm)
     f, t = FP32_BYTES, z.tokens
-    terms = scan_terms(z, dm)
-    first = total(terms[:7]) - terms[1].size_bytes + 2 * z.c * z.c  # up to the first masks
-    late = total(norm_terms(z, dm)) + terms[1].size_bytes  # the norm's, made after the scan
+    terms = {t.name.partition(".")[2]: t.size_bytes for t in scan_terms(z, dm)}
+    # saved up to the first masks: in_proj's output to x_pad, but the gate's fp32 copy
+    first = sum(terms[k] for k in ("in_proj_out", "conv_out", "x_fp32", "dt", "a", "x_pad")
+                ) + 2 * z.c * z.c
+    late = total(norm_terms(z, dm)) + terms["gate_fp32"]  # the norm's, made after the scan
     scan = saved - late
     states = scan - u.d - u.s2 - u.bc - u.tph  # before C_times_states
     rows = t * z.g * f
