@@ -481,11 +481,18 @@ def _grouped_gather(spec: ModelSpec) -> dict[str, str]:
     the preset's ``grouped``)."""
     if spec.moe is None or spec.moe.every_expert:
         return {}
+    return {"moe_impl": "grouped-token"} if gathers_by_token() else {}
+
+
+def gathers_by_token() -> bool:
+    """Whether the installed transformers' grouped experts (``integrations/moe.py
+    grouped_mm_experts_forward``) gather the routed rows by token before a sorted copy
+    (``token_idx`` in its source: 5.3, memplan's ``grouped-token``), not once in sorted
+    order (5.23, ``grouped``)."""
     from transformers.integrations import moe
 
     forward = getattr(moe, "grouped_mm_experts_forward", None)
-    source = inspect.getsource(forward) if forward is not None else ""
-    return {"moe_impl": "grouped-token"} if "token_idx" in source else {}
+    return forward is not None and "token_idx" in inspect.getsource(forward)
 
 
 def _router_dtype(model: torch.nn.Module, spec: ModelSpec) -> ModelSpec:
