@@ -83,3 +83,45 @@ def test_shared_mlp_after_the_experts_runs_its_backward_first() -> None:
     alone = {m.name: m for m in MoE().backward_moments(spec0, wl0, dm0, wl0.recompute)}
     for name in ("mlp", "mlp_act", "mlp_in"):
         assert moments[name].transient_bytes - alone[name].transient_bytes == 32_768
+
+
+def test_shared_mlp_weight_gradients_are_their_own_groups() -> None:
+    """The shared MLP's backward runs whole before the experts' (``shared_last_groups``):
+    its output_linear (f h = 96 x 64 = 6,144 parameters) is ``moe_shared_out``, made at the
+    down projection's moment and alive from there; with its fused input_linear (h 2f = 64 x
+    192 = 12,288) ``moe_shared`` = 18,432, made at the input projection's moment. By the
+    experts' down projections (``mlp_out``: 4 x 96 x 64 = 24,576) both exist: 24,576 +
+    18,432 = 43,008; ``mlp`` all: the router (4 x 64 = 256), the experts' gate/up (4 x 64 x
+    192 = 49,152) and down, and the shared MLP: 92,416. Without the shared MLP ``mlp_out``
+    is the experts' down projections alone, ``mlp`` 256 + 49,152 + 24,576 = 73,984, and
+    there is no shared group."""
+    spec, wl, dm = _setup(**SHARED)
+    assert MoE().grad_groups(spec, 1, 1) == {"mlp_out": 43_008, "mlp": 92_416,
+                                            "moe_shared_out": 6_144, "moe_shared": 18_432}
+    moments = {m.name: m for m in MoE().backward_moments(spec, wl, dm, wl.recompute)}
+    assert [(moments[n].grads, moments[n].fresh_params)
+            for n in ("moe_shared", "moe_shared_act", "moe_shared_in")] == [
+        (("moe_shared_out",), 6_144), (("moe_shared_out",), 0), (("moe_shared",), 12_288)]
+    spec0, _, _ = _setup(**GRANITE)
+    assert MoE().grad_groups(spec0, 1, 1) == {"mlp_out": 24_576, "mlp": 73_984}
+
+
+def test_scaled_residual_copy_waits_through_the_shared_backward() -> None:
+    """Granite scales the block's output before the residual add (``scaled_residual``:
+    residual + hidden_states * residual_multiplier): its backward makes the block output's
+    gradient a tensor of its own (T h e = 256 x 64 x 2 = 32,768), which the output sum hands
+    to both branches; the routed branch's first node runs after the whole shared MLP's
+    backward, so each shared moment holds it beside the stream's: 49,152 (the down
+    projection's input gradient, T f e) + 32,768 = 81,920; 98,304 (the activation's two
+    gradients) + 32,768 = 131,072; 32,768 + 98,304 (the fused input's gradient, T 2f e)
+    + 32,768 = 163,840. The routed moments after them are unchanged (the view's backward
+    copied the gradient by then)."""
+    spec, wl, dm = _setup(**SHARED)
+    scaled = spec.model_copy(update={"scaled_residual": True})
+    plain = {m.name: m.transient_bytes for m in MoE().backward_moments(spec, wl, dm, None)}
+    moved = {m.name: m.transient_bytes for m in MoE().backward_moments(scaled, wl, dm, None)}
+    assert [plain[n] for n in ("moe_shared", "moe_shared_act", "moe_shared_in")] == [
+        49_152, 98_304, 131_072]
+    assert [moved[n] for n in ("moe_shared", "moe_shared_act", "moe_shared_in")] == [
+        81_920, 131_072, 163_840]
+    assert all(moved[n] == plain[n] for n in plain if not n.startswith("moe_shared"))
