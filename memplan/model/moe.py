@@ -549,7 +549,9 @@ class MoE:
         if wl.moe_impl is MoeImpl.EVERY:
             return _every_backward(spec, dm, saved)
         if wl.moe_impl is MoeImpl.PARALLEL:
-            return moe_parallel.backward_moments(spec, dm, saved)
+            shared, _ = _shared_ran_first(spec, dm)
+            return _shared_last_backward(spec, dm, saved) + moe_parallel.backward_moments(
+                spec, dm, saved, shared)
         if wl.moe_impl.grouped:
             shared, waiting = _shared_ran_first(spec, dm)
             grouped = float8_grouped.backward_moments(spec, dm, mlp.backward_moments(

@@ -125,3 +125,21 @@ def test_scaled_residual_copy_waits_through_the_shared_backward() -> None:
     assert [moved[n] for n in ("moe_shared", "moe_shared_act", "moe_shared_in")] == [
         81_920, 131_072, 163_840]
     assert all(moved[n] == plain[n] for n in plain if not n.startswith("moe_shared"))
+
+
+def test_parallel_experts_run_the_shared_mlp_backward_first_too() -> None:
+    """transformers 5.3's GraniteMoeParallelExperts (``moe_impl`` parallel) beside the same
+    shared MLP, which GraniteMoeSharedDecoderLayer.forward runs after the block as 5.23 does:
+    its backward first (the three shared moments), beside everything saved: the top-k
+    indices (R 8 = 4,096), the fp32 top-k softmax (R 4 = 2,048), the sort and token indices
+    (4,096 each), the gathered rows, the experts' output and the weighted rows (R h e =
+    65,536 each), gate, up, activation and product (R f e = 98,304 each), the gates (R e =
+    1,024): 605,184, and the shared MLP's 196,608: 801,792. By the experts' down projection
+    the shared MLP's terms are freed with the weighted rows: 801,792 - 196,608 - 65,536 =
+    539,648."""
+    spec, wl, dm = _setup(**SHARED)
+    parallel = wl.model_copy(update={"moe_impl": MoeImpl.PARALLEL})
+    moments = {m.name: m for m in MoE().backward_moments(spec, parallel, dm, None)}
+    assert [n for n in moments][:4] == ["moe_shared", "moe_shared_act", "moe_shared_in", "mlp"]
+    assert moments["moe_shared"].own_bytes == 801_792
+    assert moments["mlp"].own_bytes == moments["mlp_act"].own_bytes == 539_648
