@@ -126,9 +126,11 @@ def backward_moments(spec: ModelSpec, dm: Dims, saved: int,
     under full recompute: the shared MLP's product backward the step's peak)."""
     moe, h, e = _moe(spec), spec.hidden_size, dm.e
     routed = dm.tokens * moe.top_k * h * e
+    # the weighted rows, the experts' output and the gates (R h, R h, R e)
+    combined = 2 * routed + dm.tokens * moe.top_k * e
     moments = mlp.backward_moments(
         spec, dm.experts(), saved=saved,
-        freed=mlp.dropout_mask_bytes(spec, dm) + routed + shared,
+        freed=mlp.dropout_mask_bytes(spec, dm) + combined + shared,
         run_tokens=dm.tokens * moe.top_k, ffn=moe.expert_ffn_hidden_size,
         grad_inputs=(3 if moe.num_shared_experts else 2) * dm.rows * h * e, fresh=0,
         out_grad=routed, fused_in=True,

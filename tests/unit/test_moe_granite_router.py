@@ -135,11 +135,12 @@ def test_parallel_experts_run_the_shared_mlp_backward_first_too() -> None:
     (4,096 each), the gathered rows, the experts' output and the weighted rows (R h e =
     65,536 each), gate, up, activation and product (R f e = 98,304 each), the gates (R e =
     1,024): 605,184, and the shared MLP's 196,608: 801,792. By the experts' down projection
-    the shared MLP's terms are freed with the weighted rows: 801,792 - 196,608 - 65,536 =
-    539,648."""
+    the shared MLP's terms are freed, and so are the weighted rows (index_add's backward),
+    the experts' output and the gates (the weighting's): 801,792 - 196,608 - 2 x 65,536 -
+    1,024 = 473,088."""
     spec, wl, dm = _setup(**SHARED)
     parallel = wl.model_copy(update={"moe_impl": MoeImpl.PARALLEL})
     moments = {m.name: m for m in MoE().backward_moments(spec, parallel, dm, None)}
     assert [n for n in moments][:4] == ["moe_shared", "moe_shared_act", "moe_shared_in", "mlp"]
     assert moments["moe_shared"].own_bytes == 801_792
-    assert moments["mlp"].own_bytes == moments["mlp_act"].own_bytes == 539_648
+    assert moments["mlp"].own_bytes == moments["mlp_act"].own_bytes == 473_088
