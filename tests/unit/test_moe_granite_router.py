@@ -118,8 +118,8 @@ def test_scaled_residual_copy_waits_through_the_shared_backward() -> None:
     copied the gradient by then)."""
     spec, wl, dm = _setup(**SHARED)
     scaled = spec.model_copy(update={"scaled_residual": True})
-    plain = {m.name: m.transient_bytes for m in MoE().backward_moments(spec, wl, dm, None)}
-    moved = {m.name: m.transient_bytes for m in MoE().backward_moments(scaled, wl, dm, None)}
+    plain = {m.name: m.transient_bytes for m in MoE().backward_moments(spec, wl, dm, wl.recompute)}
+    moved = {m.name: m.transient_bytes for m in MoE().backward_moments(scaled, wl, dm, wl.recompute)}
     assert [plain[n] for n in ("moe_shared", "moe_shared_act", "moe_shared_in")] == [
         49_152, 98_304, 131_072]
     assert [moved[n] for n in ("moe_shared", "moe_shared_act", "moe_shared_in")] == [
@@ -140,7 +140,7 @@ def test_parallel_experts_run_the_shared_mlp_backward_first_too() -> None:
     1,024 = 473,088."""
     spec, wl, dm = _setup(**SHARED)
     parallel = wl.model_copy(update={"moe_impl": MoeImpl.PARALLEL})
-    moments = {m.name: m for m in MoE().backward_moments(spec, parallel, dm, None)}
+    moments = {m.name: m for m in MoE().backward_moments(spec, parallel, dm, parallel.recompute)}
     assert [n for n in moments][:4] == ["moe_shared", "moe_shared_act", "moe_shared_in", "mlp"]
     assert moments["moe_shared"].own_bytes == 801_792
     assert moments["mlp"].own_bytes == moments["mlp_act"].own_bytes == 473_088
