@@ -180,19 +180,54 @@ def _shared_last_backward(spec: ModelSpec, dm: Dims, saved: int) -> list[Backwar
     the T tokens (its down projection's, its activation's, its input projection's) beside
     everything the block saved, the routed experts' terms all alive (traced: transformers
     5.23's granitemoeshared under full recompute, where the rerun rebuilt them all: the
-    shared MLP's product backward the step's backward peak). Its weights' gradients are not
-    counted in these moments (the block's groups name the routed experts' too)."""
+    shared MLP's product backward the step's backward peak). Their weights' gradients are
+    their own groups (``shared_last_groups``): the down projection's from its moment on, all
+    of theirs at the input projection's, each just made there (``fresh_params``).
+
+    Where the layer scales the block's output before the residual add (``ModelSpec.
+    scaled_residual``: GraniteMoeSharedDecoderLayer.forward's ``residual + hidden_states *
+    self.residual_multiplier``), the product's backward made the block output's gradient
+    a tensor of its own (T h), beside the stream's; the output sum's backward hands it to
+    both branches, and the routed branch's first node (the view of the per-token sum, after
+    the shared MLP's whole backward) holds it through these moments (traced: transformers
+    5.23's granitemoeshared under full recompute, 2 x 256 tokens: the scaled copy and the
+    shared output_linear's weight gradient alive at the shared product's backward, the
+    step's backward peak)."""
     moe, h, e = _moe(spec), spec.hidden_size, dm.e
     if not (moe.num_shared_experts and moe.shared_experts_last):
         return []
     ffn = moe.num_shared_experts * moe.shared_expert_ffn_hidden_size
     shared, _ = _shared_ran_first(spec, dm)
+    linears = mlp.mlp_linears(spec, ffn)
+    down, inputs = linear.params(linears[-1:], dm.tp), linear.params(linears[:-1], dm.tp)
     moments = mlp.backward_moments(
         spec, dm, saved=saved, freed=mlp.dropout_mask_bytes(spec, dm), run_tokens=dm.tokens,
         ffn=ffn, grad_inputs=dm.rows * h * e, fresh=0, fused_in=spec.fused_gate_up,
         in_saved=saved - shared)
-    return [m._replace(name=f"moe_shared{m.name[3:]}", grads=(), fresh_params=0, hook_freed=0)
+    scaled = dm.rows * h * e if spec.scaled_residual else 0
+    names = {"mlp_out": "moe_shared_out", "mlp": "moe_shared"}
+    fresh = {"mlp": down, "mlp_in": inputs}  # the weight gradient each moment just made
+    return [m._replace(name=f"moe_shared{m.name[3:]}",
+                       transient_bytes=m.transient_bytes + scaled,
+                       grads=tuple(names[g] for g in m.grads), fresh_params=fresh.get(m.name, 0))
             for m in moments]
+
+
+def shared_last_groups(spec: ModelSpec, t: int, groups: dict[str, int]) -> dict[str, int]:
+    """The gradient groups of shared experts that ran after the routed experts
+    (``shared_experts_last``: GraniteMoeSharedDecoderLayer.forward's ``moe_hidden_states +
+    self.shared_mlp(hidden_states)``, DeepseekV3MoE.forward's ``hidden_states +
+    self.shared_experts(residuals)``), whose whole backward runs before the routed experts':
+    ``moe_shared_out`` their down projection (its backward first), ``moe_shared`` all of
+    theirs; and ``mlp_out`` (the experts' down projections, ``groups``, where the shared down
+    projection already is) with their input projections too. None otherwise."""
+    moe = _moe(spec)
+    if not (moe.num_shared_experts and moe.shared_experts_last):
+        return {}
+    shared = _shared_linears(spec)
+    down, every = linear.params(shared[-1:], t), linear.params(shared, t)
+    return {"moe_shared_out": down, "moe_shared": every,
+            "mlp_out": groups["mlp_out"] + every - down}
 
 
 def _shared_last_unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
@@ -514,7 +549,9 @@ class MoE:
         if wl.moe_impl is MoeImpl.EVERY:
             return _every_backward(spec, dm, saved)
         if wl.moe_impl is MoeImpl.PARALLEL:
-            return moe_parallel.backward_moments(spec, dm, saved)
+            shared, _ = _shared_ran_first(spec, dm)
+            return _shared_last_backward(spec, dm, saved) + moe_parallel.backward_moments(
+                spec, dm, saved, shared)
         if wl.moe_impl.grouped:
             shared, waiting = _shared_ran_first(spec, dm)
             grouped = float8_grouped.backward_moments(spec, dm, mlp.backward_moments(
@@ -571,14 +608,16 @@ class MoE:
 
     def grad_groups(self, spec: ModelSpec, t: int, ep: int | ExpertSplit) -> dict[str, int]:
         """``mlp_out``: the experts' down projections (their backward runs first); ``mlp``:
-        all."""
+        all; with shared experts that ran last also theirs (``shared_last_groups``)."""
         ep, etp = _split(ep, t)
         linears, order = moe_linears(spec, ep), ("mlp_out", "mlp")
         if etp == t:
-            return linear.grad_groups(linears, t, order)
-        routed = linear.grad_groups([lin for lin in linears if _routed(lin)], etp, order)
-        rest = linear.grad_groups([lin for lin in linears if not _routed(lin)], t, order)
-        return {g: routed[g] + rest[g] for g in order}
+            groups = linear.grad_groups(linears, t, order)
+        else:
+            routed = linear.grad_groups([lin for lin in linears if _routed(lin)], etp, order)
+            rest = linear.grad_groups([lin for lin in linears if not _routed(lin)], t, order)
+            groups = {g: routed[g] + rest[g] for g in order}
+        return groups | shared_last_groups(spec, t, groups)
 
     def flops_per_token(self, spec: ModelSpec, seq_len: int, every: bool = False) -> float:
         """The router and shared experts, and the top-k of the routed experts; with ``every``

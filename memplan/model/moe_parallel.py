@@ -113,18 +113,24 @@ def working_bytes(spec: ModelSpec, dm: Dims) -> int:
     return max(routed, stream + 4 * fs, stream + 3 * fs + stream, 3 * stream)
 
 
-def backward_moments(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardMoment]:
+def backward_moments(spec: ModelSpec, dm: Dims, saved: int,
+                     shared: int = 0) -> list[BackwardMoment]:
     """Granite's MoE backward (``MoeImpl.PARALLEL``): index_add's backward gathers the rows'
     gradient and frees the weighted rows, the weighting's frees the experts' output and the
     gates; then one MLP backward over all routed rows (each expert's F.linear backward in
     turn, their input gradients concatenated by the split's backward), its down and input
     projections' moments with their weights' select_backward sums (``select_grads``). A
-    shared MLP ran last, so its backward ran first: its input's gradient (T h) waits to be
-    summed with the experts' (traced: granitemoeshared)."""
+    shared MLP ran last, so its backward ran first (``memplan.model.moe.
+    _shared_last_backward``): its saved terms (``shared``) are freed and its input's gradient
+    (T h) waits to be summed with the experts' (traced: granitemoeshared, 2 x 256 tokens
+    under full recompute: the shared MLP's product backward the step's peak)."""
     moe, h, e = _moe(spec), spec.hidden_size, dm.e
     routed = dm.tokens * moe.top_k * h * e
+    # the weighted rows, the experts' output and the gates (R h, R h, R e)
+    combined = 2 * routed + dm.tokens * moe.top_k * e
     moments = mlp.backward_moments(
-        spec, dm.experts(), saved=saved, freed=mlp.dropout_mask_bytes(spec, dm) + routed,
+        spec, dm.experts(), saved=saved,
+        freed=mlp.dropout_mask_bytes(spec, dm) + combined + shared,
         run_tokens=dm.tokens * moe.top_k, ffn=moe.expert_ffn_hidden_size,
         grad_inputs=(3 if moe.num_shared_experts else 2) * dm.rows * h * e, fresh=0,
         out_grad=routed, fused_in=True,

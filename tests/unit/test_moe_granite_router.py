@@ -83,3 +83,64 @@ def test_shared_mlp_after_the_experts_runs_its_backward_first() -> None:
     alone = {m.name: m for m in MoE().backward_moments(spec0, wl0, dm0, wl0.recompute)}
     for name in ("mlp", "mlp_act", "mlp_in"):
         assert moments[name].transient_bytes - alone[name].transient_bytes == 32_768
+
+
+def test_shared_mlp_weight_gradients_are_their_own_groups() -> None:
+    """The shared MLP's backward runs whole before the experts' (``shared_last_groups``):
+    its output_linear (f h = 96 x 64 = 6,144 parameters) is ``moe_shared_out``, made at the
+    down projection's moment and alive from there; with its fused input_linear (h 2f = 64 x
+    192 = 12,288) ``moe_shared`` = 18,432, made at the input projection's moment. By the
+    experts' down projections (``mlp_out``: 4 x 96 x 64 = 24,576) both exist: 24,576 +
+    18,432 = 43,008; ``mlp`` all: the router (4 x 64 = 256), the experts' gate/up (4 x 64 x
+    192 = 49,152) and down, and the shared MLP: 92,416. Without the shared MLP ``mlp_out``
+    is the experts' down projections alone, ``mlp`` 256 + 49,152 + 24,576 = 73,984, and
+    there is no shared group."""
+    spec, wl, dm = _setup(**SHARED)
+    assert MoE().grad_groups(spec, 1, 1) == {"mlp_out": 43_008, "mlp": 92_416,
+                                            "moe_shared_out": 6_144, "moe_shared": 18_432}
+    moments = {m.name: m for m in MoE().backward_moments(spec, wl, dm, wl.recompute)}
+    assert [(moments[n].grads, moments[n].fresh_params)
+            for n in ("moe_shared", "moe_shared_act", "moe_shared_in")] == [
+        (("moe_shared_out",), 6_144), (("moe_shared_out",), 0), (("moe_shared",), 12_288)]
+    spec0, _, _ = _setup(**GRANITE)
+    assert MoE().grad_groups(spec0, 1, 1) == {"mlp_out": 24_576, "mlp": 73_984}
+
+
+def test_scaled_residual_copy_waits_through_the_shared_backward() -> None:
+    """Granite scales the block's output before the residual add (``scaled_residual``:
+    residual + hidden_states * residual_multiplier): its backward makes the block output's
+    gradient a tensor of its own (T h e = 256 x 64 x 2 = 32,768), which the output sum hands
+    to both branches; the routed branch's first node runs after the whole shared MLP's
+    backward, so each shared moment holds it beside the stream's: 49,152 (the down
+    projection's input gradient, T f e) + 32,768 = 81,920; 98,304 (the activation's two
+    gradients) + 32,768 = 131,072; 32,768 + 98,304 (the fused input's gradient, T 2f e)
+    + 32,768 = 163,840. The routed moments after them are unchanged (the view's backward
+    copied the gradient by then)."""
+    spec, wl, dm = _setup(**SHARED)
+    scaled = spec.model_copy(update={"scaled_residual": True})
+    plain = {m.name: m.transient_bytes for m in MoE().backward_moments(spec, wl, dm, wl.recompute)}
+    moved = {m.name: m.transient_bytes for m in MoE().backward_moments(scaled, wl, dm, wl.recompute)}
+    assert [plain[n] for n in ("moe_shared", "moe_shared_act", "moe_shared_in")] == [
+        49_152, 98_304, 131_072]
+    assert [moved[n] for n in ("moe_shared", "moe_shared_act", "moe_shared_in")] == [
+        81_920, 131_072, 163_840]
+    assert all(moved[n] == plain[n] for n in plain if not n.startswith("moe_shared"))
+
+
+def test_parallel_experts_run_the_shared_mlp_backward_first_too() -> None:
+    """transformers 5.3's GraniteMoeParallelExperts (``moe_impl`` parallel) beside the same
+    shared MLP, which GraniteMoeSharedDecoderLayer.forward runs after the block as 5.23 does:
+    its backward first (the three shared moments), beside everything saved: the top-k
+    indices (R 8 = 4,096), the fp32 top-k softmax (R 4 = 2,048), the sort and token indices
+    (4,096 each), the gathered rows, the experts' output and the weighted rows (R h e =
+    65,536 each), gate, up, activation and product (R f e = 98,304 each), the gates (R e =
+    1,024): 605,184, and the shared MLP's 196,608: 801,792. By the experts' down projection
+    the shared MLP's terms are freed, and so are the weighted rows (index_add's backward),
+    the experts' output and the gates (the weighting's): 801,792 - 196,608 - 2 x 65,536 -
+    1,024 = 473,088."""
+    spec, wl, dm = _setup(**SHARED)
+    parallel = wl.model_copy(update={"moe_impl": MoeImpl.PARALLEL})
+    moments = {m.name: m for m in MoE().backward_moments(spec, parallel, dm, parallel.recompute)}
+    assert [n for n in moments][:4] == ["moe_shared", "moe_shared_act", "moe_shared_in", "mlp"]
+    assert moments["moe_shared"].own_bytes == 801_792
+    assert moments["mlp"].own_bytes == moments["mlp_act"].own_bytes == 473_088
