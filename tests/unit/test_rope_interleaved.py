@@ -76,3 +76,19 @@ def test_without_the_flags_llama_tables() -> None:
     assert "attn.rope_tables" not in terms
     assert [(t.name, t.size_bytes) for t in attention.rope_terms(spec, wl, dm)] == [
         ("rope.cos_sin", 524_288)]
+
+
+def test_glm4_repeats_its_tables_in_the_activations_dtype() -> None:
+    """GLM-4's apply_rotary_pos_emb (models/glm4/modeling_glm4.py) repeats its tables the same
+    way, on the first half of each head (rotary_dim 64 of GLM-4-9B-0414's head_dim 128), the
+    tables cast to the hidden states' dtype (Glm4RotaryEmbedding.forward: cos.to(x.dtype)):
+    each layer saves 2 x 1,024 x 64 x 2 = 262,144 B in bf16, the model's tables a local of
+    its forward."""
+    data = json.loads((HELDOUT / "GLM-4-9B-0414" / "config.json").read_text())
+    spec = spec_from_hf_dict(data, "config.json", "GLM-4-9B-0414")
+    assert spec.rope_interleaved and not spec.rope_tables_fp32 and spec.rope_dim == 64
+    wl, dm = _dims(spec)
+    terms = {t.name: t.size_bytes
+             for t in attention.attention_terms(spec, wl, dm, Recompute.NONE)}
+    assert terms["attn.rope_tables"] == 262_144
+    assert attention.rope_local_bytes(spec, wl, dm) == 262_144
