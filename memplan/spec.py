@@ -196,6 +196,22 @@ class MoESpec(BaseModel):
         "forward, routing_weights.to(hidden_states.dtype); Granite's GraniteMoeTopKRouter."
         "forward, .type_as(hidden_states) of its fp32 top-k softmax), so the experts' "
         "weighted rows stay in the compute dtype"))
+    router_weight_fp32: bool = Field(default=False, description=(
+        "the router's weight is built in fp32 whatever the model's dtype (ERNIE 4.5: "
+        "Ernie4_5_MoeTopKRouter.__init__, torch.zeros(..., dtype=torch.float32)), so an fp32 "
+        "router's ``self.weight.float()`` is the weight itself: router_fp32 saves the input's "
+        "fp32 copy only"))
+    router_logits_held: bool = Field(default=False, description=(
+        "the router returns its linear's fp32 logits beside the probabilities its softmax "
+        "made (a new tensor, which the softmax saves) and the block binds them to its end "
+        "(ERNIE 4.5: Ernie4_5_MoeSparseMoeBlock.forward, ``_, top_k_index, top_k_weights = "
+        "self.gate(hidden_states)``): T E fp32 values no backward saves, alive while the "
+        "experts run"))
+    router_norm_clamped: bool = Field(default=False, description=(
+        "the router renormalises its top-k weights by their sum clamped from below (ERNIE "
+        "4.5: Ernie4_5_MoeTopKRouter.forward, routing_weights / torch.clamp(routing_weights."
+        "sum(dim=-1, keepdim=True), min=self.norm_min)): clamp's backward saves its input, "
+        "the sum, and the division the clamped sum, T fp32 values each"))
     every_expert: bool = Field(default=False, description=(
         "the model's own code runs every token through every expert, its input scaled by the "
         "router's sigmoid of the top-k logits (zero for the others), the outputs summed "
@@ -428,6 +444,18 @@ class ModelSpec(BaseModel):
         "Llama4TextRotaryEmbedding.forward: torch.polar; apply_rotary_emb: "
         "view_as_complex(xq.float()) * freqs_cis), where cos and sin tables are two real "
         "ones in the activations' dtype"))
+    rope_tables_fp32: bool = Field(default=False, description=(
+        "the rotary embedding returns its cos and sin tables in fp32 whatever the compute "
+        "dtype (ERNIE 4.5: models/ernie4_5_moe/modeling_ernie4_5_moe.py Ernie4_5_Moe"
+        "RotaryEmbedding.forward, \"keeping it in full precision\": no cast to x.dtype), "
+        "where Llama's casts them to the hidden states' dtype"))
+    rope_interleaved: bool = Field(default=False, description=(
+        "RoPE rotates interleaved pairs: apply_rotary_pos_emb repeats the first half of each "
+        "table pairwise (ERNIE 4.5's: cos[..., :d // 2].repeat_interleave(2, dim=-1)), a new "
+        "(1, 1, s, rope_dim) copy of cos and of sin in every layer, which the rotation's "
+        "products save (q.float() * cos, rotate_half(q).float() * sin), not the model's "
+        "tables: those are the model's forward's locals, saved only as the inputs of "
+        "checkpointed layers"))
     window_chunked: bool = Field(default=False, description=(
         "the sliding window is fixed chunks of sliding_window tokens: a query attends to the "
         "keys of its own chunk up to itself (Llama 4's attention_chunk_size: masking_utils.py "

@@ -55,11 +55,13 @@ def glm4(cfg: ConfigKeys) -> dict[str, Any]:
     layernorm before the MLP, post_mlp_layernorm on its output), Llama's RMSNorm (Glm4RMSNorm:
     weight * x.to(input_dtype)), q/k/v biases from attention_bias (default true) and none on
     o_proj (Glm4Attention.__init__), one gate_up_proj (Glm4MLP), RoPE on the first half of
-    each head (apply_rotary_pos_emb; partial_rotary_factor 0.5). head_dim defaults to 128."""
+    each head (apply_rotary_pos_emb; partial_rotary_factor 0.5), its tables repeated pairwise
+    in every layer (``rope_interleaved``: cos[..., :d // 2].repeat_interleave(2, dim=-1)).
+    head_dim defaults to 128."""
     fields = llama_fields(cfg, head_dim_default=128, tie_default=False, bias=False,
                           defaults=_GLM)
     fields.update(qkv_bias=cfg.get_bool("attention_bias", True), attn_out_bias=False,
-                  fused_gate_up=True, norm_placement="sandwich",
+                  fused_gate_up=True, norm_placement="sandwich", rope_interleaved=True,
                   **rotary_dim(fields["head_dim"], partial_rotary(cfg, 0.5)))
     return fields
 

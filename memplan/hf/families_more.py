@@ -107,11 +107,15 @@ def ernie4_5(cfg: ConfigKeys) -> dict[str, Any]:
     """models/ernie4_5/modeling_ernie4_5.py: Llama's layer with use_bias (default false) on
     q, k, v, o and the MLP's three projections (Ernie4_5Attention, Ernie4_5MLP), head_dim its
     own key (default 128), tied by default. Its RoPE rotates interleaved pairs (its own
-    apply_rotary_pos_emb): the same tensors' sizes as Llama's."""
+    apply_rotary_pos_emb): the same tensors' sizes as Llama's; Ernie4_5RotaryEmbedding.
+    forward returns its tables in fp32 (``rope_tables_fp32``), apply_rotary_pos_emb repeats
+    them pairwise in every layer (``rope_interleaved``), rotates q.float() and casts the
+    result back to q's dtype (``rope_keeps_dtype``: q_embed.to(original_dtype))."""
     fields = llama_fields(cfg, head_dim_default=128, tie_default=True, bias=False,
                           defaults={"vocab_size": 103424, "max_position_embeddings": 131072})
     bias = cfg.get_bool("use_bias", False)
-    fields.update(qkv_bias=bias, attn_out_bias=bias, mlp_bias=bias)
+    fields.update(qkv_bias=bias, attn_out_bias=bias, mlp_bias=bias, rope_tables_fp32=True,
+                  rope_interleaved=True, rope_keeps_dtype=True)
     return fields
 
 
@@ -188,8 +192,10 @@ def ernie4_5_moe(cfg: ConfigKeys) -> dict[str, Any]:
         "num_experts": cfg.get_int("moe_num_experts", 64), "top_k": cfg.get_int("moe_k", 6),
         "expert_ffn_hidden_size": moe_ffn, "first_dense_layers": start,
         "stacked_experts": True, "router_fp32": True, "router_bias": True,
-        # Ernie4_5_MoeTopKRouter.forward: routing_weights.to(hidden_states.dtype)
-        "router_weights_cast": True,
+        # Ernie4_5_MoeTopKRouter.forward: routing_weights.to(hidden_states.dtype); its weight
+        # built in fp32, its renormalisation's sum clamped; the block binds the fp32 logits
+        "router_weights_cast": True, "router_weight_fp32": True, "router_norm_clamped": True,
+        "router_logits_held": True,
     }
     shared = cfg.get_int("moe_num_shared_experts", 2)
     if shared:

@@ -64,6 +64,7 @@ def attention_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recomput
         else:
             terms += _eager_score_terms(spec, wl, dm, heads)
     casts = linear.saved_terms("attn", attention_linears(spec), dm)
+    terms += rope_layer_terms(spec, wl, dm)
     return (terms + qk_norm_terms(spec, wl, dm) + casts + residual_dropout_mask("attn", spec, dm)
             + output_gate_terms(spec, dm))
 
@@ -618,7 +619,40 @@ def rope_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
         return []
     if spec.rope_complex:  # one complex64 table of rope_dim/2 pairs per position, any dtype
         return [Term("rope.freqs_cis", dm.s * (spec.rope_dim // 2) * COMPLEX64_PAIR_BYTES)]
-    return [Term("rope.cos_sin", rope_tables(spec) * 2 * dm.s * spec.rope_dim * dm.stream_e)]
+    if spec.rope_interleaved and wl.recompute is Recompute.NONE:
+        return []  # each layer saves its own repeated copy (``rope_layer_terms``)
+    return [Term("rope.cos_sin", rope_tables(spec) * rope_table_bytes(spec, dm))]
+
+
+def rope_table_bytes(spec: ModelSpec, dm: Dims) -> int:
+    """One pair of cos and sin tables over the sequence, (1, s, rope_dim) each: in the
+    activations' dtype (fp32 under autocast), or in fp32 where the model keeps them so
+    (``ModelSpec.rope_tables_fp32``: Ernie4_5_MoeRotaryEmbedding.forward)."""
+    width = FP32_BYTES if spec.rope_tables_fp32 else dm.stream_e
+    return 2 * dm.s * spec.rope_dim * width
+
+
+def rope_layer_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
+    """Interleaved RoPE (``ModelSpec.rope_interleaved``): the layer's repeated copies of cos
+    and sin (ERNIE 4.5's apply_rotary_pos_emb: ``cos[..., :d // 2].repeat_interleave(2,
+    dim=-1)``), saved by the rotation's products for q and k alike, in the tables' dtype
+    (traced: transformers' ERNIE 4.5 MoE, bf16, 2 x 256 tokens: two (1, 1, 256, 32) fp32
+    clones a layer, 65,536 B)."""
+    if (not spec.rope_interleaved or spec.position is not PositionKind.ROPE
+            or wl.rope_cache is not RopeCache.FORWARD):
+        return []
+    return [Term("attn.rope_tables", rope_table_bytes(spec, dm))]
+
+
+def rope_local_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    """The model's RoPE tables where no layer saves them (interleaved RoPE without
+    checkpointing: ``rope_layer_terms``): a local of the model's forward (transformers'
+    position_embeddings), alive through it as its masks are and freed when it returns."""
+    if (not spec.rope_interleaved or spec.position is not PositionKind.ROPE
+            or wl.rope_cache is not RopeCache.FORWARD or wl.recompute is not Recompute.NONE
+            or spec.rope_complex):
+        return 0
+    return rope_tables(spec) * rope_table_bytes(spec, dm)
 
 
 def rope_tables(spec: ModelSpec) -> int:

@@ -113,8 +113,18 @@ def _routing_bytes(spec: ModelSpec, dm: Dims) -> int:
     ``.type(torch.float32)`` of input and weight), freed once its logits exist, nor a
     shared expert's MLP terms, freed when its down projection returns (traced: transformers'
     Hunyuan MoE, bf16, under gradient checkpointing: its float input freed after the
-    router's mm, its gate/up/product before the router runs)."""
-    return sum(t.size_bytes for t in moe_terms(spec, dm, MoeImpl.GROUPED) if t.name in _ROUTING)
+    router's mm, its gate/up/product before the router runs). Nor, where the router casts
+    its top-k weights (``router_weights_cast``, below fp32), the fp32 weights and sums the
+    cast replaced (the cast is a local, ``_grouped_locals``), nor where the block holds the
+    router's logits (``router_logits_held``, locals too) the probabilities, which no one
+    keeps then (traced: ERNIE 4.5's block, bf16, under gradient checkpointing: its logits,
+    top-k indices and cast weights alive at the unsort, not its softmax, gather or sums)."""
+    moe = _moe(spec)
+    gone = {"moe.topk_weights"} if moe.router_weights_cast and dm.e < FP32_BYTES else set()
+    if moe.router_logits_held:
+        gone.add("moe.router_probs")
+    return sum(t.size_bytes for t in moe_terms(spec, dm, MoeImpl.GROUPED)
+               if t.name in _ROUTING and t.name not in gone)
 
 
 def _grouped_locals(spec: ModelSpec, dm: Dims) -> int:
@@ -122,11 +132,16 @@ def _grouped_locals(spec: ModelSpec, dm: Dims) -> int:
     sorted expert ids (``expert_ids[perm]``, R int64) and their copy for histc (R, float on
     CPU, int32 on CUDA: 4 bytes either way); and the router's fp32 logits where it returns
     them to the block, which keeps them to its end (``router_logits_fp32``: GraniteMoeMoE.
-    forward's ``_, top_k_weights, top_k_index = self.router(hidden_states)``, T E x 4 B)."""
+    forward's ``_, top_k_weights, top_k_index = self.router(hidden_states)``, T E x 4 B;
+    ``router_logits_held``: ERNIE 4.5's), and the top-k weights the router cast to the
+    block's dtype (``router_weights_cast``: a new R-long tensor below fp32, which the block
+    hands the experts; they save their sorted copy, ``moe.routing_weights``)."""
     moe = _moe(spec)
     rows = dm.tokens * moe.top_k
-    logits = dm.tokens * moe.num_experts * FP32_BYTES if moe.router_logits_fp32 else 0
-    return rows * (INDEX_BYTES + FP32_BYTES) + logits
+    held = moe.router_logits_fp32 or moe.router_logits_held
+    logits = dm.tokens * moe.num_experts * FP32_BYTES if held else 0
+    cast = rows * dm.e if moe.router_weights_cast and dm.e < FP32_BYTES else 0
+    return rows * (INDEX_BYTES + FP32_BYTES) + logits + cast
 
 
 def grouped_kept_moments(spec: ModelSpec, dm: Dims,
@@ -318,9 +333,11 @@ def moe_terms(spec: ModelSpec, dm: Dims, impl: MoeImpl = MoeImpl.LOOP) -> list[T
     grouped = impl.grouped
     terms = []
     if moe.router_fp32 and e < FP32_BYTES:
-        # DeepseekV3TopkRouter: F.linear(x.type(float32), weight.type(float32))
-        terms += [Term("moe.router_input_fp32", dm.tokens * h * FP32_BYTES),
-                  Term("moe.router_weight_fp32", moe.num_experts * h * FP32_BYTES)]
+        # DeepseekV3TopkRouter: F.linear(x.type(float32), weight.type(float32)); a weight
+        # built in fp32 is its own copy (``router_weight_fp32``)
+        terms.append(Term("moe.router_input_fp32", dm.tokens * h * FP32_BYTES))
+        if not moe.router_weight_fp32:
+            terms.append(Term("moe.router_weight_fp32", moe.num_experts * h * FP32_BYTES))
     terms += _router_terms(moe, dm, routed) + [
         Term("moe.token_index", routed * INDEX_BYTES),  # which rows each expert gathers
     ]
@@ -366,8 +383,10 @@ def _router_terms(moe: MoESpec, dm: Dims, routed: int) -> list[Term]:
     if moe.router_topk_softmax:
         width = FP32_BYTES if moe.router_logits_fp32 else dm.e
         return [indices, Term("moe.topk_weights", routed * width)]
+    # the sum, and where it is clamped (``router_norm_clamped``) the clamped copy too
+    sums = (2 if moe.router_norm_clamped else 1) * dm.tokens * FP32_BYTES
     return [Term("moe.router_probs", dm.tokens * moe.num_experts * FP32_BYTES), indices,
-            Term("moe.topk_weights", routed * FP32_BYTES + dm.tokens * FP32_BYTES)]
+            Term("moe.topk_weights", routed * FP32_BYTES + sums)]
 
 
 def _expert_terms(spec: ModelSpec, dm: Dims, routed: int) -> list[Term]:
@@ -433,6 +452,37 @@ def _grouped_extra(spec: ModelSpec, dm: Dims, impl: MoeImpl = MoeImpl.GROUPED) -
     weighted = routed * h * max(dm.e, weights_width(moe, dm))
     by_token = routed * h * dm.e if impl is MoeImpl.GROUPED_TOKEN else 0
     return 2 * weighted + by_token + _grouped_locals(spec, dm)
+
+
+def grouped_rerun(spec: ModelSpec, wl: Workload, dm: Dims, saved: int) -> list[Moment]:
+    """The grouped block rebuilt in backward under full recompute (``impl`` grouped or
+    grouped-token, not compiled): the block's backward starts at the per-token sum, whose
+    and the view's backward need no saved tensor, so the view's copy of the expanded
+    gradient (R h in the weighted rows' width) is made before the unsort's backward unpacks
+    its index and the rerun starts. The rerun stops at that index's pack, made before the
+    index runs (``weighted_out[inv_perm]``, integrations/moe.py grouped_mm_experts_forward):
+    beside everything the block saves, the weighted rows (R h, the weights' width), the
+    function's locals (``_grouped_locals``), as 5.3 wrote it the rows gathered by token, the
+    shared experts' output where they ran first and the post-attention residual where no
+    norm saves it, not their unsorted copy (traced: transformers' ERNIE 4.5 MoE, bf16, 2 x
+    256 tokens, 5.3 and 5.23: the rerun's weighting the step's backward peak). Not where
+    the block saves more after its experts return (shared experts run last, DeepseekV3MoE.
+    forward, Dots1MoE's; a gated shared expert, Qwen2MoeSparseMoeBlock.forward's sigmoid
+    product): the rerun runs on past the unsort there (``_shared_last_unsort``,
+    ``_gated_shared_unsort``)."""
+    moe, h, e = _moe(spec), spec.hidden_size, dm.e
+    after = moe.num_shared_experts and (moe.shared_experts_last or moe.shared_expert_gate)
+    if not wl.moe_impl.grouped or dm.compiled or after:
+        return []
+    rows = dm.tokens * moe.top_k
+    weighted = rows * h * max(e, weights_width(moe, dm))
+    by_token = rows * h * e if wl.moe_impl is MoeImpl.GROUPED_TOKEN else 0
+    shared = (dm.rows * h * e if moe.num_shared_experts and not moe.shared_experts_last
+              else 0)
+    residual = (dm.stream(h) if spec.norm_placement.pre_norm and wl.norm_impl.upcast
+                and dm.stream_e < FP32_BYTES else 0)
+    return [Moment("moe_rerun", saved, 2 * weighted + by_token + shared + residual
+                   + _grouped_locals(spec, dm))]
 
 
 def _every_extra(spec: ModelSpec, dm: Dims) -> int:
@@ -578,9 +628,10 @@ class MoE:
         (``_attention_out``) and the residual, and beside the gradient of that output:
         the sum's and the view's backward need no saved tensor, so they ran before the down
         bmm's unpacking started the rerun, the view's copying the expanded gradient whole
-        (traced: an (E, T, h) clone before the rerun's first op)."""
+        (traced: an (E, T, h) clone before the rerun's first op). Grouped experts: the
+        rerun's stop at the unsort (``grouped_rerun``)."""
         if wl.moe_impl is not MoeImpl.EVERY:
-            return []
+            return grouped_rerun(spec, wl, dm, total(self.saved(spec, wl, dm, Recompute.NONE)))
         moe = _moe(spec)
         rows_h = moe.num_experts * dm.tokens * spec.hidden_size * dm.e
         # the post-attention residual (the layer's residual) where its norm saves an fp32

@@ -79,7 +79,9 @@ def stage_terms(spec: ModelSpec, wl: Workload, dm: Dims, ep: int | ExpertSplit,
         mask=((0 if saved_mask else attention.eager_mask_bytes(wl, dm))
               + (0 if window_saved else attention.window_mask_bytes(spec, wl, dm))
               # a window mask no layer reads: never saved
-              + attention.unused_window_mask_bytes(spec, wl, dm)),
+              + attention.unused_window_mask_bytes(spec, wl, dm)
+              # interleaved RoPE's tables where no layer saves them: a local too
+              + attention.rope_local_bytes(spec, wl, dm)),
         embedding=embedding.EmbeddingBlock().fixed(spec, wl, dm),
         head_block=_head_of(spec, wl, dm, list(head_terms)),
         loss_reduce=loss_in_call.last_chunk_bytes(spec, wl, dm, 0) if head.in_loss(wl) else 0,

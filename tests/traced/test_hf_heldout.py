@@ -23,7 +23,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from known import Known, param  # noqa: E402  (tests/traced/known.py)
+from known import param  # noqa: E402  (tests/traced/known.py)
 from memplan.errors import MemplanError  # noqa: E402
 from memplan.model.model_states import count_stage_params  # noqa: E402
 from memplan.spec import spec_from_hf_dict  # noqa: E402
@@ -173,6 +173,10 @@ TRACED = {
     # a dense first layer, then 4 experts (2 routed a token) with 2 shared
     "ernie4_5_moe": _cut("ERNIE-4.5-21B-A3B-PT", num_hidden_layers=2, moe_num_experts=4,
                          moe_k=2, moe_intermediate_size=64, moe_num_shared_experts=2, **_TOY),
+    # ERNIE 4.5's dense model: its RoPE's fp32 tables repeated pairwise in every layer and
+    # cast back to q's dtype (rope_tables_fp32, rope_interleaved, rope_keeps_dtype: bf16
+    # saved activations -1.46%, under full recompute -1.82%, before them)
+    "ernie4_5": _cut("ERNIE-4.5-0.3B-PT", num_hidden_layers=2, **_TOY),
     # a plain MLP with transformers' xIELU formula, per-head q/k norms
     "apertus": _cut("Apertus-8B-2509", num_hidden_layers=2, **_TOY),
     # Granite 4.0 micro: attention layers only, no experts; the shared MLP's fused input
@@ -211,19 +215,6 @@ TRACED = {
 }
 
 
-# ERNIE 4.5 MoE in bf16: the saved activations under by 23,072 B (the toy's one MoE layer,
-# 128 tokens: about 180 B a token), not attributed yet; the fp32 router path is the likely
-# place (Ernie4_5_MoeTopKRouter.forward under autocast disabled: softmax, Ernie4_5_MoeStatics's
-# biased copy, gather and the clamped renormalisation in fp32, then the cast to bf16)
-ERNIE_BF16 = Known(("activations_bytes",), (
-    "ERNIE 4.5 MoE bf16: saved activations -1.22% (23,072 B under on the toy's MoE layer); "
-    "not attributed yet (the fp32 router path is the likely place)"),
-    {"activations_bytes": (-23_072, -1.2212)})
-ERNIE_BF16_FULL = Known(("activations_bytes", "first_step.backward_bytes"), (
-    "ERNIE 4.5 MoE bf16 under full recompute: saved activations -1.82% (8,720 B), step 1's "
-    "backward -1.15% (26,240 B); not attributed yet"),
-    {"activations_bytes": (-8_720, -1.8234), "first_step.backward_bytes": (-26_240, -1.155)})
-
 def _parallel_experts() -> bool:
     """Whether the installed transformers runs Granite's MoE through its own
     GraniteMoeParallelExperts (5.3: memplan.model.moe_parallel, moe_impl parallel); later
@@ -243,16 +234,15 @@ def _cases():
     from memplan.profile.frameworks import FrameworkCase
 
     for name, data in sorted(TRACED.items()):
-        ernie = name == "ernie4_5_moe"
         own = {"moe_impl": "parallel"} if name in GRANITE_MOE else {}
         yield param(FrameworkCase("transformers", name, data, "fp32", 2, 64, options=own),
                     None)
         yield param(FrameworkCase("transformers", name, data, "bf16-pure", 2, 64, options=own),
-                    ERNIE_BF16 if ernie else None)
+                    None)
         yield param(FrameworkCase("transformers", name, data, "bf16-pure", 2, 64,
-                                  options={"recompute": "full", **own}),
-                    ERNIE_BF16_FULL if ernie else None)
-        if name.startswith("lfm2"):  # the convolution's weight cast under autocast
+                                  options={"recompute": "full", **own}), None)
+        # the convolution's weight cast under autocast; ERNIE's RoPE casting q and k back
+        if name.startswith("lfm2") or name == "ernie4_5":
             yield param(FrameworkCase("transformers", name, data, "amp-bf16", 2, 64), None)
 
 
@@ -275,7 +265,8 @@ def test_library_matches_estimate(case, known) -> None:
     # HunYuanMoEV1Gate.wg is built in fp32 in a bf16 model: the states are exact in fp32 only
     fp32_router = case.name == "hunyuan_v1_moe" and case.recipe != "fp32"
     # ERNIE's frozen e_score_correction_bias (E fp32 values a MoE layer) is read as the
-    # router's trained bias: 16 B of weights, gradients and states more on the toy
+    # router's trained bias, and its router weight, built in fp32 (router_weight_fp32, read
+    # for what its router saves), counted in bf16 under bf16-pure: the states not exact
     frozen_bias = case.name == "ernie4_5_moe"
     comparison = compare_framework(case)
     assert comparison.spec.approximate is None  # read by its family's reader, not the fallback
@@ -290,55 +281,15 @@ def test_library_matches_estimate(case, known) -> None:
 MOE_PEAK = ("hunyuan_v1_moe", "dots1", "ernie4_5_moe")
 
 
-# ERNIE 4.5 at that shape: the saved activations' deficit above grows with the tokens
-# (34,832 B at 512 tokens), the rerun's backward 382 KB short, not attributed yet (the MoE
-# block's own forward moment within 27,816 B, -0.95%, most of it that deficit)
-ERNIE_MOE_PEAK = Known(
-    ("activations_bytes", "first_step.backward_bytes", "steady.backward_bytes"),
-    "ERNIE 4.5 MoE bf16, full recompute, 2 x 256 tokens: saved activations -3.50% "
-    "(34,832 B), step 1's backward -6.74% (382,120 B) and -5.42% from step 2; not "
-    "attributed yet",
-    {"activations_bytes": (-34_832, -3.4994), "first_step.backward_bytes": (-382_120, -6.7435),
-     "steady.backward_bytes": (-384_148, -5.4240)})
+# ERNIE 4.5's block at that shape: its rerun stops at the unsort's index (moe.grouped_rerun),
+# beside the fp32 logits and cast top-k weights its router returns and the block binds
+# (router_logits_held, router_weights_cast), with its layers' fp32 interleaved RoPE tables
+# (rope_tables_fp32, rope_interleaved): within 0.3% on 5.3 and 5.23 (it read -6.74% and
+# -2.37% on step 1's backward, -3.50% on the saved activations)
 
 
-# The same on transformers 5.23, whose grouped experts gather the rows once (moe_impl
-# grouped): the saved activations' deficit as on 5.3, the rerun's backward 128,168 B short
-# and the checkpointed forward 27,816 B short, not attributed yet
-ERNIE_MOE_PEAK_5_23 = Known(
-    ("activations_bytes", "first_step.forward_bytes", "first_step.backward_bytes",
-     "steady.backward_bytes"),
-    "ERNIE 4.5 MoE bf16, full recompute, 2 x 256 tokens, transformers 5.23: saved "
-    "activations -3.50% (34,832 B), step 1's forward -1.10% (27,816 B), its backward -2.37% "
-    "(128,168 B) and -1.91% from step 2; not attributed yet",
-    {"activations_bytes": (-34_832, -3.4994), "first_step.forward_bytes": (-27_816, -1.0982),
-     "first_step.backward_bytes": (-128_168, -2.3680),
-     "steady.backward_bytes": (-130_196, -1.9067)})
-
-
-def _gathers_by_token() -> bool:
-    """Whether the installed transformers' grouped experts gather the routed rows by token
-    before a sorted copy (5.3: moe_impl grouped-token), not once in sorted order (5.23)."""
-    import inspect
-
-    from transformers.integrations import moe
-
-    forward = getattr(moe, "grouped_mm_experts_forward", None)
-    return forward is not None and "token_idx" in inspect.getsource(forward)
-
-
-def _peak_param(name: str):
-    from known import KnownDeviation  # tests/traced/known.py
-
-    ernie = ERNIE_MOE_PEAK if _gathers_by_token() else ERNIE_MOE_PEAK_5_23
-    known = ernie if name == "ernie4_5_moe" else None
-    marks = [pytest.mark.xfail(strict=True, raises=KnownDeviation, reason=known.cause)
-             ] if known else []
-    return pytest.param(name, known, id=name, marks=marks)
-
-
-@pytest.mark.parametrize(("name", "known"), [_peak_param(name) for name in MOE_PEAK])
-def test_moe_block_peaks_match_estimate(name: str, known: Known | None) -> None:
+@pytest.mark.parametrize("name", MOE_PEAK)
+def test_moe_block_peaks_match_estimate(name: str) -> None:
     """Every phase peak within 1% where the MoE block sets it (Hunyuan's fp32 router weight:
     its states within 0.09%, as above)."""
     from known import EXACT, check  # tests/traced/known.py
@@ -350,7 +301,7 @@ def test_moe_block_peaks_match_estimate(name: str, known: Known | None) -> None:
                          "bf16-pure", 2, 256, options={"recompute": "full"})
     # Hunyuan's fp32 router weight and ERNIE's frozen bias: their states not exact (above)
     exact = () if name in ("hunyuan_v1_moe", "ernie4_5_moe") else EXACT
-    check(compare_framework(case).rows, known, exact=exact)
+    check(compare_framework(case).rows, None, exact=exact)
 
 
 # Granite's MoE as transformers 5.3 runs it (GraniteMoeParallelExperts, moe_impl parallel) at

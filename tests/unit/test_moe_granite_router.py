@@ -50,19 +50,21 @@ def test_router_saves_the_fp32_top_k_softmax_only() -> None:
 def test_checkpointed_block_holds_the_fp32_logits() -> None:
     """Under full recompute (nothing saved), as transformers 5.3 wrote the grouped experts
     (``moe_impl`` grouped-token): the routing tensors (19,456: the terms above less the rows
-    and the MLP's), the index locals (R*12 = 6,144) and the router's fp32 logits
-    GraniteMoeMoE.forward keeps to its end (T E x 4 = 4,096), the gathered rows and their
-    sorted copy (131,072), at the gate the gate/up output, SiLU and product (4 R f e =
-    393,216): 553,984, above the unsort's 160,768 + 98,304 + 65,536 + 2 x 65,536 (the
-    weighted rows and their unsorted copy, bf16: the weights were cast) = 455,680. As 5.23
-    writes them (grouped, the default), the rows gathered once, no token index bound and the
-    unsort index not yet made at the gate: 553,984 - 65,536 - 2 x 4,096 = 480,256."""
+    and the MLP's) but the fp32 softmax of the top-k (R*4 = 2,048), which ``.type_as`` made
+    a temporary: 17,408; the index locals (R*12 = 6,144), the router's fp32 logits
+    GraniteMoeMoE.forward keeps to its end (T E x 4 = 4,096) and its cast top-k weights (R*2
+    = 1,024), the gathered rows and their sorted copy (131,072), at the gate the gate/up
+    output, SiLU and product (4 R f e = 393,216): 552,960, above the unsort's 159,744 +
+    98,304 + 65,536 + 2 x 65,536 (the weighted rows and their unsorted copy, bf16: the
+    weights were cast) = 454,656. As 5.23 writes them (grouped, the default), the rows
+    gathered once, no token index bound and the unsort index not yet made at the gate:
+    552,960 - 65,536 - 2 x 4,096 = 479,232."""
     spec, wl, dm = _setup("full", **GRANITE)
     (moment,) = MoE().working_set(spec, wl, dm)
-    assert wl.moe_impl.value == "grouped" and moment.transient_bytes == 480_256
+    assert wl.moe_impl.value == "grouped" and moment.transient_bytes == 479_232
     token = wl.model_copy(update={"moe_impl": MoeImpl.GROUPED_TOKEN})
     (moment,) = MoE().working_set(spec, token, dm)
-    assert moment.transient_bytes == 553_984
+    assert moment.transient_bytes == 552_960
 
 
 def test_shared_mlp_after_the_experts_runs_its_backward_first() -> None:

@@ -64,12 +64,13 @@ def test_shared_expert_last_adds_nothing() -> None:
 
 def test_routing_weights_cast_to_the_compute_dtype() -> None:
     """ERNIE 4.5's router returns routing_weights.to(hidden_states.dtype)
-    (``router_weights_cast``): the sorted weights R*2 = 1,024 (routing 24,576), the weighted
-    rows and their unsorted copy bf16 (2 R*h*2 = 131,072). With the index locals (6,144) and
-    the shared output waiting: the unsort 24,576 + 6,144 + 131,072 + 32,768 + 98,304 +
-    65,536 + 131,072 = 489,472, under the gate's 24,576 + 6,144 + 131,072 + 32,768 + 393,216
-    = 587,776."""
-    assert _working_set(**SHARED_FP32, router_weights_cast=True) == 587_776
+    (``router_weights_cast``): the sorted weights R*2 = 1,024, and the fp32 top-k weights
+    and their sum (R*4 + T*4 = 3,072) replaced by the cast, a local of R*2 = 1,024 (routing
+    25,600 - 1,024 - 3,072 = 21,504; locals 6,144 + 1,024 = 7,168); the weighted rows and
+    their unsorted copy bf16 (2 R*h*2 = 131,072). With the shared output waiting: the unsort
+    21,504 + 7,168 + 131,072 + 32,768 + 98,304 + 65,536 + 131,072 = 487,424, under the
+    gate's 21,504 + 7,168 + 131,072 + 32,768 + 393,216 = 585,728."""
+    assert _working_set(**SHARED_FP32, router_weights_cast=True) == 585_728
 
 
 def test_5_23_gathers_once() -> None:
@@ -82,7 +83,61 @@ def test_5_23_gathers_once() -> None:
 
 
 def test_5_23_routing_weights_cast() -> None:
-    """ERNIE-like (above) on 5.23: the unsort 24,576 - 4,096 + 6,144 + 65,536 + 32,768 +
-    65,536 + 131,072 = 321,536 (no product), under the gate's 24,576 - 8,192 + 6,144 +
-    65,536 + 32,768 + 393,216 = 514,048."""
-    assert _working_set("grouped", **SHARED_FP32, router_weights_cast=True) == 514_048
+    """ERNIE-like (above) on 5.23: the unsort 21,504 - 4,096 + 7,168 + 65,536 + 32,768 +
+    65,536 + 131,072 = 319,488 (no product), under the gate's 21,504 - 8,192 + 7,168 +
+    65,536 + 32,768 + 393,216 = 512,000."""
+    assert _working_set("grouped", **SHARED_FP32, router_weights_cast=True) == 512_000
+
+
+# ERNIE 4.5's router and block (models/ernie4_5_moe/modeling_ernie4_5_moe.py): the weights
+# cast, the router's weight built in fp32, the renormalisation's sum clamped, the logits bound
+ERNIE_LIKE = dict(SHARED_FP32, router_weights_cast=True, router_weight_fp32=True,
+                  router_norm_clamped=True, router_logits_held=True)
+
+
+def test_ernie_router_logits_replace_the_probabilities_in_the_working_set() -> None:
+    """Ernie4_5_MoeSparseMoeBlock.forward binds the router's fp32 logits (T*E*4 = 4,096), a
+    local, where its softmax's probabilities (the same size) are freed: the gate's 585,728
+    (above) - 4,096 + 4,096."""
+    assert _working_set(**ERNIE_LIKE) == 585_728
+
+
+def _saved_and_rerun(impl: str, **moe) -> tuple[int, int, int]:
+    spec = ModelSpec.model_validate({**load_model("tiny").model_dump(), "name": "tiny-moe",
+                                     "moe": MoESpec(**moe).model_dump()})
+    wl = make_workload(spec, seq_len=128, micro_batch_size=2, moe_impl=impl,
+                       precision="bf16-pure", recompute="full")
+    dm = Dims.of(spec, make_layout(1), wl)
+    from memplan.workload import Recompute
+
+    saved = sum(t.size_bytes for t in MoE().saved(spec, wl, dm, Recompute.NONE))
+    (moment,) = MoE().rebuild_moments(spec, wl, dm)
+    return saved, moment.own_bytes, moment.transient_bytes
+
+
+# What the ERNIE-like block saves (bf16, T = 256, R = 512, h 64, f 96, E 4): the router's
+# fp32 input copy T*h*4 = 65,536 (its weight is fp32 already: no copy), the probabilities
+# T*E*4 = 4,096, the top-k indices R*8 = 4,096, the gathered top-k weights R*4 = 2,048 with
+# the sum and its clamped copy (2 T*4 = 2,048), the token, sort and unsort indices (3 R*8 =
+# 12,288), the gathered rows R*h*2 = 65,536, the experts' gate, SiLU, up and product (4 R*f*2
+# = 393,216), their output R*h*2 = 65,536, the sorted weights R*2 = 1,024 and the shared
+# MLP's four terms (4 T*f*2 = 196,608): 812,032.
+ERNIE_SAVED = 812_032
+
+
+def test_ernie_saved_terms() -> None:
+    saved, _, _ = _saved_and_rerun("grouped-token", **ERNIE_LIKE)
+    assert saved == ERNIE_SAVED
+
+
+def test_rerun_stops_at_the_unsort_index() -> None:
+    """Under full recompute the rerun stops at the unsort's pack of its index, before
+    ``weighted_out[inv_perm]`` runs (moe.grouped_rerun): beside the 812,032 saved, the
+    weighted rows and the view's copy of the expanded gradient (2 R*h*2 = 131,072), the rows
+    gathered by token (5.3's grouped-token: R*h*2 = 65,536), the shared output (T*h*2 =
+    32,768), the post-attention residual no upcast norm saves (T*h*2 = 32,768) and the
+    locals: sorted ids and their histc copy (R*12 = 6,144), the bound logits (T*E*4 = 4,096)
+    and cast weights (R*2 = 1,024): 273,408. On 5.23 (grouped) no by-token rows: 207,872."""
+    assert _saved_and_rerun("grouped-token", **ERNIE_LIKE)[1:] == (ERNIE_SAVED, 273_408)
+    _, _, transient = _saved_and_rerun("grouped", **ERNIE_LIKE)
+    assert transient == 207_872
