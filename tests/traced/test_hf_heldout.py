@@ -23,7 +23,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from known import param  # noqa: E402  (tests/traced/known.py)
+from known import Known, param  # noqa: E402  (tests/traced/known.py)
 from memplan.errors import MemplanError  # noqa: E402
 from memplan.model.model_states import count_stage_params  # noqa: E402
 from memplan.spec import spec_from_hf_dict  # noqa: E402
