@@ -180,7 +180,7 @@ def build_peft(case: FrameworkCase) -> Built:
     if opts.get("hold_outputs"):
         workload.update(logits_held="output")
     if fsdp1 is not None:
-        workload.update(fsdp_version=1, use_orig_params=False, **fsdp1)
+        workload.update(fsdp_version=1, **{"use_orig_params": False, **fsdp1})
     frozen = [p for p in model.parameters() if not p.requires_grad] + extra
     layout = api.make_layout(case.dp, zero=3, offload=offload) if case.dp > 1 else built.layout
     return Built("peft", model, built.spec, layout, workload, step, opt, frozen=frozen,
@@ -227,9 +227,8 @@ def _fsdp1_lora_wrap(model: torch.nn.Module, case: FrameworkCase,
     from peft.utils.other import fsdp_auto_wrap_policy
     from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel, MixedPrecision
 
-    if case.dp < 2 or fields.get("use_orig_params") or not fields.get(
-            "reshard_after_forward", True):
-        raise ValueError("fsdp1 LoRA is traced with FULL_SHARD, use_orig_params=False, dp > 1")
+    if case.dp < 2 or not fields.get("reshard_after_forward", True):
+        raise ValueError("fsdp1 LoRA is traced with FULL_SHARD over dp > 1")
     prefetch = {"pre": "BACKWARD_PRE", "post": "BACKWARD_POST", "none": None}[
         fields.get("backward_prefetch", "none")]
     mp = (MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -237,7 +236,7 @@ def _fsdp1_lora_wrap(model: torch.nn.Module, case: FrameworkCase,
     return FullyShardedDataParallel(
         model, auto_wrap_policy=fsdp_auto_wrap_policy(model), device_id=torch.device("cpu"),
         mixed_precision=mp, backward_prefetch=BackwardPrefetch[prefetch] if prefetch else None,
-        use_orig_params=False, limit_all_gathers=True)
+        use_orig_params=fields.get("use_orig_params", False), limit_all_gathers=True)
 
 
 def _follow_flat_storage(tracker: Any) -> Any:
