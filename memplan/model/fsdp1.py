@@ -68,7 +68,9 @@ def _lora_unmodelled(par: ParallelConfig, wl: Workload) -> str | None:
     "Must flatten tensors with uniform requires_grad"). Not traced: the adapters inside the
     decoder layer's flat parameter (``use_orig_params=True`` without peft's policy: the
     unit's flat gradient is then full-size, frozen weights included), QLoRA, adapters on the
-    head, ``MixedPrecision(param_dtype=...)``, forward prefetch, SHARD_GRAD_OP, no_sync()."""
+    head, ``MixedPrecision(param_dtype=...)``, forward and backward prefetch (the block
+    before is prefetched from the hook of a block's first adapter, inside the attention's
+    backward), SHARD_GRAD_OP, no_sync()."""
     from memplan.workload import LORA_HEAD, BaseQuant, GradSync, Precision
 
     many = wl.global_batch_size and wl.global_batch_size > wl.micro_batch_size * par.dp
@@ -76,6 +78,12 @@ def _lora_unmodelled(par: ParallelConfig, wl: Workload) -> str | None:
             else "LoRA on the output projection" if LORA_HEAD in (wl.lora_targets or ())
             else "LoRA under MixedPrecision(param_dtype)" if wl.precision is Precision.FSDP_BF16
             else "LoRA with forward_prefetch" if wl.forward_prefetch
+            # _exec_order_utils.py get_handle_to_backward_prefetch: the unit before in the
+            # post-forward order, which for a block's first adapter (q's lora_A) is the block
+            # before, gathered inside the attention's backward (traced: -1.8% to -3.2% with
+            # one block there, +3% to +8.7% with two throughout the block)
+            else f"LoRA with backward_prefetch {wl.backward_prefetch.value}"
+            if wl.backward_prefetch is not BackwardPrefetch.NONE
             else "LoRA with SHARD_GRAD_OP" if not wl.reshard_after_forward
             else "LoRA with no_sync() accumulation" if many and wl.grad_sync is GradSync.LAST
             else None)
@@ -170,10 +178,9 @@ def _adapter_units(params: StageParams, par: ParallelConfig, wl: Workload,
       end, ``_register_pre_backward_hooks``) and so runs first: block i-1 is gathered
       before block i is freed, the root and two blocks at a block's end beside the
       gradient of its input (``backward_reduce_bytes``);
-    - a backward prefetch (``_get_handle_to_prefetch``: the handle before in the forward's
-      order) finds an adapter's unit before each block and the last block's last adapter
-      at the head, never a block: one block gathered while a block's backward runs, the
-      root alone at the loss, whatever ``backward_prefetch``;
+    - without a backward prefetch (Accelerate's and the Trainer's default) each unit is
+      gathered in its own ``_pre_backward_hook``: one block while a block's backward runs,
+      the root alone at the loss;
     - the stage's first block, whose input (the frozen embedding's output) needs no grad,
       gets no hook and is freed with the root, whose inputs need none either, by the final
       callback (``_post_backward_final_callback`` -> ``_catch_all_reshard``): both gathered
@@ -188,10 +195,11 @@ def _adapter_units(params: StageParams, par: ParallelConfig, wl: Workload,
     init = max(padded(max(base, params.embedding + params.head), world)
                * max(policy.param_bytes, e), padded(max(trainable.adapters), world)
                * ADAPTER_BYTES)
+    many = len(params.layers) > 1
     return ShardingBuffers(
         both, root_b, largest, backward_head_bytes=root_b, backward_block_bytes=both,
         backward_last_block_bytes=both, backward_end_bytes=both,
-        backward_reduce_bytes=both + (layer_b if len(params.layers) > 1 else 0),
+        backward_reduce_bytes=both + (layer_b if many else 0),
         flat_units=True, lazy_init_bytes=init, grads_to_forward=wl.use_orig_params)
 
 

@@ -181,6 +181,8 @@ def build_peft(case: FrameworkCase) -> Built:
         workload.update(logits_held="output")
     if fsdp1 is not None:
         workload.update(fsdp_version=1, **{"use_orig_params": False, **fsdp1})
+    elif case.dp > 1:  # fully_shard, not the hf preset's FSDP1 (Accelerate's default)
+        workload.update(fsdp_version=2)
     frozen = [p for p in model.parameters() if not p.requires_grad] + extra
     layout = api.make_layout(case.dp, zero=3, offload=offload) if case.dp > 1 else built.layout
     return Built("peft", model, built.spec, layout, workload, step, opt, frozen=frozen,
