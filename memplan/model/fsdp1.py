@@ -192,13 +192,15 @@ def _adapter_units(params: StageParams, par: ParallelConfig, wl: Workload,
     root_b = padded(params.embedding + params.head, world) * e
     both = root_b + layer_b
     largest = max(trainable.adapters) * ADAPTER_BYTES
+    # the largest adapter's unit, gathered while its linear runs (in the weights' fp32)
+    adapter_b = padded(max(trainable.adapters), world) * ADAPTER_BYTES
     init = max(padded(max(base, params.embedding + params.head), world)
-               * max(policy.param_bytes, e), padded(max(trainable.adapters), world)
-               * ADAPTER_BYTES)
+               * max(policy.param_bytes, e), adapter_b)
     many = len(params.layers) > 1
     return ShardingBuffers(
-        both, root_b, largest, backward_head_bytes=root_b, backward_block_bytes=both,
-        backward_last_block_bytes=both, backward_end_bytes=both,
+        both + adapter_b, root_b, largest, backward_head_bytes=root_b,
+        backward_block_bytes=both + adapter_b, backward_last_block_bytes=both + adapter_b,
+        backward_end_bytes=both,
         backward_reduce_bytes=both + (layer_b if many else 0),
         flat_units=True, lazy_init_bytes=init, grads_to_forward=wl.use_orig_params)
 
