@@ -68,16 +68,15 @@ def _lora_unmodelled(par: ParallelConfig, wl: Workload) -> str | None:
     "Must flatten tensors with uniform requires_grad"). Not traced: the adapters inside the
     decoder layer's flat parameter (``use_orig_params=True`` without peft's policy: the
     unit's flat gradient is then full-size, frozen weights included), QLoRA, adapters on the
-    head, ``MixedPrecision(param_dtype=...)``, forward and backward prefetch (the block
-    before is prefetched from the hook of a block's first adapter, inside the attention's
-    backward), SHARD_GRAD_OP, no_sync()."""
+    head, ``MixedPrecision(param_dtype=...)``, a backward prefetch (the block before is
+    prefetched from the hook of a block's first adapter, inside the attention's backward),
+    SHARD_GRAD_OP, no_sync() (forward prefetch is refused for FSDP1 as a whole)."""
     from memplan.workload import LORA_HEAD, BaseQuant, GradSync, Precision
 
     many = wl.global_batch_size and wl.global_batch_size > wl.micro_batch_size * par.dp
     return ("LoRA with a quantized base" if wl.base_quant is not BaseQuant.NONE
-            else "LoRA on the output projection" if LORA_HEAD in (wl.lora_targets or ())
+            else "LoRA on the output projection" if set(LORA_HEAD) & set(wl.lora_targets or ())
             else "LoRA under MixedPrecision(param_dtype)" if wl.precision is Precision.FSDP_BF16
-            else "LoRA with forward_prefetch" if wl.forward_prefetch
             # _exec_order_utils.py get_handle_to_backward_prefetch: the unit before in the
             # post-forward order, which for a block's first adapter (q's lora_A) is the block
             # before, gathered inside the attention's backward (traced: -1.8% to -3.2% with

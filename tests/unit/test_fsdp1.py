@@ -25,6 +25,7 @@ from memplan.errors import MemplanError
 from memplan.model.fsdp1 import fsdp1_buffers, last_reduce, lazy_init, padded
 from memplan.model.grad_sync import accumulator_bytes
 from memplan.model.model_states import StageParams
+from memplan.model.trainable import TrainablePolicy
 from memplan.model.sharding import DataParallel, Held, flat_reduce, run_positions
 from memplan.spec import load_model
 
@@ -261,3 +262,56 @@ def test_cli_shard_grad_op() -> None:
     same = estimate("tiny", gpus=4, zero=3, fsdp_version=1, reshard_after_forward=False,
                     seq_len=64)
     assert json.loads(out.output)["stages"][0]["peak_bytes"] == same.stages[0].peak_bytes
+
+
+# --- LoRA: the adapters' linears units of their own (peft's and torchtune's wrap) ------------
+
+LORA = TrainablePolicy(adapters=(48, 24, 48, 24), layer_adapters=(72, 72))
+
+
+def test_lora_adapter_units_by_hand() -> None:
+    """bf16-pure over 4 ranks, two blocks of 1,001 elements of which 72 are adapters (a lora_A
+    of 48 and a lora_B of 24 each, fp32, units of their own): a block's unit gathers its
+    929 frozen base elements, padded to 932, x 2 B = 1,864; the root 604 x 2 = 1,208; the
+    largest adapter's unit 48 x 4 = 192 B.
+
+    - forward and a block's backward: root, block and the adapter running, 3,264; at the
+      loss and at the head the root alone, 1,208 (no prefetch);
+    - a block's end: the previous block gathered by its pre-backward hook before this one's
+      reshard-only hook frees it, 1,208 + 2 x 1,864 = 4,936; the backward's end: the stage's
+      first block (its input needs no grad) and the root, freed by the final callback,
+      3,072;
+    - the adapters' flat gradient, one tensor a unit: 48 x 4 = 192 B at most;
+    - lazy init: the largest unit, 932 x 2 = 1,864 B."""
+    b = fsdp1_buffers(PARAMS, make_layout(4, zero=3),
+                      make_workload(TINY, fsdp_version=1, precision="bf16-pure", lora_rank=8,
+                                    backward_prefetch="none"), LORA)
+    assert (b.gathered_bytes, b.gathered_at_loss_bytes, b.grad_bytes) == (3264, 1208, 192)
+    assert (b.backward_block_bytes, b.backward_last_block_bytes, b.backward_head_bytes,
+            b.backward_end_bytes, b.backward_reduce_bytes) == (3264, 3264, 1208, 3072, 4936)
+    assert (b.forward_start_bytes, b.lazy_init_bytes) == (0, 1864)
+    assert b.flat_units and not b.grads_to_forward and not b.window_units
+
+
+@pytest.mark.parametrize(("option", "named"), [
+    (dict(backward_prefetch="pre"), "LoRA with backward_prefetch pre"),
+    (dict(backward_prefetch="post"), "LoRA with backward_prefetch post"),
+    (dict(backward_prefetch="none", precision="fsdp-bf16"), "MixedPrecision(param_dtype)"),
+    (dict(backward_prefetch="none", base_quant="nf4"), "quantized base"),
+    (dict(backward_prefetch="none", lora_targets="q,v,output"), "output projection"),
+    (dict(backward_prefetch="none", reshard_after_forward=False), "SHARD_GRAD_OP")])
+def test_lora_layouts_not_traced_are_refused_by_name(option: dict, named: str) -> None:
+    from memplan.api import estimate
+
+    one = estimate("tiny", gpus=4, zero=3, fsdp_version=1, seq_len=64, lora_rank=8, **option)
+    assert any(named in line and "FSDP2's units stand for" in line for line in one.assumptions)
+
+
+def test_lora_without_prefetch_is_modelled_and_said() -> None:
+    from memplan.api import estimate
+
+    kw = dict(gpus=4, zero=3, seq_len=64, lora_rank=8, backward_prefetch="none")
+    one = estimate("tiny", fsdp_version=1, **kw)
+    two = estimate("tiny", fsdp_version=2, **kw)
+    assert one.peak_bytes != two.peak_bytes
+    assert any("FSDP1 FULL_SHARD with LoRA" in line for line in one.assumptions)
