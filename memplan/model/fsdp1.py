@@ -36,7 +36,7 @@ from memplan.model.sharding import DataParallel
 from memplan.parallel import Offload, ParallelConfig, ZeroStage
 from memplan.spec import ModelSpec
 from memplan.units import ceil_div
-from memplan.workload import BackwardPrefetch, Workload
+from memplan.workload import BackwardPrefetch, GradSync, Workload
 
 
 def flat_units(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> bool:
@@ -70,10 +70,12 @@ def _lora_unmodelled(par: ParallelConfig, wl: Workload) -> str | None:
     unit's flat gradient is then full-size, frozen weights included), QLoRA, adapters on the
     head, ``MixedPrecision(param_dtype=...)``, a backward prefetch (the block before is
     prefetched from the hook of a block's first adapter, inside the attention's backward),
-    SHARD_GRAD_OP, no_sync() (forward prefetch is refused for FSDP1 as a whole)."""
-    from memplan.workload import LORA_HEAD, BaseQuant, GradSync, Precision
+    SHARD_GRAD_OP (forward prefetch is refused for FSDP1 as a whole). Accumulation under
+    ``no_sync()`` is modelled as without LoRA (only the adapters' units accumulate, a few MB)
+    but not traced: the estimate says so (``assumptions``); the states are built without
+    the batch, so it cannot decide the units."""
+    from memplan.workload import LORA_HEAD, BaseQuant, Precision
 
-    many = wl.global_batch_size and wl.global_batch_size > wl.micro_batch_size * par.dp
     return ("LoRA with a quantized base" if wl.base_quant is not BaseQuant.NONE
             else "LoRA on the output projection" if set(LORA_HEAD) & set(wl.lora_targets or ())
             else "LoRA under MixedPrecision(param_dtype)" if wl.precision is Precision.FSDP_BF16
@@ -83,9 +85,7 @@ def _lora_unmodelled(par: ParallelConfig, wl: Workload) -> str | None:
             # one block there, +3% to +8.7% with two throughout the block)
             else f"LoRA with backward_prefetch {wl.backward_prefetch.value}"
             if wl.backward_prefetch is not BackwardPrefetch.NONE
-            else "LoRA with SHARD_GRAD_OP" if not wl.reshard_after_forward
-            else "LoRA with no_sync() accumulation" if many and wl.grad_sync is GradSync.LAST
-            else None)
+            else "LoRA with SHARD_GRAD_OP" if not wl.reshard_after_forward else None)
 
 
 def assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> tuple[str, ...]:
@@ -96,13 +96,16 @@ def assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> tuple[str
         return (f"fsdp_version 1 with {why}: FSDP2's units stand for FSDP1's flat parameters "
                 "(not modelled or traced there)",)
     if wl.lora_rank:
+        accumulating = (wl.global_batch_size or 0) > wl.micro_batch_size * par.dp
+        unsynced = ("; no_sync() accumulation not traced with LoRA"
+                    if accumulating and wl.grad_sync is GradSync.LAST else "")
         return ("FSDP1 FULL_SHARD with LoRA (memplan.model.fsdp1): each adapter linear a unit "
                 "of its own (peft's fsdp_auto_wrap_policy, torchtune's lora_fsdp_wrap_policy), "
                 "the decoder layers' flat parameters frozen (no gradient; resharded by a hook "
                 "on their inputs' gradients, so the previous layer is gathered first), the "
                 "root holding embedding, final norm and head; a wrap with the adapters inside "
                 "the decoder layer's flat parameter (use_orig_params=True without peft's "
-                "policy) is not modelled",)
+                f"policy) is not modelled{unsynced}",)
     return (f"FSDP1 FULL_SHARD (memplan.model.fsdp1): a flat parameter per decoder layer, the "
             f"root unit holding embedding, final norm and head; backward_prefetch "
             f"{wl.backward_prefetch.value}; limit_all_gathers and use_orig_params change no "
