@@ -283,3 +283,15 @@ def test_peft_lora_under_fsdp1(config: str, recipe: str, dp: int, b: int, s: int
     bad = [r for r in result.rows if abs(r.diff_pct) > TOLERANCE_PCT]
     assert not bad, "\n".join(f"{r.name}: measured {r.measured_bytes:,} estimated "
                               f"{r.estimated_bytes:,} ({r.diff_pct:+.3f}%)" for r in bad)
+
+
+def test_the_reference_model_refuses_lora() -> None:
+    """The reference model has no adapters: under LoRA it measured every weight's gradient
+    (tiny-wide over 2 ranks, fp32, q and v at rank 8: 19,799,040 B of gradients and
+    39,598,080 of AdamW states, where the adapters' shards are 98,304 and 196,608)."""
+    from memplan.errors import MemplanError
+
+    wl = make_workload(WIDE, fsdp_version=1, seq_len=32, micro_batch_size=1, precision="fp32",
+                       lora_rank=8, lora_targets="q,v")
+    with pytest.raises(MemplanError, match="no LoRA adapters"):
+        compare(WIDE, make_layout(2, zero=3), wl)

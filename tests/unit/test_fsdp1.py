@@ -315,3 +315,16 @@ def test_lora_without_prefetch_is_modelled_and_said() -> None:
     two = estimate("tiny", fsdp_version=2, **kw)
     assert one.peak_bytes != two.peak_bytes
     assert any("FSDP1 FULL_SHARD with LoRA" in line for line in one.assumptions)
+
+
+def test_lora_accumulation_under_no_sync_is_said_untraced() -> None:
+    """The states are built without the batch, so accumulation cannot refuse the units: the
+    estimate keeps FSDP1's LoRA units and says that no_sync() accumulation is not traced."""
+    from memplan.api import estimate
+
+    kw = dict(gpus=4, zero=3, seq_len=64, lora_rank=8, backward_prefetch="none",
+              micro_batch_size=1, grad_sync="last")
+    many = estimate("tiny", fsdp_version=1, global_batch_size=8, **kw)
+    one = estimate("tiny", fsdp_version=1, global_batch_size=4, **kw)
+    assert any("no_sync() accumulation not traced with LoRA" in line for line in many.assumptions)
+    assert not any("no_sync()" in line for line in one.assumptions)
