@@ -68,9 +68,7 @@ def _lora_unmodelled(par: ParallelConfig, wl: Workload) -> str | None:
     "Must flatten tensors with uniform requires_grad"). Not traced: the adapters inside the
     decoder layer's flat parameter (``use_orig_params=True`` without peft's policy: the
     unit's flat gradient is then full-size, frozen weights included), QLoRA, adapters on the
-    head, ``MixedPrecision(param_dtype=...)``, a backward prefetch (the block before is
-    prefetched from the hook of a block's first adapter, inside the attention's backward),
-    SHARD_GRAD_OP (forward prefetch is refused for FSDP1 as a whole). Accumulation under
+    head, ``MixedPrecision(param_dtype=...)``, SHARD_GRAD_OP (forward prefetch is refused for FSDP1 as a whole). Accumulation under
     ``no_sync()`` is modelled as without LoRA (only the adapters' units accumulate, a few MB)
     but not traced: the estimate says so (``assumptions``); the states are built without
     the batch, so it cannot decide the units."""
@@ -79,12 +77,6 @@ def _lora_unmodelled(par: ParallelConfig, wl: Workload) -> str | None:
     return ("LoRA with a quantized base" if wl.base_quant is not BaseQuant.NONE
             else "LoRA on the output projection" if set(LORA_HEAD) & set(wl.lora_targets or ())
             else "LoRA under MixedPrecision(param_dtype)" if wl.precision is Precision.FSDP_BF16
-            # _exec_order_utils.py get_handle_to_backward_prefetch: the unit before in the
-            # post-forward order, which for a block's first adapter (q's lora_A) is the block
-            # before, gathered inside the attention's backward (traced: -1.8% to -3.2% with
-            # one block there, +3% to +8.7% with two throughout the block)
-            else f"LoRA with backward_prefetch {wl.backward_prefetch.value}"
-            if wl.backward_prefetch is not BackwardPrefetch.NONE
             else "LoRA with SHARD_GRAD_OP" if not wl.reshard_after_forward else None)
 
 
@@ -103,7 +95,9 @@ def assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> tuple[str
                 "of its own (peft's fsdp_auto_wrap_policy, torchtune's lora_fsdp_wrap_policy), "
                 "the decoder layers' flat parameters frozen (no gradient; resharded by a hook "
                 "on their inputs' gradients, so the previous layer is gathered first), the "
-                "root holding embedding, final norm and head; a wrap with the adapters inside "
+                f"root holding embedding, final norm and head; backward_prefetch "
+                f"{wl.backward_prefetch.value} (a prefetch gathers the previous layer from the "
+                "hook of a layer's first adapter); a wrap with the adapters inside "
                 "the decoder layer's flat parameter (use_orig_params=True without peft's "
                 f"policy) is not modelled{unsynced}",)
     return (f"FSDP1 FULL_SHARD (memplan.model.fsdp1): a flat parameter per decoder layer, the "
@@ -166,10 +160,10 @@ def fsdp1_buffers(params: StageParams, par: ParallelConfig, wl: Workload,
 def _adapter_units(params: StageParams, par: ParallelConfig, wl: Workload,
                    trainable: TrainablePolicy) -> ShardingBuffers:
     """LoRA, each adapter linear its own unit (``_lora_unmodelled``), traced
-    (tests/traced/test_finetune.py): a decoder layer's unit gathers its frozen base weights
-    (the layer less its adapters); the adapters' units, a tensor each, are gathered while
-    their own linear runs and reduce their own gradients in their own post-backward hooks
-    (a few KB: not counted beside the blocks). In backward (torch 2.13
+    (tests/traced/test_fsdp1_trace.py ``test_peft_lora_under_fsdp1``): a decoder layer's unit
+    gathers its frozen base weights (the layer less its adapters); the adapters' units, a
+    tensor each, are gathered while their own linear runs (the largest beside a block) and
+    reduce their own gradients in their own post-backward hooks. In backward (torch 2.13
     ``_runtime_utils.py``):
 
     - a frozen flat parameter gets no gradient, so no post-backward hook:
@@ -182,7 +176,13 @@ def _adapter_units(params: StageParams, par: ParallelConfig, wl: Workload,
       gradient of its input (``backward_reduce_bytes``);
     - without a backward prefetch (Accelerate's and the Trainer's default) each unit is
       gathered in its own ``_pre_backward_hook``: one block while a block's backward runs,
-      the root alone at the loss;
+      the root alone at the loss. A prefetch (``_exec_order_utils.py
+      get_handle_to_backward_prefetch``) takes the unit before in the *post-forward* order:
+      before a block's first adapter (q's lora_A) the block before, gathered in that
+      adapter's pre-backward hook (BACKWARD_PRE) or after its weight gradient
+      (BACKWARD_POST), inside the block's input projections' backward: the block before
+      beside the block's ``PREFETCH_TAIL`` moments (``prefetch_tail_bytes``); before the root
+      the last block, which BACKWARD_PRE gathers at the loss; before a block an adapter;
     - the stage's first block, whose input (the frozen embedding's output) needs no grad,
       gets no hook and is freed with the root, whose inputs need none either, by the final
       callback (``_post_backward_final_callback`` -> ``_catch_all_reshard``): both gathered
@@ -199,8 +199,11 @@ def _adapter_units(params: StageParams, par: ParallelConfig, wl: Workload,
     init = max(padded(max(base, params.embedding + params.head), world)
                * max(policy.param_bytes, e), adapter_b)
     many = len(params.layers) > 1
+    prefetch = wl.backward_prefetch is not BackwardPrefetch.NONE and many
+    head = layer_b if wl.backward_prefetch is BackwardPrefetch.PRE and many else 0
     return ShardingBuffers(
-        both + adapter_b, root_b, largest, backward_head_bytes=root_b,
+        both + adapter_b, root_b, largest, backward_head_bytes=root_b + head,
+        prefetch_tail_bytes=layer_b if prefetch else 0,
         backward_block_bytes=both + adapter_b, backward_last_block_bytes=both + adapter_b,
         backward_end_bytes=both,
         backward_reduce_bytes=both + (layer_b if many else 0),

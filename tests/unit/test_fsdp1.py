@@ -167,7 +167,7 @@ def test_forward_prefetch_is_refused_by_name() -> None:
 @pytest.mark.parametrize(("option", "named"), [
     (dict(gpus=8, tp=2), "tp, pp, cp or ep > 1"),
     (dict(offload="params", precision="fsdp-bf16"), "offload params"),
-    (dict(lora_rank=8), "LoRA")])
+    (dict(lora_rank=8, base_quant="nf4"), "LoRA with a quantized base")])
 def test_where_fsdp1_is_not_modelled_fsdp2_stands_for_it_and_says_so(option: dict,
                                                                     named: str) -> None:
     from memplan.api import estimate
@@ -293,9 +293,22 @@ def test_lora_adapter_units_by_hand() -> None:
     assert b.flat_units and not b.grads_to_forward and not b.window_units
 
 
+@pytest.mark.parametrize(("prefetch", "head"), [("pre", 3072), ("post", 1208)])
+def test_lora_backward_prefetch_gathers_the_block_before_from_the_first_adapter(
+        prefetch: str, head: int) -> None:
+    """A prefetch takes the unit before in the post-forward order: before a block's first
+    adapter (q's lora_A), the block before, 1,864 B more at the block's input projections
+    and norm (``prefetch_tail_bytes``); before the root, the last block, which BACKWARD_PRE
+    gathers at the loss: 1,208 + 1,864 = 3,072 (BACKWARD_POST: the root alone, 1,208). A
+    block's own backward otherwise as without prefetch, 3,264."""
+    b = fsdp1_buffers(PARAMS, make_layout(4, zero=3),
+                      make_workload(TINY, fsdp_version=1, precision="bf16-pure", lora_rank=8,
+                                    backward_prefetch=prefetch), LORA)
+    assert (b.prefetch_tail_bytes, b.backward_head_bytes, b.backward_block_bytes) == (
+        1864, head, 3264)
+
+
 @pytest.mark.parametrize(("option", "named"), [
-    (dict(backward_prefetch="pre"), "LoRA with backward_prefetch pre"),
-    (dict(backward_prefetch="post"), "LoRA with backward_prefetch post"),
     (dict(backward_prefetch="none", precision="fsdp-bf16"), "MixedPrecision(param_dtype)"),
     (dict(backward_prefetch="none", base_quant="nf4"), "quantized base"),
     (dict(backward_prefetch="none", lora_targets="q,v,output"), "output projection"),
