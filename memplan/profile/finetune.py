@@ -24,7 +24,9 @@ then the root) on the fake process group, as zero 3; 4-bit weights are then stor
 (``bnb_4bit_quant_storage=torch.bfloat16``, FSDP-QLoRA's setting), so FSDP2 shards and gathers
 ``Params4bit``'s packed data as a plain tensor (traced on CPU: it works, and
 ``Linear4bit.forward`` restores the quant_state from the module), while the quant_state stays
-whole on every rank. ``offload="params"``: FSDP2's ``CPUOffloadPolicy``.
+whole on every rank. ``offload="params"``: FSDP2's ``CPUOffloadPolicy``. Option ``fsdp1`` (a
+dict of workload fields): FSDP1 instead, as peft's FSDP recipe and the Trainer wrap a peft
+model (``_fsdp1_lora_wrap``), estimated with ``fsdp_version`` 1 (``memplan.model.fsdp1``).
 
 CPU against CUDA: bitsandbytes' 4-bit forward ``gemm_4bit`` is one custom op, whose CPU
 implementation (dequantize, then ``F.linear``) runs below the tracker's dispatch, as CUDA's
