@@ -29,12 +29,14 @@ torch/distributed/fsdp/; docs/fsdp1.md has the whole reading).
 
 from __future__ import annotations
 
+from memplan.model.adapters import ADAPTER_BYTES
 from memplan.model.model_states import ShardingBuffers, StageParams
+from memplan.model.trainable import ALL, TrainablePolicy
 from memplan.model.sharding import DataParallel
 from memplan.parallel import Offload, ParallelConfig, ZeroStage
 from memplan.spec import ModelSpec
 from memplan.units import ceil_div
-from memplan.workload import BackwardPrefetch, Workload
+from memplan.workload import BackwardPrefetch, GradSync, Workload
 
 
 def flat_units(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> bool:
@@ -50,8 +52,32 @@ def unmodelled(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> str | None
     stand for it, and the estimate says so (``assumptions``)."""
     return ("tp, pp, cp or ep > 1" if max(par.tp, par.pp, par.cp, par.ep) > 1
             else "offload params (CPUOffload)" if Offload.PARAMS in par.offload
-            else "LoRA (frozen weights in the flat parameters)" if wl.lora_rank
+            else _lora_unmodelled(par, wl) if wl.lora_rank
             else "mixture-of-experts layers" if spec.moe is not None else None)
+
+
+def _lora_unmodelled(par: ParallelConfig, wl: Workload) -> str | None:
+    """What of LoRA under FSDP1 is not modelled. Modelled (``_adapter_units``, traced on
+    peft's wrap): the adapters' linears each a unit of their own, nested in the decoder
+    layers' units, whose flat parameters then hold the frozen base weights alone. That is the
+    wrap of peft's FSDP recipe (peft 0.21.2 ``utils/other.py fsdp_auto_wrap_policy``), which
+    the Trainer applies to a peft model (transformers ``integrations/fsdp.py
+    update_fsdp_plugin_peft``), and of torchtune's ``lora_finetune_distributed`` (torchtune
+    fef3ed10 ``utils/_distributed.py lora_fsdp_wrap_policy``); with ``use_orig_params=False``
+    it is the only wrap FSDP1 accepts (``_flat_param.py _init_flat_param_and_metadata``:
+    "Must flatten tensors with uniform requires_grad"). Not traced: the adapters inside the
+    decoder layer's flat parameter (``use_orig_params=True`` without peft's policy: the
+    unit's flat gradient is then full-size, frozen weights included), QLoRA, adapters on the
+    head, ``MixedPrecision(param_dtype=...)``, SHARD_GRAD_OP (forward prefetch is refused for FSDP1 as a whole). Accumulation under
+    ``no_sync()`` is modelled as without LoRA (only the adapters' units accumulate, a few MB)
+    but not traced: the estimate says so (``assumptions``); the states are built without
+    the batch, so it cannot decide the units."""
+    from memplan.workload import LORA_HEAD, BaseQuant, Precision
+
+    return ("LoRA with a quantized base" if wl.base_quant is not BaseQuant.NONE
+            else "LoRA on the output projection" if set(LORA_HEAD) & set(wl.lora_targets or ())
+            else "LoRA under MixedPrecision(param_dtype)" if wl.precision is Precision.FSDP_BF16
+            else "LoRA with SHARD_GRAD_OP" if not wl.reshard_after_forward else None)
 
 
 def assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> tuple[str, ...]:
@@ -61,6 +87,19 @@ def assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> tuple[str
     if (why := unmodelled(spec, par, wl)) is not None:
         return (f"fsdp_version 1 with {why}: FSDP2's units stand for FSDP1's flat parameters "
                 "(not modelled or traced there)",)
+    if wl.lora_rank:
+        accumulating = (wl.global_batch_size or 0) > wl.micro_batch_size * par.dp
+        unsynced = ("; no_sync() accumulation not traced with LoRA"
+                    if accumulating and wl.grad_sync is GradSync.LAST else "")
+        return ("FSDP1 FULL_SHARD with LoRA (memplan.model.fsdp1): each adapter linear a unit "
+                "of its own (peft's fsdp_auto_wrap_policy, torchtune's lora_fsdp_wrap_policy), "
+                "the decoder layers' flat parameters frozen (no gradient; resharded by a hook "
+                "on their inputs' gradients, so the previous layer is gathered first), the "
+                f"root holding embedding, final norm and head; backward_prefetch "
+                f"{wl.backward_prefetch.value} (a prefetch gathers the previous layer from the "
+                "hook of a layer's first adapter); a wrap with the adapters inside "
+                "the decoder layer's flat parameter (use_orig_params=True without peft's "
+                f"policy) is not modelled{unsynced}",)
     return (f"FSDP1 FULL_SHARD (memplan.model.fsdp1): a flat parameter per decoder layer, the "
             f"root unit holding embedding, final norm and head; backward_prefetch "
             f"{wl.backward_prefetch.value}; limit_all_gathers and use_orig_params change no "
@@ -73,13 +112,16 @@ def padded(numel: int, world: int) -> int:
     return ceil_div(numel, world) * world
 
 
-def fsdp1_buffers(params: StageParams, par: ParallelConfig, wl: Workload) -> ShardingBuffers:
+def fsdp1_buffers(params: StageParams, par: ParallelConfig, wl: Workload,
+                  trainable: TrainablePolicy = ALL) -> ShardingBuffers:
     """FULL_SHARD units (``--zero 3``): the root gathered from its forward to the end of
     backward; one block gathered in forward (two with ``forward_prefetch``, fewer over the
     stage's last), the root alone at the loss; in backward one block, or two with
     ``BACKWARD_PRE``; at a block's gather in forward, under parameter mixed precision, its
     low-precision shard beside it. SHARD_GRAD_OP (``reshard_after_forward`` False):
-    ``_kept_units``."""
+    ``_kept_units``. LoRA's adapters as units of their own: ``_adapter_units``."""
+    if trainable.adapters:
+        return _adapter_units(params, par, wl, trainable)
     policy, world = wl.precision.policy, par.dense_shard_degree
     e = policy.unsharded.itemsize
     layer = max(params.layers, default=0)
@@ -113,6 +155,59 @@ def fsdp1_buffers(params: StageParams, par: ParallelConfig, wl: Workload) -> Sha
         # then where BACKWARD_PRE prefetched it in the pre-backward hook or BACKWARD_POST in
         # the post-backward hook, before the reduce (_post_backward_reshard)
         backward_reduce_bytes=root_b + (layer_b if prefetch and many else 0), **common)
+
+
+def _adapter_units(params: StageParams, par: ParallelConfig, wl: Workload,
+                   trainable: TrainablePolicy) -> ShardingBuffers:
+    """LoRA, each adapter linear its own unit (``_lora_unmodelled``), traced
+    (tests/traced/test_fsdp1_trace.py ``test_peft_lora_under_fsdp1``): a decoder layer's unit
+    gathers its frozen base weights (the layer less its adapters); the adapters' units, a
+    tensor each, are gathered while their own linear runs (the largest beside a block) and
+    reduce their own gradients in their own post-backward hooks. In backward (torch 2.13
+    ``_runtime_utils.py``):
+
+    - a frozen flat parameter gets no gradient, so no post-backward hook:
+      ``_register_post_backward_reshard_only_hook`` registers a multi-grad hook on the unit's
+      inputs that require grad, which reshards it once their gradients are computed
+      (``_post_backward_reshard_only_hook``). The input of block i is block i-1's output,
+      on which block i-1's ``_pre_backward_hook`` was registered first (at its forward's
+      end, ``_register_pre_backward_hooks``) and so runs first: block i-1 is gathered
+      before block i is freed, the root and two blocks at a block's end beside the
+      gradient of its input (``backward_reduce_bytes``);
+    - without a backward prefetch (Accelerate's and the Trainer's default) each unit is
+      gathered in its own ``_pre_backward_hook``: one block while a block's backward runs,
+      the root alone at the loss. A prefetch (``_exec_order_utils.py
+      get_handle_to_backward_prefetch``) takes the unit before in the *post-forward* order:
+      before a block's first adapter (q's lora_A) the block before, gathered in that
+      adapter's pre-backward hook (BACKWARD_PRE) or after its weight gradient
+      (BACKWARD_POST), inside the block's input projections' backward: the block before
+      beside the block's ``PREFETCH_TAIL`` moments (``prefetch_tail_bytes``); before the root
+      the last block, which BACKWARD_PRE gathers at the loss; before a block an adapter;
+    - the stage's first block, whose input (the frozen embedding's output) needs no grad,
+      gets no hook and is freed with the root, whose inputs need none either, by the final
+      callback (``_post_backward_final_callback`` -> ``_catch_all_reshard``): both gathered
+      at the backward's end."""
+    policy, world = wl.precision.policy, par.dense_shard_degree
+    e = policy.unsharded.itemsize
+    base = max((n - a for n, a in zip(params.layers, trainable.layer_adapters)), default=0)
+    layer_b = padded(base, world) * e
+    root_b = padded(params.embedding + params.head, world) * e
+    both = root_b + layer_b
+    largest = max(trainable.adapters) * ADAPTER_BYTES
+    # the largest adapter's unit, gathered while its linear runs (in the weights' fp32)
+    adapter_b = padded(max(trainable.adapters), world) * ADAPTER_BYTES
+    init = max(padded(max(base, params.embedding + params.head), world)
+               * max(policy.param_bytes, e), adapter_b)
+    many = len(params.layers) > 1
+    prefetch = wl.backward_prefetch is not BackwardPrefetch.NONE and many
+    head = layer_b if wl.backward_prefetch is BackwardPrefetch.PRE and many else 0
+    return ShardingBuffers(
+        both + adapter_b, root_b, largest, backward_head_bytes=root_b + head,
+        prefetch_tail_bytes=layer_b if prefetch else 0,
+        backward_block_bytes=both + adapter_b, backward_last_block_bytes=both + adapter_b,
+        backward_end_bytes=both,
+        backward_reduce_bytes=both + (layer_b if many else 0),
+        flat_units=True, lazy_init_bytes=init, grads_to_forward=wl.use_orig_params)
 
 
 def _kept_units(params: StageParams, world: int, e: int, root_b: int, gather: int,

@@ -447,6 +447,9 @@ class ShardingBuffers(NamedTuple):
     kept_layers_bytes: int = 0  # ... the stage's blocks', all kept at the forward's end
     grads_to_forward: bool = False  # FSDP1 with use_orig_params: from step 2 the sharded
     #                                 gradients are alive at the forward's start
+    prefetch_tail_bytes: int = 0  # FSDP1 with LoRA's adapter units and a backward prefetch:
+    #                               the block before, gathered from the hook of a block's
+    #                               first adapter on (its input projections and norm)
     lazy_init_bytes: int = 0  # made and freed one at a time in the first step's forward,
     #                           before any activation: the largest such buffer (FSDP1's
     #                           padded unsharded flat parameters, ``memplan.model.fsdp1``)

@@ -77,6 +77,8 @@ class DataParallel(NamedTuple):
     kept_layer: int = 0  # FSDP1 SHARD_GRAD_OP: a block's gathered bytes, alive from its
     #                      gather in forward to its post-backward
     kept_layers: int = 0  # ... every block's, alive from the forward's end
+    prefetch_tail: int = 0  # FSDP1 with LoRA's adapter units: the block before, gathered at a
+    #                         block's ``PREFETCH_TAIL`` moments (but the stage's first's)
     flat: bool = False  # FSDP1 (``memplan.model.fsdp1``): a unit's reduce-scatter input is
     #                     its unsharded gradient itself, or its copy in the reduce dtype where
     #                     that differs, and it and the output shard are dropped in the unit's
@@ -173,7 +175,9 @@ class DataParallel(NamedTuple):
             # min(cap, g x r) x d, whole bytes: the cap and g x r over r's denominator
             cap, num = self.grad_cap * r.denominator, d.numerator
             den = r.denominator * d.denominator
+            tail = self.prefetch_tail if gathers is PREFETCH_TAIL else 0
             return max(m.alive_bytes + m.transient_bytes + min(cap, g * r.numerator) * num // den
+                       + (tail if m.name in PREFETCH_TAIL else 0)
                        for m, g in zip(moments, grads))
         # gradients copied away at their hooks: the moments hold the fresh weight gradients
         # alone, in every micro-batch (``fresh_only``)
@@ -290,7 +294,8 @@ def data_parallel(shard: ShardingBuffers, params: int, grads_bytes: int,
         forward_blocks=shard.forward_block_gathers,
         fresh_only=bool(shard.bucket_bytes),
         flat=shard.flat_units, at_reduce=shard.backward_reduce_bytes,
-        kept_layer=shard.kept_layer_bytes, kept_layers=shard.kept_layers_bytes)
+        kept_layer=shard.kept_layer_bytes, kept_layers=shard.kept_layers_bytes,
+        prefetch_tail=shard.prefetch_tail_bytes)
 
 
 def with_stream(dp: DataParallel, stream: int) -> DataParallel:
@@ -348,6 +353,12 @@ def _shrinking(dp: DataParallel, n: int) -> list[Position]:
     if rest >= 1:
         positions.append(Position(1, None, at(1), None))
     return positions
+
+
+# FSDP1 with LoRA's adapters as units and a backward prefetch: the moments of a block's
+# backward from its first adapter's hook on (q's lora_A, in the input projections' backward):
+# its input projections' and its input norm's (memplan.model.fsdp1._adapter_units)
+PREFETCH_TAIL = ("attn_in", "attn_norm")
 
 
 class Position(NamedTuple):
@@ -565,6 +576,8 @@ def _flat_positions(dp: DataParallel, held: Held, layer_grads: int, n: int, grow
     weights freed and the next unit gathered where its prefetch does so (``at_reduce``, the
     root alone at the stage's first), its unsharded gradient beside ``flat_reduce``."""
     root_held, unit_grads = held.root_held, dp.unit_grads(layer_grads)
+    # the block before prefetched inside the block's backward (LoRA's adapter units)
+    tail = PREFETCH_TAIL if dp.prefetch_tail else None
 
     def position(repeat: int, last: bool) -> Position:
         gathered = dp.in_first_block if last else dp.in_block
@@ -576,7 +589,8 @@ def _flat_positions(dp: DataParallel, held: Held, layer_grads: int, n: int, grow
             reduce = unit_grads + flat_reduce(dp, layer_grads) + end - dp.kept_layer
             after = Event("unit.flat_grad", -dp.kept_layer,
                           root_held + dp.boundary_grad + max(flatten, reduce))
-        return Position(repeat, None, root_held + gathered, after)
+        return Position(repeat, None, root_held + gathered, after, (),
+                        None if last else tail)
 
     if not stage_first:
         return [position(n, False)]

@@ -243,7 +243,7 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
     trainable = lora_policy(spec, wl, layers, par.tp, wl.precision.policy.param_bytes, last)
     st, opt_temp = _states(params, par, wl, trainable)
     st, te_kept = te_fp8_states(st, spec, par, wl, len(layers))
-    shard = (fsdp1_buffers(params, par, wl) if flat_units(spec, par, wl)
+    shard = (fsdp1_buffers(params, par, wl, trainable) if flat_units(spec, par, wl)
              else sharding_buffers(params, par, wl, trainable, _float8_saving(spec, par, wl)))
     e = wl.compute_dtype.itemsize
     # Gradients exist during forward when an earlier micro-batch made them, or when they live

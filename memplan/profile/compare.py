@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from memplan.errors import MemplanError
 from memplan.hardware import DEFAULT_GPU, load_gpu
 from memplan.model.estimate import PHASES, Estimate, StageMemory, estimate
 from memplan.overheads import no_overheads
@@ -54,7 +55,12 @@ class Comparison:
 
 def run_trace(spec: ModelSpec, par: ParallelConfig, wl: Workload, *, steps: int = 2,
               fake: bool = True) -> TraceResult:
-    """One process for a single-rank layout, else rank 0 of the layout via the fake group."""
+    """One process for a single-rank layout, else rank 0 of the layout via the fake group.
+    The reference model has no LoRA adapters (it would measure every weight's gradient and
+    optimizer states): LoRA is traced on peft's own model (``memplan.profile.finetune``)."""
+    if wl.lora_rank:
+        raise MemplanError("the reference model has no LoRA adapters; trace LoRA with peft's "
+                           "model (memplan.profile.finetune, the \"peft\" library)")
     if par.world_size == 1:
         return trace(spec, par, wl, steps=steps, fake=fake)
     from memplan.profile.distributed import trace_parallel

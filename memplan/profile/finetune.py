@@ -24,7 +24,9 @@ then the root) on the fake process group, as zero 3; 4-bit weights are then stor
 (``bnb_4bit_quant_storage=torch.bfloat16``, FSDP-QLoRA's setting), so FSDP2 shards and gathers
 ``Params4bit``'s packed data as a plain tensor (traced on CPU: it works, and
 ``Linear4bit.forward`` restores the quant_state from the module), while the quant_state stays
-whole on every rank. ``offload="params"``: FSDP2's ``CPUOffloadPolicy``.
+whole on every rank. ``offload="params"``: FSDP2's ``CPUOffloadPolicy``. Option ``fsdp1`` (a
+dict of workload fields): FSDP1 instead, as peft's FSDP recipe and the Trainer wrap a peft
+model (``_fsdp1_lora_wrap``), estimated with ``fsdp_version`` 1 (``memplan.model.fsdp1``).
 
 CPU against CUDA: bitsandbytes' 4-bit forward ``gemm_4bit`` is one custom op, whose CPU
 implementation (dequantize, then ``F.linear``) runs below the tracker's dispatch, as CUDA's
@@ -128,7 +130,11 @@ def build_peft(case: FrameworkCase) -> Built:
                                              lora_dropout=opts.get("lora_dropout", 0.0),
                                              target_modules=modules))
     offload = opts.get("offload", "none")
-    context = _fully_shard(model, case.dp, offload == "params") if case.dp > 1 else None
+    fsdp1 = opts.get("fsdp1")
+    if fsdp1 is not None:
+        model, context = _fsdp1_lora_wrap(model, case, fsdp1), _follow_flat_storage
+    else:
+        context = _fully_shard(model, case.dp, offload == "params") if case.dp > 1 else None
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
     b, s, vocab = case.micro_batch_size, case.seq_len, model.config.vocab_size
@@ -158,7 +164,10 @@ def build_peft(case: FrameworkCase) -> Built:
         loss.backward()
         del loss
         mark("optimizer")
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        if fsdp1 is not None:  # Accelerator.clip_grad_norm_ on FSDP1: the module's own
+            model.clip_grad_norm_(1.0)
+        else:
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -172,6 +181,10 @@ def build_peft(case: FrameworkCase) -> Built:
                         compile_in_checkpoint=bool(opts.get("gc")))
     if opts.get("hold_outputs"):
         workload.update(logits_held="output")
+    if fsdp1 is not None:
+        workload.update(fsdp_version=1, **{"use_orig_params": False, **fsdp1})
+    elif case.dp > 1:  # fully_shard, not the hf preset's FSDP1 (Accelerate's default)
+        workload.update(fsdp_version=2)
     frozen = [p for p in model.parameters() if not p.requires_grad] + extra
     layout = api.make_layout(case.dp, zero=3, offload=offload) if case.dp > 1 else built.layout
     return Built("peft", model, built.spec, layout, workload, step, opt, frozen=frozen,
@@ -199,6 +212,41 @@ def _fully_shard(model: torch.nn.Module, dp: int,
         fully_shard(layer, mesh=mesh, **policy)
     fully_shard(inner, mesh=mesh, **policy)
     return _follow_fsdp_storage
+
+
+def _fsdp1_lora_wrap(model: torch.nn.Module, case: FrameworkCase,
+                     fields: dict[str, Any]) -> torch.nn.Module:
+    """``FullyShardedDataParallel`` over the peft model as peft's documented FSDP recipe wraps
+    it (peft 0.21.2 ``utils/other.py fsdp_auto_wrap_policy``: ``_or_policy`` of a
+    ``lambda_auto_wrap_policy`` for every leaf module whose ``weight`` requires grad and a
+    ``transformer_auto_wrap_policy`` on ``_no_split_modules``), which is torchtune's
+    ``lora_finetune_distributed`` wrap too (torchtune fef3ed10
+    ``utils/_distributed.py lora_fsdp_wrap_policy``: LoRA's A and B linears each their own
+    unit, then the decoder layers): each adapter linear a unit nested in its decoder layer's,
+    whose flat parameter holds the frozen base weights only; the root the embedding, final
+    norm and head; FULL_SHARD, ``use_orig_params=False`` (torchtune's, Accelerate's
+    plugin's default), ``limit_all_gathers``; ``fields``: workload fields
+    (``backward_prefetch``, default none as Accelerate's; ``pre``: torch's and torchtune's);
+    ``fsdp-bf16``: ``MixedPrecision(param_dtype=bf16, reduce_dtype=fp32)``."""
+    from peft.utils.other import fsdp_auto_wrap_policy
+    from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel, MixedPrecision
+
+    if case.dp < 2 or not fields.get("reshard_after_forward", True):
+        raise ValueError("fsdp1 LoRA is traced with FULL_SHARD over dp > 1")
+    prefetch = {"pre": "BACKWARD_PRE", "post": "BACKWARD_POST", "none": None}[
+        fields.get("backward_prefetch", "none")]
+    mp = (MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if case.recipe == "fsdp-bf16" else None)
+    return FullyShardedDataParallel(
+        model, auto_wrap_policy=fsdp_auto_wrap_policy(model), device_id=torch.device("cpu"),
+        mixed_precision=mp, backward_prefetch=BackwardPrefetch[prefetch] if prefetch else None,
+        use_orig_params=fields.get("use_orig_params", False), limit_all_gathers=True)
+
+
+def _follow_flat_storage(tracker: Any) -> Any:
+    from memplan.profile.fsdp1 import follow_flat_storage
+
+    return follow_flat_storage(tracker)
 
 
 BUILDERS["peft"] = build_peft

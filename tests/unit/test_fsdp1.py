@@ -25,6 +25,7 @@ from memplan.errors import MemplanError
 from memplan.model.fsdp1 import fsdp1_buffers, last_reduce, lazy_init, padded
 from memplan.model.grad_sync import accumulator_bytes
 from memplan.model.model_states import StageParams
+from memplan.model.trainable import TrainablePolicy
 from memplan.model.sharding import DataParallel, Held, flat_reduce, run_positions
 from memplan.spec import load_model
 
@@ -166,7 +167,7 @@ def test_forward_prefetch_is_refused_by_name() -> None:
 @pytest.mark.parametrize(("option", "named"), [
     (dict(gpus=8, tp=2), "tp, pp, cp or ep > 1"),
     (dict(offload="params", precision="fsdp-bf16"), "offload params"),
-    (dict(lora_rank=8), "LoRA")])
+    (dict(lora_rank=8, base_quant="nf4"), "LoRA with a quantized base")])
 def test_where_fsdp1_is_not_modelled_fsdp2_stands_for_it_and_says_so(option: dict,
                                                                     named: str) -> None:
     from memplan.api import estimate
@@ -261,3 +262,82 @@ def test_cli_shard_grad_op() -> None:
     same = estimate("tiny", gpus=4, zero=3, fsdp_version=1, reshard_after_forward=False,
                     seq_len=64)
     assert json.loads(out.output)["stages"][0]["peak_bytes"] == same.stages[0].peak_bytes
+
+
+# --- LoRA: the adapters' linears units of their own (peft's and torchtune's wrap) ------------
+
+LORA = TrainablePolicy(adapters=(48, 24, 48, 24), layer_adapters=(72, 72))
+
+
+def test_lora_adapter_units_by_hand() -> None:
+    """bf16-pure over 4 ranks, two blocks of 1,001 elements of which 72 are adapters (a lora_A
+    of 48 and a lora_B of 24 each, fp32, units of their own): a block's unit gathers its
+    929 frozen base elements, padded to 932, x 2 B = 1,864; the root 604 x 2 = 1,208; the
+    largest adapter's unit 48 x 4 = 192 B.
+
+    - forward and a block's backward: root, block and the adapter running, 3,264; at the
+      loss and at the head the root alone, 1,208 (no prefetch);
+    - a block's end: the previous block gathered by its pre-backward hook before this one's
+      reshard-only hook frees it, 1,208 + 2 x 1,864 = 4,936; the backward's end: the stage's
+      first block (its input needs no grad) and the root, freed by the final callback,
+      3,072;
+    - the adapters' flat gradient, one tensor a unit: 48 x 4 = 192 B at most;
+    - lazy init: the largest unit, 932 x 2 = 1,864 B."""
+    b = fsdp1_buffers(PARAMS, make_layout(4, zero=3),
+                      make_workload(TINY, fsdp_version=1, precision="bf16-pure", lora_rank=8,
+                                    backward_prefetch="none"), LORA)
+    assert (b.gathered_bytes, b.gathered_at_loss_bytes, b.grad_bytes) == (3264, 1208, 192)
+    assert (b.backward_block_bytes, b.backward_last_block_bytes, b.backward_head_bytes,
+            b.backward_end_bytes, b.backward_reduce_bytes) == (3264, 3264, 1208, 3072, 4936)
+    assert (b.forward_start_bytes, b.lazy_init_bytes) == (0, 1864)
+    assert b.flat_units and not b.grads_to_forward and not b.window_units
+
+
+@pytest.mark.parametrize(("prefetch", "head"), [("pre", 3072), ("post", 1208)])
+def test_lora_backward_prefetch_gathers_the_block_before_from_the_first_adapter(
+        prefetch: str, head: int) -> None:
+    """A prefetch takes the unit before in the post-forward order: before a block's first
+    adapter (q's lora_A), the block before, 1,864 B more at the block's input projections
+    and norm (``prefetch_tail_bytes``); before the root, the last block, which BACKWARD_PRE
+    gathers at the loss: 1,208 + 1,864 = 3,072 (BACKWARD_POST: the root alone, 1,208). A
+    block's own backward otherwise as without prefetch, 3,264."""
+    b = fsdp1_buffers(PARAMS, make_layout(4, zero=3),
+                      make_workload(TINY, fsdp_version=1, precision="bf16-pure", lora_rank=8,
+                                    backward_prefetch=prefetch), LORA)
+    assert (b.prefetch_tail_bytes, b.backward_head_bytes, b.backward_block_bytes) == (
+        1864, head, 3264)
+
+
+@pytest.mark.parametrize(("option", "named"), [
+    (dict(backward_prefetch="none", precision="fsdp-bf16"), "MixedPrecision(param_dtype)"),
+    (dict(backward_prefetch="none", base_quant="nf4"), "quantized base"),
+    (dict(backward_prefetch="none", lora_targets="q,v,output"), "output projection"),
+    (dict(backward_prefetch="none", reshard_after_forward=False), "SHARD_GRAD_OP")])
+def test_lora_layouts_not_traced_are_refused_by_name(option: dict, named: str) -> None:
+    from memplan.api import estimate
+
+    one = estimate("tiny", gpus=4, zero=3, fsdp_version=1, seq_len=64, lora_rank=8, **option)
+    assert any(named in line and "FSDP2's units stand for" in line for line in one.assumptions)
+
+
+def test_lora_without_prefetch_is_modelled_and_said() -> None:
+    from memplan.api import estimate
+
+    kw = dict(gpus=4, zero=3, seq_len=64, lora_rank=8, backward_prefetch="none")
+    one = estimate("tiny", fsdp_version=1, **kw)
+    two = estimate("tiny", fsdp_version=2, **kw)
+    assert one.peak_bytes != two.peak_bytes
+    assert any("FSDP1 FULL_SHARD with LoRA" in line for line in one.assumptions)
+
+
+def test_lora_accumulation_under_no_sync_is_said_untraced() -> None:
+    """The states are built without the batch, so accumulation cannot refuse the units: the
+    estimate keeps FSDP1's LoRA units and says that no_sync() accumulation is not traced."""
+    from memplan.api import estimate
+
+    kw = dict(gpus=4, zero=3, seq_len=64, lora_rank=8, backward_prefetch="none",
+              micro_batch_size=1, grad_sync="last")
+    many = estimate("tiny", fsdp_version=1, global_batch_size=8, **kw)
+    one = estimate("tiny", fsdp_version=1, global_batch_size=4, **kw)
+    assert any("no_sync() accumulation not traced with LoRA" in line for line in many.assumptions)
+    assert not any("no_sync()" in line for line in one.assumptions)
