@@ -453,7 +453,7 @@ def ops_items(spec: ModelSpec, wl: Workload, dm: Dims,
     if not moe:
         return items
     return items + sac_moe.moe_items(spec, dm, {t.name: t.size_bytes for t in saved},
-                                     sac_ops.counts(ops))
+                                     sac_ops.counts(ops), wl.moe_impl)
 
 
 def ops_kinds(spec: ModelSpec) -> tuple[tuple[str, bool, int], ...]:
@@ -490,7 +490,7 @@ def ops_unkept(spec: ModelSpec, wl: Workload, dm: Dims,
     (``sac_moe.moe_policy_ops``)."""
     moe = sac_ops.searched_moe(spec) if moe is None else moe
     saved = tuple(layer_terms(spec, wl, dm, moe_layer=moe, recompute=Recompute.NONE))
-    block = sac_moe.moe_policy_ops(spec, dm) if moe else []
+    block = sac_moe.moe_policy_ops(spec, dm, wl.moe_impl) if moe else []
     keys = {(i.op, i.width) for i in ops_items(spec, wl, dm, moe)} | set(block)
     return tuple([(i.op, i.width) for i in sac_ops.layer_ops(spec, wl, dm, saved, moe)
                   if not i.name and (i.op, i.width) in keys] + block)

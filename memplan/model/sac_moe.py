@@ -11,26 +11,30 @@ from collections.abc import Callable
 from memplan.model.dims import Dims
 from memplan.model.sac_ops import (ACTIVATION, COPY, GROUPED_MM, INDEX, MATMUL, PRODUCT,
                                    SOFTMAX, Item)
+from memplan.model.moe import weights_width
 from memplan.spec import ModelSpec, MoESpec
 from memplan.units import FP32_BYTES
+from memplan.workload import MoeImpl
 
 
 def moe_items(spec: ModelSpec, dm: Dims, terms: dict[str, int],
-              seen: dict[tuple[str, int], int]) -> tuple[Item, ...]:
+              seen: dict[tuple[str, int], int],
+              impl: MoeImpl = MoeImpl.GROUPED) -> tuple[Item, ...]:
     """An MoE feed-forward's items as transformers runs it (``sac_ops.moe_refusal``: Mixtral's
     ``MixtralTopKRouter.forward`` and integrations/moe.py ``grouped_mm_experts_forward``), in
     execution order, each op's index counted after ``seen`` (``sac_ops.counts`` of the
     layer's ops before it) and after the block's own ops a policy also counts
     (``moe_policy_ops``): the router's projection
     (saved by no one: kept, it skips its rerun), its fp32 softmax (``moe.router_probs``),
-    the routed rows sorted by expert (the second gather of width h, ``moe.dispatched``), the
+    the routed rows sorted by expert (``moe.dispatched``: the block's first gather of width h
+    as transformers 5.23 writes it, its second as 5.3 did, ``_dispatch_ops``), the
     experts' grouped gate/up projection (``moe.expert.gate``, ``.up``: one tensor), their
     SiLU and product, and their grouped down projection (``moe.expert_out``, which the
     routing weights' product saves: the rerun reaches it, unlike a dense MLP's). FLOPs per
     token of the layer: each token's k routed rows."""
     seen = dict(seen)
     out: list[Item] = []
-    for name, op, width, covers, size, flops, own in _moe_ops(spec, dm, terms):
+    for name, op, width, covers, size, flops, own in _moe_ops(spec, dm, terms, impl):
         nth = seen.get((op, width), 0)
         seen[(op, width)] = nth + 1
         if name:
@@ -38,25 +42,22 @@ def moe_items(spec: ModelSpec, dm: Dims, terms: dict[str, int],
     return tuple(out)
 
 
-def _moe_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]
+def _moe_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int],
+             impl: MoeImpl = MoeImpl.GROUPED
              ) -> list[tuple[str, str, int, tuple[str, ...], int, float, bool]]:
     """The grouped MoE block's ops a policy counts, in execution order, as (item name or ""
-    for an op no item keeps, family, width, terms, bytes, FLOPs per token, own_extra)."""
+    for an op no item keeps, family, width, terms, bytes, FLOPs per token, own_extra); the
+    gathers as ``impl`` (grouped or grouped-token) writes them (``_dispatch_ops``)."""
     moe = spec.moe
     assert moe is not None
     h, e, E, k = spec.hidden_size, dm.e, moe.num_experts, moe.top_k
     f = moe.expert_ffn_hidden_size // dm.experts().tp
     rows = dm.tokens * k
-    low = e < FP32_BYTES
 
     def term(*names: str) -> int:
         return sum(terms[n] for n in names)
 
-    ops = _router_ops(spec, dm, term) + [
-            ("", INDEX, h, (), 0, 0.0, False),  # hidden_states[token_idx]
-            ("", INDEX, rows, (), 0, 0.0, False), ("", INDEX, rows, (), 0, 0.0, False),
-            ("moe.dispatched", INDEX, h, ("moe.dispatched",), term("moe.dispatched"), 0.0,
-             False),
+    ops = _router_ops(spec, dm, term) + _dispatch_ops(spec, dm, term, impl) + [
             ("", COPY, rows, (), 0, 0.0, False),  # expert_ids_g.float() (.int() on CUDA)
             ("moe.expert.gate_up", GROUPED_MM, 2 * f, ("moe.expert.gate", "moe.expert.up"),
              term("moe.expert.gate", "moe.expert.up"), k * 4.0 * h * f, True),
@@ -68,7 +69,9 @@ def _moe_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]
              k * 2.0 * h * f, False),
             ("", PRODUCT, h, (), 0, 0.0, False),  # down_proj_out * sample_weights_g
             ("", INDEX, h, (), 0, 0.0, False)]  # weighted_out[inv_perm]
-    if low:  # final_hidden_states.to(hidden_states.dtype) (fp32 by type promotion)
+    if weights_width(moe, dm) > e:
+        # final_hidden_states.to(hidden_states.dtype): the weighted rows fp32 by type
+        # promotion; none where the router cast its weights to the block's dtype
         ops.append(("", COPY, h, (), 0, 0.0, False))
     if not moe.num_shared_experts:
         return ops
@@ -76,11 +79,39 @@ def _moe_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]
     return ops + shared if moe.shared_experts_last else shared + ops + _gate_ops(spec, dm, term)
 
 
+def _dispatch_ops(spec: ModelSpec, dm: Dims, term: Callable[..., int], impl: MoeImpl
+                  ) -> list[tuple[str, str, int, tuple[str, ...], int, float, bool]]:
+    """The gathers (``aten.index``) that sort the routed rows by expert, before the experts'
+    histc copy (``_moe_ops``' tuples; integrations/moe.py ``grouped_mm_experts_forward``).
+    As transformers 5.23 writes it (``impl`` grouped): ``torch.sort(expert_ids)`` (no gather:
+    it returns the sorted ids), the rows gathered once in that order (``hidden_states[perm //
+    num_top_k]``, width h: ``moe.dispatched``) and the routing weights (``sample_weights[
+    perm]``, width R). As 5.3 wrote it (grouped-token): the rows gathered by token
+    (``hidden_states[token_idx]``, width h), the sorted expert ids and weights (``expert_ids[
+    perm]``, ``sample_weights[perm]``, width R each), then the rows' sorted copy
+    (``selected_hidden_states[perm]``, the second gather of width h: ``moe.dispatched``). The
+    unsort (``weighted_out[inv_perm]``, width h) is in both, after the down projection; the
+    sort and its inverse (``argsort``, ``index_put_``) are ops no policy counts. Traced:
+    Mixtral's and GLM-4.5's blocks on transformers 5.3 and 5.23, every op the emitted policy
+    sees."""
+    moe = spec.moe
+    assert moe is not None
+    h, rows = spec.hidden_size, dm.tokens * moe.top_k
+    dispatched = ("moe.dispatched", INDEX, h, ("moe.dispatched",), term("moe.dispatched"),
+                  0.0, False)
+    if impl is MoeImpl.GROUPED_TOKEN:
+        return [("", INDEX, h, (), 0, 0.0, False), ("", INDEX, rows, (), 0, 0.0, False),
+                ("", INDEX, rows, (), 0, 0.0, False), dispatched]
+    return [dispatched, ("", INDEX, rows, (), 0, 0.0, False)]
+
+
 def _router_ops(spec: ModelSpec, dm: Dims, term: Callable[..., int]
                 ) -> list[tuple[str, str, int, tuple[str, ...], int, float, bool]]:
     """The router's ops (``_moe_ops``' tuples). Mixtral's (MixtralTopKRouter.forward, Qwen2-
     and Qwen3-MoE's alike): its projection (saved by no one: kept, it skips its rerun),
-    ``.float()`` of its logits and their softmax (``moe.router_probs``). DeepSeek-V3's
+    ``.float()`` of its logits and their softmax (``moe.router_probs``), and where it casts
+    its top-k weights to the logits' dtype (``router_weights_cast``: transformers 5.23's
+    Qwen2-/Qwen3-MoE ``TopKRouter.forward``) that copy, of width k. DeepSeek-V3's
     (``sigmoid_router``: DeepseekV3TopkRouter.forward, Glm4MoeTopkRouter.forward, then
     ``route_tokens_to_experts``): ``F.linear`` on fp32 copies of the input and the weight
     (``moe.router_input_fp32``, ``moe.router_weight_fp32``, saved by it; casts of width h,
@@ -94,7 +125,9 @@ def _router_ops(spec: ModelSpec, dm: Dims, term: Callable[..., int]
         return ([("moe.router", MATMUL, E, (), dm.tokens * E * e, 2.0 * h * E, True)]
                 + [("", COPY, E, (), 0, 0.0, False)] * low  # router_logits.float()
                 + [("moe.router_probs", SOFTMAX, E, ("moe.router_probs",),
-                    term("moe.router_probs"), float(E), False)])
+                    term("moe.router_probs"), float(E), False)]
+                # router_top_value.to(router_logits.dtype) (``router_weights_cast``)
+                + [("", COPY, moe.top_k, (), 0, 0.0, False)] * (low and moe.router_weights_cast))
     casts = [("moe.router_input_fp32", COPY, h, ("moe.router_input_fp32",),
               term("moe.router_input_fp32"), float(h), True),
              ("moe.router_weight_fp32", COPY, h, ("moe.router_weight_fp32",),
@@ -155,10 +188,12 @@ def _gate_ops(spec: ModelSpec, dm: Dims, term: Callable[..., int]
             ("", PRODUCT, h, (), 0, 0.0, False)]
 
 
-def moe_policy_ops(spec: ModelSpec, dm: Dims) -> list[tuple[str, int]]:
+def moe_policy_ops(spec: ModelSpec, dm: Dims,
+                   impl: MoeImpl = MoeImpl.GROUPED) -> list[tuple[str, int]]:
     """The (family, width) of the MoE block's ops no item keeps that a policy counts
-    (``_moe_ops``)."""
-    return [(op, width) for name, op, width, *_ in _moe_ops(spec, dm, _ZERO) if not name]
+    (``_moe_ops``, as ``impl`` writes them)."""
+    return [(op, width) for name, op, width, *_ in _moe_ops(spec, dm, _ZERO, impl)
+            if not name]
 
 
 class _Zero(dict):

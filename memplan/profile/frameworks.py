@@ -392,8 +392,10 @@ def build_hf(case: FrameworkCase) -> Built:
         for layer in model.model.layers:
             layer.compile(backend="inductor")
     save = case.options.get("recompute_save", "")
+    experts = ({"moe_impl": case.options["moe_impl"]} if "moe_impl" in case.options
+               else _grouped_gather(spec))
     if recompute == "ops":  # the emitted torch policy, as gradient_checkpointing_kwargs
-        _emitted_checkpointing(model, spec, rec.name, b, s, save)
+        _emitted_checkpointing(model, spec, rec.name, b, s, save, experts)
     host = HostSaved()
     def offloading() -> contextlib.AbstractContextManager:
         if "activations" not in offload:
@@ -427,8 +429,7 @@ def build_hf(case: FrameworkCase) -> Built:
                     **({"recompute": recompute} if recompute != "none" else {}),
                     **({"recompute_save": save} if recompute == "ops" else {}),
                     **({"fsdp_version": 1, **fsdp1} if fsdp1 is not None else {}),
-                    **({"moe_impl": case.options["moe_impl"]} if "moe_impl" in case.options
-                       else _grouped_gather(spec)),
+                    **experts,
                     **({"compile": True, "kv_cache": False} if compiled else {}),
                     **_deltanet_kernel(model), **_mamba_kernel(model), **_mla_cache(model))
     # the config's use_cache reaches the estimate through the spec (the hf preset's kv_cache)
@@ -547,16 +548,19 @@ def _torch_rule(rule: Any) -> str:
 
 
 def _emitted_checkpointing(model, spec: ModelSpec, precision: str, b: int, s: int,
-                           save: str) -> None:
+                           save: str, experts: dict[str, str]) -> None:
     """``gradient_checkpointing_enable`` with the policy ``memplan estimate --emit-policy
-    torch`` prints for ``save`` (``memplan.profile.sac_policy``): each decoder layer's
-    checkpoint gets a fresh policy (``make_policy_fn``), its counters its own."""
+    torch`` prints for ``save`` (``memplan.profile.sac_policy``), for the experts'
+    implementation the estimate takes (``experts``: by default the installed transformers'
+    grouped experts, ``_grouped_gather``, whose gathers are ops the policy counts): each
+    decoder layer's checkpoint gets a fresh policy (``make_policy_fn``), its counters its
+    own."""
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     from memplan.profile.sac_policy import emitted_module
 
     wl = api.resolve(spec, framework="hf", micro_batch_size=b, seq_len=s, precision=precision,
-                     recompute="ops", recompute_save=save)[2]
+                     recompute="ops", recompute_save=save, **experts)[2]
     module = emitted_module(spec, wl)
     make = module["make_policy_fn"]
     model.gradient_checkpointing_enable({

@@ -29,12 +29,12 @@ FIELDS = dict(seq_len=128, micro_batch_size=2, moe_impl="grouped")
 
 
 def _stage(**fields):
-    return estimate(TINY_MOE, **FIELDS, **fields).stages[0]
+    return estimate(TINY_MOE, **{**FIELDS, **fields}).stages[0]
 
 
-def _items():
-    wl = make_workload(TINY_MOE, **FIELDS, recompute="ops")
-    return ops_items(TINY_MOE, wl, Dims.of(TINY_MOE, make_layout(1), wl))
+def _items(spec: ModelSpec = TINY_MOE, **fields):
+    wl = make_workload(spec, **{**FIELDS, **fields}, recompute="ops")
+    return ops_items(spec, wl, Dims.of(spec, make_layout(1), wl))
 
 
 def test_moe_items_by_hand() -> None:
@@ -46,12 +46,63 @@ def test_moe_items_by_hand() -> None:
     assert moe == {
         "moe.router": (2_048, 512.0, "matmul", 4, 0),
         "moe.router_probs": (4_096, 4.0, "softmax", 4, 0),
-        # the second gather of width h: hidden_states[token_idx], then its sorted copy
-        "moe.dispatched": (65_536, 0.0, "index", 64, 1),
+        # transformers 5.23: the pairs sorted first, the rows gathered once in that order
+        # (hidden_states[perm // num_top_k]): the layer's first gather of width h
+        "moe.dispatched": (65_536, 0.0, "index", 64, 0),
         "moe.expert.gate_up": (196_608, 49_152.0, "grouped_mm", 192, 0),
         "moe.expert.act": (98_304, 192.0, "act", 96, 0),
         "moe.expert.prod": (98_304, 192.0, "mul", 96, 0),
         "moe.expert.down": (65_536, 24_576.0, "grouped_mm", 64, 0)}
+
+
+def _policy_ops(spec: ModelSpec, impl: str, precision: str = "bf16-pure") -> dict:
+    """(family, width) -> how many ops of it the emitted policy counts per MoE layer."""
+    from memplan.model.layer import ops_unkept
+    from memplan.report.sac_policy import _counts
+
+    wl = make_workload(spec, **{**FIELDS, "moe_impl": impl}, precision=precision,
+                       recompute="ops")
+    dm = Dims.of(spec, make_layout(1), wl)
+    return _counts(ops_items(spec, wl, dm), ops_unkept(spec, wl, dm))
+
+
+def test_moe_gathers_follow_the_implementation() -> None:
+    """The gathers (``aten.index``) a policy counts per MoE layer, as each transformers
+    writes integrations/moe.py ``grouped_mm_experts_forward`` (traced: Mixtral's and GLM-4.5's
+    blocks, every op the emitted policy sees). 5.23 (grouped): the rows gathered once in
+    sorted order (``hidden_states[perm // num_top_k]``, width h = 64: ``moe.dispatched``, the
+    1st), the routing weights (``sample_weights[perm]``, width R = 512) and the unsort
+    (``weighted_out[inv_perm]``, width h): 2 of width h, 1 of width R. 5.3 (grouped-token):
+    the rows by token (``hidden_states[token_idx]``), ``expert_ids[perm]``, ``sample_weights[
+    perm]``, the sorted copy (``moe.dispatched``, the 2nd of width h) and the unsort: 3 of
+    width h, 2 of width R. Kept, ``moe.dispatched`` is R*h*e = 512*64*2 = 65,536 B per layer
+    in both (2 layers: 131,072 B beyond full recompute); a policy keeping the 2nd gather of
+    width h on 5.23 kept the fp32 unsort instead (R*h*4 = 131,072 B per layer)."""
+    for impl, nth, widths in (("grouped", 0, (2, 1)), ("grouped-token", 1, (3, 2))):
+        item = next(i for i in _items(moe_impl=impl) if i.name == "moe.dispatched")
+        assert (item.size_bytes, item.op, item.width, item.nth) == (65_536, "index", 64, nth)
+        counts = _policy_ops(TINY_MOE, impl)
+        assert (counts[("index", 64)], counts[("index", 512)]) == widths
+        full = _stage(recompute="full", moe_impl=impl).activations_bytes
+        kept = _stage(recompute="ops", recompute_save="moe.dispatched", moe_impl=impl)
+        assert kept.activations_bytes - full == 2 * 65_536
+
+
+def test_moe_casts_follow_the_router() -> None:
+    """The ``_to_copy`` ops a policy counts in an MoE layer of width h = 64 (the two upcast
+    RMSNorms' two casts each, then the block's): in bf16 the weighted rows are fp32 by type
+    promotion (the routing weights fp32), so the block casts its sum back
+    (``final_hidden_states.to(hidden_states.dtype)``): 5; where the router cast its top-k
+    weights to the logits' dtype (``router_weights_cast``: transformers 5.23's Qwen2-/Qwen3-MoE
+    ``TopKRouter.forward``, ``router_top_value.to(router_logits.dtype)``, a copy of width
+    k = 2) the rows stay bf16 and that cast is a no-op: 4. In fp32 none casts at all."""
+    cast = TINY_MOE.model_copy(update={"moe": TINY_MOE.moe.model_copy(update={
+        "router_weights_cast": True})})
+    for impl in ("grouped", "grouped-token"):
+        plain, with_cast = _policy_ops(TINY_MOE, impl), _policy_ops(cast, impl)
+        assert (plain[("copy", 64)], plain.get(("copy", 2), 0)) == (5, 0)
+        assert (with_cast[("copy", 64)], with_cast[("copy", 2)]) == (4, 1)
+        assert ("copy", 2) not in _policy_ops(cast, impl, "fp32")
 
 
 def test_moe_save_list_adds_its_bytes_per_layer() -> None:
