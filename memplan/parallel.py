@@ -684,7 +684,8 @@ def optimizer_in_backward_rule(par: ParallelConfig, wl: Workload) -> LayoutError
 def _compile_moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     """Why a compiled MoE layer is not modelled, or None: transformers' grouped experts
     (``memplan.model.compiled.moe_terms``), traced on Qwen3-MoE's and Mixtral's layers in
-    bf16, routed experts alone behind a softmax router in the block's dtype."""
+    bf16, routed experts alone behind a softmax router in the block's dtype (5.23's Qwen3-MoE
+    router casting its top-k weights to it: moe_impl grouped)."""
     moe = spec.moe
     assert moe is not None
     if wl.framework is Framework.TORCHTITAN or not wl.moe_impl.grouped:
@@ -701,8 +702,13 @@ def _compile_moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
         return "MoE layers and recompute selective"
     if moe.num_shared_experts:
         return "MoE layers with shared experts"
-    if moe.router_fp32 or moe.router_topk_softmax or moe.router_weights_cast:
+    if moe.router_fp32 or moe.router_topk_softmax:
         return "MoE layers whose router is not a softmax over every expert in the block's dtype"
+    if moe.router_weights_cast and wl.moe_impl is MoeImpl.GROUPED_TOKEN:
+        # traced with the cast on 5.23's experts alone (Qwen3-MoE's router): there the sorted
+        # weights are recomputed, where 5.3's grouped-token experts save them
+        return ("MoE layers whose router casts its top-k weights, moe_impl grouped-token "
+                "(traced: moe_impl grouped)")
     if moe.clamped_swiglu:
         return "MoE layers with the clamped SwiGLU experts"
     return None

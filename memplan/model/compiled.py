@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from memplan.model import linear
 from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term
 from memplan.spec import ModelSpec, MoESpec
-from memplan.workload import Float8Recipe, NormImpl, Recompute, Workload
+from memplan.workload import Float8Recipe, MoeImpl, NormImpl, Recompute, Workload
 
 # Inductor's buffer reuse in the compiled forward: the residual add after the MLP is the last
 # reader of the down projection's output, of the same size and dtype, so it writes its result
@@ -155,11 +155,15 @@ def sac_tp_terms(spec: ModelSpec, dm: Dims, fused_qkv: bool) -> list[Term]:
     return terms
 
 
-# the grouped MoE block's eager terms the compiled block does not save (``moe_terms``)
-_MOE_RECOMPUTED = ("moe.router_probs", "moe.token_index", "moe.expert.act")
+# the grouped MoE block's eager terms the compiled block does not save (``moe_terms``), as
+# transformers 5.3 wrote its experts (grouped-token) and as 5.23 does (grouped)
+_MOE_RECOMPUTED = {
+    MoeImpl.GROUPED_TOKEN: ("moe.router_probs", "moe.token_index", "moe.expert.act"),
+    MoeImpl.GROUPED: ("moe.router_probs", "moe.expert.act", "moe.routing_weights")}
 
 
-def moe_terms(terms: list[Term], moe: MoESpec, dm: Dims) -> list[Term]:
+def moe_terms(terms: list[Term], moe: MoESpec, dm: Dims,
+              impl: MoeImpl = MoeImpl.GROUPED) -> list[Term]:
     """A grouped MoE block's saved terms compiled (transformers' ``grouped_mm_experts_forward``,
     integrations/moe.py, bf16: its grouped matmuls are ``aten._grouped_mm``), from its eager
     ones (``memplan.model.moe.moe_terms``), by the partitioner's rules
@@ -168,23 +172,34 @@ def moe_terms(terms: list[Term], moe: MoESpec, dm: Dims) -> list[Term]:
     - the router saves its logits, T x E in the block's dtype (a matmul's output, never
       recomputed), not the fp32 softmax of every expert (pointwise and a reduction of the
       logits, recomputed), and of the renormalised top-k weights the top-k values alone (fp32,
-      T x k; their per-token sum is recomputed);
-    - the token index (``torch.arange(...).expand``) is recomputed; the top-k indices and
-      their flattened copy (``top_k_index.reshape(-1)``, a buffer of its own in the compiled
-      forward), the sort and its inverse (``argsort``: not in the recomputable list), the
-      gathered sorted rows (the gate/up grouped matmul's input), its output, the activated
-      product (the down grouped matmul's input), the down output and the sorted fp32 weights
-      are saved; SiLU(gate) is recomputed, as in a dense MLP (``mlp_terms``);
+      T x k; their per-token sum, and a cast to the logits' dtype (``router_weights_cast``,
+      5.23's Qwen3MoeTopKRouter.forward), recomputed);
+    - the top-k indices, the sort and its inverse (``argsort``/``sort``: not in the
+      recomputable list), the gathered sorted rows (the gate/up grouped matmul's input), its
+      output, the activated product (the down grouped matmul's input) and the down output are
+      saved; SiLU(gate) is recomputed, as in a dense MLP (``mlp_terms``);
     - the offsets (``cumsum`` of the ``histc`` counts, E int32) are saved: the grouped
-      matmuls' backward reads them.
+      matmuls' backward reads them;
+    - ``impl`` grouped-token (5.3: ``hidden_states[token_idx]``, then
+      ``selected_hidden_states[perm]``): the token index (``torch.arange(...).expand``) is
+      recomputed; the flattened top-k indices (``top_k_index.reshape(-1)``, a buffer of its
+      own in the compiled forward) and the sorted fp32 weights are saved;
+    - ``impl`` grouped (5.23: ``torch.sort(expert_ids)``, ``hidden_states[perm //
+      num_top_k]``, the inverse by ``inv_perm[perm] = arange``): the gathered rows' token
+      index ``perm // num_top_k`` (int64, S; the gather's backward reads it) is saved, the
+      flattened indices are not, and the sorted weights (``sample_weights[perm]``) are
+      recomputed from the saved top-k values and sort.
 
-    Traced: tests/traced/test_compile_trace.py (torch 2.13, transformers 5.3)."""
+    Traced: tests/traced/test_compile_trace.py (torch 2.13; transformers 5.3 grouped-token,
+    5.23 grouped: Qwen3-MoE's and Mixtral's layers)."""
     routed = dm.tokens * moe.top_k
+    dropped = _MOE_RECOMPUTED[impl]
     kept = [Term(t.name, routed * FP32_BYTES) if t.name == "moe.topk_weights" else t
-            for t in terms if t.name not in _MOE_RECOMPUTED]
+            for t in terms if t.name not in dropped]
+    flattened = ([Term("moe.expert_ids", routed * INDEX_BYTES)]
+                 if impl is MoeImpl.GROUPED_TOKEN else [])
     return [Term("moe.router_logits", dm.tokens * moe.num_experts * dm.e), *kept,
-            Term("moe.expert_ids", routed * INDEX_BYTES),
-            Term("moe.offsets", moe.num_experts * OFFSET_BYTES)]
+            *flattened, Term("moe.offsets", moe.num_experts * OFFSET_BYTES)]
 
 
 # the grouped matmuls' offsets: ``torch.cumsum(..., dtype=torch.int32)``

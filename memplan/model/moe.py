@@ -540,7 +540,7 @@ class MoE:
     def saved(self, spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
         terms = moe_terms(spec, dm, wl.moe_impl)
         if dm.compiled:  # (compile_rule: grouped experts only)
-            terms = compiled.moe_terms(terms, _moe(spec), dm)
+            terms = compiled.moe_terms(terms, _moe(spec), dm, wl.moe_impl)
         return terms + residual_dropout_mask("mlp", spec, dm)
 
     def forward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,

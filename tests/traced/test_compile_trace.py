@@ -113,7 +113,7 @@ def test_compiled_layer_phase_peaks(dtype: str, precision: str, grad_bytes: int,
                    + grad_bytes * sum(groups[g] for g in m.grads_before) for m in kind.moments)
     traced_forward, traced_backward = compiled_layer_peaks(TOY, dtype, BATCH, SEQ)
     assert kind.forward_peak_bytes - stream == traced_forward
-    assert backward - stream - traced_backward == backward_over
+    assert backward - stream - traced_backward == _MOE_BACKWARD_OVER[name, impl]
     assert backward - stream == pytest.approx(traced_backward, rel=0.03)
 
 
@@ -270,23 +270,44 @@ def _moe_spec(config: dict):
     return _router_dtype(model, spec_from_hf_dict(config, "moe-toy", "moe-toy"))
 
 
-@pytest.mark.parametrize("config,traced", [(QWEN3_MOE, 525_328), (MIXTRAL, 768_016)],
+def _moe_impl() -> str:
+    """How the installed transformers' grouped experts gather (``frameworks.
+    gathers_by_token``): 5.3 by token, then a sorted copy (grouped-token); 5.23 once, sorted
+    (grouped)."""
+    from memplan.profile.frameworks import gathers_by_token
+
+    return "grouped-token" if gathers_by_token() else "grouped"
+
+
+# the MoE toys' compiled saved set (``test_compiled_moe_layer_saves_what_the_partitioner_
+# saves``), traced per gather: 5.23's (grouped) saves perm // k (S int64, 2,048) and neither
+# the flattened top-k indices (2,048) nor the sorted fp32 weights (1,024): 1,024 fewer
+_MOE_SAVED = {("qwen3-moe", "grouped-token"): 525_328, ("mixtral", "grouped-token"): 768_016,
+              ("qwen3-moe", "grouped"): 524_304, ("mixtral", "grouped"): 766_992}
+
+
+@pytest.mark.parametrize("config,name", [(QWEN3_MOE, "qwen3-moe"), (MIXTRAL, "mixtral")],
                          ids=["qwen3-moe", "mixtral"])
 @pytest.mark.parametrize("checkpoint", ["none", "full"])
-def test_compiled_moe_layer_saves_what_the_partitioner_saves(config: dict, traced: int,
+def test_compiled_moe_layer_saves_what_the_partitioner_saves(config: dict, name: str,
                                                              checkpoint: str) -> None:
     """transformers' grouped experts (``grouped_mm_experts_forward``: ``aten._grouped_mm`` on
     CPU in bf16) compiled in a Qwen3-MoE and a Mixtral layer (``memplan.model.compiled.
-    moe_terms``): T = 128 tokens, k = 2 (S = 256 routed rows), E = 4, h = 128. The MoE block
-    saves the router's bf16 logits 128 x 4 x 2 = 1,024, the fp32 top-k values 128 x 2 x 4 =
-    1,024, the top-k indices and their flattened copy, the sort and its inverse (int64,
-    256 x 8 = 2,048 each), the sorted gathered rows 256 x 128 x 2 = 65,536, gate/up
-    256 x 2f x 2, SiLU(gate) * up 256 x f x 2, the down output 65,536, the sorted fp32
-    weights 1,024 and the offsets (4 int32, 16): with Qwen3-MoE's f = 64 238,608 + 2,048 =
-    240,656 of its 525,328 B (its attention and norms as a dense layer's, the q/k norms
-    among them); Mixtral's f = 256 768,016 B. Inside full checkpointing the layer's input."""
+    moe_terms``), the installed version's gather (``_moe_impl``): T = 128 tokens, k = 2
+    (S = 256 routed rows), E = 4, h = 128. The MoE block saves the router's bf16 logits
+    128 x 4 x 2 = 1,024, the fp32 top-k values 128 x 2 x 4 = 1,024 (5.23's Qwen3-MoE router
+    casts them to bf16: the cast is recomputed), the top-k indices, the sort and its inverse
+    (int64, 256 x 8 = 2,048 each), the sorted gathered rows 256 x 128 x 2 = 65,536, gate/up
+    256 x 2f x 2, SiLU(gate) * up 256 x f x 2, the down output 65,536 and the offsets (4
+    int32, 16); 5.3 (grouped-token) the flattened top-k indices (2,048) and the sorted fp32
+    weights (1,024) too, 5.23 (grouped) the gathered rows' token index perm // k (2,048)
+    instead. With Qwen3-MoE's f = 64, 5.3: 238,608 + 2,048 = 240,656 of its 525,328 B (its
+    attention and norms as a dense layer's, the q/k norms among them), 5.23: 524,304;
+    Mixtral's f = 256: 768,016 B, 5.23 766,992. Inside full checkpointing the layer's
+    input."""
+    impl = _moe_impl()
     wl = Workload(micro_batch_size=BATCH, seq_len=SEQ, precision="bf16-pure", compile=True,
-                  moe_impl="grouped",
+                  moe_impl=impl,
                   recompute=Recompute.FULL if checkpoint == "full" else Recompute.NONE)
     spec = _moe_spec(config)
     from memplan.parallel import validate
@@ -296,7 +317,7 @@ def test_compiled_moe_layer_saves_what_the_partitioner_saves(config: dict, trace
     modelled = layer_kind(spec, wl, dm, True, wl.recompute).saved_bytes
     assert modelled == _traced_activations(config, "bfloat16", checkpoint, width=128)
     if checkpoint == "none":
-        assert modelled == traced
+        assert modelled == _MOE_SAVED[name, impl]
 
 
 @pytest.mark.parametrize("name,model", [("qwen3-moe-toy", "Qwen3-30B-A3B"),
@@ -326,24 +347,38 @@ def test_compiled_moe_model_step_matches_trace(name: str, model: str) -> None:
             assert row.estimated_bytes == pytest.approx(row.measured_bytes, rel=0.01), shown
 
 
-@pytest.mark.parametrize("config,backward_over", [(QWEN3_MOE, -2_048), (MIXTRAL, 57_328)],
+# memplan's compiled MoE layer's backward peak less the traced one, per gather
+# (``test_compiled_moe_layer_phase_peaks``): Inductor's backward schedule is not modelled
+_MOE_BACKWARD_OVER = {("qwen3-moe", "grouped-token"): -2_048,
+                      ("mixtral", "grouped-token"): 57_328,
+                      ("qwen3-moe", "grouped"): -19_472, ("mixtral", "grouped"): 133_616}
+
+
+@pytest.mark.parametrize("config,name", [(QWEN3_MOE, "qwen3-moe"), (MIXTRAL, "mixtral")],
                          ids=["qwen3-moe", "mixtral"])
-def test_compiled_moe_layer_phase_peaks(config: dict, backward_over: int) -> None:
+def test_compiled_moe_layer_phase_peaks(config: dict, name: str) -> None:
     """The compiled MoE layer's forward and backward peaks (``compiled_layer_peaks``, as
-    ``test_compiled_layer_phase_peaks``) against memplan's layer moments. Forward: the saved
-    set and the block's output, no eager working set (``MoEBlock.forward_moments``
-    compiled): traced 525,328 B (Qwen3-MoE) and 768,016 B (Mixtral), exact. Backward, from
-    the unsort's compiled start (fp32 R h of the index_put and the bf16 down output's
-    gradient beside the saved set, ``_compiled_unsort``) and the eager grouped MLP's
-    buffers: Qwen3-MoE traced 723,984 B, memplan 2,048 under (-0.28%); Mixtral (expert ffn
-    256) 1,355,792 B, memplan 57,328 over (+4.23%) at the gate/up weight gradient, whose
-    buffers are the eager model's, not Inductor's schedule."""
+    ``test_compiled_layer_phase_peaks``) against memplan's layer moments, the installed
+    version's gather (``_moe_impl``). Forward: the saved set and the block's output, no eager
+    working set (``MoEBlock.forward_moments`` compiled): traced 525,328 B (Qwen3-MoE) and
+    768,016 B (Mixtral) on 5.3, 524,304 B and 766,992 B on 5.23, exact. Backward, from the
+    unsort's compiled start (R h of the index_put in the routing weights' width and the bf16
+    down output's gradient beside the saved set, ``_compiled_unsort``) and the eager grouped
+    MLP's buffers. 5.3: Qwen3-MoE traced 723,984 B, memplan 2,048 under (-0.28%); Mixtral
+    (expert ffn 256) 1,355,792 B, memplan 57,328 over (+4.23%) at the gate/up weight
+    gradient, whose buffers are the eager model's, not Inductor's schedule. 5.23 (grouped:
+    one gather, so one index backward fewer): Qwen3-MoE traced 698,384 B at the unsort
+    (its weights bf16: beside the saved set two R h bf16 tensors, a T h bf16 one, four S
+    int64 ones and some of S or T elements), memplan 678,912, 19,472 under
+    (-2.79%); Mixtral 1,279,504 B at the gate/up weight gradient, memplan 1,413,120,
+    133,616 over (+10.44%). Not modelled: Inductor's backward buffers."""
     from memplan.model.layer import grad_group_params
     from memplan.profile.compiled_trace import compiled_layer_peaks
 
     spec = _moe_spec(config)
+    impl = _moe_impl()
     wl = Workload(micro_batch_size=BATCH, seq_len=SEQ, precision="bf16-pure", compile=True,
-                  moe_impl="grouped")
+                  moe_impl=impl)
     dm = Dims.of(spec, ParallelConfig(), wl)
     kind = layer_kind(spec, wl, dm, True, Recompute.NONE)
     groups = grad_group_params(spec, 1, 1, True)
@@ -352,4 +387,4 @@ def test_compiled_moe_layer_phase_peaks(config: dict, backward_over: int) -> Non
                    + 2 * sum(groups[g] for g in m.grads_before) for m in kind.moments)
     traced_forward, traced_backward = compiled_layer_peaks(config, "bfloat16", BATCH, SEQ)
     assert kind.forward_peak_bytes - stream == traced_forward
-    assert backward - stream - traced_backward == backward_over
+    assert backward - stream - traced_backward == _MOE_BACKWARD_OVER[name, impl]

@@ -163,20 +163,25 @@ TINY_MOE = TINY.model_validate({**TINY.model_dump(), "name": "tiny-moe",
                                         "stacked_experts": True}})
 
 
-def test_compiled_grouped_moe_terms() -> None:
-    """transformers' grouped experts compiled (``memplan.model.compiled.moe_terms``): T = 64
-    tokens, k = 2 (S = 128 routed rows), E = 4, expert ffn 96, bf16. The router's logits
-    64*4*2 = 512 (not the fp32 probabilities), the top-k indices, their flattened copy, the
-    sort and its inverse 128*8 = 1,024 each, the top-k fp32 values 128*4 = 512 (not their
-    per-token sum), the sorted gathered rows 128*64*2 = 16,384, gate, up and their product
-    128*96*2 = 24,576 each (not SiLU(gate)), the down output 16,384, the sorted fp32 weights
-    512, the int32 offsets 4*4 = 16: 112,144 (no token index)."""
-    wl = Workload.model_validate({**WL.model_dump(), "moe_impl": "grouped"})
-    validate(TINY_MOE, ParallelConfig(), wl)
-    dm = Dims.of(TINY_MOE, ParallelConfig(), wl)
-    terms = {t.name: t.size_bytes
-             for t in layer_terms(TINY_MOE, wl, dm, moe_layer=True, recompute=Recompute.NONE)
-             if t.name.startswith("moe.") and t.size_bytes}
+def _compiled_moe_terms(impl: str, spec=TINY_MOE) -> dict[str, int]:
+    wl = Workload.model_validate({**WL.model_dump(), "moe_impl": impl})
+    validate(spec, ParallelConfig(), wl)
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    return {t.name: t.size_bytes
+            for t in layer_terms(spec, wl, dm, moe_layer=True, recompute=Recompute.NONE)
+            if t.name.startswith("moe.") and t.size_bytes}
+
+
+def test_compiled_grouped_token_moe_terms() -> None:
+    """transformers 5.3's grouped experts compiled (``memplan.model.compiled.moe_terms``,
+    moe_impl grouped-token): T = 64 tokens, k = 2 (S = 128 routed rows), E = 4, expert ffn
+    96, bf16. The router's logits 64*4*2 = 512 (not the fp32 probabilities), the top-k
+    indices, their flattened copy, the sort and its inverse 128*8 = 1,024 each, the top-k
+    fp32 values 128*4 = 512 (not their per-token sum), the sorted gathered rows 128*64*2 =
+    16,384, gate, up and their product 128*96*2 = 24,576 each (not SiLU(gate)), the down
+    output 16,384, the sorted fp32 weights 512, the int32 offsets 4*4 = 16: 112,144 (no
+    token index)."""
+    terms = _compiled_moe_terms("grouped-token")
     assert terms == {
         "moe.router_logits": 512, "moe.topk_indices": 1_024, "moe.topk_weights": 512,
         "moe.sort_index": 1_024, "moe.unsort_index": 1_024, "moe.dispatched": 16_384,
@@ -186,13 +191,41 @@ def test_compiled_grouped_moe_terms() -> None:
     assert sum(terms.values()) == 112_144
 
 
+def test_compiled_grouped_moe_terms() -> None:
+    """transformers 5.23's grouped experts compiled (moe_impl grouped: ``torch.sort`` of the
+    flattened ids, one gather ``hidden_states[perm // num_top_k]``), the toy above: the
+    gathered rows' token index perm // k, int64, 128*8 = 1,024, saved (the gather's backward
+    reads it); neither the flattened top-k indices (1,024) nor the sorted fp32 weights (512,
+    recomputed from the saved top-k values and sort): 112,144 - 1,024 - 512 + 1,024 =
+    111,632. A router casting its top-k weights to the logits' dtype (5.23's Qwen3-MoE)
+    saves the same: the fp32 top-k values, the cast recomputed."""
+    terms = _compiled_moe_terms("grouped")
+    assert terms == {
+        "moe.router_logits": 512, "moe.topk_indices": 1_024, "moe.topk_weights": 512,
+        "moe.token_index": 1_024, "moe.sort_index": 1_024, "moe.unsort_index": 1_024,
+        "moe.dispatched": 16_384, "moe.expert.gate": 24_576, "moe.expert.up": 24_576,
+        "moe.expert.prod": 24_576, "moe.expert_out": 16_384, "moe.offsets": 16}
+    assert sum(terms.values()) == 111_632
+    cast = TINY_MOE.model_copy(update={"moe": TINY_MOE.moe.model_copy(
+        update={"router_weights_cast": True})})
+    assert _compiled_moe_terms("grouped", cast) == terms
+
+
 @pytest.mark.parametrize("update,why", [
     ({"moe_impl": "loop"}, "MoE layers under generic, moe_impl loop"),
     ({"precision": "fp32"}, r"MoE layers in fp32 \(transformers' grouped experts compile"),
     ({"recompute": "selective", "selective_impl": "op"}, "MoE layers and recompute selective"),
+    ({"moe_impl": "grouped-token", "cast": True},
+     "MoE layers whose router casts its top-k weights, moe_impl grouped-token"),
 ])
 def test_compiled_moe_refusals(update: dict, why: str) -> None:
-    """What a compiled MoE layer is not derived for is refused by name."""
+    """What a compiled MoE layer is not derived for is refused by name (a router casting its
+    top-k weights traced with 5.23's experts alone, moe_impl grouped)."""
+    update = dict(update)
+    spec = TINY_MOE
+    if update.pop("cast", False):
+        spec = spec.model_copy(update={"moe": spec.moe.model_copy(
+            update={"router_weights_cast": True})})
     wl = Workload.model_validate({**WL.model_dump(), "moe_impl": "grouped", **update})
     with pytest.raises(LayoutError, match=why):
-        validate(TINY_MOE, ParallelConfig(), wl)
+        validate(spec, ParallelConfig(), wl)
