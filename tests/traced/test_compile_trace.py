@@ -113,7 +113,7 @@ def test_compiled_layer_phase_peaks(dtype: str, precision: str, grad_bytes: int,
                    + grad_bytes * sum(groups[g] for g in m.grads_before) for m in kind.moments)
     traced_forward, traced_backward = compiled_layer_peaks(TOY, dtype, BATCH, SEQ)
     assert kind.forward_peak_bytes - stream == traced_forward
-    assert backward - stream - traced_backward == _MOE_BACKWARD_OVER[name, impl]
+    assert backward - stream - traced_backward == backward_over
     assert backward - stream == pytest.approx(traced_backward, rel=0.03)
 
 
