@@ -449,6 +449,12 @@ class ModelSpec(BaseModel):
         "dtype (ERNIE 4.5: models/ernie4_5_moe/modeling_ernie4_5_moe.py Ernie4_5_Moe"
         "RotaryEmbedding.forward, \"keeping it in full precision\": no cast to x.dtype), "
         "where Llama's casts them to the hidden states' dtype"))
+    rope_half_tables: bool = Field(default=False, description=(
+        "the rotary embedding's cos and sin tables are rope_dim / 2 wide, one column per "
+        "frequency, and the rotation multiplies each half of q and k by them (GPT-OSS: "
+        "models/gpt_oss/modeling_gpt_oss.py GptOssRotaryEmbedding.forward: emb = freqs; "
+        "_apply_rotary_emb: first_half * cos - second_half * sin), where Llama's repeat the "
+        "frequencies to rope_dim (emb = torch.cat((freqs, freqs), dim=-1))"))
     rope_interleaved: bool = Field(default=False, description=(
         "RoPE rotates interleaved pairs: apply_rotary_pos_emb repeats the first half of each "
         "table pairwise (ERNIE 4.5's: cos[..., :d // 2].repeat_interleave(2, dim=-1)), a new "

@@ -156,6 +156,7 @@ def gpt_oss(cfg: ConfigKeys) -> dict[str, Any]:
     fields.update(
         qkv_bias=True, attn_out_bias=True, attn_sinks=True, mlp_bias=True,
         norm_scale_fp32=True,  # GptOssRMSNorm.forward: (weight * x).to(input_dtype)
+        rope_half_tables=True,  # GptOssRotaryEmbedding.forward: emb = freqs
         eager_softmax_fp32=False, **_gpt_oss_window(cfg, fields["num_layers"]),
         moe={"num_experts": experts, "top_k": cfg.get_int("num_experts_per_tok", 4),
              "expert_ffn_hidden_size": fields["ffn_hidden_size"], "router_bias": True,

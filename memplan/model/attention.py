@@ -625,11 +625,14 @@ def rope_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
 
 
 def rope_table_bytes(spec: ModelSpec, dm: Dims) -> int:
-    """One pair of cos and sin tables over the sequence, (1, s, rope_dim) each: in the
-    activations' dtype (fp32 under autocast), or in fp32 where the model keeps them so
-    (``ModelSpec.rope_tables_fp32``: Ernie4_5_MoeRotaryEmbedding.forward)."""
+    """One pair of cos and sin tables over the sequence, (1, s, rope_dim) each, or (1, s,
+    rope_dim / 2) where the model keeps one column per frequency (``ModelSpec.
+    rope_half_tables``: GptOssRotaryEmbedding.forward): in the activations' dtype (fp32 under
+    autocast), or in fp32 where the model keeps them so (``ModelSpec.rope_tables_fp32``:
+    Ernie4_5_MoeRotaryEmbedding.forward)."""
     width = FP32_BYTES if spec.rope_tables_fp32 else dm.stream_e
-    return 2 * dm.s * spec.rope_dim * width
+    columns = spec.rope_dim // 2 if spec.rope_half_tables else spec.rope_dim
+    return 2 * dm.s * columns * width
 
 
 def rope_layer_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:

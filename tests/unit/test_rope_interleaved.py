@@ -92,3 +92,26 @@ def test_glm4_repeats_its_tables_in_the_activations_dtype() -> None:
              for t in attention.attention_terms(spec, wl, dm, Recompute.NONE)}
     assert terms["attn.rope_tables"] == 262_144
     assert attention.rope_local_bytes(spec, wl, dm) == 262_144
+
+
+def test_gpt_oss_tables_are_one_column_per_frequency() -> None:
+    """GPT-OSS (models/gpt_oss/modeling_gpt_oss.py GptOssRotaryEmbedding.forward: emb =
+    freqs, no torch.cat((freqs, freqs))) returns cos and sin of head_dim / 2 columns, cast to
+    the activations' dtype. gpt-oss-20b (head_dim 64), 1 x 1,024 tokens in bf16: 2 x 1,024 x
+    32 x 2 = 131,072 B, half of a Llama-style pair of that head width (2 x 1,024 x 64 x 2 =
+    262,144 B); the catalog entry and the config reader both say so."""
+    from memplan.spec import load_model
+
+    spec = load_model("gpt-oss-20b")
+    assert spec.rope_half_tables and spec.head_dim == 64
+    # the reader of a config.json (GptOssConfig's keys; head_dim 64 by default)
+    read = spec_from_hf_dict({"model_type": "gpt_oss", "num_hidden_layers": 2,
+                              "hidden_size": 256, "intermediate_size": 256,
+                              "num_attention_heads": 4, "num_key_value_heads": 2,
+                              "vocab_size": 1000, "num_local_experts": 4,
+                              "num_experts_per_tok": 2}, "config.json", "gpt-oss-toy")
+    assert read.rope_half_tables
+    wl, dm = _dims(spec)
+    assert attention.rope_terms(spec, wl, dm)[0].size_bytes == 2 * 1024 * 32 * 2 == 131_072
+    llama_style = spec.model_copy(update={"rope_half_tables": False})
+    assert attention.rope_terms(llama_style, wl, dm)[0].size_bytes == 262_144
