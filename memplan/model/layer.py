@@ -503,6 +503,7 @@ def ops_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str) -
     full = layer_kind(spec, wl, dm, moe, Recompute.FULL, variant)
     items = ops_items(spec, wl, dm, moe)
     kept = sac_ops.resolve(items, wl.recompute_save, spec, "moe" if moe else "dense")
+    sac_ops.check_kept(kept, dm)
     terms = sac_ops.kept_terms(kept)
     peak = ops_forward_peak(_ops_forward(spec, _unsaved(wl), dm, moe,
                                          variant), items, kept)
