@@ -143,7 +143,7 @@ def check_kept(kept: tuple[Item, ...], dm: Dims) -> None:
     if why is not None:
         raise LayoutError("recompute ops does not model this save list",
                           f"recompute ops with {why}: not modelled (under autocast a norm's "
-                          "output is saved as each linear's cast of it); name the "
+                          "saved tensors are no op outputs a policy names); name the "
                           "projections, attn.out and the MLP's ops instead")
 
 
