@@ -109,3 +109,21 @@ def test_emitted_policy_keeps_no_cast() -> None:
 def test_norm_tensors_refused_under_autocast(save: str) -> None:
     with pytest.raises(LayoutError, match="a norm's tensors kept under autocast"):
         _stage(recompute="ops", recompute_save=save, precision="amp-bf16")
+
+
+def test_down_projection_weight_cast_at_the_mlps_end() -> None:
+    """h 256, f 896 at 2 x 1,024 tokens keeping the gate, SiLU and up outputs: the forward
+    peaks at a down projection, whose weight autocast casts before the
+    matmul: h*f*e = 256*896*2 = 458,752 B there beyond the working set's moments. Keeping
+    the product too peaks elsewhere. Both traced on the reference model (tests/traced/
+    test_sac_policy.py WIDE_MLP): first forward 45,782,016 and 52,638,728 B."""
+    spec = ModelSpec.model_validate({**load_model("tiny").model_dump(),
+                                     "name": "tiny-wide-mlp", "hidden_size": 256,
+                                     "ffn_hidden_size": 896, "num_attention_heads": 8,
+                                     "num_kv_heads": 2, "head_dim": 32, "vocab_size": 64,
+                                     "max_seq_len": 2048})
+    kw = dict(seq_len=1024, micro_batch_size=2, precision="amp-bf16", recompute="ops")
+    some = estimate(spec, **kw, recompute_save="mlp.act,mlp.gate,mlp.up").stages[0]
+    every = estimate(spec, **kw, recompute_save="mlp").stages[0]
+    assert some.first_step.forward == 45_782_016
+    assert every.first_step.forward == 52_638_728
