@@ -29,9 +29,10 @@ key): each linear's cast of its fp32 weight (cached by autocast, one per weight 
 and of an fp32 input (the norm's output, once per linear reading it), SDPA's casts of RoPE's
 fp32 q and k. An emitted policy keeps none of them (no item is a cast): they rerun in backward
 like the rest, and in the forward autocast's cache holds the weight casts to the forward's
-end, as under full recompute (``memplan.model.layer.cast_cache_bytes``). The kept items are
-the same ops' outputs as without autocast, in the compute dtype (the projections' ``mm``, the
-SDPA kernel's output and fp32 logsumexp, the activation and product). The norms run in fp32
+end, as under full recompute (``memplan.model.layer.cast_cache_bytes``; at a dense MLP's
+down projection its weight's cast with them: ``memplan.model.layer._ops_forward``). The kept
+items are the same ops' outputs as without autocast, in the compute dtype (the projections'
+``mm``, the SDPA kernel's output and fp32 logsumexp, the activation and product). The norms run in fp32
 on the fp32 stream: their casts are no ops, their ``rsqrt`` and two products are counted
 (``_norm_ops``' ``fp32_ops``). Traced (tests/traced/test_sac_policy.py): the reference model
 and transformers' Llama, saved bytes and phase peaks exact on the reference model. A norm's
