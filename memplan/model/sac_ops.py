@@ -23,8 +23,24 @@ from the op that makes it on, beside the checkpointed layer's working set (``Blo
 working_set``); where that working set already holds the tensor (v, the attention output, the
 MLP's activation, up projection and product) it is not added again (``Item.own_extra``).
 
+Under autocast (``amp-*``: fp32 weights, torch.autocast around the forward) the policy sees
+the casts autocast makes as ops of their own (``aten._to_copy``, below the autocast dispatch
+key): each linear's cast of its fp32 weight (cached by autocast, one per weight and forward)
+and of an fp32 input (the norm's output, once per linear reading it), SDPA's casts of RoPE's
+fp32 q and k. An emitted policy keeps none of them (no item is a cast): they rerun in backward
+like the rest, and in the forward autocast's cache holds the weight casts to the forward's
+end, as under full recompute (``memplan.model.layer.cast_cache_bytes``; at a dense MLP's
+down projection its weight's cast with them: ``memplan.model.layer._ops_forward``). The kept
+items are the same ops' outputs as without autocast, in the compute dtype (the projections'
+``mm``, the SDPA kernel's output and fp32 logsumexp, the activation and product). The norms run in fp32
+on the fp32 stream: their casts are no ops, their ``rsqrt`` and two products are counted
+(``_norm_ops``' ``fp32_ops``). Traced (tests/traced/test_sac_policy.py): the reference model
+and transformers' Llama, saved bytes and phase peaks exact on the reference model. A norm's
+tensors cannot be kept under autocast (``kept_refusal``). torch 2.13 calls the policy in the
+forward only; the rerun looks each op's output up by its index among the calls of that op.
+
 Modelled for pre-norm layers (attention with SDPA's fused kernel and an MLP, or an MoE block as
-transformers' grouped experts run it: ``memplan.model.sac_moe``), without autocast, LoRA or
+transformers' grouped experts run it: ``memplan.model.sac_moe``), without LoRA or
 torch.compile: ``ops_refusal`` names the rest. One fused q/k/v projection
 (torchtitan's ``wqkv``) is one item, ``attn.qkv``, which ``attn.q``, ``attn.k`` and ``attn.v``
 each name. A name scoped ``SCOPE:name`` applies to the layers of a kind or one pipeline stage
@@ -100,7 +116,6 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
         (spec.attn_output_gate, "an attention output gate"),
         (spec.dropout > 0, "dropout"),
         (wl.attention is not Kernel.FLASH, f"attention {wl.attention.value}"),
-        (wl.precision.policy.autocast is not None, f"precision {wl.precision.value}"),
         (wl.lora_rank > 0, "LoRA adapters"), (wl.compile, "torch.compile"),
         (wl.float8.value != "none", "float8 linears"),
         (wl.attention_impl.value != "generic", f"attention_impl {wl.attention_impl.value}"),
@@ -108,6 +123,29 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
          f"the {spec.mlp.value} MLP's saved tensors"),
     )
     return next((why for cond, why in checks if cond), None)
+
+
+def kept_refusal(kept: tuple[Item, ...], dm: Dims) -> str | None:
+    """Why keeping ``kept`` is not modelled, or None: under autocast a norm's saved tensors
+    (``NORM`` items) are not op outputs a policy names. The layer's norms run in fp32 on the
+    fp32 residual stream, their input casts no ops (``input_fp32`` is the stream itself), and
+    what the layer saves of their output is each next linear's own low-precision cast of it
+    (``aten._to_copy``, one per linear, beside the casts of the weights); a q/k norm reads the
+    projection's bf16 output, its casts real ops of SDPA's casts' family and width
+    (traced: tests/traced/test_sac_policy.py)."""
+    names = [i.name for i in kept if i.op == NORM]
+    if dm.autocast and names:
+        return f"a norm's tensors kept under autocast ({', '.join(names)})"
+    return None
+
+
+def check_kept(kept: tuple[Item, ...], dm: Dims) -> None:
+    why = kept_refusal(kept, dm)
+    if why is not None:
+        raise LayoutError("recompute ops does not model this save list",
+                          f"recompute ops with {why}: not modelled (under autocast a norm's "
+                          "saved tensors are no op outputs a policy names); name the "
+                          "projections, attn.out and the MLP's ops instead")
 
 
 def moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
@@ -138,7 +176,7 @@ def check_supported(spec: ModelSpec, wl: Workload) -> None:
         raise LayoutError("recompute ops is not modelled with this layer",
                           f"recompute ops with {why}: op-level checkpointing is modelled for "
                           "pre-norm layers with SDPA attention and a dense MLP or "
-                          "transformers' grouped experts, without autocast, LoRA or compile")
+                          "transformers' grouped experts, without LoRA or compile")
 
 
 def matmul_shapes(spec: ModelSpec, t: int, fused_qkv: bool = False
@@ -183,7 +221,7 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
 
     h = spec.hidden_size
     fp32 = (spec.norm is NormKind.RMSNORM and wl.norm_impl is NormImpl.UPCAST
-            and dm.e >= FP32_BYTES)
+            and (dm.e >= FP32_BYTES or dm.autocast))
     out = _norm_ops("attn_norm", terms, h, h, named, fp32_ops=fp32)
     fused = spec.fused_qkv or wl.fused_qkv
     mm = {m[0]: m for m in matmul_shapes(spec, t, fused)}
@@ -267,8 +305,9 @@ def _norm_ops(norm: str, terms: dict[str, int], width: int, per_token: int, name
     (``stats``, of width 1), ``x * rstd`` (fp32, saved by no one), ``.to(dtype)``
     (``normed``), ``weight * normed`` (``output``: a q/k norm's goes to RoPE, which saves
     nothing of it). ``block``: the block that runs it (the norm's own by default; a q/k
-    norm's, the attention). ``fp32_ops``: unnamed, an upcast RMSNorm in fp32, whose casts
-    are no ops but whose rsqrt and two products a policy counts all the same."""
+    norm's, the attention). ``fp32_ops``: unnamed, an upcast RMSNorm in fp32 (fp32 weights,
+    or under autocast on the fp32 stream), whose casts are no ops but whose rsqrt and two
+    products a policy counts all the same."""
     block = block or norm
     mine = {name: size for name, size in terms.items() if name.startswith(norm + ".")}
     own = block != norm  # a q/k norm's tensors add to the attention's working set

@@ -332,8 +332,11 @@ def emit_for(target: str, est: object) -> str:
 
 
 def _command(spec: ModelSpec, par, wl, save: str, staged: bool) -> str:
+    # the precision decides the ops a policy counts (under autocast the norms run in fp32:
+    # their casts are no ops; memplan.model.sac_ops)
     return (f"memplan estimate -m {spec.name} -n {par.world_size} "
-            f"--mbs {wl.micro_batch_size} --seq {wl.seq_len} --recompute ops "
+            f"--mbs {wl.micro_batch_size} --seq {wl.seq_len} "
+            f"--precision {wl.precision.value} --recompute ops "
             f"--recompute-save {save}" + (f" --pp {par.pp}" if staged else ""))
 
 

@@ -78,8 +78,9 @@ def test_save_list_needs_ops() -> None:
 
 
 def test_refused_where_not_modelled() -> None:
-    with pytest.raises(MemplanError, match="recompute ops with precision amp-bf16"):
-        _stage(recompute="ops", precision="amp-bf16")
+    with pytest.raises(MemplanError, match="recompute ops with a norm's tensors kept under "
+                                           "autocast"):
+        _stage(recompute="ops", precision="amp-bf16", recompute_save="norms")
 
 
 def test_rerun_flops_by_hand() -> None:
