@@ -72,9 +72,15 @@ def _lora_unmodelled(par: ParallelConfig, wl: Workload) -> str | None:
     ``no_sync()`` is modelled as without LoRA (only the adapters' units accumulate, a few MB)
     but not traced: the estimate says so (``assumptions``); the states are built without
     the batch, so it cannot decide the units."""
+    from memplan.model.adapters import BF16_BYTES
     from memplan.workload import LORA_HEAD, BaseQuant, Precision
 
-    return ("LoRA with a quantized base" if wl.base_quant is not BaseQuant.NONE
+    quantized = wl.base_quant is not BaseQuant.NONE
+    return ("LoRA with a quantized base other than nf4" if quantized
+            and wl.base_quant is not BaseQuant.NF4
+            else f"LoRA with an nf4 base under precision {wl.precision.value} (its bf16-stored "
+                 "data flattens with bf16 weights only)" if quantized
+            and wl.precision.policy.param_bytes != BF16_BYTES
             else "LoRA on the output projection" if set(LORA_HEAD) & set(wl.lora_targets or ())
             else "LoRA under MixedPrecision(param_dtype)" if wl.precision is Precision.FSDP_BF16
             else "LoRA with SHARD_GRAD_OP" if not wl.reshard_after_forward else None)
@@ -189,7 +195,7 @@ def _adapter_units(params: StageParams, par: ParallelConfig, wl: Workload,
       at the backward's end."""
     policy, world = wl.precision.policy, par.dense_shard_degree
     e = policy.unsharded.itemsize
-    base = max((n - a for n, a in zip(params.layers, trainable.layer_adapters)), default=0)
+    base = max(base_elements(params, trainable, e), default=0)
     layer_b = padded(base, world) * e
     root_b = padded(params.embedding + params.head, world) * e
     both = root_b + layer_b
@@ -208,6 +214,20 @@ def _adapter_units(params: StageParams, par: ParallelConfig, wl: Workload,
         backward_end_bytes=both,
         backward_reduce_bytes=both + (layer_b if many else 0),
         flat_units=True, lazy_init_bytes=init, grads_to_forward=wl.use_orig_params)
+
+
+def base_elements(params: StageParams, trainable: TrainablePolicy, e: int) -> list[int]:
+    """Elements of each decoder layer's frozen flat parameter (the layer less its adapters):
+    the unquantized weights, and a quantized weight's own data (``adapters.quant_data_bytes``)
+    as elements of the unit's dtype, ``e`` bytes each: bitsandbytes' packed NF4 data stored
+    as bf16 (``bnb_4bit_quant_storage=torch.bfloat16``: ``Params4bit`` of ``ceil(n / 2) / 2``
+    bf16 elements), flattened with the layer's bf16 norms into one flat parameter
+    (``_flat_param.py _init_flat_param_and_metadata``, one dtype per unit); the quant_state is
+    no parameter and is never gathered."""
+    return [n - a - q + ceil_div(data, e) for n, a, q, data in zip(
+        params.layers, trainable.layer_adapters,
+        trainable.layer_quantized or (0,) * len(params.layers),
+        trainable.layer_quant_data_bytes or (0,) * len(params.layers))]
 
 
 def _kept_units(params: StageParams, world: int, e: int, root_b: int, gather: int,
