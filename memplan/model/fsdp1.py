@@ -67,8 +67,9 @@ def _lora_unmodelled(par: ParallelConfig, wl: Workload) -> str | None:
     it is the only wrap FSDP1 accepts (``_flat_param.py _init_flat_param_and_metadata``:
     "Must flatten tensors with uniform requires_grad"). Not traced: the adapters inside the
     decoder layer's flat parameter (``use_orig_params=True`` without peft's policy: the
-    unit's flat gradient is then full-size, frozen weights included), QLoRA, adapters on the
-    head, ``MixedPrecision(param_dtype=...)``, SHARD_GRAD_OP (forward prefetch is refused for FSDP1 as a whole). Accumulation under
+    unit's flat gradient is then full-size, frozen weights included), a quantized base but
+    bitsandbytes' NF4 stored as bf16 under bf16 weights (QLoRA, traced: ``base_elements``),
+    adapters on the head, ``MixedPrecision(param_dtype=...)``, SHARD_GRAD_OP (forward prefetch is refused for FSDP1 as a whole). Accumulation under
     ``no_sync()`` is modelled as without LoRA (only the adapters' units accumulate, a few MB)
     but not traced: the estimate says so (``assumptions``); the states are built without
     the batch, so it cannot decide the units."""
