@@ -36,7 +36,7 @@ from memplan.model.sharding import DataParallel
 from memplan.parallel import Offload, ParallelConfig, ZeroStage
 from memplan.spec import ModelSpec
 from memplan.units import ceil_div
-from memplan.workload import BackwardPrefetch, GradSync, Workload
+from memplan.workload import BackwardPrefetch, BaseQuant, GradSync, Workload
 
 
 def flat_units(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> bool:
@@ -74,7 +74,7 @@ def _lora_unmodelled(par: ParallelConfig, wl: Workload) -> str | None:
     but not traced: the estimate says so (``assumptions``); the states are built without
     the batch, so it cannot decide the units."""
     from memplan.model.adapters import BF16_BYTES
-    from memplan.workload import LORA_HEAD, BaseQuant, Precision
+    from memplan.workload import LORA_HEAD, Precision
 
     quantized = wl.base_quant is not BaseQuant.NONE
     return ("LoRA with a quantized base other than nf4" if quantized
@@ -98,6 +98,9 @@ def assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> tuple[str
         accumulating = (wl.global_batch_size or 0) > wl.micro_batch_size * par.dp
         unsynced = ("; no_sync() accumulation not traced with LoRA"
                     if accumulating and wl.grad_sync is GradSync.LAST else "")
+        quant = ("; the NF4 base's packed data (bf16 storage) in the decoder layers' flat "
+                 "parameters, its quant_state whole on every rank"
+                 if wl.base_quant is not BaseQuant.NONE else "")
         return ("FSDP1 FULL_SHARD with LoRA (memplan.model.fsdp1): each adapter linear a unit "
                 "of its own (peft's fsdp_auto_wrap_policy, torchtune's lora_fsdp_wrap_policy), "
                 "the decoder layers' flat parameters frozen (no gradient; resharded by a hook "
@@ -106,7 +109,7 @@ def assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> tuple[str
                 f"{wl.backward_prefetch.value} (a prefetch gathers the previous layer from the "
                 "hook of a layer's first adapter); a wrap with the adapters inside "
                 "the decoder layer's flat parameter (use_orig_params=True without peft's "
-                f"policy) is not modelled{unsynced}",)
+                f"policy) is not modelled{quant}{unsynced}",)
     return (f"FSDP1 FULL_SHARD (memplan.model.fsdp1): a flat parameter per decoder layer, the "
             f"root unit holding embedding, final norm and head; backward_prefetch "
             f"{wl.backward_prefetch.value}; limit_all_gathers and use_orig_params change no "

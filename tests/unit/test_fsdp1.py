@@ -328,7 +328,8 @@ def test_qlora_under_fsdp1_is_modelled_and_said() -> None:
     kw = dict(gpus=4, zero=3, seq_len=64, lora_rank=8, base_quant="nf4",
               precision="bf16-pure", backward_prefetch="none")
     one = estimate("tiny", fsdp_version=1, **kw)
-    assert any("FSDP1 FULL_SHARD with LoRA" in line for line in one.assumptions)
+    assert any("FSDP1 FULL_SHARD with LoRA" in line and "quant_state whole on every rank"
+               in line for line in one.assumptions)
     assert not any("FSDP2's units stand for" in line for line in one.assumptions)
 
 
