@@ -36,7 +36,7 @@ from memplan.model.sharding import DataParallel
 from memplan.parallel import Offload, ParallelConfig, ZeroStage
 from memplan.spec import ModelSpec
 from memplan.units import ceil_div
-from memplan.workload import BackwardPrefetch, GradSync, Workload
+from memplan.workload import BackwardPrefetch, BaseQuant, GradSync, Workload
 
 
 def flat_units(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> bool:
@@ -67,14 +67,21 @@ def _lora_unmodelled(par: ParallelConfig, wl: Workload) -> str | None:
     it is the only wrap FSDP1 accepts (``_flat_param.py _init_flat_param_and_metadata``:
     "Must flatten tensors with uniform requires_grad"). Not traced: the adapters inside the
     decoder layer's flat parameter (``use_orig_params=True`` without peft's policy: the
-    unit's flat gradient is then full-size, frozen weights included), QLoRA, adapters on the
-    head, ``MixedPrecision(param_dtype=...)``, SHARD_GRAD_OP (forward prefetch is refused for FSDP1 as a whole). Accumulation under
+    unit's flat gradient is then full-size, frozen weights included), a quantized base but
+    bitsandbytes' NF4 stored as bf16 under bf16 weights (QLoRA, traced: ``base_elements``),
+    adapters on the head, ``MixedPrecision(param_dtype=...)``, SHARD_GRAD_OP (forward prefetch is refused for FSDP1 as a whole). Accumulation under
     ``no_sync()`` is modelled as without LoRA (only the adapters' units accumulate, a few MB)
     but not traced: the estimate says so (``assumptions``); the states are built without
     the batch, so it cannot decide the units."""
-    from memplan.workload import LORA_HEAD, BaseQuant, Precision
+    from memplan.model.adapters import BF16_BYTES
+    from memplan.workload import LORA_HEAD, Precision
 
-    return ("LoRA with a quantized base" if wl.base_quant is not BaseQuant.NONE
+    quantized = wl.base_quant is not BaseQuant.NONE
+    return ("LoRA with a quantized base other than nf4" if quantized
+            and wl.base_quant is not BaseQuant.NF4
+            else f"LoRA with an nf4 base under precision {wl.precision.value} (its bf16-stored "
+                 "data flattens with bf16 weights only)" if quantized
+            and wl.precision.policy.param_bytes != BF16_BYTES
             else "LoRA on the output projection" if set(LORA_HEAD) & set(wl.lora_targets or ())
             else "LoRA under MixedPrecision(param_dtype)" if wl.precision is Precision.FSDP_BF16
             else "LoRA with SHARD_GRAD_OP" if not wl.reshard_after_forward else None)
@@ -91,6 +98,9 @@ def assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> tuple[str
         accumulating = (wl.global_batch_size or 0) > wl.micro_batch_size * par.dp
         unsynced = ("; no_sync() accumulation not traced with LoRA"
                     if accumulating and wl.grad_sync is GradSync.LAST else "")
+        quant = ("; the NF4 base's packed data (bf16 storage) in the decoder layers' flat "
+                 "parameters, its quant_state whole on every rank"
+                 if wl.base_quant is not BaseQuant.NONE else "")
         return ("FSDP1 FULL_SHARD with LoRA (memplan.model.fsdp1): each adapter linear a unit "
                 "of its own (peft's fsdp_auto_wrap_policy, torchtune's lora_fsdp_wrap_policy), "
                 "the decoder layers' flat parameters frozen (no gradient; resharded by a hook "
@@ -99,7 +109,7 @@ def assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> tuple[str
                 f"{wl.backward_prefetch.value} (a prefetch gathers the previous layer from the "
                 "hook of a layer's first adapter); a wrap with the adapters inside "
                 "the decoder layer's flat parameter (use_orig_params=True without peft's "
-                f"policy) is not modelled{unsynced}",)
+                f"policy) is not modelled{quant}{unsynced}",)
     return (f"FSDP1 FULL_SHARD (memplan.model.fsdp1): a flat parameter per decoder layer, the "
             f"root unit holding embedding, final norm and head; backward_prefetch "
             f"{wl.backward_prefetch.value}; limit_all_gathers and use_orig_params change no "
@@ -189,7 +199,7 @@ def _adapter_units(params: StageParams, par: ParallelConfig, wl: Workload,
       at the backward's end."""
     policy, world = wl.precision.policy, par.dense_shard_degree
     e = policy.unsharded.itemsize
-    base = max((n - a for n, a in zip(params.layers, trainable.layer_adapters)), default=0)
+    base = max(base_elements(params, trainable, e), default=0)
     layer_b = padded(base, world) * e
     root_b = padded(params.embedding + params.head, world) * e
     both = root_b + layer_b
@@ -208,6 +218,20 @@ def _adapter_units(params: StageParams, par: ParallelConfig, wl: Workload,
         backward_end_bytes=both,
         backward_reduce_bytes=both + (layer_b if many else 0),
         flat_units=True, lazy_init_bytes=init, grads_to_forward=wl.use_orig_params)
+
+
+def base_elements(params: StageParams, trainable: TrainablePolicy, e: int) -> list[int]:
+    """Elements of each decoder layer's frozen flat parameter (the layer less its adapters):
+    the unquantized weights, and a quantized weight's own data (``adapters.quant_data_bytes``)
+    as elements of the unit's dtype, ``e`` bytes each: bitsandbytes' packed NF4 data stored
+    as bf16 (``bnb_4bit_quant_storage=torch.bfloat16``: ``Params4bit`` of ``ceil(n / 2) / 2``
+    bf16 elements), flattened with the layer's bf16 norms into one flat parameter
+    (``_flat_param.py _init_flat_param_and_metadata``, one dtype per unit); the quant_state is
+    no parameter and is never gathered."""
+    return [n - a - q + ceil_div(data, e) for n, a, q, data in zip(
+        params.layers, trainable.layer_adapters,
+        trainable.layer_quantized or (0,) * len(params.layers),
+        trainable.layer_quant_data_bytes or (0,) * len(params.layers))]
 
 
 def _kept_units(params: StageParams, world: int, e: int, root_b: int, gather: int,

@@ -167,7 +167,8 @@ def test_forward_prefetch_is_refused_by_name() -> None:
 @pytest.mark.parametrize(("option", "named"), [
     (dict(gpus=8, tp=2), "tp, pp, cp or ep > 1"),
     (dict(offload="params", precision="fsdp-bf16"), "offload params"),
-    (dict(lora_rank=8, base_quant="nf4"), "LoRA with a quantized base")])
+    (dict(lora_rank=8, base_quant="int8"), "LoRA with a quantized base other than nf4"),
+    (dict(lora_rank=8, base_quant="nf4", precision="fp32"), "nf4 base under precision fp32")])
 def test_where_fsdp1_is_not_modelled_fsdp2_stands_for_it_and_says_so(option: dict,
                                                                     named: str) -> None:
     from memplan.api import estimate
@@ -293,6 +294,45 @@ def test_lora_adapter_units_by_hand() -> None:
     assert b.flat_units and not b.grads_to_forward and not b.window_units
 
 
+QLORA = TrainablePolicy(adapters=(48, 24, 48, 24), layer_adapters=(72, 72),
+                        layer_quantized=(896, 896), layer_quant_data_bytes=(448, 448),
+                        quant_state_bytes=100)
+
+
+def test_qlora_block_units_gather_the_bf16_stored_nf4_data_by_hand() -> None:
+    """QLoRA under FSDP1 (bf16-pure, 4 ranks): of a block's 1,001 elements 72 are adapters
+    and 896 an NF4 base, whose packed data is 448 B (two weights a byte), stored as 224 bf16
+    elements (``bnb_4bit_quant_storage=torch.bfloat16``); the block's flat parameter holds
+    1,001 - 72 - 896 + 224 = 257 elements (the data and 33 bf16 norm elements), padded to
+    260 over 4 ranks, x 2 B = 520 B gathered (the quant_state, 100 B, never); the root 604 x 2
+    = 1,208; the largest adapter's unit 48 x 4 = 192.
+
+    - forward and a block's backward: 1,208 + 520 + 192 = 1,920; at the loss the root alone;
+    - a block's end: the block before gathered first, 1,208 + 2 x 520 = 2,248; the
+      backward's end: the first block and the root, 1,728;
+    - lazy init: the largest unit, the root's 604 x 2 = 1,208."""
+    b = fsdp1_buffers(PARAMS, make_layout(4, zero=3),
+                      make_workload(TINY, fsdp_version=1, precision="bf16-pure", lora_rank=8,
+                                    base_quant="nf4", backward_prefetch="none"), QLORA)
+    assert (b.gathered_bytes, b.gathered_at_loss_bytes, b.grad_bytes) == (1920, 1208, 192)
+    assert (b.backward_block_bytes, b.backward_end_bytes, b.backward_reduce_bytes) == (
+        1920, 1728, 2248)
+    assert b.lazy_init_bytes == 1208
+
+
+def test_qlora_under_fsdp1_is_modelled_and_said() -> None:
+    """With an NF4 base under bf16 weights FSDP1's LoRA units hold (not FSDP2's), and a
+    block's unit gathers less than FSDP2's stand-in did: no more than it."""
+    from memplan.api import estimate
+
+    kw = dict(gpus=4, zero=3, seq_len=64, lora_rank=8, base_quant="nf4",
+              precision="bf16-pure", backward_prefetch="none")
+    one = estimate("tiny", fsdp_version=1, **kw)
+    assert any("FSDP1 FULL_SHARD with LoRA" in line and "quant_state whole on every rank"
+               in line for line in one.assumptions)
+    assert not any("FSDP2's units stand for" in line for line in one.assumptions)
+
+
 @pytest.mark.parametrize(("prefetch", "head"), [("pre", 3072), ("post", 1208)])
 def test_lora_backward_prefetch_gathers_the_block_before_from_the_first_adapter(
         prefetch: str, head: int) -> None:
@@ -310,7 +350,10 @@ def test_lora_backward_prefetch_gathers_the_block_before_from_the_first_adapter(
 
 @pytest.mark.parametrize(("option", "named"), [
     (dict(backward_prefetch="none", precision="fsdp-bf16"), "MixedPrecision(param_dtype)"),
-    (dict(backward_prefetch="none", base_quant="nf4"), "quantized base"),
+    (dict(backward_prefetch="none", base_quant="int8", precision="bf16-pure"),
+     "quantized base other than nf4"),
+    (dict(backward_prefetch="none", base_quant="nf4", precision="fp32"),
+     "nf4 base under precision fp32"),
     (dict(backward_prefetch="none", lora_targets="q,v,output"), "output projection"),
     (dict(backward_prefetch="none", reshard_after_forward=False), "SHARD_GRAD_OP")])
 def test_lora_layouts_not_traced_are_refused_by_name(option: dict, named: str) -> None:
