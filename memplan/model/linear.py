@@ -453,6 +453,26 @@ def adapter_forward_bytes(lin: Linear, dm: Dims) -> int:
     return 2 * dm.tokens * local_widths(lin, dm.tp)[1] * low
 
 
+def adapter_checkpointed_bytes(lin: Linear, dm: Dims) -> int:
+    """The most an adapted projection's adapter holds beside its base output in a forward
+    that saves nothing (a checkpointed layer's first forward): peft's ``Linear.forward``
+    binds the adapters' cast of the input to its local ``x`` (``x = _cast_input_dtype(x,
+    lora_A.weight.dtype)``, rows x d_in in fp32 where the base computes in a lower dtype; x
+    itself where it is fp32 or autocast runs the adapters' matmuls) until it returns; with
+    dropout, ``dropout(x)`` and its bool mask until ``lora_A`` returns; then ``lora_B``'s
+    output and its scaled copy, or the sum beside the scaled copy
+    (``adapter_forward_bytes``). 0 when not adapted."""
+    ad = dm.adapters
+    if ad is None or not ad.adapts(lin):
+        return 0
+    low = dm.e if dm.autocast else ADAPTER_BYTES
+    d_in, _ = local_widths(lin, dm.tp)
+    rows = dm.tokens
+    cast = 0 if dm.autocast or dm.e == ADAPTER_BYTES else rows * d_in * ADAPTER_BYTES
+    drop = rows * (d_in * (low + MASK_BYTES) + ad.rank * low) if ad.dropout > 0 else 0
+    return cast + max(drop, adapter_forward_bytes(lin, dm))
+
+
 def adapter_backward_bytes(lin: Linear, dm: Dims) -> int:
     """At an adapted projection's backward, its adapter's before its base's (made later in
     forward, so run first): the gradient of the summed output in the adapters' dtype, the

@@ -282,6 +282,30 @@ def _working_bytes(spec: ModelSpec, stream: int, inner: int) -> int:
     return max(stream + inner, (3 if spec.mlp.gated else 2) * inner)
 
 
+def _lora_working_bytes(spec: ModelSpec, dm: Dims) -> int:
+    """The most a checkpointed MLP holds at its adapters (nothing saved; 0 without LoRA):
+    each adapted projection's adapter (``linear.adapter_checkpointed_bytes``) beside its
+    base output and what the forward left alive before it, in LlamaMLP.forward's order
+    (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``): at the gate its output; at up the
+    activation's output and up's; at the down projection the product and its output. An
+    ungated MLP: the first linear's output, then the activation's output beside the second's;
+    one fused gate/up projection (Phi3MLP) keeps its output through the function (traced:
+    tests/traced/test_finetune.py, peft's LoRA on every linear under gradient
+    checkpointing)."""
+    if dm.adapters is None:
+        return 0
+    stream = dm.rows * spec.hidden_size * dm.e
+    inner = dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
+    linears = mlp_linears(spec, spec.ffn_hidden_size)
+    a = [linear.adapter_checkpointed_bytes(lin, dm) for lin in linears]
+    if spec.fused_gate_up:  # (gate_up, down)
+        return max(2 * inner + a[0], 3 * inner + stream + a[1])
+    if not spec.mlp.gated:  # (first, down)
+        return max(inner + a[0], inner + stream + a[1])
+    up, gate, down = a  # mlp_linears' order
+    return max(inner + gate, 2 * inner + up, inner + stream + down)
+
+
 def dropout_mask_bytes(spec: ModelSpec, dm: Dims) -> int:
     """The block output's dropout mask: freed when the MLP's backward starts."""
     return dm.rows * spec.hidden_size * MASK_BYTES if spec.dropout > 0 else 0
@@ -412,7 +436,8 @@ class Mlp:
         if linear.float8_converts(down, dm):
             f8.append(Moment("mlp_f8_down", 0, inner + linear.float8_forward_peak(down, dm,
                                                                                  stream)))
-        return [Moment("mlp", 0, _working_bytes(spec, stream, inner)), *f8]
+        working = max(_working_bytes(spec, stream, inner), _lora_working_bytes(spec, dm))
+        return [Moment("mlp", 0, working), *f8]
 
     def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
                          recompute: Recompute) -> list[BackwardMoment]:

@@ -261,3 +261,34 @@ def test_torchao_01_dequantize_working_set() -> None:
         dm = Dims.of(spec, par, wl)
         assert dequant_backward_bytes(down, dm, 458_752) == backward
         assert dequant_forward_bytes(down, dm, 458_752) == forward
+
+
+def _checkpointed_mlp(**lora):
+    from memplan.model.mlp import Mlp
+
+    spec, par, wl = api.resolve(toy(), framework="hf", micro_batch_size=2, seq_len=128,
+                                precision="bf16-pure", recompute="full", **lora)
+    dm = Dims.of(spec, par, wl)
+    (moment,) = [m for m in Mlp().working_set(spec, wl, dm) if m.name == "mlp"]
+    return moment.transient_bytes
+
+
+def test_checkpointed_mlp_holds_each_adapters_fp32_tensors() -> None:
+    """A checkpointed layer's first forward saves nothing, yet peft's Linear.forward holds
+    the adapters' fp32 cast of the input (bound to its local x) and lora_B's output and its
+    scaled copy beside the base output. LoRA on every linear, T = 256, bf16 base, fp32
+    adapters: up's adapter 256 x 256 x 4 (the cast, 262,144) + 2 x 256 x 896 x 4 (1,835,008)
+    = 2,097,152 beside the activation's and up's outputs (2 x 256 x 896 x 2 = 917,504):
+    3,014,656 B; the gate's 458,752 + 2,097,152 = 2,555,904; the down projection's: the
+    product (458,752), its output (131,072), the cast 256 x 896 x 4 = 917,504 and 2 x 256 x
+    256 x 4 = 524,288: 2,031,616. Without adapters the MLP's working set is 3 x 458,752 =
+    1,376,256 (traced: tests/traced/test_finetune.py, gc cases)."""
+    assert _checkpointed_mlp() == 1_376_256
+    assert _checkpointed_mlp(lora_rank=8, lora_targets="all-linear") == 3_014_656
+    # q and v only: the MLP's working set is the plain one
+    assert _checkpointed_mlp(lora_rank=8) == 1_376_256
+    # dropout 0.1 at the down projection: its input's cast (917,504), dropout's fp32 output and
+    # bool mask 256 x 896 x 5 = 1,146,880 and lora_A's output 256 x 8 x 4 = 8,192 until lora_A
+    # returns: 458,752 + 131,072 + 917,504 + 1,155,072 = 2,662,400, still below up's 3,014,656
+    assert _checkpointed_mlp(lora_rank=8, lora_targets="down") == 458_752 + 131_072 + 1_441_792
+    assert _checkpointed_mlp(lora_rank=8, lora_targets="down", lora_dropout=0.1) == 2_662_400
