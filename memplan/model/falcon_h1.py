@@ -65,6 +65,16 @@ def held_bytes(spec: ModelSpec, dm: Dims) -> int:
     return 2 * dm.rows * spec.hidden_size * dm.e if parallel(spec) else 0
 
 
+def mup_buffer_bytes(spec: ModelSpec, wl: Workload, num_layers: int) -> int:
+    """FalconH1Model.__init__ registers a copy of ``compute_mup_vector(config)`` on every
+    layer's mixer (``register_buffer("mup_vector", ...)``, non-persistent): (1, 1, 2 d + 2 G n
+    + H) in the weights' dtype, the whole width on every rank."""
+    if not parallel(spec):
+        return 0
+    assert spec.mamba is not None
+    return num_layers * spec.mamba.width * wl.precision.policy.params.itemsize
+
+
 def _stream(spec: ModelSpec, dm: Dims) -> int:
     return dm.rows * spec.hidden_size * dm.e
 
