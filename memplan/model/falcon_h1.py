@@ -45,7 +45,8 @@ from memplan.model.attention import Attention
 from memplan.model.block import BackwardMoment, Moment
 from memplan.model.dims import Dims, Term, total
 from memplan.model.mamba import Mamba, mamba_linears, sizes
-from memplan.model.norm import Norm
+from memplan.model.linear import input_copies
+from memplan.model.norm import Norm, consumers
 from memplan.spec import ModelSpec
 from memplan.workload import Recompute, Workload
 
@@ -75,8 +76,28 @@ def mup_buffer_bytes(spec: ModelSpec, wl: Workload, num_layers: int) -> int:
     return num_layers * spec.mamba.width * wl.precision.policy.params.itemsize
 
 
+def _copy_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    """What q, k and v save of the norm output's attention_in_multiplier copy: the copy
+    itself, under autocast each projection's cast of it (``memplan.model.norm.consumers``)."""
+    copies = input_copies(consumers("attn_norm", spec, wl), dm)
+    return copies * dm.linear_rows * spec.hidden_size * dm.e
+
+
 def _stream(spec: ModelSpec, dm: Dims) -> int:
+    """A mixer's output (and its scaled copy ``m`` or ``a``): the compute dtype."""
     return dm.rows * spec.hidden_size * dm.e
+
+
+def _normed(spec: ModelSpec, dm: Dims) -> int:
+    """The norm's output ``x``, in the stream's dtype (fp32 under autocast)."""
+    return dm.rows * spec.hidden_size * dm.stream_e
+
+
+def _unsaved_copy(spec: ModelSpec, dm: Dims) -> int:
+    """Under autocast a mixer's scalar copy of ``x`` is fp32 and saved by no one (its
+    linears save their casts): alive while that mixer runs (torch_forward's ``input_states``,
+    the attention's argument)."""
+    return _normed(spec, dm) if dm.autocast else 0
 
 
 # the mixer's gradient groups renamed beside the attention's (``grad_groups``): each group
@@ -95,7 +116,7 @@ class ParallelMamba:
     def saved(self, spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
         """The mixer's, the attention's input (the norm output's attention_in_multiplier
         copy, which q, k and v save) and the attention's."""
-        copy = Term("attn.input_copy", dm.linear_rows * spec.hidden_size * dm.e)
+        copy = Term("attn.input_copy", _copy_bytes(spec, wl, dm))
         return (_MAMBA.saved(spec, wl, dm, recompute) + [copy]
                 + _ATTENTION.saved(spec, wl, dm, recompute))
 
@@ -104,15 +125,14 @@ class ParallelMamba:
         """The mixer's moments beside the norm's output, then the attention's beside the
         mixer's saved tensors, its input copy, the norm's output and ``m``; then ``m``,
         ``a``, their sum and the norm's output before it is unbound."""
-        stream = _stream(spec, dm)
-        mamba = total(_MAMBA.saved(spec, wl, dm, recompute)) + dm.linear_rows * \
-            spec.hidden_size * dm.e
-        out = [m._replace(transient_bytes=m.transient_bytes + stream)
+        stream, x, copy = _stream(spec, dm), _normed(spec, dm), _unsaved_copy(spec, dm)
+        mamba = total(_MAMBA.saved(spec, wl, dm, recompute)) + _copy_bytes(spec, wl, dm)
+        out = [m._replace(transient_bytes=m.transient_bytes + x + copy)
                for m in _MAMBA.forward_moments(spec, wl, dm, recompute)]
-        out += [Moment(m.name, mamba + m.own_bytes, m.transient_bytes + 2 * stream)
+        out += [Moment(m.name, mamba + m.own_bytes, m.transient_bytes + x + copy + stream)
                 for m in _ATTENTION.forward_moments(spec, wl, dm, recompute)]
         out.append(Moment("mixers_sum", total(self.saved(spec, wl, dm, recompute)),
-                          4 * stream))
+                          x + 3 * stream))
         return out
 
     def working_set(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:

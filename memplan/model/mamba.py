@@ -63,6 +63,10 @@ class Sizes(NamedTuple):
     c: int  # chunk length
     chunks: int
     gated: bool = True  # the gated RMSNorm (MambaSpec.gated_norm); else y * silu(gate)
+    # bytes of an element of in_proj's output after Falcon-H1's mup_vector product where
+    # that is not the compute dtype: under autocast the fp32 buffer promotes the product
+    # (``_scan_terms``); 0 otherwise
+    mup_e: int = 0
 
     @property
     def tokens(self) -> int:
@@ -101,7 +105,8 @@ def sizes(m: MambaSpec, dm: Dims) -> Sizes:
     groups = m.num_groups // t if m.num_groups % t == 0 else m.num_groups
     return Sizes(b=dm.b, s=dm.s, h=m.num_heads // t, p=m.head_dim, n=m.state_size, g=groups,
                  taps=m.conv_kernel, c=m.chunk_size, chunks=-(-dm.s // m.chunk_size),
-                 gated=m.gated_norm)
+                 gated=m.gated_norm,
+                 mup_e=dm.stream_e if m.parallel_attention and dm.stream_e != dm.e else 0)
 
 
 def kernel(spec: ModelSpec, wl: Workload) -> MambaKernel:
@@ -129,11 +134,15 @@ def _scan_terms(z: Sizes, dm: Dims) -> list[Term]:
     low = e < f
     x = t * z.d * f if low else t * z.conv * f  # the fp32 copy, or silu's output it views
     n1 = z.chunks + 1
-    return [Term(f"{_PREFIX}.in_proj_out", t * z.width * e),
+    # Falcon-H1 under autocast: in_proj's output times the fp32 mup_vector is fp32, so are
+    # the gate and dt (its views); autocast's conv1d saves its own cast of the conv's channels
+    pe = z.mup_e or e
+    return [Term(f"{_PREFIX}.in_proj_out", t * z.width * pe),
             Term(f"{_PREFIX}.gate_fp32", t * z.d * f if low and z.gated else 0),
+            Term(f"{_PREFIX}.conv_in_cast", t * z.conv * e if z.mup_e else 0),
             Term(f"{_PREFIX}.conv_out", z.b * z.conv * (z.s + z.taps - 1) * e),
             Term(f"{_PREFIX}.x_fp32", x),
-            Term(f"{_PREFIX}.dt", 3 * t * z.h * e),
+            Term(f"{_PREFIX}.dt", 3 * t * z.h * pe),
             Term(f"{_PREFIX}.a", 2 * z.h * f),
             Term(f"{_PREFIX}.x_chunks", 2 * tp * z.d * f),  # padded x (D), x * dt in chunks
             Term(f"{_PREFIX}.bc", 3 * tp * z.h * z.n * f),  # B, C, B * decay
@@ -152,7 +161,7 @@ def _norm_terms(z: Sizes, dm: Dims) -> list[Term]:
     gate, a view of in_proj's scaled output); out_proj saves the product's cast to the
     compute dtype (in fp32 the product itself)."""
     f, t = FP32_BYTES, z.tokens
-    gate = (3 * z.d + 1) * t * f if z.gated else t * z.d * dm.e
+    gate = (3 * z.d + 1) * t * f if z.gated else t * z.d * (z.mup_e or dm.e)
     return [Term(f"{_PREFIX}.y", z.padded * z.d * f),
             Term(f"{_PREFIX}.norm", gate),
             Term(f"{_PREFIX}.out", t * z.d * dm.e)]
