@@ -293,6 +293,10 @@ class Mamba:
         # after the norm's backward: silu's fp32 copy of the gate freed (below fp32), the
         # gate's gradient waiting for in_proj's output's (the split's backward, last)
         off = saved - out - norm - terms["y_off"] - terms["gate_fp32"]
+        if z.mup_e:
+            # Falcon-H1 under autocast: the conv saves its cast, so once silu's backward has
+            # run nothing holds in_proj's fp32 scaled output (the gate is its last view)
+            off -= terms["in_proj_out"]
         grad_gate = z.tokens * z.d * e
         diag = off - terms["decays"] - terms["states"] - terms["decay_chunk"] - \
             tp * z.h * z.n * f
