@@ -144,3 +144,15 @@ def test_parameter_tensors_and_groups() -> None:
     assert block.grad_groups(spec, 1, 1) == {
         "attn_out": 128 * 128, "attn_qkv": attention, "mamba_out": attention + 256 * 128,
         "attn": attention + mixer}
+
+
+def test_the_estimate_names_the_path() -> None:
+    """An estimate says which code the mixer is read from, and that the CUDA kernels are
+    not modelled; a default hf estimate of the published config runs."""
+    from memplan.api import estimate
+
+    est = estimate(_toy(), seq_len=64, micro_batch_size=2)
+    line = next(a for a in est.assumptions if "Falcon-H1" in a)
+    assert "torch_forward" in line and "5.3" in line and "not modelled" in line
+    full = spec_from_hf_dict(CONFIG, "config.json", "falcon-h1")
+    assert estimate(full, seq_len=4096, micro_batch_size=1).stages[0].peak_bytes > 0
