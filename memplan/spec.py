@@ -325,6 +325,20 @@ class MambaSpec(BaseModel):
     chunk_size: int = Field(gt=0, le=MAX_WIDTH)
     conv_bias: bool = True
     proj_bias: bool = False
+    out_proj_bias: bool | None = Field(default=None, description=(
+        "out_proj's bias where it is not proj_bias's (Falcon-H1's projectors_bias: "
+        "FalconH1Mixer.out_proj; in_proj's is mamba_proj_bias); None: as proj_bias"))
+    gated_norm: bool = Field(default=True, description=(
+        "the scan's output through a gated RMSNorm of d (GraniteMoeHybridRMSNormGated); "
+        "false: gated by silu(gate) alone, no norm, no weight (Falcon-H1 with mamba_rms_norm "
+        "false: FalconH1Mixer.torch_forward, y * silu(gate))"))
+    parallel_attention: bool = Field(default=False, description=(
+        "every layer runs the mixer and an attention side by side on its input norm's "
+        "output and adds their outputs (Falcon-H1: models/falcon_h1/modeling_falcon_h1.py "
+        "FalconH1DecoderLayer.forward, memplan.model.falcon_h1), each mixer reading its own "
+        "scalar copy of the norm's output, in_proj's output times a per-channel muP vector "
+        "(FalconH1Mixer.mup_vector, a buffer), both outputs scaled; attention_layers then "
+        "lists every layer"))
     attention_layers: tuple[int, ...] = Field(description=(
         "the 0-based indices of the attention layers (layer_types: attention; the others "
         "mamba)"))
@@ -345,6 +359,16 @@ class MambaSpec(BaseModel):
     def conv_dim(self) -> int:
         """Channels of the conv1d: x, B and C (d + 2 G n)."""
         return self.inner + 2 * self.num_groups * self.state_size
+
+    @property
+    def out_bias(self) -> bool:
+        """Whether out_proj has a bias (``out_proj_bias``, else ``proj_bias``)."""
+        return self.proj_bias if self.out_proj_bias is None else self.out_proj_bias
+
+    @property
+    def width(self) -> int:
+        """in_proj's output per token: the gate, the conv's channels, dt (2 d + 2 G n + H)."""
+        return self.inner + self.conv_dim + self.num_heads
 
 
 class ModelSpec(BaseModel):
@@ -556,6 +580,10 @@ class ModelSpec(BaseModel):
             raise ValueError(f"short_conv or mamba attention_layers must be layer indices "
                              f"below num_layers ({self.num_layers}), with one such mixer and "
                              "without linear_attention")
+        if (self.mamba is not None and self.mamba.parallel_attention
+                and self.mamba.attention_layers != tuple(range(self.num_layers))):
+            raise ValueError("mamba.parallel_attention runs attention beside the mixer on every "
+                             f"layer: attention_layers must be 0 .. {self.num_layers - 1}")
         if self.moe is not None and self.moe.first_dense_layers >= self.num_layers:
             raise ValueError(f"moe.first_dense_layers ({self.moe.first_dense_layers}) must be "
                              f"below num_layers ({self.num_layers})")
@@ -736,9 +764,10 @@ def mamba_params(spec: ModelSpec) -> tuple[int, int]:
     m, h = spec.mamba, spec.hidden_size
     assert m is not None
     conv = m.conv_dim * m.conv_kernel + (m.conv_dim if m.conv_bias else 0)
-    width = m.inner + m.conv_dim + m.num_heads
+    width = m.width
     in_proj = h * width + (width if m.proj_bias else 0)
-    return conv + in_proj + 3 * m.num_heads + m.inner + m.inner * h, h if m.proj_bias else 0
+    norm = m.inner if m.gated_norm else 0
+    return conv + in_proj + 3 * m.num_heads + norm + m.inner * h, h if m.out_bias else 0
 
 
 def mla_params(spec: ModelSpec) -> tuple[int, int]:
@@ -790,6 +819,9 @@ def layer_params(spec: ModelSpec, index: int) -> LayerParams:
         else short_conv_params(spec) if spec.short_conv is not None
         else mamba_params(spec) if spec.mamba is not None
         else linear_attention_params(spec))
+    if spec.mamba is not None and spec.mamba.parallel_attention:  # the mixer beside it
+        mamba_sharded, mamba_repl = mamba_params(spec)
+        attn_sharded, attn_repl = attn_sharded + mamba_sharded, attn_repl + mamba_repl
     moe = spec.moe
     norms = (1 if spec.parallel_block else spec.norm_placement.norms_per_layer) * norm_params(spec)
     if moe is None or not spec.is_moe_layer(index):

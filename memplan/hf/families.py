@@ -477,8 +477,9 @@ def spec_fields(data: dict[str, Any], where: str, name: str) -> dict[str, Any]:
         # the multimodal model ties its head by the outer config's tie_word_embeddings
         # (Mistral3Config: default true; Mistral3ForConditionalGeneration._tied_weights_keys)
         fields["tied_embeddings"] = outer.get_bool("tie_word_embeddings", True)
-    # every configuration class defaults use_cache to true (configuration_<family>.py)
-    fields["use_cache"] = cfg.get_bool("use_cache", True)
+    # every configuration class defaults use_cache to true (configuration_<family>.py); a
+    # family whose forward makes no cache unless given one says so itself (Falcon-H1)
+    fields["use_cache"] = cfg.get_bool("use_cache", True) and fields.get("use_cache", True)
     fields["name"] = name
     fields["source"] = source
     return fields

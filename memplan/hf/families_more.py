@@ -19,7 +19,7 @@ from memplan.hf.config import _layer_types as _types
 from memplan.hf.families_granite import granite_moe, granite_residual
 from memplan.hf.families_moe import first_dense
 MORE_FAMILIES = ("exaone4", "seed_oss", "hunyuan_v1_dense", "hunyuan_v1_moe", "ernie4_5", "dots1",
-                 "ernie4_5_moe", "apertus", "granitemoehybrid")
+                 "ernie4_5_moe", "apertus", "granitemoehybrid", "falcon_h1")
 
 
 def _window(cfg: ConfigKeys, default: int) -> int | None:
@@ -305,10 +305,50 @@ def granitemoehybrid(cfg: ConfigKeys) -> dict[str, Any]:
     return fields
 
 
+def falcon_h1(cfg: ConfigKeys) -> dict[str, Any]:
+    """models/falcon_h1/modeling_falcon_h1.py (memplan.model.falcon_h1): every layer
+    (FalconH1DecoderLayer) a Mamba2 mixer and Llama's attention side by side on
+    input_layernorm's output, then pre_ff_layernorm and a gated MLP. FalconH1Config.__init__
+    sets attention_bias and mlp_bias false whatever the file says; its defaults: vocab
+    128000, 8192 positions, untied. The mixer (FalconH1Mixer): d = mamba_d_ssm (default
+    1024; null: mamba_expand (2) * h) over mamba_n_heads (128) of mamba_d_head ("auto":
+    d / heads), 1 group, state 256, conv 4 with bias, chunks of 256; in_proj's bias
+    mamba_proj_bias (false), out_proj's projectors_bias (false); the gated FalconH1RMSNormGated
+    only with mamba_rms_norm (default false), refused: its saved set is not modelled. The muP
+    multipliers are scalars but mup_vector, a buffer (``MambaSpec.parallel_attention``).
+    FalconH1Model.forward makes no cache when none is passed (use_cache read false)."""
+    if cfg.get_bool("mamba_rms_norm", False):
+        raise cfg.error("mamba_rms_norm", "true: FalconH1RMSNormGated (the gated norm over "
+                        "mamba_n_groups) is not modelled (false: y * silu(gate))")
+    fields = llama_fields(cfg, head_dim_default=None, tie_default=False, bias=False,
+                          defaults={"vocab_size": 128000, "max_position_embeddings": 8192})
+    hidden, num_layers = fields["hidden_size"], fields["num_layers"]
+    ssm = cfg.data.get("mamba_d_ssm", 1024)
+    inner = cfg.get_int("mamba_expand", 2) * hidden if ssm is None else cfg.get_int("mamba_d_ssm")
+    heads = cfg.get_int("mamba_n_heads", 128)
+    head = cfg.data.get("mamba_d_head", "auto")
+    head_dim = inner // heads if head == "auto" else cfg.get_int("mamba_d_head")
+    if heads * head_dim != inner:
+        raise cfg.error("mamba_d_head", f"mamba_n_heads ({heads}) * mamba_d_head ({head_dim}) "
+                                        f"must be the mixer's width ({inner})")
+    fields.update(qkv_bias=False, attn_out_bias=False, mlp_bias=False, use_cache=False,
+                  mamba={"num_heads": heads, "head_dim": head_dim,
+                         "state_size": cfg.get_int("mamba_d_state", 256),
+                         "num_groups": cfg.get_int("mamba_n_groups", 1),
+                         "conv_kernel": cfg.get_int("mamba_d_conv", 4),
+                         "chunk_size": cfg.get_int("mamba_chunk_size", 256),
+                         "conv_bias": cfg.get_bool("mamba_conv_bias", True),
+                         "proj_bias": cfg.get_bool("mamba_proj_bias", False),
+                         "out_proj_bias": cfg.get_bool("projectors_bias", False),
+                         "gated_norm": False, "parallel_attention": True,
+                         "attention_layers": tuple(range(num_layers))})
+    return fields
+
+
 def more_family_fields(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
     """The ``ModelSpec`` fields of a ``MORE_FAMILIES`` config."""
     readers = {"exaone4": exaone4, "seed_oss": seed_oss, "hunyuan_v1_dense": hunyuan_v1_dense,
                "hunyuan_v1_moe": hunyuan_v1_moe, "ernie4_5": ernie4_5, "dots1": dots1,
                "ernie4_5_moe": ernie4_5_moe, "apertus": apertus,
-               "granitemoehybrid": granitemoehybrid}
+               "granitemoehybrid": granitemoehybrid, "falcon_h1": falcon_h1}
     return readers[model_type](cfg)

@@ -385,9 +385,15 @@ def _deltanet_line(wl: Workload) -> str:
                 " as transformers up to 5.16 writes the rule (forward substitution)"))
 
 
-def _mamba_line(wl: Workload) -> str:
+def _mamba_line(spec: ModelSpec, wl: Workload) -> str:
     """The assumption line of a model with Mamba2 layers (memplan.model.mamba): which code
     runs them."""
+    if spec.mamba is not None and spec.mamba.parallel_attention:
+        return ("Falcon-H1's Mamba2 mixers (beside attention on every layer) on transformers' "
+                "torch path as 5.3 writes it (FalconH1Mixer.torch_forward: the naive chunked "
+                "scan's fp32 products saved and held), whatever --mamba-kernel says; "
+                "mamba_ssm's and causal-conv1d's CUDA kernels (cuda_kernels_forward) are not "
+                "modelled")
     path = ("as transformers 5.23 writes it (causal_conv1d_fn's torch fallback, "
             "mamba2_chunk_scan's einsums in fp32; --mamba-kernel torch: as 5.3 wrote it)"
             if wl.mamba_kernel is MambaKernel.TORCH_EINSUM else
@@ -428,7 +434,7 @@ def _assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload, schedule: S
         *adapters.assumptions(wl),
         *fsdp1.assumptions(spec, par, wl),
         *((_deltanet_line(wl),) if spec.linear_attention is not None else ()),
-        *((_mamba_line(wl),) if spec.mamba is not None else ()),
+        *((_mamba_line(spec, wl),) if spec.mamba is not None else ()),
         *((_ops_line(spec, par, wl),) if wl.recompute is Recompute.OPS else ()),
         *(("optimizer offloaded to host memory: fp32 master weights, states, an fp32 gradient "
            "copy and the step on the CPU (ZeRO-Offload); the GPU keeps weights and gradients",)

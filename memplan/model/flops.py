@@ -17,6 +17,7 @@ from typing import NamedTuple
 from memplan.model import linear
 from memplan.model.attention import Attention
 from memplan.model.deltanet import DeltaNet
+from memplan.model.falcon_h1 import ParallelMamba
 from memplan.model.mamba import Mamba
 from memplan.model.head import head_linear
 from memplan.model.layer import layer_blocks
@@ -54,7 +55,7 @@ def layer_flops(spec: ModelSpec, seq_len: int, every_expert: bool = False
                         if isinstance(block, MoE) else block.flops_per_token(spec, seq_len)
                         for block in blocks)
             core = sum(block.core_flops_per_token(spec, seq_len) for block in blocks
-                       if isinstance(block, (Attention, Mla, DeltaNet, Mamba)))
+                       if isinstance(block, (Attention, Mla, DeltaNet, Mamba, ParallelMamba)))
             kinds[key] = LayerFlops(total - core, core)
         out.append(kinds[key])
     return tuple(out)

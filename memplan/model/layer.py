@@ -44,6 +44,8 @@ from memplan.model.mlp import Mlp, mlp_linears, working_steps
 from memplan.model.moe import MoE
 from memplan.model.short_conv import ShortConv, conv_cache_bytes, short_conv_linears
 from memplan.model.mamba import Mamba, mamba_cache_bytes, mamba_linears
+from memplan.model import falcon_h1
+from memplan.model.falcon_h1 import ParallelMamba
 from memplan.model.norm import Norm, StreamInput
 from memplan.model.sac import sac_terms
 from memplan.spec import ModelSpec, NormPlacement, QkNorm
@@ -55,6 +57,7 @@ _DELTANET = DeltaNet()
 _SHORT_CONV = ShortConv()
 _MAMBA = Mamba()
 _NOPE = NopeAttention()
+_PARALLEL_MAMBA = ParallelMamba()
 def _attention_inputs(spec: ModelSpec) -> tuple[Linear, ...]:
     """The projections reading the attention norm's output: a plain attention's q/k/v (not
     MLA's, nor a parallel layer's, whose MLP reads it too: those not known here, none)."""
@@ -70,7 +73,7 @@ def _mlp_inputs(spec: ModelSpec) -> tuple[Linear, ...]:
 _PRE = {"attn": Norm("attn_norm", _attention_inputs), "mlp": Norm("mlp_norm", _mlp_inputs)}
 _INPUT = {"attn": StreamInput("attn_input"), "mlp": StreamInput("mlp_input")}
 _POST = {"attn": Norm("attn_post_norm"), "mlp": Norm("mlp_post_norm")}
-MIXERS = (Attention, Mla, Mlp, MoE, DeltaNet, ShortConv, Mamba)
+MIXERS = (Attention, Mla, Mlp, MoE, DeltaNet, ShortConv, Mamba, ParallelMamba)
 
 
 def _sublayer(placement: NormPlacement, place: str, mixer: Block) -> tuple[Block, ...]:
@@ -93,10 +96,16 @@ for _key, _blocks in list(_BLOCKS.items()):
 # a parallel layer (``ModelSpec.parallel_block``): one norm, then both mixers reading its output
 _PARALLEL = {(attention, moe): (_PRE["attn"], _ATTENTIONS[attention], _MOE if moe else _MLP)
              for attention in _ATTENTIONS for moe in (False, True)}
+# Falcon-H1's layer (``MambaSpec.parallel_attention``): one norm, the Mamba2 mixer and
+# attention side by side on it, then the MLP sub-layer (memplan.model.falcon_h1)
+_FALCON_H1 = {(placement, moe): (falcon_h1.NORM, _PARALLEL_MAMBA)
+              + _sublayer(placement, "mlp", _MOE if moe else _MLP)
+              for placement in NormPlacement for moe in (False, True)}
 
 
 # every block object a layer can have (each exposes ``memplan.model.block.Block``)
-ALL_BLOCKS = tuple({id(b): b for blocks in _BLOCKS.values() for b in blocks}.values())
+ALL_BLOCKS = tuple({id(b): b for blocks in (*_BLOCKS.values(), *_FALCON_H1.values())
+                    for b in blocks}.values())
 
 
 def layer_blocks(spec: ModelSpec, moe_layer: bool, variant: str = "") -> tuple[Block, ...]:
@@ -116,6 +125,8 @@ def layer_blocks(spec: ModelSpec, moe_layer: bool, variant: str = "") -> tuple[B
         attention = "nope"
     if spec.parallel_block:
         return _PARALLEL[(attention, moe_layer)]
+    if falcon_h1.parallel(spec):
+        return _FALCON_H1[(spec.norm_placement, moe_layer)]
     return _BLOCKS[(spec.norm_placement, attention, moe_layer)]
 
 
@@ -211,6 +222,8 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
             out += [ForwardMoment(m.name, held + casts + kept + m.transient_bytes, 0, b.name)
                     for b in post for m in b.working_set(spec, wl, dm)]
             held += casts + stream + kept  # the sub-layer's residual sum joins the input
+            # Falcon-H1's scaled mixer outputs, the layer's locals to its return
+            held += falcon_h1.held_bytes(spec, dm) if isinstance(mixer, ParallelMamba) else 0
         return out
     unsaved_input = unsaved_stream(spec, wl, dm)
     # Under autocast no linear saves a norm's (fp32) output, the casts of it instead; the
@@ -230,6 +243,7 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
     for block in blocks:
         prior += cast_cache_bytes(spec, wl, dm, block, recompute)
         beside = (unsaved_input * (2 if id(block) in later else 1)
+                  + (falcon_h1.held_bytes(spec, dm) if id(block) in later else 0)
                   + (norm_out if isinstance(block, MIXERS) else 0))
         out += [ForwardMoment(m.name, prior + m.own_bytes, beside + m.transient_bytes,
                               block.name)
@@ -300,7 +314,8 @@ def last_weight(spec: ModelSpec, dm: Dims, mixer: Block) -> int:
         return linear.weight_elements(short_conv_linears(spec)[-1], dm.tp)
     if isinstance(mixer, Mamba):
         return linear.weight_elements(mamba_linears(spec)[-1], dm.tp)
-    return spec.attn_out_size * spec.hidden_size // dm.tp if isinstance(mixer, (Attention, Mla)) \
+    return spec.attn_out_size * spec.hidden_size // dm.tp if isinstance(
+        mixer, (Attention, Mla, ParallelMamba)) \
         else spec.ffn_hidden_size * spec.hidden_size // dm.tp
 
 
@@ -640,6 +655,8 @@ def layer_linears(spec: ModelSpec, moe_layer: bool, variant: str = "") -> tuple[
                     else mamba_linears if spec.mamba is not None else deltanet_linears)
     attn = (linear_mixer(spec) if variant == "linear" else mla_linears(spec)
             if spec.mla is not None else attention_linears(spec))
+    if falcon_h1.parallel(spec):  # the Mamba2 mixer's beside the attention's
+        attn = mamba_linears(spec) + attn
     return attn + (() if moe_layer else mlp_linears(spec, spec.ffn_hidden_size))
 
 

@@ -62,6 +62,11 @@ class Sizes(NamedTuple):
     taps: int
     c: int  # chunk length
     chunks: int
+    gated: bool = True  # the gated RMSNorm (MambaSpec.gated_norm); else y * silu(gate)
+    # bytes of an element of in_proj's output after Falcon-H1's mup_vector product where
+    # that is not the compute dtype: under autocast the fp32 buffer promotes the product
+    # (``_scan_terms``); 0 otherwise
+    mup_e: int = 0
 
     @property
     def tokens(self) -> int:
@@ -99,17 +104,28 @@ def sizes(m: MambaSpec, dm: Dims) -> Sizes:
     t = dm.tp
     groups = m.num_groups // t if m.num_groups % t == 0 else m.num_groups
     return Sizes(b=dm.b, s=dm.s, h=m.num_heads // t, p=m.head_dim, n=m.state_size, g=groups,
-                 taps=m.conv_kernel, c=m.chunk_size, chunks=-(-dm.s // m.chunk_size))
+                 taps=m.conv_kernel, c=m.chunk_size, chunks=-(-dm.s // m.chunk_size),
+                 gated=m.gated_norm,
+                 mup_e=dm.stream_e if m.parallel_attention and dm.stream_e != dm.e else 0)
+
+
+def kernel(spec: ModelSpec, wl: Workload) -> MambaKernel:
+    """The scan ``wl`` runs: its ``mamba_kernel``, but Falcon-H1's mixer
+    (``MambaSpec.parallel_attention``) as transformers 5.3 writes it (FalconH1Mixer.
+    torch_forward, the naive scan), the only one traced."""
+    assert spec.mamba is not None
+    return MambaKernel.TORCH if spec.mamba.parallel_attention else wl.mamba_kernel
 
 
 @lru_cache(maxsize=64)
 def mamba_linears(spec: ModelSpec) -> tuple[Linear, ...]:
     """in_proj (h -> 2 d + 2 G n + H), column-parallel (the ``attn`` group), out_proj (d ->
-    h), row-parallel (``attn_out``); with proj_bias both have biases."""
+    h), row-parallel (``attn_out``); in_proj's bias with proj_bias, out_proj's with
+    ``MambaSpec.out_bias``."""
     m, h = spec.mamba, spec.hidden_size
     assert m is not None
-    return (Linear("in_proj", "attn", h, m.inner + m.conv_dim + m.num_heads, m.proj_bias),
-            Linear("out_proj", "attn_out", m.inner, h, m.proj_bias, split=Split.ROW))
+    return (Linear("in_proj", "attn", h, m.width, m.proj_bias),
+            Linear("out_proj", "attn_out", m.inner, h, m.out_bias, split=Split.ROW))
 
 
 def _scan_terms(z: Sizes, dm: Dims) -> list[Term]:
@@ -118,11 +134,15 @@ def _scan_terms(z: Sizes, dm: Dims) -> list[Term]:
     low = e < f
     x = t * z.d * f if low else t * z.conv * f  # the fp32 copy, or silu's output it views
     n1 = z.chunks + 1
-    return [Term(f"{_PREFIX}.in_proj_out", t * z.width * e),
-            Term(f"{_PREFIX}.gate_fp32", t * z.d * f if low else 0),
+    # Falcon-H1 under autocast: in_proj's output times the fp32 mup_vector is fp32, so are
+    # the gate and dt (its views); autocast's conv1d saves its own cast of the conv's channels
+    pe = z.mup_e or e
+    return [Term(f"{_PREFIX}.in_proj_out", t * z.width * pe),
+            Term(f"{_PREFIX}.gate_fp32", t * z.d * f if low and z.gated else 0),
+            Term(f"{_PREFIX}.conv_in_cast", t * z.conv * e if z.mup_e else 0),
             Term(f"{_PREFIX}.conv_out", z.b * z.conv * (z.s + z.taps - 1) * e),
             Term(f"{_PREFIX}.x_fp32", x),
-            Term(f"{_PREFIX}.dt", 3 * t * z.h * e),
+            Term(f"{_PREFIX}.dt", 3 * t * z.h * pe),
             Term(f"{_PREFIX}.a", 2 * z.h * f),
             Term(f"{_PREFIX}.x_chunks", 2 * tp * z.d * f),  # padded x (D), x * dt in chunks
             Term(f"{_PREFIX}.bc", 3 * tp * z.h * z.n * f),  # B, C, B * decay
@@ -135,10 +155,15 @@ def _scan_terms(z: Sizes, dm: Dims) -> list[Term]:
 
 
 def _norm_terms(z: Sizes, dm: Dims) -> list[Term]:
-    """GraniteMoeHybridRMSNormGated on the padded y (a view of it) and out_proj's input."""
+    """GraniteMoeHybridRMSNormGated on the padded y (a view of it) and out_proj's input.
+    Without the norm (Falcon-H1's ``y * silu(gate)``, ``Sizes.gated`` false) the product
+    saves the padded y (its view) and silu's output (T d, the compute dtype; silu saves the
+    gate, a view of in_proj's scaled output); out_proj saves the product's cast to the
+    compute dtype (in fp32 the product itself)."""
     f, t = FP32_BYTES, z.tokens
+    gate = (3 * z.d + 1) * t * f if z.gated else t * z.d * (z.mup_e or dm.e)
     return [Term(f"{_PREFIX}.y", z.padded * z.d * f),
-            Term(f"{_PREFIX}.norm", (3 * z.d + 1) * t * f),
+            Term(f"{_PREFIX}.norm", gate),
             Term(f"{_PREFIX}.out", t * z.d * dm.e)]
 
 
@@ -164,7 +189,7 @@ def mamba_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     nothing on transformers 5.3, whose GraniteMoeHybridModel.forward makes no cache when none
     is passed; 5.23's (``memplan.model.mamba_einsum.cache_bytes``)."""
     assert spec.mamba is not None
-    if wl.mamba_kernel is not MambaKernel.TORCH_EINSUM:
+    if kernel(spec, wl) is not MambaKernel.TORCH_EINSUM:
         return 0
     return es.cache_bytes(sizes(spec.mamba, dm), dm)
 
@@ -184,7 +209,7 @@ def _unnamed(z: Sizes, dm: Dims) -> int:
     multiplies, dt + dt_bias and softplus's output; below fp32 the fp32 copy of x (rebound
     by x * dt) and the gate's (made inside the norm, freed there)."""
     f, t = FP32_BYTES, z.tokens
-    copies = 2 * t * z.d * f if dm.e < f else 0
+    copies = (2 if z.gated else 1) * t * z.d * f if dm.e < f else 0
     return (z.b * z.conv * (z.s + z.taps - 1) * dm.e + z.padded * z.d * f
             + 2 * t * z.h * dm.e + copies)
 
@@ -195,7 +220,7 @@ class Mamba:
     name = "attn"
 
     def saved(self, spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute) -> list[Term]:
-        return mamba_terms(spec, dm, wl.mamba_kernel)
+        return mamba_terms(spec, dm, kernel(spec, wl))
 
     def _moments(self, spec: ModelSpec, dm: Dims) -> list[Moment]:
         assert spec.mamba is not None
@@ -221,7 +246,7 @@ class Mamba:
         """Y_diag's product (everything up to M saved), C_times_states beside Y_diag, and
         out_proj's output, with torch_forward's locals (``_locals``) all along; the einsum
         scan's (``memplan.model.mamba_einsum.forward_moments``)."""
-        if wl.mamba_kernel is MambaKernel.TORCH_EINSUM:
+        if kernel(spec, wl) is MambaKernel.TORCH_EINSUM:
             return self._einsum_moments(spec, dm, wl.kv_cache and recompute is Recompute.NONE)
         return self._moments(spec, dm)
 
@@ -235,10 +260,10 @@ class Mamba:
         (freed when it returns)."""
         assert spec.mamba is not None
         z = sizes(spec.mamba, dm)
-        if wl.mamba_kernel is MambaKernel.TORCH_EINSUM:
+        if kernel(spec, wl) is MambaKernel.TORCH_EINSUM:
             return es.working_set(z, dm)
         freed = _unnamed(z, dm)
-        norm = (3 * z.d + 1) * z.tokens * FP32_BYTES + z.padded * z.d * FP32_BYTES
+        norm = total(_norm_terms(z, dm)[:2])  # the padded y and the norm's (or silu's)
         diag, states, end = self._moments(spec, dm)
         return [Moment(diag.name, 0, diag.own_bytes - freed + diag.transient_bytes),
                 Moment(states.name, 0, states.own_bytes - freed + states.transient_bytes),
@@ -256,7 +281,7 @@ class Mamba:
         z = sizes(spec.mamba, dm)
         grad_in = dm.rows * spec.hidden_size * dm.e
         in_proj = linear.weight_elements(mamba_linears(spec)[0], dm.tp)
-        if wl.mamba_kernel is MambaKernel.TORCH_EINSUM:
+        if kernel(spec, wl) is MambaKernel.TORCH_EINSUM:
             return es.backward_moments(z, dm, _einsum_saved(spec, dm), grad_in, in_proj)
         f, e, tp = FP32_BYTES, dm.e, z.padded
         terms = {t.name.partition(".")[2]: t.size_bytes
@@ -268,6 +293,10 @@ class Mamba:
         # after the norm's backward: silu's fp32 copy of the gate freed (below fp32), the
         # gate's gradient waiting for in_proj's output's (the split's backward, last)
         off = saved - out - norm - terms["y_off"] - terms["gate_fp32"]
+        if z.mup_e:
+            # Falcon-H1 under autocast: the conv saves its cast, so once silu's backward has
+            # run nothing holds in_proj's fp32 scaled output (the gate is its last view)
+            off -= terms["in_proj_out"]
         grad_gate = z.tokens * z.d * e
         diag = off - terms["decays"] - terms["states"] - terms["decay_chunk"] - \
             tp * z.h * z.n * f
@@ -275,8 +304,12 @@ class Mamba:
         accumulated = (grad_y + 2 * tp * z.h * z.n * f + tp * z.d * f + tp * z.h * f
                        + grad_gate)
         attn_out = ("attn_out",)
+        # the gated norm's backward: five fp32 T d tensors; y * silu(gate)'s (Falcon-H1):
+        # the product's fp32 gradient (the cast's backward), y's and silu's output's in fp32,
+        # the latter's cast to silu's dtype
+        gate_bw = 5 * z.tokens * z.d * f if z.gated else z.tokens * z.d * (3 * f + e)
         return [BackwardMoment("mamba.out", saved, z.tokens * z.d * e, attn_out),
-                BackwardMoment("mamba.norm", saved - out, 5 * z.tokens * z.d * f, attn_out),
+                BackwardMoment("mamba.norm", saved - out, gate_bw, attn_out),
                 # y's gradient made whole by the slice's backward, Y_off's, C_times_states.
                 # sum's (times the decay) and the decay's full-size one before its sum_to
                 BackwardMoment("mamba.state_out", off,
@@ -291,7 +324,7 @@ class Mamba:
     def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
         """Rerun with autograd recording in a fully recomputed layer's backward: as the
         forward's (no cache: gradient checkpointing turns use_cache off)."""
-        if wl.mamba_kernel is MambaKernel.TORCH_EINSUM:
+        if kernel(spec, wl) is MambaKernel.TORCH_EINSUM:
             return self._einsum_moments(spec, dm, False)
         return self._moments(spec, dm)
 
@@ -307,7 +340,7 @@ class Mamba:
         conv = d + 2 * groups * m.state_size
         before: list[tuple[int, ...]] = [(heads,)] * 3 + [(conv, 1, m.conv_kernel)] + (
             [(conv,)] if m.conv_bias else [])
-        return before, [(d,)]
+        return before, [(d,)] if m.gated_norm else []
 
     def tensor_shapes(self, spec: ModelSpec, t: int, ep: int) -> list[tuple[int, ...]]:
         """dt_bias, A_log, D, conv1d, in_proj, norm, out_proj (named_parameters' order)."""
@@ -322,7 +355,7 @@ class Mamba:
         """``attn_out``: out_proj and the norm's weight; ``attn``: all."""
         before, after = self._small(spec, t)
         return linear.grad_groups(mamba_linears(spec), t, ("attn_out", "attn"),
-                                  {"attn_out": after[0][0],
+                                  {"attn_out": sum(math.prod(s) for s in after),
                                    "attn": sum(math.prod(s) for s in before)})
 
     def flops_per_token(self, spec: ModelSpec, seq_len: int) -> float:

@@ -18,6 +18,7 @@ from memplan.model.adapters import ADAPTER_BYTES
 from memplan.model import linear, te_fp8
 from memplan.model.attention import attention_linears, rope_buffer_bytes, windowed
 from memplan.model.dims import Dims, exact_ratio
+from memplan.model.falcon_h1 import mup_buffer_bytes
 from memplan.model.fsdp1 import flat_units, fsdp1_buffers
 from memplan.model.grad_sync import accumulator_bytes
 from memplan.model.layer import float8_gather_saving, rope_normed
@@ -256,7 +257,8 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
     at_step = shard.at_step(st)
     buckets = ((st.grads_bytes if ddp and par.grad_buffers is GradBuffers.COPY else 0)
                + (shard.bucket_bytes if shard.bucket_resident else 0) + shard.resident_bytes)
-    buffers = rope_buffer_bytes(spec, wl, len(layers)) + te_kept
+    buffers = (rope_buffer_bytes(spec, wl, len(layers)) + te_kept
+               + mup_buffer_bytes(spec, wl, len(layers)))
     return StageStates(
         first=first, last=last, params=params, states=st,
         # kept unsharded under PP (``ShardingBuffers.kept_gathered``): the walk's gradients

@@ -10,7 +10,8 @@ does not know (Phi-4-mini-flash's ``phi4flash``, remote code only) is refused in
 A model type the installed transformers lacks is skipped.
 
 Versions: transformers 5.3.0, 5.23.0 (Granite 4.0-H's Mamba2 layers on the einsum scan) and
-5.25.0, torch 2.13.
+5.25.0, torch 2.13. Falcon-H1's traces (its mixer on transformers 5.3's torch_forward, the
+naive scan, memplan.model.falcon_h1) ran on 5.3.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ from memplan.spec import spec_from_hf_dict  # noqa: E402
 HELDOUT = Path(__file__).resolve().parents[1] / "data" / "hf" / "heldout"
 NAMES = sorted(p.name for p in HELDOUT.iterdir() if (p / "config.json").is_file())
 
-# read by the fallback: approximate blocks, transformers' tensors as the weights
-FALLBACK = {"Falcon-H1-1.5B-Instruct"}
+# read by the fallback: approximate blocks, transformers' tensors as the weights (none of
+# the held-out configs since Falcon-H1 has its reader, memplan.hf.families_more.falcon_h1;
+# the fallback's own tests: tests/unit/test_hf_fallback.py)
+FALLBACK: set[str] = set()
 # transformers has no configuration class for it (remote code)
 UNKNOWN_TO_TRANSFORMERS = {"Phi-4-mini-flash-reasoning"}
 
@@ -137,6 +140,32 @@ def test_granite_4_h_tiny_with_experts_is_read_as_built() -> None:
                                   for layer in model.model.layers]
 
 
+def test_falcon_h1_is_read_as_built() -> None:
+    """Falcon-H1 (the held-out file: 36 layers of 1,024, each a Mamba2 mixer of 24 heads of
+    64 beside attention, then a gated MLP) read by its reader, not the fallback: the count
+    (530,894,368: tests/unit/test_hf_more_families.py by hand) and every layer's tensors
+    transformers'."""
+    data = _config("Falcon-H1-1.5B-Instruct")
+    model = _built(data)
+    spec = spec_from_hf_dict(data, "config.json", "falcon-h1")
+    assert spec.approximate is None and spec.mamba is not None and spec.mamba.parallel_attention
+    assert spec.num_params == sum(p.numel() for p in model.parameters()) == 530_894_368
+    stage = count_stage_params(spec, 1, 1, 1, tuple(range(spec.num_layers)), True, True, 1)
+    assert list(stage.layers) == [sum(p.numel() for p in layer.parameters())
+                                  for layer in model.model.layers]
+    # the mixers' mup_vector buffers: 36 x (2 x 1536 + 2 x 256 + 24) in bf16 (hf_meta builds
+    # in bf16)
+    assert sum(b.numel() for n, b in model.named_buffers() if n.endswith("mup_vector")) \
+        == 36 * spec.mamba.width
+
+
+def test_falcon_h1_gated_norm_is_refused_in_one_line() -> None:
+    with pytest.raises(MemplanError) as err:
+        spec_from_hf_dict({**_config("Falcon-H1-1.5B-Instruct"), "mamba_rms_norm": True},
+                          "config.json", "m")
+    assert "\n" not in str(err.value) and "mamba_rms_norm" in str(err.value)
+
+
 def test_remote_code_type_is_refused_in_one_line() -> None:
     with pytest.raises(MemplanError) as err:
         spec_from_hf_dict(_config("Phi-4-mini-flash-reasoning"), "config.json", "m")
@@ -209,6 +238,16 @@ TRACED = {
                                    shared_intermediate_size=256, mamba_n_heads=4,
                                    mamba_d_head=64, mamba_d_state=32, mamba_chunk_size=48,
                                    **_TOY),
+    # Falcon-H1: two layers of the Mamba2 mixer (4 heads of 64, state 32) beside attention on
+    # transformers 5.3's torch path, chunks of 48 over 64 tokens: the scan sets the peaks
+    "falcon_h1": _cut("Falcon-H1-1.5B-Instruct", num_hidden_layers=2, mamba_n_heads=4,
+                      mamba_d_head=64, mamba_d_ssm=256, mamba_d_state=32, mamba_chunk_size=48,
+                      **_TOY),
+    # the mixer narrow (2 heads of 8, state 4, chunks of 8) and 64 tokens of vocabulary: the
+    # MLP's backward and the loss set the peaks, the layer's muP copies and held outputs count
+    "falcon_h1-narrow": _cut("Falcon-H1-1.5B-Instruct", num_hidden_layers=2, mamba_n_heads=2,
+                             mamba_d_head=8, mamba_d_ssm=16, mamba_d_state=4,
+                             mamba_chunk_size=8, **{**_TOY, "vocab_size": 64}),
     "granitemoehybrid": _cut("granite-4.0-micro", num_hidden_layers=2,
                              layer_types=["attention"] * 2, shared_intermediate_size=256,
                              mamba_n_heads=4, mamba_d_head=64, **_TOY),  # (unused, validated)
@@ -241,8 +280,9 @@ def _cases():
                     None)
         yield param(FrameworkCase("transformers", name, data, "bf16-pure", 2, 64,
                                   options={"recompute": "full", **own}), None)
-        # the convolution's weight cast under autocast; ERNIE's RoPE casting q and k back
-        if name.startswith("lfm2") or name == "ernie4_5":
+        # the convolution's weight cast under autocast; ERNIE's RoPE casting q and k back;
+        # Falcon-H1's fp32 mup_vector product
+        if name.startswith(("lfm2", "falcon_h1")) or name == "ernie4_5":
             yield param(FrameworkCase("transformers", name, data, "amp-bf16", 2, 64), None)
 
 

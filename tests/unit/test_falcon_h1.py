@@ -1,0 +1,158 @@
+"""Falcon-H1 (memplan.hf.families_more.falcon_h1, memplan.model.falcon_h1): the count of the
+held-out config by hand, the reader's refusals, and the layer's own saved tensors by hand
+(the Mamba2 mixer's scan is Granite 4.0-H's, tests/unit/test_mamba.py). The traces against
+transformers 5.3: tests/traced/test_hf_heldout.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from memplan.errors import MemplanError
+from memplan.model.dims import Dims, total
+from memplan.model.falcon_h1 import ParallelMamba, mup_buffer_bytes
+from memplan.model.layer import layer_blocks, layer_terms
+from memplan.model.mamba import mamba_terms
+from memplan.parallel import ParallelConfig
+from memplan.spec import ModelSpec, spec_from_hf_dict
+from memplan.workload import MambaKernel, Recompute, Workload
+
+CONFIG = json.loads((Path(__file__).parent.parent / "data" / "hf" / "heldout" /
+                     "Falcon-H1-1.5B-Instruct" / "config.json").read_text())
+
+
+def test_count_by_hand() -> None:
+    """The held-out config: h = 1,024, 36 layers, V = 32,784 untied, 8 heads / 2 KV heads of
+    64, intermediate 2,048, no biases (FalconH1Config forces attention_bias and mlp_bias
+    false; mamba_proj_bias and projectors_bias false); the mixer d = mamba_d_ssm = 1,536 (24
+    heads of 64), state 256, 1 group, conv 4 with bias, no gated norm (mamba_rms_norm false):
+
+    embedding and lm_head  2 * 32,784 * 1,024                         =  67,141,632
+    attention              1,024 * 512 * 2 + 1,024 * 128 * 2          =   1,310,720
+    MLP                    3 * 1,024 * 2,048                          =   6,291,456
+    mixer, conv channels 1,536 + 2 * 256 = 2,048:
+      conv1d               2,048 * 4 + 2,048                          =      10,240
+      in_proj              1,024 * (1,536 + 2,048 + 24)               =   3,694,592
+      dt_bias, A_log, D    3 * 24                                     =          72
+      out_proj             1,536 * 1,024                              =   1,572,864
+    two norms              2 * 1,024                                  =       2,048
+    a layer                                                           =  12,881,992
+    36 layers                                                         = 463,751,712
+    final norm             1,024                                      =       1,024
+    total                                                             = 530,894,368
+
+    (transformers 5.3 builds the same on the meta device: tests/traced/test_hf_heldout.py)."""
+    spec = spec_from_hf_dict(CONFIG, "config.json", "falcon-h1")
+    assert spec.approximate is None and spec.num_params == 530_894_368
+    m = spec.mamba
+    assert m is not None and m.parallel_attention and not m.gated_norm
+    assert (m.inner, m.conv_dim, m.width) == (1536, 2048, 3608)
+    assert not any(spec.is_linear_layer(i) for i in range(36))
+    # FalconH1Model.forward makes no cache when none is passed
+    assert not spec.use_cache and not spec.qkv_bias and not spec.mlp_bias
+
+
+def test_refusals_in_one_line() -> None:
+    for change in ({"mamba_rms_norm": True}, {"mamba_d_head": 48}):
+        with pytest.raises(MemplanError) as err:
+            spec_from_hf_dict({**CONFIG, **change}, "config.json", "m")
+        assert "\n" not in str(err.value) and next(iter(change)) in str(err.value)
+
+
+def _toy() -> ModelSpec:
+    """The traced toy (tests/traced/test_hf_heldout.py ``falcon_h1``): h = 128, 2 layers,
+    attention 4 heads / 2 KV heads of 32, MLP 256, the mixer 4 heads of 64 (d = 256), state
+    32, chunks of 48."""
+    data = {**CONFIG, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 512,
+            "num_hidden_layers": 2, "mamba_n_heads": 4, "mamba_d_head": 64,
+            "mamba_d_ssm": 256, "mamba_d_state": 32, "mamba_chunk_size": 48}
+    return spec_from_hf_dict(data, "config.json", "toy")
+
+
+def _dims(spec: ModelSpec, precision: str) -> tuple[Workload, Dims]:
+    wl = Workload(micro_batch_size=2, seq_len=64, precision=precision)
+    return wl, Dims.of(spec, ParallelConfig(), wl)
+
+
+def test_layer_saved_bytes_by_hand() -> None:
+    """The toy at b = 2, s = 64 (T = 128), in fp32 (e = 4): what differs from Granite 4.0-H's
+    mixer of the same widths (d = 256, C = 256 + 64 = 320 channels, in_proj's width W = 256
+    + 320 + 4 = 580) and from Llama's attention sub-layer:
+
+    attn_norm.output     in_proj's input, the norm output's ssm_in copy: T h e  =  65,536
+    attn.input_copy      q/k/v's input, the attention_in copy: T h e            =  65,536
+    mamba.norm           silu(gate), y * silu(gate)'s other input: T d e        = 131,072
+                         (Granite's gated norm: (3 d + 1) T 4 = 393,728)
+    mamba.gate_fp32      none (no norm upcasts the gate)                        =       0
+
+    The whole layer saves 4,011,346 B (traced: saved activations exact, test_hf_heldout.py).
+    In bf16 (e = 2) the copies are 32,768 each and silu's output 65,536 (no fp32 gate copy,
+    Granite's T d 4 = 131,072). Under autocast the fp32 mup_vector makes in_proj's scaled
+    output fp32 (T W 4 = 296,960), and the gate and dt with it (silu's output T d 4 =
+    131,072; dt 3 T H 4 = 6,144), conv1d saves its cast of the channels (T C 2 = 81,920), and
+    q, k and v each their own cast of the attention's copy (3 T h 2 = 98,304)."""
+    spec = _toy()
+    wl, dm = _dims(spec, "fp32")
+    blocks = layer_blocks(spec, False)
+    assert [b.name for b in blocks] == ["attn_norm", "attn", "mlp_norm", "mlp"]
+    assert isinstance(blocks[1], ParallelMamba)
+    terms = {t.name: t.size_bytes for t in layer_terms(spec, wl, dm, moe_layer=False,
+                                                        recompute=Recompute.NONE)}
+    assert (terms["attn_norm.output"], terms["attn.input_copy"]) == (65_536, 65_536)
+    assert (terms["mamba.norm"], terms["mamba.gate_fp32"]) == (131_072, 0)
+    assert sum(terms.values()) == 4_011_346
+    wl, dm = _dims(spec, "bf16-pure")
+    terms = {t.name: t.size_bytes for t in layer_terms(spec, wl, dm, moe_layer=False,
+                                                        recompute=Recompute.NONE)}
+    assert (terms["attn.input_copy"], terms["mamba.norm"], terms["mamba.gate_fp32"]) == (
+        32_768, 65_536, 0)
+    wl, dm = _dims(spec, "amp-bf16")
+    mixer = {t.name: t.size_bytes for t in mamba_terms(spec, dm, MambaKernel.TORCH)}
+    assert (mixer["mamba.in_proj_out"], mixer["mamba.conv_in_cast"], mixer["mamba.dt"],
+            mixer["mamba.norm"]) == (296_960, 81_920, 6_144, 131_072)
+    copy = next(t for t in blocks[1].saved(spec, wl, dm, Recompute.NONE)
+                if t.name == "attn.input_copy")
+    assert copy.size_bytes == 98_304
+
+
+def test_kernel_and_buffers() -> None:
+    """The mixer runs transformers 5.3's naive scan whatever ``mamba_kernel`` says (the only
+    path traced); the mup_vector buffers are 2 layers x W elements in the weights' dtype
+    (2 x 580 x 4 = 4,640 B in fp32: the traced buffers less RoPE's 128 B)."""
+    spec = _toy()
+    wl, dm = _dims(spec, "fp32")
+    einsum = wl.model_copy(update={"mamba_kernel": MambaKernel.TORCH_EINSUM})
+    assert total(layer_terms(spec, einsum, dm, moe_layer=False, recompute=Recompute.NONE)) \
+        == 4_011_346
+    assert mup_buffer_bytes(spec, wl, 2) == 4_640
+    assert mup_buffer_bytes(spec, _dims(spec, "bf16-pure")[0], 2) == 2_320
+
+
+def test_parameter_tensors_and_groups() -> None:
+    """The block's tensors: the mixer's (dt_bias, A_log, D; conv weight and bias; in_proj;
+    out_proj: no norm weight) then the attention's; its gradient groups cumulative in
+    backward order: o_proj, the attention, out_proj, all."""
+    spec = _toy()
+    block = layer_blocks(spec, False)[1]
+    assert block.tensor_sizes(spec, 1, 1) == [4, 4, 4, 320 * 4, 320, 128 * 580, 256 * 128,
+                                              128 * 128, 128 * 64, 128 * 64, 128 * 128]
+    attention = 2 * 128 * 128 + 2 * 128 * 64
+    mixer = 12 + 320 * 5 + 128 * 580 + 256 * 128
+    assert block.grad_groups(spec, 1, 1) == {
+        "attn_out": 128 * 128, "attn_qkv": attention, "mamba_out": attention + 256 * 128,
+        "attn": attention + mixer}
+
+
+def test_the_estimate_names_the_path() -> None:
+    """An estimate says which code the mixer is read from, and that the CUDA kernels are
+    not modelled; a default hf estimate of the published config runs."""
+    from memplan.api import estimate
+
+    est = estimate(_toy(), seq_len=64, micro_batch_size=2)
+    line = next(a for a in est.assumptions if "Falcon-H1" in a)
+    assert "torch_forward" in line and "5.3" in line and "not modelled" in line
+    full = spec_from_hf_dict(CONFIG, "config.json", "falcon-h1")
+    assert estimate(full, seq_len=4096, micro_batch_size=1).stages[0].peak_bytes > 0
