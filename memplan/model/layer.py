@@ -40,7 +40,7 @@ from memplan.model.deltanet import DeltaNet, deltanet_linears
 from memplan.model.dims import FP32_BYTES, MASK_BYTES, Dims, Term, total
 from memplan.model.linear import Linear, Split, shares_input
 from memplan.model.mla import Mla, mla_linears
-from memplan.model.mlp import Mlp, mlp_linears, working_steps
+from memplan.model.mlp import Mlp, mlp_linears, rerun_pending_bytes, working_steps
 from memplan.model.moe import MoE
 from memplan.model.short_conv import ShortConv, conv_cache_bytes, short_conv_linears
 from memplan.model.mamba import Mamba, mamba_cache_bytes, mamba_linears
@@ -355,6 +355,8 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
         # the stream's (traced: Granite 4.0-H on transformers 5.23, tests/unit/
         # test_mamba_einsum.py)
         rerun_in = incoming + (stream if spec.scaled_residual else 0)
+        if any(isinstance(b, Mlp) for b in blocks):
+            rerun_in += rerun_pending_bytes(spec, dm)  # an adapted down projection's
         # The rerun stops once the last saved tensor is packed: after the MLP's output
         # dropout (its mask), or its second linear, whose output is alive then (and
         # dropout's), with everything the layer saves and the post-attention residual when

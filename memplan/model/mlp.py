@@ -10,6 +10,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from memplan.model import compiled, linear
+from memplan.model.adapters import ADAPTER_BYTES
 from memplan.model.block import BackwardMoment, Moment
 from memplan.model.norm import output_kept
 from memplan.model.dims import FP32_BYTES, MASK_BYTES, Dims, Term, residual_dropout_mask, total
@@ -306,6 +307,22 @@ def _lora_working_bytes(spec: ModelSpec, dm: Dims) -> int:
     return max(inner + gate, 2 * inner + up, inner + stream + down)
 
 
+def rerun_pending_bytes(spec: ModelSpec, dm: Dims) -> int:
+    """Gradients made before a checkpointed layer's rerun starts, alive through it, beyond the
+    stream's: with an adapter on the down projection (its last op), the layer's backward
+    runs the adapter sum's nodes first, which need no saved tensor (peft's ``result.to(
+    dtype)``, ``result + lora_B(...) * scaling``): the base output's gradient in the compute
+    dtype and the scaled product's in the adapters' (``grad * scaling``), both waiting for
+    nodes whose saved tensors the rerun makes (traced: tests/traced/test_finetune.py, bf16
+    base: a 131,072 B and a 262,144 B tensor at T = 256, h = 256). 0 otherwise."""
+    down = mlp_linears(spec, spec.ffn_hidden_size)[-1]
+    if dm.adapters is None or not dm.adapters.adapts(down):
+        return 0
+    low = dm.e if dm.autocast else ADAPTER_BYTES
+    rows_out = dm.tokens * local_widths(down, dm.tp)[1]
+    return rows_out * (dm.e + low)
+
+
 def dropout_mask_bytes(spec: ModelSpec, dm: Dims) -> int:
     """The block output's dropout mask: freed when the MLP's backward starts."""
     return dm.rows * spec.hidden_size * MASK_BYTES if spec.dropout > 0 else 0
@@ -457,7 +474,15 @@ class Mlp:
         return moments + _float8_backward(spec, dm, self.saved(spec, wl, dm, recompute))
 
     def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
-        return []
+        """LoRA under full recompute: the rerun saves as the first forward would have, so at
+        up's adapter sum (``_frozen_forward``'s ``mlp_lora``) what the block saved before it
+        is alive again beside the sum's tensors (traced: tests/traced/test_finetune.py,
+        peft's LoRA on every linear under gradient checkpointing: the step's backward peak,
+        in the first layer's rerun)."""
+        if dm.adapters is None:
+            return []
+        saved = total(self.saved(spec, wl, dm, Recompute.NONE))
+        return [m for m in _frozen_forward(spec, dm, saved) if m.name == "mlp_lora"]
 
     def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:
         """The projections', then the activation's own (xIELU's alpha_p and alpha_n)."""

@@ -292,3 +292,32 @@ def test_checkpointed_mlp_holds_each_adapters_fp32_tensors() -> None:
     # returns: 458,752 + 131,072 + 917,504 + 1,155,072 = 2,662,400, still below up's 3,014,656
     assert _checkpointed_mlp(lora_rank=8, lora_targets="down") == 458_752 + 131_072 + 1_441_792
     assert _checkpointed_mlp(lora_rank=8, lora_targets="down", lora_dropout=0.1) == 2_662_400
+
+
+def test_rerun_holds_the_down_adapters_gradients_and_up_adapters_sum() -> None:
+    """Under full recompute a layer's backward first runs the down projection's adapter-sum
+    nodes, which need no saved tensor (peft: ``result.to(dtype)``, ``result + lora_B(...) *
+    scaling``): the base output's gradient (bf16, 256 x 256 x 2 = 131,072) and the scaled
+    product's (fp32, 256 x 256 x 4 = 262,144) wait through the rerun, beside the stream's
+    gradient (131,072). The rerun, saving again, reaches up's adapter sum with what the MLP
+    saved before it (its norm's fp32 input 262,144, stats 1,024, gate and act 2 x 458,752,
+    the gate's and up's fp32 input casts 2 x 262,144 and lora_A outputs 2 x 8,192 =
+    1,981,440) and the attention's saved bytes (1,551,360) alive: 3,532,800; beside them the
+    MLP's input (131,072), up's output (458,752) and its adapter's lora_B output and scaled
+    copy (2 x 256 x 896 x 4 = 1,835,008), and the three gradients: 2,949,120. Their sum,
+    6,481,920 B, is the traced rerun's (tests/traced/test_finetune.py, gc)."""
+    from memplan.model.mlp import rerun_pending_bytes
+    from memplan.workload import Recompute
+
+    spec, par, wl = api.resolve(toy(), framework="hf", micro_batch_size=2, seq_len=128,
+                                precision="bf16-pure", recompute="full", lora_rank=8,
+                                lora_targets="all-linear")
+    dm = Dims.of(spec, par, wl)
+    assert rerun_pending_bytes(spec, dm) == 131_072 + 262_144
+    kind = layer_kind(spec, wl, dm, False, Recompute.FULL)
+    (rerun,) = [m for m in kind.moments if m.name == "mlp_lora"]
+    assert (rerun.alive_bytes, rerun.transient_bytes) == (3_532_800, 2_949_120)
+    # q and v only: the down projection has no adapter, no adapter gradient waits
+    spec, par, wl = api.resolve(toy(), framework="hf", micro_batch_size=2, seq_len=128,
+                                precision="bf16-pure", recompute="full", lora_rank=8)
+    assert rerun_pending_bytes(spec, Dims.of(spec, par, wl)) == 0
