@@ -40,7 +40,8 @@ from memplan.model.deltanet import DeltaNet, deltanet_linears
 from memplan.model.dims import FP32_BYTES, MASK_BYTES, Dims, Term, total
 from memplan.model.linear import Linear, Split, shares_input
 from memplan.model.mla import Mla, mla_linears
-from memplan.model.mlp import Mlp, mlp_linears, rerun_pending_bytes, working_steps
+from memplan.model.mlp import (Mlp, mlp_linears, rerun_pending_bytes, rerun_stop_bytes,
+                               working_steps)
 from memplan.model.moe import MoE
 from memplan.model.short_conv import ShortConv, conv_cache_bytes, short_conv_linears
 from memplan.model.mamba import Mamba, mamba_cache_bytes, mamba_linears
@@ -368,6 +369,8 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
             # MLP's argument, all-gathered under DTensor sequence parallelism) still does
             # (traced)
             rerun_out = dm.linear_rows * spec.hidden_size * dm.stream_e
+        if any(isinstance(b, Mlp) for b in blocks):
+            rerun_out += rerun_stop_bytes(spec, dm)  # an adapted down projection's
         out.append(LayerMoment("rebuild_out", extra + sum(saved), rerun_in + rerun_out, ()))
         for block, before in zip(blocks, prior):
             out += [LayerMoment(m.name, extra + before + m.own_bytes,

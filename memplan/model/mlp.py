@@ -312,15 +312,39 @@ def rerun_pending_bytes(spec: ModelSpec, dm: Dims) -> int:
     stream's: with an adapter on the down projection (its last op), the layer's backward
     runs the adapter sum's nodes first, which need no saved tensor (peft's ``result.to(
     dtype)``, ``result + lora_B(...) * scaling``): the base output's gradient in the compute
-    dtype and the scaled product's in the adapters' (``grad * scaling``), both waiting for
-    nodes whose saved tensors the rerun makes (traced: tests/traced/test_finetune.py, bf16
-    base: a 131,072 B and a 262,144 B tensor at T = 256, h = 256). 0 otherwise."""
+    dtype (a cast of the sum's, where the base computes in another dtype than the adapters)
+    and the scaled product's in the adapters' (``grad * scaling``), both waiting for nodes
+    whose saved tensors the rerun makes (traced: tests/traced/test_finetune.py, bf16 base: a
+    131,072 B and a 262,144 B tensor at T = 256, h = 256; fp32 base: the second alone).
+    0 otherwise."""
     down = mlp_linears(spec, spec.ffn_hidden_size)[-1]
     if dm.adapters is None or not dm.adapters.adapts(down):
         return 0
     low = dm.e if dm.autocast else ADAPTER_BYTES
     rows_out = dm.tokens * local_widths(down, dm.tp)[1]
-    return rows_out * (dm.e + low)
+    # the sum's backward hands its gradient on as it is where base and adapter share a dtype
+    # (fp32 weights; autocast), and casts it for the base's where they differ
+    return rows_out * (low + (dm.e if dm.e != low else 0))
+
+
+def rerun_stop_bytes(spec: ModelSpec, dm: Dims) -> int:
+    """Beyond what the layer saves, at a checkpointed layer's rerun stop where the down
+    projection has an adapter (the rerun stops at ``lora_B``'s pack of its rank-r input, made
+    before ``lora_B`` runs): the down projection's input (the product, saved by no one: the
+    frozen base keeps no input and ``lora_A`` keeps its own cast, or with dropout dropout's
+    output), unless the adapter saves that very tensor (``linear.keeps_input``); and with
+    dropout the adapters' cast of it, bound to peft's local x (traced: tests/traced/
+    test_finetune.py, LoRA on every linear with dropout under gradient checkpointing, the
+    first layer's rerun at ``lora_A``'s output). 0 otherwise."""
+    down = mlp_linears(spec, spec.ffn_hidden_size)[-1]
+    ad = dm.adapters
+    if ad is None or not ad.adapts(down):
+        return 0
+    d_in, _ = local_widths(down, dm.tp)
+    product = 0 if linear.keeps_input((down,), dm) else dm.tokens * d_in * dm.e
+    cast = (dm.tokens * d_in * ADAPTER_BYTES
+            if ad.dropout > 0 and not dm.autocast and dm.e != ADAPTER_BYTES else 0)
+    return product + cast
 
 
 def dropout_mask_bytes(spec: ModelSpec, dm: Dims) -> int:
@@ -340,8 +364,14 @@ def _frozen_forward(spec: ModelSpec, dm: Dims, saved: int) -> list[Moment]:
     base_out = dm.tokens * local_widths(up, dm.tp)[1] * dm.e
     stream = dm.rows * spec.hidden_size * dm.e
     block_in = 0 if output_kept("mlp_norm", dm) else dm.linear_rows * spec.hidden_size * dm.e
-    later = total(linear.adapter_terms("mlp", (down,), dm)) + (base_out if spec.mlp.gated
-                                                                 else 0)
+    # made after up's adapter sum: the down projection's adapter terms, up's output (saved
+    # by the product) and the product where the down projection's adapter saves it itself
+    # (``linear.keeps_input``: an fp32 base)
+    last = ".prod" if spec.mlp.gated else ".act"
+    kept = sum(t.size_bytes for t in mlp_terms("mlp", spec, dm, ffn, dm.tokens)
+               if t.name.endswith(last) and linear.keeps_input((down,), dm))
+    later = (total(linear.adapter_terms("mlp", (down,), dm))
+             + (base_out if spec.mlp.gated else 0) + kept)
     inner = 0 if linear.keeps_input((down,), dm) else dm.tokens * ffn // dm.tp * dm.e
     return [Moment("mlp_lora", saved - later,
                    block_in + base_out + linear.adapter_forward_bytes(up, dm)),

@@ -317,6 +317,21 @@ def test_rerun_holds_the_down_adapters_gradients_and_up_adapters_sum() -> None:
     kind = layer_kind(spec, wl, dm, False, Recompute.FULL)
     (rerun,) = [m for m in kind.moments if m.name == "mlp_lora"]
     assert (rerun.alive_bytes, rerun.transient_bytes) == (3_532_800, 2_949_120)
+    # an fp32 base: the sum's gradient goes to the base as it is, only the scaled product's
+    # is made (256 x 256 x 4); the product is saved by down's lora_A itself, so the rerun's
+    # stop adds nothing beside the saved bytes
+    from memplan.model.mlp import rerun_stop_bytes
+
+    spec, par, wl = api.resolve(toy(), framework="hf", micro_batch_size=2, seq_len=128,
+                                precision="fp32", recompute="full", lora_rank=8,
+                                lora_targets="all-linear")
+    assert rerun_pending_bytes(spec, Dims.of(spec, par, wl)) == 262_144
+    assert rerun_stop_bytes(spec, Dims.of(spec, par, wl)) == 0
+    # bf16 with dropout: the product (256 x 896 x 2 = 458,752) and its fp32 cast (917,504)
+    spec, par, wl = api.resolve(toy(), framework="hf", micro_batch_size=2, seq_len=128,
+                                precision="bf16-pure", recompute="full", lora_rank=8,
+                                lora_targets="all-linear", lora_dropout=0.1)
+    assert rerun_stop_bytes(spec, Dims.of(spec, par, wl)) == 458_752 + 917_504
     # q and v only: the down projection has no adapter, no adapter gradient waits
     spec, par, wl = api.resolve(toy(), framework="hf", micro_batch_size=2, seq_len=128,
                                 precision="bf16-pure", recompute="full", lora_rank=8)
