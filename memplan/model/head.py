@@ -98,8 +98,8 @@ def lora_forward_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     head = head_linear(spec, dm.tp)
     rows = dm.linear_rows * spec.hidden_size
     hidden = 0 if norm.output_kept("final_norm", dm) else rows * dm.stream_e
-    cast = (rows * lin.ADAPTER_BYTES if dm.adapters.dropout > 0
-            and dm.stream_e < lin.ADAPTER_BYTES else 0)
+    ad_b = dm.adapters.weight_bytes
+    cast = rows * ad_b if dm.adapters.dropout > 0 and dm.stream_e < ad_b else 0
     return (hidden + cast + dm.tokens * dm.vocab_shard * dm.e
             + lin.adapter_forward_bytes(head, dm))
 
@@ -113,7 +113,7 @@ def lora_backward_bytes(spec: ModelSpec, dm: Dims) -> int:
     gradient beside the adapter's (waiting to be summed). 0 when not adapted."""
     if not head_adapted(spec, dm):
         return 0
-    low = lin.ADAPTER_BYTES if not dm.autocast else dm.e
+    low = dm.adapters.weight_bytes if not dm.autocast else dm.e
     logits = dm.tokens * dm.vocab_shard
     grad_in = dm.rows * spec.hidden_size * dm.e
     adapter = logits * (dm.e + 2 * low)

@@ -428,12 +428,18 @@ def by_block(moments: list[ForwardMoment],
     run (what a per-module mechanism pairs with its bytes at that block: ZeRO-3's gathered
     weights, ``memplan.model.sharding.DataParallel.layer_forward``). With ``steps`` (the
     checkpointed MLP's working set by module, ``mlp_steps``) the MLP's one moment is given
-    as those, each ``mlp.<step>``: its alive bytes beside each step's transient."""
+    as those, each ``mlp.<step>``: its alive bytes beside each step's transient. LoRA's
+    adapter sum of the MLP (``mlp_lora``, ``mlp._frozen_forward``) is given apart, as
+    ``mlp.lora``: it runs outside every module of its own (peft's ``Linear.forward`` adds
+    ``lora_B(...) * scaling`` after ``lora_B`` returned)."""
     out: dict[str, int] = {}
     for m in moments:
         if steps and m.block == "mlp":
             base = m.alive_bytes + m.transient_bytes - max(t for _, t in steps)
             out.update((f"mlp.{name}", base + t) for name, t in steps)
+            continue
+        if m.name == "mlp_lora" and not steps:
+            out["mlp.lora"] = m.alive_bytes + m.transient_bytes
             continue
         out[m.block] = max(out.get(m.block, 0), m.alive_bytes + m.transient_bytes)
     return tuple(out.items())

@@ -14,7 +14,7 @@ from itertools import accumulate
 from typing import NamedTuple
 
 from memplan.model import step_in_backward
-from memplan.model.adapters import ADAPTER_BYTES
+from memplan.model.adapters import adapter_bytes, adapter_policy
 from memplan.model import linear, te_fp8
 from memplan.model.attention import attention_linears, rope_buffer_bytes, windowed
 from memplan.model.dims import Dims, exact_ratio
@@ -227,10 +227,10 @@ def _float8_saving(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> int:
 def _data_parallel(shard: ShardingBuffers, params: StageParams, st: StateBytes, wl: Workload,
                    trainable: TrainablePolicy) -> DataParallel:
     """The stage's data-parallel mechanism as its backward walk sees it: with LoRA only the
-    adapters have gradients, fp32 (``memplan.model.adapters``)."""
+    adapters have gradients, in their dtype (``memplan.model.adapters.adapter_policy``)."""
     if trainable.adapters:
         return data_parallel(shard, sum(trainable.adapters), st.grads_bytes,
-                             Precision.FP32.policy)
+                             adapter_policy(wl))
     return data_parallel(shard, params.total, st.grads_bytes, wl.precision.policy)._replace(
         fresh_only=bool(shard.bucket_bytes) or wl.optimizer_in_backward)
 
@@ -286,8 +286,8 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
         first_step=(flat_partition_step(at_step, opt_temp, st.num_optimizer_params * FP32_BYTES,
                                         buffers, True, shard.bucket_resident, buckets)
                     if wl.flat_partition and not optimizer_on_host(par) else None),
-        # frozen weights make no gradient: only the adapters accumulate, in fp32
-        accum_bytes=(sum(trainable.adapters) * ADAPTER_BYTES if trainable.adapters
+        # frozen weights make no gradient: only the adapters accumulate, in their dtype
+        accum_bytes=(sum(trainable.adapters) * adapter_bytes(wl) if trainable.adapters
                      else accumulator_bytes(params, wl, shard.flat_units)),
         load=load_bytes(st, buffers, trainable.quantize_bytes),
         nf4_weights=trainable.nf4_weights if trainable.quantize_bytes else ())
