@@ -415,6 +415,8 @@ class ShardingBuffers(NamedTuple):
     backward_block_bytes: int = 0
     backward_last_block_bytes: int = 0
     backward_end_bytes: int = 0
+    backward_final_norm_bytes: int | None = None  # gathered at the final norm's backward
+    #                                              (None: ``backward_head_bytes``)
     backward_head_prefetch_bytes: int = 0  # of ``backward_head_bytes``, the block the head's
     #                                        unit prefetches, gathered only after the loss's
     #                                        backward (0: gathered through it too)
@@ -658,10 +660,10 @@ def _coordinator_gathers(params: StageParams, par: ParallelConfig, wl: Workload,
     g = zero3_gathers(params.tensor_sizes, params.embedding_tensors, params.head_tensors, e)
     held = bucket_bytes(wl.zero_bucket_numel, 1, grad_bytes)
     dp = par.dense_shard_degree
-    offload = (_zero3_lora(par, wl, grad_bytes, trainable) if trainable.adapters
-               else _zero3_reduce(params, par, wl, grad_bytes, dp))
     c = zero3_coordinator(wl)
     plain_c = wl.zero3_plain_gathers or c.plain
+    offload = (_zero3_lora(params, par, wl, grad_bytes, e, trainable, plain_c)
+               if trainable.adapters else _zero3_reduce(params, par, wl, grad_bytes, dp))
     if not plain_c:  # stage3.py _post_step: the persistent parameters gathered after each step
         kept = persistent(params.tensor_sizes, c)
         offload["post_step_bytes"] = sum(params.tensor_sizes[i] for i in kept) * e
@@ -711,8 +713,8 @@ def _lora_block_gathers(params: StageParams, e: int) -> tuple[tuple[str, int], .
     return (*out.items(), ("mlp.lora", 0))
 
 
-def _zero3_lora(par: ParallelConfig, wl: Workload, grad_bytes: int,
-                trainable: TrainablePolicy) -> dict[str, Any]:
+def _zero3_lora(params: StageParams, par: ParallelConfig, wl: Workload, grad_bytes: int,
+                e: int, trainable: TrainablePolicy, plain: bool) -> dict[str, Any]:
     """The reduces of DeepSpeed's ZeRO-3 under peft's LoRA (traced,
     tests/traced/test_deepspeed_trace.py). Every module parameter is partitioned, the frozen
     base weights too (parameter_offload.py ``_convert_to_zero_parameters`` over
@@ -724,17 +726,35 @@ def _zero3_lora(par: ParallelConfig, wl: Workload, grad_bytes: int,
     gathered for it then. The adapters' gradients fill the bucket from the last layer's on;
     when all of them fit (``reduce_bucket_size`` 5e8 elements by default) the backward's
     epilogue reduces them at once (``zero3_reduces_at``: its flat copy), after the
-    embedding's place in backward. Adapters beyond one bucket, reduced inside the layers'
-    backward, are not modelled."""
+    embedding's place in backward. The head is released after its backward (its module's
+    post-backward hook, parameter_offload.py ``PostBackwardFunctionModule`` on its input's
+    gradient): the final norm's backward holds its own weight alone (``e`` bytes each).
+
+    Refused (``LayoutError``): adapters beyond one bucket (reduced inside the layers'
+    backward), and the coordinator's prefetch, reuse and persistence (``plain`` False): the
+    adapters' modules in its trace, persistent adapters gathered after each step, are not
+    modelled."""
+    if not plain:
+        raise LayoutError("DeepSpeed ZeRO-3 with LoRA and a prefetching coordinator",
+                          "--framework deepspeed --zero 3 with LoRA is modelled with the plain "
+                          "parameter coordinator (--zero3-plain-gathers: "
+                          "stage3_prefetch_bucket_size, stage3_max_reuse_distance and "
+                          "stage3_param_persistence_threshold 0); the prefetch, reuse and "
+                          "persistence over the adapters' modules (peft's lora_A/lora_B, each "
+                          "a module of the recorded trace) are not modelled")
     if sum(trainable.adapters) > wl.zero_bucket_numel:
         raise LayoutError("DeepSpeed ZeRO-3 with LoRA adapters beyond one reduce bucket",
                           f"--framework deepspeed --zero 3 with LoRA: the rank's adapters "
                           f"({sum(trainable.adapters):,} elements) exceed the reduce bucket "
                           f"({wl.zero_bucket_numel:,}); reduces inside the layers' backward "
                           f"are not modelled with adapters")
-    at = zero3_reduces_at((), (), trainable.adapters, wl.zero_bucket_numel,
-                          par.dense_shard_degree, grad_bytes, False)
-    return dict(zero3_reduces=at, partition_from=at.first_layer, layer_hooks=())
+    at = zero3_reduces_at((), tuple(() for _ in trainable.layer_adapters), trainable.adapters,
+                          wl.zero_bucket_numel, par.dense_shard_degree, grad_bytes, False)
+    # the one reduce is the epilogue's, beside the end of backward
+    norm = params.tensor_sizes[-params.head_tensors] if params.head_tensors else 0
+    return dict(zero3_reduces=at._replace(end=max(at.end, at.first)),
+                partition_from=at.first_layer, layer_hooks=(),
+                backward_final_norm_bytes=norm * e)
 
 
 def _zero3_reduce(params: StageParams, par: ParallelConfig, wl: Workload,
