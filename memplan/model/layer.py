@@ -40,7 +40,7 @@ from memplan.model.deltanet import DeltaNet, deltanet_linears
 from memplan.model.dims import FP32_BYTES, MASK_BYTES, Dims, Term, total
 from memplan.model.linear import Linear, Split, shares_input
 from memplan.model.mla import Mla, mla_linears
-from memplan.model.mlp import Mlp, mlp_linears, working_steps
+from memplan.model.mlp import Mlp, lora_working_steps, mlp_linears, working_steps
 from memplan.model.moe import MoE
 from memplan.model.short_conv import ShortConv, conv_cache_bytes, short_conv_linears
 from memplan.model.mamba import Mamba, mamba_cache_bytes, mamba_linears
@@ -419,7 +419,7 @@ def mlp_steps(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
     working_steps``); () otherwise."""
     if policy is not Recompute.FULL or moe or compiled.in_checkpoint(wl):
         return ()
-    return working_steps(spec, wl, dm)
+    return working_steps(spec, wl, dm) or lora_working_steps(spec, wl, dm)
 
 
 def by_block(moments: list[ForwardMoment],
@@ -435,7 +435,10 @@ def by_block(moments: list[ForwardMoment],
     out: dict[str, int] = {}
     for m in moments:
         if steps and m.block == "mlp":
-            base = m.alive_bytes + m.transient_bytes - max(t for _, t in steps)
+            # the moment is the MLP's working set without its adapters' sums (``_lora``
+            # steps, beyond it: mlp.lora_working_steps)
+            base = m.alive_bytes + m.transient_bytes - max(t for n, t in steps
+                                                           if not n.endswith("_lora"))
             out.update((f"mlp.{name}", base + t) for name, t in steps)
             continue
         if m.name == "mlp_lora" and not steps:

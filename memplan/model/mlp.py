@@ -271,6 +271,32 @@ def working_steps(spec: ModelSpec, wl: Workload, dm: Dims) -> tuple[tuple[str, i
             ("down", inner + stream))
 
 
+def lora_working_steps(spec: ModelSpec, wl: Workload, dm: Dims) -> tuple[tuple[str, int], ...]:
+    """``working_steps`` of a gated MLP whose projections carry LoRA adapters (traced under
+    DeepSpeed's ZeRO-3, tests/traced/test_deepspeed_trace.py): each adapted projection's
+    base output, then its adapter's sum (``<name>_lora``: peft's ``Linear.forward``,
+    ``result + lora_B(lora_A(x)) * scaling``: the base output, ``lora_B``'s and the scaled
+    copy, ``linear.adapter_forward_bytes``) beside what the step before left alive. () where
+    the MLP is not a gated one of three plain projections or none is adapted."""
+    linears = mlp_linears(spec, spec.ffn_hidden_size)
+    ad = dm.adapters
+    if (ad is None or not spec.mlp.gated or spec.fused_gate_up or wl.compile
+            or wl.mlp_impl is not MlpImpl.GENERIC or len(linears) != 3
+            or not any(ad.adapts(lin) for lin in linears)):
+        return ()
+    gate, up, down = linears
+    stream = dm.rows * spec.hidden_size * dm.e
+    inner = dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
+
+    def lora(lin: Linear, name: str, before: int) -> tuple[tuple[str, int], ...]:
+        return (((f"{name}_lora", before + linear.adapter_forward_bytes(lin, dm)),)
+                if ad.adapts(lin) else ())
+
+    return (("gate", inner), *lora(gate, "gate", inner), ("act", 2 * inner), ("up", 2 * inner),
+            *lora(up, "up", 2 * inner), ("prod", 3 * inner), ("down", inner + stream),
+            *lora(down, "down", inner + stream))
+
+
 def _working_bytes(spec: ModelSpec, stream: int, inner: int) -> int:
     """The most a checkpointed MLP holds at once (nothing saved). One fused gate/up
     projection (Phi3MLP.forward: ``gate, up_states = gate_up_proj(x).chunk(2)``, then

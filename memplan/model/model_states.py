@@ -686,6 +686,11 @@ def _coordinator_gathers(params: StageParams, par: ParallelConfig, wl: Workload,
     if recomputed:
         plain = _replayed(coordinator_positions(params, wl, c, dp, e, False), held)._replace(
             **offload, **end)
+        if trainable.adapters and plain.forward_block_gathers:
+            # an adapter's sum runs between modules: nothing gathered by the plain coordinator
+            plain = plain._replace(forward_block_gathers=(
+                *plain.forward_block_gathers,
+                *((f"mlp.{n}_lora", 0) for n in ("gate", "up", "down"))))
     if plain_c:
         return plain
     return _replayed(coordinator_positions(params, wl, c, dp, e), held)._replace(
