@@ -742,14 +742,15 @@ def _zero3_lora(params: StageParams, par: ParallelConfig, wl: Workload, grad_byt
     if not plain:
         raise LayoutError("DeepSpeed ZeRO-3 with LoRA and a prefetching coordinator",
                           "--framework deepspeed --zero 3 with LoRA is modelled with the plain "
-                          "parameter coordinator (--zero3-plain-gathers: "
+                          "parameter coordinator (a --deepspeed-config with "
                           "stage3_prefetch_bucket_size, stage3_max_reuse_distance and "
                           "stage3_param_persistence_threshold 0); the prefetch, reuse and "
                           "persistence over the adapters' modules (peft's lora_A/lora_B, each "
-                          "a module of the recorded trace) are not modelled")
+                          "a module of the recorded trace, each adapter persistent under the "
+                          "default threshold) are not modelled")
     if sum(trainable.adapters) > wl.zero_bucket_numel:
         raise LayoutError("DeepSpeed ZeRO-3 with LoRA adapters beyond one reduce bucket",
-                          f"--framework deepspeed --zero 3 with LoRA: the rank's adapters "
+                          f"--framework deepspeed --zero 3 with LoRA: the adapters' gradients "
                           f"({sum(trainable.adapters):,} elements) exceed the reduce bucket "
                           f"({wl.zero_bucket_numel:,}); reduces inside the layers' backward "
                           f"are not modelled with adapters")
