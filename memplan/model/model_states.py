@@ -678,23 +678,52 @@ def _coordinator_gathers(params: StageParams, par: ParallelConfig, wl: Workload,
     if plain_c and not recomputed:
         return (plain._replace(forward_block_gathers=_lora_block_gathers(params, e))
                 if trainable.adapters else plain)
-    # a frozen embedding runs no backward (LoRA): nothing gathered for it then
-    end = {"backward_end_bytes": 0} if trainable.adapters else {}
     # step 1 records the module trace (each module for its own run: ``plain``, or with
     # recomputation the replay's, which holds the weights a recomputation saved); from step
     # 2 on the coordinator prefetches, keeps and persists by it
     if recomputed:
         plain = _replayed(coordinator_positions(params, wl, c, dp, e, False), held)._replace(
-            **offload, **end)
-        if trainable.adapters and plain.forward_block_gathers:
-            # an adapter's sum runs between modules: nothing gathered by the plain coordinator
+            **offload)
+        if trainable.adapters:
+            # a frozen embedding runs no backward without checkpointing; with it (peft's
+            # enable_input_require_grads) it does; an adapter's sum runs between modules:
+            # nothing gathered there by the plain coordinator
             plain = plain._replace(forward_block_gathers=(
                 *plain.forward_block_gathers,
                 *((f"mlp.{n}_lora", 0) for n in ("gate", "up", "down"))))
+    elif trainable.adapters:
+        plain = plain._replace(forward_block_gathers=_lora_block_gathers(params, e))
     if plain_c:
         return plain
+    if trainable.adapters:
+        return _lora_replayed(params, wl, c, dp, e, held, trainable, offload, plain)
     return _replayed(coordinator_positions(params, wl, c, dp, e), held)._replace(
-        first_step=plain, **offload, **end)
+        first_step=plain, **offload)
+
+
+def _lora_replayed(params: StageParams, wl: Workload, c: Any, dp: int, e: int, held: int,
+                   trainable: TrainablePolicy, offload: dict[str, Any],
+                   step1: ShardingBuffers) -> ShardingBuffers:
+    """DeepSpeed's ZeRO-3 coordinator from step 2 on, replayed over a peft-wrapped Llama
+    (``deepspeed_coordinator.llama_lora_trace``: each adapter a module of the recorded trace,
+    each at most ``stage3_param_persistence_threshold`` elements persistent, the frozen
+    weights a checkpoint's recomputation gathers released with the backward module it runs
+    under; replayed exactly, tests/traced/test_deepspeed_trace.py); step 1 (``step1``) as
+    the plain coordinator's; the persistent parameters gathered after each step."""
+    from memplan.model.adapters import adapters_of
+    from memplan.model.deepspeed_coordinator import LLAMA_PROJECTIONS, lora_positions
+
+    ad = adapters_of(wl)
+    adapted = tuple(ad is not None and name in ad.targets for name in LLAMA_PROJECTIONS)
+    replayed = lora_positions(params, wl, c, dp, e, adapted, trainable.adapters)
+    if replayed is None:
+        raise LayoutError("DeepSpeed ZeRO-3 with LoRA on other than Llama layers",
+                          "--framework deepspeed --zero 3 with LoRA: the coordinator's module "
+                          "trace with adapters is modelled for Llama layers (norms, q, k, v, "
+                          "o, gate, up, down)")
+    steady, kept = replayed
+    return _replayed(steady, held)._replace(
+        first_step=step1._replace(post_step_bytes=kept), **{**offload, "post_step_bytes": kept})
 
 
 def _lora_block_gathers(params: StageParams, e: int) -> tuple[tuple[str, int], ...]:
@@ -739,15 +768,6 @@ def _zero3_lora(params: StageParams, par: ParallelConfig, wl: Workload, grad_byt
     backward), and the coordinator's prefetch, reuse and persistence (``plain`` False): the
     adapters' modules in its trace, persistent adapters gathered after each step, are not
     modelled."""
-    if not plain:
-        raise LayoutError("DeepSpeed ZeRO-3 with LoRA and a prefetching coordinator",
-                          "--framework deepspeed --zero 3 with LoRA is modelled with the plain "
-                          "parameter coordinator (a --deepspeed-config with "
-                          "stage3_prefetch_bucket_size, stage3_max_reuse_distance and "
-                          "stage3_param_persistence_threshold 0); the prefetch, reuse and "
-                          "persistence over the adapters' modules (peft's lora_A/lora_B, each "
-                          "a module of the recorded trace, each adapter persistent under the "
-                          "default threshold) are not modelled")
     if sum(trainable.adapters) > wl.zero_bucket_numel:
         raise LayoutError("DeepSpeed ZeRO-3 with LoRA adapters beyond one reduce bucket",
                           f"--framework deepspeed --zero 3 with LoRA: the adapters' gradients "

@@ -153,13 +153,16 @@ def optimizer_step(st: StateBytes, temp: int, buckets: int, buffers: int,
 
 
 def flat_partition_step(st: StateBytes, temp: int, upcast: int, buffers: int,
-                        first: bool, kept: bool = False, buckets: int = 0) -> Segment:
+                        first: bool, kept: bool = False, buckets: int = 0,
+                        after: int = 0) -> Segment:
     """DeepSpeed's ZeRO-2 step (``memplan.model.deepspeed_zero``) in its order: the gradient
     partition flattened and upcast beside it (``temp``: the flat copy and the fp32 gradient),
     then the partition freed, the optimizer's states made in step 1 (lazily, by the
     optimizer's first step), and the optimizer's update beside the fp32 gradient
     (``upcast``). ZeRO-3 (``kept``: the gradient partition kept through the step, stage3.py
-    ``grad_partitions_flat_buffer``; ``buckets`` its reduce bucket): nothing freed."""
+    ``grad_partitions_flat_buffer``; ``buckets`` its reduce bucket): nothing freed; the
+    persistent parameters gathered after the step (``after``: stage3.py ``_post_step``, as in
+    ``optimizer_step``), the step's temporaries freed."""
     states = st.optimizer_bytes - st.master_bytes if first else 0
     return Segment((Event("weights", st.params_bytes, None),
                     Event("gradients", st.grads_bytes, None),
@@ -169,7 +172,8 @@ def flat_partition_step(st: StateBytes, temp: int, upcast: int, buffers: int,
                     Event("optimizer.flatten", 0, temp),
                     Event("gradients.freed", 0 if kept else -st.grads_bytes, None),
                     Event("optimizer.first_states", states, None),
-                    Event("optimizer.step", 0, upcast)))
+                    Event("optimizer.step", 0, upcast),
+                    Event("optimizer.post_step", 0, after)))
 
 
 @lru_cache(maxsize=16384)
@@ -284,7 +288,8 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
                             buckets + (shard.gathered_at_loss_bytes if shard.queued_whole else 0),
                             buffers, shard.post_step_bytes),
         first_step=(flat_partition_step(at_step, opt_temp, st.num_optimizer_params * FP32_BYTES,
-                                        buffers, True, shard.bucket_resident, buckets)
+                                        buffers, True, shard.bucket_resident, buckets,
+                                        (shard.first_step or shard).post_step_bytes)
                     if wl.flat_partition and not optimizer_on_host(par) else None),
         # frozen weights make no gradient: only the adapters accumulate, in their dtype
         accum_bytes=(sum(trainable.adapters) * adapter_bytes(wl) if trainable.adapters

@@ -750,17 +750,15 @@ def test_lora_adapters_in_the_models_dtype() -> None:
     (dict(zero=2, lora_targets="all-linear,output"), "output projection"),
     (dict(zero=1), "stage 1"),
     (dict(zero=2, offload="optimizer"), "offload"),
-    (dict(zero=3), "plain parameter coordinator"),
     (dict(zero=3, zero3_plain_gathers=True, zero_bucket_numel=1_000_000),
      "exceed the reduce bucket"),
     (dict(zero=2, optimizer="adamw8bit"), "optimizer other than AdamW"),
 ])
 def test_lora_refusals(extra: dict, match: str) -> None:
     """What of LoRA under DeepSpeed is not traced is refused with one line naming it: a
-    quantized base, the head's adapter, stage 1, offload, the default (prefetching) ZeRO-3
-    coordinator, adapters beyond one reduce bucket (19,988,480 elements of gradients > 1e6),
-    and
-    an optimizer other than AdamW."""
+    quantized base, the head's adapter, stage 1, offload, adapters beyond one reduce bucket
+    at stage 3 (19,988,480 elements of gradients > 1e6), and an optimizer other than
+    AdamW."""
     args = {**_LORA_7B, **extra}
     with pytest.raises(MemplanError, match=match):
         api.estimate("llama-2-7b", **args)
