@@ -662,7 +662,7 @@ def _coordinator_gathers(params: StageParams, par: ParallelConfig, wl: Workload,
     dp = par.dense_shard_degree
     c = zero3_coordinator(wl)
     plain_c = wl.zero3_plain_gathers or c.plain
-    offload = (_zero3_lora(params, par, wl, grad_bytes, e, trainable, plain_c)
+    offload = (_zero3_lora(params, par, wl, grad_bytes, e, trainable)
                if trainable.adapters else _zero3_reduce(params, par, wl, grad_bytes, dp))
     if not plain_c:  # stage3.py _post_step: the persistent parameters gathered after each step
         kept = persistent(params.tensor_sizes, c)
@@ -748,15 +748,16 @@ def _lora_block_gathers(params: StageParams, e: int) -> tuple[tuple[str, int], .
 
 
 def _zero3_lora(params: StageParams, par: ParallelConfig, wl: Workload, grad_bytes: int,
-                e: int, trainable: TrainablePolicy, plain: bool) -> dict[str, Any]:
+                e: int, trainable: TrainablePolicy) -> dict[str, Any]:
     """The reduces of DeepSpeed's ZeRO-3 under peft's LoRA (traced,
     tests/traced/test_deepspeed_trace.py). Every module parameter is partitioned, the frozen
     base weights too (parameter_offload.py ``_convert_to_zero_parameters`` over
     ``module.parameters()``), and the coordinator gathers each module's own before it runs,
     the base linears' as without LoRA; the gradient hooks, the gradient partitions and the
-    fp32 partitions are the adapters' alone (stage3.py ``create_reduce_and_remove_grad_hooks``: parameters
-    that require grad; the optimizer's groups, the Trainer's, hold no other). The frozen
-    embedding makes no gradient and its output none: it runs no backward, nothing is
+    fp32 partitions are the adapters' alone (stage3.py
+    ``create_reduce_and_remove_grad_hooks``: parameters that require grad; the optimizer's
+    groups, the Trainer's, hold no other). The frozen embedding makes no gradient; without
+    checkpointing its output needs none either, so it runs no backward and nothing is
     gathered for it then. The adapters' gradients fill the bucket from the last layer's on;
     when all of them fit (``reduce_bucket_size`` 5e8 elements by default) the backward's
     epilogue reduces them at once (``zero3_reduces_at``: its flat copy), after the
@@ -765,9 +766,7 @@ def _zero3_lora(params: StageParams, par: ParallelConfig, wl: Workload, grad_byt
     gradient): the final norm's backward holds its own weight alone (``e`` bytes each).
 
     Refused (``LayoutError``): adapters beyond one bucket (reduced inside the layers'
-    backward), and the coordinator's prefetch, reuse and persistence (``plain`` False): the
-    adapters' modules in its trace, persistent adapters gathered after each step, are not
-    modelled."""
+    backward, not traced)."""
     if sum(trainable.adapters) > wl.zero_bucket_numel:
         raise LayoutError("DeepSpeed ZeRO-3 with LoRA adapters beyond one reduce bucket",
                           f"--framework deepspeed --zero 3 with LoRA: the adapters' gradients "
