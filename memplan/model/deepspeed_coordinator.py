@@ -555,6 +555,99 @@ def lora_layer_sizes(layer: tuple[int, ...], adapters: tuple[tuple[int, int] | N
     return tuple(out)
 
 
+def _lora_index(start: int, adapted: tuple[bool, ...]) -> dict[str, list[int]]:
+    """A peft-wrapped Llama layer's tensors from ``start``: each projection's (its base, and
+    lora_A, lora_B where adapted) and the norms', in ``lora_layer_sizes``' order."""
+    ids, k = {"norm": [start]}, start + 1
+    for j, name in enumerate(LLAMA_PROJECTIONS):
+        if name == "gate":
+            ids["norm2"] = [k]
+            k += 1
+        n = 3 if adapted[j] else 1
+        ids[name] = list(range(k, k + n))
+        k += n
+    return ids
+
+
+def _lora_forward(ids: dict[str, list[int]], steps: list[tuple[str, int, bool]] | None
+                  ) -> tuple[list[Use], list[int]]:
+    """A peft-wrapped Llama layer's forward runs and the block of each; ``steps`` (when
+    given) gets the MLP's steps at them (``Trace.mlp_steps``: the base projections' runs, the
+    adapters' sums after their lora_B, the activation, the product)."""
+    out: list[tuple[int, int]] = [(-1, 0), (ids["norm"][0], 0), (-1, 0)]
+
+    def step(name: str, at: bool) -> None:
+        if steps is not None:
+            steps.append((name, len(out) - 1, at))
+
+    def proj(name: str, b: int) -> None:
+        t = ids[name]
+        if len(t) == 1:
+            out.append((t[0], b))
+            if b == 3:
+                step(name, True)
+            return
+        out.extend([(-1, b), (t[0], b)])
+        if b == 3:
+            step(name, True)
+        out.extend([(-1, b), (t[1], b), (t[2], b)])
+        if b == 3:
+            step(f"{name}_lora", False)
+
+    for name in ("q", "k", "v", "o"):
+        proj(name, 1)
+    out += [(ids["norm2"][0], 2), (-1, 2)]
+    proj("gate", 3)
+    out.append((-1, 3))
+    step("act", True)
+    proj("up", 3)
+    step("prod", False)  # the product after the up projection's (its adapter's) release
+    if len(ids["up"]) == 3:
+        step("lora", False)  # the up projection's adapter sum (layer.by_block's mlp.lora)
+    proj("down", 3)
+    return [Use(p, True) for p, _ in out], [b for _, b in out]
+
+
+def _lora_backward(ids: dict[str, list[int]], first: bool) -> list[Use]:
+    """A peft-wrapped Llama layer's backward runs; ``first``: its input needs no gradient
+    (the input norm and the q, k, v bases and dropouts run no backward)."""
+    out = [-1, -1]
+
+    def proj(name: str) -> None:
+        t, skip = ids[name], first and name in ("q", "k", "v")
+        if len(t) == 3:
+            out.extend([-1, t[2], t[1]])
+        if not skip:
+            out.extend([-1, t[0]] if len(t) == 3 else [t[0]])
+
+    proj("down")
+    proj("up")
+    out.append(-1)
+    proj("gate")
+    out += [ids["norm2"][0], -1]
+    for name in ("o", "v", "k", "q"):
+        proj(name)
+    if not first:
+        out.append(ids["norm"][0])
+    return [Use(p, False) for p in out]
+
+
+def _lora_recomputed(ids: dict[str, list[int]], back: list[Use]) -> list[Use]:
+    """``back`` with the layer's recomputation, after the down projection's lora_B hook (its
+    base's where not adapted), the frozen weights it gathers released with that module
+    (``Use.with_frozen``) and not after their own runs."""
+    trainable = {t for name, t_ids in ids.items() if name not in ("norm", "norm2")
+                 for t in t_ids[1:]}
+    mlp = {ids[name][0] for name in ("gate", "up", "down")}
+    again = [u._replace(recompute=True) for u in _lora_forward(ids, None)[0]]
+    frozen = tuple(dict.fromkeys(u.param for u in again if u.param in mlp))
+    again = [u._replace(release=u.param < 0 or u.param in trainable) for u in again]
+    cut = 4 if len(ids["down"]) == 3 else 3
+    first = back[cut - 1]
+    return (back[:cut - 1] + [first._replace(release=False)] + again
+            + [first._replace(fetch=False, with_frozen=frozen)] + back[cut:])
+
+
 def llama_lora_trace(num_tensors: int, embedding_tensors: int, layers: int,
                      adapted: tuple[bool, ...], head_tensors: int,
                      recomputed: tuple[bool, ...] = (), tied: bool = False) -> Trace:
@@ -568,8 +661,10 @@ def llama_lora_trace(num_tensors: int, embedding_tensors: int, layers: int,
     the base and dropout of the projections reading it (q, k, v) run no backward, nor does
     the embedding; with it (peft's ``enable_input_require_grads``) every module does, and a
     layer's recomputation follows the down projection's ``lora_B`` hook (its release after
-    it). Tensors: the embedding's, each layer's (``lora_layer_sizes``), the final norm's and
-    the head's (``head_tensors``)."""
+    it; the frozen MLP weights it gathers are released with that module,
+    partitioned_param_coordinator.py ``update_recompute_parameters``, the attention's at their
+    own backward: traced). Tensors: the embedding's, each layer's (``lora_layer_sizes``), the
+    final norm's and the head's (``head_tensors``)."""
     per = 9 + 2 * sum(adapted)
     uses: list[Use] = []
     where: list[str | int] = []
@@ -581,85 +676,13 @@ def llama_lora_trace(num_tensors: int, embedding_tensors: int, layers: int,
         where.extend([at] * len(items))
         block.extend(blocks if blocks is not None else [-1] * len(items))
 
-    def index(start: int) -> dict[str, list[int]]:
-        """Each projection's tensors (base, A, B) and the norms', in the layer's order."""
-        ids, k = {"norm": [start]}, start + 1
-        for j, name in enumerate(LLAMA_PROJECTIONS):
-            if name == "gate":
-                ids["norm2"] = [k]
-                k += 1
-            n = 3 if adapted[j] else 1
-            ids[name] = list(range(k, k + n))
-            k += n
-        return ids
-
-    def forward(start: int, record: bool) -> tuple[list[Use], list[int]]:
-        ids = index(start)
-        out: list[tuple[int, int]] = [(-1, 0), (ids["norm"][0], 0), (-1, 0)]
-
-        def proj(name: str, b: int) -> None:
-            t = ids[name]
-            if len(t) == 1:
-                out.append((t[0], b))
-                if record:
-                    steps.append((name, len(out) - 1, True))
-                return
-            out.extend([(-1, b), (t[0], b)])
-            if record and b == 3:
-                steps.append((name, len(out) - 1, True))
-            out.extend([(-1, b), (t[1], b), (t[2], b)])
-            if record and b == 3:
-                steps.append((f"{name}_lora", len(out) - 1, False))
-
-        for name in ("q", "k", "v", "o"):
-            proj(name, 1)
-        out += [(ids["norm2"][0], 2), (-1, 2)]
-        proj("gate", 3)
-        out.append((-1, 3))
-        if record:
-            steps.append(("act", len(out) - 1, True))
-        proj("up", 3)
-        if record:  # the product after the up projection's (its adapter's) release
-            steps.append(("prod", steps[-1][1], False))
-            if adapted[LLAMA_PROJECTIONS.index("up")]:
-                steps.append(("lora", steps[-1][1], False))
-        proj("down", 3)
-        return [Use(p, True) for p, _ in out], [b for _, b in out]
-
-    def backward(start: int, first: bool) -> list[Use]:
-        ids = index(start)
-        out = [-1, -1]
-
-        def proj(name: str) -> None:
-            t = ids[name]
-            if len(t) == 1:
-                if not (first and name in ("q", "k", "v")):
-                    out.append(t[0])
-                return
-            out.extend([-1, t[2], t[1]])
-            if not (first and name in ("q", "k", "v")):
-                out.extend([-1, t[0]])
-
-        proj("down")
-        proj("up")
-        out.append(-1)
-        proj("gate")
-        out += [ids["norm2"][0], -1]
-        for name in ("o", "v", "k", "q"):
-            proj(name)
-        if not first:
-            out.append(ids["norm"][0])
-        return [Use(p, False) for p in out]
-
-    starts = [embedding_tensors + i * per for i in range(layers)]
-    trainable = {t for start in starts for name, ids in index(start).items()
-                 if name not in ("norm", "norm2") for t in ids[1:]}
+    ids = [_lora_index(embedding_tensors + i * per, adapted) for i in range(layers)]
     head = list(range(embedding_tensors + layers * per, num_tensors))
     proj_head = head.pop() if not tied else 0
     add([Use(-1, True)] * 3 + [Use(i, True) for i in range(embedding_tensors)]
         + [Use(-1, True)], "forward")
-    for i, start in enumerate(starts):
-        items, blocks = forward(start, i == 0)
+    for i in range(layers):
+        items, blocks = _lora_forward(ids[i], steps if i == 0 else None)
         add(items, "layer", blocks)
     add([Use(i, True) for i in head] + [Use(proj_head, True)], "head")
     add([Use(-1, False)] * 2, "loss")
@@ -667,23 +690,13 @@ def llama_lora_trace(num_tensors: int, embedding_tensors: int, layers: int,
         "head_backward")
     grads_in = any(recomputed)
     for i in reversed(range(layers)):
-        back = backward(starts[i], i == 0 and not grads_in)
-        if i < len(recomputed) and recomputed[i]:
-            again = [u._replace(recompute=True) for u in forward(starts[i], False)[0]]
-            cut = 4 if adapted[LLAMA_PROJECTIONS.index("down")] else 3
-            first_use = back[cut - 1]
-            # the frozen weights the recomputation gathers are released with the backward
-            # module it runs under (the down projection's lora_B)
-            mlp_frozen = {t for name in ("gate", "up", "down")
-                          for t in index(starts[i])[name][:1]}
-            frozen = tuple(dict.fromkeys(u.param for u in again if u.param in mlp_frozen))
-            again = [u._replace(release=u.param < 0 or u.param in trainable) for u in again]
-            back = (back[:cut - 1] + [first_use._replace(release=False)] + again
-                    + [first_use._replace(fetch=False, with_frozen=frozen)] + back[cut:])
-        add(back, i)
+        back = _lora_backward(ids[i], i == 0 and not grads_in)
+        add(_lora_recomputed(ids[i], back) if i < len(recomputed) and recomputed[i] else back,
+            i)
     if grads_in:
         add([Use(i, False) for i in reversed(range(embedding_tensors))], "embedding_backward")
-    return Trace(tuple(uses), tuple(where), tuple(block), layer_runs=len(forward(0, False)[0]),
+    return Trace(tuple(uses), tuple(where), tuple(block),
+                 layer_runs=len(_lora_forward(ids[0], None)[0]) if ids else 0,
                  mlp_steps=tuple(steps))
 
 
