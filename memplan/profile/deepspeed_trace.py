@@ -21,7 +21,12 @@ phase the rank's gradient partition (the gradients of ``params_in_partition``, v
 ``grads_in_partition``) is counted as ``gradients``. Categories only label; the phase totals
 are every live storage.
 
-This module imports torch, transformers and deepspeed; memplan's CLI never imports it.
+Option ``lora_rank`` (and ``lora_targets``, default all-linear): peft's ``get_peft_model``
+with ``LoraConfig(r, lora_alpha=2r)`` before ``deepspeed.initialize``, the client AdamW over the
+Trainer's parameter groups (``requires_grad`` only); the frozen weights are registered as
+``parameters`` (ZeRO-3: their ``ds_tensor`` partitions).
+
+This module imports torch, transformers, peft and deepspeed; memplan's CLI never imports it.
 """
 
 from __future__ import annotations
