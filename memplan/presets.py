@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 from memplan.errors import LayoutError
 from memplan.spec import ModelSpec, NormKind
-from memplan.workload import Framework, FsdpUnits, LogitsHeld, Recompute, Workload
+from memplan.workload import LORA_HEAD, Framework, FsdpUnits, LogitsHeld, Recompute, Workload
 
 
 class Default(NamedTuple):
@@ -60,7 +60,8 @@ class Mechanism(Enum):
 # The settings (Workload or ParallelConfig fields) of each mechanism: a preset selects a
 # mechanism by setting some of them.
 SETTINGS: dict[Mechanism, frozenset[str]] = {
-    Mechanism.OPTIMIZER: frozenset({"optimizer_impl", "flat_partition"}),
+    Mechanism.OPTIMIZER: frozenset({"optimizer_impl", "flat_partition",
+                                    "adapters_in_model_dtype"}),
     Mechanism.KERNELS: frozenset({"norm_impl", "softmax_fp32", "moe_impl", "window_mask",
                                   "attn_weights_held", "mask_per_sequence",
                                   "kv_cache", "fused_qkv", "rope_cache", "attention_impl",
@@ -391,6 +392,12 @@ PRESETS[Framework.DEEPSPEED] = (
                     f"partition, no temporaries beyond exp_avg and exp_avg_sq (the optimizer "
                     f"'AdamW'/'Adam' of a ds_config, engine.py _configure_basic_optimizer) "
                     f"({_DEEPSPEED})"),
+            Default("adapters_in_model_dtype", True,
+                    f"runtime/engine.py DeepSpeedEngine._cast_module_mixed_precision (from "
+                    f"_configure_distributed_model, bf16 or fp16 enabled): every parameter of a "
+                    f"castable dtype, peft's fp32 adapters included, is cast to the model's "
+                    f"(p.data = p.data.to(param_dtype)); the ZeRO optimizer then keeps fp32 "
+                    f"partitions of the trainable ones ({_DEEPSPEED})"),
             Default("flat_partition", True,
                     f"runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer.__init__: the "
                     f"optimizer's params are one flat fp32 partition per group "
@@ -515,11 +522,22 @@ REFUSALS: dict[Framework, tuple[Refusal, ...]] = {
         Refusal(lambda par, wl: wl.recompute.label == "selective", "--recompute selective",
                 "transformers has no selective recompute; gradient_checkpointing_enable() "
                 "checkpoints each decoder layer, which is --recompute full"),
-        Refusal(lambda par, wl: bool(wl.lora_rank) or wl.optimizer.value != "adamw",
-                "LoRA or an optimizer other than AdamW",
-                "DeepSpeed's ZeRO-2 is traced with AdamW on every weight; adapters (fp32 "
-                "gradients in the partition) and bitsandbytes' states on its flat partition "
-                "are not"),
+        Refusal(lambda par, wl: wl.optimizer.value != "adamw",
+                "an optimizer other than AdamW",
+                "DeepSpeed's ZeRO is traced with AdamW (the Trainer's adamw_torch_fused) on "
+                "its flat fp32 partitions; bitsandbytes' states on them are not"),
+        Refusal(lambda par, wl: bool(wl.lora_rank) and (
+                    wl.base_quant.value != "none"
+                    or bool(set(wl.lora_targets or ()) & set(LORA_HEAD))
+                    or (par is not None and (int(par.zero) not in (2, 3)
+                                             or bool(par.offload)))),
+                "LoRA with a quantized base, on the output projection, at stage 1 or with "
+                "offload",
+                "DeepSpeed with peft's LoRA is traced at ZeRO-2 and ZeRO-3 with a bf16/fp16 "
+                "base and adapters on the decoder's projections (the engine casts them to the "
+                "model's dtype; only they have fp32 partitions, gradients and states; ZeRO-3 "
+                "partitions and gathers the frozen weights too); a quantized (nf4/int8) base "
+                "partitioned by ZeRO-3, the head's adapter, stage 1 and offload are not"),
         Refusal(lambda par, wl: par is not None and bool(par.offload) and not (
                     (int(par.zero) in (1, 2, 3)
                      and {o.value for o in par.offload} == {"optimizer"})

@@ -843,6 +843,11 @@ class Workload(BaseModel):
         "None: peft's default per family"))
     lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     base_quant: BaseQuant = BaseQuant.NONE
+    adapters_in_model_dtype: bool = Field(default=False, description=(
+        "the adapters peft made fp32 are cast to the model's bf16/fp16 before training "
+        "(DeepSpeed's engine.py _cast_module_mixed_precision): adapters and their gradients in "
+        "that dtype, with an fp32 master copy under a mixed precision; off: fp32 adapters "
+        "updated directly (peft's autocast_adapter_dtype)"))
 
     @field_validator("lora_targets", mode="before")
     @classmethod

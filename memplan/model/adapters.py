@@ -58,7 +58,7 @@ from __future__ import annotations
 from typing import NamedTuple, Protocol
 
 from memplan.units import FP32_BYTES, DType, ceil_div
-from memplan.workload import ALL_LINEAR, LORA_HEAD, BaseQuant, Workload
+from memplan.workload import ALL_LINEAR, LORA_HEAD, BaseQuant, Precision, PrecisionPolicy, Workload
 
 # (the projections a fused one stands for: --lora-targets names the parts)
 PARTS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
@@ -102,6 +102,9 @@ class Adapters(NamedTuple):
     # compiled layers (``Workload.compile``): the projections reading one tensor share one
     # fp32 cast of it (``linear.adapter_terms``)
     shared_casts: bool = False
+    # bytes of an adapter element: fp32 (``ADAPTER_BYTES``), or the model's dtype where the
+    # engine casts the adapters (``Workload.adapters_in_model_dtype``: DeepSpeed)
+    weight_bytes: int = ADAPTER_BYTES
 
     def adapts(self, lin: Projection) -> bool:
         """Whether ``lin`` gets an adapter: a targeted projection, or a fused one of which a
@@ -136,7 +139,14 @@ def adapters_of(wl: Workload, fused_qkv: bool = False) -> Adapters | None:
     targets = {HEAD if n in LORA_HEAD else n for n in names}
     targets |= {fused for fused, parts in PARTS.items() if targets & set(parts)}
     return Adapters(wl.lora_rank, frozenset(targets), wl.lora_dropout, wl.base_quant,
-                    wl.compile)
+                    wl.compile, adapter_bytes(wl))
+
+
+def adapter_bytes(wl: Workload) -> int:
+    """Bytes of one adapter element: the model's dtype where the engine casts the adapters
+    (``Workload.adapters_in_model_dtype``: DeepSpeed's engine.py
+    ``_cast_module_mixed_precision``), else fp32 (peft's ``autocast_adapter_dtype``)."""
+    return wl.precision.policy.param_bytes if wl.adapters_in_model_dtype else ADAPTER_BYTES
 
 
 def nf4_bytes(elements: int) -> int:
@@ -225,6 +235,19 @@ def assumptions(wl: Workload) -> tuple[str, ...]:
                                       "forward and backward; each weight quantized whole on "
                                       "the GPU at load); embedding, norms and head in "
                                       f"{wl.precision.policy.params.value}"}[wl.base_quant]
+    dtype = (f"adapters cast to {wl.precision.policy.params.value} by the engine, with fp32 "
+             f"master copies (DeepSpeed's _cast_module_mixed_precision)"
+             if wl.adapters_in_model_dtype else "adapters in fp32 (autocast_adapter_dtype)")
     return (f"LoRA rank {wl.lora_rank} on {targets}, dropout {wl.lora_dropout:g}, as peft "
-            f"builds it: adapters in fp32 (autocast_adapter_dtype), the only parameters "
+            f"builds it: {dtype}, the only parameters "
             f"with gradients and optimizer states; frozen base weights {base}",)
+
+
+def adapter_policy(wl: Workload) -> PrecisionPolicy:
+    """The precision the adapters train in: fp32, updated directly (no master copy: peft's
+    autocast_adapter_dtype); where the engine cast them to the model's dtype
+    (``Workload.adapters_in_model_dtype``: DeepSpeed) the workload's own, its gradients in
+    that dtype beside an fp32 master copy and the states (the ZeRO optimizer's fp32
+    partitions of the trainable parameters: stage3.py ``_create_fp32_partitions``,
+    stage_1_and_2.py ``single_partition_of_fp32_groups``)."""
+    return wl.precision.policy if wl.adapters_in_model_dtype else Precision.FP32.policy

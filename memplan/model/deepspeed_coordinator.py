@@ -80,6 +80,10 @@ class Use(NamedTuple):
     recompute: bool = False
     fetch: bool = True  # False: the module's release alone (its fetch came earlier)
     release: bool = True  # False: its fetch alone (released by a later use)
+    # frozen parameters a checkpoint's recomputation gathered under this module's backward,
+    # released with it (partitioned_param_coordinator.py fetch_sub_module:
+    # update_recompute_parameters, "Only frozen params need recompute attribution")
+    with_frozen: tuple[int, ...] = ()
 
 
 def persistent(sizes: tuple[int, ...], c: Coordinator) -> frozenset[int]:
@@ -131,6 +135,9 @@ def replay(sizes: tuple[int, ...], trace: tuple[Use, ...], c: Coordinator, dp: i
         if p >= 0 and use.release and _released(p, step + 1, fetches, sizes, c, keep,
                                                 fetched_for, complete):
             rank.release(p)
+        for q in use.with_frozen:
+            if q not in keep:
+                rank.release(q)
         if p >= 0 and not use.forward:
             rank.backward_done(p)
         after.append(rank.held())
@@ -282,11 +289,14 @@ class Trace(NamedTuple):
     (the root's backward hook, before the loss's backward), "head_backward", the index of
     the layer whose backward (or recomputation) it is, "embedding_backward"; in a Llama
     layer's forward the block each runs in (``block``: an index of ``LLAMA_BLOCKS``, -1
-    elsewhere)."""
+    elsewhere). ``layer_runs``: the runs of one layer's forward (0: a plain Llama layer's,
+    ``_LLAMA_LAYER``); ``mlp_steps``: the MLP's steps at those runs (``_LLAMA_MLP_STEPS``)."""
 
     uses: tuple[Use, ...]
     where: tuple[str | int, ...]
     block: tuple[int, ...] = ()
+    layer_runs: int = 0
+    mlp_steps: tuple[tuple[str, int, bool], ...] = _LLAMA_MLP_STEPS
 
 
 def llama_trace(num_tensors: int, embedding_tensors: int, layer_tensors: tuple[int, ...],
@@ -412,10 +422,10 @@ def _layer_blocks(trace: Trace, r: Replayed) -> tuple[tuple[str, int], ...]:
         return ()
     blocks = [(name, max(r.at[k] for k in runs if trace.block[k] == i))
               for i, name in enumerate(LLAMA_BLOCKS)]
-    size = len(_LLAMA_LAYER_BLOCK)
+    size = trace.layer_runs or len(_LLAMA_LAYER_BLOCK)
     layers = [runs[a:a + size] for a in range(0, len(runs), size)]
     steps = [(f"mlp.{name}", max((r.at if at else r.after)[layer[k]] for layer in layers))
-             for name, k, at in _LLAMA_MLP_STEPS]
+             for name, k, at in trace.mlp_steps]
     return tuple(blocks + steps)
 
 
@@ -522,3 +532,205 @@ def _cached_trace(*args: Any) -> Trace:
 def _cached_positions(sizes: tuple[int, ...], trace: Trace, c: Coordinator, dp: int,
                       itemsize: int, complete: bool) -> Positions:
     return positions(sizes, trace, c, dp, itemsize, complete)
+
+
+# --- peft's LoRA: each adapted projection a wrapper of four modules ----------------------------
+
+# a Llama layer's projections in memplan's tensor order, each after the block's norm
+LLAMA_PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def lora_layer_sizes(layer: tuple[int, ...], adapters: tuple[tuple[int, int] | None, ...]
+                     ) -> tuple[int, ...]:
+    """A Llama layer's 9 tensors (norm, q, k, v, o, norm, gate, up, down) with each adapted
+    projection's ``lora_A`` and ``lora_B`` (``adapters``: per projection of
+    ``LLAMA_PROJECTIONS``, their elements, or None) after its base weight."""
+    out = [layer[0]]
+    for j, name in enumerate(LLAMA_PROJECTIONS):
+        if name == "gate":
+            out.append(layer[5])
+        out.append(layer[1 + j + (1 if j >= 4 else 0)])
+        if adapters[j] is not None:
+            out += list(adapters[j])
+    return tuple(out)
+
+
+def _lora_index(start: int, adapted: tuple[bool, ...]) -> dict[str, list[int]]:
+    """A peft-wrapped Llama layer's tensors from ``start``: each projection's (its base, and
+    lora_A, lora_B where adapted) and the norms', in ``lora_layer_sizes``' order."""
+    ids, k = {"norm": [start]}, start + 1
+    for j, name in enumerate(LLAMA_PROJECTIONS):
+        if name == "gate":
+            ids["norm2"] = [k]
+            k += 1
+        n = 3 if adapted[j] else 1
+        ids[name] = list(range(k, k + n))
+        k += n
+    return ids
+
+
+def _lora_forward(ids: dict[str, list[int]], steps: list[tuple[str, int, bool]] | None
+                  ) -> tuple[list[Use], list[int]]:
+    """A peft-wrapped Llama layer's forward runs and the block of each; ``steps`` (when
+    given) gets the MLP's steps at them (``Trace.mlp_steps``: the base projections' runs, the
+    adapters' sums after their lora_B, the activation, the product)."""
+    out: list[tuple[int, int]] = [(-1, 0), (ids["norm"][0], 0), (-1, 0)]
+
+    def step(name: str, at: bool) -> None:
+        if steps is not None:
+            steps.append((name, len(out) - 1, at))
+
+    def proj(name: str, b: int) -> None:
+        t = ids[name]
+        if len(t) == 1:
+            out.append((t[0], b))
+            if b == 3:
+                step(name, True)
+            return
+        out.extend([(-1, b), (t[0], b)])
+        if b == 3:
+            step(name, True)
+        out.extend([(-1, b), (t[1], b), (t[2], b)])
+        if b == 3:
+            step(f"{name}_lora", False)
+
+    for name in ("q", "k", "v", "o"):
+        proj(name, 1)
+    out += [(ids["norm2"][0], 2), (-1, 2)]
+    proj("gate", 3)
+    out.append((-1, 3))
+    step("act", True)
+    proj("up", 3)
+    step("prod", False)  # the product after the up projection's (its adapter's) release
+    if len(ids["up"]) == 3:
+        step("lora", False)  # the up projection's adapter sum (layer.by_block's mlp.lora)
+    proj("down", 3)
+    return [Use(p, True) for p, _ in out], [b for _, b in out]
+
+
+def _lora_backward(ids: dict[str, list[int]], first: bool) -> list[Use]:
+    """A peft-wrapped Llama layer's backward runs; ``first``: its input needs no gradient
+    (the input norm and the q, k, v bases and dropouts run no backward)."""
+    out = [-1, -1]
+
+    def proj(name: str) -> None:
+        t, skip = ids[name], first and name in ("q", "k", "v")
+        if len(t) == 3:
+            out.extend([-1, t[2], t[1]])
+        if not skip:
+            out.extend([-1, t[0]] if len(t) == 3 else [t[0]])
+
+    proj("down")
+    proj("up")
+    out.append(-1)
+    proj("gate")
+    out += [ids["norm2"][0], -1]
+    for name in ("o", "v", "k", "q"):
+        proj(name)
+    if not first:
+        out.append(ids["norm"][0])
+    return [Use(p, False) for p in out]
+
+
+def _lora_recomputed(ids: dict[str, list[int]], back: list[Use]) -> list[Use]:
+    """``back`` with the layer's recomputation, after the down projection's lora_B hook (its
+    base's where not adapted), the frozen weights it gathers released with that module
+    (``Use.with_frozen``) and not after their own runs."""
+    trainable = {t for name, t_ids in ids.items() if name not in ("norm", "norm2")
+                 for t in t_ids[1:]}
+    mlp = {ids[name][0] for name in ("gate", "up", "down")}
+    again = [u._replace(recompute=True) for u in _lora_forward(ids, None)[0]]
+    frozen = tuple(dict.fromkeys(u.param for u in again if u.param in mlp))
+    again = [u._replace(release=u.param < 0 or u.param in trainable) for u in again]
+    cut = 4 if len(ids["down"]) == 3 else 3
+    first = back[cut - 1]
+    return (back[:cut - 1] + [first._replace(release=False)] + again
+            + [first._replace(fetch=False, with_frozen=frozen)] + back[cut:])
+
+
+def llama_lora_trace(num_tensors: int, embedding_tensors: int, layers: int,
+                     adapted: tuple[bool, ...], head_tensors: int,
+                     recomputed: tuple[bool, ...] = (), tied: bool = False) -> Trace:
+    """``llama_trace`` of a peft-wrapped Llama (traced, DeepSpeed 0.19.8's recorded module
+    trace on the toy): an adapted projection (``adapted``, per ``LLAMA_PROJECTIONS``) is
+    peft's ``lora.Linear`` (no parameter of its own) running ``base_layer``, ``lora_dropout``
+    (no parameter), ``lora_A``, ``lora_B`` in forward, and in backward (each module's
+    pre-backward hook) the wrapper, ``lora_B``, ``lora_A``, the dropout and ``base_layer``;
+    the root is two modules (peft's model and the transformers one). Without recompute the
+    stage's first layer's input needs no gradient (a frozen embedding): its input norm and
+    the base and dropout of the projections reading it (q, k, v) run no backward, nor does
+    the embedding; with it (peft's ``enable_input_require_grads``) every module does, and a
+    layer's recomputation follows the down projection's ``lora_B`` hook (its release after
+    it; the frozen MLP weights it gathers are released with that module,
+    partitioned_param_coordinator.py ``update_recompute_parameters``, the attention's at their
+    own backward: traced). Tensors: the embedding's, each layer's (``lora_layer_sizes``), the
+    final norm's and the head's (``head_tensors``)."""
+    per = 9 + 2 * sum(adapted)
+    uses: list[Use] = []
+    where: list[str | int] = []
+    block: list[int] = []
+    steps: list[tuple[str, int, bool]] = []
+
+    def add(items: list[Use], at: str | int, blocks: list[int] | None = None) -> None:
+        uses.extend(items)
+        where.extend([at] * len(items))
+        block.extend(blocks if blocks is not None else [-1] * len(items))
+
+    ids = [_lora_index(embedding_tensors + i * per, adapted) for i in range(layers)]
+    head = list(range(embedding_tensors + layers * per, num_tensors))
+    proj_head = head.pop() if not tied else 0
+    add([Use(-1, True)] * 3 + [Use(i, True) for i in range(embedding_tensors)]
+        + [Use(-1, True)], "forward")
+    for i in range(layers):
+        items, blocks = _lora_forward(ids[i], steps if i == 0 else None)
+        add(items, "layer", blocks)
+    add([Use(i, True) for i in head] + [Use(proj_head, True)], "head")
+    add([Use(-1, False)] * 2, "loss")
+    add([Use(proj_head, False), Use(-1, False)] + [Use(i, False) for i in head[::-1]],
+        "head_backward")
+    grads_in = any(recomputed)
+    for i in reversed(range(layers)):
+        back = _lora_backward(ids[i], i == 0 and not grads_in)
+        add(_lora_recomputed(ids[i], back) if i < len(recomputed) and recomputed[i] else back,
+            i)
+    if grads_in:
+        add([Use(i, False) for i in reversed(range(embedding_tensors))], "embedding_backward")
+    return Trace(tuple(uses), tuple(where), tuple(block),
+                 layer_runs=len(_lora_forward(ids[0], None)[0]) if ids else 0,
+                 mlp_steps=tuple(steps))
+
+
+def lora_stage_sizes(params: Any, adapted: tuple[bool, ...],
+                     adapters: tuple[int, ...]) -> tuple[int, ...] | None:
+    """A stage's parameter tensors with peft's adapters, in ``llama_lora_trace``'s order: the
+    embedding's, each Llama layer's (``lora_layer_sizes``; ``adapters``, the stage's adapter
+    tensors, lora_A then lora_B per adapted projection, layer by layer), the final norm's
+    and the head's. None where a layer is not a Llama layer of 9 tensors."""
+    counts = layer_tensor_counts(params.tensor_sizes, params.embedding_tensors, params.layers)
+    if not counts or any(n != 9 for n in counts):
+        return None
+    out = list(params.tensor_sizes[:params.embedding_tensors])
+    start, a = params.embedding_tensors, iter(adapters)
+    for _ in counts:
+        pairs = tuple((next(a), next(a)) if on else None for on in adapted)
+        out += lora_layer_sizes(params.tensor_sizes[start:start + 9], pairs)
+        start += 9
+    return (*out, *params.tensor_sizes[start:])
+
+
+def lora_positions(params: Any, wl: Any, c: Coordinator, dp: int, itemsize: int,
+                   adapted: tuple[bool, ...], adapters: tuple[int, ...],
+                   complete: bool = True) -> tuple[Positions, int] | None:
+    """``coordinator_positions`` of a peft-wrapped Llama stage (``llama_lora_trace`` over
+    ``lora_stage_sizes``), and the persistent parameters' bytes (the adapters among them);
+    None where the stage is not one of Llama layers."""
+    sizes = lora_stage_sizes(params, adapted, adapters)
+    if sizes is None:
+        return None
+    n = len(params.layers)
+    tied = (len(params.tensor_shapes[-1]) == 1 if params.tensor_shapes
+            else params.head_tensors < 2)
+    trace = llama_lora_trace(len(sizes), params.embedding_tensors, n, adapted,
+                             params.head_tensors, _recomputed(wl, n), tied)
+    kept = sum(sizes[i] for i in persistent(sizes, c)) * itemsize
+    return positions(sizes, trace, c, dp, itemsize, complete), kept

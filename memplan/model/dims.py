@@ -58,6 +58,9 @@ class Dims(NamedTuple):
     compiled: bool = False  # the layers under torch.compile (memplan.model.compiled)
     float8_gathered: bool = False  # FSDP2 gathers converted weights in float8: no weight cast
     float8_tp: bool = False  # torchao's float8 TP styles: linear inputs cast before them
+    # DeepSpeed's ZeRO-3 module hooks keep a frozen head's input (the final norm's output)
+    # alive into backward (traced under LoRA: memplan.model.norm.output_kept)
+    head_input_kept: bool = False
     ep: int = 1  # expert-parallel degree: this rank holds num_experts / ep routed experts
     # a fully recomputed layer's forward as its backward reruns it (``layer.backward_moments``):
     # what it rebuilds, not what a compiled layer without recompute saves from its forward
@@ -82,7 +85,8 @@ class Dims(NamedTuple):
                    compiled=wl.compile,
                    float8_gathered=wl.float8_all_gather and par.zero >= 3,
                    float8_tp=wl.float8 is Float8Recipe.TENSORWISE and par.tp > 1,
-                   ep=par.ep)
+                   ep=par.ep,
+                   head_input_kept=wl.flat_partition and par.zero >= 3)
 
     def experts(self) -> Dims:
         """These dims for the routed experts' projections: their inner widths split by etp.

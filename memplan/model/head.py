@@ -98,8 +98,8 @@ def lora_forward_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     head = head_linear(spec, dm.tp)
     rows = dm.linear_rows * spec.hidden_size
     hidden = 0 if norm.output_kept("final_norm", dm) else rows * dm.stream_e
-    cast = (rows * lin.ADAPTER_BYTES if dm.adapters.dropout > 0
-            and dm.stream_e < lin.ADAPTER_BYTES else 0)
+    ad_b = dm.adapters.weight_bytes
+    cast = rows * ad_b if dm.adapters.dropout > 0 and dm.stream_e < ad_b else 0
     return (hidden + cast + dm.tokens * dm.vocab_shard * dm.e
             + lin.adapter_forward_bytes(head, dm))
 
@@ -113,7 +113,7 @@ def lora_backward_bytes(spec: ModelSpec, dm: Dims) -> int:
     gradient beside the adapter's (waiting to be summed). 0 when not adapted."""
     if not head_adapted(spec, dm):
         return 0
-    low = lin.ADAPTER_BYTES if not dm.autocast else dm.e
+    low = dm.adapters.weight_bytes if not dm.autocast else dm.e
     logits = dm.tokens * dm.vocab_shard
     grad_in = dm.rows * spec.hidden_size * dm.e
     adapter = logits * (dm.e + 2 * low)
@@ -222,7 +222,9 @@ def forward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     # (a loop that computes the loss outside the model, litgpt's, holds no hidden state: the
     # model's forward returned the logits alone)
     # a frozen head (LoRA) saves no input at all: the held hidden state is alive alone
-    if (dm.autocast or dm.adapters is not None) and wl.logits_held is not LogitsHeld.STEP:
+    # (under DeepSpeed's ZeRO-3 it is kept into backward, counted as saved: head_input_kept)
+    frozen = dm.adapters is not None and not dm.head_input_kept
+    if (dm.autocast or frozen) and wl.logits_held is not LogitsHeld.STEP:
         held = (head_weight(spec, dm) * dm.e if wl.loss_checkpointed and dm.autocast
                 else dm.linear_rows * spec.hidden_size * dm.stream_e)
     if (wl.logits_held in (LogitsHeld.LOSS, LogitsHeld.OUTPUT) and not wl.loss_checkpointed
@@ -637,11 +639,13 @@ class HeadBlock(NamedTuple):
         return Event("loop.logits", self.held_logits, None)
 
     def backward_events(self, at_loss: int, at: int, beside: int,
-                        growing: bool, at_hook: int = 0) -> tuple[Event, ...]:
+                        growing: bool, at_hook: int = 0,
+                        at_norm: int | None = None) -> tuple[Event, ...]:
         """The loss beside ``at_loss`` gathered bytes, then the head projection, its fp32
-        main gradient and the final norm beside ``at`` (and ``beside`` at the final norm's
-        backward, ``at_hook`` at its weight's gradient hook: ``final_norm_hook``);
-        ``growing``: its gradients are new (else accumulated into existing ones)."""
+        main gradient and the final norm beside ``at`` (the final norm beside ``at_norm``
+        where given; and ``beside`` at the final norm's backward, ``at_hook`` at its weight's
+        gradient hook: ``final_norm_hook``); ``growing``: its gradients are new (else
+        accumulated into existing ones)."""
         if not any(self):  # no head on this stage: only what is gathered at its loss
             return (Event("loss.backward", 0, at),)
         # gradients the loss call made (new ones held from it on) and what its reduce holds
@@ -660,8 +664,10 @@ class HeadBlock(NamedTuple):
             return (*events, *released)
         # the final norm's own gradient comes after the head's; its weight's hook runs
         # after the first node of its backward, before the rest of it
-        hook = ((Event("final_norm.hook", 0, self.final_norm_hook + at_hook + at),)
+        norm_at = at if at_norm is None else at_norm
+        hook = ((Event("final_norm.hook", 0, self.final_norm_hook + at_hook + norm_at),)
                 if at_hook else ())
         return (*events, *hook, Event("final_norm.backward", 0,
-                                      self.final_norm_saved + self.final_norm_bwd + beside + at),
+                                      self.final_norm_saved + self.final_norm_bwd + beside
+                                      + norm_at),
                 *released)

@@ -40,8 +40,8 @@ from memplan.model.deltanet import DeltaNet, deltanet_linears
 from memplan.model.dims import FP32_BYTES, MASK_BYTES, Dims, Term, total
 from memplan.model.linear import Linear, Split, shares_input
 from memplan.model.mla import Mla, mla_linears
-from memplan.model.mlp import (Mlp, mlp_linears, rerun_pending_bytes, rerun_stop_bytes,
-                               working_steps)
+from memplan.model.mlp import (Mlp, lora_working_steps, mlp_linears, rerun_pending_bytes,
+                               rerun_stop_bytes, working_steps)
 from memplan.model.moe import MoE
 from memplan.model.short_conv import ShortConv, conv_cache_bytes, short_conv_linears
 from memplan.model.mamba import Mamba, mamba_cache_bytes, mamba_linears
@@ -439,7 +439,7 @@ def mlp_steps(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
     working_steps``); () otherwise."""
     if policy is not Recompute.FULL or moe or compiled.in_checkpoint(wl):
         return ()
-    return working_steps(spec, wl, dm)
+    return working_steps(spec, wl, dm) or lora_working_steps(spec, wl, dm)
 
 
 def by_block(moments: list[ForwardMoment],
@@ -448,12 +448,20 @@ def by_block(moments: list[ForwardMoment],
     run (what a per-module mechanism pairs with its bytes at that block: ZeRO-3's gathered
     weights, ``memplan.model.sharding.DataParallel.layer_forward``). With ``steps`` (the
     checkpointed MLP's working set by module, ``mlp_steps``) the MLP's one moment is given
-    as those, each ``mlp.<step>``: its alive bytes beside each step's transient."""
+    as those, each ``mlp.<step>``: its alive bytes beside each step's transient. LoRA's
+    adapter sum of the MLP (``mlp_lora``, ``mlp._frozen_forward``) is given apart, as
+    ``mlp.lora``: it runs outside every module of its own (peft's ``Linear.forward`` adds
+    ``lora_B(...) * scaling`` after ``lora_B`` returned)."""
     out: dict[str, int] = {}
     for m in moments:
         if steps and m.block == "mlp":
+            # the moment is the MLP's working set, its adapters' sums included
+            # (``mlp._lora_working_bytes``: the most of mlp.lora_working_steps' ``_lora``)
             base = m.alive_bytes + m.transient_bytes - max(t for _, t in steps)
             out.update((f"mlp.{name}", base + t) for name, t in steps)
+            continue
+        if m.name == "mlp_lora" and not steps:
+            out["mlp.lora"] = m.alive_bytes + m.transient_bytes
             continue
         out[m.block] = max(out.get(m.block, 0), m.alive_bytes + m.transient_bytes)
     return tuple(out.items())

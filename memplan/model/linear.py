@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from memplan.choices import PlainEnum
 from memplan.model import te_fp8
-from memplan.model.adapters import ADAPTER_BYTES, Adapters, torchao_dequant_bytes
+from memplan.model.adapters import Adapters, torchao_dequant_bytes
 from memplan.model.dims import MASK_BYTES, Dims, Term
 from memplan.workload import BaseQuant, Float8Recipe, TeFp8Recipe
 
@@ -396,7 +396,7 @@ def shares_input(dm: Dims) -> bool:
     (``memplan.model.adapters``)."""
     ad = dm.adapters
     return (ad is not None and ad.dropout == 0 and not dm.autocast
-            and dm.e == ADAPTER_BYTES)
+            and dm.e == ad.weight_bytes)
 
 
 def keeps_input(linears: Sequence[Linear], dm: Dims) -> bool:
@@ -424,7 +424,9 @@ def adapter_terms(prefix: str, linears: Sequence[Linear], dm: Dims) -> list[Term
     ad = dm.adapters
     if ad is None:
         return []
-    low = dm.e if dm.autocast else ADAPTER_BYTES  # autocast casts the fp32 adapters' matmuls
+    # autocast casts the fp32 adapters' matmuls; else their own dtype (fp32, or the model's
+    # where the engine cast them: Adapters.weight_bytes)
+    low = dm.e if dm.autocast else ad.weight_bytes
     rows = dm.tokens
     inputs = rank = 0
     cast: set[str] = set()  # the inputs whose cast is counted, when shared
@@ -449,7 +451,7 @@ def adapter_forward_bytes(lin: Linear, dm: Dims) -> int:
     ad = dm.adapters
     if ad is None or not ad.adapts(lin):
         return 0
-    low = dm.e if dm.autocast else ADAPTER_BYTES
+    low = dm.e if dm.autocast else ad.weight_bytes
     return 2 * dm.tokens * local_widths(lin, dm.tp)[1] * low
 
 
@@ -465,10 +467,10 @@ def adapter_checkpointed_bytes(lin: Linear, dm: Dims) -> int:
     ad = dm.adapters
     if ad is None or not ad.adapts(lin):
         return 0
-    low = dm.e if dm.autocast else ADAPTER_BYTES
+    low = dm.e if dm.autocast else ad.weight_bytes
     d_in, _ = local_widths(lin, dm.tp)
     rows = dm.tokens
-    cast = 0 if dm.autocast or dm.e == ADAPTER_BYTES else rows * d_in * ADAPTER_BYTES
+    cast = 0 if dm.autocast or dm.e == ad.weight_bytes else rows * d_in * ad.weight_bytes
     drop = rows * (d_in * (low + MASK_BYTES) + ad.rank * low) if ad.dropout > 0 else 0
     return cast + max(drop, adapter_forward_bytes(lin, dm))
 
@@ -480,7 +482,7 @@ def adapter_backward_bytes(lin: Linear, dm: Dims) -> int:
     ad = dm.adapters
     if ad is None or not ad.adapts(lin):
         return 0
-    low = dm.e if dm.autocast else ADAPTER_BYTES
+    low = dm.e if dm.autocast else ad.weight_bytes
     d_in, d_out = local_widths(lin, dm.tp)
     return dm.tokens * (d_out + ad.rank + d_in) * low
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 from functools import lru_cache
 
 from memplan.model import compiled, linear
-from memplan.model.adapters import ADAPTER_BYTES
 from memplan.model.block import BackwardMoment, Moment
 from memplan.model.norm import output_kept
 from memplan.model.dims import FP32_BYTES, MASK_BYTES, Dims, Term, residual_dropout_mask, total
@@ -272,6 +271,33 @@ def working_steps(spec: ModelSpec, wl: Workload, dm: Dims) -> tuple[tuple[str, i
             ("down", inner + stream))
 
 
+def lora_working_steps(spec: ModelSpec, wl: Workload, dm: Dims) -> tuple[tuple[str, int], ...]:
+    """``working_steps`` of a gated MLP whose projections carry LoRA adapters (traced under
+    DeepSpeed's ZeRO-3, tests/traced/test_deepspeed_trace.py): each adapted projection's
+    base output, then its adapter's sum (``<name>_lora``: peft's ``Linear.forward``,
+    ``result + lora_B(lora_A(x)) * scaling``: the base output, the adapters' cast of the
+    input, ``lora_B``'s output and the scaled copy, ``linear.adapter_checkpointed_bytes``)
+    beside what the step before left alive; their most is ``_lora_working_bytes``. () where
+    the MLP is not a gated one of three plain projections or none is adapted."""
+    linears = mlp_linears(spec, spec.ffn_hidden_size)
+    ad = dm.adapters
+    if (ad is None or not spec.mlp.gated or spec.fused_gate_up or wl.compile
+            or wl.mlp_impl is not MlpImpl.GENERIC or len(linears) != 3
+            or not any(ad.adapts(lin) for lin in linears)):
+        return ()
+    gate, up, down = linears
+    stream = dm.rows * spec.hidden_size * dm.e
+    inner = dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
+
+    def lora(lin: Linear, name: str, before: int) -> tuple[tuple[str, int], ...]:
+        return (((f"{name}_lora", before + linear.adapter_checkpointed_bytes(lin, dm)),)
+                if ad.adapts(lin) else ())
+
+    return (("gate", inner), *lora(gate, "gate", inner), ("act", 2 * inner), ("up", 2 * inner),
+            *lora(up, "up", 2 * inner), ("prod", 3 * inner), ("down", inner + stream),
+            *lora(down, "down", inner + stream))
+
+
 def _working_bytes(spec: ModelSpec, stream: int, inner: int) -> int:
     """The most a checkpointed MLP holds at once (nothing saved). One fused gate/up
     projection (Phi3MLP.forward: ``gate, up_states = gate_up_proj(x).chunk(2)``, then
@@ -320,7 +346,7 @@ def rerun_pending_bytes(spec: ModelSpec, dm: Dims) -> int:
     down = mlp_linears(spec, spec.ffn_hidden_size)[-1]
     if dm.adapters is None or not dm.adapters.adapts(down):
         return 0
-    low = dm.e if dm.autocast else ADAPTER_BYTES
+    low = dm.e if dm.autocast else dm.adapters.weight_bytes
     rows_out = dm.tokens * local_widths(down, dm.tp)[1]
     # the sum's backward hands its gradient on as it is where base and adapter share a dtype
     # (fp32 weights; autocast), and casts it for the base's where they differ
@@ -342,8 +368,8 @@ def rerun_stop_bytes(spec: ModelSpec, dm: Dims) -> int:
         return 0
     d_in, _ = local_widths(down, dm.tp)
     product = 0 if linear.keeps_input((down,), dm) else dm.tokens * d_in * dm.e
-    cast = (dm.tokens * d_in * ADAPTER_BYTES
-            if ad.dropout > 0 and not dm.autocast and dm.e != ADAPTER_BYTES else 0)
+    cast = (dm.tokens * d_in * ad.weight_bytes
+            if ad.dropout > 0 and not dm.autocast and dm.e != ad.weight_bytes else 0)
     return product + cast
 
 

@@ -16,8 +16,9 @@ from functools import lru_cache
 from itertools import accumulate
 from typing import Any, NamedTuple
 
+from memplan.errors import LayoutError
 from memplan.model import step_in_backward
-from memplan.model.adapters import ADAPTER_BYTES
+from memplan.model.adapters import ADAPTER_BYTES, adapter_bytes, adapter_policy
 from memplan.model.deepspeed_zero import (
     zero3_gathers,
     zero3_offload,
@@ -231,8 +232,8 @@ def state_bytes(params: StageParams, par: ParallelConfig, wl: Workload,
     device_only = 0  # bytes that are no parameter: the quantization state, whole on the device
     if trainable.adapters:
         params_bytes, device_only = lora_params_bytes(params, trainable, par,
-                                                      policy.param_bytes)
-        policy = Precision.FP32.policy  # the adapters train in fp32
+                                                      policy.param_bytes, adapter_bytes(wl))
+        policy = adapter_policy(wl)
     # only a per-tensor optimizer reads the updated tensors' shapes
     shapes = _updated_shapes(_shapes(trained), par) if optimizer.shaped else ()
     states = (step_in_backward.states(optimizer, policy, opt_params, shapes) if wl.optimizer_in_backward
@@ -331,19 +332,20 @@ def _zero_offload_host_bytes(opt_params: int, optimizer: Any) -> int:
 
 
 def lora_params_bytes(params: StageParams, trainable: TrainablePolicy, par: ParallelConfig,
-                      param_bytes: int) -> tuple[int, int]:
+                      param_bytes: int, adapter_b: int = ADAPTER_BYTES) -> tuple[int, int]:
     """(weights, of them the quantization state) on one rank with LoRA: the frozen base as
     stored (unquantized weights at ``param_bytes``, a quantized weight's data and its state)
-    and the fp32 adapters, which the optimizer updates directly (no master copy: peft's
-    autocast_adapter_dtype). ZeRO-3 shards the parameters (the unquantized weights, a
-    quantized weight's data, the adapters) over the DP x CP group, dense and expert apart; a
-    quantized weight's state is no parameter and stays whole (``adapters.quant_data_bytes``)."""
+    and the adapters at ``adapter_b`` bytes each (fp32: peft's autocast_adapter_dtype; the
+    model's dtype where the engine casts them, ``adapters.adapter_bytes``). ZeRO-3 shards the
+    parameters (the unquantized weights, a quantized weight's data, the adapters) over the
+    DP x CP group, dense and expert apart; a quantized weight's state is no parameter and
+    stays whole (``adapters.quant_data_bytes``)."""
     on = par.zero >= ZeroStage.PARAMETERS
     dense_d, expert_d = par.dense_shard_degree, par.expert_shard_degree
     base = (_shard(params.dense - trainable.quantized, dense_d, on) * param_bytes
             + _shard(params.expert, expert_d, on) * param_bytes
             + _shard(trainable.quant_data_bytes, dense_d, on))
-    adapters = _shard(sum(trainable.adapters), dense_d, on) * ADAPTER_BYTES
+    adapters = _shard(sum(trainable.adapters), dense_d, on) * adapter_b
     return base + adapters + trainable.quant_state_bytes, trainable.quant_state_bytes
 
 
@@ -372,7 +374,7 @@ def optimizer_step_temp_bytes(params: StageParams, st: StateBytes, par: Parallel
     one fp32 copy of the updated shard. A paged optimizer (``StateBytes.paged_bytes``) adds
     the unified-memory pages of the tensor it updates, prefetched to the device.
     """
-    policy = wl.precision.policy if not trainable.adapters else Precision.FP32.policy
+    policy = wl.precision.policy if not trainable.adapters else adapter_policy(wl)
     if optimizer_on_host(par):  # the step runs on the host
         return 0
     optimizer = optimizer_policy(wl.optimizer)
@@ -413,6 +415,8 @@ class ShardingBuffers(NamedTuple):
     backward_block_bytes: int = 0
     backward_last_block_bytes: int = 0
     backward_end_bytes: int = 0
+    backward_final_norm_bytes: int | None = None  # gathered at the final norm's backward
+    #                                              (None: ``backward_head_bytes``)
     backward_head_prefetch_bytes: int = 0  # of ``backward_head_bytes``, the block the head's
     #                                        unit prefetches, gathered only after the loss's
     #                                        backward (0: gathered through it too)
@@ -607,13 +611,24 @@ def _preallocated_buckets(params: StageParams, par: ParallelConfig, wl: Workload
     made. ZeRO-1's: ``_reduce_after_backward``; ZeRO-3's: ``_coordinator_gathers``."""
     if par.zero >= ZeroStage.PARAMETERS:
         return _coordinator_gathers(params, par, wl, wl.precision.policy.unsharded.itemsize,
-                                    grad_bytes)
+                                    grad_bytes, trainable)
     if par.zero == ZeroStage.OPTIMIZER:
         return _reduce_after_backward(params, par, wl, grad_bytes)
     held = bucket_bytes(wl.zero_bucket_numel, wl.zero_bucket_buffers, grad_bytes)
     trained = trainable.trained(params)
     partition = (_shard(trained.dense, par.dense_shard_degree, True)
                  + _shard(trained.expert, par.expert_shard_degree, True)) * grad_bytes
+    if trainable.adapters:
+        # LoRA (traced, tests/traced/test_deepspeed_trace.py): the optimizer's groups hold
+        # the adapters alone (the Trainer's, requires_grad only), so the flat buffer, the
+        # partition and the hooks are theirs; the first hook (setup_buckets) is the last
+        # layer's first adapter gradient: the frozen head and final norm make none, the
+        # bucket comes after their backward
+        start = first_reduce(0, trainable.layer_adapters, 0, wl.zero_bucket_numel)
+        return ShardingBuffers(0, 0, 0, backward_block_bytes=held,
+                               backward_last_block_bytes=held, backward_end_bytes=held,
+                               bucket_bytes=held, partition_bytes=partition,
+                               partition_from=start)
     start = first_reduce(params.head, params.layers, params.embedding, wl.zero_bucket_numel)
     resident, hooks = 0, {}
     if zero_offload(par):
@@ -635,7 +650,7 @@ def _preallocated_buckets(params: StageParams, par: ParallelConfig, wl: Workload
 
 
 def _coordinator_gathers(params: StageParams, par: ParallelConfig, wl: Workload, e: int,
-                         grad_bytes: int) -> ShardingBuffers:
+                         grad_bytes: int, trainable: TrainablePolicy = ALL) -> ShardingBuffers:
     """DeepSpeed's ZeRO-3 (``memplan.model.deepspeed_zero.zero3_gathers``): each module's own
     weights gathered while it runs, forward and backward (none at the loss: the head is
     released after its forward), the head's from its backward's start (its pre-backward hook,
@@ -645,9 +660,10 @@ def _coordinator_gathers(params: StageParams, par: ParallelConfig, wl: Workload,
     g = zero3_gathers(params.tensor_sizes, params.embedding_tensors, params.head_tensors, e)
     held = bucket_bytes(wl.zero_bucket_numel, 1, grad_bytes)
     dp = par.dense_shard_degree
-    offload = _zero3_reduce(params, par, wl, grad_bytes, dp)
     c = zero3_coordinator(wl)
     plain_c = wl.zero3_plain_gathers or c.plain
+    offload = (_zero3_lora(params, par, wl, grad_bytes, e, trainable)
+               if trainable.adapters else _zero3_reduce(params, par, wl, grad_bytes, dp))
     if not plain_c:  # stage3.py _post_step: the persistent parameters gathered after each step
         kept = persistent(params.tensor_sizes, c)
         offload["post_step_bytes"] = sum(params.tensor_sizes[i] for i in kept) * e
@@ -655,21 +671,115 @@ def _coordinator_gathers(params: StageParams, par: ParallelConfig, wl: Workload,
                             backward_head_prefetch_bytes=g.head,
                             backward_block_bytes=g.in_layer,
                             backward_last_block_bytes=g.in_layer,
-                            backward_end_bytes=g.embedding, bucket_bytes=held,
-                            bucket_resident=True)
+                            # a frozen embedding runs no backward (LoRA): nothing gathered
+                            backward_end_bytes=0 if trainable.adapters else g.embedding,
+                            bucket_bytes=held, bucket_resident=True)
     recomputed = wl.recompute is Recompute.FULL
     if plain_c and not recomputed:
-        return plain
+        return (plain._replace(forward_block_gathers=_lora_block_gathers(params, e))
+                if trainable.adapters else plain)
     # step 1 records the module trace (each module for its own run: ``plain``, or with
     # recomputation the replay's, which holds the weights a recomputation saved); from step
     # 2 on the coordinator prefetches, keeps and persists by it
     if recomputed:
         plain = _replayed(coordinator_positions(params, wl, c, dp, e, False), held)._replace(
             **offload)
+        if trainable.adapters:
+            # a frozen embedding runs no backward without checkpointing; with it (peft's
+            # enable_input_require_grads) it does; an adapter's sum runs between modules:
+            # nothing gathered there by the plain coordinator
+            plain = plain._replace(forward_block_gathers=(
+                *plain.forward_block_gathers,
+                *((f"mlp.{n}_lora", 0) for n in ("gate", "up", "down"))))
+    elif trainable.adapters:
+        plain = plain._replace(forward_block_gathers=_lora_block_gathers(params, e))
     if plain_c:
         return plain
+    if trainable.adapters:
+        return _lora_replayed(params, wl, c, dp, e, held, trainable, offload, plain)
     return _replayed(coordinator_positions(params, wl, c, dp, e), held)._replace(
         first_step=plain, **offload)
+
+
+def _lora_replayed(params: StageParams, wl: Workload, c: Any, dp: int, e: int, held: int,
+                   trainable: TrainablePolicy, offload: dict[str, Any],
+                   step1: ShardingBuffers) -> ShardingBuffers:
+    """DeepSpeed's ZeRO-3 coordinator from step 2 on, replayed over a peft-wrapped Llama
+    (``deepspeed_coordinator.llama_lora_trace``: each adapter a module of the recorded trace,
+    each at most ``stage3_param_persistence_threshold`` elements persistent, the frozen
+    weights a checkpoint's recomputation gathers released with the backward module it runs
+    under; replayed exactly, tests/traced/test_deepspeed_trace.py); step 1 (``step1``) as
+    the plain coordinator's; the persistent parameters gathered after each step."""
+    from memplan.model.adapters import adapters_of
+    from memplan.model.deepspeed_coordinator import LLAMA_PROJECTIONS, lora_positions
+
+    ad = adapters_of(wl)
+    adapted = tuple(ad is not None and name in ad.targets for name in LLAMA_PROJECTIONS)
+    replayed = lora_positions(params, wl, c, dp, e, adapted, trainable.adapters)
+    if replayed is None:
+        raise LayoutError("DeepSpeed ZeRO-3 with LoRA on other than Llama layers",
+                          "--framework deepspeed --zero 3 with LoRA: the coordinator's module "
+                          "trace with adapters is modelled for Llama layers (norms, q, k, v, "
+                          "o, gate, up, down)")
+    steady, kept = replayed
+    return _replayed(steady, held)._replace(
+        first_step=step1._replace(post_step_bytes=kept), **{**offload, "post_step_bytes": kept})
+
+
+def _lora_block_gathers(params: StageParams, e: int) -> tuple[tuple[str, int], ...]:
+    """What the plain coordinator holds gathered beside each block of a Llama layer's forward
+    under LoRA (``ShardingBuffers.forward_block_gathers``): each block's largest module
+    weight (its norm's; the attention's and the MLP's largest projection), and nothing at
+    the MLP's adapter sum (``mlp.lora``: peft's ``Linear.forward`` sums after ``lora_B``
+    returned and was released, the base projection released before its adapter ran);
+    () for a layer of other than the 9 tensors of a Llama layer."""
+    counts = layer_tensor_counts(params.tensor_sizes, params.embedding_tensors, params.layers)
+    if not counts or any(n != 9 for n in counts):
+        return ()
+    out: dict[str, int] = {}
+    start = params.embedding_tensors
+    for _ in counts:
+        t = params.tensor_sizes[start:start + 9]
+        for name, most in (("attn_norm", t[0]), ("attn", max(t[1:5])), ("mlp_norm", t[5]),
+                           ("mlp", max(t[6:9]))):
+            out[name] = max(out.get(name, 0), most * e)
+        start += 9
+    return (*out.items(), ("mlp.lora", 0))
+
+
+def _zero3_lora(params: StageParams, par: ParallelConfig, wl: Workload, grad_bytes: int,
+                e: int, trainable: TrainablePolicy) -> dict[str, Any]:
+    """The reduces of DeepSpeed's ZeRO-3 under peft's LoRA (traced,
+    tests/traced/test_deepspeed_trace.py). Every module parameter is partitioned, the frozen
+    base weights too (parameter_offload.py ``_convert_to_zero_parameters`` over
+    ``module.parameters()``), and the coordinator gathers each module's own before it runs,
+    the base linears' as without LoRA; the gradient hooks, the gradient partitions and the
+    fp32 partitions are the adapters' alone (stage3.py
+    ``create_reduce_and_remove_grad_hooks``: parameters that require grad; the optimizer's
+    groups, the Trainer's, hold no other). The frozen embedding makes no gradient; without
+    checkpointing its output needs none either, so it runs no backward and nothing is
+    gathered for it then. The adapters' gradients fill the bucket from the last layer's on;
+    when all of them fit (``reduce_bucket_size`` 5e8 elements by default) the backward's
+    epilogue reduces them at once (``zero3_reduces_at``: its flat copy), after the
+    embedding's place in backward. The head is released after its backward (its module's
+    post-backward hook, parameter_offload.py ``PostBackwardFunctionModule`` on its input's
+    gradient): the final norm's backward holds its own weight alone (``e`` bytes each).
+
+    Refused (``LayoutError``): adapters beyond one bucket (reduced inside the layers'
+    backward, not traced)."""
+    if sum(trainable.adapters) > wl.zero_bucket_numel:
+        raise LayoutError("DeepSpeed ZeRO-3 with LoRA adapters beyond one reduce bucket",
+                          f"--framework deepspeed --zero 3 with LoRA: the adapters' gradients "
+                          f"({sum(trainable.adapters):,} elements) exceed the reduce bucket "
+                          f"({wl.zero_bucket_numel:,}); reduces inside the layers' backward "
+                          f"are not modelled with adapters")
+    at = zero3_reduces_at((), tuple(() for _ in trainable.layer_adapters), trainable.adapters,
+                          wl.zero_bucket_numel, par.dense_shard_degree, grad_bytes, False)
+    # the one reduce is the epilogue's, beside the end of backward
+    norm = params.tensor_sizes[-params.head_tensors] if params.head_tensors else 0
+    return dict(zero3_reduces=at._replace(end=max(at.end, at.first)),
+                partition_from=at.first_layer, layer_hooks=(),
+                backward_final_norm_bytes=norm * e)
 
 
 def _zero3_reduce(params: StageParams, par: ParallelConfig, wl: Workload,

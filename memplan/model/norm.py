@@ -118,10 +118,15 @@ def output_kept(prefix: str, dm: Dims) -> bool:
     adapter of one of them saves the tensor itself (``memplan.model.linear.shares_input``;
     the final norm's reader is the head, adapted under ``--lora-targets output``). Under
     Transformer Engine fp8 a layer's norms feed TE modules that save an fp8 copy instead
-    (``memplan.model.linear.te_fp8_input_bytes``); the head is no TE module."""
+    (``memplan.model.linear.te_fp8_input_bytes``); the head is no TE module. Under
+    DeepSpeed's ZeRO-3 (``Dims.head_input_kept``) the final norm's output stays alive into
+    backward though a frozen head saves no input (traced, tests/traced/
+    test_deepspeed_trace.py, LoRA: the head's module hooks, parameter_offload.py
+    ``PreBackwardFunctionForModule``/``PostBackwardFunctionModule``, return detached views
+    of it)."""
     if dm.te_fp8 is not TeFp8Recipe.NONE and prefix in ("attn_norm", "mlp_norm"):
         return False
-    if dm.adapters is None:
+    if dm.adapters is None or (prefix == "final_norm" and dm.head_input_kept):
         return True
     if prefix in READERS and prefix != "final_norm" and dm.adapters.quant is BaseQuant.INT8:  # (linear.keeps_input)
         return True

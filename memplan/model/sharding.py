@@ -53,6 +53,8 @@ class DataParallel(NamedTuple):
     unsharded_dtype: int | Fraction = 1  # FSDP2: bytes of an unsharded gradient (the
     #                                          weights' dtype) per byte of its reduce dtype
     at_head: int = 0  # weights gathered at the loss and the head
+    at_final_norm: int | None = None  # ... at the final norm's backward (None: ``at_head``;
+    #                                   DeepSpeed's ZeRO-3 under LoRA: the head released)
     head_prefetch: int = 0  # ... of them, the block the head's unit prefetches, gathered only
     #                         after the loss's backward
     in_block: int = 0  # ... while a block's backward runs
@@ -280,6 +282,7 @@ def data_parallel(shard: ShardingBuffers, params: int, grads_bytes: int,
         # torchtitan's units, the head's unit until its backward, one block, the embedding's
         in_block=shard.backward_block_bytes, in_first_block=shard.backward_last_block_bytes,
         at_head=shard.backward_head_bytes, at_embedding=shard.backward_end_bytes,
+        at_final_norm=shard.backward_final_norm_bytes,
         head_prefetch=shard.backward_head_prefetch_bytes,
         separate_units=shard.separate_units, reduce_copies=shard.reduce_copies,
         in_block_forward=shard.gathered_bytes, at_loss_forward=shard.gathered_at_loss_bytes,

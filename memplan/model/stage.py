@@ -221,7 +221,10 @@ def _entries(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTe
             # gradients copied into preallocated buckets at their hooks (DeepSpeed): at a
             # moment only the weight gradient just made exists, unsharded, until its hook
             # copies it away (one larger than the bucket until the next hook)
-            moment_grads = weight_grads_at(tuple(m.fresh_params for m in kind.moments),
+            # (with LoRA the base weights make none; an adapter's, r x d elements, is
+            # copied away at its own hook and not counted)
+            moment_grads = weight_grads_at(tuple(0 if wl.lora_rank else m.fresh_params
+                                                 for m in kind.moments),
                                            wl.zero_bucket_numel,
                                            wl.precision.policy.grad_bytes)
         if wl.optimizer_in_backward:

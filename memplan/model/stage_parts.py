@@ -14,7 +14,7 @@ from itertools import accumulate
 from typing import NamedTuple
 
 from memplan.model import step_in_backward
-from memplan.model.adapters import ADAPTER_BYTES
+from memplan.model.adapters import adapter_bytes, adapter_policy
 from memplan.model import linear, te_fp8
 from memplan.model.attention import attention_linears, rope_buffer_bytes, windowed
 from memplan.model.dims import Dims, exact_ratio
@@ -154,13 +154,16 @@ def optimizer_step(st: StateBytes, temp: int, buckets: int, buffers: int,
 
 
 def flat_partition_step(st: StateBytes, temp: int, upcast: int, buffers: int,
-                        first: bool, kept: bool = False, buckets: int = 0) -> Segment:
+                        first: bool, kept: bool = False, buckets: int = 0,
+                        after: int = 0) -> Segment:
     """DeepSpeed's ZeRO-2 step (``memplan.model.deepspeed_zero``) in its order: the gradient
     partition flattened and upcast beside it (``temp``: the flat copy and the fp32 gradient),
     then the partition freed, the optimizer's states made in step 1 (lazily, by the
     optimizer's first step), and the optimizer's update beside the fp32 gradient
     (``upcast``). ZeRO-3 (``kept``: the gradient partition kept through the step, stage3.py
-    ``grad_partitions_flat_buffer``; ``buckets`` its reduce bucket): nothing freed."""
+    ``grad_partitions_flat_buffer``; ``buckets`` its reduce bucket): nothing freed; the
+    persistent parameters gathered after the step (``after``: stage3.py ``_post_step``, as in
+    ``optimizer_step``), the step's temporaries freed."""
     states = st.optimizer_bytes - st.master_bytes if first else 0
     return Segment((Event("weights", st.params_bytes, None),
                     Event("gradients", st.grads_bytes, None),
@@ -170,7 +173,8 @@ def flat_partition_step(st: StateBytes, temp: int, upcast: int, buffers: int,
                     Event("optimizer.flatten", 0, temp),
                     Event("gradients.freed", 0 if kept else -st.grads_bytes, None),
                     Event("optimizer.first_states", states, None),
-                    Event("optimizer.step", 0, upcast)))
+                    Event("optimizer.step", 0, upcast),
+                    Event("optimizer.post_step", 0, after)))
 
 
 @lru_cache(maxsize=16384)
@@ -228,10 +232,10 @@ def _float8_saving(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> int:
 def _data_parallel(shard: ShardingBuffers, params: StageParams, st: StateBytes, wl: Workload,
                    trainable: TrainablePolicy) -> DataParallel:
     """The stage's data-parallel mechanism as its backward walk sees it: with LoRA only the
-    adapters have gradients, fp32 (``memplan.model.adapters``)."""
+    adapters have gradients, in their dtype (``memplan.model.adapters.adapter_policy``)."""
     if trainable.adapters:
         return data_parallel(shard, sum(trainable.adapters), st.grads_bytes,
-                             Precision.FP32.policy)
+                             adapter_policy(wl))
     return data_parallel(shard, params.total, st.grads_bytes, wl.precision.policy)._replace(
         fresh_only=bool(shard.bucket_bytes) or wl.optimizer_in_backward)
 
@@ -286,10 +290,11 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
                             buckets + (shard.gathered_at_loss_bytes if shard.queued_whole else 0),
                             buffers, shard.post_step_bytes),
         first_step=(flat_partition_step(at_step, opt_temp, st.num_optimizer_params * FP32_BYTES,
-                                        buffers, True, shard.bucket_resident, buckets)
+                                        buffers, True, shard.bucket_resident, buckets,
+                                        (shard.first_step or shard).post_step_bytes)
                     if wl.flat_partition and not optimizer_on_host(par) else None),
-        # frozen weights make no gradient: only the adapters accumulate, in fp32
-        accum_bytes=(sum(trainable.adapters) * ADAPTER_BYTES if trainable.adapters
+        # frozen weights make no gradient: only the adapters accumulate, in their dtype
+        accum_bytes=(sum(trainable.adapters) * adapter_bytes(wl) if trainable.adapters
                      else accumulator_bytes(params, wl, shard.flat_units)),
         load=load_bytes(st, buffers, trainable.quantize_bytes),
         nf4_weights=trainable.nf4_weights if trainable.quantize_bytes else ())

@@ -219,7 +219,8 @@ def _head_segment(w: Walk, growing: bool) -> tuple[Segment, Held]:
     h, dp = w.head, w.sharding
     # the gradients the loss call made are reduced there: the head's unit reduces the rest
     beside, after, held = head_moments(dp, h.grads - h.loss_made)
-    return Segment((*h.backward_events(dp.at_loss, dp.at_head, beside, growing, head_hook(dp)),
+    return Segment((*h.backward_events(dp.at_loss, dp.at_head, beside, growing, head_hook(dp),
+                                       dp.at_final_norm),
                     *after)), held
 
 

@@ -21,7 +21,12 @@ phase the rank's gradient partition (the gradients of ``params_in_partition``, v
 ``grads_in_partition``) is counted as ``gradients``. Categories only label; the phase totals
 are every live storage.
 
-This module imports torch, transformers and deepspeed; memplan's CLI never imports it.
+Option ``lora_rank`` (and ``lora_targets``, default all-linear): peft's ``get_peft_model``
+with ``LoraConfig(r, lora_alpha=2r)`` before ``deepspeed.initialize``, the client AdamW over the
+Trainer's parameter groups (``requires_grad`` only); the frozen weights are registered as
+``parameters`` (ZeRO-3: their ``ds_tensor`` partitions).
+
+This module imports torch, transformers, peft and deepspeed; memplan's CLI never imports it.
 """
 
 from __future__ import annotations
@@ -112,7 +117,12 @@ def build_deepspeed(case: FrameworkCase) -> Built:
     if recompute == "full":  # the Trainer's gradient_checkpointing=True, non-reentrant
         model.gradient_checkpointing_enable({"use_reentrant": False})
     spec = hf_spec(model.config, case.name)
-    client = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+    lora = case.options.get("lora_rank")
+    if lora:
+        model = _peft_lora(model, int(lora), case.options.get("lora_targets", "all-linear"))
+    # without LoRA one group of every parameter (as traced so far); with it the Trainer's
+    client = torch.optim.AdamW(_trainer_groups(model) if lora else model.parameters(),
+                               lr=1e-4, weight_decay=0.1, fused=True)
     cfg = ds_config(case)
     if cfg["zero_optimization"]["stage"] == 3:
         _skip_rank_agreement()
@@ -195,14 +205,57 @@ def build_deepspeed(case: FrameworkCase) -> Built:
                         zero.get(k) == 0 for k in _PLAIN_COORDINATOR) else {}),
                     **{field: int(zero[key]) for key, field in _COORDINATOR_FIELDS.items()
                        if key in zero},
-                    **({"recompute": "full"} if recompute == "full" else {}))
+                    **({"recompute": "full"} if recompute == "full" else {}),
+                    **({"lora_rank": int(lora),
+                        "lora_targets": case.options.get("lora_targets", "all-linear")}
+                       if lora else {}))
     offload = ",".join(kind for kind, key in (("optimizer", "offload_optimizer"),
                                                ("params", "offload_param")) if key in zero
                        ) or "none"
+    # the frozen weights (LoRA's base): ZeRO-3 partitions them too (parameter_offload.py
+    # _convert_to_zero_parameters converts every module parameter; each keeps its own ds_tensor,
+    # outside the optimizer's flat lp_param_buffer), ZeRO-1/2 leaves them whole
+    frozen = [p.ds_tensor if stage == 3 else p for p in model.parameters()
+              if not p.requires_grad]
+    if stage == 3:
+        sizes["frozen"] = _nbytes(frozen)
     built = Built("deepspeed", model, spec, api.make_layout(case.dp, zero=stage, offload=offload),
-                  workload, step, zero_opt.optimizer, context=registered)
+                  workload, step, zero_opt.optimizer, frozen=frozen, context=registered)
     built.registered = sizes  # type: ignore[attr-defined]
     return built
+
+
+def _peft_lora(model: Any, rank: int, targets: str) -> Any:
+    """peft's ``get_peft_model`` with ``LoraConfig(r, lora_alpha=2r, target_modules)`` (peft's
+    defaults otherwise: ``autocast_adapter_dtype=True`` makes the adapters fp32, which the
+    engine then casts to the model's bf16/fp16, engine.py ``_cast_module_mixed_precision``);
+    ``targets`` "all-linear" or memplan's names, comma-separated."""
+    from peft import LoraConfig, get_peft_model
+
+    from memplan.profile.finetune import LORA_NAMES
+
+    modules: Any = (targets if targets == "all-linear"
+                    else [LORA_NAMES[t] for t in targets.split(",")])
+    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                                            target_modules=modules))
+
+
+def _trainer_groups(model: Any) -> list[dict[str, Any]]:
+    """The parameter groups ``transformers.Trainer.create_optimizer`` makes: the parameters
+    that require grad, those in ``get_decay_parameter_names`` (weights of layers other than
+    norms, no bias) with weight decay, the others without; a group may be empty (every
+    adapter is a weight: the second group under LoRA)."""
+    from transformers.trainer_pt_utils import get_parameter_names
+
+    # trainer.py Trainer.get_decay_parameter_names (transformers 5.3)
+    names = set(get_parameter_names(model, [torch.nn.LayerNorm],
+                                    [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)",
+                                     r"_norm(?:$|\.)"]))
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if n in names and p.requires_grad],
+             "weight_decay": 0.1},
+            {"params": [p for n, p in named if n not in names and p.requires_grad],
+             "weight_decay": 0.0}]
 
 
 def _nbytes(tensors: list[Any]) -> int:

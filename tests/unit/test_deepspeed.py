@@ -702,3 +702,63 @@ def test_final_norm_hook_by_hand() -> None:
     dm = Dims(b=1, s=64, s_kv=64, tokens=64, res_tokens_div=1, tp=1, e=2, vocab_shard=1000,
               stream_e=2)
     assert final_norm_hook(spec, dm, 65_792) == 99_072
+
+
+# --- peft's LoRA under DeepSpeed ----------------------------------------------------------------
+
+# Llama-2-7B's adapters at rank 8 on every projection (peft's all-linear; h 4,096, MLP 11,008,
+# 32 layers): q, k, v, o 8 x (4,096 + 4,096) = 65,536 each; gate, up, down 8 x (4,096 +
+# 11,008) = 120,832 each: 624,640 a layer, 19,988,480 in all; on 8 ranks 2,498,560 each (every
+# lora_A and lora_B divides by 8: 32,768, 88,064 elements)
+_LORA_7B = dict(gpus=8, framework="deepspeed", lora_rank=8, lora_targets="all-linear")
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_lora_states_by_hand(zero: int) -> None:
+    """DeepSpeed casts peft's fp32 adapters to bf16 (engine.py _cast_module_mixed_precision)
+    and the Trainer's optimizer holds them alone (requires_grad only), so the ZeRO optimizer's
+    partitions are the adapters': bf16 gradient partition 2,498,560 x 2 = 4,997,120 B; fp32
+    partition 9,994,240 B and Adam 19,988,480 B, with the fused AdamW's step count (4 B):
+    29,982,724 B. Weights: ZeRO-2 keeps the frozen base whole (6,738,415,616 x 2 =
+    13,476,831,232 B) and the adapters whole (19,988,480 x 2 = 39,976,960 B):
+    13,516,808,192 B; ZeRO-3 partitions both (parameter_offload.py
+    _convert_to_zero_parameters: every module parameter): 842,301,952 x 2 + 4,997,120 =
+    1,689,601,024 B."""
+    extra = {"zero3_plain_gathers": True} if zero == 3 else {}
+    w = api.estimate("llama-2-7b", zero=zero, **_LORA_7B, **extra).worst
+    assert w.grads_bytes == 4_997_120
+    assert w.optimizer_bytes == 29_982_724
+    assert w.params_bytes == {2: 13_516_808_192, 3: 1_689_601_024}[zero]
+
+
+def test_lora_adapters_in_the_models_dtype() -> None:
+    """The deepspeed preset sets adapters_in_model_dtype (engine.py's cast): an adapter
+    element is 2 B under bf16-mixed; the hf preset keeps peft's fp32 adapters (4 B)."""
+    from memplan.model.adapters import adapter_bytes, adapters_of
+
+    ds = api.resolve(api.load_model("llama-2-7b"), gpus=8, zero=2, framework="deepspeed",
+                     lora_rank=8)[2]
+    hf = api.resolve(api.load_model("llama-2-7b"), gpus=8, zero=2, framework="hf",
+                     lora_rank=8)[2]
+    assert ds.adapters_in_model_dtype and not hf.adapters_in_model_dtype
+    assert adapter_bytes(ds) == adapters_of(ds).weight_bytes == 2
+    assert adapter_bytes(hf) == adapters_of(hf).weight_bytes == 4
+
+
+@pytest.mark.parametrize(("extra", "match"), [
+    (dict(zero=3, zero3_plain_gathers=True, base_quant="nf4"), "quantized base"),
+    (dict(zero=2, lora_targets="all-linear,output"), "output projection"),
+    (dict(zero=1), "stage 1"),
+    (dict(zero=2, offload="optimizer"), "offload"),
+    (dict(zero=3, zero3_plain_gathers=True, zero_bucket_numel=1_000_000),
+     "exceed the reduce bucket"),
+    (dict(zero=2, optimizer="adamw8bit"), "optimizer other than AdamW"),
+])
+def test_lora_refusals(extra: dict, match: str) -> None:
+    """What of LoRA under DeepSpeed is not traced is refused with one line naming it: a
+    quantized base, the head's adapter, stage 1, offload, adapters beyond one reduce bucket
+    at stage 3 (19,988,480 elements of gradients > 1e6), and an optimizer other than
+    AdamW."""
+    args = {**_LORA_7B, **extra}
+    with pytest.raises(MemplanError, match=match):
+        api.estimate("llama-2-7b", **args)

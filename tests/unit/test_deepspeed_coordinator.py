@@ -181,3 +181,37 @@ def test_layer_forward_by_block() -> None:
     steps = dp._replace(forward_blocks=dp.forward_blocks + (("mlp.prod", 0), ("mlp.down", 20)))
     by_step = (*layer[:3], ("mlp.gate", 150), ("mlp.prod", 300), ("mlp.down", 250))
     assert steps.layer_forward(by_step, 300, 50) == max(250, 170, 300, 270)
+
+
+def test_lora_trace_by_hand() -> None:
+    """A peft-wrapped toy Llama (2 layers; hidden 256, MLP 896, k/v 64 wide; rank 8 on all
+    seven projections): a layer's tensors are the two norms, the seven base weights and each
+    projection's lora_A (8 x d_in) and lora_B (d_out x 8), 23 in all, each adapter after its
+    base weight. Fetches of modules with parameters in one step (DeepSpeed's recorded trace on
+    the toy: 93 and 144): forward the embedding, 23 per layer, the final norm and the head
+    (49); backward the head and the final norm (2), the last layer's 23, the first layer's 19
+    (without checkpointing its input needs no gradient: its input norm and the q, k, v bases
+    run no backward), no embedding: 93. With full recompute each layer's 23 twice (its
+    recomputation), the first layer's all, and the embedding's: 49 + 2 + 92 + 1 = 144. Every
+    adapter is at most 1e5 elements: persistent."""
+    from memplan.model.deepspeed_coordinator import (
+        Coordinator,
+        lora_layer_sizes,
+        llama_lora_trace,
+        persistent,
+    )
+
+    layer = (256, 65_536, 16_384, 16_384, 65_536, 256, 229_376, 229_376, 229_376)
+    adapters = ((2_048, 2_048), (2_048, 512), (2_048, 512), (2_048, 2_048), (2_048, 7_168),
+                (2_048, 7_168), (7_168, 2_048))
+    sizes = lora_layer_sizes(layer, adapters)
+    assert sizes == (256, 65_536, 2_048, 2_048, 16_384, 2_048, 512, 16_384, 2_048, 512,
+                     65_536, 2_048, 2_048, 256, 229_376, 2_048, 7_168, 229_376, 2_048, 7_168,
+                     229_376, 7_168, 2_048)
+    model = (256_000, *sizes, *sizes, 256, 256_000)
+    for recompute, fetches in ((False, 93), (True, 144)):
+        trace = llama_lora_trace(len(model), 1, 2, (True,) * 7, 2, (recompute,) * 2)
+        assert sum(1 for u in trace.uses if u.param >= 0 and u.fetch) == fetches
+    kept = persistent(model, Coordinator())
+    assert sum(model[i] for i in kept) == 2 * (256 * 2 + 2 * 16_384 + 2 * 65_536
+                                               + 40_960) + 256
