@@ -78,12 +78,15 @@ def scan_terms(z: Sizes, dm: Dims) -> list[Term]:
     u = units(z, dm)
     low = e < f
     n1 = z.chunks + 1
-    return [Term(f"{_PREFIX}.in_proj_out", t * z.width * e),
-            Term(f"{_PREFIX}.gate_fp32", t * z.d * f if low else 0),
+    # Falcon-H1: in_proj's output times mup_vector (``Sizes.mup_e``) in its place; without the
+    # gated norm (``Sizes.gated``) silu reads the gate as it is, no fp32 copy
+    pe = z.mup_e or e
+    return [Term(f"{_PREFIX}.in_proj_out", t * z.width * pe),
+            Term(f"{_PREFIX}.gate_fp32", t * z.d * f if low and z.gated else 0),
             Term(f"{_PREFIX}.conv_out", z.b * z.conv * (z.s + z.taps - 1) * e),
             Term(f"{_PREFIX}.x_fp32", t * z.d * f if low else t * z.conv * f),
             # dt + dt_bias, softplus's output; the clamped dt in fp32 (two copies below fp32)
-            Term(f"{_PREFIX}.dt", 2 * t * z.h * e + (2 if low else 1) * t * z.h * f),
+            Term(f"{_PREFIX}.dt", 2 * t * z.h * pe + (1 if pe == f else 2) * t * z.h * f),
             Term(f"{_PREFIX}.a", 2 * z.h * f),
             Term(f"{_PREFIX}.x_pad", u.d),
             Term(f"{_PREFIX}.masks", 2 * z.c * z.c + 2 * n1 * n1),
@@ -101,8 +104,10 @@ def norm_terms(z: Sizes, dm: Dims) -> list[Term]:
     (silu(gate), y * silu(gate), its rsqrt per group, the normalised tensor) and out_proj's
     input."""
     f, t = FP32_BYTES, z.tokens
+    # Falcon-H1's ``y * silu(gate)`` (no gated norm): silu's output, in the gate's dtype
+    norm = (3 * z.d + z.g) * t * f if z.gated else t * z.d * (z.mup_e or dm.e)
     return [Term(f"{_PREFIX}.y", z.padded * z.d * f),
-            Term(f"{_PREFIX}.norm", (3 * z.d + z.g) * t * f),
+            Term(f"{_PREFIX}.norm", norm),
             Term(f"{_PREFIX}.out", t * z.d * dm.e)]
 
 
@@ -134,16 +139,23 @@ def forward_moments(z: Sizes, dm: Dims, saved: int, stream: int,
     states = scan - u.d - u.s2 - u.bc - u.tph  # before C_times_states
     rows = t * z.g * f
     final = u.s3 if cached else 0
+    silu = t * z.conv * dm.e if dm.e < f else 0
+    if z.gated:
+        norm = Moment("mamba.norm", saved - u.tde - u.tdf - rows, u.tdf + rows + final + silu)
+    else:
+        # Falcon-H1's y * silu(gate): the fp32 product, then its cast (which out_proj saves;
+        # in fp32 the product itself)
+        low = dm.e < f
+        norm = Moment("mamba.norm", saved - (u.tde if low else 0),
+                      (u.tdf if low else 0) + final + silu)
     return [Moment("mamba.segsum", first,
                    3 * u.m + 2 * u.d + 2 * u.bc + 2 * u.tph + z.c * z.c + u.low),
             Moment("mamba.states", states,
                    3 * u.d + 2 * u.bc + 2 * u.s3 + u.s1 + 2 * u.tph + u.low),
             Moment("mamba.scan_out", scan,
                    6 * u.d + 2 * u.bc + u.s3 + u.s1 + 2 * u.tph + u.low),
-            Moment("mamba.norm", saved - u.tde - u.tdf - rows,
-                   u.tdf + rows + final + (t * z.conv * dm.e if dm.e < f else 0)),
-            Moment("mamba", saved,
-                   stream + final + (u.tdf + t * z.conv * dm.e if dm.e < f else 0))]
+            norm,
+            Moment("mamba", saved, stream + final + (u.tdf + silu if dm.e < f else 0))]
 
 
 def working_set(z: Sizes, dm: Dims) -> list[Moment]:
@@ -174,7 +186,7 @@ def backward_moments(z: Sizes, dm: Dims, saved: int, grad_in: int,
              for term in scan_terms(z, dm) + norm_terms(z, dm)}
     low = e < f
     rows, th = t * z.g * f, t * z.h
-    gate = u.tde  # the gate's gradient (in the compute dtype), from the norm on
+    gate = t * z.d * (z.mup_e or e)  # the gate's gradient (in its dtype), from the norm on
     scan = saved - terms["y"] - terms["norm"] - terms["out"] - terms["gate_fp32"]
     cts = scan - u.d  # Y_off's product ran: C_times_states freed
     passed = cts - u.s2 - u.bc - u.tph  # C_times_states' bmm and the state decay freed
@@ -189,9 +201,17 @@ def backward_moments(z: Sizes, dm: Dims, saved: int, grad_in: int,
     conv = terms["in_proj_out"] + terms["conv_out"] + z.h * f
     conv_in = t * z.conv * e
     out = ("attn_out",)
+    if z.gated:
+        norm = [BackwardMoment("mamba.norm_weight", saved - terms["out"], 3 * u.tdf, out),
+                BackwardMoment("mamba.norm", saved - terms["out"] - u.tdf - rows, 5 * u.tdf,
+                               out)]
+    else:
+        # y * silu(gate)'s (Falcon-H1): the product's fp32 gradient (below fp32 the cast's
+        # backward's), y's and silu's output's in fp32, the latter's cast to silu's dtype
+        norm = [BackwardMoment("mamba.norm", saved - terms["out"],
+                               3 * u.tdf + (gate if low else 0), out)]
     return [BackwardMoment("mamba.out", saved, u.tde, out),
-            BackwardMoment("mamba.norm_weight", saved - terms["out"], 3 * u.tdf, out),
-            BackwardMoment("mamba.norm", saved - terms["out"] - u.tdf - rows, 5 * u.tdf, out),
+            *norm,
             BackwardMoment("mamba.y_off", scan, 3 * u.d + gate + u.tph, out),
             BackwardMoment("mamba.c_states", cts, 2 * u.d + gate + u.bc + u.s2 + u.tph, out),
             BackwardMoment("mamba.passed", passed,
@@ -216,5 +236,5 @@ def backward_moments(z: Sizes, dm: Dims, saved: int, grad_in: int,
             BackwardMoment("mamba.conv", conv - terms["conv_out"],
                            terms["conv_out"] + conv_in + gate + th * e, out),
             BackwardMoment("mamba.proj_grad", z.h * f,
-                           t * z.width * e + conv_in + gate + th * e, out),
+                           t * z.width * (z.mup_e or e) + conv_in + gate + th * e, out),
             BackwardMoment("mamba_in", 0, t * z.width * e + grad_in, ("attn",), in_proj)]
