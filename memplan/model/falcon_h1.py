@@ -175,7 +175,9 @@ class ParallelMamba:
 
     def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
         mamba = total(_MAMBA.saved(spec, wl, dm, Recompute.NONE))
-        return (_MAMBA.rebuild_moments(spec, wl, dm)
+        x = _normed(spec, dm) + _unsaved_copy(spec, dm)
+        return ([m._replace(transient_bytes=m.transient_bytes + x)
+                 for m in _MAMBA.rebuild_moments(spec, wl, dm)]
                 + [m._replace(own_bytes=mamba + m.own_bytes)
                    for m in _ATTENTION.rebuild_moments(spec, wl, dm)])
 
