@@ -3,7 +3,11 @@ causal-conv1d (``Workload.mamba_kernel`` torch-einsum): models/granitemoehybrid/
 modeling_granitemoehybrid.py ``GraniteMoeHybridMambaLayer.forward``, which falls back from
 ``mamba2_split_conv1d_scan_combined`` (None without the kernel) to ``causal_conv1d_fn``'s
 torch fallback (``F.conv1d``, the slice, silu) and ``mamba2_chunk_scan``, the chunked SSD scan
-written as einsums, then ``GraniteMoeHybridRMSNormGated`` and out_proj. Every size below is
+written as einsums, then ``GraniteMoeHybridRMSNormGated`` and out_proj; Falcon-H1's mixer
+(models/falcon_h1/modeling_falcon_h1.py ``FalconH1Mixer.forward``, 5.23) runs the same
+functions with in_proj's output times ``mup_vector`` and ``y * silu(gate)`` in the norm's
+place (``Sizes.gated`` false: silu's output saved, no fp32 gate copy). Under autocast the
+einsums' bmms run in bf16 (autocast casts their operands): not modelled. Every size below is
 read off that code and checked against autograd's saved tensors and the allocations of its
 forward and backward (tests/traced/test_hf_heldout.py, tests/data/mamba_einsum_traces.json).
 
