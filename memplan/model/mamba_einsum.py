@@ -175,6 +175,21 @@ def working_set(z: Sizes, dm: Dims) -> list[Moment]:
             Moment("mamba.scan_out", 0, held + 7 * u.d + u.s3 + 4 * u.tph)]
 
 
+def _gate_backward(z: Sizes, dm: Dims, saved: int, gate: int) -> list[BackwardMoment]:
+    """The gated norm's backward (its weight's product, then five fp32 T d tensors), or
+    Falcon-H1's y * silu(gate)'s: the product's fp32 gradient (below fp32 the cast's
+    backward's), y's and silu's output's in fp32, the latter's cast to silu's dtype
+    (``gate`` bytes). ``saved``: the block's saved bytes but out_proj's input."""
+    u = units(z, dm)
+    out = ("attn_out",)
+    if not z.gated:
+        return [BackwardMoment("mamba.norm", saved,
+                               3 * u.tdf + (gate if dm.e < FP32_BYTES else 0), out)]
+    rows = z.tokens * z.g * FP32_BYTES
+    return [BackwardMoment("mamba.norm_weight", saved, 3 * u.tdf, out),
+            BackwardMoment("mamba.norm", saved - u.tdf - rows, 5 * u.tdf, out)]
+
+
 def backward_moments(z: Sizes, dm: Dims, saved: int, grad_in: int,
                      in_proj: int) -> list[BackwardMoment]:
     """In backward order: out_proj's, the gated norm's (its weight's product, then five fp32
@@ -189,7 +204,7 @@ def backward_moments(z: Sizes, dm: Dims, saved: int, grad_in: int,
     terms = {term.name.partition(".")[2]: term.size_bytes
              for term in scan_terms(z, dm) + norm_terms(z, dm)}
     low = e < f
-    rows, th = t * z.g * f, t * z.h
+    th = t * z.h
     gate = t * z.d * (z.mup_e or e)  # the gate's gradient (in its dtype), from the norm on
     scan = saved - terms["y"] - terms["norm"] - terms["out"] - terms["gate_fp32"]
     cts = scan - u.d  # Y_off's product ran: C_times_states freed
@@ -205,17 +220,8 @@ def backward_moments(z: Sizes, dm: Dims, saved: int, grad_in: int,
     conv = terms["in_proj_out"] + terms["conv_out"] + z.h * f
     conv_in = t * z.conv * e
     out = ("attn_out",)
-    if z.gated:
-        norm = [BackwardMoment("mamba.norm_weight", saved - terms["out"], 3 * u.tdf, out),
-                BackwardMoment("mamba.norm", saved - terms["out"] - u.tdf - rows, 5 * u.tdf,
-                               out)]
-    else:
-        # y * silu(gate)'s (Falcon-H1): the product's fp32 gradient (below fp32 the cast's
-        # backward's), y's and silu's output's in fp32, the latter's cast to silu's dtype
-        norm = [BackwardMoment("mamba.norm", saved - terms["out"],
-                               3 * u.tdf + (gate if low else 0), out)]
     return [BackwardMoment("mamba.out", saved, u.tde, out),
-            *norm,
+            *_gate_backward(z, dm, saved - terms["out"], gate),
             BackwardMoment("mamba.y_off", scan, 3 * u.d + gate + u.tph, out),
             BackwardMoment("mamba.c_states", cts, 2 * u.d + gate + u.bc + u.s2 + u.tph, out),
             BackwardMoment("mamba.passed", passed,
