@@ -250,7 +250,8 @@ class DeltaNetKernel(PlainEnum):
 
 class MambaKernel(PlainEnum):
     """How Granite 4.0-H's Mamba2 layers run (GraniteMoeHybridMambaLayer, models/
-    granitemoehybrid/modeling_granitemoehybrid.py), without mamba_ssm and causal-conv1d (an
+    granitemoehybrid/modeling_granitemoehybrid.py; Falcon-H1's FalconH1Mixer alike, models/
+    falcon_h1/modeling_falcon_h1.py), without mamba_ssm and causal-conv1d (an
     install without them, every CPU run): mamba_ssm's fused kernel is not modelled.
 
     torch         ``torch_forward`` as transformers 5.3 writes it: the naive chunked scan,

@@ -263,7 +263,7 @@ DeltaNetKernelOpt = Annotated[Optional[DeltaNetKernel], typer.Option(
     "torch (transformers' torch fallbacks, without them, as written up to transformers 5.16) "
     "or torch-solve (the same, as written from 5.17 on: torch.linalg.solve_triangular).", rich_help_panel=_KERNELS)]
 MambaKernelOpt = Annotated[Optional[MambaKernel], typer.Option(
-    "--mamba-kernel", help="Granite 4.0-H's Mamba2 layers on transformers' torch path (no "
+    "--mamba-kernel", help="Granite 4.0-H's and Falcon-H1's Mamba2 mixers on transformers' torch path (no "
     "mamba_ssm, no causal-conv1d): torch-einsum (default: as transformers 5.23 writes it, "
     "mamba2_chunk_scan's einsums) or torch (as transformers 5.3 wrote it: the naive chunked "
     "scan).", rich_help_panel=_KERNELS)]

@@ -316,7 +316,8 @@ def falcon_h1(cfg: ConfigKeys) -> dict[str, Any]:
     mamba_proj_bias (false), out_proj's projectors_bias (false); the gated FalconH1RMSNormGated
     only with mamba_rms_norm (default false), refused: its saved set is not modelled. The muP
     multipliers are scalars but mup_vector, a buffer (``MambaSpec.parallel_attention``).
-    FalconH1Model.forward makes no cache when none is passed (use_cache read false)."""
+    Its cache follows the mixer's kernel (``memplan.model.layer.kv_cache_bytes``): 5.3's
+    FalconH1Model.forward makes none unless given one, 5.23's a DynamicCache with use_cache."""
     if cfg.get_bool("mamba_rms_norm", False):
         raise cfg.error("mamba_rms_norm", "true: FalconH1RMSNormGated (the gated norm over "
                         "mamba_n_groups) is not modelled (false: y * silu(gate))")
@@ -331,7 +332,7 @@ def falcon_h1(cfg: ConfigKeys) -> dict[str, Any]:
     if heads * head_dim != inner:
         raise cfg.error("mamba_d_head", f"mamba_n_heads ({heads}) * mamba_d_head ({head_dim}) "
                                         f"must be the mixer's width ({inner})")
-    fields.update(qkv_bias=False, attn_out_bias=False, mlp_bias=False, use_cache=False,
+    fields.update(qkv_bias=False, attn_out_bias=False, mlp_bias=False,
                   mamba={"num_heads": heads, "head_dim": head_dim,
                          "state_size": cfg.get_int("mamba_d_state", 256),
                          "num_groups": cfg.get_int("mamba_n_groups", 1),

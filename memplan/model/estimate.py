@@ -389,10 +389,16 @@ def _mamba_line(spec: ModelSpec, wl: Workload) -> str:
     """The assumption line of a model with Mamba2 layers (memplan.model.mamba): which code
     runs them."""
     if spec.mamba is not None and spec.mamba.parallel_attention:
+        falcon = ("as transformers 5.23 writes it (FalconH1Mixer.forward: causal_conv1d_fn's "
+                  "torch fallback, mamba2_chunk_scan's einsums in fp32, which under autocast "
+                  "run in bf16 and are not modelled so; its cache with use_cache; "
+                  "--mamba-kernel torch: 5.3's naive torch_forward, no cache)"
+                  if wl.mamba_kernel is MambaKernel.TORCH_EINSUM else
+                  "as transformers 5.3 wrote it (FalconH1Mixer.torch_forward: the naive chunked "
+                  "scan's fp32 products saved and held; no cache)")
         return ("Falcon-H1's Mamba2 mixers (beside attention on every layer) on transformers' "
-                "torch path as 5.3 writes it (FalconH1Mixer.torch_forward: the naive chunked "
-                "scan's fp32 products saved and held), whatever --mamba-kernel says; "
-                "mamba_ssm's and causal-conv1d's CUDA kernels (cuda_kernels_forward) are not "
+                f"torch path {falcon}; mamba_ssm's and causal-conv1d's CUDA kernels "
+                "(mamba_split_conv1d_scan_combined, mamba_chunk_scan_combined) are not "
                 "modelled")
     path = ("as transformers 5.23 writes it (causal_conv1d_fn's torch fallback, "
             "mamba2_chunk_scan's einsums in fp32; --mamba-kernel torch: as 5.3 wrote it)"

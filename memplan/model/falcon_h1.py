@@ -1,8 +1,13 @@
 """Falcon-H1's mixers: a Mamba2 mixer and attention side by side on one norm's output, as
-transformers 5.3 runs them on its torch path (models/falcon_h1/modeling_falcon_h1.py,
-FalconH1DecoderLayer.forward; the mixer's FalconH1Mixer.torch_forward, the naive chunked
-scan of Granite 4.0-H's, ``memplan.model.mamba``, without mamba_ssm and causal-conv1d: on
-CUDA with them ``cuda_kernels_forward`` runs mamba_ssm's fused kernels, not modelled).
+transformers runs them on its torch path (models/falcon_h1/modeling_falcon_h1.py,
+FalconH1DecoderLayer.forward), the mixer's scan as ``Workload.mamba_kernel`` says: 5.3's
+FalconH1Mixer.torch_forward, the naive chunked scan of Granite 4.0-H's
+(``memplan.model.mamba``), or 5.23's FalconH1Mixer.forward, causal_conv1d_fn's torch fallback
+and mamba2_chunk_scan's einsums (``memplan.model.mamba_einsum``), both without mamba_ssm and
+causal-conv1d (on CUDA with them mamba_ssm's fused kernels run, not modelled; nor 5.23's
+einsums under autocast, whose bmms then run in bf16). The layer's parts below are the same on
+both versions; 5.23's model also makes a cache with use_cache (``memplan.model.layer.
+kv_cache_bytes``).
 
 The layer, per micro-batch on a rank (T tokens, h wide, e the compute dtype):
 
@@ -174,8 +179,12 @@ class ParallelMamba:
         return out + mixer[:-1] + [mup, mixer[-1]]
 
     def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
+        """The mixer's rerun beside the norm's output (and under autocast its unsaved copy),
+        as in the forward, then the attention's beside the mixer's saved tensors."""
         mamba = total(_MAMBA.saved(spec, wl, dm, Recompute.NONE))
-        return (_MAMBA.rebuild_moments(spec, wl, dm)
+        x = _normed(spec, dm) + _unsaved_copy(spec, dm)
+        return ([m._replace(transient_bytes=m.transient_bytes + x)
+                 for m in _MAMBA.rebuild_moments(spec, wl, dm)]
                 + [m._replace(own_bytes=mamba + m.own_bytes)
                    for m in _ATTENTION.rebuild_moments(spec, wl, dm)])
 

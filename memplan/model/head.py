@@ -40,7 +40,7 @@ from memplan.model.norm import norm_terms
 from memplan.parallel import vocab_shard
 from memplan.spec import ModelSpec, norm_params
 from memplan.units import ceil_div
-from memplan.workload import ChunkBackward, LogitsHeld, LossImpl, Recompute, Workload
+from memplan.workload import ChunkBackward, LogitsHeld, LossImpl, MambaKernel, Recompute, Workload
 
 
 def logit_bytes(wl: Workload, dm: Dims) -> int:
@@ -287,6 +287,9 @@ def output_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     if (wl.logits_held is not LogitsHeld.OUTPUT or not wl.kv_cache
             or wl.recompute is not Recompute.NONE):
         return 0
+    if (spec.mamba is not None and spec.mamba.parallel_attention
+            and wl.mamba_kernel is not MambaKernel.TORCH_EINSUM):
+        return 0  # Falcon-H1 on transformers 5.3: no cache (memplan.model.layer.kv_cache_bytes)
     return spec.num_layers * 2 * dm.tokens * spec.kv_size // dm.tp * dm.e
 
 

@@ -45,13 +45,14 @@ from memplan.model.mlp import (Mlp, lora_working_steps, mlp_linears, rerun_pendi
 from memplan.model.moe import MoE
 from memplan.model.short_conv import ShortConv, conv_cache_bytes, short_conv_linears
 from memplan.model.mamba import Mamba, mamba_cache_bytes, mamba_linears
+from memplan.model.mamba import kernel as mamba_kernel
 from memplan.model import falcon_h1
 from memplan.model.falcon_h1 import ParallelMamba
 from memplan.model.norm import Norm, StreamInput
 from memplan.model.sac import sac_terms
 from memplan.spec import ModelSpec, NormPlacement, QkNorm
 from memplan.workload import Attention as Kernel
-from memplan.workload import NormImpl, Recompute, SelectiveImpl, Workload
+from memplan.workload import MambaKernel, NormImpl, Recompute, SelectiveImpl, Workload
 
 _ATTENTION, _WINDOW, _MLA, _MLP, _MOE = Attention(), WindowAttention(), Mla(), Mlp(), MoE()
 _DELTANET = DeltaNet()
@@ -282,6 +283,12 @@ def kv_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute
     sliding-window layer given a mask (``memplan.model.attention.windowed``)."""
     if not (wl.kv_cache and recompute is Recompute.NONE):
         return 0
+    if spec.mamba is not None and spec.mamba.parallel_attention:
+        # Falcon-H1: transformers 5.3's FalconH1Model.forward makes no cache unless given one;
+        # 5.23's makes a DynamicCache (use_cache): the attention's and the mixer's states
+        if mamba_kernel(spec, wl) is not MambaKernel.TORCH_EINSUM:
+            return 0
+        return _attention_cache_bytes(spec, wl, dm, variant) + mamba_cache_bytes(spec, wl, dm)
     if spec.short_conv is not None:  # every layer's conv state, and attention's own
         conv = conv_cache_bytes(spec, dm)
         return conv if variant == "linear" else conv + _attention_cache_bytes(spec, wl, dm,

@@ -110,11 +110,10 @@ def sizes(m: MambaSpec, dm: Dims) -> Sizes:
 
 
 def kernel(spec: ModelSpec, wl: Workload) -> MambaKernel:
-    """The scan ``wl`` runs: its ``mamba_kernel``, but Falcon-H1's mixer
-    (``MambaSpec.parallel_attention``) as transformers 5.3 writes it (FalconH1Mixer.
-    torch_forward, the naive scan), the only one traced."""
+    """The scan ``wl`` runs: its ``mamba_kernel`` (Granite 4.0-H's and Falcon-H1's mixers
+    alike: transformers 5.3's naive torch_forward, 5.23's einsums)."""
     assert spec.mamba is not None
-    return MambaKernel.TORCH if spec.mamba.parallel_attention else wl.mamba_kernel
+    return wl.mamba_kernel
 
 
 @lru_cache(maxsize=64)

@@ -3,7 +3,11 @@ causal-conv1d (``Workload.mamba_kernel`` torch-einsum): models/granitemoehybrid/
 modeling_granitemoehybrid.py ``GraniteMoeHybridMambaLayer.forward``, which falls back from
 ``mamba2_split_conv1d_scan_combined`` (None without the kernel) to ``causal_conv1d_fn``'s
 torch fallback (``F.conv1d``, the slice, silu) and ``mamba2_chunk_scan``, the chunked SSD scan
-written as einsums, then ``GraniteMoeHybridRMSNormGated`` and out_proj. Every size below is
+written as einsums, then ``GraniteMoeHybridRMSNormGated`` and out_proj; Falcon-H1's mixer
+(models/falcon_h1/modeling_falcon_h1.py ``FalconH1Mixer.forward``, 5.23) runs the same
+functions with in_proj's output times ``mup_vector`` and ``y * silu(gate)`` in the norm's
+place (``Sizes.gated`` false: silu's output saved, no fp32 gate copy). Under autocast the
+einsums' bmms run in bf16 (autocast casts their operands): not modelled. Every size below is
 read off that code and checked against autograd's saved tensors and the allocations of its
 forward and backward (tests/traced/test_hf_heldout.py, tests/data/mamba_einsum_traces.json).
 
@@ -78,12 +82,15 @@ def scan_terms(z: Sizes, dm: Dims) -> list[Term]:
     u = units(z, dm)
     low = e < f
     n1 = z.chunks + 1
-    return [Term(f"{_PREFIX}.in_proj_out", t * z.width * e),
-            Term(f"{_PREFIX}.gate_fp32", t * z.d * f if low else 0),
+    # Falcon-H1: in_proj's output times mup_vector (``Sizes.mup_e``) in its place; without the
+    # gated norm (``Sizes.gated``) silu reads the gate as it is, no fp32 copy
+    pe = z.mup_e or e
+    return [Term(f"{_PREFIX}.in_proj_out", t * z.width * pe),
+            Term(f"{_PREFIX}.gate_fp32", t * z.d * f if low and z.gated else 0),
             Term(f"{_PREFIX}.conv_out", z.b * z.conv * (z.s + z.taps - 1) * e),
             Term(f"{_PREFIX}.x_fp32", t * z.d * f if low else t * z.conv * f),
             # dt + dt_bias, softplus's output; the clamped dt in fp32 (two copies below fp32)
-            Term(f"{_PREFIX}.dt", 2 * t * z.h * e + (2 if low else 1) * t * z.h * f),
+            Term(f"{_PREFIX}.dt", 2 * t * z.h * pe + (1 if pe == f else 2) * t * z.h * f),
             Term(f"{_PREFIX}.a", 2 * z.h * f),
             Term(f"{_PREFIX}.x_pad", u.d),
             Term(f"{_PREFIX}.masks", 2 * z.c * z.c + 2 * n1 * n1),
@@ -101,8 +108,10 @@ def norm_terms(z: Sizes, dm: Dims) -> list[Term]:
     (silu(gate), y * silu(gate), its rsqrt per group, the normalised tensor) and out_proj's
     input."""
     f, t = FP32_BYTES, z.tokens
+    # Falcon-H1's ``y * silu(gate)`` (no gated norm): silu's output, in the gate's dtype
+    norm = (3 * z.d + z.g) * t * f if z.gated else t * z.d * (z.mup_e or dm.e)
     return [Term(f"{_PREFIX}.y", z.padded * z.d * f),
-            Term(f"{_PREFIX}.norm", (3 * z.d + z.g) * t * f),
+            Term(f"{_PREFIX}.norm", norm),
             Term(f"{_PREFIX}.out", t * z.d * dm.e)]
 
 
@@ -134,16 +143,23 @@ def forward_moments(z: Sizes, dm: Dims, saved: int, stream: int,
     states = scan - u.d - u.s2 - u.bc - u.tph  # before C_times_states
     rows = t * z.g * f
     final = u.s3 if cached else 0
+    silu = t * z.conv * dm.e if dm.e < f else 0
+    if z.gated:
+        norm = Moment("mamba.norm", saved - u.tde - u.tdf - rows, u.tdf + rows + final + silu)
+    else:
+        # Falcon-H1's y * silu(gate): the fp32 product, then its cast (which out_proj saves;
+        # in fp32 the product itself)
+        low = dm.e < f
+        norm = Moment("mamba.norm", saved - (u.tde if low else 0),
+                      (u.tdf if low else 0) + final + silu)
     return [Moment("mamba.segsum", first,
                    3 * u.m + 2 * u.d + 2 * u.bc + 2 * u.tph + z.c * z.c + u.low),
             Moment("mamba.states", states,
                    3 * u.d + 2 * u.bc + 2 * u.s3 + u.s1 + 2 * u.tph + u.low),
             Moment("mamba.scan_out", scan,
                    6 * u.d + 2 * u.bc + u.s3 + u.s1 + 2 * u.tph + u.low),
-            Moment("mamba.norm", saved - u.tde - u.tdf - rows,
-                   u.tdf + rows + final + (t * z.conv * dm.e if dm.e < f else 0)),
-            Moment("mamba", saved,
-                   stream + final + (u.tdf + t * z.conv * dm.e if dm.e < f else 0))]
+            norm,
+            Moment("mamba", saved, stream + final + (u.tdf + silu if dm.e < f else 0))]
 
 
 def working_set(z: Sizes, dm: Dims) -> list[Moment]:
@@ -157,6 +173,21 @@ def working_set(z: Sizes, dm: Dims) -> list[Moment]:
             + z.b * (z.chunks + 1) ** 2 * z.h * f + z.h * f)
     return [Moment("mamba.states", 0, held + 3 * u.d + 3 * u.s3 + 3 * u.tph),
             Moment("mamba.scan_out", 0, held + 7 * u.d + u.s3 + 4 * u.tph)]
+
+
+def _gate_backward(z: Sizes, dm: Dims, saved: int, gate: int) -> list[BackwardMoment]:
+    """The gated norm's backward (its weight's product, then five fp32 T d tensors), or
+    Falcon-H1's y * silu(gate)'s: the product's fp32 gradient (below fp32 the cast's
+    backward's), y's and silu's output's in fp32, the latter's cast to silu's dtype
+    (``gate`` bytes). ``saved``: the block's saved bytes but out_proj's input."""
+    u = units(z, dm)
+    out = ("attn_out",)
+    if not z.gated:
+        return [BackwardMoment("mamba.norm", saved,
+                               3 * u.tdf + (gate if dm.e < FP32_BYTES else 0), out)]
+    rows = z.tokens * z.g * FP32_BYTES
+    return [BackwardMoment("mamba.norm_weight", saved, 3 * u.tdf, out),
+            BackwardMoment("mamba.norm", saved - u.tdf - rows, 5 * u.tdf, out)]
 
 
 def backward_moments(z: Sizes, dm: Dims, saved: int, grad_in: int,
@@ -173,8 +204,8 @@ def backward_moments(z: Sizes, dm: Dims, saved: int, grad_in: int,
     terms = {term.name.partition(".")[2]: term.size_bytes
              for term in scan_terms(z, dm) + norm_terms(z, dm)}
     low = e < f
-    rows, th = t * z.g * f, t * z.h
-    gate = u.tde  # the gate's gradient (in the compute dtype), from the norm on
+    th = t * z.h
+    gate = t * z.d * (z.mup_e or e)  # the gate's gradient (in its dtype), from the norm on
     scan = saved - terms["y"] - terms["norm"] - terms["out"] - terms["gate_fp32"]
     cts = scan - u.d  # Y_off's product ran: C_times_states freed
     passed = cts - u.s2 - u.bc - u.tph  # C_times_states' bmm and the state decay freed
@@ -190,8 +221,7 @@ def backward_moments(z: Sizes, dm: Dims, saved: int, grad_in: int,
     conv_in = t * z.conv * e
     out = ("attn_out",)
     return [BackwardMoment("mamba.out", saved, u.tde, out),
-            BackwardMoment("mamba.norm_weight", saved - terms["out"], 3 * u.tdf, out),
-            BackwardMoment("mamba.norm", saved - terms["out"] - u.tdf - rows, 5 * u.tdf, out),
+            *_gate_backward(z, dm, saved - terms["out"], gate),
             BackwardMoment("mamba.y_off", scan, 3 * u.d + gate + u.tph, out),
             BackwardMoment("mamba.c_states", cts, 2 * u.d + gate + u.bc + u.s2 + u.tph, out),
             BackwardMoment("mamba.passed", passed,
@@ -216,5 +246,5 @@ def backward_moments(z: Sizes, dm: Dims, saved: int, grad_in: int,
             BackwardMoment("mamba.conv", conv - terms["conv_out"],
                            terms["conv_out"] + conv_in + gate + th * e, out),
             BackwardMoment("mamba.proj_grad", z.h * f,
-                           t * z.width * e + conv_in + gate + th * e, out),
+                           t * z.width * (z.mup_e or e) + conv_in + gate + th * e, out),
             BackwardMoment("mamba_in", 0, t * z.width * e + grad_in, ("attn",), in_proj)]

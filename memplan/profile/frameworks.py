@@ -538,11 +538,13 @@ def _mla_cache(model: torch.nn.Module) -> dict[str, str]:
 
 
 def _mamba_kernel(model: torch.nn.Module) -> dict[str, str]:
-    """How the model's Mamba2 layers run without mamba_ssm (every CPU trace): "torch" where
-    the layer's ``torch_forward`` is transformers 5.3's naive scan, "torch-einsum" where its
-    module scans through ``mamba2_chunk_scan`` (5.23); nothing for a model without them."""
+    """How the model's Mamba2 layers (Granite 4.0-H's, Falcon-H1's mixers) run without
+    mamba_ssm (every CPU trace): "torch" where the layer's ``torch_forward`` is transformers
+    5.3's naive scan, "torch-einsum" where its module scans through ``mamba2_chunk_scan``
+    (5.23); nothing for a model without them."""
     for module in model.modules():
-        if type(module).__name__.endswith("MambaLayer"):
+        if type(module).__name__.endswith("MambaLayer") or \
+                type(module).__name__ == "FalconH1Mixer":
             source = sys.modules[type(module).__module__]
             return {"mamba_kernel": "torch-einsum" if hasattr(source, "mamba2_chunk_scan")
                     else "torch"}

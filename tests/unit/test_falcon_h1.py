@@ -13,7 +13,7 @@ import pytest
 from memplan.errors import MemplanError
 from memplan.model.dims import Dims, total
 from memplan.model.falcon_h1 import ParallelMamba, mup_buffer_bytes
-from memplan.model.layer import layer_blocks, layer_terms
+from memplan.model.layer import kv_cache_bytes, layer_blocks, layer_terms
 from memplan.model.mamba import mamba_terms
 from memplan.parallel import ParallelConfig
 from memplan.spec import ModelSpec, spec_from_hf_dict
@@ -50,8 +50,8 @@ def test_count_by_hand() -> None:
     assert m is not None and m.parallel_attention and not m.gated_norm
     assert (m.inner, m.conv_dim, m.width) == (1536, 2048, 3608)
     assert not any(spec.is_linear_layer(i) for i in range(36))
-    # FalconH1Model.forward makes no cache when none is passed
-    assert not spec.use_cache and not spec.qkv_bias and not spec.mlp_bias
+    # use_cache as the config says: the cache follows the mixer's kernel (5.3 makes none)
+    assert spec.use_cache and not spec.qkv_bias and not spec.mlp_bias
 
 
 def test_refusals_in_one_line() -> None:
@@ -72,14 +72,15 @@ def _toy() -> ModelSpec:
     return spec_from_hf_dict(data, "config.json", "toy")
 
 
-def _dims(spec: ModelSpec, precision: str) -> tuple[Workload, Dims]:
-    wl = Workload(micro_batch_size=2, seq_len=64, precision=precision)
+def _dims(spec: ModelSpec, precision: str,
+          kernel: MambaKernel = MambaKernel.TORCH) -> tuple[Workload, Dims]:
+    wl = Workload(micro_batch_size=2, seq_len=64, precision=precision, mamba_kernel=kernel)
     return wl, Dims.of(spec, ParallelConfig(), wl)
 
 
 def test_layer_saved_bytes_by_hand() -> None:
-    """The toy at b = 2, s = 64 (T = 128), in fp32 (e = 4): what differs from Granite 4.0-H's
-    mixer of the same widths (d = 256, C = 256 + 64 = 320 channels, in_proj's width W = 256
+    """The toy at b = 2, s = 64 (T = 128), in fp32 (e = 4), on transformers 5.3's naive scan
+    (``mamba_kernel`` torch): what differs from Granite 4.0-H's mixer of the same widths (d = 256, C = 256 + 64 = 320 channels, in_proj's width W = 256
     + 320 + 4 = 580) and from Llama's attention sub-layer:
 
     attn_norm.output     in_proj's input, the norm output's ssm_in copy: T h e  =  65,536
@@ -118,15 +119,77 @@ def test_layer_saved_bytes_by_hand() -> None:
     assert copy.size_bytes == 98_304
 
 
+def test_einsum_mixer_by_hand() -> None:
+    """The toy on transformers 5.23's einsum scan (``mamba_kernel`` torch-einsum, the
+    default): Granite 4.0-H's einsum terms (memplan.model.mamba_einsum) with Falcon-H1's
+    parts. Tp = 192 padded tokens, H = 4, n = 32, N = 2 chunks, fp32:
+
+    mamba.x_pad          the padded x D multiplies: Tp d 4                  = 196,608
+    mamba.x_dt           Y_diag's and the states' copies of x * dt: 2 Tp d 4 = 393,216
+    mamba.bc             five B/C tensors: 5 Tp H n 4                       = 491,520
+    mamba.states         b (N + 1) d n 4 + b N d n 4 = 196,608 + 131,072    = 327,680
+                         (the naive scan: x_chunks 393,216, bc 294,912, states 393,216)
+    mamba.norm           silu(gate): T d 4 (no gated norm, no fp32 gate copy) = 131,072
+    mamba.in_proj_out    the mup_vector product, in_proj's output's size: T W 4 = 296,960
+
+    A layer saves 4,011,346 + 196,608 + 196,608 - 65,536 = 4,339,026 B: the two layers
+    655,360 B more than on 5.3, as traced (9,155,756 against 8,500,396 B). In bf16 no fp32
+    gate copy (Granite's T d 4 = 131,072), silu's output T d 2 = 65,536, dt 2 T H 2 + 2 T H 4
+    = 6,144. The cache a use_cache forward makes (5.23 only): the conv state b C K 4 = 10,240
+    and the final state b d n 4 = 65,536 a layer (fp32); none on the naive kernel (5.3)."""
+    spec = _toy()
+    wl, dm = _dims(spec, "fp32", MambaKernel.TORCH_EINSUM)
+    terms = {t.name: t.size_bytes for t in layer_terms(spec, wl, dm, moe_layer=False,
+                                                        recompute=Recompute.NONE)}
+    assert (terms["mamba.x_pad"], terms["mamba.x_dt"], terms["mamba.bc"],
+            terms["mamba.states"]) == (196_608, 393_216, 491_520, 327_680)
+    assert (terms["mamba.norm"], terms["mamba.gate_fp32"], terms["mamba.in_proj_out"]) == (
+        131_072, 0, 296_960)
+    assert sum(terms.values()) == 4_339_026
+    _, dm16 = _dims(spec, "bf16-pure", MambaKernel.TORCH_EINSUM)
+    mixer = {t.name: t.size_bytes for t in mamba_terms(spec, dm16, MambaKernel.TORCH_EINSUM)}
+    assert (mixer["mamba.gate_fp32"], mixer["mamba.norm"], mixer["mamba.dt"]) == (
+        0, 65_536, 6_144)
+    cached = wl.model_copy(update={"kv_cache": True})
+    assert kv_cache_bytes(spec, cached, dm, Recompute.NONE) == 10_240 + 65_536
+    naive = cached.model_copy(update={"mamba_kernel": MambaKernel.TORCH})
+    assert kv_cache_bytes(spec, naive, dm, Recompute.NONE) == 0
+
+
+def test_einsum_gate_moments_by_hand() -> None:
+    """y * silu(gate) on the einsum path (T d = 32,768 elements): in bf16 the forward holds
+    the fp32 product (T d 4 = 131,072) beside silu's bf16 output of the conv (T C 2 =
+    81,920), its cast (what out_proj saves) not yet made; its backward the product's fp32
+    gradient, y's and silu's output's (3 T d 4 = 393,216) and the latter's cast to bf16
+    (T d 2 = 65,536). In fp32 the product is out_proj's input itself: 3 T d 4 in backward."""
+    spec = _toy()
+    block = layer_blocks(spec, False)[1]
+    for precision, fwd, bwd in (("bf16-pure", 131_072 + 81_920, 393_216 + 65_536),
+                                ("fp32", 0, 393_216)):
+        wl, dm = _dims(spec, precision, MambaKernel.TORCH_EINSUM)
+        saved = total(mamba_terms(spec, dm, MambaKernel.TORCH_EINSUM))
+        x = 128 * 128 * dm.stream_e  # the norm's output, the layer's local
+        norm = next(m for m in block.forward_moments(spec, wl, dm, Recompute.NONE)
+                    if m.name == "mamba.norm")
+        assert norm.own_bytes == saved - (65_536 if precision == "bf16-pure" else 0)
+        assert norm.transient_bytes == fwd + x
+        back = next(m for m in block.backward_moments(spec, wl, dm, Recompute.NONE)
+                    if m.name == "mamba.norm")
+        stream = 128 * 128 * dm.e  # the norm-output gradient the attention made
+        assert back.transient_bytes == bwd + stream
+
+
 def test_kernel_and_buffers() -> None:
-    """The mixer runs transformers 5.3's naive scan whatever ``mamba_kernel`` says (the only
-    path traced); the mup_vector buffers are 2 layers x W elements in the weights' dtype
-    (2 x 580 x 4 = 4,640 B in fp32: the traced buffers less RoPE's 128 B)."""
+    """The mixer runs the scan ``mamba_kernel`` says (5.3's naive one, 5.23's einsums);
+    the mup_vector buffers are 2 layers x W elements in the weights' dtype (2 x 580 x 4 =
+    4,640 B in fp32: the traced buffers less RoPE's 128 B)."""
     spec = _toy()
     wl, dm = _dims(spec, "fp32")
+    assert total(layer_terms(spec, wl, dm, moe_layer=False, recompute=Recompute.NONE)) \
+        == 4_011_346
     einsum = wl.model_copy(update={"mamba_kernel": MambaKernel.TORCH_EINSUM})
     assert total(layer_terms(spec, einsum, dm, moe_layer=False, recompute=Recompute.NONE)) \
-        == 4_011_346
+        == 4_339_026
     assert mup_buffer_bytes(spec, wl, 2) == 4_640
     assert mup_buffer_bytes(spec, _dims(spec, "bf16-pure")[0], 2) == 2_320
 
@@ -153,6 +216,9 @@ def test_the_estimate_names_the_path() -> None:
 
     est = estimate(_toy(), seq_len=64, micro_batch_size=2)
     line = next(a for a in est.assumptions if "Falcon-H1" in a)
-    assert "torch_forward" in line and "5.3" in line and "not modelled" in line
+    assert "5.23" in line and "mamba2_chunk_scan" in line and "not modelled" in line
+    est = estimate(_toy(), seq_len=64, micro_batch_size=2, mamba_kernel="torch")
+    line = next(a for a in est.assumptions if "Falcon-H1" in a)
+    assert "torch_forward" in line and "5.3" in line and "5.23" not in line
     full = spec_from_hf_dict(CONFIG, "config.json", "falcon-h1")
     assert estimate(full, seq_len=4096, micro_batch_size=1).stages[0].peak_bytes > 0
