@@ -347,7 +347,6 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
     if recompute is Recompute.FULL:
         dm = compiled.rerun_dims(dm)
     stream = dm.stream(spec.hidden_size)
-    mixer_out = dm.rows * spec.hidden_size * dm.e  # a mixer's output (the compute dtype)
     incoming = stream  # the residual-stream gradient, alive through the layer
     saved = [total(block.saved(spec, wl, dm, policy)) for block in blocks]
     prior = [sum(saved[:i]) for i in range(len(blocks))]
@@ -356,33 +355,8 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
     input_is_saved = (wl.norm_impl is NormImpl.FUSED or dm.stream_e >= FP32_BYTES
                       or not (spec.norm_placement.pre_norm or dm.autocast))
     extra = stream if recompute is Recompute.FULL and not input_is_saved else 0
-    out: list[LayerMoment] = []
-    if recompute is Recompute.FULL:
-        # the sub-layer's scaled output (``ModelSpec.scaled_residual``): its scalar product's
-        # backward ran before the node that reruns the layer, its gradient copy waits beside
-        # the stream's (traced: Granite 4.0-H on transformers 5.23, tests/unit/
-        # test_mamba_einsum.py)
-        rerun_in = incoming + (stream if spec.scaled_residual else 0)
-        if any(isinstance(b, Mlp) for b in blocks):
-            rerun_in += rerun_pending_bytes(spec, dm)  # an adapted down projection's
-        # The rerun stops once the last saved tensor is packed: after the MLP's output
-        # dropout (its mask), or its second linear, whose output is alive then (and
-        # dropout's), with everything the layer saves and the post-attention residual when
-        # no norm saves it.
-        rerun_out = mixer_out * (2 if spec.dropout > 0 else 1) + (0 if input_is_saved else incoming)
-        if dm.autocast and spec.dropout == 0:
-            # Under autocast the last tensor packed is the second linear's weight cast, made
-            # before it runs: its output does not exist yet, its norm's fp32 output (the
-            # MLP's argument, all-gathered under DTensor sequence parallelism) still does
-            # (traced)
-            rerun_out = dm.linear_rows * spec.hidden_size * dm.stream_e
-        if any(isinstance(b, Mlp) for b in blocks):
-            rerun_out += rerun_stop_bytes(spec, dm)  # an adapted down projection's
-        out.append(LayerMoment("rebuild_out", extra + sum(saved), rerun_in + rerun_out, ()))
-        for block, before in zip(blocks, prior):
-            out += [LayerMoment(m.name, extra + before + m.own_bytes,
-                                   rerun_in + m.transient_bytes, ())
-                    for m in block.rebuild_moments(spec, wl, dm)]
+    out = (_rerun_moments(spec, wl, dm, blocks, saved, prior, extra, input_is_saved)
+           if recompute is Recompute.FULL else [])
     later: tuple[str, ...] = ()  # the blocks whose backward has run: all their gradients
     rerun = recompute is Recompute.FULL  # the rerun's tensors, dropped as they are unpacked
     for block, before in reversed(list(zip(blocks, prior))):
@@ -392,6 +366,44 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
                             0 if host_saved else m.hook_freed)
                 for m in block.backward_moments(spec, wl, dm, policy)]
         later += (block.name,)
+    return out
+
+
+def _rerun_moments(spec: ModelSpec, wl: Workload, dm: Dims, blocks: tuple[Block, ...],
+                   saved: list[int], prior: list[int], extra: int,
+                   input_is_saved: bool) -> list[LayerMoment]:
+    """A fully recomputed layer's rerun, before its backward's moments (``backward_moments``):
+    its stop and its blocks' own rerun moments, beside the gradients made before it began."""
+    stream = dm.stream(spec.hidden_size)
+    incoming = stream  # the residual-stream gradient, alive through the layer
+    mlp = any(isinstance(b, Mlp) for b in blocks)
+    # the sub-layer's scaled output (``ModelSpec.scaled_residual``): its scalar product's
+    # backward ran before the node that reruns the layer, its gradient copy waits beside the
+    # stream's (traced: Granite 4.0-H on transformers 5.23, tests/unit/test_mamba_einsum.py);
+    # an adapted down projection's sum's gradients (``mlp.rerun_pending_bytes``)
+    rerun_in = (incoming + (stream if spec.scaled_residual else 0)
+                + (rerun_pending_bytes(spec, dm) if mlp else 0))
+    # The rerun stops once the last saved tensor is packed: after the MLP's output dropout
+    # (its mask), or its second linear, whose output is alive then (and dropout's), with
+    # everything the layer saves and the post-attention residual when no norm saves it.
+    mixer_out = dm.rows * spec.hidden_size * dm.e  # a mixer's output (the compute dtype)
+    rerun_out = mixer_out * (2 if spec.dropout > 0 else 1) + (0 if input_is_saved else incoming)
+    if dm.autocast and spec.dropout == 0:
+        # Under autocast the last tensor packed is the second linear's weight cast, made
+        # before it runs: its output does not exist yet, its norm's fp32 output (the MLP's
+        # argument, all-gathered under DTensor sequence parallelism) still does (traced)
+        rerun_out = dm.linear_rows * spec.hidden_size * dm.stream_e
+    if mlp:
+        rerun_out += rerun_stop_bytes(spec, dm)  # an adapted down projection's
+    out = [LayerMoment("rebuild_out", extra + sum(saved), rerun_in + rerun_out, ())]
+    for block, before in zip(blocks, prior):
+        # inside the rerun's MLP the post-attention residual is alive too where no norm saves
+        # it (its fp32 copy is what the norm saves: the same condition as the layer's input;
+        # traced: peft LoRA under gradient checkpointing, at up's adapter sum)
+        residual = extra if isinstance(block, Mlp) else 0
+        out += [LayerMoment(m.name, extra + before + m.own_bytes,
+                            rerun_in + residual + m.transient_bytes, ())
+                for m in block.rebuild_moments(spec, wl, dm)]
     return out
 
 

@@ -302,10 +302,13 @@ def test_rerun_holds_the_down_adapters_gradients_and_up_adapters_sum() -> None:
     gradient (131,072). The rerun, saving again, reaches up's adapter sum with what the MLP
     saved before it (its norm's fp32 input 262,144, stats 1,024, gate and act 2 x 458,752,
     the gate's and up's fp32 input casts 2 x 262,144 and lora_A outputs 2 x 8,192 =
-    1,981,440) and the attention's saved bytes (1,551,360) alive: 3,532,800; beside them the
-    MLP's input (131,072), up's output (458,752) and its adapter's lora_B output and scaled
-    copy (2 x 256 x 896 x 4 = 1,835,008), and the three gradients: 2,949,120. Their sum,
-    6,481,920 B, is the traced rerun's (tests/traced/test_finetune.py, gc)."""
+    1,721,344), the attention's saved bytes (its norm's 263,168, q 131,072, k and v 2 x
+    32,768, the output 131,072, lse 8,192, four casts 1,048,576, four lora_A outputs 32,768 =
+    1,680,384) and the layer's checkpointed input (131,072) alive: 3,532,800; beside them the
+    post-attention residual (131,072: the MLP's norm saves its fp32 copy, not it), the MLP's
+    input (131,072), up's output (458,752) and its adapter's lora_B output and scaled copy
+    (2 x 256 x 896 x 4 = 1,835,008), and the three gradients: 3,080,192. Their sum, 6,612,992
+    B, is the traced rerun's with the layer's input (tests/traced/test_finetune.py, gc)."""
     from memplan.model.mlp import rerun_pending_bytes
     from memplan.workload import Recompute
 
@@ -316,7 +319,7 @@ def test_rerun_holds_the_down_adapters_gradients_and_up_adapters_sum() -> None:
     assert rerun_pending_bytes(spec, dm) == 131_072 + 262_144
     kind = layer_kind(spec, wl, dm, False, Recompute.FULL)
     (rerun,) = [m for m in kind.moments if m.name == "mlp_lora"]
-    assert (rerun.alive_bytes, rerun.transient_bytes) == (3_532_800, 2_949_120)
+    assert (rerun.alive_bytes, rerun.transient_bytes) == (3_532_800, 3_080_192)
     # an fp32 base: the sum's gradient goes to the base as it is, only the scaled product's
     # is made (256 x 256 x 4); the product is saved by down's lora_A itself, so the rerun's
     # stop adds nothing beside the saved bytes
