@@ -283,7 +283,7 @@ def kv_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute
     sliding-window layer given a mask (``memplan.model.attention.windowed``)."""
     if not (wl.kv_cache and recompute is Recompute.NONE):
         return 0
-    if spec.mamba is not None and spec.mamba.parallel_attention:
+    if falcon_h1.parallel(spec):
         # Falcon-H1: transformers 5.3's FalconH1Model.forward makes no cache unless given one;
         # 5.23's makes a DynamicCache (use_cache): the attention's and the mixer's states
         if mamba_kernel(spec, wl) is not MambaKernel.TORCH_EINSUM:

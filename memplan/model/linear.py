@@ -409,6 +409,13 @@ def keeps_input(linears: Sequence[Linear], dm: Dims) -> bool:
     return shares_input(dm) and any(dm.adapters.adapts(lin) for lin in linears)
 
 
+def adapter_math_bytes(dm: Dims) -> int:
+    """Bytes per element of the adapters' activations: their weights' dtype, or under
+    autocast the compute dtype autocast runs their matmuls in."""
+    assert dm.adapters is not None
+    return dm.e if dm.autocast else dm.adapters.weight_bytes
+
+
 def adapter_terms(prefix: str, linears: Sequence[Linear], dm: Dims) -> list[Term]:
     """What the adapters of ``linears`` save for backward on this rank (``memplan.model.
     adapters``): per adapted projection ``lora_B``'s rank-r input, and ``lora_A``'s input
@@ -426,7 +433,7 @@ def adapter_terms(prefix: str, linears: Sequence[Linear], dm: Dims) -> list[Term
         return []
     # autocast casts the fp32 adapters' matmuls; else their own dtype (fp32, or the model's
     # where the engine cast them: Adapters.weight_bytes)
-    low = dm.e if dm.autocast else ad.weight_bytes
+    low = adapter_math_bytes(dm)
     rows = dm.tokens
     inputs = rank = 0
     cast: set[str] = set()  # the inputs whose cast is counted, when shared
@@ -451,7 +458,7 @@ def adapter_forward_bytes(lin: Linear, dm: Dims) -> int:
     ad = dm.adapters
     if ad is None or not ad.adapts(lin):
         return 0
-    low = dm.e if dm.autocast else ad.weight_bytes
+    low = adapter_math_bytes(dm)
     return 2 * dm.tokens * local_widths(lin, dm.tp)[1] * low
 
 
@@ -467,7 +474,7 @@ def adapter_checkpointed_bytes(lin: Linear, dm: Dims) -> int:
     ad = dm.adapters
     if ad is None or not ad.adapts(lin):
         return 0
-    low = dm.e if dm.autocast else ad.weight_bytes
+    low = adapter_math_bytes(dm)
     d_in, _ = local_widths(lin, dm.tp)
     rows = dm.tokens
     cast = 0 if dm.autocast or dm.e == ad.weight_bytes else rows * d_in * ad.weight_bytes
@@ -482,7 +489,7 @@ def adapter_backward_bytes(lin: Linear, dm: Dims) -> int:
     ad = dm.adapters
     if ad is None or not ad.adapts(lin):
         return 0
-    low = dm.e if dm.autocast else ad.weight_bytes
+    low = adapter_math_bytes(dm)
     d_in, d_out = local_widths(lin, dm.tp)
     return dm.tokens * (d_out + ad.rank + d_in) * low
 

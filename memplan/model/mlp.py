@@ -273,29 +273,21 @@ def working_steps(spec: ModelSpec, wl: Workload, dm: Dims) -> tuple[tuple[str, i
 
 def lora_working_steps(spec: ModelSpec, wl: Workload, dm: Dims) -> tuple[tuple[str, int], ...]:
     """``working_steps`` of a gated MLP whose projections carry LoRA adapters (traced under
-    DeepSpeed's ZeRO-3, tests/traced/test_deepspeed_trace.py): each adapted projection's
-    base output, then its adapter's sum (``<name>_lora``: peft's ``Linear.forward``,
-    ``result + lora_B(lora_A(x)) * scaling``: the base output, the adapters' cast of the
-    input, ``lora_B``'s output and the scaled copy, ``linear.adapter_checkpointed_bytes``)
-    beside what the step before left alive; their most is ``_lora_working_bytes``. () where
-    the MLP is not a gated one of three plain projections or none is adapted."""
-    linears = mlp_linears(spec, spec.ffn_hidden_size)
-    ad = dm.adapters
-    if (ad is None or not spec.mlp.gated or spec.fused_gate_up or wl.compile
-            or wl.mlp_impl is not MlpImpl.GENERIC or len(linears) != 3
-            or not any(ad.adapts(lin) for lin in linears)):
+    DeepSpeed's ZeRO-3, tests/traced/test_deepspeed_trace.py): each projection's base output,
+    then where it is adapted its adapter's sum (``<name>_lora``, ``_adapter_steps``) beside
+    what the step before left alive. () where the MLP is not a gated one of three plain
+    projections or none is adapted."""
+    adapted = dict(_adapter_steps(spec, dm))
+    if (not adapted or not spec.mlp.gated or spec.fused_gate_up or wl.compile
+            or wl.mlp_impl is not MlpImpl.GENERIC):
         return ()
-    gate, up, down = linears
     stream = dm.rows * spec.hidden_size * dm.e
     inner = dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
-
-    def lora(lin: Linear, name: str, before: int) -> tuple[tuple[str, int], ...]:
-        return (((f"{name}_lora", before + linear.adapter_checkpointed_bytes(lin, dm)),)
-                if ad.adapts(lin) else ())
-
-    return (("gate", inner), *lora(gate, "gate", inner), ("act", 2 * inner), ("up", 2 * inner),
-            *lora(up, "up", 2 * inner), ("prod", 3 * inner), ("down", inner + stream),
-            *lora(down, "down", inner + stream))
+    steps = (("gate", inner), ("gate_lora", None), ("act", 2 * inner), ("up", 2 * inner),
+             ("up_lora", None), ("prod", 3 * inner), ("down", inner + stream),
+             ("down_lora", None))
+    return tuple((name, adapted[name] if size is None else size) for name, size in steps
+                 if size is not None or name in adapted)
 
 
 def _working_bytes(spec: ModelSpec, stream: int, inner: int) -> int:
@@ -309,28 +301,34 @@ def _working_bytes(spec: ModelSpec, stream: int, inner: int) -> int:
     return max(stream + inner, (3 if spec.mlp.gated else 2) * inner)
 
 
-def _lora_working_bytes(spec: ModelSpec, dm: Dims) -> int:
-    """The most a checkpointed MLP holds at its adapters (nothing saved; 0 without LoRA):
-    each adapted projection's adapter (``linear.adapter_checkpointed_bytes``) beside its
-    base output and what the forward left alive before it, in LlamaMLP.forward's order
+def _adapter_steps(spec: ModelSpec, dm: Dims) -> tuple[tuple[str, int], ...]:
+    """A checkpointed MLP's (nothing saved) moments at its adapters, in the order they run:
+    each adapted projection's adapter (``linear.adapter_checkpointed_bytes``) beside its base
+    output and what the forward left alive before it, in LlamaMLP.forward's order
     (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``): at the gate its output; at up the
     activation's output and up's; at the down projection the product and its output. An
     ungated MLP: the first linear's output, then the activation's output beside the second's;
     one fused gate/up projection (Phi3MLP) keeps its output through the function (traced:
     tests/traced/test_finetune.py, peft's LoRA on every linear under gradient
-    checkpointing)."""
+    checkpointing). () without adapters on the MLP."""
     if dm.adapters is None:
-        return 0
+        return ()
     stream = dm.rows * spec.hidden_size * dm.e
     inner = dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
-    linears = mlp_linears(spec, spec.ffn_hidden_size)
-    a = [linear.adapter_checkpointed_bytes(lin, dm) for lin in linears]
-    if spec.fused_gate_up:  # (gate_up, down)
-        return max(2 * inner + a[0], 3 * inner + stream + a[1])
-    if not spec.mlp.gated:  # (first, down)
-        return max(inner + a[0], inner + stream + a[1])
-    up, gate, down = a  # mlp_linears' order
-    return max(inner + gate, 2 * inner + up, inner + stream + down)
+    linears = {lin.name: lin for lin in mlp_linears(spec, spec.ffn_hidden_size)}
+    if spec.fused_gate_up:
+        before = {"gate_up": 2 * inner, "down": 3 * inner + stream}
+    elif not spec.mlp.gated:
+        before = {"up": inner, "down": inner + stream}
+    else:
+        before = {"gate": inner, "up": 2 * inner, "down": inner + stream}
+    return tuple((f"{name}_lora", size + linear.adapter_checkpointed_bytes(linears[name], dm))
+                 for name, size in before.items() if dm.adapters.adapts(linears[name]))
+
+
+def _lora_working_bytes(spec: ModelSpec, dm: Dims) -> int:
+    """The most a checkpointed MLP holds at its adapters (``_adapter_steps``; 0 without)."""
+    return max((size for _, size in _adapter_steps(spec, dm)), default=0)
 
 
 def rerun_pending_bytes(spec: ModelSpec, dm: Dims) -> int:
@@ -346,7 +344,7 @@ def rerun_pending_bytes(spec: ModelSpec, dm: Dims) -> int:
     down = mlp_linears(spec, spec.ffn_hidden_size)[-1]
     if dm.adapters is None or not dm.adapters.adapts(down):
         return 0
-    low = dm.e if dm.autocast else dm.adapters.weight_bytes
+    low = linear.adapter_math_bytes(dm)
     rows_out = dm.tokens * local_widths(down, dm.tp)[1]
     # the sum's backward hands its gradient on as it is where base and adapter share a dtype
     # (fp32 weights; autocast), and casts it for the base's where they differ

@@ -30,13 +30,20 @@ from memplan.model.deepspeed_zero import estimate_zero2, estimate_zero3
 TOY = hf("Meta-Llama-3-8B", **LLAMA3_TOY)
 
 
-def _trace(dp: int = 2, **options) -> dict:
+def _run(options: dict, *flags: str, dp: int = 2):
+    """memplan.profile.deepspeed_trace on the toy Llama in a process of its own: its last
+    line, read as JSON."""
     case = dict(library="deepspeed", name="llama3", config=TOY, recipe="bf16-mixed",
                 micro_batch_size=1, seq_len=64, dp=dp, options=options)
     out = subprocess.run([sys.executable, "-m", "memplan.profile.deepspeed_trace",
-                          json.dumps(case)], capture_output=True, text=True, timeout=600)
+                          json.dumps(case), *flags], capture_output=True, text=True,
+                         timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _trace(dp: int = 2, **options) -> dict:
+    return _run(options, dp=dp)
 
 
 @pytest.mark.parametrize("options", [
@@ -111,13 +118,7 @@ def test_estimators_reproduced_exactly() -> None:
 
 def _trace_only(**options) -> dict:
     """Phase peaks of a case memplan's preset does not estimate yet (``--trace``)."""
-    case = dict(library="deepspeed", name="llama3", config=TOY, recipe="bf16-mixed",
-                micro_batch_size=1, seq_len=64, dp=2, options=options)
-    out = subprocess.run([sys.executable, "-m", "memplan.profile.deepspeed_trace",
-                          json.dumps(case), "--trace"], capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return _run(options, "--trace")
 
 
 # every parameter gathered for its own module only: no prefetch, none kept for reuse, none
@@ -172,12 +173,7 @@ def test_zero3_states_and_step_traced(sub_group_size, first: int, steady: int) -
 
 
 def _zero3_diff() -> dict:
-    case = dict(library="deepspeed", name="llama3", config=TOY, recipe="bf16-mixed",
-                micro_batch_size=1, seq_len=64, dp=2, options=_PLAIN)
-    out = subprocess.run([sys.executable, "-m", "memplan.profile.deepspeed_trace",
-                          json.dumps(case)], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])["diff"]
+    return _run(_PLAIN)["diff"]
 
 
 def test_zero3_phase_peaks_within_one_percent() -> None:
@@ -231,13 +227,7 @@ def test_zero3_coordinator_replayed_exactly(name: str, recompute: bool) -> None:
     from memplan.model.deepspeed_coordinator import Coordinator, llama_trace, replay
 
     options = dict(_COORDINATOR_CASES[name], **({"recompute": "full"} if recompute else {}))
-    case = dict(library="deepspeed", name="llama3", config=TOY, recipe="bf16-mixed",
-                micro_batch_size=1, seq_len=64, dp=2, options=options)
-    out = subprocess.run([sys.executable, "-m", "memplan.profile.deepspeed_trace",
-                          json.dumps(case), "--gathers"], capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    steps = json.loads(out.stdout.strip().splitlines()[-1])
+    steps = _run(options, "--gathers")
     c = Coordinator(**{v: options[k] for k, v in _SETTINGS.items() if k in options})
     trace = llama_trace(len(_SIZES), 1, (9, 9), 2, (recompute,) * 2).uses
     fetched = [i for i, u in enumerate(trace) if u.param >= 0 and u.fetch]
@@ -247,12 +237,7 @@ def test_zero3_coordinator_replayed_exactly(name: str, recompute: bool) -> None:
 
 
 def _coordinator_diff(**options) -> dict:
-    case = dict(library="deepspeed", name="llama3", config=TOY, recipe="bf16-mixed",
-                micro_batch_size=1, seq_len=64, dp=2, options=options)
-    out = subprocess.run([sys.executable, "-m", "memplan.profile.deepspeed_trace",
-                          json.dumps(case)], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])["diff"]
+    return _run(options)["diff"]
 
 
 @pytest.mark.parametrize("name", list(_COORDINATOR_CASES))
@@ -530,13 +515,7 @@ def test_lora_coordinator_replayed_exactly(recompute: bool) -> None:
 
     options = dict(_COORDINATOR_CASES["defaults"], **_LORA,
                    **({"recompute": "full"} if recompute else {}))
-    case = dict(library="deepspeed", name="llama3", config=TOY, recipe="bf16-mixed",
-                micro_batch_size=1, seq_len=64, dp=2, options=options)
-    out = subprocess.run([sys.executable, "-m", "memplan.profile.deepspeed_trace",
-                          json.dumps(case), "--gathers"], capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    steps = json.loads(out.stdout.strip().splitlines()[-1])
+    steps = _run(options, "--gathers")
     layer = lora_layer_sizes(_LAYER, _ADAPTERS)
     sizes = (256_000, *layer, *layer, 256, 256_000)
     trace = llama_lora_trace(len(sizes), 1, 2, (True,) * 7, 2, (recompute,) * 2).uses

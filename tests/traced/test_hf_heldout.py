@@ -59,6 +59,17 @@ def _built(data: dict) -> torch.nn.Module:
         return transformers.AutoModelForCausalLM.from_config(config)
 
 
+def _layers(spec) -> list[int]:
+    """memplan's parameters of each layer, one stage holding them all."""
+    return list(count_stage_params(spec, 1, 1, 1, tuple(range(spec.num_layers)), True, True,
+                                   1).layers)
+
+
+def _built_layers(model: torch.nn.Module) -> list[int]:
+    """The parameters of each decoder layer transformers built."""
+    return [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+
+
 def _known(model_type: str) -> bool:
     from transformers import CONFIG_MAPPING
 
@@ -103,9 +114,7 @@ def test_fallback_weights_are_transformers_tensors(name: str) -> None:
     model = _built(data)
     exact = sum(p.numel() for p in model.parameters())
     spec = spec_from_hf_dict(data, "config.json", name)
-    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
-    stage = count_stage_params(spec, 1, 1, 1, tuple(range(spec.num_layers)), True, True, 1)
-    assert list(stage.layers) == per_layer
+    assert _layers(spec) == _built_layers(model)
     est = estimate(spec, seq_len=64, precision="fp32")
     assert (est.stages[0].params_bytes, est.stages[0].grads_bytes) == (4 * exact, 4 * exact)
 
@@ -120,8 +129,7 @@ def test_granite_4_h_without_experts_is_read_as_built() -> None:
     assert spec.approximate is None and spec.mamba is not None
     assert spec.num_params == sum(p.numel() for p in model.parameters()) == 895_307_328
     stage = count_stage_params(spec, 1, 1, 1, tuple(range(spec.num_layers)), True, True, 1)
-    assert list(stage.layers) == [sum(p.numel() for p in layer.parameters())
-                                  for layer in model.model.layers]
+    assert list(stage.layers) == _built_layers(model)
     assert sorted(stage.tensor_sizes) == sorted(p.numel() for p in model.parameters())
 
 
@@ -135,24 +143,20 @@ def test_granite_4_h_tiny_with_experts_is_read_as_built() -> None:
     spec = spec_from_hf_dict(data, "config.json", "granite-4.0-h-tiny")
     assert spec.approximate is None and spec.moe is not None and spec.moe.parallel_experts
     assert spec.num_params == sum(p.numel() for p in model.parameters()) == 6_939_037_248
-    stage = count_stage_params(spec, 1, 1, 1, tuple(range(spec.num_layers)), True, True, 1)
-    assert list(stage.layers) == [sum(p.numel() for p in layer.parameters())
-                                  for layer in model.model.layers]
+    assert _layers(spec) == _built_layers(model)
 
 
 def test_falcon_h1_is_read_as_built() -> None:
     """Falcon-H1 (the held-out file: 36 layers of 1,024, each a Mamba2 mixer of 24 heads of
     64 beside attention, then a gated MLP) read by its reader, not the fallback: the count
-    (530,894,368: tests/unit/test_hf_more_families.py by hand) and every layer's tensors
+    (530,894,368: tests/unit/test_falcon_h1.py by hand) and every layer's tensors
     transformers'."""
     data = _config("Falcon-H1-1.5B-Instruct")
     model = _built(data)
     spec = spec_from_hf_dict(data, "config.json", "falcon-h1")
     assert spec.approximate is None and spec.mamba is not None and spec.mamba.parallel_attention
     assert spec.num_params == sum(p.numel() for p in model.parameters()) == 530_894_368
-    stage = count_stage_params(spec, 1, 1, 1, tuple(range(spec.num_layers)), True, True, 1)
-    assert list(stage.layers) == [sum(p.numel() for p in layer.parameters())
-                                  for layer in model.model.layers]
+    assert _layers(spec) == _built_layers(model)
     # the mixers' mup_vector buffers: 36 x (2 x 1536 + 2 x 256 + 24) in bf16 (hf_meta builds
     # in bf16)
     assert sum(b.numel() for n, b in model.named_buffers() if n.endswith("mup_vector")) \
