@@ -2,7 +2,7 @@
 
 Importing memplan never imports torch; only ``memplan.profile`` does, lazily. The public names
 below are loaded on first use (PEP 562): ``import memplan`` alone imports nothing else, so a
-training loop that only needs ``memplan.monitor`` does not build the model's pydantic types, and
+training loop that only needs ``memplan.monitor`` does not build the model's typed inputs, and
 ``memplan.estimate`` loads the model when it is first named.
 """
 

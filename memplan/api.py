@@ -11,10 +11,8 @@ from functools import lru_cache, wraps
 from os import PathLike, fspath
 from typing import Any
 
-from pydantic import ValidationError
-
 from memplan import arguments, presets
-from memplan.errors import MemplanError, validation_message
+from memplan.errors import MemplanError, ValidationError, validation_message
 from memplan.hardware import DEFAULT_GPU, GpuSpec, load_gpu
 from memplan.model.estimate import Estimate
 from memplan.model.estimate import cached_estimate

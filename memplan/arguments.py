@@ -23,9 +23,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
-
-from memplan.choices import field_hash
+from memplan.choices import Record, field_hash
 from memplan.errors import MemplanError, shown, validation_message
 from memplan.units import MAX_INT64
 
@@ -78,14 +76,14 @@ def is_int(value: Any) -> bool:
 def plain(name: str, value: Any) -> Any:
     """``value`` as the API's checks and formulas take it: an integral number of another type
     (numpy's ``int64``, anything with ``__index__`` but a bool) as an ``int``, recursively in
-    lists, tuples and numpy arrays (``np.arange``); a pydantic model validated anew
+    lists, tuples and numpy arrays (``np.arange``); a record (or a pydantic model) validated anew
     (``revalidated``); anything else as it is, for the checks to judge."""
     if value is None or type(value) in (int, float, str, bool):
         return value
     if type(value) in (list, tuple):
         return type(value)(plain(name, item) for item in value)
-    if isinstance(value, BaseModel):
-        return revalidated(name, value)
+    if isinstance(value, Record) or hasattr(type(value), "__pydantic_fields__"):
+        return revalidated(name, value)  # (a calibration's pydantic record too)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         dataclass_fields(name, value)  # (Overheads: not validated when made)
         return value
@@ -105,11 +103,11 @@ def plain(name: str, value: Any) -> Any:
 # dict to change in place) are kept; a field set in place all the same (``object.__setattr__``
 # gets past ``frozen``) changes the hash, and the object is checked anew. The entry goes with
 # the object.
-_CHECKED: dict[int, tuple[weakref.ref, int, BaseModel]] = {}
+_CHECKED: dict[int, tuple[weakref.ref, int, Record]] = {}
 
 
-def revalidated(name: str, model: BaseModel) -> BaseModel:
-    """A pydantic ``model`` given to the API, validated again from its fields: an object made
+def revalidated(name: str, model: Record) -> Record:
+    """A record ``model`` given to the API (or a pydantic one), validated again from its fields: an object made
     with ``model_copy(update=...)`` or ``model_construct(...)`` skipped validation, and would
     otherwise reach the formulas with a negative layer count or a missing field. One line
     naming the argument and the field otherwise. An object given again is answered from
@@ -129,13 +127,15 @@ def revalidated(name: str, model: BaseModel) -> BaseModel:
                            f"({type(err).__name__}); build it with {kind.__name__}(...)") from None
     try:
         checked = kind.model_validate(data)
-    except ValidationError as err:
+    except ValueError as err:  # a Record's ValidationError, or pydantic's
+        if not hasattr(err, "errors"):
+            raise
         raise MemplanError(f"{name}: {kind.__name__} {validation_message(err)}") from None
     _remember(model, checked)
     return checked
 
 
-def _known(model: BaseModel) -> BaseModel | None:
+def _known(model: Record) -> Record | None:
     """What ``model``'s validation returned, from ``_CHECKED``, if it is the object checked
     and its fields hash as they did then; else None."""
     seen = _CHECKED.get(id(model))
@@ -148,7 +148,7 @@ def _known(model: BaseModel) -> BaseModel | None:
     return seen[2] if same else None
 
 
-def _remember(model: BaseModel, checked: BaseModel) -> None:
+def _remember(model: Record, checked: Record) -> None:
     """Keep ``checked`` for ``model`` in ``_CHECKED`` when ``model`` is frozen."""
     if not type(model).model_config.get("frozen"):
         return
@@ -165,7 +165,7 @@ def _remember(model: BaseModel, checked: BaseModel) -> None:
 
 def plain_arguments(function: Any) -> Any:
     """``function`` with every argument made ``plain`` first (see there): the API's entry
-    points take numpy integers and re-check the pydantic objects they are given."""
+    points take numpy integers and re-check the records they are given."""
     positional = function.__code__.co_varnames[:function.__code__.co_argcount]
 
     @functools.wraps(function)
@@ -261,8 +261,8 @@ def _base(annotation: Any) -> set[type]:
 
 
 def model_fields(model: Any, values: Mapping[str, Any], names: Mapping[str, str]) -> None:
-    """The int and bool fields of a pydantic ``model`` among ``values`` are of their type (a
-    pydantic model in lax mode would take ``"2"`` for 2 and ``True`` for 1); unknown names
+    """The int and bool fields of a record ``model`` among ``values`` are of their type (a
+    record in lax mode, as pydantic's, would take ``"2"`` for 2 and ``True`` for 1); unknown names
     and the other fields are left to the model's own validation. ``names``: how the message
     names a field (``LABELS``: the CLI's flag names)."""
     kinds = _field_kinds(model)
@@ -280,7 +280,7 @@ def model_fields(model: Any, values: Mapping[str, Any], names: Mapping[str, str]
 
 @functools.lru_cache(maxsize=None)
 def _field_kinds(model: Any) -> dict[str, type]:
-    """The fields of a pydantic ``model`` class ``model_fields`` checks, each with what it
+    """The fields of a record ``model`` class ``model_fields`` checks, each with what it
     checks: ``bool`` (a bool field) or ``int`` (an int field, or one that allows both): the
     annotations read once per class, not at every call."""
     kinds: dict[str, type] = {}
@@ -351,7 +351,7 @@ def _words(options: tuple[Any, ...]) -> str:
 
 
 def _submodel(annotation: Any) -> Any:
-    """The pydantic model an annotation holds (``MoESpec | None`` -> MoESpec), or None."""
+    """The record an annotation holds (``MoESpec | None`` -> MoESpec), or None."""
     for kind in _base(annotation):
         if hasattr(kind, "model_fields"):
             return kind

@@ -1,7 +1,8 @@
 """The error types for user mistakes: one line, naming the field and the numbers.
 
 ``MemplanError`` is every mistake in the input (the CLI prints it on one line and exits 2);
-``validation_message`` is the one place a pydantic ``ValidationError`` becomes such a line;
+``validation_message`` is the one place a ``ValidationError`` (a record's, or pydantic's for the
+calibration files) becomes such a line;
 ``Interrupted`` is Ctrl-C during a long command, saying what was kept (the CLI exits 130);
 ``deferred_interrupts`` takes Ctrl-C during torch work at a safe point.
 """
@@ -96,7 +97,7 @@ def shown(value: Any, limit: int = 60) -> str:
 
 
 def validation_message(err: Any, names: Mapping[str, str] | None = None) -> str:
-    """The first error of a pydantic ``ValidationError`` as one line: the field (its loc,
+    """The first error of a ``ValidationError`` (a record's or pydantic's) as one line: the field (its loc,
     each part renamed by ``names``, e.g. to the CLI flag), the rule, and the value given."""
     first = err.errors()[0]
     msg = str(first["msg"]).removeprefix("Value error, ")
@@ -110,3 +111,29 @@ def validation_message(err: Any, names: Mapping[str, str] | None = None) -> str:
     return f"{field}: {msg} (got {got})"
 
 
+
+
+class ValidationError(ValueError):
+    """A typed input (``memplan.choices.Record``) refused: ``errors()`` lists each field's
+    failure as pydantic does (``type``, ``loc``, ``msg``, ``input``, ``ctx``), so
+    ``validation_message`` makes one line of either."""
+
+    def __init__(self, title: str, errors: list[dict[str, Any]]) -> None:
+        self.title = title
+        self._errors = errors
+        super().__init__(self._text())
+
+    def errors(self) -> list[dict[str, Any]]:
+        return [dict(e) for e in self._errors]
+
+    def error_count(self) -> int:
+        return len(self._errors)
+
+    def _text(self) -> str:
+        count = len(self._errors)
+        lines = [f"{count} validation error{'s' if count != 1 else ''} for {self.title}"]
+        for e in self._errors:
+            lines.append(".".join(map(str, e["loc"])) or "(model)")
+            lines.append(f"  {e['msg']} [type={e['type']}, input_value={e['input']!r}, "
+                         f"input_type={type(e['input']).__name__}]")
+        return "\n".join(lines)

@@ -10,19 +10,17 @@ from __future__ import annotations
 import tomllib
 from functools import lru_cache
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
 from memplan.catalog import data_dir, suggest
-from memplan.errors import MemplanError
+from memplan.choices import Field, Record
+from memplan.errors import MemplanError, ValidationError
 
 # The GPU an estimate or a plan assumes when none is named (``memplan gpus`` lists the others).
 DEFAULT_GPU = "h100-sxm"
 
 
-class GpuSpec(BaseModel):
+class GpuSpec(Record):
     """One accelerator model. Bandwidths are bytes/s in one direction, per GPU."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str
     aliases: tuple[str, ...] = ()

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
-from memplan.choices import cached_hash
+from memplan.choices import Field, Record, cached_hash, field_validator
 from memplan.choices import PlainEnum, PlainIntEnum
 from memplan import presets
 from memplan.errors import LayoutError
@@ -220,7 +218,7 @@ class ExpertSplit(NamedTuple):
     etp: int
 
 
-class ParallelConfig(BaseModel):
+class ParallelConfig(Record):
     """Degrees of each parallel dimension. World size = tp * pp * cp * dp.
 
     ``vpp`` is the number of model chunks per pipeline rank (interleaved 1F1B when > 1). ``ep``
@@ -232,7 +230,6 @@ class ParallelConfig(BaseModel):
     group is world / (etp * ep * pp)).
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
     __hash__ = cached_hash  # (memplan.choices: computed once per object)
 
     tp: int = Field(default=1, gt=0)

@@ -14,13 +14,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
-from memplan.choices import cached_hash
+from memplan.choices import Field, Record, cached_hash, model_validator
 from memplan.choices import PlainEnum
 from memplan.arguments import file_fields
 from memplan.catalog import data_dir, suggest
-from memplan.errors import MemplanError, validation_message
+from memplan.errors import MemplanError, ValidationError, validation_message
 from memplan.inputs import MODEL_FILE_BYTES, read_json, read_toml, regular_file
 from memplan.hf.param_table import ParamTable
 
@@ -116,7 +114,6 @@ class NormPlacement(PlainEnum):
         return self is not NormPlacement.PRE
 
 
-_FROZEN = ConfigDict(frozen=True, extra="forbid")
 # Bounds that keep a mistyped spec from running for minutes or exhausting memory (the
 # estimate's work grows with the layer count; the planner factors the expert count): far
 # above the deepest published models (Llama 3.1 405B: 126 layers; Megatron-LM's 1T: 128)
@@ -132,10 +129,9 @@ MAX_WIDTH = 2**24
 MAX_ROWS = 2**31
 
 
-class MoESpec(BaseModel):
+class MoESpec(Record):
     """Mixture-of-experts feed-forward: routed experts, optional shared experts."""
 
-    model_config = _FROZEN
 
     num_experts: int = Field(gt=0, le=MAX_EXPERTS)
     top_k: int = Field(gt=0, le=MAX_EXPERTS)
@@ -231,7 +227,7 @@ class MoESpec(BaseModel):
         return self
 
 
-class MlaSpec(BaseModel):
+class MlaSpec(Record):
     """Multi-head latent attention (DeepSeek-V2/V3; models/deepseek_v3/modeling_deepseek_v3.py
     DeepseekV3Attention): queries through a low-rank projection (h -> q_lora_rank, an RMSNorm,
     -> heads * (nope + rope)), keys and values from one compressed projection h -> kv_lora_rank
@@ -239,7 +235,6 @@ class MlaSpec(BaseModel):
     RoPE key (qk_rope_head_dim) shared by the heads. The spec's head_dim is the query/key head
     (nope + rope) and its num_kv_heads the query heads."""
 
-    model_config = _FROZEN
 
     q_lora_rank: int = Field(ge=0, le=MAX_WIDTH, description=(
         "0: one h -> heads * (nope + rope) projection"))
@@ -249,7 +244,7 @@ class MlaSpec(BaseModel):
     v_head_dim: int = Field(gt=0, le=MAX_WIDTH)
 
 
-class LinearAttentionSpec(BaseModel):
+class LinearAttentionSpec(Record):
     """Gated DeltaNet linear attention in place of attention on most layers (Qwen3-Next:
     models/qwen3_next/modeling_qwen3_next.py Qwen3NextGatedDeltaNet): in_proj_qkvz (h -> 2 *
     key_dim + 2 * value_dim), in_proj_ba (h -> 2 * value heads), a depthwise causal conv1d of
@@ -258,7 +253,6 @@ class LinearAttentionSpec(BaseModel):
     rule in chunks of chunk_size tokens (torch_chunk_gated_delta_rule's default 64).
     key_dim = num_key_heads * key_head_dim, value_dim = num_value_heads * value_head_dim."""
 
-    model_config = _FROZEN
 
     num_key_heads: int = Field(gt=0, le=MAX_WIDTH)
     num_value_heads: int = Field(gt=0, le=MAX_WIDTH)
@@ -291,14 +285,13 @@ class LinearAttentionSpec(BaseModel):
         return 2 * self.key_dim + self.value_dim
 
 
-class ShortConvSpec(BaseModel):
+class ShortConvSpec(Record):
     """LFM2's gated short convolution in place of attention on every layer but
     ``attention_layers`` (models/lfm2/modeling_lfm2.py Lfm2ShortConv, transformers 5.3):
     in_proj (h -> 3 h, chunked into the gates B and C and the input x), a depthwise conv1d of
     conv_kernel taps (conv_L_cache) over B * x, C * conv, out_proj (h -> h); conv_bias on the
     three."""
 
-    model_config = _FROZEN
 
     conv_kernel: int = Field(gt=0, le=MAX_WIDTH)
     conv_bias: bool = False
@@ -307,7 +300,7 @@ class ShortConvSpec(BaseModel):
         "full_attention; the others conv)"))
 
 
-class MambaSpec(BaseModel):
+class MambaSpec(Record):
     """A Mamba2 mixer in place of attention on every layer but ``attention_layers``
     (Granite 4.0-H: models/granitemoehybrid/modeling_granitemoehybrid.py
     GraniteMoeHybridMambaLayer, transformers 5.3): in_proj (h -> 2 d + 2 G n + H, d = H P the
@@ -315,7 +308,6 @@ class MambaSpec(BaseModel):
     channels), dt_bias, A_log and D per head, a gated RMSNorm of d, out_proj (d -> h); the
     chunked SSD scan in chunks of chunk_size tokens."""
 
-    model_config = _FROZEN
 
     num_heads: int = Field(gt=0, le=MAX_WIDTH)
     head_dim: int = Field(gt=0, le=MAX_WIDTH)
@@ -371,10 +363,9 @@ class MambaSpec(BaseModel):
         return self.inner + self.conv_dim + self.num_heads
 
 
-class ModelSpec(BaseModel):
+class ModelSpec(Record):
     """A decoder-only transformer. Widths are element counts, not bytes."""
 
-    model_config = _FROZEN
     __hash__ = cached_hash  # (memplan.choices: computed once per object)
 
     name: str

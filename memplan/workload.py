@@ -9,9 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
-from memplan.choices import cached_hash
+from memplan.choices import Field, Record, cached_hash, field_validator, model_validator
 from memplan.choices import PlainEnum, RankedEnum
 from memplan.errors import MemplanError
 from memplan.spec import MAX_LAYERS
@@ -628,10 +626,9 @@ ALL_LINEAR = "all-linear"  # peft's target_modules="all-linear": every projectio
 LORA_HEAD = ("output", "lm_head")
 
 
-class Workload(BaseModel):
+class Workload(Record):
     """One training step. Token counts are per micro-batch, per data-parallel replica."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
     __hash__ = cached_hash  # (memplan.choices: computed once per object)
 
     micro_batch_size: int = Field(default=1, gt=0, le=MAX_SEQUENCES)

@@ -7,21 +7,25 @@ saved, the command that resumes) and exits 130.
 
 from __future__ import annotations
 
+import enum
 import importlib
 import os
 import shlex
 import sys
 from functools import lru_cache
+from typing import Any
 
 import typer
-from pydantic import ValidationError
+from typer import BadParameter
 from typer.exceptions import Abort, Exit, TyperException
 
+from memplan.choices import lax_value
 from memplan.errors import (
     EXIT_INTERRUPTED,
     NOTHING_WRITTEN,
     Interrupted,
     MemplanError,
+    ValidationError,
     shown,
     validation_message,
 )
@@ -90,9 +94,97 @@ def _command_for(args: list[str]) -> typer.core.TyperGroup | typer.core.TyperCom
 _SHOWN_TYPES = frozenset({int, float})
 
 
+# Command-line values converted without building a pydantic validator per option.
+#
+# typer (0.29, ``typer/_coercion.py`` ``build_runtime_param``) converts every option's value
+# with a pydantic ``TypeAdapter`` (``typer/_adapters.py`` ``build_leaf_adapter``), built on the
+# first value the option processes - and every option processes one, given or not
+# (``typer/core.py`` ``_TyperParameter.process_value``). The first adapter costs what building a
+# pydantic model class costs (196M instructions, valgrind, pydantic 2.14: half a cold
+# ``memplan estimate`` beyond its imports). ``plain_value`` gives each option whose type is a
+# plain one (``int``, ``float``, ``str``, ``bool``, an enum, ``list[str]``; no parser or clamp;
+# a range checked as typer's ``Field(ge, le)``) a conversion that does what that adapter does,
+# with its messages (pydantic's lax int and float parsing: ``memplan.choices.lax_value``;
+# typer's ``coerce_cli_choice`` for choices); any other option (a path) keeps typer's own, built
+# when a value is given.
+
+
+class PlainValue:
+    """An option's conversion (typer's ``RuntimeParam.coerce`` interface)."""
+
+    __slots__ = ("descriptor", "kind", "fallback")
+
+    def __init__(self, descriptor: Any) -> None:
+        self.descriptor = descriptor
+        self.kind = _plain_kind(descriptor)
+        self.fallback: Any = None
+
+    def coerce(self, value: Any, param: Any, ctx: Any) -> Any:
+        multi = param.multiple or param.nargs == -1
+        if value is None:  # (typer's RuntimeParam.coerce)
+            return () if multi else None
+        kind = self.kind
+        if kind is None:
+            if self.fallback is None:
+                from typer._coercion import build_runtime_param
+
+                self.fallback = build_runtime_param(self.descriptor)
+            return self.fallback.coerce(value, param=param, ctx=ctx)
+        if multi and isinstance(value, str):
+            raise BadParameter("Value must be an iterable.", ctx=ctx, param=param)
+        if kind is list:  # list[str]: typer's parse_list of _parse_cli_str
+            items = value if isinstance(value, (list, tuple)) else [value]
+            return [str(item) for item in items]
+        if kind is str:
+            return str(value)
+        if issubclass(kind, enum.Enum):
+            from typer._param_types import coerce_cli_choice
+
+            try:
+                return coerce_cli_choice(value, choices=list(kind), ctx=ctx,
+                                         case_sensitive=self.descriptor.parameter_info
+                                         .case_sensitive)
+            except ValueError as err:
+                message = f"Value error, {err}"
+                cause = ValidationError(param.name or "value", [
+                    {"type": "value_error", "loc": (), "msg": message, "input": value}])
+                raise BadParameter(message, ctx=ctx, param=param) from cause
+        if kind is bool and isinstance(value, str):  # (typer's _parse_cli_bool)
+            value = value.strip() or False
+        info = self.descriptor.parameter_info
+        try:  # typer's _build_number_adapter: Field(ge=min, le=max)
+            return lax_value(kind, value, ge=info.min, le=info.max)
+        except ValidationError as err:
+            raise BadParameter(err.errors()[0]["msg"], ctx=ctx, param=param) from err
+
+
+def _plain_kind(descriptor: Any) -> Any:
+    """What ``PlainValue`` converts itself (a type), or None: typer's own conversion."""
+    info = descriptor.parameter_info
+    if (descriptor.file_annotation is not None or getattr(info, "parser", None) is not None
+            or getattr(info, "clamp", None)):
+        return None
+    annotation = descriptor.annotation
+    if annotation in (int, float, str, bool):
+        return annotation
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return annotation
+    if getattr(annotation, "__origin__", None) is list and annotation.__args__ == (str,):
+        return list
+    return None
+
+
+def plain_value(param: Any) -> None:
+    """A typer option (or argument) converted by ``PlainValue`` from now on."""
+    descriptor = getattr(param, "type_descriptor", None)
+    if descriptor is not None and getattr(param, "_runtime_param", False) is None:
+        param._runtime_param = PlainValue(descriptor)
+
+
 def _plain_help(group: typer.core.TyperGroup) -> typer.core.TyperGroup:
     """``group`` with the help's type column kept for numbers and choices only: no ``<bool>``
-    beside a flag, no ``<str>`` beside a name."""
+    beside a flag, no ``<str>`` beside a name; each value converted without a pydantic
+    validator (``PlainValue``)."""
     for command in [group, *group.commands.values()]:
         # the help flag is made on first use, from the context's names: made here, once
         helper = command.get_help_option(typer.Context(command))
@@ -102,6 +194,7 @@ def _plain_help(group: typer.core.TyperGroup) -> typer.core.TyperGroup:
                     and desc is not None and not desc.is_choice
                     and desc.annotation not in _SHOWN_TYPES):
                 param.metavar = ""
+            plain_value(param)
     return group
 
 
@@ -115,14 +208,22 @@ def warn(message: str) -> None:
     print(f"memplan: warning: {' '.join(message.split())}", file=sys.stderr)
 
 
+def _invalid(err: BaseException | None) -> bool:
+    """A typed input refused: a record's ``ValidationError`` or pydantic's (the calibration
+    files' records; told by its type's name, so no command imports pydantic to catch it)."""
+    return isinstance(err, ValidationError) or (
+        isinstance(err, ValueError) and type(err).__name__ == "ValidationError"
+        and type(err).__module__.startswith("pydantic"))
+
+
 def _one_line(err: BaseException) -> str:
 
-    if isinstance(err, ValidationError):
+    if _invalid(err):
         return validation_message(err)
     if isinstance(err, TyperException):
         text = err.format_message().replace("Value error, ", "")
         cause = err.__cause__  # typer converts option values with pydantic: quote the value
-        if isinstance(cause, ValidationError) and cause.errors():
+        if _invalid(cause) and cause.errors():
             got = shown(cause.errors()[0].get("input"))
             text += "" if got in text else f" (got {got})"
         return " ".join(text.split())
@@ -244,9 +345,11 @@ def _main(args: list[str]) -> int:
             raise
         print(f"memplan: interrupted: {_one_line(err) or 'nothing was saved'}", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except (MemplanError, ValidationError, TyperException, OSError) as err:
+    except (MemplanError, ValueError, TyperException, OSError) as err:
         if os.environ.get("MEMPLAN_DEBUG") == "1" or (isinstance(err, OSError)
-                                                       and not _is_file_error(err)):
+                                                       and not _is_file_error(err)) or (
+                isinstance(err, ValueError) and not isinstance(err, MemplanError)
+                and not _invalid(err)):
             raise
         message = _one_line(err)
         if message:  # no arguments: the help was printed, with nothing more to say

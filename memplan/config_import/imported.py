@@ -49,17 +49,15 @@ def _past_bound(target: str, value: Any) -> str | None:
         return None
     if target in _DEGREES:
         return None if 0 < value <= arguments.MAX_GPUS else f"from 1 to {arguments.MAX_GPUS}"
-    spec = Workload.model_fields.get(target)
-    for rule in spec.metadata if spec is not None else ():
-        low = getattr(rule, "gt", None)
-        if low is not None and value <= low:
-            return f"more than {low}"
-        low = getattr(rule, "ge", None)
-        if low is not None and value < low:
-            return f"at least {low}"
-        high = getattr(rule, "le", None)
-        if high is not None and value > high:
-            return f"at most {high}"
+    rule = Workload.model_fields.get(target)
+    if rule is None:
+        return None
+    if rule.gt is not None and value <= rule.gt:
+        return f"more than {rule.gt}"
+    if rule.ge is not None and value < rule.ge:
+        return f"at least {rule.ge}"
+    if rule.le is not None and value > rule.le:
+        return f"at most {rule.le}"
     return None
 
 

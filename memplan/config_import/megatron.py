@@ -23,12 +23,10 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from memplan.arguments import MAX_GPUS
 from memplan.config_import import megatron_flags, megatron_layout, shell
 from memplan.config_import.imported import Imported
-from memplan.errors import MemplanError, shown, validation_message
+from memplan.errors import MemplanError, ValidationError, shown, validation_message
 from memplan.inputs import MODEL_FILE_BYTES, read_text
 from memplan.spec import MAX_LAYERS, ModelSpec
 

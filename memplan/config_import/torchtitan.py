@@ -17,10 +17,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from memplan.config_import.imported import Imported
-from memplan.errors import MemplanError, validation_message
+from memplan.errors import MemplanError, ValidationError, validation_message
 from memplan.inputs import MODEL_FILE_BYTES, read_toml
 from memplan.spec import ModelSpec
 

@@ -36,8 +36,7 @@ import re
 from collections.abc import Iterable
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
-
+from memplan.choices import Record
 from memplan.units import ceil_div
 
 Split = Literal["column", "row", "whole", "expert"]
@@ -56,12 +55,11 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(.*)$")
 
 
-class ParamTable(BaseModel):
+class ParamTable(Record):
     """The parameter tensors of a model's decoder layers (distinct ``rows`` and the row of
     each layer), and those of its last stage beside the output projection (``final``: the
     final norm and whatever else follows the layers). Shapes are whole tensors."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     rows: tuple[tuple[TableTensor, ...], ...]
     layer_rows: tuple[int, ...]

@@ -20,8 +20,7 @@ from itertools import groupby
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from pydantic import BaseModel, ConfigDict
-
+from memplan.choices import Record
 from memplan.errors import MemplanError
 
 # c10/cuda/CUDACachingAllocator.cpp, file-level constants
@@ -37,10 +36,9 @@ K_ROUND_LARGE = 2097152  # kRoundLarge: round up large allocations to 2 MiB
 NO_LIMIT = 1 << 62  # max_split_size's default, std::numeric_limits<size_t>::max() (CUDAAllocatorConfig)
 
 
-class AllocatorConfig(BaseModel):
+class AllocatorConfig(Record):
     """The PYTORCH_CUDA_ALLOC_CONF options the model follows, and the device's capacity."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     max_split_size_bytes: int = NO_LIMIT
     # AcceleratorAllocatorConfig::max_non_split_rounding_size (c10/core/AllocatorConfig.h of

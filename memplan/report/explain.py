@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from memplan.errors import MemplanError
 from memplan.model.estimate import Estimate, StageMemory, cached_estimate
 from memplan.planning.timing import DEFAULT_MFU, estimate_step_time
 from memplan.report.sizes import format_gib
@@ -42,8 +41,6 @@ def again(est: Estimate, **workload: Any) -> Estimate | None:
     """``est`` re-estimated with the given workload fields changed; None when that setting is
     not valid for it (the estimate refuses it) or when a calibration was applied (the
     re-estimate would be analytic, not comparable)."""
-    from pydantic import ValidationError
-
     if est.calibration is not None:
         return None
     try:
@@ -51,7 +48,7 @@ def again(est: Estimate, **workload: Any) -> Estimate | None:
         return cached_estimate(est.spec, est.gpu, est.parallel, wl,
                                capacity_bytes=est.capacity_bytes, overheads=est.overheads,
                                schedule=est.schedule)
-    except (MemplanError, ValidationError, ValueError):
+    except ValueError:  # a MemplanError or a Workload's ValidationError
         return None
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
+from memplan.errors import ValidationError
 
 from memplan.errors import MemplanError
 from memplan.spec import ModelSpec, catalog_names, load_model, param_counts
