@@ -86,7 +86,7 @@ def scan_terms(z: Sizes, dm: Dims) -> list[Term]:
     # gated norm (``Sizes.gated``) silu reads the gate as it is, no fp32 copy
     pe = z.mup_e or e
     return [Term(f"{_PREFIX}.in_proj_out", t * z.width * pe),
-            Term(f"{_PREFIX}.gate_fp32", t * z.d * f if low and z.gated else 0),
+            Term(f"{_PREFIX}.gate_fp32", t * z.d * f if low and z.gate_copy else 0),
             Term(f"{_PREFIX}.conv_out", z.b * z.conv * (z.s + z.taps - 1) * e),
             Term(f"{_PREFIX}.x_fp32", t * z.d * f if low else t * z.conv * f),
             # dt + dt_bias, softplus's output; the clamped dt in fp32 (two copies below fp32)
