@@ -23,7 +23,9 @@ and in fp32 (the scan upcasts x, B and C):
   decays (Tp H each); the chunk states and the passed states (b (N + 1) H P n each); the
   chunks' decay (b (N + 1)^2 H); four causal masks (bools);
 - C_times_states.sum(-1), the padded scan output y, and the gated norm's saved set
-  (silu(gate), y * silu(gate), its rsqrt per row, the normalised tensor: T d, T d, T, T d).
+  (silu(gate), y * silu(gate), its rsqrt per row, the normalised tensor: T d, T d, T, T d;
+  Falcon-H1's FalconH1RMSNormGated an rsqrt per group, T G, and the same sizes whether it
+  gates before or after normalising).
 
 The forward's locals stay until it returns: G's and M's products before their sums (M n and
 M elements), C_times_states (Tp d n), Y_diag and Y_off, the unsaved D residual; the product
