@@ -314,13 +314,12 @@ def falcon_h1(cfg: ConfigKeys) -> dict[str, Any]:
     1024; null: mamba_expand (2) * h) over mamba_n_heads (128) of mamba_d_head ("auto":
     d / heads), 1 group, state 256, conv 4 with bias, chunks of 256; in_proj's bias
     mamba_proj_bias (false), out_proj's projectors_bias (false); the gated FalconH1RMSNormGated
-    only with mamba_rms_norm (default false), refused: its saved set is not modelled. The muP
+    over mamba_n_groups groups with mamba_rms_norm (default false; ``MambaSpec.gated_norm``,
+    memplan.model.mamba: before or after the gate, mamba_norm_before_gate, the same sizes;
+    false: y * silu(gate)). The muP
     multipliers are scalars but mup_vector, a buffer (``MambaSpec.parallel_attention``).
     Its cache follows the mixer's kernel (``memplan.model.layer.kv_cache_bytes``): 5.3's
     FalconH1Model.forward makes none unless given one, 5.23's a DynamicCache with use_cache."""
-    if cfg.get_bool("mamba_rms_norm", False):
-        raise cfg.error("mamba_rms_norm", "true: FalconH1RMSNormGated (the gated norm over "
-                        "mamba_n_groups) is not modelled (false: y * silu(gate))")
     fields = llama_fields(cfg, head_dim_default=None, tie_default=False, bias=False,
                           defaults={"vocab_size": 128000, "max_position_embeddings": 8192})
     hidden, num_layers = fields["hidden_size"], fields["num_layers"]
@@ -341,7 +340,8 @@ def falcon_h1(cfg: ConfigKeys) -> dict[str, Any]:
                          "conv_bias": cfg.get_bool("mamba_conv_bias", True),
                          "proj_bias": cfg.get_bool("mamba_proj_bias", False),
                          "out_proj_bias": cfg.get_bool("projectors_bias", False),
-                         "gated_norm": False, "parallel_attention": True,
+                         "gated_norm": cfg.get_bool("mamba_rms_norm", False),
+                         "parallel_attention": True,
                          "attention_layers": tuple(range(num_layers))})
     return fields
 

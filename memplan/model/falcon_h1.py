@@ -7,7 +7,9 @@ and mamba2_chunk_scan's einsums (``memplan.model.mamba_einsum``), both without m
 causal-conv1d (on CUDA with them mamba_ssm's fused kernels run, not modelled; nor 5.23's
 einsums under autocast, whose bmms then run in bf16). The layer's parts below are the same on
 both versions; 5.23's model also makes a cache with use_cache (``memplan.model.layer.
-kv_cache_bytes``).
+kv_cache_bytes``). The mixer's scan output goes through FalconH1RMSNormGated with
+mamba_rms_norm (``MambaSpec.gated_norm``: Granite's gated norm's sizes, an rsqrt per group),
+else ``y * silu(gate)``.
 
 The layer, per micro-batch on a rank (T tokens, h wide, e the compute dtype):
 

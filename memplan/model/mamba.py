@@ -23,7 +23,9 @@ and in fp32 (the scan upcasts x, B and C):
   decays (Tp H each); the chunk states and the passed states (b (N + 1) H P n each); the
   chunks' decay (b (N + 1)^2 H); four causal masks (bools);
 - C_times_states.sum(-1), the padded scan output y, and the gated norm's saved set
-  (silu(gate), y * silu(gate), its rsqrt per row, the normalised tensor: T d, T d, T, T d).
+  (silu(gate), y * silu(gate), its rsqrt per row, the normalised tensor: T d, T d, T, T d;
+  Falcon-H1's FalconH1RMSNormGated an rsqrt per group, T G, and the same sizes whether it
+  gates before or after normalising).
 
 The forward's locals stay until it returns: G's and M's products before their sums (M n and
 M elements), C_times_states (Tp d n), Y_diag and Y_off, the unsaved D residual; the product
@@ -67,10 +69,20 @@ class Sizes(NamedTuple):
     # that is not the compute dtype: under autocast the fp32 buffer promotes the product
     # (``_scan_terms``); 0 otherwise
     mup_e: int = 0
+    # rows the gated norm's rsqrt has per token: 1 for GraniteMoeHybridRMSNormGated (5.3, over
+    # all of d), G for Falcon-H1's FalconH1RMSNormGated (``hidden_states.view(b, s, G, d / G)``)
+    norm_rows: int = 1
 
     @property
     def tokens(self) -> int:
         return self.b * self.s
+
+    @property
+    def gate_copy(self) -> bool:
+        """Whether the gated norm makes an fp32 copy of the gate (``gate.to(torch.float32)``)
+        where the compute dtype is below fp32: not where the gate is already fp32 (Falcon-H1
+        under autocast, ``mup_e``)."""
+        return self.gated and not self.mup_e
 
     @property
     def padded(self) -> int:
@@ -106,7 +118,8 @@ def sizes(m: MambaSpec, dm: Dims) -> Sizes:
     return Sizes(b=dm.b, s=dm.s, h=m.num_heads // t, p=m.head_dim, n=m.state_size, g=groups,
                  taps=m.conv_kernel, c=m.chunk_size, chunks=-(-dm.s // m.chunk_size),
                  gated=m.gated_norm,
-                 mup_e=dm.stream_e if m.parallel_attention and dm.stream_e != dm.e else 0)
+                 mup_e=dm.stream_e if m.parallel_attention and dm.stream_e != dm.e else 0,
+                 norm_rows=groups if m.parallel_attention else 1)
 
 
 def kernel(spec: ModelSpec, wl: Workload) -> MambaKernel:
@@ -137,7 +150,7 @@ def _scan_terms(z: Sizes, dm: Dims) -> list[Term]:
     # the gate and dt (its views); autocast's conv1d saves its own cast of the conv's channels
     pe = z.mup_e or e
     return [Term(f"{_PREFIX}.in_proj_out", t * z.width * pe),
-            Term(f"{_PREFIX}.gate_fp32", t * z.d * f if low and z.gated else 0),
+            Term(f"{_PREFIX}.gate_fp32", t * z.d * f if low and z.gate_copy else 0),
             Term(f"{_PREFIX}.conv_in_cast", t * z.conv * e if z.mup_e else 0),
             Term(f"{_PREFIX}.conv_out", z.b * z.conv * (z.s + z.taps - 1) * e),
             Term(f"{_PREFIX}.x_fp32", x),
@@ -160,7 +173,7 @@ def _norm_terms(z: Sizes, dm: Dims) -> list[Term]:
     gate, a view of in_proj's scaled output); out_proj saves the product's cast to the
     compute dtype (in fp32 the product itself)."""
     f, t = FP32_BYTES, z.tokens
-    gate = (3 * z.d + 1) * t * f if z.gated else t * z.d * (z.mup_e or dm.e)
+    gate = (3 * z.d + z.norm_rows) * t * f if z.gated else t * z.d * (z.mup_e or dm.e)
     return [Term(f"{_PREFIX}.y", z.padded * z.d * f),
             Term(f"{_PREFIX}.norm", gate),
             Term(f"{_PREFIX}.out", t * z.d * dm.e)]
@@ -208,7 +221,7 @@ def _unnamed(z: Sizes, dm: Dims) -> int:
     multiplies, dt + dt_bias and softplus's output; below fp32 the fp32 copy of x (rebound
     by x * dt) and the gate's (made inside the norm, freed there)."""
     f, t = FP32_BYTES, z.tokens
-    copies = (2 if z.gated else 1) * t * z.d * f if dm.e < f else 0
+    copies = (2 if z.gate_copy else 1) * t * z.d * f if dm.e < f else 0
     return (z.b * z.conv * (z.s + z.taps - 1) * dm.e + z.padded * z.d * f
             + 2 * t * z.h * dm.e + copies)
 

@@ -5,8 +5,10 @@ modeling_granitemoehybrid.py ``GraniteMoeHybridMambaLayer.forward``, which falls
 torch fallback (``F.conv1d``, the slice, silu) and ``mamba2_chunk_scan``, the chunked SSD scan
 written as einsums, then ``GraniteMoeHybridRMSNormGated`` and out_proj; Falcon-H1's mixer
 (models/falcon_h1/modeling_falcon_h1.py ``FalconH1Mixer.forward``, 5.23) runs the same
-functions with in_proj's output times ``mup_vector`` and ``y * silu(gate)`` in the norm's
-place (``Sizes.gated`` false: silu's output saved, no fp32 gate copy). Under autocast the
+functions with in_proj's output times ``mup_vector`` and, with mamba_rms_norm,
+``FalconH1RMSNormGated`` (the same sizes as Granite's, an rsqrt per group), without it
+``y * silu(gate)`` in the norm's place (``Sizes.gated`` false: silu's output saved, no fp32
+gate copy). Under autocast the
 einsums' bmms run in bf16 (autocast casts their operands): not modelled. Every size below is
 read off that code and checked against autograd's saved tensors and the allocations of its
 forward and backward (tests/traced/test_hf_heldout.py, tests/data/mamba_einsum_traces.json).
@@ -83,10 +85,11 @@ def scan_terms(z: Sizes, dm: Dims) -> list[Term]:
     low = e < f
     n1 = z.chunks + 1
     # Falcon-H1: in_proj's output times mup_vector (``Sizes.mup_e``) in its place; without the
-    # gated norm (``Sizes.gated``) silu reads the gate as it is, no fp32 copy
+    # gated norm (``Sizes.gated``) silu reads the gate as it is, no fp32 copy, nor with it
+    # under autocast, where the gate is already fp32 (``Sizes.gate_copy``)
     pe = z.mup_e or e
     return [Term(f"{_PREFIX}.in_proj_out", t * z.width * pe),
-            Term(f"{_PREFIX}.gate_fp32", t * z.d * f if low and z.gated else 0),
+            Term(f"{_PREFIX}.gate_fp32", t * z.d * f if low and z.gate_copy else 0),
             Term(f"{_PREFIX}.conv_out", z.b * z.conv * (z.s + z.taps - 1) * e),
             Term(f"{_PREFIX}.x_fp32", t * z.d * f if low else t * z.conv * f),
             # dt + dt_bias, softplus's output; the clamped dt in fp32 (two copies below fp32)

@@ -163,11 +163,32 @@ def test_falcon_h1_is_read_as_built() -> None:
         == 36 * spec.mamba.width
 
 
-def test_falcon_h1_gated_norm_is_refused_in_one_line() -> None:
-    with pytest.raises(MemplanError) as err:
-        spec_from_hf_dict({**_config("Falcon-H1-1.5B-Instruct"), "mamba_rms_norm": True},
-                          "config.json", "m")
-    assert "\n" not in str(err.value) and "mamba_rms_norm" in str(err.value)
+# the catalog's Falcon-H1 entries and the held-out files they are read from
+FALCON_H1_CATALOG = {"Falcon-H1-0.5B-Instruct": ("falcon-h1-0.5b", 521_411_104),
+                     "Falcon-H1-1.5B-Deep-Instruct": ("falcon-h1-1.5b-deep", 1_554_874_768),
+                     "Falcon-H1-7B-Instruct": ("falcon-h1-7b", 7_585_654_880),
+                     "Falcon-H1-34B-Instruct": ("falcon-h1-34b", 33_642_516_224)}
+
+
+@pytest.mark.parametrize("name", sorted(FALCON_H1_CATALOG))
+def test_falcon_h1_catalog_entry_counts_as_built(name: str) -> None:
+    """Each catalog entry counts what transformers builds from its held-out config.json
+    (FalconH1ForCausalLM on the meta device, 5.3 and 5.23), layer by layer, and is that
+    file's spec field for field; the gated norm's weight (d a layer) where mamba_rms_norm."""
+    from memplan.spec import load_model
+
+    data = _config(name)
+    catalog, count = FALCON_H1_CATALOG[name]
+    model = _built(data)
+    entry = load_model(catalog)
+    assert sum(p.numel() for p in model.parameters()) == entry.num_params == count
+    assert _layers(entry) == _built_layers(model)
+    read = spec_from_hf_dict(data, "config.json", catalog)
+    assert read.model_dump(exclude={"name", "source"}) == entry.model_dump(
+        exclude={"name", "source"})
+    assert entry.mamba is not None and entry.mamba.gated_norm == data["mamba_rms_norm"]
+    norms = [p.numel() for n, p in model.named_parameters() if n.endswith("mamba.norm.weight")]
+    assert norms == ([entry.mamba.inner] * entry.num_layers if data["mamba_rms_norm"] else [])
 
 
 def test_remote_code_type_is_refused_in_one_line() -> None:
@@ -253,6 +274,19 @@ TRACED = {
     "falcon_h1-narrow": _cut("Falcon-H1-1.5B-Instruct", num_hidden_layers=2, mamba_n_heads=2,
                              mamba_d_head=8, mamba_d_ssm=16, mamba_d_state=4,
                              mamba_chunk_size=8, **{**_TOY, "vocab_size": 64}),
+    # the same two shapes with the mixer's gated FalconH1RMSNormGated (mamba_rms_norm true, as
+    # every published Falcon-H1 but the 0.5B) over 2 groups: after the gate as published
+    # (mamba_norm_before_gate false) on the scan-bound toy, before it (FalconH1Config's
+    # default) on the narrow one
+    "falcon_h1-rms": _cut("Falcon-H1-1.5B-Instruct", num_hidden_layers=2, mamba_n_heads=4,
+                          mamba_d_head=64, mamba_d_ssm=256, mamba_d_state=32,
+                          mamba_chunk_size=48, mamba_n_groups=2, mamba_rms_norm=True,
+                          mamba_norm_before_gate=False, **_TOY),
+    "falcon_h1-rms-narrow": _cut("Falcon-H1-1.5B-Instruct", num_hidden_layers=2,
+                                 mamba_n_heads=2, mamba_d_head=8, mamba_d_ssm=16,
+                                 mamba_d_state=4, mamba_chunk_size=8, mamba_n_groups=2,
+                                 mamba_rms_norm=True, mamba_norm_before_gate=True,
+                                 **{**_TOY, "vocab_size": 64}),
     "granitemoehybrid": _cut("granite-4.0-micro", num_hidden_layers=2,
                              layer_types=["attention"] * 2, shared_intermediate_size=256,
                              mamba_n_heads=4, mamba_d_head=64, **_TOY),  # (unused, validated)
@@ -306,6 +340,27 @@ FALCON_AMP_EINSUM = {
         "under autocast save bf16 casts, counted in fp32 (saved activations +1.6%, step 1's "
         "backward +1.06%)",
         {"activations_bytes": (43_888, 1.595), "first_step.backward_bytes": (45_296, 1.060)}),
+    # with the gated norm: the same bytes off as without it at 2 groups (the norm's own
+    # tensors counted exactly; measured without the norm at 2 groups: +1,271,520 and +31,472 B
+    # in saved activations, as here)
+    "falcon_h1-rms": Known(
+        ("activations_bytes", "first_step.forward_bytes", "first_step.backward_bytes",
+         "steady.forward_bytes", "steady.backward_bytes"),
+        "Falcon-H1 with the gated norm (the scan-bound toy) amp-bf16 on transformers 5.23: the "
+        "einsum scan's bmms under autocast save bf16 casts, counted in fp32 (saved activations "
+        "+14.8%, phases +7.5% to +11.2%)",
+        {"activations_bytes": (1_271_520, 14.836),
+         "first_step.forward_bytes": (1_330_816, 11.180),
+         "first_step.backward_bytes": (1_272_416, 10.834),
+         "steady.forward_bytes": (1_330_816, 7.740),
+         "steady.backward_bytes": (1_272_416, 7.469)}),
+    "falcon_h1-rms-narrow": Known(
+        ("activations_bytes",),
+        "Falcon-H1 with the gated norm (the narrow mixer) amp-bf16 on transformers 5.23: the "
+        "einsum scan's bmms under autocast save bf16 casts, counted in fp32 (saved activations "
+        "+1.12%)",
+        {"activations_bytes": (31_472, 1.118)}),
+
 }
 
 

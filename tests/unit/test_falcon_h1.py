@@ -1,7 +1,8 @@
 """Falcon-H1 (memplan.hf.families_more.falcon_h1, memplan.model.falcon_h1): the count of the
-held-out config by hand, the reader's refusals, and the layer's own saved tensors by hand
-(the Mamba2 mixer's scan is Granite 4.0-H's, tests/unit/test_mamba.py). The traces against
-transformers 5.3: tests/traced/test_hf_heldout.py."""
+held-out config and of the catalog's entries by hand, the reader's refusals, and the layer's
+own saved tensors by hand, the gated norm's among them (the Mamba2 mixer's scan is Granite
+4.0-H's, tests/unit/test_mamba.py). The traces against transformers 5.3 and 5.23:
+tests/traced/test_hf_heldout.py."""
 
 from __future__ import annotations
 
@@ -54,22 +55,96 @@ def test_count_by_hand() -> None:
     assert spec.use_cache and not spec.qkv_bias and not spec.mlp_bias
 
 
+def test_catalog_counts_by_hand() -> None:
+    """The catalog's entries (their held-out config.json files: Megatron-Bridge's provider
+    values, tests/data/hf/heldout/README.md), untied, no biases but conv1d's, C = d + 2 G n
+    the conv's channels, the gated norm's weight (d) where mamba_rms_norm:
+
+    falcon-h1-7b: h = 3,072, 44 layers, V = 130,049, 12 heads / 2 KV heads of 128, MLP
+    12,288, d = 3,072 (24 heads of 128), n = 256, G = 1 (C = 3,584), gated norm:
+
+    embedding and lm_head  2 * 130,049 * 3,072                        =   799,021,056
+    attention              2 * 3,072 * 1,536 + 2 * 3,072 * 256        =    11,010,048
+    MLP                    3 * 3,072 * 12,288                         =   113,246,208
+    conv1d                 3,584 * 4 + 3,584                          =        17,920
+    in_proj                3,072 * (3,072 + 3,584 + 24)               =    20,520,960
+    dt_bias, A_log, D      3 * 24                                     =            72
+    gated norm             3,072                                      =         3,072
+    out_proj               3,072 * 3,072                              =     9,437,184
+    two norms              2 * 3,072                                  =         6,144
+    a layer                                                           =   154,241,608
+    44 layers and the final norm (3,072)                              = 6,786,633,824
+    total                                                             = 7,585,654,880
+
+    falcon-h1-0.5b (h 1,024, 36 layers, V 32,784, 8 / 2 heads of 64, MLP 2,048, d 1,536 in
+    24 heads, n 128, C 1,792, no gated norm): 67,141,632 + 36 * 12,618,568 + 1,024 =
+    521,411,104; falcon-h1-1.5b-deep (h 1,280, 66 layers, V 65,537, 6 / 2 heads of 128, MLP
+    3,072, d 1,536, n 256, C 2,048, gated): 167,774,720 + 66 * 21,016,648 + 1,280 =
+    1,554,874,768; falcon-h1-34b (h 5,120, 72 layers, V 261,120, 20 / 4 heads of 128, MLP
+    21,504, d 4,096 in 32 heads, n 256, G 2, C 5,120, gated): 2,673,868,800 + 72 *
+    430,120,032 + 5,120 = 33,642,516,224. (transformers builds the same: test_hf_heldout.py.)"""
+    from memplan.spec import load_model
+
+    counts = {"falcon-h1-0.5b": 521_411_104, "falcon-h1-1.5b-deep": 1_554_874_768,
+              "falcon-h1-7b": 7_585_654_880, "falcon-h1-34b": 33_642_516_224}
+    for name, count in counts.items():
+        spec = load_model(name)
+        assert spec.num_params == count, name
+        assert spec.mamba is not None and spec.mamba.parallel_attention
+        assert spec.mamba.gated_norm == (name != "falcon-h1-0.5b")
+
+
 def test_refusals_in_one_line() -> None:
-    for change in ({"mamba_rms_norm": True}, {"mamba_d_head": 48}):
+    for change in ({"mamba_d_head": 48},):
         with pytest.raises(MemplanError) as err:
             spec_from_hf_dict({**CONFIG, **change}, "config.json", "m")
         assert "\n" not in str(err.value) and next(iter(change)) in str(err.value)
+
+
+def test_gated_norm_by_hand() -> None:
+    """The traced ``falcon_h1-rms`` toy (the toy's mixer in 2 groups, mamba_rms_norm true):
+    d = 256, G = 2, T = 128. FalconH1RMSNormGated (5.3 and 5.23 alike) saves, in fp32
+    whatever the compute dtype (the scan's y is fp32), the gate's silu output, the gated
+    product (or, before the gate, the normed product), its rsqrt per group and the normed
+    tensor the weight multiplies: (3 d + G) T 4 = 770 * 512 = 394,240 (Granite 4.0-H's on 5.3
+    one rsqrt per row: (3 d + 1) T 4); below fp32 the gate's fp32 copy (T d 4 = 131,072), but
+    not under autocast, where the gate is a view of in_proj's fp32 ``mup_vector`` product.
+    Without the norm the product saves silu's output alone (T d e). The weight (d) sits
+    between in_proj and out_proj in named_parameters."""
+    spec = _toy()
+    rms = spec_from_hf_dict({**CONFIG, **_TOY_FIELDS, "mamba_n_groups": 2,
+                             "mamba_rms_norm": True}, "config.json", "toy")
+    plain = spec_from_hf_dict({**CONFIG, **_TOY_FIELDS, "mamba_n_groups": 2},
+                              "config.json", "toy")
+    assert rms.mamba is not None and rms.mamba.gated_norm and not spec.mamba.gated_norm
+    assert rms.num_params - plain.num_params == 2 * 256
+    for kernel in MambaKernel:
+        for precision, norm, copy, without in (("fp32", 394_240, 0, 131_072),
+                                               ("bf16-pure", 394_240, 131_072, 65_536),
+                                               ("amp-bf16", 394_240, 0, 131_072)):
+            _, dm = _dims(rms, precision, kernel)
+            terms = {t.name: t.size_bytes for t in mamba_terms(rms, dm, kernel)}
+            assert (terms["mamba.norm"], terms["mamba.gate_fp32"]) == (norm, copy), precision
+            bare = {t.name: t.size_bytes for t in mamba_terms(plain, dm, kernel)}
+            assert (bare["mamba.norm"], bare["mamba.gate_fp32"]) == (without, 0)
+            assert total(mamba_terms(rms, dm, kernel)) \
+                - total(mamba_terms(plain, dm, kernel)) == norm + copy - without
+    block = layer_blocks(rms, False)[1]
+    shapes = block.tensor_sizes(rms, 1, 1)
+    assert shapes[5:8] == [128 * 644, 256, 256 * 128]  # in_proj, the norm, out_proj
+
+
+_TOY_FIELDS = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 512,
+               "num_hidden_layers": 2, "mamba_n_heads": 4, "mamba_d_head": 64,
+               "mamba_d_ssm": 256, "mamba_d_state": 32, "mamba_chunk_size": 48}
 
 
 def _toy() -> ModelSpec:
     """The traced toy (tests/traced/test_hf_heldout.py ``falcon_h1``): h = 128, 2 layers,
     attention 4 heads / 2 KV heads of 32, MLP 256, the mixer 4 heads of 64 (d = 256), state
     32, chunks of 48."""
-    data = {**CONFIG, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 512,
-            "num_hidden_layers": 2, "mamba_n_heads": 4, "mamba_d_head": 64,
-            "mamba_d_ssm": 256, "mamba_d_state": 32, "mamba_chunk_size": 48}
-    return spec_from_hf_dict(data, "config.json", "toy")
+    return spec_from_hf_dict({**CONFIG, **_TOY_FIELDS}, "config.json", "toy")
 
 
 def _dims(spec: ModelSpec, precision: str,

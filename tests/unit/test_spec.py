@@ -45,6 +45,13 @@ PUBLISHED = {
     "granite-3.1-1b-a400m": 1_334_628_352,
     "granite-3.1-3b-a800m": 3_298_793_472,
     "granite-4.0-h-small": 32_207_337_984,
+    # Falcon-H1, read from their held-out config.json files (Megatron-Bridge's provider
+    # values), counted by hand in tests/unit/test_falcon_h1.py and against transformers 5.3's
+    # and 5.23's meta builds in tests/traced/test_hf_heldout.py
+    "falcon-h1-0.5b": 521_411_104,
+    "falcon-h1-1.5b-deep": 1_554_874_768,
+    "falcon-h1-7b": 7_585_654_880,
+    "falcon-h1-34b": 33_642_516_224,
 }
 
 # The newer families: their totals as their model cards state them (billions, to the digits
