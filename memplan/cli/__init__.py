@@ -222,7 +222,7 @@ def _one_line(err: BaseException) -> str:
         return validation_message(err)
     if isinstance(err, TyperException):
         text = err.format_message().replace("Value error, ", "")
-        cause = err.__cause__  # typer converts option values with pydantic: quote the value
+        cause = err.__cause__  # a value PlainValue (or typer's adapter) refused: quote it
         if _invalid(cause) and cause.errors():
             got = shown(cause.errors()[0].get("input"))
             text += "" if got in text else f" (got {got})"
