@@ -112,6 +112,8 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
         typer.echo(emit_for(emit_policy, est), nl=False)
         return
     from memplan.report import estimate_json, render_estimate
+    from memplan.report.estimate import estimate_text
+    from memplan.report.text import console_width
 
     reserved = (estimate_reserved(est, alloc_conf)
                 if wanted and not (quiet and not (json_out or html)) else ())
@@ -141,11 +143,17 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
 
         typer.echo(verdict_line(est))
         return
-    from rich.console import Console
-
     if imported is not None:
         typer.echo("\n".join(imported.lines()))
-    Console().print(render_estimate(est, reserved, alloc_conf))
+    # output that is no terminal: the same text rich prints, laid out without loading rich
+    width = console_width()
+    text = None if width is None else estimate_text(est, reserved, alloc_conf, width=width)
+    if text is not None:
+        typer.echo(text, nl=False)
+    else:
+        from rich.console import Console
+
+        Console().print(render_estimate(est, reserved, alloc_conf))
     if drawn is not None:
         typer.echo(f"wrote {drawn}")
     if html is not None:
