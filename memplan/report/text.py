@@ -21,38 +21,45 @@ from __future__ import annotations
 import os
 import re
 import sys
-from dataclasses import dataclass, field
 from typing import IO, Any, Literal
 
 Justify = Literal["left", "right", "center", "default"]
 Overflow = Literal["fold", "ellipsis"]
 
 
-@dataclass(frozen=True)
+# plain classes: a dataclass compiles its methods when the module loads, a cost every cold
+# command would pay
+
+
 class Paragraph:
     """Text wrapped at the width; ``style`` (a rich style) only where rich draws it."""
 
-    text: str
-    style: str = ""
+    __slots__ = ("text", "style")
+
+    def __init__(self, text: str, style: str = "") -> None:
+        self.text, self.style = text, style
 
 
-@dataclass(frozen=True)
 class Column:
     """A table column as ``rich.table.Table.add_column`` takes it (rich's defaults)."""
 
-    header: str
-    justify: Justify = "left"
-    overflow: Overflow = "ellipsis"
-    no_wrap: bool = False
+    __slots__ = ("header", "justify", "overflow", "no_wrap")
+
+    def __init__(self, header: str, justify: Justify = "left", overflow: Overflow = "ellipsis",
+                 no_wrap: bool = False) -> None:
+        self.header, self.justify, self.overflow, self.no_wrap = (header, justify, overflow,
+                                                                 no_wrap)
 
 
-@dataclass
 class TextTable:
     """A titled table of string cells in rich's default table style."""
 
-    title: str
-    columns: list[Column] = field(default_factory=list)
-    rows: list[tuple[str, ...]] = field(default_factory=list)
+    __slots__ = ("title", "columns", "rows")
+
+    def __init__(self, title: str) -> None:
+        self.title = title
+        self.columns: list[Column] = []
+        self.rows: list[tuple[str, ...]] = []
 
     def add_column(self, header: str, *, justify: Justify = "left",
                    overflow: Overflow = "ellipsis", no_wrap: bool = False) -> None:
