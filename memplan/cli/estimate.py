@@ -112,8 +112,6 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
         typer.echo(emit_for(emit_policy, est), nl=False)
         return
     from memplan.report import estimate_json, render_estimate
-    from memplan.report.estimate import estimate_text
-    from memplan.report.text import console_width
 
     reserved = (estimate_reserved(est, alloc_conf)
                 if wanted and not (quiet and not (json_out or html)) else ())
@@ -146,6 +144,9 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
     if imported is not None:
         typer.echo("\n".join(imported.lines()))
     # output that is no terminal: the same text rich prints, laid out without loading rich
+    from memplan.report.estimate import estimate_text
+    from memplan.report.text import console_width
+
     width = console_width()
     text = None if width is None else estimate_text(est, reserved, alloc_conf, width=width)
     if text is not None:

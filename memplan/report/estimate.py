@@ -11,10 +11,10 @@ from memplan.parallel import offload_names, virtual_stage_layers
 from memplan.report.explain import explanations
 from memplan.planning.timing import DEFAULT_MFU, StepTime, estimate_step_time
 from memplan.report.sizes import format_gib, gib
-from memplan.report.text import Paragraph, Part, TextTable, render, to_rich
 
 if TYPE_CHECKING:  # the replay loads only with --reserved (memplan.cli.estimate)
     from memplan.model.reserved import Reserved
+    from memplan.report.text import Part
 
 _COMPONENTS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes")
 
@@ -187,6 +187,8 @@ def render_estimate(est: Estimate, reserved: tuple[Reserved, ...] | None = None,
                     alloc_conf: str = "") -> Any:
     """A rich renderable: components by stage, phases, capacity, verdict, assumptions; with
     ``reserved`` (``memplan.model.reserved.estimate_reserved``), the reserved line."""
+    from memplan.report.text import to_rich
+
     return to_rich(estimate_parts(est, reserved, alloc_conf))
 
 
@@ -194,12 +196,17 @@ def estimate_text(est: Estimate, reserved: tuple[Reserved, ...] | None = None,
                   alloc_conf: str = "", *, width: int) -> str | None:
     """``render_estimate`` as rich prints it with no colour ``width`` columns wide (output
     that is no terminal), without importing rich; None where only rich lays it out."""
+    from memplan.report.text import render
+
     return render(estimate_parts(est, reserved, alloc_conf), width)
 
 
 def estimate_parts(est: Estimate, reserved: tuple[Reserved, ...] | None = None,
                    alloc_conf: str = "") -> list[Part]:
-    """The text report's paragraphs and tables (``memplan.report.text``)."""
+    """The text report's paragraphs and tables (``memplan.report.text``, loaded here: the
+    JSON needs none of it)."""
+    from memplan.report.text import Paragraph, TextTable
+
     par, wl = est.parallel, est.workload
     header = Paragraph(
         f"{est.spec.name} ({est.spec.num_params / 1e9:.2f}B params) on {par.world_size} x "
