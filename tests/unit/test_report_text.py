@@ -120,9 +120,10 @@ def test_tables_wrap_fold_and_cut_as_rich_does(column: dict[str, Any]) -> None:
 
 def test_paragraphs_wrap_as_rich_does() -> None:
     """Words move whole to the next line, a word wider than the line is folded, a space at
-    the line's end is kept unless past the width, blank lines and indents stay."""
+    the line's end is kept unless past the width, blank lines, lines of spaces and indents
+    stay."""
     text = ("assumptions:\n  - " + "word " * 30 + "\n\n  - " + "y" * 95 + " tail\n"
-            + "exact " * 16 + "\n   leading spaces and trailing   ")
+            + "exact " * 16 + "\n   leading spaces and trailing   \n      \n  two  spaces  apart")
     parts = [Paragraph(text), Paragraph(""), Paragraph("FITS", "bold green")]
     for width in range(1, 130):
         assert render(parts, width) == rich_prints(to_rich(parts), width), width
