@@ -172,33 +172,15 @@ def _chop_cells(text: str, width: int) -> list[str]:
 
 # --- text: rich/_wrap.py divide_line, rich/text.py Text.wrap, rich/containers.py Lines ---
 
-def _words(text: str) -> list[tuple[int, str]]:
-    """Each word of ``text`` with the spaces before and after it, and where it starts
-    (rich/_wrap.py ``words``: ``\\s*\\S+\\s*``). Text of one-cell characters has no space
-    but " " (a line: no newline; printable: no tab), so ``str.find`` splits it; a regular
-    expression (compiled on first use) does otherwise."""
-    if not _simple(text):
-        return [(m.start(), m.group(0)) for m in re.finditer(r"\s*\S+\s*", text)]
-    out, pos, n = [], 0, len(text)
-    while pos < n:
-        start = pos
-        while pos < n and text[pos] == " ":
-            pos += 1
-        if pos == n:
-            break
-        pos = text.find(" ", pos)
-        if pos < 0:
-            pos = n
-        while pos < n and text[pos] == " ":
-            pos += 1
-        out.append((start, text[start:pos]))
-    return out
+_WORD = re.compile(r"\s*\S+\s*")
+_TRAILING_SPACE = re.compile(r"\s+$")
 
 
 def _divide_line(text: str, width: int, fold: bool) -> list[int]:
     breaks: list[int] = []
     offset = 0
-    for start, word in _words(text):
+    for match in _WORD.finditer(text):
+        start, word = match.start(), match.group(0)
         word_length = _cell_len(word.rstrip())
         if width - offset >= word_length:
             offset += _cell_len(word)
@@ -243,10 +225,11 @@ def _wrap(text: str, width: int, justify: Justify, overflow: Overflow,
             offsets = [0, *_divide_line(line, width, overflow == "fold"), len(line)]
             pieces = [line[a:b] for a, b in zip(offsets, offsets[1:])]
             for i, piece in enumerate(pieces):  # Text.rstrip_end
-                if len(piece) > width:  # rich's ``\s+$``: what ``str.rstrip`` strips
-                    spaces = len(piece) - len(piece.rstrip())
-                    if spaces:
-                        pieces[i] = piece[:len(piece) - min(spaces, len(piece) - width)]
+                if len(piece) > width:
+                    found = _TRAILING_SPACE.search(piece)
+                    if found is not None:
+                        cut = min(len(found.group(0)), len(piece) - width)
+                        pieces[i] = piece[:len(piece) - cut]
         for i, piece in enumerate(pieces):  # Lines.justify
             if justify == "left":
                 piece = _truncate(piece, width, overflow, pad=True)
@@ -394,9 +377,7 @@ def _table_lines(table: TextTable, max_width: int) -> list[str]:
     return out
 
 
-def _markup(text: str) -> bool:
-    """Whether rich would read ``text`` (a table's string) as markup or an emoji code."""
-    return "[" in text or ":" in text and re.search(r":\S*?:", text) is not None
+_MARKUP = re.compile(r"\[|:\S*?:")  # rich reads table strings as markup and emoji codes
 
 
 def render(parts: list[Part], width: int) -> str | None:
@@ -413,7 +394,7 @@ def render(parts: list[Part], width: int) -> str | None:
             continue
         strings = [part.title, *(c.header for c in part.columns),
                    *(cell for row in part.rows for cell in row)]
-        if any("\t" in s or _markup(s) for s in strings):
+        if any("\t" in s or _MARKUP.search(s) for s in strings):
             return None
         lines.extend(_table_lines(part, width))
     return "".join(_fit(line, width, pad=False) + "\n" for line in lines)  # print's crop
