@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -143,14 +144,16 @@ def estimate(job: Job, plot: PlotPath = None, torchtitan_config: TorchtitanConfi
         return
     if imported is not None:
         typer.echo("\n".join(imported.lines()))
-    # output that is no terminal: the same text rich prints, laid out without loading rich
+    # the text rich prints, to a pipe or a terminal, laid out without loading rich
     from memplan.report.estimate import estimate_text
-    from memplan.report.text import console_width
+    from memplan.report.text import console_layout
 
-    width = console_width()
-    text = None if width is None else estimate_text(est, reserved, alloc_conf, width=width)
-    if text is not None:
-        typer.echo(text, nl=False)
+    layout = console_layout()
+    text = None if layout is None else estimate_text(est, reserved, alloc_conf,
+                                                     width=layout[0], mode=layout[1])
+    if text is not None:  # written as rich writes it (click's echo drops the styles off a tty)
+        sys.stdout.write(text)
+        sys.stdout.flush()
     else:
         from rich.console import Console
 

@@ -193,12 +193,13 @@ def render_estimate(est: Estimate, reserved: tuple[Reserved, ...] | None = None,
 
 
 def estimate_text(est: Estimate, reserved: tuple[Reserved, ...] | None = None,
-                  alloc_conf: str = "", *, width: int) -> str | None:
-    """``render_estimate`` as rich prints it with no colour ``width`` columns wide (output
-    that is no terminal), without importing rich; None where only rich lays it out."""
+                  alloc_conf: str = "", *, width: int, mode: str = "plain") -> str | None:
+    """``render_estimate`` as rich prints it ``width`` columns wide, to output that is no
+    terminal or to a terminal (``mode``: ``memplan.report.text.console_layout``), without
+    importing rich; None where only rich lays it out."""
     from memplan.report.text import render
 
-    return render(estimate_parts(est, reserved, alloc_conf), width)
+    return render(estimate_parts(est, reserved, alloc_conf), width, mode)
 
 
 def estimate_parts(est: Estimate, reserved: tuple[Reserved, ...] | None = None,

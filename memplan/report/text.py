@@ -1,19 +1,19 @@
-"""Paragraphs and boxed tables laid out as plain text, character for character as rich lays
-them out, without importing rich.
+"""Paragraphs and boxed tables laid out as text, character for character as rich prints
+them, without importing rich.
 
-A command's text report is a list of parts: ``Paragraph`` (text wrapped at the width) and
-``TextTable`` (a titled table in rich's default box, ``box.HEAVY_HEAD``). ``to_rich`` makes
-the rich renderable of the parts (a terminal's colours, ``--html``'s text); ``render`` lays
-them out as rich's ``Console(color_system=None)`` prints them at a given width, for output
-that is no terminal: a pipe, a file, a captured stdout. Importing rich's console and table and
-building the renderables costs a cold ``memplan estimate`` about a quarter of its run; the
-layout here is a port of the rich 14/15 code paths these parts take (rich/table.py
-``Table._calculate_column_widths``, ``_collapse_widths``, ``_measure_column``, ``_render``;
-rich/padding.py; rich/text.py ``Text.wrap``; rich/containers.py ``Lines.justify``;
-rich/_wrap.py ``divide_line``; rich/_ratio.py ``ratio_reduce``; rich/segment.py
-``Segment.split_and_crop_lines``), checked against rich's own output in
-tests/unit/test_report_text.py. ``console_width`` says when rich would print plain text at
-all; anything else (a terminal, a non-UTF-8 stream) goes through rich.
+A command's text report is a list of parts: ``Paragraph`` (text wrapped at the width, in a
+style) and ``TextTable`` (a titled table in rich's default box, ``box.HEAVY_HEAD``).
+``to_rich`` makes the rich renderable of the parts (``--html``'s text, and whatever
+``render`` declines); ``render`` writes them as a default ``rich.console.Console()`` prints
+them, to output that is no terminal (a pipe, a file, a captured stdout) or to a terminal with
+its styles (``console_layout`` says which, and when rich would do more than this follows).
+Importing rich's console and table and building the renderables cost a cold
+``memplan estimate`` about an eighth of its instructions. The layout is a port of the rich
+14/15 code paths these parts take (rich/table.py ``Table._calculate_column_widths``,
+``_collapse_widths``, ``_measure_column``, ``_render``; rich/padding.py; rich/text.py
+``Text.wrap``; rich/containers.py ``Lines.justify``; rich/_wrap.py ``divide_line``;
+rich/_ratio.py ``ratio_reduce``; rich/segment.py ``Segment.split_and_crop_lines``), checked
+against rich's own output in tests/unit/test_report_text.py.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Mapping
+from itertools import pairwise
 from typing import IO, Any, Literal
 
 Justify = Literal["left", "right", "center", "default"]
@@ -34,7 +36,7 @@ Overflow = Literal["fold", "ellipsis"]
 class Paragraph:
     """Text wrapped at the width; ``style`` (a rich style) only where rich draws it."""
 
-    __slots__ = ("text", "style")
+    __slots__ = ("style", "text")
 
     def __init__(self, text: str, style: str = "") -> None:
         self.text, self.style = text, style
@@ -43,7 +45,7 @@ class Paragraph:
 class Column:
     """A table column as ``rich.table.Table.add_column`` takes it (rich's defaults)."""
 
-    __slots__ = ("header", "justify", "overflow", "no_wrap")
+    __slots__ = ("header", "justify", "no_wrap", "overflow")
 
     def __init__(self, header: str, justify: Justify = "left", overflow: Overflow = "ellipsis",
                  no_wrap: bool = False) -> None:
@@ -54,7 +56,7 @@ class Column:
 class TextTable:
     """A titled table of string cells in rich's default table style."""
 
-    __slots__ = ("title", "columns", "rows")
+    __slots__ = ("columns", "rows", "title")
 
     def __init__(self, title: str) -> None:
         self.title = title
@@ -93,44 +95,67 @@ def to_rich(parts: list[Part]) -> Any:
     return Group(*out)
 
 
-# --- when rich prints plain text (rich/console.py Console.__init__, is_terminal, size) ---
+# --- how rich's default console prints (rich/console.py Console.__init__, is_terminal,
+# is_dumb_terminal, size, _detect_color_system, no_color, _render_buffer) ---
 
-def console_width(file: IO[str] | None = None,
-                  environ: dict[str, str] | os._Environ[str] | None = None) -> int | None:
-    """The width a default ``rich.console.Console()`` writing to ``file`` (stdout) lays text
-    out at, when it would write plain text in unicode boxes: not a terminal (rich's test:
-    TTY_COMPATIBLE, then FORCE_COLOR, then ``isatty``), a UTF-8 stream, not Windows, not a
-    notebook, and the width given by COLUMNS (as the ``memplan`` command sets it for output
-    that is no terminal). None otherwise: the caller prints through rich."""
+PLAIN, STYLED, NO_COLOR = "plain", "styled", "no-color"
+
+
+def console_layout(file: IO[str] | None = None,
+                   environ: Mapping[str, str] | None = None) -> tuple[int, str] | None:
+    """How a default ``rich.console.Console()`` writing to ``file`` (stdout) prints: its
+    width and ``PLAIN`` (no terminal: rich's test is TTY_COMPATIBLE, then FORCE_COLOR, then
+    ``isatty``), ``STYLED`` (a terminal: bold, dim, italic and the standard colours, which
+    every colour system rich detects writes alike) or ``NO_COLOR`` (a terminal, NO_COLOR set:
+    the styles without their colours). None where rich does more than this module follows:
+    a non-UTF-8 stream (ASCII boxes), a dumb terminal, Windows, a notebook, IDLE."""
     file = sys.stdout if file is None else file
     env = os.environ if environ is None else environ
     if sys.platform == "win32" or file is None:
         return None
     import builtins
 
-    if hasattr(builtins, "get_ipython") or hasattr(sys.stdin, "__module__") and str(
+    if hasattr(builtins, "get_ipython") or str(
             getattr(sys.stdin, "__module__", "")).startswith("idlelib"):
         return None
     tty_compatible = env.get("TTY_COMPATIBLE", "")
-    if tty_compatible == "1":
-        return None
-    if tty_compatible != "0":
-        force_color = env.get("FORCE_COLOR")
-        if force_color is not None:
-            if force_color != "":
-                return None
-        else:
-            isatty = getattr(file, "isatty", None)
-            try:
-                if isatty is not None and isatty():
-                    return None
-            except ValueError:
-                pass
+    force_color = env.get("FORCE_COLOR")
+    if tty_compatible in ("0", "1"):
+        terminal = tty_compatible == "1"
+    elif force_color is not None:
+        terminal = force_color != ""
+    else:
+        isatty = getattr(file, "isatty", None)
+        try:
+            terminal = bool(isatty is not None and isatty())
+        except ValueError:
+            terminal = False
     encoding = (getattr(file, "encoding", "utf-8") or "utf-8").lower()
-    columns = env.get("COLUMNS")
-    if not encoding.startswith("utf") or columns is None or not columns.isdigit():
+    if not encoding.startswith("utf"):
         return None
-    return int(columns)
+    if terminal and env.get("TERM", "").lower() in ("dumb", "unknown"):
+        return None
+    columns = env.get("COLUMNS")
+    if columns is not None and columns.isdigit():
+        width = int(columns)
+    else:
+        width = 0
+        for fd in (0, 1, 2):  # rich asks stdin, stdout, stderr in turn
+            try:
+                width = os.get_terminal_size(fd).columns
+            except (AttributeError, ValueError, OSError):
+                continue
+            break
+        width = width or 80
+    if not terminal:
+        return width, PLAIN
+    return width, NO_COLOR if env.get("NO_COLOR", "") != "" else STYLED
+
+
+# the styles the parts use, as rich writes them (rich/style.py Style._make_ansi_codes:
+# attributes, then the colour; "table.title" and "table.header" from rich/default_styles.py)
+_CODES = {"bold green": ("1", "32"), "bold red": ("1", "31"), "dim": ("2", ""),
+          "italic": ("3", ""), "bold": ("1", ""), "": ("", "")}
 
 
 # --- cells: one per character for printable ASCII and the box, rich's measure otherwise ---
@@ -223,7 +248,7 @@ def _wrap(text: str, width: int, justify: Justify, overflow: Overflow,
             pieces = [line]
         else:
             offsets = [0, *_divide_line(line, width, overflow == "fold"), len(line)]
-            pieces = [line[a:b] for a, b in zip(offsets, offsets[1:])]
+            pieces = [line[a:b] for a, b in pairwise(offsets)]
             for i, piece in enumerate(pieces):  # Text.rstrip_end
                 if len(piece) > width:
                     found = _TRAILING_SPACE.search(piece)
@@ -275,8 +300,10 @@ def _measure(text: str, max_width: int) -> tuple[int, int]:
 
 
 def _normalize(lo: int, hi: int, max_width: int) -> tuple[int, int]:
+    """``Measurement.normalize().with_maximum(max_width)``, nothing below one cell, and
+    ``normalize()`` again (rich/measure.py ``Measurement.get``)."""
     lo = max(0, min(max(0, lo), hi))
-    lo, hi = lo, max(0, max(lo, hi))
+    hi = max(0, max(lo, hi))
     lo, hi = min(lo, max_width), min(hi, max_width)
     if hi < 1:
         return 0, 0
@@ -338,39 +365,53 @@ def _column_widths(table: TextTable, max_width: int) -> list[int]:
     return widths
 
 
+Segments = list[tuple[str, str]]  # a line: (text, style) pieces, as rich writes them
+
+
 def _cell_lines(text: str, width: int, column: Column) -> list[str]:
-    """A cell's lines, ``width`` wide: the text laid out ``width - 2`` wide, padded (none
-    in a column too narrow to hold a character: rich's ``Console.render`` draws nothing)."""
+    """A cell's lines of text, ``width - 2`` wide (none in a column too narrow to hold a
+    character: rich's ``Console.render`` draws nothing)."""
     inner = width - _PAD
     if inner < 1:
         return []
-    lines = _wrap(text, inner, column.justify, column.overflow, column.no_wrap)
-    return [" " + _fit(line, inner) + " " for line in lines]
+    return [_fit(line, inner) for line in
+            _wrap(text, inner, column.justify, column.overflow, column.no_wrap)]
 
 
 _TOP, _HEAD, _HEAD_ROW, _BOTTOM = "┏━┳┓", "┃┃┃", "┡━╇┩", "└─┴┘"
 _ROW = "│││"
 
 
-def _table_lines(table: TextTable, max_width: int) -> list[str]:
+def _table_lines(table: TextTable, max_width: int) -> list[Segments]:
+    """The table's lines: the title in rich's "table.title" style, the header's cells in
+    "table.header" (each cell's padding, text and blank lines their own pieces: rich's
+    ``Padding`` and ``Segment.align_bottom``), the rows and the box unstyled."""
     extra = 2 + len(table.columns) - 1
     widths = _column_widths(table, max_width - extra)
     table_width = sum(widths) + extra
 
-    def rule(chars: str) -> str:
-        return chars[0] + chars[2].join(chars[1] * w for w in widths) + chars[3]
+    def rule(chars: str) -> Segments:
+        return [(chars[0] + chars[2].join(chars[1] * w for w in widths) + chars[3], "")]
 
-    out = [] if not table.title else _wrap(table.title, table_width, "center", "fold")
+    out = [] if not table.title else [
+        [(line, "italic")] for line in _wrap(table.title, table_width, "center", "fold")]
     out.append(rule(_TOP))
     for index, row in enumerate([tuple(c.header for c in table.columns), *table.rows]):
-        cells = [_cell_lines(text, w, c) for text, w, c in zip(row, widths, table.columns)]
-        height = max(1, *map(len, cells))
-        for cell, w in zip(cells, widths):  # the header sits at the bottom, rows at the top
-            blank = [" " * w] * (height - len(cell))
-            cell[:] = blank + cell if index == 0 else cell + blank
+        texts = [_cell_lines(text, w, c) for text, w, c in zip(row, widths, table.columns)]
+        height = max(map(len, texts))
+        style = "bold" if index == 0 else ""
+        cells: list[list[Segments]] = []
+        for lines, w in zip(texts, widths):
+            cell = [[(" ", style), (line, style), (" ", style)] for line in lines]
+            blank = [[(" " * w, style)]] * (height - len(cell))
+            # the header sits at the bottom, rows at the top; a row of nothing: one blank line
+            cells.append((blank + cell if index == 0 else cell + blank) or [[(" " * w, "")]])
         edge = _HEAD if index == 0 else _ROW
-        for line_no in range(height):
-            out.append(edge[0] + edge[1].join(c[line_no] for c in cells) + edge[2])
+        for line_no in range(max(1, height)):
+            line: Segments = [(edge[0], "")]
+            for i, cell in enumerate(cells):
+                line += [*cell[line_no], *([(edge[1], "")] if i < len(cells) - 1 else [])]
+            out.append([*line, (edge[2], "")])
         if index == 0:
             out.append(rule(_HEAD_ROW))
     out.append(rule(_BOTTOM))
@@ -380,21 +421,45 @@ def _table_lines(table: TextTable, max_width: int) -> list[str]:
 _MARKUP = re.compile(r"\[|:\S*?:")  # rich reads table strings as markup and emoji codes
 
 
-def render(parts: list[Part], width: int) -> str | None:
-    """What ``Console(width=width, color_system=None).print(to_rich(parts))`` writes, or None
-    for content this port does not lay out as rich does (then print through rich)."""
+def render(parts: list[Part], width: int, mode: str = PLAIN) -> str | None:
+    """What ``rich.console.Console(width=width).print(to_rich(parts))`` writes to output
+    that is no terminal (``mode`` ``PLAIN``) or to a terminal (``STYLED``, ``NO_COLOR``:
+    ``console_layout``), or None for content this port does not lay out as rich does (then
+    print through rich)."""
     if width < 1:
         return None
-    lines: list[str] = []
+    lines: list[Segments] = []
     for part in parts:
         if isinstance(part, Paragraph):
-            if "\t" in part.text:
+            if "\t" in part.text or part.style not in _CODES:
                 return None
-            lines.extend(_wrap(part.text, width, "default", "fold"))
+            lines.extend([(line, part.style)]
+                         for line in _wrap(part.text, width, "default", "fold"))
             continue
         strings = [part.title, *(c.header for c in part.columns),
                    *(cell for row in part.rows for cell in row)]
         if any("\t" in s or _MARKUP.search(s) for s in strings):
             return None
         lines.extend(_table_lines(part, width))
-    return "".join(_fit(line, width, pad=False) + "\n" for line in lines)  # print's crop
+    if mode == PLAIN:  # print's crop to the width
+        return "".join(_fit("".join(text for text, _ in line), width, pad=False) + "\n"
+                       for line in lines)
+    out = []
+    for line in lines:
+        if sum(_cell_len(text) for text, _ in line) > width:  # Segment.adjust_line_length
+            cropped: Segments = []
+            length = 0
+            for text, style in line:
+                size = _cell_len(text)
+                if length + size >= width:
+                    cropped.append((_set_cell_size(text, width - length), style))
+                    break
+                cropped.append((text, style))
+                length += size
+            line = cropped
+        for text, style in line:
+            attrs, colour = _CODES[style]
+            code = ";".join(filter(None, (attrs, colour))) if mode == STYLED else attrs
+            out.append(f"\x1b[{code}m{text}\x1b[0m" if code and text else text)
+        out.append("\n")
+    return "".join(out)

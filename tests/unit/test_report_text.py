@@ -18,8 +18,17 @@ import pytest
 from rich.console import Console
 
 import memplan
-from memplan.report.estimate import estimate_parts, estimate_text, render_estimate
-from memplan.report.text import Paragraph, TextTable, console_width, render, to_rich
+from memplan.report.estimate import estimate_text, render_estimate
+from memplan.report.text import (
+    NO_COLOR,
+    PLAIN,
+    STYLED,
+    Paragraph,
+    TextTable,
+    console_layout,
+    render,
+    to_rich,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILE = ROOT / "calibration" / "profiles" / "cpu-example.json"
@@ -45,11 +54,18 @@ ESTIMATES: dict[str, dict[str, Any]] = {
 }
 
 
-def rich_prints(renderable: Any, width: int) -> str:
-    """What rich's console prints for ``renderable`` to output that is no terminal."""
+def rich_prints(renderable: Any, width: int, env: dict[str, str] | None = None) -> str:
+    """What rich's console prints for ``renderable`` to output that is no terminal, or with
+    ``env`` to a terminal in that environment (TERM, COLORTERM, NO_COLOR)."""
     out = io.StringIO()
-    Console(file=out, width=width).print(renderable)
+    terminal = dict(force_terminal=True, _environ=env) if env is not None else {}
+    Console(file=out, width=width, **terminal).print(renderable)
     return out.getvalue()
+
+
+# terminals: each colour system rich detects (standard, 256 colours, truecolor), NO_COLOR
+TERMINALS = [({"TERM": "xterm"}, STYLED), ({"TERM": "xterm-256color"}, STYLED),
+             ({"COLORTERM": "truecolor"}, STYLED), ({"TERM": "xterm", "NO_COLOR": "1"}, NO_COLOR)]
 
 
 def estimate_of(case: dict[str, Any]) -> memplan.Estimate:
@@ -62,6 +78,18 @@ def test_estimate_text_is_what_rich_prints(name: str) -> None:
     est = estimate_of(ESTIMATES[name])
     for width in WIDTHS:
         assert estimate_text(est, width=width) == rich_prints(render_estimate(est), width), width
+
+
+@pytest.mark.parametrize("name", ["llama-7b, 64 GPUs", "four stages", "experts, uneven stages",
+                                  "fits"])
+def test_estimate_text_on_a_terminal_is_what_rich_prints(name: str) -> None:
+    """On a terminal: the verdict bold green or red, the notes dim, the tables' titles italic
+    and headers bold, each piece wrapped in its own escape codes as rich writes them."""
+    est = estimate_of(ESTIMATES[name])
+    for width in (240, 80, 40, 20):
+        for env, mode in TERMINALS:
+            assert estimate_text(est, width=width, mode=mode) == rich_prints(
+                render_estimate(est), width, env), (width, env)
 
 
 def test_the_cases_reach_every_part_of_the_report() -> None:
@@ -116,6 +144,8 @@ def test_tables_wrap_fold_and_cut_as_rich_does(column: dict[str, Any]) -> None:
     ]
     for width in (300, 240, 120, 80, 61, 40, 33, 20, 9, 5, 1):
         assert render(parts, width) == rich_prints(to_rich(parts), width), width
+        for env, mode in TERMINALS:
+            assert render(parts, width, mode) == rich_prints(to_rich(parts), width, env), width
 
 
 def test_paragraphs_wrap_as_rich_does() -> None:
@@ -124,9 +154,12 @@ def test_paragraphs_wrap_as_rich_does() -> None:
     stay."""
     text = ("assumptions:\n  - " + "word " * 30 + "\n\n  - " + "y" * 95 + " tail\n"
             + "exact " * 16 + "\n   leading spaces and trailing   \n      \n  two  spaces  apart")
-    parts = [Paragraph(text), Paragraph(""), Paragraph("FITS", "bold green")]
+    parts = [Paragraph(text), Paragraph(""), Paragraph("FITS", "bold green"),
+             Paragraph(text, "dim"), Paragraph("DOES NOT FIT\n\nover", "bold red")]
     for width in range(1, 130):
         assert render(parts, width) == rich_prints(to_rich(parts), width), width
+        for env, mode in TERMINALS:
+            assert render(parts, width, mode) == rich_prints(to_rich(parts), width, env), width
 
 
 def test_wide_characters_are_measured_as_rich_measures_them() -> None:
@@ -135,6 +168,8 @@ def test_wide_characters_are_measured_as_rich_measures_them() -> None:
              table("表", ["名前", "peak"], [("数据" * 9, "1.00"), ("é" * 30, "…")])]
     for width in (200, 80, 41, 20, 7):
         assert render(parts, width) == rich_prints(to_rich(parts), width), width
+        for env, mode in TERMINALS:
+            assert render(parts, width, mode) == rich_prints(to_rich(parts), width, env), width
 
 
 @pytest.mark.parametrize("cell", ["[bold]x[/bold]", "a :smile: b", "tab\there"])
@@ -158,25 +193,33 @@ class Stream(io.StringIO):
         return self._encoding
 
 
-def test_console_width_follows_richs_terminal_rules() -> None:
-    """Plain text at COLUMNS' width for what rich would not treat as a terminal; None (print
-    with rich) for a terminal, FORCE_COLOR / TTY_COMPATIBLE=1, a non-UTF-8 stream or no
-    usable COLUMNS."""
-    assert console_width(Stream(), {"COLUMNS": "240"}) == 240
-    assert console_width(Stream(encoding=None), {"COLUMNS": "80"}) == 80
-    assert console_width(Stream(tty=True), {"COLUMNS": "240"}) is None
-    assert console_width(Stream(tty=True), {"COLUMNS": "240", "TTY_COMPATIBLE": "0"}) == 240
-    assert console_width(Stream(), {"COLUMNS": "240", "TTY_COMPATIBLE": "1"}) is None
-    assert console_width(Stream(), {"COLUMNS": "240", "FORCE_COLOR": "1"}) is None
-    assert console_width(Stream(tty=True), {"COLUMNS": "240", "FORCE_COLOR": ""}) == 240
-    assert console_width(Stream(encoding="ascii"), {"COLUMNS": "240"}) is None
-    assert console_width(Stream(), {"COLUMNS": "wide"}) is None
-    assert console_width(Stream(), {}) is None
-    for env in ({"COLUMNS": "240"}, {"COLUMNS": "240", "TTY_COMPATIBLE": "0"},
-                {"COLUMNS": "77", "FORCE_COLOR": ""}):
-        console = Console(file=Stream(), _environ=env)
-        assert (console.is_terminal, console.color_system, console.width) == (
-            False, None, int(env["COLUMNS"]))
+def test_console_layout_follows_richs_terminal_rules() -> None:
+    """Plain text at COLUMNS' width for what rich would not treat as a terminal, styled text
+    for what it would (NO_COLOR: without colours); None (print with rich) for a non-UTF-8
+    stream or a dumb terminal. Each answer is checked against rich's own console."""
+    cases = [
+        (Stream(), {"COLUMNS": "240"}, (240, PLAIN)),
+        (Stream(encoding=None), {"COLUMNS": "80"}, (80, PLAIN)),
+        (Stream(tty=True), {"COLUMNS": "240", "TERM": "xterm"}, (240, STYLED)),
+        (Stream(tty=True), {"COLUMNS": "100", "NO_COLOR": "1"}, (100, NO_COLOR)),
+        (Stream(tty=True), {"COLUMNS": "240", "TTY_COMPATIBLE": "0"}, (240, PLAIN)),
+        (Stream(), {"COLUMNS": "90", "TTY_COMPATIBLE": "1"}, (90, STYLED)),
+        (Stream(), {"COLUMNS": "90", "FORCE_COLOR": "1"}, (90, STYLED)),
+        (Stream(tty=True), {"COLUMNS": "77", "FORCE_COLOR": ""}, (77, PLAIN)),
+        (Stream(), {"COLUMNS": "wide"}, None),  # the terminal's width, or 80: see below
+        (Stream(encoding="ascii"), {"COLUMNS": "240"}, None),
+        (Stream(tty=True), {"COLUMNS": "240", "TERM": "dumb"}, None),
+    ]
+    for stream, env, layout in cases:
+        got = console_layout(stream, env)
+        if layout is None and "wide" not in env.values():
+            assert got is None, env
+            continue
+        console = Console(file=stream, _environ=env)
+        assert got is not None
+        assert got[0] == console.width, env
+        assert (got[1] == PLAIN) == (console.color_system is None), env
+        assert (got[1] == NO_COLOR) == console.no_color, env
 
 
 CHILD = r"""
@@ -190,15 +233,21 @@ print(json.dumps({"code": code, "stdout": out.getvalue(),
 """
 
 
-@pytest.mark.parametrize("args", [["--model", "llama-7b", "--gpus", "64"],
-                                  ["-m", "llama-7b", "-n", "64", "--tp", "2", "--pp", "4",
-                                   "--width", "80"]])
-def test_estimate_command_prints_richs_text_without_rich(args: list[str]) -> None:
-    """The command, its stdout no terminal, in a fresh interpreter: the text rich prints at
-    the command's width (240 for a pipe, or --width), and no rich module loaded."""
+@pytest.mark.parametrize(("args", "terminal"), [
+    (["--model", "llama-7b", "--gpus", "64"], False),
+    (["-m", "llama-7b", "-n", "64", "--tp", "2", "--pp", "4", "--width", "80"], False),
+    (["--model", "llama-7b", "--gpus", "64"], True),
+    (["-m", "llama-7b", "-n", "64", "--tp", "2", "--pp", "4", "--width", "100"], True)])
+def test_estimate_command_prints_richs_text_without_rich(args: list[str],
+                                                         terminal: bool) -> None:
+    """The command in a fresh interpreter, its stdout no terminal (or one by FORCE_COLOR):
+    the text rich prints at the command's width (240 for a pipe, or --width), and no rich
+    module loaded."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("COLUMNS", "FORCE_COLOR", "TTY_COMPATIBLE")}
+           if k not in ("COLUMNS", "FORCE_COLOR", "TTY_COMPATIBLE", "NO_COLOR", "TERM")}
     env["PYTHONPATH"] = str(ROOT)
+    if terminal:
+        env.update(FORCE_COLOR="1", TERM="xterm-256color")
     run = subprocess.run([sys.executable, "-c", CHILD, "estimate", *args], cwd=ROOT, env=env,
                          capture_output=True, text=True, check=True)
     got = json.loads(run.stdout)
@@ -207,5 +256,7 @@ def test_estimate_command_prints_richs_text_without_rich(args: list[str]) -> Non
     width = int(args[args.index("--width") + 1]) if "--width" in args else 240
     model, gpus = args[1], int(args[3])
     kwargs = dict(tp=2, pp=4) if "--tp" in args else {}
-    expected = rich_prints(render_estimate(memplan.estimate(model, gpus=gpus, **kwargs)), width)
+    expected = rich_prints(render_estimate(memplan.estimate(model, gpus=gpus, **kwargs)), width,
+                           {"FORCE_COLOR": "1", "TERM": "xterm-256color"} if terminal else None)
     assert got["stdout"] == expected
+    assert got["stdout"].startswith("\x1b[1;3") == terminal  # the verdict, red or green
