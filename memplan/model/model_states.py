@@ -19,25 +19,7 @@ from typing import Any, NamedTuple
 from memplan.errors import LayoutError
 from memplan.model import step_in_backward
 from memplan.model.adapters import ADAPTER_BYTES, adapter_bytes, adapter_policy
-from memplan.model.deepspeed_zero import (
-    zero3_gathers,
-    zero3_offload,
-    zero3_reduces_at,
-    zero2_offload_reduces_at,
-    bucket_bytes,
-    first_reduce,
-    stage1_offload_reduce_bytes,
-    stage1_reduce_bytes,
-    step_flat_copy_bytes,
-)
-from memplan.model.deepspeed_coordinator import (
-    coordinator_positions,
-    layer_tensor_counts,
-    persistent,
-    zero3_coordinator,
-)
 from memplan.model.embedding import EmbeddingBlock
-from memplan.model.fsdp_buckets import gathered_units, queued_units
 from memplan.model.head import HeadBlock
 from memplan.model.layer import layer_tensor_shapes
 from memplan.model.mtp import depth_params as mtp_depth_params
@@ -279,6 +261,8 @@ def _zero3_offload_states(partition_numel: int, opt_params: int, par: ParallelCo
     """DeepSpeed's ZeRO-3 with offload_optimizer (and offload_param) for a rank whose bit16
     partitions hold ``partition_numel`` elements (``memplan.model.deepspeed_zero.
     zero3_offload``): on the device the partitions alone, or nothing with offload_param."""
+    from memplan.model.deepspeed_zero import zero3_offload
+
     policy = wl.precision.policy
     moved = zero3_offload(partition_numel, Offload.PARAMS in par.offload, policy.param_bytes,
                           policy.grad_bytes,
@@ -389,6 +373,8 @@ def optimizer_step_temp_bytes(params: StageParams, st: StateBytes, par: Parallel
     if policy.master_bytes and policy.grad_bytes < FP32_BYTES:
         temp += st.num_optimizer_params * FP32_BYTES
     if wl.flat_partition:  # beside the partition and its fp32 copy (deepspeed_zero)
+        from memplan.model.deepspeed_zero import step_flat_copy_bytes
+
         temp += step_flat_copy_bytes(st.num_optimizer_params, policy.grad_bytes)
     if policy.grad_scaler:
         return max(temp + GRAD_SCALER_STEP_BYTES, GRAD_SCALER_UNSCALE_BYTES)
@@ -609,6 +595,8 @@ def _preallocated_buckets(params: StageParams, par: ParallelConfig, wl: Workload
     bytes). The rank's gradient partition is whole from the first bucket reduce on
     (``first_reduce``, the last rank's: the most loaded), not growing with the gradients
     made. ZeRO-1's: ``_reduce_after_backward``; ZeRO-3's: ``_coordinator_gathers``."""
+    from memplan.model.deepspeed_zero import bucket_bytes, first_reduce
+
     if par.zero >= ZeroStage.PARAMETERS:
         return _coordinator_gathers(params, par, wl, wl.precision.policy.unsharded.itemsize,
                                     grad_bytes, trainable)
@@ -657,6 +645,13 @@ def _coordinator_gathers(params: StageParams, par: ParallelConfig, wl: Workload,
     after the loss's backward); the reduce bucket (one, ``overlap_comm`` adds none:
     stage3.py ``_setup_for_real_optimizer``) and the gradient partition held from the wrap on,
     the hooks copying each gradient into the bucket."""
+    from memplan.model.deepspeed_coordinator import (
+        coordinator_positions,
+        persistent,
+        zero3_coordinator,
+    )
+    from memplan.model.deepspeed_zero import bucket_bytes, zero3_gathers
+
     g = zero3_gathers(params.tensor_sizes, params.embedding_tensors, params.head_tensors, e)
     held = bucket_bytes(wl.zero_bucket_numel, 1, grad_bytes)
     dp = par.dense_shard_degree
@@ -733,6 +728,8 @@ def _lora_block_gathers(params: StageParams, e: int) -> tuple[tuple[str, int], .
     the MLP's adapter sum (``mlp.lora``: peft's ``Linear.forward`` sums after ``lora_B``
     returned and was released, the base projection released before its adapter ran);
     () for a layer of other than the 9 tensors of a Llama layer."""
+    from memplan.model.deepspeed_coordinator import layer_tensor_counts
+
     counts = layer_tensor_counts(params.tensor_sizes, params.embedding_tensors, params.layers)
     if not counts or any(n != 9 for n in counts):
         return ()
@@ -767,6 +764,8 @@ def _zero3_lora(params: StageParams, par: ParallelConfig, wl: Workload, grad_byt
 
     Refused (``LayoutError``): adapters beyond one bucket (reduced inside the layers'
     backward, not traced)."""
+    from memplan.model.deepspeed_zero import zero3_reduces_at
+
     if sum(trainable.adapters) > wl.zero_bucket_numel:
         raise LayoutError("DeepSpeed ZeRO-3 with LoRA adapters beyond one reduce bucket",
                           f"--framework deepspeed --zero 3 with LoRA: the adapters' gradients "
@@ -792,6 +791,8 @@ def _zero3_reduce(params: StageParams, par: ParallelConfig, wl: Workload,
     zero3_reduces_at``, placed by ``memplan.model.sharding.DataParallel.block_peak``). Hooks
     in backward order: the parameters' registration order reversed (the head, the final
     norm, each layer's from its down projection to its first norm, the embedding)."""
+    from memplan.model.deepspeed_zero import zero3_reduces_at
+
     head, layers, embedding = _in_hook_order(params, params.tensor_sizes)
     at = zero3_reduces_at(head, layers, embedding, wl.zero_bucket_numel, dp, grad_bytes,
                           optimizer_on_host(par))
@@ -803,6 +804,8 @@ def _in_hook_order(params: StageParams, items: tuple) -> tuple[tuple, tuple, tup
     """``items`` (one per tensor, in the parameters' order) grouped as DeepSpeed's gradient
     hooks run: the head's (and final norm's), each layer's last to first, the embedding's,
     each group in backward order (registration order reversed)."""
+    from memplan.model.deepspeed_coordinator import layer_tensor_counts
+
     counts = layer_tensor_counts(params.tensor_sizes, params.embedding_tensors, params.layers)
     layers, start = [], params.embedding_tensors
     for count in counts:
@@ -819,6 +822,8 @@ def _zero2_offload_hooks(params: StageParams, par: ParallelConfig, wl: Workload,
     holds the head and the last layers, whose gradients are reduced first), hooks in backward
     order as ZeRO-3's (``_zero3_reduce``), each with its start in the flat buffer (the
     parameters in order, padded to 2 x dp elements: ``flatten_dense_tensors_aligned``)."""
+    from memplan.model.deepspeed_zero import zero2_offload_reduces_at
+
     sizes, dp = params.tensor_sizes, par.dense_shard_degree
     items = tuple(zip((0, *accumulate(sizes[:-1])), sizes))
     size = ceil_div(sum(sizes), 2 * dp) * 2
@@ -851,6 +856,12 @@ def _reduce_after_backward(params: StageParams, par: ParallelConfig, wl: Workloa
     gradients whole through backward; after it, the reduce in forward order makes the first
     rank's partition (the most loaded) beside the gradients not yet moved and the bucket;
     the step sees the partition alone (``_clear_param_grad_only``)."""
+    from memplan.model.deepspeed_zero import (
+        bucket_bytes,
+        stage1_offload_reduce_bytes,
+        stage1_reduce_bytes,
+    )
+
     held = bucket_bytes(wl.zero_bucket_numel, wl.zero_bucket_buffers, grad_bytes)
     d = par.dense_shard_degree
     partition = _shard(params.dense, d, True) * grad_bytes
@@ -935,6 +946,8 @@ def _bucketed_units(params: StageParams, par: ParallelConfig, wl: Workload) -> S
     units and the other weights' unsharded gradients, in the gradient dtype, whole beside the
     persistent shard. At shard degree 1 nothing is temporary: the buffers are the weights and
     gradients themselves (``DataParallelBuffer.is_data_distributed`` needs a group of 2)."""
+    from memplan.model.fsdp_buckets import gathered_units, queued_units
+
     if par.dense_shard_degree == 1:
         return ShardingBuffers(0, 0, 0, queued_whole=True)
     layer, root = max(params.layers, default=0), params.embedding + params.head

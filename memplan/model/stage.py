@@ -29,7 +29,6 @@ from memplan.model.grad_sync import (
 from memplan.model.head import HeadBlock
 from memplan.model.compiled import layer_workload as compiled_layer_workload
 from memplan.model.layer import LayerKind, backward_moments, merge_terms, unsaved_stream
-from memplan.model.deepspeed_zero import weight_grads_at
 from memplan.model.moments import Segment, peak_of
 from memplan.model.pipeline import Schedule
 from memplan.model.stage_parts import (
@@ -223,6 +222,8 @@ def _entries(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTe
             # copies it away (one larger than the bucket until the next hook)
             # (with LoRA the base weights make none; an adapter's, r x d elements, is
             # copied away at its own hook and not counted)
+            from memplan.model.deepspeed_zero import weight_grads_at
+
             moment_grads = weight_grads_at(tuple(0 if wl.lora_rank else m.fresh_params
                                                  for m in kind.moments),
                                            wl.zero_bucket_numel,

@@ -1,4 +1,5 @@
-"""``memplan estimate``: the estimate as JSON (int bytes) and as rich tables (GiB, labelled)."""
+"""``memplan estimate``: the estimate as JSON (int bytes) and as text tables (GiB, labelled):
+``estimate_parts`` laid out by ``memplan.report.text``, or by rich (``render_estimate``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from memplan.report.sizes import format_gib, gib
 
 if TYPE_CHECKING:  # the replay loads only with --reserved (memplan.cli.estimate)
     from memplan.model.reserved import Reserved
+    from memplan.report.text import Part
 
 _COMPONENTS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes")
 
@@ -185,12 +187,29 @@ def render_estimate(est: Estimate, reserved: tuple[Reserved, ...] | None = None,
                     alloc_conf: str = "") -> Any:
     """A rich renderable: components by stage, phases, capacity, verdict, assumptions; with
     ``reserved`` (``memplan.model.reserved.estimate_reserved``), the reserved line."""
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
+    from memplan.report.text import to_rich
+
+    return to_rich(estimate_parts(est, reserved, alloc_conf))
+
+
+def estimate_text(est: Estimate, reserved: tuple[Reserved, ...] | None = None,
+                  alloc_conf: str = "", *, width: int, mode: str = "plain") -> str | None:
+    """``render_estimate`` as rich prints it ``width`` columns wide, to output that is no
+    terminal or to a terminal (``mode``: ``memplan.report.text.console_layout``), without
+    importing rich; None where only rich lays it out."""
+    from memplan.report.text import render
+
+    return render(estimate_parts(est, reserved, alloc_conf), width, mode)
+
+
+def estimate_parts(est: Estimate, reserved: tuple[Reserved, ...] | None = None,
+                   alloc_conf: str = "") -> list[Part]:
+    """The text report's paragraphs and tables (``memplan.report.text``, loaded here: the
+    JSON needs none of it)."""
+    from memplan.report.text import Paragraph, TextTable
 
     par, wl = est.parallel, est.workload
-    header = Text(
+    header = Paragraph(
         f"{est.spec.name} ({est.spec.num_params / 1e9:.2f}B params) on {par.world_size} x "
         f"{est.gpu.name}: tp={par.tp} pp={par.pp} vpp={par.vpp} dp={par.dp} cp={par.cp} "
         f"ep={par.ep}" + (f" etp={par.etp}" if par.etp is not None else "")
@@ -211,7 +230,7 @@ def render_estimate(est: Estimate, reserved: tuple[Reserved, ...] | None = None,
            if wl.lora_rank else "")
         + (f"\nAPPROXIMATE: {est.spec.approximate}" if est.spec.approximate else ""))
 
-    stages = Table(title="Per-GPU memory by pipeline stage, GiB (2^30 bytes)")
+    stages = TextTable("Per-GPU memory by pipeline stage, GiB (2^30 bytes)")
     for col in ("stage", "layers", "parameters", "gradients", "optimizer states",
                 "activations", "micro-batches in flight", "peak"):
         stages.add_column(col, justify="right", overflow="fold")
@@ -222,7 +241,7 @@ def render_estimate(est: Estimate, reserved: tuple[Reserved, ...] | None = None,
                        str(s.microbatches_in_flight), gib(s.peak_bytes), _short_phase(s))
 
     worst = est.worst
-    table = Table(title=f"Most loaded rank: stage {worst.stage}")
+    table = TextTable(f"Most loaded rank: stage {worst.stage}")
     table.add_column("component", no_wrap=True)
     table.add_column("GiB", justify="right", no_wrap=True)
     table.add_column("bytes", justify="right", no_wrap=True)
@@ -254,8 +273,8 @@ def render_estimate(est: Estimate, reserved: tuple[Reserved, ...] | None = None,
         table.add_row(label, gib(value), f"{value:,}")
 
     analytic = est.worst.analytic_phases
-    phases = Table(title=f"Phase peaks of stage {est.worst.stage}, tensors only (GiB)"
-               + (", calibrated" if analytic else ""))
+    phases = TextTable(f"Phase peaks of stage {est.worst.stage}, tensors only (GiB)"
+                       + (", calibrated" if analytic else ""))
     phases.add_column("phase")
     phases.add_column("first step", justify="right")
     phases.add_column("steady state", justify="right")
@@ -271,19 +290,20 @@ def render_estimate(est: Estimate, reserved: tuple[Reserved, ...] | None = None,
         phases.add_row("model load", format_gib(est.worst.load_bytes), "",
                        *(["", ""] if analytic else []))
 
-    summary = Text(verdict_line(est), style="bold green" if est.fits else "bold red")
-    notes = Text("assumptions:\n" + "\n".join(f"  - {a}" for a in est.assumptions)
-                 + "".join(f"\n  - not always a saving: {c}" for c in est.caveats), style="dim")
+    summary = Paragraph(verdict_line(est), "bold green" if est.fits else "bold red")
+    notes = Paragraph("assumptions:\n" + "\n".join(f"  - {a}" for a in est.assumptions)
+                      + "".join(f"\n  - not always a saving: {c}" for c in est.caveats), "dim")
 
     # the verdict first, then what it is made of
-    parts = [summary, *([Text(_why_not(est))] if not est.fits else []), header, stages, table,
-             *([Text(paged_line(est))] if worst.paged_bytes else []), phases,
-             *([Text(reserved_line(est, reserved, alloc_conf))] if reserved else []),
-             Text(_time_line(est))]
+    parts: list[Part] = [
+        summary, *([Paragraph(_why_not(est))] if not est.fits else []), header, stages, table,
+        *([Paragraph(paged_line(est))] if worst.paged_bytes else []), phases,
+        *([Paragraph(reserved_line(est, reserved, alloc_conf))] if reserved else []),
+        Paragraph(_time_line(est))]
     why = explanations(est)
     if why:
-        parts.append(Text("why:\n" + "\n".join(f"  - {e.line()}" for e in why)))
-    return Group(*parts, notes)
+        parts.append(Paragraph("why:\n" + "\n".join(f"  - {e.line()}" for e in why)))
+    return [*parts, notes]
 
 
 def paged_line(est: Estimate) -> str:

@@ -807,3 +807,40 @@ def test_grouped_token_is_transformers_5_3s_gather() -> None:
     api = memplan.estimate("mixtral-8x7b", gpus=64, framework="hf", recompute="full",
                            moe_impl="grouped-token")
     assert cli == json.loads(json.dumps(_api_json(api)))
+
+
+@pytest.mark.parametrize("command", [None, *memplan.cli.COMMANDS])
+def test_unset_options_keep_what_typer_would_coerce_them_to(command: str | None) -> None:
+    """An option left unset skips typer's coercion (``memplan.cli._Deferred``: building
+    ~70 pydantic TypeAdapters per command line). That is exact only if typer's own coercion
+    returns every default unchanged: it is run here on each default of each command, with the
+    adapter typer builds, and compared in value and type."""
+    from typer._click.core import ParameterSource
+    from typer._coercion import build_runtime_param
+
+    group = memplan.cli._command_for([command] if command else [])
+    commands = [group, *group.commands.values()]
+    checked = 0
+    for cmd in commands:
+        ctx = cmd.make_context("memplan", [], resilient_parsing=True)
+        for param in cmd.params:
+            if not hasattr(param, "type_descriptor") or param.default is None:
+                continue
+            assert type(param._runtime_param).__name__ == "_Deferred", param.name
+            ctx.set_parameter_source(param.name, ParameterSource.DEFAULT)
+            kept = param._runtime_param.coerce(param.default, param, ctx)
+            coerced = build_runtime_param(param.type_descriptor).coerce(param.default, param,
+                                                                        ctx)
+            assert (kept, type(kept)) == (coerced, type(coerced)), (cmd.name, param.name)
+            checked += 1
+    assert checked or command in {None, "models", "gpus"}
+
+
+def test_a_given_option_is_coerced_by_typer() -> None:
+    """A value given on the command line, or a default the user repeats, goes through typer's
+    coercion (the enum, the number), and a bad one is refused with typer's message."""
+    out = estimate_cli("-m", "llama-7b", "-n", "64", "--zero", "0", "--tp", "2",
+                       "--recompute", "full")
+    assert (out["layout"]["zero"], out["layout"]["tp"]) == (0, 2)
+    assert out["workload"]["recompute"] == "full"
+    assert main(["estimate", "-m", "llama-7b", "-n", "64", "--tp", "two"]) == 2
