@@ -84,10 +84,10 @@ def _command_for(args: list[str]) -> typer.core.TyperGroup | typer.core.TyperCom
     help, options and errors are the same), or every command when none is named."""
     name = next((a for a in args if not a.startswith("-")), None)
     if name not in COMMANDS:
-        return _unset_kept(_plain_help(typer.main.get_command(_full_app())))
+        return _plain_help(typer.main.get_command(_full_app()))
     one = _app_of([name])
     one.callback()(_group)  # a group even with one command: ``memplan NAME ...`` parses as always
-    return _unset_kept(_plain_help(typer.main.get_command(one)))
+    return _plain_help(typer.main.get_command(one))
 
 
 # Value types the help shows: numbers (a value must parse as one) and choices; an on/off flag
@@ -126,6 +126,9 @@ class PlainValue:
             return () if multi else None
         kind = self.kind
         if kind is None:
+            if (value is param.default
+                    and ctx.get_parameter_source(param.name) is ParameterSource.DEFAULT):
+                return value  # an option left unset: its default, which coerces to itself
             if self.fallback is None:
                 from typer._coercion import build_runtime_param
 
@@ -196,40 +199,6 @@ def _plain_help(group: typer.core.TyperGroup) -> typer.core.TyperGroup:
                     and desc.annotation not in _SHOWN_TYPES):
                 param.metavar = ""
             plain_value(param)
-    return group
-
-
-class _Deferred:
-    """An option's value coercion, built when a value needs it. typer (0.29, core.py
-    ``_TyperParameter.process_value``) builds each option's pydantic TypeAdapter
-    (``_coercion.build_runtime_param``) before it looks at the value, so a command line pays
-    for all of ``estimate``'s ~70 options, a few of them given. An option left unset keeps
-    what typer's coercion returns for it without building one: None (``RuntimeParam.coerce``
-    returns it, or () for a multi-value option, before any adapter) or the option's own
-    default, which coerces to itself (tests/unit/test_cli.py checks every command's)."""
-
-    __slots__ = ()
-
-    def coerce(self, value: Any, param: Any, ctx: Any) -> Any:
-        if value is None:
-            return () if param.multiple or param.nargs == -1 else None
-        if (value is param.default
-                and ctx.get_parameter_source(param.name) is ParameterSource.DEFAULT):
-            return value
-        from typer._coercion import build_runtime_param
-
-        param._runtime_param = build_runtime_param(param.type_descriptor)
-        return param._runtime_param.coerce(value, param=param, ctx=ctx)
-
-
-def _unset_kept(group: typer.core.TyperGroup) -> typer.core.TyperGroup:
-    """``group`` whose options build their value coercion only for a value given
-    (``_Deferred``); typer versions without the lazy runtime parameter are left as they are."""
-    for command in [group, *group.commands.values()]:
-        for param in command.params:
-            if getattr(param, "_runtime_param", False) is None and hasattr(
-                    param, "type_descriptor"):
-                param._runtime_param = _Deferred()
     return group
 
 

@@ -811,10 +811,11 @@ def test_grouped_token_is_transformers_5_3s_gather() -> None:
 
 @pytest.mark.parametrize("command", [None, *memplan.cli.COMMANDS])
 def test_unset_options_keep_what_typer_would_coerce_them_to(command: str | None) -> None:
-    """An option left unset skips typer's coercion (``memplan.cli._Deferred``: building
-    ~70 pydantic TypeAdapters per command line). That is exact only if typer's own coercion
-    returns every default unchanged: it is run here on each default of each command, with the
-    adapter typer builds, and compared in value and type."""
+    """An option left unset is converted by ``memplan.cli.PlainValue`` (a path's default
+    kept as it is), not by typer's coercion (~70 pydantic TypeAdapters per command line).
+    That is exact only if it gives what typer's own coercion gives for every default: typer's
+    is run here on each default of each command, with the adapter typer builds, and compared
+    in value and type."""
     from typer._click.core import ParameterSource
     from typer._coercion import build_runtime_param
 
@@ -826,7 +827,7 @@ def test_unset_options_keep_what_typer_would_coerce_them_to(command: str | None)
         for param in cmd.params:
             if not hasattr(param, "type_descriptor") or param.default is None:
                 continue
-            assert type(param._runtime_param).__name__ == "_Deferred", param.name
+            assert type(param._runtime_param).__name__ == "PlainValue", param.name
             ctx.set_parameter_source(param.name, ParameterSource.DEFAULT)
             kept = param._runtime_param.coerce(param.default, param, ctx)
             coerced = build_runtime_param(param.type_descriptor).coerce(param.default, param,
