@@ -438,16 +438,15 @@ def _tuple_converter(args: tuple[Any, ...], owner: str) -> Any:
 
 
 def _enum_converter(kind: type[enum.Enum]) -> Any:
-    expected = _expected([m.value for m in kind])
-    message = f"Input should be {expected}"
-
     def member(value: Any) -> Any:
         if type(value) is kind:
             return value
         try:
             return kind(value)
         except (ValueError, TypeError):
-            raise _Fail("enum", message, value, ctx={"expected": expected}) from None
+            expected = _expected([m.value for m in kind])  # (made on failure only)
+            raise _Fail("enum", f"Input should be {expected}", value,
+                        ctx={"expected": expected}) from None
     return member
 
 
@@ -474,6 +473,9 @@ def _error(kind: str, loc: tuple[Any, ...], msg: str, value: Any,
     return error
 
 
+_PLAIN = {"int": int, "bool": bool, "float": float, "str": str}  # annotations read without eval
+
+
 class Record:
     """A frozen record with typed fields (see the section's comment above).
 
@@ -496,9 +498,13 @@ class Record:
         if config is not None and (not config.get("frozen") or config.get("extra") != "forbid"):
             raise TypeError(f"{cls.__name__}: a Record is frozen and forbids extra fields")
         namespace = vars(sys.modules[cls.__module__])
+        local: dict[str, Any] | None = None  # the class body's names, for eval
         fields = dict(cls.model_fields)
         for name, text in cls.__dict__.get("__annotations__", {}).items():
-            annotation = eval(text, namespace, dict(vars(cls))) if isinstance(text, str) else text
+            annotation = _PLAIN.get(text) if isinstance(text, str) else text
+            if annotation is None:
+                local = dict(vars(cls)) if local is None else local
+                annotation = eval(text, namespace, local)  # noqa: S307 - the class's own
             if typing.get_origin(annotation) is typing.ClassVar:
                 continue
             value = cls.__dict__.get(name, _MISSING)
