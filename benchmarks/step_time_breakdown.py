@@ -4,7 +4,9 @@ communication before overlap, memplan's MFU next to the published one, the rate 
 compute runs at (hardware FLOPs per GPU per second of compute over the dense BF16 peak), the
 decoder linears' time factor from the measured GEMM rates by shape, and the rate the published
 step leaves for the same FLOPs once memplan's bubble and exposed communication are taken out
-(``throughput_table.breakdown``; a run published without a speed has none).
+(``throughput_table.breakdown``; a run published without a speed has none); then each group
+of three runs or more, its rank correlation with a term of the step left out
+(``throughput_table.term_rho``).
 
 ``python benchmarks/step_time_breakdown.py [ID-SUBSTRING ...]`` prints one row per run of
 ``benchmarks/data/throughput_runs.json`` whose id contains one of the substrings (all runs
@@ -50,6 +52,13 @@ def main(argv: list[str]) -> int:
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for run in runs:
         print(row(run))
+    # each group's rank correlation, then with a term of the step left out
+    for name, members in tt.groups(tt.build_rows(runs)).items():
+        if len(members) >= tt.MIN_GROUP:
+            rho = tt.summary(members)["rho"][name]
+            left = "; ".join(f"without {t}: {tt._rho(v)}"
+                             for t, v in tt.term_rho(members).items())
+            print(f"\n{name}: {tt._rho(rho)}; {left}")
     return 0
 
 

@@ -177,6 +177,29 @@ def breakdown(run: dict[str, Any]) -> dict[str, Any] | None:
                                          DEFAULT_MFU)}
 
 
+# the step's terms that ``term_rho`` leaves out, by name: the StepTime fields they sum
+TERMS = {"the bubble": ("bubble_s",), "the exposed communication": ("exposed_comm_s",),
+         "both (compute alone)": ("bubble_s", "exposed_comm_s")}
+
+
+def term_rho(members: list[dict[str, Any]]) -> dict[str, float | None]:
+    """A group's rank correlation with each of ``TERMS`` left out of memplan's step: memplan's
+    number (MFU or tokens/s, both inverse to the step) times step / (step - the term). Which
+    term orders the runs wrongly: one whose removal restores the order."""
+    done = [(r, breakdown(r["run"])) for r in members if r["memplan"] is not None]
+    done = [(r, b) for r, b in done if b is not None]
+    out = {}
+    for name, fields in TERMS.items():
+        mine = []
+        for r, b in done:
+            st = b["st"]
+            mine.append(r["memplan"] * st.step_s
+                        / (st.step_s - sum(getattr(st, f) for f in fields)))
+        out[name] = (spearman([r["published"] for r, _ in done], mine)
+                     if len(done) >= 2 else None)
+    return out
+
+
 def build_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for run in runs:
@@ -219,7 +242,8 @@ def _rho(value: float | None) -> str:
 
 def _below_target(rows: list[dict[str, Any]], rho: dict[str, float | None]) -> list[str]:
     """Where memplan's step goes in each group of ``MIN_GROUP`` runs or more whose rank
-    correlation is under 0.8 (``breakdown``)."""
+    correlation is under 0.8 (``breakdown``), and the group's correlation with each term of
+    the step left out (``term_rho``)."""
     low = [n for n, m in groups(rows).items()
            if len(m) >= MIN_GROUP and (rho[n] is None or rho[n] < 0.8)]
     if not low:
@@ -230,12 +254,18 @@ def _below_target(rows: list[dict[str, Any]], rho: dict[str, float | None]) -> l
            "decoder linears' time factor from the measured GEMM rates by shape",
            "(`memplan.planning.kernels`, 1 on a GPU without a table); and the rate the",
            "published step leaves for the same FLOPs once memplan's bubble and exposed",
-           "communication are taken out of it (`benchmarks/step_time_breakdown.py`).",
-           "",
-           "| run | hidden / tp | memplan step s | compute s | bubble s | exposed comm s | "
-           "published step s | compute rate | GEMM shape factor | rate the published step "
-           "leaves |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "communication are taken out of it (`benchmarks/step_time_breakdown.py`). Each",
+           "group's rank correlation is given again with a term of memplan's step left out:",
+           "a term whose removal restores the order is the one that misorders the runs.", ""]
+    for name in low:
+        left = "; ".join(f"without {t}: {_rho(v)}"
+                         for t, v in term_rho(groups(rows)[name]).items())
+        out.append(f"- {name}: {_rho(rho[name])}; {left}.")
+    out += ["",
+            "| run | hidden / tp | memplan step s | compute s | bubble s | exposed comm s | "
+            "published step s | compute rate | GEMM shape factor | rate the published step "
+            "leaves |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name in low:
         for r in groups(rows)[name]:
             b = breakdown(r["run"])

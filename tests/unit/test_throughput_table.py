@@ -93,3 +93,26 @@ def test_the_rate_the_published_step_leaves(monkeypatch):
     assert b["left_rate"] == pytest.approx(0.712251, abs=1e-6)
     assert tt.breakdown({"published": {"iteration_s": 1.2}, "memplan_args": {}})["left_rate"] \
         is None
+
+
+def test_rank_correlation_with_a_term_left_out(monkeypatch):
+    """Three runs published in the order a < b < c, each at memplan's step of 10 s: a at 0.5
+    (no bubble, no exposed communication), b at 0.4 with a 5 s bubble, c at 0.3 with 5 s of
+    exposed communication; memplan orders them c < b < a: rho -1. Without the bubble b runs
+    at 0.4 x 10 / 5 = 0.8: ranks (a, b, c) = (2, 3, 1), differences -1, -1, 2, rho = 1 - 6 x 6
+    / (3 x 8) = -0.5. Without the communication c runs at 0.6: ranks (2, 1, 3), rho = 1 - 6 x
+    2 / 24 = 0.5. Without both: 0.5, 0.8, 0.6, ranks (1, 3, 2), rho 0.5."""
+    from types import SimpleNamespace
+
+    import benchmarks.throughput_table as tt
+
+    steps = {"a": (0.0, 0.0), "b": (5.0, 0.0), "c": (0.0, 5.0)}
+    monkeypatch.setattr(tt, "breakdown", lambda run: {"st": SimpleNamespace(
+        step_s=10.0, bubble_s=steps[run["id"]][0], exposed_comm_s=steps[run["id"]][1])})
+    members = [{"run": {"id": i}, "published": p, "memplan": m}
+               for i, p, m in (("a", 1.0, 0.5), ("b", 2.0, 0.4), ("c", 3.0, 0.3))]
+    rho = tt.term_rho(members)
+    assert tt.spearman([1.0, 2.0, 3.0], [0.5, 0.4, 0.3]) == pytest.approx(-1.0)
+    assert rho["the bubble"] == pytest.approx(-0.5)
+    assert rho["the exposed communication"] == pytest.approx(0.5)
+    assert rho["both (compute alone)"] == pytest.approx(0.5)
