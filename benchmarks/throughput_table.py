@@ -28,7 +28,8 @@ if str(ROOT) not in sys.path:
 import memplan  # noqa: E402
 from memplan.errors import MemplanError  # noqa: E402
 from memplan.hardware import load_gpu  # noqa: E402
-from memplan.planning.timing import estimate_step_time, step_time  # noqa: E402
+from memplan.planning.kernels import linear_time_factor  # noqa: E402
+from memplan.planning.timing import DEFAULT_MFU, estimate_step_time, step_time  # noqa: E402
 from memplan.workload import Float8Recipe  # noqa: E402
 
 RUNS = ROOT / "benchmarks" / "data" / "throughput_runs.json"
@@ -137,6 +138,68 @@ def spearman(a: list[float], b: list[float]) -> float | None:
     return None if va == 0 or vb == 0 else cov / (va * vb) ** 0.5
 
 
+def published_step_s(run: dict[str, Any], est: Any) -> float | None:
+    """Seconds per step of the run as published: its seconds per iteration, else the global
+    batch's tokens over its tokens/s/GPU times the GPUs; None where only an MFU is published."""
+    pub = run["published"]
+    if "iteration_s" in pub:
+        return float(pub["iteration_s"])
+    if "tokens_per_s_per_gpu" in pub:
+        tokens = est.global_batch_size * est.workload.seq_len
+        return tokens / (pub["tokens_per_s_per_gpu"] * est.parallel.world_size)
+    return None
+
+
+def breakdown(run: dict[str, Any]) -> dict[str, Any] | None:
+    """Where memplan's step time goes for ``run`` (uncalibrated), None where memplan refuses
+    the run as given: the step's seconds and its compute, pipeline bubble and exposed
+    communication; ``rate``, the compute's hardware FLOPs per GPU per second over the GPU's
+    dense BF16 peak; ``linear``, the decoder linears' time factor from the measured GEMM rates
+    by shape (``memplan.planning.kernels.linear_time_factor``; 1 on a GPU without a table);
+    ``left_rate``, the rate the published step leaves for the same hardware FLOPs once
+    memplan's bubble and exposed communication are taken out of it (None without a published
+    speed, or where those two alone exceed it). Read, not fitted: nothing here enters the
+    model."""
+    try:
+        est = memplan.estimate(**_args(run))
+    except MemplanError:
+        return None
+    st = _timed(est, run)
+    flops_per_gpu = st.hardware_flops / est.parallel.world_size
+    peak = est.gpu.bf16_flops
+    pub_s = published_step_s(run, est)
+    left = None if pub_s is None else pub_s - st.bubble_s - st.exposed_comm_s
+    float8 = run["memplan_args"].get("float8", "none") != "none"
+    return {"est": est, "st": st, "published_s": pub_s,
+            "rate": flops_per_gpu / st.compute_s / peak,
+            "left_rate": None if left is None or left <= 0 else flops_per_gpu / left / peak,
+            "linear": linear_time_factor(est.spec, est.gpu, est.parallel.tp, float8,
+                                         DEFAULT_MFU)}
+
+
+# the step's terms that ``term_rho`` leaves out, by name: the StepTime fields they sum
+TERMS = {"the bubble": ("bubble_s",), "the exposed communication": ("exposed_comm_s",),
+         "both (compute alone)": ("bubble_s", "exposed_comm_s")}
+
+
+def term_rho(members: list[dict[str, Any]]) -> dict[str, float | None]:
+    """A group's rank correlation with each of ``TERMS`` left out of memplan's step: memplan's
+    number (MFU or tokens/s, both inverse to the step) times step / (step - the term). Which
+    term orders the runs wrongly: one whose removal restores the order."""
+    done = [(r, breakdown(r["run"])) for r in members if r["memplan"] is not None]
+    done = [(r, b) for r, b in done if b is not None]
+    out = {}
+    for name, fields in TERMS.items():
+        mine = []
+        for r, b in done:
+            st = b["st"]
+            mine.append(r["memplan"] * st.step_s
+                        / (st.step_s - sum(getattr(st, f) for f in fields)))
+        out[name] = (spearman([r["published"] for r, _ in done], mine)
+                     if len(done) >= 2 else None)
+    return out
+
+
 def build_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for run in runs:
@@ -177,6 +240,47 @@ def _rho(value: float | None) -> str:
     return "0 (flat)" if value is None else f"{value:+.2f}"
 
 
+def _below_target(rows: list[dict[str, Any]], rho: dict[str, float | None]) -> list[str]:
+    """Where memplan's step goes in each group of ``MIN_GROUP`` runs or more whose rank
+    correlation is under 0.8 (``breakdown``), and the group's correlation with each term of
+    the step left out (``term_rho``)."""
+    low = [n for n, m in groups(rows).items()
+           if len(m) >= MIN_GROUP and (rho[n] is None or rho[n] < 0.8)]
+    if not low:
+        return []
+    out = ["", "Where memplan's step goes in the groups below the rank target: its seconds of",
+           "compute, pipeline bubble and exposed communication; the rate its compute runs at",
+           "(hardware FLOPs per GPU per second of compute over the dense BF16 peak); the",
+           "decoder linears' time factor from the measured GEMM rates by shape",
+           "(`memplan.planning.kernels`, 1 on a GPU without a table); and the rate the",
+           "published step leaves for the same FLOPs once memplan's bubble and exposed",
+           "communication are taken out of it (`benchmarks/step_time_breakdown.py`). Each",
+           "group's rank correlation is given again with a term of memplan's step left out:",
+           "a term whose removal restores the order is the one that misorders the runs.", ""]
+    for name in low:
+        left = "; ".join(f"without {t}: {_rho(v)}"
+                         for t, v in term_rho(groups(rows)[name]).items())
+        out.append(f"- {name}: {_rho(rho[name])}; {left}.")
+    out += ["",
+            "| run | hidden / tp | memplan step s | compute s | bubble s | exposed comm s | "
+            "published step s | compute rate | GEMM shape factor | rate the published step "
+            "leaves |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name in low:
+        for r in groups(rows)[name]:
+            b = breakdown(r["run"])
+            if b is None:
+                continue
+            st, est = b["st"], b["est"]
+            pub = "-" if b["published_s"] is None else f"{b['published_s']:.2f}"
+            left = "-" if b["left_rate"] is None else f"{b['left_rate']:.3f}"
+            out.append(f"| {r['run']['id']} | {est.spec.hidden_size} / {est.parallel.tp} | "
+                       f"{st.step_s:.2f} | {st.compute_s:.2f} | {st.bubble_s:.2f} | "
+                       f"{st.exposed_comm_s:.2f} | {pub} | {b['rate']:.3f} | "
+                       f"{b['linear']:.3f} | {left} |")
+    return out
+
+
 def render(rows: list[dict[str, Any]]) -> list[str]:
     s = summary(rows)
     big = [n for n, m in groups(rows).items() if len(m) >= MIN_GROUP]
@@ -208,6 +312,7 @@ def render(rows: list[dict[str, Any]]) -> list[str]:
         errs = [abs(r["error"]) for r in members if r["error"] is not None]
         med = f"{statistics.median(errs):.1%}" if errs else "-"
         out.append(f"| {name} | {len(members)} | {_rho(s['rho'][name])} | {med} |")
+    out += _below_target(rows, s["rho"])
     out += ["", "| run | configuration (as published) | published | memplan | error | "
             "not expressible |", "|---|---|---:|---:|---:|---|"]
     for r in rows:

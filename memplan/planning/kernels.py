@@ -15,7 +15,11 @@ mirror, punittiwari50/tensorflow-tensorflow at 7cc7ba5522621a48fb6ca2a0e0ffa7804
 bf16 -> bf16 and, on sm_100, f8e4m3fn x f8e4m3fn -> bf16. The slice kept here is b = 4,
 m = 4096 (16,384 rows: a training micro-batch's tokens are of that order, and the table's
 largest rows), for n and k from 256 to 4096. Other GPUs have no measured table: their GEMMs
-run at the flat fraction (a factor 1, the stated fallback).
+run at the flat fraction (a factor 1, the stated fallback). The A100 (sm_80) among them: the
+openxla file's table holds two keys, sm_100 and sm_90 (the tensorflow mirror's earlier version
+sm_90 only), and the A100's one published measured matmul rate with its shape (271.2 TFLOP/s
+at 1024 x 10240 x 5120, stas00/ml-engineering's "Maximum Achievable Matmul FLOPS comparison
+table") is a single point, no rate by shape.
 
 The fused attention kernel runs at FlashAttention-2's measured causal forward-and-backward rate
 on Hopper and Ampere (``attention_time_factor``), and torchao's float8 casts take their bytes over the HBM's
