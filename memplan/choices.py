@@ -654,12 +654,22 @@ class Record:
         return record
 
     def model_dump(self, *, mode: str = "python", exclude: Any = None, round_trip: bool = False,
-                   warnings: bool = True) -> dict[str, Any]:
-        """The fields as a dict, nested records as dicts; ``mode="json"``: enums as their
+                   warnings: bool = True, exclude_none: bool = False,
+                   exclude_defaults: bool = False) -> dict[str, Any]:
+        """The fields as a dict, nested records as dicts (``exclude_none`` and
+        ``exclude_defaults`` reach them, as pydantic's); ``mode="json"``: enums as their
         values, tuples and sets as lists."""
         json_mode = mode == "json"
-        return {k: _dumped(v, json_mode) for k, v in self.__dict__.items()
-                if not exclude or k not in exclude}
+        defaults = type(self)._record_defaults
+        out = {}
+        for k, v in self.__dict__.items():
+            if (exclude and k in exclude) or (exclude_none and v is None) or (
+                    exclude_defaults and k in defaults and defaults[k] == v):
+                continue
+            out[k] = (v.model_dump(mode=mode, exclude_none=exclude_none,
+                                   exclude_defaults=exclude_defaults)
+                      if isinstance(v, Record) else _dumped(v, json_mode))
+        return out
 
     @classmethod
     def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> Any:
@@ -669,7 +679,9 @@ class Record:
 
         return core_schema.no_info_plain_validator_function(
             cls.model_validate, serialization=core_schema.plain_serializer_function_ser_schema(
-                lambda value, info: value.model_dump(mode=info.mode), info_arg=True))
+                lambda value, info: value.model_dump(
+                    mode=info.mode, exclude_none=info.exclude_none,
+                    exclude_defaults=info.exclude_defaults), info_arg=True))
 
 
 def _run_validator(function: Any, value: Any) -> Any:

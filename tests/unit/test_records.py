@@ -177,6 +177,17 @@ def test_a_record_is_frozen_hashable_and_copies_unchecked() -> None:
     assert Outer.model_fields["window"].annotation == (int | None)
 
 
+def test_dump_options_as_pydantic() -> None:
+    """``exclude``, ``exclude_none`` and ``exclude_defaults`` drop what pydantic's drop, nested
+    records included."""
+    data = {"name": "m", "layers": 1, "cap": None, "window": 50, "inner": {"width": 8}}
+    for kw in ({}, {"exclude_none": True}, {"exclude_defaults": True},
+               {"exclude_none": True, "exclude_defaults": True}, {"exclude": {"dims"}}):
+        for mode in ("python", "json"):
+            assert Outer(**data).model_dump(mode=mode, **kw) == \
+                POuter(**data).model_dump(mode=mode, **kw), (kw, mode)
+
+
 def test_a_record_inside_a_pydantic_model() -> None:
     """A calibration file's pydantic record holds a ``ModelSpec``: validated and dumped by the
     record (``Record.__get_pydantic_core_schema__``)."""
@@ -187,6 +198,9 @@ def test_a_record_inside_a_pydantic_model() -> None:
     held = Holder(inner={"width": 4, "kind": "blue"})
     assert held.inner == Inner(width=4, kind=Colour.BLUE)
     assert held.model_dump(mode="json") == {"inner": {"width": 4, "kind": "blue"}}
+    assert held.model_dump(mode="json", exclude_defaults=True) == {"inner": {"width": 4,
+                                                                             "kind": "blue"}}
+    assert Holder(inner={"width": 4}).model_dump(exclude_defaults=True) == {"inner": {"width": 4}}
     assert Holder.model_validate_json(held.model_dump_json()) == held
     with pytest.raises(pydantic.ValidationError, match="greater than 0"):
         Holder(inner={"width": 0})
