@@ -62,6 +62,12 @@ class Units(NamedTuple):
     m: int  # M fp32
     s3: int  # b (N + 1) d n fp32
     s2: int  # b N d n fp32
+    # the same in the einsums' dtype (``einsum_bytes``): what their bmms save and make
+    dk: int
+    bck: int
+    mk: int
+    s3k: int
+    s2k: int
     s1: int  # b d n fp32: the zero first state
     tph: int  # Tp H fp32
     tdf: int  # T d fp32
@@ -69,11 +75,21 @@ class Units(NamedTuple):
     low: int  # below fp32: silu's output (T C) and the clamped dt (T H), the forward's locals
 
 
+def einsum_bytes(dm: Dims) -> int:
+    """Bytes of an element the scan's einsums read and make: fp32 (the scan upcasts x, B
+    and C), but under autocast, whose ``einsum`` (CUDA's lower-precision list,
+    aten/src/ATen/autocast_mode.h ``AT_FORALL_LOWER_PRECISION_FP``) casts its fp32 operands to
+    the compute dtype and returns its product in it."""
+    return dm.e if dm.autocast else FP32_BYTES
+
+
 def units(z: Sizes, dm: Dims) -> Units:
-    f, e, t = FP32_BYTES, dm.e, z.tokens
-    state = z.b * z.d * z.n * f
+    f, e, t, k = FP32_BYTES, dm.e, z.tokens, einsum_bytes(dm)
+    state = z.b * z.d * z.n
     return Units(d=z.padded * z.d * f, bc=z.padded * z.h * z.n * f, m=z.mats * f,
-                 s3=(z.chunks + 1) * state, s2=z.chunks * state, s1=state,
+                 s3=(z.chunks + 1) * state * f, s2=z.chunks * state * f,
+                 dk=z.padded * z.d * k, bck=z.padded * z.h * z.n * k, mk=z.mats * k,
+                 s3k=(z.chunks + 1) * state * k, s2k=z.chunks * state * k, s1=state * f,
                  tph=z.padded * z.h * f, tdf=t * z.d * f, tde=t * z.d * e,
                  low=(t * z.conv + t * z.h) * e if e < f else 0)
 
@@ -88,22 +104,30 @@ def scan_terms(z: Sizes, dm: Dims) -> list[Term]:
     # gated norm (``Sizes.gated``) silu reads the gate as it is, no fp32 copy, nor with it
     # under autocast, where the gate is already fp32 (``Sizes.gate_copy``)
     pe = z.mup_e or e
-    return [Term(f"{_PREFIX}.in_proj_out", t * z.width * pe),
+    # under autocast F.conv1d saves its casts of the conv's input and weight (the module
+    # docstring); Granite's in_proj output is then saved by no one, and Falcon-H1's conv
+    # output is cast back to its fp32 input's dtype, x a view of that copy (T C)
+    cast = dm.autocast
+    proj = 0 if cast and not z.mup_e else t * z.width * pe
+    return [Term(f"{_PREFIX}.in_proj_out", proj),
             Term(f"{_PREFIX}.gate_fp32", t * z.d * f if low and z.gate_copy else 0),
+            Term(f"{_PREFIX}.conv_casts", (t + z.taps) * z.conv * e if cast else 0),
             Term(f"{_PREFIX}.conv_out", z.b * z.conv * (z.s + z.taps - 1) * e),
-            Term(f"{_PREFIX}.x_fp32", t * z.d * f if low else t * z.conv * f),
+            Term(f"{_PREFIX}.x_fp32", t * z.d * f if low and not z.mup_e else t * z.conv * f),
             # dt + dt_bias, softplus's output; the clamped dt in fp32 (two copies below fp32)
             Term(f"{_PREFIX}.dt", 2 * t * z.h * pe + (1 if pe == f else 2) * t * z.h * f),
             Term(f"{_PREFIX}.a", 2 * z.h * f),
             Term(f"{_PREFIX}.x_pad", u.d),
             Term(f"{_PREFIX}.masks", 2 * z.c * z.c + 2 * n1 * n1),
-            Term(f"{_PREFIX}.chunk_mats", 3 * u.m),  # L, G, M
-            Term(f"{_PREFIX}.bc", 5 * u.bc),  # G's C and B, B, B_decay's copy, C's copy
-            Term(f"{_PREFIX}.x_dt", 2 * u.d),  # Y_diag's and the states' copies of x * dt
+            Term(f"{_PREFIX}.chunk_mats", u.m + 2 * u.mk),  # L, G, M's copy
+            # B; G's C and B, B_decay's copy, C's copy
+            Term(f"{_PREFIX}.bc", u.bc + 4 * u.bck),
+            Term(f"{_PREFIX}.x_dt", 2 * u.dk),  # Y_diag's and the states' copies of x * dt
             Term(f"{_PREFIX}.decays", 2 * u.tph),
-            Term(f"{_PREFIX}.decay_chunk", z.b * n1 * n1 * z.h * f),
-            Term(f"{_PREFIX}.states", u.s3 + u.s2),
-            Term(f"{_PREFIX}.y_off", u.d)]
+            # exp's output; under autocast the passed states' einsum saves its cast
+            Term(f"{_PREFIX}.decay_chunk", z.b * n1 * n1 * z.h * (f + (e if cast else 0))),
+            Term(f"{_PREFIX}.states", u.s3k + u.s2k),
+            Term(f"{_PREFIX}.y_off", u.dk)]
 
 
 def norm_terms(z: Sizes, dm: Dims) -> list[Term]:
@@ -139,8 +163,8 @@ def forward_moments(z: Sizes, dm: Dims, saved: int, stream: int,
     f, t = FP32_BYTES, z.tokens
     terms = {t.name.partition(".")[2]: t.size_bytes for t in scan_terms(z, dm)}
     # saved up to the first masks: in_proj's output to x_pad, but the gate's fp32 copy
-    first = sum(terms[k] for k in ("in_proj_out", "conv_out", "x_fp32", "dt", "a", "x_pad")
-                ) + 2 * z.c * z.c
+    first = sum(terms[k] for k in ("in_proj_out", "conv_casts", "conv_out", "x_fp32", "dt",
+                                   "a", "x_pad")) + 2 * z.c * z.c
     late = total(norm_terms(z, dm)) + terms["gate_fp32"]  # the norm's, made after the scan
     scan = saved - late
     states = scan - u.d - u.s2 - u.bc - u.tph  # before C_times_states
