@@ -68,11 +68,16 @@ class Units(NamedTuple):
     mk: int
     s3k: int
     s2k: int
-    s1: int  # b d n fp32: the zero first state
+    s1: int  # b d n in the einsums' dtype: the zero first state (zeros_like(states))
     tph: int  # Tp H fp32
     tdf: int  # T d fp32
     tde: int  # T d in the compute dtype
-    low: int  # below fp32: silu's output (T C) and the clamped dt (T H), the forward's locals
+    # the forward's locals to the layer's return (``kept``: below fp32 silu's output T C, not
+    # Falcon-H1's under autocast, which the fp32 copy x views replaces; under autocast
+    # Granite's in_proj output, saved by no one) and to the scan's (``low``: with them the
+    # clamped dt T H below fp32 but under autocast, where it is fp32 and saved)
+    kept: int
+    low: int
 
 
 def einsum_bytes(dm: Dims) -> int:
@@ -86,12 +91,14 @@ def einsum_bytes(dm: Dims) -> int:
 def units(z: Sizes, dm: Dims) -> Units:
     f, e, t, k = FP32_BYTES, dm.e, z.tokens, einsum_bytes(dm)
     state = z.b * z.d * z.n
+    silu = t * z.conv * e if e < f and not (dm.autocast and z.mup_e) else 0
+    kept = silu + (t * z.width * e if dm.autocast and not z.mup_e else 0)
     return Units(d=z.padded * z.d * f, bc=z.padded * z.h * z.n * f, m=z.mats * f,
                  s3=(z.chunks + 1) * state * f, s2=z.chunks * state * f,
                  dk=z.padded * z.d * k, bck=z.padded * z.h * z.n * k, mk=z.mats * k,
-                 s3k=(z.chunks + 1) * state * k, s2k=z.chunks * state * k, s1=state * f,
+                 s3k=(z.chunks + 1) * state * k, s2k=z.chunks * state * k, s1=state * k,
                  tph=z.padded * z.h * f, tdf=t * z.d * f, tde=t * z.d * e,
-                 low=(t * z.conv + t * z.h) * e if e < f else 0)
+                 kept=kept, low=kept + (t * z.h * e if e < f and not dm.autocast else 0))
 
 
 def scan_terms(z: Sizes, dm: Dims) -> list[Term]:
@@ -146,47 +153,56 @@ def cache_bytes(z: Sizes, dm: Dims) -> int:
     """What the cache a training forward with use_cache makes keeps of a Mamba layer until the
     forward's output is dropped (5.23's GraniteMoeHybridModel.forward makes a DynamicCache;
     cache_utils.py LinearAttentionLayer.lazy_initialization and update_conv_state /
-    update_recurrent_state copy into zeros): the conv state, the conv input's last K
-    positions (b C K, the compute dtype), and the scan's final state (b H P n, fp32)."""
-    return z.b * z.conv * z.taps * dm.e + z.b * z.d * z.n * FP32_BYTES
+    update_recurrent_state copy into zeros of the dtype they are given): the conv state,
+    the conv input's last K positions (b C K, in_proj's output's dtype: Falcon-H1's fp32
+    ``mup_vector`` product under autocast), and the scan's final state (b H P n, the
+    einsums' dtype)."""
+    return z.b * z.conv * z.taps * (z.mup_e or dm.e) + z.b * z.d * z.n * einsum_bytes(dm)
 
 
-def forward_moments(z: Sizes, dm: Dims, saved: int, stream: int,
-                    cached: bool) -> list[Moment]:
+def forward_moments(z: Sizes, dm: Dims, saved: int, stream: int, cached: bool,
+                    casts: tuple[int, int] = (0, 0)) -> list[Moment]:
     """segment_sum of A (its three M-sized tensors), the passed states' einsum, the scan's
     output (``(Y_diag + Y_off).contiguous()``), the gated norm's variance and out_proj's
     output (``stream``), beside the locals (the module docstring); ``saved``: the block's
-    saved bytes (``memplan.model.mamba.mamba_terms``). ``cached``: with a cache the scan
-    returns its final state, a view of the passed states, which ``forward`` holds in a local
-    (``final_state``) until it returns."""
+    saved bytes (``memplan.model.mamba.mamba_terms``), ``casts`` what in_proj and out_proj
+    save of their own among them (under autocast their weights' casts, in_proj's made
+    first, out_proj's last). ``cached``: with a cache the scan returns its final state, a
+    view of the passed states, which ``forward`` holds in a local (``final_state``) until
+    it returns. Under autocast M = G L is fp32 (G's bf16 times L's fp32) and a local to the
+    scan's return, beside its cast which Y_diag's bmm saves."""
     u = units(z, dm)
     f, t = FP32_BYTES, z.tokens
     terms = {t.name.partition(".")[2]: t.size_bytes for t in scan_terms(z, dm)}
-    # saved up to the first masks: in_proj's output to x_pad, but the gate's fp32 copy
+    cast_in, cast_out = casts
+    # saved up to the first masks: in_proj's output (and weight's cast) to x_pad, but the
+    # gate's fp32 copy
     first = sum(terms[k] for k in ("in_proj_out", "conv_casts", "conv_out", "x_fp32", "dt",
-                                   "a", "x_pad")) + 2 * z.c * z.c
-    late = total(norm_terms(z, dm)) + terms["gate_fp32"]  # the norm's, made after the scan
+                                   "a", "x_pad")) + 2 * z.c * z.c + cast_in
+    # the norm's, made after the scan, and out_proj's weight cast
+    late = total(norm_terms(z, dm)) + terms["gate_fp32"] + cast_out
     scan = saved - late
-    states = scan - u.d - u.s2 - u.bc - u.tph  # before C_times_states
+    states = scan - u.dk - u.s2k - u.bck - u.tph  # before C_times_states
     rows = t * z.g * f
-    final = u.s3 if cached else 0
-    silu = t * z.conv * dm.e if dm.e < f else 0
+    final = u.s3k if cached else 0
+    m = u.m if dm.autocast else 0  # M in fp32 beside its cast
     if z.gated:
-        norm = Moment("mamba.norm", saved - u.tde - u.tdf - rows, u.tdf + rows + final + silu)
+        norm = Moment("mamba.norm", saved - u.tde - u.tdf - rows - cast_out,
+                      u.tdf + rows + final + u.kept)
     else:
         # Falcon-H1's y * silu(gate): the fp32 product, then its cast (which out_proj saves;
         # in fp32 the product itself)
         low = dm.e < f
-        norm = Moment("mamba.norm", saved - (u.tde if low else 0),
-                      (u.tdf if low else 0) + final + silu)
+        norm = Moment("mamba.norm", saved - (u.tde if low else 0) - cast_out,
+                      (u.tdf if low else 0) + final + u.kept)
     return [Moment("mamba.segsum", first,
                    3 * u.m + 2 * u.d + 2 * u.bc + 2 * u.tph + z.c * z.c + u.low),
             Moment("mamba.states", states,
-                   3 * u.d + 2 * u.bc + 2 * u.s3 + u.s1 + 2 * u.tph + u.low),
+                   2 * u.d + u.dk + 2 * u.bc + 2 * u.s3k + u.s1 + 2 * u.tph + u.low + m),
             Moment("mamba.scan_out", scan,
-                   6 * u.d + 2 * u.bc + u.s3 + u.s1 + 2 * u.tph + u.low),
+                   5 * u.d + u.dk + 2 * u.bc + u.s3k + u.s1 + 2 * u.tph + u.low + m),
             norm,
-            Moment("mamba", saved, stream + final + (u.tdf + silu if dm.e < f else 0))]
+            Moment("mamba", saved, stream + final + u.kept + (u.tdf if dm.e < f else 0))]
 
 
 def working_set(z: Sizes, dm: Dims) -> list[Moment]:
