@@ -208,14 +208,22 @@ def forward_moments(z: Sizes, dm: Dims, saved: int, stream: int, cached: bool,
 def working_set(z: Sizes, dm: Dims) -> list[Moment]:
     """In a checkpointed layer (nothing saved): the passed states' einsum and the scan's
     output, with what the locals hold then: in_proj's output (``projected_states``), silu's
-    (x, B and C are its views), L, G and M, the clamped dt, the decays and A, beside the
-    tensors of ``forward_moments`` (the module docstring)."""
+    (x, B and C are its views; Falcon-H1's fp32 copy of it under autocast), L, G and M, the
+    clamped dt, the decays and A, beside the tensors of ``forward_moments`` (the module
+    docstring). Under autocast G, Y_diag, the zero first state, the passed states (their
+    concatenation, its copy and the einsum's product), C_times_states are in the compute
+    dtype, M beside them in fp32 (its cast freed with Y_diag's einsum), the clamped dt in
+    fp32, and the passed states' einsum holds its cast of the chunks' decay."""
     u = units(z, dm)
     f, e, t = FP32_BYTES, dm.e, z.tokens
-    held = (t * z.width * e + 3 * u.m + t * z.conv * e + 3 * u.bc + u.s1 + t * z.h * e
-            + z.b * (z.chunks + 1) ** 2 * z.h * f + z.h * f)
-    return [Moment("mamba.states", 0, held + 3 * u.d + 3 * u.s3 + 3 * u.tph),
-            Moment("mamba.scan_out", 0, held + 7 * u.d + u.s3 + 4 * u.tph)]
+    cast = dm.autocast
+    n1 = z.b * (z.chunks + 1) ** 2 * z.h
+    conv = t * z.conv * (f if cast and z.mup_e else e)
+    held = (t * z.width * (z.mup_e or e) + 2 * u.m + u.mk + conv + 3 * u.bc + u.s1
+            + t * z.h * (f if cast else e) + n1 * f + z.h * f)
+    return [Moment("mamba.states", 0,
+                   held + 2 * u.d + u.dk + 3 * u.s3k + 3 * u.tph + (n1 * e if cast else 0)),
+            Moment("mamba.scan_out", 0, held + 5 * u.d + 2 * u.dk + u.s3k + 4 * u.tph)]
 
 
 def _gate_backward(z: Sizes, dm: Dims, saved: int, gate: int) -> list[BackwardMoment]:
