@@ -302,7 +302,8 @@ class Mamba:
         grad_in = dm.rows * spec.hidden_size * dm.e
         in_proj = linear.weight_elements(mamba_linears(spec)[0], dm.tp)
         if kernel(spec, wl) is MambaKernel.TORCH_EINSUM:
-            return es.backward_moments(z, dm, _einsum_saved(spec, dm), grad_in, in_proj)
+            return es.backward_moments(z, dm, _einsum_saved(spec, dm), grad_in, in_proj,
+                                       _casts(spec, dm))
         f, e, tp = FP32_BYTES, dm.e, z.padded
         terms = {t.name.partition(".")[2]: t.size_bytes
                  for t in mamba_terms(spec, dm, MambaKernel.TORCH)}

@@ -241,38 +241,46 @@ def _gate_backward(z: Sizes, dm: Dims, saved: int, gate: int) -> list[BackwardMo
             BackwardMoment("mamba.norm", saved - u.tdf - rows, 5 * u.tdf, out)]
 
 
-def backward_moments(z: Sizes, dm: Dims, saved: int, grad_in: int,
-                     in_proj: int) -> list[BackwardMoment]:
+def backward_moments(z: Sizes, dm: Dims, saved: int, grad_in: int, in_proj: int,
+                     casts: tuple[int, int] = (0, 0)) -> list[BackwardMoment]:
     """In backward order: out_proj's, the gated norm's (its weight's product, then five fp32
     T d tensors), Y_off's product, C_times_states' bmm, the passed states' einsum, the chunk
     states' bmm, B * decay's product, Y_diag's bmm, M = G L's product, G's bmm, segment_sum's
     flipped cumsum over M, the pads and x * dt's product, D's residual, silu's and the
     conv's, in_proj's output gradient and in_proj (its input's gradient ``grad_in``, its
     weight's ``in_proj`` elements fresh); the gate's gradient waits from the norm to the
-    split's backward (the module docstring)."""
+    split's backward (the module docstring). ``casts``: what in_proj and out_proj save of
+    their own (under autocast their weights' casts), freed as each one's backward runs.
+    Under autocast what the einsums saved is in the compute dtype (``units``' ``*k``
+    sizes), and M = G L's backward casts G's fp32 gradient to G's dtype beside it."""
     u = units(z, dm)
     f, e, t = FP32_BYTES, dm.e, z.tokens
     terms = {term.name.partition(".")[2]: term.size_bytes
              for term in scan_terms(z, dm) + norm_terms(z, dm)}
     low = e < f
     th = t * z.h
+    n1 = z.b * (z.chunks + 1) ** 2 * z.h
+    cast_in, cast_out = casts
     gate = t * z.d * (z.mup_e or e)  # the gate's gradient (in its dtype), from the norm on
-    scan = saved - terms["y"] - terms["norm"] - terms["out"] - terms["gate_fp32"]
-    cts = scan - u.d  # Y_off's product ran: C_times_states freed
-    passed = cts - u.s2 - u.bc - u.tph  # C_times_states' bmm and the state decay freed
-    chunk = passed - u.s3 - z.b * (z.chunks + 1) ** 2 * z.h * f - 2 * (z.chunks + 1) ** 2
-    b_decay = chunk - u.bc - u.d  # the chunk states' bmm ran
+    scan = saved - terms["y"] - terms["norm"] - terms["out"] - terms["gate_fp32"] - cast_out
+    cts = scan - u.dk  # Y_off's product ran: C_times_states freed
+    passed = cts - u.s2k - u.bck - u.tph  # C_times_states' bmm and the state decay freed
+    chunk = passed - u.s3k - (terms["decay_chunk"] + 2 * (z.chunks + 1) ** 2)
+    b_decay = chunk - u.bck - u.dk  # the chunk states' bmm ran
     diag = b_decay - u.bc - u.tph  # B * decay ran: B in chunks and the decay freed
-    gates = diag - u.m - u.d  # Y_diag's bmm ran: M and its x * dt freed
-    g_bmm = gates - u.m  # M = G L ran: G freed (L stays for exp's backward)
-    segsum = g_bmm - 2 * u.bc - u.m - z.c * z.c  # G's bmm and exp ran; one mask freed
-    pads = segsum - z.c * z.c - z.h * f - (th * f if low else 0)
+    gates = diag - u.mk - u.dk  # Y_diag's bmm ran: M (its cast) and its x * dt freed
+    g_bmm = gates - u.mk  # M = G L ran: G freed (L stays for exp's backward)
+    segsum = g_bmm - 2 * u.bck - u.m - z.c * z.c  # G's bmm and exp ran; one mask freed
+    # the second fp32 copy of the clamped dt below fp32 (under autocast one fp32 dt, shared)
+    pads = segsum - z.c * z.c - z.h * f - (th * f if low and not dm.autocast else 0)
     residual = pads - terms["x_fp32"] - th * f  # x * dt's product ran
-    conv = terms["in_proj_out"] + terms["conv_out"] + z.h * f
+    conv = (terms["in_proj_out"] + terms["conv_casts"] + terms["conv_out"] + z.h * f
+            + cast_in)
     conv_in = t * z.conv * e
+    g_cast = u.mk if dm.autocast else 0  # G's gradient cast to bf16
     out = ("attn_out",)
     return [BackwardMoment("mamba.out", saved, u.tde, out),
-            *_gate_backward(z, dm, saved - terms["out"], gate),
+            *_gate_backward(z, dm, saved - terms["out"] - cast_out, gate),
             BackwardMoment("mamba.y_off", scan, 3 * u.d + gate + u.tph, out),
             BackwardMoment("mamba.c_states", cts, 2 * u.d + gate + u.bc + u.s2 + u.tph, out),
             BackwardMoment("mamba.passed", passed,
@@ -283,8 +291,8 @@ def backward_moments(z: Sizes, dm: Dims, saved: int, grad_in: int,
             BackwardMoment("mamba.b_decay", b_decay, 2 * u.d + gate + 4 * u.bc + 2 * u.tph,
                            out),
             BackwardMoment("mamba.diag", diag, u.m + 4 * u.d + gate + 2 * u.bc + u.tph, out),
-            BackwardMoment("mamba.gates", gates, 3 * u.m + 2 * u.d + gate + 2 * u.bc + u.tph,
-                           out),
+            BackwardMoment("mamba.gates", gates,
+                           3 * u.m + g_cast + 2 * u.d + gate + 2 * u.bc + u.tph, out),
             BackwardMoment("mamba.g_bmm", g_bmm, 2 * u.m + 2 * u.d + gate + 4 * u.bc + u.tph,
                            out),
             BackwardMoment("mamba.segsum", segsum,
@@ -296,6 +304,6 @@ def backward_moments(z: Sizes, dm: Dims, saved: int, grad_in: int,
             BackwardMoment("mamba.conv_act", conv, 2 * conv_in + gate + th * e, out),
             BackwardMoment("mamba.conv", conv - terms["conv_out"],
                            terms["conv_out"] + conv_in + gate + th * e, out),
-            BackwardMoment("mamba.proj_grad", z.h * f,
+            BackwardMoment("mamba.proj_grad", z.h * f + cast_in,
                            t * z.width * (z.mup_e or e) + conv_in + gate + th * e, out),
             BackwardMoment("mamba_in", 0, t * z.width * e + grad_in, ("attn",), in_proj)]

@@ -53,7 +53,7 @@ def _estimated(case: dict) -> dict[str, int]:
 
 def test_the_recording_is_the_einsum_scan() -> None:
     assert RECORDED["transformers"].startswith("5.23")
-    assert len(RECORDED["cases"]) == 12
+    assert len(RECORDED["cases"]) == 16
     assert {c["workload"]["mamba_kernel"] for c in RECORDED["cases"]} == {"torch-einsum"}
 
 
