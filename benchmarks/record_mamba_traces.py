@@ -35,7 +35,8 @@ SHAPES = [
     ("two-groups", 1, 256, dict(mamba_chunk_size=128, mamba_n_heads=16, mamba_d_head=16,
                                 mamba_d_state=16, mamba_n_groups=2, vocab_size=64)),
 ]
-RECIPES = [("fp32", {}), ("bf16-pure", {}), ("bf16-pure", {"recompute": "full"}), ("amp-bf16", {})]
+RECIPES = [("fp32", {}), ("bf16-pure", {}), ("bf16-pure", {"recompute": "full"}),
+           ("amp-bf16", {})]
 
 
 def _set_fields(record) -> dict:

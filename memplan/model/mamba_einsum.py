@@ -8,10 +8,9 @@ written as einsums, then ``GraniteMoeHybridRMSNormGated`` and out_proj; Falcon-H
 functions with in_proj's output times ``mup_vector`` and, with mamba_rms_norm,
 ``FalconH1RMSNormGated`` (the same sizes as Granite's, an rsqrt per group), without it
 ``y * silu(gate)`` in the norm's place (``Sizes.gated`` false: silu's output saved, no fp32
-gate copy). Under autocast the
-einsums' bmms run in bf16 (autocast casts their operands): not modelled. Every size below is
-read off that code and checked against autograd's saved tensors and the allocations of its
-forward and backward (tests/traced/test_hf_heldout.py, tests/data/mamba_einsum_traces.json).
+gate copy). Every size below is read off that code and checked against autograd's saved
+tensors and the allocations of its forward and backward (tests/traced/test_hf_heldout.py,
+tests/data/traces/mamba_einsum/transformers-5.23.json), under autocast too (below).
 
 The sizes of ``memplan.model.mamba`` (T tokens, H heads of P, d = H P, state n, G groups, C
 conv channels, K taps, chunks of c, N chunks, Tp = b N c padded tokens, M = b N c^2 H) and, in
@@ -39,6 +38,33 @@ three M-sized tensors (before L), and ``(Y_diag + Y_off).contiguous()`` (six D-s
 In backward each bmm makes its operands' gradients, each broadcasting product both inputs'
 gradients at the product's size before the engine sums them (validate_outputs: sum_to), and
 segment_sum's cumsum runs as flip, cumsum, flip over M: four M-sized tensors at once.
+
+Under autocast (fp32 weights, bf16 compute: ``einsum_bytes``) the same code runs with these
+casts, each read off a trace of 5.23's own mixer (every ``aten._to_copy``):
+
+- ``torch.einsum`` is on CUDA's lower-precision list (aten/src/ATen/autocast_mode.h
+  ``AT_FORALL_LOWER_PRECISION_FP``): ``mamba2_chunk_scan`` upcasts x, B and C, and each of
+  its five einsums casts its fp32 operands back to bf16 and returns bf16. So every operand
+  copy the bmms save above is bf16 (C's and B's for G, x * dt's twice, B_decay's, C's and
+  the states' for C_times_states, the passed states' copy), and so are G, Y_diag, the chunk
+  states, the zero first state (``zeros_like(states[:, :1])``), the passed states and their
+  product, and C_times_states (which Y_off's product saves). L and the decays stay fp32
+  (``torch.exp``, an fp32 op); M = G * L is fp32 (type promotion), a local to the scan's
+  return, and Y_diag's bmm saves its bf16 cast; the passed states' einsum saves its cast of
+  the chunks' decay beside exp's fp32 output. In backward each cast's gradient is cast back
+  (M = G L's backward makes G's gradient in fp32, then its bf16 cast).
+- ``causal_conv1d_fn`` (same file) calls ``F.conv1d(hidden_states.to(weight.dtype), ...)``,
+  an autocast op: it saves its bf16 casts of its input (T C) and of the weight (C K, a view
+  of the parameter, so not in autocast's cache; the bias's cast is, to the forward's end, and
+  is not counted: C elements). On Granite in_proj's output is bf16: ``.to(weight.dtype)``
+  makes an fp32 copy that conv1d casts back, so nothing saves in_proj's output (a local,
+  ``projected_states``, to the layer's return). On Falcon-H1 it is the fp32 ``mup_vector``
+  product, which the gate saves; ``out.to(hidden_states.dtype)`` copies silu's bf16 output to
+  fp32 (T C, which x, B and C view; silu's output then freed).
+- dt: softplus is an fp32 op (``AT_FORALL_FP32``): its input's fp32 cast, its output and the
+  clamped dt are fp32, the clamped dt saved once for ``x * dt`` and ``A * dt``.
+- The training forward's cache (``cache_bytes``) copies the conv state in in_proj's output's
+  dtype and the final state in the einsums'.
 """
 
 from __future__ import annotations
@@ -259,7 +285,6 @@ def backward_moments(z: Sizes, dm: Dims, saved: int, grad_in: int, in_proj: int,
              for term in scan_terms(z, dm) + norm_terms(z, dm)}
     low = e < f
     th = t * z.h
-    n1 = z.b * (z.chunks + 1) ** 2 * z.h
     cast_in, cast_out = casts
     gate = t * z.d * (z.mup_e or e)  # the gate's gradient (in its dtype), from the norm on
     scan = saved - terms["y"] - terms["norm"] - terms["out"] - terms["gate_fp32"] - cast_out

@@ -2,7 +2,7 @@
 torch-einsum, memplan.model.mamba_einsum) against transformers 5.23's own steps, recorded:
 tests/data/traces/mamba_einsum/transformers-5.23.json, written by
 benchmarks/record_mamba_traces.py (the toy Granite 4.0-H of tests/traced/test_hf_heldout.py
-cut to Mamba2, attention, Mamba2 layers, four sets of Mamba sizes, fp32, bf16 and bf16 under
+cut to Mamba2, attention, Mamba2 layers, four sets of Mamba sizes, fp32, bf16, amp-bf16 and bf16 under
 full recompute, stepped twice under the exact tracker). The suite's own transformers (5.3)
 runs the naive scan instead; with 5.23 installed the same cases run live in
 tests/traced/test_hf_heldout.py.
