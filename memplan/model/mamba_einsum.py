@@ -152,7 +152,7 @@ def scan_terms(z: Sizes, dm: Dims) -> list[Term]:
             Term(f"{_PREFIX}.a", 2 * z.h * f),
             Term(f"{_PREFIX}.x_pad", u.d),
             Term(f"{_PREFIX}.masks", 2 * z.c * z.c + 2 * n1 * n1),
-            Term(f"{_PREFIX}.chunk_mats", u.m + 2 * u.mk),  # L, G, M's copy
+            Term(f"{_PREFIX}.chunk_mats", u.m + 2 * u.mk),  # L, G, M (autocast: its cast)
             # B; G's C and B, B_decay's copy, C's copy
             Term(f"{_PREFIX}.bc", u.bc + 4 * u.bck),
             Term(f"{_PREFIX}.x_dt", 2 * u.dk),  # Y_diag's and the states' copies of x * dt
@@ -267,6 +267,27 @@ def _gate_backward(z: Sizes, dm: Dims, saved: int, gate: int) -> list[BackwardMo
             BackwardMoment("mamba.norm", saved - u.tdf - rows, 5 * u.tdf, out)]
 
 
+def _held(z: Sizes, dm: Dims, scan: int, terms: dict[str, int]) -> list[int]:
+    """What the block still saves at each of the scan's backward moments, from ``scan`` (its
+    saved bytes once the norm's and out_proj's backward have run), as each node frees what
+    it saved (under autocast the einsums' bf16 copies, ``units``' ``*k`` sizes)."""
+    u = units(z, dm)
+    f, th = FP32_BYTES, z.tokens * z.h
+    cts = scan - u.dk  # Y_off's product ran: C_times_states freed
+    passed = cts - u.s2k - u.bck - u.tph  # C_times_states' bmm and the state decay freed
+    chunk = passed - u.s3k - (terms["decay_chunk"] + 2 * (z.chunks + 1) ** 2)
+    b_decay = chunk - u.bck - u.dk  # the chunk states' bmm ran
+    diag = b_decay - u.bc - u.tph  # B * decay ran: B in chunks and the decay freed
+    gates = diag - u.mk - u.dk  # Y_diag's bmm ran: M (its cast) and its x * dt freed
+    g_bmm = gates - u.mk  # M = G L ran: G freed (L stays for exp's backward)
+    segsum = g_bmm - 2 * u.bck - u.m - z.c * z.c  # G's bmm and exp ran; one mask freed
+    # the second fp32 copy of the clamped dt below fp32 (under autocast one fp32 dt, shared)
+    low = dm.e < f and not dm.autocast
+    pads = segsum - z.c * z.c - z.h * f - (th * f if low else 0)
+    residual = pads - terms["x_fp32"] - th * f  # x * dt's product ran
+    return [scan, cts, passed, chunk, b_decay, diag, gates, g_bmm, segsum, pads, residual]
+
+
 def backward_moments(z: Sizes, dm: Dims, saved: int, grad_in: int, in_proj: int,
                      casts: tuple[int, int] = (0, 0)) -> list[BackwardMoment]:
     """In backward order: out_proj's, the gated norm's (its weight's product, then five fp32
@@ -283,22 +304,12 @@ def backward_moments(z: Sizes, dm: Dims, saved: int, grad_in: int, in_proj: int,
     f, e, t = FP32_BYTES, dm.e, z.tokens
     terms = {term.name.partition(".")[2]: term.size_bytes
              for term in scan_terms(z, dm) + norm_terms(z, dm)}
-    low = e < f
     th = t * z.h
     cast_in, cast_out = casts
     gate = t * z.d * (z.mup_e or e)  # the gate's gradient (in its dtype), from the norm on
-    scan = saved - terms["y"] - terms["norm"] - terms["out"] - terms["gate_fp32"] - cast_out
-    cts = scan - u.dk  # Y_off's product ran: C_times_states freed
-    passed = cts - u.s2k - u.bck - u.tph  # C_times_states' bmm and the state decay freed
-    chunk = passed - u.s3k - (terms["decay_chunk"] + 2 * (z.chunks + 1) ** 2)
-    b_decay = chunk - u.bck - u.dk  # the chunk states' bmm ran
-    diag = b_decay - u.bc - u.tph  # B * decay ran: B in chunks and the decay freed
-    gates = diag - u.mk - u.dk  # Y_diag's bmm ran: M (its cast) and its x * dt freed
-    g_bmm = gates - u.mk  # M = G L ran: G freed (L stays for exp's backward)
-    segsum = g_bmm - 2 * u.bck - u.m - z.c * z.c  # G's bmm and exp ran; one mask freed
-    # the second fp32 copy of the clamped dt below fp32 (under autocast one fp32 dt, shared)
-    pads = segsum - z.c * z.c - z.h * f - (th * f if low and not dm.autocast else 0)
-    residual = pads - terms["x_fp32"] - th * f  # x * dt's product ran
+    scan, cts, passed, chunk, b_decay, diag, gates, g_bmm, segsum, pads, residual = _held(
+        z, dm, saved - terms["y"] - terms["norm"] - terms["out"] - terms["gate_fp32"]
+        - cast_out, terms)
     conv = (terms["in_proj_out"] + terms["conv_casts"] + terms["conv_out"] + z.h * f
             + cast_in)
     conv_in = t * z.conv * e
