@@ -35,7 +35,24 @@ SHAPES = [
     ("two-groups", 1, 256, dict(mamba_chunk_size=128, mamba_n_heads=16, mamba_d_head=16,
                                 mamba_d_state=16, mamba_n_groups=2, vocab_size=64)),
 ]
-RECIPES = [("fp32", {}), ("bf16-pure", {}), ("bf16-pure", {"recompute": "full"})]
+RECIPES = [("fp32", {}), ("bf16-pure", {}), ("bf16-pure", {"recompute": "full"}),
+           ("amp-bf16", {})]
+
+
+def _set_fields(record) -> dict:
+    """``record``'s fields that differ from their defaults, nested records alike, in JSON
+    form (what pydantic's ``model_dump(mode="json", exclude_defaults=True)`` wrote)."""
+    from memplan.choices import Record
+
+    defaults = type(record)._record_defaults
+    dumped = record.model_dump(mode="json")
+    out = {}
+    for name, value in dumped.items():
+        raw = getattr(record, name)
+        if name in defaults and raw == defaults[name]:
+            continue
+        out[name] = _set_fields(raw) if isinstance(raw, Record) else value
+    return out
 
 
 def main(out: str) -> int:
@@ -52,9 +69,9 @@ def main(out: str) -> int:
                                                 precision, b, s, options=options))
             cases.append({
                 "id": f"{name}-{precision}" + ("-full" if options else ""),
-                "config": config, "spec": c.spec.model_dump(mode="json", exclude_defaults=True),
-                "layout": c.parallel.model_dump(mode="json", exclude_defaults=True),
-                "workload": {**c.workload.model_dump(mode="json", exclude_defaults=True),
+                "config": config, "spec": _set_fields(c.spec),
+                "layout": _set_fields(c.parallel),
+                "workload": {**_set_fields(c.workload),
                              "mamba_kernel": c.workload.mamba_kernel.value},
                 "measured": {r.name: r.measured_bytes for r in c.rows},
             })

@@ -4,10 +4,11 @@ FalconH1DecoderLayer.forward), the mixer's scan as ``Workload.mamba_kernel`` say
 FalconH1Mixer.torch_forward, the naive chunked scan of Granite 4.0-H's
 (``memplan.model.mamba``), or 5.23's FalconH1Mixer.forward, causal_conv1d_fn's torch fallback
 and mamba2_chunk_scan's einsums (``memplan.model.mamba_einsum``), both without mamba_ssm and
-causal-conv1d (on CUDA with them mamba_ssm's fused kernels run, not modelled; nor 5.23's
-einsums under autocast, whose bmms then run in bf16). The layer's parts below are the same on
-both versions; 5.23's model also makes a cache with use_cache (``memplan.model.layer.
-kv_cache_bytes``). The mixer's scan output goes through FalconH1RMSNormGated with
+causal-conv1d (on CUDA with them mamba_ssm's fused kernels run, not modelled; under
+autocast 5.23's einsums run in bf16, as ``memplan.model.mamba_einsum`` counts them). The
+layer's parts below are the same on both versions; 5.23's model also makes a cache with
+use_cache (``memplan.model.layer.kv_cache_bytes``). The mixer's scan output goes through
+FalconH1RMSNormGated with
 mamba_rms_norm (``MambaSpec.gated_norm``: Granite's gated norm's sizes, an rsqrt per group),
 else ``y * silu(gate)``.
 

@@ -196,6 +196,14 @@ def _einsum_saved(spec: ModelSpec, dm: Dims) -> int:
     return total(mamba_terms(spec, dm, MambaKernel.TORCH_EINSUM))
 
 
+def _casts(spec: ModelSpec, dm: Dims) -> tuple[int, int]:
+    """What in_proj and out_proj save of their own (``linear.saved_terms``: under autocast
+    their weights' casts), each on its own."""
+    in_proj, out_proj = mamba_linears(spec)
+    return (total(linear.saved_terms(_PREFIX, [in_proj], dm)),
+            total(linear.saved_terms(_PREFIX, [out_proj], dm)))
+
+
 def mamba_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     """What a training forward's cache keeps of a Mamba layer (``Workload.kv_cache``):
     nothing on transformers 5.3, whose GraniteMoeHybridModel.forward makes no cache when none
@@ -264,7 +272,7 @@ class Mamba:
 
     def _einsum_moments(self, spec: ModelSpec, dm: Dims, cached: bool) -> list[Moment]:
         return es.forward_moments(sizes(spec.mamba, dm), dm, _einsum_saved(spec, dm),
-                                  dm.rows * spec.hidden_size * dm.e, cached)
+                                  dm.rows * spec.hidden_size * dm.e, cached, _casts(spec, dm))
 
     def working_set(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
         """In a checkpointed layer the forward's locals hold the same tensors but those no
@@ -294,7 +302,8 @@ class Mamba:
         grad_in = dm.rows * spec.hidden_size * dm.e
         in_proj = linear.weight_elements(mamba_linears(spec)[0], dm.tp)
         if kernel(spec, wl) is MambaKernel.TORCH_EINSUM:
-            return es.backward_moments(z, dm, _einsum_saved(spec, dm), grad_in, in_proj)
+            return es.backward_moments(z, dm, _einsum_saved(spec, dm), grad_in, in_proj,
+                                       _casts(spec, dm))
         f, e, tp = FP32_BYTES, dm.e, z.padded
         terms = {t.name.partition(".")[2]: t.size_bytes
                  for t in mamba_terms(spec, dm, MambaKernel.TORCH)}

@@ -308,62 +308,6 @@ def _parallel_experts() -> bool:
 GRANITE_MOE = ("granitemoe", "granitemoeshared", "granitemoehybrid-h-moe")
 
 
-def _falcon_einsum() -> bool:
-    """Whether the installed transformers runs Falcon-H1's mixer through
-    ``mamba2_chunk_scan``'s einsums (5.23: mamba_kernel torch-einsum), not 5.3's naive
-    torch_forward."""
-    from transformers.models.falcon_h1 import modeling_falcon_h1 as m
-
-    return hasattr(m, "mamba2_chunk_scan")
-
-
-# Falcon-H1 under autocast on transformers 5.23: torch.einsum's bmms run under autocast, so the
-# scan's einsums save bf16 casts of their operands (C, B, M, x * dt, B_decay, the passed
-# states, C_times_states' operands) and make bf16 products; memplan.model.mamba_einsum counts
-# them in fp32 as the einsums run outside autocast (Granite 4.0-H's einsum path is not traced
-# under autocast either). Measured with transformers 5.23.0, torch 2.13, 2 x 64 tokens.
-FALCON_AMP_EINSUM = {
-    "falcon_h1": Known(
-        ("activations_bytes", "first_step.forward_bytes", "first_step.backward_bytes",
-         "steady.forward_bytes", "steady.backward_bytes"),
-        "Falcon-H1 (the scan-bound toy) amp-bf16 on transformers 5.23: the einsum scan's bmms "
-        "under autocast save bf16 casts, counted in fp32 (saved activations +17.5%, phases "
-        "+8.5% to +12.9%)",
-        {"activations_bytes": (1_370_848, 17.548),
-         "first_step.forward_bytes": (1_430_144, 12.919),
-         "first_step.backward_bytes": (1_371_744, 12.567),
-         "steady.forward_bytes": (1_430_144, 8.816),
-         "steady.backward_bytes": (1_371_744, 8.538)}),
-    "falcon_h1-narrow": Known(
-        ("activations_bytes", "first_step.backward_bytes"),
-        "Falcon-H1 (the narrow mixer) amp-bf16 on transformers 5.23: the einsum scan's bmms "
-        "under autocast save bf16 casts, counted in fp32 (saved activations +1.6%, step 1's "
-        "backward +1.06%)",
-        {"activations_bytes": (43_888, 1.595), "first_step.backward_bytes": (45_296, 1.060)}),
-    # with the gated norm: the same bytes off as without it at 2 groups (the norm's own
-    # tensors counted exactly; measured without the norm at 2 groups: +1,271,520 and +31,472 B
-    # in saved activations, as here)
-    "falcon_h1-rms": Known(
-        ("activations_bytes", "first_step.forward_bytes", "first_step.backward_bytes",
-         "steady.forward_bytes", "steady.backward_bytes"),
-        "Falcon-H1 with the gated norm (the scan-bound toy) amp-bf16 on transformers 5.23: the "
-        "einsum scan's bmms under autocast save bf16 casts, counted in fp32 (saved activations "
-        "+14.8%, phases +7.5% to +11.2%)",
-        {"activations_bytes": (1_271_520, 14.836),
-         "first_step.forward_bytes": (1_330_816, 11.180),
-         "first_step.backward_bytes": (1_272_416, 10.834),
-         "steady.forward_bytes": (1_330_816, 7.740),
-         "steady.backward_bytes": (1_272_416, 7.469)}),
-    "falcon_h1-rms-narrow": Known(
-        ("activations_bytes",),
-        "Falcon-H1 with the gated norm (the narrow mixer) amp-bf16 on transformers 5.23: the "
-        "einsum scan's bmms under autocast save bf16 casts, counted in fp32 (saved activations "
-        "+1.12%)",
-        {"activations_bytes": (31_472, 1.118)}),
-
-}
-
-
 def _cases():
     from memplan.profile.frameworks import FrameworkCase
 
@@ -376,11 +320,11 @@ def _cases():
         yield param(FrameworkCase("transformers", name, data, "bf16-pure", 2, 64,
                                   options={"recompute": "full", **own}), None)
         # the convolution's weight cast under autocast; ERNIE's RoPE casting q and k back;
-        # Falcon-H1's fp32 mup_vector product
-        if name.startswith(("lfm2", "falcon_h1")) or name == "ernie4_5":
-            known = (FALCON_AMP_EINSUM.get(name) if _known(data["model_type"])
-                     and name.startswith("falcon_h1") and _falcon_einsum() else None)
-            yield param(FrameworkCase("transformers", name, data, "amp-bf16", 2, 64), known)
+        # Falcon-H1's fp32 mup_vector product; on 5.23 the Mamba2 mixers' einsums, whose
+        # bmms autocast casts (memplan.model.mamba_einsum)
+        if (name.startswith(("lfm2", "falcon_h1")) or name == "ernie4_5"
+                or name == "granitemoehybrid-h"):
+            yield param(FrameworkCase("transformers", name, data, "amp-bf16", 2, 64), None)
 
 
 @pytest.mark.parametrize(("case", "known"), list(_cases()))

@@ -15,7 +15,7 @@ from memplan.errors import MemplanError
 from memplan.model.dims import Dims, total
 from memplan.model.falcon_h1 import ParallelMamba, mup_buffer_bytes
 from memplan.model.layer import kv_cache_bytes, layer_blocks, layer_terms
-from memplan.model.mamba import mamba_terms
+from memplan.model.mamba import mamba_cache_bytes, mamba_terms
 from memplan.parallel import ParallelConfig
 from memplan.spec import ModelSpec, spec_from_hf_dict
 from memplan.workload import MambaKernel, Recompute, Workload
@@ -229,6 +229,28 @@ def test_einsum_mixer_by_hand() -> None:
     assert kv_cache_bytes(spec, cached, dm, Recompute.NONE) == 10_240 + 65_536
     naive = cached.model_copy(update={"mamba_kernel": MambaKernel.TORCH})
     assert kv_cache_bytes(spec, naive, dm, Recompute.NONE) == 0
+
+
+def test_einsum_mixer_under_autocast_by_hand() -> None:
+    """The toy on transformers 5.23's einsum scan under amp-bf16: Granite 4.0-H's autocast
+    terms (tests/unit/test_mamba_einsum.py ``test_autocast_terms_by_hand``, the same widths:
+    the einsums' copies and products in bf16, L fp32, M's cast, decay_chunk's cast), with
+    Falcon-H1's fp32 ``mup_vector`` product in in_proj's output's place (T W 4 = 296,960,
+    which the gate saves) and conv1d's casts of its fp32 input and of its weight ((T + K) C 2
+    = 84,480); causal_conv1d_fn's ``out.to(hidden_states.dtype)`` copies silu's bf16 output
+    to fp32 (T C 4 = 163,840, which x views, not Granite's T d 4 copy). The cache: the conv
+    state in the product's dtype, b C K 4 = 10,240, the final state in bf16, b d n 2 =
+    32,768. Traced: the two layers' saved activations exact, every phase within 0.06%
+    (test_hf_heldout.py ``falcon_h1`` amp-bf16)."""
+    spec = _toy()
+    wl, dm = _dims(spec, "amp-bf16", MambaKernel.TORCH_EINSUM)
+    mixer = {t.name: t.size_bytes for t in mamba_terms(spec, dm, MambaKernel.TORCH_EINSUM)}
+    assert (mixer["mamba.in_proj_out"], mixer["mamba.conv_casts"], mixer["mamba.x_fp32"]) == (
+        296_960, 84_480, 163_840)
+    assert (mixer["mamba.chunk_mats"], mixer["mamba.bc"], mixer["mamba.x_dt"],
+            mixer["mamba.states"], mixer["mamba.y_off"]) == (
+        294_912, 294_912, 196_608, 163_840, 98_304)
+    assert mamba_cache_bytes(spec, wl, dm) == 10_240 + 32_768
 
 
 def test_einsum_gate_moments_by_hand() -> None:
