@@ -39,22 +39,6 @@ RECIPES = [("fp32", {}), ("bf16-pure", {}), ("bf16-pure", {"recompute": "full"})
            ("amp-bf16", {})]
 
 
-def _set_fields(record) -> dict:
-    """``record``'s fields that differ from their defaults, nested records alike, in JSON
-    form (what pydantic's ``model_dump(mode="json", exclude_defaults=True)`` wrote)."""
-    from memplan.choices import Record
-
-    defaults = type(record)._record_defaults
-    dumped = record.model_dump(mode="json")
-    out = {}
-    for name, value in dumped.items():
-        raw = getattr(record, name)
-        if name in defaults and raw == defaults[name]:
-            continue
-        out[name] = _set_fields(raw) if isinstance(raw, Record) else value
-    return out
-
-
 def main(out: str) -> int:
     import test_hf_heldout as heldout
     import transformers
@@ -69,9 +53,9 @@ def main(out: str) -> int:
                                                 precision, b, s, options=options))
             cases.append({
                 "id": f"{name}-{precision}" + ("-full" if options else ""),
-                "config": config, "spec": _set_fields(c.spec),
-                "layout": _set_fields(c.parallel),
-                "workload": {**_set_fields(c.workload),
+                "config": config, "spec": c.spec.model_dump(mode="json", exclude_defaults=True),
+                "layout": c.parallel.model_dump(mode="json", exclude_defaults=True),
+                "workload": {**c.workload.model_dump(mode="json", exclude_defaults=True),
                              "mamba_kernel": c.workload.mamba_kernel.value},
                 "measured": {r.name: r.measured_bytes for r in c.rows},
             })
