@@ -300,6 +300,11 @@ def render(rows: list[dict[str, Any]]) -> list[str]:
         "product). Error is memplan / published - 1. Within a group (one",
         "job, one or two knobs changed) the Spearman rank correlation says whether memplan orders",
         "the runs as they ran; a group's correlation is only meaningful from three runs.",
+        "Megatron-LM runs are timed kernel by kernel: their GEMMs at the measured GEMM rates",
+        "(`memplan.planning.kernels.gemm_time_factor`; the A100 at 271.2 TFLOP/s) and their",
+        "memory-bound per-token kernels (norms, bias-dropout-add, activation, softmax over",
+        "materialised scores, the loss) by the bytes they move over the HBM bandwidth",
+        "(`elementwise_bytes`); the other runs at the flat fraction of peak (`DEFAULT_MFU`).",
         "",
         f"- Median |error|: {s['median_abs_error']:.1%} over {s['estimated']} runs.",
         f"- Groups of {MIN_GROUP} runs or more with a rank correlation of at least 0.8: "

@@ -21,6 +21,13 @@ sm_90 only), and the A100's one published measured matmul rate with its shape (2
 at 1024 x 10240 x 5120, stas00/ml-engineering's "Maximum Achievable Matmul FLOPS comparison
 table") is a single point, no rate by shape.
 
+Where the step is timed kernel by kernel (Megatron-LM, ``timing._step_fields``) the GEMMs run at
+their measured rates alone (``gemm_time_factor``; the A100 at its one measured rate,
+``GEMM_MEASURED_RATE``) and the per-token kernels that are bound by memory, not FLOPs (norms,
+bias-dropout-add, the MLP activation, RoPE, the softmax over materialised scores, the loss) take
+the bytes they read and write over the HBM's bandwidth (``elementwise_bytes``,
+``loss_bytes_per_token``).
+
 The fused attention kernel runs at FlashAttention-2's measured causal forward-and-backward rate
 on Hopper and Ampere (``attention_time_factor``), and torchao's float8 casts take their bytes over the HBM's
 bandwidth (``float8_cast_seconds``): memory-bound kernels the FLOP count does not see.
@@ -30,11 +37,12 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from typing import NamedTuple
 
 from memplan.hardware import GpuSpec
 from memplan.model.layer import layer_linears
 from memplan.model.linear import Split
-from memplan.spec import ModelSpec
+from memplan.spec import MlpKind, ModelSpec, PositionKind
 
 GEMM_TABLE_SOURCE = ("openxla/xla xla/backends/gpu/cost_model/matmul_interpolator_data.h "
                      "kDefaultMatmulPTable, sm_90 bf16 and sm_100 bf16 / f8e4m3fn, b=4 m=4096")
@@ -268,3 +276,161 @@ def attention_time_factor(gpu: GpuSpec, seq_len: int, mfu: float) -> float | Non
     if table is None:
         return None
     return mfu * gpu.bf16_flops * FA_STEP_FLOPS / (3.0 * _by_seq(table, seq_len))
+
+
+# The one measured GEMM rate of GPUs without a table by shape (``GEMM_TABLES``): A100 (sm_80)
+# 271.2 TFLOP/s bf16 at 1024 x 10240 x 5120 (stas00/ml-engineering compute/accelerator/
+# README.md at 744d01e18b79512572f64a6bbd8b5f4a725203a7, "Maximum Achievable Matmul FLOPS
+# comparison table"), 0.87 of the 312 TFLOP/s dense peak: every GEMM at that rate, no shape.
+GEMM_MEASURED_RATE = {"8.0": 271.2e12}
+GEMM_RATE_SOURCE = ("stas00/ml-engineering 'Maximum Achievable Matmul FLOPS': A100 bf16 "
+                    "271.2 TFLOP/s at 1024x10240x5120")
+
+
+def gemm_best_rate(gpu: GpuSpec) -> float | None:
+    """FLOP/s of the GPU's largest measured bf16 GEMM: the table's largest (sm_90: 789
+    TFLOP/s; sm_100: 1,670), else the single measured rate (``GEMM_MEASURED_RATE``); None
+    without a measured GEMM rate (the step then runs every FLOP at the flat fraction)."""
+    table = GEMM_TABLES.get(gpu.compute_capability)
+    if table is not None:
+        return float(table[-1][-1])
+    return GEMM_MEASURED_RATE.get(gpu.compute_capability)
+
+
+@lru_cache(maxsize=4096)
+def gemm_time_factor(spec: ModelSpec, gpu: GpuSpec, tp: int, float8: bool,
+                     mfu: float) -> float | None:
+    """The decoder layers' linears' time over their time at the flat fraction ``mfu`` of peak
+    when they are GEMMs alone, at their measured rates: by per-GPU shape relative to the
+    largest measured GEMM where the GPU has a table (``linear_time_factor`` without its
+    non-GEMM remainder: ``mfu * peak / best * shape / speedup``), else at the single measured
+    rate (A100: 271.2 TFLOP/s, float8 without FP8 tensor cores at that rate too). None without
+    a measured GEMM rate. The time of what is not a GEMM is the step's memory-bound kernels
+    (``elementwise_bytes``), not a share of this one."""
+    best = gemm_best_rate(gpu)
+    if best is None:
+        return None
+    if GEMM_TABLES.get(gpu.compute_capability) is None:
+        speedup = FP8_SPEEDUP if float8 and fp8_capable(gpu) else 1.0
+        return mfu * gpu.bf16_flops / best / speedup
+    share = mfu * gpu.bf16_flops / best
+    # linear_time_factor = 1 - s + s * shape / speedup, with s = min(1, share)
+    s = min(1.0, share)
+    return (linear_time_factor(spec, gpu, tp, float8, mfu) - 1.0 + s) / s * share
+
+
+# Memory-bound per-token kernels of a decoder layer: the bytes each reads and writes over HBM
+# per token of the sequence, one rank, in the compute dtype of e bytes (H: the hidden width a
+# rank holds per token, h / tp under sequence parallelism, else h; F: the MLP's intermediate
+# width per rank, ffn / tp; heads: a / tp query heads; s: the keys a query row sees).
+#
+# Megatron-LM (megatron/core/transformer/transformer_layer.py TransformerLayer.forward, its
+# fused kernels):
+# - the two layer norms (apex FusedLayerNormAffineFunction / Transformer Engine LayerNorm,
+#   megatron/core/fusions/fused_layer_norm.py): read x, write y, 2 H e; backward reads dy and
+#   x, writes dx: 3 H e.
+# - the two bias-dropout-adds (megatron/core/fusions/fused_bias_dropout.py
+#   bias_dropout_add_fused_train: residual + dropout(x + bias)): read x and the residual,
+#   write the sum and, with dropout, its 1-byte mask: (3 e + 1) H; backward reads the output
+#   gradient and the mask and writes dx, (2 e + 1) H, and the bias gradient reads dx, e H.
+# - the MLP activation: bias_gelu_impl (fused_bias_gelu.py): read and write F, 2 F e;
+#   backward (bias_gelu_back) reads the gradient and the input and writes dx, 3 F e, and the
+#   fc1 bias gradient reads dx, F e. bias_swiglu_impl (fused_bias_swiglu.py): read 2 F,
+#   write F: 3 F e; backward reads the gradient and 2 F, writes 2 F: 5 F e.
+# - the softmax over materialised scores (megatron/core/fusions/fused_softmax.py
+#   FusedScaleMaskSoftmax, the causal kernel scaled_upper_triang_masked_softmax_cuda): per
+#   query row it loads the unmasked keys (s / 2 on average) and writes the whole row: 1.5 s e
+#   a head; backward loads the gradient and the output of the unmasked keys and writes the
+#   row: 2 s e. The attention dropout after it (CoreAttention / DotProductAttention.forward,
+#   torch dropout): read s e, write s e and a 1-byte mask; backward: read s e and the mask,
+#   write s e.
+# - the residual stream's gradient: where the stream forks (into the norm and around it),
+#   autograd sums the two gradients, read 2 H e, write H e, twice a layer.
+# - RoPE (where the model has it) rotates q and k: read and write (a + kv) / tp d, forward
+#   and backward (apply_rotary_pos_emb, fused under --apply-rope-fusion).
+# torchtitan and transformers (torchtitan/models/llama3/model.py TransformerBlock.forward,
+# FeedForward.forward: ``w2(F.silu(w1(x)) * w3(x))``; nn.RMSNorm's torch.rms_norm, which on
+# CUDA is one kernel, aten::_fused_rms_norm): the norms as above; the residual adds read two
+# and write one, 3 H e, no dropout; SwiGLU eager is two kernels, silu (read F, write F) and
+# mul (read 2 F, write F), 5 F e, backward mul's two products (read 2 F, write F, twice) and
+# silu's (read 2 F, write F): 9 F e; compiled (Inductor fuses the pointwise chain) as
+# Megatron's fused kernel, 3 F e and 5 F e. Eager attention's softmax (not Megatron's kernel)
+# reads and writes every score: 2 s e, backward 3 s e.
+ELEMENTWISE_SOURCE = ("Megatron-LM megatron/core/fusions (fused_layer_norm, fused_bias_dropout, "
+                      "fused_bias_gelu, fused_bias_swiglu, fused_softmax); torchtitan "
+                      "models/llama3/model.py; bytes over the HBM bandwidth at 92%")
+
+
+class ElementwiseBytes(NamedTuple):
+    """Bytes one layer's memory-bound kernels move per token on one rank: ``forward``,
+    ``backward``, and ``core`` (of the forward: the attention core's softmax and dropout,
+    what selective recompute reruns)."""
+
+    forward: float
+    backward: float
+    core: float
+
+
+@lru_cache(maxsize=4096)
+def elementwise_bytes(spec: ModelSpec, tp: int, sp: bool, seq_kv: int, itemsize: int,
+                      megatron: bool, compiled: bool, eager_attention: bool) -> ElementwiseBytes:
+    """The memory-bound kernels' bytes of one decoder layer per token (see above), on a rank
+    of tensor-parallel degree ``tp`` (``sp``: sequence parallel) whose attention rows see
+    ``seq_kv`` keys. MoE layers: the routed experts' top-k intermediate widths and the shared
+    experts' (the router's kernels are not counted); every layer is taken as an attention
+    layer."""
+    e = float(itemsize)
+    hidden = spec.hidden_size / tp if sp else float(spec.hidden_size)
+    if spec.moe is not None:
+        ffn = (spec.moe.top_k * spec.moe.expert_ffn_hidden_size
+               + spec.moe.num_shared_experts * spec.moe.shared_expert_ffn_hidden_size) / tp
+    else:
+        ffn = spec.ffn_hidden_size / tp
+    dropout = megatron and spec.dropout > 0
+    mask = 1.0 if dropout else 0.0
+    gated = spec.mlp in (MlpKind.SWIGLU, MlpKind.GEGLU)
+    fused = megatron or compiled
+    # norms: 2 H e forward, 3 H e backward, two a layer
+    fwd, bwd = 2 * 2 * hidden * e, 2 * 3 * hidden * e
+    # the residual junctions: forward the adds (Megatron's with bias and dropout), backward
+    # the gradient sums and, in Megatron, dropout's backward and the bias gradient
+    if megatron:
+        fwd += 2 * (3 * e + mask) * hidden
+        bwd += 2 * ((2 * e + mask) * hidden + (e * hidden if spec.mlp_bias else 0.0))
+    else:
+        fwd += 2 * 3 * hidden * e
+    bwd += 2 * 3 * hidden * e
+    # the activation
+    if gated:
+        fwd += (3 if fused else 5) * ffn * e
+        bwd += (5 if fused else 9) * ffn * e
+    else:
+        fwd += 2 * ffn * e
+        bwd += 3 * ffn * e + (ffn * e if megatron and spec.mlp_bias else 0.0)
+    if spec.qkv_bias and megatron:  # the QKV bias gradient reads the output's gradient
+        bwd += (spec.num_attention_heads + 2 * spec.num_kv_heads) * spec.head_dim / tp * e
+    if spec.position is PositionKind.ROPE:
+        rope = 2 * (spec.num_attention_heads + spec.num_kv_heads) * spec.head_dim / tp * e
+        fwd += rope
+        bwd += rope
+    core = 0.0
+    if eager_attention:
+        rows = spec.num_attention_heads / tp * seq_kv  # score elements per token
+        if megatron:
+            core = rows * (1.5 * e + (2 * e + mask if dropout else 0.0))
+            bwd += rows * (2 * e + (2 * e + mask if dropout else 0.0))
+        else:
+            core = rows * 2 * e
+            bwd += rows * 3 * e
+        fwd += core
+    return ElementwiseBytes(fwd, bwd, core)
+
+
+# The loss over the vocabulary, per token and vocabulary entry on one rank (v / tp entries):
+# the logits cast to fp32 (read e, write 4), the log-softmax's two reads and one write (max,
+# then exp-sum and the normalised write: torch's log_softmax, Megatron-LM's
+# VocabParallelCrossEntropy.forward the same passes), and backward its gradient (read the
+# saved fp32 output and write the gradient: 8, the one-hot subtraction in place) and the cast
+# back to the compute dtype (read 4, write e): 2 e + 28 bytes an entry.
+def loss_bytes_per_token(spec: ModelSpec, tp: int, itemsize: int) -> float:
+    return (2 * itemsize + 28) * spec.vocab_size / tp

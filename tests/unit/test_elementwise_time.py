@@ -1,0 +1,120 @@
+"""The memory-bound per-token kernels of a Megatron-LM step and its GEMMs at their measured
+rates (``memplan.planning.kernels.elementwise_bytes``, ``gemm_time_factor``;
+``memplan.planning.timing.elementwise_seconds``). Bytes are counted by hand below from the
+kernels' reads and writes (the kernels.py comment block cites each); seconds are those bytes
+over the A100 80GB datasheet's 2,039 GB/s times torchao's measured 92%."""
+
+import pytest
+
+import memplan
+from memplan.hardware import load_gpu
+from memplan.planning.kernels import (elementwise_bytes, gemm_best_rate, gemm_time_factor,
+                                      loss_bytes_per_token)
+from memplan.planning.timing import Columns, elementwise_seconds, step_time
+from memplan.spec import ModelSpec
+
+A100 = load_gpu("a100-80gb")
+
+
+def _gpt(**kw) -> ModelSpec:
+    """A Megatron GPT in miniature: h 64, ffn 256, 4 heads of 16, LayerNorm, GeLU, biases,
+    learned positions, dropout 0.1, 2 layers, vocabulary 128."""
+    args = dict(name="gpt", source="test", num_layers=2, hidden_size=64, ffn_hidden_size=256,
+                num_attention_heads=4, num_kv_heads=4, head_dim=16, vocab_size=128,
+                max_seq_len=8, norm="layernorm", mlp="gelu", position="learned",
+                tied_embeddings=True, qkv_bias=True, attn_out_bias=True, mlp_bias=True,
+                norm_bias=True, dropout=0.1)
+    args.update(kw)
+    return ModelSpec(**args)
+
+
+def test_megatron_layer_bytes_by_hand():
+    """tp 2 without sequence parallelism, 8 keys, bf16 (e = 2): H = 64 (the norms and the
+    residual stream are whole on every rank), F = 256 / 2 = 128, 4 / 2 = 2 heads x 8 keys =
+    16 score elements per token.
+
+    forward: two layer norms 2 x (64 + 64) x 2 = 512; two bias-dropout-adds 2 x (3 x 2 + 1)
+    x 64 = 896; bias-GeLU 2 x 128 x 2 = 512; the softmax (half the row read, the row written)
+    16 x 1.5 x 2 = 48 and the attention dropout (read, write, 1-byte mask) 16 x 5 = 80:
+    core 128; forward 2048.
+    backward: norms 2 x 3 x 64 x 2 = 768; dropout's backward (gradient, mask, dx) and the bias
+    gradient 2 x (5 x 64 + 2 x 64) = 896; the residual gradients' sums 2 x 3 x 64 x 2 = 768;
+    GeLU's backward 3 x 128 x 2 = 768 and the fc1 bias gradient 128 x 2 = 256; the QKV bias
+    gradient (4 + 8) x 16 / 2 x 2 = 192; the softmax's backward 16 x 2 x 2 = 64 and the
+    dropout's 16 x 5 = 80: 3792."""
+    b = elementwise_bytes(_gpt(), 2, False, 8, 2, True, False, True)
+    assert b.core == 128
+    assert b.forward == 2048
+    assert b.backward == 3792
+
+
+def test_sequence_parallel_splits_the_norms_and_the_residual_stream():
+    """With sequence parallelism a rank holds h / tp = 32 of each token's residual stream:
+    the H terms halve (forward 512 + 896 = 1408 -> 704; backward 768 + 768 + 768 = 2304 ->
+    1152 less the bias gradient's share: (5 x 32 + 2 x 32) x 2 = 448 in place of 896), the
+    F and score terms do not: forward 704 + 512 + 128 = 1344, backward 384 + 448 + 384 + 1024
+    + 192 + 144 = 2576."""
+    b = elementwise_bytes(_gpt(), 2, True, 8, 2, True, False, True)
+    assert b.forward == 1344
+    assert b.backward == 2576
+
+
+def test_flash_attention_has_no_score_bytes_and_swiglu_eager_is_two_kernels():
+    """Flash: the softmax is inside the attention kernel, no core bytes. torchtitan's SwiGLU
+    (no dropout, no biases, RMSNorm, RoPE) at tp 1, h 64, F 256, 4 + 4 heads of 16: forward
+    norms 512, residual adds 2 x 3 x 64 x 2 = 768, eager silu and mul 5 x 256 x 2 = 2560, RoPE
+    2 x (4 + 4) x 16 x 2 = 512: 4352; compiled, the fused SwiGLU 3 x 256 x 2 = 1536: 3328.
+    Backward eager: norms 768, residual sums 768, 9 x 256 x 2 = 4608, RoPE 512: 6656;
+    compiled 5 x 256 x 2 = 2560: 4608."""
+    spec = _gpt(norm="rmsnorm", mlp="swiglu", position="rope", qkv_bias=False,
+                attn_out_bias=False, mlp_bias=False, norm_bias=False, dropout=0.0)
+    eager = elementwise_bytes(spec, 1, False, 8, 2, False, False, False)
+    fused = elementwise_bytes(spec, 1, False, 8, 2, False, True, False)
+    assert (eager.core, eager.forward, eager.backward) == (0, 4352, 6656)
+    assert (fused.forward, fused.backward) == (3328, 4608)
+
+
+def test_loss_bytes():
+    """(2 e + 28) bytes an entry of the rank's v / tp: bf16, v 128, tp 2: 32 x 64 = 2048."""
+    assert loss_bytes_per_token(_gpt(), 2, 2) == 2048
+
+
+def test_elementwise_seconds_by_hand():
+    """Megatron, tp 2 without SP, full recompute of both layers, micro-batch 1 of 8 tokens,
+    one micro-batch, no pipeline: per token 2 layers x (2048 forward + 3792 backward + 2048
+    rerun) + 2048 of loss = 17824 bytes; 8 tokens: 142592 bytes over 2,039 GB/s x 0.92."""
+    spec = _gpt()
+    wl = memplan.make_workload(spec, seq_len=8, recompute="full", framework="megatron",
+                               attention="eager")
+    par = memplan.make_layout(2, tp=2, sequence_parallel=False)
+    c = Columns.one(par, 1, 1, spec.num_params, num_layers=2, rerun=1.0)
+    assert elementwise_seconds(spec, A100, wl, c) == pytest.approx(142592 / (2039e9 * 0.92))
+
+
+def test_gemm_rates_are_measured_ones():
+    """A100: stas00's measured 271.2 TFLOP/s; the linears at it take 0.4 x 312 / 271.2 =
+    0.4602 of their time at 40% of peak. H100: the table's largest, 788.7 TFLOP/s. L40S: no
+    measured GEMM rate."""
+    assert gemm_best_rate(A100) == 271.2e12
+    assert gemm_time_factor(_gpt(), A100, 2, False, 0.4) == pytest.approx(0.4 * 312 / 271.2)
+    assert gemm_best_rate(load_gpu("h100-sxm")) == 788699393418751
+    assert gemm_best_rate(load_gpu("l40s")) is None
+
+
+def test_megatron_step_is_gemms_plus_memory_bound_kernels():
+    """One A100, the miniature GPT under Megatron with eager attention, no recompute: the
+    compute is every FLOP at 271.2 TFLOP/s (no flash table read for eager attention) plus the
+    memory-bound seconds; the flat fraction of peak plays no part (the same at any mfu).
+    Under another framework the step keeps the flat fraction."""
+    spec = _gpt()
+    wl = memplan.make_workload(spec, seq_len=8, framework="megatron", attention="eager")
+    par = memplan.make_layout(1)
+    t = step_time(spec, A100, par, wl, 1, 1, spec.num_params)
+    c = Columns.one(par, 1, 1, spec.num_params, num_layers=2)
+    assert t.compute_s == pytest.approx(t.hardware_flops / 271.2e12
+                                        + elementwise_seconds(spec, A100, wl, c))
+    slow = step_time(spec, A100, par, wl, 1, 1, spec.num_params, mfu=0.2)
+    assert slow.compute_s == pytest.approx(t.compute_s)
+    generic = memplan.make_workload(spec, seq_len=8, attention="eager")
+    g = step_time(spec, A100, par, generic, 1, 1, spec.num_params)
+    assert g.compute_s == pytest.approx(g.hardware_flops / (312e12 * 0.4))
