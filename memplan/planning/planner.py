@@ -526,6 +526,8 @@ class _Context:
     ovh: Overheads
     capacity: int
     evaluated: int = 0  # exact evaluations beyond the searches'
+    # every search's evaluations, by (layout, workload, size): a search again repeats some
+    known: dict = field(default_factory=dict)
 
     def workload(self, policy: tuple[Recompute, int | None]) -> Workload:
         return _policy_workload(self.wl, *policy)
@@ -825,7 +827,8 @@ def _search_one(ctx: _Context, pars: list[ParallelConfig],
     classes = None if level else [(p.tp, p.pp, p.vpp, p.cp, p.ep, p.etp,
                                    p.sequence_parallel, p.stage_layers)
                                   for p in (pars[i] for i in index)]
-    search = Search(ctx.spec, jobs, ctx.budget, ctx.ovh, slopes=slope[index], classes=classes)
+    search = Search(ctx.spec, jobs, ctx.budget, ctx.ovh, slopes=slope[index], classes=classes,
+                    known=ctx.known)
     found = search.run()
     for k, i in enumerate(index):
         above[i], slope[i] = max(above[i], int(found.mbs[k])), found.slope[k]
