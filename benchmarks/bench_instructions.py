@@ -60,22 +60,24 @@ if reserved != "none":
 """
 
 
-def plan_rows(case: str, tree: Path) -> list[tuple[str, int]]:
-    """Instruction counts of one ``MODEL:GPUS`` plan (``--plan``)."""
+def plan_rows(case: str, tree: Path, commands: bool = True) -> list[tuple[str, int]]:
+    """Instruction counts of one ``MODEL:GPUS`` plan (``--plan``), each printed as counted."""
     model, gpus = case.split(":")
     script = ["-c", PLAN, model, gpus]
     base = instructions([*script, "none"], tree)
     cli = ["-m", "memplan"]
-    return [
-        (f"{model} x {gpus}: first plan(top=10)",
-         instructions([*script, "reserved"], tree) - base),
-        (f"{model} x {gpus}: first plan(top=10, reserved=False)",
-         instructions([*script, "search"], tree) - base),
-        (f"{model} x {gpus}: cold `memplan plan ... --json`",
-         instructions([*cli, "plan", "--model", model, "--gpus", gpus, "--json"], tree)),
-        (f"{model} x {gpus}: cold `memplan estimate`",
-         instructions([*cli, "estimate", "--model", model, "--gpus", gpus], tree)),
-    ]
+    runs = [(f"{model} x {gpus}: first plan(top=10)", [*script, "reserved"], base),
+            (f"{model} x {gpus}: first plan(top=10, reserved=False)", [*script, "search"], base)]
+    if commands:
+        runs += [(f"{model} x {gpus}: cold `memplan plan ... --json`",
+                  [*cli, "plan", "--model", model, "--gpus", gpus, "--json"], 0),
+                 (f"{model} x {gpus}: cold `memplan estimate`",
+                  [*cli, "estimate", "--model", model, "--gpus", gpus], 0)]
+    rows = []
+    for name, args, less in runs:
+        rows.append((name, instructions(args, tree) - less))
+        print(f"  {name:<55} {rows[-1][1]:>15,} instructions", flush=True)
+    return rows
 
 
 def instructions(args: list[str], tree: Path) -> int:
@@ -99,6 +101,8 @@ def main() -> int:
                         help="also count plans of MODEL on GPUS (repeatable)")
     parser.add_argument("--plans-only", action="store_true",
                         help="count the --plan cases only")
+    parser.add_argument("--no-commands", action="store_true",
+                        help="count the --plan cases in process only")
     args = parser.parse_args()
     if shutil.which("valgrind") is None:
         print("valgrind is not installed (apt-get install valgrind)", file=sys.stderr)
@@ -106,13 +110,14 @@ def main() -> int:
     tree = args.tree.resolve()
     rows: list[tuple[str, int]] = []
     for case in args.plan:
-        rows += plan_rows(case, tree)
+        rows += plan_rows(case, tree, not args.no_commands)
     if args.plans_only:
-        return _show(tree, rows)
+        return 0
     script = ["-c", WORK]
     base = instructions([*script, "0"], tree)
     loaded = instructions([*script, str(args.n)], tree)
-    rows = [*rows,
+    rows = [
+        *rows,
         ("import memplan", instructions(["-c", "import memplan"], tree)),
         ("per estimate (mean of the two kinds)", (loaded - base) // (2 * args.n)),
         ("cold `memplan estimate --model llama-7b --gpus 64`",
