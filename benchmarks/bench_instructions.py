@@ -15,7 +15,11 @@ What it counts (each a fresh interpreter):
 - per estimate: (instructions with 2N estimates - instructions with none) / 2N, over N
   estimates of llama-7b on 64 GPUs and N of a mixed grid (2 models, mbs, tp 1-8, pp 1-4,
   ZeRO 0-3), as ``bench_estimate.py`` runs them;
-- the cold commands ``memplan estimate --model llama-7b --gpus 64`` and ``... --json``.
+- the cold commands ``memplan estimate --model llama-7b --gpus 64`` and ``... --json``;
+- with ``--plan MODEL:GPUS`` (repeatable), per case: the first ``memplan.plan(MODEL,
+  gpus=GPUS, top=10)`` in process (instructions with the call - without it, the model and
+  GPU looked up in both), the same with ``reserved=False`` (the search alone), and the cold
+  commands ``memplan plan --model MODEL --gpus GPUS --json`` and ``memplan estimate ...``.
 
 With ``PYTHONDONTWRITEBYTECODE=1`` (as on some machines) every count includes compiling
 memplan's sources; the script reports whether it is set.
@@ -45,6 +49,37 @@ for model, mbs, tp, pp, zero in grid[:n]:
 """
 
 
+# One fresh interpreter: the model and GPU looked up, then (argv[3] != "none") one plan.
+PLAN = """
+import sys
+import memplan, memplan.planning.planner
+model, gpus, reserved = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+memplan.load_model(model), memplan.load_gpu("h100-sxm")
+if reserved != "none":
+    memplan.plan(model, gpus=gpus, top=10, reserved=reserved == "reserved")
+"""
+
+
+def plan_rows(case: str, tree: Path, commands: bool = True) -> list[tuple[str, int]]:
+    """Instruction counts of one ``MODEL:GPUS`` plan (``--plan``), each printed as counted."""
+    model, gpus = case.split(":")
+    script = ["-c", PLAN, model, gpus]
+    base = instructions([*script, "none"], tree)
+    cli = ["-m", "memplan"]
+    runs = [(f"{model} x {gpus}: first plan(top=10)", [*script, "reserved"], base),
+            (f"{model} x {gpus}: first plan(top=10, reserved=False)", [*script, "search"], base)]
+    if commands:
+        runs += [(f"{model} x {gpus}: cold `memplan plan ... --json`",
+                  [*cli, "plan", "--model", model, "--gpus", gpus, "--json"], 0),
+                 (f"{model} x {gpus}: cold `memplan estimate`",
+                  [*cli, "estimate", "--model", model, "--gpus", gpus], 0)]
+    rows = []
+    for name, args, less in runs:
+        rows.append((name, instructions(args, tree) - less))
+        print(f"  {name:<55} {rows[-1][1]:>15,} instructions", flush=True)
+    return rows
+
+
 def instructions(args: list[str], tree: Path) -> int:
     """Instructions callgrind counts for ``python ARGS`` with ``tree`` first on the path."""
     env = dict(os.environ, PYTHONPATH=str(tree))
@@ -62,15 +97,27 @@ def main() -> int:
     parser.add_argument("--tree", type=Path, default=Path(__file__).resolve().parent.parent,
                         help="the checkout whose memplan is measured (default: this one)")
     parser.add_argument("-n", type=int, default=300, help="estimates of each kind (300)")
+    parser.add_argument("--plan", action="append", default=[], metavar="MODEL:GPUS",
+                        help="also count plans of MODEL on GPUS (repeatable)")
+    parser.add_argument("--plans-only", action="store_true",
+                        help="count the --plan cases only")
+    parser.add_argument("--no-commands", action="store_true",
+                        help="count the --plan cases in process only")
     args = parser.parse_args()
     if shutil.which("valgrind") is None:
         print("valgrind is not installed (apt-get install valgrind)", file=sys.stderr)
         return 2
     tree = args.tree.resolve()
+    rows: list[tuple[str, int]] = []
+    for case in args.plan:
+        rows += plan_rows(case, tree, not args.no_commands)
+    if args.plans_only:
+        return 0
     script = ["-c", WORK]
     base = instructions([*script, "0"], tree)
     loaded = instructions([*script, str(args.n)], tree)
     rows = [
+        *rows,
         ("import memplan", instructions(["-c", "import memplan"], tree)),
         ("per estimate (mean of the two kinds)", (loaded - base) // (2 * args.n)),
         ("cold `memplan estimate --model llama-7b --gpus 64`",
@@ -79,6 +126,10 @@ def main() -> int:
         ("cold `... --json`", instructions(["-m", "memplan", "estimate", "--model", "llama-7b",
                                             "--gpus", "64", "--json"], tree)),
     ]
+    return _show(tree, rows)
+
+
+def _show(tree: Path, rows: list[tuple[str, int]]) -> int:
     print(f"memplan at {tree}; PYTHONDONTWRITEBYTECODE="
           f"{os.environ.get('PYTHONDONTWRITEBYTECODE', '')!r}")
     for name, count in rows:

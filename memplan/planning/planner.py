@@ -342,7 +342,11 @@ def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
     With ``top`` only the ``top`` fastest are sure to be among the candidates: a recompute
     policy of a layout is not searched when no micro-batch it could fit would be faster than
     the ``top``-th fastest candidate found with cheaper policies (``_fastest_possible``), so
-    the first ``top`` candidates are those of the full search (in the same order)."""
+    the first ``top`` candidates are those of the full search (in the same order). With
+    ``reserved`` as well, the check may turn down some of those and take slower ones: where
+    it took one that a skipped policy could have beaten, the search runs again with every
+    policy kept that could be as fast (``_plan_once``), so the ``top`` shown are those the
+    check gives over the full search."""
     if not 0 <= safety < 1:
         raise MemplanError(f"safety must be in [0, 1), got {safety}")
     if top is not None and top < 1:
@@ -363,10 +367,32 @@ def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
     policies = [_policies(recompute or list(RECOMPUTE_ORDER),
                           _fewest_layers(spec.num_layers, p.pp, p.vpp, p.stage_layers))
                 for p in pars]
-    levels, pruned = _search_levels(ctx, pars, policies, top)
-    fits = _with_all_save_sets(ctx, [fit for level in levels
-                                     for fit in level.fits(pars, policies)], top,
-                               result.rejected)
+    keep, spent = 0.0, (0, 0)
+    while True:  # (with ``top`` and ``reserved``: until the reserved check is sure)
+        found, again = _plan_once(ctx, pars, policies, top, reserved, keep,
+                                  replace(result, rejected=Counter(result.rejected)))
+        found.evaluated += spent[0]
+        found.replayed += spent[1]
+        if again is None:
+            return found
+        # The reserved check took candidates slower than the search was sure of: search
+        # again, keeping every policy that could be as fast as the slowest it took (a
+        # larger ``keep`` each time, so this ends; at the latest with nothing skipped).
+        keep, spent = again, (found.evaluated, found.replayed)
+
+
+def _plan_once(ctx: _Context, pars: list[ParallelConfig],
+               policies: list[list[tuple[Recompute, int | None]]], top: int | None,
+               reserved: bool, keep: float,
+               result: PlanResult) -> tuple[PlanResult, float | None]:
+    """One search (no policy skipped that could be as fast as ``keep`` step seconds) and its
+    ranking (``plan``); beside it None where the reserved check's answer is the full
+    search's, else the ``keep`` to search again with."""
+    before = ctx.evaluated
+    levels, pruned, sure = _search_levels(ctx, pars, policies, top, keep)
+    fits, sure_ops = _with_all_save_sets(ctx, [fit for level in levels
+                                               for fit in level.fits(pars, policies)], top,
+                                         result.rejected, keep)
     fits.sort(key=lambda f: (f.layout, f.level))  # a layout's policies in order of compute
     without = set(range(len(pars))) - {f.layout for f in fits}
     if without - pruned:
@@ -376,13 +402,25 @@ def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
         result.rejected[SLOWER_THAN_TOP.format(top=top)] += len(without & pruned)
     result.budget_bytes = ctx.budget
     result.closest_miss = _closest_miss(ctx, levels)
-    result.candidates = (_fit_reserved(ctx, _ranked(ctx, fits), top, result) if reserved
-                         else _ranked(ctx, fits))
+    taken: list[float] = []  # step seconds of each candidate the reserved check took
+    result.candidates = (_fit_reserved(ctx, _ranked(ctx, fits), top, result, taken)
+                         if reserved else _ranked(ctx, fits))
     if result.closest_miss is not None:
         result.oom_excess_bytes = result.closest_miss.peak_bytes - ctx.budget
-    result.evaluated = ctx.evaluated + sum(level.search.evaluated for level in levels)
+    result.evaluated = (ctx.evaluated - before
+                        + sum(level.search.evaluated for level in levels))
     result.searched = sum(level.found.searched for level in levels)
-    return result
+    # Every candidate of the full search faster than ``sure`` is among these, the same (what
+    # was skipped could be no faster). The reserved check takes candidates in order of
+    # their step time until ``top`` fit: its answer is the full search's where each it took
+    # is faster than ``sure`` and ``top`` fit (else the full search has more to take).
+    sure = min(sure, sure_ops)
+    if not reserved or sure == float("inf"):
+        return result, None
+    if len(result.candidates) < top:  # type: ignore[operator]  (sure < inf: top is set)
+        return result, float("inf")
+    slowest = max(taken, default=0.0)
+    return result, (None if slowest < sure else slowest)
 
 
 def merge(results: list[PlanResult]) -> PlanResult:
@@ -488,6 +526,8 @@ class _Context:
     ovh: Overheads
     capacity: int
     evaluated: int = 0  # exact evaluations beyond the searches'
+    # every search's evaluations, by (layout, workload, size): a search again repeats some
+    known: dict = field(default_factory=dict)
 
     def workload(self, policy: tuple[Recompute, int | None]) -> Workload:
         return _policy_workload(self.wl, *policy)
@@ -534,15 +574,16 @@ def _ops_sizes(ctx: _Context, fit: _Fit) -> list[int]:
 
 
 def _with_all_save_sets(ctx: _Context, fits: list[_Fit], top: int | None,
-                        rejected: Counter) -> list[_Fit]:
+                        rejected: Counter, keep: float = 0.0) -> tuple[list[_Fit], float]:
     """``_with_save_sets`` for every fit of op-level checkpointing; with ``top``, in order of
     the fastest each could be (every item kept, at its fastest micro-batch), stopping once
-    that bound is no faster than the ``top``-th fastest fit found (the first ``top`` are
-    those of the full search)."""
+    that bound is no faster than the ``top``-th fastest fit found, nor than ``keep`` (the
+    first ``top`` are those of the full search). Beside them: the least step seconds a fit
+    not upgraded could take (inf: none)."""
     plain = [f for f in fits if f.policy[0] is not Recompute.OPS]
     ops = [f for f in fits if f.policy[0] is Recompute.OPS]
     if not ops or top is None:
-        return plain + [w for f in ops for w in _with_save_sets(ctx, f)]
+        return plain + [w for f in ops for w in _with_save_sets(ctx, f)], float("inf")
     rows = [(f.par, _fastest_policy(ctx, f.policy), b, f.num_params)
             for f in ops for b in _ops_sizes(ctx, f)]
     step = _row_times(ctx, rows).step_s
@@ -554,13 +595,13 @@ def _with_all_save_sets(ctx: _Context, fits: list[_Fit], top: int | None,
     best = sorted(float(t) for t in _times(ctx, plain).step_s) if plain else []
     out = list(plain)
     for n, (bound, f) in enumerate(sorted(zip(bounds, ops), key=lambda x: x[0])):
-        if len(best) >= top and bound >= best[top - 1]:
+        if len(best) >= top and bound >= best[top - 1] and bound > keep:
             rejected[SLOWER_THAN_TOP.format(top=top)] += len(ops) - n
-            break
+            return out, bound
         found = _with_save_sets(ctx, f)
         out += found
         best = sorted(best + [float(t) for t in _times(ctx, found).step_s])
-    return out
+    return out, float("inf")
 
 
 def _set_index(ctx: _Context, fit: _Fit) -> int:
@@ -667,7 +708,8 @@ class _Level:
 
 def _search_levels(ctx: _Context, pars: list[ParallelConfig],
                    policies: list[list[tuple[Recompute, int | None]]],
-                   top: int | None = None) -> tuple[list[_Level], set[int]]:
+                   top: int | None = None,
+                   keep: float = 0.0) -> tuple[list[_Level], set[int], float]:
     """One search per recompute level, in order of extra compute. A policy with more recompute
     is kept only if it fits a larger micro-batch than the cheaper ones did (otherwise it costs
     compute for nothing), so each level searches above the largest fit before it, starting
@@ -677,13 +719,17 @@ def _search_levels(ctx: _Context, pars: list[ParallelConfig],
     fit so far (``_fastest_possible``). The layouts are then searched in batches, each through
     every level, those that could be fastest first (at their cheapest policy), so that the
     fits of a few set a bound that rules out the others' policies without a walk; a batch's
-    search of a level is a ``_Level`` of its own. Returned beside the levels: the layouts
-    whose policies were skipped."""
+    search of a level is a ``_Level`` of its own. A policy that could be as fast as ``keep``
+    step seconds is searched whatever the ``top``-th. Returned beside the levels: the layouts
+    whose policies were skipped, and the least step seconds any skipped policy could take
+    (inf: none skipped), below which every candidate of the full search is found."""
     above, slope = [0] * len(pars), np.zeros(len(pars))
     sizes = [_sizes(p, ctx.wl, ctx.wl.global_batch_size) for p in pars]
     levels: list[_Level] = []
     fit_times: list[float] = []  # step seconds of every fit so far (with ``top``)
     pruned: set[int] = set()
+    skipped: dict[int, list[int]] = {}  # per layout, its levels skipped since one searched
+    sure = float("inf")
     everyone = list(range(len(pars)))
     if top is None:
         batches = [everyone]
@@ -695,26 +741,59 @@ def _search_levels(ctx: _Context, pars: list[ParallelConfig],
         first = {i: t for t, i in order}
     for at, batch in enumerate(batches):
         if top is not None and len(fit_times) >= top:
-            bound = sorted(fit_times)[top - 1] * (1 + ROUNDING)
+            bound = max(sorted(fit_times)[top - 1] * (1 + ROUNDING), keep)
             if first[batch[0]] > bound:  # this batch and every later one: none could beat it
                 pruned.update(i for rest in batches[at:] for i in rest)
+                sure = min(sure, first[batch[0]])
                 break
         for level in range(max((len(policies[i]) for i in batch), default=0)):
             index = [i for i in batch if level < len(policies[i]) and sizes[i][-1] > above[i]]
             if top is not None and len(fit_times) >= top and index:
-                bound = sorted(fit_times)[top - 1] * (1 + ROUNDING)
-                # with the fewest parameters any of their stages holds
-                tight = _fastest_possible(ctx, [(pars[i], policies[i][level],
-                                                 [b for b in sizes[i] if b > above[i]])
-                                                for i in index], with_params=True)
+                bound = max(sorted(fit_times)[top - 1] * (1 + ROUNDING), keep)
+                # with the fewest parameters any of their stages holds (at the first level,
+                # over every micro-batch: the bound they were ordered by)
+                tight = ([first[i] for i in index] if level == 0 else
+                         _fastest_possible(ctx, [(pars[i], policies[i][level],
+                                                  [b for b in sizes[i] if b > above[i]])
+                                                 for i in index], with_params=True))
                 pruned.update(i for i, t in zip(index, tight) if t > bound)
+                sure = min([sure, *(t for t in tight if t > bound)])
+                for i, t in zip(index, tight):
+                    if t > bound:
+                        skipped.setdefault(i, []).append(level)
                 index = [i for i, t in zip(index, tight) if t <= bound]
+                index = _catch_up(ctx, pars, policies, index, skipped, sizes, above, slope,
+                                  levels, fit_times)
             if not index:
                 continue
             levels.append(_search_one(ctx, pars, policies, level, index, sizes, above, slope))
             if top is not None and (new := levels[-1].fits(pars, policies)):
                 fit_times.extend(float(t) for t in _times(ctx, new).step_s)
-    return levels, pruned
+    return levels, pruned, sure
+
+
+def _catch_up(ctx: _Context, pars: list[ParallelConfig],
+              policies: list[list[tuple[Recompute, int | None]]], index: list[int],
+              skipped: dict[int, list[int]], sizes: list[tuple[int, ...]], above: list[int],
+              slope: np.ndarray, levels: list[_Level], fit_times: list[float]) -> list[int]:
+    """Of layouts ``index``, to be searched at a level, those with cheaper policies skipped
+    have these searched first, in order: a level searches above the largest micro-batch the
+    cheaper policies fit, and a skipped one's could be larger than what was searched (the
+    step-time model does not always rank the policies as their order: selective recompute
+    is slower than full recompute of a few layers on some layouts), so without them this
+    level could report a fit the full search does not. Their fits are the full search's
+    (slower than the ``top``-th: kept, as every fit found). Returns those of ``index`` with
+    micro-batches still above their fits."""
+    late = [i for i in index if skipped.get(i)]
+    for level in sorted({lv for i in late for lv in skipped[i]}):
+        again = [i for i in late if level in skipped[i] and sizes[i][-1] > above[i]]
+        if again:
+            levels.append(_search_one(ctx, pars, policies, level, again, sizes, above, slope))
+            if new := levels[-1].fits(pars, policies):
+                fit_times.extend(float(t) for t in _times(ctx, new).step_s)
+    for i in late:
+        skipped[i] = []
+    return [i for i in index if sizes[i][-1] > above[i]]
 
 
 # With ``top``, layouts are searched in batches: the first of FIRST_BATCH, each next one
@@ -748,7 +827,8 @@ def _search_one(ctx: _Context, pars: list[ParallelConfig],
     classes = None if level else [(p.tp, p.pp, p.vpp, p.cp, p.ep, p.etp,
                                    p.sequence_parallel, p.stage_layers)
                                   for p in (pars[i] for i in index)]
-    search = Search(ctx.spec, jobs, ctx.budget, ctx.ovh, slopes=slope[index], classes=classes)
+    search = Search(ctx.spec, jobs, ctx.budget, ctx.ovh, slopes=slope[index], classes=classes,
+                    known=ctx.known)
     found = search.run()
     for k, i in enumerate(index):
         above[i], slope[i] = max(above[i], int(found.mbs[k])), found.slope[k]
@@ -869,7 +949,7 @@ def _reserved_peak(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workl
 
 
 def _fit_reserved(ctx: _Context, ranked: list[Candidate], top: int | None,
-                  result: PlanResult) -> list[Candidate]:
+                  result: PlanResult, taken: list[float] | None = None) -> list[Candidate]:
     """The candidates whose reserved peak fits the budget, fastest first: each, in order of
     its step time, is replayed (``_reserved_peak``); one that does not fit is tried again at
     its next smaller micro-batch (re-timed, back in the order), down to the smallest. With
@@ -885,7 +965,9 @@ def _fit_reserved(ctx: _Context, ranked: list[Candidate], top: int | None,
     misses: list[tuple[int, int, Candidate]] = []  # (lower bound, order, configuration)
     count = len(heap)
     while heap and (top is None or len(out) < top):
-        _, _, _, c = heapq.heappop(heap)
+        t, _, _, c = heapq.heappop(heap)
+        if taken is not None:
+            taken.append(t)
         before = _reserved_peak.cache_info().misses
         peak, _, oom, _ = _reserved_peak(*_replayed(ctx, c), ctx.budget)
         result.replayed += _reserved_peak.cache_info().misses - before

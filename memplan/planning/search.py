@@ -70,11 +70,14 @@ class Search:
 
     def __init__(self, spec: ModelSpec, jobs: list[Job], budget_bytes: int, ovh: Overheads, *,
                  slopes: np.ndarray | None = None, classes: list | None = None,
-                 schedule: Schedule = Schedule.ONE_F_ONE_B) -> None:
+                 schedule: Schedule = Schedule.ONE_F_ONE_B, known: dict | None = None) -> None:
         """``slopes``: each job's guess of its bytes per sample (from a cheaper recompute
         policy of its layout); ``classes``: jobs of one class share their activations (they
-        differ in states only), so all but one wait for that one's slope."""
+        differ in states only), so all but one wait for that one's slope; ``known``: the
+        evaluations of earlier searches with this budget, by (layout, workload, size), read
+        and added to (a search again reads those it repeats)."""
         self.spec, self.jobs, self.budget, self.ovh = spec, jobs, budget_bytes, ovh
+        self.known = {} if known is None else known
         self.schedule = schedule
         width = max((len(j.sizes) for j in jobs), default=0)
         self.size = np.zeros((len(jobs), width), dtype=np.int64)
@@ -147,11 +150,14 @@ class Search:
 
     def _evaluate(self, i: int, col: int) -> None:
         job, b = self.jobs[i], int(self.size[i, col])
-        if self.parts[i] is None:
-            self.parts[i] = stage_parts(self.spec, job.par, job.wl)
-        worst = evaluate(self.spec, job.par, job.wl, b, self.ovh, schedule=self.schedule,
-                         limit_bytes=self.budget, parts=self.parts[i])
-        self.evaluated += worst.walked  # (a floor over the budget is not an exact evaluation)
+        worst = self.known.get((job.par, job.wl, b))
+        if worst is None:
+            if self.parts[i] is None:
+                self.parts[i] = stage_parts(self.spec, job.par, job.wl)
+            worst = evaluate(self.spec, job.par, job.wl, b, self.ovh, schedule=self.schedule,
+                             limit_bytes=self.budget, parts=self.parts[i])
+            self.known[job.par, job.wl, b] = worst
+            self.evaluated += worst.walked  # (a floor over the budget is no exact evaluation)
         self.status[i, col] = FITS if worst.peak_bytes <= self.budget else OVER
         self.peak[i, col], self.params[i, col] = worst.peak_bytes, worst.num_params
         # the line through the floor and this point predicts the job's other sizes

@@ -223,14 +223,16 @@ TOP_CASES = [("llama-2-7b", 8, {"seq_len": 4096}), ("llama-2-13b", 16, {"seq_len
              ("mixtral-8x7b", 16, {"seq_len": 2048, "global_batch_size": 256}),
              ("llama-3.1-70b", 64, {"seq_len": 8192, "global_batch_size": 128}),
              # mixtures of experts at the scale they train on: many expert splits per layout
-             ("mixtral-8x7b", 64, {}), ("qwen3-30b-a3b", 64, {}), ("deepseek-v3", 2048, {})]
+             ("mixtral-8x7b", 64, {}), ("qwen3-30b-a3b", 64, {}), ("deepseek-v3", 2048, {}),
+             ("llama-4-scout", 64, {})]
 
 
 @pytest.mark.parametrize("model,gpus,fields", TOP_CASES)
 def test_top_gives_the_full_search_first_candidates(model: str, gpus: int, fields: dict) -> None:
     """With ``top`` recompute policies that cannot beat the top-th fastest fit are skipped:
-    the first ``top`` candidates are those of the full search, in its order, with fewer
-    evaluations; and no candidate of the full search is faster than its policy's bound."""
+    the first ``top`` candidates are those of the full search, in its order, with the same
+    estimates and fewer evaluations; and no candidate of the full search is faster than its
+    policy's bound."""
     from memplan.planning.planner import _Context, _fastest_possible, _with_gbs, default_overheads
 
     spec, gpu = memplan.load_model(model), memplan.load_gpu("h100")
@@ -245,6 +247,8 @@ def test_top_gives_the_full_search_first_candidates(model: str, gpus: int, field
     for top in (1, 10):
         cut = plan(spec, gpu, gpus, wl, top=top)
         assert [key(c) for c in cut.candidates[:top]] == [key(c) for c in full.candidates[:top]]
+        assert [c.estimate for c in cut.candidates[:top]] == [c.estimate for c in
+                                                              full.candidates[:top]]
         assert cut.evaluated < full.evaluated
         assert len(cut.candidates) < len(full.candidates)
     # the bounds are ones: at the candidate's own micro-batch, with no parameters on the rank
@@ -258,6 +262,49 @@ def test_top_gives_the_full_search_first_candidates(model: str, gpus: int, field
     assert all(a <= b <= c.time.step_s for a, b, c in zip(loose, tight, full.candidates))
     assert any(a < b for a, b in zip(loose, tight))
     assert any(b < c.time.step_s for b, c in zip(tight, full.candidates))
+
+
+def test_top_with_reserved_gives_the_full_search_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``top`` the reserved check (``_fit_reserved``) turns down some of the first
+    ``top`` and takes slower candidates, which a search for the first ``top`` alone may have
+    skipped: GPT-OSS-120B on 64 GPUs, where the check takes candidates up to 11.2 s a step
+    and the search with ``top=10`` alone is sure of those faster than 8.7 s (it showed
+    (tp 1, full recompute, 8.84 s) fifth, where the check over the full search gives
+    (tp 1, no recompute, 8.65 s)). The plan searches again, keeping what could be as fast
+    as the slowest the check took: its ``top`` are the check's over the full search, with
+    their reserved peaks."""
+    import memplan.planning.planner as planner
+
+    spec, gpu = memplan.load_model("gpt-oss-120b"), memplan.load_gpu("h100")
+    wl = _wl(spec)
+    cut = plan(spec, gpu, 64, wl, top=10, reserved=True)
+    real = planner._fit_reserved
+
+    def first_ten(ctx, ranked, top, result, taken=None):  # the check, stopped at ten
+        return real(ctx, ranked, 10, result, taken)
+
+    monkeypatch.setattr(planner, "_fit_reserved", first_ten)
+    full = plan(spec, gpu, 64, wl, reserved=True)  # every candidate searched, then checked
+
+    def key(c):
+        return (c.layout, c.micro_batch_size, c.recompute, c.recompute_layers, c.time.step_s,
+                c.peak_bytes)
+
+    assert len(cut.candidates) == 10
+    assert [key(c) for c in cut.candidates] == [key(c) for c in full.candidates]
+    assert cut.evaluated < full.evaluated
+
+
+def test_top_with_reserved_searches_again_when_too_few_fit() -> None:
+    """Llama 2 7B on 8 GPUs at tp 4, pp 2, vpp 8 with 22 GiB, ``top=3``: the reserved check
+    turns down every configuration the search for the first three fits; fewer than three
+    fit, so the plan searches everything, where three fit (mbs 2, full recompute of 12
+    layers, ZeRO 0 to 2: the same configuration but for ZeRO, one step time)."""
+    r = memplan.plan("llama-2-7b", gpus=8, tp=4, pp=2, vpp=8, top=3, gpu_memory="22GiB",
+                     seq_len=2048, global_batch_size=64)
+    assert [(c.layout.zero, c.micro_batch_size, c.recompute, c.recompute_layers)
+            for c in r.candidates] == [(z, 2, Recompute.FULL, 12) for z in (0, 1, 2)]
+    assert all(c.peak_bytes <= r.budget_bytes for c in r.candidates)
 
 
 def test_top_with_calibration_searches_everything(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -390,16 +437,19 @@ def test_reserved_rank_stops_at_the_first_stage_over() -> None:
 
 
 def test_reserved_check_closest_miss_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Llama 2 7B on 8 GPUs at pp 2 with 22 GiB: every configuration the search fits is
-    turned down by the reserved check. Replaying each only up to its first stage over the
-    budget gives the same plan, closest miss and rejections as replaying every stage, with
-    fewer stage replays."""
+    """Llama 2 7B on 8 GPUs at tp 1, pp 2 with 22 GiB: the reserved check turns down every
+    configuration the search fits (fewer than three fit, so the plan searches everything:
+    ``planner._plan_once``). Replaying each only up to its first stage over the budget gives
+    the same plan, closest miss and rejections as replaying every stage, with fewer stage
+    replays. (At tp 4 the check over every candidate finds three that fit, where the search
+    for the first three alone gave none: tp 4, vpp 8, mbs 2, full recompute of 12 layers,
+    ZeRO 0 to 2.)"""
     import memplan.model.reserved as reserved
     import memplan.planning.planner as planner
 
     def plan() -> tuple:
         planner._reserved_peak.cache_clear()
-        r = memplan.plan("llama-2-7b", gpus=8, pp=2, top=3, gpu_memory="22GiB",
+        r = memplan.plan("llama-2-7b", gpus=8, tp=1, pp=2, top=3, gpu_memory="22GiB",
                          seq_len=2048, global_batch_size=64)
         return r.candidates, r.closest_miss, dict(r.rejected), r.oom_excess_bytes
 
