@@ -63,7 +63,8 @@ from memplan.workload import MoeImpl, NormImpl
 from memplan.workload import Workload
 
 # the groups a save list may name, and the blocks whose items each stands for
-GROUPS = {"attention": ("attn",), "mlp": ("mlp",), "norms": ("attn_norm", "mlp_norm")}
+GROUPS = {"attention": ("attn",), "mlp": ("mlp",),
+          "norms": ("attn_norm", "mlp_norm", "attn_post_norm", "mlp_post_norm")}
 # the ops an item's output comes from, as a policy finds them (``memplan.report.sac_policy``)
 MATMUL, ATTENTION_KERNEL, ACTIVATION, PRODUCT, NORM = "matmul", "sdpa", "act", "mul", "norm"
 # an upcast RMSNorm's ops a policy can name: its dtype casts (``aten._to_copy``) and ``rsqrt``
@@ -106,11 +107,18 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
         (spec.sliding_window is not None and spec.window_chunked, "chunked attention layers"),
         (windowed(spec, wl), f"sliding-window layers at seq {wl.seq_len} >= their window "
          f"{spec.sliding_window} (an explicit mask; modelled below it)"),
-        (not spec.norm_placement.pre_norm or spec.norm_placement.post_norm,
-         f"{spec.norm_placement.value} norms"),
+        (spec.norm_placement.post_norm and spec.moe is not None,
+         f"{spec.norm_placement.value} norms around MoE blocks"),
+        (spec.norm_placement.post_norm and wl.norm_impl is NormImpl.UPCAST_FP32
+         and not spec.norm_scale_fp32,
+         f"{spec.norm_placement.value} norms of norm_impl upcast-fp32 (litgpt's RMSNorm: its "
+         "products differ from transformers')"),
         (spec.parallel_block, "parallel attention and MLP blocks"),
         (spec.fused_gate_up, "one fused gate/up projection"),
-        (spec.qk_norm not in (QkNorm.NONE, QkNorm.HEAD), f"{spec.qk_norm.value} q/k norms"),
+        (spec.qk_norm is QkNorm.L2, f"{spec.qk_norm.value} q/k norms"),
+        (spec.qk_norm is QkNorm.FULL and wl.norm_impl is not NormImpl.UPCAST_FP32,
+         "full-width q/k norms of norm_impl " + wl.norm_impl.value + " (modelled as OLMo 2's "
+         "Olmo2RMSNorm runs them, upcast-fp32)"),
         (spec.qk_norm is QkNorm.HEAD and (spec.fused_qkv or wl.fused_qkv),
          "q/k norms on one fused q/k/v projection"),
         (spec.attn_output_gate, "an attention output gate"),
@@ -220,9 +228,9 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
                     MATMUL, width, 0, name.split(".")[0], rope or name == "mlp.gate")
 
     h = spec.hidden_size
-    fp32 = (spec.norm is NormKind.RMSNORM and wl.norm_impl is NormImpl.UPCAST
-            and (dm.e >= FP32_BYTES or dm.autocast))
-    out = _norm_ops("attn_norm", terms, h, h, named, fp32_ops=fp32)
+    fp32 = _fp32_ops(spec, wl, dm)
+    place = spec.norm_placement
+    out = _norm_ops("attn_norm", terms, h, h, named, fp32_ops=fp32) if place.pre_norm else []
     fused = spec.fused_qkv or wl.fused_qkv
     mm = {m[0]: m for m in matmul_shapes(spec, t, fused)}
     for name in ("attn.qkv",) if fused else ("attn.q", "attn.k", "attn.v"):
@@ -232,13 +240,22 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
             local = mm[name][2]  # the rank's q (or k) width: its heads' rows of head_dim
             out += _norm_ops(f"attn.{name[-1]}_norm", terms, spec.head_dim, local, named,
                              "attn", fp32)
+        if name in ("attn.q", "attn.k") and spec.qk_norm is QkNorm.FULL:
+            # Olmo2Attention.forward: q_norm(q_proj(x)) over the whole projection, then k's
+            width = mm[name][2]
+            out += _norm_ops(f"attn.{name[-1]}_norm", terms, width, width, False, "attn", fp32)
     if spec.position is PositionKind.ROPE:
         out += [_unkept(PRODUCT, spec.rope_dim, "attn")] * 4
     core = AttentionBlock().core_flops_per_token(spec, dm.s_kv) / t
     out.append(Item("attn.out", ("attn.out", "attn.lse"), terms["attn.out"] + terms["attn.lse"],
                     core, ATTENTION_KERNEL, spec.q_size // t, 0, "attn", False))
     out.append(matmul(*mm["attn.o_proj"]))
-    out += _norm_ops("mlp_norm", terms, h, h, named, fp32_ops=fp32)
+    if place.post_norm:
+        # Gemma2DecoderLayer.forward: post_attention_layernorm on the attention's output
+        # before the residual add (Olmo2DecoderLayer.forward: the same, no norm before)
+        out += _norm_ops("attn_post_norm", terms, h, h, named, fp32_ops=fp32)
+    if place.pre_norm:
+        out += _norm_ops("mlp_norm", terms, h, h, named, fp32_ops=fp32)
     if not moe:  # (an MoE block's items follow: ``memplan.model.sac_moe.moe_items``)
         f = spec.ffn_hidden_size // t
         first = ("mlp.gate",) if spec.mlp.gated else ("mlp.fc1",)
@@ -249,8 +266,31 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
             out.append(matmul(*mm["mlp.up"]))
             out.append(Item("mlp.prod", ("mlp.prod",), terms["mlp.prod"], float(f), PRODUCT,
                             f, 0, "mlp", False))
-        out.append(_unkept(MATMUL, mm["mlp.down"][3], "mlp"))
+        if place.post_norm:
+            # the post norm reads the down projection's output and saves its fp32 copy (or,
+            # in fp32, the tensor itself): the rerun reaches the down projection, whose
+            # output, kept, skips it (Gemma2DecoderLayer.forward: post_feedforward_layernorm)
+            out.append(matmul(*mm["mlp.down"]))
+            out += _norm_ops("mlp_post_norm", terms, h, h, named, fp32_ops=fp32)
+        else:
+            out.append(_unkept(MATMUL, mm["mlp.down"][3], "mlp"))
     return numbered(out)
+
+
+def _fp32_ops(spec: ModelSpec, wl: Workload, dm: Dims) -> bool:
+    """Whether an unnamed RMSNorm's ``rsqrt`` and two products are ops a policy counts (in
+    fp32: ``_norm_ops``' ``fp32_ops``): an upcast RMSNorm in fp32 (fp32 weights, or under
+    autocast on the fp32 stream), and in any dtype a model's own RMSNorm that multiplies its
+    fp32 normalised tensor by the weight (``ModelSpec.norm_scale_fp32`` under
+    ``NormImpl.UPCAST_FP32``: models/gemma2/modeling_gemma2.py Gemma2RMSNorm._norm ``x *
+    torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)`` then ``output * (1.0 +
+    self.weight.float())``; models/olmo2/modeling_olmo2.py Olmo2RMSNorm.forward
+    ``hidden_states * torch.rsqrt(variance + eps)`` then ``self.weight * hidden_states``)."""
+    if spec.norm is not NormKind.RMSNORM:
+        return False
+    if wl.norm_impl is NormImpl.UPCAST_FP32:
+        return spec.norm_scale_fp32
+    return wl.norm_impl is NormImpl.UPCAST and (dm.e >= FP32_BYTES or dm.autocast)
 
 
 def layer_items(spec: ModelSpec, wl: Workload, dm: Dims,
@@ -512,10 +552,14 @@ def forward_peak(moment_blocks: list[tuple[str, int]], items: tuple[Item, ...],
     best = 0
     if mlp_end:
         down_in = 0
-        for i in items:  # the down projection's input: the MLP's last item
-            if i.block == "mlp":
+        for i in items:  # the down projection's input: the MLP's last item before it
+            if i.block == "mlp" and i.name != "mlp.down":
                 down_in = 0 if i in kept else i.size_bytes
-        best = mlp_end + before[len(order)] + down_in - input_held(kept, "mlp")
+        # the kept outputs made by then: the blocks' up to the MLP's (a post norm's after
+        # it not yet; a kept down projection's output is the one ``mlp_end`` counts)
+        at = order.get("mlp", len(order) - 1) + 1
+        late = sum(i.size_bytes for i in kept if i.name == "mlp.down")
+        best = mlp_end + before[at] - late + down_in - input_held(kept, "mlp")
     for block, value in moment_blocks:
         at = order.get(block, len(order))
         best = max(best, value + before[at] + own[at] - input_held(kept, block))
@@ -524,6 +568,8 @@ def forward_peak(moment_blocks: list[tuple[str, int]], items: tuple[Item, ...],
 
 # the block that reads each norm's output as its input
 READER = {"attn_norm": "attn", "mlp_norm": "mlp"}
+# the post norm that reads each mixer's last output as its input (``NormPlacement``)
+POST_READER = {"attn.o_proj": "attn_post_norm", "mlp.down": "mlp_post_norm"}
 
 
 def input_held(kept: tuple[Item, ...], block: str) -> int:
@@ -534,6 +580,10 @@ def input_held(kept: tuple[Item, ...], block: str) -> int:
     held = 0
     for i in kept:
         if READER.get(i.block) == block and i.name == f"{i.block}.output":
+            held += i.size_bytes
+        elif POST_READER.get(i.name) == block:
+            # a post norm's input, the mixer's output its working set holds
+            # (``memplan.model.norm.Norm.working_set``)
             held += i.size_bytes
     return held
 
