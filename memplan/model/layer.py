@@ -215,7 +215,12 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
             # working set's peaks all but the output projection's (``last_weight``)
             casts = cast_cache_bytes(spec, wl, dm, mixer, recompute)
             late = last_weight(spec, dm, mixer) * dm.e if casts else 0
-            out += [ForwardMoment(m.name, held + casts - late + stream + m.transient_bytes, 0,
+            # the mixer's input: its norm's output, or without one the residual stream
+            # already held (Olmo2DecoderLayer.forward: self_attn(hidden_states), then
+            # mlp(hidden_states) on the residual sum; traced: OLMo 2 narrowed at 2 x 1,024
+            # tokens, the MLP's moment one stream over while it was counted)
+            mixer_in = 0 if isinstance(norm, StreamInput) else stream
+            out += [ForwardMoment(m.name, held + casts - late + mixer_in + m.transient_bytes, 0,
                                   mixer.name)
                     for m in mixer.working_set(spec, wl, dm)]
             # what the layer keeps of the mixer's return beside its output: eager
