@@ -41,7 +41,15 @@ forward only; the rerun looks each op's output up by its index among the calls o
 
 Modelled for pre-norm layers (attention with SDPA's fused kernel and an MLP, or an MoE block as
 transformers' grouped experts run it: ``memplan.model.sac_moe``), without LoRA or
-torch.compile: ``ops_refusal`` names the rest. One fused q/k/v projection
+torch.compile: ``ops_refusal`` names the rest. Dense layers with sandwich norms (Gemma 2 / 3:
+models/gemma2/modeling_gemma2.py Gemma2DecoderLayer.forward, a norm on each mixer's output
+before the residual add) or post norms alone (OLMo 2: models/olmo2/modeling_olmo2.py
+Olmo2DecoderLayer.forward, the mixers reading the residual stream) count each post norm's ops
+after its mixer's; there the post norm saves (an fp32 copy of) the down projection's output,
+so the rerun reaches the down projection: an item, ``mlp.down``, whose kept output skips it.
+A kept output projection's or down projection's output is its post norm's input, which that
+norm's moments hold anyway (``input_held``). OLMo 2's q/k norms over the whole projection
+(Olmo2Attention.forward: ``q_norm(q_proj(x))``, then k's) are counted like Qwen3's. One fused q/k/v projection
 (torchtitan's ``wqkv``) is one item, ``attn.qkv``, which ``attn.q``, ``attn.k`` and ``attn.v``
 each name. A name scoped ``SCOPE:name`` applies to the layers of a kind or one pipeline stage
 (``resolve``, ``for_stage``).
@@ -109,10 +117,12 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
          f"{spec.sliding_window} (an explicit mask; modelled below it)"),
         (spec.norm_placement.post_norm and spec.moe is not None,
          f"{spec.norm_placement.value} norms around MoE blocks"),
-        (spec.norm_placement.post_norm and wl.norm_impl is NormImpl.UPCAST_FP32
-         and not spec.norm_scale_fp32,
-         f"{spec.norm_placement.value} norms of norm_impl upcast-fp32 (litgpt's RMSNorm: its "
-         "products differ from transformers')"),
+        (spec.norm_placement.post_norm and not (
+            spec.norm is NormKind.RMSNORM and spec.norm_scale_fp32
+            and wl.norm_impl is NormImpl.UPCAST_FP32),
+         f"{spec.norm_placement.value} norms of norm_impl {wl.norm_impl.value} (modelled as "
+         "transformers runs Gemma's and OLMo 2's RMSNorms: norm_impl upcast-fp32, the "
+         "weight scaling the fp32 tensor)"),
         (spec.parallel_block, "parallel attention and MLP blocks"),
         (spec.fused_gate_up, "one fused gate/up projection"),
         (spec.qk_norm is QkNorm.L2, f"{spec.qk_norm.value} q/k norms"),
@@ -183,8 +193,8 @@ def check_supported(spec: ModelSpec, wl: Workload) -> None:
     if why is not None:
         raise LayoutError("recompute ops is not modelled with this layer",
                           f"recompute ops with {why}: op-level checkpointing is modelled for "
-                          "pre-norm layers with SDPA attention and a dense MLP or "
-                          "transformers' grouped experts, without LoRA or compile")
+                          "pre-, sandwich and post-norm layers with SDPA attention and a dense "
+                          "MLP or transformers' grouped experts, without LoRA or compile")
 
 
 def matmul_shapes(spec: ModelSpec, t: int, fused_qkv: bool = False
@@ -210,7 +220,8 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
     item keeps (named ""): a named norm's fp32 product ``x * rstd`` and a q/k norm's output
     (``_norm_ops``), RoPE's four products of width ``rope_dim`` (transformers'
     ``apply_rotary_pos_emb``: ``q * cos + rotate_half(q) * sin``, then k's; the reference
-    model's ``apply_rope``), and a dense MLP's down projection (never rerun: early stop).
+    model's ``apply_rope``), and a dense MLP's down projection (never rerun: early stop;
+    with post norms an item, ``mlp.down``, and the post norm's ops after it).
     ``saved``: what the layer saves without recompute (``memplan.model.layer.ops_items``
     gives it); ``moe``: an MoE layer, whose feed-forward's ops follow
     (``memplan.model.sac_moe.moe_items``)."""
@@ -519,7 +530,8 @@ def kept_terms(kept: tuple[Item, ...]) -> tuple[Term, ...]:
 
 def rerun_flops_per_token(items: tuple[Item, ...], kept: tuple[Item, ...]) -> float:
     """Forward FLOPs of one token that the backward's rerun spends on this rank: every item
-    not kept (the down projection never reruns: early stop)."""
+    not kept (a dense MLP's down projection never reruns, early stop, but where a post norm
+    reads its output: the item ``mlp.down``)."""
     names = {i.name for i in kept}
     return sum(i.flops_per_token for i in items if i.name not in names)
 
@@ -613,6 +625,8 @@ def assumption(spec: ModelSpec, wl: Workload, kinds: dict[str, tuple[Item, ...]]
             f"on stage {n}, {keeps(save)}" for n, save in stages.items())
     stop = ("the experts' down projection reruns: the routing weights' product saves its "
             "output" if "moe" in kinds else "")
-    stop = "; ".join(s for s in (stop, "a dense MLP's down projection never reruns: early "
-                                 "stop" if "dense" in kinds else "") if s)
+    dense = ("" if "dense" not in kinds else "a dense MLP's down projection reruns: its post "
+             "norm saves its output" if spec.norm_placement.post_norm
+             else "a dense MLP's down projection never reruns: early stop")
+    stop = "; ".join(s for s in (stop, dense) if s)
     return f"recompute ops (PyTorch selective activation checkpointing per layer): {what} ({stop})"
