@@ -493,7 +493,23 @@ class WindowAttention(Attention):
                 for m in super().forward_moments(self._as_run(spec, wl, dm), wl, dm, recompute)]
 
     def working_set(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
-        return super().working_set(self._as_run(spec, wl, dm), wl, dm)
+        """The generic block's with K and V repeated, and at the kernel what a checkpointed
+        layer holds beside them: the mask converted to the query's dtype (b x s x s_kv x e,
+        ``convert_boolean_attn_mask``) and the caller's unrepeated K and V, which
+        integrations/sdpa_attention.py ``sdpa_attention_forward``'s ``repeat_kv`` copies
+        (``key = repeat_kv(key, ...)`` rebinds its own name; the attention's forward keeps
+        ``key_states``). The generic moment's output projection output (a stream) does not
+        exist yet at the kernel; the mask is freed when the kernel returns. Traced: Gemma 3
+        narrowed (h 256, 4 heads / 2 KV heads of 96, window 512) at 2 x 1,024 tokens, full
+        recompute: before, the forward 549,634 B under the trace, its peak at the kernel."""
+        moments = super().working_set(self._as_run(spec, wl, dm), wl, dm)
+        if not windowed(spec, wl):
+            return moments
+        beside = dm.b * dm.s * dm.s_kv * dm.e - dm.rows * spec.hidden_size * dm.e
+        if spec.num_kv_heads < spec.num_attention_heads:
+            beside += 2 * dm.tokens * spec.kv_size // dm.tp * dm.e
+        return [m._replace(transient_bytes=m.transient_bytes + max(beside, 0))
+                if m.name == "attention" else m for m in moments]
 
     def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
                          recompute: Recompute) -> list[BackwardMoment]:
@@ -603,8 +619,11 @@ def unused_window_mask_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
 def window_mask_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
     """The windowed layers' boolean mask (``window_mask_bytes``) is an input of every
     checkpointed layer, so under full recompute it is saved until the backward, not freed
-    with the forward (traced: tests/traced/test_hf_moe_families.py llama4 recompute)."""
-    if wl.recompute is not Recompute.FULL:
+    with the forward (traced: tests/traced/test_hf_moe_families.py llama4 recompute); so
+    under op-level checkpointing, whose layers are checkpointed too (traced: tests/traced/
+    test_sac_policy.py, Mistral narrowed at 2 x 1,024 tokens, window 256: before, saved
+    activations 1,048,576 B, the mask, under the trace)."""
+    if wl.recompute not in (Recompute.FULL, Recompute.OPS):
         return []
     mask = window_mask_bytes(spec, wl, dm)
     return [Term("attn.window_mask_input", mask)] if mask else []

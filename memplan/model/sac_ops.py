@@ -113,8 +113,6 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
         (spec.short_conv is not None, "short-convolution layers"),
         (spec.mamba is not None, "Mamba layers"),
         (spec.sliding_window is not None and spec.window_chunked, "chunked attention layers"),
-        (windowed(spec, wl), f"sliding-window layers at seq {wl.seq_len} >= their window "
-         f"{spec.sliding_window} (an explicit mask; modelled below it)"),
         (spec.norm_placement.post_norm and spec.moe is not None,
          f"{spec.norm_placement.value} norms around MoE blocks"),
         (spec.norm_placement.post_norm and not (
