@@ -49,7 +49,11 @@ after its mixer's; there the post norm saves (an fp32 copy of) the down projecti
 so the rerun reaches the down projection: an item, ``mlp.down``, whose kept output skips it.
 A kept output projection's or down projection's output is its post norm's input, which that
 norm's moments hold anyway (``input_held``). OLMo 2's q/k norms over the whole projection
-(Olmo2Attention.forward: ``q_norm(q_proj(x))``, then k's) are counted like Qwen3's. One fused q/k/v projection
+(Olmo2Attention.forward: ``q_norm(q_proj(x))``, then k's) are counted like Qwen3's.
+Sliding-window layers given their mask (``memplan.model.attention.windowed``: integrations/
+sdpa_attention.py ``sdpa_attention_forward`` repeats K and V, SDPA converts the mask; neither
+an op a policy counts) keep the generic layer's items; their working set and the saved mask are
+``WindowAttention``'s and ``window_mask_terms``'. One fused q/k/v projection
 (torchtitan's ``wqkv``) is one item, ``attn.qkv``, which ``attn.q``, ``attn.k`` and ``attn.v``
 each name. A name scoped ``SCOPE:name`` applies to the layers of a kind or one pipeline stage
 (``resolve``, ``for_stage``).
@@ -62,7 +66,6 @@ from typing import NamedTuple
 
 from memplan.errors import LayoutError, MemplanError
 from memplan.model.attention import Attention as AttentionBlock
-from memplan.model.attention import windowed
 from memplan.model.dims import Dims, Term
 from memplan.spec import MlpKind, ModelSpec, NormKind, PositionKind, QkNorm
 from memplan.units import FP32_BYTES
@@ -118,15 +121,15 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
         (spec.norm_placement.post_norm and not (
             spec.norm is NormKind.RMSNORM and spec.norm_scale_fp32
             and wl.norm_impl is NormImpl.UPCAST_FP32),
-         f"{spec.norm_placement.value} norms of norm_impl {wl.norm_impl.value} (modelled as "
-         "transformers runs Gemma's and OLMo 2's RMSNorms: norm_impl upcast-fp32, the "
-         "weight scaling the fp32 tensor)"),
+         (f"{spec.norm_placement.value} norms of norm_impl {wl.norm_impl.value} (modelled "
+          "as transformers runs Gemma's and OLMo 2's RMSNorms: norm_impl upcast-fp32, the "
+          "weight scaling the fp32 tensor)")),
         (spec.parallel_block, "parallel attention and MLP blocks"),
         (spec.fused_gate_up, "one fused gate/up projection"),
         (spec.qk_norm is QkNorm.L2, f"{spec.qk_norm.value} q/k norms"),
         (spec.qk_norm is QkNorm.FULL and wl.norm_impl is not NormImpl.UPCAST_FP32,
-         "full-width q/k norms of norm_impl " + wl.norm_impl.value + " (modelled as OLMo 2's "
-         "Olmo2RMSNorm runs them, upcast-fp32)"),
+         (f"full-width q/k norms of norm_impl {wl.norm_impl.value} (modelled as OLMo 2's "
+          "Olmo2RMSNorm runs them, upcast-fp32)")),
         (spec.qk_norm is QkNorm.HEAD and (spec.fused_qkv or wl.fused_qkv),
          "q/k norms on one fused q/k/v projection"),
         (spec.attn_output_gate, "an attention output gate"),
@@ -244,15 +247,8 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
     mm = {m[0]: m for m in matmul_shapes(spec, t, fused)}
     for name in ("attn.qkv",) if fused else ("attn.q", "attn.k", "attn.v"):
         out.append(matmul(*mm[name]))
-        if name in ("attn.q", "attn.k") and spec.qk_norm is QkNorm.HEAD:
-            # Qwen3Attention.forward: q_norm(q_proj(x).view(..., head_dim)), then k's
-            local = mm[name][2]  # the rank's q (or k) width: its heads' rows of head_dim
-            out += _norm_ops(f"attn.{name[-1]}_norm", terms, spec.head_dim, local, named,
-                             "attn", fp32)
-        if name in ("attn.q", "attn.k") and spec.qk_norm is QkNorm.FULL:
-            # Olmo2Attention.forward: q_norm(q_proj(x)) over the whole projection, then k's
-            width = mm[name][2]
-            out += _norm_ops(f"attn.{name[-1]}_norm", terms, width, width, False, "attn", fp32)
+        if name in ("attn.q", "attn.k"):
+            out += _qk_norm_ops(spec, name, mm[name][2], terms, named, fp32)
     if spec.position is PositionKind.ROPE:
         out += [_unkept(PRODUCT, spec.rope_dim, "attn")] * 4
     core = AttentionBlock().core_flops_per_token(spec, dm.s_kv) / t
@@ -266,24 +262,42 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
     if place.pre_norm:
         out += _norm_ops("mlp_norm", terms, h, h, named, fp32_ops=fp32)
     if not moe:  # (an MoE block's items follow: ``memplan.model.sac_moe.moe_items``)
-        f = spec.ffn_hidden_size // t
-        first = ("mlp.gate",) if spec.mlp.gated else ("mlp.fc1",)
-        out.append(matmul(*mm[first[0]]))
-        out.append(Item("mlp.act", ("mlp.act",), terms["mlp.act"], float(f), ACTIVATION, f,
-                        0, "mlp", False))
-        if spec.mlp.gated:
-            out.append(matmul(*mm["mlp.up"]))
-            out.append(Item("mlp.prod", ("mlp.prod",), terms["mlp.prod"], float(f), PRODUCT,
-                            f, 0, "mlp", False))
-        if place.post_norm:
-            # the post norm reads the down projection's output and saves its fp32 copy (or,
-            # in fp32, the tensor itself): the rerun reaches the down projection, whose
-            # output, kept, skips it (Gemma2DecoderLayer.forward: post_feedforward_layernorm)
-            out.append(matmul(*mm["mlp.down"]))
-            out += _norm_ops("mlp_post_norm", terms, h, h, named, fp32_ops=fp32)
-        else:
-            out.append(_unkept(MATMUL, mm["mlp.down"][3], "mlp"))
+        mlp = [matmul(*mm[name]) for name in ("mlp.gate", "mlp.up", "mlp.fc1", "mlp.down")
+               if name in mm]
+        out += _dense_mlp_ops(spec, terms, mlp, spec.ffn_hidden_size // t)
+        # with a post norm, which reads the down projection's output and saves its fp32
+        # copy (in fp32 the tensor itself), the rerun reaches the down projection: kept, its
+        # output skips it (Gemma2DecoderLayer.forward: post_feedforward_layernorm)
+        out += ([mlp[-1]] + _norm_ops("mlp_post_norm", terms, h, h, named, fp32_ops=fp32)
+                if place.post_norm else [_unkept(MATMUL, mlp[-1].width, "mlp")])
     return numbered(out)
+
+
+def _dense_mlp_ops(spec: ModelSpec, terms: dict[str, int], mlp: list[Item], f: int
+                   ) -> list[Item]:
+    """A dense MLP's items before its down projection, in execution order: the gate (or
+    first) projection, the activation, the up projection and the product (``mlp``: its
+    projections' items, the down projection last; ``f``: its width on this rank)."""
+    act = Item("mlp.act", ("mlp.act",), terms["mlp.act"], float(f), ACTIVATION, f, 0, "mlp",
+               False)
+    if not spec.mlp.gated:
+        return [mlp[0], act]
+    prod = Item("mlp.prod", ("mlp.prod",), terms["mlp.prod"], float(f), PRODUCT, f, 0, "mlp",
+                False)
+    return [mlp[0], act, mlp[1], prod]
+
+
+def _qk_norm_ops(spec: ModelSpec, name: str, local: int, terms: dict[str, int], named: bool,
+                 fp32: bool) -> list[Item]:
+    """The q (or k) norm's ops after its projection ``name`` of ``local`` outputs on this
+    rank: per head (Qwen3Attention.forward: ``q_norm(q_proj(x).view(..., head_dim))``, then
+    k's), or over the whole projection (Olmo2Attention.forward: ``q_norm(q_proj(x))``)."""
+    norm = f"attn.{name[-1]}_norm"
+    if spec.qk_norm is QkNorm.HEAD:  # rows of head_dim: the rank's heads'
+        return _norm_ops(norm, terms, spec.head_dim, local, named, "attn", fp32)
+    if spec.qk_norm is QkNorm.FULL:
+        return _norm_ops(norm, terms, local, local, False, "attn", fp32)
+    return []
 
 
 def _fp32_ops(spec: ModelSpec, wl: Workload, dm: Dims) -> bool:
