@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import pytest
 from memplan.api import estimate, make_layout, make_workload
-from memplan.errors import MemplanError
 from memplan.model import sac_ops
 from memplan.model.dims import Dims
 from memplan.model.layer import ops_items
