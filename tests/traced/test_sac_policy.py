@@ -508,12 +508,22 @@ def test_what_the_policy_sees_under_autocast() -> None:
 # 2,080,640 B under under autocast, one fp32 stream-sized tensor of the rerun): asserted no
 # further off than full recompute's bytes on the same configuration. Full recompute's forward
 # of a post-norm layer counted a norm output beside the stream its mixers read (+5.8% in bf16;
-# memplan.model.layer.forward_moments' mixer_in): now -0.77%, 123,008 B under.
+# memplan.model.layer.forward_moments' mixer_in): now -0.77%, 123,008 B under. Gemma 2
+# narrowed alike (its window 4,096: no mask): Gemma2Model.forward keeps the unscaled embedding
+# (inputs_embeds) beside the first layer's input, hidden_states * normalizer (ModelSpec.
+# embeds_scaled_copy); before it was counted every forward here was one stream under
+# (bf16 1,040,770 B, fp32 and amp-bf16 2,089,348 B: -2.8% to -5.6%), now within 0.03%.
+# Full recompute's forward under amp-bf16 is then 2,367,100 B over (+7.6%; its checkpointed
+# RoPE moment, whose fp32 rotated copies the estimate overcounts there), which the op-level
+# lists, their peaks elsewhere, are not.
 NORMS_TOY = {"gemma-3-12b-pt": dict(num_hidden_layers=3, hidden_size=256,
                                     intermediate_size=768, num_attention_heads=4,
                                     num_key_value_heads=2, head_dim=96, vocab_size=64,
                                     sliding_window=2048, sliding_window_pattern=3,
                                     rope_scaling=None, pad_token_id=None),
+             "gemma-2-9b": dict(num_hidden_layers=2, hidden_size=256, intermediate_size=768,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=96,
+                                vocab_size=64, pad_token_id=None),
              "OLMo-2-1124-7B": dict(num_hidden_layers=2, hidden_size=256,
                                     intermediate_size=768, num_attention_heads=8,
                                     num_key_value_heads=2, vocab_size=64, pad_token_id=None)}
@@ -521,6 +531,9 @@ ATTN_LIST = "attn.q,attn.k,attn.v,attn.out,attn.o_proj,mlp.down"
 NORMS_GRID = [("gemma-3-12b-pt", "bf16-pure", ""), ("gemma-3-12b-pt", "bf16-pure", ATTN_LIST),
               ("gemma-3-12b-pt", "bf16-pure", "attn.k,mlp.gate,mlp.prod"),
               ("gemma-3-12b-pt", "fp32", "mlp"), ("gemma-3-12b-pt", "amp-bf16", ATTN_LIST),
+              ("gemma-2-9b", "bf16-pure", "attention,mlp.gate,mlp.down"),
+              ("gemma-2-9b", "fp32", "attention,mlp.gate,mlp.down"),
+              ("gemma-2-9b", "amp-bf16", "attention,mlp.gate,mlp.down"),
               ("OLMo-2-1124-7B", "fp32", ATTN_LIST),
               ("OLMo-2-1124-7B", "fp32", "attn.k,mlp.gate,mlp.prod"),
               ("OLMo-2-1124-7B", "bf16-pure", "mlp"),
