@@ -367,6 +367,7 @@ class Attention:
         stream = dm.rows * spec.hidden_size * e
         q_bytes = _q_bytes(spec, dm)
         kv_bytes = 2 * dm.tokens * spec.kv_size // t * e
+        q_in, kv_in = q_bytes, kv_bytes  # the projections' outputs, before RoPE
         if _fp32_rotated(spec, dm):  # the caller's q and k are fp32 after RoPE
             q_bytes, kv_bytes = 2 * q_bytes, 3 * kv_bytes // 2
         if wl.attention is Kernel.FLASH:
@@ -387,7 +388,14 @@ class Attention:
             # only when k's is done); at k's, q's rotated copy and three k-sized tensors (k *
             # cos, the rotated half, its product with sin); at q's, three q-sized ones (traced)
             k_bytes = dm.tokens * spec.kv_size // t * e
-            rope = max(4 * q_bytes + kv_bytes, 2 * q_bytes + 4 * k_bytes + kv_bytes - k_bytes)
+            # by the fp32 tables under autocast (``_fp32_rotated``) the products and the
+            # rotated copy are fp32 (r = 2 in bf16), q, k and v still the projections' own:
+            # at q's, q, k, v and three fp32 q-sized tensors (traced: Gemma 2 narrowed,
+            # amp-bf16, full recompute at 2 x 1,024 tokens: counted with q and k in fp32,
+            # 2,359,296 B over)
+            r = FP32_BYTES // e if _fp32_rotated(spec, dm) else 1
+            rope = max(q_in + kv_in + 3 * r * q_in,
+                       q_in + r * q_in + kv_in + 3 * r * k_bytes)
             moments.append(Moment("rope", 0, rope))
         return moments
 

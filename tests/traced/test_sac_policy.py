@@ -513,9 +513,9 @@ def test_what_the_policy_sees_under_autocast() -> None:
 # (inputs_embeds) beside the first layer's input, hidden_states * normalizer (ModelSpec.
 # embeds_scaled_copy); before it was counted every forward here was one stream under
 # (bf16 1,040,770 B, fp32 and amp-bf16 2,089,348 B: -2.8% to -5.6%), now within 0.03%.
-# Full recompute's forward under amp-bf16 is then 2,367,100 B over (+7.6%; its checkpointed
-# RoPE moment, whose fp32 rotated copies the estimate overcounts there), which the op-level
-# lists, their peaks elsewhere, are not.
+# Counting it showed full recompute's RoPE moment under amp-bf16 2,359,296 B over: q, k and v
+# counted in fp32 while the fp32 tables rotate q (memplan.model.attention.Attention.
+# working_set); now within 0.03% too.
 NORMS_TOY = {"gemma-3-12b-pt": dict(num_hidden_layers=3, hidden_size=256,
                                     intermediate_size=768, num_attention_heads=4,
                                     num_key_value_heads=2, head_dim=96, vocab_size=64,
