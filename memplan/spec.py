@@ -400,6 +400,13 @@ class ModelSpec(Record):
         "one pair of RoPE tables per layer type (sliding, full), each kept by that type's "
         "layers (Gemma 3: models/gemma3/modeling_gemma3.py Gemma3TextModel.forward fills "
         "position_embeddings[layer_type], the local layers' base frequency their own)"))
+    embeds_scaled_copy: bool = Field(default=False, description=(
+        "the model's forward scales the embedding's output into a new tensor and keeps the "
+        "unscaled one in its local inputs_embeds until it returns (Gemma 2: models/gemma2/"
+        "modeling_gemma2.py Gemma2Model.forward: hidden_states = inputs_embeds, then "
+        "hidden_states * normalizer; Gemma: GemmaModel.forward), beside the first layer's "
+        "input from the start; Gemma 3 scales inside its embedding module "
+        "(Gemma3TextScaledWordEmbedding.forward), whose unscaled output is freed at once"))
     norm_scale_fp32: bool = Field(default=False, description=(
         "the model's RMSNorm multiplies its fp32 normalised tensor by the weight before the cast "
         "back (Gemma's x * (1 + w): Gemma2RMSNorm.forward; OLMo 2's w * x: Olmo2RMSNorm."

@@ -171,7 +171,7 @@ def gemma(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:
     default = [SLIDING if (i + 1) % period else FULL for i in range(num_layers)]
     fields.update(
         mlp=_gemma_mlp(cfg), qkv_bias=bias, attn_out_bias=bias, norm_placement="sandwich",
-        norm_scale_fp32=True,
+        norm_scale_fp32=True, embeds_scaled_copy=gemma2,
         **sliding_fields(cfg, _layer_types(cfg, num_layers, default), _window(cfg) or 4096),
     )
     default_cap = (30.0, 50.0) if gemma2 else (None, None)
@@ -202,7 +202,7 @@ def gemma1(cfg: ConfigKeys) -> dict[str, Any]:
     if kind != "geglu":
         raise cfg.error("hidden_act", f"unsupported activation {cfg.get_str('hidden_act')!r} "
                                       "for Gemma (expected gelu or gelu_pytorch_tanh)")
-    fields.update(mlp=kind, norm_scale_fp32=True)
+    fields.update(mlp=kind, norm_scale_fp32=True, embeds_scaled_copy=True)
     return fields
 
 

@@ -260,6 +260,9 @@ def _forward(r: _Run, steady: bool, acts: Stack, cached: list[int | None]) -> No
     acts.push(w.other_bytes)
     acts.push(w.rest_saved)
     embeds = w.head.embeds_held  # kept from the first layer on (walk._embeds_kept)
+    if embeds and w.head.embeds_copy:  # from before it
+        r.embeds = b.alloc(embeds)
+        embeds = 0
     for index, ((kind, _, _, n), cap) in enumerate(zip(w.runs, r.caps)):
         count = min(n, cap)
         for p in forward_positions(dp, count, index == 0, index == len(w.runs) - 1):

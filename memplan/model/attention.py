@@ -367,6 +367,7 @@ class Attention:
         stream = dm.rows * spec.hidden_size * e
         q_bytes = _q_bytes(spec, dm)
         kv_bytes = 2 * dm.tokens * spec.kv_size // t * e
+        q_in, kv_in = q_bytes, kv_bytes  # the projections' outputs, before RoPE
         if _fp32_rotated(spec, dm):  # the caller's q and k are fp32 after RoPE
             q_bytes, kv_bytes = 2 * q_bytes, 3 * kv_bytes // 2
         if wl.attention is Kernel.FLASH:
@@ -387,7 +388,14 @@ class Attention:
             # only when k's is done); at k's, q's rotated copy and three k-sized tensors (k *
             # cos, the rotated half, its product with sin); at q's, three q-sized ones (traced)
             k_bytes = dm.tokens * spec.kv_size // t * e
-            rope = max(4 * q_bytes + kv_bytes, 2 * q_bytes + 4 * k_bytes + kv_bytes - k_bytes)
+            # by the fp32 tables under autocast (``_fp32_rotated``) the products and the
+            # rotated copy are fp32 (r = 2 in bf16), q, k and v still the projections' own:
+            # at q's, q, k, v and three fp32 q-sized tensors (traced: Gemma 2 narrowed,
+            # amp-bf16, full recompute at 2 x 1,024 tokens: counted with q and k in fp32,
+            # 2,359,296 B over)
+            r = FP32_BYTES // e if _fp32_rotated(spec, dm) else 1
+            rope = max(q_in + kv_in + 3 * r * q_in,
+                       q_in + r * q_in + kv_in + 3 * r * k_bytes)
             moments.append(Moment("rope", 0, rope))
         return moments
 
@@ -493,7 +501,23 @@ class WindowAttention(Attention):
                 for m in super().forward_moments(self._as_run(spec, wl, dm), wl, dm, recompute)]
 
     def working_set(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
-        return super().working_set(self._as_run(spec, wl, dm), wl, dm)
+        """The generic block's with K and V repeated, and at the kernel what a checkpointed
+        layer holds beside them: the mask converted to the query's dtype (b x s x s_kv x e,
+        ``convert_boolean_attn_mask``) and the caller's unrepeated K and V, which
+        integrations/sdpa_attention.py ``sdpa_attention_forward``'s ``repeat_kv`` copies
+        (``key = repeat_kv(key, ...)`` rebinds its own name; the attention's forward keeps
+        ``key_states``). The generic moment's output projection output (a stream) does not
+        exist yet at the kernel; the mask is freed when the kernel returns. Traced: Gemma 3
+        narrowed (h 256, 4 heads / 2 KV heads of 96, window 512) at 2 x 1,024 tokens, full
+        recompute: before, the forward 549,634 B under the trace, its peak at the kernel."""
+        moments = super().working_set(self._as_run(spec, wl, dm), wl, dm)
+        if not windowed(spec, wl):
+            return moments
+        beside = dm.b * dm.s * dm.s_kv * dm.e - dm.rows * spec.hidden_size * dm.e
+        if spec.num_kv_heads < spec.num_attention_heads:
+            beside += 2 * dm.tokens * spec.kv_size // dm.tp * dm.e
+        return [m._replace(transient_bytes=m.transient_bytes + max(beside, 0))
+                if m.name == "attention" else m for m in moments]
 
     def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
                          recompute: Recompute) -> list[BackwardMoment]:
@@ -603,8 +627,11 @@ def unused_window_mask_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
 def window_mask_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
     """The windowed layers' boolean mask (``window_mask_bytes``) is an input of every
     checkpointed layer, so under full recompute it is saved until the backward, not freed
-    with the forward (traced: tests/traced/test_hf_moe_families.py llama4 recompute)."""
-    if wl.recompute is not Recompute.FULL:
+    with the forward (traced: tests/traced/test_hf_moe_families.py llama4 recompute); so
+    under op-level checkpointing, whose layers are checkpointed too (traced: tests/traced/
+    test_sac_policy.py, Mistral narrowed at 2 x 1,024 tokens, window 256: before, saved
+    activations 1,048,576 B, the mask, under the trace)."""
+    if wl.recompute not in (Recompute.FULL, Recompute.OPS):
         return []
     mask = window_mask_bytes(spec, wl, dm)
     return [Term("attn.window_mask_input", mask)] if mask else []

@@ -469,6 +469,8 @@ class HeadBlock(NamedTuple):
     #                      (``output_cache_bytes``): held beyond the graph once backward is done
     embeds_held: int = 0  # the embedding's output the model's forward keeps until it returns,
     #                       after the final norm (``memplan.model.stage.embeds_held_bytes``)
+    embeds_copy: bool = False  # that output is no layer's input: alive beside the first
+    #                            layer too (``ModelSpec.embeds_scaled_copy``)
     mask_released: int = 0  # the attention masks, the model's forward's locals too: alive
     #                         from the stage's start, freed when it returns (``stage._walk``)
 

@@ -215,7 +215,10 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
             # working set's peaks all but the output projection's (``last_weight``)
             casts = cast_cache_bytes(spec, wl, dm, mixer, recompute)
             late = last_weight(spec, dm, mixer) * dm.e if casts else 0
-            out += [ForwardMoment(m.name, held + casts - late + stream + m.transient_bytes, 0,
+            # the mixer's input: its norm's output, or the stream held (Olmo2DecoderLayer.
+            # forward; traced: OLMo 2 narrowed, 2 x 1,024 tokens: was one stream over)
+            mixer_in = 0 if isinstance(norm, StreamInput) else stream
+            out += [ForwardMoment(m.name, held + casts - late + mixer_in + m.transient_bytes, 0,
                                   mixer.name)
                     for m in mixer.working_set(spec, wl, dm)]
             # what the layer keeps of the mixer's return beside its output: eager
@@ -635,23 +638,37 @@ def ops_forward_peaks(spec: ModelSpec, wl: Workload, dm: Dims,
     forward peak, MoE forward peak) per layer: a stage's peak rises with each. Cached: a
     plan asks per fit."""
     kinds = ops_kinds(spec)
-    if len(kinds) == 1:
+    variants = _ops_variants(spec, wl)
+    if len(kinds) == 1 and len(variants) == 1:
         moe = kinds[0][1]
         items = ops_items(spec, wl, dm, moe)
-        fw = _ops_forward(spec, _unsaved(wl), dm, moe, "")
+        fw = _ops_forward(spec, _unsaved(wl), dm, moe, variants[0])
         by_name = {i.name: i for i in items}
         return tuple([ops_forward_peak(fw, items, tuple([by_name[n] for n in c.kept]))
                       for c in sets])
-    per_kind = []
+    # per kind its kept bytes, then per kind and variant its forward peak: a set is ruled
+    # out only by one it is no lower than in every one (``save_sets.choose``)
+    sizes, peaks = [], []
     for kind, moe, _ in kinds:
         items = ops_items(spec, wl, dm, moe)
-        fw = _ops_forward(spec, _unsaved(wl), dm, moe, "")
-        by_name = {f"{kind}:{i.name}": i for i in items}
+        by_name = ({i.name: i for i in items} if len(kinds) == 1
+                   else {f"{kind}:{i.name}": i for i in items})
         kept = [tuple(by_name[n] for n in c.kept if n in by_name) for c in sets]
-        per_kind.append(([sum(i.size_bytes for i in k) for k in kept],
-                         [ops_forward_peak(fw, items, k) for k in kept]))
-    (dense_b, dense_f), (moe_b, moe_f) = per_kind
-    return tuple(zip(dense_b, moe_b, dense_f, moe_f))
+        sizes.append([sum(i.size_bytes for i in k) for k in kept])
+        for variant in variants:
+            fw = _ops_forward(spec, _unsaved(wl), dm, moe, variant)
+            peaks.append([ops_forward_peak(fw, items, k) for k in kept])
+    return tuple(zip(*sizes, *peaks))
+
+
+def _ops_variants(spec: ModelSpec, wl: Workload) -> tuple[str, ...]:
+    """The layer variants a save list applies to (``memplan.model.stage_parts.layer_keys``):
+    the model's attention, and where a sliding window gets its explicit mask
+    (``windowed``) the sliding layers' own."""
+    if not windowed(spec, wl):
+        return ("",)
+    sliding = [spec.is_sliding_layer(i) for i in range(spec.num_layers)]
+    return ("window",) if all(sliding) else ("", "window") if any(sliding) else ("",)
 
 
 def grad_group_params(spec: ModelSpec, t: int, ep: int, moe: bool,

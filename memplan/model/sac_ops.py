@@ -41,7 +41,19 @@ forward only; the rerun looks each op's output up by its index among the calls o
 
 Modelled for pre-norm layers (attention with SDPA's fused kernel and an MLP, or an MoE block as
 transformers' grouped experts run it: ``memplan.model.sac_moe``), without LoRA or
-torch.compile: ``ops_refusal`` names the rest. One fused q/k/v projection
+torch.compile: ``ops_refusal`` names the rest. Dense layers with sandwich norms (Gemma 2 / 3:
+models/gemma2/modeling_gemma2.py Gemma2DecoderLayer.forward, a norm on each mixer's output
+before the residual add) or post norms alone (OLMo 2: models/olmo2/modeling_olmo2.py
+Olmo2DecoderLayer.forward, the mixers reading the residual stream) count each post norm's ops
+after its mixer's; there the post norm saves (an fp32 copy of) the down projection's output,
+so the rerun reaches the down projection: an item, ``mlp.down``, whose kept output skips it.
+A kept output projection's or down projection's output is its post norm's input, which that
+norm's moments hold anyway (``input_held``). OLMo 2's q/k norms over the whole projection
+(Olmo2Attention.forward: ``q_norm(q_proj(x))``, then k's) are counted like Qwen3's.
+Sliding-window layers given their mask (``memplan.model.attention.windowed``: integrations/
+sdpa_attention.py ``sdpa_attention_forward`` repeats K and V, SDPA converts the mask; neither
+an op a policy counts) keep the generic layer's items; their working set and the saved mask are
+``WindowAttention``'s and ``window_mask_terms``'. One fused q/k/v projection
 (torchtitan's ``wqkv``) is one item, ``attn.qkv``, which ``attn.q``, ``attn.k`` and ``attn.v``
 each name. A name scoped ``SCOPE:name`` applies to the layers of a kind or one pipeline stage
 (``resolve``, ``for_stage``).
@@ -54,7 +66,6 @@ from typing import NamedTuple
 
 from memplan.errors import LayoutError, MemplanError
 from memplan.model.attention import Attention as AttentionBlock
-from memplan.model.attention import windowed
 from memplan.model.dims import Dims, Term
 from memplan.spec import MlpKind, ModelSpec, NormKind, PositionKind, QkNorm
 from memplan.units import FP32_BYTES
@@ -63,7 +74,8 @@ from memplan.workload import MoeImpl, NormImpl
 from memplan.workload import Workload
 
 # the groups a save list may name, and the blocks whose items each stands for
-GROUPS = {"attention": ("attn",), "mlp": ("mlp",), "norms": ("attn_norm", "mlp_norm")}
+GROUPS = {"attention": ("attn",), "mlp": ("mlp",),
+          "norms": ("attn_norm", "mlp_norm", "attn_post_norm", "mlp_post_norm")}
 # the ops an item's output comes from, as a policy finds them (``memplan.report.sac_policy``)
 MATMUL, ATTENTION_KERNEL, ACTIVATION, PRODUCT, NORM = "matmul", "sdpa", "act", "mul", "norm"
 # an upcast RMSNorm's ops a policy can name: its dtype casts (``aten._to_copy``) and ``rsqrt``
@@ -104,13 +116,20 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
         (spec.short_conv is not None, "short-convolution layers"),
         (spec.mamba is not None, "Mamba layers"),
         (spec.sliding_window is not None and spec.window_chunked, "chunked attention layers"),
-        (windowed(spec, wl), f"sliding-window layers at seq {wl.seq_len} >= their window "
-         f"{spec.sliding_window} (an explicit mask; modelled below it)"),
-        (not spec.norm_placement.pre_norm or spec.norm_placement.post_norm,
-         f"{spec.norm_placement.value} norms"),
+        (spec.norm_placement.post_norm and spec.moe is not None,
+         f"{spec.norm_placement.value} norms around MoE blocks"),
+        (spec.norm_placement.post_norm and not (
+            spec.norm is NormKind.RMSNORM and spec.norm_scale_fp32
+            and wl.norm_impl is NormImpl.UPCAST_FP32),
+         (f"{spec.norm_placement.value} norms of norm_impl {wl.norm_impl.value} (modelled "
+          "as transformers runs Gemma's and OLMo 2's RMSNorms: norm_impl upcast-fp32, the "
+          "weight scaling the fp32 tensor)")),
         (spec.parallel_block, "parallel attention and MLP blocks"),
         (spec.fused_gate_up, "one fused gate/up projection"),
-        (spec.qk_norm not in (QkNorm.NONE, QkNorm.HEAD), f"{spec.qk_norm.value} q/k norms"),
+        (spec.qk_norm is QkNorm.L2, f"{spec.qk_norm.value} q/k norms"),
+        (spec.qk_norm is QkNorm.FULL and wl.norm_impl is not NormImpl.UPCAST_FP32,
+         (f"full-width q/k norms of norm_impl {wl.norm_impl.value} (modelled as OLMo 2's "
+          "Olmo2RMSNorm runs them, upcast-fp32)")),
         (spec.qk_norm is QkNorm.HEAD and (spec.fused_qkv or wl.fused_qkv),
          "q/k norms on one fused q/k/v projection"),
         (spec.attn_output_gate, "an attention output gate"),
@@ -175,8 +194,8 @@ def check_supported(spec: ModelSpec, wl: Workload) -> None:
     if why is not None:
         raise LayoutError("recompute ops is not modelled with this layer",
                           f"recompute ops with {why}: op-level checkpointing is modelled for "
-                          "pre-norm layers with SDPA attention and a dense MLP or "
-                          "transformers' grouped experts, without LoRA or compile")
+                          "pre-, sandwich and post-norm layers with SDPA attention and a dense "
+                          "MLP or transformers' grouped experts, without LoRA or compile")
 
 
 def matmul_shapes(spec: ModelSpec, t: int, fused_qkv: bool = False
@@ -202,7 +221,8 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
     item keeps (named ""): a named norm's fp32 product ``x * rstd`` and a q/k norm's output
     (``_norm_ops``), RoPE's four products of width ``rope_dim`` (transformers'
     ``apply_rotary_pos_emb``: ``q * cos + rotate_half(q) * sin``, then k's; the reference
-    model's ``apply_rope``), and a dense MLP's down projection (never rerun: early stop).
+    model's ``apply_rope``), and a dense MLP's down projection (never rerun: early stop;
+    with post norms an item, ``mlp.down``, and the post norm's ops after it).
     ``saved``: what the layer saves without recompute (``memplan.model.layer.ops_items``
     gives it); ``moe``: an MoE layer, whose feed-forward's ops follow
     (``memplan.model.sac_moe.moe_items``)."""
@@ -220,37 +240,80 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
                     MATMUL, width, 0, name.split(".")[0], rope or name == "mlp.gate")
 
     h = spec.hidden_size
-    fp32 = (spec.norm is NormKind.RMSNORM and wl.norm_impl is NormImpl.UPCAST
-            and (dm.e >= FP32_BYTES or dm.autocast))
-    out = _norm_ops("attn_norm", terms, h, h, named, fp32_ops=fp32)
+    fp32 = _fp32_ops(spec, wl, dm)
+    place = spec.norm_placement
+    out = _norm_ops("attn_norm", terms, h, h, named, fp32_ops=fp32) if place.pre_norm else []
     fused = spec.fused_qkv or wl.fused_qkv
     mm = {m[0]: m for m in matmul_shapes(spec, t, fused)}
     for name in ("attn.qkv",) if fused else ("attn.q", "attn.k", "attn.v"):
         out.append(matmul(*mm[name]))
-        if name in ("attn.q", "attn.k") and spec.qk_norm is QkNorm.HEAD:
-            # Qwen3Attention.forward: q_norm(q_proj(x).view(..., head_dim)), then k's
-            local = mm[name][2]  # the rank's q (or k) width: its heads' rows of head_dim
-            out += _norm_ops(f"attn.{name[-1]}_norm", terms, spec.head_dim, local, named,
-                             "attn", fp32)
+        if name in ("attn.q", "attn.k"):
+            out += _qk_norm_ops(spec, name, mm[name][2], terms, named, fp32)
     if spec.position is PositionKind.ROPE:
         out += [_unkept(PRODUCT, spec.rope_dim, "attn")] * 4
     core = AttentionBlock().core_flops_per_token(spec, dm.s_kv) / t
     out.append(Item("attn.out", ("attn.out", "attn.lse"), terms["attn.out"] + terms["attn.lse"],
                     core, ATTENTION_KERNEL, spec.q_size // t, 0, "attn", False))
     out.append(matmul(*mm["attn.o_proj"]))
-    out += _norm_ops("mlp_norm", terms, h, h, named, fp32_ops=fp32)
+    if place.post_norm:
+        # Gemma2DecoderLayer.forward: post_attention_layernorm on the attention's output
+        # before the residual add (Olmo2DecoderLayer.forward: the same, no norm before)
+        out += _norm_ops("attn_post_norm", terms, h, h, named, fp32_ops=fp32)
+    if place.pre_norm:
+        out += _norm_ops("mlp_norm", terms, h, h, named, fp32_ops=fp32)
     if not moe:  # (an MoE block's items follow: ``memplan.model.sac_moe.moe_items``)
-        f = spec.ffn_hidden_size // t
-        first = ("mlp.gate",) if spec.mlp.gated else ("mlp.fc1",)
-        out.append(matmul(*mm[first[0]]))
-        out.append(Item("mlp.act", ("mlp.act",), terms["mlp.act"], float(f), ACTIVATION, f,
-                        0, "mlp", False))
-        if spec.mlp.gated:
-            out.append(matmul(*mm["mlp.up"]))
-            out.append(Item("mlp.prod", ("mlp.prod",), terms["mlp.prod"], float(f), PRODUCT,
-                            f, 0, "mlp", False))
-        out.append(_unkept(MATMUL, mm["mlp.down"][3], "mlp"))
+        mlp = [matmul(*mm[name]) for name in ("mlp.gate", "mlp.up", "mlp.fc1", "mlp.down")
+               if name in mm]
+        out += _dense_mlp_ops(spec, terms, mlp, spec.ffn_hidden_size // t)
+        # with a post norm, which reads the down projection's output and saves its fp32
+        # copy (in fp32 the tensor itself), the rerun reaches the down projection: kept, its
+        # output skips it (Gemma2DecoderLayer.forward: post_feedforward_layernorm)
+        out += ([mlp[-1]] + _norm_ops("mlp_post_norm", terms, h, h, named, fp32_ops=fp32)
+                if place.post_norm else [_unkept(MATMUL, mlp[-1].width, "mlp")])
     return numbered(out)
+
+
+def _dense_mlp_ops(spec: ModelSpec, terms: dict[str, int], mlp: list[Item], f: int
+                   ) -> list[Item]:
+    """A dense MLP's items before its down projection, in execution order: the gate (or
+    first) projection, the activation, the up projection and the product (``mlp``: its
+    projections' items, the down projection last; ``f``: its width on this rank)."""
+    act = Item("mlp.act", ("mlp.act",), terms["mlp.act"], float(f), ACTIVATION, f, 0, "mlp",
+               False)
+    if not spec.mlp.gated:
+        return [mlp[0], act]
+    prod = Item("mlp.prod", ("mlp.prod",), terms["mlp.prod"], float(f), PRODUCT, f, 0, "mlp",
+                False)
+    return [mlp[0], act, mlp[1], prod]
+
+
+def _qk_norm_ops(spec: ModelSpec, name: str, local: int, terms: dict[str, int], named: bool,
+                 fp32: bool) -> list[Item]:
+    """The q (or k) norm's ops after its projection ``name`` of ``local`` outputs on this
+    rank: per head (Qwen3Attention.forward: ``q_norm(q_proj(x).view(..., head_dim))``, then
+    k's), or over the whole projection (Olmo2Attention.forward: ``q_norm(q_proj(x))``)."""
+    norm = f"attn.{name[-1]}_norm"
+    if spec.qk_norm is QkNorm.HEAD:  # rows of head_dim: the rank's heads'
+        return _norm_ops(norm, terms, spec.head_dim, local, named, "attn", fp32)
+    if spec.qk_norm is QkNorm.FULL:
+        return _norm_ops(norm, terms, local, local, False, "attn", fp32)
+    return []
+
+
+def _fp32_ops(spec: ModelSpec, wl: Workload, dm: Dims) -> bool:
+    """Whether an unnamed RMSNorm's ``rsqrt`` and two products are ops a policy counts (in
+    fp32: ``_norm_ops``' ``fp32_ops``): an upcast RMSNorm in fp32 (fp32 weights, or under
+    autocast on the fp32 stream), and in any dtype a model's own RMSNorm that multiplies its
+    fp32 normalised tensor by the weight (``ModelSpec.norm_scale_fp32`` under
+    ``NormImpl.UPCAST_FP32``: models/gemma2/modeling_gemma2.py Gemma2RMSNorm._norm ``x *
+    torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)`` then ``output * (1.0 +
+    self.weight.float())``; models/olmo2/modeling_olmo2.py Olmo2RMSNorm.forward
+    ``hidden_states * torch.rsqrt(variance + eps)`` then ``self.weight * hidden_states``)."""
+    if spec.norm is not NormKind.RMSNORM:
+        return False
+    if wl.norm_impl is NormImpl.UPCAST_FP32:
+        return spec.norm_scale_fp32
+    return wl.norm_impl is NormImpl.UPCAST and (dm.e >= FP32_BYTES or dm.autocast)
 
 
 def layer_items(spec: ModelSpec, wl: Workload, dm: Dims,
@@ -479,7 +542,8 @@ def kept_terms(kept: tuple[Item, ...]) -> tuple[Term, ...]:
 
 def rerun_flops_per_token(items: tuple[Item, ...], kept: tuple[Item, ...]) -> float:
     """Forward FLOPs of one token that the backward's rerun spends on this rank: every item
-    not kept (the down projection never reruns: early stop)."""
+    not kept (a dense MLP's down projection never reruns, early stop, but where a post norm
+    reads its output: the item ``mlp.down``)."""
     names = {i.name for i in kept}
     return sum(i.flops_per_token for i in items if i.name not in names)
 
@@ -512,10 +576,14 @@ def forward_peak(moment_blocks: list[tuple[str, int]], items: tuple[Item, ...],
     best = 0
     if mlp_end:
         down_in = 0
-        for i in items:  # the down projection's input: the MLP's last item
-            if i.block == "mlp":
+        for i in items:  # the down projection's input: the MLP's last item before it
+            if i.block == "mlp" and i.name != "mlp.down":
                 down_in = 0 if i in kept else i.size_bytes
-        best = mlp_end + before[len(order)] + down_in - input_held(kept, "mlp")
+        # the kept outputs made by then: the blocks' up to the MLP's (a post norm's after
+        # it not yet; a kept down projection's output is the one ``mlp_end`` counts)
+        at = order.get("mlp", len(order) - 1) + 1
+        late = sum(i.size_bytes for i in kept if i.name == "mlp.down")
+        best = mlp_end + before[at] - late + down_in - input_held(kept, "mlp")
     for block, value in moment_blocks:
         at = order.get(block, len(order))
         best = max(best, value + before[at] + own[at] - input_held(kept, block))
@@ -524,6 +592,8 @@ def forward_peak(moment_blocks: list[tuple[str, int]], items: tuple[Item, ...],
 
 # the block that reads each norm's output as its input
 READER = {"attn_norm": "attn", "mlp_norm": "mlp"}
+# the post norm that reads each mixer's last output as its input (``NormPlacement``)
+POST_READER = {"attn.o_proj": "attn_post_norm", "mlp.down": "mlp_post_norm"}
 
 
 def input_held(kept: tuple[Item, ...], block: str) -> int:
@@ -534,6 +604,10 @@ def input_held(kept: tuple[Item, ...], block: str) -> int:
     held = 0
     for i in kept:
         if READER.get(i.block) == block and i.name == f"{i.block}.output":
+            held += i.size_bytes
+        elif POST_READER.get(i.name) == block:
+            # a post norm's input, the mixer's output its working set holds
+            # (``memplan.model.norm.Norm.working_set``)
             held += i.size_bytes
     return held
 
@@ -563,6 +637,8 @@ def assumption(spec: ModelSpec, wl: Workload, kinds: dict[str, tuple[Item, ...]]
             f"on stage {n}, {keeps(save)}" for n, save in stages.items())
     stop = ("the experts' down projection reruns: the routing weights' product saves its "
             "output" if "moe" in kinds else "")
-    stop = "; ".join(s for s in (stop, "a dense MLP's down projection never reruns: early "
-                                 "stop" if "dense" in kinds else "") if s)
+    dense = ("" if "dense" not in kinds else "a dense MLP's down projection reruns: its post "
+             "norm saves its output" if spec.norm_placement.post_norm
+             else "a dense MLP's down projection never reruns: early stop")
+    stop = "; ".join(s for s in (stop, dense) if s)
     return f"recompute ops (PyTorch selective activation checkpointing per layer): {what} ({stop})"

@@ -414,7 +414,7 @@ def _walk(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTerms
                                  head_bytes)
     head = _head_block(spec, shared, fx)
     if held := embeds_held_bytes(spec, wl, shared.dm, fx, kinds):
-        head = head._replace(embeds_held=held)
+        head = head._replace(embeds_held=held, embeds_copy=spec.embeds_scaled_copy)
     if shared.mask and wl.embeds_held and fx.first and fx.last:
         # the masks are locals of the model's forward as inputs_embeds is (causal_mask_mapping
         # in transformers' XModel.forward): freed when it returns, before the head's logits
@@ -440,9 +440,17 @@ def embeds_held_bytes(spec: ModelSpec, wl: Workload, dm: Dims, fx: StageStates,
     tensor (``layer.unsaved_stream``; fp32 runs and autocast's fp32 stream save the tensor
     itself). On a stage with the embedding and the head (a model's forward is not split).
     Traced: tests/traced/test_frameworks.py, Mistral bf16 (b x s x h x 2 = 1,048,576 B at
-    2 x 1,024 tokens, hidden 256), and the MoE families of tests/traced/test_hf_moe_families.py."""
-    if not (wl.embeds_held and fx.first and fx.last and kinds.keys
-            and kinds.keys[0][1] is Recompute.NONE):
+    2 x 1,024 tokens, hidden 256), and the MoE families of tests/traced/test_hf_moe_families.py.
+    Where the model's forward scales it into the first layer's input (``ModelSpec.
+    embeds_scaled_copy``: Gemma 2, Gemma) no layer saves or holds the unscaled tensor: it is
+    held whatever the recompute and dtype, from the start (``HeadBlock.embeds_copy``; traced:
+    tests/traced/test_sac_policy.py, Gemma 2 narrowed at 2 x 1,024 tokens: before, full
+    recompute's forward 1,040,770 B under in bf16, 2,089,348 B in fp32)."""
+    if not (wl.embeds_held and fx.first and fx.last and kinds.keys):
+        return 0
+    if spec.embeds_scaled_copy:
+        return dm.stream(spec.hidden_size)
+    if kinds.keys[0][1] is not Recompute.NONE:
         return 0
     return unsaved_stream(spec, compiled_layer_workload(wl), dm)
 

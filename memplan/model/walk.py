@@ -65,7 +65,7 @@ def forward_peaks(runs: list[tuple[LayerKind, int, tuple[int, ...], int]], dp: D
     """``forward_peak`` as a function of ``steady``: the fold of ``forward_segments`` (from
     ``in_flight``, ``inputs`` and the logits the loop holds from the previous step), then the
     head's segment where the stage has one; the layers' segments are built once."""
-    layers = _layer_forward_segments(runs, dp, head.embeds_held)
+    layers = _layer_forward_segments(runs, dp, head.embeds_held, head.embeds_copy)
     tail = head.forward_saved > 0  # a final norm and a loss on this stage
     # ``steady`` changes the segments only through the logits held from the previous step
     differs = head.previous_logits(True) != head.previous_logits(False)
@@ -106,9 +106,11 @@ def forward_segments(runs: list[tuple[LayerKind, int, tuple[int, ...], int]],
 
 
 def _layer_forward_segments(runs: list[tuple[LayerKind, int, tuple[int, ...], int]],
-                            dp: DataParallel, embeds: int = 0) -> list[Segment]:
+                            dp: DataParallel, embeds: int = 0,
+                            copy: bool = False) -> list[Segment]:
     """``forward_segments`` after its start: each run of identical layers (``embeds``:
-    ``forward_segments``')."""
+    ``forward_segments``'; ``copy``: held beside the first layer too, ``HeadBlock.
+    embeds_copy``)."""
     segments: list[Segment] = []
     last = len(runs) - 1
     built: dict[tuple, list[Segment]] = {}  # a hybrid's repeating kinds built once each
@@ -124,15 +126,17 @@ def _layer_forward_segments(runs: list[tuple[LayerKind, int, tuple[int, ...], in
                                 dp.layer_forward(kind.forward_blocks, peak, p.beside))
                 run.append(Segment((p.before, compute) if p.before else (compute,), p.repeat))
             if embeds and index == 0:
-                run[:1] = _embeds_kept(run[0], embeds)
+                run[:1] = _embeds_kept(run[0], embeds, copy)
         segments += run
     return segments
 
 
-def _embeds_kept(first: Segment, embeds: int) -> list[Segment]:
-    """The stage's first position with the embedding's output kept after its first layer."""
+def _embeds_kept(first: Segment, embeds: int, copy: bool = False) -> list[Segment]:
+    """The stage's first position with the embedding's output kept after its first layer
+    (with ``copy``, from before it)."""
     events, repeat = first
-    kept = Segment((*events, Event("loop.inputs_embeds", embeds, None)))
+    held = Event("loop.inputs_embeds", embeds, None)
+    kept = Segment((held, *events) if copy else (*events, held))
     return [kept, Segment(events, repeat - 1)] if repeat > 1 else [kept]
 
 

@@ -27,7 +27,7 @@ SHAPE_FIELDS = (
     "norm_placement", "final_logit_softcap", "attn_logit_softcap", "sliding_window",
     "sliding_window_pattern", "mla", "norm_scale_fp32", "rope_keeps_dtype", "rope_per_layer_type",
     "nope_layer_interval", "rotary_dim", "parallel_block", "norm_centres_twice",
-    "linear_attention", "attn_output_gate",
+    "linear_attention", "attn_output_gate", "embeds_scaled_copy",
 )
 
 

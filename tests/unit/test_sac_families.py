@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import pytest
 from memplan.api import estimate, make_layout, make_workload
-from memplan.errors import MemplanError
 from memplan.model import sac_ops
 from memplan.model.dims import Dims
 from memplan.model.layer import ops_items
@@ -212,7 +211,11 @@ def test_sliding_window_below_its_length_is_the_generic_layer() -> None:
     """A sliding window longer than the sequence masks nothing (transformers' SDPA path gets
     no mask: masking_utils.py ``_ignore_causal_mask_sdpa``): the layer's items are those of
     the same model without a window, and it keeps the same bytes. At a sequence as long as
-    the window (an explicit mask) op-level checkpointing is refused by name."""
+    the window (an explicit mask) the items are the same ops (K and V repeated and the mask
+    converted by ops no policy counts): keeping k and up adds T*kv*e + T*f*e = 512*32*2 +
+    512*176*2 = 212,992 B per layer (T = 2 x 256) to full recompute's saved activations,
+    425,984 B over 2 layers, and the empty list is full recompute's (the mask, s*s = 65,536
+    B, each checkpointed layer's input in both)."""
     tiny = load_model("tiny")
     window = ModelSpec.model_validate({**tiny.model_dump(), "name": "tiny-window",
                                        "sliding_window": 256})
@@ -220,5 +223,8 @@ def test_sliding_window_below_its_length_is_the_generic_layer() -> None:
     kept = dict(**FIELDS, recompute="ops", recompute_save="attn.k,mlp.up")
     assert estimate(window, **kept).stages[0].activations_bytes == \
         estimate(tiny, **kept).stages[0].activations_bytes
-    with pytest.raises(MemplanError, match="sliding-window layers at seq 256 >= their window 256"):
-        estimate(window, seq_len=256, micro_batch_size=2, framework="hf", recompute="ops")
+    at = dict(seq_len=256, micro_batch_size=2, framework="hf")
+    full = estimate(window, **at, recompute="full").stages[0].activations_bytes
+    assert estimate(window, **at, recompute="ops").stages[0].activations_bytes == full
+    assert estimate(window, **at, recompute="ops", recompute_save="attn.k,mlp.up").stages[0] \
+        .activations_bytes - full == 2 * 212_992

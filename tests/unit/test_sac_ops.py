@@ -261,3 +261,49 @@ def test_a_kept_norm_output_is_its_readers_input() -> None:
 
     assert peak("mlp_norm.output") == peak("")
     assert peak("attn_norm.output") - peak("") == 32_768
+
+
+def test_sandwich_norms_make_the_down_projection_an_item() -> None:
+    """tiny with Gemma's four norms (``NormPlacement.SANDWICH``, the fp32-scaling RMSNorm of
+    norm_impl upcast-fp32): the post norm after the MLP saves an fp32 copy of the down
+    projection's output, so the rerun reaches it; ``mlp.down`` kept adds its output, T*h*e =
+    256*64*2 = 32,768 B per layer (65,536 over 2 layers), and saves its rerun, 2*176*64 =
+    22,528 FLOPs per token. A kept output projection is the post attention norm's input, which
+    its moment holds anyway; at the MLP's moments after it (the layer's forward peak) it adds
+    its 32,768 B."""
+    from memplan.model.layer import layer_kind
+    from memplan.spec import ModelSpec
+    from memplan.workload import Recompute
+
+    spec = ModelSpec.model_validate({**load_model("tiny").model_dump(), "name": "tiny-sandwich",
+                                     "norm_placement": "sandwich", "norm_scale_fp32": True})
+    kw = dict(**TINY, norm_impl="upcast-fp32")
+    full = estimate(spec, recompute="full", **kw).stages[0].activations_bytes
+    down = estimate(spec, recompute="ops", recompute_save="mlp.down", **kw).stages[0]
+    assert down.activations_bytes - full == 2 * 32_768
+    wl = make_workload(spec, **kw, recompute="ops")
+    dm = Dims.of(spec, make_layout(1), wl)
+    items = ops_items(spec, wl, dm)
+    kept = sac_ops.resolve(items, ("mlp.down",), spec)
+    assert sac_ops.rerun_flops_per_token(items, ()) - sac_ops.rerun_flops_per_token(
+        items, kept) == 22_528
+
+    def peak(save: str) -> int:
+        swl = wl.model_copy(update={"recompute_save": tuple(save.split(",")) if save else ()})
+        return layer_kind(spec, swl, dm, False, Recompute.OPS).forward_peak_bytes
+
+    assert peak("attn.o_proj") - peak("") == 32_768
+    with pytest.raises(MemplanError, match="unknown name 'mlp.down'"):
+        _stage(recompute="ops", recompute_save="mlp.down")
+
+
+def test_post_norms_refused_where_not_traced() -> None:
+    """Post norms are modelled as transformers runs Gemma's and OLMo 2's RMSNorms
+    (upcast-fp32); another norm implementation after the mixers is refused in one line."""
+    from memplan.spec import ModelSpec
+
+    spec = ModelSpec.model_validate({**load_model("tiny").model_dump(), "name": "tiny-post",
+                                     "norm_placement": "post"})
+    with pytest.raises(MemplanError, match="recompute ops with post norms of norm_impl "
+                                           "upcast"):
+        estimate(spec, **TINY, recompute="ops")
