@@ -36,6 +36,7 @@ from memplan.model.stage import (
     PHASES,
     PhasePeaks,
     StageMemory,
+    Prepared,
     backward_floor,
     rank_peak_bytes,
     stage_record,
@@ -251,17 +252,22 @@ def most_loaded(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, ovh:
         <= sum(memo.in_flight(par.pp, par.vpp, m, template, schedule, par.vpp_group))))]
     each = [(i, stage_workload(wl, i) if staged(wl) else wl) for i in stages]
     terms = [(i, swl, shared or _shared(spec, par, swl, parts)) for i, swl in each]
+    prepared: dict[int, Prepared] = {}  # the walk's inputs each floor made, for its walk
     if limit_bytes is not None:
         # a stage whose floor is over the limit decides it without a walk of any stage (the
         # floor, a prefix of the walk's fold, costs a small part of it)
         for i, swl, sh in terms:
+            made: list[Prepared] = []
             floor = rank_peak_bytes(backward_floor(spec, par, swl, m, i, schedule, sh,
-                                                   parts[i]), ovh)
+                                                   parts[i], made), ovh)
             if floor > limit_bytes:
                 return RankPeak(i, floor, parts[i][0].params.total, walked=False)
+            if made:
+                prepared[i] = made[0]
     worst: RankPeak | None = None
     for i, swl, sh in terms:
-        tensor = walk_stage(spec, par, swl, m, i, schedule, sh, parts[i]).tensor_peak
+        tensor = walk_stage(spec, par, swl, m, i, schedule, sh, parts[i],
+                            prepared=prepared.get(i)).tensor_peak
         peak = rank_peak_bytes(tensor, ovh)
         if worst is None or peak > worst.peak_bytes:
             worst = RankPeak(i, peak, parts[i][0].params.total)

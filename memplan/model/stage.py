@@ -260,11 +260,39 @@ def _saved(par: ParallelConfig, kinds: StageKinds, entries: Entries, flight: tup
     return activations, layers_saved + par.vpp * rope_bytes + embed_bytes + head_bytes
 
 
+class Prepared(NamedTuple):
+    """A stage's walk inputs for one configuration: the stage terms as the walk reads them
+    (rope tables on the host taken out), the micro-batches in flight, each layer kind's entry
+    and ``_walk``'s result."""
+
+    shared: StageTerms
+    host_rope: int
+    flight: tuple[int, ...]
+    entries: Entries
+    walk: tuple[Walk, int, int]
+
+
+def _prepare(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: int,
+             schedule: Schedule, shared: StageTerms,
+             parts: tuple[StageStates, StageKinds]) -> Prepared:
+    """The walk's inputs of stage ``stage`` (``Prepared``), for ``parts`` as they are (not
+    for gradients accumulated unsharded, whose states ``walk_stage`` changes first)."""
+    fx, kinds = parts
+    host_rope = _host_rope(shared, par, kinds)
+    shared = shared._replace(rope_bytes=0) if host_rope else shared
+    flight = memo.in_flight(par.pp, par.vpp, m, stage, schedule, par.vpp_group)
+    entries = _entries(spec, par, wl, shared, fx, kinds)
+    return Prepared(shared, host_rope, flight, entries,
+                    _walk(spec, par, wl, shared, fx, kinds, entries, flight))
+
+
 def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: int,
                schedule: Schedule, shared: StageTerms,
-               parts: tuple[StageStates, StageKinds]) -> Walked:
+               parts: tuple[StageStates, StageKinds], *,
+               prepared: Prepared | None = None) -> Walked:
     """Phase peaks of pipeline stage ``stage`` with ``m`` micro-batches per step, in step 1
-    and in the steady state, without its record."""
+    and in the steady state, without its record. ``prepared``: this configuration's walk
+    inputs as ``backward_floor`` made them (the same ``shared`` and ``parts``)."""
     fx, kinds = parts
     # gradients accumulated unsharded without a sync (``memplan.model.grad_sync``): the
     # walk's gradients are the stage's accumulators, in the reduce dtype
@@ -275,11 +303,10 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
         fx = fx._replace(grad_per_param=exact_ratio(fx.accum_bytes, max(fx.params.total, 1)),
                          dp=unsynced(fx.dp, root_new))
     st = fx.states
-    host_rope = _host_rope(shared, par, kinds)
-    shared = shared._replace(rope_bytes=0) if host_rope else shared
-    flight = memo.in_flight(par.pp, par.vpp, m, stage, schedule, par.vpp_group)
-    entries = _entries(spec, par, wl, shared, fx, kinds)
-    walk, activations, one_mb = _walk(spec, par, wl, shared, fx, kinds, entries, flight)
+    if prepared is None or accumulating:  # (accumulating: fx changed above)
+        prepared = _prepare(spec, par, wl, m, stage, schedule, shared, (fx, kinds))
+    shared, host_rope, flight, entries = prepared[:4]
+    walk, activations, one_mb = prepared.walk
     # the output layer's deferred weight gradient (``memplan.model.deferred_wgrad``)
     dfr = deferred(spec, wl, shared.dm, m, flight[-1]) if fx.last else Deferred()
     walk = _with_deferred(walk, dfr, fx.main_grads)
@@ -296,7 +323,6 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
                         else (grads, forward))
     base = st.params_bytes + fx.buckets + fx.buffers
     optimizer, optimizer_first = _optimizer_peaks(walk.head, fx)
-
     held = walk.head.held_logits  # logits the loop holds from the loss on (its drain's too)
 
     def peaks(opt_bytes: int, from_loss: int, steady: bool) -> PhasePeaks:
@@ -574,13 +600,16 @@ def _embedding_block(spec: ModelSpec, wl: Workload, shared: StageTerms,
 
 def backward_floor(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage: int,
                    schedule: Schedule, shared: StageTerms,
-                   parts: tuple[StageStates, StageKinds]) -> int:
+                   parts: tuple[StageStates, StageKinds],
+                   made: list[Prepared] | None = None) -> int:
     """A lower bound of ``walk_stage(...).tensor_peak`` without walking the layers: the steady
     backward's peak over its first segment alone (the loss and the head, every activation of
     the micro-batches in flight alive), a prefix of the fold ``backward_peak`` makes, so never
     above it. 0 where the stage's mechanisms change the walk's gradients or its head
     (gradients accumulated unsharded, FSDP2's kept accumulators, a deferred weight gradient,
-    the optimizer stepped in backward)."""
+    the optimizer stepped in backward). ``made``: where given, the walk's inputs it made are
+    appended (``Prepared``: ``walk_stage`` of the same stage takes them instead of making
+    them again)."""
     fx, kinds = parts
     if (wl.optimizer_in_backward or fx.shard.kept_gathered
             or accumulates_unsharded(wl, fx.dp, fx.shard.kept_gathered, m)):
@@ -588,11 +617,10 @@ def backward_floor(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, s
     if fx.last and wl.head_wgrad_deferral is not None:
         return 0
     st = fx.states
-    host_rope = _host_rope(shared, par, kinds)
-    shared = shared._replace(rope_bytes=0) if host_rope else shared
-    flight = memo.in_flight(par.pp, par.vpp, m, stage, schedule, par.vpp_group)
-    entries = _entries(spec, par, wl, shared, fx, kinds)
-    walk = _walk(spec, par, wl, shared, fx, kinds, entries, flight)[0]
+    prepared = _prepare(spec, par, wl, m, stage, schedule, shared, parts)
+    if made is not None:
+        made.append(prepared)
+    walk = prepared.walk[0]
     in_forward = st.grads_bytes if m > 1 or fx.persistent else 0
     # the steady state's gradients before a backward, as ``_gradients`` has them
     prior = st.grads_bytes if wl.keep_grads and not in_forward else in_forward
