@@ -294,8 +294,7 @@ def _as_str(value: Any) -> str:
     raise _Fail("string_type", "Input should be a valid string", value)
 
 
-_LAX = {int: lambda v: _as_int(v), float: lambda v: _as_float(v), bool: lambda v: _as_bool(v),
-        str: lambda v: _as_str(v)}
+_LAX = {int: _as_int, float: _as_float, bool: _as_bool, str: _as_str}
 
 
 def _expected(values: Any) -> str:
@@ -581,10 +580,9 @@ class Record:
             except (ValueError, AssertionError) as err:
                 if isinstance(err, ValidationError):
                     raise
-                kind = "value_error" if isinstance(err, ValueError) else "assertion_error"
-                prefix = "Value error, " if kind == "value_error" else "Assertion failed, "
+                kind, msg = _raised(err)
                 raise ValidationError(cls.__name__, [_error(
-                    kind, (), prefix + str(err), data, {"error": err})]) from None
+                    kind, (), msg, data, {"error": err})]) from None
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise ValidationError(type(self).__name__, [_error(
@@ -690,9 +688,15 @@ def _run_validator(function: Any, value: Any) -> Any:
     except _Fail:
         raise
     except (ValueError, AssertionError) as err:
-        kind = "value_error" if isinstance(err, ValueError) else "assertion_error"
-        prefix = "Value error, " if kind == "value_error" else "Assertion failed, "
-        raise _Fail(kind, prefix + str(err), value, ctx={"error": err}) from None
+        kind, msg = _raised(err)
+        raise _Fail(kind, msg, value, ctx={"error": err}) from None
+
+
+def _raised(err: Exception) -> tuple[str, str]:
+    """A validator's ValueError or AssertionError as pydantic reports it: (type, message)."""
+    if isinstance(err, ValueError):
+        return "value_error", f"Value error, {err}"
+    return "assertion_error", f"Assertion failed, {err}"
 
 
 def _dumped(value: Any, json_mode: bool) -> Any:

@@ -42,7 +42,7 @@ from typing import NamedTuple
 from memplan.hardware import GpuSpec
 from memplan.model.layer import layer_linears
 from memplan.model.linear import Split
-from memplan.spec import MlpKind, ModelSpec, PositionKind
+from memplan.spec import ModelSpec, PositionKind
 
 GEMM_TABLE_SOURCE = ("openxla/xla xla/backends/gpu/cost_model/matmul_interpolator_data.h "
                      "kDefaultMatmulPTable, sm_90 bf16 and sm_100 bf16 / f8e4m3fn, b=4 m=4096")
@@ -388,7 +388,7 @@ def elementwise_bytes(spec: ModelSpec, tp: int, sp: bool, seq_kv: int, itemsize:
         ffn = spec.ffn_hidden_size / tp
     dropout = megatron and spec.dropout > 0
     mask = 1.0 if dropout else 0.0
-    gated = spec.mlp in (MlpKind.SWIGLU, MlpKind.GEGLU)
+    gated = spec.mlp.gated
     fused = megatron or compiled
     # norms: 2 H e forward, 3 H e backward, two a layer
     fwd, bwd = 2 * 2 * hidden * e, 2 * 3 * hidden * e
