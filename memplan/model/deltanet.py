@@ -307,6 +307,35 @@ def last_update_locals(z: Sizes, dm: Dims) -> int:
     return loop + t * 2 * hv * e + grouped
 
 
+def rerun_norm_working(z: Sizes, dm: Dims, solved: bool) -> int:
+    """Beside everything the rule and the gated norm saved, at the norm's last op
+    (``hidden_states.to(input_dtype)``) in a rerun that saves: Qwen3NextGatedDeltaNet.forward's
+    locals (``caller_locals``) but those the rule saved (beta; ``l2norm``'s q and k: the
+    repeated copies on the loop's path, the silu output they view with Hv == Hk) and those the
+    norm saved (in fp32 its gate is z itself: the qkvz projection's output z views with
+    Hv == Hk, else the copy ``fix_query_key_value_ordering`` made); the rule's output in the
+    compute dtype (below fp32: in fp32 it is the norm's saved input); the norm's ``variance``
+    (a local to its return) and, below fp32, the fp32 product the cast reads (in fp32 the
+    cast returns it: the saved ``out``). Traced: Qwen3-Next on transformers 5.23 (torch-solve),
+    bf16, one layer of each kind cut to 2 x 192 tokens with the published head widths, full
+    recompute: at op 1430 of step 1's backward every byte the layer's rerun made is this
+    moment's (10,472,016 B beside the input norm's)."""
+    e, f, t, hv = dm.e, FP32_BYTES, z.tokens, z.hv
+    rows = t * hv * z.dv
+    held = caller_locals(z, dm) - t * hv * e  # beta: the rule saves it
+    if solved:
+        held += solve.solve_caller_locals(z, dm)  # the rule repeats q and k itself
+        if e >= f and hv == z.hk:  # l2norm saves the silu output q and k view
+            held -= t * z.channels * e
+    elif hv > z.hk:  # the repeated q and k: l2norm saves them
+        held -= 2 * t * hv * z.dk * e
+    else:  # q and k view the silu output, which l2norm saves
+        held -= t * z.channels * e
+    if e >= f:  # the norm's fp32 gate is z: the projection's output, or z's copy
+        held -= t * (2 * z.hk * z.dk + 2 * hv * z.dv) * e if hv == z.hk else rows * e
+    return held + (rows * e + rows * f if e < f else 0) + t * hv * f
+
+
 class DeltaNet:
     """Qwen3NextGatedDeltaNet on transformers' torch path (the module docstring)."""
 
@@ -374,10 +403,15 @@ class DeltaNet:
         rule = total(rule_terms(z, wl, dm))
         if _fused(wl):  # the fused rule's forward, as in a forward that saves
             return [Moment("delta_rule", rule, fla.fla_rule_alive(z, dm, False))]
+        # then the gated norm on the rule's output, everything the block saves made by its
+        # last op (``rerun_norm_working``)
+        norm = Moment("gated_norm", rule + total(norm_out_terms(z, wl, dm)),
+                      rerun_norm_working(z, dm, _solved(wl)))
         if _solved(wl):
             return [Moment("delta_rule", rule, solve.solve_rule_alive(z, dm)
-                           + solve.solve_update_locals(z, dm))]
-        return [Moment("delta_rule", rule, _rule_alive(z, dm) + last_update_locals(z, dm))]
+                           + solve.solve_update_locals(z, dm)), norm]
+        return [Moment("delta_rule", rule, _rule_alive(z, dm) + last_update_locals(z, dm)),
+                norm]
 
     def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:
         """dt_bias, A_log, conv1d, in_proj_qkvz, in_proj_ba, the norm, out_proj (the module's
