@@ -275,3 +275,34 @@ def test_solve_checkpointed_rule_by_hand() -> None:
 
     z = Sizes(b=1, s=4, hk=1, hv=1, dk=2, dv=2, taps=4, c=2, n=2)
     assert solve_checkpointed_rule(z, _Dims()) == 540
+
+
+def test_rerun_moments_of_the_wide_layer_by_hand() -> None:
+    """Qwen3NextGatedDeltaNet's rerun under full recompute with the published head widths
+    (Hk = 2, Hv = 4, dk = dv = 128, c = 64), b = 1; bytes alive beyond what the rule and the
+    gated norm saved (traced on transformers 5.23, tests/traced/test_hf_qwen3_next.py).
+
+    bf16, s = 192 (T = 192, rows = T Hv dv = 98,304), at the norm's last cast: the caller's
+    locals the rule did not save: in_proj_qkvz's output T (2 * 2 * 128 + 2 * 4 * 128) * 2 =
+    589,824, in_proj_ba's T * 8 * 2 = 3,072, z's copy rows * 2 = 196,608, b's and a's copies
+    2 * 1,536, the conv's silu output T * 1,024 * 2 = 393,216 and g T * 4 * 4 = 3,072
+    (1,188,864); the rule's bf16 output rows * 2 = 196,608, the norm's fp32 product
+    rows * 4 = 393,216 and its variance T * 4 * 4 = 3,072: 1,781,760.
+
+    fp32, s = 128 (T = 128, N = 2), at the last chunk's state update, beyond
+    ``solve_rule_alive``: the decayed state and k^T @ v_new 2 * 4 * 128 * 128 * 4 =
+    524,288, projected_states_ba T * 8 * 4 = 4,096, the silu output T * 1,024 * 4 =
+    524,288, z's copy T * 512 * 4 = 262,144, b's and a's copies 2 * 2,048,
+    inter_chunk_attn 4 * 64 * 128 * 4 = 131,072 and g T * 4 * 4 = 2,048: 1,452,032."""
+    from memplan.model import deltanet_solve as solve
+    from memplan.model.deltanet import Sizes, rerun_norm_working
+
+    spec = spec_from_hf_dict(TOY, "config.json", "toy")
+    bf16 = Dims.of(spec, ParallelConfig(), Workload(
+        micro_batch_size=1, seq_len=192, precision=Precision.BF16_PURE))
+    fp32 = Dims.of(spec, ParallelConfig(), Workload(
+        micro_batch_size=1, seq_len=128, precision=Precision.FP32))
+    wide = Sizes(b=1, s=192, hk=2, hv=4, dk=128, dv=128, taps=4, c=64, n=3)
+    assert rerun_norm_working(wide, bf16, solved=True) == 1_781_760
+    wide = wide._replace(s=128, n=2)
+    assert solve.solve_update_locals(wide, fp32) == 1_452_032
