@@ -281,6 +281,19 @@ def _eager_backward(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recomput
             in eager.backward(c, rebuild=recompute is Recompute.SELECTIVE)]
 
 
+def _eager_rerun(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute,
+                 saved: int) -> list[BackwardMoment]:
+    """A checkpointed eager core's rerun (selective recompute) at its early stop
+    (``eager.rerun``), what the block saved and the core saves again alive, as at the value
+    matmul's backward (``eager.backward``'s first moment)."""
+    if wl.attention is not Kernel.EAGER or recompute is not Recompute.SELECTIVE:
+        return []
+    c = _core(spec, wl, dm)
+    saved -= total(residual_dropout_mask("attn", spec, dm)) + _out_cast(spec, dm)
+    return [BackwardMoment("attention.rerun", saved - c.q + c.rebuilt, eager.rerun(c),
+                           ("attn_out",))]
+
+
 def _outputs(spec: ModelSpec, dm: Dims) -> list[int]:
     """Bytes of each input projection's output (q, k, v or the fused qkv), in order."""
     return [dm.tokens * linear.local_widths(lin, dm.tp)[1] * dm.e
@@ -410,6 +423,7 @@ class Attention:
         grad_inputs = 2 * dm.rows * spec.hidden_size * dm.e
         return [
             *_float8_out_backward(spec, dm, saved),
+            *_eager_rerun(spec, wl, dm, recompute, saved),
             *(BackwardMoment(f"attention.{i}", alive, transient, ("attn_out",))
               for i, (alive, transient) in enumerate(core)),
             *_float8_in_backward(spec, dm),

@@ -156,6 +156,19 @@ def output_projection(c: Core, saving: bool) -> int:
     return c.q + (c.caller_locals if saving else 0)
 
 
+def rerun(c: Core) -> int:
+    """Gradient bytes in flight and the rerun's locals when a checkpointed core (selective
+    recompute), rerun in backward, stops early (the value matmul's inputs saved, beside
+    everything else it saves again, ``Core.rebuilt``): the core output's gradient (q-sized,
+    from the output projection's backward) beside the masked scores and, under autocast,
+    dropout's fp32 output (locals to the core's end; their successors are saved) and the fp32
+    K repeated to every head (with RoPE). Traced: the reference GPT under amp-bf16 with eager
+    attention and attention dropout, 2 x 128 tokens: step 1's backward peaks here, at the
+    contiguous copy of V the value matmul saves last (294,912 B above the value matmul's
+    backward: the probabilities' cast and that copy)."""
+    return c.q + c.masked + c.dropout_local + c.fp32_k_rep
+
+
 def backward(c: Core, rebuild: bool) -> list[tuple[int, int]]:
     """(change of the attention block's saved bytes, gradient bytes in flight) at the core's
     two backward peaks, the output projection's backward done (its saved input freed) and the

@@ -235,6 +235,10 @@ GRID = [
      True),
     (GPT, dict(seq_len=128, micro_batch_size=2, precision="amp-bf16"), True),
     (GPT, dict(seq_len=128, micro_batch_size=2, precision="amp-bf16", attention="eager"), True),
+    # the core's rerun under selective recompute stops early beside the masked scores and
+    # dropout's fp32 output (memplan.model.eager.rerun; it read -6.7% / -5.1% in backward)
+    (GPT, dict(seq_len=128, micro_batch_size=2, precision="amp-bf16", attention="eager",
+               recompute="selective"), True),
     (GPT, dict(seq_len=256, micro_batch_size=1, precision="amp-bf16", recompute="full"), True),
     (TINY, dict(seq_len=256, micro_batch_size=1, precision="amp-bf16", attention="eager"), True),
     (MHA, dict(seq_len=256, micro_batch_size=2, precision="amp-bf16", attention="eager",
@@ -486,12 +490,6 @@ def test_estimate_matches_trace(spec: ModelSpec, fields: dict, fake: bool) -> No
 # until the entry is removed; a gap whose size moves fails too (``known.check``). (spec,
 # layout kwargs, workload fields, the gap: rows off, cause, their sizes as last measured)
 AMP_GAPS = [
-    (GPT, dict(), dict(seq_len=128, micro_batch_size=2, precision="amp-bf16",
-                       attention="eager", recompute="selective"),
-     Known(BACKWARDS, "eager attention with attention dropout, its core rerun under autocast "
-           "(selective): backward -6.7% first step, -5.1% steady",
-           {"first_step.backward_bytes": (-294_912, -6.7219),
-            "steady.backward_bytes": (-294_912, -5.1186)})),
     (GPT, dict(), dict(seq_len=256, micro_batch_size=1, precision="amp-bf16",
                        attention="eager", recompute="full"),
      Known(BACKWARDS, "eager attention with attention dropout in a layer rerun under autocast "

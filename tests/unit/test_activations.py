@@ -434,3 +434,23 @@ def test_chunked_loss_lowers_the_llama_3_8b_peak() -> None:
     saved = 8192 * 128_256 * 4
     assert base.worst.activations_bytes - chunked.worst.activations_bytes == saved + 4
     assert chunked.peak_bytes < base.peak_bytes - saved
+
+
+def test_eager_core_rerun_under_autocast_by_hand() -> None:
+    """GPT-2 (a = 12, d = 64, dropout 0.1) at b = 2, s = 128 under amp-bf16 with selective
+    recompute: the rerun core stops early beside the core output's gradient b s h 2 =
+    2 * 128 * 768 * 2 = 393,216, the fp32 masked scores and dropout's fp32 output, each
+    b a s^2 4 = 2 * 12 * 128 * 128 * 4 = 1,572,864: 3,538,944 (``eager.rerun``; the
+    saved tensors it made again, ``Core.rebuilt``, are the moment's alive bytes). In bf16
+    without autocast the masked scores are bf16 (786,432) and dropout's output is saved:
+    393,216 + 786,432 = 1,179,648."""
+    from memplan.model import eager
+
+    spec = load_model("gpt2")
+    amp = Workload(micro_batch_size=2, seq_len=128, attention=Attention.EAGER,
+                   precision=Precision.AMP_BF16, recompute=Recompute.SELECTIVE)
+    c = eager.core(spec, Dims.of(spec, ParallelConfig(), amp))
+    assert eager.rerun(c) == 393_216 + 2 * 1_572_864 == 3_538_944
+    bf16 = amp.model_copy(update={"precision": Precision.BF16_MIXED})
+    c = eager.core(spec, Dims.of(spec, ParallelConfig(), bf16))
+    assert eager.rerun(c) == 393_216 + 786_432
