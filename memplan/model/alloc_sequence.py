@@ -344,12 +344,15 @@ def _backward(r: _Run, acts: Stack, growing: bool) -> None:
     b.free(gathered)
     if dp.reduce_at_block:  # the root's reduce-scatter (sharding.end_moments's instants)
         units = h.grads + emb.grads
-        unsharded = b.alloc(dp.unit_grads(units) - (units if growing else 0))
+        last = dp.unit_grads(dp.root_last)  # freed when foreach_reduce returns
+        unsharded = b.alloc(dp.unit_grads(units) - (units if growing else 0) - last)
+        kept = b.alloc(last)
         rs_input = b.alloc(dp.unsharded(units))
         b.free(unsharded)  # unsharded_grads.clear() once copied in
         if not growing:  # the output shard, added into the gradient it joins
             b.blip(units, stream=s.reduce_stream)
         b.free(rs_input)
+        b.free(kept)
 
 
 def _head_backward(r: _Run, acts: Stack, growing: bool) -> None:

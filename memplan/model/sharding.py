@@ -34,7 +34,7 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Any, NamedTuple
 
-from memplan.model.dims import exact_ratio
+from memplan.model.dims import exact_ratio, whole_bytes
 from memplan.model.layer import LayerMoment
 from memplan.model.model_states import ShardingBuffers
 from memplan.model.moments import Event
@@ -107,6 +107,9 @@ class DataParallel(NamedTuple):
     forward_blocks: tuple[tuple[str, int], ...] = ()  # ... gathered beside each block of a
     #                                                   layer's forward (of which
     #                                                   in_block_forward is the most)
+    root_last: int = 0  # FSDP2: the root unit's last parameter's gradient (held bytes), alive
+    #                     past its unsharded_grads.clear() to foreach_reduce's return
+    #                     (``root_last_grad``)
 
     # Bytes are made from bytes in integer arithmetic on the ratios' numerators and
     # denominators (gradient bytes are never negative): exact, and no Fraction is built.
@@ -299,6 +302,31 @@ def data_parallel(shard: ShardingBuffers, params: int, grads_bytes: int,
         flat=shard.flat_units, at_reduce=shard.backward_reduce_bytes,
         kept_layer=shard.kept_layer_bytes, kept_layers=shard.kept_layers_bytes,
         prefetch_tail=shard.prefetch_tail_bytes)
+
+
+def root_last_grad(dp: DataParallel, tensor_sizes: tuple[int, ...], embedding_tensors: int,
+                   head_tensors: int, grad_per_param: int | Fraction) -> DataParallel:
+    """``dp`` with the held bytes of the root unit's last parameter's gradient (FSDP2's
+    per-unit reduce-scatter at the root; ``dp`` as it is otherwise), every parameter
+    training. torch 2.13's ``foreach_reduce`` (torch/distributed/fsdp/_fully_shard/
+    _fsdp_collectives.py) first walks ``zip(fsdp_params, unsharded_grads)`` to re-chunk the
+    gradients not sharded on dim 0; its loop variable keeps the group's last gradient bound
+    after ``unsharded_grads.clear()``, so that one is freed only when the function returns,
+    after the reduce-scatter's output shard is made. The root's parameters in registration
+    order: the embedding's, then the final norm's and the head's on the last stage, whose
+    last tensor is the head's weight (untied) or the final norm's (traced: the reference GPT
+    under FSDP2 at dp 2, the head's 4000 x 512 bf16 gradient alive at the root's
+    reduce-scatter until foreach_reduce returns, tests/traced/test_ground_truth.py
+    ``test_fsdp_root_reduce_scatter``)."""
+    if not dp.reduce_at_block:
+        return dp
+    if head_tensors:
+        last = tensor_sizes[-1]
+    elif embedding_tensors:
+        last = tensor_sizes[embedding_tensors - 1]
+    else:
+        return dp
+    return dp._replace(root_last=whole_bytes(last, grad_per_param))
 
 
 def with_stream(dp: DataParallel, stream: int) -> DataParallel:
@@ -635,10 +663,13 @@ def end_moments(dp: DataParallel, held: Held, head_grads: int, embedding_grads: 
         # its unsharded gradients, in the weights' dtype, copied into the reduce-dtype input,
         # then freed (unsharded_grads.clear()) before the output shard is made beside that
         # input. Its shard is new in the first micro-batch; in later ones the output joins it.
+        # Its last parameter's gradient, in the weights' dtype, is freed only when
+        # foreach_reduce returns (``root_last``).
         rs_input = dp.unsharded(units)
         events = (Event("root.reduce_scatter_input", 0,
                         dp.unit_grads(units) + rs_input - (units if growing else 0)),
-                  Event("root.reduce_scatter_output", 0, rs_input + (0 if growing else units)))
+                  Event("root.reduce_scatter_output", 0, rs_input + (0 if growing else units)
+                        + dp.unit_grads(dp.root_last)))
     elif dp.reduce_copies and dp.separate_units and growing:  # the embedding's unit
         events = (Event("embedding.reduce", 0,
                         dp.reduced(embedding_grads) - embedding_grads - dp.boundary_grad),)

@@ -34,7 +34,7 @@ from memplan.model.mlp import mlp_linears
 from memplan.model.moments import Event, Segment, peak_of
 from memplan.model.mtp import mtp_layer_index, mtp_recompute
 from memplan.model.pipeline import stage_layers
-from memplan.model.sharding import DataParallel, data_parallel
+from memplan.model.sharding import DataParallel, data_parallel, root_last_grad
 from memplan.model.trainable import TrainablePolicy, lora_policy
 from memplan.model.walk import first_positions, runs_of
 from memplan.parallel import GradBuffers, ParallelConfig, ZeroStage, optimizer_on_host
@@ -236,8 +236,13 @@ def _data_parallel(shard: ShardingBuffers, params: StageParams, st: StateBytes, 
     if trainable.adapters:
         return data_parallel(shard, sum(trainable.adapters), st.grads_bytes,
                              adapter_policy(wl))
-    return data_parallel(shard, params.total, st.grads_bytes, wl.precision.policy)._replace(
+    dp = data_parallel(shard, params.total, st.grads_bytes, wl.precision.policy)._replace(
         fresh_only=bool(shard.bucket_bytes) or wl.optimizer_in_backward)
+    if trainable.frozen or shard.bucket_bytes or wl.optimizer_in_backward:
+        return dp  # (frozen groups: the root's last trained tensor is not modelled)
+    return root_last_grad(dp, params.tensor_sizes, params.embedding_tensors,
+                          params.head_tensors, exact_ratio(st.grads_bytes,
+                                                           max(params.total, 1)))
 
 
 def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,

@@ -246,3 +246,30 @@ def test_shard_of_unsharded_gradients() -> None:
     bucket = DataParallel(grad_cap=1_000, unsharded_ratio=4)
     assert bucket.shard_of(800) == 200
     assert bucket.buffer(200) == 600
+
+
+def test_fsdp2_root_keeps_its_last_gradient_to_the_reduce_scatter_output() -> None:
+    """As ``test_fsdp2_moments_of_a_four_block_stage``, the root's last parameter's gradient
+    (8 B held: 16 B unsharded) kept by torch 2.13's foreach_reduce until it returns
+    (``root_last_grad``): the root's reduce-scatter output 350 + 16 = 366; every other instant
+    as there."""
+    got = _instants(FSDP2._replace(root_last=8))
+    assert got[-1] == ("root.reduce_scatter_output", 366)
+    assert got[:-1] == _instants(FSDP2)[:-1]
+
+
+def test_root_last_gradient_is_the_head_weight_or_the_embedding() -> None:
+    """The root's last tensor in registration order: on the last stage the head's (elements
+    [embedding 40, layers 10 and 10, final norm 4, head 40]: 40), on a first stage without
+    the head the embedding's last (there 40 of [40, 10]); held at 1.5 B per parameter: 60 B.
+    Nothing for other mechanisms (FSDP2 at shard degree 1: units reduced on their own)."""
+    from fractions import Fraction
+
+    from memplan.model.sharding import root_last_grad
+
+    per = Fraction(3, 2)
+    assert root_last_grad(FSDP2, (40, 10, 10, 4, 40), 1, 2, per).root_last == 60
+    assert root_last_grad(FSDP2, (40, 10), 1, 0, per).root_last == 60
+    assert root_last_grad(FSDP2, (10, 10), 0, 0, per).root_last == 0
+    single = DataParallel(per_unit=True, separate_units=True, reduce_copies=3)
+    assert root_last_grad(single, (40, 10, 4, 40), 1, 2, per).root_last == 0
