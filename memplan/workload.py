@@ -489,6 +489,27 @@ class CpExchange(PlainEnum):
     ALLGATHER = "allgather"
 
 
+class StepModel(PlainEnum):
+    """How the step-time model times a step's compute (step time only:
+    ``memplan.planning.timing``).
+
+    mfu      every FLOP at a flat end-to-end fraction of peak (``DEFAULT_MFU`` or a
+             calibration's), which holds the GEMMs, the memory-bound kernels and whatever
+             else a step spends per FLOP; the decoder's linears and the attention scaled by
+             their measured rates where the GPU has them
+    kernels  kernel by kernel: the GEMMs alone at their measured rates and the memory-bound
+             per-token kernels by the bytes they move over the HBM, as Megatron-LM's fused
+             kernels move them (megatron/core/fusions: fused_layer_norm, fused_bias_dropout
+             bias_dropout_add_fused_train, fused_bias_gelu bias_gelu_impl, fused_bias_swiglu
+             bias_swiglu_impl, fused_softmax scaled_upper_triang_masked_softmax;
+             ``memplan.planning.kernels.elementwise_bytes``). A calibrated MFU, measured on
+             the device, times the step at its flat rate instead
+    """
+
+    MFU = "mfu"
+    KERNELS = "kernels"
+
+
 class PipelineSplit(PlainEnum):
     """How decoder layers are split over pipeline stages when no split is given.
 
@@ -787,6 +808,9 @@ class Workload(Record):
     attention_impl: AttentionImpl = AttentionImpl.GENERIC
     mlp_impl: MlpImpl = MlpImpl.GENERIC
     cp_exchange: CpExchange = CpExchange.RING
+    step_model: StepModel = Field(default=StepModel.MFU, description=(
+        "how a step's compute is timed (StepModel): at a flat end-to-end fraction of peak, "
+        "or kernel by kernel with Megatron-LM's fused pointwise kernels. Step time only"))
     moe_impl: MoeImpl = MoeImpl.LOOP
     window_mask: bool = Field(default=False, description=(
         "sliding-window layers attend through an explicit mask once the sequence reaches the "

@@ -8,10 +8,11 @@ FLOPs per token (forward, one model replica) count every matmul: 2 FLOPs per mul
 projection weights (MoE: the top-k experts a token visits) and the output head, plus causal
 attention's two batched matmuls, 2 * 2 * (s/2) * a * d on average per token per layer
 (Narayanan et al. 2021, arXiv 2104.04473, section 5.1, without the causal halving there).
-Backward costs twice the forward. Under Megatron-LM the step is timed kernel by kernel instead
-of at a flat fraction of peak: GEMMs at their measured rates, the memory-bound per-token kernels
-(norms, bias-dropout-add, activation, softmax over materialised scores, the loss) by the bytes
-they move over the HBM bandwidth (``elementwise_seconds``). Full recompute reruns each
+Backward costs twice the forward. With ``Workload.step_model`` kernels (the Megatron-LM preset's,
+``memplan.presets``) the step is timed kernel by kernel instead of at a flat fraction of peak:
+GEMMs at their measured rates, the memory-bound per-token kernels (norms, bias-dropout-add,
+activation, softmax over materialised scores, the loss) by the bytes they move over the HBM
+bandwidth (``elementwise_seconds``). Full recompute reruns each
 recomputed layer's forward, read per pipeline stage as the memory model reads it:
 ``recompute_layers`` = k is the first k layers of every stage's layer list
 (``memplan.model.stage_parts.layer_recompute``), so k * pp layers in all. Selective recompute reruns the attention core's matmuls.
@@ -44,8 +45,8 @@ from memplan.units import FP32_BYTES
 from memplan.planning.kernels import (ACHIEVABLE_HBM, attention_time_factor,
                                       elementwise_bytes, float8_cast_seconds, gemm_best_rate,
                                       gemm_time_factor, linear_time_factor, loss_bytes_per_token)
-from memplan.workload import (Attention, CpExchange, Float8Recipe, Framework, MoeImpl,
-                              Recompute, SelectiveImpl, Workload)
+from memplan.workload import (Attention, CpExchange, Float8Recipe, MoeImpl, Recompute,
+                              SelectiveImpl, StepModel, Workload)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
 # 2407.21783, Table 4); the midpoint is the assumption until calibration measures it. It is an
 # end-to-end rate: the whole step's model FLOPs over its time, so it holds the GEMMs, the
 # memory-bound kernels and everything else a step spends per FLOP. Where the step is timed
-# kernel by kernel (Megatron-LM: ``_step_fields``) the GEMMs run at their own measured rates
+# kernel by kernel (``StepModel.KERNELS``: ``_step_fields``) the GEMMs run at their own measured rates
 # (``memplan.planning.kernels.gemm_time_factor``) and the memory-bound kernels by their bytes
 # (``elementwise_seconds``) instead; ``mfu`` then only scales FLOPs to seconds and cancels.
 DEFAULT_MFU = 0.40
@@ -669,13 +670,14 @@ def _step_fields(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int,
     # cores (``memplan.planning.kernels``)
     linear = (matmul - head_flops_per_token(spec)) / (matmul + attention)
     float8 = wl.float8 is not Float8Recipe.NONE
-    # Megatron-LM's step is timed kernel by kernel: the GEMMs alone at their measured rates and
-    # the memory-bound per-token kernels by their bytes (``elementwise_seconds``), whose time
-    # grows with h where the GEMMs' grows with h^2. Elsewhere the flat fraction stays: it is an
-    # end-to-end MFU (``DEFAULT_MFU``) that holds those kernels and more, and timed kernel by
-    # kernel the torchtitan runs of benchmarks/data/throughput_runs.json come out 1.5-1.9x
-    # faster than published (what else their steps spend is not modelled; docs/accuracy.md).
-    kernels = not measured and wl.framework is Framework.MEGATRON
+    # ``StepModel.KERNELS`` times the step kernel by kernel: the GEMMs alone at their measured
+    # rates and the memory-bound per-token kernels by their bytes (``elementwise_seconds``),
+    # whose time grows with h where the GEMMs' grows with h^2. ``StepModel.MFU`` keeps the flat
+    # fraction: an end-to-end MFU (``DEFAULT_MFU``) that holds those kernels and more (timed
+    # kernel by kernel the torchtitan runs of benchmarks/data/throughput_runs.json come out
+    # 1.5-1.9x faster than published: what else their steps spend is not modelled;
+    # docs/accuracy.md). A measured MFU stands for every kernel it timed.
+    kernels = not measured and wl.step_model is StepModel.KERNELS
     best = gemm_best_rate(gpu) if kernels else None
     if best is None:  # every FLOP at the flat fraction, the GEMMs' by shape where measured
         shaped = c.ops.per_value(
@@ -732,22 +734,23 @@ def elementwise_seconds(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns)
     layers, the forward again for the share of layers full recompute reruns, the attention
     core's again under Megatron-style selective recompute (which reruns the core: Korthikanti
     et al. 2022, section 5), and, without pipeline parallelism, the loss over the vocabulary
-    (``loss_bytes_per_token``; with it, on the last stage, not counted). At the HBM's
+    (``loss_bytes_per_token``; with it, on the last stage, not counted). The kernels are
+    those ``StepModel.KERNELS`` names (Megatron-LM's fused ones). At the HBM's
     datasheet bandwidth times torchao's measured 92% for pointwise kernels
     (``ACHIEVABLE_HBM``)."""
-    megatron = wl.framework is Framework.MEGATRON
+    fused = wl.step_model is StepModel.KERNELS
     eager = wl.attention is not Attention.FLASH
     e = wl.compute_dtype.itemsize
     selective = (wl.recompute is Recompute.SELECTIVE
                  and wl.selective_impl is not SelectiveImpl.OP)
 
     def per_token(key: int) -> float:  # key: 2 tp + sp
-        b = elementwise_bytes(spec, key // 2, bool(key % 2), wl.seq_len, e, megatron,
+        b = elementwise_bytes(spec, key // 2, bool(key % 2), wl.seq_len, e, fused,
                               wl.compile, eager)
         return b.forward + b.backward + (b.core if selective else 0.0)
 
     def forward(key: int) -> float:
-        return elementwise_bytes(spec, key // 2, bool(key % 2), wl.seq_len, e, megatron,
+        return elementwise_bytes(spec, key // 2, bool(key % 2), wl.seq_len, e, fused,
                                  wl.compile, eager).forward
 
     key = 2 * c.tp + c.ops.where(c.sp, 1, 0)

@@ -84,7 +84,7 @@ def test_elementwise_seconds_by_hand():
     one micro-batch, no pipeline: per token 2 layers x (2048 forward + 3792 backward + 2048
     rerun) + 2048 of loss = 17824 bytes; 8 tokens: 142592 bytes over 2,039 GB/s x 0.92."""
     spec = _gpt()
-    wl = memplan.make_workload(spec, seq_len=8, recompute="full", framework="megatron",
+    wl = memplan.make_workload(spec, seq_len=8, recompute="full", step_model="kernels",
                                attention="eager")
     par = memplan.make_layout(2, tp=2, sequence_parallel=False)
     c = Columns.one(par, 1, 1, spec.num_params, num_layers=2, rerun=1.0)
@@ -101,13 +101,14 @@ def test_gemm_rates_are_measured_ones():
     assert gemm_best_rate(load_gpu("l40s")) is None
 
 
-def test_megatron_step_is_gemms_plus_memory_bound_kernels():
-    """One A100, the miniature GPT under Megatron with eager attention, no recompute: the
-    compute is every FLOP at 271.2 TFLOP/s (no flash table read for eager attention) plus the
-    memory-bound seconds; the flat fraction of peak plays no part (the same at any mfu).
-    Under another framework the step keeps the flat fraction."""
+def test_kernel_step_is_gemms_plus_memory_bound_kernels():
+    """One A100, the miniature GPT timed kernel by kernel (``step_model`` kernels, what the
+    Megatron-LM preset selects) with eager attention, no recompute: the compute is every FLOP
+    at 271.2 TFLOP/s (no flash table read for eager attention) plus the memory-bound seconds;
+    the flat fraction of peak plays no part (the same at any mfu). The flat step model (the
+    default) keeps the flat fraction, whatever the framework's name."""
     spec = _gpt()
-    wl = memplan.make_workload(spec, seq_len=8, framework="megatron", attention="eager")
+    wl = memplan.make_workload(spec, seq_len=8, step_model="kernels", attention="eager")
     par = memplan.make_layout(1)
     t = step_time(spec, A100, par, wl, 1, 1, spec.num_params)
     c = Columns.one(par, 1, 1, spec.num_params, num_layers=2)
@@ -118,3 +119,5 @@ def test_megatron_step_is_gemms_plus_memory_bound_kernels():
     generic = memplan.make_workload(spec, seq_len=8, attention="eager")
     g = step_time(spec, A100, par, generic, 1, 1, spec.num_params)
     assert g.compute_s == pytest.approx(g.hardware_flops / (312e12 * 0.4))
+    named = memplan.make_workload(spec, seq_len=8, attention="eager", framework="megatron")
+    assert step_time(spec, A100, par, named, 1, 1, spec.num_params).compute_s == g.compute_s
