@@ -555,11 +555,13 @@ def comm_columns(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns) -> dic
         tp_bytes = tp_bytes * where(c.sp, 1.0 - 2 * (1 - 1 / e) / 8, 1.0)
     # ... each a collective of its own: 8 ring passes per layer and micro-batch
     tp_latency = 8 * layers * m * _ring_latency(gpu, c.tp, c.tp)
-    # full recompute reruns each recomputed layer's forward with its two collectives
+    # full recompute reruns each recomputed layer's forward with its collectives
     # (torch.utils.checkpoint and Megatron-LM's CheckpointFunction re-execute the module's
     # forward, its tensor-parallel all-reduces or sequence all-gathers and reduce-scatters
-    # included): 8 -> 10 collective units per recomputed layer
-    out["tp"] = (tp_bytes / _bandwidth(gpu, c, c.tp) + tp_latency) * (1.0 + 2.0 / 8.0 * c.rerun)
+    # included): the forward's two all-reduces (RowParallelLinear's output, attention's and
+    # the MLP's), 2 ring passes each, or its two all-gather + reduce-scatter pairs, are 4 of
+    # the layer's 8 units: 8 -> 12 per recomputed layer
+    out["tp"] = (tp_bytes / _bandwidth(gpu, c, c.tp) + tp_latency) * (1.0 + 4.0 / 8.0 * c.rerun)
     out["dp"] = sum(dp_parts(wl, gpu, c))
     # PP: each micro-batch's activations cross each boundary forward and their gradients back,
     # once per model chunk: interleaving multiplies the sends by vpp (Narayanan et al. 2021,
