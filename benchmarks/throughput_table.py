@@ -305,7 +305,8 @@ def render(rows: list[dict[str, Any]]) -> list[str]:
         "(`memplan.planning.kernels.gemm_time_factor`; the A100 at 271.2 TFLOP/s) and their",
         "memory-bound per-token kernels (norms, bias-dropout-add, activation, softmax over",
         "materialised scores, the loss) by the bytes they move over the HBM bandwidth",
-        "(`elementwise_bytes`); the other runs at the flat fraction of peak (`DEFAULT_MFU`).",
+        "(`elementwise_bytes`), the optimizer's step by its bytes too",
+        "(`optimizer_step_seconds`); the other runs at the flat fraction of peak (`DEFAULT_MFU`).",
         "",
         f"- Median |error|: {s['median_abs_error']:.1%} over {s['estimated']} runs.",
         f"- Groups of {MIN_GROUP} runs or more with a rank correlation of at least 0.8: "

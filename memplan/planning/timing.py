@@ -12,7 +12,8 @@ Backward costs twice the forward. With ``Workload.step_model`` kernels (the Mega
 ``memplan.presets``) the step is timed kernel by kernel instead of at a flat fraction of peak:
 GEMMs at their measured rates, the memory-bound per-token kernels (norms, bias-dropout-add,
 activation, softmax over materialised scores, the loss) by the bytes they move over the HBM
-bandwidth (``elementwise_seconds``). Full recompute reruns each
+bandwidth (``elementwise_seconds``), the optimizer's step by its bytes too
+(``optimizer_step_seconds``). Full recompute reruns each
 recomputed layer's forward, read per pipeline stage as the memory model reads it:
 ``recompute_layers`` = k is the first k layers of every stage's layer list
 (``memplan.model.stage_parts.layer_recompute``), so k * pp layers in all. Selective recompute reruns the attention core's matmuls.
@@ -695,7 +696,8 @@ def _step_fields(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int,
         if wl.attention is not Attention.FLASH:
             slower = at_best
         factor = (1.0 - share - linear) * at_best + share * slower + linear * shaped
-        compute = compute * factor + elementwise_seconds(spec, gpu, wl, c)
+        compute = compute * factor + elementwise_seconds(spec, gpu, wl, c) + \
+            optimizer_step_seconds(gpu, wl, c)
     if float8:
         compute = compute + _float8_casts(spec, gpu, wl, c)
     comm = comm_columns(spec, gpu, wl, c)
@@ -762,6 +764,28 @@ def elementwise_seconds(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns)
     rows = c.mbs * local_seq(wl.seq_len, c.cp) * c.m
     total = rows * ((layer + rerun) * c.layers + c.ops.where(c.pp == 1, loss, 0.0))
     return total / (gpu.hbm_bytes_per_s * ACHIEVABLE_HBM)
+
+
+def optimizer_step_seconds(gpu: GpuSpec, wl: Workload, c: Columns) -> Any:
+    """Seconds of the optimizer's step on the GPU in one step of the busiest rank, by the
+    bytes its kernels move over the HBM (at ``ACHIEVABLE_HBM``), as the kernel step model
+    times it (an end-to-end MFU holds it already). A fused step reads each updated element,
+    its gradient and its states and writes the element and the states back, one pass
+    (Megatron-LM's optimizer.step(): Transformer Engine's or Apex's FusedAdam,
+    multi_tensor_apply); with a master copy the updated weights are then copied into the
+    model's (megatron/core/optimizer/optimizer.py Float16OptimizerWithFloat16Params.
+    _copy_main_params_to_model_params: read the fp32 main weight, write the model's). A
+    foreach step's several passes move more, not counted. Over the rank's optimizer
+    partition: its parameters over dp x cp with ZeRO >= 1 (the distributed optimizer), all
+    of them without; none when the optimizer is on the host (``_host_seconds``)."""
+    policy = wl.precision.policy
+    updated = policy.updated.itemsize
+    states = optimizer_policy(wl.optimizer).state_bytes_per_param(policy)
+    per_param = 2 * (updated + states) + policy.grad_bytes + \
+        (updated + policy.param_bytes if policy.master is not None else 0)
+    shard = c.params_on_rank / c.ops.where(c.zero >= 1, c.dp * c.cp, 1)
+    seconds = shard * per_param / (gpu.hbm_bytes_per_s * ACHIEVABLE_HBM)
+    return c.ops.where(c.offload, 0.0, seconds)
 
 
 def _float8_casts(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns) -> Any:

@@ -10,7 +10,8 @@ import memplan
 from memplan.hardware import load_gpu
 from memplan.planning.kernels import (elementwise_bytes, gemm_best_rate, gemm_time_factor,
                                       loss_bytes_per_token)
-from memplan.planning.timing import Columns, elementwise_seconds, step_time
+from memplan.planning.timing import (Columns, elementwise_seconds, optimizer_step_seconds,
+                                     step_time)
 from memplan.spec import ModelSpec
 
 A100 = load_gpu("a100-80gb")
@@ -113,7 +114,8 @@ def test_kernel_step_is_gemms_plus_memory_bound_kernels():
     t = step_time(spec, A100, par, wl, 1, 1, spec.num_params)
     c = Columns.one(par, 1, 1, spec.num_params, num_layers=2)
     assert t.compute_s == pytest.approx(t.hardware_flops / 271.2e12
-                                        + elementwise_seconds(spec, A100, wl, c))
+                                        + elementwise_seconds(spec, A100, wl, c)
+                                        + optimizer_step_seconds(A100, wl, c))
     slow = step_time(spec, A100, par, wl, 1, 1, spec.num_params, mfu=0.2)
     assert slow.compute_s == pytest.approx(t.compute_s)
     generic = memplan.make_workload(spec, seq_len=8, attention="eager")
@@ -121,3 +123,27 @@ def test_kernel_step_is_gemms_plus_memory_bound_kernels():
     assert g.compute_s == pytest.approx(g.hardware_flops / (312e12 * 0.4))
     named = memplan.make_workload(spec, seq_len=8, attention="eager", framework="megatron")
     assert step_time(spec, A100, par, named, 1, 1, spec.num_params).compute_s == g.compute_s
+
+
+def test_optimizer_step_by_its_bytes():
+    """The kernel step model times the optimizer's step by the bytes it moves on the rank's
+    partition. AdamW (two states) on fp32 main weights with fp32 gradients (bf16-fp32-grads,
+    Megatron-LM's main_grad): the fused step reads the weight, the gradient and the two
+    states (4 + 4 + 8) and writes the weight and the states (4 + 8), and the copy into the
+    bf16 model weight reads 4 and writes 2: 34 B a parameter. 1e9 parameters on the rank,
+    dp 4: without ZeRO all of them, 34e9 B; with ZeRO-1 (the distributed optimizer) a
+    quarter, 8.5e9 B; each over 2,039 GB/s x 0.92. bf16-pure (no master copy, bf16 states):
+    2 x (2 + 4) + 2 = 14 B a parameter. With the optimizer on the host: nothing on the
+    GPU."""
+    spec = _gpt()
+    hbm = 2039e9 * 0.92
+
+    def seconds(precision: str, **layout) -> float:
+        wl = memplan.make_workload(spec, seq_len=8, precision=precision, step_model="kernels")
+        par = memplan.make_layout(4, **layout)
+        return optimizer_step_seconds(A100, wl, Columns.one(par, 1, 1, 10**9, num_layers=2))
+
+    assert seconds("bf16-fp32-grads") == pytest.approx(34e9 / hbm)
+    assert seconds("bf16-fp32-grads", zero=1) == pytest.approx(8.5e9 / hbm)
+    assert seconds("bf16-pure") == pytest.approx(14e9 / hbm)
+    assert seconds("bf16-fp32-grads", zero=1, offload="optimizer") == 0.0
