@@ -306,7 +306,8 @@ def render(rows: list[dict[str, Any]]) -> list[str]:
         "memory-bound per-token kernels (norms, bias-dropout-add, activation, softmax over",
         "materialised scores, the loss) by the bytes they move over the HBM bandwidth",
         "(`elementwise_bytes`), the optimizer's step by its bytes too",
-        "(`optimizer_step_seconds`); the other runs at the flat fraction of peak (`DEFAULT_MFU`).",
+        "(`optimizer_step_seconds`), and their pipeline sends wait without virtual stages",
+        "(`pipeline_p2p` blocking); the other runs at the flat fraction of peak (`DEFAULT_MFU`).",
         "",
         f"- Median |error|: {s['median_abs_error']:.1%} over {s['estimated']} runs.",
         f"- Groups of {MIN_GROUP} runs or more with a rank correlation of at least 0.8: "

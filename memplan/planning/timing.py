@@ -46,8 +46,8 @@ from memplan.units import FP32_BYTES
 from memplan.planning.kernels import (ACHIEVABLE_HBM, attention_time_factor,
                                       elementwise_bytes, float8_cast_seconds, gemm_best_rate,
                                       gemm_time_factor, linear_time_factor, loss_bytes_per_token)
-from memplan.workload import (Attention, CpExchange, Float8Recipe, MoeImpl, Recompute,
-                              SelectiveImpl, StepModel, Workload)
+from memplan.workload import (Attention, CpExchange, Float8Recipe, MoeImpl, PipelineP2p,
+                              Recompute, SelectiveImpl, StepModel, Workload)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -66,10 +66,10 @@ MFU_SOURCE = "assumption: 40% of peak (Llama 3 paper, Table 4: 38-43% on H100) u
 
 # Fraction of each communication hidden behind compute, stated assumptions: tensor-parallel
 # collectives sit between dependent matmuls (exposed, Megatron-LM without TP comm overlap);
-# pipeline sends of one micro-batch overlap the next one's compute; expert all-to-all is
-# exposed. Data-parallel collectives and the context-parallel ring are timed against the
-# compute beside them instead (``_windowed``: ``dp_exposed``, ``ring_exposed``; their
-# entries here are not read).
+# pipeline sends of one micro-batch overlap the next one's compute (unless they block:
+# ``PipelineP2p.BLOCKING``); expert all-to-all is exposed. Data-parallel collectives and the
+# context-parallel ring are timed against the compute beside them instead (``_windowed``:
+# ``dp_exposed``, ``ring_exposed``; their entries here are not read).
 # An offloaded optimizer (ZeRO-Offload, Ren et al. 2021, section 4.1) copies each gradient
 # shard to the host during backward (overlapped as the data-parallel reduction is); its CPU
 # step and the copy of the updated weights back to the GPU sit between two steps (exposed,
@@ -703,6 +703,9 @@ def _step_fields(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int,
     comm = comm_columns(spec, gpu, wl, c)
     exposed = sum(seconds * (1.0 - OVERLAP[kind]) for kind, seconds in comm.items()
                   if kind not in WINDOWED and kind != "tp")
+    if wl.pipeline_p2p is PipelineP2p.BLOCKING:
+        # one chunk per rank: each send and receive waited for, none of it hidden
+        exposed = exposed + c.ops.where(c.vpp == 1, comm["pp"] * OVERLAP["pp"], 0.0)
     if wl.async_tp:
         # the forward's and the input gradients' matmuls, two of a linear's three GEMMs
         beside = (hardware_flops / world / (gpu.bf16_flops * mfu) * c.balance

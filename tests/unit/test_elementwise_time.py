@@ -147,3 +147,30 @@ def test_optimizer_step_by_its_bytes():
     assert seconds("bf16-fp32-grads", zero=1) == pytest.approx(8.5e9 / hbm)
     assert seconds("bf16-pure") == pytest.approx(14e9 / hbm)
     assert seconds("bf16-fp32-grads", zero=1, offload="optimizer") == 0.0
+
+
+def test_blocking_pipeline_sends_are_exposed_whole():
+    """Megatron-LM's non-interleaved 1F1B waits on each send and receive before the next
+    compute (``PipelineP2p.BLOCKING``, the Megatron-LM preset's): the pipeline's
+    communication is exposed whole, where the overlapped default hides the stated half of it
+    (``OVERLAP['pp']``): the exposed seconds differ by 0.5 x the pipeline's seconds, the
+    bubble by the same times (p - 1) / m. With virtual stages (the interleaved schedule)
+    nothing changes."""
+    from memplan.planning.timing import OVERLAP
+
+    spec = _gpt()
+    assert OVERLAP["pp"] == 0.5
+
+    def timed(p2p: str, vpp: int = 1):
+        wl = memplan.make_workload(spec, seq_len=8, pipeline_p2p=p2p)
+        par = memplan.make_layout(2, pp=2, vpp=vpp, stage_layers=None if vpp == 1 else
+                                  "0,1,1,0")
+        return step_time(spec, A100, par, wl, 4, 4, spec.num_params)
+
+    blocking, overlapped = timed("blocking"), timed("overlapped")
+    assert blocking.comm_s["pp"] > 0
+    assert blocking.exposed_comm_s - overlapped.exposed_comm_s == pytest.approx(
+        0.5 * blocking.comm_s["pp"])
+    assert blocking.bubble_s - overlapped.bubble_s == pytest.approx(
+        0.5 * blocking.comm_s["pp"] * (2 - 1) / 4)
+    assert timed("blocking", vpp=2).step_s == timed("overlapped", vpp=2).step_s
