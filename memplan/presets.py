@@ -55,6 +55,9 @@ class Mechanism(Enum):
     DATA_PARALLEL = ("the data-parallel policy: FSDP units, DDP gradient buffers "
                      "(model/model_states.py, model/sharding.py)")
     LAYOUT = "tensor-parallel style and pipeline split (parallel.py, model/pipeline.py)"
+    STEP_TIME = ("how a step is timed: its compute at a flat end-to-end MFU or kernel by "
+                 "kernel with the framework's fused pointwise kernels, and whether the "
+                 "pipeline's sends overlap compute (planning/timing.py)")
 
 
 # The settings (Workload or ParallelConfig fields) of each mechanism: a preset selects a
@@ -77,6 +80,7 @@ SETTINGS: dict[Mechanism, frozenset[str]] = {
                                         "zero3_max_live_numel", "zero3_reuse_distance_numel",
                                         "zero3_persistence_numel"}),
     Mechanism.LAYOUT: frozenset({"tp_style", "pipeline_split"}),
+    Mechanism.STEP_TIME: frozenset({"step_model", "pipeline_p2p"}),
 }
 
 
@@ -373,6 +377,25 @@ PRESETS: dict[Framework, tuple[Selection, ...]] = {
             Default("tp_style", "megatron",
                     f"megatron/core/tensor_parallel/layers.py Column/RowParallelLinear "
                     f"({_MEGATRON})"),
+        )),
+        Selection(Mechanism.STEP_TIME, (
+            Default("step_model", "kernels",
+                    f"the layer's pointwise work runs as fused kernels, each timed by the bytes "
+                    f"it moves: megatron/core/fusions/fused_layer_norm.py FusedLayerNorm, "
+                    f"fused_bias_dropout.py bias_dropout_add_fused_train, fused_bias_gelu.py "
+                    f"bias_gelu_impl, fused_bias_swiglu.py bias_swiglu_impl, fused_softmax.py "
+                    f"ScaledUpperTriangMaskedSoftmax (scaled_upper_triang_masked_softmax_cuda), "
+                    f"called from megatron/core/transformer/transformer_layer.py "
+                    f"TransformerLayer._forward_attention and _forward_post_mlp (the "
+                    f"self_attn_bda and mlp_bda bias-dropout-adds) and mlp.py MLP.forward "
+                    f"({_MEGATRON})"),
+            Default("pipeline_p2p", "blocking",
+                    f"megatron/core/pipeline_parallel/schedules.py "
+                    f"forward_backward_pipelining_without_interleaving: "
+                    f"P2PCommunicator.send_forward_recv_backward / send_backward_recv_forward "
+                    f"call p2p_communication.py _communicate with wait_on_reqs True, which "
+                    f"waits on each request before the next compute; the interleaved schedule "
+                    f"overlaps them under overlap_p2p_comm ({_MEGATRON})"),
         )),
     ),
 }

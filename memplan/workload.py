@@ -489,6 +489,47 @@ class CpExchange(PlainEnum):
     ALLGATHER = "allgather"
 
 
+class StepModel(PlainEnum):
+    """How the step-time model times a step's compute (step time only:
+    ``memplan.planning.timing``).
+
+    mfu      every FLOP at a flat end-to-end fraction of peak (``DEFAULT_MFU`` or a
+             calibration's), which holds the GEMMs, the memory-bound kernels and whatever
+             else a step spends per FLOP; the decoder's linears and the attention scaled by
+             their measured rates where the GPU has them
+    kernels  kernel by kernel: the GEMMs alone at their measured rates and the memory-bound
+             per-token kernels by the bytes they move over the HBM, as Megatron-LM's fused
+             kernels move them (megatron/core/fusions: fused_layer_norm, fused_bias_dropout
+             bias_dropout_add_fused_train, fused_bias_gelu bias_gelu_impl, fused_bias_swiglu
+             bias_swiglu_impl, fused_softmax scaled_upper_triang_masked_softmax;
+             ``memplan.planning.kernels.elementwise_bytes``). A calibrated MFU, measured on
+             the device, times the step at its flat rate instead
+    """
+
+    MFU = "mfu"
+    KERNELS = "kernels"
+
+
+class PipelineP2p(PlainEnum):
+    """How a pipeline's sends and receives sit beside its compute (step time only:
+    ``memplan.planning.timing``).
+
+    overlapped  a micro-batch's sends overlap the next one's compute, the stated share
+                (``memplan.planning.timing.OVERLAP``)
+    blocking    with one model chunk per rank each send and receive is waited for before the
+                next compute: Megatron-LM's non-interleaved 1F1B
+                (megatron/core/pipeline_parallel/schedules.py
+                forward_backward_pipelining_without_interleaving calls
+                P2PCommunicator.send_forward_recv_backward and send_backward_recv_forward,
+                whose _communicate waits on its requests, wait_on_reqs True:
+                p2p_communication.py); with virtual stages the interleaved schedule's
+                overlap_p2p_comm keeps the stated share
+    """
+
+    OVERLAPPED = "overlapped"
+    BLOCKING = "blocking"
+
+
 class PipelineSplit(PlainEnum):
     """How decoder layers are split over pipeline stages when no split is given.
 
@@ -787,6 +828,13 @@ class Workload(Record):
     attention_impl: AttentionImpl = AttentionImpl.GENERIC
     mlp_impl: MlpImpl = MlpImpl.GENERIC
     cp_exchange: CpExchange = CpExchange.RING
+    step_model: StepModel = Field(default=StepModel.MFU, description=(
+        "how a step's compute is timed (StepModel): at a flat end-to-end fraction of peak, "
+        "or kernel by kernel with Megatron-LM's fused pointwise kernels. Step time only"))
+    pipeline_p2p: PipelineP2p = Field(default=PipelineP2p.OVERLAPPED, description=(
+        "whether the pipeline's sends overlap compute (PipelineP2p): overlapped by the "
+        "stated share, or blocking without virtual stages (Megatron-LM's non-interleaved "
+        "1F1B). Step time only"))
     moe_impl: MoeImpl = MoeImpl.LOOP
     window_mask: bool = Field(default=False, description=(
         "sliding-window layers attend through an explicit mask once the sequence reaches the "

@@ -21,7 +21,8 @@ sm_90 only), and the A100's one published measured matmul rate with its shape (2
 at 1024 x 10240 x 5120, stas00/ml-engineering's "Maximum Achievable Matmul FLOPS comparison
 table") is a single point, no rate by shape.
 
-Where the step is timed kernel by kernel (Megatron-LM, ``timing._step_fields``) the GEMMs run at
+Where the step is timed kernel by kernel (``Workload.step_model`` kernels, which the Megatron-LM
+preset selects: ``timing._step_fields``) the GEMMs run at
 their measured rates alone (``gemm_time_factor``; the A100 at its one measured rate,
 ``GEMM_MEASURED_RATE``) and the per-token kernels that are bound by memory, not FLOPs (norms,
 bias-dropout-add, the MLP activation, RoPE, the softmax over materialised scores, the loss) take
@@ -373,12 +374,14 @@ class ElementwiseBytes(NamedTuple):
 
 @lru_cache(maxsize=4096)
 def elementwise_bytes(spec: ModelSpec, tp: int, sp: bool, seq_kv: int, itemsize: int,
-                      megatron: bool, compiled: bool, eager_attention: bool) -> ElementwiseBytes:
+                      megatron_kernels: bool, compiled: bool,
+                      eager_attention: bool) -> ElementwiseBytes:
     """The memory-bound kernels' bytes of one decoder layer per token (see above), on a rank
     of tensor-parallel degree ``tp`` (``sp``: sequence parallel) whose attention rows see
     ``seq_kv`` keys. MoE layers: the routed experts' top-k intermediate widths and the shared
     experts' (the router's kernels are not counted); every layer is taken as an attention
-    layer."""
+    layer. ``megatron_kernels``: Megatron-LM's fused kernels (``StepModel.KERNELS``), else
+    torchtitan's eager ones or, ``compiled``, Inductor's fused activation."""
     e = float(itemsize)
     hidden = spec.hidden_size / tp if sp else float(spec.hidden_size)
     if spec.moe is not None:
@@ -386,15 +389,15 @@ def elementwise_bytes(spec: ModelSpec, tp: int, sp: bool, seq_kv: int, itemsize:
                + spec.moe.num_shared_experts * spec.moe.shared_expert_ffn_hidden_size) / tp
     else:
         ffn = spec.ffn_hidden_size / tp
-    dropout = megatron and spec.dropout > 0
+    dropout = megatron_kernels and spec.dropout > 0
     mask = 1.0 if dropout else 0.0
     gated = spec.mlp.gated
-    fused = megatron or compiled
+    fused = megatron_kernels or compiled
     # norms: 2 H e forward, 3 H e backward, two a layer
     fwd, bwd = 2 * 2 * hidden * e, 2 * 3 * hidden * e
     # the residual junctions: forward the adds (Megatron's with bias and dropout), backward
     # the gradient sums and, in Megatron, dropout's backward and the bias gradient
-    if megatron:
+    if megatron_kernels:
         fwd += 2 * (3 * e + mask) * hidden
         bwd += 2 * ((2 * e + mask) * hidden + (e * hidden if spec.mlp_bias else 0.0))
     else:
@@ -406,8 +409,8 @@ def elementwise_bytes(spec: ModelSpec, tp: int, sp: bool, seq_kv: int, itemsize:
         bwd += (5 if fused else 9) * ffn * e
     else:
         fwd += 2 * ffn * e
-        bwd += 3 * ffn * e + (ffn * e if megatron and spec.mlp_bias else 0.0)
-    if spec.qkv_bias and megatron:  # the QKV bias gradient reads the output's gradient
+        bwd += 3 * ffn * e + (ffn * e if megatron_kernels and spec.mlp_bias else 0.0)
+    if spec.qkv_bias and megatron_kernels:  # the QKV bias gradient reads the output's gradient
         bwd += (spec.num_attention_heads + 2 * spec.num_kv_heads) * spec.head_dim / tp * e
     if spec.position is PositionKind.ROPE:
         rope = 2 * (spec.num_attention_heads + spec.num_kv_heads) * spec.head_dim / tp * e
@@ -416,7 +419,7 @@ def elementwise_bytes(spec: ModelSpec, tp: int, sp: bool, seq_kv: int, itemsize:
     core = 0.0
     if eager_attention:
         rows = spec.num_attention_heads / tp * seq_kv  # score elements per token
-        if megatron:
+        if megatron_kernels:
             core = rows * (1.5 * e + (2 * e + mask if dropout else 0.0))
             bwd += rows * (2 * e + (2 * e + mask if dropout else 0.0))
         else:

@@ -8,10 +8,12 @@ FLOPs per token (forward, one model replica) count every matmul: 2 FLOPs per mul
 projection weights (MoE: the top-k experts a token visits) and the output head, plus causal
 attention's two batched matmuls, 2 * 2 * (s/2) * a * d on average per token per layer
 (Narayanan et al. 2021, arXiv 2104.04473, section 5.1, without the causal halving there).
-Backward costs twice the forward. Under Megatron-LM the step is timed kernel by kernel instead
-of at a flat fraction of peak: GEMMs at their measured rates, the memory-bound per-token kernels
-(norms, bias-dropout-add, activation, softmax over materialised scores, the loss) by the bytes
-they move over the HBM bandwidth (``elementwise_seconds``). Full recompute reruns each
+Backward costs twice the forward. With ``Workload.step_model`` kernels (the Megatron-LM preset's,
+``memplan.presets``) the step is timed kernel by kernel instead of at a flat fraction of peak:
+GEMMs at their measured rates, the memory-bound per-token kernels (norms, bias-dropout-add,
+activation, softmax over materialised scores, the loss) by the bytes they move over the HBM
+bandwidth (``elementwise_seconds``), the optimizer's step by its bytes too
+(``optimizer_step_seconds``). Full recompute reruns each
 recomputed layer's forward, read per pipeline stage as the memory model reads it:
 ``recompute_layers`` = k is the first k layers of every stage's layer list
 (``memplan.model.stage_parts.layer_recompute``), so k * pp layers in all. Selective recompute reruns the attention core's matmuls.
@@ -44,8 +46,8 @@ from memplan.units import FP32_BYTES
 from memplan.planning.kernels import (ACHIEVABLE_HBM, attention_time_factor,
                                       elementwise_bytes, float8_cast_seconds, gemm_best_rate,
                                       gemm_time_factor, linear_time_factor, loss_bytes_per_token)
-from memplan.workload import (Attention, CpExchange, Float8Recipe, Framework, MoeImpl,
-                              Recompute, SelectiveImpl, Workload)
+from memplan.workload import (Attention, CpExchange, Float8Recipe, MoeImpl, PipelineP2p,
+                              Recompute, SelectiveImpl, StepModel, Workload)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -56,7 +58,7 @@ if TYPE_CHECKING:
 # 2407.21783, Table 4); the midpoint is the assumption until calibration measures it. It is an
 # end-to-end rate: the whole step's model FLOPs over its time, so it holds the GEMMs, the
 # memory-bound kernels and everything else a step spends per FLOP. Where the step is timed
-# kernel by kernel (Megatron-LM: ``_step_fields``) the GEMMs run at their own measured rates
+# kernel by kernel (``StepModel.KERNELS``: ``_step_fields``) the GEMMs run at their own measured rates
 # (``memplan.planning.kernels.gemm_time_factor``) and the memory-bound kernels by their bytes
 # (``elementwise_seconds``) instead; ``mfu`` then only scales FLOPs to seconds and cancels.
 DEFAULT_MFU = 0.40
@@ -64,10 +66,10 @@ MFU_SOURCE = "assumption: 40% of peak (Llama 3 paper, Table 4: 38-43% on H100) u
 
 # Fraction of each communication hidden behind compute, stated assumptions: tensor-parallel
 # collectives sit between dependent matmuls (exposed, Megatron-LM without TP comm overlap);
-# pipeline sends of one micro-batch overlap the next one's compute; expert all-to-all is
-# exposed. Data-parallel collectives and the context-parallel ring are timed against the
-# compute beside them instead (``_windowed``: ``dp_exposed``, ``ring_exposed``; their
-# entries here are not read).
+# pipeline sends of one micro-batch overlap the next one's compute (unless they block:
+# ``PipelineP2p.BLOCKING``); expert all-to-all is exposed. Data-parallel collectives and the
+# context-parallel ring are timed against the compute beside them instead (``_windowed``:
+# ``dp_exposed``, ``ring_exposed``; their entries here are not read).
 # An offloaded optimizer (ZeRO-Offload, Ren et al. 2021, section 4.1) copies each gradient
 # shard to the host during backward (overlapped as the data-parallel reduction is); its CPU
 # step and the copy of the updated weights back to the GPU sit between two steps (exposed,
@@ -554,11 +556,13 @@ def comm_columns(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns) -> dic
         tp_bytes = tp_bytes * where(c.sp, 1.0 - 2 * (1 - 1 / e) / 8, 1.0)
     # ... each a collective of its own: 8 ring passes per layer and micro-batch
     tp_latency = 8 * layers * m * _ring_latency(gpu, c.tp, c.tp)
-    # full recompute reruns each recomputed layer's forward with its two collectives
+    # full recompute reruns each recomputed layer's forward with its collectives
     # (torch.utils.checkpoint and Megatron-LM's CheckpointFunction re-execute the module's
     # forward, its tensor-parallel all-reduces or sequence all-gathers and reduce-scatters
-    # included): 8 -> 10 collective units per recomputed layer
-    out["tp"] = (tp_bytes / _bandwidth(gpu, c, c.tp) + tp_latency) * (1.0 + 2.0 / 8.0 * c.rerun)
+    # included): the forward's two all-reduces (RowParallelLinear's output, attention's and
+    # the MLP's), 2 ring passes each, or its two all-gather + reduce-scatter pairs, are 4 of
+    # the layer's 8 units: 8 -> 12 per recomputed layer
+    out["tp"] = (tp_bytes / _bandwidth(gpu, c, c.tp) + tp_latency) * (1.0 + 4.0 / 8.0 * c.rerun)
     out["dp"] = sum(dp_parts(wl, gpu, c))
     # PP: each micro-batch's activations cross each boundary forward and their gradients back,
     # once per model chunk: interleaving multiplies the sends by vpp (Narayanan et al. 2021,
@@ -669,13 +673,14 @@ def _step_fields(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int,
     # cores (``memplan.planning.kernels``)
     linear = (matmul - head_flops_per_token(spec)) / (matmul + attention)
     float8 = wl.float8 is not Float8Recipe.NONE
-    # Megatron-LM's step is timed kernel by kernel: the GEMMs alone at their measured rates and
-    # the memory-bound per-token kernels by their bytes (``elementwise_seconds``), whose time
-    # grows with h where the GEMMs' grows with h^2. Elsewhere the flat fraction stays: it is an
-    # end-to-end MFU (``DEFAULT_MFU``) that holds those kernels and more, and timed kernel by
-    # kernel the torchtitan runs of benchmarks/data/throughput_runs.json come out 1.5-1.9x
-    # faster than published (what else their steps spend is not modelled; docs/accuracy.md).
-    kernels = not measured and wl.framework is Framework.MEGATRON
+    # ``StepModel.KERNELS`` times the step kernel by kernel: the GEMMs alone at their measured
+    # rates and the memory-bound per-token kernels by their bytes (``elementwise_seconds``),
+    # whose time grows with h where the GEMMs' grows with h^2. ``StepModel.MFU`` keeps the flat
+    # fraction: an end-to-end MFU (``DEFAULT_MFU``) that holds those kernels and more (timed
+    # kernel by kernel the torchtitan runs of benchmarks/data/throughput_runs.json come out
+    # 1.5-1.9x faster than published: what else their steps spend is not modelled;
+    # docs/accuracy.md). A measured MFU stands for every kernel it timed.
+    kernels = not measured and wl.step_model is StepModel.KERNELS
     best = gemm_best_rate(gpu) if kernels else None
     if best is None:  # every FLOP at the flat fraction, the GEMMs' by shape where measured
         shaped = c.ops.per_value(
@@ -691,12 +696,16 @@ def _step_fields(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int,
         if wl.attention is not Attention.FLASH:
             slower = at_best
         factor = (1.0 - share - linear) * at_best + share * slower + linear * shaped
-        compute = compute * factor + elementwise_seconds(spec, gpu, wl, c)
+        compute = compute * factor + elementwise_seconds(spec, gpu, wl, c) + \
+            optimizer_step_seconds(gpu, wl, c)
     if float8:
         compute = compute + _float8_casts(spec, gpu, wl, c)
     comm = comm_columns(spec, gpu, wl, c)
     exposed = sum(seconds * (1.0 - OVERLAP[kind]) for kind, seconds in comm.items()
                   if kind not in WINDOWED and kind != "tp")
+    if wl.pipeline_p2p is PipelineP2p.BLOCKING:
+        # one chunk per rank: each send and receive waited for, none of it hidden
+        exposed = exposed + c.ops.where(c.vpp == 1, comm["pp"] * OVERLAP["pp"], 0.0)
     if wl.async_tp:
         # the forward's and the input gradients' matmuls, two of a linear's three GEMMs
         beside = (hardware_flops / world / (gpu.bf16_flops * mfu) * c.balance
@@ -732,22 +741,23 @@ def elementwise_seconds(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns)
     layers, the forward again for the share of layers full recompute reruns, the attention
     core's again under Megatron-style selective recompute (which reruns the core: Korthikanti
     et al. 2022, section 5), and, without pipeline parallelism, the loss over the vocabulary
-    (``loss_bytes_per_token``; with it, on the last stage, not counted). At the HBM's
+    (``loss_bytes_per_token``; with it, on the last stage, not counted). The kernels are
+    those ``StepModel.KERNELS`` names (Megatron-LM's fused ones). At the HBM's
     datasheet bandwidth times torchao's measured 92% for pointwise kernels
     (``ACHIEVABLE_HBM``)."""
-    megatron = wl.framework is Framework.MEGATRON
+    fused = wl.step_model is StepModel.KERNELS
     eager = wl.attention is not Attention.FLASH
     e = wl.compute_dtype.itemsize
     selective = (wl.recompute is Recompute.SELECTIVE
                  and wl.selective_impl is not SelectiveImpl.OP)
 
     def per_token(key: int) -> float:  # key: 2 tp + sp
-        b = elementwise_bytes(spec, key // 2, bool(key % 2), wl.seq_len, e, megatron,
+        b = elementwise_bytes(spec, key // 2, bool(key % 2), wl.seq_len, e, fused,
                               wl.compile, eager)
         return b.forward + b.backward + (b.core if selective else 0.0)
 
     def forward(key: int) -> float:
-        return elementwise_bytes(spec, key // 2, bool(key % 2), wl.seq_len, e, megatron,
+        return elementwise_bytes(spec, key // 2, bool(key % 2), wl.seq_len, e, fused,
                                  wl.compile, eager).forward
 
     key = 2 * c.tp + c.ops.where(c.sp, 1, 0)
@@ -757,6 +767,28 @@ def elementwise_seconds(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns)
     rows = c.mbs * local_seq(wl.seq_len, c.cp) * c.m
     total = rows * ((layer + rerun) * c.layers + c.ops.where(c.pp == 1, loss, 0.0))
     return total / (gpu.hbm_bytes_per_s * ACHIEVABLE_HBM)
+
+
+def optimizer_step_seconds(gpu: GpuSpec, wl: Workload, c: Columns) -> Any:
+    """Seconds of the optimizer's step on the GPU in one step of the busiest rank, by the
+    bytes its kernels move over the HBM (at ``ACHIEVABLE_HBM``), as the kernel step model
+    times it (an end-to-end MFU holds it already). A fused step reads each updated element,
+    its gradient and its states and writes the element and the states back, one pass
+    (Megatron-LM's optimizer.step(): Transformer Engine's or Apex's FusedAdam,
+    multi_tensor_apply); with a master copy the updated weights are then copied into the
+    model's (megatron/core/optimizer/optimizer.py Float16OptimizerWithFloat16Params.
+    _copy_main_params_to_model_params: read the fp32 main weight, write the model's). A
+    foreach step's several passes move more, not counted. Over the rank's optimizer
+    partition: its parameters over dp x cp with ZeRO >= 1 (the distributed optimizer), all
+    of them without; none when the optimizer is on the host (``_host_seconds``)."""
+    policy = wl.precision.policy
+    updated = policy.updated.itemsize
+    states = optimizer_policy(wl.optimizer).state_bytes_per_param(policy)
+    per_param = 2 * (updated + states) + policy.grad_bytes + \
+        (updated + policy.param_bytes if policy.master is not None else 0)
+    shard = c.params_on_rank / c.ops.where(c.zero >= 1, c.dp * c.cp, 1)
+    seconds = shard * per_param / (gpu.hbm_bytes_per_s * ACHIEVABLE_HBM)
+    return c.ops.where(c.offload, 0.0, seconds)
 
 
 def _float8_casts(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns) -> Any:

@@ -155,9 +155,15 @@ def time_json(t: StepTime, world_size: int) -> dict[str, float]:
 
 def _time_line(est: Estimate) -> str:
     t = time_json(estimate_step_time(est), est.parallel.world_size)
+    from memplan.planning.kernels import gemm_best_rate
+    from memplan.workload import StepModel
+
     measured = est.calibration.mfu if est.calibration is not None else None
     rate = (f"the measured {measured:.0%}" if measured
             else f"an assumed {DEFAULT_MFU:.0%}") + " of peak FLOP/s"
+    if (not measured and est.workload.step_model is StepModel.KERNELS
+            and gemm_best_rate(est.gpu) is not None):
+        rate = "the measured GEMM rates, the memory-bound kernels by their bytes"
     return (f"step {t['step_time_s']:.3g} s, {t['flops_per_step']:.4g} FLOPs per GPU "
             f"(recompute included), {t['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
             f"MFU {t['mfu']:.2f} (step-time model; compute at {rate})")

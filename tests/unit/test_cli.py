@@ -215,6 +215,10 @@ def test_estimate_table_shows_the_step_time_line() -> None:
     assert (f"step {out['step_time_s']:.3g} s, 4.708e+08 FLOPs per GPU (recompute included), "
             f"{out['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, MFU {out['mfu']:.2f} "
             "(step-time model; compute at an assumed 40% of peak FLOP/s)") in text
+    # the kernel step model (the Megatron-LM preset's) says what it times the compute at
+    megatron = flat(invoke("estimate", *TINY_PP2, "--framework", "megatron", env=WIDE).stdout)
+    assert ("(step-time model; compute at the measured GEMM rates, the memory-bound kernels "
+            "by their bytes)") in megatron
 
 
 # --- estimate table ------------------------------------------------------------------------

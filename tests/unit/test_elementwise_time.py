@@ -10,7 +10,8 @@ import memplan
 from memplan.hardware import load_gpu
 from memplan.planning.kernels import (elementwise_bytes, gemm_best_rate, gemm_time_factor,
                                       loss_bytes_per_token)
-from memplan.planning.timing import Columns, elementwise_seconds, step_time
+from memplan.planning.timing import (Columns, elementwise_seconds, optimizer_step_seconds,
+                                     step_time)
 from memplan.spec import ModelSpec
 
 A100 = load_gpu("a100-80gb")
@@ -84,7 +85,7 @@ def test_elementwise_seconds_by_hand():
     one micro-batch, no pipeline: per token 2 layers x (2048 forward + 3792 backward + 2048
     rerun) + 2048 of loss = 17824 bytes; 8 tokens: 142592 bytes over 2,039 GB/s x 0.92."""
     spec = _gpt()
-    wl = memplan.make_workload(spec, seq_len=8, recompute="full", framework="megatron",
+    wl = memplan.make_workload(spec, seq_len=8, recompute="full", step_model="kernels",
                                attention="eager")
     par = memplan.make_layout(2, tp=2, sequence_parallel=False)
     c = Columns.one(par, 1, 1, spec.num_params, num_layers=2, rerun=1.0)
@@ -101,20 +102,75 @@ def test_gemm_rates_are_measured_ones():
     assert gemm_best_rate(load_gpu("l40s")) is None
 
 
-def test_megatron_step_is_gemms_plus_memory_bound_kernels():
-    """One A100, the miniature GPT under Megatron with eager attention, no recompute: the
-    compute is every FLOP at 271.2 TFLOP/s (no flash table read for eager attention) plus the
-    memory-bound seconds; the flat fraction of peak plays no part (the same at any mfu).
-    Under another framework the step keeps the flat fraction."""
+def test_kernel_step_is_gemms_plus_memory_bound_kernels():
+    """One A100, the miniature GPT timed kernel by kernel (``step_model`` kernels, what the
+    Megatron-LM preset selects) with eager attention, no recompute: the compute is every FLOP
+    at 271.2 TFLOP/s (no flash table read for eager attention) plus the memory-bound seconds;
+    the flat fraction of peak plays no part (the same at any mfu). The flat step model (the
+    default) keeps the flat fraction, whatever the framework's name."""
     spec = _gpt()
-    wl = memplan.make_workload(spec, seq_len=8, framework="megatron", attention="eager")
+    wl = memplan.make_workload(spec, seq_len=8, step_model="kernels", attention="eager")
     par = memplan.make_layout(1)
     t = step_time(spec, A100, par, wl, 1, 1, spec.num_params)
     c = Columns.one(par, 1, 1, spec.num_params, num_layers=2)
     assert t.compute_s == pytest.approx(t.hardware_flops / 271.2e12
-                                        + elementwise_seconds(spec, A100, wl, c))
+                                        + elementwise_seconds(spec, A100, wl, c)
+                                        + optimizer_step_seconds(A100, wl, c))
     slow = step_time(spec, A100, par, wl, 1, 1, spec.num_params, mfu=0.2)
     assert slow.compute_s == pytest.approx(t.compute_s)
     generic = memplan.make_workload(spec, seq_len=8, attention="eager")
     g = step_time(spec, A100, par, generic, 1, 1, spec.num_params)
     assert g.compute_s == pytest.approx(g.hardware_flops / (312e12 * 0.4))
+    named = memplan.make_workload(spec, seq_len=8, attention="eager", framework="megatron")
+    assert step_time(spec, A100, par, named, 1, 1, spec.num_params).compute_s == g.compute_s
+
+
+def test_optimizer_step_by_its_bytes():
+    """The kernel step model times the optimizer's step by the bytes it moves on the rank's
+    partition. AdamW (two states) on fp32 main weights with fp32 gradients (bf16-fp32-grads,
+    Megatron-LM's main_grad): the fused step reads the weight, the gradient and the two
+    states (4 + 4 + 8) and writes the weight and the states (4 + 8), and the copy into the
+    bf16 model weight reads 4 and writes 2: 34 B a parameter. 1e9 parameters on the rank,
+    dp 4: without ZeRO all of them, 34e9 B; with ZeRO-1 (the distributed optimizer) a
+    quarter, 8.5e9 B; each over 2,039 GB/s x 0.92. bf16-pure (no master copy, bf16 states):
+    2 x (2 + 4) + 2 = 14 B a parameter. With the optimizer on the host: nothing on the
+    GPU."""
+    spec = _gpt()
+    hbm = 2039e9 * 0.92
+
+    def seconds(precision: str, **layout) -> float:
+        wl = memplan.make_workload(spec, seq_len=8, precision=precision, step_model="kernels")
+        par = memplan.make_layout(4, **layout)
+        return optimizer_step_seconds(A100, wl, Columns.one(par, 1, 1, 10**9, num_layers=2))
+
+    assert seconds("bf16-fp32-grads") == pytest.approx(34e9 / hbm)
+    assert seconds("bf16-fp32-grads", zero=1) == pytest.approx(8.5e9 / hbm)
+    assert seconds("bf16-pure") == pytest.approx(14e9 / hbm)
+    assert seconds("bf16-fp32-grads", zero=1, offload="optimizer") == 0.0
+
+
+def test_blocking_pipeline_sends_are_exposed_whole():
+    """Megatron-LM's non-interleaved 1F1B waits on each send and receive before the next
+    compute (``PipelineP2p.BLOCKING``, the Megatron-LM preset's): the pipeline's
+    communication is exposed whole, where the overlapped default hides the stated half of it
+    (``OVERLAP['pp']``): the exposed seconds differ by 0.5 x the pipeline's seconds, the
+    bubble by the same times (p - 1) / m. With virtual stages (the interleaved schedule)
+    nothing changes."""
+    from memplan.planning.timing import OVERLAP
+
+    spec = _gpt()
+    assert OVERLAP["pp"] == 0.5
+
+    def timed(p2p: str, vpp: int = 1):
+        wl = memplan.make_workload(spec, seq_len=8, pipeline_p2p=p2p)
+        par = memplan.make_layout(2, pp=2, vpp=vpp, stage_layers=None if vpp == 1 else
+                                  "0,1,1,0")
+        return step_time(spec, A100, par, wl, 4, 4, spec.num_params)
+
+    blocking, overlapped = timed("blocking"), timed("overlapped")
+    assert blocking.comm_s["pp"] > 0
+    assert blocking.exposed_comm_s - overlapped.exposed_comm_s == pytest.approx(
+        0.5 * blocking.comm_s["pp"])
+    assert blocking.bubble_s - overlapped.bubble_s == pytest.approx(
+        0.5 * blocking.comm_s["pp"] * (2 - 1) / 4)
+    assert timed("blocking", vpp=2).step_s == timed("overlapped", vpp=2).step_s

@@ -387,6 +387,13 @@ FLAGSHIP = [
      {"tp": 8, "zero": 3, "micro_batch_size": 16, "recompute": "full"}),
     ({"model": "llama-3.1-8b", "gpus": 8, "global_batch_size": 16, **_TITAN},
      {"zero": 3, "micro_batch_size": 2, "recompute": "selective"}),
+    # Llama 3's 405B job again, timed kernel by kernel (the Megatron-LM preset's step model:
+    # GEMMs at their measured rates, the fused pointwise kernels by their bytes), whose
+    # search refuses ZeRO-2 and 3 (the preset's refusals)
+    ({"model": "llama-3.1-405b", "gpus": 16384, "seq_len": 8192, "global_batch_size": 2048,
+      "framework": "megatron"},
+     {"tp": 8, "pp": 16, "vpp": 8, "stage_layers": "0,1x126,0", "zero": 1,
+      "micro_batch_size": 1, "recompute": "full", "recompute_layers": 3}),
 ]
 
 

@@ -456,3 +456,26 @@ def test_torchtitan_exchanges_cp_by_all_gather() -> None:
     assert exchange(framework="megatron") is CpExchange.RING
     assert exchange() is CpExchange.RING
     assert exchange(framework="torchtitan", cp_exchange="ring") is CpExchange.RING
+
+
+def test_megatron_selects_the_kernel_step_model() -> None:
+    """How a step is timed is a mechanism a preset selects (``Mechanism.STEP_TIME``), not a
+    framework name read by the step-time model: Megatron-LM's preset times it kernel by kernel
+    (its fused pointwise kernels, megatron/core/fusions) with blocking pipeline sends (its
+    non-interleaved 1F1B), every other preset at the flat end-to-end MFU with the stated
+    overlap; an explicit choice wins either way."""
+    from memplan.workload import PipelineP2p, StepModel
+
+    def model(**kw: object) -> StepModel:
+        return memplan.api.resolve("llama-3-8b", gpus=8, **kw)[2].step_model
+
+    def p2p(**kw: object) -> PipelineP2p:
+        return memplan.api.resolve("llama-3-8b", gpus=8, **kw)[2].pipeline_p2p
+
+    assert model(framework="megatron") is StepModel.KERNELS
+    assert p2p(framework="megatron") is PipelineP2p.BLOCKING
+    for fw in ("generic", "hf", "torchtitan", "lightning", "deepspeed"):
+        assert model(framework=fw) is StepModel.MFU
+        assert p2p(framework=fw) is PipelineP2p.OVERLAPPED
+    assert model(framework="megatron", step_model="mfu") is StepModel.MFU
+    assert model(framework="torchtitan", step_model="kernels") is StepModel.KERNELS
