@@ -384,7 +384,13 @@ def _rerun_moments(spec: ModelSpec, wl: Workload, dm: Dims, blocks: tuple[Block,
     # backward ran before the node that reruns the layer, its gradient copy waits beside the
     # stream's (traced: Granite 4.0-H on transformers 5.23, tests/unit/test_mamba_einsum.py);
     # an adapted down projection's sum's gradients (``mlp.rerun_pending_bytes``)
-    rerun_in = (incoming + (stream if spec.scaled_residual else 0)
+    # Under autocast the last sub-layer's output (the compute dtype) joins the fp32 stream:
+    # the add's backward casts the stream's gradient to the branch's dtype (the engine's
+    # validate_outputs) before the branch's first node, which reruns the layer (traced: the
+    # reference GPT under amp-bf16, full recompute: a bf16 stream-sized tensor made before
+    # the rerun's first op, alive through it)
+    branch_grad = dm.rows * spec.hidden_size * dm.e if dm.autocast and dm.e < dm.stream_e else 0
+    rerun_in = (incoming + branch_grad + (stream if spec.scaled_residual else 0)
                 + (rerun_pending_bytes(spec, dm) if mlp else 0))
     # The rerun stops once the last saved tensor is packed: after the MLP's output dropout
     # (its mask), or its second linear, whose output is alive then (and dropout's), with
@@ -399,13 +405,22 @@ def _rerun_moments(spec: ModelSpec, wl: Workload, dm: Dims, blocks: tuple[Block,
     if mlp:
         rerun_out += rerun_stop_bytes(spec, dm)  # an adapted down projection's
     out = [LayerMoment("rebuild_out", extra + sum(saved), rerun_in + rerun_out, ())]
+    # Under autocast a mixer reruns beside its norm's fp32 output, its argument (the linears
+    # save casts of it), and autocast's cache holds its biases' casts (``cast_cache_bytes``),
+    # as in a forward that saves (``forward_moments``; traced: the reference GPT under
+    # amp-bf16 with eager attention, full recompute, at the rerun's value matmul)
+    norm_out = (dm.linear_rows * spec.hidden_size * dm.stream_e
+                if dm.autocast and spec.norm_placement.pre_norm else 0)
+    cached = 0
     for block, before in zip(blocks, prior):
+        cached += cast_cache_bytes(spec, wl, dm, block, Recompute.NONE)
         # inside the rerun's MLP the post-attention residual is alive too where no norm saves
         # it (its fp32 copy is what the norm saves: the same condition as the layer's input;
         # traced: peft LoRA under gradient checkpointing, at up's adapter sum)
         residual = extra if isinstance(block, Mlp) else 0
-        out += [LayerMoment(m.name, extra + before + m.own_bytes,
-                            rerun_in + residual + m.transient_bytes, ())
+        beside = norm_out if isinstance(block, MIXERS) else 0
+        out += [LayerMoment(m.name, extra + before + cached + m.own_bytes,
+                            rerun_in + residual + beside + m.transient_bytes, ())
                 for m in block.rebuild_moments(spec, wl, dm)]
     return out
 

@@ -454,3 +454,38 @@ def test_eager_core_rerun_under_autocast_by_hand() -> None:
     bf16 = amp.model_copy(update={"precision": Precision.BF16_MIXED})
     c = eager.core(spec, Dims.of(spec, ParallelConfig(), bf16))
     assert eager.rerun(c) == 393_216 + 786_432
+
+
+def test_full_recompute_rerun_under_autocast_by_hand() -> None:
+    """GPT-2 (h = 768, biases, dropout 0.1) at b = 1, s = 256 under amp-bf16 with full
+    recompute: the attention's rerun moment, beside what ``eager.forward_saving`` holds, has
+    the branch gradient's bf16 cast 256 * 768 * 2 = 393,216 (rerun_in, with the fp32 incoming
+    stream 786,432), the attention norm's fp32 output 786,432, and autocast's cached casts of
+    the q/k/v/o biases, 4 * 768 * 2 = 6,144 B alive (``layer._rerun_moments``; the moment's
+    alive bytes are checked exactly in tests/traced/test_ground_truth.py). Without autocast
+    (bf16-mixed) none of the three."""
+    from memplan.model import eager
+    from memplan.model.attention import _core
+    from memplan.model.layer import backward_moments
+
+    spec = load_model("gpt2")
+
+    def rerun(precision: Precision) -> tuple[int, int]:
+        wl = Workload(micro_batch_size=1, seq_len=256, attention=Attention.EAGER,
+                      precision=precision, recompute=Recompute.FULL)
+        dm = Dims.of(spec, ParallelConfig(), wl)
+        m = next(m for m in backward_moments(spec, wl, dm, moe_layer=False,
+                                             recompute=Recompute.FULL) if m.name == "rebuild")
+        return m.alive_bytes, m.transient_bytes - eager.forward_saving(_core(spec, wl, dm))
+
+    from memplan.model.layer import cast_cache_bytes, layer_blocks
+
+    _, amp_beside = rerun(Precision.AMP_BF16)
+    _, bf16_beside = rerun(Precision.BF16_MIXED)
+    assert amp_beside == 786_432 + 393_216 + 786_432
+    assert bf16_beside == 256 * 768 * 2  # the incoming stream gradient alone, bf16
+    wl = Workload(micro_batch_size=1, seq_len=256, attention=Attention.EAGER,
+                  precision=Precision.AMP_BF16, recompute=Recompute.FULL)
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    attn = layer_blocks(spec, False)[1]
+    assert cast_cache_bytes(spec, wl, dm, attn, Recompute.NONE) == 6_144
