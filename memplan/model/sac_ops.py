@@ -125,7 +125,6 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
           "as transformers runs Gemma's and OLMo 2's RMSNorms: norm_impl upcast-fp32, the "
           "weight scaling the fp32 tensor)")),
         (spec.parallel_block, "parallel attention and MLP blocks"),
-        (spec.fused_gate_up, "one fused gate/up projection"),
         (spec.qk_norm is QkNorm.L2, f"{spec.qk_norm.value} q/k norms"),
         (spec.qk_norm is QkNorm.FULL and wl.norm_impl is not NormImpl.UPCAST_FP32,
          (f"full-width q/k norms of norm_impl {wl.norm_impl.value} (modelled as OLMo 2's "
@@ -202,14 +201,20 @@ def matmul_shapes(spec: ModelSpec, t: int, fused_qkv: bool = False
                   ) -> list[tuple[str, int, int, int]]:
     """A dense layer's projections in execution order as (item name, d_in, d_out on this
     rank, output width on this rank); the MLP's down projection last (never rerun). With
-    ``fused_qkv`` one q/k/v projection (torchtitan's ``wqkv``), ``attn.qkv``."""
+    ``fused_qkv`` one q/k/v projection (torchtitan's ``wqkv``, Phi3Attention's ``qkv_proj``),
+    ``attn.qkv``; with ``ModelSpec.fused_gate_up`` one gate/up projection (Phi3MLP's
+    ``gate_up_proj``), ``mlp.gate_up``."""
     h, q, kv, f = spec.hidden_size, spec.q_size, spec.kv_size, spec.ffn_hidden_size
     qkv = (q + 2 * kv) // t
     attn = ([("attn.qkv", h, qkv, qkv)] if fused_qkv else
             [("attn.q", h, q // t, q // t), ("attn.k", h, kv // t, kv // t),
              ("attn.v", h, kv // t, kv // t)]) + [("attn.o_proj", q // t, h, h)]
-    first = [("mlp.gate", h, f // t, f // t), ("mlp.up", h, f // t, f // t)] if spec.mlp.gated \
-        else [("mlp.fc1", h, f // t, f // t)]
+    if spec.mlp.gated and spec.fused_gate_up:  # Phi3MLP's gate_up_proj: one mm, 2 f wide
+        first = [("mlp.gate_up", h, 2 * f // t, 2 * f // t)]
+    elif spec.mlp.gated:
+        first = [("mlp.gate", h, f // t, f // t), ("mlp.up", h, f // t, f // t)]
+    else:
+        first = [("mlp.fc1", h, f // t, f // t)]
     return attn + first + [("mlp.down", f // t, h, h)]
 
 
@@ -233,7 +238,7 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
 
     def matmul(name: str, d_in: int, d_out: int, width: int) -> Item:
         rope = name in ("attn.q", "attn.k", "attn.qkv") and spec.position is PositionKind.ROPE
-        covers = ("attn.q", "attn.k", "attn.v") if name == "attn.qkv" else (name,)
+        covers = _COVERS.get(name, (name,))
         # (a row-parallel output is the full partial sum on each rank)
         return Item(name, tuple(c for c in covers if c in terms), tokens * width * e,
                     2.0 * d_in * d_out + (2.0 * d_out if _has_bias(spec, name) else 0.0),
@@ -262,8 +267,8 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
     if place.pre_norm:
         out += _norm_ops("mlp_norm", terms, h, h, named, fp32_ops=fp32)
     if not moe:  # (an MoE block's items follow: ``memplan.model.sac_moe.moe_items``)
-        mlp = [matmul(*mm[name]) for name in ("mlp.gate", "mlp.up", "mlp.fc1", "mlp.down")
-               if name in mm]
+        mlp = [matmul(*mm[name]) for name in ("mlp.gate_up", "mlp.gate", "mlp.up", "mlp.fc1",
+                                              "mlp.down") if name in mm]
         out += _dense_mlp_ops(spec, terms, mlp, spec.ffn_hidden_size // t)
         # with a post norm, which reads the down projection's output and saves its fp32
         # copy (in fp32 the tensor itself), the rerun reaches the down projection: kept, its
@@ -282,9 +287,21 @@ def _dense_mlp_ops(spec: ModelSpec, terms: dict[str, int], mlp: list[Item], f: i
                False)
     if not spec.mlp.gated:
         return [mlp[0], act]
+    if spec.fused_gate_up:
+        # Phi3MLP.forward: gate_up_proj, chunk (views), act_fn(gate), up_states * act
+        prod = Item("mlp.prod", ("mlp.prod",), terms["mlp.prod"], float(f), PRODUCT, f, 0,
+                    "mlp", False)
+        return [mlp[0], act, prod]
     prod = Item("mlp.prod", ("mlp.prod",), terms["mlp.prod"], float(f), PRODUCT, f, 0, "mlp",
                 False)
     return [mlp[0], act, mlp[1], prod]
+
+
+# the saved terms a fused projection's output is (``matmul_shapes``)
+_COVERS = {"attn.qkv": ("attn.q", "attn.k", "attn.v"), "mlp.gate_up": ("mlp.gate", "mlp.up")}
+# an item alive to its MLP's end whether kept or not: Phi3MLP.forward's ``gate`` is a view of
+# gate_up_proj's output, a local to the function's return (``forward_peak``)
+TO_MLP_END = "mlp.gate_up"
 
 
 def _qk_norm_ops(spec: ModelSpec, name: str, local: int, terms: dict[str, int], named: bool,
@@ -575,10 +592,13 @@ def forward_peak(moment_blocks: list[tuple[str, int]], items: tuple[Item, ...],
         before[k + 1] = before[k] + made[k]
     best = 0
     if mlp_end:
-        down_in = 0
+        down_in = held = 0
         for i in items:  # the down projection's input: the MLP's last item before it
             if i.block == "mlp" and i.name != "mlp.down":
                 down_in = 0 if i in kept else i.size_bytes
+            if i.name == TO_MLP_END and i not in kept:
+                held = i.size_bytes
+        down_in += held
         # the kept outputs made by then: the blocks' up to the MLP's (a post norm's after
         # it not yet; a kept down projection's output is the one ``mlp_end`` counts)
         at = order.get("mlp", len(order) - 1) + 1
