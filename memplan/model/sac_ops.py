@@ -124,7 +124,6 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
          (f"{spec.norm_placement.value} norms of norm_impl {wl.norm_impl.value} (modelled "
           "as transformers runs Gemma's and OLMo 2's RMSNorms: norm_impl upcast-fp32, the "
           "weight scaling the fp32 tensor)")),
-        (spec.parallel_block, "parallel attention and MLP blocks"),
         (spec.qk_norm is QkNorm.L2, f"{spec.qk_norm.value} q/k norms"),
         (spec.qk_norm is QkNorm.FULL and wl.norm_impl is not NormImpl.UPCAST_FP32,
          (f"full-width q/k norms of norm_impl {wl.norm_impl.value} (modelled as OLMo 2's "
@@ -264,7 +263,9 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
         # Gemma2DecoderLayer.forward: post_attention_layernorm on the attention's output
         # before the residual add (Olmo2DecoderLayer.forward: the same, no norm before)
         out += _norm_ops("attn_post_norm", terms, h, h, named, fp32_ops=fp32)
-    if place.pre_norm:
+    if place.pre_norm and not spec.parallel_block:
+        # (a parallel layer's MLP reads the attention norm's output: Cohere2DecoderLayer.
+        # forward, ``self.mlp(hidden_states)`` after ``self.self_attn(hidden_states)``)
         out += _norm_ops("mlp_norm", terms, h, h, named, fp32_ops=fp32)
     if not moe:  # (an MoE block's items follow: ``memplan.model.sac_moe.moe_items``)
         mlp = [matmul(*mm[name]) for name in ("mlp.gate_up", "mlp.gate", "mlp.up", "mlp.fc1",
@@ -566,7 +567,7 @@ def rerun_flops_per_token(items: tuple[Item, ...], kept: tuple[Item, ...]) -> fl
 
 
 def forward_peak(moment_blocks: list[tuple[str, int]], items: tuple[Item, ...],
-                 kept: tuple[Item, ...], mlp_end: int = 0) -> int:
+                 kept: tuple[Item, ...], mlp_end: int = 0, parallel: bool = False) -> int:
     """The largest of a checkpointed layer's forward moments (``(block name, alive +
     transient bytes)``, ``memplan.model.layer.forward_moments`` under full recompute) with the
     kept outputs made by then: those of the blocks before its block, and its own block's
@@ -575,7 +576,8 @@ def forward_peak(moment_blocks: list[tuple[str, int]], items: tuple[Item, ...],
     every kept MLP output is alive with the down projection's input and output (traced:
     torchtitan's block with the MLP kept, one residual-sized tensor above its working set).
     A kept norm output is its reader's input, which that block's moments hold anyway
-    (``input_held``)."""
+    (``input_held``; ``parallel``: a parallel layer, whose MLP reads the attention norm's
+    output too)."""
     # (plain loops: a plan asks this of every frontier set of every layout it upgrades)
     order: dict[str, int] = {}
     for i in items:
@@ -603,10 +605,10 @@ def forward_peak(moment_blocks: list[tuple[str, int]], items: tuple[Item, ...],
         # it not yet; a kept down projection's output is the one ``mlp_end`` counts)
         at = order.get("mlp", len(order) - 1) + 1
         late = sum(i.size_bytes for i in kept if i.name == "mlp.down")
-        best = mlp_end + before[at] - late + down_in - input_held(kept, "mlp")
+        best = mlp_end + before[at] - late + down_in - input_held(kept, "mlp", parallel)
     for block, value in moment_blocks:
         at = order.get(block, len(order))
-        best = max(best, value + before[at] + own[at] - input_held(kept, block))
+        best = max(best, value + before[at] + own[at] - input_held(kept, block, parallel))
     return best
 
 
@@ -616,14 +618,21 @@ READER = {"attn_norm": "attn", "mlp_norm": "mlp"}
 POST_READER = {"attn.o_proj": "attn_post_norm", "mlp.down": "mlp_post_norm"}
 
 
-def input_held(kept: tuple[Item, ...], block: str) -> int:
+def input_held(kept: tuple[Item, ...], block: str, parallel: bool = False) -> int:
     """Bytes of ``kept`` that ``block``'s forward moments hold anyway: the output of the norm
     before it, its input (``memplan.model.layer.forward_moments``: a checkpointed mixer's
     moments hold its input, the decoder layer's ``hidden_states`` while the mixer runs;
-    traced: Llama and Qwen3 keeping ``mlp_norm.output``, no more than keeping nothing)."""
+    traced: Llama and Qwen3 keeping ``mlp_norm.output``, no more than keeping nothing). In a
+    parallel layer (``parallel``: Cohere2DecoderLayer.forward) the MLP's moments hold the
+    attention norm's output, its input too, and the attention's output, a local until the
+    layer's sum (``memplan.model.layer._beside_second``): kept, ``attn.o_proj`` adds nothing
+    there."""
     held = 0
     for i in kept:
-        if READER.get(i.block) == block and i.name == f"{i.block}.output":
+        if (READER.get(i.block) == block or parallel and block == "mlp"
+                and i.block == "attn_norm") and i.name == f"{i.block}.output":
+            held += i.size_bytes
+        elif parallel and block == "mlp" and i.name == "attn.o_proj":
             held += i.size_bytes
         elif POST_READER.get(i.name) == block:
             # a post norm's input, the mixer's output its working set holds
