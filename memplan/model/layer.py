@@ -379,13 +379,31 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
     later: tuple[str, ...] = ()  # the blocks whose backward has run: all their gradients
     rerun = recompute is Recompute.FULL  # the rerun's tensors, dropped as they are unpacked
     for block, before in reversed(list(zip(blocks, prior))):
+        waiting = _first_output_grad(spec, dm, block)
         out += [LayerMoment(m.name, extra + (host_saved(block, m) if host_saved
                                              else before + m.own_bytes - rerun * m.rerun_freed),
-                            incoming + m.transient_bytes, later + m.grads, m.fresh_params,
+                            incoming + waiting + m.transient_bytes, later + m.grads,
+                            m.fresh_params,
                             0 if host_saved else m.hook_freed)
                 for m in block.backward_moments(spec, wl, dm, policy)]
         later += (block.name,)
     return out
+
+
+def _first_output_grad(spec: ModelSpec, dm: Dims, block: Block) -> int:
+    """A parallel layer's attention output gradient, alive through its MLP's backward under
+    autocast: the layer's sum ``residual + hidden_states_attention + hidden_states_mlp``
+    (Cohere2DecoderLayer.forward) adds the mixers' low-precision outputs to the fp32 stream,
+    and each add's backward casts the fp32 gradient to its bf16 operand's dtype. The inner
+    add (residual + attention) ran after the MLP, so its node runs before the MLP's backward
+    (autograd's ready queue takes the highest sequence number first), and its cast waits for
+    the attention's backward. Traced: Cohere2 narrowed, 2 x 1,024 tokens, amp-bf16: full
+    recompute's backward was one bf16 stream under (-1.5%). Without autocast the adds pass
+    the gradient itself."""
+    if not (spec.parallel_block and dm.autocast and dm.stream_e != dm.e
+            and isinstance(block, (Mlp, MoE))):
+        return 0
+    return dm.rows * spec.hidden_size * dm.e
 
 
 def _rerun_moments(spec: ModelSpec, wl: Workload, dm: Dims, blocks: tuple[Block, ...],
