@@ -669,3 +669,47 @@ def _auto_list(config: dict, precision: str) -> str:
     est = estimate(spec, recompute="auto", gpu_memory=(full + none) // 2, **kw)
     assert est.fits and est.workload.recompute_save
     return ",".join(est.workload.recompute_save)
+
+
+# Parallel attention and MLP (Cohere2: models/cohere2/modeling_cohere2.py Cohere2DecoderLayer.
+# forward, one input_layernorm feeding self_attn and mlp, ``residual + hidden_states_attention
+# + hidden_states_mlp``; Cohere2LayerNorm centring twice in fp32; RoPE in fp32 on the
+# sliding-window layers, the fourth layer full without it): no MLP norm among the layer's ops;
+# the MLP runs beside the norm's output and the attention's output, so a kept output
+# projection adds nothing there (memplan.model.sac_ops.input_held). Narrowed (4 layers, h 256,
+# 8 / 2 heads of 32, f 896, a 64-token vocabulary) at 2 x 1,024 tokens, the published 4,096
+# window (no mask) and a 256-token one (the window layers' explicit mask). Before, refused
+# ("parallel attention and MLP blocks"); with the refusal lifted alone the forward was two
+# streams under (full recompute's own: memplan.model.layer._beside_second) and keeping
+# attn.o_proj one stream under; full recompute's backward was one fp32 stream under in fp32
+# (the LayerNorm saves no input) and one bf16 stream under amp-bf16 (the attention output's
+# gradient cast, memplan.model.layer._first_output_grad); "full" traces full recompute itself.
+# Measured: every row within 0.33% (amp-bf16's forward keeping nothing and under full
+# recompute: +139,136 B; the windowed amp-bf16 backward +0.25%; the rest within 0.07%)
+COHERE2_TOY = dict(num_hidden_layers=4, hidden_size=256, intermediate_size=896,
+                   num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=64,
+                   pad_token_id=None)
+PARALLEL_GRID = [(4096, "bf16-pure", ""), (4096, "bf16-pure", "attention"),
+                 (4096, "bf16-pure", "attn.o_proj"), (4096, "bf16-pure", "attn.q,mlp.gate"),
+                 (4096, "bf16-pure", "mlp"), (4096, "fp32", "attn.k,attn.o_proj,mlp.up"),
+                 (4096, "amp-bf16", ""), (4096, "amp-bf16", "attention,mlp.act"),
+                 (4096, "bf16-pure", "auto"), (256, "bf16-pure", "attention,mlp.gate"),
+                 (256, "amp-bf16", "attn.o_proj,mlp.prod"), (4096, "bf16-pure", "full"),
+                 (4096, "fp32", "full"), (4096, "amp-bf16", "full")]
+
+
+@pytest.mark.parametrize(("window", "precision", "save"), PARALLEL_GRID,
+                         ids=[f"w{w}-{p}-{s or 'input'}" for w, p, s in PARALLEL_GRID])
+def test_emitted_policy_on_parallel_layers(window: int, precision: str, save: str) -> None:
+    pytest.importorskip("transformers")
+    config = hf("c4ai-command-r7b-12-2024", **COHERE2_TOY, sliding_window=window)
+    if save == "auto":
+        save = _auto_list(config, precision)
+    options = ({"recompute": "full"} if save == "full"
+               else {"recompute": "ops", "recompute_save": save})
+    case = FrameworkCase("transformers", "cohere2-ops-toy", config, precision, 2, 1024,
+                         options=options)
+    result = compare_framework(case)
+    bad = [r for r in result.rows if abs(r.diff_pct) > TOLERANCE_PCT]
+    assert not bad, "\n".join(f"{r.name}: measured {r.measured_bytes:,} estimated "
+                              f"{r.estimated_bytes:,} ({r.diff_pct:+.3f}%)" for r in bad)
