@@ -361,6 +361,7 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
     policy = Recompute.NONE if recompute is Recompute.FULL else recompute  # what is rebuilt
     if recompute is Recompute.FULL:
         dm = compiled.rerun_dims(dm)
+        wl = rerun_workload(wl)
     stream = dm.stream(spec.hidden_size)
     incoming = stream  # the residual-stream gradient, alive through the layer
     saved = [total(block.saved(spec, wl, dm, policy)) for block in blocks]
@@ -388,6 +389,15 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
                 for m in block.backward_moments(spec, wl, dm, policy)]
         later += (block.name,)
     return out
+
+
+@lru_cache(maxsize=1024)
+def rerun_workload(wl: Workload) -> Workload:
+    """The workload a checkpointed layer's rerun rebuilds its saved tensors under: without a
+    training forward's cache (``Workload.kv_cache``), which transformers turns off under
+    gradient checkpointing (modeling_layers.py GradientCheckpointingLayer.__call__: with
+    gradient checkpointing in training, ``use_cache`` False and ``past_key_values`` None)."""
+    return wl.model_copy(update={"kv_cache": False}) if wl.kv_cache else wl
 
 
 def _first_output_grad(spec: ModelSpec, dm: Dims, block: Block) -> int:
