@@ -131,7 +131,6 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
         (spec.qk_norm is QkNorm.HEAD and (spec.fused_qkv or wl.fused_qkv),
          "q/k norms on one fused q/k/v projection"),
         (spec.attn_output_gate, "an attention output gate"),
-        (spec.dropout > 0, "dropout"),
         (wl.attention is not Kernel.FLASH, f"attention {wl.attention.value}"),
         (wl.lora_rank > 0, "LoRA adapters"), (wl.compile, "torch.compile"),
         (wl.float8.value != "none", "float8 linears"),
@@ -274,8 +273,11 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
         # with a post norm, which reads the down projection's output and saves its fp32
         # copy (in fp32 the tensor itself), the rerun reaches the down projection: kept, its
         # output skips it (Gemma2DecoderLayer.forward: post_feedforward_layernorm)
+        # (as with dropout on the MLP's output, whose mask the rerun rebuilds from the
+        # forward's restored RNG state: torch/utils/checkpoint.py, preserve_rng_state)
         out += ([mlp[-1]] + _norm_ops("mlp_post_norm", terms, h, h, named, fp32_ops=fp32)
-                if place.post_norm else [_unkept(MATMUL, mlp[-1].width, "mlp")])
+                if place.post_norm else [mlp[-1]] if spec.dropout > 0
+                else [_unkept(MATMUL, mlp[-1].width, "mlp")])
     return numbered(out)
 
 
@@ -561,7 +563,7 @@ def kept_terms(kept: tuple[Item, ...]) -> tuple[Term, ...]:
 def rerun_flops_per_token(items: tuple[Item, ...], kept: tuple[Item, ...]) -> float:
     """Forward FLOPs of one token that the backward's rerun spends on this rank: every item
     not kept (a dense MLP's down projection never reruns, early stop, but where a post norm
-    reads its output: the item ``mlp.down``)."""
+    or dropout reads its output: the item ``mlp.down``)."""
     names = {i.name for i in kept}
     return sum(i.flops_per_token for i in items if i.name not in names)
 
@@ -668,6 +670,7 @@ def assumption(spec: ModelSpec, wl: Workload, kinds: dict[str, tuple[Item, ...]]
             "output" if "moe" in kinds else "")
     dense = ("" if "dense" not in kinds else "a dense MLP's down projection reruns: its post "
              "norm saves its output" if spec.norm_placement.post_norm
-             else "a dense MLP's down projection never reruns: early stop")
+             else "a dense MLP's down projection reruns: its dropout's mask is rebuilt"
+             if spec.dropout > 0 else "a dense MLP's down projection never reruns: early stop")
     stop = "; ".join(s for s in (stop, dense) if s)
     return f"recompute ops (PyTorch selective activation checkpointing per layer): {what} ({stop})"

@@ -42,6 +42,12 @@ WIDE_MLP = _variant(name="tiny-wide-mlp", hidden_size=256, ffn_hidden_size=896,
                     num_attention_heads=8, num_kv_heads=2, head_dim=32, vocab_size=64,
                     max_seq_len=2048)
 
+# the catalog's gpt2 (dropout 0.1) cut to 2 layers of h 256 (4 heads, f 1,024) with an
+# 8-token vocabulary: at 2 x 1,024 tokens the layers set the peaks
+GPT2_TOY = _variant(load_model("gpt2"), name="gpt2-toy", num_layers=2, hidden_size=256,
+                    ffn_hidden_size=1024, num_attention_heads=4, num_kv_heads=4, vocab_size=8,
+                    max_seq_len=1024)
+
 SAVES = ("", "attn.q,mlp.gate", "attention", "mlp", "attn.k,attn.o_proj,mlp.up",
          "attn.out,mlp.prod")
 GRID = [(TINY, {}, save) for save in SAVES] + [
@@ -72,6 +78,18 @@ GRID = [(TINY, {}, save) for save in SAVES] + [
     # 458,752 B, the cast, under: -1.00%)
     (WIDE_MLP, {"seq_len": 1024, "precision": "amp-bf16"}, "mlp.act,mlp.gate,mlp.up"),
     (WIDE_MLP, {"seq_len": 1024, "precision": "amp-bf16"}, "mlp"),
+    # dropout on each mixer's output (the catalog's gpt2 narrowed: LayerNorm, learned
+    # positions, GELU, biases, dropout 0.1; the reference model's torch.native_dropout, a
+    # bool mask): the policy keeps no dropout op, the rerun rebuilds each mask from the
+    # forward's RNG state (torch/utils/checkpoint.py restores it, preserve_rng_state), the
+    # MLP's through its down projection, an item (mlp.down) whose kept output skips it.
+    # Before, refused ("recompute ops with dropout"). Measured: saved activations and the
+    # forward exact, the backward within 0.002% (512 B over in bf16, 1,024 B in fp32 and
+    # amp-bf16; keeping nothing, full recompute's own)
+    *[(GPT2_TOY, {"seq_len": 1024, **f}, save) for f, save in (
+        ({}, ""), ({}, "mlp"), ({}, "mlp.down"), ({}, "attention,mlp.down"),
+        ({"precision": "fp32"}, "attn.q,mlp.down"),
+        ({"precision": "amp-bf16"}, "attention,mlp.act"))],
 ]
 
 
