@@ -196,8 +196,12 @@ def qkv_pinned_by_v(spec: ModelSpec, wl: Workload, recompute: Recompute) -> bool
     rerun_workload``), so a checkpointed layer's rebuilt v pins the fused output. Traced:
     Phi-3 and Phi-4-mini narrowed, 2 x 1,024 tokens: full recompute's backward was T x (q +
     kv) elements under (-3.3% in bf16). A windowed layer given its mask repeats v to every
-    query head (a copy: ``WindowAttention.saved`` drops the term)."""
+    query head (a copy: ``WindowAttention.saved`` drops the term). torchtitan's fused wqkv
+    (models/common/attention.py FusedQKVLinear.forward: each of q, k, v ``.contiguous()``
+    after the split; its RoPE cached per layer, ``RopeCache.LAYER``) hands SDPA copies: no
+    pin (traced: tests/traced/test_frameworks.py torchtitan llama3-toy)."""
     return (spec.fused_qkv and spec.position is PositionKind.ROPE
+            and wl.rope_cache is RopeCache.FORWARD
             and recompute is Recompute.NONE and not wl.kv_cache
             and wl.attention is Kernel.FLASH and wl.attention_impl is AttentionImpl.GENERIC)
 
