@@ -270,15 +270,22 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
         mlp = [matmul(*mm[name]) for name in ("mlp.gate_up", "mlp.gate", "mlp.up", "mlp.fc1",
                                               "mlp.down") if name in mm]
         out += _dense_mlp_ops(spec, terms, mlp, spec.ffn_hidden_size // t)
-        # with a post norm, which reads the down projection's output and saves its fp32
-        # copy (in fp32 the tensor itself), the rerun reaches the down projection: kept, its
-        # output skips it (Gemma2DecoderLayer.forward: post_feedforward_layernorm)
-        # (as with dropout on the MLP's output, whose mask the rerun rebuilds from the
-        # forward's restored RNG state: torch/utils/checkpoint.py, preserve_rng_state)
-        out += ([mlp[-1]] + _norm_ops("mlp_post_norm", terms, h, h, named, fp32_ops=fp32)
-                if place.post_norm else [mlp[-1]] if spec.dropout > 0
-                else [_unkept(MATMUL, mlp[-1].width, "mlp")])
+        out += _down_ops(spec, terms, mlp[-1], named, fp32)
     return numbered(out)
+
+
+def _down_ops(spec: ModelSpec, terms: dict[str, int], down: Item, named: bool,
+              fp32: bool) -> list[Item]:
+    """A dense MLP's down projection and what follows it among the layer's ops. With a post
+    norm, which reads its output and saves its fp32 copy (in fp32 the tensor itself), the
+    rerun reaches the down projection: an item, kept its output skips it (Gemma2DecoderLayer.
+    forward: post_feedforward_layernorm); so with dropout on the MLP's output, whose mask the
+    rerun rebuilds from the forward's restored RNG state (torch/utils/checkpoint.py,
+    ``preserve_rng_state``). Otherwise it never reruns (early stop): counted, no item."""
+    h = spec.hidden_size
+    if spec.norm_placement.post_norm:
+        return [down] + _norm_ops("mlp_post_norm", terms, h, h, named, fp32_ops=fp32)
+    return [down] if spec.dropout > 0 else [_unkept(MATMUL, down.width, "mlp")]
 
 
 def _dense_mlp_ops(spec: ModelSpec, terms: dict[str, int], mlp: list[Item], f: int
