@@ -670,11 +670,11 @@ FUSED_GRID = [("Phi-3-mini-4k-instruct", "bf16-pure", ""),
 def test_emitted_policy_on_fused_gate_up(model: str, precision: str, save: str) -> None:
     pytest.importorskip("transformers")
     if save == "auto":
-        save = _auto_list(hf(model, **FUSED_TOY[model]), precision)
+        save = _midway_list(hf(model, **FUSED_TOY[model]), precision)
     _assert_within_full("fused", FUSED_TOY, model, precision, save)
 
 
-def _auto_list(config: dict, precision: str) -> str:
+def _midway_list(config: dict, precision: str) -> str:
     """The list ``--recompute auto`` chooses for ``config`` at 2 x 1,024 tokens midway between
     full recompute's peak and no recompute's."""
     from memplan.api import estimate
@@ -722,7 +722,7 @@ def test_emitted_policy_on_parallel_layers(window: int, precision: str, save: st
     pytest.importorskip("transformers")
     config = hf("c4ai-command-r7b-12-2024", **COHERE2_TOY, sliding_window=window)
     if save == "auto":
-        save = _auto_list(config, precision)
+        save = _midway_list(config, precision)
     options = ({"recompute": "full"} if save == "full"
                else {"recompute": "ops", "recompute_save": save})
     case = FrameworkCase("transformers", "cohere2-ops-toy", config, precision, 2, 1024,
