@@ -54,8 +54,15 @@ Sliding-window layers given their mask (``memplan.model.attention.windowed``: in
 sdpa_attention.py ``sdpa_attention_forward`` repeats K and V, SDPA converts the mask; neither
 an op a policy counts) keep the generic layer's items; their working set and the saved mask are
 ``WindowAttention``'s and ``window_mask_terms``'. One fused q/k/v projection
-(torchtitan's ``wqkv``) is one item, ``attn.qkv``, which ``attn.q``, ``attn.k`` and ``attn.v``
-each name. A name scoped ``SCOPE:name`` applies to the layers of a kind or one pipeline stage
+(torchtitan's ``wqkv``, Phi3Attention's ``qkv_proj``) is one item, ``attn.qkv``, which
+``attn.q``, ``attn.k`` and ``attn.v`` each name; one fused gate/up projection (Phi3MLP.forward:
+``gate_up_proj(x).chunk(2, dim=-1)``, then ``up_states * act_fn(gate)``) one item,
+``mlp.gate_up``, alive to the MLP's end kept or not (``TO_MLP_END``). A parallel layer
+(models/cohere2/modeling_cohere2.py Cohere2DecoderLayer.forward: one norm, both mixers reading
+its output, one sum) has no MLP norm; its MLP's moments hold the norm's and the attention's
+outputs anyway (``input_held``). Dropout on each mixer's output is no item: the rerun rebuilds
+its mask from the forward's restored RNG state, the MLP's through its down projection (an
+item, ``mlp.down``, as with post norms). A name scoped ``SCOPE:name`` applies to the layers of a kind or one pipeline stage
 (``resolve``, ``for_stage``).
 """
 
@@ -191,8 +198,9 @@ def check_supported(spec: ModelSpec, wl: Workload) -> None:
     if why is not None:
         raise LayoutError("recompute ops is not modelled with this layer",
                           f"recompute ops with {why}: op-level checkpointing is modelled for "
-                          "pre-, sandwich and post-norm layers with SDPA attention and a dense "
-                          "MLP or transformers' grouped experts, without LoRA or compile")
+                          "pre-, sandwich and post-norm and parallel layers with SDPA attention "
+                          "and a dense MLP or transformers' grouped experts, without LoRA or "
+                          "compile")
 
 
 def matmul_shapes(spec: ModelSpec, t: int, fused_qkv: bool = False
