@@ -56,6 +56,10 @@ def attention_terms(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recomput
         # (with RoPE, q is RoPE's new tensor); under autocast too, the fused output and the
         # copies in the low dtype (traced: tests/traced/test_frameworks.py gpt2-toy-cache)
         terms.append(Term("attn.qkv_pinned", dm.tokens * 2 * spec.kv_size // t * e))
+    elif qkv_pinned_by_v(spec, wl, recompute):
+        # no cache: SDPA saves v, a view of the fused projection's output, which keeps it
+        # alive whole (its q and k parts here; q and k are RoPE's new tensors)
+        terms.append(Term("attn.qkv_pinned", dm.tokens * (spec.q_size + spec.kv_size) // t * e))
     if head_major_core(spec, wl, recompute):
         terms.append(Term("attn.core_out", dm.tokens * spec.q_size // t * e))
     if recompute is Recompute.NONE:
@@ -179,6 +183,27 @@ def _small_sizes(spec: ModelSpec, t: int) -> list[int]:
     """The q and k norms' weights, then the per-head sinks (GPT-OSS: GptOssAttention.sinks,
     one logit per query head, held whole)."""
     return qk_norm_sizes(spec, t) + ([spec.num_attention_heads] if spec.attn_sinks else [])
+
+
+def qkv_pinned_by_v(spec: ModelSpec, wl: Workload, recompute: Recompute) -> bool:
+    """Whether SDPA's saved v is a view of a model's one fused q/k/v projection without a
+    cache between them: transformers' Phi3Attention.forward slices ``value_states`` out of
+    ``qkv_proj``'s output, and integrations/sdpa_attention.py ``sdpa_attention_forward``
+    passes it on unrepeated (``enable_gqa`` without a mask; with one head per K/V head
+    ``repeat_kv`` returns it as it is), while RoPE makes q and k new tensors. A training
+    forward's cache (``Workload.kv_cache`` under no recompute) hands SDPA its own copies
+    instead; gradient checkpointing turns the cache off (``memplan.model.layer.
+    rerun_workload``), so a checkpointed layer's rebuilt v pins the fused output. Traced:
+    Phi-3 and Phi-4-mini narrowed, 2 x 1,024 tokens: full recompute's backward was T x (q +
+    kv) elements under (-3.3% in bf16). A windowed layer given its mask repeats v to every
+    query head (a copy: ``WindowAttention.saved`` drops the term). torchtitan's fused wqkv
+    (models/common/attention.py FusedQKVLinear.forward: each of q, k, v ``.contiguous()``
+    after the split; its RoPE cached per layer, ``RopeCache.LAYER``) hands SDPA copies: no
+    pin (traced: tests/traced/test_frameworks.py torchtitan llama3-toy)."""
+    return (spec.fused_qkv and spec.position is PositionKind.ROPE
+            and wl.rope_cache is RopeCache.FORWARD
+            and recompute is Recompute.NONE and not wl.kv_cache
+            and wl.attention is Kernel.FLASH and wl.attention_impl is AttentionImpl.GENERIC)
 
 
 def head_major_core(spec: ModelSpec, wl: Workload, recompute: Recompute) -> bool:
@@ -504,7 +529,8 @@ class WindowAttention(Attention):
         run = self._as_run(spec, wl, dm)
         if run is spec:
             return attention_terms(spec, wl, dm, recompute) + self._mask(spec, wl, dm)
-        qk = {t.name for t in qk_norm_terms(run, wl, dm)}
+        # (v repeated to every query head is a copy: it pins no fused q/k/v output)
+        qk = {t.name for t in qk_norm_terms(run, wl, dm)} | {"attn.qkv_pinned"}
         return ([t for t in attention_terms(run, wl, dm, recompute) if t.name not in qk]
                 + qk_norm_terms(spec, wl, dm) + self._mask(spec, wl, dm)[:1])
 

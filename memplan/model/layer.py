@@ -224,7 +224,8 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
             # what the layer keeps of the mixer's return beside its output: eager
             # attention's probabilities, to the layer's end (``held_weights_bytes``)
             kept = held_weights_bytes(spec, wl, dm, mixer)
-            out += [ForwardMoment(m.name, held + casts + kept + m.transient_bytes, 0, b.name)
+            out += [ForwardMoment(m.name, held + casts + kept + _beside_second(spec, b, stream)
+                                  + m.transient_bytes, 0, b.name)
                     for b in post for m in b.working_set(spec, wl, dm)]
             held += casts + stream + kept  # the sub-layer's residual sum joins the input
             # Falcon-H1's scaled mixer outputs, the layer's locals to its return
@@ -255,6 +256,17 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
                 for m in block.forward_moments(spec, wl, dm, recompute)]
         prior += total(block.saved(spec, wl, dm, recompute))
     return out
+
+
+def _beside_second(spec: ModelSpec, block: Block, stream: int) -> int:
+    """What a parallel layer's second mixer (``ModelSpec.parallel_block``: the MLP after the
+    attention, both reading one norm's output) runs beside in a checkpointed forward: that
+    norm's output, its input, and the attention's output, a local of the layer until the sum
+    (models/cohere2/modeling_cohere2.py Cohere2DecoderLayer.forward: ``hidden_states_mlp =
+    self.mlp(hidden_states)`` while ``hidden_states_attention`` waits for ``residual +
+    hidden_states_attention + hidden_states_mlp``). Traced: Cohere2 narrowed, 2 x 1,024
+    tokens, full recompute's forward was two streams under (-8.6% in bf16)."""
+    return 2 * stream if spec.parallel_block and isinstance(block, MIXERS) else 0
 
 
 def cast_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, block: Block,
@@ -349,13 +361,18 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
     policy = Recompute.NONE if recompute is Recompute.FULL else recompute  # what is rebuilt
     if recompute is Recompute.FULL:
         dm = compiled.rerun_dims(dm)
+        wl = rerun_workload(wl)
     stream = dm.stream(spec.hidden_size)
     incoming = stream  # the residual-stream gradient, alive through the layer
     saved = [total(block.saved(spec, wl, dm, policy)) for block in blocks]
     prior = [sum(saved[:i]) for i in range(len(blocks))]
     # The checkpointed input stays while the layer is rebuilt, unless the rebuilt norm saves
-    # that very tensor (a fused norm's input; an fp32 stream, where the upcast is a no-op).
-    input_is_saved = (wl.norm_impl is NormImpl.FUSED or dm.stream_e >= FP32_BYTES
+    # that very tensor (a fused norm's input; an fp32 stream, where the upcast is a no-op,
+    # but for a LayerNorm centring twice, which saves its two differences and not its input:
+    # Cohere2LayerNorm.forward; traced: Cohere2 narrowed, 2 x 1,024 tokens, full recompute's
+    # backward was one fp32 stream under in fp32 and amp-bf16).
+    input_is_saved = (wl.norm_impl is NormImpl.FUSED
+                      or (dm.stream_e >= FP32_BYTES and not spec.norm_centres_twice)
                       or not (spec.norm_placement.pre_norm or dm.autocast))
     extra = stream if recompute is Recompute.FULL and not input_is_saved else 0
     out = (_rerun_moments(spec, wl, dm, blocks, saved, prior, extra, input_is_saved)
@@ -363,13 +380,40 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
     later: tuple[str, ...] = ()  # the blocks whose backward has run: all their gradients
     rerun = recompute is Recompute.FULL  # the rerun's tensors, dropped as they are unpacked
     for block, before in reversed(list(zip(blocks, prior))):
+        waiting = _first_output_grad(spec, dm, block)
         out += [LayerMoment(m.name, extra + (host_saved(block, m) if host_saved
                                              else before + m.own_bytes - rerun * m.rerun_freed),
-                            incoming + m.transient_bytes, later + m.grads, m.fresh_params,
+                            incoming + waiting + m.transient_bytes, later + m.grads,
+                            m.fresh_params,
                             0 if host_saved else m.hook_freed)
                 for m in block.backward_moments(spec, wl, dm, policy)]
         later += (block.name,)
     return out
+
+
+@lru_cache(maxsize=1024)
+def rerun_workload(wl: Workload) -> Workload:
+    """The workload a checkpointed layer's rerun rebuilds its saved tensors under: without a
+    training forward's cache (``Workload.kv_cache``), which transformers turns off under
+    gradient checkpointing (modeling_layers.py GradientCheckpointingLayer.__call__: with
+    gradient checkpointing in training, ``use_cache`` False and ``past_key_values`` None)."""
+    return wl.model_copy(update={"kv_cache": False}) if wl.kv_cache else wl
+
+
+def _first_output_grad(spec: ModelSpec, dm: Dims, block: Block) -> int:
+    """A parallel layer's attention output gradient, alive through its MLP's backward under
+    autocast: the layer's sum ``residual + hidden_states_attention + hidden_states_mlp``
+    (Cohere2DecoderLayer.forward) adds the mixers' low-precision outputs to the fp32 stream,
+    and each add's backward casts the fp32 gradient to its bf16 operand's dtype. The inner
+    add (residual + attention) ran after the MLP, so its node runs before the MLP's backward
+    (autograd's ready queue takes the highest sequence number first), and its cast waits for
+    the attention's backward. Traced: Cohere2 narrowed, 2 x 1,024 tokens, amp-bf16: full
+    recompute's backward was one bf16 stream under (-1.5%). Without autocast the adds pass
+    the gradient itself."""
+    if not (spec.parallel_block and dm.autocast and dm.stream_e != dm.e
+            and isinstance(block, (Mlp, MoE))):
+        return 0
+    return dm.rows * spec.hidden_size * dm.e
 
 
 def _rerun_moments(spec: ModelSpec, wl: Workload, dm: Dims, blocks: tuple[Block, ...],
@@ -592,6 +636,7 @@ class _OpsForward(NamedTuple):
     pairs: tuple[tuple[str, int], ...]
     mlp_end: int
     moe: tuple[tuple[int, frozenset[str]], ...]
+    parallel: bool = False  # a parallel layer (``ModelSpec.parallel_block``)
 
 
 @lru_cache(maxsize=1024)
@@ -613,12 +658,14 @@ def _ops_forward(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
         # before 458,752 B, the cast, under the forward's peak)
         late = (last_weight(spec, dm, mlp) * dm.e
                 if cast_cache_bytes(spec, wl, dm, mlp, Recompute.FULL) else 0)
-        return _OpsForward(pairs, base + dm.rows * spec.hidden_size * dm.e + late, ())
+        return _OpsForward(pairs, base + dm.rows * spec.hidden_size * dm.e + late, (),
+                           spec.parallel_block)
     from memplan.model.moe import grouped_kept_moments
 
     return _OpsForward(tuple(p for p in pairs if p[0] != "mlp"), 0,
                        tuple((base + value, adds)
-                             for value, adds in grouped_kept_moments(spec, dm, wl.moe_impl)))
+                             for value, adds in grouped_kept_moments(spec, dm, wl.moe_impl)),
+                       spec.parallel_block)
 
 
 def ops_forward_peak(fw: _OpsForward, items: tuple[sac_ops.Item, ...],
@@ -626,10 +673,10 @@ def ops_forward_peak(fw: _OpsForward, items: tuple[sac_ops.Item, ...],
     """The forward peak of a checkpointed layer keeping ``kept`` (``LayerKind.
     forward_peak_bytes`` under ``Recompute.OPS``): ``sac_ops.forward_peak``, and an MoE
     block's moments each with the kept items it holds, beside those of the blocks before."""
-    peak = sac_ops.forward_peak(fw.pairs, items, kept, fw.mlp_end)
+    peak = sac_ops.forward_peak(fw.pairs, items, kept, fw.mlp_end, fw.parallel)
     if not fw.moe:
         return peak
-    before = -sac_ops.input_held(kept, "mlp")
+    before = -sac_ops.input_held(kept, "mlp", fw.parallel)
     for i in kept:
         if i.block != "mlp":
             before += i.size_bytes

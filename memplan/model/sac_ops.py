@@ -54,8 +54,15 @@ Sliding-window layers given their mask (``memplan.model.attention.windowed``: in
 sdpa_attention.py ``sdpa_attention_forward`` repeats K and V, SDPA converts the mask; neither
 an op a policy counts) keep the generic layer's items; their working set and the saved mask are
 ``WindowAttention``'s and ``window_mask_terms``'. One fused q/k/v projection
-(torchtitan's ``wqkv``) is one item, ``attn.qkv``, which ``attn.q``, ``attn.k`` and ``attn.v``
-each name. A name scoped ``SCOPE:name`` applies to the layers of a kind or one pipeline stage
+(torchtitan's ``wqkv``, Phi3Attention's ``qkv_proj``) is one item, ``attn.qkv``, which
+``attn.q``, ``attn.k`` and ``attn.v`` each name; one fused gate/up projection (Phi3MLP.forward:
+``gate_up_proj(x).chunk(2, dim=-1)``, then ``up_states * act_fn(gate)``) one item,
+``mlp.gate_up``, alive to the MLP's end kept or not (``TO_MLP_END``). A parallel layer
+(models/cohere2/modeling_cohere2.py Cohere2DecoderLayer.forward: one norm, both mixers reading
+its output, one sum) has no MLP norm; its MLP's moments hold the norm's and the attention's
+outputs anyway (``input_held``). Dropout on each mixer's output is no item: the rerun rebuilds
+its mask from the forward's restored RNG state, the MLP's through its down projection (an
+item, ``mlp.down``, as with post norms). A name scoped ``SCOPE:name`` applies to the layers of a kind or one pipeline stage
 (``resolve``, ``for_stage``).
 """
 
@@ -124,8 +131,6 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
          (f"{spec.norm_placement.value} norms of norm_impl {wl.norm_impl.value} (modelled "
           "as transformers runs Gemma's and OLMo 2's RMSNorms: norm_impl upcast-fp32, the "
           "weight scaling the fp32 tensor)")),
-        (spec.parallel_block, "parallel attention and MLP blocks"),
-        (spec.fused_gate_up, "one fused gate/up projection"),
         (spec.qk_norm is QkNorm.L2, f"{spec.qk_norm.value} q/k norms"),
         (spec.qk_norm is QkNorm.FULL and wl.norm_impl is not NormImpl.UPCAST_FP32,
          (f"full-width q/k norms of norm_impl {wl.norm_impl.value} (modelled as OLMo 2's "
@@ -133,7 +138,6 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
         (spec.qk_norm is QkNorm.HEAD and (spec.fused_qkv or wl.fused_qkv),
          "q/k norms on one fused q/k/v projection"),
         (spec.attn_output_gate, "an attention output gate"),
-        (spec.dropout > 0, "dropout"),
         (wl.attention is not Kernel.FLASH, f"attention {wl.attention.value}"),
         (wl.lora_rank > 0, "LoRA adapters"), (wl.compile, "torch.compile"),
         (wl.float8.value != "none", "float8 linears"),
@@ -194,22 +198,29 @@ def check_supported(spec: ModelSpec, wl: Workload) -> None:
     if why is not None:
         raise LayoutError("recompute ops is not modelled with this layer",
                           f"recompute ops with {why}: op-level checkpointing is modelled for "
-                          "pre-, sandwich and post-norm layers with SDPA attention and a dense "
-                          "MLP or transformers' grouped experts, without LoRA or compile")
+                          "pre-, sandwich and post-norm and parallel layers with SDPA attention "
+                          "and a dense MLP or transformers' grouped experts, without LoRA or "
+                          "compile")
 
 
 def matmul_shapes(spec: ModelSpec, t: int, fused_qkv: bool = False
                   ) -> list[tuple[str, int, int, int]]:
     """A dense layer's projections in execution order as (item name, d_in, d_out on this
     rank, output width on this rank); the MLP's down projection last (never rerun). With
-    ``fused_qkv`` one q/k/v projection (torchtitan's ``wqkv``), ``attn.qkv``."""
+    ``fused_qkv`` one q/k/v projection (torchtitan's ``wqkv``, Phi3Attention's ``qkv_proj``),
+    ``attn.qkv``; with ``ModelSpec.fused_gate_up`` one gate/up projection (Phi3MLP's
+    ``gate_up_proj``), ``mlp.gate_up``."""
     h, q, kv, f = spec.hidden_size, spec.q_size, spec.kv_size, spec.ffn_hidden_size
     qkv = (q + 2 * kv) // t
     attn = ([("attn.qkv", h, qkv, qkv)] if fused_qkv else
             [("attn.q", h, q // t, q // t), ("attn.k", h, kv // t, kv // t),
              ("attn.v", h, kv // t, kv // t)]) + [("attn.o_proj", q // t, h, h)]
-    first = [("mlp.gate", h, f // t, f // t), ("mlp.up", h, f // t, f // t)] if spec.mlp.gated \
-        else [("mlp.fc1", h, f // t, f // t)]
+    if spec.mlp.gated and spec.fused_gate_up:  # Phi3MLP's gate_up_proj: one mm, 2 f wide
+        first = [("mlp.gate_up", h, 2 * f // t, 2 * f // t)]
+    elif spec.mlp.gated:
+        first = [("mlp.gate", h, f // t, f // t), ("mlp.up", h, f // t, f // t)]
+    else:
+        first = [("mlp.fc1", h, f // t, f // t)]
     return attn + first + [("mlp.down", f // t, h, h)]
 
 
@@ -233,7 +244,7 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
 
     def matmul(name: str, d_in: int, d_out: int, width: int) -> Item:
         rope = name in ("attn.q", "attn.k", "attn.qkv") and spec.position is PositionKind.ROPE
-        covers = ("attn.q", "attn.k", "attn.v") if name == "attn.qkv" else (name,)
+        covers = _COVERS.get(name, (name,))
         # (a row-parallel output is the full partial sum on each rank)
         return Item(name, tuple(c for c in covers if c in terms), tokens * width * e,
                     2.0 * d_in * d_out + (2.0 * d_out if _has_bias(spec, name) else 0.0),
@@ -259,18 +270,30 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
         # Gemma2DecoderLayer.forward: post_attention_layernorm on the attention's output
         # before the residual add (Olmo2DecoderLayer.forward: the same, no norm before)
         out += _norm_ops("attn_post_norm", terms, h, h, named, fp32_ops=fp32)
-    if place.pre_norm:
+    if place.pre_norm and not spec.parallel_block:
+        # (a parallel layer's MLP reads the attention norm's output: Cohere2DecoderLayer.
+        # forward, ``self.mlp(hidden_states)`` after ``self.self_attn(hidden_states)``)
         out += _norm_ops("mlp_norm", terms, h, h, named, fp32_ops=fp32)
     if not moe:  # (an MoE block's items follow: ``memplan.model.sac_moe.moe_items``)
-        mlp = [matmul(*mm[name]) for name in ("mlp.gate", "mlp.up", "mlp.fc1", "mlp.down")
-               if name in mm]
+        mlp = [matmul(*mm[name]) for name in ("mlp.gate_up", "mlp.gate", "mlp.up", "mlp.fc1",
+                                              "mlp.down") if name in mm]
         out += _dense_mlp_ops(spec, terms, mlp, spec.ffn_hidden_size // t)
-        # with a post norm, which reads the down projection's output and saves its fp32
-        # copy (in fp32 the tensor itself), the rerun reaches the down projection: kept, its
-        # output skips it (Gemma2DecoderLayer.forward: post_feedforward_layernorm)
-        out += ([mlp[-1]] + _norm_ops("mlp_post_norm", terms, h, h, named, fp32_ops=fp32)
-                if place.post_norm else [_unkept(MATMUL, mlp[-1].width, "mlp")])
+        out += _down_ops(spec, terms, mlp[-1], named, fp32)
     return numbered(out)
+
+
+def _down_ops(spec: ModelSpec, terms: dict[str, int], down: Item, named: bool,
+              fp32: bool) -> list[Item]:
+    """A dense MLP's down projection and what follows it among the layer's ops. With a post
+    norm, which reads its output and saves its fp32 copy (in fp32 the tensor itself), the
+    rerun reaches the down projection: an item, kept its output skips it (Gemma2DecoderLayer.
+    forward: post_feedforward_layernorm); so with dropout on the MLP's output, whose mask the
+    rerun rebuilds from the forward's restored RNG state (torch/utils/checkpoint.py,
+    ``preserve_rng_state``). Otherwise it never reruns (early stop): counted, no item."""
+    h = spec.hidden_size
+    if spec.norm_placement.post_norm:
+        return [down] + _norm_ops("mlp_post_norm", terms, h, h, named, fp32_ops=fp32)
+    return [down] if spec.dropout > 0 else [_unkept(MATMUL, down.width, "mlp")]
 
 
 def _dense_mlp_ops(spec: ModelSpec, terms: dict[str, int], mlp: list[Item], f: int
@@ -282,9 +305,21 @@ def _dense_mlp_ops(spec: ModelSpec, terms: dict[str, int], mlp: list[Item], f: i
                False)
     if not spec.mlp.gated:
         return [mlp[0], act]
+    if spec.fused_gate_up:
+        # Phi3MLP.forward: gate_up_proj, chunk (views), act_fn(gate), up_states * act
+        prod = Item("mlp.prod", ("mlp.prod",), terms["mlp.prod"], float(f), PRODUCT, f, 0,
+                    "mlp", False)
+        return [mlp[0], act, prod]
     prod = Item("mlp.prod", ("mlp.prod",), terms["mlp.prod"], float(f), PRODUCT, f, 0, "mlp",
                 False)
     return [mlp[0], act, mlp[1], prod]
+
+
+# the saved terms a fused projection's output is (``matmul_shapes``)
+_COVERS = {"attn.qkv": ("attn.q", "attn.k", "attn.v"), "mlp.gate_up": ("mlp.gate", "mlp.up")}
+# an item alive to its MLP's end whether kept or not: Phi3MLP.forward's ``gate`` is a view of
+# gate_up_proj's output, a local to the function's return (``forward_peak``)
+TO_MLP_END = "mlp.gate_up"
 
 
 def _qk_norm_ops(spec: ModelSpec, name: str, local: int, terms: dict[str, int], named: bool,
@@ -543,13 +578,13 @@ def kept_terms(kept: tuple[Item, ...]) -> tuple[Term, ...]:
 def rerun_flops_per_token(items: tuple[Item, ...], kept: tuple[Item, ...]) -> float:
     """Forward FLOPs of one token that the backward's rerun spends on this rank: every item
     not kept (a dense MLP's down projection never reruns, early stop, but where a post norm
-    reads its output: the item ``mlp.down``)."""
+    or dropout reads its output: the item ``mlp.down``)."""
     names = {i.name for i in kept}
     return sum(i.flops_per_token for i in items if i.name not in names)
 
 
 def forward_peak(moment_blocks: list[tuple[str, int]], items: tuple[Item, ...],
-                 kept: tuple[Item, ...], mlp_end: int = 0) -> int:
+                 kept: tuple[Item, ...], mlp_end: int = 0, parallel: bool = False) -> int:
     """The largest of a checkpointed layer's forward moments (``(block name, alive +
     transient bytes)``, ``memplan.model.layer.forward_moments`` under full recompute) with the
     kept outputs made by then: those of the blocks before its block, and its own block's
@@ -558,7 +593,8 @@ def forward_peak(moment_blocks: list[tuple[str, int]], items: tuple[Item, ...],
     every kept MLP output is alive with the down projection's input and output (traced:
     torchtitan's block with the MLP kept, one residual-sized tensor above its working set).
     A kept norm output is its reader's input, which that block's moments hold anyway
-    (``input_held``)."""
+    (``input_held``; ``parallel``: a parallel layer, whose MLP reads the attention norm's
+    output too)."""
     # (plain loops: a plan asks this of every frontier set of every layout it upgrades)
     order: dict[str, int] = {}
     for i in items:
@@ -575,18 +611,21 @@ def forward_peak(moment_blocks: list[tuple[str, int]], items: tuple[Item, ...],
         before[k + 1] = before[k] + made[k]
     best = 0
     if mlp_end:
-        down_in = 0
+        down_in = held = 0
         for i in items:  # the down projection's input: the MLP's last item before it
             if i.block == "mlp" and i.name != "mlp.down":
                 down_in = 0 if i in kept else i.size_bytes
+            if i.name == TO_MLP_END and i not in kept:
+                held = i.size_bytes
+        down_in += held
         # the kept outputs made by then: the blocks' up to the MLP's (a post norm's after
         # it not yet; a kept down projection's output is the one ``mlp_end`` counts)
         at = order.get("mlp", len(order) - 1) + 1
         late = sum(i.size_bytes for i in kept if i.name == "mlp.down")
-        best = mlp_end + before[at] - late + down_in - input_held(kept, "mlp")
+        best = mlp_end + before[at] - late + down_in - input_held(kept, "mlp", parallel)
     for block, value in moment_blocks:
         at = order.get(block, len(order))
-        best = max(best, value + before[at] + own[at] - input_held(kept, block))
+        best = max(best, value + before[at] + own[at] - input_held(kept, block, parallel))
     return best
 
 
@@ -596,14 +635,21 @@ READER = {"attn_norm": "attn", "mlp_norm": "mlp"}
 POST_READER = {"attn.o_proj": "attn_post_norm", "mlp.down": "mlp_post_norm"}
 
 
-def input_held(kept: tuple[Item, ...], block: str) -> int:
+def input_held(kept: tuple[Item, ...], block: str, parallel: bool = False) -> int:
     """Bytes of ``kept`` that ``block``'s forward moments hold anyway: the output of the norm
     before it, its input (``memplan.model.layer.forward_moments``: a checkpointed mixer's
     moments hold its input, the decoder layer's ``hidden_states`` while the mixer runs;
-    traced: Llama and Qwen3 keeping ``mlp_norm.output``, no more than keeping nothing)."""
+    traced: Llama and Qwen3 keeping ``mlp_norm.output``, no more than keeping nothing). In a
+    parallel layer (``parallel``: Cohere2DecoderLayer.forward) the MLP's moments hold the
+    attention norm's output, its input too, and the attention's output, a local until the
+    layer's sum (``memplan.model.layer._beside_second``): kept, ``attn.o_proj`` adds nothing
+    there."""
     held = 0
     for i in kept:
-        if READER.get(i.block) == block and i.name == f"{i.block}.output":
+        if (READER.get(i.block) == block or parallel and block == "mlp"
+                and i.block == "attn_norm") and i.name == f"{i.block}.output":
+            held += i.size_bytes
+        elif parallel and block == "mlp" and i.name == "attn.o_proj":
             held += i.size_bytes
         elif POST_READER.get(i.name) == block:
             # a post norm's input, the mixer's output its working set holds
@@ -639,6 +685,7 @@ def assumption(spec: ModelSpec, wl: Workload, kinds: dict[str, tuple[Item, ...]]
             "output" if "moe" in kinds else "")
     dense = ("" if "dense" not in kinds else "a dense MLP's down projection reruns: its post "
              "norm saves its output" if spec.norm_placement.post_norm
-             else "a dense MLP's down projection never reruns: early stop")
+             else "a dense MLP's down projection reruns: its dropout's mask is rebuilt"
+             if spec.dropout > 0 else "a dense MLP's down projection never reruns: early stop")
     stop = "; ".join(s for s in (stop, dense) if s)
     return f"recompute ops (PyTorch selective activation checkpointing per layer): {what} ({stop})"

@@ -223,6 +223,11 @@ def torchtitan_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item
                       command: str) -> str:
     names = {i.name for i in kept}
     matmuls = [i for i in items if i.op == MATMUL]
+    unnamed = [i.name for i in matmuls if i.name not in _TITAN_FQNS]
+    if unnamed:
+        raise MemplanError(f"emit-policy torchtitan: {spec.name}'s {', '.join(unnamed)} has no "
+                           "module in torchtitan's Llama (its feed_forward runs w1 and w3 "
+                           "apart); use --emit-policy torch")
     # the down projection's output: never read by backward, reruns under torchtitan's
     # early_stop=False unless kept; memplan's items leave it out (early stop)
     down = Item("mlp.down", (), 0, 2.0 * spec.ffn_hidden_size * spec.hidden_size, MATMUL,
@@ -264,7 +269,7 @@ def megatron_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, 
     modules = []
     if "attn.out" not in names:
         modules.append("core_attn")
-    if not names & {"mlp.gate", "mlp.up", "mlp.act", "mlp.prod", "mlp.fc1"}:
+    if not names & {"mlp.gate", "mlp.up", "mlp.gate_up", "mlp.act", "mlp.prod", "mlp.fc1"}:
         modules.append("mlp")
     norms = {i.name for i in items if i.block in ("attn_norm", "mlp_norm")}
     unlike = []

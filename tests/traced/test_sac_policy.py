@@ -42,6 +42,12 @@ WIDE_MLP = _variant(name="tiny-wide-mlp", hidden_size=256, ffn_hidden_size=896,
                     num_attention_heads=8, num_kv_heads=2, head_dim=32, vocab_size=64,
                     max_seq_len=2048)
 
+# the catalog's gpt2 (dropout 0.1) cut to 2 layers of h 256 (4 heads, f 1,024) with an
+# 8-token vocabulary: at 2 x 1,024 tokens the layers set the peaks
+GPT2_TOY = _variant(load_model("gpt2"), name="gpt2-toy", num_layers=2, hidden_size=256,
+                    ffn_hidden_size=1024, num_attention_heads=4, num_kv_heads=4, vocab_size=8,
+                    max_seq_len=1024)
+
 SAVES = ("", "attn.q,mlp.gate", "attention", "mlp", "attn.k,attn.o_proj,mlp.up",
          "attn.out,mlp.prod")
 GRID = [(TINY, {}, save) for save in SAVES] + [
@@ -72,6 +78,18 @@ GRID = [(TINY, {}, save) for save in SAVES] + [
     # 458,752 B, the cast, under: -1.00%)
     (WIDE_MLP, {"seq_len": 1024, "precision": "amp-bf16"}, "mlp.act,mlp.gate,mlp.up"),
     (WIDE_MLP, {"seq_len": 1024, "precision": "amp-bf16"}, "mlp"),
+    # dropout on each mixer's output (the catalog's gpt2 narrowed: LayerNorm, learned
+    # positions, GELU, biases, dropout 0.1; the reference model's torch.native_dropout, a
+    # bool mask): the policy keeps no dropout op, the rerun rebuilds each mask from the
+    # forward's RNG state (torch/utils/checkpoint.py restores it, preserve_rng_state), the
+    # MLP's through its down projection, an item (mlp.down) whose kept output skips it.
+    # Before, refused ("recompute ops with dropout"). Measured: saved activations and the
+    # forward exact, the backward within 0.002% (512 B over in bf16, 1,024 B in fp32 and
+    # amp-bf16; keeping nothing, full recompute's own)
+    *[(GPT2_TOY, {"seq_len": 1024, **f}, save) for f, save in (
+        ({}, ""), ({}, "mlp"), ({}, "mlp.down"), ({}, "attention,mlp.down"),
+        ({"precision": "fp32"}, "attn.q,mlp.down"),
+        ({"precision": "amp-bf16"}, "attention,mlp.act"))],
 ]
 
 
@@ -613,3 +631,103 @@ def test_emitted_policy_on_windowed_layers(model: str, precision: str, save: str
         assert est.fits and est.workload.recompute_save
         save = ",".join(est.workload.recompute_save)
     _assert_within_full("window", WINDOW_TOY, model, precision, save)
+
+
+# One fused gate/up projection (Phi-3: models/phi3/modeling_phi3.py Phi3MLP.forward,
+# ``gate_up_proj`` then ``chunk(2, dim=-1)`` and ``up_states * act_fn(gate)``; Phi-4-mini's
+# layer is Phi-3's with RoPE on three quarters of each head): one item, mlp.gate_up (an mm 2 f
+# wide, the gate and up terms), its output alive to the MLP's end kept or not (``gate`` is a
+# view of it), with the fused qkv_proj's attn.qkv. Narrowed as above (64-token vocabulary,
+# 2 x 1,024 tokens; Phi-3's window 2,047, longer than the sequence: no mask). Before, refused
+# ("one fused gate/up projection"). Measured: saved activations 8,192 B under (as with full
+# recompute), the forward within 0.05% in fp32, bf16 and amp-bf16; the backward exactly full
+# recompute's own gap on these toys (Phi-3 1,302,656 B under in bf16, 2,613,376 B in fp32,
+# -3.3% and -3.6% with nothing kept; Phi-4-mini 1,564,864 B: the fused qkv output's q and k
+# parts less 8 KiB, which memplan.model.layer.backward_moments does not hold through the
+# rerun's MLP backward), whatever the list keeps
+FUSED_TOY = {"Phi-3-mini-4k-instruct": dict(num_hidden_layers=2, hidden_size=256,
+                                            intermediate_size=768, num_attention_heads=8,
+                                            num_key_value_heads=2, vocab_size=64,
+                                            pad_token_id=None),
+             "Phi-4-mini-instruct": dict(num_hidden_layers=2, hidden_size=256,
+                                         intermediate_size=896, num_attention_heads=4,
+                                         num_key_value_heads=2, vocab_size=64,
+                                         sliding_window=None, pad_token_id=None)}
+FUSED_GRID = [("Phi-3-mini-4k-instruct", "bf16-pure", ""),
+              ("Phi-3-mini-4k-instruct", "bf16-pure", "mlp.gate_up"),
+              ("Phi-3-mini-4k-instruct", "bf16-pure", "attn.qkv,mlp.act"),
+              ("Phi-3-mini-4k-instruct", "bf16-pure", "norms,mlp.gate_up"),
+              ("Phi-3-mini-4k-instruct", "fp32", "attn.qkv,mlp.act"),
+              ("Phi-3-mini-4k-instruct", "amp-bf16", "mlp"),
+              ("Phi-3-mini-4k-instruct", "amp-bf16", "attention,mlp.gate_up"),
+              ("Phi-3-mini-4k-instruct", "bf16-pure", "auto"),
+              ("Phi-4-mini-instruct", "bf16-pure", "attention,mlp.gate_up"),
+              ("Phi-4-mini-instruct", "fp32", "mlp.prod,attn.out")]
+
+
+@pytest.mark.parametrize(("model", "precision", "save"), FUSED_GRID,
+                         ids=[f"{m}-{p}-{s or 'input'}" for m, p, s in FUSED_GRID])
+def test_emitted_policy_on_fused_gate_up(model: str, precision: str, save: str) -> None:
+    pytest.importorskip("transformers")
+    if save == "auto":
+        save = _midway_list(hf(model, **FUSED_TOY[model]), precision)
+    _assert_within_full("fused", FUSED_TOY, model, precision, save)
+
+
+def _midway_list(config: dict, precision: str) -> str:
+    """The list ``--recompute auto`` chooses for ``config`` at 2 x 1,024 tokens midway between
+    full recompute's peak and no recompute's."""
+    from memplan.api import estimate
+    from memplan.spec import spec_from_hf_dict
+
+    spec = spec_from_hf_dict(config, "config.json", "auto-toy")
+    kw = dict(framework="hf", precision=precision, micro_batch_size=2, seq_len=1024)
+    full = estimate(spec, recompute="full", **kw).peak_bytes
+    none = estimate(spec, recompute="none", **kw).peak_bytes
+    est = estimate(spec, recompute="auto", gpu_memory=(full + none) // 2, **kw)
+    assert est.fits and est.workload.recompute_save
+    return ",".join(est.workload.recompute_save)
+
+
+# Parallel attention and MLP (Cohere2: models/cohere2/modeling_cohere2.py Cohere2DecoderLayer.
+# forward, one input_layernorm feeding self_attn and mlp, ``residual + hidden_states_attention
+# + hidden_states_mlp``; Cohere2LayerNorm centring twice in fp32; RoPE in fp32 on the
+# sliding-window layers, the fourth layer full without it): no MLP norm among the layer's ops;
+# the MLP runs beside the norm's output and the attention's output, so a kept output
+# projection adds nothing there (memplan.model.sac_ops.input_held). Narrowed (4 layers, h 256,
+# 8 / 2 heads of 32, f 896, a 64-token vocabulary) at 2 x 1,024 tokens, the published 4,096
+# window (no mask) and a 256-token one (the window layers' explicit mask). Before, refused
+# ("parallel attention and MLP blocks"); with the refusal lifted alone the forward was two
+# streams under (full recompute's own: memplan.model.layer._beside_second) and keeping
+# attn.o_proj one stream under; full recompute's backward was one fp32 stream under in fp32
+# (the LayerNorm saves no input) and one bf16 stream under amp-bf16 (the attention output's
+# gradient cast, memplan.model.layer._first_output_grad); "full" traces full recompute itself.
+# Measured: every row within 0.33% (amp-bf16's forward keeping nothing and under full
+# recompute: +139,136 B; the windowed amp-bf16 backward +0.25%; the rest within 0.07%)
+COHERE2_TOY = dict(num_hidden_layers=4, hidden_size=256, intermediate_size=896,
+                   num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=64,
+                   pad_token_id=None)
+PARALLEL_GRID = [(4096, "bf16-pure", ""), (4096, "bf16-pure", "attention"),
+                 (4096, "bf16-pure", "attn.o_proj"), (4096, "bf16-pure", "attn.q,mlp.gate"),
+                 (4096, "bf16-pure", "mlp"), (4096, "fp32", "attn.k,attn.o_proj,mlp.up"),
+                 (4096, "amp-bf16", ""), (4096, "amp-bf16", "attention,mlp.act"),
+                 (4096, "bf16-pure", "auto"), (256, "bf16-pure", "attention,mlp.gate"),
+                 (256, "amp-bf16", "attn.o_proj,mlp.prod"), (4096, "bf16-pure", "full"),
+                 (4096, "fp32", "full"), (4096, "amp-bf16", "full")]
+
+
+@pytest.mark.parametrize(("window", "precision", "save"), PARALLEL_GRID,
+                         ids=[f"w{w}-{p}-{s or 'input'}" for w, p, s in PARALLEL_GRID])
+def test_emitted_policy_on_parallel_layers(window: int, precision: str, save: str) -> None:
+    pytest.importorskip("transformers")
+    config = hf("c4ai-command-r7b-12-2024", **COHERE2_TOY, sliding_window=window)
+    if save == "auto":
+        save = _midway_list(config, precision)
+    options = ({"recompute": "full"} if save == "full"
+               else {"recompute": "ops", "recompute_save": save})
+    case = FrameworkCase("transformers", "cohere2-ops-toy", config, precision, 2, 1024,
+                         options=options)
+    result = compare_framework(case)
+    bad = [r for r in result.rows if abs(r.diff_pct) > TOLERANCE_PCT]
+    assert not bad, "\n".join(f"{r.name}: measured {r.measured_bytes:,} estimated "
+                              f"{r.estimated_bytes:,} ({r.diff_pct:+.3f}%)" for r in bad)
