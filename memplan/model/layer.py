@@ -215,12 +215,16 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
             # working set's peaks all but the output projection's (``last_weight``)
             casts = cast_cache_bytes(spec, wl, dm, mixer, recompute)
             late = last_weight(spec, dm, mixer) * dm.e if casts else 0
+            working = mixer.working_set(spec, wl, dm)
+            # Falcon-H1's two mixers cast their weights one after the other
+            cast_so_far = (mixer.working_casts(spec, wl, dm) if isinstance(mixer, ParallelMamba)
+                           else [casts - late] * len(working))
             # the mixer's input: its norm's output, or the stream held (Olmo2DecoderLayer.
             # forward; traced: OLMo 2 narrowed, 2 x 1,024 tokens: was one stream over)
             mixer_in = 0 if isinstance(norm, StreamInput) else stream
-            out += [ForwardMoment(m.name, held + casts - late + mixer_in + m.transient_bytes, 0,
+            out += [ForwardMoment(m.name, held + cast + mixer_in + m.transient_bytes, 0,
                                   mixer.name)
-                    for m in mixer.working_set(spec, wl, dm)]
+                    for m, cast in zip(working, cast_so_far, strict=True)]
             # what the layer keeps of the mixer's return beside its output: eager
             # attention's probabilities, to the layer's end (``held_weights_bytes``)
             kept = held_weights_bytes(spec, wl, dm, mixer)
@@ -267,7 +271,9 @@ def cast_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, block: Block,
     region exits (``torch.autocast.__exit__`` clears it)."""
     if not dm.autocast or not isinstance(block, MIXERS):
         return 0
-    casts = sum(block.tensor_sizes(spec, dm.tp, 1)) * dm.e
+    # a Mamba2 mixer casts some of its tensors only (``Mamba.cast_sizes``)
+    casts = sum(block.cast_sizes(spec, wl, dm.tp) if isinstance(block, (Mamba, ParallelMamba))
+                else block.tensor_sizes(spec, dm.tp, 1)) * dm.e
     if recompute is Recompute.FULL:
         return casts
     return casts - sum(t.size_bytes for t in block.saved(spec, wl, dm, recompute)
