@@ -214,17 +214,14 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
             # the casts of the mixer's weights join the cache as its linears run: at its
             # working set's peaks all but the output projection's (``last_weight``)
             casts = cast_cache_bytes(spec, wl, dm, mixer, recompute)
-            late = last_weight(spec, dm, mixer) * dm.e if casts else 0
             working = mixer.working_set(spec, wl, dm)
-            # Falcon-H1's two mixers cast their weights one after the other
-            cast_so_far = (mixer.working_casts(spec, wl, dm) if isinstance(mixer, ParallelMamba)
-                           else [casts - late] * len(working))
             # the mixer's input: its norm's output, or the stream held (Olmo2DecoderLayer.
             # forward; traced: OLMo 2 narrowed, 2 x 1,024 tokens: was one stream over)
             mixer_in = 0 if isinstance(norm, StreamInput) else stream
             out += [ForwardMoment(m.name, held + cast + mixer_in + m.transient_bytes, 0,
                                   mixer.name)
-                    for m, cast in zip(working, cast_so_far, strict=True)]
+                    for m, cast in zip(working, _casts_so_far(spec, wl, dm, mixer, casts),
+                                       strict=True)]
             # what the layer keeps of the mixer's return beside its output: eager
             # attention's probabilities, to the layer's end (``held_weights_bytes``)
             kept = held_weights_bytes(spec, wl, dm, mixer)
@@ -259,6 +256,18 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
                 for m in block.forward_moments(spec, wl, dm, recompute)]
         prior += total(block.saved(spec, wl, dm, recompute))
     return out
+
+
+def _casts_so_far(spec: ModelSpec, wl: Workload, dm: Dims, mixer: Block,
+                  casts: int) -> list[int]:
+    """Of a checkpointed mixer's weight casts (``casts``), those in autocast's cache at each
+    of its working set's moments: all but the output projection's (``last_weight``), made as
+    its linears run; Falcon-H1's two mixers cast theirs one after the other
+    (``ParallelMamba.working_casts``)."""
+    if isinstance(mixer, ParallelMamba):
+        return mixer.working_casts(spec, wl, dm)
+    late = last_weight(spec, dm, mixer) * dm.e if casts else 0
+    return [casts - late] * len(mixer.working_set(spec, wl, dm))
 
 
 def cast_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, block: Block,
