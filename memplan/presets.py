@@ -66,7 +66,7 @@ SETTINGS: dict[Mechanism, frozenset[str]] = {
     Mechanism.OPTIMIZER: frozenset({"optimizer_impl", "flat_partition",
                                     "adapters_in_model_dtype"}),
     Mechanism.KERNELS: frozenset({"norm_impl", "softmax_fp32", "moe_impl", "window_mask",
-                                  "attn_weights_held", "mask_per_sequence",
+                                  "attn_weights_held", "mask_per_sequence", "positions_held",
                                   "kv_cache", "fused_qkv", "rope_cache", "attention_impl",
                                   "mlp_impl", "cp_exchange"}),
     Mechanism.RECOMPUTE: frozenset({"selective_impl"}),
@@ -172,6 +172,13 @@ PRESETS: dict[Framework, tuple[Selection, ...]] = {
                     f"_ = self.self_attn(...) keeps eager_attention_forward's attn_weights "
                     f"until the layer returns; the other families' decoder layers alike "
                     f"({_TRANSFORMERS})"),
+            Default("positions_held", True,
+                    f"models/llama/modeling_llama.py LlamaModel.forward passes cache_position "
+                    f"(torch.arange(seq_len), position_ids its view; 5.23: position_ids, arange "
+                    f"+ past_seen_tokens) to every decoder layer as a keyword argument; "
+                    f"modeling_layers.py GradientCheckpointingLayer.__call__ checkpoints "
+                    f"partial(super().__call__, **kwargs), which holds it to the layer's "
+                    f"backward ({_TRANSFORMERS})"),
             Default("mask_per_sequence", True,
                     f"masking_utils.py eager_mask: torch.where(mask, 0.0, min_dtype) over "
                     f"sdpa_mask's boolean mask expanded to (batch, 1, q, kv) ({_TRANSFORMERS})"),

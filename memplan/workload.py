@@ -732,6 +732,11 @@ class Workload(Record):
         "until it returns (transformers: hidden_states, _ = self.self_attn(...)); eager "
         "attention returns its probabilities, which then outlive the attention through the "
         "rest of a checkpointed layer's forward (memplan.model.attention.held_weights_bytes)"))
+    positions_held: bool = Field(default=False, description=(
+        "the model's forward hands every layer its positions (one int64 row of the sequence) "
+        "as a keyword argument, which a checkpointed layer's checkpoint keeps to its backward "
+        "(transformers' GradientCheckpointingLayer.__call__: partial(super().__call__, "
+        "**kwargs); memplan.model.attention.positions_terms)"))
     mask_per_sequence: bool = Field(default=False, description=(
         "eager attention's additive mask is one per sequence, (b, 1, s, s_kv) (transformers' "
         "masking_utils.py eager_mask: torch.where over sdpa_mask's boolean, expanded to the "

@@ -677,6 +677,20 @@ def window_mask_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
     return [Term("attn.window_mask_input", mask)] if mask else []
 
 
+def positions_terms(wl: Workload, dm: Dims) -> list[Term]:
+    """The positions the model's forward hands every layer (``Workload.positions_held``):
+    one int64 row of the s positions, shared by the batch, which a checkpointed layer keeps
+    to its backward, so under full recompute it is saved, and under op-level checkpointing,
+    whose layers are checkpointed too (traced: transformers 5.3 and 5.23, Falcon-H1 and
+    GPT-OSS under full recompute, tests/traced/test_hf_heldout.py and test_hf_moe_families.
+    py: the saved activations 512 B under at s = 64 without it; Llama narrowed at 2 x 1,024
+    tokens, tests/traced/test_sac_policy.py: 8,192 B under, full recompute's and the op-level
+    policy's alike)."""
+    if not (wl.positions_held and wl.recompute in (Recompute.FULL, Recompute.OPS)):
+        return []
+    return [Term("positions.checkpointed", dm.s * INDEX_BYTES)]
+
+
 def rope_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
     """cos and sin tables, computed once per micro-batch per stage and saved by every layer,
     in the activations' dtype (fp32 under autocast, as Hugging Face casts them to the hidden

@@ -56,14 +56,17 @@ are not counted beside the MLP), tensor parallelism.
 
 from __future__ import annotations
 
+import math
+
+from memplan.model import linear
 from memplan.model.attention import Attention
 from memplan.model.block import BackwardMoment, Moment
 from memplan.model.dims import Dims, Term, total
-from memplan.model.mamba import Mamba, mamba_linears, sizes
+from memplan.model.mamba import Mamba, kernel, mamba_linears, sizes
 from memplan.model.linear import input_copies
 from memplan.model.norm import Norm, consumers
 from memplan.spec import ModelSpec
-from memplan.workload import Recompute, Workload
+from memplan.workload import MambaKernel, Recompute, Workload
 
 _MAMBA, _ATTENTION = Mamba(), Attention()
 # the norm's output as in_proj reads it: its ssm_in_multiplier copy (the module docstring)
@@ -151,14 +154,44 @@ class ParallelMamba:
         return out
 
     def working_set(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
-        """In a checkpointed layer: the mixer's beside its input's copy, the attention's beside
-        its copy and ``m``; then the sum's four."""
+        """In a checkpointed layer: the mixer's beside its input's ``ssm_in_multiplier`` copy
+        (in the stream's dtype: fp32 under autocast) where it is still bound, the attention's
+        beside its copy and ``m``; then the sum's four. 5.3's torch_forward binds the copy
+        (``input_states``) to its return; 5.23's forward rebinds ``hidden_states`` to x at
+        the split after the conv, so the copy is gone before the scan (traced: bf16 and
+        autocast, full recompute, were +0.83% and +0.56% over in the forward)."""
         stream = _stream(spec, dm)
-        return ([Moment(m.name, 0, m.transient_bytes + stream)
+        copy = _normed(spec, dm) if kernel(spec, wl) is MambaKernel.TORCH else 0
+        return ([Moment(m.name, 0, m.transient_bytes + copy)
                  for m in _MAMBA.working_set(spec, wl, dm)]
                 + [Moment(m.name, 0, m.transient_bytes + 2 * stream)
                    for m in _ATTENTION.working_set(spec, wl, dm)]
                 + [Moment("mixers_sum", 0, 3 * stream)])
+
+    def working_casts(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[int]:
+        """Under autocast, the bytes of this block's weight casts in autocast's cache at each
+        ``working_set`` moment (a checkpointed layer saves none; the cache keeps each to the
+        forward's end: ``memplan.model.layer.cast_cache_bytes``): FalconH1DecoderLayer.forward
+        runs the mixer first, so its scan has cast in_proj and the conv only; the attention
+        runs beside all of the mixer's and q, k and v (its o_proj cast after); the sum beside
+        all. Traced: Falcon-H1 on transformers 5.23 under autocast with full recompute
+        (tests/traced/test_hf_heldout.py), whose forward peaks in the scan: was +2.87%, the
+        attention's and out_proj's casts counted there."""
+        if not dm.autocast:
+            return [0] * len(self.working_set(spec, wl, dm))
+        e = dm.e
+        mamba = _MAMBA.cast_sizes(spec, wl, dm.tp)
+        out_proj = linear.all_tensor_shapes(mamba_linears(spec)[-1:], dm.tp)
+        scan = (sum(mamba) - sum(math.prod(s) for s in out_proj)) * e
+        attention = sum(_ATTENTION.tensor_sizes(spec, dm.tp, 1)) * e
+        o_proj = spec.attn_out_size * spec.hidden_size // dm.tp * e
+        whole = sum(mamba) * e + attention
+        return ([scan] * len(_MAMBA.working_set(spec, wl, dm))
+                + [whole - o_proj] * len(_ATTENTION.working_set(spec, wl, dm)) + [whole])
+
+    def cast_sizes(self, spec: ModelSpec, wl: Workload, t: int) -> list[int]:
+        """The mixer's casts (``Mamba.cast_sizes``), then the attention's (every weight)."""
+        return _MAMBA.cast_sizes(spec, wl, t) + _ATTENTION.tensor_sizes(spec, t, 1)
 
     def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
                          recompute: Recompute) -> list[BackwardMoment]:

@@ -214,13 +214,13 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
             # the casts of the mixer's weights join the cache as its linears run: at its
             # working set's peaks all but the output projection's (``last_weight``)
             casts = cast_cache_bytes(spec, wl, dm, mixer, recompute)
-            late = last_weight(spec, dm, mixer) * dm.e if casts else 0
-            # the mixer's input: its norm's output, or the stream held (Olmo2DecoderLayer.
-            # forward; traced: OLMo 2 narrowed, 2 x 1,024 tokens: was one stream over)
+            working = mixer.working_set(spec, wl, dm)
+            # the mixer's input: its norm's output, or the stream held (traced: OLMo 2)
             mixer_in = 0 if isinstance(norm, StreamInput) else stream
-            out += [ForwardMoment(m.name, held + casts - late + mixer_in + m.transient_bytes, 0,
+            out += [ForwardMoment(m.name, held + cast + mixer_in + m.transient_bytes, 0,
                                   mixer.name)
-                    for m in mixer.working_set(spec, wl, dm)]
+                    for m, cast in zip(working, _casts_so_far(spec, wl, dm, mixer, casts),
+                                       strict=True)]
             # what the layer keeps of the mixer's return beside its output: eager
             # attention's probabilities, to the layer's end (``held_weights_bytes``)
             kept = held_weights_bytes(spec, wl, dm, mixer)
@@ -269,6 +269,18 @@ def _beside_second(spec: ModelSpec, block: Block, stream: int) -> int:
     return 2 * stream if spec.parallel_block and isinstance(block, MIXERS) else 0
 
 
+def _casts_so_far(spec: ModelSpec, wl: Workload, dm: Dims, mixer: Block,
+                  casts: int) -> list[int]:
+    """Of a checkpointed mixer's weight casts (``casts``), those in autocast's cache at each
+    of its working set's moments: all but the output projection's (``last_weight``), made as
+    its linears run; Falcon-H1's two mixers cast theirs one after the other
+    (``ParallelMamba.working_casts``)."""
+    if isinstance(mixer, ParallelMamba):
+        return mixer.working_casts(spec, wl, dm)
+    late = last_weight(spec, dm, mixer) * dm.e if casts else 0
+    return [casts - late] * len(mixer.working_set(spec, wl, dm))
+
+
 def cast_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, block: Block,
                      recompute: Recompute) -> int:
     """Bytes of a block's casts that autocast's cache holds until the forward ends, beyond
@@ -279,7 +291,9 @@ def cast_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, block: Block,
     region exits (``torch.autocast.__exit__`` clears it)."""
     if not dm.autocast or not isinstance(block, MIXERS):
         return 0
-    casts = sum(block.tensor_sizes(spec, dm.tp, 1)) * dm.e
+    # a Mamba2 mixer casts some of its tensors only (``Mamba.cast_sizes``)
+    casts = sum(block.cast_sizes(spec, wl, dm.tp) if isinstance(block, (Mamba, ParallelMamba))
+                else block.tensor_sizes(spec, dm.tp, 1)) * dm.e
     if recompute is Recompute.FULL:
         return casts
     return casts - sum(t.size_bytes for t in block.saved(spec, wl, dm, recompute)

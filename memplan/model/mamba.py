@@ -372,6 +372,22 @@ class Mamba:
     def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:
         return [math.prod(shape) for shape in self.tensor_shapes(spec, t, ep)]
 
+    def cast_sizes(self, spec: ModelSpec, wl: Workload, t: int) -> list[int]:
+        """Elements of the parameters autocast casts and keeps in its cache, in the order the
+        forward casts them: in_proj's, the conv's, out_proj's. The cache takes a leaf only
+        (``cached_cast``, aten/src/ATen/autocast_mode.cpp): 5.3's torch_forward calls the
+        ``self.conv1d`` module (its weight and bias cached), 5.23's ``causal_conv1d_fn`` gets
+        ``self.conv1d.weight.squeeze(1)``, a view cast anew and saved by conv1d alone (the
+        ``conv_casts`` term), and the bias itself (cached). dt_bias, A_log, D and the gated
+        norm's weight meet fp32 ops and products only (exp, softplus's add, ``*``): no cast.
+        Traced: tests/traced/test_hf_heldout.py (Falcon-H1 under autocast, full recompute)."""
+        conv_weight, *conv_bias = self._small(spec, t)[0][3:]
+        conv = ([] if kernel(spec, wl) is MambaKernel.TORCH_EINSUM
+                else [math.prod(conv_weight)]) + [math.prod(b) for b in conv_bias]
+        inp, out = ([math.prod(s) for s in linear.all_tensor_shapes([lin], t)]
+                    for lin in mamba_linears(spec))
+        return inp + conv + out
+
     def grad_groups(self, spec: ModelSpec, t: int, ep: int) -> dict[str, int]:
         """``attn_out``: out_proj and the norm's weight; ``attn``: all."""
         before, after = self._small(spec, t)

@@ -86,16 +86,28 @@ def _grouped_moments(spec: ModelSpec, dm: Dims,
         late, product = rows * INDEX_BYTES, 0
     if moe.num_shared_experts and not moe.shared_experts_last:
         common += dm.rows * h * e  # the shared expert ran first: its output waits
-    gate, down_bias = 4 * inner, 0
+    gate = 4 * inner
     if moe.clamped_swiglu:
         # GPT-OSS (GptOssExperts._apply_gate): the gate/up output beside the clamped gate,
         # the clamped up, glu, up + 1 and their product (gate * alpha and its sigmoid freed
         # by then); the biases gathered per row (selected_biases, R 2f, then R h for the
-        # down projection) are bound until the next selection (traced: GPT-OSS fp32 under
-        # full recompute, 9 R f at the gate)
+        # down projection: ``down_biases_bytes``) are bound until the next selection
+        # (traced: GPT-OSS fp32 under full recompute, 9 R f at the gate)
         gate = 7 * inner + (2 * inner if spec.mlp_bias else 0)
-        down_bias = rows * h * e if spec.mlp_bias else 0
-    return common + gate, common + late + product + rows * h * e + 2 * weighted + down_bias
+    return (common + gate, common + late + product + rows * h * e + 2 * weighted
+            + down_biases_bytes(spec, dm))
+
+
+def down_biases_bytes(spec: ModelSpec, dm: Dims) -> int:
+    """Biased experts (GPT-OSS: GptOssExperts' down_proj_bias, ``ModelSpec.mlp_bias``):
+    grouped_mm_experts_forward gathers the down projection's bias per routed row
+    (``selected_biases = self.down_proj_bias[expert_ids_g]``, R h in the compute dtype, a
+    new tensor) and keeps it bound until it returns, so it is alive at the unsort (5.3 and
+    5.23 alike: integrations/moe.py)."""
+    moe = _moe(spec)
+    if not (moe.clamped_swiglu and spec.mlp_bias):
+        return 0
+    return dm.tokens * moe.top_k * spec.hidden_size * dm.e
 
 
 # the grouped block's saved terms still bound when its experts run without saving
@@ -451,7 +463,7 @@ def _grouped_extra(spec: ModelSpec, dm: Dims, impl: MoeImpl = MoeImpl.GROUPED) -
     routed, h = dm.tokens * moe.top_k, spec.hidden_size
     weighted = routed * h * max(dm.e, weights_width(moe, dm))
     by_token = routed * h * dm.e if impl is MoeImpl.GROUPED_TOKEN else 0
-    return 2 * weighted + by_token + _grouped_locals(spec, dm)
+    return 2 * weighted + by_token + _grouped_locals(spec, dm) + down_biases_bytes(spec, dm)
 
 
 def grouped_rerun(spec: ModelSpec, wl: Workload, dm: Dims, saved: int) -> list[Moment]:
@@ -462,10 +474,13 @@ def grouped_rerun(spec: ModelSpec, wl: Workload, dm: Dims, saved: int) -> list[M
     its index and the rerun starts. The rerun stops at that index's pack, made before the
     index runs (``weighted_out[inv_perm]``, integrations/moe.py grouped_mm_experts_forward):
     beside everything the block saves, the weighted rows (R h, the weights' width), the
-    function's locals (``_grouped_locals``), as 5.3 wrote it the rows gathered by token, the
+    function's locals (``_grouped_locals``; biased experts' gathered down biases,
+    ``down_biases_bytes``), as 5.3 wrote it the rows gathered by token, the
     shared experts' output where they ran first and the post-attention residual where no
     norm saves it, not their unsorted copy (traced: transformers' ERNIE 4.5 MoE, bf16, 2 x
-    256 tokens, 5.3 and 5.23: the rerun's weighting the step's backward peak). Not where
+    256 tokens, 5.3 and 5.23: the rerun's weighting the step's backward peak; GPT-OSS under
+    full recompute, 2 x 64 tokens, whose rerun peaks there and at its clamped gate alike:
+    step 1's backward read -1.565% (fp32) and -1.435% (bf16) on 5.3 without the biases). Not where
     the block saves more after its experts return (shared experts run last, DeepseekV3MoE.
     forward, Dots1MoE's; a gated shared expert, Qwen2MoeSparseMoeBlock.forward's sigmoid
     product): the rerun runs on past the unsort there (``_shared_last_unsort``,
@@ -482,7 +497,7 @@ def grouped_rerun(spec: ModelSpec, wl: Workload, dm: Dims, saved: int) -> list[M
     residual = (dm.stream(h) if spec.norm_placement.pre_norm and wl.norm_impl.upcast
                 and dm.stream_e < FP32_BYTES else 0)
     return [Moment("moe_rerun", saved, 2 * weighted + by_token + shared + residual
-                   + _grouped_locals(spec, dm))]
+                   + _grouped_locals(spec, dm) + down_biases_bytes(spec, dm))]
 
 
 def _every_extra(spec: ModelSpec, dm: Dims) -> int:

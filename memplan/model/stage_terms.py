@@ -62,7 +62,8 @@ def stage_terms(spec: ModelSpec, wl: Workload, dm: Dims, ep: int | ExpertSplit,
     ``groups_of``: ``layer_kind`` and ``grad_group_params``, or cached versions of them."""
     saved_mask = attention.mask_terms(wl, dm)
     window_saved = attention.window_mask_terms(spec, wl, dm)
-    rope = tuple(attention.rope_terms(spec, wl, dm) + saved_mask + window_saved)
+    rope = tuple(attention.rope_terms(spec, wl, dm) + saved_mask + window_saved
+                 + attention.positions_terms(wl, dm))
     embed, head_terms = tuple(embedding.embedding_terms(spec, dm)), tuple(head.head_terms(
         spec, wl, dm))
     batch = head.batch_terms(wl, dm)

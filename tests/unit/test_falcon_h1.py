@@ -15,7 +15,7 @@ from memplan.errors import MemplanError
 from memplan.model.dims import Dims, total
 from memplan.model.falcon_h1 import ParallelMamba, mup_buffer_bytes
 from memplan.model.layer import kv_cache_bytes, layer_blocks, layer_terms
-from memplan.model.mamba import mamba_cache_bytes, mamba_terms
+from memplan.model.mamba import Mamba, mamba_cache_bytes, mamba_terms
 from memplan.parallel import ParallelConfig
 from memplan.spec import ModelSpec, spec_from_hf_dict
 from memplan.workload import MambaKernel, Recompute, Workload
@@ -274,6 +274,38 @@ def test_einsum_gate_moments_by_hand() -> None:
                     if m.name == "mamba.norm")
         stream = 128 * 128 * dm.e  # the norm-output gradient the attention made
         assert back.transient_bytes == bwd + stream
+
+
+def test_weight_casts_under_autocast_by_hand() -> None:
+    """autocast's cache of the toy's mixer block under amp-bf16 (e = 2): in_proj 128 x 580 =
+    74,240 elements, the conv's bias 320, out_proj 256 x 128 = 32,768; the conv's weight
+    (320 x 4 = 1,280) on 5.3 only, whose torch_forward calls the ``conv1d`` module (a leaf,
+    cached), not on 5.23, whose causal_conv1d_fn casts a view of it, which the cache skips;
+    never dt_bias, A_log or D (fp32 ops). The attention's q, k, v, o: 16,384 + 2 x 8,192 +
+    16,384 = 49,152. So 5.23: (74,240 + 320 + 32,768 + 49,152) x 2 = 312,960 B, 5.3 2,560
+    more (both the traced layer's casts: test_hf_heldout.py, a snapshot of the tensors alive
+    at the forward's peak). In a checkpointed layer at the mixer's scan only in_proj's and
+    the conv's are made ((74,240 + 320) x 2 = 149,120 on 5.23, 151,680 on 5.3), at the
+    attention's moments all but o_proj's (312,960 - 32,768 = 280,192 on 5.23), at the sum
+    all; the scan beside the norm output's ``ssm_in_multiplier`` copy on 5.3 only, in fp32
+    under autocast (T h 4 = 65,536), which 5.23's forward rebinds before the scan."""
+    from memplan.model.layer import cast_cache_bytes
+
+    spec = _toy()
+    block = layer_blocks(spec, False)[1]
+    for kernel, conv_weight in ((MambaKernel.TORCH_EINSUM, 0), (MambaKernel.TORCH, 2_560)):
+        wl, dm = _dims(spec, "amp-bf16", kernel)
+        assert cast_cache_bytes(spec, wl, dm, block, Recompute.FULL) == 312_960 + conv_weight
+        scans = len(block.working_set(spec, wl, dm)) - 3
+        assert block.working_casts(spec, wl, dm) == (
+            [149_120 + conv_weight] * scans + [280_192 + conv_weight] * 2
+            + [312_960 + conv_weight])
+        copy = 65_536 if kernel is MambaKernel.TORCH else 0
+        fp32 = _dims(spec, "fp32", kernel)
+        assert block.working_casts(spec, *fp32) == [0] * len(block.working_set(spec, *fp32))
+        mixer = Mamba().working_set(spec, wl, dm)
+        assert [m.transient_bytes for m in block.working_set(spec, wl, dm)[:scans]] == [
+            m.transient_bytes + copy for m in mixer]
 
 
 def test_kernel_and_buffers() -> None:

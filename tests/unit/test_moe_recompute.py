@@ -141,3 +141,26 @@ def test_rerun_stops_at_the_unsort_index() -> None:
     assert _saved_and_rerun("grouped-token", **ERNIE_LIKE)[1:] == (ERNIE_SAVED, 273_408)
     _, _, transient = _saved_and_rerun("grouped", **ERNIE_LIKE)
     assert transient == 207_872
+
+
+def test_biased_experts_rerun_holds_the_down_biases() -> None:
+    """GPT-OSS's biased experts (``clamped_swiglu`` with ``mlp_bias``): grouped_mm_experts_
+    forward gathers the down projection's bias per routed row (``selected_biases =
+    self.down_proj_bias[expert_ids_g]``) and keeps it bound to its return, so the rerun's stop
+    at the unsort holds it beside the rest (moe.down_biases_bytes): R*h*2 = 512 * 64 * 2 =
+    65,536 B more than the same block unbiased, on 5.3 and 5.23 alike (traced: GPT-OSS under
+    full recompute, tests/traced/test_hf_moe_families.py, step 1's backward -1.565% and
+    -1.435% on 5.3 without it)."""
+    from memplan.model.moe import down_biases_bytes
+
+    biased = dict(MIXTRAL_LIKE, clamped_swiglu=True, router_topk_softmax=True)
+    for impl in ("grouped-token", "grouped"):
+        spec = ModelSpec.model_validate({**load_model("tiny").model_dump(), "name": "tiny-moe",
+                                         "mlp_bias": True, "moe": MoESpec(**biased).model_dump()})
+        plain = spec.model_copy(update={"mlp_bias": False})
+        wl = make_workload(spec, seq_len=128, micro_batch_size=2, moe_impl=impl,
+                           precision="bf16-pure", recompute="full")
+        dm = Dims.of(spec, make_layout(1), wl)
+        assert down_biases_bytes(spec, dm) == 65_536 and down_biases_bytes(plain, dm) == 0
+        (with_bias,), (without,) = (MoE().rebuild_moments(s, wl, dm) for s in (spec, plain))
+        assert with_bias.transient_bytes - without.transient_bytes == 65_536
