@@ -215,7 +215,7 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
             # working set's peaks all but the output projection's (``last_weight``)
             casts = cast_cache_bytes(spec, wl, dm, mixer, recompute)
             working = mixer.working_set(spec, wl, dm)
-            # the mixer's input: its norm's output, or the stream held (traced: OLMo 2)
+            # the mixer's input: its norm's output, or the stream (Olmo2DecoderLayer.forward)
             mixer_in = 0 if isinstance(norm, StreamInput) else stream
             out += [ForwardMoment(m.name, held + cast + mixer_in + m.transient_bytes, 0,
                                   mixer.name)
