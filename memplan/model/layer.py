@@ -447,7 +447,10 @@ def _rerun_moments(spec: ModelSpec, wl: Workload, dm: Dims, blocks: tuple[Block,
     # validate_outputs) before the branch's first node, which reruns the layer (traced: the
     # reference GPT under amp-bf16, full recompute: a bf16 stream-sized tensor made before
     # the rerun's first op, alive through it)
-    branch_grad = dm.rows * spec.hidden_size * dm.e if dm.autocast and dm.e < dm.stream_e else 0
+    # (not in layers with a Mamba mixer, whose rebuild moments hold their rerun's context:
+    # Falcon-H1's, traced on 5.3 and 5.23)
+    amp = dm.autocast and not any(isinstance(b, (Mamba, ParallelMamba)) for b in blocks)
+    branch_grad = dm.rows * spec.hidden_size * dm.e if amp and dm.e < dm.stream_e else 0
     rerun_in = (incoming + branch_grad + (stream if spec.scaled_residual else 0)
                 + (rerun_pending_bytes(spec, dm) if mlp else 0))
     # The rerun stops once the last saved tensor is packed: after the MLP's output dropout
@@ -468,10 +471,10 @@ def _rerun_moments(spec: ModelSpec, wl: Workload, dm: Dims, blocks: tuple[Block,
     # as in a forward that saves (``forward_moments``; traced: the reference GPT under
     # amp-bf16 with eager attention, full recompute, at the rerun's value matmul)
     norm_out = (dm.linear_rows * spec.hidden_size * dm.stream_e
-                if dm.autocast and spec.norm_placement.pre_norm else 0)
+                if amp and spec.norm_placement.pre_norm else 0)
     cached = 0
     for block, before in zip(blocks, prior):
-        cached += cast_cache_bytes(spec, wl, dm, block, Recompute.NONE)
+        cached += cast_cache_bytes(spec, wl, dm, block, Recompute.NONE) if amp else 0
         # inside the rerun's MLP the post-attention residual is alive too where no norm saves
         # it (its fp32 copy is what the norm saves: the same condition as the layer's input;
         # traced: peft LoRA under gradient checkpointing, at up's adapter sum)
