@@ -34,7 +34,12 @@ from memplan.model.mlp import mlp_linears
 from memplan.model.moments import Event, Segment, peak_of
 from memplan.model.mtp import mtp_layer_index, mtp_recompute
 from memplan.model.pipeline import stage_layers
-from memplan.model.sharding import DataParallel, data_parallel, root_last_grad
+from memplan.model.sharding import (
+    DataParallel,
+    accumulated_fresh,
+    data_parallel,
+    root_last_grad,
+)
 from memplan.model.trainable import TrainablePolicy, lora_policy
 from memplan.model.walk import first_positions, runs_of
 from memplan.parallel import GradBuffers, ParallelConfig, ZeroStage, optimizer_on_host
@@ -268,6 +273,17 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
                + (shard.bucket_bytes if shard.bucket_resident else 0) + shard.resident_bytes)
     buffers = (rope_buffer_bytes(spec, wl, len(layers)) + te_kept
                + mup_buffer_bytes(spec, wl, len(layers)))
+    main_grads = (wl.precision.policy.grad_bytes > e and par.zero < ZeroStage.PARAMETERS
+                  and not shard.queued_whole)
+    persistent = (ddp and par.grad_buffers is GradBuffers.VIEW
+                  or shard.queued_whole or shard.bucket_resident)
+    dp = _data_parallel(shard, params, st, wl, trainable)
+    if not (persistent or trainable.adapters or trainable.frozen):
+        # a later micro-batch's new weight gradient beside the accumulated ones, in the
+        # dtype it is made in (the compute dtype where an fp32 main gradient is made from
+        # it); persistent buffers (Megatron-LM) are not modelled so: its fused weight-gradient
+        # GEMM accumulates into main_grad directly
+        dp = accumulated_fresh(dp, e if main_grads else wl.precision.policy.grad_bytes)
     return StageStates(
         first=first, last=last, params=params, states=st,
         # kept unsharded under PP (``ShardingBuffers.kept_gathered``): the walk's gradients
@@ -281,13 +297,11 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
         shard=shard,
         # a frozen head and embedding (LoRA) make no gradient
         vocab_grad=0 if wl.lora_rank else par.vocab_shard(spec.vocab_size) * spec.hidden_size * e,
-        main_grads=(wl.precision.policy.grad_bytes > e and par.zero < ZeroStage.PARAMETERS
-                    and not shard.queued_whole),
+        main_grads=main_grads,
         # whole-bucket units: the gradient shard is a buffer made with the wrap
-        buckets=buckets, persistent=(ddp and par.grad_buffers is GradBuffers.VIEW
-                                     or shard.queued_whole or shard.bucket_resident),
+        buckets=buckets, persistent=persistent,
         buffers=buffers,
-        dp=_data_parallel(shard, params, st, wl, trainable),
+        dp=dp,
         # units as buckets: the weights outside the units stay gathered across steps
         # (Megatron-FSDP AllGatherPipeline.reset(preserve_non_fsdp_units=True) in
         # synchronize_param_gather), so they are alive at the step
