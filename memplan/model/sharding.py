@@ -328,7 +328,7 @@ def accumulated_fresh(dp: DataParallel, grad_bytes: int) -> DataParallel:
     Mechanisms that copy gradients away at their hooks (``fresh_only``), FSDP2's units
     (``per_unit``: ``memplan.model.grad_sync.new_grads``) and DeepSpeed's ZeRO-3 hooks
     count theirs already."""
-    if dp.fresh_only or dp.per_unit or dp.zero3_hooks:
+    if dp.fresh_only or dp.per_unit or dp.zero3_hooks or not grad_bytes:
         return dp
     return dp._replace(fresh_grad=grad_bytes)
 
