@@ -333,7 +333,7 @@ def _backward(r: _Run, acts: Stack, growing: bool) -> None:
         for size in _layer_grads(r, s.embed_elements, emb.grads):
             r.grads.append(b.alloc(size, s.reduce_stream))
     if not dp.per_unit:
-        b.blip(emb.extra + beside)
+        b.blip(emb.extra + beside + (emb.fresh if not growing and dp.fresh_grad else 0))
         return
     # FSDP2: the gathered weights on the all-gather stream as elsewhere, the held gradients
     # and the previous unit's reduce-scatter input their own tensors beside the embedding's

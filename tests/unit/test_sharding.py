@@ -315,3 +315,26 @@ def test_a_stages_only_block_keeps_its_all_gather_output_in_forward() -> None:
     shard = sharding_buffers(params, par, wl)
     assert shard.gathered_bytes == 1_050_673_152 + 2 * 436_224_000
     assert shard.backward_last_block_bytes == 1_050_673_152 + 436_224_000
+
+
+def test_accumulated_embedding_gradient_in_flight_at_its_backward() -> None:
+    """The stage above, replicated gradients (DDP), the embedding's dense gradient 12 B as
+    made (``EmbeddingBlock.fresh``): in a later micro-batch (all 250 B of gradients from the
+    start) it is made beside the accumulated one, so the embedding's instant holds the 250 B
+    of gradients, nothing saved, and it: 262. In the first micro-batch it is the gradient
+    itself (counted in the 250): 250. With FSDP2's units (no ``fresh_grad``): 250 + the
+    mechanism's own, unchanged by it."""
+    from memplan.model.sharding import accumulated_fresh
+
+    def embedding_at(dp: DataParallel, prior: int) -> int:
+        walk = _walk(dp)._replace(embedding=EMBEDDING._replace(fresh=12))
+        return dict((name, at) for name, _, at in timeline(backward_segments(walk, prior, 250))
+                    )["embedding.backward"]
+
+    ddp = accumulated_fresh(DataParallel(), 2)
+    assert embedding_at(ddp, 250) == 262
+    assert embedding_at(ddp, 0) == 250
+    assert embedding_at(DataParallel(), 250) == 250
+    assert embedding_at(FSDP2, 250) == dict(
+        (name, at) for name, _, at in timeline(backward_segments(_walk(FSDP2), 250, 250))
+    )["embedding.backward"]
