@@ -327,13 +327,13 @@ def _backward(r: _Run, acts: Stack, growing: bool) -> None:
                 pos -= 1
                 _layer_backward(r, acts, kind, layers[pos], (layer_grads, moment_grads),
                                 (p, rebuild), growing)
-    beside, _ = end_moments(dp, held, h.grads, emb.grads, growing)
+    beside, _ = end_moments(dp, held, h.grads, emb.grads, growing, h.tied_grad > 0)
     acts.release(emb.freed_before)
     if growing:
         for size in _layer_grads(r, s.embed_elements, emb.grads):
             r.grads.append(b.alloc(size, s.reduce_stream))
     if not dp.per_unit:
-        b.blip(emb.extra + beside)
+        b.blip(emb.extra + beside + (emb.fresh if not growing and dp.fresh_grad else 0))
         return
     # FSDP2: the gathered weights on the all-gather stream as elsewhere, the held gradients
     # and the previous unit's reduce-scatter input their own tensors beside the embedding's
@@ -407,7 +407,10 @@ def _layer_backward(r: _Run, acts: Stack, kind, layer: LayerTensors,
             size = grads.pop()
             r.grads.append(b.alloc(size))
             made += size
-        b.blip(max(0, moment.alive_bytes - alive) + moment.transient_bytes, r.s.piece)
+        # accumulated into existing gradients: the new weight gradient in flight
+        # (``sharding.accumulated_fresh``)
+        fresh = 0 if growing else moment.fresh_params * r.s.walk.sharding.fresh_grad
+        b.blip(max(0, moment.alive_bytes - alive) + moment.transient_bytes + fresh, r.s.piece)
         nxt = kind.moments[j + 1].alive_bytes if j + 1 < len(kind.moments) else 0
         if nxt < alive:
             acts.release(alive - max(nxt, 0))

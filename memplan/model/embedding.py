@@ -76,6 +76,9 @@ class EmbeddingBlock(NamedTuple):
     #                 the sum; the compute-dtype copy beside an fp32 main grad
     freed_before: int = 0  # of the stage's rest (rope tables, a checkpointed mask, dropout
     #                        mask): freed before the stage's last gradient
+    fresh: int = 0  # its token rows' new dense gradient as made, beside the one it is
+    #                 added into where gradients accumulate (``sharding.accumulated_fresh``):
+    #                 untied and without an fp32 main gradient (0 otherwise: not modelled)
 
     # --- the ``Block`` interface (``memplan.model.block``): per micro-batch on one rank of the
     # first stage, in bytes (``t``: the ranks that split the vocabulary,
@@ -163,8 +166,11 @@ class EmbeddingBlock(NamedTuple):
             vocab, grads, tied=tied, main_grads=main, incoming=fixed.incoming,
             vocab_final=whole_bytes(vocab // dm.stream_e, per_param),
             positions_dense=fixed.positions_dense)
+        # where gradients accumulate, the dense gradient is made beside the accumulated one
+        # and AccumulateGrad adds it in (traced: DDP, a later micro-batch, 262,144 B)
         return EmbeddingBlock(grads=grads, extra=extra,
-                              freed_before=rope_bytes + fixed.saved - fixed.kept)
+                              freed_before=rope_bytes + fixed.saved - fixed.kept,
+                              fresh=0 if tied or main else vocab)
 
     def fixed(self, spec: ModelSpec, wl: Workload, dm: Dims) -> EmbeddingFixed:
         """What ``on_stage`` reads of the ``Block`` interface, the same on every first stage

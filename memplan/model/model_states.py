@@ -530,6 +530,17 @@ def _kept_gathered_under_pp(params: StageParams, par: ParallelConfig,
                            kept_gathered=True)
 
 
+def _forward_blocks(one_rank: bool) -> int:
+    """Blocks' worth of gathered bytes while an FSDP2 block runs forward (memplan's root
+    unit): its unsharded parameters and its own flat all-gather output, which
+    FSDPParamGroup.wait_for_unshard (torch 2.13 _fully_shard/_fsdp_param_group.py) keeps in
+    comm_ctx.all_gather_state (implicit prefetch) until the next unit's wait_for_unshard or
+    the root's _post_forward (_fsdp_state.py) frees it, so a stage's only block holds it too
+    (traced: one block at dp 8, its 1,319,936 B all-gather output to its forward's end); one
+    at shard degree 1 (no flat all-gather output)."""
+    return 1 if one_rank else 2
+
+
 def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload,
                      trainable: TrainablePolicy = ALL, float8_saving: int = 0) -> ShardingBuffers:
     """ZeRO-3/FSDP: the root's weights and two blocks gathered in the compute dtype (with
@@ -559,6 +570,9 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload,
         # FSDPParamGroup.wait_for_unshard, world_size == 1): one block gathered at a time.
         one_rank = par.dense_shard_degree == 1
         blocks = 2 if len(params.layers) > 1 and not one_rank else 1  # gathered at once
+        # in forward a block's own all-gather output too, a stage's only block's included
+        # (``_forward_blocks``)
+        forward_blocks = _forward_blocks(one_rank)
         root = params.embedding + params.head
         if separate_units(wl):
             return _separate_units(params, one_rank, layer * e - float8_saving, blocks, e,
@@ -572,7 +586,8 @@ def sharding_buffers(params: StageParams, par: ParallelConfig, wl: Workload,
         # a root resharded after forward: the loss's forward and backward beside the last
         # block alone (FsdpUnits.ROOT_RESHARDED), the root gathered again for the head
         resharded = root_b if wl.fsdp_units is FsdpUnits.ROOT_RESHARDED else 0
-        return ShardingBuffers(root_b + blocks_b, root_b + layer_b - resharded, unit_grad,
+        return ShardingBuffers(root_b + forward_blocks * layer_b,
+                               root_b + layer_b - resharded, unit_grad,
                                backward_head_bytes=root_b + layer_b,
                                backward_head_prefetch_bytes=resharded,
                                backward_block_bytes=root_b + blocks_b,

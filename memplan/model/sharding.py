@@ -110,6 +110,9 @@ class DataParallel(NamedTuple):
     root_last: int = 0  # FSDP2: the root unit's last parameter's gradient (held bytes), alive
     #                     past its unsharded_grads.clear() to foreach_reduce's return
     #                     (``root_last_grad``)
+    fresh_grad: int = 0  # gradients accumulated by autograd into existing ones: bytes per
+    #                      element of a weight's new gradient, alive beside them at the
+    #                      moment that made it (``accumulated_fresh``); 0: not modelled
 
     # Bytes are made from bytes in integer arithmetic on the ratios' numerators and
     # denominators (gradient bytes are never negative): exact, and no Fraction is built.
@@ -188,7 +191,10 @@ class DataParallel(NamedTuple):
         # alone, in every micro-batch (``fresh_only``)
         if growing or self.fresh_only:
             return max(m.alive_bytes + m.transient_bytes + g for m, g in zip(moments, grads))
-        return max(m.alive_bytes + m.transient_bytes for m in moments)
+        # accumulated into existing gradients: the weight gradient a moment just made is in
+        # flight beside them until its AccumulateGrad adds it in (``accumulated_fresh``)
+        return max(m.alive_bytes + m.transient_bytes + m.fresh_params * self.fresh_grad
+                   for m in moments)
 
     def layer_forward(self, blocks: tuple[tuple[str, int], ...], peak: int,
                       beside: int) -> int:
@@ -302,6 +308,29 @@ def data_parallel(shard: ShardingBuffers, params: int, grads_bytes: int,
         flat=shard.flat_units, at_reduce=shard.backward_reduce_bytes,
         kept_layer=shard.kept_layer_bytes, kept_layers=shard.kept_layers_bytes,
         prefetch_tail=shard.prefetch_tail_bytes)
+
+
+def accumulated_fresh(dp: DataParallel, grad_bytes: int) -> DataParallel:
+    """``dp`` where autograd adds each new weight gradient into an existing ``.grad`` (a later
+    micro-batch's backward, or gradients kept zeroed): the new gradient, ``grad_bytes`` per
+    element (the dtype it is made in), is alive beside the accumulated ones at the moment that
+    made it (``LayerMoment.fresh_params``), as the first micro-batch's moment holds it.
+    torch/csrc/autograd/functions/accumulate_grad.h ``AccumulateGrad::accumulateGrad``: with
+    ``variable.grad`` defined and grad mode off, ``variable_grad += new_grad`` in place, and
+    the new gradient (the weight's ``mm`` output in its node's backward, alive through the
+    node: its input's gradient is made beside it) is freed after; the engine runs the
+    weight's ``AccumulateGrad`` right after the node (torch/csrc/autograd/engine.cpp: its
+    sequence number, UINT64_MAX, first in the ready queue). DDP changes nothing of it
+    (torch/nn/parallel/distributed.py: the reducer's autograd hook runs after
+    ``AccumulateGrad``, and copies ``.grad`` into its bucket, ``gradient_as_bucket_view``
+    False). Traced: the reference model under DDP (dp 2, bf16, 3 blocks of 3.2M parameters,
+    32 tokens, 3 micro-batches): the second micro-batch's down projection, 1,441,792 B.
+    Mechanisms that copy gradients away at their hooks (``fresh_only``), FSDP2's units
+    (``per_unit``: ``memplan.model.grad_sync.new_grads``) and DeepSpeed's ZeRO-3 hooks
+    count theirs already."""
+    if dp.fresh_only or dp.per_unit or dp.zero3_hooks or not grad_bytes:
+        return dp
+    return dp._replace(fresh_grad=grad_bytes)
 
 
 def root_last_grad(dp: DataParallel, tensor_sizes: tuple[int, ...], embedding_tensors: int,
@@ -647,13 +676,22 @@ def _flat_unsynced(dp: DataParallel, layer_grads: int, n: int,
 
 
 def end_moments(dp: DataParallel, held: Held, head_grads: int, embedding_grads: int,
-                growing: bool) -> tuple[int, tuple[Event, ...]]:
+                growing: bool, tied: bool = False) -> tuple[int, tuple[Event, ...]]:
     """At the embedding's backward, every block done: (the bytes beside it, the mechanism's
     instants after it, measured on the alive bytes once the stage's gradients are all
-    made)."""
+    made). ``tied``: a tied head's gradient is summed into the embedding's there."""
     units = embedding_grads if dp.separate_units else head_grads + embedding_grads
     if dp.per_unit:
-        beside = dp.root(units) + (held.prev_input if held.blocks else 0)
+        # FSDP2's unit gradients made before the embedding's, unsharded beyond their shard.
+        # Untied, the embedding's own unsharded gradient is the dense one its backward makes
+        # (``EmbeddingBlock.extra``, beyond its shard), which becomes the parameter's .grad:
+        # counted here too it was read twice (traced: one block beside a root twice its
+        # size, 1,536,000 B over at the embedding's backward, its bf16 gradient, 2,048,000 B,
+        # less its fp32 shard, 512,000). Tied, the pending head gradient, the dense one and
+        # their sum are alive at once, of which ``extra`` counts two beyond the shard: the
+        # embedding's unsharded gradient beyond its shard stays here (traced, GPT-2 at dp 2).
+        made = units if tied else units - embedding_grads
+        beside = dp.root(made) + (held.prev_input if held.blocks else 0)
     else:
         beside = dp.buffer(held.made + embedding_grads)
     events: tuple[Event, ...] = ()

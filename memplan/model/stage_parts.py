@@ -34,7 +34,12 @@ from memplan.model.mlp import mlp_linears
 from memplan.model.moments import Event, Segment, peak_of
 from memplan.model.mtp import mtp_layer_index, mtp_recompute
 from memplan.model.pipeline import stage_layers
-from memplan.model.sharding import DataParallel, data_parallel, root_last_grad
+from memplan.model.sharding import (
+    DataParallel,
+    accumulated_fresh,
+    data_parallel,
+    root_last_grad,
+)
 from memplan.model.trainable import TrainablePolicy, lora_policy
 from memplan.model.walk import first_positions, runs_of
 from memplan.parallel import GradBuffers, ParallelConfig, ZeroStage, optimizer_on_host
@@ -230,9 +235,11 @@ def _float8_saving(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> int:
 
 
 def _data_parallel(shard: ShardingBuffers, params: StageParams, st: StateBytes, wl: Workload,
-                   trainable: TrainablePolicy) -> DataParallel:
+                   trainable: TrainablePolicy, fresh_bytes: int = 0) -> DataParallel:
     """The stage's data-parallel mechanism as its backward walk sees it: with LoRA only the
-    adapters have gradients, in their dtype (``memplan.model.adapters.adapter_policy``)."""
+    adapters have gradients, in their dtype (``memplan.model.adapters.adapter_policy``);
+    ``fresh_bytes``: a new weight gradient's bytes per element beside accumulated ones
+    (``sharding.accumulated_fresh``; 0: not modelled)."""
     if trainable.adapters:
         return data_parallel(shard, sum(trainable.adapters), st.grads_bytes,
                              adapter_policy(wl))
@@ -240,9 +247,25 @@ def _data_parallel(shard: ShardingBuffers, params: StageParams, st: StateBytes, 
         fresh_only=bool(shard.bucket_bytes) or wl.optimizer_in_backward)
     if trainable.frozen or shard.bucket_bytes or wl.optimizer_in_backward:
         return dp  # (frozen groups: the root's last trained tensor is not modelled)
+    dp = accumulated_fresh(dp, fresh_bytes)
     return root_last_grad(dp, params.tensor_sizes, params.embedding_tensors,
                           params.head_tensors, exact_ratio(st.grads_bytes,
                                                            max(params.total, 1)))
+
+
+def _made_grads(par: ParallelConfig, wl: Workload, shard: ShardingBuffers,
+                persistent: bool) -> tuple[bool, int]:
+    """(fp32 main gradients made from compute-dtype ones; the bytes per element of a new
+    weight gradient beside accumulated ones, in the dtype it is made in,
+    ``sharding.accumulated_fresh``). Not modelled so (0): persistent buffers (Megatron-LM's
+    fused weight-gradient GEMM accumulates into main_grad directly), FSDP2 kept gathered
+    under PP (a unit's new gradients wait for its post_backward)."""
+    e = wl.compute_dtype.itemsize
+    main_grads = (wl.precision.policy.grad_bytes > e and par.zero < ZeroStage.PARAMETERS
+                  and not shard.queued_whole)
+    fresh = (0 if persistent or shard.kept_gathered
+             else e if main_grads else wl.precision.policy.grad_bytes)
+    return main_grads, fresh
 
 
 def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
@@ -268,6 +291,9 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
                + (shard.bucket_bytes if shard.bucket_resident else 0) + shard.resident_bytes)
     buffers = (rope_buffer_bytes(spec, wl, len(layers)) + te_kept
                + mup_buffer_bytes(spec, wl, len(layers)))
+    persistent = (ddp and par.grad_buffers is GradBuffers.VIEW
+                  or shard.queued_whole or shard.bucket_resident)
+    main_grads, fresh = _made_grads(par, wl, shard, persistent)
     return StageStates(
         first=first, last=last, params=params, states=st,
         # kept unsharded under PP (``ShardingBuffers.kept_gathered``): the walk's gradients
@@ -281,13 +307,11 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
         shard=shard,
         # a frozen head and embedding (LoRA) make no gradient
         vocab_grad=0 if wl.lora_rank else par.vocab_shard(spec.vocab_size) * spec.hidden_size * e,
-        main_grads=(wl.precision.policy.grad_bytes > e and par.zero < ZeroStage.PARAMETERS
-                    and not shard.queued_whole),
+        main_grads=main_grads,
         # whole-bucket units: the gradient shard is a buffer made with the wrap
-        buckets=buckets, persistent=(ddp and par.grad_buffers is GradBuffers.VIEW
-                                     or shard.queued_whole or shard.bucket_resident),
+        buckets=buckets, persistent=persistent,
         buffers=buffers,
-        dp=_data_parallel(shard, params, st, wl, trainable),
+        dp=_data_parallel(shard, params, st, wl, trainable, fresh),
         # units as buckets: the weights outside the units stay gathered across steps
         # (Megatron-FSDP AllGatherPipeline.reset(preserve_non_fsdp_units=True) in
         # synchronize_param_gather), so they are alive at the step

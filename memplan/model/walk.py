@@ -209,7 +209,9 @@ def _backward_moments(w: Walk, grads_prior: int, grads_total: int) -> list[Segme
         segments += runs
         held = after
         made += n * step * layer_grads
-    beside, after = end_moments(dp, held, h.grads, emb.grads, growing)
+    beside, after = end_moments(dp, held, h.grads, emb.grads, growing, h.tied_grad > 0)
+    if not growing and dp.fresh_grad:  # its new gradient beside the accumulated one
+        beside += emb.fresh
     # the tied head's pending gradient is summed into the embedding's
     segments.append(Segment((*emb.backward_events(made + h.tied_grad, grads_total, beside),
                              *after)))

@@ -273,9 +273,11 @@ def test_fsdp2_root_unit_end_of_backward_as_its_tensors() -> None:
     blocks of 4,096 x 3 + 64 x 32 x 2 + 3 x 64 x 176 + 2 x 64 = 46,208 elements) on 4 ranks,
     fsdp-bf16 (bf16 gathered, fp32 reduce). The root: 2 x 128 x 64 + 64 = 16,448 elements.
     At the embedding's backward: the gathered root, 16,448 x 2 = 32,896 B, on the all-gather
-    stream; the root's unsharded bf16 gradients beyond their fp32 shard, 32,896 - 16,448 x 4 /
-    4 = 16,448 B, with the last block's fp32 reduce-scatter input, 46,208 x 4 = 184,832 B, as
-    one held tensor of 201,280 B on the compute stream; then the root's reduce-scatter: the
+    stream; the root's gradients made before the embedding's (head and final norm, 128 x 64 +
+    64 = 8,256 elements: the embedding's own is the dense one its backward makes) unsharded in
+    bf16 beyond their fp32 shard, 16,512 - 8,256 x 4 / 4 = 8,256 B, with the last block's fp32
+    reduce-scatter input, 46,208 x 4 = 184,832 B, as one held tensor of 193,088 B on the
+    compute stream; then the root's reduce-scatter: the
     16,448 B beyond the shard and its fp32 input, 16,448 x 4 = 65,792 B, the gradients freed
     first (foreach_reduce's unsharded_grads.clear()) but the head weight's, the root's last
     (128 x 64 bf16 = 16,384 B; ``sharding.root_last_grad``), freed after the input: the
@@ -303,10 +305,10 @@ def test_fsdp2_root_unit_end_of_backward_as_its_tensors() -> None:
         else:
             flat.append((type(e).__name__, sizes[e.id], getattr(e, "stream", None)))
     at = next(i for i, e in enumerate(flat) if e == ("Alloc", 32_896, 1)
-              and flat[i + 1] == ("Alloc", 201_280, 0))
+              and flat[i + 1] == ("Alloc", 193_088, 0))
     tail = flat[at:at + 12]
     assert [t for t in tail if t[0] == "Alloc"][:2] == [("Alloc", 32_896, 1),
-                                                       ("Alloc", 201_280, 0)]
+                                                       ("Alloc", 193_088, 0)]
     assert tail[-6:] == [("Alloc", 64, 0), ("Alloc", 16_384, 0), ("Alloc", 65_792, 0),
                          ("Free", 64, None), ("Free", 65_792, None), ("Free", 16_384, None)]
 

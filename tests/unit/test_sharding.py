@@ -63,8 +63,10 @@ def test_fsdp2_moments_of_a_four_block_stage() -> None:
     - block 4 (the stage's first): copy-out 270 + 520 = 790; backward 170 + 110 + 20 + 100 +
       300 = 700; reduce-scatter beside the embedding's gathered weights: 170 + 20 + 100 + 100
       + 5 + 200 = 595; 220 after.
-    - embedding: all 250 B of gradients; the root's 20 + 30 = 50 B unsharded (100 B, 50 beyond
-      the shard), block 4's input (100), the root gathered (200): 250 + 350 = 600; the root's
+    - embedding: all 250 B of gradients; the head's 20 B made before it unsharded (40 B, 20
+      beyond the shard; the embedding's own unsharded gradient is the dense one its backward
+      makes, ``EmbeddingBlock.extra``, 0 here), block 4's input (100), the root gathered
+      (200): 250 + 320 = 570; the root's
       reduce-scatter: its 100 B unsharded gradients beside their 100 B input, the 50 B shard
       not made yet: 250 - 50 + 200 = 400; then the output beside the input: 250 + 100 = 350.
     """
@@ -74,7 +76,7 @@ def test_fsdp2_moments_of_a_four_block_stage() -> None:
         ("unit.copy_out", 890), ("layer.backward", 900),
         ("unit.copy_out", 840), ("layer.backward", 850),
         ("unit.copy_out", 790), ("layer.backward", 700), ("unit.reduce_scatter", 595),
-        ("embedding.backward", 600), ("root.reduce_scatter_input", 400),
+        ("embedding.backward", 570), ("root.reduce_scatter_input", 400),
         ("root.reduce_scatter_output", 350)]
     assert backward_peak(_walk(FSDP2), 0, 250) == 900
 
@@ -273,3 +275,66 @@ def test_root_last_gradient_is_the_head_weight_or_the_embedding() -> None:
     assert root_last_grad(FSDP2, (10, 10), 0, 0, per).root_last == 0
     single = DataParallel(per_unit=True, separate_units=True, reduce_copies=3)
     assert root_last_grad(single, (40, 10, 4, 40), 1, 2, per).root_last == 0
+
+
+def test_accumulated_weight_gradient_in_flight_beside_the_accumulators() -> None:
+    """A later micro-batch's backward (gradients already made: they accumulate in place): at
+    the moment that makes a weight's gradient, that new gradient is alive beside the
+    accumulated ones until AccumulateGrad adds it in (``accumulated_fresh``). A block with
+    two moments: "w" made the gradient of a 6-element weight (100 B alive, 10 B in flight),
+    "x" made none (100 + 40 = 140). At 2 B per element the new gradient is 12 B: "w" 100 +
+    10 + 12 = 122, below "x"; at 8 B, 48 B: 158, the block's peak. A first micro-batch's
+    gradients are the walk's own (50 B held by each moment): max(160, 190) = 190 either way.
+    Mechanisms that count their own are left as they are: FSDP2's units, gradients copied
+    away at their hooks."""
+    from memplan.model.sharding import accumulated_fresh
+
+    kind = LayerKind(terms=(), saved_bytes=100, forward_peak_bytes=120,
+                     moments=(LayerMoment("w", 100, 10, (), fresh_params=6),
+                              LayerMoment("x", 100, 40, ())))
+    ddp = accumulated_fresh(DataParallel(), 2)
+    assert ddp.fresh_grad == 2
+    assert ddp.block_peak(kind.moments, (50, 50), False) == 140
+    assert accumulated_fresh(DataParallel(), 8).block_peak(kind.moments, (50, 50), False) == 158
+    # new gradients (the first micro-batch) are the walk's own, held: unchanged
+    assert ddp.block_peak(kind.moments, (50, 50), True) == 190
+    assert accumulated_fresh(FSDP2, 2) is FSDP2
+    assert accumulated_fresh(DataParallel(fresh_only=True), 2).fresh_grad == 0
+
+
+def test_a_stages_only_block_keeps_its_all_gather_output_in_forward() -> None:
+    """FSDP2 (memplan's root unit) on 8 ranks, fsdp-bf16 (bf16 gathered weights), a stage of
+    llama-3-8b's first layer alone (pp 32): the block 218,112,000 elements (as above),
+    436,224,000 B gathered; its flat all-gather output, the same size, stays in
+    comm_ctx.all_gather_state until the root's _post_forward, so its forward holds the root
+    and twice the block, as a stage of several blocks does: the root's embedding 128,256 x
+    4096 x 2 = 1,050,673,152 B, with 2 x 436,224,000: 1,923,121,152 B. In backward it is
+    gathered alone beside the root: 1,486,897,152 B."""
+    spec, par, wl = resolve("llama-3-8b", gpus=256, pp=32, zero=3, precision="fsdp-bf16")
+    params = stage_params(spec, par, [0], first=True, last=False)
+    shard = sharding_buffers(params, par, wl)
+    assert shard.gathered_bytes == 1_050_673_152 + 2 * 436_224_000
+    assert shard.backward_last_block_bytes == 1_050_673_152 + 436_224_000
+
+
+def test_accumulated_embedding_gradient_in_flight_at_its_backward() -> None:
+    """The stage above, replicated gradients (DDP), the embedding's dense gradient 12 B as
+    made (``EmbeddingBlock.fresh``): in a later micro-batch (all 250 B of gradients from the
+    start) it is made beside the accumulated one, so the embedding's instant holds the 250 B
+    of gradients, nothing saved, and it: 262. In the first micro-batch it is the gradient
+    itself (counted in the 250): 250. With FSDP2's units (no ``fresh_grad``): 250 + the
+    mechanism's own, unchanged by it."""
+    from memplan.model.sharding import accumulated_fresh
+
+    def embedding_at(dp: DataParallel, prior: int) -> int:
+        walk = _walk(dp)._replace(embedding=EMBEDDING._replace(fresh=12))
+        return dict((name, at) for name, _, at in timeline(backward_segments(walk, prior, 250))
+                    )["embedding.backward"]
+
+    ddp = accumulated_fresh(DataParallel(), 2)
+    assert embedding_at(ddp, 250) == 262
+    assert embedding_at(ddp, 0) == 250
+    assert embedding_at(DataParallel(), 250) == 250
+    assert embedding_at(FSDP2, 250) == dict(
+        (name, at) for name, _, at in timeline(backward_segments(_walk(FSDP2), 250, 250))
+    )["embedding.backward"]
