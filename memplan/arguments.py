@@ -23,7 +23,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from memplan.choices import Record, field_hash
+from memplan.choices import PRUNE_FROM, Record, field_hash, prune
 from memplan.errors import MemplanError, shown, validation_message
 from memplan.units import MAX_INT64
 
@@ -104,6 +104,7 @@ def plain(name: str, value: Any) -> Any:
 # gets past ``frozen``) changes the hash, and the object is checked anew. The entry goes with
 # the object.
 _CHECKED: dict[int, tuple[weakref.ref, int, Record]] = {}
+_CHECKED_LIMIT = [PRUNE_FROM]
 
 
 def revalidated(name: str, model: Record) -> Record:
@@ -156,11 +157,11 @@ def _remember(model: Record, checked: Record) -> None:
         fields_hash = field_hash(model)
     except TypeError:  # a list or dict field: it may change in place
         return
-    key = id(model)
-    # the callback holds the dict itself: at interpreter exit the module's globals may be
-    # cleared before the last models die
-    _CHECKED[key] = (weakref.ref(model, lambda _, key=key, table=_CHECKED: table.pop(key, None)),
-                     fields_hash, checked)
+    # no callback on the reference (``memplan.choices.cached_hash`` says why): entries of
+    # dead objects are dropped in bulk, and a later object given a dead one's id is told
+    # apart by the reference (``_known``)
+    prune(_CHECKED, _CHECKED_LIMIT, 0)
+    _CHECKED[id(model)] = (weakref.ref(model), fields_hash, checked)
 
 
 def plain_arguments(function: Any) -> Any:

@@ -84,24 +84,40 @@ class RankedEnum(PlainEnum):
 # estimate (a plan hashes tens of thousands). pydantic hashes a frozen model from its field
 # values on every call (``pydantic._internal._model_construction.make_hash_func``), nested models
 # included. ``cached_hash`` gives the same value (the hash of the field values in field order, so
-# equal objects still hash equal) and keeps it per object, by ``id``, for as long as the object
-# lives: a weak reference's callback drops it when the object is freed, before its ``id`` can be
-# reused. A frozen model's fields cannot be set, and ``model_copy`` makes a new object, so a kept
-# hash cannot go stale.
+# equal objects still hash equal) and keeps it per object, by ``id``, beside a weak reference
+# that tells the object apart from a later one given its ``id``. A frozen model's fields cannot
+# be set, and ``model_copy`` makes a new object, so a kept hash cannot go stale. No weak
+# reference has a callback: Python runs a callback when the object dies, wherever that is, and
+# a Ctrl-C arriving while one runs is swallowed ("Exception ignored in"): a plan then ran on
+# (tests/unit/test_faults.py). Entries of dead objects are dropped in bulk (``prune``).
 _HASHES: dict[int, tuple[int, weakref.ref]] = {}
 _GETTERS: dict[type, Any] = {}
+PRUNE_FROM = 1 << 14  # entries before a table is first pruned
+
+
+def prune(table: dict[int, tuple], limit: list[int], at: int) -> None:
+    """Drop the entries of ``table`` (id -> a tuple holding a weak reference at index ``at``)
+    whose object died, once it holds ``limit[0]`` entries; the next limit is twice what
+    stays, so pruning costs O(1) per entry added."""
+    if len(table) < limit[0]:
+        return
+    for key in [k for k, v in table.items() if v[at]() is None]:
+        del table[key]
+    limit[0] = max(PRUNE_FROM, 2 * len(table))
+
+
+_HASHES_LIMIT = [PRUNE_FROM]
 
 
 def cached_hash(self: Any) -> int:
     """``hash(self)`` for a frozen pydantic model (use as its class's ``__hash__``)."""
     key = id(self)
     kept = _HASHES.get(key)
-    if kept is not None:
+    if kept is not None and kept[1]() is self:
         return kept[0]
     value = field_hash(self)
-    # the reference is kept beside the value: its callback runs only while it lives
-    _HASHES[key] = (value, weakref.ref(self, lambda _, key=key, table=_HASHES:
-                                       table.pop(key, None)))
+    prune(_HASHES, _HASHES_LIMIT, 1)
+    _HASHES[key] = (value, weakref.ref(self))
     return value
 
 

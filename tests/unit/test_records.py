@@ -255,3 +255,56 @@ def test_option_values_convert_as_typer_does() -> None:
             assert outcomes[0] == outcomes[1], (param.name, value)
             checked += 1
     assert checked > 400
+
+
+def test_no_weak_reference_with_a_callback_on_a_record() -> None:
+    """The hash cache and the API's checked-object cache keep plain weak references: Python
+    runs a reference's callback wherever the object dies, and a Ctrl-C arriving during one is
+    swallowed ("Exception ignored in"), which let ``memplan plan`` run on after SIGINT. A
+    workload hashed and checked by the API has references, none with a callback."""
+    import weakref
+
+    import memplan
+    from memplan.api import make_workload
+    from memplan.arguments import revalidated
+
+    spec = memplan.load_model("tiny")
+    wl = make_workload(spec, seq_len=64)
+    hash(wl)
+    revalidated("workload", wl)
+    refs = weakref.getweakrefs(wl)
+    assert refs and all(r.__callback__ is None for r in refs)
+
+
+def test_hash_cache_prunes_dead_objects_and_tells_a_reused_id_apart() -> None:
+    """``prune`` drops the entries of dead objects once the table reaches its limit, keeps the
+    live ones and sets the next limit to twice what stays (at least ``PRUNE_FROM``); an entry
+    left for a dead object is not read for a later one (its reference tells them apart)."""
+    import weakref
+
+    from memplan.choices import PRUNE_FROM, prune
+
+    class Obj:
+        pass
+
+    live = [Obj() for _ in range(3)]
+    table = {id(o): (7, weakref.ref(o)) for o in live}
+    dead = Obj()
+    table[id(dead)] = (9, weakref.ref(dead))
+    del dead
+    limit = [4]
+    prune(table, limit, 1)
+    assert sorted(table) == sorted(id(o) for o in live) and limit == [PRUNE_FROM]
+    limit = [10]
+    prune(table, limit, 1)  # under the limit: nothing done
+    assert len(table) == 3 and limit == [10]
+    # an entry left at a new object's id by a dead one (its reference dead) is not read
+    from memplan.choices import _HASHES, field_hash
+    from memplan.workload import Workload
+
+    gone = Obj()
+    stale = weakref.ref(gone)
+    del gone
+    b = Workload(seq_len=256)
+    _HASHES[id(b)] = (123_456_789, stale)
+    assert hash(b) == field_hash(b) != 123_456_789
