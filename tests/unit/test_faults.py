@@ -482,9 +482,14 @@ def test_sigint_to_a_running_command_exits_130_with_one_line(work: Path) -> None
                               "-n", "64"], cwd=work, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True,
                              env={**os.environ, "PYTHONPATH": str(root)})
-    assert child.stdout.readline() == "working\n"
-    child.send_signal(signal.SIGINT)
-    _, err = child.communicate(timeout=120)
+    try:
+        assert child.stdout.readline() == "working\n"
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=120)
+    finally:  # a child that did not stop would otherwise run on after the test
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
     assert child.returncode == 130, err[-2000:]
     assert err == "memplan: interrupted: nothing was written\n"
 
