@@ -276,8 +276,13 @@ def wandb_history(root, run_id: str = "*") -> list[dict]:
     transaction log ``wandb sync`` uploads: W&B's 7-byte header, then LevelDB log records of
     32 KiB blocks, 7-byte headers (crc, length, type: 1 full, 2 first, 3 middle, 4 last), each
     a ``wandb_internal_pb2.Record``), read once the run's last record (``exit``) is there."""
+    import wandb
+
+    # wandb-core may still be writing after finish() returns; teardown waits for the service
+    # to shut down, its files written, so no wait below depends on the machine's load
+    wandb.teardown()
     [path] = glob.glob(str(root / "wandb" / "offline-run-*" / f"run-{run_id}.wandb"))
-    for _ in range(300):  # wandb-core may still be writing after finish() returns
+    for _ in range(300):
         records = _records(Path(path).read_bytes())
         if records and records[-1].WhichOneof("record_type") == "exit":
             break

@@ -478,10 +478,14 @@ def test_sigint_to_a_running_command_exits_130_with_one_line(work: Path) -> None
     import subprocess
 
     root = Path(__file__).resolve().parents[2]
+    # SIGINT as a terminal's foreground job has it: a test run started in the background of
+    # a non-interactive shell inherits SIGINT ignored (bash ignores it for asynchronous
+    # commands), and Python then installs no handler: the child would never see the signal
     child = subprocess.Popen([sys.executable, "-c", SIGINT_CHILD, "plan", "-m", "llama-2-7b",
                               "-n", "64"], cwd=work, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONPATH": str(root)})
+                             env={**os.environ, "PYTHONPATH": str(root)},
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert child.stdout.readline() == "working\n"
         child.send_signal(signal.SIGINT)
