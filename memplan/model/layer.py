@@ -414,6 +414,14 @@ def rerun_workload(wl: Workload) -> Workload:
     return wl.model_copy(update={"kv_cache": False}) if wl.kv_cache else wl
 
 
+def _branch_grad(spec: ModelSpec, dm: Dims) -> int:
+    """Under autocast, the gradient of a sub-layer's low-precision output added to the fp32
+    stream: the add's backward casts the stream's gradient to the branch's dtype (the
+    engine's validate_outputs), a new tensor of the stream's rows in the compute dtype; 0
+    where the stream is in the compute dtype (the add passes the gradient itself)."""
+    return dm.rows * spec.hidden_size * dm.e if dm.autocast and dm.e < dm.stream_e else 0
+
+
 def _first_output_grad(spec: ModelSpec, dm: Dims, block: Block) -> int:
     """A parallel layer's attention output gradient, alive through its MLP's backward under
     autocast: the layer's sum ``residual + hidden_states_attention + hidden_states_mlp``
@@ -424,10 +432,7 @@ def _first_output_grad(spec: ModelSpec, dm: Dims, block: Block) -> int:
     the attention's backward. Traced: Cohere2 narrowed, 2 x 1,024 tokens, amp-bf16: full
     recompute's backward was one bf16 stream under (-1.5%). Without autocast the adds pass
     the gradient itself."""
-    if not (spec.parallel_block and dm.autocast and dm.stream_e != dm.e
-            and isinstance(block, (Mlp, MoE))):
-        return 0
-    return dm.rows * spec.hidden_size * dm.e
+    return _branch_grad(spec, dm) if spec.parallel_block and isinstance(block, (Mlp, MoE)) else 0
 
 
 def _rerun_moments(spec: ModelSpec, wl: Workload, dm: Dims, blocks: tuple[Block, ...],
@@ -442,15 +447,13 @@ def _rerun_moments(spec: ModelSpec, wl: Workload, dm: Dims, blocks: tuple[Block,
     # backward ran before the node that reruns the layer, its gradient copy waits beside the
     # stream's (traced: Granite 4.0-H on transformers 5.23, tests/unit/test_mamba_einsum.py);
     # an adapted down projection's sum's gradients (``mlp.rerun_pending_bytes``)
-    # Under autocast the last sub-layer's output (the compute dtype) joins the fp32 stream:
-    # the add's backward casts the stream's gradient to the branch's dtype (the engine's
-    # validate_outputs) before the branch's first node, which reruns the layer (traced: the
-    # reference GPT under amp-bf16, full recompute: a bf16 stream-sized tensor made before
-    # the rerun's first op, alive through it)
-    # (not in layers with a Mamba mixer, whose rebuild moments hold their rerun's context:
-    # Falcon-H1's, traced on 5.3 and 5.23)
+    # Under autocast the last sub-layer's add casts the stream's gradient to the branch's
+    # dtype (``_branch_grad``) before the branch's first node, which reruns the layer (traced:
+    # the reference GPT under amp-bf16, full recompute: a bf16 stream-sized tensor made before
+    # the rerun's first op, alive through it); not in layers with a Mamba mixer, whose
+    # rebuild moments hold their rerun's context (Falcon-H1's, traced on 5.3 and 5.23)
     amp = dm.autocast and not any(isinstance(b, (Mamba, ParallelMamba)) for b in blocks)
-    branch_grad = dm.rows * spec.hidden_size * dm.e if amp and dm.e < dm.stream_e else 0
+    branch_grad = _branch_grad(spec, dm) if amp else 0
     rerun_in = (incoming + branch_grad + (stream if spec.scaled_residual else 0)
                 + (rerun_pending_bytes(spec, dm) if mlp else 0))
     # The rerun stops once the last saved tensor is packed: after the MLP's output dropout

@@ -103,9 +103,7 @@ def test_emitted_policy_matches_estimate(spec: ModelSpec, fields: dict, save: st
     for name in ("params_bytes", "grads_bytes", "optimizer_bytes"):
         row = result.row(name)
         assert row.estimated_bytes == row.measured_bytes, row
-    bad = [r for r in result.rows if abs(r.diff_pct) > TOLERANCE_PCT]
-    assert not bad, "\n".join(f"{r.name}: measured {r.measured_bytes:,} estimated "
-                              f"{r.estimated_bytes:,} ({r.diff_pct:+.3f}%)" for r in bad)
+    _assert_rows_within(result.rows)
 
 
 # transformers' Llama (Meta-Llama-3-8B's config.json cut to 2 layers), the emitted policy as
@@ -129,9 +127,7 @@ def test_emitted_policy_on_transformers_llama(precision: str, save: str) -> None
                          hf("Meta-Llama-3-8B", num_hidden_layers=2), precision, 1, 128,
                          fake=True, options={"recompute": "ops", "recompute_save": save})
     result = compare_framework(case)
-    bad = [r for r in result.rows if abs(r.diff_pct) > TOLERANCE_PCT]
-    assert not bad, "\n".join(f"{r.name}: measured {r.measured_bytes:,} estimated "
-                              f"{r.estimated_bytes:,} ({r.diff_pct:+.3f}%)" for r in bad)
+    _assert_rows_within(result.rows)
 
 
 # transformers' own models narrowed (h 256, 8 heads / 2 KV heads of 32, f 896) with a 64-token
@@ -195,9 +191,7 @@ def test_emitted_policy_on_transformers_toys(model: str, precision: str, save: s
     case = FrameworkCase("transformers", f"{model}-toy", hf(model, **overrides), precision, 2,
                          seq, options={"recompute": "ops", "recompute_save": save})
     result = compare_framework(case)
-    bad = [r for r in result.rows if abs(r.diff_pct) > TOLERANCE_PCT]
-    assert not bad, "\n".join(f"{r.name}: measured {r.measured_bytes:,} estimated "
-                              f"{r.estimated_bytes:,} ({r.diff_pct:+.3f}%)" for r in bad)
+    _assert_rows_within(result.rows)
 
 
 # the list --recompute auto chooses under autocast (amp-bf16) midway between full recompute's
@@ -224,9 +218,7 @@ def test_auto_under_autocast_on_transformers_toys(model: str) -> None:
                          seq, options={"recompute": "ops",
                                        "recompute_save": ",".join(est.workload.recompute_save)})
     result = compare_framework(case)
-    bad = [r for r in result.rows if abs(r.diff_pct) > TOLERANCE_PCT]
-    assert not bad, "\n".join(f"{r.name}: measured {r.measured_bytes:,} estimated "
-                              f"{r.estimated_bytes:,} ({r.diff_pct:+.3f}%)" for r in bad)
+    _assert_rows_within(result.rows)
 
 
 # torchtitan 0.3.0's Llama3 (its fused wqkv: one item, attn.qkv) on 2 ranks of FSDP2, each block
@@ -244,9 +236,7 @@ def test_emitted_policy_on_torchtitan_llama3(precision: str, save: str) -> None:
     case = FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, precision, 2, 128, dp=2,
                          options={"ac": "ops", "recompute_save": save})
     result = compare_framework(case)
-    bad = [r for r in result.rows if abs(r.diff_pct) > TOLERANCE_PCT]
-    assert not bad, "\n".join(f"{r.name}: measured {r.measured_bytes:,} estimated "
-                              f"{r.estimated_bytes:,} ({r.diff_pct:+.3f}%)" for r in bad)
+    _assert_rows_within(result.rows)
 
 
 def test_policy_per_layer_index_on_the_reference_model() -> None:
@@ -313,9 +303,7 @@ def test_emitted_policy_on_transformers_mixtral(precision: str, seq: int, vocab:
                          hf("Mixtral-8x7B-v0.1", **{**MIXTRAL_TOY, "vocab_size": vocab}),
                          precision, 2, seq, options=options)
     result = compare_framework(case)
-    bad = [r for r in result.rows if abs(r.diff_pct) > TOLERANCE_PCT]
-    assert not bad, "\n".join(f"{r.name}: measured {r.measured_bytes:,} estimated "
-                              f"{r.estimated_bytes:,} ({r.diff_pct:+.3f}%)" for r in bad)
+    _assert_rows_within(result.rows)
 
 
 # transformers' Qwen2-MoE (Qwen1.5-MoE-A2.7B cut as tests/traced/test_frameworks.py's
@@ -357,8 +345,7 @@ def test_emitted_policy_on_transformers_qwen2_moe(precision: str, save: str) -> 
         _FULL[precision] = _qwen2_moe(precision, {"recompute": "full"})
     bad = [r for name, r in rows.items() if abs(r.diff_pct) > max(
         TOLERANCE_PCT, abs(_FULL[precision][name].diff_pct) if "backward" in name else 0.0)]
-    assert not bad, "\n".join(f"{r.name}: measured {r.measured_bytes:,} estimated "
-                              f"{r.estimated_bytes:,} ({r.diff_pct:+.3f}%)" for r in bad)
+    _assert_none_off(bad)
 
 
 # A model of dense and MoE layers: Qwen3-30B-A3B narrowed as above to 3 layers, layer 0 dense
@@ -399,9 +386,7 @@ def test_emitted_policy_on_dense_and_moe_layers(precision: str, save: str) -> No
     case = FrameworkCase("transformers", "qwen3-moe-mixed-toy", hf("Qwen3-30B-A3B", **MIXED_TOY),
                          precision, 2, 512, options={"recompute": "ops", "recompute_save": save})
     result = compare_framework(case)
-    bad = [r for r in result.rows if abs(r.diff_pct) > TOLERANCE_PCT]
-    assert not bad, "\n".join(f"{r.name}: measured {r.measured_bytes:,} estimated "
-                              f"{r.estimated_bytes:,} ({r.diff_pct:+.3f}%)" for r in bad)
+    _assert_rows_within(result.rows)
 
 
 # GLM-4.5 (tests/traced/test_hf_moe_families.py's glm4_moe-toy: 2 layers, the first dense by
@@ -447,9 +432,7 @@ def test_emitted_policy_on_transformers_glm4_moe(precision: str, save: str) -> N
     case = FrameworkCase("transformers", "glm4_moe-toy", _glm_toy(), precision, 2, 64,
                          options={"recompute": "ops", "recompute_save": save})
     result = compare_framework(case)
-    bad = [r for r in result.rows if abs(r.diff_pct) > TOLERANCE_PCT]
-    assert not bad, "\n".join(f"{r.name}: measured {r.measured_bytes:,} estimated "
-                              f"{r.estimated_bytes:,} ({r.diff_pct:+.3f}%)" for r in bad)
+    _assert_rows_within(result.rows)
 
 
 def test_what_the_policy_sees_under_autocast() -> None:
@@ -566,6 +549,16 @@ def _toy_rows(kind: str, toy: dict, model: str, precision: str, options: dict) -
     return {r.name: r for r in compare_framework(case).rows}
 
 
+def _assert_rows_within(rows) -> None:
+    """Every row within TOLERANCE_PCT of the trace, the rows off named."""
+    _assert_none_off([r for r in rows if abs(r.diff_pct) > TOLERANCE_PCT])
+
+
+def _assert_none_off(bad) -> None:
+    assert not bad, "\n".join(f"{r.name}: measured {r.measured_bytes:,} estimated "
+                              f"{r.estimated_bytes:,} ({r.diff_pct:+.3f}%)" for r in bad)
+
+
 def _assert_within_full(kind: str, toy: dict, model: str, precision: str, save: str) -> None:
     """Every row of the emitted policy for ``save`` within TOLERANCE_PCT, or no further off
     than full recompute's own estimate of that row on the same toy (traced once per toy)."""
@@ -578,8 +571,7 @@ def _assert_within_full(kind: str, toy: dict, model: str, precision: str, save: 
            if abs(r.estimated_bytes - r.measured_bytes) > max(
                TOLERANCE_PCT / 100 * r.measured_bytes,
                abs(full[name].estimated_bytes - full[name].measured_bytes))]
-    assert not bad, "\n".join(f"{r.name}: measured {r.measured_bytes:,} estimated "
-                              f"{r.estimated_bytes:,} ({r.diff_pct:+.3f}%)" for r in bad)
+    _assert_none_off(bad)
 
 
 @pytest.mark.parametrize(("model", "precision", "save"), NORMS_GRID,
@@ -728,6 +720,4 @@ def test_emitted_policy_on_parallel_layers(window: int, precision: str, save: st
     case = FrameworkCase("transformers", "cohere2-ops-toy", config, precision, 2, 1024,
                          options=options)
     result = compare_framework(case)
-    bad = [r for r in result.rows if abs(r.diff_pct) > TOLERANCE_PCT]
-    assert not bad, "\n".join(f"{r.name}: measured {r.measured_bytes:,} estimated "
-                              f"{r.estimated_bytes:,} ({r.diff_pct:+.3f}%)" for r in bad)
+    _assert_rows_within(result.rows)
