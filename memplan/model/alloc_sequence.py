@@ -33,7 +33,7 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import NamedTuple
 
-from memplan.model.allocator import Alloc, AllocatorConfig, Blip, Free, replay
+from memplan.model.allocator import Alloc, AllocatorConfig, Blip, Free, replay_reserved
 from memplan.model.nf4_init import qlora_setup
 from memplan.model.nf4_init import stored_bytes as nf4_stored_bytes
 from memplan.model.sharding import Held, end_moments, forward_positions, head_moments, run_positions
@@ -526,12 +526,10 @@ def _replay_caps(s: StageInputs, cfg: AllocatorConfig, caps: tuple[int, ...] | N
     b = stage_sequence(s, caps)
     if limit is not None:
         cfg = cfg.model_copy(update={"capacity_bytes": limit[1] - (limit[0] - b.peak)})
-    res = replay(b.events, cfg)
-    got = res.reserved_bytes
-    by_step = tuple(got[min(m, len(got)) - 1] if m and got else 0 for m in b.marks)
+    res = replay_reserved(b.events, cfg, b.marks)
     oom = (None if res.oom_event is None else
            next(k for k, m in enumerate(b.marks) if res.oom_event < m))
-    return by_step, b.peak, len(b.events), oom, res.reserved_peak_bytes
+    return res.at_marks, b.peak, len(b.events), oom, res.reserved_peak_bytes
 
 
 # Folding: a stage whose longest run has more than FOLD_ABOVE layers is replayed with its long

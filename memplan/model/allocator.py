@@ -515,6 +515,36 @@ class CachingAllocator:
         self._free_segments(stream, made)
         return ([acc[2]] if acc[2] is not None else []), acc[1]
 
+    def blip_leaves_nothing(self, runs: list[tuple[int, int]], stream: int = 0) -> bool:
+        """Whether a blip of ``runs`` surely makes no segment, so that it leaves the allocator
+        as it found it (the comment above): without expandable segments or max_split_size,
+        where each pool's largest free block L holds the blip's tensors of that pool with
+        should_split's least remainder each, L >= sum(size + least). Then a block that fits
+        is always there: L's remainder after tensors i... is still at least sum(size_j +
+        least) over the tensors j after them (best fit takes another block, or cuts the
+        tensor from L's remainder, which splits, its rest at least that sum plus least), so
+        no tensor reaches ``alloc_block``. Sufficient only (False: ``blip`` decides). Its
+        allocated bytes are not known from this (which blocks best fit took is not
+        followed)."""
+        if self._expandable or self._limit != NO_LIMIT:
+            return False
+        need_small = need_large = 0
+        plain = self._plain_round
+        for orig, count in runs:
+            size = (-(-orig // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE
+                    if plain and orig >= K_MIN_BLOCK_SIZE
+                    else round_size(orig, self.cfg.roundup_power2_divisions))
+            if size <= K_SMALL_SIZE:
+                need_small += count * (size + K_MIN_BLOCK_SIZE)
+            else:
+                need_large += count * (size + K_SMALL_SIZE + 1)
+        for small, need in ((True, need_small), (False, need_large)):
+            if need:
+                pool = self._free.get((stream, small))
+                if not pool or pool[-1][0] < need:
+                    return False
+        return True
+
     def _blip_run(self, size: int, count: int, small: bool, stream: int, skip: set[int],
                   mine: list[int], made: list[tuple[bool, int]], acc: list) -> bool:
         """``count`` tensors of rounded ``size`` of a blip, each by best fit over the pool's
@@ -822,6 +852,65 @@ def replay(events: list[Alloc | Free | Blip], cfg: AllocatorConfig | None = None
         oom_event=oom,
         num_alloc_retries=alloc.retries,
     )
+
+
+class ReservedReplay(NamedTuple):
+    """``replay_reserved``'s answer: the reserved bytes after the event before each mark, the
+    reserved peak, and the event that ran out of memory (None: none did)."""
+
+    at_marks: tuple[int, ...]
+    reserved_peak_bytes: int
+    oom_event: int | None
+
+
+def replay_reserved(events: list[Alloc | Free | Blip], cfg: AllocatorConfig | None,
+                    marks: list[int]) -> ReservedReplay:
+    """``replay`` read for its reserved bytes only: the same allocator, event for event, but
+    the allocated bytes are not followed, so a blip that surely makes no segment
+    (``CachingAllocator.blip_leaves_nothing``) is passed over (it leaves the allocator as it
+    found it); the reserved bytes are kept at ``marks`` (event counts) only. Its reserved
+    peak, the reserved bytes at each mark and the out-of-memory event are ``replay``'s."""
+    alloc = CachingAllocator(cfg)
+    peak_r = 0
+    oom: int | None = None
+    at: list[int] = []
+    ends = iter(marks)
+    mark = next(ends, None)
+    last = 0  # after an allocation that failed: the reserved bytes as ``replay`` last noted
+    malloc, free, blip, quiet = (alloc.malloc, alloc.free, alloc.blip,
+                                 alloc.blip_leaves_nothing)
+    for i, ev in enumerate(events):
+        while mark is not None and mark <= i:
+            at.append(alloc.reserved if mark else 0)
+            mark = next(ends, None)
+        kind = type(ev)
+        if kind is Free:
+            free(ev.id)
+            continue
+        before = alloc.reserved
+        if kind is Blip:
+            runs = ev.runs()
+            if quiet(runs, ev.stream):
+                continue
+            got = blip(runs, ev.stream)
+            ok = True
+            if got is None:  # near the capacity: tensor by tensor, as malloc would
+                got, ok = _blip_one_by_one(alloc, ev)
+            for r, _ in got[0]:
+                if r > peak_r:
+                    peak_r = r
+            if not ok:  # reserved as the last allocation before the one that failed left it
+                oom, last = i, got[0][-1][0] if got[0] else before
+                break
+        elif not malloc(ev.id, ev.size_bytes, ev.stream):
+            oom, last = i, before
+            break
+        if alloc.reserved > peak_r:
+            peak_r = alloc.reserved
+    while mark is not None:
+        at.append(last if oom is not None else alloc.reserved if mark else 0)
+        mark = next(ends, None)
+    return ReservedReplay(tuple(at), peak_r, oom)
 
 
 def _blip_one_by_one(alloc: CachingAllocator, ev: Blip

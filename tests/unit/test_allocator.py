@@ -412,3 +412,88 @@ def test_one_pass_best_fit_equals_the_rules_step_by_step(
     monkeypatch.setattr(CachingAllocator, "_fit", lambda self, *args: False)
     assert [replay(events, cfg) for events in sequences] == fast
     assert any(r.out_of_memory for r in fast) == (conf == "capacity")
+
+
+def test_a_blip_that_surely_fits_is_known_to_leave_nothing() -> None:
+    """``blip_leaves_nothing``: one 100 MiB segment, free (a 100 MiB tensor made and freed:
+    100 MiB is over kMinLargeAlloc, so cudaMalloc takes it rounded to 2 MiB, 100 MiB). Two
+    40 MiB tensors need 2 x (40 MiB + kSmallSize + 1) = 82 MiB + 2 B <= 100 MiB: sure. Two of
+    49.5 MiB need 2 x (49.5 + 1) MiB + 2 B = 101 MiB + 2 B > 100 MiB: not sure (best fit
+    would still take both from the block: 99 MiB; the check is sufficient only). A 512 KiB
+    tensor is the small pool's, which has no block: not sure. Under max_split_size or
+    expandable segments it never answers."""
+    from memplan.model.allocator import CachingAllocator
+
+    def seeded(cfg: AllocatorConfig) -> CachingAllocator:
+        alloc = CachingAllocator(cfg)
+        assert alloc.malloc(0, 100 * MiB)
+        alloc.free(0)
+        assert alloc.reserved == 100 * MiB
+        return alloc
+
+    alloc = seeded(AllocatorConfig())
+    assert alloc.blip_leaves_nothing([(40 * MiB, 2)])
+    assert not alloc.blip_leaves_nothing([(99 * MiB // 2, 2)])
+    assert not alloc.blip_leaves_nothing([(512 * 1024, 1)])
+    assert not alloc.blip_leaves_nothing([(40 * MiB, 2)], stream=1)
+    assert not seeded(parse_alloc_conf("max_split_size_mb:200")).blip_leaves_nothing(
+        [(40 * MiB, 1)])
+    assert not seeded(parse_alloc_conf("expandable_segments:True")).blip_leaves_nothing(
+        [(40 * MiB, 1)])
+
+
+@pytest.mark.parametrize("conf", ["", "max_split_size_mb:40", "roundup_power2_divisions:4",
+                                  "expandable_segments:True", "capacity"])
+def test_the_reserved_replay_is_the_replay_read_at_marks(conf: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A property over seeded random sequences (blips repeated beside tensors kept and freed,
+    as a stage's sequence has them): ``replay_reserved`` gives ``replay``'s reserved bytes at
+    every mark, its reserved peak and the same out-of-memory event, though it passes over
+    the blips ``blip_leaves_nothing`` is sure of (it does: the count is checked), under each
+    configuration and a capacity that runs out."""
+    import random
+
+    from memplan.model import allocator
+    from memplan.model.allocator import Blip, replay_reserved
+
+    cap = 600 * MiB if conf == "capacity" else None
+    cfg = parse_alloc_conf("" if conf == "capacity" else conf, cap)
+    rng = random.Random(20261205)
+    sizes = [300, 900 * 1024, 5 * MiB + 7, 12 * MiB + 5 * 1024, 24 * MiB, 64 * MiB]
+    passed_over = ran_out = 0
+    sure = allocator.CachingAllocator.blip_leaves_nothing
+
+    def counted(self, runs, stream=0):  # type: ignore[no-untyped-def]
+        nonlocal passed_over
+        got = sure(self, runs, stream)
+        passed_over += got
+        return got
+
+    monkeypatch.setattr(allocator.CachingAllocator, "blip_leaves_nothing", counted)
+    for _ in range(60):
+        events, live, key = [], [], 0
+        blip = Blip((rng.choice(sizes),), 0)
+        for _ in range(rng.randint(20, 80)):
+            roll = rng.random()
+            if roll < 0.35:
+                events.append(Alloc(key, rng.choice(sizes), rng.choice([0, 0, 1])))
+                live.append(key)
+                key += 1
+            elif roll < 0.6 and live:
+                events.append(Free(live.pop(rng.randrange(len(live)))))
+            elif roll < 0.7:
+                blip = Blip((rng.choice(sizes), rng.choice(sizes)), rng.choice([0, 0, 1]),
+                            (rng.randint(1, 8), 1))
+                events.append(blip)
+            else:
+                events.append(blip)
+        marks = sorted(rng.sample(range(len(events) + 1), 4))
+        full = replay(events, cfg)
+        got = full.reserved_bytes
+        want = tuple(got[min(m, len(got)) - 1] if m and got else 0 for m in marks)
+        quick = replay_reserved(events, cfg, marks)
+        assert quick == (want, full.reserved_peak_bytes, full.oom_event)
+        ran_out += full.out_of_memory
+    assert ran_out > 0 if conf == "capacity" else ran_out == 0
+    assert passed_over > 100 if conf in ("", "roundup_power2_divisions:4", "capacity") else (
+        passed_over == 0)
