@@ -517,32 +517,52 @@ class CachingAllocator:
 
     def blip_leaves_nothing(self, runs: list[tuple[int, int]], stream: int = 0) -> bool:
         """Whether a blip of ``runs`` surely makes no segment, so that it leaves the allocator
-        as it found it (the comment above): without expandable segments or max_split_size,
-        where each pool's largest free block L holds the blip's tensors of that pool with
-        should_split's least remainder each, L >= sum(size + least). Then a block that fits
-        is always there: L's remainder after tensors i... is still at least sum(size_j +
-        least) over the tensors j after them (best fit takes another block, or cuts the
-        tensor from L's remainder, which splits, its rest at least that sum plus least), so
-        no tensor reaches ``alloc_block``. Sufficient only (False: ``blip`` decides). Its
+        as it found it (the comment above); without expandable segments or max_split_size.
+        Sufficient only (False: ``blip`` decides), per pool, for the blip's n tensors of
+        that pool (rounded), with should_split's least remainder ``least``, either of:
+
+        - the largest free block L >= sum(size + least): L's remainder after tensors i... is
+          still at least sum(size_j + least) over the tensors j after them (best fit takes
+          another block, or cuts the tensor from L's remainder, which splits, its rest at
+          least that sum plus least);
+        - sum over free blocks b of floor(b / u) >= n, u = the largest size + least: placing
+          a tensor of size s <= u - least lowers the sum by at most one (a block b >= u it is
+          cut from splits, and floor((b - s) / u) >= floor(b / u) - 1; a smaller block
+          counts 0 before and after), and while the sum is at least one a block of at least
+          u >= s + least is free.
+
+        Either way best fit always finds a block: no tensor reaches ``alloc_block``. Its
         allocated bytes are not known from this (which blocks best fit took is not
         followed)."""
         if self._expandable or self._limit != NO_LIMIT:
             return False
-        need_small = need_large = 0
+        # by pool (small): [tensors, the largest rounded size, sum(size + least)]
+        need = {True: [0, 0, 0], False: [0, 0, 0]}
         plain = self._plain_round
         for orig, count in runs:
             size = (-(-orig // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE
                     if plain and orig >= K_MIN_BLOCK_SIZE
                     else round_size(orig, self.cfg.roundup_power2_divisions))
-            if size <= K_SMALL_SIZE:
-                need_small += count * (size + K_MIN_BLOCK_SIZE)
-            else:
-                need_large += count * (size + K_SMALL_SIZE + 1)
-        for small, need in ((True, need_small), (False, need_large)):
-            if need:
-                pool = self._free.get((stream, small))
-                if not pool or pool[-1][0] < need:
-                    return False
+            small = size <= K_SMALL_SIZE
+            n = need[small]
+            n[0] += count
+            n[1] = max(n[1], size)
+            n[2] += count * (size + (K_MIN_BLOCK_SIZE if small else K_SMALL_SIZE + 1))
+        for small, (count, largest, total) in need.items():
+            if not count:
+                continue
+            pool = self._free.get((stream, small))
+            if not pool:
+                return False
+            if pool[-1][0] >= total:
+                continue
+            unit = largest + (K_MIN_BLOCK_SIZE if small else K_SMALL_SIZE + 1)
+            held, i = 0, len(pool) - 1
+            while held < count and i >= 0 and pool[i][0] >= unit:
+                held += pool[i][0] // unit
+                i -= 1
+            if held < count:
+                return False
         return True
 
     def _blip_run(self, size: int, count: int, small: bool, stream: int, skip: set[int],

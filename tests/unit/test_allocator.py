@@ -421,7 +421,8 @@ def test_a_blip_that_surely_fits_is_known_to_leave_nothing() -> None:
     49.5 MiB need 2 x (49.5 + 1) MiB + 2 B = 101 MiB + 2 B > 100 MiB: not sure (best fit
     would still take both from the block: 99 MiB; the check is sufficient only). A 512 KiB
     tensor is the small pool's, which has no block: not sure. Under max_split_size or
-    expandable segments it never answers."""
+    expandable segments it never answers. The second rule, blocks that each hold some of
+    the tensors, below."""
     from memplan.model.allocator import CachingAllocator
 
     def seeded(cfg: AllocatorConfig) -> CachingAllocator:
@@ -436,6 +437,20 @@ def test_a_blip_that_surely_fits_is_known_to_leave_nothing() -> None:
     assert not alloc.blip_leaves_nothing([(99 * MiB // 2, 2)])
     assert not alloc.blip_leaves_nothing([(512 * 1024, 1)])
     assert not alloc.blip_leaves_nothing([(40 * MiB, 2)], stream=1)
+    # three free 30 MiB segments (three tensors made, then freed): three 25 MiB tensors need
+    # 78 MiB + 3 B, over the largest block, but each block holds floor(30 MiB / (25 MiB +
+    # kSmallSize + 1)) = 1 of them: 3, sure; a fourth would need a segment (5 MiB is left of
+    # each): not sure. It takes a segment of 25 MiB rounded to 2 MiB, 26 MiB, whose 1 MiB
+    # left is not over kSmallSize, so not split: allocated 3 x 25 + 26 = 101 MiB
+    alloc = CachingAllocator(AllocatorConfig())
+    for key in range(3):
+        assert alloc.malloc(key, 30 * MiB)
+    for key in range(3):
+        alloc.free(key)
+    assert alloc.reserved == 90 * MiB
+    assert alloc.blip_leaves_nothing([(25 * MiB, 3)])
+    assert not alloc.blip_leaves_nothing([(25 * MiB, 4)])
+    assert alloc.blip([(25 * MiB, 4)]) == ([(116 * MiB, 101 * MiB)], 101 * MiB)
     assert not seeded(parse_alloc_conf("max_split_size_mb:200")).blip_leaves_nothing(
         [(40 * MiB, 1)])
     assert not seeded(parse_alloc_conf("expandable_segments:True")).blip_leaves_nothing(
