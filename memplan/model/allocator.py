@@ -536,19 +536,23 @@ class CachingAllocator:
         followed)."""
         if self._expandable or self._limit != NO_LIMIT:
             return False
-        # by pool (small): [tensors, the largest rounded size, sum(size + least)]
-        need = {True: [0, 0, 0], False: [0, 0, 0]}
+        # by pool: tensors, the largest rounded size, sum(size + least)
+        n_small = top_small = sum_small = n_large = top_large = sum_large = 0
         plain = self._plain_round
         for orig, count in runs:
             size = (-(-orig // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE
                     if plain and orig >= K_MIN_BLOCK_SIZE
                     else round_size(orig, self.cfg.roundup_power2_divisions))
-            small = size <= K_SMALL_SIZE
-            n = need[small]
-            n[0] += count
-            n[1] = max(n[1], size)
-            n[2] += count * (size + (K_MIN_BLOCK_SIZE if small else K_SMALL_SIZE + 1))
-        for small, (count, largest, total) in need.items():
+            if size <= K_SMALL_SIZE:
+                n_small += count
+                top_small = size if size > top_small else top_small
+                sum_small += count * (size + K_MIN_BLOCK_SIZE)
+            else:
+                n_large += count
+                top_large = size if size > top_large else top_large
+                sum_large += count * (size + K_SMALL_SIZE + 1)
+        for small, count, largest, total in ((True, n_small, top_small, sum_small),
+                                             (False, n_large, top_large, sum_large)):
             if not count:
                 continue
             pool = self._free.get((stream, small))
