@@ -372,7 +372,8 @@ def _ops_line(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> str:
     """``sac_ops.assumption`` with each layer kind's items (``memplan.model.layer.
     ops_kinds``)."""
     dm = Dims.of(spec, par, wl)
-    return sac_ops.assumption(spec, wl, {kind: ops_items(spec, wl, dm, moe)
+    return sac_ops.assumption(spec, wl, {kind: ops_items(spec, wl, dm, moe,
+                                                          sac_ops.kind_variant(kind))
                                          for kind, moe, _ in ops_kinds(spec)}, par.pp)
 
 

@@ -33,7 +33,7 @@ from memplan.model.attention import (
     held_weights_bytes,
     windowed,
 )
-from memplan.model import compiled, linear, sac_moe, sac_ops
+from memplan.model import compiled, linear, sac_conv, sac_moe, sac_ops
 from memplan.model.deltanet import cache_states_bytes
 from memplan.model.block import BackwardMoment, Block
 from memplan.model.deltanet import DeltaNet, deltanet_linears
@@ -569,15 +569,15 @@ def by_block(moments: list[ForwardMoment],
 
 
 @lru_cache(maxsize=1024)
-def ops_items(spec: ModelSpec, wl: Workload, dm: Dims,
-              moe: bool | None = None) -> tuple[sac_ops.Item, ...]:
+def ops_items(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool | None = None,
+              variant: str | None = None) -> tuple[sac_ops.Item, ...]:
     """What a layer under ``Recompute.OPS`` can keep (``memplan.model.sac_ops``): a dense
     layer's, or with ``moe`` an MoE layer's; by default the model's searched kind
-    (``searched_moe``). Cached: a plan asks per fit and probe."""
+    (``searched_moe``); ``variant`` "linear": a short-convolution layer's (``sac_conv``).
+    Cached: a plan asks per fit and probe."""
     sac_ops.check_supported(spec, wl)
     moe = sac_ops.searched_moe(spec) if moe is None else moe
-    saved = tuple(layer_terms(spec, wl, dm, moe_layer=moe, recompute=Recompute.NONE))
-    ops = sac_ops.layer_ops(spec, wl, dm, saved, moe)
+    saved, ops = _layer_ops(spec, wl, dm, moe, variant)
     items = tuple(i for i in ops if i.name)
     if not moe:
         return items
@@ -585,9 +585,30 @@ def ops_items(spec: ModelSpec, wl: Workload, dm: Dims,
                                      sac_ops.counts(ops), wl.moe_impl)
 
 
+def _layer_ops(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str | None
+               ) -> tuple[tuple[Term, ...], tuple[sac_ops.Item, ...]]:
+    """A layer's saved terms without recompute and its ops a policy counts (``sac_ops.
+    layer_ops``): a short-convolution layer's (``variant`` "linear", or None where all the
+    model's layers are: ``sac_conv.conv_layer_ops``) or the model's attention layer's."""
+    if variant is None:
+        variant = sac_ops.kind_variant(sac_ops.default_kind(spec))
+    saved = tuple(layer_terms(spec, wl, dm, moe_layer=moe, recompute=Recompute.NONE))
+    ops = sac_ops.layer_ops(spec, wl, dm, saved, moe)
+    if variant != "linear" or spec.short_conv is None:
+        return saved, ops
+    conv = tuple(layer_terms(spec, wl, dm, moe_layer=moe, recompute=Recompute.NONE,
+                             variant="linear"))
+    return conv, sac_conv.conv_layer_ops(spec, wl, dm, conv, ops)
+
+
 def ops_kinds(spec: ModelSpec) -> tuple[tuple[str, bool, int], ...]:
     """The layer kinds of ``spec`` a save list scopes (``sac_ops.KINDS``), as (kind, MoE
-    layer, how many layers): one where its layers are all alike."""
+    layer, how many layers): one where its layers are all alike. A model with
+    short-convolution layers (LFM2): its attention layers, then its convolution layers."""
+    if spec.short_conv is not None:
+        kinds = [sac_ops.layer_kind_of(spec, i) for i in range(spec.num_layers)]
+        return tuple((kind, False, kinds.count(kind)) for kind in ("attn", "conv")
+                     if kind in kinds)
     if spec.moe is None or sac_ops.searched_moe(spec):
         return (("moe" if spec.moe is not None else "dense", spec.moe is not None,
                  spec.num_layers),)
@@ -607,21 +628,21 @@ def ops_search_items(spec: ModelSpec, wl: Workload, dm: Dims) -> tuple[sac_ops.I
         return ops_items(spec, wl, dm)
     return tuple(i._replace(name=f"{kind}:{i.name}", size_bytes=i.size_bytes * n,
                             flops_per_token=i.flops_per_token * n)
-                 for kind, moe, n in kinds for i in ops_items(spec, wl, dm, moe))
+                 for kind, moe, n in kinds
+                 for i in ops_items(spec, wl, dm, moe, sac_ops.kind_variant(kind)))
 
 
 @lru_cache(maxsize=256)
-def ops_unkept(spec: ModelSpec, wl: Workload, dm: Dims,
-               moe: bool | None = None) -> tuple[tuple[str, int], ...]:
+def ops_unkept(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool | None = None,
+               variant: str | None = None) -> tuple[tuple[str, int], ...]:
     """The (family, width) of a layer's ops that no item keeps and a policy counts, so that
     the items' indices hold (``memplan.report.sac_policy.torch_policy``): ``sac_ops.
     layer_ops``' unnamed ops of an item's family and width, and an MoE block's
     (``sac_moe.moe_policy_ops``)."""
     moe = sac_ops.searched_moe(spec) if moe is None else moe
-    saved = tuple(layer_terms(spec, wl, dm, moe_layer=moe, recompute=Recompute.NONE))
     block = sac_moe.moe_policy_ops(spec, dm, wl.moe_impl) if moe else []
-    keys = {(i.op, i.width) for i in ops_items(spec, wl, dm, moe)} | set(block)
-    return tuple([(i.op, i.width) for i in sac_ops.layer_ops(spec, wl, dm, saved, moe)
+    keys = {(i.op, i.width) for i in ops_items(spec, wl, dm, moe, variant)} | set(block)
+    return tuple([(i.op, i.width) for i in _layer_ops(spec, wl, dm, moe, variant)[1]
                   if not i.name and (i.op, i.width) in keys] + block)
 
 
@@ -630,8 +651,11 @@ def ops_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str) -
     also keeps the outputs its save list names; the rerun serves them from the cache, so its
     backward is the full recompute's."""
     full = layer_kind(spec, wl, dm, moe, Recompute.FULL, variant)
-    items = ops_items(spec, wl, dm, moe)
-    kept = sac_ops.resolve(items, wl.recompute_save, spec, "moe" if moe else "dense")
+    conv = variant == "linear" and spec.short_conv is not None  # (sac_ops.kind_variant)
+    items = ops_items(spec, wl, dm, moe, "linear" if conv else "")
+    kind = ("conv" if conv else "attn") if spec.short_conv is not None else (
+        "moe" if moe else "dense")
+    kept = sac_ops.resolve(items, wl.recompute_save, spec, kind)
     sac_ops.check_kept(kept, dm)
     terms = sac_ops.kept_terms(kept)
     peak = ops_forward_peak(_ops_forward(spec, _unsaved(wl), dm, moe,
@@ -722,9 +746,9 @@ def ops_forward_peaks(spec: ModelSpec, wl: Workload, dm: Dims,
     kinds = ops_kinds(spec)
     variants = _ops_variants(spec, wl)
     if len(kinds) == 1 and len(variants) == 1:
-        moe = kinds[0][1]
-        items = ops_items(spec, wl, dm, moe)
-        fw = _ops_forward(spec, _unsaved(wl), dm, moe, variants[0])
+        moe, variant = kinds[0][1], sac_ops.kind_variant(kinds[0][0]) or variants[0]
+        items = ops_items(spec, wl, dm, moe, sac_ops.kind_variant(kinds[0][0]))
+        fw = _ops_forward(spec, _unsaved(wl), dm, moe, variant)
         by_name = {i.name: i for i in items}
         return tuple([ops_forward_peak(fw, items, tuple([by_name[n] for n in c.kept]))
                       for c in sets])
@@ -732,12 +756,13 @@ def ops_forward_peaks(spec: ModelSpec, wl: Workload, dm: Dims,
     # out only by one it is no lower than in every one (``save_sets.choose``)
     sizes, peaks = [], []
     for kind, moe, _ in kinds:
-        items = ops_items(spec, wl, dm, moe)
+        items = ops_items(spec, wl, dm, moe, sac_ops.kind_variant(kind))
         by_name = ({i.name: i for i in items} if len(kinds) == 1
                    else {f"{kind}:{i.name}": i for i in items})
         kept = [tuple(by_name[n] for n in c.kept if n in by_name) for c in sets]
         sizes.append([sum(i.size_bytes for i in k) for k in kept])
-        for variant in variants:
+        # (a short-convolution layer is its own variant: ``layer_blocks``)
+        for variant in (sac_ops.kind_variant(kind),) if kind == "conv" else variants:
             fw = _ops_forward(spec, _unsaved(wl), dm, moe, variant)
             peaks.append([ops_forward_peak(fw, items, k) for k in kept])
     return tuple(zip(*sizes, *peaks))

@@ -90,6 +90,8 @@ COPY, RSQRT = "copy", "rsqrt"
 # an MoE layer's router softmax, its rows' gathers (``aten.index``) and its experts'
 # grouped matmuls (``aten._grouped_mm``)
 SOFTMAX, INDEX, GROUPED_MM = "softmax", "index", "grouped_mm"
+# a short-convolution layer's depthwise conv1d (``aten.convolution``, named by its channels)
+CONV = "conv"
 
 
 class Item(NamedTuple):
@@ -120,7 +122,10 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     checks = (
         (moe_why is not None, moe_why or ""), (spec.mla is not None, "MLA attention"),
         (spec.linear_attention is not None, "linear-attention layers"),
-        (spec.short_conv is not None, "short-convolution layers"),
+        (spec.short_conv is not None and (spec.short_conv.conv_bias or spec.moe is not None
+                                          or not spec.norm_placement.pre_norm),
+         "short-convolution layers with biases, MoE blocks or post norms (modelled as LFM2's "
+         "Lfm2ShortConv.slow_forward runs them: memplan.model.sac_conv)"),
         (spec.mamba is not None, "Mamba layers"),
         (spec.sliding_window is not None and spec.window_chunked, "chunked attention layers"),
         (spec.norm_placement.post_norm and spec.moe is not None,
@@ -426,7 +431,8 @@ def _norm_ops(norm: str, terms: dict[str, int], width: int, per_token: int, name
             item("output", PRODUCT, width)]
 
 
-def _norms_nameable(spec: ModelSpec, wl: Workload, dm: Dims, terms: dict[str, int]) -> bool:
+def _norms_nameable(spec: ModelSpec, wl: Workload, dm: Dims, terms: dict[str, int],
+                    qk_norms: bool = True) -> bool:
     """Whether a policy can name the norms' ops (``_norm_ops``): an upcast RMSNorm in a
     16-bit dtype (in fp32 the casts are no ops), each saved term the bytes of the op output
     it names (not so under sequence parallelism, where the next linear saves the gathered
@@ -442,7 +448,7 @@ def _norms_nameable(spec: ModelSpec, wl: Workload, dm: Dims, terms: dict[str, in
     if any(terms.get(f"{n}.{t}") != b for n in ("attn_norm", "mlp_norm")
            for t, b in want.items()):
         return False
-    if spec.qk_norm is not QkNorm.HEAD:
+    if spec.qk_norm is not QkNorm.HEAD or not qk_norms:  # (a layer without attention)
         return True
     # the q and k norms (Qwen3RMSNorm on rows of head_dim, one per head on this rank)
     for norm, width in (("attn.q_norm", spec.q_size), ("attn.k_norm", spec.kv_size)):
@@ -464,7 +470,7 @@ def valid_names(items: tuple[Item, ...]) -> list[str]:
 # a save list's name may be scoped ``SCOPE:name`` (scopes may nest: ``stage1:dense:attn.q``):
 # a layer kind (``KINDS``: dense and MoE layers) or a pipeline stage (``stage0``, ``stage1``,
 # ...); a layer keeps the unscoped names and those scoped to its kind and its stage
-KINDS = ("dense", "moe")
+KINDS = ("dense", "moe", "conv", "attn")
 STAGE = "stage"
 
 
@@ -507,8 +513,7 @@ def scoped_stages(save: tuple[str, ...]) -> list[int]:
 def check_scopes(save: tuple[str, ...], spec: ModelSpec, pp: int) -> None:
     """Refuses a scope that is neither a layer kind of ``spec`` nor one of its ``pp``
     stages, by name."""
-    kinds = {"dense"} if spec.moe is None else {"moe", "dense"} if any(
-        not spec.is_moe_layer(i) for i in range(spec.num_layers)) else {"moe"}
+    kinds = {layer_kind_of(spec, i) for i in range(spec.num_layers)}
     for name in save:
         for scope in _split(name)[0]:
             stage = _stage_of(scope)
@@ -520,6 +525,28 @@ def check_scopes(save: tuple[str, ...], spec: ModelSpec, pp: int) -> None:
                     f"recompute_save: unknown scope {scope!r} in {name!r}; a scope is a "
                     f"layer kind of {spec.name} ({', '.join(sorted(kinds))}) or a pipeline "
                     f"stage (stage0, stage1, ...)")
+
+
+def layer_kind_of(spec: ModelSpec, index: int) -> str:
+    """The kind (``KINDS``) of layer ``index``: in a model with short-convolution layers
+    (LFM2: ``ModelSpec.short_conv``) "conv" or "attn", the attention layers; else "moe" or
+    "dense"."""
+    if spec.short_conv is not None:
+        return "conv" if spec.is_linear_layer(index) else "attn"
+    return "moe" if spec.is_moe_layer(index) else "dense"
+
+
+def kind_variant(kind: str) -> str:
+    """The layer variant (``memplan.model.layer.layer_blocks``) of the layers of ``kind``:
+    "linear" for short-convolution layers, else the model's attention."""
+    return "linear" if kind == "conv" else ""
+
+
+def default_kind(spec: ModelSpec) -> str:
+    """The kind a list names where all of a model's layers are of one kind."""
+    if spec.short_conv is not None:
+        return layer_kind_of(spec, 0)
+    return "moe" if searched_moe(spec) else "dense"
 
 
 def searched_moe(spec: ModelSpec) -> bool:
@@ -534,7 +561,7 @@ def resolve(items: tuple[Item, ...], save: tuple[str, ...], spec: ModelSpec,
     """The items a save list keeps in a layer of ``kind`` (``KINDS``; by default the kind
     ``searched_moe`` names), in execution order; an unknown name is refused with the names
     it could be. Stage scopes must have been resolved (``for_stage``)."""
-    kind = kind or ("moe" if searched_moe(spec) else "dense")
+    kind = kind or default_kind(spec)
     chosen: set[str] = set()
     for scoped_name in save:
         scopes, name = _split(scoped_name)
@@ -549,8 +576,11 @@ def resolve(items: tuple[Item, ...], save: tuple[str, ...], spec: ModelSpec,
             continue
         hits = {i.name for i in items if name == i.name or name in i.terms}
         if not hits:
+            where = f"{kind} layers" if spec.short_conv is not None else "layers"
             raise MemplanError(f"recompute_save: unknown name {name!r} for {spec.name}'s "
-                               f"layers; valid: {', '.join(valid_names(items))}")
+                               f"{where}; valid: {', '.join(valid_names(items))}"
+                               + (" (scope the names of one kind's layers: conv:NAME, "
+                                  "attn:NAME)" if spec.short_conv is not None else ""))
         chosen |= hits
     return tuple(i for i in items if i.name in chosen)
 
@@ -683,8 +713,9 @@ def assumption(spec: ModelSpec, wl: Workload, kinds: dict[str, tuple[Item, ...]]
             f"on stage {n}, {keeps(save)}" for n, save in stages.items())
     stop = ("the experts' down projection reruns: the routing weights' product saves its "
             "output" if "moe" in kinds else "")
-    dense = ("" if "dense" not in kinds else "a dense MLP's down projection reruns: its post "
-             "norm saves its output" if spec.norm_placement.post_norm
+    dense = ("" if not {"dense", "conv", "attn"} & set(kinds)
+             else "a dense MLP's down projection reruns: its post norm saves its output"
+             if spec.norm_placement.post_norm
              else "a dense MLP's down projection reruns: its dropout's mask is rebuilt"
              if spec.dropout > 0 else "a dense MLP's down projection never reruns: early stop")
     stop = "; ".join(s for s in (stop, dense) if s)

@@ -263,7 +263,7 @@ def ops_rerun_flops(spec: ModelSpec, wl: Workload) -> float:
     dm = Dims.of(spec, ParallelConfig(), wl)
     total = 0.0
     for kind, moe, n in ops_kinds(spec):
-        items = ops_items(spec, wl, dm, moe)
+        items = ops_items(spec, wl, dm, moe, sac_ops.kind_variant(kind))
         total += n * sac_ops.rerun_flops_per_token(
             items, sac_ops.resolve(items, wl.recompute_save, spec, kind))
     return total / spec.num_layers

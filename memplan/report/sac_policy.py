@@ -24,7 +24,7 @@
 from __future__ import annotations
 
 from memplan.errors import MemplanError
-from memplan.model.sac_ops import (ATTENTION_KERNEL, MATMUL, NORM, Item,
+from memplan.model.sac_ops import (ATTENTION_KERNEL, CONV, MATMUL, NORM, Item,
                                    matmul_shapes)
 from memplan.spec import ModelSpec
 
@@ -162,6 +162,8 @@ def _key(op, args):
         return "grouped_mm", args[1].shape[-1]
     if op is _aten.mul.Tensor and all(isinstance(a, torch.Tensor) for a in args[:2]):
         return "mul", max(args[0].shape[-1], args[1].shape[-1])
+    if op is _aten.convolution.default:  # a depthwise conv1d, by its output channels
+        return "{CONV}", args[1].shape[0]
     return None
 
 
@@ -219,8 +221,17 @@ def _titan_kept(items: tuple[Item, ...], forced: set[tuple[int, int]],
     return out
 
 
+def _no_short_conv(target: str, spec: ModelSpec, what: str) -> None:
+    """Refuses a model with short-convolution layers (LFM2) for ``target``, which has
+    ``what``."""
+    if spec.short_conv is not None:
+        raise MemplanError(f"emit-policy {target}: {what}, so {spec.name}'s short-convolution "
+                           "layers have no policy there; use --emit-policy torch")
+
+
 def torchtitan_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, ...],
                       command: str) -> str:
+    _no_short_conv("torchtitan", spec, "torchtitan 0.3.0 has no LFM2 model")
     names = {i.name for i in kept}
     matmuls = [i for i in items if i.op == MATMUL]
     unnamed = [i.name for i in matmuls if i.name not in _TITAN_FQNS]
@@ -265,6 +276,8 @@ def torchtitan_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item
 
 def megatron_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, ...],
                     command: str) -> str:
+    _no_short_conv("megatron", spec, "Megatron-LM has no short-convolution mixer (no "
+                   "--recompute-modules names one)")
     names = {i.name for i in kept}
     modules = []
     if "attn.out" not in names:
@@ -346,28 +359,28 @@ def _command(spec: ModelSpec, par, wl, save: str, staged: bool) -> str:
 
 
 def _emit_mixed(target: str, spec: ModelSpec, par, wl, dm) -> str:
-    """``emit_for`` a model of dense and MoE layers: each layer keeps its kind's list (and
-    its stage's): ``SAVE`` and ``PER_LAYER`` are the MoE layers', the dense layers' sets and
-    op counts their own by index (``LAYER_SAVE``, ``LAYER_COUNTS``)."""
-    from memplan.model.layer import ops_items, ops_unkept
-    from memplan.model.sac_ops import for_stage, resolve
+    """``emit_for`` a model of layers of two kinds (``memplan.model.layer.ops_kinds``: dense
+    and MoE layers, or LFM2's attention and short-convolution layers): each layer keeps its
+    kind's list (and its stage's): ``SAVE`` and ``PER_LAYER`` are the last kind's (the MoE
+    layers', the convolution layers'), the other layers' sets and op counts their own by
+    index (``LAYER_SAVE``, ``LAYER_COUNTS``)."""
+    from memplan.model.layer import ops_items, ops_kinds, ops_unkept
+    from memplan.model.sac_ops import for_stage, kind_variant, layer_kind_of, resolve
     from memplan.model.stage_parts import stage_layer_indices
 
     stage_of = {i: s for s in range(par.pp)
                 for i in stage_layer_indices(spec, par.pp, par.vpp, s, par.stage_layers)}
-    kind_items = {moe: ops_items(spec, wl, dm, moe) for moe in (False, True)}
-    unkept = {moe: ops_unkept(spec, wl, dm, moe) for moe in (False, True)}
-    layers = []
-    for i in range(spec.num_layers):
-        moe = spec.is_moe_layer(i)
-        save = for_stage(wl.recompute_save, stage_of[i])
-        layers.append(resolve(kind_items[moe], save, spec, "moe" if moe else "dense"))
-    first_moe = next(i for i in range(spec.num_layers) if spec.is_moe_layer(i))
-    other = {i: (kind_items[False], unkept[False]) for i in range(spec.num_layers)
-             if not spec.is_moe_layer(i)}
+    kinds = ops_kinds(spec)
+    kind_items = {k: ops_items(spec, wl, dm, moe, kind_variant(k)) for k, moe, _ in kinds}
+    unkept = {k: ops_unkept(spec, wl, dm, moe, kind_variant(k)) for k, moe, _ in kinds}
+    of = [layer_kind_of(spec, i) for i in range(spec.num_layers)]
+    layers = [resolve(kind_items[of[i]], for_stage(wl.recompute_save, stage_of[i]), spec,
+                      of[i]) for i in range(spec.num_layers)]
+    first, main = kinds[0][0], kinds[-1][0]
+    other = {i: (kind_items[k], unkept[k]) for i, k in enumerate(of) if k != main}
     command = _command(spec, par, wl, ",".join(wl.recompute_save) or '""', par.pp > 1)
     if target != "torch":
-        dense = next(k for i, k in enumerate(layers) if not spec.is_moe_layer(i))
-        return emit(target, spec, kind_items[False], dense, command, None, (), other)
-    return emit(target, spec, kind_items[True], layers[first_moe], command, layers,
-                unkept[True], other)
+        return emit(target, spec, kind_items[first], layers[of.index(first)], command, None,
+                    (), other)
+    return emit(target, spec, kind_items[main], layers[of.index(main)], command, layers,
+                unkept[main], other)

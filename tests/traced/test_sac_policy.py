@@ -721,3 +721,42 @@ def test_emitted_policy_on_parallel_layers(window: int, precision: str, save: st
                          options=options)
     result = compare_framework(case)
     _assert_rows_within(result.rows)
+
+
+# LFM2's short-convolution layers beside its attention layers (models/lfm2/modeling_lfm2.py:
+# Lfm2ShortConv.slow_forward, the CPU path without causal-conv1d; Lfm2Attention with per-head
+# q/k norms), narrowed to 3 layers (conv, attention, conv), h 256, 8 / 2 heads of 32, f 512,
+# a 64-token vocabulary, 2 x 1,024 tokens: the conv layers' items (memplan.model.sac_conv:
+# in_proj's output, the two gating products as muls of width s, the depthwise conv1d's padded
+# output as aten.convolution, out_proj's output) and the attention layers' own, a list per
+# kind (conv:, attn:) and the list --recompute auto chooses midway between full recompute's
+# peak and no recompute's, each layer its own policy (layer_policy_fn). Before, refused
+# ("recompute ops with short-convolution layers"). Measured: saved activations exact in every
+# case, every phase within 0.11% (the optimizer step's 16 KiB under; the forward and backward
+# within 16,400 B, full recompute's own +16,256 B)
+LFM2_TOY = dict(num_hidden_layers=3, full_attn_idxs=[1], hidden_size=256, block_ff_dim=768,
+                num_attention_heads=8, num_key_value_heads=2, vocab_size=64, pad_token_id=None)
+CONV_GRID = [("bf16-pure", 1024, "conv:short_conv.bcx,conv:short_conv.conv_out,attn:attention"),
+             ("bf16-pure", 1024, "conv:short_conv.bx,conv:short_conv.out,conv:short_conv.out_proj,"
+                                 "conv:norms,attn:mlp.gate"),
+             ("fp32", 1024, "conv:short_conv.out,conv:short_conv.out_proj,conv:mlp,attn:attn.v"),
+             ("amp-bf16", 1024, "conv:short_conv.bx,conv:short_conv.conv_out,"
+                                "conv:short_conv.out_proj,attn:attn.k,mlp.up"),
+             # the gating products' width s as wide as h (the norms' products) and as f (the
+             # MLP's): counted along them in execution order
+             ("bf16-pure", 256, "conv:short_conv.bx,conv:short_conv.out,conv:norms,attn:attn.q"),
+             ("fp32", 512, "conv:short_conv.out,conv:mlp.prod"),
+             ("bf16-pure", 1024, "auto")]
+
+
+@pytest.mark.parametrize(("precision", "seq", "save"), CONV_GRID,
+                         ids=[f"{p}-{n}-{s or 'input'}" for p, n, s in CONV_GRID])
+def test_emitted_policy_on_short_conv_layers(precision: str, seq: int, save: str) -> None:
+    pytest.importorskip("transformers")
+    config = hf("heldout/LFM2-1.2B", **LFM2_TOY)
+    if save == "auto":
+        save = _midway_list(config, precision)
+        assert {n.split(":")[0] for n in save.split(",")} == {"conv", "attn"}
+    case = FrameworkCase("transformers", "lfm2-ops-toy", config, precision, 2, seq,
+                         options={"recompute": "ops", "recompute_save": save})
+    _assert_rows_within(compare_framework(case).rows)
