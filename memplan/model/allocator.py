@@ -743,9 +743,10 @@ class CachingAllocator:
     # --- free and release ---------------------------------------------------------------------
     def free(self, key: int) -> None:
         """DeviceCachingAllocator::free -> free_block: coalesce with free neighbours."""
-        if key not in self.live:
+        got = self.live.pop(key, None)
+        if got is None:
             raise MemplanError(f"Free {key}: no live allocation has that id")
-        seg, block = self.live.pop(key)
+        seg, block = got
         self.allocated -= block.size
         self._merge_free(seg, block)
 
