@@ -74,6 +74,7 @@ from typing import NamedTuple
 from memplan.errors import LayoutError, MemplanError
 from memplan.model.attention import Attention as AttentionBlock
 from memplan.model.dims import Dims, Term
+from memplan.model.sac_mla import CAT, mla_ops
 from memplan.spec import MlpKind, ModelSpec, NormKind, PositionKind, QkNorm
 from memplan.units import FP32_BYTES
 from memplan.workload import Attention as Kernel
@@ -118,7 +119,9 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     """Why op-level checkpointing is not modelled for ``spec`` and ``wl``, or None."""
     moe_why = moe_refusal(spec, wl) if spec.moe is not None else None
     checks = (
-        (moe_why is not None, moe_why or ""), (spec.mla is not None, "MLA attention"),
+        (moe_why is not None, moe_why or ""),
+        (spec.mla is not None and wl.precision.policy.autocast is not None,
+         "MLA attention under autocast"),
         (spec.linear_attention is not None, "linear-attention layers"),
         (spec.short_conv is not None, "short-convolution layers"),
         (spec.mamba is not None, "Mamba layers"),
@@ -256,16 +259,10 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
     out = _norm_ops("attn_norm", terms, h, h, named, fp32_ops=fp32) if place.pre_norm else []
     fused = spec.fused_qkv or wl.fused_qkv
     mm = {m[0]: m for m in matmul_shapes(spec, t, fused)}
-    for name in ("attn.qkv",) if fused else ("attn.q", "attn.k", "attn.v"):
-        out.append(matmul(*mm[name]))
-        if name in ("attn.q", "attn.k"):
-            out += _qk_norm_ops(spec, name, mm[name][2], terms, named, fp32)
-    if spec.position is PositionKind.ROPE:
-        out += [_unkept(PRODUCT, spec.rope_dim, "attn")] * 4
-    core = AttentionBlock().core_flops_per_token(spec, dm.s_kv) / t
-    out.append(Item("attn.out", ("attn.out", "attn.lse"), terms["attn.out"] + terms["attn.lse"],
-                    core, ATTENTION_KERNEL, spec.q_size // t, 0, "attn", False))
-    out.append(matmul(*mm["attn.o_proj"]))
+    if spec.mla is not None:
+        out += mla_ops(spec, dm, terms, named, fp32)
+    else:
+        out += _attention_ops(spec, dm, terms, named, fp32, [matmul(*m) for m in mm.values()])
     if place.post_norm:
         # Gemma2DecoderLayer.forward: post_attention_layernorm on the attention's output
         # before the residual add (Olmo2DecoderLayer.forward: the same, no norm before)
@@ -280,6 +277,26 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
         out += _dense_mlp_ops(spec, terms, mlp, spec.ffn_hidden_size // t)
         out += _down_ops(spec, terms, mlp[-1], named, fp32)
     return numbered(out)
+
+
+def _attention_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int], named: bool,
+                   fp32: bool, matmuls: list[Item]) -> list[Item]:
+    """A generic attention block's ops in execution order (``layer_ops``): the q, k, v (or
+    fused q/k/v) projections, each q/k norm after its projection, RoPE's four products, the
+    kernel (``attn.out`` with its logsumexp) and the output projection (``matmuls``: the
+    layer's projection items, ``matmul_shapes``' order)."""
+    mm = {i.name: i for i in matmuls}
+    out = []
+    for name in ("attn.qkv",) if "attn.qkv" in mm else ("attn.q", "attn.k", "attn.v"):
+        out.append(mm[name])
+        if name in ("attn.q", "attn.k"):
+            out += _qk_norm_ops(spec, name, mm[name].width, terms, named, fp32)
+    if spec.position is PositionKind.ROPE:
+        out += [_unkept(PRODUCT, spec.rope_dim, "attn")] * 4
+    core = AttentionBlock().core_flops_per_token(spec, dm.s_kv) / dm.tp
+    out.append(Item("attn.out", ("attn.out", "attn.lse"), terms["attn.out"] + terms["attn.lse"],
+                    core, ATTENTION_KERNEL, spec.q_size // dm.tp, 0, "attn", False))
+    return out + [mm["attn.o_proj"]]
 
 
 def _down_ops(spec: ModelSpec, terms: dict[str, int], down: Item, named: bool,
@@ -442,6 +459,8 @@ def _norms_nameable(spec: ModelSpec, wl: Workload, dm: Dims, terms: dict[str, in
     if any(terms.get(f"{n}.{t}") != b for n in ("attn_norm", "mlp_norm")
            for t, b in want.items()):
         return False
+    if spec.mla is not None and not _latent_norms_nameable(spec, dm, terms):
+        return False
     if spec.qk_norm is not QkNorm.HEAD:
         return True
     # the q and k norms (Qwen3RMSNorm on rows of head_dim, one per head on this rank)
@@ -449,6 +468,23 @@ def _norms_nameable(spec: ModelSpec, wl: Workload, dm: Dims, terms: dict[str, in
         heads = dm.tokens * width // dm.tp // spec.head_dim
         want = {"input_fp32": heads * spec.head_dim * FP32_BYTES, "stats": heads * FP32_BYTES,
                 "normed": heads * spec.head_dim * dm.e}
+        if any(terms.get(f"{norm}.{t}") != b for t, b in want.items()):
+            return False
+    return True
+
+
+def _latent_norms_nameable(spec: ModelSpec, dm: Dims, terms: dict[str, int]) -> bool:
+    """Whether an MLA block's latent norms' saved terms are the bytes of the op outputs
+    ``_norm_ops`` names them by: on every token (the down projections are not
+    sequence-parallel), ``q_lora_rank`` and ``kv_lora_rank`` wide (``memplan.model.mla.
+    _latent_norm``)."""
+    mla = spec.mla
+    assert mla is not None
+    for norm, width in (("mla.q_norm", mla.q_lora_rank), ("mla.kv_norm", mla.kv_lora_rank)):
+        if not width:
+            continue
+        want = {"input_fp32": dm.tokens * width * FP32_BYTES, "stats": dm.tokens * FP32_BYTES,
+                "normed": dm.tokens * width * dm.e, "output": dm.tokens * width * dm.e}
         if any(terms.get(f"{norm}.{t}") != b for t, b in want.items()):
             return False
     return True

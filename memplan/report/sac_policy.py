@@ -4,7 +4,7 @@
   ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` (torch/utils/checkpoint.py),
   ``policy_fns`` (one per layer, each with its own counters) and ``context_fn(layer)``. An
   item is recognised by its op family (``mm``/``addmm`` for a projection; SDPA's kernels;
-  ``silu``/``gelu``; ``mul``), its output's last dimension and its index among the layer's
+  ``silu``/``gelu``; ``mul``; ``cat``, MLA's query and key), its output's last dimension and its index among the layer's
   ops of that family and width (``memplan.model.sac_ops.Item``); the policy counts them per
   layer. An upcast RMSNorm's tensors are named by its casts (``_to_copy``), ``rsqrt`` and
   products (``mul``); other norms' saved tensors come from ops that differ by
@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 from memplan.errors import MemplanError
+from memplan.model.sac_mla import CAT
 from memplan.model.sac_ops import (ATTENTION_KERNEL, MATMUL, NORM, Item,
                                    matmul_shapes)
 from memplan.spec import ModelSpec
@@ -154,6 +155,10 @@ def _key(op, args):
         return "act", args[0].shape[-1]
     if op in (_aten._to_copy.default, _aten.rsqrt.default):
         return ("copy" if op is _aten._to_copy.default else "rsqrt"), args[0].shape[-1]
+    if op is _aten.cat.default:  # MLA's query and key: torch.cat((nope, rope), dim=-1)
+        parts, dim = args[0], args[1] if len(args) > 1 else 0
+        last = dim in (-1, parts[0].dim() - 1)
+        return "{CAT}", sum(t.shape[-1] for t in parts) if last else parts[0].shape[-1]
     if op is _aten._softmax.default:
         return "softmax", args[0].shape[-1]
     if op is _aten.index.Tensor:

@@ -1,0 +1,87 @@
+"""Op-level checkpointing (``memplan.model.sac_ops``) of a multi-head latent attention block
+(``memplan.model.mla``): the ops of one MLA layer's attention a policy counts, in execution
+order, as transformers runs them (models/deepseek_v3/modeling_deepseek_v3.py
+``DeepseekV3Attention.forward``):
+
+- ``q_a_proj`` (``mla.q_a``, replicated: an ``mm`` ``q_lora_rank`` wide), ``q_a_layernorm``
+  (``mla.q_norm.*``, an upcast RMSNorm: ``DeepseekV3RMSNorm.forward``), ``q_b_proj``
+  (``mla.q_b``, heads x (nope + rope) wide; without ``q_lora_rank`` one ``q_proj``,
+  ``mla.q_proj``). Its output is saved by no one: the split's no-RoPE part is a view the
+  query's concatenation reads, RoPE's products save ``cos`` and ``sin``.
+- ``kv_a_proj_with_mqa`` (``mla.kv_a``, replicated, kv_lora_rank + rope wide),
+  ``kv_a_layernorm`` on its latent part (``mla.kv_norm.*``; in fp32 the norm's input is a
+  slice of this output, which it keeps whole), ``kv_b_proj`` (``mla.kv_b``: the value is a
+  view of its output, which the kernel's saved value keeps alive, ``mla.kv_up``).
+- RoPE's four products of width ``qk_rope_head_dim`` (``apply_rotary_pos_emb``, or its
+  interleaved form, whose reshape copies are no ops a policy counts): no item, their outputs
+  are ``add``s.
+- the query's and the key's concatenations (``torch.cat((q_pass, q_rot), dim=-1)``, then
+  k's: ``aten.cat`` of width ``head_dim``; ``mla.q``, ``mla.k``, what the kernel saves of q
+  and k), the kernel (``mla.out`` with ``mla.lse``: CUDA's memory-efficient SDPA for the
+  value head narrower than the query head) and ``o_proj`` (``mla.o_proj``, saved by no one).
+
+The latent norms are named by their ops where the layer norms are (``sac_ops.
+_norms_nameable``); in fp32 their input is the down projection's output itself (no cast),
+which that projection's item keeps (its ``terms``).
+"""
+
+from __future__ import annotations
+
+from memplan.model.dims import Dims
+from memplan.model.mla import Mla
+from memplan.spec import ModelSpec
+
+# the family of ``aten.cat`` (the query's and the key's concatenations)
+CAT = "cat"
+
+
+def mla_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int], named: bool,
+            fp32: bool) -> list:
+    """The attention's ops of an MLA layer (the module docstring; ``sac_ops.layer_ops``
+    numbers them): ``terms``, the layer's saved terms without recompute; ``named``: the
+    norms named by their ops; ``fp32``: an unnamed norm's rsqrt and products counted. Kept,
+    an item adds to the block's working set (``own_extra``) unless it is one of the block's
+    saved terms, which the checkpointed block's working set holds (``Mla.working_set``)."""
+    from memplan.model import sac_ops  # (sac_ops reads this module)
+
+    Item = sac_ops.Item
+    mla, t, e, tokens = spec.mla, dm.tp, dm.e, dm.tokens
+    assert mla is not None
+    h, heads = spec.hidden_size, spec.num_attention_heads // t
+    q_width, kv_a = heads * spec.head_dim, mla.kv_lora_rank + mla.qk_rope_head_dim
+    kv_up = heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+    down_bias = 2.0 if spec.qkv_bias else 0.0
+
+    def proj(name: str, d_in: int, width: int, covers: tuple[str, ...], bias: float = 0.0,
+             own: bool = True):
+        held = tuple(c for c in covers if c in terms)
+        return Item(name, held, tokens * width * e, 2.0 * d_in * width + bias * width,
+                    sac_ops.MATMUL, width, 0, "attn", own and not held)
+
+    def norm(prefix: str, width: int) -> list:
+        ops = sac_ops._norm_ops(prefix, terms, width, width, named, "attn", fp32)
+        ops = [i._replace(own_extra=False) for i in ops]
+        # in fp32 the norm's input is the down projection's output: its item keeps it
+        return [i for i in ops if not (fp32 and i.name == f"{prefix}.input_fp32")]
+
+    out = []
+    if mla.q_lora_rank:
+        out.append(proj("mla.q_a", h, mla.q_lora_rank,
+                        ("mla.q_norm.input_fp32",) if fp32 else (), down_bias))
+        out += norm("mla.q_norm", mla.q_lora_rank)
+        out.append(proj("mla.q_b", mla.q_lora_rank, q_width, ()))
+    else:
+        out.append(proj("mla.q_proj", h, q_width, ()))
+    out.append(proj("mla.kv_a", h, kv_a, ("mla.kv_norm.input_fp32",) if fp32 else (),
+                    down_bias))
+    out += norm("mla.kv_norm", mla.kv_lora_rank)
+    out.append(proj("mla.kv_b", mla.kv_lora_rank, kv_up, ("mla.kv_up",)))
+    out += [sac_ops._unkept(sac_ops.PRODUCT, mla.qk_rope_head_dim, "attn")] * 4
+    out += [Item(name, (name,), terms[name], float(heads * spec.head_dim), CAT,
+                 spec.head_dim, 0, "attn", False) for name in ("mla.q", "mla.k")]
+    core = Mla().core_flops_per_token(spec, dm.s_kv) / t
+    out.append(Item("mla.out", ("mla.out", "mla.lse"), terms["mla.out"] + terms["mla.lse"],
+                    core, sac_ops.ATTENTION_KERNEL, q_width, 0, "attn", False))
+    out.append(proj("mla.o_proj", spec.attn_out_size // t, h, (),
+                    2.0 if spec.attn_out_bias else 0.0, own=False))
+    return out
