@@ -261,12 +261,23 @@ def _shared_last_unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardM
     """Grouped experts before their shared experts (DeepseekV3MoE.forward, Glm4MoeMoE,
     Dots1MoE: ``hidden_states + self.shared_experts(residuals)``): the shared MLP was made
     last, so its backward runs first; at the unsort's backward (``_unsort``) its saved terms
-    are freed and its input's gradient (T h) waits to be summed with the routed branch's."""
+    are freed, its input's gradient (T h) waits to be summed with the routed branch's and
+    its weights' gradients exist (``moe_shared``, ``shared_last_groups``; traced:
+    transformers' DeepSeek-V3 narrowed, fp32, 2 x 64 tokens, its dense layer's MLP kept
+    under op-level checkpointing, so that the MoE layer's unsort sets the backward's peak:
+    98,304 B, the shared expert's three weights' gradients, under before). Below fp32 an
+    fp32 router (DeepseekV3TopkRouter.forward: ``F.linear(hidden_states.float(), ...)``)
+    saves its own copy of the block's input, and the routed experts gather it by index
+    (saving the index): the shared MLP's linears were the input's last holders, and it is
+    freed with their terms (traced alike in bf16: the MLP norm's output gone at the unsort,
+    32,768 B, which the layer's moment counted among the norm's saved terms)."""
     moe = _moe(spec)
     shared = total(mlp.mlp_terms("moe.shared", spec, dm, moe.num_shared_experts
                                  * moe.shared_expert_ffn_hidden_size, dm.tokens))
+    if moe.router_fp32 and dm.e < FP32_BYTES:
+        shared += dm.linear_rows * spec.hidden_size * dm.e
     waiting = dm.rows * spec.hidden_size * dm.e
-    return [m._replace(transient_bytes=m.transient_bytes + waiting)
+    return [m._replace(transient_bytes=m.transient_bytes + waiting, grads=("moe_shared",))
             for m in _unsort(spec, dm, saved - shared)]
 
 
