@@ -24,7 +24,7 @@
 from __future__ import annotations
 
 from memplan.errors import MemplanError
-from memplan.model.sac_mla import CAT
+from memplan.model.sac_mla import CAT, mla_matmul_shapes
 from memplan.model.sac_ops import (ATTENTION_KERNEL, MATMUL, NORM, Item,
                                    matmul_shapes)
 from memplan.spec import ModelSpec
@@ -34,7 +34,11 @@ TARGETS = ("torch", "torchtitan", "megatron")
 # feed_forward.py)
 _TITAN_FQNS = {"attn.qkv": "attention.wqkv", "attn.q": "attention.wq", "attn.k": "attention.wk", "attn.v": "attention.wv",
                "attn.o_proj": "attention.wo", "mlp.gate": "feed_forward.w1",
-               "mlp.up": "feed_forward.w3", "mlp.down": "feed_forward.w2"}
+               "mlp.up": "feed_forward.w3", "mlp.down": "feed_forward.w2",
+               # its DeepSeek-V3 attention (models/deepseek_v3/model.py Attention)
+               "mla.q_a": "attention.wq_a", "mla.q_b": "attention.wq_b",
+               "mla.q_proj": "attention.wq", "mla.kv_a": "attention.wkv_a",
+               "mla.kv_b": "attention.wkv_b", "mla.o_proj": "attention.wo"}
 
 
 def emit(target: str, spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, ...],
@@ -224,6 +228,12 @@ def _titan_kept(items: tuple[Item, ...], forced: set[tuple[int, int]],
     return out
 
 
+# what torchtitan's op list cannot keep of an MLA block
+_MLA_TITAN = ("(MLA: its op list has no aten.cat, so the query's and key's concatenations "
+              "(mla.q, mla.k) rerun, and no norm op, so the latent norms' tensors do; its "
+              "kernel, FlexAttention by default or SDPA, it keeps.)")
+
+
 def torchtitan_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, ...],
                       command: str) -> str:
     names = {i.name for i in kept}
@@ -241,6 +251,8 @@ def torchtitan_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item
     # shard has the same shape on every rank of its group)
     fused = any(i.name == "attn.qkv" for i in items)
     shapes = {name: (d_in, d_out) for name, d_in, d_out, _ in matmul_shapes(spec, 1, fused)}
+    if spec.mla is not None:
+        shapes.update((name, (d_in, d_out)) for name, d_in, d_out, _ in mla_matmul_shapes(spec))
     forced = {shapes[i.name] for i in matmuls if i.name not in names}
     fqns = [_TITAN_FQNS[i.name] for i in matmuls if i.name not in names]
     result = _titan_kept(items + (down,), forced, shapes)
@@ -251,6 +263,9 @@ def torchtitan_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item
         "(its rule: every second remaining matmul recomputed; a forced shape forces every "
         "matmul of that weight shape).",
         *([f"Not expressible: {', '.join(lost)} (recomputed instead)."] if lost else []),
+        *([_MLA_TITAN] if any(n in ("mla.q", "mla.k") or n.startswith(("mla.q_norm.",
+                                                                        "mla.kv_norm."))
+                              for n in lost) else []),
         *([f"Not expressible: {', '.join(_norms(kept))} (not in its op list)."]
           if _norms(kept) else []),
         "Its checkpoint runs with early_stop=False: the rerun goes through the down projection"
@@ -271,13 +286,15 @@ def torchtitan_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item
 def megatron_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, ...],
                     command: str) -> str:
     names = {i.name for i in kept}
-    modules = []
-    if "attn.out" not in names:
+    modules: list[str] = []
+    unlike: list[str] = []
+    if spec.mla is not None:
+        _megatron_mla(items, names, modules, unlike)
+    elif "attn.out" not in names:
         modules.append("core_attn")
     if not names & {"mlp.gate", "mlp.up", "mlp.gate_up", "mlp.act", "mlp.prod", "mlp.fc1"}:
         modules.append("mlp")
     norms = {i.name for i in items if i.block in ("attn_norm", "mlp_norm")}
-    unlike = []
     if not norms <= set(_norms(kept)):
         modules.append("layernorm")
         if _norms(kept):
@@ -287,13 +304,41 @@ def megatron_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, 
                                                   if i.block == "mlp"} <= names:
         unlike.append("an MLP partly kept: Megatron keeps or recomputes the MLP whole (kept)")
     proj = {"attn.q", "attn.k", "attn.v", "attn.o_proj"}
-    if names & proj != proj:
+    if spec.mla is None and names & proj != proj:
         unlike.append("the q/k/v and output projections are never recomputed by "
                       "--recompute-modules (kept)")
     setting = ("--recompute-granularity selective --recompute-modules " + " ".join(modules)
                if modules else "no recompute (every item kept)")
     return "\n".join([f"# Megatron-LM for {spec.name}. Made by: {command}", setting,
                       *(f"# Not expressible: {u}." for u in unlike), ""])
+
+
+# what Megatron-LM's mla_up_proj recomputes (megatron/core/transformer/
+# multi_latent_attention.py ``qkv_up_proj_and_rope_apply`` under ``CheckpointWithoutOutput``:
+# linear_q_up_proj or linear_q_proj, linear_kv_up_proj, RoPE and the query's and key's
+# concatenations, their outputs discarded once the core attention has run)
+_MLA_UP = ("mla.q_b", "mla.q_proj", "mla.kv_b", "mla.q", "mla.k")
+
+
+def _megatron_mla(items: tuple[Item, ...], names: set[str], modules: list[str],
+                  unlike: list[str]) -> None:
+    """An MLA block's modules: ``core_attn`` where the kernel's output is not kept,
+    ``mla_up_proj`` where none of what it recomputes is (``_MLA_UP``); the down
+    projections, the latent norms (q_layernorm, kv_layernorm: ``layernorm`` is the layer's
+    two) and the output projection are never recomputed."""
+    if "mla.out" not in names:
+        modules.append("core_attn")
+    up = {i.name for i in items if i.name in _MLA_UP}
+    if not names & up:
+        modules.append("mla_up_proj")
+    elif not up <= names:
+        unlike.append("the up projections partly kept: mla_up_proj recomputes q_b (or q), "
+                      "kv_b, RoPE and the query's and key's concatenations whole (kept)")
+    rest = {i.name for i in items if i.block == "attn" and i.name.startswith("mla.")
+            and i.name not in _MLA_UP and i.name != "mla.out"}
+    if not rest <= names:
+        unlike.append("the q/kv down projections, the latent norms and the output "
+                      "projection are never recomputed by --recompute-modules (kept)")
 
 
 def emit_for(target: str, est: object) -> str:
