@@ -62,8 +62,10 @@ an op a policy counts) keep the generic layer's items; their working set and the
 its output, one sum) has no MLP norm; its MLP's moments hold the norm's and the attention's
 outputs anyway (``input_held``). Dropout on each mixer's output is no item: the rerun rebuilds
 its mask from the forward's restored RNG state, the MLP's through its down projection (an
-item, ``mlp.down``, as with post norms). A name scoped ``SCOPE:name`` applies to the layers of a kind or one pipeline stage
-(``resolve``, ``for_stage``).
+item, ``mlp.down``, as with post norms). A multi-head latent attention block's ops (DeepSeek-V3's:
+its down and up projections, latent norms, the query's and key's concatenations, the kernel)
+are ``memplan.model.sac_mla``'s. A name scoped ``SCOPE:name`` applies to the layers of a kind
+or one pipeline stage (``resolve``, ``for_stage``).
 """
 
 from __future__ import annotations
