@@ -22,69 +22,16 @@ order, as transformers runs them (models/deepseek_v3/modeling_deepseek_v3.py
 
 The latent norms are named by their ops where the layer norms are (``sac_ops.
 _norms_nameable``); in fp32 their input is the down projection's output itself (no cast),
-which that projection's item keeps (its ``terms``).
+which that projection's item keeps (its ``terms``). The items are made by ``sac_ops.
+_mla_ops``; this module holds what the policy emitters read too.
 """
 
 from __future__ import annotations
 
-from memplan.model.dims import Dims
-from memplan.model.mla import Mla
 from memplan.spec import ModelSpec
 
 # the family of ``aten.cat`` (the query's and the key's concatenations)
 CAT = "cat"
-
-
-def mla_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int], named: bool,
-            fp32: bool) -> list:
-    """The attention's ops of an MLA layer (the module docstring; ``sac_ops.layer_ops``
-    numbers them): ``terms``, the layer's saved terms without recompute; ``named``: the
-    norms named by their ops; ``fp32``: an unnamed norm's rsqrt and products counted. Kept,
-    an item adds to the block's working set (``own_extra``) unless it is one of the block's
-    saved terms, which the checkpointed block's working set holds (``Mla.working_set``)."""
-    from memplan.model import sac_ops  # (sac_ops reads this module)
-
-    Item = sac_ops.Item
-    mla, t, e, tokens = spec.mla, dm.tp, dm.e, dm.tokens
-    assert mla is not None
-    h, heads = spec.hidden_size, spec.num_attention_heads // t
-    q_width, kv_a = heads * spec.head_dim, mla.kv_lora_rank + mla.qk_rope_head_dim
-    kv_up = heads * (mla.qk_nope_head_dim + mla.v_head_dim)
-    down_bias = 2.0 if spec.qkv_bias else 0.0
-
-    def proj(name: str, d_in: int, width: int, covers: tuple[str, ...], bias: float = 0.0,
-             own: bool = True):
-        held = tuple(c for c in covers if c in terms)
-        return Item(name, held, tokens * width * e, 2.0 * d_in * width + bias * width,
-                    sac_ops.MATMUL, width, 0, "attn", own and not held)
-
-    def norm(prefix: str, width: int) -> list:
-        ops = sac_ops._norm_ops(prefix, terms, width, width, named, "attn", fp32)
-        ops = [i._replace(own_extra=False) for i in ops]
-        # in fp32 the norm's input is the down projection's output: its item keeps it
-        return [i for i in ops if not (fp32 and i.name == f"{prefix}.input_fp32")]
-
-    out = []
-    if mla.q_lora_rank:
-        out.append(proj("mla.q_a", h, mla.q_lora_rank,
-                        ("mla.q_norm.input_fp32",) if fp32 else (), down_bias))
-        out += norm("mla.q_norm", mla.q_lora_rank)
-        out.append(proj("mla.q_b", mla.q_lora_rank, q_width, ()))
-    else:
-        out.append(proj("mla.q_proj", h, q_width, ()))
-    out.append(proj("mla.kv_a", h, kv_a, ("mla.kv_norm.input_fp32",) if fp32 else (),
-                    down_bias))
-    out += norm("mla.kv_norm", mla.kv_lora_rank)
-    out.append(proj("mla.kv_b", mla.kv_lora_rank, kv_up, ("mla.kv_up",)))
-    out += [sac_ops._unkept(sac_ops.PRODUCT, mla.qk_rope_head_dim, "attn")] * 4
-    out += [Item(name, (name,), terms[name], float(heads * spec.head_dim), CAT,
-                 spec.head_dim, 0, "attn", False) for name in ("mla.q", "mla.k")]
-    core = Mla().core_flops_per_token(spec, dm.s_kv) / t
-    out.append(Item("mla.out", ("mla.out", "mla.lse"), terms["mla.out"] + terms["mla.lse"],
-                    core, sac_ops.ATTENTION_KERNEL, q_width, 0, "attn", False))
-    out.append(proj("mla.o_proj", spec.attn_out_size // t, h, (),
-                    2.0 if spec.attn_out_bias else 0.0, own=False))
-    return out
 
 
 def mla_matmul_shapes(spec: ModelSpec) -> list[tuple[str, int, int, int]]:

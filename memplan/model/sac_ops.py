@@ -76,7 +76,8 @@ from typing import NamedTuple
 from memplan.errors import LayoutError, MemplanError
 from memplan.model.attention import Attention as AttentionBlock
 from memplan.model.dims import Dims, Term
-from memplan.model.sac_mla import CAT, mla_ops
+from memplan.model.mla import Mla as MlaBlock
+from memplan.model.sac_mla import CAT
 from memplan.spec import MlpKind, ModelSpec, NormKind, PositionKind, QkNorm
 from memplan.units import FP32_BYTES
 from memplan.workload import Attention as Kernel
@@ -262,7 +263,7 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
     fused = spec.fused_qkv or wl.fused_qkv
     mm = {m[0]: m for m in matmul_shapes(spec, t, fused)}
     if spec.mla is not None:
-        out += mla_ops(spec, dm, terms, named, fp32)
+        out += _mla_ops(spec, dm, terms, named, fp32)
     else:
         out += _attention_ops(spec, dm, terms, named, fp32, [matmul(*m) for m in mm.values()])
     if place.post_norm:
@@ -299,6 +300,55 @@ def _attention_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int], named: bool
     out.append(Item("attn.out", ("attn.out", "attn.lse"), terms["attn.out"] + terms["attn.lse"],
                     core, ATTENTION_KERNEL, spec.q_size // dm.tp, 0, "attn", False))
     return out + [mm["attn.o_proj"]]
+
+
+def _mla_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int], named: bool,
+            fp32: bool) -> list:
+    """The attention's ops of an MLA layer (the module docstring; ``sac_ops.layer_ops``
+    numbers them; ``memplan.model.sac_mla``'s docstring): ``terms``, the layer's saved terms without recompute; ``named``: the
+    norms named by their ops; ``fp32``: an unnamed norm's rsqrt and products counted. Kept,
+    an item adds to the block's working set (``own_extra``) unless it is one of the block's
+    saved terms, which the checkpointed block's working set holds (``Mla.working_set``)."""
+    mla, t, e, tokens = spec.mla, dm.tp, dm.e, dm.tokens
+    assert mla is not None
+    h, heads = spec.hidden_size, spec.num_attention_heads // t
+    q_width, kv_a = heads * spec.head_dim, mla.kv_lora_rank + mla.qk_rope_head_dim
+    kv_up = heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+    down_bias = 2.0 if spec.qkv_bias else 0.0
+
+    def proj(name: str, d_in: int, width: int, covers: tuple[str, ...], bias: float = 0.0,
+             own: bool = True):
+        held = tuple(c for c in covers if c in terms)
+        return Item(name, held, tokens * width * e, 2.0 * d_in * width + bias * width,
+                    MATMUL, width, 0, "attn", own and not held)
+
+    def norm(prefix: str, width: int) -> list:
+        ops = _norm_ops(prefix, terms, width, width, named, "attn", fp32)
+        ops = [i._replace(own_extra=False) for i in ops]
+        # in fp32 the norm's input is the down projection's output: its item keeps it
+        return [i for i in ops if not (fp32 and i.name == f"{prefix}.input_fp32")]
+
+    out = []
+    if mla.q_lora_rank:
+        out.append(proj("mla.q_a", h, mla.q_lora_rank,
+                        ("mla.q_norm.input_fp32",) if fp32 else (), down_bias))
+        out += norm("mla.q_norm", mla.q_lora_rank)
+        out.append(proj("mla.q_b", mla.q_lora_rank, q_width, ()))
+    else:
+        out.append(proj("mla.q_proj", h, q_width, ()))
+    out.append(proj("mla.kv_a", h, kv_a, ("mla.kv_norm.input_fp32",) if fp32 else (),
+                    down_bias))
+    out += norm("mla.kv_norm", mla.kv_lora_rank)
+    out.append(proj("mla.kv_b", mla.kv_lora_rank, kv_up, ("mla.kv_up",)))
+    out += [_unkept(PRODUCT, mla.qk_rope_head_dim, "attn")] * 4
+    out += [Item(name, (name,), terms[name], float(heads * spec.head_dim), CAT,
+                 spec.head_dim, 0, "attn", False) for name in ("mla.q", "mla.k")]
+    core = MlaBlock().core_flops_per_token(spec, dm.s_kv) / t
+    out.append(Item("mla.out", ("mla.out", "mla.lse"), terms["mla.out"] + terms["mla.lse"],
+                    core, ATTENTION_KERNEL, q_width, 0, "attn", False))
+    out.append(proj("mla.o_proj", spec.attn_out_size // t, h, (),
+                    2.0 if spec.attn_out_bias else 0.0, own=False))
+    return out
 
 
 def _down_ops(spec: ModelSpec, terms: dict[str, int], down: Item, named: bool,
