@@ -661,7 +661,23 @@ def ops_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str) -
     peak = ops_forward_peak(_ops_forward(spec, _unsaved(wl), dm, moe,
                                          variant), items, kept)
     return full._replace(terms=full.terms + terms, saved_bytes=full.saved_bytes + total(terms),
-                         forward_peak_bytes=peak, forward_blocks=())
+                         forward_peak_bytes=peak, forward_blocks=(),
+                         moments=_cached_ahead(spec, full.moments, kept))
+
+
+def _cached_ahead(spec: ModelSpec, moments: tuple[LayerMoment, ...],
+                  kept: tuple[sac_ops.Item, ...]) -> tuple[LayerMoment, ...]:
+    """The fully recomputed layer's backward ``moments`` with the kept outputs the rerun
+    has not reached yet: alive from the forward (the checkpoint's cache) at the grouped
+    block's rerun unsort (``memplan.model.moe.grouped_rerun``), where shared experts that run
+    last are not rebuilt yet (traced: transformers' DeepSeek-V3 narrowed, bf16, 2 x 256
+    tokens, the shared MLP's four outputs kept: 262,144 B at the rerun's unsort, which set
+    the backward's peak, -1.59% before)."""
+    if spec.moe is None or not spec.moe.shared_experts_last:
+        return moments
+    ahead = sum(i.size_bytes for i in kept if i.name.startswith("moe.shared."))
+    return tuple(m._replace(alive_bytes=m.alive_bytes + ahead) if m.name == "moe_rerun" else m
+                 for m in moments)
 
 
 @lru_cache(maxsize=1024)

@@ -261,12 +261,23 @@ def _shared_last_unsort(spec: ModelSpec, dm: Dims, saved: int) -> list[BackwardM
     """Grouped experts before their shared experts (DeepseekV3MoE.forward, Glm4MoeMoE,
     Dots1MoE: ``hidden_states + self.shared_experts(residuals)``): the shared MLP was made
     last, so its backward runs first; at the unsort's backward (``_unsort``) its saved terms
-    are freed and its input's gradient (T h) waits to be summed with the routed branch's."""
+    are freed, its input's gradient (T h) waits to be summed with the routed branch's and
+    its weights' gradients exist (``moe_shared``, ``shared_last_groups``; traced:
+    transformers' DeepSeek-V3 narrowed, fp32, 2 x 64 tokens, its dense layer's MLP kept
+    under op-level checkpointing, so that the MoE layer's unsort sets the backward's peak:
+    98,304 B, the shared expert's three weights' gradients, under before). Below fp32 an
+    fp32 router (DeepseekV3TopkRouter.forward: ``F.linear(hidden_states.float(), ...)``)
+    saves its own copy of the block's input, and the routed experts gather it by index
+    (saving the index): the shared MLP's linears were the input's last holders, and it is
+    freed with their terms (traced alike in bf16: the MLP norm's output gone at the unsort,
+    32,768 B, which the layer's moment counted among the norm's saved terms)."""
     moe = _moe(spec)
     shared = total(mlp.mlp_terms("moe.shared", spec, dm, moe.num_shared_experts
                                  * moe.shared_expert_ffn_hidden_size, dm.tokens))
+    if moe.router_fp32 and dm.e < FP32_BYTES:
+        shared += dm.linear_rows * spec.hidden_size * dm.e
     waiting = dm.rows * spec.hidden_size * dm.e
-    return [m._replace(transient_bytes=m.transient_bytes + waiting)
+    return [m._replace(transient_bytes=m.transient_bytes + waiting, grads=("moe_shared",))
             for m in _unsort(spec, dm, saved - shared)]
 
 
@@ -480,15 +491,20 @@ def grouped_rerun(spec: ModelSpec, wl: Workload, dm: Dims, saved: int) -> list[M
     norm saves it, not their unsorted copy (traced: transformers' ERNIE 4.5 MoE, bf16, 2 x
     256 tokens, 5.3 and 5.23: the rerun's weighting the step's backward peak; GPT-OSS under
     full recompute, 2 x 64 tokens, whose rerun peaks there and at its clamped gate alike:
-    step 1's backward read -1.565% (fp32) and -1.435% (bf16) on 5.3 without the biases). Not where
-    the block saves more after its experts return (shared experts run last, DeepseekV3MoE.
-    forward, Dots1MoE's; a gated shared expert, Qwen2MoeSparseMoeBlock.forward's sigmoid
-    product): the rerun runs on past the unsort there (``_shared_last_unsort``,
-    ``_gated_shared_unsort``)."""
+    step 1's backward read -1.565% (fp32) and -1.435% (bf16) on 5.3 without the biases). Where
+    shared experts run last (DeepseekV3MoE.forward, Dots1MoE's) the rerun runs on past the
+    unsort to them: at the unsort their terms are not rebuilt yet (traced: transformers'
+    DeepSeek-V3 narrowed, bf16, 2 x 256 tokens, the shared MLP's outputs kept under op-level
+    checkpointing, alive from the forward: the rerun's unsort the backward's peak, 102,504 B
+    under before). Not beside a gated shared expert (Qwen2MoeSparseMoeBlock.forward's sigmoid
+    product, ``_gated_shared_unsort``)."""
     moe, h, e = _moe(spec), spec.hidden_size, dm.e
-    after = moe.num_shared_experts and (moe.shared_experts_last or moe.shared_expert_gate)
-    if not wl.moe_impl.grouped or dm.compiled or after:
+    gated = moe.num_shared_experts and moe.shared_expert_gate
+    if not wl.moe_impl.grouped or dm.compiled or gated:
         return []
+    if moe.num_shared_experts and moe.shared_experts_last:
+        # the rerun runs on to the shared MLP, not rebuilt yet at the unsort
+        saved -= _shared_ran_first(spec, dm)[0]
     rows = dm.tokens * moe.top_k
     weighted = rows * h * max(e, weights_width(moe, dm))
     by_token = rows * h * e if wl.moe_impl is MoeImpl.GROUPED_TOKEN else 0

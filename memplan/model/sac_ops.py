@@ -62,8 +62,10 @@ an op a policy counts) keep the generic layer's items; their working set and the
 its output, one sum) has no MLP norm; its MLP's moments hold the norm's and the attention's
 outputs anyway (``input_held``). Dropout on each mixer's output is no item: the rerun rebuilds
 its mask from the forward's restored RNG state, the MLP's through its down projection (an
-item, ``mlp.down``, as with post norms). A name scoped ``SCOPE:name`` applies to the layers of a kind or one pipeline stage
-(``resolve``, ``for_stage``).
+item, ``mlp.down``, as with post norms). A multi-head latent attention block's ops (DeepSeek-V3's:
+its down and up projections, latent norms, the query's and key's concatenations, the kernel)
+are ``memplan.model.sac_mla``'s. A name scoped ``SCOPE:name`` applies to the layers of a kind
+or one pipeline stage (``resolve``, ``for_stage``).
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ from typing import NamedTuple
 from memplan.errors import LayoutError, MemplanError
 from memplan.model.attention import Attention as AttentionBlock
 from memplan.model.dims import Dims, Term
+from memplan.model.mla import Mla as MlaBlock
+from memplan.model.sac_mla import CAT
 from memplan.spec import MlpKind, ModelSpec, NormKind, PositionKind, QkNorm
 from memplan.units import FP32_BYTES
 from memplan.workload import Attention as Kernel
@@ -120,7 +124,9 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     """Why op-level checkpointing is not modelled for ``spec`` and ``wl``, or None."""
     moe_why = moe_refusal(spec, wl) if spec.moe is not None else None
     checks = (
-        (moe_why is not None, moe_why or ""), (spec.mla is not None, "MLA attention"),
+        (moe_why is not None, moe_why or ""),
+        (spec.mla is not None and wl.precision.policy.autocast is not None,
+         "MLA attention under autocast"),
         (spec.linear_attention is not None, "linear-attention layers"),
         (spec.short_conv is not None and (spec.short_conv.conv_bias or spec.moe is not None
                                           or not spec.norm_placement.pre_norm),
@@ -261,16 +267,10 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
     out = _norm_ops("attn_norm", terms, h, h, named, fp32_ops=fp32) if place.pre_norm else []
     fused = spec.fused_qkv or wl.fused_qkv
     mm = {m[0]: m for m in matmul_shapes(spec, t, fused)}
-    for name in ("attn.qkv",) if fused else ("attn.q", "attn.k", "attn.v"):
-        out.append(matmul(*mm[name]))
-        if name in ("attn.q", "attn.k"):
-            out += _qk_norm_ops(spec, name, mm[name][2], terms, named, fp32)
-    if spec.position is PositionKind.ROPE:
-        out += [_unkept(PRODUCT, spec.rope_dim, "attn")] * 4
-    core = AttentionBlock().core_flops_per_token(spec, dm.s_kv) / t
-    out.append(Item("attn.out", ("attn.out", "attn.lse"), terms["attn.out"] + terms["attn.lse"],
-                    core, ATTENTION_KERNEL, spec.q_size // t, 0, "attn", False))
-    out.append(matmul(*mm["attn.o_proj"]))
+    if spec.mla is not None:
+        out += _mla_ops(spec, dm, terms, named, fp32)
+    else:
+        out += _attention_ops(spec, dm, terms, named, fp32, [matmul(*m) for m in mm.values()])
     if place.post_norm:
         # Gemma2DecoderLayer.forward: post_attention_layernorm on the attention's output
         # before the residual add (Olmo2DecoderLayer.forward: the same, no norm before)
@@ -285,6 +285,75 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
         out += _dense_mlp_ops(spec, terms, mlp, spec.ffn_hidden_size // t)
         out += _down_ops(spec, terms, mlp[-1], named, fp32)
     return numbered(out)
+
+
+def _attention_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int], named: bool,
+                   fp32: bool, matmuls: list[Item]) -> list[Item]:
+    """A generic attention block's ops in execution order (``layer_ops``): the q, k, v (or
+    fused q/k/v) projections, each q/k norm after its projection, RoPE's four products, the
+    kernel (``attn.out`` with its logsumexp) and the output projection (``matmuls``: the
+    layer's projection items, ``matmul_shapes``' order)."""
+    mm = {i.name: i for i in matmuls}
+    out = []
+    for name in ("attn.qkv",) if "attn.qkv" in mm else ("attn.q", "attn.k", "attn.v"):
+        out.append(mm[name])
+        if name in ("attn.q", "attn.k"):
+            out += _qk_norm_ops(spec, name, mm[name].width, terms, named, fp32)
+    if spec.position is PositionKind.ROPE:
+        out += [_unkept(PRODUCT, spec.rope_dim, "attn")] * 4
+    core = AttentionBlock().core_flops_per_token(spec, dm.s_kv) / dm.tp
+    out.append(Item("attn.out", ("attn.out", "attn.lse"), terms["attn.out"] + terms["attn.lse"],
+                    core, ATTENTION_KERNEL, spec.q_size // dm.tp, 0, "attn", False))
+    return out + [mm["attn.o_proj"]]
+
+
+def _mla_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int], named: bool,
+            fp32: bool) -> list:
+    """The attention's ops of an MLA layer (the module docstring; ``sac_ops.layer_ops``
+    numbers them; ``memplan.model.sac_mla``'s docstring): ``terms``, the layer's saved terms without recompute; ``named``: the
+    norms named by their ops; ``fp32``: an unnamed norm's rsqrt and products counted. Kept,
+    an item adds to the block's working set (``own_extra``) unless it is one of the block's
+    saved terms, which the checkpointed block's working set holds (``Mla.working_set``)."""
+    mla, t, e, tokens = spec.mla, dm.tp, dm.e, dm.tokens
+    assert mla is not None
+    h, heads = spec.hidden_size, spec.num_attention_heads // t
+    q_width, kv_a = heads * spec.head_dim, mla.kv_lora_rank + mla.qk_rope_head_dim
+    kv_up = heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+    down_bias = 2.0 if spec.qkv_bias else 0.0
+
+    def proj(name: str, d_in: int, width: int, covers: tuple[str, ...], bias: float = 0.0,
+             own: bool = True):
+        held = tuple(c for c in covers if c in terms)
+        return Item(name, held, tokens * width * e, 2.0 * d_in * width + bias * width,
+                    MATMUL, width, 0, "attn", own and not held)
+
+    def norm(prefix: str, width: int) -> list:
+        ops = _norm_ops(prefix, terms, width, width, named, "attn", fp32)
+        ops = [i._replace(own_extra=False) for i in ops]
+        # in fp32 the norm's input is the down projection's output: its item keeps it
+        return [i for i in ops if not (fp32 and i.name == f"{prefix}.input_fp32")]
+
+    out = []
+    if mla.q_lora_rank:
+        out.append(proj("mla.q_a", h, mla.q_lora_rank,
+                        ("mla.q_norm.input_fp32",) if fp32 else (), down_bias))
+        out += norm("mla.q_norm", mla.q_lora_rank)
+        out.append(proj("mla.q_b", mla.q_lora_rank, q_width, ()))
+    else:
+        out.append(proj("mla.q_proj", h, q_width, ()))
+    out.append(proj("mla.kv_a", h, kv_a, ("mla.kv_norm.input_fp32",) if fp32 else (),
+                    down_bias))
+    out += norm("mla.kv_norm", mla.kv_lora_rank)
+    out.append(proj("mla.kv_b", mla.kv_lora_rank, kv_up, ("mla.kv_up",)))
+    out += [_unkept(PRODUCT, mla.qk_rope_head_dim, "attn")] * 4
+    out += [Item(name, (name,), terms[name], float(heads * spec.head_dim), CAT,
+                 spec.head_dim, 0, "attn", False) for name in ("mla.q", "mla.k")]
+    core = MlaBlock().core_flops_per_token(spec, dm.s_kv) / t
+    out.append(Item("mla.out", ("mla.out", "mla.lse"), terms["mla.out"] + terms["mla.lse"],
+                    core, ATTENTION_KERNEL, q_width, 0, "attn", False))
+    out.append(proj("mla.o_proj", spec.attn_out_size // t, h, (),
+                    2.0 if spec.attn_out_bias else 0.0, own=False))
+    return out
 
 
 def _down_ops(spec: ModelSpec, terms: dict[str, int], down: Item, named: bool,
@@ -448,6 +517,8 @@ def _norms_nameable(spec: ModelSpec, wl: Workload, dm: Dims, terms: dict[str, in
     if any(terms.get(f"{n}.{t}") != b for n in ("attn_norm", "mlp_norm")
            for t, b in want.items()):
         return False
+    if spec.mla is not None and not _latent_norms_nameable(spec, dm, terms):
+        return False
     if spec.qk_norm is not QkNorm.HEAD or not qk_norms:  # (a layer without attention)
         return True
     # the q and k norms (Qwen3RMSNorm on rows of head_dim, one per head on this rank)
@@ -455,6 +526,23 @@ def _norms_nameable(spec: ModelSpec, wl: Workload, dm: Dims, terms: dict[str, in
         heads = dm.tokens * width // dm.tp // spec.head_dim
         want = {"input_fp32": heads * spec.head_dim * FP32_BYTES, "stats": heads * FP32_BYTES,
                 "normed": heads * spec.head_dim * dm.e}
+        if any(terms.get(f"{norm}.{t}") != b for t, b in want.items()):
+            return False
+    return True
+
+
+def _latent_norms_nameable(spec: ModelSpec, dm: Dims, terms: dict[str, int]) -> bool:
+    """Whether an MLA block's latent norms' saved terms are the bytes of the op outputs
+    ``_norm_ops`` names them by: on every token (the down projections are not
+    sequence-parallel), ``q_lora_rank`` and ``kv_lora_rank`` wide (``memplan.model.mla.
+    _latent_norm``)."""
+    mla = spec.mla
+    assert mla is not None
+    for norm, width in (("mla.q_norm", mla.q_lora_rank), ("mla.kv_norm", mla.kv_lora_rank)):
+        if not width:
+            continue
+        want = {"input_fp32": dm.tokens * width * FP32_BYTES, "stats": dm.tokens * FP32_BYTES,
+                "normed": dm.tokens * width * dm.e, "output": dm.tokens * width * dm.e}
         if any(terms.get(f"{norm}.{t}") != b for t, b in want.items()):
             return False
     return True

@@ -42,8 +42,10 @@ Kernels (``cuda_kernels``, also active inside ``cuda_autocast``):
   three (``aten/src/ATen/native/transformers/sdp_utils_cpp.h`` ``check_head_dim_size_flash``):
   ``_scaled_dot_product_efficient_attention`` saves q, k, v, its output and an fp32
   logsumexp per query and head, padded to 32 queries (``kAlignLSE``); CPU's flash kernel
-  refuses such heads and the math fallback materialises the scores. ``_EfficientAttention``
-  saves what the CUDA kernel saves, its output and gradients computed one head at a time.
+  refuses such heads and the math fallback materialises the scores. The aten op is given a
+  CPU kernel (``_efficient_forward``, ``_efficient_backward``) and called as CUDA's SDPA
+  calls it: its autograd node is aten's own, and an op-level checkpointing policy sees it as
+  the one op it is on CUDA (the SDPA family, ``memplan.report.sac_policy``).
 """
 
 from __future__ import annotations
@@ -233,42 +235,76 @@ def _dropout_rule(orig):
 LSE_ALIGN = 32  # kAlignLSE, aten/src/ATen/native/transformers/cuda/mem_eff_attention
 
 
-class _EfficientAttention(torch.autograd.Function):
-    """CUDA's memory-efficient SDPA kernel as its autograd holds it (see the module
-    docstring): forward and backward computed head by head with the math kernel, so that no
-    score-sized tensor of all heads exists at once (the CUDA kernel tiles them)."""
+def _efficient_scores(q: torch.Tensor, k: torch.Tensor, bias, causal: bool,
+                      scale: float | None, i: int) -> torch.Tensor:
+    """Head ``i``'s fp32 attention probabilities (the kernel's math, one head at a time)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = q[:, i].float() @ k[:, i].float().transpose(-1, -2) * scale
+    if bias is not None:
+        b = bias[:, i] if bias.dim() == 4 and bias.shape[1] > 1 else (
+            bias[:, 0] if bias.dim() == 4 else bias)
+        scores = (scores.masked_fill(~b, float("-inf")) if b.dtype == torch.bool
+                  else scores + b.float())
+    if causal:
+        s, s_kv = scores.shape[-2], scores.shape[-1]
+        keep = torch.ones(s, s_kv, dtype=torch.bool).tril(s_kv - s)
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return scores
 
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, causal: bool,
-                scale: float | None, sdpa) -> torch.Tensor:
-        b, h, s = q.shape[0], q.shape[1], q.shape[2]
-        # the kernel's output is (B, M, H, Kv), returned transposed (attention.cu
-        # _efficient_attention_forward): token-major whatever q's layout
-        out = q.new_empty(b, s, h, v.shape[-1]).transpose(1, 2)
-        with torch.no_grad():
-            for i in range(h):
-                m = None if mask is None else mask[:, i:i + 1] if mask.shape[1] > 1 else mask
-                out[:, i:i + 1] = sdpa(q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1],
-                                       attn_mask=m, is_causal=causal, scale=scale)
-        lse = torch.empty(b, h, -(-s // LSE_ALIGN) * LSE_ALIGN, dtype=torch.float32,
-                          device=q.device)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mask, ctx.causal, ctx.scale, ctx.sdpa = mask, causal, scale, sdpa
-        return out
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        q, k, v, _out, _lse = ctx.saved_tensors
-        grads = [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
-        mask = ctx.mask
-        for i in range(q.shape[1]):
-            part = [t[:, i:i + 1].detach().requires_grad_() for t in (q, k, v)]
-            m = None if mask is None else mask[:, i:i + 1] if mask.shape[1] > 1 else mask
-            with torch.enable_grad():
-                o = ctx.sdpa(*part, attn_mask=m, is_causal=ctx.causal, scale=ctx.scale)
-            for g, t in zip(grads, torch.autograd.grad(o, part, grad[:, i:i + 1])):
-                g[:, i:i + 1] = t
-        return (*grads, None, None, None, None)
+def _efficient_forward(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,
+                       is_causal=False, *, scale=None):
+    """``aten._scaled_dot_product_efficient_attention`` on CPU (registered below): what
+    CUDA's kernel returns, computed head by head out of the trackers' sight (a backend kernel
+    runs below the dispatch modes, as the CUDA kernel's tiles are no tensors): its output
+    token-major, ``(B, M, H, Kv)`` returned transposed (attention.cu
+    ``_efficient_attention_forward``), and an fp32 logsumexp padded to ``LSE_ALIGN`` queries;
+    without dropout the philox seed and offset hold nothing on the device."""
+    b, h, s = query.shape[0], query.shape[1], query.shape[2]
+    out = query.new_empty(b, s, h, value.shape[-1]).transpose(1, 2)
+    rows = -(-s // LSE_ALIGN) * LSE_ALIGN if compute_log_sumexp else 0
+    lse = torch.zeros(b, h, rows, dtype=torch.float32)
+    for i in range(h):
+        scores = _efficient_scores(query, key, attn_bias, is_causal, scale, i)
+        out[:, i] = (scores.softmax(-1) @ value[:, i].float()).to(out.dtype)
+        if rows:
+            lse[:, i, :s] = scores.logsumexp(-1)
+    empty = torch.empty(0, dtype=torch.long)
+    return out, lse, empty, empty.clone()
+
+
+def _efficient_backward(grad_out, query, key, value, attn_bias, out, logsumexp, philox_seed,
+                        philox_offset, dropout_p, grad_input_mask, is_causal=False, *,
+                        scale=None):
+    """``aten._scaled_dot_product_efficient_attention_backward`` on CPU: the gradients of q,
+    k and v (allocated as the inputs are), each head's from its recomputed probabilities."""
+    gq, gk, gv = (torch.empty_like(t) for t in (query, key, value))
+    scale_ = query.shape[-1] ** -0.5 if scale is None else scale
+    for i in range(query.shape[1]):
+        p = _efficient_scores(query, key, attn_bias, is_causal, scale, i).softmax(-1)
+        do, v = grad_out[:, i].float(), value[:, i].float()
+        gv[:, i] = (p.transpose(-1, -2) @ do).to(gv.dtype)
+        dp = do @ v.transpose(-1, -2)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * scale_
+        gq[:, i] = (ds @ key[:, i].float()).to(gq.dtype)
+        gk[:, i] = (ds.transpose(-1, -2) @ query[:, i].float()).to(gk.dtype)
+    return gq, gk, gv, torch.empty(0, dtype=query.dtype)
+
+
+_EFFICIENT_LIB: list = []
+
+
+def _efficient_kernels() -> None:
+    """Registers the CPU kernels of CUDA's memory-efficient attention (once): autograd is
+    aten's own (derivatives.yaml: the node saves q, k, v, the bias, the output, the
+    logsumexp and the philox seed and offset), and a policy sees the kernel as the one op it
+    is on CUDA."""
+    if _EFFICIENT_LIB:
+        return
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("_scaled_dot_product_efficient_attention", _efficient_forward, "CPU")
+    lib.impl("_scaled_dot_product_efficient_attention_backward", _efficient_backward, "CPU")
+    _EFFICIENT_LIB.append(lib)
 
 
 def _sdpa_rule(orig):
@@ -282,9 +318,10 @@ def _sdpa_rule(orig):
         if _autocast_on():  # an autocast op of the low-precision list
             low = torch.get_autocast_dtype("cpu")
             query, key, value = (_to_low(t, low) for t in (query, key, value))
+        _efficient_kernels()
         with torch.autocast("cpu", enabled=False):
-            return _EfficientAttention.apply(query, key, value, attn_mask, is_causal, scale,
-                                             orig)
+            return torch.ops.aten._scaled_dot_product_efficient_attention(
+                query, key, value, attn_mask, True, 0.0, is_causal, scale=scale)[0]
     return run
 
 

@@ -4,7 +4,7 @@
   ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` (torch/utils/checkpoint.py),
   ``policy_fns`` (one per layer, each with its own counters) and ``context_fn(layer)``. An
   item is recognised by its op family (``mm``/``addmm`` for a projection; SDPA's kernels;
-  ``silu``/``gelu``; ``mul``), its output's last dimension and its index among the layer's
+  ``silu``/``gelu``; ``mul``; ``cat``, MLA's query and key), its output's last dimension and its index among the layer's
   ops of that family and width (``memplan.model.sac_ops.Item``); the policy counts them per
   layer. An upcast RMSNorm's tensors are named by its casts (``_to_copy``), ``rsqrt`` and
   products (``mul``); other norms' saved tensors come from ops that differ by
@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 from memplan.errors import MemplanError
+from memplan.model.sac_mla import CAT, mla_matmul_shapes
 from memplan.model.sac_ops import (ATTENTION_KERNEL, CONV, MATMUL, NORM, Item,
                                    matmul_shapes)
 from memplan.spec import ModelSpec
@@ -33,7 +34,11 @@ TARGETS = ("torch", "torchtitan", "megatron")
 # feed_forward.py)
 _TITAN_FQNS = {"attn.qkv": "attention.wqkv", "attn.q": "attention.wq", "attn.k": "attention.wk", "attn.v": "attention.wv",
                "attn.o_proj": "attention.wo", "mlp.gate": "feed_forward.w1",
-               "mlp.up": "feed_forward.w3", "mlp.down": "feed_forward.w2"}
+               "mlp.up": "feed_forward.w3", "mlp.down": "feed_forward.w2",
+               # its DeepSeek-V3 attention (models/deepseek_v3/model.py Attention)
+               "mla.q_a": "attention.wq_a", "mla.q_b": "attention.wq_b",
+               "mla.q_proj": "attention.wq", "mla.kv_a": "attention.wkv_a",
+               "mla.kv_b": "attention.wkv_b", "mla.o_proj": "attention.wo"}
 
 
 def emit(target: str, spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, ...],
@@ -154,6 +159,10 @@ def _key(op, args):
         return "act", args[0].shape[-1]
     if op in (_aten._to_copy.default, _aten.rsqrt.default):
         return ("copy" if op is _aten._to_copy.default else "rsqrt"), args[0].shape[-1]
+    if op is _aten.cat.default:  # MLA's query and key: torch.cat((nope, rope), dim=-1)
+        parts, dim = args[0], args[1] if len(args) > 1 else 0
+        last = dim in (-1, parts[0].dim() - 1)
+        return "{CAT}", sum(t.shape[-1] for t in parts) if last else parts[0].shape[-1]
     if op is _aten._softmax.default:
         return "softmax", args[0].shape[-1]
     if op is _aten.index.Tensor:
@@ -229,6 +238,12 @@ def _no_short_conv(target: str, spec: ModelSpec, what: str) -> None:
                            "layers have no policy there; use --emit-policy torch")
 
 
+# what torchtitan's op list cannot keep of an MLA block
+_MLA_TITAN = ("(MLA: its op list has no aten.cat, so the query's and key's concatenations "
+              "(mla.q, mla.k) rerun, and no norm op, so the latent norms' tensors do; its "
+              "kernel, FlexAttention by default or SDPA, it keeps.)")
+
+
 def torchtitan_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, ...],
                       command: str) -> str:
     _no_short_conv("torchtitan", spec, "torchtitan 0.3.0 has no LFM2 model")
@@ -247,6 +262,8 @@ def torchtitan_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item
     # shard has the same shape on every rank of its group)
     fused = any(i.name == "attn.qkv" for i in items)
     shapes = {name: (d_in, d_out) for name, d_in, d_out, _ in matmul_shapes(spec, 1, fused)}
+    if spec.mla is not None:
+        shapes.update((name, (d_in, d_out)) for name, d_in, d_out, _ in mla_matmul_shapes(spec))
     forced = {shapes[i.name] for i in matmuls if i.name not in names}
     fqns = [_TITAN_FQNS[i.name] for i in matmuls if i.name not in names]
     result = _titan_kept(items + (down,), forced, shapes)
@@ -257,6 +274,9 @@ def torchtitan_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item
         "(its rule: every second remaining matmul recomputed; a forced shape forces every "
         "matmul of that weight shape).",
         *([f"Not expressible: {', '.join(lost)} (recomputed instead)."] if lost else []),
+        *([_MLA_TITAN] if any(n in ("mla.q", "mla.k") or n.startswith(("mla.q_norm.",
+                                                                        "mla.kv_norm."))
+                              for n in lost) else []),
         *([f"Not expressible: {', '.join(_norms(kept))} (not in its op list)."]
           if _norms(kept) else []),
         "Its checkpoint runs with early_stop=False: the rerun goes through the down projection"
@@ -279,13 +299,15 @@ def megatron_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, 
     _no_short_conv("megatron", spec, "Megatron-LM has no short-convolution mixer (no "
                    "--recompute-modules names one)")
     names = {i.name for i in kept}
-    modules = []
-    if "attn.out" not in names:
+    modules: list[str] = []
+    unlike: list[str] = []
+    if spec.mla is not None:
+        _megatron_mla(items, names, modules, unlike)
+    elif "attn.out" not in names:
         modules.append("core_attn")
     if not names & {"mlp.gate", "mlp.up", "mlp.gate_up", "mlp.act", "mlp.prod", "mlp.fc1"}:
         modules.append("mlp")
     norms = {i.name for i in items if i.block in ("attn_norm", "mlp_norm")}
-    unlike = []
     if not norms <= set(_norms(kept)):
         modules.append("layernorm")
         if _norms(kept):
@@ -295,13 +317,41 @@ def megatron_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, 
                                                   if i.block == "mlp"} <= names:
         unlike.append("an MLP partly kept: Megatron keeps or recomputes the MLP whole (kept)")
     proj = {"attn.q", "attn.k", "attn.v", "attn.o_proj"}
-    if names & proj != proj:
+    if spec.mla is None and names & proj != proj:
         unlike.append("the q/k/v and output projections are never recomputed by "
                       "--recompute-modules (kept)")
     setting = ("--recompute-granularity selective --recompute-modules " + " ".join(modules)
                if modules else "no recompute (every item kept)")
     return "\n".join([f"# Megatron-LM for {spec.name}. Made by: {command}", setting,
                       *(f"# Not expressible: {u}." for u in unlike), ""])
+
+
+# what Megatron-LM's mla_up_proj recomputes (megatron/core/transformer/
+# multi_latent_attention.py ``qkv_up_proj_and_rope_apply`` under ``CheckpointWithoutOutput``:
+# linear_q_up_proj or linear_q_proj, linear_kv_up_proj, RoPE and the query's and key's
+# concatenations, their outputs discarded once the core attention has run)
+_MLA_UP = ("mla.q_b", "mla.q_proj", "mla.kv_b", "mla.q", "mla.k")
+
+
+def _megatron_mla(items: tuple[Item, ...], names: set[str], modules: list[str],
+                  unlike: list[str]) -> None:
+    """An MLA block's modules: ``core_attn`` where the kernel's output is not kept,
+    ``mla_up_proj`` where none of what it recomputes is (``_MLA_UP``); the down
+    projections, the latent norms (q_layernorm, kv_layernorm: ``layernorm`` is the layer's
+    two) and the output projection are never recomputed."""
+    if "mla.out" not in names:
+        modules.append("core_attn")
+    up = {i.name for i in items if i.name in _MLA_UP}
+    if not names & up:
+        modules.append("mla_up_proj")
+    elif not up <= names:
+        unlike.append("the up projections partly kept: mla_up_proj recomputes q_b (or q), "
+                      "kv_b, RoPE and the query's and key's concatenations whole (kept)")
+    rest = {i.name for i in items if i.block == "attn" and i.name.startswith("mla.")
+            and i.name not in _MLA_UP and i.name != "mla.out"}
+    if not rest <= names:
+        unlike.append("the q/kv down projections, the latent norms and the output "
+                      "projection are never recomputed by --recompute-modules (kept)")
 
 
 def emit_for(target: str, est: object) -> str:

@@ -435,6 +435,62 @@ def test_emitted_policy_on_transformers_glm4_moe(precision: str, save: str) -> N
     _assert_rows_within(result.rows)
 
 
+# DeepSeek-V3 narrowed (test_frameworks' DEEPSEEK_TOY with a 64-token vocabulary: 2 layers,
+# the first dense by first_k_dense_replace, h 128, 4 heads, q_lora_rank 64, kv_lora_rank 32,
+# q/k heads of 32 + 16 RoPE, value heads of 32, 4 experts of 64, top-2, a shared expert run
+# last, the sigmoid router) at 2 x 64 tokens: MLA's items (memplan.model.sac_mla: the down
+# and up projections, the latent norms' casts, rsqrt and products, the query's and key's
+# concatenations, aten.cat, the kernel, CUDA's memory-efficient SDPA, and o_proj) beside
+# GLM-4.5's MoE items, lists per kind, groups and the list auto chooses midway between full
+# recompute's peak and no recompute's. Before, refused ("MLA attention"). The fp32 dense MLP
+# kept puts the MoE layer's unsort at the backward's peak: the shared expert's weight
+# gradients were missing there (-1.60%; memplan.model.moe._shared_last_unsort); at 2 x 256
+# tokens the shared expert's kept outputs, alive from the forward, set the peak at the
+# rerun's unsort, where its terms are not rebuilt yet (-1.37%; memplan.model.moe.
+# grouped_rerun, memplan.model.layer._cached_ahead). Measured: saved activations exact in
+# every case, every phase within 0.12%
+DEEPSEEK_OPS_TOY = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256,
+                        num_attention_heads=4, num_key_value_heads=4, vocab_size=64,
+                        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                        first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=32,
+                        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_group=2,
+                        topk_group=1, rope_scaling=None)
+MLA_GRID = [("bf16-pure", 64, ""), ("bf16-pure", 64, "attention"),
+            ("bf16-pure", 64, "dense:mlp,moe:mlp"),
+            ("bf16-pure", 64, "dense:mla.q_a,dense:mla.q_norm.stats,dense:mla.kv_norm.output,"
+                              "moe:mla.q,moe:mla.kv_b,moe:moe.expert.act,moe:mla.out"),
+            ("bf16-pure", 64, "auto"),
+            ("fp32", 64, "mla.q_a,mla.kv_a,mla.q_b,mla.o_proj,dense:mlp.up"),
+            ("fp32", 64, "dense:mlp,moe:mla.k"), ("fp32", 64, "auto"),
+            # the shared expert's kept outputs alive at the rerun's unsort, the peak
+            ("bf16-pure", 256, "dense:mlp,moe:mlp")]
+
+
+@pytest.mark.parametrize(("precision", "seq", "save"), MLA_GRID,
+                         ids=[f"{p}-{n}-{s or 'input'}" for p, n, s in MLA_GRID])
+def test_emitted_policy_on_transformers_deepseek_v3(precision: str, seq: int, save: str) -> None:
+    pytest.importorskip("transformers")
+    config = hf("DeepSeek-V3", **DEEPSEEK_OPS_TOY)
+    if save == "auto":
+        from memplan.api import estimate
+        from memplan.spec import spec_from_hf_dict
+
+        spec = spec_from_hf_dict(config, "config.json", "deepseek-v3-toy")
+        kw = dict(framework="hf", precision=precision, micro_batch_size=2, seq_len=seq)
+        full = estimate(spec, recompute="full", **kw).peak_bytes
+        none = estimate(spec, recompute="none", **kw).peak_bytes
+        est = estimate(spec, recompute="auto", gpu_memory=(full + none) // 2, **kw)
+        assert est.fits and {n.split(":")[0] for n in est.workload.recompute_save} == \
+            {"dense", "moe"}
+        save = ",".join(est.workload.recompute_save)
+    case = FrameworkCase("transformers", "deepseek-v3-toy", config, precision, 2, seq,
+                         options={"recompute": "ops", "recompute_save": save})
+    result = compare_framework(case)
+    _assert_rows_within(result.rows)
+    row = result.row("activations_bytes")
+    assert row.estimated_bytes == row.measured_bytes, row
+
+
 def test_what_the_policy_sees_under_autocast() -> None:
     """The emitted policy (``attention`` kept) on the reference model's first layer under
     amp-bf16, one forward on fake tensors: autocast's casts reach the policy as

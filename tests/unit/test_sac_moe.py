@@ -278,3 +278,54 @@ def test_sigmoid_router_items_by_hand() -> None:
         "shared_experts_last": False})})
     with pytest.raises(MemplanError, match="an fp32 softmax router"):
         estimate(first, **FIELDS, recompute="ops")
+
+
+SHARED_LAST = SHARED.model_copy(update={"moe": SHARED.moe.model_copy(update={
+    "shared_expert_gate": False, "shared_experts_last": True, "router_fp32": True})})
+
+
+@pytest.mark.parametrize(("precision", "unsort", "rerun"), [
+    # bf16: the shared MLP's gate, SiLU, up and product T*f_s*e = 65,536 B each (262,144)
+    # and the block's input T*h*e = 32,768 freed; the unsort's zeros, index_put and the
+    # expanded gradient's copy R*h*4 = 131,072 each in the fp32 router's width, with the
+    # shared input's gradient T*h*e = 32,768; the rerun's unsort: the weighted rows and their
+    # unsorted copy (262,144), the post-attention residual (T*h*e, its norm saves an fp32
+    # copy) and the locals R*(8 + 4) = 6,144
+    ("bf16-mixed", (705_088, 425_984), (737_856, 301_056)),
+    # fp32: the shared terms 4 * 131,072 = 524,288 (the router's F.linear saves the input
+    # itself: not freed), the waiting gradient T*h*4 = 65,536, no residual beside the rerun
+    ("fp32", (475_712, 458_752), (475_712, 268_288)),
+])
+def test_shared_experts_last_unsort_by_hand(precision: str, unsort: tuple,
+                                            rerun: tuple) -> None:
+    """Grouped experts before shared experts run last (DeepseekV3MoE.forward), T = 256, R =
+    512, h 64, f_s 128, a block saving 1,000,000 B: at the unsort's backward the shared MLP's
+    terms are freed (and below fp32 the block's input, which the fp32 router copied) and its
+    weights' gradients exist (``moe_shared``); the rerun's unsort, before the shared MLP is
+    rebuilt, is a moment of its own."""
+    from memplan.model import moe
+
+    wl = make_workload(SHARED_LAST, **FIELDS, precision=precision, recompute="ops")
+    dm = Dims.of(SHARED_LAST, make_layout(1), wl)
+    first = moe._shared_last_unsort(SHARED_LAST, dm, 1_000_000)[0]
+    assert (first.name, first.own_bytes, first.transient_bytes, first.grads) == (
+        "moe_unsort", *unsort, ("moe_shared",))
+    (moment,) = moe.grouped_rerun(SHARED_LAST, wl, dm, 1_000_000)
+    assert (moment.name, moment.own_bytes, moment.transient_bytes) == ("moe_rerun", *rerun)
+
+
+@pytest.mark.parametrize(("precision", "added"), [("bf16-mixed", 131_072), ("fp32", 262_144)])
+def test_kept_shared_outputs_are_alive_at_the_rerun_unsort(precision: str, added: int) -> None:
+    """Kept shared-expert outputs are alive from the forward (the checkpoint's cache) at the
+    rerun's unsort, which has not rebuilt them yet: the gate's and up projection's outputs,
+    T*f_s*e = 65,536 B each in bf16 (131,072 in fp32), add there and nowhere else."""
+    from memplan.model.layer import ops_kind
+
+    def moments(save: tuple[str, ...]) -> dict:
+        wl = make_workload(SHARED_LAST, **FIELDS, precision=precision, recompute="ops",
+                           recompute_save=",".join(save))
+        dm = Dims.of(SHARED_LAST, make_layout(1), wl)
+        return {m.name: m.alive_bytes for m in ops_kind(SHARED_LAST, wl, dm, True, "").moments}
+
+    none, kept = moments(()), moments(("moe.shared.gate", "moe.shared.up"))
+    assert {n: kept[n] - none[n] for n in none if kept[n] != none[n]} == {"moe_rerun": added}
