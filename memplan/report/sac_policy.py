@@ -4,7 +4,7 @@
   ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` (torch/utils/checkpoint.py),
   ``policy_fns`` (one per layer, each with its own counters) and ``context_fn(layer)``. An
   item is recognised by its op family (``mm``/``addmm`` for a projection; SDPA's kernels;
-  ``silu``/``gelu``; ``mul``), its output's last dimension and its index among the layer's
+  ``silu``/``gelu``/``relu``; ``mul``), its output's last dimension and its index among the layer's
   ops of that family and width (``memplan.model.sac_ops.Item``); the policy counts them per
   layer. An upcast RMSNorm's tensors are named by its casts (``_to_copy``), ``rsqrt`` and
   products (``mul``); other norms' saved tensors come from ops that differ by
@@ -150,7 +150,8 @@ def _key(op, args):
         return "{MATMUL}", args[-1].shape[-1]
     if op in _SDPA:
         return "{ATTENTION_KERNEL}", args[0].shape[1] * args[0].shape[-1]
-    if op in (_aten.silu.default, _aten.gelu.default, _aten.sigmoid.default):
+    if op in (_aten.silu.default, _aten.gelu.default, _aten.sigmoid.default,
+              _aten.relu.default):
         return "act", args[0].shape[-1]
     if op in (_aten._to_copy.default, _aten.rsqrt.default):
         return ("copy" if op is _aten._to_copy.default else "rsqrt"), args[0].shape[-1]
@@ -225,9 +226,10 @@ def torchtitan_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item
     matmuls = [i for i in items if i.op == MATMUL]
     unnamed = [i.name for i in matmuls if i.name not in _TITAN_FQNS]
     if unnamed:
+        why = ("its feed_forward is gated: w1, w3, w2" if "mlp.fc1" in unnamed
+               else "its feed_forward runs w1 and w3 apart")
         raise MemplanError(f"emit-policy torchtitan: {spec.name}'s {', '.join(unnamed)} has no "
-                           "module in torchtitan's Llama (its feed_forward runs w1 and w3 "
-                           "apart); use --emit-policy torch")
+                           f"module in torchtitan's Llama ({why}); use --emit-policy torch")
     # the down projection's output: never read by backward, reruns under torchtitan's
     # early_stop=False unless kept; memplan's items leave it out (early stop)
     down = Item("mlp.down", (), 0, 2.0 * spec.ffn_hidden_size * spec.hidden_size, MATMUL,
