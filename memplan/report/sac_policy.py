@@ -24,11 +24,14 @@
 from __future__ import annotations
 
 from memplan.errors import MemplanError
-from memplan.model.sac_ops import (ATTENTION_KERNEL, MATMUL, NORM, Item,
+from memplan.model.sac_ops import (ATTENTION_KERNEL, BMM, MATMUL, NORM, Item,
                                    matmul_shapes)
 from memplan.spec import ModelSpec
 
 TARGETS = ("torch", "torchtitan", "megatron")
+# an eager core's items (memplan.model.sac_ops._eager_core_ops): Megatron's core_attn
+_EAGER_CORE = ("attn.scores", "attn.softmax", "attn.softmax_cast", "attn.dropout",
+               "attn.context")
 # torchtitan's Llama module names of each projection (models/common/attention.py,
 # feed_forward.py)
 _TITAN_FQNS = {"attn.qkv": "attention.wqkv", "attn.q": "attention.wq", "attn.k": "attention.wk", "attn.v": "attention.wv",
@@ -159,6 +162,10 @@ def _key(op, args):
         return "softmax", args[0].shape[-1]
     if op is _aten.index.Tensor:
         return "index", args[0].shape[-1]
+    if op is _aten.bmm.default:
+        return "bmm", args[1].shape[-1]
+    if op is _aten.native_dropout.default:
+        return "dropout", args[0].shape[-1]
     if "grouped_mm" in str(op):  # aten._grouped_mm, or transformers' fallback op
         return "grouped_mm", args[1].shape[-1]
     if op is _aten.mul.Tensor and all(isinstance(a, torch.Tensor) for a in args[:2]):
@@ -223,6 +230,10 @@ def _titan_kept(items: tuple[Item, ...], forced: set[tuple[int, int]],
 def torchtitan_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, ...],
                       command: str) -> str:
     names = {i.name for i in kept}
+    if any(i.op == BMM for i in items):
+        raise MemplanError(f"emit-policy torchtitan: {spec.name}'s eager attention core has no "
+                           "counterpart in torchtitan (its attention runs SDPA or flex "
+                           "attention); use --emit-policy torch")
     matmuls = [i for i in items if i.op == MATMUL]
     unnamed = [i.name for i in matmuls if i.name not in _TITAN_FQNS]
     if unnamed:
@@ -269,12 +280,16 @@ def megatron_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, 
                     command: str) -> str:
     names = {i.name for i in kept}
     modules = []
-    if "attn.out" not in names:
+    unlike = []
+    core = {i.name for i in items if i.name in _EAGER_CORE} or {"attn.out"}
+    if not core <= names:
         modules.append("core_attn")
+        if core & names:
+            unlike.append("an eager core partly kept: Megatron's core_attn keeps or recomputes "
+                          "the core whole (recomputed)")
     if not names & {"mlp.gate", "mlp.up", "mlp.gate_up", "mlp.act", "mlp.prod", "mlp.fc1"}:
         modules.append("mlp")
     norms = {i.name for i in items if i.block in ("attn_norm", "mlp_norm")}
-    unlike = []
     if not norms <= set(_norms(kept)):
         modules.append("layernorm")
         if _norms(kept):
