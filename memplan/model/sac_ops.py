@@ -147,7 +147,7 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
         (wl.lora_rank > 0, "LoRA adapters"), (wl.compile, "torch.compile"),
         (wl.float8.value != "none", "float8 linears"),
         (wl.attention_impl.value != "generic", f"attention_impl {wl.attention_impl.value}"),
-        (spec.activation_impl.value in ("gelu_new", "xielu"),
+        (spec.activation_impl.value == "xielu",
          f"the {spec.activation_impl.value} activation's saved tensors"),
     )
     return next((why for cond, why in checks if cond), None)
@@ -280,7 +280,9 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
     if not moe:  # (an MoE block's items follow: ``memplan.model.sac_moe.moe_items``)
         mlp = [matmul(*mm[name]) for name in ("mlp.gate_up", "mlp.gate", "mlp.up", "mlp.fc1",
                                               "mlp.down") if name in mm]
-        out += _dense_mlp_ops(spec, terms, mlp, spec.ffn_hidden_size // t)
+        f = spec.ffn_hidden_size // t
+        out += (_gelu_new_ops(terms, mlp, f, dm) if spec.activation_impl.value == "gelu_new"
+                else _dense_mlp_ops(spec, terms, mlp, f))
         out += _down_ops(spec, terms, mlp[-1], named, fp32)
     return numbered(out)
 
@@ -588,7 +590,7 @@ def rerun_flops_per_token(items: tuple[Item, ...], kept: tuple[Item, ...]) -> fl
 
 def forward_peak(moment_blocks: list[tuple[str, int]], items: tuple[Item, ...],
                  kept: tuple[Item, ...], mlp_end: int = 0, parallel: bool = False,
-                 returned: tuple[str, int] = ("", 0)) -> int:
+                 returned: tuple[str, int] = ("", 0), out_mask: int = 0) -> int:
     """The largest of a checkpointed layer's forward moments (``(block name, alive +
     transient bytes)``, ``memplan.model.layer.forward_moments`` under full recompute) with the
     kept outputs made by then: those of the blocks before its block, and its own block's
@@ -600,7 +602,10 @@ def forward_peak(moment_blocks: list[tuple[str, int]], items: tuple[Item, ...],
     (``input_held``; ``parallel``: a parallel layer, whose MLP reads the attention norm's
     output too). ``returned``: a kept attention item the blocks after the attention hold anyway,
     and how many of its bytes (an eager core's returned probabilities, which the decoder
-    layer holds to its end: ``memplan.model.attention.eager_held_item``)."""
+    layer holds to its end: ``memplan.model.attention.eager_held_item``). ``out_mask``: the
+    bool mask of dropout on the MLP's output, which ``mlp_end`` counts beside the dropout's
+    and the projection's outputs; a kept projection output stays past it, to the residual
+    add's output (GPT2Block.forward: ``residual + feed_forward_hidden_states``)."""
     # (plain loops: a plan asks this of every frontier set of every layout it upgrades)
     order: dict[str, int] = {}
     for i in items:
@@ -629,6 +634,8 @@ def forward_peak(moment_blocks: list[tuple[str, int]], items: tuple[Item, ...],
         at = order.get("mlp", len(order) - 1) + 1
         late = sum(i.size_bytes for i in kept if i.name == "mlp.down")
         best = mlp_end + before[at] - late + down_in - input_held(kept, "mlp", parallel)
+        if out_mask and late:
+            best += late - out_mask
     after = order.get("attn", len(order))  # the blocks after it hold ``returned``
     dup = min(next((i.size_bytes for i in kept if i.name == returned[0]), 0), returned[1])
     if mlp_end and "mlp" in order and order["mlp"] > after:
@@ -796,3 +803,36 @@ def core_peak(core: tuple[tuple[int, tuple[tuple[str, int], ...]], ...],
         extra = dict(adds)
         best = max(best, value + before + sum(extra.get(i.name, 0) for i in kept))
     return best
+
+
+# transformers' NewGELUActivation's ops a policy names (``_gelu_new_ops``): ``aten.tanh``, and
+# ``aten.mul``/``aten.add`` of a tensor and a Python number (the scaling, ``1.0 + tanh``)
+TANH, SCALE, SHIFT = "tanh", "scale", "shift"
+
+
+def _gelu_new_ops(terms: dict[str, int], mlp: list[Item], f: int, dm: Dims) -> list[Item]:
+    """An ungated MLP with transformers' gelu_new (activations.py NewGELUActivation.forward:
+    ``0.5 * input * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (input + 0.044715 *
+    torch.pow(input, 3.0))))``, Python evaluating ``0.5 * input`` first), in execution order:
+    the first projection (``mlp.fc1``), ``0.5 * input`` (``mlp.gelu_half_x``, the first
+    number-scaled tensor f wide), the two other scalings (kept by none), ``tanh``
+    (``mlp.gelu_tanh``), ``1.0 + tanh`` (``mlp.gelu_one_plus_tanh``) and their product
+    (``mlp.act``). Sizes as ``memplan.model.mlp.gelu_new_saved``: under autocast ``pow``
+    runs on an fp32 cast of the input (the ``mlp.fc1`` term, which no item names: the
+    projection's output is saved by no one), tanh and the sum are fp32 and so is the product,
+    which the down projection casts back (the ``mlp.act`` term, no item either). One FLOP an
+    element each."""
+    elements = dm.tokens * f
+    wide = FP32_BYTES if dm.autocast else dm.e
+
+    def item(name: str, op: str, e: int, covered: bool = True) -> Item:
+        # kept, tanh's output outlives its step (the chain's peak: ``memplan.model.mlp.
+        # _gelu_new_working_bytes``), where the others are alive anyway
+        covers = (name,) if covered and name in terms else ()
+        return Item(name, covers, elements * e, float(f), op, f, 0, "mlp", op == TANH)
+
+    fc1 = mlp[0]._replace(terms=() if dm.autocast else mlp[0].terms)
+    return [fc1, item("mlp.gelu_half_x", SCALE, dm.e), _unkept(SCALE, f, "mlp"),
+            _unkept(SCALE, f, "mlp"), item("mlp.gelu_tanh", TANH, wide),
+            item("mlp.gelu_one_plus_tanh", SHIFT, wide),
+            item("mlp.act", PRODUCT, wide, covered=not dm.autocast)]

@@ -170,6 +170,10 @@ def _key(op, args):
         return "grouped_mm", args[1].shape[-1]
     if op is _aten.mul.Tensor and all(isinstance(a, torch.Tensor) for a in args[:2]):
         return "mul", max(args[0].shape[-1], args[1].shape[-1])
+    if op is _aten.tanh.default:
+        return "tanh", args[0].shape[-1]
+    if op in (_aten.mul.Tensor, _aten.add.Tensor) and not isinstance(args[1], torch.Tensor):
+        return ("scale" if op is _aten.mul.Tensor else "shift"), args[0].shape[-1]
     return None
 
 

@@ -58,3 +58,48 @@ def test_relu_kept_outputs_add_their_bytes() -> None:
                                            r"\(its feed_forward is gated"):
         emit_for("torchtitan", run("mlp"))
     assert "--recompute-modules core_attn layernorm" in emit_for("megatron", run("mlp"))
+
+
+# tiny-gelu-new: tiny with an ungated MLP of f 176 running transformers' gelu_new formula
+# (``ActivationImpl.GELU_NEW``), with biases as GPT-2's Conv1D has them
+TINY_GELU_NEW = ModelSpec.model_validate({**load_model("tiny").model_dump(),
+                                          "name": "tiny-gelu-new", "mlp": "gelu",
+                                          "activation_impl": "gelu_new"})
+
+
+def test_gelu_new_items_by_hand() -> None:
+    """bf16, T = 256, f = 176: T x f = 45,056 elements. In execution order (0.5 * input first,
+    then pow, 0.044715 * pow, sqrt(2/pi) * (...), tanh, 1.0 + tanh, the product): mlp.fc1
+    (90,112 B, 22,528 FLOPs a token), mlp.gelu_half_x (the first of three number-scaled
+    tensors 176 wide, 90,112 B), mlp.gelu_tanh (tanh, 90,112 B), mlp.gelu_one_plus_tanh (a
+    number added, 90,112 B) and mlp.act (the first 176-wide tensor product, 90,112 B), one
+    FLOP an element each (176 a token). Under autocast (amp-bf16) tanh, its sum and the
+    product are fp32 (180,224 B each; the product's saved term is the down projection's bf16
+    cast, which it does not name), 0.5 * input stays bf16, and the first projection's output
+    names no saved term (pow saves an fp32 cast of it)."""
+    mlp = [(i.name, i.terms, i.size_bytes, i.flops_per_token, i.op, i.width, i.nth)
+           for i in _items(TINY_GELU_NEW) if i.block == "mlp"]
+    assert mlp == [
+        ("mlp.fc1", ("mlp.fc1",), 90_112, 22_528.0, "matmul", 176, 0),
+        ("mlp.gelu_half_x", ("mlp.gelu_half_x",), 90_112, 176.0, "scale", 176, 0),
+        ("mlp.gelu_tanh", ("mlp.gelu_tanh",), 90_112, 176.0, "tanh", 176, 0),
+        ("mlp.gelu_one_plus_tanh", ("mlp.gelu_one_plus_tanh",), 90_112, 176.0, "shift", 176,
+         0),
+        ("mlp.act", ("mlp.act",), 90_112, 176.0, "mul", 176, 0)]
+    amp = {i.name: (i.terms, i.size_bytes) for i in _items(TINY_GELU_NEW, precision="amp-bf16")
+           if i.block == "mlp"}
+    assert amp == {"mlp.fc1": ((), 90_112),
+                   "mlp.gelu_half_x": (("mlp.gelu_half_x",), 90_112),
+                   "mlp.gelu_tanh": (("mlp.gelu_tanh",), 180_224),
+                   "mlp.gelu_one_plus_tanh": (("mlp.gelu_one_plus_tanh",), 180_224),
+                   "mlp.act": ((), 180_224)}
+
+
+def test_gelu_new_policy_counts_the_scalings() -> None:
+    """The torch policy counts three "scale" ops 176 wide a layer (0.5 * input and the two
+    inside tanh's argument) and keeps the first; tanh and the sum by their own families."""
+    est = estimate(TINY_GELU_NEW, **FIELDS, recompute="ops",
+                   recompute_save="mlp.gelu_half_x,mlp.gelu_tanh,mlp.gelu_one_plus_tanh")
+    text = emit_for("torch", est)
+    assert "SAVE = {('scale', 176, 0), ('shift', 176, 0), ('tanh', 176, 0)}" in text
+    assert "('scale', 176): 3" in text
