@@ -53,7 +53,7 @@ from memplan.model import falcon_h1
 from memplan.model.falcon_h1 import ParallelMamba
 from memplan.model.norm import Norm, StreamInput
 from memplan.model.sac import sac_terms
-from memplan.spec import ModelSpec, NormPlacement, QkNorm
+from memplan.spec import ActivationImpl, ModelSpec, NormPlacement, QkNorm
 from memplan.workload import Attention as Kernel
 from memplan.workload import MambaKernel, NormImpl, Recompute, SelectiveImpl, Workload
 
@@ -655,7 +655,8 @@ def _gelu_new_rerun(spec: ModelSpec, dm: Dims, moments: tuple[LayerMoment, ...],
     everything saved) less what tanh, its sum and the product save, with the kept ones back
     (traced: GPT-2 narrowed keeping its MLP, before 503,296 B under in bf16)."""
     later = ("mlp.gelu_tanh", "mlp.gelu_one_plus_tanh", "mlp.act", "mlp.down")
-    if not any(i.name in later for i in kept):
+    if spec.activation_impl is not ActivationImpl.GELU_NEW or not any(
+            i.name in later for i in kept):
         return moments
     stop = next(m for m in moments if m.name == "rebuild_out")
     unmade = sum(i.size_bytes for i in items if i.name in later[:3] and i.terms)
