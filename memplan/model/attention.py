@@ -801,3 +801,38 @@ def mask_terms(wl: Workload, dm: Dims) -> list[Term]:
     if wl.attention is Kernel.EAGER and wl.recompute is not Recompute.NONE:
         return [Term("attn.causal_mask", eager_mask_bytes(wl, dm))]
     return []
+
+
+def eager_kept_moments(spec: ModelSpec, wl: Workload, dm: Dims
+                       ) -> list[tuple[int, tuple[tuple[str, int], ...]]]:
+    """A checkpointed eager core's moments as changes of the attention's working-set moment
+    (``Attention.working_set``: its core term, the largest of them), each with what a kept
+    op output adds there (``eager.checkpointed_moments``; at the output projection
+    ``eager.output_moment_adds``): for op-level checkpointing (``memplan.model.sac_ops.
+    core_peak``)."""
+    c = _core(spec, wl, dm)
+    stream = dm.rows * spec.hidden_size * dm.e
+    core = max(eager.forward_checkpointed(c) - stream, 2 * c.q)
+    out = [(value - stream - core, tuple(adds.items()))
+           for value, adds in eager.checkpointed_moments(c)]
+    return out + [(2 * c.q - core, tuple(eager.output_moment_adds(c, dm.autocast).items()))]
+
+
+def eager_held_item(spec: ModelSpec, wl: Workload, dm: Dims) -> tuple[str, int]:
+    """The kept op output the decoder layer's later moments hold anyway (``eager.returned``:
+    the probabilities the core returns, ``held_weights_bytes`` of them), and those bytes."""
+    held = held_weights_bytes(spec, wl, dm, Attention())
+    name = eager.returned(_core(spec, wl, dm), dm.autocast) if held else ""
+    return name, held if name else 0
+
+
+def eager_rerun_softmax(spec: ModelSpec, wl: Workload, dm: Dims) -> tuple[int, int]:
+    """A rerun eager core's softmax of a 16-bit input (``softmax(dtype=float32)`` without
+    autocast: the input copied to fp32 first), against its rebuild moment at the value matmul
+    (``Attention.rebuild_moments``): the fp32 copy alive where the probabilities' cast is not
+    yet, and the value matmul's output not yet made; (0, 0) where the softmax upcasts no
+    copy."""
+    c = _core(spec, wl, dm)
+    if dm.autocast or c.masked >= c.sm:
+        return 0, 0
+    return c.sm - c.value_input, c.q

@@ -115,23 +115,41 @@ def forward_saving(c: Core) -> int:
 
 def forward_checkpointed(c: Core) -> int:
     """Bytes a checkpointed core holds at its forward peak, beyond its inputs q, k, v."""
-    if c.sm != c.scores:  # autocast: fp32 masked scores and softmax
+    return max(value for value, _ in checkpointed_moments(c))
+
+
+# the names of an eager core's ops whose outputs a policy can keep (``memplan.model.sac_ops.
+# _eager_core_ops``): the scores (the first matmul's output), the softmax, its cast back, the
+# dropout (output and mask) and the context (the value matmul's output)
+SCORES, SOFTMAX, CAST, DROPOUT, CONTEXT = ("attn.scores", "attn.softmax", "attn.softmax_cast",
+                                           "attn.dropout", "attn.context")
+
+
+def checkpointed_moments(c: Core) -> list[tuple[int, dict[str, int]]]:
+    """A checkpointed core's forward moments (bytes beyond its inputs q, k, v), each with
+    the bytes a kept op output adds there beyond what the moment holds (``SCORES``, ...:
+    kept, an output stays alive from its op on, where the core would have freed it)."""
+    if c.sm != c.scores:  # autocast or an fp32 softmax: fp32 masked scores and softmax
         return _checkpointed_autocast(c)
     # repeated K and V are the core's locals until it returns; copies die with their matmul
     reps = c.k_extra + c.v_extra if c.grouped else 0
     first = c.q_copy + (reps if c.grouped else c.k_extra) + c.scores
     scores = reps + 2 * c.scores  # raw and scaled, then masked and softmax
-    dropout = reps + 3 * c.scores + c.mask if c.mask else 0  # masked, softmax, mask, output
+    kept_scores = {SCORES: c.scores}
+    out = [(first, {}), (scores, kept_scores)]
+    if c.mask:  # masked, softmax, mask, output
+        out.append((reps + 3 * c.scores + c.mask, kept_scores))
     # the value matmul: the masked scores, its probabilities, the copy of v, its output
     value = reps + 2 * c.scores + (0 if c.grouped else c.v_extra) + c.q
-    return max(first, scores, dropout, value)
+    return out + [(value, {SCORES: c.scores, SOFTMAX: c.scores if c.mask else 0})]
 
 
-def _checkpointed_autocast(c: Core) -> int:
-    """``forward_checkpointed`` under autocast: the raw and scaled scores in the low dtype,
-    the masked scores (a local to the end) and the softmax in fp32, dropout's fp32 output
-    and mask (the softmax freed once dropout returns), the cast of the probabilities the
-    value matmul reads; repeated K (fp32 with RoPE) and V are locals of the core."""
+def _checkpointed_autocast(c: Core) -> list[tuple[int, dict[str, int]]]:
+    """``checkpointed_moments`` under autocast or with an fp32 softmax: the raw and scaled
+    scores in the low dtype, the masked scores (a local to the end) and the softmax in fp32,
+    dropout's fp32 output and mask (the softmax freed once dropout returns), the cast of the
+    probabilities the value matmul reads; repeated K (fp32 with RoPE) and V are locals of
+    the core."""
     k_rep = c.fp32_k_rep or (c.k_extra if c.grouped else 0)
     reps = k_rep + c.v_extra if c.grouped else 0
     casts = 2 * c.q + c.q_copy + (c.k_extra if c.q_copy else 0)  # the first matmul's inputs
@@ -139,14 +157,42 @@ def _checkpointed_autocast(c: Core) -> int:
     # a softmax in a wider dtype than its input (softmax(dtype=float32) on bf16 masked
     # scores, no autocast) copies the input to that dtype first (traced: Llama bf16 eager)
     upcast = c.sm if c.masked < c.sm else 0
-    scores = reps + max(2 * c.scores, c.scores + c.masked, c.masked + upcast + c.sm)
+    kept_scores = {SCORES: c.scores}
+    out = [(first, {}), (reps + 2 * c.scores, {}),
+           (reps + c.scores + c.masked, kept_scores),
+           (reps + c.masked + upcast + c.sm, kept_scores)]
     probs = c.sm
-    dropout = 0
     if c.mask:
-        dropout = reps + c.masked + c.sm + c.dropout_local + c.mask
+        out.append((reps + c.masked + c.sm + c.dropout_local + c.mask, kept_scores))
         probs = c.dropout_local + c.mask
     value = reps + c.masked + probs + c.value_input + (0 if c.grouped else c.v_extra) + c.q
-    return max(first, scores, dropout, value)
+    return out + [(value, {SCORES: c.scores, SOFTMAX: c.sm if c.mask else 0})]
+
+
+def returned(c: Core, autocast: bool) -> str:
+    """Which kept op output is the probabilities the core returns (transformers'
+    ``eager_attention_forward`` returns ``attn_weights``, which the decoder layer holds to its
+    end: ``attention.held_weights_bytes``): dropout's output, else the softmax's cast back
+    (``.to(query.dtype)``: a copy on 16-bit weights; under autocast a no-op on RoPE's fp32
+    query, the softmax itself, and a cast no policy names on another query), else the
+    softmax; "" for none."""
+    if c.mask:
+        return DROPOUT
+    if autocast:
+        return SOFTMAX if c.fp32_caller else ""
+    return CAST if c.sm != c.scores else SOFTMAX
+
+
+def output_moment_adds(c: Core, autocast: bool) -> dict[str, int]:
+    """What each kept op output adds at the output projection (``SCORES``, ...): the scores,
+    the softmax and its cast (freed by then) but the returned probabilities (``returned``:
+    alive until the attention returns; of dropout's, its mask); the context is the copy's
+    source, alive there."""
+    adds = {SCORES: c.scores, SOFTMAX: c.sm, CAST: c.value_input, DROPOUT: c.mask}
+    held = returned(c, autocast)
+    if held:
+        adds[held] = c.mask if held == DROPOUT else 0
+    return adds
 
 
 def output_projection(c: Core, saving: bool) -> int:

@@ -30,6 +30,9 @@ from memplan.model.attention import (
     NopeAttention,
     WindowAttention,
     attention_linears,
+    eager_held_item,
+    eager_kept_moments,
+    eager_rerun_softmax,
     held_weights_bytes,
     windowed,
 )
@@ -50,7 +53,7 @@ from memplan.model import falcon_h1
 from memplan.model.falcon_h1 import ParallelMamba
 from memplan.model.norm import Norm, StreamInput
 from memplan.model.sac import sac_terms
-from memplan.spec import ModelSpec, NormPlacement, QkNorm
+from memplan.spec import ActivationImpl, ModelSpec, NormPlacement, QkNorm
 from memplan.workload import Attention as Kernel
 from memplan.workload import MambaKernel, NormImpl, Recompute, SelectiveImpl, Workload
 
@@ -662,7 +665,9 @@ def ops_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str) -
                                          variant), items, kept)
     return full._replace(terms=full.terms + terms, saved_bytes=full.saved_bytes + total(terms),
                          forward_peak_bytes=peak, forward_blocks=(),
-                         moments=_cached_ahead(spec, full.moments, kept))
+                         moments=_cached_at_rerun(spec, wl, dm,
+                                                  _cached_ahead(spec, full.moments, kept),
+                                                  items, kept))
 
 
 def _cached_ahead(spec: ModelSpec, moments: tuple[LayerMoment, ...],
@@ -678,6 +683,62 @@ def _cached_ahead(spec: ModelSpec, moments: tuple[LayerMoment, ...],
     ahead = sum(i.size_bytes for i in kept if i.name.startswith("moe.shared."))
     return tuple(m._replace(alive_bytes=m.alive_bytes + ahead) if m.name == "moe_rerun" else m
                  for m in moments)
+
+
+def _gelu_new_rerun(spec: ModelSpec, dm: Dims, moments: tuple[LayerMoment, ...],
+                    items: tuple[sac_ops.Item, ...], kept: tuple[sac_ops.Item, ...]
+                    ) -> tuple[LayerMoment, ...]:
+    """A gelu_new MLP's rerun at ``pow`` (``sac_ops._gelu_new_ops``): the rerun runs every op
+    of the formula, the cached ones served, so there its output and its product with 0.044715
+    (``mlp._gelu_new_working_bytes``) are made beside what the layer saves up to it and the
+    kept outputs of the later ops, still in the cache (torch/utils/checkpoint.py
+    ``_CachedTorchDispatchMode`` pops each as its op reruns): the rerun's stop ("rebuild_out":
+    everything saved) less what tanh, its sum and the product save, with the kept ones back
+    (traced: GPT-2 narrowed keeping its MLP, before 503,296 B under in bf16)."""
+    later = ("mlp.gelu_tanh", "mlp.gelu_one_plus_tanh", "mlp.act", "mlp.down")
+    if spec.activation_impl is not ActivationImpl.GELU_NEW or not any(
+            i.name in later for i in kept):
+        return moments
+    stop = next(m for m in moments if m.name == "rebuild_out")
+    unmade = sum(i.size_bytes for i in items if i.name in later[:3] and i.terms)
+    cached = sum(i.size_bytes for i in kept if i.name in later)
+    elements = dm.tokens * spec.ffn_hidden_size // dm.tp
+    chain = 2 * elements * (FP32_BYTES if dm.autocast else dm.e)
+    return moments + (LayerMoment("rebuild_gelu", stop.alive_bytes - unmade + cached,
+                                  dm.stream(spec.hidden_size) + chain, ()),)
+
+
+def _cached_at_rerun(spec: ModelSpec, wl: Workload, dm: Dims, moments: tuple[LayerMoment, ...],
+                     items: tuple[sac_ops.Item, ...], kept: tuple[sac_ops.Item, ...]
+                     ) -> tuple[LayerMoment, ...]:
+    """An eager core's rerun moment (``Attention.rebuild_moments``: "rebuild") with the kept
+    outputs the rerun has not reached yet: torch/utils/checkpoint.py's
+    ``_CachedTorchDispatchMode`` pops each cached output when its op reruns, so the outputs
+    of the ops after the core (the context, the output projection, the later blocks') are
+    still held by the cache there (traced: Llama narrowed, eager, the MLP kept: the rerun's
+    softmax beside the layer's four cached MLP outputs, 454,272 B above the estimate). With
+    a 16-bit input the rerun's softmax (``attention.eager_rerun_softmax``) is a moment of its
+    own there."""
+    moments = _gelu_new_rerun(spec, dm, moments, items, kept)
+    if wl.attention is not Kernel.EAGER or not kept or dm.autocast:
+        return moments
+    softmax_up, value_out = eager_rerun_softmax(spec, wl, dm)
+    blocks = [i.block for i in items]
+    after = {b for k, b in enumerate(blocks) if k > blocks.index("attn") and b != "attn"}
+    later = sum(i.size_bytes for i in kept
+                if i.block in after or i.name in ("attn.context", "attn.o_proj"))
+    out = []
+    for m in moments:
+        if m.name == "rebuild":
+            m = m._replace(alive_bytes=m.alive_bytes + later)
+            if softmax_up:  # the cast and dropout after the softmax still cached there
+                cast = sum(i.size_bytes for i in kept
+                           if i.name in ("attn.softmax_cast", "attn.dropout"))
+                out.append(m._replace(name="rebuild_softmax",
+                                      alive_bytes=m.alive_bytes + softmax_up + cast,
+                                      transient_bytes=m.transient_bytes - value_out))
+        out.append(m)
+    return tuple(out)
 
 
 @lru_cache(maxsize=1024)
@@ -697,6 +758,11 @@ class _OpsForward(NamedTuple):
     mlp_end: int
     moe: tuple[tuple[int, frozenset[str]], ...]
     parallel: bool = False  # a parallel layer (``ModelSpec.parallel_block``)
+    # an eager core's moments in place of the attention's (``sac_ops.core_peak``)
+    core: tuple[tuple[int, tuple[tuple[str, int], ...]], ...] = ()
+    # the kept item the blocks after the attention hold anyway (``sac_ops.forward_peak``)
+    held: tuple[str, int] = ("", 0)
+    out_mask: int = 0  # the mask of dropout on the MLP's output, which mlp_end counts
 
 
 @lru_cache(maxsize=1024)
@@ -718,8 +784,14 @@ def _ops_forward(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
         # before 458,752 B, the cast, under the forward's peak)
         late = (last_weight(spec, dm, mlp) * dm.e
                 if cast_cache_bytes(spec, wl, dm, mlp, Recompute.FULL) else 0)
-        return _OpsForward(pairs, base + dm.rows * spec.hidden_size * dm.e + late, (),
-                           spec.parallel_block)
+        pairs, core = _eager_core(spec, wl, dm, pairs)
+        held = eager_held_item(spec, wl, dm) if core else ("", 0)
+        # with dropout on the MLP's output, its output, mask and the projection's output
+        # together (traced: GPT-2 narrowed keeping its gelu_new MLP, before 647,160 B under)
+        mask = dm.rows * spec.hidden_size * MASK_BYTES if spec.dropout > 0 else 0
+        drop = dm.rows * spec.hidden_size * dm.e + mask if mask else 0
+        return _OpsForward(pairs, base + dm.rows * spec.hidden_size * dm.e + late + drop, (),
+                           spec.parallel_block, core, held, mask)
     from memplan.model.moe import grouped_kept_moments
 
     return _OpsForward(tuple(p for p in pairs if p[0] != "mlp"), 0,
@@ -728,12 +800,28 @@ def _ops_forward(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
                        spec.parallel_block)
 
 
+def _eager_core(spec: ModelSpec, wl: Workload, dm: Dims, pairs: tuple[tuple[str, int], ...]
+                ) -> tuple[tuple[tuple[str, int], ...], tuple]:
+    """An eager core's moments (``attention.eager_kept_moments``) in place of the
+    attention's working-set moment (its first), which they make up; SDPA's: as they are."""
+    if wl.attention is not Kernel.EAGER:
+        return pairs, ()
+    at = [name for name, _ in pairs].index("attn")
+    value = pairs[at][1]
+    core = tuple((value + delta, adds) for delta, adds in eager_kept_moments(spec, wl, dm))
+    return pairs[:at] + pairs[at + 1:], core
+
+
 def ops_forward_peak(fw: _OpsForward, items: tuple[sac_ops.Item, ...],
                      kept: tuple[sac_ops.Item, ...]) -> int:
     """The forward peak of a checkpointed layer keeping ``kept`` (``LayerKind.
-    forward_peak_bytes`` under ``Recompute.OPS``): ``sac_ops.forward_peak``, and an MoE
-    block's moments each with the kept items it holds, beside those of the blocks before."""
-    peak = sac_ops.forward_peak(fw.pairs, items, kept, fw.mlp_end, fw.parallel)
+    forward_peak_bytes`` under ``Recompute.OPS``): ``sac_ops.forward_peak``, an eager core's
+    moments (``sac_ops.core_peak``), and an MoE block's moments each with the kept items it
+    holds, beside those of the blocks before."""
+    peak = sac_ops.forward_peak(fw.pairs, items, kept, fw.mlp_end, fw.parallel, fw.held,
+                                fw.out_mask)
+    if fw.core:
+        peak = max(peak, sac_ops.core_peak(fw.core, items, kept, fw.parallel))
     if not fw.moe:
         return peak
     before = -sac_ops.input_held(kept, "mlp", fw.parallel)

@@ -39,7 +39,8 @@ and transformers' Llama, saved bytes and phase peaks exact on the reference mode
 tensors cannot be kept under autocast (``kept_refusal``). torch 2.13 calls the policy in the
 forward only; the rerun looks each op's output up by its index among the calls of that op.
 
-Modelled for pre-norm layers (attention with SDPA's fused kernel and an MLP, or an MoE block as
+Modelled for pre-norm layers (attention with SDPA's fused kernel or an eager core and an MLP, or
+an MoE block as
 transformers' grouped experts run it: ``memplan.model.sac_moe``), without LoRA or
 torch.compile: ``ops_refusal`` names the rest. Dense layers with sandwich norms (Gemma 2 / 3:
 models/gemma2/modeling_gemma2.py Gemma2DecoderLayer.forward, a norm on each mixer's output
@@ -64,8 +65,12 @@ outputs anyway (``input_held``). Dropout on each mixer's output is no item: the 
 its mask from the forward's restored RNG state, the MLP's through its down projection (an
 item, ``mlp.down``, as with post norms). A multi-head latent attention block's ops (DeepSeek-V3's:
 its down and up projections, latent norms, the query's and key's concatenations, the kernel)
-are ``memplan.model.sac_mla``'s. A name scoped ``SCOPE:name`` applies to the layers of a kind
-or one pipeline stage (``resolve``, ``for_stage``).
+are ``memplan.model.sac_mla``'s. An eager attention core (transformers'
+``eager_attention_forward``) is named op by op in place of SDPA's kernel (``_eager_core_ops``:
+its bmms, softmax, cast and dropout), its moments with what each kept output adds
+(``core_peak``); an ungated ReLU MLP keeps its up projection (``mlp.fc1``) and relu's output
+(``mlp.act``). A name scoped ``SCOPE:name`` applies to the layers of a kind or one pipeline
+stage (``resolve``, ``for_stage``).
 """
 
 from __future__ import annotations
@@ -149,12 +154,13 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
         (spec.qk_norm is QkNorm.HEAD and (spec.fused_qkv or wl.fused_qkv),
          "q/k norms on one fused q/k/v projection"),
         (spec.attn_output_gate, "an attention output gate"),
-        (wl.attention is not Kernel.FLASH, f"attention {wl.attention.value}"),
+        (wl.attention is not Kernel.FLASH and eager_refusal(spec, wl) is not None,
+         eager_refusal(spec, wl) or ""),
         (wl.lora_rank > 0, "LoRA adapters"), (wl.compile, "torch.compile"),
         (wl.float8.value != "none", "float8 linears"),
         (wl.attention_impl.value != "generic", f"attention_impl {wl.attention_impl.value}"),
-        (spec.mlp is MlpKind.RELU or spec.activation_impl.value in ("gelu_new", "xielu"),
-         f"the {spec.mlp.value} MLP's saved tensors"),
+        (spec.activation_impl.value == "xielu",
+         f"the {spec.activation_impl.value} activation's saved tensors"),
     )
     return next((why for cond, why in checks if cond), None)
 
@@ -209,9 +215,9 @@ def check_supported(spec: ModelSpec, wl: Workload) -> None:
     if why is not None:
         raise LayoutError("recompute ops is not modelled with this layer",
                           f"recompute ops with {why}: op-level checkpointing is modelled for "
-                          "pre-, sandwich and post-norm and parallel layers with SDPA attention "
-                          "and a dense MLP or transformers' grouped experts, without LoRA or "
-                          "compile")
+                          "pre-, sandwich and post-norm and parallel layers with SDPA or eager "
+                          "attention and a dense MLP or transformers' grouped experts, without "
+                          "LoRA or compile")
 
 
 def matmul_shapes(spec: ModelSpec, t: int, fused_qkv: bool = False
@@ -270,7 +276,8 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
     if spec.mla is not None:
         out += _mla_ops(spec, dm, terms, named, fp32)
     else:
-        out += _attention_ops(spec, dm, terms, named, fp32, [matmul(*m) for m in mm.values()])
+        out += _attention_ops(spec, wl, dm, terms, named, fp32,
+                              [matmul(*m) for m in mm.values()])
     if place.post_norm:
         # Gemma2DecoderLayer.forward: post_attention_layernorm on the attention's output
         # before the residual add (Olmo2DecoderLayer.forward: the same, no norm before)
@@ -282,17 +289,20 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
     if not moe:  # (an MoE block's items follow: ``memplan.model.sac_moe.moe_items``)
         mlp = [matmul(*mm[name]) for name in ("mlp.gate_up", "mlp.gate", "mlp.up", "mlp.fc1",
                                               "mlp.down") if name in mm]
-        out += _dense_mlp_ops(spec, terms, mlp, spec.ffn_hidden_size // t)
+        f = spec.ffn_hidden_size // t
+        out += (_gelu_new_ops(terms, mlp, f, dm) if spec.activation_impl.value == "gelu_new"
+                else _dense_mlp_ops(spec, terms, mlp, f))
         out += _down_ops(spec, terms, mlp[-1], named, fp32)
     return numbered(out)
 
 
-def _attention_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int], named: bool,
-                   fp32: bool, matmuls: list[Item]) -> list[Item]:
+def _attention_ops(spec: ModelSpec, wl: Workload, dm: Dims, terms: dict[str, int],
+                   named: bool, fp32: bool, matmuls: list[Item]) -> list[Item]:
     """A generic attention block's ops in execution order (``layer_ops``): the q, k, v (or
     fused q/k/v) projections, each q/k norm after its projection, RoPE's four products, the
-    kernel (``attn.out`` with its logsumexp) and the output projection (``matmuls``: the
-    layer's projection items, ``matmul_shapes``' order)."""
+    core (``_core_ops``: SDPA's kernel, ``attn.out`` with its logsumexp, or an eager core's
+    ops) and the output projection (``matmuls``: the layer's projection items,
+    ``matmul_shapes``' order)."""
     mm = {i.name: i for i in matmuls}
     out = []
     for name in ("attn.qkv",) if "attn.qkv" in mm else ("attn.q", "attn.k", "attn.v"):
@@ -301,10 +311,7 @@ def _attention_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int], named: bool
             out += _qk_norm_ops(spec, name, mm[name].width, terms, named, fp32)
     if spec.position is PositionKind.ROPE:
         out += [_unkept(PRODUCT, spec.rope_dim, "attn")] * 4
-    core = AttentionBlock().core_flops_per_token(spec, dm.s_kv) / dm.tp
-    out.append(Item("attn.out", ("attn.out", "attn.lse"), terms["attn.out"] + terms["attn.lse"],
-                    core, ATTENTION_KERNEL, spec.q_size // dm.tp, 0, "attn", False))
-    return out + [mm["attn.o_proj"]]
+    return out + _core_ops(spec, wl, dm, terms) + [mm["attn.o_proj"]]
 
 
 def _mla_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int], named: bool,
@@ -702,7 +709,8 @@ def rerun_flops_per_token(items: tuple[Item, ...], kept: tuple[Item, ...]) -> fl
 
 
 def forward_peak(moment_blocks: list[tuple[str, int]], items: tuple[Item, ...],
-                 kept: tuple[Item, ...], mlp_end: int = 0, parallel: bool = False) -> int:
+                 kept: tuple[Item, ...], mlp_end: int = 0, parallel: bool = False,
+                 returned: tuple[str, int] = ("", 0), out_mask: int = 0) -> int:
     """The largest of a checkpointed layer's forward moments (``(block name, alive +
     transient bytes)``, ``memplan.model.layer.forward_moments`` under full recompute) with the
     kept outputs made by then: those of the blocks before its block, and its own block's
@@ -712,7 +720,12 @@ def forward_peak(moment_blocks: list[tuple[str, int]], items: tuple[Item, ...],
     torchtitan's block with the MLP kept, one residual-sized tensor above its working set).
     A kept norm output is its reader's input, which that block's moments hold anyway
     (``input_held``; ``parallel``: a parallel layer, whose MLP reads the attention norm's
-    output too)."""
+    output too). ``returned``: a kept attention item the blocks after the attention hold anyway,
+    and how many of its bytes (an eager core's returned probabilities, which the decoder
+    layer holds to its end: ``memplan.model.attention.eager_held_item``). ``out_mask``: the
+    bool mask of dropout on the MLP's output, which ``mlp_end`` counts beside the dropout's
+    and the projection's outputs; a kept projection output stays past it, to the residual
+    add's output (GPT2Block.forward: ``residual + feed_forward_hidden_states``)."""
     # (plain loops: a plan asks this of every frontier set of every layout it upgrades)
     order: dict[str, int] = {}
     for i in items:
@@ -741,9 +754,16 @@ def forward_peak(moment_blocks: list[tuple[str, int]], items: tuple[Item, ...],
         at = order.get("mlp", len(order) - 1) + 1
         late = sum(i.size_bytes for i in kept if i.name == "mlp.down")
         best = mlp_end + before[at] - late + down_in - input_held(kept, "mlp", parallel)
+        if out_mask and late:
+            best += late - out_mask
+    after = order.get("attn", len(order))  # the blocks after it hold ``returned``
+    dup = min(next((i.size_bytes for i in kept if i.name == returned[0]), 0), returned[1])
+    if mlp_end and "mlp" in order and order["mlp"] > after:
+        best -= dup
     for block, value in moment_blocks:
         at = order.get(block, len(order))
-        best = max(best, value + before[at] + own[at] - input_held(kept, block, parallel))
+        best = max(best, value + before[at] + own[at] - input_held(kept, block, parallel)
+                   - (dup if at > after else 0))
     return best
 
 
@@ -808,3 +828,133 @@ def assumption(spec: ModelSpec, wl: Workload, kinds: dict[str, tuple[Item, ...]]
              if spec.dropout > 0 else "a dense MLP's down projection never reruns: early stop")
     stop = "; ".join(s for s in (stop, dense) if s)
     return f"recompute ops (PyTorch selective activation checkpointing per layer): {what} ({stop})"
+
+
+# an eager core's ops a policy names (``_eager_core_ops``): its two batched matmuls
+# (``aten.bmm``) and the probabilities' dropout (``aten.native_dropout``, CUDA's fused kernel)
+BMM, DROPOUT = "bmm", "dropout"
+
+
+def _core_ops(spec: ModelSpec, wl: Workload, dm: Dims, terms: dict[str, int]) -> list[Item]:
+    """The attention core's items: SDPA's kernel (``attn.out``, its output and logsumexp), or
+    an eager core's ops (``_eager_core_ops``)."""
+    if wl.attention is Kernel.EAGER:
+        return _eager_core_ops(spec, dm, terms)
+    core = AttentionBlock().core_flops_per_token(spec, dm.s_kv) / dm.tp
+    return [Item("attn.out", ("attn.out", "attn.lse"), terms["attn.out"] + terms["attn.lse"],
+                 core, ATTENTION_KERNEL, spec.q_size // dm.tp, 0, "attn", False)]
+
+
+def eager_refusal(spec: ModelSpec, wl: Workload) -> str | None:
+    """Why an eager core's ops are not modelled one by one, or None: modelled as transformers'
+    ``eager_attention_forward`` runs them (models/llama/modeling_llama.py; GPT-2's in
+    models/gpt2/modeling_gpt2.py) in a dense layer, without soft-capping, sinks or a window."""
+    checks = (
+        (wl.attention is not Kernel.EAGER, f"attention {wl.attention.value}"),
+        (spec.moe is not None, "eager attention in MoE layers"),
+        (spec.mla is not None, "eager attention in MLA layers"),
+        (spec.attn_logit_softcap is not None, "eager attention with logit soft-capping"),
+        (spec.attn_sinks, "eager attention with sinks"),
+        (spec.sliding_window is not None and wl.seq_len > spec.sliding_window,
+         "eager attention in sliding-window layers"),
+        (wl.precision.value.endswith("fp16"),
+         "eager attention in fp16 (CUDA's softmax upcasts fp16 without a copy)"),
+    )
+    return next((why for cond, why in checks if cond), None)
+
+
+def _eager_core_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]) -> list[Item]:
+    """An eager core's ops in execution order (transformers' ``eager_attention_forward``:
+    ``torch.matmul(query, key.transpose)`` then the scaling and the additive mask, ``softmax``
+    (in fp32 with ``dtype=torch.float32``, a 16-bit input copied to fp32 first, then
+    ``.to(query.dtype)``), ``dropout``, ``torch.matmul(attn_weights, value)``): the items
+    ``attn.scores`` (the first bmm's output, saved by no one), ``attn.softmax`` (its output,
+    saved by its backward), ``attn.softmax_cast`` (the cast back, saved by the value matmul;
+    16-bit weights only: under autocast the value matmul's own cast of its input, not named),
+    ``attn.dropout`` (``native_dropout``'s output and bool mask) and ``attn.context`` (the
+    value bmm's output, whose transposed copy the output projection saves). What each kept
+    adds to the checkpointed core's moments is ``core_peak``'s (``memplan.model.eager.
+    checkpointed_moments``). FLOPs: 2 s_kv q / t a token per bmm (the
+    whole square: an eager core masks, it does not skip), one an element of the rest."""
+    heads, s_kv, e = spec.num_attention_heads // dm.tp, dm.s_kv, dm.e
+    scores = dm.b * heads * dm.s * s_kv
+    bmm, per_element = 2.0 * s_kv * spec.q_size / dm.tp, float(heads * s_kv)
+
+    def item(name: str, covers: tuple[str, ...], size: int, flops: float, op: str,
+             width: int) -> Item:
+        return Item(name, tuple(c for c in covers if c in terms), size, flops, op, width, 0,
+                    "attn", False)
+
+    out = [item("attn.scores", (), scores * e, bmm, BMM, s_kv)]
+    # softmax in fp32 on 16-bit weights: a copy to fp32 before it, a cast back after it
+    cast = terms["attn.softmax"] > scores * e and not dm.autocast
+    if cast:  # softmax(dtype=float32) copies its 16-bit input to fp32 first
+        out.append(_unkept(COPY, s_kv, "attn"))
+    out.append(item("attn.softmax", ("attn.softmax",), terms["attn.softmax"], per_element,
+                    SOFTMAX, s_kv))
+    if cast:
+        out.append(item("attn.softmax_cast", ("attn.softmax_cast",), scores * e,
+                        per_element, COPY, s_kv))
+    if spec.dropout > 0:
+        out.append(item("attn.dropout", ("attn.softmax_dropout_mask",
+                                         "attn.softmax_dropout_out"),
+                        terms["attn.softmax_dropout_mask"] + scores * e, per_element,
+                        DROPOUT, s_kv))
+    out.append(item("attn.context", (), dm.tokens * spec.q_size // dm.tp * e, bmm, BMM,
+                    spec.head_dim))
+    return out
+
+
+def core_peak(core: tuple[tuple[int, tuple[tuple[str, int], ...]], ...],
+              items: tuple[Item, ...], kept: tuple[Item, ...], parallel: bool = False) -> int:
+    """The largest of a checkpointed eager core's moments (``(bytes, what each kept core
+    item adds there)``, ``memplan.model.layer._ops_forward``: the attention's moment with
+    each of the core's, ``memplan.model.eager.checkpointed_moments``) with the kept outputs
+    made by then: those of the blocks before the attention, the attention's own extra ones
+    (q and k before RoPE) and each kept core output's addition there."""
+    blocks: list[str] = []
+    for i in items:
+        if i.block == "attn":
+            break
+        if i.block not in blocks:
+            blocks.append(i.block)
+    before = sum(i.size_bytes for i in kept if i.block in blocks or i.block == "attn"
+                 and i.own_extra) - input_held(kept, "attn", parallel)
+    best = 0
+    for value, adds in core:
+        extra = dict(adds)
+        best = max(best, value + before + sum(extra.get(i.name, 0) for i in kept))
+    return best
+
+
+# transformers' NewGELUActivation's ops a policy names (``_gelu_new_ops``): ``aten.tanh``, and
+# ``aten.mul``/``aten.add`` of a tensor and a Python number (the scaling, ``1.0 + tanh``)
+TANH, SCALE, SHIFT = "tanh", "scale", "shift"
+
+
+def _gelu_new_ops(terms: dict[str, int], mlp: list[Item], f: int, dm: Dims) -> list[Item]:
+    """An ungated MLP with transformers' gelu_new (activations.py NewGELUActivation.forward:
+    ``0.5 * input * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (input + 0.044715 *
+    torch.pow(input, 3.0))))``, Python evaluating ``0.5 * input`` first), in execution order:
+    the first projection (``mlp.fc1``), ``0.5 * input`` (``mlp.gelu_half_x``, the first
+    number-scaled tensor f wide), the two other scalings (kept by none), ``tanh``
+    (``mlp.gelu_tanh``), ``1.0 + tanh`` (``mlp.gelu_one_plus_tanh``) and their product
+    (``mlp.act``). Sizes as ``memplan.model.mlp.gelu_new_saved``: under autocast ``pow``
+    runs on an fp32 cast of the input (the ``mlp.fc1`` term, which no item names: the
+    projection's output is saved by no one), tanh and the sum are fp32 and so is the product,
+    which the down projection casts back (the ``mlp.act`` term, no item either). One FLOP an
+    element each."""
+    elements = dm.tokens * f
+    wide = FP32_BYTES if dm.autocast else dm.e
+
+    def item(name: str, op: str, e: int, covered: bool = True) -> Item:
+        # kept, tanh's output outlives its step (the chain's peak: ``memplan.model.mlp.
+        # _gelu_new_working_bytes``), where the others are alive anyway
+        covers = (name,) if covered and name in terms else ()
+        return Item(name, covers, elements * e, float(f), op, f, 0, "mlp", op == TANH)
+
+    fc1 = mlp[0]._replace(terms=() if dm.autocast else mlp[0].terms)
+    return [fc1, item("mlp.gelu_half_x", SCALE, dm.e), _unkept(SCALE, f, "mlp"),
+            _unkept(SCALE, f, "mlp"), item("mlp.gelu_tanh", TANH, wide),
+            item("mlp.gelu_one_plus_tanh", SHIFT, wide),
+            item("mlp.act", PRODUCT, wide, covered=not dm.autocast)]

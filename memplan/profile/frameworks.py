@@ -407,7 +407,8 @@ def build_hf(case: FrameworkCase) -> Built:
     experts = ({"moe_impl": case.options["moe_impl"]} if "moe_impl" in case.options
                else _grouped_gather(spec))
     if recompute == "ops":  # the emitted torch policy, as gradient_checkpointing_kwargs
-        _emitted_checkpointing(model, spec, rec.name, b, s, save, experts)
+        _emitted_checkpointing(model, spec, rec.name, b, s, save,
+                               {**experts, "attention": "flash" if attn == "sdpa" else "eager"})
     host = HostSaved()
     def offloading() -> contextlib.AbstractContextManager:
         if "activations" not in offload:
@@ -565,8 +566,9 @@ def _emitted_checkpointing(model, spec: ModelSpec, precision: str, b: int, s: in
                            save: str, experts: dict[str, str]) -> None:
     """``gradient_checkpointing_enable`` with the policy ``memplan estimate --emit-policy
     torch`` prints for ``save`` (``memplan.profile.sac_policy``), for the experts'
-    implementation the estimate takes (``experts``: by default the installed transformers'
-    grouped experts, ``_grouped_gather``, whose gathers are ops the policy counts): each
+    implementation and attention the estimate takes (``experts``: by default the installed
+    transformers' grouped experts, ``_grouped_gather``, whose gathers are ops the policy
+    counts; ``attention``: eager's core ops are counted, SDPA's kernel is one): each
     decoder layer's checkpoint gets a fresh policy (``make_policy_fn``), its counters its
     own."""
     from torch.utils.checkpoint import create_selective_checkpoint_contexts

@@ -4,7 +4,7 @@
   ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` (torch/utils/checkpoint.py),
   ``policy_fns`` (one per layer, each with its own counters) and ``context_fn(layer)``. An
   item is recognised by its op family (``mm``/``addmm`` for a projection; SDPA's kernels;
-  ``silu``/``gelu``; ``mul``; ``cat``, MLA's query and key), its output's last dimension and its index among the layer's
+  ``silu``/``gelu``/``relu``; ``mul``; ``cat``, MLA's query and key), its output's last dimension and its index among the layer's
   ops of that family and width (``memplan.model.sac_ops.Item``); the policy counts them per
   layer. An upcast RMSNorm's tensors are named by its casts (``_to_copy``), ``rsqrt`` and
   products (``mul``); other norms' saved tensors come from ops that differ by
@@ -25,11 +25,14 @@ from __future__ import annotations
 
 from memplan.errors import MemplanError
 from memplan.model.sac_mla import CAT, mla_matmul_shapes
-from memplan.model.sac_ops import (ATTENTION_KERNEL, CONV, MATMUL, NORM, Item,
+from memplan.model.sac_ops import (ATTENTION_KERNEL, BMM, CONV, MATMUL, NORM, Item,
                                    matmul_shapes)
 from memplan.spec import ModelSpec
 
 TARGETS = ("torch", "torchtitan", "megatron")
+# an eager core's items (memplan.model.sac_ops._eager_core_ops): Megatron's core_attn
+_EAGER_CORE = ("attn.scores", "attn.softmax", "attn.softmax_cast", "attn.dropout",
+               "attn.context")
 # torchtitan's Llama module names of each projection (models/common/attention.py,
 # feed_forward.py)
 _TITAN_FQNS = {"attn.qkv": "attention.wqkv", "attn.q": "attention.wq", "attn.k": "attention.wk", "attn.v": "attention.wv",
@@ -155,7 +158,8 @@ def _key(op, args):
         return "{MATMUL}", args[-1].shape[-1]
     if op in _SDPA:
         return "{ATTENTION_KERNEL}", args[0].shape[1] * args[0].shape[-1]
-    if op in (_aten.silu.default, _aten.gelu.default, _aten.sigmoid.default):
+    if op in (_aten.silu.default, _aten.gelu.default, _aten.sigmoid.default,
+              _aten.relu.default):
         return "act", args[0].shape[-1]
     if op in (_aten._to_copy.default, _aten.rsqrt.default):
         return ("copy" if op is _aten._to_copy.default else "rsqrt"), args[0].shape[-1]
@@ -167,12 +171,20 @@ def _key(op, args):
         return "softmax", args[0].shape[-1]
     if op is _aten.index.Tensor:
         return "index", args[0].shape[-1]
+    if op is _aten.bmm.default:
+        return "bmm", args[1].shape[-1]
+    if op is _aten.native_dropout.default:
+        return "dropout", args[0].shape[-1]
     if "grouped_mm" in str(op):  # aten._grouped_mm, or transformers' fallback op
         return "grouped_mm", args[1].shape[-1]
     if op is _aten.mul.Tensor and all(isinstance(a, torch.Tensor) for a in args[:2]):
         return "mul", max(args[0].shape[-1], args[1].shape[-1])
     if op is _aten.convolution.default:  # a depthwise conv1d, by its output channels
         return "{CONV}", args[1].shape[0]
+    if op is _aten.tanh.default:
+        return "tanh", args[0].shape[-1]
+    if op in (_aten.mul.Tensor, _aten.add.Tensor) and not isinstance(args[1], torch.Tensor):
+        return ("scale" if op is _aten.mul.Tensor else "shift"), args[0].shape[-1]
     return None
 
 
@@ -248,12 +260,17 @@ def torchtitan_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item
                       command: str) -> str:
     _no_short_conv("torchtitan", spec, "torchtitan 0.3.0 has no LFM2 model")
     names = {i.name for i in kept}
+    if any(i.op == BMM for i in items):
+        raise MemplanError(f"emit-policy torchtitan: {spec.name}'s eager attention core has no "
+                           "counterpart in torchtitan (its attention runs SDPA or flex "
+                           "attention); use --emit-policy torch")
     matmuls = [i for i in items if i.op == MATMUL]
     unnamed = [i.name for i in matmuls if i.name not in _TITAN_FQNS]
     if unnamed:
+        why = ("its feed_forward is gated: w1, w3, w2" if "mlp.fc1" in unnamed
+               else "its feed_forward runs w1 and w3 apart")
         raise MemplanError(f"emit-policy torchtitan: {spec.name}'s {', '.join(unnamed)} has no "
-                           "module in torchtitan's Llama (its feed_forward runs w1 and w3 "
-                           "apart); use --emit-policy torch")
+                           f"module in torchtitan's Llama ({why}); use --emit-policy torch")
     # the down projection's output: never read by backward, reruns under torchtitan's
     # early_stop=False unless kept; memplan's items leave it out (early stop)
     down = Item("mlp.down", (), 0, 2.0 * spec.ffn_hidden_size * spec.hidden_size, MATMUL,
@@ -301,10 +318,14 @@ def megatron_policy(spec: ModelSpec, items: tuple[Item, ...], kept: tuple[Item, 
     names = {i.name for i in kept}
     modules: list[str] = []
     unlike: list[str] = []
+    core = {i.name for i in items if i.name in _EAGER_CORE} or {"attn.out"}
     if spec.mla is not None:
         _megatron_mla(items, names, modules, unlike)
-    elif "attn.out" not in names:
+    elif not core <= names:
         modules.append("core_attn")
+        if core & names:
+            unlike.append("an eager core partly kept: Megatron's core_attn keeps or recomputes "
+                          "the core whole (recomputed)")
     if not names & {"mlp.gate", "mlp.up", "mlp.gate_up", "mlp.act", "mlp.prod", "mlp.fc1"}:
         modules.append("mlp")
     norms = {i.name for i in items if i.block in ("attn_norm", "mlp_norm")}

@@ -1,0 +1,95 @@
+"""Op-level checkpointing of an eager attention core (transformers' ``eager_attention_forward``:
+the scores' bmm, the scaling and additive mask, softmax, its cast back, dropout, the value
+bmm), derived by hand.
+
+tiny: h 64, 4 heads / 2 KV heads of d 16, SwiGLU f 176, 2 layers. At seq 128 and micro-batch
+2 in bf16 a layer's tokens are T = 256 and its scores b x heads x s x s_kv = 2 x 4 x 128 x
+128 = 131,072 elements. With ``softmax_fp32`` (transformers' Llama: ``softmax(dtype=
+torch.float32)`` then ``.to(query.dtype)``) the softmax copies its bf16 input to fp32 first
+(an op of the ``copy`` family, 128 wide, kept by no item) and casts its output back.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from memplan.api import estimate, make_layout, make_workload
+from memplan.errors import MemplanError
+from memplan.model.dims import Dims
+from memplan.model.layer import ops_items, ops_unkept
+from memplan.model.sac_ops import ops_refusal, rerun_flops_per_token, resolve
+from memplan.report.sac_policy import emit_for
+from memplan.spec import ModelSpec, load_model
+
+TINY = load_model("tiny")
+FIELDS = dict(seq_len=128, micro_batch_size=2, attention="eager", softmax_fp32=True)
+
+
+def _items(spec: ModelSpec = TINY, **fields):
+    wl = make_workload(spec, **{**FIELDS, **fields}, recompute="ops")
+    assert ops_refusal(spec, wl) is None
+    dm = Dims.of(spec, make_layout(1), wl)
+    return ops_items(spec, wl, dm), ops_unkept(spec, wl, dm)
+
+
+def test_eager_core_items_by_hand() -> None:
+    """attn.scores: the first bmm's output, 131,072 x 2 = 262,144 B, 2 x s_kv x q = 2 x 128
+    x 64 = 16,384 FLOPs a token (the whole square); attn.softmax: fp32, 524,288 B, one FLOP
+    an element (heads x s_kv = 512 a token); attn.softmax_cast: 262,144 B, the second
+    128-wide copy (the first, the softmax's upcast, counted unkept); attn.context: the value
+    bmm's output, T x q x 2 = 32,768 B, 16,384 FLOPs, the first bmm 16 (d) wide."""
+    items, unkept = _items()
+    core = [(i.name, i.terms, i.size_bytes, i.flops_per_token, i.op, i.width, i.nth)
+            for i in items if i.op in ("bmm", "softmax") or i.name == "attn.softmax_cast"]
+    assert core == [
+        ("attn.scores", (), 262_144, 16_384.0, "bmm", 128, 0),
+        ("attn.softmax", ("attn.softmax",), 524_288, 512.0, "softmax", 128, 0),
+        ("attn.softmax_cast", ("attn.softmax_cast",), 262_144, 512.0, "copy", 128, 1),
+        ("attn.context", (), 32_768, 16_384.0, "bmm", 16, 0)]
+    assert ("copy", 128) in unkept
+    assert "attn.out" not in {i.name for i in items}  # SDPA's kernel: no such op here
+    kept = resolve(items, ("attn.scores", "attn.softmax", "attn.softmax_cast",
+                           "attn.context"), TINY)
+    assert rerun_flops_per_token(items, ()) - rerun_flops_per_token(items, kept) == \
+        2 * 16_384 + 2 * 512
+
+
+def test_eager_dropout_item_by_hand() -> None:
+    """With dropout 0.1 (its bool mask, 131,072 B, and its bf16 output, 262,144 B: CUDA's
+    native_dropout) and the softmax in bf16: attn.dropout, 393,216 B, the first dropout 128
+    wide; no cast."""
+    spec = ModelSpec.model_validate({**TINY.model_dump(), "name": "tiny-drop", "dropout": 0.1})
+    items, _ = _items(spec, softmax_fp32=False)
+    drop = [(i.name, i.size_bytes, i.op, i.width, i.nth) for i in items
+            if i.name.startswith("attn.") and i.op in ("dropout", "copy")]
+    assert drop == [("attn.dropout", 393_216, "dropout", 128, 0)]
+
+
+def test_kept_core_outputs_add_their_bytes_and_emit() -> None:
+    """Keeping the scores and the context in both layers: 2 x (262,144 + 32,768) B beyond
+    keeping nothing; the torch policy names the bmms by width; torchtitan has no eager core;
+    Megatron's core_attn recomputes the core whole."""
+    def run(save: str):
+        return estimate(TINY, **FIELDS, recompute="ops", recompute_save=save)
+
+    assert run("attn.scores,attn.context").stages[0].activations_bytes - \
+        run("").stages[0].activations_bytes == 2 * (262_144 + 32_768)
+    text = emit_for("torch", run("attn.scores,attn.context"))
+    assert "SAVE = {('bmm', 16, 0), ('bmm', 128, 0)}" in text
+    assert "_aten.bmm.default" in text
+    with pytest.raises(MemplanError, match="eager attention"):
+        emit_for("torchtitan", run("attn.scores"))
+    megatron = emit_for("megatron", run("attn.scores"))
+    assert "--recompute-modules core_attn" in megatron
+    assert "an eager core partly kept" in megatron
+
+
+def test_eager_refused_where_not_modelled() -> None:
+    """fp16: CUDA's softmax upcasts fp16 without a copy (the policy's copy count would
+    differ); MoE layers; soft-capping."""
+    wl = make_workload(TINY, **FIELDS, recompute="ops", precision="amp-fp16")
+    assert "eager attention in fp16" in ops_refusal(TINY, wl)
+    capped = ModelSpec.model_validate({**TINY.model_dump(), "name": "tiny-cap",
+                                       "attn_logit_softcap": 50.0})
+    wl = make_workload(capped, **FIELDS, recompute="ops")
+    assert "soft-capping" in ops_refusal(capped, wl)
