@@ -737,8 +737,10 @@ def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
         why = f"attention {wl.attention.value}"
     elif wl.precision.policy.autocast:
         why = f"precision {wl.precision.value}"
-    elif wl.lora_rank and wl.base_quant.value != "none":
-        why = f"base_quant {wl.base_quant.value}"
+    elif wl.lora_rank and wl.base_quant.value not in ("none", "nf4-torchao-0.1"):
+        # torchao's NF4Tensor is traced (memplan.model.linear.compiled_dequant_terms);
+        # bitsandbytes' Linear4bit / Linear8bitLt under Dynamo are not
+        why = f"base_quant {wl.base_quant.value} (bitsandbytes' quantized linears)"
     elif wl.lora_rank and wl.recompute is Recompute.FULL and not wl.compile_in_checkpoint:
         why = f"lora_rank {wl.lora_rank} and the checkpoint inside the compiled graph"
     elif (wl.lora_rank and wl.recompute is Recompute.FULL
@@ -762,10 +764,10 @@ def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
     return LayoutError(f"compile is not modelled with {why}",
                        f"compile with {why}: what the partitioner saves there is not "
                        "modelled yet (compile is modelled for pre-norm layers, dense or "
-                       "with transformers' bf16 grouped experts, SDPA "
-                       "attention, no autocast, LoRA on unquantized base weights (with full "
-                       "recompute: compile_in_checkpoint; on the MLP, all of a gated MLP's "
-                       "gate, up and down, no adapter dropout), "
+                       "with transformers' bf16 grouped experts, SDPA attention, no "
+                       "autocast, LoRA on unquantized or torchao NF4 base weights "
+                       "(with full recompute: compile_in_checkpoint; on the MLP, all of a "
+                       "gated MLP's gate, up and down, no adapter dropout), "
                        "recompute none, full or per-op SAC)")
 
 

@@ -277,3 +277,24 @@ def test_compiled_adapted_mlp_in_checkpoint_is_modelled() -> None:
                                   "lora_targets": "all-linear", "recompute": "full",
                                   "compile_in_checkpoint": True})
     validate(TINY, ParallelConfig(), wl)
+
+
+def test_compiled_torchao_nf4_saves_dequantized_weights() -> None:
+    """torchao's NF4 base weights compiled (``linear.compiled_dequant_terms``): each adapted
+    (so quantized) linear's dequantized weight in the compute dtype (bf16, 2 B), beside the
+    unquantized compiled layer's terms. tiny: q and o 64 x 64 = 4,096 elements each, k and v
+    64 x 32 = 2,048 each (attention 12,288: 24,576 B); gate, up, down 64 x 176 = 11,264 each
+    (33,792: 67,584 B); 92,160 B in all."""
+    base = Workload.model_validate({**WL.model_dump(), "lora_rank": 8,
+                                    "lora_targets": "all-linear"})
+    quant = Workload.model_validate({**base.model_dump(), "base_quant": "nf4-torchao-0.1"})
+    validate(TINY, ParallelConfig(), quant)
+
+    def terms(wl: Workload) -> dict[str, int]:
+        return {t.name: t.size_bytes
+                for t in layer_terms(TINY, wl, Dims.of(TINY, ParallelConfig(), wl),
+                                     moe_layer=False, recompute=Recompute.NONE)}
+
+    plain, nf4 = terms(base), terms(quant)
+    assert nf4["attn.dequant_weights"] == 24_576 and nf4["mlp.dequant_weights"] == 67_584
+    assert sum(nf4.values()) - sum(plain.values()) == 92_160
