@@ -711,6 +711,15 @@ def _compile_moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     return None
 
 
+def _compiled_mlp_lora_traced(spec: ModelSpec, wl: Workload) -> bool:
+    """LoRA on a compiled MLP inside the activation checkpoint as traced
+    (``memplan.model.compiled.lora_mlp_backward``): a gated MLP, gate and up apart, every
+    one of its projections adapted, no adapter dropout."""
+    targets = set(wl.lora_targets or ())
+    return (spec.mlp.gated and not spec.fused_gate_up and wl.lora_dropout == 0
+            and (ALL_LINEAR in targets or {"gate", "up", "down"} <= targets))
+
+
 def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
     """What a compiled layer's saved set is derived for (``memplan.model.compiled``): a
     pre-norm layer (dense, or MoE with transformers' grouped experts in bf16:
@@ -728,15 +737,20 @@ def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
         why = f"attention {wl.attention.value}"
     elif wl.precision.policy.autocast:
         why = f"precision {wl.precision.value}"
-    elif wl.lora_rank and wl.base_quant.value != "none":
-        why = f"base_quant {wl.base_quant.value}"
+    elif wl.lora_rank and wl.base_quant.value not in ("none", "nf4-torchao-0.1"):
+        # torchao's NF4Tensor is traced (memplan.model.linear.compiled_dequant_terms);
+        # bitsandbytes' Linear4bit / Linear8bitLt under Dynamo are not
+        why = f"base_quant {wl.base_quant.value} (bitsandbytes' quantized linears)"
     elif wl.lora_rank and wl.recompute is Recompute.FULL and not wl.compile_in_checkpoint:
         why = f"lora_rank {wl.lora_rank} and the checkpoint inside the compiled graph"
     elif (wl.lora_rank and wl.recompute is Recompute.FULL
-          and set(wl.lora_targets or ()) & {"gate", "up", "down", "gate_up", ALL_LINEAR}):
+          and set(wl.lora_targets or ()) & {"gate", "up", "down", "gate_up", ALL_LINEAR}
+          and not _compiled_mlp_lora_traced(spec, wl)):
         # inside the checkpoint the compiled forward's own buffers peak in an adapted MLP
-        # (fp32 sums of gate and up beside their casts), which memplan does not schedule
-        why = "LoRA on the MLP inside the activation checkpoint"
+        # (memplan.model.compiled.lora_mlp_forward), traced for a gated MLP with gate and
+        # up apart, all three adapted, no adapter dropout
+        why = ("LoRA on the MLP inside the activation checkpoint other than on all of a "
+               "gated MLP's gate, up and down projections without adapter dropout")
     elif wl.recompute is Recompute.SELECTIVE and wl.selective_impl.value != "op":
         why = f"recompute selective ({wl.selective_impl.value})"
     elif spec.activation_impl.value == "xielu":  # its formula's saved set is eager's only
@@ -750,9 +764,10 @@ def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
     return LayoutError(f"compile is not modelled with {why}",
                        f"compile with {why}: what the partitioner saves there is not "
                        "modelled yet (compile is modelled for pre-norm layers, dense or "
-                       "with transformers' bf16 grouped experts, SDPA "
-                       "attention, no autocast, LoRA on unquantized base weights (with full "
-                       "recompute: compile_in_checkpoint, the attention's projections), "
+                       "with transformers' bf16 grouped experts, SDPA attention, no "
+                       "autocast, LoRA on unquantized or torchao NF4 base weights "
+                       "(with full recompute: compile_in_checkpoint; on the MLP, all of a "
+                       "gated MLP's gate, up and down, no adapter dropout), "
                        "recompute none, full or per-op SAC)")
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from memplan.model import linear
+from memplan.model.block import BackwardMoment, Moment
 from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term
 from memplan.spec import ModelSpec, MoESpec
 from memplan.workload import Float8Recipe, MoeImpl, NormImpl, Recompute, Workload
@@ -272,3 +273,62 @@ def float8_scales(prefix: str, linears: tuple[linear.Linear, ...], dm: Dims) -> 
         return []
     n = sum(1 for lin in linears if linear.float8_converts(lin, dm))
     return [Term(f"{prefix}.float8_scales", n * (dm.e + linear.FLOAT8_SCALE_BYTES))] if n else []
+
+
+def lora_mlp_forward(linears: Sequence[linear.Linear], dm: Dims, saved: int) -> Moment:
+    """A compiled gated MLP with adapters (``linears``: up, gate, down as ``mlp.mlp_linears``
+    gives them; ``saved``: what the block saves) at its one pointwise kernel: Inductor fuses
+    every pointwise op between the matmuls (each adapter's ``result + lora_B(...) *
+    scaling`` for gate and up, their casts, SiLU, the product and its cast for the down
+    projection's adapter) into one kernel (torch/_inductor/scheduler.py ``Scheduler.
+    fuse_nodes``), which runs after all six matmuls that feed it, so the ``lora_B`` outputs
+    of gate and up (rows x ffn in the adapters' dtype; an extern matmul's output, never fused
+    into) are alive together. The sums are written into the base outputs' buffers
+    (``decide_inplace_update``); beside them the kernel's outputs: the product in the compute
+    dtype (the down projection's base input, transient unless an adapter saves it:
+    ``linear.keeps_input``) and its cast for the down projection's adapter (saved). The down
+    adapter's rank-r ``lora_A`` output does not exist yet. Traced: tests/traced/
+    test_compile_lora.py, peft (bf16 base, fp32 adapters) and torchtune's ``LoRALinear``
+    (one dtype): the compiled forward's peak."""
+    up, gate, down = linears
+    ad = dm.adapters
+    assert ad is not None
+    low = linear.adapter_math_bytes(dm)
+    ffn = dm.tokens * linear.local_widths(up, dm.tp)[1]
+    lora_b = sum(ffn * low for lin in (up, gate) if ad.adapts(lin))
+    product = 0 if linear.keeps_input((down,), dm) else ffn * dm.e
+    later = dm.tokens * ad.rank * low if ad.adapts(down) else 0
+    return Moment("mlp_lora", saved - later, lora_b + product)
+
+
+def lora_mlp_backward(linears: Sequence[linear.Linear], dm: Dims,
+                      saved: int) -> BackwardMoment:
+    """A compiled gated MLP with adapters at its backward's one pointwise kernel (SiLU's
+    backward fused with the adapter sums' and the casts': ``lora_mlp_forward``), after the
+    down projection's matmuls: the down adapter's saved input (its cast of the product, or
+    the product itself where the adapter shares it) and rank-r output are freed by their
+    weight gradients' matmuls (the wrapper's ``del`` after a buffer's last reader). Alive
+    beyond the rest: the product's gradient from the base's matmul (compute dtype) and from
+    the adapter's (adapters' dtype); made by the kernel, the gradients of gate's and up's
+    outputs for their base matmuls (compute dtype) and, where adapted, the scaled copies for
+    ``lora_B`` (adapters' dtype). Where the adapters compute in the base's dtype one of them
+    is written into the saved up sum's buffer, whose last reader the kernel is
+    (``decide_inplace_update``; traced: torchtune's ``LoRALinear``, fp32 and bf16; peft in
+    fp32); not where up's saved output is the cast of peft's fp32 sum to a bf16 base
+    (traced: tests/traced/test_compile_lora.py). Traced with every projection of the MLP
+    adapted: ``memplan.parallel.compile_rule`` refuses part of it inside the checkpoint
+    (with the down projection alone the saved up output is reused in place even with
+    peft's fp32 adapters, and the kernel's other outputs are not yet modelled)."""
+    up, gate, down = linears
+    ad = dm.adapters
+    assert ad is not None
+    low = linear.adapter_math_bytes(dm)
+    ffn = dm.tokens * linear.local_widths(up, dm.tp)[1]
+    freed = 0
+    if ad.adapts(down):
+        kept = dm.e if linear.shares_input(dm) else low
+        freed = dm.tokens * ad.rank * low + ffn * kept
+    grads = ffn * dm.e * 3 + (ffn * low if ad.adapts(down) else 0)
+    grads += sum(ffn * low for lin in (up, gate) if ad.adapts(lin))
+    in_place = ffn * dm.e if low == dm.e else 0
+    return BackwardMoment("mlp_lora", saved - freed, grads - in_place, ("mlp_out",))

@@ -121,7 +121,26 @@ def saved_terms(prefix: str, linears: Sequence[Linear], dm: Dims) -> list[Term]:
     elements = sum(weight_elements(lin, dm.tp) for lin in linears
                    if not float8_converts(lin, dm))
     casts = weight_casts(prefix, elements, dm) if elements else []
-    return casts + adapter_terms(prefix, linears, dm)
+    return casts + adapter_terms(prefix, linears, dm) + compiled_dequant_terms(prefix, linears,
+                                                                                dm)
+
+
+def compiled_dequant_terms(prefix: str, linears: Sequence[Linear], dm: Dims) -> list[Term]:
+    """Compiled, torchao's ``NF4Tensor`` base weights (``BaseQuant.NF4_TORCHAO_01``): each
+    quantized linear's dequantized weight, d_in x d_out in the compute dtype. Dynamo traces
+    ``linear_nf4`` (``LinearNF4``, an autograd Function: ``F.linear(input,
+    weight.to(input.dtype))``) and the NF4 tensor's ``to`` into the layer's one graph; Inductor
+    fuses the dequantization into one kernel writing the weight, and the partitioner saves
+    that weight for the input gradient's matmul (``is_materialized_backwards``: a matmul's
+    operand), not the NF4 pieces to dequantize again (traced: tests/traced/
+    test_compile_lora.py, torchtune 0.6.1's ``lora_llama3(quantize_base=True)`` with torchao
+    0.10.0, every adapted linear's weight, fp32 and bf16; torchao 0.1's ``linear_nf4`` alike,
+    torch 2.13 on CPU)."""
+    ad = dm.adapters
+    if not dm.compiled or ad is None or ad.quant is not BaseQuant.NF4_TORCHAO_01:
+        return []
+    n = sum(weight_elements(lin, dm.tp) for lin in linears if ad.quantizes(lin))
+    return [Term(f"{prefix}.dequant_weights", n * dm.e)] if n else []
 
 
 def te_modules(linears: Sequence[Linear]) -> list[Linear]:
@@ -511,6 +530,8 @@ def dequant_backward_bytes(lin: Linear, dm: Dims, grad_in_bytes: int) -> int:
     torchao's ``NF4Tensor`` (``grad_output @ weight.to(dtype)``) the larger of
     ``get_original_weight``'s working set (``adapters.torchao_dequant_bytes``) and the
     dequantized weight beside the result."""
+    if dm.compiled:  # the dequantized weight is saved (``compiled_dequant_terms``)
+        return grad_in_bytes
     if (dm.adapters is not None and dm.adapters.quant is BaseQuant.NF4_TORCHAO_01
             and dm.adapters.quantizes(lin)):
         return _torchao_dequant(lin, dm, grad_in_bytes)
@@ -522,6 +543,8 @@ def dequant_forward_bytes(lin: Linear, dm: Dims, out_bytes: int) -> int:
     bitsandbytes dequantizes inside one op (``gemm_4bit``), beside nothing but the output;
     torchao's ``LinearNF4.forward`` (``F.linear(input, weight.to(input.dtype))``) as in
     ``dequant_backward_bytes``."""
+    if dm.compiled:  # one fused kernel writes the (saved) weight: ``compiled_dequant_terms``
+        return out_bytes
     if (dm.adapters is not None and dm.adapters.quant is BaseQuant.NF4_TORCHAO_01
             and dm.adapters.quantizes(lin)):
         return _torchao_dequant(lin, dm, out_bytes)

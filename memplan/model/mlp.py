@@ -358,9 +358,9 @@ def rerun_pending_bytes(spec: ModelSpec, dm: Dims) -> int:
     and the scaled product's in the adapters' (``grad * scaling``), both waiting for nodes
     whose saved tensors the rerun makes (traced: tests/traced/test_finetune.py, bf16 base: a
     131,072 B and a 262,144 B tensor at T = 256, h = 256; fp32 base: the second alone).
-    0 otherwise."""
+    0 otherwise, and compiled: the layer is one autograd node, the sum inside it."""
     down = mlp_linears(spec, spec.ffn_hidden_size)[-1]
-    if dm.adapters is None or not dm.adapters.adapts(down):
+    if dm.adapters is None or not dm.adapters.adapts(down) or dm.compiled:
         return 0
     low = linear.adapter_math_bytes(dm)
     rows_out = dm.tokens * local_widths(down, dm.tp)[1]
@@ -377,16 +377,26 @@ def rerun_stop_bytes(spec: ModelSpec, dm: Dims) -> int:
     output), unless the adapter saves that very tensor (``linear.keeps_input``); and with
     dropout the adapters' cast of it, bound to peft's local x (traced: tests/traced/
     test_finetune.py, LoRA on every linear with dropout under gradient checkpointing, the
-    first layer's rerun at ``lora_A``'s output). 0 otherwise."""
+    first layer's rerun at ``lora_A``'s output). 0 otherwise, and compiled: the compiled
+    forward reruns whole, its saved set packed when it returns (``compiled.in_checkpoint``)."""
     down = mlp_linears(spec, spec.ffn_hidden_size)[-1]
     ad = dm.adapters
-    if ad is None or not ad.adapts(down):
+    if ad is None or not ad.adapts(down) or dm.compiled:
         return 0
     d_in, _ = local_widths(down, dm.tp)
     product = 0 if linear.keeps_input((down,), dm) else dm.tokens * d_in * dm.e
     cast = (dm.tokens * d_in * ad.weight_bytes
             if ad.dropout > 0 and not dm.autocast and dm.e != ad.weight_bytes else 0)
     return product + cast
+
+
+def compiled_lora(spec: ModelSpec, dm: Dims) -> bool:
+    """A compiled gated MLP (gate and up apart) with an adapter on one of its projections:
+    its forward and backward peak at Inductor's fused pointwise kernels
+    (``compiled.lora_mlp_forward``, ``compiled.lora_mlp_backward``)."""
+    ad = dm.adapters
+    return (dm.compiled and ad is not None and spec.mlp.gated and not spec.fused_gate_up
+            and any(ad.adapts(lin) for lin in mlp_linears(spec, spec.ffn_hidden_size)))
 
 
 def dropout_mask_bytes(spec: ModelSpec, dm: Dims) -> int:
@@ -495,7 +505,10 @@ class Mlp:
         moments = [Moment("mlp", saved, max(
             (compiled.MLP_OUTPUTS if wl.compile else 2) * stream, down))]
         moments += _float8_forward(spec, dm, self.saved(spec, wl, dm, recompute))
-        if dm.adapters is not None:
+        if compiled_lora(spec, dm):
+            moments.append(compiled.lora_mlp_forward(mlp_linears(spec, spec.ffn_hidden_size),
+                                                     dm, saved))
+        elif dm.adapters is not None:
             moments += _frozen_forward(spec, dm, saved)
         if spec.activation_impl is ActivationImpl.XIELU:
             # its formula's temporaries before the down projection's input (and, under
@@ -544,6 +557,10 @@ class Mlp:
             up = up_backward(rows_h_e, dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e, fresh,
                              wl.mlp_impl)
             moments.insert(len(moments) - 1, up)
+        if compiled_lora(spec, dm):
+            moments.append(compiled.lora_mlp_backward(mlp_linears(spec, spec.ffn_hidden_size),
+                                                      dm, total(self.saved(spec, wl, dm,
+                                                                           recompute))))
         return moments + _float8_backward(spec, dm, self.saved(spec, wl, dm, recompute))
 
     def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
@@ -555,6 +572,9 @@ class Mlp:
         if dm.adapters is None:
             return []
         saved = total(self.saved(spec, wl, dm, Recompute.NONE))
+        if compiled_lora(spec, dm):  # the compiled forward rerun whole (``in_checkpoint``)
+            return [compiled.lora_mlp_forward(mlp_linears(spec, spec.ffn_hidden_size), dm,
+                                              saved)]
         return [m for m in _frozen_forward(spec, dm, saved) if m.name == "mlp_lora"]
 
     def tensor_sizes(self, spec: ModelSpec, t: int, ep: int) -> list[int]:

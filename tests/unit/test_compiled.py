@@ -149,6 +149,10 @@ def test_compiled_lora_layer_terms() -> None:
     ("tiny", {"lora_rank": 8, "recompute": "full"}, "checkpoint inside the compiled graph"),
     ("tiny", {"lora_rank": 8, "recompute": "full", "compile_in_checkpoint": True,
               "lora_targets": ["q", "v", "gate"]}, "LoRA on the MLP inside"),
+    ("tiny", {"lora_rank": 8, "recompute": "full", "compile_in_checkpoint": True,
+              "lora_targets": ["down"]}, "LoRA on the MLP inside"),
+    ("tiny", {"lora_rank": 8, "recompute": "full", "compile_in_checkpoint": True,
+              "lora_targets": "all-linear", "lora_dropout": 0.05}, "LoRA on the MLP inside"),
     ("tiny", {"recompute": "selective"}, r"recompute selective \(core\)"),
 ])
 def test_compile_refuses_what_is_not_modelled(model: str, update: dict, why: str) -> None:
@@ -229,3 +233,68 @@ def test_compiled_moe_refusals(update: dict, why: str) -> None:
     wl = Workload.model_validate({**WL.model_dump(), "moe_impl": "grouped", **update})
     with pytest.raises(LayoutError, match=why):
         validate(spec, ParallelConfig(), wl)
+
+
+@pytest.mark.parametrize(("precision", "saved", "forward", "backward"), [
+    ("bf16-pure", 112_640, (110_592, 112_640), (65_536, 202_752)),
+    ("fp32", 141_312, (139_264, 90_112), (94_208, 225_280))])
+def test_compiled_adapted_mlp_moments(precision: str, saved: int, forward: tuple,
+                                      backward: tuple) -> None:
+    """LoRA rank 8 on gate, up and down of the tiny MLP, compiled (T = 64, f = 176, h = 64;
+    T*f = 11,264 elements; rank-r outputs T*8*4 = 2,048 B each), at Inductor's fused
+    pointwise kernels (``compiled.lora_mlp_forward``, ``lora_mlp_backward``).
+
+    bf16 base, fp32 adapters: the MLP saves the gate and up sums (bf16, 22,528 each), the
+    fp32 cast of its input (64*64*4 = 16,384, shared by gate's and up's ``lora_A``) and of
+    the product (45,056), three rank-r outputs (6,144): 112,640. Forward kernel: the down
+    adapter's rank-r output not made yet (-2,048: 110,592); beside, the gate and up
+    ``lora_B`` outputs (fp32, 45,056 each) and the bf16 product (22,528): 112,640. Backward
+    kernel: the down adapter's cast and rank-r output freed (-47,104: 65,536); the
+    product's gradients (bf16 22,528 + fp32 45,056), gate's and up's for their bases (bf16,
+    2 x 22,528) and for their ``lora_B`` (fp32, 2 x 45,056): 202,752.
+
+    fp32: gate, up and the product (kept: the down adapter's input) 45,056 each, three
+    rank-r outputs: 141,312. Forward: 139,264 beside the two ``lora_B`` outputs (90,112).
+    Backward: the product and the rank-r output freed (94,208); the product's two gradients,
+    gate's and up's two each (6 x 45,056), one written into the saved up sum: 225,280."""
+    from memplan.model.mlp import Mlp
+
+    wl = Workload.model_validate({**WL.model_dump(), "precision": precision, "lora_rank": 8,
+                                  "lora_targets": "gate,up,down"})
+    dm = Dims.of(TINY, ParallelConfig(), wl)
+    mlp = Mlp()
+    assert total(mlp.saved(TINY, wl, dm, Recompute.NONE)) == saved
+    fwd = {m.name: m for m in mlp.forward_moments(TINY, wl, dm, Recompute.NONE)}
+    assert (fwd["mlp_lora"].own_bytes, fwd["mlp_lora"].transient_bytes) == forward
+    bwd = {m.name: m for m in mlp.backward_moments(TINY, wl, dm, Recompute.NONE)}
+    assert (bwd["mlp_lora"].own_bytes, bwd["mlp_lora"].transient_bytes) == backward
+    assert [m.own_bytes for m in mlp.rebuild_moments(TINY, wl, dm)] == [forward[0]]
+
+
+def test_compiled_adapted_mlp_in_checkpoint_is_modelled() -> None:
+    """Every linear adapted, the compiled layer inside its checkpoint: validated."""
+    wl = Workload.model_validate({**WL.model_dump(), "lora_rank": 8,
+                                  "lora_targets": "all-linear", "recompute": "full",
+                                  "compile_in_checkpoint": True})
+    validate(TINY, ParallelConfig(), wl)
+
+
+def test_compiled_torchao_nf4_saves_dequantized_weights() -> None:
+    """torchao's NF4 base weights compiled (``linear.compiled_dequant_terms``): each adapted
+    (so quantized) linear's dequantized weight in the compute dtype (bf16, 2 B), beside the
+    unquantized compiled layer's terms. tiny: q and o 64 x 64 = 4,096 elements each, k and v
+    64 x 32 = 2,048 each (attention 12,288: 24,576 B); gate, up, down 64 x 176 = 11,264 each
+    (33,792: 67,584 B); 92,160 B in all."""
+    base = Workload.model_validate({**WL.model_dump(), "lora_rank": 8,
+                                    "lora_targets": "all-linear"})
+    quant = Workload.model_validate({**base.model_dump(), "base_quant": "nf4-torchao-0.1"})
+    validate(TINY, ParallelConfig(), quant)
+
+    def terms(wl: Workload) -> dict[str, int]:
+        return {t.name: t.size_bytes
+                for t in layer_terms(TINY, wl, Dims.of(TINY, ParallelConfig(), wl),
+                                     moe_layer=False, recompute=Recompute.NONE)}
+
+    plain, nf4 = terms(base), terms(quant)
+    assert nf4["attn.dequant_weights"] == 24_576 and nf4["mlp.dequant_weights"] == 67_584
+    assert sum(nf4.values()) - sum(plain.values()) == 92_160
