@@ -215,9 +215,9 @@ def check_supported(spec: ModelSpec, wl: Workload) -> None:
     if why is not None:
         raise LayoutError("recompute ops is not modelled with this layer",
                           f"recompute ops with {why}: op-level checkpointing is modelled for "
-                          "pre-, sandwich and post-norm and parallel layers with SDPA or eager "
-                          "attention and a dense MLP or transformers' grouped experts, without "
-                          "LoRA or compile")
+                          "pre-, sandwich and post-norm and parallel layers with SDPA, eager "
+                          "or MLA attention (or LFM2's short convolutions) and a dense MLP or "
+                          "transformers' grouped experts, without LoRA or compile")
 
 
 def matmul_shapes(spec: ModelSpec, t: int, fused_qkv: bool = False
