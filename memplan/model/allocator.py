@@ -305,9 +305,7 @@ class CachingAllocator:
         and retry. False when it would raise OutOfMemoryError."""
         if key in self.live or orig_size <= 0:
             raise MemplanError(f"Alloc {key}: already live, or size_bytes {orig_size} <= 0")
-        size = (-(-orig_size // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE  # round_size, plainly
-                if self._plain_round and orig_size >= K_MIN_BLOCK_SIZE
-                else round_size(orig_size, self.cfg.roundup_power2_divisions))
+        size = self._rounded(orig_size)
         small = size <= K_SMALL_SIZE  # get_pool
         if not self._expandable and self._fit(key, size, stream, small):
             return True
@@ -325,6 +323,13 @@ class CachingAllocator:
         seg, block = found
         self.alloc_found_block(key, seg, block, size)
         return True
+
+    def _rounded(self, orig_size: int) -> int:
+        """``round_size`` under this configuration (without power-of-two divisions, the
+        plain rounding up to kMinBlockSize inline)."""
+        if self._plain_round and orig_size >= K_MIN_BLOCK_SIZE:
+            return -(-orig_size // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE
+        return round_size(orig_size, self.cfg.roundup_power2_divisions)
 
     def _fit(self, key: int, size: int, stream: int, small: bool) -> bool:
         """``get_free_block`` then ``alloc_found_block`` in one pass over the pool's free set,
@@ -538,11 +543,8 @@ class CachingAllocator:
             return False
         # by pool: tensors, the largest rounded size, sum(size + least)
         n_small = top_small = sum_small = n_large = top_large = sum_large = 0
-        plain = self._plain_round
         for orig, count in runs:
-            size = (-(-orig // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE
-                    if plain and orig >= K_MIN_BLOCK_SIZE
-                    else round_size(orig, self.cfg.roundup_power2_divisions))
+            size = self._rounded(orig)
             if size <= K_SMALL_SIZE:
                 n_small += count
                 top_small = size if size > top_small else top_small

@@ -54,13 +54,32 @@ TUNE_TARGETS = {"q,v": (["q_proj", "v_proj"], False),
                 "q,k,v,o,gate,up,down": (["q_proj", "k_proj", "v_proj", "output_proj"], True)}
 
 
+def _partitioned(layer, x) -> list:
+    """``layer`` compiled with Inductor, one forward and backward of ``x``: the tensors the
+    partitioner saved for backward (``memplan.profile.compiled_trace``'s recording; one
+    graph)."""
+    from memplan.profile.compiled_trace import _record
+
+    rows: list = []
+    module, original, recording = _record(rows)
+    module.min_cut_rematerialization_partition = recording
+    layer.compile(backend="inductor")
+    try:
+        with torch._functorch.config.patch(enable_autograd_cache=False), \
+                torch._inductor.config.patch(fx_graph_cache=False):
+            layer(x).sum().backward()
+    finally:
+        module.min_cut_rematerialization_partition = original
+        torch._dynamo.reset()
+    assert len(rows) == 1
+    return rows[0]
+
+
 def _torchtune_saved(targets: str | None, dropout: float) -> int:
     """The partitioner's saved bytes for torchtune's first decoder layer (fp32): the tensors
     the forward made and, of its graph inputs, the layer's input."""
     pytest.importorskip("torchtune")
     from torchtune.models.llama3 import llama3, lora_llama3
-
-    from memplan.profile.compiled_trace import _record
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -74,19 +93,8 @@ def _torchtune_saved(targets: str | None, dropout: float) -> int:
             param.requires_grad_("lora_" in name)
     layer = model.layers[0]
     x = torch.randn(BATCH, SEQ, TUNE["embed_dim"], requires_grad=True)
-    rows: list = []
-    module, original, recording = _record(rows)
-    module.min_cut_rematerialization_partition = recording
-    layer.compile(backend="inductor")
-    try:
-        with torch._functorch.config.patch(enable_autograd_cache=False), \
-                torch._inductor.config.patch(fx_graph_cache=False):
-            layer(x).sum().backward()
-    finally:
-        module.min_cut_rematerialization_partition = original
-        torch._dynamo.reset()
-    assert len(rows) == 1
-    return sum(t.size_bytes for t in rows[0] if not t.graph_input or t.shape == tuple(x.shape))
+    saved = _partitioned(layer, x)
+    return sum(t.size_bytes for t in saved if not t.graph_input or t.shape == tuple(x.shape))
 
 
 @pytest.mark.parametrize("targets,dropout,traced", [
@@ -158,8 +166,6 @@ def test_torchtune_qlora_layer_saves_what_the_partitioner_saves() -> None:
         pytest.skip("traced with torchao 0.10.0")
     from torchtune.models.llama3 import lora_llama3
 
-    from memplan.profile.compiled_trace import _record
-
     dims = dict(TUNE, num_layers=1, intermediate_dim=1024)
     spec = spec_from_hf_dict(hf("Meta-Llama-3-8B", **dict(LLAMA3_TOY, num_key_value_heads=8,
                                                           intermediate_size=1024)),
@@ -178,19 +184,8 @@ def test_torchtune_qlora_layer_saves_what_the_partitioner_saves() -> None:
         param.requires_grad_("lora_" in name)
     layer = model.layers[0]
     x = torch.randn(BATCH, SEQ, TUNE["embed_dim"], dtype=torch.bfloat16, requires_grad=True)
-    rows: list = []
-    module, original, recording = _record(rows)
-    module.min_cut_rematerialization_partition = recording
-    layer.compile(backend="inductor")
-    try:
-        with torch._functorch.config.patch(enable_autograd_cache=False), \
-                torch._inductor.config.patch(fx_graph_cache=False):
-            layer(x).sum().backward()
-    finally:
-        module.min_cut_rematerialization_partition = original
-        torch._dynamo.reset()
-    assert len(rows) == 1
-    kept = [t for t in rows[0]
+    saved = _partitioned(layer, x)
+    kept = [t for t in saved
             if (not t.graph_input and not t.input_view) or t.shape == tuple(x.shape)]
     weights = [t for t in kept if t.op == "prims.convert_element_type.default"
                and len(t.shape) == 2 and t.dtype == "bfloat16"]

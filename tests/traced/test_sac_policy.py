@@ -472,17 +472,8 @@ def test_emitted_policy_on_transformers_deepseek_v3(precision: str, seq: int, sa
     pytest.importorskip("transformers")
     config = hf("DeepSeek-V3", **DEEPSEEK_OPS_TOY)
     if save == "auto":
-        from memplan.api import estimate
-        from memplan.spec import spec_from_hf_dict
-
-        spec = spec_from_hf_dict(config, "config.json", "deepseek-v3-toy")
-        kw = dict(framework="hf", precision=precision, micro_batch_size=2, seq_len=seq)
-        full = estimate(spec, recompute="full", **kw).peak_bytes
-        none = estimate(spec, recompute="none", **kw).peak_bytes
-        est = estimate(spec, recompute="auto", gpu_memory=(full + none) // 2, **kw)
-        assert est.fits and {n.split(":")[0] for n in est.workload.recompute_save} == \
-            {"dense", "moe"}
-        save = ",".join(est.workload.recompute_save)
+        save = _midway_list(config, precision, seq)
+        assert {n.split(":")[0] for n in save.split(",")} == {"dense", "moe"}
     case = FrameworkCase("transformers", "deepseek-v3-toy", config, precision, 2, seq,
                          options={"recompute": "ops", "recompute_save": save})
     result = compare_framework(case)
@@ -722,14 +713,14 @@ def test_emitted_policy_on_fused_gate_up(model: str, precision: str, save: str) 
     _assert_within_full("fused", FUSED_TOY, model, precision, save)
 
 
-def _midway_list(config: dict, precision: str) -> str:
-    """The list ``--recompute auto`` chooses for ``config`` at 2 x 1,024 tokens midway between
-    full recompute's peak and no recompute's."""
+def _midway_list(config: dict, precision: str, seq: int = 1024) -> str:
+    """The list ``--recompute auto`` chooses for ``config`` at 2 x ``seq`` tokens midway
+    between full recompute's peak and no recompute's."""
     from memplan.api import estimate
     from memplan.spec import spec_from_hf_dict
 
     spec = spec_from_hf_dict(config, "config.json", "auto-toy")
-    kw = dict(framework="hf", precision=precision, micro_batch_size=2, seq_len=1024)
+    kw = dict(framework="hf", precision=precision, micro_batch_size=2, seq_len=seq)
     full = estimate(spec, recompute="full", **kw).peak_bytes
     none = estimate(spec, recompute="none", **kw).peak_bytes
     est = estimate(spec, recompute="auto", gpu_memory=(full + none) // 2, **kw)
@@ -816,6 +807,7 @@ def test_emitted_policy_on_short_conv_layers(precision: str, seq: int, save: str
     case = FrameworkCase("transformers", "lfm2-ops-toy", config, precision, 2, seq,
                          options={"recompute": "ops", "recompute_save": save})
     _assert_rows_within(compare_framework(case).rows)
+
 
 # An ungated ReLU MLP (MlpKind.RELU: down(relu(up(x)))), as Apertus runs it with
 # hidden_act relu (models/apertus/modeling_apertus.py ApertusMLP.forward: ``down_proj(act_fn(
