@@ -28,25 +28,22 @@ _mla_ops``; this module holds what the policy emitters read too.
 
 from __future__ import annotations
 
+from memplan.model.mla import mla_linears
 from memplan.spec import ModelSpec
 
 # the family of ``aten.cat`` (the query's and the key's concatenations)
 CAT = "cat"
 
 
+# ``mla.mla_linears``' projections by the item each is
+_ITEM = {"q_a": "mla.q_a", "q_b": "mla.q_b", "q": "mla.q_proj", "kv_a": "mla.kv_a",
+         "kv_b": "mla.kv_b", "o": "mla.o_proj"}
+
+
 def mla_matmul_shapes(spec: ModelSpec) -> list[tuple[str, int, int, int]]:
     """An MLA layer's projections in execution order as (item name, d_in, d_out, output
     width), whole (one rank's shard has the same weight shape on every rank of its group):
     the query's down and up projections (or one ``q_proj``), the key/value's down and up
-    projections and the output projection (``mla_ops``' items)."""
-    mla = spec.mla
-    assert mla is not None
-    h, heads = spec.hidden_size, spec.num_attention_heads
-    q = heads * spec.head_dim
-    kv_up = heads * (mla.qk_nope_head_dim + mla.v_head_dim)
-    kv_a = mla.kv_lora_rank + mla.qk_rope_head_dim
-    first = ([("mla.q_a", h, mla.q_lora_rank, mla.q_lora_rank),
-              ("mla.q_b", mla.q_lora_rank, q, q)] if mla.q_lora_rank else
-             [("mla.q_proj", h, q, q)])
-    return first + [("mla.kv_a", h, kv_a, kv_a), ("mla.kv_b", mla.kv_lora_rank, kv_up, kv_up),
-                    ("mla.o_proj", spec.attn_out_size, h, h)]
+    projections and the output projection (``mla.mla_linears``, registration order being
+    execution order)."""
+    return [(_ITEM[lin.name], lin.d_in, lin.d_out, lin.d_out) for lin in mla_linears(spec)]
