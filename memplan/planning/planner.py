@@ -345,8 +345,9 @@ def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
     the first ``top`` candidates are those of the full search (in the same order). With
     ``reserved`` as well, the check may turn down some of those and take slower ones: where
     it took one that a skipped policy could have beaten, the search runs again with every
-    policy kept that could be as fast (``_plan_once``), so the ``top`` shown are those the
-    check gives over the full search."""
+    policy kept that could be as fast (``_plan_once``), and where fewer than ``top`` passed
+    it, again for twice as many, so the ``top`` shown are those the check gives over the
+    full search."""
     if not 0 <= safety < 1:
         raise MemplanError(f"safety must be in [0, 1), got {safety}")
     if top is not None and top < 1:
@@ -367,32 +368,42 @@ def plan(spec: ModelSpec, gpu: GpuSpec, num_gpus: int, wl: Workload, *,
     policies = [_policies(recompute or list(RECOMPUTE_ORDER),
                           _fewest_layers(spec.num_layers, p.pp, p.vpp, p.stage_layers))
                 for p in pars]
-    keep, spent = 0.0, (0, 0)
+    keep, spent, wanted = 0.0, (0, 0), top
     while True:  # (with ``top`` and ``reserved``: until the reserved check is sure)
         found, again = _plan_once(ctx, pars, policies, top, reserved, keep,
-                                  replace(result, rejected=Counter(result.rejected)))
+                                  replace(result, rejected=Counter(result.rejected)), wanted)
         found.evaluated += spent[0]
         found.replayed += spent[1]
         if again is None:
             return found
+        spent = (found.evaluated, found.replayed)
+        if again == float("inf"):
+            # Fewer than ``top`` fit the reserved check: search again for twice as many
+            # (each search skips less than the last, so this ends; at the latest with
+            # nothing skipped, when the answer is the full search's whatever it is).
+            wanted = 2 * wanted  # type: ignore[operator]  (again is set: top is set)
+            continue
         # The reserved check took candidates slower than the search was sure of: search
         # again, keeping every policy that could be as fast as the slowest it took (a
         # larger ``keep`` each time, so this ends; at the latest with nothing skipped).
-        keep, spent = again, (found.evaluated, found.replayed)
+        keep = again
 
 
 def _plan_once(ctx: _Context, pars: list[ParallelConfig],
                policies: list[list[tuple[Recompute, int | None]]], top: int | None,
-               reserved: bool, keep: float,
-               result: PlanResult) -> tuple[PlanResult, float | None]:
-    """One search (no policy skipped that could be as fast as ``keep`` step seconds) and its
-    ranking (``plan``); beside it None where the reserved check's answer is the full
-    search's, else the ``keep`` to search again with."""
+               reserved: bool, keep: float, result: PlanResult,
+               wanted: int | None = None) -> tuple[PlanResult, float | None]:
+    """One search for the ``wanted`` fastest (``top`` unless given; no policy skipped that
+    could be as fast as ``keep`` step seconds) and its ranking (``plan``), the reserved
+    check stopping at ``top``; beside it None where the check's answer is the full
+    search's, inf where fewer than ``top`` passed it, else the ``keep`` to search again
+    with."""
     before = ctx.evaluated
-    levels, pruned, sure = _search_levels(ctx, pars, policies, top, keep)
+    wanted = top if wanted is None else wanted
+    levels, pruned, sure = _search_levels(ctx, pars, policies, wanted, keep)
     fits, sure_ops = _with_all_save_sets(ctx, [fit for level in levels
-                                               for fit in level.fits(pars, policies)], top,
-                                         result.rejected, keep)
+                                               for fit in level.fits(pars, policies)], wanted,
+                                         result.rejected, keep, top)
     fits.sort(key=lambda f: (f.layout, f.level))  # a layout's policies in order of compute
     without = set(range(len(pars))) - {f.layout for f in fits}
     if without - pruned:
@@ -574,12 +585,15 @@ def _ops_sizes(ctx: _Context, fit: _Fit) -> list[int]:
 
 
 def _with_all_save_sets(ctx: _Context, fits: list[_Fit], top: int | None,
-                        rejected: Counter, keep: float = 0.0) -> tuple[list[_Fit], float]:
+                        rejected: Counter, keep: float = 0.0,
+                        shown: int | None = None) -> tuple[list[_Fit], float]:
     """``_with_save_sets`` for every fit of op-level checkpointing; with ``top``, in order of
     the fastest each could be (every item kept, at its fastest micro-batch), stopping once
     that bound is no faster than the ``top``-th fastest fit found, nor than ``keep`` (the
     first ``top`` are those of the full search). Beside them: the least step seconds a fit
-    not upgraded could take (inf: none)."""
+    not upgraded could take (inf: none). ``shown``: the plan's own ``top``, which the
+    rejection's reason names (a search for more than it shows skips what is slower than
+    every one shown once the plan is sure: ``_plan_once``)."""
     plain = [f for f in fits if f.policy[0] is not Recompute.OPS]
     ops = [f for f in fits if f.policy[0] is Recompute.OPS]
     if not ops or top is None:
@@ -596,7 +610,7 @@ def _with_all_save_sets(ctx: _Context, fits: list[_Fit], top: int | None,
     out = list(plain)
     for n, (bound, f) in enumerate(sorted(zip(bounds, ops), key=lambda x: x[0])):
         if len(best) >= top and bound >= best[top - 1] and bound > keep:
-            rejected[SLOWER_THAN_TOP.format(top=top)] += len(ops) - n
+            rejected[SLOWER_THAN_TOP.format(top=shown or top)] += len(ops) - n
             return out, bound
         found = _with_save_sets(ctx, f)
         out += found

@@ -298,13 +298,52 @@ def test_top_with_reserved_gives_the_full_search_check(monkeypatch: pytest.Monke
 def test_top_with_reserved_searches_again_when_too_few_fit() -> None:
     """Llama 2 7B on 8 GPUs at tp 4, pp 2, vpp 8 with 22 GiB, ``top=3``: the reserved check
     turns down every configuration the search for the first three fits; fewer than three
-    fit, so the plan searches everything, where three fit (mbs 2, full recompute of 12
-    layers, ZeRO 0 to 2: the same configuration but for ZeRO, one step time)."""
+    fit, so the plan searches again for twice as many, until three fit (mbs 2, full
+    recompute of 12 layers, ZeRO 0 to 2: the same configuration but for ZeRO, one step
+    time)."""
     r = memplan.plan("llama-2-7b", gpus=8, tp=4, pp=2, vpp=8, top=3, gpu_memory="22GiB",
                      seq_len=2048, global_batch_size=64)
     assert [(c.layout.zero, c.micro_batch_size, c.recompute, c.recompute_layers)
             for c in r.candidates] == [(z, 2, Recompute.FULL, 12) for z in (0, 1, 2)]
     assert all(c.peak_bytes <= r.budget_bytes for c in r.candidates)
+
+
+def test_too_few_through_the_check_searches_twice_as_many(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """OLMo 2 7B on 8 GPUs, ``top=10``: the reserved check passes fewer than ten of the
+    first search's fits (the others' allocator bytes put them over the budget). The plan
+    searches again for twice as many, not everything: its ten are the check's over the
+    full search (stopped at ten), in the same order with the same reserved peaks, from
+    fewer exact evaluations."""
+    import memplan.planning.planner as planner
+
+    spec, gpu = memplan.load_model("olmo-2-7b"), memplan.load_gpu("h100")
+    wl = _wl(spec)
+    wanted: list[int | None] = []
+    real_once = planner._plan_once
+
+    def once(*args, **kwargs):
+        wanted.append(args[7] if len(args) > 7 else kwargs.get("wanted"))
+        return real_once(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "_plan_once", once)
+    cut = plan(spec, gpu, 8, wl, top=10, reserved=True)
+    assert wanted == [10, 20]
+    real = planner._fit_reserved
+
+    def first_ten(ctx, ranked, top, result, taken=None):  # the check, stopped at ten
+        return real(ctx, ranked, 10, result, taken)
+
+    monkeypatch.setattr(planner, "_fit_reserved", first_ten)
+    full = plan(spec, gpu, 8, wl, reserved=True)
+
+    def key(c):
+        return (c.layout, c.micro_batch_size, c.recompute, c.recompute_layers, c.time.step_s,
+                c.peak_bytes)
+
+    assert len(cut.candidates) == 10
+    assert [key(c) for c in cut.candidates] == [key(c) for c in full.candidates]
+    assert cut.evaluated < full.evaluated
 
 
 def test_top_with_calibration_searches_everything(monkeypatch: pytest.MonkeyPatch) -> None:
