@@ -101,6 +101,10 @@ COPY, RSQRT = "copy", "rsqrt"
 SOFTMAX, INDEX, GROUPED_MM = "softmax", "index", "grouped_mm"
 # a short-convolution layer's depthwise conv1d (``aten.convolution``, named by its channels)
 CONV = "conv"
+# ``aten.tanh``, and ``aten.mul``/``aten.add`` of a tensor and a Python number: transformers'
+# NewGELUActivation's (``_gelu_new_ops``: the scaling, ``1.0 + tanh``) and an eager core's
+# logit soft-capping (``_softcap_ops``)
+TANH, SCALE, SHIFT = "tanh", "scale", "shift"
 
 
 class Item(NamedTuple):
@@ -853,10 +857,7 @@ def eager_refusal(spec: ModelSpec, wl: Workload) -> str | None:
         (wl.attention is not Kernel.EAGER, f"attention {wl.attention.value}"),
         (spec.moe is not None, "eager attention in MoE layers"),
         (spec.mla is not None, "eager attention in MLA layers"),
-        (spec.attn_logit_softcap is not None, "eager attention with logit soft-capping"),
         (spec.attn_sinks, "eager attention with sinks"),
-        (spec.sliding_window is not None and wl.seq_len > spec.sliding_window,
-         "eager attention in sliding-window layers"),
         (wl.precision.value.endswith("fp16"),
          "eager attention in fp16 (CUDA's softmax upcasts fp16 without a copy)"),
     )
@@ -885,7 +886,8 @@ def _eager_core_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]) -> list[It
         return Item(name, tuple(c for c in covers if c in terms), size, flops, op, width, 0,
                     "attn", False)
 
-    out = [item("attn.scores", (), scores * e, bmm, BMM, s_kv)]
+    out = [item("attn.scores", (), scores * e, bmm, BMM, s_kv),
+           *_softcap_ops(spec, terms, scores * e, per_element, s_kv)]
     # softmax in fp32 on 16-bit weights: a copy to fp32 before it, a cast back after it
     cast = terms["attn.softmax"] > scores * e and not dm.autocast
     if cast:  # softmax(dtype=float32) copies its 16-bit input to fp32 first
@@ -903,6 +905,27 @@ def _eager_core_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]) -> list[It
     out.append(item("attn.context", (), dm.tokens * spec.q_size // dm.tp * e, bmm, BMM,
                     spec.head_dim))
     return out
+
+
+def _softcap_ops(spec: ModelSpec, terms: dict[str, int], size: int, per_element: float,
+                 s_kv: int) -> list[Item]:
+    """Logit soft-capping between the scores and the mask (models/gemma2/modeling_gemma2.py
+    ``eager_attention_forward``: ``torch.matmul(query, key_states.transpose(2, 3)) *
+    scaling``, then ``attn_weights / softcap``, ``torch.tanh``, ``* softcap``): the scaling
+    (a ``mul`` by a number, the policy's ``scale``, kept by none), ``attn.softcap_tanh``
+    (``aten.tanh``, whose backward saves its output: the ``attn.softcap_tanh`` term) and
+    ``attn.softcap`` (the product by the cap, a ``scale``; saved by no one), each a
+    score-sized tensor in the compute dtype (tanh runs in it under autocast too). The
+    division (``aten.div`` by a number) is no op a policy counts. What each kept adds to the
+    checkpointed core's moments is ``memplan.model.eager._softcap_moments``' and
+    ``_after_mask``'s. FLOPs: one an element each (the division's and the scaling's rerun
+    whatever is kept, as the mask's add, and are no item's). Nothing without soft-capping."""
+    if spec.attn_logit_softcap is None:
+        return []
+    return [_unkept(SCALE, s_kv, "attn"),
+            Item("attn.softcap_tanh", tuple(c for c in ("attn.softcap_tanh",) if c in terms),
+                 size, per_element, TANH, s_kv, 0, "attn", False),
+            Item("attn.softcap", (), size, per_element, SCALE, s_kv, 0, "attn", False)]
 
 
 def core_peak(core: tuple[tuple[int, tuple[tuple[str, int], ...]], ...],
@@ -927,9 +950,6 @@ def core_peak(core: tuple[tuple[int, tuple[tuple[str, int], ...]], ...],
     return best
 
 
-# transformers' NewGELUActivation's ops a policy names (``_gelu_new_ops``): ``aten.tanh``, and
-# ``aten.mul``/``aten.add`` of a tensor and a Python number (the scaling, ``1.0 + tanh``)
-TANH, SCALE, SHIFT = "tanh", "scale", "shift"
 
 
 def _gelu_new_ops(terms: dict[str, int], mlp: list[Item], f: int, dm: Dims) -> list[Item]:
