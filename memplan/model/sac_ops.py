@@ -852,12 +852,24 @@ def _core_ops(spec: ModelSpec, wl: Workload, dm: Dims, terms: dict[str, int]) ->
 def eager_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     """Why an eager core's ops are not modelled one by one, or None: modelled as transformers'
     ``eager_attention_forward`` runs them (models/llama/modeling_llama.py; GPT-2's in
-    models/gpt2/modeling_gpt2.py) in a dense layer, without soft-capping, sinks or a window."""
+    models/gpt2/modeling_gpt2.py; Gemma 2's soft-capping in models/gemma2/modeling_gemma2.py)
+    in a dense layer, without sinks; a sliding window is only its additive mask (the same
+    size as the causal one: ``attention.eager_mask_bytes``), no tensor of the core changes.
+    An upcast-fp32 RMSNorm in a 16-bit dtype casts its input, weight and output (Gemma2RMSNorm.
+    forward: ``x.float()``, ``self.weight.float()``, ``type_as(x)``; OLMo 2's two), ops no
+    policy names (``_norms_nameable``): at s_kv = h they share the core's casts' width."""
+    p = wl.precision.policy
+    norm_casts = (wl.norm_impl is NormImpl.UPCAST_FP32 and p.autocast is None
+                  and p.compute.itemsize < FP32_BYTES)
     checks = (
         (wl.attention is not Kernel.EAGER, f"attention {wl.attention.value}"),
         (spec.moe is not None, "eager attention in MoE layers"),
         (spec.mla is not None, "eager attention in MLA layers"),
         (spec.attn_sinks, "eager attention with sinks"),
+        (norm_casts and wl.seq_len == spec.hidden_size,
+         "eager attention at a sequence as long as the hidden size with upcast-fp32 norms in a "
+         "16-bit dtype (the softmax's casts share the width of the norms' casts, which no "
+         "policy counts)"),
         (wl.precision.value.endswith("fp16"),
          "eager attention in fp16 (CUDA's softmax upcasts fp16 without a copy)"),
     )
