@@ -67,7 +67,8 @@ item, ``mlp.down``, as with post norms). A multi-head latent attention block's o
 its down and up projections, latent norms, the query's and key's concatenations, the kernel)
 are ``memplan.model.sac_mla``'s. An eager attention core (transformers'
 ``eager_attention_forward``) is named op by op in place of SDPA's kernel (``_eager_core_ops``:
-its bmms, softmax, cast and dropout), its moments with what each kept output adds
+its bmms, softmax, cast and dropout; Gemma 2's logit soft-capping, ``_softcap_ops``; a
+sliding window only its mask), its moments with what each kept output adds
 (``core_peak``); an ungated ReLU MLP keeps its up projection (``mlp.fc1``) and relu's output
 (``mlp.act``). A name scoped ``SCOPE:name`` applies to the layers of a kind or one pipeline
 stage (``resolve``, ``for_stage``).
