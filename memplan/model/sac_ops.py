@@ -868,9 +868,9 @@ def eager_refusal(spec: ModelSpec, wl: Workload) -> str | None:
         (spec.mla is not None, "eager attention in MLA layers"),
         (spec.attn_sinks, "eager attention with sinks"),
         (norm_casts and wl.seq_len == spec.hidden_size,
-         "eager attention at a sequence as long as the hidden size with upcast-fp32 norms in a "
-         "16-bit dtype (the softmax's casts share the width of the norms' casts, which no "
-         "policy counts)"),
+         ("eager attention at a sequence as long as the hidden size with upcast-fp32 norms "
+          "in a 16-bit dtype (the softmax's casts share the width of the norms' casts, which "
+          "no policy counts)")),
         (wl.precision.value.endswith("fp16"),
          "eager attention in fp16 (CUDA's softmax upcasts fp16 without a copy)"),
     )
