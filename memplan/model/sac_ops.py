@@ -85,7 +85,7 @@ from memplan.model.dims import Dims, Term
 from memplan.model.mla import Mla as MlaBlock
 from memplan.model.sac_mla import CAT
 from memplan.spec import MlpKind, ModelSpec, NormKind, PositionKind, QkNorm
-from memplan.units import FP32_BYTES
+from memplan.units import FP32_BYTES, DType
 from memplan.workload import Attention as Kernel
 from memplan.workload import MoeImpl, NormImpl
 from memplan.workload import Workload
@@ -856,6 +856,10 @@ def eager_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     models/gpt2/modeling_gpt2.py; Gemma 2's soft-capping in models/gemma2/modeling_gemma2.py)
     in a dense layer, without sinks; a sliding window is only its additive mask (the same
     size as the causal one: ``attention.eager_mask_bytes``), no tensor of the core changes.
+    fp16 is bf16's (the same sizes) but for transformers' fp32 softmax of 16-bit weights
+    (``softmax(dtype=torch.float32)`` on the fp16 scores, no autocast), which on CUDA
+    upcasts without copying its input; under autocast the scores it reads are fp32 (the
+    fp32 mask added) in either dtype.
     An upcast-fp32 RMSNorm in a 16-bit dtype casts its input, weight and output (Gemma2RMSNorm.
     forward: ``x.float()``, ``self.weight.float()``, ``type_as(x)``; OLMo 2's two), ops no
     policy names (``_norms_nameable``): at s_kv = h they share the core's casts' width."""
@@ -871,8 +875,9 @@ def eager_refusal(spec: ModelSpec, wl: Workload) -> str | None:
          ("eager attention at a sequence as long as the hidden size with upcast-fp32 norms "
           "in a 16-bit dtype (the softmax's casts share the width of the norms' casts, which "
           "no policy counts)")),
-        (wl.precision.value.endswith("fp16"),
-         "eager attention in fp16 (CUDA's softmax upcasts fp16 without a copy)"),
+        (p.compute is DType.FP16 and p.autocast is None and wl.softmax_fp32,
+         ("eager attention in fp16 with an fp32 softmax (CUDA's softmax(dtype=float32) "
+          "upcasts fp16 without the copy other dtypes make)")),
     )
     return next((why for cond, why in checks if cond), None)
 

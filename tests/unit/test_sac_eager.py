@@ -145,13 +145,17 @@ def test_softcap_core_moments_by_hand() -> None:
 
 
 def test_eager_refused_where_not_modelled() -> None:
-    """fp16: CUDA's softmax upcasts fp16 without a copy (the policy's copy count would
-    differ); sinks (GPT-OSS's, whose layers are MoE with expert biases anyway); a sequence
+    """fp16 with transformers' fp32 softmax and no autocast: CUDA's softmax upcasts fp16
+    without a copy (the policy's copy count would differ; under autocast, or with the
+    softmax in the scores' dtype, fp16 is bf16's); sinks (GPT-OSS's, whose layers are MoE with expert biases anyway); a sequence
     as long as the hidden size under upcast-fp32 norms in 16 bits (their unnamed casts share
     the softmax's casts' width). Soft-capping and a window shorter than the sequence are
     modelled."""
-    wl = make_workload(TINY, **FIELDS, recompute="ops", precision="amp-fp16")
+    wl = make_workload(TINY, **FIELDS, recompute="ops", precision="fp16-mixed")
     assert "eager attention in fp16" in ops_refusal(TINY, wl)
+    assert ops_refusal(TINY, wl.model_copy(update={"softmax_fp32": False})) is None
+    assert ops_refusal(TINY, make_workload(TINY, **FIELDS, recompute="ops",
+                                           precision="amp-fp16")) is None
     sinks = ModelSpec.model_validate({**TINY.model_dump(), "name": "tiny-sinks",
                                       "attn_sinks": True})
     assert "sinks" in ops_refusal(sinks, make_workload(sinks, **FIELDS, recompute="ops"))
