@@ -968,8 +968,6 @@ def core_peak(core: tuple[tuple[int, tuple[tuple[str, int], ...]], ...],
     return best
 
 
-
-
 def _gelu_new_ops(terms: dict[str, int], mlp: list[Item], f: int, dm: Dims) -> list[Item]:
     """An ungated MLP with transformers' gelu_new (activations.py NewGELUActivation.forward:
     ``0.5 * input * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (input + 0.044715 *
