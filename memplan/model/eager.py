@@ -56,6 +56,7 @@ class Core(NamedTuple):
     fp32_caller: int = 0  # autocast with RoPE: the caller's fp32 rotated q and k
     fp32_k_rep: int = 0  # ... and K repeated to every head in fp32, a local of the core
     dropout_local: int = 0  # autocast: dropout's fp32 output, a local (its cast is saved)
+    softcap: int = 0  # logit soft-capping: each of its score-sized tensors (compute dtype)
 
     @property
     def caller_locals(self) -> int:
@@ -102,7 +103,8 @@ def core(spec: ModelSpec, dm: Dims, softmax_fp32: bool = False) -> Core:
                 value_input=value_input,
                 fp32_caller=fp32_q + fp32_k if rope else 0,
                 fp32_k_rep=fp32_q if rope and grouped else 0,
-                dropout_local=scores * dm.stream_e if amp and dropout else 0)
+                dropout_local=scores * dm.stream_e if amp and dropout else 0,
+                softcap=scores * dm.e if spec.attn_logit_softcap is not None else 0)
 
 
 def forward_saving(c: Core) -> int:
@@ -120,9 +122,27 @@ def forward_checkpointed(c: Core) -> int:
 
 # the names of an eager core's ops whose outputs a policy can keep (``memplan.model.sac_ops.
 # _eager_core_ops``): the scores (the first matmul's output), the softmax, its cast back, the
-# dropout (output and mask) and the context (the value matmul's output)
+# dropout (output and mask) and the context (the value matmul's output); with logit
+# soft-capping, tanh's output and the capped scores (``tanh * softcap``)
 SCORES, SOFTMAX, CAST, DROPOUT, CONTEXT = ("attn.scores", "attn.softmax", "attn.softmax_cast",
                                            "attn.dropout", "attn.context")
+TANH, CAPPED = "attn.softcap_tanh", "attn.softcap"
+
+
+def _after_mask(c: Core) -> dict[str, int]:
+    """What each kept output made before the mask's add adds once the masked scores exist:
+    the scores (freed at the scaling) and, with soft-capping, tanh's output and the capped
+    scores (freed by the next op: the product, then the add)."""
+    return {SCORES: c.scores, TANH: c.softcap, CAPPED: c.softcap}
+
+
+def _softcap_moments(c: Core, reps: int) -> list[tuple[int, dict[str, int]]]:
+    """Logit soft-capping (models/gemma2/modeling_gemma2.py ``eager_attention_forward``:
+    ``attn_weights / softcap``, ``torch.tanh``, ``* softcap``, each rebinding
+    ``attn_weights``) between the scaling and the mask: each op's input and output, two
+    score-sized tensors in the compute dtype, the raw scores freed (kept, they add); tanh's
+    output and the capped scores are alive there anyway. Nothing without soft-capping."""
+    return [(reps + 2 * c.scores, {SCORES: c.scores})] if c.softcap else []
 
 
 def checkpointed_moments(c: Core) -> list[tuple[int, dict[str, int]]]:
@@ -135,13 +155,13 @@ def checkpointed_moments(c: Core) -> list[tuple[int, dict[str, int]]]:
     reps = c.k_extra + c.v_extra if c.grouped else 0
     first = c.q_copy + (reps if c.grouped else c.k_extra) + c.scores
     scores = reps + 2 * c.scores  # raw and scaled, then masked and softmax
-    kept_scores = {SCORES: c.scores}
-    out = [(first, {}), (scores, kept_scores)]
+    kept_scores = _after_mask(c)
+    out = [(first, {}), *_softcap_moments(c, reps), (scores, kept_scores)]
     if c.mask:  # masked, softmax, mask, output
         out.append((reps + 3 * c.scores + c.mask, kept_scores))
     # the value matmul: the masked scores, its probabilities, the copy of v, its output
     value = reps + 2 * c.scores + (0 if c.grouped else c.v_extra) + c.q
-    return out + [(value, {SCORES: c.scores, SOFTMAX: c.scores if c.mask else 0})]
+    return out + [(value, {**kept_scores, SOFTMAX: c.scores if c.mask else 0})]
 
 
 def _checkpointed_autocast(c: Core) -> list[tuple[int, dict[str, int]]]:
@@ -157,8 +177,8 @@ def _checkpointed_autocast(c: Core) -> list[tuple[int, dict[str, int]]]:
     # a softmax in a wider dtype than its input (softmax(dtype=float32) on bf16 masked
     # scores, no autocast) copies the input to that dtype first (traced: Llama bf16 eager)
     upcast = c.sm if c.masked < c.sm else 0
-    kept_scores = {SCORES: c.scores}
-    out = [(first, {}), (reps + 2 * c.scores, {}),
+    kept_scores = _after_mask(c)
+    out = [(first, {}), (reps + 2 * c.scores, {}), *_softcap_moments(c, reps),
            (reps + c.scores + c.masked, kept_scores),
            (reps + c.masked + upcast + c.sm, kept_scores)]
     probs = c.sm
@@ -166,7 +186,7 @@ def _checkpointed_autocast(c: Core) -> list[tuple[int, dict[str, int]]]:
         out.append((reps + c.masked + c.sm + c.dropout_local + c.mask, kept_scores))
         probs = c.dropout_local + c.mask
     value = reps + c.masked + probs + c.value_input + (0 if c.grouped else c.v_extra) + c.q
-    return out + [(value, {SCORES: c.scores, SOFTMAX: c.sm if c.mask else 0})]
+    return out + [(value, {**kept_scores, SOFTMAX: c.sm if c.mask else 0})]
 
 
 def returned(c: Core, autocast: bool) -> str:
@@ -184,11 +204,12 @@ def returned(c: Core, autocast: bool) -> str:
 
 
 def output_moment_adds(c: Core, autocast: bool) -> dict[str, int]:
-    """What each kept op output adds at the output projection (``SCORES``, ...): the scores,
-    the softmax and its cast (freed by then) but the returned probabilities (``returned``:
+    """What each kept op output adds at the output projection (``SCORES``, ...): the scores
+    (with soft-capping, tanh's output and the capped scores), the softmax and its cast (freed
+    by then) but the returned probabilities (``returned``:
     alive until the attention returns; of dropout's, its mask); the context is the copy's
     source, alive there."""
-    adds = {SCORES: c.scores, SOFTMAX: c.sm, CAST: c.value_input, DROPOUT: c.mask}
+    adds = {**_after_mask(c), SOFTMAX: c.sm, CAST: c.value_input, DROPOUT: c.mask}
     held = returned(c, autocast)
     if held:
         adds[held] = c.mask if held == DROPOUT else 0

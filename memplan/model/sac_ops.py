@@ -67,7 +67,8 @@ item, ``mlp.down``, as with post norms). A multi-head latent attention block's o
 its down and up projections, latent norms, the query's and key's concatenations, the kernel)
 are ``memplan.model.sac_mla``'s. An eager attention core (transformers'
 ``eager_attention_forward``) is named op by op in place of SDPA's kernel (``_eager_core_ops``:
-its bmms, softmax, cast and dropout), its moments with what each kept output adds
+its bmms, softmax, cast and dropout; Gemma 2's logit soft-capping, ``_softcap_ops``; a
+sliding window only its mask), its moments with what each kept output adds
 (``core_peak``); an ungated ReLU MLP keeps its up projection (``mlp.fc1``) and relu's output
 (``mlp.act``). A name scoped ``SCOPE:name`` applies to the layers of a kind or one pipeline
 stage (``resolve``, ``for_stage``).
@@ -84,7 +85,7 @@ from memplan.model.dims import Dims, Term
 from memplan.model.mla import Mla as MlaBlock
 from memplan.model.sac_mla import CAT
 from memplan.spec import MlpKind, ModelSpec, NormKind, PositionKind, QkNorm
-from memplan.units import FP32_BYTES
+from memplan.units import FP32_BYTES, DType
 from memplan.workload import Attention as Kernel
 from memplan.workload import MoeImpl, NormImpl
 from memplan.workload import Workload
@@ -101,6 +102,10 @@ COPY, RSQRT = "copy", "rsqrt"
 SOFTMAX, INDEX, GROUPED_MM = "softmax", "index", "grouped_mm"
 # a short-convolution layer's depthwise conv1d (``aten.convolution``, named by its channels)
 CONV = "conv"
+# ``aten.tanh``, and ``aten.mul``/``aten.add`` of a tensor and a Python number: transformers'
+# NewGELUActivation's (``_gelu_new_ops``: the scaling, ``1.0 + tanh``) and an eager core's
+# logit soft-capping (``_softcap_ops``)
+TANH, SCALE, SHIFT = "tanh", "scale", "shift"
 
 
 class Item(NamedTuple):
@@ -848,17 +853,31 @@ def _core_ops(spec: ModelSpec, wl: Workload, dm: Dims, terms: dict[str, int]) ->
 def eager_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     """Why an eager core's ops are not modelled one by one, or None: modelled as transformers'
     ``eager_attention_forward`` runs them (models/llama/modeling_llama.py; GPT-2's in
-    models/gpt2/modeling_gpt2.py) in a dense layer, without soft-capping, sinks or a window."""
+    models/gpt2/modeling_gpt2.py; Gemma 2's soft-capping in models/gemma2/modeling_gemma2.py)
+    in a dense layer, without sinks; a sliding window is only its additive mask (the same
+    size as the causal one: ``attention.eager_mask_bytes``), no tensor of the core changes.
+    fp16 is bf16's (the same sizes) but for transformers' fp32 softmax of 16-bit weights
+    (``softmax(dtype=torch.float32)`` on the fp16 scores, no autocast), which on CUDA
+    upcasts without copying its input; under autocast the scores it reads are fp32 (the
+    fp32 mask added) in either dtype.
+    An upcast-fp32 RMSNorm in a 16-bit dtype casts its input, weight and output (Gemma2RMSNorm.
+    forward: ``x.float()``, ``self.weight.float()``, ``type_as(x)``; OLMo 2's two), ops no
+    policy names (``_norms_nameable``): at s_kv = h they share the core's casts' width."""
+    p = wl.precision.policy
+    norm_casts = (wl.norm_impl is NormImpl.UPCAST_FP32 and p.autocast is None
+                  and p.compute.itemsize < FP32_BYTES)
     checks = (
         (wl.attention is not Kernel.EAGER, f"attention {wl.attention.value}"),
         (spec.moe is not None, "eager attention in MoE layers"),
         (spec.mla is not None, "eager attention in MLA layers"),
-        (spec.attn_logit_softcap is not None, "eager attention with logit soft-capping"),
         (spec.attn_sinks, "eager attention with sinks"),
-        (spec.sliding_window is not None and wl.seq_len > spec.sliding_window,
-         "eager attention in sliding-window layers"),
-        (wl.precision.value.endswith("fp16"),
-         "eager attention in fp16 (CUDA's softmax upcasts fp16 without a copy)"),
+        (norm_casts and wl.seq_len == spec.hidden_size,
+         ("eager attention at a sequence as long as the hidden size with upcast-fp32 norms "
+          "in a 16-bit dtype (the softmax's casts share the width of the norms' casts, which "
+          "no policy counts)")),
+        (p.compute is DType.FP16 and p.autocast is None and wl.softmax_fp32,
+         ("eager attention in fp16 with an fp32 softmax (CUDA's softmax(dtype=float32) "
+          "upcasts fp16 without the copy other dtypes make)")),
     )
     return next((why for cond, why in checks if cond), None)
 
@@ -885,7 +904,8 @@ def _eager_core_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]) -> list[It
         return Item(name, tuple(c for c in covers if c in terms), size, flops, op, width, 0,
                     "attn", False)
 
-    out = [item("attn.scores", (), scores * e, bmm, BMM, s_kv)]
+    out = [item("attn.scores", (), scores * e, bmm, BMM, s_kv),
+           *_softcap_ops(spec, terms, scores * e, per_element, s_kv)]
     # softmax in fp32 on 16-bit weights: a copy to fp32 before it, a cast back after it
     cast = terms["attn.softmax"] > scores * e and not dm.autocast
     if cast:  # softmax(dtype=float32) copies its 16-bit input to fp32 first
@@ -903,6 +923,27 @@ def _eager_core_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int]) -> list[It
     out.append(item("attn.context", (), dm.tokens * spec.q_size // dm.tp * e, bmm, BMM,
                     spec.head_dim))
     return out
+
+
+def _softcap_ops(spec: ModelSpec, terms: dict[str, int], size: int, per_element: float,
+                 s_kv: int) -> list[Item]:
+    """Logit soft-capping between the scores and the mask (models/gemma2/modeling_gemma2.py
+    ``eager_attention_forward``: ``torch.matmul(query, key_states.transpose(2, 3)) *
+    scaling``, then ``attn_weights / softcap``, ``torch.tanh``, ``* softcap``): the scaling
+    (a ``mul`` by a number, the policy's ``scale``, kept by none), ``attn.softcap_tanh``
+    (``aten.tanh``, whose backward saves its output: the ``attn.softcap_tanh`` term) and
+    ``attn.softcap`` (the product by the cap, a ``scale``; saved by no one), each a
+    score-sized tensor in the compute dtype (tanh runs in it under autocast too). The
+    division (``aten.div`` by a number) is no op a policy counts. What each kept adds to the
+    checkpointed core's moments is ``memplan.model.eager._softcap_moments``' and
+    ``_after_mask``'s. FLOPs: one an element each (the division's and the scaling's rerun
+    whatever is kept, as the mask's add, and are no item's). Nothing without soft-capping."""
+    if spec.attn_logit_softcap is None:
+        return []
+    return [_unkept(SCALE, s_kv, "attn"),
+            Item("attn.softcap_tanh", tuple(c for c in ("attn.softcap_tanh",) if c in terms),
+                 size, per_element, TANH, s_kv, 0, "attn", False),
+            Item("attn.softcap", (), size, per_element, SCALE, s_kv, 0, "attn", False)]
 
 
 def core_peak(core: tuple[tuple[int, tuple[tuple[str, int], ...]], ...],
@@ -925,11 +966,6 @@ def core_peak(core: tuple[tuple[int, tuple[tuple[str, int], ...]], ...],
         extra = dict(adds)
         best = max(best, value + before + sum(extra.get(i.name, 0) for i in kept))
     return best
-
-
-# transformers' NewGELUActivation's ops a policy names (``_gelu_new_ops``): ``aten.tanh``, and
-# ``aten.mul``/``aten.add`` of a tensor and a Python number (the scaling, ``1.0 + tanh``)
-TANH, SCALE, SHIFT = "tanh", "scale", "shift"
 
 
 def _gelu_new_ops(terms: dict[str, int], mlp: list[Item], f: int, dm: Dims) -> list[Item]:

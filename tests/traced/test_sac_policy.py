@@ -70,6 +70,11 @@ GRID = [(TINY, {}, save) for save in SAVES] + [
     *[(TINY, {"precision": "amp-bf16"}, save) for save in
       ("", "attention", "mlp", "attn.k,attn.o_proj,mlp.up", "attention,mlp")],
     (TINY, {"precision": "amp-fp16"}, "attn.out,mlp.prod"),
+    # the reference model's eager core in fp16: under autocast the masked scores are fp32 in
+    # either dtype, and its softmax in the scores' dtype is bf16's (before, refused: "eager
+    # attention in fp16"). Measured: every row exact, as amp-bf16 and bf16-mixed
+    (TINY, {"precision": "amp-fp16", "attention": "eager"}, "attention"),
+    (TINY, {"precision": "fp16-mixed", "attention": "eager"}, "attn.scores,attn.context"),
     (WIDE_GQA, {"seq_len": 256, "precision": "amp-bf16"}, "attn.v,mlp.act"),
     (F64, {"precision": "amp-bf16"}, "mlp.prod,attn.q"),
     (GEGLU, {"precision": "amp-bf16"}, "attn.k,attn.o_proj,mlp.up"),
@@ -944,3 +949,38 @@ def test_emitted_policy_on_gpt2(attn: str, precision: str, save: str) -> None:
     pytest.importorskip("transformers")
     config = hf("gpt2", **{**GPT2_HF_TOY, **({"attn_pdrop": 0.1} if attn == "eager" else {})})
     _assert_eager(config, f"gpt2-{attn}", precision, 512, save, attn)
+
+
+# Logit soft-capping (models/gemma2/modeling_gemma2.py eager_attention_forward: the scaled
+# scores ``/ softcap``, ``torch.tanh``, ``* softcap`` before the mask; Gemma 2 is trained with
+# eager attention) named op by op (memplan.model.sac_ops._softcap_ops): attn.softcap_tanh
+# (aten.tanh, whose backward saves its output) and attn.softcap (the product by the cap, a
+# scale), the scaling counted before them; each adds to the checkpointed core's moments from
+# the mask's add on (memplan.model.eager._after_mask). Gemma 2 narrowed as NORMS_TOY's with a
+# 64-token window (its first layer slides: in eager the window is only the additive mask, no
+# tensor of the core changes size) at 2 x 128 tokens (s_kv below h: at s_kv = h the softmax's
+# casts share the width of Gemma2RMSNorm's casts, which no policy counts; refused by name).
+# Before, refused ("eager attention with logit soft-capping", "... in sliding-window layers").
+# Measured: saved activations within 1,028 B, the forward within 1,662 B (0.03%); the
+# backward within 0.03% keeping the whole attention, else full recompute's own gap (+68,734 B
+# in bf16, +129,660 B in fp32 and amp-bf16, 0.5-0.65%); under autocast the forward keeping
+# the soft-capping's outputs is full recompute's own gap (-162,180 B, -1.1%). Mistral
+# narrowed (window 128, every layer) at 2 x 256 tokens: within full recompute's own gap
+# (+262,144 B saved: memplan counts eager's causal mask beside the window mask,
+# MistralModel.forward builds the window mask alone)
+SOFTCAP_TOY = {"gemma-2-9b": dict(NORMS_TOY["gemma-2-9b"], sliding_window=64),
+               "Mistral-7B-v0.1": dict(HF_TOY, sliding_window=128)}
+SOFTCAP_GRID = [("gemma-2-9b", "bf16-pure", 128, "attention"),
+                ("gemma-2-9b", "bf16-pure", 128, "attn.softcap_tanh,attn.scores,attn.softmax_cast"),
+                ("gemma-2-9b", "bf16-pure", 128, "auto"),
+                ("gemma-2-9b", "fp32", 128, "attn.softcap_tanh,attn.softcap"),
+                ("gemma-2-9b", "amp-bf16", 128, "attn.softcap_tanh,attn.softcap"),
+                ("Mistral-7B-v0.1", "bf16-pure", 256, "attn.scores,attn.softmax")]
+
+
+@pytest.mark.parametrize(("model", "precision", "seq", "save"), SOFTCAP_GRID,
+                         ids=[f"{m}-{p}-{s}" for m, p, _, s in SOFTCAP_GRID])
+def test_emitted_policy_on_softcapped_and_windowed_eager(model: str, precision: str, seq: int,
+                                                        save: str) -> None:
+    pytest.importorskip("transformers")
+    _assert_eager(hf(model, **SOFTCAP_TOY[model]), model, precision, seq, save)

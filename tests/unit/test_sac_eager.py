@@ -84,12 +84,86 @@ def test_kept_core_outputs_add_their_bytes_and_emit() -> None:
     assert "an eager core partly kept" in megatron
 
 
+CAP = ModelSpec.model_validate({**TINY.model_dump(), "name": "tiny-cap",
+                                "attn_logit_softcap": 50.0})
+
+
+def test_softcap_items_by_hand() -> None:
+    """Gemma 2's soft-capping (models/gemma2/modeling_gemma2.py eager_attention_forward:
+    ``matmul(q, k^T) * scaling``, ``/ softcap``, ``tanh``, ``* softcap``, then the mask):
+    after the scores' bmm the scaling (a ``scale``, 128 wide, kept by none), then
+    attn.softcap_tanh (``aten.tanh``, the ``attn.softcap_tanh`` term its backward saves:
+    131,072 x 2 = 262,144 B, one FLOP an element, heads x s_kv = 512 a token) and
+    attn.softcap (the product by the cap, the second 128-wide ``scale``, 262,144 B, saved by
+    no one); the division is no op a policy counts. The emitted policy counts two scales and
+    one tanh a layer."""
+    items, unkept = _items(CAP)
+    cap = [(i.name, i.terms, i.size_bytes, i.flops_per_token, i.op, i.width, i.nth)
+           for i in items if i.name.startswith("attn.softcap")]
+    assert cap == [
+        ("attn.softcap_tanh", ("attn.softcap_tanh",), 262_144, 512.0, "tanh", 128, 0),
+        ("attn.softcap", (), 262_144, 512.0, "scale", 128, 1)]
+    assert ("scale", 128) in unkept
+    names = [i.name for i in items]
+    assert names.index("attn.scores") < names.index("attn.softcap_tanh") < \
+        names.index("attn.softcap") < names.index("attn.softmax")
+    est = estimate(CAP, **FIELDS, recompute="ops", recompute_save="attn.softcap_tanh")
+    text = emit_for("torch", est)
+    assert "SAVE = {('tanh', 128, 0)}" in text
+    assert "('scale', 128): 2" in text and "('tanh', 128): 1" in text
+
+
+def test_softcap_core_moments_by_hand() -> None:
+    """tiny soft-capped, bf16, transformers' fp32 softmax: scores S = 262,144 B (bf16), the
+    fp32 softmax 524,288 B, q (and each tensor of q's shape) 32,768 B; K and V repeated to
+    every head (2 groups), locals of the core: 65,536 B. The checkpointed core's moments
+    (memplan.model.eager.checkpointed_moments): the first bmm, 65,536 + its inputs' copies
+    (q, its contiguous copy, K repeated and k^T's copy: 4 x 32,768) + S = 458,752; raw and
+    scaled scores, 65,536 + 2 S = 589,824; soft-capping's steps (each op's input and output),
+    589,824 with the raw scores freed (kept, they add S); the capped and masked scores,
+    589,824; the masked scores, the softmax's fp32 copy of them and its fp32 output,
+    65,536 + S + 2 x 524,288 = 1,376,256; the value matmul, 65,536 + S + 524,288 + the cast S
+    + its output 32,768 = 1,146,880. From the masked scores on, kept tanh output and capped
+    scores add S each (the product and the add would have freed them); at the output
+    projection too."""
+    from memplan.model import eager
+    from memplan.model.attention import _core
+
+    wl = make_workload(CAP, **FIELDS, recompute="ops")
+    c = _core(CAP, wl, Dims.of(CAP, make_layout(1), wl))
+    s = 262_144
+    late = {"attn.scores": s, "attn.softcap_tanh": s, "attn.softcap": s}
+    assert eager.checkpointed_moments(c) == [
+        (458_752, {}), (589_824, {}), (589_824, {"attn.scores": s}), (589_824, late),
+        (1_376_256, late), (1_146_880, {**late, "attn.softmax": 0})]
+    adds = eager.output_moment_adds(c, False)
+    assert adds["attn.softcap_tanh"] == adds["attn.softcap"] == s
+    # without soft-capping: no such moment, nothing added
+    plain = _core(TINY, wl, Dims.of(TINY, make_layout(1), wl))
+    assert [v for v, _ in eager.checkpointed_moments(plain)] == [
+        458_752, 589_824, 589_824, 1_376_256, 1_146_880]
+
+
 def test_eager_refused_where_not_modelled() -> None:
-    """fp16: CUDA's softmax upcasts fp16 without a copy (the policy's copy count would
-    differ); MoE layers; soft-capping."""
-    wl = make_workload(TINY, **FIELDS, recompute="ops", precision="amp-fp16")
+    """fp16 with transformers' fp32 softmax and no autocast: CUDA's softmax upcasts fp16
+    without a copy (the policy's copy count would differ; under autocast, or with the
+    softmax in the scores' dtype, fp16 is bf16's); sinks (GPT-OSS's, whose layers are MoE with expert biases anyway); a sequence
+    as long as the hidden size under upcast-fp32 norms in 16 bits (their unnamed casts share
+    the softmax's casts' width). Soft-capping and a window shorter than the sequence are
+    modelled."""
+    wl = make_workload(TINY, **FIELDS, recompute="ops", precision="fp16-mixed")
     assert "eager attention in fp16" in ops_refusal(TINY, wl)
-    capped = ModelSpec.model_validate({**TINY.model_dump(), "name": "tiny-cap",
-                                       "attn_logit_softcap": 50.0})
-    wl = make_workload(capped, **FIELDS, recompute="ops")
-    assert "soft-capping" in ops_refusal(capped, wl)
+    assert ops_refusal(TINY, wl.model_copy(update={"softmax_fp32": False})) is None
+    assert ops_refusal(TINY, make_workload(TINY, **FIELDS, recompute="ops",
+                                           precision="amp-fp16")) is None
+    sinks = ModelSpec.model_validate({**TINY.model_dump(), "name": "tiny-sinks",
+                                      "attn_sinks": True})
+    assert "sinks" in ops_refusal(sinks, make_workload(sinks, **FIELDS, recompute="ops"))
+    assert ops_refusal(CAP, make_workload(CAP, **FIELDS, recompute="ops")) is None
+    window = ModelSpec.model_validate({**TINY.model_dump(), "name": "tiny-window",
+                                       "sliding_window": 64})
+    assert ops_refusal(window, make_workload(window, **FIELDS, recompute="ops")) is None
+    wide = make_workload(CAP, **{**FIELDS, "seq_len": 64}, recompute="ops",
+                         norm_impl="upcast-fp32")
+    assert "as long as the hidden size" in ops_refusal(CAP, wide)
+    assert ops_refusal(CAP, wide.model_copy(update={"seq_len": 128})) is None
