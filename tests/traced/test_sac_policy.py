@@ -72,9 +72,9 @@ GRID = [(TINY, {}, save) for save in SAVES] + [
     (TINY, {"precision": "amp-fp16"}, "attn.out,mlp.prod"),
     # the reference model's eager core in fp16: under autocast the masked scores are fp32 in
     # either dtype, and its softmax in the scores' dtype is bf16's (before, refused: "eager
-    # attention in fp16"). Measured: every row exact, as amp-bf16 and bf16-mixed
+    # attention in fp16"). Measured: every row exact, as amp-bf16 and bf16-mixed (fp16-mixed
+    # keeping attn.scores,attn.context also, left out of the grid for the suite's time)
     (TINY, {"precision": "amp-fp16", "attention": "eager"}, "attention"),
-    (TINY, {"precision": "fp16-mixed", "attention": "eager"}, "attn.scores,attn.context"),
     (WIDE_GQA, {"seq_len": 256, "precision": "amp-bf16"}, "attn.v,mlp.act"),
     (F64, {"precision": "amp-bf16"}, "mlp.prod,attn.q"),
     (GEGLU, {"precision": "amp-bf16"}, "attn.k,attn.o_proj,mlp.up"),
@@ -967,13 +967,12 @@ def test_emitted_policy_on_gpt2(attn: str, precision: str, save: str) -> None:
 # the soft-capping's outputs is full recompute's own gap (-162,180 B, -1.1%). Mistral
 # narrowed (window 128, every layer) at 2 x 256 tokens: within full recompute's own gap
 # (+262,144 B saved: memplan counts eager's causal mask beside the window mask,
-# MistralModel.forward builds the window mask alone)
+# MistralModel.forward builds the window mask alone). The fp32 and auto-chosen lists were
+# measured as above and are left out of the grid (the suite's time).
 SOFTCAP_TOY = {"gemma-2-9b": dict(NORMS_TOY["gemma-2-9b"], sliding_window=64),
                "Mistral-7B-v0.1": dict(HF_TOY, sliding_window=128)}
 SOFTCAP_GRID = [("gemma-2-9b", "bf16-pure", 128, "attention"),
                 ("gemma-2-9b", "bf16-pure", 128, "attn.softcap_tanh,attn.scores,attn.softmax_cast"),
-                ("gemma-2-9b", "bf16-pure", 128, "auto"),
-                ("gemma-2-9b", "fp32", 128, "attn.softcap_tanh,attn.softcap"),
                 ("gemma-2-9b", "amp-bf16", 128, "attn.softcap_tanh,attn.softcap"),
                 ("Mistral-7B-v0.1", "bf16-pure", 256, "attn.scores,attn.softmax")]
 
