@@ -209,6 +209,9 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
     if recompute is Recompute.FULL and compiled.in_checkpoint(wl):
         return forward_moments(spec, wl, dm, moe_layer=moe_layer, recompute=Recompute.NONE,
                                variant=variant)
+    if (recompute is Recompute.FULL and not moe_layer
+            and (peak := compiled.autocast_checkpointed_forward_bytes(spec, dm)) is not None):
+        return [ForwardMoment("mlp", stream + peak, 0, "mlp")]
     if recompute is Recompute.FULL:
         held = stream  # the checkpointed input
         for norm, mixer, *post in sublayers(blocks):
@@ -239,8 +242,11 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
     # output is the mixer's argument, alive until the mixer returns (under DTensor sequence
     # parallelism the mixer's input all-gathered to the full sequence, once for its linears).
     # Without a norm before the mixer its argument is the stream, counted as unsaved above.
+    # Compiled, the norm's pointwise ops and autocast's cast are one Inductor kernel, which
+    # writes the cast alone (``memplan.model.compiled.norm_output_fused``).
     norm_out = (dm.linear_rows * spec.hidden_size * dm.stream_e
-                if dm.autocast and spec.norm_placement.pre_norm else 0)
+                if dm.autocast and spec.norm_placement.pre_norm
+                and not compiled.norm_output_fused(dm) else 0)
     prior = 0
     # past the first sub-layer's add the layer's input is still alive beside the residual
     # sum the next add reads: its caller's loop variable holds it until the layer returns
@@ -292,7 +298,7 @@ def cast_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, block: Block,
     cache keeps every cast of an fp32 leaf that requires grad (``cached_cast`` in
     ``aten/src/ATen/autocast_mode.cpp``, whatever the grad mode) until the outermost autocast
     region exits (``torch.autocast.__exit__`` clears it)."""
-    if not dm.autocast or not isinstance(block, MIXERS):
+    if not dm.autocast or compiled.casts_in_graph(dm) or not isinstance(block, MIXERS):
         return 0
     # a Mamba2 mixer casts some of its tensors only (``Mamba.cast_sizes``)
     casts = sum(block.cast_sizes(spec, wl, dm.tp) if isinstance(block, (Mamba, ParallelMamba))
@@ -405,6 +411,10 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
                             0 if host_saved else m.hook_freed)
                 for m in block.backward_moments(spec, wl, dm, policy)]
         later += (block.name,)
+    if not moe_layer and (end := compiled.autocast_end_bytes(spec, dm)) is not None:
+        # the compiled backward's end: every weight gradient made (``compiled.
+        # autocast_end_bytes``), the saved set freed
+        out.append(LayerMoment("compiled_end", 0, incoming + end, later))
     return out
 
 
