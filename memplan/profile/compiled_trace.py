@@ -336,11 +336,22 @@ def compiled_layer_peaks(config: dict, dtype_name: str, batch: int, seq: int,
     its gradients dropped. oneDNN is off: its bf16 matmuls on CPU allocate reordered weight
     copies (132,736 B at the toy's q projection) that no GPU kernel makes. ``autocast`` and
     ``checkpoint`` ("none" or "full"): as ``compiled_layer_saved``'s."""
+    return compiled_layer_step(config, dtype_name, batch, seq, autocast, checkpoint)[1:]
+
+
+def compiled_layer_step(config: dict, dtype_name: str, batch: int, seq: int,
+                        autocast: str | None = None, checkpoint: str = "none"
+                        ) -> tuple[list[SavedTensor], int, int]:
+    """``compiled_layer_saved``'s saved set and ``compiled_layer_peaks``' (forward peak,
+    backward peak) from one compile (a dense transformers layer: ``_layer``)."""
     import torch
 
+    rows: list[list[SavedTensor]] = []
     with (torch.backends.mkldnn.flags(enabled=False), _recursion_limit_kept(),
           _kernel_per_node()):
-        return _peaks(config, dtype_name, batch, seq, autocast, checkpoint)
+        forward, backward = _peaks(config, dtype_name, batch, seq, autocast, checkpoint, rows)
+    assert len(rows) == 1, f"expected one partitioned graph, got {len(rows)}"
+    return rows[0], forward, backward
 
 
 @contextlib.contextmanager
@@ -369,7 +380,8 @@ def _kernel_per_node() -> Iterator[None]:
 
 
 def _peaks(config: dict, dtype_name: str, batch: int, seq: int,
-           autocast: str | None = None, checkpoint: str = "none") -> tuple[int, int]:
+           autocast: str | None = None, checkpoint: str = "none",
+           rows: list[list[SavedTensor]] | None = None) -> tuple[int, int]:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
     from torch.utils.checkpoint import checkpoint as run_checkpointed
@@ -394,8 +406,13 @@ def _peaks(config: dict, dtype_name: str, batch: int, seq: int,
         with record_function("memplan.backward"):
             pass
 
-    with no_cache[0], no_cache[1], _transformers_logging_ignored():
-        step(lambda: None)
+    module, original, recording = _record([] if rows is None else rows)
+    module.min_cut_rematerialization_partition = recording
+    try:
+        with no_cache[0], no_cache[1], _transformers_logging_ignored():
+            step(lambda: None)
+    finally:
+        module.min_cut_rematerialization_partition = original
     layer.zero_grad(set_to_none=True)
     x.grad = None
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
