@@ -31,6 +31,16 @@ and up outputs and their activated product, not the activation. Under full activ
 checkpointing around the layer (torchtitan's order, checkpoint then compile) every node of the
 forward is marked to recompute (``must_recompute``): the layer saves its inputs, as eagerly.
 Under torchtitan's per-op SAC (``sac_kept``) the tagged outputs backward reads are saved.
+
+Under autocast with fp32 weights (``Dims.autocast``; accelerate's ``prepare_model`` wraps the
+forward in ``torch.autocast`` and compiles the wrapped model) autocast's casts are nodes of the
+graph, under the same rules: the weights' low-precision casts are saved (the grad-input
+matmuls read them), a norm's output as one cast (``linear.input_copies``), the MLP norm's
+input as the output projection's output (``norm_input_e``); the fp32 norm output is fused
+away (``norm_output_fused``) and no autocast cache exists (``casts_in_graph``); the MLP's
+outputs (``mlp_outputs_bytes``), the checkpointed forward (``autocast_checkpointed_forward_
+bytes``) and the backward's end (``autocast_end_bytes``) follow Inductor's buffers. Traced:
+tests/traced/test_compile_trace.py (amp-bf16, amp-fp16).
 """
 
 from __future__ import annotations
