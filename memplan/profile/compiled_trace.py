@@ -326,8 +326,8 @@ def _saved(config: dict, dtype_name: str, batch: int, seq: int,
 
 
 def compiled_layer_peaks(config: dict, dtype_name: str, batch: int, seq: int,
-                         autocast: str | None = None,
-                         checkpoint: str = "none") -> tuple[int, int]:
+                         autocast: str | None = None, checkpoint: str = "none",
+                         kernel_per_node: bool = False) -> tuple[int, int]:
     """(forward peak, backward peak) of one compiled decoder layer's step (``_layer``), in bytes
     above what exists before it (weights, the input, the RoPE tables, the output's gradient),
     from the CPU allocator's own events (torch.profiler with profile_memory: they include
@@ -335,20 +335,24 @@ def compiled_layer_peaks(config: dict, dtype_name: str, batch: int, seq: int,
     output stays alive through its backward (the step holds it). Compiled and run once first,
     its gradients dropped. oneDNN is off: its bf16 matmuls on CPU allocate reordered weight
     copies (132,736 B at the toy's q projection) that no GPU kernel makes. ``autocast`` and
-    ``checkpoint`` ("none" or "full"): as ``compiled_layer_saved``'s."""
-    return compiled_layer_step(config, dtype_name, batch, seq, autocast, checkpoint)[1:]
+    ``checkpoint`` ("none" or "full"): as ``compiled_layer_saved``'s. ``kernel_per_node``:
+    one kernel per scheduler node (``_kernel_per_node``), as a GPU backend launches them; off,
+    the C++ backend's groups of kernels (what the pinned traces were recorded with)."""
+    return compiled_layer_step(config, dtype_name, batch, seq, autocast, checkpoint,
+                               kernel_per_node)[1:]
 
 
 def compiled_layer_step(config: dict, dtype_name: str, batch: int, seq: int,
-                        autocast: str | None = None, checkpoint: str = "none"
-                        ) -> tuple[list[SavedTensor], int, int]:
+                        autocast: str | None = None, checkpoint: str = "none",
+                        kernel_per_node: bool = True) -> tuple[list[SavedTensor], int, int]:
     """``compiled_layer_saved``'s saved set and ``compiled_layer_peaks``' (forward peak,
-    backward peak) from one compile (a dense transformers layer: ``_layer``)."""
+    backward peak) from one compile (a dense transformers layer: ``_layer``), by default one
+    kernel per scheduler node (``_kernel_per_node``)."""
     import torch
 
     rows: list[list[SavedTensor]] = []
-    with (torch.backends.mkldnn.flags(enabled=False), _recursion_limit_kept(),
-          _kernel_per_node()):
+    per_node = _kernel_per_node() if kernel_per_node else contextlib.nullcontext()
+    with (torch.backends.mkldnn.flags(enabled=False), _recursion_limit_kept(), per_node):
         forward, backward = _peaks(config, dtype_name, batch, seq, autocast, checkpoint, rows)
     assert len(rows) == 1, f"expected one partitioned graph, got {len(rows)}"
     return rows[0], forward, backward
@@ -361,9 +365,10 @@ def _kernel_per_node() -> Iterator[None]:
     flushes it), allocating all their outputs before the call and freeing their inputs after;
     a GPU backend launches one kernel per scheduler node (``SIMDScheduling.codegen_node``),
     each input freed after its last reader. Flushed after every node, the CPU run holds what
-    a GPU run holds (under autocast: the fp32 casts of the weight gradients one at a time,
-    not three beside their bf16 sources; the fp32 and bf16 layers' peaks are the same
-    either way)."""
+    a GPU run holds: under autocast the fp32 casts of the MLP's weight gradients one at a
+    time, not three beside their bf16 sources (the dense toy's backward 4,130,816 B, grouped
+    5,048,320 B). The dense toy's fp32 and bf16 peaks are the same either way; transformers
+    5.3's Qwen3-MoE toy's backward is 721,936 B (memplan exact), grouped 723,984 B."""
     from torch._inductor.codegen import cpp
 
     original = cpp.CppScheduling.codegen_node
