@@ -251,7 +251,11 @@ def _autocast(run, autocast: str | None):
     itself. The region is inside the compiled function, as accelerate puts it: its
     ``prepare_model`` wraps the model's forward in ``torch.autocast`` (``autocast_context``)
     and compiles the wrapped model last (accelerate/accelerator.py, 1.15); backward runs
-    outside it."""
+    outside it. CPU autocast has kernels for the layer's linears and SDPA as CUDA's has
+    (``AutocastCPU`` and ``AutocastCUDA`` both register linear, mm and
+    scaled_dot_product_attention); CUDA's fp32 ops among the layer's (pow, rsqrt: its norm)
+    have no CPU autocast kernel, but read the fp32 residual stream, where the fp32 policy
+    changes nothing."""
     if autocast is None:
         return run
     import torch
