@@ -551,7 +551,8 @@ def mlp_steps(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
               policy: Recompute) -> tuple[tuple[str, int], ...]:
     """A checkpointed dense layer's MLP working set module by module (``mlp.
     working_steps``); () otherwise."""
-    if policy is not Recompute.FULL or moe or compiled.in_checkpoint(wl):
+    if (policy is not Recompute.FULL or moe or compiled.in_checkpoint(wl)
+            or compiled.autocast_checkpointed_forward_bytes(spec, dm) is not None):
         return ()
     return working_steps(spec, wl, dm) or lora_working_steps(spec, wl, dm)
 
