@@ -609,8 +609,8 @@ def compile_loss_rule(spec: ModelSpec, par: ParallelConfig,
         why = f"loss_chunks {wl.loss_chunks}"
     elif par.vocab_shard(spec.vocab_size) < spec.vocab_size:
         why = f"logits split over the vocabulary by tp {par.tp}"
-    elif wl.precision.policy.autocast and (why := _compile_autocast_refusal(spec, wl)):
-        pass
+    elif wl.precision.policy.autocast:
+        why = f"precision {wl.precision.value}"
     if why is None:
         return None
     return LayoutError(f"compile_loss is not modelled with {why}",

@@ -238,15 +238,7 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
             held += falcon_h1.held_bytes(spec, dm) if isinstance(mixer, ParallelMamba) else 0
         return out
     unsaved_input = unsaved_stream(spec, wl, dm)
-    # Under autocast no linear saves a norm's (fp32) output, the casts of it instead; the
-    # output is the mixer's argument, alive until the mixer returns (under DTensor sequence
-    # parallelism the mixer's input all-gathered to the full sequence, once for its linears).
-    # Without a norm before the mixer its argument is the stream, counted as unsaved above.
-    # Compiled, the norm's pointwise ops and autocast's cast are one Inductor kernel, which
-    # writes the cast alone (``memplan.model.compiled.norm_output_fused``).
-    norm_out = (dm.linear_rows * spec.hidden_size * dm.stream_e
-                if dm.autocast and spec.norm_placement.pre_norm
-                and not compiled.norm_output_fused(dm) else 0)
+    norm_out = _norm_output_beside(spec, dm)
     prior = 0
     # past the first sub-layer's add the layer's input is still alive beside the residual
     # sum the next add reads: its caller's loop variable holds it until the layer returns
@@ -265,6 +257,18 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
                 for m in block.forward_moments(spec, wl, dm, recompute)]
         prior += total(block.saved(spec, wl, dm, recompute))
     return out
+
+
+def _norm_output_beside(spec: ModelSpec, dm: Dims) -> int:
+    """Under autocast no linear saves a norm's (fp32) output, the casts of it instead; the
+    output is the mixer's argument, alive until the mixer returns (under DTensor sequence
+    parallelism the mixer's input all-gathered to the full sequence, once for its linears).
+    Without a norm before the mixer its argument is the stream, counted as unsaved
+    (``unsaved_stream``). Compiled, the norm's pointwise ops and autocast's cast are one
+    Inductor kernel, which writes the cast alone (``compiled.norm_output_fused``)."""
+    if not dm.autocast or not spec.norm_placement.pre_norm or compiled.norm_output_fused(dm):
+        return 0
+    return dm.linear_rows * spec.hidden_size * dm.stream_e
 
 
 def _beside_second(spec: ModelSpec, block: Block, stream: int) -> int:
