@@ -122,10 +122,12 @@ def autocast_end_bytes(spec: ModelSpec, dm: Dims) -> int | None:
     otherwise. Inductor's ``reorder_for_peak_memory`` (torch/_inductor/memory.py, on by
     default: torch/_inductor/config.py) moves the MLP's weight-gradient matmuls and their
     casts to the parameters' fp32 after the attention's backward, at the graph's end (graph
-    outputs, alive to its return wherever they are made); each cast follows its matmul, so
-    at the last one (the up projection's, ``mlp.mlp_linears``' first) its low-precision
-    gradient, h x f / t in the compute dtype, is alive beside every fp32 gradient and the
-    layer input's gradient (the fp32 stream). Traced: tests/traced/test_compile_trace.py,
+    outputs, alive to its return wherever they are made): the three matmuls, then the three
+    casts, each freeing its low-precision source, so at the last cast (the up projection's,
+    ``mlp.mlp_linears``' first; more than at the first, which holds two fp32 gradients fewer
+    and two low-precision ones more) its low-precision gradient, h x f / t in the compute
+    dtype, is alive beside every fp32 gradient and the layer input's gradient (the fp32
+    stream). Traced: tests/traced/test_compile_trace.py,
     amp-bf16, one kernel per scheduler node (``memplan.profile.compiled_trace.
     _kernel_per_node``): the backward's peak. Without autocast no cast follows the matmuls;
     the eager moments stand for the backward (over the traced peak by 1.6%, fp32)."""
