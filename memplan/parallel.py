@@ -678,6 +678,41 @@ def optimizer_in_backward_rule(par: ParallelConfig, wl: Workload) -> LayoutError
                        "scaler)")
 
 
+def _compile_autocast_refusal(spec: ModelSpec, wl: Workload) -> str | None:
+    """Why a compiled layer under autocast (fp32 weights, ``amp-*``) is not modelled, or
+    None: traced (``memplan.model.compiled``: ``norm_input_e``, ``autocast_end_bytes``,
+    ``autocast_checkpointed_forward_bytes``; tests/traced/test_compile_trace.py) on
+    transformers' ``LlamaDecoderLayer`` under CPU autocast to bf16 and fp16 (accelerate's
+    ``torch.autocast`` around the compiled forward): RMSNorm, RoPE, separate q/k/v without
+    biases, SDPA, SwiGLU with separate gate and up projections, recompute none or full (the
+    checkpoint inside the compiled graph), no adapters, no float8, one TP and CP rank
+    (``validate``)."""
+    odd = [(spec.norm.value != "rmsnorm", "LayerNorm"),
+           (spec.position.value != "rope" or spec.rope_complex or spec.rope_keeps_dtype
+            or spec.rope_interleaved or spec.rope_half_tables or spec.rope_per_layer_type
+            or spec.nope_layer_interval > 0 or spec.rotary_dim is not None,
+            "a position encoding other than transformers' full fp32 RoPE"),
+           (spec.qkv_bias or spec.attn_out_bias or spec.mlp_bias or spec.norm_bias, "biases"),
+           (spec.fused_qkv or wl.fused_qkv, "a fused qkv projection"),
+           (spec.qk_norm.value != "none", "q/k norms"),
+           (spec.mla is not None, "MLA"),
+           (spec.sliding_window is not None, "sliding-window attention"),
+           (spec.attn_logit_softcap is not None, "attention logit soft-capping"),
+           (spec.parallel_block, "parallel attention and MLP"),
+           (spec.dropout > 0, "dropout"),
+           (spec.scaled_residual, "scaled residual branches"),
+           (spec.mlp.value != "swiglu" or spec.fused_gate_up
+            or spec.activation_impl.value != "kernel",
+            "an MLP other than SwiGLU with separate gate and up projections"),
+           (wl.recompute is Recompute.SELECTIVE, "recompute selective"),
+           (wl.recompute is Recompute.FULL and wl.compile_in_checkpoint,
+            "the activation checkpoint around the compiled layer (compile_in_checkpoint)"),
+           (bool(wl.lora_rank), "LoRA adapters"),
+           (wl.float8.value != "none" or wl.te_fp8.value != "none", "float8 linears")]
+    why = next((w for bad, w in odd if bad), None)
+    return None if why is None else f"precision {wl.precision.value} and {why}"
+
+
 def _compile_moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     """Why a compiled MoE layer is not modelled, or None: transformers' grouped experts
     (``memplan.model.compiled.moe_terms``), traced on Qwen3-MoE's and Mixtral's layers in
@@ -723,8 +758,9 @@ def _compiled_mlp_lora_traced(spec: ModelSpec, wl: Workload) -> bool:
 def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
     """What a compiled layer's saved set is derived for (``memplan.model.compiled``): a
     pre-norm layer (dense, or MoE with transformers' grouped experts in bf16:
-    ``_compile_moe_refusal``) with SDPA attention in one compute dtype, no recompute or a
-    fully checkpointed layer, or torchtitan's per-op SAC. The rest is not modelled yet: a
+    ``_compile_moe_refusal``) with SDPA attention in one compute dtype, or under autocast a
+    Llama-like dense layer (``_compile_autocast_refusal``), no recompute or a fully
+    checkpointed layer, or torchtitan's per-op SAC. The rest is not modelled yet: a
     refusal, not an eager estimate."""
     why = None
     if spec.moe is not None:
@@ -735,8 +771,8 @@ def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
         why = f"{spec.norm_placement.value} norms"
     elif wl.attention.value != "flash":
         why = f"attention {wl.attention.value}"
-    elif wl.precision.policy.autocast:
-        why = f"precision {wl.precision.value}"
+    elif wl.precision.policy.autocast and (why := _compile_autocast_refusal(spec, wl)):
+        pass
     elif wl.lora_rank and wl.base_quant.value not in ("none", "nf4-torchao-0.1"):
         # torchao's NF4Tensor is traced (memplan.model.linear.compiled_dequant_terms);
         # bitsandbytes' Linear4bit / Linear8bitLt under Dynamo are not
@@ -764,8 +800,10 @@ def compile_rule(spec: ModelSpec, wl: Workload) -> LayoutError | None:
     return LayoutError(f"compile is not modelled with {why}",
                        f"compile with {why}: what the partitioner saves there is not "
                        "modelled yet (compile is modelled for pre-norm layers, dense or "
-                       "with transformers' bf16 grouped experts, SDPA attention, no "
-                       "autocast, LoRA on unquantized or torchao NF4 base weights "
+                       "with transformers' bf16 grouped experts, SDPA attention; under "
+                       "autocast a Llama-like dense layer (RMSNorm, RoPE, no biases, separate "
+                       "q/k/v and gate/up) without adapters or float8 on one TP rank, "
+                       "recompute none or full; LoRA on unquantized or torchao NF4 base weights "
                        "(with full recompute: compile_in_checkpoint; on the MLP, all of a "
                        "gated MLP's gate, up and down, no adapter dropout), "
                        "recompute none, full or per-op SAC)")
@@ -823,6 +861,12 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
         raise err
     if wl.compile and (err := compile_rule(spec, wl)) is not None:
         raise err
+    if wl.compile and wl.precision.policy.autocast and (par.tp > 1 or par.cp > 1):
+        # (``_compile_autocast_refusal``: traced on one rank)
+        raise LayoutError(
+            f"compile is not modelled with precision {wl.precision.value} and tp or cp > 1",
+            f"compile with precision {wl.precision.value}, tp {par.tp}, cp {par.cp}: what the "
+            "partitioner saves under autocast is traced on one rank (tp 1, cp 1)")
     if wl.compile_loss and (err := compile_loss_rule(spec, par, wl)) is not None:
         raise err
     if wl.optimizer_in_backward and (err := optimizer_in_backward_rule(par, wl)) is not None:

@@ -31,6 +31,16 @@ and up outputs and their activated product, not the activation. Under full activ
 checkpointing around the layer (torchtitan's order, checkpoint then compile) every node of the
 forward is marked to recompute (``must_recompute``): the layer saves its inputs, as eagerly.
 Under torchtitan's per-op SAC (``sac_kept``) the tagged outputs backward reads are saved.
+
+Under autocast with fp32 weights (``Dims.autocast``; accelerate's ``prepare_model`` wraps the
+forward in ``torch.autocast`` and compiles the wrapped model) autocast's casts are nodes of the
+graph, under the same rules: the weights' low-precision casts are saved (the grad-input
+matmuls read them), a norm's output as one cast (``linear.input_copies``), the MLP norm's
+input as the output projection's output (``norm_input_e``); the fp32 norm output is fused
+away (``norm_output_fused``) and no autocast cache exists (``casts_in_graph``); the MLP's
+outputs (``mlp_outputs_bytes``), the checkpointed forward (``autocast_checkpointed_forward_
+bytes``) and the backward's end (``autocast_end_bytes``) follow Inductor's buffers. Traced:
+tests/traced/test_compile_trace.py (amp-bf16, amp-fp16).
 """
 
 from __future__ import annotations
@@ -60,6 +70,91 @@ def layer_workload(wl: Workload) -> Workload:
     if not wl.compile or wl.norm_impl is NormImpl.FUSED:
         return wl
     return wl.model_copy(update={"norm_impl": NormImpl.FUSED})
+
+
+def norm_input_e(prefix: str, dm: Dims) -> int:
+    """Bytes per element of what a norm saves as its input (``NormImpl.FUSED``'s term):
+    the residual stream's, but compiled the MLP norm's input, the residual sum ``x +
+    attn_out``, is an add of the allowlist, recomputed in backward from the layer's input
+    (saved anyway, the first norm's) and the output projection's output (a matmul's, never
+    recomputed: ``should_ban_recomputation``), which the min cut saves in its place: in the
+    compute dtype. Without autocast the same size; under autocast the sum is fp32 (the
+    projection's low-precision output promoted by the fp32 stream) and half as large is
+    saved (traced: tests/traced/test_compile_trace.py, amp-bf16 and amp-fp16: ``mm_3``,
+    T x h in bf16/fp16)."""
+    return dm.e if dm.compiled and prefix == "mlp_norm" else dm.stream_e
+
+
+def norm_output_fused(dm: Dims) -> bool:
+    """Compiled under autocast, whether a norm's fp32 output exists: not, its pointwise ops
+    (the upcast, the square, the scaling, the weight's multiply) and autocast's cast of the
+    output to the compute dtype are fused into one kernel (torch/_inductor/scheduler.py
+    ``Scheduler.fuse_nodes``), which writes the cast alone (traced: tests/traced/
+    test_compile_trace.py, amp-bf16: the forward's peak holds no fp32 norm output)."""
+    return dm.compiled and dm.autocast
+
+
+def casts_in_graph(dm: Dims) -> bool:
+    """Compiled under autocast, autocast's casts are nodes of the traced graph
+    (``convert_element_type``, AOTAutograd traces through the autocast dispatch key), freed
+    after their last reader or saved by the partitioner, not kept in autocast's runtime cache
+    (``cached_cast``, aten/src/ATen/autocast_mode.cpp), which no compiled kernel calls: a
+    checkpointed compiled layer holds its input alone after its forward (traced:
+    tests/traced/test_compile_trace.py, amp-bf16 inside full checkpointing)."""
+    return dm.compiled and dm.autocast
+
+
+def mlp_outputs_bytes(stream: int, dm: Dims) -> int:
+    """Compiled, the MLP's outputs at its residual add (``stream``: rows x h in the compute
+    dtype): the add written in place into the down projection's output
+    (``MLP_OUTPUTS``); under autocast it cannot be, the add's output being fp32 and the down
+    projection's low-precision (``decide_inplace_update`` reuses a buffer of the same size
+    and dtype alone): both, the fp32 sum beside the projection's output (traced:
+    tests/traced/test_compile_trace.py, amp-bf16: the forward's peak)."""
+    if dm.autocast:
+        return stream + stream // dm.e * dm.stream_e
+    return MLP_OUTPUTS * stream
+
+
+def autocast_end_bytes(spec: ModelSpec, dm: Dims) -> int | None:
+    """Compiled under autocast, what the layer's backward holds at its end beside all of the
+    layer's weight gradients (in the parameters' dtype) and the incoming gradient; None
+    otherwise. Inductor's ``reorder_for_peak_memory`` (torch/_inductor/memory.py, on by
+    default: torch/_inductor/config.py) moves the MLP's weight-gradient matmuls and their
+    casts to the parameters' fp32 after the attention's backward, at the graph's end (graph
+    outputs, alive to its return wherever they are made): the three matmuls, then the three
+    casts, each freeing its low-precision source, so at the last cast (the up projection's,
+    ``mlp.mlp_linears``' first; more than at the first, which holds two fp32 gradients fewer
+    and two low-precision ones more) its low-precision gradient, h x f / t in the compute
+    dtype, is alive beside every fp32 gradient and the layer input's gradient (the fp32
+    stream). Traced: tests/traced/test_compile_trace.py,
+    amp-bf16, one kernel per scheduler node (``memplan.profile.compiled_trace.
+    _kernel_per_node``): the backward's peak. Without autocast no cast follows the matmuls;
+    the eager moments stand for the backward (over the traced peak by 1.6%, fp32)."""
+    if not (dm.compiled and dm.autocast):
+        return None
+    return (dm.stream(spec.hidden_size)
+            + spec.hidden_size * spec.ffn_hidden_size // dm.tp * dm.e)
+
+
+def autocast_checkpointed_forward_bytes(spec: ModelSpec, dm: Dims) -> int | None:
+    """Compiled under autocast with the checkpoint inside the compiled graph (torchtitan's
+    order; not ``in_checkpoint``): the forward saves the layer's input alone and frees each
+    tensor after its last reader, so its peak, beside the input, is at the MLP's
+    activation kernel, which also writes the down projection's weight cast (fused with
+    SiLU(gate) * up, the product written into the gate output's buffer:
+    ``decide_inplace_update``): the output projection's output (kept for the residual add
+    at the layer's end, the residual sum recomputed in that add), the MLP norm's cast (the
+    gate and up matmuls' input), the gate and up outputs (T x f / t each) and the down
+    weight's cast (h x f / t), all in the compute dtype. Traced: tests/traced/
+    test_compile_trace.py, amp-bf16 inside full checkpointing (beside it the CPU generator's
+    state the checkpoint saves, 5,056 B, not counted: a CUDA generator's is a seed and an
+    offset). None where it does not apply."""
+    if not (dm.compiled and dm.autocast):
+        return None
+    inner = dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
+    return (2 * dm.rows * spec.hidden_size * dm.e + 2 * inner
+            + spec.hidden_size * spec.ffn_hidden_size // dm.tp * dm.e)
 
 
 def mlp_terms(terms: list[Term], gated: bool) -> list[Term]:

@@ -209,6 +209,9 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
     if recompute is Recompute.FULL and compiled.in_checkpoint(wl):
         return forward_moments(spec, wl, dm, moe_layer=moe_layer, recompute=Recompute.NONE,
                                variant=variant)
+    if (recompute is Recompute.FULL and not moe_layer
+            and (peak := compiled.autocast_checkpointed_forward_bytes(spec, dm)) is not None):
+        return [ForwardMoment("mlp", stream + peak, 0, "mlp")]
     if recompute is Recompute.FULL:
         held = stream  # the checkpointed input
         for norm, mixer, *post in sublayers(blocks):
@@ -235,12 +238,7 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
             held += falcon_h1.held_bytes(spec, dm) if isinstance(mixer, ParallelMamba) else 0
         return out
     unsaved_input = unsaved_stream(spec, wl, dm)
-    # Under autocast no linear saves a norm's (fp32) output, the casts of it instead; the
-    # output is the mixer's argument, alive until the mixer returns (under DTensor sequence
-    # parallelism the mixer's input all-gathered to the full sequence, once for its linears).
-    # Without a norm before the mixer its argument is the stream, counted as unsaved above.
-    norm_out = (dm.linear_rows * spec.hidden_size * dm.stream_e
-                if dm.autocast and spec.norm_placement.pre_norm else 0)
+    norm_out = _norm_output_beside(spec, dm)
     prior = 0
     # past the first sub-layer's add the layer's input is still alive beside the residual
     # sum the next add reads: its caller's loop variable holds it until the layer returns
@@ -259,6 +257,18 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
                 for m in block.forward_moments(spec, wl, dm, recompute)]
         prior += total(block.saved(spec, wl, dm, recompute))
     return out
+
+
+def _norm_output_beside(spec: ModelSpec, dm: Dims) -> int:
+    """Under autocast no linear saves a norm's (fp32) output, the casts of it instead; the
+    output is the mixer's argument, alive until the mixer returns (under DTensor sequence
+    parallelism the mixer's input all-gathered to the full sequence, once for its linears).
+    Without a norm before the mixer its argument is the stream, counted as unsaved
+    (``unsaved_stream``). Compiled, the norm's pointwise ops and autocast's cast are one
+    Inductor kernel, which writes the cast alone (``compiled.norm_output_fused``)."""
+    if not dm.autocast or not spec.norm_placement.pre_norm or compiled.norm_output_fused(dm):
+        return 0
+    return dm.linear_rows * spec.hidden_size * dm.stream_e
 
 
 def _beside_second(spec: ModelSpec, block: Block, stream: int) -> int:
@@ -292,7 +302,7 @@ def cast_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, block: Block,
     cache keeps every cast of an fp32 leaf that requires grad (``cached_cast`` in
     ``aten/src/ATen/autocast_mode.cpp``, whatever the grad mode) until the outermost autocast
     region exits (``torch.autocast.__exit__`` clears it)."""
-    if not dm.autocast or not isinstance(block, MIXERS):
+    if not dm.autocast or compiled.casts_in_graph(dm) or not isinstance(block, MIXERS):
         return 0
     # a Mamba2 mixer casts some of its tensors only (``Mamba.cast_sizes``)
     casts = sum(block.cast_sizes(spec, wl, dm.tp) if isinstance(block, (Mamba, ParallelMamba))
@@ -405,6 +415,10 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
                             0 if host_saved else m.hook_freed)
                 for m in block.backward_moments(spec, wl, dm, policy)]
         later += (block.name,)
+    if not moe_layer and (end := compiled.autocast_end_bytes(spec, dm)) is not None:
+        # the compiled backward's end: every weight gradient made (``compiled.
+        # autocast_end_bytes``), the saved set freed
+        out.append(LayerMoment("compiled_end", 0, incoming + end, later))
     return out
 
 
@@ -541,7 +555,8 @@ def mlp_steps(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
               policy: Recompute) -> tuple[tuple[str, int], ...]:
     """A checkpointed dense layer's MLP working set module by module (``mlp.
     working_steps``); () otherwise."""
-    if policy is not Recompute.FULL or moe or compiled.in_checkpoint(wl):
+    if (policy is not Recompute.FULL or moe or compiled.in_checkpoint(wl)
+            or compiled.autocast_checkpointed_forward_bytes(spec, dm) is not None):
         return ()
     return working_steps(spec, wl, dm) or lora_working_steps(spec, wl, dm)
 

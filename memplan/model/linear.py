@@ -578,8 +578,14 @@ def saved_bytes(linears: Sequence[Linear], dm: Dims) -> int:
 def input_copies(readers: int, dm: Dims) -> int:
     """Copies of one input tensor that ``readers`` linears reading it save: one shared tensor,
     or under autocast each linear's own low-precision cast (autocast casts the input of every
-    matmul separately and caches only leaves' casts: ``cached_cast``, ``autocast_mode.cpp``)."""
-    return readers if dm.autocast else 1
+    matmul separately and caches only leaves' casts: ``cached_cast``, ``autocast_mode.cpp``).
+    Compiled, one cast: autocast's casts are traced into the joint graph as identical
+    ``convert_element_type`` nodes of the one input, which the partitioner's CSE pass merges
+    (``min_cut_rematerialization_partition`` runs ``fx_graph_cse``,
+    torch/_functorch/compile_utils.py, under ``torch._functorch.config.cse``, True); the
+    weight gradients' matmuls read it, so it is saved (``is_materialized_backwards``; traced:
+    tests/traced/test_compile_trace.py, amp-bf16 and amp-fp16)."""
+    return readers if dm.autocast and not dm.compiled else 1
 
 
 def saved_input(name: str, lin: Linear, rows: int, dm: Dims) -> Term:

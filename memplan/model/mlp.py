@@ -503,7 +503,7 @@ class Mlp:
         down = linear.float8_forward_peak(mlp_linears(spec, spec.ffn_hidden_size)[-1], dm,
                                           stream)
         moments = [Moment("mlp", saved, max(
-            (compiled.MLP_OUTPUTS if wl.compile else 2) * stream, down))]
+            compiled.mlp_outputs_bytes(stream, dm) if wl.compile else 2 * stream, down))]
         moments += _float8_forward(spec, dm, self.saved(spec, wl, dm, recompute))
         if compiled_lora(spec, dm):
             moments.append(compiled.lora_mlp_forward(mlp_linears(spec, spec.ffn_hidden_size),

@@ -246,27 +246,52 @@ def _transformers_logging_ignored() -> Iterator[None]:
         yield
 
 
+def _autocast(run, autocast: str | None):
+    """``run`` inside ``torch.autocast("cpu", dtype=autocast)`` (a dtype's name), or ``run``
+    itself. The region is inside the compiled function, as accelerate puts it: its
+    ``prepare_model`` wraps the model's forward in ``torch.autocast`` (``autocast_context``)
+    and compiles the wrapped model last (accelerate/accelerator.py, 1.15); backward runs
+    outside it. CPU autocast has kernels for the layer's linears and SDPA as CUDA's has
+    (``AutocastCPU`` and ``AutocastCUDA`` both register linear, mm and
+    scaled_dot_product_attention); CUDA's fp32 ops among the layer's (pow, rsqrt: its norm)
+    have no CPU autocast kernel, but read the fp32 residual stream, where the fp32 policy
+    changes nothing."""
+    if autocast is None:
+        return run
+    import torch
+
+    dtype = getattr(torch, autocast)
+
+    def autocast_run(h):
+        with torch.autocast("cpu", dtype=dtype):
+            return run(h)
+
+    return autocast_run
+
+
 def compiled_layer_saved(config: dict, dtype_name: str, batch: int, seq: int,
-                         checkpoint: str = "none") -> list[SavedTensor]:
+                         checkpoint: str = "none",
+                         autocast: str | None = None) -> list[SavedTensor]:
     """The saved set of one compiled decoder layer of ``config`` (``_layer``) in
     ``dtype_name`` for ``batch`` sequences of ``seq`` tokens (a torchtitan block with ``tp``
     > 1 among its keywords: on rank 0 of that TP mesh, ``_tp_block``); ``checkpoint``:
     "full", inside non-reentrant activation checkpointing, or "op", inside torchtitan's per-op SAC
     (``SelectiveAC._wrap_block``, its save list with CPU's SDPA kernel:
     ``frameworks._sac_saves_cpu_flash``), compiled around it, as torchtitan checkpoints, then
-    compiles."""
+    compiles. ``autocast``: a low-precision dtype's name, the layer's forward run under CPU
+    autocast to it (``_autocast``), its weights in ``dtype_name``."""
     tp = config.get("torchtitan", {}).get("tp", 1)
     if tp == 1:
         with _recursion_limit_kept():
-            return _saved(config, dtype_name, batch, seq, checkpoint)
+            return _saved(config, dtype_name, batch, seq, checkpoint, autocast)
     from memplan.profile.frameworks import _process_group
 
     with _recursion_limit_kept(), _process_group(tp):
-        return _saved(config, dtype_name, batch, seq, checkpoint)
+        return _saved(config, dtype_name, batch, seq, checkpoint, autocast)
 
 
 def _saved(config: dict, dtype_name: str, batch: int, seq: int,
-           checkpoint: str) -> list[SavedTensor]:
+           checkpoint: str, autocast: str | None = None) -> list[SavedTensor]:
     import torch
     from torch.utils.checkpoint import checkpoint as run_checkpointed
 
@@ -293,7 +318,8 @@ def _saved(config: dict, dtype_name: str, batch: int, seq: int,
                 torch._inductor.config.patch(fx_graph_cache=False))
     try:
         with no_cache[0], no_cache[1], _transformers_logging_ignored():
-            out = torch.compile(step, backend="inductor", fullgraph=True)(x)
+            out = torch.compile(_autocast(step, autocast), backend="inductor",
+                                fullgraph=True)(x)
             # a tensor-parallel block's output is a DTensor: its rank's shard
             (out.to_local() if hasattr(out, "to_local") else out).sum().backward()
     finally:
@@ -303,26 +329,79 @@ def _saved(config: dict, dtype_name: str, batch: int, seq: int,
     return rows[0]
 
 
-def compiled_layer_peaks(config: dict, dtype_name: str, batch: int, seq: int) -> tuple[int, int]:
+def compiled_layer_peaks(config: dict, dtype_name: str, batch: int, seq: int,
+                         autocast: str | None = None, checkpoint: str = "none",
+                         kernel_per_node: bool = False) -> tuple[int, int]:
     """(forward peak, backward peak) of one compiled decoder layer's step (``_layer``), in bytes
     above what exists before it (weights, the input, the RoPE tables, the output's gradient),
     from the CPU allocator's own events (torch.profiler with profile_memory: they include
     the buffers compiled kernels allocate, which a dispatch mode does not see). The layer's
     output stays alive through its backward (the step holds it). Compiled and run once first,
     its gradients dropped. oneDNN is off: its bf16 matmuls on CPU allocate reordered weight
-    copies (132,736 B at the toy's q projection) that no GPU kernel makes."""
+    copies (132,736 B at the toy's q projection) that no GPU kernel makes. ``autocast`` and
+    ``checkpoint`` ("none" or "full"): as ``compiled_layer_saved``'s. ``kernel_per_node``:
+    one kernel per scheduler node (``_kernel_per_node``), as a GPU backend launches them; off,
+    the C++ backend's groups of kernels (what the pinned traces were recorded with)."""
+    return compiled_layer_step(config, dtype_name, batch, seq, autocast, checkpoint,
+                               kernel_per_node)[1:]
+
+
+def compiled_layer_step(config: dict, dtype_name: str, batch: int, seq: int,
+                        autocast: str | None = None, checkpoint: str = "none",
+                        kernel_per_node: bool = True) -> tuple[list[SavedTensor], int, int]:
+    """``compiled_layer_saved``'s saved set and ``compiled_layer_peaks``' (forward peak,
+    backward peak) from one compile (a dense transformers layer: ``_layer``), by default one
+    kernel per scheduler node (``_kernel_per_node``)."""
     import torch
 
-    with torch.backends.mkldnn.flags(enabled=False), _recursion_limit_kept():
-        return _peaks(config, dtype_name, batch, seq)
+    rows: list[list[SavedTensor]] = []
+    per_node = _kernel_per_node() if kernel_per_node else contextlib.nullcontext()
+    with (torch.backends.mkldnn.flags(enabled=False), _recursion_limit_kept(), per_node):
+        forward, backward = _peaks(config, dtype_name, batch, seq, autocast, checkpoint, rows)
+    assert len(rows) == 1, f"expected one partitioned graph, got {len(rows)}"
+    return rows[0], forward, backward
 
 
-def _peaks(config: dict, dtype_name: str, batch: int, seq: int) -> tuple[int, int]:
+@contextlib.contextmanager
+def _kernel_per_node() -> Iterator[None]:
+    """Inductor's C++ backend writes consecutive scheduler nodes into one kernel call
+    (``CppScheduling.codegen_node`` adds each to its ``KernelGroup`` until an extern kernel
+    flushes it), allocating all their outputs before the call and freeing their inputs after;
+    a GPU backend launches one kernel per scheduler node (``SIMDScheduling.codegen_node``),
+    each input freed after its last reader. Flushed after every node, the CPU run holds what
+    a GPU run holds: under autocast the fp32 casts of the MLP's weight gradients one at a
+    time, not three beside their bf16 sources (the dense toy's backward 4,130,816 B, grouped
+    5,048,320 B). The dense toy's fp32 and bf16 peaks are the same either way; transformers
+    5.3's Qwen3-MoE toy's backward is 721,936 B (memplan exact), grouped 723,984 B."""
+    from torch._inductor.codegen import cpp
+
+    original = cpp.CppScheduling.codegen_node
+
+    def one_kernel(self: Any, node: Any) -> None:
+        original(self, node)
+        self._set_flush_status(True)
+
+    cpp.CppScheduling.codegen_node = one_kernel
+    try:
+        yield
+    finally:
+        cpp.CppScheduling.codegen_node = original
+
+
+def _peaks(config: dict, dtype_name: str, batch: int, seq: int,
+           autocast: str | None = None, checkpoint: str = "none",
+           rows: list[list[SavedTensor]] | None = None) -> tuple[int, int]:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.utils.checkpoint import checkpoint as run_checkpointed
 
-    layer, run, x = _layer(config, dtype_name, batch, seq)
-    run = torch.compile(run, backend="inductor", fullgraph=True)
+    layer, layer_run, x = _layer(config, dtype_name, batch, seq)
+
+    def checkpointed(h):
+        return run_checkpointed(layer_run, h, use_reentrant=False)
+
+    run = torch.compile(_autocast(checkpointed if checkpoint == "full" else layer_run,
+                                  autocast), backend="inductor", fullgraph=True)
     no_cache = (torch._functorch.config.patch(enable_autograd_cache=False),
                 torch._inductor.config.patch(fx_graph_cache=False))
     grad = torch.ones_like(x, requires_grad=False)
@@ -336,8 +415,13 @@ def _peaks(config: dict, dtype_name: str, batch: int, seq: int) -> tuple[int, in
         with record_function("memplan.backward"):
             pass
 
-    with no_cache[0], no_cache[1], _transformers_logging_ignored():
-        step(lambda: None)
+    module, original, recording = _record([] if rows is None else rows)
+    module.min_cut_rematerialization_partition = recording
+    try:
+        with no_cache[0], no_cache[1], _transformers_logging_ignored():
+            step(lambda: None)
+    finally:
+        module.min_cut_rematerialization_partition = original
     layer.zero_grad(set_to_none=True)
     x.grad = None
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

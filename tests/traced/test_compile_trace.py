@@ -117,6 +117,78 @@ def test_compiled_layer_phase_peaks(dtype: str, precision: str, grad_bytes: int,
     assert backward - stream == pytest.approx(traced_backward, rel=0.03)
 
 
+def _autocast_kind(precision: str, checkpoint: str):
+    """memplan's layer of the transformers toy, fp32 weights under ``precision``
+    (``amp-*``), compiled, recompute ``checkpoint``, and its gradient groups."""
+    from memplan.model.layer import grad_group_params
+    from memplan.parallel import validate
+
+    spec = spec_from_hf_dict(TOY, "llama3-toy", "llama3-toy")
+    recompute = Recompute.FULL if checkpoint == "full" else Recompute.NONE
+    wl = Workload(micro_batch_size=BATCH, seq_len=SEQ, precision=precision,
+                  recompute=recompute, compile=True)
+    validate(spec, ParallelConfig(), wl)  # no longer refused
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    return layer_kind(spec, wl, dm, False, recompute), grad_group_params(spec, 1, 1, False)
+
+
+@pytest.mark.parametrize("autocast,precision,checkpoint", [
+    ("bfloat16", "amp-bf16", "none"), ("bfloat16", "amp-bf16", "full")])
+def test_compiled_autocast_layer_matches_trace(autocast: str, precision: str,
+                                               checkpoint: str) -> None:
+    """transformers' layer with fp32 weights compiled under CPU autocast to bf16 (the region
+    inside the compiled function, as accelerate's ``prepare_model`` puts it), one compile:
+    its saved set, forward and backward peaks (``compiled_layer_step``; one kernel per
+    scheduler node, as a GPU backend launches them). T = 128, h 256, f 896.
+
+    Saved, traced 2,888,704 B: the fp32 input 131,072, two rsqrt 512 each, the attention
+    norm's bf16 cast 65,536 (one for q, k and v: ``linear.input_copies``), v 16,384, the bf16
+    casts of k and q after the fp32 RoPE 16,384 and 65,536, SDPA's output 65,536 and
+    logsumexp 4,096, the output projection's bf16 output 65,536 (the MLP norm's fp32 input
+    recomputed from it: ``compiled.norm_input_e``), the MLP norm's cast 65,536, gate, up and
+    the product 229,376 each, and the bf16 casts of the seven weights 1,703,936
+    (``is_materialized_backwards``: the grad-input matmuls read them). Inside full
+    checkpointing the input alone (131,072; the RNG state, symbolic, not counted).
+
+    Forward, none: the saved set less the input, with the fp32 output beside the down
+    projection's bf16 output (``compiled.mlp_outputs_bytes``): 2,954,240 B, exact. Full:
+    traced 1,053,632 B at the MLP's activation (``compiled.
+    autocast_checkpointed_forward_bytes``: 2 x 65,536 + 2 x 229,376 + 458,752), memplan
+    5,056 B under (-0.48%): the CPU generator's state the checkpoint saves. Backward, both:
+    traced 4,130,816 B at the compiled backward's end (``compiled.autocast_end_bytes``):
+    every fp32 gradient 3,409,920, the up projection's bf16 one 458,752, the input's
+    gradient and the held output 131,072 each, exact (memplan's end moment counts the
+    incoming gradient in the held output's place and not the input, freed by then: no
+    residual-sized tensor to take off, as the other moments need)."""
+    from memplan.profile.compiled_trace import compiled_layer_step
+
+    saved, forward, backward = compiled_layer_step(TOY, "float32", BATCH, SEQ,
+                                                   autocast=autocast, checkpoint=checkpoint)
+    stream = BATCH * SEQ * TOY["hidden_size"] * 4
+    traced = sum(t.size_bytes for t in saved
+                 if not t.graph_input or t.shape == (BATCH, SEQ, TOY["hidden_size"]))
+    kind, groups = _autocast_kind(precision, checkpoint)
+    assert kind.saved_bytes == traced == (2_888_704 if checkpoint == "none" else stream)
+    if checkpoint == "none":
+        assert kind.forward_peak_bytes - stream == forward == 2_954_240
+    else:
+        assert forward - (kind.forward_peak_bytes - stream) == 5_056
+    modelled = max(m.alive_bytes + m.transient_bytes + 4 * sum(groups[g] for g in m.grads_before)
+                   - (0 if m.name == "compiled_end" else stream) for m in kind.moments)
+    assert modelled == backward == 4_130_816
+
+
+def test_compiled_fp16_autocast_layer_saves_what_the_partitioner_saves() -> None:
+    """As ``test_compiled_autocast_layer_matches_trace`` under CPU autocast to fp16 (which
+    CPU autocast runs: its lower-precision list takes float16 as bfloat16): the same saved
+    set, the casts in fp16, 2,888,704 B."""
+    saved = compiled_layer_saved(TOY, "float32", BATCH, SEQ, autocast="float16")
+    assert {t.dtype for t in saved if not t.graph_input} == {"float16", "float32"}
+    traced = sum(t.size_bytes for t in saved
+                 if not t.graph_input or t.shape == (BATCH, SEQ, TOY["hidden_size"]))
+    assert _autocast_kind("amp-fp16", "none")[0].saved_bytes == traced == 2_888_704
+
+
 @pytest.mark.parametrize("fuse_qkv,recipe,checkpoint", [
     (False, "tensorwise", "none"), (False, "rowwise", "none"), (True, "tensorwise", "none"),
     (True, "rowwise", "full")])

@@ -143,7 +143,12 @@ def test_compiled_lora_layer_terms() -> None:
 
 @pytest.mark.parametrize(("model", "update", "why"), [
     ("mixtral-8x7b", {}, "MoE layers"),
-    ("tiny", {"precision": "amp-bf16"}, "precision amp-bf16"),
+    ("tiny", {"precision": "amp-bf16", "recompute": "selective", "selective_impl": "op"},
+     "precision amp-bf16 and recompute selective"),
+    ("tiny", {"precision": "amp-bf16", "lora_rank": 8}, "precision amp-bf16 and LoRA"),
+    ("tiny", {"precision": "amp-fp16", "recompute": "full", "compile_in_checkpoint": True},
+     "precision amp-fp16 and the activation checkpoint around"),
+    ("qwen3-8b", {"precision": "amp-bf16"}, "precision amp-bf16 and q/k norms"),
     ("tiny", {"attention": "eager"}, "attention eager"),
     ("tiny", {"lora_rank": 8, "base_quant": "nf4"}, "base_quant nf4"),
     ("tiny", {"lora_rank": 8, "recompute": "full"}, "checkpoint inside the compiled graph"),
@@ -159,6 +164,60 @@ def test_compile_refuses_what_is_not_modelled(model: str, update: dict, why: str
     wl = Workload.model_validate({**WL.model_dump(), **update})
     with pytest.raises(LayoutError, match=why):
         validate(load_model(model), ParallelConfig(), wl)
+
+
+def test_compile_under_autocast_refuses_more_than_one_rank() -> None:
+    wl = Workload.model_validate({**WL.model_dump(), "precision": "amp-bf16"})
+    validate(TINY, ParallelConfig(), wl)
+    with pytest.raises(LayoutError, match="tp 2, cp 1"):
+        validate(TINY, ParallelConfig(tp=2), wl)
+
+
+AMP = Workload.model_validate({**WL.model_dump(), "precision": "amp-bf16"})
+AMP_DM = Dims.of(TINY, ParallelConfig(), AMP)
+
+
+def test_compiled_autocast_layer_terms() -> None:
+    """fp32 weights under autocast to bf16 (traced: tests/traced/test_compile_trace.py): the
+    attention norm's fp32 input (the layer's) T*h*4 = 16,384, rsqrt 256 each, each norm's
+    output as one bf16 cast 8,192 (eagerly one per reading linear: 3 and 2); the MLP norm's
+    input as the output projection's bf16 output 8,192 (the fp32 residual sum recomputed);
+    q and k the bf16 casts of RoPE's fp32 outputs 8,192 and 4,096, v 4,096, SDPA's output
+    8,192 and logsumexp 1,024; gate, up and product 22,528 each; the bf16 casts of the
+    weights, attention (64*64 + 2*64*32 + 64*64) * 2 = 24,576 and MLP 3*64*176*2 = 67,584.
+    16,384 + 2*256 + 4*8,192 + 8,192 + 2*4,096 + 8,192 + 1,024 + 3*22,528 + 24,576 + 67,584
+    = 226,816."""
+    terms = {t.name: t.size_bytes
+             for t in layer_terms(TINY, AMP, AMP_DM, moe_layer=False, recompute=Recompute.NONE)
+             if t.size_bytes}
+    assert terms == {
+        "attn_norm.input": 16_384, "attn_norm.output": 8_192, "attn_norm.stats": 256,
+        "attn.q": 8_192, "attn.k": 4_096, "attn.v": 4_096, "attn.out": 8_192,
+        "attn.lse": 1_024, "attn.weight_casts": 24_576,
+        "mlp_norm.input": 8_192, "mlp_norm.output": 8_192, "mlp_norm.stats": 256,
+        "mlp.gate": 22_528, "mlp.up": 22_528, "mlp.prod": 22_528,
+        "mlp.weight_casts": 67_584}
+    assert sum(terms.values()) == 226_816
+
+
+def test_compiled_autocast_layer_moments() -> None:
+    """Forward: the saved set (226,816) and, at the MLP's residual add, the down
+    projection's bf16 output 8,192 beside the fp32 sum 16,384 (not in place: another dtype),
+    no fp32 norm output (fused into its cast): 251,392. Backward's end: the incoming and
+    the input's fp32 gradients 16,384 each and up's bf16 weight gradient 64*176*2 = 22,528
+    (55,296) beside every gradient. Full checkpointing, the checkpoint in the graph: the
+    input 16,384 saved; forward at the MLP's activation: the input, the output projection's
+    output and the MLP norm's cast 8,192 each, gate and up 22,528 each, the down weight's
+    cast 22,528: 100,352; no autocast cache (the casts are graph nodes)."""
+    kind = layer_kind(TINY, AMP, AMP_DM, False, Recompute.NONE)
+    assert kind.forward_peak_bytes == 251_392
+    end = kind.moments[-1]
+    assert (end.name, end.alive_bytes, end.transient_bytes) == ("compiled_end", 0, 55_296)
+    assert set(end.grads_before) == {"attn_norm", "attn", "mlp_norm", "mlp"}
+    full = AMP.model_copy(update={"recompute": Recompute.FULL})
+    kind = layer_kind(TINY, full, AMP_DM, False, Recompute.FULL)
+    assert (kind.saved_bytes, kind.forward_peak_bytes, kind.cached_bytes) == (16_384, 100_352, 0)
+    assert kind.moments[-1].transient_bytes == 55_296
 
 
 TINY_MOE = TINY.model_validate({**TINY.model_dump(), "name": "tiny-moe",
