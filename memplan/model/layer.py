@@ -592,11 +592,16 @@ def _layer_ops(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str 
                ) -> tuple[tuple[Term, ...], tuple[sac_ops.Item, ...]]:
     """A layer's saved terms without recompute and its ops a policy counts (``sac_ops.
     layer_ops``): a short-convolution layer's (``variant`` "linear", or None where all the
-    model's layers are: ``sac_conv.conv_layer_ops``) or the model's attention layer's."""
+    model's layers are: ``sac_conv.conv_layer_ops``) or the model's attention layer's. In a
+    model whose RoPE layers alone norm q and k (``rope_normed``: Llama 4) the attention
+    layer's is a RoPE layer's (``layer_blocks``' "window" variant), and ``variant`` "nope"
+    a NoPE layer's."""
     if variant is None:
         variant = sac_ops.kind_variant(sac_ops.default_kind(spec))
-    saved = tuple(layer_terms(spec, wl, dm, moe_layer=moe, recompute=Recompute.NONE))
-    ops = sac_ops.layer_ops(spec, wl, dm, saved, moe)
+    terms_variant = "window" if rope_normed(spec) and variant == "" else ""
+    saved = tuple(layer_terms(spec, wl, dm, moe_layer=moe, recompute=Recompute.NONE,
+                              variant=terms_variant))
+    ops = sac_ops.layer_ops(spec, wl, dm, saved, moe, variant == "nope")
     if variant != "linear" or spec.short_conv is None:
         return saved, ops
     conv = tuple(layer_terms(spec, wl, dm, moe_layer=moe, recompute=Recompute.NONE,
@@ -659,6 +664,10 @@ def ops_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str) -
     kind = ("conv" if conv else "attn") if spec.short_conv is not None else (
         "moe" if moe else "dense")
     kept = sac_ops.resolve(items, wl.recompute_save, spec, kind)
+    if rope_normed(spec) and variant == "":
+        # a NoPE layer: the RoPE layers' list (``_layer_ops``), less their q/k norms' items
+        items = ops_items(spec, wl, dm, moe, "nope")
+        kept = tuple(i for i in items if i.name in {k.name for k in kept})
     sac_ops.check_kept(kept, dm)
     terms = sac_ops.kept_terms(kept)
     peak = ops_forward_peak(_ops_forward(spec, _unsaved(wl), dm, moe,

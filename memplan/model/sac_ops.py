@@ -138,7 +138,6 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
          "short-convolution layers with biases, MoE blocks or post norms (modelled as LFM2's "
          "Lfm2ShortConv.slow_forward runs them: memplan.model.sac_conv)"),
         (spec.mamba is not None, "Mamba layers"),
-        (spec.sliding_window is not None and spec.window_chunked, "chunked attention layers"),
         (spec.norm_placement.post_norm and spec.moe is not None,
          f"{spec.norm_placement.value} norms around MoE blocks"),
         (spec.norm_placement.post_norm and not (
@@ -147,7 +146,12 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
          (f"{spec.norm_placement.value} norms of norm_impl {wl.norm_impl.value} (modelled "
           "as transformers runs Gemma's and OLMo 2's RMSNorms: norm_impl upcast-fp32, the "
           "weight scaling the fp32 tensor)")),
-        (spec.qk_norm is QkNorm.L2, f"{spec.qk_norm.value} q/k norms"),
+        (spec.qk_norm is QkNorm.L2 and wl.norm_impl is not NormImpl.UPCAST,
+         (f"l2 q/k norms of norm_impl {wl.norm_impl.value} (modelled as Llama 4's "
+          "Llama4TextL2Norm runs them, upcast)")),
+        (spec.qk_norm is QkNorm.L2 and not spec.rope_complex,
+         "l2 q/k norms without Llama 4's complex RoPE (modelled as Llama4TextAttention runs "
+         "them: after apply_rotary_emb)"),
         (spec.qk_norm is QkNorm.FULL and wl.norm_impl is not NormImpl.UPCAST_FP32,
          (f"full-width q/k norms of norm_impl {wl.norm_impl.value} (modelled as OLMo 2's "
           "Olmo2RMSNorm runs them, upcast-fp32)")),
@@ -243,7 +247,8 @@ def matmul_shapes(spec: ModelSpec, t: int, fused_qkv: bool = False
 
 @lru_cache(maxsize=512)
 def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
-              saved: tuple[Term, ...], moe: bool = False) -> tuple[Item, ...]:
+              saved: tuple[Term, ...], moe: bool = False, nope: bool = False
+              ) -> tuple[Item, ...]:
     """The ops of one layer on this rank a policy counts, in execution order (``nth``
     numbered along them per family and width): the items (``layer_items``), and the ops no
     item keeps (named ""): a named norm's fp32 product ``x * rstd`` and a q/k norm's output
@@ -253,7 +258,8 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
     with post norms an item, ``mlp.down``, and the post norm's ops after it).
     ``saved``: what the layer saves without recompute (``memplan.model.layer.ops_items``
     gives it); ``moe``: an MoE layer, whose feed-forward's ops follow
-    (``memplan.model.sac_moe.moe_items``)."""
+    (``memplan.model.sac_moe.moe_items``); ``nope``: a layer without RoPE (nor its q/k norm)
+    in a model whose RoPE layers norm q and k (Llama 4's: ``_complex_rope_ops``)."""
     check_supported(spec, wl)
     terms = {t.name: t.size_bytes for t in saved}
     tokens, e, t = dm.tokens, dm.e, dm.tp
@@ -277,7 +283,7 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
         out += _mla_ops(spec, dm, terms, named, fp32)
     else:
         out += _attention_ops(spec, wl, dm, terms, named, fp32,
-                              [matmul(*m) for m in mm.values()])
+                              [matmul(*m) for m in mm.values()], nope)
     if place.post_norm:
         # Gemma2DecoderLayer.forward: post_attention_layernorm on the attention's output
         # before the residual add (Olmo2DecoderLayer.forward: the same, no norm before)
@@ -297,19 +303,23 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
 
 
 def _attention_ops(spec: ModelSpec, wl: Workload, dm: Dims, terms: dict[str, int],
-                   named: bool, fp32: bool, matmuls: list[Item]) -> list[Item]:
+                   named: bool, fp32: bool, matmuls: list[Item], nope: bool = False
+                   ) -> list[Item]:
     """A generic attention block's ops in execution order (``layer_ops``): the q, k, v (or
-    fused q/k/v) projections, each q/k norm after its projection, RoPE's four products, the
-    core (``_core_ops``: SDPA's kernel, ``attn.out`` with its logsumexp, or an eager core's
-    ops) and the output projection (``matmuls``: the layer's projection items,
-    ``matmul_shapes``' order)."""
+    fused q/k/v) projections, each q/k norm after its projection, RoPE's four products (Llama
+    4's complex RoPE and L2 q/k norms after the three projections: ``_complex_rope_ops``;
+    ``nope``: a layer without them), the core (``_core_ops``: SDPA's kernel, ``attn.out``
+    with its logsumexp, or an eager core's ops) and the output projection (``matmuls``: the
+    layer's projection items, ``matmul_shapes``' order)."""
     mm = {i.name: i for i in matmuls}
     out = []
     for name in ("attn.qkv",) if "attn.qkv" in mm else ("attn.q", "attn.k", "attn.v"):
         out.append(mm[name])
-        if name in ("attn.q", "attn.k"):
+        if name in ("attn.q", "attn.k") and spec.qk_norm is not QkNorm.L2:
             out += _qk_norm_ops(spec, name, mm[name].width, terms, named, fp32)
-    if spec.position is PositionKind.ROPE:
+    if spec.rope_complex and spec.position is PositionKind.ROPE:
+        out += _complex_rope_ops(spec, dm, terms, nope)
+    elif spec.position is PositionKind.ROPE:
         out += [_unkept(PRODUCT, spec.rope_dim, "attn")] * 4
     return out + _core_ops(spec, wl, dm, terms) + [mm["attn.o_proj"]]
 
@@ -414,6 +424,59 @@ def _qk_norm_ops(spec: ModelSpec, name: str, local: int, terms: dict[str, int], 
     if spec.qk_norm is QkNorm.FULL:
         return _norm_ops(norm, terms, local, local, False, "attn", fp32)
     return []
+
+
+def _complex_rope_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int], nope: bool
+                      ) -> list[Item]:
+    """Llama 4's RoPE and L2 q/k norms after the three projections (models/llama4/
+    modeling_llama4.py Llama4TextAttention.forward), in execution order. ``apply_rotary_emb``:
+    ``xq.float()`` and ``xk.float()`` (``aten._to_copy``, head_dim wide; no ops in fp32), the
+    complex products by the table (``aten.mul`` of complex64, rope_dim / 2 wide; each saves
+    the table alone, which needs no gradient), ``type_as`` back (two more casts). Then
+    ``qk_norm`` on q, then on k (``_l2_norm_ops``). A NoPE layer (``nope``) rotates nothing
+    and norms nothing; its temperature tuning (``attn_temperature_tuning``, on in
+    Llama4TextConfig's defaults and both published configs) scales q: on the s positions
+    ``cache_position.float()``, ``+ 1.0``, ``/ floor_scale``, ``floor``, ``log1p``,
+    ``* attn_scale``, ``+ 1.0``, then ``query_states * attn_scales`` (fp32, head_dim wide)
+    and ``.to(query_states.dtype)``: counted, kept by no item (the product saves the (s,)
+    scales alone; traced: tests/traced/test_sac_policy.py llama4)."""
+    hd, half, low = spec.head_dim, spec.rope_dim // 2, dm.e < FP32_BYTES
+    if nope:
+        scale = [_unkept(COPY, dm.s, "attn"), _unkept(SHIFT, dm.s, "attn"),
+                 _unkept(SCALE, dm.s, "attn"), _unkept(SHIFT, dm.s, "attn"),
+                 _unkept(PRODUCT, hd, "attn")]
+        return scale + [_unkept(COPY, hd, "attn")] * low
+    casts = [_unkept(COPY, hd, "attn")] * (2 * low)
+    rope = casts + [_unkept(PRODUCT, half, "attn")] * 2 + casts
+    if spec.qk_norm is not QkNorm.L2:
+        return rope
+    return (rope + _l2_norm_ops("attn.q_norm", spec, dm, terms)
+            + _l2_norm_ops("attn.k_norm", spec, dm, terms))
+
+
+def _l2_norm_ops(norm: str, spec: ModelSpec, dm: Dims, terms: dict[str, int]) -> list[Item]:
+    """Llama 4's L2 norm of q (or k) after RoPE (Llama4TextL2Norm.forward:
+    ``self._norm(x.float()).type_as(x)``, ``_norm``: ``x * torch.rsqrt(x.pow(2).mean(-1,
+    keepdim=True) + self.eps)``, no weight), per head on rows of head_dim, in execution
+    order: ``x.float()`` (``input_fp32``, ``aten._to_copy`` to fp32; saved by ``pow`` and the
+    product), ``pow``, ``mean``, ``+ eps`` (no ops a policy counts), ``rsqrt`` (``stats``,
+    fp32, one per row; saved by itself and the product), ``x * rstd`` (fp32, saved by no one)
+    and ``type_as`` (bf16: the tensor SDPA saves, ``attn.q``'s term; kept by no item). One FLOP
+    an element each. In fp32 the casts are no ops, and ``input_fp32`` is RoPE's output
+    itself: the items are the norm's terms, named by no op (``NORM``), its rsqrt and product
+    counted."""
+    hd = spec.head_dim
+    heads = spec.num_attention_heads if norm == "attn.q_norm" else spec.num_kv_heads
+    per_token = float(heads // dm.tp * hd)
+    mine = [(f"{norm}.input_fp32", COPY, hd), (f"{norm}.stats", RSQRT, 1)]
+    if dm.e >= FP32_BYTES:
+        return ([Item(n, (n,), terms[n], per_token, NORM, w, 0, "attn", True)
+                 for n, _, w in mine]
+                + [_unkept(RSQRT, 1, "attn"), _unkept(PRODUCT, hd, "attn")])
+    (fp32, copy, _), (stats, rsqrt, _) = mine
+    return [Item(fp32, (fp32,), terms[fp32], per_token, COPY, hd, 0, "attn", True),
+            Item(stats, (stats,), terms[stats], per_token, RSQRT, 1, 0, "attn", True),
+            _unkept(PRODUCT, hd, "attn"), _unkept(COPY, hd, "attn")]
 
 
 def _fp32_ops(spec: ModelSpec, wl: Workload, dm: Dims) -> bool:

@@ -27,6 +27,7 @@ from memplan.errors import MemplanError
 from memplan.model.sac_mla import CAT, mla_matmul_shapes
 from memplan.model.sac_ops import (ATTENTION_KERNEL, BMM, CONV, MATMUL, NORM, Item,
                                    matmul_shapes)
+from memplan.model.layer import rope_normed
 from memplan.spec import ModelSpec
 
 TARGETS = ("torch", "torchtitan", "megatron")
@@ -398,7 +399,7 @@ def emit_for(target: str, est: object) -> str:
     par = est.parallel
     dm = Dims.of(spec, par, wl)
     kinds = ops_kinds(spec)
-    if len(kinds) > 1:
+    if len(kinds) > 1 or rope_normed(spec) and target == "torch":
         return _emit_mixed(target, spec, par, wl, dm)
     items = ops_items(spec, wl, dm)
     unkept = ops_unkept(spec, wl, dm)
@@ -431,10 +432,12 @@ def _command(spec: ModelSpec, par, wl, save: str, staged: bool) -> str:
 
 def _emit_mixed(target: str, spec: ModelSpec, par, wl, dm) -> str:
     """``emit_for`` a model of layers of two kinds (``memplan.model.layer.ops_kinds``: dense
-    and MoE layers, or LFM2's attention and short-convolution layers): each layer keeps its
-    kind's list (and its stage's): ``SAVE`` and ``PER_LAYER`` are the last kind's (the MoE
-    layers', the convolution layers'), the other layers' sets and op counts their own by
-    index (``LAYER_SAVE``, ``LAYER_COUNTS``)."""
+    and MoE layers, or LFM2's attention and short-convolution layers), or of RoPE and NoPE
+    layers (``memplan.model.layer.rope_normed``: Llama 4's, whose NoPE layers run neither
+    RoPE nor the q/k norms; torch only): each layer keeps its kind's list (and its stage's),
+    a NoPE layer the names its ops have: ``SAVE`` and ``PER_LAYER`` are the last kind's (the
+    MoE layers', the convolution layers', the RoPE layers'), the other layers' sets and op
+    counts their own by index (``LAYER_SAVE``, ``LAYER_COUNTS``)."""
     from memplan.model.layer import ops_items, ops_kinds, ops_unkept
     from memplan.model.sac_ops import for_stage, kind_variant, layer_kind_of, resolve
     from memplan.model.stage_parts import stage_layer_indices
@@ -442,16 +445,23 @@ def _emit_mixed(target: str, spec: ModelSpec, par, wl, dm) -> str:
     stage_of = {i: s for s in range(par.pp)
                 for i in stage_layer_indices(spec, par.pp, par.vpp, s, par.stage_layers)}
     kinds = ops_kinds(spec)
-    kind_items = {k: ops_items(spec, wl, dm, moe, kind_variant(k)) for k, moe, _ in kinds}
-    unkept = {k: ops_unkept(spec, wl, dm, moe, kind_variant(k)) for k, moe, _ in kinds}
+    moe_of = {k: moe for k, moe, _ in kinds}
     of = [layer_kind_of(spec, i) for i in range(spec.num_layers)]
-    layers = [resolve(kind_items[of[i]], for_stage(wl.recompute_save, stage_of[i]), spec,
-                      of[i]) for i in range(spec.num_layers)]
-    first, main = kinds[0][0], kinds[-1][0]
-    other = {i: (kind_items[k], unkept[k]) for i, k in enumerate(of) if k != main}
+    keys = [(k, "nope" if rope_normed(spec) and spec.is_nope_layer(i) else kind_variant(k))
+            for i, k in enumerate(of)]
+    kind_items = {kv: ops_items(spec, wl, dm, moe_of[kv[0]], kv[1]) for kv in set(keys)}
+    unkept = {kv: ops_unkept(spec, wl, dm, moe_of[kv[0]], kv[1]) for kv in set(keys)}
+    layers = []
+    for i, (k, v) in enumerate(keys):  # a NoPE layer: its kind's list, less what it lacks
+        full = ops_items(spec, wl, dm, moe_of[k], kind_variant(k))
+        names = {j.name for j in resolve(full, for_stage(wl.recompute_save, stage_of[i]),
+                                         spec, k)}
+        layers.append(tuple(j for j in kind_items[(k, v)] if j.name in names))
+    first, main = keys[of.index(kinds[0][0])], (kinds[-1][0], kind_variant(kinds[-1][0]))
+    other = {i: (kind_items[kv], unkept[kv]) for i, kv in enumerate(keys) if kv != main}
     command = _command(spec, par, wl, ",".join(wl.recompute_save) or '""', par.pp > 1)
     if target != "torch":
-        return emit(target, spec, kind_items[first], layers[of.index(first)], command, None,
+        return emit(target, spec, kind_items[first], layers[keys.index(first)], command, None,
                     (), other)
-    return emit(target, spec, kind_items[main], layers[of.index(main)], command, layers,
+    return emit(target, spec, kind_items[main], layers[keys.index(main)], command, layers,
                 unkept[main], other)
