@@ -432,14 +432,15 @@ def _complex_rope_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int], nope: bo
     modeling_llama4.py Llama4TextAttention.forward), in execution order. ``apply_rotary_emb``:
     ``xq.float()`` and ``xk.float()`` (``aten._to_copy``, head_dim wide; no ops in fp32), the
     complex products by the table (``aten.mul`` of complex64, rope_dim / 2 wide; each saves
-    the table alone, which needs no gradient), ``type_as`` back (two more casts). Then
-    ``qk_norm`` on q, then on k (``_l2_norm_ops``). A NoPE layer (``nope``) rotates nothing
-    and norms nothing; its temperature tuning (``attn_temperature_tuning``, on in
-    Llama4TextConfig's defaults and both published configs) scales q: on the s positions
-    ``cache_position.float()``, ``+ 1.0``, ``/ floor_scale``, ``floor``, ``log1p``,
-    ``* attn_scale``, ``+ 1.0``, then ``query_states * attn_scales`` (fp32, head_dim wide)
-    and ``.to(query_states.dtype)``: counted, kept by no item (the product saves the (s,)
-    scales alone; traced: tests/traced/test_sac_policy.py llama4)."""
+    the table alone, which needs no gradient), ``type_as`` back (two more casts; none in
+    fp32). Then ``qk_norm`` on q, then on k (``_l2_norm_ops``). A NoPE layer (``nope``)
+    rotates nothing and norms nothing; its temperature tuning (``attn_temperature_tuning``,
+    on in Llama4TextConfig's defaults and both published configs) scales q: on the s
+    positions ``cache_position.float()``, ``+ 1.0``, ``/ floor_scale``, ``floor``,
+    ``log1p``, ``* attn_scale``, ``+ 1.0``, then ``query_states * attn_scales`` (fp32,
+    head_dim wide) and ``.to(query_states.dtype)`` (none in fp32): counted, kept by no item
+    (the product saves the (s,) scales alone). Traced: tests/traced/test_sac_policy.py,
+    Llama 4 narrowed with s = h, the positions' cast among the norms' casts."""
     hd, half, low = spec.head_dim, spec.rope_dim // 2, dm.e < FP32_BYTES
     if nope:
         scale = [_unkept(COPY, dm.s, "attn"), _unkept(SHIFT, dm.s, "attn"),
@@ -447,11 +448,24 @@ def _complex_rope_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int], nope: bo
                  _unkept(PRODUCT, hd, "attn")]
         return scale + [_unkept(COPY, hd, "attn")] * low
     casts = [_unkept(COPY, hd, "attn")] * (2 * low)
-    rope = casts + [_unkept(PRODUCT, half, "attn")] * 2 + casts
+    products = [_unkept(PRODUCT, half, "attn")] * 2
     if spec.qk_norm is not QkNorm.L2:
-        return rope
-    return (rope + _l2_norm_ops("attn.q_norm", spec, dm, terms)
+        return casts + products + casts
+    if not low and spec.rope_dim == hd:
+        # in fp32 each norm's x.float() is RoPE's output itself, a view of its product's
+        products = [_norm_item(f"attn.{n}_norm.input_fp32", spec, dm, terms, PRODUCT, half)
+                    for n in "qk"]
+    return (casts + products + casts + _l2_norm_ops("attn.q_norm", spec, dm, terms)
             + _l2_norm_ops("attn.k_norm", spec, dm, terms))
+
+
+def _norm_item(name: str, spec: ModelSpec, dm: Dims, terms: dict[str, int], op: str,
+               width: int) -> Item:
+    """A q/k norm's saved term ``name`` as an item of op ``op``, ``width`` wide: one FLOP an
+    element (the rank's heads of the q or k norm), adding to the attention's working set."""
+    heads = spec.num_attention_heads if ".q_norm." in name else spec.num_kv_heads
+    return Item(name, (name,), terms[name], float(heads // dm.tp * spec.head_dim), op, width,
+                0, "attn", True)
 
 
 def _l2_norm_ops(norm: str, spec: ModelSpec, dm: Dims, terms: dict[str, int]) -> list[Item]:
@@ -461,22 +475,16 @@ def _l2_norm_ops(norm: str, spec: ModelSpec, dm: Dims, terms: dict[str, int]) ->
     order: ``x.float()`` (``input_fp32``, ``aten._to_copy`` to fp32; saved by ``pow`` and the
     product), ``pow``, ``mean``, ``+ eps`` (no ops a policy counts), ``rsqrt`` (``stats``,
     fp32, one per row; saved by itself and the product), ``x * rstd`` (fp32, saved by no one)
-    and ``type_as`` (bf16: the tensor SDPA saves, ``attn.q``'s term; kept by no item). One FLOP
-    an element each. In fp32 the casts are no ops, and ``input_fp32`` is RoPE's output
-    itself: the items are the norm's terms, named by no op (``NORM``), its rsqrt and product
-    counted."""
-    hd = spec.head_dim
-    heads = spec.num_attention_heads if norm == "attn.q_norm" else spec.num_kv_heads
-    per_token = float(heads // dm.tp * hd)
-    mine = [(f"{norm}.input_fp32", COPY, hd), (f"{norm}.stats", RSQRT, 1)]
+    and ``type_as`` (16-bit: the tensor SDPA saves, ``attn.q``'s term; kept by no item). One
+    FLOP an element each. In fp32 the casts are no ops and ``input_fp32`` is RoPE's product
+    (``_complex_rope_ops``); with partial rotation a norm's term no op makes (``NORM``)."""
+    hd, fp32 = spec.head_dim, f"{norm}.input_fp32"
+    stats = [_norm_item(f"{norm}.stats", spec, dm, terms, RSQRT, 1),
+             _unkept(PRODUCT, hd, "attn")]
     if dm.e >= FP32_BYTES:
-        return ([Item(n, (n,), terms[n], per_token, NORM, w, 0, "attn", True)
-                 for n, _, w in mine]
-                + [_unkept(RSQRT, 1, "attn"), _unkept(PRODUCT, hd, "attn")])
-    (fp32, copy, _), (stats, rsqrt, _) = mine
-    return [Item(fp32, (fp32,), terms[fp32], per_token, COPY, hd, 0, "attn", True),
-            Item(stats, (stats,), terms[stats], per_token, RSQRT, 1, 0, "attn", True),
-            _unkept(PRODUCT, hd, "attn"), _unkept(COPY, hd, "attn")]
+        whole = spec.rope_dim == hd  # (else no op's output is the norm's input)
+        return ([] if whole else [_norm_item(fp32, spec, dm, terms, NORM, hd)]) + stats
+    return [_norm_item(fp32, spec, dm, terms, COPY, hd)] + stats + [_unkept(COPY, hd, "attn")]
 
 
 def _fp32_ops(spec: ModelSpec, wl: Workload, dm: Dims) -> bool:
