@@ -258,8 +258,9 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
     with post norms an item, ``mlp.down``, and the post norm's ops after it).
     ``saved``: what the layer saves without recompute (``memplan.model.layer.ops_items``
     gives it); ``moe``: an MoE layer, whose feed-forward's ops follow
-    (``memplan.model.sac_moe.moe_items``); ``nope``: a layer without RoPE (nor its q/k norm)
-    in a model whose RoPE layers norm q and k (Llama 4's: ``_complex_rope_ops``)."""
+    (``memplan.model.sac_moe.moe_items``); ``nope``: a layer without RoPE
+    (``ModelSpec.nope_layer_interval``; in Llama 4 without its q/k norm either:
+    ``_complex_rope_ops``)."""
     check_supported(spec, wl)
     terms = {t.name: t.size_bytes for t in saved}
     tokens, e, t = dm.tokens, dm.e, dm.tp
@@ -306,9 +307,9 @@ def _attention_ops(spec: ModelSpec, wl: Workload, dm: Dims, terms: dict[str, int
                    named: bool, fp32: bool, matmuls: list[Item], nope: bool = False
                    ) -> list[Item]:
     """A generic attention block's ops in execution order (``layer_ops``): the q, k, v (or
-    fused q/k/v) projections, each q/k norm after its projection, RoPE's four products (Llama
-    4's complex RoPE and L2 q/k norms after the three projections: ``_complex_rope_ops``;
-    ``nope``: a layer without them), the core (``_core_ops``: SDPA's kernel, ``attn.out``
+    fused q/k/v) projections, each q/k norm after its projection, RoPE's four products (none
+    in a NoPE layer, ``nope``; Llama 4's complex RoPE and L2 q/k norms after the three
+    projections: ``_complex_rope_ops``), the core (``_core_ops``: SDPA's kernel, ``attn.out``
     with its logsumexp, or an eager core's ops) and the output projection (``matmuls``: the
     layer's projection items, ``matmul_shapes``' order)."""
     mm = {i.name: i for i in matmuls}
@@ -319,7 +320,7 @@ def _attention_ops(spec: ModelSpec, wl: Workload, dm: Dims, terms: dict[str, int
             out += _qk_norm_ops(spec, name, mm[name].width, terms, named, fp32)
     if spec.rope_complex and spec.position is PositionKind.ROPE:
         out += _complex_rope_ops(spec, dm, terms, nope)
-    elif spec.position is PositionKind.ROPE:
+    elif spec.position is PositionKind.ROPE and not nope:
         out += [_unkept(PRODUCT, spec.rope_dim, "attn")] * 4
     return out + _core_ops(spec, wl, dm, terms) + [mm["attn.o_proj"]]
 

@@ -27,7 +27,7 @@ from memplan.errors import MemplanError
 from memplan.model.sac_mla import CAT, mla_matmul_shapes
 from memplan.model.sac_ops import (ATTENTION_KERNEL, BMM, CONV, MATMUL, NORM, Item,
                                    matmul_shapes)
-from memplan.model.layer import rope_normed
+from memplan.model.layer import has_nope_layers
 from memplan.spec import ModelSpec
 
 TARGETS = ("torch", "torchtitan", "megatron")
@@ -399,7 +399,7 @@ def emit_for(target: str, est: object) -> str:
     par = est.parallel
     dm = Dims.of(spec, par, wl)
     kinds = ops_kinds(spec)
-    if len(kinds) > 1 or rope_normed(spec) and target == "torch":
+    if len(kinds) > 1 or has_nope_layers(spec) and target == "torch":
         return _emit_mixed(target, spec, par, wl, dm)
     items = ops_items(spec, wl, dm)
     unkept = ops_unkept(spec, wl, dm)
@@ -433,13 +433,13 @@ def _command(spec: ModelSpec, par, wl, save: str, staged: bool) -> str:
 def _emit_mixed(target: str, spec: ModelSpec, par, wl, dm) -> str:
     """``emit_for`` a model of layers of two kinds (``memplan.model.layer.ops_kinds``: dense
     and MoE layers, or LFM2's attention and short-convolution layers), or of RoPE and NoPE
-    layers (``memplan.model.layer.rope_normed``: Llama 4's, whose NoPE layers run neither
-    RoPE nor the q/k norms; torch only): each layer keeps its kind's list (and its stage's),
-    a NoPE layer the names its ops have: ``SAVE`` and ``PER_LAYER`` are the last kind's (the
+    layers (``memplan.model.layer.has_nope_layers``, whose NoPE layers run no RoPE, nor
+    Llama 4's q/k norms; torch only): each layer keeps its kind's list (and its stage's), a
+    NoPE layer the names its ops have: ``SAVE`` and ``PER_LAYER`` are the last kind's (the
     MoE layers', the convolution layers', the RoPE layers'), the other layers' sets and op
     counts their own by index (``LAYER_SAVE``, ``LAYER_COUNTS``)."""
-    from memplan.model.layer import ops_items, ops_kinds, ops_unkept
-    from memplan.model.sac_ops import for_stage, kind_variant, layer_kind_of, resolve
+    from memplan.model.layer import ops_items, ops_kept, ops_kinds, ops_unkept
+    from memplan.model.sac_ops import for_stage, kind_variant, layer_kind_of
     from memplan.model.stage_parts import stage_layer_indices
 
     stage_of = {i: s for s in range(par.pp)
@@ -447,16 +447,13 @@ def _emit_mixed(target: str, spec: ModelSpec, par, wl, dm) -> str:
     kinds = ops_kinds(spec)
     moe_of = {k: moe for k, moe, _ in kinds}
     of = [layer_kind_of(spec, i) for i in range(spec.num_layers)]
-    keys = [(k, "nope" if rope_normed(spec) and spec.is_nope_layer(i) else kind_variant(k))
-            for i, k in enumerate(of)]
+    keys = [(k, "nope" if has_nope_layers(spec) and spec.is_nope_layer(i)
+             and not kind_variant(k) else kind_variant(k)) for i, k in enumerate(of)]
     kind_items = {kv: ops_items(spec, wl, dm, moe_of[kv[0]], kv[1]) for kv in set(keys)}
     unkept = {kv: ops_unkept(spec, wl, dm, moe_of[kv[0]], kv[1]) for kv in set(keys)}
-    layers = []
-    for i, (k, v) in enumerate(keys):  # a NoPE layer: its kind's list, less what it lacks
-        full = ops_items(spec, wl, dm, moe_of[k], kind_variant(k))
-        names = {j.name for j in resolve(full, for_stage(wl.recompute_save, stage_of[i]),
-                                         spec, k)}
-        layers.append(tuple(j for j in kind_items[(k, v)] if j.name in names))
+    layers = [ops_kept(spec, wl, dm, moe_of[k], v, k, for_stage(wl.recompute_save,
+                                                                 stage_of[i]))[1]
+              for i, (k, v) in enumerate(keys)]
     first, main = keys[of.index(kinds[0][0])], (kinds[-1][0], kind_variant(kinds[-1][0]))
     other = {i: (kind_items[kv], unkept[kv]) for i, kv in enumerate(keys) if kv != main}
     command = _command(spec, par, wl, ",".join(wl.recompute_save) or '""', par.pp > 1)
