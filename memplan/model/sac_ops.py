@@ -69,8 +69,14 @@ are ``memplan.model.sac_mla``'s. An eager attention core (transformers'
 ``eager_attention_forward``) is named op by op in place of SDPA's kernel (``_eager_core_ops``:
 its bmms, softmax, cast and dropout), its moments with what each kept output adds
 (``core_peak``); an ungated ReLU MLP keeps its up projection (``mlp.fc1``) and relu's output
-(``mlp.act``). A name scoped ``SCOPE:name`` applies to the layers of a kind or one pipeline
-stage (``resolve``, ``for_stage``).
+(``mlp.act``). Llama 4's RoPE layers rotate q and k by a complex table and L2-norm them after
+the three projections (``_complex_rope_ops``, ``_l2_norm_ops``: each norm's fp32 input and
+rsqrt are items); its NoPE layers run neither, and scale q by the positions' temperature
+(counted, no item): a NoPE layer (of any model, ``ModelSpec.nope_layer_interval``) has its own
+op counts and keeps what it has of the list (``memplan.model.layer.ops_kept``). Chunked layers
+are windowed layers (transformers' chunked mask goes to SDPA as a window's does). A name
+scoped ``SCOPE:name`` applies to the layers of a kind or one pipeline stage (``resolve``,
+``for_stage``).
 """
 
 from __future__ import annotations

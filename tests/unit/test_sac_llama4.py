@@ -116,3 +116,20 @@ def test_l2_without_complex_rope_is_refused() -> None:
     spec = TINY_L4.model_copy(update={"rope_complex": False})
     with pytest.raises(LayoutError, match="without Llama 4's complex RoPE"):
         estimate(spec, **FIELDS, recompute="ops")
+
+
+def test_nope_layers_without_l2_norms_count_their_own_ops() -> None:
+    """Without q/k norms (Maverick's: ``use_qk_norm`` false) the NoPE layer's items are the
+    RoPE layers', but its ops are not: at seq 64 = h the positions' cast is a 64-wide cast
+    between the attention norm's two and the MLP norm's, so keeping the MLP norm's fp32 input
+    is the 3rd such cast (nth 2) of a RoPE layer and the 4th (nth 3) of the NoPE layer, which
+    runs five where the others run four."""
+    spec = ModelSpec.model_validate({**TINY_L4.model_dump(), "qk_norm": "none",
+                                     "name": "tiny-l4-noqk"})
+    wl = make_workload(spec, seq_len=64, micro_batch_size=2, recompute="ops",
+                       recompute_save=("mlp_norm.input_fp32",))
+    module = emitted_module(spec, wl)
+    assert module["SAVE"] == {("copy", 64, 2)}
+    assert module["LAYER_SAVE"] == {3: {("copy", 64, 3)}}
+    assert module["PER_LAYER"][("copy", 64)] == 4
+    assert module["LAYER_COUNTS"][3][("copy", 64)] == 5
