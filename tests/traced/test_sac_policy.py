@@ -691,9 +691,10 @@ def test_emitted_policy_on_windowed_layers(model: str, precision: str, save: str
 # norms' casts, counted. Before, refused ("recompute ops with l2 q/k norms", "chunked
 # attention layers"). Measured: saved activations exact in every row (before the fp32 items
 # were named, the fp32 list keeping the norms' inputs 608,256 B over: the policy could not
-# name them); the phases within 0.5% but the forward of bf16 keeping the norms (-1.41%) and
-# of fp32 (-2.37%), full recompute's own gap there (96,384 B and 129,152 B under: complex
-# RoPE's fp32 copies, which the generic RoPE moment does not count).
+# name them); the phases within 0.5% but the forward of bf16 keeping the norms (-1.35%) and
+# of fp32 (-2.37%), no further off than full recompute's own estimate there (bf16: 96,384 B
+# under, the trace's peak at complex RoPE's casts back beside its fp32 copies and products,
+# fewer of which the rotate-half moment counts; fp32: 129,152 B under, at an MLP's product).
 LLAMA4_TOY = {
     "attention_bias": False, "attention_chunk_size": 64, "attention_dropout": 0.0,
     "attn_scale": 0.1, "attn_temperature_tuning": 4, "floor_scale": 8192, "head_dim": 32,
