@@ -672,7 +672,6 @@ def test_emitted_policy_on_windowed_layers(model: str, precision: str, save: str
     _assert_within_full("window", WINDOW_TOY, model, precision, save)
 
 
-
 # Llama 4 (models/llama4/modeling_llama4.py Llama4TextAttention.forward): on three layers of
 # four complex RoPE (apply_rotary_emb: xq.float(), a complex64 product by the table, type_as)
 # then the weightless L2 norm of q and of k (Llama4TextL2Norm: x.float(), pow, mean, + eps,
