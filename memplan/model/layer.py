@@ -676,8 +676,8 @@ def ops_search_items(spec: ModelSpec, wl: Workload, dm: Dims) -> tuple[sac_ops.I
             for i in ops_items(spec, wl, dm, moe, variant):
                 have[i.name] = have.get(i.name, 0) + count
         out += [i._replace(name=f"{kind}:{i.name}" if len(kinds) > 1 else i.name,
-                           size_bytes=i.size_bytes * have[i.name],
-                           flops_per_token=i.flops_per_token * have[i.name])
+                           size_bytes=i.size_bytes * have.get(i.name, 0),
+                           flops_per_token=i.flops_per_token * have.get(i.name, 0))
                 for i in ops_items(spec, wl, dm, moe, sac_ops.kind_variant(kind))]
     return tuple(out)
 

@@ -27,7 +27,6 @@ from memplan.errors import MemplanError
 from memplan.model.sac_mla import CAT, mla_matmul_shapes
 from memplan.model.sac_ops import (ATTENTION_KERNEL, BMM, CONV, MATMUL, NORM, Item,
                                    matmul_shapes)
-from memplan.model.layer import has_nope_layers
 from memplan.spec import ModelSpec
 
 TARGETS = ("torch", "torchtitan", "megatron")
@@ -392,7 +391,7 @@ def emit_for(target: str, est: object) -> str:
     if wl.recompute is not Recompute.OPS:
         raise MemplanError(f"emit-policy needs recompute ops or auto, got recompute "
                            f"{wl.recompute.value}")
-    from memplan.model.layer import ops_kinds, ops_unkept
+    from memplan.model.layer import has_nope_layers, ops_kinds, ops_unkept
     from memplan.model.sac_ops import per_stage
     from memplan.model.stage_parts import stage_layer_indices
 
@@ -438,7 +437,8 @@ def _emit_mixed(target: str, spec: ModelSpec, par, wl, dm) -> str:
     NoPE layer the names its ops have: ``SAVE`` and ``PER_LAYER`` are the last kind's (the
     MoE layers', the convolution layers', the RoPE layers'), the other layers' sets and op
     counts their own by index (``LAYER_SAVE``, ``LAYER_COUNTS``)."""
-    from memplan.model.layer import ops_items, ops_kept, ops_kinds, ops_unkept
+    from memplan.model.layer import (has_nope_layers, ops_items, ops_kept, ops_kinds,
+                                     ops_unkept)
     from memplan.model.sac_ops import for_stage, kind_variant, layer_kind_of
     from memplan.model.stage_parts import stage_layer_indices
 
@@ -454,7 +454,9 @@ def _emit_mixed(target: str, spec: ModelSpec, par, wl, dm) -> str:
     layers = [ops_kept(spec, wl, dm, moe_of[k], v, k, for_stage(wl.recompute_save,
                                                                  stage_of[i]))[1]
               for i, (k, v) in enumerate(keys)]
-    first, main = keys[of.index(kinds[0][0])], (kinds[-1][0], kind_variant(kinds[-1][0]))
+    # the last kind's most common variant (a kind may be NoPE layers alone)
+    last = [kv for kv in keys if kv[0] == kinds[-1][0]]
+    first, main = keys[of.index(kinds[0][0])], max(set(last), key=last.count)
     other = {i: (kind_items[kv], unkept[kv]) for i, kv in enumerate(keys) if kv != main}
     command = _command(spec, par, wl, ",".join(wl.recompute_save) or '""', par.pp > 1)
     if target != "torch":
