@@ -133,3 +133,30 @@ def test_nope_layers_without_l2_norms_count_their_own_ops() -> None:
     assert module["LAYER_SAVE"] == {3: {("copy", 64, 3)}}
     assert module["PER_LAYER"][("copy", 64)] == 4
     assert module["LAYER_COUNTS"][3][("copy", 64)] == 5
+
+
+def test_a_kind_of_nope_layers_alone_is_emitted() -> None:
+    """Llama 4 Maverick's config.json (no q/k norm, MoE on every second layer) cut to two
+    layers with a NoPE layer every second: the MoE kind is its NoPE layer alone, whose op
+    counts are the policy's own (``PER_LAYER``), the dense RoPE layer's apart
+    (``LAYER_COUNTS``); the projections and kernel kept in both (the q and output
+    projections 128 wide, the 1st and 2nd such matmuls; k and v 64 wide; the kernel 4 heads x
+    32)."""
+    from memplan.report.sac_policy import emit_for
+    from memplan.spec import spec_from_hf_dict
+
+    config = {"model_type": "llama4_text", "hidden_size": 128, "intermediate_size": 64,
+              "intermediate_size_mlp": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 32, "num_hidden_layers": 2, "vocab_size": 512, "num_local_experts": 4,
+              "num_experts_per_tok": 1, "interleave_moe_layer_step": 2, "use_qk_norm": False,
+              "no_rope_layer_interval": 2, "attention_chunk_size": 32,
+              "max_position_embeddings": 4096}
+    spec = spec_from_hf_dict(config, "config.json", "maverick-toy")
+    est = estimate(spec, seq_len=64, micro_batch_size=2, recompute="ops", moe_impl="grouped",
+                   recompute_save=("attention",))
+    lines = {line.split(" = ")[0]: eval(line.split(" = ")[1])  # noqa: S307 (our own text)
+             for line in emit_for("torch", est).splitlines()
+             if line.startswith(("SAVE =", "LAYER_SAVE =", "LAYER_COUNTS ="))}
+    assert lines["SAVE"] == {("matmul", 128, 0), ("matmul", 64, 0), ("matmul", 64, 1),
+                             ("matmul", 128, 1), ("sdpa", 128, 0)}
+    assert lines["LAYER_SAVE"] == {} and set(lines["LAYER_COUNTS"]) == {0}
