@@ -206,6 +206,10 @@ def moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     moe = spec.moe
     assert moe is not None
     checks = (
+        (wl.moe_impl is MoeImpl.EVERY,
+         "moe_impl every (Llama 4's Llama4TextMoe.forward: the input repeated per expert, "
+         "two batched matmuls over every token, not named op by op; modelled for "
+         "transformers' grouped experts, moe_impl grouped)"),
         (not wl.moe_impl.grouped,
          f"moe_impl {wl.moe_impl.value} (its op counts follow the routing; modelled for "
          "transformers' grouped experts, moe_impl grouped)"),

@@ -112,6 +112,17 @@ def test_refusals_name_what_is_not_modelled(fields: dict, why: str) -> None:
         estimate(TINY_L4, **FIELDS, recompute="ops", **fields)
 
 
+def test_every_expert_moe_is_refused_by_name() -> None:
+    """transformers' Llama4TextMoe (``moe_impl every``, the hf preset's for Llama 4) stays
+    refused; the grouped experts (``moe_impl grouped``) are modelled."""
+    with pytest.raises(LayoutError, match="moe_impl every .Llama 4's Llama4TextMoe"):
+        estimate("llama-4-scout", seq_len=4096, micro_batch_size=1, gpus=8, zero=3,
+                 recompute="ops", moe_impl="every")
+    assert estimate("llama-4-scout", seq_len=4096, micro_batch_size=1, gpus=8, zero=3,
+                    recompute="ops", moe_impl="grouped",
+                    recompute_save=("attn.q_norm.stats",)).peak_bytes > 0
+
+
 def test_l2_without_complex_rope_is_refused() -> None:
     spec = TINY_L4.model_copy(update={"rope_complex": False})
     with pytest.raises(LayoutError, match="without Llama 4's complex RoPE"):
