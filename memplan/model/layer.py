@@ -53,7 +53,7 @@ from memplan.model import falcon_h1
 from memplan.model.falcon_h1 import ParallelMamba
 from memplan.model.norm import Norm, StreamInput
 from memplan.model.sac import sac_terms
-from memplan.spec import ActivationImpl, ModelSpec, NormPlacement, QkNorm
+from memplan.spec import ActivationImpl, ModelSpec, NormPlacement, PositionKind, QkNorm
 from memplan.workload import Attention as Kernel
 from memplan.workload import MambaKernel, NormImpl, Recompute, SelectiveImpl, Workload
 
@@ -133,6 +133,14 @@ def layer_blocks(spec: ModelSpec, moe_layer: bool, variant: str = "") -> tuple[B
     if falcon_h1.parallel(spec):
         return _FALCON_H1[(spec.norm_placement, moe_layer)]
     return _BLOCKS[(spec.norm_placement, attention, moe_layer)]
+
+
+def has_nope_layers(spec: ModelSpec) -> bool:
+    """Whether some layers of a RoPE model attend without it (``ModelSpec.
+    nope_layer_interval``: Llama 4, SmolLM3, Command R7B): under ``Recompute.OPS`` their ops
+    differ (no rotation; Llama 4's temperature tuning), so an emitted policy counts them
+    apart (``ops_variants``)."""
+    return spec.nope_layer_interval > 0 and spec.position is PositionKind.ROPE
 
 
 def rope_normed(spec: ModelSpec) -> bool:
@@ -607,11 +615,16 @@ def _layer_ops(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str 
                ) -> tuple[tuple[Term, ...], tuple[sac_ops.Item, ...]]:
     """A layer's saved terms without recompute and its ops a policy counts (``sac_ops.
     layer_ops``): a short-convolution layer's (``variant`` "linear", or None where all the
-    model's layers are: ``sac_conv.conv_layer_ops``) or the model's attention layer's."""
+    model's layers are: ``sac_conv.conv_layer_ops``) or the model's attention layer's. In a
+    model whose RoPE layers alone norm q and k (``rope_normed``: Llama 4) the attention
+    layer's is a RoPE layer's (``layer_blocks``' "window" variant), and ``variant`` "nope"
+    a NoPE layer's."""
     if variant is None:
         variant = sac_ops.kind_variant(sac_ops.default_kind(spec))
-    saved = tuple(layer_terms(spec, wl, dm, moe_layer=moe, recompute=Recompute.NONE))
-    ops = sac_ops.layer_ops(spec, wl, dm, saved, moe)
+    terms_variant = "window" if rope_normed(spec) and variant == "" else ""
+    saved = tuple(layer_terms(spec, wl, dm, moe_layer=moe, recompute=Recompute.NONE,
+                              variant=terms_variant))
+    ops = sac_ops.layer_ops(spec, wl, dm, saved, moe, variant == "nope")
     if variant != "linear" or spec.short_conv is None:
         return saved, ops
     conv = tuple(layer_terms(spec, wl, dm, moe_layer=moe, recompute=Recompute.NONE,
@@ -634,20 +647,54 @@ def ops_kinds(spec: ModelSpec) -> tuple[tuple[str, bool, int], ...]:
     return (("dense", False, spec.num_layers - n_moe), ("moe", True, n_moe))
 
 
+def ops_variants(spec: ModelSpec, kind: str, n: int) -> tuple[tuple[str, int], ...]:
+    """The ``ops_items`` variants of a kind's ``n`` layers, each with its count: one, or in a
+    model with NoPE layers (``has_nope_layers``) the RoPE layers' ("") and the NoPE layers'
+    ("nope")."""
+    variant = sac_ops.kind_variant(kind)
+    if not has_nope_layers(spec) or variant:
+        return ((variant, n),)
+    nope = sum(spec.is_nope_layer(i) and sac_ops.layer_kind_of(spec, i) == kind
+               for i in range(spec.num_layers))
+    return tuple((v, c) for v, c in (("", n - nope), ("nope", nope)) if c)
+
+
+def ops_kept(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str, kind: str,
+             save: tuple[str, ...]) -> tuple[tuple[sac_ops.Item, ...], tuple[sac_ops.Item, ...]]:
+    """A layer's items (``ops_items`` of ``variant``) and those ``save`` keeps in a layer of
+    ``kind`` (``sac_ops.resolve``). A NoPE layer ("nope") keeps what it has of the list, which
+    names the RoPE layers' items (its own less the q/k norms')."""
+    items = ops_items(spec, wl, dm, moe, variant)
+    if variant != "nope":
+        return items, sac_ops.resolve(items, save, spec, kind)
+    names = {i.name for i in sac_ops.resolve(ops_items(spec, wl, dm, moe, ""), save, spec,
+                                             kind)}
+    return items, tuple(i for i in items if i.name in names)
+
+
 @lru_cache(maxsize=256)
 def ops_search_items(spec: ModelSpec, wl: Workload, dm: Dims) -> tuple[sac_ops.Item, ...]:
     """The items ``--recompute auto`` searches (``memplan.planning.save_sets.frontier``):
     one layer's (``ops_items``) where the layers are all of one kind; for a model of dense
     and MoE layers each kind's, named ``KIND:name`` (a save list per kind, ``sac_ops.
     resolve``), their bytes and FLOPs times the kind's layer count (what keeping one costs
-    and saves over the model, so that one knapsack weighs the kinds)."""
+    and saves over the model, so that one knapsack weighs the kinds); so where only some of
+    a kind's layers have an item (Llama 4's q/k norms, on its RoPE layers: ``ops_variants``),
+    each item times the layers that have it."""
     kinds = ops_kinds(spec)
-    if len(kinds) == 1:
+    if len(kinds) == 1 and not rope_normed(spec):
         return ops_items(spec, wl, dm)
-    return tuple(i._replace(name=f"{kind}:{i.name}", size_bytes=i.size_bytes * n,
-                            flops_per_token=i.flops_per_token * n)
-                 for kind, moe, n in kinds
-                 for i in ops_items(spec, wl, dm, moe, sac_ops.kind_variant(kind)))
+    out = []
+    for kind, moe, n in kinds:
+        have: dict[str, int] = {}
+        for variant, count in ops_variants(spec, kind, n):
+            for i in ops_items(spec, wl, dm, moe, variant):
+                have[i.name] = have.get(i.name, 0) + count
+        out += [i._replace(name=f"{kind}:{i.name}" if len(kinds) > 1 else i.name,
+                           size_bytes=i.size_bytes * have.get(i.name, 0),
+                           flops_per_token=i.flops_per_token * have.get(i.name, 0))
+                for i in ops_items(spec, wl, dm, moe, sac_ops.kind_variant(kind))]
+    return tuple(out)
 
 
 @lru_cache(maxsize=256)
@@ -673,7 +720,10 @@ def ops_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool, variant: str) -
     items = ops_items(spec, wl, dm, moe, "linear" if conv else "")
     kind = ("conv" if conv else "attn") if spec.short_conv is not None else (
         "moe" if moe else "dense")
-    kept = sac_ops.resolve(items, wl.recompute_save, spec, kind)
+    if rope_normed(spec) and variant == "":  # a NoPE layer (``_layer_ops``)
+        items, kept = ops_kept(spec, wl, dm, moe, "nope", kind, wl.recompute_save)
+    else:
+        kept = sac_ops.resolve(items, wl.recompute_save, spec, kind)
     sac_ops.check_kept(kept, dm)
     terms = sac_ops.kept_terms(kept)
     peak = ops_forward_peak(_ops_forward(spec, _unsaved(wl), dm, moe,
@@ -883,14 +933,22 @@ def ops_forward_peaks(spec: ModelSpec, wl: Workload, dm: Dims,
         # (a short-convolution layer is its own variant: ``layer_blocks``)
         for variant in (sac_ops.kind_variant(kind),) if kind == "conv" else variants:
             fw = _ops_forward(spec, _unsaved(wl), dm, moe, variant)
-            peaks.append([ops_forward_peak(fw, items, k) for k in kept])
+            mine, kept_here = items, kept
+            if rope_normed(spec) and variant == "":  # a NoPE layer: its own items
+                mine = ops_items(spec, wl, dm, moe, "nope")
+                kept_here = [tuple(i for i in mine if i.name in {j.name for j in k})
+                             for k in kept]
+            peaks.append([ops_forward_peak(fw, mine, k) for k in kept_here])
     return tuple(zip(*sizes, *peaks))
 
 
 def _ops_variants(spec: ModelSpec, wl: Workload) -> tuple[str, ...]:
     """The layer variants a save list applies to (``memplan.model.stage_parts.layer_keys``):
     the model's attention, and where a sliding window gets its explicit mask
-    (``windowed``) the sliding layers' own."""
+    (``windowed``) the sliding layers' own; in a model whose RoPE layers alone norm q and k
+    (``rope_normed``) the NoPE layers' ("") and the RoPE layers' ("window")."""
+    if rope_normed(spec):
+        return ("", "window")
     if not windowed(spec, wl):
         return ("",)
     sliding = [spec.is_sliding_layer(i) for i in range(spec.num_layers)]

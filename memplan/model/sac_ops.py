@@ -70,8 +70,14 @@ are ``memplan.model.sac_mla``'s. An eager attention core (transformers'
 its bmms, softmax, cast and dropout; Gemma 2's logit soft-capping, ``_softcap_ops``; a
 sliding window only its mask), its moments with what each kept output adds
 (``core_peak``); an ungated ReLU MLP keeps its up projection (``mlp.fc1``) and relu's output
-(``mlp.act``). A name scoped ``SCOPE:name`` applies to the layers of a kind or one pipeline
-stage (``resolve``, ``for_stage``).
+(``mlp.act``). Llama 4's RoPE layers rotate q and k by a complex table and L2-norm them after
+the three projections (``_complex_rope_ops``, ``_l2_norm_ops``: each norm's fp32 input and
+rsqrt are items); its NoPE layers run neither, and scale q by the positions' temperature
+(counted, no item): a NoPE layer (of any model, ``ModelSpec.nope_layer_interval``) has its own
+op counts and keeps what it has of the list (``memplan.model.layer.ops_kept``). Chunked layers
+are windowed layers (transformers' chunked mask goes to SDPA as a window's does). A name
+scoped ``SCOPE:name`` applies to the layers of a kind or one pipeline stage (``resolve``,
+``for_stage``).
 """
 
 from __future__ import annotations
@@ -143,7 +149,6 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
          "short-convolution layers with biases, MoE blocks or post norms (modelled as LFM2's "
          "Lfm2ShortConv.slow_forward runs them: memplan.model.sac_conv)"),
         (spec.mamba is not None, "Mamba layers"),
-        (spec.sliding_window is not None and spec.window_chunked, "chunked attention layers"),
         (spec.norm_placement.post_norm and spec.moe is not None,
          f"{spec.norm_placement.value} norms around MoE blocks"),
         (spec.norm_placement.post_norm and not (
@@ -152,7 +157,12 @@ def ops_refusal(spec: ModelSpec, wl: Workload) -> str | None:
          (f"{spec.norm_placement.value} norms of norm_impl {wl.norm_impl.value} (modelled "
           "as transformers runs Gemma's and OLMo 2's RMSNorms: norm_impl upcast-fp32, the "
           "weight scaling the fp32 tensor)")),
-        (spec.qk_norm is QkNorm.L2, f"{spec.qk_norm.value} q/k norms"),
+        (spec.qk_norm is QkNorm.L2 and wl.norm_impl is not NormImpl.UPCAST,
+         (f"l2 q/k norms of norm_impl {wl.norm_impl.value} (modelled as Llama 4's "
+          "Llama4TextL2Norm runs them, upcast)")),
+        (spec.qk_norm is QkNorm.L2 and not spec.rope_complex,
+         "l2 q/k norms without Llama 4's complex RoPE (modelled as Llama4TextAttention runs "
+         "them: after apply_rotary_emb)"),
         (spec.qk_norm is QkNorm.FULL and wl.norm_impl is not NormImpl.UPCAST_FP32,
          (f"full-width q/k norms of norm_impl {wl.norm_impl.value} (modelled as OLMo 2's "
           "Olmo2RMSNorm runs them, upcast-fp32)")),
@@ -201,6 +211,10 @@ def moe_refusal(spec: ModelSpec, wl: Workload) -> str | None:
     moe = spec.moe
     assert moe is not None
     checks = (
+        (wl.moe_impl is MoeImpl.EVERY,
+         "moe_impl every (Llama 4's Llama4TextMoe.forward: the input repeated per expert, "
+         "two batched matmuls over every token, not named op by op; modelled for "
+         "transformers' grouped experts, moe_impl grouped)"),
         (not wl.moe_impl.grouped,
          f"moe_impl {wl.moe_impl.value} (its op counts follow the routing; modelled for "
          "transformers' grouped experts, moe_impl grouped)"),
@@ -248,7 +262,8 @@ def matmul_shapes(spec: ModelSpec, t: int, fused_qkv: bool = False
 
 @lru_cache(maxsize=512)
 def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
-              saved: tuple[Term, ...], moe: bool = False) -> tuple[Item, ...]:
+              saved: tuple[Term, ...], moe: bool = False, nope: bool = False
+              ) -> tuple[Item, ...]:
     """The ops of one layer on this rank a policy counts, in execution order (``nth``
     numbered along them per family and width): the items (``layer_items``), and the ops no
     item keeps (named ""): a named norm's fp32 product ``x * rstd`` and a q/k norm's output
@@ -258,7 +273,9 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
     with post norms an item, ``mlp.down``, and the post norm's ops after it).
     ``saved``: what the layer saves without recompute (``memplan.model.layer.ops_items``
     gives it); ``moe``: an MoE layer, whose feed-forward's ops follow
-    (``memplan.model.sac_moe.moe_items``)."""
+    (``memplan.model.sac_moe.moe_items``); ``nope``: a layer without RoPE
+    (``ModelSpec.nope_layer_interval``; in Llama 4 without its q/k norm either:
+    ``_complex_rope_ops``)."""
     check_supported(spec, wl)
     terms = {t.name: t.size_bytes for t in saved}
     tokens, e, t = dm.tokens, dm.e, dm.tp
@@ -282,7 +299,7 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
         out += _mla_ops(spec, dm, terms, named, fp32)
     else:
         out += _attention_ops(spec, wl, dm, terms, named, fp32,
-                              [matmul(*m) for m in mm.values()])
+                              [matmul(*m) for m in mm.values()], nope)
     if place.post_norm:
         # Gemma2DecoderLayer.forward: post_attention_layernorm on the attention's output
         # before the residual add (Olmo2DecoderLayer.forward: the same, no norm before)
@@ -302,19 +319,23 @@ def layer_ops(spec: ModelSpec, wl: Workload, dm: Dims,
 
 
 def _attention_ops(spec: ModelSpec, wl: Workload, dm: Dims, terms: dict[str, int],
-                   named: bool, fp32: bool, matmuls: list[Item]) -> list[Item]:
+                   named: bool, fp32: bool, matmuls: list[Item], nope: bool = False
+                   ) -> list[Item]:
     """A generic attention block's ops in execution order (``layer_ops``): the q, k, v (or
-    fused q/k/v) projections, each q/k norm after its projection, RoPE's four products, the
-    core (``_core_ops``: SDPA's kernel, ``attn.out`` with its logsumexp, or an eager core's
-    ops) and the output projection (``matmuls``: the layer's projection items,
-    ``matmul_shapes``' order)."""
+    fused q/k/v) projections, each q/k norm after its projection, RoPE's four products (none
+    in a NoPE layer, ``nope``; Llama 4's complex RoPE and L2 q/k norms after the three
+    projections: ``_complex_rope_ops``), the core (``_core_ops``: SDPA's kernel, ``attn.out``
+    with its logsumexp, or an eager core's ops) and the output projection (``matmuls``: the
+    layer's projection items, ``matmul_shapes``' order)."""
     mm = {i.name: i for i in matmuls}
     out = []
     for name in ("attn.qkv",) if "attn.qkv" in mm else ("attn.q", "attn.k", "attn.v"):
         out.append(mm[name])
-        if name in ("attn.q", "attn.k"):
+        if name in ("attn.q", "attn.k") and spec.qk_norm is not QkNorm.L2:
             out += _qk_norm_ops(spec, name, mm[name].width, terms, named, fp32)
-    if spec.position is PositionKind.ROPE:
+    if spec.rope_complex and spec.position is PositionKind.ROPE:
+        out += _complex_rope_ops(spec, dm, terms, nope)
+    elif spec.position is PositionKind.ROPE and not nope:
         out += [_unkept(PRODUCT, spec.rope_dim, "attn")] * 4
     return out + _core_ops(spec, wl, dm, terms) + [mm["attn.o_proj"]]
 
@@ -419,6 +440,67 @@ def _qk_norm_ops(spec: ModelSpec, name: str, local: int, terms: dict[str, int], 
     if spec.qk_norm is QkNorm.FULL:
         return _norm_ops(norm, terms, local, local, False, "attn", fp32)
     return []
+
+
+def _complex_rope_ops(spec: ModelSpec, dm: Dims, terms: dict[str, int], nope: bool
+                      ) -> list[Item]:
+    """Llama 4's RoPE and L2 q/k norms after the three projections (models/llama4/
+    modeling_llama4.py Llama4TextAttention.forward), in execution order. ``apply_rotary_emb``:
+    ``xq.float()`` and ``xk.float()`` (``aten._to_copy``, head_dim wide; no ops in fp32), the
+    complex products by the table (``aten.mul`` of complex64, rope_dim / 2 wide; each saves
+    the table alone, which needs no gradient), ``type_as`` back (two more casts; none in
+    fp32). Then ``qk_norm`` on q, then on k (``_l2_norm_ops``). A NoPE layer (``nope``)
+    rotates nothing and norms nothing; its temperature tuning (``attn_temperature_tuning``,
+    on in Llama4TextConfig's defaults and both published configs) scales q: on the s
+    positions ``cache_position.float()``, ``+ 1.0``, ``/ floor_scale``, ``floor``,
+    ``log1p``, ``* attn_scale``, ``+ 1.0``, then ``query_states * attn_scales`` (fp32,
+    head_dim wide) and ``.to(query_states.dtype)`` (none in fp32): counted, kept by no item
+    (the product saves the (s,) scales alone). Traced: tests/traced/test_sac_policy.py,
+    Llama 4 narrowed with s = h, the positions' cast among the norms' casts."""
+    hd, half, low = spec.head_dim, spec.rope_dim // 2, dm.e < FP32_BYTES
+    if nope:
+        scale = [_unkept(COPY, dm.s, "attn"), _unkept(SHIFT, dm.s, "attn"),
+                 _unkept(SCALE, dm.s, "attn"), _unkept(SHIFT, dm.s, "attn"),
+                 _unkept(PRODUCT, hd, "attn")]
+        return scale + [_unkept(COPY, hd, "attn")] * low
+    casts = [_unkept(COPY, hd, "attn")] * (2 * low)
+    products = [_unkept(PRODUCT, half, "attn")] * 2
+    if spec.qk_norm is not QkNorm.L2:
+        return casts + products + casts
+    if not low and spec.rope_dim == hd:
+        # in fp32 each norm's x.float() is RoPE's output itself, a view of its product's
+        products = [_norm_item(f"attn.{n}_norm.input_fp32", spec, dm, terms, PRODUCT, half)
+                    for n in "qk"]
+    return (casts + products + casts + _l2_norm_ops("attn.q_norm", spec, dm, terms)
+            + _l2_norm_ops("attn.k_norm", spec, dm, terms))
+
+
+def _norm_item(name: str, spec: ModelSpec, dm: Dims, terms: dict[str, int], op: str,
+               width: int) -> Item:
+    """A q/k norm's saved term ``name`` as an item of op ``op``, ``width`` wide: one FLOP an
+    element (the rank's heads of the q or k norm), adding to the attention's working set."""
+    heads = spec.num_attention_heads if ".q_norm." in name else spec.num_kv_heads
+    return Item(name, (name,), terms[name], float(heads // dm.tp * spec.head_dim), op, width,
+                0, "attn", True)
+
+
+def _l2_norm_ops(norm: str, spec: ModelSpec, dm: Dims, terms: dict[str, int]) -> list[Item]:
+    """Llama 4's L2 norm of q (or k) after RoPE (Llama4TextL2Norm.forward:
+    ``self._norm(x.float()).type_as(x)``, ``_norm``: ``x * torch.rsqrt(x.pow(2).mean(-1,
+    keepdim=True) + self.eps)``, no weight), per head on rows of head_dim, in execution
+    order: ``x.float()`` (``input_fp32``, ``aten._to_copy`` to fp32; saved by ``pow`` and the
+    product), ``pow``, ``mean``, ``+ eps`` (no ops a policy counts), ``rsqrt`` (``stats``,
+    fp32, one per row; saved by itself and the product), ``x * rstd`` (fp32, saved by no one)
+    and ``type_as`` (16-bit: the tensor SDPA saves, ``attn.q``'s term; kept by no item). One
+    FLOP an element each. In fp32 the casts are no ops and ``input_fp32`` is RoPE's product
+    (``_complex_rope_ops``); with partial rotation a norm's term no op makes (``NORM``)."""
+    hd, fp32 = spec.head_dim, f"{norm}.input_fp32"
+    stats = [_norm_item(f"{norm}.stats", spec, dm, terms, RSQRT, 1),
+             _unkept(PRODUCT, hd, "attn")]
+    if dm.e >= FP32_BYTES:
+        whole = spec.rope_dim == hd  # (else no op's output is the norm's input)
+        return ([] if whole else [_norm_item(fp32, spec, dm, terms, NORM, hd)]) + stats
+    return [_norm_item(fp32, spec, dm, terms, COPY, hd)] + stats + [_unkept(COPY, hd, "attn")]
 
 
 def _fp32_ops(spec: ModelSpec, wl: Workload, dm: Dims) -> bool:

@@ -258,14 +258,14 @@ def ops_rerun_flops(spec: ModelSpec, wl: Workload) -> float:
     the model's layers. A list without stage scopes."""
     from memplan.model import sac_ops
     from memplan.model.dims import Dims
-    from memplan.model.layer import ops_items, ops_kinds
+    from memplan.model.layer import ops_kept, ops_kinds, ops_variants
 
     dm = Dims.of(spec, ParallelConfig(), wl)
     total = 0.0
     for kind, moe, n in ops_kinds(spec):
-        items = ops_items(spec, wl, dm, moe, sac_ops.kind_variant(kind))
-        total += n * sac_ops.rerun_flops_per_token(
-            items, sac_ops.resolve(items, wl.recompute_save, spec, kind))
+        for variant, count in ops_variants(spec, kind, n):  # (Llama 4's NoPE layers apart)
+            items, kept = ops_kept(spec, wl, dm, moe, variant, kind, wl.recompute_save)
+            total += count * sac_ops.rerun_flops_per_token(items, kept)
     return total / spec.num_layers
 
 

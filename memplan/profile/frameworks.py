@@ -587,7 +587,10 @@ def _emitted_checkpointing(model, spec: ModelSpec, precision: str, b: int, s: in
         # by index (the emitted layer_policy_fn), for its checkpoint function
         from torch.utils.checkpoint import checkpoint
 
-        for i, layer in enumerate(model.base_model.layers):
+        # (Llama4ForCausalLM's base_model_prefix, language_model, names no attribute: its
+        # base_model is the model itself, its decoder in ``model``)
+        base = model.base_model if hasattr(model.base_model, "layers") else model.model
+        for i, layer in enumerate(base.layers):
             layer._gradient_checkpointing_func = functools.partial(
                 checkpoint, use_reentrant=False, context_fn=lambda i=i: (
                     create_selective_checkpoint_contexts(module["layer_policy_fn"](i))))

@@ -5,7 +5,7 @@ as a module for the reference model (``RefOptions.policy_fns``) or any other mod
 from __future__ import annotations
 
 from memplan.model.dims import Dims
-from memplan.model.layer import ops_items, ops_kinds, ops_unkept
+from memplan.model.layer import has_nope_layers, ops_items, ops_kinds, ops_unkept
 from memplan.model.sac_ops import resolve
 from memplan.parallel import ParallelConfig
 from memplan.report.sac_policy import _emit_mixed, torch_policy
@@ -18,7 +18,8 @@ def emitted_module(spec: ModelSpec, wl: Workload, par: ParallelConfig | None = N
     of ``par``: one process by default)."""
     par = par or ParallelConfig()
     dm = Dims.of(spec, par, wl)
-    if len(ops_kinds(spec)) > 1:  # dense and MoE layers: a set and op counts per layer
+    if len(ops_kinds(spec)) > 1 or has_nope_layers(spec):
+        # dense and MoE layers, RoPE and NoPE ones: a set and op counts per layer
         text = _emit_mixed("torch", spec, par, wl, dm)
     else:
         items = ops_items(spec, wl, dm)

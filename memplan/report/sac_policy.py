@@ -391,14 +391,14 @@ def emit_for(target: str, est: object) -> str:
     if wl.recompute is not Recompute.OPS:
         raise MemplanError(f"emit-policy needs recompute ops or auto, got recompute "
                            f"{wl.recompute.value}")
-    from memplan.model.layer import ops_kinds, ops_unkept
+    from memplan.model.layer import has_nope_layers, ops_kinds, ops_unkept
     from memplan.model.sac_ops import per_stage
     from memplan.model.stage_parts import stage_layer_indices
 
     par = est.parallel
     dm = Dims.of(spec, par, wl)
     kinds = ops_kinds(spec)
-    if len(kinds) > 1:
+    if len(kinds) > 1 or has_nope_layers(spec) and target == "torch":
         return _emit_mixed(target, spec, par, wl, dm)
     items = ops_items(spec, wl, dm)
     unkept = ops_unkept(spec, wl, dm)
@@ -431,27 +431,36 @@ def _command(spec: ModelSpec, par, wl, save: str, staged: bool) -> str:
 
 def _emit_mixed(target: str, spec: ModelSpec, par, wl, dm) -> str:
     """``emit_for`` a model of layers of two kinds (``memplan.model.layer.ops_kinds``: dense
-    and MoE layers, or LFM2's attention and short-convolution layers): each layer keeps its
-    kind's list (and its stage's): ``SAVE`` and ``PER_LAYER`` are the last kind's (the MoE
-    layers', the convolution layers'), the other layers' sets and op counts their own by
-    index (``LAYER_SAVE``, ``LAYER_COUNTS``)."""
-    from memplan.model.layer import ops_items, ops_kinds, ops_unkept
-    from memplan.model.sac_ops import for_stage, kind_variant, layer_kind_of, resolve
+    and MoE layers, or LFM2's attention and short-convolution layers), or of RoPE and NoPE
+    layers (``memplan.model.layer.has_nope_layers``, whose NoPE layers run no RoPE, nor
+    Llama 4's q/k norms; torch only): each layer keeps its kind's list (and its stage's), a
+    NoPE layer the names its ops have: ``SAVE`` and ``PER_LAYER`` are the last kind's (the
+    MoE layers', the convolution layers', the RoPE layers'), the other layers' sets and op
+    counts their own by index (``LAYER_SAVE``, ``LAYER_COUNTS``)."""
+    from memplan.model.layer import (has_nope_layers, ops_items, ops_kept, ops_kinds,
+                                     ops_unkept)
+    from memplan.model.sac_ops import for_stage, kind_variant, layer_kind_of
     from memplan.model.stage_parts import stage_layer_indices
 
     stage_of = {i: s for s in range(par.pp)
                 for i in stage_layer_indices(spec, par.pp, par.vpp, s, par.stage_layers)}
     kinds = ops_kinds(spec)
-    kind_items = {k: ops_items(spec, wl, dm, moe, kind_variant(k)) for k, moe, _ in kinds}
-    unkept = {k: ops_unkept(spec, wl, dm, moe, kind_variant(k)) for k, moe, _ in kinds}
+    moe_of = {k: moe for k, moe, _ in kinds}
     of = [layer_kind_of(spec, i) for i in range(spec.num_layers)]
-    layers = [resolve(kind_items[of[i]], for_stage(wl.recompute_save, stage_of[i]), spec,
-                      of[i]) for i in range(spec.num_layers)]
-    first, main = kinds[0][0], kinds[-1][0]
-    other = {i: (kind_items[k], unkept[k]) for i, k in enumerate(of) if k != main}
+    keys = [(k, "nope" if has_nope_layers(spec) and spec.is_nope_layer(i)
+             and not kind_variant(k) else kind_variant(k)) for i, k in enumerate(of)]
+    kind_items = {kv: ops_items(spec, wl, dm, moe_of[kv[0]], kv[1]) for kv in set(keys)}
+    unkept = {kv: ops_unkept(spec, wl, dm, moe_of[kv[0]], kv[1]) for kv in set(keys)}
+    layers = [ops_kept(spec, wl, dm, moe_of[k], v, k, for_stage(wl.recompute_save,
+                                                                 stage_of[i]))[1]
+              for i, (k, v) in enumerate(keys)]
+    # the last kind's most common variant (a kind may be NoPE layers alone)
+    last = [kv for kv in keys if kv[0] == kinds[-1][0]]
+    first, main = keys[of.index(kinds[0][0])], max(set(last), key=last.count)
+    other = {i: (kind_items[kv], unkept[kv]) for i, kv in enumerate(keys) if kv != main}
     command = _command(spec, par, wl, ",".join(wl.recompute_save) or '""', par.pp > 1)
     if target != "torch":
-        return emit(target, spec, kind_items[first], layers[of.index(first)], command, None,
+        return emit(target, spec, kind_items[first], layers[keys.index(first)], command, None,
                     (), other)
-    return emit(target, spec, kind_items[main], layers[of.index(main)], command, layers,
+    return emit(target, spec, kind_items[main], layers[keys.index(main)], command, layers,
                 unkept[main], other)
