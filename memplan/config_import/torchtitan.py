@@ -135,10 +135,11 @@ def _read_registry(text: str, gpus: int, model: str | None) -> Imported:
         chunks = loss.kwargs.get("num_chunks", 8)
         if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
             raise imp.refuse("loss.num_chunks", chunks, "expected a positive int")
-        if imp.inputs.pop("compile_loss", None):  # compile_loss models the unchunked loss
+        if imp.inputs.get("compile_loss") and imp.inputs.get("tp", 1) > 1:  # whole logits only
+            imp.inputs.pop("compile_loss")
             imp.mapping = [m for m in imp.mapping if m.target != "compile_loss"]
-            imp.notes.append("compile.components 'loss': the compiled chunked loss is "
-                             "estimated as eager")
+            imp.notes.append("compile.components 'loss': the compiled chunked loss on logits "
+                             "split over the vocabulary (tp > 1) is estimated as eager")
         imp.set("loss", f"ChunkedLossWrapper(num_chunks={chunks})", "loss_chunks", chunks,
                 "components/loss.py ChunkedLossWrapper: the head and loss per chunk of the "
                 "sequence, each chunk's backward run inside the loss call: lm_head kept "
@@ -412,10 +413,11 @@ def _compile(toml: _Toml, imp: Imported) -> None:
     """compile.enable: with "model" in compile.components (torchtitan's default: model and
     loss) and the inductor backend, each decoder layer is compiled (distributed/compile.py
     apply_compile), its saved set decided by Inductor's min-cut partitioner (``--compile``).
-    With "loss", ``build_cross_entropy_loss`` (components/loss.py) compiles the loss whole
-    (``--compile-loss``, ``memplan.model.head``) where its logits are whole on each rank
-    (tp 1); under TP (logits split over the vocabulary) and for a chunked loss (``read_
-    registry``) it is estimated as eager."""
+    With "loss", ``BaseLoss._maybe_compile`` (components/loss.py) compiles the loss function
+    (``--compile-loss``): unchunked, on whole logits or under TP on logits split over the
+    vocabulary (``_LossParallelCrossEntropy`` in the graph, ``memplan.model.head``); as a
+    ``ChunkedLossWrapper``'s inner loss, each chunk's (``read_registry``; ``memplan.model.
+    loss_in_call``), on whole logits (tp 1; under TP estimated as eager)."""
     components = toml.get("compile", "components", list, ["model", "loss"])
     backend = toml.get("compile", "backend", str, "inductor")
     if "model" in components and backend == "inductor":
@@ -424,14 +426,15 @@ def _compile(toml: _Toml, imp: Imported) -> None:
     elif "model" in components:
         imp.notes.append(f"compile.backend {backend!r}: only Inductor's partitioner is "
                          "modelled; the layers estimated as eager PyTorch runs them")
-    if "loss" in components and backend == "inductor" and toml.get(
-            "parallelism", "tensor_parallel_degree", int, 1) == 1:
+    if "loss" in components and backend == "inductor":
         imp.set("compile.components", components, "compile_loss", True,
-                "components/loss.py build_cross_entropy_loss: cross_entropy_loss under "
-                "torch.compile, the upcast and cross-entropy one graph")
+                "components/loss.py build_cross_entropy_loss (0.3: BaseLoss._maybe_compile): "
+                "cross_entropy_loss under torch.compile, the upcast and cross-entropy one "
+                "graph (under TP _LossParallelCrossEntropy's forward and backward)")
     elif "loss" in components:
-        imp.notes.append("compile.components 'loss': the compiled loss (tp > 1, or not "
-                         "Inductor) is estimated as eager")
+        imp.notes.append(f"compile.components 'loss': the loss compiled with backend "
+                         f"{backend!r} is estimated as eager (only Inductor's partition is "
+                         "modelled)")
 
 
 def _float8_section(toml: _Toml) -> tuple[str, dict[str, Any]]:

@@ -8,6 +8,15 @@ input gradient is added into one fp32 buffer, the head's weight gradient summed 
 whole (the head's unit keeps its sync off until the last chunk), the last chunk's reduce-scatter
 sharding it. The buffer, cast to the output's dtype, is saved for the model's backward
 (``head.head_terms``: ``loss.input_grad``), which starts at the final norm.
+
+Compiled (``Workload.compile_loss``: compile.components "loss", whose ``BaseLoss._maybe_compile``
+wraps the wrapper's inner ``CrossEntropyLoss``, so each chunk's ``cross_entropy_loss`` runs as
+one Inductor graph; ``lm_head`` is not compiled), a chunk's loss is the unchunked compiled
+loss's (``memplan.model.head``) on the chunk: it saves the chunk's logits (held by the wrapper's
+``logits`` anyway) and two fp32 numbers per token, makes no logits-sized buffer in forward, and
+its backward makes one more fp32 number per token, then the logits' gradient in the compute
+dtype in one kernel (traced: tests/traced/test_torchtitan_compiled_loss.py, the wrapper on
+Inductor on CPU).
 """
 
 from __future__ import annotations
@@ -45,12 +54,17 @@ def accumulator_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
 def _chunk_moments(spec: ModelSpec, wl: Workload, dm: Dims) -> tuple[int, int]:
     """A chunk's two moments beside the summed weight gradient (a later chunk's): its loss's
     backward (its compute-dtype logits, the log-softmax output, its gradient and the one it
-    makes, logits-sized in the loss's dtype); its projection's backward (the logits and their
+    makes, logits-sized in the loss's dtype; compiled, the logits and their gradient in the
+    compute dtype beside three fp32 numbers per token); its projection's backward (the logits and their
     gradient, the new weight gradient in the compute dtype, the chunk's input gradient)."""
     chunk = loss_chunk_tokens(wl, dm)[0]
     logits = chunk * dm.vocab_shard
     acc = accumulator_bytes(spec, wl, dm)
     loss = acc + logits * dm.e + 3 * logits * logit_bytes(wl, dm)
+    if wl.compile_loss:  # compiled (module docstring): the logits, their gradient and the
+        # chunk's three fp32 numbers per token (the row max and log-sum-exp saved, the
+        # backward's own), the most of its forward and backward
+        loss = acc + 2 * logits * dm.e + 3 * chunk * FP32_BYTES
     linear = (acc + 2 * logits * dm.e + head_weight(spec, dm) * dm.e
               + chunk * spec.hidden_size * dm.stream_e)
     return loss, linear
