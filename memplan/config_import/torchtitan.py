@@ -428,9 +428,10 @@ def _compile(toml: _Toml, imp: Imported) -> None:
                          "modelled; the layers estimated as eager PyTorch runs them")
     if "loss" in components and backend == "inductor":
         imp.set("compile.components", components, "compile_loss", True,
-                "components/loss.py build_cross_entropy_loss (0.3: BaseLoss._maybe_compile): "
-                "cross_entropy_loss under torch.compile, the upcast and cross-entropy one "
-                "graph (under TP _LossParallelCrossEntropy's forward and backward)")
+                "components/loss.py BaseLoss._maybe_compile (build_cross_entropy_loss before "
+                "0.3): cross_entropy_loss under torch.compile, the upcast and cross-entropy "
+                "one graph (under TP _LossParallelCrossEntropy's forward and backward; in a "
+                "ChunkedLossWrapper each chunk's)")
     elif "loss" in components:
         imp.notes.append(f"compile.components 'loss': the loss compiled with backend "
                          f"{backend!r} is estimated as eager (only Inductor's partition is "
