@@ -596,22 +596,20 @@ def compile_loss_rule(spec: ModelSpec, par: ParallelConfig,
     (``memplan.model.chunked_output``), and torchtitan's ``cross_entropy_loss`` under
     ``torch.compile`` (``build_cross_entropy_loss`` wraps it when the job compiles; 0.3's
     ``compile.components`` "loss", ``BaseLoss._maybe_compile``), without autocast: unchunked
-    (``memplan.model.head``), on whole logits or on logits split over the vocabulary (loss
-    parallel), and as the inner loss of the ``ChunkedLossWrapper`` (``loss_chunk_backward
-    in-loss``, ``memplan.model.loss_in_call``) on whole logits. torchtune's ``compile_loss``
+    (``memplan.model.head``) and as the inner loss of the ``ChunkedLossWrapper``
+    (``loss_chunk_backward in-loss``, ``memplan.model.loss_in_call``), on whole logits or on
+    logits split over the vocabulary (loss parallel). torchtune's ``compile_loss``
     compiles the chunked loss's ``compute_cross_entropy`` in place; another loss it wraps in a
     new ``torch.compile`` that the recipe does not keep (recipes/full_finetune_single_device.py),
     so that loss runs eagerly."""
     if wl.loss_impl is LossImpl.TORCHTUNE_CHUNKED:
         return None
     why = None
-    split = par.vocab_shard(spec.vocab_size) < spec.vocab_size
     if wl.loss_impl is not LossImpl.TORCHTITAN:
         why = f"loss_impl {wl.loss_impl.value}"
     elif wl.loss_checkpointed and wl.loss_chunk_backward is not ChunkBackward.IN_LOSS:
-        why = f"loss_chunks {wl.loss_chunks} and loss_chunk_backward {wl.loss_chunk_backward.value}"
-    elif wl.loss_checkpointed and split:
-        why = f"loss_chunks {wl.loss_chunks} on logits split over the vocabulary by tp {par.tp}"
+        why = (f"loss_chunks {wl.loss_chunks} and loss_chunk_backward "
+               f"{wl.loss_chunk_backward.value}")
     elif wl.precision.policy.autocast:
         why = f"precision {wl.precision.value}"
     if why is None:
@@ -620,7 +618,7 @@ def compile_loss_rule(spec: ModelSpec, par: ParallelConfig,
                        f"compile_loss with {why}: a compiled loss is modelled for torchtune's "
                        "chunked cross-entropy (loss_impl torchtune-chunked) and torchtitan's, "
                        "unchunked or in chunks run in the loss call (loss_chunk_backward "
-                       "in-loss) on whole logits, without autocast")
+                       "in-loss), without autocast")
 
 
 def te_fp8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutError | None:

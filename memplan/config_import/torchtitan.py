@@ -135,11 +135,6 @@ def _read_registry(text: str, gpus: int, model: str | None) -> Imported:
         chunks = loss.kwargs.get("num_chunks", 8)
         if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
             raise imp.refuse("loss.num_chunks", chunks, "expected a positive int")
-        if imp.inputs.get("compile_loss") and imp.inputs.get("tp", 1) > 1:  # whole logits only
-            imp.inputs.pop("compile_loss")
-            imp.mapping = [m for m in imp.mapping if m.target != "compile_loss"]
-            imp.notes.append("compile.components 'loss': the compiled chunked loss on logits "
-                             "split over the vocabulary (tp > 1) is estimated as eager")
         imp.set("loss", f"ChunkedLossWrapper(num_chunks={chunks})", "loss_chunks", chunks,
                 "components/loss.py ChunkedLossWrapper: the head and loss per chunk of the "
                 "sequence, each chunk's backward run inside the loss call: lm_head kept "
@@ -417,7 +412,7 @@ def _compile(toml: _Toml, imp: Imported) -> None:
     (``--compile-loss``): unchunked, on whole logits or under TP on logits split over the
     vocabulary (``_LossParallelCrossEntropy`` in the graph, ``memplan.model.head``); as a
     ``ChunkedLossWrapper``'s inner loss, each chunk's (``read_registry``; ``memplan.model.
-    loss_in_call``), on whole logits (tp 1; under TP estimated as eager)."""
+    loss_in_call``)."""
     components = toml.get("compile", "components", list, ["model", "loss"])
     backend = toml.get("compile", "backend", str, "inductor")
     if "model" in components and backend == "inductor":

@@ -419,13 +419,13 @@ def _mamba_line(spec: ModelSpec, wl: Workload) -> str:
 def _compiled_loss_saves(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> str:
     """What a compiled cross-entropy saves (``memplan.model.head``, ``chunked_output``,
     ``loss_in_call``), in words."""
-    if wl.loss_impl.value == "torchtitan" and par.vocab_shard(spec.vocab_size) < spec.vocab_size:
-        return ("loss parallel: saves the fp32 softmax less the one-hot targets and the "
-                "out-of-shard mask")
+    split = (wl.loss_impl.value == "torchtitan"
+             and par.vocab_shard(spec.vocab_size) < spec.vocab_size)
+    saves = ("the fp32 softmax less the one-hot targets and the out-of-shard mask (loss "
+             "parallel)" if split else "its logits and two fp32 row statistics")
     if wl.loss_chunk_backward.value == "in-loss" and wl.loss_checkpointed:
-        return ("each chunk's graph saves its logits and two fp32 row statistics, freed with "
-                "its backward in the loss call")
-    return "each chunk saves its logits and two fp32 row statistics"
+        return f"each chunk's graph saves {saves}, freed with its backward in the loss call"
+    return f"each chunk saves {saves}" if not split else f"saves {saves}"
 
 
 def _assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload, schedule: Schedule,

@@ -333,6 +333,10 @@ def _process_group(dp: int) -> Iterator[None]:
 
     if dist.is_initialized():
         raise MemplanError("a process group is already initialised")
+    # DTensor's C++ sharding-propagation cache keeps output specs with their mesh: an earlier
+    # case's mesh (its group destroyed) would be handed to this one's, which Dynamo meets in
+    # a compiled loss (graph break in from_local, "Group ... is not registered")
+    torch._C._clear_DTensor_sharding_propagator_cache()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dp)
     try:
         yield

@@ -471,13 +471,13 @@ def test_torchtitan_registry_names_its_keys() -> None:
 
 def test_torchtitan_registry_notes() -> None:
     """llama3_405b: its Float8LinearConverter.Config(filter_fqns=["lm_head"]) mapped to
-    --float8 rowwise (0.3's recipe_name default), compile mapped to --compile (its compiled
-    ChunkedLossWrapper at tp 8, on logits split over the vocabulary, noted as estimated
-    eager); flex attention noted."""
+    --float8 rowwise (0.3's recipe_name default), compile mapped to --compile, its compiled
+    ChunkedLossWrapper at tp 8 (each chunk's loss compiled under loss parallel) to
+    --compile-loss; flex attention noted."""
     imported = torchtitan.read(f"{REG_030} --config llama3_405b", 128)
     notes = " ".join(imported.notes)
-    assert "compiled chunked loss on logits split" in notes and "flex" in notes
-    assert "compile_loss" not in imported.inputs
+    assert "estimated as eager" not in notes and "flex" in notes
+    assert imported.inputs["compile_loss"] is True and imported.inputs["loss_chunks"] == 8
     assert imported.inputs["compile"] is True
     assert imported.inputs["float8"] == "rowwise"
 
