@@ -14,6 +14,12 @@ and two fp32 numbers per token (the row max and the log-sum-exp), with the label
 count of labels as an fp32 scalar; for two sequences of 128 tokens 256 x 2048 x 2 = 1,048,576 B of bf16
 logits and 2,048 B of statistics, where the eager loss saves 2,097,152 B of fp32
 log-softmax.
+
+Then torchtitan 0.3's own loss classes, compiled as its Trainer builds them
+(``BaseLoss._maybe_compile``): its ``ChunkedLossWrapper`` with the inner loss compiled or eager
+(``memplan.model.loss_in_call``), at tp 1 and with the head ``ColwiseParallel`` on a TP mesh of
+two, and its ``CrossEntropyLoss`` compiled on vocabulary-split DTensor logits (loss parallel,
+``memplan.model.head``), on rank 0 of the fake process group.
 """
 
 from __future__ import annotations
