@@ -593,30 +593,32 @@ def float8_gather_rule(par: ParallelConfig, wl: Workload) -> LayoutError | None:
 def compile_loss_rule(spec: ModelSpec, par: ParallelConfig,
                       wl: Workload) -> LayoutError | None:
     """What a compiled loss is modelled for: torchtune's chunked cross-entropy
-    (``memplan.model.chunked_output``), and torchtitan's unchunked ``cross_entropy_loss``
-    compiled whole (``memplan.model.head``: ``build_cross_entropy_loss`` wraps it in
-    ``torch.compile`` when the job compiles; 0.3's ``compile.components`` "loss") on logits
-    no TP rank splits, without autocast. torchtune's ``compile_loss`` compiles the chunked
-    loss's ``compute_cross_entropy`` in place; another loss it wraps in a new
-    ``torch.compile`` that the recipe does not keep (recipes/full_finetune_single_device.py),
+    (``memplan.model.chunked_output``), and torchtitan's ``cross_entropy_loss`` under
+    ``torch.compile`` (``build_cross_entropy_loss`` wraps it when the job compiles; 0.3's
+    ``compile.components`` "loss", ``BaseLoss._maybe_compile``), without autocast: unchunked
+    (``memplan.model.head``) and as the inner loss of the ``ChunkedLossWrapper``
+    (``loss_chunk_backward in-loss``, ``memplan.model.loss_in_call``), on whole logits or on
+    logits split over the vocabulary (loss parallel). torchtune's ``compile_loss``
+    compiles the chunked loss's ``compute_cross_entropy`` in place; another loss it wraps in a
+    new ``torch.compile`` that the recipe does not keep (recipes/full_finetune_single_device.py),
     so that loss runs eagerly."""
     if wl.loss_impl is LossImpl.TORCHTUNE_CHUNKED:
         return None
     why = None
     if wl.loss_impl is not LossImpl.TORCHTITAN:
         why = f"loss_impl {wl.loss_impl.value}"
-    elif wl.loss_checkpointed:
-        why = f"loss_chunks {wl.loss_chunks}"
-    elif par.vocab_shard(spec.vocab_size) < spec.vocab_size:
-        why = f"logits split over the vocabulary by tp {par.tp}"
+    elif wl.loss_checkpointed and wl.loss_chunk_backward is not ChunkBackward.IN_LOSS:
+        why = (f"loss_chunks {wl.loss_chunks} and loss_chunk_backward "
+               f"{wl.loss_chunk_backward.value}")
     elif wl.precision.policy.autocast:
         why = f"precision {wl.precision.value}"
     if why is None:
         return None
     return LayoutError(f"compile_loss is not modelled with {why}",
                        f"compile_loss with {why}: a compiled loss is modelled for torchtune's "
-                       "chunked cross-entropy (loss_impl torchtune-chunked) and torchtitan's "
-                       "unchunked one on logits whole on each rank, without autocast")
+                       "chunked cross-entropy (loss_impl torchtune-chunked) and torchtitan's, "
+                       "unchunked or in chunks run in the loss call (loss_chunk_backward "
+                       "in-loss), without autocast")
 
 
 def te_fp8_rule(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> LayoutError | None:

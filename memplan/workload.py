@@ -804,8 +804,10 @@ class Workload(Record):
         "torchtune's chunked cross-entropy runs compiled (training.compile_loss: each chunk's "
         "upcast and cross-entropy under torch.compile, Inductor): each chunk saves its "
         "logits and two fp32 per-row statistics, not an fp32 log-softmax "
-        "(memplan.model.chunked_output); with loss_impl torchtitan its unchunked loss "
-        "compiled whole, the same saved set (memplan.model.head)"))
+        "(memplan.model.chunked_output); with loss_impl torchtitan its loss compiled: "
+        "unchunked the same saved set, under loss parallel the fp32 softmax less the "
+        "one-hot targets (memplan.model.head), each chunk of its ChunkedLossWrapper "
+        "(loss_chunk_backward in-loss) the unchunked graph's (memplan.model.loss_in_call)"))
     optimizer_in_backward: bool = Field(default=False, description=(
         "each parameter's optimizer step runs in backward, in a hook after its gradient is "
         "accumulated, which then frees it (torchtune's optimizer_in_bwd; memplan.model."

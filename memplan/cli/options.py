@@ -197,9 +197,10 @@ CompileOpt = Annotated[Optional[bool], typer.Option(
 CompileLossOpt = Annotated[Optional[bool], typer.Option(
     "--compile-loss/--no-compile-loss", help="torchtune's chunked cross-entropy compiled "
     "(training.compile_loss, with torchtune's compile=True; --loss-impl torchtune-chunked), "
-    "or torchtitan's unchunked loss compiled whole (--loss-impl torchtitan): each chunk "
-    "saves its logits and two fp32 numbers per token instead of an fp32 log-softmax. "
-    "Default: off.", rich_help_panel=_KERNELS)]
+    "or torchtitan's loss compiled (--loss-impl torchtitan; unchunked, also under loss "
+    "parallel, or each chunk of its ChunkedLossWrapper): each chunk saves its logits and "
+    "two fp32 numbers per token instead of an fp32 log-softmax (under loss parallel the fp32 "
+    "softmax less the targets). Default: off.", rich_help_panel=_KERNELS)]
 CompileInCheckpointOpt = Annotated[Optional[bool], typer.Option(
     "--compile-in-checkpoint/--no-compile-in-checkpoint", help="With --compile and --recompute "
     "full: each compiled layer runs inside its activation checkpoint (torchtune's "

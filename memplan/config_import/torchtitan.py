@@ -135,10 +135,6 @@ def _read_registry(text: str, gpus: int, model: str | None) -> Imported:
         chunks = loss.kwargs.get("num_chunks", 8)
         if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
             raise imp.refuse("loss.num_chunks", chunks, "expected a positive int")
-        if imp.inputs.pop("compile_loss", None):  # compile_loss models the unchunked loss
-            imp.mapping = [m for m in imp.mapping if m.target != "compile_loss"]
-            imp.notes.append("compile.components 'loss': the compiled chunked loss is "
-                             "estimated as eager")
         imp.set("loss", f"ChunkedLossWrapper(num_chunks={chunks})", "loss_chunks", chunks,
                 "components/loss.py ChunkedLossWrapper: the head and loss per chunk of the "
                 "sequence, each chunk's backward run inside the loss call: lm_head kept "
@@ -412,10 +408,11 @@ def _compile(toml: _Toml, imp: Imported) -> None:
     """compile.enable: with "model" in compile.components (torchtitan's default: model and
     loss) and the inductor backend, each decoder layer is compiled (distributed/compile.py
     apply_compile), its saved set decided by Inductor's min-cut partitioner (``--compile``).
-    With "loss", ``build_cross_entropy_loss`` (components/loss.py) compiles the loss whole
-    (``--compile-loss``, ``memplan.model.head``) where its logits are whole on each rank
-    (tp 1); under TP (logits split over the vocabulary) and for a chunked loss (``read_
-    registry``) it is estimated as eager."""
+    With "loss", ``BaseLoss._maybe_compile`` (components/loss.py) compiles the loss function
+    (``--compile-loss``): unchunked, on whole logits or under TP on logits split over the
+    vocabulary (``_LossParallelCrossEntropy`` in the graph, ``memplan.model.head``); as a
+    ``ChunkedLossWrapper``'s inner loss, each chunk's (``read_registry``; ``memplan.model.
+    loss_in_call``)."""
     components = toml.get("compile", "components", list, ["model", "loss"])
     backend = toml.get("compile", "backend", str, "inductor")
     if "model" in components and backend == "inductor":
@@ -424,14 +421,16 @@ def _compile(toml: _Toml, imp: Imported) -> None:
     elif "model" in components:
         imp.notes.append(f"compile.backend {backend!r}: only Inductor's partitioner is "
                          "modelled; the layers estimated as eager PyTorch runs them")
-    if "loss" in components and backend == "inductor" and toml.get(
-            "parallelism", "tensor_parallel_degree", int, 1) == 1:
+    if "loss" in components and backend == "inductor":
         imp.set("compile.components", components, "compile_loss", True,
-                "components/loss.py build_cross_entropy_loss: cross_entropy_loss under "
-                "torch.compile, the upcast and cross-entropy one graph")
+                "components/loss.py BaseLoss._maybe_compile (build_cross_entropy_loss before "
+                "0.3): cross_entropy_loss under torch.compile, the upcast and cross-entropy "
+                "one graph (under TP _LossParallelCrossEntropy's forward and backward; in a "
+                "ChunkedLossWrapper each chunk's)")
     elif "loss" in components:
-        imp.notes.append("compile.components 'loss': the compiled loss (tp > 1, or not "
-                         "Inductor) is estimated as eager")
+        imp.notes.append(f"compile.components 'loss': the loss compiled with backend "
+                         f"{backend!r} is estimated as eager (only Inductor's partition is "
+                         "modelled)")
 
 
 def _float8_section(toml: _Toml) -> tuple[str, dict[str, Any]]:

@@ -416,6 +416,18 @@ def _mamba_line(spec: ModelSpec, wl: Workload) -> str:
             "CUDA (mamba_split_conv1d_scan_combined) saves far less and is not modelled")
 
 
+def _compiled_loss_saves(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> str:
+    """What a compiled cross-entropy saves (``memplan.model.head``, ``chunked_output``,
+    ``loss_in_call``), in words."""
+    split = (wl.loss_impl.value == "torchtitan"
+             and par.vocab_shard(spec.vocab_size) < spec.vocab_size)
+    saves = ("the fp32 softmax less the one-hot targets and the out-of-shard mask (loss "
+             "parallel)" if split else "its logits and two fp32 row statistics")
+    if wl.loss_chunk_backward.value == "in-loss" and wl.loss_checkpointed:
+        return f"each chunk's graph saves {saves}, freed with its backward in the loss call"
+    return f"each chunk saves {saves}" if not split else f"saves {saves}"
+
+
 def _assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload, schedule: Schedule,
 
                  ovh: Overheads) -> tuple[str, ...]:
@@ -429,8 +441,8 @@ def _assumptions(spec: ModelSpec, par: ParallelConfig, wl: Workload, schedule: S
            else "")
         + (f", torchtune's chunked output and loss in {wl.loss_chunks} chunks (none "
            "checkpointed)" if wl.loss_impl.value == "torchtune-chunked" else "")
-        + (", its cross-entropy compiled (each chunk saves its logits and two fp32 row "
-           "statistics)" if wl.compile_loss else "")
+        + (f", its cross-entropy compiled ({_compiled_loss_saves(spec, par, wl)})"
+           if wl.compile_loss else "")
         + f"; logits held: {wl.logits_held.value}",
         ("data-parallel gradients in persistent buffers they are views of (Megatron-LM, "
          "DDP gradient_as_bucket_view=True)" if par.grad_buffers is GradBuffers.VIEW else

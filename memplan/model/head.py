@@ -22,6 +22,18 @@ model's output: the loop's ``del pred`` frees nothing). So it saves the compute-
 and two fp32 per token, makes no logits-sized buffer in forward, and in backward one kernel
 makes the logits' gradient in the compute dtype (traced: tests/traced/
 test_torchtitan_compiled_loss.py, Inductor on CPU).
+
+Compiled on logits the TP ranks split over the vocabulary (loss parallel: ``cross_entropy_loss``
+runs ``_LossParallelCrossEntropy.apply`` on the DTensor's local shard, 0.3's components/loss.py),
+Dynamo traces the autograd function's forward and backward into one graph and the partitioner
+moves the part of its backward that does not read the incoming gradient, ``grad_input +
+torch.exp(log_probs)`` (the softmax less the one-hot targets, fp32), into the forward: that is
+saved, with the targets' out-of-shard mask (one byte per token), in place of the eager
+``log_probs``; the logits are not saved (the graph frees its input). The forward's kernel holds
+``log_probs`` (fp32, logits-sized) beside it, with the logits, three fp32 numbers per token (the
+row max, the local result, the per-token gather) and the loss; the backward makes the logits'
+gradient in the compute dtype in one kernel (traced: tests/traced/
+test_torchtitan_compiled_loss.py, rank 0 of a fake process group of two, Inductor on CPU).
 """
 
 from __future__ import annotations
@@ -54,7 +66,7 @@ def head_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
     """Final norm, the head weight's cast under autocast, log-softmax output of the
     vocab-parallel loss (unchunked), targets; with multi-token prediction each depth's
     terms beside its layer (``memplan.model.mtp.depth_terms``), its loss's as the head's."""
-    loss = _loss_terms(wl, dm)
+    loss = _loss_terms(spec, wl, dm)
     mtp = depth_terms(spec, wl, dm, [Term(f"mtp.{t.name}", t.size_bytes) for t in loss]
                       ) if wl.mtp_layers else []
     # a chunked loss's checkpoints do not keep the head weight's cast (autocast's cache holds
@@ -123,8 +135,16 @@ def lora_backward_bytes(spec: ModelSpec, dm: Dims) -> int:
 
 def titan_compiled(wl: Workload) -> bool:
     """torchtitan's unchunked cross-entropy compiled whole (module docstring;
-    ``parallel.compile_loss_rule`` admits it only unchunked, on whole logits, no autocast)."""
-    return wl.compile_loss and wl.loss_impl is LossImpl.TORCHTITAN
+    ``parallel.compile_loss_rule`` admits it without autocast; chunked, each chunk's is
+    ``memplan.model.loss_in_call``'s)."""
+    return (wl.compile_loss and wl.loss_impl is LossImpl.TORCHTITAN
+            and not wl.loss_checkpointed)
+
+
+def _titan_compiled_parallel(spec: ModelSpec, wl: Workload, dm: Dims) -> bool:
+    """torchtitan's cross-entropy compiled on logits split over the vocabulary (module
+    docstring: ``_LossParallelCrossEntropy`` in one graph)."""
+    return titan_compiled(wl) and dm.vocab_shard < spec.vocab_size
 
 
 def in_loss(wl: Workload) -> bool:
@@ -132,12 +152,16 @@ def in_loss(wl: Workload) -> bool:
     return wl.loss_checkpointed and wl.loss_chunk_backward is ChunkBackward.IN_LOSS
 
 
-def _loss_terms(wl: Workload, dm: Dims) -> list[Term]:
+def _loss_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
     """The loss's saved terms: the log-softmax output (Megatron-LM's fp32 softmax) of the
     vocab-parallel loss, none when chunked; Megatron-LM's also saves the target mask and
     the shard's target indices; torchtune's chunked one is ``chunked_output.loss_terms``."""
     if tune.torchtune_chunked(wl):
         return tune.loss_terms(wl, dm)
+    if _titan_compiled_parallel(spec, wl, dm):
+        # loss parallel: the softmax less the one-hot targets (fp32), the out-of-shard mask
+        return [Term("loss.softmax_grad", dm.tokens * dm.vocab_shard * FP32_BYTES),
+                Term("loss.target_mask", dm.tokens * MASK_BYTES)]
     if titan_compiled(wl):  # the logits (the graph's input) and the row max and log-sum-exp
         return [Term("loss.logits", dm.tokens * dm.vocab_shard * dm.e),
                 Term("loss.row_stats", 2 * dm.tokens * FP32_BYTES)]
@@ -210,6 +234,11 @@ def forward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
     assert not in_loss(wl), "loss_in_call.forward_extra_bytes counts an in-loss chunked loss"
     if tune.torchtune_chunked(wl):
         return tune.forward_extra_bytes(spec, wl, dm)
+    if _titan_compiled_parallel(spec, wl, dm):
+        # the logits (the graph's input, freed at its end), the fp32 log-probabilities, three
+        # fp32 numbers per token and the fp32 loss
+        return (dm.tokens * dm.vocab_shard * (dm.e + FP32_BYTES)
+                + 3 * dm.tokens * FP32_BYTES + FP32_BYTES)
     if titan_compiled(wl):  # the kernels make the fp32 loss alone beside what is saved
         return FP32_BYTES
     # under autocast the head saves a cast of the final norm's fp32 output, which the model

@@ -8,14 +8,25 @@ input gradient is added into one fp32 buffer, the head's weight gradient summed 
 whole (the head's unit keeps its sync off until the last chunk), the last chunk's reduce-scatter
 sharding it. The buffer, cast to the output's dtype, is saved for the model's backward
 (``head.head_terms``: ``loss.input_grad``), which starts at the final norm.
+
+Compiled (``Workload.compile_loss``: compile.components "loss", whose ``BaseLoss._maybe_compile``
+wraps the wrapper's inner ``CrossEntropyLoss``, so each chunk's ``cross_entropy_loss`` runs as
+one Inductor graph; ``lm_head`` is not compiled), a chunk's loss is the unchunked compiled
+loss's (``memplan.model.head``) on the chunk: it saves the chunk's logits (held by the wrapper's
+``logits`` anyway) and two fp32 numbers per token, makes no logits-sized buffer in forward, and
+its backward makes one more fp32 number per token, then the logits' gradient in the compute
+dtype in one kernel (traced: tests/traced/test_torchtitan_compiled_loss.py, the wrapper on
+Inductor on CPU). On logits split over the vocabulary (TP's ``lm_head`` with loss parallel) a
+chunk's is the compiled ``_LossParallelCrossEntropy`` (``memplan.model.head``), whose forward's
+kernel is its most (traced there too, TP 2 on the fake process group).
 """
 
 from __future__ import annotations
 
-from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims
+from memplan.model.dims import FP32_BYTES, INDEX_BYTES, MASK_BYTES, Dims
 from memplan.model.head import head_weight, logit_bytes, loss_chunk_tokens
 from memplan.spec import ModelSpec
-from memplan.workload import Workload
+from memplan.workload import LossImpl, Workload
 
 
 def forward_extra_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
@@ -44,16 +55,36 @@ def accumulator_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
 
 def _chunk_moments(spec: ModelSpec, wl: Workload, dm: Dims) -> tuple[int, int]:
     """A chunk's two moments beside the summed weight gradient (a later chunk's): its loss's
-    backward (its compute-dtype logits, the log-softmax output, its gradient and the one it
-    makes, logits-sized in the loss's dtype); its projection's backward (the logits and their
-    gradient, the new weight gradient in the compute dtype, the chunk's input gradient)."""
+    (``_loss_moment``); its projection's backward (the logits and their gradient, the new
+    weight gradient in the compute dtype, the chunk's input gradient)."""
     chunk = loss_chunk_tokens(wl, dm)[0]
     logits = chunk * dm.vocab_shard
     acc = accumulator_bytes(spec, wl, dm)
-    loss = acc + logits * dm.e + 3 * logits * logit_bytes(wl, dm)
     linear = (acc + 2 * logits * dm.e + head_weight(spec, dm) * dm.e
               + chunk * spec.hidden_size * dm.stream_e)
-    return loss, linear
+    return acc + _loss_moment(spec, wl, dm, chunk), linear
+
+
+def _loss_moment(spec: ModelSpec, wl: Workload, dm: Dims, chunk: int) -> int:
+    """A chunk's loss at its most, beside its compute-dtype logits (the wrapper's ``logits``):
+
+    eager, its backward: the log-softmax output, its gradient and the one it makes,
+    logits-sized in the loss's dtype; on logits split over the vocabulary,
+    ``_LossParallelCrossEntropy.backward``'s four (the saved log-probabilities,
+    ``zeros_like``, ``exp`` and their sum), as ``head.loss_backward_bytes`` counts them beside
+    the saved ones (traced: tests/traced/test_torchtitan_compiled_loss.py, TP 2);
+
+    compiled (module docstring), on whole logits its backward: their gradient and three fp32
+    numbers per token (the row max and log-sum-exp saved, the backward's own); on split
+    logits its forward's kernel (``memplan.model.head``): the fp32 log-probabilities and the
+    saved softmax less the one-hot targets, three fp32 numbers and a mask byte per token."""
+    logits = chunk * dm.vocab_shard
+    split = wl.loss_impl is LossImpl.TORCHTITAN and dm.vocab_shard < spec.vocab_size
+    if wl.compile_loss and split:
+        return logits * (dm.e + 2 * FP32_BYTES) + chunk * (3 * FP32_BYTES + MASK_BYTES)
+    if wl.compile_loss:
+        return 2 * logits * dm.e + 3 * chunk * FP32_BYTES
+    return logits * dm.e + (4 if split else 3) * logits * logit_bytes(wl, dm)
 
 
 def last_chunk_bytes(spec: ModelSpec, wl: Workload, dm: Dims, reduce_bytes: int) -> int:

@@ -279,7 +279,7 @@ def trace_case(case: FrameworkCase, *, fake: bool | None = None,
     group = (_process_group(case.dp * case.tp)
              if case.dp > 1 or case.library == "torchtitan" else contextlib.nullcontext())
     rules = autocast_rules() if recipe(case.recipe).autocast else cuda_kernels()
-    compiled = bool(case.options.get("compile"))
+    compiled = bool(case.options.get("compile") or case.options.get("compile_loss"))
     if compiled and fake:
         raise MemplanError(f"{case.id}: a compiled case runs Inductor's code on real tensors")
     with group, _fake_mode() if fake else contextlib.nullcontext(), rules, \
@@ -333,6 +333,10 @@ def _process_group(dp: int) -> Iterator[None]:
 
     if dist.is_initialized():
         raise MemplanError("a process group is already initialised")
+    # DTensor's C++ sharding-propagation cache keeps output specs with their mesh: an earlier
+    # case's mesh (its group destroyed) would be handed to this one's, which Dynamo meets in
+    # a compiled loss (graph break in from_local, "Group ... is not registered")
+    torch._C._clear_DTensor_sharding_propagator_cache()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dp)
     try:
         yield
@@ -712,7 +716,7 @@ def build_torchtitan(case: FrameworkCase) -> Built:
     ``dp`` 1 runs on a one-rank fake process group: ``apply_fsdp_to_decoder`` shards even
     one rank (its gathered units and unsharded gradients exist at shard degree 1)."""
     import torchtitan.distributed.parallel_dims as pd
-    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.components.loss import CrossEntropyLoss, cross_entropy_loss
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
@@ -779,13 +783,21 @@ def build_torchtitan(case: FrameworkCase) -> Built:
     set_to_none = case.options.get("set_to_none", True)
 
     chunks = case.options.get("loss_chunks", 1)
-    chunked = _chunked_loss(model, chunks) if chunks > 1 else None
+    # compile.components "loss": BaseLoss._maybe_compile wraps cross_entropy_loss in
+    # torch.compile (the chunked wrapper's inner loss: each chunk's call compiled)
+    compiled = (CompileConfig(enable=True, components=["loss"])
+                if case.options.get("compile_loss") else None)
+    chunked = _chunked_loss(model, chunks, compiled) if chunks > 1 else None
+    whole = (CrossEntropyLoss.Config().build(compile_config=compiled)
+             if compiled is not None and chunked is None else None)
 
     def step(k: int, mark: Mark) -> None:
         inputs = torch.randint(0, cfg.vocab_size, (b, s))
         labels = torch.randint(0, cfg.vocab_size, (b, s))
         pred = model(inputs)
-        if chunked is None:
+        if whole is not None:  # Trainer._forward_backward_body with the compiled loss
+            loss, _ = whole(pred, labels, torch.tensor(b * s))
+        elif chunked is None:
             loss = cross_entropy_loss(pred, labels) / (b * s)
         else:  # Trainer._forward_backward_body with the registry's ChunkedLossWrapper
             loss, _ = chunked(pred, labels, torch.tensor(b * s))
@@ -816,6 +828,8 @@ def build_torchtitan(case: FrameworkCase) -> Built:
         workload["recompute_save"] = save
     if chunks > 1:
         workload["loss_chunks"] = chunks
+    if compiled is not None:
+        workload["compile_loss"] = True
     from memplan.profile.distributed import _follow_fsdp_storage
 
     state: dict[str, Any] = {}
@@ -955,15 +969,16 @@ def _torchtitan_ac(mode: str):
     return FullAC.Config() if mode == "full" else SelectiveAC.Config()
 
 
-def _chunked_loss(model, chunks: int):
+def _chunked_loss(model, chunks: int, compile_config=None):
     """torchtitan's ``ChunkedLossWrapper`` (components/loss.py; the llama3 registry's loss)
     of ``chunks`` pieces, wired as ``Trainer.__init__`` wires it: the model returns the final
     norm's output (``_skip_lm_head``) and the wrapper runs ``lm_head`` and the loss per chunk,
-    each chunk's backward at once."""
+    each chunk's backward at once. With ``compile_config`` (compile.components "loss") its
+    inner ``CrossEntropyLoss`` is built compiled, as the Trainer builds it."""
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 
-    loss = ChunkedLossWrapper.Config(num_chunks=chunks,
-                                     loss_fn=CrossEntropyLoss.Config()).build()
+    loss = ChunkedLossWrapper.Config(num_chunks=chunks, loss_fn=CrossEntropyLoss.Config()
+                                     ).build(compile_config=compile_config)
     loss.set_lm_head(model.lm_head)
     model._skip_lm_head = True
     return loss

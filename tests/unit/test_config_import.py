@@ -208,12 +208,13 @@ def test_torchtitan_notes_what_it_does_not_model() -> None:
     """llama3_405b.toml converts its linears to float8 (model.converters "float8", its
     [quantize.linear.float8] with no recipe_name: torchao's default tensorwise; FSDP float8
     all-gather on; "output" filtered) and compiles (compile.enable, components model and loss
-    by default: the layers compiled, --compile; the loss, on logits split by tp 8, noted as
-    estimated eager)."""
+    by default: the layers compiled, --compile; the loss, on logits split by tp 8, compiled
+    under loss parallel, --compile-loss); only async TP is noted (timing)."""
     imported = torchtitan.read(TITAN / "llama3_405b.toml", 128)
     notes = " ".join(imported.notes)
-    assert "compiled loss" in notes and "float8" not in notes
+    assert "estimated as eager" not in notes and "float8" not in notes
     assert imported.inputs["compile"] is True
+    assert imported.inputs["compile_loss"] is True and imported.inputs["tp"] == 8
     assert imported.inputs["float8"] == "tensorwise"
     assert imported.inputs["float8_all_gather"] is True
 
@@ -470,11 +471,13 @@ def test_torchtitan_registry_names_its_keys() -> None:
 
 def test_torchtitan_registry_notes() -> None:
     """llama3_405b: its Float8LinearConverter.Config(filter_fqns=["lm_head"]) mapped to
-    --float8 rowwise (0.3's recipe_name default), compile mapped to --compile (its compiled
-    loss noted); flex attention noted."""
+    --float8 rowwise (0.3's recipe_name default), compile mapped to --compile, its compiled
+    ChunkedLossWrapper at tp 8 (each chunk's loss compiled under loss parallel) to
+    --compile-loss; flex attention noted."""
     imported = torchtitan.read(f"{REG_030} --config llama3_405b", 128)
     notes = " ".join(imported.notes)
-    assert "compiled loss" in notes and "flex" in notes
+    assert "estimated as eager" not in notes and "flex" in notes
+    assert imported.inputs["compile_loss"] is True and imported.inputs["loss_chunks"] == 8
     assert imported.inputs["compile"] is True
     assert imported.inputs["float8"] == "rowwise"
 
@@ -487,6 +490,21 @@ def _registry(tmp_path: Path, body: str, top: str = "") -> str:
         "training=TrainingConfig(local_batch_size=4, seq_len=4096))\n\n"
         f"def job():\n{body}\n")
     return f"{folder / 'config_registry.py'} --config job"
+
+
+def test_torchtitan_registry_compiled_chunked_loss() -> None:
+    """llama3_debugmodel with compile.enable: its ChunkedLossWrapper's inner loss compiled
+    (compile.components model and loss by default: ``BaseLoss._maybe_compile``), on whole
+    logits: --compile-loss beside --loss-chunks 8, no note; the estimate takes it."""
+    imp = torchtitan.read(f"{REG_MAIN} --config llama3_debugmodel --compile.enable true", 8)
+    assert {k: imp.inputs.get(k) for k in ("compile", "compile_loss", "loss_chunks")} == {
+        "compile": True, "compile_loss": True, "loss_chunks": 8}
+    assert not any("estimated as eager" in n for n in imp.notes)
+    result = CliRunner().invoke(app, ["estimate", "-n", "8", "--json", "--torchtitan-config",
+                                      f"{REG_MAIN} --config llama3_debugmodel "
+                                      "--compile.enable true"])
+    assert result.exit_code == 0, result.output
+    assert "its cross-entropy compiled (each chunk's graph" in result.output
 
 
 def test_torchtitan_registry_is_parsed_not_run(tmp_path: Path) -> None:
