@@ -29,7 +29,9 @@ a norm saves its input, its statistics and its output, as a fused norm kernel do
 (``NormImpl.FUSED``'s terms); attention with SDPA what it saves eagerly; a gated MLP its gate
 and up outputs and their activated product, not the activation. Under full activation
 checkpointing around the layer (torchtitan's order, checkpoint then compile) every node of the
-forward is marked to recompute (``must_recompute``): the layer saves its inputs, as eagerly.
+forward is marked to recompute (``must_recompute``): the layer saves its inputs, as eagerly;
+its forward holds its transients as Inductor schedules them, a gated MLP's activation fused
+into its product, written into the gate output's buffer (``checkpointed_mlp_working_bytes``).
 Under torchtitan's per-op SAC (``sac_kept``) the tagged outputs backward reads are saved.
 
 Under autocast with fp32 weights (``Dims.autocast``; accelerate's ``prepare_model`` wraps the
