@@ -29,7 +29,9 @@ a norm saves its input, its statistics and its output, as a fused norm kernel do
 (``NormImpl.FUSED``'s terms); attention with SDPA what it saves eagerly; a gated MLP its gate
 and up outputs and their activated product, not the activation. Under full activation
 checkpointing around the layer (torchtitan's order, checkpoint then compile) every node of the
-forward is marked to recompute (``must_recompute``): the layer saves its inputs, as eagerly.
+forward is marked to recompute (``must_recompute``): the layer saves its inputs, as eagerly;
+its forward holds its transients as Inductor schedules them, a gated MLP's activation fused
+into its product, written into the gate output's buffer (``checkpointed_mlp_working_bytes``).
 Under torchtitan's per-op SAC (``sac_kept``) the tagged outputs backward reads are saved.
 
 Under autocast with fp32 weights (``Dims.autocast``; accelerate's ``prepare_model`` wraps the
@@ -50,8 +52,8 @@ from collections.abc import Sequence
 from memplan.model import linear
 from memplan.model.block import BackwardMoment, Moment
 from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term
-from memplan.spec import ModelSpec, MoESpec
-from memplan.workload import Float8Recipe, MoeImpl, NormImpl, Recompute, Workload
+from memplan.spec import ActivationImpl, ModelSpec, MoESpec
+from memplan.workload import Float8Recipe, MoeImpl, NormImpl, Recompute, TeFp8Recipe, Workload
 
 # Inductor's buffer reuse in the compiled forward: the residual add after the MLP is the last
 # reader of the down projection's output, of the same size and dtype, so it writes its result
@@ -155,6 +157,32 @@ def autocast_checkpointed_forward_bytes(spec: ModelSpec, dm: Dims) -> int | None
     inner = dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
     return (2 * dm.rows * spec.hidden_size * dm.e + 2 * inner
             + spec.hidden_size * spec.ffn_hidden_size // dm.tp * dm.e)
+
+
+def checkpointed_mlp_working_bytes(spec: ModelSpec, dm: Dims,
+                                   linears: Sequence[linear.Linear]) -> int | None:
+    """Compiled without autocast, what a gated MLP with its own gate and up projections
+    (``linears``: ``mlp.mlp_linears``) holds beside its input (the MLP norm's output) in a
+    checkpointed forward, the checkpoint inside the compiled graph (every node recomputed,
+    nothing saved): its gate and up outputs, T x f / t each. The activation's pointwise ops
+    and the product are one kernel (torch/_inductor/scheduler.py ``Scheduler.fuse_nodes``:
+    SiLU(gate) is no buffer of its own) that writes SiLU(gate) * up into the gate output's
+    buffer, its last reader of the same size and dtype (``BaseSchedulerNode.
+    decide_inplace_update``), and frees up's; at the down projection the product and its
+    output (T x h), the norm's output freed by then (its last reader up's matmul), under the
+    gate and up outputs beside that norm output. Eager holds three T x f (``_working_bytes``:
+    the activation's output beside both). Traced: tests/traced/test_compile_trace.py, fp32
+    and bf16 inside full checkpointing (the forward's peak at up's matmul: the layer's input,
+    the output projection's output, which the residual sums are recomputed from, the MLP
+    norm's output, gate and up), as ``autocast_checkpointed_forward_bytes`` under autocast
+    less its down-weight cast. None elsewhere: under autocast (that function), a fused
+    gate/up projection, an activation formula of several ops (gelu_new, xIELU), float8
+    linears or adapters (untraced)."""
+    if (not dm.compiled or dm.autocast or not spec.mlp.gated or spec.fused_gate_up
+            or spec.activation_impl is not ActivationImpl.KERNEL or dm.adapters is not None
+            or dm.te_fp8 is not TeFp8Recipe.NONE or any(linear.float8_converts(lin, dm) for lin in linears)):
+        return None
+    return 2 * dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
 
 
 def mlp_terms(terms: list[Term], gated: bool) -> list[Term]:

@@ -525,8 +525,9 @@ class Mlp:
         return moments
 
     def working_set(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
-        """Gated: activation, up and product together; plain: first linear and activation,
-        or its output beside the intermediate (the second linear's)."""
+        """Gated: activation, up and product together (compiled, gate and up alone:
+        ``compiled.checkpointed_mlp_working_bytes``); plain: first linear and activation, or
+        its output beside the intermediate (the second linear's)."""
         stream = dm.rows * spec.hidden_size * dm.e
         inner = dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
         down = mlp_linears(spec, spec.ffn_hidden_size)[-1]
@@ -538,8 +539,10 @@ class Mlp:
         if linear.float8_converts(down, dm):
             f8.append(Moment("mlp_f8_down", 0, inner + linear.float8_forward_peak(down, dm,
                                                                                  stream)))
-        working = max(_working_bytes(spec, stream, inner), _lora_working_bytes(spec, dm),
-                      _gelu_new_working_bytes(spec, dm, stream))
+        fused = compiled.checkpointed_mlp_working_bytes(
+            spec, dm, mlp_linears(spec, spec.ffn_hidden_size))
+        working = max(_working_bytes(spec, stream, inner) if fused is None else fused,
+                      _lora_working_bytes(spec, dm), _gelu_new_working_bytes(spec, dm, stream))
         return [Moment("mlp", 0, working), *f8]
 
     def backward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,

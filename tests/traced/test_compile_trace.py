@@ -41,6 +41,10 @@ BATCH, SEQ = 2, 64
 
 def _traced_activations(config: dict, dtype: str, checkpoint: str, width: int = 256) -> int:
     saved = compiled_layer_saved(config, dtype, BATCH, SEQ, checkpoint=checkpoint)
+    return _activations(saved, width)
+
+
+def _activations(saved, width: int = 256) -> int:
     stream = (BATCH, SEQ, width)
     return sum(t.size_bytes for t in saved if not t.graph_input or t.shape == stream)
 
@@ -65,7 +69,18 @@ def test_compiled_layer_saves_what_the_partitioner_saves(library: str, fuse_qkv:
     torchtitan's fp32 2,036,736 B and bf16 1,020,928 B traced (its ffn 768: three T x 768
     tensors where transformers' layer saves three T x 896). Under torchtitan's per-op SAC
     (its policy, a torchtitan block's) the input, the odd matmuls' outputs but the down
-    projection's, SDPA's output and logsumexp: fp32 856,064 B fused, 823,296 B separate."""
+    projection's, SDPA's output and logsumexp: fp32 856,064 B fused, 823,296 B separate.
+
+    Inside full checkpointing, from the same compile, the forward's peak too
+    (``compiled_layer_step``, one kernel per scheduler node): at the up projection's matmul,
+    beside the input, the output projection's output, the MLP norm's output and the gate
+    and up outputs (``compiled.checkpointed_mlp_working_bytes``: SiLU(gate) * up written
+    into the gate's buffer), 2 x T x h + 2 x T x f in the layer's dtype: transformers' fp32
+    2 x 131,072 + 2 x 458,752 = 1,179,648 B, bf16 589,824 B; torchtitan's (f 768) fp32
+    1,048,576 B, bf16 524,288 B. The trace holds 5,056 B more, the CPU generator's state
+    the checkpoint saves (a CUDA generator's is a seed and an offset). Before, memplan
+    counted SiLU(gate) as eager holds it, one T x f more: transformers' fp32 1,638,400 B
+    against 1,184,704 traced (+38%)."""
     if checkpoint == "op" and library != "torchtitan":
         pytest.skip("per-op SAC is torchtitan's policy")
     config = TOY if library == "transformers" else {
@@ -79,8 +94,16 @@ def test_compiled_layer_saves_what_the_partitioner_saves(library: str, fuse_qkv:
     wl = Workload(micro_batch_size=BATCH, seq_len=SEQ, precision=precision,
                   recompute=recompute, compile=True, **rope)
     dm = Dims.of(spec, ParallelConfig(), wl)
-    modelled = layer_kind(spec, wl, dm, False, recompute).saved_bytes
-    assert modelled == _traced_activations(config, dtype, checkpoint)
+    kind = layer_kind(spec, wl, dm, False, recompute)
+    if checkpoint != "full":
+        assert kind.saved_bytes == _traced_activations(config, dtype, checkpoint)
+        return
+    from memplan.profile.compiled_trace import compiled_layer_step
+
+    saved, forward, _ = compiled_layer_step(config, dtype, BATCH, SEQ, checkpoint="full")
+    assert kind.saved_bytes == _activations(saved)
+    stream = dm.rows * spec.hidden_size * dm.e  # the input, made before the step
+    assert forward - (kind.forward_peak_bytes - stream) == 5_056
 
 
 @pytest.mark.parametrize("dtype,precision,grad_bytes,backward_over", [

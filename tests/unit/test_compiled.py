@@ -47,6 +47,24 @@ def test_checkpointed_compiled_layer_keeps_its_input() -> None:
     assert layer_kind(TINY, WL, DM, False, Recompute.FULL).saved_bytes == 8_192
 
 
+def test_checkpointed_compiled_forward_peak() -> None:
+    """Full checkpointing inside the compiled graph, nothing saved: the forward's peak is at
+    the up projection's matmul, beside the input 8,192 the output projection's output 8,192
+    (the residual sums recomputed from it and the input), the MLP norm's output 8,192 and
+    the gate and up outputs 64*176*2 = 22,528 each; SiLU(gate) * up is written into the
+    gate's buffer (``compiled.checkpointed_mlp_working_bytes``): 3 x 8,192 + 2 x 22,528 =
+    69,632. Eagerly SiLU(gate) is a third T x f beside them: 92,160. In fp32 twice each:
+    139,264 (the traced toy's forward peak is the same sum: tests/traced/
+    test_compile_trace.py)."""
+    assert layer_kind(TINY, WL, DM, False, Recompute.FULL).forward_peak_bytes == 69_632
+    eager = WL.model_copy(update={"compile": False})
+    assert layer_kind(TINY, eager, Dims.of(TINY, ParallelConfig(), eager), False,
+                      Recompute.FULL).forward_peak_bytes == 92_160
+    fp32 = Workload.model_validate({**WL.model_dump(), "precision": "fp32"})
+    assert layer_kind(TINY, fp32, Dims.of(TINY, ParallelConfig(), fp32), False,
+                      Recompute.FULL).forward_peak_bytes == 139_264
+
+
 def test_per_op_sac_compiled_drops_the_down_projections_output() -> None:
     """torchtitan's per-op SAC, compiled: the input 8,192; of the odd matmuls (q 1st, v 3rd,
     w1 5th, w2 7th) q 64*64*2 = 8,192, v 64*32*2 = 4,096, w1 64*176*2 = 22,528, not w2's
