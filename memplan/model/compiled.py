@@ -180,7 +180,8 @@ def checkpointed_mlp_working_bytes(spec: ModelSpec, dm: Dims,
     linears or adapters (untraced)."""
     if (not dm.compiled or dm.autocast or not spec.mlp.gated or spec.fused_gate_up
             or spec.activation_impl is not ActivationImpl.KERNEL or dm.adapters is not None
-            or dm.te_fp8 is not TeFp8Recipe.NONE or any(linear.float8_converts(lin, dm) for lin in linears)):
+            or dm.te_fp8 is not TeFp8Recipe.NONE
+            or any(linear.float8_converts(lin, dm) for lin in linears)):
         return None
     return 2 * dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
 
