@@ -364,7 +364,11 @@ def _head_backward(r: _Run, acts: Stack, growing: bool) -> None:
         return
     # the head's unit gathers its share (``DataParallel.head_prefetch``) in its pre-backward,
     # once the loss's backward has made the logits' gradient
+    # a unit the loss call resharded is gathered again: its all-gather output, then the
+    # unsharded weights copied out of it, the output freed (``HeadBlock.regather``)
+    output = b.alloc(h.regather, s.gather_stream)
     gathered = b.alloc(dp.at_loss, s.gather_stream)
+    b.free(output)
     b.blip(h.loss, piece)
     if dp.at_head > dp.at_loss:
         b.free(gathered)

@@ -67,6 +67,7 @@ def unsynced(dp: DataParallel, root_new: int = 0) -> DataParallel:
                         in_block=dp.in_block + root_new,
                         in_first_block=dp.in_first_block + root_new,
                         at_head=dp.at_head, head_prefetch=dp.head_prefetch,
+                        head_regather=dp.head_regather,
                         at_embedding=dp.at_embedding + root_new,
                         in_block_forward=dp.in_block_forward,
                         at_loss_forward=dp.at_loss_forward, block_start=dp.block_start,

@@ -490,6 +490,9 @@ class HeadBlock(NamedTuple):
     loss_held: int = 0  # what the loss call's reduce leaves held (the data-parallel
     #                     mechanism's reduce-scatter input) until the final norm's unit
     #                     reduces after its backward
+    regather: int = 0  # the head's unit's all-gather output where the loss call resharded
+    #                    the unit and the backward gathers it again at its start, beside the
+    #                    unsharded weights it is copied into (``DataParallel.head_regather``)
     held_logits: int = 0  # logits the training loop keeps from the loss to the next step's
     #                       loss (``LogitsHeld.STEP``, ``step_held_bytes``)
     held_past_loss: bool = False  # ... to the end of the next step's loss, which runs in the
@@ -684,7 +687,11 @@ class HeadBlock(NamedTuple):
             return (Event("loss.backward", 0, at),)
         # gradients the loss call made (new ones held from it on) and what its reduce holds
         made = self.loss_made if growing else 0
-        events = (Event("loss.made", made + self.loss_held, None),
+        # the head's unit gathered again (the loss call resharded it): its copy-out, beside
+        # everything the loss call left
+        regather = ((Event("head.regather", 0, at_loss + self.regather),) if self.regather
+                    else ())
+        events = (Event("loss.made", made + self.loss_held, None), *regather,
                   Event("loss.backward", -self.saved_bytes, at_loss + self.loss),
                   Event("head.backward", 0, at + self.final_norm_all + self.linear),
                   # a deferred weight gradient's input and logits' gradient stay

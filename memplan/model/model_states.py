@@ -406,6 +406,12 @@ class ShardingBuffers(NamedTuple):
     backward_head_prefetch_bytes: int = 0  # of ``backward_head_bytes``, the block the head's
     #                                        unit prefetches, gathered only after the loss's
     #                                        backward (0: gathered through it too)
+    backward_head_regather_bytes: int = 0  # the head's unit's all-gather output, alive
+    #                                        beside its unsharded weights at their copy-out
+    #                                        where a loss that runs the head's backward
+    #                                        itself resharded it (``head.in_loss``) and the
+    #                                        backward gathers it again (0: copied from the
+    #                                        shard, or not gathered again)
     reduce_copies: int = 0  # unit-sized reduce-dtype tensors at a unit's reduce, where that
     #                         moment is modelled (FSDP2 at shard degree 1)
     kept_gathered: bool = False  # FSDP2 under pipeline parallelism as torchtitan runs it: every
@@ -935,10 +941,23 @@ def _separate_units(params: StageParams, one_rank: bool, layer_b: int, blocks: i
     # and its unsharded parameters are made beside it: three units, the embedding's
     # output instead of a block's for the first (traced, torchtitan full AC cases).
     start, first_start = (0, 0) if one_rank else (3 * layer_b, emb * e + 2 * layer_b)
+    # The head's unit resharded by a loss that runs the head's backward itself (torchtitan
+    # 0.3 components/loss.py ``ChunkedLossWrapper.__call__``: set_reshard_after_forward(True)
+    # and lm_head.reshard() after its chunks) is gathered again in its pre_backward, at the
+    # backward's start (a hook on the final norm's output, the decoder's gradient
+    # ``_DecoderOutputGradientBackProp`` hands on). FSDPParamGroup.wait_for_unshard's
+    # foreach_all_gather_copy_out (torch 2.13 _fsdp_collectives.py) allocates the unsharded
+    # parameters (alloc_all_gather_outputs) and copies into them while the all-gather output,
+    # the whole unit, is alive: it is freed after the copy-out in backward. At shard degree 1
+    # the parameters are copied from the shard directly (wait_for_unshard's world_size 1
+    # branch): no all-gather output (traced: tests/traced/test_frameworks.py, torchtitan
+    # ``loss_chunks`` at vocabulary 32,000, dp 2 and 8; dp 1 shows none).
+    regather = 0 if one_rank else head * e
     return ShardingBuffers(max(blocks * layer_b, layer_b + ahead * head * e), head * e,
                            params.largest_unit * grad_bytes,
                            backward_head_bytes=head * e + ahead * layer_b,
                            backward_head_prefetch_bytes=ahead * layer_b,
+                           backward_head_regather_bytes=regather,
                            backward_block_bytes=blocks * layer_b,
                            backward_last_block_bytes=layer_b + ahead * emb * e,
                            backward_end_bytes=emb * e, separate_units=True,

@@ -57,6 +57,10 @@ class DataParallel(NamedTuple):
     #                                   DeepSpeed's ZeRO-3 under LoRA: the head released)
     head_prefetch: int = 0  # ... of them, the block the head's unit prefetches, gathered only
     #                         after the loss's backward
+    head_regather: int = 0  # the head's unit's all-gather output beside its unsharded weights
+    #                         where a loss that runs the head's backward resharded the unit
+    #                         and the backward gathers it again (``ShardingBuffers.
+    #                         backward_head_regather_bytes``; the head counts it only then)
     in_block: int = 0  # ... while a block's backward runs
     in_first_block: int = 0  # ... while the stage's first block (the last in backward) runs
     at_embedding: int = 0  # ... at the embedding
@@ -293,6 +297,7 @@ def data_parallel(shard: ShardingBuffers, params: int, grads_bytes: int,
         at_head=shard.backward_head_bytes, at_embedding=shard.backward_end_bytes,
         at_final_norm=shard.backward_final_norm_bytes,
         head_prefetch=shard.backward_head_prefetch_bytes,
+        head_regather=shard.backward_head_regather_bytes,
         separate_units=shard.separate_units, reduce_copies=shard.reduce_copies,
         in_block_forward=shard.gathered_bytes, at_loss_forward=shard.gathered_at_loss_bytes,
         block_start=shard.forward_start_bytes,

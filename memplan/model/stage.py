@@ -560,7 +560,9 @@ def _head_block(spec: ModelSpec, shared: StageTerms, fx: StageStates) -> HeadBlo
     if not shared.loss_reduce:
         return block
     made, held, loss_fwd = _in_loss_grads(spec, shared, fx, grads, block.loss_forward)
-    return block._replace(loss_forward=loss_fwd, loss_made=made, loss_held=held)
+    # the loss call reshards the head's unit: the backward gathers it again
+    return block._replace(loss_forward=loss_fwd, loss_made=made, loss_held=held,
+                          regather=fx.dp.head_regather)
 
 
 def _in_loss_grads(spec: ModelSpec, shared: StageTerms, fx: StageStates, grads: int,

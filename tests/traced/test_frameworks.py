@@ -393,12 +393,18 @@ CASES: list[tuple[FrameworkCase, Known | None]] = [
     # the 0.3 llama3 registry's ChunkedLossWrapper (8 chunks), estimated as --loss-chunks 8
     # (the preset's loss_chunk_backward in-loss): each chunk's head, loss and backward in the
     # loss call, the head's summed weight gradient fp32 and whole until the last chunk's
-    # reduce-scatter, whose input FSDP2 holds into the backward (vocabulary x dim x 4 B)
-    (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=2,
-                   options={"loss_chunks": 8}), None),
+    # reduce-scatter, whose input FSDP2 holds into the backward (vocabulary x dim x 4 B);
     # 8 ranks: the summed gradient and the reduce-scatter input whole, the output an eighth
     (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=8,
                    options={"loss_chunks": 8}), None),
+    # 2 ranks (the output a half), a 32,000-token vocabulary, 2 chunks: the wrapper reshards
+    # the head's unit after its chunks, so the backward starts by gathering it again (at a
+    # small vocabulary below other peaks); FSDP2's copy-out holds the
+    # all-gather output (the unit, 16,384,512 B) beside the unsharded weights, the summed
+    # gradient's reduce-scatter input (32,768,000 B) and its shard still alive: the
+    # backward's peak (without the copy-out's output: 14,479,876 B under, 7.4%)
+    (FrameworkCase("torchtitan", "llama3-toy-v32k", TITAN_TOY | {"vocab_size": 32_000},
+                   "fsdp-bf16", 2, 128, dp=2, options={"loss_chunks": 2}), None),
     # one rank: parallelize_llama runs apply_fsdp_to_decoder at shard degree 1 too, where a
     # unit is gathered alone (no flat all-gather output) and its reduce holds three copies
     (FrameworkCase("torchtitan", "llama3-toy", TITAN_TOY, "fsdp-bf16", 2, 128, dp=1), None),
