@@ -495,6 +495,12 @@ class ModelSpec(Record):
         "create_sliding_window_causal_mask; with use_sliding_window off its config's window "
         "is 0, so masking_utils.py _ignore_causal_mask_sdpa never skips it): a mask no layer "
         "reads, alive until the forward returns"))
+    window_mask_alone: bool = Field(default=False, description=(
+        "with a sliding window the model's forward builds the window's mask in place of the "
+        "causal one, one mask for every layer (transformers' MistralModel.forward: "
+        "mask_function = create_causal_mask if config.sliding_window is None else "
+        "create_sliding_window_causal_mask; Mixtral's, Phi-3's and Ministral 3's alike), "
+        "where others build both (Qwen2's, Ministral's and Gemma's causal_mask_mapping)"))
     scaled_residual: bool = Field(default=False, description=(
         "each sub-layer's output is scaled by a multiplier before the residual add "
         "(Granite's residual_multiplier: GraniteDecoderLayer.forward, residual + out * m): "

@@ -163,13 +163,14 @@ MISTRAL_WINDOW: dict[str, int | None] = {"mistral": 4096, "mixtral": None}
 def mistral_window(cfg: ConfigKeys, default: int | None) -> dict[str, Any]:
     """Mistral's and Mixtral's sliding window: every layer's (MistralAttention.forward passes
     ``sliding_window=config.sliding_window`` to the attention; MistralModel.forward builds
-    create_sliding_window_causal_mask when it is set); null: none, absent: the class's
-    default."""
+    create_sliding_window_causal_mask when it is set, in place of the causal mask:
+    ``window_mask_alone``); null: none, absent: the class's default."""
     if "sliding_window" not in cfg.data:
         window = default
     else:
         window = None if cfg.data["sliding_window"] is None else cfg.get_int("sliding_window")
-    return {} if window is None else {"sliding_window": window, "sliding_window_pattern": 0}
+    return {} if window is None else {"sliding_window": window, "sliding_window_pattern": 0,
+                                      "window_mask_alone": True}
 
 
 def llama_like(cfg: ConfigKeys, model_type: str) -> dict[str, Any]:

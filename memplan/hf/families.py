@@ -263,6 +263,8 @@ def ministral3(cfg: ConfigKeys) -> dict[str, Any]:
     num_layers = fields["num_layers"]
     fields.update(mlp_bias=False, **sliding_fields(cfg, [SLIDING if window else FULL]
                                                    * num_layers, window))
+    if window:  # Ministral3Model.forward: the window's mask in place of the causal one
+        fields["window_mask_alone"] = True
     return fields
 
 
@@ -280,6 +282,8 @@ def phi3(cfg: ConfigKeys) -> dict[str, Any]:
     types = _layer_types(cfg, fields["num_layers"], [SLIDING] * fields["num_layers"])
     fields.update(fused_qkv=True, fused_gate_up=True, dropout=dropout,
                   **sliding_fields(cfg, types, window), **_partial_rotary(cfg, fields))
+    if window:  # Phi3Model.forward: the window's mask in place of the causal one
+        fields["window_mask_alone"] = True
     return fields
 
 

@@ -795,11 +795,22 @@ def held_weights_bytes(spec: ModelSpec, wl: Workload, dm: Dims, block: object) -
     return scores + (scores // dm.s_kv if spec.attn_sinks else 0)  # the sink column
 
 
-def mask_terms(wl: Workload, dm: Dims) -> list[Term]:
-    """Eager attention's causal mask is an input of every checkpointed region, so with any
-    recompute it is saved until the backward (once per micro-batch, shared by the layers)."""
-    if wl.attention is Kernel.EAGER and wl.recompute is not Recompute.NONE:
-        return [Term("attn.causal_mask", eager_mask_bytes(wl, dm))]
+def causal_mask_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
+    """Eager attention's causal mask (``eager_mask_bytes``), none where the model's forward
+    builds the sliding window's mask in its place (``ModelSpec.window_mask_alone``: the
+    window's, ``window_mask_bytes``, is then every layer's)."""
+    if spec.window_mask_alone and window_mask_bytes(spec, wl, dm):
+        return 0
+    return eager_mask_bytes(wl, dm)
+
+
+def mask_terms(spec: ModelSpec, wl: Workload, dm: Dims) -> list[Term]:
+    """Eager attention's causal mask (``causal_mask_bytes``) is an input of every
+    checkpointed region, so with any recompute it is saved until the backward (once per
+    micro-batch, shared by the layers)."""
+    mask = causal_mask_bytes(spec, wl, dm)
+    if wl.attention is Kernel.EAGER and wl.recompute is not Recompute.NONE and mask:
+        return [Term("attn.causal_mask", mask)]
     return []
 
 

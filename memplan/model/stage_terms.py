@@ -60,7 +60,7 @@ def stage_terms(spec: ModelSpec, wl: Workload, dm: Dims, ep: int | ExpertSplit,
     """The terms of ``spec`` under ``wl`` at ``dm``, with the layer kinds of ``keys`` (``ep``:
     the expert-parallel degree their gradient groups are split by). ``kind_of`` and
     ``groups_of``: ``layer_kind`` and ``grad_group_params``, or cached versions of them."""
-    saved_mask = attention.mask_terms(wl, dm)
+    saved_mask = attention.mask_terms(spec, wl, dm)
     window_saved = attention.window_mask_terms(spec, wl, dm)
     rope = tuple(attention.rope_terms(spec, wl, dm) + saved_mask + window_saved
                  + attention.positions_terms(wl, dm))
@@ -77,7 +77,7 @@ def stage_terms(spec: ModelSpec, wl: Workload, dm: Dims, ep: int | ExpertSplit,
         targets_bytes=batch[0].size_bytes,
         # the masks live through the forward (the model's forward's, to its return:
         # HeadBlock.mask_released); with recompute the layers' are saved (a term)
-        mask=((0 if saved_mask else attention.eager_mask_bytes(wl, dm))
+        mask=((0 if saved_mask else attention.causal_mask_bytes(spec, wl, dm))
               + (0 if window_saved else attention.window_mask_bytes(spec, wl, dm))
               # a window mask no layer reads: never saved
               + attention.unused_window_mask_bytes(spec, wl, dm)

@@ -1022,9 +1022,10 @@ def test_emitted_policy_on_gpt2(attn: str, precision: str, save: str) -> None:
 # backward within 0.03% keeping the whole attention, else full recompute's own gap (+68,734 B
 # in bf16, +129,660 B in fp32 and amp-bf16, 0.5-0.65%); under autocast the forward keeping
 # the soft-capping's outputs is full recompute's own gap (-162,180 B, -1.1%). Mistral
-# narrowed (window 128, every layer) at 2 x 256 tokens: within full recompute's own gap
-# (+262,144 B saved: memplan counts eager's causal mask beside the window mask,
-# MistralModel.forward builds the window mask alone). The fp32 and auto-chosen lists were
+# narrowed (window 128, every layer) at 2 x 256 tokens: saved activations exact (before
+# ModelSpec.window_mask_alone, +262,144 B, full recompute's gap too: eager's causal mask
+# counted beside the window's, where MistralModel.forward builds the window's alone). The
+# fp32 and auto-chosen lists were
 # measured as above and are left out of the grid (the suite's time).
 SOFTCAP_TOY = {"gemma-2-9b": dict(NORMS_TOY["gemma-2-9b"], sliding_window=64),
                "Mistral-7B-v0.1": dict(HF_TOY, sliding_window=128)}

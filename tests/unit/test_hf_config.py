@@ -567,11 +567,38 @@ def test_transformers_eager_mask_is_one_per_sequence() -> None:
     recompute every checkpointed layer takes it as an input: saved once."""
     from memplan.model.attention import eager_mask_bytes, mask_terms
 
-    _, wl, dm = _eager_llama(recompute="full")
+    spec, wl, dm = _eager_llama(recompute="full")
     assert wl.mask_per_sequence and eager_mask_bytes(wl, dm) == 4_194_304
-    assert [t.size_bytes for t in mask_terms(wl, dm)] == [4_194_304]
+    assert [t.size_bytes for t in mask_terms(spec, wl, dm)] == [4_194_304]
     plain = wl.model_copy(update={"mask_per_sequence": False})
     assert eager_mask_bytes(plain, dm) == 2_097_152
+
+
+def test_mistral_builds_the_window_mask_alone() -> None:
+    """MistralModel.forward (and Mixtral's, Phi-3's, Ministral 3's): ``mask_function =
+    create_causal_mask if config.sliding_window is None else
+    create_sliding_window_causal_mask``, one mask for every layer. Eager, that mask is the
+    additive (b, 1, s, s_kv) table: 2 x 1,024 x 1,024 x 2 = 4,194,304 B in bf16, saved once
+    under full recompute, and no causal mask beside it (before: both, 8,388,608 B). Qwen3's
+    causal_mask_mapping builds both (one layer of two sliding here): there both stay."""
+    from memplan.api import resolve
+    from memplan.model.attention import mask_terms, window_mask_terms
+    from memplan.model.dims import Dims
+    from memplan.spec import spec_from_hf_dict
+
+    def saved(folder: str, **more) -> list[int]:
+        spec = spec_from_hf_dict(_base(folder) | {
+            "num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 896,
+            "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 1000,
+            "sliding_window": 512, **more}, "toy", "toy")
+        _, par, wl = resolve(spec, gpus=1, framework="hf", micro_batch_size=2, seq_len=1024,
+                             precision="bf16-pure", attention="eager", recompute="full")
+        dm = Dims.of(spec, par, wl)
+        return [t.size_bytes for t in mask_terms(spec, wl, dm) + window_mask_terms(spec, wl, dm)]
+
+    assert saved("Mistral-7B-v0.1") == [4_194_304]
+    assert saved("Qwen3-8B", use_sliding_window=True,
+                 layer_types=["sliding_attention", "full_attention"]) == [4_194_304, 4_194_304]
 
 
 def test_eager_weights_outlive_the_attention_in_a_checkpointed_layer() -> None:
