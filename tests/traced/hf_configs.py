@@ -24,3 +24,10 @@ def hf(name: str, **overrides) -> dict:
 # cut to two layers and narrowed; the head ratio (GQA 4:1) and the ffn ratio kept
 LLAMA3_TOY = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=896,
                   num_attention_heads=8, num_key_value_heads=2, vocab_size=1000)
+# MLA with a 48-wide q/k head and a 32-wide value head, one dense layer then an MoE layer
+DEEPSEEK_TOY = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256,
+                    num_attention_heads=4, num_key_value_heads=4, vocab_size=512,
+                    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                    first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=32,
+                    qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_group=2,
+                    topk_group=1, rope_scaling=None)

@@ -24,7 +24,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hf_configs import LLAMA3_TOY, hf  # tests/traced/hf_configs.py
+from hf_configs import DEEPSEEK_TOY, LLAMA3_TOY, hf  # tests/traced/hf_configs.py
 from known import Known, KnownDeviation, check, param, table  # tests/traced/known.py
 from memplan.profile.frameworks import (
     FrameworkCase,
@@ -78,13 +78,6 @@ PHI3_TOY = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=768,
                 num_attention_heads=8, num_key_value_heads=2, vocab_size=1000, **NO_IDS)
 OLMO2_TOY = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=768,
                  num_attention_heads=8, num_key_value_heads=2, vocab_size=1000, **NO_IDS)
-# MLA with a 48-wide q/k head and a 32-wide value head, one dense layer then an MoE layer
-DEEPSEEK_TOY = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256,
-                    num_attention_heads=4, num_key_value_heads=4, vocab_size=512,
-                    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-                    first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=32,
-                    qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_group=2,
-                    topk_group=1, rope_scaling=None)
 MINISTRAL_TOY = dict(LLAMA3_TOY, head_dim=32, sliding_window=32,
                      layer_types=["sliding_attention", "full_attention"])
 # Mistral's layer with a 64-token vocabulary (the layers set the peaks) and a 256-token window

@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hf_configs import hf  # noqa: E402  (tests/traced/hf_configs.py)
+from hf_configs import DEEPSEEK_TOY, hf  # noqa: E402  (tests/traced/hf_configs.py)
 from memplan.api import make_layout, make_workload  # noqa: E402
 from memplan.profile.frameworks import FrameworkCase, compare_framework  # noqa: E402
 from memplan.profile.compare import compare  # noqa: E402
@@ -440,7 +440,7 @@ def test_emitted_policy_on_transformers_glm4_moe(precision: str, save: str) -> N
     _assert_rows_within(result.rows)
 
 
-# DeepSeek-V3 narrowed (test_frameworks' DEEPSEEK_TOY with a 64-token vocabulary: 2 layers,
+# DeepSeek-V3 narrowed (hf_configs' DEEPSEEK_TOY with a 64-token vocabulary: 2 layers,
 # the first dense by first_k_dense_replace, h 128, 4 heads, q_lora_rank 64, kv_lora_rank 32,
 # q/k heads of 32 + 16 RoPE, value heads of 32, 4 experts of 64, top-2, a shared expert run
 # last, the sigmoid router) at 2 x 64 tokens: MLA's items (memplan.model.sac_mla: the down
@@ -454,12 +454,7 @@ def test_emitted_policy_on_transformers_glm4_moe(precision: str, save: str) -> N
 # rerun's unsort, where its terms are not rebuilt yet (-1.37%; memplan.model.moe.
 # grouped_rerun, memplan.model.layer._cached_ahead). Measured: saved activations exact in
 # every case, every phase within 0.12%
-DEEPSEEK_OPS_TOY = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256,
-                        num_attention_heads=4, num_key_value_heads=4, vocab_size=64,
-                        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-                        first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=32,
-                        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_group=2,
-                        topk_group=1, rope_scaling=None)
+DEEPSEEK_OPS_TOY = dict(DEEPSEEK_TOY, vocab_size=64)
 MLA_GRID = [("bf16-pure", 64, ""), ("bf16-pure", 64, "attention"),
             ("bf16-pure", 64, "dense:mlp,moe:mlp"),
             ("bf16-pure", 64, "dense:mla.q_a,dense:mla.q_norm.stats,dense:mla.kv_norm.output,"
@@ -476,12 +471,8 @@ MLA_GRID = [("bf16-pure", 64, ""), ("bf16-pure", 64, "attention"),
 def test_emitted_policy_on_transformers_deepseek_v3(precision: str, seq: int, save: str) -> None:
     pytest.importorskip("transformers")
     config = hf("DeepSeek-V3", **DEEPSEEK_OPS_TOY)
-    if save == "auto":
-        save = _midway_list(config, precision, seq)
-        assert {n.split(":")[0] for n in save.split(",")} == {"dense", "moe"}
-    case = FrameworkCase("transformers", "deepseek-v3-toy", config, precision, 2, seq,
-                         options={"recompute": "ops", "recompute_save": save})
-    result = compare_framework(case)
+    result = compare_framework(_ops_case(config, "deepseek-v3-toy", precision, seq, save,
+                                         {"dense", "moe"}))
     _assert_rows_within(result.rows)
     row = result.row("activations_bytes")
     assert row.estimated_bytes == row.measured_bytes, row
@@ -775,6 +766,18 @@ def test_emitted_policy_on_fused_gate_up(model: str, precision: str, save: str) 
     _assert_within_full("fused", FUSED_TOY, model, precision, save)
 
 
+def _ops_case(config: dict, key: str, precision: str, seq: int, save: str,
+              scopes: set[str] | None = None, auto_seq: int | None = None) -> FrameworkCase:
+    """The op-level case of ``config`` keeping ``save``; "auto": the midway save list of
+    ``_midway_list`` (at ``auto_seq`` tokens, else ``seq``), which names every layer kind of
+    ``scopes`` where given."""
+    if save == "auto":
+        save = _midway_list(config, precision, auto_seq or seq)
+        assert scopes is None or {n.split(":")[0] for n in save.split(",")} == scopes
+    return FrameworkCase("transformers", key, config, precision, 2, seq,
+                         options={"recompute": "ops", "recompute_save": save})
+
+
 def _midway_list(config: dict, precision: str, seq: int = 1024) -> str:
     """The list ``--recompute auto`` chooses for ``config`` at 2 x ``seq`` tokens midway
     between full recompute's peak and no recompute's."""
@@ -863,11 +866,7 @@ CONV_GRID = [("bf16-pure", 1024, "conv:short_conv.bcx,conv:short_conv.conv_out,a
 def test_emitted_policy_on_short_conv_layers(precision: str, seq: int, save: str) -> None:
     pytest.importorskip("transformers")
     config = hf("heldout/LFM2-1.2B", **LFM2_TOY)
-    if save == "auto":
-        save = _midway_list(config, precision)
-        assert {n.split(":")[0] for n in save.split(",")} == {"conv", "attn"}
-    case = FrameworkCase("transformers", "lfm2-ops-toy", config, precision, 2, seq,
-                         options={"recompute": "ops", "recompute_save": save})
+    case = _ops_case(config, "lfm2-ops-toy", precision, seq, save, {"conv", "attn"}, 1024)
     _assert_rows_within(compare_framework(case).rows)
 
 
@@ -890,11 +889,8 @@ RELU_GRID = [("bf16-pure", "mlp.fc1"), ("bf16-pure", "norms,mlp.act"),
 def test_emitted_policy_on_relu_mlp(precision: str, save: str) -> None:
     pytest.importorskip("transformers")
     config = hf("heldout/Apertus-8B-2509", **RELU_TOY)
-    if save == "auto":
-        save = _midway_list(config, precision)
-    case = FrameworkCase("transformers", "apertus-relu-toy", config, precision, 2, 1024,
-                         options={"recompute": "ops", "recompute_save": save})
-    _assert_rows_within(compare_framework(case).rows)
+    _assert_rows_within(compare_framework(_ops_case(config, "apertus-relu-toy", precision,
+                                                    1024, save)).rows)
 
 
 # An eager attention core (transformers' eager_attention_forward, models/llama/
