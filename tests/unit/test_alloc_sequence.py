@@ -361,3 +361,60 @@ def test_fsdp2_sharded_gradients_one_tensor_per_unit_on_the_reduce_scatter_strea
     # the root's (head, norm, embedding: 16,448 B) too, at its reduce-scatter
     assert on_stream_2(events) == ([64, 8_192, 8_192, 16_448, 46_208, 46_208, 46_208, 46_208],
                                    [])
+
+
+def _by_marks(events: list, marks: list[int], cfg: AllocatorConfig) -> tuple:
+    """``replay`` (every event, the allocated bytes followed too) read at ``marks``: the
+    reserved bytes after the event before each mark (0 before any), the reserved peak and
+    the step whose allocation failed."""
+    from memplan.model.allocator import replay
+
+    r = replay(events, cfg)
+    seen = r.reserved_bytes
+    at = tuple(seen[m - 1] if 0 < m <= len(seen) else seen[-1] if m and seen else 0
+               for m in marks)
+    oom = (None if r.oom_event is None else
+           next(k for k, m in enumerate(marks) if r.oom_event < m))
+    return at, r.reserved_peak_bytes, oom
+
+
+def test_replayed_as_made_equals_the_event_list_replay() -> None:
+    """``replay_stage`` replays the sequence as it is made (no event list); ``replay`` over
+    ``stage_sequence``'s list gives the same reserved bytes at every step's end, reserved peak
+    and failing step: llama-7b stages (pp 1 and 2, ZeRO 1 and 3, recompute none and full,
+    one and two micro-batches) without a limit, and each under capacities at 99%, 90% and
+    80% of its unlimited reserved peak (the limited replay: where cudaMalloc meets the limit,
+    the cache is released, or the allocator runs out of memory)."""
+    import memplan
+    from memplan.model import memo
+    from memplan.model.dims import Dims
+    from memplan.model.reserved import stage_inputs
+    from memplan.model.stage import walk_stage
+    from memplan.overheads import no_overheads
+
+    seen_oom = seen_fit_limited = 0
+    for kw in ({"pp": 1, "zero": 1, "recompute": "none", "micro_batch_size": 1},
+               {"pp": 2, "zero": 3, "recompute": "full", "micro_batch_size": 2,
+                "global_batch_size": 64}):
+        est = memplan.estimate("llama-7b", gpus=8, seq_len=1024, overheads=no_overheads(),
+                               **kw)
+        spec, par, wl = est.spec, est.parallel, est.workload
+        m = est.num_microbatches
+        parts = memo.stage_parts(spec, par, wl)
+        shared = memo.shared_terms(spec, wl, Dims.of(spec, par, wl), par.experts, parts)
+        for i in range(par.pp):
+            walked = walk_stage(spec, par, wl, m, i, est.schedule, shared, parts[i])
+            s = stage_inputs(spec, par, wl, m, walked, shared)
+            b = stage_sequence(s)
+            want = _by_marks(b.events, b.marks, AllocatorConfig())
+            got = replay_stage(s, AllocatorConfig())
+            assert (got.reserved_by_step, got.reserved_peak_bytes, got.oom_step,
+                    got.tensor_peak_bytes, got.num_events) == (*want, b.peak, len(b.events))
+            for share in (99, 90, 80):
+                cap = want[1] * share // 100
+                lim = _by_marks(b.events, b.marks, AllocatorConfig(capacity_bytes=cap))
+                got = replay_stage(s, AllocatorConfig(), limit=(b.peak, cap))
+                assert (got.reserved_by_step, got.reserved_peak_bytes, got.oom_step) == lim
+                seen_oom += lim[2] is not None
+                seen_fit_limited += lim[2] is None
+    assert seen_oom and seen_fit_limited  # both kinds of limited replay were compared
