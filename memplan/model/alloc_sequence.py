@@ -33,7 +33,7 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import NamedTuple
 
-from memplan.model.allocator import Alloc, AllocatorConfig, Blip, Free, ReservedReplayer
+from memplan.model.allocator import Alloc, AllocatorConfig, Blip, Free, replay_reserved
 from memplan.model.nf4_init import qlora_setup
 from memplan.model.nf4_init import stored_bytes as nf4_stored_bytes
 from memplan.model.sharding import Held, end_moments, forward_positions, head_moments, run_positions
@@ -101,90 +101,6 @@ class Builder:
 
     def mark(self) -> None:
         self.marks.append(len(self.events))
-
-
-class Replaying(Builder):
-    """A ``Builder`` that replays each event through a ``ReservedReplayer`` as it makes it,
-    keeping no event list (``events`` stays empty; ``count`` counts what it would hold):
-    the sequence's replay without the list's tuples and its second pass."""
-
-    def __init__(self, cfg: AllocatorConfig | None) -> None:
-        super().__init__()
-        self.replay = r = ReservedReplayer(cfg)
-        self.count = 0
-        self._malloc, self._free, self._blip = r.malloc, r.free, r.blip
-
-    def alloc(self, size: int, stream: int = 0) -> int | None:
-        if size <= 0:
-            return None
-        key = self._next
-        self._next = key + 1
-        self.sizes[key] = size
-        alive = self.alive = self.alive + size
-        if alive > self.peak:
-            self.peak = alive
-        self.count += 1
-        self._malloc(key, size, stream)
-        return key
-
-    def free(self, key: int | None) -> None:
-        size = self.sizes.pop(key, None)
-        if size is None:
-            return
-        self.alive -= size
-        self.count += 1
-        self._free(key)
-
-    def blip(self, size: int, piece: int = 0, stream: int = 0) -> None:
-        if size <= 0:
-            return
-        whole = (size - 1) // piece if piece > 0 else 0
-        last = size - whole * piece
-        self.count += 1
-        self._blip([(last, 1)] if not whole else [(piece, whole), (last, 1)], stream)
-        self.peak = max(self.peak, self.alive + size)
-
-    def made_and_freed(self, sizes: list[int], stream: int = 0) -> None:
-        sizes = [n for n in sizes if n > 0]
-        if sizes:
-            self.count += 1
-            self._blip(Blip(tuple(sizes), stream).runs(), stream)
-            self.peak = max(self.peak, self.alive + sum(sizes))
-
-    def mark(self) -> None:
-        self.marks.append(self.count)
-        self.replay.mark(self.count == 0)
-
-
-class Peak(Builder):
-    """A ``Builder`` that follows the bytes alive and their peak only (no events): what a
-    limited replay needs to know of its sequence before it starts (``_replay_caps``)."""
-
-    def alloc(self, size: int, stream: int = 0) -> int | None:
-        if size <= 0:
-            return None
-        key = self._next
-        self._next = key + 1
-        self.sizes[key] = size
-        alive = self.alive = self.alive + size
-        if alive > self.peak:
-            self.peak = alive
-        return key
-
-    def free(self, key: int | None) -> None:
-        size = self.sizes.pop(key, None)
-        if size is not None:
-            self.alive -= size
-
-    def blip(self, size: int, piece: int = 0, stream: int = 0) -> None:
-        if size > 0 and self.alive + size > self.peak:
-            self.peak = self.alive + size
-
-    def made_and_freed(self, sizes: list[int], stream: int = 0) -> None:
-        self.blip(sum(n for n in sizes if n > 0))
-
-    def mark(self) -> None:
-        pass
 
 
 class Stack:
@@ -280,8 +196,8 @@ def _grad_bytes(elements: tuple[int, ...] | list[int], per_param: int | Fraction
 class _Run:
     """One replayed step sequence's state: the builder and what outlives a micro-batch."""
 
-    def __init__(self, s: StageInputs, caps: tuple[int, ...], b: Builder) -> None:
-        self.s, self.b = s, b
+    def __init__(self, s: StageInputs, caps: tuple[int, ...]) -> None:
+        self.s, self.b = s, Builder()
         self.caps = caps  # layers replayed per run
         self.grads: list[int | None] = []
         self.logits: list[int | None] = []
@@ -569,7 +485,22 @@ def stage_sequence(s: StageInputs, caps: tuple[int, ...] | None = None) -> Build
     """The stage's allocation events over setup and ``NUM_STEPS`` steps (``caps``: layers
     replayed per run; None: all). ``Builder.marks``: the event count at setup's end and at
     each step's end."""
-    return _run(s, caps or tuple(n for _, _, _, n in s.walk.runs), Builder())
+    caps = caps or tuple(n for _, _, _, n in s.walk.runs)
+    r = _Run(s, caps)
+    _setup(r)
+    for step in range(1, NUM_STEPS + 1):
+        for mb in range(min(s.microbatches, 2)):
+            acts = Stack(r.b)
+            cached: list[int | None] = []
+            _forward(r, step > 1, acts, cached)
+            for key in cached:
+                r.b.free(key)
+            growing = mb == 0 and not s.persistent_grads and not (s.keep_grads and step > 1)
+            _backward(r, acts, growing)
+            acts.clear()
+        _optimizer(r, step == 1)
+        r.b.mark()
+    return r.b
 
 
 class StageReplay(NamedTuple):
@@ -595,35 +526,14 @@ def _replay_caps(s: StageInputs, cfg: AllocatorConfig, caps: tuple[int, ...] | N
                  limit: tuple[int, int] | None = None
                  ) -> tuple[tuple[int, ...], int, int, int | None, int]:
     """(reserved at setup's and each step's end, the sequence's tensor peak, its events, the
-    step whose allocation failed, the reserved peak); ``limit``: ``replay_stage``'s. The
-    sequence is replayed as it is made (``Replaying``); with a limit, its tensor peak, which
-    sets the capacity, is made first (``Peak``: about a seventh of a replay's work)."""
-    caps = caps or tuple(n for _, _, _, n in s.walk.runs)
+    step whose allocation failed, the reserved peak); ``limit``: ``replay_stage``'s."""
+    b = stage_sequence(s, caps)
     if limit is not None:
-        peak = _run(s, caps, Peak()).peak
-        cfg = cfg.model_copy(update={"capacity_bytes": limit[1] - (limit[0] - peak)})
-    b = _run(s, caps, Replaying(cfg))
-    r = b.replay
-    return tuple(r.at), b.peak, b.count, r.oom_mark, r.peak
-
-
-def _run(s: StageInputs, caps: tuple[int, ...], b: Builder) -> Builder:
-    """Setup and ``NUM_STEPS`` steps of ``s`` into ``b``."""
-    r = _Run(s, caps, b)
-    _setup(r)
-    for step in range(1, NUM_STEPS + 1):
-        for mb in range(min(s.microbatches, 2)):
-            acts = Stack(r.b)
-            cached: list[int | None] = []
-            _forward(r, step > 1, acts, cached)
-            for key in cached:
-                r.b.free(key)
-            growing = mb == 0 and not s.persistent_grads and not (s.keep_grads and step > 1)
-            _backward(r, acts, growing)
-            acts.clear()
-        _optimizer(r, step == 1)
-        r.b.mark()
-    return b
+        cfg = cfg.model_copy(update={"capacity_bytes": limit[1] - (limit[0] - b.peak)})
+    res = replay_reserved(b.events, cfg, b.marks)
+    oom = (None if res.oom_event is None else
+           next(k for k, m in enumerate(b.marks) if res.oom_event < m))
+    return res.at_marks, b.peak, len(b.events), oom, res.reserved_peak_bytes
 
 
 # Folding: a stage whose longest run has more than FOLD_ABOVE layers is replayed with its long

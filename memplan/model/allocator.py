@@ -848,7 +848,7 @@ def replay(events: list[Alloc | Free | Blip], cfg: AllocatorConfig | None = None
             got = blip(ev.runs(), ev.stream)
             ok = True
             if got is None:  # near the capacity: tensor by tensor, as malloc would
-                got, ok = _blip_one_by_one(alloc, ev.runs(), ev.stream)
+                got, ok = _blip_one_by_one(alloc, ev)
             grew, top = got
             for r, a in grew:
                 if r > peak_r:
@@ -890,107 +890,65 @@ class ReservedReplay(NamedTuple):
     oom_event: int | None
 
 
-class ReservedReplayer:
-    """``replay``'s loop read for its reserved bytes only, fed one event at a time: the same
-    allocator, event for event, but the allocated bytes are not followed, so a blip that surely
-    makes no segment (``CachingAllocator.blip_leaves_nothing``) is passed over (it leaves the
-    allocator as it found it), and the reserved bytes are kept at marks only. Once an
-    allocation has run out of memory every later event is ignored, as ``replay`` stops there.
-    A sequence builder can drive it as it makes the events (``memplan.model.alloc_sequence``),
-    so that no event list is kept; ``replay_reserved`` feeds it a list."""
-
-    __slots__ = ("alloc", "peak", "at", "oom_mark", "last", "_quiet", "_blip")
-
-    def __init__(self, cfg: AllocatorConfig | None) -> None:
-        self.alloc = alloc = CachingAllocator(cfg)
-        self.peak = 0  # the reserved peak
-        self.at: list[int] = []  # the reserved bytes at each mark
-        # the marks made before the allocation that ran out of memory (None: none did), and
-        # the reserved bytes ``replay`` last noted before it
-        self.oom_mark: int | None = None
-        self.last = 0
-        self._quiet, self._blip = alloc.blip_leaves_nothing, alloc.blip
-
-    def malloc(self, key: int, size: int, stream: int = 0) -> None:
-        if self.oom_mark is not None:
-            return
-        alloc = self.alloc
-        before = alloc.reserved
-        if not alloc.malloc(key, size, stream):
-            self.oom_mark, self.last = len(self.at), before
-        elif alloc.reserved > self.peak:
-            self.peak = alloc.reserved
-
-    def free(self, key: int) -> None:
-        if self.oom_mark is None:
-            self.alloc.free(key)
-
-    def blip(self, runs: list[tuple[int, int]], stream: int = 0) -> None:
-        """A ``Blip`` of ``runs`` (``Blip.runs``) on ``stream``."""
-        if self.oom_mark is not None or self._quiet(runs, stream):
-            return
-        alloc = self.alloc
-        before = alloc.reserved
-        got = self._blip(runs, stream)
-        ok = True
-        if got is None:  # near the capacity: tensor by tensor, as malloc would
-            got, ok = _blip_one_by_one(alloc, runs, stream)
-        peak = self.peak
-        for r, _ in got[0]:
-            if r > peak:
-                peak = r
-        if not ok:  # reserved as the last allocation before the one that failed left it
-            self.oom_mark, self.last = len(self.at), got[0][-1][0] if got[0] else before
-        elif alloc.reserved > peak:
-            peak = alloc.reserved
-        self.peak = peak
-
-    def mark(self, nothing_before: bool = False) -> None:
-        """Note the reserved bytes now (``nothing_before``: no event came before the mark)."""
-        self.at.append(self.last if self.oom_mark is not None else
-                       0 if nothing_before else self.alloc.reserved)
-
-
 def replay_reserved(events: list[Alloc | Free | Blip], cfg: AllocatorConfig | None,
                     marks: list[int]) -> ReservedReplay:
-    """``ReservedReplayer`` over a list of events, with marks at event counts ``marks``. Its
-    reserved peak, the reserved bytes at each mark and the out-of-memory event are
-    ``replay``'s."""
-    r = ReservedReplayer(cfg)
+    """``replay`` read for its reserved bytes only: the same allocator, event for event, but
+    the allocated bytes are not followed, so a blip that surely makes no segment
+    (``CachingAllocator.blip_leaves_nothing``) is passed over (it leaves the allocator as it
+    found it); the reserved bytes are kept at ``marks`` (event counts) only. Its reserved
+    peak, the reserved bytes at each mark and the out-of-memory event are ``replay``'s."""
+    alloc = CachingAllocator(cfg)
+    peak_r = 0
     oom: int | None = None
+    at: list[int] = []
     ends = iter(marks)
     mark = next(ends, None)
+    last = 0  # after an allocation that failed: the reserved bytes as ``replay`` last noted
+    malloc, free, blip, quiet = (alloc.malloc, alloc.free, alloc.blip,
+                                 alloc.blip_leaves_nothing)
     for i, ev in enumerate(events):
         while mark is not None and mark <= i:
-            r.mark(mark == 0)
+            at.append(alloc.reserved if mark else 0)
             mark = next(ends, None)
         kind = type(ev)
         if kind is Free:
-            r.free(ev.id)
-        elif kind is Blip:
-            r.blip(ev.runs(), ev.stream)
-        else:
-            r.malloc(ev.id, ev.size_bytes, ev.stream)
-        if r.oom_mark is not None:
-            oom = i
+            free(ev.id)
+            continue
+        before = alloc.reserved
+        if kind is Blip:
+            runs = ev.runs()
+            if quiet(runs, ev.stream):
+                continue
+            got = blip(runs, ev.stream)
+            ok = True
+            if got is None:  # near the capacity: tensor by tensor, as malloc would
+                got, ok = _blip_one_by_one(alloc, ev)
+            for r, _ in got[0]:
+                if r > peak_r:
+                    peak_r = r
+            if not ok:  # reserved as the last allocation before the one that failed left it
+                oom, last = i, got[0][-1][0] if got[0] else before
+                break
+        elif not malloc(ev.id, ev.size_bytes, ev.stream):
+            oom, last = i, before
             break
+        if alloc.reserved > peak_r:
+            peak_r = alloc.reserved
     while mark is not None:
-        r.mark(mark == 0)
+        at.append(last if oom is not None else alloc.reserved if mark else 0)
         mark = next(ends, None)
-    return ReservedReplay(tuple(r.at), r.peak, oom)
+    return ReservedReplay(tuple(at), peak_r, oom)
 
 
-def _blip_one_by_one(alloc: CachingAllocator, runs: list[tuple[int, int]], stream: int
+def _blip_one_by_one(alloc: CachingAllocator, ev: Blip
                      ) -> tuple[tuple[list[tuple[int, int]], int], bool]:
-    """A blip of ``runs`` ((size, how many in a row)) through ``malloc`` and ``free`` (ids
-    below any a sequence uses): the (reserved, allocated) after each allocation made and the
-    allocated peak; False where an allocation ran out of memory (those made stay, as the
-    replay stops there)."""
+    """A blip through ``malloc`` and ``free`` (ids below any a sequence uses): the
+    (reserved, allocated) after each allocation made and the allocated peak; False where an
+    allocation ran out of memory (those made stay, as the replay stops there)."""
     keys, seen, top = [], [], alloc.allocated
-    sizes = [size for size, count in runs for _ in range(count)]
-    for n, size in enumerate(sizes):
+    for n, size in enumerate(ev.tensors()):
         key = -1 - n
-        if not alloc.malloc(key, size, stream):
+        if not alloc.malloc(key, size, ev.stream):
             return (seen, top), False
         keys.append(key)
         seen.append((alloc.reserved, alloc.allocated))

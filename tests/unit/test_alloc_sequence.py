@@ -378,10 +378,11 @@ def _by_marks(events: list, marks: list[int], cfg: AllocatorConfig) -> tuple:
     return at, r.reserved_peak_bytes, oom
 
 
-def test_replayed_as_made_equals_the_event_list_replay() -> None:
-    """``replay_stage`` replays the sequence as it is made (no event list); ``replay`` over
-    ``stage_sequence``'s list gives the same reserved bytes at every step's end, reserved peak
-    and failing step: llama-7b stages (pp 1 and 2, ZeRO 1 and 3, recompute none and full,
+def test_stage_replay_equals_the_whole_replay() -> None:
+    """``replay_stage`` (the reserved bytes only, blips that surely make no segment passed
+    over, a limited replay's capacity set from the sequence's tensor peak) and ``replay``
+    over ``stage_sequence``'s list (every event, allocated bytes too) give the same reserved
+    bytes at every step's end, reserved peak and failing step: llama-7b stages (pp 1 and 2, ZeRO 1 and 3, recompute none and full,
     one and two micro-batches) without a limit, and each under capacities at 99%, 90% and
     80% of its unlimited reserved peak (the limited replay: where cudaMalloc meets the limit,
     the cache is released, or the allocator runs out of memory)."""
