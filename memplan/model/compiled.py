@@ -52,7 +52,7 @@ from collections.abc import Sequence
 from memplan.model import linear
 from memplan.model.block import BackwardMoment, Moment
 from memplan.model.dims import FP32_BYTES, INDEX_BYTES, Dims, Term
-from memplan.spec import ActivationImpl, ModelSpec, MoESpec
+from memplan.spec import ActivationImpl, MlpKind, ModelSpec, MoESpec
 from memplan.workload import Float8Recipe, MoeImpl, NormImpl, Recompute, TeFp8Recipe, Workload
 
 # Inductor's buffer reuse in the compiled forward: the residual add after the MLP is the last
@@ -195,6 +195,51 @@ def mlp_terms(terms: list[Term], gated: bool) -> list[Term]:
     if gated:
         return [t for t in terms if not t.name.endswith(".act")]
     return [t for t in terms if t.name.rpartition(".")[2] in ("fc1", "act")]
+
+
+def swiglu_backward(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute
+                    ) -> bool:
+    """Whether ``swiglu_moments`` gives a dense MLP's backward: compiled, SwiGLU with its own
+    gate and up projections, plain linears (no adapters, float8 or Transformer Engine fp8),
+    no autocast (its traced moments: ``autocast_end_bytes``), no dropout, and the layer not
+    recomputed or fully recomputed (per-op SAC saves another set)."""
+    return (dm.compiled and spec.mlp is MlpKind.SWIGLU and not spec.fused_gate_up
+            and dm.adapters is None and not dm.autocast and spec.dropout == 0
+            and dm.float8 is Float8Recipe.NONE and dm.te_fp8 is TeFp8Recipe.NONE
+            and recompute is Recompute.NONE)
+
+
+def swiglu_moments(wl: Workload, dm: Dims, saved: int, inner: int, grad_inputs: int,
+                   fresh: int) -> list[BackwardMoment]:
+    """A compiled SwiGLU MLP's backward as Inductor schedules it (one kernel per scheduler
+    node, as a GPU backend launches them; traced on CPU: benchmarks/compiled_backward.py,
+    torchtitan 0.3's block and transformers' layer at 2 x 1,024 tokens): the activation's and
+    the product's backward are one fused pointwise kernel (``silu_backward`` and the muls)
+    reading gate, up and the down projection's input gradient ``inner`` each.
+
+    - The product saved (the layer not recomputed, or checkpointed outside the compiled graph:
+      ``in_checkpoint``): the down projection's weight gradient first, its input (the saved
+      product) freed after it, then the input gradient, then the kernel, which writes one
+      gradient into up's buffer (a saved input at its last reader: Inductor's in-place reuse,
+      ``decide_inplace_update``) and one new: ``saved`` less the product plus two ``inner``,
+      never above the down projection's moment (``mlp``).
+    - Fully recomputed inside the compiled graph (torchtitan's order, ``Dims.rerun``): the
+      rerun makes gate and up but not their product; the kernel writes the product (for the
+      down weight's gradient) and both gradients, three new ``inner`` tensors beside gate, up
+      and the input gradient, before any of the MLP's weight gradients: its peak at 2 x 1,024
+      tokens (torchtitan bf16 25,772,032 B traced, the eager order's moments 23,019,520 B).
+      Then the down weight's gradient (gate, up and the input gradient freed), then the input
+      projections' as eagerly (``mlp_in``).
+    ``saved``: the block's saved bytes (the product among them: the rerun holds it by the
+    time the kernel has run)."""
+    rebuilt = dm.rerun and not in_checkpoint(wl)
+    last = BackwardMoment("mlp_in", 0, grad_inputs + inner, ("mlp",), fresh)
+    if not rebuilt:
+        return [BackwardMoment("mlp", saved, inner, ("mlp_out",), fresh, inner),
+                BackwardMoment("mlp_act", saved - inner, 2 * inner, ("mlp_out",)), last]
+    return [BackwardMoment("mlp_act", saved, 3 * inner, ()),
+            BackwardMoment("mlp", saved - 2 * inner, 2 * inner, ("mlp_out",), fresh, inner),
+            last]
 
 
 def in_checkpoint(wl: Workload) -> bool:

@@ -549,6 +549,10 @@ class Mlp:
                          recompute: Recompute) -> list[BackwardMoment]:
         rows_h_e = dm.rows * spec.hidden_size * dm.e
         fresh = spec.hidden_size * spec.ffn_hidden_size // dm.tp
+        if compiled.swiglu_backward(spec, wl, dm, recompute):  # Inductor's schedule
+            return compiled.swiglu_moments(
+                wl, dm, total(self.saved(spec, wl, dm, recompute)),
+                dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e, 2 * rows_h_e, fresh)
         # a plain MLP has one input projection: nothing to sum
         moments = backward_moments(
             spec, dm, saved=total(self.saved(spec, wl, dm, recompute)),

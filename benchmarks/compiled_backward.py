@@ -1,0 +1,123 @@
+"""A compiled decoder layer's phase peaks at several token counts: the trace against memplan.
+
+Not a test (each case compiles a layer with Inductor on CPU, tens of seconds): run by hand from
+the repository root, with transformers and torchtitan installed::
+
+    .venv/bin/python benchmarks/compiled_backward.py [--write benchmarks/data/compiled_backward.json]
+
+(``--stored FILE`` takes the traced peaks from a stored file and recomputes memplan's.)
+
+``tests/traced/test_compile_trace.py`` pins the toy layer (h 256) at 2 x 64 tokens, where the
+MLP's weight gradients (3 h f elements) outweigh its activations (T f each); a training micro-
+batch holds thousands of tokens per layer, and Inductor's schedule of the backward
+(``torch/_inductor/memory.py reorder_for_peak_memory`` picks among orders by their estimated
+peak, from the buffers' sizes) may differ there. Each case is traced with
+``memplan.profile.compiled_trace.compiled_layer_step`` (one kernel per scheduler node, as a
+GPU backend launches them) and set beside memplan's layer: its forward peak and the largest
+backward moment with the gradients made by then, less one residual-stream tensor (the
+comparison ``test_compiled_layer_phase_peaks`` makes: memplan counts the layer's input and the
+incoming gradient, the trace the held output in their place).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "traced"))
+
+TITAN = dict(dim=256, n_layers=1, n_heads=8, n_kv_heads=2, vocab_size=1000)
+CASES = [  # (library, fused q/k/v, dtype, checkpoint, batch, seq)
+    ("torchtitan", True, "bfloat16", "full", 2, 64),
+    ("torchtitan", True, "bfloat16", "full", 2, 1024),
+    ("torchtitan", True, "bfloat16", "none", 2, 64),
+    ("torchtitan", True, "bfloat16", "none", 2, 1024),
+    ("transformers", False, "bfloat16", "full", 2, 1024),
+    ("transformers", False, "bfloat16", "none", 2, 1024),
+]
+
+
+def memplan_peaks(library: str, fused: bool, dtype: str, checkpoint: str, batch: int,
+                  seq: int) -> tuple[int, int]:
+    """memplan's (forward peak, backward peak) of the layer, each less one stream tensor."""
+    from hf_configs import LLAMA3_TOY, hf
+
+    from memplan.model.dims import Dims
+    from memplan.model.layer import grad_group_params, layer_kind
+    from memplan.parallel import ParallelConfig
+    from memplan.spec import spec_from_hf_dict
+    from memplan.workload import Recompute, Workload
+
+    recompute = Recompute.FULL if checkpoint == "full" else Recompute.NONE
+    precision = {"bfloat16": "bf16-pure", "float32": "fp32"}[dtype]
+    if library == "transformers":
+        spec, extra = spec_from_hf_dict(hf("Meta-Llama-3-8B", **LLAMA3_TOY), "toy", "toy"), {}
+    else:
+        from memplan.profile.frameworks import torchtitan_config, torchtitan_spec
+
+        spec = torchtitan_spec(torchtitan_config(**TITAN, seq_len=seq, fuse_qkv=fused), "toy")
+        extra = {"rope_cache": "layer", "selective_impl": "op"}
+    wl = Workload(micro_batch_size=batch, seq_len=seq, precision=precision,
+                  recompute=recompute, compile=True, **extra)
+    dm = Dims.of(spec, ParallelConfig(), wl)
+    kind = layer_kind(spec, wl, dm, False, recompute)
+    groups = grad_group_params(spec, 1, 1, False)
+    stream = dm.rows * spec.hidden_size * dm.e
+    backward = max(m.alive_bytes + m.transient_bytes
+                   + dm.e * sum(groups[g] for g in m.grads_before) for m in kind.moments)
+    return kind.forward_peak_bytes - stream, backward - stream
+
+
+def traced_peaks(library: str, fused: bool, dtype: str, checkpoint: str, batch: int,
+                 seq: int) -> tuple[int, int]:
+    from hf_configs import LLAMA3_TOY, hf
+
+    from memplan.profile.compiled_trace import compiled_layer_step
+
+    config = (hf("Meta-Llama-3-8B", **LLAMA3_TOY) if library == "transformers"
+              else {"torchtitan": dict(TITAN, fuse_qkv=fused)})
+    _, forward, backward = compiled_layer_step(config, dtype, batch, seq, checkpoint=checkpoint)
+    return forward, backward
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", type=Path, help="store the rows as JSON")
+    parser.add_argument("--stored", type=Path,
+                        help="read the traced peaks from this file (written by --write with the "
+                             "same torch) instead of tracing again; memplan's are computed")
+    args = parser.parse_args()
+    stored = ({_key(r): r for r in json.loads(args.stored.read_text())["rows"]}
+              if args.stored else {})
+    rows = []
+    for case in CASES:
+        row = stored.get(case)
+        traced = ((row["traced_forward"], row["traced_backward"]) if row
+                  else traced_peaks(*case))
+        model = memplan_peaks(*case)
+        library, fused, dtype, checkpoint, batch, seq = case
+        row = {"library": library, "fused_qkv": fused, "dtype": dtype, "checkpoint": checkpoint,
+               "batch": batch, "seq": seq, "traced_forward": traced[0],
+               "memplan_forward": model[0], "traced_backward": traced[1],
+               "memplan_backward": model[1]}
+        rows.append(row)
+        print(f"{library:12s} {checkpoint:4s} {batch} x {seq:5d} {dtype}: forward "
+              f"{model[0]:,} vs {traced[0]:,} ({model[0] / traced[0] - 1:+.2%}), backward "
+              f"{model[1]:,} vs {traced[1]:,} ({model[1] / traced[1] - 1:+.2%})", flush=True)
+    if args.write:
+        import torch
+
+        args.write.write_text(json.dumps({"torch": torch.__version__, "rows": rows},
+                                         indent=1) + "\n")
+    return 0
+
+
+def _key(row: dict) -> tuple:
+    return (row["library"], row["fused_qkv"], row["dtype"], row["checkpoint"], row["batch"],
+            row["seq"])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
