@@ -29,13 +29,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "traced"))
 
 TITAN = dict(dim=256, n_layers=1, n_heads=8, n_kv_heads=2, vocab_size=1000)
-CASES = [  # (library, fused q/k/v, dtype, checkpoint, batch, seq)
+CASES = [  # (library, fused q/k/v, dtype, checkpoint: none, full or op (per-op SAC), batch, seq)
     ("torchtitan", True, "bfloat16", "full", 2, 64),
     ("torchtitan", True, "bfloat16", "full", 2, 1024),
     ("torchtitan", True, "bfloat16", "none", 2, 64),
     ("torchtitan", True, "bfloat16", "none", 2, 1024),
     ("transformers", False, "bfloat16", "full", 2, 1024),
     ("transformers", False, "bfloat16", "none", 2, 1024),
+    ("torchtitan", True, "bfloat16", "op", 2, 64),  # torchtitan's per-op SAC
+    ("torchtitan", True, "bfloat16", "op", 2, 1024),
 ]
 
 
@@ -50,7 +52,8 @@ def memplan_peaks(library: str, fused: bool, dtype: str, checkpoint: str, batch:
     from memplan.spec import spec_from_hf_dict
     from memplan.workload import Recompute, Workload
 
-    recompute = Recompute.FULL if checkpoint == "full" else Recompute.NONE
+    recompute = {"none": Recompute.NONE, "full": Recompute.FULL,
+                 "op": Recompute.SELECTIVE}[checkpoint]
     precision = {"bfloat16": "bf16-pure", "float32": "fp32"}[dtype]
     if library == "transformers":
         spec, extra = spec_from_hf_dict(hf("Meta-Llama-3-8B", **LLAMA3_TOY), "toy", "toy"), {}

@@ -297,13 +297,7 @@ def _saved(config: dict, dtype_name: str, batch: int, seq: int,
 
     layer, run, x = _layer(config, dtype_name, batch, seq)
     if checkpoint == "op":
-        from torchtitan.distributed.activation_checkpoint import SelectiveAC
-
-        from memplan.profile.frameworks import _sac_saves_cpu_flash
-
-        with _sac_saves_cpu_flash():
-            wrapped = SelectiveAC(SelectiveAC.Config())._wrap_block(layer, base_fqn="layers.0")
-        run = lambda h: wrapped(h, None, None)  # noqa: E731 (torchtitan's blocks only)
+        run = _per_op_sac(layer)
 
     def step(h):
         if checkpoint == "full":
@@ -327,6 +321,19 @@ def _saved(config: dict, dtype_name: str, batch: int, seq: int,
         torch._dynamo.reset()
     assert len(rows) == 1, f"expected one partitioned graph, got {len(rows)}"
     return rows[0]
+
+
+def _per_op_sac(layer: Any) -> Any:
+    """A function running torchtitan's block ``layer`` inside torchtitan's per-op SAC
+    (``SelectiveAC._wrap_block``, its save list with CPU's SDPA kernel:
+    ``frameworks._sac_saves_cpu_flash``)."""
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    from memplan.profile.frameworks import _sac_saves_cpu_flash
+
+    with _sac_saves_cpu_flash():
+        wrapped = SelectiveAC(SelectiveAC.Config())._wrap_block(layer, base_fqn="layers.0")
+    return lambda h: wrapped(h, None, None)
 
 
 def compiled_layer_peaks(config: dict, dtype_name: str, batch: int, seq: int,
@@ -396,6 +403,8 @@ def _peaks(config: dict, dtype_name: str, batch: int, seq: int,
     from torch.utils.checkpoint import checkpoint as run_checkpointed
 
     layer, layer_run, x = _layer(config, dtype_name, batch, seq)
+    if checkpoint == "op":
+        layer_run = _per_op_sac(layer)
 
     def checkpointed(h):
         return run_checkpointed(layer_run, h, use_reentrant=False)
