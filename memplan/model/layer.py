@@ -543,8 +543,12 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
         kept = sac_terms(spec, dm, fused)
         kept = tuple(compiled.sac_kept(kept, spec, dm, fused) if wl.compile else kept)
         # the recomputed layer's forward peaks in the MLP, before the down projection, whose
-        # output (kept) does not exist yet
-        late = sum(t.size_bytes for t in kept if t.name == "sac.mlp.w2")
+        # output (kept) does not exist yet; compiled with the checkpoint inside the graph,
+        # at the up projection's matmul (``compiled.checkpointed_mlp_working_bytes``), which
+        # holds the gate's output, the very tensor the policy keeps (traced: torchtitan's
+        # block, 2 x 64 and 2 x 1,024 tokens, benchmarks/compiled_backward.py: one T x f over)
+        late = sum(t.size_bytes for t in kept if t.name == "sac.mlp.w2"
+                   or (t.name == "sac.mlp.w1" and wl.compile and not compiled.in_checkpoint(wl)))
         return full._replace(terms=full.terms + kept,
                              saved_bytes=full.saved_bytes + total(kept),
                              forward_peak_bytes=full.forward_peak_bytes + total(kept) - late,
