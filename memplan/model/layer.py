@@ -549,10 +549,15 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
         # block, 2 x 64 and 2 x 1,024 tokens, benchmarks/compiled_backward.py: one T x f over)
         late = sum(t.size_bytes for t in kept if t.name == "sac.mlp.w2"
                    or (t.name == "sac.mlp.w1" and wl.compile and not compiled.in_checkpoint(wl)))
+        moments = full.moments
+        if (not moe and not compiled.in_checkpoint(wl)  # the traced SwiGLU kernel's moment
+                and compiled.swiglu_backward(spec, wl, dm, Recompute.NONE)):
+            moments = compiled.sac_deferred(moments, _attention_rebuilt(spec, wl, dm, variant),
+                                            kept)
         return full._replace(terms=full.terms + kept,
                              saved_bytes=full.saved_bytes + total(kept),
                              forward_peak_bytes=full.forward_peak_bytes + total(kept) - late,
-                             forward_blocks=())
+                             forward_blocks=(), moments=moments)
     terms = tuple(layer_terms(spec, wl, dm, moe_layer=moe, recompute=policy, variant=variant))
     moments = backward_moments(spec, wl, dm, moe_layer=moe, recompute=policy, variant=variant)
     forward = forward_moments(spec, wl, dm, moe_layer=moe, recompute=policy, variant=variant)
@@ -561,6 +566,16 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
                      layer_cast_cache_bytes(spec, wl, dm, moe, policy, variant)
                      + kv_cache_bytes(spec, wl, dm, policy, variant),
                      by_block(forward, mlp_steps(spec, wl, dm, moe, policy)))
+
+
+def _attention_rebuilt(spec: ModelSpec, wl: Workload, dm: Dims, variant: str) -> list[Term]:
+    """The terms a full recompute rebuilds of a dense layer's blocks before its MLP norm (the
+    attention norm's and the attention's; ``compiled.sac_deferred``)."""
+    blocks = layer_blocks(spec, False, variant)
+    mixer = next((i for i, b in enumerate(blocks) if b.name == "mlp_norm"), 0)
+    rerun = compiled.rerun_dims(dm)
+    return [t for b in blocks[:mixer]
+            for t in b.saved(spec, rerun_workload(wl), rerun, Recompute.NONE)]
 
 
 def mlp_steps(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,

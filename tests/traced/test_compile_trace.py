@@ -485,30 +485,40 @@ def test_compiled_moe_layer_phase_peaks(config: dict, name: str) -> None:
     assert backward - stream - traced_backward == _MOE_BACKWARD_OVER[name, impl]
 
 
-def test_compiled_full_recompute_backward_at_the_mlp_kernel() -> None:
-    """torchtitan's block (fused wqkv, bf16) fully recomputed inside the compiled graph, at
-    2 x 256 tokens (T = 512, where the MLP's T x f activations outweigh its weights' gradients,
+@pytest.mark.parametrize("checkpoint,traced_backward", [("full", 6_443_008),
+                                                      ("op", 6_178_816)])
+def test_compiled_recompute_backward_at_the_mlp_kernel(checkpoint: str,
+                                                       traced_backward: int) -> None:
+    """torchtitan's block (fused wqkv, bf16) recomputed inside the compiled graph, at 2 x 256
+    tokens (T = 512, where the MLP's T x f activations outweigh its weights' gradients,
     unlike the 2 x 64 toy; one kernel per scheduler node): the backward peaks at the fused
     kernel of the product's and SiLU's backward, which reads gate, up and the down
     projection's input gradient and writes three new T x f tensors (the product, for the down
     weight's gradient, and both gradients), before any of the MLP's weight gradients
-    (``compiled.swiglu_moments``). By hand, S = T h 2 = 262,144 B, F = T f 2 = 786,432 B: the
-    rebuilt set as the layer's saved set (``saved_bytes`` without recompute: 6.5 S + 3 F + the
-    two rsqrt, 4,096 B, and the logsumexp, 16,384 B = 4,083,712 B) less the layer's input
-    plus the held output, and 3 F: 6,443,008 B traced, memplan exact (before, the eager
-    order's moments: 6,049,792 B, -6.1%; at 2 x 1,024 tokens -10.7%:
-    benchmarks/compiled_backward.py)."""
+    (``compiled.swiglu_moments``). By hand, S = T h 2 = 262,144 B, F = T f 2 = 786,432 B.
+
+    Full AC: the rebuilt set is the layer's saved set without recompute (6.5 S + 3 F + the
+    two rsqrt, 4,096 B, and the logsumexp, 16,384 B = 4,083,712 B) less the layer's input plus
+    the held output, and 3 F: 6,443,008 B traced, memplan exact (before, the eager order's
+    moments: 6,049,792 B, -6.1%; at 2 x 1,024 tokens -10.7%: benchmarks/
+    compiled_backward.py). torchtitan's per-op SAC: the attention side is rebuilt later, for
+    its own backward (``compiled.sac_deferred``), so its norm's output (S) and rsqrt
+    (2,048 B) are not alive there, and the kept qkv output stands for q, k and v: 6,443,008
+    - 264,192 = 6,178,816 B traced, memplan exact (before, +4.3% at 2 x 1,024 with the
+    kernel's moment, -2.1% here without it); its forward peaks as full AC's, whose working
+    set holds the gate's output the policy keeps: 2,768,896 B traced, memplan exact (before,
+    the gate counted twice: +28.4%)."""
     from memplan.model.layer import grad_group_params
     from memplan.profile.compiled_trace import compiled_layer_step
 
     batch, seq = 2, 256
     config = {"torchtitan": dict(TITAN["torchtitan"], fuse_qkv=True)}
     spec = _spec("torchtitan", True)
+    recompute = Recompute.FULL if checkpoint == "full" else Recompute.SELECTIVE
     wl = Workload(micro_batch_size=batch, seq_len=seq, precision="bf16-pure",
-                  recompute=Recompute.FULL, compile=True, rope_cache="layer",
-                  selective_impl="op")
+                  recompute=recompute, compile=True, rope_cache="layer", selective_impl="op")
     dm = Dims.of(spec, ParallelConfig(), wl)
-    kind = layer_kind(spec, wl, dm, False, Recompute.FULL)
+    kind = layer_kind(spec, wl, dm, False, recompute)
     groups = grad_group_params(spec, 1, 1, False)
     stream = batch * seq * 256 * 2
     backward = max(m.alive_bytes + m.transient_bytes
@@ -516,6 +526,10 @@ def test_compiled_full_recompute_backward_at_the_mlp_kernel() -> None:
     saved_none = layer_kind(spec, wl.model_copy(update={"recompute": Recompute.NONE}), dm,
                             False, Recompute.NONE).saved_bytes
     assert saved_none == 4_083_712
-    _, _, traced = compiled_layer_step(config, "bfloat16", batch, seq, checkpoint="full")
-    assert traced == 6_443_008 == saved_none + 3 * batch * seq * 768 * 2
+    assert 6_443_008 == saved_none + 3 * batch * seq * 768 * 2
+    _, forward, traced = compiled_layer_step(config, "bfloat16", batch, seq,
+                                             checkpoint=checkpoint)
+    assert traced == traced_backward
     assert backward - stream == traced
+    if checkpoint == "op":
+        assert kind.forward_peak_bytes - stream == forward == 2_768_896
