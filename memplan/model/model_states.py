@@ -90,15 +90,12 @@ def count_stage_params(spec: ModelSpec, t: int, ep: int | ExpertSplit, pp: int,
     if first:
         shapes += EmbeddingBlock().tensor_shapes(spec, vocab_div, 1)
     embedding_tensors = len(shapes)
-    if spec.param_table is not None:  # the tensors transformers builds (memplan.hf.param_table)
-        ep_div, etp = (ep.ep, ep.etp) if isinstance(ep, ExpertSplit) else (ep, t)
-        for i in layers:
-            shapes += spec.param_table.layer_shapes(i, t, ep_div, etp)
-    else:
-        kinds = {key: _layer_shapes(spec, t, ep, *key)
-                 for key in {_shape_key(spec, i) for i in layers}}
-        for i in layers:
-            shapes += kinds[_shape_key(spec, i)]
+    # the layers' tensors, each layer kind's shapes and sizes made once
+    sizes = [math.prod(shape) for shape in shapes]
+    for layer_shapes, layer_sizes, n in _layers_shapes(spec, t, ep, layers):
+        shapes += layer_shapes * n
+        sizes += layer_sizes * n
+    layers_end = len(shapes)
     if depths:
         shapes += layer_tensor_shapes(spec, t, ep, spec.is_moe_layer(mtp_layer_index(spec))
                                       ) * depths
@@ -116,12 +113,37 @@ def count_stage_params(spec: ModelSpec, t: int, ep: int | ExpertSplit, pp: int,
             copy = [embedding_copy(spec, vocab_rows, 0, pp),
                     embedding_copy(spec, 0, counts.position_embedding, pp)]
             shapes += [(n // h, h) for n in copy if n]
-    sizes = [math.prod(shape) for shape in shapes]
+    sizes += [math.prod(shape) for shape in shapes[layers_end:]]
     return StageParams(dense=dense, expert=expert, layers=tuple(per_layer), embedding=embed,
                        head=head, tensor_sizes=tuple(sizes), tensor_shapes=tuple(shapes),
                        largest_unit=max(0, embed, head, *per_layer), num_tensors=len(sizes),
                        embedding_tensors=embedding_tensors,
                        head_tensors=len(sizes) - before_head)
+
+
+def _layers_shapes(spec: ModelSpec, t: int, ep: int | ExpertSplit, layers: tuple[int, ...]
+                   ) -> list[tuple[list[tuple[int, ...]], list[int], int]]:
+    """The tensor shapes of ``layers``, in order, as runs: (one layer's shapes, their sizes,
+    how many layers in a row have them); each layer kind's made once."""
+    if spec.param_table is not None:  # the tensors transformers builds (memplan.hf.param_table)
+        ep_div, etp = (ep.ep, ep.etp) if isinstance(ep, ExpertSplit) else (ep, t)
+        return [(shapes, [math.prod(shape) for shape in shapes], 1)
+                for shapes in (spec.param_table.layer_shapes(i, t, ep_div, etp)
+                               for i in layers)]
+    out: list[tuple[list[tuple[int, ...]], list[int], int]] = []
+    kinds: dict[tuple[bool, str], tuple[list[tuple[int, ...]], list[int]]] = {}
+    last = None
+    for i in layers:
+        key = _shape_key(spec, i)
+        if key == last:
+            out[-1] = (*out[-1][:2], out[-1][2] + 1)
+            continue
+        if key not in kinds:
+            shapes = list(_layer_shapes(spec, t, ep, *key))
+            kinds[key] = shapes, [math.prod(shape) for shape in shapes]
+        out.append((*kinds[key], 1))
+        last = key
+    return out
 
 
 def _shape_key(spec: ModelSpec, i: int) -> tuple[bool, str]:
