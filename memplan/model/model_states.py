@@ -132,6 +132,9 @@ def _layers_shapes(spec: ModelSpec, t: int, ep: int | ExpertSplit, layers: tuple
                                for i in layers)]
     out: list[tuple[list[tuple[int, ...]], list[int], int]] = []
     kinds: dict[tuple[bool, str], tuple[list[tuple[int, ...]], list[int]]] = {}
+    if spec.moe is None and not spec.has_linear_layers:  # every layer of one kind
+        shapes = list(_layer_shapes(spec, t, ep, False, ""))
+        return [(shapes, [math.prod(shape) for shape in shapes], len(layers))] if layers else []
     last = None
     for i in layers:
         key = _shape_key(spec, i)
@@ -171,15 +174,13 @@ def stage_param_totals(spec: ModelSpec, t: int, ep: int | ExpertSplit, pp: int,
                  + embedding_copy(spec, vocab_rows, counts.position_embedding, pp)
                  if depths else 0)
     expert_div = ep.ep * ep.etp if isinstance(ep, ExpertSplit) else ep * t
-    dense = expert = 0
-    per_layer = []
-    for i in (*layers, *[mtp_layer_index(spec)] * depths):
-        lp = counts.layers[i]
-        layer_dense = ceil_div(lp.tp_sharded, t) + lp.replicated
-        layer_expert = lp.expert // expert_div
-        dense += layer_dense
-        expert += layer_expert
-        per_layer.append(layer_dense + layer_expert)
+    stage = [counts.layers[i] for i in (*layers, *[mtp_layer_index(spec)] * depths)]
+    # (dense, expert) of each distinct layer, once
+    split = {lp: (ceil_div(lp.tp_sharded, t) + lp.replicated, lp.expert // expert_div)
+             for lp in set(stage)}
+    dense = sum(split[lp][0] for lp in stage)
+    expert = sum(split[lp][1] for lp in stage)
+    per_layer = [sum(split[lp]) for lp in stage]
     embed = vocab_rows + counts.position_embedding if first else 0
     # Tied and p == 1: the head is the embedding itself, already counted.
     head = (counts.final_norm + (vocab_rows if counts.head or pp > 1 else 0)
