@@ -29,7 +29,7 @@ from memplan.model.grad_sync import (
 from memplan.model.head import HeadBlock
 from memplan.model.compiled import layer_workload as compiled_layer_workload
 from memplan.model.layer import LayerKind, backward_moments, merge_terms, unsaved_stream
-from memplan.model.moments import Segment, peak_of
+from memplan.model.moments import peak_of
 from memplan.model.pipeline import Schedule
 from memplan.model.stage_parts import (
     LayerKey,
@@ -423,9 +423,9 @@ def _optimizer_peaks(head: HeadBlock, fx: StageStates) -> tuple[int, int]:
     """The optimizer step's activation-free peak from step 2 on and in step 1 (where its
     order differs, ``StageStates.first_step``), the logits a training loop keeps from the loss
     alive beside it."""
-    logits = Segment((head.step_logits(),))
-    steady = peak_of([logits, fx.step])
-    return steady, steady if fx.first_step is None else peak_of([logits, fx.first_step])
+    logits = head.step_logits().delta  # alive from before the step, no instant of its own
+    steady = peak_of([fx.step], logits)
+    return steady, steady if fx.first_step is None else peak_of([fx.first_step], logits)
 
 
 def _walk(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTerms,
