@@ -29,7 +29,7 @@ from memplan.model.grad_sync import (
 from memplan.model.head import HeadBlock
 from memplan.model.compiled import layer_workload as compiled_layer_workload
 from memplan.model.layer import LayerKind, backward_moments, merge_terms, unsaved_stream
-from memplan.model.moments import peak_of
+from memplan.model.moments import Segment
 from memplan.model.pipeline import Schedule
 from memplan.model.stage_parts import (
     LayerKey,
@@ -424,8 +424,14 @@ def _optimizer_peaks(head: HeadBlock, fx: StageStates) -> tuple[int, int]:
     order differs, ``StageStates.first_step``), the logits a training loop keeps from the loss
     alive beside it."""
     logits = head.step_logits().delta  # alive from before the step, no instant of its own
-    steady = peak_of([fx.step], logits)
-    return steady, steady if fx.first_step is None else peak_of([fx.first_step], logits)
+    steady = _step_peak(fx.step, logits)
+    return steady, steady if fx.first_step is None else _step_peak(fx.first_step, logits)
+
+
+def _step_peak(step: Segment, alive: int) -> int:
+    """``peak_of([step], alive)``, the step folded once (``memo.step_fold``)."""
+    top = memo.step_fold(step)[0]
+    return 0 if top is None else alive + top
 
 
 def _walk(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTerms,
