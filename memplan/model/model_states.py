@@ -12,6 +12,7 @@ parameters and the expert-data-parallel group for experts; the most loaded rank 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from functools import lru_cache
 from itertools import accumulate
 from typing import Any, NamedTuple
@@ -174,13 +175,15 @@ def stage_param_totals(spec: ModelSpec, t: int, ep: int | ExpertSplit, pp: int,
                  + embedding_copy(spec, vocab_rows, counts.position_embedding, pp)
                  if depths else 0)
     expert_div = ep.ep * ep.etp if isinstance(ep, ExpertSplit) else ep * t
-    stage = [counts.layers[i] for i in (*layers, *[mtp_layer_index(spec)] * depths)]
-    # (dense, expert) of each distinct layer, once
+    stage = list(map(counts.layers.__getitem__,
+                     (*layers, *[mtp_layer_index(spec)] * depths) if depths else layers))
+    # (dense, expert) of each distinct layer once, times its layers on the stage
     split = {lp: (ceil_div(lp.tp_sharded, t) + lp.replicated, lp.expert // expert_div)
              for lp in set(stage)}
-    dense = sum(split[lp][0] for lp in stage)
-    expert = sum(split[lp][1] for lp in stage)
-    per_layer = [sum(split[lp]) for lp in stage]
+    repeats = Counter(stage)
+    dense = sum(split[lp][0] * n for lp, n in repeats.items())
+    expert = sum(split[lp][1] * n for lp, n in repeats.items())
+    per_layer = list(map({lp: d + e for lp, (d, e) in split.items()}.__getitem__, stage))
     embed = vocab_rows + counts.position_embedding if first else 0
     # Tied and p == 1: the head is the embedding itself, already counted.
     head = (counts.final_norm + (vocab_rows if counts.head or pp > 1 else 0)
