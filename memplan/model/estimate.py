@@ -171,9 +171,10 @@ def _stages(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, schedule
     flight, which shift their forward and backward peaks by whole micro-batches (chunks,
     when interleaved): one is computed, the others follow from it."""
     out: list[StageMemory] = []
-    template = None if staged(wl) else _template(par, parts)
+    per_stage = staged(wl)
+    template = None if per_stage else _template(par, parts)
     for i in range(par.pp):
-        if staged(wl):
+        if per_stage:
             swl = stage_workload(wl, i)
             out.append(stage_record(spec, par, swl, m, i, schedule, ovh,
                                     _shared(spec, par, swl, parts), parts[i]))
