@@ -167,27 +167,23 @@ def stage_record(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, sta
          for k, n in w.kinds.counts.items()], max(fx.params.layers) * shared.dm.e,
         shared.rope_bytes * par.vpp, max(w.in_flight))
         if Offload.ACTIVATIONS in par.offload else 0)
+    # kept gathered under PP, or accumulated without a sync (``memplan.model.grad_sync``):
+    # the unsharded gradient accumulators are buffers too
+    sharding_buffers = fx.shard.peak_bytes + fx.buckets + (
+        fx.accum_bytes if fx.shard.kept_gathered
+        or accumulates_unsharded(wl, parts[0].dp, fx.shard.kept_gathered, m) else 0)
+    # (positional, in the fields' order: a call with two dozen keywords costs several times
+    # the record it makes)
     return StageMemory(
-        stage=stage, num_layers=len(w.kinds.keys), num_params=fx.params.total,
-        params_bytes=st.params_bytes, grads_bytes=st.grads_bytes,
-        optimizer_bytes=st.optimizer_bytes, activations_bytes=w.activations,
-        microbatches_in_flight=max(w.in_flight), microbatch_bytes=w.one_mb,
-        activation_groups=tuple(groups), loss_bytes=w.loss_bytes,
-        # kept gathered under PP, or accumulated without a sync (``memplan.model.grad_sync``):
-        # the unsharded gradient accumulators are buffers too
-        sharding_buffers_bytes=fx.shard.peak_bytes + fx.buckets + (
-            fx.accum_bytes
-            if fx.shard.kept_gathered
-            or accumulates_unsharded(wl, parts[0].dp, fx.shard.kept_gathered, m) else 0),
-        optimizer_temp_bytes=fx.opt_temp, buffers_bytes=fx.buffers, steady=w.steady,
-        first_step=w.first_step,
-        tensor_peak_bytes=tensor_peak, cuda_context_bytes=ovh.cuda_context_bytes,
-        workspace_bytes=ovh.workspace_bytes, allocator_bytes=ovh.allocator_bytes(tensor_peak),
-        peak_bytes=rank_peak_bytes(tensor_peak, ovh),
-        host_bytes=st.host_bytes + host_activations,
-        host_activations_bytes=host_activations, paged_bytes=st.paged_bytes,
-        load_bytes=fx.load,
-    )
+        stage, len(w.kinds.keys), fx.params.total,  # stage, num_layers, num_params
+        st.params_bytes, st.grads_bytes, st.optimizer_bytes,
+        w.activations, max(w.in_flight), w.one_mb,  # ..., microbatches_in_flight, ...
+        tuple(groups), w.loss_bytes, sharding_buffers,  # activation_groups, loss_bytes, ...
+        fx.opt_temp, w.steady, w.first_step,  # optimizer_temp_bytes, steady, first_step
+        tensor_peak, ovh.cuda_context_bytes, ovh.workspace_bytes,  # tensor_peak_bytes, ...
+        ovh.allocator_bytes(tensor_peak), rank_peak_bytes(tensor_peak, ovh),  # ..., peak_bytes
+        0, st.host_bytes + host_activations, host_activations,  # calibration_bytes, host_...
+        None, fx.buffers, st.paged_bytes, fx.load)  # analytic_phases, buffers_bytes, ...
 
 
 def rank_peak_bytes(tensor_peak: int, ovh: Overheads) -> int:
@@ -334,11 +330,11 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
         drain = max(base + opt_bytes + from_loss + held + st.grads_bytes + dfr.drain
                     if dfr.pair else 0, _reduce_after(fx, base + opt_bytes + from_loss))
         init = base + opt_bytes + fx.shard.forward_start(steady, st.grads_bytes)
-        return PhasePeaks(
-            forward=max(base + resident + opt_bytes + in_forward + _outside_walk(shared, walk)
-                        + (forward if steady else forward1)(steady), init),
-            backward=max(base + resident + opt_bytes + from_loss + bwd, drain, last_step),
-            optimizer=(optimizer if steady else optimizer_first) + resident)
+        return PhasePeaks(  # forward, backward, optimizer
+            max(base + resident + opt_bytes + in_forward + _outside_walk(shared, walk)
+                + (forward if steady else forward1)(steady), init),
+            max(base + resident + opt_bytes + from_loss + bwd, drain, last_step),
+            (optimizer if steady else optimizer_first) + resident)
 
     # Master weights (and bitsandbytes' quantization maps) exist from optimizer setup; a grad
     # scaler's state from step 1's loss; moments appear at step 1's optimizer step.
