@@ -14,7 +14,7 @@ from functools import partial
 from typing import NamedTuple
 
 from memplan.model import memo, step_in_backward
-from memplan.model.deferred_wgrad import Deferred, deferred
+from memplan.model.deferred_wgrad import NO_DEFERRAL, Deferred, deferred
 from memplan.model.dims import Dims, Term, exact_ratio, whole_bytes
 from memplan.model.embedding import EmbeddingBlock, made_vocab_grad
 from memplan.model.fsdp1 import last_reduce
@@ -186,6 +186,11 @@ def stage_record(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, sta
         None, fx.buffers, st.paged_bytes, fx.load)  # analytic_phases, buffers_bytes, ...
 
 
+# the head and the embedding of a stage without them (tuples: shared by every stage)
+NO_HEAD = HeadBlock()
+NO_EMBEDDING = EmbeddingBlock()
+
+
 def rank_peak_bytes(tensor_peak: int, ovh: Overheads) -> int:
     """A rank's peak: its tensors' peak, the fixed overheads and the allocator's share."""
     return tensor_peak + ovh.fixed_bytes + ovh.allocator_bytes(tensor_peak)
@@ -304,7 +309,7 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     shared, host_rope, flight, entries = prepared[:4]
     walk, activations, one_mb = prepared.walk
     # the output layer's deferred weight gradient (``memplan.model.deferred_wgrad``)
-    dfr = deferred(spec, wl, shared.dm, m, flight[-1]) if fx.last else Deferred()
+    dfr = deferred(spec, wl, shared.dm, m, flight[-1]) if fx.last else NO_DEFERRAL
     walk = _with_deferred(walk, dfr, fx.main_grads)
     if accumulating:
         walk = with_new_grads(walk, ratio, fresh)
@@ -419,7 +424,7 @@ def _optimizer_peaks(head: HeadBlock, fx: StageStates) -> tuple[int, int]:
     """The optimizer step's activation-free peak from step 2 on and in step 1 (where its
     order differs, ``StageStates.first_step``), the logits a training loop keeps from the loss
     alive beside it."""
-    logits = head.step_logits().delta  # alive from before the step, no instant of its own
+    logits = head.step_logits_bytes()  # alive from before the step, no instant of its own
     steady = _step_peak(fx.step, logits)
     return steady, steady if fx.first_step is None else _step_peak(fx.first_step, logits)
 
@@ -554,7 +559,7 @@ def _head_block(spec: ModelSpec, shared: StageTerms, fx: StageStates) -> HeadBlo
     """The head on the last stage (``HeadBlock.of``, shared by the estimate's stages) with
     this stage's gradients (zeros elsewhere)."""
     if not fx.last:
-        return HeadBlock()
+        return NO_HEAD
     tied = spec.tied_embeddings and fx.first  # the embedding's gradient on the same stage
     tied_grad = made_vocab_grad(shared.dm, fx.vocab_grad, fx.main_grads)[0] if tied else 0
     grads = whole_bytes(fx.params.head, fx.grad_per_param)
@@ -595,7 +600,7 @@ def _embedding_block(spec: ModelSpec, wl: Workload, shared: StageTerms,
     gradient."""
     if not fx.first:
         return EmbeddingBlock(freed_before=shared.rope_bytes)
-    return EmbeddingBlock().on_stage(
+    return NO_EMBEDDING.on_stage(
         spec, wl, shared.dm, num_params=fx.params.embedding, per_param=fx.grad_per_param,
         vocab_grad=fx.vocab_grad, main_grads=fx.main_grads,
         tied=spec.tied_embeddings and fx.last, rope_bytes=shared.rope_bytes,
