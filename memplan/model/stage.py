@@ -453,14 +453,12 @@ def _walk(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTerms
         # in transformers' XModel.forward): freed when it returns, before the head's logits
         # and the loss (traced: Llama eager, tests/traced/test_frameworks.py)
         head = head._replace(mask_released=shared.mask)
-    walk = Walk(
-        runs=_runs(kinds, entries, fx),
-        other_bytes=max(0, activations - one_mb),
-        rest_saved=rope_bytes * par.vpp + embed_bytes + batch,
-        head=head,
-        embedding=_embedding_block(spec, wl, shared, fx),
-        sharding=with_stream(fx.dp, shared.dm.stream(spec.hidden_size)),
-    )
+    walk = Walk(  # (positional: built in every walk)
+        _runs(kinds, entries, fx),  # runs
+        max(0, activations - one_mb),  # other_bytes
+        rope_bytes * par.vpp + embed_bytes + batch,  # rest_saved
+        head, _embedding_block(spec, wl, shared, fx),  # head, embedding
+        with_stream(fx.dp, shared.dm.stream(spec.hidden_size)))  # sharding
     return walk, activations, one_mb
 
 
