@@ -156,7 +156,7 @@ def fsdp1_rule(spec: ModelSpec, par: "ParallelConfig", wl: Workload) -> LayoutEr
 def offload_rule(spec: ModelSpec, par: "ParallelConfig", wl: Workload) -> LayoutError | None:
     """Where each offload mechanism (``Offload``) cannot combine with the model, layout or
     recipe."""
-    precision = wl.precision.value
+    precision = wl.precision  # (a StrEnum: formatted as its value)
     if Offload.ACTIVATIONS in par.offload and (err := _activations_rule(spec, wl)) is not None:
         return err
     if Offload.PARAMS in par.offload and wl.flat_partition:  # DeepSpeed's offload_param
@@ -848,7 +848,7 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
         raise LayoutError(f"offload optimizer does not combine with {wl.optimizer.value}",
                           f"offload optimizer runs its step on the host (CPU Adam); optimizer "
                           f"{wl.optimizer.value} runs on the GPU (choose one)")
-    if wl.optimizer.value == "muon" and par.zero >= ZeroStage.OPTIMIZER:
+    if wl.optimizer == "muon" and par.zero >= ZeroStage.OPTIMIZER:
         raise LayoutError("optimizer muon does not combine with ZeRO",
                           f"optimizer muon with zero {int(par.zero)}: torch.optim.Muon "
                           "orthogonalizes whole matrices; a sharded Muon step is not modelled")
@@ -873,11 +873,11 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
         raise err
     if wl.optimizer_in_backward and (err := optimizer_in_backward_rule(par, wl)) is not None:
         raise err
-    if wl.float8.value != "none" and (err := float8_rule(spec, par, wl)) is not None:
+    if wl.float8 != "none" and (err := float8_rule(spec, par, wl)) is not None:
         raise err
-    if wl.te_fp8.value != "none" and (err := te_fp8_rule(spec, par, wl)) is not None:
+    if wl.te_fp8 != "none" and (err := te_fp8_rule(spec, par, wl)) is not None:
         raise err
-    if wl.te_fp8.value == "none" and wl.te_fp8_param_gather:
+    if wl.te_fp8 == "none" and wl.te_fp8_param_gather:
         raise LayoutError("te_fp8_param_gather needs te_fp8",
                           "te_fp8_param_gather with te_fp8 none: fp8 parameters need an fp8 "
                           "recipe (Megatron-LM's --fp8-param-gather needs --fp8-format)")
@@ -889,7 +889,7 @@ def validate(spec: ModelSpec, par: ParallelConfig, wl: Workload) -> None:
         raise LayoutError("async_tp needs compile",
                           "async_tp without compile: torchtitan's async tensor parallelism is "
                           "an Inductor pass and refuses to run eagerly")
-    if wl.base_quant.value == "nf4-torchao-0.1" and par.zero >= ZeroStage.PARAMETERS:
+    if wl.base_quant == "nf4-torchao-0.1" and par.zero >= ZeroStage.PARAMETERS:
         # torchao 0.1's NF4Tensor implements no chunk/split/view ops for FSDP to shard it
         # (added after 0.1: torchao commit ac53d7fb, "[FSDP2][NF4Tensor][2/n] implement
         # torch.chunk and other ops"); torchtune's sharded QLoRA came with them

@@ -646,7 +646,8 @@ def _built_window_mask(spec: ModelSpec, wl: Workload, dm: Dims) -> int:
 
 def _slides(spec: ModelSpec) -> bool:
     """Whether any layer attends through a sliding window."""
-    return any(spec.is_sliding_layer(i) for i in range(spec.num_layers))
+    return spec.sliding_window is not None and any(spec.is_sliding_layer(i)
+                                                   for i in range(spec.num_layers))
 
 
 def window_mask_bytes(spec: ModelSpec, wl: Workload, dm: Dims) -> int:

@@ -53,6 +53,9 @@ class Deferred(NamedTuple):
     #                       does not make
 
 
+NO_DEFERRAL = Deferred()  # (a tuple: one for every stage and estimate without deferral)
+
+
 def pair_bytes(spec: ModelSpec, dm: Dims) -> tuple[int, int]:
     """(the kept input, the kept logits' gradient) of one micro-batch on one rank: the final
     norm's output as the output layer reads it (``dm.stream``: T/tp rows under sequence
@@ -75,7 +78,7 @@ def deferred(spec: ModelSpec, wl: Workload, dm: Dims, m: int, in_flight: int) ->
     the other); without it the inputs are read as they are."""
     limit = wl.head_wgrad_deferral
     if limit is None:
-        return Deferred()
+        return NO_DEFERRAL
     n = m if limit == 0 else min(m, limit)
     kept_input, grad_output = pair_bytes(spec, dm)
     pair = kept_input + grad_output

@@ -72,21 +72,23 @@ class Dims(NamedTuple):
         s = local_seq(wl.seq_len, par.cp)
         policy = wl.precision.policy
         e = wl.compute_dtype.itemsize
-        return cls(b=wl.micro_batch_size, s=s, s_kv=wl.seq_len, tokens=wl.micro_batch_size * s,
-                   res_tokens_div=par.sp_divisor, tp=par.tp, e=e,
-                   vocab_shard=par.vocab_shard(spec.vocab_size),
-                   gathered_linear_input=(par.sequence_parallel and par.tp > 1
-                                          and par.tp_style is TpStyle.DTENSOR),
-                   stream_e=policy.params.itemsize if policy.autocast else e,
-                   autocast=policy.autocast is not None, etp=par.etp or 0,
-                   adapters=adapters_of(wl, spec.fused_qkv or wl.fused_qkv),
-                   float8=wl.float8, te_fp8=wl.te_fp8,
-                   te_fp8_transposes=wl.te_fp8_transposes is not False,
-                   compiled=wl.compile,
-                   float8_gathered=wl.float8_all_gather and par.zero >= 3,
-                   float8_tp=wl.float8 is Float8Recipe.TENSORWISE and par.tp > 1,
-                   ep=par.ep,
-                   head_input_kept=wl.flat_partition and par.zero >= 3)
+        # (positional, in the fields' order, as each is named: made in every estimate, where
+        # a call with a score of keywords costs several times the tuple)
+        return cls(wl.micro_batch_size, s, wl.seq_len, wl.micro_batch_size * s,  # b .. tokens
+                   par.sp_divisor, par.tp, e,  # res_tokens_div, tp, e
+                   par.vocab_shard(spec.vocab_size),  # vocab_shard
+                   (par.sequence_parallel and par.tp > 1  # gathered_linear_input
+                    and par.tp_style is TpStyle.DTENSOR),
+                   policy.params.itemsize if policy.autocast else e,  # stream_e
+                   policy.autocast is not None, par.etp or 0,  # autocast, etp
+                   adapters_of(wl, spec.fused_qkv or wl.fused_qkv),  # adapters
+                   wl.float8, wl.te_fp8,  # float8, te_fp8
+                   wl.te_fp8_transposes is not False,  # te_fp8_transposes
+                   wl.compile,  # compiled
+                   wl.float8_all_gather and par.zero >= 3,  # float8_gathered
+                   wl.float8 is Float8Recipe.TENSORWISE and par.tp > 1,  # float8_tp
+                   wl.flat_partition and par.zero >= 3,  # head_input_kept
+                   par.ep)  # ep (rerun: its default)
 
     def experts(self) -> Dims:
         """These dims for the routed experts' projections: their inner widths split by etp.

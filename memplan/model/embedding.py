@@ -168,9 +168,9 @@ class EmbeddingBlock(NamedTuple):
             positions_dense=fixed.positions_dense)
         # where gradients accumulate, the dense gradient is made beside the accumulated one
         # and AccumulateGrad adds it in (traced: DDP, a later micro-batch, 262,144 B)
-        return EmbeddingBlock(grads=grads, extra=extra,
-                              freed_before=rope_bytes + fixed.saved - fixed.kept,
-                              fresh=0 if tied or main else vocab)
+        return EmbeddingBlock(grads, extra,  # (positional: built in every walk)
+                              rope_bytes + fixed.saved - fixed.kept,  # freed_before
+                              0 if tied or main else vocab)  # fresh
 
     def fixed(self, spec: ModelSpec, wl: Workload, dm: Dims) -> EmbeddingFixed:
         """What ``on_stage`` reads of the ``Block`` interface, the same on every first stage

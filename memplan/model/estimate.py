@@ -156,12 +156,10 @@ def estimate(spec: ModelSpec, gpu: GpuSpec, par: ParallelConfig, wl: Workload, *
     # (a list per stage: each stage's terms are built with its own list)
     shared = None if staged(wl) else _shared(spec, par, wl, parts)
     stages = _stages(spec, par, wl, m, schedule, ovh, shared, parts)
-    return Estimate(
-        spec=spec, gpu=gpu, parallel=par, workload=wl, num_microbatches=m,
-        global_batch_size=gbs,
-        capacity_bytes=gpu.memory_bytes if capacity_bytes is None else capacity_bytes,
-        stages=stages, overheads=ovh, schedule=schedule,
-    )
+    return Estimate(  # (positional, in the fields' order)
+        spec, gpu, par, wl, m, gbs,  # ..., num_microbatches, global_batch_size
+        gpu.memory_bytes if capacity_bytes is None else capacity_bytes,  # capacity_bytes
+        stages, ovh, schedule)
 
 
 def _stages(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, schedule: Schedule,
@@ -171,9 +169,10 @@ def _stages(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, schedule
     flight, which shift their forward and backward peaks by whole micro-batches (chunks,
     when interleaved): one is computed, the others follow from it."""
     out: list[StageMemory] = []
-    template = None if staged(wl) else _template(par, parts)
+    per_stage = staged(wl)
+    template = None if per_stage else _template(par, parts)
     for i in range(par.pp):
-        if staged(wl):
+        if per_stage:
             swl = stage_workload(wl, i)
             out.append(stage_record(spec, par, swl, m, i, schedule, ovh,
                                     _shared(spec, par, swl, parts), parts[i]))

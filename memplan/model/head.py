@@ -668,7 +668,11 @@ class HeadBlock(NamedTuple):
     def step_logits(self) -> Event:
         """What the loop keeps alive through the optimizer step: the logits, and a held
         output's key/value cache, no longer saved by the graph."""
-        return Event("loop.logits", self.held_logits + self.held_cache, None)
+        return Event("loop.logits", self.step_logits_bytes(), None)
+
+    def step_logits_bytes(self) -> int:
+        """``step_logits``' bytes."""
+        return self.held_logits + self.held_cache
 
     def loop_logits(self) -> Event:
         """The logits the loop keeps alive from the loss through the backward and the

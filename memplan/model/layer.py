@@ -198,18 +198,24 @@ class LayerMoment(NamedTuple):
 
 
 def layer_terms(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
-                recompute: Recompute, variant: str = "") -> list[Term]:
-    """Saved terms of one transformer layer under ``recompute`` (FULL keeps only its input)."""
+                recompute: Recompute, variant: str = "",
+                saved: tuple[list[Term], ...] | None = None) -> list[Term]:
+    """Saved terms of one transformer layer under ``recompute`` (FULL keeps only its input).
+    ``saved``: each block's ``saved`` terms for these inputs, where the caller made them."""
     wl = compiled.layer_workload(wl)
     if recompute is Recompute.FULL:
         return [Term("layer.input", dm.rows * spec.hidden_size * dm.stream_e)]
-    return [term for block in layer_blocks(spec, moe_layer, variant)
-            for term in block.saved(spec, wl, dm, recompute)]
+    if saved is None:
+        saved = tuple(block.saved(spec, wl, dm, recompute)
+                      for block in layer_blocks(spec, moe_layer, variant))
+    return [term for terms in saved for term in terms]
 
 
 def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
-                    recompute: Recompute, variant: str = "") -> list[ForwardMoment]:
-    """Local peaks of one layer's forward (see the module docstring)."""
+                    recompute: Recompute, variant: str = "",
+                    saved: tuple[list[Term], ...] | None = None) -> list[ForwardMoment]:
+    """Local peaks of one layer's forward (see the module docstring); ``saved``:
+    ``layer_terms``'."""
     wl = compiled.layer_workload(wl)
     blocks = layer_blocks(spec, moe_layer, variant)
     stream = dm.stream(spec.hidden_size)
@@ -255,7 +261,7 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
     # TransformerBlock.forward keeps its argument x). Traced: tests/traced/
     # test_hf_moe_families.py (Mixtral, Qwen2-MoE) and test_finetune.py (peft, FSDP2)
     later = {id(b) for part in sublayers(blocks)[1:] for b in part}
-    for block in blocks:
+    for i, block in enumerate(blocks):
         prior += cast_cache_bytes(spec, wl, dm, block, recompute)
         beside = (unsaved_input * (2 if id(block) in later else 1)
                   + (falcon_h1.held_bytes(spec, dm) if id(block) in later else 0)
@@ -263,7 +269,7 @@ def forward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
         out += [ForwardMoment(m.name, prior + m.own_bytes, beside + m.transient_bytes,
                               block.name)
                 for m in block.forward_moments(spec, wl, dm, recompute)]
-        prior += total(block.saved(spec, wl, dm, recompute))
+        prior += total(saved[i] if saved else block.saved(spec, wl, dm, recompute))
     return out
 
 
@@ -385,12 +391,13 @@ def layer_cast_cache_bytes(spec: ModelSpec, wl: Workload, dm: Dims, moe_layer: b
 
 def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool,
                      recompute: Recompute, variant: str = "",
-                     host_saved: Callable[[Block, BackwardMoment], int] | None = None
-                     ) -> list[LayerMoment]:
+                     host_saved: Callable[[Block, BackwardMoment], int] | None = None,
+                     saved_terms: tuple[list[Term], ...] | None = None) -> list[LayerMoment]:
     """The local peaks of one layer's backward, in backward order (see the module docstring).
     ``host_saved``: its saved tensors wait in host memory (``memplan.model.offload``): at a
     block's moment the blocks before it hold nothing on the GPU and the block holds what
-    ``host_saved(block, moment)`` says its running node copied back."""
+    ``host_saved(block, moment)`` says its running node copied back. ``saved_terms``:
+    ``layer_terms``' (not read under FULL, whose rerun saves its own)."""
     wl = compiled.layer_workload(wl)
     blocks = layer_blocks(spec, moe_layer, variant)
     policy = Recompute.NONE if recompute is Recompute.FULL else recompute  # what is rebuilt
@@ -399,7 +406,9 @@ def backward_moments(spec: ModelSpec, wl: Workload, dm: Dims, *, moe_layer: bool
         wl = rerun_workload(wl)
     stream = dm.stream(spec.hidden_size)
     incoming = stream  # the residual-stream gradient, alive through the layer
-    saved = [total(block.saved(spec, wl, dm, policy)) for block in blocks]
+    saved = ([total(terms) for terms in saved_terms]
+             if saved_terms is not None and recompute is not Recompute.FULL
+             else [total(block.saved(spec, wl, dm, policy)) for block in blocks])
     prior = [sum(saved[:i]) for i in range(len(blocks))]
     # The checkpointed input stays while the layer is rebuilt, unless the rebuilt norm saves
     # that very tensor (a fused norm's input; an fp32 stream, where the upcast is a no-op,
@@ -558,9 +567,15 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
                              saved_bytes=full.saved_bytes + total(kept),
                              forward_peak_bytes=full.forward_peak_bytes + total(kept) - late,
                              forward_blocks=(), moments=moments)
-    terms = tuple(layer_terms(spec, wl, dm, moe_layer=moe, recompute=policy, variant=variant))
-    moments = backward_moments(spec, wl, dm, moe_layer=moe, recompute=policy, variant=variant)
-    forward = forward_moments(spec, wl, dm, moe_layer=moe, recompute=policy, variant=variant)
+    # each block's saved terms, made once for the terms and both walks
+    saved = (None if policy is Recompute.FULL else
+             tuple(b.saved(spec, wl, dm, policy) for b in layer_blocks(spec, moe, variant)))
+    terms = tuple(layer_terms(spec, wl, dm, moe_layer=moe, recompute=policy, variant=variant,
+                              saved=saved))
+    moments = backward_moments(spec, wl, dm, moe_layer=moe, recompute=policy, variant=variant,
+                               saved_terms=saved)
+    forward = forward_moments(spec, wl, dm, moe_layer=moe, recompute=policy, variant=variant,
+                              saved=saved)
     return LayerKind(terms, total(terms), tuple(moments),
                      max(m.alive_bytes + m.transient_bytes for m in forward),
                      layer_cast_cache_bytes(spec, wl, dm, moe, policy, variant)

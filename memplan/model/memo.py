@@ -18,6 +18,7 @@ from memplan.model.dims import whole_bytes_each as _whole_bytes_each
 from memplan.model.layer import grad_group_params
 from memplan.model.layer import layer_kind as _layer_kind
 from memplan.model.model_states import StageParams, count_stage_params, stage_param_totals
+from memplan.model.moments import Segment, fold
 from memplan.model.pipeline import Schedule, chunks_in_flight
 from memplan.model.stage_parts import (
     LayerKey,
@@ -36,6 +37,13 @@ layer_kind = lru_cache(maxsize=4096)(_layer_kind)
 grad_groups = lru_cache(maxsize=1024)(grad_group_params)
 # a layer kind's gradient bytes at each of its moments: the same for every micro-batch size
 whole_bytes_each = lru_cache(maxsize=8192)(_whole_bytes_each)
+
+
+@lru_cache(maxsize=8192)
+def step_fold(step: Segment) -> tuple[int | None, int]:
+    """``moments.fold`` of a stage's optimizer step from nothing alive (``StageStates.step``,
+    ``first_step``): the same in every walk of the stage's states."""
+    return fold([step])
 
 
 @lru_cache(maxsize=4096)

@@ -495,7 +495,8 @@ class Mlp:
 
     def forward_moments(self, spec: ModelSpec, wl: Workload, dm: Dims,
                         recompute: Recompute) -> list[Moment]:
-        saved = total(self.saved(spec, wl, dm, recompute))
+        terms = self.saved(spec, wl, dm, recompute)
+        saved = total(terms)
         stream = dm.rows * spec.hidden_size * dm.e
         # its output before the residual add, then beside the add's output; compiled, the add
         # writes into the down projection's output (``compiled.MLP_OUTPUTS``)
@@ -504,7 +505,7 @@ class Mlp:
                                           stream)
         moments = [Moment("mlp", saved, max(
             compiled.mlp_outputs_bytes(stream, dm) if wl.compile else 2 * stream, down))]
-        moments += _float8_forward(spec, dm, self.saved(spec, wl, dm, recompute))
+        moments += _float8_forward(spec, dm, terms)
         if compiled_lora(spec, dm):
             moments.append(compiled.lora_mlp_forward(mlp_linears(spec, spec.ffn_hidden_size),
                                                      dm, saved))
@@ -549,13 +550,14 @@ class Mlp:
                          recompute: Recompute) -> list[BackwardMoment]:
         rows_h_e = dm.rows * spec.hidden_size * dm.e
         fresh = spec.hidden_size * spec.ffn_hidden_size // dm.tp
+        terms = self.saved(spec, wl, dm, recompute)
         if compiled.swiglu_backward(spec, wl, dm, recompute):  # Inductor's schedule
             return compiled.swiglu_moments(
-                wl, dm, total(self.saved(spec, wl, dm, recompute)),
-                dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e, 2 * rows_h_e, fresh)
+                wl, dm, total(terms), dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e,
+                2 * rows_h_e, fresh)
         # a plain MLP has one input projection: nothing to sum
         moments = backward_moments(
-            spec, dm, saved=total(self.saved(spec, wl, dm, recompute)),
+            spec, dm, saved=total(terms),
             freed=dropout_mask_bytes(spec, dm), run_tokens=dm.tokens,
             ffn=spec.ffn_hidden_size, grad_inputs=(2 if spec.mlp.gated else 1) * rows_h_e,
             fresh=fresh,
@@ -566,9 +568,8 @@ class Mlp:
             moments.insert(len(moments) - 1, up)
         if compiled_lora(spec, dm):
             moments.append(compiled.lora_mlp_backward(mlp_linears(spec, spec.ffn_hidden_size),
-                                                      dm, total(self.saved(spec, wl, dm,
-                                                                           recompute))))
-        return moments + _float8_backward(spec, dm, self.saved(spec, wl, dm, recompute))
+                                                      dm, total(terms)))
+        return moments + _float8_backward(spec, dm, terms)
 
     def rebuild_moments(self, spec: ModelSpec, wl: Workload, dm: Dims) -> list[Moment]:
         """LoRA under full recompute: the rerun saves as the first forward would have, so at

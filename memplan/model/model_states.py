@@ -12,6 +12,7 @@ parameters and the expert-data-parallel group for experts; the most loaded rank 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from functools import lru_cache
 from itertools import accumulate
 from typing import Any, NamedTuple
@@ -90,15 +91,12 @@ def count_stage_params(spec: ModelSpec, t: int, ep: int | ExpertSplit, pp: int,
     if first:
         shapes += EmbeddingBlock().tensor_shapes(spec, vocab_div, 1)
     embedding_tensors = len(shapes)
-    if spec.param_table is not None:  # the tensors transformers builds (memplan.hf.param_table)
-        ep_div, etp = (ep.ep, ep.etp) if isinstance(ep, ExpertSplit) else (ep, t)
-        for i in layers:
-            shapes += spec.param_table.layer_shapes(i, t, ep_div, etp)
-    else:
-        kinds = {key: _layer_shapes(spec, t, ep, *key)
-                 for key in {_shape_key(spec, i) for i in layers}}
-        for i in layers:
-            shapes += kinds[_shape_key(spec, i)]
+    # the layers' tensors, each layer kind's shapes and sizes made once
+    sizes = [math.prod(shape) for shape in shapes]
+    for layer_shapes, layer_sizes, n in _layers_shapes(spec, t, ep, layers):
+        shapes += layer_shapes * n
+        sizes += layer_sizes * n
+    layers_end = len(shapes)
     if depths:
         shapes += layer_tensor_shapes(spec, t, ep, spec.is_moe_layer(mtp_layer_index(spec))
                                       ) * depths
@@ -116,12 +114,40 @@ def count_stage_params(spec: ModelSpec, t: int, ep: int | ExpertSplit, pp: int,
             copy = [embedding_copy(spec, vocab_rows, 0, pp),
                     embedding_copy(spec, 0, counts.position_embedding, pp)]
             shapes += [(n // h, h) for n in copy if n]
-    sizes = [math.prod(shape) for shape in shapes]
+    sizes += [math.prod(shape) for shape in shapes[layers_end:]]
     return StageParams(dense=dense, expert=expert, layers=tuple(per_layer), embedding=embed,
                        head=head, tensor_sizes=tuple(sizes), tensor_shapes=tuple(shapes),
                        largest_unit=max(0, embed, head, *per_layer), num_tensors=len(sizes),
                        embedding_tensors=embedding_tensors,
                        head_tensors=len(sizes) - before_head)
+
+
+def _layers_shapes(spec: ModelSpec, t: int, ep: int | ExpertSplit, layers: tuple[int, ...]
+                   ) -> list[tuple[list[tuple[int, ...]], list[int], int]]:
+    """The tensor shapes of ``layers``, in order, as runs: (one layer's shapes, their sizes,
+    how many layers in a row have them); each layer kind's made once."""
+    if spec.param_table is not None:  # the tensors transformers builds (memplan.hf.param_table)
+        ep_div, etp = (ep.ep, ep.etp) if isinstance(ep, ExpertSplit) else (ep, t)
+        return [(shapes, [math.prod(shape) for shape in shapes], 1)
+                for shapes in (spec.param_table.layer_shapes(i, t, ep_div, etp)
+                               for i in layers)]
+    out: list[tuple[list[tuple[int, ...]], list[int], int]] = []
+    kinds: dict[tuple[bool, str], tuple[list[tuple[int, ...]], list[int]]] = {}
+    if spec.moe is None and not spec.has_linear_layers:  # every layer of one kind
+        shapes = list(_layer_shapes(spec, t, ep, False, ""))
+        return [(shapes, [math.prod(shape) for shape in shapes], len(layers))] if layers else []
+    last = None
+    for i in layers:
+        key = _shape_key(spec, i)
+        if key == last:
+            out[-1] = (*out[-1][:2], out[-1][2] + 1)
+            continue
+        if key not in kinds:
+            shapes = list(_layer_shapes(spec, t, ep, *key))
+            kinds[key] = shapes, [math.prod(shape) for shape in shapes]
+        out.append((*kinds[key], 1))
+        last = key
+    return out
 
 
 def _shape_key(spec: ModelSpec, i: int) -> tuple[bool, str]:
@@ -149,15 +175,15 @@ def stage_param_totals(spec: ModelSpec, t: int, ep: int | ExpertSplit, pp: int,
                  + embedding_copy(spec, vocab_rows, counts.position_embedding, pp)
                  if depths else 0)
     expert_div = ep.ep * ep.etp if isinstance(ep, ExpertSplit) else ep * t
-    dense = expert = 0
-    per_layer = []
-    for i in (*layers, *[mtp_layer_index(spec)] * depths):
-        lp = counts.layers[i]
-        layer_dense = ceil_div(lp.tp_sharded, t) + lp.replicated
-        layer_expert = lp.expert // expert_div
-        dense += layer_dense
-        expert += layer_expert
-        per_layer.append(layer_dense + layer_expert)
+    stage = list(map(counts.layers.__getitem__,
+                     (*layers, *[mtp_layer_index(spec)] * depths) if depths else layers))
+    # (dense, expert) of each distinct layer once, times its layers on the stage
+    split = {lp: (ceil_div(lp.tp_sharded, t) + lp.replicated, lp.expert // expert_div)
+             for lp in set(stage)}
+    repeats = Counter(stage)
+    dense = sum(split[lp][0] * n for lp, n in repeats.items())
+    expert = sum(split[lp][1] * n for lp, n in repeats.items())
+    per_layer = list(map({lp: d + e for lp, (d, e) in split.items()}.__getitem__, stage))
     embed = vocab_rows + counts.position_embedding if first else 0
     # Tied and p == 1: the head is the embedding itself, already counted.
     head = (counts.final_norm + (vocab_rows if counts.head or pp > 1 else 0)

@@ -194,7 +194,7 @@ class DataParallel(NamedTuple):
         # gradients copied away at their hooks: the moments hold the fresh weight gradients
         # alone, in every micro-batch (``fresh_only``)
         if growing or self.fresh_only:
-            return max(m.alive_bytes + m.transient_bytes + g for m, g in zip(moments, grads))
+            return max([m.alive_bytes + m.transient_bytes + g for m, g in zip(moments, grads)])
         # accumulated into existing gradients: the weight gradient a moment just made is in
         # flight beside them until its AccumulateGrad adds it in (``accumulated_fresh``)
         return max(m.alive_bytes + m.transient_bytes + m.fresh_params * self.fresh_grad

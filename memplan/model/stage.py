@@ -14,7 +14,7 @@ from functools import partial
 from typing import NamedTuple
 
 from memplan.model import memo, step_in_backward
-from memplan.model.deferred_wgrad import Deferred, deferred
+from memplan.model.deferred_wgrad import NO_DEFERRAL, Deferred, deferred
 from memplan.model.dims import Dims, Term, exact_ratio, whole_bytes
 from memplan.model.embedding import EmbeddingBlock, made_vocab_grad
 from memplan.model.fsdp1 import last_reduce
@@ -29,7 +29,7 @@ from memplan.model.grad_sync import (
 from memplan.model.head import HeadBlock
 from memplan.model.compiled import layer_workload as compiled_layer_workload
 from memplan.model.layer import LayerKind, backward_moments, merge_terms, unsaved_stream
-from memplan.model.moments import Segment, peak_of
+from memplan.model.moments import Segment
 from memplan.model.pipeline import Schedule
 from memplan.model.stage_parts import (
     LayerKey,
@@ -167,27 +167,28 @@ def stage_record(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, sta
          for k, n in w.kinds.counts.items()], max(fx.params.layers) * shared.dm.e,
         shared.rope_bytes * par.vpp, max(w.in_flight))
         if Offload.ACTIVATIONS in par.offload else 0)
+    # kept gathered under PP, or accumulated without a sync (``memplan.model.grad_sync``):
+    # the unsharded gradient accumulators are buffers too
+    sharding_buffers = fx.shard.peak_bytes + fx.buckets + (
+        fx.accum_bytes if fx.shard.kept_gathered
+        or accumulates_unsharded(wl, parts[0].dp, fx.shard.kept_gathered, m) else 0)
+    # (positional, in the fields' order: a call with two dozen keywords costs several times
+    # the record it makes)
     return StageMemory(
-        stage=stage, num_layers=len(w.kinds.keys), num_params=fx.params.total,
-        params_bytes=st.params_bytes, grads_bytes=st.grads_bytes,
-        optimizer_bytes=st.optimizer_bytes, activations_bytes=w.activations,
-        microbatches_in_flight=max(w.in_flight), microbatch_bytes=w.one_mb,
-        activation_groups=tuple(groups), loss_bytes=w.loss_bytes,
-        # kept gathered under PP, or accumulated without a sync (``memplan.model.grad_sync``):
-        # the unsharded gradient accumulators are buffers too
-        sharding_buffers_bytes=fx.shard.peak_bytes + fx.buckets + (
-            fx.accum_bytes
-            if fx.shard.kept_gathered
-            or accumulates_unsharded(wl, parts[0].dp, fx.shard.kept_gathered, m) else 0),
-        optimizer_temp_bytes=fx.opt_temp, buffers_bytes=fx.buffers, steady=w.steady,
-        first_step=w.first_step,
-        tensor_peak_bytes=tensor_peak, cuda_context_bytes=ovh.cuda_context_bytes,
-        workspace_bytes=ovh.workspace_bytes, allocator_bytes=ovh.allocator_bytes(tensor_peak),
-        peak_bytes=rank_peak_bytes(tensor_peak, ovh),
-        host_bytes=st.host_bytes + host_activations,
-        host_activations_bytes=host_activations, paged_bytes=st.paged_bytes,
-        load_bytes=fx.load,
-    )
+        stage, len(w.kinds.keys), fx.params.total,  # stage, num_layers, num_params
+        st.params_bytes, st.grads_bytes, st.optimizer_bytes,
+        w.activations, max(w.in_flight), w.one_mb,  # ..., microbatches_in_flight, ...
+        tuple(groups), w.loss_bytes, sharding_buffers,  # activation_groups, loss_bytes, ...
+        fx.opt_temp, w.steady, w.first_step,  # optimizer_temp_bytes, steady, first_step
+        tensor_peak, ovh.cuda_context_bytes, ovh.workspace_bytes,  # tensor_peak_bytes, ...
+        ovh.allocator_bytes(tensor_peak), rank_peak_bytes(tensor_peak, ovh),  # ..., peak_bytes
+        0, st.host_bytes + host_activations, host_activations,  # calibration_bytes, host_...
+        None, fx.buffers, st.paged_bytes, fx.load)  # analytic_phases, buffers_bytes, ...
+
+
+# the head and the embedding of a stage without them (tuples: shared by every stage)
+NO_HEAD = HeadBlock()
+NO_EMBEDDING = EmbeddingBlock()
 
 
 def rank_peak_bytes(tensor_peak: int, ovh: Overheads) -> int:
@@ -308,7 +309,7 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
     shared, host_rope, flight, entries = prepared[:4]
     walk, activations, one_mb = prepared.walk
     # the output layer's deferred weight gradient (``memplan.model.deferred_wgrad``)
-    dfr = deferred(spec, wl, shared.dm, m, flight[-1]) if fx.last else Deferred()
+    dfr = deferred(spec, wl, shared.dm, m, flight[-1]) if fx.last else NO_DEFERRAL
     walk = _with_deferred(walk, dfr, fx.main_grads)
     if accumulating:
         walk = with_new_grads(walk, ratio, fresh)
@@ -334,11 +335,11 @@ def walk_stage(spec: ModelSpec, par: ParallelConfig, wl: Workload, m: int, stage
         drain = max(base + opt_bytes + from_loss + held + st.grads_bytes + dfr.drain
                     if dfr.pair else 0, _reduce_after(fx, base + opt_bytes + from_loss))
         init = base + opt_bytes + fx.shard.forward_start(steady, st.grads_bytes)
-        return PhasePeaks(
-            forward=max(base + resident + opt_bytes + in_forward + _outside_walk(shared, walk)
-                        + (forward if steady else forward1)(steady), init),
-            backward=max(base + resident + opt_bytes + from_loss + bwd, drain, last_step),
-            optimizer=(optimizer if steady else optimizer_first) + resident)
+        return PhasePeaks(  # forward, backward, optimizer
+            max(base + resident + opt_bytes + in_forward + _outside_walk(shared, walk)
+                + (forward if steady else forward1)(steady), init),
+            max(base + resident + opt_bytes + from_loss + bwd, drain, last_step),
+            (optimizer if steady else optimizer_first) + resident)
 
     # Master weights (and bitsandbytes' quantization maps) exist from optimizer setup; a grad
     # scaler's state from step 1's loss; moments appear at step 1's optimizer step.
@@ -423,9 +424,15 @@ def _optimizer_peaks(head: HeadBlock, fx: StageStates) -> tuple[int, int]:
     """The optimizer step's activation-free peak from step 2 on and in step 1 (where its
     order differs, ``StageStates.first_step``), the logits a training loop keeps from the loss
     alive beside it."""
-    logits = Segment((head.step_logits(),))
-    steady = peak_of([logits, fx.step])
-    return steady, steady if fx.first_step is None else peak_of([logits, fx.first_step])
+    logits = head.step_logits_bytes()  # alive from before the step, no instant of its own
+    steady = _step_peak(fx.step, logits)
+    return steady, steady if fx.first_step is None else _step_peak(fx.first_step, logits)
+
+
+def _step_peak(step: Segment, alive: int) -> int:
+    """``peak_of([step], alive)``, the step folded once (``memo.step_fold``)."""
+    top = memo.step_fold(step)[0]
+    return 0 if top is None else alive + top
 
 
 def _walk(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTerms,
@@ -446,14 +453,12 @@ def _walk(spec: ModelSpec, par: ParallelConfig, wl: Workload, shared: StageTerms
         # in transformers' XModel.forward): freed when it returns, before the head's logits
         # and the loss (traced: Llama eager, tests/traced/test_frameworks.py)
         head = head._replace(mask_released=shared.mask)
-    walk = Walk(
-        runs=_runs(kinds, entries, fx),
-        other_bytes=max(0, activations - one_mb),
-        rest_saved=rope_bytes * par.vpp + embed_bytes + batch,
-        head=head,
-        embedding=_embedding_block(spec, wl, shared, fx),
-        sharding=with_stream(fx.dp, shared.dm.stream(spec.hidden_size)),
-    )
+    walk = Walk(  # (positional: built in every walk)
+        _runs(kinds, entries, fx),  # runs
+        max(0, activations - one_mb),  # other_bytes
+        rope_bytes * par.vpp + embed_bytes + batch,  # rest_saved
+        head, _embedding_block(spec, wl, shared, fx),  # head, embedding
+        with_stream(fx.dp, shared.dm.stream(spec.hidden_size)))  # sharding
     return walk, activations, one_mb
 
 
@@ -552,7 +557,7 @@ def _head_block(spec: ModelSpec, shared: StageTerms, fx: StageStates) -> HeadBlo
     """The head on the last stage (``HeadBlock.of``, shared by the estimate's stages) with
     this stage's gradients (zeros elsewhere)."""
     if not fx.last:
-        return HeadBlock()
+        return NO_HEAD
     tied = spec.tied_embeddings and fx.first  # the embedding's gradient on the same stage
     tied_grad = made_vocab_grad(shared.dm, fx.vocab_grad, fx.main_grads)[0] if tied else 0
     grads = whole_bytes(fx.params.head, fx.grad_per_param)
@@ -593,7 +598,7 @@ def _embedding_block(spec: ModelSpec, wl: Workload, shared: StageTerms,
     gradient."""
     if not fx.first:
         return EmbeddingBlock(freed_before=shared.rope_bytes)
-    return EmbeddingBlock().on_stage(
+    return NO_EMBEDDING.on_stage(
         spec, wl, shared.dm, num_params=fx.params.embedding, per_param=fx.grad_per_param,
         vocab_grad=fx.vocab_grad, main_grads=fx.main_grads,
         tied=spec.tied_embeddings and fx.last, rope_bytes=shared.rope_bytes,

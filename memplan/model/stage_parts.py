@@ -294,39 +294,38 @@ def build_states(spec: ModelSpec, par: ParallelConfig, wl: Workload,
     persistent = (ddp and par.grad_buffers is GradBuffers.VIEW
                   or shard.queued_whole or shard.bucket_resident)
     main_grads, fresh = _made_grads(par, wl, shard, persistent)
-    return StageStates(
-        first=first, last=last, params=params, states=st,
-        # kept unsharded under PP (``ShardingBuffers.kept_gathered``): the walk's gradients
-        # are the stage's unsharded accumulators, in the reduce dtype
+    return StageStates(  # (positional, in the fields' order: a score of keywords costs more)
+        first, last, params, st,  # first, last, params, states
+        # grad_per_param: kept unsharded under PP (``ShardingBuffers.kept_gathered``): the
+        # walk's gradients are the stage's unsharded accumulators, in the reduce dtype
         # (gradients copied into preallocated buckets at their hooks, and a partition made
         # whole at once, ``ShardingBuffers.bucket_bytes``/``partition_bytes``: none grow)
-        grad_per_param=(exact_ratio(wl.precision.policy.grad_bytes) if shard.kept_gathered
-                        else 0 if shard.bucket_bytes or wl.optimizer_in_backward
-                        else exact_ratio(st.grads_bytes, max(params.total, 1))),
-        opt_temp=opt_temp,
-        shard=shard,
-        # a frozen head and embedding (LoRA) make no gradient
-        vocab_grad=0 if wl.lora_rank else par.vocab_shard(spec.vocab_size) * spec.hidden_size * e,
-        main_grads=main_grads,
-        # whole-bucket units: the gradient shard is a buffer made with the wrap
-        buckets=buckets, persistent=persistent,
-        buffers=buffers,
-        dp=_data_parallel(shard, params, st, wl, trainable, fresh),
-        # units as buckets: the weights outside the units stay gathered across steps
+        (exact_ratio(wl.precision.policy.grad_bytes) if shard.kept_gathered
+         else 0 if shard.bucket_bytes or wl.optimizer_in_backward
+         else exact_ratio(st.grads_bytes, max(params.total, 1))),
+        opt_temp, shard,
+        # vocab_grad: a frozen head and embedding (LoRA) make no gradient
+        0 if wl.lora_rank else par.vocab_shard(spec.vocab_size) * spec.hidden_size * e,
+        main_grads,
+        # buckets, persistent (whole-bucket units: the gradient shard is a buffer made with
+        # the wrap), buffers, dp
+        buckets, persistent, buffers, _data_parallel(shard, params, st, wl, trainable, fresh),
+        # step: units as buckets: the weights outside the units stay gathered across steps
         # (Megatron-FSDP AllGatherPipeline.reset(preserve_non_fsdp_units=True) in
         # synchronize_param_gather), so they are alive at the step
-        step=optimizer_step(at_step, 0 if wl.optimizer_in_backward else opt_temp,  # in bwd
-                            buckets + (shard.gathered_at_loss_bytes if shard.queued_whole else 0),
-                            buffers, shard.post_step_bytes),
-        first_step=(flat_partition_step(at_step, opt_temp, st.num_optimizer_params * FP32_BYTES,
-                                        buffers, True, shard.bucket_resident, buckets,
-                                        (shard.first_step or shard).post_step_bytes)
-                    if wl.flat_partition and not optimizer_on_host(par) else None),
-        # frozen weights make no gradient: only the adapters accumulate, in their dtype
-        accum_bytes=(sum(trainable.adapters) * adapter_bytes(wl) if trainable.adapters
-                     else accumulator_bytes(params, wl, shard.flat_units)),
-        load=load_bytes(st, buffers, trainable.quantize_bytes),
-        nf4_weights=trainable.nf4_weights if trainable.quantize_bytes else ())
+        optimizer_step(at_step, 0 if wl.optimizer_in_backward else opt_temp,  # in bwd
+                       buckets + (shard.gathered_at_loss_bytes if shard.queued_whole else 0),
+                       buffers, shard.post_step_bytes),
+        # accum_bytes: frozen weights make no gradient: only the adapters accumulate, in
+        # their dtype
+        (sum(trainable.adapters) * adapter_bytes(wl) if trainable.adapters
+         else accumulator_bytes(params, wl, shard.flat_units)),
+        load_bytes(st, buffers, trainable.quantize_bytes),  # load
+        (flat_partition_step(at_step, opt_temp, st.num_optimizer_params * FP32_BYTES,  # first_
+                             buffers, True, shard.bucket_resident, buckets,        # step
+                             (shard.first_step or shard).post_step_bytes)
+         if wl.flat_partition and not optimizer_on_host(par) else None),
+        trainable.nf4_weights if trainable.quantize_bytes else ())  # nf4_weights
 
 
 def te_fp8_states(st: StateBytes, spec: ModelSpec, par: ParallelConfig, wl: Workload,

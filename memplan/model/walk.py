@@ -19,7 +19,7 @@ from typing import NamedTuple
 from memplan.model.embedding import EmbeddingBlock
 from memplan.model.head import HeadBlock
 from memplan.model.layer import LayerKind
-from memplan.model.moments import Event, Segment, peak_of
+from memplan.model.moments import Event, Segment, fold, peak_of
 from memplan.model.sharding import (
     DataParallel,
     Held,
@@ -65,7 +65,10 @@ def forward_peaks(runs: list[tuple[LayerKind, int, tuple[int, ...], int]], dp: D
     """``forward_peak`` as a function of ``steady``: the fold of ``forward_segments`` (from
     ``in_flight``, ``inputs`` and the logits the loop holds from the previous step), then the
     head's segment where the stage has one; the layers' segments are built once."""
-    layers = _layer_forward_segments(runs, dp, head.embeds_held, head.embeds_copy)
+    # a fold moves with the bytes alive where it starts: the layers are folded once, from
+    # nothing alive, and each start (``forward_start``'s bytes, its one instant) added
+    layers_peak, layers_alive = fold(_layer_forward_segments(runs, dp, head.embeds_held,
+                                                             head.embeds_copy))
     tail = head.forward_saved > 0  # a final norm and a loss on this stage
     # ``steady`` changes the segments only through the logits held from the previous step
     differs = head.previous_logits(True) != head.previous_logits(False)
@@ -74,9 +77,13 @@ def forward_peaks(runs: list[tuple[LayerKind, int, tuple[int, ...], int]], dp: D
     def peak(steady: bool) -> int:
         steady = steady and differs
         if steady not in folded:
-            start = forward_start(in_flight, inputs, head.previous_logits(steady))
-            end = [head.forward_segment(dp.at_loss_forward, steady)] if tail else []
-            folded[steady] = peak_of([start, *layers, *end])
+            start = in_flight + inputs + head.previous_logits(steady)
+            top = start if layers_peak is None else max(start, start + layers_peak)
+            if tail:
+                end = fold([head.forward_segment(dp.at_loss_forward, steady)],
+                           start + layers_alive)[0]
+                top = top if end is None else max(top, end)
+            folded[steady] = top
         return folded[steady]
 
     return peak
@@ -174,7 +181,7 @@ def _start_bytes(w: Walk, grads_prior: int) -> tuple[int, int, int, int, int]:
     """``backward_start``'s bytes, in its order (the fold starts from their sum)."""
     return (w.other_bytes, w.rest_saved,
             w.head.saved_bytes + sum(k.saved_bytes * n for k, _, _, n in w.runs),
-            w.head.loop_logits().delta, grads_prior)
+            w.head.held_logits, grads_prior)  # (``HeadBlock.loop_logits``)
 
 
 def _backward_moments(w: Walk, grads_prior: int, grads_total: int) -> list[Segment]:

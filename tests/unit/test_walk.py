@@ -8,7 +8,7 @@ import memplan
 from memplan.model.embedding import EmbeddingBlock
 from memplan.model.head import HeadBlock
 from memplan.model.layer import LayerKind, LayerMoment
-from memplan.model.moments import Segment, peak_of, timeline
+from memplan.model.moments import Segment, fold, peak_of, timeline, unfold
 from memplan.model.sharding import DataParallel
 from memplan.model.walk import (
     Walk,
@@ -158,9 +158,16 @@ def test_real_stages_fold_as_they_unfold(monkeypatch: pytest.MonkeyPatch, kw: di
         assert peak == max(at for _, _, at in timeline(segments, alive))
         return peak
 
+    def checked_fold(segments: list[Segment], alive: int = 0) -> tuple[int | None, int]:
+        peak, after = fold(segments, alive)
+        assert peak == max((at for _, _, at in timeline(segments, alive)), default=None)
+        assert after == alive + sum(e.delta for e in unfold(segments))
+        return peak, after
+
     folds = []
-    # the stage's forward and backward are folded in the walk (``forward_peaks``,
-    # ``backward_peak``)
+    # the stage's forward and backward are folded in the walk (``forward_peaks``, its layers
+    # once and the head from where they end, ``backward_peak``)
     monkeypatch.setattr(walk, "peak_of", lambda s, a=0: folds.append(1) or checked(s, a))
+    monkeypatch.setattr(walk, "fold", lambda s, a=0: folds.append(1) or checked_fold(s, a))
     memplan.estimate("gpt2", seq_len=256, **kw)
     assert len(folds) >= 2  # a forward's layers and a backward, at least
