@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from calibration_points import cpu_points_traced_once  # tests/traced/calibration_points.py
 from typer.testing import CliRunner
 
 import memplan
@@ -208,31 +209,6 @@ def test_resume_measures_only_missing_points(tmp_path: Path, grid: list[Point],
     assert finished_keys(tmp_path) == {p.key for p in points}
 
 
-# The quick CPU grid's ten points, by what they trace: the Ctrl-C test and ``cpu_run`` run
-# the same grid (the same spec, workloads, seed and steps), so each point is traced once here
-_MEASURED: dict[str, Record] = {}
-
-
-def _cpu_points_traced_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``calibrate_run.measure_cpu`` traces a point the first time it is asked and hands its
-    record again, under the asking run's meta, when the same point comes back (the exact
-    tracker's bytes of a seeded CPU step do not change from one run to the next; only its
-    step times would)."""
-    from memplan.profile import calibrate_run
-
-    real = calibrate_run.measure_cpu
-
-    def once(point: Point, m: Meta, steps: int) -> Record:
-        key = repr((point.key, point.spec.model_dump(mode="json"),
-                    point.layout.model_dump(mode="json"),
-                    point.workload.model_dump(mode="json"), steps))
-        if key not in _MEASURED:
-            _MEASURED[key] = real(point, m, steps)
-        return _MEASURED[key].model_copy(update={"meta": m})
-
-    monkeypatch.setattr(calibrate_run, "measure_cpu", once)
-
-
 def test_ctrl_c_says_what_is_saved_and_the_command_resumes(tmp_path: Path, capsys,
                                                            monkeypatch: pytest.MonkeyPatch
                                                            ) -> None:
@@ -244,7 +220,7 @@ def test_ctrl_c_says_what_is_saved_and_the_command_resumes(tmp_path: Path, capsy
 
     from memplan.profile import calibrate_run
 
-    _cpu_points_traced_once(monkeypatch)
+    cpu_points_traced_once(monkeypatch)
 
     real = calibrate_run.run_grid
     measured: list[int] = []
@@ -406,7 +382,7 @@ def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("torch")
     out = tmp_path_factory.mktemp("cpucal")
     with pytest.MonkeyPatch.context() as monkeypatch:
-        _cpu_points_traced_once(monkeypatch)
+        cpu_points_traced_once(monkeypatch)
         result = CliRunner().invoke(app, ["calibrate", "--device", "cpu", "--quick", "--out",
                                           str(out)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
