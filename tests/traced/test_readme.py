@@ -112,10 +112,12 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-# docs/calibration.md's ``memplan calibrate --device cpu --quick`` traces the quick CPU grid,
-# whose ten points tests/traced/test_calibrate.py traces too: it runs through memplan.cli.main
-# in this interpreter (cwd the copy, COLUMNS 240), each point traced once in the session
-# (tests/traced/calibration_points.py). Every other command runs the ``memplan`` script.
+# The commands that run torch (calibrate, trace, profile) run through memplan.cli.main in this
+# interpreter, where torch is imported already (cwd the copy, COLUMNS 240); every other command
+# runs the ``memplan`` script. docs/calibration.md's ``memplan calibrate --device cpu --quick``
+# traces the quick CPU grid, whose ten points tests/traced/test_calibrate.py traces too: each
+# point is traced once in the session (tests/traced/calibration_points.py).
+IN_PROCESS = {"calibrate", "trace", "profile"}
 QUICK_CPU_GRID = ["memplan", "calibrate", "--device", "cpu", "--quick"]
 # what a ``memplan trace`` command (it writes nothing) printed and returned, by its arguments:
 # one shown on two pages (docs/tracing.md and docs/ground_truth.md) runs once
@@ -126,28 +128,31 @@ def _run(argv: list[str], workdir: Path, monkeypatch: pytest.MonkeyPatch,
          capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
     """The exit code and the printed output (stdout, then stderr) of ``argv`` run in the
     copy of the repository."""
-    if argv == QUICK_CPU_GRID:
-        from calibration_points import cpu_points_traced_once  # tests/traced
-
+    key = tuple(argv)
+    if key in _TRACED:
+        return _TRACED[key]
+    if argv[1] in IN_PROCESS:
         from memplan.cli import main
 
         monkeypatch.chdir(workdir)
         monkeypatch.setenv("COLUMNS", "240")
         monkeypatch.setenv("MEMPLAN_DEBUG", "")
-        cpu_points_traced_once(monkeypatch)
+        if argv == QUICK_CPU_GRID:
+            from calibration_points import cpu_points_traced_once  # tests/traced
+
+            cpu_points_traced_once(monkeypatch)
         capsys.readouterr()
         code = main(argv[1:])
         printed = capsys.readouterr()
-        return code, printed.out + printed.err
-    key = tuple(argv)
-    if key not in _TRACED:
+        ran = code, printed.out + printed.err
+    else:
         env = {**os.environ, "COLUMNS": "240", "MEMPLAN_DEBUG": ""}
         proc = subprocess.run([str(MEMPLAN), *argv[1:]], cwd=workdir, capture_output=True,
                               text=True, env=env, timeout=600, check=False)
-        if argv[1:2] != ["trace"]:
-            return proc.returncode, proc.stdout + proc.stderr
-        _TRACED[key] = (proc.returncode, proc.stdout + proc.stderr)
-    return _TRACED[key]
+        ran = proc.returncode, proc.stdout + proc.stderr
+    if argv[1] == "trace":
+        _TRACED[key] = ran
+    return ran
 
 
 @pytest.mark.parametrize("shown", COMMANDS, ids=[f"{c.page}:L{c.line}" for c in COMMANDS])
