@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from calibration_points import cpu_points_traced_once  # tests/traced/calibration_points.py
 from typer.testing import CliRunner
 
 import memplan
@@ -219,6 +220,8 @@ def test_ctrl_c_says_what_is_saved_and_the_command_resumes(tmp_path: Path, capsy
 
     from memplan.profile import calibrate_run
 
+    cpu_points_traced_once(monkeypatch)
+
     real = calibrate_run.run_grid
     measured: list[int] = []
 
@@ -378,8 +381,10 @@ def test_device_names_match_the_catalog() -> None:
 def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("torch")
     out = tmp_path_factory.mktemp("cpucal")
-    result = CliRunner().invoke(app, ["calibrate", "--device", "cpu", "--quick", "--out",
-                                      str(out)], catch_exceptions=False)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        cpu_points_traced_once(monkeypatch)
+        result = CliRunner().invoke(app, ["calibrate", "--device", "cpu", "--quick", "--out",
+                                          str(out)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     return out
 
@@ -596,17 +601,26 @@ def test_bad_module_is_one_line(tmp_path: Path, capsys) -> None:
     assert not (tmp_path / "records").exists()
 
 
-def test_transformers_example_factory(tmp_path: Path) -> None:
-    """The README's factory for a Hugging Face model built from its config (no weights)."""
+@pytest.fixture(scope="module")
+def hf_example_profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``calibrate --device cpu --module`` of the README's factory for a Hugging Face model
+    (calibration/examples/hf_factory.py) at --seq 64, the generic workload: its profile, run
+    once for the tests that read it."""
     pytest.importorskip("transformers")
     pytest.importorskip("torch")
-    factory = tmp_path / "hf_factory.py"
+    out = tmp_path_factory.mktemp("hfcal")
+    factory = out / "hf_factory.py"
     factory.write_text((ROOT / "calibration" / "examples" / "hf_factory.py").read_text())
     result = CliRunner().invoke(app, ["calibrate", "--device", "cpu", "--module",
                                       f"{factory}:build", "--seq", "64", "--out",
-                                      str(tmp_path)], catch_exceptions=False)
+                                      str(out)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    prof = load_profile(tmp_path / "profiles" / "model-build.json")
+    return out / "profiles" / "model-build.json"
+
+
+def test_transformers_example_factory(hf_example_profile: Path) -> None:
+    """The README's factory for a Hugging Face model built from its config (no weights)."""
+    prof = load_profile(hf_example_profile)
     assert prof.error("peak", "held-out").max_abs_pct < 1
 
 
@@ -683,22 +697,22 @@ def _hf_example(tmp_path: Path) -> str:
     return f"{factory}:build"
 
 
-def test_module_workload_follows_the_framework_and_the_config(tmp_path: Path) -> None:
+def test_module_workload_follows_the_framework_and_the_config(tmp_path: Path,
+                                                              hf_example_profile: Path) -> None:
     """--framework hf traces the transformers model with the Trainer's defaults (fused
     AdamW, upcast norms, logits held by the output during the loss, KV cache) and the config's
     eager attention: memplan's analytic model of that workload matches the trace of the
-    library's own code to within 0.1% at every point, where the generic workload is far off;
-    the profile then applies to that workload only."""
+    library's own code to within 0.1% at every point, where the generic workload (the same
+    factory and --seq without --framework: ``hf_example_profile``) is far off; the profile
+    then applies to that workload only."""
     pytest.importorskip("transformers")
     factory = _hf_example(tmp_path)
-    out = {}
-    for name, extra in (("hf", ["--framework", "hf"]), ("generic", [])):
-        result = CliRunner().invoke(app, ["calibrate", "--device", "cpu", "--module", factory,
-                                          "--seq", "64", "--out", str(tmp_path), "--name",
-                                          name, *extra], catch_exceptions=False)
-        assert result.exit_code == 0, result.output
-        out[name] = load_profile(tmp_path / "profiles" / f"{name}.json")
-    hf, generic = out["hf"], out["generic"]
+    result = CliRunner().invoke(app, ["calibrate", "--device", "cpu", "--module", factory,
+                                      "--seq", "64", "--out", str(tmp_path), "--name", "hf",
+                                      "--framework", "hf"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    hf = load_profile(tmp_path / "profiles" / "hf.json")
+    generic = load_profile(hf_example_profile)
     wl = hf.model.workload
     assert (wl.framework.value, wl.optimizer_impl.value, wl.attention.value,
             wl.norm_impl.value, wl.logits_held.value, wl.kv_cache) == \

@@ -112,24 +112,66 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+# The commands that run torch (calibrate, trace, profile) run through memplan.cli.main in this
+# interpreter, where torch is imported already (cwd the copy, COLUMNS 240); every other command
+# runs the ``memplan`` script. docs/calibration.md's ``memplan calibrate --device cpu --quick``
+# traces the quick CPU grid, whose ten points tests/traced/test_calibrate.py traces too: each
+# point is traced once in the session (tests/traced/calibration_points.py).
+IN_PROCESS = {"calibrate", "trace", "profile"}
+QUICK_CPU_GRID = ["memplan", "calibrate", "--device", "cpu", "--quick"]
+# what a ``memplan trace`` command (it writes nothing) printed and returned, by its arguments:
+# one shown on two pages (docs/tracing.md and docs/ground_truth.md) runs once
+_TRACED: dict[tuple[str, ...], tuple[int, str]] = {}
+
+
+def _run(argv: list[str], workdir: Path, monkeypatch: pytest.MonkeyPatch,
+         capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """The exit code and the printed output (stdout, then stderr) of ``argv`` run in the
+    copy of the repository."""
+    key = tuple(argv)
+    if key in _TRACED:
+        return _TRACED[key]
+    if argv[1] in IN_PROCESS:
+        from memplan.cli import main
+
+        monkeypatch.chdir(workdir)
+        monkeypatch.setenv("COLUMNS", "240")
+        monkeypatch.setenv("MEMPLAN_DEBUG", "")
+        if argv == QUICK_CPU_GRID:
+            from calibration_points import cpu_points_traced_once  # tests/traced
+
+            cpu_points_traced_once(monkeypatch)
+        capsys.readouterr()
+        code = main(argv[1:])
+        printed = capsys.readouterr()
+        ran = code, printed.out + printed.err
+    else:
+        env = {**os.environ, "COLUMNS": "240", "MEMPLAN_DEBUG": ""}
+        proc = subprocess.run([str(MEMPLAN), *argv[1:]], cwd=workdir, capture_output=True,
+                              text=True, env=env, timeout=600, check=False)
+        ran = proc.returncode, proc.stdout + proc.stderr
+    if argv[1] == "trace":
+        _TRACED[key] = ran
+    return ran
+
+
 @pytest.mark.parametrize("shown", COMMANDS, ids=[f"{c.page}:L{c.line}" for c in COMMANDS])
-def test_readme_command_runs_as_shown(shown: Shown, workdir: Path) -> None:
+def test_readme_command_runs_as_shown(shown: Shown, workdir: Path,
+                                      monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
     argv = shlex.split(shown.command)
     needs_cuda = bool(CUDA_COMMENT.search(shown.comment))
     if needs_cuda and _cuda():
         pytest.skip("a CUDA command: run on the GPU by test_calibrate.py")
     if "--module" in argv and "calibration/examples/hf_factory.py:build" in argv:
         pytest.importorskip("transformers")
-    env = {**os.environ, "COLUMNS": "240", "MEMPLAN_DEBUG": ""}
-    proc = subprocess.run([str(MEMPLAN), *argv[1:]], cwd=workdir, capture_output=True,
-                          text=True, env=env, timeout=600)
-    output = proc.stdout + proc.stderr
+    returncode, output = _run(argv, workdir, monkeypatch, capsys)
     if needs_cuda:
-        assert proc.returncode == 2, output
+        assert returncode == 2, output
         assert output.count("\n") == 1 and "no CUDA device" in output, output
         return
     errors = [line for line in shown.output if line.startswith("memplan: error:")]
-    assert proc.returncode == (2 if errors else 0), output
+    assert returncode == (2 if errors else 0), output
     missing = _missing(shown.output, output)
     assert not missing, f"{shown.page} line {shown.line}: not in the output: {missing}\n{output}"
 
