@@ -97,16 +97,16 @@ def main() -> int:
     rows = []
     for case in CASES:
         row = stored.get(case)
-        traced = ((row["traced_forward"], row["traced_backward"]) if row
+        traced = ((row["traced_forward_bytes"], row["traced_backward_bytes"]) if row
                   else traced_peaks(*case))
         model = memplan_peaks(*case)
         library, fused, dtype, checkpoint, batch, seq = case
         row = {"library": library, "fused_qkv": fused, "dtype": dtype, "checkpoint": checkpoint,
-               "batch": batch, "seq": seq, "traced_forward": traced[0],
-               "memplan_forward": model[0], "traced_backward": traced[1],
-               "memplan_backward": model[1]}
+               "batch": batch, "seq": seq, "traced_forward_bytes": traced[0],
+               "memplan_forward_bytes": model[0], "traced_backward_bytes": traced[1],
+               "memplan_backward_bytes": model[1]}
         rows.append(row)
-        print(f"{library:12s} {checkpoint:4s} {batch} x {seq:5d} {dtype}: forward "
+        print(f"{library:12s} {checkpoint:4s} {batch} x {seq:5d} {dtype}: forward (B) "
               f"{model[0]:,} vs {traced[0]:,} ({model[0] / traced[0] - 1:+.2%}), backward "
               f"{model[1]:,} vs {traced[1]:,} ({model[1] / traced[1] - 1:+.2%})", flush=True)
     if args.write:

@@ -182,12 +182,18 @@ def checkpointed_mlp_working_bytes(spec: ModelSpec, dm: Dims,
     less its down-weight cast. None elsewhere: under autocast (that function), a fused
     gate/up projection, an activation formula of several ops (gelu_new, xIELU), float8
     linears or adapters (untraced)."""
-    if (not dm.compiled or dm.autocast or not spec.mlp.gated or spec.fused_gate_up
-            or spec.activation_impl is not ActivationImpl.KERNEL or dm.adapters is not None
-            or dm.te_fp8 is not TeFp8Recipe.NONE
-            or any(linear.float8_converts(lin, dm) for lin in linears)):
+    if not _plain_gated(spec, dm) or any(linear.float8_converts(lin, dm) for lin in linears):
         return None
     return 2 * dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
+
+
+def _plain_gated(spec: ModelSpec, dm: Dims) -> bool:
+    """A compiled gated MLP as traced: no autocast, its own gate and up projections, the
+    activation one aten op, plain linears (no adapters, no Transformer Engine fp8; float8 is
+    each caller's test)."""
+    return (dm.compiled and not dm.autocast and spec.mlp.gated and not spec.fused_gate_up
+            and spec.activation_impl is ActivationImpl.KERNEL and dm.adapters is None
+            and dm.te_fp8 is TeFp8Recipe.NONE)
 
 
 def mlp_terms(terms: list[Term], gated: bool) -> list[Term]:
@@ -201,16 +207,13 @@ def mlp_terms(terms: list[Term], gated: bool) -> list[Term]:
     return [t for t in terms if t.name.rpartition(".")[2] in ("fc1", "act")]
 
 
-def swiglu_backward(spec: ModelSpec, wl: Workload, dm: Dims, recompute: Recompute
-                    ) -> bool:
-    """Whether ``swiglu_moments`` gives a dense MLP's backward: compiled, SwiGLU with its own
-    gate and up projections, plain linears (no adapters, float8 or Transformer Engine fp8),
-    no autocast (its traced moments: ``autocast_end_bytes``), no dropout, and the layer not
-    recomputed or fully recomputed (per-op SAC saves another set)."""
-    return (dm.compiled and spec.mlp is MlpKind.SWIGLU and not spec.fused_gate_up
-            and dm.adapters is None and not dm.autocast and spec.dropout == 0
-            and dm.float8 is Float8Recipe.NONE and dm.te_fp8 is TeFp8Recipe.NONE
-            and recompute is Recompute.NONE)
+def swiglu_backward(spec: ModelSpec, dm: Dims, recompute: Recompute) -> bool:
+    """Whether ``swiglu_moments`` gives a dense MLP's backward: a plain compiled gated MLP
+    (``_plain_gated``; autocast's moments are its own, ``autocast_end_bytes``), SwiGLU, no
+    float8, no dropout, and the block rebuilt whole or not recomputed (``recompute`` NONE:
+    a layer without recompute, a full recompute's rerun, per-op SAC's full recompute)."""
+    return (_plain_gated(spec, dm) and spec.mlp is MlpKind.SWIGLU and spec.dropout == 0
+            and dm.float8 is Float8Recipe.NONE and recompute is Recompute.NONE)
 
 
 def swiglu_moments(wl: Workload, dm: Dims, saved: int, inner: int, grad_inputs: int,

@@ -556,11 +556,13 @@ def layer_kind(spec: ModelSpec, wl: Workload, dm: Dims, moe: bool,
         # at the up projection's matmul (``compiled.checkpointed_mlp_working_bytes``), which
         # holds the gate's output, the very tensor the policy keeps (traced: torchtitan's
         # block, 2 x 64 and 2 x 1,024 tokens, benchmarks/compiled_backward.py: one T x f over)
-        late = sum(t.size_bytes for t in kept if t.name == "sac.mlp.w2"
-                   or (t.name == "sac.mlp.w1" and wl.compile and not compiled.in_checkpoint(wl)))
+        in_graph = not moe and not compiled.in_checkpoint(wl)
+        gate_held = in_graph and compiled.checkpointed_mlp_working_bytes(
+            spec, dm, mlp_linears(spec, spec.ffn_hidden_size)) is not None
+        late = sum(t.size_bytes for t in kept
+                   if t.name == "sac.mlp.w2" or (t.name == "sac.mlp.w1" and gate_held))
         moments = full.moments
-        if (not moe and not compiled.in_checkpoint(wl)  # the traced SwiGLU kernel's moment
-                and compiled.swiglu_backward(spec, wl, dm, Recompute.NONE)):
+        if in_graph and compiled.swiglu_backward(spec, dm, Recompute.NONE):  # traced kernel
             moments = compiled.sac_deferred(moments, _attention_rebuilt(spec, wl, dm, variant),
                                             kept)
         return full._replace(terms=full.terms + kept,

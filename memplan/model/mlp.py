@@ -550,11 +550,10 @@ class Mlp:
                          recompute: Recompute) -> list[BackwardMoment]:
         rows_h_e = dm.rows * spec.hidden_size * dm.e
         fresh = spec.hidden_size * spec.ffn_hidden_size // dm.tp
+        inner = dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e
         terms = self.saved(spec, wl, dm, recompute)
-        if compiled.swiglu_backward(spec, wl, dm, recompute):  # Inductor's schedule
-            return compiled.swiglu_moments(
-                wl, dm, total(terms), dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e,
-                2 * rows_h_e, fresh)
+        if compiled.swiglu_backward(spec, dm, recompute):  # Inductor's schedule
+            return compiled.swiglu_moments(wl, dm, total(terms), inner, 2 * rows_h_e, fresh)
         # a plain MLP has one input projection: nothing to sum
         moments = backward_moments(
             spec, dm, saved=total(terms),
@@ -563,8 +562,7 @@ class Mlp:
             fresh=fresh,
             out_cast=linear.saved_bytes(mlp_linears(spec, spec.ffn_hidden_size)[-1:], dm))
         if up_first(spec, wl, dm):  # before the input projections' moment
-            up = up_backward(rows_h_e, dm.tokens * spec.ffn_hidden_size // dm.tp * dm.e, fresh,
-                             wl.mlp_impl)
+            up = up_backward(rows_h_e, inner, fresh, wl.mlp_impl)
             moments.insert(len(moments) - 1, up)
         if compiled_lora(spec, dm):
             moments.append(compiled.lora_mlp_backward(mlp_linears(spec, spec.ffn_hidden_size),
