@@ -18,7 +18,6 @@ import re
 import sys
 import types
 import typing
-import weakref
 from typing import Any
 
 from memplan.errors import ValidationError
@@ -84,14 +83,11 @@ class RankedEnum(PlainEnum):
 # estimate (a plan hashes tens of thousands). pydantic hashes a frozen model from its field
 # values on every call (``pydantic._internal._model_construction.make_hash_func``), nested models
 # included. ``cached_hash`` gives the same value (the hash of the field values in field order, so
-# equal objects still hash equal) and keeps it per object, by ``id``, beside a weak reference
-# that tells the object apart from a later one given its ``id``. A frozen model's fields cannot
-# be set, and ``model_copy`` makes a new object, so a kept hash cannot go stale. No weak
-# reference has a callback: Python runs a callback when the object dies, wherever that is, and
-# a Ctrl-C arriving while one runs is swallowed ("Exception ignored in"): a plan then ran on
-# (tests/unit/test_faults.py). Entries of dead objects are dropped in bulk (``prune``).
-_HASHES: dict[int, tuple[int, weakref.ref]] = {}
-_GETTERS: dict[type, Any] = {}
+# equal objects still hash equal) and keeps it in the object's own slot (``Record._kept_hash``,
+# beside its fields' ``__dict__``): a record's fields cannot be set, and ``model_copy`` makes a
+# new object without the slot, so a kept hash cannot go stale. (It was kept in a table by
+# ``id`` beside a weak reference; the slot is read without a call or a lookup, and needs no
+# weak reference, whose callback could swallow a Ctrl-C: tests/unit/test_faults.py.)
 PRUNE_FROM = 1 << 14  # entries before a table is first pruned
 
 
@@ -106,19 +102,18 @@ def prune(table: dict[int, tuple], limit: list[int], at: int) -> None:
     limit[0] = max(PRUNE_FROM, 2 * len(table))
 
 
-_HASHES_LIMIT = [PRUNE_FROM]
+_GETTERS: dict[type, Any] = {}
 
 
 def cached_hash(self: Any) -> int:
-    """``hash(self)`` for a frozen pydantic model (use as its class's ``__hash__``)."""
-    key = id(self)
-    kept = _HASHES.get(key)
-    if kept is not None and kept[1]() is self:
-        return kept[0]
-    value = field_hash(self)
-    prune(_HASHES, _HASHES_LIMIT, 1)
-    _HASHES[key] = (value, weakref.ref(self))
-    return value
+    """``hash(self)`` for a frozen record (use as its class's ``__hash__``): computed once, then
+    read from the record's ``_kept_hash`` slot."""
+    try:
+        return self._kept_hash
+    except AttributeError:
+        value = field_hash(self)
+        object.__setattr__(self, "_kept_hash", value)
+        return value
 
 
 def field_hash(model: Any) -> int:
@@ -500,6 +495,8 @@ class Record:
     ``model_validator`` checks. Instances cannot be changed (``model_copy`` makes another,
     without checking: as pydantic's)."""
 
+    # the fields live in ``__dict__``; ``_kept_hash``: ``cached_hash``'s value, once computed
+    __slots__ = ("__dict__", "__weakref__", "_kept_hash")
     model_fields: typing.ClassVar[dict[str, FieldInfo]] = {}
     model_config: typing.ClassVar[dict[str, Any]] = {"frozen": True, "extra": "forbid"}
     _record_defaults: typing.ClassVar[dict[str, Any]] = {}
@@ -600,6 +597,11 @@ class Record:
                 raise ValidationError(cls.__name__, [_error(
                     kind, (), msg, data, {"error": err})]) from None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The fields alone (pickled or copied without the kept hash, restored into
+        ``__dict__`` without ``__setattr__``)."""
+        return self.__dict__
+
     def __setattr__(self, name: str, value: Any) -> None:
         raise ValidationError(type(self).__name__, [_error(
             "frozen_instance", (name,), "Instance is frozen", value)])
@@ -613,8 +615,7 @@ class Record:
             return NotImplemented
         return self.__dict__ == other.__dict__
 
-    def __hash__(self) -> int:
-        return field_hash(self)
+    __hash__ = cached_hash  # the field values' hash, computed once per object
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.__repr_fields__(', ')})"

@@ -358,9 +358,21 @@ def virtual_stage_layers(num_layers: int, par: ParallelConfig) -> tuple[int, ...
     return (num_layers // parts,) * parts
 
 
+def pipeline_only(pp: int, vpp: int = 1, stage_layers: tuple[int, ...] | None = None,
+                  vpp_group: int | None = None) -> ParallelConfig:
+    """A layout of these pipeline fields alone, the rest their defaults, for the functions
+    that read only them (``stage_layers``, ``chunks_in_flight``, ``rank_layers``): made
+    without the checks (``model_construct``), as its values are those of a layout checked
+    before (its ``pp``, ``vpp``, ``stage_layers`` and ``vpp_group``)."""
+    return ParallelConfig.model_construct(pp=pp, vpp=vpp, stage_layers=stage_layers,
+                                          vpp_group=vpp_group)
+
+
 def rank_layers(num_layers: int, par: ParallelConfig) -> tuple[int, ...]:
     """Decoder layers on each pipeline rank, all its model chunks together."""
     counts = virtual_stage_layers(num_layers, par)
+    if par.vpp == 1:  # one chunk per rank: its own count
+        return counts
     return tuple(sum(counts[c * par.pp + r] for c in range(par.vpp)) for r in range(par.pp))
 
 

@@ -29,7 +29,7 @@ from memplan.model.stage_parts import (
     stage_layer_indices,
 )
 from memplan.model.stage_terms import StageTerms, stage_terms
-from memplan.parallel import ExpertSplit, ParallelConfig
+from memplan.parallel import ExpertSplit, ParallelConfig, pipeline_only
 from memplan.spec import ModelSpec
 from memplan.workload import Recompute, Workload
 
@@ -151,7 +151,7 @@ def in_flight(pp: int, vpp: int, m: int, stage: int, schedule: Schedule,
               group: int | None = None) -> tuple[int, ...]:
     """``chunks_in_flight``, which reads only pp, vpp and vpp_group (``group``) of the
     layout."""
-    return tuple(chunks_in_flight(ParallelConfig(pp=pp, vpp=vpp, vpp_group=group), m, stage,
+    return tuple(chunks_in_flight(pipeline_only(pp, vpp, vpp_group=group), m, stage,
                                   schedule))
 
 

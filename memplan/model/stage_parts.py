@@ -42,7 +42,8 @@ from memplan.model.sharding import (
 )
 from memplan.model.trainable import TrainablePolicy, lora_policy
 from memplan.model.walk import first_positions, runs_of
-from memplan.parallel import GradBuffers, ParallelConfig, ZeroStage, optimizer_on_host
+from memplan.parallel import (GradBuffers, ParallelConfig, ZeroStage, optimizer_on_host,
+                              pipeline_only)
 from memplan.spec import ModelSpec
 from memplan.units import FP32_BYTES
 from memplan.workload import Precision, Recompute, TeFp8Recipe, Workload
@@ -188,7 +189,7 @@ def chunk_layer_indices(spec: ModelSpec, pp: int, vpp: int, stage: int,
     """The decoder layers of each model chunk of pipeline rank ``stage`` (``split``: the
     layout's ``stage_layers``)."""
     return tuple(tuple(chunk) for chunk in stage_layers(
-        spec.num_layers, ParallelConfig(pp=pp, vpp=vpp, stage_layers=split), stage))
+        spec.num_layers, pipeline_only(pp, vpp, split), stage))
 
 
 @lru_cache(maxsize=16384)

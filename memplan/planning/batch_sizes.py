@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from memplan.parallel import ParallelConfig, interleaved_rule
+from memplan.parallel import ParallelConfig, interleaved_rule, pipeline_only
 
 # The largest micro-batch the planner searches: a stated bound of the search, not a device limit.
 MAX_MBS = 64
@@ -35,7 +35,7 @@ def micro_batch_sizes(par: ParallelConfig, global_batch_size: int) -> tuple[int,
 @lru_cache(maxsize=4096)
 def _sizes(per_replica: int, pp: int, vpp: int, group: int | None) -> tuple[int, ...]:
     # only sizes up to MAX_MBS are searched: try those, not every divisor of a large batch
-    par = ParallelConfig(pp=pp, vpp=vpp, vpp_group=group)
+    par = pipeline_only(pp, vpp, vpp_group=group)
     return tuple(b for b in range(1, min(MAX_MBS, per_replica) + 1) if per_replica % b == 0
                  and interleaved_rule(par, per_replica // b) is None)
 

@@ -40,7 +40,7 @@ from memplan.model.pipeline import stage_layers
 from memplan.model.sac import recomputed
 from memplan.model import sac_ops
 from memplan.parallel import (Offload, ParallelConfig, ZeroStage, local_seq, optimizer_on_host,
-                             rank_layers)
+                             pipeline_only, rank_layers)
 from memplan.spec import ModelSpec
 from memplan.units import FP32_BYTES
 from memplan.planning.kernels import (ACHIEVABLE_HBM, attention_time_factor,
@@ -138,7 +138,7 @@ def recomputed_layers(num_layers: int, recompute_layers: int | None, pp: int,
     k of each pipeline rank's layer list, its chunks in order; with ``every`` n instead, the
     n-th, 2n-th, ... of that list (``memplan.model.stage_parts.layer_recompute`` on
     ``memplan.model.pipeline.stage_layers``)."""
-    par = ParallelConfig(pp=pp, vpp=vpp, stage_layers=split)
+    par = pipeline_only(pp, vpp, split)
     out: list[int] = []
     for stage in range(pp):
         layers = [i for chunk in stage_layers(num_layers, par, stage) for i in chunk]
@@ -158,7 +158,7 @@ def stage_balance(spec: ModelSpec, wl: Workload, pp: int, vpp: int = 1,
     if pp == 1:
         return 1.0
     per_layer = layer_forward_flops(spec, wl.seq_len, runs_every_expert(spec, wl))
-    par = ParallelConfig(pp=pp, vpp=vpp, stage_layers=split)
+    par = pipeline_only(pp, vpp, split)
     rerun = set()
     if wl.recompute is Recompute.FULL:
         rerun = (set(range(spec.num_layers))
@@ -196,8 +196,7 @@ def step_flops(spec: ModelSpec, wl: Workload, global_batch: int, *, pp: int,
         forward += ran
     if wl.recompute is Recompute.FULL:
         k = wl.recompute_layers
-        largest = max(rank_layers(spec.num_layers, ParallelConfig(pp=pp, vpp=vpp,
-                                                                   stage_layers=split)))
+        largest = max(rank_layers(spec.num_layers, pipeline_only(pp, vpp, split)))
         if wl.recompute_every is None and (k is None or k >= largest):  # every layer
             per_layer = (forward - head) / spec.num_layers
             extra += per_layer * spec.num_layers * tokens
@@ -208,7 +207,7 @@ def step_flops(spec: ModelSpec, wl: Workload, global_batch: int, *, pp: int,
             extra += float(rerun * tokens)
     elif wl.recompute is Recompute.OPS:
         # op-level checkpointing reruns the ops its save list does not keep (each stage's)
-        par = ParallelConfig(pp=pp, vpp=vpp, stage_layers=split)
+        par = pipeline_only(pp, vpp, split)
         per_stage = ops_stage_rerun(spec, wl, pp)
         extra += sum(per_stage[s] * rank_layers(spec.num_layers, par)[s]
                      for s in range(pp)) * tokens

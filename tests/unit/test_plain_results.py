@@ -120,27 +120,21 @@ def test_frozen_inputs_hash_by_their_fields_once_per_object() -> None:
     """``ModelSpec``, ``Workload`` and ``ParallelConfig`` hash as pydantic hashes a frozen model
     (the tuple of their field values, in field order: written out here with the fields' own
     names), so equal objects hash equal and a copy with one field changed is another key; the
-    value is kept per object, and pruned once the object is freed."""
-    import gc
-
-    from memplan.choices import _HASHES, prune
+    value is kept in the object (``Record._kept_hash``), not in its fields, and a copy starts
+    without it. Pickled or copied, a record carries its fields alone."""
+    import copy
+    import pickle
 
     spec = memplan.load_model("tiny")
     wl = memplan.make_workload(spec, micro_batch_size=3)
     par = memplan.make_layout(8, tp=2)
     for obj in (spec, wl, par):
         by_hand = hash(tuple(getattr(obj, name) for name in type(obj).model_fields))
-        assert hash(obj) == by_hand
-        assert hash(obj.model_copy()) == by_hand
+        assert hash(obj) == by_hand and obj._kept_hash == by_hand
+        assert "_kept_hash" not in obj.__dict__
+        fresh = obj.model_copy()
+        assert not hasattr(fresh, "_kept_hash") and hash(fresh) == by_hand
+        for again in (pickle.loads(pickle.dumps(obj)), copy.deepcopy(obj), copy.copy(obj)):
+            assert again == obj and again.__dict__ == obj.__dict__ and hash(again) == by_hand
     other = wl.model_copy(update={"micro_batch_size": 4})
     assert hash(other) != hash(wl) and other != wl
-    key = id(other)
-    assert key in _HASHES
-    del other
-    gc.collect()
-    # the entry's reference is dead (no object can be read as this one), and the next prune
-    # drops it (``memplan.choices.prune``: no weak-reference callback, which could swallow a
-    # Ctrl-C)
-    assert key not in _HASHES or _HASHES[key][1]() is None
-    prune(_HASHES, [0], 1)
-    assert key not in _HASHES

@@ -276,10 +276,10 @@ def test_no_weak_reference_with_a_callback_on_a_record() -> None:
     assert refs and all(r.__callback__ is None for r in refs)
 
 
-def test_hash_cache_prunes_dead_objects_and_tells_a_reused_id_apart() -> None:
-    """``prune`` drops the entries of dead objects once the table reaches its limit, keeps the
-    live ones and sets the next limit to twice what stays (at least ``PRUNE_FROM``); an entry
-    left for a dead object is not read for a later one (its reference tells them apart)."""
+def test_id_table_prunes_dead_objects() -> None:
+    """``prune`` (the API's checked-object table, ``memplan.arguments``) drops the entries of
+    dead objects once the table reaches its limit, keeps the live ones and sets the next
+    limit to twice what stays (at least ``PRUNE_FROM``)."""
     import weakref
 
     from memplan.choices import PRUNE_FROM, prune
@@ -298,13 +298,3 @@ def test_hash_cache_prunes_dead_objects_and_tells_a_reused_id_apart() -> None:
     limit = [10]
     prune(table, limit, 1)  # under the limit: nothing done
     assert len(table) == 3 and limit == [10]
-    # an entry left at a new object's id by a dead one (its reference dead) is not read
-    from memplan.choices import _HASHES, field_hash
-    from memplan.workload import Workload
-
-    gone = Obj()
-    stale = weakref.ref(gone)
-    del gone
-    b = Workload(seq_len=256)
-    _HASHES[id(b)] = (123_456_789, stale)
-    assert hash(b) == field_hash(b) != 123_456_789
