@@ -9,6 +9,7 @@ without them, which a search counts its rejections by.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import NamedTuple
 
 from memplan.choices import Field, Record, cached_hash, field_validator
@@ -368,8 +369,10 @@ def pipeline_only(pp: int, vpp: int = 1, stage_layers: tuple[int, ...] | None = 
                                           vpp_group=vpp_group)
 
 
+@lru_cache(maxsize=16384)
 def rank_layers(num_layers: int, par: ParallelConfig) -> tuple[int, ...]:
-    """Decoder layers on each pipeline rank, all its model chunks together."""
+    """Decoder layers on each pipeline rank, all its model chunks together (kept per layout:
+    the step-time model reads it for every candidate)."""
     counts = virtual_stage_layers(num_layers, par)
     if par.vpp == 1:  # one chunk per rank: its own count
         return counts

@@ -43,8 +43,12 @@ def chunks_in_flight(par: ParallelConfig, num_microbatches: int, stage: int,
     warmup = min(m * v, (p - stage - 1) * 2 + (v - 1) * group + 1)
     counts = [0] * v
     if m % group == 0:
-        for k in range(warmup):  # the k-th chunk-forward goes to chunk (k // group) % v
-            counts[(k // group) % v] += 1
+        # the k-th chunk-forward goes to chunk (k // group) % v: ``full`` whole groups of
+        # ``group`` chunk-forwards, group g to chunk g % v, then ``rest`` to chunk full % v
+        full, rest = divmod(warmup, group)
+        rounds, extra = divmod(full, v)
+        counts = [group * (rounds + (c < extra)) for c in range(v)]
+        counts[extra] += rest
         return counts
     order = [c for start in range(0, m, group)  # get_schedule_table's chunk order
              for c in range(v) for _ in range(min(group, m - start))]
