@@ -22,7 +22,8 @@ at 1024 x 10240 x 5120, stas00/ml-engineering's "Maximum Achievable Matmul FLOPS
 table") is a single point, no rate by shape.
 
 Where the step is timed kernel by kernel (``Workload.step_model`` kernels, which the Megatron-LM
-preset selects: ``timing._step_fields``) the GEMMs run at
+preset selects, or kernels-torch with the PyTorch modules' pointwise kernels:
+``timing._step_fields``) the GEMMs run at
 their measured rates alone (``gemm_time_factor``; the A100 at its one measured rate,
 ``GEMM_MEASURED_RATE``) and the per-token kernels that are bound by memory, not FLOPs (norms,
 bias-dropout-add, the MLP activation, RoPE, the softmax over materialised scores, the loss) take
@@ -381,7 +382,8 @@ def elementwise_bytes(spec: ModelSpec, tp: int, sp: bool, seq_kv: int, itemsize:
     ``seq_kv`` keys. MoE layers: the routed experts' top-k intermediate widths and the shared
     experts' (the router's kernels are not counted); every layer is taken as an attention
     layer. ``megatron_kernels``: Megatron-LM's fused kernels (``StepModel.KERNELS``), else
-    torchtitan's eager ones or, ``compiled``, Inductor's fused activation."""
+    torchtitan's eager ones or, ``compiled``, Inductor's fused activation
+    (``StepModel.KERNELS_TORCH``)."""
     e = float(itemsize)
     hidden = spec.hidden_size / tp if sp else float(spec.hidden_size)
     if spec.moe is not None:

@@ -673,14 +673,17 @@ def _step_fields(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int,
     # cores (``memplan.planning.kernels``)
     linear = (matmul - head_flops_per_token(spec)) / (matmul + attention)
     float8 = wl.float8 is not Float8Recipe.NONE
-    # ``StepModel.KERNELS`` times the step kernel by kernel: the GEMMs alone at their measured
+    # ``StepModel.KERNELS`` (Megatron-LM's fused pointwise kernels) and ``KERNELS_TORCH`` (the
+    # PyTorch modules' own) time the step kernel by kernel: the GEMMs alone at their measured
     # rates and the memory-bound per-token kernels by their bytes (``elementwise_seconds``),
     # whose time grows with h where the GEMMs' grows with h^2. ``StepModel.MFU`` keeps the flat
-    # fraction: an end-to-end MFU (``DEFAULT_MFU``) that holds those kernels and more (timed
-    # kernel by kernel the torchtitan runs of benchmarks/data/throughput_runs.json come out
-    # 1.5-1.9x faster than published: what else their steps spend is not modelled;
-    # docs/accuracy.md). A measured MFU stands for every kernel it timed.
-    kernels = not measured and wl.step_model is StepModel.KERNELS
+    # fraction: an end-to-end MFU (``DEFAULT_MFU``) that holds those kernels and more. Timed
+    # kernel by kernel (docs/accuracy.md, "Kernel by kernel") the torchtitan runs of
+    # benchmarks/data/throughput_runs.json on 500 W H100s come out 1.4-1.9x faster than
+    # published, the H200 runs without tensor parallelism and the Llama 3 paper's H100 runs
+    # within 5-16%: what else the former's steps spend is not modelled, so no preset but
+    # Megatron-LM's selects it. A measured MFU stands for every kernel it timed.
+    kernels = not measured and wl.step_model is not StepModel.MFU
     best = gemm_best_rate(gpu) if kernels else None
     if best is None:  # every FLOP at the flat fraction, the GEMMs' by shape where measured
         shaped = c.ops.per_value(
@@ -742,9 +745,10 @@ def elementwise_seconds(spec: ModelSpec, gpu: GpuSpec, wl: Workload, c: Columns)
     core's again under Megatron-style selective recompute (which reruns the core: Korthikanti
     et al. 2022, section 5), and, without pipeline parallelism, the loss over the vocabulary
     (``loss_bytes_per_token``; with it, on the last stage, not counted). The kernels are
-    those ``StepModel.KERNELS`` names (Megatron-LM's fused ones). At the HBM's
-    datasheet bandwidth times torchao's measured 92% for pointwise kernels
-    (``ACHIEVABLE_HBM``)."""
+    those the step model names: ``StepModel.KERNELS`` Megatron-LM's fused ones,
+    ``StepModel.KERNELS_TORCH`` the PyTorch modules' (eager, or Inductor's fused activation
+    under compile). At the HBM's datasheet bandwidth times torchao's measured 92% for
+    pointwise kernels (``ACHIEVABLE_HBM``)."""
     fused = wl.step_model is StepModel.KERNELS
     eager = wl.attention is not Attention.FLASH
     e = wl.compute_dtype.itemsize
