@@ -667,8 +667,8 @@ def _step_fields(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int,
     compute = hardware_flops / world / (gpu.bf16_flops * mfu) * c.balance
     matmul, attention, _ = forward_flops_per_token(spec, wl.seq_len, runs_every_expert(spec, wl))
     share = attention / (matmul + attention)
-    slower = c.ops.per_value(lambda cp: _attention_time(gpu, wl, int(cp), mfu, measured),
-                             c.cp)
+    slower = c.ops.per_value(lambda cp: _attention_time(gpu, wl, int(cp), mfu, measured,
+                                                        spec.head_dim), c.cp)
     # the decoder's linears at the rate of their per-GPU GEMM shapes, float8 on FP8 tensor
     # cores (``memplan.planning.kernels``)
     linear = (matmul - head_flops_per_token(spec)) / (matmul + attention)
@@ -839,15 +839,16 @@ def attention_rate(seq_len: int) -> float:
 
 
 def _attention_time(gpu: GpuSpec, wl: Workload, cp: int, mfu: float,
-                    measured: bool = False) -> float:
+                    measured: bool = False, head_dim: int = 128) -> float:
     """The attention's time over its time at the flat fraction ``mfu`` of peak: the fused
-    kernel's measured forward and backward rates on the rank's seq / cp tokens where the GPU
-    has them (``memplan.planning.kernels.attention_time_factor``), else the flat rate scaled
+    kernel's measured forward and backward rates on the rank's seq / cp tokens and heads of
+    ``head_dim`` where the GPU has them (``memplan.planning.kernels.attention_time_factor``),
+    else the flat rate scaled
     by the kernel's rate at seq / cp tokens over its rate at seq (``_cp_attention_time``).
     Eager attention (materialised scores) keeps the latter, as does an ``mfu`` measured on
     the device (``measured``: the calibrated rate covers every kernel it timed)."""
     if wl.attention is Attention.FLASH and not measured:
-        factor = attention_time_factor(gpu, max(1, wl.seq_len // cp), mfu)
+        factor = attention_time_factor(gpu, max(1, wl.seq_len // cp), mfu, head_dim)
         if factor is not None:
             return factor
     return _cp_attention_time(wl.seq_len, cp)
