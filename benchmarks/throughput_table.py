@@ -287,13 +287,12 @@ def _below_target(rows: list[dict[str, Any]], rho: dict[str, float | None]) -> l
     return out
 
 
-def kernel_model(rows: list[dict[str, Any]]) -> list[str]:
-    """Every run timed kernel by kernel (``build_rows`` with ``by_kernel``: the GEMMs at the
-    measured rates by shape, the attention at FlashAttention-2's, the memory-bound kernels by
-    their bytes; the runs at the flat fraction with the PyTorch modules' kernels), per group
-    beside the step model each run's preset selects (``rows``): what the published kernel
-    rates alone say, not a fit."""
-    kern = build_rows([r["run"] for r in rows], by_kernel=True)
+def kernel_model(rows: list[dict[str, Any]], kern: list[dict[str, Any]]) -> list[str]:
+    """Every run timed kernel by kernel (``kern``: ``build_rows`` with ``by_kernel``, the GEMMs
+    at the measured rates by shape, the attention at FlashAttention-2's, the memory-bound
+    kernels by their bytes; the runs at the flat fraction with the PyTorch modules' kernels),
+    per group beside the step model each run's preset selects (``rows``): what the published
+    kernel rates alone say, not a fit."""
     s, k = summary(rows), summary(kern)
     big = [n for n, m in groups(kern).items() if len(m) >= MIN_GROUP]
     passing = sum(1 for n in big if k["rho"][n] is not None and k["rho"][n] >= 0.8)
@@ -306,9 +305,13 @@ def kernel_model(rows: list[dict[str, Any]]) -> list[str]:
            "outside Megatron-LM). The published kernel rates alone, nothing fitted to these",
            "runs. Where a group's signed error kernel by kernel is large and positive, its",
            "published steps spend time the kernels and the modelled communication do not",
-           "account for (each run's notes say the hardware it ran on: torchtitan's H100s are",
-           "96 GB HBM2e parts at 500 W, not the catalog's SXM part), so no preset but",
-           "Megatron-LM's selects this step model.", "",
+           "account for; torchtitan's 2024 H100s are 96 GB HBM2e parts at a 500 W limit whose",
+           "peak is \"between SXM and NVL, and we don't know its exact value\" (its",
+           "benchmarks/llama3_h100_202412_torchtitan.md, footnote 2), below the SXM part the",
+           "kernel rates were measured on, yet with the GEMMs scaled to the H100 NVL's 835",
+           "TFLOP/s (dense BF16; NVIDIA H100 datasheet, 1,671 with sparsity) those groups",
+           "would still be over by a quarter or more. No preset but Megatron-LM's selects this",
+           "step model.", "",
            f"- Median |error| kernel by kernel: {k['median_abs_error']:.1%} over "
            f"{k['estimated']} runs (as selected: {s['median_abs_error']:.1%}).",
            f"- Groups of {MIN_GROUP} runs or more with a rank correlation of at least 0.8: "
@@ -364,19 +367,22 @@ def render(rows: list[dict[str, Any]]) -> list[str]:
         med = f"{statistics.median(errs):.1%}" if errs else "-"
         out.append(f"| {name} | {len(members)} | {_rho(s['rho'][name])} | {med} |")
     out += _below_target(rows, s["rho"])
-    out += kernel_model(rows)
+    kern = build_rows([r["run"] for r in rows], by_kernel=True)
+    out += kernel_model(rows, kern)
     out += ["", "| run | configuration (as published) | published | memplan | error | "
-            "not expressible |", "|---|---|---:|---:|---:|---|"]
-    for r in rows:
+            "kernel by kernel | not expressible |", "|---|---|---:|---:|---:|---:|---|"]
+    for r, kr in zip(rows, kern):
         run = r["run"]
         unit = " MFU" if r["quantity"] == "mfu" else ""
         est = _num(r["quantity"], r["memplan"]) if not r["refused"] else f"refused: {r['refused']}"
         err = "-" if r["error"] is None else f"{r['error']:+.1%}"
         gaps = "; ".join(run["not_expressible"] + r["dropped"]) or "-"
+        by_kernel = ("-" if kr["error"] is None else
+                     f"{_num(kr['quantity'], kr['memplan'])} ({kr['error']:+.1%})")
         quote = run["quote"].replace("|", "/")
         link = run["source"].split(" ")[0]
         out.append(f"| [{run['id']}]({link}) | {quote} | {_num(r['quantity'], r['published'])}"
-                   f"{unit} | {est} | {err} | {gaps} |")
+                   f"{unit} | {est} | {err} | {by_kernel} | {gaps} |")
     out.append("")
     return out
 
