@@ -679,10 +679,11 @@ def _step_fields(spec: ModelSpec, gpu: GpuSpec, wl: Workload, global_batch: int,
     # whose time grows with h where the GEMMs' grows with h^2. ``StepModel.MFU`` keeps the flat
     # fraction: an end-to-end MFU (``DEFAULT_MFU``) that holds those kernels and more. Timed
     # kernel by kernel (docs/accuracy.md, "Kernel by kernel") the torchtitan runs of
-    # benchmarks/data/throughput_runs.json on 500 W H100s come out 1.4-1.9x faster than
-    # published, the H200 runs without tensor parallelism and the Llama 3 paper's H100 runs
-    # within 5-16%: what else the former's steps spend is not modelled, so no preset but
-    # Megatron-LM's selects it. A measured MFU stands for every kernel it timed.
+    # benchmarks/data/throughput_runs.json on 500 W H100s come out 1.5-1.9x faster than
+    # published (group medians), the H200 runs without tensor parallelism -5% to +24% and the
+    # Llama 3 paper's H100 runs within 16%: what else the former's steps spend is not
+    # modelled, so no preset but Megatron-LM's selects it. A measured MFU stands for every
+    # kernel it timed.
     kernels = not measured and wl.step_model is not StepModel.MFU
     best = gemm_best_rate(gpu) if kernels else None
     if best is None:  # every FLOP at the flat fraction, the GEMMs' by shape where measured
