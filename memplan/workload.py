@@ -504,10 +504,19 @@ class StepModel(PlainEnum):
              bias_swiglu_impl, fused_softmax scaled_upper_triang_masked_softmax;
              ``memplan.planning.kernels.elementwise_bytes``). A calibrated MFU, measured on
              the device, times the step at its flat rate instead
+    kernels-torch
+             kernel by kernel as ``kernels``, the memory-bound per-token kernels those the
+             PyTorch modules run (torchtitan's models/llama3/model.py TransformerBlock and
+             FeedForward, transformers' LlamaDecoderLayer): eager, one kernel per pointwise
+             op (SiLU, then the product; residual adds without bias or dropout); under
+             torch.compile, Inductor's fused pointwise kernel for the activation
+             (``memplan.planning.kernels.elementwise_bytes`` with ``megatron_kernels``
+             false)
     """
 
     MFU = "mfu"
     KERNELS = "kernels"
+    KERNELS_TORCH = "kernels-torch"
 
 
 class PipelineP2p(PlainEnum):
@@ -837,7 +846,8 @@ class Workload(Record):
     cp_exchange: CpExchange = CpExchange.RING
     step_model: StepModel = Field(default=StepModel.MFU, description=(
         "how a step's compute is timed (StepModel): at a flat end-to-end fraction of peak, "
-        "or kernel by kernel with Megatron-LM's fused pointwise kernels. Step time only"))
+        "or kernel by kernel with Megatron-LM's fused pointwise kernels (kernels) or the "
+        "PyTorch modules' own (kernels-torch). Step time only"))
     pipeline_p2p: PipelineP2p = Field(default=PipelineP2p.OVERLAPPED, description=(
         "whether the pipeline's sends overlap compute (PipelineP2p): overlapped by the "
         "stated share, or blocking without virtual stages (Megatron-LM's non-interleaved "

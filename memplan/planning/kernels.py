@@ -22,7 +22,8 @@ at 1024 x 10240 x 5120, stas00/ml-engineering's "Maximum Achievable Matmul FLOPS
 table") is a single point, no rate by shape.
 
 Where the step is timed kernel by kernel (``Workload.step_model`` kernels, which the Megatron-LM
-preset selects: ``timing._step_fields``) the GEMMs run at
+preset selects, or kernels-torch with the PyTorch modules' pointwise kernels:
+``timing._step_fields``) the GEMMs run at
 their measured rates alone (``gemm_time_factor``; the A100 at its one measured rate,
 ``GEMM_MEASURED_RATE``) and the per-token kernels that are bound by memory, not FLOPs (norms,
 bias-dropout-add, the MLP activation, RoPE, the softmax over materialised scores, the loss) take
@@ -30,7 +31,8 @@ the bytes they read and write over the HBM's bandwidth (``elementwise_bytes``,
 ``loss_bytes_per_token``).
 
 The fused attention kernel runs at FlashAttention-2's measured causal forward-and-backward rate
-on Hopper and Ampere (``attention_time_factor``), and torchao's float8 casts take their bytes over the HBM's
+by sequence length and head dimension (64 and 128) on Hopper and Ampere
+(``attention_time_factor``), and torchao's float8 casts take their bytes over the HBM's
 bandwidth (``float8_cast_seconds``): memory-bound kernels the FLOP count does not see.
 """
 
@@ -236,47 +238,71 @@ def float8_cast_seconds(spec: ModelSpec, gpu: GpuSpec, tp: int, recipe: str, com
     return per_token / rate, per_mb / rate
 
 
-# FlashAttention-2 (the kernel PyTorch's SDPA flash backend runs), causal, head dim 128, the
-# forward and backward together, TFLOP/s by sequence length at 16k tokens a batch (hidden 2048):
-# Dao-AILab/flash-attention assets/flash2_h100_fwd_bwd_benchmark.png (H100 80GB SXM5) and
-# flash2_a100_fwd_bwd_benchmark.png (A100 80GB SXM4), the causal head-dim-128 panels, measured
-# by the repository's benchmarks/benchmark_flash_attention.py, which counts the backward as 2.5
-# forwards (five matmuls to two; Dao 2023, FlashAttention-2, arXiv 2307.08691, section 4.1):
-# a step of 3.5 forwards. The FlashAttention-3 paper (Shah et al. 2024, arXiv 2407.08608)
-# publishes FlashAttention-2's causal forward on the H100 (its forward-speed figure, panel (d):
-# 191, 260, 298, 319, 333, 335 from 512 to 16k) but its backward without the causal mask only,
-# which at short sequences is faster than the causal one the training step runs.
+# FlashAttention-2 (the kernel PyTorch's SDPA flash backend runs), causal, the forward and
+# backward together, TFLOP/s by sequence length at 16k tokens a batch (hidden 2048: 32 heads of
+# 64 or 16 of 128), by head dimension: Dao-AILab/flash-attention
+# assets/flash2_h100_fwd_bwd_benchmark.png (H100 80GB SXM5) and flash2_a100_fwd_bwd_benchmark.png
+# (A100 80GB SXM4), panels (c) "With causal mask, head dimension 64" and (d) "... head dimension
+# 128" (the FlashAttention-2 bars; the figures as committed in 4f285b354796fb17df8636485b9a04df3ebbb7dc),
+# measured by the repository's benchmarks/benchmark_flash_attention.py, which counts the
+# backward as 2.5 forwards (five matmuls to two; Dao 2023, FlashAttention-2, arXiv 2307.08691,
+# section 4.1): a step of 3.5 forwards. The FlashAttention-3 paper (Shah et al. 2024, arXiv
+# 2407.08608) publishes FlashAttention-2's causal forward on the H100 (its forward-speed figure,
+# panel (d): 191, 260, 298, 319, 333, 335 from 512 to 16k) but its backward without the causal
+# mask only, which at short sequences is faster than the causal one the training step runs.
 ATTENTION_SEQS = (512, 1024, 2048, 4096, 8192, 16384)
-FA2_SM90_CAUSAL = (163e12, 221e12, 265e12, 294e12, 308e12, 328e12)
-FA2_SM80_CAUSAL = (99e12, 133e12, 155e12, 173e12, 182e12, 189e12)
+ATTENTION_HEAD_DIMS = (64, 128)
+FA2_SM90_CAUSAL = ((141e12, 192e12, 232e12, 257e12, 273e12, 284e12),   # head dim 64
+                   (163e12, 221e12, 265e12, 294e12, 308e12, 328e12))   # head dim 128
+FA2_SM80_CAUSAL = ((88e12, 119e12, 140e12, 156e12, 165e12, 171e12),
+                   (99e12, 133e12, 155e12, 173e12, 182e12, 189e12))
 FA_STEP_FLOPS = 3.5  # forward and backward, in forwards (benchmark_flash_attention.py flops)
-ATTENTION_KERNEL_SOURCE = ("FlashAttention-2, causal, head dim 128, forward + backward: "
+ATTENTION_KERNEL_SOURCE = ("FlashAttention-2, causal, head dim 64 and 128, forward + backward: "
                            "Dao-AILab/flash-attention assets/flash2_{h100,a100}_fwd_bwd_benchmark.png")
 ATTENTION_TABLES = {"9.0": FA2_SM90_CAUSAL, "8.0": FA2_SM80_CAUSAL}
+
+
+def _log2_position(x: float, points: tuple[int, ...]) -> tuple[int, float]:
+    """(index of the lower point, fraction of the way to the next) of ``x`` among ``points``,
+    linear in log2, held at the ends beyond them."""
+    lo, hi = math.log2(points[0]), math.log2(points[-1])
+    pos = min(max(math.log2(max(x, 1)), lo), hi) - lo  # steps of 1 between points
+    i = min(int(pos), len(points) - 2)
+    return i, pos - i
 
 
 def _by_seq(rates: tuple[float, ...], seq_len: int) -> float:
     """``rates`` at ``seq_len`` tokens: linear in log2 of the length between the measured
     lengths, held at the ends beyond them."""
-    x = min(max(math.log2(max(seq_len, 1)), math.log2(ATTENTION_SEQS[0])),
-            math.log2(ATTENTION_SEQS[-1])) - math.log2(ATTENTION_SEQS[0])
-    i = min(int(x), len(rates) - 2)
-    f = x - i
+    i, f = _log2_position(seq_len, ATTENTION_SEQS)
     return (1 - f) * rates[i] + f * rates[i + 1]
 
 
+def attention_rate_measured(table: tuple[tuple[float, ...], ...], seq_len: int,
+                            head_dim: int) -> float:
+    """FLOP/s of the measured kernel at ``seq_len`` tokens and ``head_dim``: by length
+    (``_by_seq``) at each measured head dimension, then linear in log2 of the head dimension
+    between them (64 to 128; 96, halfway in log2, near the mean), held at the ends beyond them
+    (a head of 256 at 128's rate, one of 32 at 64's)."""
+    i, f = _log2_position(head_dim, ATTENTION_HEAD_DIMS)
+    return (1 - f) * _by_seq(table[i], seq_len) + f * _by_seq(table[i + 1], seq_len)
+
+
 @lru_cache(maxsize=1024)
-def attention_time_factor(gpu: GpuSpec, seq_len: int, mfu: float) -> float | None:
+def attention_time_factor(gpu: GpuSpec, seq_len: int, mfu: float,
+                          head_dim: int = 128) -> float | None:
     """The fused attention kernel's time for its FLOPs over their time at the flat fraction
     ``mfu`` of peak, on ``seq_len`` tokens a sequence (what one rank's kernel runs: seq / cp
-    under context parallelism). The step counts the attention's backward as twice its forward
-    (3 F for a forward of F FLOPs); the kernels run 3.5 F (``FA_STEP_FLOPS``) at the measured
-    forward-and-backward rate R: factor = mfu * peak * 3.5 / (3 R). None on a GPU without a
+    under context parallelism) with heads of ``head_dim``. The step counts the attention's
+    backward as twice its forward (3 F for a forward of F FLOPs); the kernels run 3.5 F
+    (``FA_STEP_FLOPS``) at the measured forward-and-backward rate R
+    (``attention_rate_measured``): factor = mfu * peak * 3.5 / (3 R). None on a GPU without a
     measured table (the caller keeps its length-relative rate)."""
     table = ATTENTION_TABLES.get(gpu.compute_capability)
     if table is None:
         return None
-    return mfu * gpu.bf16_flops * FA_STEP_FLOPS / (3.0 * _by_seq(table, seq_len))
+    rate = attention_rate_measured(table, seq_len, head_dim)
+    return mfu * gpu.bf16_flops * FA_STEP_FLOPS / (3.0 * rate)
 
 
 # The one measured GEMM rate of GPUs without a table by shape (``GEMM_TABLES``): A100 (sm_80)
@@ -381,7 +407,8 @@ def elementwise_bytes(spec: ModelSpec, tp: int, sp: bool, seq_kv: int, itemsize:
     ``seq_kv`` keys. MoE layers: the routed experts' top-k intermediate widths and the shared
     experts' (the router's kernels are not counted); every layer is taken as an attention
     layer. ``megatron_kernels``: Megatron-LM's fused kernels (``StepModel.KERNELS``), else
-    torchtitan's eager ones or, ``compiled``, Inductor's fused activation."""
+    torchtitan's eager ones or, ``compiled``, Inductor's fused activation
+    (``StepModel.KERNELS_TORCH``)."""
     e = float(itemsize)
     hidden = spec.hidden_size / tp if sp else float(spec.hidden_size)
     if spec.moe is not None:

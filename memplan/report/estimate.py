@@ -161,7 +161,7 @@ def _time_line(est: Estimate) -> str:
     measured = est.calibration.mfu if est.calibration is not None else None
     rate = (f"the measured {measured:.0%}" if measured
             else f"an assumed {DEFAULT_MFU:.0%}") + " of peak FLOP/s"
-    if (not measured and est.workload.step_model is StepModel.KERNELS
+    if (not measured and est.workload.step_model is not StepModel.MFU
             and gemm_best_rate(est.gpu) is not None):
         rate = "the measured GEMM rates, the memory-bound kernels by their bytes"
     return (f"step {t['step_time_s']:.3g} s, {t['flops_per_step']:.4g} FLOPs per GPU "

@@ -178,15 +178,16 @@ def test_estimate_json_step_time_derived_by_hand() -> None:
     against 788,699,393,418,751 at its largest; the GEMMs take 0.4 * 989.4e12 /
     788,699,393,418,751 of the linears' time at 40% (memplan.planning.kernels). The attention
     (2 * 16,384 of the 233,984) runs at FlashAttention-2's measured causal H100 rate, held at
-    its shortest point (512 tokens: forward and backward 163e12 FLOP/s over 3.5 forwards of
-    FLOPs): 0.4 * 989.4e12 * 3.5 / (3 * 163e12) of its time at 40%."""
+    its shortest point and its smallest head dimension (512 tokens; tiny's heads of 16 at the
+    head-dimension-64 panel's rate: forward and backward 141e12 FLOP/s over 3.5 forwards of
+    FLOPs): 0.4 * 989.4e12 * 3.5 / (3 * 141e12) of its time at 40%."""
     out = estimate_cli(*TINY_PP2)
     assert out["flops_per_step"] == 470_810_624
     share = 0.4 * 989.4e12 / 788_699_393_418_751
     linears = 1 - share + share * 788_699_393_418_751 / 210_702_869_701_726
     part = 184_832 / 233_984
     attention = 32_768 / 233_984
-    kernel = 0.4 * 989.4e12 * 3.5 / (3 * 163e12)
+    kernel = 0.4 * 989.4e12 * 3.5 / (3 * 141e12)
     compute = (470_810_624 / (989.4e12 * 0.4) * 484_352 / 459_776
                * (1 - part - attention + part * linears + attention * kernel))
     exposed = (262_144 / 450e9 + 8 * 3.4e-6) * 0.5

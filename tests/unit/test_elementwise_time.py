@@ -92,6 +92,49 @@ def test_elementwise_seconds_by_hand():
     assert elementwise_seconds(spec, A100, wl, c) == pytest.approx(142592 / (2039e9 * 0.92))
 
 
+def test_torch_kernels_are_the_modules_own():
+    """``step_model`` kernels-torch times the step kernel by kernel with the PyTorch modules'
+    pointwise kernels (torchtitan's TransformerBlock and FeedForward), not Megatron-LM's.
+    torchtitan's miniature (as in the test above: RMSNorm, SwiGLU, RoPE, no biases, no
+    dropout), tp 1, flash attention, no recompute, micro-batch 1 of 8 tokens, no pipeline:
+    per token 2 layers x (4352 + 6656) eager bytes + the loss's (2 e + 28) x v = 32 x 128 =
+    4096: 2 x 11008 + 4096 = 26112; compiled 2 x (3328 + 4608) + 4096 = 19968. Megatron's
+    kernels (``kernels``) on the same layer: forward as compiled (its bias-dropout-adds
+    without dropout read two and write one, (3 e + 0) x 64 x 2 = 768, as the residual adds),
+    3328; backward the compiled 4608 and the bias-dropout-adds' own backward, (2 e + 0) x 64
+    x 2 = 512: 5120; 2 x 8448 + 4096 = 20992. 8 tokens each, over 2,039 GB/s x 0.92."""
+    spec = _gpt(norm="rmsnorm", mlp="swiglu", position="rope", qkv_bias=False,
+                attn_out_bias=False, mlp_bias=False, norm_bias=False, dropout=0.0)
+    par = memplan.make_layout(1)
+    c = Columns.one(par, 1, 1, spec.num_params, num_layers=2)
+    hbm = 2039e9 * 0.92
+
+    def seconds(step_model: str, compile: bool) -> float:
+        wl = memplan.make_workload(spec, seq_len=8, step_model=step_model, compile=compile)
+        return elementwise_seconds(spec, A100, wl, c)
+
+    assert seconds("kernels-torch", False) == pytest.approx(8 * 26112 / hbm)
+    assert seconds("kernels-torch", True) == pytest.approx(8 * 19968 / hbm)
+    assert seconds("kernels", False) == pytest.approx(8 * 20992 / hbm)
+
+
+def test_torch_kernel_step_is_gemms_plus_memory_bound_kernels():
+    """kernels-torch times the compute as kernels does (the GEMMs at the measured rate, here
+    the A100's 271.2 TFLOP/s with eager attention, plus the memory-bound seconds and the
+    optimizer's), independent of the flat fraction."""
+    spec = _gpt(norm="rmsnorm", mlp="swiglu", position="rope", qkv_bias=False,
+                attn_out_bias=False, mlp_bias=False, norm_bias=False, dropout=0.0)
+    wl = memplan.make_workload(spec, seq_len=8, step_model="kernels-torch", attention="eager")
+    par = memplan.make_layout(1)
+    t = step_time(spec, A100, par, wl, 1, 1, spec.num_params)
+    c = Columns.one(par, 1, 1, spec.num_params, num_layers=2)
+    assert t.compute_s == pytest.approx(t.hardware_flops / 271.2e12
+                                        + elementwise_seconds(spec, A100, wl, c)
+                                        + optimizer_step_seconds(A100, wl, c))
+    slow = step_time(spec, A100, par, wl, 1, 1, spec.num_params, mfu=0.2)
+    assert slow.compute_s == pytest.approx(t.compute_s)
+
+
 def test_gemm_rates_are_measured_ones():
     """A100: stas00's measured 271.2 TFLOP/s; the linears at it take 0.4 x 312 / 271.2 =
     0.4602 of their time at 40% of peak. H100: the table's largest, 788.7 TFLOP/s. L40S: no

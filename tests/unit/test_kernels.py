@@ -146,6 +146,24 @@ def test_attention_runs_at_flash_attention_2s_measured_causal_rates():
     assert attention_time_factor(load_gpu("l40s"), 8192, 0.40) is None
 
 
+def test_attention_rate_by_head_dimension():
+    """The same figures' head-dimension-64 causal panels (H100: 141, 192, 232, 257, 273, 284
+    TFLOP/s from 512 to 16k tokens; A100: 88, 119, 140, 156, 165, 171). H100 at 0.40 of peak
+    (1385.16e12 = 395.76e12 x 3.5): head dim 64 at 8192 tokens, 273e12: 1385.16 / 819 =
+    1.691282. Head dim 96, log2(96) - 6 = 0.584963 of the way (in log2) from 64 to 128:
+    273 + 0.584963 x (308 - 273) = 293.473688e12, 1385.16 / 880.421063 = 1.573293. Head dim
+    256 holds 128's rate (1.499091), 32 holds 64's. A100 (124.8e12 at 0.40), head dim 64 at
+    4096 tokens: 156e12, 436.8 / 468 = 0.933333."""
+    from memplan.planning.kernels import attention_time_factor
+
+    assert attention_time_factor(H100, 8192, 0.40, 64) == pytest.approx(1.691282, abs=1e-6)
+    assert attention_time_factor(H100, 8192, 0.40, 96) == pytest.approx(1.573293, abs=1e-6)
+    assert attention_time_factor(H100, 8192, 0.40, 256) == pytest.approx(1.499091, abs=1e-6)
+    assert attention_time_factor(H100, 8192, 0.40, 32) == pytest.approx(1.691282, abs=1e-6)
+    assert attention_time_factor(load_gpu("a100-80gb"), 4096, 0.40, 64) == pytest.approx(
+        0.933333, abs=1e-6)
+
+
 def test_async_tp_exposes_one_shard_and_what_exceeds_the_matmuls():
     """TP collectives of 0.8 s in all at tp 8, cut into 8 shards of 0.1 s: one shard waits
     (0.1 s); the other 0.7 s hide behind 7/8 of the matmuls beside them. Beside 1.0 s of

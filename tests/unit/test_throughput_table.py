@@ -116,3 +116,25 @@ def test_rank_correlation_with_a_term_left_out(monkeypatch):
     assert rho["the bubble"] == pytest.approx(-0.5)
     assert rho["the exposed communication"] == pytest.approx(0.5)
     assert rho["both (compute alone)"] == pytest.approx(0.5)
+
+
+def test_kernel_by_kernel_times_flat_runs_with_the_modules_kernels(monkeypatch):
+    """``by_kernel``: a run its preset times at the flat fraction (torchtitan's) is timed with
+    ``step_model`` kernels-torch, a Megatron-LM run keeps the kernels its preset selects;
+    without ``by_kernel`` each keeps its preset's step model."""
+    import benchmarks.throughput_table as tt
+    import memplan
+    from memplan.workload import StepModel
+
+    seen = []
+    monkeypatch.setattr(tt, "step_time", lambda spec, gpu, par, wl, *a, **k: seen.append(
+        wl.step_model))
+    monkeypatch.setattr(tt, "estimate_step_time", lambda est: seen.append(
+        est.workload.step_model))
+    runs = {r["id"]: r for r in load_runs()}
+    for rid in ("torchtitan-8b-8gpu-fsdp", "korthikanti-22b-full"):
+        est = memplan.estimate(**tt._args(runs[rid]))
+        tt._timed(est, runs[rid])
+        tt._timed(est, runs[rid], by_kernel=True)
+    assert seen == [StepModel.MFU, StepModel.KERNELS_TORCH, StepModel.KERNELS,
+                    StepModel.KERNELS]
