@@ -44,7 +44,7 @@ from typing import NamedTuple
 
 from memplan.hardware import GpuSpec
 from memplan.model.layer import layer_linears
-from memplan.model.linear import Split
+from memplan.model.linear import Linear, Split
 from memplan.spec import ModelSpec, PositionKind
 
 GEMM_TABLE_SOURCE = ("openxla/xla xla/backends/gpu/cost_model/matmul_interpolator_data.h "
@@ -151,20 +151,34 @@ def linear_time_factor(spec: ModelSpec, gpu: GpuSpec, tp: int, float8: bool,
     rates = f8_table or table
     best = table[-1][-1]  # the largest GEMM, which the flat fraction of peak stands for
     work = slow = 0.0
+    gemms: dict[tuple[bool, str], list[tuple[float, float]]] = {}  # per kind of layer
     for i in range(spec.num_layers):
-        kind = "linear" if spec.is_linear_layer(i) else ""
-        for lin in layer_linears(spec, spec.is_moe_layer(i), kind):
-            d_out = lin.d_out // tp if lin.split is Split.COLUMN else lin.d_out
-            d_in = lin.d_in // tp if lin.split is Split.ROW else lin.d_in
-            flops = float(lin.d_in * lin.d_out)
-            # forward (n = out, k = in), input gradient (n = in, k = out), weight gradient
-            # (an in x out result over the tokens: taken as its two small dimensions)
-            for n, k in ((d_out, d_in), (d_in, d_out), (d_out, d_in)):
-                work += flops
-                slow += flops * best / gemm_rate(rates, n, k)
+        kind = (spec.is_moe_layer(i), "linear" if spec.is_linear_layer(i) else "")
+        terms = gemms.get(kind)
+        if terms is None:
+            terms = gemms[kind] = _gemm_terms(layer_linears(spec, *kind), tp, rates, best)
+        for flops, time in terms:  # (summed layer by layer, GEMM by GEMM, as written)
+            work += flops
+            slow += time
     shape = slow / work if work else 1.0
     share = gemm_share(gpu, mfu)
     return 1.0 - share + share * shape / speedup
+
+
+def _gemm_terms(linears: tuple[Linear, ...], tp: int, rates: tuple[tuple[int, ...], ...],
+                best: float) -> list[tuple[float, float]]:
+    """(FLOPs, time relative to the table's largest GEMM) of each GEMM of a layer's
+    ``linears`` on one of ``tp`` ranks: forward (n = out, k = in), input gradient (n = in,
+    k = out), weight gradient (an in x out result over the tokens: taken as its two small
+    dimensions)."""
+    out = []
+    for lin in linears:
+        d_out = lin.d_out // tp if lin.split is Split.COLUMN else lin.d_out
+        d_in = lin.d_in // tp if lin.split is Split.ROW else lin.d_in
+        flops = float(lin.d_in * lin.d_out)
+        for n, k in ((d_out, d_in), (d_in, d_out), (d_out, d_in)):
+            out.append((flops, flops * best / gemm_rate(rates, n, k)))
+    return out
 
 
 # torchao's float8 casts are memory-bound kernels: the bytes each moves per element of the
